@@ -1,0 +1,223 @@
+"""Network namespace primitives for the lab and the system tests.
+
+Rules kept here so callers cannot forget them:
+
+* Nothing is ever created in the root network namespace.  veth pairs are created
+  with both ends already inside lab namespaces (``ip -n A link add X type veth
+  peer name Y netns B`` asks the kernel to create them there directly).
+* Every namespace this module makes is named ``ad-<tag>-<role>`` so a lab or test
+  run can find and remove exactly its own (``delete_matching``).
+* Deleting a namespace first kills every process still running inside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+
+NETNS_DIR = "/var/run/netns"
+NAME_PREFIX = "ad-"
+CLONE_NEWNET = 0x40000000
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class NetnsError(RuntimeError):
+    """A namespace operation failed; the message names the command and its stderr."""
+
+
+def unique_tag(kind: str = "t") -> str:
+    """A short tag unique to this process and call, e.g. ``t4f2a9c``."""
+    return f"{kind}{secrets.token_hex(3)}"
+
+
+def run(
+    args: Sequence[str],
+    *,
+    ns: str | None = None,
+    check: bool = True,
+    input: bytes | None = None,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[bytes]:
+    """Run a command (inside ``ns`` if given) and return the completed process."""
+    argv = _in_ns(args, ns)
+    proc = subprocess.run(argv, input=input, capture_output=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise NetnsError(
+            f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.decode(errors='replace').strip()}"
+        )
+    return proc
+
+
+async def arun(
+    args: Sequence[str],
+    *,
+    ns: str | None = None,
+    check: bool = True,
+    input: bytes | None = None,
+    timeout: float = 60,
+) -> tuple[int, bytes, bytes]:
+    """asyncio variant of :func:`run`; returns ``(returncode, stdout, stderr)``."""
+    argv = _in_ns(args, ns)
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(input), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise NetnsError(f"{' '.join(argv)} timed out after {timeout}s") from None
+    if check and proc.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)} exited {proc.returncode}: {err.decode(errors='replace').strip()}")
+    return proc.returncode or 0, out, err
+
+
+def _in_ns(args: Sequence[str], ns: str | None) -> list[str]:
+    return ["ip", "netns", "exec", ns, *args] if ns else list(args)
+
+
+class Netns:
+    """One named network namespace.  Create with :meth:`create`, remove with :meth:`delete`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Netns({self.name!r})"
+
+    @property
+    def path(self) -> str:
+        return f"{NETNS_DIR}/{self.name}"
+
+    @classmethod
+    def create(cls, name: str) -> Netns:
+        if not name.startswith(NAME_PREFIX):
+            raise ValueError(f"namespace names must start with {NAME_PREFIX!r}: {name!r}")
+        run(["ip", "netns", "add", name])
+        ns = cls(name)
+        ns.ip("link", "set", "lo", "up")
+        return ns
+
+    def exists(self) -> bool:
+        return os.path.exists(self.path)
+
+    def ip(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+        """``ip -n NAME ARGS...``"""
+        return run(["ip", "-n", self.name, *args], check=check)
+
+    def exec(self, *args: str, check: bool = True, timeout: float = 60, input: bytes | None = None) -> str:
+        """Run a command inside the namespace and return its stdout as text."""
+        return run(args, ns=self.name, check=check, timeout=timeout, input=input).stdout.decode()
+
+    def popen(self, args: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start a long-running process inside the namespace."""
+        return subprocess.Popen(_in_ns(args, self.name), **kwargs)
+
+    async def aexec(self, *args: str, check: bool = True, timeout: float = 60) -> tuple[int, bytes, bytes]:
+        return await arun(args, ns=self.name, check=check, timeout=timeout)
+
+    def sysctl(self, key: str, value: str | int) -> None:
+        run(["sysctl", "-q", "-w", f"{key}={value}"], ns=self.name)
+
+    def pids(self) -> list[int]:
+        out = run(["ip", "netns", "pids", self.name], check=False).stdout.decode()
+        return [int(p) for p in out.split()]
+
+    def kill_all(self, grace: float = 2.0) -> None:
+        """SIGTERM every process in the namespace, then SIGKILL what is left."""
+        pids = self.pids()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
+            while time.monotonic() < deadline:
+                pids = self.pids()
+                if not pids:
+                    return
+                time.sleep(0.05)
+
+    def delete(self) -> None:
+        """Kill everything inside and remove the namespace.  Idempotent."""
+        if not self.exists():
+            return
+        self.kill_all()
+        run(["ip", "netns", "del", self.name], check=False)
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the block with the *calling thread* inside this namespace.
+
+        Sockets created inside the block stay bound to the namespace after it
+        ends, which is how in-process tests open netlink or UDP sockets there.
+        Keep the block short and free of awaits: the whole thread moves.
+        """
+        with _entered(self.path):
+            yield
+
+
+@contextlib.contextmanager
+def _entered(path: str) -> Iterator[None]:
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(path, os.O_RDONLY)
+    try:
+        _setns(target)
+        try:
+            yield
+        finally:
+            _setns(own)
+    finally:
+        os.close(target)
+        os.close(own)
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def veth(a: Netns, if_a: str, b: Netns, if_b: str, *, mtu: int | None = None, up: bool = True) -> None:
+    """Create a veth pair with one end in ``a`` and the other in ``b`` (never the root namespace)."""
+    for ifname in (if_a, if_b):
+        if len(ifname) > 15:
+            raise ValueError(f"interface name longer than 15 characters: {ifname!r}")
+    args = ["link", "add", if_a]
+    if mtu:
+        args += ["mtu", str(mtu)]
+    args += ["type", "veth", "peer", "name", if_b, "netns", b.name]
+    if mtu:
+        args += ["mtu", str(mtu)]
+    a.ip(*args)
+    if up:
+        a.ip("link", "set", if_a, "up")
+        b.ip("link", "set", if_b, "up")
+
+
+def list_names(prefix: str = NAME_PREFIX) -> list[str]:
+    try:
+        names = os.listdir(NETNS_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith(prefix))
+
+
+def delete_matching(prefix: str) -> list[str]:
+    """Delete every namespace whose name starts with ``prefix``; returns their names."""
+    if not prefix.startswith(NAME_PREFIX):
+        raise ValueError(f"refusing to delete namespaces outside {NAME_PREFIX!r}: {prefix!r}")
+    names = list_names(prefix)
+    for name in names:
+        Netns(name).delete()
+    return names

@@ -1,0 +1,41 @@
+"""The lab's namespace primitives keep their promises."""
+
+import socket
+
+from agentd.lab import netns
+
+
+def test_veth_between_namespaces_carries_traffic(netns_factory):
+    a, b = netns_factory("a"), netns_factory("b")
+    netns.veth(a, "va", b, "vb")
+    a.ip("addr", "add", "192.0.2.1/24", "dev", "va")
+    b.ip("addr", "add", "192.0.2.2/24", "dev", "vb")
+    a.exec("ping", "-c", "1", "-W", "2", "192.0.2.2")
+    # Neither end ever exists in the root namespace.
+    root_links = netns.run(["ip", "-o", "link", "show"]).stdout.decode()
+    assert " va" not in root_links and " vb" not in root_links
+
+
+def test_socket_opened_inside_namespace_stays_there(netns_factory):
+    a, b = netns_factory("a"), netns_factory("b")
+    netns.veth(a, "va", b, "vb")
+    a.ip("addr", "add", "192.0.2.1/24", "dev", "va")
+    b.ip("addr", "add", "192.0.2.2/24", "dev", "vb")
+    with b.entered():
+        srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with srv:
+        srv.bind(("192.0.2.2", 0))  # the address exists only inside b
+        port = srv.getsockname()[1]
+        a.exec("python3", "-c", f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'hi', ('192.0.2.2', {port}))")
+        srv.settimeout(5)
+        assert srv.recv(16) == b"hi"
+
+
+def test_delete_kills_processes_and_is_idempotent(netns_factory):
+    a = netns_factory("a")
+    proc = a.popen(["sleep", "60"])
+    assert a.pids()
+    a.delete()
+    assert proc.wait(timeout=5) is not None
+    assert not a.exists()
+    a.delete()
