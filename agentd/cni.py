@@ -1,0 +1,490 @@
+"""``agentd-cni``: the node's CNI plugin (CNI spec 1.0.0), modelled on flannel's.
+
+The container runtime runs this executable with ``CNI_COMMAND`` and friends in the environment
+and the plugin's network config on stdin.  It reads the subnet file the agent wrote, builds a
+config for the reference ``bridge`` plugin with ``host-local`` IPAM
+(:func:`agentd.cni_config.delegate_config`), runs that plugin from ``CNI_PATH`` with the same
+environment, and passes its result through.
+
+* ADD stores the delegate config in ``<dataDir>/<CNI_CONTAINERID>`` *before* running the
+  delegate, so the runtime's clean-up DEL after a failed ADD still knows what to undo.
+* DEL runs the delegate with exactly the stored config (the subnet file may have changed since),
+  then removes it.  DEL is idempotent: with no stored config it falls back to a config built from
+  the current subnet file (so host-local still releases the address), and with no subnet file
+  either there is nothing left to undo and DEL succeeds.  A missing netns is handled by the
+  bridge plugin (it releases the address and succeeds).  If the delegate rejects the stored
+  config (an ADD with a broken config), DEL retries with the current config, so fixing the
+  config ends the runtime's DEL retries.
+* CHECK runs the delegate with the stored config plus the runtime's ``prevResult``.
+* VERSION prints the supported spec versions.
+
+Plugin config keys (besides ``cniVersion``, ``name``, ``type``): ``subnetFile`` (default
+``/run/agentd/subnet.env``), ``dataDir`` (default ``/var/lib/cni/agentd``), ``ipam`` (merged
+into the delegate's ipam, e.g. host-local's ``dataDir``), ``delegate`` (overrides for the
+bridge plugin), ``delegateTimeout`` (seconds the delegate may run; default 60).
+
+Errors are CNI error results on stdout (spec 1.0.0, "Error"), one line in ``msg``, and exit 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agentd.cni_config import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_SUBNET_FILE,
+    SubnetFile,
+    SubnetFileError,
+    delegate_config,
+    read_subnet_file,
+)
+
+SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0")
+CURRENT_VERSION = "1.0.0"
+DELEGATE_TIMEOUT = 60.0
+
+# Well-known error codes (CNI spec 1.0.0, "Error"); 999 is libcni's "internal" code, used by the
+# reference plugins for every failure without a better code.
+INCOMPATIBLE_CNI_VERSION = 1
+UNKNOWN_CONTAINER = 3
+INVALID_ENVIRONMENT_VARIABLES = 4
+IO_FAILURE = 5
+DECODING_FAILURE = 6
+INVALID_NETWORK_CONFIG = 7
+TRY_AGAIN_LATER = 11
+INTERNAL = 999
+
+# Container IDs and network names: libcni's utils.ValidateContainerID / ValidateNetworkName.
+# The container ID also names the state file, so this keeps it inside dataDir.
+_ID_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$")
+IFNAMSIZ = 16
+
+
+class CniError(Exception):
+    """A failure reported to the runtime as a CNI error result.
+
+    ``result`` set means "print this exact object": a delegate's own error, passed through.
+    """
+
+    def __init__(self, code: int, msg: str, details: str = "", *, result: dict[str, Any] | None = None) -> None:
+        super().__init__(msg)
+        self.code = code
+        self.msg = msg
+        self.details = details
+        self.result = result
+
+    def to_result(self, cni_version: str) -> dict[str, Any]:
+        if self.result is not None:
+            return self.result
+        return {"cniVersion": cni_version, "code": self.code, "msg": self.msg, "details": self.details}
+
+
+@dataclass(frozen=True)
+class CmdArgs:
+    """The runtime's parameters from the environment (spec 1.0.0, "Parameters")."""
+
+    command: str
+    container_id: str
+    netns: str
+    ifname: str
+    path: tuple[str, ...]
+
+
+def version_info() -> dict[str, Any]:
+    return {"cniVersion": CURRENT_VERSION, "supportedVersions": list(SUPPORTED_VERSIONS)}
+
+
+def handle(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | None]:
+    """Run one CNI command; returns ``(exit code, object to print or None)``.  Never raises."""
+    cni_version = _peek_version(stdin)
+    try:
+        command = env.get("CNI_COMMAND", "")
+        if not command:
+            raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_COMMAND is not set")
+        if command == "VERSION":
+            return 0, version_info()
+        if command not in ("ADD", "DEL", "CHECK"):
+            raise CniError(
+                INVALID_ENVIRONMENT_VARIABLES,
+                f"unknown CNI_COMMAND {command!r}",
+                "expected ADD, DEL, CHECK or VERSION",
+            )
+        args = parse_env(command, env)
+        netconf = parse_netconf(stdin)
+        if command == "ADD":
+            return 0, cmd_add(args, netconf, env)
+        if command == "DEL":
+            cmd_del(args, netconf, env)
+        else:
+            cmd_check(args, netconf, env)
+        return 0, None
+    except CniError as e:
+        return 1, e.to_result(cni_version)
+    except Exception as e:  # noqa: BLE001 — the runtime must get a CNI error, never a traceback
+        return 1, CniError(INTERNAL, f"internal error: {type(e).__name__}: {e}").to_result(cni_version)
+
+
+def main() -> int:
+    try:
+        stdin = sys.stdin.buffer.read() if sys.stdin is not None else b""
+    except (OSError, ValueError):
+        stdin = b""
+    code, result = handle(os.environ, stdin)
+    if result is not None:
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+    return code
+
+
+# --- input ---------------------------------------------------------------------------------
+
+
+def parse_env(command: str, env: Mapping[str, str]) -> CmdArgs:
+    """Validate the CNI_* variables ``command`` needs (as libcni's skel does)."""
+    container_id = env.get("CNI_CONTAINERID", "")
+    if not container_id:
+        raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_CONTAINERID is not set")
+    if not _ID_RE.match(container_id):
+        raise CniError(
+            INVALID_ENVIRONMENT_VARIABLES,
+            f"invalid characters in CNI_CONTAINERID {container_id!r}",
+            "must match ^[a-zA-Z0-9][a-zA-Z0-9_.-]*$",
+        )
+    netns = env.get("CNI_NETNS", "")
+    if not netns and command != "DEL":  # DEL may come after the namespace is gone
+        raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_NETNS is not set")
+    ifname = env.get("CNI_IFNAME", "")
+    if not ifname:
+        raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_IFNAME is not set")
+    problem = _ifname_problem(ifname)
+    if problem:
+        raise CniError(INVALID_ENVIRONMENT_VARIABLES, f"invalid CNI_IFNAME {ifname!r}: {problem}")
+    path = tuple(p for p in env.get("CNI_PATH", "").split(os.pathsep) if p)
+    if not path:
+        raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_PATH is not set")
+    return CmdArgs(command=command, container_id=container_id, netns=netns, ifname=ifname, path=path)
+
+
+def _ifname_problem(ifname: str) -> str:
+    # libcni's utils.ValidateInterfaceName: the kernel's rules for a link name.
+    if len(ifname) > IFNAMSIZ - 1:
+        return f"longer than {IFNAMSIZ - 1} characters"
+    if ifname in (".", ".."):
+        return "not a valid name"
+    for c in ifname:
+        if c in "/:" or c.isspace():
+            return f"contains {c!r}"
+    return ""
+
+
+def parse_netconf(stdin: bytes) -> dict[str, Any]:
+    """Decode and check the network config; returns it as a dict (unchanged)."""
+    if not stdin.strip():
+        raise CniError(DECODING_FAILURE, "no network config on stdin")
+    try:
+        conf = json.loads(stdin)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CniError(DECODING_FAILURE, f"network config on stdin is not JSON: {e}") from None
+    if not isinstance(conf, dict):
+        raise CniError(DECODING_FAILURE, f"network config must be a JSON object, not {type(conf).__name__}")
+
+    if "cniVersion" not in conf:
+        # Configs without a version are 0.1.0 by convention, which this plugin does not speak.
+        raise CniError(
+            INCOMPATIBLE_CNI_VERSION,
+            "network config has no cniVersion",
+            f"plugin supports {list(SUPPORTED_VERSIONS)}",
+        )
+    version = conf["cniVersion"]
+    if not isinstance(version, str):
+        raise CniError(INVALID_NETWORK_CONFIG, f"cniVersion must be a string, not {version!r}")
+    if version not in SUPPORTED_VERSIONS:
+        raise CniError(
+            INCOMPATIBLE_CNI_VERSION,
+            "incompatible CNI versions",
+            f"config is {version!r}, plugin supports {list(SUPPORTED_VERSIONS)}",
+        )
+
+    name = conf.get("name")
+    if not isinstance(name, str) or not name:
+        raise CniError(INVALID_NETWORK_CONFIG, "network config needs a string 'name'")
+    if not _ID_RE.match(name):
+        raise CniError(INVALID_NETWORK_CONFIG, f"invalid characters in network name {name!r}")
+    for key in ("type", "subnetFile", "dataDir"):
+        if key in conf and (not isinstance(conf[key], str) or not conf[key]):
+            raise CniError(INVALID_NETWORK_CONFIG, f"'{key}' must be a non-empty string")
+
+    delegate = conf.get("delegate", {})
+    if not isinstance(delegate, dict):
+        raise CniError(INVALID_NETWORK_CONFIG, "'delegate' must be an object")
+    if "type" in delegate:
+        _check_plugin_name(delegate["type"], "'delegate.type'")
+    for key in ("name", "ipam"):  # flannel's rule: these come from the plugin, not the delegate
+        if key in delegate:
+            raise CniError(
+                INVALID_NETWORK_CONFIG,
+                f"'delegate' must not set '{key}'; agentd-cni sets it"
+                + (" (put IPAM settings in the plugin's own 'ipam')" if key == "ipam" else ""),
+            )
+
+    ipam = conf.get("ipam", {})
+    if not isinstance(ipam, dict):
+        raise CniError(INVALID_NETWORK_CONFIG, "'ipam' must be an object")
+    for key in ("subnet", "ranges"):
+        if key in ipam:
+            raise CniError(
+                INVALID_NETWORK_CONFIG, f"'ipam.{key}' must not be set; the node subnet comes from the subnet file"
+            )
+    if "type" in ipam:
+        _check_plugin_name(ipam["type"], "'ipam.type'")
+    routes = ipam.get("routes", [])
+    if not isinstance(routes, list) or not all(isinstance(r, dict) and isinstance(r.get("dst"), str)
+                                               for r in routes):
+        raise CniError(INVALID_NETWORK_CONFIG, "'ipam.routes' must be a list of objects with a string 'dst'")
+
+    timeout = conf.get("delegateTimeout", DELEGATE_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise CniError(
+            INVALID_NETWORK_CONFIG, f"'delegateTimeout' must be a positive number of seconds, not {timeout!r}"
+        )
+    if "prevResult" in conf and not isinstance(conf["prevResult"], dict):
+        raise CniError(INVALID_NETWORK_CONFIG, "'prevResult' must be an object")
+    return conf
+
+
+def _check_plugin_name(value: Any, what: str) -> str:
+    # The spec: a plugin type must not contain characters a file name cannot (/ or \).
+    if not isinstance(value, str) or not value or value in (".", "..") or "/" in value or "\\" in value:
+        raise CniError(INVALID_NETWORK_CONFIG, f"{what} must be a plugin name, not {value!r}")
+    return value
+
+
+def _peek_version(stdin: bytes) -> str:
+    """The request's cniVersion for error results, if it is one we speak."""
+    try:
+        version = json.loads(stdin).get("cniVersion")
+    except Exception:  # noqa: BLE001 — anything undecodable is reported later
+        return CURRENT_VERSION
+    return version if version in SUPPORTED_VERSIONS else CURRENT_VERSION
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    sf = load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE))
+    conf = delegate_config(netconf, sf)
+    save_state(_data_dir(netconf), args.container_id, conf)
+    result = invoke_delegate(conf, args, env, timeout=netconf.get("delegateTimeout", DELEGATE_TIMEOUT))
+    if result is None:
+        raise CniError(INTERNAL, f"delegate {conf['type']} printed no result for ADD")
+    return result
+
+
+def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> None:
+    data_dir = _data_dir(netconf)
+    timeout = netconf.get("delegateTimeout", DELEGATE_TIMEOUT)
+    stored = load_state(data_dir, args.container_id)
+    current = _current_delegate_config(netconf)
+    if stored is None:
+        # Nothing stored (never added, already deleted, or the state was lost).  Let the delegate
+        # release whatever is left under the current config; if the agent has not written a
+        # usable subnet file either, there is nothing this plugin can undo.
+        if current is not None:
+            invoke_delegate(current, args, env, timeout=timeout)
+        return
+    try:
+        invoke_delegate(stored, args, env, timeout=timeout)
+    except CniError as stored_failed:
+        # A stored config the delegate rejects would fail every DEL forever (the runtime retries
+        # DEL until it succeeds).  Once the network config has been fixed, undo with that.
+        if current is None or current == stored:
+            raise
+        print(
+            f"agentd-cni: DEL with the stored config failed ({stored_failed.msg}); retrying with the current one",
+            file=sys.stderr,
+        )
+        try:
+            invoke_delegate(current, args, env, timeout=timeout)
+        except CniError:
+            raise stored_failed from None
+    remove_state(data_dir, args.container_id)
+
+
+def _current_delegate_config(netconf: dict[str, Any]) -> dict[str, Any] | None:
+    """The delegate config ADD would use now, or None without a usable subnet file."""
+    try:
+        sf = load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE))
+    except CniError:
+        return None
+    return delegate_config(netconf, sf)
+
+
+def cmd_check(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> None:
+    # CHECK arrived with spec 0.4.0; the runtime must send the result of the ADD as prevResult.
+    if _version_tuple(netconf["cniVersion"]) < (0, 4, 0):
+        raise CniError(
+            INCOMPATIBLE_CNI_VERSION,
+            "config version does not allow CHECK",
+            f"CHECK needs cniVersion 0.4.0 or later, config is {netconf['cniVersion']!r}",
+        )
+    if "prevResult" not in netconf:
+        raise CniError(INVALID_NETWORK_CONFIG, "CHECK needs 'prevResult' (the result of ADD) in the config")
+    stored = load_state(_data_dir(netconf), args.container_id)
+    if stored is None:
+        raise CniError(
+            UNKNOWN_CONTAINER, f"no delegate config stored for container {args.container_id}", "was it added?"
+        )
+    conf = dict(stored, cniVersion=netconf["cniVersion"], prevResult=netconf["prevResult"])
+    invoke_delegate(conf, args, env, timeout=netconf.get("delegateTimeout", DELEGATE_TIMEOUT))
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))
+
+
+def _data_dir(netconf: dict[str, Any]) -> str:
+    return netconf.get("dataDir", DEFAULT_DATA_DIR)
+
+
+def load_subnet_file(path: str) -> SubnetFile:
+    try:
+        return read_subnet_file(path)
+    except FileNotFoundError:
+        raise CniError(
+            TRY_AGAIN_LATER, f"subnet file {path} does not exist yet", "is agentd running on this node?"
+        ) from None
+    except SubnetFileError as e:
+        raise CniError(INVALID_NETWORK_CONFIG, str(e)) from None
+
+
+# --- stored delegate configs (flannel's "scratch netconf") -----------------------------------
+
+
+def state_path(data_dir: str, container_id: str) -> str:
+    return os.path.join(data_dir, container_id)
+
+
+def save_state(data_dir: str, container_id: str, conf: dict[str, Any]) -> None:
+    path = state_path(data_dir, container_id)
+    tmp = None
+    try:
+        os.makedirs(data_dir, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=f".{container_id}.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(conf, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise CniError(IO_FAILURE, f"cannot store delegate config {path}: {e.strerror or e}") from None
+
+
+def load_state(data_dir: str, container_id: str) -> dict[str, Any] | None:
+    """The stored delegate config, or None if there is none (or it is unreadable as a config)."""
+    path = state_path(data_dir, container_id)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CniError(IO_FAILURE, f"cannot read stored delegate config {path}: {e.strerror or e}") from None
+    try:
+        conf = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        conf = None
+    if not isinstance(conf, dict) or not isinstance(conf.get("type"), str):
+        print(f"agentd-cni: ignoring corrupt stored delegate config {path}", file=sys.stderr)
+        return None
+    return conf
+
+
+def remove_state(data_dir: str, container_id: str) -> None:
+    path = state_path(data_dir, container_id)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # the delegate's DEL succeeded; a leftover file is harmless
+        print(f"agentd-cni: cannot remove {path}: {e.strerror or e}", file=sys.stderr)
+
+
+# --- running the delegate ------------------------------------------------------------------
+
+
+def find_plugin(plugin_type: str, path: tuple[str, ...]) -> str:
+    _check_plugin_name(plugin_type, "delegate type")
+    for directory in path:
+        candidate = os.path.join(directory, plugin_type)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    raise CniError(INTERNAL, f"delegate plugin {plugin_type!r} not found in CNI_PATH {os.pathsep.join(path)}")
+
+
+def invoke_delegate(
+    conf: dict[str, Any], args: CmdArgs, env: Mapping[str, str], *, timeout: float
+) -> dict[str, Any] | None:
+    """Run the delegate plugin with our environment and ``conf`` on stdin.
+
+    Returns its result (ADD), or None when it printed nothing (DEL, CHECK).  A delegate that
+    fails with a CNI error has that error passed through unchanged.
+    """
+    plugin_type = conf["type"]
+    exe = find_plugin(plugin_type, args.path)
+    try:
+        # Own session, so a hung delegate and anything it started can be killed as a group.
+        proc = subprocess.Popen(
+            [exe],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(env),
+            start_new_session=True,
+        )
+    except OSError as e:
+        raise CniError(INTERNAL, f"cannot run delegate {exe}: {e.strerror or e}") from None
+    try:
+        out, err = proc.communicate(json.dumps(conf).encode(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise CniError(
+            INTERNAL, f"delegate {plugin_type} did not finish {args.command} within {timeout:g} s", "killed"
+        ) from None
+    if err:
+        sys.stderr.write(err.decode(errors="replace"))
+
+    if proc.returncode != 0:
+        passthrough = _json_object(out)
+        if passthrough is not None and "code" in passthrough:
+            raise CniError(INTERNAL, str(passthrough.get("msg", "")), result=passthrough)
+        how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited {proc.returncode}"
+        last = (err or out).decode(errors="replace").strip().splitlines()
+        raise CniError(INTERNAL, f"delegate {plugin_type} {how} during {args.command}", last[-1] if last else "")
+    if not out.strip():
+        return None
+    result = _json_object(out)
+    if result is None:
+        raise CniError(INTERNAL, f"delegate {plugin_type} printed a result that is not a JSON object")
+    return result
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None

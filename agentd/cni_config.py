@@ -1,0 +1,301 @@
+"""The node's CNI configuration: the subnet file, the conflist, and the delegate config.
+
+The agent writes two files at start, as flannel's daemon does:
+
+* the **subnet file** (flannel's ``/run/flannel/subnet.env`` with ``AGENTD_`` names), which tells
+  ``agentd-cni`` the cluster network, this node's pod subnet, the pod MTU and whether the
+  delegate should masquerade;
+* the **conflist** ``<conf_dir>/10-agentd.conflist`` the container runtime reads: the
+  ``agentd-cni`` plugin followed by ``portmap``.
+
+``agentd-cni`` turns its own network config plus the subnet file into a config for the
+reference ``bridge`` plugin with ``host-local`` IPAM (:func:`delegate_config`) and runs it.
+
+Subnet file format (``KEY=value`` lines; ``#`` comments and blank lines are ignored)::
+
+    AGENTD_NETWORK=10.244.0.0/16    cluster cidr
+    AGENTD_SUBNET=10.244.3.1/24     this node's pod subnet, written like flannel's FLANNEL_SUBNET:
+                                    the bridge gateway address (the subnet's first address) with
+                                    the subnet's prefix length; readers take the network from it
+    AGENTD_MTU=1450                 pod interface MTU
+    AGENTD_IPMASQ=false             true: the bridge plugin masquerades pod traffic leaving the
+                                    node subnet (note: FLANNEL_IPMASQ=true means the opposite,
+                                    "flanneld masquerades, the plugin must not")
+    AGENTD_BACKEND=vxlan            informational: the node's backend
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from typing import Any
+
+DEFAULT_SUBNET_FILE = "/run/agentd/subnet.env"
+DEFAULT_DATA_DIR = "/var/lib/agentd/cni"  # agentd.config's [cni] data_dir default
+CONFLIST_NAME = "10-agentd.conflist"
+PLUGIN_TYPE = "agentd-cni"
+CONFLIST_CNI_VERSION = "1.0.0"
+
+# The smallest MTU every IPv4 link must carry (RFC 791, "Fragmentation and Reassembly").
+MIN_MTU = 68
+MAX_MTU = 65535
+
+_KEYS = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_MTU", "AGENTD_IPMASQ", "AGENTD_BACKEND")
+_REQUIRED = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_MTU")
+
+
+class SubnetFileError(ValueError):
+    """The subnet file (or a SubnetFile value) is not usable; the message is one line."""
+
+
+@dataclass(frozen=True)
+class SubnetFile:
+    """What the agent tells ``agentd-cni`` about this node."""
+
+    network: IPv4Network  # the cluster cidr
+    subnet: IPv4Network  # this node's pod subnet
+    mtu: int
+    ipmasq: bool = False
+    backend: str = "host-gw"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.network, IPv4Network) or not isinstance(self.subnet, IPv4Network):
+            raise SubnetFileError("network and subnet must be IPv4Network values")
+        if not self.subnet.subnet_of(self.network):
+            raise SubnetFileError(f"subnet {self.subnet} is not inside network {self.network}")
+        # The bridge takes the first address as gateway; pods need at least one more.
+        if self.subnet.prefixlen > 30:
+            raise SubnetFileError(f"subnet {self.subnet} is too small for a gateway and pods (max /30)")
+        if isinstance(self.mtu, bool) or not isinstance(self.mtu, int) or not MIN_MTU <= self.mtu <= MAX_MTU:
+            raise SubnetFileError(f"mtu {self.mtu!r} is not an integer in {MIN_MTU}..{MAX_MTU}")
+        if not isinstance(self.ipmasq, bool):
+            raise SubnetFileError(f"ipmasq {self.ipmasq!r} is not a bool")
+        if not isinstance(self.backend, str) or not self.backend or any(c.isspace() for c in self.backend):
+            raise SubnetFileError(f"backend {self.backend!r} must be a non-empty word")
+
+    @property
+    def gateway(self) -> IPv4Address:
+        """The bridge's address in the pod subnet (host-local's default gateway: the first host)."""
+        return self.subnet.network_address + 1
+
+
+def render_subnet_file(sf: SubnetFile) -> str:
+    """The subnet file's text (see the module docstring for the format)."""
+    return (
+        f"AGENTD_NETWORK={sf.network}\n"
+        f"AGENTD_SUBNET={sf.gateway}/{sf.subnet.prefixlen}\n"
+        f"AGENTD_MTU={sf.mtu}\n"
+        f"AGENTD_IPMASQ={'true' if sf.ipmasq else 'false'}\n"
+        f"AGENTD_BACKEND={sf.backend}\n"
+    )
+
+
+def parse_subnet_file(text: str, source: str = "subnet file") -> SubnetFile:
+    """Parse the subnet file's text; raises :class:`SubnetFileError` naming ``source`` and the line."""
+    values: dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise SubnetFileError(f"{source}:{lineno}: expected KEY=value, got {raw.strip()!r}")
+        if key not in _KEYS:
+            continue  # forward compatible: a newer agent may write more keys
+        if key in values:
+            raise SubnetFileError(f"{source}:{lineno}: {key} given twice")
+        values[key] = value
+    missing = [k for k in _REQUIRED if k not in values]
+    if missing:
+        raise SubnetFileError(f"{source} is missing {', '.join(missing)}")
+
+    try:
+        network = IPv4Network(values["AGENTD_NETWORK"], strict=True)
+    except ValueError as e:
+        raise SubnetFileError(
+            f"{source}: AGENTD_NETWORK {values['AGENTD_NETWORK']!r} is not an IPv4 network: {e}"
+        ) from None
+    if "/" not in values["AGENTD_SUBNET"]:
+        raise SubnetFileError(f"{source}: AGENTD_SUBNET {values['AGENTD_SUBNET']!r} has no prefix length")
+    try:
+        # Written as gateway/prefixlen (like FLANNEL_SUBNET); the network address is accepted too.
+        subnet = IPv4Interface(values["AGENTD_SUBNET"]).network
+    except ValueError as e:
+        raise SubnetFileError(
+            f"{source}: AGENTD_SUBNET {values['AGENTD_SUBNET']!r} is not an IPv4 address/prefix: {e}"
+        ) from None
+    mtu_text = values["AGENTD_MTU"]
+    if not mtu_text.isdigit():
+        raise SubnetFileError(f"{source}: AGENTD_MTU {mtu_text!r} is not an integer")
+    ipmasq_text = values.get("AGENTD_IPMASQ", "false")
+    if ipmasq_text not in ("true", "false"):
+        raise SubnetFileError(f"{source}: AGENTD_IPMASQ {ipmasq_text!r} is not true or false")
+    try:
+        return SubnetFile(
+            network=network,
+            subnet=subnet,
+            mtu=int(mtu_text),
+            ipmasq=ipmasq_text == "true",
+            backend=values.get("AGENTD_BACKEND", "host-gw"),
+        )
+    except SubnetFileError as e:
+        raise SubnetFileError(f"{source}: {e}") from None
+
+
+def read_subnet_file(path: str | os.PathLike[str]) -> SubnetFile:
+    """Read and parse the subnet file.
+
+    A missing file raises :class:`FileNotFoundError` (the agent has not written it yet: the CNI
+    plugin answers "try again later"); any other problem raises :class:`SubnetFileError`.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as e:
+        raise SubnetFileError(f"cannot read subnet file {path}: {getattr(e, 'strerror', None) or e}") from None
+    return parse_subnet_file(text, os.fspath(path))
+
+
+def write_subnet_file(path: str | os.PathLike[str], sf: SubnetFile) -> None:
+    """Write the subnet file atomically (temp file + rename), creating its directory."""
+    _atomic_write(os.fspath(path), render_subnet_file(sf), mode=0o644)
+
+
+def conflist(
+    *,
+    name: str = "agentd",
+    subnet_file: str | os.PathLike[str],
+    data_dir: str | os.PathLike[str],
+    bridge: str = "cni0",
+    mtu: int | None = None,
+    ipam_data_dir: str | os.PathLike[str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The node's network configuration list (see :func:`write_conflist`)."""
+    delegate: dict[str, Any] = {
+        "bridge": bridge,
+        # A pod reaching itself through a service VIP needs its packet sent back out its own port.
+        "hairpinMode": True,
+        # The pod's default route goes to the bridge (implies isGateway).
+        "isDefaultGateway": True,
+        # If the node's subnet ever changes, replace the bridge's old gateway address instead of
+        # failing every ADD with "cni0 already has an IP address different from ...".
+        "forceAddress": True,
+    }
+    if mtu is not None:
+        delegate["mtu"] = mtu
+    if extra:
+        for key in ("name", "ipam"):
+            if key in extra:
+                raise ValueError(f"extra delegate settings must not set {key!r}; agentd-cni sets it")
+        delegate.update(extra)
+    plugin: dict[str, Any] = {
+        "type": PLUGIN_TYPE,
+        "subnetFile": os.fspath(subnet_file),
+        "dataDir": os.fspath(data_dir),
+    }
+    if ipam_data_dir is not None:
+        # host-local keeps its leases in <dataDir>/<network name>; several lab nodes on one
+        # machine must not share /var/lib/cni/networks/<name>.
+        plugin["ipam"] = {"dataDir": os.fspath(ipam_data_dir)}
+    plugin["delegate"] = delegate
+    return {
+        "cniVersion": CONFLIST_CNI_VERSION,
+        "name": name,
+        "plugins": [
+            plugin,
+            {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
+        ],
+    }
+
+
+def write_conflist(
+    conf_dir: str | os.PathLike[str],
+    *,
+    name: str = "agentd",
+    subnet_file: str | os.PathLike[str],
+    data_dir: str | os.PathLike[str],
+    bridge: str = "cni0",
+    mtu: int | None = None,
+    ipam_data_dir: str | os.PathLike[str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """Write ``<conf_dir>/10-agentd.conflist`` atomically and return its path.
+
+    ``data_dir`` is where ``agentd-cni`` keeps each container's delegate config;
+    ``ipam_data_dir`` is host-local's ``dataDir`` (default ``/var/lib/cni/networks``);
+    ``mtu`` overrides the subnet file's MTU; ``extra`` adds or overrides bridge-plugin settings
+    in ``delegate`` (it may not set ``name`` or ``ipam``).
+    """
+    doc = conflist(
+        name=name,
+        subnet_file=subnet_file,
+        data_dir=data_dir,
+        bridge=bridge,
+        mtu=mtu,
+        ipam_data_dir=ipam_data_dir,
+        extra=extra,
+    )
+    path = os.path.join(os.fspath(conf_dir), CONFLIST_NAME)
+    _atomic_write(path, json.dumps(doc, indent=2) + "\n", mode=0o644)
+    return path
+
+
+def delegate_config(netconf: dict[str, Any], sf: SubnetFile) -> dict[str, Any]:
+    """The config ``agentd-cni`` hands to its delegate, merged the way flannel's plugin does it.
+
+    Settings in ``netconf["delegate"]`` win over the defaults derived from the subnet file
+    (type bridge, ipMasq, mtu, and for bridge: bridge cni0, isGateway, hairpinMode); ``name`` and
+    ``cniVersion`` always come from the network config; ``ipam`` is the network config's own
+    ``ipam`` (e.g. host-local's ``dataDir``) with type defaulting to host-local, the range set to
+    the node subnet and a route to the cluster cidr appended to any routes given there.
+    ``netconf`` is not modified.  Validation of ``netconf`` is the caller's job.
+    """
+    delegate: dict[str, Any] = dict(netconf.get("delegate") or {})
+    delegate["name"] = netconf["name"]
+    delegate["cniVersion"] = netconf["cniVersion"]
+    delegate.setdefault("type", "bridge")
+    delegate.setdefault("ipMasq", sf.ipmasq)
+    delegate.setdefault("mtu", sf.mtu)
+    if delegate["type"] == "bridge":
+        delegate.setdefault("bridge", "cni0")
+        delegate.setdefault("isGateway", True)
+        delegate.setdefault("hairpinMode", True)
+
+    ipam: dict[str, Any] = dict(netconf.get("ipam") or {})
+    ipam.setdefault("type", "host-local")
+    ipam["subnet"] = str(sf.subnet)
+    # Pods reach the rest of the cluster through the bridge gateway (the node routes from there);
+    # with isDefaultGateway the default route goes there as well.  The gateway is spelled out
+    # because the bridge plugin's CHECK (plugins v1.1) matches routes on dst *and* gw, and would
+    # not find a gw-less route that ADD installed via the gateway.
+    ipam["routes"] = [*ipam.get("routes", []), {"dst": str(sf.network), "gw": str(sf.gateway)}]
+    delegate["ipam"] = ipam
+
+    if "runtimeConfig" in netconf:
+        delegate["runtimeConfig"] = netconf["runtimeConfig"]
+    return delegate
+
+
+def _atomic_write(path: str, text: str, *, mode: int) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

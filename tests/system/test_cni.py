@@ -1,0 +1,337 @@
+"""agentd-cni with the real reference plugins (/usr/lib/cni), run the way a container runtime runs it.
+
+A "node" namespace stands in for the host: the runtime runs ``agentd-cni`` inside it
+(``ip netns exec NODE agentd-cni``), so the bridge plugin creates cni0 and the host ends of the
+veths there.  Each "pod" is another namespace whose path is CNI_NETNS.  The plugin's stdin is its
+conflist entry with ``name`` and ``cniVersion`` filled in, as libcni builds it (no cnitool needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from ipaddress import IPv4Interface, IPv4Network
+from pathlib import Path
+
+import pytest
+
+from agentd import cni_config
+from agentd.cni_config import SubnetFile
+from agentd.lab import netns
+from agentd.lab.netns import Netns
+
+AGENTD_CNI = os.path.join(sys.prefix, "bin", "agentd-cni")
+CNI_PATH = "/usr/lib/cni"
+NETWORK = IPv4Network("10.244.0.0/16")
+SUBNET = IPv4Network("10.244.3.0/24")
+GATEWAY = "10.244.3.1"
+MTU = 1450
+
+
+@dataclass
+class Node:
+    ns: Netns
+    dir: Path
+    conflist: dict
+
+    @property
+    def subnet_file(self) -> Path:
+        return self.dir / "run" / "subnet.env"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.dir / "cni-state"
+
+    @property
+    def leases(self) -> Path:
+        # host-local keeps one file per allocated address in <dataDir>/<network name>.
+        return self.dir / "ipam" / self.conflist["name"]
+
+    def plugin_conf(self, index: int = 0, **extra) -> dict:
+        """The conflist entry as libcni hands it to the plugin."""
+        entry = self.conflist["plugins"][index]
+        return {**entry, "name": self.conflist["name"], "cniVersion": self.conflist["cniVersion"], **extra}
+
+    def cni(
+        self,
+        command: str,
+        container_id: str,
+        pod: Netns | None,
+        conf: dict | None = None,
+        *,
+        plugin: str = AGENTD_CNI,
+        cni_path: str = CNI_PATH,
+        netns_path: str | None = None,
+    ) -> tuple[int, dict | None, str]:
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+            "CNI_COMMAND": command,
+            "CNI_CONTAINERID": container_id,
+            "CNI_IFNAME": "eth0",
+            "CNI_PATH": cni_path,
+        }
+        if netns_path or pod is not None:
+            env["CNI_NETNS"] = netns_path or pod.path
+        stdin = json.dumps(conf if conf is not None else self.plugin_conf()).encode()
+        proc = subprocess.run(
+            ["ip", "netns", "exec", self.ns.name, plugin], input=stdin, env=env, capture_output=True, timeout=120
+        )
+        stderr = proc.stderr.decode(errors="replace")
+        assert "Traceback" not in stderr
+        out = json.loads(proc.stdout) if proc.stdout.strip() else None
+        return proc.returncode, out, stderr
+
+    def add(self, container_id: str, pod: Netns) -> dict:
+        code, out, err = self.cni("ADD", container_id, pod)
+        assert code == 0, (out, err)
+        return out
+
+
+@pytest.fixture
+def node(netns_factory, tmp_path) -> Node:
+    ns = netns_factory("node")
+    subnet_file = tmp_path / "run" / "subnet.env"
+    sf = SubnetFile(network=NETWORK, subnet=SUBNET, mtu=MTU, backend="vxlan")
+    cni_config.write_subnet_file(str(subnet_file), sf)
+    path = cni_config.write_conflist(
+        str(tmp_path / "net.d"),
+        subnet_file=str(subnet_file),
+        data_dir=str(tmp_path / "cni-state"),
+        ipam_data_dir=str(tmp_path / "ipam"),
+    )
+    return Node(ns=ns, dir=tmp_path, conflist=json.loads(Path(path).read_text()))
+
+
+def _addr(ns: Netns, dev: str) -> IPv4Interface:
+    (info,) = json.loads(ns.exec("ip", "-j", "-4", "addr", "show", "dev", dev))
+    (addr,) = info["addr_info"]
+    return IPv4Interface(f"{addr['local']}/{addr['prefixlen']}")
+
+
+def _links(ns: Netns | None) -> set[str]:
+    out = ns.exec("ip", "-j", "link", "show") if ns else netns.run(["ip", "-j", "link", "show"]).stdout.decode()
+    return {link["ifname"] for link in json.loads(out)}
+
+
+def _routes(ns: Netns) -> dict[str, str | None]:
+    return {r["dst"]: r.get("gateway") for r in json.loads(ns.exec("ip", "-j", "-4", "route", "show"))}
+
+
+def _host_veth(result: dict) -> str:
+    (veth,) = [i["name"] for i in result["interfaces"] if i["name"] != "cni0" and "sandbox" not in i]
+    return veth
+
+
+def _ping(ns: Netns, dst: str) -> None:
+    ns.exec("ping", "-c", "1", "-W", "2", dst)
+
+
+def test_add_connects_two_pods_through_the_node_bridge(node, netns_factory):
+    root_links = _links(None)
+    pod_a, pod_b = netns_factory("pa"), netns_factory("pb")
+    res_a, res_b = node.add("pod-a", pod_a), node.add("pod-b", pod_b)
+
+    for pod, res in ((pod_a, res_a), (pod_b, res_b)):
+        assert res["cniVersion"] == "1.0.0"
+        addr = _addr(pod, "eth0")
+        assert addr.network == SUBNET and str(addr.ip) != GATEWAY
+        assert res["ips"][0]["address"] == str(addr) and res["ips"][0]["gateway"] == GATEWAY
+        routes = _routes(pod)
+        assert routes[str(NETWORK)] == GATEWAY  # pods reach other nodes' pods via the bridge
+        assert routes["default"] == GATEWAY  # isDefaultGateway
+        (eth0,) = json.loads(pod.exec("ip", "-j", "link", "show", "dev", "eth0"))
+        assert eth0["mtu"] == MTU
+        assert (node.leases / str(addr.ip)).read_text().splitlines()[0] in ("pod-a", "pod-b")
+    assert _addr(pod_a, "eth0") != _addr(pod_b, "eth0")
+
+    # The bridge and the host ends of the veths live in the node namespace, nowhere else.
+    assert _addr(node.ns, "cni0") == IPv4Interface(f"{GATEWAY}/24")
+    assert {"cni0", _host_veth(res_a), _host_veth(res_b)} <= _links(node.ns)
+    assert _links(None) == root_links
+
+    _ping(pod_a, str(_addr(pod_b, "eth0").ip))
+    _ping(pod_b, str(_addr(pod_a, "eth0").ip))
+    _ping(pod_a, GATEWAY)
+    _ping(node.ns, str(_addr(pod_a, "eth0").ip))
+
+    for pod, res, cid in ((pod_a, res_a, "pod-a"), (pod_b, res_b, "pod-b")):
+        code, out, err = node.cni("CHECK", cid, pod, node.plugin_conf(prevResult=res))
+        assert (code, out) == (0, None), err
+
+
+def test_check_fails_when_the_pod_lost_its_route(node, netns_factory):
+    pod = netns_factory("pa")
+    res = node.add("pod-a", pod)
+    pod.ip("route", "del", str(NETWORK))
+    code, out, _ = node.cni("CHECK", "pod-a", pod, node.plugin_conf(prevResult=res))
+    assert code != 0 and out["code"] == 999 and "10.244.0.0" in out["msg"]
+
+
+def test_del_removes_veth_address_and_stored_config_and_is_idempotent(node, netns_factory):
+    pod = netns_factory("pa")
+    res = node.add("pod-a", pod)
+    ip = res["ips"][0]["address"].split("/")[0]
+    assert (node.leases / ip).exists()
+    assert (node.state_dir / "pod-a").exists()
+
+    code, out, err = node.cni("DEL", "pod-a", pod)
+    assert (code, out) == (0, None), err
+    assert _host_veth(res) not in _links(node.ns)
+    assert "eth0" not in _links(pod)
+    assert not (node.leases / ip).exists()
+    assert not (node.state_dir / "pod-a").exists()
+
+    # Again, and once more without CNI_NETNS (the runtime may have removed the namespace).
+    assert node.cni("DEL", "pod-a", pod)[:2] == (0, None)
+    assert node.cni("DEL", "pod-a", None)[:2] == (0, None)
+    # A container the plugin never saw.
+    assert node.cni("DEL", "never-added", pod)[:2] == (0, None)
+
+    code, out, _ = node.cni("CHECK", "pod-a", pod, node.plugin_conf(prevResult=res))
+    assert code != 0 and out["code"] == 3
+
+
+def test_del_after_the_pod_namespace_is_gone_frees_the_address(node, netns_factory):
+    pod = netns_factory("pa")
+    res = node.add("pod-a", pod)
+    ip = res["ips"][0]["address"].split("/")[0]
+    path = pod.path
+    pod.delete()
+    code, out, err = node.cni("DEL", "pod-a", None, netns_path=path)
+    assert (code, out) == (0, None), err
+    assert not (node.leases / ip).exists()
+    assert not (node.state_dir / "pod-a").exists()
+
+
+def test_del_uses_the_config_stored_by_add(node, netns_factory):
+    pod_a, pod_b, pod_c = netns_factory("pa"), netns_factory("pb"), netns_factory("pc")
+    results = {cid: node.add(cid, pod) for cid, pod in (("pod-a", pod_a), ("pod-b", pod_b), ("pod-c", pod_c))}
+    stored = json.loads((node.state_dir / "pod-a").read_text())
+    assert stored["ipam"]["subnet"] == str(SUBNET) and stored["mtu"] == MTU
+
+    # The agent moved to another subnet: DEL still undoes what ADD did.
+    new = SubnetFile(network=NETWORK, subnet=IPv4Network("10.244.7.0/24"), mtu=1400)
+    cni_config.write_subnet_file(str(node.subnet_file), new)
+    assert node.cni("DEL", "pod-a", pod_a)[:2] == (0, None)
+    # A broken subnet file would make a fresh config impossible (code 7); DEL does not need one.
+    node.subnet_file.write_text("garbage\n")
+    assert node.cni("DEL", "pod-b", pod_b)[:2] == (0, None)
+    # Nor does it need the agent to be up at all.
+    node.subnet_file.unlink()
+    assert node.cni("DEL", "pod-c", pod_c)[:2] == (0, None)
+
+    for cid, pod in (("pod-a", pod_a), ("pod-b", pod_b), ("pod-c", pod_c)):
+        ip = results[cid]["ips"][0]["address"].split("/")[0]
+        assert not (node.leases / ip).exists()
+        assert "eth0" not in _links(pod)
+        assert _host_veth(results[cid]) not in _links(node.ns)
+    assert os.listdir(node.state_dir) == []
+
+
+def test_add_after_subnet_change_moves_the_bridge(node, netns_factory):
+    pod_a, pod_b = netns_factory("pa"), netns_factory("pb")
+    node.add("pod-a", pod_a)
+    assert node.cni("DEL", "pod-a", pod_a)[:2] == (0, None)
+    moved = SubnetFile(network=NETWORK, subnet=IPv4Network("10.244.7.0/24"), mtu=MTU)
+    cni_config.write_subnet_file(str(node.subnet_file), moved)
+    res = node.add("pod-b", pod_b)
+    assert IPv4Interface(res["ips"][0]["address"]).network == IPv4Network("10.244.7.0/24")
+    assert _addr(node.ns, "cni0") == IPv4Interface("10.244.7.1/24")  # forceAddress
+    _ping(pod_b, "10.244.7.1")
+
+
+def test_add_before_the_agent_wrote_the_subnet_file_is_try_again_later(node, netns_factory):
+    pod = netns_factory("pa")
+    node.subnet_file.unlink()
+    code, out, _ = node.cni("ADD", "pod-a", pod)
+    assert code != 0
+    assert out["code"] == 11 and out["cniVersion"] == "1.0.0" and str(node.subnet_file) in out["msg"]
+    assert "eth0" not in _links(pod) and "cni0" not in _links(node.ns)
+
+
+def test_add_with_a_bad_subnet_file_is_invalid_config(node, netns_factory):
+    pod = netns_factory("pa")
+    node.subnet_file.write_text("AGENTD_NETWORK=10.244.0.0/16\nAGENTD_SUBNET=10.99.0.1/24\nAGENTD_MTU=1450\n")
+    code, out, _ = node.cni("ADD", "pod-a", pod)
+    assert code != 0
+    assert out["code"] == 7 and "not inside" in out["msg"] and "\n" not in out["msg"]
+    assert "eth0" not in _links(pod) and "cni0" not in _links(node.ns)
+
+
+def test_delegate_error_is_passed_through_unchanged(node, netns_factory):
+    pod = netns_factory("pa")
+    node.add("pod-a", pod)
+    # A second attachment asking for the same interface name in the same pod.
+    code, out, _ = node.cni("ADD", "pod-b", pod)
+    assert code != 0
+    # The bridge plugin's own error object, not one agentd-cni made (those always carry details).
+    assert out["code"] == 999 and "eth0" in out["msg"] and "already exists" in out["msg"] and "details" not in out
+
+
+def test_del_recovers_from_a_config_the_delegate_rejects(node, netns_factory):
+    pod = netns_factory("pa")
+    bad = node.plugin_conf()
+    bad["delegate"] = {**bad["delegate"], "vlan": 5000}
+    code, out, _ = node.cni("ADD", "pod-a", pod, bad)
+    assert code != 0 and out["code"] == 999 and "invalid VLAN ID 5000" in out["msg"]
+    # ADD stored its delegate config first, so the runtime's clean-up DEL knows what to undo ...
+    assert json.loads((node.state_dir / "pod-a").read_text())["vlan"] == 5000
+    # ... but the bridge rejects it on DEL too, as long as the config is broken,
+    code, out, _ = node.cni("DEL", "pod-a", pod, bad)
+    assert code != 0 and "invalid VLAN ID 5000" in out["msg"]
+    # and once the config is fixed, DEL succeeds and forgets the stored one.
+    assert node.cni("DEL", "pod-a", pod)[:2] == (0, None)
+    assert not (node.state_dir / "pod-a").exists()
+    assert [p.name for p in node.leases.iterdir() if p.name[0].isdigit()] == []
+
+
+def test_a_hung_delegate_is_killed(node, netns_factory, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    hang = bin_dir / "hang"
+    hang.write_text("#!/bin/sh\nsleep 600 &\nexec sleep 600\n")
+    hang.chmod(hang.stat().st_mode | stat.S_IXUSR)
+    pod = netns_factory("pa")
+    conf = node.plugin_conf(delegateTimeout=1)
+    conf["delegate"] = {"type": "hang"}
+    code, out, _ = node.cni("ADD", "pod-a", pod, conf, cni_path=f"{bin_dir}:{CNI_PATH}")
+    assert code != 0 and out["code"] == 999 and "did not finish ADD within 1 s" in out["msg"]
+    assert node.ns.pids() == []  # the delegate and what it started were killed
+
+
+def test_conflist_chain_runs_like_a_runtime_runs_it(node, netns_factory):
+    # ADD through every plugin of the list in order, each given the previous result (libcni's
+    # AddNetworkList); CHECK and DEL in reverse order with the final result.
+    def exe(conf: dict) -> str:
+        return AGENTD_CNI if conf["type"] == "agentd-cni" else os.path.join(CNI_PATH, conf["type"])
+
+    pod = netns_factory("pa")
+    count = len(node.conflist["plugins"])
+    prev = None
+    for index in range(count):
+        conf = node.plugin_conf(index, **({"prevResult": prev} if prev else {}))
+        code, prev, err = node.cni("ADD", "pod-a", pod, conf, plugin=exe(conf))
+        assert code == 0, (prev, err)
+    assert IPv4Interface(prev["ips"][0]["address"]).network == SUBNET
+    for command in ("CHECK", "DEL"):
+        for index in reversed(range(count)):
+            conf = node.plugin_conf(index, prevResult=prev)
+            code, out, err = node.cni(command, "pod-a", pod, conf, plugin=exe(conf))
+            assert (code, out) == (0, None), (command, conf["type"], err)
+    assert "eth0" not in _links(pod)
+    assert not (node.state_dir / "pod-a").exists()
+
+
+def test_executable_answers_version_and_rejects_bad_env(node):
+    proc = subprocess.run([AGENTD_CNI], input=b"", env={"CNI_COMMAND": "VERSION"}, capture_output=True, timeout=60)
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout) == {
+        "cniVersion": "1.0.0",
+        "supportedVersions": ["0.3.0", "0.3.1", "0.4.0", "1.0.0"],
+    }
+    code, out, err = node.cni("ADD", "bad/id", None, netns_path="/var/run/netns/none")
+    assert code != 0 and out["code"] == 4 and err == ""

@@ -1,0 +1,509 @@
+"""agentd-cni's input checking, the delegate config it builds, and the files the agent writes.
+
+Pure: no plugin is executed (every case here fails or finishes before the delegate would run),
+no root, no network.  The real plugins are exercised in tests/system/test_cni.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from ipaddress import IPv4Network
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agentd import cni, cni_config
+from agentd.cni_config import SubnetFile, SubnetFileError
+
+SF = SubnetFile(network=IPv4Network("10.244.0.0/16"), subnet=IPv4Network("10.244.3.0/24"), mtu=1450)
+
+
+def _env(command: str = "ADD", **overrides: str | None) -> dict[str, str]:
+    env = {
+        "CNI_COMMAND": command,
+        "CNI_CONTAINERID": "c0ffee01",
+        "CNI_NETNS": "/var/run/netns/ad-unit-pod",
+        "CNI_IFNAME": "eth0",
+        "CNI_PATH": "/nonexistent/cni",
+    }
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def _conf(tmp_path, **overrides) -> dict:
+    conf = {
+        "cniVersion": "1.0.0",
+        "name": "agentd",
+        "type": "agentd-cni",
+        "subnetFile": str(tmp_path / "subnet.env"),
+        "dataDir": str(tmp_path / "state"),
+        "ipam": {"dataDir": str(tmp_path / "ipam")},
+        "delegate": {"bridge": "cni0", "hairpinMode": True, "isDefaultGateway": True},
+    }
+    for key, value in overrides.items():
+        if value is None:
+            conf.pop(key, None)
+        else:
+            conf[key] = value
+    return conf
+
+
+def _run(env: dict[str, str], stdin: bytes | dict) -> tuple[int, dict | None]:
+    if isinstance(stdin, dict):
+        stdin = json.dumps(stdin).encode()
+    return cni.handle(env, stdin)
+
+
+def _assert_error(outcome: tuple[int, dict | None], code: int, *words: str, version: str = "1.0.0") -> dict:
+    exit_code, out = outcome
+    assert exit_code != 0
+    assert out is not None
+    assert out["code"] == code, out
+    assert out["cniVersion"] == version
+    assert "\n" not in out["msg"] and out["msg"], out
+    assert "Traceback" not in json.dumps(out)
+    for word in words:
+        assert word in out["msg"] + " " + out["details"], out
+    return out
+
+
+# --- VERSION and the environment ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stdin", [b"", b'{"cniVersion": "0.4.0"}', b"garbage"])
+def test_version_prints_supported_versions(stdin):
+    assert _run({"CNI_COMMAND": "VERSION"}, stdin) == (
+        0,
+        {"cniVersion": "1.0.0", "supportedVersions": ["0.3.0", "0.3.1", "0.4.0", "1.0.0"]},
+    )
+
+
+def test_missing_command(tmp_path):
+    _assert_error(_run(_env(CNI_COMMAND=None), _conf(tmp_path)), 4, "CNI_COMMAND")
+
+
+def test_unknown_command(tmp_path):
+    _assert_error(_run(_env("GC"), _conf(tmp_path)), 4, "'GC'")
+
+
+@pytest.mark.parametrize("command", ["ADD", "DEL", "CHECK"])
+@pytest.mark.parametrize("var", ["CNI_CONTAINERID", "CNI_IFNAME", "CNI_PATH"])
+def test_missing_required_variable(tmp_path, command, var):
+    _assert_error(_run(_env(command, **{var: None}), _conf(tmp_path)), 4, var)
+
+
+@pytest.mark.parametrize("command", ["ADD", "CHECK"])
+def test_missing_netns(tmp_path, command):
+    _assert_error(_run(_env(command, CNI_NETNS=None), _conf(tmp_path)), 4, "CNI_NETNS")
+
+
+def test_del_needs_no_netns_and_succeeds_with_nothing_to_undo(tmp_path):
+    # No stored config and no subnet file: nothing was ever set up here, so DEL is a success.
+    assert _run(_env("DEL", CNI_NETNS=None), _conf(tmp_path)) == (0, None)
+
+
+@pytest.mark.parametrize("container_id", ["../etc", "a/b", "-x", ".hidden", "a b", "ü"])
+def test_bad_container_id(tmp_path, container_id):
+    _assert_error(_run(_env(CNI_CONTAINERID=container_id), _conf(tmp_path)), 4, "CNI_CONTAINERID")
+
+
+@pytest.mark.parametrize("ifname", ["x" * 16, ".", "..", "a/b", "a:b", "a b", "a\tb"])
+def test_bad_ifname(tmp_path, ifname):
+    _assert_error(_run(_env(CNI_IFNAME=ifname), _conf(tmp_path)), 4, "CNI_IFNAME")
+
+
+def test_longest_ifname_is_accepted(tmp_path):
+    # 15 characters is the kernel's limit; the request gets past the environment checks
+    # (and stops at the missing subnet file).
+    _assert_error(_run(_env(CNI_IFNAME="x" * 15), _conf(tmp_path)), 11)
+
+
+# --- decoding and the network config ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("stdin", [b"", b"  \n", b"{not json", b"\xff\xfe", b"[1, 2]", b'"x"', b"null"])
+def test_undecodable_stdin(stdin):
+    _assert_error(_run(_env(), stdin), 6)
+
+
+def test_missing_cni_version(tmp_path):
+    _assert_error(_run(_env(), _conf(tmp_path, cniVersion=None)), 1, "cniVersion")
+
+
+@pytest.mark.parametrize("version", ["0.1.0", "0.2.0", "2.0.0", "1.0"])
+def test_unsupported_cni_version(tmp_path, version):
+    out = _assert_error(_run(_env(), _conf(tmp_path, cniVersion=version)), 1, "incompatible", version)
+    assert "1.0.0" in out["details"]
+
+
+def test_error_result_carries_request_version(tmp_path):
+    _assert_error(_run(_env(CNI_IFNAME="a/b"), _conf(tmp_path, cniVersion="0.3.1")), 4, version="0.3.1")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "word"),
+    [
+        ({"cniVersion": 1}, "cniVersion"),
+        ({"name": None}, "name"),
+        ({"name": 7}, "name"),
+        ({"name": "bad name"}, "network name"),
+        ({"type": 3}, "type"),
+        ({"subnetFile": ""}, "subnetFile"),
+        ({"subnetFile": 5}, "subnetFile"),
+        ({"dataDir": ["x"]}, "dataDir"),
+        ({"delegate": "bridge"}, "delegate"),
+        ({"delegate": {"type": 5}}, "delegate.type"),
+        ({"delegate": {"type": "../../bin/sh"}}, "delegate.type"),
+        ({"delegate": {"name": "other"}}, "name"),
+        ({"delegate": {"ipam": {"type": "host-local"}}}, "ipam"),
+        ({"ipam": []}, "ipam"),
+        ({"ipam": {"subnet": "10.0.0.0/24"}}, "ipam.subnet"),
+        ({"ipam": {"ranges": []}}, "ipam.ranges"),
+        ({"ipam": {"type": "a/b"}}, "ipam.type"),
+        ({"ipam": {"routes": {"dst": "0.0.0.0/0"}}}, "ipam.routes"),
+        ({"ipam": {"routes": [{"gw": "10.0.0.1"}]}}, "ipam.routes"),
+        ({"delegateTimeout": 0}, "delegateTimeout"),
+        ({"delegateTimeout": "60"}, "delegateTimeout"),
+        ({"delegateTimeout": True}, "delegateTimeout"),
+        ({"prevResult": []}, "prevResult"),
+    ],
+)
+def test_invalid_network_config(tmp_path, overrides, word):
+    _assert_error(_run(_env(), _conf(tmp_path, **overrides)), 7, word)
+
+
+# --- the subnet file as seen by ADD ------------------------------------------------------------
+
+
+def test_add_before_subnet_file_exists_is_try_again_later(tmp_path):
+    out = _assert_error(_run(_env(), _conf(tmp_path)), 11, "subnet.env")
+    assert "agentd" in out["details"]
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "word"),
+    [
+        ("garbage\n", "KEY=value"),
+        ("AGENTD_NETWORK=10.244.0.0/16\nAGENTD_MTU=1450\n", "AGENTD_SUBNET"),
+        ("AGENTD_NETWORK=10.244.0.0/16\nAGENTD_SUBNET=10.245.3.1/24\nAGENTD_MTU=1450\n", "not inside"),
+        ("AGENTD_NETWORK=10.244.0.0/16\nAGENTD_SUBNET=10.244.3.1/24\nAGENTD_MTU=big\n", "AGENTD_MTU"),
+    ],
+)
+def test_add_with_bad_subnet_file_is_invalid_config(tmp_path, text, word):
+    (tmp_path / "subnet.env").write_text(text)
+    _assert_error(_run(_env(), _conf(tmp_path)), 7, word, str(tmp_path / "subnet.env"))
+
+
+def test_add_with_unwritable_data_dir_is_io_failure(tmp_path):
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    (tmp_path / "file").write_text("")
+    _assert_error(_run(_env(), _conf(tmp_path, dataDir=str(tmp_path / "file" / "state"))), 5, "delegate config")
+
+
+def test_add_stores_delegate_config_before_running_delegate(tmp_path):
+    # CNI_PATH has no bridge plugin: the delegate cannot run, but what ADD meant to run is
+    # stored, so the runtime's clean-up DEL would use it.
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path)
+    _assert_error(_run(_env(CNI_PATH=str(tmp_path / "empty")), conf), 999, "'bridge'", "not found")
+    stored = json.loads((tmp_path / "state" / "c0ffee01").read_text())
+    assert stored == cni_config.delegate_config(conf, SF)
+
+
+# --- CHECK -----------------------------------------------------------------------------------
+
+
+def test_check_needs_version_040(tmp_path):
+    outcome = _run(_env("CHECK"), _conf(tmp_path, cniVersion="0.3.1", prevResult={}))
+    _assert_error(outcome, 1, "CHECK", version="0.3.1")
+
+
+def test_check_needs_prev_result(tmp_path):
+    _assert_error(_run(_env("CHECK"), _conf(tmp_path)), 7, "prevResult")
+
+
+def test_check_of_unknown_container(tmp_path):
+    _assert_error(_run(_env("CHECK"), _conf(tmp_path, prevResult={"cniVersion": "1.0.0"})), 3, "c0ffee01")
+
+
+# --- delegate_config -------------------------------------------------------------------------
+
+
+def test_delegate_config_defaults_from_subnet_file():
+    netconf = {"cniVersion": "0.4.0", "name": "podnet", "type": "agentd-cni"}
+    assert cni_config.delegate_config(netconf, SF) == {
+        "name": "podnet",
+        "cniVersion": "0.4.0",
+        "type": "bridge",
+        "ipMasq": False,
+        "mtu": 1450,
+        "bridge": "cni0",
+        "isGateway": True,
+        "hairpinMode": True,
+        "ipam": {
+            "type": "host-local",
+            "subnet": "10.244.3.0/24",
+            "routes": [{"dst": "10.244.0.0/16", "gw": "10.244.3.1"}],
+        },
+    }
+
+
+def test_delegate_settings_win_over_derived_ones():
+    netconf = {
+        "cniVersion": "1.0.0",
+        "name": "podnet",
+        "delegate": {"mtu": 1400, "ipMasq": True, "isGateway": False, "bridge": "br9", "hairpinMode": False,
+                     "forceAddress": True},
+    }
+    d = cni_config.delegate_config(netconf, SF)
+    assert (d["mtu"], d["ipMasq"], d["isGateway"], d["bridge"], d["hairpinMode"], d["forceAddress"]) == (
+        1400, True, False, "br9", False, True
+    )
+
+
+def test_name_and_version_always_come_from_the_network_config():
+    netconf = {"cniVersion": "0.3.1", "name": "podnet", "delegate": {"name": "x", "cniVersion": "9.9.9"}}
+    d = cni_config.delegate_config(netconf, SF)
+    assert (d["name"], d["cniVersion"]) == ("podnet", "0.3.1")
+
+
+def test_non_bridge_delegate_gets_no_bridge_settings():
+    netconf = {"cniVersion": "1.0.0", "name": "n", "delegate": {"type": "ipvlan", "master": "eth0"}}
+    d = cni_config.delegate_config(netconf, SF)
+    assert d["type"] == "ipvlan" and d["master"] == "eth0"
+    assert not {"bridge", "isGateway", "hairpinMode"} & set(d)
+    assert d["mtu"] == 1450 and d["ipam"]["subnet"] == "10.244.3.0/24"
+
+
+def test_ipam_settings_are_merged_and_cluster_route_appended():
+    netconf = {
+        "cniVersion": "1.0.0",
+        "name": "n",
+        "ipam": {"type": "my-ipam", "dataDir": "/x/ipam", "routes": [{"dst": "192.0.2.0/24"}]},
+    }
+    assert cni_config.delegate_config(netconf, SF)["ipam"] == {
+        "type": "my-ipam",
+        "dataDir": "/x/ipam",
+        "subnet": "10.244.3.0/24",
+        "routes": [{"dst": "192.0.2.0/24"}, {"dst": "10.244.0.0/16", "gw": "10.244.3.1"}],
+    }
+
+
+def test_ipmasq_from_subnet_file_and_runtime_config_copied():
+    sf = SubnetFile(network=SF.network, subnet=SF.subnet, mtu=1500, ipmasq=True)
+    netconf = {"cniVersion": "1.0.0", "name": "n", "runtimeConfig": {"portMappings": []}}
+    d = cni_config.delegate_config(netconf, sf)
+    assert d["ipMasq"] is True and d["mtu"] == 1500
+    assert d["runtimeConfig"] == {"portMappings": []}
+
+
+def test_delegate_config_does_not_modify_the_network_config():
+    netconf = {
+        "cniVersion": "1.0.0",
+        "name": "n",
+        "delegate": {"mtu": 9000},
+        "ipam": {"routes": [{"dst": "192.0.2.0/24"}]},
+    }
+    before = json.dumps(netconf, sort_keys=True)
+    cni_config.delegate_config(netconf, SF)
+    assert json.dumps(netconf, sort_keys=True) == before
+
+
+# --- the subnet file -------------------------------------------------------------------------
+
+
+def test_subnet_file_is_written_like_flannels(tmp_path):
+    path = tmp_path / "run" / "subnet.env"
+    sf = SubnetFile(network=SF.network, subnet=SF.subnet, mtu=1450, ipmasq=False, backend="vxlan")
+    cni_config.write_subnet_file(str(path), sf)
+    assert path.read_text() == (
+        "AGENTD_NETWORK=10.244.0.0/16\n"
+        "AGENTD_SUBNET=10.244.3.1/24\n"
+        "AGENTD_MTU=1450\n"
+        "AGENTD_IPMASQ=false\n"
+        "AGENTD_BACKEND=vxlan\n"
+    )
+    assert cni_config.read_subnet_file(str(path)) == sf
+    assert os.listdir(path.parent) == ["subnet.env"]  # no temp file left behind
+
+
+def test_subnet_file_is_replaced_atomically(tmp_path):
+    path = str(tmp_path / "subnet.env")
+    cni_config.write_subnet_file(path, SF)
+    inode = os.stat(path).st_ino
+    new = SubnetFile(network=SF.network, subnet=IPv4Network("10.244.9.0/24"), mtu=1400, ipmasq=True)
+    cni_config.write_subnet_file(path, new)
+    assert cni_config.read_subnet_file(path) == new
+    assert os.stat(path).st_ino != inode  # renamed over, never rewritten in place
+    assert os.listdir(tmp_path) == ["subnet.env"]
+
+
+def test_subnet_file_reader_is_lenient_where_flannels_is():
+    text = (
+        "# written by agentd\n\n"
+        "AGENTD_NETWORK=10.244.0.0/16\nAGENTD_SUBNET=10.244.3.0/24\nAGENTD_MTU=1450\nAGENTD_NEW_KEY=1\n"
+    )
+    assert cni_config.parse_subnet_file(text) == SubnetFile(SF.network, SF.subnet, 1450, False, "host-gw")
+
+
+_GOOD = {"AGENTD_NETWORK": "10.244.0.0/16", "AGENTD_SUBNET": "10.244.3.1/24", "AGENTD_MTU": "1450"}
+
+
+@pytest.mark.parametrize(
+    ("change", "word"),
+    [
+        ({"AGENTD_NETWORK": None}, "missing AGENTD_NETWORK"),
+        ({"AGENTD_MTU": None, "AGENTD_SUBNET": None}, "missing AGENTD_SUBNET, AGENTD_MTU"),
+        ({"AGENTD_NETWORK": "10.244.0.1/16"}, "AGENTD_NETWORK"),
+        ({"AGENTD_NETWORK": "fd00::/64"}, "AGENTD_NETWORK"),
+        ({"AGENTD_SUBNET": "10.244.3.1"}, "prefix length"),
+        ({"AGENTD_SUBNET": "10.244.3.300/24"}, "AGENTD_SUBNET"),
+        ({"AGENTD_SUBNET": "10.245.3.1/24"}, "not inside"),
+        ({"AGENTD_SUBNET": "10.244.3.1/31"}, "too small"),
+        ({"AGENTD_MTU": "-1"}, "AGENTD_MTU"),
+        ({"AGENTD_MTU": "67"}, "mtu"),
+        ({"AGENTD_MTU": "70000"}, "mtu"),
+        ({"AGENTD_IPMASQ": "yes"}, "AGENTD_IPMASQ"),
+        ({"AGENTD_BACKEND": ""}, "backend"),
+    ],
+)
+def test_subnet_file_errors_are_one_line(change, word):
+    values = {**_GOOD, **change}
+    text = "".join(f"{k}={v}\n" for k, v in values.items() if v is not None)
+    with pytest.raises(SubnetFileError) as exc:
+        cni_config.parse_subnet_file(text, "/run/agentd/subnet.env")
+    msg = str(exc.value)
+    assert word in msg and "/run/agentd/subnet.env" in msg and "\n" not in msg
+
+
+def test_subnet_file_line_errors_name_the_line():
+    with pytest.raises(SubnetFileError, match=r"^f:2: expected KEY=value"):
+        cni_config.parse_subnet_file("AGENTD_MTU=1450\nnonsense\n", "f")
+    with pytest.raises(SubnetFileError, match=r"^f:2: AGENTD_MTU given twice"):
+        cni_config.parse_subnet_file("AGENTD_MTU=1450\nAGENTD_MTU=1400\n", "f")
+
+
+def test_reading_missing_and_unreadable_subnet_files(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        cni_config.read_subnet_file(str(tmp_path / "absent"))
+    with pytest.raises(SubnetFileError, match="cannot read subnet file"):
+        cni_config.read_subnet_file(str(tmp_path))  # a directory
+    (tmp_path / "bin").write_bytes(b"AGENTD_MTU=\xff\n")
+    with pytest.raises(SubnetFileError, match="cannot read subnet file"):
+        cni_config.read_subnet_file(str(tmp_path / "bin"))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"network": "10.244.0.0/16"},
+        {"subnet": IPv4Network("10.1.0.0/24")},
+        {"mtu": True},
+        {"mtu": 1450.0},
+        {"ipmasq": "false"},
+        {"backend": "vx lan"},
+    ],
+)
+def test_subnet_file_value_is_checked(kwargs):
+    with pytest.raises(SubnetFileError):
+        SubnetFile(**{"network": SF.network, "subnet": SF.subnet, "mtu": 1450, **kwargs})
+
+
+@st.composite
+def _subnet_files(draw) -> SubnetFile:
+    net_len = draw(st.integers(8, 28))
+    base = draw(st.integers(0, 2**32 - 1)) >> (32 - net_len) << (32 - net_len)
+    network = IPv4Network((base, net_len))
+    sub_len = draw(st.integers(net_len, 30))
+    index = draw(st.integers(0, 2 ** (sub_len - net_len) - 1))
+    subnet = IPv4Network((base + (index << (32 - sub_len)), sub_len))
+    return SubnetFile(
+        network=network,
+        subnet=subnet,
+        mtu=draw(st.integers(cni_config.MIN_MTU, cni_config.MAX_MTU)),
+        ipmasq=draw(st.booleans()),
+        backend=draw(st.sampled_from(["host-gw", "ipip", "vxlan", "udp"])),
+    )
+
+
+@given(_subnet_files())
+def test_subnet_file_round_trips(sf):
+    assert cni_config.parse_subnet_file(cni_config.render_subnet_file(sf)) == sf
+
+
+# --- the conflist ----------------------------------------------------------------------------
+
+
+def test_conflist_is_written_with_per_node_dirs(tmp_path):
+    path = cni_config.write_conflist(
+        str(tmp_path / "net.d"),
+        subnet_file="/run/ad/n1/subnet.env",
+        data_dir="/var/lib/ad/n1/cni",
+        ipam_data_dir="/var/lib/ad/n1/ipam",
+        mtu=1400,
+        extra={"promiscMode": True},
+    )
+    assert path == str(tmp_path / "net.d" / "10-agentd.conflist")
+    assert os.listdir(tmp_path / "net.d") == ["10-agentd.conflist"]
+    assert json.loads((tmp_path / "net.d" / "10-agentd.conflist").read_text()) == {
+        "cniVersion": "1.0.0",
+        "name": "agentd",
+        "plugins": [
+            {
+                "type": "agentd-cni",
+                "subnetFile": "/run/ad/n1/subnet.env",
+                "dataDir": "/var/lib/ad/n1/cni",
+                "ipam": {"dataDir": "/var/lib/ad/n1/ipam"},
+                "delegate": {
+                    "bridge": "cni0",
+                    "hairpinMode": True,
+                    "isDefaultGateway": True,
+                    "forceAddress": True,
+                    "mtu": 1400,
+                    "promiscMode": True,
+                },
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
+        ],
+    }
+
+
+def test_conflist_without_optional_settings(tmp_path):
+    # Path objects (as agentd.config holds them) are accepted as well as strings.
+    path = cni_config.write_conflist(
+        tmp_path, name="podnet", subnet_file=pathlib.Path("/s"), data_dir="/d", bridge="br1"
+    )
+    doc = json.loads(pathlib.Path(path).read_text())
+    plugin = doc["plugins"][0]
+    assert doc["name"] == "podnet"
+    assert "ipam" not in plugin and "mtu" not in plugin["delegate"]
+    assert (plugin["subnetFile"], plugin["dataDir"]) == ("/s", "/d")
+    assert plugin["delegate"]["bridge"] == "br1"
+
+
+@pytest.mark.parametrize("key", ["name", "ipam"])
+def test_conflist_extra_may_not_set_plugin_owned_keys(tmp_path, key):
+    with pytest.raises(ValueError, match=key):
+        cni_config.write_conflist(str(tmp_path), subnet_file="/s", data_dir="/d", extra={key: {}})
+
+
+def test_conflist_entry_is_accepted_by_the_plugin(tmp_path):
+    # The runtime hands the plugin its conflist entry with name and cniVersion filled in (libcni).
+    path = cni_config.write_conflist(
+        str(tmp_path), subnet_file=str(tmp_path / "subnet.env"), data_dir=str(tmp_path / "state"),
+        ipam_data_dir=str(tmp_path / "ipam"),
+    )
+    doc = json.loads(pathlib.Path(path).read_text())
+    netconf = {**doc["plugins"][0], "name": doc["name"], "cniVersion": doc["cniVersion"]}
+    assert cni.parse_netconf(json.dumps(netconf).encode()) == netconf
+    d = cni_config.delegate_config(netconf, SF)
+    assert d["ipam"]["dataDir"] == str(tmp_path / "ipam")
+    assert d["isDefaultGateway"] is True and d["forceAddress"] is True and d["bridge"] == "cni0"
