@@ -3,7 +3,7 @@ import pathlib
 
 import pytest
 
-pytest_plugins = ["agentd.lab.fixtures"]
+pytest_plugins = ["agentd.lab.fixtures", "agentd.lab.fixtures_etcd"]
 
 _SYSTEM = pathlib.Path(__file__).parent / "system"
 

@@ -1,0 +1,454 @@
+"""What the datastore keeps in etcd, as plain values: records, keys, subnet arithmetic.
+
+Pure: no asyncio, no etcd, no clock.  Every record is a frozen dataclass with
+``to_json() -> bytes`` and ``from_json(...)``; bad input raises ``RecordError`` with
+one line naming the record and the field.  Unknown JSON keys are ignored so that a
+newer agent can add fields without breaking older ones (forward compatibility).
+
+Keys (DESIGN.md, prefix default ``/agentd``)::
+
+    <prefix>/config               ClusterConfig, first writer wins
+    <prefix>/nodes/<name>         NodeRecord, under the node's liveness lease
+    <prefix>/subnets/<ip>-<len>   SubnetLease, under the same lease
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any, Literal, Self
+
+BACKENDS = ("host-gw", "ipip", "vxlan", "udp")
+ENCAPS = ("always", "cross-subnet")
+# A pod subnet needs room for the bridge gateway and at least one pod: /30 is the
+# smallest that has two usable addresses.
+MAX_SUBNET_LEN = 30
+ASN_MAX = 2**32 - 1  # 4-octet AS numbers (RFC 6793)
+NODE_NAME_MAX = 253  # a DNS name, as Kubernetes node names are
+
+
+class RecordError(ValueError):
+    """A record in etcd (or given to the datastore) is malformed; the message is one line."""
+
+
+class DatastoreError(RuntimeError):
+    """Base class of the datastore's operational errors."""
+
+
+class DatastoreUnavailable(DatastoreError):
+    """etcd could not be reached before the caller's deadline."""
+
+
+class SubnetExhausted(DatastoreError):
+    """Every subnet of the cluster network is leased."""
+
+
+# -- field checks (one line each, naming the record and the field) ---------------
+
+
+def _load(kind: str, data: bytes | str) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RecordError(f"{kind}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise RecordError(f"{kind}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _field(kind: str, obj: Mapping[str, Any], name: str) -> Any:
+    if name not in obj:
+        raise RecordError(f"{kind}: missing field {name!r}")
+    return obj[name]
+
+
+def _str(kind: str, name: str, value: Any, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise RecordError(f"{kind}: field {name!r} must be a string, got {_typename(value)}")
+    return value
+
+
+def _int(kind: str, name: str, value: Any, lo: int, hi: int) -> int:
+    # bool is an int in Python; JSON true is not a number.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RecordError(f"{kind}: field {name!r} must be an integer, got {_typename(value)}")
+    if not lo <= value <= hi:
+        raise RecordError(f"{kind}: field {name!r} = {value} is outside {lo}..{hi}")
+    return value
+
+
+def _bool(kind: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RecordError(f"{kind}: field {name!r} must be true or false, got {_typename(value)}")
+    return value
+
+
+def _dict(kind: str, name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise RecordError(f"{kind}: field {name!r} must be an object, got {_typename(value)}")
+    return dict(value)
+
+
+def _address(kind: str, name: str, value: Any) -> IPv4Address:
+    if isinstance(value, IPv4Address):
+        return value
+    text = _str(kind, name, value)
+    try:
+        return IPv4Address(text)
+    except ValueError:
+        raise RecordError(f"{kind}: field {name!r} = {text!r} is not an IPv4 address") from None
+
+
+def _network(kind: str, name: str, value: Any) -> IPv4Network:
+    if isinstance(value, IPv4Network):
+        return value
+    text = _str(kind, name, value)
+    try:
+        return IPv4Network(text)
+    except ValueError as e:
+        raise RecordError(f"{kind}: field {name!r} = {text!r} is not an IPv4 network ({e})") from None
+
+
+def _typename(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _dumps(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def check_node_name(name: Any, kind: str = "node record", field: str = "name") -> str:
+    """A node name usable as the last element of an etcd key."""
+    _str(kind, field, name)
+    if not name or len(name) > NODE_NAME_MAX:
+        raise RecordError(f"{kind}: field {field!r} must be 1..{NODE_NAME_MAX} characters, got {name!r}")
+    if "/" in name or any(c.isspace() or not c.isprintable() for c in name):
+        raise RecordError(f"{kind}: field {field!r} = {name!r} must not contain '/', spaces or control characters")
+    return name
+
+
+# -- records -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster network, stored once at ``<prefix>/config``; the first writer wins."""
+
+    cidr: IPv4Network
+    subnet_len: int
+    backend: str
+    encap: str
+
+    _KIND = "cluster config"
+
+    def __post_init__(self) -> None:
+        kind = self._KIND
+        cidr = self.cidr
+        if not isinstance(cidr, IPv4Network):
+            try:
+                cidr = IPv4Network(_str(kind, "cidr", cidr))
+            except ValueError as e:
+                raise RecordError(f"{kind}: field 'cidr' = {self.cidr!r} is not an IPv4 network ({e})") from None
+            object.__setattr__(self, "cidr", cidr)
+        _int(kind, "subnet_len", self.subnet_len, cidr.prefixlen, MAX_SUBNET_LEN)
+        if _str(kind, "backend", self.backend) not in BACKENDS:
+            raise RecordError(f"{kind}: field 'backend' = {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if _str(kind, "encap", self.encap) not in ENCAPS:
+            raise RecordError(f"{kind}: field 'encap' = {self.encap!r} is not one of {', '.join(ENCAPS)}")
+
+    @property
+    def subnet_count(self) -> int:
+        return subnet_count(self.cidr, self.subnet_len)
+
+    def to_json(self) -> bytes:
+        return _dumps(
+            {"cidr": str(self.cidr), "subnet_len": self.subnet_len, "backend": self.backend, "encap": self.encap}
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Self:
+        kind = cls._KIND
+        obj = _load(kind, data)
+        return cls(
+            cidr=_network(kind, "cidr", _field(kind, obj, "cidr")),
+            subnet_len=_int(kind, "subnet_len", _field(kind, obj, "subnet_len"), 0, 32),
+            backend=_str(kind, "backend", _field(kind, obj, "backend")),
+            encap=_str(kind, "encap", _field(kind, obj, "encap")),
+        )
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A live node, at ``<prefix>/nodes/<name>`` under the node's liveness lease."""
+
+    name: str
+    address: IPv4Address
+    asn: int
+    subnet: IPv4Network | None
+    route_reflector: bool
+    cluster_id: str | None
+    backend: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    _KIND = "node record"
+
+    def __post_init__(self) -> None:
+        kind = self._KIND
+        check_node_name(self.name, kind)
+        object.__setattr__(self, "address", _address(kind, "address", self.address))
+        _int(kind, "asn", self.asn, 1, ASN_MAX)
+        if self.subnet is not None:
+            object.__setattr__(self, "subnet", _network(kind, "subnet", self.subnet))
+        _bool(kind, "route_reflector", self.route_reflector)
+        _str(kind, "cluster_id", self.cluster_id, optional=True)
+        object.__setattr__(self, "backend", _dict(kind, "backend", self.backend))
+
+    def to_json(self) -> bytes:
+        return _dumps(
+            {
+                "name": self.name,
+                "address": str(self.address),
+                "asn": self.asn,
+                "subnet": None if self.subnet is None else str(self.subnet),
+                "route_reflector": self.route_reflector,
+                "cluster_id": self.cluster_id,
+                "backend": self.backend,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Self:
+        kind = cls._KIND
+        obj = _load(kind, data)
+        subnet = _field(kind, obj, "subnet")
+        return cls(
+            name=check_node_name(_field(kind, obj, "name"), kind),
+            address=_address(kind, "address", _field(kind, obj, "address")),
+            asn=_int(kind, "asn", _field(kind, obj, "asn"), 1, ASN_MAX),
+            subnet=None if subnet is None else _network(kind, "subnet", subnet),
+            route_reflector=_bool(kind, "route_reflector", _field(kind, obj, "route_reflector")),
+            cluster_id=_str(kind, "cluster_id", obj.get("cluster_id"), optional=True),
+            backend=_dict(kind, "backend", obj.get("backend", {})),
+        )
+
+
+@dataclass(frozen=True)
+class SubnetLease:
+    """A node's pod subnet, at ``<prefix>/subnets/<ip>-<len>`` under the node's lease.
+
+    The subnet is the key, not part of the JSON value (DESIGN.md keys); ``lease_id``
+    is the etcd lease the key is attached to, when known.
+    """
+
+    subnet: IPv4Network
+    node: str
+    public_ip: IPv4Address
+    backend_type: str
+    backend_data: dict[str, Any] = field(default_factory=dict, hash=False)
+    lease_id: int | None = None
+
+    _KIND = "subnet lease"
+
+    def __post_init__(self) -> None:
+        kind = self._KIND
+        object.__setattr__(self, "subnet", _network(kind, "subnet", self.subnet))
+        check_node_name(self.node, kind, "node")
+        object.__setattr__(self, "public_ip", _address(kind, "public_ip", self.public_ip))
+        _str(kind, "backend_type", self.backend_type)
+        object.__setattr__(self, "backend_data", _dict(kind, "backend_data", self.backend_data))
+
+    def to_json(self) -> bytes:
+        return _dumps(
+            {
+                "node": self.node,
+                "public_ip": str(self.public_ip),
+                "backend_type": self.backend_type,
+                "backend_data": self.backend_data,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str, subnet: IPv4Network | str, lease_id: int | None = None) -> Self:
+        kind = f"{cls._KIND} {subnet}"
+        obj = _load(kind, data)
+        node = _field(kind, obj, "node")
+        check_node_name(node, kind, "node")
+        return cls(
+            subnet=_network(kind, "subnet", subnet),
+            node=node,
+            public_ip=_address(kind, "public_ip", _field(kind, obj, "public_ip")),
+            backend_type=_str(kind, "backend_type", _field(kind, obj, "backend_type")),
+            backend_data=_dict(kind, "backend_data", obj.get("backend_data", {})),
+            lease_id=lease_id or None,
+        )
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """One item of ``Datastore.watch_nodes()``.
+
+    ``snapshot`` carries every node (``nodes``); ``put`` carries ``name`` and ``record``;
+    ``delete`` carries ``name`` (the key vanished: removed, or its lease expired).
+    """
+
+    kind: Literal["snapshot", "put", "delete"]
+    name: str | None = None
+    record: NodeRecord | None = None
+    nodes: dict[str, NodeRecord] | None = field(default=None, hash=False)
+
+
+# -- keys ------------------------------------------------------------------------
+
+
+def normalize_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not prefix.startswith("/") or prefix.rstrip("/") == "":
+        raise ValueError(f"etcd prefix must be an absolute key path like '/agentd', got {prefix!r}")
+    return prefix.rstrip("/")
+
+
+def config_key(prefix: str) -> bytes:
+    return f"{prefix}/config".encode()
+
+
+def nodes_prefix(prefix: str) -> bytes:
+    return f"{prefix}/nodes/".encode()
+
+
+def node_key(prefix: str, name: str) -> bytes:
+    return nodes_prefix(prefix) + check_node_name(name).encode()
+
+
+def subnets_prefix(prefix: str) -> bytes:
+    return f"{prefix}/subnets/".encode()
+
+
+def subnet_key(prefix: str, subnet: IPv4Network) -> bytes:
+    """``/agentd/subnets/10.244.3.0-24`` (flannel's key format)."""
+    return subnets_prefix(prefix) + f"{subnet.network_address}-{subnet.prefixlen}".encode()
+
+
+def parse_subnet_key(prefix: str, key: bytes | str) -> IPv4Network:
+    """The subnet named by a ``<prefix>/subnets/<ip>-<len>`` key; RecordError if it is not one."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    head = subnets_prefix(prefix).decode()
+    if not text.startswith(head):
+        raise RecordError(f"subnet key {text!r} is not under {head!r}")
+    ip, sep, length = text[len(head) :].rpartition("-")
+    if not sep or not length.isdigit():
+        raise RecordError(f"subnet key {text!r} is not of the form <ip>-<len>")
+    try:
+        return IPv4Network(f"{ip}/{int(length)}")
+    except ValueError as e:
+        raise RecordError(f"subnet key {text!r} does not name an IPv4 subnet ({e})") from None
+
+
+def parse_node_key(prefix: str, key: bytes | str) -> str:
+    """The node name of a ``<prefix>/nodes/<name>`` key; RecordError if it is not one."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    head = nodes_prefix(prefix).decode()
+    if not text.startswith(head):
+        raise RecordError(f"node key {text!r} is not under {head!r}")
+    return check_node_name(text[len(head) :], f"node key {text!r}")
+
+
+def parse_node(prefix: str, key: bytes | str, value: bytes) -> NodeRecord:
+    """A node record whose name must match its key."""
+    name = parse_node_key(prefix, key)
+    record = NodeRecord.from_json(value)
+    if record.name != name:
+        raise RecordError(f"node record at key {name!r} names itself {record.name!r}")
+    return record
+
+
+# -- subnet arithmetic -------------------------------------------------------------
+
+
+def subnet_count(cidr: IPv4Network, subnet_len: int) -> int:
+    """How many /subnet_len subnets the cluster network holds."""
+    if not cidr.prefixlen <= subnet_len <= 32:
+        raise ValueError(f"subnet_len {subnet_len} does not fit in {cidr}")
+    return 1 << (subnet_len - cidr.prefixlen)
+
+
+def subnet_at(cidr: IPv4Network, subnet_len: int, index: int) -> IPv4Network:
+    """The index-th /subnet_len subnet of cidr (0 is the one at cidr's own address)."""
+    count = subnet_count(cidr, subnet_len)
+    if not 0 <= index < count:
+        raise IndexError(f"subnet index {index} is outside 0..{count - 1} for /{subnet_len} in {cidr}")
+    base = int(cidr.network_address) + (index << (32 - subnet_len))
+    return IPv4Network((base, subnet_len))
+
+
+def subnet_index(cidr: IPv4Network, subnet_len: int, subnet: IPv4Network) -> int:
+    """Inverse of subnet_at; ValueError if subnet is not one of cidr's /subnet_len subnets."""
+    if subnet.prefixlen != subnet_len or not subnet.subnet_of(cidr):
+        raise ValueError(f"{subnet} is not a /{subnet_len} subnet of {cidr}")
+    return (int(subnet.network_address) - int(cidr.network_address)) >> (32 - subnet_len)
+
+
+def is_cluster_subnet(cluster: ClusterConfig, subnet: IPv4Network) -> bool:
+    return subnet.prefixlen == cluster.subnet_len and subnet.subnet_of(cluster.cidr)
+
+
+def pick_free_subnet(
+    cidr: IPv4Network, subnet_len: int, taken: Collection[IPv4Network], rng: random.Random
+) -> IPv4Network | None:
+    """A pseudo-random subnet of cidr not in ``taken``, or None if every one is taken.
+
+    Random rather than lowest-free so that many nodes allocating at the same time
+    mostly pick different subnets and rarely lose the etcd transaction race.  Probing
+    finds a free one in a few tries while the network is less than half full; past
+    that (or for small networks) the free ones are listed and one is chosen.
+    """
+    count = subnet_count(cidr, subnet_len)
+    taken_here = {s for s in taken if s.prefixlen == subnet_len and s.subnet_of(cidr)}
+    if len(taken_here) >= count:
+        return None
+    if count > 4096 and len(taken_here) * 2 < count:
+        for _ in range(64):
+            candidate = subnet_at(cidr, subnet_len, rng.randrange(count))
+            if candidate not in taken_here:
+                return candidate
+    free = [i for i in range(count) if subnet_at(cidr, subnet_len, i) not in taken_here]
+    return subnet_at(cidr, subnet_len, rng.choice(free)) if free else None
+
+
+# -- retry pacing ------------------------------------------------------------------
+
+
+class Backoff:
+    """Exponential backoff with jitter: initial, doubling, capped (0.1 s .. 5 s by default).
+
+    The jitter (a random fraction of each delay, up to ``jitter``) keeps many agents
+    that lost etcd at the same moment from reconnecting in lockstep.
+    """
+
+    def __init__(
+        self,
+        initial: float = 0.1,
+        cap: float = 5.0,
+        factor: float = 2.0,
+        jitter: float = 0.2,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not 0 < initial <= cap or factor < 1 or not 0 <= jitter < 1:
+            raise ValueError("backoff needs 0 < initial <= cap, factor >= 1, 0 <= jitter < 1")
+        self.initial = initial
+        self.cap = cap
+        self.factor = factor
+        self.jitter = jitter
+        self._rng = rng or random.Random()
+        self._next = initial
+
+    def next(self) -> float:
+        """The delay to wait now; each call doubles the following one, up to the cap."""
+        delay = self._next
+        self._next = min(self.cap, self._next * self.factor)
+        return delay * (1.0 - self.jitter * self._rng.random())
+
+    def reset(self) -> None:
+        self._next = self.initial

@@ -1,0 +1,362 @@
+"""A real single-member etcd 3.4 server for the system tests and the lab.
+
+``EtcdServer`` runs ``/usr/bin/etcd`` (inside a lab namespace if one is given) with
+its own data directory and ports.  ``stop()`` keeps the data directory, so a later
+``start()`` brings back the same keys and leases: the datastore tests stop etcd for
+a while and start it again to check that the agent recovers by itself.
+
+Ports are picked at random below the kernel's ephemeral range (which starts at
+32768 by default) and bind-tested first, so test runs on the same machine do not
+collide; if etcd still loses a race for a port on its first start, new ports are
+picked and it is started again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import random
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentd.lab.netns import Netns
+
+ETCD_BINARY = "etcd"
+START_TIMEOUT = 20.0
+STOP_GRACE = 10.0
+# Picked ports come from here: above the well-known and registered services most
+# machines run, below the Linux default ephemeral range (32768-60999).
+PORT_RANGE = (12000, 32000)
+_LOG_TAIL_LINES = 25
+
+
+class EtcdError(RuntimeError):
+    """etcd could not be started or stopped; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """PEM files for an etcd that serves clients over TLS and requires client certificates.
+
+    ``client_cert``/``client_key`` are what a client (the datastore) presents; the
+    server's own pair is ``server_cert``/``server_key``; both are signed by ``ca``.
+    """
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+
+def make_test_pki(directory: str | os.PathLike[str], host: str = "127.0.0.1") -> EtcdTls:
+    """A throwaway CA, a server certificate for ``host`` and a client certificate (openssl)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    san = f"IP:{host}" if _is_ip(host) else f"DNS:{host}"
+
+    def openssl(*args: str) -> None:
+        proc = subprocess.run(["openssl", *args], capture_output=True, cwd=d)
+        if proc.returncode != 0:
+            raise EtcdError(f"openssl {args[0]} failed: {proc.stderr.decode(errors='replace').strip()}")
+
+    openssl("req", "-x509", *curve, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=agentd-test-ca")
+    for role, usage in (("server", "serverAuth,clientAuth"), ("client", "clientAuth")):
+        (d / f"{role}.ext").write_text(f"subjectAltName={san}\nextendedKeyUsage={usage}\n")
+        openssl("req", *curve, "-keyout", f"{role}.key", "-out", f"{role}.csr", "-subj", f"/CN=agentd-{role}")
+        openssl("x509", "-req", "-in", f"{role}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{role}.pem", "-days", "2", "-extfile", f"{role}.ext")
+    return EtcdTls(
+        ca=str(d / "ca.pem"), server_cert=str(d / "server.pem"), server_key=str(d / "server.key"),
+        client_cert=str(d / "client.pem"), client_key=str(d / "client.key"),
+    )
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class EtcdServer:
+    """One etcd member.  ``await start()``, ``await stop()``; restartable with the same data."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        *,
+        netns: Netns | None = None,
+        host: str = "127.0.0.1",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        name: str = "agentd-etcd",
+        log_path: str | None = None,
+        tls: EtcdTls | None = None,
+    ) -> None:
+        self.data_dir = str(data_dir)
+        self.tls = tls
+        self.netns = netns
+        self.host = host
+        self.name = name
+        self.log_path = log_path or f"{self.data_dir}.log"
+        self._family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        self._ports_picked = client_port is None or peer_port is None
+        self.client_port = client_port or 0
+        self.peer_port = peer_port or 0
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+        if self._ports_picked:
+            self._pick_ports(client_port, peer_port)
+
+    def __repr__(self) -> str:
+        where = f" in {self.netns.name}" if self.netns else ""
+        return f"EtcdServer({self.endpoint}{where}, pid={self.pid})"
+
+    # -- addresses ---------------------------------------------------------
+
+    def _url(self, port: int, scheme: str = "http") -> str:
+        host = f"[{self.host}]" if self._family == socket.AF_INET6 else self.host
+        return f"{scheme}://{host}:{port}"
+
+    @property
+    def endpoint(self) -> str:
+        """The client URL, e.g. ``http://127.0.0.1:23791`` (``https://`` with TLS)."""
+        return self._url(self.client_port, "https" if self.tls else "http")
+
+    @property
+    def peer_url(self) -> str:
+        return self._url(self.peer_port)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn etcd and wait until it answers ``/health``; raise EtcdError if it does not."""
+        if self.running:
+            return
+        if shutil.which(ETCD_BINARY) is None:
+            raise EtcdError(f"{ETCD_BINARY!r} not found on PATH; run `scripts/dev setup` (Debian etcd-server)")
+        first_start = not os.path.isdir(os.path.join(self.data_dir, "member"))
+        attempts = 3 if (self._ports_picked and first_start) else 1
+        for attempt in range(attempts):
+            self._spawn()
+            try:
+                await self._wait_healthy()
+                return
+            except EtcdError:
+                lost_port_race = "address already in use" in self.log_tail()
+                await self._terminate(signal.SIGKILL)
+                if not lost_port_race or attempt == attempts - 1:
+                    raise
+                # Someone took a port between our bind test and etcd's listen: try others.
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+                self._pick_ports(None, None)
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a grace period.  The data directory is kept."""
+        await self._terminate(signal.SIGTERM)
+
+    async def kill(self) -> None:
+        """SIGKILL at once (a crash); the data directory is kept."""
+        await self._terminate(signal.SIGKILL)
+
+    async def __aenter__(self) -> EtcdServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    # -- internals ---------------------------------------------------------
+
+    def _argv(self) -> list[str]:
+        client, peer = self.endpoint, self.peer_url
+        return [
+            ETCD_BINARY,
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={self.name}={peer}",
+            "--initial-cluster-state=new",
+            f"--initial-cluster-token={self.name}",
+            # Short raft timers: a single member elects itself sooner after (re)start.
+            "--heartbeat-interval=50",
+            "--election-timeout=500",
+            "--logger=zap",
+            "--log-outputs=stderr",
+        ] + (
+            [
+                f"--cert-file={self.tls.server_cert}",
+                f"--key-file={self.tls.server_key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
+            if self.tls
+            else []
+        )
+
+    def _spawn(self) -> None:
+        Path(self.data_dir).parent.mkdir(parents=True, exist_ok=True)
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._close_log()
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open while etcd runs
+        self._log_file.write(f"--- agentd lab: starting etcd {self.endpoint} at {time.ctime()} ---\n".encode())
+        self._log_file.flush()
+        kwargs = dict(
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        if self.netns is not None:
+            self._proc = self.netns.popen(self._argv(), **kwargs)
+        else:
+            self._proc = subprocess.Popen(self._argv(), **kwargs)
+
+    async def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if not self.running:
+                code = self._proc.returncode if self._proc else None
+                raise EtcdError(
+                    f"etcd {self.endpoint} exited with status {code} while starting; "
+                    f"log {self.log_path} ends:\n{self.log_tail()}"
+                )
+            if await self._healthy():
+                return
+            await asyncio.sleep(0.05)
+        raise EtcdError(
+            f"etcd {self.endpoint} did not answer /health within {START_TIMEOUT:.0f}s; "
+            f"log {self.log_path} ends:\n{self.log_tail()}"
+        )
+
+    async def _healthy(self) -> bool:
+        """GET /health over a socket opened in etcd's namespace."""
+        loop = asyncio.get_running_loop()
+        sock = self._socket()
+        writer = None
+        try:
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.client_port)), 1.0)
+            context = self._client_ssl()
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(sock=sock, ssl=context, server_hostname=self.host if context else None), 2.0
+            )
+            writer.write(f"GET /health HTTP/1.0\r\nHost: {self.host}\r\n\r\n".encode())
+            reply = await asyncio.wait_for(reader.read(), 2.0)
+            return b'"health":"true"' in reply
+        except (OSError, asyncio.TimeoutError):
+            return False
+        finally:
+            if writer is not None:
+                writer.close()
+                with contextlib.suppress(OSError, asyncio.TimeoutError):
+                    await asyncio.wait_for(writer.wait_closed(), 1.0)
+            else:
+                sock.close()
+
+    def _client_ssl(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=self.tls.ca)
+        context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        return context
+
+    def _socket(self) -> socket.socket:
+        if self.netns is None:
+            return socket.socket(self._family, socket.SOCK_STREAM)
+        with self.netns.entered():
+            return socket.socket(self._family, socket.SOCK_STREAM)
+
+    async def _terminate(self, sig: signal.Signals) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+            if not await _wait_exit(proc, STOP_GRACE if sig != signal.SIGKILL else 5.0):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                if not await _wait_exit(proc, 5.0):
+                    raise EtcdError(f"etcd pid {proc.pid} did not exit after SIGKILL")
+        self._proc = None
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def _pick_ports(self, client_port: int | None, peer_port: int | None) -> None:
+        taken: set[int] = set()
+        if client_port is None:
+            self.client_port = self._free_port(taken | {peer_port or 0})
+        taken.add(self.client_port)
+        if peer_port is None:
+            self.peer_port = self._free_port(taken)
+
+    def _free_port(self, avoid: set[int]) -> int:
+        rng = random.SystemRandom()
+        for _ in range(500):
+            port = rng.randrange(*PORT_RANGE)
+            if port in avoid:
+                continue
+            sock = self._socket()
+            try:
+                sock.bind((self.host, port))
+            except OSError:
+                continue
+            finally:
+                sock.close()
+            return port
+        raise EtcdError(f"no free TCP port on {self.host} in {PORT_RANGE[0]}-{PORT_RANGE[1]}")
+
+
+async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+@contextlib.asynccontextmanager
+async def etcd_server(
+    tmp_path: str | os.PathLike[str], netns: Netns | None = None, **kwargs
+) -> AsyncIterator[EtcdServer]:
+    """A started EtcdServer with its data under ``tmp_path``; always stopped on exit."""
+    server = EtcdServer(os.path.join(os.fspath(tmp_path), "etcd-data"), netns=netns, **kwargs)
+    try:
+        await server.start()
+        yield server
+    finally:
+        await server.stop()

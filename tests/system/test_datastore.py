@@ -1,0 +1,582 @@
+"""The datastore against a real etcd 3.4 (EtcdServer on 127.0.0.1, its own ports per test).
+
+No namespaces are needed: etcd listens on loopback only.  TTLs are short (2 s) so
+that liveness and recovery can be seen within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from ipaddress import IPv4Address, IPv4Network
+
+import aetcd
+import pytest
+
+from agentd.datastore import (
+    ClusterConfig,
+    Datastore,
+    DatastoreUnavailable,
+    NodeEvent,
+    NodeRecord,
+    SubnetExhausted,
+)
+from agentd.lab import etcd as lab_etcd
+from agentd.lab.etcd import EtcdServer
+
+CLUSTER = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+TTL = 2
+LOG = "agentd.datastore"
+
+
+@contextlib.asynccontextmanager
+async def raw(server: EtcdServer) -> AsyncIterator[aetcd.Client]:
+    """A plain aetcd client to look at (and tamper with) etcd directly."""
+    async with aetcd.Client(server.host, server.client_port, timeout=5) as client:
+        yield client
+
+
+@pytest.fixture
+async def stores(etcd_server) -> AsyncIterator:  # noqa: F811
+    """make(**kw) -> a Datastore on the test's etcd; all are closed at the end."""
+    made: list[Datastore] = []
+
+    def make(**kwargs) -> Datastore:
+        kwargs.setdefault("lease_ttl", TTL)
+        ds = Datastore([etcd_server.endpoint], **kwargs)
+        made.append(ds)
+        return ds
+
+    try:
+        yield make
+    finally:
+        await asyncio.gather(*(ds.close() for ds in made))
+
+
+def node_record(name: str, subnet: IPv4Network | None, address: str = "192.0.2.10") -> NodeRecord:
+    return NodeRecord(name, IPv4Address(address), 64512, subnet, False, None, {"vtep_mac": "02:00:00:00:00:01"})
+
+
+async def acquire(ds: Datastore, node: str, previous=None, cluster: ClusterConfig = CLUSTER):
+    return await ds.acquire_subnet(
+        node, IPv4Address("192.0.2.10"), "vxlan", {"vtep_mac": "02:00:00:00:00:01"},
+        cluster=cluster, previous=previous, timeout=30,
+    )
+
+
+async def keys(client: aetcd.Client, prefix: bytes = b"/agentd/") -> dict[bytes, aetcd.KeyValue]:
+    return {kv.key: kv for kv in await client.get_prefix(prefix)}
+
+
+async def eventually(check, timeout: float = 15.0, what: str = "condition"):
+    """Poll an async or sync predicate until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+class Collector:
+    """Runs ``watch_nodes()`` in a task and keeps every event."""
+
+    def __init__(self, ds: Datastore) -> None:
+        self.events: list[NodeEvent] = []
+        self._task = asyncio.get_running_loop().create_task(self._run(ds))
+
+    async def _run(self, ds: Datastore) -> None:
+        async for event in ds.watch_nodes():
+            self.events.append(event)
+
+    def kinds(self, start: int = 0) -> list[tuple[str, str | None]]:
+        return [(e.kind, e.name) for e in self.events[start:]]
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+# -- allocation ------------------------------------------------------------------------
+
+
+async def test_fifty_concurrent_allocators_get_distinct_subnets(etcd_server, stores):  # noqa: F811
+    clients = [stores() for _ in range(50)]
+    started = time.monotonic()
+    leases = await asyncio.gather(*(acquire(ds, f"node-{i:02d}") for i, ds in enumerate(clients)))
+    elapsed = time.monotonic() - started
+    print(f"50 concurrent allocators (50 etcd connections) done in {elapsed:.2f}s")
+
+    subnets = [lease.subnet for lease in leases]
+    assert len(set(subnets)) == 50
+    assert all(s.subnet_of(CLUSTER.cidr) and s.prefixlen == 24 for s in subnets)
+    # etcd itself holds exactly these 50 keys, each naming its node, under that node's lease.
+    async with raw(etcd_server) as client:
+        stored = await keys(client, b"/agentd/subnets/")
+    assert len(stored) == 50
+    for i, (ds, lease) in enumerate(zip(clients, leases)):
+        kv = stored[f"/agentd/subnets/{lease.subnet.network_address}-24".encode()]
+        value = json.loads(kv.value)
+        assert value == {
+            "node": f"node-{i:02d}", "public_ip": "192.0.2.10",
+            "backend_type": "vxlan", "backend_data": {"vtep_mac": "02:00:00:00:00:01"},
+        }
+        assert kv.lease == ds.lease_id == lease.lease_id
+
+
+async def test_cluster_config_first_writer_wins_under_concurrency(etcd_server, stores):  # noqa: F811
+    wanted = [ClusterConfig(IPv4Network("10.244.0.0/16"), 17 + i, "host-gw", "always") for i in range(10)]
+    clients = [stores() for _ in wanted]
+    got = await asyncio.gather(*(ds.ensure_cluster_config(w, timeout=10) for ds, w in zip(clients, wanted)))
+    assert len(set(got)) == 1, "every writer must see the same stored config"
+    winner = got[0]
+    assert sum(1 for w in wanted if w == winner) == 1
+    async with raw(etcd_server) as client:
+        stored = await client.get(b"/agentd/config")
+    assert ClusterConfig.from_json(stored.value) == winner
+    # A later writer with another opinion is told what is stored.
+    late = await stores().ensure_cluster_config(CLUSTER, timeout=10)
+    assert late == winner
+    assert await stores().get_cluster_config(timeout=10) == winner
+
+
+async def test_subnet_exhaustion_under_contention(etcd_server, stores):  # noqa: F811
+    tiny = ClusterConfig(IPv4Network("10.9.0.0/28"), 30, "host-gw", "always")
+    clients = [stores() for _ in range(6)]
+    results = await asyncio.gather(
+        *(acquire(ds, f"n{i}", cluster=tiny) for i, ds in enumerate(clients)), return_exceptions=True
+    )
+    won = [r for r in results if not isinstance(r, BaseException)]
+    lost = [r for r in results if isinstance(r, BaseException)]
+    assert sorted(r.subnet for r in won) == list(tiny.cidr.subnets(new_prefix=30))
+    assert len(lost) == 2 and all(isinstance(e, SubnetExhausted) for e in lost)
+    message = str(lost[0])
+    assert "10.9.0.0/28" in message and "all 4" in message and "\n" not in message
+
+
+# -- restarts: the same subnet comes back ------------------------------------------------
+
+
+async def test_restarted_node_gets_its_previous_subnet_back(etcd_server, stores):  # noqa: F811
+    first = stores()
+    lease = await acquire(first, "alpha")
+    await first.register_node(node_record("alpha", lease.subnet))
+    await first.close()  # a crash: nothing released, the old lease still runs its course
+
+    # With the subnet file: `previous` is preferred and taken over under the new lease.
+    second = stores()
+    again = await acquire(second, "alpha", previous=lease.subnet)
+    assert again.subnet == lease.subnet and again.lease_id == second.lease_id != lease.lease_id
+    async with raw(etcd_server) as client:
+        kv = (await keys(client))[f"/agentd/subnets/{lease.subnet.network_address}-24".encode()]
+        assert kv.lease == second.lease_id
+    await second.close()
+
+    # Without the subnet file: etcd's record of the node's subnet gives it back.
+    third = stores()
+    assert (await acquire(third, "alpha")).subnet == lease.subnet
+    # Exactly one subnet key for alpha remains.
+    assert [s for s, sl in (await third.list_subnets()).items() if sl.node == "alpha"] == [lease.subnet]
+
+
+async def test_subnet_remembered_by_node_record_and_previous_taken_by_other(etcd_server, stores):  # noqa: F811
+    ds = stores()
+    remembered = IPv4Network("10.244.77.0/24")
+    async with raw(etcd_server) as client:
+        # Only the node record survived (e.g. its subnet key was deleted by hand).
+        await client.put(b"/agentd/nodes/beta", node_record("beta", remembered).to_json())
+    assert (await acquire(ds, "beta")).subnet == remembered
+
+    # A previous subnet that another node holds is not taken from it.
+    other = stores()
+    theirs = await acquire(other, "gamma")
+    mine = await acquire(stores(), "delta", previous=theirs.subnet)
+    assert mine.subnet != theirs.subnet
+    assert (await ds.get_subnet_lease(theirs.subnet)).node == "gamma"
+
+
+# -- liveness ----------------------------------------------------------------------------
+
+
+async def test_node_without_keepalive_disappears_after_ttl(etcd_server, stores):  # noqa: F811
+    watcher = Collector(stores())
+    try:
+        await eventually(lambda: watcher.kinds() == [("snapshot", None)], what="initial snapshot")
+        node = stores()
+        lease = await acquire(node, "epsilon")
+        await node.register_node(node_record("epsilon", lease.subnet))
+        await eventually(lambda: ("put", "epsilon") in watcher.kinds(), what="put event")
+        await node.update_node(node_record("epsilon", lease.subnet, address="192.0.2.99"))
+        await eventually(
+            lambda: any(e.kind == "put" and e.record.address == IPv4Address("192.0.2.99") for e in watcher.events),
+            what="updated record",
+        )
+
+        stopped = time.monotonic()
+        await node.close()  # no more keepalives, nothing revoked: the lease must run out
+        await eventually(lambda: ("delete", "epsilon") in watcher.kinds(), timeout=TTL + 10, what="delete event")
+        print(f"node key gone {time.monotonic() - stopped:.1f}s after its keepalive stopped (ttl {TTL}s)")
+        async with raw(etcd_server) as client:
+            assert await keys(client) == {}
+    finally:
+        await watcher.stop()
+
+
+async def test_revoked_lease_is_replaced_and_same_subnet_reacquired(etcd_server, stores, caplog):  # noqa: F811
+    caplog.set_level(logging.INFO, logger=LOG)
+    ds = stores()
+    lost = []
+    ds.on_subnet_lost = lost.append
+    lease = await acquire(ds, "zeta")
+    await ds.register_node(node_record("zeta", lease.subnet))
+    await eventually(lambda: ds.lease_renewals >= 1, what="a keepalive")
+
+    async with raw(etcd_server) as client:
+        for _ in range(2):  # twice: the keepalive task must survive its own recovery
+            old = ds.lease_id
+            await client.revoke_lease(old)
+
+            async def restored():
+                stored = await keys(client)
+                node_kv = stored.get(b"/agentd/nodes/zeta")
+                subnet_kv = stored.get(f"/agentd/subnets/{lease.subnet.network_address}-24".encode())
+                return (
+                    ds.lease_id not in (None, old)
+                    and node_kv is not None and node_kv.lease == ds.lease_id
+                    and subnet_kv is not None and subnet_kv.lease == ds.lease_id
+                )
+
+            await eventually(restored, what="node and subnet back under a new lease")
+            assert ds.subnet_lease.subnet == lease.subnet
+            info = await client.get_lease_info(ds.lease_id)
+            assert info.TTL > 0
+    renewals = ds.lease_renewals
+    await eventually(lambda: ds.lease_renewals > renewals, what="keepalives after recovery")
+    assert lost == []
+    assert any("expired or was revoked" in r.getMessage() for r in caplog.records)
+
+
+async def test_subnet_taken_while_lease_gone_is_reported_not_raised(etcd_server, stores):  # noqa: F811
+    ds = stores()
+    lost = []
+    ds.on_subnet_lost = lost.append
+    lease = await acquire(ds, "eta")
+    await ds.register_node(node_record("eta", lease.subnet))
+    key = f"/agentd/subnets/{lease.subnet.network_address}-24".encode()
+    async with raw(etcd_server) as client:
+        # Another node's record replaces ours (detached from our lease), then our lease goes.
+        intruder = {"node": "theta", "public_ip": "192.0.2.20", "backend_type": "vxlan", "backend_data": {}}
+        await client.put(key, json.dumps(intruder).encode())
+        await client.revoke_lease(ds.lease_id)
+        await eventually(lambda: lost, what="on_subnet_lost")
+        assert lost[0].subnet == lease.subnet and lost[0].node == "eta"
+        assert ds.subnet_lease is None
+        assert json.loads((await client.get(key)).value)["node"] == "theta"
+        # The node record is back under the new lease; the agent can lease another subnet.
+        await eventually(
+            lambda: _lease_of(client, b"/agentd/nodes/eta", ds.lease_id), what="node record restored"
+        )
+    fresh = await acquire(ds, "eta", previous=lease.subnet)
+    assert fresh.subnet != lease.subnet
+
+
+async def _lease_of(client: aetcd.Client, key: bytes, lease_id: int | None) -> bool:
+    kv = await client.get(key)
+    return kv is not None and lease_id is not None and kv.lease == lease_id
+
+
+# -- etcd outages --------------------------------------------------------------------------
+
+
+async def test_etcd_outage_longer_than_ttl_recovers_by_itself(etcd_server, stores):  # noqa: F811
+    ds = stores()
+    states: list[bool] = []
+    ds.on_state_change = states.append
+    await ds.connect(timeout=10)
+    lease = await acquire(ds, "iota")
+    await ds.register_node(node_record("iota", lease.subnet))
+    watcher = Collector(ds)
+    try:
+        await eventually(lambda: ("snapshot", None) in watcher.kinds(), what="first snapshot")
+
+        await etcd_server.stop()
+        down_at = time.monotonic()
+        await eventually(lambda: not ds.connected, what="connected=False")
+        await asyncio.sleep(max(0.0, TTL + 1.5 - (time.monotonic() - down_at)))
+        assert not ds.connected
+        seen = len(watcher.events)
+
+        await etcd_server.start()
+        up_at = time.monotonic()
+        await eventually(lambda: ds.connected, what="connected=True")
+        await eventually(lambda: any(e.kind == "snapshot" for e in watcher.events[seen:]), what="re-sync snapshot")
+        print(f"outage {up_at - down_at:.1f}s; connected again and re-synced {time.monotonic() - up_at:.2f}s after")
+        snapshot = next(e for e in watcher.events[seen:] if e.kind == "snapshot")
+        assert "iota" in snapshot.nodes
+
+        renewals = ds.lease_renewals
+        await eventually(lambda: ds.lease_renewals > renewals, what="keepalives after the outage")
+        async with raw(etcd_server) as client:
+            stored = await keys(client)
+            node_kv = stored[b"/agentd/nodes/iota"]
+            subnet_kv = stored[f"/agentd/subnets/{lease.subnet.network_address}-24".encode()]
+            assert node_kv.lease == subnet_kv.lease == ds.lease_id
+            assert (await client.get_lease_info(ds.lease_id)).TTL > 0
+        assert ds.subnet_lease.subnet == lease.subnet
+        assert states[0] is True and False in states and states[-1] is True
+    finally:
+        await watcher.stop()
+
+
+async def test_unreachable_etcd_with_deadline_raises_quickly_and_failover_works(etcd_server, stores):  # noqa: F811
+    with socket.socket() as s:  # a port nobody listens on (bound, not listening, until the end)
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        ds = Datastore([dead], lease_ttl=TTL)
+        try:
+            started = time.monotonic()
+            with pytest.raises(DatastoreUnavailable, match="unreachable"):
+                await ds.connect(timeout=1.0)
+            with pytest.raises(DatastoreUnavailable):
+                await acquire_with_deadline(ds, 1.0)
+            assert time.monotonic() - started < 5
+            assert not ds.connected
+        finally:
+            await ds.close()
+        # The first endpoint is dead; the datastore moves on to the second.
+        both = Datastore([dead, etcd_server.endpoint], lease_ttl=TTL)
+        try:
+            await both.connect(timeout=10)
+            assert both.connected
+            assert (await acquire(both, "kappa")).node == "kappa"
+        finally:
+            await both.close()
+
+
+async def test_tls_with_client_certificates(tmp_path):
+    pki = lab_etcd.make_test_pki(tmp_path / "pki")
+    async with lab_etcd.etcd_server(tmp_path, tls=pki) as server:
+        assert server.endpoint.startswith("https://")
+        ds = Datastore([server.endpoint], lease_ttl=TTL, ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
+        try:
+            await ds.connect(timeout=10)
+            lease = await acquire(ds, "tau")
+            await ds.register_node(node_record("tau", lease.subnet))
+            events = ds.watch_nodes()
+            try:
+                snapshot = await asyncio.wait_for(anext(events), 10)
+                assert set(snapshot.nodes) == {"tau"}
+            finally:
+                await events.aclose()
+        finally:
+            await ds.close()
+        # etcd requires a client certificate: without one the handshake fails.
+        anonymous = Datastore([server.endpoint], ca=pki.ca)
+        try:
+            with pytest.raises(DatastoreUnavailable):
+                await anonymous.connect(timeout=1.5)
+        finally:
+            await anonymous.close()
+
+
+async def test_hung_etcd_with_deadline_raises_and_close_ends_watches(etcd_server, stores):  # noqa: F811
+    # A listener that never accepts or answers: calls hang rather than fail.
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        hung = Datastore([f"http://127.0.0.1:{hole.getsockname()[1]}"], lease_ttl=TTL, request_timeout=2)
+        events: list[str] = []
+
+        async def consume(ds: Datastore) -> None:
+            async for event in ds.watch_nodes():
+                events.append(event.kind)
+            events.append("ended")
+
+        consumer = asyncio.get_running_loop().create_task(consume(hung))
+        try:
+            started = time.monotonic()
+            with pytest.raises(DatastoreUnavailable) as excinfo:
+                await hung.connect(timeout=1.0)
+            assert time.monotonic() - started < 3
+            assert "\n" not in str(excinfo.value)
+        finally:
+            await hung.close()
+        await asyncio.wait_for(consumer, 10)  # ends by itself; no CancelledError leaks out
+        assert events == ["ended"]
+
+    # The same for a watch that is following a live etcd.
+    live = stores()
+    events.clear()
+    consumer = asyncio.get_running_loop().create_task(consume(live))
+    await eventually(lambda: events == ["snapshot"], what="snapshot")
+    await live.close()
+    await asyncio.wait_for(consumer, 10)
+    assert events == ["snapshot", "ended"]
+
+
+async def acquire_with_deadline(ds: Datastore, timeout: float):
+    return await ds.acquire_subnet(
+        "lambda", "192.0.2.1", "host-gw", {}, cluster=CLUSTER, timeout=timeout
+    )
+
+
+async def test_watch_resyncs_after_compaction(etcd_server, stores):  # noqa: F811
+    ds = stores()
+    writer = stores()
+    events = ds.watch_nodes()
+    try:
+        first = await asyncio.wait_for(anext(events), 10)
+        assert first.kind == "snapshot" and first.nodes == {}
+        # While the consumer holds the snapshot, history moves on and is compacted away.
+        async with raw(etcd_server) as client:
+            await client.put(b"/agentd/nodes/mu", node_record("mu", None).to_json())
+            put = await client.put(b"/agentd/nodes/nu", node_record("nu", None).to_json())
+            await client.compact(put.header.revision, physical=True)
+        following = await asyncio.wait_for(anext(events), 10)
+        assert following.kind == "snapshot" and set(following.nodes) == {"mu", "nu"}
+        # And it goes on with live events.
+        await writer.register_node(node_record("xi", None))
+        nxt = await asyncio.wait_for(anext(events), 10)
+        assert (nxt.kind, nxt.name) == ("put", "xi")
+    finally:
+        await events.aclose()
+
+
+# -- malformed records ----------------------------------------------------------------------
+
+
+async def test_malformed_records_are_logged_once_and_skipped(etcd_server, stores, caplog):  # noqa: F811
+    caplog.set_level(logging.WARNING, logger=LOG)
+    good = node_record("good", IPv4Network("10.244.1.0/24"))
+    with_extra = json.loads(node_record("extra", None).to_json())
+    with_extra["future_field"] = {"anything": 1}  # unknown keys are ignored
+    bad_nodes = {
+        b"/agentd/nodes/badjson": b"{not json",
+        b"/agentd/nodes/badtype": json.dumps({**json.loads(node_record("badtype", None).to_json()), "asn": "64512"}).encode(),
+        b"/agentd/nodes/missing": json.dumps({"name": "missing"}).encode(),
+        b"/agentd/nodes/mismatch": node_record("someone-else", None).to_json(),
+    }
+    async with raw(etcd_server) as client:
+        await client.put(b"/agentd/nodes/good", good.to_json())
+        await client.put(b"/agentd/nodes/extra", json.dumps(with_extra).encode())
+        for key, value in bad_nodes.items():
+            await client.put(key, value)
+        await client.put(b"/agentd/subnets/10.244.2.0-24", b"[]")
+        await client.put(b"/agentd/subnets/not-a-subnet", b"{}")
+        await client.put(
+            b"/agentd/subnets/10.244.3.0-24",
+            json.dumps({"node": "good", "public_ip": "192.0.2.1", "backend_type": "host-gw", "backend_data": {}}).encode(),
+        )
+
+        ds = stores()
+        nodes = await ds.list_nodes()
+        assert set(nodes) == {"good", "extra"} and nodes["good"] == good
+        subnets = await ds.list_subnets()
+        assert set(subnets) == {IPv4Network("10.244.3.0/24")}
+        warnings = [r.getMessage() for r in caplog.records if r.name == LOG]
+        assert len(warnings) == 6, warnings
+        assert all("\n" not in w and "malformed" in w for w in warnings)
+        assert any("badjson" in w and "not valid JSON" in w for w in warnings)
+        assert any("badtype" in w and "'asn'" in w for w in warnings)
+        await ds.list_nodes()
+        await ds.list_subnets()
+        assert len([r for r in caplog.records if r.name == LOG]) == 6, "logged once per record"
+
+        # The watch skips them too, and a record that turns bad is reported as deleted.
+        events = ds.watch_nodes()
+        try:
+            snapshot = await asyncio.wait_for(anext(events), 10)
+            assert set(snapshot.nodes) == {"good", "extra"}
+            await client.put(b"/agentd/nodes/badjson", b"still not json")
+            await client.put(b"/agentd/nodes/good", b'{"name": "good"}')
+            event = await asyncio.wait_for(anext(events), 10)
+            assert (event.kind, event.name) == ("delete", "good")
+            await client.put(b"/agentd/nodes/good", good.to_json())
+            event = await asyncio.wait_for(anext(events), 10)
+            assert (event.kind, event.name, event.record) == ("put", "good", good)
+        finally:
+            await events.aclose()
+
+        # A malformed subnet key still counts as taken: allocation never overwrites it.
+        small = ClusterConfig(IPv4Network("10.244.0.0/22"), 24, "host-gw", "always")
+        got = {(await acquire(stores(), f"omicron{i}", cluster=small)).subnet for i in range(2)}
+        assert got == {IPv4Network("10.244.0.0/24"), IPv4Network("10.244.1.0/24")}
+        with pytest.raises(SubnetExhausted):
+            await acquire(stores(), "omicron2", cluster=small)
+        assert (await client.get(b"/agentd/subnets/10.244.2.0-24")).value == b"[]"
+
+
+# -- leaving -----------------------------------------------------------------------------------
+
+
+async def test_release_and_remove_node_remove_exactly_that_nodes_keys(etcd_server, stores):  # noqa: F811
+    a, b = stores(), stores()
+    await a.ensure_cluster_config(CLUSTER)
+    held = {}
+    for ds, name in ((a, "pi"), (b, "rho")):
+        held[name] = await acquire(ds, name)
+        await ds.register_node(node_record(name, held[name].subnet))
+    async with raw(etcd_server) as client:
+        before = await keys(client)
+        assert len(before) == 5
+
+        assert await a.release("pi") == [held["pi"].subnet]
+        await a.remove_node("pi")
+        after = await keys(client)
+        pi_keys = {b"/agentd/nodes/pi", f"/agentd/subnets/{held['pi'].subnet.network_address}-24".encode()}
+        assert set(after) == set(before) - pi_keys
+        assert a.lease_id is None and a.subnet_lease is None and a.node is None
+
+        # `agentd leave` from a fresh process, for a node whose daemon has stopped.
+        await b.close()
+        leave = stores()
+        assert await leave.release("rho") == [held["rho"].subnet]
+        assert await leave.remove_node("rho") is True
+        assert set(await keys(client)) == {b"/agentd/config"}
+
+
+# -- the harness itself ---------------------------------------------------------------------------
+
+
+async def test_etcd_server_in_a_namespace_keeps_data_across_kill_and_restart(tmp_path, netns_factory):
+    ns = netns_factory("etcd")
+    server = EtcdServer(str(tmp_path / "data"), netns=ns)
+    # A client inside the namespace, as agents in the lab are.
+    script = (
+        "import asyncio, sys, aetcd\n"
+        "async def main():\n"
+        f"    async with aetcd.Client('127.0.0.1', {server.client_port}, timeout=5) as c:\n"
+        "        if sys.argv[1] == 'put':\n"
+        "            await c.put(b'/agentd/probe', b'kept')\n"
+        "        else:\n"
+        "            print((await c.get(b'/agentd/probe')).value.decode())\n"
+        "asyncio.run(main())\n"
+    )
+    try:
+        await server.start()
+        assert server.running and server.pid in ns.pids()
+        with socket.socket() as probe:  # it listens on the namespace's loopback, not ours
+            assert probe.connect_ex(("127.0.0.1", server.client_port)) != 0
+        await ns.aexec(sys.executable, "-c", script, "put")
+        await server.kill()  # a crash
+        assert not server.running and server.pid is None
+        await server.start()  # same data dir, same ports
+        _, out, _ = await ns.aexec(sys.executable, "-c", script, "get")
+        assert out.decode().strip() == "kept"
+        await server.stop()
+        assert not server.running
+        with open(server.log_path) as log:
+            assert log.read().count("agentd lab: starting etcd") == 2
+    finally:
+        await server.stop()

@@ -1,0 +1,335 @@
+"""Datastore records, keys, subnet arithmetic and backoff: pure, no etcd."""
+
+from __future__ import annotations
+
+import json
+import random
+from ipaddress import IPv4Address, IPv4Network
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agentd._datastore_etcd import is_lease_not_found, is_transient, parse_endpoint
+from agentd._datastore_records import (
+    Backoff,
+    ClusterConfig,
+    NodeEvent,
+    NodeRecord,
+    RecordError,
+    SubnetLease,
+    check_node_name,
+    node_key,
+    normalize_prefix,
+    parse_node,
+    parse_node_key,
+    parse_subnet_key,
+    pick_free_subnet,
+    subnet_at,
+    subnet_count,
+    subnet_index,
+    subnet_key,
+)
+from agentd.datastore import Datastore
+
+NODE_JSON = {
+    "name": "node-1",
+    "address": "192.0.2.1",
+    "asn": 64512,
+    "subnet": "10.244.3.0/24",
+    "route_reflector": False,
+    "cluster_id": None,
+    "backend": {"vtep_mac": "02:00:00:00:00:01"},
+}
+SUBNET_JSON = {"node": "node-1", "public_ip": "192.0.2.1", "backend_type": "vxlan", "backend_data": {"vni": 1}}
+
+
+def dumps(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def one_line_error(excinfo) -> str:
+    message = str(excinfo.value)
+    assert message and "\n" not in message
+    return message
+
+
+# -- ClusterConfig -----------------------------------------------------------------------
+
+
+def test_cluster_config_round_trip_and_design_keys():
+    config = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "cross-subnet")
+    assert json.loads(config.to_json()) == {
+        "cidr": "10.244.0.0/16", "subnet_len": 24, "backend": "vxlan", "encap": "cross-subnet"
+    }
+    assert ClusterConfig.from_json(config.to_json()) == config
+    assert config.subnet_count == 256
+    assert ClusterConfig("10.244.0.0/16", 24, "udp", "always").cidr == IPv4Network("10.244.0.0/16")
+
+
+@pytest.mark.parametrize(
+    ("obj", "needle"),
+    [
+        ({"cidr": "10.244.1.0/16", "subnet_len": 24, "backend": "vxlan", "encap": "always"}, "host bits"),
+        ({"cidr": "10.244.0.0/16", "subnet_len": 8, "backend": "vxlan", "encap": "always"}, "subnet_len"),
+        ({"cidr": "10.244.0.0/16", "subnet_len": 31, "backend": "vxlan", "encap": "always"}, "16..30"),
+        ({"cidr": "10.244.0.0/16", "subnet_len": True, "backend": "vxlan", "encap": "always"}, "integer"),
+        ({"cidr": "10.244.0.0/16", "subnet_len": "24", "backend": "vxlan", "encap": "always"}, "integer"),
+        ({"cidr": "10.244.0.0/16", "subnet_len": 24, "backend": "gre", "encap": "always"}, "'backend'"),
+        ({"cidr": "10.244.0.0/16", "subnet_len": 24, "backend": "vxlan", "encap": "never"}, "'encap'"),
+        ({"cidr": "10.244.0.0/16", "subnet_len": 24, "backend": "vxlan"}, "missing field 'encap'"),
+        ({"cidr": 10, "subnet_len": 24, "backend": "vxlan", "encap": "always"}, "'cidr' must be a string"),
+        ([], "JSON object"),
+    ],
+)
+def test_cluster_config_rejects_bad_values(obj, needle):
+    with pytest.raises(RecordError) as excinfo:
+        ClusterConfig.from_json(dumps(obj))
+    assert needle in one_line_error(excinfo)
+    assert one_line_error(excinfo).startswith("cluster config")
+
+
+def test_bad_json_is_one_clear_line():
+    for data in (b"{not json", b"\xff\xfe", b""):
+        with pytest.raises(RecordError) as excinfo:
+            ClusterConfig.from_json(data)
+        assert "not valid JSON" in one_line_error(excinfo)
+
+
+# -- NodeRecord ---------------------------------------------------------------------------
+
+
+def test_node_record_round_trip_and_design_keys():
+    record = NodeRecord.from_json(dumps(NODE_JSON))
+    assert record == NodeRecord(
+        "node-1", IPv4Address("192.0.2.1"), 64512, IPv4Network("10.244.3.0/24"), False, None,
+        {"vtep_mac": "02:00:00:00:00:01"},
+    )
+    assert json.loads(record.to_json()) == NODE_JSON
+    assert NodeRecord.from_json(record.to_json()) == record
+
+
+def test_node_record_optional_and_unknown_fields():
+    obj = {**NODE_JSON, "subnet": None, "cluster_id": "1.0.0.1", "a_future_field": [1, 2]}
+    del obj["backend"]
+    record = NodeRecord.from_json(dumps(obj))
+    assert record.subnet is None and record.cluster_id == "1.0.0.1" and record.backend == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"asn": "64512"}, "'asn' must be an integer, got str"),
+        ({"asn": True}, "'asn' must be an integer, got bool"),
+        ({"asn": 0}, "'asn' = 0 is outside"),
+        ({"asn": 2**32}, "outside"),
+        ({"address": "300.1.1.1"}, "'address'"),
+        ({"address": None}, "'address' must be a string, got null"),
+        ({"subnet": "10.244.3.1/24"}, "'subnet'"),
+        ({"route_reflector": "yes"}, "'route_reflector' must be true or false"),
+        ({"cluster_id": 7}, "'cluster_id' must be a string"),
+        ({"backend": []}, "'backend' must be an object"),
+        ({"name": ""}, "'name'"),
+        ({"name": "a/b"}, "must not contain '/'"),
+        ({"name": "a b"}, "must not contain"),
+    ],
+)
+def test_node_record_rejects_ill_typed_fields(change, needle):
+    with pytest.raises(RecordError) as excinfo:
+        NodeRecord.from_json(dumps({**NODE_JSON, **change}))
+    assert needle in one_line_error(excinfo)
+
+
+@pytest.mark.parametrize("missing", ["name", "address", "asn", "subnet", "route_reflector"])
+def test_node_record_missing_fields(missing):
+    obj = dict(NODE_JSON)
+    del obj[missing]
+    with pytest.raises(RecordError, match=f"missing field '{missing}'"):
+        NodeRecord.from_json(dumps(obj))
+
+
+def test_node_record_constructor_validates_too():
+    with pytest.raises(RecordError):
+        NodeRecord("n", "192.0.2.1", -1, None, False, None, {})
+    record = NodeRecord("n", "192.0.2.1", 65000, "10.244.0.0/24", True, None, {})
+    assert record.address == IPv4Address("192.0.2.1") and record.subnet == IPv4Network("10.244.0.0/24")
+
+
+def test_parse_node_checks_key_and_name_agree():
+    assert parse_node("/agentd", b"/agentd/nodes/node-1", dumps(NODE_JSON)).name == "node-1"
+    with pytest.raises(RecordError, match="names itself 'node-1'"):
+        parse_node("/agentd", b"/agentd/nodes/node-2", dumps(NODE_JSON))
+    with pytest.raises(RecordError):
+        parse_node_key("/agentd", b"/agentd/nodes/a/b")
+    with pytest.raises(RecordError):
+        parse_node_key("/agentd", b"/other/nodes/a")
+
+
+# -- SubnetLease ----------------------------------------------------------------------------
+
+
+def test_subnet_lease_json_is_the_design_keys_and_subnet_comes_from_the_key():
+    lease = SubnetLease.from_json(dumps(SUBNET_JSON), IPv4Network("10.244.3.0/24"), lease_id=42)
+    assert lease.subnet == IPv4Network("10.244.3.0/24") and lease.lease_id == 42
+    assert json.loads(lease.to_json()) == SUBNET_JSON
+    assert SubnetLease.from_json(lease.to_json(), "10.244.3.0/24").lease_id is None
+    assert SubnetLease.from_json(lease.to_json(), "10.244.3.0/24", lease_id=0).lease_id is None
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"node": None}, "'node' must be a string"),
+        ({"public_ip": "nope"}, "'public_ip'"),
+        ({"backend_type": 3}, "'backend_type'"),
+        ({"backend_data": "x"}, "'backend_data' must be an object"),
+    ],
+)
+def test_subnet_lease_rejects_ill_typed_fields(change, needle):
+    with pytest.raises(RecordError) as excinfo:
+        SubnetLease.from_json(dumps({**SUBNET_JSON, **change}), "10.244.3.0/24")
+    message = one_line_error(excinfo)
+    assert needle in message and "10.244.3.0/24" in message
+
+
+def test_records_with_dict_fields_are_frozen_values():
+    lease = SubnetLease.from_json(dumps(SUBNET_JSON), "10.244.3.0/24")
+    with pytest.raises(AttributeError):
+        lease.node = "other"  # type: ignore[misc]
+    assert NodeEvent("delete", name="x") == NodeEvent("delete", name="x")
+
+
+# -- keys ----------------------------------------------------------------------------------------
+
+
+def test_keys_follow_the_design():
+    assert subnet_key("/agentd", IPv4Network("10.244.3.0/24")) == b"/agentd/subnets/10.244.3.0-24"
+    assert node_key("/agentd", "n1") == b"/agentd/nodes/n1"
+    assert parse_subnet_key("/agentd", b"/agentd/subnets/10.244.3.0-24") == IPv4Network("10.244.3.0/24")
+    assert normalize_prefix("/agentd/") == "/agentd"
+    for bad in ("agentd", "/", ""):
+        with pytest.raises(ValueError):
+            normalize_prefix(bad)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [b"/agentd/subnets/10.244.3.0", b"/agentd/subnets/10.244.3.1-24", b"/agentd/subnets/x-24",
+     b"/agentd/subnets/10.244.3.0-33", b"/agentd/nodes/n1", b"/agentd/subnets/10.244.3.0-"],
+)
+def test_bad_subnet_keys(key):
+    with pytest.raises(RecordError) as excinfo:
+        parse_subnet_key("/agentd", key)
+    one_line_error(excinfo)
+
+
+def test_node_names():
+    assert check_node_name("worker-1.example.com") == "worker-1.example.com"
+    for bad in ("", "a" * 254, "a\tb", "a\x00b", 5):
+        with pytest.raises(RecordError):
+            check_node_name(bad)
+
+
+# -- subnet arithmetic ------------------------------------------------------------------------------
+
+
+def test_subnet_at_and_index_are_inverse():
+    cidr = IPv4Network("10.244.0.0/16")
+    assert subnet_count(cidr, 24) == 256
+    assert subnet_at(cidr, 24, 0) == IPv4Network("10.244.0.0/24")
+    assert subnet_at(cidr, 24, 255) == IPv4Network("10.244.255.0/24")
+    assert subnet_at(IPv4Network("10.9.0.0/28"), 30, 3) == IPv4Network("10.9.0.12/30")
+    for i in (0, 1, 77, 255):
+        assert subnet_index(cidr, 24, subnet_at(cidr, 24, i)) == i
+    with pytest.raises(IndexError):
+        subnet_at(cidr, 24, 256)
+    with pytest.raises(ValueError):
+        subnet_index(cidr, 24, IPv4Network("10.245.0.0/24"))
+    with pytest.raises(ValueError):
+        subnet_count(cidr, 15)
+
+
+@given(st.integers(8, 30), st.integers(0, 8), st.data())
+def test_subnet_at_stays_inside_and_aligned(prefixlen, extra, data):
+    subnet_len = min(30, prefixlen + extra)
+    cidr = IPv4Network((0x0A000000 >> (32 - prefixlen) << (32 - prefixlen), prefixlen))
+    index = data.draw(st.integers(0, subnet_count(cidr, subnet_len) - 1))
+    subnet = subnet_at(cidr, subnet_len, index)
+    assert subnet.subnet_of(cidr) and subnet.prefixlen == subnet_len
+    assert subnet_index(cidr, subnet_len, subnet) == index
+
+
+def test_pick_free_subnet_finds_the_last_free_one_and_none_when_full():
+    cidr = IPv4Network("10.9.0.0/28")
+    all4 = list(cidr.subnets(new_prefix=30))
+    rng = random.Random(1)
+    assert pick_free_subnet(cidr, 30, all4[:3], rng) == all4[3]
+    assert pick_free_subnet(cidr, 30, all4, rng) is None
+    # Subnets outside the cluster network do not count as taken.
+    assert pick_free_subnet(cidr, 30, [*all4[:3], IPv4Network("10.10.0.0/30")], rng) == all4[3]
+
+
+def test_pick_free_subnet_spreads_choices_and_probes_large_networks():
+    rng = random.Random(7)
+    cidr = IPv4Network("10.244.0.0/16")
+    picks = {pick_free_subnet(cidr, 24, [], rng) for _ in range(50)}
+    assert len(picks) > 30, "concurrent allocators should rarely pick the same subnet"
+    huge = IPv4Network("10.0.0.0/8")  # 4M /30s: found by probing, never listed
+    taken = {subnet_at(huge, 30, i) for i in range(1000)}
+    got = pick_free_subnet(huge, 30, taken, rng)
+    assert got is not None and got not in taken and got.subnet_of(huge)
+
+
+# -- backoff --------------------------------------------------------------------------------------
+
+
+def test_backoff_doubles_to_the_cap_with_bounded_jitter():
+    backoff = Backoff(initial=0.1, cap=5.0, jitter=0.2, rng=random.Random(3))
+    delays = [backoff.next() for _ in range(12)]
+    nominal = [min(5.0, 0.1 * 2**i) for i in range(12)]
+    for got, want in zip(delays, nominal):
+        assert want * 0.8 <= got <= want
+    assert max(delays) <= 5.0 and delays[-1] >= 4.0
+    backoff.reset()
+    assert backoff.next() <= 0.1
+    with pytest.raises(ValueError):
+        Backoff(initial=0)
+
+
+# -- endpoints and construction (no connection is made) ---------------------------------------------
+
+
+def test_endpoints_parse_and_bad_ones_are_one_line():
+    ep = parse_endpoint("http://127.0.0.1:2379")
+    assert (ep.host, ep.port, ep.tls) == ("127.0.0.1", 2379, False)
+    assert parse_endpoint("https://etcd.example:2380").tls
+    assert parse_endpoint("10.0.0.1").port == 2379
+    for bad in ("ftp://x:1", "http://:2379", "http://h:99999", "http://h:1/path", ""):
+        with pytest.raises(ValueError) as excinfo:
+            parse_endpoint(bad)
+        one_line_error(excinfo)
+
+
+def test_datastore_rejects_bad_settings_before_connecting(tmp_path):
+    for kwargs in ({"lease_ttl": 0}, {"lease_ttl": True}, {"prefix": "agentd"}, {"ca": "/x"}):
+        with pytest.raises(ValueError) as excinfo:
+            Datastore(["http://127.0.0.1:2379"], **kwargs)
+        one_line_error(excinfo)
+    with pytest.raises(ValueError, match="at least one"):
+        Datastore([])
+    with pytest.raises(ValueError, match="ca file"):
+        Datastore(["https://127.0.0.1:2379"], ca=str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="together"):
+        Datastore(["https://127.0.0.1:2379"], cert=str(tmp_path / "c.pem"))
+    ds = Datastore("http://127.0.0.1:2379", prefix="/x/")
+    assert ds.endpoints == ["http://127.0.0.1:2379"] and ds.prefix == "/x" and not ds.connected
+
+
+def test_error_classification():
+    import aetcd
+
+    assert is_transient(aetcd.ConnectionFailedError("down"))
+    assert is_transient(TimeoutError())
+    assert not is_transient(aetcd.InvalidArgumentError("bad"))
+    assert not is_transient(ValueError("x"))
+    assert not is_lease_not_found(aetcd.ClientError("etcdserver: requested lease not found"))
