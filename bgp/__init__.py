@@ -1,0 +1,39 @@
+"""agentd's BGP-4 speaker: sans-IO sessions and FSM, RIB, best path, route reflection.
+
+Knows nothing of Linux, etcd or the agent.  ``Speaker`` is the sans-IO core,
+``SpeakerService`` runs it on asyncio, ``MemoryNetwork`` wires speakers together
+in memory for tests.
+"""
+
+from .bestpath import Reason, rank, select
+from .fsm import TRANSITIONS, Event, IllegalTransition, State, transition
+from .peer import Peer
+from .rib import AdjRibIn, BestPathChange, Path, Rib, Source
+from .session import Negotiated, Session
+from .settings import LocalSettings, PeerSettings
+from .speaker import Origination, Speaker
+from .transport import SpeakerService
+
+__all__ = [
+    "AdjRibIn",
+    "BestPathChange",
+    "Event",
+    "IllegalTransition",
+    "LocalSettings",
+    "Negotiated",
+    "Origination",
+    "Path",
+    "Peer",
+    "PeerSettings",
+    "Reason",
+    "Rib",
+    "Session",
+    "Source",
+    "Speaker",
+    "SpeakerService",
+    "State",
+    "TRANSITIONS",
+    "rank",
+    "select",
+    "transition",
+]

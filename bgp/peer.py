@@ -1,0 +1,314 @@
+"""One configured neighbour, sans-IO: its FSM sessions, restarts with backoff, collisions.
+
+A :class:`Peer` owns a main :class:`~bgp.session.Session` and, while two TCP
+connections race, a second one (RFC 4271 §6.8 connection collision).  It restarts
+a failed session after an exponentially growing, jittered delay (the IdleHoldTimer
+of RFC 4271 §8.1.1) and tells the speaker what happened as :class:`PeerEvent` s.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from proto.capabilities import GracefulRestart
+from proto.messages import Notification, Update
+
+from .fsm import State
+from .session import (
+    Action,
+    Close,
+    Established,
+    Negotiated,
+    OpenReceived,
+    RouteRefreshReceived,
+    Session,
+    SessionDown,
+    UpdateReceived,
+)
+from .settings import LocalSettings, PeerSettings
+
+
+@dataclass(frozen=True)
+class PeerUp:
+    negotiated: Negotiated
+    local_address: str | None
+
+
+@dataclass(frozen=True)
+class PeerUpdate:
+    update: Update
+
+
+@dataclass(frozen=True)
+class PeerRouteRefresh:
+    afi: int
+    safi: int
+
+
+@dataclass(frozen=True)
+class PeerDown:
+    reason: str
+    # The peer's routes may be kept (RFC 4724 §4.2): the session ended without a NOTIFICATION
+    # and the peer had advertised graceful restart.
+    graceful: bool
+    peer_graceful_restart: GracefulRestart | None
+
+
+PeerEvent = PeerUp | PeerUpdate | PeerRouteRefresh | PeerDown
+
+
+class Peer:
+    def __init__(
+        self,
+        local: LocalSettings,
+        settings: PeerSettings,
+        *,
+        conn_ids: Iterator[int],
+        now: float,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.local = local
+        self.settings = settings
+        self._conn_ids = conn_ids
+        self._rng = rng or random.Random()
+        self.session = Session(local, settings, conn_ids=conn_ids, now=now)
+        self.collisions: list[Session] = []
+        self.enabled = False
+        self._restart_at: float | None = None
+        self._failures = 0
+        self._actions: list[Action] = []
+        self._events: collections.deque[PeerEvent] = collections.deque()
+        self._local_addresses: dict[int, str] = {}
+        self.established_count = 0
+        self.last_error = ""
+        self.since = now
+
+    def __repr__(self) -> str:
+        return f"<Peer {self.settings.key} {self.state.label}>"
+
+    @property
+    def key(self) -> str:
+        return self.settings.key
+
+    @property
+    def state(self) -> State:
+        return max([self.session.state, *(s.state for s in self.collisions)])
+
+    @property
+    def established(self) -> Session | None:
+        return self.session if self.session.state is State.ESTABLISHED else None
+
+    def sessions(self) -> list[Session]:
+        return [self.session, *self.collisions]
+
+    def owns(self, conn: int) -> Session | None:
+        for s in self.sessions():
+            if s.conn == conn or s._pending_connect == conn:
+                return s
+        return None
+
+    # ------------------------------------------------------------ administrative
+
+    def start(self, now: float) -> None:
+        if self.enabled:
+            return
+        self.enabled = True
+        self._failures = 0
+        self.session.start(now)
+        self._process(now)
+
+    def stop(self, now: float, notification: Notification | None) -> None:
+        self.enabled = False
+        self._restart_at = None
+        for s in self.sessions():
+            s.stop(now, notification)
+        self._process(now)
+
+    # ------------------------------------------------------------ transport inputs
+
+    def accept(self, conn: int, now: float, local_address: str | None = None) -> bool:
+        """An inbound TCP connection from this peer's address arrived."""
+        if not self.enabled:
+            return False
+        if local_address:
+            self._local_addresses[conn] = local_address
+        main = self.session
+        if main.state in (State.IDLE, State.CONNECT, State.ACTIVE) and main.conn is None:
+            if main.state is State.IDLE:
+                main.start(now, passive=True)
+            self._restart_at = None
+            main.connection_made(conn, now, outbound=False)
+        elif len(self.collisions) < 1:
+            s = Session(self.local, self.settings, conn_ids=self._conn_ids, now=now)
+            s.start(now, passive=True)
+            s.connection_made(conn, now, outbound=False)
+            self.collisions.append(s)
+        else:
+            return False
+        self._process(now)
+        return True
+
+    def connection_made(self, conn: int, now: float, local_address: str | None = None) -> None:
+        s = self.owns(conn)
+        if s is None:
+            self._actions.append(Close(conn))
+            return
+        if local_address:
+            self._local_addresses[conn] = local_address
+        s.connection_made(conn, now, outbound=True)
+        self._process(now)
+
+    def connect_failed(self, conn: int, now: float) -> None:
+        s = self.owns(conn)
+        if s is not None:
+            s.connect_failed(conn, now)
+            self._process(now)
+
+    def connection_lost(self, conn: int, now: float) -> None:
+        s = self.owns(conn)
+        if s is not None:
+            s.connection_lost(conn, now)
+            self._process(now)
+
+    def data_received(self, conn: int, data: bytes, now: float) -> None:
+        s = self.owns(conn)
+        if s is not None:
+            s.receive_data(data, now)
+            self._process(now)
+
+    def local_address(self) -> str | None:
+        conn = self.session.conn
+        return self._local_addresses.get(conn) if conn is not None else None
+
+    # ------------------------------------------------------------ time
+
+    def get_timer(self) -> float | None:
+        times = [t for t in (s.get_timer() for s in self.sessions()) if t is not None]
+        if self._restart_at is not None:
+            times.append(self._restart_at)
+        return min(times) if times else None
+
+    def handle_timer(self, now: float) -> None:
+        if self._restart_at is not None and now >= self._restart_at:
+            self._restart_at = None
+            if self.enabled and self.session.state is State.IDLE:
+                self.session.start(now)
+        for s in self.sessions():
+            t = s.get_timer()
+            if t is not None and now >= t:
+                s.handle_timer(now)
+        self._process(now)
+
+    # ------------------------------------------------------------ outputs
+
+    def take_actions(self) -> list[Action]:
+        actions, self._actions = self._actions, []
+        for s in self.sessions():
+            actions.extend(s.take_actions())
+        return actions
+
+    def next_event(self) -> PeerEvent | None:
+        return self._events.popleft() if self._events else None
+
+    def send_messages(self, messages: list[bytes], now: float) -> None:
+        self.session.send_messages(messages, now)
+
+    # ------------------------------------------------------------ the logic
+
+    def _process(self, now: float) -> None:
+        """Drain every session's events, resolve collisions, schedule restarts."""
+        progress = True
+        while progress:
+            progress = False
+            for s in self.sessions():
+                ev = s.next_event()
+                while ev is not None:
+                    progress = True
+                    self._on_session_event(s, ev, now)
+                    ev = s.next_event()
+        # Forget collision sessions that lost or lost their connection (a second FSM exists only
+        # for one TCP connection); keep their last actions (the Cease, the close).
+        for s in [s for s in self.collisions if s.state is State.IDLE or s.conn is None]:
+            s.stop(now)
+            self._actions.extend(s.take_actions())
+            self.collisions.remove(s)
+        if self.session.state is State.IDLE and self.collisions:
+            # The main session lost the race: the survivor becomes the main one.
+            self._actions.extend(self.session.take_actions())
+            self.session = self.collisions.pop(0)
+        if self.enabled and self.session.state is State.IDLE and self._restart_at is None:
+            self._restart_at = now + self._backoff()
+        for conn in [c for c in self._local_addresses if all(s.conn != c for s in self.sessions())]:
+            del self._local_addresses[conn]
+
+    def _on_session_event(self, s: Session, ev, now: float) -> None:
+        if isinstance(ev, UpdateReceived):
+            if s is self.session:
+                self._events.append(PeerUpdate(ev.update))
+        elif isinstance(ev, OpenReceived):
+            self._resolve_collision(s, ev, now)
+        elif isinstance(ev, Established):
+            if s is not self.session:
+                # A collision survivor reached Established while the main session is dead.
+                self.collisions.remove(s)
+                self._actions.extend(self.session.take_actions())
+                self.session = s
+            self._failures = 0
+            self.established_count += 1
+            self.since = now
+            self.last_error = ""
+            self._events.append(PeerUp(ev.negotiated, self._local_addresses.get(s.conn or -1)))
+        elif isinstance(ev, RouteRefreshReceived):
+            if s is self.session:
+                self._events.append(PeerRouteRefresh(ev.afi, ev.safi))
+        elif isinstance(ev, SessionDown):
+            if ev.reason and ev.reason != "stopped":
+                self.last_error = ev.reason
+            if ev.was_established:
+                self.since = now
+                gr = s.negotiated.peer_graceful_restart if s.negotiated else None
+                graceful = ev.graceful and gr is not None and self.local.graceful_restart
+                self._events.append(PeerDown(ev.reason, graceful, gr))
+
+    def _resolve_collision(self, s: Session, ev: OpenReceived, now: float) -> None:
+        """RFC 4271 §6.8, run when ``s`` has just received the peer's OPEN."""
+        for other in self.sessions():
+            if other is s or other.conn is None:
+                continue
+            if other.state is State.ESTABLISHED:
+                if ev.open.capability(GracefulRestart) is not None:
+                    # RFC 4724 §4.2: a new connection from a GR-capable peer we believe is
+                    # Established means it restarted: the old session goes, its routes stay stale.
+                    old_conn = other.conn
+                    other.connection_lost(old_conn, now)
+                    self._actions.append(Close(old_conn))
+                    self._promote(s)
+                else:
+                    s.collision_dump(now)
+                return
+            if other.state is State.OPEN_CONFIRM:
+                # Keep the connection opened by the speaker with the higher BGP Identifier.
+                if int(self.local.router_id) < int(ev.open.router_id):
+                    loser = s if s.outbound else other  # close the one we initiated
+                else:
+                    loser = other if not other.outbound else s  # close the one they initiated
+                loser.collision_dump(now)
+                if loser is self.session:
+                    self._promote(s)
+                return
+
+    def _promote(self, s: Session) -> None:
+        if s is self.session:
+            return
+        self.collisions.remove(s)
+        self.collisions.append(self.session)
+        self.session = s
+
+    def _backoff(self) -> float:
+        delay = min(self.local.backoff_max, self.local.backoff_initial * (2**self._failures))
+        self._failures = min(self._failures + 1, 16)
+        return delay * (0.75 + 0.25 * self._rng.random())
+

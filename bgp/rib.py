@@ -1,0 +1,329 @@
+"""The routing information bases (RFC 4271 §3.2): Adj-RIB-In per peer, the Loc-RIB, Adj-RIB-Out.
+
+Sized for a million prefixes in Python:
+
+* A prefix is its wire form (``bytes``, see proto.nlri), so tables are plain dicts.
+* A :class:`Path` is one set of attributes from one source and is *shared* by every
+  prefix announced with it (an UPDATE with 800 prefixes makes one Path), so a prefix
+  costs a dict slot in its peer's Adj-RIB-In and one in the Loc-RIB.
+* A Loc-RIB slot holds the single candidate Path itself, or a tuple of candidates with
+  the best first when several sources have the prefix.  Nothing else is stored per prefix:
+  the reason a path won is recomputed on demand for /rib.
+
+Changes are collected per batch (``take_changes``) so the speaker tells its listeners and
+its peers about each prefix once, with the best path before and after the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+from ipaddress import IPv4Address, IPv6Address
+
+from proto.attributes import PathAttributes
+
+from . import bestpath
+from .settings import Family
+
+Address = IPv4Address | IPv6Address
+
+
+class Source:
+    """Where paths come from: one peer's session, or this speaker itself (``local``)."""
+
+    __slots__ = ("key", "address", "asn", "local_asn", "router_id", "ibgp", "rr_client", "local")
+
+    def __init__(
+        self,
+        key: str,
+        address: Address | None,
+        asn: int,
+        local_asn: int,
+        router_id: IPv4Address,
+        *,
+        ibgp: bool,
+        rr_client: bool = False,
+        local: bool = False,
+    ) -> None:
+        self.key = key
+        self.address = address
+        self.asn = asn
+        self.local_asn = local_asn
+        self.router_id = router_id
+        self.ibgp = ibgp
+        self.rr_client = rr_client
+        self.local = local
+
+    def __repr__(self) -> str:
+        kind = "local" if self.local else ("ibgp" if self.ibgp else "ebgp")
+        return f"<Source {self.key} {kind} as{self.asn}>"
+
+
+class Path:
+    """A set of path attributes and a next hop from one source, shared by many prefixes.
+
+    ``stale`` is set when the source's session went down gracefully (RFC 4724 §4.2)
+    and the path is kept only until the peer refreshes or the restart timer runs out.
+    """
+
+    __slots__ = ("source", "attributes", "next_hop", "stale")
+
+    def __init__(self, source: Source, attributes: PathAttributes, next_hop: Address | None) -> None:
+        self.source = source
+        self.attributes = attributes
+        self.next_hop = next_hop
+        self.stale = False
+
+    def __repr__(self) -> str:
+        return f"<Path from {self.source.key} nh={self.next_hop}{' stale' if self.stale else ''}>"
+
+
+class BestPathChange(NamedTuple):
+    """The Loc-RIB best path of ``prefix`` changed: added (old None), replaced, or withdrawn (new None).
+
+    A NamedTuple, not a dataclass: a million of these are made when a full table arrives."""
+
+    family: Family
+    prefix: bytes
+    old: Path | None
+    new: Path | None
+
+
+class AdjRibIn:
+    """Routes one peer (or the local origination) gave us, per family: prefix -> Path."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.tables: dict[Family, dict[bytes, Path]] = {}
+        self._interned: dict[tuple[PathAttributes, Address | None], Path] = {}
+
+    def path(self, attributes: PathAttributes, next_hop: Address | None) -> Path:
+        """The shared Path for these attributes from this source (fresh, not stale)."""
+        key = (attributes, next_hop)
+        p = self._interned.get(key)
+        if p is None or p.stale:
+            p = Path(self.source, attributes, next_hop)
+            if len(self._interned) > 65536:
+                self._interned.clear()
+            self._interned[key] = p
+        return p
+
+    def table(self, family: Family) -> dict[bytes, Path]:
+        t = self.tables.get(family)
+        if t is None:
+            t = self.tables[family] = {}
+        return t
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.tables.values())
+
+    def count(self, family: Family) -> int:
+        return len(self.tables.get(family, ()))
+
+
+class Rib:
+    """Adj-RIBs-In for every source plus the Loc-RIB, with per-batch change tracking."""
+
+    def __init__(self) -> None:
+        self.adj_in: dict[str, AdjRibIn] = {}
+        self.loc: dict[Family, dict[bytes, Path | tuple[Path, ...]]] = {}
+        self._changes: dict[Family, dict[bytes, Path | None]] = {}
+
+    # ------------------------------------------------------------ sources
+
+    def attach(self, source: Source) -> AdjRibIn:
+        """Start (or continue, after a graceful restart) taking routes from ``source.key``."""
+        adj = self.adj_in.get(source.key)
+        if adj is None:
+            adj = self.adj_in[source.key] = AdjRibIn(source)
+        else:
+            adj.source = source
+            adj._interned.clear()
+        return adj
+
+    # ------------------------------------------------------------ updates
+
+    def announce(self, key: str, family: Family, prefixes: Iterable[bytes], path: Path) -> None:
+        adj = self.adj_in[key].table(family)
+        loc = self._loc(family)
+        changes = self._changes_for(family)
+        for prefix in prefixes:
+            old = adj.get(prefix)
+            if old is path:
+                continue  # the same announcement again
+            adj[prefix] = path
+            cur = loc.get(prefix)
+            if cur is None:
+                loc[prefix] = path
+                if prefix not in changes:
+                    changes[prefix] = None
+            elif type(cur) is Path:
+                if prefix not in changes:
+                    changes[prefix] = cur
+                if cur.source.key == key:
+                    loc[prefix] = path
+                else:
+                    loc[prefix] = _ordered((cur, path))
+            else:
+                if prefix not in changes:
+                    changes[prefix] = cur[0]
+                loc[prefix] = _ordered([c for c in cur if c.source.key != key] + [path])
+
+    def withdraw(self, key: str, family: Family, prefixes: Iterable[bytes]) -> None:
+        adj_rib = self.adj_in.get(key)
+        if adj_rib is None:
+            return
+        adj = adj_rib.table(family)
+        loc = self._loc(family)
+        changes = self._changes_for(family)
+        for prefix in prefixes:
+            if adj.pop(prefix, None) is None:
+                continue
+            self._remove_candidate(loc, changes, prefix, key)
+
+    def _remove_candidate(self, loc: dict, changes: dict, prefix: bytes, key: str) -> None:
+        cur = loc.get(prefix)
+        if cur is None:
+            return
+        if type(cur) is Path:
+            if cur.source.key == key:
+                if prefix not in changes:
+                    changes[prefix] = cur
+                del loc[prefix]
+            return
+        rest = [c for c in cur if c.source.key != key]
+        if len(rest) == len(cur):
+            return
+        if prefix not in changes:
+            changes[prefix] = cur[0]
+        loc[prefix] = rest[0] if len(rest) == 1 else _ordered(rest)
+
+    def drop(self, key: str) -> int:
+        """Withdraw everything from ``key`` (session down without graceful restart); returns count."""
+        adj_rib = self.adj_in.pop(key, None)
+        if adj_rib is None:
+            return 0
+        n = 0
+        for family, table in adj_rib.tables.items():
+            loc = self._loc(family)
+            changes = self._changes_for(family)
+            for prefix in table:
+                self._remove_candidate(loc, changes, prefix, key)
+            n += len(table)
+        return n
+
+    def mark_stale(self, key: str, families: Iterable[Family] | None = None) -> int:
+        """RFC 4724 §4.2: keep ``key``'s routes but mark them stale; returns how many."""
+        adj_rib = self.adj_in.get(key)
+        if adj_rib is None:
+            return 0
+        n = 0
+        keep = set(families) if families is not None else set(adj_rib.tables)
+        for family in list(adj_rib.tables):
+            if family not in keep:
+                self.purge_stale(key, family, all_routes=True)
+                continue
+            table = adj_rib.tables[family]
+            for path in {id(p): p for p in table.values()}.values():
+                path.stale = True
+            n += len(table)
+            # A stale path now loses to fresh ones: re-rank prefixes that have competitors.
+            loc = self._loc(family)
+            changes = self._changes_for(family)
+            for prefix in table:
+                cur = loc.get(prefix)
+                if type(cur) is tuple:
+                    new = _ordered(cur)
+                    if new[0] is not cur[0] and prefix not in changes:
+                        changes[prefix] = cur[0]
+                    loc[prefix] = new
+        adj_rib._interned.clear()
+        return n
+
+    def purge_stale(self, key: str, family: Family | None = None, *, all_routes: bool = False) -> int:
+        """Remove ``key``'s routes still stale (End-of-RIB received or restart timer expired)."""
+        adj_rib = self.adj_in.get(key)
+        if adj_rib is None:
+            return 0
+        families = [family] if family is not None else list(adj_rib.tables)
+        n = 0
+        for fam in families:
+            table = adj_rib.tables.get(fam)
+            if not table:
+                continue
+            gone = [p for p, path in table.items() if all_routes or path.stale]
+            self.withdraw(key, fam, gone)
+            n += len(gone)
+        return n
+
+    def stale_count(self, key: str) -> int:
+        adj_rib = self.adj_in.get(key)
+        if adj_rib is None:
+            return 0
+        return sum(1 for t in adj_rib.tables.values() for p in t.values() if p.stale)
+
+    # ------------------------------------------------------------ reading
+
+    def best(self, family: Family, prefix: bytes) -> Path | None:
+        cur = self.loc.get(family, {}).get(prefix)
+        if cur is None or type(cur) is Path:
+            return cur
+        return cur[0]
+
+    def candidates(self, family: Family, prefix: bytes) -> tuple[Path, ...]:
+        cur = self.loc.get(family, {}).get(prefix)
+        if cur is None:
+            return ()
+        return (cur,) if type(cur) is Path else cur
+
+    def bests(self, family: Family) -> Iterator[tuple[bytes, Path]]:
+        for prefix, cur in self.loc.get(family, {}).items():
+            yield prefix, (cur if type(cur) is Path else cur[0])
+
+    def families(self) -> list[Family]:
+        return [f for f, t in self.loc.items() if t]
+
+    def count(self, family: Family | None = None) -> int:
+        if family is not None:
+            return len(self.loc.get(family, ()))
+        return sum(len(t) for t in self.loc.values())
+
+    # ------------------------------------------------------------ batching
+
+    def take_changes(self) -> list[BestPathChange]:
+        """Prefixes whose best path differs from what it was before the batch; resets the batch."""
+        out: list[BestPathChange] = []
+        append = out.append
+        make = BestPathChange._make
+        for family, changes in self._changes.items():
+            if not changes:
+                continue
+            get = self._loc(family).get
+            for prefix, old in changes.items():
+                cur = get(prefix)
+                new = cur if cur is None or type(cur) is Path else cur[0]
+                if new is not old:
+                    append(make((family, prefix, old, new)))
+        self._changes = {}
+        return out
+
+    def has_changes(self) -> bool:
+        return any(self._changes.values())
+
+    def _loc(self, family: Family) -> dict[bytes, Path | tuple[Path, ...]]:
+        t = self.loc.get(family)
+        if t is None:
+            t = self.loc[family] = {}
+        return t
+
+    def _changes_for(self, family: Family) -> dict[bytes, Path | None]:
+        c = self._changes.get(family)
+        if c is None:
+            c = self._changes[family] = {}
+        return c
+
+
+def _ordered(candidates: Iterable[Path]) -> tuple[Path, ...]:
+    cands = list(candidates)
+    best, _ = bestpath.select(cands)
+    return (best, *[c for c in cands if c is not best])

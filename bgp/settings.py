@@ -1,0 +1,71 @@
+"""What the speaker is told about itself and its neighbours.
+
+Plain frozen dataclasses: the agent builds them from its configuration, tests
+build them directly.  Times are seconds (floats are fine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv6Address, ip_address
+
+from proto.nlri import IPV4_UNICAST, IPV6_UNICAST
+
+Family = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    asn: int
+    router_id: IPv4Address
+    hold_time: int = 90
+    # Seconds between KEEPALIVEs; None means a third of the negotiated hold time (RFC 4271 §10).
+    keepalive_time: float | None = None
+    # ConnectRetryTime (RFC 4271 §10): how long one outbound TCP attempt may take.
+    connect_retry_time: float = 5.0
+    # After a session fails, wait backoff_initial, doubling up to backoff_max, before the next
+    # attempt (RFC 4271 §8.1.1 IdleHoldTimer, "DampPeerOscillations").
+    backoff_initial: float = 1.0
+    backoff_max: float = 30.0
+    # Set when this speaker is a route reflector (RFC 4456 §7); the cluster id.
+    cluster_id: IPv4Address | None = None
+    graceful_restart: bool = True
+    restart_time: int = 120
+    # Advertise "Restart State" (R bit): we are coming back from a restart and kept forwarding
+    # state (RFC 4724 §3); set by the agent when it adopted its kernel routes.
+    restarting: bool = False
+    # How long a GR peer's stale routes are kept after it comes back without sending End-of-RIB.
+    stale_time: float = 360.0
+    families: tuple[Family, ...] = (IPV4_UNICAST, IPV6_UNICAST)
+    # Our next hop for IPv6 routes sent over IPv4 sessions (None: the IPv4-mapped address).
+    next_hop_v6: IPv6Address | None = None
+
+    @property
+    def is_route_reflector(self) -> bool:
+        return self.cluster_id is not None
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    address: IPv4Address | IPv6Address
+    asn: int
+    port: int = 179
+    passive: bool = False
+    rr_client: bool = False
+    password: str | None = None
+    hold_time: int | None = None  # None: the local default
+    local_address: IPv4Address | IPv6Address | None = None
+    families: tuple[Family, ...] | None = None  # None: the local families
+    description: str = ""
+    # Extra fields are compared when the agent re-applies its peer set: a change restarts the peer.
+    tags: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.address, str):
+            object.__setattr__(self, "address", ip_address(self.address))
+        if isinstance(self.local_address, str):
+            object.__setattr__(self, "local_address", ip_address(self.local_address))
+
+    @property
+    def key(self) -> str:
+        return str(self.address)

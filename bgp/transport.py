@@ -1,0 +1,321 @@
+"""The one asyncio adapter: sockets and timers for a sans-IO :class:`~bgp.speaker.Speaker`.
+
+Everything protocol-related happens in the speaker; this module only listens,
+connects (with TCP MD5 signatures, RFC 2385, via Linux ``TCP_MD5SIG``), moves bytes,
+and calls ``speaker.handle_timer`` when ``speaker.get_timer()`` says so.  After every
+input it carries out ``speaker.take_actions()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterable
+from ipaddress import IPv4Address, IPv6Address, ip_address
+
+from .session import Close, Connect, Send
+from .settings import PeerSettings
+from .speaker import Origination, Speaker
+
+log = logging.getLogger("bgp.transport")
+
+TCP_MD5SIG = 14
+TCP_MD5SIG_MAXKEYLEN = 80
+READ_CHUNK = 256 * 1024
+
+
+def md5sig_option(address: str, key: bytes | None) -> bytes:
+    """``struct tcp_md5sig`` for setsockopt(IPPROTO_TCP, TCP_MD5SIG): ``key`` None removes it."""
+    addr = ip_address(address)
+    if isinstance(addr, IPv4Address):
+        sockaddr = struct.pack("=H", socket.AF_INET) + struct.pack("!H4s", 0, addr.packed)
+    else:
+        sockaddr = struct.pack("=H", socket.AF_INET6) + struct.pack("!HI16sI", 0, 0, addr.packed, 0)
+    sockaddr = sockaddr.ljust(128, b"\0")
+    key = key or b""
+    if len(key) > TCP_MD5SIG_MAXKEYLEN:
+        raise ValueError(f"TCP MD5 key longer than {TCP_MD5SIG_MAXKEYLEN} bytes")
+    return sockaddr + struct.pack("=BBHi", 0, 0, len(key), 0) + key.ljust(TCP_MD5SIG_MAXKEYLEN, b"\0")
+
+
+def _md5_peer_address(sock: socket.socket, peer: str) -> str:
+    # On an AF_INET6 socket, IPv4 peers appear as IPv4-mapped addresses.
+    a = ip_address(peer)
+    if sock.family == socket.AF_INET6 and isinstance(a, IPv4Address):
+        return f"::ffff:{a}"
+    return str(a)
+
+
+def set_md5(sock: socket.socket, peer: str, password: str | None) -> None:
+    sock.setsockopt(
+        socket.IPPROTO_TCP,
+        TCP_MD5SIG,
+        md5sig_option(_md5_peer_address(sock, peer), password.encode() if password else None),
+    )
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, service: SpeakerService, conn: int | None) -> None:
+        self.service = service
+        self.conn = conn
+        self.transport: asyncio.Transport | None = None
+        # Bytes can arrive before the speaker has been told about an outbound connection
+        # (BIRD sends its OPEN the moment it accepts): hold them until activate().
+        self.active = conn is None
+        self._early: list[bytes] = []
+
+    def activate(self) -> None:
+        self.active = True
+        early, self._early = self._early, []
+        for data in early:
+            self.data_received(data)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  (uvloop's transports are duck-typed)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.conn is None:  # inbound
+            self.service._inbound(self)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active:
+            self._early.append(data)
+        elif self.conn is not None:
+            self.service._data(self.conn, data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn is not None:
+            self.service._lost(self.conn)
+
+
+class SpeakerService:
+    """Runs a :class:`Speaker` on the asyncio loop."""
+
+    def __init__(
+        self,
+        speaker: Speaker,
+        *,
+        listen: tuple[str, int] | None = ("0.0.0.0", 179),
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.speaker = speaker
+        self.listen = listen
+        self.clock = clock
+        self.on_change = on_change
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._listen_sock: socket.socket | None = None
+        self._protocols: dict[int, _Protocol] = {}
+        self._connecting: dict[int, asyncio.Task] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._inbound_ids = _NegativeIds()
+        self._md5_keys: dict[str, str] = {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.listen is not None:
+            host, port = self.listen
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind((host, port))
+            sock.listen(128)
+            sock.setblocking(False)
+            self._listen_sock = sock
+            self._sync_md5()
+            self._server = await self._loop.create_server(lambda: _Protocol(self, None), sock=sock)
+        self.speaker.start(self.clock())
+        self._pump()
+
+    @property
+    def listen_port(self) -> int | None:
+        return self._listen_sock.getsockname()[1] if self._listen_sock else None
+
+    async def stop(self, *, graceful: bool) -> None:
+        self.speaker.stop(self.clock(), graceful=graceful)
+        self._pump()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for task in list(self._connecting.values()):
+            task.cancel()
+        for proto in list(self._protocols.values()):
+            if proto.transport is not None:
+                if graceful:
+                    # RFC 4724: leave without NOTIFICATION; an abort (RST) tells the peer at once.
+                    proto.transport.abort()
+                else:
+                    proto.transport.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        await asyncio.sleep(0)
+
+    # ------------------------------------------------------------ configuration
+
+    def set_peers(self, peers: Iterable[PeerSettings]) -> None:
+        self.speaker.set_peers(list(peers), self.clock())
+        self._sync_md5()
+        self._pump()
+
+    def set_originated(self, origins: Iterable[Origination]) -> None:
+        self.speaker.set_originated(origins, self.clock())
+        self._pump()
+
+    def call(self, fn: Callable[[Speaker, float], object]) -> object:
+        """Run ``fn(speaker, now)`` and carry out whatever it caused."""
+        result = fn(self.speaker, self.clock())
+        self._sync_md5()
+        self._pump()
+        return result
+
+    def _sync_md5(self) -> None:
+        if self._listen_sock is None:
+            return
+        wanted = {k: p.settings.password for k, p in self.speaker.peers.items() if p.settings.password}
+        for key in set(self._md5_keys) - set(wanted):
+            with contextlib.suppress(OSError):
+                set_md5(self._listen_sock, key, None)
+        for key, pw in wanted.items():
+            if self._md5_keys.get(key) != pw:
+                set_md5(self._listen_sock, key, pw)
+        self._md5_keys = wanted
+
+    # ------------------------------------------------------------ events from sockets
+
+    def _inbound(self, proto: _Protocol) -> None:
+        assert proto.transport is not None
+        peername = proto.transport.get_extra_info("peername")
+        sockname = proto.transport.get_extra_info("sockname")
+        conn = next(self._inbound_ids)
+        proto.conn = conn
+        self._protocols[conn] = proto
+        local = _unmap(sockname[0]) if sockname else None
+        if not self.speaker.accept(conn, peername[0], self.clock(), local):
+            log.info("refused BGP connection from %s (not a configured or enabled peer)", peername[0])
+            del self._protocols[conn]
+            proto.conn = None
+            proto.transport.close()
+        self._pump()
+
+    def _data(self, conn: int, data: bytes) -> None:
+        self.speaker.data_received(conn, data, self.clock())
+        self._pump()
+
+    def _lost(self, conn: int) -> None:
+        if self._protocols.pop(conn, None) is not None:
+            self.speaker.connection_lost(conn, self.clock())
+            self._pump()
+
+    # ------------------------------------------------------------ actions
+
+    def _pump(self) -> None:
+        for action in self.speaker.take_actions():
+            if isinstance(action, Send):
+                proto = self._protocols.get(action.conn)
+                if proto is not None and proto.transport is not None and not proto.transport.is_closing():
+                    proto.transport.write(action.data)
+            elif isinstance(action, Close):
+                task = self._connecting.pop(action.conn, None)
+                if task is not None:
+                    task.cancel()
+                proto = self._protocols.pop(action.conn, None)
+                if proto is not None and proto.transport is not None:
+                    proto.conn = None  # no connection_lost back into the speaker: it asked for this
+                    proto.transport.close()
+            elif isinstance(action, Connect):
+                assert self._loop is not None
+                self._connecting[action.conn] = self._loop.create_task(self._connect(action))
+        self._schedule()
+        if self.on_change is not None:
+            self.on_change()
+
+    async def _connect(self, action: Connect) -> None:
+        assert self._loop is not None
+        addr = ip_address(action.address)
+        family = socket.AF_INET6 if isinstance(addr, IPv6Address) else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            if action.password:
+                set_md5(sock, action.address, action.password)
+            if action.local_address:
+                sock.bind((action.local_address, 0))
+            await self._loop.sock_connect(sock, (action.address, action.port))
+            proto = _Protocol(self, action.conn)
+            transport, _ = await self._loop.create_connection(lambda: proto, sock=sock)
+        except asyncio.CancelledError:
+            sock.close()
+            raise
+        except OSError as err:
+            sock.close()
+            self._connecting.pop(action.conn, None)
+            log.debug("connect to %s:%s failed: %s", action.address, action.port, err)
+            self.speaker.connect_failed(action.conn, self.clock())
+            self._pump()
+            return
+        self._connecting.pop(action.conn, None)
+        self._protocols[action.conn] = proto
+        local = _unmap(transport.get_extra_info("sockname")[0])
+        self.speaker.connection_made(action.conn, self.clock(), local)
+        self._pump()
+        proto.activate()
+
+    def _schedule(self) -> None:
+        assert self._loop is not None
+        at = self.speaker.get_timer()
+        if at == self._timer_at and self._timer is not None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is None:
+            return
+        delay = max(0.0, at - self.clock())
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.speaker.handle_timer(self.clock())
+        self._pump()
+
+    # ------------------------------------------------------------ helpers
+
+    def wall_time(self, monotonic: float) -> float:
+        """Convert one of the speaker's clock readings to a UNIX timestamp."""
+        return time.time() - (self.clock() - monotonic)
+
+
+class _NegativeIds:
+    """Inbound connections get negative ids so they never clash with the speaker's outbound ones."""
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        self._n -= 1
+        return self._n
+
+
+def _unmap(address: str) -> str:
+    a = ip_address(address.split("%", 1)[0])
+    if isinstance(a, IPv6Address) and a.ipv4_mapped is not None:
+        return str(a.ipv4_mapped)
+    return str(a)

@@ -1,0 +1,245 @@
+"""Decoding the Path Attributes field of an UPDATE under RFC 4271 §6.3 and RFC 7606.
+
+Split in two so that identical attribute bytes can share one decoded result:
+
+* :func:`frame_attributes` walks the attribute headers (RFC 7606 §4 framing) and finds
+  MP_REACH_NLRI / MP_UNREACH_NLRI, which carry NLRI and so are decoded per UPDATE;
+* :func:`decode_shared` decodes every other attribute into a :class:`SharedAttributes`,
+  the part a cache may hand out again for the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from proto._attr_base import AS_TRANS, EXTENDED_LENGTH, OPTIONAL, PARTIAL, TRANSITIVE, CodecContext
+from proto.attributes import (
+    ATTRIBUTES,
+    Aggregator,
+    As4Aggregator,
+    As4Path,
+    AsPath,
+    MpReachNlri,
+    MpUnreachNlri,
+    NextHop,
+    PathAttribute,
+    PathAttributes,
+    UnknownAttribute,
+    merge_as4_path,
+    next_hop_problem,
+)
+from proto.errors import DecodeError, ErrorAction, ErrorCode, UpdateError, UpdateSubcode
+
+TAW = ErrorAction.TREAT_AS_WITHDRAW
+DISCARD = ErrorAction.ATTRIBUTE_DISCARD
+_MP_CODES = (MpReachNlri.code, MpUnreachNlri.code)
+_AS4_CODES = (As4Path.code, As4Aggregator.code)
+_SEEN_BIT = {1: 1, 2: 2, 3: 4}  # ORIGIN, AS_PATH, NEXT_HOP: the well-known mandatory ones
+
+# (flags, type code, value start, value end, attribute start) in the UPDATE body.
+Frame = tuple[int, int, int, int, int]
+
+
+class SharedAttributes(NamedTuple):
+    """The decoded non-MP attributes of one attribute block (cacheable)."""
+
+    attributes: PathAttributes
+    #: Outcomes that apply to every UPDATE carrying these bytes.
+    errors: tuple[UpdateError, ...]
+    #: Outcomes about NEXT_HOP: they only matter when the NLRI field is non-empty, since
+    #: with MP_REACH_NLRI alone NEXT_HOP is ignored (RFC 4760 §3).
+    next_hop_errors: tuple[UpdateError, ...]
+    #: Bits for ORIGIN (1), AS_PATH (2), NEXT_HOP (4) present on the wire, malformed or not.
+    seen: int
+
+
+def frame_attributes(body: bytes, start: int, end: int) -> tuple[list[Frame], UpdateError | None, bool]:
+    """Walk the attribute headers.  Returns the frames, the framing error if any
+    (RFC 7606 §4: treat-as-withdraw, the NLRI being located by the Total Path Attribute
+    Length), and whether an MP_REACH_NLRI/MP_UNREACH_NLRI attribute is among them."""
+    frames: list[Frame] = []
+    has_mp = False
+    pos = start
+    while pos < end:
+        left = end - pos
+        if left < 3 or (body[pos] & EXTENDED_LENGTH and left < 4):
+            return frames, _framing(f"{left} octet(s) left, too few for an attribute header"), has_mp
+        flags = body[pos]
+        code = body[pos + 1]
+        if flags & EXTENDED_LENGTH:
+            vstart = pos + 4
+            vend = vstart + ((body[pos + 2] << 8) | body[pos + 3])
+        else:
+            vstart = pos + 3
+            vend = vstart + body[pos + 2]
+        if vend > end:
+            if code in _MP_CODES:
+                # RFC 7606 §3 j: treat-as-withdraw needs the MP NLRI parsed; it cannot be.
+                raise DecodeError(
+                    ErrorCode.UPDATE_MESSAGE,
+                    UpdateSubcode.MALFORMED_ATTRIBUTE_LIST,
+                    b"",
+                    f"attribute {code} overruns the path attributes by {vend - end} octets",
+                )
+            return frames, _framing(f"attribute {code} overruns the path attributes by {vend - end} octets"), has_mp
+        if code in _MP_CODES:
+            if has_mp and any(f[1] == code for f in frames):
+                # RFC 7606 §3 g: MP_REACH_NLRI / MP_UNREACH_NLRI more than once.
+                raise DecodeError(
+                    ErrorCode.UPDATE_MESSAGE,
+                    UpdateSubcode.MALFORMED_ATTRIBUTE_LIST,
+                    b"",
+                    f"{'MP_REACH_NLRI' if code == 14 else 'MP_UNREACH_NLRI'} appears more than once",
+                )
+            has_mp = True
+        frames.append((flags, code, vstart, vend, pos))
+        pos = vend
+    return frames, None, has_mp
+
+
+def _framing(message: str) -> UpdateError:
+    return UpdateError(
+        TAW, ErrorCode.UPDATE_MESSAGE, UpdateSubcode.MALFORMED_ATTRIBUTE_LIST, b"", f"path attribute framing: {message}"
+    )
+
+
+def _flags_error(cls: type[PathAttribute], flags: int, raw: bytes) -> UpdateError:
+    # RFC 7606 §3 c: conflicting Optional/Transitive bits -> treat-as-withdraw, except
+    # where the attribute's own rule is attribute-discard (§3 f: ATOMIC_AGGREGATE,
+    # AGGREGATOR; RFC 6793 §6: AS4_PATH, AS4_AGGREGATOR).
+    action = DISCARD if cls.action is DISCARD else TAW
+    return UpdateError(
+        action,
+        ErrorCode.UPDATE_MESSAGE,
+        UpdateSubcode.ATTRIBUTE_FLAGS_ERROR,
+        raw,
+        f"{cls.name}: flags 0x{flags:02x} conflict with 0x{cls.flags:02x}",
+        cls.code,
+    )
+
+
+def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> SharedAttributes:
+    """Decode every non-MP attribute of ``frames``; raises DecodeError only for
+    session-reset outcomes (an unrecognized well-known attribute, RFC 4271 §6.3)."""
+    items: dict[int, PathAttribute] = {}
+    errors: list[UpdateError] = []
+    nh_errors: list[UpdateError] = []
+    seen_codes: set[int] = set()
+    seen = 0
+    for flags, code, vstart, vend, astart in frames:
+        if code in _MP_CODES:
+            continue
+        if code in seen_codes:
+            # RFC 7606 §3 g: keep the first occurrence, discard the others.
+            errors.append(
+                UpdateError(
+                    DISCARD,
+                    ErrorCode.UPDATE_MESSAGE,
+                    UpdateSubcode.MALFORMED_ATTRIBUTE_LIST,
+                    body[astart:vend],
+                    f"attribute {code} appears more than once; the repeat is discarded",
+                    code,
+                )
+            )
+            continue
+        seen_codes.add(code)
+        seen |= _SEEN_BIT.get(code, 0)
+        value = body[vstart:vend]
+        cls = ATTRIBUTES.get(code)
+        if cls is None:
+            if not flags & OPTIONAL:
+                # RFC 4271 §6.3: an unrecognized well-known attribute resets the session.
+                raise DecodeError(
+                    ErrorCode.UPDATE_MESSAGE,
+                    UpdateSubcode.UNRECOGNIZED_WELL_KNOWN_ATTRIBUTE,
+                    body[astart:vend],
+                    f"unrecognized well-known attribute {code}",
+                )
+            if flags & TRANSITIVE:
+                # RFC 4271 §5: passed on with Partial set; non-transitive ones are dropped.
+                items[code] = UnknownAttribute(code, flags & 0xE0, value)
+            continue
+        if code in _AS4_CODES and ctx.four_octet_as:
+            # RFC 6793 §3/§4.1: AS4_PATH/AS4_AGGREGATOR between NEW speakers are discarded.
+            errors.append(
+                UpdateError(
+                    DISCARD,
+                    ErrorCode.UPDATE_MESSAGE,
+                    UpdateSubcode.OPTIONAL_ATTRIBUTE_ERROR,
+                    body[astart:vend],
+                    f"{cls.name} received on a 4-octet AS session is discarded",
+                    code,
+                )
+            )
+            continue
+        if (flags ^ cls.flags) & (OPTIONAL | TRANSITIVE):
+            (nh_errors if code == 3 else errors).append(_flags_error(cls, flags, body[astart:vend]))
+            continue
+        try:
+            attr = cls.decode_value(value, flags, ctx)
+        except DecodeError as exc:
+            if exc.action is ErrorAction.SESSION_RESET:
+                raise
+            (nh_errors if code == 3 else errors).append(exc.to_update_error(code))
+            continue
+        if code == 3:
+            problem = next_hop_problem(attr.address)  # type: ignore[attr-defined]
+            if problem is not None:
+                nh_errors.append(
+                    UpdateError(
+                        TAW,
+                        ErrorCode.UPDATE_MESSAGE,
+                        UpdateSubcode.INVALID_NEXT_HOP_ATTRIBUTE,
+                        body[astart:vend],
+                        f"NEXT_HOP: {problem}",
+                        code,
+                    )
+                )
+        if flags & PARTIAL and cls.flags & OPTIONAL and cls.flags & TRANSITIVE:
+            attr = dataclasses.replace(attr, partial=True)
+        items[code] = attr
+    if not ctx.four_octet_as:
+        _merge_as4(items)
+    return SharedAttributes(PathAttributes(tuple(items.values())), tuple(errors), tuple(nh_errors), seen)
+
+
+def _merge_as4(items: dict[int, PathAttribute]) -> None:
+    """Rebuild AS_PATH/AGGREGATOR from AS4_PATH/AS4_AGGREGATOR (RFC 6793 §4.2.3)."""
+    as4_path = items.pop(As4Path.code, None)
+    as4_aggregator = items.pop(As4Aggregator.code, None)
+    if as4_path is None and as4_aggregator is None:
+        return
+    aggregator = items.get(Aggregator.code)
+    if isinstance(aggregator, Aggregator) and isinstance(as4_aggregator, As4Aggregator):
+        if aggregator.asn != AS_TRANS:
+            # Both AGGREGATOR and AS4_AGGREGATOR, and AGGREGATOR is not AS_TRANS: an OLD
+            # speaker aggregated the route after the AS4 attributes were made, so both AS4
+            # attributes are out of date and ignored.
+            return
+        items[Aggregator.code] = Aggregator(as4_aggregator.asn, as4_aggregator.address, partial=aggregator.partial)
+    as_path = items.get(AsPath.code)
+    if isinstance(as4_path, As4Path) and isinstance(as_path, AsPath):
+        items[AsPath.code] = merge_as4_path(as_path, as4_path)
+
+
+def decode_mp(
+    body: bytes, frame: Frame, ctx: CodecContext, errors: list[UpdateError]
+) -> MpReachNlri | MpUnreachNlri | None:
+    """Decode MP_REACH_NLRI/MP_UNREACH_NLRI; malformed ones reset the session (RFC 7606
+    §7.11, §5.3), attribute-discard outcomes are appended to ``errors``."""
+    flags, code, vstart, vend, astart = frame
+    cls = MpReachNlri if code == MpReachNlri.code else MpUnreachNlri
+    if (flags ^ cls.flags) & (OPTIONAL | TRANSITIVE):
+        # RFC 7606 §3 c: treat-as-withdraw; the NLRI is still parsed to know what to withdraw.
+        errors.append(_flags_error(cls, flags, body[astart:vend]))
+    try:
+        return cls.decode_value(body[vstart:vend], flags, ctx)
+    except DecodeError as exc:
+        if exc.action is ErrorAction.SESSION_RESET:
+            raise
+        errors.append(exc.to_update_error(code))
+        return None
+
+
+__all__ = ["SharedAttributes", "frame_attributes", "decode_shared", "decode_mp", "NextHop"]

@@ -1,0 +1,92 @@
+"""Adj-RIB-In / Loc-RIB bookkeeping and change batches."""
+
+from ipaddress import IPv4Address, ip_address
+
+from bgp.rib import Rib, Source
+from proto.attributes import AsPath, LocalPref, Origin, PathAttributes
+from proto.nlri import IPV4_UNICAST, prefix_from_str
+
+P1 = prefix_from_str("10.1.0.0/16")[1]
+P2 = prefix_from_str("10.2.0.0/16")[1]
+ATTRS = PathAttributes((Origin(0), AsPath(())))
+ATTRS_LP = PathAttributes((Origin(0), AsPath(()), LocalPref(200)))
+
+
+def source(addr):
+    return Source(addr, ip_address(addr), 65000, 65000, IPv4Address(addr), ibgp=True)
+
+
+def setup():
+    rib = Rib()
+    for a in ("10.0.0.1", "10.0.0.2"):
+        rib.attach(source(a))
+    return rib
+
+
+def test_paths_are_shared_by_prefixes():
+    rib = setup()
+    adj = rib.adj_in["10.0.0.1"]
+    p = adj.path(ATTRS, ip_address("10.0.0.1"))
+    assert adj.path(ATTRS, ip_address("10.0.0.1")) is p
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1, P2], p)
+    assert rib.best(IPV4_UNICAST, P1) is rib.best(IPV4_UNICAST, P2) is p
+
+
+def test_changes_report_old_and_new_best_once_per_batch():
+    rib = setup()
+    a = rib.adj_in["10.0.0.1"].path(ATTRS, ip_address("10.0.0.1"))
+    b = rib.adj_in["10.0.0.2"].path(ATTRS_LP, ip_address("10.0.0.2"))
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1], a)
+    rib.announce("10.0.0.2", IPV4_UNICAST, [P1], b)
+    (ch,) = rib.take_changes()
+    assert ch.old is None and ch.new is b  # one change for the batch, with the final best
+    rib.withdraw("10.0.0.2", IPV4_UNICAST, [P1])
+    (ch,) = rib.take_changes()
+    assert ch.old is b and ch.new is a
+    rib.withdraw("10.0.0.1", IPV4_UNICAST, [P1])
+    (ch,) = rib.take_changes()
+    assert ch.old is a and ch.new is None
+    assert rib.count() == 0
+
+
+def test_announce_then_withdraw_in_one_batch_is_no_change():
+    rib = setup()
+    a = rib.adj_in["10.0.0.1"].path(ATTRS, ip_address("10.0.0.1"))
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1], a)
+    rib.withdraw("10.0.0.1", IPV4_UNICAST, [P1])
+    assert rib.take_changes() == []
+
+
+def test_drop_withdraws_everything_from_a_source():
+    rib = setup()
+    a = rib.adj_in["10.0.0.1"].path(ATTRS, ip_address("10.0.0.1"))
+    b = rib.adj_in["10.0.0.2"].path(ATTRS, ip_address("10.0.0.2"))
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1, P2], a)
+    rib.announce("10.0.0.2", IPV4_UNICAST, [P1], b)
+    rib.take_changes()
+    assert rib.drop("10.0.0.1") == 2
+    changes = {c.prefix: c for c in rib.take_changes()}
+    assert changes[P2].new is None
+    assert changes[P1].new is b
+
+
+def test_stale_marking_and_purge():
+    rib = setup()
+    a = rib.adj_in["10.0.0.1"].path(ATTRS_LP, ip_address("10.0.0.1"))
+    b = rib.adj_in["10.0.0.2"].path(ATTRS, ip_address("10.0.0.2"))
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1, P2], a)
+    rib.announce("10.0.0.2", IPV4_UNICAST, [P1], b)
+    rib.take_changes()
+    assert rib.best(IPV4_UNICAST, P1) is a
+    assert rib.mark_stale("10.0.0.1") == 2
+    # Stale loses to fresh, but is kept where it is the only path.
+    assert rib.best(IPV4_UNICAST, P1) is b
+    assert rib.best(IPV4_UNICAST, P2) is a and a.stale
+    # The peer comes back and refreshes P2 only; then End-of-RIB purges the rest.
+    rib.attach(source("10.0.0.1"))
+    fresh = rib.adj_in["10.0.0.1"].path(ATTRS_LP, ip_address("10.0.0.1"))
+    assert fresh is not a and not fresh.stale
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P2], fresh)
+    assert rib.purge_stale("10.0.0.1") == 1
+    assert rib.best(IPV4_UNICAST, P1) is b
+    assert rib.best(IPV4_UNICAST, P2) is fresh

@@ -1,0 +1,164 @@
+"""proto.packet: checksums against the RFC 1071 reference, codecs round-trip, bad bytes raise
+DecodeError only."""
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proto import packet as P
+
+
+def test_rfc1071_example():
+    # RFC 1071 §3: the words 0001 f203 f4f5 f6f7 sum to ddf2 (with end-around carry).
+    data = bytes.fromhex("0001f203f4f5f6f7")
+    assert P.ones_sum(data) == 0xDDF2
+    assert P.checksum(data) == 0x220D == P.checksum_naive(data)
+
+
+@given(st.binary(max_size=3000), st.integers(min_value=0, max_value=1 << 20))
+def test_checksum_matches_naive_reference(data, initial):
+    assert P.checksum(data, initial) == P.checksum_naive(data, initial)
+
+
+def test_checksum_edge_cases():
+    assert P.checksum(b"") == 0xFFFF
+    assert P.checksum(b"\0\0\0") == 0xFFFF
+    assert P.checksum(b"\xff\xff") == 0 == P.checksum_naive(b"\xff\xff")
+    assert P.checksum(b"\x01") == P.checksum_naive(b"\x01") == 0xFEFF
+
+
+@given(st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.binary(min_size=20, max_size=20))
+def test_rfc1624_incremental_update_equals_recompute(old_word, new_word, rest):
+    hdr = bytearray(rest)
+    hdr[0] = 0x45  # a real header is never all zero (RFC 1624 §3 assumes as much)
+    struct.pack_into("!H", hdr, 8, old_word)
+    hdr[10:12] = b"\0\0"
+    struct.pack_into("!H", hdr, 10, P.checksum(hdr))
+    updated = P.checksum_update16(struct.unpack_from("!H", hdr, 10)[0], old_word, new_word)
+    struct.pack_into("!H", hdr, 8, new_word)
+    # Either zero representation is fine for the receiver: the sum must verify.
+    struct.pack_into("!H", hdr, 10, updated)
+    assert P.ones_sum(hdr) == 0xFFFF
+
+
+@given(st.integers(2, 255), st.integers(0, 255), st.integers(0, 0xFFFF))
+def test_decrement_ttl_keeps_header_checksum_valid(ttl, proto, ident):
+    hdr = bytearray(P.IPv4Header(src="10.0.0.1", dst="10.0.0.2", protocol=proto, ttl=ttl,
+                                 identification=ident).encode(0))
+    assert P.decrement_ttl(hdr) == ttl - 1
+    assert hdr[8] == ttl - 1
+    assert P.ipv4_header_checksum_ok(hdr)
+
+
+def test_decrement_ttl_at_one_refuses_and_leaves_packet():
+    hdr = bytearray(P.IPv4Header(src="10.0.0.1", dst="10.0.0.2", protocol=6, ttl=1).encode(0))
+    before = bytes(hdr)
+    assert P.decrement_ttl(hdr) == 0
+    assert bytes(hdr) == before
+
+
+def test_ipv4_round_trip():
+    h = P.IPv4Header(src="192.168.50.1", dst="192.168.50.2", protocol=4, ttl=64, tos=0x10,
+                     identification=7, df=True, options=b"\x01\x01\x01\x00")
+    raw = h.encode(100)
+    d = P.IPv4Header.decode(raw + b"\0" * 100)
+    assert (d.src, d.dst, d.protocol, d.ttl, d.tos, d.identification, d.df, d.options) == (
+        "192.168.50.1", "192.168.50.2", 4, 64, 0x10, 7, True, b"\x01\x01\x01\x00")
+    assert d.total_length == 124 and d.header_length == 24
+    assert P.ipv4_header_checksum_ok(raw)
+
+
+@pytest.mark.parametrize("raw, msg", [
+    (b"\x45" * 10, "needs 20 bytes"),
+    (b"\x65" + b"\0" * 19, "version 6"),
+    (b"\x44" + b"\0" * 19, "header length 16"),
+    (b"\x4f" + b"\0" * 19, "exceeds"),
+])
+def test_ipv4_decode_errors(raw, msg):
+    with pytest.raises(P.DecodeError, match=msg):
+        P.IPv4Header.decode(raw)
+
+
+@given(st.binary(max_size=80))
+def test_decoders_raise_only_decode_error(data):
+    for decode in (P.IPv4Header.decode, P.UdpHeader.decode, P.TcpHeader.decode, P.VxlanHeader.decode,
+                   P.VirtioNetHdr.decode, P.IcmpHeader.decode, P.split_ipv4, P.ipip_decapsulate):
+        try:
+            decode(data)
+        except P.DecodeError:
+            pass
+
+
+def test_flannel_udp_payload_is_exactly_the_inner_packet():
+    inner = P.tcp_packet("10.244.1.2", "10.244.2.2", P.TcpHeader(1000, 80, 1, 0, P.TCP_SYN, 65535))
+    outer = P.flannel_udp_encapsulate(inner, "192.168.50.1", "192.168.50.2")
+    ip, payload = P.split_ipv4(outer)
+    assert ip.protocol == P.IPPROTO_UDP and ip.df
+    udp = P.UdpHeader.decode(payload)
+    assert udp.dst_port == P.FLANNEL_UDP_PORT == 8285 and udp.length == 8 + len(inner)
+    assert bytes(payload[8:]) == inner
+    assert P.transport_checksum_ok(outer)
+
+
+def test_ipip_encapsulation_is_rfc2003():
+    inner = P.tcp_packet("10.244.1.2", "10.244.2.2", P.TcpHeader(1000, 80, 1, 0, P.TCP_SYN, 65535))
+    outer = P.ipip_encapsulate(inner, "192.168.50.1", "192.168.50.2")
+    assert len(outer) == 20 + len(inner)
+    hdr, got = P.ipip_decapsulate(outer)
+    assert hdr.protocol == 4 and hdr.df and hdr.ttl == 64 and hdr.src == "192.168.50.1"
+    assert bytes(got) == inner
+    with pytest.raises(P.DecodeError, match="expected 4"):
+        P.ipip_decapsulate(P.udp_datagram("1.1.1.1", "2.2.2.2", 1, 2, b"x"))
+
+
+def test_vxlan_header():
+    raw = P.VxlanHeader(vni=4096).encode()
+    assert raw == bytes.fromhex("0800000000100000") and len(raw) == 8
+    assert P.VxlanHeader.decode(raw).vni == 4096
+    with pytest.raises(P.DecodeError, match="I flag"):
+        P.VxlanHeader.decode(b"\0" * 8)
+    with pytest.raises(ValueError):
+        P.VxlanHeader(vni=1 << 24).encode()
+
+
+def test_virtio_net_hdr_both_sizes():
+    h = P.VirtioNetHdr(flags=P.VIRTIO_NET_HDR_F_NEEDS_CSUM, gso_type=P.VIRTIO_NET_HDR_GSO_TCPV4,
+                       hdr_len=52, gso_size=1448, csum_start=20, csum_offset=16)
+    raw = h.encode()
+    assert len(raw) == 10 and raw == struct.pack("<BBHHHH", 1, 1, 52, 1448, 20, 16)
+    assert P.VirtioNetHdr.decode(raw) == h
+    m = P.VirtioNetHdr(gso_size=1448, num_buffers=1)
+    assert m.size == 12 and P.VirtioNetHdr.decode(m.encode(), 12) == m
+    assert P.VNET_HDR_NONE == b"\0" * 10
+    with pytest.raises(P.DecodeError):
+        P.VirtioNetHdr.decode(b"\0" * 9)
+
+
+def test_tcp_header_round_trip_and_checksum():
+    tcp = P.TcpHeader(40000, 5201, 123456, 654321, P.TCP_ACK | P.TCP_PSH, 502,
+                      options=b"\x01\x01\x08\x0a" + bytes(8))
+    pkt = P.tcp_packet("10.244.1.2", "10.244.2.2", tcp, b"hello world")
+    assert P.transport_checksum_ok(pkt)
+    _, seg = P.split_ipv4(pkt)
+    d = P.TcpHeader.decode(seg)
+    assert (d.seq, d.ack, d.flags, d.window, d.options) == (123456, 654321, 0x18, 502, tcp.options)
+    corrupted = bytearray(pkt)
+    corrupted[-1] ^= 1
+    assert not P.transport_checksum_ok(corrupted)
+
+
+def test_icmp_net_unreachable_quotes_header_and_8_bytes():
+    offender = P.tcp_packet("10.244.1.2", "10.244.9.9", P.TcpHeader(1, 2, 3, 4, P.TCP_SYN, 5), b"x" * 50)
+    icmp = P.icmp_net_unreachable(offender, "192.168.50.1")
+    ip, body = P.split_ipv4(icmp)
+    assert (ip.src, ip.dst, ip.protocol) == ("192.168.50.1", "10.244.1.2", P.IPPROTO_ICMP)
+    h = P.IcmpHeader.decode(body)
+    assert (h.type, h.code) == (3, 0)
+    assert bytes(body[8:]) == offender[:28]
+    assert P.checksum(body) == 0
+    te = P.split_ipv4(P.icmp_time_exceeded(offender, "192.168.50.1"))[1]
+    assert (te[0], te[1]) == (11, 0)
+    fn = P.IcmpHeader.decode(P.split_ipv4(P.icmp_frag_needed(offender, "192.168.50.1", 1472))[1])
+    assert (fn.type, fn.code, fn.rest) == (3, 4, 1472)
