@@ -183,6 +183,8 @@ class BgpConfig:
     graceful_restart: bool = True
     restart_time: int = 120
     originate: tuple[IPNetwork, ...] = ()
+    # Our next hop for IPv6 routes sent over IPv4 sessions; None: the IPv4-mapped IPv6 address.
+    next_hop_v6: IPv6Address | None = None
     peers: tuple[BgpPeerConfig, ...] = ()
 
 
@@ -362,6 +364,15 @@ def _ipv4(s: str, *, unicast: bool = True) -> IPv4Address | None:
     if unicast and (addr.is_unspecified or addr.is_multicast or addr == IPv4Address("255.255.255.255")):
         raise _Bad("must be a unicast address")
     return addr
+
+
+def _ipv6_or_none(s: str) -> IPv6Address | None:
+    if not s.strip():
+        return None
+    a = _any_ip(s)
+    if not isinstance(a, IPv6Address) or a.is_unspecified or a.is_multicast:
+        raise _Bad("must be a unicast IPv6 address")
+    return a
 
 
 def _any_ip(s: str) -> IPAddress:
@@ -582,6 +593,7 @@ _KEYS = (
     _Key("bgp", "graceful_restart", _BOOL, True),
     _Key("bgp", "restart_time", _int(1, 4095), 120),  # 12-bit field, RFC 4724 §3
     _Key("bgp", "originate", _Kind((list,), "an array", _text_list, _originate), ()),
+    _Key("bgp", "next_hop_v6", _string(_ipv6_or_none), None),
     _Key("bgp", "peers", _Kind((list,), "an array of tables", _text_json, _peer_list), ()),
     _Key("api", "listen", _listen(allow_empty=False), ApiConfig.listen),
     _Key("cni", "conf_dir", _PATH, CniConfig.conf_dir),

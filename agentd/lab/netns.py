@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
 
 NETNS_DIR = "/var/run/netns"
@@ -154,6 +157,37 @@ class Netns:
             return
         self.kill_all()
         run(["ip", "netns", "del", self.name], check=False)
+
+    def connect(self, host: str, port: int, timeout: float = 5.0) -> socket.socket:
+        """A TCP connection made from inside this namespace (usable from the calling process)."""
+        with self.entered():
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect((host, port))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def http_get(self, url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+        """``GET url`` from inside the namespace; returns (status, body).  Plain HTTP/1.0 only."""
+        parts = urllib.parse.urlsplit(url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        with self.connect(host, port, timeout) as sock:
+            sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        raw = b"".join(chunks)
+        head, _, body = raw.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        return status, body
+
+    def http_json(self, url: str, timeout: float = 5.0):
+        """``GET url`` inside the namespace and decode the JSON body (any status)."""
+        return json.loads(self.http_get(url, timeout)[1])
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:

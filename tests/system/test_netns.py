@@ -1,6 +1,8 @@
 """The lab's namespace primitives keep their promises."""
 
 import socket
+import subprocess
+import time
 
 from agentd.lab import netns
 
@@ -39,3 +41,19 @@ def test_delete_kills_processes_and_is_idempotent(netns_factory):
     assert proc.wait(timeout=5) is not None
     assert not a.exists()
     a.delete()
+
+
+def test_http_get_inside_namespace(netns_factory):
+    a = netns_factory("a")
+    srv = a.popen(["python3", "-m", "http.server", "--bind", "127.0.0.1", "18080"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                status, body = a.http_get("http://127.0.0.1:18080/")
+                break
+            except OSError:
+                time.sleep(0.05)
+        assert status == 200 and b"Directory listing" in body
+    finally:
+        srv.kill()
+        srv.wait()

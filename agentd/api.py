@@ -1,0 +1,123 @@
+"""The REST and metrics API (DESIGN.md "REST"), served by aiohttp inside the agent's loop.
+
+The API knows nothing about how the answers are computed: it asks a
+:class:`StatusProvider` (the node agent, or the standalone speaker) and renders JSON.
+Metrics come from the provider's prometheus-client registry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+log = logging.getLogger("agentd.api")
+
+
+class StatusProvider(Protocol):
+    registry: CollectorRegistry
+
+    def health(self) -> tuple[bool, list[str]]: ...
+
+    def readiness(self) -> tuple[bool, list[str]]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def peers(self) -> list[dict[str, Any]]: ...
+
+    def rib(self) -> list[dict[str, Any]]: ...
+
+    def routes(self) -> list[dict[str, Any]]: ...
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        text=json.dumps(data, indent=2, sort_keys=False, default=str) + "\n",
+        status=status,
+        content_type="application/json",
+    )
+
+
+class ApiServer:
+    """``GET /healthz /readyz /status /peers /rib /routes /metrics`` on ``host:port``."""
+
+    def __init__(self, provider: StatusProvider, host: str = "127.0.0.1", port: int = 9099) -> None:
+        self.provider = provider
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get("/healthz", self._healthz),
+                web.get("/readyz", self._readyz),
+                web.get("/status", self._status),
+                web.get("/peers", self._peers),
+                web.get("/rib", self._rib),
+                web.get("/routes", self._routes),
+                web.get("/metrics", self._metrics),
+                web.post("/leave", self._leave),
+            ]
+        )
+        self.app = app
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await self._site.start()
+        if self.port == 0:
+            server = self._site._server  # the bound port, for tests that ask for port 0
+            sockets = getattr(server, "sockets", None) or []
+            if sockets:
+                self.port = sockets[0].getsockname()[1]
+        log.info("API listening on http://%s:%d", self.host, self.port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        ok, problems = self.provider.health()
+        return _json({"healthy": ok, "problems": problems}, 200 if ok else 503)
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        ok, reasons = self.provider.readiness()
+        return _json({"ready": ok, "reasons": reasons}, 200 if ok else 503)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return _json(self.provider.status())
+
+    async def _peers(self, request: web.Request) -> web.Response:
+        return _json(self.provider.peers())
+
+    async def _rib(self, request: web.Request) -> web.Response:
+        return _json(self.provider.rib())
+
+    async def _routes(self, request: web.Request) -> web.Response:
+        return _json(self.provider.routes())
+
+    async def _leave(self, request: web.Request) -> web.Response:
+        """``agentd leave`` asks the running agent to decommission its node (loopback only)."""
+        leave = getattr(self.provider, "request_leave", None)
+        if leave is None:
+            return _json({"error": "this process does not manage a node"}, 404)
+        peer = request.remote or ""
+        if peer not in ("127.0.0.1", "::1") and not peer.startswith("127."):
+            return _json({"error": "leave is only accepted from this host"}, 403)
+        leave()
+        return _json({"leaving": True}, 202)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.provider.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

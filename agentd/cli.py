@@ -1,0 +1,265 @@
+"""The ``agentd`` command line (DESIGN.md "Command line").
+
+Every command validates its arguments and configuration before touching the system
+and reports a problem as ONE line on stderr with a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, NoReturn
+
+from .config import DEFAULT_CONFIG_PATH, ConfigError, check_config, load_config
+
+DEFAULT_API = "http://127.0.0.1:9099"
+
+
+def package_version() -> str:
+    try:
+        return version("agentd")
+    except PackageNotFoundError:  # running from a source tree without an install
+        return "0+unknown"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (not usage + error) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def _overrides(pairs: list[str] | None, parser: argparse.ArgumentParser) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in pairs or []:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            parser.error(f"argument --set: expected SECTION.KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="agentd", description="Pod-network agent: etcd subnet leases, BGP, routes, tunnels.")
+    p.add_argument("--version", action="version", version=f"agentd {package_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def config_args(sp: argparse.ArgumentParser, *, required: bool = False) -> None:
+        sp.add_argument(
+            "--config", "-c", required=required, help=f"configuration file (default {DEFAULT_CONFIG_PATH})"
+        )
+        sp.add_argument(
+            "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one configuration key"
+        )
+        sp.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    sp = sub.add_parser("run", help="run the node agent")
+    config_args(sp)
+
+    sp = sub.add_parser("speaker", help="run the BGP speaker alone (route reflector, interop)")
+    config_args(sp, required=True)
+
+    sp = sub.add_parser("leave", help="decommission this node: withdraw, release the subnet, remove the node")
+    config_args(sp)
+
+    sp = sub.add_parser("status", help="peer table, subnet, backend and routes of a running agent")
+    sp.add_argument("--api", default=os.environ.get("AGENTD_STATUS_URL", DEFAULT_API), help="agent API URL")
+    sp.add_argument("--json", action="store_true", help="print the raw /status JSON")
+
+    sp = sub.add_parser("check-config", help="report every problem in a configuration without touching the system")
+    config_args(sp)
+    sp.add_argument("--show", action="store_true", help="print the effective configuration as JSON")
+
+    sp = sub.add_parser("lab", help="the multi-node lab in network namespaces on this machine")
+    from .lab.cli import add_lab_arguments
+
+    add_lab_arguments(sp)
+    return p
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, require_file: bool | None = None):
+    overrides = _overrides(args.set, parser)
+    if getattr(args, "log_level", None):
+        overrides["log.level"] = args.log_level
+    path = args.config or DEFAULT_CONFIG_PATH
+    req = bool(args.config) if require_file is None else require_file
+    return path, overrides, load_config(path, overrides=overrides, require_file=req)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args, parser)
+    except ConfigError as err:
+        sys.stderr.write(f"agentd {args.command}: {err}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cmd = args.command
+    if cmd == "check-config":
+        overrides = _overrides(args.set, parser)
+        path = args.config or DEFAULT_CONFIG_PATH
+        problems = check_config(path, overrides=overrides, require_file=bool(args.config))
+        for p in problems:
+            print(p, file=sys.stderr)
+        if problems:
+            return 1
+        if args.show:
+            print(json.dumps(load_config(path, overrides=overrides).to_dict(), indent=2))
+        else:
+            print(f"{path}: configuration OK")
+        return 0
+    if cmd == "status":
+        return status_command(args.api, as_json=args.json)
+    if cmd == "lab":
+        from .lab.cli import lab_command
+
+        return lab_command(args)
+    if cmd in ("run", "speaker", "leave"):
+        path, overrides, cfg = _load(args, parser, require_file=True if cmd == "speaker" else None)
+        setup_logging(cfg.log.level, cfg.log.format)
+        import uvloop
+
+        if cmd == "speaker":
+            from .speaker import SpeakerRuntime
+
+            def reload():
+                return load_config(path, overrides=overrides, require_file=True)
+
+            return uvloop.run(SpeakerRuntime(cfg).run(reload=reload))
+        if cmd == "run":
+            from .daemon import run_agent
+
+            return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides))
+        from .daemon import leave
+
+        return uvloop.run(leave(cfg))
+    parser.error(f"unknown command {cmd}")
+
+
+# ---------------------------------------------------------------- agentd status
+
+
+def fetch_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (operator-given URL)
+        return json.load(resp)
+
+
+def status_command(api: str, *, as_json: bool = False) -> int:
+    url = api.rstrip("/") + "/status"
+    try:
+        status = fetch_json(url)
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        sys.stderr.write(f"agentd status: cannot reach the agent at {url}: {reason}\n")
+        return 1
+    if as_json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(render_status(status))
+    return 0
+
+
+def _since(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    t = time.localtime(ts)
+    if time.time() - ts < 86400:
+        return time.strftime("%H:%M:%S", t)
+    return time.strftime("%Y-%m-%d", t)
+
+
+def render_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    sep = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    lines = [sep, "| " + " | ".join(h.center(w) for h, w in zip(headers, widths)) + " |", sep]
+    for r in rows:
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    lines.append(sep)
+    return "\n".join(lines)
+
+
+def render_status(status: dict[str, Any]) -> str:
+    node = status.get("node") or {}
+    bgp = status.get("bgp") or {}
+    routes = status.get("routes") or {}
+    ds = status.get("datastore") or {}
+    out = []
+    state = "ready" if status.get("ready") else "not ready"
+    out.append(f"agentd is running ({state}).")
+    out.append(
+        f"Node {node.get('name')}  address {node.get('address')}  AS {node.get('asn')}"
+        f"{'  route reflector' if node.get('route_reflector') else ''}"
+    )
+    out.append(f"Subnet {node.get('subnet') or '-'}  backend {node.get('backend') or '-'}")
+    out.append(
+        f"Routes programmed {routes.get('programmed', 0)}  last sync {_since(routes.get('last_sync'))}"
+        f"  datastore {'connected' if ds.get('connected') else 'DISCONNECTED'}"
+    )
+    out.append("")
+    for family, label in (("ipv4", "IPv4"), ("ipv6", "IPv6")):
+        peers = [p for p in bgp.get("peers", []) if (":" in p["address"]) == (family == "ipv6")]
+        if family == "ipv6" and not peers:
+            continue
+        out.append(f"{label} BGP status")
+        rows = []
+        for p in peers:
+            established = p.get("state") == "Established"
+            info = p.get("state", "")
+            if not established and p.get("info"):
+                info += f" ({p['info']})"
+            rows.append(
+                [
+                    p["address"],
+                    p.get("description") or p.get("type", ""),
+                    "up" if established else "down",
+                    _since(p.get("since")),
+                    info,
+                ]
+            )
+        out.append(render_table(["PEER ADDRESS", "PEER TYPE", "STATE", "SINCE", "INFO"], rows))
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

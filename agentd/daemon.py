@@ -1,0 +1,554 @@
+"""``agentd run``: the node agent.
+
+Start-up order (nothing on the system is touched before the configuration, already
+validated by the CLI, and the underlay interface check pass):
+
+1. the API (so /healthz and /readyz answer while the rest comes up);
+2. the route programmer, which ADOPTS the kernel routes a previous run left (no flush);
+   finding some means we are restarting, so BGP advertises Restart State (RFC 4724);
+3. etcd: cluster config (first writer wins), our subnet (the one we had, from the subnet
+   file or etcd), the CNI files, our node record under a liveness lease;
+4. the blackhole route for our subnet and our backend's devices;
+5. BGP: we originate our subnet; the peer set follows the node registry (mesh or route
+   reflectors) plus configured external peers; Loc-RIB changes become kernel routes.
+
+Until every peer has sent End-of-RIB (or ``restart_time`` passes) routes adopted at start
+stay installed even if not yet re-learned, so a restart never removes a route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from bgp import BestPathChange, Origination, PeerSettings, Speaker, SpeakerService, State
+from proto.nlri import prefix_to_str
+
+from . import cni_config, mesh
+from .api import ApiServer
+from .backends import Tunnels
+from .config import Config, ConfigError, load_config
+from .datastore import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
+from .forwarding import HOST_GW, PeerPlan, plan_external, plan_peer, route_for
+from .netinfo import NetInfoError, Underlay, underlay_for
+from .routing import Route, RouteProgrammer, SyncResult
+from .sdnotify import Notifier
+from .speaker import SpeakerMetrics, local_settings, peer_rows, peer_settings
+from .supervisor import Supervisor
+
+log = logging.getLogger("agentd")
+
+BLACKHOLE_METRIC = 4000  # above the connected route of the CNI bridge, which must win
+INITIAL_SYNC_MAX = 60.0  # never wait longer than this for peers' End-of-RIB after a restart
+
+
+class AgentError(RuntimeError):
+    """A start-up problem that stops the agent with one clear line."""
+
+
+class Agent:
+    def __init__(self, cfg: Config, *, config_path: str | None = None, overrides: dict | None = None) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.overrides = overrides or {}
+        self.name = cfg.node.name or "node"
+        self.address: IPv4Address = cfg.node.address  # type: ignore[assignment]
+        self.notifier = Notifier()
+        self.supervisor = Supervisor()
+        self.registry = CollectorRegistry()
+        self.sync_histogram = Histogram(
+            "agentd_route_sync_seconds", "time to reconcile kernel routes", registry=self.registry
+        )
+        self.registry.register(SpeakerMetrics(lambda: self.speaker))
+        self.registry.register(_AgentMetrics(self))
+        self.api = ApiServer(self, cfg.api.listen.host, cfg.api.listen.port)
+        self.underlay: Underlay | None = None
+        self.programmer: RouteProgrammer | None = None
+        self.datastore: Datastore | None = None
+        self.speaker: Speaker | None = None
+        self.service: SpeakerService | None = None
+        self.tunnels: Tunnels | None = None
+        self.cluster: ClusterConfig | None = None
+        self.lease: SubnetLease | None = None
+        self.nodes: dict[str, NodeRecord] = {}
+        self.plans: dict[str, PeerPlan] = {}
+        self.route_rows: list[dict[str, Any]] = []
+        self._bests: dict[tuple[int, bytes], Any] = {}
+        self._adopted: list[Route] = []
+        self._restarting = False
+        self._initial_sync_done = False
+        self._initial_sync_deadline = 0.0
+        self._started_bgp = False
+        self._stop = asyncio.Event()
+        self._leaving = False
+        self._recompute_handle: asyncio.Handle | None = None
+        self._problems: list[str] = []
+        self.pod_mtu = 1500
+
+    # ================================================================ lifecycle
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        try:
+            # pyroute2's synchronous IPRoute runs its own event loop: keep it off ours.
+            self.underlay = await asyncio.to_thread(underlay_for, self.address)
+        except NetInfoError as err:
+            log.error("%s", err)
+            return 1
+        self.pod_mtu = self.cfg.network.mtu or self.cfg.network.pod_mtu(self.underlay.mtu)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
+        await self.api.start()
+        self.supervisor.start("watchdog", self.notifier.watchdog_loop)
+        try:
+            await self._start()
+            self.supervisor.start("node-watch", self._watch_nodes)
+            self.supervisor.start("readiness", self._readiness_loop)
+            await self._stop.wait()
+        except AgentError as err:
+            log.error("%s", err)
+            return 1
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            await self._shutdown()
+        return 0
+
+    async def _start(self) -> None:
+        cfg = self.cfg
+        assert self.underlay is not None
+        self.programmer = RouteProgrammer(
+            protocol=cfg.network.route_protocol, resync_interval=cfg.agent.route_resync
+        )
+        self.programmer.on_sync = self._on_sync
+        await self.programmer.start()
+        self._adopted = self.programmer.programmed()
+        self._restarting = bool(self._adopted)
+        if self._restarting:
+            log.info("adopted %d routes from a previous run: restarting gracefully", len(self._adopted))
+        # Until BGP has re-learned everything, keep what we found.
+        self.programmer.set_desired(self._adopted)
+
+        self.datastore = Datastore(
+            cfg.etcd.endpoints,
+            cfg.etcd.prefix,
+            lease_ttl=cfg.etcd.lease_ttl,
+            ca=str(cfg.etcd.ca) if cfg.etcd.ca else None,
+            cert=str(cfg.etcd.cert) if cfg.etcd.cert else None,
+            key=str(cfg.etcd.key) if cfg.etcd.key else None,
+        )
+        self.datastore.on_subnet_lost = self._subnet_lost
+        self.notifier.status("connecting to etcd")
+        await self.datastore.connect()
+        wanted = ClusterConfig(cfg.network.cidr, cfg.network.subnet_len, cfg.network.backend, cfg.network.encap)
+        self.cluster = await self.datastore.ensure_cluster_config(wanted)
+        if (self.cluster.cidr, self.cluster.subnet_len) != (wanted.cidr, wanted.subnet_len):
+            log.warning(
+                "cluster network is %s/%d in etcd (first writer wins); our configuration says %s/%d",
+                self.cluster.cidr,
+                self.cluster.subnet_len,
+                wanted.cidr,
+                wanted.subnet_len,
+            )
+        previous = self._previous_subnet()
+        self.tunnels = Tunnels(cfg, self.underlay, self.name)
+        self.lease = await self.datastore.acquire_subnet(
+            self.name,
+            self.address,
+            cfg.network.backend,
+            {},
+            cluster=self.cluster,
+            previous=previous,
+        )
+        subnet = self.lease.subnet
+        log.info("node %s holds subnet %s%s", self.name, subnet, " (kept from before)" if subnet == previous else "")
+        await self.tunnels.start(subnet)
+        self._write_cni_files()
+        await self.datastore.register_node(self._node_record())
+
+        # BGP.
+        self.speaker = Speaker(local_settings(cfg, restarting=self._restarting), now=time.monotonic())
+        self.speaker.add_listener(self._on_best_paths)
+        listen = (cfg.bgp.listen.host, cfg.bgp.listen.port) if cfg.bgp.listen else None
+        self.service = SpeakerService(self.speaker, listen=listen)
+        await self.service.start()
+        self._started_bgp = True
+        own = Origination((1, 1), _prefix_bytes(subnet))
+        self.service.set_originated([own])
+        self._initial_sync_deadline = time.monotonic() + min(INITIAL_SYNC_MAX, float(cfg.bgp.restart_time))
+        self._schedule_recompute()
+
+    def _previous_subnet(self) -> IPv4Network | None:
+        try:
+            sf = cni_config.read_subnet_file(self.cfg.cni.subnet_file)
+        except FileNotFoundError:
+            return None
+        except cni_config.SubnetFileError as err:
+            log.warning("ignoring the subnet file: %s", err)
+            return None
+        return sf.subnet
+
+    def _write_cni_files(self) -> None:
+        assert self.lease is not None and self.cluster is not None
+        sf = cni_config.SubnetFile(
+            network=self.cluster.cidr, subnet=self.lease.subnet, mtu=self.pod_mtu, backend=self.cfg.network.backend
+        )
+        cni_config.write_subnet_file(self.cfg.cni.subnet_file, sf)
+        if self.cfg.cni.write_conflist:
+            cni_config.write_conflist(
+                self.cfg.cni.conf_dir,
+                subnet_file=str(self.cfg.cni.subnet_file),
+                data_dir=str(self.cfg.cni.data_dir),
+                ipam_data_dir=str(self.cfg.cni.ipam_data_dir),
+                mtu=self.pod_mtu,
+            )
+
+    def _node_record(self) -> NodeRecord:
+        assert self.lease is not None and self.tunnels is not None
+        cid = self.cfg.node.cluster_id if self.cfg.node.route_reflector else None
+        return NodeRecord(
+            name=self.name,
+            address=self.address,
+            asn=self.cfg.node.asn,
+            subnet=self.lease.subnet,
+            route_reflector=self.cfg.node.route_reflector,
+            cluster_id=str(cid) if cid else None,
+            backend=self.tunnels.node_data(),
+        )
+
+    async def _shutdown(self) -> None:
+        graceful = self.cfg.bgp.graceful_restart and not self._leaving
+        self.notifier.stopping()
+        log.info(
+            "shutting down: %s",
+            "graceful restart (routes stay in the kernel and at the peers)"
+            if graceful
+            else "withdrawing routes (Cease to every peer)",
+        )
+        if self.service is not None:
+            await self.service.stop(graceful=graceful)
+        await self.supervisor.stop()
+        if self._leaving:
+            await self._leave_cleanup()
+        if self.programmer is not None:
+            await self.programmer.stop(remove_routes=not graceful)
+        if self.tunnels is not None:
+            await self.tunnels.stop(remove=not graceful)
+        if self.datastore is not None:
+            with contextlib.suppress(Exception):
+                await self.datastore.close()
+        await self.api.stop()
+        self.notifier.close()
+
+    def request_leave(self) -> None:
+        """``agentd leave`` against a running agent: withdraw, release, remove, exit."""
+        self._leaving = True
+        self._stop.set()
+
+    async def _leave_cleanup(self) -> None:
+        assert self.datastore is not None
+        try:
+            released = await self.datastore.release(self.name, timeout=10)
+            await self.datastore.remove_node(self.name, timeout=10)
+            log.info("left the cluster: released %s, removed node %s", ", ".join(map(str, released)) or "-", self.name)
+        except Exception as err:  # etcd down: the lease expiry removes us later
+            log.error("could not remove this node from etcd (%s); its lease will expire", err)
+        for path in (self.cfg.cni.subnet_file,):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the configuration; external peers and the log level change live."""
+        if self.config_path is None:
+            return
+        try:
+            cfg = load_config(self.config_path, overrides=self.overrides)
+        except ConfigError as err:
+            log.error("reload failed, keeping the running configuration: %s", err)
+            return
+        logging.getLogger().setLevel(cfg.log.level.upper())
+        self.cfg = cfg
+        self._apply_peers()
+        log.info("configuration reloaded")
+
+    # ================================================================ node registry -> peers
+
+    async def _watch_nodes(self) -> None:
+        assert self.datastore is not None
+        async for ev in self.datastore.watch_nodes():
+            self._on_node_event(ev)
+
+    def _on_node_event(self, ev: NodeEvent) -> None:
+        if ev.kind == "snapshot":
+            self.nodes = dict(ev.nodes or {})
+        elif ev.kind == "put" and ev.record is not None and ev.name:
+            self.nodes[ev.name] = ev.record
+        elif ev.kind == "delete" and ev.name:
+            self.nodes.pop(ev.name, None)
+        self._apply_peers()
+        self._schedule_recompute()
+
+    def _apply_peers(self) -> None:
+        if self.service is None:
+            return
+        cfg = self.cfg
+        external = [peer_settings(p, cfg, description=mesh.EXTERNAL) for p in cfg.bgp.peers]
+        peers = mesh.desired_peers(
+            self.name,
+            self.nodes,
+            mode=cfg.bgp.mode,
+            i_am_reflector=cfg.node.route_reflector,
+            password=cfg.bgp.password,
+            hold_time=cfg.bgp.hold_time,
+            external=external,
+        )
+        self.service.set_peers(peers)
+
+    # ================================================================ best paths -> kernel routes
+
+    def _on_best_paths(self, changes: list[BestPathChange]) -> None:
+        for ch in changes:
+            key = (ch.family[0], ch.prefix)
+            if ch.new is None:
+                self._bests.pop(key, None)
+            else:
+                self._bests[key] = ch.new
+        self._schedule_recompute()
+
+    def _schedule_recompute(self) -> None:
+        if self._recompute_handle is None:
+            self._recompute_handle = asyncio.get_running_loop().call_soon(self._recompute)
+
+    def _recompute(self) -> None:
+        """Desired kernel routes from the Loc-RIB bests, the node registry and the backends."""
+        self._recompute_handle = None
+        if self.programmer is None or self.underlay is None or self.tunnels is None or self.lease is None:
+            return
+        underlay = self.underlay
+        by_address = {str(n.address): n for n in self.nodes.values() if n.name != self.name}
+        plans: dict[str, PeerPlan] = {}
+        for addr, node in by_address.items():
+            plans[addr] = plan_peer(
+                node,
+                underlay,
+                own_backend=self.cfg.network.backend,
+                encap=self.cfg.network.encap,
+                available=self.tunnels.available,
+            )
+        routes: list[Route] = [
+            Route(dst=str(self.lease.subnet), kind="blackhole", metric=BLACKHOLE_METRIC),
+        ]
+        rows: list[dict[str, Any]] = [
+            {"dst": str(self.lease.subnet), "via": None, "dev": None, "backend": "blackhole", "peer": None}
+        ]
+        next_hops: dict[str, list[str]] = {}
+        for (afi, prefix), path in self._bests.items():
+            if path.source.local or path.next_hop is None:
+                continue
+            dst = prefix_to_str(afi, prefix)
+            nh = str(path.next_hop)
+            plan = plans.get(nh)
+            if plan is None:
+                plan = plans[nh] = plan_external(nh, underlay)
+            if not plan.routable:
+                continue
+            route = route_for(dst, plan, underlay, self.tunnels.devices)
+            if route is None:
+                continue
+            routes.append(route)
+            next_hops.setdefault(nh, []).append(dst)
+            rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh})
+        self.plans = plans
+        self.route_rows = rows
+        self.tunnels.apply(plans, next_hops, self.nodes)
+        if not self._initial_sync_done:
+            if self._initial_sync_complete():
+                self._initial_sync_done = True
+                if self._restarting:
+                    log.info("initial BGP sync complete: routes from the previous run no longer pinned")
+            else:
+                wanted = {r.dst for r in routes}
+                routes += [r for r in self._adopted if r.dst not in wanted]
+                asyncio.get_running_loop().call_later(0.5, self._schedule_recompute)
+        self.programmer.set_desired(routes)
+
+    def _initial_sync_complete(self) -> bool:
+        """RFC 4724 §4.1: every peer Established with End-of-RIB received, or the deadline passed."""
+        if self.speaker is None or not self._started_bgp:
+            return False
+        if time.monotonic() >= self._initial_sync_deadline:
+            return True
+        if not self.nodes and not self.cfg.bgp.peers:
+            return False  # no registry snapshot yet
+        for peer in self.speaker.peers.values():
+            if peer.state is not State.ESTABLISHED:
+                return False
+        return not self.speaker.initial_sync_pending()
+
+    def _on_sync(self, result: SyncResult) -> None:
+        self.sync_histogram.observe(result.seconds)
+        if result.failed:
+            for dst, err in result.failed[:5]:
+                log.warning("route %s not installed: %s", dst, err)
+
+    # ================================================================ readiness & datastore
+
+    async def _readiness_loop(self) -> None:
+        ready_sent = False
+        while True:
+            ok, reasons = self.readiness()
+            if ok and not ready_sent:
+                self.notifier.ready(f"ready: subnet {self.lease.subnet if self.lease else '-'}")
+                ready_sent = True
+                log.info("ready")
+            await asyncio.sleep(0.5)
+
+    def _subnet_lost(self, lease: SubnetLease) -> None:
+        msg = f"subnet {lease.subnet} was taken by another node while etcd was unreachable"
+        log.error("%s; pods keep their addresses, but the cluster is inconsistent until this node leaves", msg)
+        self._problems.append(msg)
+
+    # ================================================================ StatusProvider
+
+    def health(self) -> tuple[bool, list[str]]:
+        return self.supervisor.health()
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        reasons = list(self._problems)
+        if self.lease is None:
+            reasons.append("no subnet lease yet")
+        if not self._started_bgp:
+            reasons.append("BGP not started")
+        if self.programmer is None or self.programmer.last_sync is None:
+            reasons.append("routes not reconciled yet")
+        elif not self._initial_sync_done:
+            reasons.append("waiting for peers' End-of-RIB")
+        return not reasons, reasons
+
+    def status(self) -> dict[str, Any]:
+        prog = self.programmer
+        return {
+            "node": {
+                "name": self.name,
+                "address": str(self.address),
+                "asn": self.cfg.node.asn,
+                "subnet": str(self.lease.subnet) if self.lease else None,
+                "backend": self.cfg.network.backend,
+                "encap": self.cfg.network.encap,
+                "route_reflector": self.cfg.node.route_reflector,
+                "mtu": self.pod_mtu,
+                "underlay": self.underlay.ifname if self.underlay else None,
+            },
+            "bgp": {
+                "router_id": str(self.speaker.local.router_id) if self.speaker else None,
+                "mode": self.cfg.bgp.mode,
+                "peers": self.peers(),
+            },
+            "routes": {
+                "programmed": len(prog.programmed()) if prog else 0,
+                "last_sync": prog.last_sync if prog else None,
+                "conflicts": dict(prog.conflicts) if prog else {},
+            },
+            "datastore": {
+                "connected": bool(self.datastore and self.datastore.connected),
+                "endpoints": list(self.cfg.etcd.endpoints),
+            },
+            "backends": self.tunnels.status() if self.tunnels else {},
+            "tasks": self.supervisor.summary(),
+            "ready": self.readiness()[0],
+        }
+
+    def peers(self) -> list[dict[str, Any]]:
+        if self.service is None:
+            return []
+        rows = peer_rows(self.service)
+        for row in rows:
+            plan = self.plans.get(row["address"])
+            row["backend"] = plan.backend if plan else None
+            row["backend_reason"] = plan.reason if plan else None
+        return rows
+
+    def rib(self) -> list[dict[str, Any]]:
+        return self.speaker.rib_entries() if self.speaker else []
+
+    def routes(self) -> list[dict[str, Any]]:
+        programmed = {r.dst for r in self.programmer.programmed()} if self.programmer else set()
+        return [dict(row, installed=row["dst"] in programmed) for row in self.route_rows]
+
+
+class _AgentMetrics:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self):
+        a = self.agent
+        routes = GaugeMetricFamily("agentd_routes_programmed", "own routes in the kernel")
+        routes.add_metric([], float(len(a.programmer.programmed())) if a.programmer else 0.0)
+        up = GaugeMetricFamily("agentd_datastore_up", "1 while etcd is reachable")
+        up.add_metric([], 1.0 if a.datastore is not None and a.datastore.connected else 0.0)
+        renew = CounterMetricFamily("agentd_subnet_lease_renewals", "etcd lease keepalives sent")
+        renew.add_metric([], float(getattr(a.datastore, "lease_renewals", 0) if a.datastore else 0))
+        ready = GaugeMetricFamily("agentd_ready", "1 when /readyz is 200")
+        ready.add_metric([], 1.0 if a.readiness()[0] else 0.0)
+        restarts = CounterMetricFamily("agentd_task_restarts", "supervised task restarts", labels=["task"])
+        for c in a.supervisor.children.values():
+            restarts.add_metric([c.name], float(c.restarts))
+        yield from (routes, up, renew, ready, restarts)
+
+
+def _prefix_bytes(net: IPv4Network) -> bytes:
+    n = net.prefixlen
+    return bytes([n]) + net.network_address.packed[: (n + 7) // 8]
+
+
+async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: dict | None = None) -> int:
+    agent = Agent(cfg, config_path=config_path, overrides=overrides)
+    return await agent.run()
+
+
+async def leave(cfg: Config) -> int:
+    """``agentd leave``: ask the running agent to leave; if none runs, clean etcd directly."""
+    import json
+    import urllib.request
+
+    url = f"http://{cfg.api.listen.host}:{cfg.api.listen.port}/leave"
+    try:
+        req = urllib.request.Request(url, method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310
+            json.load(resp)
+        log.info("the running agent is leaving the cluster")
+        return 0
+    except OSError:
+        pass
+    ds = Datastore(
+        cfg.etcd.endpoints,
+        cfg.etcd.prefix,
+        lease_ttl=cfg.etcd.lease_ttl,
+        ca=str(cfg.etcd.ca) if cfg.etcd.ca else None,
+        cert=str(cfg.etcd.cert) if cfg.etcd.cert else None,
+        key=str(cfg.etcd.key) if cfg.etcd.key else None,
+    )
+    try:
+        await ds.connect(timeout=10)
+        name = cfg.node.name or "node"
+        released = await ds.release(name, timeout=10)
+        await ds.remove_node(name, timeout=10)
+        log.info("node %s removed from etcd (no agent was running); released %s", name, ", ".join(map(str, released)) or "-")
+        return 0
+    except Exception as err:
+        log.error("cannot leave: %s", err)
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            await ds.close()

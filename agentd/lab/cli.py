@@ -1,0 +1,70 @@
+"""``agentd lab up|down|status|exec``: argument parsing and dispatch (the lab itself is agentd.lab.lab)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
+
+
+def _lab_name(text: str) -> str:
+    if not NAME_RE.match(text):
+        raise argparse.ArgumentTypeError(f"invalid lab name {text!r}: 1-12 lowercase letters or digits")
+    return text
+
+
+def _positive(lo: int, hi: int):
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"{n} is out of range {lo}..{hi}")
+        return n
+
+    return parse
+
+
+def add_lab_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="lab_command", metavar="up|down|status|exec")
+    sub.required = True
+    up = sub.add_parser("up", help="build the lab and wait until every pod reaches every other pod")
+    up.add_argument("--name", type=_lab_name, default="lab", help="lab name (namespaces are ad-<name>-*)")
+    up.add_argument("--nodes", type=_positive(1, 32), default=3)
+    up.add_argument("--pods", type=_positive(0, 16), default=2, help="pods per node")
+    up.add_argument("--bgp", choices=["mesh", "route-reflector"], default="mesh")
+    up.add_argument("--reflectors", type=_positive(1, 8), default=2, help="route reflectors (route-reflector mode)")
+    up.add_argument("--backend", choices=["host-gw", "ipip", "vxlan", "udp"], default="host-gw")
+    up.add_argument("--encap", choices=["always", "cross-subnet"], default="always")
+    up.add_argument("--subnets", type=_positive(1, 8), default=1, help="L2 segments, joined by a router")
+    up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for each stage")
+    for name in ("down", "status"):
+        sp = sub.add_parser(name)
+        sp.add_argument("--name", type=_lab_name, default="lab")
+    ex = sub.add_parser("exec", help="run a command in a node or pod namespace")
+    ex.add_argument("--name", type=_lab_name, default="lab")
+    ex.add_argument("target", help="node name (node1) or pod name (node1-pod1)")
+    ex.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND...")
+
+
+def lab_command(args: argparse.Namespace) -> int:
+    from . import lab
+
+    try:
+        if args.lab_command == "up":
+            return lab.cli_up(args)
+        if args.lab_command == "down":
+            return lab.cli_down(args.name)
+        if args.lab_command == "status":
+            return lab.cli_status(args.name)
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        if not argv:
+            sys.stderr.write("agentd lab exec: no command given (agentd lab exec NODE -- CMD...)\n")
+            return 2
+        return lab.cli_exec(args.name, args.target, argv)
+    except lab.LabError as err:
+        sys.stderr.write(f"agentd lab {args.lab_command}: {err}\n")
+        return 1

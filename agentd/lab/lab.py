@@ -1,0 +1,603 @@
+"""``agentd lab``: a multi-node cluster on this machine, entirely inside network namespaces.
+
+Topology for ``--name NAME --nodes N --pods K --subnets S``::
+
+    ad-NAME-ul        the underlay: one bridge per L2 segment (br0 .. brS-1)
+    ad-NAME-rt        a router joining the segments (only when S > 1), 172.30.s.1 on each
+    ad-NAME-etcd      etcd 3.4 on 172.30.0.2:2379 (segment 0)
+    ad-NAME-nodeI     node I on segment (I-1) % S, eth0 = 172.30.s.(10+I), running `agentd run`
+    ad-NAME-nodeI-podJ  pod J of node I, attached through agentd-cni + bridge/host-local
+
+Nothing is created in the root network namespace: every veth pair is made with both ends
+already inside lab namespaces.  ``down`` kills everything in the lab's namespaces and
+removes them; it is idempotent.  The same class backs the pytest fixtures
+(agentd.lab.fixtures: ``lab_factory``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .etcd import EtcdServer
+from .netns import Netns, NetnsError, arun, delete_matching, list_names, veth
+
+LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
+CNI_PLUGIN_DIR = "/usr/lib/cni"
+UNDERLAY_PREFIX = "172.30"
+ETCD_ADDRESS = f"{UNDERLAY_PREFIX}.0.2"
+CLUSTER_ID = f"{UNDERLAY_PREFIX}.255.1"  # shared by every route reflector
+API_URL = "http://127.0.0.1:9099"
+ASN = 64512
+
+
+class LabError(RuntimeError):
+    """A lab stage failed; the message names the stage."""
+
+
+def _bin(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+@dataclass
+class LabSpec:
+    name: str
+    nodes: int = 3
+    pods: int = 2
+    bgp: str = "mesh"
+    reflectors: int = 2
+    backend: str = "host-gw"
+    encap: str = "always"
+    subnets: int = 1
+    hold_time: int = 9
+    lease_ttl: int = 15
+    log_level: str = "info"
+    extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-node config overrides
+
+    def node_names(self) -> list[str]:
+        return [f"node{i}" for i in range(1, self.nodes + 1)]
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def render_toml(config: dict[str, dict[str, Any]]) -> str:
+    lines: list[str] = []
+    for section, keys in config.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml(v)}" for k, v in keys.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+class LabNode:
+    def __init__(self, lab: Lab, index: int) -> None:
+        spec = lab.spec
+        self.lab = lab
+        self.index = index
+        self.name = f"node{index}"
+        self.segment = (index - 1) % spec.subnets
+        self.address = f"{UNDERLAY_PREFIX}.{self.segment}.{10 + index}"
+        self.ns = Netns(f"ad-{spec.name}-{self.name}")
+        self.dir = lab.dir / self.name
+        self.reflector = spec.bgp == "route-reflector" and index <= spec.reflectors
+        self.proc: subprocess.Popen | None = None
+        self.backend = spec.backend
+
+    def __repr__(self) -> str:
+        return f"<LabNode {self.name} {self.address}>"
+
+    @property
+    def config_path(self) -> Path:
+        return self.dir / "agentd.toml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "agentd.log"
+
+    def config(self) -> dict[str, dict[str, Any]]:
+        spec = self.lab.spec
+        cfg: dict[str, dict[str, Any]] = {
+            "node": {
+                "name": self.name,
+                "address": self.address,
+                "asn": ASN,
+                "route_reflector": self.reflector,
+                "cluster_id": CLUSTER_ID if self.reflector else None,
+            },
+            "network": {"cidr": "10.244.0.0/16", "backend": self.backend, "encap": spec.encap},
+            "etcd": {"endpoints": [f"http://{ETCD_ADDRESS}:2379"], "lease_ttl": spec.lease_ttl},
+            "bgp": {"mode": spec.bgp, "hold_time": spec.hold_time, "connect_retry": 2.0},
+            "api": {"listen": "127.0.0.1:9099"},
+            "cni": {
+                "conf_dir": str(self.dir / "net.d"),
+                "bin_dir": [CNI_PLUGIN_DIR],
+                "subnet_file": str(self.dir / "subnet.env"),
+                "data_dir": str(self.dir / "cni"),
+                "ipam_data_dir": str(self.dir / "ipam"),
+            },
+            "agent": {"state_dir": str(self.dir / "state")},
+            "log": {"level": spec.log_level},
+        }
+        for section, keys in spec.extra.get(self.name, {}).items():
+            cfg.setdefault(section, {}).update(keys)
+        return cfg
+
+    def write_config(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(render_toml(self.config()))
+
+    # ------------------------------------------------------------ the agent process
+
+    def start_agent(self) -> None:
+        self.write_config()
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        log.write(f"--- agentd lab: starting agent at {time.ctime()} ---\n".encode())
+        log.flush()
+        self.proc = self.ns.popen(
+            [_bin("agentd"), "run", "--config", str(self.config_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        (self.dir / "agent.pid").write_text(str(self.proc.pid))
+
+    def agent_pid(self) -> int | None:
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc.pid
+        try:
+            pid = int((self.dir / "agent.pid").read_text())
+        except (OSError, ValueError):
+            return None
+        return pid if pid in self.ns.pids() else None
+
+    def signal_agent(self, sig: int) -> None:
+        pid = self.agent_pid()
+        if pid is not None:
+            os.kill(pid, sig)
+
+    async def stop_agent(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        pid = self.agent_pid()
+        if pid is None:
+            return
+        os.kill(pid, sig)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None:
+                if self.proc.poll() is not None:
+                    return
+            elif pid not in self.ns.pids():
+                return
+            await asyncio.sleep(0.05)
+        raise LabError(f"{self.name}: agent (pid {pid}) did not exit within {timeout}s of signal {sig}")
+
+    async def kill_agent(self) -> None:
+        await self.stop_agent(signal.SIGKILL)
+
+    async def leave(self) -> None:
+        """``agentd leave`` on this node (the running agent withdraws, releases and exits)."""
+        rc, out, err = await self.ns.aexec(
+            _bin("agentd"), "leave", "--config", str(self.config_path), check=False, timeout=30
+        )
+        if rc != 0:
+            raise LabError(f"{self.name}: agentd leave failed: {err.decode(errors='replace').strip()}")
+
+    def api(self, path: str) -> Any:
+        return self.ns.http_json(API_URL + path, timeout=5)
+
+    def api_or_none(self, path: str) -> Any:
+        try:
+            return self.api(path)
+        except (OSError, ValueError):
+            return None
+
+    def kernel_routes(self) -> list[str]:
+        """``ip route show proto <agentd>`` lines in this node's namespace."""
+        out = self.ns.ip("route", "show", "proto", "143", check=False).stdout.decode()
+        return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+class LabPod:
+    def __init__(self, node: LabNode, index: int) -> None:
+        self.node = node
+        self.name = f"{node.name}-pod{index}"
+        self.ns = Netns(f"ad-{node.lab.spec.name}-{self.name}")
+        self.container_id = f"{node.lab.spec.name}-{self.name}"
+        self.ip: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<LabPod {self.name} {self.ip}>"
+
+
+class Lab:
+    def __init__(self, spec: LabSpec, *, root: Path | None = None, progress: Callable[[str], None] | None = None):
+        self.spec = spec
+        self.root = Path(root) if root else LAB_ROOT
+        self.dir = self.root / spec.name
+        self.progress = progress or (lambda line: None)
+        self.underlay = Netns(f"ad-{spec.name}-ul")
+        self.router = Netns(f"ad-{spec.name}-rt")
+        self.etcd_ns = Netns(f"ad-{spec.name}-etcd")
+        self.nodes = [LabNode(self, i) for i in range(1, spec.nodes + 1)]
+        self.pods = [LabPod(n, j) for n in self.nodes for j in range(1, spec.pods + 1)]
+        self.etcd = EtcdServer(
+            str(self.dir / "etcd" / "data"),
+            netns=self.etcd_ns,
+            host=ETCD_ADDRESS,
+            client_port=2379,
+            peer_port=2380,
+            name=f"lab-{spec.name}",
+            log_path=str(self.dir / "etcd" / "etcd.log"),
+        )
+        self._t0 = time.monotonic()
+
+    # ------------------------------------------------------------ lookup
+
+    def node(self, name: str) -> LabNode:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise LabError(f"no node {name!r} in lab {self.spec.name} (nodes: {', '.join(n.name for n in self.nodes)})")
+
+    def pod(self, name: str) -> LabPod:
+        for p in self.pods:
+            if p.name == name:
+                return p
+        raise LabError(f"no pod {name!r} in lab {self.spec.name}")
+
+    def namespace_of(self, target: str) -> Netns:
+        if target in ("etcd", "router", "underlay"):
+            return {"etcd": self.etcd_ns, "router": self.router, "underlay": self.underlay}[target]
+        for n in self.nodes:
+            if n.name == target:
+                return n.ns
+        return self.pod(target).ns
+
+    # ------------------------------------------------------------ up
+
+    def _stage(self, text: str) -> None:
+        self.progress(f"[lab {self.spec.name}] {text} ({time.monotonic() - self._t0:.1f}s)")
+
+    async def up(self, timeout: float = 90.0) -> None:
+        if list_names(f"ad-{self.spec.name}-"):
+            raise LabError(
+                f"a lab named {self.spec.name} already exists (agentd lab down --name {self.spec.name} removes it)"
+            )
+        self._t0 = time.monotonic()
+        stage = "network namespaces"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._save()
+            self._build_network()
+            self._stage(f"network namespaces ready ({self.spec.nodes} nodes, {self.spec.subnets} segment(s))")
+            stage = "etcd up"
+            await self.etcd.start()
+            self._stage(f"etcd up on {ETCD_ADDRESS}:2379")
+            stage = "agents started"
+            for n in self.nodes:
+                n.start_agent()
+            await self.wait_agents_started(timeout)
+            self._stage("agents started: " + ", ".join(f"{n.name}={self._subnet(n)}" for n in self.nodes))
+            stage = "peers established"
+            await self.wait_established(timeout)
+            self._stage("BGP peers established (" + self.spec.bgp + ")")
+            stage = "routes installed"
+            await self.wait_routes(timeout)
+            self._stage("routes installed on every node")
+            stage = "pods attached"
+            await self.attach_pods()
+            self._save()
+            self._stage(f"pods attached ({len(self.pods)}): " + ", ".join(f"{p.name}={p.ip}" for p in self.pods))
+            stage = "all pods reachable"
+            await self.wait_reachable(timeout)
+            self._stage(f"all pods reachable ({len(self.pods) * (len(self.pods) - 1)} pod pairs)")
+        except LabError as err:
+            raise LabError(f"stage '{stage}' did not complete: {err}") from None
+        except (NetnsError, OSError, RuntimeError) as err:
+            raise LabError(f"stage '{stage}' failed: {err}") from None
+
+    def _build_network(self) -> None:
+        spec = self.spec
+        ul = Netns.create(self.underlay.name)
+        for s in range(spec.subnets):
+            ul.ip("link", "add", f"br{s}", "type", "bridge")
+            ul.ip("link", "set", f"br{s}", "up")
+        if spec.subnets > 1:
+            rt = Netns.create(self.router.name)
+            rt.sysctl("net.ipv4.ip_forward", 1)
+            for s in range(spec.subnets):
+                veth(rt, f"eth{s}", ul, f"r{s}")
+                ul.ip("link", "set", f"r{s}", "master", f"br{s}")
+                rt.ip("addr", "add", f"{UNDERLAY_PREFIX}.{s}.1/24", "dev", f"eth{s}")
+        et = Netns.create(self.etcd_ns.name)
+        veth(et, "eth0", ul, "etcd0")
+        ul.ip("link", "set", "etcd0", "master", "br0")
+        et.ip("addr", "add", f"{ETCD_ADDRESS}/24", "dev", "eth0")
+        if spec.subnets > 1:
+            et.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.0.1")
+        for n in self.nodes:
+            ns = Netns.create(n.ns.name)
+            for key in ("net.ipv4.ip_forward", "net.ipv4.conf.all.rp_filter", "net.ipv4.conf.default.rp_filter"):
+                ns.sysctl(key, 1 if key.endswith("forward") else 0)
+            veth(ns, "eth0", ul, f"n{n.index}")
+            ul.ip("link", "set", f"n{n.index}", "master", f"br{n.segment}")
+            ns.ip("addr", "add", f"{n.address}/24", "dev", "eth0")
+            if spec.subnets > 1:
+                ns.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.{n.segment}.1")
+
+    def _subnet(self, node: LabNode) -> str:
+        status = node.api_or_none("/status") or {}
+        return (status.get("node") or {}).get("subnet") or "-"
+
+    async def _wait(self, what: str, check: Callable[[], tuple[bool, str]], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        detail = ""
+        while time.monotonic() < deadline:
+            ok, detail = await asyncio.to_thread(check)
+            if ok:
+                return
+            await asyncio.sleep(0.2)
+        raise LabError(f"{what} not reached within {timeout:.0f}s: {detail}")
+
+    async def wait_agents_started(self, timeout: float) -> None:
+        def check() -> tuple[bool, str]:
+            for n in self.nodes:
+                if n.agent_pid() is None:
+                    tail = _tail(n.log_path)
+                    raise LabError(f"{n.name}: agent exited; log {n.log_path} ends:\n{tail}")
+                status = n.api_or_none("/status")
+                if not status or not (status.get("node") or {}).get("subnet"):
+                    return False, f"{n.name} has no subnet lease yet (log: {n.log_path})"
+            return True, ""
+
+        await self._wait("every agent holding a subnet", check, timeout)
+
+    def expected_peers(self, node: LabNode) -> int:
+        n = len(self.nodes)
+        if self.spec.bgp == "mesh":
+            return n - 1
+        reflectors = sum(1 for x in self.nodes if x.reflector)
+        return n - 1 if node.reflector else reflectors
+
+    async def wait_established(self, timeout: float, nodes: list[LabNode] | None = None) -> None:
+        def check() -> tuple[bool, str]:
+            for n in nodes or self.nodes:
+                peers = n.api_or_none("/peers") or []
+                up = [p for p in peers if p.get("state") == "Established"]
+                if len(up) < self.expected_peers(n):
+                    states = ", ".join(f"{p['address']} {p['state']}" for p in peers) or "no peers"
+                    return False, f"{n.name}: {len(up)}/{self.expected_peers(n)} established ({states})"
+            return True, ""
+
+        await self._wait("every BGP session Established", check, timeout)
+
+    def subnets(self) -> dict[str, str]:
+        return {n.name: self._subnet(n) for n in self.nodes}
+
+    async def wait_routes(self, timeout: float, nodes: list[LabNode] | None = None) -> None:
+        def check() -> tuple[bool, str]:
+            subnets = self.subnets()
+            for n in nodes or self.nodes:
+                if n.agent_pid() is None:
+                    continue
+                have = {line.split()[0] for line in n.kernel_routes() if not line.startswith("blackhole")}
+                want = {s for name, s in subnets.items() if name != n.name and s != "-"}
+                missing = want - have
+                if missing:
+                    return False, f"{n.name} has no route for {', '.join(sorted(missing))}"
+            return True, ""
+
+        await self._wait("routes to every other node's subnet", check, timeout)
+
+    # ------------------------------------------------------------ pods
+
+    async def attach_pods(self) -> None:
+        for pod in self.pods:
+            if pod.ip is None:
+                await self.attach_pod(pod)
+
+    async def attach_pod(self, pod: LabPod) -> None:
+        node = pod.node
+        conflist = json.loads((node.dir / "net.d" / "10-agentd.conflist").read_text())
+        netconf = dict(conflist["plugins"][0], name=conflist["name"], cniVersion=conflist["cniVersion"])
+        if not pod.ns.exists():
+            Netns.create(pod.ns.name)
+        env = {
+            "CNI_COMMAND": "ADD",
+            "CNI_CONTAINERID": pod.container_id,
+            "CNI_NETNS": pod.ns.path,
+            "CNI_IFNAME": "eth0",
+            "CNI_PATH": CNI_PLUGIN_DIR,
+            "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+        }
+        proc = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", node.ns.name, _bin("agentd-cni"),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(json.dumps(netconf).encode()), 60)
+        if proc.returncode != 0:
+            raise LabError(f"agentd-cni ADD for {pod.name} failed: {out.decode().strip()} {err.decode().strip()}")
+        result = json.loads(out)
+        pod.ip = result["ips"][0]["address"].split("/")[0]
+
+    async def ping(self, src: LabPod | LabNode, dst_ip: str, *, count: int = 1, wait: float = 1.0) -> bool:
+        rc, _, _ = await src.ns.aexec(
+            "ping", "-n", "-q", "-c", str(count), "-W", str(wait), dst_ip, check=False, timeout=count * wait + 10
+        )
+        return rc == 0
+
+    async def reachability(self) -> dict[tuple[str, str], bool]:
+        pairs = [(a, b) for a in self.pods for b in self.pods if a is not b and b.ip]
+        results = await asyncio.gather(*(self.ping(a, b.ip) for a, b in pairs))  # type: ignore[arg-type]
+        return {(a.name, b.name): ok for (a, b), ok in zip(pairs, results)}
+
+    async def wait_reachable(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        failing: list[str] = []
+        while time.monotonic() < deadline:
+            matrix = await self.reachability()
+            failing = [f"{a}->{b}" for (a, b), ok in matrix.items() if not ok]
+            if not failing:
+                return
+            await asyncio.sleep(0.5)
+        raise LabError(f"pods not reachable within {timeout:.0f}s: {', '.join(failing[:10])}")
+
+    # ------------------------------------------------------------ down, state
+
+    async def down(self) -> list[str]:
+        for n in self.nodes:
+            with contextlib.suppress(Exception):
+                await n.stop_agent(signal.SIGTERM, timeout=5)
+        with contextlib.suppress(Exception):
+            await self.etcd.kill()
+        removed = await asyncio.to_thread(delete_matching, f"ad-{self.spec.name}-")
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return removed
+
+    def _save(self) -> None:
+        state = {"spec": asdict(self.spec), "pods": {p.name: p.ip for p in self.pods}}
+        (self.dir / "lab.json").write_text(json.dumps(state, indent=2))
+
+    @classmethod
+    def load(cls, name: str, root: Path | None = None) -> Lab:
+        root = Path(root) if root else LAB_ROOT
+        path = root / name / "lab.json"
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise LabError(f"no lab named {name} (no {path}); `agentd lab up --name {name}` makes one") from None
+        lab = cls(LabSpec(**state["spec"]), root=root)
+        for p in lab.pods:
+            p.ip = state.get("pods", {}).get(p.name)
+        return lab
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------- CLI entry points
+
+
+def cli_up(args) -> int:
+    spec = LabSpec(
+        name=args.name,
+        nodes=args.nodes,
+        pods=args.pods,
+        bgp=args.bgp,
+        reflectors=min(args.reflectors, args.nodes),
+        backend=args.backend,
+        encap=args.encap,
+        subnets=args.subnets,
+    )
+    if spec.encap == "cross-subnet" and spec.backend == "host-gw":
+        raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
+    lab = Lab(spec, progress=lambda line: print(line, flush=True))
+
+    async def go() -> None:
+        await lab.up(args.timeout)
+
+    try:
+        asyncio.run(go())
+    except LabError as err:
+        print(f"agentd lab up: {err}", file=sys.stderr)
+        print(f"(the lab is left as it is for inspection; `agentd lab down --name {spec.name}` removes it)", file=sys.stderr)
+        return 1
+    print()
+    print(_matrix(lab))
+    print()
+    print(f"Lab {spec.name} is up. Try:")
+    print(f"  agentd lab status --name {spec.name}")
+    print(f"  agentd lab exec --name {spec.name} node1 -- agentd status")
+    if lab.pods:
+        print(f"  agentd lab exec --name {spec.name} {lab.pods[0].name} -- ping -c 3 {lab.pods[-1].ip}")
+    print(f"  agentd lab down --name {spec.name}")
+    return 0
+
+
+def _matrix(lab: Lab) -> str:
+    matrix = asyncio.run(lab.reachability())
+    names = [p.name for p in lab.pods]
+    width = max([len(n) for n in names] + [4])
+    lines = ["pod reachability (ping):", " " * (width + 2) + " ".join(n.rjust(width) for n in names)]
+    for a in lab.pods:
+        cells = []
+        for b in lab.pods:
+            cells.append("-".rjust(width) if a is b else ("ok" if matrix.get((a.name, b.name)) else "FAIL").rjust(width))
+        lines.append(f"{a.name.ljust(width)}  " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def cli_down(name: str) -> int:
+    try:
+        lab = Lab.load(name)
+    except LabError:
+        removed = delete_matching(f"ad-{name}-")
+        shutil.rmtree(LAB_ROOT / name, ignore_errors=True)
+        print(f"lab {name}: removed {len(removed)} namespaces" if removed else f"lab {name}: nothing to remove")
+        return 0
+    removed = asyncio.run(lab.down())
+    print(f"lab {name}: removed {len(removed)} namespaces")
+    return 0
+
+
+def cli_status(name: str) -> int:
+    lab = Lab.load(name)
+    from ..cli import render_table
+
+    for n in lab.nodes:
+        status = n.api_or_none("/status")
+        if status is None:
+            print(f"{n.name} ({n.address}): agent not answering (log {n.log_path})\n")
+            continue
+        node = status["node"]
+        print(
+            f"{n.name} ({n.address}) subnet {node.get('subnet')} backend {node.get('backend')}"
+            f"{' [route reflector]' if node.get('route_reflector') else ''}"
+            f" routes {status['routes']['programmed']} ready {status.get('ready')}"
+        )
+        rows = [
+            [p["address"], p.get("description") or p.get("type", ""), p["state"], str(p.get("prefixes_received", 0)), p.get("backend") or "-"]
+            for p in status["bgp"]["peers"]
+        ]
+        print(render_table(["PEER", "TYPE", "STATE", "PREFIXES", "BACKEND"], rows))
+        for line in n.kernel_routes():
+            print(f"  {line}")
+        print()
+    print("pods: " + ", ".join(f"{p.name}={p.ip}" for p in lab.pods))
+    return 0
+
+
+def cli_exec(name: str, target: str, argv: list[str]) -> int:
+    lab = Lab.load(name)
+    ns = lab.namespace_of(target)
+    if not ns.exists():
+        raise LabError(f"{target}: namespace {ns.name} does not exist")
+    env = dict(os.environ)
+    # The venv's agentd and agentd-cni first, so `lab exec node1 -- agentd status` works under sudo.
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"
+    return subprocess.call(["ip", "netns", "exec", ns.name, *argv], env=env)

@@ -1,0 +1,1016 @@
+"""The route programmer: desired routes -> kernel routes, reconciled continuously (Felix-like).
+
+What it owns: exactly the routes in its table that carry its route protocol number
+(``RTPROT_AGENTD`` = 143 by default).  Everything else is left alone:
+
+* adds use NLM_F_CREATE|NLM_F_EXCL, so they never overwrite; on EEXIST the programmer reads
+  the table and either finds its own route there (then replaces it) or reports a conflict
+  for that destination and does not touch it;
+* NLM_F_REPLACE is used only where the kernel state says our own route holds that key;
+* deletes name our protocol, and the kernel then deletes only a route of that protocol.
+
+Desired state, not events (MetalLB ``Session.Set``, Felix's route table): callers give the set
+of routes they want (``set_desired``) or edit it (``upsert``/``discard``); a reconcile task
+diffs it against what the kernel holds and applies the difference in batched netlink
+requests (agentd.netlink explains the batching).  A monitor socket watches the kernel: an
+own route someone deletes is put back, an own-protocol route nobody wants is removed, and a
+periodic full resync re-reads the kernel for whatever the monitor cannot see (IPv4 sends no
+notification when a link going down flushes its routes).
+
+Restart without a gap: ``start()`` adopts the own routes already in the kernel.  Nothing is
+deleted as "not desired" until the caller has once declared its complete desired set with
+``set_desired()`` (before that, only what it ``discard()``-ed), so a restarted agent keeps
+forwarding while BGP relearns its routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno as _errno
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from agentd import netlink as nl
+
+log = logging.getLogger(__name__)
+
+RTPROT_AGENTD = 143
+"""The route protocol number agentd's routes carry (``ip route show proto 143``)."""
+
+ROUTE_KINDS = {"unicast": nl.RTN_UNICAST, "blackhole": nl.RTN_BLACKHOLE, "unreachable": nl.RTN_UNREACHABLE}
+_KIND_OF_RTN = {rtn: kind for kind, rtn in ROUTE_KINDS.items()}
+AF_INET, AF_INET6 = socket.AF_INET, socket.AF_INET6
+# The kernel's metric when none is given: IPv4 priority 0, IPv6 IP6_RT_PRIO_USER (1024).
+_DEFAULT_METRIC = {AF_INET: 0, AF_INET6: 1024}
+_ZERO = {AF_INET: bytes(4), AF_INET6: bytes(16)}
+_PLEN = {AF_INET: {str(n): n for n in range(33)}, AF_INET6: {str(n): n for n in range(129)}}
+PROTOCOL_NAMES = {
+    nl.RTPROT_KERNEL: "kernel", nl.RTPROT_BOOT: "boot", nl.RTPROT_STATIC: "static", 9: "ra",
+    nl.RTPROT_ZEBRA: "zebra", nl.RTPROT_BIRD: "bird", 16: "dhcp", 42: "babel", 186: "bgp",
+    187: "isis", 188: "ospf", 189: "rip",
+}
+RTM_F_CLONED = 0x200
+
+_ADD, _REPLACE, _DELETE = "add", "replace", "delete"
+_REQUEST_FLAGS = {
+    _ADD: nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL,
+    _REPLACE: nl.NLM_F_REQUEST | nl.NLM_F_REPLACE,
+    _DELETE: nl.NLM_F_REQUEST,
+}
+
+
+class InvalidRoute(ValueError):
+    """A Route (or destination) that cannot be programmed; the message says which field."""
+
+
+_address_cache: dict[str, tuple[int, str]] = {}  # next hops repeat: parse each once
+
+
+def _parse_address(text: object, what: str) -> tuple[int, str]:
+    """``(family, canonical text)``; glibc's inet_pton accepts only canonical IPv4 text."""
+    cached = _address_cache.get(text) if type(text) is str else None
+    if cached is not None:
+        return cached
+    if not isinstance(text, str):
+        raise InvalidRoute(f"{what} must be a string, got {text!r}")
+    family = AF_INET6 if ":" in text else AF_INET
+    try:
+        raw = socket.inet_pton(family, text)
+    except OSError:
+        raise InvalidRoute(f"{what} is not an IP address: {text!r}") from None
+    result = (family, text if family == AF_INET else socket.inet_ntop(family, raw))
+    if len(_address_cache) > 4096:
+        _address_cache.clear()
+    _address_cache[text] = result
+    return result
+
+
+def _parse_prefix(text: object) -> tuple[int, str]:
+    """``"10.244.1.0/24"`` -> ``(AF_INET, "10.244.1.0/24")``; a bare address is a host route."""
+    if not isinstance(text, str):
+        raise InvalidRoute(f"route dst must be a string like '10.244.1.0/24', got {text!r}")
+    addr, slash, plen_text = text.partition("/")
+    family = AF_INET6 if ":" in addr else AF_INET
+    try:
+        raw = socket.inet_pton(family, addr)
+    except OSError:
+        raise InvalidRoute(f"route dst is not an IP prefix: {text!r}") from None
+    bits = len(raw) * 8
+    plen = _PLEN[family].get(plen_text) if slash else bits
+    if plen is None:
+        raise InvalidRoute(f"route dst has a bad prefix length: {text!r}")
+    if plen < bits and int.from_bytes(raw, "big") & ((1 << (bits - plen)) - 1):
+        raise InvalidRoute(f"route dst has host bits set: {text!r}")
+    if family == AF_INET6:
+        addr = socket.inet_ntop(family, raw)
+    return family, text if slash and family == AF_INET else f"{addr}/{plen}"
+
+
+def canonical_dst(dst: str) -> str:
+    """The form Route uses as its key: ``"2001:DB8:0::/64"`` -> ``"2001:db8::/64"``."""
+    return _parse_prefix(dst)[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One kernel route as agentd wants it.  Equality is "the same route" when reconciling.
+
+    ``dst`` and addresses are kept in canonical text form (a bare address is a host route);
+    ``metric`` None is the kernel default (IPv4 0, IPv6 1024), and those defaults given
+    explicitly become None.  ``dev`` None lets the kernel pick the interface from the gateway.
+    """
+
+    dst: str
+    gateway: str | None = None
+    dev: str | None = None
+    onlink: bool = False
+    kind: str = "unicast"
+    metric: int | None = None
+    mtu: int | None = None
+    src: str | None = None
+
+    def __post_init__(self) -> None:
+        family, dst = _parse_prefix(self.dst)
+        if dst is not self.dst:
+            object.__setattr__(self, "dst", dst)
+        for name in ("gateway", "src"):
+            value = getattr(self, name)
+            if value is not None:
+                vfamily, text = _parse_address(value, f"route {name}")
+                if vfamily != family:
+                    raise InvalidRoute(f"route {name} {value!r} is not in the family of dst {dst!r}")
+                if text is not value:
+                    object.__setattr__(self, name, text)
+        dev, kind = self.dev, self.kind
+        if dev is not None and (type(dev) is not str or not 0 < len(dev) <= 15):
+            raise InvalidRoute(f"route dev must be an interface name of 1-15 characters, got {dev!r}")
+        if self.onlink is not False and self.onlink is not True:
+            raise InvalidRoute(f"route onlink must be a bool, got {self.onlink!r}")
+        if kind == "unicast":
+            if self.gateway is None and dev is None:
+                raise InvalidRoute(f"unicast route {dst} needs a gateway or a dev")
+            if self.onlink and (self.gateway is None or dev is None):
+                raise InvalidRoute(f"onlink route {dst} needs both gateway and dev")
+        elif kind not in ROUTE_KINDS:
+            raise InvalidRoute(f"route kind must be one of {sorted(ROUTE_KINDS)}, got {kind!r}")
+        elif self.gateway is not None or dev is not None or self.onlink:
+            raise InvalidRoute(f"{kind} route {dst} takes no gateway, dev or onlink")
+        metric, mtu = self.metric, self.mtu
+        if metric is not None:
+            if type(metric) is not int or not 0 <= metric <= 0xFFFFFFFF:
+                raise InvalidRoute(f"route metric must be an integer 0..4294967295, got {metric!r}")
+            if metric == _DEFAULT_METRIC[family] or (family == AF_INET6 and metric == 0):
+                object.__setattr__(self, "metric", None)  # the kernel files these as its default
+        if mtu is not None:
+            if type(mtu) is not int or not 0 <= mtu <= 0xFFFFFFFF:
+                raise InvalidRoute(f"route mtu must be an integer 0..4294967295, got {mtu!r}")
+            if mtu == 0:
+                object.__setattr__(self, "mtu", None)
+
+    @property
+    def family(self) -> int:
+        return AF_INET6 if ":" in self.dst else AF_INET
+
+
+_new_route = object.__new__
+_set = object.__setattr__
+
+
+def _kernel_route(dst: str, gateway: str | None, dev: str | None, onlink: bool, kind: str,
+                  metric: int | None, mtu: int | None, src: str | None) -> Route:
+    """A Route from values the kernel gave (already canonical): skips validation, which a
+    100k-route dump would otherwise pay 100k times."""
+    route = _new_route(Route)
+    _set(route, "dst", dst)
+    _set(route, "gateway", gateway)
+    _set(route, "dev", dev)
+    _set(route, "onlink", onlink)
+    _set(route, "kind", kind)
+    _set(route, "metric", metric)
+    _set(route, "mtu", mtu)
+    _set(route, "src", src)
+    return route
+
+
+def _kernel_metric(route: Route) -> int:
+    """The metric the kernel files the route under (its identity, with dst and table)."""
+    if route.metric is not None:
+        return route.metric
+    return 1024 if ":" in route.dst else 0
+
+
+def _same(want: Route, have: Route) -> bool:
+    """Does the kernel route ``have`` already do what ``want`` asks?  A desired route with no
+    dev accepts whatever interface the kernel resolved the gateway to."""
+    return want is have or (
+        want.gateway == have.gateway
+        and want.kind == have.kind
+        and want.metric == have.metric
+        and want.onlink == have.onlink
+        and want.mtu == have.mtu
+        and want.src == have.src
+        and (want.dev is None or want.dev == have.dev)
+    )
+
+
+class _Stray(NamedTuple):
+    """A route of ours the Route model does not hold as the one route for its destination
+    (a second metric, multipath, TOS...): always deleted, by exactly these fields."""
+
+    family: int
+    dst: bytes
+    dst_len: int
+    tos: int
+    priority: int | None
+    text: str
+
+
+def _stray_of(route: Route) -> _Stray:
+    addr, _, plen = route.dst.partition("/")
+    family = AF_INET6 if ":" in addr else AF_INET
+    metric = route.metric if route.metric is not None else (1024 if family == AF_INET6 else None)
+    return _Stray(family, socket.inet_pton(family, addr), int(plen), 0, metric, route.dst)
+
+
+def _stray_of_message(msg: nl.RouteMessage) -> _Stray:
+    family = msg.family  # IPv4 or IPv6: callers filter the rest out
+    dst = msg.dst or _ZERO[family]
+    return _Stray(family, dst, msg.dst_len, msg.tos, msg.priority, f"{socket.inet_ntop(family, dst)}/{msg.dst_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResult:
+    """What one reconcile did.  ``failed``/``conflicts`` are ``(dst, reason)`` pairs."""
+
+    added: tuple[str, ...] = ()
+    replaced: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+    conflicts: tuple[tuple[str, str], ...] = ()
+    seconds: float = 0.0
+    full: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.conflicts
+
+
+@dataclass(slots=True)
+class RouteCounters:
+    """Monotonic counters for /metrics."""
+
+    reconciles: int = 0
+    full_resyncs: int = 0
+    routes_added: int = 0
+    routes_replaced: int = 0
+    routes_removed: int = 0
+    routes_restored: int = 0  # own desired routes put back after someone else removed them
+    errors: int = 0
+    monitor_overruns: int = 0
+
+
+@dataclass(slots=True)
+class _Outcome:
+    added: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
+class _Unresolved(Exception):
+    pass
+
+
+class RouteProgrammer:
+    """Programs the desired routes into one table of one namespace, tagged with ``protocol``."""
+
+    COALESCE_SECONDS = 0.005  # a burst of upserts becomes one reconcile
+    BATCH_MESSAGES = 4096  # requests per send(); their error acks must fit the receive buffer
+    RETRY_SECONDS = 1.0  # back-off after a reconcile raised
+
+    def __init__(
+        self,
+        *,
+        protocol: int = RTPROT_AGENTD,
+        table: int = nl.RT_TABLE_MAIN,
+        resync_interval: float = 30.0,
+        netns: str | None = None,
+    ) -> None:
+        if type(protocol) is not int or not nl.RTPROT_STATIC < protocol <= 255:
+            # 0-4 are unspec/redirect/kernel/boot/static: other people's routes by definition.
+            raise ValueError(f"route protocol must be an integer 5..255, got {protocol!r}")
+        if type(table) is not int or not 0 < table <= 0xFFFFFFFF or table == nl.RT_TABLE_LOCAL:
+            raise ValueError(f"route table must be an integer 1..4294967295 other than 255 (local), got {table!r}")
+        if not (isinstance(resync_interval, (int, float)) and resync_interval > 0):
+            raise ValueError(f"resync_interval must be a positive number of seconds, got {resync_interval!r}")
+        self.protocol = protocol
+        self.table = table
+        self.resync_interval = float(resync_interval)
+        self.netns = netns
+        self.on_sync: Callable[[SyncResult], None] | None = None
+        self.last_sync: float | None = None
+        self.last_sync_seconds: float | None = None
+        self.conflicts: dict[str, str] = {}
+        self.failures: dict[str, str] = {}
+        self.counters = RouteCounters()
+
+        self._desired: dict[str, Route] = {}
+        self._kernel: dict[str, Route] = {}  # our route in the kernel, per dst
+        self._strays: set[_Stray] = set()  # our other routes there, to be deleted
+        self._complete = False  # set_desired() was called: undesired own routes may go
+        self._discarded: set[str] = set()  # explicit discards before that
+        self._dirty: set[str] = set()
+        self._dirty_all = False
+        self._full_pending = False
+        self._restoring: set[str] = set()
+        self._templates: dict[tuple, nl.RouteTemplate] = {}
+        self._seen: dict[bytes, Route] = {}  # message bytes of the last dump -> Route
+        self._ifindex: dict[str, int] = {}
+        self._ifname: dict[int, str] = {}
+        self._ifup: dict[int, bool] = {}
+        self._seq = 0
+        self._batch = self.BATCH_MESSAGES
+        self._req: nl.NetlinkSocket | None = None
+        self._mon: nl.NetlinkSocket | None = None
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # --- desired state -----------------------------------------------------------------------
+
+    def set_desired(self, routes: Iterable[Route]) -> None:
+        """Replace the whole desired set; the reconcile task applies it promptly."""
+        if not isinstance(routes, (list, tuple)):
+            routes = list(routes)
+        desired = {route.dst: route for route in routes if type(route) is Route}
+        if len(desired) != len(routes):
+            _reject_bad(routes)
+        self._desired = desired
+        self._complete = True
+        self._discarded.clear()
+        self._dirty_all = True
+        self._wake.set()
+
+    def upsert(self, route: Route) -> None:
+        if type(route) is not Route:
+            raise InvalidRoute(f"upsert takes a Route, got {route!r}")
+        self._desired[route.dst] = route
+        self._discarded.discard(route.dst)
+        self._dirty.add(route.dst)
+        self._wake.set()
+
+    def discard(self, dst: str) -> None:
+        dst = canonical_dst(dst)
+        self._desired.pop(dst, None)
+        if not self._complete:
+            self._discarded.add(dst)
+        self._dirty.add(dst)
+        self._wake.set()
+
+    def desired(self) -> list[Route]:
+        return list(self._desired.values())
+
+    def programmed(self) -> list[Route]:
+        """Our routes in the kernel now, as far as the last reconcile and the monitor know."""
+        return list(self._kernel.values())
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the sockets, adopt our routes already in the kernel, start monitor and resync."""
+        if self._req is not None:
+            raise RuntimeError("RouteProgrammer already started")
+        if self.netns is None:
+            self._open_sockets()
+        else:
+            from agentd.lab.netns import Netns
+
+            namespace = Netns(self.netns)
+            if not namespace.exists():
+                raise FileNotFoundError(f"network namespace {self.netns!r} does not exist ({namespace.path})")
+            with namespace.entered():
+                self._open_sockets()
+        try:
+            # The monitor subscribed before the dumps: a change made meanwhile waits there and
+            # is applied after them, never lost.
+            await self._dump_links()
+            async with self._lock:
+                await self._dump_own()
+            asyncio.get_running_loop().add_reader(self._mon.fileno(), self._on_monitor_readable)
+            self._on_monitor_readable()
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._tasks = [
+            asyncio.create_task(self._reconcile_loop(), name="routes-reconcile"),
+            asyncio.create_task(self._resync_loop(), name="routes-resync"),
+        ]
+        log.info("route programmer started (proto %d, table %d): adopted %d own routes",
+                 self.protocol, self.table, len(self._kernel))
+
+    def _open_sockets(self) -> None:
+        groups = (nl.RTMGRP_IPV4_ROUTE | nl.RTMGRP_IPV6_ROUTE | nl.RTMGRP_LINK
+                  | nl.RTMGRP_IPV4_IFADDR | nl.RTMGRP_IPV6_IFADDR)
+        self._req = nl.NetlinkSocket()
+        try:
+            # Our own changes cause one notification each; the filter drops them in the kernel.
+            self._mon = nl.NetlinkSocket(groups, ignore_pid=self._req.portid)
+        except BaseException:
+            self._req.close()
+            self._req = None
+            raise
+
+    def _close_sockets(self) -> None:
+        if self._mon is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self._mon.fileno())
+            except (RuntimeError, ValueError, OSError):
+                pass
+            self._mon.close()
+        if self._req is not None:
+            self._req.close()
+        self._req = self._mon = None
+
+    async def stop(self, remove_routes: bool = False) -> None:
+        """Stop the tasks; with ``remove_routes`` delete every route of ours first."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []
+        if self._req is None:
+            return
+        try:
+            if remove_routes:
+                async with self._lock:
+                    await self._dump_own()
+                    victims = [*self._kernel.values(), *self._strays]
+                    for target, err, message in await self._execute(_DELETE, victims, _Outcome()):
+                        log.warning("could not remove %s: %s", _dst_of(target), nl.describe_error(err, message))
+        finally:
+            self._close_sockets()
+
+    async def __aenter__(self) -> RouteProgrammer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self.COALESCE_SECONDS)
+            self._wake.clear()
+            if self._lock.locked() or not (self._dirty or self._dirty_all or self._full_pending):
+                continue  # a reconcile in progress wakes us again if work is left when it ends
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.counters.errors += 1
+                log.exception("route reconcile failed; retrying in %.1fs", self.RETRY_SECONDS)
+                self._full_pending = True
+                await asyncio.sleep(self.RETRY_SECONDS)
+                self._wake.set()
+
+    async def _resync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_interval)
+            self._full_pending = True
+            self._wake.set()
+
+    # --- reconcile ---------------------------------------------------------------------------
+
+    async def reconcile(self, full: bool = False) -> SyncResult:
+        """Apply the difference between desired and kernel state now.
+
+        ``full`` re-reads our routes from the kernel first (what the periodic resync does);
+        it also happens when the monitor lost events or a link went away.
+        """
+        if self._req is None:
+            raise RuntimeError("RouteProgrammer is not started")
+        async with self._lock:
+            started = time.perf_counter()
+            full = full or self._full_pending
+            if full:
+                self._full_pending = False
+                await self._dump_own()
+                self.counters.full_resyncs += 1
+            dsts = None if full or self._dirty_all else self._dirty
+            self._dirty_all = False
+            self._dirty = set()
+            adds, replaces, deletes, stale = self._plan(dsts, full)
+            for dst in stale:
+                self.failures.pop(dst, None)
+                self.conflicts.pop(dst, None)
+            added, replaced, removed, failed, conflicts = await self._apply(adds, replaces, deletes)
+            seconds = time.perf_counter() - started
+            result = SyncResult(added, replaced, removed, failed, conflicts, seconds, full)
+            self.counters.reconciles += 1
+            self.last_sync = time.time()
+            self.last_sync_seconds = seconds
+            if self._dirty or self._dirty_all or self._full_pending:
+                self._wake.set()
+        if self.on_sync is not None:
+            try:
+                self.on_sync(result)
+            except Exception:
+                log.exception("on_sync callback failed")
+        return result
+
+    def _plan(self, dsts: Iterable[str] | None, full: bool):
+        """Adds, replaces and deletes that turn kernel state into desired state, and the
+        destinations nobody wants any more (their failures and conflicts are forgotten)."""
+        desired, kernel, conflicts = self._desired, self._kernel, self.conflicts
+        may_delete, discarded = self._complete, self._discarded
+        adds: list[Route] = []
+        replaces: list[Route] = []
+        deletes: list[Route | _Stray] = []
+        stale: list[str] = []
+
+        def change(want: Route, have: Route) -> None:
+            if _kernel_metric(want) == _kernel_metric(have):
+                replaces.append(want)
+            else:  # a new key: add the new route first, then delete the old one
+                adds.append(want)
+                deletes.append(have)
+
+        if dsts is None:
+            for dst, want in desired.items():
+                have = kernel.get(dst)
+                if have is None:
+                    # Re-checking a conflict costs a table read: only full resyncs retry them.
+                    if full or dst not in conflicts:
+                        adds.append(want)
+                elif have is not want and not _same(want, have):
+                    change(want, have)
+            if may_delete:
+                deletes.extend(have for dst, have in kernel.items() if dst not in desired)
+            stale.extend(d for d in (*self.failures, *conflicts) if d not in desired)
+        else:
+            for dst in dsts:
+                want, have = desired.get(dst), kernel.get(dst)
+                if want is None:
+                    stale.append(dst)
+                    if have is not None and (may_delete or dst in discarded):
+                        deletes.append(have)
+                elif have is None:
+                    adds.append(want)
+                elif not _same(want, have):
+                    change(want, have)
+        if may_delete:
+            deletes.extend(self._strays)
+        return adds, replaces, deletes, stale
+
+    async def _apply(self, adds: list[Route], replaces: list[Route], deletes: list[Route | _Stray]):
+        outcome = _Outcome()
+        failed: list[tuple[str, str]] = []
+        conflicts: list[tuple[str, str]] = []
+        exists: list[Route] = []
+        vanished: list[Route] = []
+        for code, targets in ((_ADD, adds), (_REPLACE, replaces), (_DELETE, deletes)):
+            for target, err, message in await self._execute(code, targets, outcome):
+                if code == _ADD and err == _errno.EEXIST:
+                    exists.append(target)
+                elif code == _REPLACE and err == _errno.ENOENT:
+                    vanished.append(target)  # gone since we looked: add it instead
+                else:
+                    failed.append((_dst_of(target), nl.describe_error(err, message)))
+        if exists or vanished:
+            own: list[Route] = []
+            if exists:
+                own, found, unexplained = await self._classify_existing(exists)
+                conflicts += found
+                failed += unexplained
+            for code, targets in ((_REPLACE, own), (_ADD, vanished)):
+                for target, err, message in await self._execute(code, targets, outcome):
+                    failed.append((target.dst, nl.describe_error(err, message)))
+        for dst, reason in failed:
+            self.failures[dst] = reason
+        for dst, reason in conflicts:
+            if self.conflicts.get(dst) != reason:
+                log.warning("route conflict: %s", reason)
+            self.conflicts[dst] = reason
+        self.counters.errors += len(failed)
+        self.counters.routes_added += len(outcome.added)
+        self.counters.routes_replaced += len(outcome.replaced)
+        self.counters.routes_removed += len(outcome.removed)
+        return tuple(outcome.added), tuple(outcome.replaced), tuple(outcome.removed), tuple(failed), tuple(conflicts)
+
+    async def _execute(self, code: str, targets: list, outcome: _Outcome) -> list[tuple[object, int, str | None]]:
+        """Send one kind of request for every target, batched, and apply each success to the
+        kernel state.  Returns the failures ``(target, errno, kernel message)``; deleting a
+        route that is already gone counts as done."""
+        failures: list[tuple[object, int, str | None]] = []
+        flags = _REQUEST_FLAGS[code]
+        encode = self._encode_delete if code == _DELETE else self._encode_route
+        max_bytes = min(self._req.sndbuf // 2, 4 << 20)
+        n, i = len(targets), 0
+        while i < n:
+            if self._seq > 0xFFFF0000:
+                self._seq = 0  # nlmsg_seq is 32 bits
+            batch: list = []
+            parts: list[bytes] = []
+            size = 0
+            first = seq = self._seq + 1
+            while i < n and len(parts) < self._batch and size < max_bytes:
+                target = targets[i]
+                i += 1
+                try:
+                    message = encode(target, seq, flags)
+                except _Unresolved as exc:
+                    failures.append((target, _errno.ENODEV, str(exc)))
+                    continue
+                batch.append(target)
+                parts.append(message)
+                size += len(message)
+                seq += 1
+            if not parts:
+                continue
+            last = seq - 1
+            parts[-1] = nl.with_flags(parts[-1], nl.NLM_F_ACK)  # its ack closes the batch
+            self._seq = last
+            errors, complete = await self._req.send_batch(b"".join(parts), first, last)
+            if not complete:
+                # Error acks overflowed the receive buffer (it could not be raised?): re-read
+                # the kernel, and send smaller batches from now on.
+                self._batch = max(64, self._batch // 2)
+                log.warning("netlink acks lost; re-reading kernel routes, batches now %d requests", self._batch)
+                self._full_pending = True
+                self._wake.set()
+            if errors:
+                by_seq = {s: (err, message) for s, err, message in errors}
+                done = []
+                for k, target in enumerate(batch):
+                    error = by_seq.get(first + k)
+                    if error is None:
+                        done.append(target)
+                    elif code == _DELETE and error[0] == _errno.ESRCH:
+                        self._deleted([target], _Outcome())  # already gone: nothing to report
+                    else:
+                        failures.append((target, *error))
+            else:
+                done = batch
+            if code == _DELETE:
+                self._deleted(done, outcome)
+            else:
+                self._installed(done, outcome.added if code == _ADD else outcome.replaced)
+            if i < n:
+                await asyncio.sleep(0)  # let the loop breathe between batches
+        return failures
+
+    def _encode_route(self, route: Route, seq: int, flags: int) -> bytes:
+        addr, _, plen = route.dst.partition("/")
+        family = AF_INET6 if ":" in addr else AF_INET
+        key = (family, route.gateway, route.dev, route.onlink, route.kind, route.metric, route.mtu, route.src)
+        template = self._templates.get(key)
+        if template is None:
+            template = self._template(family, route)
+            if len(self._templates) > 8192:
+                self._templates.clear()
+            self._templates[key] = template
+        return nl.encode_route(nl.RTM_NEWROUTE, seq, flags, socket.inet_pton(family, addr), int(plen), template)
+
+    def _template(self, family: int, route: Route) -> nl.RouteTemplate:
+        oif = 0
+        if route.dev is not None:
+            oif = self._ifindex.get(route.dev, 0)
+            if not oif:
+                raise _Unresolved(f"no device {route.dev!r} in the route programmer's namespace")
+        rtype = ROUTE_KINDS[route.kind]
+        gateway = route.gateway
+        return nl.route_template(
+            family,
+            table=self.table,
+            protocol=self.protocol,
+            # iproute2's choice: an IPv4 route straight onto a link is link-scoped.
+            scope=nl.RT_SCOPE_LINK if gateway is None and rtype == nl.RTN_UNICAST and family == AF_INET else nl.RT_SCOPE_UNIVERSE,
+            rtype=rtype,
+            rtm_flags=nl.RTNH_F_ONLINK if route.onlink else 0,
+            gateway=None if gateway is None else socket.inet_pton(family, gateway),
+            oif=oif,
+            priority=route.metric,
+            prefsrc=None if route.src is None else socket.inet_pton(family, route.src),
+            mtu=route.mtu,
+        )
+
+    def _encode_delete(self, target: Route | _Stray, seq: int, flags: int) -> bytes:
+        if type(target) is Route:
+            target = _stray_of(target)
+        family, raw, plen, tos, priority, _text = target
+        key = (family, tos, priority)
+        template = self._templates.get(key)
+        if template is None:
+            template = self._templates[key] = nl.delroute_template(
+                family, table=self.table, protocol=self.protocol, tos=tos, priority=priority)
+        return nl.encode_route(nl.RTM_DELROUTE, seq, flags, raw, plen, template)
+
+    def _installed(self, routes: list[Route], report: list[str]) -> None:
+        kernel, strays = self._kernel, self._strays
+        for route in routes:
+            dst = route.dst
+            previous = kernel.get(dst)
+            if previous is not None and _kernel_metric(previous) != _kernel_metric(route):
+                strays.add(_stray_of(previous))  # metric changed: deleted later in this sync
+            kernel[dst] = route
+            report.append(dst)
+        if self.failures or self.conflicts or self._restoring:
+            for route in routes:
+                self.failures.pop(route.dst, None)
+                self.conflicts.pop(route.dst, None)
+                if route.dst in self._restoring:
+                    self._restoring.discard(route.dst)
+                    self.counters.routes_restored += 1
+
+    def _deleted(self, targets: list[Route | _Stray], outcome: _Outcome) -> None:
+        kernel, strays, removed = self._kernel, self._strays, outcome.removed
+        for target in targets:
+            if type(target) is Route:
+                dst = target.dst
+                current = kernel.get(dst)
+                # The kernel deleted whatever route of ours held this dst and metric.
+                if current is target or (current is not None and _kernel_metric(current) == _kernel_metric(target)):
+                    del kernel[dst]
+                elif strays:
+                    strays.discard(_stray_of(target))
+            else:
+                dst = target.text
+                strays.discard(target)
+            removed.append(dst)
+
+    async def _classify_existing(self, routes: list[Route]):
+        """An add met EEXIST: read the table and see whose route holds each key.
+        Ours (we had not heard of it) -> replace it; anyone else's -> a conflict, left alone."""
+        wanted = {}
+        for route in routes:
+            stray = _stray_of(route)
+            wanted[(stray.family, stray.dst, stray.dst_len, _kernel_metric(route))] = route
+        holders: dict[Route, nl.RouteMessage] = {}
+
+        def handle(mtype: int, buf: bytes, start: int, end: int) -> None:
+            if mtype != nl.RTM_NEWROUTE:
+                return
+            msg = nl.decode_route(buf, start, end)
+            if msg.table != self.table or msg.tos or msg.flags & RTM_F_CLONED or msg.family not in _ZERO:
+                return
+            key = (msg.family, msg.dst or _ZERO[msg.family], msg.dst_len, msg.priority or 0)
+            route = wanted.get(key)
+            if route is not None and (route not in holders or msg.protocol == self.protocol):
+                holders[route] = msg
+
+        for family in {route.family for route in routes}:
+            seq = self._next_seq()
+            await self._req.dump(nl.encode_getroute_dump(seq, family, table=self.table), seq, handle,
+                                 what="route table dump")
+        own: list[Route] = []
+        conflicts: list[tuple[str, str]] = []
+        unexplained: list[tuple[str, str]] = []
+        for route in routes:
+            msg = holders.get(route)
+            if msg is None:
+                unexplained.append((route.dst, "EEXIST, but no route with this destination and metric was found"))
+            elif msg.protocol == self.protocol:
+                adopted = self._route_of(msg)
+                if adopted is not None:
+                    self._kernel[route.dst] = adopted
+                if adopted is None or not _same(route, adopted):
+                    own.append(route)
+            else:
+                name = PROTOCOL_NAMES.get(msg.protocol, str(msg.protocol))
+                conflicts.append((route.dst, f"{route.dst}: table {self.table} already has a proto {name} route "
+                                              "with this destination and metric; left alone"))
+        return own, conflicts, unexplained
+
+    # --- reading the kernel ------------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        self._seq = self._seq + 1 if self._seq < 0xFFFF0000 else 1
+        return self._seq
+
+    async def _dump_links(self) -> None:
+        def handle(mtype: int, buf: bytes, start: int, end: int) -> None:
+            if mtype == nl.RTM_NEWLINK:
+                self._learn_link(nl.decode_link(buf, start, end))
+
+        self._ifindex.clear()
+        self._ifname.clear()
+        self._templates.clear()
+        seq = self._next_seq()
+        await self._req.dump(nl.encode_getlink_dump(seq), seq, handle, what="link dump")
+
+    def _learn_link(self, link: nl.LinkMessage) -> None:
+        old = self._ifname.get(link.index)
+        if old != link.name:
+            if old is not None and self._ifindex.get(old) == link.index:
+                del self._ifindex[old]
+            self._templates.clear()  # they hold interface indexes
+            self._seen = {}  # its Routes hold interface names
+        self._ifname[link.index] = link.name
+        self._ifindex[link.name] = link.index
+        self._ifup[link.index] = link.up
+
+    async def _dump_own(self) -> None:
+        """Re-read every route of ours (our protocol, our table) into the kernel state.
+
+        A route whose message bytes are exactly those of the last dump is the same Route
+        again: the periodic resync of 100k unchanged routes then costs a dict lookup each,
+        not a parse (the price is the bytes kept, ~80-130 per route)."""
+        protocol, table = self.protocol, self.table
+        for _attempt in range(3):
+            known: list[Route] = []
+            fresh: list[tuple[bytes, nl.RouteMessage]] = []
+            previous, seen = self._seen, {}
+
+            def handle(mtype: int, buf: bytes, start: int, end: int) -> None:
+                if mtype != nl.RTM_NEWROUTE or end - start < nl.RTMSG_LEN or buf[start + 5] != protocol:
+                    return  # rtmsg byte 5 is rtm_protocol: skip others' routes unparsed
+                body = buf[start:end]
+                route = previous.get(body)
+                if route is not None:
+                    seen[body] = route
+                    known.append(route)
+                    return
+                try:
+                    msg = nl.decode_route(body)
+                except nl.NetlinkDecodeError as exc:
+                    log.error("skipping undecodable route in dump: %s", exc)
+                    return
+                if msg.table == table and not msg.flags & RTM_F_CLONED and msg.family in _ZERO:
+                    fresh.append((body, msg))
+
+            consistent = True
+            for family in (AF_INET, AF_INET6):
+                seq = self._next_seq()
+                request = nl.encode_getroute_dump(seq, family, table=table, protocol=protocol)
+                consistent &= await self._req.dump(request, seq, handle, what="route dump")
+            if consistent:
+                break
+        if any(msg.oif and msg.oif not in self._ifname for _body, msg in fresh):
+            await self._dump_links()
+        kernel: dict[str, Route] = {}
+        strays: set[_Stray] = set()
+        file_route = self._file_route
+        for route in known:
+            file_route(route, kernel, strays)
+        for body, msg in fresh:
+            route = self._route_of(msg)
+            if route is None:
+                strays.add(_stray_of_message(msg))
+            else:
+                seen[body] = route
+                file_route(route, kernel, strays)
+        self._kernel, self._strays, self._seen = kernel, strays, seen
+
+    def _route_of(self, msg: nl.RouteMessage) -> Route | None:
+        """The Route a kernel route of ours is, or None if it has a shape Route cannot say
+        (multipath, nexthop objects, TOS, source prefix): such a route is a stray."""
+        family = msg.family
+        kind = _KIND_OF_RTN.get(msg.type)
+        if (kind is None or msg.multipath is not None or msg.via is not None
+                or msg.nh_id is not None or msg.tos or msg.src_len):
+            return None
+        ntop = socket.inet_ntop
+        gateway = None if msg.gateway is None else ntop(family, msg.gateway)
+        dev = None
+        onlink = bool(msg.flags & nl.RTNH_F_ONLINK)
+        if kind == "unicast":
+            if msg.oif:
+                dev = self._ifname.get(msg.oif) or f"if#{msg.oif}"
+            if (gateway is None and dev is None) or (onlink and (gateway is None or dev is None)):
+                return None
+        metric = msg.priority
+        if metric == _DEFAULT_METRIC[family]:
+            metric = None
+        return _kernel_route(
+            f"{ntop(family, msg.dst or _ZERO[family])}/{msg.dst_len}", gateway, dev, onlink, kind, metric,
+            msg.mtu or None, None if msg.prefsrc is None else ntop(family, msg.prefsrc),
+        )
+
+    def _file_own(self, msg: nl.RouteMessage, kernel: dict[str, Route], strays: set[_Stray]) -> str:
+        """File one of our kernel routes: the route for its dst, or a stray."""
+        route = self._route_of(msg)
+        if route is None:
+            stray = _stray_of_message(msg)
+            strays.add(stray)
+            return stray.text
+        self._file_route(route, kernel, strays)
+        return route.dst
+
+    def _file_route(self, route: Route, kernel: dict[str, Route], strays: set[_Stray]) -> None:
+        dst = route.dst
+        have = kernel.get(dst)
+        if have is None or _kernel_metric(have) == _kernel_metric(route):
+            kernel[dst] = route
+            return
+        # Two routes of ours for one dst (different metrics): keep the desired one.
+        want = self._desired.get(dst)
+        if want is not None and _same(want, route) and not _same(want, have):
+            kernel[dst], route = route, have
+        strays.add(_stray_of(route))
+
+    # --- the monitor -------------------------------------------------------------------------
+
+    def _on_monitor_readable(self) -> None:
+        mon = self._mon
+        if mon is None:
+            return
+        while True:
+            try:
+                chunk = mon.recv()
+            except OSError as exc:
+                if exc.errno == _errno.ENOBUFS:
+                    # The kernel dropped events for us: only a full re-read is trustworthy now.
+                    self.counters.monitor_overruns += 1
+                    self._full_pending = True
+                    continue
+                log.error("route monitor socket failed: %s", exc)
+                self._full_pending = True
+                break
+            if chunk is None:
+                break
+            try:
+                for mtype, mflags, _seq, _pid, start, end in nl.iter_messages(chunk):
+                    self._on_event(mtype, mflags, chunk, start, end)
+            except nl.NetlinkDecodeError as exc:
+                log.error("undecodable netlink event (%s); scheduling a full resync", exc)
+                self._full_pending = True
+        if self._dirty or self._full_pending:
+            self._wake.set()
+
+    def _on_event(self, mtype: int, mflags: int, buf: bytes, start: int, end: int) -> None:
+        if mtype == nl.RTM_NEWROUTE or mtype == nl.RTM_DELROUTE:
+            msg = nl.decode_route(buf, start, end)
+            if msg.table != self.table or msg.flags & RTM_F_CLONED or msg.family not in _ZERO:
+                return
+            if msg.protocol == self.protocol:
+                self._on_own_route_event(mtype, msg)
+                return
+            dst = f"{socket.inet_ntop(msg.family, msg.dst or _ZERO[msg.family])}/{msg.dst_len}"
+            have = self._kernel.get(dst)
+            if mtype == nl.RTM_NEWROUTE and mflags & nl.NLM_F_REPLACE and have is not None:
+                if _kernel_metric(have) == (msg.priority or 0):
+                    del self._kernel[dst]  # someone replaced our route with theirs
+                    self._dirty.add(dst)
+            elif mtype == nl.RTM_DELROUTE and dst in self.conflicts:
+                self._dirty.add(dst)  # the route in our way is gone: try again
+        elif mtype == nl.RTM_NEWLINK or mtype == nl.RTM_DELLINK:
+            link = nl.decode_link(buf, start, end)
+            was_up = self._ifup.get(link.index)
+            if mtype == nl.RTM_DELLINK:
+                self._ifname.pop(link.index, None)
+                self._ifup.pop(link.index, None)
+                if self._ifindex.get(link.name) == link.index:
+                    del self._ifindex[link.name]
+                self._templates.clear()
+                self._seen = {}
+                self._full_pending = True  # IPv4 flushes the routes of a dead link silently
+            else:
+                self._learn_link(link)
+                if was_up and not link.up:
+                    self._full_pending = True
+                self._dirty.update(self.failures)  # a device may have appeared: retry
+        elif mtype == nl.RTM_NEWADDR:
+            self._dirty.update(self.failures)  # a gateway may have become reachable
+        elif mtype == nl.RTM_DELADDR:
+            self._full_pending = True  # routes with that source address were flushed
+
+    def _on_own_route_event(self, mtype: int, msg: nl.RouteMessage) -> None:
+        """Someone else (or the kernel) added or removed a route with our protocol."""
+        if mtype == nl.RTM_NEWROUTE:
+            self._dirty.add(self._file_own(msg, self._kernel, self._strays))
+            return
+        route = self._route_of(msg)
+        if route is None:
+            self._strays.discard(_stray_of_message(msg))
+            return
+        dst = route.dst
+        have = self._kernel.get(dst)
+        if have is not None and _kernel_metric(have) == _kernel_metric(route):
+            del self._kernel[dst]
+            if dst in self._desired:
+                self._restoring.add(dst)
+        else:
+            self._strays.discard(_stray_of(route))
+        self._dirty.add(dst)
+
+
+def _dst_of(target: Route | _Stray) -> str:
+    return target.dst if type(target) is Route else target.text
+
+
+def _reject_bad(routes: Iterable[object]) -> None:
+    seen: dict[str, Route] = {}
+    for route in routes:
+        if type(route) is not Route:
+            raise InvalidRoute(f"desired routes must be Route objects, got {route!r}")
+        other = seen.setdefault(route.dst, route)
+        if other != route:
+            raise InvalidRoute(f"two different desired routes for {route.dst}: {other} and {route}")

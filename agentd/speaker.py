@@ -1,0 +1,216 @@
+"""``agentd speaker``: the BGP speaker alone (a dedicated route reflector, interop tests).
+
+Also the conversions from agentd's configuration to the speaker's settings, which the
+node agent reuses, and the speaker's Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from ipaddress import IPv4Address
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+
+from bgp import LocalSettings, Origination, PeerSettings, Speaker, SpeakerService, State
+from proto.nlri import prefix_from_str
+
+from .api import ApiServer
+from .config import BgpPeerConfig, Config, ConfigError, load_config
+
+log = logging.getLogger("agentd.speaker")
+
+
+def local_settings(cfg: Config, *, restarting: bool = False) -> LocalSettings:
+    bgp = cfg.bgp
+    router_id = bgp.router_id or cfg.node.address
+    if router_id is None:
+        raise ConfigError(
+            "not set and [node] address unknown", source="default", key="bgp.router_id", where="[bgp] router_id"
+        )
+    cluster_id = None
+    if cfg.node.route_reflector:
+        cluster_id = cfg.node.cluster_id or router_id
+    return LocalSettings(
+        asn=bgp.asn,
+        router_id=IPv4Address(router_id),
+        hold_time=bgp.hold_time,
+        keepalive_time=bgp.keepalive_time or None,
+        connect_retry_time=max(1.0, float(bgp.connect_retry)),
+        cluster_id=cluster_id,
+        graceful_restart=bgp.graceful_restart,
+        restart_time=bgp.restart_time,
+        restarting=restarting,
+        next_hop_v6=getattr(bgp, "next_hop_v6", None),
+    )
+
+
+def peer_settings(p: BgpPeerConfig, cfg: Config, *, description: str = "") -> PeerSettings:
+    return PeerSettings(
+        address=p.address,
+        asn=p.asn,
+        port=p.port,
+        passive=p.passive,
+        rr_client=p.rr_client,
+        password=p.password if p.password is not None else cfg.bgp.password,
+        hold_time=p.hold_time,
+        local_address=p.local_address,
+        description=p.description or description,
+    )
+
+
+def originations(cfg: Config) -> list[Origination]:
+    out = []
+    for net in cfg.bgp.originate:
+        afi, prefix = prefix_from_str(str(net))
+        out.append(Origination((afi, 1), prefix))
+    return out
+
+
+class SpeakerMetrics:
+    """Prometheus collector for a speaker: peer state and prefix counts."""
+
+    def __init__(self, speaker: Callable[[], Speaker | None]) -> None:
+        self._speaker = speaker
+
+    def collect(self):
+        up = GaugeMetricFamily("agentd_bgp_peer_up", "1 when the BGP session is Established", labels=["peer"])
+        state = GaugeMetricFamily(
+            "agentd_bgp_peer_state", "RFC 4271 FSM state (1 Idle .. 6 Established)", labels=["peer"]
+        )
+        received = GaugeMetricFamily(
+            "agentd_bgp_prefixes_received", "prefixes in the peer's Adj-RIB-In", labels=["peer"]
+        )
+        sent = GaugeMetricFamily("agentd_bgp_prefixes_sent", "prefixes in the peer's Adj-RIB-Out", labels=["peer"])
+        loc = GaugeMetricFamily("agentd_bgp_loc_rib_prefixes", "prefixes in the Loc-RIB")
+        sp = self._speaker()
+        if sp is not None:
+            for key, peer in sp.peers.items():
+                st = peer.state
+                up.add_metric([key], 1.0 if st is State.ESTABLISHED else 0.0)
+                state.add_metric([key], float(int(st)))
+                adj = sp.rib.adj_in.get(key)
+                received.add_metric([key], float(len(adj) if adj is not None else 0))
+                sent.add_metric([key], float(sp.adj_out_count(key)))
+            loc.add_metric([], float(sp.rib.count()))
+        yield from (up, state, received, sent, loc)
+
+
+def peer_rows(service: SpeakerService) -> list[dict[str, Any]]:
+    """The speaker's peer table with ``since`` as a UNIX timestamp (DESIGN.md /peers)."""
+    rows = service.speaker.peer_status()
+    for row in rows:
+        row["since"] = round(service.wall_time(row["since"]), 3)
+    return rows
+
+
+class SpeakerRuntime:
+    """The status provider and lifecycle of ``agentd speaker``."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.registry = CollectorRegistry()
+        self.speaker = Speaker(local_settings(cfg), now=time.monotonic())
+        self.registry.register(SpeakerMetrics(lambda: self.speaker))
+        listen = (cfg.bgp.listen.host, cfg.bgp.listen.port) if cfg.bgp.listen else None
+        self.service = SpeakerService(self.speaker, listen=listen)
+        self.api = ApiServer(self, cfg.api.listen.host, cfg.api.listen.port)
+        self._stop = asyncio.Event()
+        self._started = False
+
+    # ------------------------------------------------------------ StatusProvider
+
+    def health(self) -> tuple[bool, list[str]]:
+        return True, []
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        return (True, []) if self._started else (False, ["speaker not started"])
+
+    def status(self) -> dict[str, Any]:
+        local = self.speaker.local
+        return {
+            "node": {
+                "name": self.cfg.node.name,
+                "address": str(self.cfg.node.address) if self.cfg.node.address else None,
+                "asn": local.asn,
+                "subnet": None,
+                "backend": None,
+                "route_reflector": local.is_route_reflector,
+            },
+            "bgp": {
+                "router_id": str(local.router_id),
+                "cluster_id": str(local.cluster_id) if local.cluster_id else None,
+                "peers": self.peers(),
+                "loc_rib_prefixes": self.speaker.rib.count(),
+            },
+            "routes": {"programmed": 0, "last_sync": None},
+            "datastore": {"connected": False, "endpoints": []},
+            "ready": self._started,
+        }
+
+    def peers(self) -> list[dict[str, Any]]:
+        return peer_rows(self.service)
+
+    def rib(self) -> list[dict[str, Any]]:
+        return self.speaker.rib_entries()
+
+    def routes(self) -> list[dict[str, Any]]:
+        return []
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self, *, config_path: str | None = None, reload: Callable[[], Config] | None = None) -> int:
+        loop = asyncio.get_running_loop()
+        await self.service.start()
+        self.service.set_peers(peer_settings(p, self.cfg) for p in self.cfg.bgp.peers)
+        self.service.set_originated(originations(self.cfg))
+        await self.api.start()
+        self._started = True
+        log.info(
+            "speaker AS %s router id %s: %d peers, %d prefixes originated",
+            self.speaker.local.asn,
+            self.speaker.local.router_id,
+            len(self.cfg.bgp.peers),
+            len(self.cfg.bgp.originate),
+        )
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        if reload is not None:
+            loop.add_signal_handler(signal.SIGHUP, lambda: self._reload(reload))
+        try:
+            await self._stop.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            graceful = self.cfg.bgp.graceful_restart
+            log.info("stopping (%s)", "graceful restart: peers keep our routes" if graceful else "withdrawing")
+            await self.service.stop(graceful=graceful)
+            await self.api.stop()
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _reload(self, reload: Callable[[], Config]) -> None:
+        """SIGHUP: re-read the configuration; peers and originated prefixes change live."""
+        try:
+            cfg = reload()
+        except ConfigError as err:
+            log.error("reload failed, keeping the running configuration: %s", err)
+            return
+        self.cfg = cfg
+        logging.getLogger().setLevel(cfg.log.level.upper())
+        self.service.set_peers(peer_settings(p, cfg) for p in cfg.bgp.peers)
+        self.service.set_originated(originations(cfg))
+        log.info("configuration reloaded: %d peers, %d prefixes originated", len(cfg.bgp.peers), len(cfg.bgp.originate))
+
+
+async def run_speaker(config_path: str, overrides: dict[str, str] | None = None) -> int:
+    cfg = load_config(config_path, overrides=overrides, require_file=True)
+    runtime = SpeakerRuntime(cfg)
+    return await runtime.run(reload=lambda: load_config(config_path, overrides=overrides, require_file=True))

@@ -1,0 +1,117 @@
+"""A small supervision tree for the agent's long-running tasks.
+
+Each child is a named coroutine *factory*.  If the coroutine raises, the supervisor
+logs it with the traceback, marks the child down (``/healthz`` reports it) and starts
+it again after an exponentially growing delay, reset once the child has run
+``stable_after`` seconds.  A child that returns normally is done and not restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("agentd.supervisor")
+
+Factory = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class Child:
+    name: str
+    factory: Factory
+    task: asyncio.Task | None = None
+    restarts: int = 0
+    last_error: str = ""
+    last_crash: float | None = None
+    started_at: float = 0.0
+    down: bool = False
+    done: bool = False
+    _failures: int = field(default=0, repr=False)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        *,
+        backoff_initial: float = 0.5,
+        backoff_max: float = 30.0,
+        stable_after: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.children: dict[str, Child] = {}
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._stable_after = stable_after
+        self._clock = clock
+        self._closing = False
+        self._runners: dict[str, asyncio.Task] = {}
+
+    def start(self, name: str, factory: Factory) -> Child:
+        if name in self.children:
+            raise ValueError(f"a task named {name!r} is already supervised")
+        child = Child(name, factory)
+        self.children[name] = child
+        self._runners[name] = asyncio.get_running_loop().create_task(self._run(child), name=f"supervise:{name}")
+        return child
+
+    async def _run(self, child: Child) -> None:
+        while not self._closing:
+            child.started_at = self._clock()
+            child.down = False
+            child.task = asyncio.get_running_loop().create_task(child.factory(), name=child.name)
+            try:
+                await child.task
+            except asyncio.CancelledError:
+                if self._closing:
+                    return
+                raise
+            except Exception as err:  # a crash: log, mark down, restart later
+                ran = self._clock() - child.started_at
+                if ran >= self._stable_after:
+                    child._failures = 0
+                delay = min(self._backoff_max, self._backoff_initial * (2**child._failures))
+                delay *= 0.75 + 0.25 * random.random()
+                child._failures += 1
+                child.restarts += 1
+                child.down = True
+                child.last_crash = time.time()
+                child.last_error = f"{type(err).__name__}: {err}"
+                log.error("task %s crashed (%s); restarting in %.1fs", child.name, child.last_error, delay, exc_info=err)
+                await asyncio.sleep(delay)
+                continue
+            child.done = True
+            return
+
+    def health(self) -> tuple[bool, list[str]]:
+        problems = []
+        for c in self.children.values():
+            if c.down:
+                problems.append(f"task {c.name} is down after a crash ({c.last_error}); restarting")
+        return not problems, problems
+
+    def summary(self) -> list[dict]:
+        return [
+            {
+                "name": c.name,
+                "running": not c.down and not c.done,
+                "restarts": c.restarts,
+                "last_error": c.last_error or None,
+                "last_crash": c.last_crash,
+            }
+            for c in self.children.values()
+        ]
+
+    async def stop(self) -> None:
+        self._closing = True
+        for child in self.children.values():
+            if child.task is not None:
+                child.task.cancel()
+        for runner in self._runners.values():
+            runner.cancel()
+        await asyncio.gather(*self._runners.values(), return_exceptions=True)
+        await asyncio.gather(*(c.task for c in self.children.values() if c.task), return_exceptions=True)
