@@ -30,3 +30,27 @@ def netns_factory() -> Iterator[Callable[[str], Netns]]:
         for ns in reversed(made):
             ns.delete()
         delete_matching(f"ad-{tag}-")
+
+
+@pytest.fixture
+async def lab_factory(tmp_path):
+    """``await lab_factory(nodes=3, pods=2, bgp="mesh", ...)`` -> a running :class:`Lab`.
+
+    Every lab made is taken down when the test ends, pass or fail; its logs stay under
+    tmp_path for inspection.
+    """
+    from agentd.lab.lab import Lab, LabSpec
+
+    labs: list[Lab] = []
+
+    async def make(*, timeout: float = 60.0, **spec) -> Lab:
+        lab = Lab(LabSpec(name="l" + unique_tag("")[:6], **spec), root=tmp_path / "labs")
+        labs.append(lab)
+        await lab.up(timeout=timeout)
+        return lab
+
+    try:
+        yield make
+    finally:
+        for lab in reversed(labs):
+            await lab.down(keep_files=True)

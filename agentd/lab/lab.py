@@ -465,14 +465,15 @@ class Lab:
 
     # ------------------------------------------------------------ down, state
 
-    async def down(self) -> list[str]:
+    async def down(self, *, keep_files: bool = False) -> list[str]:
         for n in self.nodes:
             with contextlib.suppress(Exception):
                 await n.stop_agent(signal.SIGTERM, timeout=5)
         with contextlib.suppress(Exception):
             await self.etcd.kill()
         removed = await asyncio.to_thread(delete_matching, f"ad-{self.spec.name}-")
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not keep_files:
+            shutil.rmtree(self.dir, ignore_errors=True)
         return removed
 
     def _save(self) -> None:
