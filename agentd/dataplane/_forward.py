@@ -1,0 +1,343 @@
+"""Pure forwarding logic of the user-space data plane (no sockets, no clocks).
+
+* :class:`NextHopTable` — inner destination subnet -> peer underlay address, longest-prefix match.
+* :func:`segment_tcp4` — split a TCP/IPv4 TSO super-packet (what a TUN with TUN_F_TSO4 hands us)
+  into MSS-sized packets with correct IP and TCP checksums, written back to back into one buffer,
+  which is exactly the layout UDP GSO (``UDP_SEGMENT``) and ``sendmmsg`` want.
+* :class:`Coalescer` — the inverse (receive side): consecutive in-order segments of one TCP flow
+  become one super-packet written to the TUN with a virtio-net header (GSO_TCPV4, NEEDS_CSUM),
+  following the rules of Linux ``tcp_gro_receive``.
+* :func:`complete_checksum` — finish a partial (NEEDS_CSUM) checksum.
+
+The worker calls these per packet, so they work on buffers and offsets, not dataclasses.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+from collections.abc import Callable, Iterable, Mapping
+
+from proto.packet import (
+    IPPROTO_TCP,
+    IPPROTO_UDP,
+    TCP_ACK,
+    TCP_CWR,
+    TCP_FIN,
+    TCP_PSH,
+    VIRTIO_NET_HDR_F_NEEDS_CSUM,
+    VIRTIO_NET_HDR_GSO_TCPV4,
+    VNET_HDR_NONE,
+    VirtioNetHdr,
+    checksum,
+    ones_sum,
+    pseudo_header_sum,
+)
+
+
+class ForwardError(ValueError):
+    """A packet the fast path cannot forward; ``reason`` is the stats counter it lands in."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------------------------
+# Next hops and members
+
+
+class NextHopTable:
+    """Longest-prefix match from inner IPv4 destination to a peer's underlay address."""
+
+    def __init__(self, routes: Mapping[str, str] | None = None) -> None:
+        by_len: dict[int, dict[int, str]] = {}
+        canonical: dict[str, str] = {}
+        for prefix, via in (routes or {}).items():
+            try:
+                net = ipaddress.IPv4Network(prefix, strict=True)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"bad next-hop prefix {prefix!r}: {exc}") from None
+            try:
+                hop = str(ipaddress.IPv4Address(via))
+            except (ValueError, TypeError):
+                raise ValueError(f"bad next-hop address {via!r} for {prefix}") from None
+            by_len.setdefault(net.prefixlen, {})[int(net.network_address)] = hop
+            canonical[str(net)] = hop
+        # Longest first; each entry carries its mask so lookup is one AND and one dict get.
+        self._levels = [
+            (((0xFFFFFFFF << (32 - plen)) & 0xFFFFFFFF), entries)
+            for plen, entries in sorted(by_len.items(), reverse=True)
+        ]
+        self.routes: dict[str, str] = canonical
+
+    def __len__(self) -> int:
+        return len(self.routes)
+
+    def lookup(self, dst: bytes | str) -> str | None:
+        """The peer for ``dst`` (4 packed bytes or a dotted string), or None."""
+        addr = int.from_bytes(dst, "big") if isinstance(dst, bytes) else int(ipaddress.IPv4Address(dst))
+        for mask, entries in self._levels:
+            hop = entries.get(addr & mask)
+            if hop is not None:
+                return hop
+        return None
+
+
+def parse_members(members: Iterable[str]) -> frozenset[str]:
+    """Validate underlay member addresses; returns canonical dotted strings."""
+    if isinstance(members, (str, bytes)):
+        raise ValueError("members must be a collection of IPv4 addresses, not a single string")
+    out = set()
+    for m in members:
+        try:
+            out.add(str(ipaddress.IPv4Address(m)))
+        except (ValueError, TypeError):
+            raise ValueError(f"bad member address {m!r}") from None
+    return frozenset(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Checksum completion (VIRTIO_NET_HDR_F_NEEDS_CSUM)
+
+_pack_H = struct.Struct("!H").pack_into
+_unpack_H = struct.Struct("!H").unpack_from
+_pack_I = struct.Struct("!I").pack_into
+_pack_HH = struct.Struct("!HH").pack_into
+_unpack_I = struct.Struct("!I").unpack_from
+
+
+def complete_checksum(buf, off: int, end: int, csum_start: int, csum_offset: int) -> None:
+    """Store the checksum over ``buf[off+csum_start:end]`` at ``off+csum_start+csum_offset``.
+
+    The field already holds the folded pseudo-header sum (that is what the kernel leaves for
+    CHECKSUM_PARTIAL), so summing the region with it in place gives the final value.
+    """
+    start = off + csum_start
+    where = start + csum_offset
+    if csum_start < 20 or where + 2 > end:
+        raise ForwardError("malformed", f"checksum offsets {csum_start}+{csum_offset} outside the packet")
+    value = checksum(memoryview(buf)[start:end])
+    if value == 0 and buf[off + 9] == IPPROTO_UDP:
+        value = 0xFFFF  # RFC 768: a computed zero is sent as all ones
+    _pack_H(buf, where, value)
+
+
+# --------------------------------------------------------------------------------------------
+# TSO segmentation (transmit side)
+
+
+def segment_tcp4(pkt, gso_size: int, out: bytearray, ttl_decrement: bool = False) -> tuple[int, int, int]:
+    """Segment the TCP/IPv4 super-packet ``pkt`` (a memoryview of exactly the packet) into
+    packets of at most ``gso_size`` payload bytes, written back to back from ``out[0]``.
+
+    Mirrors Linux ``tcp_gso_segment``/``inet_gso_segment``: IP ID increments per segment,
+    sequence numbers advance by the MSS, CWR stays on the first segment only and FIN/PSH on the
+    last, every IP and TCP checksum is computed in full (the wire carries what a kernel sender
+    would put there, so kernel receivers verify it).  With ``ttl_decrement`` the TTL is
+    decremented once for all segments (flannel's user-space router hop).
+
+    Returns ``(count, segment_length, total_length)``: every segment is ``segment_length``
+    bytes except possibly the last, as UDP_SEGMENT requires.
+    """
+    n = len(pkt)
+    if n < 40 or pkt[0] >> 4 != 4 or pkt[9] != IPPROTO_TCP:
+        raise ForwardError("malformed", "TSO super-packet is not TCP/IPv4")
+    ihl = (pkt[0] & 0x0F) << 2
+    thl = (pkt[ihl + 12] >> 4) << 2
+    hl = ihl + thl
+    if ihl < 20 or thl < 20 or hl > n:
+        raise ForwardError("malformed", "TSO super-packet headers exceed the packet")
+    if gso_size <= 0:
+        raise ForwardError("malformed", f"gso_size {gso_size}")
+    plen = n - hl
+    count = -(-plen // gso_size) if plen else 1
+    seglen = hl + gso_size
+    total = plen + count * hl
+    if total > len(out):
+        raise ForwardError("malformed", "super-packet too large for the segment buffer")
+
+    hdr = bytearray(pkt[:hl])
+    ttl = hdr[8]
+    if ttl_decrement:
+        if ttl <= 1:
+            raise ForwardError("ttl_exceeded", "TTL exceeded")
+        hdr[8] = ttl - 1
+    ident0 = (hdr[4] << 8) | hdr[5]
+    seq0 = _unpack_I(hdr, ihl + 4)[0]
+    flags = hdr[ihl + 13]
+    mid_flags = flags & ~(TCP_FIN | TCP_PSH | TCP_CWR)
+    # IP header sum without total length, ID and checksum; TCP header sum (plus pseudo header
+    # without the length) without sequence number and checksum, flags as in a middle segment.
+    hdr[2] = hdr[3] = hdr[4] = hdr[5] = hdr[10] = hdr[11] = 0
+    ip_base = ones_sum(memoryview(hdr)[:ihl])
+    hdr[ihl + 4] = hdr[ihl + 5] = hdr[ihl + 6] = hdr[ihl + 7] = 0
+    hdr[ihl + 16] = hdr[ihl + 17] = 0
+    hdr[ihl + 13] = mid_flags
+    tcp_base = ones_sum(memoryview(hdr)[ihl:hl],
+                        pseudo_header_sum(bytes(hdr[12:16]), bytes(hdr[16:20]), IPPROTO_TCP, 0))
+
+    frombytes = int.from_bytes
+    pack_HH, pack_H, pack_I = _pack_HH, _pack_H, _pack_I
+    tcp_flags_at = ihl + 13
+    tcp_csum_at = ihl + 16
+    seq_at = ihl + 4
+    o = 0
+    pos = hl
+    last = count - 1
+    for i in range(count):
+        chunk = pkt[pos : pos + gso_size]
+        clen = len(chunk)
+        pos += gso_size
+        out[o : o + hl] = hdr
+        out[o + hl : o + hl + clen] = chunk
+        seg_total = hl + clen
+        ident = (ident0 + i) & 0xFFFF
+        s = ip_base + seg_total + ident
+        r = s % 0xFFFF
+        pack_HH(out, o + 2, seg_total, ident)
+        pack_H(out, o + 10, 0xFFFF - r if r else 0)
+        seq = (seq0 + i * gso_size) & 0xFFFFFFFF
+        pack_I(out, o + seq_at, seq)
+        f = mid_flags
+        if i == 0:
+            f |= flags & TCP_CWR
+        if i == last:
+            f |= flags & (TCP_FIN | TCP_PSH)
+        s = tcp_base + thl + clen + (seq >> 16) + (seq & 0xFFFF) + (f - mid_flags)
+        out[o + tcp_flags_at] = f
+        payload = frombytes(chunk, "big")
+        if clen & 1:
+            payload <<= 8
+        r = (s + payload) % 0xFFFF
+        pack_H(out, o + tcp_csum_at, 0xFFFF - r if r else 0)
+        o += seg_total
+    return count, seglen if count > 1 else total, total
+
+
+def segment_tcp4_packets(vnet: VirtioNetHdr, pkt: bytes, ttl_decrement: bool = False) -> list[bytes]:
+    """Convenience wrapper around :func:`segment_tcp4` returning one bytes per segment."""
+    out = bytearray(len(pkt) + (len(pkt) // max(vnet.gso_size, 1) + 1) * 120)
+    count, seglen, total = segment_tcp4(memoryview(pkt), vnet.gso_size, out, ttl_decrement)
+    return [bytes(out[i : min(i + seglen, total)]) for i in range(0, total, seglen)][:count]
+
+
+# --------------------------------------------------------------------------------------------
+# GRO-style coalescing (receive side)
+
+# tos, total length, frag word, ttl, protocol, addresses, ports, seq, ack, data offset, flags, window
+_TCP4 = struct.Struct("!xBH2xHBB2x8s4sIIBBH")
+_unpack_tcp4 = _TCP4.unpack_from
+_MAX_IP_TOTAL = 0xFFFF
+_VNET = struct.Struct("<BBHHHH")
+
+
+class Coalescer:
+    """Merge consecutive in-order TCP/IPv4 segments of one flow into super-packets.
+
+    Feed packets with :meth:`add` (memoryviews of exactly one IPv4 packet each) and call
+    :meth:`flush` at the end of a batch.  ``write(parts)`` receives a list of buffers whose
+    concatenation is one TUN write: a virtio-net header and a packet.  Merging follows
+    Linux ``tcp_gro_receive``: identical IP/TCP headers except ID, length, checksum and
+    sequence; contiguous sequence numbers; every segment but the last exactly ``gso_size``;
+    only ACK (and PSH, which ends the run) set; no IP options or fragments.
+    """
+
+    __slots__ = ("write", "max_segments", "_parts", "_key", "_opts", "_next_seq", "_mss",
+                 "_plen", "_hl", "_psh", "_first", "merged", "written")
+
+    def __init__(self, write: Callable[[list], object], max_segments: int = 64) -> None:
+        self.write = write
+        self.max_segments = max_segments
+        self._parts: list | None = None
+        self.merged = 0   # segments that went out inside a super-packet
+        self.written = 0  # TUN writes issued
+
+    def add(self, v: memoryview) -> None:
+        n = len(v)
+        if n < 40 or v[0] != 0x45 or v[9] != IPPROTO_TCP:
+            self._single(v)
+            return
+        tos, tot, frag, ttl, _proto, addrs, ports, seq, ack, doff, fl, win = _unpack_tcp4(v, 0)
+        hl = 20 + ((doff >> 4) << 2)
+        plen = tot - hl
+        if tot != n or plen <= 0 or (fl & ~TCP_PSH) != TCP_ACK or frag & 0x3FFF or hl < 40:
+            self._single(v)
+            return
+        parts = self._parts
+        if parts is not None:
+            key = self._key
+            if (seq == self._next_seq and not self._psh and plen <= self._mss
+                    and len(parts) < self.max_segments and self._plen + plen + hl <= _MAX_IP_TOTAL
+                    and addrs == key[0] and ports == key[1] and ack == key[2] and win == key[3]
+                    and tos == key[4] and ttl == key[5] and frag == key[6] and doff == key[7]
+                    and (hl == 40 or v[40:hl] == self._opts)):
+                parts.append(v[hl:])
+                self._plen += plen
+                self._next_seq = (seq + plen) & 0xFFFFFFFF
+                if plen < self._mss:
+                    self._psh = True  # a short segment ends the run, as in GRO
+                if fl & TCP_PSH:
+                    self._psh = True
+                    self._first = (self._first[0], True)
+                return
+            self.flush()
+        self._parts = [v[hl:]]
+        self._key = (addrs, ports, ack, win, tos, ttl, frag, doff)
+        self._opts = v[40:hl]
+        self._next_seq = (seq + plen) & 0xFFFFFFFF
+        self._mss = plen
+        self._plen = plen
+        self._hl = hl
+        self._psh = bool(fl & TCP_PSH)
+        self._first = (v, False)
+
+    def _single(self, v) -> None:
+        if self._parts is not None:
+            self.flush()
+        self.written += 1
+        self.write([VNET_HDR_NONE, v])
+
+    def flush(self) -> None:
+        parts = self._parts
+        if parts is None:
+            return
+        self._parts = None
+        first, psh = self._first
+        if len(parts) == 1:
+            self.written += 1
+            self.write([VNET_HDR_NONE, first])
+            return
+        hl = self._hl
+        hdr = bytearray(first[:hl])
+        total = hl + self._plen
+        _pack_H(hdr, 2, total)
+        hdr[10] = hdr[11] = 0
+        _pack_H(hdr, 10, checksum(hdr[:20]))
+        if psh:
+            hdr[33] |= TCP_PSH
+        # CHECKSUM_PARTIAL convention: the field holds the folded pseudo-header sum.
+        ps = pseudo_header_sum(bytes(hdr[12:16]), bytes(hdr[16:20]), IPPROTO_TCP, total - 20)
+        _pack_H(hdr, 36, ps % 0xFFFF or 0xFFFF)
+        vnet = _VNET.pack(VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_TCPV4, hl, self._mss, 20, 16)
+        parts[0] = hdr  # first payload is re-sent as part of the header buffer below
+        parts.insert(1, first[hl:])
+        parts.insert(0, vnet)
+        self.merged += len(parts) - 2
+        self.written += 1
+        self.write(parts)
+
+
+def coalesce_packets(packets: Iterable[bytes], max_segments: int = 64) -> list[tuple[VirtioNetHdr, bytes]]:
+    """Convenience wrapper: coalesce ``packets`` and return (virtio header, packet) per write."""
+    writes: list[tuple[VirtioNetHdr, bytes]] = []
+
+    def write(parts: list) -> None:
+        blob = b"".join(bytes(p) for p in parts)
+        writes.append((VirtioNetHdr.decode(blob), blob[10:]))
+
+    c = Coalescer(write, max_segments)
+    for p in packets:
+        c.add(memoryview(p))
+    c.flush()
+    return writes

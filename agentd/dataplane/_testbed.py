@@ -1,0 +1,102 @@
+"""The two-host topology the data-plane tests and bench build (all inside ``ad-`` namespaces).
+
+::
+
+    p1 (10.244.1.2/24) ==veth== h1 (10.244.1.1)  u1 192.168.50.1/24 ==veth== u2 192.168.50.2/24  h2 (10.244.2.1) ==veth== p2 (10.244.2.2/24)
+                                                                                              ux 192.168.60.2/24 ==veth== x (192.168.60.3)
+
+``x`` is an outsider on the underlay side of h2 (not a member): it can reach h2's underlay
+address through h2 and is used to send forged encapsulated packets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agentd.lab.netns import Netns, veth
+
+H1_UNDERLAY, H2_UNDERLAY, X_UNDERLAY = "192.168.50.1", "192.168.50.2", "192.168.60.3"
+P1, P2 = "10.244.1.2", "10.244.2.2"
+SUBNET1, SUBNET2 = "10.244.1.0/24", "10.244.2.0/24"
+CLUSTER = "10.244.0.0/16"
+OVERHEAD = {"udp": 28, "ipip": 20, "vxlan": 50}
+DEVICE = {"udp": "agentd.udp", "ipip": "agentd.ipip"}
+
+
+@dataclass
+class TwoHosts:
+    h1: Netns
+    h2: Netns
+    p1: Netns
+    p2: Netns
+    x: Netns | None
+    underlay_mtu: int
+    workers: list[subprocess.Popen] = field(default_factory=list)
+
+    def host(self, i: int) -> Netns:
+        return self.h1 if i == 1 else self.h2
+
+    def set_pod_mtu(self, mtu: int) -> None:
+        for pod, host, dev in ((self.p1, self.h1, "vp1"), (self.p2, self.h2, "vp2")):
+            pod.ip("link", "set", "eth0", "mtu", str(mtu))
+            host.ip("link", "set", dev, "mtu", str(mtu))
+
+    def start_worker(self, kind: str, i: int, control: str, *, mtu: int, offload: bool = True,
+                     extra: tuple[str, ...] = (), stderr=None) -> subprocess.Popen:
+        host = self.host(i)
+        local = H1_UNDERLAY if i == 1 else H2_UNDERLAY
+        argv = [sys.executable, "-m", "agentd.dataplane", kind, "--tun", DEVICE[kind], "--mtu", str(mtu),
+                "--local-ip", local, "--control", control, *extra]
+        if not offload:
+            argv.append("--no-offload")
+        proc = host.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                          stderr=stderr if stderr is not None else subprocess.PIPE)
+        self.workers.append(proc)
+        return proc
+
+    def stop_workers(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.workers.clear()
+
+
+def build_two_hosts(make: Callable[[str], Netns], *, underlay_mtu: int = 1500, outsider: bool = True) -> TwoHosts:
+    h1, h2, p1, p2 = make("h1"), make("h2"), make("p1"), make("p2")
+    x = make("x") if outsider else None
+    veth(h1, "u1", h2, "u2", mtu=underlay_mtu)
+    h1.ip("addr", "add", f"{H1_UNDERLAY}/24", "dev", "u1")
+    h2.ip("addr", "add", f"{H2_UNDERLAY}/24", "dev", "u2")
+    for host, pod, dev, gw, addr in ((h1, p1, "vp1", "10.244.1.1", P1), (h2, p2, "vp2", "10.244.2.1", P2)):
+        veth(host, dev, pod, "eth0")
+        host.ip("addr", "add", f"{gw}/24", "dev", dev)
+        pod.ip("addr", "add", f"{addr}/24", "dev", "eth0")
+        pod.ip("route", "add", "default", "via", gw)
+        host.sysctl("net.ipv4.ip_forward", 1)
+    if x is not None:
+        veth(h2, "ux", x, "eth0")
+        h2.ip("addr", "add", "192.168.60.2/24", "dev", "ux")
+        x.ip("addr", "add", f"{X_UNDERLAY}/24", "dev", "eth0")
+        x.ip("route", "add", "192.168.50.0/24", "via", "192.168.60.2")
+    return TwoHosts(h1, h2, p1, p2, x, underlay_mtu)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if predicate():
+                return True
+        time.sleep(interval)
+    return False

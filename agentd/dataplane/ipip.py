@@ -1,0 +1,236 @@
+"""User-space IPIP (RFC 2003) over a raw IP-protocol-4 socket.
+
+The kernel builds the outer header for ``socket(AF_INET, SOCK_RAW, IPPROTO_IPIP)`` sends
+(source = the bound underlay address, protocol 4, TTL 64, DF from IP_PMTUDISC_DO), and the
+payload is the inner packet unchanged — byte for byte what a kernel ``ipip`` device sends, so
+user-space and kernel-ipip nodes interoperate.  Receives return outer header + inner packet.
+
+There is no GSO for raw sockets, so the batch unit is the syscall: ``sendmmsg``/``recvmmsg``
+(through ctypes, with prebuilt reusable mmsghdr/iovec arrays) move up to ``batch`` packets per
+call.  Without them (``offload=False`` or libc lacks them) it is one sendto/recvfrom per packet.
+
+Note (kernel without an ipip module): an inbound proto-4 packet for which no protocol handler
+exists is answered with ICMP protocol-unreachable *unless a raw socket took it*
+(``ip_local_deliver_finish``); while this worker runs it always does, so no nft rule is needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import socket
+
+from agentd.dataplane._sockopt import (
+    IP_MTU_DISCOVER,
+    IP_PMTUDISC_DO,
+    MMSG_SIZE,
+    MSG_DONTWAIT,
+    MSG_FLAGS_OFFSET,
+    MSG_LEN_OFFSET,
+    MSG_TRUNC,
+    MmsgBatch,
+    buffer_address,
+    enlarge_buffers,
+    sockaddr_in,
+)
+from proto.packet import IPPROTO_IPIP
+
+RX_SLOT = 2048  # one underlay packet (<= 1500 on our underlays; longer ones are truncated and counted)
+
+
+class IpipTransport:
+    kind = "ipip"
+    overhead = 20  # outer IPv4 header
+
+    def __init__(self, local_ip: str, port: int = 0, *, offload: bool, counters: dict, drops: dict,
+                 buffer_bytes: int = 8 << 20, batch: int = 256, ttl: int = 64) -> None:
+        self.local_ip = local_ip
+        self.c = counters
+        self.drops = drops
+        self.offloads: dict[str, bool] = {"sendmmsg": False, "recvmmsg": False}
+        self.fallbacks: dict[str, str] = {}
+        self.members: frozenset[bytes] = frozenset()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, IPPROTO_IPIP)
+        try:
+            sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+            enlarge_buffers(sock, buffer_bytes, self.fallbacks)
+            # Bound: sends carry our underlay address, receives only what is addressed to it.
+            sock.bind((local_ip, 0))
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+        self.fd = sock.fileno()
+        self._names: dict[str, ctypes.Array] = {}
+        self._name_ptr: dict[str, int] = {}
+        self._tx = self._rx = None
+        self._q = 0
+        self._lens: list[int] = []
+        self._tx_base = 0
+        if offload:
+            try:
+                self._tx = MmsgBatch(batch)
+                self._rx = MmsgBatch(batch)
+                self.offloads["sendmmsg"] = self.offloads["recvmmsg"] = True
+            except (AttributeError, OSError) as exc:
+                self.fallbacks["sendmmsg"] = self.fallbacks["recvmmsg"] = f"unavailable: {exc}"
+        else:
+            self.fallbacks["sendmmsg"] = self.fallbacks["recvmmsg"] = "disabled by --no-offload"
+        self._rxbuf: bytearray | None = None
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def set_members(self, members: frozenset[str]) -> None:
+        self.members = frozenset(socket.inet_aton(m) for m in members)
+
+    def bind_tx_buffer(self, buf: bytearray) -> None:
+        """The worker's staging buffer: queued iovecs point into it until :meth:`flush`."""
+        self._tx_base = buffer_address(buf)
+
+    def _name(self, peer: str) -> int:
+        ptr = self._name_ptr.get(peer)
+        if ptr is None:
+            sa = self._names[peer] = sockaddr_in(peer)
+            ptr = self._name_ptr[peer] = ctypes.addressof(sa)
+        return ptr
+
+    # -- transmit -----------------------------------------------------------------------------
+
+    def send_one(self, view, peer: str) -> None:
+        try:
+            self.sock.sendto(view, (peer, 0))
+        except OSError as exc:
+            self.drops["mtu" if exc.errno == errno.EMSGSIZE else "send_error"] += 1
+            return
+        c = self.c
+        c["tx_packets"] += 1
+        c["tx_bytes"] += len(view)
+        c["tx_syscalls"] += 1
+
+    def queue_run(self, buf: memoryview, off: int, seglen: int, count: int, total: int, peer: str) -> None:
+        tx = self._tx
+        if tx is None:
+            end = off + total
+            while off < end:
+                n = min(seglen, end - off)
+                self.send_one(buf[off : off + n], peer)
+                off += n
+            return
+        name = self._name(peer)
+        base = self._tx_base + off
+        end = base + total
+        q = self._q
+        vlen = tx.vlen
+        set_iov = tx.set_iov
+        msgs = tx.msgs
+        while base < end:
+            n = seglen if base + seglen <= end else end - base
+            set_iov(q, base, n)
+            self._lens.append(n)
+            hdr = msgs[q].msg_hdr
+            hdr.msg_name = name
+            hdr.msg_namelen = 16
+            q += 1
+            base += n
+            if q == vlen:
+                self._q = q
+                self.flush()
+                q = 0
+        self._q = q
+
+    def flush(self) -> None:
+        q = self._q
+        if not q:
+            return
+        self._q = 0
+        lens = self._lens
+        self._lens = []
+        tx = self._tx
+        c = self.c
+        start = 0
+        while start < q:
+            sent = tx.sendmmsg(self.fd, tx.msgs_addr + start * MMSG_SIZE, q - start, 0)
+            c["tx_syscalls"] += 1
+            if sent < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                # The message at ``start`` failed; count it and go on with the rest.
+                self.drops["mtu" if err == errno.EMSGSIZE else "send_error"] += 1
+                start += 1
+                continue
+            c["tx_bytes"] += sum(lens[start : start + sent])
+            c["tx_packets"] += sent
+            start += sent
+
+    # -- receive ------------------------------------------------------------------------------
+
+    def receive(self, rxbuf: bytearray, coalescer, budget: int) -> None:
+        mv = memoryview(rxbuf)
+        c = self.c
+        drops = self.drops
+        members = self.members
+        add = coalescer.add
+        rx = self._rx
+        if rx is None:
+            recvfrom_into = self.sock.recvfrom_into
+            for _ in range(budget):
+                try:
+                    n, _addr = recvfrom_into(rxbuf, 0, MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                c["rx_syscalls"] += 1
+                self._one(mv, 0, n, members, add, c, drops)
+                coalescer.flush()
+            return
+        if self._rxbuf is not rxbuf:
+            # Point iovec i at slot i of the receive buffer once.
+            base = buffer_address(rxbuf)
+            for i in range(min(rx.vlen, len(rxbuf) // RX_SLOT)):
+                rx.set_iov(i, base + i * RX_SLOT, RX_SLOT)
+            self._rxbuf = rxbuf
+            self._rx_slots = min(rx.vlen, len(rxbuf) // RX_SLOT)
+        view = rx.msgs_view
+        for _ in range(budget):
+            got = rx.recvmmsg(self.fd, rx.msgs_addr, self._rx_slots, MSG_DONTWAIT, None)
+            if got <= 0:
+                if got < 0 and ctypes.get_errno() == errno.EINTR:
+                    continue
+                break
+            c["rx_syscalls"] += 1
+            for i in range(got):
+                m = i * MMSG_SIZE
+                if view[m + MSG_FLAGS_OFFSET] & MSG_TRUNC:
+                    drops["mtu"] += 1
+                    continue
+                n = int.from_bytes(view[m + MSG_LEN_OFFSET : m + MSG_LEN_OFFSET + 4], "little")
+                self._one(mv, i * RX_SLOT, n, members, add, c, drops)
+            coalescer.flush()
+            if got < self._rx_slots:
+                break
+
+    @staticmethod
+    def _one(mv, off, n, members, add, c, drops) -> None:
+        if n < 40:
+            drops["malformed"] += 1
+            return
+        ihl = (mv[off] & 0x0F) << 2
+        if mv[off + 9] != IPPROTO_IPIP or ihl < 20:
+            drops["malformed"] += 1
+            return
+        if mv[off + 12 : off + 16].tobytes() not in members:
+            drops["non_member"] += 1
+            return
+        v = mv[off + ihl : off + n]
+        ln = n - ihl
+        if ln < 20 or v[0] >> 4 != 4 or ((v[2] << 8) | v[3]) != ln:
+            drops["malformed"] += 1
+            return
+        c["rx_packets"] += 1
+        c["rx_bytes"] += ln
+        add(v)

@@ -1,0 +1,207 @@
+"""flannel-compatible UDP transport: the UDP payload is exactly one inner IPv4 packet.
+
+Fast path: a batch of equal-sized inner packets leaves in ONE ``sendmsg`` carrying a
+``UDP_SEGMENT`` control message (UDP GSO, Linux >= 4.18): the kernel cuts the buffer into one
+datagram per ``gso_size`` bytes, so every datagram still carries exactly one inner packet.  On
+receive ``UDP_GRO`` lets one ``recvmsg`` return many datagrams back to back, with their size in
+a ``UDP_GRO`` control message.  DF is set (IP_PMTUDISC_DO): the underlay never fragments.
+Without the offloads (``offload=False`` or refused by the kernel) it is one ``sendto`` and one
+``recvfrom`` per packet, which is what flannel's C backend does.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+
+from agentd.dataplane._sockopt import IP_MTU_DISCOVER, IP_PMTUDISC_DO, MSG_DONTWAIT, enlarge_buffers
+
+SOL_UDP = 17
+UDP_SEGMENT = 103
+UDP_GRO = 104
+# Kernel limits for one GSO send: UDP_MAX_SEGMENTS (64 before 6.9) and an IP total length of
+# 64 KB, i.e. 65507 bytes of UDP payload.
+MAX_GSO_SEGMENTS = 64
+MAX_GSO_BYTES = 65507
+
+_pack_seg = struct.Struct("=H").pack
+_GRO_ANC = socket.CMSG_SPACE(4)
+
+
+class UdpTransport:
+    kind = "udp"
+    overhead = 28  # outer IPv4 + UDP header
+
+    def __init__(self, local_ip: str, port: int, *, offload: bool, counters: dict, drops: dict,
+                 buffer_bytes: int = 8 << 20) -> None:
+        self.local_ip = local_ip
+        self.port = port
+        self.c = counters
+        self.drops = drops
+        self.offloads: dict[str, bool] = {"udp_gso": False, "udp_gro": False}
+        self.fallbacks: dict[str, str] = {}
+        self.members: frozenset[str] = frozenset()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+            enlarge_buffers(sock, buffer_bytes, self.fallbacks)
+            sock.bind((local_ip, port))
+        except OSError:
+            sock.close()
+            raise
+        # Blocking sends (a full send buffer is back-pressure, not a drop); receives use
+        # MSG_DONTWAIT so the worker's poll loop never blocks in them.
+        self.sock = sock
+        if offload:
+            try:
+                sock.getsockopt(SOL_UDP, UDP_SEGMENT)
+                self.offloads["udp_gso"] = True
+            except OSError as exc:
+                self.fallbacks["udp_gso"] = f"UDP_SEGMENT unsupported: {exc.strerror}"
+            try:
+                sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+                self.offloads["udp_gro"] = True
+            except OSError as exc:
+                self.fallbacks["udp_gro"] = f"UDP_GRO refused: {exc.strerror}"
+        else:
+            self.fallbacks["udp_gso"] = self.fallbacks["udp_gro"] = "disabled by --no-offload"
+        self._addr_cache: dict[str, tuple[str, int]] = {}
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def set_members(self, members: frozenset[str]) -> None:
+        self.members = members
+
+    def peer_address(self, peer: str) -> tuple[str, int]:
+        addr = self._addr_cache.get(peer)
+        if addr is None:
+            addr = self._addr_cache[peer] = (peer, self.port)
+        return addr
+
+    # -- transmit -----------------------------------------------------------------------------
+
+    def send_one(self, view, peer: str) -> None:
+        try:
+            self.sock.sendto(view, self.peer_address(peer))
+        except OSError as exc:
+            self._send_failed(exc, 1)
+            return
+        c = self.c
+        c["tx_packets"] += 1
+        c["tx_bytes"] += len(view)
+        c["tx_syscalls"] += 1
+
+    def queue_run(self, buf: memoryview, off: int, seglen: int, count: int, total: int, peer: str) -> None:
+        """Send ``count`` packets laid out back to back in ``buf[off:off+total]``, each
+        ``seglen`` bytes except the last.  One sendmsg per GSO-sized chunk."""
+        addr = self.peer_address(peer)
+        c = self.c
+        if count == 1 or not self.offloads["udp_gso"]:
+            sendto = self.sock.sendto
+            end = off + total
+            sent = 0
+            while off < end:
+                n = min(seglen, end - off)
+                try:
+                    sendto(buf[off : off + n], addr)
+                except OSError as exc:
+                    self._send_failed(exc, 1)
+                else:
+                    sent += 1
+                    c["tx_bytes"] += n
+                off += n
+            c["tx_packets"] += sent
+            c["tx_syscalls"] += count
+            return
+        per_send = min(MAX_GSO_SEGMENTS, MAX_GSO_BYTES // seglen)
+        chunk = per_send * seglen
+        anc = [(SOL_UDP, UDP_SEGMENT, _pack_seg(seglen))]
+        sendmsg = self.sock.sendmsg
+        end = off + total
+        while off < end:
+            n = min(chunk, end - off)
+            try:
+                sendmsg([buf[off : off + n]], anc, 0, addr)
+            except OSError as exc:
+                if exc.errno in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP):
+                    # The device or kernel refused GSO: per-datagram from now on.
+                    self.offloads["udp_gso"] = False
+                    self.fallbacks["udp_gso"] = f"UDP_SEGMENT send failed: {exc.strerror}"
+                    self.queue_run(buf, off, seglen, -(-(end - off) // seglen), end - off, peer)
+                    return
+                self._send_failed(exc, -(-n // seglen))
+            else:
+                c["tx_packets"] += -(-n // seglen)
+                c["tx_bytes"] += n
+                c["tx_syscalls"] += 1
+            off += n
+
+    def flush(self) -> None:
+        """Nothing is queued: runs leave as they are handed over."""
+
+    def _send_failed(self, exc: OSError, packets: int) -> None:
+        reason = "mtu" if exc.errno == errno.EMSGSIZE else "send_error"
+        self.drops[reason] += packets
+
+    # -- receive ------------------------------------------------------------------------------
+
+    def receive(self, rxbuf: bytearray, coalescer, budget: int) -> None:
+        """Drain up to ``budget`` reads; hand every inner packet to ``coalescer``."""
+        mv = memoryview(rxbuf)
+        c = self.c
+        drops = self.drops
+        members = self.members
+        add = coalescer.add
+        if not self.offloads["udp_gro"]:
+            recvfrom_into = self.sock.recvfrom_into
+            for _ in range(budget):
+                try:
+                    n, addr = recvfrom_into(rxbuf, 0, MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                c["rx_syscalls"] += 1
+                if addr[0] not in members:
+                    drops["non_member"] += 1
+                    continue
+                v = mv[:n]
+                if n < 20 or v[0] >> 4 != 4 or ((v[2] << 8) | v[3]) != n:
+                    drops["malformed"] += 1
+                    continue
+                c["rx_packets"] += 1
+                c["rx_bytes"] += n
+                add(v)
+                coalescer.flush()
+            return
+        recvmsg_into = self.sock.recvmsg_into
+        bufs = [rxbuf]
+        for _ in range(budget):
+            try:
+                n, anc, _flags, addr = recvmsg_into(bufs, _GRO_ANC, MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            c["rx_syscalls"] += 1
+            seg = n
+            for level, kind, data in anc:
+                if level == SOL_UDP and kind == UDP_GRO:
+                    seg = int.from_bytes(data, "little") if len(data) != 2 else struct.unpack("=H", data)[0]
+            if addr[0] not in members:
+                drops["non_member"] += -(-n // seg) if seg else 1
+                continue
+            good = 0
+            for off in range(0, n, seg):
+                v = mv[off : off + seg] if off + seg <= n else mv[off:n]
+                ln = len(v)
+                if ln < 20 or v[0] >> 4 != 4 or ((v[2] << 8) | v[3]) != ln:
+                    drops["malformed"] += 1
+                    continue
+                good += 1
+                add(v)
+            coalescer.flush()
+            c["rx_packets"] += good
+            c["rx_bytes"] += n

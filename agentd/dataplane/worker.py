@@ -1,0 +1,680 @@
+"""The data-plane worker process: ``python -m agentd.dataplane udp|ipip --tun NAME ...``.
+
+It runs beside the agent (same network namespace), never inside the agent's asyncio loop: a
+tight blocking ``poll`` loop over the TUN fd, the underlay socket and a unix control socket.
+
+TUN -> underlay: with offloads one read returns a TCP super-packet (up to 64 KB) that is
+segmented in user space (:func:`segment_tcp4`) into a staging buffer and handed to the
+transport as one run (one UDP-GSO sendmsg, or part of one sendmmsg).  Underlay -> TUN: a UDP
+GRO read or a recvmmsg batch yields many inner packets; :class:`Coalescer` merges each flow's
+in-order segments into one super-packet per TUN write.  Without offloads it is one read and one
+send per packet (flannel's model), kept as a separate, lean loop so the baseline is honest.
+
+Control protocol (JSON lines over the unix socket; one response line per request):
+``{"op": "set_next_hops", "next_hops": {prefix: underlay_ip}}``,
+``{"op": "set_members", "members": [underlay_ip, ...]}``, ``{"op": "stats"}``, ``{"op": "get"}``,
+``{"op": "shutdown", "remove_device": bool}``.  Responses: ``{"ok": true, ...}`` or
+``{"ok": false, "error": "..."}``.  The table survives controller disconnects and is saved to a
+state file so a restarted worker starts with it.  With no controller for ``orphan_timeout``
+seconds the worker exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass
+
+from agentd.dataplane._forward import (
+    Coalescer,
+    ForwardError,
+    NextHopTable,
+    complete_checksum,
+    parse_members,
+    segment_tcp4,
+)
+from agentd.dataplane.ipip import IpipTransport
+from agentd.dataplane.tun import TunError, check_name, local_source_accepted, open_tun
+from agentd.dataplane.udp import UdpTransport
+from proto.packet import (
+    FLANNEL_UDP_PORT,
+    VIRTIO_NET_HDR_F_NEEDS_CSUM,
+    VIRTIO_NET_HDR_GSO_NONE,
+    VIRTIO_NET_HDR_GSO_TCPV4,
+    VNET_HDR_NONE,
+    decrement_ttl,
+    icmp_net_unreachable,
+    icmp_time_exceeded,
+)
+
+log = logging.getLogger("agentd.dataplane")
+
+TRANSPORTS = {"udp": UdpTransport, "ipip": IpipTransport}
+DEFAULT_DEVICE = {"udp": "agentd.udp", "ipip": "agentd.ipip"}
+# flannel's UDP backend decrements the inner TTL (it is a router hop in user space); a kernel
+# ipip device does not, and user-space IPIP must look exactly like it on the wire.
+TTL_DECREMENT = {"udp": True, "ipip": False}
+DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "not_ipv4", "send_error",
+                "tun_write_error")
+COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
+            "tun_reads", "tun_writes", "tso_frames", "tso_segments", "icmp_sent")
+
+_VNET = struct.Struct("<BBHHHH")
+_TUN_BUF = 65536 + 64
+_OUT_BUF = 1 << 20
+_OUT_HEADROOM = 256 << 10  # a 64 KB super-packet with a tiny MSS still fits after this
+_RX_BUF = 1 << 19  # 256 IPIP slots of 2 KB, or one 64 KB GRO read
+_BUDGET = 64
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    kind: str
+    tun: str
+    mtu: int
+    local_ip: str
+    control: str
+    port: int = FLANNEL_UDP_PORT
+    offload: bool = True
+    orphan_timeout: float = 120.0
+    state: str | None = None
+    icmp_source: str | None = None
+    segmentation: str = "user"
+    txqueuelen: int = 1000
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.started = time.monotonic()
+        self.c = dict.fromkeys(COUNTERS, 0)
+        self.drops = dict.fromkeys(DROP_REASONS, 0)
+        self.table = NextHopTable()
+        self.members: frozenset[str] = frozenset()
+        self.route_cache: dict[bytes, str | None] = {}
+        self.ttl_decrement = TTL_DECREMENT[cfg.kind]
+        self.state_path = cfg.state or cfg.control + ".state"
+        self._stop = False
+        self._remove_device = False
+        self.clients: dict[int, tuple[socket.socket, bytearray]] = {}
+        self._orphan_since: float | None = time.monotonic()
+
+        user_tso = cfg.offload and cfg.segmentation == "user"
+        self.tun = open_tun(cfg.tun, mtu=cfg.mtu, offload=user_tso, txqueuelen=cfg.txqueuelen,
+                            no_offload_reason="disabled by --no-offload" if not cfg.offload
+                            else "segmentation left to the kernel (--segmentation kernel)")
+        try:
+            self.transport = TRANSPORTS[cfg.kind](cfg.local_ip, cfg.port, offload=cfg.offload,
+                                                  counters=self.c, drops=self.drops)
+        except OSError as exc:
+            if self.tun.created:  # leave nothing behind that we made
+                self.tun.set_persist(False)
+            self.tun.close()
+            raise TunError(f"cannot open the {cfg.kind} socket on {cfg.local_ip}: {exc.strerror}") from None
+        # ICMP errors: from our underlay address where the kernel accepts a local source on the
+        # TUN; otherwise (conf.all.rp_filter on) from the unreachable destination itself, which
+        # is routed via the TUN and so passes any reverse-path check.
+        if cfg.icmp_source:
+            self.icmp_source: str | None = cfg.icmp_source
+        elif local_source_accepted(cfg.tun):
+            self.icmp_source = cfg.local_ip
+        else:
+            self.icmp_source = None
+            self.fallbacks_icmp = "conf.all.rp_filter is on: ICMP errors use the inner destination as source"
+        self.tunbuf = bytearray(_TUN_BUF)
+        self.out = bytearray(_OUT_BUF)
+        self.rxbuf = bytearray(_RX_BUF)
+        if hasattr(self.transport, "bind_tx_buffer"):
+            self.transport.bind_tx_buffer(self.out)
+        self.coalescer = Coalescer(self._tun_write) if cfg.offload else _SingleWriter(self._tun_write)
+        self.offloads = {**self.tun.offloads, **self.transport.offloads, "tun_coalesce": cfg.offload}
+        self.fallbacks = {**self.tun.fallbacks, **self.transport.fallbacks}
+        if not cfg.offload:
+            self.fallbacks["tun_coalesce"] = "disabled by --no-offload"
+        if self.icmp_source is None:
+            self.fallbacks["icmp_source"] = self.fallbacks_icmp
+        self.listener = self._listen(cfg.control)
+        self._load_state()
+
+    # -- control ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _listen(path: str) -> socket.socket:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # stale socket of a dead worker
+            else:
+                probe.close()
+                raise TunError(f"control socket {path} is served by a running worker")
+            finally:
+                probe.close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        os.chmod(path, 0o600)
+        s.listen(8)
+        s.setblocking(False)
+        return s
+
+    def _load_state(self) -> None:
+        try:
+            with open(self.state_path) as f:
+                state = json.load(f)
+            if state.get("kind") != self.cfg.kind:
+                return
+            self._apply_next_hops(state.get("next_hops") or {}, save=False)
+            self._apply_members(state.get("members") or [], save=False)
+            log.info("restored %d next hops and %d members from %s", len(self.table), len(self.members),
+                     self.state_path)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            log.warning("ignoring unreadable state file %s: %s", self.state_path, exc)
+
+    def _save_state(self) -> None:
+        tmp = self.state_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"kind": self.cfg.kind, "next_hops": self.table.routes,
+                       "members": sorted(self.members)}, f)
+        os.replace(tmp, self.state_path)
+
+    def _apply_next_hops(self, routes, save: bool = True) -> None:
+        if not isinstance(routes, dict):
+            raise ValueError("next_hops must be an object {prefix: underlay address}")
+        self.table = NextHopTable(routes)
+        self.route_cache = {}
+        if save:
+            self._save_state()
+
+    def _apply_members(self, members, save: bool = True) -> None:
+        if not isinstance(members, list):
+            raise ValueError("members must be a list of underlay addresses")
+        self.members = parse_members(members)
+        self.transport.set_members(self.members)
+        if save:
+            self._save_state()
+
+    def handle_request(self, req) -> dict:
+        if not isinstance(req, dict):
+            return {"ok": False, "error": "request must be a JSON object"}
+        op = req.get("op")
+        try:
+            if op == "set_next_hops":
+                self._apply_next_hops(req.get("next_hops"))
+                return {"ok": True, "next_hops": len(self.table)}
+            if op == "set_members":
+                self._apply_members(req.get("members"))
+                return {"ok": True, "members": len(self.members)}
+            if op == "stats":
+                return {"ok": True, "stats": self.stats()}
+            if op == "get":
+                return {"ok": True, "config": self.describe(), "next_hops": self.table.routes,
+                        "members": sorted(self.members)}
+            if op == "shutdown":
+                self._stop = True
+                self._remove_device = bool(req.get("remove_device", False))
+                return {"ok": True}
+        except ValueError as exc:
+            return {"ok": False, "error": str(exc)}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def describe(self) -> dict:
+        cfg = self.cfg
+        return {"kind": cfg.kind, "tun": cfg.tun, "mtu": cfg.mtu, "local_ip": cfg.local_ip, "port": cfg.port,
+                "icmp_source": self.icmp_source or "inner-destination",
+                "offload": cfg.offload, "segmentation": cfg.segmentation if cfg.offload else "none",
+                "pid": os.getpid(), "orphan_timeout": cfg.orphan_timeout}
+
+    def stats(self) -> dict:
+        return {
+            **self.describe(),
+            "uptime": round(time.monotonic() - self.started, 3),
+            "next_hops": len(self.table),
+            "members": len(self.members),
+            "controllers": len(self.clients),
+            **self.c,
+            "coalesced_segments": getattr(self.coalescer, "merged", 0),
+            "drops": dict(self.drops),
+            "offloads": dict(self.offloads, **self.transport.offloads),
+            "fallbacks": dict(self.fallbacks, **self.transport.fallbacks),
+        }
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        conn.setblocking(True)
+        conn.settimeout(2.0)
+        self.clients[conn.fileno()] = (conn, bytearray())
+        self.poller.register(conn.fileno(), select.POLLIN)
+        self._orphan_since = None
+
+    def _client_readable(self, fd: int) -> None:
+        conn, buf = self.clients[fd]
+        try:
+            data = conn.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._drop_client(fd)
+            return
+        buf += data
+        if len(buf) > 16 << 20:
+            self._drop_client(fd)
+            return
+        while b"\n" in buf:
+            line, _, rest = bytes(buf).partition(b"\n")
+            buf[:] = rest
+            if not line.strip():
+                continue
+            try:
+                req = json.loads(line)
+            except ValueError:
+                resp = {"ok": False, "error": "request is not valid JSON"}
+            else:
+                resp = self.handle_request(req)
+            try:
+                conn.sendall(json.dumps(resp).encode() + b"\n")
+            except OSError:
+                self._drop_client(fd)
+                return
+
+    def _drop_client(self, fd: int) -> None:
+        conn, _ = self.clients.pop(fd)
+        with contextlib.suppress(KeyError, ValueError):
+            self.poller.unregister(fd)
+        conn.close()
+        if not self.clients:
+            self._orphan_since = time.monotonic()
+
+    # -- forwarding ---------------------------------------------------------------------------
+
+    def _tun_write(self, parts) -> None:
+        try:
+            os.writev(self.tun.fd, parts)
+        except OSError:
+            self.drops["tun_write_error"] += 1
+            return
+        self.c["tun_writes"] += 1
+
+    def _resolve(self, dst: bytes) -> str | None:
+        cache = self.route_cache
+        if len(cache) > 65536:
+            cache.clear()
+        peer = cache[dst] = self.table.lookup(dst)
+        return peer
+
+    def _icmp(self, build, offender) -> None:
+        try:
+            src = self.icmp_source or bytes(offender[16:20])
+            self._tun_write([VNET_HDR_NONE, build(offender, src)])
+        except ValueError:
+            return
+        self.c["icmp_sent"] += 1
+
+    def _from_tun_offload(self) -> None:
+        """TUN -> underlay with TSO super-packets, segmented into the staging buffer."""
+        fd = self.tun.fd
+        readv = os.readv
+        bufs = [self.tunbuf]
+        tb = self.tunbuf
+        mv = memoryview(tb)
+        out = memoryview(self.out)
+        limit = len(out) - _OUT_HEADROOM
+        unpack = _VNET.unpack_from
+        cache = self.route_cache
+        transport = self.transport
+        queue_run = transport.queue_run
+        drops = self.drops
+        c = self.c
+        mtu = self.cfg.mtu
+        ttl_dec = self.ttl_decrement
+        wo = 0
+        reads = frames = segs = 0
+        for _ in range(_BUDGET):
+            try:
+                n = readv(fd, bufs)
+            except BlockingIOError:
+                break
+            reads += 1
+            if n < 30 or tb[10] >> 4 != 4:
+                drops["malformed" if n < 30 else "not_ipv4"] += 1
+                continue
+            flags, gso_type, _hl, gso_size, cs, co = unpack(tb, 0)
+            dst = bytes(tb[26:30])
+            peer = cache.get(dst, 0)
+            if peer == 0:
+                peer = self._resolve(dst)
+            if peer is None:
+                drops["no_route"] += 1
+                self._icmp(icmp_net_unreachable, mv[10:n])
+                continue
+            pkt = mv[10:n]
+            gso_type &= 0x7F
+            if gso_type == VIRTIO_NET_HDR_GSO_TCPV4:
+                try:
+                    count, seglen, total = segment_tcp4(pkt, gso_size, out[wo:], ttl_dec)
+                except ForwardError as exc:
+                    drops[exc.reason] += 1
+                    if exc.reason == "ttl_exceeded":
+                        self._icmp(icmp_time_exceeded, pkt)
+                    continue
+                if seglen > mtu:
+                    drops["mtu"] += count
+                    continue
+                frames += 1
+                segs += count
+            elif gso_type == VIRTIO_NET_HDR_GSO_NONE:
+                try:
+                    if flags & VIRTIO_NET_HDR_F_NEEDS_CSUM:
+                        complete_checksum(tb, 10, n, cs, co)
+                except ForwardError:
+                    drops["malformed"] += 1
+                    continue
+                if ttl_dec and not decrement_ttl(tb, 10):
+                    drops["ttl_exceeded"] += 1
+                    self._icmp(icmp_time_exceeded, pkt)
+                    continue
+                total = seglen = n - 10
+                count = 1
+                if total > mtu:
+                    drops["mtu"] += 1
+                    continue
+                out[wo : wo + total] = pkt
+            else:
+                drops["malformed"] += 1  # GSO kinds we never enable (TCPv6, UDP)
+                continue
+            queue_run(out, wo, seglen, count, total, peer)
+            wo += total
+            if wo > limit:
+                transport.flush()
+                wo = 0
+        transport.flush()
+        c["tun_reads"] += reads
+        c["tso_frames"] += frames
+        c["tso_segments"] += segs
+
+    def _from_tun_batched(self) -> None:
+        """TUN -> underlay without TUN offloads: the kernel segments and checksums (in C), we
+        read packet by packet straight into the staging buffer and send runs of equal-sized
+        packets to one peer with one UDP-GSO sendmsg (or one sendmmsg batch)."""
+        fd = self.tun.fd
+        readv = os.readv
+        scratch = bytearray(10)
+        out = memoryview(self.out)
+        ob = self.out
+        limit = len(out) - _OUT_HEADROOM
+        cache = self.route_cache
+        transport = self.transport
+        queue_run = transport.queue_run
+        drops = self.drops
+        mtu = self.cfg.mtu
+        ttl_dec = self.ttl_decrement
+        wo = 0
+        reads = 0
+        run_peer = None
+        run_off = run_len = run_count = run_total = 0
+        run_open = False
+        for _ in range(_BUDGET * 4):
+            try:
+                n = readv(fd, [scratch, out[wo : wo + 65536]]) - 10
+            except BlockingIOError:
+                break
+            reads += 1
+            if n < 20 or ob[wo] >> 4 != 4:
+                drops["malformed" if n < 20 else "not_ipv4"] += 1
+                continue
+            dst = bytes(ob[wo + 16 : wo + 20])
+            peer = cache.get(dst, 0)
+            if peer == 0:
+                peer = self._resolve(dst)
+            if peer is None:
+                drops["no_route"] += 1
+                self._icmp(icmp_net_unreachable, out[wo : wo + n])
+                continue
+            if scratch[0] & VIRTIO_NET_HDR_F_NEEDS_CSUM:
+                try:
+                    cs, co = struct.unpack_from("<HH", scratch, 6)
+                    complete_checksum(ob, wo, wo + n, cs, co)
+                except ForwardError:
+                    drops["malformed"] += 1
+                    continue
+            if ttl_dec and not decrement_ttl(ob, wo):
+                drops["ttl_exceeded"] += 1
+                self._icmp(icmp_time_exceeded, out[wo : wo + n])
+                continue
+            if n > mtu:
+                drops["mtu"] += 1
+                continue
+            if run_open and peer == run_peer and n <= run_len:
+                run_count += 1
+                run_total += n
+                if n < run_len:
+                    run_open = False  # a shorter packet can only be the last of a GSO run
+            else:
+                if run_count:
+                    queue_run(out, run_off, run_len, run_count, run_total, run_peer)
+                run_peer, run_off, run_len, run_count, run_total, run_open = peer, wo, n, 1, n, True
+            wo += n
+            if wo > limit:
+                queue_run(out, run_off, run_len, run_count, run_total, run_peer)
+                run_count = 0
+                run_open = False
+                transport.flush()
+                wo = 0
+        if run_count:
+            queue_run(out, run_off, run_len, run_count, run_total, run_peer)
+        transport.flush()
+        self.c["tun_reads"] += reads
+
+    def _from_tun_plain(self) -> None:
+        """TUN -> underlay, one read and one send per packet (the per-packet baseline)."""
+        fd = self.tun.fd
+        readv = os.readv
+        bufs = [self.tunbuf]
+        tb = self.tunbuf
+        mv = memoryview(tb)
+        cache = self.route_cache
+        send_one = self.transport.send_one
+        drops = self.drops
+        mtu = self.cfg.mtu
+        ttl_dec = self.ttl_decrement
+        reads = 0
+        for _ in range(_BUDGET):
+            try:
+                n = readv(fd, bufs)
+            except BlockingIOError:
+                break
+            reads += 1
+            if n < 30 or tb[10] >> 4 != 4:
+                drops["malformed" if n < 30 else "not_ipv4"] += 1
+                continue
+            dst = bytes(tb[26:30])
+            peer = cache.get(dst, 0)
+            if peer == 0:
+                peer = self._resolve(dst)
+            if peer is None:
+                drops["no_route"] += 1
+                self._icmp(icmp_net_unreachable, mv[10:n])
+                continue
+            if ttl_dec and not decrement_ttl(tb, 10):
+                drops["ttl_exceeded"] += 1
+                self._icmp(icmp_time_exceeded, mv[10:n])
+                continue
+            if n - 10 > mtu:
+                drops["mtu"] += 1
+                continue
+            send_one(mv[10:n], peer)
+        self.c["tun_reads"] += reads
+
+    # -- main loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.poller = poller = select.poll()
+        tun_fd, sock_fd, lfd = self.tun.fd, self.transport.fileno(), self.listener.fileno()
+        poller.register(tun_fd, select.POLLIN)
+        poller.register(sock_fd, select.POLLIN)
+        poller.register(lfd, select.POLLIN)
+        if not self.cfg.offload:
+            from_tun = self._from_tun_plain
+        elif self.cfg.segmentation == "user":
+            from_tun = self._from_tun_offload
+        else:
+            from_tun = self._from_tun_batched
+        receive = self.transport.receive
+        rxbuf, coalescer = self.rxbuf, self.coalescer
+        log.info("%s worker on %s (mtu %d, local %s, offload %s) ready; control %s", self.cfg.kind,
+                 self.cfg.tun, self.cfg.mtu, self.cfg.local_ip, self.cfg.offload, self.cfg.control)
+        try:
+            while not self._stop:
+                for fd, _ev in poller.poll(500):
+                    if fd == tun_fd:
+                        from_tun()
+                    elif fd == sock_fd:
+                        receive(rxbuf, coalescer, _BUDGET)
+                    elif fd == lfd:
+                        self._accept()
+                    elif fd in self.clients:
+                        self._client_readable(fd)
+                since = self._orphan_since
+                if since is not None and self.cfg.orphan_timeout > 0:
+                    if time.monotonic() - since > self.cfg.orphan_timeout:
+                        log.warning("no controller for %.0f s: exiting", self.cfg.orphan_timeout)
+                        break
+        finally:
+            self.close()
+        return 0
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def close(self) -> None:
+        for fd in list(self.clients):
+            self._drop_client(fd)
+        self.listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.cfg.control)
+        self.transport.close()
+        if self._remove_device:
+            with contextlib.suppress(OSError):
+                self.tun.set_persist(False)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.state_path)
+        self.tun.close()
+
+
+class _SingleWriter:
+    """Receive side without coalescing: one TUN write per packet."""
+
+    def __init__(self, write) -> None:
+        self.write = write
+
+    def add(self, v) -> None:
+        self.write([VNET_HDR_NONE, v])
+
+    def flush(self) -> None:
+        pass
+
+
+# -- command line -----------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one clear line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _ipv4(value: str) -> str:
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an IPv4 address: {value!r}") from None
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number (1-65535): {value!r}")
+    return port
+
+
+def _mtu(value: str) -> int:
+    try:
+        mtu = int(value)
+    except ValueError:
+        mtu = 0
+    if not 576 <= mtu <= 65000:
+        raise argparse.ArgumentTypeError(f"MTU must be 576..65000, not {value!r}")
+    return mtu
+
+
+def _ifname(value: str) -> str:
+    try:
+        return check_name(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    p = _Parser(prog="python -m agentd.dataplane", description="agentd user-space data plane worker")
+    p.add_argument("kind", choices=sorted(TRANSPORTS), help="udp (flannel wire format) or ipip (RFC 2003)")
+    p.add_argument("--tun", type=_ifname, help="TUN device name (default agentd.udp / agentd.ipip)")
+    p.add_argument("--mtu", type=_mtu, required=True, help="inner MTU of the TUN device")
+    p.add_argument("--local-ip", type=_ipv4, required=True, help="this node's underlay IPv4 address")
+    p.add_argument("--port", type=_port, default=FLANNEL_UDP_PORT, help="UDP port (udp only, default 8285)")
+    p.add_argument("--control", required=True, help="unix socket path of the control channel")
+    p.add_argument("--no-offload", action="store_true",
+                   help="no TSO/GSO/GRO/mmsg: one read and one send per packet")
+    p.add_argument("--orphan-timeout", type=float, default=120.0,
+                   help="exit after this many seconds without a controller (0: never)")
+    p.add_argument("--segmentation", choices=("user", "kernel"), default="user",
+                   help="who cuts TCP super-packets into MTU-sized packets: user (TUN TSO, segmented "
+                        "and checksummed here) or kernel (TUN without TSO, read per packet, batched sends)")
+    p.add_argument("--state", help="state file (default CONTROL.state)")
+    p.add_argument("--icmp-source", type=_ipv4, help="source of ICMP errors sent to pods (default --local-ip)")
+    a = p.parse_args(argv)
+    if a.orphan_timeout < 0:
+        p.error("--orphan-timeout must be >= 0")
+    return WorkerConfig(kind=a.kind, tun=a.tun or DEFAULT_DEVICE[a.kind], mtu=a.mtu, local_ip=a.local_ip,
+                        port=a.port, control=a.control, offload=not a.no_offload,
+                        orphan_timeout=a.orphan_timeout, state=a.state, icmp_source=a.icmp_source,
+                        segmentation=a.segmentation)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="agentd-dataplane[%(process)d] %(levelname)s %(message)s")
+    try:
+        worker = Worker(cfg)
+    except (TunError, OSError) as exc:
+        print(f"agentd-dataplane: error: {exc}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    profile = os.environ.get("AGENTD_DATAPLANE_PROFILE")
+    if profile:  # cProfile the forwarding loop; stats land in PROFILE.<kind>.<pid>
+        import cProfile
+
+        prof = cProfile.Profile()
+        try:
+            return prof.runcall(worker.run)
+        finally:
+            prof.dump_stats(f"{profile}.{cfg.kind}.{os.getpid()}")
+    return worker.run()

@@ -1,0 +1,221 @@
+"""Pod-to-pod TCP throughput and latency across the data-plane paths, side by side.
+
+    python bench/dataplane.py [--seconds 10] [--only udp,ipip,...]
+
+Builds the two-host topology of agentd.dataplane._testbed afresh for every row (namespaces
+only; removed at the end), runs ONE iperf3 TCP stream pod -> pod and 20 pings per row:
+
+  raw veth     host to host over the underlay veth (the physical anchor)
+  kernel vxlan hand-configured kernel VXLAN pair with routes for the pod subnets (kernel anchor)
+  host-gw      plain routes via the peer's underlay address
+  udp / ipip   the agentd user-space fast paths (TUN TSO + user segmentation, UDP GSO/GRO or
+               sendmmsg/recvmmsg, GRO-style coalescing into the TUN)
+  ... kseg     the same with --segmentation kernel (TUN without TSO; batched sends)
+  ... no-offl  --no-offload: one read + one send per packet (flannel's model, the baseline)
+
+The machine has 2 cores: iperf3 client, iperf3 server, both workers and the kernel's softirq
+work all compete for them, so the user-space rows measure total CPU cost per byte.  The
+CPU columns are the sender's and receiver's worker CPU time as a share of one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from agentd.dataplane._testbed import (  # noqa: E402
+    CLUSTER,
+    DEVICE,
+    H1_UNDERLAY,
+    H2_UNDERLAY,
+    OVERHEAD,
+    P2,
+    SUBNET1,
+    SUBNET2,
+    build_two_hosts,
+    wait_for,
+)
+from agentd.lab.netns import Netns, delete_matching, unique_tag  # noqa: E402
+
+ANCHORS = [
+    "kernel VXLAN ~ 0.71x raw veth on this machine (measured earlier: 12.3 vs 17.4 Gbit/s)",
+    "flannel's C UDP backend ~ 0.6x kernel VXLAN in published tests",
+    "Tailscale's TUN-offload path 2.2x its per-packet baseline",
+]
+GOALS = [("host-gw", "raw veth", 0.95), ("udp", "kernel vxlan", 0.7), ("ipip", "kernel vxlan", 0.5)]
+
+ROWS = [
+    ("raw veth", "raw", {}),
+    ("kernel vxlan", "vxlan", {}),
+    ("host-gw", "hostgw", {}),
+    ("udp", "udp", {"offload": True}),
+    ("udp kseg", "udp", {"offload": True, "extra": ("--segmentation", "kernel")}),
+    ("ipip", "ipip", {"offload": True}),
+    ("ipip kseg", "ipip", {"offload": True, "extra": ("--segmentation", "kernel")}),
+    ("udp no-offl", "udp", {"offload": False}),
+    ("ipip no-offl", "ipip", {"offload": False}),
+]
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_share(seconds: float = 1.0) -> float:
+    """Share of the machine's CPU used by everything else right now (other jobs skew the rows)."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return sum(v), v[3] + v[4]
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def iperf(client: Netns, server: Netns, dst: str, seconds: int) -> float:
+    srv = server.popen(["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: ":5201" in server.exec("ss", "-ltn", check=False), 5)
+        out = client.exec("iperf3", "-c", dst, "-t", str(seconds), "-J", timeout=seconds + 30, check=False)
+        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e9
+    except (ValueError, KeyError):
+        return 0.0
+    finally:
+        try:
+            srv.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+
+
+def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
+    out = ns.exec("ping", "-c", str(count), "-i", "0.05", "-W", "2", dst, check=False)
+    m = re.search(r"= [\d.]+/([\d.]+)/", out)
+    return float(m.group(1)) if m else float("nan")
+
+
+def run_row(kind: str, opts: dict, seconds: int, tag: str, n: int) -> tuple[float, float, str]:
+    def make(role: str) -> Netns:
+        return Netns.create(f"ad-{tag}-{n}{role}")
+
+    t = build_two_hosts(make, outsider=False)
+    try:
+        if kind == "raw":
+            return iperf(t.h1, t.h2, H2_UNDERLAY, seconds), ping_avg(t.h1, H2_UNDERLAY), ""
+        if kind == "hostgw":
+            t.h1.ip("route", "add", SUBNET2, "via", H2_UNDERLAY)
+            t.h2.ip("route", "add", SUBNET1, "via", H1_UNDERLAY)
+            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), ""
+        if kind == "vxlan":
+            for h, local, remote, addr, peer_addr, subnet in (
+                (t.h1, H1_UNDERLAY, H2_UNDERLAY, "10.99.0.1", "10.99.0.2", SUBNET2),
+                (t.h2, H2_UNDERLAY, H1_UNDERLAY, "10.99.0.2", "10.99.0.1", SUBNET1),
+            ):
+                h.ip("link", "add", "vx0", "type", "vxlan", "id", "42", "local", local, "remote", remote,
+                     "dstport", "4789", "dev", "u1" if h is t.h1 else "u2")
+                h.ip("link", "set", "vx0", "mtu", str(t.underlay_mtu - OVERHEAD["vxlan"]), "up")
+                h.ip("addr", "add", f"{addr}/24", "dev", "vx0")
+                h.ip("route", "add", subnet, "via", peer_addr, "dev", "vx0")
+            t.set_pod_mtu(t.underlay_mtu - OVERHEAD["vxlan"])
+            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), ""
+        # agentd user-space paths
+        mtu = t.underlay_mtu - OVERHEAD[kind]
+        t.set_pod_mtu(mtu)
+        ctl = {i: f"/tmp/agentd-bench-{tag}-{n}-{i}.sock" for i in (1, 2)}
+        procs = {i: t.start_worker(kind, i, ctl[i], mtu=mtu, offload=opts["offload"], extra=opts.get("extra", ()),
+                                   stderr=subprocess.DEVNULL) for i in (1, 2)}
+        if not wait_for(lambda: all(os.path.exists(p) for p in ctl.values()), 15):
+            raise RuntimeError(f"{kind} workers did not start")
+        for i, peer, subnet in ((1, H2_UNDERLAY, SUBNET2), (2, H1_UNDERLAY, SUBNET1)):
+            t.host(i).ip("route", "add", CLUSTER, "dev", DEVICE[kind])
+            req = json.dumps({"op": "set_next_hops", "next_hops": {subnet: peer}}) + "\n" + \
+                json.dumps({"op": "set_members", "members": [peer]}) + "\n"
+            _control(ctl[i], req)
+        lat = ping_avg(t.p1, P2)
+        c0 = {i: cpu_seconds(p.pid) for i, p in procs.items()}
+        w0 = time.monotonic()
+        gbps = iperf(t.p1, t.p2, P2, seconds)
+        wall = time.monotonic() - w0
+        cpu = {i: (cpu_seconds(p.pid) - c0[i]) / wall for i, p in procs.items()}
+        t.stop_workers()
+        for p in ctl.values():
+            for f in (p, p + ".state"):
+                if os.path.exists(f):
+                    os.unlink(f)
+        return gbps, lat, f"{cpu[1] * 100:3.0f}% / {cpu[2] * 100:3.0f}%"
+    finally:
+        t.stop_workers()
+
+
+def _control(path: str, lines: str) -> None:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(lines.encode())
+        buf = b""
+        while buf.count(b"\n") < lines.count("\n"):
+            buf += s.recv(65536)
+    for line in buf.decode().splitlines():
+        if not json.loads(line).get("ok"):
+            raise RuntimeError(f"worker refused: {line}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=int, default=10, help="iperf3 duration per row (default 10)")
+    ap.add_argument("--only", help="comma-separated row names to run (anchors always run)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench/dataplane.py: needs root (network namespaces)", file=sys.stderr)
+        return 1
+    wanted = set(args.only.split(",")) if args.only else None
+    tag = unique_tag("bdp")
+    results = []
+    background = busy_share()
+    try:
+        for n, (name, kind, opts) in enumerate(ROWS):
+            if wanted and name not in wanted and kind not in ("raw", "vxlan"):
+                continue
+            gbps, lat, cpu = run_row(kind, opts, args.seconds, tag, n)
+            results.append((name, gbps, lat, cpu))
+            print(f"  measured {name:<13} {gbps:6.2f} Gbit/s", file=sys.stderr, flush=True)
+    finally:
+        delete_matching(f"ad-{tag}-")
+    by = {r[0]: r[1] for r in results}
+    raw, vx = by.get("raw veth") or float("nan"), by.get("kernel vxlan") or float("nan")
+    print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s, pod -> pod (2 cores shared by "
+          "iperf3 x2, both workers and softirq)")
+    print(f"machine CPU busy before the run (other jobs): {background * 100:.0f}%"
+          + ("  <- rows are skewed by other load" if background > 0.1 else "") + "\n")
+    print(f"{'path':<14} {'Gbit/s':>7} {'x raw veth':>10} {'x vxlan':>8} {'ping ms':>8}  worker CPU tx / rx")
+    print("-" * 72)
+    for name, gbps, lat, cpu in results:
+        print(f"{name:<14} {gbps:7.2f} {gbps / raw:10.2f} {gbps / vx:8.2f} {lat:8.3f}  {cpu}")
+    print("\nanchors (context, not measured here):")
+    for a in ANCHORS:
+        print(f"  - {a}")
+    print("\ngoals:")
+    for name, base, want in GOALS:
+        if name in by:
+            got = by[name] / (raw if base == "raw veth" else vx)
+            print(f"  {name:<8} >= {want:.2f}x {base:<12}: {got:.2f}x  {'met' if got >= want else 'NOT met'}")
+    for fast, slow in (("udp", "udp no-offl"), ("ipip", "ipip no-offl")):
+        if fast in by and by.get(slow):
+            print(f"  {fast:<8} offload / per-packet baseline: {by[fast] / by[slow]:.2f}x "
+                  "(Tailscale's offload path: 2.2x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
