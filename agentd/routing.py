@@ -176,6 +176,7 @@ class Route:
         return AF_INET6 if ":" in self.dst else AF_INET
 
 
+_gateway_text: dict[bytes, str] = {}  # kernel next-hop bytes -> canonical text
 _new_route = object.__new__
 _set = object.__setattr__
 
@@ -285,7 +286,14 @@ class _Unresolved(Exception):
 
 
 class RouteProgrammer:
-    """Programs the desired routes into one table of one namespace, tagged with ``protocol``."""
+    """Programs the desired routes into one table of one namespace, tagged with ``protocol``.
+
+    Public surface: ``start()``, ``stop(remove_routes=False)``, ``set_desired(routes)``,
+    ``upsert(route)``, ``discard(dst)``, ``reconcile(full=False) -> SyncResult``,
+    ``programmed()``, ``desired()``, and for REST/metrics ``last_sync`` (time.time() of the
+    last completed reconcile), ``last_sync_seconds``, ``conflicts`` and ``failures``
+    (dst -> reason), ``counters`` and the ``on_sync`` callback.
+    """
 
     COALESCE_SECONDS = 0.005  # a burst of upserts becomes one reconcile
     BATCH_MESSAGES = 4096  # requests per send(); their error acks must fit the receive buffer
@@ -335,6 +343,7 @@ class RouteProgrammer:
         self._batch = self.BATCH_MESSAGES
         self._req: nl.NetlinkSocket | None = None
         self._mon: nl.NetlinkSocket | None = None
+        self._reading = False  # the monitor socket is registered with the loop
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -399,8 +408,7 @@ class RouteProgrammer:
             await self._dump_links()
             async with self._lock:
                 await self._dump_own()
-            asyncio.get_running_loop().add_reader(self._mon.fileno(), self._on_monitor_readable)
-            self._on_monitor_readable()
+            self._resume_monitor()
         except BaseException:
             self._close_sockets()
             raise
@@ -425,10 +433,12 @@ class RouteProgrammer:
 
     def _close_sockets(self) -> None:
         if self._mon is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(self._mon.fileno())
-            except (RuntimeError, ValueError, OSError):
-                pass
+            if self._reading:
+                self._reading = False
+                try:
+                    asyncio.get_running_loop().remove_reader(self._mon.fileno())
+                except (RuntimeError, ValueError, OSError):
+                    pass
             self._mon.close()
         if self._req is not None:
             self._req.close()
@@ -822,7 +832,19 @@ class RouteProgrammer:
 
         A route whose message bytes are exactly those of the last dump is the same Route
         again: the periodic resync of 100k unchanged routes then costs a dict lookup each,
-        not a parse (the price is the bytes kept, ~80-130 per route)."""
+        not a parse (the price is the bytes kept, ~80-130 per route).
+
+        The monitor is paused meanwhile: an event about a route the dump already passed would
+        otherwise be applied to the old state and then lost when the new one replaces it.
+        Paused, events wait in the socket and are applied on top of the new state."""
+        paused = self._pause_monitor()
+        try:
+            await self._read_own()
+        finally:
+            if paused:
+                self._resume_monitor()
+
+    async def _read_own(self) -> None:
         protocol, table = self.protocol, self.table
         for _attempt in range(3):
             known: list[Route] = []
@@ -860,14 +882,29 @@ class RouteProgrammer:
         file_route = self._file_route
         for route in known:
             file_route(route, kernel, strays)
-        for body, msg in fresh:
+        for count, (body, msg) in enumerate(fresh, 1):
             route = self._route_of(msg)
             if route is None:
                 strays.add(_stray_of_message(msg))
             else:
                 seen[body] = route
                 file_route(route, kernel, strays)
+            if count % 8192 == 0:
+                await asyncio.sleep(0)  # parsing 100k routes takes a while: let the loop run
         self._kernel, self._strays, self._seen = kernel, strays, seen
+
+    def _pause_monitor(self) -> bool:
+        if not self._reading:
+            return False
+        asyncio.get_running_loop().remove_reader(self._mon.fileno())
+        self._reading = False
+        return True
+
+    def _resume_monitor(self) -> None:
+        if self._mon is not None and not self._reading:
+            asyncio.get_running_loop().add_reader(self._mon.fileno(), self._on_monitor_readable)
+            self._reading = True
+            self._on_monitor_readable()
 
     def _route_of(self, msg: nl.RouteMessage) -> Route | None:
         """The Route a kernel route of ours is, or None if it has a shape Route cannot say
@@ -878,7 +915,14 @@ class RouteProgrammer:
                 or msg.nh_id is not None or msg.tos or msg.src_len):
             return None
         ntop = socket.inet_ntop
-        gateway = None if msg.gateway is None else ntop(family, msg.gateway)
+        gateway = msg.gateway
+        if gateway is not None:  # next hops repeat: one shared string each
+            text = _gateway_text.get(gateway)
+            if text is None:
+                if len(_gateway_text) > 4096:
+                    _gateway_text.clear()
+                text = _gateway_text[gateway] = ntop(family, gateway)
+            gateway = text
         dev = None
         onlink = bool(msg.flags & nl.RTNH_F_ONLINK)
         if kind == "unicast":
@@ -922,7 +966,7 @@ class RouteProgrammer:
         mon = self._mon
         if mon is None:
             return
-        while True:
+        for _chunk in range(256):  # a flood of other people's events must not hog the loop
             try:
                 chunk = mon.recv()
             except OSError as exc:

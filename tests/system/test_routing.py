@@ -1,0 +1,503 @@
+"""The route programmer against a real kernel, in lab namespaces.
+
+Each test builds a router namespace ``r`` whose ``v0`` (192.0.2.1/24, 2001:db8::1/64) faces a
+peer namespace ``p`` (``v1``: 192.0.2.2, 2001:db8::2), so gateway routes have a real
+neighbour.  Every kernel check reads ``ip`` output, not the programmer's own view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import time
+
+import pytest
+
+from agentd.lab import netns
+from agentd.routing import RTPROT_AGENTD, Route, RouteProgrammer, SyncResult
+
+GW4, GW6 = "192.0.2.2", "2001:db8::2"
+
+
+class Lab:
+    def __init__(self, router: netns.Netns, peer: netns.Netns) -> None:
+        self.r, self.p = router, peer
+
+    async def ip(self, *args: str, check: bool = True) -> str:
+        """``ip -n r ARGS`` without blocking the loop (the programmer's monitor runs in it)."""
+        _rc, out, _err = await netns.arun(["ip", "-n", self.r.name, *args], check=check)
+        return out.decode()
+
+    async def own(self, family: str = "-4", table: str = "main") -> list[str]:
+        out = await self.ip(family, "route", "show", "table", table, "proto", str(RTPROT_AGENTD))
+        return sorted(line.strip() for line in out.splitlines() if line.strip())
+
+    async def count_own(self) -> int:
+        return len(await self.own("-4")) + len(await self.own("-6"))
+
+    async def table_all(self) -> list[str]:
+        """``ip -d route show table all`` for both families, ours (main table, proto 143) left out."""
+        lines = []
+        for family in ("-4", "-6"):
+            out = await self.ip("-d", family, "route", "show", "table", "all")
+            lines += [line.rstrip() for line in out.splitlines()
+                      if f" table main proto {RTPROT_AGENTD} " not in line + " "]
+        return lines
+
+
+@pytest.fixture
+def lab(netns_factory) -> Lab:
+    router, peer = netns_factory("r"), netns_factory("p")
+    netns.veth(router, "v0", peer, "v1")
+    router.ip("addr", "add", "192.0.2.1/24", "dev", "v0")
+    router.ip("-6", "addr", "add", "2001:db8::1/64", "dev", "v0", "nodad")
+    peer.ip("addr", "add", "192.0.2.2/24", "dev", "v1")
+    peer.ip("-6", "addr", "add", "2001:db8::2/64", "dev", "v1", "nodad")
+    return Lab(router, peer)
+
+
+@pytest.fixture
+async def start(lab):
+    """``await start(**kwargs)`` -> a started RouteProgrammer in the lab's router namespace."""
+    started: list[RouteProgrammer] = []
+
+    async def make(**kwargs) -> RouteProgrammer:
+        programmer = RouteProgrammer(netns=lab.r.name, **kwargs)
+        await programmer.start()
+        started.append(programmer)
+        return programmer
+
+    try:
+        yield make
+    finally:
+        for programmer in started:
+            await programmer.stop()
+
+
+async def eventually(check, timeout: float = 3.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+class RouteMonitor:
+    """``ip monitor route`` in the router namespace.  ``await mark()`` returns every event
+    since the last mark: it adds a throw-away sentinel route and reads up to its event."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.marks = 0
+
+    async def __aenter__(self) -> RouteMonitor:
+        self.proc = await asyncio.create_subprocess_exec(
+            "ip", "-n", self.lab.r.name, "monitor", "route", stdout=asyncio.subprocess.PIPE)
+        await self.mark()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.proc.kill()
+        await self.proc.wait()
+
+    async def mark(self) -> list[str]:
+        self.marks += 1
+        sentinel = f"198.18.{self.marks}.0/24"
+        lines: list[str] = []
+        for _attempt in range(50):  # until the monitor is subscribed and has caught up
+            await self.lab.ip("route", "add", sentinel, "via", GW4, "proto", "static")
+            try:
+                while True:
+                    line = (await asyncio.wait_for(self.proc.stdout.readline(), 0.2)).decode()
+                    if line.startswith(sentinel):
+                        await self.lab.ip("route", "del", sentinel, "proto", "static")
+                        return [x for x in lines if "198.18." not in x]
+                    lines.append(line.strip())
+            except asyncio.TimeoutError:
+                await self.lab.ip("route", "del", sentinel, "proto", "static")
+        raise AssertionError("ip monitor never reported the sentinel route")
+
+
+# --- install, update, remove --------------------------------------------------------------------
+
+ROUTES = [
+    Route("10.10.0.0/24", gateway=GW4),
+    Route("10.11.0.0/24", dev="v0"),
+    Route("10.12.0.0/24", gateway="198.51.100.1", dev="v0", onlink=True),
+    Route("10.13.0.0/24", kind="blackhole"),
+    Route("10.14.0.0/24", kind="unreachable"),
+    Route("10.15.0.0/24", gateway=GW4, metric=50, mtu=1400, src="192.0.2.1"),
+    Route("2001:db8:10::/64", gateway=GW6),
+    Route("2001:db8:11::/64", gateway="fe80::2", dev="v0"),
+    Route("2001:db8:12::/64", kind="blackhole"),
+    Route("2001:db8:13::/64", dev="v0", metric=20),
+]
+
+
+async def test_install_update_remove_ipv4_and_ipv6(lab, start):
+    programmer = await start()
+    programmer.set_desired(ROUTES)
+    result = await programmer.reconcile()
+    assert sorted(result.added) == sorted(r.dst for r in ROUTES) and result.ok
+    assert await lab.own("-4") == sorted([
+        "10.10.0.0/24 via 192.0.2.2 dev v0",
+        "10.11.0.0/24 dev v0 scope link",
+        "10.12.0.0/24 via 198.51.100.1 dev v0 onlink",
+        "blackhole 10.13.0.0/24",
+        "unreachable 10.14.0.0/24",
+        "10.15.0.0/24 via 192.0.2.2 dev v0 src 192.0.2.1 metric 50 mtu 1400",
+    ])
+    assert await lab.own("-6") == sorted([
+        "2001:db8:10::/64 via 2001:db8::2 dev v0 metric 1024 pref medium",
+        "2001:db8:11::/64 via fe80::2 dev v0 metric 1024 pref medium",
+        "blackhole 2001:db8:12::/64 dev lo metric 1024 pref medium",
+        "2001:db8:13::/64 dev v0 metric 20 pref medium",
+    ])
+    assert {r.dst for r in programmer.programmed()} == {r.dst for r in ROUTES}
+    assert programmer.desired() == ROUTES
+
+    # A full re-read finds everything as wanted (a dev-less gateway route accepts the kernel's dev).
+    assert await programmer.reconcile(full=True) == SyncResult(seconds=programmer.last_sync_seconds, full=True)
+
+    # Update: new next hop (same key -> replace), new metric (new key -> add + delete), new kind.
+    updated = [r for r in ROUTES if r.dst not in ("10.10.0.0/24", "10.15.0.0/24", "2001:db8:10::/64")] + [
+        Route("10.10.0.0/24", gateway="198.51.100.9", dev="v0", onlink=True),
+        Route("10.15.0.0/24", gateway=GW4, metric=60),
+        Route("2001:db8:10::/64", kind="unreachable"),
+    ]
+    programmer.set_desired(updated)
+    result = await programmer.reconcile()
+    assert sorted(result.replaced) == ["10.10.0.0/24", "2001:db8:10::/64"]
+    assert result.added == ("10.15.0.0/24",) and result.removed == ("10.15.0.0/24",)
+    own4 = await lab.own("-4")
+    assert "10.10.0.0/24 via 198.51.100.9 dev v0 onlink" in own4
+    assert "10.15.0.0/24 via 192.0.2.2 dev v0 metric 60" in own4
+    assert not any("metric 50" in line for line in own4)
+    assert "unreachable 2001:db8:10::/64 dev lo metric 1024 pref medium" in await lab.own("-6")
+
+    # Remove some, then all.
+    programmer.set_desired(updated[:3])
+    result = await programmer.reconcile()
+    assert len(result.removed) == len(updated) - 3
+    assert await lab.count_own() == 3
+    programmer.set_desired([])
+    await programmer.reconcile()
+    assert await lab.count_own() == 0 and programmer.programmed() == []
+
+
+async def test_upsert_and_discard_are_applied_by_the_reconcile_task(lab, start):
+    programmer = await start()
+    programmer.set_desired([])
+    syncs: list[SyncResult] = []
+    programmer.on_sync = syncs.append
+    before = programmer.counters.reconciles
+    for i in range(200):  # a burst: coalesced into few batched reconciles, not 200
+        programmer.upsert(Route(f"10.20.{i}.0/24", gateway=GW4))
+    await eventually(lambda: _count_is(lab, 200), what="200 upserted routes in the kernel")
+    assert programmer.counters.reconciles - before <= 3
+    assert sum(len(s.added) for s in syncs) == 200
+    assert programmer.last_sync is not None and programmer.last_sync <= time.time()
+
+    programmer.discard("10.20.7.0/24")
+    programmer.upsert(Route("10.20.8.0/24", kind="blackhole"))
+    await eventually(lambda: _count_is(lab, 199), what="discarded route gone")
+    own = await lab.own("-4")
+    assert "blackhole 10.20.8.0/24" in own and not any(line.startswith("10.20.7.0/24") for line in own)
+
+
+async def _count_is(lab: Lab, n: int) -> bool:
+    return await lab.count_own() == n
+
+
+# --- adoption ------------------------------------------------------------------------------------
+
+
+async def test_start_adopts_own_routes_without_flushing(lab, start):
+    lab.r.ip("route", "add", "10.30.1.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))  # desired, exact
+    lab.r.ip("route", "add", "10.30.2.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))  # desired, changed
+    lab.r.ip("route", "add", "10.30.3.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))  # stale
+    lab.r.ip("-6", "route", "add", "2001:db8:30::/64", "via", GW6, "proto", str(RTPROT_AGENTD))  # desired, exact
+    lab.r.ip("-6", "route", "add", "2001:db8:31::/64", "via", GW6, "proto", str(RTPROT_AGENTD))  # stale
+    async with RouteMonitor(lab) as monitor:
+        programmer = await start()
+        assert {r.dst for r in programmer.programmed()} == {
+            "10.30.1.0/24", "10.30.2.0/24", "10.30.3.0/24", "2001:db8:30::/64", "2001:db8:31::/64"}
+        # Until the complete desired set is known, nothing is removed (a restart keeps forwarding).
+        await programmer.reconcile(full=True)
+        assert await lab.count_own() == 5
+        programmer.set_desired([
+            Route("10.30.1.0/24", gateway=GW4),
+            Route("10.30.2.0/24", kind="blackhole"),
+            Route("2001:db8:30::/64", gateway=GW6),
+        ])
+        result = await programmer.reconcile()
+        events = await monitor.mark()
+    assert result.added == () and result.replaced == ("10.30.2.0/24",)
+    assert sorted(result.removed) == ["10.30.3.0/24", "2001:db8:31::/64"]
+    # The routes that were already right were never deleted, re-added or replaced.
+    assert not [e for e in events if "10.30.1.0" in e or "2001:db8:30::" in e], events
+    assert [e for e in events if e.startswith("Deleted 10.30.3.0/24")]
+    assert [e for e in events if e.startswith("Deleted 2001:db8:31::/64")]
+    assert await lab.own("-4") == ["10.30.1.0/24 via 192.0.2.2 dev v0", "blackhole 10.30.2.0/24"]
+    assert await lab.own("-6") == ["2001:db8:30::/64 via 2001:db8::2 dev v0 metric 1024 pref medium"]
+
+
+async def test_restart_adopts_everything_and_touches_nothing(lab, start):
+    first = await start()
+    routes = [Route(f"10.31.{i}.0/24", gateway=GW4) for i in range(50)] + ROUTES
+    first.set_desired(routes)
+    assert (await first.reconcile()).ok
+    await first.stop()  # the agent goes away; its routes stay
+    before = await lab.table_all() + await lab.own("-4") + await lab.own("-6")
+    async with RouteMonitor(lab) as monitor:
+        second = await start()
+        second.set_desired(routes)
+        result = await second.reconcile()
+        await second.reconcile(full=True)
+        events = await monitor.mark()
+    assert (result.added, result.replaced, result.removed) == ((), (), ())
+    assert events == []
+    assert await lab.table_all() + await lab.own("-4") + await lab.own("-6") == before
+
+
+# --- other people's routes ------------------------------------------------------------------------
+
+FOREIGN = [
+    ("-4", "10.40.0.0/24", "via", GW4, "proto", "boot"),
+    ("-4", "10.41.0.0/24", "via", GW4, "proto", "static"),
+    ("-4", "10.42.0.0/24", "dev", "v0", "proto", "kernel", "scope", "link"),
+    ("-4", "10.43.0.0/24", "via", GW4, "proto", "bird"),
+    ("-4", "10.44.0.0/24", "via", GW4, "proto", "zebra"),
+    ("-4", "10.45.0.0/24", "via", GW4, "proto", "static", "metric", "100"),  # our dst, other metric
+    ("-4", "10.46.0.0/24", "via", GW4, "proto", "static"),  # our dst, same key: a conflict
+    ("-4", "10.47.0.0/24", "via", GW4, "table", "100", "proto", str(RTPROT_AGENTD)),  # our proto, other table
+    ("-4", "10.46.0.0/24", "via", GW4, "table", "100", "proto", str(RTPROT_AGENTD)),
+    ("-4", "10.48.0.0/24", "via", GW4, "table", "100", "proto", "static"),
+    ("-6", "2001:db8:40::/64", "via", GW6, "proto", "static"),
+    ("-6", "2001:db8:41::/64", "via", GW6, "proto", "bird"),  # our dst, same key: a conflict
+    ("-6", "2001:db8:42::/64", "via", GW6, "table", "100", "proto", str(RTPROT_AGENTD)),
+]
+
+
+async def test_foreign_routes_stay_byte_for_byte_unchanged(lab, start):
+    """The issue's test: boot/static/kernel/bird/zebra routes, routes in another table (one with
+    our protocol), and foreign routes for our own destinations survive many sync cycles."""
+    for family, *spec in FOREIGN:
+        lab.r.ip(family, "route", "add", *spec)
+    before = await lab.table_all()
+    assert len([line for line in before if " proto " in line]) >= len(FOREIGN)
+
+    base = [Route(f"10.49.{i}.0/24", gateway=GW4) for i in range(20)]
+    contested = [
+        Route("10.45.0.0/24", gateway=GW4),  # coexists with the metric-100 static route
+        Route("10.46.0.0/24", gateway="192.0.2.3"),  # held by a static route: conflict
+        Route("10.47.0.0/24", gateway=GW4),  # exists in table 100 only
+        Route("10.40.0.0/25", kind="blackhole"),  # more specific than a boot route
+        Route("2001:db8:41::/64", gateway=GW6),  # held by a bird route: conflict
+        Route("2001:db8:42::/64", kind="blackhole"),
+    ]
+    programmer = await start(resync_interval=0.05)
+    programmer.set_desired(base + contested)
+    first = await programmer.reconcile()
+    assert dict(first.conflicts).keys() == {"10.46.0.0/24", "2001:db8:41::/64"}
+    assert "proto static" in programmer.conflicts["10.46.0.0/24"]
+    assert "proto bird" in programmer.conflicts["2001:db8:41::/64"]
+    assert not first.failed
+
+    for cycle in range(12):
+        variant = base[cycle:] + contested[: 2 + cycle % 5]
+        if cycle % 3 == 1:
+            variant = [Route(r.dst, gateway=r.gateway, metric=cycle) if r.gateway == GW4 else r for r in variant]
+        programmer.set_desired(variant)
+        result = await programmer.reconcile(full=cycle % 2 == 0)
+        assert not result.failed, result.failed
+        await asyncio.sleep(0.06)  # let the periodic full resync run too
+    assert programmer.counters.full_resyncs >= 7  # 6 asked for + the periodic ones
+    own4 = await lab.own("-4")
+    assert not any(line.startswith("10.46.0.0/24") for line in own4)  # never took the contested key
+    programmer.set_desired([])
+    await programmer.reconcile(full=True)
+    await programmer.stop(remove_routes=True)
+    assert await lab.count_own() == 0
+    assert await lab.table_all() == before
+
+
+async def test_foreign_replace_of_our_route_becomes_a_conflict(lab, start):
+    programmer = await start()
+    programmer.set_desired([Route("10.50.0.0/24", gateway=GW4), Route("10.50.1.0/24", gateway=GW4)])
+    await programmer.reconcile()
+    await lab.ip("route", "replace", "10.50.0.0/24", "via", GW4, "proto", "static")
+    await eventually(lambda: _has_conflict(programmer, "10.50.0.0/24"), what="conflict reported")
+    out = await lab.ip("-d", "route", "show", "10.50.0.0/24")
+    assert "proto static" in out and f"proto {RTPROT_AGENTD}" not in out
+    # Once the other route goes away, ours comes back (the monitor sees its removal).
+    await lab.ip("route", "del", "10.50.0.0/24", "proto", "static")
+    await eventually(lambda: _shows(lab, "10.50.0.0/24 via 192.0.2.2 dev v0"), what="own route back")
+    assert "10.50.0.0/24" not in programmer.conflicts
+
+
+async def test_add_meeting_an_unknown_own_route_replaces_it(lab, start):
+    programmer = await start()
+    programmer.set_desired([])
+    await programmer.reconcile()
+    # Blocking call on purpose: the monitor cannot tell the programmer before it tries the add.
+    lab.r.ip("route", "add", "10.53.0.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))
+    lab.r.ip("route", "add", "10.54.0.0/24", "via", GW4, "proto", "static")
+    programmer.set_desired([Route("10.53.0.0/24", kind="blackhole"), Route("10.54.0.0/24", kind="blackhole")])
+    result = await programmer.reconcile()
+    assert result.replaced == ("10.53.0.0/24",) and result.added == ()
+    assert [dst for dst, _ in result.conflicts] == ["10.54.0.0/24"]
+    assert await lab.own("-4") == ["blackhole 10.53.0.0/24"]
+    assert "10.54.0.0/24 via 192.0.2.2 dev v0 proto static" in await lab.ip("route", "show")
+
+
+async def _has_conflict(programmer: RouteProgrammer, dst: str) -> bool:
+    return dst in programmer.conflicts
+
+
+async def _shows(lab: Lab, line: str) -> bool:
+    return line in await lab.own("-4")
+
+
+async def test_programmer_in_another_table_leaves_main_alone(lab, start):
+    lab.r.ip("route", "add", "10.51.0.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))  # main: not ours here
+    programmer = await start(table=100)
+    programmer.set_desired([Route("10.51.0.0/24", kind="blackhole"), Route("10.52.0.0/24", gateway=GW4)])
+    result = await programmer.reconcile(full=True)
+    assert sorted(result.added) == ["10.51.0.0/24", "10.52.0.0/24"] and result.ok
+    assert await lab.own("-4", table="100") == ["10.52.0.0/24 via 192.0.2.2 dev v0", "blackhole 10.51.0.0/24"]
+    assert await lab.own("-4") == ["10.51.0.0/24 via 192.0.2.2 dev v0"]
+    await programmer.stop(remove_routes=True)
+    assert await lab.own("-4", table="100") == []
+    assert await lab.own("-4") == ["10.51.0.0/24 via 192.0.2.2 dev v0"]
+
+
+# --- the monitor -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dst, shown", [
+    ("10.60.0.0/24", "10.60.0.0/24 via 192.0.2.2 dev v0"),
+    ("2001:db8:60::/64", "2001:db8:60::/64 via 2001:db8::2 dev v0 metric 1024 pref medium"),
+])
+async def test_route_deleted_by_hand_is_back_within_one_second(lab, start, dst, shown):
+    programmer = await start()
+    gateway = GW6 if ":" in dst else GW4
+    programmer.set_desired([Route(dst, gateway=gateway), Route("10.61.0.0/24", gateway=GW4)])
+    await programmer.reconcile()
+    family = "-6" if ":" in dst else "-4"
+    delays = []
+    for _round in range(3):
+        await lab.ip(family, "route", "del", dst, "proto", str(RTPROT_AGENTD))
+        gone = time.monotonic()
+        while shown not in await lab.own(family):
+            assert time.monotonic() - gone < 5, "route never came back"
+        delays.append(time.monotonic() - gone)
+    print(f"{dst}: back after {', '.join(f'{d * 1000:.1f} ms' for d in delays)}")
+    assert max(delays) < 1.0, delays
+    assert programmer.counters.routes_restored == 3
+
+
+async def test_own_protocol_route_nobody_wants_is_removed(lab, start):
+    programmer = await start()
+    programmer.set_desired([Route("10.62.0.0/24", gateway=GW4)])
+    await programmer.reconcile()
+    await lab.ip("route", "add", "10.63.0.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))
+    await lab.ip("route", "add", "10.62.0.0/24", "via", GW4, "proto", str(RTPROT_AGENTD), "metric", "7")
+    await lab.ip("route", "replace", "10.62.0.0/24", "via", "192.0.2.9", "proto", str(RTPROT_AGENTD))
+    await eventually(lambda: _own_is(lab, ["10.62.0.0/24 via 192.0.2.2 dev v0"]), what="strays removed")
+    assert programmer.counters.routes_removed >= 2 and programmer.counters.routes_replaced >= 1
+
+
+async def _own_is(lab: Lab, lines: list[str]) -> bool:
+    return await lab.own("-4") == lines
+
+
+async def test_route_on_a_missing_device_is_installed_when_it_appears(lab, start):
+    programmer = await start()
+    programmer.set_desired([Route("10.64.0.0/24", dev="v9"), Route("10.65.0.0/24", gateway=GW4)])
+    result = await programmer.reconcile()
+    assert result.added == ("10.65.0.0/24",)
+    assert [dst for dst, _ in result.failed] == ["10.64.0.0/24"]
+    assert "no device 'v9'" in dict(result.failed)["10.64.0.0/24"]
+    netns.veth(lab.r, "v9", lab.p, "v8")  # blocking is fine: events queue up in the socket
+    await eventually(lambda: _shows(lab, "10.64.0.0/24 dev v9 scope link"), what="route on the new device")
+    assert "10.64.0.0/24" not in programmer.failures
+
+
+# --- scale and failures ---------------------------------------------------------------------------------
+
+
+async def test_20000_routes_install_and_remove_exactly(lab, start):
+    v4 = [Route(f"10.{64 + i // 65536}.{i // 256 % 256}.{i % 256}/32", gateway=GW4) for i in range(16000)]
+    v6 = [Route(f"2001:db8:70::{i:x}/128", gateway=GW6) for i in range(4000)]
+    programmer = await start()
+    programmer.set_desired(v4 + v6)
+    result = await programmer.reconcile()
+    assert len(result.added) == 20000 and result.ok
+    assert len(await lab.own("-4")) == 16000 and len(await lab.own("-6")) == 4000
+    again = await programmer.reconcile(full=True)
+    assert (again.added, again.replaced, again.removed) == ((), (), ())
+    assert len(programmer.programmed()) == 20000
+    programmer.set_desired(v4[::2])
+    result = await programmer.reconcile()
+    assert len(result.removed) == 12000
+    assert len(await lab.own("-4")) == 8000 and len(await lab.own("-6")) == 0
+    programmer.set_desired([])
+    await programmer.reconcile()
+    assert await lab.count_own() == 0
+
+
+async def test_unreachable_gateway_fails_alone(lab, start):
+    routes = [Route(f"10.66.{i // 4}.{i % 4 * 64}/26", gateway=GW4) for i in range(1000)]
+    routes[500] = Route("10.69.0.0/24", gateway="203.0.113.1")  # no route to this gateway
+    routes.append(Route("2001:db8:66::/64", gateway="2001:db8:ffff::1"))
+    programmer = await start()
+    programmer.set_desired(routes)
+    result = await programmer.reconcile()
+    failed = dict(result.failed)
+    assert failed.keys() == {"10.69.0.0/24", "2001:db8:66::/64"}
+    assert failed["10.69.0.0/24"].startswith("ENETUNREACH")
+    assert len(result.added) == 999
+    assert len(await lab.own("-4")) == 999
+    assert programmer.failures.keys() == failed.keys()
+    # Once the gateway is reachable (an address event), the failed route is retried.
+    await lab.ip("addr", "add", "203.0.113.2/24", "dev", "v0")
+    await eventually(lambda: _shows(lab, "10.69.0.0/24 via 203.0.113.1 dev v0"), what="retried route")
+    # Not desired any more: its failure is forgotten.
+    programmer.set_desired(routes[:10])
+    await programmer.reconcile()
+    assert "2001:db8:66::/64" not in programmer.failures
+
+
+async def test_stop_can_remove_own_routes_only(lab, start):
+    lab.r.ip("route", "add", "10.67.0.0/24", "via", GW4, "proto", "static")
+    programmer = await start()
+    programmer.set_desired([Route("10.68.0.0/24", gateway=GW4), Route("2001:db8:68::/64", kind="blackhole")])
+    await programmer.reconcile()
+    await programmer.stop(remove_routes=True)
+    assert await lab.count_own() == 0
+    assert "10.67.0.0/24 via 192.0.2.2 dev v0 proto static" in await lab.ip("route", "show")
+
+
+def test_bad_programmer_arguments_raise_clear_errors():
+    for kwargs, what in [
+        (dict(protocol=4), "protocol"),
+        (dict(protocol=256), "protocol"),
+        (dict(table=255), "table"),
+        (dict(table=0), "table"),
+        (dict(resync_interval=0), "resync_interval"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            RouteProgrammer(**kwargs)
+
+
+async def test_addresses_are_compared_canonically(lab, start):
+    programmer = await start()
+    programmer.set_desired([Route("2001:0db8:0069:0000::/64", gateway="2001:db8:0:0::2")])
+    await programmer.reconcile()
+    assert [r.dst for r in programmer.programmed()] == [str(ipaddress.ip_network("2001:db8:69::/64"))]
+    again = await programmer.reconcile(full=True)
+    assert (again.added, again.replaced, again.removed) == ((), (), ())
