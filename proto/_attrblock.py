@@ -22,7 +22,6 @@ from proto.attributes import (
     AsPath,
     MpReachNlri,
     MpUnreachNlri,
-    NextHop,
     PathAttribute,
     PathAttributes,
     UnknownAttribute,
@@ -242,4 +241,4 @@ def decode_mp(
         return None
 
 
-__all__ = ["SharedAttributes", "frame_attributes", "decode_shared", "decode_mp", "NextHop"]
+__all__ = ["SharedAttributes", "frame_attributes", "decode_shared", "decode_mp"]

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from ipaddress import IPv4Address
-from typing import ClassVar, TypeVar, Union
+from typing import ClassVar, Union
 
 from proto._attr_base import AS_TRANS, DEFAULT_CONTEXT, CodecContext
 from proto._attrblock import SharedAttributes, decode_mp, decode_shared, frame_attributes
@@ -54,9 +54,6 @@ class MessageType(IntEnum):
 
 # Smallest legal message of each type, header included (RFC 4271 §6.1, RFC 2918 §3).
 _MIN_LEN = {1: 29, 2: 23, 3: 21, 4: 19, 5: 23}
-
-_M = TypeVar("_M")
-
 
 def frame(msg_type: int, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT) -> bytes:
     """Prefix ``body`` with the 19-octet header (RFC 4271 §4.1)."""
@@ -144,6 +141,8 @@ class Open:
 
     @classmethod
     def decode(cls, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT) -> Open:
+        if not isinstance(body, bytes):
+            body = bytes(body)
         if len(body) < 10:
             raise _bad_length(body, f"OPEN body of {len(body)} octets, at least 10 needed")
         version = body[0]
@@ -281,6 +280,8 @@ class Update:
         Raises DecodeError only for session-reset outcomes.  With ``cache`` (a dict owned
         by one session), identical attribute bytes yield the same PathAttributes object.
         """
+        if not isinstance(body, bytes):
+            body = bytes(body)
         n = len(body)
         if n < 4:
             raise _malformed_list(f"UPDATE body of {n} octets cannot hold its two length fields")
@@ -487,6 +488,8 @@ def decode_message(
     msg_type: int, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT, cache: dict | None = None
 ) -> Message:
     """Decode one message body of the given type (as returned by MessageReader)."""
+    if not isinstance(body, bytes):
+        body = bytes(body)
     if msg_type == 2:
         return Update.decode(body, ctx, cache)
     cls = MESSAGES.get(msg_type)

@@ -46,6 +46,8 @@ def _steps(max_len: int) -> tuple[int, ...]:
 _STEP = {1: _steps(32), 2: _steps(128)}
 # Mask of the host bits in the last address octet, by prefix length (0: none).
 _HOST_MASK = tuple((0xFF >> (n & 7)) if n & 7 else 0 for n in range(256))
+# translate() tables that keep only the bits of a mask, one per host-bit mask value.
+_AND = {m: bytes(b & m for b in range(256)) for m in set(_HOST_MASK) if m}
 _NET_MASK = tuple((0xFF << (8 - (n & 7))) & 0xFF if n & 7 else 0xFF for n in range(256))
 
 
@@ -61,6 +63,19 @@ def decode_prefixes_at(data: bytes, start: int, end: int, afi: int) -> list[byte
     if step is None:
         raise _bad_network(f"unsupported AFI {afi}")
     mask = _HOST_MASK
+    if end - start >= 64:
+        # Fast path: a field where every prefix has the same length (a table of /24s,
+        # /64s...) is cut with one slicing comprehension.  The strided slice holds the
+        # octet where each prefix would start; if they all carry the first length, that
+        # is exactly how the loop below would have walked the field.
+        plen = data[start]
+        size = step[plen]
+        if size and (end - start) % size == 0:
+            lengths = data[start:end:size]
+            if lengths.count(plen) == len(lengths):
+                host = mask[plen]
+                if not host or not data[start + size - 1 : end : size].translate(_AND[host]).strip(b"\x00"):
+                    return [data[i : i + size] for i in range(start, end, size)]
     out: list[bytes] = []
     append = out.append
     pos = start

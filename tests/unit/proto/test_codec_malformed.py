@@ -7,9 +7,7 @@ rows expect DecodeError with the exact code, subcode and data (a session reset);
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
-from ipaddress import IPv4Address
 
 import pytest
 from codec_build import (

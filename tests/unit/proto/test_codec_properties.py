@@ -283,3 +283,20 @@ def test_decode_prefixes_output_is_normalized(data: bytes) -> None:
         assert p[0] <= 128 and len(p) == 1 + (p[0] + 7) // 8
         if p[0] % 8:
             assert p[-1] & (0xFF >> (p[0] % 8)) == 0
+
+
+@FAST
+@given(st.integers(0, 128), st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=80), st.booleans())
+def test_decode_prefixes_same_length_fields(plen: int, addresses: list[bytes], mix: bool) -> None:
+    """Fields where every prefix has one length take a fast path: it must agree with the
+    general walk, host bits included (they are set on purpose here)."""
+    size = (plen + 7) // 8
+    raw = [bytes((plen,)) + a[:size] for a in addresses]
+    if mix and plen % 8 not in (0, 1):
+        raw[len(raw) // 2] = bytes((plen - 1,)) + raw[len(raw) // 2][1:]  # same size, other length
+    expected = []
+    for p in raw:
+        n = p[0]
+        value = int.from_bytes(p[1:].ljust(16, b"\x00"), "big") >> (128 - n) << (128 - n) if n else 0
+        expected.append(bytes((n,)) + value.to_bytes(16, "big")[: (n + 7) // 8])
+    assert decode_prefixes(b"".join(raw), 2) == expected
