@@ -162,7 +162,7 @@ class Agent:
                 wanted.subnet_len,
             )
         previous = self._previous_subnet()
-        self.tunnels = Tunnels(cfg, self.underlay, self.name)
+        self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed)
         self.lease = await self.datastore.acquire_subnet(
             self.name,
             self.address,
@@ -173,7 +173,10 @@ class Agent:
         )
         subnet = self.lease.subnet
         log.info("node %s holds subnet %s%s", self.name, subnet, " (kept from before)" if subnet == previous else "")
-        await self.tunnels.start(subnet)
+        try:
+            await self.tunnels.start(subnet)
+        except RuntimeError as err:
+            raise AgentError(str(err)) from None
         self._write_cni_files()
         await self.datastore.register_node(self._node_record())
 
@@ -226,6 +229,15 @@ class Agent:
             cluster_id=str(cid) if cid else None,
             backend=self.tunnels.node_data(),
         )
+
+    def _node_data_changed(self) -> None:
+        """A backend came up: publish its data (e.g. our VTEP MAC) and recompute routes."""
+        self._schedule_recompute()
+        if self.datastore is None or self.lease is None or self._stop.is_set():
+            return
+        record = self._node_record()
+        task = asyncio.get_running_loop().create_task(self.datastore.update_node(record))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors are logged by the datastore
 
     async def _shutdown(self) -> None:
         graceful = self.cfg.bgp.graceful_restart and not self._leaving
@@ -412,7 +424,10 @@ class Agent:
                 self.notifier.ready(f"ready: subnet {self.lease.subnet if self.lease else '-'}")
                 ready_sent = True
                 log.info("ready")
-            await asyncio.sleep(0.5)
+            if self.tunnels is not None:
+                await self.tunnels.refresh()
+                await self.tunnels.firewall.counters()
+            await asyncio.sleep(0.5 if not ready_sent else 2.0)
 
     def _subnet_lost(self, lease: SubnetLease) -> None:
         msg = f"subnet {lease.subnet} was taken by another node while etcd was unreachable"

@@ -47,21 +47,23 @@ def plan_peer(
 ) -> PeerPlan:
     """Decide how to reach ``node``.
 
-    The *peer's* backend decides how it receives encapsulated traffic, so it is the
-    one we use toward it (agentd runs every backend, per peer); ``available(backend)``
-    returns None if this node can run that backend, else the reason it cannot.
+    The *peer's* backend says how it receives traffic, so it is the one we use toward it
+    (agentd runs every backend, per peer): a host-gw peer only takes direct traffic; an
+    encapsulating peer takes its own encapsulation, or direct traffic when our ``encap`` is
+    cross-subnet and it shares our L2 segment.  ``available(backend)`` returns None if this
+    node can run that backend, else the reason it cannot.
     """
     addr = str(node.address)
     on_link = underlay.on_link(node.address)
     peer_backend = str(node.backend.get("type") or own_backend)
-    if peer_backend == HOST_GW or own_backend == HOST_GW:
+    if peer_backend == HOST_GW:
         if on_link:
             return PeerPlan(addr, HOST_GW, f"on-link via {underlay.ifname}", node.name)
         return PeerPlan(
             addr,
             "none",
-            f"peer {addr} is not on this node's L2 segment ({', '.join(map(str, underlay.networks))}); "
-            "host-gw needs a shared segment: use an encapsulating backend or cross-subnet",
+            f"peer {addr} is not on this node's L2 segment ({', '.join(map(str, underlay.networks))}) and uses "
+            "host-gw, which needs a shared segment: use an encapsulating backend or cross-subnet",
             node.name,
         )
     if encap == "cross-subnet" and on_link:
@@ -69,7 +71,7 @@ def plan_peer(
     problem = available(peer_backend)
     if problem is not None:
         return PeerPlan(addr, "none", f"peer uses {peer_backend}: {problem}", node.name)
-    why = "cross-subnet: peer on another segment" if encap == "cross-subnet" else f"encap always ({peer_backend})"
+    why = "cross-subnet: peer on another segment" if encap == "cross-subnet" else f"peer uses {peer_backend}"
     return PeerPlan(addr, peer_backend, why, node.name, dict(node.backend))
 
 
@@ -91,7 +93,7 @@ def route_for(dst: str, plan: PeerPlan, underlay: Underlay, devices: dict[str, s
         return Route(dst=dst, gateway=plan.address)
     if plan.backend == "ipip":
         dev = devices["ipip"]
-        if plan.extra.get("ipip_path") == "userspace" or devices.get("ipip_path") == "userspace":
+        if devices.get("ipip_path") == "userspace":
             return Route(dst=dst, dev=dev)  # the user-space next-hop table picks the peer
         return Route(dst=dst, gateway=plan.address, dev=dev, onlink=True)
     if plan.backend == "udp":
