@@ -90,6 +90,7 @@ class Agent:
         self._initial_sync_deadline = 0.0
         self._started_bgp = False
         self._stop = asyncio.Event()
+        self._stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
         self._leaving = False
         self._recompute_handle: asyncio.Handle | None = None
         self._problems: list[str] = []
@@ -241,6 +242,7 @@ class Agent:
 
     async def _shutdown(self) -> None:
         graceful = self.cfg.bgp.graceful_restart and not self._leaving
+        self._stopping = True
         self.notifier.stopping()
         log.info(
             "shutting down: %s",
@@ -345,7 +347,7 @@ class Agent:
     def _recompute(self) -> None:
         """Desired kernel routes from the Loc-RIB bests, the node registry and the backends."""
         self._recompute_handle = None
-        if self.programmer is None or self.underlay is None or self.tunnels is None or self.lease is None:
+        if self._stopping or self.programmer is None or self.underlay is None or self.tunnels is None or self.lease is None:
             return
         underlay = self.underlay
         by_address = {str(n.address): n for n in self.nodes.values() if n.name != self.name}

@@ -26,7 +26,9 @@ from .config import BgpPeerConfig, Config, ConfigError, load_config
 log = logging.getLogger("agentd.speaker")
 
 
-def local_settings(cfg: Config, *, restarting: bool = False) -> LocalSettings:
+def local_settings(
+    cfg: Config, *, restarting: bool = False, forwarding_preserved: bool | None = None
+) -> LocalSettings:
     bgp = cfg.bgp
     router_id = bgp.router_id or cfg.node.address
     if router_id is None:
@@ -46,6 +48,7 @@ def local_settings(cfg: Config, *, restarting: bool = False) -> LocalSettings:
         graceful_restart=bgp.graceful_restart,
         restart_time=bgp.restart_time,
         restarting=restarting,
+        forwarding_preserved=forwarding_preserved,
         next_hop_v6=getattr(bgp, "next_hop_v6", None),
     )
 
@@ -115,7 +118,9 @@ class SpeakerRuntime:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.registry = CollectorRegistry()
-        self.speaker = Speaker(local_settings(cfg), now=time.monotonic())
+        # The speaker's routes come from its configuration, so they survive any restart: tell
+        # GR peers to keep them until our End-of-RIB (RFC 4724 §4.2, the F bit).
+        self.speaker = Speaker(local_settings(cfg, forwarding_preserved=True), now=time.monotonic())
         self.registry.register(SpeakerMetrics(lambda: self.speaker))
         listen = (cfg.bgp.listen.host, cfg.bgp.listen.port) if cfg.bgp.listen else None
         self.service = SpeakerService(self.speaker, listen=listen)

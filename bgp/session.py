@@ -406,13 +406,16 @@ class Session:
         caps: list = [MultiProtocol(afi, safi) for afi, safi in self._local_families()]
         caps.append(RouteRefreshCapability())
         if self.local.graceful_restart:
-            # RFC 4724 §3: F bit set where we kept forwarding state across our own restart.
+            # RFC 4724 §3: R bit after our own restart; F bit where forwarding state survived it.
+            forwarding = self.local.forwarding_preserved
+            if forwarding is None:
+                forwarding = self.local.restarting
             caps.append(
                 GracefulRestart(
                     restart_state=self.local.restarting,
                     restart_time=self.local.restart_time,
                     families=tuple(
-                        GracefulRestartFamily(afi, safi, forwarding_state=self.local.restarting)
+                        GracefulRestartFamily(afi, safi, forwarding_state=forwarding)
                         for afi, safi in self._local_families()
                     ),
                 )

@@ -34,6 +34,10 @@ class LocalSettings:
     # Advertise "Restart State" (R bit): we are coming back from a restart and kept forwarding
     # state (RFC 4724 §3); set by the agent when it adopted its kernel routes.
     restarting: bool = False
+    # Advertise the Forwarding State bit for every family (RFC 4724 §3): our forwarding state
+    # survived the restart, so peers keep our routes until our End-of-RIB.  None: same as
+    # ``restarting``.  Without it a peer must flush our stale routes the moment we return.
+    forwarding_preserved: bool | None = None
     # How long a GR peer's stale routes are kept after it comes back without sending End-of-RIB.
     stale_time: float = 360.0
     families: tuple[Family, ...] = (IPV4_UNICAST, IPV6_UNICAST)

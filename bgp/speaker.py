@@ -315,7 +315,11 @@ class Speaker:
             families = {(f.afi, f.safi) for f in gr.families}
             n = self.rib.mark_stale(key, families)
             self._graceful[key] = _GracefulState(now + gr.restart_time, None, families)
-            log.info("peer %s down (%s): keeping %d routes as stale for %ss (graceful restart)", key, ev.reason, n, gr.restart_time)
+            if self.started:  # (when we are the one stopping, there is nothing to tell)
+                log.info(
+                    "peer %s down (%s): keeping %d routes as stale for %ss (graceful restart)",
+                    key, ev.reason, n, gr.restart_time,
+                )  # fmt: skip
         else:
             n = self.rib.drop(key)
             self._graceful.pop(key, None)

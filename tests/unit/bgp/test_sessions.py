@@ -425,3 +425,25 @@ def test_removing_a_peer_sends_cease_and_withdraws_its_routes():
     net.run(duration=1)
     assert table(a) == {}
     assert seen[0][1].code == ErrorCode.CEASE and seen[0][1].subcode == 3
+
+
+@pytest.mark.parametrize("forwarding", [True, False])
+def test_forwarding_state_bit_decides_whether_stale_routes_survive_the_return(forwarding):
+    # RFC 4724 §4.2: a returning peer whose OPEN has F=0 for a family gets its stale routes
+    # flushed at once; with F=1 they stay until its End-of-RIB.
+    net, a, b = pair(restart_time=120)
+    net.run(duration=1)
+    b.set_originated(origin("10.244.2.0/24"), net.now)
+    net.run(duration=1)
+    changes = []
+    a.add_listener(changes.extend)
+    net.crash("10.0.0.2")
+    net.run(duration=2)
+    b2 = make_speaker("10.0.0.2", 65000, [("10.0.0.1", 65000)], now=net.now, forwarding_preserved=forwarding)
+    net.replace("10.0.0.2", b2)
+    b2.set_originated(origin("10.244.2.0/24"), net.now)
+    b2.start(net.now)
+    net.run(duration=5)
+    assert table(a) == {"10.244.2.0/24": "10.0.0.2"}
+    withdrawn = [c for c in changes if c.new is None]
+    assert (withdrawn == []) is forwarding
