@@ -294,7 +294,8 @@ class Agent:
         logging.getLogger().setLevel(cfg.log.level.upper())
         self.cfg = cfg
         self._apply_peers()
-        log.info("configuration reloaded")
+        log.info("configuration reloaded: %d external peers, log level %s", len(cfg.bgp.peers), cfg.log.level)
+        log.debug("debug logging is on")
 
     # ================================================================ node registry -> peers
 

@@ -43,10 +43,10 @@ async def lab_factory(tmp_path):
 
     labs: list[Lab] = []
 
-    async def make(*, timeout: float = 60.0, **spec) -> Lab:
+    async def make(*, timeout: float = 60.0, full: bool = True, **spec) -> Lab:
         lab = Lab(LabSpec(name="l" + unique_tag("")[:6], **spec), root=tmp_path / "labs")
         labs.append(lab)
-        await lab.up(timeout=timeout)
+        await lab.up(timeout=timeout, full=full)
         return lab
 
     try:

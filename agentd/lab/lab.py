@@ -32,6 +32,7 @@ from typing import Any
 
 from .etcd import EtcdServer
 from .netns import Netns, NetnsError, arun, delete_matching, list_names, veth
+from .speaker_proc import render_toml
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
 CNI_PLUGIN_DIR = "/usr/lib/cni"
@@ -68,25 +69,6 @@ class LabSpec:
 
     def node_names(self) -> list[str]:
         return [f"node{i}" for i in range(1, self.nodes + 1)]
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return json.dumps(str(value))
-
-
-def render_toml(config: dict[str, dict[str, Any]]) -> str:
-    lines: list[str] = []
-    for section, keys in config.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml(v)}" for k, v in keys.items() if v is not None]
-        lines.append("")
-    return "\n".join(lines)
 
 
 class LabNode:
@@ -140,6 +122,9 @@ class LabNode:
         }
         for section, keys in spec.extra.get(self.name, {}).items():
             cfg.setdefault(section, {}).update(keys)
+        for section in cfg.values():  # TOML has no null: None means "leave the default"
+            for key in [k for k, v in section.items() if v is None]:
+                del section[key]
         return cfg
 
     def write_config(self) -> None:
@@ -279,7 +264,9 @@ class Lab:
     def _stage(self, text: str) -> None:
         self.progress(f"[lab {self.spec.name}] {text} ({time.monotonic() - self._t0:.1f}s)")
 
-    async def up(self, timeout: float = 90.0) -> None:
+    async def up(self, timeout: float = 90.0, *, full: bool = True) -> None:
+        """Build and start everything; with ``full`` False stop once BGP is established
+        (for labs where not every node can reach every other, e.g. host-gw across segments)."""
         if list_names(f"ad-{self.spec.name}-"):
             raise LabError(
                 f"a lab named {self.spec.name} already exists (agentd lab down --name {self.spec.name} removes it)"
@@ -302,6 +289,8 @@ class Lab:
             stage = "peers established"
             await self.wait_established(timeout)
             self._stage("BGP peers established (" + self.spec.bgp + ")")
+            if not full:
+                return
             stage = "routes installed"
             await self.wait_routes(timeout)
             self._stage("routes installed on every node")

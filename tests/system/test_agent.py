@@ -1,0 +1,184 @@
+"""The node agent's own behaviour (issue 3, items 1, 3, 4, 6, 7): signals, reload, external
+peers, metrics, MTU, off-link host-gw peers, bad configuration, and the lab CLI."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentd.lab.bird import Bird
+from agentd.lab.netns import Netns, list_names, veth
+
+AGENTD = str(Path(sys.executable).parent / "agentd")
+
+
+async def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await asyncio.to_thread(predicate)
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def has_route(node, subnet):
+    return any(line.startswith(subnet) for line in node.kernel_routes())
+
+
+async def test_sigterm_with_graceful_restart_keeps_routes_everywhere(lab_factory):
+    lab = await lab_factory(nodes=3, pods=0)
+    node1, node2, _ = lab.nodes
+    subnets = lab.subnets()
+    before2 = sorted(node2.kernel_routes())
+    await node2.stop_agent(signal.SIGTERM)
+    await asyncio.sleep(3)
+    # The stopped node left its kernel routes alone and its peers still route to it.
+    assert sorted(node2.kernel_routes()) == before2
+    assert has_route(node1, subnets["node2"])
+    rib = [r for r in node1.api("/rib") if r["prefix"] == subnets["node2"]]
+    assert rib and rib[0]["stale"]
+    node2.start_agent()
+    await lab.wait_established(30)
+    await wait_for(lambda: not [r for r in node1.api("/rib") if r["stale"]], 15, "stale routes refreshed")
+
+
+async def test_sigterm_without_graceful_restart_withdraws(lab_factory):
+    extra = {f"node{i}": {"bgp": {"graceful_restart": False}} for i in range(1, 4)}
+    lab = await lab_factory(nodes=3, pods=0, extra=extra)
+    node1, node2, node3 = lab.nodes
+    subnet2 = lab.subnets()["node2"]
+    t0 = time.monotonic()
+    await node2.stop_agent(signal.SIGTERM)
+    await wait_for(lambda: not has_route(node1, subnet2) and not has_route(node3, subnet2), 5, "withdrawal")
+    print(f"withdrawn everywhere {time.monotonic() - t0:.2f}s after SIGTERM")
+    assert node2.kernel_routes() == []  # a non-graceful stop also removes its own routes
+
+
+async def test_sighup_adds_an_external_peer_that_receives_every_pod_subnet(lab_factory, tmp_path):
+    lab = await lab_factory(nodes=3, pods=0)
+    node1 = lab.nodes[0]
+    tor_ns = Netns.create(f"ad-{lab.spec.name}-tor")  # removed with the lab
+    veth(tor_ns, "eth0", lab.underlay, "tor0")
+    lab.underlay.ip("link", "set", "tor0", "master", "br0")
+    tor_ns.ip("addr", "add", "172.30.0.200/24", "dev", "eth0")
+    conf = f"""
+router id 172.30.0.200;
+protocol device {{}}
+protocol bgp node1 {{
+  local 172.30.0.200 as 65100;
+  neighbor {node1.address} as 64512;
+  hold time 9;
+  ipv4 {{ import all; export none; }};
+}}
+"""
+    tor = Bird(tor_ns, tmp_path / "tor", conf)
+    tor.start()
+    try:
+        assert "DEBUG" not in node1.log_path.read_text()
+        lab.spec.extra["node1"] = {
+            "bgp": {"peers": [{"address": "172.30.0.200", "asn": 65100}]},
+            "log": {"level": "debug"},
+        }
+        node1.write_config()
+        node1.signal_agent(signal.SIGHUP)
+        tor.wait_established("node1", timeout=20)
+        subnets = set(lab.subnets().values())
+        routes = await wait_for(lambda: (r := tor.routes()) and set(r) >= subnets and r, 15, "pod subnets at the ToR")
+        for s in subnets:
+            assert routes[s]["BGP.next_hop"].split()[0] == node1.address, routes[s]
+            assert routes[s]["BGP.as_path"].strip() == "64512"
+        peers = {p["address"]: p for p in node1.api("/peers")}
+        assert peers["172.30.0.200"]["description"] == "external"
+        assert "debug logging is on" in node1.log_path.read_text()
+        # The reload did not disturb the mesh.
+        assert all(p["state"] == "Established" for p in peers.values())
+    finally:
+        tor.stop()
+
+
+async def test_metrics_status_and_mtu(lab_factory):
+    lab = await lab_factory(nodes=2, pods=1, backend="vxlan")
+    node1 = lab.nodes[0]
+    status, text = node1.ns.http_get("http://127.0.0.1:9099/metrics")
+    text = text.decode()
+    assert status == 200
+    for name in (
+        "agentd_bgp_peer_up{",
+        "agentd_bgp_prefixes_received{",
+        "agentd_routes_programmed ",
+        "agentd_route_sync_seconds_count",
+        "agentd_datastore_up 1.0",
+        "agentd_subnet_lease_renewals_total",
+    ):
+        assert name in text, name
+    st = node1.api("/status")
+    assert st["node"]["mtu"] == 1450  # 1500 underlay - 50 VXLAN
+    assert st["backends"]["active"]["vxlan"]["vtep_mac"]
+    pod = lab.pods[0]
+    assert "mtu 1450" in pod.ns.ip("link", "show", "eth0").stdout.decode()
+    assert "mtu 1450" in node1.ns.ip("link", "show", "agentd.vxlan").stdout.decode()
+    healthz = node1.ns.http_get("http://127.0.0.1:9099/healthz")
+    readyz = node1.ns.http_get("http://127.0.0.1:9099/readyz")
+    assert healthz[0] == 200 and readyz[0] == 200
+
+
+async def test_host_gw_peer_off_link_gets_no_route_and_a_reason(lab_factory):
+    lab = await lab_factory(nodes=2, pods=0, subnets=2, full=False)
+    node1, node2 = lab.nodes
+    await asyncio.sleep(1.0)
+    peer = {p["address"]: p for p in node1.api("/peers")}[node2.address]
+    assert peer["state"] == "Established" and peer["backend"] == "none"
+    assert "not on this node's L2 segment" in peer["backend_reason"]
+    assert not has_route(node1, lab.subnets()["node2"])
+
+
+def test_bad_configuration_fails_with_one_line_and_touches_nothing(netns_factory, tmp_path):
+    ns = netns_factory("bad")
+    links_before = ns.ip("-o", "link").stdout
+    routes_before = ns.ip("route", "show", "table", "all").stdout
+    conf = tmp_path / "agentd.toml"
+    conf.write_text(
+        f'[node]\nname = "n1"\naddress = "10.1.1.1"\n[bgp]\nhold_time = 2\n'
+        f'[cni]\nsubnet_file = "{tmp_path}/subnet.env"\nconf_dir = "{tmp_path}/net.d"\n'
+    )
+    proc = subprocess.run(["ip", "netns", "exec", ns.name, AGENTD, "run", "--config", str(conf)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hold_time" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert ns.ip("-o", "link").stdout == links_before
+    assert ns.ip("route", "show", "table", "all").stdout == routes_before
+    assert not (tmp_path / "subnet.env").exists() and not (tmp_path / "net.d").exists()
+    # An unknown key, and a bad command-line argument, are one line too.
+    conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n[bgp]\nhold_tme = 30\n')
+    proc = subprocess.run([AGENTD, "check-config", "--config", str(conf)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "did you mean" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = subprocess.run([AGENTD, "lab", "up", "--nodes", "many"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_lab_cli_up_status_exec_down_leaves_nothing(tmp_path):
+    env = dict(os.environ, AGENTD_LAB_ROOT=str(tmp_path / "labs"))
+    name = "cli" + os.urandom(2).hex()
+    up = subprocess.run([AGENTD, "lab", "up", "--name", name, "--nodes", "2", "--pods", "1"], capture_output=True, text=True, env=env, timeout=240)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        for stage in ("etcd up", "agents started", "peers established", "pods attached", "all pods reachable"):
+            assert stage in up.stdout, (stage, up.stdout)
+        status = subprocess.run([AGENTD, "lab", "status", "--name", name], capture_output=True, text=True, env=env, timeout=60)
+        assert status.returncode == 0 and "Established" in status.stdout
+        out = subprocess.run([AGENTD, "lab", "exec", "--name", name, "node1", "--", "agentd", "status"], capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0 and "node-to-node mesh" in out.stdout, out.stdout + out.stderr
+    finally:
+        for _ in range(2):  # idempotent
+            down = subprocess.run([AGENTD, "lab", "down", "--name", name], capture_output=True, text=True, env=env, timeout=120)
+            assert down.returncode == 0, down.stderr
+    assert list_names(f"ad-{name}-") == []
+    assert not (tmp_path / "labs" / name).exists()
+    leftovers = subprocess.run(["pgrep", "-f", f"ad-{name}-"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == ""

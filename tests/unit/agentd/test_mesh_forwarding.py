@@ -1,0 +1,97 @@
+"""Peer sets (mesh, route reflectors) and per-peer forwarding plans are pure functions."""
+
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+
+from agentd.datastore import NodeRecord
+from agentd.forwarding import plan_external, plan_peer, route_for
+from agentd.mesh import desired_peers
+from agentd.netinfo import Underlay
+from bgp import PeerSettings
+
+
+def node(name, addr, rr=False, backend=None, subnet=None):
+    return NodeRecord(name, IPv4Address(addr), 64512, IPv4Network(subnet) if subnet else None, rr, None, backend or {})
+
+
+NODES = {
+    "n1": node("n1", "10.0.0.1", rr=True),
+    "n2": node("n2", "10.0.0.2", rr=True),
+    "n3": node("n3", "10.0.0.3"),
+    "n4": node("n4", "10.0.0.4"),
+}
+
+
+def test_mesh_peers_with_every_other_node():
+    peers = desired_peers("n3", NODES, mode="mesh", i_am_reflector=False)
+    assert sorted(p.key for p in peers) == ["10.0.0.1", "10.0.0.2", "10.0.0.4"]
+    assert all(not p.rr_client and p.description == "node-to-node mesh" for p in peers)
+
+
+def test_reflector_peers_with_reflectors_and_clients():
+    peers = {p.key: p for p in desired_peers("n1", NODES, mode="route-reflector", i_am_reflector=True)}
+    assert set(peers) == {"10.0.0.2", "10.0.0.3", "10.0.0.4"}
+    assert not peers["10.0.0.2"].rr_client and peers["10.0.0.2"].description == "route reflector"
+    assert peers["10.0.0.3"].rr_client and peers["10.0.0.4"].rr_client
+
+
+def test_client_peers_only_with_reflectors():
+    peers = desired_peers("n4", NODES, mode="route-reflector", i_am_reflector=False)
+    assert sorted(p.key for p in peers) == ["10.0.0.1", "10.0.0.2"]
+
+
+def test_external_peers_are_added_but_nodes_win():
+    ext = [PeerSettings("192.0.2.1", 65100, description="external"), PeerSettings("10.0.0.2", 1)]
+    peers = {p.key: p for p in desired_peers("n3", NODES, mode="mesh", i_am_reflector=False, external=ext)}
+    assert peers["192.0.2.1"].asn == 65100
+    assert peers["10.0.0.2"].asn == 64512
+
+
+UNDERLAY = Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"),))
+
+
+def test_host_gw_peer_on_link_is_routed_directly():
+    plan = plan_peer(node("n1", "10.0.0.1", backend={"type": "host-gw"}), UNDERLAY, own_backend="host-gw", encap="always")
+    assert plan.backend == "host-gw"
+    r = route_for("10.244.1.0/24", plan, UNDERLAY, {})
+    assert (r.gateway, r.dev, r.onlink) == ("10.0.0.1", "eth0", False)
+
+
+def test_host_gw_peer_off_link_has_no_route_and_says_why():
+    plan = plan_peer(node("far", "10.9.0.1", backend={"type": "host-gw"}), UNDERLAY, own_backend="host-gw", encap="always")
+    assert not plan.routable and "not on this node's L2 segment" in plan.reason
+
+
+def test_the_peers_backend_decides_and_cross_subnet_goes_direct_on_link():
+    vx = {"type": "vxlan", "vtep_ip": "10.244.9.0", "vtep_mac": "aa:bb:cc:dd:ee:ff"}
+    on, off = node("on", "10.0.0.1", backend=vx), node("off", "10.9.0.1", backend=vx)
+    assert plan_peer(on, UNDERLAY, own_backend="udp", encap="always").backend == "vxlan"
+    assert plan_peer(on, UNDERLAY, own_backend="udp", encap="cross-subnet").backend == "host-gw"
+    plan = plan_peer(off, UNDERLAY, own_backend="udp", encap="cross-subnet")
+    assert plan.backend == "vxlan"
+    r = route_for("10.244.9.0/24", plan, UNDERLAY, {"vxlan": "agentd.vxlan"})
+    assert (r.gateway, r.dev, r.onlink) == ("10.244.9.0", "agentd.vxlan", True)
+
+
+def test_a_backend_this_node_cannot_run_is_reported():
+    plan = plan_peer(
+        node("x", "10.0.0.1", backend={"type": "ipip"}),
+        UNDERLAY,
+        own_backend="vxlan",
+        encap="always",
+        available=lambda b: "no ipip" if b == "ipip" else None,
+    )
+    assert not plan.routable and "no ipip" in plan.reason
+
+
+def test_ipip_route_form_depends_on_the_path():
+    plan = plan_peer(node("x", "10.0.0.1", backend={"type": "ipip"}), UNDERLAY, own_backend="ipip", encap="always")
+    kernel = route_for("10.244.1.0/24", plan, UNDERLAY, {"ipip": "agentd.ipip", "ipip_path": "kernel"})
+    user = route_for("10.244.1.0/24", plan, UNDERLAY, {"ipip": "agentd.ipip", "ipip_path": "userspace"})
+    assert (kernel.gateway, kernel.onlink) == ("10.0.0.1", True)
+    assert (user.gateway, user.dev) == (None, "agentd.ipip")
+
+
+def test_external_next_hops():
+    assert plan_external("10.0.0.254", UNDERLAY).backend == "host-gw"
+    assert plan_external("192.0.2.1", UNDERLAY).backend == "kernel"
+    assert not plan_external("::ffff:10.0.0.9", UNDERLAY).routable

@@ -1,0 +1,56 @@
+"""The supervision tree restarts crashed tasks and reports them in health (no real sleeps)."""
+
+import asyncio
+
+from agentd.supervisor import Supervisor
+
+
+async def test_crashed_task_is_restarted_with_its_error_recorded():
+    runs = []
+    done = asyncio.Event()
+
+    async def flaky():
+        runs.append(1)
+        if len(runs) < 3:
+            raise RuntimeError(f"boom {len(runs)}")
+        done.set()
+        await asyncio.Event().wait()
+
+    sup = Supervisor(backoff_initial=0.0, backoff_max=0.0)
+    child = sup.start("flaky", flaky)
+    await asyncio.wait_for(done.wait(), 5)
+    assert child.restarts == 2 and child.last_error == "RuntimeError: boom 2"
+    assert sup.health() == (True, [])
+    await sup.stop()
+
+
+async def test_health_reports_a_task_that_is_down():
+    crashed = asyncio.Event()
+
+    async def broken():
+        crashed.set()
+        raise ValueError("no etcd")
+
+    sup = Supervisor(backoff_initial=3600.0, backoff_max=3600.0)  # stays down until stopped
+    sup.start("watch", broken)
+    await asyncio.wait_for(crashed.wait(), 5)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    ok, problems = sup.health()
+    assert not ok and "watch" in problems[0] and "no etcd" in problems[0]
+    assert sup.summary()[0]["running"] is False
+    await sup.stop()
+
+
+async def test_a_task_that_returns_is_not_restarted():
+    calls = []
+
+    async def once():
+        calls.append(1)
+
+    sup = Supervisor(backoff_initial=0.0)
+    child = sup.start("once", once)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert calls == [1] and child.done and sup.health()[0]
+    await sup.stop()
