@@ -118,6 +118,7 @@ class SpeakerService:
         self._timer_at: float | None = None
         self._inbound_ids = _NegativeIds()
         self._md5_keys: dict[str, str] = {}
+        self.internal_errors = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -211,7 +212,16 @@ class SpeakerService:
         self._pump()
 
     def _data(self, conn: int, data: bytes) -> None:
-        self.speaker.data_received(conn, data, self.clock())
+        try:
+            self.speaker.data_received(conn, data, self.clock())
+        except Exception:
+            # A bug must cost one session, not the agent: drop this connection (the peer
+            # reconnects and the session starts clean) and keep serving everything else.
+            self.internal_errors += 1
+            log.exception("internal error handling BGP data on connection %s; resetting it", conn)
+            proto = self._protocols.get(conn)
+            if proto is not None and proto.transport is not None:
+                proto.transport.abort()
         self._pump()
 
     def _lost(self, conn: int) -> None:
@@ -290,7 +300,11 @@ class SpeakerService:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
-        self.speaker.handle_timer(self.clock())
+        try:
+            self.speaker.handle_timer(self.clock())
+        except Exception:
+            self.internal_errors += 1
+            log.exception("internal error in BGP timers")
         self._pump()
 
     # ------------------------------------------------------------ helpers
