@@ -24,14 +24,13 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from bgp import BestPathChange, Origination, PeerSettings, Speaker, SpeakerService, State
+from bgp import BestPathChange, Origination, Speaker, SpeakerService, State
 from proto.nlri import prefix_to_str
 
 from . import cni_config, mesh
@@ -39,7 +38,7 @@ from .api import ApiServer
 from .backends import Tunnels
 from .config import Config, ConfigError, load_config
 from .datastore import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
-from .forwarding import HOST_GW, PeerPlan, plan_external, plan_peer, route_for
+from .forwarding import PeerPlan, plan_external, plan_peer, route_for
 from .netinfo import NetInfoError, Underlay, underlay_for
 from .routing import Route, RouteProgrammer, SyncResult
 from .sdnotify import Notifier

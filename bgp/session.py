@@ -38,7 +38,6 @@ from proto.messages import (
     Open,
     RouteRefresh,
     Update,
-    decode_message,
 )
 from proto.nlri import IPV4_UNICAST
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .etcd import EtcdServer
-from .netns import Netns, NetnsError, arun, delete_matching, list_names, veth
+from .netns import Netns, NetnsError, delete_matching, list_names, veth
 from .speaker_proc import render_toml
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from agentd.lab.bird import Bird
 from agentd.lab.netns import Netns, list_names, veth

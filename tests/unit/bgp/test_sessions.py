@@ -183,9 +183,9 @@ def test_peer_as_mismatch_is_refused_with_notification_and_backs_off():
     net.run(duration=60)
     assert peer_state(a, "10.0.0.2") is not State.ESTABLISHED
     assert "2/2" in a.peers["10.0.0.2"].last_error or "Bad Peer AS" in a.peers["10.0.0.2"].last_error
-    # Exponential backoff: within 60 s far fewer attempts than one per second.
-    attempts = [t for t in net.trace]  # refused/failed connects are traced; sessions that open are not
-    assert a.peers["10.0.0.2"].session.messages_out < 40
+    # Exponential backoff: within 60 s, a handful of attempts (1, 2, 4, 8, 16, 30 s apart),
+    # not one per second: each attempt sends one OPEN and one NOTIFICATION.
+    assert a.peers["10.0.0.2"].session.messages_out <= 2 * 8
 
 
 def test_connect_failures_back_off_exponentially():
@@ -210,8 +210,8 @@ def test_simultaneous_start_ends_with_one_connection():
 
 
 def _open_from(asn, router_id):
-    from proto.capabilities import FourOctetAs, MultiProtocol
-    from proto.messages import Keepalive, Open
+    from proto.capabilities import MultiProtocol
+    from proto.messages import Open
 
     return Open.build(asn, 90, IPv4Address(router_id), [MultiProtocol(1, 1)]).encode()
 
@@ -226,7 +226,7 @@ def _open_from(asn, router_id):
 )
 def test_connection_collision_is_resolved_by_router_id(local_id, remote_id, survivor):
     from bgp.peer import Peer
-    from bgp.session import Close, Connect, Send
+    from bgp.session import Close, Connect
     from bgp.settings import LocalSettings
     import itertools
 
@@ -260,7 +260,6 @@ def test_hold_timer_drops_a_frozen_peer_and_withdraws_its_routes():
     net.run(duration=1)
     assert "10.244.2.0/24" in table(a)
     net.freeze("10.0.0.2")  # SIGSTOP: no keepalives, no FIN
-    t0 = net.now
     dt = net.run_until(lambda: peer_state(a, "10.0.0.2") is not State.ESTABLISHED, timeout=30, step=0.1)
     assert 8.0 < dt <= 9.2
     assert "hold timer expired" in a.peers["10.0.0.2"].last_error

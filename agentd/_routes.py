@@ -1,0 +1,257 @@
+"""The route model of the route programmer: ``Route``, its parsing and canonical forms, and
+the small result types.  Kept apart from agentd.routing so that file holds the programmer.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from agentd import netlink as nl
+
+RTPROT_AGENTD = 143
+"""The route protocol number agentd's routes carry (``ip route show proto 143``)."""
+
+ROUTE_KINDS = {"unicast": nl.RTN_UNICAST, "blackhole": nl.RTN_BLACKHOLE, "unreachable": nl.RTN_UNREACHABLE}
+_KIND_OF_RTN = {rtn: kind for kind, rtn in ROUTE_KINDS.items()}
+AF_INET, AF_INET6 = socket.AF_INET, socket.AF_INET6
+# The kernel's metric when none is given: IPv4 priority 0, IPv6 IP6_RT_PRIO_USER (1024).
+_DEFAULT_METRIC = {AF_INET: 0, AF_INET6: 1024}
+_ZERO = {AF_INET: bytes(4), AF_INET6: bytes(16)}
+_PLEN = {AF_INET: {str(n): n for n in range(33)}, AF_INET6: {str(n): n for n in range(129)}}
+PROTOCOL_NAMES = {
+    nl.RTPROT_KERNEL: "kernel", nl.RTPROT_BOOT: "boot", nl.RTPROT_STATIC: "static", 9: "ra",
+    nl.RTPROT_ZEBRA: "zebra", nl.RTPROT_BIRD: "bird", 16: "dhcp", 42: "babel", 186: "bgp",
+    187: "isis", 188: "ospf", 189: "rip",
+}
+RTM_F_CLONED = 0x200
+
+_ADD, _REPLACE, _DELETE = "add", "replace", "delete"
+_REQUEST_FLAGS = {
+    _ADD: nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL,
+    _REPLACE: nl.NLM_F_REQUEST | nl.NLM_F_REPLACE,
+    _DELETE: nl.NLM_F_REQUEST,
+}
+
+
+class InvalidRoute(ValueError):
+    """A Route (or destination) that cannot be programmed; the message says which field."""
+
+
+_address_cache: dict[str, tuple[int, str]] = {}  # next hops repeat: parse each once
+
+
+def _parse_address(text: object, what: str) -> tuple[int, str]:
+    """``(family, canonical text)``; glibc's inet_pton accepts only canonical IPv4 text."""
+    cached = _address_cache.get(text) if type(text) is str else None
+    if cached is not None:
+        return cached
+    if not isinstance(text, str):
+        raise InvalidRoute(f"{what} must be a string, got {text!r}")
+    family = AF_INET6 if ":" in text else AF_INET
+    try:
+        raw = socket.inet_pton(family, text)
+    except OSError:
+        raise InvalidRoute(f"{what} is not an IP address: {text!r}") from None
+    result = (family, text if family == AF_INET else socket.inet_ntop(family, raw))
+    if len(_address_cache) > 4096:
+        _address_cache.clear()
+    _address_cache[text] = result
+    return result
+
+
+def _parse_prefix(text: object) -> tuple[int, str]:
+    """``"10.244.1.0/24"`` -> ``(AF_INET, "10.244.1.0/24")``; a bare address is a host route."""
+    if not isinstance(text, str):
+        raise InvalidRoute(f"route dst must be a string like '10.244.1.0/24', got {text!r}")
+    addr, slash, plen_text = text.partition("/")
+    family = AF_INET6 if ":" in addr else AF_INET
+    try:
+        raw = socket.inet_pton(family, addr)
+    except OSError:
+        raise InvalidRoute(f"route dst is not an IP prefix: {text!r}") from None
+    bits = len(raw) * 8
+    plen = _PLEN[family].get(plen_text) if slash else bits
+    if plen is None:
+        raise InvalidRoute(f"route dst has a bad prefix length: {text!r}")
+    if plen < bits and int.from_bytes(raw, "big") & ((1 << (bits - plen)) - 1):
+        raise InvalidRoute(f"route dst has host bits set: {text!r}")
+    if family == AF_INET6:
+        addr = socket.inet_ntop(family, raw)
+    return family, text if slash and family == AF_INET else f"{addr}/{plen}"
+
+
+def canonical_dst(dst: str) -> str:
+    """The form Route uses as its key: ``"2001:DB8:0::/64"`` -> ``"2001:db8::/64"``."""
+    return _parse_prefix(dst)[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One kernel route as agentd wants it.  Equality is "the same route" when reconciling.
+
+    ``dst`` and addresses are kept in canonical text form (a bare address is a host route);
+    ``metric`` None is the kernel default (IPv4 0, IPv6 1024), and those defaults given
+    explicitly become None.  ``dev`` None lets the kernel pick the interface from the gateway.
+    """
+
+    dst: str
+    gateway: str | None = None
+    dev: str | None = None
+    onlink: bool = False
+    kind: str = "unicast"
+    metric: int | None = None
+    mtu: int | None = None
+    src: str | None = None
+
+    def __post_init__(self) -> None:
+        family, dst = _parse_prefix(self.dst)
+        if dst is not self.dst:
+            object.__setattr__(self, "dst", dst)
+        for name in ("gateway", "src"):
+            value = getattr(self, name)
+            if value is not None:
+                vfamily, text = _parse_address(value, f"route {name}")
+                if vfamily != family:
+                    raise InvalidRoute(f"route {name} {value!r} is not in the family of dst {dst!r}")
+                if text is not value:
+                    object.__setattr__(self, name, text)
+        dev, kind = self.dev, self.kind
+        if dev is not None and (type(dev) is not str or not 0 < len(dev) <= 15):
+            raise InvalidRoute(f"route dev must be an interface name of 1-15 characters, got {dev!r}")
+        if self.onlink is not False and self.onlink is not True:
+            raise InvalidRoute(f"route onlink must be a bool, got {self.onlink!r}")
+        if kind == "unicast":
+            if self.gateway is None and dev is None:
+                raise InvalidRoute(f"unicast route {dst} needs a gateway or a dev")
+            if self.onlink and (self.gateway is None or dev is None):
+                raise InvalidRoute(f"onlink route {dst} needs both gateway and dev")
+        elif kind not in ROUTE_KINDS:
+            raise InvalidRoute(f"route kind must be one of {sorted(ROUTE_KINDS)}, got {kind!r}")
+        elif self.gateway is not None or dev is not None or self.onlink:
+            raise InvalidRoute(f"{kind} route {dst} takes no gateway, dev or onlink")
+        metric, mtu = self.metric, self.mtu
+        if metric is not None:
+            if type(metric) is not int or not 0 <= metric <= 0xFFFFFFFF:
+                raise InvalidRoute(f"route metric must be an integer 0..4294967295, got {metric!r}")
+            if metric == _DEFAULT_METRIC[family] or (family == AF_INET6 and metric == 0):
+                object.__setattr__(self, "metric", None)  # the kernel files these as its default
+        if mtu is not None:
+            if type(mtu) is not int or not 0 <= mtu <= 0xFFFFFFFF:
+                raise InvalidRoute(f"route mtu must be an integer 0..4294967295, got {mtu!r}")
+            if mtu == 0:
+                object.__setattr__(self, "mtu", None)
+
+    @property
+    def family(self) -> int:
+        return AF_INET6 if ":" in self.dst else AF_INET
+
+
+_gateway_text: dict[bytes, str] = {}  # kernel next-hop bytes -> canonical text
+_new_route = object.__new__
+_set = object.__setattr__
+
+
+def _kernel_route(dst: str, gateway: str | None, dev: str | None, onlink: bool, kind: str,
+                  metric: int | None, mtu: int | None, src: str | None) -> Route:
+    """A Route from values the kernel gave (already canonical): skips validation, which a
+    100k-route dump would otherwise pay 100k times."""
+    route = _new_route(Route)
+    _set(route, "dst", dst)
+    _set(route, "gateway", gateway)
+    _set(route, "dev", dev)
+    _set(route, "onlink", onlink)
+    _set(route, "kind", kind)
+    _set(route, "metric", metric)
+    _set(route, "mtu", mtu)
+    _set(route, "src", src)
+    return route
+
+
+def _kernel_metric(route: Route) -> int:
+    """The metric the kernel files the route under (its identity, with dst and table)."""
+    if route.metric is not None:
+        return route.metric
+    return 1024 if ":" in route.dst else 0
+
+
+def _same(want: Route, have: Route) -> bool:
+    """Does the kernel route ``have`` already do what ``want`` asks?  A desired route with no
+    dev accepts whatever interface the kernel resolved the gateway to."""
+    return want is have or (
+        want.gateway == have.gateway
+        and want.kind == have.kind
+        and want.metric == have.metric
+        and want.onlink == have.onlink
+        and want.mtu == have.mtu
+        and want.src == have.src
+        and (want.dev is None or want.dev == have.dev)
+    )
+
+
+class _Stray(NamedTuple):
+    """A route of ours the Route model does not hold as the one route for its destination
+    (a second metric, multipath, TOS...): always deleted, by exactly these fields."""
+
+    family: int
+    dst: bytes
+    dst_len: int
+    tos: int
+    priority: int | None
+    text: str
+
+
+def _stray_of(route: Route) -> _Stray:
+    addr, _, plen = route.dst.partition("/")
+    family = AF_INET6 if ":" in addr else AF_INET
+    metric = route.metric if route.metric is not None else (1024 if family == AF_INET6 else None)
+    return _Stray(family, socket.inet_pton(family, addr), int(plen), 0, metric, route.dst)
+
+
+def _stray_of_message(msg: nl.RouteMessage) -> _Stray:
+    family = msg.family  # IPv4 or IPv6: callers filter the rest out
+    dst = msg.dst or _ZERO[family]
+    return _Stray(family, dst, msg.dst_len, msg.tos, msg.priority, f"{socket.inet_ntop(family, dst)}/{msg.dst_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResult:
+    """What one reconcile did.  ``failed``/``conflicts`` are ``(dst, reason)`` pairs."""
+
+    added: tuple[str, ...] = ()
+    replaced: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+    conflicts: tuple[tuple[str, str], ...] = ()
+    seconds: float = 0.0
+    full: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.conflicts
+
+
+@dataclass(slots=True)
+class RouteCounters:
+    """Monotonic counters for /metrics."""
+
+    reconciles: int = 0
+    full_resyncs: int = 0
+    routes_added: int = 0
+    routes_replaced: int = 0
+    routes_removed: int = 0
+    routes_restored: int = 0  # own desired routes put back after someone else removed them
+    errors: int = 0
+    monitor_overruns: int = 0
+
+
+@dataclass(slots=True)
+class _Outcome:
+    added: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
+class _Unresolved(Exception):
+    pass
