@@ -32,9 +32,6 @@ from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Any
 
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
-
 from .config import Config, mtu_overhead
 from .dataplane import DataplaneClient, DataplaneError, DataplaneProcess
 from .datastore import NodeRecord
@@ -48,16 +45,26 @@ DEVICES = {"ipip": "agentd.ipip", "vxlan": "agentd.vxlan", "udp": "agentd.udp"}
 NTF_SELF = 0x02
 
 
-def _ipr() -> IPRoute:
+def _ipr():
+    """pyroute2, imported on first use: only kernel tunnel devices need it, and importing it
+    costs every agent ~0.2 s of start-up and ~10 MB."""
+    from pyroute2 import IPRoute
+
     return IPRoute()
 
 
-def _link_index(ipr: IPRoute, name: str) -> int | None:
+def _netlink_error() -> type[Exception]:
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    return NetlinkError
+
+
+def _link_index(ipr, name: str) -> int | None:
     found = ipr.link_lookup(ifname=name)
     return found[0] if found else None
 
 
-def _set_address(ipr: IPRoute, index: int, address: str) -> None:
+def _set_address(ipr, index: int, address: str) -> None:
     """``address``/32 on the device, replacing any other IPv4 address we put there before."""
     have = [
         (m.get_attr("IFA_LOCAL") or m.get_attr("IFA_ADDRESS"), m["prefixlen"])
@@ -128,16 +135,16 @@ class _Vxlan:
             "vxlan_port": self.t.cfg.network.vxlan_port,
         }
 
-    def _sync(self, wanted: dict[str, tuple[str, str]]) -> None:
+    def _sync(self, wanted: dict[str, tuple[str, str]], prune: bool) -> None:
         with _ipr() as ipr:
             index = _link_index(ipr, self.device)
             if index is None:
                 return
             for peer, (vtep_ip, mac) in list(self.installed.items()):
-                if wanted.get(peer) != (vtep_ip, mac):
-                    with contextlib.suppress(NetlinkError):
+                if prune and wanted.get(peer) != (vtep_ip, mac):
+                    with contextlib.suppress(_netlink_error()):
                         ipr.neigh("del", dst=vtep_ip, lladdr=mac, ifindex=index)
-                    with contextlib.suppress(NetlinkError):
+                    with contextlib.suppress(_netlink_error()):
                         ipr.fdb("del", ifindex=index, lladdr=mac, dst=peer, flags=NTF_SELF)
                     del self.installed[peer]
             for peer, (vtep_ip, mac) in wanted.items():
@@ -147,12 +154,12 @@ class _Vxlan:
                 ipr.fdb("replace", ifindex=index, lladdr=mac, dst=peer, state="permanent", flags=NTF_SELF)
                 self.installed[peer] = (vtep_ip, mac)
 
-    async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]]) -> None:
+    async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
         wanted = {}
         for addr, plan in plans.items():
             if plan.backend == "vxlan" and plan.extra.get("vtep_ip") and plan.extra.get("vtep_mac"):
                 wanted[addr] = (str(plan.extra["vtep_ip"]), str(plan.extra["vtep_mac"]))
-        await asyncio.to_thread(self._sync, wanted)
+        await asyncio.to_thread(self._sync, wanted, prune)
 
     def status(self) -> dict[str, Any]:
         return {"device": self.device, **self.data(), "peers": {p: {"vtep_ip": v, "mac": m} for p, (v, m) in self.installed.items()}}
@@ -173,6 +180,7 @@ class _Worker:
         self.process: DataplaneProcess | None = None
         self.client: DataplaneClient | None = None
         self.pushed: tuple[dict, frozenset] | None = None
+        self.base: dict[str, str] = {}  # a re-attached worker's table, kept until routes are re-learned
         self.last_stats: dict[str, Any] = {}
 
     async def up(self, subnet: IPv4Network) -> None:
@@ -180,7 +188,9 @@ class _Worker:
         try:
             # A worker left running by our previous run keeps forwarding; take it over.
             self.client = await DataplaneClient.connect(self.control_path, timeout=1.0)
-            log.info("re-attached to the running %s data-plane worker", self.name)
+            # Its table keeps traffic flowing until BGP has re-learned every route.
+            self.base = dict((await self.client.get()).get("next_hops") or {})
+            log.info("re-attached to the running %s data-plane worker (%d next hops)", self.name, len(self.base))
         except DataplaneError:
             mtu = self.t.underlay.mtu - mtu_overhead("udp" if self.name == "udp" else "ipip")
             self.process = await DataplaneProcess.start(
@@ -205,12 +215,16 @@ class _Worker:
     def data(self) -> dict[str, Any]:
         return {"udp_port": self.t.cfg.network.udp_port} if self.name == "udp" else {"ipip_path": "userspace"}
 
-    async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]]) -> None:
+    async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
         if self.client is None:
             return
         table = {
             dst: nh for nh, dsts in next_hops.items() if plans.get(nh) and plans[nh].backend == self.name for dst in dsts
         }
+        if prune:
+            self.base = {}
+        else:
+            table = {**self.base, **table}
         members = frozenset(self.t.members)
         if self.pushed == (table, members):
             return
@@ -285,7 +299,7 @@ class _KernelIpip:
     def data(self) -> dict[str, Any]:
         return {"ipip_path": "kernel"}
 
-    async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]]) -> None:
+    async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
         return None  # routes carry the peer as an onlink next hop
 
     def status(self) -> dict[str, Any]:
@@ -313,7 +327,7 @@ def _kernel_has_ipip() -> tuple[bool, str]:
             if index is not None:
                 ipr.link("del", index=index)
         return True, "the kernel has ipip"
-    except NetlinkError as err:
+    except _netlink_error() as err:
         if err.code in (errno.EOPNOTSUPP, errno.ENODEV, errno.EINVAL):
             return False, f"the kernel has no ipip support ({os.strerror(err.code)})"
         raise
@@ -334,9 +348,11 @@ class Tunnels:
         self.failed: dict[str, str] = {}
         self.ipip_why = ""
         self.members: set[str] = set()
+        self._members_known = False
         self.firewall = MemberFilter()
         self._plans: Mapping[str, PeerPlan] = {}
         self._next_hops: Mapping[str, list[str]] = {}
+        self._prune = True
         self._dirty = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -368,7 +384,7 @@ class Tunnels:
             else:
                 raise RuntimeError(f"unknown backend {backend}")
             await impl.up(self.subnet)
-        except (OSError, NetlinkError, DataplaneError, RuntimeError) as err:
+        except (OSError, _netlink_error(), DataplaneError, RuntimeError) as err:
             self.failed[backend] = f"cannot bring up {backend}: {err}"
             log.error("%s", self.failed[backend])
             return
@@ -387,23 +403,39 @@ class Tunnels:
         return data
 
     def apply(
-        self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], nodes: Mapping[str, NodeRecord]
+        self,
+        plans: Mapping[str, PeerPlan],
+        next_hops: Mapping[str, list[str]],
+        nodes: Mapping[str, NodeRecord],
+        *,
+        members_known: bool = True,
+        prune: bool = True,
     ) -> None:
-        """Bring tunnel state in line with the peer plans (in the background, coalesced)."""
-        self._plans, self._next_hops = plans, next_hops
-        self.members = {str(n.address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
+        """Bring tunnel state in line with the peer plans (in the background, coalesced).
+
+        ``prune`` False (until BGP has re-learned every route after a restart) only adds and
+        updates tunnel state, never removes it, like the kernel routes adopted at start.
+        ``members_known`` is False until the node registry has been read once: until then the
+        member filters keep whatever they had (a restarted agent must not start dropping its
+        peers' traffic because it has not heard of them yet)."""
+        self._plans, self._next_hops, self._prune = plans, next_hops, prune
+        if members_known:
+            self.members = {str(n.address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
+            self._members_known = True
         self._dirty.set()
 
     async def _sync_loop(self) -> None:
         while True:
             await self._dirty.wait()
             self._dirty.clear()
-            plans, next_hops = self._plans, self._next_hops
+            plans, next_hops, prune = self._plans, self._next_hops, self._prune
             try:
                 for backend in {p.backend for p in plans.values()} & set(DEVICES):
                     await self._ensure(backend)
+                if not self._members_known:
+                    continue
                 for impl in list(self.active.values()):
-                    await impl.sync(plans, next_hops)
+                    await impl.sync(plans, next_hops, prune)
                 kernel = [b for b, impl in self.active.items() if not isinstance(impl, _Worker)]
                 await self.firewall.apply(self.members, ipip="ipip" in kernel, vxlan_port=self.cfg.network.vxlan_port if "vxlan" in kernel else None)
             except Exception:

@@ -154,7 +154,19 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from .lab.cli import lab_command
 
         return lab_command(args)
-    if cmd in ("run", "speaker", "leave"):
+    if cmd == "leave":
+        path, overrides, cfg = _load(args, parser)
+        setup_logging(cfg.log.level, cfg.log.format)
+        # Ask the running agent first; the daemon (and its imports) is only needed to clean
+        # etcd up directly when no agent runs.
+        if leave_running_agent(cfg.api.listen.host, cfg.api.listen.port):
+            return 0
+        import uvloop
+
+        from .daemon import leave
+
+        return uvloop.run(leave(cfg))
+    if cmd in ("run", "speaker"):
         path, overrides, cfg = _load(args, parser, require_file=True if cmd == "speaker" else None)
         setup_logging(cfg.log.level, cfg.log.format)
         import uvloop
@@ -166,14 +178,23 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 return load_config(path, overrides=overrides, require_file=True)
 
             return uvloop.run(SpeakerRuntime(cfg).run(reload=reload))
-        if cmd == "run":
-            from .daemon import run_agent
+        from .daemon import run_agent
 
-            return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides))
-        from .daemon import leave
-
-        return uvloop.run(leave(cfg))
+        return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides))
     parser.error(f"unknown command {cmd}")
+
+
+def leave_running_agent(host: str, port: int) -> bool:
+    """POST /leave to the agent on this host; False if none answers."""
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/leave"
+    try:
+        req = urllib.request.Request(url, method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (our own loopback API)
+            json.load(resp)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    logging.getLogger("agentd").info("the running agent is leaving the cluster")
+    return True
 
 
 # ---------------------------------------------------------------- agentd status

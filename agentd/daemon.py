@@ -88,6 +88,7 @@ class Agent:
         self._initial_sync_done = False
         self._initial_sync_deadline = 0.0
         self._started_bgp = False
+        self._have_registry = False  # the node registry has been read at least once
         self._stop = asyncio.Event()
         self._stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
         self._leaving = False
@@ -306,6 +307,7 @@ class Agent:
     def _on_node_event(self, ev: NodeEvent) -> None:
         if ev.kind == "snapshot":
             self.nodes = dict(ev.nodes or {})
+            self._have_registry = True
         elif ev.kind == "put" and ev.record is not None and ev.name:
             self.nodes[ev.name] = ev.record
         elif ev.kind == "delete" and ev.name:
@@ -385,16 +387,18 @@ class Agent:
             rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh})
         self.plans = plans
         self.route_rows = rows
-        self.tunnels.apply(plans, next_hops, self.nodes)
+        if not self._initial_sync_done and self._initial_sync_complete():
+            self._initial_sync_done = True
+            if self._restarting:
+                log.info("initial BGP sync complete: routes from the previous run no longer pinned")
+        self.tunnels.apply(
+            plans, next_hops, self.nodes, members_known=self._have_registry, prune=self._initial_sync_done
+        )
         if not self._initial_sync_done:
-            if self._initial_sync_complete():
-                self._initial_sync_done = True
-                if self._restarting:
-                    log.info("initial BGP sync complete: routes from the previous run no longer pinned")
-            else:
-                wanted = {r.dst for r in routes}
-                routes += [r for r in self._adopted if r.dst not in wanted]
-                asyncio.get_running_loop().call_later(0.5, self._schedule_recompute)
+            # Keep what a previous run left until BGP has re-learned it (or given up waiting).
+            wanted = {r.dst for r in routes}
+            routes += [r for r in self._adopted if r.dst not in wanted]
+            asyncio.get_running_loop().call_later(0.5, self._schedule_recompute)
         self.programmer.set_desired(routes)
 
     def _initial_sync_complete(self) -> bool:
@@ -535,19 +539,8 @@ async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: d
 
 
 async def leave(cfg: Config) -> int:
-    """``agentd leave``: ask the running agent to leave; if none runs, clean etcd directly."""
-    import json
-    import urllib.request
-
-    url = f"http://{cfg.api.listen.host}:{cfg.api.listen.port}/leave"
-    try:
-        req = urllib.request.Request(url, method="POST", data=b"")
-        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310
-            json.load(resp)
-        log.info("the running agent is leaving the cluster")
-        return 0
-    except OSError:
-        pass
+    """``agentd leave`` when no agent is running here: remove the node from etcd directly.
+    (With an agent running, the CLI asks it over ``POST /leave`` instead.)"""
     ds = Datastore(
         cfg.etcd.endpoints,
         cfg.etcd.prefix,

@@ -431,8 +431,11 @@ class Lab:
         pod.ip = result["ips"][0]["address"].split("/")[0]
 
     async def ping(self, src: LabPod | LabNode, dst_ip: str, *, count: int = 1, wait: float = 1.0) -> bool:
+        """True if ``count`` echo replies come back within ``count * wait + 2`` seconds (ping keeps
+        probing once a second until then, so one lost packet on a busy machine is not a failure)."""
+        deadline = int(count * wait + 2)
         rc, _, _ = await src.ns.aexec(
-            "ping", "-n", "-q", "-c", str(count), "-W", str(wait), dst_ip, check=False, timeout=count * wait + 10
+            "ping", "-n", "-q", "-c", str(count), "-w", str(deadline), dst_ip, check=False, timeout=deadline + 10
         )
         return rc == 0
 

@@ -265,3 +265,41 @@ async def test_encapsulated_packets_from_non_members_are_dropped_and_counted(lab
                 break
             assert time.monotonic() < deadline, st
             await asyncio.sleep(0.5)
+
+
+@pytest.mark.parametrize("backend", ["vxlan", "udp", "ipip"])
+async def test_agent_restart_loses_no_packet_on_tunnels(lab_factory, backend):
+    # The kernel tunnel state and the user-space workers outlive the agent process; the new
+    # agent adopts them (and must not narrow the member filters before it has read etcd).
+    lab = await lab_factory(nodes=3, pods=1, backend=backend)
+    pods = pods_by_node(lab)
+    node2 = lab.nodes[1]
+    pingers = [
+        _pinger(pods["node1"][0], pods["node2"][0].ip),
+        _pinger(pods["node2"][0], pods["node3"][0].ip),
+        _pinger(pods["node3"][0], pods["node1"][0].ip),
+    ]
+    await asyncio.sleep(1.0)
+    await node2.kill_agent()
+    await asyncio.sleep(2.0)
+    node2.start_agent()
+    await lab.wait_established(30)
+    await asyncio.sleep(3.0)
+    for p in pingers:
+        p.send_signal(2)
+    for p in pingers:
+        out, _ = p.communicate(timeout=10)
+        sent, received = _ping_counts(out)
+        assert sent > 50 and received == sent, out[-300:]
+
+
+def _pinger(src, dst_ip):
+    return src.ns.popen(["ping", "-n", "-i", "0.05", "-W", "1", dst_ip], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _ping_counts(out):
+    import re
+
+    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
+    assert m, out
+    return int(m.group(1)), int(m.group(2))
