@@ -89,6 +89,9 @@ class BestPathChange(NamedTuple):
     new: Path | None
 
 
+Batch = tuple[dict[bytes, "Path | None"], list[list[bytes]]]
+
+
 class AdjRibIn:
     """Routes one peer (or the local origination) gave us, per family: prefix -> Path."""
 
@@ -128,6 +131,10 @@ class Rib:
         self.adj_in: dict[str, AdjRibIn] = {}
         self.loc: dict[Family, dict[bytes, Path | tuple[Path, ...]]] = {}
         self._changes: dict[Family, dict[bytes, Path | None]] = {}
+        # Prefix lists announced fresh (no best before) in this batch, not yet in _changes.
+        self._fresh: dict[Family, list[list[bytes]]] = {}
+        self._new_best: dict[Family, set[Path]] = {}
+        self.promoted: dict[Family, set[Path]] = {}
 
     # ------------------------------------------------------------ sources
 
@@ -146,6 +153,18 @@ class Rib:
     def announce(self, key: str, family: Family, prefixes: Iterable[bytes], path: Path) -> None:
         adj = self.adj_in[key].table(family)
         loc = self._loc(family)
+        self._promoted(family).add(path)
+        if not isinstance(prefixes, (list, tuple)):
+            prefixes = list(prefixes)
+        if not loc or loc.keys().isdisjoint(prefixes):
+            # The common case when a table arrives: prefixes nobody had (an Adj-RIB-In prefix is
+            # always in the Loc-RIB, so checking the Loc-RIB is enough).  dict operations in C,
+            # no Python loop per prefix; the batch remembers the list itself ("best was None").
+            fresh = dict.fromkeys(prefixes, path)
+            adj.update(fresh)
+            loc.update(fresh)
+            self._fresh.setdefault(family, []).append(prefixes)
+            return
         changes = self._changes_for(family)
         for prefix in prefixes:
             old = adj.get(prefix)
@@ -179,9 +198,9 @@ class Rib:
         for prefix in prefixes:
             if adj.pop(prefix, None) is None:
                 continue
-            self._remove_candidate(loc, changes, prefix, key)
+            self._remove_candidate(loc, changes, prefix, key, family)
 
-    def _remove_candidate(self, loc: dict, changes: dict, prefix: bytes, key: str) -> None:
+    def _remove_candidate(self, loc: dict, changes: dict, prefix: bytes, key: str, family: Family) -> None:
         cur = loc.get(prefix)
         if cur is None:
             return
@@ -196,7 +215,8 @@ class Rib:
             return
         if prefix not in changes:
             changes[prefix] = cur[0]
-        loc[prefix] = rest[0] if len(rest) == 1 else _ordered(rest)
+        loc[prefix] = new = rest[0] if len(rest) == 1 else _ordered(rest)
+        self._promoted(family).add(new if type(new) is Path else new[0])
 
     def drop(self, key: str) -> int:
         """Withdraw everything from ``key`` (session down without graceful restart); returns count."""
@@ -208,7 +228,7 @@ class Rib:
             loc = self._loc(family)
             changes = self._changes_for(family)
             for prefix in table:
-                self._remove_candidate(loc, changes, prefix, key)
+                self._remove_candidate(loc, changes, prefix, key, family)
             n += len(table)
         return n
 
@@ -234,8 +254,10 @@ class Rib:
                 cur = loc.get(prefix)
                 if type(cur) is tuple:
                     new = _ordered(cur)
-                    if new[0] is not cur[0] and prefix not in changes:
-                        changes[prefix] = cur[0]
+                    if new[0] is not cur[0]:
+                        self._promoted(family).add(new[0])
+                        if prefix not in changes:
+                            changes[prefix] = cur[0]
                     loc[prefix] = new
         adj_rib._interned.clear()
         return n
@@ -290,25 +312,49 @@ class Rib:
 
     # ------------------------------------------------------------ batching
 
-    def take_changes(self) -> list[BestPathChange]:
-        """Prefixes whose best path differs from what it was before the batch; resets the batch."""
-        out: list[BestPathChange] = []
-        append = out.append
-        make = BestPathChange._make
-        for family, changes in self._changes.items():
-            if not changes:
-                continue
-            get = self._loc(family).get
-            for prefix, old in changes.items():
+    def take_batch(self) -> dict[Family, Batch]:
+        """This batch's changes, raw, and resets the batch.  Per family: a dict prefix -> the best
+        path before the batch, and lists of prefixes that had no best before (a table arriving);
+        the current best is in ``loc``.  Nothing is allocated per prefix, which matters for a full
+        table; :meth:`changes_of` makes the readable form.  :attr:`promoted` then holds, per
+        family, every path that became a best in the batch."""
+        batch = {
+            family: (self._changes.get(family) or {}, self._fresh.get(family) or [])
+            for family in set(self._changes) | set(self._fresh)
+        }
+        self._changes, self._fresh = {}, {}
+        self.promoted, self._new_best = self._new_best, {}
+        return batch
+
+    def changed(self, family: Family, entry: Batch) -> Iterator[tuple[bytes, Path | None]]:
+        """``(prefix, new best)`` for the prefixes of one family whose best path really changed."""
+        changes, fresh = entry
+        get = self.loc.get(family, {}).get
+        for prefix, old in changes.items():
+            cur = get(prefix)
+            new = cur if cur is None or type(cur) is Path else cur[0]
+            if new is not old:
+                yield prefix, new
+        for prefixes in fresh:
+            for prefix in prefixes:
                 cur = get(prefix)
-                new = cur if cur is None or type(cur) is Path else cur[0]
-                if new is not old:
-                    append(make((family, prefix, old, new)))
-        self._changes = {}
+                if cur is not None:
+                    yield prefix, (cur if type(cur) is Path else cur[0])
+
+    def changes_of(self, batch: dict[Family, Batch]) -> list[BestPathChange]:
+        make = BestPathChange._make
+        out: list[BestPathChange] = []
+        for family, entry in batch.items():
+            changes = entry[0]
+            out.extend(make((family, prefix, changes.get(prefix), new)) for prefix, new in self.changed(family, entry))
         return out
 
+    def take_changes(self) -> list[BestPathChange]:
+        """Prefixes whose best path differs from what it was before the batch; resets the batch."""
+        return self.changes_of(self.take_batch())
+
     def has_changes(self) -> bool:
-        return any(self._changes.values())
+        return any(self._changes.values()) or any(self._fresh.values())
 
     def _loc(self, family: Family) -> dict[bytes, Path | tuple[Path, ...]]:
         t = self.loc.get(family)
@@ -316,10 +362,22 @@ class Rib:
             t = self.loc[family] = {}
         return t
 
+    def _promoted(self, family: Family) -> set[Path]:
+        p = self._new_best.get(family)
+        if p is None:
+            p = self._new_best[family] = set()
+        return p
+
     def _changes_for(self, family: Family) -> dict[bytes, Path | None]:
+        """The batch's prefix -> old-best dict, with fresh lists folded in first (any change
+        other than a fresh announcement may touch a prefix that was fresh in this batch)."""
         c = self._changes.get(family)
         if c is None:
             c = self._changes[family] = {}
+        fresh = self._fresh.pop(family, None)
+        if fresh:
+            for prefixes in fresh:
+                c.update(dict.fromkeys(prefixes))
         return c
 
 

@@ -396,61 +396,72 @@ class Speaker:
     def _flush(self, now: float) -> None:
         if not self.rib.has_changes():
             return
-        changes = self.rib.take_changes()
-        for listener in self._listeners:
-            listener(changes)
+        batch = self.rib.take_batch()
+        if self._listeners:
+            changes = self.rib.changes_of(batch)
+            if changes:
+                for listener in self._listeners:
+                    listener(changes)
         for key, target in self._targets.items():
             peer = self.peers.get(key)
             neg = self._negotiated.get(key)
             if peer is None or neg is None or peer.established is None:
                 continue
-            self._export(peer, target, neg, changes, now)
+            for family, entry in batch.items():
+                if family not in neg.families:
+                    continue
+                if not self._adj_out[key].get(family) and not any(
+                    export_route(p, family[0], target, self.local) for p in self.rib.promoted.get(family, ())
+                ):
+                    # Nothing sent to this peer before and nothing new is for it (its own routes,
+                    # split horizon): no need to look at each prefix.
+                    continue
+                self._export(peer, target, neg, family, self.rib.changed(family, entry), now)
 
     def _export(
         self,
         peer: Peer,
         target: ExportTarget,
         neg: Negotiated,
-        changes: Iterable[BestPathChange] | Iterable[tuple[Family, bytes, Path | None]],
+        family: Family,
+        pairs: Iterable[tuple[bytes, Path | None]],
         now: float,
     ) -> None:
+        """Send ``peer`` what changed for ``family``: ``pairs`` are (prefix, new best path)."""
         out = self._adj_out[peer.key]
-        families = neg.families
+        table = out.get(family)
+        if table is None:
+            table = out[family] = {}
         cache: dict[int, OutRoute | None] = {}
-        groups: dict[int, tuple[Family, OutRoute, list[bytes]]] = {}
-        withdrawn: dict[Family, list[bytes]] = {}
-        local = self.local
-        for ch in changes:
-            family, prefix = ch[0], ch[1]
-            new = ch[-1]  # BestPathChange(family, prefix, old, new) or (family, prefix, new)
-            if family not in families:
-                continue
-            table = out.get(family)
-            if table is None:
-                table = out[family] = {}
+        groups: dict[int, tuple[OutRoute, list[bytes]]] = {}
+        withdrawn: list[bytes] = []
+        local, afi = self.local, family[0]
+        for prefix, new in pairs:
             if new is None:
                 desired = None
             else:
                 desired = cache.get(id(new), _MISSING)  # type: ignore[arg-type]
                 if desired is _MISSING:
-                    desired = cache[id(new)] = export_route(new, family[0], target, local)
-            cur = table.get(prefix)
+                    desired = cache[id(new)] = export_route(new, afi, target, local)
             if desired is None:
-                if cur is not None:
+                # Not for this peer (split horizon, its own route, ...): withdraw if we had sent it.
+                if table and prefix in table:
                     del table[prefix]
-                    withdrawn.setdefault(family, []).append(prefix)
-            elif cur is None or (cur is not desired and cur != desired):
+                    withdrawn.append(prefix)
+                continue
+            cur = table.get(prefix)
+            if cur is None or (cur is not desired and cur != desired):
                 table[prefix] = desired
                 g = groups.get(id(desired))
                 if g is None:
-                    g = groups[id(desired)] = (family, desired, [])
-                g[2].append(prefix)
+                    g = groups[id(desired)] = (desired, [])
+                g[1].append(prefix)
         messages: list[bytes] = []
         ctx = neg.ctx
-        for family, prefixes in withdrawn.items():
-            messages.extend(encode_withdrawals(family[0], prefixes, ctx))
-        for family, (attrs, next_hop), prefixes in groups.values():
-            messages.extend(encode_updates(family[0], attrs, next_hop, prefixes, ctx))
+        if withdrawn:
+            messages.extend(encode_withdrawals(afi, withdrawn, ctx))
+        for (attrs, next_hop), prefixes in groups.values():
+            messages.extend(encode_updates(afi, attrs, next_hop, prefixes, ctx))
         if messages:
             peer.send_messages(messages, now)
 
@@ -458,7 +469,7 @@ class Speaker:
         target = self._targets[peer.key]
         neg = self._negotiated[peer.key]
         for family in families:
-            self._export(peer, target, neg, ((family, p, path) for p, path in self.rib.bests(family)), now)
+            self._export(peer, target, neg, family, self.rib.bests(family), now)
         if end_of_rib:
             peer.send_messages([Update.end_of_rib_marker(*f).encode(neg.ctx) for f in families], now)
 

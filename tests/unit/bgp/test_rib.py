@@ -90,3 +90,36 @@ def test_stale_marking_and_purge():
     assert rib.purge_stale("10.0.0.1") == 1
     assert rib.best(IPV4_UNICAST, P1) is b
     assert rib.best(IPV4_UNICAST, P2) is fresh
+
+
+def test_fresh_announcement_then_competitor_in_the_same_batch():
+    rib = setup()
+    a = rib.adj_in["10.0.0.1"].path(ATTRS, ip_address("10.0.0.1"))
+    b = rib.adj_in["10.0.0.2"].path(ATTRS_LP, ip_address("10.0.0.2"))
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1, P2], a)  # fresh: nobody had them
+    rib.announce("10.0.0.2", IPV4_UNICAST, [P1], b)  # a competitor for one of them
+    changes = {c.prefix: c for c in rib.take_changes()}
+    assert changes[P1].old is None and changes[P1].new is b
+    assert changes[P2].old is None and changes[P2].new is a
+
+
+def test_fresh_announcement_replaced_by_its_source_in_the_same_batch():
+    rib = setup()
+    a1 = rib.adj_in["10.0.0.1"].path(ATTRS, ip_address("10.0.0.1"))
+    a2 = rib.adj_in["10.0.0.1"].path(ATTRS_LP, ip_address("10.0.0.1"))
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1], a1)
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1], a2)
+    (ch,) = rib.take_changes()
+    assert ch.old is None and ch.new is a2
+    assert rib.promoted[IPV4_UNICAST] == {a1, a2}
+
+
+def test_batches_do_not_leak_into_each_other():
+    rib = setup()
+    a = rib.adj_in["10.0.0.1"].path(ATTRS, ip_address("10.0.0.1"))
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1], a)
+    assert len(rib.take_changes()) == 1
+    assert rib.take_changes() == [] and not rib.has_changes()
+    rib.withdraw("10.0.0.1", IPV4_UNICAST, [P1])
+    (ch,) = rib.take_changes()
+    assert ch.old is a and ch.new is None
