@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -176,7 +177,7 @@ class _Worker:
         self.t = t
         self.name = kind
         self.device = DEVICES[kind]
-        self.control_path = str(Path(t.cfg.agent.state_dir) / f"dataplane-{kind}.sock")
+        self.control_path = control_path(Path(t.cfg.agent.state_dir), kind)
         self.process: DataplaneProcess | None = None
         self.client: DataplaneClient | None = None
         self.pushed: tuple[dict, frozenset] | None = None
@@ -308,6 +309,16 @@ class _KernelIpip:
     async def down(self, remove: bool) -> None:
         if remove:
             await asyncio.to_thread(_delete_link, self.device)
+
+
+def control_path(state_dir: Path, kind: str) -> str:
+    """The worker's control socket: in the state dir, unless that path is longer than a unix
+    socket address allows (108 bytes); then in /run/agentd under a name derived from it."""
+    path = str(state_dir / f"dataplane-{kind}.sock")
+    if len(path.encode()) < 100:
+        return path
+    digest = hashlib.sha256(str(state_dir).encode()).hexdigest()[:16]
+    return f"/run/agentd/dataplane-{kind}-{digest}.sock"
 
 
 def _delete_link(name: str) -> None:
@@ -444,7 +455,7 @@ class Tunnels:
                 self._dirty.set()
 
     async def refresh(self) -> None:
-        for impl in self.active.values():
+        for impl in list(self.active.values()):  # _ensure may add a backend meanwhile
             if isinstance(impl, _Worker):
                 await impl.refresh_stats()
 

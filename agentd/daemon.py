@@ -113,7 +113,18 @@ class Agent:
         await self.api.start()
         self.supervisor.start("watchdog", self.notifier.watchdog_loop)
         try:
-            await self._start()
+            # Start-up can wait a long time (etcd unreachable): a SIGTERM meanwhile must still stop us.
+            start = asyncio.ensure_future(self._start())
+            stop = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                log.info("stopping during start-up")
+                start.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await start
+                return 0
+            stop.cancel()
+            start.result()
             self.supervisor.start("node-watch", self._watch_nodes)
             self.supervisor.start("readiness", self._readiness_loop)
             await self._stop.wait()

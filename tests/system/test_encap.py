@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from agentd.backends import control_path
 from agentd.dataplane import DataplaneClient
 from agentd.lab.netns import Netns, veth
 
@@ -173,7 +174,7 @@ def _fdb(ns: Netns, dev: str) -> str:
 
 
 async def _worker_table(node, kind):
-    client = await DataplaneClient.connect(str(node.dir / "state" / f"dataplane-{kind}.sock"))
+    client = await DataplaneClient.connect(control_path(node.dir / "state", kind))
     try:
         return await client.get()
     finally:

@@ -1,0 +1,43 @@
+# agentd in a container: the agent, agentd-cni, the reference CNI plugins and the tools an
+# operator reaches for (ip, nft, ping). Used by compose.yaml; also a base for running the
+# agent as a privileged host-network container (docs/operations.md).
+#
+#   docker build -t agentd .
+#   docker run --rm agentd agentd --version
+FROM python:3.11-slim-bookworm
+
+# iproute2: ip route/link/neigh, bridge fdb (troubleshooting; the agent itself uses netlink)
+# nftables: the agent's member filter for kernel IPIP/VXLAN (table inet agentd)
+# containernetworking-plugins: bridge + host-local in /usr/lib/cni, which agentd-cni delegates to
+# iputils-ping: the compose lab's pod-to-pod check; util-linux has nsenter
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+      iproute2 nftables containernetworking-plugins iputils-ping util-linux procps \
+ && rm -rf /var/lib/apt/lists/*
+
+# The package: `pip install .` gives /usr/local/bin/agentd and /usr/local/bin/agentd-cni
+# (the path systemd/agentd.service uses too). Sources only; tests and docs stay out.
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY bgp ./bgp
+COPY agentd ./agentd
+RUN pip install --no-cache-dir . \
+ && cd / && rm -rf /src \
+ && agentd --version
+
+# The documented example configuration: every key with its default. The compose nodes
+# override what differs per node through AGENTD_<SECTION>_<KEY> variables.
+COPY etc/agentd.toml /etc/agentd/agentd.toml
+COPY docker/agentd-node /usr/local/bin/agentd-node
+RUN chmod 0755 /usr/local/bin/agentd-node \
+ && agentd check-config --config /etc/agentd/agentd.toml --set node.address=192.0.2.1 --set node.name=build
+
+WORKDIR /
+# grpc's fork handlers can crash the data-plane worker's child before its exec (see
+# systemd/agentd.service, which sets the same).
+ENV GRPC_ENABLE_FORK_SUPPORT=0
+# BGP, VXLAN, the udp backend; the REST API listens on loopback only (9099/tcp).
+EXPOSE 179/tcp 4789/udp 8285/udp
+STOPSIGNAL SIGTERM
+CMD ["agentd", "run", "--config", "/etc/agentd/agentd.toml"]

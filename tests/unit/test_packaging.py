@@ -1,0 +1,222 @@
+"""Packaging and the files that run agentd for real, checked without running anything.
+
+Pure: pyproject.toml, the unit file, the Dockerfile and the docs are read as text; the CLI
+is called in-process (`agentd.cli.main`) on configurations in tmp_path whose node name and
+address are given, so no host facts are looked up. What needs tools (docker-compose, pip,
+systemd-analyze, Graphviz) is in tests/system/test_packaging_system.py and test_systemd.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pytest
+
+from agentd import cli
+from agentd.config import DEFAULT_CONFIG_PATH, AgentConfig, CniConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+@pytest.fixture(autouse=True)
+def _no_agentd_environment(monkeypatch):
+    # AGENTD_* variables are configuration sources: keep the caller's out of these tests.
+    for key in list(os.environ):
+        if key.startswith("AGENTD_"):
+            monkeypatch.delenv(key)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as stop:  # argparse's --version and usage errors
+        code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ------------------------------------------------------------------ entry points, version
+
+
+def test_both_commands_are_declared_and_importable():
+    scripts = PYPROJECT["project"]["scripts"]
+    assert scripts == {"agentd": "agentd.cli:main", "agentd-cni": "agentd.cni:main"}
+    for target in scripts.values():
+        module, _, func = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_version(capsys):
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0
+    try:
+        expected = version("agentd")
+    except PackageNotFoundError:  # a source tree that was never installed
+        expected = "0+unknown"
+    assert out.strip() == f"agentd {expected}"
+    if expected != "0+unknown":
+        assert expected == PYPROJECT["project"]["version"]
+
+
+# ------------------------------------------------------------------ check-config
+
+
+GOOD = """\
+[node]
+name = "node-1"
+address = "192.0.2.10"
+[network]
+backend = "vxlan"
+[etcd]
+endpoints = ["http://192.0.2.2:2379"]
+"""
+
+THREE_PROBLEMS = """\
+[node]
+name = "node-1"
+address = "192.0.2.10"
+asn = 23456
+[network]
+backend = "geneve"
+[bgp]
+hold_tme = 30
+"""
+
+
+def test_check_config_good(tmp_path, capsys):
+    path = tmp_path / "agentd.toml"
+    path.write_text(GOOD)
+    code, out, err = run_cli(capsys, "check-config", "--config", str(path))
+    assert (code, out, err) == (0, f"{path}: configuration OK\n", "")
+
+
+def test_check_config_reports_every_problem_one_line_each(tmp_path, capsys):
+    path = tmp_path / "agentd.toml"
+    path.write_text(THREE_PROBLEMS)
+    code, out, err = run_cli(capsys, "check-config", "--config", str(path))
+    assert code == 1 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 3, err
+    assert "Traceback" not in err
+    assert lines[0].startswith(f"{path}:4: [node] asn") and "AS_TRANS" in lines[0]
+    assert lines[1].startswith(f"{path}:6: [network] backend") and "host-gw, ipip, vxlan, udp" in lines[1]
+    assert lines[2] == f"{path}:8: unknown key [bgp] hold_tme (did you mean hold_time?)"
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [("[node\n", "TOML syntax error"), (None, "no such file")],
+)
+def test_check_config_unreadable_file_is_one_line(tmp_path, capsys, content, needle):
+    path = tmp_path / "agentd.toml"
+    if content is not None:
+        path.write_text(content)
+    code, out, err = run_cli(capsys, "check-config", "--config", str(path))
+    assert code == 1 and out == ""
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+def test_check_config_environment_and_overrides(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "agentd.toml"
+    path.write_text(GOOD)
+    monkeypatch.setenv("AGENTD_BGP_HOLD_TIME", "2")  # 0 or 3..65535
+    code, _, err = run_cli(capsys, "check-config", "--config", str(path), "--set", "network.mtu=70000")
+    assert code == 1
+    lines = err.splitlines()
+    assert len(lines) == 2, err
+    assert any("AGENTD_BGP_HOLD_TIME" in line for line in lines)
+    assert any("mtu" in line for line in lines)
+
+
+def test_check_config_show_prints_the_effective_configuration(tmp_path, capsys):
+    path = tmp_path / "agentd.toml"
+    path.write_text(GOOD)
+    code, out, _ = run_cli(capsys, "check-config", "--config", str(path), "--show")
+    assert code == 0
+    shown = json.loads(out)
+    assert shown["network"]["backend"] == "vxlan"
+    assert shown["node"]["address"] == "192.0.2.10"
+
+
+def test_the_example_configuration_is_valid(capsys):
+    """etc/agentd.toml, what operators install as /etc/agentd/agentd.toml (the Dockerfile too)."""
+    example = ROOT / "etc" / "agentd.toml"
+    assert example.read_text().startswith(f"# {DEFAULT_CONFIG_PATH} ")
+    code, out, err = run_cli(
+        capsys, "check-config", "--config", str(example), "--set", "node.address=192.0.2.10", "--set", "node.name=n1"
+    )
+    assert code == 0, err
+    assert out.endswith("configuration OK\n")
+
+
+# ------------------------------------------------------------------ unit file, Dockerfile, docs
+
+
+def unit_values(key: str) -> list[str]:
+    text = (ROOT / "systemd" / "agentd.service").read_text()
+    return [m[1].strip() for m in re.finditer(rf"^{key}=(.*)$", text, re.MULTILINE)]
+
+
+def test_the_unit_lets_the_agent_write_where_the_defaults_say():
+    """With the default configuration, everything the agent writes is writable in the unit."""
+    writable = {"/var/lib/" + d for d in unit_values("StateDirectory")}
+    writable |= {"/run/" + d for d in unit_values("RuntimeDirectory")}
+    writable |= {p.lstrip("-") for line in unit_values("ReadWritePaths") for p in line.split()}
+    cni, agent = CniConfig(), AgentConfig()
+    for path in (cni.conf_dir, cni.subnet_file.parent, agent.state_dir):
+        assert any(Path(path).is_relative_to(w) for w in writable), path
+    assert "/etc/cni/net.d" in {"/etc/" + d for d in unit_values("ConfigurationDirectory")}
+    # The command the unit runs is where pip (and the Dockerfile) put it, with the default config.
+    (exec_start,) = unit_values("ExecStart")
+    assert exec_start == f"/usr/local/bin/agentd run --config {DEFAULT_CONFIG_PATH}"
+
+
+def test_dockerfile_copies_what_exists_and_matches_the_unit():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    sources = [
+        src
+        for m in re.finditer(r"^COPY (.+) (\S+)$", dockerfile, re.MULTILINE)
+        for src in m[1].split()
+        if not src.startswith("--")
+    ]
+    assert sources, "no COPY lines found"
+    for src in sources:
+        assert (ROOT / src).exists(), src
+    assert re.search(r"^FROM python:3\.11-slim-bookworm$", dockerfile, re.MULTILINE)
+    assert "containernetworking-plugins" in dockerfile and "pip install --no-cache-dir ." in dockerfile
+    assert "COPY etc/agentd.toml /etc/agentd/agentd.toml" in dockerfile
+    # The same environment as the unit.
+    for assignment in unit_values("Environment"):
+        assert f"ENV {assignment}" in dockerfile
+
+
+def test_compose_entrypoint_is_an_executable_python_script():
+    entry = ROOT / "docker" / "agentd-node"
+    assert os.access(entry, os.X_OK)
+    text = entry.read_text()
+    assert text.startswith("#!/usr/bin/env python3\n")
+    compile(text, str(entry), "exec")
+    assert "COPY docker/agentd-node /usr/local/bin/agentd-node" in (ROOT / "Dockerfile").read_text()
+
+
+def test_architecture_svg_was_rendered_from_the_committed_source():
+    source = (ROOT / "docs" / "architecture.dot").read_bytes()
+    svg = (ROOT / "docs" / "architecture.svg").read_text()
+    digest = hashlib.sha256(source).hexdigest()
+    assert f"rendered from architecture.dot sha256 {digest}" in svg, "stale: run `sh docs/architecture.sh`"
+
+
+def test_docs_link_to_files_that_exist():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) >= 4
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#:]+)\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
