@@ -152,14 +152,7 @@ class Agent:
         # Until BGP has re-learned everything, keep what we found.
         self.programmer.set_desired(self._adopted)
 
-        self.datastore = Datastore(
-            cfg.etcd.endpoints,
-            cfg.etcd.prefix,
-            lease_ttl=cfg.etcd.lease_ttl,
-            ca=str(cfg.etcd.ca) if cfg.etcd.ca else None,
-            cert=str(cfg.etcd.cert) if cfg.etcd.cert else None,
-            key=str(cfg.etcd.key) if cfg.etcd.key else None,
-        )
+        self.datastore = datastore_for(cfg)
         self.datastore.on_subnet_lost = self._subnet_lost
         self.notifier.status("connecting to etcd")
         await self.datastore.connect()
@@ -539,6 +532,18 @@ class _AgentMetrics:
         yield from (routes, up, renew, ready, restarts)
 
 
+def datastore_for(cfg: Config) -> Datastore:
+    e = cfg.etcd
+    return Datastore(
+        e.endpoints,
+        e.prefix,
+        lease_ttl=e.lease_ttl,
+        ca=str(e.ca) if e.ca else None,
+        cert=str(e.cert) if e.cert else None,
+        key=str(e.key) if e.key else None,
+    )
+
+
 def _prefix_bytes(net: IPv4Network) -> bytes:
     n = net.prefixlen
     return bytes([n]) + net.network_address.packed[: (n + 7) // 8]
@@ -552,14 +557,7 @@ async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: d
 async def leave(cfg: Config) -> int:
     """``agentd leave`` when no agent is running here: remove the node from etcd directly.
     (With an agent running, the CLI asks it over ``POST /leave`` instead.)"""
-    ds = Datastore(
-        cfg.etcd.endpoints,
-        cfg.etcd.prefix,
-        lease_ttl=cfg.etcd.lease_ttl,
-        ca=str(cfg.etcd.ca) if cfg.etcd.ca else None,
-        cert=str(cfg.etcd.cert) if cfg.etcd.cert else None,
-        key=str(cfg.etcd.key) if cfg.etcd.key else None,
-    )
+    ds = datastore_for(cfg)
     try:
         await ds.connect(timeout=10)
         name = cfg.node.name or "node"
