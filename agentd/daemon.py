@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from bgp import BestPathChange, Origination, Speaker, SpeakerService, State
-from proto.nlri import prefix_to_str
+from proto.nlri import network_to_prefix, prefix_to_str
 
 from . import cni_config, mesh
 from .api import ApiServer
@@ -192,7 +192,7 @@ class Agent:
         self.service = SpeakerService(self.speaker, listen=listen)
         await self.service.start()
         self._started_bgp = True
-        own = Origination((1, 1), _prefix_bytes(subnet))
+        own = Origination((1, 1), network_to_prefix(subnet))
         self.service.set_originated([own])
         self._initial_sync_deadline = time.monotonic() + min(INITIAL_SYNC_MAX, float(cfg.bgp.restart_time))
         self._schedule_recompute()
@@ -542,11 +542,6 @@ def datastore_for(cfg: Config) -> Datastore:
         cert=str(e.cert) if e.cert else None,
         key=str(e.key) if e.key else None,
     )
-
-
-def _prefix_bytes(net: IPv4Network) -> bytes:
-    n = net.prefixlen
-    return bytes([n]) + net.network_address.packed[: (n + 7) // 8]
 
 
 async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: dict | None = None) -> int:
