@@ -1,6 +1,6 @@
 """Pod-to-pod TCP throughput and latency across the data-plane paths, side by side.
 
-    python bench/dataplane.py [--seconds 10] [--only udp,ipip,...]
+    python bench/dataplane.py [--seconds 10] [--only udp,ipip,...] [--compare DIR]
 
 Builds the two-host topology of agentd.dataplane._testbed afresh for every row (namespaces
 only; removed at the end), runs ONE iperf3 TCP stream pod -> pod and 20 pings per row:
@@ -12,10 +12,14 @@ only; removed at the end), runs ONE iperf3 TCP stream pod -> pod and 20 pings pe
                sendmmsg/recvmmsg, GRO-style coalescing into the TUN)
   ... kseg     the same with --segmentation kernel (TUN without TSO; batched sends)
   ... no-offl  --no-offload: one read + one send per packet (flannel's model, the baseline)
+  ... before   with --compare DIR: the same paths run by the code in DIR (a directory holding
+               agentd/ and proto/, e.g. ``git archive HEAD~1 agentd proto | tar -x -C DIR``),
+               in the same run, so before and after see the same machine
 
 The machine has 2 cores: iperf3 client, iperf3 server, both workers and the kernel's softirq
 work all compete for them, so the user-space rows measure total CPU cost per byte.  The
-CPU columns are the sender's and receiver's worker CPU time as a share of one core.
+CPU columns are the sender's and receiver's worker CPU time as a share of one core, and the
+same per 64 KB forwarded (user + system time of each worker process, /proc/PID/stat).
 """
 
 from __future__ import annotations
@@ -104,18 +108,18 @@ def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def run_row(kind: str, opts: dict, seconds: int, tag: str, n: int) -> tuple[float, float, str]:
+def run_row(kind: str, opts: dict, seconds: int, tag: str, n: int) -> tuple[float, float, str, str]:
     def make(role: str) -> Netns:
         return Netns.create(f"ad-{tag}-{n}{role}")
 
     t = build_two_hosts(make, outsider=False)
     try:
         if kind == "raw":
-            return iperf(t.h1, t.h2, H2_UNDERLAY, seconds), ping_avg(t.h1, H2_UNDERLAY), ""
+            return iperf(t.h1, t.h2, H2_UNDERLAY, seconds), ping_avg(t.h1, H2_UNDERLAY), "", ""
         if kind == "hostgw":
             t.h1.ip("route", "add", SUBNET2, "via", H2_UNDERLAY)
             t.h2.ip("route", "add", SUBNET1, "via", H1_UNDERLAY)
-            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), ""
+            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), "", ""
         if kind == "vxlan":
             for h, local, remote, addr, peer_addr, subnet in (
                 (t.h1, H1_UNDERLAY, H2_UNDERLAY, "10.99.0.1", "10.99.0.2", SUBNET2),
@@ -127,13 +131,13 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: int) -> tuple[floa
                 h.ip("addr", "add", f"{addr}/24", "dev", "vx0")
                 h.ip("route", "add", subnet, "via", peer_addr, "dev", "vx0")
             t.set_pod_mtu(t.underlay_mtu - OVERHEAD["vxlan"])
-            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), ""
+            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), "", ""
         # agentd user-space paths
         mtu = t.underlay_mtu - OVERHEAD[kind]
         t.set_pod_mtu(mtu)
         ctl = {i: f"/tmp/agentd-bench-{tag}-{n}-{i}.sock" for i in (1, 2)}
         procs = {i: t.start_worker(kind, i, ctl[i], mtu=mtu, offload=opts["offload"], extra=opts.get("extra", ()),
-                                   stderr=subprocess.DEVNULL) for i in (1, 2)}
+                                   stderr=subprocess.DEVNULL, source=opts.get("source")) for i in (1, 2)}
         if not wait_for(lambda: all(os.path.exists(p) for p in ctl.values()), 15):
             raise RuntimeError(f"{kind} workers did not start")
         for i, peer, subnet in ((1, H2_UNDERLAY, SUBNET2), (2, H1_UNDERLAY, SUBNET1)):
@@ -152,7 +156,9 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: int) -> tuple[floa
             for f in (p, p + ".state"):
                 if os.path.exists(f):
                     os.unlink(f)
-        return gbps, lat, f"{cpu[1] * 100:3.0f}% / {cpu[2] * 100:3.0f}%"
+        per64k = {i: cpu[i] * 1e6 / max(gbps * 1e9 / 8 / 65536, 1e-9) for i in cpu}
+        return (gbps, lat, f"{cpu[1] * 100:3.0f}% / {cpu[2] * 100:3.0f}%",
+                f"{per64k[1]:5.0f} / {per64k[2]:5.0f}" if gbps > 0 else "")
     finally:
         t.stop_workers()
 
@@ -175,7 +181,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=int, default=10, help="iperf3 duration per row (default 10)")
     ap.add_argument("--only", help="comma-separated row names to run (anchors always run)")
+    ap.add_argument("--compare", metavar="DIR",
+                    help="also run the udp and ipip rows with the code in DIR (holding agentd/ and proto/)")
     args = ap.parse_args()
+    rows = list(ROWS)
+    if args.compare:
+        if not os.path.isfile(os.path.join(args.compare, "agentd", "dataplane", "__main__.py")):
+            print(f"bench/dataplane.py: {args.compare} holds no agentd/dataplane", file=sys.stderr)
+            return 1
+        source = os.path.abspath(args.compare)
+        at = next(i for i, r in enumerate(rows) if r[0] == "udp")
+        rows[at:at] = [("udp before", "udp", {"offload": True, "source": source}),
+                       ("ipip before", "ipip", {"offload": True, "source": source})]
     if os.geteuid() != 0:
         print("bench/dataplane.py: needs root (network namespaces)", file=sys.stderr)
         return 1
@@ -183,12 +200,14 @@ def main() -> int:
     tag = unique_tag("bdp")
     results = []
     background = busy_share()
+    load = os.getloadavg()
     try:
-        for n, (name, kind, opts) in enumerate(ROWS):
-            if wanted and name not in wanted and kind not in ("raw", "vxlan"):
+        for n, (name, kind, opts) in enumerate(rows):
+            if wanted and name not in wanted and kind not in ("raw", "vxlan") \
+                    and not (name.endswith(" before") and name.split()[0] in wanted):
                 continue
-            gbps, lat, cpu = run_row(kind, opts, args.seconds, tag, n)
-            results.append((name, gbps, lat, cpu))
+            gbps, lat, cpu, per64k = run_row(kind, opts, args.seconds, tag, n)
+            results.append((name, gbps, lat, cpu, per64k))
             print(f"  measured {name:<13} {gbps:6.2f} Gbit/s", file=sys.stderr, flush=True)
     finally:
         delete_matching(f"ad-{tag}-")
@@ -196,12 +215,15 @@ def main() -> int:
     raw, vx = by.get("raw veth") or float("nan"), by.get("kernel vxlan") or float("nan")
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s, pod -> pod (2 cores shared by "
           "iperf3 x2, both workers and softirq)")
-    print(f"machine CPU busy before the run (other jobs): {background * 100:.0f}%"
+    after = os.getloadavg()
+    print(f"machine CPU busy before the run (other jobs): {background * 100:.0f}%; load average "
+          f"{load[0]:.2f} before, {after[0]:.2f} after"
           + ("  <- rows are skewed by other load" if background > 0.1 else "") + "\n")
-    print(f"{'path':<14} {'Gbit/s':>7} {'x raw veth':>10} {'x vxlan':>8} {'ping ms':>8}  worker CPU tx / rx")
-    print("-" * 72)
-    for name, gbps, lat, cpu in results:
-        print(f"{name:<14} {gbps:7.2f} {gbps / raw:10.2f} {gbps / vx:8.2f} {lat:8.3f}  {cpu}")
+    print(f"{'path':<14} {'Gbit/s':>7} {'x raw veth':>10} {'x vxlan':>8} {'ping ms':>8}  {'worker CPU tx / rx':<19}"
+          " us CPU per 64 KB tx / rx")
+    print("-" * 100)
+    for name, gbps, lat, cpu, per64k in results:
+        print(f"{name:<14} {gbps:7.2f} {gbps / raw:10.2f} {gbps / vx:8.2f} {lat:8.3f}  {cpu:<19} {per64k}")
     print("\nanchors (context, not measured here):")
     for a in ANCHORS:
         print(f"  - {a}")
@@ -214,6 +236,9 @@ def main() -> int:
         if fast in by and by.get(slow):
             print(f"  {fast:<8} offload / per-packet baseline: {by[fast] / by[slow]:.2f}x "
                   "(Tailscale's offload path: 2.2x)")
+    for fast in ("udp", "ipip"):
+        if fast in by and by.get(f"{fast} before"):
+            print(f"  {fast:<8} after / before (--compare): {by[fast] / by[f'{fast} before']:.2f}x")
     return 0
 
 

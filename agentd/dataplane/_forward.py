@@ -3,10 +3,9 @@
 * :class:`NextHopTable` — inner destination subnet -> peer underlay address, longest-prefix match.
 * :func:`segment_tcp4` — split a TCP/IPv4 TSO super-packet (what a TUN with TUN_F_TSO4 hands us)
   into MSS-sized packets with correct IP and TCP checksums, written back to back into one buffer,
-  which is exactly the layout UDP GSO (``UDP_SEGMENT``) and ``sendmmsg`` want.
-* :class:`Coalescer` — the inverse (receive side): consecutive in-order segments of one TCP flow
-  become one super-packet written to the TUN with a virtio-net header (GSO_TCPV4, NEEDS_CSUM),
-  following the rules of Linux ``tcp_gro_receive``.
+  which is exactly the layout UDP GSO (``UDP_SEGMENT``) and ``sendmmsg`` want.  This is the
+  segment-by-segment reference: the worker uses the vectorized ``_tso.TsoSegmenter``, which
+  falls back to it for geometries numpy cannot view.  The receive side (GRO) is ``_gro``.
 * :func:`complete_checksum` — finish a partial (NEEDS_CSUM) checksum.
 
 The worker calls these per packet, so they work on buffers and offsets, not dataclasses.
@@ -16,18 +15,14 @@ from __future__ import annotations
 
 import ipaddress
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from proto.packet import (
     IPPROTO_TCP,
     IPPROTO_UDP,
-    TCP_ACK,
     TCP_CWR,
     TCP_FIN,
     TCP_PSH,
-    VIRTIO_NET_HDR_F_NEEDS_CSUM,
-    VIRTIO_NET_HDR_GSO_TCPV4,
-    VNET_HDR_NONE,
     VirtioNetHdr,
     checksum,
     ones_sum,
@@ -220,124 +215,3 @@ def segment_tcp4_packets(vnet: VirtioNetHdr, pkt: bytes, ttl_decrement: bool = F
     out = bytearray(len(pkt) + (len(pkt) // max(vnet.gso_size, 1) + 1) * 120)
     count, seglen, total = segment_tcp4(memoryview(pkt), vnet.gso_size, out, ttl_decrement)
     return [bytes(out[i : min(i + seglen, total)]) for i in range(0, total, seglen)][:count]
-
-
-# --------------------------------------------------------------------------------------------
-# GRO-style coalescing (receive side)
-
-# tos, total length, frag word, ttl, protocol, addresses, ports, seq, ack, data offset, flags, window
-_TCP4 = struct.Struct("!xBH2xHBB2x8s4sIIBBH")
-_unpack_tcp4 = _TCP4.unpack_from
-_MAX_IP_TOTAL = 0xFFFF
-_VNET = struct.Struct("<BBHHHH")
-
-
-class Coalescer:
-    """Merge consecutive in-order TCP/IPv4 segments of one flow into super-packets.
-
-    Feed packets with :meth:`add` (memoryviews of exactly one IPv4 packet each) and call
-    :meth:`flush` at the end of a batch.  ``write(parts)`` receives a list of buffers whose
-    concatenation is one TUN write: a virtio-net header and a packet.  Merging follows
-    Linux ``tcp_gro_receive``: identical IP/TCP headers except ID, length, checksum and
-    sequence; contiguous sequence numbers; every segment but the last exactly ``gso_size``;
-    only ACK (and PSH, which ends the run) set; no IP options or fragments.
-    """
-
-    __slots__ = ("write", "max_segments", "_parts", "_key", "_opts", "_next_seq", "_mss",
-                 "_plen", "_hl", "_psh", "_first", "merged", "written")
-
-    def __init__(self, write: Callable[[list], object], max_segments: int = 64) -> None:
-        self.write = write
-        self.max_segments = max_segments
-        self._parts: list | None = None
-        self.merged = 0   # segments that went out inside a super-packet
-        self.written = 0  # TUN writes issued
-
-    def add(self, v: memoryview) -> None:
-        n = len(v)
-        if n < 40 or v[0] != 0x45 or v[9] != IPPROTO_TCP:
-            self._single(v)
-            return
-        tos, tot, frag, ttl, _proto, addrs, ports, seq, ack, doff, fl, win = _unpack_tcp4(v, 0)
-        hl = 20 + ((doff >> 4) << 2)
-        plen = tot - hl
-        if tot != n or plen <= 0 or (fl & ~TCP_PSH) != TCP_ACK or frag & 0x3FFF or hl < 40:
-            self._single(v)
-            return
-        parts = self._parts
-        if parts is not None:
-            key = self._key
-            if (seq == self._next_seq and not self._psh and plen <= self._mss
-                    and len(parts) < self.max_segments and self._plen + plen + hl <= _MAX_IP_TOTAL
-                    and addrs == key[0] and ports == key[1] and ack == key[2] and win == key[3]
-                    and tos == key[4] and ttl == key[5] and frag == key[6] and doff == key[7]
-                    and (hl == 40 or v[40:hl] == self._opts)):
-                parts.append(v[hl:])
-                self._plen += plen
-                self._next_seq = (seq + plen) & 0xFFFFFFFF
-                if plen < self._mss:
-                    self._psh = True  # a short segment ends the run, as in GRO
-                if fl & TCP_PSH:
-                    self._psh = True
-                    self._first = (self._first[0], True)
-                return
-            self.flush()
-        self._parts = [v[hl:]]
-        self._key = (addrs, ports, ack, win, tos, ttl, frag, doff)
-        self._opts = v[40:hl]
-        self._next_seq = (seq + plen) & 0xFFFFFFFF
-        self._mss = plen
-        self._plen = plen
-        self._hl = hl
-        self._psh = bool(fl & TCP_PSH)
-        self._first = (v, False)
-
-    def _single(self, v) -> None:
-        if self._parts is not None:
-            self.flush()
-        self.written += 1
-        self.write([VNET_HDR_NONE, v])
-
-    def flush(self) -> None:
-        parts = self._parts
-        if parts is None:
-            return
-        self._parts = None
-        first, psh = self._first
-        if len(parts) == 1:
-            self.written += 1
-            self.write([VNET_HDR_NONE, first])
-            return
-        hl = self._hl
-        hdr = bytearray(first[:hl])
-        total = hl + self._plen
-        _pack_H(hdr, 2, total)
-        hdr[10] = hdr[11] = 0
-        _pack_H(hdr, 10, checksum(hdr[:20]))
-        if psh:
-            hdr[33] |= TCP_PSH
-        # CHECKSUM_PARTIAL convention: the field holds the folded pseudo-header sum.
-        ps = pseudo_header_sum(bytes(hdr[12:16]), bytes(hdr[16:20]), IPPROTO_TCP, total - 20)
-        _pack_H(hdr, 36, ps % 0xFFFF or 0xFFFF)
-        vnet = _VNET.pack(VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_TCPV4, hl, self._mss, 20, 16)
-        parts[0] = hdr  # first payload is re-sent as part of the header buffer below
-        parts.insert(1, first[hl:])
-        parts.insert(0, vnet)
-        self.merged += len(parts) - 2
-        self.written += 1
-        self.write(parts)
-
-
-def coalesce_packets(packets: Iterable[bytes], max_segments: int = 64) -> list[tuple[VirtioNetHdr, bytes]]:
-    """Convenience wrapper: coalesce ``packets`` and return (virtio header, packet) per write."""
-    writes: list[tuple[VirtioNetHdr, bytes]] = []
-
-    def write(parts: list) -> None:
-        blob = b"".join(bytes(p) for p in parts)
-        writes.append((VirtioNetHdr.decode(blob), blob[10:]))
-
-    c = Coalescer(write, max_segments)
-    for p in packets:
-        c.add(memoryview(p))
-    c.flush()
-    return writes

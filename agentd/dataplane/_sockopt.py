@@ -63,8 +63,9 @@ def buffer_address(buf: bytearray) -> int:
 class MmsgBatch:
     """A reusable array of ``vlen`` single-iovec messages for sendmmsg/recvmmsg.
 
-    The arrays are built once; per batch only the iovec (base, len) and, for sends, the
-    msg_name pointer are rewritten with ``struct.pack_into`` — no Python objects per packet.
+    The arrays are built once; per batch only the iovecs (base, len) and, for sends, the
+    msg_name pointers are rewritten (through numpy views of the arrays, a whole run at a time)
+    — no Python objects per packet.
     """
 
     def __init__(self, vlen: int) -> None:

@@ -12,6 +12,7 @@ address through h2 and is used to send forged encapsulated packets.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -47,15 +48,21 @@ class TwoHosts:
             host.ip("link", "set", dev, "mtu", str(mtu))
 
     def start_worker(self, kind: str, i: int, control: str, *, mtu: int, offload: bool = True,
-                     extra: tuple[str, ...] = (), stderr=None) -> subprocess.Popen:
+                     extra: tuple[str, ...] = (), stderr=None, source: str | None = None) -> subprocess.Popen:
+        """Start a worker on host ``i``; with ``source`` (a directory holding ``agentd/`` and
+        ``proto/``, e.g. an export of an older commit) that code runs instead of this one."""
         host = self.host(i)
         local = H1_UNDERLAY if i == 1 else H2_UNDERLAY
         argv = [sys.executable, "-m", "agentd.dataplane", kind, "--tun", DEVICE[kind], "--mtu", str(mtu),
                 "--local-ip", local, "--control", control, *extra]
         if not offload:
             argv.append("--no-offload")
+        env = cwd = None
+        if source:
+            env = dict(os.environ, PYTHONPATH=source)
+            cwd = source  # ``-m`` puts the working directory first on sys.path
         proc = host.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                          stderr=stderr if stderr is not None else subprocess.PIPE)
+                          stderr=stderr if stderr is not None else subprocess.PIPE, env=env, cwd=cwd)
         self.workers.append(proc)
         return proc
 

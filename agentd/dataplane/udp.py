@@ -11,11 +11,25 @@ Without the offloads (``offload=False`` or refused by the kernel) it is one ``se
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import os
 import socket
 import struct
 
-from agentd.dataplane._sockopt import IP_MTU_DISCOVER, IP_PMTUDISC_DO, MSG_DONTWAIT, enlarge_buffers
+import numpy as np
+
+from agentd.dataplane._gro import VECTOR_MIN
+from agentd.dataplane._sockopt import (
+    IP_MTU_DISCOVER,
+    IP_PMTUDISC_DO,
+    MMSG_SIZE,
+    MSG_DONTWAIT,
+    MmsgBatch,
+    buffer_address,
+    enlarge_buffers,
+    sockaddr_in,
+)
 
 SOL_UDP = 17
 UDP_SEGMENT = 103
@@ -27,11 +41,37 @@ MAX_GSO_BYTES = 65507
 
 _pack_seg = struct.Struct("=H").pack
 _GRO_ANC = socket.CMSG_SPACE(4)
+_SEG_CMSG = socket.CMSG_SPACE(2)           # one UDP_SEGMENT control message per queued message
+_SEG_DATA = socket.CMSG_LEN(0)             # where its 16-bit gso_size sits
+_CMSG_HDR = struct.Struct("@NiiH")         # cmsg_len, cmsg_level, cmsg_type, gso_size
+_IOV = struct.Struct("@PN")
+_TX_QUEUE = 128
+
+
+class _GsoQueue:
+    """Prebuilt sendmmsg messages, one iovec and one UDP_SEGMENT control message each."""
+
+    def __init__(self, vlen: int) -> None:
+        self.batch = MmsgBatch(vlen)
+        self.control = (ctypes.c_char * (vlen * _SEG_CMSG))()
+        base = ctypes.addressof(self.control)
+        view = memoryview(self.control).cast("B")
+        for i in range(vlen):
+            _CMSG_HDR.pack_into(view, i * _SEG_CMSG, socket.CMSG_LEN(2), SOL_UDP, UDP_SEGMENT, 0)
+            hdr = self.batch.msgs[i].msg_hdr
+            hdr.msg_control = base + i * _SEG_CMSG
+            hdr.msg_controllen = _SEG_CMSG
+            hdr.msg_namelen = 16
+        self.control_view = view
+        self.msgs = self.batch.msgs
+        self.iovs_view = self.batch.iovs_view
+        self.meta: list[tuple[int, int, int, str]] = []   # (offset, length, gso_size, peer) per message
 
 
 class UdpTransport:
     kind = "udp"
     overhead = 28  # outer IPv4 + UDP header
+    holds_tx_buffer = True  # queued messages point into the staging buffer until flush()
 
     def __init__(self, local_ip: str, port: int, *, offload: bool, counters: dict, drops: dict,
                  buffer_bytes: int = 8 << 20) -> None:
@@ -68,6 +108,17 @@ class UdpTransport:
         else:
             self.fallbacks["udp_gso"] = self.fallbacks["udp_gro"] = "disabled by --no-offload"
         self._addr_cache: dict[str, tuple[str, int]] = {}
+        self._rx_src: bytearray | None = None
+        self._txq: _GsoQueue | None = None
+        if self.offloads["udp_gso"]:
+            try:
+                self._txq = _GsoQueue(_TX_QUEUE)
+            except (AttributeError, OSError) as exc:  # no sendmmsg in libc: one sendmsg per run
+                self.fallbacks["sendmmsg"] = f"unavailable: {exc}"
+        self._tx_base = 0
+        self._tx_buf: memoryview | None = None
+        self._names: dict[str, ctypes.Array] = {}
+        self._rx_np: np.ndarray | None = None
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -97,9 +148,73 @@ class UdpTransport:
         c["tx_bytes"] += len(view)
         c["tx_syscalls"] += 1
 
+    def bind_tx_buffer(self, buf: bytearray) -> None:
+        """The worker's staging buffer: queued messages point into it until :meth:`flush`."""
+        self._tx_base = buffer_address(buf)
+        self._tx_buf = memoryview(buf)
+
+    def _name(self, peer: str) -> int:
+        sa = self._names.get(peer)
+        if sa is None:
+            sa = self._names[peer] = sockaddr_in(peer, self.port)
+        return ctypes.addressof(sa)
+
     def queue_run(self, buf: memoryview, off: int, seglen: int, count: int, total: int, peer: str) -> None:
         """Send ``count`` packets laid out back to back in ``buf[off:off+total]``, each
-        ``seglen`` bytes except the last.  One sendmsg per GSO-sized chunk."""
+        ``seglen`` bytes except the last: one GSO message per (at most 64 KB) chunk, queued
+        until :meth:`flush` when ``buf`` is the bound staging buffer."""
+        q = self._txq
+        if q is not None and self.offloads["udp_gso"] and self._tx_buf is not None and buf.obj is self._tx_buf.obj:
+            per_send = min(MAX_GSO_SEGMENTS, MAX_GSO_BYTES // seglen) * seglen
+            name = self._name(peer)
+            end = off + total
+            vlen = q.batch.vlen
+            while off < end:
+                n = min(per_send, end - off)
+                i = len(q.meta)
+                if i == vlen:
+                    self.flush()
+                    i = 0
+                _IOV.pack_into(q.iovs_view, i * 16, self._tx_base + off, n)
+                q.msgs[i].msg_hdr.msg_name = name
+                struct.pack_into("=H", q.control_view, i * _SEG_CMSG + _SEG_DATA, seglen)
+                q.meta.append((off, n, seglen, peer))
+                off += n
+            return
+        self._send_now(buf, off, seglen, count, total, peer)
+
+    def flush(self) -> None:
+        q = self._txq
+        if q is None or not q.meta:
+            return
+        meta, q.meta = q.meta, []
+        c = self.c
+        start = 0
+        while start < len(meta):
+            sent = q.batch.sendmmsg(self.sock.fileno(), q.batch.msgs_addr + start * MMSG_SIZE, len(meta) - start, 0)
+            c["tx_syscalls"] += 1
+            if sent < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                off, n, seglen, peer = meta[start]
+                if err in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP):
+                    # The device or kernel refused GSO: per datagram from now on.
+                    self.offloads["udp_gso"] = False
+                    self.fallbacks["udp_gso"] = f"UDP_SEGMENT send failed: {os.strerror(err)}"
+                    for off, n, seglen, peer in meta[start:]:
+                        self._send_now(self._tx_buf, off, seglen, -(-n // seglen), n, peer)
+                    return
+                self._send_failed(OSError(err, os.strerror(err)), -(-n // seglen))
+                start += 1
+                continue
+            for off, n, seglen, _peer in meta[start : start + sent]:
+                c["tx_packets"] += -(-n // seglen)
+                c["tx_bytes"] += n
+            start += sent
+
+    def _send_now(self, buf: memoryview, off: int, seglen: int, count: int, total: int, peer: str) -> None:
+        """One sendmsg per GSO-sized chunk (or one sendto per packet without GSO)."""
         addr = self.peer_address(peer)
         c = self.c
         if count == 1 or not self.offloads["udp_gso"]:
@@ -133,7 +248,7 @@ class UdpTransport:
                     # The device or kernel refused GSO: per-datagram from now on.
                     self.offloads["udp_gso"] = False
                     self.fallbacks["udp_gso"] = f"UDP_SEGMENT send failed: {exc.strerror}"
-                    self.queue_run(buf, off, seglen, -(-(end - off) // seglen), end - off, peer)
+                    self._send_now(buf, off, seglen, -(-(end - off) // seglen), end - off, peer)
                     return
                 self._send_failed(exc, -(-n // seglen))
             else:
@@ -141,9 +256,6 @@ class UdpTransport:
                 c["tx_bytes"] += n
                 c["tx_syscalls"] += 1
             off += n
-
-    def flush(self) -> None:
-        """Nothing is queued: runs leave as they are handed over."""
 
     def _send_failed(self, exc: OSError, packets: int) -> None:
         reason = "mtu" if exc.errno == errno.EMSGSIZE else "send_error"
@@ -180,6 +292,10 @@ class UdpTransport:
             return
         recvmsg_into = self.sock.recvmsg_into
         bufs = [rxbuf]
+        if self._rx_src is not rxbuf:
+            self._rx_src, self._rx_np = rxbuf, np.frombuffer(rxbuf, np.uint8)
+        arr = self._rx_np
+        add_segments = coalescer.add_segments
         for _ in range(budget):
             try:
                 n, anc, _flags, addr = recvmsg_into(bufs, _GRO_ANC, MSG_DONTWAIT)
@@ -193,6 +309,11 @@ class UdpTransport:
             if addr[0] not in members:
                 drops["non_member"] += -(-n // seg) if seg else 1
                 continue
+            if n >= VECTOR_MIN * seg and add_segments(arr, 0, seg, n):
+                # One GRO read of equal-sized datagrams: checked and merged in one go.
+                c["rx_packets"] += -(-n // seg)
+                c["rx_bytes"] += n
+                continue
             good = 0
             for off in range(0, n, seg):
                 v = mv[off : off + seg] if off + seg <= n else mv[off:n]
@@ -202,6 +323,7 @@ class UdpTransport:
                     continue
                 good += 1
                 add(v)
-            coalescer.flush()
             c["rx_packets"] += good
             c["rx_bytes"] += n
+        # The open run goes out once the socket is drained (it may go on across reads).
+        coalescer.flush()

@@ -3,12 +3,15 @@
 It runs beside the agent (same network namespace), never inside the agent's asyncio loop: a
 tight blocking ``poll`` loop over the TUN fd, the underlay socket and a unix control socket.
 
-TUN -> underlay: with offloads one read returns a TCP super-packet (up to 64 KB) that is
-segmented in user space (:func:`segment_tcp4`) into a staging buffer and handed to the
-transport as one run (one UDP-GSO sendmsg, or part of one sendmmsg).  Underlay -> TUN: a UDP
-GRO read or a recvmmsg batch yields many inner packets; :class:`Coalescer` merges each flow's
-in-order segments into one super-packet per TUN write.  Without offloads it is one read and one
-send per packet (flannel's model), kept as a separate, lean loop so the baseline is honest.
+TUN -> underlay: with offloads one read returns a TCP super-packet (up to 64 KB), read
+straight into a block of segment slots; the super-packets at hand (up to ``_TSO_BLOCKS``) are
+segmented in place by one vectorized pass (``_tso.TsoSegmenter``, numpy) and handed to the
+transport in the order they were read, one run each (one UDP GSO message of one sendmmsg, or
+part of one IPIP sendmmsg).  Underlay -> TUN: a UDP GRO read or a recvmmsg batch yields many
+inner packets; ``_gro.Coalescer`` checks a whole batch with a few numpy calls and merges each
+flow's in-order segments into one super-packet per TUN write.  Without offloads it is one read
+and one send per packet (flannel's model), kept as a separate, lean loop so the baseline is
+honest.
 
 Control protocol (JSON lines over the unix socket; one response line per request):
 ``{"op": "set_next_hops", "next_hops": {prefix: underlay_ip}}``,
@@ -35,14 +38,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from agentd.dataplane._forward import (
-    Coalescer,
-    ForwardError,
-    NextHopTable,
-    complete_checksum,
-    parse_members,
-    segment_tcp4,
-)
+from agentd.dataplane._forward import ForwardError, NextHopTable, complete_checksum, parse_members
+from agentd.dataplane._gro import Coalescer
+from agentd.dataplane._tso import TsoSegmenter
 from agentd.dataplane.ipip import IpipTransport
 from agentd.dataplane.tun import TunError, check_name, local_source_accepted, open_tun
 from agentd.dataplane.udp import UdpTransport
@@ -67,13 +65,15 @@ TTL_DECREMENT = {"udp": True, "ipip": False}
 DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "not_ipv4", "send_error",
                 "tun_write_error")
 COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
-            "tun_reads", "tun_writes", "tso_frames", "tso_segments", "icmp_sent")
+            "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "icmp_sent")
 
 _VNET = struct.Struct("<BBHHHH")
 _TUN_BUF = 65536 + 64
-_OUT_BUF = 1 << 20
+_TSO_BLOCKS = 16  # super-packets read (into their own blocks) before one vectorized segmentation
+_OUT_BUF = 3 << 20  # the blocks (~70 KB each), then room for plain packets and the copied path
 _OUT_HEADROOM = 256 << 10  # a 64 KB super-packet with a tiny MSS still fits after this
-_RX_BUF = 1 << 19  # 256 IPIP slots of 2 KB, or one 64 KB GRO read
+_SINGLES = 1 << 20  # out[-_SINGLES:]: plain packets waiting (in order) for the blocks' segmentation
+_RX_BUF = (1 << 19) + 4096  # 256 IPIP slots of 2 KB (+ slack for numpy row views), or a 64 KB GRO read
 _BUDGET = 64
 
 
@@ -136,6 +136,9 @@ class Worker:
         self.rxbuf = bytearray(_RX_BUF)
         if hasattr(self.transport, "bind_tx_buffer"):
             self.transport.bind_tx_buffer(self.out)
+        self.segmenter = TsoSegmenter(self.tunbuf, self.out, mtu=cfg.mtu,
+                                      blocks=_TSO_BLOCKS if cfg.offload and user_tso else 0,
+                                      block_area=_OUT_BUF - _SINGLES)
         self.coalescer = Coalescer(self._tun_write) if cfg.offload else _SingleWriter(self._tun_write)
         self.offloads = {**self.tun.offloads, **self.transport.offloads, "tun_coalesce": cfg.offload}
         self.fallbacks = {**self.tun.fallbacks, **self.transport.fallbacks}
@@ -247,6 +250,8 @@ class Worker:
             "controllers": len(self.clients),
             **self.c,
             "coalesced_segments": getattr(self.coalescer, "merged", 0),
+            "coalesced_batches": getattr(self.coalescer, "batches", 0),
+            "tso_gathered": self.segmenter.gathered,
             "drops": dict(self.drops),
             "offloads": dict(self.offloads, **self.transport.offloads),
             "fallbacks": dict(self.fallbacks, **self.transport.fallbacks),
@@ -327,85 +332,139 @@ class Worker:
         self.c["icmp_sent"] += 1
 
     def _from_tun_offload(self) -> None:
-        """TUN -> underlay with TSO super-packets, segmented into the staging buffer."""
+        """TUN -> underlay with TSO super-packets.
+
+        Each super-packet is read straight into its own block of segment slots; up to
+        ``_TSO_BLOCKS`` of them are segmented by one vectorized pass, then everything read
+        goes out in the order it was read (plain packets wait in a side area meanwhile: a
+        flow's packets must not overtake each other)."""
+        seg = self.segmenter
         fd = self.tun.fd
-        readv = os.readv
-        bufs = [self.tunbuf]
-        tb = self.tunbuf
-        mv = memoryview(tb)
-        out = memoryview(self.out)
-        limit = len(out) - _OUT_HEADROOM
+        read = seg.read
+        fits = seg.fits
+        vnet = seg.vnet
+        out = self.out
+        omv = memoryview(out)
         unpack = _VNET.unpack_from
         cache = self.route_cache
-        transport = self.transport
-        queue_run = transport.queue_run
         drops = self.drops
-        c = self.c
         mtu = self.cfg.mtu
         ttl_dec = self.ttl_decrement
-        wo = 0
-        reads = frames = segs = 0
+        singles_start = len(out) - _SINGLES
+        so = singles_start
+        order: list[tuple] = []  # ("block", j, n, peer) or ("one", offset, length, peer), as read
+        lengths: list[int] = []  # bytes read per block, for the vectorized pass
+        j = 0
+        reads = 0
         for _ in range(_BUDGET):
             try:
-                n = readv(fd, bufs)
+                n = read(fd, j)
             except BlockingIOError:
                 break
             reads += 1
-            if n < 30 or tb[10] >> 4 != 4:
+            b = j * seg.block_bytes
+            if n < 30 or out[b] >> 4 != 4:
                 drops["malformed" if n < 30 else "not_ipv4"] += 1
                 continue
-            flags, gso_type, _hl, gso_size, cs, co = unpack(tb, 0)
-            dst = bytes(tb[26:30])
+            flags, gso_type, _hl, gso_size, cs, co = unpack(vnet, j * 10)
+            dst = bytes(out[b + 16 : b + 20])
             peer = cache.get(dst, 0)
             if peer == 0:
                 peer = self._resolve(dst)
             if peer is None:
                 drops["no_route"] += 1
-                self._icmp(icmp_net_unreachable, mv[10:n])
+                self._icmp(icmp_net_unreachable, omv[b : b + min(n - 10, seg.geometry.stride)])
                 continue
-            pkt = mv[10:n]
             gso_type &= 0x7F
-            if gso_type == VIRTIO_NET_HDR_GSO_TCPV4:
-                try:
-                    count, seglen, total = segment_tcp4(pkt, gso_size, out[wo:], ttl_dec)
-                except ForwardError as exc:
-                    drops[exc.reason] += 1
-                    if exc.reason == "ttl_exceeded":
-                        self._icmp(icmp_time_exceeded, pkt)
-                    continue
-                if seglen > mtu:
-                    drops["mtu"] += count
-                    continue
-                frames += 1
-                segs += count
-            elif gso_type == VIRTIO_NET_HDR_GSO_NONE:
-                try:
-                    if flags & VIRTIO_NET_HDR_F_NEEDS_CSUM:
-                        complete_checksum(tb, 10, n, cs, co)
-                except ForwardError:
-                    drops["malformed"] += 1
-                    continue
-                if ttl_dec and not decrement_ttl(tb, 10):
+            if gso_type == VIRTIO_NET_HDR_GSO_TCPV4 and fits(j, n, gso_size):
+                if ttl_dec and out[b + 8] <= 1:
                     drops["ttl_exceeded"] += 1
-                    self._icmp(icmp_time_exceeded, pkt)
+                    self._icmp(icmp_time_exceeded, omv[b : b + seg.geometry.stride])
                     continue
-                total = seglen = n - 10
-                count = 1
+                if seg.geometry.stride > mtu:
+                    drops["mtu"] += -(-(n - 10 - seg.geometry.hl) // gso_size)
+                    continue
+                order.append(("block", j, n, peer))
+                lengths.append(n)
+                j += 1
+                if j == seg.blocks:
+                    self._send_in_order(order, lengths)
+                    order, lengths, j, so = [], [], 0, singles_start
+                continue
+            if gso_type == VIRTIO_NET_HDR_GSO_NONE:
+                pkt = seg.packet(j, n)
+                if pkt is None:
+                    pkt = seg.gather(j, n)  # longer than a segment slot: beyond the MTU anyway
+                total = len(pkt)
                 if total > mtu:
                     drops["mtu"] += 1
                     continue
-                out[wo : wo + total] = pkt
-            else:
-                drops["malformed"] += 1  # GSO kinds we never enable (TCPv6, UDP)
+                if so + total > len(out):
+                    self._send_in_order(order, lengths)
+                    order, lengths, j, so = [], [], 0, singles_start
+                out[so : so + total] = pkt
+                try:
+                    if flags & VIRTIO_NET_HDR_F_NEEDS_CSUM:
+                        complete_checksum(out, so, so + total, cs, co)
+                except ForwardError:
+                    drops["malformed"] += 1
+                    continue
+                if ttl_dec and not decrement_ttl(out, so):
+                    drops["ttl_exceeded"] += 1
+                    self._icmp(icmp_time_exceeded, omv[so : so + total])
+                    continue
+                order.append(("one", so, total, peer))
+                so += total
                 continue
-            queue_run(out, wo, seglen, count, total, peer)
-            wo += total
-            if wo > limit:
-                transport.flush()
-                wo = 0
-        transport.flush()
-        c["tun_reads"] += reads
-        c["tso_frames"] += frames
+            # A super-packet the blocks do not fit (another MSS or header length, IP options,
+            # one segment) or a GSO kind we never enable: after everything before it, copied.
+            self._send_in_order(order, lengths)
+            order, lengths, so = [], [], singles_start
+            if gso_type != VIRTIO_NET_HDR_GSO_TCPV4:
+                drops["malformed"] += 1  # GSO kinds we never enable (TCPv6, UDP)
+                j = 0
+                continue
+            pkt = seg.gather(j, n)
+            j = 0
+            try:
+                count, seglen, total = seg.segment(10, n - 10, gso_size, 0, ttl_dec)
+            except ForwardError as exc:
+                drops[exc.reason] += 1
+                if exc.reason == "ttl_exceeded":
+                    self._icmp(icmp_time_exceeded, pkt)
+                continue
+            if seglen > mtu:
+                drops["mtu"] += count
+                continue
+            self.c["tso_frames"] += 1
+            self.c["tso_segments"] += count
+            self.transport.queue_run(omv, 0, seglen, count, total, peer)
+            self.transport.flush()
+        self._send_in_order(order, lengths)
+        self.c["tun_reads"] += reads
+
+    def _send_in_order(self, order: list[tuple], lengths: list[int]) -> None:
+        """Segment the pending blocks in one vectorized pass, then hand every pending run to
+        the transport in the order it was read, and flush (the blocks are reused next)."""
+        if not order:
+            return
+        c = self.c
+        runs = iter(self.segmenter.segment_blocks(len(lengths), lengths, self.ttl_decrement)) if lengths else None
+        queue_run = self.transport.queue_run
+        out = memoryview(self.out)
+        block_bytes = self.segmenter.block_bytes
+        segs = 0
+        for kind, where, size, peer in order:
+            if kind == "block":
+                count, stride, total = next(runs)
+                queue_run(out, where * block_bytes, stride, count, total, peer)
+                segs += count
+            else:
+                queue_run(out, where, size, 1, size, peer)
+        self.transport.flush()
+        if lengths:
+            c["tso_batches"] += 1
+        c["tso_frames"] += len(lengths)
         c["tso_segments"] += segs
 
     def _from_tun_batched(self) -> None:
@@ -672,7 +731,10 @@ def main(argv: list[str] | None = None) -> int:
     if profile:  # cProfile the forwarding loop; stats land in PROFILE.<kind>.<pid>
         import cProfile
 
-        prof = cProfile.Profile()
+        # CPU time, not wall time: on a shared 2-core machine preemption would otherwise be
+        # charged to whatever call was running (AGENTD_DATAPLANE_PROFILE_CLOCK=wall for waits).
+        wall = os.environ.get("AGENTD_DATAPLANE_PROFILE_CLOCK") == "wall"
+        prof = cProfile.Profile() if wall else cProfile.Profile(time.thread_time)
         try:
             return prof.runcall(worker.run)
         finally:

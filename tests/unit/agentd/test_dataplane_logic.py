@@ -1,22 +1,24 @@
-"""Pure forwarding logic of the user-space data plane: next hops, members, TSO segmentation,
-GRO-style coalescing, checksum completion."""
+"""Pure forwarding logic of the user-space data plane: next hops, members, TSO segmentation
+(the scalar reference and the vectorized segmenter, byte for byte), GRO-style coalescing (per
+packet and whole batches, packet for packet the same writes), checksum completion."""
 
 import struct
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentd.dataplane._forward import (
-    Coalescer,
     ForwardError,
     NextHopTable,
-    coalesce_packets,
     complete_checksum,
     parse_members,
     segment_tcp4,
     segment_tcp4_packets,
 )
+from agentd.dataplane._gro import Coalescer, coalesce_packets
+from agentd.dataplane._tso import TsoSegmenter
 from proto import packet as P
 
 SRC, DST = "10.244.1.2", "10.244.2.2"
@@ -153,6 +155,175 @@ def test_segment_refuses_ttl_one_and_garbage():
         segment_tcp4(memoryview(b"\x45" + bytes(50)), 1448, out)
 
 
+def vector_segments(sp: bytes, mss: int, ttl_decrement=False, *, start=10, off=0):
+    inbuf, out = bytearray(70000), bytearray(1 << 20)
+    inbuf[start : start + len(sp)] = sp
+    seg = TsoSegmenter(inbuf, out)
+    count, seglen, total = seg.segment(start, len(sp), mss, off, ttl_decrement)
+    return (count, seglen, total), bytes(out[off : off + total]), seg.vectorized
+
+
+def scalar_segments(sp: bytes, mss: int, ttl_decrement=False):
+    out = bytearray(1 << 20)
+    count, seglen, total = segment_tcp4(memoryview(sp), mss, out, ttl_decrement)
+    return (count, seglen, total), bytes(out[:total])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    payload=st.binary(min_size=1, max_size=66000 - 60),
+    mss=st.one_of(st.sampled_from([1420, 1428, 1448, 536, 1000, 1002, 1001, 100]), st.integers(8, 1460)),
+    seq=st.one_of(st.integers(0, 0xFFFFFFFF), st.integers(0xFFFFFFFF - 70000, 0xFFFFFFFF)),
+    ident=st.one_of(st.integers(0, 0xFFFF), st.integers(0xFFC0, 0xFFFF)),
+    opts=st.sampled_from([b"", TS_OPTS, b"\x01\x01\x01\x01"]),
+    flags=st.sampled_from([P.TCP_ACK, P.TCP_ACK | P.TCP_PSH, P.TCP_ACK | P.TCP_FIN | P.TCP_PSH,
+                           P.TCP_ACK | P.TCP_CWR, P.TCP_ACK | P.TCP_CWR | P.TCP_PSH | P.TCP_FIN]),
+    ttl=st.integers(2, 255),
+    ttl_decrement=st.booleans(),
+    place=st.sampled_from([(10, 0), (0, 0), (3, 131072), (10, 77)]),
+)
+def test_vectorized_segmentation_equals_the_scalar_reference(payload, mss, seq, ident, opts, flags, ttl,
+                                                             ttl_decrement, place):
+    """The numpy segmenter writes exactly the bytes segment_tcp4 writes (which the tests above
+    check against the naive RFC 1071 checksum), for any MSS, wrap of ID and sequence number,
+    flags, options and buffer offsets; what it cannot view it hands to the reference."""
+    sp = super_packet(payload, seq=seq, ident=ident, opts=opts, flags=flags, ttl=ttl)
+    got, data, vectorized = vector_segments(sp, mss, ttl_decrement, start=place[0], off=place[1])
+    assert (got, data) == scalar_segments(sp, mss, ttl_decrement)
+    hl = 40 + len(opts)
+    assert vectorized == (mss % 2 == 0 and len(payload) > mss and -(-len(payload) // mss) <= 1024)
+    if vectorized:  # spot-check one segment against the naive checksum as well
+        s = data[: got[1]]  # the first segment, always a full one here
+        tcp_len = len(s) - 20
+        assert P.checksum_naive(s[:20]) == 0 and len(s) == hl + mss
+        assert P.checksum_naive(s[20:], P.pseudo_header_sum(s[12:16], s[16:20], 6, tcp_len)) == 0
+
+
+def test_vectorized_segmentation_typical_super_packet():
+    payload = bytes(range(256)) * 254  # 65024 bytes: 46 segments of 1420 (the UDP path's MSS)
+    sp = super_packet(payload, seq=0xFFFFF000, ident=0xFFF0, flags=P.TCP_ACK | P.TCP_PSH)
+    (count, seglen, total), data, vectorized = vector_segments(sp, 1420, True)
+    assert vectorized == 1 and count == 46 and seglen == 1472
+    segs = [data[i : i + seglen] for i in range(0, total, seglen)]
+    assert len(segs) == 46 and len(segs[-1]) == 52 + 65024 - 45 * 1420
+    for i, s in enumerate(segs):
+        ip, tcp, _ = parse(s)
+        assert P.ipv4_header_checksum_ok(s) and P.transport_checksum_ok(s)
+        assert ip.ttl == 62 and ip.identification == (0xFFF0 + i) & 0xFFFF
+        assert tcp.seq == (0xFFFFF000 + i * 1420) & 0xFFFFFFFF
+        assert tcp.flags == (P.TCP_ACK | P.TCP_PSH if i == 45 else P.TCP_ACK)
+
+
+def test_vectorized_segmentation_refuses_what_the_reference_refuses():
+    inbuf, out = bytearray(70000), bytearray(1 << 20)
+    seg = TsoSegmenter(inbuf, out)
+    sp = super_packet(b"x" * 3000, ttl=1)
+    inbuf[10 : 10 + len(sp)] = sp
+    with pytest.raises(ForwardError) as e:
+        seg.segment(10, len(sp), 1448, 0, True)
+    assert e.value.reason == "ttl_exceeded"
+    udp = P.udp_datagram(SRC, DST, 1, 2, b"x" * 3000)
+    inbuf[10 : 10 + len(udp)] = udp
+    with pytest.raises(ForwardError) as e:
+        seg.segment(10, len(udp), 1448, 0)
+    assert e.value.reason == "malformed"
+    with pytest.raises(ForwardError) as e:  # does not fit behind the given offset
+        seg.segment(10, len(sp), 1448, len(out) - 1000)
+    assert e.value.reason == "malformed"
+
+
+def tun_frame(payload: bytes, mss: int, **kw) -> bytes:
+    """What a TUN with IFF_VNET_HDR and TSO hands over: virtio-net header + super-packet."""
+    sp = super_packet(payload, **kw)
+    hl = 40 + len(kw.get("opts", TS_OPTS))
+    vnet = P.VirtioNetHdr(flags=P.VIRTIO_NET_HDR_F_NEEDS_CSUM, gso_type=P.VIRTIO_NET_HDR_GSO_TCPV4,
+                          hdr_len=hl, gso_size=mss, csum_start=20, csum_offset=16)
+    return vnet.encode() + sp
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 65000), st.sampled_from([1420, 1420, 1420, 1000, 1432, 536, 1419]),
+                          st.sampled_from([TS_OPTS, TS_OPTS, b""]), st.integers(0, 0xFFFFFFFF),
+                          st.sampled_from([P.TCP_ACK, P.TCP_ACK | P.TCP_PSH, P.TCP_ACK | P.TCP_CWR | P.TCP_FIN])),
+                min_size=1, max_size=12),
+       st.booleans())
+def test_block_mode_reads_into_segment_slots_and_segments_like_the_reference(frames, ttl_decrement):
+    """The worker's fast path: readv (over an AF_UNIX seqpacket pair, like a TUN one packet
+    per read) straight into a block of segment slots; blocks that fit the expected geometry are
+    segmented in place, in one vectorized pass; the others are gathered and segmented from a
+    copy (and the layout follows them).  Every byte must equal the scalar reference's."""
+    import socket
+
+    inbuf, out = bytearray(70000), bytearray(3 << 20)
+    seg = TsoSegmenter(inbuf, out, mtu=1472, blocks=4, block_area=2 << 20)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    try:
+        pending, j = [], 0
+
+        def flush():
+            nonlocal pending
+            if pending:
+                results = seg.segment_blocks(len(pending), [n for _, n, _ in pending], ttl_decrement)
+                for (jj, _n, sp), (count, stride, total) in zip(pending, results):
+                    want = scalar_segments(sp, sp_mss[jj], ttl_decrement)
+                    assert (count, stride if count > 1 else total, total) == want[0]
+                    assert bytes(out[jj * seg.block_bytes : jj * seg.block_bytes + total]) == want[1]
+            pending = []
+
+        sp_mss = {}
+        for plen, mss, opts, seq, flags in frames:
+            frame = tun_frame(bytes([plen & 0xFF]) * plen, mss, opts=opts, seq=seq, flags=flags)
+            a.send(frame)
+            n = seg.read(b.fileno(), j)
+            assert n == len(frame)
+            if seg.fits(j, n, mss):
+                pending.append((j, n, frame[10:]))
+                sp_mss[j] = mss
+                j += 1
+                if j == seg.blocks:
+                    flush()
+                    j = 0
+                continue
+            flush()
+            assert bytes(seg.gather(j, n)) == frame[10:]
+            j = 0
+            got = seg.segment(10, n - 10, mss, 0, ttl_decrement)
+            want = scalar_segments(frame[10:], mss, ttl_decrement)
+            assert (got[0], got[2], bytes(out[: got[2]])) == (want[0][0], want[0][2], want[1])
+        flush()
+        with pytest.raises(BlockingIOError):
+            b.setblocking(False)
+            seg.read(b.fileno(), 0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_block_layout_keeps_small_packets_contiguous_and_follows_the_flow():
+    inbuf, out = bytearray(70000), bytearray(3 << 20)
+    seg = TsoSegmenter(inbuf, out, mtu=1472, blocks=2, block_area=2 << 20)
+    assert seg.geometry.hl == 52 and seg.geometry.stride == 1472
+    ack = P.VNET_HDR_NONE + seg_packet_ack()
+    views = seg.read_iovecs(1)
+    views[0][:10], views[1][: len(ack) - 10] = ack[:10], ack[10:]
+    assert bytes(seg.packet(1, len(ack))) == ack[10:]  # a plain packet lies whole in the first row
+    # A flow without timestamps (40-byte headers, MSS 1432): gathered once, then expected.
+    frame = tun_frame(b"q" * 20000, 1432, opts=b"")
+    pos = 0
+    for v in seg.read_iovecs(0):
+        take = min(len(v), len(frame) - pos)
+        v[:take] = frame[pos : pos + take]
+        pos += take
+    assert not seg.fits(0, len(frame), 1432)
+    assert bytes(seg.gather(0, len(frame))) == frame[10:]
+    assert (seg.geometry.hl, seg.geometry.gso, seg.gathered) == (40, 1432, 1)
+
+
+def seg_packet_ack():
+    return P.tcp_packet(SRC, DST, P.TcpHeader(40000, 5201, 1, 2, P.TCP_ACK, 502, options=TS_OPTS))
+
+
 # -- coalescing ------------------------------------------------------------------------------------
 
 
@@ -207,3 +378,121 @@ def test_complete_checksum_for_udp_never_writes_zero():
     assert P.transport_checksum_ok(pkt)
     with pytest.raises(ForwardError):
         complete_checksum(pkt, 0, len(pkt), 20, 600)
+
+
+# -- batches: the vectorized path makes exactly the writes the per-packet path makes -----------------
+
+def batch_writes(packets, chunks, stride=2048):
+    """Feed ``packets`` to one Coalescer in batches of the given sizes (2 KB slots, like
+    recvmmsg); a batch add_batch refuses goes packet by packet.  Returns the writes and
+    how many batches were taken whole."""
+    writes = []
+
+    def write(parts):
+        blob = b"".join(bytes(p) for p in parts)
+        writes.append((P.VirtioNetHdr.decode(blob), blob[10:]))
+
+    c = Coalescer(write)
+    i = 0
+    for size in chunks:
+        chunk = packets[i : i + size]
+        i += size
+        if not chunk:
+            break
+        buf = bytearray(stride * len(chunk))
+        for j, p in enumerate(chunk):
+            buf[j * stride : j * stride + len(p)] = p
+        if not c.add_batch(np.frombuffer(buf, np.uint8), 0, stride, np.array([len(p) for p in chunk])):
+            for p in chunk:
+                c.add(memoryview(p))
+    for p in packets[i:]:
+        c.add(memoryview(p))
+    c.flush()
+    return writes, c.batches
+
+
+@st.composite
+def segment_streams(draw):
+    mss = draw(st.sampled_from([1000, 1420, 300]))
+    n = draw(st.integers(1, 120))
+    seq = draw(st.integers(0, 0xFFFFFFFF))
+    events = draw(st.lists(st.sampled_from(["full"] * 30 + ["short", "psh", "gap", "flow", "fin", "ttl"]),
+                           min_size=n, max_size=n))
+    packets = []
+    for ev in events:
+        ln = mss if ev != "short" else draw(st.integers(1, mss - 1))
+        kw = {}
+        flags = P.TCP_ACK | (P.TCP_PSH if ev == "psh" else 0) | (P.TCP_FIN if ev == "fin" else 0)
+        if ev == "flow":
+            kw["dport"] = 5202
+        if ev == "ttl":
+            kw["ttl"] = 9
+        if ev == "gap":
+            seq = (seq + 1) & 0xFFFFFFFF
+        packets.append(seg(seq, data=bytes([len(packets) & 0xFF]) * ln, flags=flags, **kw))
+        seq = (seq + ln) & 0xFFFFFFFF
+    chunks = draw(st.lists(st.integers(1, 70), min_size=1, max_size=10))
+    return packets, chunks
+
+
+def test_a_batch_with_non_tcp_packets_of_full_size_merges_only_the_tcp_runs():
+    """Two full-sized ICMP packets between two runs, crafted so that read as TCP they would
+    follow on (byte 33 says ACK, bytes 24-27 advance by the payload length): they must go out
+    on their own, unchanged."""
+    def echo(rest: int) -> bytes:
+        body = bytearray(P.icmp_message(8, 0, rest, bytes(1024)))
+        body[2:4] = b"\x12\x34"  # the same checksum bytes in both (TCP's port bytes 22-23)
+        body[13] = P.TCP_ACK      # packet byte 33
+        return P.ipv4_packet(P.IPv4Header(src=SRC, dst=DST, protocol=P.IPPROTO_ICMP), bytes(body))
+
+    icmp = [echo(5000), echo(6000)]
+    assert len(icmp[0]) == len(seg(1)) and icmp[0][33] == P.TCP_ACK
+    packets = [seg(1 + i * 1000) for i in range(8)] + icmp + [seg(8001 + i * 1000) for i in range(8)]
+    got, batches = batch_writes(packets, [len(packets)])
+    assert batches == 1 and got == coalesce_packets(packets)
+    assert [(v.gso_type, len(p)) for v, p in got] == [(1, 52 + 8000), (0, 1052), (0, 1052), (1, 52 + 8000)]
+    assert [got[1][1], got[2][1]] == icmp
+
+
+@settings(max_examples=120, deadline=None)
+@given(segment_streams())
+def test_batches_coalesce_exactly_like_packet_by_packet(stream):
+    packets, chunks = stream
+    want = coalesce_packets(packets)
+    got, _ = batch_writes(packets, chunks)
+    assert got == want
+    assert b"".join(parse(p)[2] for _, p in got) == b"".join(parse(p)[2] for p in packets)
+
+
+def test_a_clean_batch_goes_through_numpy_and_runs_continue_across_batches():
+    packets = [seg(1 + i * 1000) for i in range(50)] + [seg(50001, flags=P.TCP_ACK | P.TCP_PSH)]
+    got, batches = batch_writes(packets, [30, 21])
+    assert batches == 2  # both whole; the run goes on across them and PSH ends it
+    assert [(v.gso_type, v.gso_size, len(p)) for v, p in got] == [(1, 1000, 52 + 51 * 1000)]
+    got, batches = batch_writes(packets, [20, 20, 11])
+    assert batches == 3 and len(got) == 1 and got == coalesce_packets(packets)
+
+
+def test_add_batch_refuses_malformed_batches_without_taking_anything():
+    good = [seg(1 + i * 1000) for i in range(10)]
+    bad = bytearray(good[4])
+    bad[3] ^= 1  # IP total length no longer the packet length: malformed, counted per packet
+    for packets in ([*good[:4], bytes(bad), *good[5:]], good[:4]):  # malformed; too few for numpy
+        c = Coalescer(lambda parts: pytest.fail("nothing may be written"))
+        buf = bytearray(2048 * len(packets))
+        for j, p in enumerate(packets):
+            buf[j * 2048 : j * 2048 + len(p)] = p
+        assert not c.add_batch(np.frombuffer(buf, np.uint8), 0, 2048, np.array([len(p) for p in packets]))
+        assert c.merged == c.written == c.batches == 0
+
+
+def test_a_batch_spanning_super_packets_is_cut_where_gro_would_cut_it():
+    """A recvmmsg batch holds segments of several TSO super-packets: the timestamp option
+    changes between them (so GRO cuts there), other flows and gaps come in between."""
+    ts = [b"\x01\x01\x08\x0a" + struct.pack("!II", t, 7) for t in (100, 101, 102)]
+    packets = [seg(1 + i * 1000, opts=ts[i // 20]) for i in range(60)]
+    packets.insert(30, seg(5, dport=5202))          # another flow in between
+    packets[45:46] = []                             # a lost segment: a gap
+    got, batches = batch_writes(packets, [len(packets)])
+    assert batches == 1 and got == coalesce_packets(packets)
+    assert [len(p) for _, p in got] == [52 + n * 1000 for n in (20, 10, 1, 10, 4, 15)]

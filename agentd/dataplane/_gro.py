@@ -1,0 +1,397 @@
+"""GRO in user space: consecutive in-order TCP/IPv4 segments of one flow become one TSO
+super-packet written to the TUN (virtio-net header GSO_TCPV4 + NEEDS_CSUM), following the
+rules of Linux ``tcp_gro_receive``: identical IP/TCP headers except ID, length, checksums and
+sequence number; contiguous sequence numbers; every segment but the last exactly ``gso_size``
+(a shorter one, or one with PSH, ends the run); only ACK (and PSH) set; no IP options or
+fragments; at most 64 KB.
+
+The open run lives in one staging buffer laid out exactly as the TUN write wants it (virtio-net
+header, the first segment's headers, then the payloads back to back), so a flush is one
+``write`` and a run can go on across receive calls.  Packets arrive either one by one
+(:meth:`Coalescer.add`) or as a batch of equally spaced packets (:meth:`Coalescer.add_batch`:
+a UDP GRO read, a recvmmsg batch), which is checked with a handful of numpy calls over all
+headers at once and copied with one strided copy per run.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from proto.packet import (
+    IPPROTO_TCP,
+    TCP_ACK,
+    TCP_PSH,
+    VIRTIO_NET_HDR_F_NEEDS_CSUM,
+    VIRTIO_NET_HDR_GSO_TCPV4,
+    VNET_HDR_NONE,
+    VirtioNetHdr,
+    checksum,
+    pseudo_header_sum,
+)
+
+VNET_LEN = 10
+MAX_IP_TOTAL = 0xFFFF
+VECTOR_MIN = 6  # below this many packets the per-packet path is cheaper than numpy's call overhead
+
+_VNET = struct.Struct("<BBHHHH")
+_unpack_I = struct.Struct("!I").unpack_from
+_pack_H = struct.Struct("!H").pack_into
+_ZERO4 = b"\0\0\0\0"
+
+
+def _flow_key(h) -> bytes:
+    """The header bytes that must match for two segments to merge: everything but total
+    length, ID, IP checksum, sequence number, TCP checksum and PSH."""
+    k = bytearray(h)
+    k[2:6] = _ZERO4
+    k[10] = k[11] = 0
+    k[24:28] = _ZERO4
+    k[33] &= ~TCP_PSH & 0xFF
+    k[36] = k[37] = 0
+    return bytes(k)
+
+
+_MASKS: dict[int, np.ndarray] = {}
+
+
+def _mask(hl: int) -> np.ndarray:
+    m = _MASKS.get(hl)
+    if m is None:
+        m = np.full(hl, 0xFF, np.uint8)
+        m[2:6] = m[10:12] = m[24:28] = m[36:38] = 0
+        m[33] = ~TCP_PSH & 0xFF
+        m = _MASKS[hl] = m
+    return m
+
+
+class _BatchViews:
+    """numpy views and scratch arrays for one batch geometry (made once: making a view costs
+    about as much as using it)."""
+
+    __slots__ = ("hl", "grid", "h_next", "h_prev", "flags_head", "tot", "tot_head", "seq_next", "seq_prev",
+                 "diff", "headers", "run_mask", "masked", "expect", "expect_seq", "expect_tot")
+
+    def __init__(self, arr: np.ndarray, base: int, stride: int, k: int, hl: int) -> None:
+        self.hl = hl
+        self.grid = grid = arr[base : base + k * stride].reshape(k, stride)
+        # One run, checked in one go: every header equals the first but for ID, checksums and
+        # PSH on the last packet, with the length and sequence number predicted.
+        self.headers = grid[:, :hl]
+        self.run_mask = np.full((k, hl), 0xFF, np.uint8)
+        self.run_mask[:, 4:6] = self.run_mask[:, 10:12] = self.run_mask[:, 36:38] = 0
+        self.run_mask[k - 1, 33] = ~TCP_PSH & 0xFF
+        self.masked = np.empty((k, hl), np.uint8)
+        self.expect = np.empty((k, hl), np.uint8)
+        self.expect_seq = self.expect[:, 24:28].view(">u4")[:, 0]
+        self.expect_tot = self.expect[:, 2:4].view(">u2")[:, 0]
+        # Otherwise: where the runs start.
+        self.h_next = grid[1:, :hl]
+        self.h_prev = grid[:-1, :hl]
+        self.flags_head = grid[:-1, 33]
+        self.tot = grid[:, 2:4].view(">u2")[:, 0]
+        self.tot_head = self.tot[:-1]
+        seqs = grid[:, 24:28].view(">u4")[:, 0]
+        self.seq_next = seqs[1:]
+        self.seq_prev = seqs[:-1]
+        self.diff = np.empty((k - 1, hl), np.uint8)
+
+
+class Coalescer:
+    """Merge consecutive in-order TCP/IPv4 segments of one flow into super-packets.
+
+    ``write(parts)`` receives a list of buffers whose concatenation is one TUN write (a
+    virtio-net header and a packet).  Call :meth:`flush` when no more packets are at hand.
+    """
+
+    def __init__(self, write: Callable[[list], object], max_segments: int = 64) -> None:
+        self.write = write
+        self.max_segments = max_segments
+        self.stage = bytearray(VNET_LEN + MAX_IP_TOTAL + 64)
+        self._stage_mv = memoryview(self.stage)
+        self._stage_np = np.frombuffer(self.stage, np.uint8)
+        self._n = 0          # segments in the open run (0: none)
+        self._hl = 0
+        self._mss = 0
+        self._end = 0        # stage offset just past the last payload byte
+        self._next_seq = 0
+        self._key = b""
+        self._open = False   # may the run still grow (no PSH, no short segment, room left)?
+        self._psh = False
+        self._cap = 0        # segments this run may hold
+        self.merged = 0      # segments that went out inside a super-packet
+        self.written = 0     # TUN writes issued
+        self.batches = 0     # batches taken whole by the vectorized path
+        self._views: dict[tuple, _BatchViews] = {}
+        self._steps: dict[int, np.ndarray] = {}
+
+    # -- one packet -----------------------------------------------------------------------------
+
+    def add(self, v) -> None:
+        """One IPv4 packet (a memoryview of exactly the packet)."""
+        n = len(v)
+        if n < 40 or v[0] != 0x45 or v[9] != IPPROTO_TCP:
+            self._single(v)
+            return
+        hl = 20 + ((v[32] >> 4) << 2)
+        plen = n - hl
+        fl = v[33]
+        if ((v[2] << 8) | v[3]) != n or plen <= 0 or (fl & ~TCP_PSH) != TCP_ACK or (v[6] & 0x3F) or v[7] \
+                or hl < 40:
+            self._single(v)
+            return
+        seq = _unpack_I(v, 24)[0]
+        if self._open and seq == self._next_seq and hl == self._hl and plen <= self._mss \
+                and self._run_key() == _flow_key(v[:hl]):
+            end = self._end
+            self.stage[end : end + plen] = v[hl:]
+            self._end = end + plen
+            self._n += 1
+        else:
+            self.flush()
+            self._start(v, hl, plen)
+        self._next_seq = (seq + plen) & 0xFFFFFFFF
+        if fl & TCP_PSH:
+            self._psh = True
+        if fl & TCP_PSH or plen < self._mss or self._n >= self._cap:
+            self.flush()
+
+    def _start(self, v, hl: int, plen: int) -> None:
+        n = hl + plen
+        self.stage[VNET_LEN : VNET_LEN + n] = v[:n]
+        self._n = 1
+        self._hl = hl
+        self._mss = plen
+        self._end = VNET_LEN + n
+        self._key = _flow_key(v[:hl])
+        self._open = True
+        self._psh = False
+        self._cap = min(self.max_segments, (MAX_IP_TOTAL - hl) // plen)
+
+    def _run_key(self) -> bytes:
+        key = self._key
+        if key is None:
+            key = self._key = _flow_key(self._stage_mv[VNET_LEN : VNET_LEN + self._hl])
+        return key
+
+    def _single(self, v) -> None:
+        self.flush()
+        self.written += 1
+        self.write([VNET_HDR_NONE, v])
+
+    # -- a batch of equally spaced packets ------------------------------------------------------
+
+    def add_segments(self, arr: np.ndarray, base: int, seg: int, n: int) -> bool:
+        """A UDP GRO read: ``n`` bytes at ``arr[base:]`` holding packets of ``seg`` bytes each
+        (the last may be shorter).  As :meth:`add_batch`; a read is mostly one run (one UDP GSO
+        send of one TSO super-packet), which is checked with half a dozen numpy calls."""
+        k = -(-n // seg)
+        vw = self._batch_views(arr, base, seg, k)
+        if vw is None:
+            return False
+        hl = vw.hl
+        mss = seg - hl
+        last = n - (k - 1) * seg
+        lens = [seg] * (k - 1) + [last]
+        h0 = vw.grid[0, :28].tobytes()
+        steps = self._steps.get(mss)
+        if steps is None:
+            steps = self._steps[mss] = np.arange(1024, dtype=np.uint32) * np.uint32(mss)
+        if mss > 0 and last > hl and (h0[2] << 8 | h0[3]) == seg and k <= len(steps):
+            masked = np.bitwise_and(vw.headers, vw.run_mask, out=vw.masked)
+            expect = vw.expect
+            expect[...] = masked[0]
+            vw.expect_seq[...] = steps[:k] + np.uint32(_unpack_I(h0, 24)[0])
+            vw.expect_tot[k - 1] = last
+            if not np.count_nonzero(np.bitwise_xor(masked, expect, out=expect)):
+                self._cut(vw, mss, [], lens)
+                return True
+        if mss <= 0 or last <= hl or int(vw.tot[k - 1]) != last or np.count_nonzero(vw.tot_head != seg):
+            return False          # a total length that is not the packet length, pure ACKs, ...
+        starts = self._header_changes(vw)
+        starts |= (vw.seq_next - vw.seq_prev) != mss
+        starts |= vw.flags_head & TCP_PSH
+        self._cut(vw, mss, starts.nonzero()[0].tolist(), lens)
+        return True
+
+    def add_batch(self, arr: np.ndarray, base: int, stride: int, lens: np.ndarray) -> bool:
+        """Take the ``len(lens)`` IPv4 packets at ``arr[base + i*stride:][:lens[i]]``.
+
+        The batch is checked in one go: every total length must be the packet length
+        (otherwise nothing is taken and False returned: the caller checks and counts packet by
+        packet), then it is cut where GRO would cut it (another flow or header, a gap in
+        sequence numbers, after PSH or a short segment) and each piece is copied into a run
+        with one strided copy; what cannot be merged at all goes through :meth:`add`."""
+        k = len(lens)
+        vw = self._batch_views(arr, base, stride, k)
+        if vw is None or np.count_nonzero(vw.tot != lens):
+            return False          # a total length that is not the packet length: malformed
+        hl = vw.hl
+        plens = lens - hl
+        if np.minimum.reduce(plens) <= 0:
+            return False          # pure ACKs, other header lengths: per packet
+        mss = int(np.maximum.reduce(plens))
+        if hl + mss > stride:
+            return False
+        starts = self._header_changes(vw)
+        starts |= (vw.seq_next - vw.seq_prev) != plens[:-1]
+        starts |= vw.flags_head & TCP_PSH
+        starts |= plens[:-1] < mss
+        self._cut(vw, mss, starts.nonzero()[0].tolist(), lens.tolist())
+        return True
+
+    def _batch_views(self, arr: np.ndarray, base: int, stride: int, k: int) -> _BatchViews | None:
+        if k < VECTOR_MIN or base + k * stride > len(arr):
+            return None
+        h0 = arr[base : base + 40].tobytes()
+        if h0[0] != 0x45 or h0[9] != IPPROTO_TCP:
+            return None
+        hl = 20 + ((h0[32] >> 4) << 2)
+        if hl < 40 or hl > stride:
+            return None
+        key = (id(arr), base, stride, k, hl)  # a cached view keeps its array alive: ids stay unique
+        vw = self._views.get(key)
+        if vw is None:
+            if len(self._views) > 1024:
+                self._views.clear()
+            vw = self._views[key] = _BatchViews(arr, base, stride, k, hl)
+        return vw
+
+    @staticmethod
+    def _header_changes(vw: _BatchViews) -> np.ndarray:
+        """Per packet after the first: does its header differ from the previous packet's in
+        anything but ID, length, checksums, sequence number and PSH?  (Where a run must
+        start; uint8, non-zero for yes.)"""
+        diff = np.bitwise_xor(vw.h_next, vw.h_prev, out=vw.diff)
+        np.bitwise_and(diff, _mask(vw.hl), out=diff)
+        return np.bitwise_or.reduce(diff, axis=1)
+
+    def _cut(self, vw: _BatchViews, mss: int, cuts: list[int], lens: list[int]) -> None:
+        """Add the runs the batch falls into: a run ends at each cut (the next packet must
+        start a run) and at the last packet."""
+        self.batches += 1
+        grid, hl = vw.grid, vw.hl
+        a = 0
+        for e in cuts + [len(lens) - 1]:
+            # A run that ended (PSH, a short segment) must not go on, even with the same flow.
+            ended = bool(grid[e, 33] & TCP_PSH) or lens[e] - hl < mss
+            self._add_run(grid, hl, mss, a, e + 1, ended, lens)
+            a = e + 1
+
+    def _add_run(self, grid: np.ndarray, hl: int, mss: int, a: int, e: int, ended: bool, lens: list[int]) -> None:
+        """Rows ``a..e-1`` share their headers (but ID, length, checksums, sequence number,
+        PSH) and follow on in sequence space; all but the last are ``mss`` long."""
+        h = grid[a, :40].tobytes()
+        if h[0] != 0x45 or h[9] != IPPROTO_TCP or 20 + ((h[32] >> 4) << 2) != hl or (h[33] & ~TCP_PSH) != TCP_ACK \
+                or h[6] & 0x3F or h[7] or lens[a] - hl < mss:
+            # Not TCP with the batch's header length (a ping among the segments, a flow with
+            # other options), not mergeable (flags, fragments), or it starts with a short
+            # segment: packet by packet (the rows of a run share all these bytes).
+            for i in range(a, e):
+                self.add(memoryview(grid[i, : lens[i]]))
+            return
+        while a < e:
+            if self._open:
+                if self._mss == mss and self._hl == hl and self._next_seq == _unpack_I(grid[a, 24:28].tobytes(), 0)[0] \
+                        and self._run_key() == _flow_key(grid[a, :hl].tobytes()):
+                    a = self._extend(grid, hl, a, e, ended, lens)
+                    continue
+                self.flush()
+            self._start_row(grid[a], hl, mss)
+            a = self._extend(grid, hl, a, e, ended, lens)
+
+    def _start_row(self, row: np.ndarray, hl: int, mss: int) -> None:
+        self._stage_np[VNET_LEN : VNET_LEN + hl] = row[:hl]
+        self._n = 0
+        self._hl = hl
+        self._mss = mss
+        self._end = VNET_LEN + hl
+        self._key = None     # made from the staged header when a packet asks to join
+        self._open = True
+        self._psh = False
+        self._cap = min(self.max_segments, (MAX_IP_TOTAL - hl) // mss)
+
+    def _extend(self, grid: np.ndarray, hl: int, start: int, e: int, ended: bool, lens: list[int]) -> int:
+        """Append rows ``start..e-1`` (as many as the open run has room for) to the open run;
+        returns the first row not taken.  The run is flushed when full or when row ``e-1``,
+        which ended it, went in."""
+        mss = self._mss
+        stop = min(e, start + self._cap - self._n)   # exclusive
+        full = stop - start - 1       # rows before the last are exactly mss long
+        end = self._end
+        if full > 0:
+            self._stage_np[end : end + full * mss].reshape(full, mss)[...] = grid[start : start + full, hl : hl + mss]
+            end += full * mss
+        last = stop - 1
+        tail = lens[last] - hl
+        self._stage_np[end : end + tail] = grid[last, hl : hl + tail]
+        self._end = end + tail
+        self._n += stop - start
+        row = grid[last, :40].tobytes()
+        self._next_seq = (_unpack_I(row, 24)[0] + tail) & 0xFFFFFFFF
+        if row[33] & TCP_PSH:
+            self._psh = True
+        if (ended and stop == e) or self._n >= self._cap:
+            self.flush()
+        return stop
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        n = self._n
+        if not n:
+            return
+        self._n = 0
+        self._open = False
+        stage = self.stage
+        end = self._end
+        hl = self._hl
+        self.written += 1
+        if n == 1:
+            # Unchanged: the first segment's own header is in the stage.
+            stage[:VNET_LEN] = VNET_HDR_NONE
+            self.write([self._stage_mv[:end]])
+            return
+        total = end - VNET_LEN
+        h = VNET_LEN
+        _pack_H(stage, h + 2, total)
+        stage[h + 10] = stage[h + 11] = 0
+        _pack_H(stage, h + 10, checksum(self._stage_mv[h : h + 20]))
+        if self._psh:
+            stage[h + 33] |= TCP_PSH
+        # CHECKSUM_PARTIAL convention: the TCP checksum field holds the folded pseudo-header sum.
+        ps = pseudo_header_sum(bytes(stage[h + 12 : h + 16]), bytes(stage[h + 16 : h + 20]), IPPROTO_TCP, total - 20)
+        _pack_H(stage, h + 36, ps % 0xFFFF or 0xFFFF)
+        _VNET.pack_into(stage, 0, VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_TCPV4, hl, self._mss, 20, 16)
+        self.merged += n
+        self.write([self._stage_mv[:end]])
+
+
+def coalesce_packets(packets: Iterable[bytes], max_segments: int = 64,
+                     batch: bool = False) -> list[tuple[VirtioNetHdr, bytes]]:
+    """Convenience wrapper: coalesce ``packets`` and return (virtio header, packet) per write.
+    With ``batch`` the packets go through :meth:`Coalescer.add_batch` (laid out in 2 KB slots)
+    where it takes them, else one by one."""
+    writes: list[tuple[VirtioNetHdr, bytes]] = []
+
+    def write(parts: list) -> None:
+        blob = b"".join(bytes(p) for p in parts)
+        writes.append((VirtioNetHdr.decode(blob), blob[10:]))
+
+    c = Coalescer(write, max_segments)
+    packets = [bytes(p) for p in packets]
+    stride = max([len(p) for p in packets] + [2048])
+    if batch and packets:
+        buf = bytearray(stride * len(packets))
+        for i, p in enumerate(packets):
+            buf[i * stride : i * stride + len(p)] = p
+        arr = np.frombuffer(buf, np.uint8)
+        if c.add_batch(arr, 0, stride, np.array([len(p) for p in packets], np.int64)):
+            c.flush()
+            return writes
+    for p in packets:
+        c.add(memoryview(p))
+    c.flush()
+    return writes
