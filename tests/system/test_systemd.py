@@ -34,7 +34,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
 from agentd.lab.etcd import EtcdServer
 from agentd.lab.lab import Lab, LabSpec, render_toml

@@ -4,7 +4,7 @@ DecodeError only."""
 import struct
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from proto import packet as P
