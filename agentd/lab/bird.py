@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentd.lab.netns import Netns
+from agentd.lab.netns import Netns, stop_process
 
 BIRD_BINARY = "bird"
 BIRDC_BINARY = "birdc"
@@ -123,15 +123,7 @@ class Bird:
         proc = self._proc
         if proc is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGCONT)  # a frozen BIRD cannot act on SIGTERM
-                proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_process(proc, timeout)
         self._proc = None
         self._close_stderr()
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .netns import Netns
+from .netns import Netns, stop_process
 
 API = "127.0.0.1"
 
@@ -69,13 +68,8 @@ class GoBgp:
         raise GoBgpError(f"gobgpd API did not answer within {timeout}s: {self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def log_tail(self, lines: int = 20) -> str:
         try:

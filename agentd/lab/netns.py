@@ -239,6 +239,21 @@ def veth(a: Netns, if_a: str, b: Netns, if_b: str, *, mtu: int | None = None, up
         b.ip("link", "set", if_b, "up")
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
+    """SIGCONT (a frozen process cannot act on SIGTERM), SIGTERM, wait; SIGKILL after ``timeout``.
+    Returns the exit status; idempotent."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
 def list_names(prefix: str = NAME_PREFIX) -> list[str]:
     try:
         names = os.listdir(NETNS_DIR)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from agentd.lab.netns import Netns
+from agentd.lab.netns import Netns, stop_process
 
 DEFAULT_API = "127.0.0.1:9099"
 START_TIMEOUT = 15.0
@@ -185,18 +185,10 @@ class SpeakerProcess:
         proc = self._proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGCONT)  # a frozen speaker cannot act on SIGTERM
-                proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        code = stop_process(proc, timeout)
         self._proc = None
         self._close_log()
-        return proc.returncode
+        return code
 
     def kill(self) -> None:
         """SIGKILL (a crash: the kernel closes its TCP sessions) and wait."""
