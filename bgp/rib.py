@@ -156,21 +156,34 @@ class Rib:
         self._promoted(family).add(path)
         if not isinstance(prefixes, (list, tuple)):
             prefixes = list(prefixes)
-        if not loc or loc.keys().isdisjoint(prefixes):
-            # The common case when a table arrives: prefixes nobody had (an Adj-RIB-In prefix is
-            # always in the Loc-RIB, so checking the Loc-RIB is enough).  dict operations in C,
-            # no Python loop per prefix; the batch remembers the list itself ("best was None").
-            fresh = dict.fromkeys(prefixes, path)
+        # The common case when a table arrives: prefixes nobody had.  Then dict operations in
+        # C do it all, no Python loop per prefix, and the batch remembers the list itself ("best
+        # was None").  Every Adj-RIB-In prefix is in the Loc-RIB, so equal sizes mean this
+        # source holds every Loc-RIB prefix (a single feed, or the first one): then whether the
+        # prefixes were new shows in how much this Adj-RIB-In grew, and they need no lookup
+        # in the Loc-RIB beforehand.  Otherwise the Loc-RIB is asked first.
+        fresh = dict.fromkeys(prefixes, path)
+        if len(loc) == len(adj):
+            before = len(adj)
+            adj.update(fresh)
+            if len(adj) - before == len(fresh):
+                loc.update(fresh)
+                self._fresh.setdefault(family, []).append(prefixes if len(fresh) == len(prefixes) else list(fresh))
+                return
+            adj_done = True  # some were known: merged one by one below (adj already holds path)
+        elif not loc or loc.keys().isdisjoint(fresh):
             adj.update(fresh)
             loc.update(fresh)
-            self._fresh.setdefault(family, []).append(prefixes)
+            self._fresh.setdefault(family, []).append(prefixes if len(fresh) == len(prefixes) else list(fresh))
             return
+        else:
+            adj_done = False
         changes = self._changes_for(family)
         for prefix in prefixes:
-            old = adj.get(prefix)
-            if old is path:
-                continue  # the same announcement again
-            adj[prefix] = path
+            if not adj_done:
+                if adj.get(prefix) is path:
+                    continue  # the same announcement again
+                adj[prefix] = path
             cur = loc.get(prefix)
             if cur is None:
                 loc[prefix] = path
@@ -337,6 +350,10 @@ class Rib:
                 yield prefix, new
         for prefixes in fresh:
             for prefix in prefixes:
+                # A prefix changed earlier in the batch and then announced fresh was reported
+                # (or found unchanged) by the loop above.
+                if changes and prefix in changes:
+                    continue
                 cur = get(prefix)
                 if cur is not None:
                     yield prefix, (cur if type(cur) is Path else cur[0])
@@ -376,8 +393,16 @@ class Rib:
             c = self._changes[family] = {}
         fresh = self._fresh.pop(family, None)
         if fresh:
-            for prefixes in fresh:
-                c.update(dict.fromkeys(prefixes))
+            if c:
+                # A prefix can be fresh after an earlier change in this batch (withdrawn, then
+                # announced again): its entry already holds the best from before the batch.
+                setdefault = c.setdefault
+                for prefixes in fresh:
+                    for prefix in prefixes:
+                        setdefault(prefix, None)
+            else:
+                for prefixes in fresh:
+                    c.update(dict.fromkeys(prefixes))
         return c
 
 

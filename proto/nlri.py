@@ -10,6 +10,7 @@ makes a million-route table cheap.  The address family travels alongside, never 
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable
 from enum import IntEnum
 from ipaddress import IPv4Network, IPv6Network
@@ -46,9 +47,35 @@ def _steps(max_len: int) -> tuple[int, ...]:
 _STEP = {1: _steps(32), 2: _steps(128)}
 # Mask of the host bits in the last address octet, by prefix length (0: none).
 _HOST_MASK = tuple((0xFF >> (n & 7)) if n & 7 else 0 for n in range(256))
-# translate() tables that keep only the bits of a mask, one per host-bit mask value.
-_AND = {m: bytes(b & m for b in range(256)) for m in set(_HOST_MASK) if m}
 _NET_MASK = tuple((0xFF << (8 - (n & 7))) & 0xFF if n & 7 else 0xFF for n in range(256))
+
+
+def _wire_pattern(max_len: int, common: tuple[int, ...]) -> re.Pattern[bytes]:
+    # One alternative per prefix length: the length octet, the address octets, and for a
+    # length that ends inside an octet a last octet with its host bits clear.  A field
+    # findall() tiles completely is exactly what the octet-by-octet walk would accept
+    # (the alternatives are told apart by their first octet, which sre tests before
+    # entering one), and it is cut into bytes objects without a Python-level loop.  The
+    # common lengths go first: sre tries the alternatives in order.
+    alts = []
+    for plen in common + tuple(n for n in range(max_len + 1) if n not in common):
+        octets = (plen + 7) >> 3
+        host = _HOST_MASK[plen]
+        alt = re.escape(bytes((plen,)))
+        if octets:
+            alt += b".{%d}" % (octets - 1) if octets > 1 else b""
+            if host:
+                alt += b"[" + b"".join(re.escape(bytes((o,))) for o in range(256) if not o & host) + b"]"
+            else:
+                alt += b"."
+        alts.append(alt)
+    return re.compile(b"|".join(alts), re.DOTALL)
+
+
+_WIRE = {
+    1: _wire_pattern(32, (24, 22, 23, 21, 20, 19, 16, 18, 17)),
+    2: _wire_pattern(128, (48, 32, 44, 40, 36, 29, 64, 56, 47, 46)),
+}
 
 
 def _bad_network(message: str) -> DecodeError:
@@ -62,22 +89,16 @@ def decode_prefixes_at(data: bytes, start: int, end: int, afi: int) -> list[byte
     step = _STEP.get(afi)
     if step is None:
         raise _bad_network(f"unsupported AFI {afi}")
-    mask = _HOST_MASK
-    if end - start >= 64:
-        # Fast path: a field where every prefix has the same length (a table of /24s,
-        # /64s...) is cut with one slicing comprehension.  The strided slice holds the
-        # octet where each prefix would start; if they all carry the first length, that
-        # is exactly how the loop below would have walked the field.
-        plen = data[start]
-        size = step[plen]
-        if size and (end - start) % size == 0:
-            lengths = data[start:end:size]
-            if lengths.count(plen) == len(lengths):
-                host = mask[plen]
-                if not host or not data[start + size - 1 : end : size].translate(_AND[host]).strip(b"\x00"):
-                    return [data[i : i + size] for i in range(start, end, size)]
-    out: list[bytes] = []
+    # Fast path, in C: a well-formed field whose host bits are clear (every field a sane
+    # speaker sends) is cut by one regular-expression pass.  Anything else (a bad length,
+    # an overrun, host bits set) leaves octets unmatched and takes the walk below, which
+    # says what is wrong or repairs the host bits.
+    out = _WIRE[afi].findall(data, start, end)
+    if sum(map(len, out)) == end - start:
+        return out
+    out = []
     append = out.append
+    mask = _HOST_MASK
     pos = start
     while pos < end:
         plen = data[pos]

@@ -2,6 +2,10 @@
 
 from ipaddress import IPv4Address, ip_address
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bgp import bestpath
 from bgp.rib import Rib, Source
 from proto.attributes import AsPath, LocalPref, Origin, PathAttributes
 from proto.nlri import IPV4_UNICAST, prefix_from_str
@@ -123,3 +127,67 @@ def test_batches_do_not_leak_into_each_other():
     rib.withdraw("10.0.0.1", IPV4_UNICAST, [P1])
     (ch,) = rib.take_changes()
     assert ch.old is a and ch.new is None
+
+
+# --------------------------------------------------------------- model check
+
+_PREFIXES = [prefix_from_str(f"10.{i}.0.0/16")[1] for i in range(8)]
+_SOURCES = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+_ATTR_SETS = [PathAttributes((Origin(0), AsPath(()), LocalPref(lp))) for lp in (100, 200, 300)]
+
+_op = st.one_of(
+    st.tuples(st.just("announce"), st.sampled_from(_SOURCES), st.lists(st.sampled_from(_PREFIXES), max_size=6), st.integers(0, 2)),
+    st.tuples(st.just("withdraw"), st.sampled_from(_SOURCES), st.lists(st.sampled_from(_PREFIXES), max_size=6), st.just(0)),
+    st.tuples(st.just("drop"), st.sampled_from(_SOURCES), st.just([]), st.just(0)),
+    st.tuples(st.just("batch"), st.just(""), st.just([]), st.just(0)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_op, max_size=40))
+def test_rib_agrees_with_a_model(ops):
+    """Whatever the order of announcements, re-announcements, withdrawals and drops from
+    several sources: the Loc-RIB holds exactly the Adj-RIBs-In's candidates, its best is the
+    decision process's pick, and each batch reports exactly the prefixes whose best changed."""
+    rib = Rib()
+    model: dict[str, dict[bytes, object]] = {}
+    for s in _SOURCES:
+        rib.attach(source(s))
+        model[s] = {}
+
+    def bests():
+        out = {}
+        for p in _PREFIXES:
+            cands = [model[s][p] for s in _SOURCES if p in model[s]]
+            if cands:
+                out[p] = bestpath.select(cands)[0]
+        return out
+
+    before = bests()
+    for kind, src, prefixes, attrs in ops + [("batch", "", [], 0)]:
+        if kind == "announce":
+            path = rib.adj_in[src].path(_ATTR_SETS[attrs], ip_address(src))
+            rib.announce(src, IPV4_UNICAST, list(prefixes), path)
+            model[src].update(dict.fromkeys(prefixes, path))
+        elif kind == "withdraw":
+            rib.withdraw(src, IPV4_UNICAST, list(prefixes))
+            for p in prefixes:
+                model[src].pop(p, None)
+        elif kind == "drop":
+            rib.drop(src)
+            rib.attach(source(src))
+            model[src] = {}
+        else:
+            after = bests()
+            changes = rib.take_changes()
+            reported = {c.prefix: c.new for c in changes}
+            assert len(reported) == len(changes), changes  # one change per prefix
+            assert all(c.old is before.get(c.prefix) for c in changes)
+            assert reported == {p: after.get(p) for p in set(before) | set(after) if before.get(p) is not after.get(p)}
+            before = after
+        for p in _PREFIXES:
+            cands = [model[s][p] for s in _SOURCES if p in model[s]]
+            assert set(map(id, rib.candidates(IPV4_UNICAST, p))) == set(map(id, cands))
+            for s in _SOURCES:
+                assert rib.adj_in[s].tables.get(IPV4_UNICAST, {}).get(p) is model[s].get(p)
+    assert rib.best(IPV4_UNICAST, _PREFIXES[0]) is before.get(_PREFIXES[0])

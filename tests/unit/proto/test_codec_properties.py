@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ipaddress import IPv4Address, IPv6Address
 
+import pytest
 from codec_build import MANDATORY, NLRI, attr, update
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -300,3 +301,37 @@ def test_decode_prefixes_same_length_fields(plen: int, addresses: list[bytes], m
         value = int.from_bytes(p[1:].ljust(16, b"\x00"), "big") >> (128 - n) << (128 - n) if n else 0
         expected.append(bytes((n,)) + value.to_bytes(16, "big")[: (n + 7) // 8])
     assert decode_prefixes(b"".join(raw), 2) == expected
+
+
+def _walk_prefixes(data: bytes, afi: int) -> list[bytes] | None:
+    """The octet-by-octet reading of an NLRI field (RFC 4271 §4.3), host bits cleared; None if invalid."""
+    max_len, pos, out = (32 if afi == 1 else 128), 0, []
+    while pos < len(data):
+        n = data[pos]
+        size = (n + 7) // 8
+        if n > max_len or pos + 1 + size > len(data):
+            return None
+        value = int.from_bytes(data[pos + 1 : pos + 1 + size].ljust(16, b"\x00"), "big") >> (128 - n) << (128 - n) if n else 0
+        out.append(bytes((n,)) + value.to_bytes(16, "big")[:size])
+        pos += 1 + size
+    return out
+
+
+@FAST
+@given(
+    st.sampled_from([1, 2]),
+    st.lists(st.tuples(st.integers(0, 130), st.binary(min_size=16, max_size=16)), max_size=60),
+    st.integers(0, 3),
+)
+def test_decode_prefixes_mixed_fields_agree_with_the_walk(afi: int, items: list, trim: int) -> None:
+    """The one-pass regular-expression cut must give what the walk gives, for every mix of
+    lengths, host bits set or clear, and for invalid lengths and overruns the same error."""
+    data = b"".join(bytes((n,)) + a[: (n + 7) // 8] for n, a in items)
+    data = data[: len(data) - trim] if trim < len(data) else data
+    expected = _walk_prefixes(data, afi)
+    if expected is None:
+        with pytest.raises(DecodeError) as info:
+            decode_prefixes(data, afi)
+        assert (info.value.code, info.value.subcode) == (3, 10)
+    else:
+        assert decode_prefixes(data, afi) == expected
