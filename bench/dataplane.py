@@ -1,6 +1,6 @@
 """Pod-to-pod TCP throughput and latency across the data-plane paths, side by side.
 
-    python bench/dataplane.py [--seconds 10] [--only udp,ipip,...] [--compare DIR]
+    python bench/dataplane.py [--seconds 10] [--rounds 3] [--only udp,ipip,...] [--compare DIR]
 
 Builds the two-host topology of agentd.dataplane._testbed afresh for every row (namespaces
 only; removed at the end), runs ONE iperf3 TCP stream pod -> pod and 20 pings per row:
@@ -15,6 +15,10 @@ only; removed at the end), runs ONE iperf3 TCP stream pod -> pod and 20 pings pe
   ... before   with --compare DIR: the same paths run by the code in DIR (a directory holding
                agentd/ and proto/, e.g. ``git archive HEAD~1 agentd proto | tar -x -C DIR``),
                in the same run, so before and after see the same machine
+
+Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...),
+so a slow spell of the machine hits all of them alike; the table shows each row's median
+round, its range, and ratios of medians.
 
 The machine has 2 cores: iperf3 client, iperf3 server, both workers and the kernel's softirq
 work all compete for them, so the user-space rows measure total CPU cost per byte.  The
@@ -108,7 +112,7 @@ def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def run_row(kind: str, opts: dict, seconds: int, tag: str, n: int) -> tuple[float, float, str, str]:
+def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[float, float, str, str]:
     def make(role: str) -> Netns:
         return Netns.create(f"ad-{tag}-{n}{role}")
 
@@ -180,6 +184,8 @@ def _control(path: str, lines: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=int, default=10, help="iperf3 duration per row (default 10)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="run every row this many times, interleaved; the table shows medians (default 3)")
     ap.add_argument("--only", help="comma-separated row names to run (anchors always run)")
     ap.add_argument("--compare", metavar="DIR",
                     help="also run the udp and ipip rows with the code in DIR (holding agentd/ and proto/)")
@@ -193,37 +199,50 @@ def main() -> int:
         at = next(i for i, r in enumerate(rows) if r[0] == "udp")
         rows[at:at] = [("udp before", "udp", {"offload": True, "source": source}),
                        ("ipip before", "ipip", {"offload": True, "source": source})]
+    if args.rounds < 1 or args.seconds < 1:
+        print("bench/dataplane.py: --rounds and --seconds must be at least 1", file=sys.stderr)
+        return 1
     if os.geteuid() != 0:
         print("bench/dataplane.py: needs root (network namespaces)", file=sys.stderr)
         return 1
     wanted = set(args.only.split(",")) if args.only else None
     tag = unique_tag("bdp")
-    results = []
+    runs: dict[str, list[tuple[float, float, str, str]]] = {}
     background = busy_share()
     load = os.getloadavg()
+    selected = [
+        (n, name, kind, opts) for n, (name, kind, opts) in enumerate(rows)
+        if not wanted or name in wanted or kind in ("raw", "vxlan")
+        or (name.endswith(" before") and name.split()[0] in wanted)
+    ]
     try:
-        for n, (name, kind, opts) in enumerate(rows):
-            if wanted and name not in wanted and kind not in ("raw", "vxlan") \
-                    and not (name.endswith(" before") and name.split()[0] in wanted):
-                continue
-            gbps, lat, cpu, per64k = run_row(kind, opts, args.seconds, tag, n)
-            results.append((name, gbps, lat, cpu, per64k))
-            print(f"  measured {name:<13} {gbps:6.2f} Gbit/s", file=sys.stderr, flush=True)
+        for r in range(args.rounds):
+            for n, name, kind, opts in selected:
+                got = run_row(kind, opts, args.seconds, tag, f"r{r}n{n}")
+                runs.setdefault(name, []).append(got)
+                print(f"  round {r + 1}/{args.rounds} {name:<13} {got[0]:6.2f} Gbit/s", file=sys.stderr, flush=True)
+            delete_matching(f"ad-{tag}-r{r}n")
     finally:
         delete_matching(f"ad-{tag}-")
+    results = []
+    for name, got in runs.items():
+        ordered = sorted(got, key=lambda g: g[0])
+        mid = ordered[len(ordered) // 2]  # the median round (the upper one of an even count)
+        spread = f"{ordered[0][0]:.2f}-{ordered[-1][0]:.2f}" if len(got) > 1 else ""
+        results.append((name, mid[0], mid[1], mid[2], mid[3], spread))
     by = {r[0]: r[1] for r in results}
     raw, vx = by.get("raw veth") or float("nan"), by.get("kernel vxlan") or float("nan")
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s, pod -> pod (2 cores shared by "
-          "iperf3 x2, both workers and softirq)")
+          f"iperf3 x2, both workers and softirq); median of {args.rounds} interleaved rounds")
     after = os.getloadavg()
     print(f"machine CPU busy before the run (other jobs): {background * 100:.0f}%; load average "
           f"{load[0]:.2f} before, {after[0]:.2f} after"
           + ("  <- rows are skewed by other load" if background > 0.1 else "") + "\n")
-    print(f"{'path':<14} {'Gbit/s':>7} {'x raw veth':>10} {'x vxlan':>8} {'ping ms':>8}  {'worker CPU tx / rx':<19}"
-          " us CPU per 64 KB tx / rx")
-    print("-" * 100)
-    for name, gbps, lat, cpu, per64k in results:
-        print(f"{name:<14} {gbps:7.2f} {gbps / raw:10.2f} {gbps / vx:8.2f} {lat:8.3f}  {cpu:<19} {per64k}")
+    print(f"{'path':<14} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x vxlan':>8} {'ping ms':>8}  "
+          f"{'worker CPU tx / rx':<19} us CPU per 64 KB tx / rx")
+    print("-" * 112)
+    for name, gbps, lat, cpu, per64k, spread in results:
+        print(f"{name:<14} {gbps:7.2f} {spread:>11} {gbps / raw:10.2f} {gbps / vx:8.2f} {lat:8.3f}  {cpu:<19} {per64k}")
     print("\nanchors (context, not measured here):")
     for a in ANCHORS:
         print(f"  - {a}")
