@@ -119,6 +119,17 @@ async def claim(
     return Claim.TAKEN if entry is None else Claim.RETRY
 
 
+async def rewrite(client: EtcdClient, prefix: str, old: SubnetLease, new: SubnetLease) -> bool:
+    """Replace our subnet record ``old`` by ``new`` (same subnet, same lease) if it is unchanged."""
+    key = subnet_key(prefix, old.subnet)
+    ok, _ = await client.transaction(
+        compare=[tx.Value(key) == old.to_json()],
+        success=[tx.Put(key, new.to_json(), lease=new.lease_id)],
+        failure=[],
+    )
+    return ok
+
+
 async def release(client: EtcdClient, prefix: str, held: dict[IPv4Network, Entry]) -> bool:
     """Delete the given subnet keys if none changed since we read them."""
     keys = {subnet_key(prefix, s): e.mod_revision for s, e in held.items()}

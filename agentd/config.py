@@ -248,6 +248,18 @@ class Config:
         return out
 
 
+def reloaded(running: Config, read: Config) -> tuple[Config, list[str]]:
+    """What a SIGHUP applies: the external peers and the log settings of ``read``; everything
+    else stays as ``running`` has it.  Returns that configuration and the keys whose new value
+    waits for a restart (``[bgp] hold_time``...), for the log."""
+    live = dataclasses.replace(running, bgp=dataclasses.replace(running.bgp, peers=read.bgp.peers), log=read.log)
+    pending = []
+    for section in _SECTIONS:
+        now, new = _jsonable(getattr(live, section)), _jsonable(getattr(read, section))
+        pending += [f"[{section}] {key}" for key in now if now[key] != new.get(key)]
+    return live, pending
+
+
 def _jsonable(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
@@ -300,7 +312,7 @@ _KEYS = (
     _Key("bgp", "asn", _ASN, None),
     _Key("bgp", "hold_time", _HOLD_TIME, 90),
     _Key("bgp", "keepalive_time", _int(0, 21845), None),
-    _Key("bgp", "connect_retry", _float(0.1, 3600), 5.0),
+    _Key("bgp", "connect_retry", _float(1, 3600), 5.0),
     _Key("bgp", "password", _PASSWORD, None, secret=True),
     _Key("bgp", "graceful_restart", _BOOL, True),
     _Key("bgp", "restart_time", _int(1, 4095), 120),  # 12-bit field, RFC 4724 §3
@@ -630,9 +642,9 @@ class _Loader:
         hold, keep = v["bgp.hold_time"], v["bgp.keepalive_time"]
         if keep is None:
             v["bgp.keepalive_time"] = hold // 3  # RFC 4271 §10: one third of the hold time
-        elif ok("bgp.hold_time", "bgp.keepalive_time") and (keep >= hold if hold else keep != 0):
-            # RFC 4271 §4.4: no KEEPALIVEs at all when the hold time is zero.
-            why = f"must be less than hold_time ({hold})" if hold else "must be 0 when hold_time = 0"
+        elif ok("bgp.hold_time", "bgp.keepalive_time") and (not 0 < keep < hold if hold else keep != 0):
+            # RFC 4271 §4.4: no KEEPALIVEs at all when the hold time is zero, and some when it is not.
+            why = f"must be 1..{hold - 1} (less than hold_time {hold})" if hold else "must be 0 when hold_time = 0"
             self.key_problem(self.blame("bgp.keepalive_time", "bgp.hold_time"), why)
         bgp_at, api_at = v["bgp.listen"], v["api.listen"]
         if ok("bgp.listen", "api.listen") and bgp_at and bgp_at.port and bgp_at.port == api_at.port and (

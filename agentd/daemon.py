@@ -36,7 +36,7 @@ from proto.nlri import network_to_prefix, prefix_to_str
 from . import cni_config, mesh
 from .api import ApiServer
 from .backends import Tunnels
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, load_config, reloaded
 from .datastore import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
 from .forwarding import PeerPlan, plan_external, plan_peer, route_for
 from .netinfo import NetInfoError, Underlay, underlay_for
@@ -184,6 +184,7 @@ class Agent:
             raise AgentError(str(err)) from None
         self._write_cni_files()
         await self.datastore.register_node(self._node_record())
+        await self.datastore.set_subnet_backend_data(self.tunnels.node_data())
 
         # BGP.
         self.speaker = Speaker(local_settings(cfg, restarting=self._restarting), now=time.monotonic())
@@ -241,8 +242,10 @@ class Agent:
         if self.datastore is None or self.lease is None or self._stop.is_set():
             return
         record = self._node_record()
-        task = asyncio.get_running_loop().create_task(self.datastore.update_node(record))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors are logged by the datastore
+        loop = asyncio.get_running_loop()
+        for job in (self.datastore.update_node(record), self.datastore.set_subnet_backend_data(record.backend)):
+            task = loop.create_task(job)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors are logged by the datastore
 
     async def _shutdown(self) -> None:
         graceful = self.cfg.bgp.graceful_restart and not self._leaving
@@ -295,10 +298,13 @@ class Agent:
         except ConfigError as err:
             log.error("reload failed, keeping the running configuration: %s", err)
             return
+        cfg, pending = reloaded(self.cfg, cfg)
         logging.getLogger().setLevel(cfg.log.level.upper())
         self.cfg = cfg
         self._apply_peers()
         log.info("configuration reloaded: %d external peers, log level %s", len(cfg.bgp.peers), cfg.log.level)
+        if pending:
+            log.warning("changed but applied only by a restart: %s", ", ".join(pending))
         log.debug("debug logging is on")
 
     # ================================================================ node registry -> peers

@@ -545,6 +545,25 @@ class Datastore:
             self._subnet = lease
         return lease
 
+    async def set_subnet_backend_data(self, backend_data: dict[str, Any], *, timeout: float | None = None) -> bool:
+        """Publish ``backend_data`` (our VTEP MAC, UDP port...) in our subnet lease record too,
+        as flannel does; the node record carries the same.  Never moves or re-takes the lease:
+        the record is rewritten only while it is still the one we wrote.  True if written."""
+        async with self._lock:
+            lease = self._subnet
+            if lease is None or lease.lease_id is None or lease.backend_data == backend_data:
+                return False
+            new = dataclasses.replace(lease, backend_data=dict(backend_data))
+            self._subnet = new  # a re-claim after an etcd outage writes the new data too
+            ok = await self._call(
+                "publish subnet backend data",
+                lambda c: subnets.rewrite(c, self.prefix, lease, new),
+                self._deadline(timeout),
+            )
+        if not ok:
+            log.warning("subnet %s: its record changed meanwhile; backend data not published", lease.subnet)
+        return ok
+
     async def _allocate(
         self, template: SubnetLease, cluster: ClusterConfig, previous: IPv4Network | None, deadline: float | None
     ) -> SubnetLease:

@@ -43,7 +43,7 @@ def local_settings(
         router_id=IPv4Address(router_id),
         hold_time=bgp.hold_time,
         keepalive_time=bgp.keepalive_time or None,
-        connect_retry_time=max(1.0, float(bgp.connect_retry)),
+        connect_retry_time=float(bgp.connect_retry),
         cluster_id=cluster_id,
         graceful_restart=bgp.graceful_restart,
         restart_time=bgp.restart_time,
@@ -60,7 +60,7 @@ def peer_settings(p: BgpPeerConfig, cfg: Config, *, description: str = "") -> Pe
         port=p.port,
         passive=p.passive,
         rr_client=p.rr_client,
-        password=p.password if p.password is not None else cfg.bgp.password,
+        password=p.password,  # its own key only: [bgp] password is for the node-to-node sessions
         hold_time=p.hold_time,
         local_address=p.local_address,
         description=p.description or description,

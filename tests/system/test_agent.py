@@ -2,6 +2,7 @@
 peers, metrics, MTU, off-link host-gw peers, bad configuration, and the lab CLI."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 
 from agentd.lab.bird import Bird
+from agentd.lab.lab import ETCD_ADDRESS
 from agentd.lab.netns import Netns, list_names, veth
 
 AGENTD = str(Path(sys.executable).parent / "agentd")
@@ -125,6 +127,23 @@ async def test_metrics_status_and_mtu(lab_factory):
     healthz = node1.ns.http_get("http://127.0.0.1:9099/healthz")
     readyz = node1.ns.http_get("http://127.0.0.1:9099/readyz")
     assert healthz[0] == 200 and readyz[0] == 200
+    # Like flannel, each subnet lease carries its node's backend data (the node record does too).
+    read = (
+        "import asyncio, json, aetcd\n"
+        "async def main():\n"
+        f"    async with aetcd.Client('{ETCD_ADDRESS}', 2379) as c:\n"
+        "        print(json.dumps([json.loads(kv.value) for kv in await c.get_prefix(b'/agentd/subnets/')]))\n"
+        "asyncio.run(main())\n"
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        leases = json.loads(lab.etcd_ns.exec(sys.executable, "-c", read))
+        macs = sorted(lease["backend_data"].get("vtep_mac", "") for lease in leases)
+        if len(leases) == 2 and all(macs):
+            break
+        assert time.monotonic() < deadline, leases
+        await asyncio.sleep(0.2)
+    assert st["backends"]["active"]["vxlan"]["vtep_mac"] in macs
 
 
 async def test_host_gw_peer_off_link_gets_no_route_and_a_reason(lab_factory):

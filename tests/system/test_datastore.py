@@ -580,3 +580,20 @@ async def test_etcd_server_in_a_namespace_keeps_data_across_kill_and_restart(tmp
             assert log.read().count("agentd lab: starting etcd") == 2
     finally:
         await server.stop()
+
+
+async def test_backend_data_is_published_in_the_subnet_lease(etcd_server, stores):  # noqa: F811
+    ds = stores()
+    lease = await acquire(ds, "alpha")
+    data = {"type": "vxlan", "vtep_mac": "02:aa:bb:cc:dd:ee", "vni": 1, "port": 4789}
+    assert await ds.set_subnet_backend_data(data)
+    got = await ds.get_subnet_lease(lease.subnet)
+    assert got is not None and got.backend_data == data and got.lease_id == lease.lease_id
+    assert not await ds.set_subnet_backend_data(data)  # unchanged: nothing written
+    # Someone else's record now (the lease was lost and the subnet re-leased): never overwritten.
+    key = f"/agentd/subnets/{lease.subnet.network_address}-24"
+    async with raw(etcd_server) as client:
+        await client.put(key.encode(), b'{"node": "beta", "public_ip": "192.0.2.11", "backend_type": "vxlan", "backend_data": {}}')
+    assert not await ds.set_subnet_backend_data({**data, "vtep_mac": "02:00:00:00:00:99"})
+    got = await ds.get_subnet_lease(lease.subnet)
+    assert got is not None and got.node == "beta"

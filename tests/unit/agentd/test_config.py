@@ -190,7 +190,7 @@ router_id = "10.255.0.1"
 asn = 4200000000
 hold_time = 30
 keepalive_time = 7
-connect_retry = 0.5
+connect_retry = 2.5
 password = "s3cret"
 graceful_restart = false
 restart_time = 300
@@ -250,7 +250,7 @@ def test_every_key_from_the_file(tmp_path):
     assert cfg.bgp.listen == HostPort("::", 1179) and str(cfg.bgp.listen) == "[::]:1179"
     assert cfg.bgp.router_id == IPv4Address("10.255.0.1")
     assert (cfg.bgp.asn, cfg.bgp.hold_time, cfg.bgp.keepalive_time, cfg.bgp.connect_retry) == (
-        4200000000, 30, 7, 0.5)
+        4200000000, 30, 7, 2.5)
     assert (cfg.bgp.password, cfg.bgp.graceful_restart, cfg.bgp.restart_time) == ("s3cret", False, 300)
     assert cfg.bgp.originate == (IPv4Network("203.0.113.0/24"), IPv6Network("2001:db8::/32"))
     assert cfg.bgp.peers == (
@@ -424,7 +424,9 @@ BAD = [
     ("peer-hold-time", "file", "[[bgp.peers]]\naddress = '10.0.0.1'\nasn = 1\nhold_time = 2\n",
      "bgp.peers[0].hold_time", "must be 0 or at least 3"),
     ("keepalive-ge-hold", "file", "[bgp]\nhold_time = 9\nkeepalive_time = 9\n", "bgp.keepalive_time",
-     "must be less than hold_time (9)"),
+     "must be 1..8 (less than hold_time 9)"),
+    ("keepalive-zero-with-hold", "file", "[bgp]\nhold_time = 9\nkeepalive_time = 0\n", "bgp.keepalive_time",
+     "must be 1..8 (less than hold_time 9)"),
     ("keepalive-no-hold", "file", "[bgp]\nhold_time = 0\nkeepalive_time = 5\n", "bgp.keepalive_time",
      "must be 0 when hold_time = 0"),
     ("bad-ip", "file", "[node]\naddress = '10.0.0.300'\n", "node.address", "must be an IPv4 address"),
@@ -497,7 +499,7 @@ BAD = [
      "[bgp] password: must be at most 80 bytes"),
     ("restart-time", "file", "[bgp]\nrestart_time = 4096\n", "bgp.restart_time", "must be 1..4095"),
     ("connect-retry", "env", {"AGENTD_BGP_CONNECT_RETRY": "fast"}, "bgp.connect_retry", "must be a number"),
-    ("connect-retry-zero", "file", "[bgp]\nconnect_retry = 0\n", "bgp.connect_retry", "0.1..3600"),
+    ("connect-retry-zero", "file", "[bgp]\nconnect_retry = 0\n", "bgp.connect_retry", "1..3600"),
     ("route-resync-nan", "file", "[agent]\nroute_resync = nan\n", "agent.route_resync", "0.1..3600"),
     ("originate-host-bits", "file", "[bgp]\noriginate = ['10.1.2.3/16']\n", "bgp.originate",
      "has host bits set (did you mean 10.1.0.0/16?)"),
@@ -808,3 +810,36 @@ def test_odd_key_names_and_huge_numbers_stay_one_line(tmp_path):
     assert err.message == "must be an integer"
     (err,) = problems(env={"AGENTD_ETCD_ENDPOINTS": "https://e:1", "AGENTD_ETCD_CA": "/" + "x" * 5000})
     assert err.key == "etcd.ca" and "File name too long" in str(err)
+
+
+def test_external_peers_use_only_their_own_md5_key(tmp_path):
+    # [bgp] password is for the node-to-node sessions; a top-of-rack router configured without a
+    # password must not suddenly be asked for the mesh's key (Calico keeps these apart too).
+    from agentd.speaker import local_settings, peer_settings
+
+    path = tmp_path / "agentd.toml"
+    path.write_text(
+        "[node]\naddress = '10.0.0.1'\n[bgp]\npassword = 'mesh-key'\nconnect_retry = 2\n"
+        "[[bgp.peers]]\naddress = '192.0.2.1'\nasn = 64513\n"
+        "[[bgp.peers]]\naddress = '192.0.2.2'\nasn = 64513\npassword = 'tor-key'\n"
+    )
+    cfg = pure(path)
+    assert [peer_settings(p, cfg).password for p in cfg.bgp.peers] == [None, "tor-key"]
+    assert local_settings(cfg).connect_retry_time == 2.0
+
+
+def test_sighup_applies_only_peers_and_log_settings(tmp_path):
+    from agentd.config import reloaded
+
+    path = tmp_path / "agentd.toml"
+    path.write_text("[node]\naddress = '10.0.0.1'\n[bgp]\nhold_time = 90\n")
+    running = pure(path)
+    path.write_text(
+        "[node]\naddress = '10.0.0.1'\n[bgp]\nhold_time = 30\n[network]\nbackend = 'ipip'\n"
+        "[log]\nlevel = 'debug'\n[[bgp.peers]]\naddress = '192.0.2.1'\nasn = 64513\n"
+    )
+    live, pending = reloaded(running, pure(path))
+    assert live.log.level == "debug" and [str(p.address) for p in live.bgp.peers] == ["192.0.2.1"]
+    assert (live.bgp.hold_time, live.network.backend) == (90, running.network.backend)
+    assert "[bgp] hold_time" in pending and "[network] backend" in pending
+    assert not any("peers" in k or "[log]" in k for k in pending)
