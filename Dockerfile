@@ -1,6 +1,5 @@
 # agentd in a container: the agent, agentd-cni, the reference CNI plugins and the tools an
-# operator reaches for (ip, nft, ping). Used by compose.yaml; also a base for running the
-# agent as a privileged host-network container (docs/operations.md).
+# operator reaches for (ip, nft, ping). Used by compose.yaml.
 #
 #   docker build -t agentd .
 #   docker run --rm agentd agentd --version

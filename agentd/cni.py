@@ -19,7 +19,8 @@ environment, and passes its result through.
 * VERSION prints the supported spec versions.
 
 Plugin config keys (besides ``cniVersion``, ``name``, ``type``): ``subnetFile`` (default
-``/run/agentd/subnet.env``), ``dataDir`` (default ``/var/lib/cni/agentd``), ``ipam`` (merged
+``/run/agentd/subnet.env``), ``dataDir`` (default ``/var/lib/agentd/cni``), ``binDir`` (more
+directories to find the delegates in after ``CNI_PATH``: the agent's ``[cni] bin_dir``), ``ipam`` (merged
 into the delegate's ipam, e.g. host-local's ``dataDir``), ``delegate`` (overrides for the
 bridge plugin), ``delegateTimeout`` (seconds the delegate may run; default 60).
 
@@ -29,6 +30,7 @@ Errors are CNI error results on stdout (spec 1.0.0, "Error"), one line in ``msg`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -121,6 +123,9 @@ def handle(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | 
             )
         args = parse_env(command, env)
         netconf = parse_netconf(stdin)
+        if netconf.get("binDir"):
+            # The agent's [cni] bin_dir: where delegates are looked for after CNI_PATH.
+            args = dataclasses.replace(args, path=args.path + tuple(p for p in netconf["binDir"] if p not in args.path))
         if command == "ADD":
             return 0, cmd_add(args, netconf, env)
         if command == "DEL":
@@ -223,6 +228,9 @@ def parse_netconf(stdin: bytes) -> dict[str, Any]:
     for key in ("type", "subnetFile", "dataDir"):
         if key in conf and (not isinstance(conf[key], str) or not conf[key]):
             raise CniError(INVALID_NETWORK_CONFIG, f"'{key}' must be a non-empty string")
+    bin_dir = conf.get("binDir", [])
+    if not isinstance(bin_dir, list) or not all(isinstance(d, str) and os.path.isabs(d) for d in bin_dir):
+        raise CniError(INVALID_NETWORK_CONFIG, "'binDir' must be an array of absolute directory paths")
 
     delegate = conf.get("delegate", {})
     if not isinstance(delegate, dict):
@@ -450,7 +458,8 @@ def invoke_delegate(
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=dict(env),
+            # The delegate finds its own IPAM plugin through CNI_PATH: give it ours, binDir included.
+            env={**env, "CNI_PATH": os.pathsep.join(args.path)},
             start_new_session=True,
         )
     except OSError as e:

@@ -32,6 +32,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_SUBNET_FILE = "/run/agentd/subnet.env"
@@ -177,6 +178,7 @@ def conflist(
     mtu: int | None = None,
     ipam_data_dir: str | os.PathLike[str] | None = None,
     extra: dict[str, Any] | None = None,
+    bin_dir: Sequence[str | os.PathLike[str]] = (),
 ) -> dict[str, Any]:
     """The node's network configuration list (see :func:`write_conflist`)."""
     delegate: dict[str, Any] = {
@@ -201,6 +203,8 @@ def conflist(
         "subnetFile": os.fspath(subnet_file),
         "dataDir": os.fspath(data_dir),
     }
+    if bin_dir:
+        plugin["binDir"] = [os.fspath(d) for d in bin_dir]
     if ipam_data_dir is not None:
         # host-local keeps its leases in <dataDir>/<network name>; several lab nodes on one
         # machine must not share /var/lib/cni/networks/<name>.
@@ -226,6 +230,7 @@ def write_conflist(
     mtu: int | None = None,
     ipam_data_dir: str | os.PathLike[str] | None = None,
     extra: dict[str, Any] | None = None,
+    bin_dir: Sequence[str | os.PathLike[str]] = (),
 ) -> str:
     """Write ``<conf_dir>/10-agentd.conflist`` atomically and return its path.
 
@@ -242,6 +247,7 @@ def write_conflist(
         mtu=mtu,
         ipam_data_dir=ipam_data_dir,
         extra=extra,
+        bin_dir=bin_dir,
     )
     path = os.path.join(os.fspath(conf_dir), CONFLIST_NAME)
     _atomic_write(path, json.dumps(doc, indent=2) + "\n", mode=0o644)

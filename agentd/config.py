@@ -429,7 +429,10 @@ class _Loader:
 
     def set(self, key: _Key, raw: Any, origin: _Origin, base: Path, from_text: bool) -> None:
         try:
-            value = key.kind.from_text(raw, base) if from_text else key.kind.from_value(raw, base)
+            if from_text and key.default is None and not raw.strip():
+                value = None  # an empty environment or --set value: an optional key not set
+            else:
+                value = key.kind.from_text(raw, base) if from_text else key.kind.from_value(raw, base)
         except _Bad as e:
             self.bad.add(key.path)
             if key.path == "bgp.peers":  # the peers that were replaced are not the ones to check

@@ -221,6 +221,7 @@ class Agent:
                 data_dir=str(self.cfg.cni.data_dir),
                 ipam_data_dir=str(self.cfg.cni.ipam_data_dir),
                 mtu=self.pod_mtu,
+                bin_dir=self.cfg.cni.bin_dir,
             )
 
     def _node_record(self) -> NodeRecord:

@@ -335,3 +335,24 @@ def test_executable_answers_version_and_rejects_bad_env(node):
     }
     code, out, err = node.cni("ADD", "bad/id", None, netns_path="/var/run/netns/none")
     assert code != 0 and out["code"] == 4 and err == ""
+
+
+def test_delegates_found_in_the_agents_bin_dir_after_cni_path(node, netns_factory, tmp_path):
+    # The agent writes its [cni] bin_dir into the conflist ("binDir"): a runtime whose CNI_PATH
+    # lacks bridge and host-local still gets a pod attached, and DEL finds them the same way.
+    conf = node.plugin_conf(binDir=[CNI_PATH])
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    pod = netns_factory("pbin")
+    code, out, err = node.cni("ADD", "pod-bin", pod, conf, cni_path=str(empty))
+    assert code == 0, (out, err)
+    assert IPv4Interface(out["ips"][0]["address"]).ip in SUBNET
+    assert _addr(pod, "eth0").ip in SUBNET
+    code, out, err = node.cni("DEL", "pod-bin", pod, conf, cni_path=str(empty))
+    assert code == 0, (out, err)
+    # Without binDir the same request cannot find the delegate: a clear CNI error.
+    code, out, _ = node.cni("ADD", "pod-bin2", pod, node.plugin_conf(), cni_path=str(empty))
+    assert code != 0 and out["code"] != 0 and "bridge" in out["msg"] + out.get("details", "")
+    # A malformed binDir is a network-config error (code 7).
+    code, out, _ = node.cni("ADD", "pod-bin3", pod, node.plugin_conf(binDir="/usr/lib/cni"))
+    assert code != 0 and out["code"] == 7

@@ -843,3 +843,12 @@ def test_sighup_applies_only_peers_and_log_settings(tmp_path):
     assert (live.bgp.hold_time, live.network.backend) == (90, running.network.backend)
     assert "[bgp] hold_time" in pending and "[network] backend" in pending
     assert not any("peers" in k or "[log]" in k for k in pending)
+
+
+def test_empty_environment_values_unset_optional_keys():
+    cfg = pure(env={"AGENTD_BGP_ASN": "", "AGENTD_BGP_KEEPALIVE_TIME": " ", "AGENTD_BGP_ROUTER_ID": "",
+                    "AGENTD_NETWORK_MTU": ""})
+    assert cfg.bgp.keepalive_time == cfg.bgp.hold_time // 3 and cfg.network.mtu is None
+    assert cfg.bgp.asn is None or cfg.bgp.asn == cfg.node.asn
+    # A key with a real default keeps checking its text: empty is not a backend.
+    assert [e.key for e in problems(env={"AGENTD_NETWORK_BACKEND": ""})] == ["network.backend"]
