@@ -213,6 +213,18 @@ def _network(s: str, *, v4_only: bool) -> IPNetwork:
     return net
 
 
+_NOT_POD_SPACE = [ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")]
+
+
+def _pod_network(s: str) -> IPNetwork:
+    """The cluster network: an IPv4 network pods can have addresses in (unicast, not loopback)."""
+    net = _network(s, v4_only=True)
+    clash = next((n for n in _NOT_POD_SPACE if net.overlaps(n)), None)
+    if clash is not None:
+        raise _Bad(f"overlaps {clash}, which pods cannot use (loopback, link-local, multicast or reserved)")
+    return net
+
+
 def _cluster_id(v: int | str, _base: Path) -> IPv4Address | None:
     # RFC 4456 §7: a 4-octet CLUSTER_ID, written as a dotted quad or an integer.
     if isinstance(v, int):
@@ -271,6 +283,8 @@ def _endpoints(v: list[Any], _base: Path) -> tuple[str, ...]:
             raise _Bad(f"{shown}: {e}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise _Bad(f"{shown} must be an http:// or https:// URL with a host")
+        if parts.port == 0 or any(c.isspace() or not c.isprintable() for c in url.strip()):
+            raise _Bad(f"{shown} must have a port 1..65535 (or none: 2379) and no spaces")
         if parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc:
             raise _Bad(f"{shown} must be scheme://host:port only (no path, query or credentials)")
         if url.strip().lower() in seen:
@@ -325,9 +339,13 @@ def _listen(*, allow_empty: bool) -> _Kind:
         if allow_empty and not s.strip():
             return None
         try:
-            return HostPort.parse(s)
+            at = HostPort.parse(s)
         except ValueError as e:
             raise _Bad(str(e)) from None
+        if not allow_empty and at.port == 0:
+            # The API must be findable: `agentd status` and `agentd leave` go to this port.
+            raise _Bad("needs a fixed port (1..65535), not 0")
+        return at
     return _Kind((str,), "a string", str, check)
 
 

@@ -7,6 +7,7 @@ and reports a problem as ONE line on stderr with a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import os
@@ -41,7 +42,8 @@ def _overrides(pairs: list[str] | None, parser: argparse.ArgumentParser) -> dict
     out: dict[str, str] = {}
     for item in pairs or []:
         key, sep, value = item.partition("=")
-        if not sep or "." not in key:
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
             parser.error(f"argument --set: expected SECTION.KEY=VALUE, got {item!r}")
         out[key.strip()] = value
     return out
@@ -112,7 +114,14 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+def _config_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    if args.config is not None and not args.config.strip():
+        parser.error("argument --config: empty path")
+    return args.config or DEFAULT_CONFIG_PATH
+
+
 def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, require_file: bool | None = None):
+    _config_path(args, parser)
     overrides = _overrides(args.set, parser)
     if getattr(args, "log_level", None):
         overrides["log.level"] = args.log_level
@@ -136,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cmd = args.command
     if cmd == "check-config":
+        path = _config_path(args, parser)
         overrides = _overrides(args.set, parser)
-        path = args.config or DEFAULT_CONFIG_PATH
         problems = check_config(path, overrides=overrides, require_file=bool(args.config))
         for p in problems:
             print(p, file=sys.stderr)
@@ -145,8 +154,10 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 1
         if args.show:
             print(json.dumps(load_config(path, overrides=overrides).to_dict(), indent=2))
-        else:
+        elif os.path.exists(path):
             print(f"{path}: configuration OK")
+        else:
+            print(f"{path}: no such file; the defaults and the environment make a valid configuration")
         return 0
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
@@ -209,15 +220,31 @@ def status_command(api: str, *, as_json: bool = False) -> int:
     url = api.rstrip("/") + "/status"
     try:
         status = fetch_json(url)
-    except (urllib.error.URLError, OSError, ValueError) as err:
+    except json.JSONDecodeError as err:
+        sys.stderr.write(f"agentd status: {url} answered, but not with JSON ({err}): is that an agentd API?\n")
+        return 1
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
         reason = getattr(err, "reason", err)
         sys.stderr.write(f"agentd status: cannot reach the agent at {url}: {reason}\n")
         return 1
     if as_json:
         print(json.dumps(status, indent=2))
         return 0
-    print(render_status(status))
+    try:
+        if not isinstance(status, dict) or not isinstance(status.get("node"), dict):
+            raise ValueError("no 'node' object")
+        text = render_status(status)
+    except (TypeError, KeyError, AttributeError, ValueError, OverflowError) as err:
+        sys.stderr.write(f"agentd status: {url} did not answer with an agentd status ({type(err).__name__}: {err})\n")
+        return 1
+    print(text)
     return 0
+
+
+def _cell(value: Any) -> str:
+    """A table cell: text from the agent, with control characters (newlines, escapes) shown escaped."""
+    text = "" if value is None else str(value)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def _since(ts: float | None) -> str:
@@ -270,11 +297,11 @@ def render_status(status: dict[str, Any]) -> str:
                 info += f" ({p['info']})"
             rows.append(
                 [
-                    p["address"],
-                    p.get("description") or p.get("type", ""),
+                    _cell(p["address"]),
+                    _cell(p.get("description") or p.get("type", "")),
                     "up" if established else "down",
                     _since(p.get("since")),
-                    info,
+                    _cell(info),
                 ]
             )
         out.append(render_table(["PEER ADDRESS", "PEER TYPE", "STATE", "SINCE", "INFO"], rows))

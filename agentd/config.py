@@ -24,6 +24,7 @@ import difflib
 import os
 import re
 import socket
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ._config_values import (  # noqa: F401  (HostPort is public API)
+    _pod_network,
     HostPort,
     IPAddress,
     IPNetwork,
@@ -85,6 +87,7 @@ from ._config_values import (  # noqa: F401  (HostPort is public API)
 )
 
 DEFAULT_CONFIG_PATH = "/etc/agentd/agentd.toml"
+MAX_CONFIG_BYTES = 1 << 20  # a configuration file larger than this is a mistake
 ENV_PREFIX = "AGENTD_"
 
 # Bytes of encapsulation each backend adds to a pod packet; mtu = "auto" subtracts this
@@ -290,7 +293,7 @@ _KEYS = (
     _Key("node", "asn", _ASN, 64512),
     _Key("node", "route_reflector", _BOOL, False),
     _Key("node", "cluster_id", _Kind((int, str), "an IPv4 address or an integer", str, _cluster_id), None),
-    _Key("network", "cidr", _string(lambda s: _network(s, v4_only=True)), NetworkConfig.cidr),
+    _Key("network", "cidr", _string(_pod_network), NetworkConfig.cidr),
     _Key("network", "subnet_len", _int(1, 32), 24),
     _Key("network", "backend", _choice(*BACKENDS), "host-gw"),
     _Key("network", "encap", _choice("always", "cross-subnet"), "always"),
@@ -335,6 +338,12 @@ _BY_PATH = {k.path: k for k in _KEYS}
 _SECTIONS = tuple(dict.fromkeys(k.section for k in _KEYS))
 CONFIG_KEYS: tuple[str, ...] = tuple(_BY_PATH)
 
+def _printable(s: str) -> str:
+    if not s.isprintable():
+        raise _Bad("must be printable text (no newlines, tabs or escape codes)")
+    return s
+
+
 _PEER_KINDS: dict[str, _Kind] = {
     "address": _string(_any_ip),
     "asn": _ASN,
@@ -343,7 +352,7 @@ _PEER_KINDS: dict[str, _Kind] = {
     "rr_client": _BOOL,
     "port": _PORT,
     "hold_time": _HOLD_TIME,
-    "description": _string(lambda s: s),
+    "description": _string(_printable),
     "local_address": _string(lambda s: _any_ip(s) if s.strip() else None),
 }
 PEER_KEYS: tuple[str, ...] = tuple(_PEER_KINDS)
@@ -488,7 +497,18 @@ class _Loader:
 
     def read_file(self, path: str, require: bool) -> None:
         try:
-            data = Path(path).read_bytes()
+            # A regular file of sane size only: /dev/zero or a FIFO would be read forever.
+            with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK)) as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    self.file_failed = True
+                    self.problem("not a regular file", _Origin(1, path))
+                    return
+                if st.st_size > MAX_CONFIG_BYTES:
+                    self.file_failed = True
+                    self.problem(f"{st.st_size} bytes; a configuration file is at most {MAX_CONFIG_BYTES}", _Origin(1, path))
+                    return
+                data = f.read(MAX_CONFIG_BYTES + 1)
         except FileNotFoundError:
             if require:
                 self.file_failed = True
@@ -571,7 +591,7 @@ class _Loader:
                 continue
             if sec not in _SECTIONS:
                 # AGENTD_CONFIG and the like belong to the command line; a near miss is a typo.
-                if difflib.get_close_matches(sec, _SECTIONS, n=1, cutoff=0.8):
+                if difflib.get_close_matches(sec, _SECTIONS, n=1, cutoff=0.6):
                     hint = _suggest(sec, _SECTIONS, lambda s: f"{ENV_PREFIX}{s.upper()}_{name.upper()}")
                     self.problem(f"unknown section [{sec}]{hint}", _Origin(2, var), sec)
                 continue

@@ -28,6 +28,16 @@ def _positive(lo: int, hi: int):
     return parse
 
 
+def _seconds(text: str) -> float:
+    try:
+        n = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not 1 <= n <= 3600:  # also rejects nan and inf
+        raise argparse.ArgumentTypeError(f"{text} is out of range 1..3600 seconds")
+    return n
+
+
 def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="lab_command", metavar="up|down|status|exec")
     sub.required = True
@@ -40,7 +50,7 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--backend", choices=["host-gw", "ipip", "vxlan", "udp"], default="host-gw")
     up.add_argument("--encap", choices=["always", "cross-subnet"], default="always")
     up.add_argument("--subnets", type=_positive(1, 8), default=1, help="L2 segments, joined by a router")
-    up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for each stage")
+    up.add_argument("--timeout", type=_seconds, default=90.0, help="seconds to wait for each stage")
     for name in ("down", "status"):
         sp = sub.add_parser(name)
         sp.add_argument("--name", type=_lab_name, default="lab")

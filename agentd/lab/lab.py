@@ -480,9 +480,15 @@ class Lab:
             state = json.loads(path.read_text())
         except (OSError, ValueError):
             raise LabError(f"no lab named {name} (no {path}); `agentd lab up --name {name}` makes one") from None
-        lab = cls(LabSpec(**state["spec"]), root=root)
-        for p in lab.pods:
-            p.ip = state.get("pods", {}).get(p.name)
+        try:
+            lab = cls(LabSpec(**state["spec"]), root=root)
+            for p in lab.pods:
+                p.ip = state.get("pods", {}).get(p.name)
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            raise LabError(
+                f"lab {name}: {path} is not a lab state file ({type(err).__name__}: {err}); "
+                f"`agentd lab down --name {name}` removes its namespaces"
+            ) from None
         return lab
 
 

@@ -1,0 +1,106 @@
+"""Bad input to the agentd command line gives one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agentd import cli
+from agentd.lab.cli import _seconds
+from agentd.lab.lab import Lab, LabError
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("check-config", "--config", ""), "--config: empty path"),
+        (("check-config", "--set", ".=1"), "expected SECTION.KEY=VALUE"),
+        (("check-config", "--set", "bgp.=1"), "expected SECTION.KEY=VALUE"),
+        (("check-config", "--config", "/dev/zero"), "not a regular file"),
+        (("check-config", "--set", "api.listen=127.0.0.1:0"), "needs a fixed port"),
+        (("check-config", "--set", "etcd.endpoints=http://etcd:0"), "must have a port 1..65535"),
+        (("check-config", "--set", "network.cidr=0.0.0.0/0"), "pods cannot use"),
+        (("check-config", "--set", "network.cidr=224.1.0.0/16"), "pods cannot use"),
+        (("status", "--api", "http://127.0.0.1:abc"), "nonnumeric port"),
+        (("status", "--api", "http://a b:1"), "cannot reach the agent"),
+    ],
+)
+def test_bad_arguments_give_one_line(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    code, out, err = run(capsys, *argv)
+    assert code not in (0, None) and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_fifo_config_is_refused_not_waited_on(capsys, tmp_path):
+    fifo = tmp_path / "agentd.toml"
+    os.mkfifo(fifo)
+    code, _, err = run(capsys, "check-config", "--config", str(fifo))
+    assert code == 1 and "not a regular file" in err
+
+
+def test_env_section_typo_is_an_error(capsys, monkeypatch, tmp_path):
+    (tmp_path / "agentd.toml").write_text("")
+    monkeypatch.setenv("AGENTD_BPG_HOLD_TIME", "30")
+    code, _, err = run(capsys, "check-config", "--config", str(tmp_path / "agentd.toml"))
+    assert code == 1 and "did you mean AGENTD_BGP_HOLD_TIME" in err
+
+
+def test_peer_description_must_be_printable(capsys, tmp_path):
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[[bgp.peers]]\naddress = "192.0.2.1"\nasn = 1\ndescription = "a\\u001b[31m"\n')
+    code, _, err = run(capsys, "check-config", "--config", str(conf))
+    assert code == 1 and "must be printable" in err
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [[], "hello", {}, {"node": "x"}, {"node": {}, "bgp": {"peers": [{}]}}, {"node": {}, "bgp": {"peers": "x"}},
+     {"node": {}, "routes": {"last_sync": "abc"}}, {"node": {}, "routes": {"last_sync": 1e300}}],
+)
+def test_status_with_an_unexpected_reply_is_one_line(capsys, monkeypatch, reply):
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
+    code, _, err = run(capsys, "status", "--api", "http://127.0.0.1:9099")
+    assert code == 1 and "did not answer with an agentd status" in err and len(err.strip().splitlines()) == 1
+
+
+def test_status_escapes_control_characters_from_the_agent(capsys, monkeypatch):
+    reply = {"node": {"name": "n1"}, "bgp": {"peers": [
+        {"address": "10.0.0.2", "description": "tor\n\x1b[31mred", "state": "Active", "info": "x\ny"}]}}
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and "\x1b" not in out and "tor\\n\\x1b[31mred" in out
+
+
+@pytest.mark.parametrize("state", ["{}", "[]", '{"spec": "x"}', '{"spec": {"name": "c3", "bogus": 1}}',
+                                   '{"spec": {"name": "c4", "nodes": "abc"}}'])
+def test_corrupt_lab_state_is_a_lab_error(tmp_path, state):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "lab.json").write_text(state)
+    with pytest.raises(LabError, match="not a lab state file"):
+        Lab.load("c", tmp_path)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "abc", "4000"])
+def test_lab_timeout_must_be_sane(text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        _seconds(text)
+    assert _seconds("90") == 90.0
+
+
+def test_check_config_without_a_file_says_so(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "DEFAULT_CONFIG_PATH", str(tmp_path / "absent.toml"))
+    code, out, _ = run(capsys, "check-config")
+    assert code == 0 and "no such file" in out
