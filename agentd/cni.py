@@ -54,6 +54,7 @@ from agentd.cni_config import (
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0")
 CURRENT_VERSION = "1.0.0"
 DELEGATE_TIMEOUT = 60.0
+MAX_DELEGATE_TIMEOUT = 3600.0
 
 # Well-known error codes (CNI spec 1.0.0, "Error"); 999 is libcni's "internal" code, used by the
 # reference plugins for every failure without a better code.
@@ -168,6 +169,9 @@ def parse_env(command: str, env: Mapping[str, str]) -> CmdArgs:
     netns = env.get("CNI_NETNS", "")
     if not netns and command != "DEL":  # DEL may come after the namespace is gone
         raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_NETNS is not set")
+    if netns and command != "DEL" and not os.path.exists(netns):
+        # Checked before ADD stores anything: the delegate could not enter it anyway.
+        raise CniError(INVALID_ENVIRONMENT_VARIABLES, f"CNI_NETNS {_short(netns, 256)} does not exist")
     ifname = env.get("CNI_IFNAME", "")
     if not ifname:
         raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_IFNAME is not set")
@@ -181,9 +185,14 @@ def parse_env(command: str, env: Mapping[str, str]) -> CmdArgs:
 
 
 def _ifname_problem(ifname: str) -> str:
-    # libcni's utils.ValidateInterfaceName: the kernel's rules for a link name.
-    if len(ifname) > IFNAMSIZ - 1:
-        return f"longer than {IFNAMSIZ - 1} characters"
+    # libcni's utils.ValidateInterfaceName: the kernel's rules for a link name.  The kernel
+    # counts bytes (IFNAMSIZ includes the NUL), not characters.
+    try:
+        size = len(os.fsencode(ifname))
+    except UnicodeEncodeError:
+        return "not valid text"
+    if size > IFNAMSIZ - 1:
+        return f"longer than {IFNAMSIZ - 1} bytes"
     if ifname in (".", ".."):
         return "not a valid name"
     for c in ifname:
@@ -200,6 +209,10 @@ def parse_netconf(stdin: bytes) -> dict[str, Any]:
         conf = json.loads(stdin)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CniError(DECODING_FAILURE, f"network config on stdin is not JSON: {e}") from None
+    except RecursionError:
+        raise CniError(DECODING_FAILURE, "network config on stdin is nested too deeply") from None
+    except ValueError:  # an integer with more digits than Python converts (sys.get_int_max_str_digits)
+        raise CniError(DECODING_FAILURE, "network config on stdin has a number too long to decode") from None
     if not isinstance(conf, dict):
         raise CniError(DECODING_FAILURE, f"network config must be a JSON object, not {type(conf).__name__}")
 
@@ -261,13 +274,24 @@ def parse_netconf(stdin: bytes) -> dict[str, Any]:
         raise CniError(INVALID_NETWORK_CONFIG, "'ipam.routes' must be a list of objects with a string 'dst'")
 
     timeout = conf.get("delegateTimeout", DELEGATE_TIMEOUT)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+    # Comparing rejects NaN, infinities and huge integers too (json reads 1e999 as inf).
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_DELEGATE_TIMEOUT:
         raise CniError(
-            INVALID_NETWORK_CONFIG, f"'delegateTimeout' must be a positive number of seconds, not {timeout!r}"
+            INVALID_NETWORK_CONFIG,
+            f"'delegateTimeout' must be a number of seconds in (0, {MAX_DELEGATE_TIMEOUT:g}], not {_short(timeout)}",
         )
     if "prevResult" in conf and not isinstance(conf["prevResult"], dict):
         raise CniError(INVALID_NETWORK_CONFIG, "'prevResult' must be an object")
     return conf
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters for a one-line message."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long for str()
+        return f"<{type(value).__name__} too long>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_plugin_name(value: Any, what: str) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
@@ -44,6 +45,8 @@ CONFLIST_CNI_VERSION = "1.0.0"
 # The smallest MTU every IPv4 link must carry (RFC 791, "Fragmentation and Reassembly").
 MIN_MTU = 68
 MAX_MTU = 65535
+
+_DIGITS_RE = re.compile(r"[0-9]+")
 
 _KEYS = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_MTU", "AGENTD_IPMASQ", "AGENTD_BACKEND")
 _REQUIRED = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_MTU")
@@ -131,8 +134,12 @@ def parse_subnet_file(text: str, source: str = "subnet file") -> SubnetFile:
             f"{source}: AGENTD_SUBNET {values['AGENTD_SUBNET']!r} is not an IPv4 address/prefix: {e}"
         ) from None
     mtu_text = values["AGENTD_MTU"]
-    if not mtu_text.isdigit():
-        raise SubnetFileError(f"{source}: AGENTD_MTU {mtu_text!r} is not an integer")
+    # ASCII digits only: str.isdigit() also takes "²" or "٣", which int() then rejects or reads.
+    shown = repr(mtu_text if len(mtu_text) <= 20 else mtu_text[:16] + "...")
+    if not _DIGITS_RE.fullmatch(mtu_text):
+        raise SubnetFileError(f"{source}: AGENTD_MTU {shown} is not an integer")
+    if len(mtu_text.lstrip("0")) > len(str(MAX_MTU)):  # out of range, and int() may refuse it
+        raise SubnetFileError(f"{source}: AGENTD_MTU {shown} is not an integer in {MIN_MTU}..{MAX_MTU}")
     ipmasq_text = values.get("AGENTD_IPMASQ", "false")
     if ipmasq_text not in ("true", "false"):
         raise SubnetFileError(f"{source}: AGENTD_IPMASQ {ipmasq_text!r} is not true or false")

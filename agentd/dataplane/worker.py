@@ -29,6 +29,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -657,11 +658,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+
+
 def _ipv4(value: str) -> str:
+    """A unicast IPv4 address: packets are sent from it and to it."""
     try:
-        return str(ipaddress.IPv4Address(value))
+        addr = ipaddress.IPv4Address(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an IPv4 address: {value!r}") from None
+    if addr.is_unspecified or addr == _BROADCAST or addr.is_multicast:
+        raise argparse.ArgumentTypeError(f"not a unicast IPv4 address: {value!r}")
+    return str(addr)
+
+
+def _timeout(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"not a finite number of seconds >= 0: {value!r}")
+    return seconds
+
+
+def _path(value: str) -> str:
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
 
 
 def _port(value: str) -> int:
@@ -698,10 +722,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--mtu", type=_mtu, required=True, help="inner MTU of the TUN device")
     p.add_argument("--local-ip", type=_ipv4, required=True, help="this node's underlay IPv4 address")
     p.add_argument("--port", type=_port, default=FLANNEL_UDP_PORT, help="UDP port (udp only, default 8285)")
-    p.add_argument("--control", required=True, help="unix socket path of the control channel")
+    p.add_argument("--control", type=_path, required=True, help="unix socket path of the control channel")
     p.add_argument("--no-offload", action="store_true",
                    help="no TSO/GSO/GRO/mmsg: one read and one send per packet")
-    p.add_argument("--orphan-timeout", type=float, default=120.0,
+    p.add_argument("--orphan-timeout", type=_timeout, default=120.0,
                    help="exit after this many seconds without a controller (0: never)")
     p.add_argument("--segmentation", choices=("user", "kernel"), default="user",
                    help="who cuts TCP super-packets into MTU-sized packets: user (TUN TSO, segmented "
@@ -709,8 +733,6 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--state", help="state file (default CONTROL.state)")
     p.add_argument("--icmp-source", type=_ipv4, help="source of ICMP errors sent to pods (default --local-ip)")
     a = p.parse_args(argv)
-    if a.orphan_timeout < 0:
-        p.error("--orphan-timeout must be >= 0")
     return WorkerConfig(kind=a.kind, tun=a.tun or DEFAULT_DEVICE[a.kind], mtu=a.mtu, local_ip=a.local_ip,
                         port=a.port, control=a.control, offload=not a.no_offload,
                         orphan_timeout=a.orphan_timeout, state=a.state, icmp_source=a.icmp_source,

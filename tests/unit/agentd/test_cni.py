@@ -25,7 +25,7 @@ def _env(command: str = "ADD", **overrides: str | None) -> dict[str, str]:
     env = {
         "CNI_COMMAND": command,
         "CNI_CONTAINERID": "c0ffee01",
-        "CNI_NETNS": "/var/run/netns/ad-unit-pod",
+        "CNI_NETNS": "/proc/self/ns/net",  # must exist: ADD and CHECK refuse a missing netns
         "CNI_IFNAME": "eth0",
         "CNI_PATH": "/nonexistent/cni",
     }
@@ -507,3 +507,76 @@ def test_conflist_entry_is_accepted_by_the_plugin(tmp_path):
     d = cni_config.delegate_config(netconf, SF)
     assert d["ipam"]["dataDir"] == str(tmp_path / "ipam")
     assert d["isDefaultGateway"] is True and d["forceAddress"] is True and d["bridge"] == "cni0"
+
+
+# --- audit findings ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stdin", "word"),
+    [
+        (b"[" * 100000, "nested too deeply"),
+        (b'{"cniVersion": "1.0.0", "name": "agentd", "x": ' + b"9" * 5000 + b"}", "number too long"),
+    ],
+)
+def test_stdin_too_deep_or_with_huge_integer_is_a_decoding_failure(stdin, word):
+    out = _assert_error(_run(_env(), stdin), 6, word)
+    assert len(out["msg"]) < 100
+
+
+@pytest.mark.parametrize(
+    "timeout",
+    [float("inf"), float("-inf"), float("nan"), 1e308, 10**400, 3600.5, -1, 0.0, "60", False, None, []],
+    ids=lambda v: repr(v)[:12],
+)
+def test_delegate_timeout_must_be_finite_positive_and_at_most_an_hour(tmp_path, timeout):
+    conf = {**_conf(tmp_path), "delegateTimeout": timeout}  # json writes inf and nan as Infinity, NaN
+    out = _assert_error(_run(_env(), conf), 7, "delegateTimeout")
+    assert len(out["msg"]) < 150
+
+
+@pytest.mark.parametrize("timeout", [0.001, 1, 60, 3600])
+def test_delegate_timeout_in_range_is_accepted(tmp_path, timeout):
+    conf = _conf(tmp_path, delegateTimeout=timeout)
+    assert cni.parse_netconf(json.dumps(conf).encode())["delegateTimeout"] == timeout
+
+
+# Superscript two (isdigit() but not int()), Arabic-Indic and fullwidth digits (int() reads them),
+# and more digits than int() converts.
+@pytest.mark.parametrize("mtu", ["\u00b2", "1\u00b2", "\u0661\u0664\u0665\u0660", "\uff11\uff14\uff15\uff10", "9" * 5000])
+def test_subnet_file_mtu_takes_only_ascii_digits(mtu):
+    text = "".join(f"{k}={v}\n" for k, v in {**_GOOD, "AGENTD_MTU": mtu}.items())
+    with pytest.raises(SubnetFileError) as exc:
+        cni_config.parse_subnet_file(text, "/run/agentd/subnet.env")
+    msg = str(exc.value)
+    assert "AGENTD_MTU" in msg and "/run/agentd/subnet.env" in msg and len(msg) < 120
+
+
+def test_add_with_non_ascii_mtu_in_subnet_file_is_invalid_config(tmp_path):
+    (tmp_path / "subnet.env").write_text(
+        "AGENTD_NETWORK=10.244.0.0/16\nAGENTD_SUBNET=10.244.3.1/24\nAGENTD_MTU=\u00b2\n", encoding="utf-8"
+    )
+    _assert_error(_run(_env(), _conf(tmp_path)), 7, "AGENTD_MTU")
+
+
+@pytest.mark.parametrize("ifname", ["\u00e9" * 8, "\u00e9" * 13, "a" * 14 + "\u00e9"])
+def test_ifname_limit_counts_bytes_not_characters(tmp_path, ifname):
+    _assert_error(_run(_env(CNI_IFNAME=ifname), _conf(tmp_path)), 4, "CNI_IFNAME", "bytes")
+
+
+def test_ifname_of_15_bytes_with_non_ascii_is_accepted(tmp_path):
+    # 7 two-byte characters and one ASCII: 15 bytes; stops at the missing subnet file.
+    _assert_error(_run(_env(CNI_IFNAME="\u00e9" * 7 + "x"), _conf(tmp_path)), 11)
+
+
+@pytest.mark.parametrize("command", ["ADD", "CHECK"])
+def test_missing_netns_path_is_invalid_environment_and_nothing_is_stored(tmp_path, command):
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    netns = str(tmp_path / "no-such-netns")
+    conf = _conf(tmp_path, prevResult={"cniVersion": "1.0.0"}) if command == "CHECK" else _conf(tmp_path)
+    _assert_error(_run(_env(command, CNI_NETNS=netns), conf), 4, "CNI_NETNS", netns)
+    assert not (tmp_path / "state").exists()
+
+
+def test_del_with_missing_netns_path_is_still_accepted(tmp_path):
+    assert _run(_env("DEL", CNI_NETNS=str(tmp_path / "gone")), _conf(tmp_path)) == (0, None)

@@ -496,3 +496,55 @@ def test_a_batch_spanning_super_packets_is_cut_where_gro_would_cut_it():
     got, batches = batch_writes(packets, [len(packets)])
     assert batches == 1 and got == coalesce_packets(packets)
     assert [len(p) for _, p in got] == [52 + n * 1000 for n in (20, 10, 1, 10, 4, 15)]
+
+
+# -- the worker's command line ------------------------------------------------------------------
+
+_WORKER_ARGS = ["udp", "--mtu", "1450", "--local-ip", "192.0.2.1", "--control", "/run/agentd/dp.sock"]
+
+
+def _worker_args(**changes: str) -> list[str]:
+    args = list(_WORKER_ARGS)
+    for option, value in changes.items():
+        flag = "--" + option.replace("_", "-")
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    return args
+
+
+def test_worker_args_accept_a_sane_command_line():
+    from agentd.dataplane.worker import parse_args
+
+    cfg = parse_args(_worker_args(icmp_source="10.244.3.1", orphan_timeout="0"))
+    assert (cfg.local_ip, cfg.icmp_source, cfg.control, cfg.orphan_timeout) == (
+        "192.0.2.1", "10.244.3.1", "/run/agentd/dp.sock", 0.0)
+    assert parse_args(_worker_args(orphan_timeout="2.5")).orphan_timeout == 2.5
+
+
+@pytest.mark.parametrize(
+    ("changes", "word"),
+    [
+        ({"local_ip": "0.0.0.0"}, "--local-ip"),
+        ({"local_ip": "255.255.255.255"}, "--local-ip"),
+        ({"local_ip": "224.0.0.1"}, "--local-ip"),
+        ({"local_ip": "239.255.255.250"}, "--local-ip"),
+        ({"icmp_source": "0.0.0.0"}, "--icmp-source"),
+        ({"icmp_source": "255.255.255.255"}, "--icmp-source"),
+        ({"icmp_source": "224.0.0.5"}, "--icmp-source"),
+        ({"orphan_timeout": "nan"}, "--orphan-timeout"),
+        ({"orphan_timeout": "inf"}, "--orphan-timeout"),
+        ({"orphan_timeout": "-1"}, "--orphan-timeout"),
+        ({"orphan_timeout": "soon"}, "--orphan-timeout"),
+        ({"control": ""}, "--control"),
+    ],
+)
+def test_worker_args_refuse_unusable_values_in_one_line(capsys, changes, word):
+    from agentd.dataplane.worker import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(_worker_args(**changes))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert word in err and err.count("\n") == 1 and "Traceback" not in err
