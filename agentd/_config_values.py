@@ -182,9 +182,12 @@ def _ipv4(s: str, *, unicast: bool = True) -> IPv4Address | None:
 def _ipv6_or_none(s: str) -> IPv6Address | None:
     if not s.strip():
         return None
-    a = _any_ip(s)
-    if not isinstance(a, IPv6Address) or a.is_unspecified or a.is_multicast:
-        raise _Bad("must be a unicast IPv6 address")
+    try:
+        a = ip_address(s.strip())
+    except ValueError:
+        raise _Bad("must be an IPv6 address") from None
+    if not isinstance(a, IPv6Address) or a.is_unspecified or a.is_multicast or a.is_loopback or a.scope_id:
+        raise _Bad("must be a global or unique-local unicast IPv6 address (no ::1, no %zone)")
     return a
 
 
@@ -193,7 +196,12 @@ def _any_ip(s: str) -> IPAddress:
         addr = ip_address(s.strip())
     except ValueError:
         raise _Bad("must be an IPv4 or IPv6 address") from None
-    if addr.is_unspecified or addr.is_multicast:
+    if isinstance(addr, IPv6Address):
+        if addr.scope_id:
+            raise _Bad("must not carry a %zone: link-local peers are not supported, use a global address")
+        if addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped  # one peer, one spelling: ::ffff:192.0.2.1 is 192.0.2.1
+    if addr.is_unspecified or addr.is_multicast or addr == IPv4Address("255.255.255.255"):
         raise _Bad("must be a unicast address")
     return addr
 
@@ -229,9 +237,9 @@ def _cluster_id(v: int | str, _base: Path) -> IPv4Address | None:
     # RFC 4456 §7: a 4-octet CLUSTER_ID, written as a dotted quad or an integer.
     if isinstance(v, int):
         if not 0 <= v <= 0xFFFFFFFF:
-            raise _Bad("must be an IPv4 address or an integer 0..4294967295")
+            raise _Bad(f"{v} is out of range: a cluster id is an IPv4 address or an integer 0..4294967295")
         return IPv4Address(v)
-    if re.fullmatch(r"\s*[0-9]{1,10}\s*", v):
+    if re.fullmatch(r"\s*[0-9]{1,20}\s*", v):
         return _cluster_id(int(v), _base)
     return _ipv4(v, unicast=False)
 

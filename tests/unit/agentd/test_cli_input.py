@@ -104,3 +104,37 @@ def test_check_config_without_a_file_says_so(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "DEFAULT_CONFIG_PATH", str(tmp_path / "absent.toml"))
     code, out, _ = run(capsys, "check-config")
     assert code == 0 and "no such file" in out
+
+
+@pytest.mark.parametrize(
+    "peer, message",
+    [
+        ('address = "255.255.255.255"', "must be a unicast address"),
+        ('address = "fe80::1%eth0"', "%zone"),
+        ('address = "224.0.0.5"', "must be a unicast address"),
+    ],
+)
+def test_peer_addresses_must_be_usable(capsys, tmp_path, peer, message):
+    conf = tmp_path / "agentd.toml"
+    conf.write_text(f"[[bgp.peers]]\n{peer}\nasn = 1\n")
+    code, _, err = run(capsys, "check-config", "--config", str(conf))
+    assert code == 1 and message in err, err
+
+
+def test_a_peer_written_twice_in_two_spellings_is_caught(capsys, tmp_path):
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[[bgp.peers]]\naddress = "192.0.2.1"\nasn = 1\n[[bgp.peers]]\naddress = "::ffff:192.0.2.1"\nasn = 1\n')
+    code, _, err = run(capsys, "check-config", "--config", str(conf))
+    assert code == 1 and "192.0.2.1" in err
+
+
+@pytest.mark.parametrize("value, message", [("zzz", "must be an IPv6 address"), ("::1", "no ::1")])
+def test_next_hop_v6_must_be_a_usable_ipv6_address(capsys, value, message):
+    code, _, err = run(capsys, "check-config", "--set", f"bgp.next_hop_v6={value}")
+    assert code == 1 and message in err, err
+
+
+def test_cluster_id_out_of_range_says_so(capsys, monkeypatch):
+    monkeypatch.setenv("AGENTD_NODE_CLUSTER_ID", "99999999999")
+    code, _, err = run(capsys, "check-config", "--config", os.devnull)
+    assert code == 1 and "out of range" in err, err
