@@ -116,6 +116,7 @@ class RouteProgrammer:
         self._complete = False  # set_desired() was called: undesired own routes may go
         self._discarded: set[str] = set()  # explicit discards before that
         self._dirty: set[str] = set()
+        self._retry: set[str] = set()  # conflicted dsts whose desired route changed: try again
         self._dirty_all = False
         self._full_pending = False
         self._restoring: set[str] = set()
@@ -142,6 +143,12 @@ class RouteProgrammer:
         desired = {route.dst: route for route in routes if type(route) is Route}
         if len(desired) != len(routes):
             _reject_bad(routes)
+        old = self._desired
+        self._retry.update(d for d in self.conflicts if desired.get(d) != old.get(d))
+        if self._strays:
+            # Two routes of ours for one dst were filed against the previous desired set (the
+            # one now wanted may be the "stray"): re-read them before deleting anything.
+            self._full_pending = True
         self._desired = desired
         self._complete = True
         self._discarded.clear()
@@ -300,9 +307,12 @@ class RouteProgrammer:
                 await self._dump_own()
                 self.counters.full_resyncs += 1
             dsts = None if full or self._dirty_all else self._dirty
+            # Conflicts are re-tried on full resyncs, and at once when the monitor saw their
+            # destination change or their desired route changed.
+            retry = self._dirty | self._retry
             self._dirty_all = False
-            self._dirty = set()
-            adds, replaces, deletes, stale = self._plan(dsts, full)
+            self._dirty, self._retry = set(), set()
+            adds, replaces, deletes, stale = self._plan(dsts, full, retry)
             for dst in stale:
                 self.failures.pop(dst, None)
                 self.conflicts.pop(dst, None)
@@ -321,7 +331,7 @@ class RouteProgrammer:
                 log.exception("on_sync callback failed")
         return result
 
-    def _plan(self, dsts: Iterable[str] | None, full: bool):
+    def _plan(self, dsts: Iterable[str] | None, full: bool, retry: set[str] = frozenset()):  # type: ignore[assignment]
         """Adds, replaces and deletes that turn kernel state into desired state, and the
         destinations nobody wants any more (their failures and conflicts are forgotten)."""
         desired, kernel, conflicts = self._desired, self._kernel, self.conflicts
@@ -342,13 +352,16 @@ class RouteProgrammer:
             for dst, want in desired.items():
                 have = kernel.get(dst)
                 if have is None:
-                    # Re-checking a conflict costs a table read: only full resyncs retry them.
-                    if full or dst not in conflicts:
+                    # Re-checking a conflict costs a table read: only full resyncs retry them,
+                    # and a conflict whose destination or desired route changed.
+                    if full or dst not in conflicts or dst in retry:
                         adds.append(want)
                 elif have is not want and not _same(want, have):
                     change(want, have)
             if may_delete:
                 deletes.extend(have for dst, have in kernel.items() if dst not in desired)
+            else:  # before the first set_desired(): only what was discarded explicitly
+                deletes.extend(kernel[d] for d in discarded if d in kernel and d not in desired)
             stale.extend(d for d in (*self.failures, *conflicts) if d not in desired)
         else:
             for dst in dsts:
