@@ -263,7 +263,9 @@ class Speaker:
         elif isinstance(ev, PeerRouteRefresh):
             family = (ev.afi, ev.safi)
             neg = self._negotiated.get(peer.key)
-            if neg is not None and family in neg.families:
+            # The session may have ended after the ROUTE-REFRESH in the same read (a NOTIFICATION
+            # right behind it): its PeerDown is the next event, nothing is sent any more.
+            if neg is not None and family in neg.families and peer.established is not None:
                 # RFC 2918: send the whole Adj-RIB-Out for the family again.
                 self._adj_out[peer.key].pop(family, None)
                 self._send_full(peer, [family], now, end_of_rib=False)
@@ -462,7 +464,7 @@ class Speaker:
             messages.extend(encode_withdrawals(afi, withdrawn, ctx))
         for (attrs, next_hop), prefixes in groups.values():
             messages.extend(encode_updates(afi, attrs, next_hop, prefixes, ctx))
-        if messages:
+        if messages and peer.established is not None:
             peer.send_messages(messages, now)
 
     def _send_full(self, peer: Peer, families: list[Family], now: float, *, end_of_rib: bool) -> None:
@@ -470,7 +472,7 @@ class Speaker:
         neg = self._negotiated[peer.key]
         for family in families:
             self._export(peer, target, neg, family, self.rib.bests(family), now)
-        if end_of_rib:
+        if end_of_rib and peer.established is not None:
             peer.send_messages([Update.end_of_rib_marker(*f).encode(neg.ctx) for f in families], now)
 
     # ------------------------------------------------------------ introspection
