@@ -94,13 +94,13 @@ class _Kind:
 
 
 def _text_int(s: str) -> int:
-    if not re.fullmatch(r"\s*[+-]?[0-9]{1,20}\s*", s):
+    if not re.fullmatch(r"[ \t]*[+-]?[0-9]{1,20}[ \t]*", s):
         raise _Bad("must be an integer")
     return int(s)
 
 
 def _text_float(s: str) -> float:
-    if not re.fullmatch(r"\s*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?\s*", s):
+    if not re.fullmatch(r"[ \t]*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?[ \t]*", s):
         raise _Bad("must be a number")
     return float(s)
 
@@ -239,7 +239,7 @@ def _cluster_id(v: int | str, _base: Path) -> IPv4Address | None:
         if not 0 <= v <= 0xFFFFFFFF:
             raise _Bad(f"{v} is out of range: a cluster id is an IPv4 address or an integer 0..4294967295")
         return IPv4Address(v)
-    if re.fullmatch(r"\s*[0-9]{1,20}\s*", v):
+    if re.fullmatch(r"[ \t]*[0-9]{1,20}[ \t]*", v):
         return _cluster_id(int(v), _base)
     return _ipv4(v, unicast=False)
 
@@ -248,7 +248,7 @@ def _mtu(v: int | str, _base: Path) -> int | None:
     if isinstance(v, str):
         if v.strip() == "auto":
             return None
-        if not re.fullmatch(r"\s*[0-9]{1,6}\s*", v):
+        if not re.fullmatch(r"[ \t]*[0-9]{1,6}[ \t]*", v):
             raise _Bad('must be "auto" or an integer')
         v = int(v)
     if not 576 <= v <= 65535:  # RFC 791: every IPv4 host accepts 576-octet datagrams
