@@ -30,7 +30,7 @@ import errno as _errno
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 
 from agentd import netlink as nl
 from agentd._routes import (  # noqa: F401  (re-exported: the public API lives here)
@@ -331,7 +331,7 @@ class RouteProgrammer:
                 log.exception("on_sync callback failed")
         return result
 
-    def _plan(self, dsts: Iterable[str] | None, full: bool, retry: set[str] = frozenset()):  # type: ignore[assignment]
+    def _plan(self, dsts: Iterable[str] | None, full: bool, retry: Set[str] = frozenset()):
         """Adds, replaces and deletes that turn kernel state into desired state, and the
         destinations nobody wants any more (their failures and conflicts are forgotten)."""
         desired, kernel, conflicts = self._desired, self._kernel, self.conflicts

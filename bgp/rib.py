@@ -168,13 +168,13 @@ class Rib:
             adj.update(fresh)
             if len(adj) - before == len(fresh):
                 loc.update(fresh)
-                self._fresh.setdefault(family, []).append(prefixes if len(fresh) == len(prefixes) else list(fresh))
+                self._remember_fresh(family, prefixes, fresh)
                 return
             adj_done = True  # some were known: merged one by one below (adj already holds path)
         elif not loc or loc.keys().isdisjoint(fresh):
             adj.update(fresh)
             loc.update(fresh)
-            self._fresh.setdefault(family, []).append(prefixes if len(fresh) == len(prefixes) else list(fresh))
+            self._remember_fresh(family, prefixes, fresh)
             return
         else:
             adj_done = False
@@ -200,6 +200,10 @@ class Rib:
                 if prefix not in changes:
                     changes[prefix] = cur[0]
                 loc[prefix] = _ordered([c for c in cur if c.source.key != key] + [path])
+
+    def _remember_fresh(self, family: Family, prefixes: list[bytes] | tuple[bytes, ...], fresh: dict) -> None:
+        # The list itself, unless it named a prefix twice (then the deduplicated keys).
+        self._fresh.setdefault(family, []).append(prefixes if len(fresh) == len(prefixes) else list(fresh))
 
     def withdraw(self, key: str, family: Family, prefixes: Iterable[bytes]) -> None:
         adj_rib = self.adj_in.get(key)

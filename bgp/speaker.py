@@ -263,9 +263,7 @@ class Speaker:
         elif isinstance(ev, PeerRouteRefresh):
             family = (ev.afi, ev.safi)
             neg = self._negotiated.get(peer.key)
-            # The session may have ended after the ROUTE-REFRESH in the same read (a NOTIFICATION
-            # right behind it): its PeerDown is the next event, nothing is sent any more.
-            if neg is not None and family in neg.families and peer.established is not None:
+            if neg is not None and family in neg.families:
                 # RFC 2918: send the whole Adj-RIB-Out for the family again.
                 self._adj_out[peer.key].pop(family, None)
                 self._send_full(peer, [family], now, end_of_rib=False)
@@ -464,6 +462,8 @@ class Speaker:
             messages.extend(encode_withdrawals(afi, withdrawn, ctx))
         for (attrs, next_hop), prefixes in groups.values():
             messages.extend(encode_updates(afi, attrs, next_hop, prefixes, ctx))
+        # The session may have ended earlier in the same read (a NOTIFICATION behind a
+        # ROUTE-REFRESH or an UPDATE): its PeerDown comes next; nothing is sent any more.
         if messages and peer.established is not None:
             peer.send_messages(messages, now)
 

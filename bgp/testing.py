@@ -187,3 +187,16 @@ def make_speaker(
     for p in peers:
         sp.add_peer(p if isinstance(p, PeerSettings) else PeerSettings(address=p[0], asn=p[1]), now)
     return sp
+
+
+def speaker_pair(
+    asn_a: int = 65000, asn_b: int = 65000, **kw
+) -> tuple[MemoryNetwork, Speaker, Speaker]:
+    """Speakers 10.0.0.1 (``asn_a``) and 10.0.0.2 (``asn_b``) configured as each other's peer in
+    a fresh MemoryNetwork, both started at t=0; ``kw`` goes to :func:`make_speaker`."""
+    net = MemoryNetwork()
+    a = net.add("10.0.0.1", make_speaker("10.0.0.1", asn_a, [("10.0.0.2", asn_b)], **kw))
+    b = net.add("10.0.0.2", make_speaker("10.0.0.2", asn_b, [("10.0.0.1", asn_a)], **kw))
+    a.start(0.0)
+    b.start(0.0)
+    return net, a, b

@@ -31,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bgp import Origination, PeerSettings
-from bgp.testing import MemoryNetwork, make_speaker
+from bgp.testing import MemoryNetwork, make_speaker, speaker_pair
 from proto.attributes import (
     AS_SEQUENCE,
     NO_ADVERTISE,
@@ -608,11 +608,7 @@ def test_route_refresh_read_together_with_a_cease():
     so a ROUTE-REFRESH read together with the NOTIFICATION ending the session made
     Session.send_messages raise RuntimeError ("cannot send routes in state Idle") out of
     Speaker.data_received."""
-    net = MemoryNetwork()
-    a = net.add("10.0.0.1", make_speaker("10.0.0.1", 65000, [("10.0.0.2", 65000)]))
-    b = net.add("10.0.0.2", make_speaker("10.0.0.2", 65000, [("10.0.0.1", 65000)]))
-    a.start(0.0)
-    b.start(0.0)
+    net, a, b = speaker_pair()
     net.run(duration=1)
     a.set_originated([Spec(0, (), None, None, (), (), False).origination((4, 0))], net.now)
     net.run(duration=1)

@@ -10,6 +10,7 @@ import pytest
 
 from bgp import Origination, PeerSettings, State
 from bgp.testing import MemoryNetwork, make_speaker
+from bgp.testing import speaker_pair as pair
 from proto.errors import ErrorCode
 from proto.messages import MessageReader, Notification, MessageType
 from proto.nlri import IPV4_UNICAST, IPV6_UNICAST, prefix_from_str, prefix_to_str
@@ -30,15 +31,6 @@ def table(sp, family=IPV4_UNICAST):
 
 def peer_state(sp, addr):
     return sp.peers[addr].state
-
-
-def pair(asn_a=65000, asn_b=65000, **kw):
-    net = MemoryNetwork()
-    a = net.add("10.0.0.1", make_speaker("10.0.0.1", asn_a, [("10.0.0.2", asn_b)], **kw))
-    b = net.add("10.0.0.2", make_speaker("10.0.0.2", asn_b, [("10.0.0.1", asn_a)], **kw))
-    a.start(0.0)
-    b.start(0.0)
-    return net, a, b
 
 
 def test_ibgp_session_establishes_and_stays_up_on_keepalives():
