@@ -9,7 +9,8 @@ only; removed at the end), runs ONE iperf3 TCP stream pod -> pod and 20 pings pe
   kernel vxlan hand-configured kernel VXLAN pair with routes for the pod subnets (kernel anchor)
   host-gw      plain routes via the peer's underlay address
   udp / ipip   the agentd user-space fast paths (TUN TSO + user segmentation, UDP GSO/GRO or
-               sendmmsg/recvmmsg, GRO-style coalescing into the TUN)
+               sendmmsg/recvmmsg, GRO-style coalescing into the TUN), loops in C (_fastpath.c)
+  ... python   the same with --fast-path python: the loops in Python and numpy (the fall-back)
   ... kseg     the same with --segmentation kernel (TUN without TSO; batched sends)
   ... no-offl  --no-offload: one read + one send per packet (flannel's model, the baseline)
   ... before   with --compare DIR: the same paths run by the code in DIR (a directory holding
@@ -64,8 +65,10 @@ ROWS = [
     ("kernel vxlan", "vxlan", {}),
     ("host-gw", "hostgw", {}),
     ("udp", "udp", {"offload": True}),
-    ("udp kseg", "udp", {"offload": True, "extra": ("--segmentation", "kernel")}),
     ("ipip", "ipip", {"offload": True}),
+    ("udp python", "udp", {"offload": True, "extra": ("--fast-path", "python")}),
+    ("ipip python", "ipip", {"offload": True, "extra": ("--fast-path", "python")}),
+    ("udp kseg", "udp", {"offload": True, "extra": ("--segmentation", "kernel")}),
     ("ipip kseg", "ipip", {"offload": True, "extra": ("--segmentation", "kernel")}),
     ("udp no-offl", "udp", {"offload": False}),
     ("ipip no-offl", "ipip", {"offload": False}),
@@ -112,18 +115,18 @@ def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[float, float, str, str]:
+def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[float, float, str, str, str]:
     def make(role: str) -> Netns:
         return Netns.create(f"ad-{tag}-{n}{role}")
 
     t = build_two_hosts(make, outsider=False)
     try:
         if kind == "raw":
-            return iperf(t.h1, t.h2, H2_UNDERLAY, seconds), ping_avg(t.h1, H2_UNDERLAY), "", ""
+            return iperf(t.h1, t.h2, H2_UNDERLAY, seconds), ping_avg(t.h1, H2_UNDERLAY), "", "", ""
         if kind == "hostgw":
             t.h1.ip("route", "add", SUBNET2, "via", H2_UNDERLAY)
             t.h2.ip("route", "add", SUBNET1, "via", H1_UNDERLAY)
-            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), "", ""
+            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), "", "", ""
         if kind == "vxlan":
             for h, local, remote, addr, peer_addr, subnet in (
                 (t.h1, H1_UNDERLAY, H2_UNDERLAY, "10.99.0.1", "10.99.0.2", SUBNET2),
@@ -135,7 +138,7 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[floa
                 h.ip("addr", "add", f"{addr}/24", "dev", "vx0")
                 h.ip("route", "add", subnet, "via", peer_addr, "dev", "vx0")
             t.set_pod_mtu(t.underlay_mtu - OVERHEAD["vxlan"])
-            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), "", ""
+            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), "", "", ""
         # agentd user-space paths
         mtu = t.underlay_mtu - OVERHEAD[kind]
         t.set_pod_mtu(mtu)
@@ -155,6 +158,9 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[floa
         gbps = iperf(t.p1, t.p2, P2, seconds)
         wall = time.monotonic() - w0
         cpu = {i: (cpu_seconds(p.pid) - c0[i]) / wall for i, p in procs.items()}
+        tx, rx = (_control(ctl[i], json.dumps({"op": "stats"}) + "\n")[0]["stats"] for i in (1, 2))
+        # Inner packets per TUN read (sender) and per TUN write (receiver): the batching achieved.
+        per_io = f"{tx['tx_packets'] / max(tx['tun_reads'], 1):4.1f} / {rx['rx_packets'] / max(rx['tun_writes'], 1):4.1f}"
         t.stop_workers()
         for p in ctl.values():
             for f in (p, p + ".state"):
@@ -162,12 +168,12 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[floa
                     os.unlink(f)
         per64k = {i: cpu[i] * 1e6 / max(gbps * 1e9 / 8 / 65536, 1e-9) for i in cpu}
         return (gbps, lat, f"{cpu[1] * 100:3.0f}% / {cpu[2] * 100:3.0f}%",
-                f"{per64k[1]:5.0f} / {per64k[2]:5.0f}" if gbps > 0 else "")
+                f"{per64k[1]:5.0f} / {per64k[2]:5.0f}" if gbps > 0 else "", per_io)
     finally:
         t.stop_workers()
 
 
-def _control(path: str, lines: str) -> None:
+def _control(path: str, lines: str) -> list[dict]:
     import socket
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -176,9 +182,11 @@ def _control(path: str, lines: str) -> None:
         buf = b""
         while buf.count(b"\n") < lines.count("\n"):
             buf += s.recv(65536)
-    for line in buf.decode().splitlines():
-        if not json.loads(line).get("ok"):
-            raise RuntimeError(f"worker refused: {line}")
+    replies = [json.loads(line) for line in buf.decode().splitlines()]
+    for reply in replies:
+        if not reply.get("ok"):
+            raise RuntimeError(f"worker refused: {reply}")
+    return replies
 
 
 def main() -> int:
@@ -207,7 +215,7 @@ def main() -> int:
         return 1
     wanted = set(args.only.split(",")) if args.only else None
     tag = unique_tag("bdp")
-    runs: dict[str, list[tuple[float, float, str, str]]] = {}
+    runs: dict[str, list[tuple[float, float, str, str, str]]] = {}
     background = busy_share()
     load = os.getloadavg()
     selected = [
@@ -229,7 +237,7 @@ def main() -> int:
         ordered = sorted(got, key=lambda g: g[0])
         mid = ordered[len(ordered) // 2]  # the median round (the upper one of an even count)
         spread = f"{ordered[0][0]:.2f}-{ordered[-1][0]:.2f}" if len(got) > 1 else ""
-        results.append((name, mid[0], mid[1], mid[2], mid[3], spread))
+        results.append((name, mid[0], mid[1], mid[2], mid[3], mid[4], spread))
     by = {r[0]: r[1] for r in results}
     raw, vx = by.get("raw veth") or float("nan"), by.get("kernel vxlan") or float("nan")
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s, pod -> pod (2 cores shared by "
@@ -239,10 +247,11 @@ def main() -> int:
           f"{load[0]:.2f} before, {after[0]:.2f} after"
           + ("  <- rows are skewed by other load" if background > 0.1 else "") + "\n")
     print(f"{'path':<14} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x vxlan':>8} {'ping ms':>8}  "
-          f"{'worker CPU tx / rx':<19} us CPU per 64 KB tx / rx")
-    print("-" * 112)
-    for name, gbps, lat, cpu, per64k, spread in results:
-        print(f"{name:<14} {gbps:7.2f} {spread:>11} {gbps / raw:10.2f} {gbps / vx:8.2f} {lat:8.3f}  {cpu:<19} {per64k}")
+          f"{'worker CPU tx / rx':<19} {'us CPU per 64 KB tx / rx':<25} pkts per TUN read / write")
+    print("-" * 138)
+    for name, gbps, lat, cpu, per64k, per_io, spread in results:
+        print(f"{name:<14} {gbps:7.2f} {spread:>11} {gbps / raw:10.2f} {gbps / vx:8.2f} {lat:8.3f}  {cpu:<19} "
+              f"{per64k:<25} {per_io}")
     print("\nanchors (context, not measured here):")
     for a in ANCHORS:
         print(f"  - {a}")

@@ -3,6 +3,12 @@
 It runs beside the agent (same network namespace), never inside the agent's asyncio loop: a
 tight blocking ``poll`` loop over the TUN fd, the underlay socket and a unix control socket.
 
+With offloads and user segmentation (the default) the per-packet loops below run in C
+(``_fastpath.c`` through ``_fast.FastPath``: ``_from_tun_fast`` / ``_receive_fast``); this
+module keeps everything else and hands the C side the next hops and members.  The Python
+loops that follow do the same work where the C file is not built or ``--fast-path python`` is
+given, and are the reference the tests hold the C side to.
+
 TUN -> underlay: with offloads one read returns a TCP super-packet (up to 64 KB), read
 straight into a block of segment slots; the super-packets at hand (up to ``_TSO_BLOCKS``) are
 segmented in place by one vectorized pass (``_tso.TsoSegmenter``, numpy) and handed to the
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import ipaddress
 import json
 import logging
@@ -39,6 +46,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from agentd.dataplane import _fast
 from agentd.dataplane._forward import ForwardError, NextHopTable, complete_checksum, parse_members
 from agentd.dataplane._gro import Coalescer
 from agentd.dataplane._tso import TsoSegmenter
@@ -92,6 +100,7 @@ class WorkerConfig:
     icmp_source: str | None = None
     segmentation: str = "user"
     txqueuelen: int = 1000
+    fast_path: str = "c"
 
 
 class Worker:
@@ -147,8 +156,32 @@ class Worker:
             self.fallbacks["tun_coalesce"] = "disabled by --no-offload"
         if self.icmp_source is None:
             self.fallbacks["icmp_source"] = self.fallbacks_icmp
+        self.fast = self._open_fast_path(user_tso)
         self.listener = self._listen(cfg.control)
         self._load_state()
+
+    def _open_fast_path(self, user_tso: bool) -> _fast.FastPath | None:
+        """The C loops where they can run (offloads on, user segmentation), else None and the
+        reason in fallbacks: the Python loops below then do the same work."""
+        cfg = self.cfg
+        why = ""
+        lib = None
+        if not cfg.offload:
+            why = "disabled by --no-offload"
+        elif not user_tso:
+            why = "segmentation left to the kernel (--segmentation kernel)"
+        elif cfg.fast_path != "c":
+            why = f"--fast-path {cfg.fast_path}"
+        else:
+            lib, why = _fast.load()
+        self.offloads["c_fast_path"] = lib is not None
+        if lib is None:
+            self.fallbacks["c_fast_path"] = why
+            return None
+        t = self.transport.offloads
+        return _fast.FastPath(lib, cfg.kind, tun_fd=self.tun.fd, sock_fd=self.transport.fileno(), mtu=cfg.mtu,
+                              ttl_decrement=self.ttl_decrement, port=cfg.port, udp_gso=t.get("udp_gso", False),
+                              udp_gro=t.get("udp_gro", False))
 
     # -- control ------------------------------------------------------------------------------
 
@@ -200,6 +233,8 @@ class Worker:
             raise ValueError("next_hops must be an object {prefix: underlay address}")
         self.table = NextHopTable(routes)
         self.route_cache = {}
+        if self.fast is not None:
+            self.fast.set_routes(self.table)
         if save:
             self._save_state()
 
@@ -208,6 +243,8 @@ class Worker:
             raise ValueError("members must be a list of underlay addresses")
         self.members = parse_members(members)
         self.transport.set_members(self.members)
+        if self.fast is not None:
+            self.fast.set_members(self.members)
         if save:
             self._save_state()
 
@@ -240,22 +277,35 @@ class Worker:
         return {"kind": cfg.kind, "tun": cfg.tun, "mtu": cfg.mtu, "local_ip": cfg.local_ip, "port": cfg.port,
                 "icmp_source": self.icmp_source or "inner-destination",
                 "offload": cfg.offload, "segmentation": cfg.segmentation if cfg.offload else "none",
+                "fast_path": "c" if self.fast is not None else "python",
                 "pid": os.getpid(), "orphan_timeout": cfg.orphan_timeout}
 
     def stats(self) -> dict:
+        c = {**self.c, "coalesced_segments": getattr(self.coalescer, "merged", 0),
+             "coalesced_batches": getattr(self.coalescer, "batches", 0)}
+        drops = dict(self.drops)
+        offloads = dict(self.offloads, **self.transport.offloads)
+        fallbacks = dict(self.fallbacks, **self.transport.fallbacks)
+        if self.fast is not None:  # the C loops count on their side
+            for name, value in self.fast.counters().items():
+                if name.startswith("drop:"):
+                    drops[name[5:]] += value
+                else:
+                    c[name] += value
+            if not self.fast.udp_gso and offloads.get("udp_gso"):
+                offloads["udp_gso"] = False
+                fallbacks["udp_gso"] = f"UDP_SEGMENT send failed: {os.strerror(self.fast.gso_failed_errno)}"
         return {
             **self.describe(),
             "uptime": round(time.monotonic() - self.started, 3),
             "next_hops": len(self.table),
             "members": len(self.members),
             "controllers": len(self.clients),
-            **self.c,
-            "coalesced_segments": getattr(self.coalescer, "merged", 0),
-            "coalesced_batches": getattr(self.coalescer, "batches", 0),
+            **c,
             "tso_gathered": self.segmenter.gathered,
-            "drops": dict(self.drops),
-            "offloads": dict(self.offloads, **self.transport.offloads),
-            "fallbacks": dict(self.fallbacks, **self.transport.fallbacks),
+            "drops": drops,
+            "offloads": offloads,
+            "fallbacks": fallbacks,
         }
 
     def _accept(self) -> None:
@@ -331,6 +381,23 @@ class Worker:
         except ValueError:
             return
         self.c["icmp_sent"] += 1
+
+    def _from_tun_fast(self) -> None:
+        """TUN -> underlay in C; what it hands back needs an ICMP error written to the TUN."""
+        fast = self.fast
+        for _ in range(_BUDGET):
+            rc = fast.tx(_BUDGET)
+            if rc < 0:
+                _raise_errno()
+            if rc != 1:
+                return
+            kind, pkt = fast.slow_packet()
+            self._icmp(icmp_net_unreachable if kind == _fast.SLOW_NET_UNREACHABLE else icmp_time_exceeded,
+                       memoryview(pkt))
+
+    def _receive_fast(self, _rxbuf, _coalescer, budget: int) -> None:
+        if self.fast.rx(budget) < 0:
+            _raise_errno()
 
     def _from_tun_offload(self) -> None:
         """TUN -> underlay with TSO super-packets.
@@ -589,13 +656,15 @@ class Worker:
         poller.register(tun_fd, select.POLLIN)
         poller.register(sock_fd, select.POLLIN)
         poller.register(lfd, select.POLLIN)
-        if not self.cfg.offload:
+        receive = self.transport.receive
+        if self.fast is not None:
+            from_tun, receive = self._from_tun_fast, self._receive_fast
+        elif not self.cfg.offload:
             from_tun = self._from_tun_plain
         elif self.cfg.segmentation == "user":
             from_tun = self._from_tun_offload
         else:
             from_tun = self._from_tun_batched
-        receive = self.transport.receive
         rxbuf, coalescer = self.rxbuf, self.coalescer
         log.info("%s worker on %s (mtu %d, local %s, offload %s) ready; control %s", self.cfg.kind,
                  self.cfg.tun, self.cfg.mtu, self.cfg.local_ip, self.cfg.offload, self.cfg.control)
@@ -629,12 +698,20 @@ class Worker:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.cfg.control)
         self.transport.close()
+        if self.fast is not None:
+            self.fast.close()
         if self._remove_device:
             with contextlib.suppress(OSError):
                 self.tun.set_persist(False)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.state_path)
         self.tun.close()
+
+
+def _raise_errno() -> None:
+    """A read error in the C loops: raised as the Python loops would raise it."""
+    err = ctypes.get_errno()
+    raise OSError(err, os.strerror(err))
 
 
 class _SingleWriter:
@@ -730,13 +807,16 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--segmentation", choices=("user", "kernel"), default="user",
                    help="who cuts TCP super-packets into MTU-sized packets: user (TUN TSO, segmented "
                         "and checksummed here) or kernel (TUN without TSO, read per packet, batched sends)")
+    p.add_argument("--fast-path", choices=("c", "python"), default="c",
+                   help="who runs the per-packet loops with offloads on: c (agentd/dataplane/_fastpath.c, "
+                        "where built) or python (numpy; also the fall-back)")
     p.add_argument("--state", help="state file (default CONTROL.state)")
     p.add_argument("--icmp-source", type=_ipv4, help="source of ICMP errors sent to pods (default --local-ip)")
     a = p.parse_args(argv)
     return WorkerConfig(kind=a.kind, tun=a.tun or DEFAULT_DEVICE[a.kind], mtu=a.mtu, local_ip=a.local_ip,
                         port=a.port, control=a.control, offload=not a.no_offload,
                         orphan_timeout=a.orphan_timeout, state=a.state, icmp_source=a.icmp_source,
-                        segmentation=a.segmentation)
+                        segmentation=a.segmentation, fast_path=a.fast_path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -461,6 +461,10 @@ class Lab:
         for n in self.nodes:
             with contextlib.suppress(Exception):
                 await n.stop_agent(signal.SIGTERM, timeout=5)
+            if n.proc is not None and n.proc.poll() is None:  # not stopped in time: kill and reap it
+                with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                    n.proc.kill()
+                    await asyncio.to_thread(n.proc.wait, 5)
         with contextlib.suppress(Exception):
             await self.etcd.kill()
         removed = await asyncio.to_thread(delete_matching, f"ad-{self.spec.name}-")

@@ -63,8 +63,8 @@ async def start_pair(netns_factory, tmp_path, kind, *, offload=True, extra=(), o
     return Pair(topo, kind, procs, clients, controls)
 
 
-def ping(ns, dst, count=3):
-    return ns.exec("ping", "-c", str(count), "-i", "0.2", "-W", "2", dst, check=False)
+def ping(ns, dst, count=3, extra=()):
+    return ns.exec("ping", "-c", str(count), "-i", "0.2", "-W", "2", *extra, dst, check=False)
 
 
 _SINK = """
@@ -121,8 +121,16 @@ def read_pcap(path):
     return out
 
 
-@pytest.mark.parametrize("kind, extra", [("udp", ()), ("udp", ("--segmentation", "kernel")), ("ipip", ())],
-                         ids=["udp", "udp-kernel-segmentation", "ipip"])
+PYTHON_PATH = ("--fast-path", "python")
+# Each user-space path with its loops in C (the default where built) and in Python (the fall-back).
+BOTH_PATHS = pytest.mark.parametrize("kind, extra", [("udp", ()), ("udp", PYTHON_PATH), ("ipip", ()),
+                                                     ("ipip", PYTHON_PATH)],
+                                     ids=["udp", "udp-python", "ipip", "ipip-python"])
+
+
+@pytest.mark.parametrize("kind, extra", [("udp", ()), ("udp", PYTHON_PATH), ("udp", ("--segmentation", "kernel")),
+                                         ("ipip", ()), ("ipip", PYTHON_PATH)],
+                         ids=["udp", "udp-python", "udp-kernel-segmentation", "ipip", "ipip-python"])
 async def test_pods_reach_each_other_and_the_wire_carries_the_inner_packets(netns_factory, tmp_path, kind, extra):
     pair = await start_pair(netns_factory, tmp_path, kind, extra=extra)
     t = pair.topo
@@ -204,12 +212,14 @@ async def test_pods_reach_each_other_and_the_wire_carries_the_inner_packets(netn
         assert s1["tx_packets"] > 10000 and s2["rx_packets"] >= s1["tx_packets"] * 0.99
         assert s1["tx_syscalls"] < s1["tx_packets"] / 5, "sends must be batched"
         assert s2["coalesced_segments"] > s2["rx_packets"] / 2, "receive side must coalesce"
-        if not extra:
+        fast = "c" if not extra else "python"
+        assert s1["fast_path"] == s2["fast_path"] == fast and s1["offloads"]["c_fast_path"] == (fast == "c")
+        if "--segmentation" not in extra:
             # Super-packets are read into segment slots and segmented by the vectorized pass;
             # GRO reads / recvmmsg batches are checked and merged as whole batches.
             assert s1["tso_segments"] > 10000 and s1["offloads"]["tun_tso"]
             assert s1["tso_batches"] > 0 and s1["tso_gathered"] <= 2 and s2["coalesced_batches"] > 0
-        if kind == "udp" and not extra:
+        if kind == "udp" and "--segmentation" not in extra:
             assert s1["offloads"]["udp_gso"] and s2["offloads"]["udp_gro"]
         if kind == "ipip":
             assert s1["offloads"]["sendmmsg"] and s2["offloads"]["recvmmsg"]
@@ -218,12 +228,12 @@ async def test_pods_reach_each_other_and_the_wire_carries_the_inner_packets(netn
         await pair.stop()
 
 
-@pytest.mark.parametrize("kind", ["udp", "ipip"])
-async def test_concurrent_flows_both_ways_arrive_intact(netns_factory, tmp_path, kind):
+@BOTH_PATHS
+async def test_concurrent_flows_both_ways_arrive_intact(netns_factory, tmp_path, kind, extra):
     """Several TCP flows at once, both directions, while pinging: batches then hold segments of
     different flows and super-packets side by side, which the vectorized paths must cut
     exactly where GRO would (any byte out of place fails the SHA-256 comparison)."""
-    pair = await start_pair(netns_factory, tmp_path, kind)
+    pair = await start_pair(netns_factory, tmp_path, kind, extra=extra)
     t = pair.topo
     try:
         pinger = t.p1.popen(["ping", "-c", "40", "-i", "0.05", "-s", "1200", P2],
@@ -253,9 +263,9 @@ async def test_concurrent_flows_both_ways_arrive_intact(netns_factory, tmp_path,
         await pair.stop()
 
 
-@pytest.mark.parametrize("kind", ["udp", "ipip"])
-async def test_outsiders_are_dropped_and_counted(netns_factory, tmp_path, kind):
-    pair = await start_pair(netns_factory, tmp_path, kind)
+@BOTH_PATHS
+async def test_outsiders_are_dropped_and_counted(netns_factory, tmp_path, kind, extra):
+    pair = await start_pair(netns_factory, tmp_path, kind, extra=extra)
     t = pair.topo
     try:
         inner = P.tcp_packet(P1, P2, P.TcpHeader(40000, 9, 1, 0, P.TCP_SYN, 1000))
@@ -286,14 +296,30 @@ async def test_outsiders_are_dropped_and_counted(netns_factory, tmp_path, kind):
         await pair.stop()
 
 
-@pytest.mark.parametrize("kind", ["udp", "ipip"])
-async def test_unknown_destination_gets_net_unreachable(netns_factory, tmp_path, kind):
-    pair = await start_pair(netns_factory, tmp_path, kind)
+@BOTH_PATHS
+async def test_unknown_destination_gets_net_unreachable(netns_factory, tmp_path, kind, extra):
+    pair = await start_pair(netns_factory, tmp_path, kind, extra=extra)
     try:
         out = ping(pair.topo.p1, "10.244.3.5", count=2)
         assert "Destination Net Unreachable" in out, out
         stats = await pair.clients[1].stats()
         assert stats["drops"]["no_route"] >= 2 and stats["icmp_sent"] >= 2
+    finally:
+        await pair.stop()
+
+
+@pytest.mark.parametrize("extra", [(), PYTHON_PATH], ids=["c", "python"])
+async def test_udp_decrements_the_inner_ttl_and_answers_time_exceeded(netns_factory, tmp_path, extra):
+    """flannel's UDP backend is a router hop: TTL 2 leaves the pod, the host's kernel makes it
+    1, the worker would make it 0 and answers with ICMP time exceeded instead.  TTL 4 arrives
+    (h1, the worker and h2 each take one)."""
+    pair = await start_pair(netns_factory, tmp_path, "udp", extra=extra)
+    try:
+        out = ping(pair.topo.p1, P2, count=2, extra=("-t", "2"))
+        assert "Time to live exceeded" in out, out
+        assert " 0% packet loss" in ping(pair.topo.p1, P2, count=2, extra=("-t", "4"))
+        stats = await pair.clients[1].stats()
+        assert stats["drops"]["ttl_exceeded"] >= 2 and stats["icmp_sent"] >= 2
     finally:
         await pair.stop()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -198,10 +199,10 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
     # Build from a copy of the sources: the build writes build/ and *.egg-info next to them.
     src = tmp_path / "src"
     src.mkdir()
-    for item in ("pyproject.toml", "README.md"):
+    for item in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / item, src / item)
-    for package in ("proto", "bgp", "agentd"):
-        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("proto", "bgp", "agentd"):  # not the checkout's in-place build of the C file
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     dist = tmp_path / "dist"
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(dist), str(src)],
@@ -210,7 +211,8 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = dist.glob("agentd-*.whl")
     version = PYPROJECT["project"]["version"]
-    assert wheel.name == f"agentd-{version}-py3-none-any.whl"
+    # A platform wheel: it carries the data plane's C fast path, built by pip.
+    assert re.fullmatch(rf"agentd-{re.escape(version)}-cp3\d+-cp3\d+-linux_\w+\.whl", wheel.name), wheel.name
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         entry_points = zf.read(f"agentd-{version}.dist-info/entry_points.txt").decode()
@@ -219,6 +221,7 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
     for module in ("agentd/cli.py", "agentd/cni.py", "agentd/dataplane/worker.py", "bgp/__init__.py", "proto/__init__.py"):
         assert module in names
     assert not [n for n in names if n.startswith("tests/")]
+    assert [n for n in names if re.fullmatch(r"agentd/dataplane/_fastpath\.cpython-.*\.so", n)], names
 
     # Installed into a fresh venv (no index: the wheel only; its dependencies are borrowed
     # from the project's venv through a .pth file, since this machine has no general internet).
@@ -249,6 +252,11 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
         capture_output=True, text=True, env=env, check=True, cwd=tmp_path,  # not the checkout's agentd/
     ).stdout.strip()  # fmt: skip
     assert where.startswith(purelib), f"agentd imported from {where}, not the installed wheel"
+    fast = subprocess.run(
+        [str(bin_ / "python"), "-c", "from agentd.dataplane import _fast; lib, why = _fast.load(); print(lib._name, why)"],
+        capture_output=True, text=True, env=env, check=True, cwd=tmp_path,
+    ).stdout.strip()  # fmt: skip
+    assert fast.startswith(purelib) and "_fastpath" in fast, fast
     out = subprocess.run(
         [str(bin_ / "agentd"), "check-config", "--config", str(ROOT / "etc" / "agentd.toml"),
          "--set", "node.address=192.0.2.10", "--set", "node.name=n1"],

@@ -1,0 +1,154 @@
+"""The C fast path (``_fastpath.c``) as the worker sees it, through ctypes.
+
+The C side moves packets and counts; this side sets it up, gives it the next-hop table and the
+member list, answers what it hands back (a packet that needs an ICMP error) and reads its
+counters.  :func:`load` says why the fast path is not available (not built, or built from
+another version of the C file); the worker then runs the Python path instead and says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import ipaddress
+import sys
+
+from agentd.dataplane._forward import NextHopTable
+
+# The C file's counter slots, in order: forwarding counters, then drop reasons ("drop:").
+COUNTERS = (
+    "tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
+    "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "coalesced_segments",
+    "coalesced_batches",
+    "drop:non_member", "drop:no_route", "drop:ttl_exceeded", "drop:malformed", "drop:mtu", "drop:not_ipv4",
+    "drop:send_error", "drop:tun_write_error",
+)
+SLOW_NET_UNREACHABLE = 1
+SLOW_TIME_EXCEEDED = 2
+KINDS = {"udp": 0, "ipip": 1}
+SLOW_MAX = 1600
+
+
+class _State(ctypes.Structure):
+    """The leading fields of ``struct fp_state`` (the rest is private to C)."""
+
+    _fields_ = [
+        ("tun_fd", ctypes.c_int), ("sock_fd", ctypes.c_int), ("kind", ctypes.c_int), ("mtu", ctypes.c_int),
+        ("ttl_decrement", ctypes.c_int), ("udp_gso", ctypes.c_int), ("udp_gro", ctypes.c_int),
+        ("port", ctypes.c_uint16),
+        ("counters", ctypes.c_uint64 * len(COUNTERS)),
+        ("slow_kind", ctypes.c_int), ("slow_len", ctypes.c_int), ("slow", ctypes.c_uint8 * SLOW_MAX),
+        ("gso_failed_errno", ctypes.c_int),
+    ]
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """The shared library, or None and the reason it cannot be used."""
+    global _lib
+    if _lib is not None:
+        return _lib, ""
+    spec = importlib.util.find_spec("agentd.dataplane._fastpath")
+    if spec is None or not spec.origin:
+        return None, "agentd/dataplane/_fastpath.c is not built (scripts/dev setup or pip install build it)"
+    try:
+        lib = ctypes.CDLL(spec.origin, use_errno=True)
+    except OSError as exc:
+        return None, f"cannot load {spec.origin}: {exc}"
+    lib.fp_new.restype = ctypes.POINTER(_State)
+    lib.fp_free.argtypes = [ctypes.POINTER(_State)]
+    for name in ("fp_tx", "fp_rx"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.POINTER(_State), ctypes.c_int]
+        fn.restype = ctypes.c_int
+    lib.fp_set_routes.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int]
+    lib.fp_set_members.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int]
+    lib.fp_segment.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+    lib.fp_write_packets.argtypes = [ctypes.POINTER(_State), ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int]
+    if lib.fp_counter_count() != len(COUNTERS) or lib.fp_counters_offset() != _State.counters.offset:
+        return None, f"{spec.origin} does not match this agentd (rebuild it: scripts/dev setup)"
+    _lib = lib
+    return lib, ""
+
+
+class FastPath:
+    """One worker's C state: ``tx`` drains the TUN, ``rx`` the underlay socket."""
+
+    def __init__(self, lib: ctypes.CDLL, kind: str, *, tun_fd: int, sock_fd: int, mtu: int, ttl_decrement: bool,
+                 port: int, udp_gso: bool, udp_gro: bool) -> None:
+        self._lib = lib
+        ptr = lib.fp_new()
+        if not ptr:
+            raise MemoryError("fp_new")
+        self._ptr = ptr
+        st = self.state = ptr.contents
+        st.tun_fd, st.sock_fd, st.kind, st.mtu = tun_fd, sock_fd, KINDS[kind], mtu
+        st.ttl_decrement, st.udp_gso, st.udp_gro = int(ttl_decrement), int(udp_gso), int(udp_gro)
+        st.port = int.from_bytes(port.to_bytes(2, "big"), sys.byteorder)  # network byte order
+        self.tx = lambda budget, _f=lib.fp_tx, _p=ptr: _f(_p, budget)
+        self.rx = lambda budget, _f=lib.fp_rx, _p=ptr: _f(_p, budget)
+
+    def close(self) -> None:
+        if self._ptr:
+            self._lib.fp_free(self._ptr)
+            self._ptr = None
+
+    def set_routes(self, table: NextHopTable) -> None:
+        rows = []
+        for prefix, via in table.routes.items():
+            net = ipaddress.IPv4Network(prefix)
+            rows.append((net.prefixlen, int(net.network_address), int(net.netmask), int(ipaddress.IPv4Address(via))))
+        rows.sort(key=lambda r: -r[0])  # longest prefix first
+        flat = (ctypes.c_uint32 * (3 * len(rows)))()
+        for i, (_plen, net, mask, via) in enumerate(rows):
+            # network byte order in a native uint32: the C side compares raw header words
+            flat[3 * i] = int.from_bytes(net.to_bytes(4, "big"), sys.byteorder)
+            flat[3 * i + 1] = int.from_bytes(mask.to_bytes(4, "big"), sys.byteorder)
+            flat[3 * i + 2] = int.from_bytes(via.to_bytes(4, "big"), sys.byteorder)
+        if self._lib.fp_set_routes(self._ptr, flat, len(rows)):
+            raise MemoryError("fp_set_routes")
+
+    def set_members(self, members) -> None:
+        addrs = sorted(int(ipaddress.IPv4Address(m)) for m in members)
+        arr = (ctypes.c_uint32 * len(addrs))(*addrs)
+        if self._lib.fp_set_members(self._ptr, arr, len(addrs)):
+            raise MemoryError("fp_set_members")
+
+    def write_packets(self, packets: list[bytes]) -> int:
+        """The receive side's last step (checked, merged, written to the TUN fd) on these
+        inner packets; for tests.  Returns how many passed the checks."""
+        lens = (ctypes.c_int * len(packets))(*map(len, packets))
+        return self._lib.fp_write_packets(self._ptr, b"".join(packets), lens, len(packets))
+
+    def slow_packet(self) -> tuple[int, bytes]:
+        st = self.state
+        return st.slow_kind, bytes(st.slow[: st.slow_len])
+
+    def counters(self) -> dict[str, int]:
+        return dict(zip(COUNTERS, self.state.counters, strict=True))
+
+    @property
+    def udp_gso(self) -> bool:
+        return bool(self.state.udp_gso)
+
+    @property
+    def gso_failed_errno(self) -> int:
+        return self.state.gso_failed_errno
+
+
+def segment(pkt: bytes, gso_size: int, ttl_decrement: bool = False) -> tuple[int, int, int, bytes]:
+    """The C segmenter on one super-packet (for tests): ``(count, seglen, total, segments)``;
+    count < 0 as ``fp_segment`` returns it (-1 malformed, -2 TTL exceeded)."""
+    lib, why = load()
+    if lib is None:
+        raise RuntimeError(why)
+    out = ctypes.create_string_buffer(len(pkt) + (len(pkt) // max(gso_size, 1) + 2) * 120)
+    seglen, total = ctypes.c_int(), ctypes.c_int()
+    count = lib.fp_segment(pkt, len(pkt), gso_size, out, len(out), int(ttl_decrement),
+                           ctypes.byref(seglen), ctypes.byref(total))
+    if count < 0:
+        return count, 0, 0, b""
+    return count, seglen.value, total.value, out.raw[: total.value]

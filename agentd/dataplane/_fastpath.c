@@ -1,0 +1,913 @@
+/* agentd data-plane fast path: the per-packet loops of the user-space UDP and IPIP workers in C.
+ *
+ * The Python worker (agentd/dataplane/worker.py) owns everything else: the TUN device, the
+ * sockets, the control channel, the next-hop table, ICMP errors, statistics and every fall-back.
+ * This file only moves packets, through a handful of plain C functions called with ctypes
+ * (agentd/dataplane/_fast.py): fp_tx drains the TUN, fp_rx drains the underlay socket.  What
+ * they cannot finish (a packet that needs an ICMP error) they hand back to Python.
+ *
+ * TUN -> underlay: the TUN has IFF_VNET_HDR and TSO, so one read returns a TCP/IPv4 super-packet
+ * of up to 64 KB; it is cut into MTU-sized segments exactly as Linux tcp_gso_segment does (IP ID
+ * +1 per segment, sequence number +MSS, CWR on the first only, FIN/PSH on the last only, every
+ * checksum complete), and the segments of a batch of reads leave in one sendmmsg: for UDP in
+ * messages of up to 64 equal segments with a UDP_SEGMENT control message (the kernel cuts each
+ * into one datagram per segment: flannel's wire format; consecutive super-packets share a
+ * message where their segments line up), for IPIP one message per segment (raw sockets have
+ * no GSO).
+ *
+ * Underlay -> TUN: a UDP GRO read (or a recvmmsg batch of IPIP packets) is cut into its inner
+ * packets; consecutive in-order segments of one TCP flow are merged as Linux tcp_gro_receive
+ * would and written to the TUN as one super-packet (virtio-net header GSO_TCPV4 + NEEDS_CSUM)
+ * with one writev whose iovecs point at the payloads where they were received: no copy.
+ *
+ * Python reference implementations of every step (agentd/dataplane/_forward.py, _tso.py,
+ * _gro.py) stay the fall-back when this file is not built, and tests/unit/agentd/test_fastpath.py
+ * holds the two equal byte for byte.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define VNET_LEN 10
+#define VNET_F_NEEDS_CSUM 1
+#define VNET_GSO_NONE 0
+#define VNET_GSO_TCPV4 1
+#define SOL_UDP_ 17
+#define UDP_SEGMENT_ 103
+#define UDP_GRO_ 104
+#define TCP_FIN 0x01
+#define TCP_PSH 0x08
+#define TCP_ACK 0x10
+#define TCP_CWR 0x80
+
+#define KIND_UDP 0
+#define KIND_IPIP 1
+
+#define IN_SIZE (65536 + 64)
+#define OUT_SIZE (4 << 20)
+#define OUT_RESERVE (160 << 10)     /* a 64 KB super-packet cut with a tiny MSS still fits */
+#define MAX_MSGS 1024
+#define MAX_GSO_SEGMENTS 64
+#define MAX_GSO_BYTES 65507
+#define RX_UDP_SIZE (65536 + 4096)
+#define RX_SLOTS 64
+#define RX_SLOT 2048
+#define RX_AREA (1 << 19)
+#define MAX_GRO_SEGMENTS 64         /* UDP_GRO_CNT_MAX */
+#define MAX_PENDING 1024
+#define MAX_RUN 64
+#define MAX_IP_TOTAL 0xFFFF
+#define SLOW_MAX 1600
+
+/* Counter slots: the order is agentd/dataplane/_fast.py's COUNTERS. */
+enum {
+    C_TX_PACKETS, C_TX_BYTES, C_TX_SYSCALLS, C_RX_PACKETS, C_RX_BYTES, C_RX_SYSCALLS,
+    C_TUN_READS, C_TUN_WRITES, C_TSO_FRAMES, C_TSO_SEGMENTS, C_TSO_BATCHES, C_COALESCED,
+    C_COALESCED_BATCHES,
+    D_NON_MEMBER, D_NO_ROUTE, D_TTL_EXCEEDED, D_MALFORMED, D_MTU, D_NOT_IPV4, D_SEND_ERROR,
+    D_TUN_WRITE_ERROR,
+    C_COUNT
+};
+
+/* What fp_tx hands back to Python. */
+#define SLOW_NONE 0
+#define SLOW_NET_UNREACHABLE 1
+#define SLOW_TIME_EXCEEDED 2
+
+struct fp_route { uint32_t net, mask, peer; };   /* network byte order */
+
+struct fp_msg_meta { uint32_t peer; int segments; int bytes; int seglen; int gso; };
+
+struct fp_state {
+    /* set by Python (see _fast.py's _State; keep the two in step) */
+    int tun_fd, sock_fd, kind, mtu, ttl_decrement, udp_gso, udp_gro;
+    uint16_t port;                   /* network byte order */
+    uint64_t counters[C_COUNT];
+    int slow_kind, slow_len;
+    uint8_t slow[SLOW_MAX];
+    int gso_failed_errno;            /* non-zero once a UDP_SEGMENT send was refused */
+    /* private */
+    struct fp_route *routes; int nroutes;
+    uint32_t *members; int nmembers;  /* host byte order, sorted */
+    uint32_t cache_dst, cache_peer; int cache_ok;
+    uint8_t *in, *out, *rx;
+    int out_used, nmsgs;
+    struct mmsghdr msgs[MAX_MSGS];
+    struct iovec iovs[MAX_MSGS];
+    struct sockaddr_in names[MAX_MSGS];
+    char cmsgs[MAX_MSGS][CMSG_SPACE(sizeof(uint16_t))];
+    struct fp_msg_meta meta[MAX_MSGS];
+    struct mmsghdr rmsgs[RX_SLOTS];
+    struct iovec riovs[RX_SLOTS];
+    struct sockaddr_in rnames[RX_SLOTS];
+};
+
+/* -- checksums (RFC 1071): sums of native-order words, stored in native order ------------------ */
+
+static inline uint64_t sum_bytes(const uint8_t *p, size_t n, uint64_t s)
+{
+    while (n >= 8) {
+        uint32_t a, b;
+        memcpy(&a, p, 4);
+        memcpy(&b, p + 4, 4);
+        s += a;
+        s += b;
+        p += 8;
+        n -= 8;
+    }
+    if (n >= 4) {
+        uint32_t a;
+        memcpy(&a, p, 4);
+        s += a;
+        p += 4;
+        n -= 4;
+    }
+    if (n >= 2) {
+        uint16_t a;
+        memcpy(&a, p, 2);
+        s += a;
+        p += 2;
+        n -= 2;
+    }
+    if (n) {
+        uint8_t tail[2] = {p[0], 0};
+        uint16_t a;
+        memcpy(&a, tail, 2);
+        s += a;
+    }
+    return s;
+}
+
+static inline uint16_t fold(uint64_t s)
+{
+    s = (s & 0xFFFFFFFFu) + (s >> 32);
+    s = (s & 0xFFFFFFFFu) + (s >> 32);
+    s = (s & 0xFFFF) + (s >> 16);
+    s = (s & 0xFFFF) + (s >> 16);
+    return (uint16_t)s;
+}
+
+static inline void put_csum(uint8_t *at, uint64_t s)
+{
+    uint16_t v = (uint16_t)~fold(s);
+    memcpy(at, &v, 2);
+}
+
+static inline uint64_t pseudo_sum(const uint8_t *ip, uint8_t proto, uint32_t length)
+{
+    uint64_t s = sum_bytes(ip + 12, 8, 0);
+    s += htons(proto);
+    s += htons((uint16_t)length);
+    return s;
+}
+
+static inline uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+static inline uint32_t get32(const uint8_t *p) { return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3]; }
+static inline void put16(uint8_t *p, uint16_t v) { p[0] = v >> 8; p[1] = v & 0xFF; }
+static inline void put32(uint8_t *p, uint32_t v) { p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v; }
+
+static inline void ip_checksum(uint8_t *ip, int ihl)
+{
+    ip[10] = ip[11] = 0;
+    put_csum(ip + 10, sum_bytes(ip, ihl, 0));
+}
+
+/* RFC 1624 eqn. 3 for the TTL/protocol word, as proto.packet.decrement_ttl. */
+static inline void decrement_ttl(uint8_t *ip)
+{
+    uint32_t word = (uint32_t)ip[8] << 8 | ip[9];
+    uint32_t s = (~(uint32_t)get16(ip + 10) & 0xFFFF) + (~word & 0xFFFF) + (word - 0x100);
+    s = (s & 0xFFFF) + (s >> 16);
+    s = (s & 0xFFFF) + (s >> 16);
+    ip[8] -= 1;
+    put16(ip + 10, (uint16_t)(~s & 0xFFFF));
+}
+
+/* -- segmentation -------------------------------------------------------------------------------- */
+
+/* Cut the TCP/IPv4 super-packet pkt[0:n] into segments of at most gso payload bytes, back to
+ * back from out.  Returns the segment count (and *seglen, *total as segment_tcp4 does), or -1
+ * when malformed, -2 when the TTL is exhausted, -3 when out is too small. */
+int fp_segment(const uint8_t *pkt, int n, int gso, uint8_t *out, int out_len, int ttl_decrement,
+               int *seglen, int *total)
+{
+    if (n < 40 || pkt[0] >> 4 != 4 || pkt[9] != IPPROTO_TCP)
+        return -1;
+    int ihl = (pkt[0] & 0x0F) << 2;
+    if (ihl < 20 || ihl + 13 >= n)
+        return -1;
+    int thl = (pkt[ihl + 12] >> 4) << 2;
+    int hl = ihl + thl;
+    if (thl < 20 || hl > n || gso <= 0)
+        return -1;
+    int plen = n - hl;
+    int count = plen ? (plen + gso - 1) / gso : 1;
+    int tot = plen + count * hl;
+    if (tot > out_len)
+        return -3;
+    if (ttl_decrement && pkt[8] <= 1)
+        return -2;
+
+    uint8_t hdr[120];
+    memcpy(hdr, pkt, hl);
+    if (ttl_decrement)
+        hdr[8] -= 1;
+    uint16_t id0 = get16(hdr + 4);
+    uint32_t seq0 = get32(hdr + ihl + 4);
+    uint8_t flags = hdr[ihl + 13];
+    uint8_t mid = flags & ~(TCP_FIN | TCP_PSH | TCP_CWR);
+    uint64_t pseudo = sum_bytes(hdr + 12, 8, 0) + htons(IPPROTO_TCP);
+    hdr[ihl + 16] = hdr[ihl + 17] = 0;
+
+    uint8_t *o = out;
+    const uint8_t *src = pkt + hl;
+    for (int i = 0; i < count; i++) {
+        int clen = plen - i * gso < gso ? plen - i * gso : gso;
+        memcpy(o, hdr, hl);
+        memcpy(o + hl, src, clen);
+        src += clen;
+        put16(o + 2, (uint16_t)(hl + clen));
+        put16(o + 4, (uint16_t)(id0 + i));
+        ip_checksum(o, ihl);
+        uint8_t f = mid;
+        if (i == 0)
+            f |= flags & TCP_CWR;
+        if (i == count - 1)
+            f |= flags & (TCP_FIN | TCP_PSH);
+        o[ihl + 13] = f;
+        put32(o + ihl + 4, seq0 + (uint32_t)i * (uint32_t)gso);
+        uint64_t s = pseudo + htons((uint16_t)(thl + clen));
+        s = sum_bytes(o + ihl, thl + clen, s);
+        put_csum(o + ihl + 16, s);
+        o += hl + clen;
+    }
+    *seglen = count > 1 ? hl + gso : tot;
+    *total = tot;
+    return count;
+}
+
+/* -- next hops and members ----------------------------------------------------------------------- */
+
+/* routes: n triples (net, mask, peer) in network byte order, longest prefix first. */
+int fp_set_routes(struct fp_state *st, const uint32_t *triples, int n)
+{
+    struct fp_route *r = n ? malloc(sizeof(*r) * (size_t)n) : NULL;
+    if (n && !r)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        r[i].net = triples[3 * i];
+        r[i].mask = triples[3 * i + 1];
+        r[i].peer = triples[3 * i + 2];
+    }
+    free(st->routes);
+    st->routes = r;
+    st->nroutes = n;
+    st->cache_ok = 0;
+    return 0;
+}
+
+/* members: n underlay addresses in host byte order, sorted ascending. */
+int fp_set_members(struct fp_state *st, const uint32_t *addrs, int n)
+{
+    uint32_t *m = n ? malloc(sizeof(*m) * (size_t)n) : NULL;
+    if (n && !m)
+        return -1;
+    if (n)
+        memcpy(m, addrs, sizeof(*m) * (size_t)n);
+    free(st->members);
+    st->members = m;
+    st->nmembers = n;
+    return 0;
+}
+
+static uint32_t lookup(struct fp_state *st, uint32_t dst)
+{
+    if (st->cache_ok && st->cache_dst == dst)
+        return st->cache_peer;
+    uint32_t peer = 0;
+    for (int i = 0; i < st->nroutes; i++) {
+        if ((dst & st->routes[i].mask) == st->routes[i].net) {
+            peer = st->routes[i].peer;
+            break;
+        }
+    }
+    st->cache_dst = dst;
+    st->cache_peer = peer;
+    st->cache_ok = 1;
+    return peer;
+}
+
+static int is_member(const struct fp_state *st, uint32_t addr_net)
+{
+    uint32_t a = ntohl(addr_net);
+    int lo = 0, hi = st->nmembers - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        uint32_t m = st->members[mid];
+        if (m == a)
+            return 1;
+        if (m < a)
+            lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return 0;
+}
+
+/* -- state ---------------------------------------------------------------------------------------- */
+
+struct fp_state *fp_new(void)
+{
+    struct fp_state *st = calloc(1, sizeof(*st));
+    if (!st)
+        return NULL;
+    st->in = malloc(IN_SIZE);
+    st->out = malloc(OUT_SIZE);
+    st->rx = malloc(RX_AREA);
+    if (!st->in || !st->out || !st->rx) {
+        free(st->in);
+        free(st->out);
+        free(st->rx);
+        free(st);
+        return NULL;
+    }
+    st->tun_fd = st->sock_fd = -1;
+    return st;
+}
+
+void fp_free(struct fp_state *st)
+{
+    if (!st)
+        return;
+    free(st->routes);
+    free(st->members);
+    free(st->in);
+    free(st->out);
+    free(st->rx);
+    free(st);
+}
+
+int fp_state_size(void) { return (int)sizeof(struct fp_state); }
+int fp_counters_offset(void) { return (int)offsetof(struct fp_state, counters); }
+int fp_counter_count(void) { return C_COUNT; }
+
+/* -- transmit -------------------------------------------------------------------------------------- */
+
+static void add_msg(struct fp_state *st, uint32_t peer, uint8_t *base, int bytes, int seglen, int segments)
+{
+    int i = st->nmsgs++;
+    struct msghdr *h = &st->msgs[i].msg_hdr;
+    st->iovs[i].iov_base = base;
+    st->iovs[i].iov_len = (size_t)bytes;
+    st->names[i].sin_family = AF_INET;
+    st->names[i].sin_port = st->kind == KIND_UDP ? st->port : 0;
+    st->names[i].sin_addr.s_addr = peer;
+    h->msg_name = &st->names[i];
+    h->msg_namelen = sizeof(struct sockaddr_in);
+    h->msg_iov = &st->iovs[i];
+    h->msg_iovlen = 1;
+    h->msg_flags = 0;
+    int gso = st->kind == KIND_UDP && st->udp_gso;
+    if (gso) {
+        struct cmsghdr *c = (struct cmsghdr *)st->cmsgs[i];
+        c->cmsg_level = SOL_UDP_;
+        c->cmsg_type = UDP_SEGMENT_;
+        c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+        uint16_t g = (uint16_t)seglen;
+        memcpy(CMSG_DATA(c), &g, sizeof(g));
+        h->msg_control = c;
+        h->msg_controllen = CMSG_SPACE(sizeof(uint16_t));
+    } else {
+        h->msg_control = NULL;
+        h->msg_controllen = 0;
+    }
+    st->meta[i] = (struct fp_msg_meta){peer, segments, bytes, seglen, gso};
+}
+
+static void send_plain(struct fp_state *st, int i)
+{
+    /* One datagram per segment: UDP GSO was refused. */
+    struct fp_msg_meta *m = &st->meta[i];
+    uint8_t *p = st->iovs[i].iov_base;
+    int left = m->bytes;
+    while (left > 0) {
+        int len = left < m->seglen ? left : m->seglen;
+        st->counters[C_TX_SYSCALLS]++;
+        if (sendto(st->sock_fd, p, (size_t)len, 0, (struct sockaddr *)&st->names[i], sizeof(struct sockaddr_in)) < 0) {
+            st->counters[errno == EMSGSIZE ? D_MTU : D_SEND_ERROR]++;
+        } else {
+            st->counters[C_TX_PACKETS]++;
+            st->counters[C_TX_BYTES] += (uint64_t)len;
+        }
+        p += len;
+        left -= len;
+    }
+}
+
+static void flush(struct fp_state *st)
+{
+    int start = 0, n = st->nmsgs;
+    while (start < n) {
+        int sent = sendmmsg(st->sock_fd, st->msgs + start, (unsigned)(n - start), 0);
+        st->counters[C_TX_SYSCALLS]++;
+        if (sent < 0) {
+            int err = errno;
+            if (err == EINTR)
+                continue;
+            struct fp_msg_meta *m = &st->meta[start];
+            if (m->gso && (err == EIO || err == EINVAL || err == ENOPROTOOPT || err == EOPNOTSUPP)) {
+                st->udp_gso = 0;
+                st->gso_failed_errno = err;
+                for (int i = start; i < n; i++)
+                    send_plain(st, i);
+                break;
+            }
+            st->counters[err == EMSGSIZE ? D_MTU : D_SEND_ERROR] += (uint64_t)m->segments;
+            start++;
+            continue;
+        }
+        for (int i = start; i < start + sent; i++) {
+            st->counters[C_TX_PACKETS] += (uint64_t)st->meta[i].segments;
+            st->counters[C_TX_BYTES] += (uint64_t)st->meta[i].bytes;
+        }
+        start += sent;
+    }
+    st->nmsgs = 0;
+}
+
+/* Queue the segments at base (count of them, seglen each but the last) to peer. */
+static void queue_segments(struct fp_state *st, uint32_t peer, uint8_t *base, int count, int seglen, int total)
+{
+    if (st->kind == KIND_UDP && st->udp_gso) {
+        int per = MAX_GSO_BYTES / seglen;
+        if (per > MAX_GSO_SEGMENTS)
+            per = MAX_GSO_SEGMENTS;
+        if (per < 1)
+            per = 1;
+        /* Segments that follow on in the buffer from full segments of the same size to the same
+         * peer join the last message: a TSO super-packet whose payload is a multiple of the MSS
+         * (the usual case) leaves room in its last GSO send for the next one's segments. */
+        int last = st->nmsgs - 1;
+        if (last >= 0) {
+            struct fp_msg_meta *m = &st->meta[last];
+            if (m->gso && m->peer == peer && m->seglen == seglen && m->bytes == m->segments * seglen
+                && (uint8_t *)st->iovs[last].iov_base + m->bytes == base && m->segments < per) {
+                int segs = per - m->segments < count ? per - m->segments : count;
+                int bytes = segs * seglen < total ? segs * seglen : total;
+                m->segments += segs;
+                m->bytes += bytes;
+                st->iovs[last].iov_len += (size_t)bytes;
+                base += bytes;
+                total -= bytes;
+                count -= segs;
+            }
+        }
+        while (total > 0) {
+            if (st->nmsgs == MAX_MSGS)
+                flush(st);
+            int segs = count < per ? count : per;
+            int bytes = segs * seglen < total ? segs * seglen : total;
+            add_msg(st, peer, base, bytes, seglen, segs);
+            base += bytes;
+            total -= bytes;
+            count -= segs;
+        }
+        return;
+    }
+    for (int i = 0; i < count; i++) {
+        if (st->nmsgs == MAX_MSGS)
+            flush(st);
+        int len = total < seglen ? total : seglen;
+        add_msg(st, peer, base, len, len, 1);
+        base += len;
+        total -= len;
+    }
+}
+
+static int hand_back(struct fp_state *st, int kind, const uint8_t *pkt, int len)
+{
+    flush(st);
+    st->slow_kind = kind;
+    st->slow_len = len < SLOW_MAX ? len : SLOW_MAX;
+    memcpy(st->slow, pkt, (size_t)st->slow_len);
+    return 1;
+}
+
+/* Drain up to budget reads from the TUN.  Returns 0 when done (drained or budget spent), 1 when
+ * a packet waits in st->slow for an ICMP error (call again after), -1 on a read error (errno). */
+int fp_tx(struct fp_state *st, int budget)
+{
+    int rc = 0, batched = 0;
+    st->slow_kind = SLOW_NONE;
+    st->out_used = 0;   /* every earlier call ended with a flush */
+    for (int k = 0; k < budget; k++) {
+        ssize_t n = read(st->tun_fd, st->in, IN_SIZE);
+        if (n < 0) {
+            if (errno == EINTR) {
+                k--;
+                continue;
+            }
+            if (errno != EAGAIN && errno != EWOULDBLOCK)
+                rc = -1;
+            break;
+        }
+        st->counters[C_TUN_READS]++;
+        int len = (int)n - VNET_LEN;
+        uint8_t *v = st->in, *p = st->in + VNET_LEN;
+        if (len < 20) {
+            st->counters[D_MALFORMED]++;
+            continue;
+        }
+        if (p[0] >> 4 != 4) {
+            st->counters[D_NOT_IPV4]++;
+            continue;
+        }
+        uint32_t dst;
+        memcpy(&dst, p + 16, 4);
+        uint32_t peer = lookup(st, dst);
+        if (!peer) {
+            st->counters[D_NO_ROUTE]++;
+            return hand_back(st, SLOW_NET_UNREACHABLE, p, len);
+        }
+        int gso_type = v[1] & 0x7F;
+        int gso_size = v[4] | v[5] << 8;
+        if (st->out_used + OUT_RESERVE > OUT_SIZE) {
+            flush(st);
+            st->out_used = 0;
+        }
+        uint8_t *o = st->out + st->out_used;
+        if (gso_type == VNET_GSO_TCPV4) {
+            int seglen, total;
+            int ihl = (p[0] & 0x0F) << 2;
+            if (len < 40 || p[9] != IPPROTO_TCP || ihl < 20 || ihl + 13 >= len) {
+                st->counters[D_MALFORMED]++;
+                continue;
+            }
+            int hl = ihl + ((p[ihl + 12] >> 4) << 2);
+            if (gso_size > 0 && hl + gso_size > st->mtu) {
+                st->counters[D_MTU] += (uint64_t)((len - hl + gso_size - 1) / gso_size);
+                continue;
+            }
+            int count = fp_segment(p, len, gso_size, o, OUT_SIZE - st->out_used, st->ttl_decrement, &seglen, &total);
+            if (count == -2) {
+                st->counters[D_TTL_EXCEEDED]++;
+                return hand_back(st, SLOW_TIME_EXCEEDED, p, len);
+            }
+            if (count < 0) {
+                st->counters[D_MALFORMED]++;
+                continue;
+            }
+            if (seglen > st->mtu) {
+                st->counters[D_MTU] += (uint64_t)count;
+                continue;
+            }
+            st->out_used += total;
+            st->counters[C_TSO_FRAMES]++;
+            st->counters[C_TSO_SEGMENTS] += (uint64_t)count;
+            batched = 1;
+            queue_segments(st, peer, o, count, seglen, total);
+            continue;
+        }
+        if (gso_type != VNET_GSO_NONE) {
+            st->counters[D_MALFORMED]++;   /* GSO kinds we never enable (TCPv6, UDP) */
+            continue;
+        }
+        if (len > st->mtu) {
+            st->counters[D_MTU]++;
+            continue;
+        }
+        memcpy(o, p, (size_t)len);
+        if (v[0] & VNET_F_NEEDS_CSUM) {
+            int cs = v[6] | v[7] << 8, co = v[8] | v[9] << 8;
+            if (cs < 20 || cs + co + 2 > len) {
+                st->counters[D_MALFORMED]++;
+                continue;
+            }
+            uint16_t sum = (uint16_t)~fold(sum_bytes(o + cs, (size_t)(len - cs), 0));
+            if (sum == 0 && o[9] == IPPROTO_UDP)
+                sum = 0xFFFF;
+            memcpy(o + cs + co, &sum, 2);
+        }
+        if (st->ttl_decrement) {
+            if (o[8] <= 1) {
+                st->counters[D_TTL_EXCEEDED]++;
+                return hand_back(st, SLOW_TIME_EXCEEDED, o, len);
+            }
+            decrement_ttl(o);
+        }
+        st->out_used += len;
+        queue_segments(st, peer, o, 1, len, len);
+    }
+    flush(st);
+    if (batched)
+        st->counters[C_TSO_BATCHES]++;
+    return rc;
+}
+
+/* -- receive ----------------------------------------------------------------------------------------- */
+
+static const uint8_t VNET_NONE[VNET_LEN];
+
+static void tun_write(struct fp_state *st, struct iovec *iov, int n)
+{
+    while (writev(st->tun_fd, iov, n) < 0) {
+        if (errno == EINTR)
+            continue;
+        st->counters[D_TUN_WRITE_ERROR]++;
+        return;
+    }
+    st->counters[C_TUN_WRITES]++;
+}
+
+static void write_single(struct fp_state *st, uint8_t *p, int len)
+{
+    struct iovec iov[2] = {{(void *)VNET_NONE, VNET_LEN}, {p, (size_t)len}};
+    tun_write(st, iov, 2);
+}
+
+/* Could this packet be part of a GRO run (tcp_gro_receive's conditions)? */
+static inline int mergeable(const uint8_t *p, int len)
+{
+    if (len < 40 || p[0] != 0x45 || p[9] != IPPROTO_TCP || (p[6] & 0x3F) || p[7])
+        return 0;
+    int hl = 20 + ((p[32] >> 4) << 2);
+    return hl >= 40 && hl < len && (p[33] & ~TCP_PSH) == TCP_ACK;
+}
+
+/* Headers equal but for total length, ID, IP checksum, sequence number, PSH and TCP checksum. */
+static inline int same_flow(const uint8_t *a, const uint8_t *b, int hl)
+{
+    return a[0] == b[0] && a[1] == b[1] && !memcmp(a + 6, b + 6, 4) && !memcmp(a + 12, b + 12, 12)
+           && !memcmp(a + 28, b + 28, 5) && (a[33] & ~TCP_PSH) == (b[33] & ~TCP_PSH)
+           && a[34] == b[34] && a[35] == b[35] && !memcmp(a + 38, b + 38, (size_t)(hl - 38));
+}
+
+/* Write pkts[0..k) to the TUN, merging runs of one TCP flow into super-packets. */
+static void coalesce(struct fp_state *st, uint8_t **pkts, int *lens, int k)
+{
+    uint8_t head[VNET_LEN + 80];
+    struct iovec iov[MAX_RUN + 1];
+    int i = 0;
+    while (i < k) {
+        uint8_t *p = pkts[i];
+        int len = lens[i];
+        if (!mergeable(p, len)) {
+            write_single(st, p, len);
+            i++;
+            continue;
+        }
+        int hl = 20 + ((p[32] >> 4) << 2);
+        int mss = len - hl;
+        int total = len;
+        int psh = p[33] & TCP_PSH;
+        uint32_t next = get32(p + 24) + (uint32_t)mss;
+        int cap = (MAX_IP_TOTAL - hl) / mss;
+        if (cap > MAX_RUN)
+            cap = MAX_RUN;
+        int j = i + 1;
+        int open = !psh;
+        while (open && j < k && j - i < cap) {
+            uint8_t *q = pkts[j];
+            int ql = lens[j];
+            if (!mergeable(q, ql) || 20 + ((q[32] >> 4) << 2) != hl || ql - hl > mss || get32(q + 24) != next
+                || !same_flow(p, q, hl))
+                break;
+            next += (uint32_t)(ql - hl);
+            total += ql - hl;
+            if (q[33] & TCP_PSH) {
+                psh = 1;
+                open = 0;
+            }
+            if (ql - hl < mss)
+                open = 0;
+            j++;
+        }
+        if (j - i == 1) {
+            write_single(st, p, len);
+            i++;
+            continue;
+        }
+        uint8_t *h = head + VNET_LEN;
+        memcpy(h, p, (size_t)hl);
+        put16(h + 2, (uint16_t)total);
+        ip_checksum(h, 20);
+        if (psh)
+            h[33] |= TCP_PSH;
+        uint16_t ps = fold(pseudo_sum(h, IPPROTO_TCP, (uint32_t)(total - 20)));
+        memcpy(h + 36, &ps, 2);
+        head[0] = VNET_F_NEEDS_CSUM;
+        head[1] = VNET_GSO_TCPV4;
+        head[2] = hl & 0xFF; head[3] = hl >> 8;
+        head[4] = mss & 0xFF; head[5] = mss >> 8;
+        head[6] = 20; head[7] = 0;
+        head[8] = 16; head[9] = 0;
+        /* The patched header, then every payload where it was received. */
+        iov[0].iov_base = head;
+        iov[0].iov_len = (size_t)(VNET_LEN + hl);
+        iov[1].iov_base = p + hl;
+        iov[1].iov_len = (size_t)mss;
+        int n = 2;
+        for (int m = i + 1; m < j; m++) {
+            iov[n].iov_base = pkts[m] + hl;
+            iov[n].iov_len = (size_t)(lens[m] - hl);
+            n++;
+        }
+        tun_write(st, iov, n);
+        st->counters[C_COALESCED] += (uint64_t)(j - i);
+        i = j;
+    }
+}
+
+/* Is this an inner packet we may write: IPv4 with a total length equal to its length? */
+static inline int inner_ok(const uint8_t *p, int len)
+{
+    return len >= 20 && p[0] >> 4 == 4 && (p[0] & 0x0F) >= 5 && get16(p + 2) == len;
+}
+
+/* Received inner packets wait in st->rx (and in pkts/lens) until the socket is drained, the
+ * budget is spent or the area is full, and are then merged and written in one go: a flow's run
+ * goes on across reads (a 64 KB super-packet arrives as two UDP GSO datagrams: 65507 bytes is
+ * the most one can carry). */
+struct pending { uint8_t *pkts[MAX_PENDING]; int lens[MAX_PENDING]; int k; size_t used; };
+
+static void write_pending(struct fp_state *st, struct pending *pd)
+{
+    if (pd->k > 1)
+        st->counters[C_COALESCED_BATCHES]++;
+    coalesce(st, pd->pkts, pd->lens, pd->k);
+    pd->k = 0;
+    pd->used = 0;
+}
+
+static int rx_udp(struct fp_state *st, int budget)
+{
+    struct pending pd = {.k = 0, .used = 0};
+    char control[CMSG_SPACE(sizeof(int))];
+    int rc = 0;
+    for (int k = 0; k < budget; k++) {
+        if (pd.used + RX_UDP_SIZE > RX_AREA || pd.k + MAX_GRO_SEGMENTS > MAX_PENDING)
+            write_pending(st, &pd);
+        uint8_t *buf = st->rx + pd.used;
+        struct sockaddr_in from;
+        struct iovec iov = {buf, RX_UDP_SIZE};
+        struct msghdr msg = {.msg_name = &from, .msg_namelen = sizeof(from), .msg_iov = &iov, .msg_iovlen = 1,
+                             .msg_control = control, .msg_controllen = sizeof(control)};
+        ssize_t n = recvmsg(st->sock_fd, &msg, MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR) {
+                k--;
+                continue;
+            }
+            if (errno != EAGAIN && errno != EWOULDBLOCK)
+                rc = -1;
+            break;
+        }
+        st->counters[C_RX_SYSCALLS]++;
+        int seg = (int)n;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level == SOL_UDP_ && c->cmsg_type == UDP_GRO_) {
+                int g;
+                memcpy(&g, CMSG_DATA(c), sizeof(g));
+                if (g > 0)
+                    seg = g;
+            }
+        }
+        if (seg <= 0)
+            seg = 1;
+        int count = n ? (int)((n + seg - 1) / seg) : 1;
+        if (!is_member(st, from.sin_addr.s_addr)) {
+            st->counters[D_NON_MEMBER] += (uint64_t)count;
+            continue;
+        }
+        if ((msg.msg_flags & MSG_TRUNC) || count > MAX_GRO_SEGMENTS) {
+            st->counters[D_MALFORMED] += (uint64_t)count;
+            continue;
+        }
+        int good = 0;
+        for (int off = 0; off < n; off += seg) {
+            int len = off + seg <= n ? seg : (int)n - off;
+            uint8_t *p = buf + off;
+            if (!inner_ok(p, len)) {
+                st->counters[D_MALFORMED]++;
+                continue;
+            }
+            pd.pkts[pd.k] = p;
+            pd.lens[pd.k++] = len;
+            good++;
+        }
+        pd.used += ((size_t)n + 63) & ~(size_t)63;
+        st->counters[C_RX_PACKETS] += (uint64_t)good;
+        st->counters[C_RX_BYTES] += (uint64_t)n;
+    }
+    write_pending(st, &pd);
+    return rc;
+}
+
+static int rx_ipip(struct fp_state *st, int budget)
+{
+    struct pending pd = {.k = 0, .used = 0};
+    int rc = 0;
+    for (int k = 0; k < budget; k++) {
+        if (pd.used + RX_SLOTS * RX_SLOT > RX_AREA || pd.k + RX_SLOTS > MAX_PENDING)
+            write_pending(st, &pd);
+        uint8_t *base = st->rx + pd.used;
+        for (int i = 0; i < RX_SLOTS; i++) {
+            struct msghdr *h = &st->rmsgs[i].msg_hdr;
+            st->riovs[i].iov_base = base + i * RX_SLOT;
+            st->riovs[i].iov_len = RX_SLOT;
+            h->msg_name = &st->rnames[i];
+            h->msg_namelen = sizeof(struct sockaddr_in);
+            h->msg_iov = &st->riovs[i];
+            h->msg_iovlen = 1;
+            h->msg_control = NULL;
+            h->msg_controllen = 0;
+            h->msg_flags = 0;
+        }
+        int got = recvmmsg(st->sock_fd, st->rmsgs, RX_SLOTS, MSG_DONTWAIT, NULL);
+        if (got < 0) {
+            if (errno == EINTR) {
+                k--;
+                continue;
+            }
+            if (errno != EAGAIN && errno != EWOULDBLOCK)
+                rc = -1;
+            break;
+        }
+        st->counters[C_RX_SYSCALLS]++;
+        int good = 0;
+        for (int i = 0; i < got; i++) {
+            uint8_t *o = base + i * RX_SLOT;
+            int n = (int)st->rmsgs[i].msg_len;
+            if (n < 20 || (st->rmsgs[i].msg_hdr.msg_flags & MSG_TRUNC)) {
+                st->counters[D_MALFORMED]++;
+                continue;
+            }
+            uint32_t src;
+            memcpy(&src, o + 12, 4);
+            if (!is_member(st, src)) {
+                st->counters[D_NON_MEMBER]++;
+                continue;
+            }
+            int ihl = (o[0] & 0x0F) << 2;
+            if (o[0] >> 4 != 4 || ihl < 20 || ihl > n || o[9] != 4 || !inner_ok(o + ihl, n - ihl)) {
+                st->counters[D_MALFORMED]++;
+                continue;
+            }
+            pd.pkts[pd.k] = o + ihl;
+            pd.lens[pd.k++] = n - ihl;
+            st->counters[C_RX_BYTES] += (uint64_t)(n - ihl);
+            good++;
+        }
+        pd.used += (size_t)got * RX_SLOT;
+        st->counters[C_RX_PACKETS] += (uint64_t)good;
+        if (got < RX_SLOTS)
+            break;
+    }
+    write_pending(st, &pd);
+    return rc;
+}
+
+/* The receive side's last step on k inner packets laid back to back in buf (lens[i] bytes each):
+ * checked as received packets are, then merged and written to st->tun_fd (tests: a
+ * SOCK_SEQPACKET socket keeps the writes apart). */
+int fp_write_packets(struct fp_state *st, uint8_t *buf, const int *lens, int k)
+{
+    uint8_t *pkts[MAX_PENDING];
+    int ls[MAX_PENDING], k2 = 0;
+    if (k > MAX_PENDING)
+        return -1;
+    for (int i = 0; i < k; i++) {
+        if (inner_ok(buf, lens[i])) {
+            pkts[k2] = buf;
+            ls[k2++] = lens[i];
+        } else {
+            st->counters[D_MALFORMED]++;
+        }
+        buf += lens[i];
+    }
+    coalesce(st, pkts, ls, k2);
+    return k2;
+}
+
+/* Drain up to budget reads from the underlay socket into the TUN.  0, or -1 on error (errno). */
+int fp_rx(struct fp_state *st, int budget)
+{
+    return st->kind == KIND_UDP ? rx_udp(st, budget) : rx_ipip(st, budget);
+}
+
+/* -- a module so that setuptools builds and installs this file; Python uses it through ctypes ---- */
+
+static struct PyModuleDef fastpath_module = {PyModuleDef_HEAD_INIT, "_fastpath",
+                                             "agentd data-plane fast path (C functions, used through ctypes)", -1,
+                                             NULL, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__fastpath(void) { return PyModule_Create(&fastpath_module); }
