@@ -11,7 +11,7 @@ setup(
         Extension(
             "agentd.dataplane._fastpath",
             ["agentd/dataplane/_fastpath.c"],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )
     ]

@@ -1,6 +1,6 @@
 """The C fast path (``_fastpath.c``) as the worker sees it, through ctypes.
 
-The C side moves packets and counts; this side sets it up, gives it the next-hop table and the
+The C side polls, moves packets and counts; this side sets it up, gives it the next-hop table and the
 member list, answers what it hands back (a packet that needs an ICMP error) and reads its
 counters.  :func:`load` says why the fast path is not available (not built, or built from
 another version of the C file); the worker then runs the Python path instead and says so.
@@ -59,10 +59,8 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"cannot load {spec.origin}: {exc}"
     lib.fp_new.restype = ctypes.POINTER(_State)
     lib.fp_free.argtypes = [ctypes.POINTER(_State)]
-    for name in ("fp_tx", "fp_rx"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.POINTER(_State), ctypes.c_int]
-        fn.restype = ctypes.c_int
+    lib.fp_run.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.fp_run.restype = ctypes.c_int
     lib.fp_set_routes.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int]
     lib.fp_set_members.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int]
     lib.fp_segment.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
@@ -75,7 +73,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
 
 
 class FastPath:
-    """One worker's C state: ``tx`` drains the TUN, ``rx`` the underlay socket."""
+    """One worker's C state; :meth:`run` is the worker's poll loop."""
 
     def __init__(self, lib: ctypes.CDLL, kind: str, *, tun_fd: int, sock_fd: int, mtu: int, ttl_decrement: bool,
                  port: int, udp_gso: bool, udp_gro: bool) -> None:
@@ -88,8 +86,18 @@ class FastPath:
         st.tun_fd, st.sock_fd, st.kind, st.mtu = tun_fd, sock_fd, KINDS[kind], mtu
         st.ttl_decrement, st.udp_gso, st.udp_gro = int(ttl_decrement), int(udp_gso), int(udp_gro)
         st.port = int.from_bytes(port.to_bytes(2, "big"), sys.byteorder)  # network byte order
-        self.tx = lambda budget, _f=lib.fp_tx, _p=ptr: _f(_p, budget)
-        self.rx = lambda budget, _f=lib.fp_rx, _p=ptr: _f(_p, budget)
+        self._run = lib.fp_run
+        self._other: tuple[int, ...] = ()
+        self._other_arr = (ctypes.c_int * 0)()
+
+    def run(self, other_fds: tuple[int, ...], timeout_ms: int) -> int:
+        """Move packets in C until Python is needed: 0 (one of ``other_fds`` is readable, or
+        ``timeout_ms`` passed), 1 (a packet waits for an ICMP error: :meth:`slow_packet`),
+        2 (interrupted by a signal), -1 (error; errno)."""
+        if other_fds != self._other:
+            self._other = other_fds
+            self._other_arr = (ctypes.c_int * len(other_fds))(*other_fds)
+        return self._run(self._ptr, self._other_arr, len(other_fds), timeout_ms)
 
     def close(self) -> None:
         if self._ptr:

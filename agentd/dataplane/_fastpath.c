@@ -29,12 +29,14 @@
 
 #include <errno.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define VNET_LEN 10
@@ -54,7 +56,9 @@
 
 #define IN_SIZE (65536 + 64)
 #define OUT_SIZE (4 << 20)
-#define OUT_RESERVE (160 << 10)     /* a 64 KB super-packet cut with a tiny MSS still fits */
+#define OUT_FLUSH (256 << 10)       /* send what is queued once this much is: it is still in L2 */
+#define TX_IOV 1024                 /* UIO_MAXIOV: a TUN read into segment slots uses at most this many */
+#define MIN_SLOT_GSO 128            /* smaller MSS: read contiguously and copy (more slots than TX_IOV) */
 #define MAX_MSGS 1024
 #define MAX_GSO_SEGMENTS 64
 #define MAX_GSO_BYTES 65507
@@ -99,7 +103,9 @@ struct fp_state {
     struct fp_route *routes; int nroutes;
     uint32_t *members; int nmembers;  /* host byte order, sorted */
     uint32_t cache_dst, cache_peer; int cache_ok;
-    uint8_t *in, *out, *rx;
+    uint8_t *in, *out, *rx, *ovf;
+    int geo_hl, geo_gso;             /* the segment slots TUN reads go into (the last TSO geometry) */
+    struct iovec tiov[TX_IOV];
     int out_used, nmsgs;
     struct mmsghdr msgs[MAX_MSGS];
     struct iovec iovs[MAX_MSGS];
@@ -194,31 +200,24 @@ static inline void decrement_ttl(uint8_t *ip)
 
 /* -- segmentation -------------------------------------------------------------------------------- */
 
-/* Cut the TCP/IPv4 super-packet pkt[0:n] into segments of at most gso payload bytes, back to
- * back from out.  Returns the segment count (and *seglen, *total as segment_tcp4 does), or -1
- * when malformed, -2 when the TTL is exhausted, -3 when out is too small. */
-int fp_segment(const uint8_t *pkt, int n, int gso, uint8_t *out, int out_len, int ttl_decrement,
-               int *seglen, int *total)
+/* Cut a TCP/IPv4 super-packet of n bytes (headers: ihl + thl bytes at hdr_in; payload chunk i
+ * of gso bytes at payload + i * step) into segments back to back from out.  With
+ * payload == out + hl and step == hl + gso the payload is already where the segments want it
+ * (the worker reads the TUN that way) and only the headers are written. */
+static int segment(const uint8_t *hdr_in, int n, int ihl, int thl, const uint8_t *payload, int step, int gso,
+                   uint8_t *out, int out_len, int ttl_decrement, int *seglen, int *total)
 {
-    if (n < 40 || pkt[0] >> 4 != 4 || pkt[9] != IPPROTO_TCP)
-        return -1;
-    int ihl = (pkt[0] & 0x0F) << 2;
-    if (ihl < 20 || ihl + 13 >= n)
-        return -1;
-    int thl = (pkt[ihl + 12] >> 4) << 2;
     int hl = ihl + thl;
-    if (thl < 20 || hl > n || gso <= 0)
-        return -1;
     int plen = n - hl;
     int count = plen ? (plen + gso - 1) / gso : 1;
     int tot = plen + count * hl;
     if (tot > out_len)
         return -3;
-    if (ttl_decrement && pkt[8] <= 1)
+    if (ttl_decrement && hdr_in[8] <= 1)
         return -2;
 
     uint8_t hdr[120];
-    memcpy(hdr, pkt, hl);
+    memcpy(hdr, hdr_in, hl);
     if (ttl_decrement)
         hdr[8] -= 1;
     uint16_t id0 = get16(hdr + 4);
@@ -229,12 +228,13 @@ int fp_segment(const uint8_t *pkt, int n, int gso, uint8_t *out, int out_len, in
     hdr[ihl + 16] = hdr[ihl + 17] = 0;
 
     uint8_t *o = out;
-    const uint8_t *src = pkt + hl;
+    const uint8_t *src = payload;
     for (int i = 0; i < count; i++) {
         int clen = plen - i * gso < gso ? plen - i * gso : gso;
         memcpy(o, hdr, hl);
-        memcpy(o + hl, src, clen);
-        src += clen;
+        if (o + hl != src)
+            memmove(o + hl, src, clen);
+        src += step;
         put16(o + 2, (uint16_t)(hl + clen));
         put16(o + 4, (uint16_t)(id0 + i));
         ip_checksum(o, ihl);
@@ -253,6 +253,32 @@ int fp_segment(const uint8_t *pkt, int n, int gso, uint8_t *out, int out_len, in
     *seglen = count > 1 ? hl + gso : tot;
     *total = tot;
     return count;
+}
+
+/* The header lengths of a TCP/IPv4 packet of n bytes, or -1 when it is not one. */
+static inline int tcp4_headers(const uint8_t *pkt, int n, int *ihl, int *thl)
+{
+    if (n < 40 || pkt[0] >> 4 != 4 || pkt[9] != IPPROTO_TCP)
+        return -1;
+    *ihl = (pkt[0] & 0x0F) << 2;
+    if (*ihl < 20 || *ihl + 13 >= n)
+        return -1;
+    *thl = (pkt[*ihl + 12] >> 4) << 2;
+    if (*thl < 20 || *ihl + *thl > n)
+        return -1;
+    return 0;
+}
+
+/* Cut the TCP/IPv4 super-packet pkt[0:n] into segments of at most gso payload bytes, back to
+ * back from out.  Returns the segment count (and *seglen, *total as segment_tcp4 does), or -1
+ * when malformed, -2 when the TTL is exhausted, -3 when out is too small. */
+int fp_segment(const uint8_t *pkt, int n, int gso, uint8_t *out, int out_len, int ttl_decrement,
+               int *seglen, int *total)
+{
+    int ihl, thl;
+    if (tcp4_headers(pkt, n, &ihl, &thl) || gso <= 0)
+        return -1;
+    return segment(pkt, n, ihl, thl, pkt + ihl + thl, gso, gso, out, out_len, ttl_decrement, seglen, total);
 }
 
 /* -- next hops and members ----------------------------------------------------------------------- */
@@ -331,10 +357,12 @@ struct fp_state *fp_new(void)
     if (!st)
         return NULL;
     st->in = malloc(IN_SIZE);
+    st->ovf = malloc(IN_SIZE);
     st->out = malloc(OUT_SIZE);
     st->rx = malloc(RX_AREA);
-    if (!st->in || !st->out || !st->rx) {
+    if (!st->in || !st->out || !st->rx || !st->ovf) {
         free(st->in);
+        free(st->ovf);
         free(st->out);
         free(st->rx);
         free(st);
@@ -351,6 +379,7 @@ void fp_free(struct fp_state *st)
     free(st->routes);
     free(st->members);
     free(st->in);
+    free(st->ovf);
     free(st->out);
     free(st->rx);
     free(st);
@@ -502,6 +531,42 @@ static int hand_back(struct fp_state *st, int kind, const uint8_t *pkt, int len)
     return 1;
 }
 
+/* Read one packet from the TUN into segment slots at o: the first hl + gso bytes (headers and
+ * the first payload) in slot 0, then gso payload bytes into each later slot behind room for its
+ * header, the rest (a packet of another geometry) into st->ovf.  A super-packet of the slots'
+ * geometry is then segmented where it lies; anything else is gathered (see gather). */
+static ssize_t read_slots(struct fp_state *st, uint8_t *o, int *nv)
+{
+    int hl = st->geo_hl, gso = st->geo_gso, stride = hl + gso;
+    int rows = (0xFFFF - hl) / gso + 2;
+    struct iovec *iov = st->tiov;
+    iov[0].iov_base = st->in;
+    iov[0].iov_len = VNET_LEN;
+    iov[1].iov_base = o;
+    iov[1].iov_len = (size_t)stride;
+    for (int r = 1; r < rows; r++) {
+        iov[1 + r].iov_base = o + (size_t)r * (size_t)stride + (size_t)hl;
+        iov[1 + r].iov_len = (size_t)gso;
+    }
+    iov[rows + 1].iov_base = st->ovf;
+    iov[rows + 1].iov_len = IN_SIZE;
+    *nv = rows + 2;
+    return readv(st->tun_fd, iov, rows + 2);
+}
+
+/* Copy the len packet bytes read_slots scattered over its iovecs to st->in + VNET_LEN. */
+static uint8_t *gather(struct fp_state *st, int nv, int len)
+{
+    uint8_t *p = st->in + VNET_LEN;
+    int pos = 0;
+    for (int i = 1; i < nv && pos < len; i++) {
+        int take = (int)st->tiov[i].iov_len < len - pos ? (int)st->tiov[i].iov_len : len - pos;
+        memcpy(p + pos, st->tiov[i].iov_base, (size_t)take);
+        pos += take;
+    }
+    return p;
+}
+
 /* Drain up to budget reads from the TUN.  Returns 0 when done (drained or budget spent), 1 when
  * a packet waits in st->slow for an ICMP error (call again after), -1 on a read error (errno). */
 int fp_tx(struct fp_state *st, int budget)
@@ -509,8 +574,18 @@ int fp_tx(struct fp_state *st, int budget)
     int rc = 0, batched = 0;
     st->slow_kind = SLOW_NONE;
     st->out_used = 0;   /* every earlier call ended with a flush */
+    if (st->geo_gso < MIN_SLOT_GSO) {  /* first call: IPv4 + TCP with timestamps at the MTU */
+        st->geo_hl = 52;
+        st->geo_gso = st->mtu - 52 >= MIN_SLOT_GSO ? st->mtu - 52 : MIN_SLOT_GSO;
+    }
     for (int k = 0; k < budget; k++) {
-        ssize_t n = read(st->tun_fd, st->in, IN_SIZE);
+        if (st->out_used > OUT_FLUSH) {
+            flush(st);
+            st->out_used = 0;
+        }
+        uint8_t *o = st->out + st->out_used;
+        int nv;
+        ssize_t n = read_slots(st, o, &nv);
         if (n < 0) {
             if (errno == EINTR) {
                 k--;
@@ -522,52 +597,60 @@ int fp_tx(struct fp_state *st, int budget)
         }
         st->counters[C_TUN_READS]++;
         int len = (int)n - VNET_LEN;
-        uint8_t *v = st->in, *p = st->in + VNET_LEN;
+        const uint8_t *v = st->in;
+        int stride = st->geo_hl + st->geo_gso;
+        /* The packet: contiguous at o when it fits slot 0, else gathered (copied) to st->in. */
+        uint8_t *p = len <= stride ? o : NULL;
         if (len < 20) {
             st->counters[D_MALFORMED]++;
             continue;
         }
-        if (p[0] >> 4 != 4) {
+        if (o[0] >> 4 != 4) {
             st->counters[D_NOT_IPV4]++;
             continue;
         }
         uint32_t dst;
-        memcpy(&dst, p + 16, 4);
+        memcpy(&dst, o + 16, 4);
         uint32_t peer = lookup(st, dst);
         if (!peer) {
             st->counters[D_NO_ROUTE]++;
-            return hand_back(st, SLOW_NET_UNREACHABLE, p, len);
+            return hand_back(st, SLOW_NET_UNREACHABLE, p ? p : gather(st, nv, len), len);
         }
         int gso_type = v[1] & 0x7F;
         int gso_size = v[4] | v[5] << 8;
-        if (st->out_used + OUT_RESERVE > OUT_SIZE) {
-            flush(st);
-            st->out_used = 0;
-        }
-        uint8_t *o = st->out + st->out_used;
         if (gso_type == VNET_GSO_TCPV4) {
-            int seglen, total;
-            int ihl = (p[0] & 0x0F) << 2;
-            if (len < 40 || p[9] != IPPROTO_TCP || ihl < 20 || ihl + 13 >= len) {
+            int seglen, total, ihl, thl;
+            if (!p)
+                p = o;   /* the headers are in slot 0 either way */
+            if (tcp4_headers(p, len, &ihl, &thl) || gso_size <= 0) {
                 st->counters[D_MALFORMED]++;
                 continue;
             }
-            int hl = ihl + ((p[ihl + 12] >> 4) << 2);
-            if (gso_size > 0 && hl + gso_size > st->mtu) {
+            int hl = ihl + thl;
+            if (hl + gso_size > st->mtu) {
                 st->counters[D_MTU] += (uint64_t)((len - hl + gso_size - 1) / gso_size);
                 continue;
             }
-            int count = fp_segment(p, len, gso_size, o, OUT_SIZE - st->out_used, st->ttl_decrement, &seglen, &total);
+            int capacity = stride + (nv - 3) * st->geo_gso;   /* bytes the slots hold */
+            int count;
+            if (hl == st->geo_hl && gso_size == st->geo_gso && len <= capacity) {
+                count = segment(o, len, ihl, thl, o + hl, stride, gso_size, o, OUT_SIZE - st->out_used,
+                                st->ttl_decrement, &seglen, &total);
+            } else {
+                p = gather(st, nv, len);
+                count = segment(p, len, ihl, thl, p + hl, gso_size, gso_size, o, OUT_SIZE - st->out_used,
+                                st->ttl_decrement, &seglen, &total);
+                if (gso_size >= MIN_SLOT_GSO && hl <= 120) {   /* the next ones are likely alike */
+                    st->geo_hl = hl;
+                    st->geo_gso = gso_size;
+                }
+            }
             if (count == -2) {
                 st->counters[D_TTL_EXCEEDED]++;
-                return hand_back(st, SLOW_TIME_EXCEEDED, p, len);
+                return hand_back(st, SLOW_TIME_EXCEEDED, len > stride && p == o ? gather(st, nv, len) : p, len);
             }
             if (count < 0) {
                 st->counters[D_MALFORMED]++;
-                continue;
-            }
-            if (seglen > st->mtu) {
-                st->counters[D_MTU] += (uint64_t)count;
                 continue;
             }
             st->out_used += total;
@@ -585,7 +668,8 @@ int fp_tx(struct fp_state *st, int budget)
             st->counters[D_MTU]++;
             continue;
         }
-        memcpy(o, p, (size_t)len);
+        if (!p)
+            memcpy(o, gather(st, nv, len), (size_t)len);
         if (v[0] & VNET_F_NEEDS_CSUM) {
             int cs = v[6] | v[7] << 8, co = v[8] | v[9] << 8;
             if (cs < 20 || cs + co + 2 > len) {
@@ -902,6 +986,58 @@ int fp_write_packets(struct fp_state *st, uint8_t *buf, const int *lens, int k)
 int fp_rx(struct fp_state *st, int budget)
 {
     return st->kind == KIND_UDP ? rx_udp(st, budget) : rx_ipip(st, budget);
+}
+
+/* -- the worker's loop ------------------------------------------------------------------------------ */
+
+#define MAX_OTHER_FDS 64
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Wait on the TUN, the underlay socket and Python's other fds (control sockets) and move
+ * packets until Python is needed: returns 0 when one of the other fds is readable or
+ * timeout_ms have passed (busy or not), 1 when a packet waits in st->slow for an ICMP error,
+ * 2 when a signal interrupted the wait, -1 on an error (errno). */
+int fp_run(struct fp_state *st, const int *other, int n_other, int timeout_ms)
+{
+    struct pollfd pfd[2 + MAX_OTHER_FDS];
+    if (n_other > MAX_OTHER_FDS)
+        n_other = MAX_OTHER_FDS;
+    pfd[0].fd = st->tun_fd;
+    pfd[1].fd = st->sock_fd;
+    for (int i = 0; i < n_other; i++)
+        pfd[2 + i].fd = other[i];
+    for (int i = 0; i < 2 + n_other; i++)
+        pfd[i].events = POLLIN;
+    int64_t deadline = now_ms() + timeout_ms;
+    for (;;) {
+        int wait = (int)(deadline - now_ms());
+        if (wait < 0)
+            return 0;
+        int r = poll(pfd, (nfds_t)(2 + n_other), wait);
+        if (r < 0)
+            return errno == EINTR ? 2 : -1;
+        if (r == 0)
+            return 0;
+        if (pfd[0].revents) {
+            int rc = fp_tx(st, 64);
+            if (rc)
+                return rc;
+        }
+        if (pfd[1].revents) {
+            int rc = fp_rx(st, 64);
+            if (rc)
+                return rc;
+        }
+        for (int i = 0; i < n_other; i++)
+            if (pfd[2 + i].revents)
+                return 0;
+    }
 }
 
 /* -- a module so that setuptools builds and installs this file; Python uses it through ctypes ---- */

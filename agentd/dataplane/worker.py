@@ -4,8 +4,9 @@ It runs beside the agent (same network namespace), never inside the agent's asyn
 tight blocking ``poll`` loop over the TUN fd, the underlay socket and a unix control socket.
 
 With offloads and user segmentation (the default) the per-packet loops below run in C
-(``_fastpath.c`` through ``_fast.FastPath``: ``_from_tun_fast`` / ``_receive_fast``); this
-module keeps everything else and hands the C side the next hops and members.  The Python
+(``_fastpath.c`` through ``_fast.FastPath``, whose ``run`` is then the poll loop and returns
+only when a control socket needs Python); this module keeps everything else and hands the C
+side the next hops and members.  The Python
 loops that follow do the same work where the C file is not built or ``--fast-path python`` is
 given, and are the reference the tests hold the C side to.
 
@@ -382,21 +383,15 @@ class Worker:
             return
         self.c["icmp_sent"] += 1
 
-    def _from_tun_fast(self) -> None:
-        """TUN -> underlay in C; what it hands back needs an ICMP error written to the TUN."""
-        fast = self.fast
-        for _ in range(_BUDGET):
-            rc = fast.tx(_BUDGET)
-            if rc < 0:
-                _raise_errno()
-            if rc != 1:
-                return
-            kind, pkt = fast.slow_packet()
+    def _run_fast(self) -> None:
+        """Packets move in C until the control sockets need Python (or 0.5 s passed, for the
+        orphan check and signals); a packet handed back needs an ICMP error to the TUN."""
+        rc = self.fast.run((self.listener.fileno(), *self.clients), 500)
+        if rc == 1:
+            kind, pkt = self.fast.slow_packet()
             self._icmp(icmp_net_unreachable if kind == _fast.SLOW_NET_UNREACHABLE else icmp_time_exceeded,
                        memoryview(pkt))
-
-    def _receive_fast(self, _rxbuf, _coalescer, budget: int) -> None:
-        if self.fast.rx(budget) < 0:
+        elif rc < 0:
             _raise_errno()
 
     def _from_tun_offload(self) -> None:
@@ -653,13 +648,13 @@ class Worker:
     def run(self) -> int:
         self.poller = poller = select.poll()
         tun_fd, sock_fd, lfd = self.tun.fd, self.transport.fileno(), self.listener.fileno()
-        poller.register(tun_fd, select.POLLIN)
-        poller.register(sock_fd, select.POLLIN)
+        fast = self.fast
+        if fast is None:  # else the C loop polls these two
+            poller.register(tun_fd, select.POLLIN)
+            poller.register(sock_fd, select.POLLIN)
         poller.register(lfd, select.POLLIN)
         receive = self.transport.receive
-        if self.fast is not None:
-            from_tun, receive = self._from_tun_fast, self._receive_fast
-        elif not self.cfg.offload:
+        if not self.cfg.offload:
             from_tun = self._from_tun_plain
         elif self.cfg.segmentation == "user":
             from_tun = self._from_tun_offload
@@ -670,7 +665,9 @@ class Worker:
                  self.cfg.tun, self.cfg.mtu, self.cfg.local_ip, self.cfg.offload, self.cfg.control)
         try:
             while not self._stop:
-                for fd, _ev in poller.poll(500):
+                if fast is not None:
+                    self._run_fast()
+                for fd, _ev in poller.poll(0 if fast is not None else 500):
                     if fd == tun_fd:
                         from_tun()
                     elif fd == sock_fd:
