@@ -1,7 +1,10 @@
 """Pure forwarding logic of the user-space data plane: next hops, members, TSO segmentation
 (the scalar reference and the vectorized segmenter, byte for byte), GRO-style coalescing (per
-packet and whole batches, packet for packet the same writes), checksum completion."""
+packet and whole batches, packet for packet the same writes; the C receive side too, its TUN
+writes going to a SOCK_SEQPACKET socket), checksum completion."""
 
+import contextlib
+import socket
 import struct
 
 import numpy as np
@@ -9,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agentd.dataplane import _fast
 from agentd.dataplane._forward import (
     ForwardError,
     NextHopTable,
@@ -416,10 +420,14 @@ def segment_streams(draw):
     mss = draw(st.sampled_from([1000, 1420, 300]))
     n = draw(st.integers(1, 120))
     seq = draw(st.integers(0, 0xFFFFFFFF))
-    events = draw(st.lists(st.sampled_from(["full"] * 30 + ["short", "psh", "gap", "flow", "fin", "ttl"]),
+    events = draw(st.lists(st.sampled_from(["full"] * 30 + ["short", "psh", "gap", "flow", "fin", "ttl", "icmp"]),
                            min_size=n, max_size=n))
     packets = []
     for ev in events:
+        if ev == "icmp":
+            packets.append(P.ipv4_packet(P.IPv4Header(src=SRC, dst=DST, protocol=P.IPPROTO_ICMP),
+                                         P.icmp_message(8, 0, 1, bytes(64))))
+            continue
         ln = mss if ev != "short" else draw(st.integers(1, mss - 1))
         kw = {}
         flags = P.TCP_ACK | (P.TCP_PSH if ev == "psh" else 0) | (P.TCP_FIN if ev == "fin" else 0)
@@ -461,7 +469,8 @@ def test_batches_coalesce_exactly_like_packet_by_packet(stream):
     want = coalesce_packets(packets)
     got, _ = batch_writes(packets, chunks)
     assert got == want
-    assert b"".join(parse(p)[2] for _, p in got) == b"".join(parse(p)[2] for p in packets)
+    tcp = P.IPPROTO_TCP
+    assert b"".join(parse(p)[2] for _, p in got if p[9] == tcp) == b"".join(parse(p)[2] for p in packets if p[9] == tcp)
 
 
 def test_a_clean_batch_goes_through_numpy_and_runs_continue_across_batches():
@@ -548,3 +557,67 @@ def test_worker_args_refuse_unusable_values_in_one_line(capsys, changes, word):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert word in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+# -- the C receive side (agentd/dataplane/_fastpath.c) against the Coalescer -------------------
+
+
+@contextlib.contextmanager
+def c_writer():
+    """A FastPath whose TUN fd is a SOCK_SEQPACKET socket; yields (fastpath, read_writes)."""
+    lib, why = _fast.load()
+    assert lib is not None, why
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    b.setblocking(False)
+    fp = _fast.FastPath(lib, "udp", tun_fd=a.fileno(), sock_fd=-1, mtu=1500, ttl_decrement=True, port=8285,
+                        udp_gso=True, udp_gro=True)
+
+    def writes():
+        out = []
+        while True:
+            try:
+                blob = b.recv(1 << 17)
+            except BlockingIOError:
+                return out
+            out.append((P.VirtioNetHdr.decode(blob), blob[10:]))
+
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    try:
+        yield fp, writes
+    finally:
+        fp.close()
+        a.close()
+        b.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(segment_streams())
+def test_c_coalescing_makes_exactly_the_python_writes(stream):
+    """The C receive side (_fastpath.c) merges and writes exactly what the Coalescer does."""
+    packets, _chunks = stream
+    with c_writer() as (fp, writes):
+        assert fp.write_packets(packets) == len(packets)
+        assert writes() == coalesce_packets(packets)
+
+
+def test_c_coalescing_merges_a_clean_run_into_one_super_packet():
+    packets = [seg(1 + i * 1000) for i in range(40)] + [seg(40001, flags=P.TCP_ACK | P.TCP_PSH)]
+    with c_writer() as (fp, writes):
+        fp.write_packets(packets)
+        got = writes()
+        counters = fp.counters()
+    assert [(v.gso_type, v.gso_size, v.hdr_len, len(p)) for v, p in got] == [(1, 1000, 52, 52 + 41000)]
+    assert counters["coalesced_segments"] == 41 and counters["tun_writes"] == 1
+
+
+def test_c_coalescing_drops_and_counts_packets_whose_length_lies():
+    good = seg(1)
+    short = bytearray(seg(1001))
+    short[3] -= 1  # total length one less than the packet
+    with c_writer() as (fp, writes):
+        assert fp.write_packets([good, bytes(short), b"\x60" + bytes(39)]) == 1
+        assert writes() == coalesce_packets([good])
+        assert fp.counters()["drop:malformed"] == 2
+
+
