@@ -179,6 +179,14 @@ def _ipv4(s: str, *, unicast: bool = True) -> IPv4Address | None:
     return addr
 
 
+def _node_address(s: str) -> IPv4Address | None:
+    """This node's underlay address: other nodes reach it there, so never loopback."""
+    addr = _ipv4(s)
+    if addr is not None and addr.is_loopback:
+        raise _Bad("must not be a loopback address: the other nodes reach this node at it")
+    return addr
+
+
 def _ipv6_or_none(s: str) -> IPv6Address | None:
     if not s.strip():
         return None

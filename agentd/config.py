@@ -66,6 +66,7 @@ from ._config_values import (  # noqa: F401  (HostPort is public API)
     _listen,
     _mtu,
     _network,
+    _node_address,
     _node_name,
     _one_line,
     _originate,
@@ -289,7 +290,7 @@ class _Key:
 
 _KEYS = (
     _Key("node", "name", _string(_node_name), None),
-    _Key("node", "address", _string(_ipv4), None),
+    _Key("node", "address", _string(_node_address), None),
     _Key("node", "asn", _ASN, 64512),
     _Key("node", "route_reflector", _BOOL, False),
     _Key("node", "cluster_id", _Kind((int, str), "an IPv4 address or an integer", str, _cluster_id), None),

@@ -433,6 +433,8 @@ BAD = [
     ("ipv6-node-address", "env", {"AGENTD_NODE_ADDRESS": "2001:db8::1"}, "node.address", "not IPv6"),
     ("multicast-address", "file", "[node]\naddress = '224.0.0.5'\n",
      "node.address", "must be a unicast address"),
+    ("loopback-node-address", "env", {"AGENTD_NODE_ADDRESS": "127.0.1.1"}, "node.address",
+     "must not be a loopback address: the other nodes reach this node at it"),
     ("router-id-zero", "file", "[bgp]\nrouter_id = '0.0.0.0'\n",
      "bgp.router_id", "must be a unicast address"),
     ("cidr-host-bits", "file", "[network]\ncidr = '10.244.1.0/16'\n", "network.cidr",
