@@ -385,7 +385,6 @@ void fp_free(struct fp_state *st)
     free(st);
 }
 
-int fp_state_size(void) { return (int)sizeof(struct fp_state); }
 int fp_counters_offset(void) { return (int)offsetof(struct fp_state, counters); }
 int fp_counter_count(void) { return C_COUNT; }
 

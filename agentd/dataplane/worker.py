@@ -3,12 +3,11 @@
 It runs beside the agent (same network namespace), never inside the agent's asyncio loop: a
 tight blocking ``poll`` loop over the TUN fd, the underlay socket and a unix control socket.
 
-With offloads and user segmentation (the default) the per-packet loops below run in C
+With offloads and user segmentation (the default) the per-packet loops run in C
 (``_fastpath.c`` through ``_fast.FastPath``, whose ``run`` is then the poll loop and returns
 only when a control socket needs Python); this module keeps everything else and hands the C
-side the next hops and members.  The Python
-loops that follow do the same work where the C file is not built or ``--fast-path python`` is
-given, and are the reference the tests hold the C side to.
+side the next hops and members.  The Python loops below do the same work where the C file is
+not built or ``--fast-path python`` is given, and are the reference the tests hold C to.
 
 TUN -> underlay: with offloads one read returns a TCP super-packet (up to 64 KB), read
 straight into a block of segment slots; the super-packets at hand (up to ``_TSO_BLOCKS``) are
