@@ -141,15 +141,6 @@ class Worker:
         else:
             self.icmp_source = None
             self.fallbacks_icmp = "conf.all.rp_filter is on: ICMP errors use the inner destination as source"
-        self.tunbuf = bytearray(_TUN_BUF)
-        self.out = bytearray(_OUT_BUF)
-        self.rxbuf = bytearray(_RX_BUF)
-        if hasattr(self.transport, "bind_tx_buffer"):
-            self.transport.bind_tx_buffer(self.out)
-        self.segmenter = TsoSegmenter(self.tunbuf, self.out, mtu=cfg.mtu,
-                                      blocks=_TSO_BLOCKS if cfg.offload and user_tso else 0,
-                                      block_area=_OUT_BUF - _SINGLES)
-        self.coalescer = Coalescer(self._tun_write) if cfg.offload else _SingleWriter(self._tun_write)
         self.offloads = {**self.tun.offloads, **self.transport.offloads, "tun_coalesce": cfg.offload}
         self.fallbacks = {**self.tun.fallbacks, **self.transport.fallbacks}
         if not cfg.offload:
@@ -157,6 +148,20 @@ class Worker:
         if self.icmp_source is None:
             self.fallbacks["icmp_source"] = self.fallbacks_icmp
         self.fast = self._open_fast_path(user_tso)
+        # The Python loops' buffers and helpers, only where those loops run.
+        self.segmenter: TsoSegmenter | None = None
+        self.coalescer: Coalescer | _SingleWriter | None = None
+        self.rxbuf: bytearray | None = None
+        if self.fast is None:
+            self.tunbuf = bytearray(_TUN_BUF)
+            self.out = bytearray(_OUT_BUF)
+            self.rxbuf = bytearray(_RX_BUF)
+            if hasattr(self.transport, "bind_tx_buffer"):
+                self.transport.bind_tx_buffer(self.out)
+            self.segmenter = TsoSegmenter(self.tunbuf, self.out, mtu=cfg.mtu,
+                                          blocks=_TSO_BLOCKS if user_tso else 0,
+                                          block_area=_OUT_BUF - _SINGLES)
+            self.coalescer = Coalescer(self._tun_write) if cfg.offload else _SingleWriter(self._tun_write)
         self.listener = self._listen(cfg.control)
         self._load_state()
 
@@ -302,7 +307,7 @@ class Worker:
             "members": len(self.members),
             "controllers": len(self.clients),
             **c,
-            "tso_gathered": self.segmenter.gathered,
+            "tso_gathered": getattr(self.segmenter, "gathered", 0),
             "drops": drops,
             "offloads": offloads,
             "fallbacks": fallbacks,
@@ -652,14 +657,15 @@ class Worker:
             poller.register(tun_fd, select.POLLIN)
             poller.register(sock_fd, select.POLLIN)
         poller.register(lfd, select.POLLIN)
-        receive = self.transport.receive
-        if not self.cfg.offload:
+        receive, rxbuf, coalescer = self.transport.receive, self.rxbuf, self.coalescer
+        if fast is not None:
+            from_tun = None  # the C loop polls the TUN and the socket
+        elif not self.cfg.offload:
             from_tun = self._from_tun_plain
         elif self.cfg.segmentation == "user":
             from_tun = self._from_tun_offload
         else:
             from_tun = self._from_tun_batched
-        rxbuf, coalescer = self.rxbuf, self.coalescer
         log.info("%s worker on %s (mtu %d, local %s, offload %s) ready; control %s", self.cfg.kind,
                  self.cfg.tun, self.cfg.mtu, self.cfg.local_ip, self.cfg.offload, self.cfg.control)
         try:
