@@ -17,6 +17,12 @@ only; removed at the end), runs ONE iperf3 TCP stream pod -> pod and 20 pings pe
                agentd/ and proto/, e.g. ``git archive HEAD~1 agentd proto | tar -x -C DIR``),
                in the same run, so before and after see the same machine
 
+"retr" is the median count of segments the iperf3 sender retransmitted per round: on these veths
+nearly all are spurious (reordering across the two CPUs' receive backlogs, DSACKed), and each
+costs the flow a congestion-window cut, which is much of the rows' round-to-round spread.
+--pin pins the iperf3 client to CPU 0 and the server to CPU 1 (every row; the workers float):
+the ratios move with placement on 2 cores, and this shows by how much.
+
 Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...),
 so a slow spell of the machine hits all of them alike; the table shows each row's median
 round, its range, and ratios of medians.
@@ -36,6 +42,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,14 +100,27 @@ def busy_share(seconds: float = 1.0) -> float:
     return 1 - (i1 - i0) / max(t1 - t0, 1)
 
 
-def iperf(client: Netns, server: Netns, dst: str, seconds: int) -> float:
-    srv = server.popen(["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+PIN: tuple[list[str], list[str]] = ([], [])  # taskset prefixes for the iperf3 client and server (--pin)
+
+
+class Round(NamedTuple):
+    gbps: float
+    retr: int  # TCP segments the sender retransmitted (on veth mostly spurious: reordering, DSACKed)
+    ping: float
+    cpu: str = ""
+    per64k: str = ""
+    per_io: str = ""
+
+
+def iperf(client: Netns, server: Netns, dst: str, seconds: int) -> tuple[float, int]:
+    srv = server.popen([*PIN[1], "iperf3", "-s", "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: ":5201" in server.exec("ss", "-ltn", check=False), 5)
-        out = client.exec("iperf3", "-c", dst, "-t", str(seconds), "-J", timeout=seconds + 30, check=False)
-        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e9
+        out = client.exec(*PIN[0], "iperf3", "-c", dst, "-t", str(seconds), "-J", timeout=seconds + 30, check=False)
+        end = json.loads(out)["end"]
+        return end["sum_received"]["bits_per_second"] / 1e9, int(end["sum_sent"].get("retransmits", 0))
     except (ValueError, KeyError):
-        return 0.0
+        return 0.0, 0
     finally:
         try:
             srv.wait(timeout=5)
@@ -115,18 +135,18 @@ def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[float, float, str, str, str]:
+def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> Round:
     def make(role: str) -> Netns:
         return Netns.create(f"ad-{tag}-{n}{role}")
 
     t = build_two_hosts(make, outsider=False)
     try:
         if kind == "raw":
-            return iperf(t.h1, t.h2, H2_UNDERLAY, seconds), ping_avg(t.h1, H2_UNDERLAY), "", "", ""
+            return Round(*iperf(t.h1, t.h2, H2_UNDERLAY, seconds), ping_avg(t.h1, H2_UNDERLAY))
         if kind == "hostgw":
             t.h1.ip("route", "add", SUBNET2, "via", H2_UNDERLAY)
             t.h2.ip("route", "add", SUBNET1, "via", H1_UNDERLAY)
-            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), "", "", ""
+            return Round(*iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2))
         if kind == "vxlan":
             for h, local, remote, addr, peer_addr, subnet in (
                 (t.h1, H1_UNDERLAY, H2_UNDERLAY, "10.99.0.1", "10.99.0.2", SUBNET2),
@@ -138,7 +158,7 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[floa
                 h.ip("addr", "add", f"{addr}/24", "dev", "vx0")
                 h.ip("route", "add", subnet, "via", peer_addr, "dev", "vx0")
             t.set_pod_mtu(t.underlay_mtu - OVERHEAD["vxlan"])
-            return iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2), "", "", ""
+            return Round(*iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2))
         # agentd user-space paths
         mtu = t.underlay_mtu - OVERHEAD[kind]
         t.set_pod_mtu(mtu)
@@ -155,7 +175,7 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[floa
         lat = ping_avg(t.p1, P2)
         c0 = {i: cpu_seconds(p.pid) for i, p in procs.items()}
         w0 = time.monotonic()
-        gbps = iperf(t.p1, t.p2, P2, seconds)
+        gbps, retr = iperf(t.p1, t.p2, P2, seconds)
         wall = time.monotonic() - w0
         cpu = {i: (cpu_seconds(p.pid) - c0[i]) / wall for i, p in procs.items()}
         tx, rx = (_control(ctl[i], json.dumps({"op": "stats"}) + "\n")[0]["stats"] for i in (1, 2))
@@ -167,8 +187,8 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> tuple[floa
                 if os.path.exists(f):
                     os.unlink(f)
         per64k = {i: cpu[i] * 1e6 / max(gbps * 1e9 / 8 / 65536, 1e-9) for i in cpu}
-        return (gbps, lat, f"{cpu[1] * 100:3.0f}% / {cpu[2] * 100:3.0f}%",
-                f"{per64k[1]:5.0f} / {per64k[2]:5.0f}" if gbps > 0 else "", per_io)
+        return Round(gbps, retr, lat, f"{cpu[1] * 100:3.0f}% / {cpu[2] * 100:3.0f}%",
+                     f"{per64k[1]:5.0f} / {per64k[2]:5.0f}" if gbps > 0 else "", per_io)
     finally:
         t.stop_workers()
 
@@ -197,7 +217,12 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated row names to run (anchors always run)")
     ap.add_argument("--compare", metavar="DIR",
                     help="also run the udp and ipip rows with the code in DIR (holding agentd/ and proto/)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin the iperf3 client to CPU 0 and the server to CPU 1 (the workers float)")
     args = ap.parse_args()
+    if args.pin:
+        PIN[0][:] = ["taskset", "-c", "0"]
+        PIN[1][:] = ["taskset", "-c", "1"]
     rows = list(ROWS)
     if args.compare:
         if not os.path.isfile(os.path.join(args.compare, "agentd", "dataplane", "__main__.py")):
@@ -215,7 +240,7 @@ def main() -> int:
         return 1
     wanted = set(args.only.split(",")) if args.only else None
     tag = unique_tag("bdp")
-    runs: dict[str, list[tuple[float, float, str, str, str]]] = {}
+    runs: dict[str, list[Round]] = {}
     background = busy_share()
     load = os.getloadavg()
     selected = [
@@ -228,17 +253,18 @@ def main() -> int:
             for n, name, kind, opts in selected:
                 got = run_row(kind, opts, args.seconds, tag, f"r{r}n{n}")
                 runs.setdefault(name, []).append(got)
-                print(f"  round {r + 1}/{args.rounds} {name:<13} {got[0]:6.2f} Gbit/s", file=sys.stderr, flush=True)
+                print(f"  round {r + 1}/{args.rounds} {name:<13} {got.gbps:6.2f} Gbit/s, {got.retr} retr", file=sys.stderr, flush=True)
             delete_matching(f"ad-{tag}-r{r}n")
     finally:
         delete_matching(f"ad-{tag}-")
     results = []
     for name, got in runs.items():
-        ordered = sorted(got, key=lambda g: g[0])
+        ordered = sorted(got, key=lambda g: g.gbps)
         mid = ordered[len(ordered) // 2]  # the median round (the upper one of an even count)
-        spread = f"{ordered[0][0]:.2f}-{ordered[-1][0]:.2f}" if len(got) > 1 else ""
-        results.append((name, mid[0], mid[1], mid[2], mid[3], mid[4], spread))
-    by = {r[0]: r[1] for r in results}
+        spread = f"{ordered[0].gbps:.2f}-{ordered[-1].gbps:.2f}" if len(got) > 1 else ""
+        retr = sorted(g.retr for g in got)[len(got) // 2]
+        results.append((name, mid, spread, retr))
+    by = {name: mid.gbps for name, mid, _, _ in results}
     raw, vx = by.get("raw veth") or float("nan"), by.get("kernel vxlan") or float("nan")
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s, pod -> pod (2 cores shared by "
           f"iperf3 x2, both workers and softirq); median of {args.rounds} interleaved rounds")
@@ -246,12 +272,12 @@ def main() -> int:
     print(f"machine CPU busy before the run (other jobs): {background * 100:.0f}%; load average "
           f"{load[0]:.2f} before, {after[0]:.2f} after"
           + ("  <- rows are skewed by other load" if background > 0.1 else "") + "\n")
-    print(f"{'path':<14} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x vxlan':>8} {'ping ms':>8}  "
+    print(f"{'path':<14} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x vxlan':>8} {'retr':>6} {'ping ms':>8}  "
           f"{'worker CPU tx / rx':<19} {'us CPU per 64 KB tx / rx':<25} pkts per TUN read / write")
-    print("-" * 138)
-    for name, gbps, lat, cpu, per64k, per_io, spread in results:
-        print(f"{name:<14} {gbps:7.2f} {spread:>11} {gbps / raw:10.2f} {gbps / vx:8.2f} {lat:8.3f}  {cpu:<19} "
-              f"{per64k:<25} {per_io}")
+    print("-" * 145)
+    for name, mid, spread, retr in results:
+        print(f"{name:<14} {mid.gbps:7.2f} {spread:>11} {mid.gbps / raw:10.2f} {mid.gbps / vx:8.2f} {retr:6d} "
+              f"{mid.ping:8.3f}  {mid.cpu:<19} {mid.per64k:<25} {mid.per_io}")
     print("\nanchors (context, not measured here):")
     for a in ANCHORS:
         print(f"  - {a}")
