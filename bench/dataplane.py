@@ -13,6 +13,10 @@ only; removed at the end), runs ONE iperf3 TCP stream pod -> pod and 20 pings pe
   ... python   the same with --fast-path python: the loops in Python and numpy (the fall-back)
   ... kseg     the same with --segmentation kernel (TUN without TSO; batched sends)
   ... no-offl  --no-offload: one read + one send per packet (flannel's model, the baseline)
+  ipip ceiling no TUN, no TCP, no worker: MTU-sized IP-protocol-4 packets sent through a
+               raw socket with sendmmsg and drained from one with recvmmsg (bench/_raw_ceiling.c,
+               built with gcc on first use), Gbit/s of inner packets: the most any IPIP path on
+               raw sockets gets from this kernel, the bound the ipip row runs into
   ... before   with --compare DIR: the same paths run by the code in DIR (a directory holding
                agentd/ and proto/, e.g. ``git archive HEAD~1 agentd proto | tar -x -C DIR``),
                in the same run, so before and after see the same machine
@@ -79,6 +83,7 @@ ROWS = [
     ("ipip kseg", "ipip", {"offload": True, "extra": ("--segmentation", "kernel")}),
     ("udp no-offl", "udp", {"offload": False}),
     ("ipip no-offl", "ipip", {"offload": False}),
+    ("ipip ceiling", "rawceil", {}),
 ]
 
 
@@ -147,6 +152,8 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> Round:
             t.h1.ip("route", "add", SUBNET2, "via", H2_UNDERLAY)
             t.h2.ip("route", "add", SUBNET1, "via", H1_UNDERLAY)
             return Round(*iperf(t.p1, t.p2, P2, seconds), ping_avg(t.p1, P2))
+        if kind == "rawceil":
+            return raw_socket_ceiling(t, seconds)
         if kind == "vxlan":
             for h, local, remote, addr, peer_addr, subnet in (
                 (t.h1, H1_UNDERLAY, H2_UNDERLAY, "10.99.0.1", "10.99.0.2", SUBNET2),
@@ -191,6 +198,25 @@ def run_row(kind: str, opts: dict, seconds: int, tag: str, n: str) -> Round:
                      f"{per64k[1]:5.0f} / {per64k[2]:5.0f}" if gbps > 0 else "", per_io)
     finally:
         t.stop_workers()
+
+
+def raw_socket_ceiling(t, seconds: int) -> Round:
+    here = os.path.dirname(os.path.abspath(__file__))
+    src, exe = os.path.join(here, "_raw_ceiling.c"), f"/tmp/agentd-bench-raw-ceiling-{os.getuid()}"
+    if not os.path.exists(exe) or os.path.getmtime(exe) < os.path.getmtime(src):
+        subprocess.run(["gcc", "-O2", "-o", exe, src], check=True)
+    mtu = t.underlay_mtu - OVERHEAD["ipip"]
+    rx = t.h2.popen([exe, "recv"], stdout=subprocess.PIPE, text=True)
+    try:
+        rx.stdout.readline()  # "ready"
+        t.h1.exec(exe, "send", H2_UNDERLAY, str(seconds), str(mtu), timeout=seconds + 30)
+        out = rx.communicate(timeout=30)[0].split()  # received N SECONDS
+        n, secs = int(out[1]), float(out[2])
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+    return Round(n * mtu * 8 / max(secs, 1e-9) / 1e9, 0, float("nan"))
 
 
 def _control(path: str, lines: str) -> list[dict]:
@@ -290,6 +316,8 @@ def main() -> int:
         if fast in by and by.get(slow):
             print(f"  {fast:<8} offload / per-packet baseline: {by[fast] / by[slow]:.2f}x "
                   "(Tailscale's offload path: 2.2x)")
+    if by.get("ipip") and by.get("ipip ceiling"):
+        print(f"  ipip     / the raw-socket ceiling (ipip ceiling row): {by['ipip'] / by['ipip ceiling']:.2f}x")
     for fast in ("udp", "ipip"):
         if fast in by and by.get(f"{fast} before"):
             print(f"  {fast:<8} after / before (--compare): {by[fast] / by[f'{fast} before']:.2f}x")
