@@ -105,7 +105,9 @@ def busy_share(seconds: float = 1.0) -> float:
     return 1 - (i1 - i0) / max(t1 - t0, 1)
 
 
-PIN: tuple[list[str], list[str]] = ([], [])  # taskset prefixes for the iperf3 client and server (--pin)
+# --pin: taskset prefixes for the iperf3 client and server (empty: the scheduler places them)
+PIN_CLIENT: tuple[str, ...] = ()
+PIN_SERVER: tuple[str, ...] = ()
 
 
 class Round(NamedTuple):
@@ -118,10 +120,10 @@ class Round(NamedTuple):
 
 
 def iperf(client: Netns, server: Netns, dst: str, seconds: int) -> tuple[float, int]:
-    srv = server.popen([*PIN[1], "iperf3", "-s", "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = server.popen([*PIN_SERVER, "iperf3", "-s", "-1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: ":5201" in server.exec("ss", "-ltn", check=False), 5)
-        out = client.exec(*PIN[0], "iperf3", "-c", dst, "-t", str(seconds), "-J", timeout=seconds + 30, check=False)
+        out = client.exec(*PIN_CLIENT, "iperf3", "-c", dst, "-t", str(seconds), "-J", timeout=seconds + 30, check=False)
         end = json.loads(out)["end"]
         return end["sum_received"]["bits_per_second"] / 1e9, int(end["sum_sent"].get("retransmits", 0))
     except (ValueError, KeyError):
@@ -247,8 +249,8 @@ def main() -> int:
                     help="pin the iperf3 client to CPU 0 and the server to CPU 1 (the workers float)")
     args = ap.parse_args()
     if args.pin:
-        PIN[0][:] = ["taskset", "-c", "0"]
-        PIN[1][:] = ["taskset", "-c", "1"]
+        global PIN_CLIENT, PIN_SERVER
+        PIN_CLIENT, PIN_SERVER = ("taskset", "-c", "0"), ("taskset", "-c", "1")
     rows = list(ROWS)
     if args.compare:
         if not os.path.isfile(os.path.join(args.compare, "agentd", "dataplane", "__main__.py")):

@@ -307,7 +307,7 @@ class Worker:
             "members": len(self.members),
             "controllers": len(self.clients),
             **c,
-            "tso_gathered": getattr(self.segmenter, "gathered", 0),
+            "tso_gathered": self.segmenter.gathered if self.segmenter is not None else 0,
             "drops": drops,
             "offloads": offloads,
             "fallbacks": fallbacks,
