@@ -7,12 +7,17 @@ Metrics come from the provider's prometheus-client registry.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from bgp import Speaker
+
+from .bgp_json import RibQuery
 
 log = logging.getLogger("agentd.api")
 
@@ -28,7 +33,7 @@ class StatusProvider(Protocol):
 
     def peers(self) -> list[dict[str, Any]]: ...
 
-    def rib(self) -> list[dict[str, Any]]: ...
+    def bgp_speaker(self) -> Speaker | None: ...
 
     def routes(self) -> list[dict[str, Any]]: ...
 
@@ -101,8 +106,34 @@ class ApiServer:
     async def _peers(self, request: web.Request) -> web.Response:
         return _json(self.provider.peers())
 
-    async def _rib(self, request: web.Request) -> web.Response:
-        return _json(self.provider.rib())
+    async def _rib(self, request: web.Request) -> web.StreamResponse:
+        """The Loc-RIB as one JSON array, streamed a chunk at a time with the loop free in
+        between, so a million prefixes neither block BGP nor sit in memory as one document.
+        ``?prefix=P`` gives one prefix; ``?after=P&limit=N`` a page of N prefixes after P."""
+        try:
+            limit = request.query.get("limit")
+            query = RibQuery(
+                prefix=request.query.get("prefix"),
+                after=request.query.get("after"),
+                limit=int(limit) if limit is not None else None,
+            )
+        except ValueError as err:
+            return _json({"error": str(err)}, 400)
+        speaker = self.provider.bgp_speaker()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        first = True
+        await resp.write(b"[")
+        if speaker is not None:
+            for rows in query.chunks(speaker):
+                if rows:
+                    text = ",\n".join(json.dumps(r, default=str) for r in rows)
+                    await resp.write((("\n" if first else ",\n") + text).encode())
+                    first = False
+                await asyncio.sleep(0)  # BGP, timers and other requests run between chunks
+        await resp.write(b"\n]\n")
+        await resp.write_eof()
+        return resp
 
     async def _routes(self, request: web.Request) -> web.Response:
         return _json(self.provider.routes())

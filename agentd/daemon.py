@@ -511,8 +511,8 @@ class Agent:
             row["backend_reason"] = plan.reason if plan else None
         return rows
 
-    def rib(self) -> list[dict[str, Any]]:
-        return self.speaker.rib_entries() if self.speaker else []
+    def bgp_speaker(self) -> Speaker | None:
+        return self.speaker
 
     def routes(self) -> list[dict[str, Any]]:
         programmed = {r.dst for r in self.programmer.programmed()} if self.programmer else set()

@@ -21,6 +21,7 @@ from bgp import LocalSettings, Origination, PeerSettings, Speaker, SpeakerServic
 from proto.nlri import prefix_from_str
 
 from .api import ApiServer
+from .bgp_json import peer_row
 from .config import BgpPeerConfig, Config, ConfigError, load_config
 
 log = logging.getLogger("agentd.speaker")
@@ -106,10 +107,7 @@ class SpeakerMetrics:
 
 def peer_rows(service: SpeakerService) -> list[dict[str, Any]]:
     """The speaker's peer table with ``since`` as a UNIX timestamp (DESIGN.md /peers)."""
-    rows = service.speaker.peer_status()
-    for row in rows:
-        row["since"] = round(service.wall_time(row["since"]), 3)
-    return rows
+    return [peer_row(v, service.wall_time) for v in service.speaker.peer_views()]
 
 
 class SpeakerRuntime:
@@ -161,8 +159,8 @@ class SpeakerRuntime:
     def peers(self) -> list[dict[str, Any]]:
         return peer_rows(self.service)
 
-    def rib(self) -> list[dict[str, Any]]:
-        return self.speaker.rib_entries()
+    def bgp_speaker(self) -> Speaker | None:
+        return self.speaker
 
     def routes(self) -> list[dict[str, Any]]:
         return []

@@ -11,7 +11,7 @@ from .peer import Peer
 from .rib import AdjRibIn, BestPathChange, Path, Rib, Source
 from .session import Negotiated, Session
 from .settings import LocalSettings, PeerSettings
-from .speaker import Origination, Speaker
+from .speaker import Origination, PeerView, RibPathView, Speaker
 from .transport import SpeakerService
 
 __all__ = [
@@ -25,7 +25,9 @@ __all__ = [
     "Path",
     "Peer",
     "PeerSettings",
+    "PeerView",
     "Reason",
+    "RibPathView",
     "Rib",
     "Session",
     "Source",

@@ -45,6 +45,7 @@ class Event(enum.IntEnum):
     MANUAL_START = 1
     MANUAL_STOP = 2
     MANUAL_START_PASSIVE = 4  # "ManualStart_with_PassiveTcpEstablishment"
+    AUTOMATIC_STOP = 8  # we end the session ourselves: max-prefix, send timeout, BFD, an internal error
     CONNECT_RETRY_TIMER_EXPIRES = 9
     HOLD_TIMER_EXPIRES = 10
     KEEPALIVE_TIMER_EXPIRES = 11
@@ -115,21 +116,25 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (I, ev.MANUAL_START): C,
     (I, ev.MANUAL_START_PASSIVE): A,
     (I, ev.MANUAL_STOP): I,
+    (I, ev.AUTOMATIC_STOP): I,
     (I, ev.TCP_CONNECTION_FAILS): I,
     # -- Connect: waiting for our outbound TCP connection.
     (C, ev.MANUAL_STOP): I,
+    (C, ev.AUTOMATIC_STOP): I,
     (C, ev.CONNECT_RETRY_TIMER_EXPIRES): C,  # drop the attempt, try again
     (C, ev.TCP_CR_ACKED): OS,
     (C, ev.TCP_CONNECTION_CONFIRMED): OS,  # an inbound connection arrived first
     (C, ev.TCP_CONNECTION_FAILS): I,
     # -- Active: listening for the peer (passive peers live here).
     (A, ev.MANUAL_STOP): I,
+    (A, ev.AUTOMATIC_STOP): I,
     (A, ev.CONNECT_RETRY_TIMER_EXPIRES): C,
     (A, ev.TCP_CR_ACKED): OS,
     (A, ev.TCP_CONNECTION_CONFIRMED): OS,
     (A, ev.TCP_CONNECTION_FAILS): I,
     # -- OpenSent: our OPEN is out, waiting for theirs.
     (OS, ev.MANUAL_STOP): I,
+    (OS, ev.AUTOMATIC_STOP): I,
     (OS, ev.HOLD_TIMER_EXPIRES): I,
     (OS, ev.TCP_CONNECTION_FAILS): A,  # §8.2.2: close, restart ConnectRetry, listen
     (OS, ev.BGP_OPEN): OC,
@@ -141,6 +146,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     **{(OS, e): I for e in _UNEXPECTED_IN_OPEN_SENT},
     # -- OpenConfirm: OPENs exchanged, waiting for the first KEEPALIVE.
     (OC, ev.MANUAL_STOP): I,
+    (OC, ev.AUTOMATIC_STOP): I,
     (OC, ev.HOLD_TIMER_EXPIRES): I,
     (OC, ev.KEEPALIVE_TIMER_EXPIRES): OC,
     (OC, ev.TCP_CONNECTION_FAILS): I,
@@ -153,6 +159,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     **{(OC, e): I for e in _UNEXPECTED_IN_OPEN_CONFIRM},
     # -- Established.
     (E, ev.MANUAL_STOP): I,
+    (E, ev.AUTOMATIC_STOP): I,
     (E, ev.HOLD_TIMER_EXPIRES): I,
     (E, ev.KEEPALIVE_TIMER_EXPIRES): E,
     (E, ev.TCP_CONNECTION_FAILS): I,

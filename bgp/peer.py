@@ -9,11 +9,13 @@ of RFC 4271 §8.1.1) and tells the speaker what happened as :class:`PeerEvent` s
 from __future__ import annotations
 
 import collections
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from proto.capabilities import GracefulRestart
+from proto.errors import CeaseSubcode, ErrorCode
 from proto.messages import Notification, Update
 
 from .fsm import State
@@ -57,7 +59,14 @@ class PeerDown:
     peer_graceful_restart: GracefulRestart | None
 
 
-PeerEvent = PeerUp | PeerUpdate | PeerRouteRefresh | PeerDown
+@dataclass(frozen=True)
+class PeerFailed:
+    """A session that never reached Established ended with a NOTIFICATION (either way)."""
+
+    reason: str
+
+
+PeerEvent = PeerUp | PeerUpdate | PeerRouteRefresh | PeerDown | PeerFailed
 
 
 class Peer:
@@ -78,6 +87,9 @@ class Peer:
         self.collisions: list[Session] = []
         self.enabled = False
         self._restart_at: float | None = None
+        # Until then the peer stays down and refuses connections (max-prefix, RFC 4486 §4);
+        # infinity: until it is reconfigured.
+        self.held_until: float | None = None
         self._failures = 0
         self._actions: list[Action] = []
         self._events: collections.deque[PeerEvent] = collections.deque()
@@ -127,11 +139,34 @@ class Peer:
             s.stop(now, notification)
         self._process(now)
 
+    def shutdown(self, now: float, notification: Notification, reason: str, *, hold: float | None = 0.0) -> None:
+        """End every session ourselves (AutomaticStop) and stay enabled: the peer is tried again
+        after the usual backoff (``hold`` 0), after ``hold`` seconds, or (``hold`` None) not
+        until it is reconfigured."""
+        if hold is None:
+            self.held_until = math.inf
+        elif hold > 0:
+            self.held_until = now + hold
+        self._restart_at = None
+        for s in self.sessions():
+            s.stop(now, notification, reason=reason)
+        self.last_error = reason
+        self._process(now)
+
+    @property
+    def writable(self) -> bool:
+        return self.session.writable
+
+    def set_writable(self, conn: int, writable: bool, now: float) -> None:
+        s = self.owns(conn)
+        if s is not None:
+            s.set_writable(writable, now)
+
     # ------------------------------------------------------------ transport inputs
 
     def accept(self, conn: int, now: float, local_address: str | None = None) -> bool:
         """An inbound TCP connection from this peer's address arrived."""
-        if not self.enabled:
+        if not self.enabled or (self.held_until is not None and now < self.held_until):
             return False
         if local_address:
             self._local_addresses[conn] = local_address
@@ -194,6 +229,7 @@ class Peer:
     def handle_timer(self, now: float) -> None:
         if self._restart_at is not None and now >= self._restart_at:
             self._restart_at = None
+            self.held_until = None
             if self.enabled and self.session.state is State.IDLE:
                 self.session.start(now)
         for s in self.sessions():
@@ -240,7 +276,11 @@ class Peer:
             self._actions.extend(self.session.take_actions())
             self.session = self.collisions.pop(0)
         if self.enabled and self.session.state is State.IDLE and self._restart_at is None:
-            self._restart_at = now + self._backoff()
+            held = self.held_until
+            if held is None or held <= now:
+                self._restart_at = now + self._backoff()
+            elif held != math.inf:
+                self._restart_at = held
         for conn in [c for c in self._local_addresses if all(s.conn != c for s in self.sessions())]:
             del self._local_addresses[conn]
 
@@ -252,10 +292,19 @@ class Peer:
             self._resolve_collision(s, ev, now)
         elif isinstance(ev, Established):
             if s is not self.session:
-                # A collision survivor reached Established while the main session is dead.
+                # A second connection reached Established while the main one had not (it sits in
+                # OpenSent: a silent peer, or a dead race).  It becomes the main session; the old
+                # one is closed with Cease/7 (RFC 4271 §6.8) rather than forgotten with its socket.
+                old = self.session
                 self.collisions.remove(s)
-                self._actions.extend(self.session.take_actions())
                 self.session = s
+                if old.state is not State.IDLE:
+                    old.stop(
+                        now,
+                        Notification(ErrorCode.CEASE, CeaseSubcode.CONNECTION_COLLISION_RESOLUTION),
+                        reason="connection collision resolution",
+                    )
+                self._actions.extend(old.take_actions())
             self._failures = 0
             self.established_count += 1
             self.since = now
@@ -267,6 +316,8 @@ class Peer:
         elif isinstance(ev, SessionDown):
             if ev.reason and ev.reason != "stopped":
                 self.last_error = ev.reason
+            if not ev.was_established and ev.notification is not None and s is self.session:
+                self._events.append(PeerFailed(ev.reason))
             if ev.was_established:
                 self.since = now
                 gr = s.negotiated.peer_graceful_restart if s.negotiated else None

@@ -3,11 +3,14 @@
 ``import_attributes`` runs once per received attribute set (RFC 4271 §9.1 loop checks,
 RFC 4456 §8 reflection loops, what an external peer may not tell us).
 
-``export_route`` is the Adj-RIB-Out rule for one path and one neighbour (GoBGP's
+``export_route`` is the Adj-RIB-Out rule for one path and one kind of neighbour (GoBGP's
 ``UpdatePathAttrs``): iBGP split horizon (RFC 4271 §9.2), route reflection (RFC 4456 §6/§8),
 eBGP rewriting (AS_PATH prepend, next-hop-self, no LOCAL_PREF / MED / reflection attributes),
-and the well-known communities of RFC 1997.  It returns the attributes and next hop to send,
-or None when the neighbour must not have the route.
+and the well-known communities of RFC 1997.  It works for an *update group* (bgp.export):
+everything that depends only on the kind of neighbour is decided here, and the two rules
+that depend on the neighbour itself — never back to the peer the route came from, never a
+reflected route back to its originator — are carried on the result as data
+(:meth:`OutRoute.excludes`), so one computed route serves every member of the group.
 """
 
 from __future__ import annotations
@@ -15,63 +18,121 @@ from __future__ import annotations
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
-from proto.attributes import ClusterList, LocalPref, OriginatorId, PathAttributes
+from proto.attributes import (
+    NO_ADVERTISE,
+    NO_EXPORT,
+    NO_EXPORT_SUBCONFED,
+    ClusterList,
+    LocalPref,
+    MultiExitDisc,
+    NextHop,
+    OriginatorId,
+    PathAttributes,
+)
 from proto.nlri import Afi
 
 from .bestpath import DEFAULT_LOCAL_PREF
 from .rib import Path, Source
 from .settings import LocalSettings
 
-# RFC 1997 well-known communities.
-NO_EXPORT = 0xFFFFFF01
-NO_ADVERTISE = 0xFFFFFF02
-NO_EXPORT_SUBCONFED = 0xFFFFFF03
-
-ORIGIN_CODE, AS_PATH_CODE, NEXT_HOP_CODE, MED_CODE, LOCAL_PREF_CODE = 1, 2, 3, 4, 5
-ORIGINATOR_ID_CODE, CLUSTER_LIST_CODE = 9, 10
-
 Address = IPv4Address | IPv6Address
 
+# What an external peer may not tell us, and what never leaves the AS (RFC 4271 §5.1.5,
+# RFC 4456 §8).
+_INTERNAL_ONLY = (LocalPref.code, OriginatorId.code, ClusterList.code)
 
-def import_attributes(attributes: PathAttributes, source: Source, local: LocalSettings) -> PathAttributes | None:
-    """Attributes as the Loc-RIB should see them, or None to treat the route as withdrawn."""
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """An imported attribute set the Loc-RIB must not see; the route counts as withdrawn."""
+
+    reason: str
+
+
+def import_attributes(attributes: PathAttributes, source: Source, local: LocalSettings) -> PathAttributes | Rejected:
+    """Attributes as the Loc-RIB should see them, or why the route is treated as withdrawn."""
     if source.ibgp:
         # RFC 4456 §8: a reflector ignores routes it originated or that already passed its cluster.
         if attributes.originator_id == local.router_id:
-            return None
+            return Rejected("ORIGINATOR_ID is our own router id (RFC 4456 §8)")
         if local.cluster_id is not None and local.cluster_id in attributes.cluster_list:
-            return None
+            return Rejected("CLUSTER_LIST holds our cluster id (RFC 4456 §8)")
         return attributes
     # RFC 4271 §9.1.2: a route whose AS_PATH holds our own AS is a loop.
     if attributes.as_path.contains(local.asn):
-        return None
+        return Rejected(f"AS_PATH holds our AS {local.asn} (RFC 4271 §9.1.2)")
     # RFC 4271 §5.1.5: LOCAL_PREF from an external peer is ignored; RFC 4456 §8: ORIGINATOR_ID
     # and CLUSTER_LIST only make sense inside the AS.
-    if LOCAL_PREF_CODE in attributes or ORIGINATOR_ID_CODE in attributes or CLUSTER_LIST_CODE in attributes:
-        attributes = attributes.without(LOCAL_PREF_CODE, ORIGINATOR_ID_CODE, CLUSTER_LIST_CODE)
+    if any(code in attributes for code in _INTERNAL_ONLY):
+        attributes = attributes.without(*_INTERNAL_ONLY)
     return attributes
 
 
 @dataclass(frozen=True)
 class ExportTarget:
-    """The neighbour a route is being exported to, as far as the export rules care."""
+    """The kind of neighbour a route is exported to, as far as the export rules care.
 
-    key: str
-    asn: int
+    Everything here is shared by every member of an update group; ``key`` and
+    ``router_id`` identify one neighbour and are only set by :func:`export_to_peer`."""
+
     ibgp: bool
     rr_client: bool
-    router_id: IPv4Address | None  # from its OPEN
     local_address: Address | None  # our end of the TCP session: the next hop when we are "self"
     next_hop_v6: IPv6Address | None = None  # our IPv6 next hop for IPv6 routes over an IPv4 session
+    key: str | None = None
+    router_id: IPv4Address | None = None
 
 
-def export_route(
-    path: Path, family_afi: int, to: ExportTarget, local: LocalSettings
-) -> tuple[PathAttributes, Address] | None:
+class OutRoute:
+    """What a neighbour is sent for one prefix: attributes and next hop, plus who must not get
+    it (the peer it came from; for a reflected route, its originator).  Shared by every prefix
+    exported from the same path; equal when everything the wire and the exclusions depend on
+    is equal."""
+
+    __slots__ = ("attributes", "next_hop", "source", "originator", "_hash", "wire")
+
+    def __init__(
+        self, attributes: PathAttributes, next_hop: Address, source: str, originator: IPv4Address | None
+    ) -> None:
+        self.attributes = attributes
+        self.next_hop = next_hop
+        self.source = source
+        self.originator = originator
+        self._hash = hash((attributes, next_hop, source, originator))
+        #: (prefix, encoded UPDATE) when this route was last encoded for a single prefix,
+        #: so that each new member of a group reuses the bytes (bgp.export).
+        self.wire: tuple[bytes, list[bytes]] | None = None
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, OutRoute):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.attributes == other.attributes
+            and self.next_hop == other.next_hop
+            and self.source == other.source
+            and self.originator == other.originator
+        )
+
+    def __repr__(self) -> str:
+        return f"<OutRoute nh={self.next_hop} from {self.source}>"
+
+    def excludes(self, key: str, router_id: IPv4Address | None) -> bool:
+        """Whether the neighbour ``key`` (BGP identifier ``router_id``) must not have this route:
+        never back to the peer it came from; a reflected route never to its originator
+        (RFC 4456 §8)."""
+        return key == self.source or (self.originator is not None and router_id == self.originator)
+
+
+def export_route(path: Path, family_afi: int, to: ExportTarget, local: LocalSettings) -> OutRoute | None:
+    """The route a neighbour of kind ``to`` gets for ``path``, or None when none may have it."""
     src = path.source
     attrs = path.attributes
-    if src.key == to.key:
-        return None  # never back to the peer it came from
     communities = attrs.communities
     if communities:
         if NO_ADVERTISE in communities:
@@ -79,6 +140,7 @@ def export_route(
         if not to.ibgp and (NO_EXPORT in communities or NO_EXPORT_SUBCONFED in communities):
             return None
 
+    originator = None
     if to.ibgp:
         if src.ibgp and not src.local:
             if not local.is_route_reflector:
@@ -86,10 +148,8 @@ def export_route(
             # RFC 4456 §6: from a client -> everyone; from a non-client -> clients only.
             if not src.rr_client and not to.rr_client:
                 return None
-            # RFC 4456 §8: never send a route back to its originator.
+            # RFC 4456 §8: never back to its originator (OutRoute.excludes checks it per member).
             originator = attrs.originator_id or src.router_id
-            if to.router_id is not None and originator == to.router_id:
-                return None
             assert local.cluster_id is not None
             attrs = attrs.replace(
                 OriginatorId(originator),
@@ -103,17 +163,25 @@ def export_route(
             next_hop = path.next_hop if path.next_hop is not None else _self(family_afi, to)
         if next_hop is None:
             return None
-        return attrs.without(NEXT_HOP_CODE), next_hop
+        return OutRoute(attrs.without(NextHop.code), next_hop, src.key, originator)
 
     # External neighbour (RFC 4271 §5.1.2-§5.1.5).
-    drop = [NEXT_HOP_CODE, LOCAL_PREF_CODE, ORIGINATOR_ID_CODE, CLUSTER_LIST_CODE]
+    drop = [NextHop.code, *_INTERNAL_ONLY]
     if not src.local:
-        drop.append(MED_CODE)  # §5.1.4: a MED learned from a neighbouring AS stays in our AS
+        drop.append(MultiExitDisc.code)  # §5.1.4: a MED learned from a neighbouring AS stays in our AS
     attrs = attrs.without(*drop).replace(attrs.as_path.prepend(local.asn))
     next_hop = _self(family_afi, to)
     if next_hop is None:
         return None
-    return attrs, next_hop
+    return OutRoute(attrs, next_hop, src.key, None)
+
+
+def export_to_peer(path: Path, family_afi: int, to: ExportTarget, local: LocalSettings) -> OutRoute | None:
+    """:func:`export_route` for one neighbour (``to.key`` and ``to.router_id`` set)."""
+    out = export_route(path, family_afi, to, local)
+    if out is None or out.excludes(to.key or "", to.router_id):
+        return None
+    return out
 
 
 def _self(afi: int, to: ExportTarget) -> Address | None:
@@ -130,4 +198,3 @@ def _self(afi: int, to: ExportTarget) -> Address | None:
         # form (RFC 4291 §2.5.5.2), which is what BIRD and GoBGP fall back to as well.
         return IPv6Address("::ffff:" + str(la))
     return None
-

@@ -60,6 +60,7 @@ class Connect:
     port: int
     local_address: str | None
     password: str | None
+    ttl_security: bool = False  # RFC 5082: TTL 255 out, at least 254 in
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +168,8 @@ class Session:
         self._connect_retry_at: float | None = None
         self._hold_at: float | None = None
         self._keepalive_at: float | None = None
+        self._blocked_at: float | None = None  # the send timeout, while the socket takes nothing
+        self.writable = True  # the transport's socket buffer has room (set_writable)
         self._hold_time = float(OPEN_HOLD_TIME)
         self._keepalive_time = 0.0
         self._cache: dict = {}
@@ -195,7 +198,9 @@ class Session:
         return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
-        times = [t for t in (self._connect_retry_at, self._hold_at, self._keepalive_at) if t is not None]
+        times = [
+            t for t in (self._connect_retry_at, self._hold_at, self._keepalive_at, self._blocked_at) if t is not None
+        ]
         return min(times) if times else None
 
     @property
@@ -211,20 +216,33 @@ class Session:
         if self.state is State.CONNECT:
             self._begin_connect(now)
 
-    def stop(self, now: float, notification: Notification | None = None) -> None:
+    def stop(self, now: float, notification: Notification | None = None, *, reason: str | None = None) -> None:
         """ManualStop: send ``notification`` if a connection exists (None: close silently,
-        which is how a graceful restart leaves its peers), then go Idle."""
+        which is how a graceful restart leaves its peers), then go Idle.  With ``reason`` it is
+        an AutomaticStop (RFC 4271 §8.1.2): we end the session for that reason, not an operator."""
         if self.state is State.IDLE:
             return
         was_established = self.state is State.ESTABLISHED
         if notification is not None and self.state >= State.OPEN_SENT:
             self._send(notification.encode(self.ctx))
         self._drop_connection()
-        self._go(Event.MANUAL_STOP, now)
-        reason = f"stopped: {notification}" if notification else "stopped"
+        self._go(Event.MANUAL_STOP if reason is None else Event.AUTOMATIC_STOP, now)
+        if reason is None:
+            reason = f"stopped: {notification}" if notification else "stopped"
+        else:
+            self.last_error = reason
         self._events.append(
             SessionDown(reason, was_established, graceful=notification is None, notification=notification, sent=True)
         )
+
+    def set_writable(self, writable: bool, now: float) -> None:
+        """The transport's socket buffer is over (False) or back under (True) its limit.  While it
+        stays full for ``send_timeout`` the peer is not reading: Cease/Out of Resources."""
+        self.writable = writable or self.conn is None
+        if self.writable:
+            self._blocked_at = None
+        elif self._blocked_at is None:
+            self._blocked_at = now + self.local.send_timeout
 
     # ------------------------------------------------------------ inputs: TCP
 
@@ -319,6 +337,16 @@ class Session:
     # ------------------------------------------------------------ inputs: time
 
     def handle_timer(self, now: float) -> None:
+        if self._blocked_at is not None and now >= self._blocked_at:
+            self._blocked_at = None
+            # RFC 4486 §4 Cease/8: we will not hold what the peer does not read for ever.  The
+            # NOTIFICATION is queued behind everything else, so it is a courtesy at best.
+            self.stop(
+                now,
+                Notification(ErrorCode.CEASE, 8),
+                reason=f"send timeout: the peer read nothing for {self.local.send_timeout:g}s",
+            )
+            return
         if self._connect_retry_at is not None and now >= self._connect_retry_at:
             self._connect_retry_at = None
             if self._pending_connect is not None:
@@ -395,6 +423,7 @@ class Session:
                 self.peer.port,
                 str(self.peer.local_address) if self.peer.local_address else None,
                 self.peer.password,
+                self.peer.ttl_security,
             )
         )
 
@@ -459,7 +488,7 @@ class Session:
             keepalive = min(keepalive, hold / 3.0)
         else:
             keepalive = 0.0
-        self.ctx = CodecContext(four_octet_as=four_octet)
+        self.ctx = CodecContext(four_octet_as=four_octet, external=not ibgp)
         self.negotiated = Negotiated(
             peer_asn=open_.asn,
             peer_router_id=open_.router_id,
@@ -557,5 +586,6 @@ class Session:
         self._out.clear()
         self._reader = MessageReader()
         self._cache = {}
-        self._hold_at = self._keepalive_at = None
+        self._hold_at = self._keepalive_at = self._blocked_at = None
+        self.writable = True
         self.ctx = CodecContext()

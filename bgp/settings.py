@@ -43,6 +43,12 @@ class LocalSettings:
     families: tuple[Family, ...] = (IPV4_UNICAST, IPV6_UNICAST)
     # Our next hop for IPv6 routes sent over IPv4 sessions (None: the IPv4-mapped address).
     next_hop_v6: IPv6Address | None = None
+    # A peer whose socket takes nothing for this long is reset with Cease/Out of Resources
+    # (RFC 4486 §4): what we owe it is then not held for ever.
+    send_timeout: float = 60.0
+    # ROUTE-REFRESH (RFC 2918): a peer's requests for one family start a full re-send at most
+    # this often; requests in between are folded into one that starts when the time is up.
+    refresh_interval: float = 1.0
 
     @property
     def is_route_reflector(self) -> bool:
@@ -61,6 +67,14 @@ class PeerSettings:
     local_address: IPv4Address | IPv6Address | None = None
     families: tuple[Family, ...] | None = None  # None: the local families
     description: str = ""
+    # RFC 4486 Cease/1: reset the session once the peer has sent more than this many prefixes
+    # of one family (None: no limit); log a warning at ``max_prefixes_warning`` of it; come back
+    # after ``max_prefixes_restart`` seconds (None: stay down until the peer is reconfigured).
+    max_prefixes: int | None = None
+    max_prefixes_warning: float = 0.75
+    max_prefixes_restart: float | None = None
+    # RFC 5082 GTSM: send with TTL 255 and accept only TTL >= 254 (one hop) from this peer.
+    ttl_security: bool = False
     # Extra fields are compared when the agent re-applies its peer set: a change restarts the peer.
     tags: tuple[str, ...] = field(default=(), compare=False)
 

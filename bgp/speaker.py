@@ -1,34 +1,45 @@
-"""The BGP speaker, sans-IO: peers + RIB + origination + Adj-RIB-Out, driven by its caller.
+"""The BGP speaker, sans-IO: peers + RIB + origination + update groups, driven by its caller.
 
-The transport (bgp.transport) feeds connection events, bytes and the time, and
-carries out the :class:`~bgp.session.Connect` / ``Send`` / ``Close`` actions it
-collects from :meth:`Speaker.take_actions`.  The agent configures peers and the
-prefixes to originate as *desired state* (``set_peers``, ``set_originated``) and
-subscribes to Loc-RIB best-path changes (``add_listener``).
+The transport (bgp.transport) feeds connection events, bytes, socket back-pressure and
+the time, carries out the :class:`~bgp.session.Connect` / ``Send`` / ``Close`` actions it
+collects from :meth:`Speaker.take_actions`, and calls :meth:`Speaker.work` while
+:meth:`Speaker.has_work` says output is waiting.  The agent configures peers and the
+prefixes to originate as *desired state* (``set_peers``, ``set_originated``) and subscribes
+to Loc-RIB best-path changes (``add_listener``).
 
-Everything a peer should have is computed, not remembered as instructions: after
-each batch of input the speaker takes the Loc-RIB changes, exports each changed
-prefix for each Established peer, diffs against that peer's Adj-RIB-Out and sends
-only the difference, packing prefixes that share attributes into one UPDATE.
+Everything a peer should have is computed, not remembered as instructions: after each
+batch of input the speaker takes the Loc-RIB changes and hands them to the update groups
+(bgp.export), which export each changed prefix once per kind of peer and log the encoded
+difference; each Established peer is then given what it has not read yet, as far as its
+socket takes it.
+
+Peers are kept apart by construction: whatever goes wrong while handling one peer — a
+malformed message, a route that cannot be exported to it, a bug — ends that peer's
+session with a NOTIFICATION and touches nothing else (:meth:`Speaker._isolated`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import itertools
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
 from proto.attributes import AsPath, Origin, PathAttributes
-from proto.errors import CeaseSubcode
-from proto.messages import Notification, Update, encode_updates, encode_withdrawals
-from proto.nlri import IPV4_UNICAST, Afi
+from proto.errors import CeaseSubcode, ErrorCode
+from proto.messages import Notification, Update
+from proto.nlri import IPV4_UNICAST
 
 from . import bestpath
-from .peer import Peer, PeerDown, PeerEvent, PeerRouteRefresh, PeerUp, PeerUpdate
-from .policy import ExportTarget, export_route, import_attributes
+from .export import GroupKey, UpdateGroup
+from .loglimit import LogLimiter
+from .peer import Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
+from .policy import ExportTarget, Rejected, import_attributes
 from .rib import BestPathChange, Path, Rib, Source
 from .session import Action, Close, Connect, Negotiated
 from .settings import Family, LocalSettings, PeerSettings
@@ -36,12 +47,18 @@ from .settings import Family, LocalSettings, PeerSettings
 log = logging.getLogger("bgp.speaker")
 
 Address = IPv4Address | IPv6Address
-OutRoute = tuple[PathAttributes, Address]
 Listener = Callable[[list[BestPathChange]], None]
 
 LOCAL_KEY = "local"
 DEFAULT_ORIGIN_ATTRIBUTES = PathAttributes((Origin(0), AsPath(())))
 _MISSING = object()
+#: Octets of UPDATEs one peer is given per turn: enough to fill a socket buffer, small enough
+#: that a large export leaves the loop to everything else between turns.
+TURN_BUDGET = 256 * 1024
+#: Prefixes of a new update group's first computation per turn.
+BUILD_BUDGET = 4096
+_GRACE_KEY = "\0graceful"
+_REFRESH_KEY = "\0refresh"
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,79 @@ class _GracefulState:
     families: set[Family] = field(default_factory=set)  # families still stale
 
 
+@dataclass(frozen=True)
+class PeerView:
+    """One neighbour as the speaker sees it (the agent renders it as /peers JSON)."""
+
+    address: str
+    asn: int
+    kind: str  # "ibgp", "ibgp rr-client", "ebgp"
+    state: str
+    since: float  # on the speaker's clock
+    prefixes_received: int
+    prefixes_sent: int
+    stale: int
+    router_id: str | None
+    hold_time: int | None
+    families: tuple[str, ...]
+    graceful_restart: bool
+    last_error: str
+    flaps: int
+    description: str
+    in_sync: bool  # everything owed has been handed to the socket
+    max_prefixes: int | None
+    held_down: bool  # down after Cease/1 until its restart time or reconfiguration
+
+
+@dataclass(frozen=True)
+class RibPathView:
+    """One candidate path of one prefix, ranked (the agent renders it as /rib JSON)."""
+
+    family: Family
+    prefix: bytes
+    path: Path
+    best: bool
+    reason: bestpath.Reason | None  # why the best path won
+
+
+class _Timers:
+    """One heap of due times for every peer and speaker-wide deadline (lazy deletion: an
+    entry counts only while it equals the owner's current due time)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str]] = []
+        self._due: dict[str, float] = {}
+        self._seq = itertools.count()
+
+    def set(self, key: str, at: float | None) -> None:
+        if at is None:
+            self._due.pop(key, None)
+            return
+        if self._due.get(key) == at:
+            return
+        self._due[key] = at
+        heapq.heappush(self._heap, (at, next(self._seq), key))
+
+    def next(self) -> float | None:
+        heap, due = self._heap, self._due
+        while heap:
+            at, _, key = heap[0]
+            if due.get(key) == at:
+                return at
+            heapq.heappop(heap)
+        return None
+
+    def pop_due(self, now: float) -> list[str]:
+        heap, due = self._heap, self._due
+        out = []
+        while heap and heap[0][0] <= now:
+            at, _, key = heapq.heappop(heap)
+            if due.get(key) == at:
+                del due[key]
+                out.append(key)
+        return out
+
+
 class Speaker:
     def __init__(self, local: LocalSettings, *, now: float, rng: random.Random | None = None) -> None:
         self.local = local
@@ -80,12 +170,21 @@ class Speaker:
         self._origins: dict[tuple[Family, bytes], Origination] = {}
         self._sources: dict[str, Source] = {}
         self._negotiated: dict[str, Negotiated] = {}
-        self._targets: dict[str, ExportTarget] = {}
-        self._adj_out: dict[str, dict[Family, dict[bytes, OutRoute]]] = {}
-        self._import_cache: dict[str, dict[PathAttributes, PathAttributes | None]] = {}
+        self._local_address: dict[str, Address | None] = {}
+        self.groups: dict[GroupKey, UpdateGroup] = {}
+        self._group_of: dict[str, UpdateGroup] = {}
+        self._import_cache: dict[str, dict[PathAttributes, PathAttributes | Rejected]] = {}
         self._graceful: dict[str, _GracefulState] = {}
         self._eor_received: dict[str, set[Family]] = {}
+        self._refresh_next: dict[tuple[str, Family], float] = {}  # earliest start of the next full re-send
+        self._refresh_waiting: set[tuple[str, Family]] = set()
+        self._prefix_warned: set[tuple[str, Family]] = set()
         self._listeners: list[Listener] = []
+        self._owed: set[str] = set()  # peers with output waiting that their socket can take
+        self._timers = _Timers()
+        self.limiter = LogLimiter(log)
+        #: Totals for metrics: "internal errors", "refreshes deferred", "max-prefix resets", ...
+        self.counters: Counter[str] = Counter()
         self.now = now
 
     # ------------------------------------------------------------ configuration (desired state)
@@ -97,8 +196,9 @@ class Speaker:
     def start(self, now: float) -> None:
         self.now = now
         self.started = True
-        for peer in self.peers.values():
-            peer.start(now)
+        for peer in list(self.peers.values()):
+            with self._isolated(peer, now, "starting the session"):
+                peer.start(now)
             self._drain(peer, now)
         self._flush(now)
 
@@ -108,7 +208,7 @@ class Speaker:
         self.now = now
         note = None if graceful else Notification.cease(CeaseSubcode.ADMINISTRATIVE_SHUTDOWN, "agentd stopping")
         self.started = False
-        for peer in self.peers.values():
+        for peer in list(self.peers.values()):
             peer.stop(now, note)
             self._drain(peer, now)
         self._flush(now)
@@ -131,7 +231,8 @@ class Speaker:
         peer = Peer(self.local, settings, conn_ids=self._conn_ids, now=now, rng=self._rng)
         self.peers[settings.key] = peer
         if self.started:
-            peer.start(now)
+            with self._isolated(peer, now, "starting the session"):
+                peer.start(now)
             self._drain(peer, now)
             self._flush(now)
         return peer
@@ -149,6 +250,9 @@ class Speaker:
         self._forget_peer(key)
         self.rib.drop(key)
         self._graceful.pop(key, None)
+        self._timers.set(key, None)
+        self._timers.set(_GRACE_KEY + key, None)
+        self.limiter.forget(key)
         self._flush(now)
 
     def set_originated(self, origins: Iterable[Origination], now: float) -> None:
@@ -164,6 +268,11 @@ class Speaker:
         self._origins = wanted
         self._flush(now)
 
+    def peer_settings(self, remote: str) -> PeerSettings | None:
+        """The configuration of the peer at ``remote`` (the transport's GTSM check needs it)."""
+        peer = self.peers.get(_normalize(remote))
+        return peer.settings if peer is not None else None
+
     # ------------------------------------------------------------ transport inputs
 
     def accept(self, conn: int, remote: str, now: float, local_address: str | None = None) -> bool:
@@ -173,8 +282,7 @@ class Speaker:
         if peer is None or not peer.accept(conn, now, local_address):
             return False
         self._conn_owner[conn] = peer
-        self._drain(peer, now)
-        self._flush(now)
+        self._after(peer, now)
         return True
 
     def connection_made(self, conn: int, now: float, local_address: str | None = None) -> None:
@@ -183,57 +291,66 @@ class Speaker:
         if peer is None:
             self._orphan_actions.append(Close(conn))
             return
-        peer.connection_made(conn, now, local_address)
-        self._drain(peer, now)
-        self._flush(now)
+        with self._isolated(peer, now, "starting the connection"):
+            peer.connection_made(conn, now, local_address)
+        self._after(peer, now)
 
     def connect_failed(self, conn: int, now: float) -> None:
         self.now = now
         peer = self._conn_owner.pop(conn, None)
         if peer is not None:
-            peer.connect_failed(conn, now)
-            self._drain(peer, now)
-            self._flush(now)
+            with self._isolated(peer, now, "a failed connection"):
+                peer.connect_failed(conn, now)
+            self._after(peer, now)
 
     def connection_lost(self, conn: int, now: float) -> None:
         self.now = now
         peer = self._conn_owner.pop(conn, None)
         if peer is not None:
-            peer.connection_lost(conn, now)
-            self._drain(peer, now)
-            self._flush(now)
+            with self._isolated(peer, now, "a lost connection"):
+                peer.connection_lost(conn, now)
+            self._after(peer, now)
 
     def data_received(self, conn: int, data: bytes, now: float) -> None:
         self.now = now
         peer = self._conn_owner.get(conn)
         if peer is None:
             return
-        peer.data_received(conn, data, now)
-        self._drain(peer, now)
-        self._flush(now)
+        with self._isolated(peer, now, "its messages"):
+            peer.data_received(conn, data, now)
+        self._after(peer, now)
+
+    def set_writable(self, conn: int, writable: bool, now: float) -> None:
+        """The connection's socket buffer went over (False) or back under (True) its limit."""
+        self.now = now
+        peer = self._conn_owner.get(conn)
+        if peer is None:
+            return
+        peer.set_writable(conn, writable, now)
+        self._schedule(peer)
+        if writable:
+            self._pump(peer, TURN_BUDGET, now)
 
     def get_timer(self) -> float | None:
-        times = [t for t in (p.get_timer() for p in self.peers.values()) if t is not None]
-        for gr in self._graceful.values():
-            times.extend(t for t in (gr.restart_deadline, gr.stale_deadline) if t is not None)
-        return min(times) if times else None
+        return self._timers.next()
 
     def handle_timer(self, now: float) -> None:
         self.now = now
-        for peer in list(self.peers.values()):
-            t = peer.get_timer()
-            if t is not None and now >= t:
-                peer.handle_timer(now)
-                self._drain(peer, now)
-        for key, gr in list(self._graceful.items()):
-            if gr.restart_deadline is not None and now >= gr.restart_deadline:
-                log.info("peer %s did not return within its restart time: dropping its stale routes", key)
-                self.rib.purge_stale(key)
-                del self._graceful[key]
-            elif gr.stale_deadline is not None and now >= gr.stale_deadline:
-                log.info("peer %s sent no End-of-RIB in time: dropping its stale routes", key)
-                self.rib.purge_stale(key)
-                del self._graceful[key]
+        for key in self._timers.pop_due(now):
+            if key.startswith(_GRACE_KEY):
+                self._graceful_timer(key[len(_GRACE_KEY) :], now)
+            elif key.startswith(_REFRESH_KEY):
+                self._refresh_timer(now)
+            else:
+                peer = self.peers.get(key)
+                if peer is None:
+                    continue
+                t = peer.get_timer()
+                if t is not None and now >= t:
+                    with self._isolated(peer, now, "its timers"):
+                        peer.handle_timer(now)
+                    self._drain(peer, now)
+                self._schedule(peer)
         self._flush(now)
 
     def take_actions(self) -> list[Action]:
@@ -243,30 +360,114 @@ class Speaker:
                 if isinstance(a, Connect):
                     self._conn_owner[a.conn] = peer
                 actions.append(a)
+        for a in actions:
+            if isinstance(a, Close):
+                # The transport drops the connection and never reports it back.
+                self._conn_owner.pop(a.conn, None)
         return actions
 
+    def has_work(self) -> bool:
+        """Output is owed to a peer whose socket has room, or a new group is being computed."""
+        return bool(self._owed) or any(g.building for g in self.groups.values())
+
+    def work(self, now: float, budget: int = 4 * TURN_BUDGET) -> bool:
+        """One turn of the output still owed: each peer with room gets up to TURN_BUDGET octets
+        (at most ``budget`` in all), new groups a step of their first computation.  Returns
+        whether more is owed."""
+        self.now = now
+        for group in list(self.groups.values()):
+            if group.building:
+                self._build(group, now)
+        spent = 0
+        for key in list(self._owed):
+            if spent >= budget:
+                break
+            peer = self.peers.get(key)
+            if peer is None:
+                self._owed.discard(key)
+                continue
+            spent += self._pump(peer, min(TURN_BUDGET, budget - spent), now)
+        return self.has_work()
+
+    def _build(self, group: UpdateGroup, now: float) -> None:
+        try:
+            group.build_step(self.rib.best, BUILD_BUDGET, now)
+        except Exception:
+            self._group_failed(group, now)
+            return
+        for key in list(group.members):
+            peer = self.peers.get(key)
+            if peer is not None:
+                self._pump(peer, TURN_BUDGET, now)
+
+    # ------------------------------------------------------------ isolation
+
+    @contextlib.contextmanager
+    def _isolated(self, peer: Peer, now: float, what: str) -> Iterator[None]:
+        """Whatever fails while handling ``peer`` ends that peer's session, nothing else."""
+        try:
+            yield
+        except Exception as err:
+            self.counters["internal errors"] += 1
+            self.limiter.log(
+                logging.ERROR, "internal-error", peer.key, now,
+                "peer %s: internal error while handling %s: %r; resetting its session only",
+                peer.key, what, err, exc_info=True,
+            )  # fmt: skip
+            self._reset(peer, now, f"internal error while handling {what}")
+
+    def _reset(self, peer: Peer, now: float, reason: str) -> None:
+        try:
+            peer.shutdown(now, Notification.cease(CeaseSubcode.ADMINISTRATIVE_RESET, reason[:200]), reason)
+        except Exception:
+            # The peer object itself is broken: replace it with a fresh one (same settings).
+            log.exception("peer %s could not be reset; recreating it", peer.key)
+            self._orphan_actions.extend(Close(s.conn) for s in peer.sessions() if s.conn is not None)
+            self.remove_peer(peer.key, now)
+            self.add_peer(peer.settings, now)
+            return
+        self._drain(peer, now)
+
+    def _group_failed(self, group: UpdateGroup, now: float) -> None:
+        """An update group failed (a bug): reset its members, who start over in a new group."""
+        self.counters["internal errors"] += 1
+        log.exception("internal error in an update group of %d peers; resetting them", len(group.members))
+        self.groups.pop(group.key, None)
+        for key in list(group.members):
+            self._group_of.pop(key, None)
+            peer = self.peers.get(key)
+            if peer is not None:
+                self._reset(peer, now, "internal error while exporting")
+
     # ------------------------------------------------------------ peer events
+
+    def _after(self, peer: Peer, now: float) -> None:
+        self._drain(peer, now)
+        self._flush(now)
 
     def _drain(self, peer: Peer, now: float) -> None:
         ev = peer.next_event()
         while ev is not None:
-            self._on_peer_event(peer, ev, now)
+            with self._isolated(peer, now, type(ev).__name__):
+                self._on_peer_event(peer, ev, now)
             ev = peer.next_event()
+        self._schedule(peer)
+
+    def _schedule(self, peer: Peer) -> None:
+        if self.peers.get(peer.key) is peer:
+            self._timers.set(peer.key, peer.get_timer())
 
     def _on_peer_event(self, peer: Peer, ev: PeerEvent, now: float) -> None:
         if isinstance(ev, PeerUpdate):
-            self._import(peer.key, ev.update)
+            self._import(peer, ev.update, now)
         elif isinstance(ev, PeerUp):
             self._peer_up(peer, ev, now)
         elif isinstance(ev, PeerDown):
             self._peer_down(peer, ev, now)
         elif isinstance(ev, PeerRouteRefresh):
-            family = (ev.afi, ev.safi)
-            neg = self._negotiated.get(peer.key)
-            if neg is not None and family in neg.families:
-                # RFC 2918: send the whole Adj-RIB-Out for the family again.
-                self._adj_out[peer.key].pop(family, None)
-                self._send_full(peer, [family], now, end_of_rib=False)
+            self._route_refresh(peer, (ev.afi, ev.safi), now)
+        elif isinstance(ev, PeerFailed):
+            self.limiter.log(logging.WARNING, "session-failed", peer.key, now, "peer %s: %s", peer.key, ev.reason)
 
     def _peer_up(self, peer: Peer, ev: PeerUp, now: float) -> None:
         neg = ev.negotiated
@@ -280,16 +481,7 @@ class Speaker:
         self._negotiated[key] = neg
         self._import_cache[key] = {}
         local_address = ip_address(ev.local_address) if ev.local_address else None
-        self._targets[key] = ExportTarget(
-            key=key,
-            asn=neg.peer_asn,
-            ibgp=neg.ibgp,
-            rr_client=s.rr_client,
-            router_id=neg.peer_router_id,
-            local_address=local_address,
-            next_hop_v6=self.local.next_hop_v6,
-        )
-        self._adj_out[key] = {}
+        self._local_address[key] = local_address
         self._eor_received[key] = set()
         gr = self._graceful.get(key)
         if gr is not None:
@@ -304,8 +496,25 @@ class Speaker:
             gr.stale_deadline = now + self.local.stale_time
             if not gr.families:
                 del self._graceful[key]
+            self._schedule_graceful(key)
         log.info("peer %s established (AS %s, router id %s, hold %ss)", key, neg.peer_asn, neg.peer_router_id, neg.hold_time)
-        self._send_full(peer, sorted(neg.families), now, end_of_rib=True)
+        target = ExportTarget(
+            ibgp=neg.ibgp,
+            rr_client=s.rr_client,
+            local_address=local_address,
+            next_hop_v6=self.local.next_hop_v6,
+        )
+        gkey = GroupKey(target, neg.families, neg.ctx)
+        group = self.groups.get(gkey)
+        if group is None:
+            group = self.groups[gkey] = UpdateGroup(gkey, self.local, self.limiter)
+            for family in sorted(neg.families):
+                group.start_build(family, list(self.rib.loc.get(family, ())))
+        group.join(key, neg.peer_router_id)
+        self._group_of[key] = group
+        if group.building and sum(len(c.prefixes) for c in group.building.values()) <= BUILD_BUDGET:
+            self._build(group, now)  # small tables: at once, not a turn later
+        self._pump(peer, TURN_BUDGET, now)
 
     def _peer_down(self, peer: Peer, ev: PeerDown, now: float) -> None:
         key = peer.key
@@ -315,6 +524,7 @@ class Speaker:
             families = {(f.afi, f.safi) for f in gr.families}
             n = self.rib.mark_stale(key, families)
             self._graceful[key] = _GracefulState(now + gr.restart_time, None, families)
+            self._schedule_graceful(key)
             if self.started:  # (when we are the one stopping, there is nothing to tell)
                 log.info(
                     "peer %s down (%s): keeping %d routes as stale for %ss (graceful restart)",
@@ -323,63 +533,176 @@ class Speaker:
         else:
             n = self.rib.drop(key)
             self._graceful.pop(key, None)
+            self._schedule_graceful(key)
             log.info("peer %s down (%s): withdrew %d routes", key, ev.reason, n)
 
     def _forget_peer(self, key: str) -> None:
-        self._targets.pop(key, None)
-        self._adj_out.pop(key, None)
+        self._owed.discard(key)
+        group = self._group_of.pop(key, None)
+        if group is not None:
+            group.leave(key)
+            if not group.members:
+                self.groups.pop(group.key, None)
         self._negotiated.pop(key, None)
+        self._local_address.pop(key, None)
         self._import_cache.pop(key, None)
         self._eor_received.pop(key, None)
+        for k in [k for k in self._refresh_next if k[0] == key]:
+            del self._refresh_next[k]
+        self._refresh_waiting = {k for k in self._refresh_waiting if k[0] != key}
+        self._prefix_warned = {k for k in self._prefix_warned if k[0] != key}
+
+    # ------------------------------------------------------------ graceful restart timers
+
+    def _schedule_graceful(self, key: str) -> None:
+        gr = self._graceful.get(key)
+        times = [] if gr is None else [t for t in (gr.restart_deadline, gr.stale_deadline) if t is not None]
+        self._timers.set(_GRACE_KEY + key, min(times) if times else None)
+
+    def _graceful_timer(self, key: str, now: float) -> None:
+        gr = self._graceful.get(key)
+        if gr is None:
+            return
+        if gr.restart_deadline is not None and now >= gr.restart_deadline:
+            log.info("peer %s did not return within its restart time: dropping its stale routes", key)
+            self.rib.purge_stale(key)
+            del self._graceful[key]
+        elif gr.stale_deadline is not None and now >= gr.stale_deadline:
+            log.info("peer %s sent no End-of-RIB in time: dropping its stale routes", key)
+            self.rib.purge_stale(key)
+            del self._graceful[key]
+        self._schedule_graceful(key)
+
+    # ------------------------------------------------------------ route refresh
+
+    def _route_refresh(self, peer: Peer, family: Family, now: float) -> None:
+        neg = self._negotiated.get(peer.key)
+        if neg is None or family not in neg.families:
+            return  # RFC 2918 §4: a family that was not negotiated is ignored
+        k = (peer.key, family)
+        due = self._refresh_next.get(k, 0.0)
+        if now >= due and k not in self._refresh_waiting:
+            self._start_refresh(k, now)
+        elif k not in self._refresh_waiting:
+            self._refresh_waiting.add(k)
+            self.counters["route refreshes deferred"] += 1
+            self._schedule_refresh()
+        else:
+            self.counters["route refreshes folded"] += 1
+
+    def _start_refresh(self, k: tuple[str, Family], now: float) -> None:
+        group = self._group_of.get(k[0])
+        if group is not None:
+            group.refresh(*k)
+            self._refresh_next[k] = now + self.local.refresh_interval
+            peer = self.peers.get(k[0])
+            if peer is not None:
+                self._pump(peer, TURN_BUDGET, now)
+
+    def _schedule_refresh(self) -> None:
+        times = [self._refresh_next.get(k, 0.0) for k in self._refresh_waiting]
+        self._timers.set(_REFRESH_KEY, min(times) if times else None)
+
+    def _refresh_timer(self, now: float) -> None:
+        for k in [k for k in self._refresh_waiting if self._refresh_next.get(k, 0.0) <= now]:
+            self._refresh_waiting.discard(k)
+            self._start_refresh(k, now)
+        self._schedule_refresh()
 
     # ------------------------------------------------------------ import
 
-    def _import(self, key: str, update: Update) -> None:
+    def _import(self, peer: Peer, update: Update, now: float) -> None:
+        key = peer.key
         neg = self._negotiated.get(key)
-        if neg is None:
-            return
+        if neg is None or peer.established is None:
+            return  # the session ended later in the same read: its PeerDown follows
         rib = self.rib
         families = neg.families
         eor = update.end_of_rib
         if eor is not None:
             self._end_of_rib(key, eor)
             return
+        if update.errors:
+            for err in update.errors:
+                self.counters[f"update errors {err.action.value}"] += 1
+                self.limiter.log(
+                    logging.WARNING, f"update-error {err.action.value} {err.code}/{err.subcode}", key, now,
+                    "peer %s: UPDATE error (%s): %s", key, err.action.value, err.message,
+                )  # fmt: skip
         if update.withdrawn:
             rib.withdraw(key, IPV4_UNICAST, update.withdrawn)
         mp_un = update.mp_unreach
         if mp_un is not None and (mp_un.afi, mp_un.safi) in families:
             rib.withdraw(key, (mp_un.afi, mp_un.safi), mp_un.withdrawn)
         mp = update.mp_reach
-        if not update.nlri and mp is None:
+        if not update.nlri and (mp is None or not mp.nlri):
             return
-        if update.errors:
-            for err in update.errors:
-                log.warning("peer %s: UPDATE error (%s): %s", key, err.action.value, err.message)
-        attrs = None if update.treat_as_withdraw else self._imported(key, update.attributes)
+        attrs = None if update.treat_as_withdraw else self._imported(key, update.attributes, now)
         if update.nlri:
-            if attrs is None or IPV4_UNICAST not in families:
-                rib.withdraw(key, IPV4_UNICAST, update.nlri)
-            else:
-                adj = rib.adj_in[key]
-                rib.announce(key, IPV4_UNICAST, update.nlri, adj.path(attrs, attrs.next_hop))
-        if mp is not None and mp.nlri:
-            family = (mp.afi, mp.safi)
-            if family not in families:
-                return
-            if attrs is None:
-                rib.withdraw(key, family, mp.nlri)
-            else:
-                adj = rib.adj_in[key]
-                rib.announce(key, family, mp.nlri, adj.path(attrs, mp.next_hop[0] if mp.next_hop else None))
+            self._announce(peer, IPV4_UNICAST, update.nlri, attrs, attrs.next_hop if attrs else None, now)
+        if mp is not None and mp.nlri and (mp.afi, mp.safi) in families:
+            self._announce(peer, (mp.afi, mp.safi), mp.nlri, attrs, mp.next_hop[0] if mp.next_hop else None, now)
 
-    def _imported(self, key: str, attributes: PathAttributes) -> PathAttributes | None:
+    def _announce(
+        self, peer: Peer, family: Family, prefixes: tuple[bytes, ...], attrs: PathAttributes | None,
+        next_hop: Address | None, now: float,
+    ) -> None:  # fmt: skip
+        key = peer.key
+        rib = self.rib
+        if family not in self._negotiated[key].families:
+            rib.withdraw(key, family, prefixes)
+            return
+        if attrs is not None and next_hop is not None and next_hop == self._local_address.get(key):
+            # RFC 4271 §6.3: a NEXT_HOP that is the receiving speaker's own address is
+            # semantically incorrect; the route is ignored.
+            self.counters["routes ignored"] += len(prefixes)
+            self.limiter.log(
+                logging.WARNING, "own-next-hop", key, now,
+                "peer %s: route(s) with our own address %s as next hop ignored (RFC 4271 §6.3)", key, next_hop,
+            )  # fmt: skip
+            attrs = None
+        if attrs is None:
+            rib.withdraw(key, family, prefixes)
+            return
+        rib.announce(key, family, prefixes, rib.adj_in[key].path(attrs, next_hop))
+        self._check_max_prefixes(peer, family, now)
+
+    def _imported(self, key: str, attributes: PathAttributes, now: float) -> PathAttributes | None:
         cache = self._import_cache[key]
         got = cache.get(attributes, _MISSING)
         if got is _MISSING:
             if len(cache) > 8192:
                 cache.clear()
             got = cache[attributes] = import_attributes(attributes, self._sources[key], self.local)
+        if isinstance(got, Rejected):
+            self.counters["routes ignored"] += 1
+            self.limiter.log(logging.INFO, "import-rejected", key, now, "peer %s: route(s) ignored: %s", key, got.reason)
+            return None
         return got  # type: ignore[return-value]
+
+    def _check_max_prefixes(self, peer: Peer, family: Family, now: float) -> None:
+        limit = peer.settings.max_prefixes
+        if limit is None:
+            return
+        n = self.rib.adj_in[peer.key].count(family)
+        k = (peer.key, family)
+        if n > limit:
+            # RFC 4486 §4: Cease/1 with AFI, SAFI and the upper bound.
+            data = family[0].to_bytes(2, "big") + bytes((family[1],)) + limit.to_bytes(4, "big")
+            hold = peer.settings.max_prefixes_restart
+            reason = f"maximum prefixes reached: more than {limit} for AFI {family[0]} SAFI {family[1]}"
+            log.warning(
+                "peer %s: %s; session reset%s", peer.key, reason,
+                f", restart in {hold:g}s" if hold else " until reconfigured",
+            )  # fmt: skip
+            self.counters["max-prefix resets"] += 1
+            peer.shutdown(now, Notification(ErrorCode.CEASE, CeaseSubcode.MAXIMUM_PREFIXES_REACHED, data), reason, hold=hold)
+        elif n >= limit * peer.settings.max_prefixes_warning:
+            if k not in self._prefix_warned:
+                self._prefix_warned.add(k)
+                log.warning("peer %s: %d prefixes of AFI %s SAFI %s, limit %d", peer.key, n, family[0], family[1], limit)
+        else:
+            self._prefix_warned.discard(k)
 
     def _end_of_rib(self, key: str, family: Family) -> None:
         self._eor_received.setdefault(key, set()).add(family)
@@ -390,6 +713,7 @@ class Speaker:
             log.info("peer %s sent End-of-RIB for %s: removed %d stale routes", key, family, n)
             if not gr.families:
                 del self._graceful[key]
+            self._schedule_graceful(key)
 
     # ------------------------------------------------------------ export
 
@@ -401,79 +725,62 @@ class Speaker:
             changes = self.rib.changes_of(batch)
             if changes:
                 for listener in self._listeners:
-                    listener(changes)
-        for key, target in self._targets.items():
-            peer = self.peers.get(key)
-            neg = self._negotiated.get(key)
-            if peer is None or neg is None or peer.established is None:
+                    try:
+                        listener(changes)
+                    except Exception:
+                        self.counters["internal errors"] += 1
+                        log.exception("a Loc-RIB listener failed")
+        for group in list(self.groups.values()):
+            changed = False
+            try:
+                for family, entry in batch.items():
+                    if family not in group.families:
+                        continue
+                    if not group.tables[family] and not group.building and not any(
+                        group.exports(p, family) for p in self.rib.promoted.get(family, ())
+                    ):
+                        # Nothing this group had before and nothing new is for it (iBGP routes
+                        # to iBGP peers without reflection, say): no need to look at each prefix.
+                        continue
+                    group.apply(family, self.rib.changed(family, entry), now)
+                    changed = True
+            except Exception:
+                self._group_failed(group, now)
                 continue
-            for family, entry in batch.items():
-                if family not in neg.families:
-                    continue
-                if not self._adj_out[key].get(family) and not any(
-                    export_route(p, family[0], target, self.local) for p in self.rib.promoted.get(family, ())
-                ):
-                    # Nothing sent to this peer before and nothing new is for it (its own routes,
-                    # split horizon): no need to look at each prefix.
-                    continue
-                self._export(peer, target, neg, family, self.rib.changed(family, entry), now)
+            if changed:
+                for key in list(group.members):
+                    peer = self.peers.get(key)
+                    if peer is not None:
+                        self._pump(peer, TURN_BUDGET, now)
 
-    def _export(
-        self,
-        peer: Peer,
-        target: ExportTarget,
-        neg: Negotiated,
-        family: Family,
-        pairs: Iterable[tuple[bytes, Path | None]],
-        now: float,
-    ) -> None:
-        """Send ``peer`` what changed for ``family``: ``pairs`` are (prefix, new best path)."""
-        out = self._adj_out[peer.key]
-        table = out.get(family)
-        if table is None:
-            table = out[family] = {}
-        cache: dict[int, OutRoute | None] = {}
-        groups: dict[int, tuple[OutRoute, list[bytes]]] = {}
-        withdrawn: list[bytes] = []
-        local, afi = self.local, family[0]
-        for prefix, new in pairs:
-            if new is None:
-                desired = None
-            else:
-                desired = cache.get(id(new), _MISSING)  # type: ignore[arg-type]
-                if desired is _MISSING:
-                    desired = cache[id(new)] = export_route(new, afi, target, local)
-            if desired is None:
-                # Not for this peer (split horizon, its own route, ...): withdraw if we had sent it.
-                if table and prefix in table:
-                    del table[prefix]
-                    withdrawn.append(prefix)
-                continue
-            cur = table.get(prefix)
-            if cur is None or (cur is not desired and cur != desired):
-                table[prefix] = desired
-                g = groups.get(id(desired))
-                if g is None:
-                    g = groups[id(desired)] = (desired, [])
-                g[1].append(prefix)
-        messages: list[bytes] = []
-        ctx = neg.ctx
-        if withdrawn:
-            messages.extend(encode_withdrawals(afi, withdrawn, ctx))
-        for (attrs, next_hop), prefixes in groups.values():
-            messages.extend(encode_updates(afi, attrs, next_hop, prefixes, ctx))
-        # The session may have ended earlier in the same read (a NOTIFICATION behind a
-        # ROUTE-REFRESH or an UPDATE): its PeerDown comes next; nothing is sent any more.
-        if messages and peer.established is not None:
-            peer.send_messages(messages, now)
-
-    def _send_full(self, peer: Peer, families: list[Family], now: float, *, end_of_rib: bool) -> None:
-        target = self._targets[peer.key]
-        neg = self._negotiated[peer.key]
-        for family in families:
-            self._export(peer, target, neg, family, self.rib.bests(family), now)
-        if end_of_rib and peer.established is not None:
-            peer.send_messages([Update.end_of_rib_marker(*f).encode(neg.ctx) for f in families], now)
+    def _pump(self, peer: Peer, budget: int, now: float) -> int:
+        """Hand ``peer`` up to ``budget`` octets of what it is owed; returns how many."""
+        key = peer.key
+        group = self._group_of.get(key)
+        m = group.members.get(key) if group is not None else None
+        if m is None or peer.established is None or not peer.writable or not group.has_work(m):  # type: ignore[union-attr]
+            # Nothing owed, or a full socket: set_writable(True) pumps again.
+            self._owed.discard(key)
+            return 0
+        try:
+            messages = group.pump(key, budget)  # type: ignore[union-attr]
+        except Exception as err:
+            self.counters["internal errors"] += 1
+            self.limiter.log(
+                logging.ERROR, "internal-error", key, now,
+                "peer %s: internal error while exporting: %r; resetting its session only", key, err, exc_info=True,
+            )  # fmt: skip
+            self._reset(peer, now, "internal error while exporting")
+            return 0
+        if group.has_work(m):  # type: ignore[union-attr]
+            self._owed.add(key)
+        else:
+            self._owed.discard(key)
+        if not messages:
+            return 0
+        peer.send_messages(messages, now)
+        self._schedule(peer)
+        return sum(map(len, messages))
 
     # ------------------------------------------------------------ introspection
 
@@ -484,9 +791,10 @@ class Speaker:
         ]
 
     def adj_out_count(self, key: str) -> int:
-        return sum(len(t) for t in self._adj_out.get(key, {}).values())
+        group = self._group_of.get(key)
+        return group.sent_count(key) if group is not None else 0
 
-    def peer_status(self) -> list[dict]:
+    def peer_views(self) -> list[PeerView]:
         out = []
         for key, peer in self.peers.items():
             s = peer.settings
@@ -496,58 +804,48 @@ class Speaker:
             if ibgp and s.rr_client:
                 kind = "ibgp rr-client"
             adj = self.rib.adj_in.get(key)
+            group = self._group_of.get(key)
             out.append(
-                {
-                    "address": key,
-                    "asn": s.asn,
-                    "type": kind,
-                    "state": peer.state.label,
-                    "since": peer.since,
-                    "prefixes_received": len(adj) if adj is not None else 0,
-                    "prefixes_sent": self.adj_out_count(key),
-                    "stale": self.rib.stale_count(key) if key in self._graceful else 0,
-                    "router_id": str(neg.peer_router_id) if neg else None,
-                    "hold_time": neg.hold_time if neg else None,
-                    "families": sorted(f"{_afi_name(a)}-unicast" for a, _ in neg.families) if neg else [],
-                    "graceful_restart": key in self._graceful,
-                    "info": peer.last_error,
-                    "flaps": max(0, peer.established_count - (1 if peer.established else 0)),
-                    "description": s.description,
-                }
+                PeerView(
+                    address=key,
+                    asn=s.asn,
+                    kind=kind,
+                    state=peer.state.label,
+                    since=peer.since,
+                    prefixes_received=len(adj) if adj is not None else 0,
+                    prefixes_sent=self.adj_out_count(key),
+                    stale=self.rib.stale_count(key) if key in self._graceful else 0,
+                    router_id=str(neg.peer_router_id) if neg else None,
+                    hold_time=neg.hold_time if neg else None,
+                    families=tuple(sorted(f"{_afi_name(a)}-unicast" for a, _ in neg.families)) if neg else (),
+                    graceful_restart=key in self._graceful,
+                    last_error=peer.last_error,
+                    flaps=max(0, peer.established_count - (1 if peer.established else 0)),
+                    description=s.description,
+                    in_sync=group is not None and group.in_sync(key),
+                    max_prefixes=s.max_prefixes,
+                    held_down=peer.held_until is not None and peer.held_until > self.now,
+                )
             )
         return out
 
-    def rib_entries(self) -> list[dict]:
-        from proto.nlri import prefix_to_str
-
-        out = []
+    def rib_prefixes(self) -> list[tuple[Family, bytes]]:
+        """Every Loc-RIB prefix, in the order /rib lists them (a snapshot to page through)."""
+        out: list[tuple[Family, bytes]] = []
         for family in sorted(self.rib.families()):
-            for prefix in sorted(self.rib.loc[family], key=lambda p: (len(p), p)):
-                for i, (path, reason) in enumerate(bestpath.rank(self.rib.candidates(family, prefix))):
-                    a = path.attributes
-                    out.append(
-                        {
-                            "prefix": prefix_to_str(family[0], prefix),
-                            "next_hop": str(path.next_hop) if path.next_hop is not None else None,
-                            "as_path": str(a.as_path),
-                            "origin": a.origin,
-                            "local_pref": a.local_pref,
-                            "med": a.med,
-                            "communities": [f"{c >> 16}:{c & 0xFFFF}" for c in a.communities],
-                            "large_communities": [":".join(map(str, c)) for c in a.large_communities],
-                            "originator_id": str(a.originator_id) if a.originator_id else None,
-                            "cluster_list": [str(c) for c in a.cluster_list],
-                            "peer": path.source.key,
-                            "best": i == 0,
-                            "reason": reason.value if i == 0 else None,
-                            "stale": path.stale,
-                        }
-                    )
+            out.extend((family, p) for p in sorted(self.rib.loc[family]))  # by length, then address
         return out
+
+    def rib_paths(self, family: Family, prefix: bytes) -> list[RibPathView]:
+        """The candidate paths of one prefix, best first (empty if it is gone by now)."""
+        return [
+            RibPathView(family, prefix, path, i == 0, reason if i == 0 else None)
+            for i, (path, reason) in enumerate(bestpath.rank(self.rib.candidates(family, prefix)))
+        ]
 
 
 def _afi_name(afi: int) -> str:
-    return "ipv4" if afi == Afi.IPV4 else "ipv6"
+    return "ipv4" if afi == 1 else "ipv6"
 
 
 def _normalize(address: str) -> str:

@@ -72,6 +72,8 @@ class MemoryNetwork:
         for node in list(self.nodes.values()):
             if node.frozen or node.speaker is None:
                 continue
+            if node.speaker.has_work():
+                node.speaker.work(self.now)
             for action in node.speaker.take_actions():
                 progress = True
                 self._do(node, action)
@@ -200,3 +202,122 @@ def speaker_pair(
     a.start(0.0)
     b.start(0.0)
     return net, a, b
+
+
+class RawPeer:
+    """A neighbour driven by hand, for tests that must send what no well-behaved speaker would.
+
+    It connects to a sans-IO :class:`Speaker` (an inbound connection from ``address``),
+    completes the OPEN exchange, and from then on sends whatever bytes the test gives it;
+    what the speaker sends back is kept, framed, in :attr:`inbox`.  :class:`RawHarness`
+    routes one speaker's actions to several raw peers."""
+
+    def __init__(
+        self, address: str, asn: int, *, conn: int, router_id: str | None = None, four_octet: bool = True,
+        families: tuple[tuple[int, int], ...] = ((1, 1), (2, 1)), hold_time: int = 90,
+    ) -> None:  # fmt: skip
+        from proto.messages import MessageReader
+
+        self.address = address
+        self.asn = asn
+        self.conn = conn
+        self.router_id = router_id or address
+        self.four_octet = four_octet
+        self.families = families
+        self.hold_time = hold_time
+        self.reader = MessageReader()
+        self.inbox: list[tuple[int, bytes]] = []
+        self.closed = False
+        self.writable = True
+
+    def open_message(self) -> bytes:
+        from ipaddress import IPv4Address
+
+        from proto.capabilities import MultiProtocol, RouteRefresh
+        from proto.messages import Open
+
+        caps = [MultiProtocol(a, s) for a, s in self.families] + [RouteRefresh()]
+        if self.four_octet:
+            return Open.build(self.asn, self.hold_time, self.router_id, caps).encode()
+        return Open(self.asn if self.asn <= 0xFFFF else 23456, self.hold_time, IPv4Address(self.router_id), tuple(caps)).encode()
+
+    def take(self, data: bytes) -> None:
+        self.reader.feed(data)
+        self.inbox.extend(self.reader.messages())
+
+    def updates(self, ctx=None):  # -> list[Update]
+        from proto.messages import CodecContext, MessageType, Update
+
+        ctx = ctx or CodecContext(four_octet_as=self.four_octet)
+        return [Update.decode(body, ctx) for t, body in self.inbox if t == MessageType.UPDATE]
+
+    def notifications(self):  # -> list[Notification]
+        from proto.messages import MessageType, Notification
+
+        return [Notification.decode(body) for t, body in self.inbox if t == MessageType.NOTIFICATION]
+
+
+class RawHarness:
+    """One speaker and the raw peers connected to it; ``pump`` delivers the speaker's output."""
+
+    def __init__(self, speaker: Speaker, local_address: str, now: float = 0.0) -> None:
+        self.speaker = speaker
+        self.local_address = local_address
+        self.now = now
+        self.peers: dict[int, RawPeer] = {}
+        self.sent: list = []  # every action, in order
+
+    def connect(self, peer: RawPeer) -> bool:
+        """Open the connection and complete the OPEN exchange; True when the speaker accepted."""
+        from proto.messages import Keepalive
+
+        self.peers[peer.conn] = peer
+        if not self.speaker.accept(peer.conn, peer.address, self.now, self.local_address):
+            peer.closed = True
+            return False
+        self.pump()
+        self.send(peer, peer.open_message() + Keepalive().encode())
+        return not peer.closed
+
+    def send(self, peer: RawPeer, data: bytes) -> None:
+        if not peer.closed:
+            self.speaker.data_received(peer.conn, data, self.now)
+        self.pump()
+
+    def advance(self, seconds: float) -> None:
+        """Let time pass, firing the speaker's timers in order."""
+        until = self.now + seconds
+        while True:
+            t = self.speaker.get_timer()
+            if t is None or t > until:
+                break
+            self.now = max(self.now, t)
+            self.speaker.handle_timer(self.now)
+            self.pump()
+        self.now = until
+        self.pump()
+
+    def set_writable(self, peer: RawPeer, writable: bool) -> None:
+        peer.writable = writable
+        self.speaker.set_writable(peer.conn, writable, self.now)
+        self.pump()
+
+    def pump(self) -> None:
+        for _ in range(100_000):
+            if self.speaker.has_work() and any(p.writable and not p.closed for p in self.peers.values()):
+                self.speaker.work(self.now)
+            actions = self.speaker.take_actions()
+            if not actions and not (
+                self.speaker.has_work() and any(p.writable and not p.closed for p in self.peers.values())
+            ):
+                return
+            for a in actions:
+                self.sent.append(a)
+                peer = self.peers.get(getattr(a, "conn", None))  # type: ignore[arg-type]
+                if isinstance(a, Send) and peer is not None and not peer.closed:
+                    peer.take(a.data)
+                elif isinstance(a, Close) and peer is not None:
+                    peer.closed = True
+                elif isinstance(a, Connect):
+                    self.speaker.connect_failed(a.conn, self.now)  # raw peers are reached passively
+        raise RuntimeError("RawHarness.pump: the speaker never stops producing actions")

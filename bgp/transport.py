@@ -1,9 +1,16 @@
 """The one asyncio adapter: sockets and timers for a sans-IO :class:`~bgp.speaker.Speaker`.
 
 Everything protocol-related happens in the speaker; this module only listens,
-connects (with TCP MD5 signatures, RFC 2385, via Linux ``TCP_MD5SIG``), moves bytes,
-and calls ``speaker.handle_timer`` when ``speaker.get_timer()`` says so.  After every
-input it carries out ``speaker.take_actions()``.
+connects (with TCP MD5 signatures, RFC 2385, via Linux ``TCP_MD5SIG``; GTSM, RFC 5082,
+via ``IP_MINTTL``), moves bytes, and calls ``speaker.handle_timer`` when
+``speaker.get_timer()`` says so.  After every input it carries out
+``speaker.take_actions()``.
+
+It also keeps one peer from hogging the loop or the memory: a read is handed to the
+speaker :data:`READ_SLICE` octets at a time with the loop's other work in between, the
+speaker is told when a socket's send buffer is full or has room again (it then stops
+or resumes producing UPDATEs for that peer), and output the speaker still owes is
+produced in turns (:meth:`Speaker.work`) scheduled with ``call_soon``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,16 @@ log = logging.getLogger("bgp.transport")
 
 TCP_MD5SIG = 14
 TCP_MD5SIG_MAXKEYLEN = 80
-READ_CHUNK = 256 * 1024
+TCP_SAVE_SYN = 27  # linux/tcp.h: keep the SYN's headers of accepted connections
+TCP_SAVED_SYN = 28
+IP_MINTTL = 21  # linux/in.h
+IPV6_MINHOPCOUNT = 73  # linux/in6.h
+GTSM_TTL = 255  # RFC 5082 §3: send 255, accept 255 from a directly connected peer
+READ_SLICE = 64 * 1024
+WRITE_HIGH = 1024 * 1024  # a socket buffer above this pauses the peer's output ...
+WRITE_LOW = 256 * 1024  # ... until it drains below this
+CLOSE_LINGER = 5.0  # seconds a closing connection may spend flushing before it is aborted
+DEFAULT_BACKLOG = 4096
 
 
 def md5sig_option(address: str, key: bytes | None) -> bytes:
@@ -58,6 +74,33 @@ def set_md5(sock: socket.socket, peer: str, password: str | None) -> None:
     )
 
 
+def set_gtsm(sock: socket.socket) -> None:
+    """RFC 5082 for a directly connected peer: send with TTL 255, take nothing below 255."""
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, GTSM_TTL)
+        sock.setsockopt(socket.IPPROTO_IPV6, IPV6_MINHOPCOUNT, GTSM_TTL)
+        # IPv4 peers on an AF_INET6 socket arrive as IPv4-mapped: the IPv4 options apply too.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, GTSM_TTL)
+            sock.setsockopt(socket.IPPROTO_IP, IP_MINTTL, GTSM_TTL)
+    else:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, GTSM_TTL)
+        sock.setsockopt(socket.IPPROTO_IP, IP_MINTTL, GTSM_TTL)
+
+
+def syn_ttl(sock: socket.socket) -> int | None:
+    """The TTL (hop limit) the peer's SYN arrived with, from TCP_SAVED_SYN; None if unknown."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, TCP_SAVED_SYN, 512)
+    except OSError:
+        return None
+    if len(raw) >= 20 and raw[0] >> 4 == 4:
+        return raw[8]
+    if len(raw) >= 40 and raw[0] >> 4 == 6:
+        return raw[7]
+    return None
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, service: SpeakerService, conn: int | None) -> None:
         self.service = service
@@ -67,6 +110,7 @@ class _Protocol(asyncio.Protocol):
         # (BIRD sends its OPEN the moment it accepts): hold them until activate().
         self.active = conn is None
         self._early: list[bytes] = []
+        self._backlog = bytearray()  # received, not yet handed to the speaker (READ_SLICE at a time)
 
     def activate(self) -> None:
         self.active = True
@@ -76,6 +120,7 @@ class _Protocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  (uvloop's transports are duck-typed)
+        transport.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)  # type: ignore[attr-defined]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -86,8 +131,38 @@ class _Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.active:
             self._early.append(data)
-        elif self.conn is not None:
+            return
+        if self._backlog or len(data) > READ_SLICE:
+            # A big read is handed over a slice at a time, other peers' work in between.
+            if not self._backlog and self.transport is not None:
+                self.transport.pause_reading()
+                assert self.service._loop is not None
+                self.service._loop.call_soon(self._next_slice)
+            self._backlog += data
+            return
+        if self.conn is not None:
             self.service._data(self.conn, data)
+
+    def _next_slice(self) -> None:
+        if self.conn is None or self.transport is None or self.transport.is_closing():
+            self._backlog.clear()
+            return
+        chunk = bytes(self._backlog[:READ_SLICE])
+        del self._backlog[:READ_SLICE]
+        self.service._data(self.conn, chunk)
+        if self._backlog:
+            assert self.service._loop is not None
+            self.service._loop.call_soon(self._next_slice)
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        if self.conn is not None:
+            self.service._writable(self.conn, False)
+
+    def resume_writing(self) -> None:
+        if self.conn is not None:
+            self.service._writable(self.conn, True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.conn is not None:
@@ -104,9 +179,11 @@ class SpeakerService:
         listen: tuple[str, int] | None = ("0.0.0.0", 179),
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[], None] | None = None,
+        backlog: int = DEFAULT_BACKLOG,
     ) -> None:
         self.speaker = speaker
         self.listen = listen
+        self.backlog = backlog
         self.clock = clock
         self.on_change = on_change
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -118,6 +195,8 @@ class SpeakerService:
         self._timer_at: float | None = None
         self._inbound_ids = _NegativeIds()
         self._md5_keys: dict[str, str] = {}
+        self._work_handle: asyncio.Handle | None = None
+        self._pumping = False
         self.internal_errors = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -132,11 +211,17 @@ class SpeakerService:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             sock.bind((host, port))
-            sock.listen(128)
+            # For GTSM: the TTL of each accepted connection's SYN (TCP_SAVED_SYN).
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, TCP_SAVE_SYN, 1)
+            sock.listen(self.backlog)
             sock.setblocking(False)
             self._listen_sock = sock
             self._sync_md5()
-            self._server = await self._loop.create_server(lambda: _Protocol(self, None), sock=sock)
+            # create_server listens again on the socket: give it the same backlog (its default is 100).
+            self._server = await self._loop.create_server(
+                lambda: _Protocol(self, None), sock=sock, backlog=self.backlog
+            )
         self.speaker.start(self.clock())
         self._pump()
 
@@ -150,6 +235,9 @@ class SpeakerService:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._work_handle is not None:
+            self._work_handle.cancel()
+            self._work_handle = None
         for task in list(self._connecting.values()):
             task.cancel()
         for proto in list(self._protocols.values()):
@@ -200,15 +288,34 @@ class SpeakerService:
         assert proto.transport is not None
         peername = proto.transport.get_extra_info("peername")
         sockname = proto.transport.get_extra_info("sockname")
+        remote = _unmap(peername[0])
+        now = self.clock()
+        settings = self.speaker.peer_settings(remote)
+        why = None
+        if settings is not None and settings.ttl_security:
+            sock = proto.transport.get_extra_info("socket")
+            ttl = syn_ttl(sock) if sock is not None else None
+            if ttl is None or ttl < GTSM_TTL:
+                why = f"GTSM: its SYN arrived with TTL {ttl}, not {GTSM_TTL} (RFC 5082)"
+            else:
+                try:
+                    set_gtsm(sock)
+                except OSError as err:
+                    why = f"GTSM: {err.strerror or err}"
         conn = next(self._inbound_ids)
         proto.conn = conn
         self._protocols[conn] = proto
         local = _unmap(sockname[0]) if sockname else None
-        if not self.speaker.accept(conn, peername[0], self.clock(), local):
-            log.info("refused BGP connection from %s (not a configured or enabled peer)", peername[0])
+        if why is None and not self.speaker.accept(conn, remote, now, local):
+            why = "not a configured or enabled peer"
+        if why is not None:
+            self.speaker.counters["connections refused"] += 1
+            self.speaker.limiter.log(
+                logging.INFO, "refused", remote, now, "refused BGP connection from %s (%s)", remote, why
+            )
             del self._protocols[conn]
             proto.conn = None
-            proto.transport.close()
+            proto.transport.abort()
         self._pump()
 
     def _data(self, conn: int, data: bytes) -> None:
@@ -229,10 +336,29 @@ class SpeakerService:
             self.speaker.connection_lost(conn, self.clock())
             self._pump()
 
+    def _writable(self, conn: int, writable: bool) -> None:
+        if conn in self._protocols:
+            self.speaker.set_writable(conn, writable, self.clock())
+            if not self._pumping:  # (pause_writing is called from inside transport.write)
+                self._pump()
+
     # ------------------------------------------------------------ actions
 
     def _pump(self) -> None:
-        for action in self.speaker.take_actions():
+        self._pumping = True
+        try:
+            self._carry_out(self.speaker.take_actions())
+        finally:
+            self._pumping = False
+        self._schedule()
+        if self._work_handle is None and self.speaker.has_work():
+            assert self._loop is not None
+            self._work_handle = self._loop.call_soon(self._work)
+        if self.on_change is not None:
+            self.on_change()
+
+    def _carry_out(self, actions: list) -> None:
+        for action in actions:
             if isinstance(action, Send):
                 proto = self._protocols.get(action.conn)
                 if proto is not None and proto.transport is not None and not proto.transport.is_closing():
@@ -244,13 +370,25 @@ class SpeakerService:
                 proto = self._protocols.pop(action.conn, None)
                 if proto is not None and proto.transport is not None:
                     proto.conn = None  # no connection_lost back into the speaker: it asked for this
-                    proto.transport.close()
+                    transport = proto.transport
+                    transport.close()
+                    if transport.get_write_buffer_size():
+                        # A peer that does not read would keep the socket open for ever.
+                        assert self._loop is not None
+                        self._loop.call_later(CLOSE_LINGER, _abort, transport)
             elif isinstance(action, Connect):
                 assert self._loop is not None
                 self._connecting[action.conn] = self._loop.create_task(self._connect(action))
-        self._schedule()
-        if self.on_change is not None:
-            self.on_change()
+
+    def _work(self) -> None:
+        """One turn of owed output (a large export, a route refresh, a new group's table)."""
+        self._work_handle = None
+        try:
+            self.speaker.work(self.clock())
+        except Exception:
+            self.internal_errors += 1
+            log.exception("internal error producing BGP output")
+        self._pump()
 
     async def _connect(self, action: Connect) -> None:
         assert self._loop is not None
@@ -261,6 +399,8 @@ class SpeakerService:
             sock.setblocking(False)
             if action.password:
                 set_md5(sock, action.address, action.password)
+            if action.ttl_security:
+                set_gtsm(sock)
             if action.local_address:
                 sock.bind((action.local_address, 0))
             await self._loop.sock_connect(sock, (action.address, action.port))
@@ -326,6 +466,11 @@ class _NegativeIds:
     def __next__(self) -> int:
         self._n -= 1
         return self._n
+
+
+def _abort(transport: asyncio.BaseTransport) -> None:
+    with contextlib.suppress(Exception):
+        transport.abort()  # type: ignore[attr-defined]
 
 
 def _unmap(address: str) -> str:

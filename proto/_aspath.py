@@ -95,6 +95,10 @@ class _PathMethods:
                 n += 1
         return n
 
+    def has_confederation(self) -> bool:
+        """Whether any segment is AS_CONFED_SEQUENCE or AS_CONFED_SET (RFC 5065 §3)."""
+        return any(seg.type in _CONFED for seg in self.segments)
+
     def first_asn(self) -> int | None:
         """Leftmost AS of the first AS_SEQUENCE, skipping leading confederation segments;
         None when the path is empty or the first non-confederation segment is an AS_SET."""

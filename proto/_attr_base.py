@@ -28,6 +28,10 @@ class CodecContext:
     four_octet_as: bool = True
     #: Largest message the peer accepts (4096, RFC 4271 §4.1; RFC 8654 raises it).
     max_message_len: int = 4096
+    #: The session is with an external peer (eBGP).  Two receive rules depend on it:
+    #: LOCAL_PREF is attribute-discarded (RFC 7606 §7.5) and AS_CONFED_* segments make the
+    #: AS_PATH malformed, since we are in no confederation (RFC 5065 §5).
+    external: bool = False
 
 
 DEFAULT_CONTEXT = CodecContext()

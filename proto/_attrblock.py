@@ -20,6 +20,7 @@ from proto.attributes import (
     As4Aggregator,
     As4Path,
     AsPath,
+    LocalPref,
     MpReachNlri,
     MpUnreachNlri,
     PathAttribute,
@@ -172,6 +173,20 @@ def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> Shared
                 )
             )
             continue
+        if code == LocalPref.code and ctx.external:
+            # RFC 7606 §7.5: LOCAL_PREF from an external neighbour is attribute-discarded,
+            # well-formed or not (RFC 4271 §5.1.5: it must not have been sent).
+            errors.append(
+                UpdateError(
+                    DISCARD,
+                    ErrorCode.UPDATE_MESSAGE,
+                    UpdateSubcode.ATTRIBUTE_LENGTH_ERROR if vend - vstart != 4 else UpdateSubcode.MALFORMED_ATTRIBUTE_LIST,
+                    body[astart:vend],
+                    "LOCAL_PREF from an external peer is discarded",
+                    code,
+                )
+            )
+            continue
         if (flags ^ cls.flags) & (OPTIONAL | TRANSITIVE):
             (nh_errors if code == 3 else errors).append(_flags_error(cls, flags, body[astart:vend]))
             continue
@@ -181,6 +196,20 @@ def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> Shared
             if exc.action is ErrorAction.SESSION_RESET:
                 raise
             (nh_errors if code == 3 else errors).append(exc.to_update_error(code))
+            continue
+        if code == AsPath.code and ctx.external and attr.has_confederation():  # type: ignore[attr-defined]
+            # RFC 5065 §5: AS_CONFED_* from a neighbour outside our (non-existent)
+            # confederation is a malformed AS_PATH, which RFC 7606 §7.2 treats as withdraw.
+            errors.append(
+                UpdateError(
+                    TAW,
+                    ErrorCode.UPDATE_MESSAGE,
+                    UpdateSubcode.MALFORMED_AS_PATH,
+                    b"",
+                    "AS_PATH: confederation segment from an external peer (RFC 5065 §5)",
+                    code,
+                )
+            )
             continue
         if code == 3:
             problem = next_hop_problem(attr.address)  # type: ignore[attr-defined]

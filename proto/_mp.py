@@ -83,12 +83,14 @@ class MpReachNlri(PathAttribute):
         next_hop: tuple[IPv4Address | IPv6Address, ...]
         if afi == 1 and nh_len == 4:
             next_hop = (IPv4Address(nh),)
-        elif nh_len == 16:
-            # IPv6 global next hop; for IPv4 NLRI only with RFC 8950 negotiated.
+        elif afi == 2 and nh_len == 16:
             next_hop = (IPv6Address(nh),)
-        elif nh_len == 32:
+        elif afi == 2 and nh_len == 32:
+            # RFC 2545 §3: global and link-local.
             next_hop = (IPv6Address(nh[:16]), IPv6Address(nh[16:]))
         else:
+            # An IPv6 next hop for IPv4 NLRI needs RFC 8950's capability, which we do not
+            # advertise: like any other length it is inconsistent with the AFI.
             # RFC 7606 §7.11: next hop length inconsistent with the AFI.
             raise cls.error(
                 UpdateSubcode.OPTIONAL_ATTRIBUTE_ERROR,

@@ -311,6 +311,7 @@ class Update:
         mp_reach = mp_unreach = None
         errors: list[UpdateError] = []
         other_attrs = True
+        framing_failed = False
         if shared is None:
             frames, framing_error, has_mp = frame_attributes(body, astart, aend)
             key = None
@@ -335,6 +336,7 @@ class Update:
                 other_attrs = framing_error is not None or any(f[1] != 15 for f in frames)
             if framing_error is not None:
                 errors.append(framing_error)
+                framing_failed = True
         errors[:0] = shared.errors
         if nlri and shared.next_hop_errors:
             errors.extend(shared.next_hop_errors)
@@ -345,9 +347,14 @@ class Update:
             required = 7 if nlri else 3
             if shared.seen & required != required:
                 errors.extend(_missing(required & ~shared.seen))
-        elif other_attrs and any(e.action is _TAW for e in errors):
-            # RFC 7606 §5.2: nothing reachable to withdraw, so the NLRI may not have been
-            # parsed correctly: reset the session.
+        elif other_attrs and framing_failed and any(e.action is _TAW for e in errors):
+            # RFC 7606 §5.2: path attributes but nothing reachable, and the attributes could
+            # not even be framed: the NLRI may not have been located correctly, so reset.
+            # When framing succeeded, every NLRI field was parsed in full (RFC 7606 §5.3
+            # checks them all), so there is nothing to doubt: treat-as-withdraw withdraws
+            # nothing and the session stays up.  (FRR settled on the same after
+            # CVE-2023-47235: an End-of-RIB-shaped UPDATE with a malformed attribute must
+            # not cost the session.)
             first = next(e for e in errors if e.action is _TAW)
             raise DecodeError(
                 first.code, first.subcode, first.data, f"{first.message}; and the UPDATE has no reachable NLRI"

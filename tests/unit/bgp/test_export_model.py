@@ -403,7 +403,7 @@ class Lab:
                         return False
         for name in self.nodes:
             sp = self.speaker(name)
-            if sp.initial_sync_pending() or any(p["graceful_restart"] for p in sp.peer_status()):
+            if sp.initial_sync_pending() or any(p.graceful_restart for p in sp.peer_views()):
                 return False
         return True
 

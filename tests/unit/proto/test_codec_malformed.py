@@ -41,6 +41,7 @@ from proto import (
 TAW = ErrorAction.TREAT_AS_WITHDRAW
 DISCARD = ErrorAction.ATTRIBUTE_DISCARD
 OLD = CodecContext(four_octet_as=False)
+EXT = CodecContext(external=True)
 
 
 @dataclass(frozen=True)
@@ -197,14 +198,22 @@ CASES = [
     ),
     pytest.param(update(MANDATORY + attr(0x40, 77, b"x")), Reset(3, 2, attr(0x40, 77, b"x")), id="rfc4271-6.3-unrecognized-well-known"),
     pytest.param(
-        update(BAD_ORIGIN + AS_PATH + NEXT_HOP, b"", withdrawn=NLRI),
-        Reset(3, 6, BAD_ORIGIN),
-        id="rfc7606-5.2-treat-as-withdraw-without-nlri-resets",
+        update(ORIGIN + AS_PATH + mp_reach(afi=1, next_hop=V6_NH, nlri=NLRI), b""),
+        Reset(3, 9, mp_reach(afi=1, next_hop=V6_NH, nlri=NLRI)),
+        id="rfc7606-7.11-ipv4-nlri-with-ipv6-next-hop-without-rfc8950",
     ),
     pytest.param(
         update(ORIGIN + AS_PATH + b"\x40\x03", b"", withdrawn=NLRI), Reset(3, 1), id="rfc7606-5.2-framing-error-without-nlri"
     ),
     # ---------------------------------------------------------------- UPDATE: treat-as-withdraw / attribute-discard
+    # RFC 7606 §5.2 once the attributes were framed: the NLRI fields were all parsed, so the
+    # error withdraws nothing and the session stays (FRR after CVE-2023-47235).
+    pytest.param(update(BAD_ORIGIN + AS_PATH + NEXT_HOP, b"", withdrawn=NLRI), Outcome(TAW, 3, 6, BAD_ORIGIN, 1), id="rfc7606-5.2-treat-as-withdraw-without-nlri-withdraws-nothing"),
+    pytest.param(update(BAD_ORIGIN + AS_PATH + NEXT_HOP, b""), Outcome(TAW, 3, 6, BAD_ORIGIN, 1), id="rfc7606-5.2-end-of-rib-shaped-with-malformed-origin"),
+    pytest.param(update(MANDATORY + attr(0x40, 5, b"\x00\x00\x00\x64")), Outcome(DISCARD, 3, 1, attr(0x40, 5, b"\x00\x00\x00\x64"), 5), EXT, id="rfc7606-7.5-local-pref-from-external-discarded"),
+    pytest.param(update(MANDATORY + attr(0x40, 5, b"\x00\x01\x02")), Outcome(DISCARD, 3, 5, attr(0x40, 5, b"\x00\x01\x02"), 5), EXT, id="rfc7606-7.5-malformed-local-pref-from-external-discarded"),
+    pytest.param(update(ORIGIN + attr(0x40, 2, segment(3, [65010]) + segment(2, [65001])) + NEXT_HOP), Outcome(TAW, 3, 11, b"", 2), EXT, id="rfc5065-5-confed-sequence-from-external"),
+    pytest.param(update(ORIGIN + attr(0x40, 2, segment(4, [65010, 65011])) + NEXT_HOP), Outcome(TAW, 3, 11, b"", 2), EXT, id="rfc5065-5-confed-set-from-external"),
     pytest.param(update(attr(0x40, 1, b"\x00\x00") + AS_PATH + NEXT_HOP), Outcome(TAW, 3, 5, attr(0x40, 1, b"\x00\x00"), 1), id="rfc7606-7.1-origin-length-2"),
     pytest.param(update(BAD_ORIGIN + AS_PATH + NEXT_HOP), Outcome(TAW, 3, 6, BAD_ORIGIN, 1), id="rfc7606-7.1-origin-value-3"),
     pytest.param(update(attr(0xC0, 1, b"\x00") + AS_PATH + NEXT_HOP), Outcome(TAW, 3, 4, attr(0xC0, 1, b"\x00"), 1), id="rfc7606-3c-origin-optional-bit"),
