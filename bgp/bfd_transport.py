@@ -113,6 +113,7 @@ class BfdService:
         self._rx: list[socket.socket] = []
         self._by_address: dict[str, _Neighbour] = {}
         self._by_discr: dict[int, _Neighbour] = {}
+        self._draining: dict[str, _Neighbour] = {}  # removed, still sending AdminDown
         # Counters for packets no session could take.
         self.unknown_packets = 0  # no session for that discriminator / address
         self.bad_packets = 0  # wrong TTL or malformed, from an address without a session
@@ -158,6 +159,8 @@ class BfdService:
             raise RuntimeError("BfdService.add() before start()")
         key = peer_key(peer)
         local = peer_key(local_address) if local_address else None
+        if (old := self._draining.get(key)) is not None:
+            self._close(old)  # two sessions to one neighbour would make it flap between them
         nb = self._by_address.get(key)
         if nb is not None:
             if nb.local_address == local:
@@ -186,6 +189,7 @@ class BfdService:
         if nb is None:
             return
         nb.removing = True
+        self._draining[nb.address] = nb
         self._admin_down(nb)
         if not drain:
             self._close(nb)
@@ -395,6 +399,8 @@ class BfdService:
             del self._by_discr[nb.session.local_discr]
         if self._by_address.get(nb.address) is nb:
             del self._by_address[nb.address]
+        if self._draining.get(nb.address) is nb:
+            del self._draining[nb.address]
         if nb.sock.fileno() >= 0:
             self._unwatch(nb.sock)
             nb.sock.close()

@@ -174,6 +174,15 @@ class BfdProcess:
         self._close_log()
         return code
 
+    def freeze(self) -> None:
+        """SIGSTOP: the process neither sends nor answers (a hung agent)."""
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGCONT)
+
     # ------------------------------------------------------------ queries and commands
 
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
