@@ -2,10 +2,13 @@
 
 Knows nothing of Linux, etcd or the agent.  ``Speaker`` is the sans-IO core,
 ``SpeakerService`` runs it on asyncio, ``MemoryNetwork`` wires speakers together
-in memory for tests.
+in memory for tests.  ``BfdSession`` (sans-IO) and ``BfdService`` (asyncio, RFC 5881)
+watch neighbours with BFD.
 """
 
 from .bestpath import Reason, rank, select
+from .bfd import BfdSession, BfdSettings, BfdStateChanged
+from .bfd_transport import BfdService
 from .fsm import TRANSITIONS, Event, IllegalTransition, State, transition
 from .peer import Peer
 from .rib import AdjRibIn, BestPathChange, Path, Rib, Source
@@ -17,6 +20,10 @@ from .transport import SpeakerService
 __all__ = [
     "AdjRibIn",
     "BestPathChange",
+    "BfdService",
+    "BfdSession",
+    "BfdSettings",
+    "BfdStateChanged",
     "Event",
     "IllegalTransition",
     "LocalSettings",

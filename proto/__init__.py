@@ -2,7 +2,8 @@
 
 The BGP-4 codec: messages (:mod:`proto.messages`), path attributes
 (:mod:`proto.attributes`), capabilities (:mod:`proto.capabilities`), prefixes
-(:mod:`proto.nlri`) and the errors they raise (:mod:`proto.errors`).
+(:mod:`proto.nlri`) and the errors they raise (:mod:`proto.errors`); the BFD Control
+packet (:mod:`proto.bfd`, its states and diagnostics there as ``proto.bfd.State``/``Diag``).
 """
 
 from proto.attributes import (
@@ -49,6 +50,7 @@ from proto.attributes import (
     community_from_str,
     community_to_str,
 )
+from proto.bfd import BfdDecodeError, ControlPacket
 from proto.capabilities import (
     CAPABILITIES,
     Capability,
@@ -131,4 +133,6 @@ __all__ = [
     "MARKER", "HEADER_LEN", "MAX_MESSAGE_LEN", "AS_TRANS", "MessageType", "Message", "Open",
     "Update", "Notification", "Keepalive", "RouteRefresh", "MESSAGES", "MessageReader",
     "decode_message", "encode_updates", "encode_withdrawals",
+    # BFD (RFC 5880 §4.1)
+    "ControlPacket", "BfdDecodeError",
 ]

@@ -1,0 +1,219 @@
+"""agentd's BFD (bgp.bfd_transport.BfdService) against BIRD 2's BFD (issue 10).
+
+Two routers on a veth pair, one network namespace each: ``r1`` (10.0.0.1, 2001:db8:ff::1)
+runs our BfdService in a small process (agentd.lab.bfd_proc), ``r2`` (10.0.0.2,
+2001:db8:ff::2) runs BIRD with a ``protocol bfd`` neighbour towards r1.  Both sides ask
+for 100 ms intervals and a multiplier of 3, so each side's Detection Time is 300 ms.
+
+What is on the wire is read in r2 with an AF_PACKET socket (agentd.lab.bfd_proc.BfdSniffer)
+and decoded with our codec; BIRD is read through ``birdc show bfd sessions``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agentd.lab.bfd_proc import BfdProcess, BfdSniffer, send_udp
+from agentd.lab.bird import Bird
+from agentd.lab.interop import pair
+from proto.bfd import ControlPacket, Diag, State
+
+pytestmark = pytest.mark.timeout(180)
+
+INTERVAL = 0.1
+MULT = 3
+DETECTION = MULT * INTERVAL
+# The issue's bound: a frozen peer is noticed in under 1 s.  Detection takes 0.3 s; the rest
+# is margin for a loaded 2-core machine.
+FREEZE_BOUND = 1.0
+UP_TIMEOUT = 20.0
+
+_BIRD_ROW = re.compile(
+    r"^(?P<address>\S+)\s+(?P<iface>\S+)\s+(?P<state>AdminDown|Down|Init|Up)\s+(?P<since>\S+)\s+"
+    r"(?P<interval>[\d.]+)\s+(?P<timeout>[\d.]+)\s*$",
+    re.MULTILINE,
+)
+
+
+def bird_bfd_config(router_id: str, *neighbors: str) -> str:
+    lines = "\n".join(f'  neighbor {n} dev "eth0";' for n in neighbors)
+    return (
+        f"router id {router_id};\n"
+        "protocol device { scan time 1; }\n"
+        "protocol bfd {\n"
+        "  debug { states, events };\n"
+        '  interface "eth0" { min rx interval 100 ms; min tx interval 100 ms; idle tx interval 1 s; multiplier 3; };\n'
+        f"{lines}\n"
+        "}\n"
+    )
+
+
+def bird_sessions(bird: Bird) -> dict[str, dict[str, str]]:
+    """``birdc show bfd sessions`` as {address: {"state", "interval", "timeout", ...}}."""
+    out = bird.birdc("show", "bfd", "sessions")
+    return {m["address"]: m.groupdict() for m in _BIRD_ROW.finditer(out)}
+
+
+def bird_state(bird: Bird, address: str) -> str | None:
+    row = bird_sessions(bird).get(address)
+    return row["state"] if row else None
+
+
+@pytest.fixture
+def procs() -> Iterator[list]:
+    """Every Bird / BfdProcess registered here is stopped at the end, pass or fail."""
+    made: list = []
+    try:
+        yield made
+    finally:
+        for p in reversed(made):
+            p.stop()  # also thaws a frozen BIRD first (SIGCONT, then SIGTERM)
+
+
+def start(netns_factory, procs, tmp_path, *, v6: bool, ours: str, theirs: str) -> tuple:
+    r1, r2 = pair(netns_factory, v6=v6)
+    bird = Bird(r2, tmp_path / "bird", bird_bfd_config("10.0.0.2", ours))
+    procs.append(bird)
+    bird.start()
+    bfd = BfdProcess(r1, tmp_path / "bfd", listen=None, peers=[theirs], tx=INTERVAL, rx=INTERVAL, mult=MULT)
+    procs.append(bfd)
+    bfd.start()
+    bfd.wait_state(theirs, "Up", UP_TIMEOUT)
+    bird.wait_until(lambda: bird_state(bird, ours) == "Up", UP_TIMEOUT, what=lambda: f"BIRD Up:\n{bird_sessions(bird)}")
+    return r1, r2, bird, bfd
+
+
+def wait_fast(bfd: BfdProcess, bird: Bird, ours: str, theirs: str) -> dict:
+    """Both sides Up and done with their polls: 100 ms each way, 300 ms Detection Time."""
+    session = bfd.wait_until(
+        lambda: (s := bfd.session(theirs)) and s["state"] == "Up" and not s["poll"]
+        and s["tx_interval"] == pytest.approx(INTERVAL) and s["detection_time"] == pytest.approx(DETECTION) and s,
+        UP_TIMEOUT, what=lambda: f"fast timers at our side: {bfd.session(theirs)}",
+    )
+    row = bird.wait_until(
+        lambda: (r := bird_sessions(bird).get(ours)) and r["state"] == "Up" and r["interval"] == "0.100"
+        and r["timeout"] == "0.300" and r,
+        UP_TIMEOUT, what=lambda: f"fast timers at BIRD: {bird_sessions(bird)}",
+    )
+    assert row["iface"] == "eth0"
+    return session
+
+
+def test_bfd_with_bird_ipv4_up_freeze_thaw_ttl_and_remove(netns_factory, procs, tmp_path):
+    ours, theirs = "10.0.0.1", "10.0.0.2"
+    r1, r2, bird, bfd = start(netns_factory, procs, tmp_path, v6=False, ours=ours, theirs=theirs)
+
+    # -- Up on both sides at 100 ms; look at the wire meanwhile (RFC 5881 §4, §5).
+    with BfdSniffer(r2, "eth0") as wire:
+        session = wait_fast(bfd, bird, ours, theirs)
+        bfd.wait_until(lambda: len(wire.from_address(ours)) >= 5 and wire.from_address(theirs), 5,
+                       what="packets both ways on the wire")
+    mine = wire.from_address(ours)
+    assert {p.ttl for p in mine} == {255} and {p.dport for p in mine} == {3784}
+    assert len({p.sport for p in mine}) == 1 and 49152 <= mine[0].sport <= 65535
+    assert {p.tos for p in mine} == {0xC0}
+    last = mine[-1].decode()
+    assert last.state is State.UP and last.desired_min_tx == 100_000 and last.required_min_rx == 100_000
+    assert last.my_discriminator == session["local_discriminator"]
+    assert last.your_discriminator == session["remote_discriminator"]
+    birds = [p.decode() for p in wire.from_address(theirs)]
+    assert birds[-1].state is State.UP and birds[-1].my_discriminator == session["remote_discriminator"]
+    print(f"\nBIRD packet on the wire: {wire.from_address(theirs)[-1].payload.hex()} ({birds[-1]})")
+
+    # -- BIRD frozen (SIGSTOP): our side goes Down, diag 1, within the bound.
+    latencies = []
+    for _round in range(3):
+        wait_fast(bfd, bird, ours, theirs)
+        seen = len(bfd.events(theirs))
+        t_freeze = time.monotonic()
+        bird.freeze()
+        try:
+            down = bfd.wait_until(lambda seen=seen: [e for e in bfd.events(theirs)[seen:] if e["state"] == "Down"], 10,
+                                  what="our session Down after SIGSTOP")[0]
+        finally:
+            bird.thaw()
+        latency = down["t"] - t_freeze
+        latencies.append(latency)
+        assert down["old"] == "Up" and down["diag"] == Diag.CONTROL_DETECTION_TIME_EXPIRED and down["failure"], down
+        assert latency < FREEZE_BOUND, f"down {latency:.3f} s after SIGSTOP"
+        # SIGCONT: Up again on both sides.
+        bfd.wait_state(theirs, "Up", UP_TIMEOUT)
+        bird.wait_until(lambda: bird_state(bird, ours) == "Up", UP_TIMEOUT, what="BIRD Up after SIGCONT")
+    print(f"down after SIGSTOP (s): {', '.join(f'{x:.3f}' for x in latencies)}; Detection Time {DETECTION:.3f} s")
+    assert bfd.session(theirs)["last_down_diag"] == Diag.CONTROL_DETECTION_TIME_EXPIRED
+
+    # -- A packet that would take the session down, but arrives with TTL 64: discarded (RFC 5881 §5).
+    session = wait_fast(bfd, bird, ours, theirs)
+    spoof = ControlPacket(State.ADMIN_DOWN, my_discriminator=session["remote_discriminator"],
+                          your_discriminator=session["local_discriminator"], diag=Diag.ADMINISTRATIVELY_DOWN,
+                          detect_mult=3, desired_min_tx=100_000, required_min_rx=100_000).encode()
+    bad_before, events_before = session["bad_packets"], len(bfd.events(theirs))
+    send_udp(r2, theirs, ours, spoof, ttl=64)
+    after = bfd.wait_until(lambda: (s := bfd.session(theirs))["bad_packets"] == bad_before + 1 and s, 5,
+                           what="the bad-packet counter")
+    assert after["state"] == "Up" and len(bfd.events(theirs)) == events_before
+    packets_in = after["packets_in"]
+    bfd.wait_until(lambda: bfd.session(theirs)["packets_in"] > packets_in + 5, 5, what="BIRD's packets still counted")
+    assert bfd.session(theirs)["state"] == "Up" and len(bfd.events(theirs)) == events_before
+    # The same packet with TTL 255 is taken: Down, diag 3, and (AdminDown) not a failure.
+    send_udp(r2, theirs, ours, spoof, ttl=255)
+    down = bfd.wait_until(lambda: [e for e in bfd.events(theirs)[events_before:] if e["state"] == "Down"], 5,
+                          what="Down after the TTL 255 AdminDown")[0]
+    assert down["diag"] == Diag.NEIGHBOR_SIGNALED_SESSION_DOWN and down["cause"] == "received AdminDown"
+    assert not down["failure"]
+    wait_fast(bfd, bird, ours, theirs)
+
+    # -- Our side removes the session: AdminDown on the wire, BIRD goes Down while still hearing from us.
+    with BfdSniffer(r2, "eth0") as wire:
+        t_remove = time.monotonic()
+        bfd.remove(theirs)
+        bird.wait_until(lambda: bird_state(bird, ours) == "Down", 10, what=lambda: f"BIRD Down: {bird_sessions(bird)}")
+        bfd.wait_until(lambda: len([p for p in wire.from_address(ours) if p.t > t_remove]) >= 2, 5,
+                       what="AdminDown packets")
+        admin = [p.decode() for p in wire.from_address(ours) if p.t > t_remove]
+        assert all(p.state is State.ADMIN_DOWN and p.diag == Diag.ADMINISTRATIVELY_DOWN for p in admin), admin
+        assert admin[0].desired_min_tx == 1_000_000  # not Up: 1 s (RFC 5880 §6.8.3)
+        # BIRD took the AdminDown packets (its Timeout is 3 x our AdminDown 1 s), not a timeout.
+        assert bird_sessions(bird)[ours]["timeout"] == "3.000", bird_sessions(bird)
+        assert bfd.session(theirs) is None
+        # AdminDown goes out for a Detection Time (3 x 1 s), then the session's socket closes.
+        bfd.wait_until(lambda: time.monotonic() - max(p.t for p in wire.from_address(ours)) > 1.5, 10,
+                       what="the end of the AdminDown packets")
+    sent = [p for p in wire.from_address(ours) if p.t > t_remove]
+    assert 3 <= len(sent) <= 6 and sent[-1].t - t_remove >= 2.0, [round(p.t - t_remove, 3) for p in sent]
+    assert bird_state(bird, ours) == "Down"
+
+
+def test_bfd_with_bird_ipv6_up_and_hop_limit(netns_factory, procs, tmp_path):
+    ours, theirs = "2001:db8:ff::1", "2001:db8:ff::2"
+    r1, r2, bird, bfd = start(netns_factory, procs, tmp_path, v6=True, ours=ours, theirs=theirs)
+    with BfdSniffer(r2, "eth0") as wire:
+        session = wait_fast(bfd, bird, ours, theirs)
+        bfd.wait_until(lambda: len(wire.from_address(ours)) >= 3, 5, what="our IPv6 packets on the wire")
+    mine = wire.from_address(ours)
+    assert {p.ttl for p in mine} == {255} and {p.tos for p in mine} == {0xC0}
+    assert 49152 <= mine[0].sport <= 65535 and mine[0].dport == 3784
+    # Hop Limit 64: discarded, the session stays Up.
+    spoof = ControlPacket(State.DOWN, my_discriminator=session["remote_discriminator"],
+                          your_discriminator=session["local_discriminator"], detect_mult=3).encode()
+    events_before = len(bfd.events(theirs))
+    send_udp(r2, theirs, ours, spoof, ttl=64)
+    after = bfd.wait_until(lambda: (s := bfd.session(theirs))["bad_packets"] == session["bad_packets"] + 1 and s, 5,
+                           what="the bad-packet counter")
+    assert after["state"] == "Up" and len(bfd.events(theirs)) == events_before
+    # Freeze BIRD: Down with diag 1 within the bound, over IPv6 too.
+    t_freeze = time.monotonic()
+    bird.freeze()
+    try:
+        down = bfd.wait_until(lambda: [e for e in bfd.events(theirs)[events_before:] if e["state"] == "Down"], 10,
+                              what="our session Down after SIGSTOP")[0]
+    finally:
+        bird.thaw()
+    assert down["diag"] == Diag.CONTROL_DETECTION_TIME_EXPIRED and down["failure"]
+    assert down["t"] - t_freeze < FREEZE_BOUND
+    print(f"\nIPv6: down {down['t'] - t_freeze:.3f} s after SIGSTOP")
+    bfd.wait_state(theirs, "Up", UP_TIMEOUT)

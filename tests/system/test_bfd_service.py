@@ -1,0 +1,85 @@
+"""Two of agentd's BfdServices against each other (IPv4 and IPv6 at once), each in its own
+network namespace and process (agentd.lab.bfd_proc): removal and re-adding, stopping, a
+frozen process.  The BIRD interop is tests/system/test_bfd_bird.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agentd.lab.bfd_proc import BfdProcess
+from agentd.lab.interop import pair
+from proto.bfd import Diag
+
+pytestmark = pytest.mark.timeout(120)
+
+V4 = ("10.0.0.1", "10.0.0.2")
+V6 = ("2001:db8:ff::1", "2001:db8:ff::2")
+
+
+@pytest.fixture
+def procs() -> Iterator[list]:
+    made: list = []
+    try:
+        yield made
+    finally:
+        for p in reversed(made):
+            p.stop()
+
+
+def test_two_services_remove_readd_freeze_and_stop(netns_factory, procs, tmp_path):
+    r1, r2 = pair(netns_factory, v6=True)
+    a = BfdProcess(r1, tmp_path / "a", listen=None, peers=[V4[1], V6[1]], tx=0.1, rx=0.1, mult=3)
+    b = BfdProcess(r2, tmp_path / "b", listen=None, peers=[V4[0], V6[0]], tx=0.1, rx=0.1, mult=3)
+    procs.extend([a, b])
+    a.start()
+    b.start()
+    for proc, peers in ((a, (V4[1], V6[1])), (b, (V4[0], V6[0]))):
+        for peer in peers:
+            proc.wait_state(peer, "Up", 20)
+    assert {tuple(x) for x in a.status()["listen"]} == {("0.0.0.0", 3784), ("::", 3784)}
+
+    # Remove and add again at once: b sees AdminDown (not a failure), then one new session
+    # comes Up and stays Up (the draining old one is closed, so nothing flaps).
+    old_discr = a.session(V4[1])["local_discriminator"]
+    seen = len(b.events(V4[0]))
+    a.remove(V4[1])
+    a.add(V4[1])
+    b.wait_until(lambda: [e for e in b.events(V4[0])[seen:] if e["state"] == "Up"], 10, what="b Up again")
+    changes = b.events(V4[0])[seen:]
+    assert changes[0]["old"] == "Up" and changes[0]["state"] == "Down" and changes[0]["diag"] == 3
+    assert changes[0]["cause"] == "received AdminDown" and not any(e["failure"] for e in changes)
+    new = a.wait_state(V4[1], "Up", 10)
+    assert new["local_discriminator"] != old_discr
+    assert b.session(V4[0])["remote_discriminator"] == new["local_discriminator"]
+    settled = len(b.events(V4[0]))
+    packets = b.session(V4[0])["packets_in"]
+    b.wait_until(lambda: b.session(V4[0])["packets_in"] >= packets + 30, 10, what="30 more packets at b")
+    assert len(b.events(V4[0])) == settled and b.session(V4[0])["state"] == "Up"
+
+    # a frozen: b declares both sessions down with diag 1, well within 1 s.
+    seen = {p: len(b.events(p)) for p in (V4[0], V6[0])}
+    t_freeze = time.monotonic()
+    a.freeze()
+    try:
+        for peer in (V4[0], V6[0]):
+            down = b.wait_until(lambda peer=peer: [e for e in b.events(peer)[seen[peer]:] if e["state"] == "Down"],
+                                10, what=f"b's session to {peer} Down")[0]
+            assert down["diag"] == Diag.CONTROL_DETECTION_TIME_EXPIRED and down["failure"]
+            assert down["t"] - t_freeze < 1.0
+            print(f"\n{peer}: down {down['t'] - t_freeze:.3f} s after SIGSTOP")
+    finally:
+        a.thaw()
+    for peer in (V4[0], V6[0]):
+        b.wait_state(peer, "Up", 20)
+
+    # a stops (SIGTERM): AdminDown to every neighbour, which b does not take as a failure.
+    seen = {p: len(b.events(p)) for p in (V4[0], V6[0])}
+    a.stop()
+    for peer in (V4[0], V6[0]):
+        down = b.wait_until(lambda peer=peer: [e for e in b.events(peer)[seen[peer]:] if e["state"] == "Down"], 10,
+                            what=f"b's session to {peer} Down after a stopped")[0]
+        assert down["cause"] == "received AdminDown" and not down["failure"]
+        assert b.session(peer)["remote_diag"] == Diag.ADMINISTRATIVELY_DOWN
