@@ -182,6 +182,11 @@ class BgpPeerConfig:
     hold_time: int = 90  # [bgp] hold_time unless set
     description: str = ""
     local_address: IPAddress | None = None
+    max_prefixes: int | None = None  # RFC 4486 Cease/1 beyond this many prefixes of a family
+    max_prefixes_warning: int = 75  # percent of max_prefixes that logs a warning
+    max_prefixes_restart: int | None = None  # seconds until the peer is tried again; None: reconfigure
+    ttl_security: bool = False  # RFC 5082 GTSM, directly connected peer
+    bfd: bool | None = None  # None: [bgp] bfd
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,11 @@ class BgpConfig:
     originate: tuple[IPNetwork, ...] = ()
     # Our next hop for IPv6 routes sent over IPv4 sessions; None: the IPv4-mapped IPv6 address.
     next_hop_v6: IPv6Address | None = None
+    send_timeout: float = 60.0
+    listen_backlog: int = 4096
+    bfd: bool = False
+    bfd_interval: float = 0.3
+    bfd_multiplier: int = 3
     peers: tuple[BgpPeerConfig, ...] = ()
 
 
@@ -322,6 +332,11 @@ _KEYS = (
     _Key("bgp", "restart_time", _int(1, 4095), 120),  # 12-bit field, RFC 4724 §3
     _Key("bgp", "originate", _Kind((list,), "an array", _text_list, _originate), ()),
     _Key("bgp", "next_hop_v6", _string(_ipv6_or_none), None),
+    _Key("bgp", "send_timeout", _float(1, 3600), 60.0),
+    _Key("bgp", "listen_backlog", _int(16, 65535), 4096),
+    _Key("bgp", "bfd", _BOOL, False),
+    _Key("bgp", "bfd_interval", _float(0.05, 10), 0.3),
+    _Key("bgp", "bfd_multiplier", _int(1, 255), 3),
     _Key("bgp", "peers", _Kind((list,), "an array of tables", _text_json, _peer_list), ()),
     _Key("api", "listen", _listen(allow_empty=False), ApiConfig.listen),
     _Key("cni", "conf_dir", _PATH, CniConfig.conf_dir),
@@ -355,6 +370,11 @@ _PEER_KINDS: dict[str, _Kind] = {
     "hold_time": _HOLD_TIME,
     "description": _string(_printable),
     "local_address": _string(lambda s: _any_ip(s) if s.strip() else None),
+    "max_prefixes": _int(1, 2**32 - 1),
+    "max_prefixes_warning": _int(1, 100),
+    "max_prefixes_restart": _int(1, 86400),
+    "ttl_security": _BOOL,
+    "bfd": _BOOL,
 }
 PEER_KEYS: tuple[str, ...] = tuple(_PEER_KINDS)
 

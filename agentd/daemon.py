@@ -42,7 +42,7 @@ from .forwarding import PeerPlan, plan_external, plan_peer, route_for
 from .netinfo import NetInfoError, Underlay, underlay_for
 from .routing import Route, RouteProgrammer, SyncResult
 from .sdnotify import Notifier
-from .speaker import SpeakerMetrics, local_settings, peer_rows, peer_settings
+from .speaker import SpeakerMetrics, bfd_timers, local_settings, peer_rows, peer_settings
 from .supervisor import Supervisor
 
 log = logging.getLogger("agentd")
@@ -68,7 +68,7 @@ class Agent:
         self.sync_histogram = Histogram(
             "agentd_route_sync_seconds", "time to reconcile kernel routes", registry=self.registry
         )
-        self.registry.register(SpeakerMetrics(lambda: self.speaker))
+        self.registry.register(SpeakerMetrics(lambda: self.service))
         self.registry.register(_AgentMetrics(self))
         self.api = ApiServer(self, cfg.api.listen.host, cfg.api.listen.port)
         self.underlay: Underlay | None = None
@@ -190,7 +190,7 @@ class Agent:
         self.speaker = Speaker(local_settings(cfg, restarting=self._restarting), now=time.monotonic())
         self.speaker.add_listener(self._on_best_paths)
         listen = (cfg.bgp.listen.host, cfg.bgp.listen.port) if cfg.bgp.listen else None
-        self.service = SpeakerService(self.speaker, listen=listen)
+        self.service = SpeakerService(self.speaker, listen=listen, backlog=cfg.bgp.listen_backlog)
         await self.service.start()
         self._started_bgp = True
         own = Origination((1, 1), network_to_prefix(subnet))
@@ -338,6 +338,7 @@ class Agent:
             i_am_reflector=cfg.node.route_reflector,
             password=cfg.bgp.password,
             hold_time=cfg.bgp.hold_time,
+            bfd=bfd_timers(cfg),
             external=external,
         )
         self.service.set_peers(peers)

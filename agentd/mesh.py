@@ -29,6 +29,7 @@ def desired_peers(
     i_am_reflector: bool,
     password: str | None = None,
     hold_time: int | None = None,
+    bfd: tuple[float, int] | None = None,
     external: Iterable[PeerSettings] = (),
 ) -> list[PeerSettings]:
     """The peer set for node ``me``.  Nodes without an address are skipped; so is ``me``."""
@@ -50,6 +51,7 @@ def desired_peers(
             password=password,
             hold_time=hold_time,
             description=kind,
+            bfd=bfd,
         )
         out[ps.key] = ps
     for ps in external:

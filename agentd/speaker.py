@@ -15,7 +15,7 @@ from ipaddress import IPv4Address
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from bgp import LocalSettings, Origination, PeerSettings, Speaker, SpeakerService, State
 from proto.nlri import prefix_from_str
@@ -51,7 +51,14 @@ def local_settings(
         restarting=restarting,
         forwarding_preserved=forwarding_preserved,
         next_hop_v6=getattr(bgp, "next_hop_v6", None),
+        send_timeout=bgp.send_timeout,
     )
+
+
+def bfd_timers(cfg: Config, enabled: bool | None = None) -> tuple[float, int] | None:
+    """The BFD (interval, multiplier) of a session, or None when it has no BFD."""
+    on = cfg.bgp.bfd if enabled is None else enabled
+    return (cfg.bgp.bfd_interval, cfg.bgp.bfd_multiplier) if on else None
 
 
 def peer_settings(p: BgpPeerConfig, cfg: Config, *, description: str = "") -> PeerSettings:
@@ -65,6 +72,11 @@ def peer_settings(p: BgpPeerConfig, cfg: Config, *, description: str = "") -> Pe
         hold_time=p.hold_time,
         local_address=p.local_address,
         description=p.description or description,
+        max_prefixes=p.max_prefixes,
+        max_prefixes_warning=p.max_prefixes_warning / 100,
+        max_prefixes_restart=float(p.max_prefixes_restart) if p.max_prefixes_restart else None,
+        ttl_security=p.ttl_security,
+        bfd=bfd_timers(cfg, p.bfd),
     )
 
 
@@ -77,10 +89,11 @@ def originations(cfg: Config) -> list[Origination]:
 
 
 class SpeakerMetrics:
-    """Prometheus collector for a speaker: peer state and prefix counts."""
+    """Prometheus collector for a speaker: peer state, prefix counts, BFD, and the totals of the
+    problems the speaker logs only once a minute (bgp.loglimit)."""
 
-    def __init__(self, speaker: Callable[[], Speaker | None]) -> None:
-        self._speaker = speaker
+    def __init__(self, service: Callable[[], SpeakerService | None]) -> None:
+        self._service = service
 
     def collect(self):
         up = GaugeMetricFamily("agentd_bgp_peer_up", "1 when the BGP session is Established", labels=["peer"])
@@ -92,7 +105,18 @@ class SpeakerMetrics:
         )
         sent = GaugeMetricFamily("agentd_bgp_prefixes_sent", "prefixes in the peer's Adj-RIB-Out", labels=["peer"])
         loc = GaugeMetricFamily("agentd_bgp_loc_rib_prefixes", "prefixes in the Loc-RIB")
-        sp = self._speaker()
+        events = CounterMetricFamily(
+            "agentd_bgp_events", "speaker-wide events: resets for max-prefix, BFD or internal errors, "
+            "route refreshes deferred or folded, routes ignored, connections refused", labels=["event"],
+        )  # fmt: skip
+        problems = CounterMetricFamily(
+            "agentd_bgp_problems", "per-message problems by kind and peer (each logged at most once a minute)",
+            labels=["kind", "peer"],
+        )  # fmt: skip
+        bfd_up = GaugeMetricFamily("agentd_bfd_session_up", "1 while the BFD session is Up", labels=["peer"])
+        bfd_changes = CounterMetricFamily("agentd_bfd_state_changes", "BFD session state changes", labels=["peer"])
+        service = self._service()
+        sp = service.speaker if service is not None else None
         if sp is not None:
             for key, peer in sp.peers.items():
                 st = peer.state
@@ -102,12 +126,21 @@ class SpeakerMetrics:
                 received.add_metric([key], float(len(adj) if adj is not None else 0))
                 sent.add_metric([key], float(sp.adj_out_count(key)))
             loc.add_metric([], float(sp.rib.count()))
-        yield from (up, state, received, sent, loc)
+            for event, n in sorted(sp.counters.items()):
+                events.add_metric([event], float(n))
+            for (kind, subject), n in sorted(sp.limiter.counts.items()):
+                problems.add_metric([kind, subject], float(n))
+        if service is not None and service.bfd is not None:
+            for row in service.bfd.status():
+                bfd_up.add_metric([row["peer"]], 1.0 if row["state"] == "Up" else 0.0)
+                bfd_changes.add_metric([row["peer"]], float(row.get("state_changes", 0)))
+        yield from (up, state, received, sent, loc, events, problems, bfd_up, bfd_changes)
 
 
 def peer_rows(service: SpeakerService) -> list[dict[str, Any]]:
     """The speaker's peer table with ``since`` as a UNIX timestamp (DESIGN.md /peers)."""
-    return [peer_row(v, service.wall_time) for v in service.speaker.peer_views()]
+    bfd = {r["peer"]: r["state"] for r in service.bfd.status()} if service.bfd is not None else {}
+    return [dict(peer_row(v, service.wall_time), bfd=bfd.get(v.address)) for v in service.speaker.peer_views()]
 
 
 class SpeakerRuntime:
@@ -119,9 +152,9 @@ class SpeakerRuntime:
         # The speaker's routes come from its configuration, so they survive any restart: tell
         # GR peers to keep them until our End-of-RIB (RFC 4724 §4.2, the F bit).
         self.speaker = Speaker(local_settings(cfg, forwarding_preserved=True), now=time.monotonic())
-        self.registry.register(SpeakerMetrics(lambda: self.speaker))
+        self.registry.register(SpeakerMetrics(lambda: self.service))
         listen = (cfg.bgp.listen.host, cfg.bgp.listen.port) if cfg.bgp.listen else None
-        self.service = SpeakerService(self.speaker, listen=listen)
+        self.service = SpeakerService(self.speaker, listen=listen, backlog=cfg.bgp.listen_backlog)
         self.api = ApiServer(self, cfg.api.listen.host, cfg.api.listen.port)
         self._stop = asyncio.Event()
         self._started = False

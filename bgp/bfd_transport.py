@@ -123,6 +123,14 @@ class BfdService:
 
     async def start(self) -> None:
         """Open the receive sockets (UDP 3784) and start serving."""
+        self.open()
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    def open(self) -> None:
+        """:meth:`start` for callers already running on the loop."""
         self._loop = asyncio.get_running_loop()
         if self.listen in (None, "", "0.0.0.0", "::"):
             self._rx.append(self._open_rx("0.0.0.0"))

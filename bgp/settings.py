@@ -73,8 +73,11 @@ class PeerSettings:
     max_prefixes: int | None = None
     max_prefixes_warning: float = 0.75
     max_prefixes_restart: float | None = None
-    # RFC 5082 GTSM: send with TTL 255 and accept only TTL >= 254 (one hop) from this peer.
+    # RFC 5082 GTSM for a directly connected peer: send with TTL 255, accept only TTL 255.
     ttl_security: bool = False
+    # RFC 5880/5881 BFD to this peer; its failure ends the session with Cease/10 (RFC 9384).
+    # (interval, multiplier): desired/required intervals in seconds and the detect multiplier.
+    bfd: tuple[float, int] | None = None
     # Extra fields are compared when the agent re-applies its peer set: a change restarts the peer.
     tags: tuple[str, ...] = field(default=(), compare=False)
 

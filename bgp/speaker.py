@@ -37,6 +37,7 @@ from proto.nlri import IPV4_UNICAST
 
 from . import bestpath
 from .export import GroupKey, UpdateGroup
+from .fsm import State
 from .loglimit import LogLimiter
 from .peer import Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
 from .policy import ExportTarget, Rejected, import_attributes
@@ -330,6 +331,19 @@ class Speaker:
         self._schedule(peer)
         if writable:
             self._pump(peer, TURN_BUDGET, now)
+
+    def bfd_down(self, remote: str, why: str, now: float) -> None:
+        """BFD says the path to ``remote`` failed: end its session at once with Cease/BFD Down
+        (RFC 9384) instead of waiting for the hold timer; it is tried again after the usual
+        backoff."""
+        self.now = now
+        peer = self.peers.get(_normalize(remote))
+        if peer is None or peer.state < State.OPEN_SENT:
+            return
+        self.counters["bfd resets"] += 1
+        log.warning("peer %s: BFD down (%s): resetting the session", peer.key, why)
+        peer.shutdown(now, Notification(ErrorCode.CEASE, CeaseSubcode.BFD_DOWN), f"BFD down: {why}")
+        self._after(peer, now)
 
     def get_timer(self) -> float | None:
         return self._timers.next()

@@ -24,6 +24,10 @@ import time
 from collections.abc import Callable, Iterable
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
+from proto.bfd import diag_label
+
+from .bfd import BfdSettings, BfdStateChanged
+from .bfd_transport import BfdService
 from .session import Close, Connect, Send
 from .settings import PeerSettings
 from .speaker import Origination, Speaker
@@ -180,10 +184,14 @@ class SpeakerService:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[], None] | None = None,
         backlog: int = DEFAULT_BACKLOG,
+        bfd: BfdService | None = None,
     ) -> None:
         self.speaker = speaker
         self.listen = listen
         self.backlog = backlog
+        # BFD sessions for the peers that ask for one (PeerSettings.bfd); made on first need.
+        self.bfd = bfd
+        self._bfd_peers: dict[str, tuple[str | None, BfdSettings]] = {}
         self.clock = clock
         self.on_change = on_change
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -223,6 +231,7 @@ class SpeakerService:
                 lambda: _Protocol(self, None), sock=sock, backlog=self.backlog
             )
         self.speaker.start(self.clock())
+        self._sync_bfd()
         self._pump()
 
     @property
@@ -240,6 +249,8 @@ class SpeakerService:
             self._work_handle = None
         for task in list(self._connecting.values()):
             task.cancel()
+        if self.bfd is not None and self.bfd.started:
+            await self.bfd.stop()
         for proto in list(self._protocols.values()):
             if proto.transport is not None:
                 if graceful:
@@ -258,6 +269,44 @@ class SpeakerService:
         self.speaker.set_peers(list(peers), self.clock())
         self._sync_md5()
         self._pump()
+        if self._loop is not None:
+            self._sync_bfd()
+
+    def _sync_bfd(self) -> None:
+        """One BFD session per peer with ``bfd`` set, from our session's local address."""
+        wanted: dict[str, tuple[str | None, BfdSettings]] = {}
+        for key, peer in self.speaker.peers.items():
+            s = peer.settings
+            if s.bfd is None:
+                continue
+            interval, mult = s.bfd
+            local = str(s.local_address) if s.local_address else (self.listen[0] if self.listen else None)
+            if local in ("0.0.0.0", "::"):
+                local = None
+            wanted[key] = (local, BfdSettings(desired_min_tx=interval, required_min_rx=interval, detect_mult=mult))
+        if not wanted and self.bfd is None:
+            return
+        if self.bfd is None:
+            host = self.listen[0] if self.listen and self.listen[0] not in ("0.0.0.0", "::") else None
+            self.bfd = BfdService(listen=host, on_change=self._bfd_changed, clock=self.clock)
+        if not self.bfd.started:
+            self.bfd.open()
+        for key in [k for k in self._bfd_peers if k not in wanted]:
+            self.bfd.remove(key)
+            del self._bfd_peers[key]
+        for key, (local, settings) in wanted.items():
+            if self._bfd_peers.get(key) != (local, settings):
+                try:
+                    self.bfd.add(key, local_address=local, settings=settings)
+                except OSError as err:
+                    log.error("peer %s: cannot start BFD: %s", key, err.strerror or err)
+                    continue
+                self._bfd_peers[key] = (local, settings)
+
+    def _bfd_changed(self, peer: str, change: BfdStateChanged) -> None:
+        if change.failure:
+            self.speaker.bfd_down(peer, diag_label(change.diag), self.clock())
+            self._pump()
 
     def set_originated(self, origins: Iterable[Origination]) -> None:
         self.speaker.set_originated(origins, self.clock())
