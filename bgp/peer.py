@@ -94,6 +94,7 @@ class Peer:
         self._actions: list[Action] = []
         self._events: collections.deque[PeerEvent] = collections.deque()
         self._local_addresses: dict[int, str] = {}
+        self._up: Session | None = None  # the session the speaker was told is up (PeerUp)
         self.established_count = 0
         self.last_error = ""
         self.since = now
@@ -291,6 +292,10 @@ class Peer:
         elif isinstance(ev, OpenReceived):
             self._resolve_collision(s, ev, now)
         elif isinstance(ev, Established):
+            if s.state is not State.ESTABLISHED:
+                # Its OPEN and KEEPALIVE came in one read, and the collision check that ran on the
+                # OPEN has closed it since (the main session is Established): nothing came up.
+                return
             if s is not self.session:
                 # A second connection reached Established while the main one had not (it sits in
                 # OpenSent: a silent peer, or a dead race).  It becomes the main session; the old
@@ -305,6 +310,7 @@ class Peer:
                         reason="connection collision resolution",
                     )
                 self._actions.extend(old.take_actions())
+            self._up = s
             self._failures = 0
             self.established_count += 1
             self.since = now
@@ -318,7 +324,9 @@ class Peer:
                 self.last_error = ev.reason
             if not ev.was_established and ev.notification is not None and s is self.session:
                 self._events.append(PeerFailed(ev.reason))
-            if ev.was_established:
+            if ev.was_established and s is self._up:
+                # (A session that reached Established only to lose a collision was never up.)
+                self._up = None
                 self.since = now
                 gr = s.negotiated.peer_graceful_restart if s.negotiated else None
                 graceful = ev.graceful and gr is not None and self.local.graceful_restart

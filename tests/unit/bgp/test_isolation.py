@@ -442,3 +442,18 @@ def test_arbitrary_updates_from_one_peer_never_hurt_the_other(messages):
     assert sp.counters["internal errors"] == 0
     if a.closed:
         assert not sp.rib.adj_in.get(A_ADDR) or len(sp.rib.adj_in[A_ADDR]) == 0
+
+
+def test_second_connection_with_open_and_keepalive_in_one_read_leaves_the_first_session_alone():
+    """Found by fuzz/session.py: the OPEN and KEEPALIVE of a second connection from an
+    Established peer arrive in one read; the collision check closes the newcomer, and the
+    session that was Established stays the one in use."""
+    sp, h, a, b = setup()
+    second = RawPeer(A_ADDR, 65001, conn=-30)
+    assert not h.connect(second) or second.closed
+    assert second.closed and second.notifications()[-1].subcode == CeaseSubcode.CONNECTION_COLLISION_RESOLUTION
+    assert not a.closed and sp.peers[A_ADDR].state is State.ESTABLISHED
+    h.send(a, ok_update("10.140.0.0/24"))
+    assert sp.rib.best(IPV4_UNICAST, wire("10.140.0.0/24")) is not None
+    assert sp._conn_owner.get(a.conn) is sp.peers[A_ADDR]
+    b_intact(sp, h, b)
