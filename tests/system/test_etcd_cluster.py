@@ -159,7 +159,7 @@ async def test_datastore_rides_through_every_member_loss_and_a_quorum_loss(tmp_p
         subnet_key = f"/agentd/subnets/{lease.subnet.network_address}-24"
         for key in ("/agentd/nodes/alpha", subnet_key):
             value, on_lease, ttl = stored[key]
-            assert on_lease == lease_id and 0 < ttl <= TTL, (key, on_lease, ttl)
+            assert on_lease == lease_id and 0 < ttl <= TTL + 1, (key, on_lease, ttl)  # + a leader's extension
         assert agent.lease_id == lease_id
         # The watch resumed every time from where it stopped: one snapshot, no event lost or repeated.
         assert watch.kinds() == expected
