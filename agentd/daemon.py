@@ -497,6 +497,7 @@ class Agent:
             "datastore": {
                 "connected": bool(self.datastore and self.datastore.connected),
                 "endpoints": list(self.cfg.etcd.endpoints),
+                "endpoint": self.datastore.endpoint if self.datastore else None,
             },
             "backends": self.tunnels.status() if self.tunnels else {},
             "tasks": self.supervisor.summary(),

@@ -207,7 +207,7 @@ class SpeakerRuntime:
                 "loc_rib_prefixes": self.speaker.rib.count(),
             },
             "routes": {"programmed": 0, "last_sync": None},
-            "datastore": {"connected": False, "endpoints": []},
+            "datastore": {"connected": False, "endpoints": [], "endpoint": None},
             "ready": self._started,
         }
 
