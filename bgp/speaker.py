@@ -805,10 +805,12 @@ class Speaker:
                     if family not in group.families:
                         continue
                     if not group.tables[family] and not group.building and not any(
-                        group.exports(p, family) for p in self.rib.promoted.get(family, ())
+                        p.source.key in group.members or group.exports(p, family)
+                        for p in self.rib.promoted.get(family, ())
                     ):
                         # Nothing this group had before and nothing new is for it (iBGP routes
                         # to iBGP peers without reflection, say): no need to look at each prefix.
+                        # (A member's own routes are deferred by the group itself, cheaply.)
                         continue
                     group.apply(family, self.rib.changed(family, entry), now)
                     changed = True
