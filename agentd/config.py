@@ -222,6 +222,7 @@ class BgpConfig:
     # Our next hop for IPv6 routes sent over IPv4 sessions; None: the IPv4-mapped IPv6 address.
     next_hop_v6: IPv6Address | None = None
     send_timeout: float = 60.0
+    batch_delay: float = 0.01
     listen_backlog: int = 4096
     bfd: bool = False
     bfd_interval: float = 0.3
@@ -352,6 +353,7 @@ _KEYS = (
     _Key("bgp", "originate", _Kind((list,), "an array", _text_list, _originate), ()),
     _Key("bgp", "next_hop_v6", _string(_ipv6_or_none), None),
     _Key("bgp", "send_timeout", _float(1, 3600), 60.0),
+    _Key("bgp", "batch_delay", _float(0, 1), 0.01),
     _Key("bgp", "listen_backlog", _int(16, 65535), 4096),
     _Key("bgp", "bfd", _BOOL, False),
     _Key("bgp", "bfd_interval", _float(0.05, 10), 0.3),

@@ -52,6 +52,7 @@ def local_settings(
         forwarding_preserved=forwarding_preserved,
         next_hop_v6=getattr(bgp, "next_hop_v6", None),
         send_timeout=bgp.send_timeout,
+        update_delay=bgp.batch_delay,
     )
 
 

@@ -60,26 +60,48 @@ class GroupKey:
 
 class _Entry:
     """One change in a group's log: UPDATEs announcing ``prefixes`` with ``out``, or
-    withdrawing them (``out`` None)."""
+    withdrawing them (``out`` None).  ``before`` is what the table held for each prefix
+    (what a member the announcement excludes may have had from us)."""
 
-    __slots__ = ("family", "prefixes", "out", "messages", "size", "_withdrawals")
+    __slots__ = ("family", "prefixes", "out", "messages", "size", "before")
 
-    def __init__(self, family: Family, prefixes: list[bytes], out: OutRoute | None, messages: list[bytes]) -> None:
+    def __init__(
+        self, family: Family, prefixes: list[bytes], out: OutRoute | None, messages: list[bytes],
+        before: list[OutRoute | None] | None = None,
+    ) -> None:  # fmt: skip
         self.family = family
         self.prefixes = prefixes
         self.out = out
         self.messages = messages
         self.size = sum(map(len, messages))
-        self._withdrawals: list[bytes] | None = None
+        self.before = before
 
     def messages_for(self, member: Member, ctx: CodecContext) -> list[bytes]:
         out = self.out
         if out is not None and out.excludes(member.key, member.router_id):
-            # The member must not have this route: withdraw whatever it had for these prefixes.
-            if self._withdrawals is None:
-                self._withdrawals = encode_withdrawals(self.family[0], self.prefixes, ctx)
-            return self._withdrawals
+            # The member must not have this route: withdraw what it may have had from us before.
+            key, rid = member.key, member.router_id
+            had = [p for p, b in zip(self.prefixes, self.before or ()) if b is not None and not b.excludes(key, rid)]
+            return encode_withdrawals(self.family[0], had, ctx) if had else []
         return self.messages
+
+
+class _Segment:
+    """The log entries [start, end) joined into one bytes object, for every member that reads
+    exactly that stretch and is excluded by none of it: after a send window, all members of
+    a group read the same stretch, so it is joined once instead of once per member."""
+
+    __slots__ = ("start", "end", "data", "sources", "originators")
+
+    def __init__(self, start: int, end: int, entries: list[_Entry]) -> None:
+        self.start = start
+        self.end = end
+        self.data = b"".join(m for e in entries for m in e.messages)
+        self.sources = {e.out.source for e in entries if e.out is not None}
+        self.originators = {e.out.originator for e in entries if e.out is not None and e.out.originator is not None}
+
+    def fits(self, m: Member) -> bool:
+        return m.key not in self.sources and m.router_id not in self.originators
 
 
 class _Cursor:
@@ -122,6 +144,9 @@ class UpdateGroup:
         self._log: list[_Entry] = []
         self._base = 0  # sequence number of _log[0]
         self._log_size = 0
+        self._at: Counter[int] = Counter()  # attached members per log position
+        self._detached: dict[str, Member] = {}  # members that left the log (see _shed)
+        self._segment: _Segment | None = None
         #: Families whose first computation from the Loc-RIB is still going on.
         self.building: dict[Family, _Cursor] = {}
         #: Prefixes whose best path came from the group's only member: nobody here could have
@@ -146,7 +171,7 @@ class UpdateGroup:
     def join(self, key: str, router_id: IPv4Address | None) -> Member:
         """A peer reached Established: it is sent the whole table, then End-of-RIB."""
         m = Member(key, router_id)
-        m.pos = self.head
+        self._attach(m, self.head)
         for family in sorted(self.families):
             m.cursors[family] = _Cursor(list(self.tables[family]))
             m.eor.add(family)
@@ -164,8 +189,26 @@ class UpdateGroup:
         return m
 
     def leave(self, key: str) -> None:
-        self.members.pop(key, None)
+        m = self.members.pop(key, None)
+        if m is not None:
+            self._detach(m, leaving=True)
         self._trim()
+
+    def _attach(self, m: Member, pos: int) -> None:
+        m.pos = pos
+        self._at[pos] += 1
+        self._detached.pop(m.key, None)
+
+    def _detach(self, m: Member, *, leaving: bool = False) -> None:
+        if m.pos is not None:
+            self._at[m.pos] -= 1
+            if not self._at[m.pos]:
+                del self._at[m.pos]
+            m.pos = None
+        if leaving:
+            self._detached.pop(m.key, None)
+        else:
+            self._detached[m.key] = m
 
     def refresh(self, key: str, family: Family) -> None:
         """RFC 2918: send the member the table for ``family`` again (restarting any full send
@@ -281,7 +324,7 @@ class UpdateGroup:
                     self._count(cur, -1)
                 table[prefix] = out
             self._count(out, len(items))
-            self._append(_Entry(family, prefixes, out, messages))
+            self._append(_Entry(family, prefixes, out, messages, [cur for _, cur in items]))
         if withdrawn:
             self._append(_Entry(family, withdrawn, None, encode_withdrawals(afi, withdrawn, self.ctx)))
 
@@ -292,13 +335,12 @@ class UpdateGroup:
             self._by_both[(out.source, out.originator)] += n
 
     def _append(self, entry: _Entry) -> None:
-        for m in self.members.values():
-            if m.pos is None:
-                d = m.dirty.get(entry.family)
-                if d is None:
-                    d = m.dirty[entry.family] = {}
-                d.update(dict.fromkeys(entry.prefixes))
-        if not any(m.pos is not None for m in self.members.values()):
+        for m in self._detached.values():
+            d = m.dirty.get(entry.family)
+            if d is None:
+                d = m.dirty[entry.family] = {}
+            d.update(dict.fromkeys(entry.prefixes))
+        if len(self._detached) == len(self.members):
             return  # nobody reads the log: it would only be trimmed away
         self._log.append(entry)
         self._log_size += entry.size
@@ -322,21 +364,38 @@ class UpdateGroup:
         ctx = self.ctx
         if m.pos is not None:
             log_, base, head = self._log, self._base, self.head
-            while m.pos < head:
-                e = log_[m.pos - base]
-                msgs = e.messages_for(m, ctx)
-                out.extend(msgs)
+            start = pos = m.pos
+            seg = self._segment
+            if start < head and (seg is None or seg.start != start or seg.end != head):
+                if head - start > 1 and self._at.get(start, 0) > 1:
+                    seg = self._segment = _Segment(start, head, log_[start - base : head - base])
+            if seg is not None and seg.start == start and seg.end == head and seg.fits(m):
+                out.append(seg.data)
+                size += len(seg.data)
+                pos = head
+            while pos < head:
+                e = log_[pos - base]
+                out.extend(e.messages_for(m, ctx))
                 size += e.size
-                m.pos += 1
+                pos += 1
                 if size >= budget:
+                    break
+            if pos != start:
+                at = self._at
+                at[start] -= 1
+                if not at[start]:
+                    del at[start]
+                at[pos] += 1
+                m.pos = pos
+                if start == base:
                     self._trim()
-                    return out
-            self._trim()
+            if pos < head:
+                return out
         else:
             size += self._catch_up(m, out, budget - size)
             if m.dirty:
                 return out
-            m.pos = self.head  # up to date with the table: back in the log
+            self._attach(m, self.head)  # up to date with the table: back in the log
         for family, cur in list(m.cursors.items()):
             if size >= budget:
                 return out
@@ -417,8 +476,12 @@ class UpdateGroup:
     # ------------------------------------------------------------ the log
 
     def _trim(self) -> None:
-        attached = [m.pos for m in self.members.values() if m.pos is not None]
-        low = min(attached) if attached else self.head
+        """Drop the log entries every attached member has read (O(1) when nobody moved off
+        the oldest position: members are counted per position)."""
+        at, head = self._at, self.head
+        low = self._base
+        while low < head and not at.get(low):
+            low += 1
         drop = low - self._base
         if drop > 0:
             self._log_size -= sum(e.size for e in self._log[:drop])
@@ -442,7 +505,7 @@ class UpdateGroup:
                         if d is None:
                             d = m.dirty[e.family] = {}
                         d.update(dict.fromkeys(e.prefixes))
-                    m.pos = None
+                    self._detach(m)
             self._trim()
 
 

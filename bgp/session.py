@@ -162,7 +162,7 @@ class Session:
         self.outbound: bool | None = None
         self._pending_connect: int | None = None
         self._reader = MessageReader()
-        self._out = bytearray()
+        self._out: list[bytes] = []  # queued for the next Send, joined once
         self._actions: list[Action] = []
         self._events: collections.deque[SessionEvent] = collections.deque()
         self._connect_retry_at: float | None = None
@@ -380,7 +380,7 @@ class Session:
             raise RuntimeError(f"cannot send routes in state {self.state.label}")
         n = 0
         for m in messages:
-            self._out += m
+            self._out.append(m)
             n += 1
         if n:
             self.messages_out += n
@@ -563,13 +563,14 @@ class Session:
     def _send(self, data: bytes) -> None:
         if self.conn is None:
             return
-        self._out += data
+        self._out.append(data)
         self.messages_out += 1
 
     def _flush(self) -> None:
-        if self._out and self.conn is not None:
-            self._actions.append(Send(self.conn, bytes(self._out)))
-        self._out.clear()
+        out = self._out
+        if out and self.conn is not None:
+            self._actions.append(Send(self.conn, out[0] if len(out) == 1 else b"".join(out)))
+        out.clear()
 
     def _drop_connection(self) -> None:
         """Close our TCP connection (after flushing what is queued) and forget per-connection state."""

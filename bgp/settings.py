@@ -49,6 +49,10 @@ class LocalSettings:
     # ROUTE-REFRESH (RFC 2918): a peer's requests for one family start a full re-send at most
     # this often; requests in between are folded into one that starts when the time is up.
     refresh_interval: float = 1.0
+    # Seconds changes are collected before peers are sent them (0: at once).  Each peer then
+    # gets one batch per window instead of one write per change: a reflector taking one
+    # route from each of N clients writes N batches, not N x N single UPDATEs.
+    update_delay: float = 0.0
 
     @property
     def is_route_reflector(self) -> bool:
@@ -81,15 +85,15 @@ class PeerSettings:
     # Extra fields are compared when the agent re-applies its peer set: a change restarts the peer.
     tags: tuple[str, ...] = field(default=(), compare=False)
 
+    # The peer's key everywhere (its address as text), made once.
+    key: str = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         if isinstance(self.address, str):
             object.__setattr__(self, "address", ip_address(self.address))
         if isinstance(self.local_address, str):
             object.__setattr__(self, "local_address", ip_address(self.local_address))
-
-    @property
-    def key(self) -> str:
-        return str(self.address)
+        object.__setattr__(self, "key", str(self.address))
 
 
 @dataclass(frozen=True)

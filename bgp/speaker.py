@@ -60,6 +60,7 @@ TURN_BUDGET = 256 * 1024
 BUILD_BUDGET = 4096
 _GRACE_KEY = "\0graceful"
 _REFRESH_KEY = "\0refresh"
+_SEND_KEY = "\0send"
 
 
 @dataclass(frozen=True)
@@ -117,40 +118,55 @@ class RibPathView:
 
 
 class _Timers:
-    """One heap of due times for every peer and speaker-wide deadline (lazy deletion: an
-    entry counts only while it equals the owner's current due time)."""
+    """One heap of due times for every peer and speaker-wide deadline.
+
+    A keepalive timer moves later with every UPDATE sent, thousands of times a second on a
+    busy reflector: moving a time later only records it, and the heap entry it leaves
+    behind, found early, is pushed again for the new time.  Only an earlier time is pushed
+    at once.  So the heap holds about one entry per key."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, str]] = []
-        self._due: dict[str, float] = {}
+        self._due: dict[str, float] = {}  # the time each key is really due
+        self._queued: dict[str, float] = {}  # the time of each key's live heap entry (<= due)
         self._seq = itertools.count()
 
     def set(self, key: str, at: float | None) -> None:
         if at is None:
             self._due.pop(key, None)
             return
-        if self._due.get(key) == at:
-            return
         self._due[key] = at
-        heapq.heappush(self._heap, (at, next(self._seq), key))
+        queued = self._queued.get(key)
+        if queued is None or at < queued:
+            self._queued[key] = at
+            heapq.heappush(self._heap, (at, next(self._seq), key))
 
     def next(self) -> float | None:
-        heap, due = self._heap, self._due
+        heap = self._heap
         while heap:
             at, _, key = heap[0]
-            if due.get(key) == at:
-                return at
-            heapq.heappop(heap)
+            if self._queued.get(key) != at:
+                heapq.heappop(heap)  # an entry superseded by an earlier one
+                continue
+            due = self._due.get(key)
+            if due is None:
+                heapq.heappop(heap)
+                del self._queued[key]
+                continue
+            if due > at:  # moved later since: queue it for its real time
+                heapq.heapreplace(heap, (due, next(self._seq), key))
+                self._queued[key] = due
+                continue
+            return at
         return None
 
     def pop_due(self, now: float) -> list[str]:
-        heap, due = self._heap, self._due
         out = []
-        while heap and heap[0][0] <= now:
-            at, _, key = heapq.heappop(heap)
-            if due.get(key) == at:
-                del due[key]
-                out.append(key)
+        while (at := self.next()) is not None and at <= now:
+            _, _, key = heapq.heappop(self._heap)
+            del self._queued[key]
+            del self._due[key]
+            out.append(key)
         return out
 
 
@@ -182,6 +198,9 @@ class Speaker:
         self._prefix_warned: set[tuple[str, Family]] = set()
         self._listeners: list[Listener] = []
         self._owed: set[str] = set()  # peers with output waiting that their socket can take
+        self._waiting: dict[GroupKey, UpdateGroup] = {}  # groups with changes held for update_delay
+        # Peers called since the last take_actions (only they can have actions): dicts keep order.
+        self._touched: dict[int, Peer] = {}
         self._ranges: list[ListenRange] = []
         self.dynamic: set[str] = set()  # peers accepted from a listen range, gone with their session
         self._timers = _Timers()
@@ -391,8 +410,10 @@ class Speaker:
         for key in self._timers.pop_due(now):
             if key.startswith(_GRACE_KEY):
                 self._graceful_timer(key[len(_GRACE_KEY) :], now)
-            elif key.startswith(_REFRESH_KEY):
+            elif key == _REFRESH_KEY:
                 self._refresh_timer(now)
+            elif key == _SEND_KEY:
+                self._send_window(now)
             else:
                 peer = self.peers.get(key)
                 if peer is None:
@@ -409,7 +430,10 @@ class Speaker:
 
     def take_actions(self) -> list[Action]:
         actions, self._orphan_actions = self._orphan_actions, []
-        for peer in self.peers.values():
+        touched, self._touched = self._touched, {}
+        for peer in touched.values():
+            if self.peers.get(peer.key) is not peer:
+                continue  # removed since: remove_peer took its last actions
             for a in peer.take_actions():
                 if isinstance(a, Connect):
                     self._conn_owner[a.conn] = peer
@@ -511,6 +535,7 @@ class Speaker:
             self.remove_peer(key, now)
 
     def _drain(self, peer: Peer, now: float) -> None:
+        self._touched[id(peer)] = peer
         ev = peer.next_event()
         while ev is not None:
             with self._isolated(peer, now, type(ev).__name__):
@@ -818,10 +843,24 @@ class Speaker:
                 self._group_failed(group, now)
                 continue
             if changed:
-                for key in list(group.members):
-                    peer = self.peers.get(key)
-                    if peer is not None:
-                        self._pump(peer, TURN_BUDGET, now)
+                if self.local.update_delay > 0:
+                    if not self._waiting:
+                        self._timers.set(_SEND_KEY, now + self.local.update_delay)
+                    self._waiting[group.key] = group
+                else:
+                    self._pump_group(group, now)
+
+    def _send_window(self, now: float) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for group in waiting.values():
+            if self.groups.get(group.key) is group:
+                self._pump_group(group, now)
+
+    def _pump_group(self, group: UpdateGroup, now: float) -> None:
+        for key in list(group.members):
+            peer = self.peers.get(key)
+            if peer is not None:
+                self._pump(peer, TURN_BUDGET, now)
 
     def _pump(self, peer: Peer, budget: int, now: float) -> int:
         """Hand ``peer`` up to ``budget`` octets of what it is owed; returns how many."""
@@ -849,6 +888,7 @@ class Speaker:
         if not messages:
             return 0
         peer.send_messages(messages, now)
+        self._touched[id(peer)] = peer
         self._schedule(peer)
         return sum(map(len, messages))
 

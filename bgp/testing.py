@@ -64,6 +64,15 @@ class MemoryNetwork:
         """A restarted process at ``address`` (after crash())."""
         self.nodes[address] = _Node(address, speaker)
 
+    def inject(self, src: str, dst: str, data: bytes) -> None:
+        """Deliver ``data`` to ``dst`` as if ``src`` had sent it on their connection (bytes no
+        well-behaved speaker would send, for tests)."""
+        for (a, conn), (b, bconn) in self.links.items():
+            if a == src and b == dst:
+                self.nodes[dst].inbox.append((bconn, data))
+                return
+        raise AssertionError(f"no connection from {src} to {dst}")
+
     # ------------------------------------------------------------ running
 
     def pump(self) -> bool:

@@ -387,7 +387,7 @@ def test_route_refresh_resends_the_table():
     before = a.peers["10.0.0.2"].session.updates_out
     from proto.messages import RouteRefresh
 
-    b.peers["10.0.0.1"].session.send_messages([RouteRefresh(1, 1).encode()], net.now)
+    net.inject("10.0.0.2", "10.0.0.1", RouteRefresh(1, 1).encode())
     net.run(duration=1)
     assert a.peers["10.0.0.2"].session.updates_out == before + 1
 
@@ -398,7 +398,7 @@ def test_malformed_update_resets_the_session_with_the_rfc_notification():
     seen = _capture_notifications(net)
     # An UPDATE whose withdrawn-routes length overruns the message: RFC 4271 §6.3 3/1.
     bad = b"\xff" * 16 + (19 + 6).to_bytes(2, "big") + b"\x02" + b"\x00\x10" + b"\x00\x00\x00\x00"
-    b.peers["10.0.0.1"].session.send_messages([bad], net.now)
+    net.inject("10.0.0.2", "10.0.0.1", bad)
     net.run(duration=0.5)
     assert seen and seen[0][0] == "10.0.0.1"
     assert (seen[0][1].code, seen[0][1].subcode) == (3, 1)
