@@ -35,6 +35,17 @@ class AsPathSegment:
         return f"[{inner}]"
 
 
+_UNPACKERS: dict[tuple[int, str], object] = {}
+
+
+def _unpacker(count: int, code: str):  # -> struct.Struct.unpack_from
+    """``struct.Struct(f"!{count}{code}").unpack_from``, made once per shape (at most 510)."""
+    u = _UNPACKERS.get((count, code))
+    if u is None:
+        u = _UNPACKERS[(count, code)] = struct.Struct(f"!{count}{code}").unpack_from
+    return u
+
+
 def _parse_segments(value: bytes, width: int) -> tuple[AsPathSegment, ...] | str:
     """Segments of an AS_PATH-shaped value, or the reason it is malformed (RFC 7606 §7.2)."""
     segments = []
@@ -53,7 +64,7 @@ def _parse_segments(value: bytes, width: int) -> tuple[AsPathSegment, ...] | str
         nxt = pos + 2 + count * width
         if nxt > end:
             return f"segment of {count} AS numbers overruns the attribute"
-        asns = struct.unpack(f"!{count}{code}", value[pos + 2 : nxt])
+        asns = _unpacker(count, code)(value, pos + 2)
         if 0 in asns:
             # RFC 7607 §2: AS 0 in AS_PATH / AS4_PATH makes the attribute malformed.
             return "AS number 0"
@@ -97,7 +108,10 @@ class _PathMethods:
 
     def has_confederation(self) -> bool:
         """Whether any segment is AS_CONFED_SEQUENCE or AS_CONFED_SET (RFC 5065 §3)."""
-        return any(seg.type in _CONFED for seg in self.segments)
+        for seg in self.segments:
+            if seg.type >= AS_CONFED_SEQUENCE:  # 3 and 4, the only types above AS_SEQUENCE
+                return True
+        return False
 
     def first_asn(self) -> int | None:
         """Leftmost AS of the first AS_SEQUENCE, skipping leading confederation segments;

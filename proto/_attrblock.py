@@ -229,7 +229,7 @@ def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> Shared
         items[code] = attr
     if not ctx.four_octet_as:
         _merge_as4(items)
-    return SharedAttributes(PathAttributes(tuple(items.values())), tuple(errors), tuple(nh_errors), seen)
+    return SharedAttributes(PathAttributes._of_index(items), tuple(errors), tuple(nh_errors), seen)
 
 
 def _merge_as4(items: dict[int, PathAttribute]) -> None:

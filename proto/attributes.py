@@ -8,7 +8,9 @@ sorted by type code, at most one attribute per code, with O(1) lookups.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
+from functools import partial
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 from typing import Any, ClassVar
@@ -58,8 +60,7 @@ ORIGIN_INCOMPLETE = 2
 _ORIGIN_NAMES = {0: "IGP", 1: "EGP", 2: "INCOMPLETE"}
 
 
-def _u32(value: bytes) -> int:
-    return int.from_bytes(value, "big")
+_u32 = partial(int.from_bytes, byteorder="big")
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +271,7 @@ class Communities(PathAttribute):
             raise cls.error(
                 UpdateSubcode.ATTRIBUTE_LENGTH_ERROR, value, flags, f"length {len(value)} is not a non-zero multiple of 4"
             )
-        return cls(tuple(_u32(value[i : i + 4]) for i in range(0, len(value), 4)))
+        return cls(struct.unpack(f"!{len(value) // 4}I", value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,6 +440,20 @@ class PathAttributes:
         object.__setattr__(self, "_hash", hash(items))
 
     @classmethod
+    def _of_index(cls, index: dict[int, PathAttribute]) -> PathAttributes:
+        """Built from a code -> attribute dict that is already valid (one per code, no MP
+        attributes): the decoder's and replace()/without()'s way, skipping the checks."""
+        self = object.__new__(cls)
+        codes = list(index)
+        if codes != sorted(codes):
+            index = {c: index[c] for c in sorted(codes)}
+        items = tuple(index.values())
+        object.__setattr__(self, "items", items)
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_hash", hash(items))
+        return self
+
+    @classmethod
     def of(cls, *attrs: PathAttribute) -> PathAttributes:
         return cls(attrs)
 
@@ -527,14 +542,17 @@ class PathAttributes:
         """A copy with each of ``attrs`` added, or replacing the one with its code."""
         index = dict(self._index)
         for attr in attrs:
+            if attr.code in _NLRI_CODES:
+                raise ValueError("MP_REACH_NLRI/MP_UNREACH_NLRI belong on the Update, not in PathAttributes")
             index[attr.code] = attr
-        return PathAttributes(tuple(index.values()))
+        return PathAttributes._of_index(index)
 
     def without(self, *codes: int) -> PathAttributes:
         """A copy without the attributes of the given type codes."""
-        if not any(c in self._index for c in codes):
+        index = self._index
+        if not any(c in index for c in codes):
             return self
-        return PathAttributes(tuple(a for a in self.items if a.code not in codes))
+        return PathAttributes._of_index({c: a for c, a in index.items() if c not in codes})
 
     def encode(self, ctx: CodecContext = DEFAULT_CONTEXT) -> bytes:
         """All attributes, ordered by type code.
