@@ -65,6 +65,7 @@ class ApiServer:
                 web.get("/rib", self._rib),
                 web.get("/routes", self._routes),
                 web.get("/metrics", self._metrics),
+                web.get("/policy", self._policy),  # NetworkPolicy (issue 13)
                 web.post("/leave", self._leave),
             ]
         )
@@ -137,6 +138,14 @@ class ApiServer:
 
     async def _routes(self, request: web.Request) -> web.Response:
         return _json(self.provider.routes())
+
+    async def _policy(self, request: web.Request) -> web.Response:
+        """Per local pod: the policies selecting it, its allow-lists, drops (agentd/policy/agent.py)."""
+        view = getattr(self.provider, "policy_view", None)
+        data = view(request.query.get("pod")) if view is not None else None
+        if data is None:
+            return _json({"error": "network policy is not running here"}, 404 if view is None else 503)
+        return _json(data)
 
     async def _leave(self, request: web.Request) -> web.Response:
         """``agentd leave`` asks the running agent to decommission its node (loopback only)."""

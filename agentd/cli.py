@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(sp)
     sp.add_argument("--show", action="store_true", help="print the effective configuration as JSON")
 
+    # Resources (issue 13): agentd apply|get|delete|label, in agentd/resources/cli.py.
+    from .resources.cli import add_commands as add_resource_commands
+
+    add_resource_commands(sub, config_args)
+
     sp = sub.add_parser("lab", help="the multi-node lab in network namespaces on this machine")
     from .lab.cli import add_lab_arguments
 
@@ -161,6 +166,14 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
+    if cmd in ("apply", "get", "delete", "label"):  # resources (issue 13): agentd/resources/cli.py
+        from .resources import cli as resource_cli
+
+        path = args.config or resource_cli.default_config_path()
+        overrides = _overrides(args.set, parser)
+        cfg = load_config(path, overrides=overrides, require_file=path is not None, resolve_defaults=False)
+        setup_logging(args.log_level or "warning")
+        return resource_cli.run(args, cfg)
     if cmd == "lab":
         from .lab.cli import lab_command
 
@@ -284,6 +297,14 @@ def render_status(status: dict[str, Any]) -> str:
         f"  datastore {'connected' if ds.get('connected') else 'DISCONNECTED'}"
         f"{' (' + ds['endpoint'] + ')' if len(ds.get('endpoints') or []) > 1 and ds.get('endpoint') else ''}"
     )
+    policy = status.get("policy")  # NetworkPolicy (issue 13)
+    if isinstance(policy, dict):
+        iso = policy.get("isolated") or {}
+        out.append(
+            f"Policy {policy.get('policies', 0)} policies  local pods {policy.get('local_pods', 0)}"
+            f"  isolated {iso.get('any', 0)} (ingress {iso.get('ingress', 0)}, egress {iso.get('egress', 0)})"
+            f"{'  ERROR ' + _cell(policy['error']) if policy.get('error') else ''}"
+        )
     out.append("")
     for family, label in (("ipv4", "IPv4"), ("ipv6", "IPv6")):
         peers = [p for p in bgp.get("peers", []) if (":" in p["address"]) == (family == "ipv6")]

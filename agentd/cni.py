@@ -42,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# Pod identity for NetworkPolicy (issue 13): the endpoint file the agent picks up.
+from agentd.policy import endpoints as policy_endpoints
 from agentd.cni_config import (
     DEFAULT_DATA_DIR,
     DEFAULT_SUBNET_FILE,
@@ -316,11 +318,43 @@ def _peek_version(stdin: bytes) -> str:
 def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     sf = load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE))
     conf = delegate_config(netconf, sf)
+    pod = _pod_identity(env, netconf)  # checked before anything is set up
     save_state(_data_dir(netconf), args.container_id, conf)
     result = invoke_delegate(conf, args, env, timeout=netconf.get("delegateTimeout", DELEGATE_TIMEOUT))
     if result is None:
         raise CniError(INTERNAL, f"delegate {conf['type']} printed no result for ADD")
+    if pod is not None:
+        _record_endpoint(args, netconf, conf, pod, result)
     return result
+
+
+# --- pod identity for NetworkPolicy (issue 13; agentd/policy/endpoints.py) ---------------------
+
+
+def _pod_identity(env: Mapping[str, str], netconf: dict[str, Any]) -> Any:
+    try:
+        return policy_endpoints.identity(env, netconf)
+    except policy_endpoints.EndpointError as e:
+        raise CniError(INVALID_NETWORK_CONFIG, f"pod identity: {e}") from None
+
+
+def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any], pod: Any, result: dict[str, Any]) -> None:
+    """Leave the endpoint file for the agent (a failure fails ADD: the runtime then runs DEL)."""
+    namespace, name, labels, ports = pod
+    try:
+        ips, interface, mac = policy_endpoints.attachment(result, conf.get("bridge", "cni0"))
+        policy_endpoints.write(
+            _data_dir(netconf),
+            policy_endpoints.Endpoint(
+                container_id=args.container_id, namespace=namespace, name=name, labels=labels, ports=ports,
+                ips=ips, interface=interface, mac=mac, bridge=conf.get("bridge", "cni0"),
+                ifname=args.ifname, netns=args.netns,
+            ),
+        )  # fmt: skip
+    except policy_endpoints.EndpointError as e:
+        raise CniError(INTERNAL, f"pod identity: {e}") from None
+    except OSError as e:
+        raise CniError(IO_FAILURE, f"cannot write the endpoint file for {namespace}/{name}: {e.strerror or e}") from None
 
 
 def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> None:
@@ -334,6 +368,7 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
         # usable subnet file either, there is nothing this plugin can undo.
         if current is not None:
             invoke_delegate(current, args, env, timeout=timeout)
+        policy_endpoints.remove(data_dir, args.container_id)
         return
     try:
         invoke_delegate(stored, args, env, timeout=timeout)
@@ -351,6 +386,7 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
         except CniError:
             raise stored_failed from None
     remove_state(data_dir, args.container_id)
+    policy_endpoints.remove(data_dir, args.container_id)
 
 
 def _current_delegate_config(netconf: dict[str, Any]) -> dict[str, Any] | None:

@@ -40,6 +40,7 @@ from .config import Config, ConfigError, load_config, reloaded
 from .datastore import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
 from .forwarding import PeerPlan, plan_external, plan_peer, route_for
 from .netinfo import NetInfoError, Underlay, underlay_for
+from .policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy (issue 13)
 from .routing import Route, RouteProgrammer, SyncResult
 from .sdnotify import Notifier
 from .speaker import SpeakerMetrics, bfd_timers, listen_ranges, local_settings, peer_rows, peer_settings
@@ -78,6 +79,7 @@ class Agent:
         self.service: SpeakerService | None = None
         self.tunnels: Tunnels | None = None
         self.cluster: ClusterConfig | None = None
+        self.policy: PolicyAgent | None = None  # NetworkPolicy (issue 13)
         self.lease: SubnetLease | None = None
         self.nodes: dict[str, NodeRecord] = {}
         self.plans: dict[str, PeerPlan] = {}
@@ -126,6 +128,8 @@ class Agent:
             stop.cancel()
             start.result()
             self.supervisor.start("node-watch", self._watch_nodes)
+            if self.policy is not None:
+                self.supervisor.start("policy", self.policy.run)
             self.supervisor.start("readiness", self._readiness_loop)
             await self._stop.wait()
         except AgentError as err:
@@ -185,6 +189,11 @@ class Agent:
         self._write_cni_files()
         await self.datastore.register_node(self._node_record())
         await self.datastore.set_subnet_backend_data(self.tunnels.node_data())
+        # NetworkPolicy (issue 13): adopt the policy tables as they are; they change only once
+        # the resources in etcd have been read (the "policy" task).
+        self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry)
+        self.registry.register(self.policy)
+        await self.policy.start()
 
         # BGP.
         self.speaker = Speaker(local_settings(cfg, restarting=self._restarting), now=time.monotonic())
@@ -267,6 +276,8 @@ class Agent:
             await self.programmer.stop(remove_routes=not graceful)
         if self.tunnels is not None:
             await self.tunnels.stop(remove=not graceful)
+        if self.policy is not None:  # the policy tables stay in force unless the node leaves
+            self.policy.close()
         if self.datastore is not None:
             with contextlib.suppress(Exception):
                 await self.datastore.close()
@@ -289,6 +300,8 @@ class Agent:
         for path in (self.cfg.cni.subnet_file,):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        if self.policy is not None:  # NetworkPolicy (issue 13); pod records went with the lease
+            await self.policy.leave()
 
     def _reload(self) -> None:
         """SIGHUP: re-read the configuration; external peers and the log level change live."""
@@ -500,6 +513,7 @@ class Agent:
                 "endpoint": self.datastore.endpoint if self.datastore else None,
             },
             "backends": self.tunnels.status() if self.tunnels else {},
+            "policy": self.policy.status() if self.policy else None,
             "tasks": self.supervisor.summary(),
             "ready": self.readiness()[0],
         }
@@ -516,6 +530,10 @@ class Agent:
 
     def bgp_speaker(self) -> Speaker | None:
         return self.speaker
+
+    def policy_view(self, pod: str | None = None) -> dict[str, Any] | None:
+        """GET /policy (issue 13)."""
+        return self.policy.view(pod) if self.policy else None
 
     def routes(self) -> list[dict[str, Any]]:
         programmed = {r.dst for r in self.programmer.programmed()} if self.programmer else set()
@@ -569,6 +587,7 @@ async def leave(cfg: Config) -> int:
         released = await ds.release(name, timeout=10)
         await ds.remove_node(name, timeout=10)
         log.info("node %s removed from etcd (no agent was running); released %s", name, ", ".join(map(str, released)) or "-")
+        await remove_policy_tables()  # NetworkPolicy (issue 13)
         return 0
     except Exception as err:
         log.error("cannot leave: %s", err)

@@ -106,7 +106,9 @@ __all__ = [
     "Datastore",
     "DatastoreError",
     "DatastoreUnavailable",
+    "KeyValue",
     "NodeEvent",
+    "PrefixEvent",
     "NodeRecord",
     "RecordError",
     "SubnetExhausted",
@@ -114,6 +116,26 @@ __all__ = [
 ]
 
 log = logging.getLogger("agentd.datastore")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValue:
+    """One etcd key-value as a watch or a read delivers it (``lease`` 0: none)."""
+
+    key: bytes
+    value: bytes
+    mod_revision: int
+    lease: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixEvent:
+    """From :meth:`Datastore.watch_prefix`: "snapshot" (``kvs``: every key, at ``revision``),
+    "put" or "delete" (``kvs``: the one key; a delete's value is empty)."""
+
+    kind: str
+    revision: int
+    kvs: list[KeyValue]
 
 T = TypeVar("T")
 StateCallback = Callable[[bool], Any]
@@ -459,15 +481,27 @@ class Datastore:
         log.warning("skipping malformed record at %s: %s", key.decode(errors="replace"), error)
 
     async def watch_nodes(self) -> AsyncIterator[NodeEvent]:
-        """A "snapshot" of every node, then "put"/"delete" events.  After an interruption
-        (a member lost, a leader change, an outage) the watch resumes on the next endpoint
-        from the revision after the last one delivered; a new snapshot only follows a
+        """A "snapshot" of every node, then "put"/"delete" events (see :meth:`watch_prefix`).
+        Runs until the consumer stops iterating."""
+        nodes: dict[str, NodeRecord] = {}
+        async for ev in self.watch_prefix(nodes_prefix(self.prefix), "node watch"):
+            if ev.kind == "snapshot":
+                nodes = self._parse_nodes(ev.kvs)
+                yield NodeEvent("snapshot", nodes=dict(nodes))
+                continue
+            item = self._node_event(ev.kvs[0], ev.kind, nodes)
+            if item is not None:
+                yield item
+
+    async def watch_prefix(self, prefix: bytes, what: str = "watch") -> AsyncIterator[PrefixEvent]:
+        """Every key under ``prefix``: a "snapshot" (all key-values at one revision), then a
+        "put" or "delete" per change.  After an interruption (a member lost, a leader change,
+        an outage) the watch resumes on the next endpoint from the revision after the last
+        one delivered, so no event is lost or repeated; a new snapshot only follows a
         compaction (or an error we cannot place).  Runs until the consumer stops iterating."""
-        prefix = nodes_prefix(self.prefix)
         backoff = self._backoff()
         index = self._endpoint_index
         interrupted = False
-        nodes: dict[str, NodeRecord] = {}
         revision: int | None = None  # every event up to here is delivered; None: snapshot first
         while not self._closed:
             # Its own connection: aetcd serves all watches of a client over one stream,
@@ -477,25 +511,25 @@ class Datastore:
             try:
                 if revision is None:
                     got = await asyncio.wait_for(client.get_prefix(prefix), self.request_timeout)
-                    nodes = self._parse_nodes(got)
                     revision = got.header.revision
+                    kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in got]
                     self._set_connected(True)
                     if interrupted:
-                        log.info("node watch re-synced at revision %d (%d nodes)", revision, len(nodes))
-                    yield NodeEvent("snapshot", nodes=dict(nodes))
+                        log.info("%s re-synced at revision %d (%d keys)", what, revision, len(kvs))
+                    yield PrefixEvent("snapshot", revision, kvs)
                 watch = await client.watch_prefix(prefix, start_revision=revision + 1)
                 self._set_connected(True)
                 if interrupted:
-                    log.info("node watch resumed at revision %d on %s", revision + 1, client.endpoint.url)
+                    log.info("%s resumed at revision %d on %s", what, revision + 1, client.endpoint.url)
                 interrupted = False
                 backoff.reset()
                 async for event in watch:
                     # aetcd queues all events of a watch response before any error, so a
                     # revision is never split across an interruption.
                     revision = max(revision, event.kv.mod_revision)
-                    item = self._node_event(event, nodes)
-                    if item is not None:
-                        yield item
+                    kv = KeyValue(event.kv.key, event.kv.value, event.kv.mod_revision, event.kv.lease)
+                    kind = "delete" if event.kind == aetcd.EventKind.DELETE else "put"
+                    yield PrefixEvent(kind, event.kv.mod_revision, [kv])
                 if self._closed:
                     return
                 raise aetcd.ClientError("watch canceled by etcd")
@@ -508,29 +542,37 @@ class Datastore:
                     return
                 compacted = isinstance(exc, aetcd.RevisionCompactedError)
                 if is_transient(exc):
-                    self._set_connected(False, f"node watch: {describe(exc)}")
+                    self._set_connected(False, f"{what}: {describe(exc)}")
                     index += 1
                 else:
                     revision = None  # compacted, or not understood: start again from a snapshot
                 if not interrupted:
                     level = logging.WARNING if (compacted or is_transient(exc)) else logging.ERROR
                     how = "resuming" if revision is not None else "re-syncing with a new snapshot"
-                    log.log(level, "node watch interrupted (%s); %s", describe(exc), how)
+                    log.log(level, "%s interrupted (%s); %s", what, describe(exc), how)
                 interrupted = True
                 await asyncio.sleep(0 if compacted else backoff.next())
             finally:
                 self._watch_clients.discard(client)
                 await _close_quietly(client)
 
-    def _node_event(self, event: aetcd.Event, nodes: dict[str, NodeRecord]) -> NodeEvent | None:
-        key = event.kv.key
-        if event.kind == aetcd.EventKind.DELETE:
+    async def request(
+        self, what: str, op: Callable[[EtcdClient], Awaitable[T]], *, timeout: float | None = None
+    ) -> T:
+        """Run ``op(client)`` against etcd with the datastore's retries and endpoint failover
+        (for stores built on this one, e.g. agentd.resources); DatastoreUnavailable after
+        ``timeout`` seconds."""
+        return await self._call(what, op, self._deadline(timeout))
+
+    def _node_event(self, kv: KeyValue, kind: str, nodes: dict[str, NodeRecord]) -> NodeEvent | None:
+        key = kv.key
+        if kind == "delete":
             try:
                 name = parse_node_key(self.prefix, key)
             except RecordError:
                 return None
             return NodeEvent("delete", name=name) if nodes.pop(name, None) is not None else None
-        record = self._parse_node_kv(key, event.kv.value, event.kv.mod_revision)
+        record = self._parse_node_kv(key, kv.value, kv.mod_revision)
         if record is None:
             # The record we knew became unreadable: to the consumer it is gone.
             with contextlib.suppress(RecordError):

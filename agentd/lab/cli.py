@@ -39,7 +39,7 @@ def _seconds(text: str) -> float:
 
 
 def add_lab_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="lab_command", metavar="up|down|status|exec")
+    sub = p.add_subparsers(dest="lab_command", metavar="up|down|status|exec|pod")
     sub.required = True
     up = sub.add_parser("up", help="build the lab and wait until every pod reaches every other pod")
     up.add_argument("--name", type=_lab_name, default="lab", help="lab name (namespaces are ad-<name>-*)")
@@ -60,6 +60,62 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     ex.add_argument("--name", type=_lab_name, default="lab")
     ex.add_argument("target", help="node name (node1) or pod name (node1-pod1)")
     ex.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND...")
+    # Pods with a namespace, labels and named ports (NetworkPolicy, issue 13).
+    pod = sub.add_parser("pod", help="add, remove or list pods with a namespace and labels")
+    pods = pod.add_subparsers(dest="pod_command", metavar="add|del|list")
+    pods.required = True
+    add = pods.add_parser("add", help="attach a pod NS/NAME with labels to a node")
+    add.add_argument("--name", type=_lab_name, default="lab")
+    add.add_argument("node", help="node name (node1)")
+    add.add_argument("pod", type=_pod_ref, metavar="NS/NAME")
+    add.add_argument("--labels", "-l", nargs="*", default=[], type=_label, metavar="KEY=VALUE")
+    add.add_argument("--port", "-p", action="append", default=[], type=_named_port, metavar="NAME=PORT[/PROTO]",
+                     help="a named container port (repeatable), e.g. http=80/TCP")
+    rm = pods.add_parser("del", help="detach a pod (CNI DEL) and remove its namespace")
+    rm.add_argument("--name", type=_lab_name, default="lab")
+    rm.add_argument("pod", type=_pod_ref, metavar="NS/NAME")
+    ls = pods.add_parser("list", help="the lab's pods")
+    ls.add_argument("--name", type=_lab_name, default="lab")
+
+
+def _pod_ref(text: str) -> str:
+    from ..resources.validation import Invalid, dns1123_label, dns1123_subdomain
+
+    ns, _, name = text.rpartition("/")
+    try:
+        dns1123_label(ns or "default", "namespace")
+        dns1123_subdomain(name, "name")
+    except Invalid as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+    return text
+
+
+def _label(text: str) -> str:
+    from ..resources.validation import Invalid, label_value, qualified_name
+
+    key, eq, value = text.partition("=")
+    try:
+        if not eq:
+            raise Invalid("", "expected KEY=VALUE")
+        qualified_name(key, "key")
+        label_value(value, "value")
+    except Invalid as err:
+        raise argparse.ArgumentTypeError(f"label {text!r}: {err}") from None
+    return text
+
+
+def _named_port(text: str) -> dict:
+    from ..resources.pod import container_port
+    from ..resources.validation import Invalid
+
+    name, eq, rest = text.partition("=")
+    number, _, proto = rest.partition("/")
+    try:
+        if not eq or not number.isdigit():
+            raise Invalid("", "expected NAME=PORT[/PROTO], e.g. http=80/TCP")
+        return container_port({"name": name, "containerPort": int(number), "protocol": proto.upper() or "TCP"}, "port", set())
+    except Invalid as err:
+        raise argparse.ArgumentTypeError(f"port {text!r}: {err}") from None
 
 
 def lab_command(args: argparse.Namespace) -> int:
@@ -72,6 +128,8 @@ def lab_command(args: argparse.Namespace) -> int:
             return lab.cli_down(args.name)
         if args.lab_command == "status":
             return lab.cli_status(args.name)
+        if args.lab_command == "pod":
+            return lab.cli_pod(args)
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not argv:
             sys.stderr.write("agentd lab exec: no command given (agentd lab exec NODE -- CMD...)\n")

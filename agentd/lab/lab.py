@@ -216,15 +216,56 @@ class LabNode:
 
 
 class LabPod:
-    def __init__(self, node: LabNode, index: int) -> None:
+    """A pod: ``node1-pod2`` (``--pods``, Kubernetes identity default/node1-pod2) or one added
+    with a namespace, a name, labels and named ports (``lab.add_pod``, ``lab pod add``),
+    whose lab name is ``NS/NAME``.  agentd-cni gets the identity as a runtime passes it."""
+
+    def __init__(
+        self,
+        node: LabNode,
+        index: int | None = None,
+        *,
+        namespace: str = "default",
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        ports: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.node = node
-        self.name = f"{node.name}-pod{index}"
-        self.ns = Netns(f"ad-{node.lab.spec.name}-{self.name}")
-        self.container_id = f"{node.lab.spec.name}-{self.name}"
+        self.added = name is not None
+        if name is None:
+            self.name = f"{node.name}-pod{index}"
+            self.namespace, self.k8s_name = "default", self.name
+            slug = self.name
+        else:
+            self.namespace, self.k8s_name = namespace, name
+            self.name = f"{namespace}/{name}"
+            slug = _slug(f"p-{namespace}-{name}")
+        self.labels = dict(labels or {})
+        self.ports = list(ports or [])
+        self.ns = Netns(f"ad-{node.lab.spec.name}-{slug}")
+        self.container_id = f"{node.lab.spec.name}-{slug}"
         self.ip: str | None = None
 
     def __repr__(self) -> str:
         return f"<LabPod {self.name} {self.ip}>"
+
+    def netconf_extra(self) -> dict[str, Any]:
+        """Labels (CNI conventions' args.cni.labels) and named ports, as a runtime passes them."""
+        extra: dict[str, Any] = {}
+        if self.labels:
+            extra["args"] = {"cni": {"labels": [{"key": k, "value": v} for k, v in self.labels.items()]}}
+        if self.ports:
+            extra["runtimeConfig"] = {"containerPorts": self.ports}
+        return extra
+
+
+def _slug(text: str) -> str:
+    """A namespace/container name part: short enough for a file name, else hashed."""
+    if len(text) <= 60:
+        return text
+    import hashlib
+
+    return f"{text[:40]}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
 class Lab:
@@ -254,6 +295,7 @@ class Lab:
         self.nodes = [LabNode(self, i) for i in range(1, spec.nodes + 1)]
         self.pods = [LabPod(n, j) for n in self.nodes for j in range(1, spec.pods + 1)]
         self._t0 = time.monotonic()
+        self._resources: Any = None  # agentd.lab.resources.LabResources, started on first use
 
     # ------------------------------------------------------------ lookup
 
@@ -267,7 +309,7 @@ class Lab:
         for p in self.pods:
             if p.name == name:
                 return p
-        raise LabError(f"no pod {name!r} in lab {self.spec.name}")
+        raise LabError(f"no pod {name!r} in lab {self.spec.name} (pods: {', '.join(p.name for p in self.pods)})")
 
     def namespace_of(self, target: str) -> Netns:
         if target in ("etcd", "router", "underlay"):
@@ -462,17 +504,25 @@ class Lab:
                 await self.attach_pod(pod)
 
     async def attach_pod(self, pod: LabPod) -> None:
+        if not pod.ns.exists():
+            Netns.create(pod.ns.name)
+        out = await self._cni(pod, "ADD")
+        result = json.loads(out)
+        pod.ip = result["ips"][0]["address"].split("/")[0]
+
+    async def _cni(self, pod: LabPod, command: str) -> bytes:
+        """Run agentd-cni on the pod's node as a container runtime would (K8S_POD_* in CNI_ARGS)."""
         node = pod.node
         conflist = json.loads((node.dir / "net.d" / "10-agentd.conflist").read_text())
         netconf = dict(conflist["plugins"][0], name=conflist["name"], cniVersion=conflist["cniVersion"])
-        if not pod.ns.exists():
-            Netns.create(pod.ns.name)
+        netconf.update(pod.netconf_extra())
         env = {
-            "CNI_COMMAND": "ADD",
+            "CNI_COMMAND": command,
             "CNI_CONTAINERID": pod.container_id,
             "CNI_NETNS": pod.ns.path,
             "CNI_IFNAME": "eth0",
             "CNI_PATH": CNI_PLUGIN_DIR,
+            "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={pod.namespace};K8S_POD_NAME={pod.k8s_name}",
             "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
         }
         proc = await asyncio.create_subprocess_exec(
@@ -481,9 +531,50 @@ class Lab:
         )  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(json.dumps(netconf).encode()), 60)
         if proc.returncode != 0:
-            raise LabError(f"agentd-cni ADD for {pod.name} failed: {out.decode().strip()} {err.decode().strip()}")
-        result = json.loads(out)
-        pod.ip = result["ips"][0]["address"].split("/")[0]
+            raise LabError(f"agentd-cni {command} for {pod.name} failed: {out.decode().strip()} {err.decode().strip()}")
+        return out
+
+    async def add_pod(
+        self,
+        node: LabNode | str,
+        namespace: str,
+        name: str,
+        *,
+        labels: dict[str, str] | None = None,
+        ports: list[dict[str, Any]] | None = None,
+    ) -> LabPod:
+        """Attach one more pod, ``namespace/name`` with ``labels`` and named ``ports``
+        (``[{"name": "http", "containerPort": 80, "protocol": "TCP"}]``), to ``node``."""
+        node = self.node(node) if isinstance(node, str) else node
+        if any(p.name == f"{namespace}/{name}" for p in self.pods):
+            raise LabError(f"lab {self.spec.name} already has a pod {namespace}/{name}")
+        pod = LabPod(node, namespace=namespace, name=name, labels=labels, ports=ports)
+        self.pods.append(pod)
+        try:
+            await self.attach_pod(pod)
+        except BaseException:
+            self.pods.remove(pod)
+            with contextlib.suppress(Exception):
+                await self._cni(pod, "DEL")
+            await asyncio.to_thread(pod.ns.delete)
+            raise
+        self._save()
+        return pod
+
+    async def remove_pod(self, pod: LabPod) -> None:
+        """CNI DEL for ``pod`` (as the runtime does when it goes), then its namespace."""
+        await self._cni(pod, "DEL")
+        await asyncio.to_thread(pod.ns.delete)
+        self.pods.remove(pod)
+        self._save()
+
+    async def resources(self) -> Any:
+        """Apply/get/delete/label in this lab's etcd (:class:`agentd.lab.resources.LabResources`)."""
+        if self._resources is None:
+            from .resources import LabResources
+
+            self._resources = await LabResources.start(self.nodes[0])
+        return self._resources
 
     async def ping(self, src: LabPod | LabNode, dst_ip: str, *, count: int = 1, wait: float = 1.0) -> bool:
         """True if ``count`` echo replies come back within ``count * wait + 2`` seconds (ping keeps
@@ -513,6 +604,10 @@ class Lab:
     # ------------------------------------------------------------ down, state
 
     async def down(self, *, keep_files: bool = False) -> list[str]:
+        if self._resources is not None:
+            with contextlib.suppress(Exception):
+                await self._resources.close()
+            self._resources = None
         for n in self.nodes:
             with contextlib.suppress(Exception):
                 await n.stop_agent(signal.SIGTERM, timeout=5)
@@ -528,7 +623,11 @@ class Lab:
         return removed
 
     def _save(self) -> None:
-        state = {"spec": asdict(self.spec), "pods": {p.name: p.ip for p in self.pods}}
+        added = [
+            {"node": p.node.name, "namespace": p.namespace, "name": p.k8s_name, "labels": p.labels, "ports": p.ports}
+            for p in self.pods if p.added
+        ]  # fmt: skip
+        state = {"spec": asdict(self.spec), "pods": {p.name: p.ip for p in self.pods}, "added_pods": added}
         (self.dir / "lab.json").write_text(json.dumps(state, indent=2))
 
     @classmethod
@@ -541,6 +640,11 @@ class Lab:
             raise LabError(f"no lab named {name} (no {path}); `agentd lab up --name {name}` makes one") from None
         try:
             lab = cls(LabSpec(**state["spec"]), root=root)
+            for extra in state.get("added_pods", []):
+                lab.pods.append(
+                    LabPod(lab.node(extra["node"]), namespace=extra["namespace"], name=extra["name"],
+                           labels=extra.get("labels"), ports=extra.get("ports"))
+                )  # fmt: skip
             for p in lab.pods:
                 p.ip = state.get("pods", {}).get(p.name)
         except (KeyError, TypeError, AttributeError, ValueError) as err:
@@ -669,4 +773,29 @@ def cli_exec(name: str, target: str, argv: list[str]) -> int:
     env = dict(os.environ)
     # The venv's agentd and agentd-cni first, so `lab exec node1 -- agentd status` works under sudo.
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"
+    for n in lab.nodes:
+        if n.name == target:  # `lab exec node1 -- agentd apply -f ...` finds the lab's etcd
+            env["AGENTD_CONFIG"] = str(n.config_path)
     return subprocess.call(["ip", "netns", "exec", ns.name, *argv], env=env)
+
+
+def cli_pod(args) -> int:
+    """``agentd lab pod add NODE NS/NAME [--labels k=v ...] [--port NAME=PORT[/PROTO] ...]``,
+    ``agentd lab pod del NS/NAME``, ``agentd lab pod list``."""
+    lab = Lab.load(args.name)
+    if args.pod_command == "list":
+        from ..resources.cli import plain_table
+
+        rows = [[p.name, p.node.name, p.ip or "-", ",".join(f"{k}={v}" for k, v in p.labels.items()) or "-"]
+                for p in lab.pods]  # fmt: skip
+        print(plain_table(["POD", "NODE", "IP", "LABELS"], rows))
+        return 0
+    ns, _, pod_name = args.pod.rpartition("/")
+    if args.pod_command == "del":
+        asyncio.run(lab.remove_pod(lab.pod(args.pod if ns else f"default/{pod_name}")))
+        print(f"pod {args.pod} removed")
+        return 0
+    labels = dict(item.split("=", 1) for item in args.labels)
+    pod = asyncio.run(lab.add_pod(args.node, ns or "default", pod_name, labels=labels, ports=args.port))
+    print(f"pod {pod.name} on {pod.node.name}: {pod.ip} (namespace {pod.ns.name})")
+    return 0

@@ -1,0 +1,180 @@
+"""A pod's servers and prober for the lab's reachability matrices (NetworkPolicy tests and benches).
+
+Run inside a pod's namespace (``python -m agentd.lab.probe NAME tcp:80,tcp:81,udp:80,udp:81``),
+it serves the given TCP and UDP ports (answering with its name) and reads probe requests,
+one JSON line each, on stdin::
+
+    {"targets": [["10.244.1.2", "tcp", 80], ...], "timeout": 1.0}
+
+and answers one JSON line: ``[true, false, ...]`` in the same order.  All probes of a
+request run at once.  A TCP probe succeeds when a connection is made and the server's name
+comes back; a UDP probe when a datagram sent (again every 200 ms) is echoed with its nonce.
+A probe that is dropped by policy fails after ``timeout`` seconds.
+
+:class:`Prober` is the test side: it starts the process in a pod's namespace and asks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+
+# ------------------------------------------------------------------ in the pod
+
+
+class _Echo(asyncio.DatagramProtocol):
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        assert self.transport is not None
+        self.transport.sendto(self.name + b" " + data, addr)
+
+
+async def _tcp_probe(ip: str, port: int, timeout: float) -> bool:
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+    except (OSError, TimeoutError):
+        return False
+    try:
+        data = await asyncio.wait_for(reader.read(100), timeout)
+        return bool(data)
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
+
+
+class _UdpClient(asyncio.DatagramProtocol):
+    def __init__(self, nonce: bytes) -> None:
+        self.nonce = nonce
+        self.done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if data.endswith(self.nonce) and not self.done.done():
+            self.done.set_result(True)
+
+    def error_received(self, exc: Exception) -> None:
+        pass
+
+
+async def _udp_probe(ip: str, port: int, timeout: float) -> bool:
+    loop = asyncio.get_running_loop()
+    nonce = os.urandom(8).hex().encode()
+    transport, proto = await loop.create_datagram_endpoint(lambda: _UdpClient(nonce), remote_addr=(ip, port))
+    try:
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            transport.sendto(nonce)
+            try:
+                return await asyncio.wait_for(asyncio.shield(proto.done), min(0.2, max(0.01, deadline - loop.time())))
+            except TimeoutError:
+                continue
+        return False
+    finally:
+        transport.close()
+
+
+async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
+    loop = asyncio.get_running_loop()
+    label = name.encode()
+
+    async def on_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(label)
+            await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    servers = []
+    for proto, port in ports:
+        if proto == "tcp":
+            servers.append(await asyncio.start_server(on_tcp, "0.0.0.0", port, reuse_address=True))
+        else:
+            transport, _ = await loop.create_datagram_endpoint(lambda: _Echo(label), local_addr=("0.0.0.0", port))
+            servers.append(transport)
+    reader = asyncio.StreamReader(limit=1 << 24)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    sys.stdout.write(json.dumps("ready") + "\n")
+    sys.stdout.flush()
+    while line := await reader.readline():
+        req = json.loads(line)
+        timeout = float(req.get("timeout", 1.0))
+        probes = [
+            (_tcp_probe if proto == "tcp" else _udp_probe)(ip, int(port), timeout)
+            for ip, proto, port in req["targets"]
+        ]
+        results = await asyncio.gather(*probes)
+        sys.stdout.write(json.dumps(list(results)) + "\n")
+        sys.stdout.flush()
+
+
+# ------------------------------------------------------------------ the test side
+
+
+class Prober:
+    """The servers and prober of one lab pod (a process inside its namespace)."""
+
+    def __init__(self, pod: Any, proc: asyncio.subprocess.Process) -> None:
+        self.pod = pod
+        self.proc = proc
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def start(cls, pod: Any, ports: list[tuple[str, int]]) -> Prober:
+        spec = ",".join(f"{p}:{n}" for p, n in ports)
+        proc = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", pod.ns.name, sys.executable, "-m", "agentd.lab.probe", pod.name, spec,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            limit=1 << 24,
+        )  # fmt: skip
+        self = cls(pod, proc)
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        if json.loads(line or b"null") != "ready":
+            raise RuntimeError(f"prober of {pod.name} did not start")
+        return self
+
+    async def probe(self, targets: list[tuple[str, str, int]], timeout: float = 1.0) -> list[bool]:
+        if not targets:
+            return []
+        async with self._lock:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps({"targets": targets, "timeout": timeout}).encode() + b"\n")
+            await self.proc.stdin.drain()
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout * 3 + 30)
+        if not line:
+            raise RuntimeError(f"prober of {self.pod.name} exited")
+        return json.loads(line)
+
+    async def close(self) -> None:
+        if self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+def main(argv: list[str]) -> None:
+    name, spec = argv[0], argv[1]
+    ports = [(p.split(":")[0], int(p.split(":")[1])) for p in spec.split(",") if p]
+    socket.setdefaulttimeout(None)
+    asyncio.run(_serve(name, ports))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,483 @@
+"""The policy half of the node agent: etcd and local pods in, nftables out.
+
+One :class:`PolicyAgent` per ``agentd run``.  It
+
+1. adopts the node's policy tables as a previous run left them (they keep enforcing);
+2. follows every resource in etcd with one watch (pods of every node, namespaces, policies)
+   and this node's endpoint files (written by agentd-cni; inotify);
+3. keeps this node's pod records in etcd equal to its endpoint files (under the node lease,
+   so the records of a node that is gone go with its lease), labels set later with
+   ``agentd label pod`` written back to the files;
+4. after every batch of changes, builds the wanted ruleset (:class:`PolicyEngine`) and sends
+   the difference to the kernel in one transaction (:class:`PolicyProgrammer`);
+5. answers ``GET /policy``, feeds /metrics and ``agentd status``.
+
+Until the first etcd snapshot has arrived nothing is changed in the kernel: a restarted
+agent enforces what the previous run left, never a half-known state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agentd.datastore import Datastore
+from agentd.resources import kinds
+from agentd.resources.pod import CONTAINER_ID, CONTAINER_NAME, INTERFACE
+from agentd.resources.store import ResourceEvent, ResourceStore
+
+from . import compiler, endpoints
+from .engine import PolicyEngine
+from .libnftables import Nft, NftError
+from .model import LocalPort, Pod, PodKey, Policy
+from .programmer import PolicyProgrammer
+
+log = logging.getLogger("agentd.policy")
+
+RESCAN_INTERVAL = 10.0  # endpoint files are read again this often even without inotify events
+COUNTERS_INTERVAL = 2.0
+PUBLISH_INTERVAL = 5.0  # own pod records are checked against etcd this often (lease changes)
+HISTORY = 64
+
+
+class PolicyAgent:
+    def __init__(
+        self,
+        node: str,
+        datastore: Datastore,
+        data_dir: str,
+        *,
+        registry: Any = None,
+        nft: Nft | None = None,
+    ) -> None:
+        self.node = node
+        self.ds = datastore
+        self.store = ResourceStore(datastore)
+        self.data_dir = str(data_dir)
+        self.engine = PolicyEngine(node)
+        self.nft = nft
+        self.programmer: PolicyProgrammer | None = None
+        self.records: dict[PodKey, dict[str, Any]] = {}  # pod records in etcd, every node
+        self.record_leases: dict[PodKey, int] = {}
+        self.endpoints: dict[str, endpoints.Endpoint] = {}  # this node's endpoint files
+        self.policy_count = 0
+        self.revision = 0  # etcd revision of the last resource event taken in
+        self.applied_revision = 0
+        self.applied_at: float | None = None
+        self.history: deque[tuple[int, float]] = deque(maxlen=HISTORY)
+        self.dropped: dict[tuple[str, str], int] = {}
+        self.spoofed = 0
+        self.error: str | None = None
+        self.syncs = 0
+        self.sync_errors = 0
+        self._have_snapshot = False
+        self._have_local = False
+        self._wake = asyncio.Event()
+        self._publish_wake = asyncio.Event()
+        self._reported: set[str] = set()
+        self._watch: endpoints.DirectoryWatch | None = None
+        self.sync_seconds = (
+            Histogram("agentd_policy_sync_seconds", "time to program one policy change into nftables", registry=registry)
+            if registry is not None
+            else None
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Open nftables and adopt the tables a previous run left (no change to them)."""
+        if self.nft is None:
+            self.nft = await asyncio.to_thread(Nft)
+        self.programmer = PolicyProgrammer(self.nft)
+        await self.programmer.adopt()
+
+    async def run(self) -> None:
+        """The supervised task: watches, publishing, syncing, counters."""
+        if self.programmer is None:
+            await self.start()
+        self._watch = endpoints.DirectoryWatch(endpoints.endpoints_dir(self.data_dir), self._local_changed)
+        if not self._watch.start():
+            log.warning("inotify unavailable: endpoint files are read every %.0f s", RESCAN_INTERVAL)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._watch_resources())
+                tg.create_task(self._rescan_loop())
+                tg.create_task(self._sync_loop())
+                tg.create_task(self._publish_loop())
+                tg.create_task(self._counters_loop())
+        finally:
+            self._watch.stop()
+
+    async def leave(self) -> None:
+        """``agentd leave``: remove the policy tables (the pod records go with the node lease)."""
+        if self.programmer is None:
+            with contextlib.suppress(NftError):
+                self.nft = self.nft or Nft()
+                self.programmer = PolicyProgrammer(self.nft)
+        if self.programmer is not None:
+            try:
+                if await self.programmer.remove():
+                    log.info("removed the policy tables")
+            except NftError as err:
+                log.error("could not remove the policy tables: %s", err)
+
+    def close(self) -> None:
+        if self.nft is not None:
+            self.nft.close()
+            self.nft = None
+
+    # ------------------------------------------------------------------ inputs
+
+    async def _watch_resources(self) -> None:
+        async for ev in self.store.watch():
+            self._on_resource(ev)
+            self._wake.set()
+
+    def _on_resource(self, ev: ResourceEvent) -> None:
+        self.revision = max(self.revision, ev.revision)
+        if ev.kind == "snapshot":
+            seen = set(ev.objects)
+            for key in list(self._known_keys()):
+                if key not in seen:
+                    self._delete(key)
+            for key, obj in ev.objects.items():
+                self._put(obj, ev.leases.get(key, 0))
+            self._have_snapshot = True
+            self._publish_wake.set()
+        elif ev.kind == "put" and ev.obj is not None:
+            self._put(ev.obj, ev.lease)
+        elif ev.kind == "delete" and ev.key is not None:
+            self._delete(ev.key)
+
+    def _known_keys(self) -> list[tuple[str, str, str]]:
+        out = [("Pod", ns, name) for ns, name in self.records]
+        out += [("Namespace", "", name) for name in self.engine.namespaces]
+        out += [("NetworkPolicy", ns, name) for ns, name in self.engine.policies]
+        return out
+
+    def _put(self, obj: dict[str, Any], lease: int = 0) -> None:
+        kind = obj["kind"]
+        meta = obj["metadata"]
+        if kind == "Namespace":
+            self.engine.set_namespace(meta["name"], meta.get("labels") or {})
+        elif kind == "NetworkPolicy":
+            self.engine.upsert_policy(Policy.parse(obj))
+            self.policy_count = len(self.engine.policies)
+        elif kind == "Pod":
+            key = (meta["namespace"], meta["name"])
+            self.records[key] = obj
+            self.record_leases[key] = lease
+            if obj["spec"].get("nodeName") == self.node:
+                self._publish_wake.set()
+            self._feed_pod(key)
+
+    def _delete(self, key: tuple[str, str, str]) -> None:
+        kind, ns, name = key
+        if kind == "Namespace":
+            self.engine.set_namespace(name, None)
+        elif kind == "NetworkPolicy":
+            self.engine.remove_policy((ns, name))
+            self.policy_count = len(self.engine.policies)
+        elif kind == "Pod":
+            old = self.records.pop((ns, name), None)
+            self.record_leases.pop((ns, name), None)
+            if old is not None and old["spec"].get("nodeName") == self.node:
+                self._publish_wake.set()
+            self._feed_pod((ns, name))
+
+    def _local_changed(self) -> None:
+        self._rescan()
+
+    async def _rescan_loop(self) -> None:
+        while True:
+            self._rescan()
+            await asyncio.sleep(RESCAN_INTERVAL)
+
+    def _rescan(self) -> None:
+        found = endpoints.read_all(self.data_dir, self._reported)
+        if found == self.endpoints and self._have_local:
+            return
+        old_keys = {ep.key for ep in self.endpoints.values()}
+        self.endpoints = found
+        self._have_local = True
+        for key in old_keys | {ep.key for ep in found.values()}:
+            self._feed_pod(key)
+        self._publish_wake.set()
+        self._wake.set()
+
+    def _local(self, key: PodKey) -> endpoints.Endpoint | None:
+        for ep in self.endpoints.values():
+            if ep.key == key:
+                return ep
+        return None
+
+    def _feed_pod(self, key: PodKey) -> None:
+        """Tell the engine what is known of pod ``key`` now (local file first, else its record)."""
+        ep = self._local(key)
+        record = self.records.get(key)
+        if ep is not None:
+            labels = ep.labels
+            if record is not None and record["spec"].get("nodeName") == self.node and _container(record) == ep.container_id:
+                labels = record["metadata"].get("labels") or {}
+            pod = Pod.parse(_record_for(ep, self.node, labels))
+            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge))
+        elif record is not None and record["spec"].get("nodeName") != self.node:
+            try:
+                self.engine.upsert_pod(Pod.parse(record))
+            except (KeyError, ValueError) as err:
+                log.warning("pod record %s/%s unusable: %s", *key, err)
+                self.engine.remove_pod(key)
+        else:
+            # Gone, or a stale record of ours without a file (removed from etcd by _publish).
+            self.engine.remove_pod(key)
+
+    # ------------------------------------------------------------------ publishing our pods
+
+    async def _publish_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._publish_wake.wait(), PUBLISH_INTERVAL)
+            except TimeoutError:
+                pass
+            self._publish_wake.clear()
+            if not (self._have_snapshot and self._have_local):
+                continue
+            try:
+                await self._publish()
+            except Exception as err:  # etcd trouble: the next round tries again
+                log.warning("publishing this node's pods failed: %s", err)
+                await asyncio.sleep(1.0)
+                self._publish_wake.set()
+
+    async def _publish(self) -> None:
+        lease = self.ds.lease_id
+        if lease is None:
+            return
+        wanted = {ep.key: ep for ep in self.endpoints.values()}
+        for key, ep in wanted.items():
+            record = self.records.get(key)
+            if record is not None and record["spec"].get("nodeName") != self.node:
+                self._report(f"conflict:{key}", "pod %s/%s is recorded for node %s; not overwriting it",
+                             key[0], key[1], record["spec"].get("nodeName"))
+                continue
+            labels = ep.labels
+            expect = 0
+            if record is not None:
+                expect = int(record["metadata"]["resourceVersion"])
+                if _container(record) == ep.container_id:
+                    labels = record["metadata"].get("labels") or {}
+                    if labels != ep.labels:  # set by `agentd label pod`: keep it in the file
+                        self.endpoints[ep.container_id] = endpoints.relabel(self.data_dir, ep, labels)
+            new = _record_for(ep, self.node, labels)
+            if record is not None:
+                same = _comparable(record) == _comparable(new)
+                if same and self.record_leases.get(key) == lease:
+                    continue
+                for field in ("uid", "creationTimestamp"):
+                    if field in record["metadata"]:
+                        new["metadata"][field] = record["metadata"][field]
+            if not await self.store.put_owned(new, lease=lease, expect=expect):
+                self._publish_wake.set()  # changed meanwhile: the watch brings it, try again
+        for key, record in list(self.records.items()):
+            if record["spec"].get("nodeName") == self.node and key not in wanted:
+                log.info("removing the record of pod %s/%s: no such pod on this node any more", *key)
+                await self.store.delete_owned(kinds.POD, *key, expect=int(record["metadata"]["resourceVersion"]))
+
+    def _report(self, tag: str, msg: str, *args: Any) -> None:
+        if tag not in self._reported:
+            self._reported.add(tag)
+            log.error(msg, *args)
+
+    # ------------------------------------------------------------------ syncing
+
+    async def _sync_loop(self) -> None:
+        assert self.programmer is not None
+        backoff = 0.2
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not (self._have_snapshot and self._have_local):
+                continue  # keep what the kernel has until we know the whole picture
+            if not self.engine.dirty and self.programmer.current is not None and self.applied_at is not None:
+                self._applied(self.revision)
+                continue
+            revision = self.revision
+            start = time.perf_counter()
+            desired = self.engine.build()
+            try:
+                result = await self.programmer.sync(desired)
+            except NftError as err:
+                self.error = str(err)
+                self.sync_errors += 1
+                log.error("policy not programmed: %s; retrying in %.1fs", err, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                self._wake.set()
+                continue
+            backoff = 0.2
+            self.error = None
+            self.syncs += 1
+            if self.sync_seconds is not None:
+                self.sync_seconds.observe(time.perf_counter() - start)
+            if result.full:
+                size = desired.size()
+                log.info("policy tables programmed: %d chains, %d rules, %d set elements (%d commands)",
+                         size["chains"], size["rules"], size["elements"], result.commands)
+            self._applied(revision)
+
+    def _applied(self, revision: int) -> None:
+        now = time.time()
+        if revision != self.applied_revision or self.applied_at is None:
+            self.history.append((revision, now))
+        self.applied_revision = revision
+        self.applied_at = now
+
+    async def _counters_loop(self) -> None:
+        while True:
+            await asyncio.sleep(COUNTERS_INTERVAL)
+            if self.programmer is None or self.programmer.current is None:
+                continue
+            try:
+                counts = await self.programmer.counters()
+            except NftError:
+                continue
+            dropped = {}
+            for (family, name), packets in counts.items():
+                if family == compiler.INET and name.startswith("pod-"):
+                    direction, _, rest = name.partition("/")
+                    dropped[(rest, "ingress" if direction == "pod-in" else "egress")] = packets
+                elif family == compiler.BRIDGE and name == compiler.SPOOFED:
+                    self.spoofed = packets
+            self.dropped = dropped
+
+    # ------------------------------------------------------------------ views
+
+    def local_pods(self) -> list[PodKey]:
+        return sorted(k for k in self.engine.local if k in self.engine.pods)
+
+    def isolated(self) -> dict[str, int]:
+        ing = egr = both = 0
+        for key in self.local_pods():
+            i, e = self.engine.isolation(key)
+            ing += i
+            egr += e
+            both += i or e
+        return {"ingress": ing, "egress": egr, "any": both}
+
+    def status(self) -> dict[str, Any]:
+        size = self.programmer.current.size() if self.programmer and self.programmer.current else {}
+        return {
+            "local_pods": len(self.local_pods()),
+            "isolated": self.isolated(),
+            "policies": self.policy_count,
+            "revision": self.applied_revision,
+            "applied_at": self.applied_at,
+            "ruleset": size,
+            "error": self.error,
+        }
+
+    def view(self, pod: str | None = None) -> dict[str, Any]:
+        pods = []
+        for key in self.local_pods():
+            name = f"{key[0]}/{key[1]}"
+            if pod is not None and pod != name:
+                continue
+            v = self.engine.view(key)
+            v["dropped"] = {
+                "ingress": self.dropped.get((name, "ingress"), 0),
+                "egress": self.dropped.get((name, "egress"), 0),
+            }
+            pods.append(v)
+        return {
+            "node": self.node,
+            "revision": self.applied_revision,
+            "applied_at": self.applied_at,
+            "history": [list(h) for h in self.history],
+            "policies": self.policy_count,
+            "ruleset": self.status()["ruleset"],
+            "spoofed_dropped": self.spoofed,
+            "error": self.error,
+            "pods": pods,
+        }
+
+    def collect(self):
+        """Prometheus metrics (registered as a collector on the agent's registry)."""
+        dropped = CounterMetricFamily(
+            "agentd_policy_dropped_packets", "packets dropped by network policy, per local pod",
+            labels=["namespace", "pod", "direction"],
+        )  # fmt: skip
+        for (name, direction), packets in sorted(self.dropped.items()):
+            ns, _, pod = name.partition("/")
+            dropped.add_metric([ns, pod, direction], float(packets))
+        spoofed = CounterMetricFamily("agentd_policy_spoofed_packets", "pod packets dropped for a foreign source address")
+        spoofed.add_metric([], float(self.spoofed))
+        isolated = GaugeMetricFamily("agentd_policy_isolated_pods", "local pods isolated by policy", labels=["direction"])
+        for direction, n in self.isolated().items():
+            isolated.add_metric([direction], float(n))
+        local = GaugeMetricFamily("agentd_policy_local_pods", "pods of this node known to policy")
+        local.add_metric([], float(len(self.local_pods())))
+        policies = GaugeMetricFamily("agentd_policy_policies", "NetworkPolicy objects in the cluster")
+        policies.add_metric([], float(self.policy_count))
+        errors = CounterMetricFamily("agentd_policy_sync_errors", "policy changes nftables refused")
+        errors.add_metric([], float(self.sync_errors))
+        yield from (dropped, spoofed, isolated, local, policies, errors)
+        size = self.status()["ruleset"]
+        if size:
+            rules = GaugeMetricFamily("agentd_policy_ruleset", "size of the policy tables", labels=["what"])
+            for what, n in size.items():
+                rules.add_metric([what], float(n))
+            yield rules
+
+
+def _container(record: dict[str, Any]) -> str | None:
+    return (record["metadata"].get("annotations") or {}).get(CONTAINER_ID)
+
+
+def _record_for(ep: endpoints.Endpoint, node: str, labels: dict[str, str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": ep.name,
+        "namespace": ep.namespace,
+        "annotations": {CONTAINER_ID: ep.container_id, INTERFACE: ep.interface},
+    }
+    if labels:
+        meta["labels"] = dict(labels)
+    status: dict[str, Any] = {"phase": "Running"}
+    if ep.ips:
+        status["podIP"] = ep.ips[0]
+        status["podIPs"] = [{"ip": ip} for ip in ep.ips]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"nodeName": node, "containers": [{"name": CONTAINER_NAME, "ports": list(ep.ports)}]},
+        "status": status,
+    }
+
+
+def _comparable(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace", "labels", "annotations")}
+    return {"metadata": meta, "spec": obj.get("spec"), "status": obj.get("status")}
+
+
+
+async def remove_policy_tables() -> None:
+    """``agentd leave`` with no agent running: remove the policy tables of this host."""
+    try:
+        nft = await asyncio.to_thread(Nft)
+    except NftError as err:
+        log.warning("policy tables not removed: %s", err)
+        return
+    try:
+        if await PolicyProgrammer(nft).remove():
+            log.info("removed the policy tables")
+    except NftError as err:
+        log.error("could not remove the policy tables: %s", err)
+    finally:
+        nft.close()

@@ -1,0 +1,304 @@
+"""From policies and pods to nftables objects: the agent's two tables, as values.
+
+Where packets are judged (see docs/policy.md for the picture):
+
+* ``table inet agentd-policy`` holds the policy itself, on the **forward** hook, where every
+  packet to or from a pod of this node passes once it is routed: traffic between nodes (any
+  backend: it is routed between the pod bridge and the underlay or a tunnel device) and,
+  thanks to the bridge table below, traffic between two pods of this node.  Two base chains:
+  ``egress`` (priority 0) sends a packet from a local egress-isolated pod through a verdict
+  map keyed by its source address to that pod's chain; ``ingress`` (priority 10) does the
+  same by destination for ingress-isolated pods.  A pod's chain jumps to the chain of every
+  policy selecting it (``accept`` there ends that base chain: the packet is allowed in that
+  direction, and the next base chain judges the other) and ends in a counted drop.  Replies
+  pass through ``ct state established,related accept`` first.  Traffic between a pod and its
+  own node is never judged (the input and output hooks are not used), as in Kubernetes.
+* ``table bridge agentd-policy`` exists because two pods of one node talk through the CNI
+  bridge, at layer 2, where the inet hooks never see them (br_netfilter is not loaded, and
+  bridge-family conntrack, nf_conntrack_bridge, is not available everywhere).  Its prerouting
+  chain hands unicast IPv4 frames from or to an isolated pod up to the node's IP stack
+  (``meta pkttype set host`` and a destination MAC the bridge delivers locally: the host side
+  of a pod's own veth), so they are routed back out of the bridge, through conntrack and the
+  inet chains like any other traffic.  It also drops frames whose source address is not the
+  pod's own (a pod must not borrow another's identity), and what still crosses the bridge
+  to or from an isolated pod without being routed (IPv4 broadcast and multicast, IPv6 other
+  than neighbour discovery).
+
+Selector members are set elements: each rule has a set of its peer pods' addresses
+(``np-in/<ns>/<policy>/<rule>/pods``), a set of its ipBlock ranges (``.../cidrs``) and,
+with named ports, a set of (address, protocol, port) (``.../named``).  A pod appearing or
+changing labels anywhere in the cluster changes elements, never rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any
+
+from .model import Policy, Port, Rule
+from .ruleset import NftChain, NftCounter, NftSet, rule_text
+
+TABLE = "agentd-policy"
+INET = "inet"
+BRIDGE = "bridge"
+TABLES = frozenset({(INET, TABLE), (BRIDGE, TABLE)})
+
+EGRESS_PRIORITY = 0
+INGRESS_PRIORITY = 10
+BRIDGE_PRIORITY = -200  # the bridge family's "filter" priority
+NAME_MAX = 200  # nft names may have 255 bytes; longer policy or pod names are hashed
+
+EGRESS_MAP = "egress-pods"
+INGRESS_MAP = "ingress-pods"
+BRIDGES = "bridges"
+SPOOFED = "spoofed"
+
+_L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
+ND_TYPES = ["nd-router-solicit", "nd-router-advert", "nd-neighbor-solicit", "nd-neighbor-advert"]
+
+
+# ------------------------------------------------------------------ JSON expression helpers
+
+
+def _payload(protocol: str, field: str) -> dict[str, Any]:
+    return {"payload": {"protocol": protocol, "field": field}}
+
+
+def _meta(key: str) -> dict[str, Any]:
+    return {"meta": {"key": key}}
+
+
+def _match(left: Any, right: Any, op: str = "==") -> dict[str, Any]:
+    return {"match": {"op": op, "left": left, "right": right}}
+
+
+ACCEPT: dict[str, Any] = {"accept": None}
+DROP: dict[str, Any] = {"drop": None}
+ESTABLISHED = _match({"ct": {"key": "state"}}, ["established", "related"], "in")
+
+
+def _jump(chain: str) -> dict[str, Any]:
+    return {"jump": {"target": chain}}
+
+
+def _ref(name: str) -> str:
+    return "@" + name
+
+
+def object_name(kind: str, namespace: str, name: str) -> str:
+    """``kind/namespace/name``, or a hash of it when that is too long for nftables."""
+    full = f"{kind}/{namespace}/{name}"
+    if len(full) <= NAME_MAX:
+        return full
+    return f"{kind}/#{hashlib.sha1(full.encode()).hexdigest()[:20]}"
+
+
+def pod_chain(direction: str, namespace: str, name: str) -> str:
+    return object_name(f"pod-{direction}", namespace, name)
+
+
+def policy_chain(direction: str, policy: Policy) -> str:
+    return object_name(f"np-{direction}", policy.namespace, policy.name)
+
+
+# ------------------------------------------------------------------ base objects
+
+
+def base_objects(bridges: Iterable[str]) -> list[Any]:
+    """Tables' fixed part: base chains, dispatch maps, the bridge table's sets."""
+    inet: list[Any] = [
+        NftSet(INET, TABLE, EGRESS_MAP, ("ipv4_addr",), map="verdict"),
+        NftSet(INET, TABLE, INGRESS_MAP, ("ipv4_addr",), map="verdict"),
+        NftSet(INET, TABLE, BRIDGES, ("ifname",), elements=frozenset(bridges)),
+        NftChain(
+            INET, TABLE, "egress",
+            (rule_text([ESTABLISHED, ACCEPT]), rule_text([{"vmap": {"key": _payload("ip", "saddr"), "data": _ref(EGRESS_MAP)}}])),
+            hook=("filter", "forward", EGRESS_PRIORITY, "accept"),
+        ),
+        NftChain(
+            INET, TABLE, "ingress",
+            (rule_text([ESTABLISHED, ACCEPT]), rule_text([{"vmap": {"key": _payload("ip", "daddr"), "data": _ref(INGRESS_MAP)}}])),
+            hook=("filter", "forward", INGRESS_PRIORITY, "accept"),
+        ),
+        # Same-node pod traffic is routed back out of the bridge it came in on; the node
+        # would tell the pod so with ICMP redirects ("send it directly"), which is not the point.
+        NftChain(
+            INET, TABLE, "output",
+            (rule_text([_match(_meta("oifname"), _ref(BRIDGES)), _match(_payload("icmp", "type"), "redirect"), DROP]),),
+            hook=("filter", "output", 0, "accept"),
+        ),
+    ]  # fmt: skip
+    return inet + _bridge_base()
+
+
+def _bridge_base() -> list[Any]:
+    ip = _match(_payload("ether", "type"), "ip")
+    to_host = {"mangle": {"key": _meta("pkttype"), "value": "host"}}
+    unicast_other = _match(_meta("pkttype"), "other")  # not for the bridge, not broadcast/multicast
+    prerouting = [
+        # A pod's IPv4 packets carry its own address, or are dropped.
+        [ip, _match(_meta("iifname"), _ref("pod-ports")),
+         _match({"concat": [_meta("iifname"), _payload("ip", "saddr")]}, _ref("pod-addrs"), "!="),
+         {"counter": SPOOFED}, DROP],
+        # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
+        # pod's own host-side MAC, a local FDB entry of the bridge).
+        [ip, unicast_other, _match(_meta("iifname"), _ref("isolated-ports")), to_host,
+         {"mangle": {"key": _payload("ether", "daddr"), "value": {"map": {"key": _meta("iifname"), "data": _ref("port-macs")}}}}],
+        # Unicast to an isolated pod, from anywhere on the bridge: the same, by destination.
+        [ip, unicast_other, _match(_payload("ip", "daddr"), _ref("isolated-addrs")), to_host,
+         {"mangle": {"key": _payload("ether", "daddr"), "value": {"map": {"key": _payload("ip", "daddr"), "data": _ref("addr-macs")}}}}],
+    ]  # fmt: skip
+    both = _match(_payload("ether", "type"), {"set": ["ip", "ip6"]})
+    forward = [
+        [_match(_payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
+        [both, _match(_meta("oifname"), _ref("isolated-in-ports")), {"counter": None}, DROP],
+        [both, _match(_meta("iifname"), _ref("isolated-out-ports")), {"counter": None}, DROP],
+    ]
+    return [
+        NftSet(BRIDGE, TABLE, "pod-ports", ("ifname",)),
+        NftSet(BRIDGE, TABLE, "pod-addrs", ("ifname", "ipv4_addr")),
+        NftSet(BRIDGE, TABLE, "isolated-ports", ("ifname",)),
+        NftSet(BRIDGE, TABLE, "isolated-in-ports", ("ifname",)),
+        NftSet(BRIDGE, TABLE, "isolated-out-ports", ("ifname",)),
+        NftSet(BRIDGE, TABLE, "isolated-addrs", ("ipv4_addr",)),
+        NftSet(BRIDGE, TABLE, "port-macs", ("ifname",), map="ether_addr"),
+        NftSet(BRIDGE, TABLE, "addr-macs", ("ipv4_addr",), map="ether_addr"),
+        NftCounter(BRIDGE, TABLE, SPOOFED),
+        NftChain(BRIDGE, TABLE, "prerouting", tuple(rule_text(r) for r in prerouting),
+                 hook=("filter", "prerouting", BRIDGE_PRIORITY, "accept")),
+        NftChain(BRIDGE, TABLE, "forward", tuple(rule_text(r) for r in forward),
+                 hook=("filter", "forward", BRIDGE_PRIORITY, "accept")),
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------------ per policy
+
+
+class RuleMembers:
+    """What a compiled rule needs from the cluster: resolved by the engine."""
+
+    def __init__(
+        self,
+        pod_ips: frozenset[IPv4Address] = frozenset(),
+        named: frozenset[tuple[str, str, int]] = frozenset(),
+    ) -> None:
+        self.pod_ips = pod_ips  # addresses of the pods the rule's selector peers match
+        self.named = named  # (address, l4proto, port) for the rule's named ports
+
+
+def compile_policy(
+    policy: Policy,
+    direction: str,
+    rules: tuple[Rule, ...],
+    members: list[RuleMembers],
+) -> list[Any]:
+    """The chain ``np-<direction>/<ns>/<name>`` and its rules' sets.
+
+    ``direction`` is "in" (peers are sources) or "out" (peers are destinations).  Named
+    ports resolve on the destination pod: for "in" the selected local pods, for "out" the
+    peers; ``members[i].named`` already holds the resolved triples."""
+    chain_name = policy_chain(direction, policy)
+    peer_field = "saddr" if direction == "in" else "daddr"
+    objects: list[Any] = []
+    chain_rules: list[str] = []
+    for index, (rule, mem) in enumerate(zip(rules, members)):
+        base = f"{chain_name}/{index}"
+        peer_matches: list[list[dict[str, Any]]] = []
+        if rule.peers is None:
+            peer_matches.append([])
+        else:
+            if any(p.selector is not None for p in rule.peers):
+                name = f"{base}/pods"
+                objects.append(NftSet(INET, TABLE, name, ("ipv4_addr",), elements=frozenset(map(str, mem.pod_ips))))
+                peer_matches.append([_match(_payload("ip", peer_field), _ref(name))])
+            ranges = _collapse(r for p in rule.peers if p.block is not None for r in p.block.ranges())
+            if ranges:
+                name = f"{base}/cidrs"
+                objects.append(NftSet(INET, TABLE, name, ("ipv4_addr",), flags=("interval",), elements=frozenset(ranges)))
+                peer_matches.append([_match(_payload("ip", peer_field), _ref(name))])
+        port_matches, named = _port_matches(rule.ports)
+        if named:
+            name = f"{base}/named"
+            objects.append(
+                NftSet(INET, TABLE, name, ("ipv4_addr", "inet_proto", "inet_service"), elements=frozenset(mem.named))
+            )
+            named_match = [
+                _match({"concat": [_payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}, _ref(name))
+            ]
+            if direction == "in":
+                port_matches.append(named_match)
+            else:
+                # Egress named ports resolve on the peers themselves: the set holds only peers.
+                chain_rules.append(rule_text([*named_match, ACCEPT]))
+        for peer in peer_matches:
+            for port in port_matches:
+                chain_rules.append(rule_text([*peer, *port, ACCEPT]))
+    objects.append(NftChain(INET, TABLE, chain_name, tuple(chain_rules)))
+    return objects
+
+
+def _collapse(nets: Iterable[IPv4Network]) -> list[IPv4Network]:
+    from ipaddress import collapse_addresses
+
+    return list(collapse_addresses(nets))
+
+
+def _port_matches(ports: tuple[Port, ...] | None) -> tuple[list[list[dict[str, Any]]], bool]:
+    """The numeric port matches of a rule (one per protocol), and whether it has named ports."""
+    if ports is None:
+        return [[]], False
+    by_proto: dict[str, list[Any] | None] = {}
+    named = False
+    for p in ports:
+        if isinstance(p.port, str):
+            named = True
+            continue
+        if p.port is None:
+            by_proto[p.protocol] = None  # every port of the protocol
+            continue
+        values = by_proto.setdefault(p.protocol, [])
+        if values is None:
+            continue
+        if p.end_port is not None and p.end_port != p.port:
+            values.append({"range": [p.port, p.end_port]})
+        else:
+            values.append(p.port)
+    out = []
+    for proto in ("TCP", "UDP", "SCTP"):
+        if proto not in by_proto:
+            continue
+        values = by_proto[proto]
+        proto_match = _match(_meta("l4proto"), _L4[proto])
+        if values is None:
+            out.append([proto_match])
+        else:
+            right = values[0] if len(values) == 1 and not isinstance(values[0], dict) else {"set": _dedupe(values)}
+            out.append([proto_match, _match(_payload("th", "dport"), right)])
+    return out, named
+
+
+def _dedupe(values: list[Any]) -> list[Any]:
+    seen, out = set(), []
+    for v in values:
+        key = repr(v)
+        if key not in seen:
+            seen.add(key)
+            out.append(v)
+    return sorted(out, key=lambda v: v if isinstance(v, int) else v["range"][0])
+
+
+def l4proto(protocol: str) -> str:
+    return _L4[protocol]
+
+
+# ------------------------------------------------------------------ per local pod
+
+
+def compile_pod_chain(direction: str, namespace: str, name: str, policies: list[Policy]) -> list[Any]:
+    """``pod-<direction>/<ns>/<name>``: a jump to each selecting policy, then a counted drop."""
+    chain = pod_chain(direction, namespace, name)
+    rules = [rule_text([_jump(policy_chain(direction, p))]) for p in policies]
+    rules.append(rule_text([{"counter": chain}, DROP]))
+    return [NftChain(INET, TABLE, chain, tuple(rules)), NftCounter(INET, TABLE, chain)]

@@ -1,0 +1,265 @@
+"""Local endpoint files: how agentd-cni tells the agent of its node which pod it attached.
+
+After its delegate's ADD succeeds, ``agentd-cni`` writes ``<dataDir>/endpoints/<CNI_CONTAINERID>.json``
+(atomically: temp file and rename) with the pod's identity, labels, named ports, addresses
+and where it is attached; DEL removes the file.  The agent watches the directory (inotify)
+and keeps, from these files, the pod's record in etcd (``<prefix>/resources/pods/<ns>/<name>``,
+under its node lease) and the pod's place in the node's nftables.
+
+Files keep working when the agent is down (it reads them all when it starts) and need no
+etcd credentials in the plugin.  A pod without Kubernetes identity (no ``K8S_POD_NAMESPACE``
+/ ``K8S_POD_NAME`` in CNI_ARGS) gets no file: it is neither selectable nor isolated.
+
+Identity and labels, as a container runtime passes them:
+
+* ``CNI_ARGS``: ``K8S_POD_NAMESPACE=<ns>;K8S_POD_NAME=<name>`` (what kubelet's CRI runtimes set);
+* labels: ``args.cni.labels`` (CNI conventions: a list of ``{"key", "value"}``) and
+  ``runtimeConfig.labels`` (an object); later ``agentd label pod NS/NAME k=v``;
+* named container ports: ``runtimeConfig.containerPorts`` or ``args.cni.containerPorts``, a
+  list of ``{"name", "containerPort", "protocol"}`` as in a Kubernetes pod spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agentd.resources import pod as podres
+from agentd.resources.validation import Invalid, dns1123_label, dns1123_subdomain, labels as check_labels
+
+log = logging.getLogger("agentd.policy")
+
+SUBDIR = "endpoints"
+SUFFIX = ".json"
+
+
+class EndpointError(ValueError):
+    """Bad identity, labels or ports from the runtime; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    container_id: str
+    namespace: str
+    name: str
+    labels: dict[str, str]
+    ports: list[dict[str, Any]]
+    ips: list[str]
+    interface: str  # host side of the pod's veth
+    mac: str  # its MAC
+    bridge: str
+    ifname: str = "eth0"
+    netns: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Endpoint:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("not an object")
+        known = {f: raw[f] for f in cls.__dataclass_fields__ if f in raw}
+        ep = cls(**known)
+        for f in ("container_id", "namespace", "name", "interface", "mac", "bridge"):
+            if not isinstance(getattr(ep, f), str) or not getattr(ep, f):
+                raise ValueError(f"field {f!r} missing or not a string")
+        if not isinstance(ep.labels, dict) or not isinstance(ep.ips, list) or not isinstance(ep.ports, list):
+            raise ValueError("labels, ips or ports have the wrong type")
+        return ep
+
+
+def endpoints_dir(data_dir: str | os.PathLike[str]) -> str:
+    return os.path.join(os.fspath(data_dir), SUBDIR)
+
+
+# ------------------------------------------------------------------ the plugin's side
+
+
+def parse_cni_args(text: str) -> dict[str, str]:
+    """``K1=V1;K2=V2`` (CNI spec: CNI_ARGS) as a dict; pairs without '=' are ignored."""
+    out = {}
+    for part in text.split(";"):
+        key, eq, value = part.partition("=")
+        if eq and key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def identity(env: Mapping[str, str], netconf: Mapping[str, Any]) -> tuple[str, str, dict[str, str], list[dict[str, Any]]] | None:
+    """(namespace, name, labels, named ports) of the pod being added, or None without identity.
+
+    Raises EndpointError (one line, naming the field) for bad values: they are checked
+    before anything is set up."""
+    args = parse_cni_args(env.get("CNI_ARGS", ""))
+    ns, name = args.get("K8S_POD_NAMESPACE", ""), args.get("K8S_POD_NAME", "")
+    if not ns and not name:
+        return None
+    try:
+        dns1123_label(ns, "CNI_ARGS K8S_POD_NAMESPACE")
+        dns1123_subdomain(name, "CNI_ARGS K8S_POD_NAME")
+    except Invalid as err:
+        raise EndpointError(str(err)) from None
+    cni_args = ((netconf.get("args") or {}).get("cni") or {}) if isinstance(netconf.get("args"), dict) else {}
+    runtime = netconf.get("runtimeConfig") if isinstance(netconf.get("runtimeConfig"), dict) else {}
+    labels: dict[str, Any] = {}
+    listed = cni_args.get("labels") if isinstance(cni_args, dict) else None
+    if listed is not None:
+        if not isinstance(listed, list) or not all(isinstance(x, dict) and "key" in x for x in listed):
+            raise EndpointError("args.cni.labels must be a list of {\"key\": ..., \"value\": ...}")
+        labels.update({x["key"]: x.get("value", "") for x in listed})
+    if runtime.get("labels") is not None:
+        if not isinstance(runtime["labels"], dict):
+            raise EndpointError("runtimeConfig.labels must be an object")
+        labels.update(runtime["labels"])
+    try:
+        labels = check_labels(labels, "labels")
+    except Invalid as err:
+        raise EndpointError(str(err)) from None
+    ports_raw = runtime.get("containerPorts")
+    if ports_raw is None and isinstance(cni_args, dict):
+        ports_raw = cni_args.get("containerPorts")
+    seen: set[str] = set()
+    try:
+        if ports_raw is not None and not isinstance(ports_raw, list):
+            raise Invalid("containerPorts", "must be a list")
+        ports = [podres.container_port(p, f"containerPorts[{i}]", seen) for i, p in enumerate(ports_raw or [])]
+    except Invalid as err:
+        raise EndpointError(str(err)) from None
+    return ns, name, labels, ports
+
+
+def attachment(result: Mapping[str, Any], bridge: str) -> tuple[list[str], str, str]:
+    """(pod addresses, host-side veth, its MAC) from the bridge plugin's ADD result."""
+    ips = []
+    for entry in result.get("ips") or []:
+        addr = str(entry.get("address", "")).split("/")[0]
+        if addr:
+            ips.append(addr)
+    host = [
+        i for i in result.get("interfaces") or []
+        if isinstance(i, dict) and not i.get("sandbox") and i.get("name") != bridge
+    ]  # fmt: skip
+    if not ips or not host:
+        raise EndpointError("the delegate's result names no address or no host-side interface")
+    return ips, str(host[0]["name"]), str(host[0].get("mac", ""))
+
+
+def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:
+    directory = endpoints_dir(data_dir)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{ep.container_id}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(ep.to_json())
+        os.replace(tmp, os.path.join(directory, ep.container_id + SUFFIX))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def remove(data_dir: str | os.PathLike[str], container_id: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(endpoints_dir(data_dir), container_id + SUFFIX))
+
+
+# ------------------------------------------------------------------ the agent's side
+
+
+def read_all(data_dir: str | os.PathLike[str], reported: set[str] | None = None) -> dict[str, Endpoint]:
+    """Every endpoint file, by container ID; unreadable ones are logged once and skipped."""
+    directory = endpoints_dir(data_dir)
+    out: dict[str, Endpoint] = {}
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.endswith(SUFFIX) or name.startswith("."):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                ep = Endpoint.from_json(f.read())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, TypeError) as err:
+            if reported is None or path not in reported:
+                log.warning("ignoring endpoint file %s: %s", path, err)
+                if reported is not None:
+                    reported.add(path)
+            continue
+        out[ep.container_id] = ep
+    return out
+
+
+def relabel(data_dir: str | os.PathLike[str], ep: Endpoint, labels: dict[str, str]) -> Endpoint:
+    """Keep labels set later (``agentd label pod``) in the file, so they outlive the record."""
+    new = Endpoint(**{**asdict(ep), "labels": dict(labels)})
+    write(data_dir, new)
+    return new
+
+
+# inotify(7), through libc: a change in the directory wakes the agent at once.
+_IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x8, 0x40, 0x80, 0x100, 0x200
+_IN_NONBLOCK, _IN_CLOEXEC = 0o4000, 0o2000000
+
+
+class DirectoryWatch:
+    """Calls ``on_change`` when files in ``directory`` change (inotify; None if unavailable)."""
+
+    def __init__(self, directory: str, on_change: Callable[[], None]) -> None:
+        self.directory = directory
+        self.on_change = on_change
+        self._fd: int | None = None
+
+    def start(self) -> bool:
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+            if fd < 0:
+                return False
+            mask = _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE
+            if libc.inotify_add_watch(fd, self.directory.encode(), mask) < 0:
+                os.close(fd)
+                return False
+        except (OSError, AttributeError):
+            return False
+        self._fd = fd
+        asyncio.get_running_loop().add_reader(fd, self._readable)
+        return True
+
+    def _readable(self) -> None:
+        # The events are drained, not decoded: any change means "read the directory again".
+        assert self._fd is not None
+        try:
+            while os.read(self._fd, 65536):
+                pass
+        except BlockingIOError:
+            pass
+        except OSError:
+            return
+        self.on_change()
+
+    def stop(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+

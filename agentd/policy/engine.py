@@ -1,0 +1,397 @@
+"""The policy engine: cluster state in, the node's nftables ruleset out, incrementally.
+
+Pure (sans-IO): the agent feeds it pods (every pod of the cluster, the local ones with where
+they are attached), namespaces and policies, and asks :meth:`PolicyEngine.build` for the
+:class:`~agentd.policy.ruleset.Ruleset` this node should have.
+
+Kubernetes semantics (networking.k8s.io/v1):
+
+* a policy selects the pods of its namespace its podSelector matches; a pod selected by no
+  policy with Ingress (Egress) in its policyTypes is not isolated in that direction;
+* an isolated pod accepts what at least one rule of at least one selecting policy allows
+  (policies are a union); a rule allows a peer if it matches any of its peers (none listed:
+  every peer) on any of its ports (none listed: every port and protocol);
+* a podSelector peer means pods of the policy's namespace, a namespaceSelector peer every
+  pod of the matching namespaces, both together the pods matching both; an ipBlock is a
+  range of addresses minus its excepts;
+* a named port resolves on the destination pod, by name and protocol.
+
+Incremental: the members of each distinct peer selector are kept as pods come, go and
+change; a change marks the policies whose members changed (and local pods whose selecting
+policies changed) dirty, and only those are compiled again.  Only policies selecting a
+pod of this node are compiled at all.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from ipaddress import IPv4Address
+from typing import Any
+
+from . import compiler
+from .model import LocalPort, PeerSelector, Pod, PodKey, Policy, Rule, namespace_labels
+from .ruleset import Ruleset
+
+PolicyKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class LocalPod:
+    pod: Pod
+    port: LocalPort
+
+
+class PolicyEngine:
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.pods: dict[PodKey, Pod] = {}
+        self.local: dict[PodKey, LocalPort] = {}
+        self.namespaces: dict[str, dict[str, str]] = {}  # labels of Namespace objects
+        self.policies: dict[PolicyKey, Policy] = {}
+        self.bridges: set[str] = set()
+
+        self._ns_pods: dict[str, set[PodKey]] = defaultdict(set)
+        self._ns_policies: dict[str, set[PolicyKey]] = defaultdict(set)
+        self._members: dict[PeerSelector, set[PodKey]] = {}
+        self._sel_refs: dict[PeerSelector, set[PolicyKey]] = defaultdict(set)
+        self._all_pods_refs: set[PolicyKey] = set()  # egress named ports over ipBlocks / every peer
+        self._selected: dict[PolicyKey, set[PodKey]] = defaultdict(set)  # local pods each policy selects
+        self._pod_policies: dict[PodKey, set[PolicyKey]] = defaultdict(set)
+
+        self._compiled: dict[PolicyKey, list[Any]] = {}
+        self._pod_objects: dict[PodKey, list[Any]] = {}
+        self._dirty_policies: set[PolicyKey] = set()
+        self._dirty_pods: set[PodKey] = set()
+        self._local_dirty = True
+        self._base: list[Any] | None = None
+
+    # ------------------------------------------------------------------ namespaces
+
+    def ns_labels(self, namespace: str) -> dict[str, str]:
+        return namespace_labels(namespace, self.namespaces.get(namespace))
+
+    def set_namespace(self, name: str, labels: Mapping[str, str] | None) -> None:
+        """A Namespace object's labels (None: the object is gone; the namespace stays implicit)."""
+        before = self.ns_labels(name)
+        if labels is None:
+            self.namespaces.pop(name, None)
+        else:
+            self.namespaces[name] = dict(labels)
+        after = self.ns_labels(name)
+        if before == after:
+            return
+        for sel, members in self._members.items():
+            if sel.namespaces is None:
+                continue
+            for key in self._ns_pods.get(name, ()):
+                self._recheck(sel, members, self.pods[key], after, changed=False)
+
+    # ------------------------------------------------------------------ pods
+
+    def upsert_pod(self, pod: Pod, local: LocalPort | None = None) -> None:
+        key = pod.key
+        old = self.pods.get(key)
+        old_local = self.local.get(key)
+        self.pods[key] = pod
+        self._ns_pods[pod.namespace].add(key)
+        if local is not None:
+            self.local[key] = local
+            self.bridges.add(local.bridge)
+        else:
+            self.local.pop(key, None)
+        if old != pod:
+            changed = old is None or old.ip != pod.ip or old.ports != pod.ports
+            labels = self.ns_labels(pod.namespace)
+            for sel, members in self._members.items():
+                self._recheck(sel, members, pod, labels, changed=changed)
+            if changed or old.labels != pod.labels:  # type: ignore[union-attr]
+                self._dirty_policies |= self._all_pods_refs
+        if old != pod or old_local != local:
+            self._reselect(key)
+
+    def remove_pod(self, key: PodKey) -> None:
+        pod = self.pods.pop(key, None)
+        if pod is None:
+            return
+        self._ns_pods[pod.namespace].discard(key)
+        for sel, members in self._members.items():
+            if key in members:
+                members.discard(key)
+                self._dirty_policies |= self._sel_refs[sel]
+        self._dirty_policies |= self._all_pods_refs
+        if self.local.pop(key, None) is not None or key in self._pod_policies:
+            self._reselect(key)
+
+    def _recheck(self, sel: PeerSelector, members: set[PodKey], pod: Pod, ns_labels: Mapping[str, str], *, changed: bool) -> None:
+        key = pod.key
+        was = key in members
+        now = sel.matches(pod, ns_labels)
+        if now:
+            members.add(key)
+        else:
+            members.discard(key)
+        if was != now or (now and changed):
+            self._dirty_policies |= self._sel_refs[sel]
+
+    def _reselect(self, key: PodKey) -> None:
+        """Which policies select local pod ``key`` (after it changed, came or went)."""
+        before = set(self._pod_policies.get(key, ()))
+        pod = self.pods.get(key)
+        after: set[PolicyKey] = set()
+        if pod is not None and key in self.local:
+            after = {p for p in self._ns_policies.get(pod.namespace, ()) if self.policies[p].selects(pod)}
+        for p in before - after:
+            self._selected[p].discard(key)
+        for p in after:
+            self._selected[p].add(key)
+        if after:
+            self._pod_policies[key] = after
+        else:
+            self._pod_policies.pop(key, None)
+        # The pod's chains, the bridge sets, and the policies whose selection or whose
+        # ingress named ports (resolved on the selected pods) may differ.
+        self._dirty_pods.add(key)
+        self._dirty_policies |= before | after
+        self._local_dirty = True
+
+    # ------------------------------------------------------------------ policies
+
+    def upsert_policy(self, policy: Policy) -> None:
+        key = policy.key
+        if self.policies.get(key) == policy:
+            return
+        if key in self.policies:
+            self._forget_policy(key)
+        self.policies[key] = policy
+        self._ns_policies[policy.namespace].add(key)
+        for sel in _peer_selectors(policy):
+            if sel not in self._members:
+                self._members[sel] = {
+                    k for k, pod in self.pods.items() if sel.matches(pod, self.ns_labels(pod.namespace))
+                }
+            self._sel_refs[sel].add(key)
+        if _needs_all_pods(policy):
+            self._all_pods_refs.add(key)
+        for pod_key in list(self.local):
+            pod = self.pods.get(pod_key)
+            if pod is not None and policy.selects(pod):
+                self._reselect(pod_key)
+        self._dirty_policies.add(key)
+
+    def remove_policy(self, key: PolicyKey) -> None:
+        if key not in self.policies:
+            return
+        self._forget_policy(key)
+        self._dirty_policies.add(key)
+
+    def _forget_policy(self, key: PolicyKey) -> None:
+        policy = self.policies.pop(key)
+        self._ns_policies[policy.namespace].discard(key)
+        for sel in _peer_selectors(policy):
+            refs = self._sel_refs[sel]
+            refs.discard(key)
+            if not refs:
+                del self._sel_refs[sel]
+                self._members.pop(sel, None)
+        self._all_pods_refs.discard(key)
+        for pod_key in list(self._selected.pop(key, ())):
+            self._reselect(pod_key)
+
+    # ------------------------------------------------------------------ queries
+
+    def selecting(self, key: PodKey) -> list[Policy]:
+        return [self.policies[p] for p in sorted(self._pod_policies.get(key, ()))]
+
+    def isolation(self, key: PodKey) -> tuple[bool, bool]:
+        """(ingress isolated, egress isolated) of a local pod."""
+        policies = self.selecting(key)
+        return any(p.ingress is not None for p in policies), any(p.egress is not None for p in policies)
+
+    def members(self, policy: Policy, rule: Rule) -> set[PodKey]:
+        """The pods the selector peers of ``rule`` match."""
+        out: set[PodKey] = set()
+        for peer in rule.peers or ():
+            if peer.selector is not None:
+                out |= self._members.get(peer.selector, set())
+        return out
+
+    def rule_members(self, policy: Policy, direction: str, rule: Rule) -> compiler.RuleMembers:
+        pods = self.members(policy, rule)
+        ips = frozenset(ip for k in pods if (ip := self.pods[k].ip) is not None)
+        named: set[tuple[str, str, int]] = set()
+        names = [p for p in rule.ports or () if isinstance(p.port, str)]
+        if names:
+            if direction == "in":
+                candidates = [self.pods[k] for k in self._selected.get(policy.key, ())]
+            elif rule.peers is None:
+                candidates = list(self.pods.values())
+            else:
+                blocks = [p.block for p in rule.peers if p.block is not None]
+                candidates = [self.pods[k] for k in pods]
+                if blocks:
+                    candidates += [
+                        pod for k, pod in self.pods.items()
+                        if k not in pods and pod.ip is not None and any(b.contains(pod.ip) for b in blocks)
+                    ]  # fmt: skip
+            for pod in candidates:
+                if pod.ip is None:
+                    continue
+                for p in names:
+                    number = pod.named_port(p.port, p.protocol)  # type: ignore[arg-type]
+                    if number is not None:
+                        named.add((str(pod.ip), compiler.l4proto(p.protocol), number))
+        return compiler.RuleMembers(ips, frozenset(named))
+
+    # ------------------------------------------------------------------ compile
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._dirty_policies or self._dirty_pods or self._local_dirty or self._base is None)
+
+    def build(self) -> Ruleset:
+        """The ruleset this node should have now (recompiling only what changed)."""
+        for key in self._dirty_policies:
+            policy = self.policies.get(key)
+            if policy is None or not self._selected.get(key):
+                self._compiled.pop(key, None)
+                continue
+            objects: list[Any] = []
+            for direction, rules in (("in", policy.ingress), ("out", policy.egress)):
+                if rules is None:
+                    continue
+                members = [self.rule_members(policy, direction, r) for r in rules]
+                objects += compiler.compile_policy(policy, direction, rules, members)
+            self._compiled[key] = objects
+        self._dirty_policies.clear()
+        for key in self._dirty_pods:
+            self._pod_objects.pop(key, None)
+            if key not in self.local or key not in self.pods:
+                continue
+            pod = self.pods[key]
+            policies = self.selecting(key)
+            objects = []
+            for direction, attr in (("in", "ingress"), ("out", "egress")):
+                chosen = [p for p in policies if getattr(p, attr) is not None]
+                if chosen:
+                    objects += compiler.compile_pod_chain(direction, pod.namespace, pod.name, chosen)
+            self._pod_objects[key] = objects
+        self._dirty_pods.clear()
+        if self._base is None or self._local_dirty:
+            self._base = self._base_objects()
+            self._local_dirty = False
+        rs = Ruleset(compiler.TABLES)
+        for obj in self._base:
+            rs.add(obj)
+        for objects in self._compiled.values():
+            for obj in objects:
+                rs.add(obj)
+        for objects in self._pod_objects.values():
+            for obj in objects:
+                rs.add(obj)
+        return rs
+
+    def _base_objects(self) -> list[Any]:
+        """The fixed objects with this node's local pods filled in (dispatch maps, bridge sets)."""
+        from dataclasses import replace
+
+        elements: dict[str, set[Any]] = defaultdict(set)
+        for key, port in self.local.items():
+            pod = self.pods.get(key)
+            if pod is None or pod.ip is None:
+                continue
+            ip = str(pod.ip)
+            ingress, egress = self.isolation(key)
+            elements["pod-ports"].add(port.interface)
+            elements["pod-addrs"].add((port.interface, ip))
+            elements["port-macs"].add((port.interface, port.mac))
+            elements["addr-macs"].add((ip, port.mac))
+            if ingress or egress:
+                elements["isolated-ports"].add(port.interface)
+                elements["isolated-addrs"].add(ip)
+            if ingress:
+                elements["isolated-in-ports"].add(port.interface)
+                elements[compiler.INGRESS_MAP].add((ip, ("jump", compiler.pod_chain("in", *key))))
+            if egress:
+                elements["isolated-out-ports"].add(port.interface)
+                elements[compiler.EGRESS_MAP].add((ip, ("jump", compiler.pod_chain("out", *key))))
+        out = []
+        for obj in compiler.base_objects(sorted(self.bridges)):
+            if obj.kind == "set" and obj.name in elements:
+                obj = replace(obj, elements=frozenset(elements[obj.name]))
+            out.append(obj)
+        return out
+
+    # ------------------------------------------------------------------ views
+
+    def view(self, key: PodKey) -> dict[str, Any]:
+        """What /policy shows for one local pod: its policies and effective allow-lists."""
+        pod = self.pods[key]
+        port = self.local.get(key)
+        ingress, egress = self.isolation(key)
+        policies = self.selecting(key)
+        return {
+            "pod": f"{pod.namespace}/{pod.name}",
+            "ip": str(pod.ip) if pod.ip else None,
+            "interface": port.interface if port else None,
+            "labels": dict(pod.labels),
+            "policies": [f"{p.namespace}/{p.name}" for p in policies],
+            "isolated": {"ingress": ingress, "egress": egress},
+            "ingress": self._allow_list(policies, "in") if ingress else None,
+            "egress": self._allow_list(policies, "out") if egress else None,
+        }
+
+    def _allow_list(self, policies: list[Policy], direction: str) -> list[dict[str, Any]]:
+        out = []
+        for policy in policies:
+            rules = policy.ingress if direction == "in" else policy.egress
+            for index, rule in enumerate(rules or ()):
+                mem = self.rule_members(policy, direction, rule)
+                peers: Any = "all"
+                if rule.peers is not None:
+                    peers = []
+                    for peer in rule.peers:
+                        if peer.block is not None:
+                            peers.append({"ipBlock": str(peer.block.cidr), "except": [str(e) for e in peer.block.excepts]})
+                        else:
+                            sel = peer.selector
+                            assert sel is not None
+                            peers.append({
+                                "namespace": sel.namespace if sel.namespace is not None else f"matching {sel.namespaces}",
+                                "pods": str(sel.pods),
+                            })  # fmt: skip
+                ports: Any = "all"
+                if rule.ports is not None:
+                    ports = [
+                        {"protocol": p.protocol, "port": p.port, **({"endPort": p.end_port} if p.end_port else {})}
+                        for p in rule.ports
+                    ]
+                out.append({
+                    "policy": f"{policy.namespace}/{policy.name}",
+                    "rule": index,
+                    "peers": peers,
+                    "peer_addresses": sorted(map(str, mem.pod_ips), key=IPv4Address) if rule.peers is not None else None,
+                    "ports": ports,
+                    "named_ports": sorted(f"{a} {p}/{n}" for a, p, n in mem.named) or None,
+                })  # fmt: skip
+        return out
+
+
+def _peer_selectors(policy: Policy) -> set[PeerSelector]:
+    out = set()
+    for rules in (policy.ingress, policy.egress):
+        for rule in rules or ():
+            for peer in rule.peers or ():
+                if peer.selector is not None:
+                    out.add(peer.selector)
+    return out
+
+
+def _needs_all_pods(policy: Policy) -> bool:
+    """Egress named ports toward ipBlocks or every peer resolve on any pod of the cluster."""
+    for rule in policy.egress or ():
+        if any(isinstance(p.port, str) for p in rule.ports or ()):
+            if rule.peers is None or any(p.block is not None for p in rule.peers):
+                return True
+    return False

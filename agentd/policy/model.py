@@ -1,0 +1,266 @@
+"""NetworkPolicy, pods and namespaces as typed values, parsed from validated resources.
+
+Pure: frozen dataclasses built from objects :mod:`agentd.resources` has already validated.
+A :class:`Selector` is a Kubernetes label selector (matchLabels AND every matchExpression);
+it is hashable, so that the engine can keep one membership per distinct selector.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any
+
+from agentd.resources import pod as podres
+from agentd.resources.kinds import NAMESPACE_NAME_LABEL
+
+Labels = Mapping[str, str]
+PodKey = tuple[str, str]  # (namespace, name)
+
+PROTOCOLS = ("TCP", "UDP", "SCTP")
+
+
+@dataclass(frozen=True)
+class Requirement:
+    key: str
+    operator: str  # In | NotIn | Exists | DoesNotExist
+    values: frozenset[str] = frozenset()
+
+    def matches(self, labels: Labels) -> bool:
+        # k8s.io/apimachinery/pkg/labels Requirement.Matches
+        if self.operator == "In":
+            return labels.get(self.key) in self.values
+        if self.operator == "NotIn":
+            return labels.get(self.key) not in self.values
+        if self.operator == "Exists":
+            return self.key in labels
+        return self.key not in labels  # DoesNotExist
+
+
+@dataclass(frozen=True)
+class Selector:
+    """A label selector; the empty selector matches everything."""
+
+    match_labels: frozenset[tuple[str, str]] = frozenset()
+    requirements: frozenset[Requirement] = frozenset()
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> Selector:
+        raw = raw or {}
+        return cls(
+            frozenset((raw.get("matchLabels") or {}).items()),
+            frozenset(
+                Requirement(e["key"], e["operator"], frozenset(e.get("values") or ()))
+                for e in raw.get("matchExpressions") or ()
+            ),
+        )
+
+    @property
+    def empty(self) -> bool:
+        return not self.match_labels and not self.requirements
+
+    def matches(self, labels: Labels) -> bool:
+        for key, value in self.match_labels:
+            if labels.get(key) != value:
+                return False
+        return all(r.matches(labels) for r in self.requirements)
+
+    def __str__(self) -> str:
+        parts = [f"{k}={v}" for k, v in sorted(self.match_labels)]
+        for r in sorted(self.requirements, key=lambda r: (r.key, r.operator)):
+            if r.operator == "Exists":
+                parts.append(r.key)
+            elif r.operator == "DoesNotExist":
+                parts.append(f"!{r.key}")
+            else:
+                parts.append(f"{r.key} {'in' if r.operator == 'In' else 'notin'} ({','.join(sorted(r.values))})")
+        return ",".join(parts) or "<all>"
+
+
+@dataclass(frozen=True)
+class PeerSelector:
+    """The pods a podSelector / namespaceSelector peer means.
+
+    ``namespace`` set: pods of that namespace (a podSelector alone is relative to the
+    policy's own namespace); None: pods of every namespace ``namespaces`` matches."""
+
+    pods: Selector
+    namespace: str | None
+    namespaces: Selector | None
+
+    def matches(self, pod: Pod, ns_labels: Labels) -> bool:
+        if self.namespace is not None:
+            if pod.namespace != self.namespace:
+                return False
+        elif self.namespaces is not None and not self.namespaces.matches(ns_labels):
+            return False
+        return self.pods.matches(pod.labels)
+
+
+@dataclass(frozen=True)
+class IPBlock:
+    cidr: IPv4Network | ipaddress.IPv6Network
+    excepts: tuple[IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    def ranges(self) -> list[IPv4Network]:
+        """The IPv4 networks the block covers (cidr minus its excepts), non-overlapping."""
+        if self.cidr.version != 4:
+            return []  # pods are IPv4-only: an IPv6 block can match nothing here
+        nets: list[IPv4Network] = [self.cidr]  # type: ignore[list-item]
+        for exc in self.excepts:
+            nets = [piece for n in nets for piece in _minus(n, exc)]  # type: ignore[arg-type]
+        return nets
+
+    def contains(self, ip: IPv4Address) -> bool:
+        return ip in self.cidr and not any(ip in e for e in self.excepts)
+
+
+def _minus(net: IPv4Network, exc: IPv4Network) -> list[IPv4Network]:
+    if not net.overlaps(exc):
+        return [net]
+    if net.subnet_of(exc):
+        return []
+    return list(net.address_exclude(exc))
+
+
+@dataclass(frozen=True)
+class Peer:
+    selector: PeerSelector | None = None
+    block: IPBlock | None = None
+
+
+@dataclass(frozen=True)
+class Port:
+    protocol: str  # TCP | UDP | SCTP
+    port: int | str | None = None  # number, a named port, or None: every port
+    end_port: int | None = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One ingress or egress rule.  ``peers`` None: every peer (``from``/``to`` absent or
+    empty); ``ports`` None: every port and protocol."""
+
+    peers: tuple[Peer, ...] | None
+    ports: tuple[Port, ...] | None
+
+
+@dataclass(frozen=True)
+class Policy:
+    namespace: str
+    name: str
+    pod_selector: Selector
+    ingress: tuple[Rule, ...] | None  # None: not an Ingress policy
+    egress: tuple[Rule, ...] | None  # None: not an Egress policy
+
+    @property
+    def key(self) -> PodKey:
+        return (self.namespace, self.name)
+
+    def selects(self, pod: Pod) -> bool:
+        return pod.namespace == self.namespace and self.pod_selector.matches(pod.labels)
+
+    @classmethod
+    def parse(cls, obj: Mapping[str, Any]) -> Policy:
+        meta, spec = obj["metadata"], obj["spec"]
+        types = spec.get("policyTypes") or ["Ingress"]
+        ns = meta["namespace"]
+        return cls(
+            namespace=ns,
+            name=meta["name"],
+            pod_selector=Selector.parse(spec.get("podSelector")),
+            ingress=_rules(spec.get("ingress") or [], "from", ns) if "Ingress" in types else None,
+            egress=_rules(spec.get("egress") or [], "to", ns) if "Egress" in types else None,
+        )
+
+
+def _rules(raw: list[Mapping[str, Any]], field: str, namespace: str) -> tuple[Rule, ...]:
+    out = []
+    for r in raw:
+        peers = tuple(_peer(p, namespace) for p in r.get(field) or ())
+        ports = tuple(
+            Port(p.get("protocol", "TCP"), p.get("port"), p.get("endPort")) for p in r.get("ports") or ()
+        )
+        out.append(Rule(peers or None, ports or None))
+    return tuple(out)
+
+
+def _peer(raw: Mapping[str, Any], namespace: str) -> Peer:
+    if "ipBlock" in raw:
+        b = raw["ipBlock"]
+        return Peer(
+            block=IPBlock(
+                ipaddress.ip_network(b["cidr"], strict=False),
+                tuple(ipaddress.ip_network(e, strict=False) for e in b.get("except") or ()),
+            )
+        )
+    pods = Selector.parse(raw.get("podSelector"))
+    if "namespaceSelector" in raw:
+        return Peer(PeerSelector(pods, None, Selector.parse(raw["namespaceSelector"])))
+    return Peer(PeerSelector(pods, namespace, None))
+
+
+@dataclass(frozen=True)
+class NamedPort:
+    name: str
+    port: int
+    protocol: str
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A pod anywhere in the cluster, as its record in etcd describes it."""
+
+    namespace: str
+    name: str
+    node: str
+    ip: IPv4Address | None
+    labels: Mapping[str, str]
+    ports: tuple[NamedPort, ...] = ()
+
+    @property
+    def key(self) -> PodKey:
+        return (self.namespace, self.name)
+
+    def named_port(self, name: str, protocol: str) -> int | None:
+        for p in self.ports:
+            if p.name == name and p.protocol == protocol:
+                return p.port
+        return None
+
+    @classmethod
+    def parse(cls, obj: Mapping[str, Any]) -> Pod:
+        meta, spec, status = obj["metadata"], obj["spec"], obj.get("status") or {}
+        ip = None
+        for entry in status.get("podIPs") or ():
+            addr = ipaddress.ip_address(entry["ip"])
+            if addr.version == 4:
+                ip = addr
+                break
+        ports = tuple(
+            NamedPort(p["name"], p["containerPort"], p.get("protocol", "TCP"))
+            for c in spec.get("containers") or ()
+            for p in c.get("ports") or ()
+            if "name" in p
+        )
+        return cls(meta["namespace"], meta["name"], spec["nodeName"], ip, dict(meta.get("labels") or {}), ports)
+
+
+@dataclass(frozen=True)
+class LocalPort:
+    """Where a pod of this node is attached: the host side of its veth and its bridge."""
+
+    interface: str  # host-side veth
+    mac: str  # its MAC: an address the bridge delivers to the host (a local FDB entry)
+    bridge: str
+
+
+def namespace_labels(name: str, labels: Labels | None) -> dict[str, str]:
+    """A namespace's labels: its object's, plus the name label every namespace carries."""
+    return {**(labels or {}), NAMESPACE_NAME_LABEL: name}
+
+
+CONTAINER_ID = podres.CONTAINER_ID
+INTERFACE = podres.INTERFACE

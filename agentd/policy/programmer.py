@@ -1,0 +1,130 @@
+"""The nftables programmer: the node's policy tables, desired vs. actual, one transaction per change.
+
+* **Adopt, never flush.**  At start the programmer lists the agent's tables as a previous run
+  left them and takes over their objects with "contents unknown"; the tables keep enforcing
+  while the agent reads etcd.  The first sync then rewrites every object's contents in ONE
+  transaction (flush and refill, atomically), so there is no moment with open pods.
+* **Incremental.**  After that it knows what the kernel holds and sends only the difference
+  (:func:`agentd.policy.ruleset.plan`): element adds and deletes, changed chains refilled.
+* **Atomic.**  A change is one libnftables call, one netlink batch: all of it or nothing.
+  If the kernel refuses (someone edited the tables), the programmer adopts again and
+  retries with a full rewrite, still in one transaction.
+* **Leave.**  :meth:`remove` deletes both tables, and nothing of the agent's stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import compiler
+from .libnftables import Nft, NftError
+from .ruleset import NftChain, NftCounter, NftSet, Ruleset, applied, plan
+
+log = logging.getLogger("agentd.policy")
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    commands: int
+    seconds: float
+    full: bool  # a rewrite of everything (first sync, or after the kernel refused a change)
+
+
+class PolicyProgrammer:
+    def __init__(self, nft: Nft) -> None:
+        self.nft = nft
+        self.current: Ruleset | None = None  # None: not adopted yet
+        self.adopted_objects = 0
+        self.last_error: str | None = None
+
+    async def adopt(self) -> Ruleset:
+        """Take over what a previous run left (contents to be rewritten on the first sync)."""
+        objects: dict[Any, Any] = {}
+        tables: set[tuple[str, str]] = set()
+        for family, table in sorted(compiler.TABLES):
+            listing = await self.nft.alist({"table": {"family": family, "name": table}})
+            if listing is None:
+                continue
+            tables.add((family, table))
+            for item in listing:
+                obj = _parse(item)
+                if obj is not None:
+                    objects[obj.key] = obj
+        self.current = Ruleset(frozenset(tables), objects)
+        self.adopted_objects = len(objects)
+        if objects:
+            log.info("adopted the policy tables of a previous run (%d objects); they stay in force", len(objects))
+        return self.current
+
+    async def sync(self, desired: Ruleset) -> SyncResult:
+        if self.current is None:
+            await self.adopt()
+        assert self.current is not None
+        full = any(not getattr(o, "contents_known", True) for o in self.current.objects.values())
+        start = time.perf_counter()
+        commands = plan(self.current, desired)
+        try:
+            if commands:
+                await self.nft.arun(commands)
+        except NftError as err:
+            log.warning("nftables refused the policy update (%s); re-reading the tables and rewriting them", err)
+            await self.adopt()
+            commands = plan(self.current, desired)
+            full = True
+            try:
+                await self.nft.arun(commands)
+            except NftError as err2:
+                self.last_error = str(err2)
+                raise
+        self.last_error = None
+        self.current = applied(desired)
+        return SyncResult(len(commands), time.perf_counter() - start, full)
+
+    async def remove(self) -> bool:
+        """Delete the agent's policy tables (``agentd leave``); True if there were any."""
+        found = False
+        for family, table in sorted(compiler.TABLES):
+            if await self.nft.alist({"table": {"family": family, "name": table}}) is not None:
+                await self.nft.arun([{"delete": {"table": {"family": family, "name": table}}}])
+                found = True
+        self.current = Ruleset()
+        return found
+
+    async def counters(self) -> dict[tuple[str, str], int]:
+        """Packets counted by each named counter, by (family, name)."""
+        out: dict[tuple[str, str], int] = {}
+        for family, table in sorted(compiler.TABLES):
+            listing = await self.nft.alist({"counters": {"family": family, "table": table}})
+            for item in listing or ():
+                c = item.get("counter")
+                if c and c.get("table") == table:
+                    out[(family, c["name"])] = int(c.get("packets", 0))
+        return out
+
+
+def _parse(item: dict[str, Any]) -> Any:
+    """An object of a listed table, with its shape (contents are not read: see adopt)."""
+    if "set" in item or "map" in item:
+        body = item.get("set") or item.get("map")
+        kind = body.get("type")
+        types = tuple(kind) if isinstance(kind, list) else (kind,)
+        flags = body.get("flags") or []
+        return NftSet(
+            body["family"], body["table"], body["name"], types,
+            map=body.get("map") if "map" in item else None,
+            flags=tuple(f for f in (flags if isinstance(flags, list) else [flags]) if f == "interval"),
+            contents_known=False,
+        )  # fmt: skip
+    if "chain" in item:
+        body = item["chain"]
+        hook = None
+        if "hook" in body:
+            hook = (body.get("type", "filter"), body["hook"], int(body.get("prio", 0)), body.get("policy", "accept"))
+        return NftChain(body["family"], body["table"], body["name"], hook=hook, contents_known=False)
+    if "counter" in item:
+        body = item["counter"]
+        return NftCounter(body["family"], body["table"], body["name"])
+    return None

@@ -1,0 +1,290 @@
+"""nftables objects as values, and the plan that turns one ruleset into another in one transaction.
+
+Pure (no kernel): a :class:`Ruleset` maps ``(family, table, kind, name)`` to a frozen object
+- a set or map with its elements, a chain with its rules (each rule's JSON expression list,
+kept as canonical JSON text so rules compare and hash), a named counter.  :func:`plan`
+compares the ruleset the kernel has with the one wanted and returns the libnftables JSON
+commands of ONE transaction that gets there incrementally:
+
+* set elements are added and deleted one by one (a pod appearing is one ``add element``);
+  interval sets (ipBlocks) are flushed and refilled, since the kernel merges intervals;
+* a chain whose rules changed is flushed and refilled in the same transaction, so packets
+  see the old rules or the new ones, never an empty chain;
+* an object whose contents the agent does not know (found in the kernel at start:
+  ``contents_known`` False) is refilled the same way: adopting a previous run's tables
+  never leaves a moment with fewer rules than before.
+
+The order inside the transaction keeps every reference valid: tables, then new sets,
+counters and (empty) chains, then chain contents, then elements (verdict maps jump to
+chains that exist by then), then what is no longer wanted, flushed before deleted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from ipaddress import IPv4Network
+from typing import Any, Union
+
+Element = Any  # str | int | tuple (a concatenation) | IPv4Network (an interval) | (key, value) for maps
+ObjKey = tuple[str, str, str, str]  # (family, table, kind, name); kind: set | chain | counter
+
+
+@dataclass(frozen=True)
+class NftSet:
+    family: str
+    table: str
+    name: str
+    type: tuple[str, ...]  # one type, or the parts of a concatenation
+    map: str | None = None  # the data type of a map ("verdict", "ether_addr"); None: a set
+    flags: tuple[str, ...] = ()
+    elements: frozenset[Element] = frozenset()
+    contents_known: bool = True
+
+    kind = "set"
+
+    @property
+    def key(self) -> ObjKey:
+        return (self.family, self.table, "set", self.name)
+
+    @property
+    def interval(self) -> bool:
+        return "interval" in self.flags
+
+    def same_shape(self, other: NftSet) -> bool:
+        return (self.type, self.map, self.flags) == (other.type, other.map, other.flags)
+
+    def declaration(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "family": self.family,
+            "table": self.table,
+            "name": self.name,
+            "type": self.type[0] if len(self.type) == 1 else list(self.type),
+        }
+        if self.map is not None:
+            body["map"] = self.map
+        if self.flags:
+            body["flags"] = list(self.flags)
+        return {"map" if self.map is not None else "set": body}
+
+
+@dataclass(frozen=True)
+class NftChain:
+    family: str
+    table: str
+    name: str
+    rules: tuple[str, ...] = ()  # JSON text of each rule's "expr" list
+    hook: tuple[str, str, int, str] | None = None  # (type, hook, priority, policy) of a base chain
+    contents_known: bool = True
+
+    kind = "chain"
+
+    @property
+    def key(self) -> ObjKey:
+        return (self.family, self.table, "chain", self.name)
+
+    def declaration(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"family": self.family, "table": self.table, "name": self.name}
+        if self.hook is not None:
+            kind, hook, prio, policy = self.hook
+            body.update(type=kind, hook=hook, prio=prio, policy=policy)
+        return {"chain": body}
+
+
+@dataclass(frozen=True)
+class NftCounter:
+    family: str
+    table: str
+    name: str
+    contents_known: bool = True
+
+    kind = "counter"
+
+    @property
+    def key(self) -> ObjKey:
+        return (self.family, self.table, "counter", self.name)
+
+    def declaration(self) -> dict[str, Any]:
+        return {"counter": {"family": self.family, "table": self.table, "name": self.name}}
+
+
+NftObject = Union[NftSet, NftChain, NftCounter]
+
+
+@dataclass
+class Ruleset:
+    """The objects of the agent's tables; ``tables`` are the (family, name) pairs it owns."""
+
+    tables: frozenset[tuple[str, str]] = frozenset()
+    objects: dict[ObjKey, NftObject] = field(default_factory=dict)
+
+    def add(self, obj: NftObject) -> None:
+        self.objects[obj.key] = obj
+
+    def chains(self) -> list[NftChain]:
+        return [o for o in self.objects.values() if isinstance(o, NftChain)]
+
+    def sets(self) -> list[NftSet]:
+        return [o for o in self.objects.values() if isinstance(o, NftSet)]
+
+    def counters(self) -> list[NftCounter]:
+        return [o for o in self.objects.values() if isinstance(o, NftCounter)]
+
+    def size(self) -> dict[str, int]:
+        """How big the ruleset is: objects of each kind, rules, set elements."""
+        return {
+            "chains": len(self.chains()),
+            "rules": sum(len(c.rules) for c in self.chains()),
+            "sets": len(self.sets()),
+            "elements": sum(len(s.elements) for s in self.sets()),
+            "counters": len(self.counters()),
+        }
+
+
+def rule_text(expr: list[dict[str, Any]]) -> str:
+    """A rule's expression list as canonical JSON (what :class:`NftChain` keeps)."""
+    return json.dumps(expr, sort_keys=True, separators=(",", ":"))
+
+
+# ------------------------------------------------------------------ elements as JSON
+
+
+def element_json(e: Element, is_map: bool) -> Any:
+    if is_map:
+        key, value = e
+        return [element_json(key, False), _value_json(value)]
+    if isinstance(e, tuple):
+        return {"concat": [element_json(x, False) for x in e]}
+    if isinstance(e, IPv4Network):
+        if e.prefixlen == 32:
+            return str(e.network_address)
+        return {"prefix": {"addr": str(e.network_address), "len": e.prefixlen}}
+    return e
+
+
+def _value_json(value: Any) -> Any:
+    if isinstance(value, tuple) and value and value[0] in ("jump", "goto"):
+        return {value[0]: {"target": value[1]}}
+    return value
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def _obj_ref(obj: NftObject) -> dict[str, Any]:
+    kind = "map" if isinstance(obj, NftSet) and obj.map is not None else obj.kind
+    return {kind: {"family": obj.family, "table": obj.table, "name": obj.name}}
+
+
+def _elements(s: NftSet, elements: Iterable[Element], *, keys_only: bool = False) -> dict[str, Any]:
+    if keys_only and s.map is not None:
+        elem = [element_json(k, False) for k, _ in sorted(elements, key=_sort_key)]
+    else:
+        elem = [element_json(e, s.map is not None) for e in sorted(elements, key=_sort_key)]
+    return {"element": {"family": s.family, "table": s.table, "name": s.name, "elem": elem}}
+
+
+def _sort_key(e: Element) -> str:
+    return repr(e)
+
+
+def _rules(chain: NftChain) -> list[dict[str, Any]]:
+    return [
+        {"add": {"rule": {"family": chain.family, "table": chain.table, "chain": chain.name, "expr": json.loads(r)}}}
+        for r in chain.rules
+    ]
+
+
+def plan(current: Ruleset, desired: Ruleset) -> list[dict[str, Any]]:
+    """The commands of one transaction taking the kernel from ``current`` to ``desired``."""
+    adds: list[dict[str, Any]] = []
+    contents: list[dict[str, Any]] = []
+    element_adds: list[dict[str, Any]] = []
+    element_dels: list[dict[str, Any]] = []
+    flushes: list[dict[str, Any]] = []
+    deletes: list[dict[str, Any]] = []
+
+    for table in sorted(desired.tables - current.tables):
+        adds.append({"add": {"table": {"family": table[0], "name": table[1]}}})
+
+    for key, want in desired.objects.items():
+        have = current.objects.get(key)
+        if isinstance(want, NftSet):
+            replaced = isinstance(have, NftSet) and not want.same_shape(have)
+            if have is None or replaced:
+                if replaced:
+                    # A set whose type changed: delete and re-create (only happens on upgrades).
+                    flushes.append({"flush": _obj_ref(have)})  # type: ignore[arg-type]
+                    deletes.append({"delete": _obj_ref(have)})  # type: ignore[arg-type]
+                adds.append({"add": want.declaration()})
+                if want.elements:
+                    element_adds.append({"add": _elements(want, want.elements)})
+                continue
+            assert isinstance(have, NftSet)
+            if not have.contents_known or (want.interval and have.elements != want.elements):
+                contents.append({"flush": _obj_ref(want)})
+                if want.elements:
+                    element_adds.append({"add": _elements(want, want.elements)})
+            elif have.elements != want.elements:
+                gone = have.elements - want.elements
+                new = want.elements - have.elements
+                if gone:
+                    # Maps are deleted from by key; a key whose value changed is deleted here
+                    # and added again below, in the same transaction.
+                    element_dels.append({"delete": _elements(want, gone, keys_only=True)})
+                if new:
+                    element_adds.append({"add": _elements(want, new)})
+        elif isinstance(want, NftChain):
+            if have is None:
+                adds.append({"add": want.declaration()})
+                contents += _rules(want)
+            elif not isinstance(have, NftChain) or have.hook != want.hook:
+                # A base chain whose hook changed: recreate it (upgrades only).
+                flushes.append({"flush": {"chain": _obj_ref(have)["chain"]}})
+                deletes.append({"delete": {"chain": _obj_ref(have)["chain"]}})
+                adds.append({"add": want.declaration()})
+                contents += _rules(want)
+            elif not have.contents_known or have.rules != want.rules:
+                contents.append({"flush": {"chain": _obj_ref(want)["chain"]}})
+                contents += _rules(want)
+        elif have is None:
+            adds.append({"add": want.declaration()})
+
+    for key, have in current.objects.items():
+        if key in desired.objects:
+            continue
+        if isinstance(have, NftChain):
+            flushes.append({"flush": {"chain": _obj_ref(have)["chain"]}})
+            deletes.append({"delete": {"chain": _obj_ref(have)["chain"]}})
+        else:
+            deletes.append({"delete": _obj_ref(have)})
+    # Deleting a chain needs its jumps gone first (rules flushed above, vmap elements
+    # deleted above); sets, maps and counters go after every chain that used them.
+    deletes.sort(key=lambda c: 0 if "chain" in c["delete"] else 1)
+
+    for table in sorted(current.tables - desired.tables):
+        # A table no longer wanted goes with everything in it (its objects were listed above
+        # only to be deleted, which the table's deletion does at once).
+        flushes = [c for c in flushes if _table_of(c) != table]
+        deletes = [c for c in deletes if _table_of(c) != table]
+        element_dels = [c for c in element_dels if _table_of(c) != table]
+        deletes.append({"delete": {"table": {"family": table[0], "name": table[1]}}})
+
+    return adds + contents + element_dels + element_adds + flushes + deletes
+
+
+def _table_of(cmd: dict[str, Any]) -> tuple[str, str]:
+    body = next(iter(cmd.values()))
+    inner = next(iter(body.values()))
+    return inner["family"], inner["table"]
+
+
+def applied(desired: Ruleset) -> Ruleset:
+    """What the kernel holds after a successful transaction to ``desired``."""
+    return Ruleset(desired.tables, dict(desired.objects))
+
+
+def unknown_contents(objects: Mapping[ObjKey, NftObject]) -> dict[ObjKey, NftObject]:
+    """Objects found in the kernel whose contents are to be rewritten on the first sync."""
+    return {k: replace(o, contents_known=False) for k, o in objects.items()}

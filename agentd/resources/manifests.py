@@ -1,0 +1,148 @@
+"""Manifests in and out: Kubernetes YAML or JSON, one document or many, and ``kind: List``.
+
+Reading uses PyYAML's safe loader (JSON is YAML too), with one strictness the API server's
+decoder has and PyYAML lacks: a key given twice in one mapping is an error (kubectl:
+"mapping key already defined"), not a silent "last one wins".  Every problem is one line
+naming the source, the document and, for syntax errors, the line and column.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from . import kinds
+from .validation import Invalid
+
+try:  # libyaml's C loader when PyYAML was built with it
+    _BaseLoader: type = yaml.CSafeLoader  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover
+    _BaseLoader = yaml.SafeLoader
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be read or is invalid; the message is one line."""
+
+
+class _StrictLoader(_BaseLoader):  # type: ignore[misc, valid-type]
+    pass
+
+
+def _mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    out: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, "found an unhashable key", key_node.start_mark
+            ) from None
+        if key in out:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"mapping key {json.dumps(key, default=str)} already defined", key_node.start_mark
+            )
+        out[key] = loader.construct_object(value_node, deep=deep)
+    return out
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+@dataclass(frozen=True)
+class Document:
+    where: str  # "document 2" or "document 2, item 3" (of a kind: List)
+    raw: dict[str, Any]
+
+
+def _yaml_error(source: str, err: yaml.YAMLError) -> ManifestError:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or getattr(err, "context", None) or str(err)
+    where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
+    text = " ".join(str(problem).split())
+    return ManifestError(f"{source}:{where} {text}")
+
+
+def read(text: str, source: str = "-") -> list[Document]:
+    """Every object in ``text`` (YAML or JSON; ``---``-separated documents; ``kind: List``)."""
+    docs: list[Document] = []
+    try:
+        loaded = list(yaml.load_all(text, Loader=_StrictLoader))  # noqa: S506 - a safe loader
+    except yaml.YAMLError as err:
+        raise _yaml_error(source, err) from None
+    except (RecursionError, ValueError) as err:  # absurd nesting; digits beyond int's limit
+        raise ManifestError(f"{source}: cannot read: {type(err).__name__}") from None
+    for position, doc in enumerate((d for d in loaded if d is not None), start=1):
+        where = f"document {position}"
+        if isinstance(doc, dict) and doc.get("kind") == "List" and isinstance(doc.get("items"), list):
+            docs += [_document(item, f"{where}, item {i}", source) for i, item in enumerate(doc["items"], start=1)]
+        else:
+            docs.append(_document(doc, where, source))
+    if not docs:
+        raise ManifestError(f"{source}: no objects to apply")
+    return docs
+
+
+def _document(doc: Any, where: str, source: str) -> Document:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{source}: {where}: a manifest must be an object, not {type(doc).__name__}")
+    return Document(where, doc)
+
+
+def validate_all(docs: Iterable[Document], source: str, *, namespace: str | None = None) -> list[dict[str, Any]]:
+    """Validate every document (nothing is written unless all are valid); one line on error."""
+    out = []
+    seen: dict[tuple[str, str, str], str] = {}
+    for doc in docs:
+        label = _label(doc)
+        try:
+            given = (doc.raw.get("metadata") or {}).get("namespace") if isinstance(doc.raw.get("metadata"), dict) else None
+            if namespace is not None and given not in (None, "", namespace):
+                raise Invalid(
+                    "metadata.namespace",
+                    f"the namespace from the provided object {json.dumps(given)} does not match the namespace "
+                    f"{json.dumps(namespace)}; pass --namespace={given} or remove it",
+                )
+            obj = kinds.validate(doc.raw, default_namespace=namespace or kinds.DEFAULT_NAMESPACE)
+        except Invalid as err:
+            raise ManifestError(f"{source}: {doc.where}{label}: {err}") from None
+        kind = kinds.KINDS[obj["kind"]]
+        if kind.writer is not None:
+            raise ManifestError(
+                f"{source}: {doc.where}{label}: {kind.kind} objects are written by {kind.writer}"
+            )
+        key = kinds.identity(obj)
+        if key in seen:
+            raise ManifestError(
+                f"{source}: {doc.where}{label}: the same object is also {seen[key]}"
+            )
+        seen[key] = doc.where
+        out.append(obj)
+    return out
+
+
+def _label(doc: Document) -> str:
+    raw = doc.raw
+    meta = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
+    kind, name, ns = raw.get("kind"), meta.get("name"), meta.get("namespace")
+    if not isinstance(kind, str) or not kind:
+        return ""
+    if isinstance(name, str) and name:
+        return f" ({kind} {ns}/{name})" if isinstance(ns, str) and ns else f" ({kind} {name})"
+    return f" ({kind})"
+
+
+# ------------------------------------------------------------------ out
+
+
+def dump(objs: list[Mapping[str, Any]], fmt: str, *, as_list: bool) -> str:
+    """``-o yaml`` / ``-o json``: one object as itself, several (or a listing) as ``kind: List``."""
+    data: Any = {"apiVersion": "v1", "kind": "List", "items": list(objs)} if as_list else objs[0]
+    if fmt == "json":
+        return json.dumps(data, indent=2) + "\n"
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)

@@ -1,0 +1,362 @@
+"""Resources in etcd: where each object lives, and apply / get / delete / label / watch.
+
+Keys (prefix default ``/agentd``; ``<plural>`` is the kind's plural, lower case)::
+
+    <prefix>/resources/namespaces/<name>                  Namespace
+    <prefix>/resources/networkpolicies/<namespace>/<name> NetworkPolicy
+    <prefix>/resources/pods/<namespace>/<name>            Pod (workload endpoint), written by the
+                                                          agent of its node under that node's lease
+
+The value is the object as JSON, as validated and defaulted (:func:`agentd.resources.kinds.validate`),
+with the server's metadata: ``uid`` and ``creationTimestamp`` (kept across updates) and
+``generation`` (counts changes of the spec).  ``resourceVersion`` is not stored: it is the
+key's etcd ``mod_revision``, added when an object is read.
+
+Writes are transactions that compare the ``mod_revision`` read before (so two applies, or an
+agent and ``agentd label``, never overwrite each other's change unseen; the loser reads again).
+Every agent follows the whole ``<prefix>/resources/`` prefix with one watch, so the objects
+it sees are one consistent revision of etcd.  A record that does not validate is logged once
+and skipped (to a watcher it is gone), never a crash.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aetcd import transactions as tx
+
+from agentd.datastore import Datastore, KeyValue
+
+from . import kinds
+from .kinds import Kind
+from .validation import Invalid
+
+log = logging.getLogger("agentd.resources")
+
+RESOURCES = "resources"
+MAX_TXN_OPS = 100  # etcd's --max-txn-ops default is 128
+Key = tuple[str, str, str]  # (kind, namespace or "", name)
+
+
+class StoreError(RuntimeError):
+    """An operation on the store failed; the message is one line."""
+
+
+class NotFound(StoreError):
+    pass
+
+
+class Conflict(StoreError):
+    pass
+
+
+def resources_prefix(prefix: str) -> bytes:
+    return f"{prefix}/{RESOURCES}/".encode()
+
+
+def kind_prefix(prefix: str, kind: Kind, namespace: str | None = None) -> bytes:
+    base = f"{prefix}/{RESOURCES}/{kind.plural}/"
+    return (base + f"{namespace}/" if namespace and kind.namespaced else base).encode()
+
+
+def object_key(prefix: str, kind: Kind, namespace: str, name: str) -> bytes:
+    path = f"{kind.plural}/{namespace}/{name}" if kind.namespaced else f"{kind.plural}/{name}"
+    return f"{prefix}/{RESOURCES}/{path}".encode()
+
+
+def parse_key(prefix: str, key: bytes) -> tuple[Kind, str, str]:
+    """``(kind, namespace, name)`` of a key under the resources prefix; ValueError otherwise."""
+    head = resources_prefix(prefix)
+    if not key.startswith(head):
+        raise ValueError(f"{key!r} is not under {head!r}")
+    parts = key[len(head) :].decode(errors="replace").split("/")
+    kind = kinds.BY_PLURAL.get(parts[0])
+    if kind is None:
+        raise ValueError(f"unknown resource type {parts[0]!r}")
+    if kind.namespaced and len(parts) == 3 and all(parts[1:]):
+        return kind, parts[1], parts[2]
+    if not kind.namespaced and len(parts) == 2 and parts[1]:
+        return kind, "", parts[1]
+    raise ValueError(f"malformed {kind.plural} key")
+
+
+def encode(obj: Mapping[str, Any]) -> bytes:
+    """The stored value: the object without resourceVersion (that is the key's revision)."""
+    meta = {k: v for k, v in obj["metadata"].items() if k != "resourceVersion"}
+    return json.dumps({**obj, "metadata": meta}, separators=(",", ":"), sort_keys=False).encode()
+
+
+def decode(prefix: str, kv: KeyValue) -> dict[str, Any]:
+    """A stored record as an object (validated again: etcd may hold anything); Invalid on error."""
+    kind, namespace, name = parse_key(prefix, kv.key)
+    try:
+        raw = json.loads(kv.value)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise Invalid("", f"not valid JSON ({err})") from None
+    obj = kinds.validate(raw, default_namespace=namespace or kinds.DEFAULT_NAMESPACE)
+    if (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]) != (kind.kind, namespace, name):
+        raise Invalid("metadata", "the object's kind, namespace or name does not match its key")
+    meta = raw.get("metadata") or {}
+    for key in ("uid", "creationTimestamp"):
+        if isinstance(meta.get(key), str):
+            obj["metadata"][key] = meta[key]
+    if isinstance(meta.get("generation"), int) and not isinstance(meta.get("generation"), bool):
+        obj["metadata"]["generation"] = meta["generation"]
+    obj["metadata"]["resourceVersion"] = str(kv.mod_revision)
+    return obj
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _content(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What a change is judged by: everything but the server's metadata."""
+    meta = {k: v for k, v in obj["metadata"].items() if k not in ("uid", "creationTimestamp", "generation", "resourceVersion")}
+    return {**obj, "metadata": meta}
+
+
+@dataclass(frozen=True)
+class Applied:
+    obj: dict[str, Any]
+    outcome: str  # created | configured | unchanged
+    revision: int  # etcd revision of the write (of the read, when unchanged)
+
+
+@dataclass(frozen=True)
+class ResourceEvent:
+    """From :meth:`ResourceStore.watch`: "snapshot" (``objects``: all of them, at ``revision``),
+    "put" (``obj``) or "delete" (``key``)."""
+
+    kind: str
+    revision: int
+    key: Key | None = None
+    obj: dict[str, Any] | None = None
+    objects: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    # The etcd lease each object is attached to (0: none): agents keep their pods' records
+    # under their node lease and check it.
+    lease: int = 0
+    leases: dict[Key, int] = field(default_factory=dict)
+
+
+class ResourceStore:
+    """Resources in etcd, through a :class:`~agentd.datastore.Datastore` (its retries and failover)."""
+
+    def __init__(self, datastore: Datastore, *, timeout: float | None = None) -> None:
+        self.ds = datastore
+        self.prefix = datastore.prefix
+        self.timeout = timeout
+        self._reported: set[tuple[bytes, int]] = set()
+
+    # ------------------------------------------------------------------ reads
+
+    async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        key = object_key(self.prefix, kind, namespace, name)
+        got = await self.ds.request(f"read {kind.plural}", lambda c: c.get(key), timeout=self.timeout)
+        if got is None:
+            return None
+        return self._decode(KeyValue(key, got.value, got.mod_revision, got.lease), strict=True)
+
+    async def list(self, kind: Kind, namespace: str | None = None) -> list[dict[str, Any]]:
+        head = kind_prefix(self.prefix, kind, namespace)
+        got = await self.ds.request(f"list {kind.plural}", lambda c: c.get_prefix(head), timeout=self.timeout)
+        out = []
+        for kv in got:
+            obj = self._decode(KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease))
+            if obj is not None:
+                out.append(obj)
+        return sorted(out, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+
+    def _decode(self, kv: KeyValue, *, strict: bool = False) -> dict[str, Any] | None:
+        try:
+            return decode(self.prefix, kv)
+        except (Invalid, ValueError) as err:
+            if strict:
+                raise StoreError(f"the record at {kv.key.decode(errors='replace')} is malformed: {err}") from None
+            if (kv.key, kv.mod_revision) not in self._reported:
+                if len(self._reported) > 10000:
+                    self._reported.clear()
+                self._reported.add((kv.key, kv.mod_revision))
+                log.warning("skipping malformed record at %s: %s", kv.key.decode(errors="replace"), err)
+            return None
+
+    # ------------------------------------------------------------------ writes by people
+
+    async def apply(self, objs: Iterable[dict[str, Any]]) -> list[Applied]:
+        """Create or replace validated objects, in transactions of up to MAX_TXN_OPS objects."""
+        objs = list(objs)
+        out: list[Applied] = []
+        for i in range(0, len(objs), MAX_TXN_OPS):
+            out += await self._apply_batch(objs[i : i + MAX_TXN_OPS])
+        return out
+
+    async def _apply_batch(self, objs: list[dict[str, Any]]) -> list[Applied]:
+        keys = [object_key(self.prefix, kinds.KINDS[o["kind"]], *kinds.identity(o)[1:]) for o in objs]
+        for _ in range(20):  # lost races: read again and retry
+            _, found = await self.ds.request(
+                "read objects", lambda c: c.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[]),
+                timeout=self.timeout,
+            )
+            compare, puts, plan = [], [], []
+            for key, obj, kvs in zip(keys, objs, found):
+                old = None
+                if kvs:
+                    value, meta = kvs[0]
+                    old = self._decode(KeyValue(key, value, meta.mod_revision, meta.lease))
+                    compare.append(tx.Mod(key) == meta.mod_revision)
+                else:
+                    compare.append(tx.Version(key) == 0)
+                new = self._stamp(obj, old)
+                if old is not None and _content(old) == _content(new):
+                    plan.append((new, "unchanged", int(old["metadata"]["resourceVersion"])))
+                    continue
+                puts.append(tx.Put(key, encode(new)))
+                plan.append((new, "configured" if kvs else "created", None))
+            if not puts:
+                return [Applied(o, how, rev or 0) for o, how, rev in plan]
+            ok, responses = await self.ds.request(
+                "apply objects", lambda c: c.transaction(compare=compare, success=puts, failure=[]),
+                timeout=self.timeout,
+            )
+            if ok:
+                revision = responses[0].response_put.header.revision if responses else 0
+                return [Applied(o, how, rev if rev is not None else revision) for o, how, rev in plan]
+        raise Conflict("the objects kept changing while being applied; try again")
+
+    @staticmethod
+    def _stamp(obj: dict[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any]:
+        new = copy.deepcopy(obj)
+        meta = new["metadata"]
+        old_meta = old["metadata"] if old is not None else {}
+        meta["uid"] = old_meta.get("uid") or str(uuid.uuid4())
+        meta["creationTimestamp"] = old_meta.get("creationTimestamp") or _now()
+        generation = old_meta.get("generation", 0)
+        same_spec = old is not None and old.get("spec") == new.get("spec")
+        meta["generation"] = generation if same_spec else generation + 1
+        return new
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> int:
+        """Delete one object; returns the revision of the delete; NotFound if there was none."""
+        key = object_key(self.prefix, kind, namespace, name)
+        ok, responses = await self.ds.request(
+            f"delete {kind.plural}",
+            lambda c: c.transaction(compare=[tx.Version(key) > 0], success=[tx.Delete(key)], failure=[]),
+            timeout=self.timeout,
+        )
+        if not ok:
+            raise NotFound(f"{kind.plural} {_shown(kind, namespace, name)} not found")
+        return responses[0].response_delete_range.header.revision
+
+    async def label(
+        self, kind: Kind, namespace: str, name: str, changes: Mapping[str, str | None], *, overwrite: bool = False
+    ) -> tuple[dict[str, Any], bool]:
+        """Set (value) or remove (None) labels of one object; returns (object, changed).
+
+        A Namespace that has no object yet gets one (namespaces exist implicitly in agentd).
+        The write keeps the record's etcd lease (a pod's record stays tied to its node)."""
+        key = object_key(self.prefix, kind, namespace, name)
+        for _ in range(20):
+            got = await self.ds.request(f"read {kind.plural}", lambda c: c.get(key), timeout=self.timeout)
+            if got is None:
+                if kind is not kinds.NAMESPACE:
+                    raise NotFound(f"{kind.plural} {_shown(kind, namespace, name)} not found")
+                obj = kinds.validate({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+                compare, lease = [tx.Version(key) == 0], None
+            else:
+                obj = self._decode(KeyValue(key, got.value, got.mod_revision, got.lease), strict=True)
+                compare, lease = [tx.Mod(key) == got.mod_revision], (got.lease or None)
+            assert obj is not None
+            current = dict(obj["metadata"].get("labels", {}))
+            for k, v in changes.items():
+                if v is not None and k in current and current[k] != v and not overwrite:
+                    raise Conflict(f"'{k}' already has a value ({current[k]}), and --overwrite is false")
+                if v is None:
+                    current.pop(k, None)
+                else:
+                    current[k] = v
+            if kind is kinds.NAMESPACE:
+                current[kinds.NAMESPACE_NAME_LABEL] = name
+            if got is not None and current == obj["metadata"].get("labels", {}):
+                return obj, False
+            obj["metadata"]["labels"] = current
+            new = kinds.validate(_content(obj), default_namespace=namespace or kinds.DEFAULT_NAMESPACE)
+            new = self._stamp(new, obj if got is not None else None)
+            ok, responses = await self.ds.request(
+                f"label {kind.plural}",
+                lambda c: c.transaction(compare=compare, success=[tx.Put(key, encode(new), lease=lease)], failure=[]),
+                timeout=self.timeout,
+            )
+            if ok:
+                new["metadata"]["resourceVersion"] = str(responses[0].response_put.header.revision)
+                return new, True
+        raise Conflict(f"{kind.plural} {_shown(kind, namespace, name)} kept changing; try again")
+
+    # ------------------------------------------------------------------ writes by agents
+
+    async def put_owned(
+        self, obj: dict[str, Any], *, lease: int | None, expect: int | None
+    ) -> bool:
+        """Put an object an agent owns (a pod record) under ``lease`` if its key is still at
+        ``expect`` (its mod_revision; 0: absent).  False if someone changed it meanwhile."""
+        kind = kinds.KINDS[obj["kind"]]
+        key = object_key(self.prefix, kind, *kinds.identity(obj)[1:])
+        cmp = tx.Version(key) == 0 if not expect else tx.Mod(key) == expect
+        ok, _ = await self.ds.request(
+            f"write {kind.plural}",
+            lambda c: c.transaction(compare=[cmp], success=[tx.Put(key, encode(obj), lease=lease or None)], failure=[]),
+            timeout=self.timeout,
+        )
+        return bool(ok)
+
+    async def delete_owned(self, kind: Kind, namespace: str, name: str, *, expect: int) -> bool:
+        key = object_key(self.prefix, kind, namespace, name)
+        ok, _ = await self.ds.request(
+            f"delete {kind.plural}",
+            lambda c: c.transaction(compare=[tx.Mod(key) == expect], success=[tx.Delete(key)], failure=[]),
+            timeout=self.timeout,
+        )
+        return bool(ok)
+
+    # ------------------------------------------------------------------ watch
+
+    async def watch(self) -> AsyncIterator[ResourceEvent]:
+        """Every resource: a snapshot, then puts and deletes (see Datastore.watch_prefix)."""
+        known: set[Key] = set()
+        async for ev in self.ds.watch_prefix(resources_prefix(self.prefix), "resource watch"):
+            if ev.kind == "snapshot":
+                objects: dict[Key, dict[str, Any]] = {}
+                leases: dict[Key, int] = {}
+                for kv in ev.kvs:
+                    obj = self._decode(kv)
+                    if obj is not None:
+                        objects[kinds.identity(obj)] = obj
+                        leases[kinds.identity(obj)] = kv.lease
+                known = set(objects)
+                yield ResourceEvent("snapshot", ev.revision, objects=objects, leases=leases)
+                continue
+            kv = ev.kvs[0]
+            try:
+                kind, namespace, name = parse_key(self.prefix, kv.key)
+            except ValueError:
+                continue
+            key = (kind.kind, namespace, name)
+            obj = self._decode(kv) if ev.kind == "put" else None
+            if obj is None:
+                if key in known:  # deleted, or became unreadable: to the watcher it is gone
+                    known.discard(key)
+                    yield ResourceEvent("delete", ev.revision, key=key)
+                continue
+            known.add(key)
+            yield ResourceEvent("put", ev.revision, key=key, obj=obj, lease=kv.lease)
+
+
+def _shown(kind: Kind, namespace: str, name: str) -> str:
+    return f'"{name}" in namespace "{namespace}"' if kind.namespaced else f'"{name}"'
+
