@@ -263,13 +263,14 @@ def plan(current: Ruleset, desired: Ruleset) -> list[dict[str, Any]]:
     # deleted above); sets, maps and counters go after every chain that used them.
     deletes.sort(key=lambda c: 0 if "chain" in c["delete"] else 1)
 
-    for table in sorted(current.tables - desired.tables):
+    gone_tables = sorted(current.tables - desired.tables)
+    if gone_tables:
         # A table no longer wanted goes with everything in it (its objects were listed above
         # only to be deleted, which the table's deletion does at once).
-        flushes = [c for c in flushes if _table_of(c) != table]
-        deletes = [c for c in deletes if _table_of(c) != table]
-        element_dels = [c for c in element_dels if _table_of(c) != table]
-        deletes.append({"delete": {"table": {"family": table[0], "name": table[1]}}})
+        flushes = [c for c in flushes if _table_of(c) not in gone_tables]
+        deletes = [c for c in deletes if _table_of(c) not in gone_tables]
+        element_dels = [c for c in element_dels if _table_of(c) not in gone_tables]
+        deletes += [{"delete": {"table": {"family": f, "name": n}}} for f, n in gone_tables]
 
     return adds + contents + element_dels + element_adds + flushes + deletes
 

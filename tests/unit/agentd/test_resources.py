@@ -1,0 +1,310 @@
+"""Resources: manifests in (YAML/JSON, many documents), validation as the API server does it
+(one line naming the field, nothing written), defaults, output; the kinds table; the CLI's
+checks before etcd; agentd-cni's pod identity.  Pure: no etcd, no root."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from agentd import cli
+from agentd.policy import endpoints
+from agentd.resources import kinds, manifests
+from agentd.resources.store import object_key, parse_key
+
+POLICY = """\
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: allow-web
+  namespace: prod
+spec:
+  podSelector:
+    matchLabels: {app: web}
+  ingress:
+  - from:
+    - namespaceSelector: {matchLabels: {team: a}}
+      podSelector: {matchExpressions: [{key: tier, operator: In, values: [fe]}]}
+    - ipBlock: {cidr: 10.0.0.0/8, except: [10.1.0.0/16]}
+    ports:
+    - port: 80
+    - port: http
+    - {protocol: UDP, port: 5000, endPort: 5010}
+"""
+
+
+def validate_text(text: str, **kw) -> list[dict]:
+    return manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml", **kw)
+
+
+def error_of(text: str, **kw) -> str:
+    with pytest.raises(manifests.ManifestError) as err:
+        validate_text(text, **kw)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def mutate(path: str, value, text: str = POLICY) -> str:
+    """POLICY with the field at dotted ``path`` set (``None``: removed)."""
+    doc = yaml.safe_load(text)
+    parts = path.split(".")
+    node = doc
+    for p in parts[:-1]:
+        node = node[int(p)] if p.isdigit() else node[p]
+    last = parts[-1]
+    if value is None:
+        del node[int(last) if last.isdigit() else last]
+    elif last.isdigit():
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return yaml.safe_dump(doc)
+
+
+# ------------------------------------------------------------------ good input, defaults
+
+
+def test_a_policy_is_stored_with_the_api_servers_defaults():
+    (obj,) = validate_text(POLICY)
+    spec = obj["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert [p["protocol"] for p in spec["ingress"][0]["ports"]] == ["TCP", "TCP", "UDP"]
+    assert obj["metadata"] == {"name": "allow-web", "namespace": "prod"}
+
+
+@pytest.mark.parametrize(
+    "spec, types",
+    [
+        ({"podSelector": {}}, ["Ingress"]),
+        ({"podSelector": {}, "egress": [{}]}, ["Ingress", "Egress"]),
+        ({"podSelector": {}, "egress": []}, ["Ingress"]),  # no egress rules: not an Egress policy
+        ({"podSelector": {}, "policyTypes": ["Egress"]}, ["Egress"]),
+        ({"podSelector": {}, "policyTypes": ["Egress", "Ingress"]}, ["Ingress", "Egress"]),
+    ],
+)
+def test_policy_types_default(spec, types):
+    doc = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "p"}, "spec": spec}
+    assert kinds.validate(doc)["spec"]["policyTypes"] == types
+
+
+def test_json_many_documents_and_lists():
+    as_json = json.dumps(yaml.safe_load(POLICY))
+    ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "prod", "labels": {"team": "a"}}}
+    text = as_json + "\n---\n" + yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [ns]})
+    objs = validate_text(text)
+    assert [o["kind"] for o in objs] == ["NetworkPolicy", "Namespace"]
+    assert objs[1]["metadata"]["labels"] == {"team": "a", "kubernetes.io/metadata.name": "prod"}
+
+
+def test_server_fields_round_trip_and_namespace_defaults():
+    doc = yaml.safe_load(POLICY)
+    doc["metadata"].update(uid="x", resourceVersion="12", creationTimestamp="2024-01-01T00:00:00Z", generation=3)
+    del doc["metadata"]["namespace"]
+    (obj,) = validate_text(yaml.safe_dump(doc))
+    assert obj["metadata"] == {"name": "allow-web", "namespace": "default"}
+    (obj,) = validate_text(yaml.safe_dump(doc), namespace="team-b")
+    assert obj["metadata"]["namespace"] == "team-b"
+
+
+def test_output_is_yaml_or_json_a_list_for_listings():
+    objs = validate_text(POLICY)
+    assert yaml.safe_load(manifests.dump(objs, "yaml", as_list=False)) == objs[0]
+    listed = json.loads(manifests.dump(objs, "json", as_list=True))
+    assert listed["kind"] == "List" and listed["items"] == objs
+
+
+# ------------------------------------------------------------------ bad input: one line naming the field
+
+BAD = [
+    (mutate("spec.podSelector", None), "spec.podSelector: Required value"),
+    (mutate("spec.podselector", {}), "spec.podselector: unknown field"),
+    (mutate("spec.ingress.0.ports.0.port", 0), "spec.ingress[0].ports[0].port: Invalid value: 0: must be between 1 and 65535"),
+    (mutate("spec.ingress.0.ports.0.port", 70000), "must be between 1 and 65535, inclusive"),
+    (mutate("spec.ingress.0.ports.1.port", "HTTP"), 'spec.ingress[0].ports[1].port: Invalid value: "HTTP"'),
+    (mutate("spec.ingress.0.ports.1.port", "80"), "must contain at least one letter"),
+    (mutate("spec.ingress.0.ports.1.port", "a--b"), "must not contain consecutive hyphens"),
+    (mutate("spec.ingress.0.ports.1.port", "a-very-long-port-name"), "must be no more than 15 characters"),
+    (mutate("spec.ingress.0.ports.2.endPort", 4000), "spec.ingress[0].ports[2].endPort: Invalid value: 4000: must be greater than or equal to `port`"),
+    (mutate("spec.ingress.0.ports.1.endPort", 90), "endPort: Invalid value: 90: may not be specified when `port` is non-numeric"),
+    (mutate("spec.ingress.0.ports.0", {"endPort": 90}), "may not be specified when `port` is not specified"),
+    (mutate("spec.ingress.0.ports.0.protocol", "tcp"), 'spec.ingress[0].ports[0].protocol: Unsupported value: "tcp": supported values: "TCP", "UDP", "SCTP"'),
+    (mutate("spec.ingress.0.ports.0.protocol", "ICMP"), "Unsupported value"),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0"), 'spec.ingress[0].from[1].ipBlock.cidr: Invalid value: "10.0.0.0": must be a valid CIDR'),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "10.0.0.0/33"), "must be a valid CIDR"),
+    (mutate("spec.ingress.0.from.1.ipBlock.except", ["11.0.0.0/16"]), "spec.ingress[0].from[1].ipBlock.except[0]: Invalid value: \"11.0.0.0/16\": must be a strict subset of `cidr`"),
+    (mutate("spec.ingress.0.from.1.ipBlock.except", ["10.0.0.0/8"]), "must be a strict subset"),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", None), "spec.ingress[0].from[1].ipBlock.cidr: Required value"),
+    (mutate("spec.ingress.0.from.1.podSelector", {}), "spec.ingress[0].from[1]: Forbidden: may not specify both ipBlock and another peer"),
+    (mutate("spec.ingress.0.from.1", {}), "spec.ingress[0].from[1]: Required value: must specify a peer"),
+    (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0.operator", "in"), 'operator: Invalid value: "in": not a valid selector operator'),
+    (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0.values", []), "matchExpressions[0].values: Required value: must be specified when `operator` is 'In' or 'NotIn'"),
+    (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0", {"key": "a", "operator": "Exists", "values": ["x"]}), "Forbidden: may not be specified when `operator` is 'Exists' or 'DoesNotExist'"),
+    (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0.key", "-bad"), "matchExpressions[0].key: Invalid value: \"-bad\""),
+    (mutate("spec.ingress.0.from.0.namespaceSelector.matchLabels", {"team": "a b"}), 'namespaceSelector.matchLabels: Invalid value: "a b"'),
+    (mutate("spec.ingress.0.from.0.namespaceSelector.matchLabels", {"team": True}), "must be a string, not boolean"),
+    (mutate("spec.podSelector.matchLabels", {"app/x/y": "v"}), "prefix part must be a lowercase RFC 1123 subdomain"),
+    (mutate("spec.policyTypes", ["Ingress", "Egress", "Ingress"]), "may not specify more than two policyTypes"),
+    (mutate("spec.policyTypes", ["ingress"]), 'spec.policyTypes[0]: Unsupported value: "ingress"'),
+    (mutate("spec.ingress", {"from": []}), "spec.ingress: Invalid value"),
+    (mutate("metadata.name", "Allow_Web"), 'metadata.name: Invalid value: "Allow_Web": a lowercase RFC 1123 subdomain'),
+    (mutate("metadata.name", None), "metadata.name: Required value"),
+    (mutate("metadata.namespace", "a.b"), 'metadata.namespace: Invalid value: "a.b": a lowercase RFC 1123 label'),
+    (mutate("metadata.generateName", "x-"), "metadata.generateName: Forbidden"),
+    (mutate("apiVersion", "networking.k8s.io/v1beta1"), 'apiVersion: Unsupported value: "networking.k8s.io/v1beta1"'),
+    (mutate("kind", "Ingress"), 'kind: Unsupported value: "Ingress"'),
+    (mutate("kind", None), "kind: Required value"),
+    (mutate("spec", None), "spec: Required value"),
+    ("apiVersion: v1\nkind: Namespace\nmetadata: {name: Prod}\n", 'metadata.name: Invalid value: "Prod"'),
+    ("apiVersion: v1\nkind: Namespace\nmetadata: {name: p, namespace: x}\n", "metadata.namespace: Forbidden: Namespace is not namespaced"),
+    ("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec: {nodeName: n}\n", "Pod objects are written by the agent"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, expected", BAD, ids=[e for _, e in BAD])
+def test_bad_manifests_give_one_line_naming_the_field(text, expected):
+    message = error_of(text)
+    assert expected in message, message
+    assert message.startswith("f.yaml: document 1")
+
+
+def test_nothing_is_taken_when_one_document_of_many_is_bad():
+    good = "apiVersion: v1\nkind: Namespace\nmetadata: {name: ok}\n"
+    message = error_of(good + "---\n" + mutate("spec.ingress.0.ports.0.port", 0))
+    assert message.startswith("f.yaml: document 2 (NetworkPolicy prod/allow-web): spec.ingress[0].ports[0].port")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("a: [1\n", "f.yaml: line 2, column 1: did not find expected ',' or ']'"),
+        ("kind: Namespace\nkind: Namespace\n", 'f.yaml: line 2, column 1: mapping key "kind" already defined'),
+        ("- 1\n- 2\n", "f.yaml: document 1: a manifest must be an object, not list"),
+        ("---\n---\n", "f.yaml: no objects to apply"),
+        ("a: !!python/object:os.system x\n", "f.yaml: line 1"),
+        (POLICY + "---\n" + POLICY, "document 2 (NetworkPolicy prod/allow-web): the same object is also document 1"),
+    ],
+)
+def test_unreadable_manifests(text, expected):
+    assert expected in error_of(text)
+
+
+def test_namespace_flag_conflicts_with_the_objects_namespace():
+    assert "does not match the namespace" in error_of(POLICY, namespace="other")
+
+
+# ------------------------------------------------------------------ kinds, keys
+
+
+def test_kinds_are_found_by_every_name():
+    for name in ("netpol", "NetworkPolicy", "networkpolicies", "networkpolicy.networking.k8s.io"):
+        assert kinds.lookup(name) is kinds.NETWORK_POLICY
+    assert kinds.lookup("ns") is kinds.NAMESPACE and kinds.lookup("po") is kinds.POD
+    with pytest.raises(kinds.Invalid, match="doesn't have a resource type"):
+        kinds.lookup("services")
+
+
+def test_etcd_keys():
+    assert object_key("/agentd", kinds.NETWORK_POLICY, "prod", "allow-web") == b"/agentd/resources/networkpolicies/prod/allow-web"
+    assert object_key("/agentd", kinds.NAMESPACE, "", "prod") == b"/agentd/resources/namespaces/prod"
+    assert parse_key("/agentd", b"/agentd/resources/pods/default/web-1") == (kinds.POD, "default", "web-1")
+    for bad in (b"/agentd/resources/pods/default", b"/agentd/resources/services/a/b", b"/agentd/nodes/x"):
+        with pytest.raises(ValueError):
+            parse_key("/agentd", bad)
+
+
+# ------------------------------------------------------------------ the command line, before etcd
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["get", "services"], "agentd get: the server doesn't have a resource type \"services\""),
+        (["get", "netpol", "Bad/Name"], 'agentd get: namespace: Invalid value: "Bad"'),
+        (["get", "ns", "a/b"], "agentd get: namespaces are not namespaced"),
+        (["delete", "pods", "default/x"], "agentd delete: pods are written by the agent"),
+        (["label", "pod", "default/x", "a=b c"], "agentd label: label 'a=b c': Invalid value"),
+        (["label", "pod", "default/x", "novalue"], "expected KEY=VALUE or KEY-"),
+        (["label", "netpol", "default/x", "a=b"], "labels of networkpolicies are changed with agentd apply"),
+        (["apply", "-f", "/nonexistent/p.yaml"], "agentd apply: /nonexistent/p.yaml: No such file or directory"),
+    ],
+)
+def test_cli_rejects_bad_arguments_before_touching_etcd(capsys, monkeypatch, argv, expected):
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://192.0.2.1:1")  # never reached
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and expected in err, err
+
+
+def test_cli_apply_rejects_a_bad_manifest_from_a_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://192.0.2.1:1")
+    path = tmp_path / "p.yaml"
+    path.write_text(mutate("spec.ingress.0.ports.0.protocol", "tcp"))
+    assert cli.main(["apply", "-f", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f'agentd apply: {path}: document 1 (NetworkPolicy prod/allow-web): spec.ingress[0].ports[0].protocol: '
+                   'Unsupported value: "tcp": supported values: "TCP", "UDP", "SCTP"\n')  # fmt: skip
+
+
+# ------------------------------------------------------------------ pod identity from the runtime
+
+
+def test_identity_from_cni_args_labels_and_ports():
+    env = {"CNI_ARGS": "IgnoreUnknown=1;K8S_POD_NAMESPACE=prod;K8S_POD_NAME=web-1;K8S_POD_INFRA_CONTAINER_ID=abc"}
+    netconf = {
+        "args": {"cni": {"labels": [{"key": "app", "value": "web"}, {"key": "tier", "value": "fe"}]}},
+        "runtimeConfig": {"labels": {"tier": "be"}, "containerPorts": [{"name": "http", "containerPort": 8080}]},
+    }
+    ns, name, labels, ports = endpoints.identity(env, netconf)
+    assert (ns, name) == ("prod", "web-1")
+    assert labels == {"app": "web", "tier": "be"}  # runtimeConfig last
+    assert ports == [{"containerPort": 8080, "protocol": "TCP", "name": "http"}]
+    assert endpoints.identity({"CNI_ARGS": "IgnoreUnknown=1"}, {}) is None
+
+
+@pytest.mark.parametrize(
+    "env, netconf, expected",
+    [
+        ({"CNI_ARGS": "K8S_POD_NAMESPACE=Prod;K8S_POD_NAME=a"}, {}, 'CNI_ARGS K8S_POD_NAMESPACE: Invalid value: "Prod"'),
+        ({"CNI_ARGS": "K8S_POD_NAMESPACE=p"}, {}, "CNI_ARGS K8S_POD_NAME: Required value"),
+        ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"runtimeConfig": {"labels": {"a": "b c"}}}, 'labels: Invalid value: "b c"'),
+        ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"args": {"cni": {"labels": {"a": "b"}}}}, "args.cni.labels must be a list"),
+        ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"runtimeConfig": {"containerPorts": [{"name": "HTTP", "containerPort": 80}]}},
+         'containerPorts[0].name: Invalid value: "HTTP"'),
+        ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"},
+         {"runtimeConfig": {"containerPorts": [{"name": "a", "containerPort": 80}, {"name": "a", "containerPort": 81}]}},
+         'containerPorts[1].name: Duplicate value: "a"'),
+    ],
+)  # fmt: skip
+def test_bad_identity_is_one_clear_error(env, netconf, expected):
+    with pytest.raises(endpoints.EndpointError) as err:
+        endpoints.identity(env, netconf)
+    assert expected in str(err.value)
+
+
+def test_attachment_from_the_bridge_plugins_result():
+    result = {
+        "interfaces": [
+            {"name": "cni0", "mac": "02:00:00:00:00:01"},
+            {"name": "veth1234", "mac": "02:00:00:00:00:02"},
+            {"name": "eth0", "mac": "02:00:00:00:00:03", "sandbox": "/run/netns/x"},
+        ],
+        "ips": [{"address": "10.244.1.5/24", "gateway": "10.244.1.1", "interface": 2}],
+    }
+    assert endpoints.attachment(result, "cni0") == (["10.244.1.5"], "veth1234", "02:00:00:00:00:02")
+    with pytest.raises(endpoints.EndpointError):
+        endpoints.attachment({"interfaces": [], "ips": []}, "cni0")
+
+
+def test_endpoint_files_round_trip(tmp_path):
+    ep = endpoints.Endpoint("c1", "prod", "web-1", {"app": "web"}, [], ["10.244.1.5"], "veth1", "02:00:00:00:00:02", "cni0")
+    endpoints.write(tmp_path, ep)
+    (tmp_path / "endpoints" / "junk.json").write_text("{")
+    reported: set[str] = set()
+    assert endpoints.read_all(tmp_path, reported) == {"c1": ep}
+    assert len(reported) == 1
+    endpoints.remove(tmp_path, "c1")
+    endpoints.remove(tmp_path, "c1")  # idempotent, as DEL must be
+    assert endpoints.read_all(tmp_path, reported) == {}
