@@ -7,7 +7,10 @@ one JSON line each, on stdin::
     {"targets": [["10.244.1.2", "tcp", 80], ...], "timeout": 1.0}
 
 and answers one JSON line: ``[true, false, ...]`` in the same order.  All probes of a
-request run at once.  A TCP probe succeeds when a connection is made and the server's name
+request run at once.  ``{"hammer": {"targets": [...], "seconds": 5, "interval": 0.01,
+"timeout": 0.5}}`` instead starts a probe of every target every ``interval`` seconds (without
+waiting for the previous one) for ``seconds`` and answers ``{"ok": [...], "failed": [...]}``,
+counts per target: traffic that runs while something else changes.  A TCP probe succeeds when a connection is made and the server's name
 comes back; a UDP probe when a datagram sent (again every 200 ms) is echoed with its nonce.
 A probe that is dropped by policy fails after ``timeout`` seconds.
 
@@ -67,10 +70,34 @@ class _UdpClient(asyncio.DatagramProtocol):
         pass
 
 
+# UDP probes take their source ports in turn from a range below the kernel's ephemeral ports,
+# so a probe never reuses the 5-tuple of an earlier one: conntrack keeps a UDP flow for 30 s
+# (120 s once answered), and a later probe on the same tuple would ride that old flow -
+# allowed then, maybe denied now - instead of being judged as the new flow it is.
+_SOURCE_PORTS = range(20000, 32000)
+_next_port = [20000 + int.from_bytes(os.urandom(2), "big") % len(_SOURCE_PORTS)]
+
+
+def _udp_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(len(_SOURCE_PORTS)):
+        port = _next_port[0]
+        _next_port[0] = port + 1 if port + 1 < _SOURCE_PORTS.stop else _SOURCE_PORTS.start
+        try:
+            sock.bind(("0.0.0.0", port))
+            return sock
+        except OSError:
+            continue
+    sock.close()
+    raise OSError("no free UDP source port for a probe")
+
+
 async def _udp_probe(ip: str, port: int, timeout: float) -> bool:
     loop = asyncio.get_running_loop()
     nonce = os.urandom(8).hex().encode()
-    transport, proto = await loop.create_datagram_endpoint(lambda: _UdpClient(nonce), remote_addr=(ip, port))
+    sock = _udp_socket()
+    sock.connect((ip, port))
+    transport, proto = await loop.create_datagram_endpoint(lambda: _UdpClient(nonce), sock=sock)
     try:
         deadline = loop.time() + timeout
         while loop.time() < deadline:
@@ -82,6 +109,31 @@ async def _udp_probe(ip: str, port: int, timeout: float) -> bool:
         return False
     finally:
         transport.close()
+
+
+async def _hammer(targets: list[list[Any]], seconds: float, interval: float = 0.01, timeout: float = 0.5) -> dict[str, list[int]]:
+    loop = asyncio.get_running_loop()
+    ok = [0] * len(targets)
+    failed = [0] * len(targets)
+    tasks: set[asyncio.Task] = set()
+
+    async def one(i: int, ip: str, proto: str, port: int) -> None:
+        good = await (_tcp_probe if proto == "tcp" else _udp_probe)(ip, int(port), timeout)
+        if good:
+            ok[i] += 1
+        else:
+            failed[i] += 1
+
+    end = loop.time() + seconds
+    while loop.time() < end:
+        for i, (ip, proto, port) in enumerate(targets):
+            task = loop.create_task(one(i, ip, proto, port))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.sleep(interval)
+    if tasks:
+        await asyncio.gather(*tasks)
+    return {"ok": ok, "failed": failed}
 
 
 async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
@@ -110,6 +162,10 @@ async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
     sys.stdout.flush()
     while line := await reader.readline():
         req = json.loads(line)
+        if "hammer" in req:
+            sys.stdout.write(json.dumps(await _hammer(**req["hammer"])) + "\n")
+            sys.stdout.flush()
+            continue
         timeout = float(req.get("timeout", 1.0))
         probes = [
             (_tcp_probe if proto == "tcp" else _udp_probe)(ip, int(port), timeout)
@@ -154,6 +210,20 @@ class Prober:
             self.proc.stdin.write(json.dumps({"targets": targets, "timeout": timeout}).encode() + b"\n")
             await self.proc.stdin.drain()
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout * 3 + 30)
+        if not line:
+            raise RuntimeError(f"prober of {self.pod.name} exited")
+        return json.loads(line)
+
+    async def hammer(
+        self, targets: list[tuple[str, str, int]], seconds: float, *, interval: float = 0.01, timeout: float = 0.5
+    ) -> dict[str, list[int]]:
+        """Probe every target every ``interval`` s for ``seconds``; counts of ok and failed per target."""
+        async with self._lock:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            req = {"hammer": {"targets": targets, "seconds": seconds, "interval": interval, "timeout": timeout}}
+            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+            await self.proc.stdin.drain()
+            line = await asyncio.wait_for(self.proc.stdout.readline(), seconds + timeout + 60)
         if not line:
             raise RuntimeError(f"prober of {self.pod.name} exited")
         return json.loads(line)

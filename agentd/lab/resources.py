@@ -64,7 +64,11 @@ class LabResources:
             objs = [manifests]
         else:
             objs = list(manifests)
-        return await self.call({"op": "apply", "objects": objs})
+        return await self.call({"op": "apply", "objects": objs}, timeout=120)
+
+    async def put_records(self, objs: list[dict[str, Any]]) -> None:
+        """Write records only agents write (pods of nodes that do not run here), without a lease."""
+        await self.call({"op": "put_records", "objects": objs}, timeout=120)
 
     async def delete(self, kind: str, namespace: str, name: str) -> int:
         return await self.call({"op": "delete", "kind": kind, "namespace": namespace, "name": name})
@@ -115,6 +119,10 @@ async def _serve(endpoints: list[str]) -> None:
             objs = manifests.validate_all(docs, "lab")
             applied = await store.apply(objs)
             return max(a.revision for a in applied)
+        if op == "put_records":  # agent-owned records (pods of simulated nodes, for benches)
+            for o in req["objects"]:
+                await store.put_owned(kinds.validate(o), lease=None, expect=0)
+            return None
         kind = kinds.lookup(req["kind"])
         if op == "delete":
             return await store.delete(kind, req["namespace"], req["name"])

@@ -76,6 +76,7 @@ class PolicyAgent:
         self.spoofed = 0
         self.error: str | None = None
         self.syncs = 0
+        self.last_sync: dict[str, Any] | None = None  # the last transaction: commands, seconds
         self.sync_errors = 0
         self._have_snapshot = False
         self._have_local = False
@@ -324,8 +325,11 @@ class PolicyAgent:
             backoff = 0.2
             self.error = None
             self.syncs += 1
+            seconds = time.perf_counter() - start
             if self.sync_seconds is not None:
-                self.sync_seconds.observe(time.perf_counter() - start)
+                self.sync_seconds.observe(seconds)
+            self.last_sync = {"commands": result.commands, "seconds": round(seconds, 6),
+                              "nft_seconds": round(result.seconds, 6), "full": result.full}
             if result.full:
                 size = desired.size()
                 log.info("policy tables programmed: %d chains, %d rules, %d set elements (%d commands)",
@@ -374,11 +378,13 @@ class PolicyAgent:
     def status(self) -> dict[str, Any]:
         size = self.programmer.current.size() if self.programmer and self.programmer.current else {}
         return {
+            "pods": len(self.engine.pods),
             "local_pods": len(self.local_pods()),
             "isolated": self.isolated(),
             "policies": self.policy_count,
             "revision": self.applied_revision,
             "applied_at": self.applied_at,
+            "last_sync": self.last_sync,
             "ruleset": size,
             "error": self.error,
         }

@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import pytest_asyncio
-from netpol_model import Cluster, ModelPod, allowed
+from netpol_lab import NAMES, NAMESPACES, NS_LABELS, Grid, check, close_grid, converged, make_grid, namespace, np
 
 from agentd.lab.lab import Lab, LabSpec
 from agentd.lab.netns import unique_tag
@@ -29,112 +28,17 @@ from agentd.lab.probe import Prober
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-NAMESPACES = ("x", "y", "z")
-NAMES = ("a", "b", "c")
-PORTS = [
-    {"name": "serve-80-tcp", "containerPort": 80, "protocol": "TCP"},
-    {"name": "serve-81-tcp", "containerPort": 81, "protocol": "TCP"},
-    {"name": "serve-80-udp", "containerPort": 80, "protocol": "UDP"},
-    {"name": "serve-81-udp", "containerPort": 81, "protocol": "UDP"},
-]
-PROBES = [("TCP", 80), ("TCP", 81), ("UDP", 80), ("UDP", 81)]
-NS_LABELS = {"x": {"ns": "x"}, "y": {"ns": "y", "team": "red"}, "z": {"ns": "z"}}
-
-
-@dataclass
-class Grid:
-    lab: Lab
-    pods: dict[str, Any]  # "x/a" -> LabPod
-    probers: dict[str, Prober]
-    res: Any  # LabResources
-    labels: dict[str, dict[str, str]] = field(default_factory=dict)  # current pod labels
-    ns_labels: dict[str, dict[str, str]] = field(default_factory=dict)
-
-    def model(self, policies: list[dict[str, Any]]) -> Cluster:
-        pods = [
-            ModelPod(p.namespace, p.k8s_name, p.ip, dict(self.labels[key]),
-                     {port["name"]: (port["containerPort"], port["protocol"]) for port in p.ports})
-            for key, p in self.pods.items()
-        ]  # fmt: skip
-        return Cluster(pods, {ns: dict(labels) for ns, labels in self.ns_labels.items()}, policies)
-
-    def subnet_of(self, node: str) -> str:
-        return self.lab.subnets()[node]
-
-
-async def converged(lab: Lab, revision: int, timeout: float = 20.0) -> None:
-    """Every node has programmed etcd's state up to ``revision`` into its kernel."""
-    deadline = time.monotonic() + timeout
-    behind: list[str] = []
-    while time.monotonic() < deadline:
-        views = await asyncio.gather(*(asyncio.to_thread(n.api_or_none, "/policy") for n in lab.nodes))
-        behind = [f"{n.name}={(v or {}).get('revision')}" for n, v in zip(lab.nodes, views)
-                  if not v or v.get("revision", 0) < revision or v.get("error")]  # fmt: skip
-        if not behind:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"policy revision {revision} not applied everywhere within {timeout}s: {', '.join(behind)}")
-
-
-async def matrix(g: Grid, timeout: float = 1.0) -> dict[tuple[str, str, str, int], bool]:
-    keys = list(g.pods)
-
-    async def from_one(src: str) -> list[tuple[tuple[str, str, str, int], bool]]:
-        cells = [(src, dst, proto, port) for dst in keys if dst != src for proto, port in PROBES]
-        targets = [(g.pods[dst].ip, proto.lower(), port) for _, dst, proto, port in cells]
-        return list(zip(cells, await g.probers[src].probe(targets, timeout)))
-
-    results = await asyncio.gather(*(from_one(src) for src in keys))
-    return dict(item for batch in results for item in batch)
-
-
-async def check(g: Grid, policies: list[dict[str, Any]]) -> None:
-    """Probe everything; compare with the model (a failed allowed probe is retried, slower)."""
-    cluster = g.model(policies)
-    by_key = {p.key: p for p in cluster.pods}
-    want = {c: allowed(cluster, by_key[c[0]], by_key[c[1]], c[2], c[3]) for c in await matrix(g)}
-    got = await matrix(g)
-    for attempt in range(2):
-        retry = [c for c in got if got[c] != want[c] and want[c]]
-        if not retry:
-            break
-        for src in {c[0] for c in retry}:
-            cells = [c for c in retry if c[0] == src]
-            again = await g.probers[src].probe([(g.pods[c[1]].ip, c[2].lower(), c[3]) for c in cells], 3.0)
-            got.update(zip(cells, again))
-    wrong = sorted(f"{s}->{d} {p}/{n}: expected {'allowed' if want[(s, d, p, n)] else 'denied'}"
-                   for (s, d, p, n), ok in got.items() if ok != want[(s, d, p, n)])  # fmt: skip
-    assert not wrong, f"{len(wrong)} of {len(got)} probes differ from the model:\n" + "\n".join(wrong[:40])
-
-
-def np(name: str, ns: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": name, "namespace": ns}, "spec": spec}
-
-
-def namespace(name: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def grid(tmp_path_factory):
     lab = Lab(LabSpec(name="np" + unique_tag("")[:6], nodes=3, pods=0), root=tmp_path_factory.mktemp("labs"))
-    probers: dict[str, Prober] = {}
+    g = None
     try:
         await lab.up(timeout=90)
-        pods = {}
-        for ns in NAMESPACES:
-            for i, name in enumerate(NAMES):
-                pods[f"{ns}/{name}"] = await lab.add_pod(lab.nodes[i], ns, name, labels={"pod": name}, ports=PORTS)
-        res = await lab.resources()
-        rev = await res.apply([namespace(ns, labels) for ns, labels in NS_LABELS.items()])
-        for key, pod in pods.items():
-            probers[key] = await Prober.start(pod, [(p.lower(), n) for p, n in PROBES])
-        g = Grid(lab, pods, probers, res, {k: {"pod": k.split("/")[1]} for k in pods}, {k: dict(v) for k, v in NS_LABELS.items()})
-        await converged(lab, rev)
+        g = await make_grid(lab, [(i, ns, name) for ns in NAMESPACES for i, name in enumerate(NAMES)], NS_LABELS)
         yield g
     finally:
-        for p in probers.values():
-            await p.close()
+        if g is not None:
+            await close_grid(g)
         await lab.down(keep_files=True)
 
 
@@ -307,3 +211,181 @@ async def test_policy_view_metrics_and_status(grid: Grid):
         assert "Policy" in out.decode() and "isolated 1 (ingress 1, egress 0)" in out.decode(), out.decode()
     finally:
         await grid.res.delete("NetworkPolicy", "x", "deny-a")
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def agentd_cli(node: Any, *argv: str, stdin: str | None = None) -> tuple[int, str, str]:
+    """``agentd ARGV`` inside a node, finding the lab's etcd the way `agentd lab exec` does."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, AGENTD_CONFIG=str(node.config_path))
+    proc = subprocess.run(
+        ["ip", "netns", "exec", node.ns.name, str(Path(sys.executable).parent / "agentd"), *argv],
+        input=stdin, capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+MANIFEST = """\
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: cli, namespace: z}
+spec:
+  podSelector: {matchLabels: {pod: c}}
+  ingress:
+  - from: [{podSelector: {matchLabels: {tier: web}}}]
+    ports: [{port: serve-80-tcp}]
+"""
+
+
+async def test_the_command_line_applies_gets_labels_and_deletes(grid: Grid):
+    node = grid.lab.nodes[1]
+    bad = MANIFEST.replace("serve-80-tcp", "Serve_80")
+    rc, out, err = await asyncio.to_thread(agentd_cli, node, "apply", "-f", "-", stdin=bad)
+    assert rc == 1 and err.count("\n") == 1 and "spec.ingress[0].ports[0].port: Invalid value" in err, err
+    assert await grid.res.get("NetworkPolicy", "z", "cli") is None  # nothing written
+    rc, out, err = await asyncio.to_thread(agentd_cli, node, "apply", "-f", "-", stdin=MANIFEST)
+    assert (rc, out) == (0, "networkpolicy.networking.k8s.io/cli created\n"), err
+    try:
+        rc, out, _ = await asyncio.to_thread(agentd_cli, node, "get", "netpol", "-n", "z")
+        assert rc == 0 and out.splitlines()[1].split()[:4] == ["z", "cli", "pod=c", "Ingress"], out
+        rc, out, _ = await asyncio.to_thread(agentd_cli, node, "get", "netpol", "z/cli", "-o", "json")
+        assert rc == 0 and '"port": "serve-80-tcp"' in out and '"protocol": "TCP"' in out
+        rc, out, err = await asyncio.to_thread(agentd_cli, node, "label", "pod", "z/a", "tier=web")
+        assert (rc, out) == (0, "pod/a labeled\n"), err
+        grid.labels["z/a"]["tier"] = "web"
+        record = await grid.res.get("Pod", "z", "a")
+        await converged(grid.lab, int(record["metadata"]["resourceVersion"]))
+        policy = await grid.res.get("NetworkPolicy", "z", "cli")
+        await check(grid, [policy])
+        rc, out, _ = await asyncio.to_thread(agentd_cli, node, "get", "pods", "-n", "z")
+        assert "tier=web" in out and grid.pods["z/a"].ip in out, out
+    finally:
+        await asyncio.to_thread(agentd_cli, node, "label", "pod", "z/a", "tier-")
+        grid.labels["z/a"].pop("tier", None)
+        rc, out, err = await asyncio.to_thread(agentd_cli, node, "delete", "netpol", "z/cli")
+        assert (rc, out) == (0, "networkpolicy.networking.k8s.io/cli deleted\n"), err
+
+
+# ------------------------------------------------------------------ no windows: changes, restarts
+
+
+GUARD = np("guard", "x", {"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [
+    {"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}], "ports": [{"port": 80}, {"port": 80, "protocol": "UDP"}]}]})  # fmt: skip
+
+
+def guard_variant(i: int) -> dict[str, Any]:
+    """A rewrite of GUARD that still never lets z/a or y/c reach x/a."""
+    rules: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}],
+                                    "ports": [{"port": 80}, {"port": 80, "protocol": "UDP"}]}]  # fmt: skip
+    if i % 2:
+        rules.append({"from": [{"namespaceSelector": {"matchLabels": {"ns": "x"}}, "podSelector": {"matchLabels": {"pod": "c"}}}],
+                      "ports": [{"port": 81}, {"port": "serve-81-udp", "protocol": "UDP"}]})  # fmt: skip
+    if i % 3 == 0:
+        rules.append({"from": [{"namespaceSelector": {"matchLabels": {"nobody": "here"}}}]})
+    return np("guard", "x", {"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": rules})
+
+
+async def _hammer_denied_and_allowed(grid: Grid, seconds: float) -> tuple[list[dict], dict]:
+    x_a = grid.pods["x/a"].ip
+    denied = [grid.probers["z/a"].hammer([(x_a, "tcp", 80), (x_a, "udp", 80)], seconds, interval=0.01, timeout=0.3),
+              grid.probers["y/c"].hammer([(x_a, "tcp", 80), (x_a, "udp", 80)], seconds, interval=0.01, timeout=0.3)]  # fmt: skip
+    allowed_run = grid.probers["x/b"].hammer([(x_a, "tcp", 80), (x_a, "udp", 80)], seconds, interval=0.05, timeout=3.0)
+    *denied_results, allowed_result = await asyncio.gather(*denied, allowed_run)
+    return denied_results, allowed_result
+
+
+async def test_rewriting_policies_under_traffic_never_opens_a_window(grid: Grid):
+    await converged(grid.lab, await grid.res.apply(GUARD))
+    try:
+        hammer = asyncio.ensure_future(_hammer_denied_and_allowed(grid, 10.0))
+        changes = 0
+        i = 0
+        while not hammer.done():
+            i += 1
+            await grid.res.apply(guard_variant(i))  # the guarding policy itself, rewritten
+            if i % 2:
+                await grid.res.apply(np("other", "x", {"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "x"}}}]}]}))
+            else:
+                await grid.res.delete("NetworkPolicy", "x", "other")
+            await grid.res.label("Pod", "y", "b", {"round": str(i)})  # selector members change elsewhere
+            await grid.res.apply(namespace("z", {**NS_LABELS["z"], "round": str(i)}))
+            changes += 4
+            await asyncio.sleep(0.05)
+        denied, allowed_result = await hammer
+        assert changes >= 40
+        for result in denied:
+            assert sum(result["ok"]) == 0, f"a denied flow got through during {changes} changes: {result}"
+            assert sum(result["failed"]) > 500
+        assert sum(allowed_result["failed"]) == 0 and sum(allowed_result["ok"]) > 100, allowed_result
+    finally:
+        await grid.res.delete("NetworkPolicy", "x", "guard")
+        await grid.res.apply(namespace("z", NS_LABELS["z"]))
+        await grid.res.label("Pod", "y", "b", {"round": None})
+        if await grid.res.get("NetworkPolicy", "x", "other") is not None:
+            await grid.res.delete("NetworkPolicy", "x", "other")
+
+
+def table_handles(node: Any) -> dict[str, int]:
+    import json
+
+    out = {}
+    for family in ("inet", "bridge"):
+        listing = json.loads(node.ns.exec("nft", "-j", "list", "table", family, "agentd-policy"))
+        out[family] = next(i["table"]["handle"] for i in listing["nftables"] if "table" in i)
+    return out
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+async def test_agent_restart_keeps_enforcement(grid: Grid, how: str):
+    import signal
+
+    node1 = grid.lab.nodes[0]  # x/a and z/a live here
+    await converged(grid.lab, await grid.res.apply(GUARD))
+    try:
+        before = await asyncio.to_thread(table_handles, node1)
+        hammer = asyncio.ensure_future(_hammer_denied_and_allowed(grid, 12.0))
+        await asyncio.sleep(1.0)
+        await node1.stop_agent(signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM)
+        await asyncio.sleep(1.0)  # no agent at all for a while
+        node1.start_agent()
+        await grid.lab.wait_agents_started(60)
+        denied, allowed_result = await hammer
+        for result in denied:
+            assert sum(result["ok"]) == 0, f"a denied flow got through around the restart: {result}"
+        assert sum(allowed_result["failed"]) == 0, allowed_result
+        assert await asyncio.to_thread(table_handles, node1) == before  # adopted, not re-created
+        # The restarted agent follows changes: z/a allowed now.
+        rev = await grid.res.apply(np("guard", "x", {"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": [
+            {"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}, {"namespaceSelector": {"matchLabels": {"ns": "z"}}, "podSelector": {"matchLabels": {"pod": "a"}}}]}]}))  # fmt: skip
+        await converged(grid.lab, rev)
+        assert await grid.probers["z/a"].probe([(grid.pods["x/a"].ip, "tcp", 80)], 3.0) == [True]
+    finally:
+        await grid.res.delete("NetworkPolicy", "x", "guard")
+
+
+# ------------------------------------------------------------------ leave (last: node3 goes)
+
+
+async def test_leave_removes_everything(grid: Grid):
+    node3 = grid.lab.nodes[2]
+    await converged(grid.lab, await grid.res.apply(np("deny", "x", {"podSelector": {}})))
+    assert "agentd-policy" in await asyncio.to_thread(node3.ns.exec, "nft", "list", "tables")
+    on_node3 = {p.name for p in grid.pods.values() if p.node is node3}
+    await node3.leave()  # asks the running agent, which withdraws, cleans up and exits
+    deadline = time.monotonic() + 20
+    while node3.agent_pid() is not None or "agentd-policy" in await asyncio.to_thread(node3.ns.exec, "nft", "list", "tables"):
+        assert time.monotonic() < deadline, "the agent did not exit, or left its policy tables behind"
+        await asyncio.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while True:
+        pods = await grid.res.list("pods")
+        left = {f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in pods if p["spec"]["nodeName"] == "node3"}
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"records of node3's pods stayed in etcd: {left}"
+        await asyncio.sleep(0.1)
+    assert on_node3 and not on_node3 & {f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in pods}
