@@ -41,6 +41,7 @@ from .datastore import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLe
 from .forwarding import PeerPlan, plan_external, plan_peer, route_for
 from .netinfo import NetInfoError, Underlay, underlay_for
 from .policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy (issue 13)
+from .policy.libnftables import NftError
 from .routing import Route, RouteProgrammer, SyncResult
 from .sdnotify import Notifier
 from .speaker import SpeakerMetrics, bfd_timers, listen_ranges, local_settings, peer_rows, peer_settings
@@ -193,7 +194,12 @@ class Agent:
         # the resources in etcd have been read (the "policy" task).
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry)
         self.registry.register(self.policy)
-        await self.policy.start()
+        try:
+            await self.policy.start()
+        except NftError as err:  # no libnftables: pods are routed, but policy is not enforced
+            log.error("network policy is not enforced on this node: %s", err)
+            self._problems.append(f"network policy not enforced: {err}")
+            self.policy = None
 
         # BGP.
         self.speaker = Speaker(local_settings(cfg, restarting=self._restarting), now=time.monotonic())
