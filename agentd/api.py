@@ -142,7 +142,8 @@ class ApiServer:
     async def _policy(self, request: web.Request) -> web.Response:
         """Per local pod: the policies selecting it, its allow-lists, drops (agentd/policy/agent.py)."""
         view = getattr(self.provider, "policy_view", None)
-        data = view(request.query.get("pod")) if view is not None else None
+        summary = request.query.get("view") == "summary"  # what is applied only: cheap to poll
+        data = view(request.query.get("pod"), summary) if view is not None else None
         if data is None:
             return _json({"error": "network policy is not running here"}, 404 if view is None else 503)
         return _json(data)

@@ -537,9 +537,9 @@ class Agent:
     def bgp_speaker(self) -> Speaker | None:
         return self.speaker
 
-    def policy_view(self, pod: str | None = None) -> dict[str, Any] | None:
+    def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None:
         """GET /policy (issue 13)."""
-        return self.policy.view(pod) if self.policy else None
+        return self.policy.view(pod, summary=summary) if self.policy else None
 
     def routes(self) -> list[dict[str, Any]]:
         programmed = {r.dst for r in self.programmer.programmed()} if self.programmer else set()

@@ -52,7 +52,7 @@ async def converged(lab: Lab, revision: int, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     behind: list[str] = []
     while time.monotonic() < deadline:
-        views = await asyncio.gather(*(asyncio.to_thread(n.api_or_none, "/policy") for n in lab.nodes))
+        views = await asyncio.gather(*(asyncio.to_thread(n.api_or_none, "/policy?view=summary") for n in lab.nodes))
         behind = [f"{n.name}={(v or {}).get('revision')}" for n, v in zip(lab.nodes, views)
                   if not v or v.get("revision", 0) < revision or v.get("error")]  # fmt: skip
         if not behind:

@@ -79,6 +79,7 @@ class PolicyAgent:
         self.last_sync: dict[str, Any] | None = None  # the last transaction: commands, seconds
         self.sync_errors = 0
         self._have_snapshot = False
+        self._full_compare = True
         self._have_local = False
         self._wake = asyncio.Event()
         self._publish_wake = asyncio.Event()
@@ -312,9 +313,12 @@ class PolicyAgent:
             revision = self.revision
             start = time.perf_counter()
             desired = self.engine.build()
+            keys = self.engine.touched()
             try:
-                result = await self.programmer.sync(desired)
+                result = await self.programmer.sync(desired, None if self._full_compare else keys)
+                self._full_compare = False
             except NftError as err:
+                self._full_compare = True  # what changed since is not known exactly any more
                 self.error = str(err)
                 self.sync_errors += 1
                 log.error("policy not programmed: %s; retrying in %.1fs", err, backoff)
@@ -389,7 +393,19 @@ class PolicyAgent:
             "error": self.error,
         }
 
-    def view(self, pod: str | None = None) -> dict[str, Any]:
+    def view(self, pod: str | None = None, *, summary: bool = False) -> dict[str, Any]:
+        """GET /policy: per local pod (or ``pod``) its policies and allow-lists; with
+        ``summary`` only what the node has applied (cheap enough to poll)."""
+        if summary:
+            return {
+                "node": self.node,
+                "revision": self.applied_revision,
+                "applied_at": self.applied_at,
+                "history": [list(h) for h in self.history],
+                "policies": self.policy_count,
+                "pods": len(self.engine.pods),
+                "error": self.error,
+            }
         pods = []
         for key in self.local_pods():
             name = f"{key[0]}/{key[1]}"

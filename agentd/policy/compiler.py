@@ -25,8 +25,8 @@ Where packets are judged (see docs/policy.md for the picture):
   than neighbour discovery).
 
 Selector members are set elements: each rule has a set of its peer pods' addresses
-(``np-in/<ns>/<policy>/<rule>/pods``), a set of its ipBlock ranges (``.../cidrs``) and,
-with named ports, a set of (address, protocol, port) (``.../named``).  A pod appearing or
+(``np-in/<ns>/<policy>/<rule>/pods``) and, with named ports, a set of (address, protocol,
+port) (``.../named``); its ipBlocks are prefix matches in its rules.  A pod appearing or
 changing labels anywhere in the cluster changes elements, never rules.
 """
 
@@ -106,20 +106,25 @@ def policy_chain(direction: str, policy: Policy) -> str:
 # ------------------------------------------------------------------ base objects
 
 
-def base_objects(bridges: Iterable[str]) -> list[Any]:
-    """Tables' fixed part: base chains, dispatch maps, the bridge table's sets."""
+def base_objects(bridges: Iterable[str], stateful: bool = True) -> list[Any]:
+    """Tables' fixed part: base chains, dispatch maps, the bridge table's sets.
+
+    ``stateful``: some local pod is isolated.  Only then do the base chains look at conntrack
+    (a ct expression makes the kernel track every packet of the namespace): a node without
+    isolated pods pays no connection tracking for policy."""
+    established = (rule_text([ESTABLISHED, ACCEPT]),) if stateful else ()
     inet: list[Any] = [
         NftSet(INET, TABLE, EGRESS_MAP, ("ipv4_addr",), map="verdict"),
         NftSet(INET, TABLE, INGRESS_MAP, ("ipv4_addr",), map="verdict"),
         NftSet(INET, TABLE, BRIDGES, ("ifname",), elements=frozenset(bridges)),
         NftChain(
             INET, TABLE, "egress",
-            (rule_text([ESTABLISHED, ACCEPT]), rule_text([{"vmap": {"key": _payload("ip", "saddr"), "data": _ref(EGRESS_MAP)}}])),
+            (*established, rule_text([{"vmap": {"key": _payload("ip", "saddr"), "data": _ref(EGRESS_MAP)}}])),
             hook=("filter", "forward", EGRESS_PRIORITY, "accept"),
         ),
         NftChain(
             INET, TABLE, "ingress",
-            (rule_text([ESTABLISHED, ACCEPT]), rule_text([{"vmap": {"key": _payload("ip", "daddr"), "data": _ref(INGRESS_MAP)}}])),
+            (*established, rule_text([{"vmap": {"key": _payload("ip", "daddr"), "data": _ref(INGRESS_MAP)}}])),
             hook=("filter", "forward", INGRESS_PRIORITY, "accept"),
         ),
         # Same-node pod traffic is routed back out of the bridge it came in on; the node
@@ -213,11 +218,12 @@ def compile_policy(
                 name = f"{base}/pods"
                 objects.append(NftSet(INET, TABLE, name, ("ipv4_addr",), elements=frozenset(map(str, mem.pod_ips))))
                 peer_matches.append([_match(_payload("ip", peer_field), _ref(name))])
-            ranges = _collapse(r for p in rule.peers if p.block is not None for r in p.block.ranges())
-            if ranges:
-                name = f"{base}/cidrs"
-                objects.append(NftSet(INET, TABLE, name, ("ipv4_addr",), flags=("interval",), elements=frozenset(ranges)))
-                peer_matches.append([_match(_payload("ip", peer_field), _ref(name))])
+            # ipBlocks: one prefix match per range (cidr minus its excepts), no set: named
+            # interval sets would make libnftables dump all their elements before every change.
+            for net in _collapse(r for p in rule.peers if p.block is not None for r in p.block.ranges()):
+                prefix = str(net.network_address) if net.prefixlen == 32 else {
+                    "prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
+                peer_matches.append([_match(_payload("ip", peer_field), prefix)])
         port_matches, named = _port_matches(rule.ports)
         if named:
             name = f"{base}/named"

@@ -60,6 +60,8 @@ class PolicyEngine:
         self._selected: dict[PolicyKey, set[PodKey]] = defaultdict(set)  # local pods each policy selects
         self._pod_policies: dict[PodKey, set[PolicyKey]] = defaultdict(set)
 
+        self._objects: dict[Any, Any] = {}  # the ruleset, kept up to date by build()
+        self._touched: set[Any] = set()
         self._compiled: dict[PolicyKey, list[Any]] = {}
         self._pod_objects: dict[PodKey, list[Any]] = {}
         self._dirty_policies: set[PolicyKey] = set()
@@ -251,46 +253,55 @@ class PolicyEngine:
         return bool(self._dirty_policies or self._dirty_pods or self._local_dirty or self._base is None)
 
     def build(self) -> Ruleset:
-        """The ruleset this node should have now (recompiling only what changed)."""
+        """The ruleset this node should have now (recompiling only what changed).
+
+        The objects it returns are the engine's own (do not modify them); :meth:`touched`
+        tells which of them changed since it was last asked."""
         for key in self._dirty_policies:
             policy = self.policies.get(key)
-            if policy is None or not self._selected.get(key):
-                self._compiled.pop(key, None)
-                continue
             objects: list[Any] = []
-            for direction, rules in (("in", policy.ingress), ("out", policy.egress)):
-                if rules is None:
-                    continue
-                members = [self.rule_members(policy, direction, r) for r in rules]
-                objects += compiler.compile_policy(policy, direction, rules, members)
-            self._compiled[key] = objects
+            if policy is not None and self._selected.get(key):
+                for direction, rules in (("in", policy.ingress), ("out", policy.egress)):
+                    if rules is None:
+                        continue
+                    members = [self.rule_members(policy, direction, r) for r in rules]
+                    objects += compiler.compile_policy(policy, direction, rules, members)
+            self._replace(self._compiled.pop(key, []), objects)
+            if objects:
+                self._compiled[key] = objects
         self._dirty_policies.clear()
         for key in self._dirty_pods:
-            self._pod_objects.pop(key, None)
-            if key not in self.local or key not in self.pods:
-                continue
-            pod = self.pods[key]
-            policies = self.selecting(key)
             objects = []
-            for direction, attr in (("in", "ingress"), ("out", "egress")):
-                chosen = [p for p in policies if getattr(p, attr) is not None]
-                if chosen:
-                    objects += compiler.compile_pod_chain(direction, pod.namespace, pod.name, chosen)
-            self._pod_objects[key] = objects
+            if key in self.local and key in self.pods:
+                pod = self.pods[key]
+                policies = self.selecting(key)
+                for direction, attr in (("in", "ingress"), ("out", "egress")):
+                    chosen = [p for p in policies if getattr(p, attr) is not None]
+                    if chosen:
+                        objects += compiler.compile_pod_chain(direction, pod.namespace, pod.name, chosen)
+            self._replace(self._pod_objects.pop(key, []), objects)
+            if objects:
+                self._pod_objects[key] = objects
         self._dirty_pods.clear()
         if self._base is None or self._local_dirty:
-            self._base = self._base_objects()
+            base = self._base_objects()
+            self._replace(self._base or [], base)
+            self._base = base
             self._local_dirty = False
-        rs = Ruleset(compiler.TABLES)
-        for obj in self._base:
-            rs.add(obj)
-        for objects in self._compiled.values():
-            for obj in objects:
-                rs.add(obj)
-        for objects in self._pod_objects.values():
-            for obj in objects:
-                rs.add(obj)
-        return rs
+        return Ruleset(compiler.TABLES, self._objects)
+
+    def _replace(self, old: list[Any], new: list[Any]) -> None:
+        for obj in old:
+            self._objects.pop(obj.key, None)
+            self._touched.add(obj.key)
+        for obj in new:
+            self._objects[obj.key] = obj
+            self._touched.add(obj.key)
+
+    def touched(self) -> set[Any]:
+        """Keys of the objects built anew since the last call (changed or not)."""
+        out, self._touched = self._touched, set()
+        return out
 
     def _base_objects(self) -> list[Any]:
         """The fixed objects with this node's local pods filled in (dispatch maps, bridge sets)."""
@@ -317,7 +328,8 @@ class PolicyEngine:
                 elements["isolated-out-ports"].add(port.interface)
                 elements[compiler.EGRESS_MAP].add((ip, ("jump", compiler.pod_chain("out", *key))))
         out = []
-        for obj in compiler.base_objects(sorted(self.bridges)):
+        stateful = bool(elements["isolated-ports"])
+        for obj in compiler.base_objects(sorted(self.bridges), stateful):
             if obj.kind == "set" and obj.name in elements:
                 obj = replace(obj, elements=frozenset(elements[obj.name]))
             out.append(obj)

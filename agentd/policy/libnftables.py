@@ -23,6 +23,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .nfnetlink import ElementWriter
+
 # include/nftables/libnftables.h
 NFT_CTX_DEFAULT = 0
 NFT_CTX_OUTPUT_HANDLE = 1 << 3
@@ -104,6 +106,8 @@ class Nft:
         self._lib.nft_ctx_buffer_output(ctx)
         self._lib.nft_ctx_buffer_error(ctx)
         self._ctx = ctx
+        # Element-only transactions skip libnftables (and its cache): agentd.policy.nfnetlink.
+        self._elements = ElementWriter()
 
     def _run(self, text: str) -> str:
         if self._ctx is None:
@@ -130,6 +134,18 @@ class Nft:
         out = await loop.run_in_executor(self._executor, self._run, text)
         return json.loads(out) if out.strip() else None
 
+    async def arun_elements(self, ops: list[Any]) -> None:
+        """Set element adds and deletes as one netlink transaction (see agentd.policy.nfnetlink)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._send_elements, ops)
+
+    def _send_elements(self, ops: list[Any]) -> None:
+        self.calls += 1
+        try:
+            self._elements.send(ops)
+        except (OSError, ValueError) as err:
+            raise NftError(str(err)) from None
+
     def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None:
         """The objects of one table (``nft -j list table``), or None if it does not exist."""
         try:
@@ -153,4 +169,5 @@ class Nft:
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             self._executor.submit(self._lib.nft_ctx_free, ctx).result()
+            self._elements.close()
         self._executor.shutdown(wait=True)

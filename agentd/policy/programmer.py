@@ -39,6 +39,8 @@ class PolicyProgrammer:
         self.current: Ruleset | None = None  # None: not adopted yet
         self.adopted_objects = 0
         self.last_error: str | None = None
+        self.fast = 0  # transactions sent as element batches (nfnetlink), bypassing libnftables
+        self._unknown = True
 
     async def adopt(self) -> Ruleset:
         """Take over what a previous run left (contents to be rewritten on the first sync)."""
@@ -54,20 +56,29 @@ class PolicyProgrammer:
                 if obj is not None:
                     objects[obj.key] = obj
         self.current = Ruleset(frozenset(tables), objects)
+        self._unknown = True  # contents not read: the next sync compares (and rewrites) everything
         self.adopted_objects = len(objects)
         if objects:
             log.info("adopted the policy tables of a previous run (%d objects); they stay in force", len(objects))
         return self.current
 
-    async def sync(self, desired: Ruleset) -> SyncResult:
+    async def sync(self, desired: Ruleset, keys: set[Any] | None = None) -> SyncResult:
+        """Make the kernel hold ``desired``.  ``keys``: the objects that may have changed since
+        the last successful sync (None: compare everything)."""
         if self.current is None:
             await self.adopt()
         assert self.current is not None
-        full = any(not getattr(o, "contents_known", True) for o in self.current.objects.values())
+        full = self._unknown
+        if full:
+            keys = None
         start = time.perf_counter()
-        commands = plan(self.current, desired)
+        commands = plan(self.current, desired, keys)
         try:
-            if commands:
+            elements = _element_ops(commands, desired, self.current)
+            if elements is not None:
+                await self.nft.arun_elements(elements)
+                self.fast += 1
+            elif commands:
                 await self.nft.arun(commands)
         except NftError as err:
             log.warning("nftables refused the policy update (%s); re-reading the tables and rewriting them", err)
@@ -81,6 +92,7 @@ class PolicyProgrammer:
                 raise
         self.last_error = None
         self.current = applied(desired)
+        self._unknown = False
         return SyncResult(len(commands), time.perf_counter() - start, full)
 
     async def remove(self) -> bool:
@@ -103,6 +115,22 @@ class PolicyProgrammer:
                 if c and c.get("table") == table:
                     out[(family, c["name"])] = int(c.get("packets", 0))
         return out
+
+
+def _element_ops(commands: list[dict[str, Any]], desired: Ruleset, current: Ruleset) -> list[Any] | None:
+    """The plan as element batches for nfnetlink, or None if it holds anything else."""
+    ops = []
+    for cmd in commands:
+        (verb, body), = cmd.items()
+        if verb not in ("add", "delete") or "element" not in body:
+            return None
+        e = body["element"]
+        key = (e["family"], e["table"], "set", e["name"])
+        obj = desired.objects.get(key) or current.objects.get(key)
+        if not isinstance(obj, NftSet) or obj.interval:
+            return None
+        ops.append((verb, e["family"], e["table"], e["name"], obj.type, obj.map, e["elem"]))
+    return ops or None
 
 
 def _parse(item: dict[str, Any]) -> Any:

@@ -196,8 +196,18 @@ def _rules(chain: NftChain) -> list[dict[str, Any]]:
     ]
 
 
-def plan(current: Ruleset, desired: Ruleset) -> list[dict[str, Any]]:
-    """The commands of one transaction taking the kernel from ``current`` to ``desired``."""
+def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = None) -> list[dict[str, Any]]:
+    """The commands of one transaction taking the kernel from ``current`` to ``desired``.
+
+    ``keys``: the only objects that may differ (the engine knows what it recompiled); None
+    compares everything."""
+    if keys is not None:
+        keys = sorted(keys)
+        want_items = [(k, desired.objects[k]) for k in keys if k in desired.objects]
+        have_items = [(k, current.objects[k]) for k in keys if k in current.objects]
+    else:
+        want_items = list(desired.objects.items())
+        have_items = list(current.objects.items())
     adds: list[dict[str, Any]] = []
     contents: list[dict[str, Any]] = []
     element_adds: list[dict[str, Any]] = []
@@ -208,7 +218,7 @@ def plan(current: Ruleset, desired: Ruleset) -> list[dict[str, Any]]:
     for table in sorted(desired.tables - current.tables):
         adds.append({"add": {"table": {"family": table[0], "name": table[1]}}})
 
-    for key, want in desired.objects.items():
+    for key, want in want_items:
         have = current.objects.get(key)
         if isinstance(want, NftSet):
             replaced = isinstance(have, NftSet) and not want.same_shape(have)
@@ -251,7 +261,7 @@ def plan(current: Ruleset, desired: Ruleset) -> list[dict[str, Any]]:
         elif have is None:
             adds.append({"add": want.declaration()})
 
-    for key, have in current.objects.items():
+    for key, have in have_items:
         if key in desired.objects:
             continue
         if isinstance(have, NftChain):

@@ -367,6 +367,31 @@ async def test_agent_restart_keeps_enforcement(grid: Grid, how: str):
         await grid.res.delete("NetworkPolicy", "x", "guard")
 
 
+async def test_records_of_a_dead_node_expire_with_its_lease_and_come_back(grid: Grid):
+    node2 = grid.lab.nodes[1]
+    on_node2 = {p.name for p in grid.pods.values() if p.node is node2}
+
+    async def recorded() -> set[str]:
+        pods = await grid.res.list("pods")
+        return {f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in pods if p["spec"]["nodeName"] == "node2"}
+
+    assert await recorded() == on_node2
+    await node2.kill_agent()  # no leave: the node just disappears
+    deadline = time.monotonic() + grid.lab.spec.lease_ttl + 15
+    while await recorded():
+        assert time.monotonic() < deadline, "records of a dead node's pods outlived its lease"
+        await asyncio.sleep(0.2)
+    view = await asyncio.to_thread(grid.lab.nodes[0].api, "/policy")
+    assert view["revision"] > 0
+    node2.start_agent()
+    await grid.lab.wait_agents_started(60)
+    deadline = time.monotonic() + 30
+    while await recorded() != on_node2:
+        assert time.monotonic() < deadline, "a restarted agent did not publish its pods again"
+        await asyncio.sleep(0.2)
+    await grid.lab.wait_established(60)
+
+
 # ------------------------------------------------------------------ leave (last: node3 goes)
 
 

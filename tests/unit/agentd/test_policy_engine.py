@@ -68,6 +68,8 @@ def _in_set(value: Any, s: NftSet) -> bool:
 def _literal(right: Any, value: Any) -> bool:
     if isinstance(right, dict) and "set" in right:
         return any(_literal(r, value) for r in right["set"])
+    if isinstance(right, dict) and "prefix" in right:
+        return ipaddress.ip_address(value) in ipaddress.ip_network(f"{right['prefix']['addr']}/{right['prefix']['len']}")
     if isinstance(right, dict) and "range" in right:
         lo, hi = right["range"]
         return lo <= value <= hi
@@ -390,3 +392,16 @@ def test_view_lists_policies_and_allow_lists():
     (rule,) = view["ingress"]
     assert rule["policy"] == "x/p" and rule["ports"] == "all"
     assert rule["peer_addresses"] == ["10.244.1.2", "10.244.3.4", "10.244.4.5", "10.244.6.7"]
+
+
+def test_conntrack_only_while_a_local_pod_is_isolated():
+    def ct_rules(rs):
+        return [r for c in rs.chains() if c.hook is not None for r in c.rules if '"ct"' in r]
+
+    cluster = grid()
+    eng = engine_for(cluster, [p.key for p in cluster.pods[:3]])
+    assert ct_rules(eng.build()) == []  # nothing isolated: the kernel tracks nothing for policy
+    eng.upsert_policy(Policy.parse(kinds.validate(CASES["deny all ingress"])))
+    assert len(ct_rules(eng.build())) == 2  # egress and ingress base chains
+    eng.remove_policy(("x", "deny"))
+    assert ct_rules(eng.build()) == []
