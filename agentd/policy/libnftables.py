@@ -134,6 +134,10 @@ class Nft:
         out = await loop.run_in_executor(self._executor, self._run, text)
         return json.loads(out) if out.strip() else None
 
+    def run_elements(self, ops: list[Any]) -> None:
+        """Set element adds and deletes as one netlink transaction (blocking)."""
+        self._executor.submit(self._send_elements, ops).result()
+
     async def arun_elements(self, ops: list[Any]) -> None:
         """Set element adds and deletes as one netlink transaction (see agentd.policy.nfnetlink)."""
         loop = asyncio.get_running_loop()
@@ -144,6 +148,14 @@ class Nft:
         try:
             self._elements.send(ops)
         except (OSError, ValueError) as err:
+            raise NftError(str(err)) from None
+
+    async def acounters(self, family: str, table: str) -> dict[str, tuple[int, int]]:
+        """(packets, bytes) of the named counters of a table, over netlink (no cache fetch)."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, self._elements.counters, family, table)
+        except OSError as err:
             raise NftError(str(err)) from None
 
     def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None:

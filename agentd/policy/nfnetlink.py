@@ -1,4 +1,5 @@
-"""Set elements straight to nf_tables over netlink: one batch, one transaction, no cache.
+"""Set elements straight to nf_tables over netlink: one batch, one transaction, no cache;
+and the named counters of a table, read the same way.
 
 libnftables evaluates every command list against a cache of the kernel's ruleset and, once
 the ruleset has changed, fetches it again first: every set and chain of the table, and the
@@ -29,6 +30,17 @@ NFNL_MSG_BATCH_BEGIN = 16
 NFNL_MSG_BATCH_END = 17
 NFT_MSG_NEWSETELEM = 12
 NFT_MSG_DELSETELEM = 14
+NFT_MSG_NEWOBJ = 18
+NFT_MSG_GETOBJ = 19
+NFT_OBJECT_COUNTER = 1
+NFTA_OBJ_TABLE = 1
+NFTA_OBJ_NAME = 2
+NFTA_OBJ_TYPE = 3
+NFTA_OBJ_DATA = 4
+NFTA_COUNTER_BYTES = 1
+NFTA_COUNTER_PACKETS = 2
+NLMSG_DONE = 3
+NLM_F_DUMP = 0x300
 
 NLM_F_REQUEST = 0x1
 NLM_F_ACK = 0x4
@@ -186,5 +198,47 @@ class ElementWriter:
                     pending.discard(seq)
                 offset += max(16, (length + 3) & ~3)
 
+    def counters(self, family: str, table: str) -> dict[str, tuple[int, int]]:
+        """(packets, bytes) of every named counter of ``table``: an NFT_MSG_GETOBJ dump filtered
+        by table and type (libnftables would first fetch the whole ruleset to list them)."""
+        self.seq += 1
+        body = _attr(NFTA_OBJ_TABLE, _string(table)) + _attr(NFTA_OBJ_TYPE, struct.pack("!I", NFT_OBJECT_COUNTER))
+        self.sock.sendall(_message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETOBJ, NLM_F_REQUEST | NLM_F_DUMP,
+                                   self.seq, FAMILIES[family], body))  # fmt: skip
+        out: dict[str, tuple[int, int]] = {}
+        while True:
+            reply = self.sock.recv(1 << 20)
+            offset = 0
+            while offset + 16 <= len(reply):
+                length, kind, _flags, seq, _pid = struct.unpack_from("=IHHII", reply, offset)
+                if kind == NLMSG_DONE:
+                    return out
+                if kind == NLMSG_ERROR:
+                    (error,) = struct.unpack_from("=i", reply, offset + 16)
+                    if error == -2:  # ENOENT: no such table
+                        return out
+                    if error != 0:
+                        raise NetlinkError(-error, f"reading counters: {os.strerror(-error)}")
+                elif kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ:
+                    attrs = _parse_attrs(reply[offset + 20 : offset + length])
+                    name = attrs.get(NFTA_OBJ_NAME, b"").rstrip(b"\0").decode(errors="replace")
+                    data = _parse_attrs(attrs.get(NFTA_OBJ_DATA, b""))
+                    packets = struct.unpack("!Q", data[NFTA_COUNTER_PACKETS])[0] if NFTA_COUNTER_PACKETS in data else 0
+                    nbytes = struct.unpack("!Q", data[NFTA_COUNTER_BYTES])[0] if NFTA_COUNTER_BYTES in data else 0
+                    out[name] = (packets, nbytes)
+                offset += max(16, (length + 3) & ~3)
+
     def close(self) -> None:
         self.sock.close()
+
+
+def _parse_attrs(data: bytes) -> dict[int, bytes]:
+    out = {}
+    offset = 0
+    while offset + 4 <= len(data):
+        length, kind = struct.unpack_from("=HH", data, offset)
+        if length < 4:
+            break
+        out[kind & ~NLA_F_NESTED] = data[offset + 4 : offset + length]
+        offset += (length + 3) & ~3
+    return out

@@ -109,11 +109,8 @@ class PolicyProgrammer:
         """Packets counted by each named counter, by (family, name)."""
         out: dict[tuple[str, str], int] = {}
         for family, table in sorted(compiler.TABLES):
-            listing = await self.nft.alist({"counters": {"family": family, "table": table}})
-            for item in listing or ():
-                c = item.get("counter")
-                if c and c.get("table") == table:
-                    out[(family, c["name"])] = int(c.get("packets", 0))
+            for name, (packets, _bytes) in (await self.nft.acounters(family, table)).items():
+                out[(family, name)] = packets
         return out
 
 
