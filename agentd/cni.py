@@ -22,7 +22,8 @@ Plugin config keys (besides ``cniVersion``, ``name``, ``type``): ``subnetFile`` 
 ``/run/agentd/subnet.env``), ``dataDir`` (default ``/var/lib/agentd/cni``), ``binDir`` (more
 directories to find the delegates in after ``CNI_PATH``: the agent's ``[cni] bin_dir``), ``ipam`` (merged
 into the delegate's ipam, e.g. host-local's ``dataDir``), ``delegate`` (overrides for the
-bridge plugin), ``delegateTimeout`` (seconds the delegate may run; default 60).
+bridge plugin), ``delegateTimeout`` (seconds the delegate may run; default 60), ``policyTimeout``
+(seconds ADD waits for the agent to program network policy for the pod; default 2, 0: no wait).
 
 Errors are CNI error results on stdout (spec 1.0.0, "Error"), one line in ``msg``, and exit 1.
 """
@@ -282,6 +283,9 @@ def parse_netconf(stdin: bytes) -> dict[str, Any]:
             INVALID_NETWORK_CONFIG,
             f"'delegateTimeout' must be a number of seconds in (0, {MAX_DELEGATE_TIMEOUT:g}], not {_short(timeout)}",
         )
+    wait = conf.get("policyTimeout", 2.0)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 60:
+        raise CniError(INVALID_NETWORK_CONFIG, f"'policyTimeout' must be a number of seconds in [0, 60], not {_short(wait)}")
     if "prevResult" in conf and not isinstance(conf["prevResult"], dict):
         raise CniError(INVALID_NETWORK_CONFIG, "'prevResult' must be an object")
     return conf
@@ -355,6 +359,10 @@ def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any
         raise CniError(INTERNAL, f"pod identity: {e}") from None
     except OSError as e:
         raise CniError(IO_FAILURE, f"cannot write the endpoint file for {namespace}/{name}: {e.strerror or e}") from None
+    wait = netconf.get("policyTimeout", policy_endpoints.DEFAULT_WAIT)
+    if wait and not policy_endpoints.wait_programmed(_data_dir(netconf), args.container_id, wait):
+        print(f"agentd-cni: the agent has not programmed network policy for {namespace}/{name} within {wait:g} s "
+              "(is agentd running?); the pod starts anyway", file=sys.stderr)
 
 
 def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> None:

@@ -80,6 +80,7 @@ class PolicyAgent:
         self.sync_errors = 0
         self._have_snapshot = False
         self._full_compare = True
+        self._acked: set[str] = set()
         self._have_local = False
         self._wake = asyncio.Event()
         self._publish_wake = asyncio.Event()
@@ -312,6 +313,7 @@ class PolicyAgent:
                 continue
             revision = self.revision
             start = time.perf_counter()
+            containers = set(self.endpoints)  # the pods this build includes
             desired = self.engine.build()
             keys = self.engine.touched()
             try:
@@ -334,6 +336,10 @@ class PolicyAgent:
                 self.sync_seconds.observe(seconds)
             self.last_sync = {"commands": result.commands, "seconds": round(seconds, 6),
                               "nft_seconds": round(result.seconds, 6), "full": result.full}
+            try:  # tell agentd-cni, waiting in ADD, that its pod is in the tables now
+                self._acked = endpoints.acknowledge(self.data_dir, containers, self._acked)
+            except OSError as err:
+                log.warning("cannot acknowledge programmed pods: %s", err)
             if result.full:
                 size = desired.size()
                 log.info("policy tables programmed: %d chains, %d rules, %d set elements (%d commands)",

@@ -6,6 +6,12 @@ and where it is attached; DEL removes the file.  The agent watches the directory
 and keeps, from these files, the pod's record in etcd (``<prefix>/resources/pods/<ns>/<name>``,
 under its node lease) and the pod's place in the node's nftables.
 
+ADD then waits (``policyTimeout`` seconds of the plugin config, default 2) until the agent
+has programmed the pod into the node's tables - it says so by creating
+``<dataDir>/endpoints/.programmed/<CNI_CONTAINERID>`` - so a pod that policy isolates is not
+open while its containers start.  If the agent does not answer in time (it is not running),
+ADD succeeds anyway, with a warning on stderr: pods must start without the agent too.
+
 Files keep working when the agent is down (it reads them all when it starts) and need no
 etcd credentials in the plugin.  A pod without Kubernetes identity (no ``K8S_POD_NAMESPACE``
 / ``K8S_POD_NAME`` in CNI_ARGS) gets no file: it is neither selectable nor isolated.
@@ -28,6 +34,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -39,6 +46,8 @@ log = logging.getLogger("agentd.policy")
 
 SUBDIR = "endpoints"
 SUFFIX = ".json"
+PROGRAMMED = ".programmed"
+DEFAULT_WAIT = 2.0
 
 
 class EndpointError(ValueError):
@@ -173,8 +182,38 @@ def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:
 
 
 def remove(data_dir: str | os.PathLike[str], container_id: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(endpoints_dir(data_dir), container_id + SUFFIX))
+    for path in (os.path.join(endpoints_dir(data_dir), container_id + SUFFIX), _programmed(data_dir, container_id)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _programmed(data_dir: str | os.PathLike[str], container_id: str) -> str:
+    return os.path.join(endpoints_dir(data_dir), PROGRAMMED, container_id)
+
+
+def wait_programmed(data_dir: str | os.PathLike[str], container_id: str, timeout: float) -> bool:
+    """Wait until the agent says the pod is in the node's tables; False after ``timeout``."""
+    path = _programmed(data_dir, container_id)
+    deadline = time.monotonic() + timeout
+    while True:
+        if os.path.exists(path):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def acknowledge(data_dir: str | os.PathLike[str], programmed: set[str], before: set[str]) -> set[str]:
+    """The agent's side: mark ``programmed`` container IDs (unmark the others of ``before``)."""
+    directory = os.path.join(endpoints_dir(data_dir), PROGRAMMED)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    for cid in programmed - before:
+        with open(os.path.join(directory, cid), "w"):
+            pass
+    for cid in before - programmed:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, cid))
+    return set(programmed)
 
 
 # ------------------------------------------------------------------ the agent's side

@@ -13,6 +13,7 @@ objects are deleted and the next one runs on the same lab.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -157,6 +158,11 @@ async def test_a_new_pod_on_another_node_is_allowed_and_its_delete_removes_it(gr
     policy = np("p", "x", {"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "client"}}}]}]})
     await converged(grid.lab, await grid.res.apply(policy))
     new = await grid.lab.add_pod("node3", "y", "client", labels={"app": "client"})
+    # agentd-cni's ADD returned only once node3's agent had the pod in its tables.
+    endpoint = json.loads((new.node.dir / "cni" / "endpoints" / f"{new.container_id}.json").read_text())
+    ports = json.loads(await asyncio.to_thread(new.node.ns.exec, "nft", "-j", "list", "set", "bridge", "agentd-policy", "pod-ports"))
+    (s,) = [i["set"] for i in ports["nftables"] if "set" in i]
+    assert endpoint["interface"] in s["elem"]
     prober = await Prober.start(new, [])
     try:
         record = await grid.res.get("Pod", "y", "client")

@@ -308,3 +308,12 @@ def test_endpoint_files_round_trip(tmp_path):
     endpoints.remove(tmp_path, "c1")
     endpoints.remove(tmp_path, "c1")  # idempotent, as DEL must be
     assert endpoints.read_all(tmp_path, reported) == {}
+
+
+@pytest.mark.parametrize("value", [-1, 61, "2", True])
+def test_cni_policy_timeout_is_checked(value):
+    from agentd import cni
+
+    conf = {"cniVersion": "1.0.0", "name": "agentd", "type": "agentd-cni", "policyTimeout": value}
+    with pytest.raises(cni.CniError, match="'policyTimeout' must be a number of seconds in \\[0, 60\\]"):
+        cni.parse_netconf(json.dumps(conf).encode())
