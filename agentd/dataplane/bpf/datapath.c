@@ -217,29 +217,28 @@ int agentd_egress(struct __sk_buff *skb)
 	return TC_ACT_OK;
 }
 
-/* Remove ``outer_len`` bytes of outer headers behind the Ethernet header. */
+/* Remove ``outer_len`` bytes of outer headers behind the Ethernet header.
+ *
+ * Headers at offsets that depend on the packet (IPv4 options) are read and written with
+ * bpf_skb_load_bytes / bpf_skb_store_bytes, never through packet pointers: the verifier
+ * allows variable offsets on packet pointers only to CAP_PERFMON (its Spectre v1 masking
+ * covers stack and map pointers alone), and the agent runs with CAP_BPF + CAP_NET_ADMIN. */
 static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, struct peer_stats *stats,
 				 __u32 outer_len, __u8 outer_tos, int udp)
 {
 	__u32 remaining, inner_tot, segs = wire_packets(skb);
-	struct iphdr *inner;
-	void *data, *end;
+	struct iphdr inner;
 	__u64 flags, extra;
 	long ret;
 
 	if (outer_len > 68) /* 60 bytes of IPv4 header and options + 8 of UDP at most */
 		return drop(DROP_MALFORMED, skb);
-	if (pull(skb, ETH_HLEN + outer_len + sizeof(*inner)))
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + outer_len, &inner, sizeof(inner)))
 		return drop(DROP_MALFORMED, skb);
-	data = (void *)(long)skb->data;
-	end = (void *)(long)skb->data_end;
-	inner = data + ETH_HLEN + outer_len;
-	if ((void *)(inner + 1) > end)
-		return drop(DROP_MALFORMED, skb);
-	if (inner->version != 4 || inner->ihl < 5)
+	if (inner.version != 4 || inner.ihl < 5)
 		return drop(DROP_MALFORMED, skb);
 	remaining = skb->len - ETH_HLEN - outer_len;
-	inner_tot = bpf_ntohs(inner->tot_len);
+	inner_tot = bpf_ntohs(inner.tot_len);
 	if (skb->gso_size) {
 		/* A super-packet from a peer's GSO (veth) or the NIC's GRO: its inner length is the
 		 * whole. UDP GRO (rx-udp-gro-forwarding) glues several datagrams, each with its own
@@ -251,15 +250,15 @@ static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, stru
 	}
 	/* RFC 6040 section 4.2: congestion experienced on the outer header carries over to an
 	 * ECN-capable inner packet, and drops a Not-ECT one. */
-	if ((outer_tos & ECN_MASK) == ECN_CE && (inner->tos & ECN_MASK) != ECN_CE) {
-		__u16 old, new;
+	if ((outer_tos & ECN_MASK) == ECN_CE && (inner.tos & ECN_MASK) != ECN_CE) {
+		__u16 old = *(__u16 *)&inner, new;
 
-		if (!(inner->tos & ECN_MASK))
+		if (!(inner.tos & ECN_MASK))
 			return drop(DROP_ECN, skb);
-		old = *(__u16 *)inner;
-		inner->tos |= ECN_CE;
-		new = *(__u16 *)inner;
-		if (bpf_l3_csum_replace(skb, ETH_HLEN + outer_len + 10, old, new, 2))
+		inner.tos |= ECN_CE;
+		new = *(__u16 *)&inner;
+		if (bpf_l3_csum_replace(skb, ETH_HLEN + outer_len + 10, old, new, 2) ||
+		    bpf_skb_store_bytes(skb, ETH_HLEN + outer_len + 1, &inner.tos, 1, 0))
 			return drop(DROP_DECAP_ERROR, skb);
 	}
 
@@ -289,67 +288,54 @@ int agentd_ingress(struct __sk_buff *skb)
 {
 	struct peer_stats *stats;
 	struct config *cfg;
-	struct udphdr *udp;
-	struct iphdr *ip;
-	void *data, *end;
+	struct udphdr udp;
+	struct iphdr ip;
 	__u32 zero = 0, hlen;
-	__be32 saddr;
-	__u8 tos;
 	int first_fragment, fragment;
 
 	if (skb->protocol != bpf_htons(ETH_P_IP))
 		return PASS;
-	if (pull(skb, ETH_HLEN + sizeof(*ip)))
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)))
 		return PASS;
-	data = (void *)(long)skb->data;
-	end = (void *)(long)skb->data_end;
-	ip = data + ETH_HLEN;
-	if ((void *)(ip + 1) > end)
-		return PASS;
-	if (ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_IPIP_)
+	if (ip.protocol != IPPROTO_UDP && ip.protocol != IPPROTO_IPIP_)
 		return PASS;
 	cfg = bpf_map_lookup_elem(&agentd_config, &zero);
-	if (!cfg || ip->daddr != cfg->local)
+	if (!cfg || ip.daddr != cfg->local)
 		return PASS; /* not addressed to this node: forwarded or someone else's */
-	saddr = ip->saddr;
-	tos = ip->tos;
-	hlen = ip->ihl * 4;
-	if (hlen < sizeof(*ip))
+	hlen = ip.ihl * 4;
+	if (hlen < sizeof(ip))
 		return PASS; /* the stack drops it */
-	fragment = ip->frag_off & bpf_htons(IP_MF | IP_OFFSET);
-	first_fragment = !(ip->frag_off & bpf_htons(IP_OFFSET));
-	stats = bpf_map_lookup_elem(&agentd_peers, &saddr);
+	fragment = ip.frag_off & bpf_htons(IP_MF | IP_OFFSET);
+	first_fragment = !(ip.frag_off & bpf_htons(IP_OFFSET));
+	stats = bpf_map_lookup_elem(&agentd_peers, &ip.saddr);
 
-	if (ip->protocol == IPPROTO_IPIP_) {
+	if (ip.protocol == IPPROTO_IPIP_) {
+		if (!(cfg->flags & CFG_DECAP_IPIP))
+			return PASS; /* not ours: ipip is not carried here, or by the user-space worker */
 		if (!stats)
 			return drop(DROP_NON_MEMBER_IPIP, skb);
-		if (!(cfg->flags & CFG_DECAP_IPIP))
-			return PASS;
+		if (stats->flags & PEER_F_IPIP_TO_WORKER)
+			return PASS; /* for this node's worker, which speaks to that peer */
 		if (fragment) /* our peers set DF: a fragment is not theirs to send */
 			return drop(DROP_MALFORMED, skb);
-		return decap(skb, cfg, stats, hlen, tos, 0);
+		return decap(skb, cfg, stats, hlen, ip.tos, 0);
 	}
 
 	/* UDP. A later fragment has no port to check: reassembly needs the first one, which is. */
 	if (!first_fragment)
 		return PASS;
-	if (pull(skb, ETH_HLEN + hlen + sizeof(*udp)))
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + hlen, &udp, sizeof(udp)))
 		return PASS;
-	data = (void *)(long)skb->data;
-	end = (void *)(long)skb->data_end;
-	if (hlen > 60)
-		return PASS;
-	udp = data + ETH_HLEN + hlen;
-	if ((void *)(udp + 1) > end)
-		return PASS;
-	if (udp->dest == cfg->udp_port && (cfg->flags & CFG_DECAP_UDP)) {
+	if (udp.dest == cfg->udp_port && (cfg->flags & CFG_DECAP_UDP)) {
 		if (!stats)
 			return drop(DROP_NON_MEMBER_UDP, skb);
+		if (stats->flags & PEER_F_UDP_TO_WORKER)
+			return PASS; /* for this node's worker, which speaks to that peer */
 		if (fragment)
 			return drop(DROP_MALFORMED, skb);
-		return decap(skb, cfg, stats, hlen + sizeof(*udp), tos, 1);
+		return decap(skb, cfg, stats, hlen + sizeof(udp), ip.tos, 1);
 	}
-	if (udp->dest == cfg->vxlan_port && (cfg->flags & CFG_FILTER_VXLAN) && !stats)
+	if (udp.dest == cfg->vxlan_port && (cfg->flags & CFG_FILTER_VXLAN) && !stats)
 		return drop(DROP_NON_MEMBER_VXLAN, skb);
 	return PASS;
 }

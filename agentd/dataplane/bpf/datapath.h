@@ -35,9 +35,18 @@ struct route_value {
 	__u8 pad[3];
 };
 
-/* peers: per-CPU hash, peer underlay address -> counters. An entry is a cluster member:
- * encapsulated packets (and VXLAN) from any other source are dropped and counted. */
+/* peers: per-CPU hash, peer underlay address -> flags and counters. An entry is a cluster
+ * member: encapsulated packets (and VXLAN) from any other source are dropped and counted. */
+enum peer_flag {
+	/* The peer runs udp/ipip in its user-space worker: this node talks to it through workers
+	 * of its own, and the peer's packets go up to those workers' sockets untouched (a worker's
+	 * UDP GSO batch cannot be decapsulated as one packet). */
+	PEER_F_UDP_TO_WORKER = 1 << 0,
+	PEER_F_IPIP_TO_WORKER = 1 << 1,
+};
+
 struct peer_stats {
+	__u64 flags;      /* enum peer_flag, the same in every CPU's copy (written by the agent) */
 	__u64 tx_packets; /* wire packets (a GSO super-packet counts its segments) */
 	__u64 tx_bytes;   /* bytes at tc, outer headers included once per super-packet */
 	__u64 rx_packets;

@@ -21,9 +21,11 @@ everything away again: filters, pins, directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import socket
+import struct
 from collections.abc import Iterable, Mapping
 from ipaddress import IPv4Network
 from pathlib import Path
@@ -63,6 +65,7 @@ class BpfDatapath:
         self.adopted: list[str] = []  # maps found pinned and kept
         self.routes: dict[IPv4Network, tuple[str, str]] = {}  # as in the map
         self.members: set[str] = set()
+        self.peer_flags: dict[str, int] = {}
         self.config: layout.Config | None = None
         self.ncpus = sc.possible_cpus()
         self.prog_ids: dict[str, int] = {}
@@ -87,7 +90,7 @@ class BpfDatapath:
             for name, mdef in obj.maps.items():
                 self.maps[name] = self._map(mdef)
             self._read_back()
-            self.set_config(config)
+            self.set_config(config, keep=True)
             for section, prog in obj.programs.items():
                 fd = sc.prog_load(sc.PROG_TYPE_SCHED_CLS, prog.relocated(self.maps), obj.license, prog.name)
                 self.progs[section] = fd
@@ -150,8 +153,13 @@ class BpfDatapath:
             if value is not None:
                 dst, peer, kind = layout.decode_route(key, value)
                 self.routes[IPv4Network(dst)] = (peer, kind)
-        for key in sc.map_keys(self.maps[layout.PEERS], layout.PEER_KEY.size):
-            self.members.add(socket.inet_ntoa(key))
+        pfd = self.maps[layout.PEERS]
+        slot = (layout.PEER_STATS.size + 7) & ~7
+        for key in sc.map_keys(pfd, layout.PEER_KEY.size):
+            raw = sc.map_lookup(pfd, key, slot * self.ncpus)
+            addr = socket.inet_ntoa(key)
+            self.members.add(addr)
+            self.peer_flags[addr] = struct.unpack_from("<Q", raw)[0] if raw else 0
 
     def close(self) -> None:
         """Let go of the file descriptors; everything stays in the kernel."""
@@ -168,11 +176,25 @@ class BpfDatapath:
 
     # ------------------------------------------------------------------ desired state
 
-    def set_config(self, config: layout.Config) -> None:
-        if config == self.config:
-            return
-        sc.map_update(self.maps[layout.CONFIG], layout.CONFIG_KEY.pack(0), config.pack())
-        self.config = config
+    def set_config(self, config: layout.Config, *, keep: bool = False) -> None:
+        """Write ``config``.  The decapsulation flags the program has found its kernel refuses
+        stay cleared (it clears them in the live value; setting them again would cost a failed
+        try per write).  ``keep`` also keeps every backend flag the live value has (an agent
+        that adopted the maps must not stop decapsulating before it knows what it carries)."""
+        fd = self.maps[layout.CONFIG]
+        key = layout.CONFIG_KEY.pack(0)
+        raw = sc.map_lookup(fd, key, layout.CONFIG_VALUE.size)
+        live = layout.Config.unpack(raw) if raw else None
+        flags = config.flags
+        if live is not None and live.local != "0.0.0.0":  # a value an agent wrote (this run or the last)
+            learned = layout.CFG_DECAP_L3_FLAG | layout.CFG_DECAP_L4_FLAGS
+            flags = (flags & ~learned) | (flags & live.flags & learned)
+            if keep:
+                flags |= live.flags & ~learned
+        value = dataclasses.replace(config, flags=flags)
+        if value != live:
+            sc.map_update(fd, key, value.pack())
+        self.config = value
 
     def set_routes(self, routes: Mapping[IPv4Network, tuple[str, str]]) -> None:
         """Make the routes map exactly ``routes`` (pod subnet -> (peer underlay address, kind))."""
@@ -185,21 +207,28 @@ class BpfDatapath:
             sc.map_delete(fd, layout.route_key(dst))
             del self.routes[dst]
 
-    def set_members(self, members: Iterable[str]) -> None:
-        """Make the member set exactly ``members``; the counters of those that stay are kept."""
+    def set_members(self, members: Iterable[str], peer_flags: Mapping[str, int] | None = None) -> None:
+        """Make the member set exactly ``members``, with ``peer_flags`` (enum peer_flag, e.g.
+        for peers this node speaks to through its user-space workers); the counters of those
+        that stay are kept."""
         fd = self.maps[layout.PEERS]
         wanted = set(members)
-        zero = bytes(((layout.PEER_STATS.size + 7) & ~7) * self.ncpus)
-        for addr in wanted - self.members:
-            try:
-                sc.map_update(fd, layout.peer_key(addr), zero, sc.BPF_NOEXIST)
-            except sc.BpfError as err:
-                if err.errno != errno.EEXIST:  # there already: keep its counters
-                    raise
+        flags = {a: (peer_flags or {}).get(a, 0) for a in wanted}
+        slot = (layout.PEER_STATS.size + 7) & ~7
+        for addr in sorted(wanted):
+            key = layout.peer_key(addr)
+            if addr in self.members and self.peer_flags.get(addr, 0) == flags[addr]:
+                continue
+            raw = bytearray(sc.map_lookup(fd, key, slot * self.ncpus) or bytes(slot * self.ncpus))
+            for cpu in range(self.ncpus):  # the flags in every CPU's copy, the counters as they are
+                struct.pack_into("<Q", raw, cpu * slot, flags[addr])
+            sc.map_update(fd, key, bytes(raw))
             self.members.add(addr)
+            self.peer_flags[addr] = flags[addr]
         for addr in self.members - wanted:
             sc.map_delete(fd, layout.peer_key(addr))
             self.members.discard(addr)
+            self.peer_flags.pop(addr, None)
 
     # ------------------------------------------------------------------ observation
 
@@ -211,7 +240,7 @@ class BpfDatapath:
         for addr in sorted(self.members):
             raw = sc.map_lookup(pfd, layout.peer_key(addr), size)
             if raw is not None:
-                tx_p, tx_b, rx_p, rx_b = layout.sum_percpu(raw, layout.PEER_STATS)
+                _flags, tx_p, tx_b, rx_p, rx_b = layout.sum_percpu(raw, layout.PEER_STATS)
                 peers[addr] = {"tx_packets": tx_p, "tx_bytes": tx_b, "rx_packets": rx_p, "rx_bytes": rx_b}
         drops = {}
         dfd = self.maps[layout.DROPS]

@@ -72,7 +72,7 @@ def test_map_values_round_trip():
 
 
 def test_per_cpu_values_are_summed():
-    raw = b"".join(layout.PEER_STATS.pack(i, 10 * i, 100 * i, 1000 * i) for i in (1, 2, 3))
-    assert layout.sum_percpu(raw, layout.PEER_STATS) == (6, 60, 600, 6000)
+    raw = b"".join(layout.PEER_STATS.pack(0, i, 10 * i, 100 * i, 1000 * i) for i in (1, 2, 3))
+    assert layout.sum_percpu(raw, layout.PEER_STATS) == (0, 6, 60, 600, 6000)
     raw = b"".join(layout.DROP_STATS.pack(i, i) for i in (4, 5))
     assert layout.sum_percpu(raw, layout.DROP_STATS) == (9, 9)
