@@ -48,7 +48,7 @@ class BpfPath:
         self._lock = asyncio.Lock()
 
     def config(self, extra: Iterable[str] = ()) -> Config:
-        flags = KERNEL_FLAGS
+        flags = KERNEL_FLAGS | (layout.CFG_POD_REDIRECT if self.cfg.network.bpf_pod_redirect else 0)
         for name in {*self.carried, *self.filtered, *extra}:
             flags |= FILTER_FLAGS.get(BACKENDS[name].member_filter or "", 0)
         net = self.cfg.network
@@ -96,7 +96,12 @@ class BpfPath:
 
     async def refresh(self) -> None:
         if self.dp is not None:
-            self.counters = await asyncio.to_thread(self.dp.counters)
+            self.counters = await asyncio.to_thread(self._refresh, self.dp)
+
+    def _refresh(self, dp: BpfDatapath) -> dict[str, Any]:
+        if self.cfg.network.bpf_pod_redirect and self.carried:
+            dp.sync_ports()  # the bridges' learned MACs: a new pod is on the direct path within 2 s
+        return dp.counters()
 
     def peer_counters(self, address: str) -> dict[str, int] | None:
         return (self.counters.get("peers") or {}).get(address)

@@ -155,6 +155,7 @@ class NetworkConfig:
     vxlan_port: int = 4789
     udp_port: int = 8285
     datapath: str = "auto"  # udp and ipip: "bpf" (tc-BPF), "userspace" (TUN worker), "auto" (bpf where it loads)
+    bpf_pod_redirect: bool = True  # BPF: decapsulated packets go straight to the pod's bridge port
 
     def pod_mtu(self, underlay_mtu: int) -> int:
         """The MTU for pod interfaces: the configured one, or the underlay's minus the overhead."""
@@ -305,6 +306,7 @@ _KEYS = (
     _Key("network", "vxlan_port", _PORT, 4789),
     _Key("network", "udp_port", _PORT, 8285),
     _Key("network", "datapath", _choice(*DATAPATH_CHOICES), "auto"),
+    _Key("network", "bpf_pod_redirect", _BOOL, True),
     _Key("etcd", "endpoints", _Kind((list,), "an array", _text_list, _endpoints), EtcdConfig.endpoints),
     _Key("etcd", "prefix", _string(_etcd_prefix), "/agentd"),
     _Key("etcd", "ca", _Kind((str,), "a string", str, _tls_file), None),

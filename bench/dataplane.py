@@ -14,6 +14,8 @@ nodes, plus 20 pings:
   ipip bpf      the ipip backend in the in-kernel data path
   udp user      the udp backend in the user-space worker ([network] datapath = "userspace")
   ipip user     the ipip backend in the user-space worker
+  ... routed    with --routed: vxlan, udp bpf and ipip bpf between nodes on two L2 segments
+                joined by the lab's router (agentd lab --subnets 2): the outer packet routed
 
 Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...),
 so a slow spell of the machine hits all of them alike; the table shows each row's median
@@ -46,17 +48,23 @@ ANCHORS = [
     "Calico IPIP (kernel ipip device) and the Cilium / Calico eBPF data planes: at or above kernel VXLAN",
     "the probe behind issue 12 on this machine: BPF udp 1.09x, BPF ipip 1.02x kernel VXLAN (medians of 6)",
 ]
-GOALS = [("udp bpf", "kernel vxlan", 1.0), ("ipip bpf", "kernel vxlan", 1.0), ("host-gw", "raw veth", 0.95)]
+GOALS = [("udp bpf", "kernel vxlan", 1.0), ("ipip bpf", "kernel vxlan", 1.0), ("host-gw", "raw veth", 0.95),
+         ("udp bpf routed", "vxlan routed", 1.0), ("ipip bpf routed", "vxlan routed", 1.0)]
 
-# name -> (lab backend, [network] datapath, what to measure)
+# name -> (lab backend, [network] datapath, what to measure, L2 segments)
 ROWS = {
-    "raw veth": ("host-gw", "auto", "nodes"),
-    "kernel vxlan": ("vxlan", "auto", "pods"),
-    "host-gw": ("host-gw", "auto", "pods"),
-    "udp bpf": ("udp", "bpf", "pods"),
-    "ipip bpf": ("ipip", "bpf", "pods"),
-    "udp user": ("udp", "userspace", "pods"),
-    "ipip user": ("ipip", "userspace", "pods"),
+    "raw veth": ("host-gw", "auto", "nodes", 1),
+    "kernel vxlan": ("vxlan", "auto", "pods", 1),
+    "host-gw": ("host-gw", "auto", "pods", 1),
+    "udp bpf": ("udp", "bpf", "pods", 1),
+    "ipip bpf": ("ipip", "bpf", "pods", 1),
+    "udp user": ("udp", "userspace", "pods", 1),
+    "ipip user": ("ipip", "userspace", "pods", 1),
+}
+ROUTED = {
+    "vxlan routed": ("vxlan", "auto", "pods", 2),
+    "udp bpf routed": ("udp", "bpf", "pods", 2),
+    "ipip bpf routed": ("ipip", "bpf", "pods", 2),
 }
 
 
@@ -125,7 +133,7 @@ async def run_row(name: str, lab: Lab, seconds: int) -> Round:
 
 def check_datapath(name: str, lab: Lab) -> None:
     """The row measures what it says: every peer carried by the data path named."""
-    backend, datapath, _ = ROWS[name]
+    backend, datapath, _, _ = ROWS[name]
     want = {"host-gw": "kernel route", "vxlan": "vxlan device"}.get(backend) or \
         {"bpf": "bpf", "userspace": "user space"}[datapath]
     for node in lab.nodes:
@@ -141,11 +149,11 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
     runs: dict[str, list[Round]] = {}
     try:
         for name in names:
-            backend, datapath, _ = ROWS[name]
-            key = (backend, datapath)
+            backend, datapath, _, segments = ROWS[name]
+            key = (backend, datapath, segments)
             if key not in specs:  # raw veth and host-gw share a lab
                 lab = Lab(LabSpec(name=f"{tag}{len(specs)}", nodes=2, pods=1, backend=backend, datapath=datapath,
-                                  log_level="warning"), root=args.root)
+                                  subnets=segments, log_level="warning"), root=args.root)
                 specs[key] = lab
                 print(f"  lab for {backend} ({datapath}) ...", file=sys.stderr, flush=True)
                 await lab.up(timeout=120)
@@ -201,6 +209,8 @@ def main() -> int:
                     help="run every row this many times, interleaved; the table shows medians (default 3)")
     ap.add_argument("--only", help=f"comma-separated rows to run, of: {', '.join(ROWS)} (anchors always run)")
     ap.add_argument("--root", default=None, help="lab directory (default: agentd lab's)")
+    ap.add_argument("--routed", action="store_true",
+                    help="also the routed-underlay rows (two L2 segments joined by the lab's router)")
     args = ap.parse_args()
     if args.rounds < 1 or args.seconds < 1:
         print("bench/dataplane.py: --rounds and --seconds must be at least 1", file=sys.stderr)
@@ -208,6 +218,8 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench/dataplane.py: needs root (network namespaces)", file=sys.stderr)
         return 1
+    if args.routed:
+        ROWS.update(ROUTED)
     wanted = [x.strip() for x in args.only.split(",")] if args.only else list(ROWS)
     unknown = [x for x in wanted if x not in ROWS]
     if unknown:

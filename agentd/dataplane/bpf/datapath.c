@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: Apache-2.0
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 /* agentd's in-kernel data path: two tc (clsact, direct-action) programs on the underlay device.
  *
  *   agentd_egress   pod packets routed out of the underlay device toward a pod subnet in the
@@ -49,6 +49,7 @@
 #define ECN_CE 3
 #define MIN_FRAME 60 /* shorter Ethernet frames are padded: their IP length is the truth */
 #define IP_MAX_LEN 0xffff
+#define AF_INET_ 2
 /* A packet that is none of ours: TC_ACT_UNSPEC hands it to the next filter on the hook (or
  * lets it pass where there is none), so that others' programs on the device still see it. */
 #define PASS TC_ACT_UNSPEC
@@ -75,6 +76,13 @@ struct agentd_map_def agentd_drops SEC("maps") = {
 	.max_entries = DROP_REASONS,
 };
 
+struct agentd_map_def agentd_ports SEC("maps") = {
+	.type = BPF_MAP_TYPE_HASH,
+	.key_size = sizeof(struct port_key),
+	.value_size = sizeof(__u32),
+	.max_entries = 4096,
+};
+
 struct agentd_map_def agentd_config SEC("maps") = {
 	.type = BPF_MAP_TYPE_ARRAY,
 	.key_size = sizeof(__u32),
@@ -82,7 +90,10 @@ struct agentd_map_def agentd_config SEC("maps") = {
 	.max_entries = 1,
 };
 
-char _license[] SEC("license") = "Apache-2.0"; /* no GPL-only helpers are used */
+/* The kernel lets only GPL-compatible programs call bpf_fib_lookup (deliver_local): this file
+ * and datapath.h are dual-licensed, as libbpf and the kernel's BPF samples are; the rest of
+ * agentd is Apache-2.0, and the agent only loads this object. */
+char _license[] SEC("license") = "Dual BSD/GPL";
 
 struct outer_hdr {
 	struct iphdr ip;
@@ -217,6 +228,50 @@ int agentd_egress(struct __sk_buff *skb)
 	return TC_ACT_OK;
 }
 
+/* Hand a decapsulated packet for a pod behind a bridge on this node straight to the pod's
+ * bridge port, as the stack would forward it (FIB lookup, TTL - 1, the neighbour's MAC).
+ *
+ * Why: on kernels without BPF_F_ADJ_ROOM_DECAP_L4_UDP / _DECAP_IPXIP4 a decapsulated GSO
+ * super-packet still says skb->encapsulation, and a bridge device (whose hw_enc_features have
+ * no TSO or checksum offload) would segment and checksum it in software on the way out: the
+ * kernel VXLAN device clears that state in its own receive path, BPF cannot. The bridge port
+ * (a veth) takes the super-packet whole. The cost: these packets skip the host's forwarding
+ * path (netfilter FORWARD, the bridge's own device). Anything unusual -- TTL 1, no route, no
+ * resolved neighbour, a MAC the bridge has not learned, an MTU problem -- takes the stack's
+ * path instead. */
+static __always_inline int deliver_local(struct __sk_buff *skb)
+{
+	struct bpf_fib_lookup fib = {};
+	struct port_key pk = {};
+	struct iphdr ip;
+	__u16 old, new;
+	__u32 *port;
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) || ip.ttl <= 1)
+		return TC_ACT_OK;
+	fib.family = AF_INET_;
+	fib.tos = ip.tos;
+	fib.l4_protocol = ip.protocol;
+	fib.ipv4_src = ip.saddr;
+	fib.ipv4_dst = ip.daddr;
+	fib.ifindex = skb->ingress_ifindex;
+	if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
+		return TC_ACT_OK;
+	pk.bridge = fib.ifindex;
+	__builtin_memcpy(pk.mac, fib.dmac, 6);
+	port = bpf_map_lookup_elem(&agentd_ports, &pk);
+	if (!port)
+		return TC_ACT_OK;
+	old = bpf_htons((__u16)ip.ttl << 8 | ip.protocol);
+	ip.ttl -= 1;
+	new = bpf_htons((__u16)ip.ttl << 8 | ip.protocol);
+	if (bpf_l3_csum_replace(skb, ETH_HLEN + 10, old, new, 2) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN + 8, &ip.ttl, 1, 0) ||
+	    bpf_skb_store_bytes(skb, 0, fib.dmac, 6, 0) || bpf_skb_store_bytes(skb, 6, fib.smac, 6, 0))
+		return drop(DROP_DECAP_ERROR, skb);
+	return bpf_redirect(*port, 0);
+}
+
 /* Remove ``outer_len`` bytes of outer headers behind the Ethernet header.
  *
  * Headers at offsets that depend on the packet (IPv4 options) are read and written with
@@ -280,6 +335,8 @@ static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, stru
 		return drop(DROP_DECAP_ERROR, skb);
 	stats->rx_packets += segs;
 	stats->rx_bytes += skb->len;
+	if (cfg->flags & CFG_POD_REDIRECT)
+		return deliver_local(skb);
 	return TC_ACT_OK;
 }
 

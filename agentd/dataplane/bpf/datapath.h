@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /* The maps shared by datapath.c and the agent (agentd/dataplane/bpf/layout.py mirrors every
  * struct here, and the loader checks the sizes against the object file's map definitions).
  * Addresses and ports are in network byte order, counters in host order.
@@ -71,6 +72,15 @@ struct drop_stats {
 	__u64 bytes;
 };
 
+/* ports: hash, (bridge, MAC) -> the bridge port behind which that MAC was learned (the
+ * bridge's FDB, mirrored by the agent). A decapsulated packet for a pod behind a local bridge
+ * goes straight to that port (see deliver_local in datapath.c). */
+struct port_key {
+	__u32 bridge; /* the bridge's ifindex */
+	__u8 mac[6];
+	__u8 pad[2];
+};
+
 /* config: array of one, written by the agent. */
 enum config_flag {
 	CFG_DECAP_UDP = 1 << 0,     /* decapsulate flannel UDP to udp_port from members */
@@ -81,6 +91,8 @@ enum config_flag {
 	CFG_DECAP_L3_FLAG = 1 << 3,  /* BPF_F_ADJ_ROOM_DECAP_L3_IPV4 (Linux 6.3) */
 	CFG_DECAP_L4_FLAGS = 1 << 4, /* BPF_F_ADJ_ROOM_DECAP_L4_UDP / _DECAP_IPXIP4 (bpf-next):
 				      * the inner packet loses the tunnel GSO type */
+	CFG_POD_REDIRECT = 1 << 5,   /* decapsulated packets for pods behind a local bridge go
+				      * straight to their bridge port ([network] bpf_pod_redirect) */
 };
 
 struct config {

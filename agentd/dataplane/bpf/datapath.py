@@ -64,6 +64,7 @@ class BpfDatapath:
         self.progs: dict[str, int] = {}  # section -> fd
         self.adopted: list[str] = []  # maps found pinned and kept
         self.routes: dict[IPv4Network, tuple[str, str]] = {}  # as in the map
+        self.ports: dict[tuple[int, bytes], int] = {}  # as in the map
         self.members: set[str] = set()
         self.peer_flags: dict[str, int] = {}
         self.config: layout.Config | None = None
@@ -160,6 +161,10 @@ class BpfDatapath:
             addr = socket.inet_ntoa(key)
             self.members.add(addr)
             self.peer_flags[addr] = struct.unpack_from("<Q", raw)[0] if raw else 0
+        for key in sc.map_keys(self.maps[layout.PORTS], layout.PORT_KEY.size):
+            value = sc.map_lookup(self.maps[layout.PORTS], key, layout.PORT_VALUE.size)
+            if value is not None:
+                self.ports[layout.PORT_KEY.unpack(key)] = layout.PORT_VALUE.unpack(value)[0]
 
     def close(self) -> None:
         """Let go of the file descriptors; everything stays in the kernel."""
@@ -230,6 +235,27 @@ class BpfDatapath:
             self.members.discard(addr)
             self.peer_flags.pop(addr, None)
 
+    def set_ports(self, ports: Mapping[tuple[int, bytes], int]) -> None:
+        """Make the ports map exactly ``ports`` ((bridge ifindex, MAC) -> port ifindex)."""
+        fd = self.maps[layout.PORTS]
+        for (bridge, mac), port in ports.items():
+            if self.ports.get((bridge, mac)) != port:
+                sc.map_update(fd, layout.PORT_KEY.pack(bridge, mac), layout.PORT_VALUE.pack(port))
+                self.ports[(bridge, mac)] = port
+        for key in [k for k in self.ports if k not in ports]:
+            sc.map_delete(fd, layout.PORT_KEY.pack(*key))
+            del self.ports[key]
+
+    def sync_ports(self) -> int:
+        """Mirror the bridges' learned MACs into the ports map (deliver_local in datapath.c);
+        returns how many there are."""
+        from .rtnl import Rtnl
+
+        with Rtnl() as nl:
+            learned = nl.learned_macs()
+        self.set_ports(learned)
+        return len(learned)
+
     # ------------------------------------------------------------------ observation
 
     def counters(self) -> dict:
@@ -260,6 +286,7 @@ class BpfDatapath:
             "programs": {DIRECTIONS[s]: {"id": i} for s, i in self.prog_ids.items()},
             "routes": len(self.routes),
             "members": len(self.members),
+            "bridge_ports": len(self.ports),
         }
 
 

@@ -17,6 +17,8 @@ from . import syscall as sc
 
 # Map names (the C symbols; the kernel's map names).
 ROUTES, PEERS, DROPS, CONFIG = "agentd_routes", "agentd_peers", "agentd_drops", "agentd_config"
+PORTS = "agentd_ports"
+MAPS = (ROUTES, PEERS, DROPS, PORTS, CONFIG)
 # Program sections and names.
 EGRESS, INGRESS = "tc/egress", "tc/ingress"
 
@@ -28,6 +30,8 @@ PEER_F_UDP_TO_WORKER, PEER_F_IPIP_TO_WORKER = 1, 2  # enum peer_flag
 TO_WORKER = {"udp": PEER_F_UDP_TO_WORKER, "ipip": PEER_F_IPIP_TO_WORKER}
 DROP_KEY = struct.Struct("<I")
 DROP_STATS = struct.Struct("<QQ")  # packets, bytes
+PORT_KEY = struct.Struct("<I6s2x")  # struct port_key: bridge ifindex, MAC
+PORT_VALUE = struct.Struct("<I")  # the port's ifindex
 CONFIG_KEY = struct.Struct("<I")
 CONFIG_VALUE = struct.Struct("<4s2s2sII")  # local, udp_port, vxlan_port, flags, mtu
 
@@ -39,12 +43,14 @@ DROP_REASONS = ("non_member_udp", "non_member_ipip", "non_member_vxlan", "malfor
                 "encap_error", "decap_error", "ecn")
 # enum config_flag
 CFG_DECAP_UDP, CFG_DECAP_IPIP, CFG_FILTER_VXLAN, CFG_DECAP_L3_FLAG, CFG_DECAP_L4_FLAGS = 1, 2, 4, 8, 16
+CFG_POD_REDIRECT = 32
 
 # What each map must be in the object file: (type, key, value, flags).
 EXPECTED = {
     ROUTES: (sc.MAP_TYPE_LPM_TRIE, ROUTE_KEY.size, ROUTE_VALUE.size, sc.BPF_F_NO_PREALLOC),
     PEERS: (sc.MAP_TYPE_PERCPU_HASH, PEER_KEY.size, PEER_STATS.size, 0),
     DROPS: (sc.MAP_TYPE_PERCPU_ARRAY, DROP_KEY.size, DROP_STATS.size, 0),
+    PORTS: (sc.MAP_TYPE_HASH, PORT_KEY.size, PORT_VALUE.size, 0),
     CONFIG: (sc.MAP_TYPE_ARRAY, CONFIG_KEY.size, CONFIG_VALUE.size, 0),
 }
 PROGRAMS = (EGRESS, INGRESS)

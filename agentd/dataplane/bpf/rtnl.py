@@ -1,7 +1,8 @@
 """The few rtnetlink requests the BPF data path makes, on a plain NETLINK_ROUTE socket.
 
 clsact qdiscs and cls_bpf filters (RTM_{NEW,DEL}QDISC, RTM_{NEW,DEL,GET}TFILTER: what ``tc``
-sends), and the kernel's route to one address (RTM_GETROUTE: ``ip route get``).  Synchronous
+sends), the kernel's route to one address (RTM_GETROUTE: ``ip route get``) and the bridges'
+learned MACs (RTM_GETNEIGH, AF_BRIDGE: ``bridge fdb show``).  Synchronous
 and small on purpose: every agent loads the data path at start, and a netlink library's
 import would cost each of them more than all of this (pyroute2: ~0.2 s and ~10 MB).
 Message layouts from include/uapi/linux/{netlink,rtnetlink,pkt_sched,pkt_cls}.h.
@@ -21,6 +22,10 @@ NLM_F_DUMP = 0x300
 NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x100, 0x200, 0x400
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 RTM_NEWROUTE, RTM_GETROUTE = 24, 26
+RTM_GETNEIGH = 30
+AF_BRIDGE = 7
+NDA_LLADDR, NDA_MASTER = 2, 9
+NUD_PERMANENT = 0x80
 RTM_NEWQDISC, RTM_DELQDISC = 36, 37
 RTM_NEWTFILTER, RTM_DELTFILTER, RTM_GETTFILTER = 44, 45, 46
 TCA_KIND, TCA_OPTIONS = 1, 2
@@ -34,6 +39,7 @@ CLSACT_HANDLE = 0xFFFF0000
 _NLMSG = struct.Struct("=IHHII")
 _TCMSG = struct.Struct("=BBHiIII")  # family, pad, pad, ifindex, handle, parent, info
 _RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, protocol, scope, type, flags
+_NDMSG = struct.Struct("=BBHiHBB")  # family, pad, pad, ifindex, state, flags, type
 
 
 class RtnlError(OSError):
@@ -147,6 +153,27 @@ class Rtnl:
                             item["prog_id"] = struct.unpack_from("=I", ovalue)[0]
             if handle:  # handle 0: the header of a priority's chain, not a filter
                 out.append(item)
+        return out
+
+    # ------------------------------------------------------------------ bridges
+
+    def learned_macs(self) -> dict[tuple[int, bytes], int]:
+        """(bridge ifindex, MAC) -> port ifindex, for every MAC the bridges here learned on a
+        port (not the ports' own permanent addresses)."""
+        out = {}
+        body = _NDMSG.pack(AF_BRIDGE, 0, 0, 0, 0, 0, 0)
+        for _mtype, payload in self.request(RTM_GETNEIGH, NLM_F_DUMP, body, "listing the bridges' MACs"):
+            _f, _p1, _p2, port, state, _flags, _type = _NDMSG.unpack_from(payload)
+            if state & NUD_PERMANENT:
+                continue
+            mac = bridge = None
+            for kind, value in _attrs(payload, _NDMSG.size):
+                if kind == NDA_LLADDR and len(value) == 6:
+                    mac = value
+                elif kind == NDA_MASTER and len(value) >= 4:
+                    bridge = struct.unpack_from("=i", value)[0]
+            if mac is not None and bridge:
+                out[(bridge, mac)] = port
         return out
 
     # ------------------------------------------------------------------ routes
