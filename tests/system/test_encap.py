@@ -438,7 +438,8 @@ async def test_restart_outsiders_leave_and_down(lab_factory, backend):
        maps, VXLAN device, user-space worker -- outlives the agent; the next one adopts it);
     b. encapsulated packets from a non-member are dropped and counted;
     c. a node that leaves is removed from every other node's tunnel state, and leaves none of
-       its own behind (no tc filter, pin, program or map);
+       its own behind (no tc filter, pin, program or map); and `agentd leave` with no agent
+       running (after a SIGKILL) removes what the killed agent left;
     d. lab down leaves no program, pin or map of any node behind.
     """
     lab = await lab_factory(nodes=3, pods=1, backend=backend)
@@ -507,12 +508,20 @@ async def test_restart_outsiders_leave_and_down(lab_factory, backend):
     assert not pin_dir(node3).exists() and "bpf" not in tc_filters(node3)
     assert await freed(ids3)
 
+    # c'. node2's agent is SIGKILLed, then `agentd leave` runs with no agent: it removes what
+    # the killed agent left of the BPF data path too.
+    ids2 = bpf_object_ids(node2)
+    await node2.kill_agent()
+    assert pin_dir(node2).exists() and "agentd_ingress" in tc_filters(node2)
+    await node2.leave()
+    assert not pin_dir(node2).exists() and "bpf" not in tc_filters(node2)
+    assert await freed(ids2)
+
     # d. lab down: every node's programs and maps go with it, and the bpffs is unmounted.
-    ids = [bpf_object_ids(n) for n in (node1, node2)]
-    assert all(i["progs"] and i["maps"] for i in ids)  # every node runs the BPF member filter
+    ids1 = bpf_object_ids(node1)
+    assert ids1["progs"] and ids1["maps"]  # every node runs the BPF member filter
     await lab.down(keep_files=True)
-    for i in ids:
-        assert await freed(i)
+    assert await freed(ids1)
     assert not os.path.ismount(lab.bpffs)
 
 
