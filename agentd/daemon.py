@@ -35,7 +35,7 @@ from proto.nlri import network_to_prefix, prefix_to_str
 
 from . import cni_config, mesh
 from .api import ApiServer
-from .backends import Tunnels
+from .backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from .config import Config, ConfigError, load_config, reloaded
 from .datastore import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
 from .forwarding import PeerPlan, plan_external, plan_peer, route_for
@@ -167,7 +167,8 @@ class Agent:
                 wanted.subnet_len,
             )
         previous = self._previous_subnet()
-        self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed)
+        self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed,
+                               on_paths=self._schedule_recompute)
         self.lease = await self.datastore.acquire_subnet(
             self.name,
             self.address,
@@ -382,6 +383,7 @@ class Agent:
             {"dst": str(self.lease.subnet), "via": None, "dev": None, "backend": "blackhole", "peer": None}
         ]
         next_hops: dict[str, list[str]] = {}
+        paths = self.tunnels.paths()
         for (afi, prefix), path in self._bests.items():
             if path.source.local or path.next_hop is None:
                 continue
@@ -392,12 +394,13 @@ class Agent:
                 plan = plans[nh] = plan_external(nh, underlay)
             if not plan.routable:
                 continue
-            route = route_for(dst, plan, underlay, self.tunnels.devices)
+            route = route_for(dst, plan, underlay, paths)
             if route is None:
                 continue
             routes.append(route)
             next_hops.setdefault(nh, []).append(dst)
-            rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh})
+            rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh,
+                         "datapath": paths.label(plan)})
         self.plans = plans
         self.route_rows = rows
         if not self._initial_sync_done and self._initial_sync_complete():
@@ -445,7 +448,6 @@ class Agent:
                 log.info("ready")
             if self.tunnels is not None:
                 await self.tunnels.refresh()
-                await self.tunnels.firewall.counters()
             await asyncio.sleep(0.5 if not ready_sent else 2.0)
 
     def _subnet_lost(self, lease: SubnetLease) -> None:
@@ -508,10 +510,15 @@ class Agent:
         if self.service is None:
             return []
         rows = peer_rows(self.service)
+        paths = self.tunnels.paths() if self.tunnels else None
         for row in rows:
             plan = self.plans.get(row["address"])
             row["backend"] = plan.backend if plan else None
             row["backend_reason"] = plan.reason if plan else None
+            # The data path carrying it here, and its packet counters where the kernel keeps them.
+            row["datapath"] = paths.label(plan) if plan and paths else None
+            row["counters"] = self.tunnels.bpf.peer_counters(row["address"]) \
+                if self.tunnels and row["datapath"] == "bpf" else None
         return rows
 
     def bgp_speaker(self) -> Speaker | None:
@@ -540,6 +547,8 @@ class _AgentMetrics:
         for c in a.supervisor.children.values():
             restarts.add_metric([c.name], float(c.restarts))
         yield from (routes, up, renew, ready, restarts)
+        if a.tunnels is not None:
+            yield from dataplane_metrics(a.tunnels)
 
 
 def datastore_for(cfg: Config) -> Datastore:
@@ -569,6 +578,10 @@ async def leave(cfg: Config) -> int:
         released = await ds.release(name, timeout=10)
         await ds.remove_node(name, timeout=10)
         log.info("node %s removed from etcd (no agent was running); released %s", name, ", ".join(map(str, released)) or "-")
+        # What a killed agent left in the kernel: the BPF programs, filters and pins.
+        gone = await asyncio.to_thread(remove_bpf_leftovers, cfg)
+        if gone:
+            log.info("removed the BPF data path a previous agent left: %s", ", ".join(gone))
         return 0
     except Exception as err:
         log.error("cannot leave: %s", err)

@@ -19,14 +19,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agentd.backend_table import BACKENDS, USERSPACE
 from agentd.lab.netns import Netns, veth
 
 H1_UNDERLAY, H2_UNDERLAY, X_UNDERLAY = "192.168.50.1", "192.168.50.2", "192.168.60.3"
 P1, P2 = "10.244.1.2", "10.244.2.2"
 SUBNET1, SUBNET2 = "10.244.1.0/24", "10.244.2.0/24"
 CLUSTER = "10.244.0.0/16"
-OVERHEAD = {"udp": 28, "ipip": 20, "vxlan": 50}
-DEVICE = {"udp": "agentd.udp", "ipip": "agentd.ipip"}
+OVERHEAD = {name: b.overhead for name, b in BACKENDS.items() if b.encapsulates}
+DEVICE = {name: BACKENDS[name].device for name in USERSPACE}
 
 
 @dataclass

@@ -116,6 +116,8 @@ async def test_metrics_status_and_mtu(lab_factory):
         "agentd_route_sync_seconds_count",
         "agentd_datastore_up 1.0",
         "agentd_subnet_lease_renewals_total",
+        # The BPF member filter guards VXLAN's port: its drop counters are exported.
+        'agentd_dataplane_drops_total{backend="",datapath="bpf",reason="non_member_vxlan"}',
     ):
         assert name in text, name
     st = node1.api("/status")

@@ -118,8 +118,10 @@ async def test_leave_removes_the_node_everywhere_within_5s(lab_factory, mode):
         await asyncio.sleep(0.05)
     elapsed = time.monotonic() - t0
     # node3's agent exited, its own routes are gone, its node and subnet are released in etcd.
-    await asyncio.sleep(0.5)
-    assert node3.agent_pid() is None
+    deadline = time.monotonic() + 10
+    while node3.agent_pid() is not None:
+        assert time.monotonic() < deadline, "node3's agent did not exit after leaving"
+        await asyncio.sleep(0.05)
     assert node3.kernel_routes() == []
     for n in (node1, node2):
         peers = {p["address"] for p in n.api("/peers")}

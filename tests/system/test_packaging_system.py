@@ -202,7 +202,7 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
     for item in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / item, src / item)
     for package in ("proto", "bgp", "agentd"):  # not the checkout's in-place build of the C file
-        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.bpf.o"))
     dist = tmp_path / "dist"
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(dist), str(src)],
@@ -222,6 +222,8 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
         assert module in names
     assert not [n for n in names if n.startswith("tests/")]
     assert [n for n in names if re.fullmatch(r"agentd/dataplane/_fastpath\.cpython-.*\.so", n)], names
+    # ...and the BPF data path, compiled by setup.py with clang for the BPF target.
+    assert {"agentd/dataplane/bpf/datapath.bpf.o", "agentd/dataplane/bpf/datapath.c"} <= set(names), names
 
     # Installed into a fresh venv (no index: the wheel only; its dependencies are borrowed
     # from the project's venv through a .pth file, since this machine has no general internet).
@@ -257,6 +259,11 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
         capture_output=True, text=True, env=env, check=True, cwd=tmp_path,
     ).stdout.strip()  # fmt: skip
     assert fast.startswith(purelib) and "_fastpath" in fast, fast
+    check_bpf = ("from agentd.dataplane.bpf import OBJECT, elf, layout\n"
+                 "obj = elf.read_object(OBJECT.read_bytes()); layout.check(obj.maps, obj.programs); print(OBJECT)")
+    bpf_object = subprocess.run([str(bin_ / "python"), "-c", check_bpf], capture_output=True, text=True, env=env,
+                                check=True, cwd=tmp_path).stdout.strip()
+    assert bpf_object.startswith(purelib), bpf_object
     out = subprocess.run(
         [str(bin_ / "agentd"), "check-config", "--config", str(ROOT / "etc" / "agentd.toml"),
          "--set", "node.address=192.0.2.10", "--set", "node.name=n1"],

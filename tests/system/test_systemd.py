@@ -12,8 +12,9 @@
   kernel's PR_SET_MDWE), SystemCallFilter/SystemCallArchitectures/RestrictAddressFamilies
   (a seccomp filter built from ``systemd-analyze syscall-filter``, refusing with
   SystemCallErrorNumber) -- and runs a 3-node lab under it with one node per backend
-  (vxlan + nftables, udp worker over TUN, user-space ipip over a raw socket): every pod must
-  reach every other. The file-system options (ProtectSystem=, ...) are not rebuilt here.
+  (vxlan with the BPF member filter, udp in BPF, ipip in the user-space worker over a raw
+  socket): every pod must reach every other. The file-system options (ProtectSystem=, ...)
+  are not rebuilt here.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def test_unit_hardening_keys():
     assert service("ExecStart") == "/usr/local/bin/agentd run --config /etc/agentd/agentd.toml"
     assert service("ExecReload") == "/bin/kill -HUP $MAINPID"
     assert service("KillMode") == "process"  # the data-plane worker outlives a restart
-    caps = {"CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_NET_BIND_SERVICE"}
+    caps = {"CAP_NET_ADMIN", "CAP_BPF", "CAP_NET_RAW", "CAP_NET_BIND_SERVICE"}
     assert set(service("CapabilityBoundingSet").split()) == caps
     assert set(service("AmbientCapabilities").split()) == caps
     assert service("ProtectSystem") == "strict"
@@ -408,12 +409,13 @@ def capability_numbers() -> dict[str, int]:
 
 
 def allowed_syscalls(filters: list[str], groups: dict[str, list[str]]) -> set[str]:
-    """SystemCallFilter= lines in order: the first one decides allow- or deny-list."""
+    """SystemCallFilter= lines in order: the first one decides allow- or deny-list; after an
+    allow-list, each line adds (or, with ~, removes) names, in order, as systemd applies them."""
     allowed: set[str] = set()
     for i, value in enumerate(filters):
         deny = value.startswith("~")
         names = expand(value.lstrip("~").split(), groups)
-        assert deny == (i > 0), "the unit should start from an allow-list (@system-service)"
+        assert i > 0 or not deny, "the unit should start from an allow-list (@system-service)"
         allowed = allowed - names if deny else allowed | names
     return allowed
 
@@ -471,8 +473,8 @@ def sandbox_spec() -> dict:
     caps = capability_numbers()
     groups = syscall_groups()
     allowed = allowed_syscalls(UNIT_KEYS["Service.SystemCallFilter"], groups)
-    assert {"socket", "ioctl", "sendmmsg", "recvmmsg", "execve", "epoll_wait", "setsockopt"} <= allowed
-    assert not {"bpf", "setuid", "mount", "init_module", "capset", "sched_setaffinity"} & allowed
+    assert {"socket", "ioctl", "sendmmsg", "recvmmsg", "execve", "epoll_wait", "setsockopt", "bpf"} <= allowed
+    assert not {"setuid", "mount", "init_module", "capset", "sched_setaffinity", "perf_event_open"} & allowed
     errno = {"EPERM": EPERM}[service("SystemCallErrorNumber")]
     return {
         "keep_caps": sorted(caps[c] for c in service("CapabilityBoundingSet").split()),
@@ -519,7 +521,8 @@ def test_sandbox_filter_refuses_what_the_unit_refuses(tmp_path):
 
 async def test_lab_runs_under_the_units_sandbox(tmp_path):
     """Three agents, one per encapsulating backend, each started inside the unit's sandbox;
-    the data-plane workers and nft inherit it. Every pod reaches every other."""
+    node3 runs its backends in the user-space worker, so every node also starts a worker
+    (for node3's peers, beside BPF), which inherits the sandbox. Every pod reaches every other."""
     spec_path = tmp_path / "sandbox.json"
     spec = sandbox_spec()
     spec_path.write_text(json.dumps(spec))
@@ -531,7 +534,8 @@ async def test_lab_runs_under_the_units_sandbox(tmp_path):
     lab = Lab(
         LabSpec(
             name="sb" + unique_tag("")[:6], nodes=3, pods=1,
-            extra={name: {"network": {"backend": b}} for name, b in backends.items()},
+            extra={name: {"network": {"backend": b, "datapath": "userspace" if name == "node3" else "auto"}}
+                   for name, b in backends.items()},
         ),
         root=root,
     )  # fmt: skip
@@ -562,14 +566,25 @@ async def test_lab_runs_under_the_units_sandbox(tmp_path):
             pid = node.agent_pid()
             assert pid is not None and sandboxed_caps(pid) == want, node.name
             status = node.api("/status")
-            active = status["backends"]["active"]
-            # Every node runs every backend its peers use, all inside the sandbox.
-            assert set(active) == {"vxlan", "udp", "ipip"}, (node.name, status["backends"])
-            assert active["ipip"]["path"] == "userspace"
-            for kind in ("udp", "ipip"):
-                worker = active[kind]["worker_pid"]
-                assert worker and sandboxed_caps(worker) == want, (node.name, kind)
-            assert status["backends"]["firewall"]["active"] and not status["backends"]["firewall"]["error"]
+            backends = status["backends"]
+            active = backends["active"]
+            # Every node runs every backend its peers use, all inside the sandbox: in BPF (its
+            # programs loaded and attached with the unit's capabilities and system calls),
+            # and in workers for node3, which receives in user space.
+            assert set(active) == {"vxlan", "udp", "ipip"}, (node.name, backends)
+            assert backends["bpf"]["active"] and not backends["member_filter"]["missing"], (node.name, backends)
+            paths = {k: v["datapath"] for k, v in active.items()}
+            workers = [active[k]["worker_pid"] for k, v in paths.items() if v == "userspace"]
+            if node.name == "node3":
+                assert paths == {"vxlan": "vxlan-device", "udp": "userspace", "ipip": "userspace"}, paths
+            else:
+                assert paths == {"vxlan": "vxlan-device", "udp": "bpf", "ipip": "bpf"}, paths
+                # Workers to speak to node3: its backend (to send), and our own if BPF carries it
+                # (what node3's worker sends us).
+                workers = [w["worker_pid"] for w in backends["userspace_peers_worker"].values()]
+                want_workers = {"node1": ["ipip"], "node2": ["ipip", "udp"]}[node.name]
+                assert sorted(backends["userspace_peers_worker"]) == want_workers, backends
+            assert workers and all(w and sandboxed_caps(w) == want for w in workers), (node.name, workers)
             text = node.log_path.read_text()
             # What a sandbox refusal looks like: EPERM/EAFNOSUPPORT from a system call, a
             # worker killed by a signal (SIGSYS, or SIGSEGV from code that did not expect one).
