@@ -99,6 +99,7 @@ class BpfPath:
             self.counters = await asyncio.to_thread(self._refresh, self.dp)
 
     def _refresh(self, dp: BpfDatapath) -> dict[str, Any]:
+        dp.guard_bridges()  # a new pods' bridge gets the member filter within 2 s
         if self.cfg.network.bpf_pod_redirect and self.carried:
             dp.sync_ports()  # the bridges' learned MACs: a new pod is on the direct path within 2 s
         return dp.counters()

@@ -159,7 +159,14 @@ async def freed(ids: dict[str, set[int]], timeout: float = 10.0) -> bool:
 
 
 def tc_filters(node) -> str:
-    return "".join(node.ns.exec("tc", "filter", "show", "dev", "eth0", d, check=False) for d in ("ingress", "egress"))
+    """Every tc filter on the node's underlay device and on its bridges (the pods' bridge gets
+    the member filter too)."""
+    bridges = re.findall(r"^\d+: ([^:@]+)", node.ns.exec("ip", "-o", "link", "show", "type", "bridge"), re.M)
+    return "".join(
+        node.ns.exec("tc", "filter", "show", "dev", dev, d, check=False)
+        for dev in ("eth0", *bridges)
+        for d in ("ingress", "egress")
+    )
 
 
 _SINK = """
@@ -389,6 +396,28 @@ def _inner_ping(src: str, dst: str) -> bytes:
     return _ipv4_header(src, dst, 1, icmp)
 
 
+def _forged(backend: str, inner: bytes, address: str) -> str:
+    """Python that sends 5 of ``inner`` to ``address`` encapsulated as ``backend``."""
+    if backend == "udp":
+        return f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor _ in range(5): s.sendto({inner!r}, ('{address}', 8285))"
+    if backend == "vxlan":
+        vx = struct.pack("!II", 0x08000000, 1 << 8) + b"\xff" * 6 + b"\x02" * 6 + b"\x08\x00" + inner
+        return f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor _ in range(5): s.sendto({vx!r}, ('{address}', 4789))"
+    return f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_RAW, 4)\nfor _ in range(5): s.sendto({inner!r}, ('{address}', 0))"
+
+
+async def _forge_from_pod(lab, backend: str, target) -> int:
+    """``target``'s own pod sends 5 encapsulated pings to its node's address (in by the pods'
+    bridge, not the underlay); returns how many came back out to that pod."""
+    pod = pods_by_node(lab)[target.name][0]
+    code = _forged(backend, _inner_ping("10.244.250.2", pod.ip), target.address)
+
+    async def send():
+        await pod.ns.aexec("python3", "-c", code)
+
+    return await count_on_wire(pod.ns, "eth0", "icmp and src host 10.244.250.2", send, settle=1.0)
+
+
 async def _forge_from_outsider(lab, backend: str, target) -> int:
     """An outsider on the underlay segment sends 5 encapsulated pings for ``target``'s pod;
     returns how many of them reached that pod."""
@@ -399,14 +428,7 @@ async def _forge_from_outsider(lab, backend: str, target) -> int:
         veth(outsider, "eth0", lab.underlay, "out0")
         lab.underlay.ip("link", "set", "out0", "master", "br0")
         outsider.ip("addr", "add", "172.30.0.99/24", "dev", "eth0")
-    inner = _inner_ping("10.244.250.1", pod.ip)
-    if backend == "udp":
-        code = f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor _ in range(5): s.sendto({inner!r}, ('{target.address}', 8285))"
-    elif backend == "vxlan":
-        vx = struct.pack("!II", 0x08000000, 1 << 8) + b"\xff" * 6 + b"\x02" * 6 + b"\x08\x00" + inner
-        code = f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor _ in range(5): s.sendto({vx!r}, ('{target.address}', 4789))"
-    else:
-        code = f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_RAW, 4)\nfor _ in range(5): s.sendto({inner!r}, ('{target.address}', 0))"
+    code = _forged(backend, _inner_ping("10.244.250.1", pod.ip), target.address)
 
     async def send():
         await outsider.aexec("python3", "-c", code)
@@ -488,6 +510,12 @@ async def test_restart_outsiders_leave_and_down(lab_factory, backend):
         if drops == 5:
             break
         assert time.monotonic() < deadline, st
+        await asyncio.sleep(0.2)
+    # b'. So are those a pod sends to its own node (they come in by the pods' bridge).
+    assert await _forge_from_pod(lab, backend, node1) == 0
+    deadline = time.monotonic() + 10
+    while node1.api("/status")["backends"]["bpf"]["drops"][f"non_member_{backend}"] != 10:
+        assert time.monotonic() < deadline, node1.api("/status")["backends"]["bpf"]
         await asyncio.sleep(0.2)
 
     # c. node3 leaves: gone from node1's and node2's tables, and nothing of its own is left.

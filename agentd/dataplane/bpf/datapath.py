@@ -67,6 +67,8 @@ class BpfDatapath:
         self.ports: dict[tuple[int, bytes], int] = {}  # as in the map
         self.members: set[str] = set()
         self.peer_flags: dict[str, int] = {}
+        self.guarded: set[int] = set()  # bridges the ingress filter is attached to as well
+        self._names: dict[str, str] = {}  # section -> program name
         self.config: layout.Config | None = None
         self.ncpus = sc.possible_cpus()
         self.prog_ids: dict[str, int] = {}
@@ -98,6 +100,7 @@ class BpfDatapath:
                 self.prog_ids[section] = sc.prog_info(fd)["id"]
             # Attach (replacing the previous agent's programs in place), then pin.
             for section, fd in self.progs.items():
+                self._names[section] = obj.programs[section].name
                 tc.attach(self.ifindex, DIRECTIONS[section], fd, obj.programs[section].name)
                 self._pin(fd, obj.programs[section].name)
         except sc.BpfError as err:
@@ -246,6 +249,24 @@ class BpfDatapath:
             sc.map_delete(fd, layout.PORT_KEY.pack(*key))
             del self.ports[key]
 
+    def guard_bridges(self) -> set[int]:
+        """Attach the ingress filter to every bridge here as well (the pods' bridges, which the
+        CNI plugin makes when the first pod comes): encapsulated packets addressed to this node
+        are dropped and counted unless they come from a cluster member, whichever device they
+        come in by -- a pod sending VXLAN or flannel UDP to its own node included.  Returns the
+        bridges guarded."""
+        from .rtnl import Rtnl
+
+        with Rtnl() as nl:
+            bridges = nl.bridges()
+        fd = self.progs.get(layout.INGRESS)
+        if fd is None:
+            return set()
+        for ifindex in sorted(bridges - self.guarded):
+            tc.attach(ifindex, "ingress", fd, self._names[layout.INGRESS])
+        self.guarded = bridges  # (a bridge that went took its filters along)
+        return bridges
+
     def sync_ports(self) -> int:
         """Mirror the bridges' learned MACs into the ports map (deliver_local in datapath.c);
         returns how many there are."""
@@ -287,6 +308,7 @@ class BpfDatapath:
             "routes": len(self.routes),
             "members": len(self.members),
             "bridge_ports": len(self.ports),
+            "guarded_bridges": len(self.guarded),
         }
 
 
@@ -304,11 +326,16 @@ def remove_pinned(bpf_dir: str | os.PathLike, ifindex: int | None) -> list[str]:
     """Detach our filters from ``ifindex`` and remove this namespace's pins (and their directory,
     and ``bpf_dir`` itself once empty).  Works without the agent that made them; idempotent.
     Returns what was removed."""
+    from .rtnl import Rtnl
+
     removed = []
+    with Rtnl() as nl:
+        devices = nl.bridges()  # guard_bridges() put the ingress filter on them
     if ifindex is not None:
-        n = tc.detach(ifindex)
-        if n:
-            removed.append(f"{n} tc filters")
+        devices.add(ifindex)
+    n = sum(tc.detach(i) for i in sorted(devices))
+    if n:
+        removed.append(f"{n} tc filters")
     d = pin_dir(bpf_dir)
     if d.is_dir():
         for p in d.iterdir():

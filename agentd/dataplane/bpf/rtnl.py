@@ -22,7 +22,9 @@ NLM_F_DUMP = 0x300
 NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x100, 0x200, 0x400
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 RTM_NEWROUTE, RTM_GETROUTE = 24, 26
+RTM_GETLINK = 18
 RTM_GETNEIGH = 30
+IFLA_LINKINFO, IFLA_INFO_KIND = 18, 1
 AF_BRIDGE = 7
 NDA_LLADDR, NDA_MASTER = 2, 9
 NUD_PERMANENT = 0x80
@@ -40,6 +42,7 @@ _NLMSG = struct.Struct("=IHHII")
 _TCMSG = struct.Struct("=BBHiIII")  # family, pad, pad, ifindex, handle, parent, info
 _RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, protocol, scope, type, flags
 _NDMSG = struct.Struct("=BBHiHBB")  # family, pad, pad, ifindex, state, flags, type
+_IFINFOMSG = struct.Struct("=BBHiII")  # family, pad, type, index, flags, change
 
 
 class RtnlError(OSError):
@@ -156,6 +159,19 @@ class Rtnl:
         return out
 
     # ------------------------------------------------------------------ bridges
+
+    def bridges(self) -> set[int]:
+        """The ifindexes of the bridge devices here (the pods' bridges: ``ip link show type bridge``)."""
+        out = set()
+        body = _IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0)
+        for _mtype, payload in self.request(RTM_GETLINK, NLM_F_DUMP, body, "listing the devices"):
+            index = _IFINFOMSG.unpack_from(payload)[3]
+            for kind, value in _attrs(payload, _IFINFOMSG.size):
+                if kind & ~NLA_F_NESTED == IFLA_LINKINFO:
+                    for ikind, ivalue in _attrs(value):
+                        if ikind == IFLA_INFO_KIND and ivalue.rstrip(b"\0") == b"bridge":
+                            out.add(index)
+        return out
 
     def learned_macs(self) -> dict[tuple[int, bytes], int]:
         """(bridge ifindex, MAC) -> port ifindex, for every MAC the bridges here learned on a

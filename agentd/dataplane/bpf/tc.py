@@ -89,7 +89,7 @@ def detach(ifindex: int) -> int:
                 with contextlib.suppress(RtnlError):
                     nl.del_filter(ifindex, PARENTS[f.direction], f.prio, f.handle, ETH_P_ALL, "bpf")
                     removed += 1
-        if all(f.ours for f in current):  # no filter of anyone else: the qdisc is ours to remove
+        if removed and all(f.ours for f in current):  # we were there, and nobody else is: ours to remove
             with contextlib.suppress(RtnlError):
                 nl.del_clsact(ifindex)
     return removed
