@@ -41,7 +41,7 @@ import atheris
 import _known
 
 with atheris.instrument_imports(include=["proto", "bgp"]):
-    from bgp import Origination, PeerSettings, Speaker, State
+    from bgp import Origination, PeerSettings, State
     from bgp.policy import ExportTarget, export_route, import_attributes
     from bgp.session import Close, Send
     from bgp.testing import MemoryNetwork, make_speaker
