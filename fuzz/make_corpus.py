@@ -99,7 +99,7 @@ def malformed_cases() -> dict[str, tuple[int, bytes]]:
 # --------------------------------------------------------------------------- session
 
 IBGP, OLD_A, GR_A, RR_CLIENT = 1, 2, 4, 32
-HOLD_3, HOLD_0 = 1 << 3, 2 << 3
+HOLD_9, HOLD_0 = 1 << 3, 2 << 3
 
 
 def data(raw: bytes) -> bytes:
@@ -136,7 +136,7 @@ def session_seeds() -> dict[str, bytes]:
         "ibgp-announce": bytes((IBGP,)) + data(cb.update(cb.MANDATORY + cb.attr(0x40, 5, b"\x00\x00\x00\xc8"))),
         "ibgp-rr-client-announce": bytes((IBGP | RR_CLIENT,)) + data(upd) + data(v6),
         "old-speaker-announce": bytes((OLD_A,)) + data(cb.update(cb.ORIGIN + cb.AS_PATH2 + cb.NEXT_HOP)),
-        "hold-timer-expires": bytes((HOLD_3,)) + data(upd) + wait(5),
+        "hold-timer-expires": bytes((HOLD_9,)) + data(upd) + wait(10),
         "hold-zero-long-wait": bytes((HOLD_0,)) + data(upd) + wait(315) + wait(315),
         "keepalives-keep-it-up": b"\x00" + data(upd) + b"".join(wait(60) + data(KEEPALIVE) for _ in range(4)),
         "notification-from-a": b"\x00" + data(upd) + data(Notification.cease(2, "bye").encode()),
@@ -163,7 +163,15 @@ def issue10_messages() -> dict[str, tuple[bytes, str]]:
     as1 = cb.attr(0x40, 2, cb.segment(2, [65001]))
     comms = cb.attr(0xD0, 8, b"".join(struct.pack("!I", 0xFDE90000 + i) for i in range(1011)))
     long_path = b"".join(cb.segment(2, [65001 + (i % 200)] * n, width=2) for i, n in enumerate((255, 255, 255, 255, 80)))
+    trans_path = b"".join(cb.segment(2, [65001 + i] * 255, width=2) for i in range(3))
+    short_as4 = cb.attr(0xC0, 17, cb.segment(2, [4200000000]))
     return {
+        "as4-path-shorter-than-as-path-reencode": (
+            bytes((OLD,)) + cb.update(cb.ORIGIN + cb.attr(0x50, 2, trans_path) + cb.NEXT_HOP + short_as4),
+            "from an OLD speaker, a 765-AS AS_PATH with a 1-AS AS4_PATH (RFC 6793 §4.2.3 merge) is "
+            "accepted; re-encoded for an OLD speaker AS4_PATH carries all 765 ASes and the UPDATE "
+            "exceeds 4096 octets: Update.encode and encode_updates raise",
+        ),
         "mp-reach-ipv4-16-octet-next-hop": (
             bytes((NEW,)) + cb.update(cb.ORIGIN + cb.AS_PATH + cb.mp_reach(afi=1, next_hop=v6_nh, nlri=cb.NLRI), b""),
             "MP_REACH_NLRI for IPv4 unicast with a 16-octet (IPv6) next hop is accepted; reflecting it to an "

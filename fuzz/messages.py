@@ -48,6 +48,10 @@ KNOWN_EXPORT_BUG = True
 #: (AS_PATH + AS4_PATH rebuilt for an OLD speaker), so Update.encode raises.
 KNOWN_REENCODE_BUG = True
 
+#: Exported UPDATEs the neighbour treats as withdrawn (e.g. an MP_REACH_NLRI IPv4 next hop
+#: 0.0.0.0 accepted, then reflected as NEXT_HOP 0.0.0.0).
+KNOWN_EXPORT_WITHDRAWN = False
+
 CONTEXTS = (
     CodecContext(four_octet_as=True),
     CodecContext(four_octet_as=False),
@@ -158,6 +162,13 @@ def check_received(messages: list[bytes], afi: int, prefixes: tuple[bytes, ...],
         assert item is not None and reader.buffered == 0, "exported UPDATE is not one whole message"
         update = decode_message(item[0], item[1], ctx)
         assert isinstance(update, Update)
+        if update.treat_as_withdraw:
+            # We announce a route the neighbour must treat as withdrawn (RFC 7606).
+            first = next(e for e in update.errors if e.action is ErrorAction.TREAT_AS_WITHDRAW)
+            if _known.enabled(KNOWN_EXPORT_WITHDRAWN):
+                _known.report("KNOWN_EXPORT_WITHDRAWN", str(first))
+            else:
+                raise AssertionError(f"the neighbour treats our export as withdrawn: {first}")
         if afi == 1:
             got.extend(update.nlri)
         else:

@@ -11,10 +11,11 @@ A :class:`bgp.Speaker` (10.0.0.1, AS 65000, originating 10.1.0.0/24) has two pee
 
 Input: one octet of configuration for A (bit 0: iBGP, AS 65000, else eBGP AS 65002; bit 1: an
 OLD speaker without the 4-octet AS capability; bit 2: Graceful Restart capability; bits 3-4: hold
-time 90/3/0/240; bit 5: a route-reflector client), then records, each one op octet:
+time 90/9/0/240; bit 5: a route-reflector client), then records, each one op octet:
 
 * ``op & 3 == 0``: DATA, a 2-octet length and that many octets fed as A's bytes;
-* ``op & 3 == 1``: TIME, advance the clock by ``(op >> 2) * 5`` seconds (timers fire in order);
+* ``op & 3 == 1``: TIME, advance the clock by ``(op >> 2) * 5`` seconds (timers fire in order;
+  at most 1200 s in all per input, which keeps one execution short);
 * ``op & 3 == 2``: A closes its TCP connection (no NOTIFICATION: a graceful end for RFC 4724);
 * ``op & 3 == 3``: A opens a new connection with the same OPEN + KEEPALIVE (while the old one
   is open too: a restart or a collision); DATA and close go to the newest connection.
@@ -71,7 +72,8 @@ ASN, B_ASN = 65000, 65003
 A_CONN_BASE = -1  # A's connections: -1, -2, ... (MemoryNetwork's own start at -1000)
 MAX_OPS = 48
 IPV4, IPV6 = (1, 1), (2, 1)
-HOLD_TIMES = (90, 3, 0, 240)
+HOLD_TIMES = (90, 9, 0, 240)
+MAX_TIME = 1200.0  # simulated seconds per input: past every timer (OPEN hold 240 s, GR stale 360 s)
 
 logging.disable(logging.CRITICAL)  # the speaker logs every UPDATE error at WARNING
 
@@ -322,7 +324,9 @@ def run(data: bytes) -> None:
             pos += 2 + length
             h.feed(chunk)
         elif kind == 1:
-            h.advance((op >> 2) * 5.0)
+            step = min((op >> 2) * 5.0, MAX_TIME - h.net.now)
+            if step > 0:
+                h.advance(step)
         elif kind == 2:
             h.close_a()
         else:
