@@ -190,18 +190,25 @@ def issue10_messages() -> dict[str, tuple[bytes, str]]:
     }
 
 
-def issue10_session() -> dict[str, tuple[bytes, str]]:
-    """The same routes sent by peer A of the session harness: exporting them to B raises."""
+def session_crashes() -> dict[str, tuple[bytes, str]]:
+    """The same routes sent by peer A of the session harness (exporting them to B raises), and
+    what the session harness found in connection collisions."""
     msgs = issue10_messages()
     path_raw = msgs["as-path-1100-from-old-speaker"][0][1:]
     comms_raw = msgs["communities-1011-fill-the-message"][0][1:]
     return {
-        "as-path-1100-from-old-speaker": (
+        "found-collision-with-established-orphans-it": (
+            b"\x00" + RECONNECT,
+            "A, established, opens a second connection (OPEN + KEEPALIVE in one read): the peer "
+            "dumps the new session, then makes it the main one on its stale Established event; "
+            "the established session's connection is never closed and A's routes stay (bgp/peer.py)",
+        ),
+        "issue10-as-path-1100-from-old-speaker": (
             bytes((OLD_A,)) + data(path_raw),
             "A (an OLD 2-octet speaker) announces a route with a 1,100-AS AS_PATH; exporting it to B "
             "(4-octet) raises ValueError out of Speaker.data_received (encode_updates in _export)",
         ),
-        "communities-1011-fill-the-message": (
+        "issue10-communities-1011-fill-the-message": (
             b"\x00" + data(comms_raw),
             "A announces a 4,095-octet UPDATE (1,011 communities); exporting it to B with our AS "
             "prepended raises ValueError out of Speaker.data_received (encode_updates in _export)",
@@ -225,9 +232,9 @@ def main() -> None:
     for name, (raw, why) in issue10_messages().items():
         write(crashes / "messages", {f"issue10-{name}.bin": raw})
         (crashes / "messages" / f"issue10-{name}.txt").write_text(why + "\n")
-    for name, (raw, why) in issue10_session().items():
-        write(crashes / "session", {f"issue10-{name}.bin": raw})
-        (crashes / "session" / f"issue10-{name}.txt").write_text(why + "\n")
+    for name, (raw, why) in session_crashes().items():
+        write(crashes / "session", {f"{name}.bin": raw})
+        (crashes / "session" / f"{name}.txt").write_text(why + "\n")
     print(f"{len(messages)} messages seeds, {len(session_seeds())} session seeds, "
           f"{len(issue10_messages())} known-failure reproducers")  # fmt: skip
 
