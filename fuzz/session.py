@@ -175,11 +175,11 @@ class Harness:
             # What A sent, framed the way the speaker frames it: did A send a NOTIFICATION?
             mirror.feed(data)
             try:
-                for msg_type, _ in mirror.messages():
-                    if msg_type == MessageType.NOTIFICATION:
+                while (item := mirror.next_message()) is not None:
+                    if item[0] == MessageType.NOTIFICATION:
                         self.a_notified.add(conn)
             except DecodeError:
-                self.mirror[conn] = None
+                self.mirror[conn] = None  # the speaker resets here; what follows is not read
         self.dut.data_received(conn, data, self.net.now)
         self.net.run(duration=0.0)
         self.note_closed()
