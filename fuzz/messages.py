@@ -20,7 +20,7 @@ Invariants checked on every input:
    client) and from an eBGP neighbour, is either refused by ``bgp.policy`` (None) or
    encodes with ``proto.encode_updates`` for an iBGP client, an eBGP NEW and an eBGP OLD
    neighbour into messages of at most 4096 octets that the neighbour decodes without a
-   session reset, carrying every prefix exactly once.
+   session reset and without treat-as-withdraw, carrying every prefix exactly once.
 """
 
 from __future__ import annotations
