@@ -31,6 +31,7 @@ from ipaddress import IPv4Address
 import atheris
 
 import _known
+import _runner
 
 with atheris.instrument_imports(include=["proto", "bgp"]):
     from bgp.policy import ExportTarget, export_route, import_attributes
@@ -206,12 +207,5 @@ def test_one_input(data: bytes) -> None:
             assert again == msg, f"{msg!r} re-encodes to {again!r}"
 
 
-def main(argv: list[str]) -> None:
-    if not any(a.startswith("-max_len=") for a in argv):
-        argv = [*argv, "-max_len=8192"]
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    _runner.fuzz(sys.argv, __file__, test_one_input, max_len=8192)

@@ -41,6 +41,7 @@ from ipaddress import IPv4Address
 import atheris
 
 import _known
+import _runner
 
 with atheris.instrument_imports(include=["proto", "bgp"]):
     from bgp import Origination, PeerSettings, State
@@ -394,12 +395,5 @@ def test_one_input(data: bytes) -> None:
         raise
 
 
-def main(argv: list[str]) -> None:
-    if not any(a.startswith("-max_len=") for a in argv):
-        argv = [*argv, "-max_len=16384"]
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    _runner.fuzz(sys.argv, __file__, test_one_input, max_len=16384)
