@@ -49,9 +49,15 @@ async def count_on_wire(ns: Netns, iface: str, bpf: str, action, sentinel: tuple
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     try:
-        # tcpdump says "listening on" once its capture is open.
-        listening = await asyncio.wait_for(asyncio.to_thread(proc.stderr.readline), DEFAULT_TIMEOUT)
-        assert "listening on" in listening, listening
+        # tcpdump says "listening on" once its capture is open (after a line about verbosity).
+        def open_capture() -> str:
+            line = ""
+            while "listening on" not in line:
+                line = proc.stderr.readline()
+                assert line, "tcpdump exited before it was listening"
+            return line
+
+        await asyncio.wait_for(asyncio.to_thread(open_capture), DEFAULT_TIMEOUT)
         reader.start()
         await action()
         send = f"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'end', ('{dst}', {SENTINEL_PORT}))"
