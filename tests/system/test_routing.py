@@ -14,7 +14,7 @@ import time
 import pytest
 
 from agentd.lab import netns
-from agentd.lab.wait import DEFAULT_TIMEOUT, auntil
+from agentd.lab.wait import DEFAULT_TIMEOUT, auntil, until
 from agentd.routing import RTPROT_AGENTD, Route, RouteProgrammer, SyncResult
 
 GW4, GW6 = "192.0.2.2", "2001:db8::2"
@@ -54,6 +54,11 @@ def lab(netns_factory) -> Lab:
     router.ip("-6", "addr", "add", "2001:db8::1/64", "dev", "v0", "nodad")
     peer.ip("addr", "add", "192.0.2.2/24", "dev", "v1")
     peer.ip("-6", "addr", "add", "2001:db8::2/64", "dev", "v1", "nodad")
+    # The kernel adds v0's IPv6 link-local address (and its local route) by itself, after
+    # duplicate address detection: wait for it, so that tests comparing route tables before
+    # and after start from a settled table.
+    until(lambda: "local fe80::" in router.ip("-6", "route", "show", "table", "local", "dev", "v0").stdout.decode(),
+          what="v0's link-local route")
     return Lab(router, peer)
 
 
