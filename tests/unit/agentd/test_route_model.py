@@ -31,9 +31,9 @@ d) no gap: a desired destination that has a route of ours when a sync (or a star
    has one after every single request; an own route that already is the desired one is
    never touched (adoption at start).
 
-The full model found four bugs, then two more once bug 4 was fixed (4b, 4c: two routes of
-ours for one destination); all are fixed and their minimal scenarios at the end are
-regression tests.
+The full model found four bugs, and three more around bug 4 (4b-4d: two routes of ours for
+one destination; 4b and 4c turned up in the model once bug 4's xfail was lifted); all are
+fixed and their minimal scenarios at the end are regression tests.
 """
 
 from __future__ import annotations
