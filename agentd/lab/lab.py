@@ -43,6 +43,7 @@ from . import bpffs
 from .etcd import EtcdCluster, EtcdServer
 from .netns import Netns, NetnsError, delete_matching, list_names, veth
 from .speaker_proc import render_toml
+from .wait import auntil
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
 CNI_PLUGIN_DIR = "/usr/lib/cni"
@@ -182,15 +183,12 @@ class LabNode:
         if pid is None:
             return
         os.kill(pid, sig)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None:
-                if self.proc.poll() is not None:
-                    return
-            elif pid not in self.ns.pids():
-                return
-            await asyncio.sleep(0.05)
-        raise LabError(f"{self.name}: agent (pid {pid}) did not exit within {timeout}s of signal {sig}")
+        proc = self.proc
+
+        def gone() -> bool:
+            return proc.poll() is not None if proc is not None else pid not in self.ns.pids()
+
+        await auntil(gone, timeout, what=f"{self.name}: agent (pid {pid}) to exit after signal {sig}", error=LabError)
 
     async def kill_agent(self) -> None:
         await self.stop_agent(signal.SIGKILL)
@@ -401,14 +399,14 @@ class Lab:
         return (status.get("node") or {}).get("subnet") or "-"
 
     async def _wait(self, what: str, check: Callable[[], tuple[bool, str]], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
         detail = ""
-        while time.monotonic() < deadline:
-            ok, detail = await asyncio.to_thread(check)
-            if ok:
-                return
-            await asyncio.sleep(0.2)
-        raise LabError(f"{what} not reached within {timeout:.0f}s: {detail}")
+
+        def ok() -> bool:
+            nonlocal detail
+            done, detail = check()
+            return done
+
+        await auntil(ok, timeout, what=lambda: f"{what} ({detail})", interval=0.2, in_thread=True, error=LabError)
 
     async def wait_agents_started(self, timeout: float) -> None:
         def check() -> tuple[bool, str]:
@@ -506,15 +504,15 @@ class Lab:
         return {(a.name, b.name): ok for (a, b), ok in zip(pairs, results)}
 
     async def wait_reachable(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
         failing: list[str] = []
-        while time.monotonic() < deadline:
-            matrix = await self.reachability()
-            failing = [f"{a}->{b}" for (a, b), ok in matrix.items() if not ok]
-            if not failing:
-                return
-            await asyncio.sleep(0.5)
-        raise LabError(f"pods not reachable within {timeout:.0f}s: {', '.join(failing[:10])}")
+
+        async def reachable() -> bool:
+            nonlocal failing
+            failing = [f"{a}->{b}" for (a, b), ok in (await self.reachability()).items() if not ok]
+            return not failing
+
+        await auntil(reachable, timeout, what=lambda: f"every pod reachable (failing: {', '.join(failing[:10])})",
+                     interval=0.5, error=LabError)
 
     # ------------------------------------------------------------ down, state
 

@@ -19,7 +19,6 @@ not run here (docs/operations.md says so).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -27,7 +26,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 import zipfile
 from ipaddress import IPv4Address, IPv4Network
@@ -35,6 +33,7 @@ from pathlib import Path
 
 from agentd.lab.etcd import EtcdServer
 from agentd.lab.netns import veth
+from agentd.lab.wait import auntil
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -159,12 +158,14 @@ async def test_compose_entrypoint_attaches_pods_and_pings(netns_factory, tmp_pat
         def done() -> bool:
             return all("every pod reaches every other pod" in p.read_text() for p in logs.values())
 
-        deadline = time.monotonic() + 120
-        while not done() and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs.values()), {n: p.read_text() for n, p in logs.items()}
-            await asyncio.sleep(0.2)
+        def exited() -> str | None:
+            if all(p.poll() is None for p in procs.values()):
+                return None
+            return f"an entrypoint exited: { {n: p.read_text()[-2000:] for n, p in logs.items()} }"
+
+        await auntil(done, 120, interval=0.2, abort=exited,
+                     what=lambda: f"every pod reaching every other: { {n: p.read_text()[-2000:] for n, p in logs.items()} }")
         texts = {n: p.read_text() for n, p in logs.items()}
-        assert done(), texts
         for name, text in texts.items():
             other = "node2" if name == "node1" else "node1"
             assert f"pod {name}-pod attached: 10.244." in text
