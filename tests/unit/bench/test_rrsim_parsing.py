@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import _rrscan, _wire
+from bench import _feeder, _rrscan, _wire
 from bench._rrscan import (
     C_ANNOUNCED,
     C_BYTES,
@@ -30,7 +30,18 @@ from bench._rrscan import (
     N_COUNTERS,
     scan_py,
 )
-from proto.messages import MessageType, Open, Update
+from proto.attributes import (
+    AS_SEQUENCE,
+    ORIGIN_IGP,
+    ORIGIN_INCOMPLETE,
+    AsPath,
+    AsPathSegment,
+    Communities,
+    MultiExitDisc,
+    Origin,
+    PathAttributes,
+)
+from proto.messages import MessageType, Open, Update, encode_updates
 
 BASE = int(IPv4Address("10.192.0.0"))
 NBITS = 20
@@ -233,3 +244,68 @@ def test_pump_serves_sockets_tracks_completion_and_hands_back_events(lib):
         for a, b in pairs:
             a.close()
             b.close()
+
+
+# --------------------------------------------------------------------------- the ingest feeder
+
+
+def _packed_with_proto(n: int, seed: int, next_hop: str) -> list[bytes]:
+    """The packed stream as bench/_feeder.py built it with proto/ before it had its own
+    encoder: the same random draws, proto's attribute classes and encode_updates."""
+    rng = random.Random(seed)
+    prefixes = _feeder._random_prefixes(n, rng)
+    sizes, left = [], n
+    while left > 0:
+        size = min(left, rng.randint(_feeder.GROUP_MIN, _feeder.GROUP_MAX))
+        sizes.append(size)
+        left -= size
+    paths = _feeder._as_path_pool(_feeder.AS_PATH_POOL, rng)
+    seen, sets = set(), []
+    while len(sets) < len(sizes):
+        path = rng.choice(paths)
+        origin = ORIGIN_INCOMPLETE if rng.random() < 0.15 else ORIGIN_IGP
+        med = rng.randint(0, 1000) if rng.random() < 0.30 else None
+        comms: tuple[int, ...] = ()
+        if rng.random() < 0.50:
+            upstream = path[1] if path[1] <= 0xFFFF else _feeder.FEEDER_AS
+            comms = tuple(sorted({(upstream << 16) | rng.randint(1, 999) for _ in range(rng.randint(1, 4))}))
+        if (path, origin, med, comms) in seen:
+            continue
+        seen.add((path, origin, med, comms))
+        attrs = [Origin(origin), AsPath((AsPathSegment(AS_SEQUENCE, path),))]
+        if med is not None:
+            attrs.append(MultiExitDisc(med))
+        if comms:
+            attrs.append(Communities(comms))
+        sets.append(PathAttributes(tuple(attrs)))
+    out, start = [], 0
+    for attrs, size in zip(sets, sizes):
+        out += encode_updates(1, attrs, IPv4Address(next_hop), prefixes[start : start + size])
+        start += size
+    return [*out, Update().encode()]
+
+
+def test_packed_stream_is_the_same_bytes_as_with_proto():
+    stream = _feeder.build_stream(20_000, regime="packed", next_hop="10.0.0.1", seed=3)
+    assert b"".join(stream.chunks) == b"".join(_packed_with_proto(20_000, 3, "10.0.0.1"))
+
+
+@pytest.mark.parametrize(("regime", "per_update"), [("one", 1), ("three", 3)])
+def test_small_update_regimes_decode_with_proto_and_every_set_differs(regime, per_update):
+    n = 3_001  # the last UPDATE of "three" carries what is left
+    stream = _feeder.build_stream(n, regime=regime, next_hop="10.0.0.1", seed=5)
+    data = b"".join(stream.chunks)
+    splitter = _wire.Splitter()
+    splitter.feed(data)
+    msgs = splitter.messages()
+    assert len(msgs) == stream.updates == -(-n // per_update) + 1  # + End-of-RIB
+    prefixes, attr_blocks = [], set()
+    for k, (msg_type, body) in enumerate(msgs[:-1]):
+        upd = Update.decode(body)
+        assert msg_type == MessageType.UPDATE and not upd.errors
+        assert len(upd.nlri) == (per_update if k < len(msgs) - 2 else n - k * per_update)
+        prefixes += upd.nlri
+        attr_blocks.add(body[4 : 4 + int.from_bytes(body[2:4], "big")])
+    assert Update.decode(msgs[-1][1]).end_of_rib == (1, 1)
+    assert len(prefixes) == len(set(prefixes)) == n
+    assert len(attr_blocks) == stream.attribute_sets == len(msgs) - 1
