@@ -137,9 +137,9 @@ protocol device {{ }}
 }}
 """
         else:
-            text += f"template bgp client {{\n{common}  passive on;\n}}\n"
+            text += f"template bgp rrc {{\n{common}  passive on;\n}}\n"
             text += "".join(
-                f"protocol bgp c{i} from client {{ neighbor {a} as {RR_AS}; }}\n" for i, a in enumerate(self.clients)
+                f"protocol bgp c{i} from rrc {{ neighbor {a} as {RR_AS}; }}\n" for i, a in enumerate(self.clients)
             )
         (self.workdir / "bird.conf").write_text(text)
 
