@@ -2,6 +2,13 @@
 
 aetcd 1.0 only opens plaintext channels to one ``host:port``; ``EtcdClient`` adds TLS
 (a gRPC secure channel) and the datastore rotates through its endpoints on failure.
+
+Every request carries etcd's "require leader" metadata (``hasleader: true``, what
+clientv3's ``WithRequireLeader`` sends): a member of a cluster that has lost its leader
+(quorum lost, or this member cut off from the others) refuses requests at once with
+"etcdserver: no leader" instead of holding them until they time out, and cancels the
+watch and lease keep-alive streams it serves; the datastore then moves to the next
+endpoint, where a member that still has a leader answers.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ CHANNEL_OPTIONS = {
     "grpc.keepalive_permit_without_calls": 0,
     "grpc.http2.max_pings_without_data": 0,
 }
+
+# etcd's rpctypes.MetadataRequireLeaderKey / MetadataHasLeader (etcdserver/api/v3rpc).
+REQUIRE_LEADER = (("hasleader", "true"),)
 
 # gRPC status codes that mean "etcd is (for now) not there or not able to answer".
 _TRANSIENT_CODES = {
@@ -97,6 +107,12 @@ class EtcdClient(aetcd.Client):
         super().__init__(endpoint.host, endpoint.port, timeout=timeout, options=dict(CHANNEL_OPTIONS))
         self.endpoint = endpoint
         self._credentials = credentials
+
+    def _init_channel_attrs(self) -> None:
+        # aetcd sends ``self.metadata`` with every request and hands it to the watcher it
+        # makes on connect; it resets it here (at init and on close).
+        super()._init_channel_attrs()
+        self.metadata = REQUIRE_LEADER
 
     async def connect(self) -> None:
         if self._credentials is None or self._connected.is_set():

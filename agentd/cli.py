@@ -282,6 +282,7 @@ def render_status(status: dict[str, Any]) -> str:
     out.append(
         f"Routes programmed {routes.get('programmed', 0)}  last sync {_since(routes.get('last_sync'))}"
         f"  datastore {'connected' if ds.get('connected') else 'DISCONNECTED'}"
+        f"{' (' + ds['endpoint'] + ')' if len(ds.get('endpoints') or []) > 1 and ds.get('endpoint') else ''}"
     )
     out.append("")
     for family, label in (("ipv4", "IPv4"), ("ipv6", "IPv6")):

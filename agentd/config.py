@@ -190,6 +190,23 @@ class BgpPeerConfig:
 
 
 @dataclass(frozen=True)
+class ListenRangeConfig:
+    """[[bgp.listen_ranges]]: accept any peer from ``prefix`` (dynamic neighbours)."""
+
+    prefix: IPNetwork
+    asn: int
+    rr_client: bool = False
+    password: str | None = None
+    hold_time: int = 90  # [bgp] hold_time unless set
+    description: str = ""
+    max_prefixes: int | None = None
+    max_prefixes_warning: int = 75
+    max_prefixes_restart: int | None = None
+    ttl_security: bool = False
+    bfd: bool | None = None
+
+
+@dataclass(frozen=True)
 class BgpConfig:
     mode: str = "mesh"
     listen: HostPort | None = HostPort("0.0.0.0", 179)  # None: do not listen
@@ -210,6 +227,7 @@ class BgpConfig:
     bfd_interval: float = 0.3
     bfd_multiplier: int = 3
     peers: tuple[BgpPeerConfig, ...] = ()
+    listen_ranges: tuple[ListenRangeConfig, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -257,16 +275,17 @@ class Config:
         out["network"]["mtu"] = "auto" if self.network.mtu is None else self.network.mtu
         out["bgp"]["listen"] = "" if self.bgp.listen is None else str(self.bgp.listen)
         out["cni"]["bin_dir"] = ":".join(str(p) for p in self.cni.bin_dir)
-        for d in [out["bgp"], *out["bgp"]["peers"]]:
+        for d in [out["bgp"], *out["bgp"]["peers"], *out["bgp"]["listen_ranges"]]:
             d["password"] = _SECRET_MASK if d["password"] else None
         return out
 
 
 def reloaded(running: Config, read: Config) -> tuple[Config, list[str]]:
-    """What a SIGHUP applies: the external peers and the log settings of ``read``; everything
-    else stays as ``running`` has it.  Returns that configuration and the keys whose new value
-    waits for a restart (``[bgp] hold_time``...), for the log."""
-    live = dataclasses.replace(running, bgp=dataclasses.replace(running.bgp, peers=read.bgp.peers), log=read.log)
+    """What a SIGHUP applies: the external peers, the listen ranges and the log settings of
+    ``read``; everything else stays as ``running`` has it.  Returns that configuration and the
+    keys whose new value waits for a restart (``[bgp] hold_time``...), for the log."""
+    bgp = dataclasses.replace(running.bgp, peers=read.bgp.peers, listen_ranges=read.bgp.listen_ranges)
+    live = dataclasses.replace(running, bgp=bgp, log=read.log)
     pending = []
     for section in _SECTIONS:
         now, new = _jsonable(getattr(live, section)), _jsonable(getattr(read, section))
@@ -338,6 +357,7 @@ _KEYS = (
     _Key("bgp", "bfd_interval", _float(0.05, 10), 0.3),
     _Key("bgp", "bfd_multiplier", _int(1, 255), 3),
     _Key("bgp", "peers", _Kind((list,), "an array of tables", _text_json, _peer_list), ()),
+    _Key("bgp", "listen_ranges", _Kind((list,), "an array of tables", _text_json, _peer_list), ()),
     _Key("api", "listen", _listen(allow_empty=False), ApiConfig.listen),
     _Key("cni", "conf_dir", _PATH, CniConfig.conf_dir),
     _Key("cni", "bin_dir", _Kind((str, list), "a string or an array", str, _bin_dir), CniConfig.bin_dir),
@@ -377,6 +397,17 @@ _PEER_KINDS: dict[str, _Kind] = {
     "bfd": _BOOL,
 }
 PEER_KEYS: tuple[str, ...] = tuple(_PEER_KINDS)
+_RANGE_KINDS: dict[str, _Kind] = {
+    "prefix": _string(lambda s: _network(s, v4_only=False)),
+    **{k: _PEER_KINDS[k] for k in ("asn", "rr_client", "password", "hold_time", "description", "max_prefixes",
+                                   "max_prefixes_warning", "max_prefixes_restart", "ttl_security", "bfd")},
+}
+RANGE_KEYS: tuple[str, ...] = tuple(_RANGE_KINDS)
+# The keys that hold arrays of tables: their kinds and required fields.
+_TABLE_LISTS = {
+    "bgp.peers": (_PEER_KINDS, ("address", "asn")),
+    "bgp.listen_ranges": (_RANGE_KINDS, ("prefix", "asn")),
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,12 +466,14 @@ class _Loader:
     def __init__(self) -> None:
         self.values: dict[str, Any] = {k.path: k.default for k in _KEYS}
         self.origins: dict[str, _Origin] = {k.path: _DEFAULT for k in _KEYS}
-        self.peer_origins: list[tuple[int, dict[str, _Origin]]] = []  # (index in the source, origins)
+        # Per array of tables (bgp.peers, bgp.listen_ranges): (index in the source, origins) per table.
+        self.table_origins: dict[str, list[tuple[int, dict[str, _Origin]]]] = {p: [] for p in _TABLE_LISTS}
         self.bad: set[str] = set()
         self.problems: list[ConfigError] = []
         self.file_failed = False
         self.source: str | None = None
         self.lines: list[str] = []
+        self._lines_index: dict | None = None
 
     def problem(self, message: str, origin: _Origin, key: str | None = None, where: str | None = None,
                 show: bool = True) -> None:
@@ -465,54 +498,56 @@ class _Loader:
                 value = key.kind.from_text(raw, base) if from_text else key.kind.from_value(raw, base)
         except _Bad as e:
             self.bad.add(key.path)
-            if key.path == "bgp.peers":  # the peers that were replaced are not the ones to check
-                self.values[key.path], self.peer_origins = (), []
+            if key.path in _TABLE_LISTS:  # the tables that were replaced are not the ones to check
+                self.values[key.path], self.table_origins[key.path] = (), []
             self.problem(str(e), origin, key.path, f"[{key.section}] {key.name}", show=not key.secret)
             return
         self.bad.discard(key.path)
         self.values[key.path], self.origins[key.path] = value, origin
-        if key.path == "bgp.peers":
-            self.values[key.path] = self.read_peers(value, origin)
+        if key.path in _TABLE_LISTS:
+            self.values[key.path] = self.read_tables(key.path, value, origin)
 
-    def read_peers(self, raw: list[Any], origin: _Origin) -> tuple[dict[str, Any], ...]:
-        """Each [[bgp.peers]] table as {field: value}; problems are reported per field."""
-        peers: list[dict[str, Any]] = []
-        self.peer_origins = []
+    def read_tables(self, path: str, raw: list[Any], origin: _Origin) -> tuple[dict[str, Any], ...]:
+        """Each [[bgp.peers]] (or [[bgp.listen_ranges]]) table as {field: value}; problems are
+        reported per field."""
+        kinds, required_keys = _TABLE_LISTS[path]
+        out: list[dict[str, Any]] = []
+        self.table_origins[path] = []
         for i, table in enumerate(raw):
-            where = f"[[bgp.peers]] #{i + 1}"
+            where = f"[[{path}]] #{i + 1}"
             if not isinstance(table, dict):
-                self.problem(f"must be a table, not {_type_name(table)}", origin, f"bgp.peers[{i}]", where)
-                self.bad.add("bgp.peers")
+                self.problem(f"must be a table, not {_type_name(table)}", origin, f"{path}[{i}]", where)
+                self.bad.add(path)
                 continue
-            peer: dict[str, Any] = {}
+            item: dict[str, Any] = {}
             origins: dict[str, _Origin] = {}
             for name, v in table.items():
                 o = origin
                 if origin.rank == 1:
                     shown = None if name == "password" else _show_value(v)
-                    o = dataclasses.replace(origin, line=self.locate("bgp.peers", name, i), shown=shown)
+                    o = dataclasses.replace(origin, line=self.locate(path, name, i), shown=shown)
                 origins[name] = o
-                if name not in _PEER_KINDS:
-                    self.problem(f"unknown key {where} {name}" + _suggest(name, PEER_KEYS, str), o,
-                                 f"bgp.peers[{i}].{name}")
+                if name not in kinds:
+                    self.problem(f"unknown key {where} {name}" + _suggest(name, tuple(kinds), str), o,
+                                 f"{path}[{i}].{name}")
                     continue
                 if v is None:  # JSON null: not set
                     continue
                 try:
-                    peer[name] = _PEER_KINDS[name].from_value(v, Path("/"))  # peers hold no paths
+                    item[name] = kinds[name].from_value(v, Path("/"))  # these tables hold no paths
                 except _Bad as e:
-                    self.problem(str(e), o, f"bgp.peers[{i}].{name}", f"{where} {name}",
+                    self.problem(str(e), o, f"{path}[{i}].{name}", f"{where} {name}",
                                  show=name != "password")
-            for required in ("address", "asn"):
+            for required in required_keys:
                 if table.get(required) is None:
-                    at = dataclasses.replace(origin, line=self.locate("bgp.peers", None, i))
-                    self.problem("is required", at, f"bgp.peers[{i}].{required}", f"{where} {required}")
-            if set(peer) >= {"address", "asn"}:
-                peers.append(peer)
-                self.peer_origins.append((i, origins))
+                    at = dataclasses.replace(origin, line=self.locate(path, None, i))
+                    self.problem("is required", at, f"{path}[{i}].{required}", f"{where} {required}")
+            if set(item) >= set(required_keys):
+                out.append(item)
+                self.table_origins[path].append((i, origins))
             else:
-                self.bad.add("bgp.peers")
-        return tuple(peers)
+                self.bad.add(path)
+        return tuple(out)
 
     # -- the file ------------------------------------------------------------------------------
 
@@ -554,7 +589,7 @@ class _Loader:
             reason = m[1] if m else _shorten(str(e))
             self.problem(f"TOML syntax error: {reason}", _Origin(1, path), where=where)
             return
-        self.source, self.lines = path, text.splitlines()
+        self.source, self.lines, self._lines_index = path, text.splitlines(), None
         base = Path(path).resolve().parent  # relative paths in the file are relative to the file
         for sec, table in doc.items():
             here = _Origin(1, path, self.locate(sec, None))
@@ -578,28 +613,39 @@ class _Loader:
                     self.problem(f"unknown key [{sec}] {name}{hint}", o, f"{sec}.{name}")
                     continue
                 key = _BY_PATH[f"{sec}.{name}"]
-                if key.path == "bgp.peers" and isinstance(v, dict):
-                    self.problem("write [[bgp.peers]] (an array of tables), not [bgp.peers]", o, key.path,
-                                 "[bgp] peers")
+                if key.path in _TABLE_LISTS and isinstance(v, dict):
+                    self.problem(f"write [[{key.path}]] (an array of tables), not [{key.path}]", o, key.path,
+                                 f"[bgp] {key.name}")
                     continue
-                hidden = key.secret or key.path == "bgp.peers"  # peers show their fields instead
+                hidden = key.secret or key.path in _TABLE_LISTS  # tables show their fields instead
                 o = dataclasses.replace(o, shown=None if hidden else _show_value(v))
                 self.set(key, v, o, base, from_text=False)
 
-    def locate(self, section: str, name: str | None, peer: int | None = None) -> int | None:
-        """Best-effort line number of a key (or of a section header) in the file, for errors."""
-        current, peers = None, -1
+    def locate(self, section: str, name: str | None, table: int | None = None) -> int | None:
+        """Best-effort line number of a key (or of a section header) in the file, for errors;
+        ``table`` picks one table of an array of tables ([[bgp.peers]] #table+1)."""
+        if self._lines_index is None:
+            self._lines_index = self._index_lines()
+        return self._lines_index.get((section, table, name))
+
+    def _index_lines(self) -> dict[tuple[str | None, int | None, str | None], int]:
+        """(section, table number or None, key or None) -> first line, read once (a file with
+        thousands of [[bgp.peers]] would otherwise be scanned again for every field)."""
+        index: dict[tuple[str | None, int | None, str | None], int] = {}
+        current: str | None = None
+        seen: dict[str, int] = {}
         for no, raw in enumerate(self.lines, 1):
             s = raw.split("#", 1)[0].strip()
             if m := re.fullmatch(r"\[\[\s*([\w.-]+)\s*\]\]|\[\s*([\w.-]+)\s*\]", s):
                 current = m[1] or m[2]
-                peers += current == "bgp.peers"
-                if name is None and current == section and (peer is None or peer == peers):
-                    return no
-            elif name and current == section and (peer is None or peer == peers):
-                if re.match(rf"{re.escape(name)}\s*=", s):
-                    return no
-        return None
+                seen[current] = n = seen.get(current, -1) + 1
+                index.setdefault((current, None, None), no)
+                index.setdefault((current, n, None), no)
+            elif m := re.match(r"([\w.-]+)\s*=", s):
+                index.setdefault((current, None, m[1]), no)
+                if current is not None:
+                    index.setdefault((current, seen[current], m[1]), no)
+        return index
 
     # -- text sources --------------------------------------------------------------------------
 
@@ -707,13 +753,14 @@ class _Loader:
                          ("agent", AgentConfig)):
             sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
         peers = tuple(BgpPeerConfig(**{"hold_time": hold, **p}) for p in v["bgp.peers"])
-        sections["bgp"] = dataclasses.replace(sections["bgp"], peers=peers)
+        ranges = tuple(ListenRangeConfig(**{"hold_time": hold, **r}) for r in v["bgp.listen_ranges"])
+        sections["bgp"] = dataclasses.replace(sections["bgp"], peers=peers, listen_ranges=ranges)
         return Config(**sections, source=self.source)
 
     def check_peers(self) -> None:
         v, seen = self.values, {}
         own = {v["node.address"], v["bgp.router_id"]} - {None}
-        for peer, (i, origins) in zip(v["bgp.peers"], self.peer_origins):
+        for peer, (i, origins) in zip(v["bgp.peers"], self.table_origins["bgp.peers"]):
             where = f"[[bgp.peers]] #{i + 1}"
 
             def fail(name: str, message: str) -> None:
@@ -735,6 +782,28 @@ class _Loader:
                 fail("rr_client", f"needs an iBGP peer (asn {v['bgp.asn']}); reflection stays in one AS")
             if peer.get("passive") and v["bgp.listen"] is None and "bgp.listen" not in self.bad:
                 fail("passive", "a passive peer must connect to us, but [bgp] listen is empty")
+        self.check_ranges()
+
+    def check_ranges(self) -> None:
+        v, seen = self.values, {}
+        for rng, (i, origins) in zip(v["bgp.listen_ranges"], self.table_origins["bgp.listen_ranges"]):
+            where = f"[[bgp.listen_ranges]] #{i + 1}"
+
+            def fail(name: str, message: str) -> None:
+                o = origins.get(name, self.origins["bgp.listen_ranges"])
+                self.problem(message, o, f"bgp.listen_ranges[{i}].{name}", f"{where} {name}",
+                             show=name != "password")
+
+            prefix = rng["prefix"]
+            if prefix in seen:
+                fail("prefix", f"duplicate of [[bgp.listen_ranges]] #{seen[prefix] + 1}")
+            seen.setdefault(prefix, i)
+            if v["bgp.listen"] is None and "bgp.listen" not in self.bad:
+                fail("prefix", "peers from a range connect to us, but [bgp] listen is empty")
+            if rng.get("rr_client") and not v["node.route_reflector"]:
+                fail("rr_client", "needs [node] route_reflector = true (RFC 4456: reflectors have clients)")
+            if rng.get("rr_client") and rng["asn"] != v["bgp.asn"] and not self.bad & {"node.asn", "bgp.asn"}:
+                fail("rr_client", f"needs iBGP peers (asn {v['bgp.asn']}); reflection stays in one AS")
 
 
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,

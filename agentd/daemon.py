@@ -42,7 +42,7 @@ from .forwarding import PeerPlan, plan_external, plan_peer, route_for
 from .netinfo import NetInfoError, Underlay, underlay_for
 from .routing import Route, RouteProgrammer, SyncResult
 from .sdnotify import Notifier
-from .speaker import SpeakerMetrics, bfd_timers, local_settings, peer_rows, peer_settings
+from .speaker import SpeakerMetrics, bfd_timers, listen_ranges, local_settings, peer_rows, peer_settings
 from .supervisor import Supervisor
 
 log = logging.getLogger("agentd")
@@ -342,6 +342,7 @@ class Agent:
             external=external,
         )
         self.service.set_peers(peers)
+        self.service.set_listen_ranges(listen_ranges(cfg))
 
     # ================================================================ best paths -> kernel routes
 
@@ -496,6 +497,7 @@ class Agent:
             "datastore": {
                 "connected": bool(self.datastore and self.datastore.connected),
                 "endpoints": list(self.cfg.etcd.endpoints),
+                "endpoint": self.datastore.endpoint if self.datastore else None,
             },
             "backends": self.tunnels.status() if self.tunnels else {},
             "tasks": self.supervisor.summary(),

@@ -29,8 +29,18 @@ doubling to 5 s, with jitter) until it succeeds, or raises ``DatastoreUnavailabl
 once the ``timeout`` it was given has passed.  The keepalive task and
 ``watch_nodes()`` retry forever; ``connected`` turns False while etcd is unreachable
 and True again when it answers, and ``on_state_change(connected)`` is called on each
-change.  ``watch_nodes()`` starts with a "snapshot" of all nodes and starts again
-with a new snapshot after an outage or a compaction instead of missing events.
+change.  ``watch_nodes()`` starts with a "snapshot" of all nodes; after an interruption
+it resumes from the revision after the last one it delivered, so no event is lost or
+repeated, and starts again with a new snapshot only when etcd has compacted that
+revision away.
+
+etcd clusters.  With several endpoints (the members of one etcd cluster) the datastore
+starts at a random one and moves to the next whenever a request fails transiently
+(member down, or cut off from its leader: see ``_datastore_etcd``), so it keeps
+working while a majority of the members is up.  Leases live in the replicated state:
+a new leader takes them over, extended by their full TTL, so a leader change costs no
+lease.  While quorum is lost nothing can be written or read; every call keeps retrying
+and the agent keeps its routes as they are.
 
 Malformed records in etcd are logged once (one line, per key and revision) and
 skipped; they never stop a list or a watch.  Everything logs to "agentd.datastore".
@@ -158,7 +168,8 @@ class Datastore:
 
         self._connected: bool | None = None  # None: not tried yet
         self._closed = False
-        self._endpoint_index = 0
+        # Start at a random member, so that the agents of a cluster spread over its members.
+        self._endpoint_index = self._rng.randrange(len(self._endpoints))
         self._current: EtcdClient | None = None
         self._retiring: set[asyncio.Task] = set()
         self._watch_clients: set[EtcdClient] = set()
@@ -183,6 +194,11 @@ class Datastore:
     @property
     def endpoints(self) -> list[str]:
         return [e.url for e in self._endpoints]
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint requests go to now (after a transient failure: the next one)."""
+        return self._endpoints[self._endpoint_index % len(self._endpoints)].url
 
     @property
     def lease_id(self) -> int | None:
@@ -283,8 +299,8 @@ class Datastore:
     def _deadline(self, timeout: float | None) -> float | None:
         return None if timeout is None else self._clock() + timeout
 
-    def _backoff(self) -> Backoff:
-        return Backoff(rng=self._rng)
+    def _backoff(self, cap: float = 5.0) -> Backoff:
+        return Backoff(cap=cap, rng=self._rng)
 
     async def _call(self, what: str, op: Callable[[EtcdClient], Awaitable[T]], deadline: float | None) -> T:
         """Run ``op`` against etcd, retrying transient failures with backoff until ``deadline``."""
@@ -443,29 +459,40 @@ class Datastore:
         log.warning("skipping malformed record at %s: %s", key.decode(errors="replace"), error)
 
     async def watch_nodes(self) -> AsyncIterator[NodeEvent]:
-        """A "snapshot" of every node, then "put"/"delete" events; a new snapshot after
-        any interruption (outage, compaction).  Runs until the consumer stops iterating."""
+        """A "snapshot" of every node, then "put"/"delete" events.  After an interruption
+        (a member lost, a leader change, an outage) the watch resumes on the next endpoint
+        from the revision after the last one delivered; a new snapshot only follows a
+        compaction (or an error we cannot place).  Runs until the consumer stops iterating."""
         prefix = nodes_prefix(self.prefix)
         backoff = self._backoff()
         index = self._endpoint_index
         interrupted = False
+        nodes: dict[str, NodeRecord] = {}
+        revision: int | None = None  # every event up to here is delivered; None: snapshot first
         while not self._closed:
             # Its own connection: aetcd serves all watches of a client over one stream,
             # and a fresh client per attempt starts from a clean watcher state.
             client = self._new_client(index)
             self._watch_clients.add(client)
             try:
-                got = await asyncio.wait_for(client.get_prefix(prefix), self.request_timeout)
-                nodes = self._parse_nodes(got)
-                revision = got.header.revision
+                if revision is None:
+                    got = await asyncio.wait_for(client.get_prefix(prefix), self.request_timeout)
+                    nodes = self._parse_nodes(got)
+                    revision = got.header.revision
+                    self._set_connected(True)
+                    if interrupted:
+                        log.info("node watch re-synced at revision %d (%d nodes)", revision, len(nodes))
+                    yield NodeEvent("snapshot", nodes=dict(nodes))
+                watch = await client.watch_prefix(prefix, start_revision=revision + 1)
                 self._set_connected(True)
                 if interrupted:
-                    log.info("node watch re-synced at revision %d (%d nodes)", revision, len(nodes))
+                    log.info("node watch resumed at revision %d on %s", revision + 1, client.endpoint.url)
                 interrupted = False
                 backoff.reset()
-                yield NodeEvent("snapshot", nodes=dict(nodes))
-                watch = await client.watch_prefix(prefix, start_revision=revision + 1)
                 async for event in watch:
+                    # aetcd queues all events of a watch response before any error, so a
+                    # revision is never split across an interruption.
+                    revision = max(revision, event.kv.mod_revision)
                     item = self._node_event(event, nodes)
                     if item is not None:
                         yield item
@@ -483,9 +510,12 @@ class Datastore:
                 if is_transient(exc):
                     self._set_connected(False, f"node watch: {describe(exc)}")
                     index += 1
+                else:
+                    revision = None  # compacted, or not understood: start again from a snapshot
                 if not interrupted:
                     level = logging.WARNING if (compacted or is_transient(exc)) else logging.ERROR
-                    log.log(level, "node watch interrupted (%s); re-syncing with a new snapshot", describe(exc))
+                    how = "resuming" if revision is not None else "re-syncing with a new snapshot"
+                    log.log(level, "node watch interrupted (%s); %s", describe(exc), how)
                 interrupted = True
                 await asyncio.sleep(0 if compacted else backoff.next())
             finally:
@@ -699,10 +729,16 @@ class Datastore:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
+    @property
+    def _keepalive_interval(self) -> float:
+        return max(0.2, self.lease_ttl / 3)
+
     async def _keepalive_loop(self) -> None:
         """Refresh the lease every ttl/3; restore our keys when needed.  Never exits on error."""
-        interval = max(0.2, self.lease_ttl / 3)
-        backoff = self._backoff()
+        interval = self._keepalive_interval
+        # A failing keep-alive never waits longer than a successful one: when etcd is back
+        # (a member restarted, quorum regained) the lease must be refreshed well within its TTL.
+        backoff = self._backoff(cap=min(5.0, interval))
         last_problem = ""
         while not self._closed:
             try:
@@ -722,26 +758,36 @@ class Datastore:
                 await asyncio.sleep(interval)
 
     async def _keepalive_round(self) -> None:
+        client = self._client()
+        try:
+            await self._refresh_lease(client)
+            if self._lock.locked():
+                return  # a public call is changing our keys right now; check next round
+            async with self._lock:
+                await self._restore_keys(client)
+        except Exception as exc:
+            if is_transient(exc):
+                self._failover(client)  # the next round asks the next member
+            raise
+
+    async def _refresh_lease(self, client: EtcdClient) -> None:
         lease_id = self._lease_id
-        if lease_id is not None:
-            client = self._client()
-            try:
-                reply = await asyncio.wait_for(client.refresh_lease(lease_id), self.request_timeout)
-            except Exception as exc:
-                if is_transient(exc):
-                    self._failover(client)
-                raise
-            self._set_connected(True)
-            if reply is not None and reply.TTL > 0:
-                self.lease_renewals += 1
-            elif self._lease_id == lease_id:
-                log.warning("etcd lease %x expired or was revoked; granting a new one and restoring %s",
-                            lease_id, self._holdings())
-                self._lease_id = None
-        if self._lock.locked():
-            return  # a public call is changing our keys right now; check next round
-        async with self._lock:
-            await self._restore_keys()
+        if lease_id is None:
+            return
+        # A member that went silent (cut off: no reset, no answer) must not hold the refresh
+        # much past the next one is due: the lease (TTL = 3 intervals) is refreshed elsewhere
+        # in time.  At least 1 s, or a merely busy member would count as lost.
+        timeout = min(self.request_timeout, max(1.0, self._keepalive_interval))
+        reply = await asyncio.wait_for(client.refresh_lease(lease_id), timeout)
+        if reply is None:  # no answer about the lease: never take that for "expired"
+            raise aetcd.ConnectionFailedError("lease keep-alive stream ended without a reply")
+        self._set_connected(True)
+        if reply.TTL > 0:
+            self.lease_renewals += 1
+        elif self._lease_id == lease_id:
+            log.warning("etcd lease %x expired or was revoked; granting a new one and restoring %s",
+                        lease_id, self._holdings())
+            self._lease_id = None
 
     def _holdings(self) -> str:
         parts = []
@@ -751,12 +797,11 @@ class Datastore:
             parts.append(f"subnet {self._subnet.subnet}")
         return " and ".join(parts) or "nothing"
 
-    async def _restore_keys(self) -> None:
+    async def _restore_keys(self, client: EtcdClient) -> None:
         """Make sure our node record and subnet key exist under our lease."""
         node, subnet = self._node, self._subnet
         if node is None and subnet is None:
             return
-        client = self._client()
         if self._lease_id is None:
             lease = await client.lease(self.lease_ttl)
             self._lease_id = lease.id

@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from bgp import LocalSettings, Origination, PeerSettings, Speaker, SpeakerService, State
+from bgp import ListenRange, LocalSettings, Origination, PeerSettings, Speaker, SpeakerService, State
 from proto.nlri import prefix_from_str
 
 from .api import ApiServer
@@ -78,6 +78,28 @@ def peer_settings(p: BgpPeerConfig, cfg: Config, *, description: str = "") -> Pe
         ttl_security=p.ttl_security,
         bfd=bfd_timers(cfg, p.bfd),
     )
+
+
+def listen_ranges(cfg: Config) -> list[ListenRange]:
+    """[[bgp.listen_ranges]] as the speaker's dynamic-neighbour ranges."""
+    out = []
+    for r in cfg.bgp.listen_ranges:
+        template = PeerSettings(
+            address=r.prefix.network_address,  # replaced by each peer's own address
+            asn=r.asn,
+            passive=True,
+            rr_client=r.rr_client,
+            password=r.password,
+            hold_time=r.hold_time,
+            description=r.description or "dynamic",
+            max_prefixes=r.max_prefixes,
+            max_prefixes_warning=r.max_prefixes_warning / 100,
+            max_prefixes_restart=float(r.max_prefixes_restart) if r.max_prefixes_restart else None,
+            ttl_security=r.ttl_security,
+            bfd=bfd_timers(cfg, r.bfd),
+        )
+        out.append(ListenRange(r.prefix, template))
+    return out
 
 
 def originations(cfg: Config) -> list[Origination]:
@@ -185,7 +207,7 @@ class SpeakerRuntime:
                 "loc_rib_prefixes": self.speaker.rib.count(),
             },
             "routes": {"programmed": 0, "last_sync": None},
-            "datastore": {"connected": False, "endpoints": []},
+            "datastore": {"connected": False, "endpoints": [], "endpoint": None},
             "ready": self._started,
         }
 
@@ -204,6 +226,7 @@ class SpeakerRuntime:
         loop = asyncio.get_running_loop()
         await self.service.start()
         self.service.set_peers(peer_settings(p, self.cfg) for p in self.cfg.bgp.peers)
+        self.service.set_listen_ranges(listen_ranges(self.cfg))
         self.service.set_originated(originations(self.cfg))
         await self.api.start()
         self._started = True
@@ -242,6 +265,7 @@ class SpeakerRuntime:
         self.cfg = cfg
         logging.getLogger().setLevel(cfg.log.level.upper())
         self.service.set_peers(peer_settings(p, cfg) for p in cfg.bgp.peers)
+        self.service.set_listen_ranges(listen_ranges(cfg))
         self.service.set_originated(originations(cfg))
         log.info("configuration reloaded: %d peers, %d prefixes originated", len(cfg.bgp.peers), len(cfg.bgp.originate))
 

@@ -13,7 +13,7 @@ from .fsm import TRANSITIONS, Event, IllegalTransition, State, transition
 from .peer import Peer
 from .rib import AdjRibIn, BestPathChange, Path, Rib, Source
 from .session import Negotiated, Session
-from .settings import LocalSettings, PeerSettings
+from .settings import ListenRange, LocalSettings, PeerSettings
 from .speaker import Origination, PeerView, RibPathView, Speaker
 from .transport import SpeakerService
 
@@ -26,6 +26,7 @@ __all__ = [
     "BfdStateChanged",
     "Event",
     "IllegalTransition",
+    "ListenRange",
     "LocalSettings",
     "Negotiated",
     "Origination",

@@ -124,6 +124,10 @@ class UpdateGroup:
         self._log_size = 0
         #: Families whose first computation from the Loc-RIB is still going on.
         self.building: dict[Family, _Cursor] = {}
+        #: Prefixes whose best path came from the group's only member: nobody here could have
+        #: them, so they are exported only once a second member joins (a feed of a million
+        #: routes from one peer costs no export work for that peer's own group).
+        self.deferred: dict[Family, set[bytes]] = {f: set() for f in key.families}
         # Exclusion counts, for each member's count of routes sent.
         self._by_source: Counter[str] = Counter()
         self._by_originator: Counter[IPv4Address] = Counter()
@@ -147,6 +151,16 @@ class UpdateGroup:
             m.cursors[family] = _Cursor(list(self.tables[family]))
             m.eor.add(family)
         self.members[key] = m
+        for family, deferred in self.deferred.items():
+            if deferred:
+                # Now someone may want them: export them as a build does (the new member reads
+                # the result from the log; its End-of-RIB waits for it).
+                cur = self.building.get(family)
+                if cur is None:
+                    self.building[family] = _Cursor(list(deferred))
+                else:
+                    cur.prefixes.extend(deferred)
+                deferred.clear()
         return m
 
     def leave(self, key: str) -> None:
@@ -207,7 +221,20 @@ class UpdateGroup:
         exported: dict[int, OutRoute | None] = {}
         announce: dict[OutRoute, list[tuple[bytes, OutRoute | None]]] = {}
         withdrawn: list[bytes] = []
+        deferred = self.deferred[family]
+        solo = next(iter(self.members)) if len(self.members) == 1 else None
         for prefix, new in pairs:
+            if solo is not None and new is not None and new.source.key == solo:
+                cur = table.get(prefix)
+                if cur is None or cur.source == solo:
+                    # The only member's own route, where it never had one from us: defer.
+                    if cur is not None:
+                        del table[prefix]
+                        self._count(cur, -1)
+                    deferred.add(prefix)
+                    continue
+            if deferred:
+                deferred.discard(prefix)
             if new is None:
                 desired = None
             else:

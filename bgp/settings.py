@@ -6,8 +6,8 @@ build them directly.  Times are seconds (floats are fine).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv6Address, ip_address
+from dataclasses import dataclass, field, replace
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
 
 from proto.nlri import IPV4_UNICAST, IPV6_UNICAST
 
@@ -90,3 +90,20 @@ class PeerSettings:
     @property
     def key(self) -> str:
         return str(self.address)
+
+
+@dataclass(frozen=True)
+class ListenRange:
+    """Dynamic neighbours (BIRD's ``neighbor range``, GoBGP's dynamic neighbours): any peer that
+    connects from ``prefix`` is accepted as ``template`` describes, without an entry of its own.
+    Such a peer is passive (it connects to us) and is forgotten once its session is over."""
+
+    prefix: IPv4Network | IPv6Network
+    template: PeerSettings
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prefix, str):
+            object.__setattr__(self, "prefix", ip_network(self.prefix))
+
+    def settings_for(self, address: IPv4Address | IPv6Address) -> PeerSettings:
+        return replace(self.template, address=address, passive=True)

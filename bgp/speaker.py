@@ -43,7 +43,7 @@ from .peer import Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerU
 from .policy import ExportTarget, Rejected, import_attributes
 from .rib import BestPathChange, Path, Rib, Source
 from .session import Action, Close, Connect, Negotiated
-from .settings import Family, LocalSettings, PeerSettings
+from .settings import Family, ListenRange, LocalSettings, PeerSettings
 
 log = logging.getLogger("bgp.speaker")
 
@@ -182,6 +182,8 @@ class Speaker:
         self._prefix_warned: set[tuple[str, Family]] = set()
         self._listeners: list[Listener] = []
         self._owed: set[str] = set()  # peers with output waiting that their socket can take
+        self._ranges: list[ListenRange] = []
+        self.dynamic: set[str] = set()  # peers accepted from a listen range, gone with their session
         self._timers = _Timers()
         self.limiter = LogLimiter(log)
         #: Totals for metrics: "internal errors", "refreshes deferred", "max-prefix resets", ...
@@ -215,16 +217,38 @@ class Speaker:
         self._flush(now)
 
     def set_peers(self, peers: Iterable[PeerSettings], now: float) -> None:
+        """The configured peers (dynamic ones from listen ranges are left alone)."""
         wanted = {p.key: p for p in peers}
-        for key in [k for k in self.peers if k not in wanted]:
+        for key in [k for k in self.peers if k not in wanted and k not in self.dynamic]:
             self.remove_peer(key, now)
         for key, settings in wanted.items():
             cur = self.peers.get(key)
-            if cur is not None and cur.settings == settings:
+            if cur is not None and cur.settings == settings and key not in self.dynamic:
                 continue
             if cur is not None:
                 self.remove_peer(key, now, CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
             self.add_peer(settings, now)
+
+    def set_listen_ranges(self, ranges: Iterable[ListenRange], now: float) -> None:
+        """Accept peers from these prefixes without configuring each (most specific first).
+        Dynamic peers whose range is gone or changed are reset."""
+        self._ranges = sorted(ranges, key=lambda r: r.prefix.prefixlen, reverse=True)
+        for key in list(self.dynamic):
+            peer = self.peers.get(key)
+            rng = self._range_for(key)
+            if peer is None or rng is None or rng.settings_for(peer.settings.address) != peer.settings:
+                self.remove_peer(key, now, CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
+
+    @property
+    def listen_ranges(self) -> list[ListenRange]:
+        return list(self._ranges)
+
+    def _range_for(self, key: str) -> ListenRange | None:
+        addr = ip_address(key)
+        for r in self._ranges:
+            if addr.version == r.prefix.version and addr in r.prefix:
+                return r
+        return None
 
     def add_peer(self, settings: PeerSettings, now: float) -> Peer:
         if settings.key in self.peers:
@@ -242,6 +266,7 @@ class Speaker:
         peer = self.peers.get(key)
         if peer is None:
             return
+        self.dynamic.discard(key)
         peer.stop(now, Notification.cease(subcode))
         self._drain(peer, now)
         self._orphan_actions.extend(peer.take_actions())
@@ -270,17 +295,30 @@ class Speaker:
         self._flush(now)
 
     def peer_settings(self, remote: str) -> PeerSettings | None:
-        """The configuration of the peer at ``remote`` (the transport's GTSM check needs it)."""
-        peer = self.peers.get(_normalize(remote))
-        return peer.settings if peer is not None else None
+        """The configuration of the peer at ``remote``, configured or from a listen range (the
+        transport's GTSM check needs it)."""
+        key = _normalize(remote)
+        peer = self.peers.get(key)
+        if peer is not None:
+            return peer.settings
+        rng = self._range_for(key) if self._ranges else None
+        return rng.settings_for(ip_address(key)) if rng is not None else None
 
     # ------------------------------------------------------------ transport inputs
 
     def accept(self, conn: int, remote: str, now: float, local_address: str | None = None) -> bool:
         """An inbound connection from ``remote``; False means close it (unknown or unwilling peer)."""
         self.now = now
-        peer = self.peers.get(_normalize(remote))
+        key = _normalize(remote)
+        peer = self.peers.get(key)
+        if peer is None and self._ranges and self.started:
+            rng = self._range_for(key)
+            if rng is not None:
+                peer = self.add_peer(rng.settings_for(ip_address(key)), now)
+                self.dynamic.add(key)
         if peer is None or not peer.accept(conn, now, local_address):
+            if peer is not None and key in self.dynamic:
+                self._forget_dynamic(peer, now)
             return False
         self._conn_owner[conn] = peer
         self._after(peer, now)
@@ -364,6 +402,8 @@ class Speaker:
                     with self._isolated(peer, now, "its timers"):
                         peer.handle_timer(now)
                     self._drain(peer, now)
+                    if key in self.dynamic:
+                        self._forget_dynamic(peer, now)
                 self._schedule(peer)
         self._flush(now)
 
@@ -457,7 +497,18 @@ class Speaker:
 
     def _after(self, peer: Peer, now: float) -> None:
         self._drain(peer, now)
+        if peer.key in self.dynamic:
+            self._forget_dynamic(peer, now)
         self._flush(now)
+
+    def _forget_dynamic(self, peer: Peer, now: float) -> None:
+        """A peer from a listen range goes with its last connection (its routes stay, stale,
+        while graceful restart keeps them; then it goes too)."""
+        key = peer.key
+        if self.peers.get(key) is peer and peer.state <= State.ACTIVE and key not in self._graceful and not any(
+            s.conn is not None or s._pending_connect is not None for s in peer.sessions()
+        ):
+            self.remove_peer(key, now)
 
     def _drain(self, peer: Peer, now: float) -> None:
         ev = peer.next_event()
@@ -586,6 +637,9 @@ class Speaker:
             self.rib.purge_stale(key)
             del self._graceful[key]
         self._schedule_graceful(key)
+        peer = self.peers.get(key)
+        if peer is not None and key in self.dynamic:
+            self._forget_dynamic(peer, now)
 
     # ------------------------------------------------------------ route refresh
 
@@ -751,10 +805,12 @@ class Speaker:
                     if family not in group.families:
                         continue
                     if not group.tables[family] and not group.building and not any(
-                        group.exports(p, family) for p in self.rib.promoted.get(family, ())
+                        p.source.key in group.members or group.exports(p, family)
+                        for p in self.rib.promoted.get(family, ())
                     ):
                         # Nothing this group had before and nothing new is for it (iBGP routes
                         # to iBGP peers without reflection, say): no need to look at each prefix.
+                        # (A member's own routes are deferred by the group itself, cheaply.)
                         continue
                     group.apply(family, self.rib.changed(family, entry), now)
                     changed = True

@@ -29,13 +29,15 @@ from proto.bfd import diag_label
 from .bfd import BfdSettings, BfdStateChanged
 from .bfd_transport import BfdService
 from .session import Close, Connect, Send
-from .settings import PeerSettings
+from .settings import ListenRange, PeerSettings
 from .speaker import Origination, Speaker
 
 log = logging.getLogger("bgp.transport")
 
 TCP_MD5SIG = 14
 TCP_MD5SIG_MAXKEYLEN = 80
+TCP_MD5SIG_EXT = 32  # linux/tcp.h: tcp_md5sig with flags (a key for a whole prefix)
+TCP_MD5SIG_FLAG_PREFIX = 0x1
 TCP_SAVE_SYN = 27  # linux/tcp.h: keep the SYN's headers of accepted connections
 TCP_SAVED_SYN = 28
 IP_MINTTL = 21  # linux/in.h
@@ -48,8 +50,9 @@ CLOSE_LINGER = 5.0  # seconds a closing connection may spend flushing before it 
 DEFAULT_BACKLOG = 4096
 
 
-def md5sig_option(address: str, key: bytes | None) -> bytes:
-    """``struct tcp_md5sig`` for setsockopt(IPPROTO_TCP, TCP_MD5SIG): ``key`` None removes it."""
+def md5sig_option(address: str, key: bytes | None, prefixlen: int | None = None) -> bytes:
+    """``struct tcp_md5sig`` for setsockopt(IPPROTO_TCP, TCP_MD5SIG): ``key`` None removes it.
+    With ``prefixlen`` the key covers a whole prefix (TCP_MD5SIG_EXT, TCP_MD5SIG_FLAG_PREFIX)."""
     addr = ip_address(address)
     if isinstance(addr, IPv4Address):
         sockaddr = struct.pack("=H", socket.AF_INET) + struct.pack("!H4s", 0, addr.packed)
@@ -59,7 +62,8 @@ def md5sig_option(address: str, key: bytes | None) -> bytes:
     key = key or b""
     if len(key) > TCP_MD5SIG_MAXKEYLEN:
         raise ValueError(f"TCP MD5 key longer than {TCP_MD5SIG_MAXKEYLEN} bytes")
-    return sockaddr + struct.pack("=BBHi", 0, 0, len(key), 0) + key.ljust(TCP_MD5SIG_MAXKEYLEN, b"\0")
+    flags, plen = (0, 0) if prefixlen is None else (TCP_MD5SIG_FLAG_PREFIX, prefixlen)
+    return sockaddr + struct.pack("=BBHi", flags, plen, len(key), 0) + key.ljust(TCP_MD5SIG_MAXKEYLEN, b"\0")
 
 
 def _md5_peer_address(sock: socket.socket, peer: str) -> str:
@@ -75,6 +79,16 @@ def set_md5(sock: socket.socket, peer: str, password: str | None) -> None:
         socket.IPPROTO_TCP,
         TCP_MD5SIG,
         md5sig_option(_md5_peer_address(sock, peer), password.encode() if password else None),
+    )
+
+
+def set_md5_prefix(sock: socket.socket, network: str, prefixlen: int, password: str | None) -> None:
+    """A TCP MD5 key for every peer in ``network/prefixlen`` (dynamic neighbours)."""
+    addr = _md5_peer_address(sock, network)
+    if sock.family == socket.AF_INET6 and ":" not in network:
+        prefixlen += 96  # IPv4-mapped on an IPv6 socket
+    sock.setsockopt(
+        socket.IPPROTO_TCP, TCP_MD5SIG_EXT, md5sig_option(addr, password.encode() if password else None, prefixlen)
     )
 
 
@@ -322,14 +336,34 @@ class SpeakerService:
     def _sync_md5(self) -> None:
         if self._listen_sock is None:
             return
-        wanted = {k: p.settings.password for k, p in self.speaker.peers.items() if p.settings.password}
+        wanted = {
+            k: p.settings.password
+            for k, p in self.speaker.peers.items()
+            if p.settings.password and k not in self.speaker.dynamic  # (those have their range's key)
+        }
+        for r in self.speaker.listen_ranges:
+            if r.template.password:
+                wanted[str(r.prefix)] = r.template.password
         for key in set(self._md5_keys) - set(wanted):
             with contextlib.suppress(OSError):
-                set_md5(self._listen_sock, key, None)
+                self._set_md5(key, None)
         for key, pw in wanted.items():
             if self._md5_keys.get(key) != pw:
-                set_md5(self._listen_sock, key, pw)
+                self._set_md5(key, pw)
         self._md5_keys = wanted
+
+    def _set_md5(self, key: str, password: str | None) -> None:
+        assert self._listen_sock is not None
+        if "/" in key:
+            net, _, plen = key.partition("/")
+            set_md5_prefix(self._listen_sock, net, int(plen), password)
+        else:
+            set_md5(self._listen_sock, key, password)
+
+    def set_listen_ranges(self, ranges: Iterable[ListenRange]) -> None:
+        self.speaker.set_listen_ranges(list(ranges), self.clock())
+        self._sync_md5()
+        self._pump()
 
     # ------------------------------------------------------------ events from sockets
 

@@ -50,6 +50,8 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--backend", choices=["host-gw", "ipip", "vxlan", "udp"], default="host-gw")
     up.add_argument("--encap", choices=["always", "cross-subnet"], default="always")
     up.add_argument("--subnets", type=_positive(1, 8), default=1, help="L2 segments, joined by a router")
+    up.add_argument("--etcd", type=_positive(1, 7), default=1, metavar="N",
+                    help="etcd members forming one cluster (3 or 5 survive the loss of 1 or 2)")
     up.add_argument("--timeout", type=_seconds, default=90.0, help="seconds to wait for each stage")
     for name in ("down", "status"):
         sp = sub.add_parser(name)

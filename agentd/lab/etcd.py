@@ -1,9 +1,13 @@
-"""A real single-member etcd 3.4 server for the system tests and the lab.
+"""Real etcd 3.4 servers for the system tests and the lab: one member, or a cluster.
 
 ``EtcdServer`` runs ``/usr/bin/etcd`` (inside a lab namespace if one is given) with
 its own data directory and ports.  ``stop()`` keeps the data directory, so a later
 ``start()`` brings back the same keys and leases: the datastore tests stop etcd for
 a while and start it again to check that the agent recovers by itself.
+
+``EtcdCluster`` is N such members that form one raft cluster (each its own process,
+data directory and address); a test kills or stops single members, asks which one is
+the leader and starts members again.
 
 Ports are picked at random below the kernel's ephemeral range (which starts at
 32768 by default) and bind-tested first, so test runs on the same machine do not
@@ -24,7 +28,7 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,8 +108,18 @@ class EtcdServer:
         name: str = "agentd-etcd",
         log_path: str | None = None,
         tls: EtcdTls | None = None,
+        initial_cluster: str | None = None,
+        cluster_token: str | None = None,
+        heartbeat_ms: int = 50,
+        election_ms: int = 500,
     ) -> None:
+        """``initial_cluster`` (``name=peer_url,...``, every member) makes this one member
+        of a cluster; its ports must then be fixed before any member starts."""
         self.data_dir = str(data_dir)
+        self.initial_cluster = initial_cluster
+        self.cluster_token = cluster_token or name
+        self.heartbeat_ms = heartbeat_ms
+        self.election_ms = election_ms
         self.tls = tls
         self.netns = netns
         self.host = host
@@ -150,13 +164,17 @@ class EtcdServer:
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Spawn etcd and wait until it answers ``/health``; raise EtcdError if it does not."""
+        """Spawn etcd and wait until it answers ``/health``; raise EtcdError if it does not.
+
+        A cluster member is healthy only once a majority of members runs: start members
+        together (``EtcdCluster.start``, or ``asyncio.gather``)."""
         if self.running:
             return
         if shutil.which(ETCD_BINARY) is None:
             raise EtcdError(f"{ETCD_BINARY!r} not found on PATH; run `scripts/dev setup` (Debian etcd-server)")
         first_start = not os.path.isdir(os.path.join(self.data_dir, "member"))
-        attempts = 3 if (self._ports_picked and first_start) else 1
+        # A cluster member cannot move to other ports alone: its peers know them already.
+        attempts = 3 if (self._ports_picked and first_start and self.initial_cluster is None) else 1
         for attempt in range(attempts):
             self._spawn()
             try:
@@ -205,12 +223,12 @@ class EtcdServer:
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster={self.name}={peer}",
-            "--initial-cluster-state=new",
-            f"--initial-cluster-token={self.name}",
-            # Short raft timers: a single member elects itself sooner after (re)start.
-            "--heartbeat-interval=50",
-            "--election-timeout=500",
+            f"--initial-cluster={self.initial_cluster or f'{self.name}={peer}'}",
+            "--initial-cluster-state=new",  # ignored once the data directory exists
+            f"--initial-cluster-token={self.cluster_token}",
+            # Short raft timers: a member elects a leader sooner after a (re)start or a loss.
+            f"--heartbeat-interval={self.heartbeat_ms}",
+            f"--election-timeout={self.election_ms}",
             "--logger=zap",
             "--log-outputs=stderr",
         ] + (
@@ -260,7 +278,21 @@ class EtcdServer:
         )
 
     async def _healthy(self) -> bool:
-        """GET /health over a socket opened in etcd's namespace."""
+        reply = await self._http_get("/health")
+        return reply is not None and b'"health":"true"' in reply
+
+    async def is_leader(self) -> bool | None:
+        """True if this member is the raft leader now, False if not, None if it does not answer."""
+        reply = await self._http_get("/metrics")
+        if reply is None:
+            return None
+        for line in reply.decode(errors="replace").splitlines():
+            if line.startswith("etcd_server_is_leader "):
+                return float(line.split()[1]) == 1.0
+        return None
+
+    async def _http_get(self, path: str) -> bytes | None:
+        """GET ``path`` over a socket opened in etcd's namespace; the raw reply, or None."""
         loop = asyncio.get_running_loop()
         sock = self._socket()
         writer = None
@@ -271,11 +303,10 @@ class EtcdServer:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(sock=sock, ssl=context, server_hostname=self.host if context else None), 2.0
             )
-            writer.write(f"GET /health HTTP/1.0\r\nHost: {self.host}\r\n\r\n".encode())
-            reply = await asyncio.wait_for(reader.read(), 2.0)
-            return b'"health":"true"' in reply
+            writer.write(f"GET {path} HTTP/1.0\r\nHost: {self.host}\r\n\r\n".encode())
+            return await asyncio.wait_for(reader.read(), 2.0)
         except (OSError, asyncio.TimeoutError):
-            return False
+            return None
         finally:
             if writer is not None:
                 writer.close()
@@ -360,3 +391,111 @@ async def etcd_server(
         yield server
     finally:
         await server.stop()
+
+
+class EtcdCluster:
+    """N etcd members forming one raft cluster, each its own process, data directory and
+    address.  ``start()`` starts them together (a member is healthy only once a majority
+    runs); single members are killed, stopped and started again through ``members``.
+    With one member it is simply a single etcd."""
+
+    def __init__(self, members: Sequence[EtcdServer]) -> None:
+        if not members:
+            raise ValueError("an etcd cluster needs at least one member")
+        self.members = list(members)
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = initial
+
+    @classmethod
+    def create(
+        cls,
+        root: str | os.PathLike[str],
+        size: int,
+        *,
+        name: str = "agentd-etcd",
+        hosts: Sequence[str] | None = None,
+        netns: Sequence[Netns | None] | None = None,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        heartbeat_ms: int = 50,
+        election_ms: int = 500,
+    ) -> EtcdCluster:
+        """Members ``<name>-1`` .. ``<name>-<size>`` with data and logs under ``root/etcdI/``;
+        member I listens on ``hosts[I-1]`` (default 127.0.0.1) in ``netns[I-1]`` (default
+        this namespace) on the given ports (default: picked, distinct per member)."""
+        hosts = list(hosts or ["127.0.0.1"] * size)
+        spaces = list(netns or [None] * size)
+        if len(hosts) != size or len(spaces) != size:
+            raise ValueError(f"an etcd cluster of {size} needs {size} hosts and namespaces")
+        members = []
+        for i, (host, ns) in enumerate(zip(hosts, spaces), start=1):
+            d = Path(root) / f"etcd{i}"
+            members.append(
+                EtcdServer(
+                    str(d / "data"), netns=ns, host=host, client_port=client_port, peer_port=peer_port,
+                    name=f"{name}-{i}", log_path=str(d / "etcd.log"), cluster_token=name,
+                    heartbeat_ms=heartbeat_ms, election_ms=election_ms,
+                )
+            )  # fmt: skip
+        return cls(members)
+
+    def __repr__(self) -> str:
+        return f"EtcdCluster({', '.join(repr(m) for m in self.members)})"
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def member(self, name: str) -> EtcdServer:
+        for m in self.members:
+            if m.name == name:
+                return m
+        raise KeyError(f"no etcd member {name!r} (members: {', '.join(m.name for m in self.members)})")
+
+    async def start(self) -> None:
+        """Start every member that is not running and wait until each answers /health."""
+        results = await asyncio.gather(*(m.start() for m in self.members), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(m.stop() for m in self.members))
+
+    async def kill(self) -> None:
+        await asyncio.gather(*(m.kill() for m in self.members))
+
+    async def roles(self) -> dict[str, str]:
+        """Each member's role now, as it says itself: "leader", "follower" or "down" (no answer)."""
+        answers = await asyncio.gather(*(m.is_leader() for m in self.members))
+        return {m.name: {True: "leader", False: "follower", None: "down"}[a] for m, a in zip(self.members, answers)}
+
+    async def leader(self) -> EtcdServer | None:
+        """The member that says it is the raft leader, or None (no quorum, or an election)."""
+        roles = await self.roles()
+        return next((m for m in self.members if roles[m.name] == "leader"), None)
+
+    async def wait_leader(self, timeout: float = 30.0, *, other_than: EtcdServer | None = None) -> EtcdServer:
+        """Wait until a member (not ``other_than``) is the leader; EtcdError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            leader = await self.leader()
+            if leader is not None and leader is not other_than:
+                return leader
+            await asyncio.sleep(0.05)
+        raise EtcdError(f"no etcd leader within {timeout:.0f}s: {await self.roles()}")
+
+
+@contextlib.asynccontextmanager
+async def etcd_cluster(tmp_path: str | os.PathLike[str], size: int = 3, **kwargs) -> AsyncIterator[EtcdCluster]:
+    """A started EtcdCluster (on 127.0.0.1 unless told) under ``tmp_path``; always killed on exit."""
+    cluster = EtcdCluster.create(os.path.join(os.fspath(tmp_path), "etcd-cluster"), size, **kwargs)
+    try:
+        await cluster.start()
+        yield cluster
+    finally:
+        await cluster.kill()

@@ -1,12 +1,21 @@
 """``agentd lab``: a multi-node cluster on this machine, entirely inside network namespaces.
 
-Topology for ``--name NAME --nodes N --pods K --subnets S``::
+Topology for ``--name NAME --nodes N --pods K --subnets S --etcd E``::
 
     ad-NAME-ul        the underlay: one bridge per L2 segment (br0 .. brS-1)
     ad-NAME-rt        a router joining the segments (only when S > 1), 172.30.s.1 on each
-    ad-NAME-etcd      etcd 3.4 on 172.30.0.2:2379 (segment 0)
+    ad-NAME-etcdM     etcd 3.4 member M (1..E) on 172.30.0.(1+M):2379 (segment 0); E members
+                      form one cluster, each its own process, data directory and namespace
+                      (veth etcdM on br0 in the underlay), so a test can kill one member or
+                      cut its link
     ad-NAME-nodeI     node I on segment (I-1) % S, eth0 = 172.30.s.(10+I), running `agentd run`
+                      with every etcd member in [etcd] endpoints
     ad-NAME-nodeI-podJ  pod J of node I, attached through agentd-cni + bridge/host-local
+
+``lab.etcd`` is the :class:`~agentd.lab.etcd.EtcdCluster`: ``await lab.etcd.leader()``,
+``wait_leader()``, ``roles()``, ``lab.etcd.members[i].kill()`` / ``stop()`` / ``start()``;
+``lab.cut_etcd(member)`` / ``lab.mend_etcd(member)`` take a member's link down and up (a
+partition: no resets, packets just vanish); ``await lab.add_node()`` joins another node.
 
 Nothing is created in the root network namespace: every veth pair is made with both ends
 already inside lab namespaces.  ``down`` kills everything in the lab's namespaces and
@@ -30,14 +39,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .etcd import EtcdServer
+from .etcd import EtcdCluster, EtcdServer
 from .netns import Netns, NetnsError, delete_matching, list_names, veth
 from .speaker_proc import render_toml
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
 CNI_PLUGIN_DIR = "/usr/lib/cni"
 UNDERLAY_PREFIX = "172.30"
-ETCD_ADDRESS = f"{UNDERLAY_PREFIX}.0.2"
+ETCD_ADDRESS = f"{UNDERLAY_PREFIX}.0.2"  # member 1; member M is at .(1+M)
+ETCD_PORT = 2379
+MAX_ETCD_MEMBERS = 7
 CLUSTER_ID = f"{UNDERLAY_PREFIX}.255.1"  # shared by every route reflector
 API_URL = "http://127.0.0.1:9099"
 ASN = 64512
@@ -62,6 +73,7 @@ class LabSpec:
     backend: str = "host-gw"
     encap: str = "always"
     subnets: int = 1
+    etcd: int = 1  # etcd members (one cluster)
     hold_time: int = 9
     lease_ttl: int = 15
     log_level: str = "info"
@@ -107,7 +119,7 @@ class LabNode:
                 "cluster_id": CLUSTER_ID if self.reflector else None,
             },
             "network": {"cidr": "10.244.0.0/16", "backend": self.backend, "encap": spec.encap},
-            "etcd": {"endpoints": [f"http://{ETCD_ADDRESS}:2379"], "lease_ttl": spec.lease_ttl},
+            "etcd": {"endpoints": self.lab.etcd.endpoints, "lease_ttl": spec.lease_ttl},
             "bgp": {"mode": spec.bgp, "hold_time": spec.hold_time, "connect_retry": 2.0},
             "api": {"listen": "127.0.0.1:9099"},
             "cni": {
@@ -223,18 +235,24 @@ class Lab:
         self.progress = progress or (lambda line: None)
         self.underlay = Netns(f"ad-{spec.name}-ul")
         self.router = Netns(f"ad-{spec.name}-rt")
-        self.etcd_ns = Netns(f"ad-{spec.name}-etcd")
+        if not 1 <= spec.etcd <= MAX_ETCD_MEMBERS:
+            raise LabError(f"etcd members: {spec.etcd} is out of range 1..{MAX_ETCD_MEMBERS}")
+        members = range(1, spec.etcd + 1)
+        self.etcd = EtcdCluster.create(
+            self.dir / "etcd",
+            spec.etcd,
+            name=f"lab-{spec.name}",
+            hosts=[etcd_address(m) for m in members],
+            netns=[Netns(f"ad-{spec.name}-etcd{m}") for m in members],
+            client_port=ETCD_PORT,
+            peer_port=ETCD_PORT + 1,
+            # etcd's own default timers for a cluster: a busy lab machine must not make
+            # the members elect a new leader every few seconds.
+            **({} if spec.etcd == 1 else {"heartbeat_ms": 100, "election_ms": 1000}),
+        )
+        self.etcd_ns = self.etcd.members[0].netns  # member 1 (the only one by default)
         self.nodes = [LabNode(self, i) for i in range(1, spec.nodes + 1)]
         self.pods = [LabPod(n, j) for n in self.nodes for j in range(1, spec.pods + 1)]
-        self.etcd = EtcdServer(
-            str(self.dir / "etcd" / "data"),
-            netns=self.etcd_ns,
-            host=ETCD_ADDRESS,
-            client_port=2379,
-            peer_port=2380,
-            name=f"lab-{spec.name}",
-            log_path=str(self.dir / "etcd" / "etcd.log"),
-        )
         self._t0 = time.monotonic()
 
     # ------------------------------------------------------------ lookup
@@ -254,6 +272,9 @@ class Lab:
     def namespace_of(self, target: str) -> Netns:
         if target in ("etcd", "router", "underlay"):
             return {"etcd": self.etcd_ns, "router": self.router, "underlay": self.underlay}[target]
+        for i, m in enumerate(self.etcd.members, start=1):
+            if target == f"etcd{i}":
+                return m.netns  # type: ignore[return-value]
         for n in self.nodes:
             if n.name == target:
                 return n.ns
@@ -280,7 +301,7 @@ class Lab:
             self._stage(f"network namespaces ready ({self.spec.nodes} nodes, {self.spec.subnets} segment(s))")
             stage = "etcd up"
             await self.etcd.start()
-            self._stage(f"etcd up on {ETCD_ADDRESS}:2379")
+            self._stage(f"etcd up on {', '.join(self.etcd.endpoints)}")
             stage = "agents started"
             for n in self.nodes:
                 n.start_agent()
@@ -319,21 +340,55 @@ class Lab:
                 veth(rt, f"eth{s}", ul, f"r{s}")
                 ul.ip("link", "set", f"r{s}", "master", f"br{s}")
                 rt.ip("addr", "add", f"{UNDERLAY_PREFIX}.{s}.1/24", "dev", f"eth{s}")
-        et = Netns.create(self.etcd_ns.name)
-        veth(et, "eth0", ul, "etcd0")
-        ul.ip("link", "set", "etcd0", "master", "br0")
-        et.ip("addr", "add", f"{ETCD_ADDRESS}/24", "dev", "eth0")
-        if spec.subnets > 1:
-            et.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.0.1")
-        for n in self.nodes:
-            ns = Netns.create(n.ns.name)
-            for key in ("net.ipv4.ip_forward", "net.ipv4.conf.all.rp_filter", "net.ipv4.conf.default.rp_filter"):
-                ns.sysctl(key, 1 if key.endswith("forward") else 0)
-            veth(ns, "eth0", ul, f"n{n.index}")
-            ul.ip("link", "set", f"n{n.index}", "master", f"br{n.segment}")
-            ns.ip("addr", "add", f"{n.address}/24", "dev", "eth0")
+        for i, member in enumerate(self.etcd.members, start=1):
+            assert member.netns is not None
+            et = Netns.create(member.netns.name)
+            veth(et, "eth0", ul, f"etcd{i}")
+            ul.ip("link", "set", f"etcd{i}", "master", "br0")
+            et.ip("addr", "add", f"{member.host}/24", "dev", "eth0")
             if spec.subnets > 1:
-                ns.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.{n.segment}.1")
+                et.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.0.1")
+        for n in self.nodes:
+            self._build_node(n)
+
+    def _build_node(self, n: LabNode) -> None:
+        ul = self.underlay
+        ns = Netns.create(n.ns.name)
+        for key in ("net.ipv4.ip_forward", "net.ipv4.conf.all.rp_filter", "net.ipv4.conf.default.rp_filter"):
+            ns.sysctl(key, 1 if key.endswith("forward") else 0)
+        veth(ns, "eth0", ul, f"n{n.index}")
+        ul.ip("link", "set", f"n{n.index}", "master", f"br{n.segment}")
+        ns.ip("addr", "add", f"{n.address}/24", "dev", "eth0")
+        if self.spec.subnets > 1:
+            ns.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.{n.segment}.1")
+
+    # ------------------------------------------------------------ changes to a running lab
+
+    def _etcd_link(self, member: EtcdServer) -> str:
+        return f"etcd{self.etcd.members.index(member) + 1}"
+
+    def cut_etcd(self, member: EtcdServer) -> None:
+        """Take ``member``'s underlay link down: a partition (nothing is reset, packets to and
+        from it vanish), from the agents and from the other members alike."""
+        self.underlay.ip("link", "set", self._etcd_link(member), "down")
+
+    def mend_etcd(self, member: EtcdServer) -> None:
+        self.underlay.ip("link", "set", self._etcd_link(member), "up")
+
+    async def add_node(self, timeout: float = 60.0) -> LabNode:
+        """Build one more node (no pods), start its agent and wait until it holds a subnet."""
+        node = LabNode(self, len(self.nodes) + 1)
+        self.nodes.append(node)
+        self.spec.nodes = len(self.nodes)
+        self._save()
+        try:
+            self._build_node(node)
+        except NetnsError as err:
+            raise LabError(f"{node.name}: {err}") from None
+        node.start_agent()
+        await self.wait_agents_started(timeout)
+        self._stage(f"{node.name} joined with subnet {self._subnet(node)}")
+        return node
 
     def _subnet(self, node: LabNode) -> str:
         status = node.api_or_none("/status") or {}
@@ -496,6 +551,11 @@ class Lab:
         return lab
 
 
+def etcd_address(member: int) -> str:
+    """Underlay address of etcd member ``member`` (1-based)."""
+    return f"{UNDERLAY_PREFIX}.0.{1 + member}"
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -516,6 +576,7 @@ def cli_up(args) -> int:
         backend=args.backend,
         encap=args.encap,
         subnets=args.subnets,
+        etcd=args.etcd,
     )
     if spec.encap == "cross-subnet" and spec.backend == "host-gw":
         raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
@@ -572,16 +633,21 @@ def cli_status(name: str) -> int:
     lab = Lab.load(name)
     from ..cli import render_table
 
+    roles = asyncio.run(lab.etcd.roles())
+    rows = [[m.name, m.endpoint, roles[m.name]] for m in lab.etcd.members]
+    print(render_table(["ETCD MEMBER", "ENDPOINT", "ROLE"], rows))
+    print()
     for n in lab.nodes:
         status = n.api_or_none("/status")
         if status is None:
             print(f"{n.name} ({n.address}): agent not answering (log {n.log_path})\n")
             continue
-        node = status["node"]
+        node, ds = status["node"], status.get("datastore") or {}
         print(
             f"{n.name} ({n.address}) subnet {node.get('subnet')} backend {node.get('backend')}"
             f"{' [route reflector]' if node.get('route_reflector') else ''}"
             f" routes {status['routes']['programmed']} ready {status.get('ready')}"
+            f" etcd {'connected' if ds.get('connected') else 'DISCONNECTED'} ({ds.get('endpoint') or '-'})"
         )
         rows = [
             [p["address"], p.get("description") or p.get("type", ""), p["state"], str(p.get("prefixes_received", 0)), p.get("backend") or "-"]

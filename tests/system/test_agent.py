@@ -176,20 +176,28 @@ def test_bad_configuration_fails_with_one_line_and_touches_nothing(netns_factory
     conf.write_text('[node]\nname = "n1"\naddress = "10.1.1.1"\n[bgp]\nhold_tme = 30\n')
     proc = subprocess.run([AGENTD, "check-config", "--config", str(conf)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "did you mean" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    proc = subprocess.run([AGENTD, "lab", "up", "--nodes", "many"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    for bad in (["--nodes", "many"], ["--etcd", "9"]):
+        proc = subprocess.run([AGENTD, "lab", "up", *bad], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_lab_cli_up_status_exec_down_leaves_nothing(tmp_path):
     env = dict(os.environ, AGENTD_LAB_ROOT=str(tmp_path / "labs"))
     name = "cli" + os.urandom(2).hex()
-    up = subprocess.run([AGENTD, "lab", "up", "--name", name, "--nodes", "2", "--pods", "1"], capture_output=True, text=True, env=env, timeout=240)
+    up = subprocess.run(
+        [AGENTD, "lab", "up", "--name", name, "--nodes", "2", "--pods", "1", "--etcd", "3"],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         for stage in ("etcd up", "agents started", "peers established", "pods attached", "all pods reachable"):
             assert stage in up.stdout, (stage, up.stdout)
         status = subprocess.run([AGENTD, "lab", "status", "--name", name], capture_output=True, text=True, env=env, timeout=60)
         assert status.returncode == 0 and "Established" in status.stdout
+        # Three etcd members, one of them the leader; every agent connected to one of them.
+        members = [line for line in status.stdout.splitlines() if f"lab-{name}-" in line]
+        assert len(members) == 3 and sum("leader" in line for line in members) == 1, status.stdout
+        assert status.stdout.count("etcd connected (http://172.30.0.") == 2, status.stdout
         out = subprocess.run([AGENTD, "lab", "exec", "--name", name, "node1", "--", "agentd", "status"], capture_output=True, text=True, env=env, timeout=60)
         assert out.returncode == 0 and "node-to-node mesh" in out.stdout, out.stdout + out.stderr
     finally:

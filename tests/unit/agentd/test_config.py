@@ -21,10 +21,12 @@ from agentd.config import (
     CONFIG_KEYS,
     DEFAULT_CONFIG_PATH,
     PEER_KEYS,
+    RANGE_KEYS,
     AgentConfig,
     ApiConfig,
     BgpConfig,
     BgpPeerConfig,
+    ListenRangeConfig,
     CniConfig,
     Config,
     ConfigError,
@@ -79,8 +81,8 @@ def problems(path=None, **kw) -> list[ConfigError]:
 
 def shown_key(key: str) -> str:
     """How an error line names a key: [bgp] hold_time, [[bgp.peers]] #2 asn, [netwrok]."""
-    if m := re.fullmatch(r"bgp\.peers\[(\d+)\](?:\.(\w+))?", key):
-        return f"[[bgp.peers]] #{int(m[1]) + 1}" + (f" {m[2]}" if m[2] else "")
+    if m := re.fullmatch(r"bgp\.(peers|listen_ranges)\[(\d+)\](?:\.(\w+))?", key):
+        return f"[[bgp.{m[1]}]] #{int(m[2]) + 1}" + (f" {m[3]}" if m[3] else "")
     section, dot, name = key.partition(".")
     return f"[{section}] {name}" if dot else f"[{section}]"
 
@@ -272,6 +274,7 @@ def test_every_dataclass_field_is_a_config_key():
     fields = {f"{s}.{f.name}" for s, cls in SECTION_CLASSES.items() for f in dataclasses.fields(cls)}
     assert fields == set(CONFIG_KEYS)
     assert set(PEER_KEYS) == {f.name for f in dataclasses.fields(BgpPeerConfig)}
+    assert set(RANGE_KEYS) == {f.name for f in dataclasses.fields(ListenRangeConfig)}
 
 
 def test_missing_file_means_defaults_unless_required(tmp_path):
@@ -665,12 +668,15 @@ def test_example_documents_every_key():
         elif m := re.match(r"#?\s*(\w+)\s*=", line):
             sections.setdefault(current, set()).add(m[1])
     for section, cls in SECTION_CLASSES.items():
-        documented = sections.get(section, set()) | ({"peers"} if "bgp.peers" in sections else set())
+        documented = sections.get(section, set()) | ({"peers"} if "bgp.peers" in sections else set()) | (
+            {"listen_ranges"} if "bgp.listen_ranges" in sections else set()
+        )
         missing = {f.name for f in dataclasses.fields(cls)} - documented
         assert not missing, f"etc/agentd.toml does not document [{section}] {sorted(missing)}"
     assert set(PEER_KEYS) <= sections["bgp.peers"]
+    assert set(RANGE_KEYS) <= sections["bgp.listen_ranges"]
     sections.pop(None, None)  # the header's prose mentions AGENTD_X=... examples
-    assert set(sections) == set(SECTION_CLASSES) | {"bgp.peers"}
+    assert set(sections) == set(SECTION_CLASSES) | {"bgp.peers", "bgp.listen_ranges"}
 
 
 # -- paths, output and helpers -----------------------------------------------------------------
@@ -854,3 +860,47 @@ def test_empty_environment_values_unset_optional_keys():
     assert cfg.bgp.asn is None or cfg.bgp.asn == cfg.node.asn
     # A key with a real default keeps checking its text: empty is not a backend.
     assert [e.key for e in problems(env={"AGENTD_NETWORK_BACKEND": ""})] == ["network.backend"]
+
+
+# -- listen ranges (dynamic neighbours) --------------------------------------------------------
+
+
+def test_listen_ranges_are_read_with_the_peer_defaults(tmp_path):
+    path = write(tmp_path, """
+[node]
+route_reflector = true
+address = "192.0.2.10"
+[bgp]
+hold_time = 30
+[[bgp.listen_ranges]]
+prefix = "10.1.0.0/16"
+asn = 64512
+rr_client = true
+password = "s3cret"
+max_prefixes = 5
+""")
+    cfg = pure(path)
+    (r,) = cfg.bgp.listen_ranges
+    assert (str(r.prefix), r.asn, r.rr_client, r.hold_time, r.max_prefixes) == ("10.1.0.0/16", 64512, True, 30, 5)
+    assert cfg.to_dict()["bgp"]["listen_ranges"][0]["password"] != "s3cret"
+
+
+def test_listen_range_problems_name_the_table_and_key(tmp_path):
+    path = write(tmp_path, """
+[bgp]
+listen = ""
+[[bgp.listen_ranges]]
+prefix = "10.1.0.1/16"
+asn = 64512
+[[bgp.listen_ranges]]
+prefix = "10.2.0.0/16"
+asn = 64512
+rr_client = true
+colour = "red"
+""")
+    lines = [str(e) for e in problems(path)]
+    assert any("[[bgp.listen_ranges]] #1 prefix" in x and "host bits" in x for x in lines), lines
+    assert any("[[bgp.listen_ranges]] #2 rr_client" in x and "route_reflector" in x for x in lines), lines
+    assert any("unknown key [[bgp.listen_ranges]] #2 colour" in x for x in lines), lines
+    assert any("[[bgp.listen_ranges]] #2 prefix" in x and "listen is empty" in x for x in lines), lines
+    assert all("\n" not in x for x in lines)

@@ -1,0 +1,95 @@
+"""Dynamic neighbours ([[bgp.listen_ranges]]): peers accepted from a prefix without an entry each."""
+
+from __future__ import annotations
+
+import random
+from ipaddress import IPv4Address, ip_network
+
+from bgp import ListenRange, PeerSettings, Speaker, State
+from bgp.settings import LocalSettings
+from bgp.testing import RawHarness, RawPeer
+from proto.nlri import prefix_from_str, prefix_to_str
+
+RR = "10.1.0.1"
+
+
+def reflector(**kw) -> tuple[Speaker, RawHarness]:
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address(RR), cluster_id=IPv4Address(RR), **kw), now=0.0,
+                 rng=random.Random(1))
+    sp.start(0.0)
+    template = PeerSettings(IPv4Address("10.1.0.0"), 65000, rr_client=True)
+    sp.set_listen_ranges([ListenRange(ip_network("10.1.0.0/16"), template)], 0.0)
+    return sp, RawHarness(sp, RR)
+
+
+def announce(h: RawHarness, peer: RawPeer, prefix: str) -> None:
+    from agentd.lab.rawbgp import as_path, attr, update
+
+    nh = attr(0x40, 3, IPv4Address(peer.address).packed)
+    h.send(peer, update(attr(0x40, 1, b"\x00") + as_path([]) + nh + attr(0x40, 5, b"\x00\x00\x00\x64"),
+                        prefix_from_str(prefix)[1]))
+
+
+def held(peer: RawPeer) -> set[str]:
+    out: set[str] = set()
+    for u in peer.updates():
+        for p in u.withdrawn:
+            out.discard(prefix_to_str(1, p))
+        for p in u.nlri:
+            out.add(prefix_to_str(1, p))
+    return out
+
+
+def test_clients_from_a_range_are_accepted_reflected_and_forgotten():
+    sp, h = reflector()
+    clients = [RawPeer(f"10.1.0.{i}", 65000, conn=-i) for i in range(2, 12)]
+    for c in clients:
+        assert h.connect(c), c.address
+        announce(h, c, f"10.244.{c.conn * -1}.0/26")
+    assert sp.dynamic == {c.address for c in clients}
+    for c in clients:  # every client holds every other client's route, not its own
+        want = {f"10.244.{i}.0/26" for i in range(2, 12)} - {f"10.244.{-c.conn}.0/26"}
+        assert held(c) == want, (c.address, held(c))
+    # One client leaves: it is forgotten, and its route is withdrawn from the others.
+    h.send(clients[0], b"\xff" * 16 + b"\x00\x15\x03\x06\x02")
+    assert clients[0].address not in sp.peers and clients[0].address not in sp.dynamic
+    assert "10.244.2.0/26" not in held(clients[1])
+    # A connection from outside every range is refused.
+    outsider = RawPeer("10.2.0.1", 65000, conn=-100)
+    assert not h.connect(outsider)
+
+
+def test_configured_peers_leave_dynamic_ones_alone_and_win_over_the_range():
+    sp, h = reflector()
+    c = RawPeer("10.1.0.7", 65000, conn=-7)
+    assert h.connect(c)
+    sp.set_peers([PeerSettings("10.9.9.9", 65000)], h.now)
+    assert "10.1.0.7" in sp.peers and sp.peers["10.1.0.7"].state is State.ESTABLISHED
+    # Configured explicitly now: it becomes an ordinary peer (the session restarts with it).
+    sp.set_peers([PeerSettings("10.1.0.7", 65000, passive=True, rr_client=True)], h.now)
+    h.pump()
+    assert "10.1.0.7" not in sp.dynamic and "10.1.0.7" in sp.peers
+
+
+def test_graceful_restart_keeps_a_dynamic_peer_until_its_routes_go():
+    sp, h = reflector(stale_time=30.0)
+    c = RawPeer("10.1.0.8", 65000, conn=-8)
+    other = RawPeer("10.1.0.9", 65000, conn=-9)
+    assert h.connect(other)
+    # RawPeer advertises no graceful restart: a plain drop forgets the peer at once.
+    assert h.connect(c)
+    announce(h, c, "10.244.8.0/26")
+    assert "10.244.8.0/26" in held(other)
+    sp.connection_lost(c.conn, h.now)
+    h.pump()
+    assert "10.1.0.8" not in sp.peers
+    assert "10.244.8.0/26" not in held(other)
+
+
+def test_a_range_removed_resets_its_peers():
+    sp, h = reflector()
+    c = RawPeer("10.1.0.5", 65000, conn=-5)
+    assert h.connect(c)
+    sp.set_listen_ranges([], h.now)
+    h.pump()
+    assert c.closed and "10.1.0.5" not in sp.peers
