@@ -329,8 +329,14 @@ def run_one(key: str, n: int, rnd: int, args: argparse.Namespace, lib: str) -> R
         r.replies["stats"] = stats
         r.max_silence = (stats.get("max_silence") or {}).get("seconds")
         r.connect_errors = stats.get("connect_errors", 0)
-        if stats.get("n_drops") and r.status == "ok":
-            r.status, r.detail = "dropped", f"{stats['n_drops']} sessions dropped: {stats['drops'][:2]}"
+        if stats.get("n_drops"):
+            first = stats["drops"][0]
+            when = f"in {first['phase']}" if first.get("phase") else "between phases"
+            why = (f"{stats['n_drops']} sessions dropped, first {when}: {first['why']}, "
+                   f"{first['established_for']:.0f} s after Established, our last KEEPALIVE "
+                   f"{first['last_keepalive_sent']:.0f} s before")
+            r.detail = why + ("" if "not Established" in r.detail else f"; {r.detail}" if r.detail else "")
+            r.status = "dropped"
         if speaker.alive():
             r.peak_rss_mb = round(status_kb(pid, "VmHWM") / 1024, 1)
             r.rss_mb = round(status_kb(pid, "VmRSS") / 1024, 1)
@@ -379,7 +385,7 @@ def describe_failure(name: str, reply: dict, limit: float) -> str:
         return (f"{name}: {reply.get('done')} clients complete after {limit:.0f} s "
                 f"(held min {reply.get('min_held')}, max {reply.get('max_held')})")
     if status == "dropped":
-        return f"{name}: session dropped: {(reply.get('drops') or [{}])[-1]}"
+        return f"{name}: session dropped: {(reply.get('drops') or [{}])[0]}"
     return f"{name}: {status}: {reply.get('detail') or reply}"
 
 
