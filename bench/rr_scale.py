@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/rr_scale.py [--n 100,300,1000,2000] [--only agentd,bird,gobgp]
          [--rounds R] [--clients agentd=peers,...] [--in-flight 8] [--withdraw 0.1]
-         [--timeout S] [--profile DIR] [--json FILE]
+         [--timeout S] [--until PHASE] [--profile DIR] [--json FILE]
 
 For every N, round and speaker (issue 11, item 6): fresh namespaces -- the reflector's and
 the clients', joined by one veth pair: the reflector at 10.1.0.1/16, the N clients at
@@ -91,6 +91,7 @@ from bench._speakers import (
 )
 
 SPEAKERS = ("agentd", "bird", "gobgp")
+PHASES = ("establish", "converge", "withdraw")  # the steps below, in order
 PREFIX_BASE = "10.192.0.0"
 MAX_CLIENTS = 16_000  # 10.1.1.1 .. 10.1.64.250
 READY_TIMEOUT = 180.0
@@ -302,7 +303,7 @@ def run_one(key: str, n: int, rnd: int, args: argparse.Namespace, lib: str) -> R
             ("establish", {"cmd": "establish", "in_flight": args.in_flight}),
             ("announce", {"cmd": "announce", "quiet": 1.0, "quiet_max": 10.0}),
             ("withdraw", {"cmd": "withdraw", "fraction": args.withdraw, "quiet": 1.0, "quiet_max": 10.0}),
-        ]
+        ][: PHASES.index(args.until) + 1]
         for name, cmd in steps:
             if name != "establish":
                 r.idle_waits[name] = wait_idle(pid, IDLE_LIMIT)
@@ -579,6 +580,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--withdraw", type=_fraction, default=0.1, help="share of the clients that withdraw (default 0.1)")
     p.add_argument("--timeout", type=_positive,
                    help="seconds per phase (default: establish max(60, 0.05 N), routes max(60, 3e-4 N^2))")
+    p.add_argument("--until", choices=PHASES, default="withdraw",
+                   help="stop after this phase (e.g. establish: session setup alone; default withdraw)")
     p.add_argument("--profile", metavar="DIR", help="py-spy record agentd during its runs into DIR (speedscope)")
     p.add_argument("--json", metavar="FILE", help="also write every run with the simulator's replies as JSON")
     return p.parse_args(argv)
