@@ -63,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from ipaddress import IPv4Address
 from pathlib import Path
 
@@ -336,7 +336,8 @@ def run_one(key: str, n: int, rnd: int, args: argparse.Namespace, lib: str) -> R
             why = (f"{stats['n_drops']} sessions dropped, first {when}: {first['why']}, "
                    f"{first['established_for']:.0f} s after Established, our last KEEPALIVE "
                    f"{first['last_keepalive_sent']:.0f} s before")
-            r.detail = why + ("" if "not Established" in r.detail else f"; {r.detail}" if r.detail else "")
+            repeated = "not Established" in r.detail or "session dropped" in r.detail
+            r.detail = why + (f"; {r.detail}" if r.detail and not repeated else "")
             r.status = "dropped"
         if speaker.alive():
             r.peak_rss_mb = round(status_kb(pid, "VmHWM") / 1024, 1)
@@ -431,7 +432,8 @@ def summarize(results: list[RunResult]) -> dict[tuple[int, str], RunResult]:
 
 
 def metric(r: RunResult | None, name: str) -> float | None:
-    if r is None or r.status != "ok":
+    """A phase's reading; set only when that phase completed (a later failure keeps it)."""
+    if r is None:
         return None
     return {"establish": r.establish, "converge": r.converge, "withdraw": r.withdraw, "rss": r.peak_rss_mb,
             "cpu": r.rr_cpu_total, "converge_cpu": r.rr_cpu.get("announce")}[name]
@@ -512,6 +514,9 @@ def report(best: dict[tuple[int, str], RunResult], ns: list[int], keys: list[str
                     continue
                 got = ratio(best, n, "agentd", other, name)
                 verdict = "n/a" if got is None else ("met" if got <= limit else "NOT met")
+                failed = [k for k in ("agentd", other) if best[(n, k)].status != "ok"]
+                if got is not None and failed:
+                    verdict = f"NOT met ({' and '.join(LABELS[k] for k in failed)} run failed later)"
                 shown = "no result" if got is None else f"{got:.2f}x"
                 lines.append(f"N={n}: agentd {name} <= {limit:.1f}x {LABELS[other]}: {shown}  {verdict}")
         if lines:
@@ -584,6 +589,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop after this phase (e.g. establish: session setup alone; default withdraw)")
     p.add_argument("--profile", metavar="DIR", help="py-spy record agentd during its runs into DIR (speedscope)")
     p.add_argument("--json", metavar="FILE", help="also write every run with the simulator's replies as JSON")
+    p.add_argument("--report", metavar="JSON", nargs="+",
+                   help="print the tables of earlier --json files (merged; nothing is run)")
     return p.parse_args(argv)
 
 
@@ -603,8 +610,28 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def load_runs(paths: list[str]) -> list[RunResult]:
+    names = {f.name for f in fields(RunResult)}
+    runs = []
+    for path in paths:
+        for raw in json.loads(Path(path).read_text())["runs"]:
+            runs.append(RunResult(**{k: v for k, v in raw.items() if k in names}))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        try:
+            results = load_runs(args.report)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"rr_scale: cannot read {' '.join(args.report)}: {err}", file=sys.stderr)
+            return 2
+        ns = sorted({r.n for r in results})
+        keys = [k for k in SPEAKERS if any(r.speaker == k for r in results)]
+        args.rounds = max(r.round for r in results) if results else 1
+        report(summarize(results), ns, keys, args)
+        return 0
     require_root("bench/rr_scale.py")
     try:
         for key in args.only:
