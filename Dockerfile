@@ -1,34 +1,35 @@
 # agentd in a container: the agent, agentd-cni, the reference CNI plugins and the tools an
-# operator reaches for (ip, nft, ping). Used by compose.yaml.
+# operator reaches for (ip, ping). Used by compose.yaml.
 #
 #   docker build -t agentd .
 #   docker run --rm agentd agentd --version
 FROM python:3.11-slim-bookworm
 
 # iproute2: ip route/link/neigh, bridge fdb (troubleshooting; the agent itself uses netlink)
-# nftables: the agent's member filter for kernel IPIP/VXLAN (table inet agentd)
 # containernetworking-plugins: bridge + host-local in /usr/lib/cni, which agentd-cni delegates to
 # iputils-ping: the compose lab's pod-to-pod check; util-linux has nsenter
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      iproute2 nftables containernetworking-plugins iputils-ping util-linux procps \
+      iproute2 containernetworking-plugins iputils-ping util-linux procps \
  && rm -rf /var/lib/apt/lists/*
 
 # The package: `pip install .` gives /usr/local/bin/agentd and /usr/local/bin/agentd-cni
-# (the path systemd/agentd.service uses too) and builds the data plane's C fast path
-# (gcc only for the build; the check fails the build if the fast path did not build).
-# Sources only; tests and docs stay out.
+# (the path systemd/agentd.service uses too) and builds the data plane's compiled parts: the
+# C fast path (gcc) and the BPF programs (clang for the BPF target, the libbpf headers);
+# the compilers are there for the build only, and the checks fail the build if either part
+# did not build. Sources only; tests and docs stay out.
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY proto ./proto
 COPY bgp ./bgp
 COPY agentd ./agentd
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev clang-16 libbpf-dev \
  && pip install --no-cache-dir . \
- && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
+ && apt-get purge -y gcc libc6-dev clang-16 libbpf-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && cd / && rm -rf /src \
  && agentd --version \
- && python -c "from agentd.dataplane import _fast; lib, why = _fast.load(); assert lib, why"
+ && python -c "from agentd.dataplane import _fast; lib, why = _fast.load(); assert lib, why" \
+ && python -c "from agentd.dataplane.bpf import OBJECT, elf, layout; o = elf.read_object(OBJECT.read_bytes()); layout.check(o.maps, o.programs)"
 
 # The documented example configuration: every key with its default. The compose nodes
 # override what differs per node through AGENTD_<SECTION>_<KEY> variables.
@@ -41,7 +42,9 @@ WORKDIR /
 # grpc's fork handlers can crash the data-plane worker's child before its exec (see
 # systemd/agentd.service, which sets the same).
 ENV GRPC_ENABLE_FORK_SUPPORT=0
-# BGP, VXLAN, the udp backend; the REST API listens on loopback only (9099/tcp).
+# BGP, VXLAN, the udp backend; the REST API listens on loopback only (9099/tcp). The BPF data
+# path needs CAP_BPF and a bpffs at /sys/fs/bpf (compose.yaml's nodes get both; elsewhere
+# udp and ipip fall back to the user-space worker and say why).
 EXPOSE 179/tcp 4789/udp 8285/udp
 STOPSIGNAL SIGTERM
 CMD ["agentd", "run", "--config", "/etc/agentd/agentd.toml"]

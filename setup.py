@@ -1,12 +1,61 @@
-"""Builds the data plane's optional C fast path; everything else is in pyproject.toml.
+"""Builds the data plane's compiled parts; everything else is in pyproject.toml.
 
-The extension is optional: where it cannot be built the workers run the Python (numpy) path
-and say so in /status.
+* agentd/dataplane/_fastpath.c: the user-space worker's C loops (a CPython extension; optional,
+  /status says what runs where it is not built).
+* agentd/dataplane/bpf/datapath.c: the in-kernel data path, compiled with clang for the BPF
+  target into datapath.bpf.o, which the agent loads itself (optional: without clang there is
+  no object and udp/ipip fall back to the user-space worker, saying so).
 """
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+BPF_SOURCE = Path("agentd/dataplane/bpf/datapath.c")
+BPF_OBJECT = "agentd/dataplane/bpf/datapath.bpf.o"
+
+
+def _clang() -> str | None:
+    for name in (os.environ.get("AGENTD_BPF_CC"), "clang-16", "clang", "clang-15", "clang-14"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _multiarch_include() -> list[str]:
+    """asm/ headers live under the host's multiarch directory, which clang -target bpf does not search."""
+    try:
+        arch = subprocess.run(["gcc", "-print-multiarch"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [f"-I/usr/include/{arch}"] if arch else []
+
+
+class BuildWithBpf(build_ext):
+    def run(self) -> None:
+        super().run()
+        out = Path(BPF_OBJECT if self.inplace else os.path.join(self.build_lib, BPF_OBJECT))
+        clang = _clang()
+        if clang is None:
+            print("warning: no clang: the BPF data path is not built (udp/ipip use the user-space worker)",
+                  file=sys.stderr)
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [clang, "-O2", "-target", "bpf", "-mcpu=v3", "-Wall", "-Werror", *_multiarch_include(),
+               "-c", str(BPF_SOURCE), "-o", str(out)]
+        print(" ".join(cmd))
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            print(f"warning: building the BPF data path failed:\n{result.stderr}", file=sys.stderr)
+
 
 setup(
+    cmdclass={"build_ext": BuildWithBpf},
     ext_modules=[
         Extension(
             "agentd.dataplane._fastpath",
@@ -14,5 +63,5 @@ setup(
             extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
         )
-    ]
+    ],
 )

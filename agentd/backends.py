@@ -1,49 +1,53 @@
-"""Tunnel backends: the devices, FDB/neighbour entries and user-space next hops that
-encapsulated peers need.  host-gw needs none of it.
+"""Tunnel backends: the devices, BPF programs, FDB/neighbour entries and user-space next hops
+that encapsulated peers need.  host-gw needs none of it.
 
 The agent runs backends *per peer*: a peer is reached with the backend it advertises in
 its node record (``backend.type``), so nodes on different backends still reach each
 other.  Our own backend is brought up at start (peers must be able to reach us); any
-other is brought up the first time a peer needs it.
+other is brought up the first time a peer needs it.  Each backend runs on the first of its
+data paths (agentd.backend_table) that comes up here, and says why it fell back:
 
-=========  =========================================================================
-vxlan      kernel VTEP ``agentd.vxlan`` (VNI/port configurable, no learning); per peer a
-           permanent neighbour entry (peer VTEP IP -> MAC) and an FDB entry (MAC -> peer
-           underlay IP), as flannel does; routes ``subnet via vtep_ip dev agentd.vxlan onlink``.
-ipip       kernel ``agentd.ipip`` device where the kernel has ipip (routes ``subnet via peer
-           dev agentd.ipip onlink``); otherwise the user-space worker (TUN + raw socket).
-udp        the user-space worker (TUN ``agentd.udp`` + UDP 8285, flannel's wire format).
-=========  =========================================================================
+============  ==========================================================================
+vxlan-device  kernel VTEP ``agentd.vxlan`` (VNI/port configurable, no learning); per peer a
+              permanent neighbour entry (peer VTEP IP -> MAC) and an FDB entry (MAC -> peer
+              underlay IP), as flannel does; routes ``subnet via vtep_ip dev agentd.vxlan onlink``.
+bpf           udp and ipip: the tc-BPF programs on the underlay device (agentd.dataplane.bpf),
+              routes ``subnet via <underlay next hop> dev <underlay> mtu <pod mtu>``.
+userspace     udp and ipip where BPF cannot run: the worker (TUN ``agentd.udp`` / ``agentd.ipip``
+              + UDP socket / raw socket), routes ``subnet dev agentd.<backend>``.
+============  ==========================================================================
 
-Encapsulated packets are accepted only from cluster members: the user-space workers
-check their member list, and for kernel devices an nftables table ``inet agentd`` drops
-IPIP and VXLAN from anyone else (agentd.firewall).
+Encapsulated packets are accepted only from cluster members: the BPF ingress program drops
+(and counts) udp, ipip and VXLAN from anyone else, on the underlay device; the user-space
+workers check their own member list.  One BPF data path per node serves all of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hashlib
 import logging
-import os
+import time
 from collections.abc import Callable, Mapping
 from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Any
 
-from .config import Config, mtu_overhead
+from .backend_table import BACKENDS, DATAPATHS, mtu_overhead
+from .bpf_backend import BpfPath, InBpf
+from .config import Config
 from .dataplane import DataplaneClient, DataplaneError, DataplaneProcess
+from .dataplane.bpf import BpfUnavailable, layout
 from .datastore import NodeRecord
-from .firewall import MemberFilter
-from .forwarding import PeerPlan
+from .forwarding import LocalPaths, PeerPlan, peer_in_userspace
 from .netinfo import Underlay
 
 log = logging.getLogger("agentd.backends")
 
-DEVICES = {"ipip": "agentd.ipip", "vxlan": "agentd.vxlan", "udp": "agentd.udp"}
+DEVICES = {name: b.device for name, b in BACKENDS.items() if b.device}
 NTF_SELF = 0x02
+GATEWAY_REFRESH = 15.0  # seconds between re-resolving the underlay next hops of BPF routes
 
 
 def _ipr():
@@ -79,11 +83,12 @@ def _set_address(ipr, index: int, address: str) -> None:
 
 
 class _Vxlan:
-    name = "vxlan"
+    datapath = "vxlan-device"
 
-    def __init__(self, t: Tunnels) -> None:
+    def __init__(self, t: Tunnels, name: str = "vxlan") -> None:
         self.t = t
-        self.device = DEVICES["vxlan"]
+        self.name = name
+        self.device = DEVICES[name]
         self.mac: str | None = None
         self.vtep_ip: str | None = None
         self.installed: dict[str, tuple[str, str]] = {}  # peer underlay -> (vtep ip, mac)
@@ -163,7 +168,8 @@ class _Vxlan:
         await asyncio.to_thread(self._sync, wanted, prune)
 
     def status(self) -> dict[str, Any]:
-        return {"device": self.device, **self.data(), "peers": {p: {"vtep_ip": v, "mac": m} for p, (v, m) in self.installed.items()}}
+        return {"datapath": self.datapath, "device": self.device, **self.data(),
+                "peers": {p: {"vtep_ip": v, "mac": m} for p, (v, m) in self.installed.items()}}
 
     async def down(self, remove: bool) -> None:
         if remove:
@@ -171,7 +177,9 @@ class _Vxlan:
 
 
 class _Worker:
-    """The user-space data plane (udp, or ipip where the kernel has no ipip)."""
+    """The user-space data plane (udp and ipip where BPF cannot run)."""
+
+    datapath = "userspace"
 
     def __init__(self, t: Tunnels, kind: str) -> None:
         self.t = t
@@ -193,7 +201,7 @@ class _Worker:
             self.base = dict((await self.client.get()).get("next_hops") or {})
             log.info("re-attached to the running %s data-plane worker (%d next hops)", self.name, len(self.base))
         except DataplaneError:
-            mtu = self.t.underlay.mtu - mtu_overhead("udp" if self.name == "udp" else "ipip")
+            mtu = self.t.underlay.mtu - mtu_overhead(self.name)
             self.process = await DataplaneProcess.start(
                 self.name,
                 self.device,
@@ -214,13 +222,16 @@ class _Worker:
                 _set_address(ipr, index, address)
 
     def data(self) -> dict[str, Any]:
-        return {"udp_port": self.t.cfg.network.udp_port} if self.name == "udp" else {"ipip_path": "userspace"}
+        return {key: getattr(self.t.cfg.network, key) for key in BACKENDS[self.name].node_data}
 
     async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
         if self.client is None:
             return
+        paths = self.t.paths()
         table = {
-            dst: nh for nh, dsts in next_hops.items() if plans.get(nh) and plans[nh].backend == self.name for dst in dsts
+            dst: nh for nh, dsts in next_hops.items()
+            if plans.get(nh) and plans[nh].backend == self.name and paths.datapath(plans[nh]) == "userspace"
+            for dst in dsts
         }
         if prune:
             self.base = {}
@@ -253,8 +264,8 @@ class _Worker:
     def status(self) -> dict[str, Any]:
         s = self.last_stats
         return {
+            "datapath": self.datapath,
             "device": self.device,
-            "path": "userspace",
             "worker_pid": self.process.pid if self.process else s.get("config", {}).get("pid"),
             "offloads": s.get("offloads"),
             "fallbacks": s.get("fallbacks"),
@@ -277,40 +288,6 @@ class _Worker:
         self.client = None
 
 
-class _KernelIpip:
-    name = "ipip"
-
-    def __init__(self, t: Tunnels) -> None:
-        self.t = t
-        self.device = DEVICES["ipip"]
-
-    def _up(self, subnet: IPv4Network) -> None:
-        with _ipr() as ipr:
-            index = _link_index(ipr, self.device)
-            if index is None:
-                ipr.link("add", ifname=self.device, kind="ipip", ipip_local=str(self.t.underlay.interface.ip))
-                index = _link_index(ipr, self.device)
-                assert index is not None
-            ipr.link("set", index=index, mtu=self.t.underlay.mtu - mtu_overhead("ipip"), state="up")
-            _set_address(ipr, index, str(subnet.network_address))
-
-    async def up(self, subnet: IPv4Network) -> None:
-        await asyncio.to_thread(self._up, subnet)
-
-    def data(self) -> dict[str, Any]:
-        return {"ipip_path": "kernel"}
-
-    async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
-        return None  # routes carry the peer as an onlink next hop
-
-    def status(self) -> dict[str, Any]:
-        return {"device": self.device, "path": "kernel"}
-
-    async def down(self, remove: bool) -> None:
-        if remove:
-            await asyncio.to_thread(_delete_link, self.device)
-
-
 def control_path(state_dir: Path, kind: str) -> str:
     """The worker's control socket: in the state dir, unless that path is longer than a unix
     socket address allows (108 bytes); then in /run/agentd under a name derived from it."""
@@ -328,39 +305,38 @@ def _delete_link(name: str) -> None:
             ipr.link("del", index=index)
 
 
-def _kernel_has_ipip() -> tuple[bool, str]:
-    """Probe by creating (and deleting) a device: the only reliable test without module tools."""
-    probe = "agentd.probe"
-    try:
-        with _ipr() as ipr:
-            ipr.link("add", ifname=probe, kind="ipip")
-            index = _link_index(ipr, probe)
-            if index is not None:
-                ipr.link("del", index=index)
-        return True, "the kernel has ipip"
-    except _netlink_error() as err:
-        if err.code in (errno.EOPNOTSUPP, errno.ENODEV, errno.EINVAL):
-            return False, f"the kernel has no ipip support ({os.strerror(err.code)})"
-        raise
+# The implementation of each data path (agentd.backend_table.DATAPATHS); "route" needs none.
+IMPLEMENTATIONS: dict[str, Callable[[Tunnels, str], Any]] = {
+    "vxlan-device": _Vxlan,
+    "userspace": _Worker,
+    "bpf": InBpf,
+}
 
 
 class Tunnels:
     def __init__(
-        self, cfg: Config, underlay: Underlay, node_name: str, *, on_node_data: Callable[[], None] | None = None
+        self, cfg: Config, underlay: Underlay, node_name: str, *, on_node_data: Callable[[], None] | None = None,
+        on_paths: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.underlay = underlay
         self.node_name = node_name
         self.own = cfg.network.backend
         self.on_node_data = on_node_data
-        self.devices: dict[str, str] = dict(DEVICES)
+        self.on_paths = on_paths  # the data paths or the underlay next hops changed: recompute routes
         self.subnet: IPv4Network | None = None
         self.active: dict[str, Any] = {}
         self.failed: dict[str, str] = {}
-        self.ipip_why = ""
+        self.fallbacks: dict[str, str] = {}  # backend -> why it does not run on its first data path
+        self.unfiltered: dict[str, str] = {}  # backend -> why its member filter cannot run
+        self.bpf = BpfPath(cfg, underlay)
+        self.helpers: dict[str, _Worker] = {}  # bpf backends' workers for peers that receive in user space
+        self.helper_failed: dict[str, str] = {}
+        self.gateways: dict[str, str] = {}  # peer -> underlay next hop (BPF routes to off-link peers)
+        self.unreachable: dict[str, str] = {}
+        self._gateways_at = 0.0
         self.members: set[str] = set()
         self._members_known = False
-        self.firewall = MemberFilter()
         self._plans: Mapping[str, PeerPlan] = {}
         self._next_hops: Mapping[str, list[str]] = {}
         self._prune = True
@@ -370,48 +346,112 @@ class Tunnels:
     async def start(self, subnet: IPv4Network) -> None:
         self.subnet = subnet
         self.members = {str(self.underlay.interface.ip)}
-        if self.own != "host-gw":
-            await self._ensure(self.own)
-            if self.own in self.failed:
-                raise RuntimeError(f"backend {self.own}: {self.failed[self.own]}")
+        if self.cfg.network.datapath != "userspace":
+            # Learn now whether udp and ipip can run in BPF here: the node record says so, and
+            # peers choose how to speak to us by it (a host-gw node may be sent udp any time).
+            try:
+                await self.bpf.up()
+            except BpfUnavailable as err:
+                log.warning("the BPF data path cannot run here: %s; udp and ipip use the user-space worker", err)
+        await self._ensure(self.own)
+        if self.own in self.failed:
+            raise RuntimeError(f"backend {self.own}: {self.failed[self.own]}")
         self._task = asyncio.get_running_loop().create_task(self._sync_loop(), name="tunnels")
 
+    def _candidates(self, backend: str) -> tuple[str, ...]:
+        """The data paths to try for ``backend``, best first ([network] datapath narrows them)."""
+        paths = BACKENDS[backend].datapaths
+        choice = self.cfg.network.datapath
+        return (choice,) if choice != "auto" and choice in paths else paths
+
     async def _ensure(self, backend: str) -> None:
-        if backend in self.active or backend in self.failed or backend == "host-gw":
+        if backend in self.active or backend in self.failed or backend not in BACKENDS:
             return
+        if not BACKENDS[backend].encapsulates:
+            return  # host-gw: plain routes, nothing to bring up
         assert self.subnet is not None
-        try:
-            if backend == "vxlan":
-                impl: Any = _Vxlan(self)
-            elif backend == "udp":
-                impl = _Worker(self, "udp")
-            elif backend == "ipip":
-                mode = self.cfg.network.ipip_mode
-                has, self.ipip_why = await asyncio.to_thread(_kernel_has_ipip) if mode != "userspace" else (False, "ipip_mode = userspace")
-                if mode == "kernel" and not has:
-                    raise RuntimeError(f"ipip_mode = kernel but {self.ipip_why}")
-                impl = _KernelIpip(self) if has else _Worker(self, "ipip")
-                self.devices["ipip_path"] = "kernel" if has else "userspace"
-            else:
-                raise RuntimeError(f"unknown backend {backend}")
-            await impl.up(self.subnet)
-        except (OSError, _netlink_error(), DataplaneError, RuntimeError) as err:
-            self.failed[backend] = f"cannot bring up {backend}: {err}"
+        reasons = []
+        for datapath in self._candidates(backend):
+            impl = IMPLEMENTATIONS[datapath](self, backend)
+            try:
+                await impl.up(self.subnet)
+            except (OSError, _netlink_error(), DataplaneError, RuntimeError) as err:
+                reasons.append(f"{DATAPATHS[datapath].label}: {err}")
+                continue
+            self.active[backend] = impl
+            break
+        if backend not in self.active:
+            self.failed[backend] = f"cannot bring up {backend}: {'; '.join(reasons)}"
             log.error("%s", self.failed[backend])
             return
-        self.active[backend] = impl
-        log.info("backend %s up (%s)", backend, getattr(impl, "device", ""))
+        impl = self.active[backend]
+        if reasons:
+            self.fallbacks[backend] = "; ".join(reasons)
+            log.warning("backend %s runs in %s, not its first data path: %s", backend,
+                        DATAPATHS[impl.datapath].label, self.fallbacks[backend])
+        else:
+            log.info("backend %s up (%s)", backend, DATAPATHS[impl.datapath].label)
+        if BACKENDS[backend].member_filter and impl.datapath == "vxlan-device":
+            # The kernel device takes packets from anyone: the member filter is in BPF.
+            try:
+                await self.bpf.up(filter=backend)
+            except BpfUnavailable as err:
+                self.unfiltered[backend] = str(err)
+                log.error("backend %s has no member filter (packets from non-members are accepted): %s", backend, err)
         if self.on_node_data is not None:
             self.on_node_data()
 
     def available(self, backend: str) -> str | None:
         return self.failed.get(backend)
 
+    def paths(self) -> LocalPaths:
+        """How this node carries each backend now, for the route shapes (agentd.forwarding)."""
+        return LocalPaths({b: impl.datapath for b, impl in self.active.items()}, dict(self.gateways),
+                          frozenset(self.helpers))
+
     def node_data(self) -> dict[str, Any]:
         data: dict[str, Any] = {"type": self.own}
         for impl in self.active.values():
             data.update(impl.data())
+        # How this node runs udp and ipip: a peer that runs them in its user-space worker must
+        # be spoken to through workers (see peer_in_userspace), whatever backend it uses.
+        data["datapath"] = "bpf" if self.bpf.dp is not None and self.cfg.network.datapath != "userspace" \
+            else "userspace"
         return data
+
+    def _userspace_peers(self, plans: Mapping[str, PeerPlan]) -> set[str]:
+        return {addr for addr, p in plans.items() if peer_in_userspace(p)}
+
+    def _peer_flags(self, plans: Mapping[str, PeerPlan]) -> dict[str, int]:
+        """The BPF peers map's flags: a user-space peer's udp/ipip goes to our workers."""
+        flags = 0
+        for backend in self.helpers:
+            flags |= layout.TO_WORKER.get(backend, 0)
+        return dict.fromkeys(self._userspace_peers(plans), flags) if flags else {}
+
+    async def _ensure_helpers(self, plans: Mapping[str, PeerPlan]) -> None:
+        """User-space workers beside BPF for the peers that run udp/ipip in user space: one for
+        each such peer's backend (to send to it) and one for our own (what it sends us)."""
+        def in_bpf(backend: str) -> bool:
+            return backend in self.active and self.active[backend].datapath == "bpf"
+
+        userspace = self._userspace_peers(plans)
+        wanted = {plans[a].backend for a in userspace if in_bpf(plans[a].backend)}
+        if userspace and in_bpf(self.own):
+            wanted.add(self.own)
+        for backend in sorted(wanted - set(self.helpers) - set(self.helper_failed)):
+            assert self.subnet is not None
+            worker = _Worker(self, backend)
+            try:
+                await worker.up(self.subnet)
+            except (OSError, _netlink_error(), DataplaneError, RuntimeError) as err:
+                self.helper_failed[backend] = str(err)
+                log.error("backend %s: no user-space worker for the peers that need one: %s", backend, err)
+                continue
+            self.helpers[backend] = worker
+            log.info("backend %s: user-space worker up for the peers that receive in user space", backend)
+            if self.on_paths is not None:
+                self.on_paths()
 
     def apply(
         self,
@@ -441,31 +481,76 @@ class Tunnels:
             self._dirty.clear()
             plans, next_hops, prune = self._plans, self._next_hops, self._prune
             try:
-                for backend in {p.backend for p in plans.values()} & set(DEVICES):
+                for backend in {p.backend for p in plans.values()} & set(BACKENDS):
                     await self._ensure(backend)
+                await self._ensure_helpers(plans)
+                await self._resolve_gateways(plans)
                 if not self._members_known:
                     continue
-                for impl in list(self.active.values()):
+                for impl in [*self.active.values(), *self.helpers.values()]:
                     await impl.sync(plans, next_hops, prune)
-                kernel = [b for b, impl in self.active.items() if not isinstance(impl, _Worker)]
-                await self.firewall.apply(self.members, ipip="ipip" in kernel, vxlan_port=self.cfg.network.vxlan_port if "vxlan" in kernel else None)
+                await self.bpf.sync(self._bpf_routes(plans, next_hops), set(self.members), self._peer_flags(plans),
+                                    prune=prune)
             except Exception:
                 log.exception("tunnel sync failed; retrying")
                 await asyncio.sleep(1.0)
                 self._dirty.set()
 
+    def _bpf_routes(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]]) -> dict:
+        routes = {}
+        paths = self.paths()
+        for nh, dsts in next_hops.items():
+            plan = plans.get(nh)
+            if plan is None or plan.backend not in self.bpf.carried or paths.datapath(plan) != "bpf":
+                continue
+            for dst in dsts:
+                with contextlib.suppress(ValueError):
+                    routes[IPv4Network(dst)] = (nh, plan.backend)
+        return routes
+
+    async def _resolve_gateways(self, plans: Mapping[str, PeerPlan], *, every: float = GATEWAY_REFRESH) -> None:
+        """The underlay next hop toward each BPF peer off this node's segment, as the kernel
+        routes it (RTM_GETROUTE), re-read every ``every`` seconds; a change recomputes routes."""
+        peers = sorted(a for a, p in plans.items() if p.backend in self.bpf.carried and not self.underlay.on_link(a))
+        now = time.monotonic()
+        if not peers or (set(peers) <= set(self.gateways) | set(self.unreachable) and now - self._gateways_at < every):
+            return
+        self._gateways_at = now
+        gateways, unreachable = await asyncio.to_thread(_underlay_next_hops, peers, self.underlay.ifindex)
+        if gateways != {p: self.gateways[p] for p in peers if p in self.gateways}:
+            for p, why in unreachable.items():
+                log.warning("peer %s: %s; no BPF route to it", p, why)
+            self.gateways, self.unreachable = gateways, unreachable
+            if self.on_paths is not None:
+                self.on_paths()
+
     async def refresh(self) -> None:
-        for impl in list(self.active.values()):  # _ensure may add a backend meanwhile
+        for impl in [*self.active.values(), *self.helpers.values()]:  # _ensure may add one meanwhile
             if isinstance(impl, _Worker):
                 await impl.refresh_stats()
+        await self.bpf.refresh()
+        if self._plans and time.monotonic() - self._gateways_at >= GATEWAY_REFRESH:
+            self._dirty.set()  # the sync loop re-reads the underlay next hops
 
     def status(self) -> dict[str, Any]:
+        active = {}
+        for b, impl in self.active.items():
+            active[b] = impl.status()
+            if b in self.fallbacks:
+                active[b]["fallback"] = self.fallbacks[b]
         return {
             "own": self.own,
-            "active": {b: impl.status() for b, impl in self.active.items()},
+            "active": active,
             "failed": dict(self.failed),
-            "ipip": self.ipip_why or None,
-            "firewall": self.firewall.status(),
+            "bpf": self.bpf.status(),
+            "member_filter": {
+                "bpf": sorted(self.bpf.carried | self.bpf.filtered) if self.bpf.dp else [],
+                "userspace": sorted(b for b, impl in self.active.items() if impl.datapath == "userspace"),
+                "missing": dict(self.unfiltered),
+            },
+            "unreachable": dict(self.unreachable),
+            "userspace_peers_worker": {b: w.status() for b, w in self.helpers.items()},
+            "userspace_peers_worker_failed": dict(self.helper_failed),
         }
 
     async def stop(self, *, remove: bool) -> None:
@@ -473,8 +558,65 @@ class Tunnels:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for impl in self.active.values():
+        for impl in [*self.active.values(), *self.helpers.values()]:
             with contextlib.suppress(Exception):
                 await impl.down(remove)
-        if remove:
-            await self.firewall.remove()
+        with contextlib.suppress(Exception):
+            await self.bpf.down(remove)
+
+
+def _underlay_next_hops(peers: list[str], ifindex: int) -> tuple[dict[str, str], dict[str, str]]:
+    """peer -> the gateway the kernel routes it through (the peer itself when on-link), for the
+    peers routed out of the underlay device; the others with the reason."""
+    from .dataplane.bpf.rtnl import Rtnl, RtnlError
+
+    gateways, unreachable = {}, {}
+    with Rtnl() as nl:
+        for peer in peers:
+            try:
+                oif, gateway = nl.route_get(peer)
+            except RtnlError as err:
+                unreachable[peer] = f"no route to its underlay address ({err.strerror})"
+                continue
+            if oif != ifindex:
+                unreachable[peer] = f"its underlay address is routed out of interface {oif}, not the underlay device"
+                continue
+            gateways[peer] = gateway or peer
+    return gateways, unreachable
+
+
+def dataplane_metrics(t: Tunnels):
+    """Prometheus families from the data paths: per-peer packets and bytes from the BPF maps,
+    drops by reason from the BPF maps and the user-space workers."""
+    from prometheus_client.core import CounterMetricFamily
+
+    packets = CounterMetricFamily("agentd_dataplane_peer_packets", "packets to (tx) and from (rx) each peer, "
+                                  "counted by the BPF data path", labels=["peer", "direction"])
+    nbytes = CounterMetricFamily("agentd_dataplane_peer_bytes", "bytes to (tx) and from (rx) each peer, "
+                                 "counted by the BPF data path", labels=["peer", "direction"])
+    for peer, c in (t.bpf.counters.get("peers") or {}).items():
+        for direction in ("tx", "rx"):
+            packets.add_metric([peer, direction], float(c[f"{direction}_packets"]))
+            nbytes.add_metric([peer, direction], float(c[f"{direction}_bytes"]))
+    drops = CounterMetricFamily("agentd_dataplane_drops", "packets the data path dropped, by reason",
+                                labels=["datapath", "backend", "reason"])
+    for reason, c in (t.bpf.counters.get("drops") or {}).items():
+        drops.add_metric(["bpf", "", reason], float(c["packets"]))
+    for backend, impl in [*t.active.items(), *t.helpers.items()]:
+        if isinstance(impl, _Worker):
+            for reason, n in (impl.last_stats.get("drops") or {}).items():
+                drops.add_metric(["userspace", backend, reason], float(n))
+    return [packets, nbytes, drops]
+
+
+def remove_bpf_leftovers(cfg: Config) -> list[str]:
+    """``agentd leave`` with no agent running: detach and unpin the BPF data path a killed agent
+    left behind in this network namespace (nothing of ours survives a leave)."""
+    from .dataplane.bpf import remove_pinned
+    from .netinfo import NetInfoError, underlay_for
+
+    ifindex = None
+    if cfg.node.address is not None:
+        with contextlib.suppress(NetInfoError):
+            ifindex = underlay_for(cfg.node.address).ifindex
+    return remove_pinned(cfg.agent.bpf_dir, ifindex)

@@ -279,6 +279,16 @@ def render_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _datapath(peer: dict[str, Any]) -> str:
+    """How this node carries the peer's traffic: kernel route, vxlan device, bpf (with the
+    packets the BPF maps counted), user space."""
+    label = peer.get("datapath") or "-"
+    c = peer.get("counters")
+    if c:
+        label += f" (tx {c.get('tx_packets', 0)} rx {c.get('rx_packets', 0)} pkts)"
+    return label
+
+
 def render_status(status: dict[str, Any]) -> str:
     node = status.get("node") or {}
     bgp = status.get("bgp") or {}
@@ -323,10 +333,12 @@ def render_status(status: dict[str, Any]) -> str:
                     _cell(p.get("description") or p.get("type", "")),
                     "up" if established else "down",
                     _since(p.get("since")),
+                    _cell(p.get("backend") or "-"),
+                    _cell(_datapath(p)),
                     _cell(info),
                 ]
             )
-        out.append(render_table(["PEER ADDRESS", "PEER TYPE", "STATE", "SINCE", "INFO"], rows))
+        out.append(render_table(["PEER ADDRESS", "PEER TYPE", "STATE", "SINCE", "BACKEND", "DATA PATH", "INFO"], rows))
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

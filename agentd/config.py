@@ -32,6 +32,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, ip_address
 from pathlib import Path
 from typing import Any, Protocol
 
+from .backend_table import NAMES, mtu_overhead  # noqa: F401  (mtu_overhead is public API)
 from ._config_values import (  # noqa: F401  (HostPort is public API)
     _pod_network,
     HostPort,
@@ -91,21 +92,20 @@ DEFAULT_CONFIG_PATH = "/etc/agentd/agentd.toml"
 MAX_CONFIG_BYTES = 1 << 20  # a configuration file larger than this is a mistake
 ENV_PREFIX = "AGENTD_"
 
-# Bytes of encapsulation each backend adds to a pod packet; mtu = "auto" subtracts this
-# from the underlay MTU. IPIP: outer IPv4 header (RFC 2003). VXLAN: outer IPv4 + UDP +
-# VXLAN header + inner Ethernet (RFC 7348 §5). udp: outer IPv4 + UDP (flannel UDP wire format).
-_MTU_OVERHEAD = {"host-gw": 0, "ipip": 20, "vxlan": 50, "udp": 28}
-BACKENDS = tuple(_MTU_OVERHEAD)
+# The backends, their MTU overhead (mtu = "auto" subtracts it from the underlay MTU) and data
+# paths: one table, agentd.backend_table.
+BACKENDS = NAMES
+DATAPATH_CHOICES = ("auto", "bpf", "userspace")
+# Keys that are gone, and what took their place (named in the "unknown key" error).
+_REPLACED = {
+    "network.ipip_mode": "[network] datapath: ipip runs in BPF or in user space, no kernel ipip device",
+}
 
 _SECRET_MASK = "********"
 
 
-def mtu_overhead(backend: str) -> int:
-    """Bytes of encapsulation ``backend`` adds to every pod packet."""
-    try:
-        return _MTU_OVERHEAD[backend]
-    except KeyError:
-        raise ValueError(f"unknown backend {backend!r}; one of {', '.join(BACKENDS)}") from None
+def _replaced_by(dotted: str) -> str:
+    return f" (replaced by {_REPLACED[dotted]})" if dotted in _REPLACED else ""
 
 
 class ConfigError(ValueError):
@@ -154,7 +154,8 @@ class NetworkConfig:
     vxlan_vni: int = 1
     vxlan_port: int = 4789
     udp_port: int = 8285
-    ipip_mode: str = "auto"
+    datapath: str = "auto"  # udp and ipip: "bpf" (tc-BPF), "userspace" (TUN worker), "auto" (bpf where it loads)
+    bpf_pod_redirect: bool = True  # BPF: decapsulated packets go straight to the pod's bridge port
 
     def pod_mtu(self, underlay_mtu: int) -> int:
         """The MTU for pod interfaces: the configured one, or the underlay's minus the overhead."""
@@ -256,6 +257,7 @@ class LogConfig:
 class AgentConfig:
     state_dir: Path = Path("/var/lib/agentd")
     route_resync: float = 30.0
+    bpf_dir: Path = Path("/sys/fs/bpf/agentd")  # pins of the BPF data path (a bpffs)
 
 
 @dataclass(frozen=True)
@@ -333,7 +335,8 @@ _KEYS = (
     _Key("network", "vxlan_vni", _int(1, 16777215), 1),  # 24-bit VNI, RFC 7348 §5
     _Key("network", "vxlan_port", _PORT, 4789),
     _Key("network", "udp_port", _PORT, 8285),
-    _Key("network", "ipip_mode", _choice("auto", "kernel", "userspace"), "auto"),
+    _Key("network", "datapath", _choice(*DATAPATH_CHOICES), "auto"),
+    _Key("network", "bpf_pod_redirect", _BOOL, True),
     _Key("etcd", "endpoints", _Kind((list,), "an array", _text_list, _endpoints), EtcdConfig.endpoints),
     _Key("etcd", "prefix", _string(_etcd_prefix), "/agentd"),
     _Key("etcd", "ca", _Kind((str,), "a string", str, _tls_file), None),
@@ -371,6 +374,7 @@ _KEYS = (
     _Key("log", "format", _choice("text", "json"), "text"),
     _Key("agent", "state_dir", _PATH, AgentConfig.state_dir),
     _Key("agent", "route_resync", _float(0.1, 3600), 30.0),
+    _Key("agent", "bpf_dir", _PATH, AgentConfig.bpf_dir),
 )
 _BY_PATH = {k.path: k for k in _KEYS}
 _SECTIONS = tuple(dict.fromkeys(k.section for k in _KEYS))
@@ -611,7 +615,7 @@ class _Loader:
             for name, v in table.items():
                 o = _Origin(1, path, self.locate(sec, name))
                 if name not in names:
-                    hint = _suggest(name, names, str)
+                    hint = _replaced_by(f"{sec}.{name}") or _suggest(name, names, str)
                     self.problem(f"unknown key [{sec}] {name}{hint}", o, f"{sec}.{name}")
                     continue
                 key = _BY_PATH[f"{sec}.{name}"]
@@ -669,7 +673,8 @@ class _Loader:
             o = _Origin(2, shown)
             if key is None:
                 names = [k.name for k in _KEYS if k.section == sec]
-                hint = _suggest(name, names, lambda n: f"{ENV_PREFIX}{sec.upper()}_{n.upper()}")
+                hint = _replaced_by(f"{sec}.{name}") or _suggest(
+                    name, names, lambda n: f"{ENV_PREFIX}{sec.upper()}_{n.upper()}")
                 self.problem(f"unknown key [{sec}] {name}{hint}", o, f"{sec}.{name}")
                 continue
             self.set(key, env[var], o, _cwd(), from_text=True)

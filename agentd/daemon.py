@@ -35,7 +35,7 @@ from proto.nlri import network_to_prefix, prefix_to_str
 
 from . import cni_config, mesh
 from .api import ApiServer
-from .backends import Tunnels
+from .backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from .config import Config, ConfigError, load_config, reloaded
 from .datastore import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
 from .forwarding import PeerPlan, plan_external, plan_peer, route_for
@@ -172,7 +172,8 @@ class Agent:
                 wanted.subnet_len,
             )
         previous = self._previous_subnet()
-        self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed)
+        self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed,
+                               on_paths=self._schedule_recompute)
         self.lease = await self.datastore.acquire_subnet(
             self.name,
             self.address,
@@ -183,6 +184,19 @@ class Agent:
         )
         subnet = self.lease.subnet
         log.info("node %s holds subnet %s%s", self.name, subnet, " (kept from before)" if subnet == previous else "")
+        # NetworkPolicy (issue 13): adopt the policy tables as they are; they change only once
+        # the resources in etcd have been read (the "policy" task).  Until its first sync says
+        # no pod here is isolated, the BPF data path hands no packet to a pod past netfilter.
+        self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
+                                  on_isolation=self.tunnels.bpf.hold_redirect)
+        try:
+            await self.policy.start()
+            self.registry.register(self.policy)
+            self.tunnels.bpf.redirect_held = True
+        except NftError as err:  # no libnftables: pods are routed, but policy is not enforced
+            log.error("network policy is not enforced on this node: %s", err)
+            self._problems.append(f"network policy not enforced: {err}")
+            self.policy = None
         try:
             await self.tunnels.start(subnet)
         except RuntimeError as err:
@@ -190,16 +204,6 @@ class Agent:
         self._write_cni_files()
         await self.datastore.register_node(self._node_record())
         await self.datastore.set_subnet_backend_data(self.tunnels.node_data())
-        # NetworkPolicy (issue 13): adopt the policy tables as they are; they change only once
-        # the resources in etcd have been read (the "policy" task).
-        self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry)
-        self.registry.register(self.policy)
-        try:
-            await self.policy.start()
-        except NftError as err:  # no libnftables: pods are routed, but policy is not enforced
-            log.error("network policy is not enforced on this node: %s", err)
-            self._problems.append(f"network policy not enforced: {err}")
-            self.policy = None
 
         # BGP.
         self.speaker = Speaker(local_settings(cfg, restarting=self._restarting), now=time.monotonic())
@@ -401,6 +405,7 @@ class Agent:
             {"dst": str(self.lease.subnet), "via": None, "dev": None, "backend": "blackhole", "peer": None}
         ]
         next_hops: dict[str, list[str]] = {}
+        paths = self.tunnels.paths()
         for (afi, prefix), path in self._bests.items():
             if path.source.local or path.next_hop is None:
                 continue
@@ -411,12 +416,13 @@ class Agent:
                 plan = plans[nh] = plan_external(nh, underlay)
             if not plan.routable:
                 continue
-            route = route_for(dst, plan, underlay, self.tunnels.devices)
+            route = route_for(dst, plan, underlay, paths)
             if route is None:
                 continue
             routes.append(route)
             next_hops.setdefault(nh, []).append(dst)
-            rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh})
+            rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh,
+                         "datapath": paths.label(plan)})
         self.plans = plans
         self.route_rows = rows
         if not self._initial_sync_done and self._initial_sync_complete():
@@ -464,7 +470,6 @@ class Agent:
                 log.info("ready")
             if self.tunnels is not None:
                 await self.tunnels.refresh()
-                await self.tunnels.firewall.counters()
             await asyncio.sleep(0.5 if not ready_sent else 2.0)
 
     def _subnet_lost(self, lease: SubnetLease) -> None:
@@ -528,10 +533,15 @@ class Agent:
         if self.service is None:
             return []
         rows = peer_rows(self.service)
+        paths = self.tunnels.paths() if self.tunnels else None
         for row in rows:
             plan = self.plans.get(row["address"])
             row["backend"] = plan.backend if plan else None
             row["backend_reason"] = plan.reason if plan else None
+            # The data path carrying it here, and its packet counters where the kernel keeps them.
+            row["datapath"] = paths.label(plan) if plan and paths else None
+            row["counters"] = self.tunnels.bpf.peer_counters(row["address"]) \
+                if self.tunnels and row["datapath"] == "bpf" else None
         return rows
 
     def bgp_speaker(self) -> Speaker | None:
@@ -564,6 +574,8 @@ class _AgentMetrics:
         for c in a.supervisor.children.values():
             restarts.add_metric([c.name], float(c.restarts))
         yield from (routes, up, renew, ready, restarts)
+        if a.tunnels is not None:
+            yield from dataplane_metrics(a.tunnels)
 
 
 def datastore_for(cfg: Config) -> Datastore:
@@ -593,6 +605,10 @@ async def leave(cfg: Config) -> int:
         released = await ds.release(name, timeout=10)
         await ds.remove_node(name, timeout=10)
         log.info("node %s removed from etcd (no agent was running); released %s", name, ", ".join(map(str, released)) or "-")
+        # What a killed agent left in the kernel: the BPF programs, filters and pins.
+        gone = await asyncio.to_thread(remove_bpf_leftovers, cfg)
+        if gone:
+            log.info("removed the BPF data path a previous agent left: %s", ", ".join(gone))
         await remove_policy_tables()  # NetworkPolicy (issue 13)
         return 0
     except Exception as err:

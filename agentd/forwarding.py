@@ -4,22 +4,25 @@ For every peer node the agent makes a :class:`PeerPlan`: the backend that carrie
 traffic to it and why (host-gw needs the peer on this node's L2 segment; with
 ``encap = "cross-subnet"`` on-link peers are reached directly and the rest through the
 tunnel).  :func:`plan_peer` decides, :func:`route_for` turns a best path into a kernel
-route under that plan.  Both are pure; the tunnel backends that need devices, FDB
-entries or user-space next hops live in agentd.backends and are driven by the agent.
+route under that plan and the data path this node runs the backend on (:class:`LocalPaths`,
+from agentd.backends).  Both are pure.  The route shape belongs to the data path, one
+function each in :data:`ROUTE_SHAPES`; the backends' facts come from agentd.backend_table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
+from .backend_table import BACKENDS, DATAPATHS, ENCAPSULATING
 from .datastore import NodeRecord
 from .netinfo import Underlay
 from .routing import Route
 
 HOST_GW = "host-gw"
-ENCAP_BACKENDS = ("ipip", "vxlan", "udp")
+ENCAP_BACKENDS = ENCAPSULATING
+EXTERNAL = "kernel"  # the "backend" of a next hop outside the cluster: the kernel resolves it
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class PeerPlan:
     """How traffic to one peer node (or external next hop) is carried."""
 
     address: str
-    backend: str  # "host-gw", "ipip", "vxlan", "udp", or "none" (no route possible)
+    backend: str  # a backend of agentd.backend_table, "kernel" (external next hop) or "none" (no route)
     reason: str
     node: str | None = None  # the node's name; None for a next hop outside the cluster
     extra: dict = field(default_factory=dict, compare=False)  # backend data (vtep mac/ip, ...)
@@ -35,6 +38,42 @@ class PeerPlan:
     @property
     def routable(self) -> bool:
         return self.backend != "none"
+
+
+@dataclass(frozen=True)
+class LocalPaths:
+    """How this node carries each backend right now: backend -> data path (DATAPATHS), and for
+    the BPF data path, the underlay next hop toward each peer not on this node's segment."""
+
+    datapaths: Mapping[str, str] = field(default_factory=dict)
+    gateways: Mapping[str, str] = field(default_factory=dict)
+    helpers: frozenset[str] = frozenset()  # bpf backends with a user-space worker up for user-space peers
+
+    def datapath(self, plan: PeerPlan) -> str | None:
+        if plan.backend == HOST_GW:
+            return "route"
+        if plan.backend == EXTERNAL:
+            return EXTERNAL
+        dp = self.datapaths.get(plan.backend)
+        if dp == "bpf" and peer_in_userspace(plan):
+            # Speak to it as it speaks: its worker reads our packets from a socket, which on a
+            # software underlay (veth) would hand it our GSO super-packets and unfinished
+            # checksums as they are; our own worker sends what a worker expects.
+            return "userspace" if plan.backend in self.helpers else None
+        return dp
+
+    def label(self, plan: PeerPlan) -> str | None:
+        """What `agentd status` shows as the peer's data path."""
+        dp = self.datapath(plan)
+        if dp == EXTERNAL:
+            return "kernel route"
+        return DATAPATHS[dp].label if dp in DATAPATHS else None
+
+
+def peer_in_userspace(plan: PeerPlan) -> bool:
+    """The peer's node record says it runs udp and ipip in its user-space worker (or, from an
+    agent that predates the BPF data path, says nothing, which meant the same)."""
+    return plan.node is not None and plan.extra.get("datapath", "userspace") != "bpf"
 
 
 def plan_peer(
@@ -58,7 +97,7 @@ def plan_peer(
     peer_backend = str(node.backend.get("type") or own_backend)
     if peer_backend == HOST_GW:
         if on_link:
-            return PeerPlan(addr, HOST_GW, f"on-link via {underlay.ifname}", node.name)
+            return PeerPlan(addr, HOST_GW, f"on-link via {underlay.ifname}", node.name, dict(node.backend))
         return PeerPlan(
             addr,
             "none",
@@ -67,7 +106,10 @@ def plan_peer(
             node.name,
         )
     if encap == "cross-subnet" and on_link:
-        return PeerPlan(addr, HOST_GW, f"cross-subnet: on-link via {underlay.ifname}, no encapsulation", node.name)
+        return PeerPlan(addr, HOST_GW, f"cross-subnet: on-link via {underlay.ifname}, no encapsulation", node.name,
+                        dict(node.backend))
+    if peer_backend not in BACKENDS:
+        return PeerPlan(addr, "none", f"peer uses backend {peer_backend!r}, which this agent does not know", node.name)
     problem = available(peer_backend)
     if problem is not None:
         return PeerPlan(addr, "none", f"peer uses {peer_backend}: {problem}", node.name)
@@ -82,25 +124,51 @@ def plan_external(next_hop: str, underlay: Underlay) -> PeerPlan:
         return PeerPlan(next_hop, HOST_GW, f"external next hop on-link via {underlay.ifname}")
     if isinstance(a, IPv6Address) and a.ipv4_mapped is not None:
         return PeerPlan(next_hop, "none", "IPv4-mapped IPv6 next hop cannot be routed")
-    return PeerPlan(next_hop, "kernel", "external next hop resolved by the kernel")
+    return PeerPlan(next_hop, EXTERNAL, "external next hop resolved by the kernel")
 
 
-def route_for(dst: str, plan: PeerPlan, underlay: Underlay, devices: dict[str, str]) -> Route | None:
-    """The kernel route for ``dst`` under ``plan``; ``devices`` maps backend -> tunnel device name."""
-    if plan.backend == HOST_GW:
-        return Route(dst=dst, gateway=plan.address, dev=underlay.ifname)
-    if plan.backend == "kernel":
-        return Route(dst=dst, gateway=plan.address)
-    if plan.backend == "ipip":
-        dev = devices["ipip"]
-        if devices.get("ipip_path") == "userspace":
-            return Route(dst=dst, dev=dev)  # the user-space next-hop table picks the peer
-        return Route(dst=dst, gateway=plan.address, dev=dev, onlink=True)
-    if plan.backend == "udp":
-        return Route(dst=dst, dev=devices["udp"])
-    if plan.backend == "vxlan":
-        vtep_ip = plan.extra.get("vtep_ip")
-        if not vtep_ip:
-            return None
-        return Route(dst=dst, gateway=vtep_ip, dev=devices["vxlan"], onlink=True)
-    return None
+# ------------------------------------------------------------------ route shapes, per data path
+
+
+def _direct(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
+    return Route(dst=dst, gateway=plan.address, dev=underlay.ifname)
+
+
+def _external(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
+    return Route(dst=dst, gateway=plan.address)
+
+
+def _vxlan_device(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
+    vtep_ip = plan.extra.get("vtep_ip")
+    if not vtep_ip:
+        return None
+    return Route(dst=dst, gateway=vtep_ip, dev=BACKENDS[plan.backend].device, onlink=True)
+
+
+def _bpf(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
+    """Out of the underlay device (where the egress program encapsulates) toward the next hop
+    the stack routes the peer's address to, so the outer packet's link-layer header is already
+    the right one; the MTU leaves room for the outer headers (the program keeps gso_size)."""
+    gateway = plan.address if underlay.on_link(plan.address) else paths.gateways.get(plan.address)
+    if gateway is None:
+        return None  # not resolved yet: agentd.backends resolves it and asks for a recompute
+    return Route(dst=dst, gateway=gateway, dev=underlay.ifname, mtu=underlay.mtu - BACKENDS[plan.backend].overhead)
+
+
+def _userspace(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
+    return Route(dst=dst, dev=BACKENDS[plan.backend].device)  # the worker's next-hop table picks the peer
+
+
+ROUTE_SHAPES: dict[str, Callable[[str, PeerPlan, Underlay, LocalPaths], Route | None]] = {
+    "route": _direct,
+    EXTERNAL: _external,
+    "vxlan-device": _vxlan_device,
+    "bpf": _bpf,
+    "userspace": _userspace,
+}
+
+
+def route_for(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
+    """The kernel route for ``dst`` under ``plan``, in the shape of the data path that carries it."""
+    shape = ROUTE_SHAPES.get(paths.datapath(plan) or "")
+    return shape(dst, plan, underlay, paths) if shape else None

@@ -19,8 +19,9 @@ notification when a link going down flushes its routes).
 
 Restart without a gap: ``start()`` adopts the own routes already in the kernel.  Nothing is
 deleted as "not desired" until the caller has once declared its complete desired set with
-``set_desired()`` (before that, only what it ``discard()``-ed), so a restarted agent keeps
-forwarding while BGP relearns its routes.
+``set_desired()`` (before that, only what it ``discard()``-ed, and our second routes of a
+destination it ``upsert()``-ed), so a restarted agent keeps forwarding while BGP relearns its
+routes.
 """
 
 from __future__ import annotations
@@ -161,6 +162,9 @@ class RouteProgrammer:
         self._desired[route.dst] = route
         self._discarded.discard(route.dst)
         self._dirty.add(route.dst)
+        if self._strays and any(s.text == route.dst for s in self._strays):
+            # As in set_desired(): the route now wanted may be the one filed as a stray.
+            self._full_pending = True
         self._wake.set()
 
     def discard(self, dst: str) -> None:
@@ -376,6 +380,11 @@ class RouteProgrammer:
                     change(want, have)
         if may_delete:
             deletes.extend(self._strays)
+        elif self._strays:
+            # Before the first set_desired(), a destination the caller has declared (upsert)
+            # or discarded is complete already: our other routes for it go, as change() and
+            # the discard above delete the one filed as its route.
+            deletes.extend(s for s in self._strays if s.text in desired or s.text in discarded)
         return adds, replaces, deletes, stale
 
     async def _apply(self, adds: list[Route], replaces: list[Route], deletes: list[Route | _Stray]):
@@ -752,9 +761,10 @@ class RouteProgrammer:
         if have is None or _kernel_metric(have) == _kernel_metric(route):
             kernel[dst] = route
             return
-        # Two routes of ours for one dst (different metrics): keep the desired one.
+        # Two routes of ours for one dst (different metrics): the one holding the desired
+        # route's key is its route (replaced in place if it differs); the other is a stray.
         want = self._desired.get(dst)
-        if want is not None and _same(want, route) and not _same(want, have):
+        if want is not None and _kernel_metric(want) == _kernel_metric(route):
             kernel[dst], route = route, have
         strays.add(_stray_of(route))
 

@@ -1,23 +1,29 @@
-"""The feeding peer of bench/bgp_ingest.py: a pre-encoded UPDATE stream and a blocking BGP sender.
+"""The feeding peer of bench/bgp_ingest.py: pre-encoded UPDATE streams and a blocking BGP sender.
 
 :func:`build_stream` generates, before any connection exists, the complete byte stream
-of UPDATEs announcing ``n`` distinct IPv4 prefixes with realistic attribute sharing,
-so that the feeder's own Python cost is not part of what the benchmark measures.
-:class:`Feeder` opens a session on a connected socket (OPEN / KEEPALIVE exchange,
-RFC 4271 §8.2.2), then pushes the stream with ``sendall`` of large message-aligned
-chunks as fast as TCP lets it, keeps the session up with KEEPALIVEs, and reads and
-discards whatever the device under test sends so it never blocks on its send buffer.
+of UPDATEs announcing ``n`` distinct IPv4 prefixes, so that the feeder's own Python cost
+is not part of what the benchmark measures.  :class:`Feeder` opens a session on a
+connected socket (OPEN / KEEPALIVE exchange, RFC 4271 §8.2.2), then pushes the stream
+with ``sendall`` of large message-aligned chunks as fast as TCP lets it, keeps the
+session up with KEEPALIVEs, and reads and discards whatever the device under test sends
+so it never blocks on its send buffer.  Messages are encoded by bench/_wire.py, on
+purpose independent of the project's codec (tests/unit/bench/ holds the two to the same
+bytes).
 
-The stream (what the report calls "realistic attribute sharing"):
+Prefixes (every regime): ~90 % distinct /24s, ~10 % /20-/23, drawn at random from
+1.0.0.0-223.255.255.255 (first octets 0, 10 and 127 left out), sent in address order, as
+a table dump would be; one End-of-RIB marker (RFC 4724 §2) after the last prefix.
 
-* prefixes: ~90 % distinct /24s, ~10 % /20-/23, drawn at random from 1.0.0.0-223.255.255.255
-  (first octets 0, 10 and 127 left out), sent in address order, as a table dump would be;
-* consecutive runs of 100-500 prefixes (uniform, mean 300) share one attribute set, so
-  there is one distinct attribute set per ~300 prefixes on average (3,337 sets at 1M);
-* each set: ORIGIN (IGP 85 %, INCOMPLETE 15 %), an AS_PATH of length 2-6 starting with
-  the feeder's AS, drawn from a pool of 4,000 distinct paths (2- and 4-octet ASNs),
-  NEXT_HOP = the feeder, MED on 30 % of the sets, 1-4 COMMUNITIES on 50 %;
-* one End-of-RIB marker (RFC 4724 §2) after the last prefix.
+Attribute sets: ORIGIN (IGP 85 %, INCOMPLETE 15 %), an AS_PATH of length 2-6 starting with
+the feeder's AS, drawn from a pool of 4,000 distinct paths (2- and 4-octet ASNs), NEXT_HOP
+= the feeder, 1-4 COMMUNITIES on 50 % of the sets, and by regime:
+
+* ``packed`` (the best case, a table transfer): consecutive runs of 100-500 prefixes
+  (uniform, mean 300) share one attribute set, MED on 30 % of the sets; one distinct set
+  per ~300 prefixes (3,337 at 1M);
+* ``one`` (a pod network: every node's route its own): one prefix per UPDATE, and every
+  UPDATE a distinct attribute set -- its MED is its sequence number;
+* ``three``: three prefixes per UPDATE, every UPDATE a distinct set (MED as in ``one``).
 """
 
 from __future__ import annotations
@@ -27,34 +33,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from ipaddress import IPv4Address
 
-from proto.attributes import (
-    AS_SEQUENCE,
-    ORIGIN_IGP,
-    ORIGIN_INCOMPLETE,
-    AsPath,
-    AsPathSegment,
-    Communities,
-    MultiExitDisc,
-    Origin,
-    PathAttributes,
-)
-from proto.capabilities import FourOctetAs, MultiProtocol, RouteRefresh
-from proto.errors import DecodeError
-from proto.messages import (
-    Keepalive,
-    MessageReader,
-    MessageType,
-    Notification,
-    Open,
-    Update,
-    encode_updates,
-)
+from bench import _wire
 
 FEEDER_AS = 65001
 CHUNK_SIZE = 256 * 1024
-GROUP_MIN, GROUP_MAX = 100, 500  # prefixes per attribute set: uniform, mean 300
+GROUP_MIN, GROUP_MAX = 100, 500  # packed: prefixes per attribute set, uniform, mean 300
+REGIMES = {"one": 1, "three": 3, "packed": None}  # prefixes per UPDATE (None: as many as fit)
 AS_PATH_POOL = 4000
 SHORT_LENGTHS = (20, 21, 22, 23)
 SHORT_WEIGHTS = (0.15, 0.20, 0.35, 0.30)
@@ -66,6 +51,7 @@ _EXCLUDED_FIRST_OCTETS = (0, 10, 127)  # unroutable, the lab's own 10/8, loopbac
 class FeedStream:
     """The complete UPDATE stream for one run, cut into message-aligned chunks."""
 
+    regime: str
     prefixes: int
     updates: int  # UPDATE messages, End-of-RIB included
     attribute_sets: int
@@ -77,7 +63,7 @@ class FeedStream:
 
     def describe(self) -> str:
         return (
-            f"{self.prefixes:,} prefixes in {self.updates:,} UPDATEs ({self.size / 1e6:.1f} MB), "
+            f"{self.regime}: {self.prefixes:,} prefixes in {self.updates:,} UPDATEs ({self.size / 1e6:.1f} MB), "
             f"{self.attribute_sets:,} attribute sets (1 per {self.prefixes / max(1, self.attribute_sets):.0f} prefixes)"
         )
 
@@ -131,14 +117,19 @@ def _as_path_pool(size: int, rng: random.Random) -> list[tuple[int, ...]]:
     return sorted(pool)
 
 
-def _attribute_sets(count: int, rng: random.Random) -> list[PathAttributes]:
+def _attribute_sets(count: int, rng: random.Random, next_hop: str, *, med_per_set: bool) -> list[bytes]:
+    """``count`` distinct encoded attribute sets; ``med_per_set``: set k carries MED k (so all
+    differ), otherwise 30 % carry a random MED."""
     paths = _as_path_pool(AS_PATH_POOL, rng)
     seen: set[tuple] = set()
-    out: list[PathAttributes] = []
+    out: list[bytes] = []
     while len(out) < count:
         path = rng.choice(paths)
-        origin = ORIGIN_INCOMPLETE if rng.random() < 0.15 else ORIGIN_IGP
-        med = rng.randint(0, 1000) if rng.random() < 0.30 else None
+        origin = _wire.ORIGIN_INCOMPLETE if rng.random() < 0.15 else _wire.ORIGIN_IGP
+        if med_per_set:
+            med: int | None = len(out)
+        else:
+            med = rng.randint(0, 1000) if rng.random() < 0.30 else None
         comms: tuple[int, ...] = ()
         if rng.random() < 0.50:
             upstream = path[1] if path[1] <= 0xFFFF else FEEDER_AS
@@ -147,35 +138,34 @@ def _attribute_sets(count: int, rng: random.Random) -> list[PathAttributes]:
         if key in seen:
             continue
         seen.add(key)
-        attrs = [Origin(origin), AsPath((AsPathSegment(AS_SEQUENCE, path),))]
-        if med is not None:
-            attrs.append(MultiExitDisc(med))
-        if comms:
-            attrs.append(Communities(comms))
-        out.append(PathAttributes(tuple(attrs)))
+        out.append(_wire.path_attributes(origin=origin, as_path=path, next_hop=next_hop, med=med, communities=comms))
     return out
 
 
-def build_stream(n: int, *, next_hop: str = "10.0.0.1", seed: int = 1, chunk_size: int = CHUNK_SIZE) -> FeedStream:
-    """The UPDATE stream announcing ``n`` prefixes (see the module docstring), deterministic per ``seed``."""
+def build_stream(n: int, *, regime: str = "packed", next_hop: str = "10.0.0.1", seed: int = 1,
+                 chunk_size: int = CHUNK_SIZE) -> FeedStream:
+    """The UPDATE stream announcing ``n`` prefixes in ``regime`` (see the module docstring),
+    deterministic per ``seed``."""
     if n < 1:
         raise ValueError("the stream needs at least one prefix")
+    if regime not in REGIMES:
+        raise ValueError(f"unknown regime {regime!r} (expected one of {', '.join(REGIMES)})")
     rng = random.Random(seed)
     prefixes = _random_prefixes(n, rng)
+    per_update = REGIMES[regime]
     sizes: list[int] = []
     left = n
     while left > 0:
-        size = min(left, rng.randint(GROUP_MIN, GROUP_MAX))
+        size = min(left, per_update or rng.randint(GROUP_MIN, GROUP_MAX))
         sizes.append(size)
         left -= size
-    sets = _attribute_sets(len(sizes), rng)
-    nh = IPv4Address(next_hop)
+    sets = _attribute_sets(len(sizes), rng, next_hop, med_per_set=per_update is not None)
     messages: list[bytes] = []
     start = 0
     for attrs, size in zip(sets, sizes):
-        messages += encode_updates(1, attrs, nh, prefixes[start : start + size])
+        messages += _wire.updates(attrs, prefixes[start : start + size])
         start += size
-    messages.append(Update().encode())  # End-of-RIB for IPv4 unicast (RFC 4724 §2)
+    messages.append(_wire.END_OF_RIB)  # End-of-RIB for IPv4 unicast (RFC 4724 §2)
     chunks: list[bytes] = []
     pending: list[bytes] = []
     pending_len = 0
@@ -187,7 +177,7 @@ def build_stream(n: int, *, next_hop: str = "10.0.0.1", seed: int = 1, chunk_siz
             pending, pending_len = [], 0
     if pending:
         chunks.append(b"".join(pending))
-    return FeedStream(n, len(messages), len(sets), tuple(chunks))
+    return FeedStream(regime, n, len(messages), len(sets), tuple(chunks))
 
 
 # --------------------------------------------------------------------------- the sender
@@ -211,11 +201,12 @@ class Feeder:
         self.asn = asn
         self.router_id = router_id
         self.hold_time = hold_time
-        self.peer_open: Open | None = None
+        self.peer_hold: int | None = None  # from the peer's OPEN
         self.error: str | None = None
         self.t0: float | None = None  # time.monotonic() right before the first UPDATE left
         self.t_sent: float | None = None  # ... and after the last stream byte was handed to TCP
-        self._reader = MessageReader()
+        self._reader = _wire.Splitter()
+        self._pending: list[tuple[int, bytes]] = []
         self._stop = threading.Event()
         self._started = threading.Event()
         self._send_lock = threading.Lock()
@@ -223,42 +214,44 @@ class Feeder:
 
     # ------------------------------------------------------------ session setup
 
-    def open_session(self, timeout: float = 30.0) -> Open:
-        """Exchange OPENs and KEEPALIVEs (RFC 4271 §8.2.2) until Established."""
+    def open_session(self, timeout: float = 30.0) -> int:
+        """Exchange OPENs and KEEPALIVEs (RFC 4271 §8.2.2) until Established; returns the
+        peer's hold time."""
         sock = self.sock
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        caps = (MultiProtocol(1, 1), RouteRefresh(), FourOctetAs(self.asn))
-        sock.sendall(Open.build(self.asn, self.hold_time, self.router_id, caps).encode())
+        sock.sendall(_wire.open_message(self.asn, self.hold_time, self.router_id))
         deadline = time.monotonic() + timeout
         got_keepalive = False
         while not got_keepalive:
             if time.monotonic() > deadline:
                 raise FeederError(f"no session within {timeout:.0f} s")
             msg_type, body = self._next_message()
-            if msg_type == MessageType.OPEN:
-                self.peer_open = Open.decode(body)
-                sock.sendall(Keepalive().encode())
-            elif msg_type == MessageType.KEEPALIVE and self.peer_open is not None:
+            if msg_type == _wire.OPEN:
+                try:
+                    self.peer_hold = _wire.parse_open(body)[1]
+                except ValueError as err:
+                    raise FeederError(f"bad OPEN from peer: {err}") from None
+                sock.sendall(_wire.keepalive())
+            elif msg_type == _wire.KEEPALIVE and self.peer_hold is not None:
                 got_keepalive = True
-            elif msg_type == MessageType.NOTIFICATION:
-                raise FeederError(f"peer sent NOTIFICATION during setup: {Notification.decode(body)}")
+            elif msg_type == _wire.NOTIFICATION:
+                raise FeederError(f"peer sent NOTIFICATION during setup: {_wire.describe_notification(body)}")
         sock.settimeout(None)
-        assert self.peer_open is not None
-        return self.peer_open
+        assert self.peer_hold is not None
+        return self.peer_hold
 
     def _next_message(self) -> tuple[int, bytes]:
-        while True:
-            try:
-                msg = self._reader.next_message()
-            except DecodeError as err:
-                raise FeederError(f"bad message from peer: {err}") from None
-            if msg is not None:
-                return msg
+        while not self._pending:
             data = self.sock.recv(65536)
             if not data:
                 raise FeederError("peer closed the connection during setup")
             self._reader.feed(data)
+            try:
+                self._pending = self._reader.messages()
+            except ValueError as err:
+                raise FeederError(f"bad message from peer: {err}") from None
+        return self._pending.pop(0)
 
     # ------------------------------------------------------------ streaming
 
@@ -283,7 +276,7 @@ class Feeder:
                 with self._send_lock:
                     self.sock.sendall(chunk)
             self.t_sent = time.monotonic()
-            keepalive = Keepalive().encode()
+            keepalive = _wire.keepalive()
             interval = max(1.0, (self._negotiated_hold() or 90) / 3)
             while not self._stop.wait(interval):
                 with self._send_lock:
@@ -295,7 +288,7 @@ class Feeder:
             self._started.set()
 
     def _negotiated_hold(self) -> int:
-        peer = self.peer_open.hold_time if self.peer_open else self.hold_time
+        peer = self.hold_time if self.peer_hold is None else self.peer_hold
         return min(self.hold_time, peer) if peer else 0
 
     def _read_loop(self) -> None:
@@ -309,9 +302,9 @@ class Feeder:
                     return
                 reader.feed(data)
                 for msg_type, body in reader.messages():
-                    if msg_type == MessageType.NOTIFICATION:
-                        self.error = f"peer sent NOTIFICATION: {Notification.decode(body)}"
-        except (OSError, DecodeError) as err:
+                    if msg_type == _wire.NOTIFICATION:
+                        self.error = f"peer sent NOTIFICATION: {_wire.describe_notification(body)}"
+        except (OSError, ValueError) as err:
             if not self._stop.is_set():
                 self.error = self.error or f"receive failed: {err}"
 

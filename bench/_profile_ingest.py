@@ -1,6 +1,6 @@
 """Where agentd's speaker spends its time ingesting the bench/bgp_ingest.py stream (cProfile).
 
-    .venv/bin/python bench/_profile_ingest.py [--n 1000000] [--top 25] [--sort tottime]
+    .venv/bin/python bench/_profile_ingest.py [--n 1000000] [--regime packed] [--top 25] [--sort tottime]
 
 No root, no network: the speaker is built exactly as ``agentd speaker`` builds it (the
 same TOML through agentd.config and agentd.speaker.local_settings/peer_settings), an
@@ -55,7 +55,7 @@ def fresh_speaker(workdir: Path) -> Speaker:
     speaker.data_received(CONN, Open.build(FEEDER_AS, HOLD_TIME, FEEDER_ADDR, caps).encode(), now)
     speaker.data_received(CONN, Keepalive().encode(), now)
     speaker.take_actions()
-    state = speaker.peer_status()[0]["state"]
+    state = speaker.peer_views()[0].state
     if state.lower() != "established":
         raise SystemExit(f"session with the feeder is {state}, not Established")
     return speaker
@@ -72,7 +72,7 @@ def feed(speaker: Speaker, stream: FeedStream) -> float:
 
 
 def received(speaker: Speaker) -> int:
-    return int(speaker.peer_status()[0]["prefixes_received"])
+    return speaker.peer_views()[0].prefixes_received
 
 
 class GcClock:
@@ -120,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25, help="functions to show (default 25)")
     p.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"), help="first listing's order")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--regime", choices=("one", "three", "packed"), default="packed",
+                   help="the stream of bench/bgp_ingest.py to feed (default packed)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ad-profile-ingest-") as tmp:
         workdir = Path(tmp)
         for n in args.n:
-            stream = build_stream(n, next_hop=FEEDER_ADDR, seed=args.seed)
+            stream = build_stream(n, regime=args.regime, next_hop=FEEDER_ADDR, seed=args.seed)
             print(f"N={n}: {stream.describe()}")
             gc.collect()
             print(f"  unprofiled:          {timed_pass(workdir, stream, gc_enabled=True)}")

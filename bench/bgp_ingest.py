@@ -1,7 +1,15 @@
 """BGP ingest: time and peak RSS for a speaker to receive and hold N IPv4 prefixes.
 
-    sudo .venv/bin/python bench/bgp_ingest.py [--n 100000,1000000] [--rounds R]
-         [--only agentd,bird,gobgp] [--t1 idle|poll] [--json FILE]
+    sudo .venv/bin/python bench/bgp_ingest.py [--regime one,three,packed] [--n 200000]
+         [--rounds R] [--only agentd,bird,gobgp] [--t1 idle|poll] [--json FILE]
+
+Three regimes (issue 11, item 6; streams in bench/_feeder.py):
+
+    one     1 prefix per UPDATE, every UPDATE its own attribute set (its own MED), as in a
+            pod network where every node's route has its own next hop; default N 200,000
+    three   3 prefixes per UPDATE, every UPDATE its own attribute set; default N 200,000
+    packed  a table transfer: ~300 prefixes per UPDATE under one attribute set (one set per
+            100-500 prefixes); default N 100,000 and 1,000,000
 
 agentd's speaker, BIRD 2 and GoBGP (Debian gobgpd) are measured side by side in one run
 with the same feeder on the same machine (issue 2, item 8).  For every N, round and
@@ -10,6 +18,8 @@ fresh speaker process; the feeder (bench/_feeder.py) connects over real TCP, ope
 eBGP session (AS 65001 -> 65000) and pushes one pre-encoded UPDATE stream, the same
 bytes for all three, as fast as TCP allows.  Speakers: bench/_speakers.py.
 
+    setup  the session's setup: from the feeder's connect() (the speaker already
+         listening) until Established (OPEN and KEEPALIVE both ways); it is part of the clock
     t0   the moment the feeder starts sending the first UPDATE
     t1   --t1 idle (default): the end of the speaker's last burst of work, confirmed by
          the speaker itself reporting all N prefixes right after (agentd /peers
@@ -21,7 +31,11 @@ bytes for all three, as fast as TCP allows.  Speakers: bench/_speakers.py.
          again right after, it was not done when asked, and t1 is the end of that query.
          --t1 poll: the end of the first progress query that reports N, queries every
          --poll seconds from t0 (the plain polling discipline; see "why idle" below).
-    prefixes/s = N / (t1 - t0)
+    time       = setup + (t1 - t0): every clock covers the session's setup and the parsing
+                 and storing of every UPDATE (a speaker that only queued the bytes is not
+                 idle, and one that defers work until asked is caught by the confirming
+                 query costing more than a repeated one)
+    prefixes/s = N / time
     peak RSS   = VmHWM of the speaker process right after t1; base = VmRSS before t0
     cpu s      = user + system CPU of the speaker process from t0 until it reported N;
                  "per cpu s" = N / cpu s, less sensitive to other load than wall time
@@ -83,7 +97,17 @@ ANCHORS = (
     "BIRD ~64k prefixes/s, GoBGP several times slower (bgperf2 reports)",
     "ExaBGP, the Python speaker, ~3k prefixes/s",
 )
-GOALS = (("gobgp", 1.0), ("bird", 0.5))  # agentd >= 1.0x GoBGP and >= 0.5x BIRD
+REGIMES = ("one", "three", "packed")
+DEFAULT_N = {"one": [200_000], "three": [200_000], "packed": [100_000, 1_000_000]}
+TIMEOUT_PER_PREFIX = {"one": 0.0006, "three": 0.0005, "packed": 0.0003}  # s; at least 60 s per run
+# Issue 11's goals for agentd, per regime: (metric, other speaker, bound); rate: agentd's
+# prefixes/s at least bound x the other's; rss: agentd's peak RSS at most bound x the other's.
+GOALS = {
+    "one": (("rate", "gobgp", 1.0), ("rate", "bird", 0.25), ("rss", "bird", 2.0)),
+    "three": (),
+    "packed": (("rate", "gobgp", 1.0), ("rate", "bird", 0.5)),
+}
+STRETCH = {("one", "rate", "bird")}  # a stretch goal, not a requirement
 
 SAMPLE = 0.005  # s between two readings of the speaker's CPU time
 BUSY = 0.2  # a sample is busy when the speaker was on CPU more than this share of it
@@ -96,6 +120,7 @@ OTHER_LOAD_NOTE = 0.3  # cores of other load worth a note
 
 @dataclass
 class RunResult:
+    regime: str
     n: int
     speaker: str
     round: int
@@ -112,6 +137,8 @@ class RunResult:
     reached: int = 0  # the speaker's own count at the last query
     held: int | None = None  # main table after t1 (agentd Loc-RIB, BIRD master4, GoBGP global)
     report_seconds: float | None = None  # t0 -> end of the query that first reported N
+    setup_seconds: float | None = None  # connect() -> Established, part of seconds
+    stream_seconds: float | None = None  # t0 -> t1, the rest of seconds
     send_seconds: float | None = None  # t0 -> the feeder had handed TCP the whole stream
     t1_from: str = ""  # "idle": end of the last busy sample; "query": end of the confirming query
     answer_cpu_ms: tuple[float, float] | None = None  # speaker CPU for the confirming and a repeated answer
@@ -131,7 +158,7 @@ class RunResult:
 def run_one(key: str, stream: FeedStream, *, round_no: int, method: str, timeout: float, poll: float) -> RunResult:
     """Measure one speaker ingesting ``stream`` in fresh namespaces; always cleans up."""
     n = stream.prefixes
-    result = RunResult(n, key, round_no, method)
+    result = RunResult(stream.regime, n, key, round_no, method)
     tag = unique_tag("bi")
     made: list[Netns] = []
     workdir = Path(tempfile.mkdtemp(prefix=f"ad-bgp-ingest-{key}-"))
@@ -147,8 +174,11 @@ def run_one(key: str, stream: FeedStream, *, round_no: int, method: str, timeout
         dut_ns.ip("addr", "add", f"{DUT_ADDR}/24", "dev", "dut0")
         speaker = DRIVERS[key](dut_ns, workdir)
         speaker.start()
+        _wait_listening(dut_ns, speaker)
+        t_setup = time.monotonic()
         feeder = Feeder(_connect(feed_ns, speaker), asn=FEEDER_AS, router_id=FEEDER_ADDR, hold_time=HOLD_TIME)
         feeder.open_session(timeout=30)
+        result.setup_seconds = time.monotonic() - t_setup
         _wait_ready(speaker)
         pid = speaker.pid
         result.base_rss_mb = status_kb(pid, "VmRSS") / 1024
@@ -172,7 +202,8 @@ def run_one(key: str, stream: FeedStream, *, round_no: int, method: str, timeout
             result.send_seconds = round(feeder.t_sent - t0, 3)
         if t1 is not None and t_report is not None:
             result.status = "ok"
-            result.seconds = t1 - t0
+            result.stream_seconds = t1 - t0
+            result.seconds = result.setup_seconds + result.stream_seconds
             result.rate = n / result.seconds
             result.report_seconds = round(t_report - t0, 3)
             result.held = speaker.held()
@@ -219,6 +250,17 @@ def _connect(feed_ns: Netns, speaker: Speaker, *, wait: float = 30):
             last = err
             time.sleep(0.1)
     raise BenchError(f"{speaker.label} did not accept on {DUT_ADDR}:179: {last}")
+
+
+def _wait_listening(ns: Netns, speaker: Speaker, wait: float = 30) -> None:
+    """Wait until the speaker listens on port 179 (``ss`` in its namespace; no connection made)."""
+    deadline = time.monotonic() + wait
+    while not ns.exec("ss", "-Hltn", "sport = :179", check=False).strip():
+        if not speaker.alive():
+            raise BenchError(f"{speaker.label} exited at start: {speaker.log_tail()}")
+        if time.monotonic() > deadline:
+            raise BenchError(f"{speaker.label} not listening on port 179 after {wait:.0f} s")
+        time.sleep(0.05)
 
 
 def _wait_ready(speaker: Speaker, wait: float = 20) -> None:
@@ -285,6 +327,8 @@ def _watch_idle(
             if speaker.alive():
                 _ask(speaker, result, t0)
             return None, None
+        if last_busy is None and feeder.t_sent is not None:
+            last_busy = feeder.t_sent  # all of its work fit into samples under BUSY (a small N)
         if last_busy is None or feeder.t_sent is None or now - last_busy < QUIET:
             continue
         if asked_at_cpu is not None and run - asked_at_cpu < REQUERY_CPU * 1e9 and now - asked_at < REQUERY_IDLE:
@@ -335,21 +379,26 @@ def _wait_quiet(limit: float) -> float:
 # --------------------------------------------------------------------------- report
 
 
-def summarize(results: list[RunResult]) -> dict[tuple[int, str], RunResult]:
-    """Per (N, speaker): the fastest successful round, else the last attempt."""
-    best: dict[tuple[int, str], RunResult] = {}
+Key = tuple[str, int, str]  # (regime, N, speaker)
+
+
+def summarize(results: list[RunResult]) -> dict[Key, RunResult]:
+    """Per (regime, N, speaker): the fastest successful round, else the last attempt."""
+    best: dict[Key, RunResult] = {}
     for r in results:
-        key = (r.n, r.speaker)
+        key = (r.regime, r.n, r.speaker)
         cur = best.get(key)
         if cur is None or (r.status == "ok" and (cur.status != "ok" or r.seconds < cur.seconds)):  # type: ignore[operator]
             best[key] = r
     return best
 
 
-def _ratio(a: RunResult | None, b: RunResult | None) -> float | None:
-    if a is None or b is None or a.rate is None or b.rate is None:
+def _ratio(a: RunResult | None, b: RunResult | None, metric: str = "rate") -> float | None:
+    """rate: a's prefixes/s over b's (> 1 is faster); rss: a's peak RSS over b's (< 1 is smaller)."""
+    if a is None or b is None or a.status != "ok" or b.status != "ok":
         return None
-    return a.rate / b.rate
+    x, y = (a.rate, b.rate) if metric == "rate" else (a.peak_rss_mb, b.peak_rss_mb)
+    return x / y if x is not None and y else None
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -368,30 +417,34 @@ def _note(r: RunResult) -> str:
 
 
 def report(
-    best: dict[tuple[int, str], RunResult], ns: list[int], keys: list[str], args: argparse.Namespace,
-    streams: dict[int, str],
+    best: dict[Key, RunResult], runs: list[tuple[str, int]], keys: list[str], args: argparse.Namespace,
+    streams: dict[tuple[str, int], str],
 ) -> None:
     rows = []
-    for n in ns:
+    for regime, n in runs:
         for key in keys:
-            r = best.get((n, key))
+            r = best.get((regime, n, key))
             if r is None:
                 continue
+            gobgp, bird = best.get((regime, n, "gobgp")), best.get((regime, n, "bird"))
             rows.append([
-                n, LABELS[key], _fmt(r.seconds, ".3f"), _fmt(r.rate, ",.0f"), _fmt(r.base_rss_mb, ".0f"),
-                _fmt(r.peak_rss_mb, ".0f"), _fmt(r.cpu_seconds, ".2f"),
+                regime, n, LABELS[key], _fmt(r.seconds, ".3f"), _fmt(r.setup_seconds, ".3f"), _fmt(r.rate, ",.0f"),
+                _fmt(r.base_rss_mb, ".0f"), _fmt(r.peak_rss_mb, ".0f"), _fmt(r.cpu_seconds, ".2f"),
                 _fmt(r.n / r.cpu_seconds if r.rate and r.cpu_seconds else None, ",.0f"),
-                _fmt(_ratio(r, best.get((n, "gobgp"))), ".2f", "x"), _fmt(_ratio(r, best.get((n, "bird"))), ".2f", "x"),
+                _fmt(_ratio(r, gobgp), ".2f", "x"), _fmt(_ratio(r, bird), ".2f", "x"),
+                _fmt(_ratio(r, gobgp, "rss"), ".2f", "x"), _fmt(_ratio(r, bird, "rss"), ".2f", "x"),
                 _note(r),
             ])
     how = f"fastest of {args.rounds} rounds" if args.rounds > 1 else "one round"
     print_table(
         f"BGP ingest, one feeding peer, t1 by {args.t1} ({how}; RSS and cpu from that run)",
-        ["N", "speaker", "time(s)", "prefixes/s", "base RSS (MB)", "peak RSS (MB)", "cpu s", "per cpu s",
-         "vs GoBGP", "vs BIRD", "note"],
+        ["regime", "N", "speaker", "time(s)", "setup(s)", "prefixes/s", "base RSS (MB)", "peak RSS (MB)", "cpu s",
+         "per cpu s", "vs GoBGP", "vs BIRD", "RSS vs GoBGP", "RSS vs BIRD", "note"],
         rows,
     )
-    method = [f"N={n}: {text}" for n, text in streams.items()]
+    method = [f"{regime} N={n}: {text}" for (regime, n), text in streams.items()]
+    method.append("time = setup (connect -> Established) + t0 (first UPDATE) -> t1; prefixes/s = N / time; "
+                  "vs: prefixes/s over the other's (> 1 faster); RSS vs: peak RSS over the other's (< 1 smaller)")
     if args.t1 == "idle":
         method.append("t1 = end of the speaker's last CPU burst (5 ms samples) before it reported N itself; "
                       "time until the report: JSON report_seconds")
@@ -401,14 +454,23 @@ def report(
     print_notes("anchors (context, other machines and setups)", ANCHORS)
     if "agentd" in keys:
         lines = []
-        for n in ns:
-            for other, goal in GOALS:
-                if other in keys:
-                    ratio = _ratio(best.get((n, "agentd")), best.get((n, other)))
-                    verdict = "n/a" if ratio is None else ("PASS" if ratio >= goal else "FAIL")
-                    got = "no result" if ratio is None else f"{ratio:.2f}x"
-                    lines.append(f"N={n}: agentd >= {goal:.1f}x {LABELS[other]}: {got}  {verdict}")
-        print_notes("goals", lines)
+        for regime, n in runs:
+            for metric, other, bound in GOALS[regime]:
+                if other not in keys:
+                    continue
+                ratio = _ratio(best.get((regime, n, "agentd")), best.get((regime, n, other)), metric)
+                if ratio is None:
+                    verdict = "n/a"
+                elif metric == "rate":
+                    verdict = "met" if ratio >= bound else "NOT met"
+                else:
+                    verdict = "met" if ratio <= bound else "NOT met"
+                what = "prefixes/s >=" if metric == "rate" else "peak RSS <="
+                stretch = " (stretch)" if (regime, metric, other) in STRETCH else ""
+                got = "no result" if ratio is None else f"{ratio:.2f}x"
+                lines.append(f"{regime} N={n}: agentd {what} {bound:g}x {LABELS[other]}{stretch}: {got}  {verdict}")
+        if lines:
+            print_notes("goals (issue 11)", lines)
 
 
 # --------------------------------------------------------------------------- main
@@ -431,6 +493,13 @@ def _speaker_list(text: str) -> list[str]:
     return [k for k in SPEAKERS if k in keys]
 
 
+def _regime_list(text: str) -> list[str]:
+    picked = [k.strip().lower() for k in text.split(",") if k.strip()]
+    if not picked or any(k not in REGIMES for k in picked):
+        raise argparse.ArgumentTypeError(f"expected a list of {','.join(REGIMES)}, got {text!r}")
+    return [k for k in REGIMES if k in picked]
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -445,7 +514,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bgp_ingest", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--n", type=_counts, default=[100_000, 1_000_000], help="prefix counts (default 100000,1000000)")
+    p.add_argument("--regime", type=_regime_list, default=list(REGIMES),
+                   help="subset of one,three,packed (default all three)")
+    p.add_argument("--n", type=_counts,
+                   help="prefix counts for every regime (default: one and three 200000, packed 100000,1000000)")
     p.add_argument("--rounds", type=int, default=1, choices=range(1, 11), metavar="R",
                    help="run every (N, speaker) R times, speakers interleaved; the table shows the fastest")
     p.add_argument("--only", type=_speaker_list, default=list(SPEAKERS), help="subset of agentd,bird,gobgp")
@@ -453,7 +525,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how the end is found: idle = CPU-idle + one confirming query (default), "
                    "poll = fixed-interval queries")
     p.add_argument("--poll", type=_positive, default=0.25, help="query interval for --t1 poll (default 0.25 s)")
-    p.add_argument("--timeout", type=_positive, help="seconds per run (default max(60, N * 0.0003): 300 s at 1M)")
+    p.add_argument("--timeout", type=_positive,
+                   help="seconds per run (default max(60, N x 0.6/0.5/0.3 ms for one/three/packed))")
     p.add_argument("--settle", type=float, default=30.0,
                    help="wait up to this many seconds before each run for other load to stop (default 30)")
     p.add_argument("--max-other-load", type=float, default=0.5, metavar="CORES",
@@ -468,7 +541,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _progress(r: RunResult, before: float) -> None:
     shown = f"{r.seconds:.3f} s, {r.rate:,.0f} prefixes/s" if r.rate else f"{r.status}: {r.detail}"
     print(
-        f"  round {r.round} {LABELS[r.speaker]:<7} {shown}; peak RSS {_fmt(r.peak_rss_mb, '.0f')} MB; "
+        f"  {r.regime} round {r.round} {LABELS[r.speaker]:<7} {shown} (setup {_fmt(r.setup_seconds, '.3f')} s); peak RSS {_fmt(r.peak_rss_mb, '.0f')} MB; "
         f"cpu {_fmt(r.cpu_seconds, '.2f')} s (sys {_fmt(r.cpu_sys_seconds, '.2f')}); "
         f"reported N at {_fmt(r.report_seconds, '.3f')} s; {r.queries} queries (median {r.query_ms_median} ms); "
         f"other load {_fmt(r.other_load_cores, '.2f')} cores (before: {before:.2f})",
@@ -494,14 +567,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     results: list[RunResult] = []
-    streams: dict[int, str] = {}
+    streams: dict[tuple[str, int], str] = {}
+    runs = [(regime, n) for regime in args.regime for n in (args.n or DEFAULT_N[regime])]
     try:
-        for n in args.n:
+        for regime, n in runs:
             built = time.perf_counter()
-            stream = build_stream(n, next_hop=FEEDER_ADDR, seed=args.seed)
-            streams[n] = stream.describe()
-            print(f"N={n}: {streams[n]}; built in {time.perf_counter() - built:.1f} s", flush=True)
-            timeout = args.timeout or max(60.0, n * 0.0003)
+            stream = build_stream(n, regime=regime, next_hop=FEEDER_ADDR, seed=args.seed)
+            streams[(regime, n)] = stream.describe()
+            print(f"N={n}: {streams[(regime, n)]}; built in {time.perf_counter() - built:.1f} s", flush=True)
+            timeout = args.timeout or max(60.0, n * TIMEOUT_PER_PREFIX[regime])
             for rnd in range(1, args.rounds + 1):
                 for key in args.only:
                     for attempt in range(1 + args.retries):
@@ -518,9 +592,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; the run in progress removed its namespaces", file=sys.stderr)
         return 130
     best = summarize(results)
-    report(best, args.n, args.only, args, streams)
+    report(best, runs, args.only, args, streams)
     if args.json:
-        payload = {"streams": streams, "t1": args.t1, "argv": sys.argv[1:], "runs": [asdict(r) for r in results]}
+        payload = {"streams": {f"{regime} {n}": text for (regime, n), text in streams.items()}, "t1": args.t1,
+                   "argv": sys.argv[1:], "runs": [asdict(r) for r in results]}
         Path(args.json).write_text(json.dumps(payload, indent=1))
     return 0 if best and all(r.status == "ok" for r in best.values()) else 1
 

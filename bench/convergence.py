@@ -58,12 +58,13 @@ from bench._lab_timing import (  # noqa: E402
     timed_exec,
 )
 
+from agentd.backend_table import NAMES  # noqa: E402
 from agentd.lab.lab import Lab, LabError, LabNode, LabSpec, _bin  # noqa: E402
 from agentd.lab.netns import NetnsError  # noqa: E402
 from agentd.routing import RTPROT_AGENTD  # noqa: E402
 
 MODES = ("mesh", "route-reflector")
-BACKENDS = ("host-gw", "ipip", "vxlan", "udp")
+BACKENDS = NAMES
 REFLECTORS = 2
 GOAL_SECONDS = 1.0
 GOAL_CPU_PERCENT = 1.0

@@ -14,8 +14,9 @@ from .peer import Peer
 from .rib import AdjRibIn, BestPathChange, Path, Rib, Source
 from .session import Negotiated, Session
 from .settings import ListenRange, LocalSettings, PeerSettings
-from .speaker import Origination, PeerView, RibPathView, Speaker
+from .speaker import Origination, Speaker
 from .transport import SpeakerService
+from .views import PeerView, RibPathView
 
 __all__ = [
     "AdjRibIn",

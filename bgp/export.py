@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from ipaddress import IPv4Address
 
@@ -93,15 +93,37 @@ class _Segment:
 
     __slots__ = ("start", "end", "data", "sources", "originators")
 
-    def __init__(self, start: int, end: int, entries: list[_Entry]) -> None:
+    def __init__(self, start: int, end: int, entries: list[_Entry], ctx: CodecContext) -> None:
         self.start = start
         self.end = end
-        self.data = b"".join(m for e in entries for m in e.messages)
+        self.data = b"".join(_packed(entries, ctx))
         self.sources = {e.out.source for e in entries if e.out is not None}
         self.originators = {e.out.originator for e in entries if e.out is not None and e.out.originator is not None}
 
     def fits(self, m: Member) -> bool:
         return m.key not in self.sources and m.router_id not in self.originators
+
+
+def _packed(entries: list[_Entry], ctx: CodecContext) -> Iterator[bytes]:
+    """The entries' messages in order, with each run of withdrawals of one family sent as few
+    UPDATEs as they fit in (withdrawals that arrived one at a time leave together)."""
+    run: list[bytes] = []
+    family: Family | None = None
+    for e in entries:
+        if e.out is None and (family is None or e.family == family):
+            run.extend(e.prefixes)
+            family = e.family
+            continue
+        if run:
+            yield from encode_withdrawals(family[0], run, ctx)  # type: ignore[index]
+            run, family = [], None
+        if e.out is None:
+            run.extend(e.prefixes)
+            family = e.family
+        else:
+            yield from e.messages
+    if run:
+        yield from encode_withdrawals(family[0], run, ctx)  # type: ignore[index]
 
 
 class _Cursor:
@@ -368,7 +390,7 @@ class UpdateGroup:
             seg = self._segment
             if start < head and (seg is None or seg.start != start or seg.end != head):
                 if head - start > 1 and self._at.get(start, 0) > 1:
-                    seg = self._segment = _Segment(start, head, log_[start - base : head - base])
+                    seg = self._segment = _Segment(start, head, log_[start - base : head - base], ctx)
             if seg is not None and seg.start == start and seg.end == head and seg.fits(m):
                 out.append(seg.data)
                 size += len(seg.data)

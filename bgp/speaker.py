@@ -21,29 +21,32 @@ session with a NOTIFICATION and touches nothing else (:meth:`Speaker._isolated`)
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import logging
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
 from proto.attributes import AsPath, Origin, PathAttributes
 from proto.errors import CeaseSubcode, ErrorCode
 from proto.messages import Notification, Update
-from proto.nlri import IPV4_UNICAST
 
 from . import bestpath
 from .export import GroupKey, UpdateGroup
 from .fsm import State
+from .graceful import GracefulRestarts
+from .importer import Importer
 from .loglimit import LogLimiter
 from .peer import Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
-from .policy import ExportTarget, Rejected, import_attributes
-from .rib import BestPathChange, Path, Rib, Source
+from .policy import ExportTarget
+from .refresh import RefreshPacer
+from .rib import BestPathChange, Rib, Source
 from .session import Action, Close, Connect, Negotiated
 from .settings import Family, ListenRange, LocalSettings, PeerSettings
+from .timers import TimerHeap
+from .views import PeerView, RibPathView
 
 log = logging.getLogger("bgp.speaker")
 
@@ -58,8 +61,6 @@ _MISSING = object()
 TURN_BUDGET = 256 * 1024
 #: Prefixes of a new update group's first computation per turn.
 BUILD_BUDGET = 4096
-_GRACE_KEY = "\0graceful"
-_REFRESH_KEY = "\0refresh"
 _SEND_KEY = "\0send"
 
 
@@ -71,103 +72,6 @@ class Origination:
     prefix: bytes
     attributes: PathAttributes = DEFAULT_ORIGIN_ATTRIBUTES
     next_hop: Address | None = None  # None: our own address on each session
-
-
-@dataclass
-class _GracefulState:
-    """A peer whose routes we keep across its restart (RFC 4724 §4.2)."""
-
-    restart_deadline: float | None  # the peer must be back by then
-    stale_deadline: float | None = None  # and must have sent End-of-RIB by then
-    families: set[Family] = field(default_factory=set)  # families still stale
-
-
-@dataclass(frozen=True)
-class PeerView:
-    """One neighbour as the speaker sees it (the agent renders it as /peers JSON)."""
-
-    address: str
-    asn: int
-    kind: str  # "ibgp", "ibgp rr-client", "ebgp"
-    state: str
-    since: float  # on the speaker's clock
-    prefixes_received: int
-    prefixes_sent: int
-    stale: int
-    router_id: str | None
-    hold_time: int | None
-    families: tuple[str, ...]
-    graceful_restart: bool
-    last_error: str
-    flaps: int
-    description: str
-    in_sync: bool  # everything owed has been handed to the socket
-    max_prefixes: int | None
-    held_down: bool  # down after Cease/1 until its restart time or reconfiguration
-
-
-@dataclass(frozen=True)
-class RibPathView:
-    """One candidate path of one prefix, ranked (the agent renders it as /rib JSON)."""
-
-    family: Family
-    prefix: bytes
-    path: Path
-    best: bool
-    reason: bestpath.Reason | None  # why the best path won
-
-
-class _Timers:
-    """One heap of due times for every peer and speaker-wide deadline.
-
-    A keepalive timer moves later with every UPDATE sent, thousands of times a second on a
-    busy reflector: moving a time later only records it, and the heap entry it leaves
-    behind, found early, is pushed again for the new time.  Only an earlier time is pushed
-    at once.  So the heap holds about one entry per key."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, str]] = []
-        self._due: dict[str, float] = {}  # the time each key is really due
-        self._queued: dict[str, float] = {}  # the time of each key's live heap entry (<= due)
-        self._seq = itertools.count()
-
-    def set(self, key: str, at: float | None) -> None:
-        if at is None:
-            self._due.pop(key, None)
-            return
-        self._due[key] = at
-        queued = self._queued.get(key)
-        if queued is None or at < queued:
-            self._queued[key] = at
-            heapq.heappush(self._heap, (at, next(self._seq), key))
-
-    def next(self) -> float | None:
-        heap = self._heap
-        while heap:
-            at, _, key = heap[0]
-            if self._queued.get(key) != at:
-                heapq.heappop(heap)  # an entry superseded by an earlier one
-                continue
-            due = self._due.get(key)
-            if due is None:
-                heapq.heappop(heap)
-                del self._queued[key]
-                continue
-            if due > at:  # moved later since: queue it for its real time
-                heapq.heapreplace(heap, (due, next(self._seq), key))
-                self._queued[key] = due
-                continue
-            return at
-        return None
-
-    def pop_due(self, now: float) -> list[str]:
-        out = []
-        while (at := self.next()) is not None and at <= now:
-            _, _, key = heapq.heappop(self._heap)
-            del self._queued[key]
-            del self._due[key]
-            out.append(key)
-        return out
 
 
 class Speaker:
@@ -185,17 +89,10 @@ class Speaker:
         )
         self.rib.attach(self._local_source)
         self._origins: dict[tuple[Family, bytes], Origination] = {}
-        self._sources: dict[str, Source] = {}
         self._negotiated: dict[str, Negotiated] = {}
-        self._local_address: dict[str, Address | None] = {}
         self.groups: dict[GroupKey, UpdateGroup] = {}
         self._group_of: dict[str, UpdateGroup] = {}
-        self._import_cache: dict[str, dict[PathAttributes, PathAttributes | Rejected]] = {}
-        self._graceful: dict[str, _GracefulState] = {}
         self._eor_received: dict[str, set[Family]] = {}
-        self._refresh_next: dict[tuple[str, Family], float] = {}  # earliest start of the next full re-send
-        self._refresh_waiting: set[tuple[str, Family]] = set()
-        self._prefix_warned: set[tuple[str, Family]] = set()
         self._listeners: list[Listener] = []
         self._owed: set[str] = set()  # peers with output waiting that their socket can take
         self._waiting: dict[GroupKey, UpdateGroup] = {}  # groups with changes held for update_delay
@@ -203,10 +100,13 @@ class Speaker:
         self._touched: dict[int, Peer] = {}
         self._ranges: list[ListenRange] = []
         self.dynamic: set[str] = set()  # peers accepted from a listen range, gone with their session
-        self._timers = _Timers()
+        self._timers = TimerHeap()
         self.limiter = LogLimiter(log)
-        #: Totals for metrics: "internal errors", "refreshes deferred", "max-prefix resets", ...
+        #: Totals for metrics: "internal errors", "route refreshes deferred", "max-prefix resets", ...
         self.counters: Counter[str] = Counter()
+        self.graceful = GracefulRestarts(self.rib, self._timers, local.stale_time)
+        self._refresh = RefreshPacer(self._timers, local.refresh_interval, self.counters)
+        self._importer = Importer(self.rib, local, self.limiter, self.counters)
         self.now = now
 
     # ------------------------------------------------------------ configuration (desired state)
@@ -294,9 +194,8 @@ class Speaker:
             del self._conn_owner[conn]
         self._forget_peer(key)
         self.rib.drop(key)
-        self._graceful.pop(key, None)
+        self.graceful.forget(key)
         self._timers.set(key, None)
-        self._timers.set(_GRACE_KEY + key, None)
         self.limiter.forget(key)
         self._flush(now)
 
@@ -408,10 +307,14 @@ class Speaker:
     def handle_timer(self, now: float) -> None:
         self.now = now
         for key in self._timers.pop_due(now):
-            if key.startswith(_GRACE_KEY):
-                self._graceful_timer(key[len(_GRACE_KEY) :], now)
-            elif key == _REFRESH_KEY:
-                self._refresh_timer(now)
+            if (gr := GracefulRestarts.peer_of(key)) is not None:
+                self.graceful.timer(gr, now)
+                peer = self.peers.get(gr)
+                if peer is not None and gr in self.dynamic:
+                    self._forget_dynamic(peer, now)
+            elif RefreshPacer.is_timer(key):
+                for req in self._refresh.due(now):
+                    self._start_refresh(req, now)
             elif key == _SEND_KEY:
                 self._send_window(now)
             else:
@@ -529,7 +432,7 @@ class Speaker:
         """A peer from a listen range goes with its last connection (its routes stay, stale,
         while graceful restart keeps them; then it goes too)."""
         key = peer.key
-        if self.peers.get(key) is peer and peer.state <= State.ACTIVE and key not in self._graceful and not any(
+        if self.peers.get(key) is peer and peer.state <= State.ACTIVE and key not in self.graceful and not any(
             s.conn is not None or s._pending_connect is not None for s in peer.sessions()
         ):
             self.remove_peer(key, now)
@@ -566,27 +469,12 @@ class Speaker:
         source = Source(
             key, s.address, neg.peer_asn, self.local.asn, neg.peer_router_id, ibgp=neg.ibgp, rr_client=s.rr_client
         )
-        self._sources[key] = source
         self.rib.attach(source)
         self._negotiated[key] = neg
-        self._import_cache[key] = {}
         local_address = ip_address(ev.local_address) if ev.local_address else None
-        self._local_address[key] = local_address
+        self._importer.attach(source, s, neg.families, local_address)
         self._eor_received[key] = set()
-        gr = self._graceful.get(key)
-        if gr is not None:
-            # RFC 4724 §4.2: the peer is back.  Families it no longer preserves forwarding state for
-            # are flushed now; the rest wait for its End-of-RIB (bounded by our stale timer).
-            kept = {f for f, fwd in neg.peer_gr_families().items() if fwd}
-            for family in list(gr.families):
-                if family not in kept or family not in neg.families:
-                    self.rib.purge_stale(key, family)
-                    gr.families.discard(family)
-            gr.restart_deadline = None
-            gr.stale_deadline = now + self.local.stale_time
-            if not gr.families:
-                del self._graceful[key]
-            self._schedule_graceful(key)
+        self.graceful.came_back(key, neg, now)
         log.info("peer %s established (AS %s, router id %s, hold %ss)", key, neg.peer_asn, neg.peer_router_id, neg.hold_time)
         target = ExportTarget(
             ibgp=neg.ibgp,
@@ -611,10 +499,7 @@ class Speaker:
         self._forget_peer(key)
         gr = ev.peer_graceful_restart
         if ev.graceful and gr is not None and gr.restart_time > 0:
-            families = {(f.afi, f.safi) for f in gr.families}
-            n = self.rib.mark_stale(key, families)
-            self._graceful[key] = _GracefulState(now + gr.restart_time, None, families)
-            self._schedule_graceful(key)
+            n = self.graceful.went_away(key, {(f.afi, f.safi) for f in gr.families}, gr.restart_time, now)
             if self.started:  # (when we are the one stopping, there is nothing to tell)
                 log.info(
                     "peer %s down (%s): keeping %d routes as stale for %ss (graceful restart)",
@@ -622,8 +507,7 @@ class Speaker:
                 )  # fmt: skip
         else:
             n = self.rib.drop(key)
-            self._graceful.pop(key, None)
-            self._schedule_graceful(key)
+            self.graceful.forget(key)
             log.info("peer %s down (%s): withdrew %d routes", key, ev.reason, n)
 
     def _forget_peer(self, key: str) -> None:
@@ -634,37 +518,9 @@ class Speaker:
             if not group.members:
                 self.groups.pop(group.key, None)
         self._negotiated.pop(key, None)
-        self._local_address.pop(key, None)
-        self._import_cache.pop(key, None)
+        self._importer.detach(key)
         self._eor_received.pop(key, None)
-        for k in [k for k in self._refresh_next if k[0] == key]:
-            del self._refresh_next[k]
-        self._refresh_waiting = {k for k in self._refresh_waiting if k[0] != key}
-        self._prefix_warned = {k for k in self._prefix_warned if k[0] != key}
-
-    # ------------------------------------------------------------ graceful restart timers
-
-    def _schedule_graceful(self, key: str) -> None:
-        gr = self._graceful.get(key)
-        times = [] if gr is None else [t for t in (gr.restart_deadline, gr.stale_deadline) if t is not None]
-        self._timers.set(_GRACE_KEY + key, min(times) if times else None)
-
-    def _graceful_timer(self, key: str, now: float) -> None:
-        gr = self._graceful.get(key)
-        if gr is None:
-            return
-        if gr.restart_deadline is not None and now >= gr.restart_deadline:
-            log.info("peer %s did not return within its restart time: dropping its stale routes", key)
-            self.rib.purge_stale(key)
-            del self._graceful[key]
-        elif gr.stale_deadline is not None and now >= gr.stale_deadline:
-            log.info("peer %s sent no End-of-RIB in time: dropping its stale routes", key)
-            self.rib.purge_stale(key)
-            del self._graceful[key]
-        self._schedule_graceful(key)
-        peer = self.peers.get(key)
-        if peer is not None and key in self.dynamic:
-            self._forget_dynamic(peer, now)
+        self._refresh.forget(key)
 
     # ------------------------------------------------------------ route refresh
 
@@ -672,141 +528,39 @@ class Speaker:
         neg = self._negotiated.get(peer.key)
         if neg is None or family not in neg.families:
             return  # RFC 2918 §4: a family that was not negotiated is ignored
-        k = (peer.key, family)
-        due = self._refresh_next.get(k, 0.0)
-        if now >= due and k not in self._refresh_waiting:
-            self._start_refresh(k, now)
-        elif k not in self._refresh_waiting:
-            self._refresh_waiting.add(k)
-            self.counters["route refreshes deferred"] += 1
-            self._schedule_refresh()
-        else:
-            self.counters["route refreshes folded"] += 1
+        if self._refresh.request((peer.key, family), now):
+            self._start_refresh((peer.key, family), now)
 
-    def _start_refresh(self, k: tuple[str, Family], now: float) -> None:
-        group = self._group_of.get(k[0])
+    def _start_refresh(self, req: tuple[str, Family], now: float) -> None:
+        group = self._group_of.get(req[0])
         if group is not None:
-            group.refresh(*k)
-            self._refresh_next[k] = now + self.local.refresh_interval
-            peer = self.peers.get(k[0])
+            group.refresh(*req)
+            self._refresh.started(req, now)
+            peer = self.peers.get(req[0])
             if peer is not None:
                 self._pump(peer, TURN_BUDGET, now)
-
-    def _schedule_refresh(self) -> None:
-        times = [self._refresh_next.get(k, 0.0) for k in self._refresh_waiting]
-        self._timers.set(_REFRESH_KEY, min(times) if times else None)
-
-    def _refresh_timer(self, now: float) -> None:
-        for k in [k for k in self._refresh_waiting if self._refresh_next.get(k, 0.0) <= now]:
-            self._refresh_waiting.discard(k)
-            self._start_refresh(k, now)
-        self._schedule_refresh()
 
     # ------------------------------------------------------------ import
 
     def _import(self, peer: Peer, update: Update, now: float) -> None:
         key = peer.key
-        neg = self._negotiated.get(key)
-        if neg is None or peer.established is None:
+        if key not in self._negotiated or peer.established is None:
             return  # the session ended later in the same read: its PeerDown follows
-        rib = self.rib
-        families = neg.families
         eor = update.end_of_rib
         if eor is not None:
-            self._end_of_rib(key, eor)
+            self._eor_received.setdefault(key, set()).add(eor)
+            self.graceful.end_of_rib(key, eor)
             return
-        if update.errors:
-            for err in update.errors:
-                self.counters[f"update errors {err.action.value}"] += 1
-                self.limiter.log(
-                    logging.WARNING, f"update-error {err.action.value} {err.code}/{err.subcode}", key, now,
-                    "peer %s: UPDATE error (%s): %s", key, err.action.value, err.message,
-                )  # fmt: skip
-        if update.withdrawn:
-            rib.withdraw(key, IPV4_UNICAST, update.withdrawn)
-        mp_un = update.mp_unreach
-        if mp_un is not None and (mp_un.afi, mp_un.safi) in families:
-            rib.withdraw(key, (mp_un.afi, mp_un.safi), mp_un.withdrawn)
-        mp = update.mp_reach
-        if not update.nlri and (mp is None or not mp.nlri):
-            return
-        attrs = None if update.treat_as_withdraw else self._imported(key, update.attributes, now)
-        if update.nlri:
-            self._announce(peer, IPV4_UNICAST, update.nlri, attrs, attrs.next_hop if attrs else None, now)
-        if mp is not None and mp.nlri and (mp.afi, mp.safi) in families:
-            self._announce(peer, (mp.afi, mp.safi), mp.nlri, attrs, mp.next_hop[0] if mp.next_hop else None, now)
-
-    def _announce(
-        self, peer: Peer, family: Family, prefixes: tuple[bytes, ...], attrs: PathAttributes | None,
-        next_hop: Address | None, now: float,
-    ) -> None:  # fmt: skip
-        key = peer.key
-        rib = self.rib
-        if family not in self._negotiated[key].families:
-            rib.withdraw(key, family, prefixes)
-            return
-        if attrs is not None and next_hop is not None and next_hop == self._local_address.get(key):
-            # RFC 4271 §6.3: a NEXT_HOP that is the receiving speaker's own address is
-            # semantically incorrect; the route is ignored.
-            self.counters["routes ignored"] += len(prefixes)
-            self.limiter.log(
-                logging.WARNING, "own-next-hop", key, now,
-                "peer %s: route(s) with our own address %s as next hop ignored (RFC 4271 §6.3)", key, next_hop,
-            )  # fmt: skip
-            attrs = None
-        if attrs is None:
-            rib.withdraw(key, family, prefixes)
-            return
-        rib.announce(key, family, prefixes, rib.adj_in[key].path(attrs, next_hop))
-        self._check_max_prefixes(peer, family, now)
-
-    def _imported(self, key: str, attributes: PathAttributes, now: float) -> PathAttributes | None:
-        cache = self._import_cache[key]
-        got = cache.get(attributes, _MISSING)
-        if got is _MISSING:
-            if len(cache) > 8192:
-                cache.clear()
-            got = cache[attributes] = import_attributes(attributes, self._sources[key], self.local)
-        if isinstance(got, Rejected):
-            self.counters["routes ignored"] += 1
-            self.limiter.log(logging.INFO, "import-rejected", key, now, "peer %s: route(s) ignored: %s", key, got.reason)
-            return None
-        return got  # type: ignore[return-value]
-
-    def _check_max_prefixes(self, peer: Peer, family: Family, now: float) -> None:
-        limit = peer.settings.max_prefixes
-        if limit is None:
-            return
-        n = self.rib.adj_in[peer.key].count(family)
-        k = (peer.key, family)
-        if n > limit:
-            # RFC 4486 §4: Cease/1 with AFI, SAFI and the upper bound.
-            data = family[0].to_bytes(2, "big") + bytes((family[1],)) + limit.to_bytes(4, "big")
+        breach = self._importer.update(key, update, now)
+        if breach is not None:
             hold = peer.settings.max_prefixes_restart
-            reason = f"maximum prefixes reached: more than {limit} for AFI {family[0]} SAFI {family[1]}"
+            reason = breach.reason()
             log.warning(
-                "peer %s: %s; session reset%s", peer.key, reason,
-                f", restart in {hold:g}s" if hold else " until reconfigured",
-            )  # fmt: skip
+                "peer %s: %s; session reset%s", key, reason, f", restart in {hold:g}s" if hold else " until reconfigured"
+            )
             self.counters["max-prefix resets"] += 1
-            peer.shutdown(now, Notification(ErrorCode.CEASE, CeaseSubcode.MAXIMUM_PREFIXES_REACHED, data), reason, hold=hold)
-        elif n >= limit * peer.settings.max_prefixes_warning:
-            if k not in self._prefix_warned:
-                self._prefix_warned.add(k)
-                log.warning("peer %s: %d prefixes of AFI %s SAFI %s, limit %d", peer.key, n, family[0], family[1], limit)
-        else:
-            self._prefix_warned.discard(k)
-
-    def _end_of_rib(self, key: str, family: Family) -> None:
-        self._eor_received.setdefault(key, set()).add(family)
-        gr = self._graceful.get(key)
-        if gr is not None and family in gr.families:
-            n = self.rib.purge_stale(key, family)
-            gr.families.discard(family)
-            log.info("peer %s sent End-of-RIB for %s: removed %d stale routes", key, family, n)
-            if not gr.families:
-                del self._graceful[key]
-            self._schedule_graceful(key)
+            note = Notification(ErrorCode.CEASE, CeaseSubcode.MAXIMUM_PREFIXES_REACHED, breach.notification_data())
+            peer.shutdown(now, note, reason, hold=hold)
 
     # ------------------------------------------------------------ export
 
@@ -904,6 +658,13 @@ class Speaker:
         group = self._group_of.get(key)
         return group.sent_count(key) if group is not None else 0
 
+    def negotiated(self, key: str) -> Negotiated | None:
+        return self._negotiated.get(key)
+
+    def in_sync(self, key: str) -> bool:
+        group = self._group_of.get(key)
+        return group is not None and group.in_sync(key)
+
     def peer_views(self) -> list[PeerView]:
         out = []
         for key, peer in self.peers.items():
@@ -914,7 +675,8 @@ class Speaker:
             if ibgp and s.rr_client:
                 kind = "ibgp rr-client"
             adj = self.rib.adj_in.get(key)
-            group = self._group_of.get(key)
+            graceful = key in self.graceful
+            families = tuple(sorted(f"{_afi_name(a)}-unicast" for a, _ in neg.families)) if neg else ()
             out.append(
                 PeerView(
                     address=key,
@@ -924,17 +686,18 @@ class Speaker:
                     since=peer.since,
                     prefixes_received=len(adj) if adj is not None else 0,
                     prefixes_sent=self.adj_out_count(key),
-                    stale=self.rib.stale_count(key) if key in self._graceful else 0,
+                    stale=self.rib.stale_count(key) if graceful else 0,
                     router_id=str(neg.peer_router_id) if neg else None,
                     hold_time=neg.hold_time if neg else None,
-                    families=tuple(sorted(f"{_afi_name(a)}-unicast" for a, _ in neg.families)) if neg else (),
-                    graceful_restart=key in self._graceful,
+                    families=families,
+                    graceful_restart=graceful,
                     last_error=peer.last_error,
                     flaps=max(0, peer.established_count - (1 if peer.established else 0)),
                     description=s.description,
-                    in_sync=group is not None and group.in_sync(key),
+                    in_sync=self.in_sync(key),
                     max_prefixes=s.max_prefixes,
                     held_down=peer.held_until is not None and peer.held_until > self.now,
+                    dynamic=key in self.dynamic,
                 )
             )
         return out

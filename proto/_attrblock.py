@@ -11,6 +11,7 @@ Split in two so that identical attribute bytes can share one decoded result:
 from __future__ import annotations
 
 import dataclasses
+from ipaddress import IPv4Address, IPv6Address
 from typing import NamedTuple
 
 from proto._attr_base import AS_TRANS, EXTENDED_LENGTH, OPTIONAL, PARTIAL, TRANSITIVE, CodecContext
@@ -262,12 +263,39 @@ def decode_mp(
         # RFC 7606 §3 c: treat-as-withdraw; the NLRI is still parsed to know what to withdraw.
         errors.append(_flags_error(cls, flags, body[astart:vend]))
     try:
-        return cls.decode_value(body[vstart:vend], flags, ctx)
+        attr = cls.decode_value(body[vstart:vend], flags, ctx)
     except DecodeError as exc:
         if exc.action is ErrorAction.SESSION_RESET:
             raise
         errors.append(exc.to_update_error(code))
         return None
+    if isinstance(attr, MpReachNlri) and attr.nlri:
+        # RFC 4271 §6.3 / RFC 7606 §7.3 as for NEXT_HOP: a next hop that is no host address
+        # (0.0.0.0, ::, multicast, broadcast) makes the routes treat-as-withdraw; accepted, an
+        # IPv4 one would be reflected as a NEXT_HOP the neighbour must withdraw.
+        problem = _mp_next_hop_problem(attr.next_hop[0])
+        if problem is not None:
+            errors.append(
+                UpdateError(
+                    TAW,
+                    ErrorCode.UPDATE_MESSAGE,
+                    UpdateSubcode.INVALID_NEXT_HOP_ATTRIBUTE,
+                    body[astart:vend],
+                    f"MP_REACH_NLRI next hop: {problem}",
+                    code,
+                )
+            )
+    return attr
+
+
+def _mp_next_hop_problem(address: IPv4Address | IPv6Address) -> str | None:
+    if isinstance(address, IPv4Address):
+        return next_hop_problem(address)
+    if address.is_unspecified:
+        return ":: is not a host address"
+    if address.is_multicast:
+        return f"{address} is a multicast address"
+    return None
 
 
 __all__ = ["SharedAttributes", "frame_attributes", "decode_shared", "decode_mp"]

@@ -11,22 +11,22 @@ address through h2 and is used to send forged encapsulated packets.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agentd.backend_table import BACKENDS, USERSPACE
 from agentd.lab.netns import Netns, veth
+from agentd.lab.wait import until
 
 H1_UNDERLAY, H2_UNDERLAY, X_UNDERLAY = "192.168.50.1", "192.168.50.2", "192.168.60.3"
 P1, P2 = "10.244.1.2", "10.244.2.2"
 SUBNET1, SUBNET2 = "10.244.1.0/24", "10.244.2.0/24"
 CLUSTER = "10.244.0.0/16"
-OVERHEAD = {"udp": 28, "ipip": 20, "vxlan": 50}
-DEVICE = {"udp": "agentd.udp", "ipip": "agentd.ipip"}
+OVERHEAD = {name: b.overhead for name, b in BACKENDS.items() if b.encapsulates}
+DEVICE = {name: BACKENDS[name].device for name in USERSPACE}
 
 
 @dataclass
@@ -100,10 +100,8 @@ def build_two_hosts(make: Callable[[str], Netns], *, underlay_mtu: int = 1500, o
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            if predicate():
-                return True
-        time.sleep(interval)
-    return False
+    """True once ``predicate()`` holds (its exceptions count as "not yet"), False after ``timeout``."""
+    try:
+        return bool(until(predicate, timeout, interval=interval, ignore=(Exception,)))
+    except AssertionError:
+        return False

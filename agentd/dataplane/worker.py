@@ -46,6 +46,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from agentd.backend_table import BACKENDS
 from agentd.dataplane import _fast
 from agentd.dataplane._forward import ForwardError, NextHopTable, complete_checksum, parse_members
 from agentd.dataplane._gro import Coalescer
@@ -67,10 +68,10 @@ from proto.packet import (
 log = logging.getLogger("agentd.dataplane")
 
 TRANSPORTS = {"udp": UdpTransport, "ipip": IpipTransport}
-DEFAULT_DEVICE = {"udp": "agentd.udp", "ipip": "agentd.ipip"}
-# flannel's UDP backend decrements the inner TTL (it is a router hop in user space); a kernel
-# ipip device does not, and user-space IPIP must look exactly like it on the wire.
-TTL_DECREMENT = {"udp": True, "ipip": False}
+DEFAULT_DEVICE = {kind: BACKENDS[kind].device for kind in TRANSPORTS}
+# flannel's UDP backend decrements the inner TTL (it is a router hop in user space); IPIP
+# (like a kernel ipip device) does not.
+TTL_DECREMENT = {kind: BACKENDS[kind].ttl_decrement for kind in TRANSPORTS}
 DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "not_ipv4", "send_error",
                 "tun_write_error")
 COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",

@@ -30,12 +30,12 @@ import os
 import re
 import signal
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agentd.lab.netns import Netns, stop_process
+from agentd.lab.wait import pause, until
 
 BIRD_BINARY = "bird"
 BIRDC_BINARY = "birdc"
@@ -104,19 +104,20 @@ class Bird:
         self._proc = self.ns.popen(
             argv, stdin=subprocess.DEVNULL, stdout=self._stderr, stderr=subprocess.STDOUT, start_new_session=True
         )
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.running:
-                code = self._proc.returncode
-                self._proc = None
-                self._close_stderr()
-                raise BirdError(f"bird exited with status {code} while starting in {self.ns.name}:\n{self.log_tail()}")
-            if os.path.exists(self.socket_path) and self._ping():
-                return
-            if time.monotonic() > deadline:
-                self.kill(signal.SIGKILL)
-                raise BirdError(f"bird did not open {self.socket_path} within {timeout:.0f}s:\n{self.log_tail()}")
-            time.sleep(0.05)
+        def exited() -> str | None:
+            if self.running:
+                return None
+            code = self._proc.returncode
+            self._proc = None
+            self._close_stderr()
+            return f"bird exited with status {code} while starting in {self.ns.name}:\n{self.log_tail()}"
+
+        try:
+            until(lambda: os.path.exists(self.socket_path) and self._ping(), timeout,
+                  what=lambda: f"bird to answer on {self.socket_path}:\n{self.log_tail()}", abort=exited, error=BirdError)
+        except BirdError:
+            self.kill(signal.SIGKILL)
+            raise
 
     def stop(self, timeout: float = STOP_GRACE) -> None:
         """SIGTERM and wait (SIGKILL after ``timeout``).  Idempotent."""
@@ -160,7 +161,7 @@ class Bird:
         self._proc = None
         self._close_stderr()
         if down_for:
-            time.sleep(down_for)
+            pause(down_for, "BIRD stays down for the restart time the test asked for")
         self.start(recovery=True)
 
     def reconfigure(self, config: str) -> str:
@@ -214,17 +215,13 @@ class Bird:
     def wait_until(self, predicate: Callable[[], Any], timeout: float, *, what: str | Callable[[], str] = "condition",
                    interval: float = 0.1) -> Any:
         """Poll ``predicate`` until it returns something truthy (returned); BirdError on timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = predicate()
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                text = what() if callable(what) else what
-                raise BirdError(f"timed out after {timeout:.0f}s waiting for {text}")
+
+        def exited() -> str | None:
             if self._proc is not None and self._proc.poll() is not None:
-                raise BirdError(f"bird exited with status {self._proc.returncode}:\n{self.log_tail()}")
-            time.sleep(interval)
+                return f"bird exited with status {self._proc.returncode}:\n{self.log_tail()}"
+            return None
+
+        return until(predicate, timeout, what=what, interval=interval, abort=exited, error=BirdError)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         text = []

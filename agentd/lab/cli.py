@@ -6,6 +6,9 @@ import argparse
 import re
 import sys
 
+from agentd.backend_table import NAMES
+from agentd.config import DATAPATH_CHOICES
+
 NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
 
 
@@ -47,7 +50,9 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--pods", type=_positive(0, 16), default=2, help="pods per node")
     up.add_argument("--bgp", choices=["mesh", "route-reflector"], default="mesh")
     up.add_argument("--reflectors", type=_positive(1, 8), default=2, help="route reflectors (route-reflector mode)")
-    up.add_argument("--backend", choices=["host-gw", "ipip", "vxlan", "udp"], default="host-gw")
+    up.add_argument("--backend", choices=NAMES, default="host-gw")
+    up.add_argument("--datapath", choices=DATAPATH_CHOICES, default="auto",
+                    help="udp and ipip: in-kernel BPF, the user-space worker, or auto (bpf where it loads)")
     up.add_argument("--encap", choices=["always", "cross-subnet"], default="always")
     up.add_argument("--subnets", type=_positive(1, 8), default=1, help="L2 segments, joined by a router")
     up.add_argument("--etcd", type=_positive(1, 7), default=1, metavar="N",

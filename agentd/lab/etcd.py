@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentd.lab.netns import Netns
+from agentd.lab.wait import auntil
 
 ETCD_BINARY = "etcd"
 START_TIMEOUT = 20.0
@@ -261,21 +262,14 @@ class EtcdServer:
             self._proc = subprocess.Popen(self._argv(), **kwargs)
 
     async def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if not self.running:
-                code = self._proc.returncode if self._proc else None
-                raise EtcdError(
-                    f"etcd {self.endpoint} exited with status {code} while starting; "
-                    f"log {self.log_path} ends:\n{self.log_tail()}"
-                )
-            if await self._healthy():
-                return
-            await asyncio.sleep(0.05)
-        raise EtcdError(
-            f"etcd {self.endpoint} did not answer /health within {START_TIMEOUT:.0f}s; "
-            f"log {self.log_path} ends:\n{self.log_tail()}"
-        )
+        def exited() -> str | None:
+            if self.running:
+                return None
+            code = self._proc.returncode if self._proc else None
+            return f"etcd {self.endpoint} exited with status {code} while starting; log {self.log_path} ends:\n{self.log_tail()}"
+
+        await auntil(self._healthy, START_TIMEOUT, abort=exited, error=EtcdError,
+                     what=lambda: f"etcd {self.endpoint} /health; log {self.log_path} ends:\n{self.log_tail()}")
 
     async def _healthy(self) -> bool:
         reply = await self._http_get("/health")
@@ -372,11 +366,10 @@ class EtcdServer:
 
 
 async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None:
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.05)
+    try:
+        await auntil(lambda: proc.poll() is not None, timeout, what=f"etcd pid {proc.pid} to exit")
+    except AssertionError:
+        return False
     return True
 
 

@@ -33,6 +33,18 @@ def netns_factory() -> Iterator[Callable[[str], Netns]]:
 
 
 @pytest.fixture
+def bpffs(tmp_path) -> Iterator[str]:
+    """A BPF file system of the test's own (mounted under tmp_path, unmounted at the end)."""
+    from agentd.lab import bpffs as fs
+
+    path = fs.mount(tmp_path / "bpffs")
+    try:
+        yield str(path)
+    finally:
+        fs.umount(path)
+
+
+@pytest.fixture
 async def lab_factory(tmp_path):
     """``await lab_factory(nodes=3, pods=2, bgp="mesh", ...)`` -> a running :class:`Lab`.
 

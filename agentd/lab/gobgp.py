@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .netns import Netns, stop_process
+from .wait import until
 
 API = "127.0.0.1"
 
@@ -58,14 +58,10 @@ class GoBgp:
             stderr=subprocess.STDOUT,
         )
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise GoBgpError(f"gobgpd exited {self.proc.returncode}: {self.log_tail()}")
-            if self._cli("global", check=False)[0] == 0:
-                return
-            time.sleep(0.1)
-        raise GoBgpError(f"gobgpd API did not answer within {timeout}s: {self.log_tail()}")
+        proc = self.proc
+        until(lambda: self._cli("global", check=False)[0] == 0, timeout, interval=0.1,
+              what=lambda: f"the gobgpd API: {self.log_tail()}", error=GoBgpError,
+              abort=lambda: proc.poll() is not None and f"gobgpd exited {proc.returncode}: {self.log_tail()}")
 
     def stop(self) -> None:
         if self.proc is not None:

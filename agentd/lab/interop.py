@@ -15,6 +15,7 @@ from typing import Any
 from .bird import Bird
 from .netns import Netns, veth
 from .speaker_proc import SpeakerProcess
+from .wait import until
 
 HOLD = 9
 ASN = 65000
@@ -140,14 +141,8 @@ def start_bird(procs: list, ns: Netns, workdir: Path, config: str) -> Bird:
 
 def eventually(predicate: Callable[[], Any], timeout: float = CONVERGE_TIMEOUT, what: str | Callable[[], str] = "condition",
                interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what() if callable(what) else what}")
-        time.sleep(interval)
+    """:func:`agentd.lab.wait.until` with the interop tests' default deadline."""
+    return until(predicate, timeout, what=what, interval=interval)
 
 
 def rib_paths(spk: SpeakerProcess, prefix: str) -> list[dict]:
@@ -178,6 +173,11 @@ class Watch:
     def __enter__(self) -> Watch:
         self._thread.start()
         return self
+
+    def wait_samples(self, count: int, timeout: float = CONVERGE_TIMEOUT) -> None:
+        """Wait until ``count`` more samples have been taken (instead of sleeping for them)."""
+        want = len(self.samples) + len(self.errors) + count
+        until(lambda: len(self.samples) + len(self.errors) >= want, timeout, what=f"{count} more samples")
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()

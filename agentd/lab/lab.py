@@ -39,9 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import bpffs
 from .etcd import EtcdCluster, EtcdServer
 from .netns import Netns, NetnsError, delete_matching, list_names, veth
 from .speaker_proc import render_toml
+from .wait import auntil
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
 CNI_PLUGIN_DIR = "/usr/lib/cni"
@@ -71,6 +73,7 @@ class LabSpec:
     bgp: str = "mesh"
     reflectors: int = 2
     backend: str = "host-gw"
+    datapath: str = "auto"  # [network] datapath of every node (udp, ipip)
     encap: str = "always"
     subnets: int = 1
     etcd: int = 1  # etcd members (one cluster)
@@ -118,7 +121,8 @@ class LabNode:
                 "route_reflector": self.reflector,
                 "cluster_id": CLUSTER_ID if self.reflector else None,
             },
-            "network": {"cidr": "10.244.0.0/16", "backend": self.backend, "encap": spec.encap},
+            "network": {"cidr": "10.244.0.0/16", "backend": self.backend, "encap": spec.encap,
+                        "datapath": spec.datapath},
             "etcd": {"endpoints": self.lab.etcd.endpoints, "lease_ttl": spec.lease_ttl},
             "bgp": {"mode": spec.bgp, "hold_time": spec.hold_time, "connect_retry": 2.0},
             "api": {"listen": "127.0.0.1:9099"},
@@ -129,7 +133,7 @@ class LabNode:
                 "data_dir": str(self.dir / "cni"),
                 "ipam_data_dir": str(self.dir / "ipam"),
             },
-            "agent": {"state_dir": str(self.dir / "state")},
+            "agent": {"state_dir": str(self.dir / "state"), "bpf_dir": str(self.lab.bpffs)},
             "log": {"level": spec.log_level},
         }
         for section, keys in spec.extra.get(self.name, {}).items():
@@ -179,15 +183,12 @@ class LabNode:
         if pid is None:
             return
         os.kill(pid, sig)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None:
-                if self.proc.poll() is not None:
-                    return
-            elif pid not in self.ns.pids():
-                return
-            await asyncio.sleep(0.05)
-        raise LabError(f"{self.name}: agent (pid {pid}) did not exit within {timeout}s of signal {sig}")
+        proc = self.proc
+
+        def gone() -> bool:
+            return proc.poll() is not None if proc is not None else pid not in self.ns.pids()
+
+        await auntil(gone, timeout, what=f"{self.name}: agent (pid {pid}) to exit after signal {sig}", error=LabError)
 
     async def kill_agent(self) -> None:
         await self.stop_agent(signal.SIGKILL)
@@ -273,6 +274,8 @@ class Lab:
         self.spec = spec
         self.root = Path(root) if root else LAB_ROOT
         self.dir = self.root / spec.name
+        # The nodes' BPF pins: a bpffs of the lab's own (agentd.lab.bpffs says why).
+        self.bpffs = self.dir / "bpffs"
         self.progress = progress or (lambda line: None)
         self.underlay = Netns(f"ad-{spec.name}-ul")
         self.router = Netns(f"ad-{spec.name}-rt")
@@ -339,6 +342,7 @@ class Lab:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._save()
+            bpffs.mount(self.bpffs)
             self._build_network()
             self._stage(f"network namespaces ready ({self.spec.nodes} nodes, {self.spec.subnets} segment(s))")
             stage = "etcd up"
@@ -437,14 +441,14 @@ class Lab:
         return (status.get("node") or {}).get("subnet") or "-"
 
     async def _wait(self, what: str, check: Callable[[], tuple[bool, str]], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
         detail = ""
-        while time.monotonic() < deadline:
-            ok, detail = await asyncio.to_thread(check)
-            if ok:
-                return
-            await asyncio.sleep(0.2)
-        raise LabError(f"{what} not reached within {timeout:.0f}s: {detail}")
+
+        def ok() -> bool:
+            nonlocal detail
+            done, detail = check()
+            return done
+
+        await auntil(ok, timeout, what=lambda: f"{what} ({detail})", interval=0.2, in_thread=True, error=LabError)
 
     async def wait_agents_started(self, timeout: float) -> None:
         def check() -> tuple[bool, str]:
@@ -591,15 +595,15 @@ class Lab:
         return {(a.name, b.name): ok for (a, b), ok in zip(pairs, results)}
 
     async def wait_reachable(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
         failing: list[str] = []
-        while time.monotonic() < deadline:
-            matrix = await self.reachability()
-            failing = [f"{a}->{b}" for (a, b), ok in matrix.items() if not ok]
-            if not failing:
-                return
-            await asyncio.sleep(0.5)
-        raise LabError(f"pods not reachable within {timeout:.0f}s: {', '.join(failing[:10])}")
+
+        async def reachable() -> bool:
+            nonlocal failing
+            failing = [f"{a}->{b}" for (a, b), ok in (await self.reachability()).items() if not ok]
+            return not failing
+
+        await auntil(reachable, timeout, what=lambda: f"every pod reachable (failing: {', '.join(failing[:10])})",
+                     interval=0.5, error=LabError)
 
     # ------------------------------------------------------------ down, state
 
@@ -618,6 +622,10 @@ class Lab:
         with contextlib.suppress(Exception):
             await self.etcd.kill()
         removed = await asyncio.to_thread(delete_matching, f"ad-{self.spec.name}-")
+        # The nodes' devices went with their namespaces, and their tc filters with them; the
+        # pinned programs and maps go with the file system.
+        with contextlib.suppress(OSError):
+            bpffs.umount(self.bpffs)
         if not keep_files:
             shutil.rmtree(self.dir, ignore_errors=True)
         return removed
@@ -678,6 +686,7 @@ def cli_up(args) -> int:
         bgp=args.bgp,
         reflectors=min(args.reflectors, args.nodes),
         backend=args.backend,
+        datapath=args.datapath,
         encap=args.encap,
         subnets=args.subnets,
         etcd=args.etcd,
@@ -725,6 +734,8 @@ def cli_down(name: str) -> int:
         lab = Lab.load(name)
     except LabError:
         removed = delete_matching(f"ad-{name}-")
+        with contextlib.suppress(OSError):
+            bpffs.umount(LAB_ROOT / name / "bpffs")
         shutil.rmtree(LAB_ROOT / name, ignore_errors=True)
         print(f"lab {name}: removed {len(removed)} namespaces" if removed else f"lab {name}: nothing to remove")
         return 0
@@ -754,10 +765,11 @@ def cli_status(name: str) -> int:
             f" etcd {'connected' if ds.get('connected') else 'DISCONNECTED'} ({ds.get('endpoint') or '-'})"
         )
         rows = [
-            [p["address"], p.get("description") or p.get("type", ""), p["state"], str(p.get("prefixes_received", 0)), p.get("backend") or "-"]
+            [p["address"], p.get("description") or p.get("type", ""), p["state"], str(p.get("prefixes_received", 0)),
+             p.get("backend") or "-", p.get("datapath") or "-"]
             for p in status["bgp"]["peers"]
         ]
-        print(render_table(["PEER", "TYPE", "STATE", "PREFIXES", "BACKEND"], rows))
+        print(render_table(["PEER", "TYPE", "STATE", "PREFIXES", "BACKEND", "DATA PATH"], rows))
         for line in n.kernel_routes():
             print(f"  {line}")
         print()

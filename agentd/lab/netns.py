@@ -21,9 +21,10 @@ import secrets
 import signal
 import socket
 import subprocess
-import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
+
+from agentd.lab.wait import until
 
 NETNS_DIR = "/var/run/netns"
 NAME_PREFIX = "ad-"
@@ -140,16 +141,14 @@ class Netns:
     def kill_all(self, grace: float = 2.0) -> None:
         """SIGTERM every process in the namespace, then SIGKILL what is left."""
         pids = self.pids()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig, timeout in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-            deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
-            while time.monotonic() < deadline:
-                pids = self.pids()
-                if not pids:
-                    return
-                time.sleep(0.05)
+            with contextlib.suppress(AssertionError):
+                until(lambda: not self.pids(), timeout, what=f"the processes in {self.name} to exit")
+                return
+            pids = self.pids()
 
     def delete(self) -> None:
         """Kill everything inside and remove the namespace.  Idempotent."""

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from agentd.lab.netns import Netns, stop_process
+from agentd.lab.wait import until
 
 DEFAULT_API = "127.0.0.1:9099"
 START_TIMEOUT = 15.0
@@ -162,18 +163,15 @@ class SpeakerProcess:
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
         """Wait until ``GET /healthz`` answers 200; SpeakerError (with the log) if it exits or times out."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.running:
-                code = self._proc.returncode if self._proc else None
-                raise SpeakerError(f"agentd speaker exited with status {code} while starting:\n{self.log_tail()}")
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                status, _ = self.ns.http_get(self.api_url + "/healthz", timeout=1.0)
-                if status == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise SpeakerError(f"agentd speaker API not up within {timeout:.0f}s:\n{self.log_tail()}")
-            time.sleep(0.05)
+        def exited() -> str | None:
+            if self.running:
+                return None
+            code = self._proc.returncode if self._proc else None
+            return f"agentd speaker exited with status {code} while starting:\n{self.log_tail()}"
+
+        until(lambda: self.ns.http_get(self.api_url + "/healthz", timeout=1.0)[0] == 200, timeout,
+              what=lambda: f"the agentd speaker API:\n{self.log_tail()}", ignore=(OSError, ValueError, IndexError),
+              abort=exited, error=SpeakerError)
 
     def reload(self, config: Mapping[str, Any]) -> None:
         """Rewrite the configuration file and send SIGHUP (peers and ``originate`` change live)."""
@@ -255,19 +253,14 @@ class SpeakerProcess:
     def wait_until(self, predicate: Callable[[], Any], timeout: float, *, what: str | Callable[[], str] = "condition",
                    interval: float = 0.1) -> Any:
         """Poll ``predicate`` until truthy and return its value; SpeakerError (with the log) on timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def exited() -> str | None:
             if self._proc is not None and self._proc.poll() is not None:
-                raise SpeakerError(f"agentd speaker exited with status {self._proc.returncode}:\n{self.log_tail()}")
-            result = None
-            with contextlib.suppress(OSError, ValueError):
-                result = predicate()
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                text = what() if callable(what) else what
-                raise SpeakerError(f"timed out after {timeout:.0f}s waiting for {text}\n{self.log_tail()}")
-            time.sleep(interval)
+                return f"agentd speaker exited with status {self._proc.returncode}:\n{self.log_tail()}"
+            return None
+
+        return until(predicate, timeout, what=lambda: f"{what() if callable(what) else what}\n{self.log_tail()}",
+                     interval=interval, ignore=(OSError, ValueError), abort=exited, error=SpeakerError)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         try:

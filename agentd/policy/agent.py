@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import Histogram
@@ -56,6 +57,7 @@ class PolicyAgent:
         *,
         registry: Any = None,
         nft: Nft | None = None,
+        on_isolation: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self.node = node
         self.ds = datastore
@@ -63,6 +65,10 @@ class PolicyAgent:
         self.data_dir = str(data_dir)
         self.engine = PolicyEngine(node)
         self.nft = nft
+        # Called with True before a sync that leaves a pod of this node isolated, with False
+        # after one that leaves none: the BPF data path must not hand packets to isolated pods
+        # past netfilter (BpfPath.hold_redirect).
+        self.on_isolation = on_isolation
         self.programmer: PolicyProgrammer | None = None
         self.records: dict[PodKey, dict[str, Any]] = {}  # pod records in etcd, every node
         self.record_leases: dict[PodKey, int] = {}
@@ -316,10 +322,15 @@ class PolicyAgent:
             containers = set(self.endpoints)  # the pods this build includes
             desired = self.engine.build()
             keys = self.engine.touched()
+            isolating = self.isolated()["any"] > 0
             try:
+                if isolating and self.on_isolation is not None:
+                    await self.on_isolation(True)
                 result = await self.programmer.sync(desired, None if self._full_compare else keys)
                 self._full_compare = False
-            except NftError as err:
+                if not isolating and self.on_isolation is not None:
+                    await self.on_isolation(False)
+            except (NftError, OSError) as err:
                 self._full_compare = True  # what changed since is not known exactly any more
                 self.error = str(err)
                 self.sync_errors += 1

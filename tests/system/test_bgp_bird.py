@@ -37,6 +37,7 @@ from agentd.lab.interop import (
     start_speaker,
 )
 from agentd.lab.netns import Netns, veth
+from agentd.lab.wait import holds, pause, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -272,7 +273,7 @@ def test_tcp_md5_same_password(netns_factory, procs, tmp_path):
     eventually(lambda: best(spk, "10.99.2.0/24"), what="route over the MD5 session")
     eventually(lambda: "10.99.1.0/24" in bird.routes(), what="route over the MD5 session at BIRD")
     # The segments really are signed: a capture on the link shows the MD5 option (kind 19).
-    out = r1.exec("timeout", "6", "tcpdump", "-i", "eth0", "-c", "2", "-nn", "-v", "tcp port 179", check=False)
+    out = r1.exec("timeout", "15", "tcpdump", "-i", "eth0", "-c", "2", "-nn", "-v", "tcp port 179", check=False)
     assert "md5" in out.lower(), out
     assert md5_failures(r1) == 0 and md5_failures(r2) == 0
 
@@ -293,24 +294,30 @@ def test_tcp_md5_mismatch_never_establishes(netns_factory, procs, tmp_path):
                                            peers=[{"address": "10.0.0.2", "asn": ASN, "password": "the-secret"}]))
         cases[case] = (ns_a, ns_b, bird, spk)
 
-    deadline = time.monotonic() + 15
     seen: dict[str, set[str]] = {case: set() for case in cases}
-    while time.monotonic() < deadline:
+
+    def never_established() -> bool:
         for case, (_, _, bird, spk) in cases.items():
             state = spk.peer("10.0.0.2")["state"]
             bird_state = bird.protocol_state("spk")
             seen[case] |= {f"agentd {state}", f"bird {bird_state}"}
             assert state != "Established", (case, spk.peer("10.0.0.2"))
             assert bird_state != "Established", (case, bird.protocol_info("spk"))
-        time.sleep(0.3)
+        return True
+
+    def dropped_by_the_kernel() -> bool:
+        # BIRD's SYNs (wrong key or none) at agentd's socket; with a wrong key also agentd's
+        # SYNs at BIRD's.
+        never_established()
+        return all(md5_failures(ns_a) + _md5_not_found(ns_a) > 0 and (case != "wrong" or md5_failures(ns_b) > 0)
+                   for case, (ns_a, ns_b, _, _) in cases.items())
+
+    until(dropped_by_the_kernel, ESTABLISH_TIMEOUT, interval=0.3, what=lambda: f"both sides' connects dropped: {seen}")
+    # Nothing happens over a few more connect attempts either (BIRD retries every 2 s).
+    holds(never_established, 5, interval=0.3, what="no session established")
     for case, (ns_a, ns_b, bird, spk) in cases.items():
         assert spk.best_routes().keys() == {"10.99.1.0/24"}, case
         assert "10.99.1.0/24" not in bird.routes(), case
-        # The kernel dropped the segments: BIRD's SYNs (wrong key or none) at agentd's socket;
-        # with a wrong key also agentd's SYNs at BIRD's.
-        assert md5_failures(ns_a) + _md5_not_found(ns_a) > 0, (case, seen[case])
-        if case == "wrong":
-            assert md5_failures(ns_b) > 0, (case, seen[case])
 
 
 def _md5_not_found(ns: Netns) -> int:
@@ -321,7 +328,7 @@ def _md5_not_found(ns: Netns) -> int:
 # ---------------------------------------------------------------- g. hold timer
 
 
-def _frozen_drop(observe_established: Callable[[], bool], timeout: float = HOLD + 10) -> float:
+def _frozen_drop(observe_established: Callable[[], bool], timeout: float = 2 * HOLD + 5) -> float:
     t0 = time.monotonic()
     eventually(lambda: not observe_established(), timeout, what="the session to drop", interval=0.1)
     return time.monotonic() - t0
@@ -340,16 +347,18 @@ def test_hold_timer_bird_frozen(netns_factory, procs, tmp_path):
     row = spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     assert row["hold_time"] == HOLD, row
     eventually(lambda: best(spk, "10.99.2.0/24"), what="BIRD's route")
-    time.sleep(1.5)  # a keepalive or two from BIRD
 
     bird.freeze()
     try:
         took = _frozen_drop(lambda: spk.peer("10.0.0.2")["state"] == "Established")
         row = spk.peer("10.0.0.2")
-        assert HOLD - 1 <= took <= HOLD + 3, (took, row)
+        # The hold timer is the behaviour: never early; late only by the (generous) slack a
+        # loaded machine needs to run the timer and answer the poll.
+        assert HOLD - 1 <= took <= HOLD + 5, (took, row)
         assert "hold" in (row["info"] or "").lower(), row
-        # Hold timer expiry sends a NOTIFICATION: not a graceful restart, the routes go at once.
-        eventually(lambda: best(spk, "10.99.2.0/24") is None, 3, what="BIRD's route withdrawn")
+        # Hold timer expiry sends a NOTIFICATION: not a graceful restart (which would keep the
+        # route for its 120 s restart time), the route goes at once.
+        eventually(lambda: best(spk, "10.99.2.0/24") is None, what="BIRD's route withdrawn")
         assert spk.peer("10.0.0.2")["stale"] == 0
     finally:
         bird.thaw()
@@ -365,16 +374,15 @@ def test_hold_timer_agentd_frozen(netns_factory, procs, tmp_path):
     spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     bird.wait_established("spk")
     eventually(lambda: "10.99.1.0/24" in bird.routes(), what="agentd's route at BIRD")
-    time.sleep(1.5)
 
     spk.freeze()
     try:
         took = _frozen_drop(lambda: bird.protocol_state("spk") == "Established")
         # BIRD jitters its hold timer too (bgp_start_timer() takes up to 25% off every timer),
         # and the last keepalive (1 s interval) came up to 1 s before the freeze.
-        assert 0.75 * HOLD - 1 <= took <= HOLD + 3, (took, bird.protocol_info("spk"))
+        assert 0.75 * HOLD - 1 <= took <= HOLD + 5, (took, bird.protocol_info("spk"))
         assert "Hold timer expired" in bird.protocol_info("spk")
-        eventually(lambda: "10.99.1.0/24" not in bird.routes(), 3, what="agentd's route withdrawn at BIRD")
+        eventually(lambda: "10.99.1.0/24" not in bird.routes(), what="agentd's route withdrawn at BIRD")
     finally:
         spk.thaw()
 
@@ -400,13 +408,13 @@ def test_graceful_restart_bird_restarts(netns_factory, procs, tmp_path):
         return (r is not None, bool(r and r["stale"]), spk.peer("10.0.0.2")["state"])
 
     with Watch(probe) as watch:
-        time.sleep(0.5)
+        watch.wait_samples(3)
         bird.graceful_restart(down_for=3.0)
         row = spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
         assert row["since"] > first_since, row
         eventually(lambda: (r := best(spk, "10.99.2.0/24")) is not None and not r["stale"], 20,
                    what="BIRD's route fresh again")
-        time.sleep(0.5)
+        watch.wait_samples(3)
     assert not watch.errors, watch.errors[:3]
     present = [s[1][0] for s in watch.samples]
     stale_while_away = [s[1][1] for s in watch.samples if s[1][2] != "Established"]
@@ -435,16 +443,16 @@ def test_graceful_restart_agentd_killed(netns_factory, procs, tmp_path):
 
     log_start = bird.log_path.stat().st_size
     with Watch(probe) as watch:
-        time.sleep(0.5)
+        watch.wait_samples(3)
         spk.kill()
-        eventually(lambda: bird.protocol_state("spk") != "Established", 10, what="BIRD to notice the crash")
-        time.sleep(2.0)
+        eventually(lambda: bird.protocol_state("spk") != "Established", what="BIRD to notice the crash")
+        pause(2.0, "agentd stays down a while: BIRD must keep its route as stale meanwhile")
         spk.start()
         spk.wait_ready()
         spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
         bird.wait_established("spk")
         eventually(lambda: "10.99.1.0/24" in bird.routes(), what="agentd's route at BIRD after restart")
-        time.sleep(1.0)
+        watch.wait_samples(5)
     assert not watch.errors, watch.errors[:3]
     states = [s[1][1] for s in watch.samples]
     assert any(s != "Established" for s in states), "BIRD never saw the session go down"
@@ -489,12 +497,14 @@ def test_unknown_peer_is_refused(netns_factory, procs, tmp_path):
 
     eventually(lambda: "refused BGP connection from 10.0.0.2" in spk_a.log_tail(200), 15,
                what="agentd to refuse BIRD's connection")
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+
+    def refused() -> bool:
         assert bird_a.protocol_state("spk") != "Established"
         assert [p["address"] for p in spk_a.peers()] == ["10.0.0.9"]
         assert spk_b.peer("10.0.0.2")["state"] != "Established"
-        time.sleep(0.3)
+        return True
+
+    holds(refused, 5, interval=0.3, what="no session with the unknown peer")  # a few retries of both
     for spk in (spk_a, spk_b):
         assert spk.running and spk.ns.http_get(spk.api_url + "/healthz")[0] == 200
         assert spk.best_routes().keys() == {"10.99.1.0/24"}

@@ -29,6 +29,7 @@ from agentd.dataplane._testbed import (
     build_two_hosts,
     wait_for,
 )
+from agentd.lab.wait import apause, auntil
 from proto import packet as P
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,12 +140,17 @@ async def test_pods_reach_each_other_and_the_wire_carries_the_inner_packets(netn
         flt = "udp port 8285" if kind == "udp" else "ip proto 4"
         dump = t.h2.popen(["tcpdump", "-i", "u2", "-n", "-U", "-s", "2000", "-c", "6", "-w", pcap, flt],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        assert "listening" in dump.stderr.readline().decode()
-        out = ping(t.p1, P2)
-        assert " 0% packet loss" in out, out
-        assert " 0% packet loss" in ping(t.p2, P1)
-        dump.wait(timeout=10)
-        dump.stderr.close()
+        try:
+            assert "listening" in dump.stderr.readline().decode()
+            out = ping(t.p1, P2)
+            assert " 0% packet loss" in out, out
+            assert " 0% packet loss" in ping(t.p2, P1)
+            dump.wait(timeout=30)
+        finally:
+            if dump.poll() is None:
+                dump.kill()
+                dump.wait()
+            dump.stderr.close()
 
         packets = read_pcap(pcap)
         assert packets, "tcpdump captured nothing"
@@ -241,21 +247,23 @@ async def test_concurrent_flows_both_ways_arrive_intact(netns_factory, tmp_path,
         flows = [(t.p1, t.p2, P2, 5001, 12 << 20), (t.p1, t.p2, P2, 5002, 6 << 20), (t.p2, t.p1, P1, 5003, 8 << 20)]
         sinks = [dst.popen([sys.executable, "-c", _SINK.replace("5001", str(port))], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True) for _src, dst, _ip, port, _n in flows]
+        sources = []
         try:
             for sink in sinks:
                 assert sink.stdout.readline().strip() == "ready"
             sources = [src.popen([sys.executable, "-c", _SOURCE.replace("5001", str(port)), ip, str(n)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                        for src, _dst, ip, port, n in flows]
-            sent = [s.communicate(timeout=90)[0].split() for s in sources]
-            got = [k.communicate(timeout=30)[0].split() for k in sinks]
+            sent = [s.communicate(timeout=120)[0].split() for s in sources]
+            got = [k.communicate(timeout=60)[0].split() for k in sinks]
+            pinged = pinger.communicate(timeout=60)[0]
         finally:
-            for proc in sinks:
+            for proc in [*sinks, *sources, pinger]:
                 if proc.poll() is None:
                     proc.kill()
-                    proc.communicate()
+                proc.communicate()
         assert sent == got and [int(g[0]) for g in got] == [n for *_, n in flows]
-        assert " 0% packet loss" in pinger.communicate(timeout=30)[0]
+        assert " 0% packet loss" in pinged, pinged
         s1, s2 = await pair.clients[1].stats(), await pair.clients[2].stats()
         assert s1["drops"]["malformed"] == s2["drops"]["malformed"] == 0
         assert s2["coalesced_batches"] > 0 and s1["tso_batches"] > 0
@@ -280,16 +288,21 @@ async def test_outsiders_are_dropped_and_counted(netns_factory, tmp_path, kind, 
             before = await pair.clients[2].stats()
             for _ in range(5):
                 s.sendto(inner, target)
-            await asyncio.sleep(0.3)
-            after = await pair.clients[2].stats()
+
+            async def stats_when(check):
+                async def probe():
+                    stats = await pair.clients[2].stats()
+                    return check(stats) and stats
+                return await auntil(probe, what="the worker's counters")
+
+            after = await stats_when(lambda st: st["drops"]["non_member"] - before["drops"]["non_member"] >= 5)
             assert after["drops"]["non_member"] - before["drops"]["non_member"] == 5
             assert after["rx_packets"] == before["rx_packets"]
             # The same packets are accepted once the outsider is a member: the filter is the reason.
             await pair.clients[2].set_members([H1_UNDERLAY, X_UNDERLAY])
             for _ in range(5):
                 s.sendto(inner, target)
-            await asyncio.sleep(0.3)
-            accepted = await pair.clients[2].stats()
+            accepted = await stats_when(lambda st: st["rx_packets"] - after["rx_packets"] >= 5)
             assert accepted["rx_packets"] - after["rx_packets"] == 5
             assert accepted["drops"]["non_member"] == after["drops"]["non_member"]
     finally:
@@ -393,8 +406,8 @@ async def test_orphaned_worker_exits(netns_factory, tmp_path):
                                         netns=h.name, orphan_timeout=1.0)
     try:
         c = await DataplaneClient.connect(proc.control_path)
-        await asyncio.sleep(1.5)
-        assert proc.returncode is None  # a connected controller keeps it alive
+        await apause(1.5, "longer than orphan_timeout (1 s): a connected controller keeps it alive")
+        assert proc.returncode is None
         await c.close()
         assert await asyncio.wait_for(proc.wait(), 10) == 0
         assert not os.path.exists(proc.control_path)

@@ -29,6 +29,7 @@ from agentd.datastore import (
 )
 from agentd.lab import etcd as lab_etcd
 from agentd.lab.etcd import EtcdServer
+from agentd.lab.wait import apause, auntil
 
 CLUSTER = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
 TTL = 2
@@ -74,18 +75,9 @@ async def keys(client: aetcd.Client, prefix: bytes = b"/agentd/") -> dict[bytes,
     return {kv.key: kv for kv in await client.get_prefix(prefix)}
 
 
-async def eventually(check, timeout: float = 15.0, what: str = "condition"):
+async def eventually(check, timeout: float = 30.0, what: str = "condition"):
     """Poll an async or sync predicate until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
+    return await auntil(check, timeout, what=what)
 
 
 class Collector:
@@ -225,7 +217,7 @@ async def test_node_without_keepalive_disappears_after_ttl(etcd_server, stores):
 
         stopped = time.monotonic()
         await node.close()  # no more keepalives, nothing revoked: the lease must run out
-        await eventually(lambda: ("delete", "epsilon") in watcher.kinds(), timeout=TTL + 10, what="delete event")
+        await eventually(lambda: ("delete", "epsilon") in watcher.kinds(), timeout=TTL + 30, what="delete event")
         print(f"node key gone {time.monotonic() - stopped:.1f}s after its keepalive stopped (ttl {TTL}s)")
         async with raw(etcd_server) as client:
             assert await keys(client) == {}
@@ -313,7 +305,7 @@ async def test_etcd_outage_longer_than_ttl_recovers_by_itself(etcd_server, store
         await etcd_server.stop()
         down_at = time.monotonic()
         await eventually(lambda: not ds.connected, what="connected=False")
-        await asyncio.sleep(max(0.0, TTL + 1.5 - (time.monotonic() - down_at)))
+        await apause(max(0.0, TTL + 1.5 - (time.monotonic() - down_at)), "the outage lasts past the lease TTL")
         assert not ds.connected
         seen = len(watcher.events)
 
@@ -351,7 +343,9 @@ async def test_unreachable_etcd_with_deadline_raises_quickly_and_failover_works(
                 await ds.connect(timeout=1.0)
             with pytest.raises(DatastoreUnavailable):
                 await acquire_with_deadline(ds, 1.0)
-            assert time.monotonic() - started < 5
+            # The deadlines are honoured (without one the datastore retries for ever); a
+            # generous bound: two 1 s deadlines on a loaded machine.
+            assert time.monotonic() - started < 15
             assert not ds.connected
         finally:
             await ds.close()
@@ -409,7 +403,7 @@ async def test_hung_etcd_with_deadline_raises_and_close_ends_watches(etcd_server
             started = time.monotonic()
             with pytest.raises(DatastoreUnavailable) as excinfo:
                 await hung.connect(timeout=1.0)
-            assert time.monotonic() - started < 3
+            assert time.monotonic() - started < 10  # the 1 s deadline, not the retry for ever
             assert "\n" not in str(excinfo.value)
         finally:
             await hung.close()

@@ -312,10 +312,12 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
                 lab, lambda n: not connected(n), 30, "every agent to report the datastore disconnected"
             )
             # Hold the outage longer than the lease TTL: nothing may expire, move or be withdrawn.
+            # (An agent may briefly read "connected" again: a member that has not yet noticed it
+            # lost its leader accepts a watch for up to an election timeout. What matters is that
+            # nothing is lost or renumbered while quorum is gone, and that it comes back.)
             while time.monotonic() - t_lost < 1.5 * ttl:
                 for n in lab.nodes:
                     assert http_status(n, "/healthz") == 200 and http_status(n, "/readyz") == 200
-                    assert not connected(n)
                 assert all((await lab.reachability()).values())
                 assert lab.subnets() == subnets
                 await asyncio.sleep(1.0)
@@ -340,7 +342,7 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
         for p in pingers:
             if p.proc.poll() is None:
                 p.proc.kill()
-                p.proc.wait()
+            p.proc.communicate()  # reaped, and its pipe closed
         deleted = []
         for m in monitors:
             m.terminate()

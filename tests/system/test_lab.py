@@ -6,12 +6,13 @@ reference bridge/host-local plugins.
 """
 
 import asyncio
-import re
-import signal
 import subprocess
-import time
+import threading
 
 import pytest
+
+from agentd.lab.traffic import Pinger
+from agentd.lab.wait import DEFAULT_TIMEOUT, apause, auntil, aholds, until
 
 MODES = ["mesh", "route-reflector"]
 
@@ -25,59 +26,78 @@ async def tcp_exchange(server_pod, client_pod, payload_size=1_000_000):
             "-c",
             "import socket,hashlib\n"
             f"s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('{server_pod.ip}',{port}));s.listen(1)\n"
+            "print('ready',flush=True)\n"
             "c,_=s.accept();h=hashlib.sha256()\n"
             "while True:\n  d=c.recv(65536)\n  if not d: break\n  h.update(d)\n"
             "c.sendall(h.hexdigest().encode());c.close()",
         ],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
+        # The server says "ready" once it listens: the client connects once, no retry loop.
+        ready = await asyncio.wait_for(asyncio.to_thread(server.stdout.readline), DEFAULT_TIMEOUT)
+        assert ready.strip() == "ready", ready
         code = (
-            "import socket,hashlib,os,time\n"
+            "import socket,hashlib,os\n"
             f"data=os.urandom({payload_size})\n"
-            "for i in range(50):\n"
-            "  try:\n"
-            f"    c=socket.create_connection(('{server_pod.ip}',{port}),timeout=5);break\n"
-            "  except OSError: time.sleep(0.1)\n"
+            f"c=socket.create_connection(('{server_pod.ip}',{port}),timeout=30)\n"
             "c.sendall(data);c.shutdown(socket.SHUT_WR)\n"
             "got=c.recv(100).decode()\n"
             "print('OK' if got==hashlib.sha256(data).hexdigest() else 'BAD')"
         )
-        rc, out, _ = await client_pod.ns.aexec("python3", "-c", code, check=False, timeout=30)
+        rc, out, _ = await client_pod.ns.aexec("python3", "-c", code, check=False, timeout=60)
         return out.strip() == b"OK"
     finally:
         server.kill()
-        server.wait()
+        server.communicate()
 
 
-def route_monitor(ns):
-    """Start `ip monitor route` in ns; returns the process (stdout=PIPE)."""
-    return subprocess.Popen(
-        ["ip", "-n", ns.name, "monitor", "route"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
+class RouteMonitor:
+    """`ip monitor route` in a namespace, read by a thread.  ``ready()`` returns once the
+    monitor is subscribed (it sees a throw-away sentinel route); ``stop()`` returns its text."""
 
+    SENTINEL = "198.18.255.0/24"
 
-def stop_monitor(proc):
-    proc.terminate()
-    out, _ = proc.communicate(timeout=5)
-    return out
+    def __init__(self, ns):
+        self.ns = ns
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(["ip", "-n", ns.name, "monitor", "route"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
 
-class Pinger:
-    """ping -i 0.05 from one pod to another for a while, then count what was lost."""
+    def ready(self):
+        def seen():
+            if any(line.startswith(f"blackhole {self.SENTINEL}") for line in self.lines):
+                return True
+            self.ns.ip("route", "del", "blackhole", self.SENTINEL, "proto", "static", check=False)
+            self.ns.ip("route", "add", "blackhole", self.SENTINEL, "proto", "static")
+            return False
 
-    def __init__(self, src, dst_ip, interval=0.05):
-        self.proc = src.ns.popen(
-            ["ping", "-n", "-i", str(interval), "-W", "1", dst_ip], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        until(seen, DEFAULT_TIMEOUT, interval=0.2, what=f"ip monitor route in {self.ns.name} to report the sentinel")
+        self.ns.ip("route", "del", "blackhole", self.SENTINEL, "proto", "static")
 
     def stop(self):
-        self.proc.send_signal(signal.SIGINT)
-        out, _ = self.proc.communicate(timeout=10)
-        m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
-        assert m, out
-        return int(m.group(1)), int(m.group(2))
+        self.close()
+        return "".join(line for line in self.lines if self.SENTINEL not in line)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait(10)
+        self._reader.join(10)
+        self.proc.stdout.close()
+
+
+def close_all(*things):
+    for thing in things:
+        thing.close()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -103,28 +123,25 @@ async def test_every_pod_reaches_every_other_pod(lab_factory, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_leave_removes_the_node_everywhere_within_5s(lab_factory, mode):
+async def test_leave_removes_the_node_everywhere(lab_factory, mode):
+    # Issue 3 asks for "gone from nodes 1 and 2 within 5 s": bench/convergence.py measures
+    # that (leave column); here the behaviour, with a deadline that only bounds a failure.
     lab = await lab_factory(nodes=3, pods=1, bgp=mode)
     node1, node2, node3 = lab.nodes
     gone = lab.subnets()["node3"]
-    t0 = time.monotonic()
     await node3.leave()
 
     def still_there():
         return [n.name for n in (node1, node2) if any(line.startswith(gone) for line in n.kernel_routes())]
 
-    while still_there():
-        assert time.monotonic() - t0 < 5.0, f"{gone} still routed on {still_there()} after 5 s"
-        await asyncio.sleep(0.05)
-    elapsed = time.monotonic() - t0
+    await auntil(lambda: not still_there(), what=lambda: f"{gone} withdrawn (still routed on {still_there()})",
+                 in_thread=True)
     # node3's agent exited, its own routes are gone, its node and subnet are released in etcd.
-    await asyncio.sleep(0.5)
-    assert node3.agent_pid() is None
+    await auntil(lambda: node3.agent_pid() is None, what="node3's agent to exit", in_thread=True)
     assert node3.kernel_routes() == []
     for n in (node1, node2):
-        peers = {p["address"] for p in n.api("/peers")}
-        assert node3.address not in peers
-    print(f"leave: routes gone from nodes 1 and 2 after {elapsed:.2f}s")
+        await auntil(lambda n=n: node3.address not in {p["address"] for p in n.api("/peers")},
+                     what=f"node3 gone from {n.name}'s peers", in_thread=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -133,19 +150,34 @@ async def test_agent_killed_and_restarted_loses_nothing(lab_factory, mode):
     node1, node2, node3 = lab.nodes
     pods = {p.node.name: p for p in lab.pods}
     subnet2 = lab.subnets()["node2"]
-    mon1, mon2 = route_monitor(node1.ns), route_monitor(node2.ns)
-    pingers = [Pinger(pods["node1"], pods["node2"].ip), Pinger(pods["node2"], pods["node3"].ip)]
-    await asyncio.sleep(1.0)
-    await node2.kill_agent()  # SIGKILL: no goodbye to anyone
-    await asyncio.sleep(2.0)
-    node2.start_agent()
-    await lab.wait_established(30)
-    await asyncio.sleep(2.0)  # past End-of-RIB and the reconcile that follows
-    results = [p.stop() for p in pingers]
-    deleted1, deleted2 = stop_monitor(mon1), stop_monitor(mon2)
+    mon1, mon2 = RouteMonitor(node1.ns), RouteMonitor(node2.ns)
+    pingers = [Pinger(pods["node1"].ns, pods["node2"].ip), Pinger(pods["node2"].ns, pods["node3"].ip)]
+    try:
+        for mon in (mon1, mon2):
+            await asyncio.to_thread(mon.ready)
+        for p in pingers:  # traffic flows before the kill
+            await asyncio.to_thread(p.wait_replies, 10)
+        await node2.kill_agent()  # SIGKILL: no goodbye to anyone
+        await apause(2.0, "node2's agent stays dead for a while: nobody may remove a route meanwhile")
+        node2.start_agent()
+        await lab.wait_established(60)
+
+        def recovered():
+            fresh = [r for r in node1.api("/rib") if r["prefix"] == subnet2 and r["best"] and not r["stale"]]
+            return fresh and node2.api("/status")["ready"]
+
+        # Past End-of-RIB (node2 ready, node1's route for it refreshed), and traffic after it.
+        await auntil(recovered, what="node2 ready and node1's route to it refreshed", ignore=(OSError, ValueError),
+                     in_thread=True)
+        for p in pingers:
+            await asyncio.to_thread(p.wait_replies, 20, more=True)
+        results = [p.stop() for p in pingers]
+        deleted1, deleted2 = mon1.stop(), mon2.stop()
+    finally:
+        close_all(*pingers, mon1, mon2)
     assert lab.subnets()["node2"] == subnet2  # the same subnet back
-    for sent, received in results:
-        assert sent > 50 and received == sent, results
+    for _sent, missing in results:
+        assert not missing, results
     # Kernel routes were never removed: not on the restarted node, not on its peers.
     assert "Deleted" not in deleted2, deleted2
     assert not [line for line in deleted1.splitlines() if line.startswith("Deleted") and subnet2 in line], deleted1
@@ -153,7 +185,7 @@ async def test_agent_killed_and_restarted_loses_nothing(lab_factory, mode):
     rib = node1.api("/rib")
     entry = [r for r in rib if r["prefix"] == subnet2 and r["best"]]
     assert entry and not entry[0]["stale"]
-    print(f"restart: pings {results}")
+    print(f"restart: pings (sent, missing) {results}")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -161,26 +193,31 @@ async def test_etcd_down_for_30s_changes_nothing_and_agents_recover(lab_factory,
     lab = await lab_factory(nodes=3, pods=1, bgp=mode)
     before = {n.name: sorted(n.kernel_routes()) for n in lab.nodes}
     pods = lab.pods
-    pingers = [Pinger(pods[0], pods[1].ip, interval=0.2), Pinger(pods[2], pods[0].ip, interval=0.2)]
-    await lab.etcd.stop()
-    t0 = time.monotonic()
-    saw_down = set()
-    while time.monotonic() - t0 < 30:
-        for n in lab.nodes:
-            st = n.api("/status")
-            if not st["datastore"]["connected"]:
-                saw_down.add(n.name)
-            assert sorted(n.kernel_routes()) == before[n.name]
-        await asyncio.sleep(1.0)
-    assert saw_down == {n.name for n in lab.nodes}
-    await lab.etcd.start()
-    t1 = time.monotonic()
-    while not all(n.api("/status")["datastore"]["connected"] for n in lab.nodes):
-        assert time.monotonic() - t1 < 30, "agents did not reconnect to etcd"
-        await asyncio.sleep(0.5)
-    for p in pingers:
-        sent, received = p.stop()
-        assert received == sent, (sent, received)
+    pingers = [Pinger(pods[0].ns, pods[1].ip, interval=0.2), Pinger(pods[2].ns, pods[0].ip, interval=0.2)]
+    try:
+        await lab.etcd.stop()
+        saw_down = set()
+
+        def unchanged():
+            for n in lab.nodes:
+                if not n.api("/status")["datastore"]["connected"]:
+                    saw_down.add(n.name)
+                if sorted(n.kernel_routes()) != before[n.name]:
+                    return False
+            return True
+
+        # The point of the test: 30 s without etcd (twice the lease TTL), checked throughout.
+        await aholds(unchanged, 30, what="every node's kernel routes unchanged while etcd is down",
+                     interval=1.0, in_thread=True)
+        assert saw_down == {n.name for n in lab.nodes}
+        await lab.etcd.start()
+        await auntil(lambda: all(n.api("/status")["datastore"]["connected"] for n in lab.nodes), 60,
+                     what="agents reconnected to etcd", in_thread=True)
+        results = [p.stop() for p in pingers]
+    finally:
+        close_all(*pingers)
+    for sent, missing in results:
+        assert sent > 0 and not missing, results
     for n in lab.nodes:
         assert sorted(n.kernel_routes()) == before[n.name]
         assert n.agent_pid() is not None
@@ -188,31 +225,43 @@ async def test_etcd_down_for_30s_changes_nothing_and_agents_recover(lab_factory,
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_route_deleted_by_hand_is_back_within_1s(lab_factory, mode):
+async def test_route_deleted_by_hand_is_put_back(lab_factory, mode):
+    # Issue 3: "back within 1 s". The netlink monitor puts it back, not the periodic full
+    # resync (30 s): the deadline below stays well under that; the delay itself is measured
+    # by bench/route_programming.py (restore row), not asserted here.
     lab = await lab_factory(nodes=3, pods=0, bgp=mode)
     node1 = lab.nodes[0]
     subnet2 = lab.subnets()["node2"]
     node1.ns.ip("route", "del", subnet2, "proto", "143")
-    t0 = time.monotonic()
-    while not any(line.startswith(subnet2) for line in node1.kernel_routes()):
-        assert time.monotonic() - t0 < 1.0, "route not restored within 1 s"
-        await asyncio.sleep(0.01)
-    print(f"route restored after {time.monotonic() - t0:.3f}s")
+    await auntil(lambda: any(line.startswith(subnet2) for line in node1.kernel_routes()), 10,
+                 what=f"{subnet2} put back by the monitor", interval=0.01, in_thread=True)
 
 
 async def test_route_reflector_killed_keeps_every_pod_pair_connected(lab_factory):
     lab = await lab_factory(nodes=3, pods=1, bgp="route-reflector", reflectors=2)
     assert [n.reflector for n in lab.nodes] == [True, True, False]
     pods = lab.pods
-    pingers = [Pinger(a, b.ip, interval=0.1) for a in pods for b in pods if a is not b]
-    await asyncio.sleep(1.0)
-    await lab.nodes[0].kill_agent()
-    await asyncio.sleep(5.0)
-    # The client still has both other nodes' routes, through the surviving reflector.
-    client = lab.nodes[2]
-    peers = {p["address"]: p["state"] for p in client.api("/peers")}
-    assert peers[lab.nodes[1].address] == "Established"
-    results = [p.stop() for p in pingers]
-    for sent, received in results:
-        assert sent > 30 and received == sent, results
+    client, survivor, killed = lab.nodes[2], lab.nodes[1], lab.nodes[0]
+    pingers = [Pinger(a.ns, b.ip, interval=0.1) for a in pods for b in pods if a is not b]
+    try:
+        for p in pingers:
+            await asyncio.to_thread(p.wait_replies, 5)
+        await killed.kill_agent()
+
+        def noticed():
+            peers = {p["address"]: p["state"] for p in client.api("/peers")}
+            return peers[killed.address] != "Established" and peers
+
+        # The client noticed the reflector's death (the kernel closed its sessions)...
+        peers = await auntil(noticed, what="the client to notice the killed reflector",
+                             ignore=(OSError, ValueError), in_thread=True)
+        # ...and still has both other nodes' routes, through the surviving reflector.
+        assert peers[survivor.address] == "Established"
+        for p in pingers:
+            await asyncio.to_thread(p.wait_replies, 10, more=True)
+        results = [p.stop() for p in pingers]
+    finally:
+        close_all(*pingers)
+    for _sent, missing in results:
+        assert not missing, results
     assert all((await lab.reachability()).values())

@@ -2,9 +2,9 @@
 
 import socket
 import subprocess
-import time
 
 from agentd.lab import netns
+from agentd.lab.wait import until
 
 
 def test_veth_between_namespaces_carries_traffic(netns_factory):
@@ -36,23 +36,24 @@ def test_socket_opened_inside_namespace_stays_there(netns_factory):
 def test_delete_kills_processes_and_is_idempotent(netns_factory):
     a = netns_factory("a")
     proc = a.popen(["sleep", "60"])
-    assert a.pids()
-    a.delete()
-    assert proc.wait(timeout=5) is not None
-    assert not a.exists()
-    a.delete()
+    try:
+        # `ip netns exec` enters the namespace, then execs sleep: until then it is not listed.
+        until(lambda: proc.pid in a.pids(), 10, what="the child inside the namespace")
+        a.delete()
+        assert proc.wait(timeout=10) is not None
+        assert not a.exists()
+        a.delete()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 def test_http_get_inside_namespace(netns_factory):
     a = netns_factory("a")
     srv = a.popen(["python3", "-m", "http.server", "--bind", "127.0.0.1", "18080"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(100):
-            try:
-                status, body = a.http_get("http://127.0.0.1:18080/")
-                break
-            except OSError:
-                time.sleep(0.05)
+        status, body = until(lambda: a.http_get("http://127.0.0.1:18080/"), 30, what="the HTTP server", ignore=(OSError,))
         assert status == 200 and b"Directory listing" in body
     finally:
         srv.kill()

@@ -19,7 +19,6 @@ not run here (docs/operations.md says so).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -27,7 +26,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 import zipfile
 from ipaddress import IPv4Address, IPv4Network
@@ -35,6 +33,7 @@ from pathlib import Path
 
 from agentd.lab.etcd import EtcdServer
 from agentd.lab.netns import veth
+from agentd.lab.wait import auntil
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -159,12 +158,14 @@ async def test_compose_entrypoint_attaches_pods_and_pings(netns_factory, tmp_pat
         def done() -> bool:
             return all("every pod reaches every other pod" in p.read_text() for p in logs.values())
 
-        deadline = time.monotonic() + 120
-        while not done() and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs.values()), {n: p.read_text() for n, p in logs.items()}
-            await asyncio.sleep(0.2)
+        def exited() -> str | None:
+            if all(p.poll() is None for p in procs.values()):
+                return None
+            return f"an entrypoint exited: { {n: p.read_text()[-2000:] for n, p in logs.items()} }"
+
+        await auntil(done, 120, interval=0.2, abort=exited,
+                     what=lambda: f"every pod reaching every other: { {n: p.read_text()[-2000:] for n, p in logs.items()} }")
         texts = {n: p.read_text() for n, p in logs.items()}
-        assert done(), texts
         for name, text in texts.items():
             other = "node2" if name == "node1" else "node1"
             assert f"pod {name}-pod attached: 10.244." in text
@@ -202,7 +203,7 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
     for item in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / item, src / item)
     for package in ("proto", "bgp", "agentd"):  # not the checkout's in-place build of the C file
-        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.bpf.o"))
     dist = tmp_path / "dist"
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(dist), str(src)],
@@ -222,6 +223,8 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
         assert module in names
     assert not [n for n in names if n.startswith("tests/")]
     assert [n for n in names if re.fullmatch(r"agentd/dataplane/_fastpath\.cpython-.*\.so", n)], names
+    # ...and the BPF data path, compiled by setup.py with clang for the BPF target.
+    assert {"agentd/dataplane/bpf/datapath.bpf.o", "agentd/dataplane/bpf/datapath.c"} <= set(names), names
 
     # Installed into a fresh venv (no index: the wheel only; its dependencies are borrowed
     # from the project's venv through a .pth file, since this machine has no general internet).
@@ -257,6 +260,11 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
         capture_output=True, text=True, env=env, check=True, cwd=tmp_path,
     ).stdout.strip()  # fmt: skip
     assert fast.startswith(purelib) and "_fastpath" in fast, fast
+    check_bpf = ("from agentd.dataplane.bpf import OBJECT, elf, layout\n"
+                 "obj = elf.read_object(OBJECT.read_bytes()); layout.check(obj.maps, obj.programs); print(OBJECT)")
+    bpf_object = subprocess.run([str(bin_ / "python"), "-c", check_bpf], capture_output=True, text=True, env=env,
+                                check=True, cwd=tmp_path).stdout.strip()
+    assert bpf_object.startswith(purelib), bpf_object
     out = subprocess.run(
         [str(bin_ / "agentd"), "check-config", "--config", str(ROOT / "etc" / "agentd.toml"),
          "--set", "node.address=192.0.2.10", "--set", "node.name=n1"],

@@ -9,7 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_pyflakes_clean():
     proc = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", "proto", "bgp", "agentd", "bench", "tests"],
+        [sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", "proto", "bgp", "agentd", "bench", "tests", "fuzz"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -96,7 +96,7 @@ def test_defaults_without_reading_the_host():
     assert cfg.node == NodeConfig(name=None, address=None, asn=64512, route_reflector=False, cluster_id=None)
     assert cfg.network == NetworkConfig(
         cidr=IPv4Network("10.244.0.0/16"), subnet_len=24, backend="host-gw", encap="always", mtu=None,
-        route_protocol=143, vxlan_vni=1, vxlan_port=4789, udp_port=8285, ipip_mode="auto",
+        route_protocol=143, vxlan_vni=1, vxlan_port=4789, udp_port=8285, datapath="auto", bpf_pod_redirect=True,
     )
     assert cfg.etcd == EtcdConfig(endpoints=("http://127.0.0.1:2379",), prefix="/agentd", ca=None, cert=None,
                                   key=None, lease_ttl=30)
@@ -112,7 +112,8 @@ def test_defaults_without_reading_the_host():
         ipam_data_dir=Path("/var/lib/cni/networks"), write_conflist=True,
     )
     assert cfg.log == LogConfig(level="info", format="text")
-    assert cfg.agent == AgentConfig(state_dir=Path("/var/lib/agentd"), route_resync=30.0)
+    assert cfg.agent == AgentConfig(state_dir=Path("/var/lib/agentd"), route_resync=30.0,
+                                    bpf_dir=Path("/sys/fs/bpf/agentd"))
     assert DEFAULT_CONFIG_PATH == "/etc/agentd/agentd.toml"
 
 
@@ -175,7 +176,7 @@ route_protocol = 201
 vxlan_vni = 4096
 vxlan_port = 8472
 udp_port = 9000
-ipip_mode = "userspace"
+datapath = "userspace"
 
 [etcd]
 endpoints = ["https://etcd-1:2379", "https://10.0.0.2:2379"]
@@ -455,8 +456,8 @@ BAD = [
     ("bad-encap", "set", {"network.encap": "never"}, "network.encap", "must be one of always, cross-subnet"),
     ("cross-subnet-host-gw", "file", "[network]\nencap = 'cross-subnet'\n", "network.encap",
      "host-gw never encapsulates"),
-    ("bad-ipip-mode", "file", "[network]\nipip_mode = 'fast'\n",
-     "network.ipip_mode", "auto, kernel, userspace"),
+    ("bad-datapath", "file", "[network]\ndatapath = 'fast'\n",
+     "network.datapath", "auto, bpf, userspace"),
     ("mtu-small", "file", "[network]\nmtu = 100\n", "network.mtu", 'must be "auto" or 576..65535'),
     ("mtu-word", "env", {"AGENTD_NETWORK_MTU": "big"}, "network.mtu", 'must be "auto" or an integer'),
     ("route-protocol-bird", "file", "[network]\nroute_protocol = 12\n", "network.route_protocol",

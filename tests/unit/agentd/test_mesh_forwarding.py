@@ -2,8 +2,10 @@
 
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 
+import pytest
+
 from agentd.datastore import NodeRecord
-from agentd.forwarding import plan_external, plan_peer, route_for
+from agentd.forwarding import LocalPaths, peer_in_userspace, plan_external, plan_peer, route_for
 from agentd.mesh import desired_peers
 from agentd.netinfo import Underlay
 from bgp import PeerSettings
@@ -52,8 +54,9 @@ UNDERLAY = Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network(
 def test_host_gw_peer_on_link_is_routed_directly():
     plan = plan_peer(node("n1", "10.0.0.1", backend={"type": "host-gw"}), UNDERLAY, own_backend="host-gw", encap="always")
     assert plan.backend == "host-gw"
-    r = route_for("10.244.1.0/24", plan, UNDERLAY, {})
+    r = route_for("10.244.1.0/24", plan, UNDERLAY, LocalPaths())
     assert (r.gateway, r.dev, r.onlink) == ("10.0.0.1", "eth0", False)
+    assert LocalPaths().label(plan) == "kernel route"
 
 
 def test_host_gw_peer_off_link_has_no_route_and_says_why():
@@ -68,8 +71,10 @@ def test_the_peers_backend_decides_and_cross_subnet_goes_direct_on_link():
     assert plan_peer(on, UNDERLAY, own_backend="udp", encap="cross-subnet").backend == "host-gw"
     plan = plan_peer(off, UNDERLAY, own_backend="udp", encap="cross-subnet")
     assert plan.backend == "vxlan"
-    r = route_for("10.244.9.0/24", plan, UNDERLAY, {"vxlan": "agentd.vxlan"})
+    paths = LocalPaths({"vxlan": "vxlan-device"})
+    r = route_for("10.244.9.0/24", plan, UNDERLAY, paths)
     assert (r.gateway, r.dev, r.onlink) == ("10.244.9.0", "agentd.vxlan", True)
+    assert paths.label(plan) == "vxlan device"
 
 
 def test_a_backend_this_node_cannot_run_is_reported():
@@ -83,12 +88,45 @@ def test_a_backend_this_node_cannot_run_is_reported():
     assert not plan.routable and "no ipip" in plan.reason
 
 
-def test_ipip_route_form_depends_on_the_path():
-    plan = plan_peer(node("x", "10.0.0.1", backend={"type": "ipip"}), UNDERLAY, own_backend="ipip", encap="always")
-    kernel = route_for("10.244.1.0/24", plan, UNDERLAY, {"ipip": "agentd.ipip", "ipip_path": "kernel"})
-    user = route_for("10.244.1.0/24", plan, UNDERLAY, {"ipip": "agentd.ipip", "ipip_path": "userspace"})
-    assert (kernel.gateway, kernel.onlink) == ("10.0.0.1", True)
-    assert (user.gateway, user.dev) == (None, "agentd.ipip")
+@pytest.mark.parametrize("backend, overhead", [("ipip", 20), ("udp", 28)])
+def test_the_route_form_depends_on_the_data_path(backend, overhead):
+    plan = plan_peer(node("x", "10.0.0.1", backend={"type": backend, "datapath": "bpf"}), UNDERLAY,
+                     own_backend=backend, encap="always")
+    bpf = route_for("10.244.1.0/24", plan, UNDERLAY, LocalPaths({backend: "bpf"}))
+    user = route_for("10.244.1.0/24", plan, UNDERLAY, LocalPaths({backend: "userspace"}))
+    # BPF: out of the underlay device to the peer, room left for the outer headers.
+    assert (bpf.gateway, bpf.dev, bpf.mtu, bpf.onlink) == ("10.0.0.1", "eth0", 1500 - overhead, False)
+    assert (user.gateway, user.dev) == (None, f"agentd.{backend}")
+    assert LocalPaths({backend: "bpf"}).label(plan) == "bpf"
+    assert LocalPaths({backend: "userspace"}).label(plan) == "user space"
+    # Not carried here (yet): no route.
+    assert route_for("10.244.1.0/24", plan, UNDERLAY, LocalPaths()) is None
+
+
+def test_bpf_routes_to_a_peer_behind_a_router_go_via_the_underlay_next_hop():
+    plan = plan_peer(node("far", "10.9.0.1", backend={"type": "udp", "datapath": "bpf"}), UNDERLAY, own_backend="udp",
+                     encap="always")
+    assert route_for("10.244.1.0/24", plan, UNDERLAY, LocalPaths({"udp": "bpf"})) is None  # next hop unknown
+    r = route_for("10.244.1.0/24", plan, UNDERLAY, LocalPaths({"udp": "bpf"}, {"10.9.0.1": "10.0.0.254"}))
+    assert (r.gateway, r.dev, r.mtu) == ("10.0.0.254", "eth0", 1472)
+
+
+@pytest.mark.parametrize("data", [{"datapath": "userspace"}, {}])  # {}: an agent from before the BPF data path
+def test_a_bpf_node_speaks_to_a_user_space_peer_through_its_own_worker(data):
+    assert peer_in_userspace(plan_peer(node("x", "10.0.0.1", backend={"type": "udp", **data}), UNDERLAY,
+                                       own_backend="udp", encap="always"))
+    plan = plan_peer(node("x", "10.0.0.1", backend={"type": "udp", **data}), UNDERLAY, own_backend="udp",
+                     encap="always")
+    # No worker up yet for such peers: no route rather than one the peer cannot read.
+    assert route_for("10.244.1.0/24", plan, UNDERLAY, LocalPaths({"udp": "bpf"})) is None
+    paths = LocalPaths({"udp": "bpf"}, helpers=frozenset({"udp"}))
+    r = route_for("10.244.1.0/24", plan, UNDERLAY, paths)
+    assert (r.gateway, r.dev) == (None, "agentd.udp") and paths.label(plan) == "user space"
+
+
+def test_a_backend_this_agent_does_not_know_is_not_routed():
+    plan = plan_peer(node("x", "10.0.0.1", backend={"type": "geneve"}), UNDERLAY, own_backend="udp", encap="always")
+    assert not plan.routable and "'geneve'" in plan.reason
 
 
 def test_external_next_hops():

@@ -31,10 +31,9 @@ d) no gap: a desired destination that has a route of ours when a sync (or a star
    has one after every single request; an own route that already is the desired one is
    never touched (adoption at start).
 
-The full model found four bugs; bugs 1-3 are fixed and their minimal scenarios at the end are
-regression tests.  Bug 4 (a full resync after upsert() before the first set_desired() may
-delete a second own route of a conflicted destination) is still open: the full model and its
-scenario stay xfail (strict); the model run again steering clear of it passes.
+The full model found four bugs, and three more around bug 4 (4b-4d: two routes of ours for
+one destination; 4b and 4c turned up in the model once bug 4's xfail was lifted); all are
+fixed and their minimal scenarios at the end are regression tests.
 """
 
 from __future__ import annotations
@@ -47,13 +46,11 @@ import struct
 from collections import deque
 from typing import NamedTuple
 
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -423,11 +420,8 @@ def external_entries(draw, table: int) -> Entry:
 class RouteModel(RuleBasedStateMachine):
     """Drives one StandInProgrammer against the stand-in and checks a)-d) at every sync."""
 
-    AVOID_KNOWN_BUGS = False
-
     def __init__(self) -> None:
         super().__init__()
-        self.force_full = False
         self.loop = asyncio.new_event_loop()
         self.kernel: FakeKernel | None = None
         self.p: StandInProgrammer | None = None
@@ -472,14 +466,9 @@ class RouteModel(RuleBasedStateMachine):
         self.table = table
         self.kernel = FakeKernel(strict_dumps=strict)
         for entry in entries:
-            if entry.key not in self.kernel.routes and not self.second_own(entry):
+            if entry.key not in self.kernel.routes:
                 self.kernel.routes[entry.key] = entry
         self._start()
-
-    def second_own(self, entry: Entry) -> bool:
-        """Bugs 3 and 4 need two routes of ours (TOS 0, different metrics) for one dst."""
-        return (self.AVOID_KNOWN_BUGS and self.ours(entry) and not entry.tos
-                and any(e.text == entry.text and not e.tos and e.key != entry.key for e in self.own_entries()))
 
     # --- views of the stand-in --------------------------------------------------------------
 
@@ -503,8 +492,6 @@ class RouteModel(RuleBasedStateMachine):
     # --- the caller (plain methods: the scenario tests below call them too) -------------------
 
     def set_desired(self, routes: list[Route]) -> None:
-        if self.AVOID_KNOWN_BUGS and self.p.conflicts:
-            self.force_full = True  # bug 2: a set_desired() sync skips dsts in conflicts
         self.p.set_desired(routes)
         self.desired = {r.dst: r for r in routes}
         self.complete = True
@@ -554,7 +541,6 @@ class RouteModel(RuleBasedStateMachine):
         self.upsert(route)
         self.then(then)
 
-    @precondition(lambda self: self.complete or not self.AVOID_KNOWN_BUGS)  # bug 1
     @rule(dst=st.sampled_from(DSTS4 + DSTS6), then=THEN)
     def discard_rule(self, dst, then) -> None:
         self.discard(dst)
@@ -563,8 +549,7 @@ class RouteModel(RuleBasedStateMachine):
     # --- everybody else -----------------------------------------------------------------------
 
     def others_add(self, entry: Entry, replace: bool) -> None:
-        if not self.second_own(entry):
-            self.kernel.others_add(entry, replace)
+        self.kernel.others_add(entry, replace)
 
     @rule(data=st.data(), replace=st.booleans(), then=THEN)
     def others_add_rule(self, data, replace, then) -> None:
@@ -638,7 +623,6 @@ class RouteModel(RuleBasedStateMachine):
                 assert self.kernel.routes.get(key) == entry, f"touched adopted {entry.describe()} ({op})"
 
         self.kernel.watch = watch
-        full, self.force_full = full or self.force_full, False
         try:
             result = self.run(self.p.reconcile(full=full))
         finally:
@@ -697,26 +681,17 @@ SETTINGS = {"stateful_step_count": 30, "deadline": None,
             "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much]}
 
 
-@pytest.mark.xfail(strict=True, reason="finds bug 4 (see test_bug4 below); bugs 1-3 are fixed")
 def test_route_programmer_model():
-    # Derandomized, without the example database and without shrinking: the same failing
-    # sequences every run, found in well under a second; the scenario tests show them minimal.
+    # Derandomized, without the example database and without shrinking: the same sequences
+    # every run (they found the bugs below); the scenario tests show those minimal.
     run_state_machine_as_test(RouteModel, settings=settings(
         max_examples=300, derandomize=True, database=None, phases=[Phase.generate], report_multiple_bugs=False,
         **SETTINGS))
 
 
-class RouteModelAvoidingKnownBugs(RouteModel):
-    """The same model, steering clear of the four known bugs so that everything else is
-    still checked: discard() only after set_desired() (bug 1); a full sync after a
-    set_desired() while conflicts are recorded (bug 2); at most one route of ours with TOS 0
-    per destination in our table (bugs 3 and 4)."""
-
-    AVOID_KNOWN_BUGS = True
-
-
-def test_route_programmer_model_avoiding_known_bugs():
-    run_state_machine_as_test(RouteModelAvoidingKnownBugs, settings=settings(
+def test_route_programmer_model_random():
+    # New sequences every run (ROUTE_MODEL_EXAMPLES of them), with shrinking.
+    run_state_machine_as_test(RouteModel, settings=settings(
         max_examples=int(os.environ.get("ROUTE_MODEL_EXAMPLES", "150")), **SETTINGS))
 
 
@@ -731,7 +706,7 @@ def test_adoption_at_start(previous, others, keep, new, full):
     """d) A restarted programmer finds its routes of the previous run; the caller declares
     (some of) them again, with new ones: nothing desired that is already there is touched,
     no destination routed by us is ever unrouted, and a)-c) hold after the first sync."""
-    m = RouteModelAvoidingKnownBugs()
+    m = RouteModel()
     try:
         m.setup_with(nl.RT_TABLE_MAIN, True,
                      [entry_of_route(r, table=nl.RT_TABLE_MAIN, protocol=OURS) for r in previous] + others)
@@ -746,7 +721,7 @@ def test_adoption_at_start(previous, others, keep, new, full):
         m.teardown()
 
 
-# --- the known bugs, minimal -------------------------------------------------------------------------
+# --- the bugs it found, minimal -------------------------------------------------------------------------
 
 X = "10.0.0.0/24"
 
@@ -791,14 +766,35 @@ def test_bug3_adopted_stray_that_is_desired_is_deleted():
         m.sync(False)  # d) gap: X had a route of ours and lost it
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug 4: routing.py RouteProgrammer._plan (change) vs _file_route: before set_desired(), "
-    "with the desired key held by another protocol, a second own route of the dst stays a "
-    "stray after the monitor-driven sync but becomes _kernel[dst] after a full re-read, and "
-    "change() then deletes it: a full resync of an unchanged desired set sends a delete"))
 def test_bug4_full_resync_of_unchanged_set_deletes():
     with scenario(own=[Route(X, dev="eth0"), Route(X, kind="blackhole", metric=5)]) as m:
         mine = m.kernel.routes[key_of(Route(X, dev="eth0"), nl.RT_TABLE_MAIN)]
         m.kernel.others_add(mine._replace(protocol=nl.RTPROT_KERNEL), True)
         m.upsert(Route(X, dev="eth0"))
         m.sync(False)  # c) the full resync that follows deletes the metric-5 route
+
+
+def test_bug4b_discard_before_set_desired_leaves_a_second_own_route():
+    with scenario(own=[Route(X, dev="eth0"), Route(X, kind="blackhole", metric=5)]) as m:
+        m.discard(X)
+        m.sync(False)  # a) discarded destinations still routed: the one filed as a stray stays
+
+
+def test_bug4c_second_own_route_holding_the_desired_key_is_replaced_not_deleted():
+    # Filed in metric order, the metric-5 route became X's route and the metric-100 one a
+    # stray: the add of the desired route met the stray (EEXIST, ours: replaced), then the
+    # stray's delete, by key, took the desired route away.
+    with scenario(own=[Route(X, kind="blackhole", metric=5), Route(X, gateway="192.0.2.3", metric=100)]) as m:
+        m.set_desired([Route(X, gateway="192.0.2.2", metric=100)])
+        m.sync(False)  # d) gap: X had a route of ours and lost it
+
+
+def test_bug4d_upsert_of_the_route_filed_as_a_stray():
+    wanted = Route(X, kind="blackhole", metric=5)
+    with scenario() as m:
+        m.set_desired([Route(X, dev="eth0")])
+        m.sync(False)
+        m.kernel.others_add(entry_of_route(wanted, table=nl.RT_TABLE_MAIN, protocol=OURS), False)
+        m.deliver_events()  # the monitor files it as a stray, to be deleted
+        m.upsert(wanted)
+        m.sync(False)  # d) gap: the stray's delete took the route now wanted

@@ -337,7 +337,7 @@ def test_max_prefixes_without_restart_stays_down_until_reconfigured():
 
 def test_a_bug_while_importing_from_one_peer_resets_only_that_peer(monkeypatch):
     sp, h, a, b = setup()
-    import bgp.speaker as speaker_mod
+    import bgp.importer as speaker_mod
 
     real = speaker_mod.import_attributes
 

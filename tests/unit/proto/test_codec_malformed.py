@@ -254,6 +254,26 @@ CASES = [
     pytest.param(update(ORIGIN + AS_PATH2 + NEXT_HOP + attr(0xC0, 18, bytes(7))), Outcome(DISCARD, 3, 5, attr(0xC0, 18, bytes(7)), 18), OLD, id="rfc6793-6-as4-aggregator-length-7"),
     pytest.param(update(MANDATORY + attr(0xC0, 17, segment(2, [65001]))), Outcome(DISCARD, 3, 9, attr(0xC0, 17, segment(2, [65001])), 17), id="rfc6793-3-as4-path-on-4-octet-session"),
     pytest.param(update(ORIGIN + AS_PATH + mp_reach(flags=0xC0), b""), Outcome(TAW, 3, 4, mp_reach(flags=0xC0)), id="rfc7606-3c-mp-reach-transitive-bit"),
+    pytest.param(
+        update(ORIGIN + AS_PATH + mp_reach(afi=1, next_hop=bytes((227, 0, 0, 1)), nlri=NLRI), b""),
+        Outcome(TAW, 3, 8, mp_reach(afi=1, next_hop=bytes((227, 0, 0, 1)), nlri=NLRI)),
+        id="rfc4271-6.3-mp-reach-ipv4-next-hop-multicast",
+    ),
+    pytest.param(
+        update(ORIGIN + AS_PATH + mp_reach(afi=1, next_hop=bytes(4), nlri=NLRI), b""),
+        Outcome(TAW, 3, 8, mp_reach(afi=1, next_hop=bytes(4), nlri=NLRI)),
+        id="rfc4271-6.3-mp-reach-ipv4-next-hop-0.0.0.0",
+    ),
+    pytest.param(
+        update(ORIGIN + AS_PATH + mp_reach(next_hop=bytes(16)), b""),
+        Outcome(TAW, 3, 8, mp_reach(next_hop=bytes(16))),
+        id="rfc4271-6.3-mp-reach-ipv6-next-hop-unspecified",
+    ),
+    pytest.param(
+        update(ORIGIN + AS_PATH + mp_reach(next_hop=b"\xff\x02" + bytes(13) + b"\x01"), b""),
+        Outcome(TAW, 3, 8, mp_reach(next_hop=b"\xff\x02" + bytes(13) + b"\x01")),
+        id="rfc4271-6.3-mp-reach-ipv6-next-hop-multicast",
+    ),
     pytest.param(update(mp_reach(afi=25, safi=70, next_hop=b"\x01\x02\x03\x04") + MANDATORY), Outcome(DISCARD, 3, 9, mp_reach(afi=25, safi=70, next_hop=b"\x01\x02\x03\x04"), 14), id="rfc4760-8-mp-reach-unsupported-family"),
 ]
 

@@ -61,6 +61,8 @@ u32 = st.integers(0, 0xFFFFFFFF)
 asn = st.integers(1, 0xFFFFFFFF)
 ipv4 = st.builds(IPv4Address, u32)
 unicast_v4 = st.builds(IPv4Address, st.integers(0x01000000, 0xDFFFFFFF))
+# Neither :: nor multicast (ff00::/8): the global next hop of MP_REACH_NLRI is a host address.
+unicast_v6 = st.builds(IPv6Address, st.integers(1, (0xFF << 120) - 1))
 
 
 @st.composite
@@ -124,7 +126,7 @@ def updates(draw: st.DrawFn, old: bool = False) -> Update:
         return Update(withdrawn, draw(attributes(True, old)), nlri)
     if family == "withdraw6":
         return Update(withdrawn, mp_unreach=MpUnreachNlri(2, 1, tuple(draw(st.lists(prefixes(2), max_size=40)))))
-    hops = draw(st.lists(st.builds(IPv6Address, st.integers(0, (1 << 128) - 1)), min_size=1, max_size=2))
+    hops = [draw(unicast_v6), *draw(st.lists(st.builds(IPv6Address, st.integers(0, (1 << 128) - 1)), max_size=1))]
     reach = MpReachNlri(2, 1, tuple(hops), tuple(draw(st.lists(prefixes(2), min_size=1, max_size=40))))
     return Update(withdrawn, draw(attributes(False, old)), (), reach)
 

@@ -1,0 +1,116 @@
+"""Every backend in one table: what it puts on the wire, what it costs, how this node carries it.
+
+A *backend* is what a node advertises in its node record (``backend.type``) and what its peers
+must send it: a wire format.  A *data path* is how one node produces and consumes that format
+(a plain kernel route, the kernel VXLAN device, the tc-BPF programs, the user-space worker).
+The backend says which data paths can carry it, best first; the node uses the first that
+runs here and says why it fell back (agentd.backends).
+
+Everything that used to repeat these facts -- the configuration's choices and MTU overhead,
+the datastore's record check, the route shapes (agentd.forwarding), the devices and member
+filters (agentd.backends), the user-space worker, the test bed, the lab -- reads them here, so
+a new backend is one :class:`Backend` record plus its implementation.  Pure data, no imports
+beyond the standard library: the configuration reads it before anything else is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Datapath:
+    """One way a node carries a backend's traffic."""
+
+    name: str
+    label: str  # what `agentd status` shows per peer
+    kernel: bool  # the per-packet work happens in the kernel (no process of ours on the path)
+
+
+DATAPATHS = {
+    d.name: d
+    for d in (
+        Datapath("route", "kernel route", True),  # plain routes via the peer: host-gw
+        Datapath("vxlan-device", "vxlan device", True),  # the kernel VTEP agentd.vxlan
+        Datapath("bpf", "bpf", True),  # tc-BPF on the underlay device (agentd.dataplane.bpf)
+        Datapath("userspace", "user space", False),  # the TUN worker (agentd.dataplane)
+    )
+}
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    overhead: int  # bytes of encapsulation per packet: pod MTU = underlay MTU - overhead
+    wire: str  # what crosses the underlay, for docs and /status
+    datapaths: tuple[str, ...]  # the data paths that can carry it here, best first
+    device: str | None = None  # the tunnel device of the device-based data paths
+    member_filter: str | None = None  # what the BPF member filter drops from non-members
+    port_key: str | None = None  # the [network] key holding its UDP port
+    ttl_decrement: bool = False  # the user-space worker decrements the inner TTL (flannel UDP does)
+    node_data: tuple[str, ...] = ()  # keys it publishes in the node record's "backend" object
+
+    @property
+    def encapsulates(self) -> bool:
+        return self.overhead > 0
+
+
+BACKENDS = {
+    b.name: b
+    for b in (
+        Backend(
+            "host-gw",
+            overhead=0,
+            wire="the pod packets themselves, routed via the peer (same L2 segment only)",
+            datapaths=("route",),
+        ),
+        # RFC 2003 section 3.1: an outer IPv4 header, protocol 4.
+        Backend(
+            "ipip",
+            overhead=20,
+            wire="IP in IP (RFC 2003): outer IPv4, protocol 4",
+            datapaths=("bpf", "userspace"),
+            device="agentd.ipip",
+            member_filter="ipip",
+        ),
+        # RFC 7348 section 5: outer IPv4 + UDP + VXLAN header + inner Ethernet = 50 bytes.
+        Backend(
+            "vxlan",
+            overhead=50,
+            wire="VXLAN (RFC 7348): outer IPv4 + UDP to vxlan_port + VXLAN + inner Ethernet",
+            datapaths=("vxlan-device",),
+            device="agentd.vxlan",
+            member_filter="vxlan",
+            port_key="vxlan_port",
+            node_data=("vtep_mac", "vtep_ip", "vni", "vxlan_port"),
+        ),
+        # flannel's UDP backend: outer IPv4 + UDP whose payload is exactly the inner packet.
+        Backend(
+            "udp",
+            overhead=28,
+            wire="flannel UDP: outer IPv4 + UDP to udp_port, payload the inner IPv4 packet",
+            datapaths=("bpf", "userspace"),
+            device="agentd.udp",
+            member_filter="udp",
+            port_key="udp_port",
+            ttl_decrement=True,
+            node_data=("udp_port",),
+        ),
+    )
+}
+NAMES = tuple(BACKENDS)  # "host-gw", "ipip", "vxlan", "udp": the configuration's choices
+ENCAPSULATING = tuple(name for name, b in BACKENDS.items() if b.encapsulates)
+USERSPACE = tuple(name for name, b in BACKENDS.items() if "userspace" in b.datapaths)
+BPF = tuple(name for name, b in BACKENDS.items() if "bpf" in b.datapaths)
+
+
+def backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; one of {', '.join(NAMES)}") from None
+
+
+def mtu_overhead(name: str) -> int:
+    """Bytes of encapsulation backend ``name`` adds to every pod packet."""
+    return backend(name).overhead

@@ -1,0 +1,181 @@
+"""The BPF data path as the agent runs it (agentd.dataplane.bpf is the mechanism).
+
+One :class:`BpfPath` per node: the two tc programs on the underlay device and their pinned
+maps serve every backend carried in BPF (udp, ipip: encapsulation and decapsulation) and the
+member filter of every backend that has one (the same two, and VXLAN's port, whose kernel
+device takes packets from anyone).  :class:`InBpf` is the per-backend face agentd.backends
+drives, like its vxlan-device and user-space implementations.
+
+The maps are filled from the same reconcile that programs the kernel routes
+(agentd.backends.Tunnels): routes (pod subnet -> peer, kind), members (every node's underlay
+address), config (ports, which backends to decapsulate or filter).  Before BGP has re-learned
+everything after a restart (``prune`` False) nothing is removed from them -- not a route, not
+a member, not a backend's flag -- exactly like the kernel routes adopted at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from ipaddress import IPv4Network
+from typing import TYPE_CHECKING, Any
+
+from .backend_table import BACKENDS
+from .dataplane.bpf import BpfDatapath, BpfUnavailable, Config, layout
+
+if TYPE_CHECKING:
+    from .config import Config as AgentConfig
+    from .netinfo import Underlay
+
+log = logging.getLogger("agentd.backends")
+
+# BACKENDS[...].member_filter -> the config flag that turns it on in the ingress program.
+FILTER_FLAGS = {"udp": layout.CFG_DECAP_UDP, "ipip": layout.CFG_DECAP_IPIP, "vxlan": layout.CFG_FILTER_VXLAN}
+# Decapsulation flags of newer kernels: always offered, the program drops what its kernel refuses.
+KERNEL_FLAGS = layout.CFG_DECAP_L3_FLAG | layout.CFG_DECAP_L4_FLAGS
+
+
+class BpfPath:
+    def __init__(self, cfg: AgentConfig, underlay: Underlay) -> None:
+        self.cfg = cfg
+        self.underlay = underlay
+        self.dp: BpfDatapath | None = None
+        self.error: str | None = None  # why it cannot run here (then it never will, this run)
+        self.carried: set[str] = set()  # backends encapsulated and decapsulated here
+        self.filtered: set[str] = set()  # backends whose member filter is here
+        self.counters: dict[str, Any] = {}
+        # NetworkPolicy isolates a pod of this node (or may: until the policy agent has synced
+        # once): decapsulated packets take the stack's path, where netfilter judges them and
+        # conntrack sees both directions, instead of bpf_redirect past it (see hold_redirect).
+        self.redirect_held = False
+        self._lock = asyncio.Lock()
+
+    @property
+    def redirecting(self) -> bool:
+        return self.cfg.network.bpf_pod_redirect and not self.redirect_held
+
+    def config(self, extra: Iterable[str] = ()) -> Config:
+        flags = KERNEL_FLAGS | (layout.CFG_POD_REDIRECT if self.redirecting else 0)
+        for name in {*self.carried, *self.filtered, *extra}:
+            flags |= FILTER_FLAGS.get(BACKENDS[name].member_filter or "", 0)
+        net = self.cfg.network
+        return Config(str(self.underlay.interface.ip), net.udp_port, net.vxlan_port, flags, self.underlay.mtu)
+
+    async def up(self, *, carry: str | None = None, filter: str | None = None) -> None:
+        """Load (or adopt) the data path once, with ``carry``/``filter`` in its config from the
+        first write; raises :class:`BpfUnavailable` with the reason it cannot run here."""
+        async with self._lock:
+            if self.dp is None:
+                if self.error is not None:
+                    raise BpfUnavailable(self.error)
+                dp = BpfDatapath(self.underlay.ifindex, self.cfg.agent.bpf_dir)
+                try:
+                    await asyncio.to_thread(dp.open, self.config([n for n in (carry, filter) if n]), clear=self._cleared())
+                except BpfUnavailable as err:
+                    self.error = str(err)
+                    raise
+                self.dp = dp
+                how = f"adopted the pinned maps ({len(dp.routes)} routes, {len(dp.members)} members)" \
+                    if dp.adopted else "loaded"
+                log.info("BPF data path on %s: %s; programs attached, pins in %s", self.underlay.ifname, how, dp.dir)
+            if carry:
+                self.carried.add(carry)
+            if filter:
+                self.filtered.add(filter)
+
+    async def sync(self, routes: Mapping[IPv4Network, tuple[str, str]], members: set[str] | None,
+                   peer_flags: Mapping[str, int], *, prune: bool) -> None:
+        """Make the maps say ``routes`` and ``members`` (None: leave the members as they are),
+        with ``peer_flags`` (layout.PEER_F_*: whose packets go to this node's workers)."""
+        dp = self.dp
+        if dp is None:
+            return
+        if not prune:
+            routes = {**dp.routes, **routes}
+            members = None if members is None else members | dp.members
+        await asyncio.to_thread(self._sync, dp, dict(routes), members, dict(peer_flags), not prune)
+
+    async def hold_redirect(self, hold: bool) -> None:
+        """Stop (``hold``) or resume handing decapsulated packets straight to pods.  NetworkPolicy
+        calls this before it isolates a pod of this node (the packets must reach its netfilter
+        chains from then on) and after the last isolation is gone: no window either way."""
+        if hold == self.redirect_held:
+            return
+        self.redirect_held = hold
+        async with self._lock:
+            if self.dp is not None:
+                await asyncio.to_thread(self.dp.set_config, self.config(), keep=True, clear=self._cleared())
+        log.info("BPF: decapsulated packets for pods %s", "take the stack's path (network policy isolates a pod here)"
+                 if hold else "go straight to the pods' bridge ports again")
+
+    def _cleared(self) -> int:
+        return 0 if self.redirecting else layout.CFG_POD_REDIRECT
+
+    def _sync(self, dp: BpfDatapath, routes: dict, members: set[str] | None, flags: dict, keep: bool) -> None:
+        dp.set_config(self.config(), keep=keep, clear=self._cleared())
+        dp.set_routes(routes)
+        if members is not None:
+            dp.set_members(members, flags)
+
+    async def refresh(self) -> None:
+        if self.dp is not None:
+            self.counters = await asyncio.to_thread(self._refresh, self.dp)
+
+    def _refresh(self, dp: BpfDatapath) -> dict[str, Any]:
+        dp.guard_bridges()  # a new pods' bridge gets the member filter within 2 s
+        if self.redirecting and self.carried:
+            dp.sync_ports()  # the bridges' learned MACs: a new pod is on the direct path within 2 s
+        return dp.counters()
+
+    def peer_counters(self, address: str) -> dict[str, int] | None:
+        return (self.counters.get("peers") or {}).get(address)
+
+    def status(self) -> dict[str, Any]:
+        if self.dp is None:
+            return {"active": False, "error": self.error}
+        return {
+            "active": True,
+            "device": self.underlay.ifname,
+            "carries": sorted(self.carried),
+            "filters": sorted(self.carried | self.filtered),
+            "redirecting": self.redirecting,  # decapsulated packets straight to pods (not while policy isolates one)
+            **self.dp.status(),
+            "drops": {k: v["packets"] for k, v in (self.counters.get("drops") or {}).items()},
+            "kernel": self.counters.get("kernel") or {},
+        }
+
+    async def down(self, remove: bool) -> None:
+        """``remove``: detach and unpin everything; else only let go (it all keeps running)."""
+        if self.dp is None:
+            return
+        await asyncio.to_thread(self.dp.remove if remove else self.dp.close)
+        self.dp = None
+
+
+class InBpf:
+    """A backend (udp or ipip) carried by the node's :class:`BpfPath`."""
+
+    datapath = "bpf"
+    device = None
+
+    def __init__(self, t: Any, name: str) -> None:
+        self.t = t
+        self.name = name
+
+    async def up(self, subnet: IPv4Network) -> None:
+        await self.t.bpf.up(carry=self.name)
+
+    def data(self) -> dict[str, Any]:
+        return {key: getattr(self.t.cfg.network, key) for key in BACKENDS[self.name].node_data}
+
+    async def sync(self, plans, next_hops, prune: bool) -> None:
+        return None  # the shared BpfPath syncs once for every backend it carries
+
+    def status(self) -> dict[str, Any]:
+        dp = self.t.bpf.dp
+        return {"datapath": self.datapath, "device": self.t.underlay.ifname, "pins": str(dp.dir) if dp else None}
+
+    async def down(self, remove: bool) -> None:
+        if remove:
+            self.t.bpf.carried.discard(self.name)

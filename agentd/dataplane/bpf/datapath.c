@@ -1,0 +1,398 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/* agentd's in-kernel data path: two tc (clsact, direct-action) programs on the underlay device.
+ *
+ *   agentd_egress   pod packets routed out of the underlay device toward a pod subnet in the
+ *                   routes map get an outer IPv4 header (+ UDP for the udp backend) in place:
+ *                   bpf_skb_adjust_room(ENCAP_L3_IPV4 [| ENCAP_L4_UDP] | FIXED_GSO) keeps TCP
+ *                   GSO super-packets whole; the device (or the stack, for a device without
+ *                   tunnel GSO) segments them, as it does for kernel VXLAN.
+ *   agentd_ingress  flannel UDP (to config.udp_port) and IPIP (protocol 4) from cluster members
+ *                   are decapsulated and handed on (TC_ACT_OK) to the stack, which forwards the
+ *                   inner packet to the pod; from anyone else they are dropped and counted, and
+ *                   so is UDP to the VXLAN port (the kernel VXLAN device takes it from anyone).
+ *
+ * Wire formats are the ones the user-space worker and flannel use: flannel UDP is outer IPv4 +
+ * UDP whose payload is exactly the inner IPv4 packet; IPIP is RFC 2003 section 3.1. The outer
+ * header: DF set, TTL 64, DSCP and ECN copied from the inner header (RFC 6040 section 4.1,
+ * normal mode), UDP checksum 0 (RFC 768: none computed), UDP source port from the flow hash
+ * (entropy for ECMP and RSS, as the kernel's udp_flow_src_port does).
+ *
+ * The routes that bring pod packets to the underlay device are the agent's kernel routes
+ * ("subnet via <underlay next hop to the peer> dev <underlay> mtu <underlay mtu - overhead>"),
+ * so the outer packet leaves toward the same next hop the stack would route it to.
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/pkt_cls.h>
+#include <linux/udp.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
+
+#include "datapath.h"
+
+/* linux-libc-dev of Debian 12 is 6.1; these came later. Values from include/uapi/linux/bpf.h. */
+#ifndef BPF_F_ADJ_ROOM_DECAP_L3_IPV4
+#define BPF_F_ADJ_ROOM_DECAP_L3_IPV4 (1ULL << 7) /* Linux 6.3 */
+#endif
+#define ADJ_ROOM_DECAP_L4_UDP (1ULL << 10) /* bpf-next: clears the UDP tunnel GSO type */
+#define ADJ_ROOM_DECAP_IPXIP4 (1ULL << 11) /* bpf-next: clears SKB_GSO_IPXIP4 */
+
+#define EINVAL 22
+#define IP_DF 0x4000
+#define IP_MF 0x2000
+#define IP_OFFSET 0x1fff
+#define IPPROTO_IPIP_ 4
+#define OUTER_TTL 64
+#define ECN_MASK 3
+#define ECN_CE 3
+#define MIN_FRAME 60 /* shorter Ethernet frames are padded: their IP length is the truth */
+#define IP_MAX_LEN 0xffff
+#define AF_INET_ 2
+/* A packet that is none of ours: TC_ACT_UNSPEC hands it to the next filter on the hook (or
+ * lets it pass where there is none), so that others' programs on the device still see it. */
+#define PASS TC_ACT_UNSPEC
+
+struct agentd_map_def agentd_routes SEC("maps") = {
+	.type = BPF_MAP_TYPE_LPM_TRIE,
+	.key_size = sizeof(struct route_key),
+	.value_size = sizeof(struct route_value),
+	.max_entries = 16384,
+	.flags = BPF_F_NO_PREALLOC, /* required for LPM tries */
+};
+
+struct agentd_map_def agentd_peers SEC("maps") = {
+	.type = BPF_MAP_TYPE_PERCPU_HASH,
+	.key_size = sizeof(__be32),
+	.value_size = sizeof(struct peer_stats),
+	.max_entries = 4096,
+};
+
+struct agentd_map_def agentd_drops SEC("maps") = {
+	.type = BPF_MAP_TYPE_PERCPU_ARRAY,
+	.key_size = sizeof(__u32),
+	.value_size = sizeof(struct drop_stats),
+	.max_entries = DROP_REASONS,
+};
+
+struct agentd_map_def agentd_ports SEC("maps") = {
+	.type = BPF_MAP_TYPE_HASH,
+	.key_size = sizeof(struct port_key),
+	.value_size = sizeof(__u32),
+	.max_entries = 4096,
+};
+
+struct agentd_map_def agentd_config SEC("maps") = {
+	.type = BPF_MAP_TYPE_ARRAY,
+	.key_size = sizeof(__u32),
+	.value_size = sizeof(struct config),
+	.max_entries = 1,
+};
+
+/* The kernel lets only GPL-compatible programs call bpf_fib_lookup (deliver_local): this file
+ * and datapath.h are dual-licensed, as libbpf and the kernel's BPF samples are; the rest of
+ * agentd is Apache-2.0, and the agent only loads this object. */
+char _license[] SEC("license") = "Dual BSD/GPL";
+
+struct outer_hdr {
+	struct iphdr ip;
+	struct udphdr udp;
+};
+_Static_assert(sizeof(struct outer_hdr) == 28, "outer IPv4 + UDP header");
+
+static __always_inline int drop(__u32 reason, struct __sk_buff *skb)
+{
+	struct drop_stats *d = bpf_map_lookup_elem(&agentd_drops, &reason);
+
+	if (d) {
+		d->packets += 1;
+		d->bytes += skb->len;
+	}
+	return TC_ACT_SHOT;
+}
+
+static __always_inline __u32 wire_packets(struct __sk_buff *skb)
+{
+	return skb->gso_segs > 1 ? skb->gso_segs : 1;
+}
+
+static __always_inline __u16 ipv4_csum(struct iphdr *ip)
+{
+	__u16 *w = (__u16 *)ip;
+	__u32 sum = 0;
+
+#pragma unroll
+	for (int i = 0; i < (int)(sizeof(*ip) / 2); i++)
+		sum += w[i];
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return ~sum;
+}
+
+/* Make the first ``len`` bytes linear (a NIC may leave headers in page fragments). */
+static __always_inline int pull(struct __sk_buff *skb, __u32 len)
+{
+	if ((void *)(long)skb->data + len <= (void *)(long)skb->data_end)
+		return 0;
+	if (skb->len < len)
+		return -1;
+	return bpf_skb_pull_data(skb, len);
+}
+
+SEC("tc/egress")
+int agentd_egress(struct __sk_buff *skb)
+{
+	struct route_key key = {.prefixlen = 32};
+	struct outer_hdr o = {};
+	struct route_value *route;
+	struct peer_stats *stats;
+	struct config *cfg;
+	struct iphdr *ip;
+	void *data, *end;
+	__u32 zero = 0, inner_len, total, hash, segs;
+	__u64 flags;
+	__be32 peer;
+	__u8 kind, tos;
+
+	if (skb->protocol != bpf_htons(ETH_P_IP))
+		return PASS;
+	if (pull(skb, ETH_HLEN + sizeof(*ip)))
+		return PASS;
+	data = (void *)(long)skb->data;
+	end = (void *)(long)skb->data_end;
+	ip = data + ETH_HLEN;
+	if ((void *)(ip + 1) > end)
+		return PASS;
+	key.addr = ip->daddr;
+	route = bpf_map_lookup_elem(&agentd_routes, &key);
+	if (!route)
+		return PASS; /* not a pod subnet we encapsulate to: plain routing */
+	cfg = bpf_map_lookup_elem(&agentd_config, &zero);
+	if (!cfg || !cfg->local)
+		return PASS;
+	peer = route->peer;
+	kind = route->kind;
+	tos = ip->tos;
+	inner_len = skb->len - ETH_HLEN;
+
+	flags = BPF_F_ADJ_ROOM_ENCAP_L3_IPV4 | BPF_F_ADJ_ROOM_FIXED_GSO;
+	if (kind == KIND_UDP) {
+		total = inner_len + sizeof(o);
+		flags |= BPF_F_ADJ_ROOM_ENCAP_L4_UDP;
+	} else if (kind == KIND_IPIP) {
+		total = inner_len + sizeof(o.ip);
+	} else {
+		return PASS;
+	}
+	/* The route MTU (underlay - overhead) keeps this from happening; a GSO packet's segments
+	 * are sized by gso_size, which FIXED_GSO leaves as it is. */
+	if (!skb->gso_size && total > cfg->mtu)
+		return drop(DROP_TOO_BIG, skb);
+
+	hash = bpf_get_hash_recalc(skb);
+	segs = wire_packets(skb); /* adjust_room zeroes gso_segs (to be recomputed): count first */
+	if (bpf_skb_adjust_room(skb, total - inner_len, BPF_ADJ_ROOM_MAC, flags))
+		return drop(DROP_ENCAP_ERROR, skb);
+
+	o.ip.version = 4;
+	o.ip.ihl = 5;
+	o.ip.tos = tos;
+	/* A GSO packet above 64 KB (BIG TCP) carries 0, the stack's own convention (iph_totlen). */
+	o.ip.tot_len = total > IP_MAX_LEN ? 0 : bpf_htons(total);
+	o.ip.id = bpf_htons(hash & 0xffff);
+	o.ip.frag_off = bpf_htons(IP_DF);
+	o.ip.ttl = OUTER_TTL;
+	o.ip.saddr = cfg->local;
+	o.ip.daddr = peer;
+	if (kind == KIND_UDP) {
+		o.ip.protocol = IPPROTO_UDP;
+		o.ip.check = ipv4_csum(&o.ip);
+		o.udp.source = bpf_htons(0xc000 | ((hash ^ (hash >> 16)) & 0x3fff));
+		o.udp.dest = cfg->udp_port;
+		o.udp.len = total - sizeof(o.ip) > IP_MAX_LEN ? 0 : bpf_htons(total - sizeof(o.ip));
+		o.udp.check = 0;
+		if (bpf_skb_store_bytes(skb, ETH_HLEN, &o, sizeof(o), 0))
+			return drop(DROP_ENCAP_ERROR, skb);
+	} else {
+		o.ip.protocol = IPPROTO_IPIP_;
+		o.ip.check = ipv4_csum(&o.ip);
+		if (bpf_skb_store_bytes(skb, ETH_HLEN, &o.ip, sizeof(o.ip), 0))
+			return drop(DROP_ENCAP_ERROR, skb);
+	}
+	stats = bpf_map_lookup_elem(&agentd_peers, &peer);
+	if (stats) {
+		stats->tx_packets += segs;
+		stats->tx_bytes += skb->len;
+	}
+	return TC_ACT_OK;
+}
+
+/* Hand a decapsulated packet for a pod behind a bridge on this node straight to the pod's
+ * bridge port, as the stack would forward it (FIB lookup, TTL - 1, the neighbour's MAC).
+ *
+ * Why: on kernels without BPF_F_ADJ_ROOM_DECAP_L4_UDP / _DECAP_IPXIP4 a decapsulated GSO
+ * super-packet still says skb->encapsulation, and a bridge device (whose hw_enc_features have
+ * no TSO or checksum offload) would segment and checksum it in software on the way out: the
+ * kernel VXLAN device clears that state in its own receive path, BPF cannot. The bridge port
+ * (a veth) takes the super-packet whole. The cost: these packets skip the host's forwarding
+ * path (netfilter FORWARD, the bridge's own device). Anything unusual -- TTL 1, no route, no
+ * resolved neighbour, a MAC the bridge has not learned, an MTU problem -- takes the stack's
+ * path instead. */
+static __always_inline int deliver_local(struct __sk_buff *skb)
+{
+	struct bpf_fib_lookup fib = {};
+	struct port_key pk = {};
+	struct iphdr ip;
+	__u16 old, new;
+	__u32 *port;
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) || ip.ttl <= 1)
+		return TC_ACT_OK;
+	fib.family = AF_INET_;
+	fib.tos = ip.tos;
+	fib.l4_protocol = ip.protocol;
+	fib.ipv4_src = ip.saddr;
+	fib.ipv4_dst = ip.daddr;
+	fib.ifindex = skb->ingress_ifindex;
+	if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
+		return TC_ACT_OK;
+	pk.bridge = fib.ifindex;
+	__builtin_memcpy(pk.mac, fib.dmac, 6);
+	port = bpf_map_lookup_elem(&agentd_ports, &pk);
+	if (!port)
+		return TC_ACT_OK;
+	old = bpf_htons((__u16)ip.ttl << 8 | ip.protocol);
+	ip.ttl -= 1;
+	new = bpf_htons((__u16)ip.ttl << 8 | ip.protocol);
+	if (bpf_l3_csum_replace(skb, ETH_HLEN + 10, old, new, 2) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN + 8, &ip.ttl, 1, 0) ||
+	    bpf_skb_store_bytes(skb, 0, fib.dmac, 6, 0) || bpf_skb_store_bytes(skb, 6, fib.smac, 6, 0))
+		return drop(DROP_DECAP_ERROR, skb);
+	return bpf_redirect(*port, 0);
+}
+
+/* Remove ``outer_len`` bytes of outer headers behind the Ethernet header.
+ *
+ * Headers at offsets that depend on the packet (IPv4 options) are read and written with
+ * bpf_skb_load_bytes / bpf_skb_store_bytes, never through packet pointers: the verifier
+ * allows variable offsets on packet pointers only to CAP_PERFMON (its Spectre v1 masking
+ * covers stack and map pointers alone), and the agent runs with CAP_BPF + CAP_NET_ADMIN. */
+static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, struct peer_stats *stats,
+				 __u32 outer_len, __u8 outer_tos, int udp)
+{
+	__u32 remaining, inner_tot, segs = wire_packets(skb);
+	struct iphdr inner;
+	__u64 flags, extra;
+	long ret;
+
+	if (outer_len > 68) /* 60 bytes of IPv4 header and options + 8 of UDP at most */
+		return drop(DROP_MALFORMED, skb);
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + outer_len, &inner, sizeof(inner)))
+		return drop(DROP_MALFORMED, skb);
+	if (inner.version != 4 || inner.ihl < 5)
+		return drop(DROP_MALFORMED, skb);
+	remaining = skb->len - ETH_HLEN - outer_len;
+	inner_tot = bpf_ntohs(inner.tot_len);
+	if (skb->gso_size) {
+		/* A super-packet from a peer's GSO (veth) or the NIC's GRO: its inner length is the
+		 * whole. UDP GRO (rx-udp-gro-forwarding) glues several datagrams, each with its own
+		 * inner packet, behind one outer header: not decapsulable as one. */
+		if (inner_tot != remaining && inner_tot != 0)
+			return drop(DROP_MALFORMED, skb);
+	} else if (inner_tot > remaining || (inner_tot < remaining && skb->len > MIN_FRAME)) {
+		return drop(DROP_MALFORMED, skb);
+	}
+	/* RFC 6040 section 4.2: congestion experienced on the outer header carries over to an
+	 * ECN-capable inner packet, and drops a Not-ECT one. */
+	if ((outer_tos & ECN_MASK) == ECN_CE && (inner.tos & ECN_MASK) != ECN_CE) {
+		__u16 old = *(__u16 *)&inner, new;
+
+		if (!(inner.tos & ECN_MASK))
+			return drop(DROP_ECN, skb);
+		inner.tos |= ECN_CE;
+		new = *(__u16 *)&inner;
+		if (bpf_l3_csum_replace(skb, ETH_HLEN + outer_len + 10, old, new, 2) ||
+		    bpf_skb_store_bytes(skb, ETH_HLEN + outer_len + 1, &inner.tos, 1, 0))
+			return drop(DROP_DECAP_ERROR, skb);
+	}
+
+	flags = BPF_F_ADJ_ROOM_FIXED_GSO;
+	if (cfg->flags & CFG_DECAP_L3_FLAG)
+		flags |= BPF_F_ADJ_ROOM_DECAP_L3_IPV4;
+	extra = (cfg->flags & CFG_DECAP_L4_FLAGS) ? (udp ? ADJ_ROOM_DECAP_L4_UDP : ADJ_ROOM_DECAP_IPXIP4) : 0;
+	ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags | extra);
+	if (ret == -EINVAL && extra) {
+		/* This kernel predates the flags that clear the tunnel GSO type: note it once. */
+		cfg->flags &= ~CFG_DECAP_L4_FLAGS; /* a lost race only costs one more try */
+		ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags);
+	}
+	if (ret == -EINVAL && (flags & BPF_F_ADJ_ROOM_DECAP_L3_IPV4)) {
+		cfg->flags &= ~CFG_DECAP_L3_FLAG; /* before Linux 6.3 */
+		ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_FIXED_GSO);
+	}
+	if (ret)
+		return drop(DROP_DECAP_ERROR, skb);
+	stats->rx_packets += segs;
+	stats->rx_bytes += skb->len;
+	if (cfg->flags & CFG_POD_REDIRECT)
+		return deliver_local(skb);
+	return TC_ACT_OK;
+}
+
+SEC("tc/ingress")
+int agentd_ingress(struct __sk_buff *skb)
+{
+	struct peer_stats *stats;
+	struct config *cfg;
+	struct udphdr udp;
+	struct iphdr ip;
+	__u32 zero = 0, hlen;
+	int first_fragment, fragment;
+
+	if (skb->protocol != bpf_htons(ETH_P_IP))
+		return PASS;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)))
+		return PASS;
+	if (ip.protocol != IPPROTO_UDP && ip.protocol != IPPROTO_IPIP_)
+		return PASS;
+	cfg = bpf_map_lookup_elem(&agentd_config, &zero);
+	if (!cfg || ip.daddr != cfg->local)
+		return PASS; /* not addressed to this node: forwarded or someone else's */
+	hlen = ip.ihl * 4;
+	if (hlen < sizeof(ip))
+		return PASS; /* the stack drops it */
+	fragment = ip.frag_off & bpf_htons(IP_MF | IP_OFFSET);
+	first_fragment = !(ip.frag_off & bpf_htons(IP_OFFSET));
+	stats = bpf_map_lookup_elem(&agentd_peers, &ip.saddr);
+
+	if (ip.protocol == IPPROTO_IPIP_) {
+		if (!(cfg->flags & CFG_DECAP_IPIP))
+			return PASS; /* not ours: ipip is not carried here, or by the user-space worker */
+		if (!stats)
+			return drop(DROP_NON_MEMBER_IPIP, skb);
+		if (stats->flags & PEER_F_IPIP_TO_WORKER)
+			return PASS; /* for this node's worker, which speaks to that peer */
+		if (fragment) /* our peers set DF: a fragment is not theirs to send */
+			return drop(DROP_MALFORMED, skb);
+		return decap(skb, cfg, stats, hlen, ip.tos, 0);
+	}
+
+	/* UDP. A later fragment has no port to check: reassembly needs the first one, which is. */
+	if (!first_fragment)
+		return PASS;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + hlen, &udp, sizeof(udp)))
+		return PASS;
+	if (udp.dest == cfg->udp_port && (cfg->flags & CFG_DECAP_UDP)) {
+		if (!stats)
+			return drop(DROP_NON_MEMBER_UDP, skb);
+		if (stats->flags & PEER_F_UDP_TO_WORKER)
+			return PASS; /* for this node's worker, which speaks to that peer */
+		if (fragment)
+			return drop(DROP_MALFORMED, skb);
+		return decap(skb, cfg, stats, hlen + sizeof(udp), ip.tos, 1);
+	}
+	if (udp.dest == cfg->vxlan_port && (cfg->flags & CFG_FILTER_VXLAN) && !stats)
+		return drop(DROP_NON_MEMBER_VXLAN, skb);
+	return PASS;
+}

@@ -1,0 +1,351 @@
+"""The in-kernel data path on one underlay device: load or adopt, fill the maps, count, remove.
+
+Everything lives in the kernel; this object only holds file descriptors to it.  The maps and
+programs are pinned in a BPF file system, one directory per network namespace::
+
+    <bpf_dir>/netns-<inode>/      [agent] bpf_dir, default /sys/fs/bpf/agentd
+        agentd_routes  agentd_peers  agentd_drops  agentd_config     the maps
+        agentd_egress  agentd_ingress                                the programs
+
+(the namespace's inode number keeps two agents on one machine, e.g. the lab's nodes, apart).
+The attached filters hold the programs and the programs hold the maps, so pod traffic keeps
+flowing when the agent dies; the pins let the next agent find the maps again.
+
+:meth:`BpfDatapath.open` adopts what is pinned where it matches the object file (maps of the
+same type and sizes keep their contents, so routes, members and counters survive a restart
+or an upgrade), creates the rest, loads the programs afresh from the object file and swaps
+them onto the device in place (tc replace: no packet sees no program).  :meth:`remove` takes
+everything away again: filters, pins, directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import socket
+import struct
+from collections.abc import Iterable, Mapping
+from ipaddress import IPv4Network
+from pathlib import Path
+
+from . import elf, layout, tc
+from . import syscall as sc
+
+OBJECT = Path(__file__).with_name("datapath.bpf.o")
+DEFAULT_BPF_DIR = "/sys/fs/bpf/agentd"
+DIRECTIONS = {layout.EGRESS: "egress", layout.INGRESS: "ingress"}
+
+
+class BpfUnavailable(RuntimeError):
+    """The in-kernel data path cannot run here; ``str()`` is the reason (for /status and the log)."""
+
+
+def pin_dir(bpf_dir: str | os.PathLike) -> Path:
+    """Where this network namespace's agent pins its maps and programs."""
+    return Path(bpf_dir) / f"netns-{os.stat('/proc/self/ns/net').st_ino}"
+
+
+def _explain(err: OSError) -> str:
+    if err.errno == errno.EPERM:
+        return f"{err} (needs CAP_BPF and CAP_NET_ADMIN)"
+    return str(err)
+
+
+class BpfDatapath:
+    def __init__(self, ifindex: int, bpf_dir: str | os.PathLike = DEFAULT_BPF_DIR,
+                 object_path: Path = OBJECT) -> None:
+        self.ifindex = ifindex
+        self.dir = pin_dir(bpf_dir)
+        self.bpf_dir = Path(bpf_dir)
+        self.object_path = object_path
+        self.maps: dict[str, int] = {}  # name -> fd
+        self.progs: dict[str, int] = {}  # section -> fd
+        self.adopted: list[str] = []  # maps found pinned and kept
+        self.routes: dict[IPv4Network, tuple[str, str]] = {}  # as in the map
+        self.ports: dict[tuple[int, bytes], int] = {}  # as in the map
+        self.members: set[str] = set()
+        self.peer_flags: dict[str, int] = {}
+        self.guarded: set[int] = set()  # bridges the ingress filter is attached to as well
+        self._names: dict[str, str] = {}  # section -> program name
+        self.config: layout.Config | None = None
+        self.ncpus = sc.possible_cpus()
+        self.prog_ids: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ open / close
+
+    def open(self, config: layout.Config, *, clear: int = 0) -> None:
+        """Adopt or create the maps, load and attach the programs, write ``config`` (``clear``:
+        as in :meth:`set_config`).
+        Raises :class:`BpfUnavailable` with the reason when any of it cannot be done."""
+        try:
+            data = self.object_path.read_bytes()
+        except OSError as err:
+            raise BpfUnavailable(f"no BPF object at {self.object_path} ({err.strerror}): it is built by "
+                                 "`pip install` and `scripts/dev setup` where clang is installed") from None
+        try:
+            obj = elf.read_object(data)
+            layout.check(obj.maps, obj.programs)
+        except ValueError as err:
+            raise BpfUnavailable(f"{self.object_path}: {err}") from None
+        self._ensure_dir()
+        try:
+            for name, mdef in obj.maps.items():
+                self.maps[name] = self._map(mdef)
+            self._read_back()
+            self.set_config(config, keep=True, clear=clear)
+            for section, prog in obj.programs.items():
+                fd = sc.prog_load(sc.PROG_TYPE_SCHED_CLS, prog.relocated(self.maps), obj.license, prog.name)
+                self.progs[section] = fd
+                self.prog_ids[section] = sc.prog_info(fd)["id"]
+            # Attach (replacing the previous agent's programs in place), then pin.
+            for section, fd in self.progs.items():
+                self._names[section] = obj.programs[section].name
+                tc.attach(self.ifindex, DIRECTIONS[section], fd, obj.programs[section].name)
+                self._pin(fd, obj.programs[section].name)
+        except sc.BpfError as err:
+            self.close()
+            raise BpfUnavailable(_explain(err)) from None
+        except tc.TcError as err:
+            self.close()
+            raise BpfUnavailable(str(err)) from None
+
+    def _ensure_dir(self) -> None:
+        probe = self.bpf_dir
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not sc.is_bpffs(str(probe)):
+            raise BpfUnavailable(f"no BPF file system at {self.bpf_dir} ([agent] bpf_dir): pins need one "
+                                 "(systemd mounts /sys/fs/bpf at boot; else `mount -t bpf bpf /sys/fs/bpf`)")
+        try:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as err:
+            raise BpfUnavailable(f"cannot make {self.dir}: {err.strerror}") from None
+
+    def _map(self, mdef: elf.MapDef) -> int:
+        path = self.dir / mdef.name
+        if path.exists():
+            try:
+                fd = sc.obj_get(str(path))
+                info = sc.map_info(fd)
+                same = (info["type"], info["key_size"], info["value_size"], info["max_entries"], info["flags"]) == (
+                    mdef.type, mdef.key_size, mdef.value_size, mdef.max_entries, mdef.flags)
+                if same:
+                    self.adopted.append(mdef.name)
+                    return fd
+                os.close(fd)  # another layout (an older agent): start this map afresh
+            except sc.BpfError:
+                pass
+            path.unlink()
+        fd = sc.map_create(mdef.type, mdef.key_size, mdef.value_size, mdef.max_entries, mdef.flags, mdef.name)
+        sc.obj_pin(fd, str(path))
+        return fd
+
+    def _pin(self, fd: int, name: str) -> None:
+        path = self.dir / name
+        new = self.dir / f"{name}_new"  # bpffs refuses names with a dot
+        with contextlib.suppress(FileNotFoundError):
+            new.unlink()
+        sc.obj_pin(fd, str(new))
+        os.replace(new, path)
+
+    def _read_back(self) -> None:
+        """What adopted maps hold, so that the first sync only changes what differs."""
+        rfd = self.maps[layout.ROUTES]
+        for key in sc.map_keys(rfd, layout.ROUTE_KEY.size):
+            value = sc.map_lookup(rfd, key, layout.ROUTE_VALUE.size)
+            if value is not None:
+                dst, peer, kind = layout.decode_route(key, value)
+                self.routes[IPv4Network(dst)] = (peer, kind)
+        pfd = self.maps[layout.PEERS]
+        slot = (layout.PEER_STATS.size + 7) & ~7
+        for key in sc.map_keys(pfd, layout.PEER_KEY.size):
+            raw = sc.map_lookup(pfd, key, slot * self.ncpus)
+            addr = socket.inet_ntoa(key)
+            self.members.add(addr)
+            self.peer_flags[addr] = struct.unpack_from("<Q", raw)[0] if raw else 0
+        for key in sc.map_keys(self.maps[layout.PORTS], layout.PORT_KEY.size):
+            value = sc.map_lookup(self.maps[layout.PORTS], key, layout.PORT_VALUE.size)
+            if value is not None:
+                self.ports[layout.PORT_KEY.unpack(key)] = layout.PORT_VALUE.unpack(value)[0]
+
+    def close(self) -> None:
+        """Let go of the file descriptors; everything stays in the kernel."""
+        for fd in [*self.maps.values(), *self.progs.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.maps.clear()
+        self.progs.clear()
+
+    def remove(self) -> None:
+        """Detach the programs and remove every pin: nothing of ours is left in the kernel."""
+        self.close()
+        remove_pinned(self.bpf_dir, self.ifindex)
+
+    # ------------------------------------------------------------------ desired state
+
+    def set_config(self, config: layout.Config, *, keep: bool = False, clear: int = 0) -> None:
+        """Write ``config``.  The decapsulation flags the program has found its kernel refuses
+        stay cleared (it clears them in the live value; setting them again would cost a failed
+        try per write).  ``keep`` also keeps every backend flag the live value has (an agent
+        that adopted the maps must not stop decapsulating before it knows what it carries);
+        ``clear``: flags off whatever the live value has."""
+        fd = self.maps[layout.CONFIG]
+        key = layout.CONFIG_KEY.pack(0)
+        raw = sc.map_lookup(fd, key, layout.CONFIG_VALUE.size)
+        live = layout.Config.unpack(raw) if raw else None
+        flags = config.flags
+        if live is not None and live.local != "0.0.0.0":  # a value an agent wrote (this run or the last)
+            learned = layout.CFG_DECAP_L3_FLAG | layout.CFG_DECAP_L4_FLAGS
+            flags = (flags & ~learned) | (flags & live.flags & learned)
+            if keep:
+                flags |= live.flags & ~learned
+        value = dataclasses.replace(config, flags=flags & ~clear)
+        if value != live:
+            sc.map_update(fd, key, value.pack())
+        self.config = value
+
+    def set_routes(self, routes: Mapping[IPv4Network, tuple[str, str]]) -> None:
+        """Make the routes map exactly ``routes`` (pod subnet -> (peer underlay address, kind))."""
+        fd = self.maps[layout.ROUTES]
+        for dst, (peer, kind) in routes.items():
+            if self.routes.get(dst) != (peer, kind):
+                sc.map_update(fd, layout.route_key(dst), layout.route_value(peer, kind))
+                self.routes[dst] = (peer, kind)
+        for dst in [d for d in self.routes if d not in routes]:
+            sc.map_delete(fd, layout.route_key(dst))
+            del self.routes[dst]
+
+    def set_members(self, members: Iterable[str], peer_flags: Mapping[str, int] | None = None) -> None:
+        """Make the member set exactly ``members``, with ``peer_flags`` (enum peer_flag, e.g.
+        for peers this node speaks to through its user-space workers); the counters of those
+        that stay are kept."""
+        fd = self.maps[layout.PEERS]
+        wanted = set(members)
+        flags = {a: (peer_flags or {}).get(a, 0) for a in wanted}
+        slot = (layout.PEER_STATS.size + 7) & ~7
+        for addr in sorted(wanted):
+            key = layout.peer_key(addr)
+            if addr in self.members and self.peer_flags.get(addr, 0) == flags[addr]:
+                continue
+            raw = bytearray(sc.map_lookup(fd, key, slot * self.ncpus) or bytes(slot * self.ncpus))
+            for cpu in range(self.ncpus):  # the flags in every CPU's copy, the counters as they are
+                struct.pack_into("<Q", raw, cpu * slot, flags[addr])
+            sc.map_update(fd, key, bytes(raw))
+            self.members.add(addr)
+            self.peer_flags[addr] = flags[addr]
+        for addr in self.members - wanted:
+            sc.map_delete(fd, layout.peer_key(addr))
+            self.members.discard(addr)
+            self.peer_flags.pop(addr, None)
+
+    def set_ports(self, ports: Mapping[tuple[int, bytes], int]) -> None:
+        """Make the ports map exactly ``ports`` ((bridge ifindex, MAC) -> port ifindex)."""
+        fd = self.maps[layout.PORTS]
+        for (bridge, mac), port in ports.items():
+            if self.ports.get((bridge, mac)) != port:
+                sc.map_update(fd, layout.PORT_KEY.pack(bridge, mac), layout.PORT_VALUE.pack(port))
+                self.ports[(bridge, mac)] = port
+        for key in [k for k in self.ports if k not in ports]:
+            sc.map_delete(fd, layout.PORT_KEY.pack(*key))
+            del self.ports[key]
+
+    def guard_bridges(self) -> set[int]:
+        """Attach the ingress filter to every bridge here as well (the pods' bridges, which the
+        CNI plugin makes when the first pod comes): encapsulated packets addressed to this node
+        are dropped and counted unless they come from a cluster member, whichever device they
+        come in by -- a pod sending VXLAN or flannel UDP to its own node included.  Returns the
+        bridges guarded."""
+        from .rtnl import Rtnl
+
+        with Rtnl() as nl:
+            bridges = nl.bridges()
+        fd = self.progs.get(layout.INGRESS)
+        if fd is None:
+            return set()
+        for ifindex in sorted(bridges - self.guarded):
+            tc.attach(ifindex, "ingress", fd, self._names[layout.INGRESS])
+        self.guarded = bridges  # (a bridge that went took its filters along)
+        return bridges
+
+    def sync_ports(self) -> int:
+        """Mirror the bridges' learned MACs into the ports map (deliver_local in datapath.c);
+        returns how many there are."""
+        from .rtnl import Rtnl
+
+        with Rtnl() as nl:
+            learned = nl.learned_macs()
+        self.set_ports(learned)
+        return len(learned)
+
+    # ------------------------------------------------------------------ observation
+
+    def counters(self) -> dict:
+        """Per-peer packets and bytes, drops by reason, and what the kernel took of the config."""
+        peers = {}
+        pfd = self.maps[layout.PEERS]
+        size = ((layout.PEER_STATS.size + 7) & ~7) * self.ncpus
+        for addr in sorted(self.members):
+            raw = sc.map_lookup(pfd, layout.peer_key(addr), size)
+            if raw is not None:
+                _flags, tx_p, tx_b, rx_p, rx_b = layout.sum_percpu(raw, layout.PEER_STATS)
+                peers[addr] = {"tx_packets": tx_p, "tx_bytes": tx_b, "rx_packets": rx_p, "rx_bytes": rx_b}
+        drops = {}
+        dfd = self.maps[layout.DROPS]
+        dsize = ((layout.DROP_STATS.size + 7) & ~7) * self.ncpus
+        for i, reason in enumerate(layout.DROP_REASONS):
+            raw = sc.map_lookup(dfd, layout.DROP_KEY.pack(i), dsize)
+            packets, nbytes = layout.sum_percpu(raw, layout.DROP_STATS) if raw else (0, 0)
+            drops[reason] = {"packets": packets, "bytes": nbytes}
+        raw = sc.map_lookup(self.maps[layout.CONFIG], layout.CONFIG_KEY.pack(0), layout.CONFIG_VALUE.size)
+        live = layout.Config.unpack(raw) if raw else None
+        return {"peers": peers, "drops": drops, "kernel": _kernel_flags(live)}
+
+    def status(self) -> dict:
+        return {
+            "pins": str(self.dir),
+            "adopted_maps": list(self.adopted),
+            "programs": {DIRECTIONS[s]: {"id": i} for s, i in self.prog_ids.items()},
+            "routes": len(self.routes),
+            "members": len(self.members),
+            "bridge_ports": len(self.ports),
+            "guarded_bridges": len(self.guarded),
+        }
+
+
+def _kernel_flags(live: layout.Config | None) -> dict:
+    if live is None:
+        return {}
+    return {
+        # Cleared by the program on the first decapsulation this kernel refused them for.
+        "decap_l3_flag": bool(live.flags & layout.CFG_DECAP_L3_FLAG),
+        "decap_l4_flags": bool(live.flags & layout.CFG_DECAP_L4_FLAGS),
+    }
+
+
+def remove_pinned(bpf_dir: str | os.PathLike, ifindex: int | None) -> list[str]:
+    """Detach our filters from ``ifindex`` and remove this namespace's pins (and their directory,
+    and ``bpf_dir`` itself once empty).  Works without the agent that made them; idempotent.
+    Returns what was removed."""
+    from .rtnl import Rtnl
+
+    removed = []
+    with Rtnl() as nl:
+        devices = nl.bridges()  # guard_bridges() put the ingress filter on them
+    if ifindex is not None:
+        devices.add(ifindex)
+    n = sum(tc.detach(i) for i in sorted(devices))
+    if n:
+        removed.append(f"{n} tc filters")
+    d = pin_dir(bpf_dir)
+    if d.is_dir():
+        for p in d.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(str(p))
+        with contextlib.suppress(OSError):
+            d.rmdir()
+    with contextlib.suppress(OSError):
+        Path(bpf_dir).rmdir()  # only when no other namespace's agent pins there
+    return removed

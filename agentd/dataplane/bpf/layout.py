@@ -1,0 +1,120 @@
+"""The maps of the in-kernel data path, as Python sees them: datapath.h, one struct per line.
+
+:func:`check` holds these against the map definitions in the object file (key and value
+sizes, map types) when it is loaded, so a change on one side without the other is refused
+at load time instead of being misread at run time.  Byte order as in datapath.h: addresses
+and ports in network order (``socket.inet_aton``), counters and flags in host order.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from ipaddress import IPv4Network
+
+from . import syscall as sc
+
+# Map names (the C symbols; the kernel's map names).
+ROUTES, PEERS, DROPS, CONFIG = "agentd_routes", "agentd_peers", "agentd_drops", "agentd_config"
+PORTS = "agentd_ports"
+MAPS = (ROUTES, PEERS, DROPS, PORTS, CONFIG)
+# Program sections and names.
+EGRESS, INGRESS = "tc/egress", "tc/ingress"
+
+ROUTE_KEY = struct.Struct("<I4s")  # struct route_key: prefixlen (host order), addr
+ROUTE_VALUE = struct.Struct("<4sB3x")  # struct route_value: peer, kind
+PEER_KEY = struct.Struct("<4s")
+PEER_STATS = struct.Struct("<QQQQQ")  # flags, tx_packets, tx_bytes, rx_packets, rx_bytes
+PEER_F_UDP_TO_WORKER, PEER_F_IPIP_TO_WORKER = 1, 2  # enum peer_flag
+TO_WORKER = {"udp": PEER_F_UDP_TO_WORKER, "ipip": PEER_F_IPIP_TO_WORKER}
+DROP_KEY = struct.Struct("<I")
+DROP_STATS = struct.Struct("<QQ")  # packets, bytes
+PORT_KEY = struct.Struct("<I6s2x")  # struct port_key: bridge ifindex, MAC
+PORT_VALUE = struct.Struct("<I")  # the port's ifindex
+CONFIG_KEY = struct.Struct("<I")
+CONFIG_VALUE = struct.Struct("<4s2s2sII")  # local, udp_port, vxlan_port, flags, mtu
+
+# enum route_kind
+KIND_UDP, KIND_IPIP = 1, 2
+KINDS = {"udp": KIND_UDP, "ipip": KIND_IPIP}
+# enum drop_reason, in order
+DROP_REASONS = ("non_member_udp", "non_member_ipip", "non_member_vxlan", "malformed", "too_big",
+                "encap_error", "decap_error", "ecn")
+# enum config_flag
+CFG_DECAP_UDP, CFG_DECAP_IPIP, CFG_FILTER_VXLAN, CFG_DECAP_L3_FLAG, CFG_DECAP_L4_FLAGS = 1, 2, 4, 8, 16
+CFG_POD_REDIRECT = 32
+
+# What each map must be in the object file: (type, key, value, flags).
+EXPECTED = {
+    ROUTES: (sc.MAP_TYPE_LPM_TRIE, ROUTE_KEY.size, ROUTE_VALUE.size, sc.BPF_F_NO_PREALLOC),
+    PEERS: (sc.MAP_TYPE_PERCPU_HASH, PEER_KEY.size, PEER_STATS.size, 0),
+    DROPS: (sc.MAP_TYPE_PERCPU_ARRAY, DROP_KEY.size, DROP_STATS.size, 0),
+    PORTS: (sc.MAP_TYPE_HASH, PORT_KEY.size, PORT_VALUE.size, 0),
+    CONFIG: (sc.MAP_TYPE_ARRAY, CONFIG_KEY.size, CONFIG_VALUE.size, 0),
+}
+PROGRAMS = (EGRESS, INGRESS)
+
+
+def check(maps: dict, programs: dict) -> None:
+    """Raise ValueError naming the first difference between datapath.h and this module."""
+    for name, (mtype, key, value, flags) in EXPECTED.items():
+        m = maps.get(name)
+        if m is None:
+            raise ValueError(f"the object file has no map {name}")
+        got = (m.type, m.key_size, m.value_size, m.flags)
+        if got != (mtype, key, value, flags):
+            raise ValueError(f"map {name} is (type, key, value, flags) {got} in the object file, "
+                             f"{(mtype, key, value, flags)} in layout.py")
+    if maps[DROPS].max_entries != len(DROP_REASONS):
+        raise ValueError(f"the object file has {maps[DROPS].max_entries} drop reasons, layout.py {len(DROP_REASONS)}")
+    for section in PROGRAMS:
+        if section not in programs:
+            raise ValueError(f"the object file has no {section} program")
+
+
+def route_key(subnet: IPv4Network) -> bytes:
+    return ROUTE_KEY.pack(subnet.prefixlen, subnet.network_address.packed)
+
+
+def route_value(peer: str, kind: str) -> bytes:
+    return ROUTE_VALUE.pack(socket.inet_aton(peer), KINDS[kind])
+
+
+def decode_route(key: bytes, value: bytes) -> tuple[str, str, str]:
+    plen, addr = ROUTE_KEY.unpack(key)
+    peer, kind = ROUTE_VALUE.unpack(value)
+    names = {v: k for k, v in KINDS.items()}
+    return f"{socket.inet_ntoa(addr)}/{plen}", socket.inet_ntoa(peer), names.get(kind, str(kind))
+
+
+def peer_key(address: str) -> bytes:
+    return PEER_KEY.pack(socket.inet_aton(address))
+
+
+@dataclass(frozen=True)
+class Config:
+    local: str
+    udp_port: int
+    vxlan_port: int
+    flags: int
+    mtu: int
+
+    def pack(self) -> bytes:
+        return CONFIG_VALUE.pack(socket.inet_aton(self.local), struct.pack("!H", self.udp_port),
+                                 struct.pack("!H", self.vxlan_port), self.flags, self.mtu)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Config:
+        local, udp, vxlan, flags, mtu = CONFIG_VALUE.unpack(raw[: CONFIG_VALUE.size])
+        return cls(socket.inet_ntoa(local), struct.unpack("!H", udp)[0], struct.unpack("!H", vxlan)[0], flags, mtu)
+
+
+def sum_percpu(raw: bytes, st: struct.Struct) -> tuple[int, ...]:
+    """Add up a per-CPU value: the kernel returns one value per possible CPU, each padded to 8."""
+    step = (st.size + 7) & ~7
+    totals = [0] * len(st.unpack_from(raw, 0))
+    for off in range(0, len(raw) - st.size + 1, step):
+        for i, v in enumerate(st.unpack_from(raw, off)):
+            totals[i] += v
+    return tuple(totals)

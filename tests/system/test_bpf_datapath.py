@@ -1,0 +1,486 @@
+"""The in-kernel (tc-BPF) data path between two hosts in namespaces, driven through
+agentd.dataplane.bpf directly (the agent drives the same object; test_encap covers that):
+pods reach each other over udp and ipip with the documented outer headers, TCP super-packets
+cross the underlay whole, a 64 MiB transfer arrives intact (also with GSO and checksum offload
+off), non-members are dropped and counted, a re-open adopts the pinned maps without losing a
+packet, and remove() leaves no filter, pin, program or map behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from ipaddress import IPv4Network
+
+import pytest
+
+from agentd.dataplane._testbed import (
+    H1_UNDERLAY,
+    H2_UNDERLAY,
+    OVERHEAD,
+    P1,
+    P2,
+    SUBNET1,
+    SUBNET2,
+    X_UNDERLAY,
+    build_two_hosts,
+    wait_for,
+)
+from agentd.dataplane.bpf import BpfDatapath, Config, layout, pin_dir, tc
+from proto import packet as P
+
+pytestmark = pytest.mark.timeout(120)
+
+WIRE = {"udp": "udp port 8285", "ipip": "ip proto 4"}
+FLAGS = layout.CFG_DECAP_UDP | layout.CFG_DECAP_IPIP | layout.CFG_FILTER_VXLAN | layout.CFG_DECAP_L3_FLAG \
+    | layout.CFG_DECAP_L4_FLAGS
+
+
+class BpfPair:
+    """Both hosts of the two-host topology with the BPF data path on their underlay veth."""
+
+    def __init__(self, topo, kind: str, bpf_dir: str) -> None:
+        self.t, self.kind, self.bpf_dir = topo, kind, bpf_dir
+        self.dp: dict[int, BpfDatapath] = {}
+        mtu = topo.underlay_mtu - OVERHEAD[kind]
+        topo.set_pod_mtu(mtu)
+        for i, dev, peer, subnet in ((1, "u1", H2_UNDERLAY, SUBNET2), (2, "u2", H1_UNDERLAY, SUBNET1)):
+            # The agent's route for a BPF peer: via the underlay next hop, with the pod MTU.
+            topo.host(i).ip("route", "add", subnet, "via", peer, "dev", dev, "mtu", str(mtu))
+            self.open(i, {IPv4Network(subnet): (peer, kind)}, {peer})
+
+    def ifindex(self, i: int) -> int:
+        return int(self.t.host(i).exec("cat", f"/sys/class/net/u{i}/ifindex"))
+
+    def open(self, i: int, routes, members) -> BpfDatapath:
+        host = self.t.host(i)
+        local = H1_UNDERLAY if i == 1 else H2_UNDERLAY
+        with host.entered():  # netlink sockets and the pin directory name come from this thread
+            dp = BpfDatapath(self.ifindex(i), self.bpf_dir)
+            dp.open(Config(local, 8285, 4789, FLAGS, self.t.underlay_mtu))
+            dp.set_routes(routes)
+            dp.set_members(members)
+        self.dp[i] = dp
+        return dp
+
+    def counters(self, i: int) -> dict:
+        return self.dp[i].counters()
+
+    def close(self) -> None:
+        for dp in self.dp.values():
+            dp.close()
+
+
+@pytest.fixture
+def pair_factory(netns_factory, bpffs):
+    made = []
+
+    def make(kind: str, **kw) -> BpfPair:
+        pair = BpfPair(build_two_hosts(netns_factory, **kw), kind, bpffs)
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        pair.close()
+
+
+def ping(ns, dst, count=3, extra=()):
+    return ns.exec("ping", "-c", str(count), "-i", "0.2", "-W", "2", *extra, dst, check=False)
+
+
+class Packet:
+    """One captured IPv4 packet: the outer header decoded, the rest as bytes."""
+
+    def __init__(self, wire_len: int, ip: bytes) -> None:
+        self.wire_len = wire_len  # as the device saw it (a GSO super-packet: all of it)
+        self.ip = ip
+        (vihl, self.tos, self.total, _id, frag, self.ttl, self.proto, _csum, src, dst) = struct.unpack_from(
+            "!BBHHHBBH4s4s", ip)
+        self.ihl = (vihl & 0xF) * 4
+        self.df = bool(frag & 0x4000)
+        self.src, self.dst = socket.inet_ntoa(src), socket.inet_ntoa(dst)
+        self.header_ok = _csum16(ip[: self.ihl]) == 0
+
+    def udp(self) -> tuple[int, int, int, bytes]:
+        sport, dport, _length, csum = struct.unpack_from("!HHHH", self.ip, self.ihl)
+        return sport, dport, csum, self.ip[self.ihl + 8 :]
+
+    def inner(self) -> Packet:
+        return Packet(0, self.udp()[3] if self.proto == 17 else self.ip[self.ihl :])
+
+
+def _csum16(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    s = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return ~s & 0xFFFF
+
+
+def capture(ns, iface: str, flt: str, action, *, snap: int = 256, settle: float = 0.5) -> list[Packet]:
+    """The IPv4 packets matching ``flt`` on ``iface`` while ``action`` runs (and ``settle``
+    seconds after, for what is still in flight)."""
+    fd, path = tempfile.mkstemp(suffix=".pcap")
+    os.close(fd)
+    proc = ns.popen(["tcpdump", "-i", iface, "-nn", "-U", "--immediate-mode", "-Z", "root", "-s", str(snap), "-w", path, flt],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        t0 = time.monotonic()
+        while "listening on" not in line and time.monotonic() - t0 < 10:
+            line = proc.stderr.readline()
+        action()
+        time.sleep(settle)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    finally:
+        os.unlink(path)
+    magic, _, _, _, _, _, linktype = struct.unpack_from("<IHHiIII", data, 0)
+    assert magic == 0xA1B2C3D4
+    skip = {1: 14, 276: 20, 113: 16}[linktype]
+    off, out = 24, []
+    while off + 16 <= len(data):
+        _, _, incl, orig = struct.unpack_from("<IIII", data, off)
+        frame = data[off + 16 : off + 16 + incl]
+        off += 16 + incl
+        if len(frame) > skip + 20 and frame[skip] >> 4 == 4:
+            out.append(Packet(orig - skip, frame[skip:]))
+    return out
+
+
+_SINK = """
+import hashlib, socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 5001)); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); h = hashlib.sha256(); n = 0
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    h.update(b); n += len(b)
+print(n, h.hexdigest(), flush=True)
+"""
+
+_SOURCE = """
+import hashlib, os, socket, sys
+n = int(sys.argv[2]); h = hashlib.sha256(); s = socket.create_connection((sys.argv[1], 5001), timeout=30)
+seed = os.urandom(1 << 16); sent = 0
+while sent < n:
+    chunk = hashlib.sha256(seed + sent.to_bytes(8, "big")).digest() * 2048   # 64 KB, never the same
+    chunk = chunk[: n - sent]; s.sendall(chunk); h.update(chunk); sent += len(chunk)
+s.close(); print(sent, h.hexdigest(), flush=True)
+"""
+
+
+def transfer(src_ns, dst_ns, dst_ip, nbytes):
+    sink = dst_ns.popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout.readline().strip() == "ready"
+        sent = src_ns.exec(sys.executable, "-c", _SOURCE, dst_ip, str(nbytes), timeout=90).split()
+        got = sink.communicate(timeout=60)[0].split()
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.communicate()
+    return sent, got
+
+
+def csum_errors(ns) -> int:
+    out = ns.exec("nstat", "-az", "TcpInCsumErrors", "UdpInCsumErrors", "IpInHdrErrors")
+    return sum(int(x.split()[1]) for x in out.splitlines()[1:] if x.split())
+
+
+@pytest.mark.parametrize("kind", ["udp", "ipip"])
+def test_pods_reach_each_other_and_the_wire_shows_the_outer_headers(pair_factory, kind):
+    pair = pair_factory(kind)
+    t = pair.t
+    assert "3 received" in ping(t.p1, P2)
+    packets = capture(t.h2, "u2", WIRE[kind], lambda: ping(t.p1, P2, count=2))
+    assert len(packets) >= 4
+    for pkt in packets:
+        # Outer: node to node, DF, TTL 64, a valid header checksum.
+        assert {pkt.src, pkt.dst} == {H1_UNDERLAY, H2_UNDERLAY}
+        assert pkt.df and pkt.ttl == 64 and pkt.header_ok
+        if kind == "udp":
+            sport, dport, csum, payload = pkt.udp()
+            # flannel UDP: to port 8285, the payload exactly the inner packet; no UDP checksum.
+            assert dport == 8285 and sport >= 49152 and csum == 0
+            assert pkt.proto == 17 and pkt.total == 20 + 8 + len(payload)
+        else:
+            assert pkt.proto == 4 and pkt.ihl == 20  # RFC 2003: one plain outer header
+        inner = pkt.inner()
+        assert (inner.src, inner.dst) in ((P1, P2), (P2, P1)) and inner.proto == 1 and inner.header_ok
+        assert inner.total == pkt.total - (28 if kind == "udp" else 20)
+        assert pkt.tos == inner.tos  # DSCP and ECN copied (RFC 6040 normal mode)
+    # No pod address travels bare on the underlay.
+    assert capture(t.h2, "u2", f"net 10.244.0.0/16 and not ({WIRE[kind]})", lambda: ping(t.p1, P2, count=2)) == []
+    c1, c2 = pair.counters(1), pair.counters(2)
+    assert c1["peers"][H2_UNDERLAY]["tx_packets"] >= 7 and c2["peers"][H1_UNDERLAY]["rx_packets"] >= 7
+    assert c2["peers"][H1_UNDERLAY]["tx_packets"] >= 7 and c1["peers"][H2_UNDERLAY]["rx_packets"] >= 7
+    assert all(d["packets"] == 0 for d in [*c1["drops"].values(), *c2["drops"].values()]), (c1, c2)
+
+
+@pytest.mark.parametrize("kind", ["udp", "ipip"])
+def test_super_packets_cross_the_underlay_whole(pair_factory, kind):
+    """A TCP flow leaves the sender's underlay device as GSO super-packets, encapsulated once
+    each (outer length far above the 1500-byte MTU), the way kernel VXLAN sends them."""
+    pair = pair_factory(kind)
+    t = pair.t
+    big = []
+
+    def flow():
+        sent, got = transfer(t.p1, t.p2, P2, 8 << 20)
+        assert sent == got
+
+    for pkt in capture(t.h1, "u1", f"src host {H1_UNDERLAY} and {WIRE[kind]}", flow, snap=96):
+        if pkt.wire_len > t.underlay_mtu:
+            big.append(pkt.wire_len)
+    assert len(big) >= 10 and max(big) > 8 * t.underlay_mtu, big[:20]
+    c1 = pair.counters(1)
+    # Counted as wire packets: many more segments than super-packets.
+    assert c1["peers"][H2_UNDERLAY]["tx_packets"] >= (8 << 20) // t.underlay_mtu
+
+
+@pytest.mark.parametrize("offload", ["on", "off"])
+@pytest.mark.parametrize("kind", ["udp", "ipip"])
+def test_64mib_transfer_arrives_intact(pair_factory, kind, offload):
+    pair = pair_factory(kind)
+    t = pair.t
+    if offload == "off":  # every packet on its own and checksummed in software, both ways
+        for ns in (t.p1, t.p2, t.h1, t.h2):
+            for dev in ns.exec("ls", "/sys/class/net").split():
+                if dev != "lo":
+                    ns.exec("ethtool", "-K", dev, "tso", "off", "gso", "off", "tx", "off", "gro", "off", check=False)
+    before = csum_errors(t.p2) + csum_errors(t.h2)
+    sent, got = transfer(t.p1, t.p2, P2, 64 << 20)
+    assert sent == got and int(got[0]) == 64 << 20
+    assert csum_errors(t.p2) + csum_errors(t.h2) == before
+    assert all(d["packets"] == 0 for d in pair.counters(2)["drops"].values())
+
+
+def _forged(kind: str, src: str) -> bytes:
+    """An encapsulated TCP SYN for pod 2, as if from underlay address ``src``."""
+    inner = P.tcp_packet(P1, P2, P.TcpHeader(40000, 9, 1, 0, P.TCP_SYN, 1000))
+    if kind == "ipip":
+        return P.ipip_encapsulate(inner, src, H2_UNDERLAY)
+    if kind == "vxlan":  # RFC 7348 section 5: flags (I), VNI 1, then an inner Ethernet frame
+        frame = b"\xff" * 6 + b"\x02" * 6 + b"\x08\x00" + inner
+        return P.udp_datagram(src, H2_UNDERLAY, 40000, 4789, struct.pack("!II", 0x08000000, 1 << 8) + frame)
+    return P.flannel_udp_encapsulate(inner, src, H2_UNDERLAY)
+
+
+def _send_forged(t, kind: str, src: str, count: int = 5) -> None:
+    """Send from host 1 over the underlay link, source address forged (IP_HDRINCL): the
+    packets reach host 2's underlay device as a non-member's would."""
+    with t.h1.entered():
+        s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    with s:
+        for _ in range(count):
+            s.sendto(_forged(kind, src), (H2_UNDERLAY, 0))
+
+
+@pytest.mark.parametrize("kind, reason", [("udp", "non_member_udp"), ("ipip", "non_member_ipip"),
+                                          ("vxlan", "non_member_vxlan")])
+def test_non_members_are_dropped_and_counted(pair_factory, kind, reason):
+    pair = pair_factory("ipip" if kind == "ipip" else "udp")
+    t = pair.t
+    # Nothing of it reaches the pod...
+    assert capture(t.p2, "eth0", f"host {P1} and tcp", lambda: _send_forged(t, kind, X_UNDERLAY)) == []
+    drops = pair.counters(2)["drops"]
+    assert drops[reason]["packets"] == 5, drops
+    assert sum(d["packets"] for d in drops.values()) == 5, drops
+    if kind == "vxlan":
+        return
+    # ...and the same packets go through once the sender is a member: the filter was the reason.
+    pair.dp[2].set_members({H1_UNDERLAY, X_UNDERLAY})
+    seen = capture(t.p2, "eth0", f"src host {P1} and tcp", lambda: _send_forged(t, kind, X_UNDERLAY))
+    assert len(seen) == 5, seen
+    assert pair.counters(2)["peers"][X_UNDERLAY]["rx_packets"] == 5
+    assert sum(d["packets"] for d in pair.counters(2)["drops"].values()) == 5
+
+
+def _filters(ns, dev):
+    with ns.entered():
+        return [f for f in tc.filters(int(ns.exec("cat", f"/sys/class/net/{dev}/ifindex")))]
+
+
+def _bpftool(*args):
+    return json.loads(subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True).stdout)
+
+
+def test_reopen_adopts_the_pins_without_losing_a_packet_and_remove_leaves_nothing(pair_factory, bpffs):
+    pair = pair_factory("udp")
+    t = pair.t
+    old = pair.dp[1]
+    ids = {"progs": set(old.prog_ids.values()), "maps": {sc_map_id(fd) for fd in old.maps.values()}}
+    pinger = t.p1.popen(["ping", "-n", "-i", "0.02", "-W", "1", P2], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= 20, 10)
+        # The agent dies (its file descriptors go); everything keeps running in the kernel.
+        old.close()
+        before = pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
+        assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= before + 20, 10)
+        # A new agent adopts the pinned maps (routes, members, counters) and swaps in new programs.
+        new = pair.open(1, {IPv4Network(SUBNET2): (H2_UNDERLAY, "udp")}, {H2_UNDERLAY})
+        assert sorted(new.adopted) == sorted(layout.EXPECTED)
+        assert new.counters()["peers"][H2_UNDERLAY]["tx_packets"] >= 40  # the counters went on
+        assert set(new.prog_ids.values()).isdisjoint(ids["progs"])
+        before = pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
+        assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= before + 20, 10)
+    finally:
+        pinger.send_signal(2)
+        out, _ = pinger.communicate(timeout=10)
+    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
+    assert m, out
+    # Every echo answered (the last one may still be in flight when ping stops).
+    assert int(m.group(1)) - int(m.group(2)) <= 1, out[-300:]
+    # The old programs are gone once replaced; the pinned maps are the same objects.
+    live_progs = {p["id"] for p in _bpftool("prog", "show")}
+    assert ids["progs"].isdisjoint(live_progs)
+    assert ids["maps"] <= {m["id"] for m in _bpftool("map", "show")}
+    # remove(): no filter, no pin, no program, no map.
+    with t.h1.entered():
+        d = pin_dir(bpffs)
+        pair.dp[1].remove()
+    assert _filters(t.h1, "u1") == []
+    assert not d.exists()
+    # The kernel frees a map an RCU grace period after its last program: wait for it.
+    gone = set(pair.dp[1].prog_ids.values())
+    assert wait_for(lambda: gone.isdisjoint({p["id"] for p in _bpftool("prog", "show")})
+                    and ids["maps"].isdisjoint({m["id"] for m in _bpftool("map", "show")}), 10)
+    # Host 2 is untouched.
+    assert {f.name for f in _filters(t.h2, "u2")} == {"agentd_egress", "agentd_ingress"}
+
+
+def sc_map_id(fd: int) -> int:
+    from agentd.dataplane.bpf import syscall
+
+    return syscall.map_info(fd)["id"]
+
+
+# ---------------------------------------------------------------- the programs on crafted packets
+# BPF_PROG_TEST_RUN runs a loaded program on a packet we make, without a device: the decap and
+# encap rules case by case, where traffic between namespaces cannot easily produce the case.
+
+TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC = 0, 2, -1
+ETH = b"\x02\x00\x00\x00\x00\x02" + b"\x02\x00\x00\x00\x00\x01" + b"\x08\x00"
+MEMBER, LOCAL, PEER = "192.168.50.1", "192.168.50.2", "192.168.50.2"
+
+
+@pytest.fixture
+def programs(netns_factory, bpffs):
+    ns = netns_factory("h")
+    ns.ip("link", "add", "u0", "type", "veth", "peer", "name", "u9")
+    with ns.entered():
+        dp = BpfDatapath(int(ns.exec("cat", "/sys/class/net/u0/ifindex")), bpffs)
+        dp.open(Config(LOCAL, 8285, 4789, FLAGS, 1500))
+        dp.set_members({MEMBER})
+        dp.set_routes({IPv4Network(SUBNET1): (MEMBER, "udp"), IPv4Network("10.244.9.0/24"): (MEMBER, "ipip")})
+    try:
+        yield dp
+    finally:
+        dp.close()
+
+
+def run(dp, section: str, packet: bytes) -> tuple[int, bytes]:
+    from agentd.dataplane.bpf import syscall
+
+    ret, out = syscall.prog_test_run(dp.progs[section], ETH + packet)
+    return (ret - (1 << 32) if ret >= 1 << 31 else ret), out[14:]
+
+
+def _ping_packet(src=P1, dst=P2, tos=0, size=56) -> bytes:
+    icmp = P.icmp_message(8, 0, 0x12340001, b"x" * size)
+    return P.ipv4_packet(P.IPv4Header(src=src, dst=dst, protocol=1, ttl=63, tos=tos), icmp)
+
+
+def _drops(dp) -> dict:
+    return {k: v["packets"] for k, v in dp.counters()["drops"].items() if v["packets"]}
+
+
+def test_decap_hands_on_exactly_the_inner_packet(programs):
+    inner = _ping_packet()
+    for outer in (P.flannel_udp_encapsulate(inner, MEMBER, LOCAL), P.ipip_encapsulate(inner, MEMBER, LOCAL)):
+        assert run(programs, layout.INGRESS, outer) == (TC_ACT_OK, inner)
+    # Outer IPv4 options (ihl 6) are stripped with the header.
+    hdr = bytearray(P.ipip_encapsulate(inner, MEMBER, LOCAL)[:20])
+    hdr[0], hdr[2:4], hdr[10:12] = 0x46, struct.pack("!H", 24 + len(inner)), b"\0\0"
+    hdr += b"\x01\x01\x01\x00"  # NOP NOP NOP EOL
+    hdr[10:12] = struct.pack("!H", _csum16(bytes(hdr)))
+    assert run(programs, layout.INGRESS, bytes(hdr) + inner) == (TC_ACT_OK, inner)
+    assert programs.counters()["peers"][MEMBER]["rx_packets"] == 3 and _drops(programs) == {}
+    # The first decapsulation told the program which of the newer flags this kernel takes:
+    # BPF_F_ADJ_ROOM_DECAP_L3_IPV4 since Linux 6.3; DECAP_L4_UDP / DECAP_IPXIP4 are newer still.
+    kernel = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    assert programs.counters()["kernel"]["decap_l3_flag"] == (kernel >= (6, 3))
+
+
+def test_decap_carries_congestion_experienced_over_rfc6040(programs):
+    ect0, ce = 0b10, 0b11
+    outer = bytearray(P.ipip_encapsulate(_ping_packet(tos=0x20 | ect0), MEMBER, LOCAL, tos=0x20 | ce))
+    ret, out = run(programs, layout.INGRESS, bytes(outer))
+    assert ret == TC_ACT_OK and out[1] == 0x20 | ce and _csum16(out[:20]) == 0
+    # Not-ECT inner with CE outer: dropped (RFC 6040 section 4.2).
+    outer = P.ipip_encapsulate(_ping_packet(tos=0), MEMBER, LOCAL, tos=ce)
+    assert run(programs, layout.INGRESS, outer)[0] == TC_ACT_SHOT
+    assert _drops(programs) == {"ecn": 1}
+
+
+def test_decap_refuses_what_is_not_one_inner_packet(programs):
+    inner = _ping_packet()
+    glued = P.flannel_udp_encapsulate(inner + inner, MEMBER, LOCAL)  # e.g. UDP GRO of two datagrams
+    truncated = P.ipip_encapsulate(inner[:-10], MEMBER, LOCAL)
+    bad_inner = P.ipip_encapsulate(b"\x60" + inner[1:], MEMBER, LOCAL)  # IPv6 version nibble
+    fragment = bytearray(P.flannel_udp_encapsulate(inner, MEMBER, LOCAL))
+    fragment[6] = 0x20  # MF, no DF
+    fragment[10:12] = b"\0\0"
+    fragment[10:12] = struct.pack("!H", _csum16(bytes(fragment[:20])))
+    for pkt in (glued, bad_inner, bytes(fragment)):
+        assert run(programs, layout.INGRESS, pkt)[0] == TC_ACT_SHOT
+    truncated = bytearray(truncated)
+    truncated[22:24] = struct.pack("!H", len(inner))  # inner length claims more than is there
+    assert run(programs, layout.INGRESS, bytes(truncated))[0] == TC_ACT_SHOT
+    assert _drops(programs) == {"malformed": 4}
+
+
+def test_ingress_leaves_everything_else_alone(programs):
+    others = [
+        _ping_packet(src=MEMBER, dst=LOCAL),  # plain traffic to the node
+        P.udp_datagram(X_UNDERLAY, LOCAL, 5353, 53, b"query"),  # another UDP port, from anyone
+        P.ipip_encapsulate(_ping_packet(), X_UNDERLAY, "192.168.50.77"),  # IPIP not addressed to us
+        _ping_packet(),  # a pod packet being forwarded
+    ]
+    for pkt in others:
+        assert run(programs, layout.INGRESS, pkt) == (TC_ACT_UNSPEC, pkt)
+    assert _drops(programs) == {}
+
+
+def test_egress_encapsulates_by_route_and_refuses_oversized(programs):
+    inner = _ping_packet(src=P2, dst=P1)  # to SUBNET1: udp
+    ret, out = run(programs, layout.EGRESS, inner)
+    outer = Packet(len(out), out)
+    assert ret == TC_ACT_OK and (outer.src, outer.dst, outer.proto) == (LOCAL, MEMBER, 17) and outer.header_ok
+    assert outer.udp()[1] == 8285 and outer.udp()[3] == inner
+    inner = _ping_packet(src=P2, dst="10.244.9.7")  # ipip
+    ret, out = run(programs, layout.EGRESS, inner)
+    assert ret == TC_ACT_OK and out[9] == 4 and out[20:] == inner
+    # Not a routed pod subnet: untouched.
+    other = _ping_packet(src=P2, dst="10.244.7.7")
+    assert run(programs, layout.EGRESS, other) == (TC_ACT_UNSPEC, other)
+    # 1473 bytes + 28 of overhead exceed the 1500-byte underlay: dropped, counted.
+    big = _ping_packet(src=P2, dst=P1, size=1473 - 28)
+    assert len(big) == 1473 and run(programs, layout.EGRESS, big)[0] == TC_ACT_SHOT
+    assert _drops(programs) == {"too_big": 1}
+
