@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from netpol_lab import check, close_grid, converged, make_grid, np
 
+from agentd.lab.wait import auntil
+
 SCENARIOS = [
     [np("deny", "x", {"podSelector": {}})],
     [np("p", "x", {"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "y"}}, "podSelector": {"matchLabels": {"pod": "b"}}}],
@@ -24,10 +26,21 @@ async def test_policy_is_enforced_through_every_backend(lab_factory, backend):
     layout = [(0, "x", "a"), (1, "x", "b"), (0, "y", "a"), (1, "y", "b")]
     grid = await make_grid(lab, layout, {"x": {"ns": "x"}, "y": {"ns": "y"}})
     try:
-        for policies in SCENARIOS:
+        for i, policies in enumerate(SCENARIOS):
             await converged(lab, await grid.res.apply(policies))
+            if i == 0 and backend != "vxlan":
+                # Both nodes isolate a pod: their BPF programs hand no packet to a pod past
+                # netfilter (the truth table below is what shows it is judged).
+                assert [redirecting(n) for n in lab.nodes] == [False, False]
             await check(grid, policies)
             for p in policies:
                 await grid.res.delete("NetworkPolicy", p["metadata"]["namespace"], p["metadata"]["name"])
+        if backend != "vxlan":
+            # No pod isolated any more: decapsulated packets go straight to the pods again.
+            await auntil(lambda: all(redirecting(n) for n in lab.nodes), 10, what="the BPF pod redirect back on")
     finally:
         await close_grid(grid)
+
+
+def redirecting(node) -> bool:
+    return node.api("/status")["backends"]["bpf"]["redirecting"]
