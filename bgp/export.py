@@ -12,7 +12,10 @@ with routes + peers, not routes x peers.
 
 Output is pulled, never pushed: a member is given UPDATEs only while its socket takes
 them (:meth:`UpdateGroup.pump` with a byte budget), so a peer that stops reading costs a
-log position, not a growing buffer.  A member that falls more than :data:`LOG_LIMIT`
+log position, not a growing buffer.  What a member is given is the group's own objects
+(an entry's messages, a send window's joined :class:`_Segment`, slices of it around the
+entries that exclude the member), never a copy per member: a reflector's N clients waiting
+on their sockets hold one stream between them, not N.  A member that falls more than :data:`LOG_LIMIT`
 octets behind leaves the log and keeps, instead, the set of prefixes it has not been told
 about; it is sent their current state from the table when it reads again, then rejoins
 the log.  Full sends (after Established, on ROUTE-REFRESH) are cursors over the table,
