@@ -12,7 +12,10 @@ with routes + peers, not routes x peers.
 
 Output is pulled, never pushed: a member is given UPDATEs only while its socket takes
 them (:meth:`UpdateGroup.pump` with a byte budget), so a peer that stops reading costs a
-log position, not a growing buffer.  A member that falls more than :data:`LOG_LIMIT`
+log position, not a growing buffer.  What a member is given is the group's own objects
+(an entry's messages, a send window's joined :class:`_Segment`, slices of it around the
+entries that exclude the member), never a copy per member: a reflector's N clients waiting
+on their sockets hold one stream between them, not N.  A member that falls more than :data:`LOG_LIMIT`
 octets behind leaves the log and keeps, instead, the set of prefixes it has not been told
 about; it is sent their current state from the table when it reads again, then rejoins
 the log.  Full sends (after Established, on ROUTE-REFRESH) are cursors over the table,
@@ -87,26 +90,67 @@ class _Entry:
 
 
 class _Segment:
-    """The log entries [start, end) joined into one bytes object, for every member that reads
-    exactly that stretch and is excluded by none of it: after a send window, all members of
-    a group read the same stretch, so it is joined once instead of once per member."""
+    """The log entries [start, end) joined into one bytes object for every member that reads
+    exactly that stretch: after a send window, all members of a group read the same stretch,
+    so it is joined once instead of once per member.
 
-    __slots__ = ("start", "end", "data", "sources", "originators")
+    A member that some of the stretch excludes (its own route, a route it originated; in a
+    route reflector's window of new client routes that is nearly every member) is given the
+    same object in slices around those entries, with its replacement for each in between
+    (:meth:`pieces_for`): what it holds of the stream is a few views of the shared bytes,
+    never a private copy of the whole stretch."""
+
+    __slots__ = ("start", "end", "data", "_spans", "_by_source", "_by_originator")
 
     def __init__(self, start: int, end: int, entries: list[_Entry], ctx: CodecContext) -> None:
         self.start = start
         self.end = end
-        self.data = b"".join(_packed(entries, ctx))
-        self.sources = {e.out.source for e in entries if e.out is not None}
-        self.originators = {e.out.originator for e in entries if e.out is not None and e.out.originator is not None}
+        parts: list[bytes] = []
+        #: Where each announcement sits in ``data`` (announcements are written as they are logged).
+        self._spans: list[tuple[int, int, _Entry]] = []
+        self._by_source: dict[str, list[int]] = {}
+        self._by_originator: dict[IPv4Address, list[int]] = {}
+        size = 0
+        for e, msgs in _packed(entries, ctx):
+            parts.extend(msgs)
+            n = sum(map(len, msgs))
+            if e is not None:
+                out = e.out
+                assert out is not None
+                i = len(self._spans)
+                self._spans.append((size, size + n, e))
+                self._by_source.setdefault(out.source, []).append(i)
+                if out.originator is not None:
+                    self._by_originator.setdefault(out.originator, []).append(i)
+            size += n
+        self.data = b"".join(parts)
 
-    def fits(self, m: Member) -> bool:
-        return m.key not in self.sources and m.router_id not in self.originators
+    def pieces_for(self, m: Member, ctx: CodecContext) -> list[bytes | memoryview]:
+        """What member ``m`` is sent of the stretch: the shared bytes, in slices around the
+        entries that exclude it, each replaced by what it gets for that entry instead."""
+        excluded = self._by_source.get(m.key, [])
+        if m.router_id is not None:
+            excluded = excluded + self._by_originator.get(m.router_id, [])
+        if not excluded:
+            return [self.data]
+        view = memoryview(self.data)
+        pieces: list[bytes | memoryview] = []
+        at = 0
+        for i in sorted(set(excluded)):
+            begin, end, e = self._spans[i]
+            if begin > at:
+                pieces.append(view[at:begin])
+            pieces.extend(e.messages_for(m, ctx))
+            at = end
+        if at < len(self.data):
+            pieces.append(view[at:])
+        return pieces
 
 
-def _packed(entries: list[_Entry], ctx: CodecContext) -> Iterator[bytes]:
-    """The entries' messages in order, with each run of withdrawals of one family sent as few
-    UPDATEs as they fit in (withdrawals that arrived one at a time leave together)."""
+def _packed(entries: list[_Entry], ctx: CodecContext) -> Iterator[tuple[_Entry | None, list[bytes]]]:
+    """The entries' messages in order, each announcement as ``(entry, its messages)``; each run
+    of withdrawals of one family comes as ``(None, as few UPDATEs as they fit in)``
+    (withdrawals that arrived one at a time leave together)."""
     run: list[bytes] = []
     family: Family | None = None
     for e in entries:
@@ -115,15 +159,15 @@ def _packed(entries: list[_Entry], ctx: CodecContext) -> Iterator[bytes]:
             family = e.family
             continue
         if run:
-            yield from encode_withdrawals(family[0], run, ctx)  # type: ignore[index]
+            yield None, encode_withdrawals(family[0], run, ctx)  # type: ignore[index]
             run, family = [], None
         if e.out is None:
             run.extend(e.prefixes)
             family = e.family
         else:
-            yield from e.messages
+            yield e, e.messages
     if run:
-        yield from encode_withdrawals(family[0], run, ctx)  # type: ignore[index]
+        yield None, encode_withdrawals(family[0], run, ctx)  # type: ignore[index]
 
 
 class _Cursor:
@@ -377,11 +421,11 @@ class UpdateGroup:
     def _eor_blocked(self, m: Member) -> bool:
         return any(f in self.building or f in m.cursors for f in m.eor)
 
-    def pump(self, key: str, budget: int) -> list[bytes]:
+    def pump(self, key: str, budget: int) -> list[bytes | memoryview]:
         """Up to about ``budget`` octets of UPDATEs for member ``key``: the log first, then its
         catch-up, then its full sends, then End-of-RIB where one is owed and due."""
         m = self.members[key]
-        out: list[bytes] = []
+        out: list[bytes | memoryview] = []
         size = 0
         ctx = self.ctx
         if m.pos is not None:
@@ -391,8 +435,8 @@ class UpdateGroup:
             if start < head and (seg is None or seg.start != start or seg.end != head):
                 if head - start > 1 and self._at.get(start, 0) > 1:
                     seg = self._segment = _Segment(start, head, log_[start - base : head - base], ctx)
-            if seg is not None and seg.start == start and seg.end == head and seg.fits(m):
-                out.append(seg.data)
+            if seg is not None and seg.start == start and seg.end == head:
+                out.extend(seg.pieces_for(m, ctx))
                 size += len(seg.data)
                 pos = head
             while pos < head:
@@ -431,7 +475,7 @@ class UpdateGroup:
                     m.eor.discard(family)
         return out
 
-    def _send_cursor(self, m: Member, family: Family, cur: _Cursor, out: list[bytes], budget: int) -> int:
+    def _send_cursor(self, m: Member, family: Family, cur: _Cursor, out: list[bytes | memoryview], budget: int) -> int:
         table = self.tables[family]
         chunk = cur.prefixes[cur.index : cur.index + STEP_PREFIXES]
         cur.index += len(chunk)
@@ -447,7 +491,7 @@ class UpdateGroup:
                 g.append(p)
         return self._encode(family, groups, (), out)
 
-    def _catch_up(self, m: Member, out: list[bytes], budget: int) -> int:
+    def _catch_up(self, m: Member, out: list[bytes | memoryview], budget: int) -> int:
         size = 0
         for family in list(m.dirty):
             d = m.dirty[family]
@@ -475,7 +519,7 @@ class UpdateGroup:
                 break
         return size
 
-    def _encode(self, family: Family, groups: dict[OutRoute, list[bytes]], gone: Iterable[bytes], out: list[bytes]) -> int:
+    def _encode(self, family: Family, groups: dict[OutRoute, list[bytes]], gone: Iterable[bytes], out: list[bytes | memoryview]) -> int:
         afi, ctx = family[0], self.ctx
         size = 0
         gone = list(gone)

@@ -250,7 +250,7 @@ class Peer:
     def next_event(self) -> PeerEvent | None:
         return self._events.popleft() if self._events else None
 
-    def send_messages(self, messages: list[bytes], now: float) -> None:
+    def send_messages(self, messages: list[bytes | memoryview], now: float) -> None:
         self.session.send_messages(messages, now)
 
     # ------------------------------------------------------------ the logic

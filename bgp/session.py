@@ -65,8 +65,18 @@ class Connect:
 
 @dataclass(frozen=True, slots=True)
 class Send:
+    """Bytes for connection ``conn``, as the pieces they were queued in (never joined: a piece
+    is often the same object for many peers, an update group's shared stream, and a transport
+    that writes the pieces as they are holds no private copy of it, see bgp.export)."""
+
     conn: int
-    data: bytes
+    chunks: tuple[bytes | memoryview, ...]
+
+    @property
+    def data(self) -> bytes:
+        """The pieces as one bytes object (a copy when there is more than one)."""
+        c = self.chunks
+        return c[0] if len(c) == 1 and isinstance(c[0], bytes) else b"".join(c)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +172,7 @@ class Session:
         self.outbound: bool | None = None
         self._pending_connect: int | None = None
         self._reader = MessageReader()
-        self._out: list[bytes] = []  # queued for the next Send, joined once
+        self._out: list[bytes | memoryview] = []  # queued for the next Send (as pieces, never joined)
         self._actions: list[Action] = []
         self._events: collections.deque[SessionEvent] = collections.deque()
         self._connect_retry_at: float | None = None
@@ -374,7 +384,7 @@ class Session:
 
     # ------------------------------------------------------------ outbound routes
 
-    def send_messages(self, messages: Iterable[bytes], now: float) -> None:
+    def send_messages(self, messages: Iterable[bytes | memoryview], now: float) -> None:
         """Queue already-encoded UPDATE (or ROUTE-REFRESH) messages; only when Established."""
         if self.state is not State.ESTABLISHED:
             raise RuntimeError(f"cannot send routes in state {self.state.label}")
@@ -569,7 +579,7 @@ class Session:
     def _flush(self) -> None:
         out = self._out
         if out and self.conn is not None:
-            self._actions.append(Send(self.conn, out[0] if len(out) == 1 else b"".join(out)))
+            self._actions.append(Send(self.conn, tuple(out)))
         out.clear()
 
     def _drop_connection(self) -> None:

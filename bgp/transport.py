@@ -445,7 +445,9 @@ class SpeakerService:
             if isinstance(action, Send):
                 proto = self._protocols.get(action.conn)
                 if proto is not None and proto.transport is not None and not proto.transport.is_closing():
-                    proto.transport.write(action.data)
+                    # The pieces as they are (uvloop keeps references, no copy): an update
+                    # group's shared stream stays one object however many sockets wait on it.
+                    proto.transport.writelines(action.chunks)
             elif isinstance(action, Close):
                 task = self._connecting.pop(action.conn, None)
                 if task is not None:
