@@ -29,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import errno as _errno
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Set
 
 from agentd import netlink as nl
+from agentd.kernel.netns import entered, netns_path
 from agentd._routes import (  # noqa: F401  (re-exported: the public API lives here)
     RTPROT_AGENTD,
     ROUTE_KINDS,
@@ -191,12 +193,10 @@ class RouteProgrammer:
         if self.netns is None:
             self._open_sockets()
         else:
-            from agentd.lab.netns import Netns
-
-            namespace = Netns(self.netns)
-            if not namespace.exists():
-                raise FileNotFoundError(f"network namespace {self.netns!r} does not exist ({namespace.path})")
-            with namespace.entered():
+            path = netns_path(self.netns)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"network namespace {self.netns!r} does not exist ({path})")
+            with entered(path):
                 self._open_sockets()
         try:
             # The monitor subscribed before the dumps: a change made meanwhile waits there and

@@ -7,6 +7,7 @@ import re
 import sys
 
 from agentd.backend_table import NAMES
+from agentd.cli import Command
 from agentd.config import DATAPATH_CHOICES
 
 NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
@@ -143,3 +144,12 @@ def lab_command(args: argparse.Namespace) -> int:
     except lab.LabError as err:
         sys.stderr.write(f"agentd lab {args.lab_command}: {err}\n")
         return 1
+
+
+#: ``agentd lab``, plugged into the agent's command line through the ``agentd.commands``
+#: entry point (pyproject.toml).
+COMMAND = Command(
+    help="the multi-node lab in network namespaces on this machine",
+    add_arguments=add_lab_arguments,
+    run=lab_command,
+)

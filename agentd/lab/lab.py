@@ -746,7 +746,7 @@ def cli_down(name: str) -> int:
 
 def cli_status(name: str) -> int:
     lab = Lab.load(name)
-    from ..cli import render_table
+    from agentd.tables import render_table
 
     roles = asyncio.run(lab.etcd.roles())
     rows = [[m.name, m.endpoint, roles[m.name]] for m in lab.etcd.members]
