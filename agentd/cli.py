@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import Any, NoReturn
 
-from .config import DEFAULT_CONFIG_PATH, ConfigError, check_config, load_config
-from .tables import render_table
+from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, check_config, load_config
+from agentd.tables import render_table
 
 DEFAULT_API = "http://127.0.0.1:9099"
 
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--show", action="store_true", help="print the effective configuration as JSON")
 
     # Resources (issue 13): agentd apply|get|delete|label, in agentd/resources/cli.py.
-    from .resources.cli import add_commands as add_resource_commands
+    from agentd.resources.cli import add_commands as add_resource_commands
 
     add_resource_commands(sub, config_args)
 
@@ -195,7 +195,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
     if cmd in ("apply", "get", "delete", "label"):  # resources (issue 13): agentd/resources/cli.py
-        from .resources import cli as resource_cli
+        from agentd.resources import cli as resource_cli
 
         path = args.config or resource_cli.default_config_path()
         overrides = _overrides(args.set, parser)
@@ -214,7 +214,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 0
         import uvloop
 
-        from .daemon import leave
+        from agentd.daemon.agent import leave
 
         return uvloop.run(leave(cfg))
     if cmd in ("run", "speaker"):
@@ -223,13 +223,13 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import uvloop
 
         if cmd == "speaker":
-            from .speaker import SpeakerRuntime
+            from agentd.daemon.speaker import SpeakerRuntime
 
             def reload():
                 return load_config(path, overrides=overrides, require_file=True)
 
             return uvloop.run(SpeakerRuntime(cfg).run(reload=reload))
-        from .daemon import run_agent
+        from agentd.daemon.agent import run_agent
 
         return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides))
     parser.error(f"unknown command {cmd}")

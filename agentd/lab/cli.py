@@ -8,7 +8,7 @@ import sys
 
 from agentd.backend_table import NAMES
 from agentd.cli import Command
-from agentd.config import DATAPATH_CHOICES
+from agentd.config.settings import DATAPATH_CHOICES
 
 NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
 
@@ -85,7 +85,7 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pod_ref(text: str) -> str:
-    from ..resources.validation import Invalid, dns1123_label, dns1123_subdomain
+    from agentd.resources.validation import Invalid, dns1123_label, dns1123_subdomain
 
     ns, _, name = text.rpartition("/")
     try:
@@ -97,7 +97,7 @@ def _pod_ref(text: str) -> str:
 
 
 def _label(text: str) -> str:
-    from ..resources.validation import Invalid, label_value, qualified_name
+    from agentd.resources.validation import Invalid, label_value, qualified_name
 
     key, eq, value = text.partition("=")
     try:
@@ -111,8 +111,8 @@ def _label(text: str) -> str:
 
 
 def _named_port(text: str) -> dict:
-    from ..resources.pod import container_port
-    from ..resources.validation import Invalid
+    from agentd.resources.pod import container_port
+    from agentd.resources.validation import Invalid
 
     name, eq, rest = text.partition("=")
     number, _, proto = rest.partition("/")
@@ -125,7 +125,7 @@ def _named_port(text: str) -> dict:
 
 
 def lab_command(args: argparse.Namespace) -> int:
-    from . import lab
+    from agentd.lab import lab
 
     try:
         if args.lab_command == "up":
