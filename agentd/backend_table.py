@@ -4,11 +4,11 @@ A *backend* is what a node advertises in its node record (``backend.type``) and 
 must send it: a wire format.  A *data path* is how one node produces and consumes that format
 (a plain kernel route, the kernel VXLAN device, the tc-BPF programs, the user-space worker).
 The backend says which data paths can carry it, best first; the node uses the first that
-runs here and says why it fell back (agentd.backends).
+runs here and says why it fell back (agentd.dataplane.backends).
 
 Everything that used to repeat these facts -- the configuration's choices and MTU overhead,
-the datastore's record check, the route shapes (agentd.forwarding), the devices and member
-filters (agentd.backends), the user-space worker, the test bed, the lab -- reads them here, so
+the datastore's record check, the route shapes (agentd.kernel.forwarding), the devices and member
+filters (agentd.dataplane.backends), the user-space worker, the test bed, the lab -- reads them here, so
 a new backend is one :class:`Backend` record plus its implementation.  Pure data, no imports
 beyond the standard library: the configuration reads it before anything else is loaded.
 """

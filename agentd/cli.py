@@ -15,10 +15,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import Any, NoReturn
 
-from .config import DEFAULT_CONFIG_PATH, ConfigError, check_config, load_config
+from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, check_config, load_config
+from agentd.tables import render_table
 
 DEFAULT_API = "http://127.0.0.1:9099"
 
@@ -82,15 +85,40 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--show", action="store_true", help="print the effective configuration as JSON")
 
     # Resources (issue 13): agentd apply|get|delete|label, in agentd/resources/cli.py.
-    from .resources.cli import add_commands as add_resource_commands
+    from agentd.resources.cli import add_commands as add_resource_commands
 
     add_resource_commands(sub, config_args)
 
-    sp = sub.add_parser("lab", help="the multi-node lab in network namespaces on this machine")
-    from .lab.cli import add_lab_arguments
-
-    add_lab_arguments(sp)
+    # Commands other packages plug in (entry-point group "agentd.commands" in pyproject.toml):
+    # `agentd lab` comes from the lab harness this way, so the agent never imports the lab.
+    for name, command in plugin_commands().items():
+        sp = sub.add_parser(name, help=command.help)
+        command.add_arguments(sp)
+        sp.set_defaults(plugin_command=command)
     return p
+
+
+@dataclass(frozen=True)
+class Command:
+    """A sub-command another package adds to ``agentd`` (the lab's ``agentd lab``)."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS_GROUP = "agentd.commands"
+
+
+def plugin_commands() -> dict[str, Command]:
+    """The installed ``agentd.commands`` entry points, by name."""
+    found: dict[str, Command] = {}
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        command = ep.load()
+        if not isinstance(command, Command):
+            raise TypeError(f"entry point {ep.name} = {ep.value} is not an agentd.cli.Command")
+        found[ep.name] = command
+    return found
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
@@ -167,17 +195,16 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
     if cmd in ("apply", "get", "delete", "label"):  # resources (issue 13): agentd/resources/cli.py
-        from .resources import cli as resource_cli
+        from agentd.resources import cli as resource_cli
 
         path = args.config or resource_cli.default_config_path()
         overrides = _overrides(args.set, parser)
         cfg = load_config(path, overrides=overrides, require_file=path is not None, resolve_defaults=False)
         setup_logging(args.log_level or "warning")
         return resource_cli.run(args, cfg)
-    if cmd == "lab":
-        from .lab.cli import lab_command
-
-        return lab_command(args)
+    plugin = getattr(args, "plugin_command", None)
+    if plugin is not None:
+        return plugin.run(args)
     if cmd == "leave":
         path, overrides, cfg = _load(args, parser)
         setup_logging(cfg.log.level, cfg.log.format)
@@ -187,7 +214,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 0
         import uvloop
 
-        from .daemon import leave
+        from agentd.daemon.agent import leave
 
         return uvloop.run(leave(cfg))
     if cmd in ("run", "speaker"):
@@ -196,13 +223,13 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import uvloop
 
         if cmd == "speaker":
-            from .speaker import SpeakerRuntime
+            from agentd.daemon.speaker import SpeakerRuntime
 
             def reload():
                 return load_config(path, overrides=overrides, require_file=True)
 
             return uvloop.run(SpeakerRuntime(cfg).run(reload=reload))
-        from .daemon import run_agent
+        from agentd.daemon.agent import run_agent
 
         return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides))
     parser.error(f"unknown command {cmd}")
@@ -267,16 +294,6 @@ def _since(ts: float | None) -> str:
     if time.time() - ts < 86400:
         return time.strftime("%H:%M:%S", t)
     return time.strftime("%Y-%m-%d", t)
-
-
-def render_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    sep = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
-    lines = [sep, "| " + " | ".join(h.center(w) for h, w in zip(headers, widths)) + " |", sep]
-    for r in rows:
-        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-    lines.append(sep)
-    return "\n".join(lines)
 
 
 def _datapath(peer: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@
     .venv/bin/python bench/_profile_ingest.py [--n 1000000] [--regime packed] [--top 25] [--sort tottime]
 
 No root, no network: the speaker is built exactly as ``agentd speaker`` builds it (the
-same TOML through agentd.config and agentd.speaker.local_settings/peer_settings), an
+same TOML through agentd.config.settings and agentd.daemon.speaker.local_settings/peer_settings), an
 inbound session from the feeder is opened sans-IO (the feeder's OPEN and KEEPALIVE fed
 to Speaker.data_received), and then the same pre-encoded UPDATE stream goes into
 Speaker.data_received in 256 KiB pieces, the most bgp.transport reads at once.  What
@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agentd.config import load_config
-from agentd.speaker import local_settings, peer_settings
+from agentd.config.settings import load_config
+from agentd.daemon.speaker import local_settings, peer_settings
 from bench._common import int_list
 from bench._feeder import FeedStream, build_stream
 from bench._speakers import DUT_ADDR, FEEDER_ADDR, FEEDER_AS, HOLD_TIME, AgentdSpeaker

@@ -33,7 +33,7 @@ STYLES = ("range", "peers")
 
 
 def agentd_knows_listen_ranges() -> bool:
-    from agentd.config import BgpConfig
+    from agentd.config.settings import BgpConfig
 
     return "listen_ranges" in {f.name for f in dataclasses.fields(BgpConfig)}
 

@@ -61,7 +61,7 @@ from bench._lab_timing import (  # noqa: E402
 from agentd.backend_table import NAMES  # noqa: E402
 from agentd.lab.lab import Lab, LabError, LabNode, LabSpec, _bin  # noqa: E402
 from agentd.lab.netns import NetnsError  # noqa: E402
-from agentd.routing import RTPROT_AGENTD  # noqa: E402
+from agentd.kernel.route_model import RTPROT_AGENTD  # noqa: E402
 
 MODES = ("mesh", "route-reflector")
 BACKENDS = NAMES
@@ -231,7 +231,7 @@ async def startup_times(x: LabNode, repeats: int) -> dict[str, float]:
     commands = {
         "python -c pass": [python, "-c", "pass"],
         "agentd --version": [_bin("agentd"), "--version"],
-        "import agentd.daemon": [python, "-c", "import agentd.daemon, uvloop"],
+        "import agentd.daemon.agent": [python, "-c", "import agentd.daemon.agent, uvloop"],
     }
     out = {}
     for label, argv in commands.items():
@@ -399,7 +399,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     )  # fmt: skip
     print_table(
         "Start-up alone in X's namespace (median of 3, seconds, `ip netns exec` included)",
-        ["nodes", "mode", "python -c pass", "agentd --version", "import agentd.daemon, uvloop"],
+        ["nodes", "mode", "python -c pass", "agentd --version", "import agentd.daemon.agent, uvloop"],
         [(r["nodes"], r["mode"], *(f"{v:.3f}" for v in r["startup"].values())) for r in ok],
     )
     rows = []
@@ -429,7 +429,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         "machine shifts every figure)",
         "join/leave from `ip monitor`-equivalent netlink events in every other node's namespace; breakdowns from "
         "the agent's own log (millisecond stamps)",
-        "start-up times include `ip netns exec`; 'import agentd.daemon, uvloop' is what `agentd run` imports "
+        "start-up times include `ip netns exec`; 'import agentd.daemon.agent, uvloop' is what `agentd run` imports "
         "before it can do anything",
         f"bytecode: {args.bytecode}",
     ])  # fmt: skip
@@ -481,7 +481,7 @@ def warm_bytecode_cache() -> str:
     cache = tempfile.mkdtemp(prefix="agentd-cv-pyc-")
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     os.environ["PYTHONPYCACHEPREFIX"] = cache
-    warm = "import agentd.daemon, agentd.cli, agentd.lab.cli, uvloop"
+    warm = "import agentd.daemon.agent, agentd.cli, agentd.lab.cli, uvloop"
     try:
         proc = subprocess.run([sys.executable, "-c", warm], capture_output=True, timeout=120)
     except BaseException:

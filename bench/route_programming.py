@@ -51,7 +51,8 @@ from bench._common import (  # noqa: E402
 
 from agentd.lab import netns  # noqa: E402
 from agentd.lab.wait import auntil  # noqa: E402
-from agentd.routing import RTPROT_AGENTD, Route, RouteProgrammer  # noqa: E402
+from agentd.kernel.route_model import RTPROT_AGENTD, Route  # noqa: E402
+from agentd.kernel.routing import RouteProgrammer  # noqa: E402
 
 ANCHORS = [
     "ip -batch ~ 39k-173k routes/s (published kernel figures)",

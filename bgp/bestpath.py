@@ -10,12 +10,31 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from ipaddress import IPv4Address, IPv6Address
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .rib import Path
+from proto.attributes import PathAttributes
 
 DEFAULT_LOCAL_PREF = 100
+
+
+class CandidateSource(Protocol):
+    """What selection reads of a path's source (bgp.rib.Source has it)."""
+
+    address: IPv4Address | IPv6Address | None
+    local_asn: int
+    router_id: IPv4Address
+    ibgp: bool
+    local: bool
+
+
+class Candidate(Protocol):
+    """What selection reads of a candidate path (bgp.rib.Path has it); typed here so
+    bestpath needs nothing from the RIB that calls it."""
+
+    source: CandidateSource
+    attributes: PathAttributes
+    stale: bool
 
 
 class Reason(enum.Enum):
@@ -32,42 +51,42 @@ class Reason(enum.Enum):
     PEER_ADDRESS = "lowest peer address"
 
 
-def local_pref(path: Path) -> int:
+def local_pref(path: Candidate) -> int:
     """Degree of preference (§9.1.1): LOCAL_PREF for internal routes, the default otherwise."""
     lp = path.attributes.local_pref
     return DEFAULT_LOCAL_PREF if lp is None else lp
 
 
-def neighbor_as(path: Path) -> int:
+def neighbor_as(path: Candidate) -> int:
     """The AS a route came from, for MED comparison (§9.1.2.2 c): leftmost AS_SEQUENCE AS,
     or our own AS for routes with an empty AS_PATH (originated inside the AS)."""
     first = path.attributes.as_path.first_asn()
     return path.source.local_asn if first is None else first
 
 
-def originator(path: Path) -> int:
+def originator(path: Candidate) -> int:
     """BGP Identifier for step f): ORIGINATOR_ID when present (RFC 4456 §9)."""
     oid = path.attributes.originator_id
     return int(oid if oid is not None else path.source.router_id)
 
 
-def _keep_min(key: Callable[[Path], int]) -> Callable[[list[Path]], list[Path]]:
-    def step(paths: list[Path]) -> list[Path]:
+def _keep_min(key: Callable[[Candidate], int]) -> Callable[[list[Candidate]], list[Candidate]]:
+    def step(paths: list[Candidate]) -> list[Candidate]:
         best = min(key(p) for p in paths)
         return [p for p in paths if key(p) == best]
 
     return step
 
 
-def _keep_max(key: Callable[[Path], int]) -> Callable[[list[Path]], list[Path]]:
-    def step(paths: list[Path]) -> list[Path]:
+def _keep_max(key: Callable[[Candidate], int]) -> Callable[[list[Candidate]], list[Candidate]]:
+    def step(paths: list[Candidate]) -> list[Candidate]:
         best = max(key(p) for p in paths)
         return [p for p in paths if key(p) == best]
 
     return step
 
 
-def _med_step(paths: list[Path]) -> list[Path]:
+def _med_step(paths: list[Candidate]) -> list[Candidate]:
     # §9.1.2.2 c): MED is compared only among routes from the same neighbouring AS;
     # a route is removed if another route from that AS has a lower MED.  A missing
     # MED is the lowest possible value (0).
@@ -79,18 +98,18 @@ def _med_step(paths: list[Path]) -> list[Path]:
     return [p for p in paths if (p.attributes.med or 0) == lowest[neighbor_as(p)]]
 
 
-def _ebgp_step(paths: list[Path]) -> list[Path]:
+def _ebgp_step(paths: list[Candidate]) -> list[Candidate]:
     # §9.1.2.2 d): if any route was learned from an external peer, drop the internal ones.
     external = [p for p in paths if not p.source.ibgp and not p.source.local]
     return external or paths
 
 
-def _peer_address(path: Path) -> int:
+def _peer_address(path: Candidate) -> int:
     addr = path.source.address
     return -1 if addr is None else int(addr)
 
 
-STEPS: tuple[tuple[Reason, Callable[[list[Path]], list[Path]]], ...] = (
+STEPS: tuple[tuple[Reason, Callable[[list[Candidate]], list[Candidate]]], ...] = (
     (Reason.NOT_STALE, _keep_min(lambda p: 1 if p.stale else 0)),
     (Reason.LOCAL_ORIGIN, _keep_max(lambda p: 1 if p.source.local else 0)),
     # §9.1.1 / §9.1.2: highest degree of preference.
@@ -111,7 +130,7 @@ STEPS: tuple[tuple[Reason, Callable[[list[Path]], list[Path]]], ...] = (
 )
 
 
-def select(candidates: Sequence[Path]) -> tuple[Path, Reason]:
+def select(candidates: Sequence[Candidate]) -> tuple[Candidate, Reason]:
     """The best path among ``candidates`` (non-empty) and the step that decided it."""
     if len(candidates) == 1:
         return candidates[0], Reason.ONLY_PATH
@@ -125,10 +144,10 @@ def select(candidates: Sequence[Path]) -> tuple[Path, Reason]:
     return paths[0], Reason.PEER_ADDRESS
 
 
-def rank(candidates: Sequence[Path]) -> list[tuple[Path, Reason]]:
+def rank(candidates: Sequence[Candidate]) -> list[tuple[Candidate, Reason]]:
     """All candidates, best first, each with the reason it beat the ones after it."""
     rest = list(candidates)
-    out: list[tuple[Path, Reason]] = []
+    out: list[tuple[Candidate, Reason]] = []
     while rest:
         best, reason = select(rest)
         out.append((best, reason))

@@ -24,6 +24,7 @@ from proto.attributes import (
     LocalPref,
     MpReachNlri,
     MpUnreachNlri,
+    NextHop,
     PathAttribute,
     PathAttributes,
     UnknownAttribute,
@@ -35,6 +36,7 @@ from proto.errors import DecodeError, ErrorAction, ErrorCode, UpdateError, Updat
 TAW = ErrorAction.TREAT_AS_WITHDRAW
 DISCARD = ErrorAction.ATTRIBUTE_DISCARD
 _MP_CODES = (MpReachNlri.code, MpUnreachNlri.code)
+_NEXT_HOP_CODE = NextHop.code  # bound once: tested for every attribute decoded
 _AS4_CODES = (As4Path.code, As4Aggregator.code)
 _SEEN_BIT = {1: 1, 2: 2, 3: 4}  # ORIGIN, AS_PATH, NEXT_HOP: the well-known mandatory ones
 
@@ -91,7 +93,7 @@ def frame_attributes(body: bytes, start: int, end: int) -> tuple[list[Frame], Up
                     ErrorCode.UPDATE_MESSAGE,
                     UpdateSubcode.MALFORMED_ATTRIBUTE_LIST,
                     b"",
-                    f"{'MP_REACH_NLRI' if code == 14 else 'MP_UNREACH_NLRI'} appears more than once",
+                    f"{'MP_REACH_NLRI' if code == MpReachNlri.code else 'MP_UNREACH_NLRI'} appears more than once",
                 )
             has_mp = True
         frames.append((flags, code, vstart, vend, pos))
@@ -189,14 +191,14 @@ def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> Shared
             )
             continue
         if (flags ^ cls.flags) & (OPTIONAL | TRANSITIVE):
-            (nh_errors if code == 3 else errors).append(_flags_error(cls, flags, body[astart:vend]))
+            (nh_errors if code == _NEXT_HOP_CODE else errors).append(_flags_error(cls, flags, body[astart:vend]))
             continue
         try:
             attr = cls.decode_value(value, flags, ctx)
         except DecodeError as exc:
             if exc.action is ErrorAction.SESSION_RESET:
                 raise
-            (nh_errors if code == 3 else errors).append(exc.to_update_error(code))
+            (nh_errors if code == _NEXT_HOP_CODE else errors).append(exc.to_update_error(code))
             continue
         if code == AsPath.code and ctx.external and attr.has_confederation():  # type: ignore[attr-defined]
             # RFC 5065 §5: AS_CONFED_* from a neighbour outside our (non-existent)
@@ -212,7 +214,7 @@ def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> Shared
                 )
             )
             continue
-        if code == 3:
+        if code == _NEXT_HOP_CODE:
             problem = next_hop_problem(attr.address)  # type: ignore[attr-defined]
             if problem is not None:
                 nh_errors.append(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import IntEnum
 from ipaddress import IPv4Address
 from typing import ClassVar, Union
 
@@ -30,11 +29,10 @@ from proto.errors import (
     UpdateSubcode,
     error_name,
 )
+from proto.header import HEADER_LEN, MARKER, MAX_MESSAGE_LEN, MessageType, frame
 from proto.nlri import decode_prefixes_at
+from proto.packing import encode_updates, encode_withdrawals
 
-MARKER = b"\xff" * 16
-HEADER_LEN = 19
-MAX_MESSAGE_LEN = 4096
 
 __all__ = [
     "MARKER", "HEADER_LEN", "MAX_MESSAGE_LEN", "AS_TRANS", "MessageType", "Message",
@@ -44,24 +42,8 @@ __all__ = [
 ]
 
 
-class MessageType(IntEnum):
-    OPEN = 1
-    UPDATE = 2
-    NOTIFICATION = 3
-    KEEPALIVE = 4
-    ROUTE_REFRESH = 5  # RFC 2918
-
-
 # Smallest legal message of each type, header included (RFC 4271 §6.1, RFC 2918 §3).
 _MIN_LEN = {1: 29, 2: 23, 3: 21, 4: 19, 5: 23}
-
-def frame(msg_type: int, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT) -> bytes:
-    """Prefix ``body`` with the 19-octet header (RFC 4271 §4.1)."""
-    length = HEADER_LEN + len(body)
-    if length > ctx.max_message_len:
-        raise ValueError(f"message of {length} octets exceeds the {ctx.max_message_len}-octet limit")
-    return MARKER + length.to_bytes(2, "big") + bytes((msg_type,)) + body
-
 
 def _bad_length(body: bytes, why: str) -> DecodeError:
     # RFC 4271 §6.1: Bad Message Length carries the erroneous Length field.
@@ -574,4 +556,3 @@ class MessageReader:
         return out
 
 
-from proto._packing import encode_updates, encode_withdrawals  # noqa: E402  (uses Update's framing)

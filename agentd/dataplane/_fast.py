@@ -45,6 +45,22 @@ class _State(ctypes.Structure):
 _lib: ctypes.CDLL | None = None
 
 
+def layout_mismatch(lib: ctypes.CDLL) -> str:
+    """How ``_State`` differs from ``struct fp_state`` as the library exports it (every field:
+    name, order, offset, size), or "" when they agree."""
+    c_fields = [
+        (lib.fp_field_name(i).decode(), lib.fp_field_offset(i), lib.fp_field_size(i))
+        for i in range(lib.fp_field_count())
+    ]
+    py_fields = [(name, getattr(_State, name).offset, getattr(_State, name).size) for name, _ in _State._fields_]
+    for c, py in zip(c_fields, py_fields):
+        if c != py:
+            return f"field {py[0]} at {py[1]} size {py[2]} in _fast.py, {c[0]} at {c[1]} size {c[2]} in C"
+    if len(c_fields) != len(py_fields):
+        return f"{len(py_fields)} fields in _fast.py, {len(c_fields)} in C"
+    return ""
+
+
 def load() -> tuple[ctypes.CDLL | None, str]:
     """The shared library, or None and the reason it cannot be used."""
     global _lib
@@ -66,8 +82,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.fp_segment.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
     lib.fp_write_packets.argtypes = [ctypes.POINTER(_State), ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int]
-    if lib.fp_counter_count() != len(COUNTERS) or lib.fp_counters_offset() != _State.counters.offset:
-        return None, f"{spec.origin} does not match this agentd (rebuild it: scripts/dev setup)"
+    lib.fp_field_name.restype = ctypes.c_char_p
+    mismatch = layout_mismatch(lib)
+    if lib.fp_counter_count() != len(COUNTERS) or mismatch:
+        return None, f"{spec.origin} does not match this agentd ({mismatch or 'counters'}; rebuild it: scripts/dev setup)"
     _lib = lib
     return lib, ""
 

@@ -93,7 +93,7 @@ struct fp_route { uint32_t net, mask, peer; };   /* network byte order */
 struct fp_msg_meta { uint32_t peer; int segments; int bytes; int seglen; int gso; };
 
 struct fp_state {
-    /* set by Python (see _fast.py's _State; keep the two in step) */
+    /* set by Python (_fast.py's _State mirrors them; fp_fields below lets it check) */
     int tun_fd, sock_fd, kind, mtu, ttl_decrement, udp_gso, udp_gro;
     uint16_t port;                   /* network byte order */
     uint64_t counters[C_COUNT];
@@ -377,6 +377,21 @@ void fp_free(struct fp_state *st)
 
 int fp_counters_offset(void) { return (int)offsetof(struct fp_state, counters); }
 int fp_counter_count(void) { return C_COUNT; }
+
+/* The layout of the fields Python sets and reads (_fast.py's _State checks every one of them,
+ * name, offset and size, at load time: the C struct is the one source of truth). */
+struct fp_field { const char *name; int offset, size; };
+#define FP_FIELD(f) {#f, (int)offsetof(struct fp_state, f), (int)sizeof(((struct fp_state *)0)->f)}
+static const struct fp_field fp_fields[] = {
+    FP_FIELD(tun_fd), FP_FIELD(sock_fd), FP_FIELD(kind), FP_FIELD(mtu), FP_FIELD(ttl_decrement),
+    FP_FIELD(udp_gso), FP_FIELD(udp_gro), FP_FIELD(port), FP_FIELD(counters), FP_FIELD(slow_kind),
+    FP_FIELD(slow_len), FP_FIELD(slow), FP_FIELD(gso_failed_errno),
+};
+#undef FP_FIELD
+int fp_field_count(void) { return (int)(sizeof fp_fields / sizeof fp_fields[0]); }
+const char *fp_field_name(int i) { return i >= 0 && i < fp_field_count() ? fp_fields[i].name : NULL; }
+int fp_field_offset(int i) { return i >= 0 && i < fp_field_count() ? fp_fields[i].offset : -1; }
+int fp_field_size(int i) { return i >= 0 && i < fp_field_count() ? fp_fields[i].size : -1; }
 
 /* -- transmit -------------------------------------------------------------------------------------- */
 

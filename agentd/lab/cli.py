@@ -7,7 +7,8 @@ import re
 import sys
 
 from agentd.backend_table import NAMES
-from agentd.config import DATAPATH_CHOICES
+from agentd.cli import Command
+from agentd.config.settings import DATAPATH_CHOICES
 
 NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
 
@@ -84,7 +85,7 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pod_ref(text: str) -> str:
-    from ..resources.validation import Invalid, dns1123_label, dns1123_subdomain
+    from agentd.resources.validation import Invalid, dns1123_label, dns1123_subdomain
 
     ns, _, name = text.rpartition("/")
     try:
@@ -96,7 +97,7 @@ def _pod_ref(text: str) -> str:
 
 
 def _label(text: str) -> str:
-    from ..resources.validation import Invalid, label_value, qualified_name
+    from agentd.resources.validation import Invalid, label_value, qualified_name
 
     key, eq, value = text.partition("=")
     try:
@@ -110,8 +111,8 @@ def _label(text: str) -> str:
 
 
 def _named_port(text: str) -> dict:
-    from ..resources.pod import container_port
-    from ..resources.validation import Invalid
+    from agentd.resources.pod import container_port
+    from agentd.resources.validation import Invalid
 
     name, eq, rest = text.partition("=")
     number, _, proto = rest.partition("/")
@@ -124,7 +125,7 @@ def _named_port(text: str) -> dict:
 
 
 def lab_command(args: argparse.Namespace) -> int:
-    from . import lab
+    from agentd.lab import lab
 
     try:
         if args.lab_command == "up":
@@ -143,3 +144,12 @@ def lab_command(args: argparse.Namespace) -> int:
     except lab.LabError as err:
         sys.stderr.write(f"agentd lab {args.lab_command}: {err}\n")
         return 1
+
+
+#: ``agentd lab``, plugged into the agent's command line through the ``agentd.commands``
+#: entry point (pyproject.toml).
+COMMAND = Command(
+    help="the multi-node lab in network namespaces on this machine",
+    add_arguments=add_lab_arguments,
+    run=lab_command,
+)

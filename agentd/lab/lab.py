@@ -39,11 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import bpffs
-from .etcd import EtcdCluster, EtcdServer
-from .netns import Netns, NetnsError, delete_matching, list_names, veth
-from .speaker_proc import render_toml
-from .wait import auntil
+from agentd.lab import bpffs
+from agentd.lab.etcd import EtcdCluster, EtcdServer
+from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names, veth
+from agentd.lab.speaker_proc import render_toml
+from agentd.lab.wait import auntil
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
 CNI_PLUGIN_DIR = "/usr/lib/cni"
@@ -575,7 +575,7 @@ class Lab:
     async def resources(self) -> Any:
         """Apply/get/delete/label in this lab's etcd (:class:`agentd.lab.resources.LabResources`)."""
         if self._resources is None:
-            from .resources import LabResources
+            from agentd.lab.resources import LabResources
 
             self._resources = await LabResources.start(self.nodes[0])
         return self._resources
@@ -746,7 +746,7 @@ def cli_down(name: str) -> int:
 
 def cli_status(name: str) -> int:
     lab = Lab.load(name)
-    from ..cli import render_table
+    from agentd.tables import render_table
 
     roles = asyncio.run(lab.etcd.roles())
     rows = [[m.name, m.endpoint, roles[m.name]] for m in lab.etcd.members]
@@ -796,7 +796,7 @@ def cli_pod(args) -> int:
     ``agentd lab pod del NS/NAME``, ``agentd lab pod list``."""
     lab = Lab.load(args.name)
     if args.pod_command == "list":
-        from ..resources.cli import plain_table
+        from agentd.resources.cli import plain_table
 
         rows = [[p.name, p.node.name, p.ip or "-", ",".join(f"{k}={v}" for k, v in p.labels.items()) or "-"]
                 for p in lab.pods]  # fmt: skip

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -24,13 +23,10 @@ import subprocess
 import urllib.parse
 from collections.abc import Iterator, Sequence
 
+from agentd.kernel.netns import NETNS_DIR, entered
 from agentd.lab.wait import until
 
-NETNS_DIR = "/var/run/netns"
 NAME_PREFIX = "ad-"
-CLONE_NEWNET = 0x40000000
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class NetnsError(RuntimeError):
@@ -196,29 +192,8 @@ class Netns:
         ends, which is how in-process tests open netlink or UDP sockets there.
         Keep the block short and free of awaits: the whole thread moves.
         """
-        with _entered(self.path):
+        with entered(self.path):
             yield
-
-
-@contextlib.contextmanager
-def _entered(path: str) -> Iterator[None]:
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(path, os.O_RDONLY)
-    try:
-        _setns(target)
-        try:
-            yield
-        finally:
-            _setns(own)
-    finally:
-        os.close(target)
-        os.close(own)
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
 
 
 def veth(a: Netns, if_a: str, b: Netns, if_b: str, *, mtu: int | None = None, up: bool = True) -> None:

@@ -99,7 +99,7 @@ class LabResources:
 
 
 async def _serve(endpoints: list[str]) -> None:
-    from agentd.datastore import Datastore
+    from agentd.datastore.store import Datastore
     from agentd.resources import kinds, manifests
     from agentd.resources.store import ResourceStore
 

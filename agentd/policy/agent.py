@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from agentd.datastore import Datastore
+from agentd.datastore.store import Datastore
 from agentd.resources import kinds
 from agentd.resources.pod import CONTAINER_ID, CONTAINER_NAME, INTERFACE
 from agentd.resources.store import ResourceEvent, ResourceStore

@@ -129,7 +129,7 @@ def _label_changes(items: list[str]) -> dict[str, str | None]:
 
 
 async def _run(args: argparse.Namespace, cfg: Any, plan: Any) -> int:
-    from agentd.datastore import Datastore
+    from agentd.datastore.store import Datastore
 
     e = cfg.etcd
     ds = Datastore(
@@ -162,7 +162,7 @@ async def _run(args: argparse.Namespace, cfg: Any, plan: Any) -> int:
     except Exception as err:
         if isinstance(err, (StoreError, Invalid)):
             raise
-        from agentd.datastore import DatastoreError
+        from agentd.datastore.store import DatastoreError
 
         if isinstance(err, DatastoreError):
             raise StoreError(str(err)) from None

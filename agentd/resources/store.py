@@ -32,7 +32,7 @@ from typing import Any
 
 from aetcd import transactions as tx
 
-from agentd.datastore import Datastore, KeyValue
+from agentd.datastore.store import Datastore, KeyValue
 
 from . import kinds
 from .kinds import Kind
@@ -147,7 +147,7 @@ class ResourceEvent:
 
 
 class ResourceStore:
-    """Resources in etcd, through a :class:`~agentd.datastore.Datastore` (its retries and failover)."""
+    """Resources in etcd, through a :class:`~agentd.datastore.store.Datastore` (its retries and failover)."""
 
     def __init__(self, datastore: Datastore, *, timeout: float | None = None) -> None:
         self.ds = datastore

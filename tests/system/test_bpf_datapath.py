@@ -20,7 +20,7 @@ from ipaddress import IPv4Network
 
 import pytest
 
-from agentd.dataplane._testbed import (
+from agentd.lab.twohosts import (
     H1_UNDERLAY,
     H2_UNDERLAY,
     OVERHEAD,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from agentd import cni_config
-from agentd.cni_config import SubnetFile
+from agentd.cni import netconf as cni_config
+from agentd.cni.netconf import SubnetFile
 from agentd.lab import netns
 from agentd.lab.netns import Netns
 from agentd.lab.wait import until

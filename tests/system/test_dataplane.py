@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from agentd.dataplane import DataplaneClient, DataplaneError, DataplaneProcess
-from agentd.dataplane._testbed import (
+from agentd.lab.twohosts import (
     CLUSTER,
     DEVICE,
     H1_UNDERLAY,

@@ -19,7 +19,7 @@ from ipaddress import IPv4Address, IPv4Network
 import aetcd
 import pytest
 
-from agentd.datastore import (
+from agentd.datastore.store import (
     ClusterConfig,
     Datastore,
     DatastoreUnavailable,

@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from agentd.backends import control_path
+from agentd.dataplane.backends import control_path
 from agentd.dataplane import DataplaneClient
 from agentd.dataplane.bpf import layout
 from agentd.dataplane.bpf import syscall as bpf

@@ -20,7 +20,7 @@ from ipaddress import IPv4Address, IPv4Network
 import aetcd
 import pytest
 
-from agentd.datastore import ClusterConfig, Datastore, DatastoreUnavailable, NodeEvent, NodeRecord
+from agentd.datastore.store import ClusterConfig, Datastore, DatastoreUnavailable, NodeEvent, NodeRecord
 from agentd.lab.etcd import EtcdCluster, etcd_cluster
 from agentd.lab.interop import Watch
 

@@ -218,8 +218,8 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
         names = zf.namelist()
         entry_points = zf.read(f"agentd-{version}.dist-info/entry_points.txt").decode()
     assert "agentd = agentd.cli:main" in entry_points
-    assert "agentd-cni = agentd.cni:main" in entry_points
-    for module in ("agentd/cli.py", "agentd/cni.py", "agentd/dataplane/worker.py", "bgp/__init__.py", "proto/__init__.py"):
+    assert "agentd-cni = agentd.cni.plugin:main" in entry_points
+    for module in ("agentd/cli.py", "agentd/cni/plugin.py", "agentd/dataplane/worker.py", "bgp/__init__.py", "proto/__init__.py"):
         assert module in names
     assert not [n for n in names if n.startswith("tests/")]
     assert [n for n in names if re.fullmatch(r"agentd/dataplane/_fastpath\.cpython-.*\.so", n)], names

@@ -15,7 +15,8 @@ import pytest
 
 from agentd.lab import netns
 from agentd.lab.wait import DEFAULT_TIMEOUT, auntil, until
-from agentd.routing import RTPROT_AGENTD, Route, RouteProgrammer, SyncResult
+from agentd.kernel.route_model import RTPROT_AGENTD, Route, SyncResult
+from agentd.kernel.routing import RouteProgrammer
 
 GW4, GW6 = "192.0.2.2", "2001:db8::2"
 

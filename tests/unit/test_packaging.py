@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agentd import cli
-from agentd.config import DEFAULT_CONFIG_PATH, AgentConfig, CniConfig
+from agentd.config.settings import DEFAULT_CONFIG_PATH, AgentConfig, CniConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -48,7 +48,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_both_commands_are_declared_and_importable():
     scripts = PYPROJECT["project"]["scripts"]
-    assert scripts == {"agentd": "agentd.cli:main", "agentd-cni": "agentd.cni:main"}
+    assert scripts == {"agentd": "agentd.cli:main", "agentd-cni": "agentd.cni.plugin:main"}
     for target in scripts.values():
         module, _, func = target.partition(":")
         assert callable(getattr(importlib.import_module(module), func))

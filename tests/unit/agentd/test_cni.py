@@ -15,8 +15,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentd import cni, cni_config
-from agentd.cni_config import SubnetFile, SubnetFileError
+from agentd.cni import plugin as cni
+
+from agentd.cni import netconf as cni_config
+from agentd.cni.netconf import SubnetFile, SubnetFileError
 
 SF = SubnetFile(network=IPv4Network("10.244.0.0/16"), subnet=IPv4Network("10.244.3.0/24"), mtu=1450)
 
@@ -477,7 +479,7 @@ def test_conflist_is_written_with_per_node_dirs(tmp_path):
 
 
 def test_conflist_without_optional_settings(tmp_path):
-    # Path objects (as agentd.config holds them) are accepted as well as strings.
+    # Path objects (as agentd.config.settings holds them) are accepted as well as strings.
     path = cni_config.write_conflist(
         tmp_path, name="podnet", subnet_file=pathlib.Path("/s"), data_dir="/d", bridge="br1"
     )

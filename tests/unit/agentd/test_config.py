@@ -1,4 +1,4 @@
-"""agentd.config: sources, precedence, defaults, and one clear line per bad input.
+"""agentd.config.settings: sources, precedence, defaults, and one clear line per bad input.
 
 Pure: files live in tmp_path, the environment is passed in, and the host facts (hostname,
 default route) come from StaticHost instead of the machine.
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from agentd.config import (
+from agentd.config.settings import (
     CONFIG_KEYS,
     DEFAULT_CONFIG_PATH,
     PEER_KEYS,
@@ -368,7 +368,7 @@ def test_empty_env_value_means_not_set():
 
 
 def test_env_names_outside_the_sections_are_left_alone():
-    # AGENTD_NETWORK, AGENTD_SUBNET, ... are the subnet file's names (agentd.cni_config), if sourced.
+    # AGENTD_NETWORK, AGENTD_SUBNET, ... are the subnet file's names (agentd.cni.netconf), if sourced.
     cfg = pure(env={"AGENTD_CONFIG": "/x.toml", "AGENTD": "1", "HOME": "/root", "agentd_log_level": "debug",
                     "AGENTD_NETWORK": "10.244.0.0/16", "AGENTD_SUBNET": "10.244.3.1/24", "AGENTD_MTU": "1450",
                     "AGENTD_IPMASQ": "false", "AGENTD_BACKEND": "vxlan"})
@@ -824,7 +824,7 @@ def test_odd_key_names_and_huge_numbers_stay_one_line(tmp_path):
 def test_external_peers_use_only_their_own_md5_key(tmp_path):
     # [bgp] password is for the node-to-node sessions; a top-of-rack router configured without a
     # password must not suddenly be asked for the mesh's key (Calico keeps these apart too).
-    from agentd.speaker import local_settings, peer_settings
+    from agentd.daemon.speaker import local_settings, peer_settings
 
     path = tmp_path / "agentd.toml"
     path.write_text(
@@ -838,7 +838,7 @@ def test_external_peers_use_only_their_own_md5_key(tmp_path):
 
 
 def test_sighup_applies_only_peers_and_log_settings(tmp_path):
-    from agentd.config import reloaded
+    from agentd.config.settings import reloaded
 
     path = tmp_path / "agentd.toml"
     path.write_text("[node]\naddress = '10.0.0.1'\n[bgp]\nhold_time = 90\n")

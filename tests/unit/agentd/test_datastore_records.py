@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentd._datastore_etcd import is_lease_not_found, is_transient, parse_endpoint
-from agentd._datastore_records import (
+from agentd.datastore.etcd import is_lease_not_found, is_transient, parse_endpoint
+from agentd.datastore.records import (
     Backoff,
     ClusterConfig,
     NodeEvent,
@@ -30,7 +30,7 @@ from agentd._datastore_records import (
     subnet_index,
     subnet_key,
 )
-from agentd.datastore import Datastore
+from agentd.datastore.store import Datastore
 
 NODE_JSON = {
     "name": "node-1",

@@ -43,6 +43,15 @@ def test_the_library_is_built_and_matches_this_code():
     assert lib is not None, why
 
 
+def test_every_field_python_mirrors_matches_the_c_struct():
+    # struct fp_state's shared fields as _fastpath.c exports them (fp_fields), field by field.
+    lib, why = _fast.load()
+    assert lib is not None, why
+    exported = [lib.fp_field_name(i).decode() for i in range(lib.fp_field_count())]
+    assert exported == [name for name, _ in _fast._State._fields_]
+    assert _fast.layout_mismatch(lib) == ""
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     payload=st.binary(min_size=0, max_size=66000 - 60),

@@ -4,10 +4,10 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 
 import pytest
 
-from agentd.datastore import NodeRecord
-from agentd.forwarding import LocalPaths, peer_in_userspace, plan_external, plan_peer, route_for
-from agentd.mesh import desired_peers
-from agentd.netinfo import Underlay
+from agentd.datastore.store import NodeRecord
+from agentd.kernel.forwarding import LocalPaths, peer_in_userspace, plan_external, plan_peer, route_for
+from agentd.daemon.mesh import desired_peers
+from agentd.kernel.netinfo import Underlay
 from bgp import PeerSettings
 
 

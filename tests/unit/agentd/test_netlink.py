@@ -1,4 +1,4 @@
-"""agentd.netlink: rtnetlink encode/decode, pure (no sockets), plus the Route model it feeds.
+"""agentd.kernel.netlink: rtnetlink encode/decode, pure (no sockets), plus the Route model it feeds.
 
 The golden messages were captured from a Linux 6.18 kernel (RTM_GETROUTE dumps of routes
 made with `ip route add ... proto 143` in a lab namespace, and one error ack).
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentd import netlink as nl
-from agentd.routing import InvalidRoute, Route, canonical_dst
+from agentd.kernel import netlink as nl
+from agentd.kernel.route_model import InvalidRoute, Route, canonical_dst
 
 # 10.9.0.0/16 via 198.51.100.1 dev v0 (ifindex 2) onlink src 192.0.2.1 proto 143
 GOLDEN_V4_ONLINK = (
@@ -310,7 +310,7 @@ def test_newroute_round_trips(family, dst_len, priority, mtu, oif, table, seq, d
         family, dst_len, dst, gateway, oif, priority, mtu, table)
 
 
-# --- the Route model (agentd.routing) ----------------------------------------------------------
+# --- the Route model (agentd.kernel.routing) ----------------------------------------------------------
 
 
 def test_route_canonicalises_addresses_and_defaults():

@@ -312,7 +312,7 @@ def test_endpoint_files_round_trip(tmp_path):
 
 @pytest.mark.parametrize("value", [-1, 61, "2", True])
 def test_cni_policy_timeout_is_checked(value):
-    from agentd import cni
+    from agentd.cni import plugin as cni
 
     conf = {"cniVersion": "1.0.0", "name": "agentd", "type": "agentd-cni", "policyTimeout": value}
     with pytest.raises(cni.CniError, match="'policyTimeout' must be a number of seconds in \\[0, 60\\]"):

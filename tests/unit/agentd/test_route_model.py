@@ -1,4 +1,4 @@
-"""Model-based tests of the route programmer's reconciliation (agentd.routing.RouteProgrammer).
+"""Model-based tests of the route programmer's reconciliation (agentd.kernel.routing.RouteProgrammer).
 
 The decisions (what to add, replace and delete) are not separated from the netlink I/O:
 ``_plan`` reads the programmer's private view of the kernel and ``_apply``/``_execute`` send
@@ -55,8 +55,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from agentd import netlink as nl
-from agentd.routing import ROUTE_KINDS, RTPROT_AGENTD, Route, RouteProgrammer
+from agentd.kernel import netlink as nl
+from agentd.kernel.route_model import ROUTE_KINDS, RTPROT_AGENTD, Route
+from agentd.kernel.routing import RouteProgrammer
 
 AF4, AF6 = socket.AF_INET, socket.AF_INET6
 OURS = RTPROT_AGENTD

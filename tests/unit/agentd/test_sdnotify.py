@@ -1,4 +1,4 @@
-"""agentd.sdnotify.Notifier: the sd_notify(3) datagrams, without systemd.
+"""agentd.daemon.sdnotify.Notifier: the sd_notify(3) datagrams, without systemd.
 
 Pure: the environment is passed in, and the "systemd" end is a unix datagram socket this
 test binds (a file in tmp_path, or a name in the abstract namespace); nothing sleeps.
@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from agentd.sdnotify import Notifier
+from agentd.daemon.sdnotify import Notifier
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from agentd.supervisor import Supervisor
+from agentd.daemon.supervisor import Supervisor
 
 
 async def test_crashed_task_is_restarted_with_its_error_recorded():

@@ -33,19 +33,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from bgp import BestPathChange, Origination, Speaker, SpeakerService, State
 from proto.nlri import network_to_prefix, prefix_to_str
 
-from . import cni_config, mesh
-from .api import ApiServer
-from .backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
-from .config import Config, ConfigError, load_config, reloaded
-from .datastore import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
-from .forwarding import PeerPlan, plan_external, plan_peer, route_for
-from .netinfo import NetInfoError, Underlay, underlay_for
-from .policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy (issue 13)
-from .policy.libnftables import NftError
-from .routing import Route, RouteProgrammer, SyncResult
-from .sdnotify import Notifier
-from .speaker import SpeakerMetrics, bfd_timers, listen_ranges, local_settings, peer_rows, peer_settings
-from .supervisor import Supervisor
+from agentd.cni import netconf as cni_config
+
+from agentd.daemon import mesh
+from agentd.daemon.api import ApiServer
+from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
+from agentd.config.settings import Config, ConfigError, load_config, reloaded
+from agentd.datastore.store import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
+from agentd.kernel.forwarding import PeerPlan, plan_external, plan_peer, route_for
+from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
+from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy (issue 13)
+from agentd.policy.libnftables import NftError
+from agentd.kernel.route_model import Route, SyncResult
+from agentd.kernel.routing import RouteProgrammer
+from agentd.daemon.sdnotify import Notifier
+from agentd.daemon.speaker import SpeakerMetrics, bfd_timers, listen_ranges, local_settings, peer_rows, peer_settings
+from agentd.daemon.supervisor import Supervisor
 
 log = logging.getLogger("agentd")
 

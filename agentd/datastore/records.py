@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any, Literal, Self
 
-from .backend_table import NAMES as BACKENDS
+from agentd.backend_table import NAMES as BACKENDS
 ENCAPS = ("always", "cross-subnet")
 # A pod subnet needs room for the bridge gateway and at least one pod: /30 is the
 # smallest that has two usable addresses.

@@ -1,8 +1,8 @@
-"""Value kinds and parsers of agentd's configuration (private to agentd.config).
+"""Value kinds and parsers of agentd's configuration (used by agentd.config.settings).
 
-Each key of the configuration has a ``_Kind``: the TOML/JSON types it accepts, how text from
+Each key of the configuration has a ``Kind``: the TOML/JSON types it accepts, how text from
 the environment or ``--set`` becomes one of them, and the check that turns it into the final
-value or raises ``_Bad`` with the reason.  agentd.config says *where* a bad value came from.
+value or raises ``BadValue`` with the reason.  agentd.config.settings says *where* a bad value came from.
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_add
 from pathlib import Path
 from typing import Any
 
+from proto import AS_TRANS  # RFC 6793 §9: a placeholder in 2-octet fields, never a real AS
+
 # Route protocol numbers include/uapi/linux/rtnetlink.h gives to the kernel, administrators and
 # other routing daemons: owning routes with one of them would mean deleting someone else's routes.
-_RESERVED_PROTOCOLS = {
+RESERVED_PROTOCOLS = {
     0: "unspec", 1: "redirect", 2: "kernel", 3: "boot", 4: "static", 8: "gated", 9: "ra",
     10: "mrt", 11: "zebra", 12: "bird", 13: "dnrouted", 14: "xorp", 15: "ntk", 16: "dhcp",
     17: "mrouted", 18: "keepalived", 42: "babel", 99: "openr", 186: "bgp", 187: "isis",
     188: "ospf", 189: "rip", 192: "eigrp",
 }
-_AS_TRANS = 23456  # RFC 6793 §9: a placeholder in 2-octet fields, never a real AS
 _TCP_MD5_MAX_KEY = 80  # TCP_MD5SIG_MAXKEYLEN in include/uapi/linux/tcp.h
 
 IPAddress = IPv4Address | IPv6Address
@@ -65,20 +66,20 @@ class HostPort:
 
 
 
-class _Bad(Exception):
+class BadValue(Exception):
     """The value is wrong; the message says why, the caller says where it came from."""
 
 
-_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
                list: "an array", dict: "a table"}
 
 
-def _type_name(v: Any) -> str:
-    return _TYPE_NAMES.get(type(v), type(v).__name__)
+def type_name(v: Any) -> str:
+    return TYPE_NAMES.get(type(v), type(v).__name__)
 
 
 @dataclass(frozen=True)
-class _Kind:
+class Kind:
     types: tuple[type, ...]  # TOML/JSON types accepted
     what: str  # "an integer", for "must be an integer, not a string"
     text: Callable[[str], Any]  # text (env, --set) -> a value of one of ``types``
@@ -86,286 +87,286 @@ class _Kind:
 
     def from_value(self, v: Any, base: Path) -> Any:
         if not isinstance(v, self.types) or (isinstance(v, bool) and bool not in self.types):
-            raise _Bad(f"must be {self.what}, not {_type_name(v)}")
+            raise BadValue(f"must be {self.what}, not {type_name(v)}")
         return self.check(v, base)
 
     def from_text(self, s: str, base: Path) -> Any:
         return self.check(self.text(s), base)
 
 
-def _text_int(s: str) -> int:
+def text_int(s: str) -> int:
     if not re.fullmatch(r"[ \t]*[+-]?[0-9]{1,20}[ \t]*", s):
-        raise _Bad("must be an integer")
+        raise BadValue("must be an integer")
     return int(s)
 
 
-def _text_float(s: str) -> float:
+def text_float(s: str) -> float:
     if not re.fullmatch(r"[ \t]*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?[ \t]*", s):
-        raise _Bad("must be a number")
+        raise BadValue("must be a number")
     return float(s)
 
 
-def _text_bool(s: str) -> bool:
+def text_bool(s: str) -> bool:
     word = s.strip().lower()
     if word in ("true", "1", "yes", "on"):
         return True
     if word in ("false", "0", "no", "off"):
         return False
-    raise _Bad("must be true or false (also 1/0, yes/no, on/off)")
+    raise BadValue("must be true or false (also 1/0, yes/no, on/off)")
 
 
-def _text_list(s: str) -> list[str]:
+def text_list(s: str) -> list[str]:
     return [part.strip() for part in s.split(",") if part.strip()]
 
 
-def _int(lo: int, hi: int, extra: Callable[[int], None] | None = None) -> _Kind:
+def int_kind(lo: int, hi: int, extra: Callable[[int], None] | None = None) -> Kind:
     def check(n: int, _base: Path) -> int:
         if extra:
             extra(n)
         if not lo <= n <= hi:
-            raise _Bad(f"must be {lo}..{hi}")
+            raise BadValue(f"must be {lo}..{hi}")
         return n
-    return _Kind((int,), "an integer", _text_int, check)
+    return Kind((int,), "an integer", text_int, check)
 
 
-def _float(lo: float, hi: float) -> _Kind:
+def float_kind(lo: float, hi: float) -> Kind:
     def check(x: float, _base: Path) -> float:
         if not math.isfinite(x) or not lo <= x <= hi:
-            raise _Bad(f"must be a number of seconds, {lo:g}..{hi:g}")
+            raise BadValue(f"must be a number of seconds, {lo:g}..{hi:g}")
         return float(x)
-    return _Kind((int, float), "a number", _text_float, check)
+    return Kind((int, float), "a number", text_float, check)
 
 
-def _choice(*choices: str) -> _Kind:
+def choice_kind(*choices: str) -> Kind:
     def check(s: str, _base: Path) -> str:
         if s not in choices:
-            raise _Bad(f"must be one of {', '.join(choices)}")
+            raise BadValue(f"must be one of {', '.join(choices)}")
         return s
-    return _Kind((str,), "a string", str, check)
+    return Kind((str,), "a string", str, check)
 
 
-def _string(check: Callable[[str], Any]) -> _Kind:
-    return _Kind((str,), "a string", str, lambda s, _base: check(s))
+def string_kind(check: Callable[[str], Any]) -> Kind:
+    return Kind((str,), "a string", str, lambda s, _base: check(s))
 
 
-def _check_asn(n: int) -> None:
-    if n == _AS_TRANS:
-        raise _Bad("23456 is AS_TRANS (RFC 6793), not a usable AS number")
+def check_asn(n: int) -> None:
+    if n == AS_TRANS:
+        raise BadValue("23456 is AS_TRANS (RFC 6793), not a usable AS number")
 
 
-def _check_hold_time(n: int) -> None:
+def check_hold_time(n: int) -> None:
     # RFC 4271 §4.2: the Hold Time MUST be either zero or at least three seconds.
     if n in (1, 2) or not 0 <= n <= 65535:
-        raise _Bad("must be 0 or at least 3" if n in (1, 2) else "must be 0 or 3..65535")
+        raise BadValue("must be 0 or at least 3" if n in (1, 2) else "must be 0 or 3..65535")
 
 
-def _check_protocol(n: int) -> None:
-    if n in _RESERVED_PROTOCOLS:
-        raise _Bad(f"{n} is the kernel's RTPROT_{_RESERVED_PROTOCOLS[n].upper()}; pick an unassigned "
+def check_protocol(n: int) -> None:
+    if n in RESERVED_PROTOCOLS:
+        raise BadValue(f"{n} is the kernel's RTPROT_{RESERVED_PROTOCOLS[n].upper()}; pick an unassigned "
                    "number so agentd never owns someone else's routes")
 
 
-def _ipv4(s: str, *, unicast: bool = True) -> IPv4Address | None:
+def parse_ipv4(s: str, *, unicast: bool = True) -> IPv4Address | None:
     if not s.strip():  # empty: not set
         return None
     try:
         addr = ip_address(s.strip())
     except ValueError:
-        raise _Bad("must be an IPv4 address") from None
+        raise BadValue("must be an IPv4 address") from None
     if addr.version != 4:
-        raise _Bad("must be an IPv4 address, not IPv6")
+        raise BadValue("must be an IPv4 address, not IPv6")
     if unicast and (addr.is_unspecified or addr.is_multicast or addr == IPv4Address("255.255.255.255")):
-        raise _Bad("must be a unicast address")
+        raise BadValue("must be a unicast address")
     return addr
 
 
-def _node_address(s: str) -> IPv4Address | None:
+def parse_node_address(s: str) -> IPv4Address | None:
     """This node's underlay address: other nodes reach it there, so never loopback."""
-    addr = _ipv4(s)
+    addr = parse_ipv4(s)
     if addr is not None and addr.is_loopback:
-        raise _Bad("must not be a loopback address: the other nodes reach this node at it")
+        raise BadValue("must not be a loopback address: the other nodes reach this node at it")
     return addr
 
 
-def _ipv6_or_none(s: str) -> IPv6Address | None:
+def parse_ipv6_or_none(s: str) -> IPv6Address | None:
     if not s.strip():
         return None
     try:
         a = ip_address(s.strip())
     except ValueError:
-        raise _Bad("must be an IPv6 address") from None
+        raise BadValue("must be an IPv6 address") from None
     if not isinstance(a, IPv6Address) or a.is_unspecified or a.is_multicast or a.is_loopback or a.scope_id:
-        raise _Bad("must be a global or unique-local unicast IPv6 address (no ::1, no %zone)")
+        raise BadValue("must be a global or unique-local unicast IPv6 address (no ::1, no %zone)")
     return a
 
 
-def _any_ip(s: str) -> IPAddress:
+def parse_any_ip(s: str) -> IPAddress:
     try:
         addr = ip_address(s.strip())
     except ValueError:
-        raise _Bad("must be an IPv4 or IPv6 address") from None
+        raise BadValue("must be an IPv4 or IPv6 address") from None
     if isinstance(addr, IPv6Address):
         if addr.scope_id:
-            raise _Bad("must not carry a %zone: link-local peers are not supported, use a global address")
+            raise BadValue("must not carry a %zone: link-local peers are not supported, use a global address")
         if addr.ipv4_mapped is not None:
             addr = addr.ipv4_mapped  # one peer, one spelling: ::ffff:192.0.2.1 is 192.0.2.1
     if addr.is_unspecified or addr.is_multicast or addr == IPv4Address("255.255.255.255"):
-        raise _Bad("must be a unicast address")
+        raise BadValue("must be a unicast address")
     return addr
 
 
-def _network(s: str, *, v4_only: bool) -> IPNetwork:
+def parse_network(s: str, *, v4_only: bool) -> IPNetwork:
     try:
         net = ip_network(s.strip(), strict=False)
     except ValueError:
-        raise _Bad(f"must be {'an IPv4' if v4_only else 'an IP'} network like 10.244.0.0/16") from None
+        raise BadValue(f"must be {'an IPv4' if v4_only else 'an IP'} network like 10.244.0.0/16") from None
     if v4_only and net.version != 4:
-        raise _Bad("must be an IPv4 network")
+        raise BadValue("must be an IPv4 network")
     if "/" not in s:
         example = f"{net.network_address}/{16 if v4_only else net.max_prefixlen}"
-        raise _Bad(f"needs a prefix length, e.g. {example}")
+        raise BadValue(f"needs a prefix length, e.g. {example}")
     if net.network_address != ip_address(s.strip().split("/")[0]):
-        raise _Bad(f"has host bits set (did you mean {net}?)")
+        raise BadValue(f"has host bits set (did you mean {net}?)")
     return net
 
 
 _NOT_POD_SPACE = [ip_network(n) for n in ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")]
 
 
-def _pod_network(s: str) -> IPNetwork:
+def parse_pod_network(s: str) -> IPNetwork:
     """The cluster network: an IPv4 network pods can have addresses in (unicast, not loopback)."""
-    net = _network(s, v4_only=True)
+    net = parse_network(s, v4_only=True)
     clash = next((n for n in _NOT_POD_SPACE if net.overlaps(n)), None)
     if clash is not None:
-        raise _Bad(f"overlaps {clash}, which pods cannot use (loopback, link-local, multicast or reserved)")
+        raise BadValue(f"overlaps {clash}, which pods cannot use (loopback, link-local, multicast or reserved)")
     return net
 
 
-def _cluster_id(v: int | str, _base: Path) -> IPv4Address | None:
+def parse_cluster_id(v: int | str, _base: Path) -> IPv4Address | None:
     # RFC 4456 §7: a 4-octet CLUSTER_ID, written as a dotted quad or an integer.
     if isinstance(v, int):
         if not 0 <= v <= 0xFFFFFFFF:
-            raise _Bad(f"{v} is out of range: a cluster id is an IPv4 address or an integer 0..4294967295")
+            raise BadValue(f"{v} is out of range: a cluster id is an IPv4 address or an integer 0..4294967295")
         return IPv4Address(v)
     if re.fullmatch(r"[ \t]*[0-9]{1,20}[ \t]*", v):
-        return _cluster_id(int(v), _base)
-    return _ipv4(v, unicast=False)
+        return parse_cluster_id(int(v), _base)
+    return parse_ipv4(v, unicast=False)
 
 
-def _mtu(v: int | str, _base: Path) -> int | None:
+def parse_mtu(v: int | str, _base: Path) -> int | None:
     if isinstance(v, str):
         if v.strip() == "auto":
             return None
         if not re.fullmatch(r"[ \t]*[0-9]{1,6}[ \t]*", v):
-            raise _Bad('must be "auto" or an integer')
+            raise BadValue('must be "auto" or an integer')
         v = int(v)
     if not 576 <= v <= 65535:  # RFC 791: every IPv4 host accepts 576-octet datagrams
-        raise _Bad('must be "auto" or 576..65535')
+        raise BadValue('must be "auto" or 576..65535')
     return v
 
 
-def _node_name(s: str) -> str | None:
+def parse_node_name(s: str) -> str | None:
     if not s.strip():
         return None
     if len(s) > 253 or not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", s):
-        raise _Bad("must be a host name (letters, digits, '.', '-', '_'; at most 253)")
+        raise BadValue("must be a host name (letters, digits, '.', '-', '_'; at most 253)")
     return s
 
 
-def _password(s: str) -> str | None:
+def parse_password(s: str) -> str | None:
     if not s:
         return None
     if len(s.encode()) > _TCP_MD5_MAX_KEY or "\0" in s:
-        raise _Bad(f"must be at most {_TCP_MD5_MAX_KEY} bytes (TCP MD5 key) without NUL")
+        raise BadValue(f"must be at most {_TCP_MD5_MAX_KEY} bytes (TCP MD5 key) without NUL")
     return s
 
 
-def _etcd_prefix(s: str) -> str:
+def parse_etcd_prefix(s: str) -> str:
     if not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", s):
-        raise _Bad('must be a key path like "/agentd" (leading /, no trailing /)')
+        raise BadValue('must be a key path like "/agentd" (leading /, no trailing /)')
     return s
 
 
-def _endpoints(v: list[Any], _base: Path) -> tuple[str, ...]:
+def parse_endpoints(v: list[Any], _base: Path) -> tuple[str, ...]:
     seen: list[str] = []
     for url in v:
         if not isinstance(url, str):
-            raise _Bad(f"must be an array of URLs, not of {_type_name(url)}s")
-        shown = repr(_hide_userinfo(url))
+            raise BadValue(f"must be an array of URLs, not of {type_name(url)}s")
+        shown = repr(hide_userinfo(url))
         try:
             parts = urllib.parse.urlsplit(url.strip())
             parts.port  # noqa: B018 -- raises ValueError on a bad port
         except ValueError as e:
-            raise _Bad(f"{shown}: {e}") from None
+            raise BadValue(f"{shown}: {e}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise _Bad(f"{shown} must be an http:// or https:// URL with a host")
+            raise BadValue(f"{shown} must be an http:// or https:// URL with a host")
         if parts.port == 0 or any(c.isspace() or not c.isprintable() for c in url.strip()):
-            raise _Bad(f"{shown} must have a port 1..65535 (or none: 2379) and no spaces")
+            raise BadValue(f"{shown} must have a port 1..65535 (or none: 2379) and no spaces")
         if parts.path not in ("", "/") or parts.query or parts.fragment or "@" in parts.netloc:
-            raise _Bad(f"{shown} must be scheme://host:port only (no path, query or credentials)")
+            raise BadValue(f"{shown} must be scheme://host:port only (no path, query or credentials)")
         if url.strip().lower() in seen:
-            raise _Bad(f"{shown} is listed twice")
+            raise BadValue(f"{shown} is listed twice")
         seen.append(url.strip().lower())
     if not seen:
-        raise _Bad("needs at least one endpoint")
+        raise BadValue("needs at least one endpoint")
     return tuple(u.strip() for u in v)
 
 
-def _path(s: str, base: Path) -> Path:
+def parse_path(s: str, base: Path) -> Path:
     if not s.strip() or "\0" in s:
-        raise _Bad("must be a path")
+        raise BadValue("must be a path")
     return Path(os.path.normpath(base / s.strip()))  # absolute as given, else relative to base
 
 
-def _tls_file(s: str, base: Path) -> Path | None:
+def parse_tls_file(s: str, base: Path) -> Path | None:
     if not s.strip():
         return None
-    p = _path(s, base)
+    p = parse_path(s, base)
     try:
         if not p.is_file():
-            raise _Bad(f"{p} does not exist or is not a regular file")
+            raise BadValue(f"{p} does not exist or is not a regular file")
     except OSError as e:  # a directory on the way we may not search, a name too long
-        raise _Bad(f"{p}: {e.strerror or e}") from None
+        raise BadValue(f"{p}: {e.strerror or e}") from None
     if not os.access(p, os.R_OK):
-        raise _Bad(f"{p} is not readable")
+        raise BadValue(f"{p} is not readable")
     return p
 
 
-def _bin_dir(v: str | list[Any], base: Path) -> tuple[Path, ...]:
+def parse_bin_dir(v: str | list[Any], base: Path) -> tuple[Path, ...]:
     items = v.split(":") if isinstance(v, str) else v
     if not items or any(not isinstance(i, str) or not i.strip() for i in items):
-        raise _Bad("must be a search path of directories like /opt/cni/bin:/usr/lib/cni")
-    return tuple(_path(i, base) for i in items)
+        raise BadValue("must be a search path of directories like /opt/cni/bin:/usr/lib/cni")
+    return tuple(parse_path(i, base) for i in items)
 
 
-def _originate(v: list[Any], _base: Path) -> tuple[IPNetwork, ...]:
+def parse_originate(v: list[Any], _base: Path) -> tuple[IPNetwork, ...]:
     nets: list[IPNetwork] = []
     for s in v:
         if not isinstance(s, str):
-            raise _Bad(f"must be an array of prefixes, not of {_type_name(s)}s")
-        net = _network(s, v4_only=False)
+            raise BadValue(f"must be an array of prefixes, not of {type_name(s)}s")
+        net = parse_network(s, v4_only=False)
         if net in nets:
-            raise _Bad(f"{net} is listed twice")
+            raise BadValue(f"{net} is listed twice")
         nets.append(net)
     return tuple(nets)
 
 
-def _listen(*, allow_empty: bool) -> _Kind:
+def listen_kind(*, allow_empty: bool) -> Kind:
     def check(s: str, _base: Path) -> HostPort | None:
         if allow_empty and not s.strip():
             return None
         try:
             at = HostPort.parse(s)
         except ValueError as e:
-            raise _Bad(str(e)) from None
+            raise BadValue(str(e)) from None
         if not allow_empty and at.port == 0:
             # The API must be findable: `agentd status` and `agentd leave` go to this port.
-            raise _Bad("needs a fixed port (1..65535), not 0")
+            raise BadValue("needs a fixed port (1..65535), not 0")
         return at
-    return _Kind((str,), "a string", str, check)
+    return Kind((str,), "a string", str, check)
 
 
-def _cwd() -> Path:
+def current_dir() -> Path:
     """Where relative paths from the environment and the command line start."""
     try:
         return Path.cwd()
@@ -373,66 +374,66 @@ def _cwd() -> Path:
         return Path("/")
 
 
-def _text_json(s: str) -> Any:
+def text_json(s: str) -> Any:
     try:
         return json.loads(s) if s.strip() else []
     except (ValueError, RecursionError) as e:  # JSONDecodeError, or absurd numbers and nesting
-        raise _Bad(f"must be a JSON array of peer objects ({_shorten(str(e))})") from None
+        raise BadValue(f"must be a JSON array of peer objects ({shorten(str(e))})") from None
 
 
-def _peer_list(v: Any, _base: Path) -> list[Any]:
+def parse_peer_list(v: Any, _base: Path) -> list[Any]:
     if not isinstance(v, list):  # JSON text can hold anything
-        raise _Bad(f"must be an array of peers, not {_type_name(v)}")
+        raise BadValue(f"must be an array of peers, not {type_name(v)}")
     return v
 
 
-_BOOL = _Kind((bool,), "a boolean", _text_bool, lambda b, _base: b)
-_ASN = _int(1, 4294967295, _check_asn)
-_HOLD_TIME = _int(0, 65535, _check_hold_time)
-_PORT = _int(1, 65535)
-_PASSWORD = _string(_password)
-_PATH = _Kind((str,), "a string", str, _path)
+BOOL = Kind((bool,), "a boolean", text_bool, lambda b, _base: b)
+ASN = int_kind(1, 4294967295, check_asn)
+HOLD_TIME = int_kind(0, 65535, check_hold_time)
+PORT = int_kind(1, 65535)
+PASSWORD = string_kind(parse_password)
+PATH = Kind((str,), "a string", str, parse_path)
 
 
-def _suggest(word: str, candidates: list[str] | tuple[str, ...], shape: Callable[[str], str]) -> str:
+def suggest(word: str, candidates: list[str] | tuple[str, ...], shape: Callable[[str], str]) -> str:
     close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
     return f" (did you mean {shape(close[0])}?)" if close else ""
 
 
-def _show_value(v: Any, depth: int = 0) -> str:
+def show_value(v: Any, depth: int = 0) -> str:
     """A TOML value as it would be written, shortened to keep errors on one line."""
     if depth > 2 and isinstance(v, (list, dict)):
         text = "..."
     elif isinstance(v, bool):
         text = "true" if v else "false"
     elif isinstance(v, str):
-        text = json.dumps(_hide_userinfo(v), ensure_ascii=False)
+        text = json.dumps(hide_userinfo(v), ensure_ascii=False)
     elif isinstance(v, list):
-        text = "[" + ", ".join(_show_value(x, depth + 1) for x in v[:8]) + "]"
+        text = "[" + ", ".join(show_value(x, depth + 1) for x in v[:8]) + "]"
     elif isinstance(v, dict):
-        text = "{" + ", ".join(f"{k} = {_show_value(x, depth + 1)}" for k, x in list(v.items())[:8]) + "}"
+        text = "{" + ", ".join(f"{k} = {show_value(x, depth + 1)}" for k, x in list(v.items())[:8]) + "}"
     else:
         text = str(v)
-    return _shorten(text)
+    return shorten(text)
 
 
-def _show_text(s: str) -> str:
-    return _shorten(_one_line(_hide_userinfo(s)))
+def show_text(s: str) -> str:
+    return shorten(one_line(hide_userinfo(s)))
 
 
-def _hide_userinfo(text: str) -> str:
+def hide_userinfo(text: str) -> str:
     """http://user:pw@host -> http://***@host: credentials never reach an error line or a log."""
     return re.sub(r"//[^/@\s]*@", "//***@", text)
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """Escape what would break the line (newlines, U+2028, control characters) in user text."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
-def _shorten(text: str, limit: int = 60) -> str:
+def shorten(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

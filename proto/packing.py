@@ -13,7 +13,7 @@ from ipaddress import IPv4Address, IPv6Address, ip_address
 
 from proto._attr_base import DEFAULT_CONTEXT, OPTIONAL, CodecContext, attribute_header
 from proto.attributes import NextHop, PathAttributes
-from proto.messages import HEADER_LEN, MessageType, frame
+from proto.header import HEADER_LEN, MessageType, frame
 
 _ATTR_HEADER_MAX = 4  # extended-length header, reserved whatever the value length
 

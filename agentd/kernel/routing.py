@@ -12,7 +12,7 @@ What it owns: exactly the routes in its table that carry its route protocol numb
 Desired state, not events (MetalLB ``Session.Set``, Felix's route table): callers give the set
 of routes they want (``set_desired``) or edit it (``upsert``/``discard``); a reconcile task
 diffs it against what the kernel holds and applies the difference in batched netlink
-requests (agentd.netlink explains the batching).  A monitor socket watches the kernel: an
+requests (agentd.kernel.netlink explains the batching).  A monitor socket watches the kernel: an
 own route someone deletes is put back, an own-protocol route nobody wants is removed, and a
 periodic full resync re-reads the kernel for whatever the monitor cannot see (IPv4 sends no
 notification when a link going down flushes its routes).
@@ -29,47 +29,44 @@ from __future__ import annotations
 import asyncio
 import errno as _errno
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Set
 
-from agentd import netlink as nl
-from agentd._routes import (  # noqa: F401  (re-exported: the public API lives here)
+from agentd.kernel import netlink as nl
+from agentd.kernel.netns import entered, netns_path
+from agentd.kernel.route_model import (
     RTPROT_AGENTD,
     ROUTE_KINDS,
-    _KIND_OF_RTN,
-    _DEFAULT_METRIC,
-    _ZERO,
-    _PLEN,
+    KIND_OF_RTN,
+    DEFAULT_METRIC,
+    ZERO_ADDRESS,
     PROTOCOL_NAMES,
     RTM_F_CLONED,
-    _REQUEST_FLAGS,
+    REQUEST_FLAGS,
     InvalidRoute,
-    _parse_address,
-    _parse_prefix,
     canonical_dst,
     Route,
-    _new_route,
-    _set,
-    _kernel_route,
-    _kernel_metric,
-    _same,
-    _Stray,
-    _stray_of,
-    _stray_of_message,
+    kernel_route,
+    kernel_metric,
+    same_route,
+    Stray,
+    stray_of,
+    stray_of_message,
     SyncResult,
     RouteCounters,
-    _Outcome,
-    _Unresolved,
+    Outcome,
+    Unresolved,
     AF_INET,
     AF_INET6,
-    _ADD,
-    _REPLACE,
-    _DELETE,
-    _gateway_text,
+    ADD,
+    REPLACE,
+    DELETE,
+    gateway_text,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("agentd.routing")  # the logger name predates the kernel package
 
 class RouteProgrammer:
     """Programs the desired routes into one table of one namespace, tagged with ``protocol``.
@@ -113,7 +110,7 @@ class RouteProgrammer:
 
         self._desired: dict[str, Route] = {}
         self._kernel: dict[str, Route] = {}  # our route in the kernel, per dst
-        self._strays: set[_Stray] = set()  # our other routes there, to be deleted
+        self._strays: set[Stray] = set()  # our other routes there, to be deleted
         self._complete = False  # set_desired() was called: undesired own routes may go
         self._discarded: set[str] = set()  # explicit discards before that
         self._dirty: set[str] = set()
@@ -191,12 +188,10 @@ class RouteProgrammer:
         if self.netns is None:
             self._open_sockets()
         else:
-            from agentd.lab.netns import Netns
-
-            namespace = Netns(self.netns)
-            if not namespace.exists():
-                raise FileNotFoundError(f"network namespace {self.netns!r} does not exist ({namespace.path})")
-            with namespace.entered():
+            path = netns_path(self.netns)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"network namespace {self.netns!r} does not exist ({path})")
+            with entered(path):
                 self._open_sockets()
         try:
             # The monitor subscribed before the dumps: a change made meanwhile waits there and
@@ -257,7 +252,7 @@ class RouteProgrammer:
                 async with self._lock:
                     await self._dump_own()
                     victims = [*self._kernel.values(), *self._strays]
-                    for target, err, message in await self._execute(_DELETE, victims, _Outcome()):
+                    for target, err, message in await self._execute(DELETE, victims, Outcome()):
                         log.warning("could not remove %s: %s", _dst_of(target), nl.describe_error(err, message))
         finally:
             self._close_sockets()
@@ -342,11 +337,11 @@ class RouteProgrammer:
         may_delete, discarded = self._complete, self._discarded
         adds: list[Route] = []
         replaces: list[Route] = []
-        deletes: list[Route | _Stray] = []
+        deletes: list[Route | Stray] = []
         stale: list[str] = []
 
         def change(want: Route, have: Route) -> None:
-            if _kernel_metric(want) == _kernel_metric(have):
+            if kernel_metric(want) == kernel_metric(have):
                 replaces.append(want)
             else:  # a new key: add the new route first, then delete the old one
                 adds.append(want)
@@ -360,7 +355,7 @@ class RouteProgrammer:
                     # and a conflict whose destination or desired route changed.
                     if full or dst not in conflicts or dst in retry:
                         adds.append(want)
-                elif have is not want and not _same(want, have):
+                elif have is not want and not same_route(want, have):
                     change(want, have)
             if may_delete:
                 deletes.extend(have for dst, have in kernel.items() if dst not in desired)
@@ -376,7 +371,7 @@ class RouteProgrammer:
                         deletes.append(have)
                 elif have is None:
                     adds.append(want)
-                elif not _same(want, have):
+                elif not same_route(want, have):
                     change(want, have)
         if may_delete:
             deletes.extend(self._strays)
@@ -387,17 +382,17 @@ class RouteProgrammer:
             deletes.extend(s for s in self._strays if s.text in desired or s.text in discarded)
         return adds, replaces, deletes, stale
 
-    async def _apply(self, adds: list[Route], replaces: list[Route], deletes: list[Route | _Stray]):
-        outcome = _Outcome()
+    async def _apply(self, adds: list[Route], replaces: list[Route], deletes: list[Route | Stray]):
+        outcome = Outcome()
         failed: list[tuple[str, str]] = []
         conflicts: list[tuple[str, str]] = []
         exists: list[Route] = []
         vanished: list[Route] = []
-        for code, targets in ((_ADD, adds), (_REPLACE, replaces), (_DELETE, deletes)):
+        for code, targets in ((ADD, adds), (REPLACE, replaces), (DELETE, deletes)):
             for target, err, message in await self._execute(code, targets, outcome):
-                if code == _ADD and err == _errno.EEXIST:
+                if code == ADD and err == _errno.EEXIST:
                     exists.append(target)
-                elif code == _REPLACE and err == _errno.ENOENT:
+                elif code == REPLACE and err == _errno.ENOENT:
                     vanished.append(target)  # gone since we looked: add it instead
                 else:
                     failed.append((_dst_of(target), nl.describe_error(err, message)))
@@ -407,7 +402,7 @@ class RouteProgrammer:
                 own, found, unexplained = await self._classify_existing(exists)
                 conflicts += found
                 failed += unexplained
-            for code, targets in ((_REPLACE, own), (_ADD, vanished)):
+            for code, targets in ((REPLACE, own), (ADD, vanished)):
                 for target, err, message in await self._execute(code, targets, outcome):
                     failed.append((target.dst, nl.describe_error(err, message)))
         for dst, reason in failed:
@@ -422,13 +417,13 @@ class RouteProgrammer:
         self.counters.routes_removed += len(outcome.removed)
         return tuple(outcome.added), tuple(outcome.replaced), tuple(outcome.removed), tuple(failed), tuple(conflicts)
 
-    async def _execute(self, code: str, targets: list, outcome: _Outcome) -> list[tuple[object, int, str | None]]:
+    async def _execute(self, code: str, targets: list, outcome: Outcome) -> list[tuple[object, int, str | None]]:
         """Send one kind of request for every target, batched, and apply each success to the
         kernel state.  Returns the failures ``(target, errno, kernel message)``; deleting a
         route that is already gone counts as done."""
         failures: list[tuple[object, int, str | None]] = []
-        flags = _REQUEST_FLAGS[code]
-        encode = self._encode_delete if code == _DELETE else self._encode_route
+        flags = REQUEST_FLAGS[code]
+        encode = self._encode_delete if code == DELETE else self._encode_route
         max_bytes = min(self._req.sndbuf // 2, 4 << 20)
         n, i = len(targets), 0
         while i < n:
@@ -443,7 +438,7 @@ class RouteProgrammer:
                 i += 1
                 try:
                     message = encode(target, seq, flags)
-                except _Unresolved as exc:
+                except Unresolved as exc:
                     failures.append((target, _errno.ENODEV, str(exc)))
                     continue
                 batch.append(target)
@@ -470,16 +465,16 @@ class RouteProgrammer:
                     error = by_seq.get(first + k)
                     if error is None:
                         done.append(target)
-                    elif code == _DELETE and error[0] == _errno.ESRCH:
-                        self._deleted([target], _Outcome())  # already gone: nothing to report
+                    elif code == DELETE and error[0] == _errno.ESRCH:
+                        self._deleted([target], Outcome())  # already gone: nothing to report
                     else:
                         failures.append((target, *error))
             else:
                 done = batch
-            if code == _DELETE:
+            if code == DELETE:
                 self._deleted(done, outcome)
             else:
-                self._installed(done, outcome.added if code == _ADD else outcome.replaced)
+                self._installed(done, outcome.added if code == ADD else outcome.replaced)
             if i < n:
                 await asyncio.sleep(0)  # let the loop breathe between batches
         return failures
@@ -501,7 +496,7 @@ class RouteProgrammer:
         if route.dev is not None:
             oif = self._ifindex.get(route.dev, 0)
             if not oif:
-                raise _Unresolved(f"no device {route.dev!r} in the route programmer's namespace")
+                raise Unresolved(f"no device {route.dev!r} in the route programmer's namespace")
         rtype = ROUTE_KINDS[route.kind]
         gateway = route.gateway
         return nl.route_template(
@@ -519,9 +514,9 @@ class RouteProgrammer:
             mtu=route.mtu,
         )
 
-    def _encode_delete(self, target: Route | _Stray, seq: int, flags: int) -> bytes:
+    def _encode_delete(self, target: Route | Stray, seq: int, flags: int) -> bytes:
         if type(target) is Route:
-            target = _stray_of(target)
+            target = stray_of(target)
         family, raw, plen, tos, priority, _text = target
         key = (family, tos, priority)
         template = self._templates.get(key)
@@ -535,8 +530,8 @@ class RouteProgrammer:
         for route in routes:
             dst = route.dst
             previous = kernel.get(dst)
-            if previous is not None and _kernel_metric(previous) != _kernel_metric(route):
-                strays.add(_stray_of(previous))  # metric changed: deleted later in this sync
+            if previous is not None and kernel_metric(previous) != kernel_metric(route):
+                strays.add(stray_of(previous))  # metric changed: deleted later in this sync
             kernel[dst] = route
             report.append(dst)
         if self.failures or self.conflicts or self._restoring:
@@ -547,17 +542,17 @@ class RouteProgrammer:
                     self._restoring.discard(route.dst)
                     self.counters.routes_restored += 1
 
-    def _deleted(self, targets: list[Route | _Stray], outcome: _Outcome) -> None:
+    def _deleted(self, targets: list[Route | Stray], outcome: Outcome) -> None:
         kernel, strays, removed = self._kernel, self._strays, outcome.removed
         for target in targets:
             if type(target) is Route:
                 dst = target.dst
                 current = kernel.get(dst)
                 # The kernel deleted whatever route of ours held this dst and metric.
-                if current is target or (current is not None and _kernel_metric(current) == _kernel_metric(target)):
+                if current is target or (current is not None and kernel_metric(current) == kernel_metric(target)):
                     del kernel[dst]
                 elif strays:
-                    strays.discard(_stray_of(target))
+                    strays.discard(stray_of(target))
             else:
                 dst = target.text
                 strays.discard(target)
@@ -568,17 +563,17 @@ class RouteProgrammer:
         Ours (we had not heard of it) -> replace it; anyone else's -> a conflict, left alone."""
         wanted = {}
         for route in routes:
-            stray = _stray_of(route)
-            wanted[(stray.family, stray.dst, stray.dst_len, _kernel_metric(route))] = route
+            stray = stray_of(route)
+            wanted[(stray.family, stray.dst, stray.dst_len, kernel_metric(route))] = route
         holders: dict[Route, nl.RouteMessage] = {}
 
         def handle(mtype: int, buf: bytes, start: int, end: int) -> None:
             if mtype != nl.RTM_NEWROUTE:
                 return
             msg = nl.decode_route(buf, start, end)
-            if msg.table != self.table or msg.tos or msg.flags & RTM_F_CLONED or msg.family not in _ZERO:
+            if msg.table != self.table or msg.tos or msg.flags & RTM_F_CLONED or msg.family not in ZERO_ADDRESS:
                 return
-            key = (msg.family, msg.dst or _ZERO[msg.family], msg.dst_len, msg.priority or 0)
+            key = (msg.family, msg.dst or ZERO_ADDRESS[msg.family], msg.dst_len, msg.priority or 0)
             route = wanted.get(key)
             if route is not None and (route not in holders or msg.protocol == self.protocol):
                 holders[route] = msg
@@ -598,7 +593,7 @@ class RouteProgrammer:
                 adopted = self._route_of(msg)
                 if adopted is not None:
                     self._kernel[route.dst] = adopted
-                if adopted is None or not _same(route, adopted):
+                if adopted is None or not same_route(route, adopted):
                     own.append(route)
             else:
                 name = PROTOCOL_NAMES.get(msg.protocol, str(msg.protocol))
@@ -672,7 +667,7 @@ class RouteProgrammer:
                 except nl.NetlinkDecodeError as exc:
                     log.error("skipping undecodable route in dump: %s", exc)
                     return
-                if msg.table == table and not msg.flags & RTM_F_CLONED and msg.family in _ZERO:
+                if msg.table == table and not msg.flags & RTM_F_CLONED and msg.family in ZERO_ADDRESS:
                     fresh.append((body, msg))
 
             consistent = True
@@ -685,14 +680,14 @@ class RouteProgrammer:
         if any(msg.oif and msg.oif not in self._ifname for _body, msg in fresh):
             await self._dump_links()
         kernel: dict[str, Route] = {}
-        strays: set[_Stray] = set()
+        strays: set[Stray] = set()
         file_route = self._file_route
         for route in known:
             file_route(route, kernel, strays)
         for count, (body, msg) in enumerate(fresh, 1):
             route = self._route_of(msg)
             if route is None:
-                strays.add(_stray_of_message(msg))
+                strays.add(stray_of_message(msg))
             else:
                 seen[body] = route
                 file_route(route, kernel, strays)
@@ -717,18 +712,18 @@ class RouteProgrammer:
         """The Route a kernel route of ours is, or None if it has a shape Route cannot say
         (multipath, nexthop objects, TOS, source prefix): such a route is a stray."""
         family = msg.family
-        kind = _KIND_OF_RTN.get(msg.type)
+        kind = KIND_OF_RTN.get(msg.type)
         if (kind is None or msg.multipath is not None or msg.via is not None
                 or msg.nh_id is not None or msg.tos or msg.src_len):
             return None
         ntop = socket.inet_ntop
         gateway = msg.gateway
         if gateway is not None:  # next hops repeat: one shared string each
-            text = _gateway_text.get(gateway)
+            text = gateway_text.get(gateway)
             if text is None:
-                if len(_gateway_text) > 4096:
-                    _gateway_text.clear()
-                text = _gateway_text[gateway] = ntop(family, gateway)
+                if len(gateway_text) > 4096:
+                    gateway_text.clear()
+                text = gateway_text[gateway] = ntop(family, gateway)
             gateway = text
         dev = None
         onlink = bool(msg.flags & nl.RTNH_F_ONLINK)
@@ -738,35 +733,35 @@ class RouteProgrammer:
             if (gateway is None and dev is None) or (onlink and (gateway is None or dev is None)):
                 return None
         metric = msg.priority
-        if metric == _DEFAULT_METRIC[family]:
+        if metric == DEFAULT_METRIC[family]:
             metric = None
-        return _kernel_route(
-            f"{ntop(family, msg.dst or _ZERO[family])}/{msg.dst_len}", gateway, dev, onlink, kind, metric,
+        return kernel_route(
+            f"{ntop(family, msg.dst or ZERO_ADDRESS[family])}/{msg.dst_len}", gateway, dev, onlink, kind, metric,
             msg.mtu or None, None if msg.prefsrc is None else ntop(family, msg.prefsrc),
         )
 
-    def _file_own(self, msg: nl.RouteMessage, kernel: dict[str, Route], strays: set[_Stray]) -> str:
+    def _file_own(self, msg: nl.RouteMessage, kernel: dict[str, Route], strays: set[Stray]) -> str:
         """File one of our kernel routes: the route for its dst, or a stray."""
         route = self._route_of(msg)
         if route is None:
-            stray = _stray_of_message(msg)
+            stray = stray_of_message(msg)
             strays.add(stray)
             return stray.text
         self._file_route(route, kernel, strays)
         return route.dst
 
-    def _file_route(self, route: Route, kernel: dict[str, Route], strays: set[_Stray]) -> None:
+    def _file_route(self, route: Route, kernel: dict[str, Route], strays: set[Stray]) -> None:
         dst = route.dst
         have = kernel.get(dst)
-        if have is None or _kernel_metric(have) == _kernel_metric(route):
+        if have is None or kernel_metric(have) == kernel_metric(route):
             kernel[dst] = route
             return
         # Two routes of ours for one dst (different metrics): the one holding the desired
         # route's key is its route (replaced in place if it differs); the other is a stray.
         want = self._desired.get(dst)
-        if want is not None and _kernel_metric(want) == _kernel_metric(route):
+        if want is not None and kernel_metric(want) == kernel_metric(route):
             kernel[dst], route = route, have
-        strays.add(_stray_of(route))
+        strays.add(stray_of(route))
 
     # --- the monitor -------------------------------------------------------------------------
 
@@ -800,15 +795,15 @@ class RouteProgrammer:
     def _on_event(self, mtype: int, mflags: int, buf: bytes, start: int, end: int) -> None:
         if mtype == nl.RTM_NEWROUTE or mtype == nl.RTM_DELROUTE:
             msg = nl.decode_route(buf, start, end)
-            if msg.table != self.table or msg.flags & RTM_F_CLONED or msg.family not in _ZERO:
+            if msg.table != self.table or msg.flags & RTM_F_CLONED or msg.family not in ZERO_ADDRESS:
                 return
             if msg.protocol == self.protocol:
                 self._on_own_route_event(mtype, msg)
                 return
-            dst = f"{socket.inet_ntop(msg.family, msg.dst or _ZERO[msg.family])}/{msg.dst_len}"
+            dst = f"{socket.inet_ntop(msg.family, msg.dst or ZERO_ADDRESS[msg.family])}/{msg.dst_len}"
             have = self._kernel.get(dst)
             if mtype == nl.RTM_NEWROUTE and mflags & nl.NLM_F_REPLACE and have is not None:
-                if _kernel_metric(have) == (msg.priority or 0):
+                if kernel_metric(have) == (msg.priority or 0):
                     del self._kernel[dst]  # someone replaced our route with theirs
                     self._dirty.add(dst)
             elif mtype == nl.RTM_DELROUTE and dst in self.conflicts:
@@ -841,20 +836,20 @@ class RouteProgrammer:
             return
         route = self._route_of(msg)
         if route is None:
-            self._strays.discard(_stray_of_message(msg))
+            self._strays.discard(stray_of_message(msg))
             return
         dst = route.dst
         have = self._kernel.get(dst)
-        if have is not None and _kernel_metric(have) == _kernel_metric(route):
+        if have is not None and kernel_metric(have) == kernel_metric(route):
             del self._kernel[dst]
             if dst in self._desired:
                 self._restoring.add(dst)
         else:
-            self._strays.discard(_stray_of(route))
+            self._strays.discard(stray_of(route))
         self._dirty.add(dst)
 
 
-def _dst_of(target: Route | _Stray) -> str:
+def _dst_of(target: Route | Stray) -> str:
     return target.dst if type(target) is Route else target.text
 
 

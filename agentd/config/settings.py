@@ -32,60 +32,49 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, ip_address
 from pathlib import Path
 from typing import Any, Protocol
 
-from .backend_table import NAMES, mtu_overhead  # noqa: F401  (mtu_overhead is public API)
-from ._config_values import (  # noqa: F401  (HostPort is public API)
-    _pod_network,
+from agentd.backend_table import NAMES, mtu_overhead
+from agentd.config.values import (
+    parse_pod_network,
     HostPort,
     IPAddress,
     IPNetwork,
-    _ASN,
-    _AS_TRANS,
-    _BOOL,
-    _Bad,
-    _HOLD_TIME,
-    _Kind,
-    _PASSWORD,
-    _PATH,
-    _PORT,
-    _RESERVED_PROTOCOLS,
-    _TYPE_NAMES,
-    _any_ip,
-    _bin_dir,
-    _check_asn,
-    _check_hold_time,
-    _check_protocol,
-    _choice,
-    _cluster_id,
-    _cwd,
-    _endpoints,
-    _etcd_prefix,
-    _float,
-    _hide_userinfo,
-    _int,
-    _ipv4,
-    _ipv6_or_none,
-    _listen,
-    _mtu,
-    _network,
-    _node_address,
-    _node_name,
-    _one_line,
-    _originate,
-    _password,
-    _path,
-    _peer_list,
-    _shorten,
-    _show_text,
-    _show_value,
-    _string,
-    _suggest,
-    _text_bool,
-    _text_float,
-    _text_int,
-    _text_json,
-    _text_list,
-    _tls_file,
-    _type_name,
+    ASN,
+    BOOL,
+    BadValue,
+    HOLD_TIME,
+    Kind,
+    PASSWORD,
+    PATH,
+    PORT,
+    parse_any_ip,
+    parse_bin_dir,
+    check_protocol,
+    choice_kind,
+    parse_cluster_id,
+    current_dir,
+    parse_endpoints,
+    parse_etcd_prefix,
+    float_kind,
+    int_kind,
+    parse_ipv4,
+    parse_ipv6_or_none,
+    listen_kind,
+    parse_mtu,
+    parse_network,
+    parse_node_address,
+    parse_node_name,
+    one_line,
+    parse_originate,
+    parse_peer_list,
+    shorten,
+    show_text,
+    show_value,
+    string_kind,
+    suggest,
+    text_json,
+    text_list,
+    parse_tls_file,
+    type_name,
 )
 
 DEFAULT_CONFIG_PATH = "/etc/agentd/agentd.toml"
@@ -129,7 +118,7 @@ class ConfigError(ValueError):
         more = len(self.problems) - 1
         if more:
             text += f" (and {more} more problem{'s' * (more > 1)}; see agentd check-config)"
-        return _one_line(text)
+        return one_line(text)
 
 
 
@@ -311,7 +300,7 @@ def _jsonable(v: Any) -> Any:
 class _Key:
     section: str
     name: str
-    kind: _Kind
+    kind: Kind
     default: Any
     secret: bool = False
 
@@ -321,60 +310,60 @@ class _Key:
 
 
 _KEYS = (
-    _Key("node", "name", _string(_node_name), None),
-    _Key("node", "address", _string(_node_address), None),
-    _Key("node", "asn", _ASN, 64512),
-    _Key("node", "route_reflector", _BOOL, False),
-    _Key("node", "cluster_id", _Kind((int, str), "an IPv4 address or an integer", str, _cluster_id), None),
-    _Key("network", "cidr", _string(_pod_network), NetworkConfig.cidr),
-    _Key("network", "subnet_len", _int(1, 32), 24),
-    _Key("network", "backend", _choice(*BACKENDS), "host-gw"),
-    _Key("network", "encap", _choice("always", "cross-subnet"), "always"),
-    _Key("network", "mtu", _Kind((int, str), '"auto" or an integer', str, _mtu), None),
-    _Key("network", "route_protocol", _int(1, 255, _check_protocol), 143),
-    _Key("network", "vxlan_vni", _int(1, 16777215), 1),  # 24-bit VNI, RFC 7348 §5
-    _Key("network", "vxlan_port", _PORT, 4789),
-    _Key("network", "udp_port", _PORT, 8285),
-    _Key("network", "datapath", _choice(*DATAPATH_CHOICES), "auto"),
-    _Key("network", "bpf_pod_redirect", _BOOL, True),
-    _Key("etcd", "endpoints", _Kind((list,), "an array", _text_list, _endpoints), EtcdConfig.endpoints),
-    _Key("etcd", "prefix", _string(_etcd_prefix), "/agentd"),
-    _Key("etcd", "ca", _Kind((str,), "a string", str, _tls_file), None),
-    _Key("etcd", "cert", _Kind((str,), "a string", str, _tls_file), None),
-    _Key("etcd", "key", _Kind((str,), "a string", str, _tls_file), None),
-    _Key("etcd", "lease_ttl", _int(2, 86400), 30),
-    _Key("bgp", "mode", _choice("mesh", "route-reflector"), "mesh"),
-    _Key("bgp", "listen", _listen(allow_empty=True), BgpConfig.listen),
-    _Key("bgp", "router_id", _string(_ipv4), None),
-    _Key("bgp", "asn", _ASN, None),
-    _Key("bgp", "hold_time", _HOLD_TIME, 90),
-    _Key("bgp", "keepalive_time", _int(0, 21845), None),
-    _Key("bgp", "connect_retry", _float(1, 3600), 5.0),
-    _Key("bgp", "password", _PASSWORD, None, secret=True),
-    _Key("bgp", "graceful_restart", _BOOL, True),
-    _Key("bgp", "restart_time", _int(1, 4095), 120),  # 12-bit field, RFC 4724 §3
-    _Key("bgp", "originate", _Kind((list,), "an array", _text_list, _originate), ()),
-    _Key("bgp", "next_hop_v6", _string(_ipv6_or_none), None),
-    _Key("bgp", "send_timeout", _float(1, 3600), 60.0),
-    _Key("bgp", "batch_delay", _float(0, 1), 0.01),
-    _Key("bgp", "listen_backlog", _int(16, 65535), 4096),
-    _Key("bgp", "bfd", _BOOL, False),
-    _Key("bgp", "bfd_interval", _float(0.05, 10), 0.3),
-    _Key("bgp", "bfd_multiplier", _int(1, 255), 3),
-    _Key("bgp", "peers", _Kind((list,), "an array of tables", _text_json, _peer_list), ()),
-    _Key("bgp", "listen_ranges", _Kind((list,), "an array of tables", _text_json, _peer_list), ()),
-    _Key("api", "listen", _listen(allow_empty=False), ApiConfig.listen),
-    _Key("cni", "conf_dir", _PATH, CniConfig.conf_dir),
-    _Key("cni", "bin_dir", _Kind((str, list), "a string or an array", str, _bin_dir), CniConfig.bin_dir),
-    _Key("cni", "subnet_file", _PATH, CniConfig.subnet_file),
-    _Key("cni", "data_dir", _PATH, CniConfig.data_dir),
-    _Key("cni", "ipam_data_dir", _PATH, CniConfig.ipam_data_dir),
-    _Key("cni", "write_conflist", _BOOL, True),
-    _Key("log", "level", _choice("debug", "info", "warning", "error"), "info"),
-    _Key("log", "format", _choice("text", "json"), "text"),
-    _Key("agent", "state_dir", _PATH, AgentConfig.state_dir),
-    _Key("agent", "route_resync", _float(0.1, 3600), 30.0),
-    _Key("agent", "bpf_dir", _PATH, AgentConfig.bpf_dir),
+    _Key("node", "name", string_kind(parse_node_name), None),
+    _Key("node", "address", string_kind(parse_node_address), None),
+    _Key("node", "asn", ASN, 64512),
+    _Key("node", "route_reflector", BOOL, False),
+    _Key("node", "cluster_id", Kind((int, str), "an IPv4 address or an integer", str, parse_cluster_id), None),
+    _Key("network", "cidr", string_kind(parse_pod_network), NetworkConfig.cidr),
+    _Key("network", "subnet_len", int_kind(1, 32), 24),
+    _Key("network", "backend", choice_kind(*BACKENDS), "host-gw"),
+    _Key("network", "encap", choice_kind("always", "cross-subnet"), "always"),
+    _Key("network", "mtu", Kind((int, str), '"auto" or an integer', str, parse_mtu), None),
+    _Key("network", "route_protocol", int_kind(1, 255, check_protocol), 143),
+    _Key("network", "vxlan_vni", int_kind(1, 16777215), 1),  # 24-bit VNI, RFC 7348 §5
+    _Key("network", "vxlan_port", PORT, 4789),
+    _Key("network", "udp_port", PORT, 8285),
+    _Key("network", "datapath", choice_kind(*DATAPATH_CHOICES), "auto"),
+    _Key("network", "bpf_pod_redirect", BOOL, True),
+    _Key("etcd", "endpoints", Kind((list,), "an array", text_list, parse_endpoints), EtcdConfig.endpoints),
+    _Key("etcd", "prefix", string_kind(parse_etcd_prefix), "/agentd"),
+    _Key("etcd", "ca", Kind((str,), "a string", str, parse_tls_file), None),
+    _Key("etcd", "cert", Kind((str,), "a string", str, parse_tls_file), None),
+    _Key("etcd", "key", Kind((str,), "a string", str, parse_tls_file), None),
+    _Key("etcd", "lease_ttl", int_kind(2, 86400), 30),
+    _Key("bgp", "mode", choice_kind("mesh", "route-reflector"), "mesh"),
+    _Key("bgp", "listen", listen_kind(allow_empty=True), BgpConfig.listen),
+    _Key("bgp", "router_id", string_kind(parse_ipv4), None),
+    _Key("bgp", "asn", ASN, None),
+    _Key("bgp", "hold_time", HOLD_TIME, 90),
+    _Key("bgp", "keepalive_time", int_kind(0, 21845), None),
+    _Key("bgp", "connect_retry", float_kind(1, 3600), 5.0),
+    _Key("bgp", "password", PASSWORD, None, secret=True),
+    _Key("bgp", "graceful_restart", BOOL, True),
+    _Key("bgp", "restart_time", int_kind(1, 4095), 120),  # 12-bit field, RFC 4724 §3
+    _Key("bgp", "originate", Kind((list,), "an array", text_list, parse_originate), ()),
+    _Key("bgp", "next_hop_v6", string_kind(parse_ipv6_or_none), None),
+    _Key("bgp", "send_timeout", float_kind(1, 3600), 60.0),
+    _Key("bgp", "batch_delay", float_kind(0, 1), 0.01),
+    _Key("bgp", "listen_backlog", int_kind(16, 65535), 4096),
+    _Key("bgp", "bfd", BOOL, False),
+    _Key("bgp", "bfd_interval", float_kind(0.05, 10), 0.3),
+    _Key("bgp", "bfd_multiplier", int_kind(1, 255), 3),
+    _Key("bgp", "peers", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
+    _Key("bgp", "listen_ranges", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
+    _Key("api", "listen", listen_kind(allow_empty=False), ApiConfig.listen),
+    _Key("cni", "conf_dir", PATH, CniConfig.conf_dir),
+    _Key("cni", "bin_dir", Kind((str, list), "a string or an array", str, parse_bin_dir), CniConfig.bin_dir),
+    _Key("cni", "subnet_file", PATH, CniConfig.subnet_file),
+    _Key("cni", "data_dir", PATH, CniConfig.data_dir),
+    _Key("cni", "ipam_data_dir", PATH, CniConfig.ipam_data_dir),
+    _Key("cni", "write_conflist", BOOL, True),
+    _Key("log", "level", choice_kind("debug", "info", "warning", "error"), "info"),
+    _Key("log", "format", choice_kind("text", "json"), "text"),
+    _Key("agent", "state_dir", PATH, AgentConfig.state_dir),
+    _Key("agent", "route_resync", float_kind(0.1, 3600), 30.0),
+    _Key("agent", "bpf_dir", PATH, AgentConfig.bpf_dir),
 )
 _BY_PATH = {k.path: k for k in _KEYS}
 _SECTIONS = tuple(dict.fromkeys(k.section for k in _KEYS))
@@ -382,29 +371,29 @@ CONFIG_KEYS: tuple[str, ...] = tuple(_BY_PATH)
 
 def _printable(s: str) -> str:
     if not s.isprintable():
-        raise _Bad("must be printable text (no newlines, tabs or escape codes)")
+        raise BadValue("must be printable text (no newlines, tabs or escape codes)")
     return s
 
 
-_PEER_KINDS: dict[str, _Kind] = {
-    "address": _string(_any_ip),
-    "asn": _ASN,
-    "password": _PASSWORD,
-    "passive": _BOOL,
-    "rr_client": _BOOL,
-    "port": _PORT,
-    "hold_time": _HOLD_TIME,
-    "description": _string(_printable),
-    "local_address": _string(lambda s: _any_ip(s) if s.strip() else None),
-    "max_prefixes": _int(1, 2**32 - 1),
-    "max_prefixes_warning": _int(1, 100),
-    "max_prefixes_restart": _int(1, 86400),
-    "ttl_security": _BOOL,
-    "bfd": _BOOL,
+_PEER_KINDS: dict[str, Kind] = {
+    "address": string_kind(parse_any_ip),
+    "asn": ASN,
+    "password": PASSWORD,
+    "passive": BOOL,
+    "rr_client": BOOL,
+    "port": PORT,
+    "hold_time": HOLD_TIME,
+    "description": string_kind(_printable),
+    "local_address": string_kind(lambda s: parse_any_ip(s) if s.strip() else None),
+    "max_prefixes": int_kind(1, 2**32 - 1),
+    "max_prefixes_warning": int_kind(1, 100),
+    "max_prefixes_restart": int_kind(1, 86400),
+    "ttl_security": BOOL,
+    "bfd": BOOL,
 }
 PEER_KEYS: tuple[str, ...] = tuple(_PEER_KINDS)
-_RANGE_KINDS: dict[str, _Kind] = {
-    "prefix": _string(lambda s: _network(s, v4_only=False)),
+_RANGE_KINDS: dict[str, Kind] = {
+    "prefix": string_kind(lambda s: parse_network(s, v4_only=False)),
     **{k: _PEER_KINDS[k] for k in ("asn", "rr_client", "password", "hold_time", "description", "max_prefixes",
                                    "max_prefixes_warning", "max_prefixes_restart", "ttl_security", "bfd")},
 }
@@ -502,7 +491,7 @@ class _Loader:
                 value = None  # an empty environment or --set value: an optional key not set
             else:
                 value = key.kind.from_text(raw, base) if from_text else key.kind.from_value(raw, base)
-        except _Bad as e:
+        except BadValue as e:
             self.bad.add(key.path)
             if key.path in _TABLE_LISTS:  # the tables that were replaced are not the ones to check
                 self.values[key.path], self.table_origins[key.path] = (), []
@@ -522,7 +511,7 @@ class _Loader:
         for i, table in enumerate(raw):
             where = f"[[{path}]] #{i + 1}"
             if not isinstance(table, dict):
-                self.problem(f"must be a table, not {_type_name(table)}", origin, f"{path}[{i}]", where)
+                self.problem(f"must be a table, not {type_name(table)}", origin, f"{path}[{i}]", where)
                 self.bad.add(path)
                 continue
             item: dict[str, Any] = {}
@@ -530,18 +519,18 @@ class _Loader:
             for name, v in table.items():
                 o = origin
                 if origin.rank == 1:
-                    shown = None if name == "password" else _show_value(v)
+                    shown = None if name == "password" else show_value(v)
                     o = dataclasses.replace(origin, line=self.locate(path, name, i), shown=shown)
                 origins[name] = o
                 if name not in kinds:
-                    self.problem(f"unknown key {where} {name}" + _suggest(name, tuple(kinds), str), o,
+                    self.problem(f"unknown key {where} {name}" + suggest(name, tuple(kinds), str), o,
                                  f"{path}[{i}].{name}")
                     continue
                 if v is None:  # JSON null: not set
                     continue
                 try:
                     item[name] = kinds[name].from_value(v, Path("/"))  # these tables hold no paths
-                except _Bad as e:
+                except BadValue as e:
                     self.problem(str(e), o, f"{path}[{i}].{name}", f"{where} {name}",
                                  show=name != "password")
             for required in required_keys:
@@ -592,7 +581,7 @@ class _Loader:
             self.file_failed = True
             m = re.fullmatch(r"(.*) \(at line (\d+), column (\d+)\)", str(e))
             where = f"line {m[2]}, column {m[3]}" if m else None
-            reason = m[1] if m else _shorten(str(e))
+            reason = m[1] if m else shorten(str(e))
             self.problem(f"TOML syntax error: {reason}", _Origin(1, path), where=where)
             return
         self.source, self.lines, self._lines_index = path, text.splitlines(), None
@@ -601,7 +590,7 @@ class _Loader:
             here = _Origin(1, path, self.locate(sec, None))
             if sec not in _SECTIONS:
                 if isinstance(table, dict):
-                    hint = _suggest(sec, _SECTIONS, "[{}]".format)
+                    hint = suggest(sec, _SECTIONS, "[{}]".format)
                     self.problem(f"unknown section [{sec}]{hint}", here, sec)
                 else:
                     homes = [k.section for k in _KEYS if k.name == sec]
@@ -609,13 +598,13 @@ class _Loader:
                     self.problem(f"unknown key {sec} at the top level{hint}", here, sec)
                 continue
             if not isinstance(table, dict):
-                self.problem(f"[{sec}] must be a table, not {_type_name(table)}", here, sec)
+                self.problem(f"[{sec}] must be a table, not {type_name(table)}", here, sec)
                 continue
             names = [k.name for k in _KEYS if k.section == sec]
             for name, v in table.items():
                 o = _Origin(1, path, self.locate(sec, name))
                 if name not in names:
-                    hint = _replaced_by(f"{sec}.{name}") or _suggest(name, names, str)
+                    hint = _replaced_by(f"{sec}.{name}") or suggest(name, names, str)
                     self.problem(f"unknown key [{sec}] {name}{hint}", o, f"{sec}.{name}")
                     continue
                 key = _BY_PATH[f"{sec}.{name}"]
@@ -624,7 +613,7 @@ class _Loader:
                                  f"[bgp] {key.name}")
                     continue
                 hidden = key.secret or key.path in _TABLE_LISTS  # tables show their fields instead
-                o = dataclasses.replace(o, shown=None if hidden else _show_value(v))
+                o = dataclasses.replace(o, shown=None if hidden else show_value(v))
                 self.set(key, v, o, base, from_text=False)
 
     def locate(self, section: str, name: str | None, table: int | None = None) -> int | None:
@@ -665,32 +654,32 @@ class _Loader:
             if sec not in _SECTIONS:
                 # AGENTD_CONFIG and the like belong to the command line; a near miss is a typo.
                 if difflib.get_close_matches(sec, _SECTIONS, n=1, cutoff=0.6):
-                    hint = _suggest(sec, _SECTIONS, lambda s: f"{ENV_PREFIX}{s.upper()}_{name.upper()}")
+                    hint = suggest(sec, _SECTIONS, lambda s: f"{ENV_PREFIX}{s.upper()}_{name.upper()}")
                     self.problem(f"unknown section [{sec}]{hint}", _Origin(2, var), sec)
                 continue
             key = _BY_PATH.get(f"{sec}.{name}")
-            shown = var if key and (key.secret or key.name == "peers") else f"{var}={_show_text(env[var])}"
+            shown = var if key and (key.secret or key.name == "peers") else f"{var}={show_text(env[var])}"
             o = _Origin(2, shown)
             if key is None:
                 names = [k.name for k in _KEYS if k.section == sec]
-                hint = _replaced_by(f"{sec}.{name}") or _suggest(
+                hint = _replaced_by(f"{sec}.{name}") or suggest(
                     name, names, lambda n: f"{ENV_PREFIX}{sec.upper()}_{n.upper()}")
                 self.problem(f"unknown key [{sec}] {name}{hint}", o, f"{sec}.{name}")
                 continue
-            self.set(key, env[var], o, _cwd(), from_text=True)
+            self.set(key, env[var], o, current_dir(), from_text=True)
 
     def read_overrides(self, overrides: Mapping[str, str]) -> None:
         for dotted, text in overrides.items():
             text = ("true" if text else "false") if isinstance(text, bool) else str(text)
             key = _BY_PATH.get(dotted)
             secret = key is not None and (key.secret or key.name == "peers")
-            o = _Origin(3, f"--set {dotted}" if secret else f"--set {dotted}={_show_text(text)}")
+            o = _Origin(3, f"--set {dotted}" if secret else f"--set {dotted}={show_text(text)}")
             if key is None:
                 sec, dot, name = dotted.partition(".")
                 shown = f"[{sec}] {name}" if dot else f"{dotted} (keys are written section.key)"
-                self.problem(f"unknown key {shown}" + _suggest(dotted, CONFIG_KEYS, str), o, dotted)
+                self.problem(f"unknown key {shown}" + suggest(dotted, CONFIG_KEYS, str), o, dotted)
                 continue
-            self.set(key, text, o, _cwd(), from_text=True)
+            self.set(key, text, o, current_dir(), from_text=True)
 
     # -- computed defaults and checks across keys ----------------------------------------------
 
@@ -699,8 +688,8 @@ class _Loader:
         if host is not None and v["node.name"] is None and ok("node.name"):
             name = host.hostname()
             try:
-                v["node.name"] = _node_name(name)
-            except _Bad as e:
+                v["node.name"] = parse_node_name(name)
+            except BadValue as e:
                 self.key_problem("node.name", f"not set and the hostname {name!r} {e}")
         if host is not None and v["node.address"] is None and ok("node.address"):
             try:

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from bgp import Speaker
 
-from .bgp_json import RibQuery
+from agentd.daemon.bgp_json import RibQuery
 
 log = logging.getLogger("agentd.api")
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from bgp import PeerSettings
 
-from .datastore import NodeRecord
+from agentd.datastore.store import NodeRecord
 
 MESH = "node-to-node mesh"
 REFLECTOR = "route reflector"

@@ -62,8 +62,8 @@ from typing import Any, TypeVar
 import aetcd
 from aetcd import transactions as tx
 
-from agentd import _datastore_subnets as subnets
-from agentd._datastore_etcd import (
+from agentd.datastore import subnets
+from agentd.datastore.etcd import (
     EtcdClient,
     describe,
     is_lease_not_found,
@@ -71,7 +71,7 @@ from agentd._datastore_etcd import (
     parse_endpoint,
     tls_credentials,
 )
-from agentd._datastore_records import (
+from agentd.datastore.records import (
     BACKENDS,
     ENCAPS,
     Backoff,
@@ -97,7 +97,7 @@ from agentd._datastore_records import (
     subnet_key,
     subnets_prefix,
 )
-from agentd._datastore_subnets import Claim, Entry
+from agentd.datastore.subnets import Claim, Entry
 
 __all__ = [
     "BACKENDS",

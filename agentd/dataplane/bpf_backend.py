@@ -3,11 +3,11 @@
 One :class:`BpfPath` per node: the two tc programs on the underlay device and their pinned
 maps serve every backend carried in BPF (udp, ipip: encapsulation and decapsulation) and the
 member filter of every backend that has one (the same two, and VXLAN's port, whose kernel
-device takes packets from anyone).  :class:`InBpf` is the per-backend face agentd.backends
+device takes packets from anyone).  :class:`InBpf` is the per-backend face agentd.dataplane.backends
 drives, like its vxlan-device and user-space implementations.
 
 The maps are filled from the same reconcile that programs the kernel routes
-(agentd.backends.Tunnels): routes (pod subnet -> peer, kind), members (every node's underlay
+(agentd.dataplane.backends.Tunnels): routes (pod subnet -> peer, kind), members (every node's underlay
 address), config (ports, which backends to decapsulate or filter).  Before BGP has re-learned
 everything after a restart (``prune`` False) nothing is removed from them -- not a route, not
 a member, not a backend's flag -- exactly like the kernel routes adopted at start.
@@ -21,12 +21,12 @@ from collections.abc import Iterable, Mapping
 from ipaddress import IPv4Network
 from typing import TYPE_CHECKING, Any
 
-from .backend_table import BACKENDS
-from .dataplane.bpf import BpfDatapath, BpfUnavailable, Config, layout
+from agentd.backend_table import BACKENDS
+from agentd.dataplane.bpf import BpfDatapath, BpfUnavailable, Config, layout
 
 if TYPE_CHECKING:
-    from .config import Config as AgentConfig
-    from .netinfo import Underlay
+    from agentd.config.settings import Config as AgentConfig
+    from agentd.kernel.netinfo import Underlay
 
 log = logging.getLogger("agentd.backends")
 

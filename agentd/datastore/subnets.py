@@ -1,4 +1,4 @@
-"""The etcd transactions behind subnet allocation (used by agentd.datastore).
+"""The etcd transactions behind subnet allocation (used by agentd.datastore.store).
 
 Each function is one round trip.  ``claim`` is the only way a subnet key is ever
 created: a transaction that puts it only if it is exactly as we last saw it (absent,
@@ -16,8 +16,8 @@ from ipaddress import IPv4Network
 from aetcd import transactions as tx
 from aetcd.utils import prefix_range_end
 
-from agentd._datastore_etcd import EtcdClient, is_lease_not_found
-from agentd._datastore_records import (
+from agentd.datastore.etcd import EtcdClient, is_lease_not_found
+from agentd.datastore.records import (
     RecordError,
     SubnetLease,
     node_key,

@@ -1,5 +1,5 @@
 """The route model of the route programmer: ``Route``, its parsing and canonical forms, and
-the small result types.  Kept apart from agentd.routing so that file holds the programmer.
+the small result types.  Kept apart from agentd.kernel.routing so that file holds the programmer.
 """
 
 from __future__ import annotations
@@ -8,18 +8,18 @@ import socket
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from agentd import netlink as nl
+from agentd.kernel import netlink as nl
 
 RTPROT_AGENTD = 143
 """The route protocol number agentd's routes carry (``ip route show proto 143``)."""
 
 ROUTE_KINDS = {"unicast": nl.RTN_UNICAST, "blackhole": nl.RTN_BLACKHOLE, "unreachable": nl.RTN_UNREACHABLE}
-_KIND_OF_RTN = {rtn: kind for kind, rtn in ROUTE_KINDS.items()}
+KIND_OF_RTN = {rtn: kind for kind, rtn in ROUTE_KINDS.items()}
 AF_INET, AF_INET6 = socket.AF_INET, socket.AF_INET6
 # The kernel's metric when none is given: IPv4 priority 0, IPv6 IP6_RT_PRIO_USER (1024).
-_DEFAULT_METRIC = {AF_INET: 0, AF_INET6: 1024}
-_ZERO = {AF_INET: bytes(4), AF_INET6: bytes(16)}
-_PLEN = {AF_INET: {str(n): n for n in range(33)}, AF_INET6: {str(n): n for n in range(129)}}
+DEFAULT_METRIC = {AF_INET: 0, AF_INET6: 1024}
+ZERO_ADDRESS = {AF_INET: bytes(4), AF_INET6: bytes(16)}
+PREFIX_LENGTHS = {AF_INET: {str(n): n for n in range(33)}, AF_INET6: {str(n): n for n in range(129)}}
 PROTOCOL_NAMES = {
     nl.RTPROT_KERNEL: "kernel", nl.RTPROT_BOOT: "boot", nl.RTPROT_STATIC: "static", 9: "ra",
     nl.RTPROT_ZEBRA: "zebra", nl.RTPROT_BIRD: "bird", 16: "dhcp", 42: "babel", 186: "bgp",
@@ -27,11 +27,11 @@ PROTOCOL_NAMES = {
 }
 RTM_F_CLONED = 0x200
 
-_ADD, _REPLACE, _DELETE = "add", "replace", "delete"
-_REQUEST_FLAGS = {
-    _ADD: nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL,
-    _REPLACE: nl.NLM_F_REQUEST | nl.NLM_F_REPLACE,
-    _DELETE: nl.NLM_F_REQUEST,
+ADD, REPLACE, DELETE = "add", "replace", "delete"
+REQUEST_FLAGS = {
+    ADD: nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL,
+    REPLACE: nl.NLM_F_REQUEST | nl.NLM_F_REPLACE,
+    DELETE: nl.NLM_F_REQUEST,
 }
 
 
@@ -42,7 +42,7 @@ class InvalidRoute(ValueError):
 _address_cache: dict[str, tuple[int, str]] = {}  # next hops repeat: parse each once
 
 
-def _parse_address(text: object, what: str) -> tuple[int, str]:
+def parse_address(text: object, what: str) -> tuple[int, str]:
     """``(family, canonical text)``; glibc's inet_pton accepts only canonical IPv4 text."""
     cached = _address_cache.get(text) if type(text) is str else None
     if cached is not None:
@@ -61,7 +61,7 @@ def _parse_address(text: object, what: str) -> tuple[int, str]:
     return result
 
 
-def _parse_prefix(text: object) -> tuple[int, str]:
+def parse_prefix(text: object) -> tuple[int, str]:
     """``"10.244.1.0/24"`` -> ``(AF_INET, "10.244.1.0/24")``; a bare address is a host route."""
     if not isinstance(text, str):
         raise InvalidRoute(f"route dst must be a string like '10.244.1.0/24', got {text!r}")
@@ -72,7 +72,7 @@ def _parse_prefix(text: object) -> tuple[int, str]:
     except OSError:
         raise InvalidRoute(f"route dst is not an IP prefix: {text!r}") from None
     bits = len(raw) * 8
-    plen = _PLEN[family].get(plen_text) if slash else bits
+    plen = PREFIX_LENGTHS[family].get(plen_text) if slash else bits
     if plen is None:
         raise InvalidRoute(f"route dst has a bad prefix length: {text!r}")
     if plen < bits and int.from_bytes(raw, "big") & ((1 << (bits - plen)) - 1):
@@ -84,7 +84,7 @@ def _parse_prefix(text: object) -> tuple[int, str]:
 
 def canonical_dst(dst: str) -> str:
     """The form Route uses as its key: ``"2001:DB8:0::/64"`` -> ``"2001:db8::/64"``."""
-    return _parse_prefix(dst)[1]
+    return parse_prefix(dst)[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +106,13 @@ class Route:
     src: str | None = None
 
     def __post_init__(self) -> None:
-        family, dst = _parse_prefix(self.dst)
+        family, dst = parse_prefix(self.dst)
         if dst is not self.dst:
             object.__setattr__(self, "dst", dst)
         for name in ("gateway", "src"):
             value = getattr(self, name)
             if value is not None:
-                vfamily, text = _parse_address(value, f"route {name}")
+                vfamily, text = parse_address(value, f"route {name}")
                 if vfamily != family:
                     raise InvalidRoute(f"route {name} {value!r} is not in the family of dst {dst!r}")
                 if text is not value:
@@ -135,7 +135,7 @@ class Route:
         if metric is not None:
             if type(metric) is not int or not 0 <= metric <= 0xFFFFFFFF:
                 raise InvalidRoute(f"route metric must be an integer 0..4294967295, got {metric!r}")
-            if metric == _DEFAULT_METRIC[family] or (family == AF_INET6 and metric == 0):
+            if metric == DEFAULT_METRIC[family] or (family == AF_INET6 and metric == 0):
                 object.__setattr__(self, "metric", None)  # the kernel files these as its default
         if mtu is not None:
             if type(mtu) is not int or not 0 <= mtu <= 0xFFFFFFFF:
@@ -148,35 +148,35 @@ class Route:
         return AF_INET6 if ":" in self.dst else AF_INET
 
 
-_gateway_text: dict[bytes, str] = {}  # kernel next-hop bytes -> canonical text
-_new_route = object.__new__
-_set = object.__setattr__
+gateway_text: dict[bytes, str] = {}  # kernel next-hop bytes -> canonical text
+new_route = object.__new__
+set_field = object.__setattr__
 
 
-def _kernel_route(dst: str, gateway: str | None, dev: str | None, onlink: bool, kind: str,
+def kernel_route(dst: str, gateway: str | None, dev: str | None, onlink: bool, kind: str,
                   metric: int | None, mtu: int | None, src: str | None) -> Route:
     """A Route from values the kernel gave (already canonical): skips validation, which a
     100k-route dump would otherwise pay 100k times."""
-    route = _new_route(Route)
-    _set(route, "dst", dst)
-    _set(route, "gateway", gateway)
-    _set(route, "dev", dev)
-    _set(route, "onlink", onlink)
-    _set(route, "kind", kind)
-    _set(route, "metric", metric)
-    _set(route, "mtu", mtu)
-    _set(route, "src", src)
+    route = new_route(Route)
+    set_field(route, "dst", dst)
+    set_field(route, "gateway", gateway)
+    set_field(route, "dev", dev)
+    set_field(route, "onlink", onlink)
+    set_field(route, "kind", kind)
+    set_field(route, "metric", metric)
+    set_field(route, "mtu", mtu)
+    set_field(route, "src", src)
     return route
 
 
-def _kernel_metric(route: Route) -> int:
+def kernel_metric(route: Route) -> int:
     """The metric the kernel files the route under (its identity, with dst and table)."""
     if route.metric is not None:
         return route.metric
     return 1024 if ":" in route.dst else 0
 
 
-def _same(want: Route, have: Route) -> bool:
+def same_route(want: Route, have: Route) -> bool:
     """Does the kernel route ``have`` already do what ``want`` asks?  A desired route with no
     dev accepts whatever interface the kernel resolved the gateway to."""
     return want is have or (
@@ -190,7 +190,7 @@ def _same(want: Route, have: Route) -> bool:
     )
 
 
-class _Stray(NamedTuple):
+class Stray(NamedTuple):
     """A route of ours the Route model does not hold as the one route for its destination
     (a second metric, multipath, TOS...): always deleted, by exactly these fields."""
 
@@ -202,17 +202,17 @@ class _Stray(NamedTuple):
     text: str
 
 
-def _stray_of(route: Route) -> _Stray:
+def stray_of(route: Route) -> Stray:
     addr, _, plen = route.dst.partition("/")
     family = AF_INET6 if ":" in addr else AF_INET
     metric = route.metric if route.metric is not None else (1024 if family == AF_INET6 else None)
-    return _Stray(family, socket.inet_pton(family, addr), int(plen), 0, metric, route.dst)
+    return Stray(family, socket.inet_pton(family, addr), int(plen), 0, metric, route.dst)
 
 
-def _stray_of_message(msg: nl.RouteMessage) -> _Stray:
+def stray_of_message(msg: nl.RouteMessage) -> Stray:
     family = msg.family  # IPv4 or IPv6: callers filter the rest out
-    dst = msg.dst or _ZERO[family]
-    return _Stray(family, dst, msg.dst_len, msg.tos, msg.priority, f"{socket.inet_ntop(family, dst)}/{msg.dst_len}")
+    dst = msg.dst or ZERO_ADDRESS[family]
+    return Stray(family, dst, msg.dst_len, msg.tos, msg.priority, f"{socket.inet_ntop(family, dst)}/{msg.dst_len}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,11 +247,11 @@ class RouteCounters:
 
 
 @dataclass(slots=True)
-class _Outcome:
+class Outcome:
     added: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
 
 
-class _Unresolved(Exception):
+class Unresolved(Exception):
     pass

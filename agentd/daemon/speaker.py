@@ -20,9 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from bgp import ListenRange, LocalSettings, Origination, PeerSettings, Speaker, SpeakerService, State
 from proto.nlri import prefix_from_str
 
-from .api import ApiServer
-from .bgp_json import peer_row
-from .config import BgpPeerConfig, Config, ConfigError, load_config
+from agentd.daemon.api import ApiServer
+from agentd.daemon.bgp_json import peer_row
+from agentd.config.settings import BgpPeerConfig, Config, ConfigError, load_config
 
 log = logging.getLogger("agentd.speaker")
 

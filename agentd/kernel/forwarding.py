@@ -5,7 +5,7 @@ traffic to it and why (host-gw needs the peer on this node's L2 segment; with
 ``encap = "cross-subnet"`` on-link peers are reached directly and the rest through the
 tunnel).  :func:`plan_peer` decides, :func:`route_for` turns a best path into a kernel
 route under that plan and the data path this node runs the backend on (:class:`LocalPaths`,
-from agentd.backends).  Both are pure.  The route shape belongs to the data path, one
+from agentd.dataplane.backends).  Both are pure.  The route shape belongs to the data path, one
 function each in :data:`ROUTE_SHAPES`; the backends' facts come from agentd.backend_table.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
-from .backend_table import BACKENDS, DATAPATHS, ENCAPSULATING
-from .datastore import NodeRecord
-from .netinfo import Underlay
-from .routing import Route
+from agentd.backend_table import BACKENDS, DATAPATHS, ENCAPSULATING
+from agentd.datastore.store import NodeRecord
+from agentd.kernel.netinfo import Underlay
+from agentd.kernel.route_model import Route
 
 HOST_GW = "host-gw"
 ENCAP_BACKENDS = ENCAPSULATING
@@ -151,7 +151,7 @@ def _bpf(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Rou
     the right one; the MTU leaves room for the outer headers (the program keeps gso_size)."""
     gateway = plan.address if underlay.on_link(plan.address) else paths.gateways.get(plan.address)
     if gateway is None:
-        return None  # not resolved yet: agentd.backends resolves it and asks for a recompute
+        return None  # not resolved yet: agentd.dataplane.backends resolves it and asks for a recompute
     return Route(dst=dst, gateway=gateway, dev=underlay.ifname, mtu=underlay.mtu - BACKENDS[plan.backend].overhead)
 
 

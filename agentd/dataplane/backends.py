@@ -34,14 +34,14 @@ from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Any
 
-from .backend_table import BACKENDS, DATAPATHS, mtu_overhead
-from .bpf_backend import BpfPath, InBpf
-from .config import Config
-from .dataplane import DataplaneClient, DataplaneError, DataplaneProcess
-from .dataplane.bpf import BpfUnavailable, layout
-from .datastore import NodeRecord
-from .forwarding import LocalPaths, PeerPlan, peer_in_userspace
-from .netinfo import Underlay
+from agentd.backend_table import BACKENDS, DATAPATHS, mtu_overhead
+from agentd.dataplane.bpf_backend import BpfPath, InBpf
+from agentd.config.settings import Config
+from agentd.dataplane import DataplaneClient, DataplaneError, DataplaneProcess
+from agentd.dataplane.bpf import BpfUnavailable, layout
+from agentd.datastore.store import NodeRecord
+from agentd.kernel.forwarding import LocalPaths, PeerPlan, peer_in_userspace
+from agentd.kernel.netinfo import Underlay
 
 log = logging.getLogger("agentd.backends")
 
@@ -405,7 +405,7 @@ class Tunnels:
         return self.failed.get(backend)
 
     def paths(self) -> LocalPaths:
-        """How this node carries each backend now, for the route shapes (agentd.forwarding)."""
+        """How this node carries each backend now, for the route shapes (agentd.kernel.forwarding)."""
         return LocalPaths({b: impl.datapath for b, impl in self.active.items()}, dict(self.gateways),
                           frozenset(self.helpers))
 
@@ -568,7 +568,7 @@ class Tunnels:
 def _underlay_next_hops(peers: list[str], ifindex: int) -> tuple[dict[str, str], dict[str, str]]:
     """peer -> the gateway the kernel routes it through (the peer itself when on-link), for the
     peers routed out of the underlay device; the others with the reason."""
-    from .dataplane.bpf.rtnl import Rtnl, RtnlError
+    from agentd.dataplane.bpf.rtnl import Rtnl, RtnlError
 
     gateways, unreachable = {}, {}
     with Rtnl() as nl:
@@ -612,8 +612,8 @@ def dataplane_metrics(t: Tunnels):
 def remove_bpf_leftovers(cfg: Config) -> list[str]:
     """``agentd leave`` with no agent running: detach and unpin the BPF data path a killed agent
     left behind in this network namespace (nothing of ours survives a leave)."""
-    from .dataplane.bpf import remove_pinned
-    from .netinfo import NetInfoError, underlay_for
+    from agentd.dataplane.bpf import remove_pinned
+    from agentd.kernel.netinfo import NetInfoError, underlay_for
 
     ifindex = None
     if cfg.node.address is not None:

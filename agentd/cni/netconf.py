@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_SUBNET_FILE = "/run/agentd/subnet.env"
-DEFAULT_DATA_DIR = "/var/lib/agentd/cni"  # agentd.config's [cni] data_dir default
+DEFAULT_DATA_DIR = "/var/lib/agentd/cni"  # agentd.config.settings's [cni] data_dir default
 CONFLIST_NAME = "10-agentd.conflist"
 PLUGIN_TYPE = "agentd-cni"
 CONFLIST_CNI_VERSION = "1.0.0"

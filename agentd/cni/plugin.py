@@ -3,7 +3,7 @@
 The container runtime runs this executable with ``CNI_COMMAND`` and friends in the environment
 and the plugin's network config on stdin.  It reads the subnet file the agent wrote, builds a
 config for the reference ``bridge`` plugin with ``host-local`` IPAM
-(:func:`agentd.cni_config.delegate_config`), runs that plugin from ``CNI_PATH`` with the same
+(:func:`agentd.cni.netconf.delegate_config`), runs that plugin from ``CNI_PATH`` with the same
 environment, and passes its result through.
 
 * ADD stores the delegate config in ``<dataDir>/<CNI_CONTAINERID>`` *before* running the
@@ -45,7 +45,7 @@ from typing import Any
 
 # Pod identity for NetworkPolicy (issue 13): the endpoint file the agent picks up.
 from agentd.policy import endpoints as policy_endpoints
-from agentd.cni_config import (
+from agentd.cni.netconf import (
     DEFAULT_DATA_DIR,
     DEFAULT_SUBNET_FILE,
     SubnetFile,

@@ -1,0 +1,2 @@
+"""CNI: ``plugin`` is the ``agentd-cni`` executable (CNI spec 1.0.0); ``netconf`` the subnet
+file, conflist and delegate configuration the agent writes for it."""

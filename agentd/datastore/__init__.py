@@ -1,0 +1,6 @@
+"""The datastore: cluster config, node registrations and subnet leases in etcd.
+
+``store.Datastore`` is the agent's facade; ``records`` is what is kept in etcd (pure values and
+keys), ``subnets`` the etcd transactions behind subnet allocation, ``etcd`` the thin layer over
+aetcd (endpoints, TLS, errors).
+"""

@@ -1,0 +1,1 @@
+"""The kernel side of the agent: rtnetlink, the route programmer, interface facts, namespaces."""
