@@ -156,9 +156,10 @@ def decode_shared(
     """Decode every non-MP attribute of ``frames``; raises DecodeError only for
     session-reset outcomes (an unrecognized well-known attribute, RFC 4271 §6.3).
 
-    ``interned`` (owned by one session, for one ``ctx``) holds attributes by their bytes as
-    received (flags, type, length, value), those that decoded without any error outcome: blocks that differ in one attribute (their own MED,
-    say) share the others' objects instead of decoding them again.
+    ``interned`` (owned by one session, for one ``ctx``) holds attributes by their bytes
+    as received (flags, type, length, value), those that decoded without any error
+    outcome: blocks that differ in one attribute (their own MED, say) share the others'
+    objects instead of decoding them again.
     """
     items: dict[int, PathAttribute] = {}
     errors: list[UpdateError] = []
@@ -185,7 +186,9 @@ def decode_shared(
         seen |= _SEEN_BIT.get(code, 0)
         if interned is not None:
             raw = body[astart:vend]
-            attr = interned.get(raw)
+            attr = interned.new.get(raw)
+            if attr is None:
+                attr = interned.get(raw)
             if attr is not None:
                 items[code] = attr
                 continue

@@ -241,7 +241,7 @@ class Update:
 
     @property
     def treat_as_withdraw(self) -> bool:
-        return any(e.action is _TAW for e in self.errors)
+        return bool(self.errors) and any(e.action is _TAW for e in self.errors)
 
     @property
     def end_of_rib(self) -> tuple[int, int] | None:
