@@ -7,6 +7,7 @@ and reports a problem as ONE line on stderr with a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
 import json
 import logging
@@ -24,6 +25,22 @@ from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, check_confi
 from agentd.tables import render_table
 
 DEFAULT_API = "http://127.0.0.1:9099"
+
+# The cyclic GC for the long-running commands (run, speaker).  A Loc-RIB of 200,000 routes,
+# each with its own attribute set, is over a million tracked objects that never form
+# cycles; with CPython's default thresholds (700, 10, 10) taking them in cost more CPU in
+# full collections than decoding the UPDATEs did.  Young collections every 10,000 net
+# allocations and a full one every 10 of the middle ones (still only after the heap grew by
+# a quarter) keep cycles collected, over ten times less often than by default.
+GC_THRESHOLDS = (10_000, 10, 10)
+
+
+def tune_gc() -> None:
+    """Set GC_THRESHOLDS; what start-up made (modules, configuration) is frozen, out of
+    every later collection."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def package_version() -> str:
@@ -228,9 +245,11 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             def reload():
                 return load_config(path, overrides=overrides, require_file=True)
 
+            tune_gc()
             return uvloop.run(SpeakerRuntime(cfg).run(reload=reload))
         from agentd.daemon.agent import run_agent
 
+        tune_gc()
         return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides))
     parser.error(f"unknown command {cmd}")
 

@@ -63,8 +63,7 @@ def import_attributes(attributes: PathAttributes, source: Source, local: LocalSe
         return Rejected(f"AS_PATH holds our AS {local.asn} (RFC 4271 §9.1.2)")
     # RFC 4271 §5.1.5: LOCAL_PREF from an external peer is ignored; RFC 4456 §8: ORIGINATOR_ID
     # and CLUSTER_LIST only make sense inside the AS.
-    if any(code in attributes for code in _INTERNAL_ONLY):
-        attributes = attributes.without(*_INTERNAL_ONLY)
+    attributes = attributes.without(*_INTERNAL_ONLY)  # (itself when it holds none of them)
     return attributes
 
 

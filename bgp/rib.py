@@ -98,11 +98,13 @@ class AdjRibIn:
     def __init__(self, source: Source) -> None:
         self.source = source
         self.tables: dict[Family, dict[bytes, Path]] = {}
-        self._interned: dict[tuple[PathAttributes, Address | None], Path] = {}
+        # Keyed by the attributes alone when the next hop is theirs (NEXT_HOP, the IPv4 NLRI
+        # field's case): no key tuple per path when every route has its own attribute set.
+        self._interned: dict[PathAttributes | tuple[PathAttributes, Address | None], Path] = {}
 
     def path(self, attributes: PathAttributes, next_hop: Address | None) -> Path:
         """The shared Path for these attributes from this source (fresh, not stale)."""
-        key = (attributes, next_hop)
+        key = attributes if next_hop is not None and next_hop == attributes.next_hop else (attributes, next_hop)
         p = self._interned.get(key)
         if p is None or p.stale:
             p = Path(self.source, attributes, next_hop)

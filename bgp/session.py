@@ -38,6 +38,7 @@ from proto.messages import (
     Open,
     RouteRefresh,
     Update,
+    trim_cache,
 )
 from proto.nlri import IPV4_UNICAST
 
@@ -325,7 +326,7 @@ class Session:
                 return
             update = Update.decode(body, self.ctx, self._cache)
             if len(self._cache) > ATTRIBUTE_CACHE_SIZE:
-                self._cache.clear()
+                trim_cache(self._cache)
             self.updates_in += 1
             self._restart_hold_timer(now)
             self._events.append(UpdateReceived(update))

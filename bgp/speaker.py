@@ -389,13 +389,16 @@ class Speaker:
         try:
             yield
         except Exception as err:
-            self.counters["internal errors"] += 1
-            self.limiter.log(
-                logging.ERROR, "internal-error", peer.key, now,
-                "peer %s: internal error while handling %s: %r; resetting its session only",
-                peer.key, what, err, exc_info=True,
-            )  # fmt: skip
-            self._reset(peer, now, f"internal error while handling {what}")
+            self._internal_error(peer, now, what, err)
+
+    def _internal_error(self, peer: Peer, now: float, what: str, err: Exception) -> None:
+        self.counters["internal errors"] += 1
+        self.limiter.log(
+            logging.ERROR, "internal-error", peer.key, now,
+            "peer %s: internal error while handling %s: %r; resetting its session only",
+            peer.key, what, err, exc_info=True,
+        )  # fmt: skip
+        self._reset(peer, now, f"internal error while handling {what}")
 
     def _reset(self, peer: Peer, now: float, reason: str) -> None:
         try:
@@ -441,8 +444,11 @@ class Speaker:
         self._touched[id(peer)] = peer
         ev = peer.next_event()
         while ev is not None:
-            with self._isolated(peer, now, type(ev).__name__):
+            # What _isolated does, without a context manager per event (one per UPDATE).
+            try:
                 self._on_peer_event(peer, ev, now)
+            except Exception as err:
+                self._internal_error(peer, now, type(ev).__name__, err)
             ev = peer.next_event()
         self._schedule(peer)
 

@@ -126,7 +126,10 @@ class _PathMethods:
 
     def contains(self, asn: int) -> bool:
         """Whether ``asn`` appears anywhere in the path (loop detection, RFC 4271 §9.1.2)."""
-        return any(asn in seg.asns for seg in self.segments)
+        for seg in self.segments:  # (a loop, not any(): this runs once per imported set)
+            if asn in seg.asns:
+                return True
+        return False
 
     def asns(self) -> tuple[int, ...]:
         """Every AS number in the path, left to right."""

@@ -57,6 +57,36 @@ class SharedAttributes(NamedTuple):
     seen: int
 
 
+class Interned:
+    """Decoded attributes by their bytes as received, for one session and codec context.
+
+    Two generations of at most ``limit`` entries each: a full one becomes the old one, and
+    a hit there moves back, so attributes many routes share (AS_PATH, ORIGIN, NEXT_HOP)
+    stay while ones seen once (a MED per route) pass through.
+    """
+
+    __slots__ = ("new", "old", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.new: dict[bytes, PathAttribute] = {}
+        self.old: dict[bytes, PathAttribute] = {}
+        self.limit = limit
+
+    def get(self, raw: bytes) -> PathAttribute | None:
+        attr = self.new.get(raw)
+        if attr is None:
+            attr = self.old.get(raw)
+            if attr is not None:
+                self.put(raw, attr)
+        return attr
+
+    def put(self, raw: bytes, attr: PathAttribute) -> None:
+        if len(self.new) >= self.limit:
+            self.old = self.new
+            self.new = {}
+        self.new[raw] = attr
+
+
 def frame_attributes(body: bytes, start: int, end: int) -> tuple[list[Frame], UpdateError | None, bool]:
     """Walk the attribute headers.  Returns the frames, the framing error if any
     (RFC 7606 §4: treat-as-withdraw, the NLRI being located by the Total Path Attribute
@@ -122,9 +152,17 @@ def _flags_error(cls: type[PathAttribute], flags: int, raw: bytes) -> UpdateErro
     )
 
 
-def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> SharedAttributes:
+def decode_shared(
+    body: bytes, frames: list[Frame], ctx: CodecContext, interned: Interned | None = None
+) -> SharedAttributes:
     """Decode every non-MP attribute of ``frames``; raises DecodeError only for
-    session-reset outcomes (an unrecognized well-known attribute, RFC 4271 §6.3)."""
+    session-reset outcomes (an unrecognized well-known attribute, RFC 4271 §6.3).
+
+    ``interned`` (owned by one session, for one ``ctx``) holds attributes by their bytes
+    as received (flags, type, length, value), those that decoded without any error
+    outcome: blocks that differ in one attribute (their own MED, say) share the others'
+    objects instead of decoding them again.
+    """
     items: dict[int, PathAttribute] = {}
     errors: list[UpdateError] = []
     nh_errors: list[UpdateError] = []
@@ -148,6 +186,14 @@ def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> Shared
             continue
         seen_codes.add(code)
         seen |= _SEEN_BIT.get(code, 0)
+        if interned is not None:
+            raw = body[astart:vend]
+            attr = interned.new.get(raw)
+            if attr is None:
+                attr = interned.get(raw)
+            if attr is not None:
+                items[code] = attr
+                continue
         value = body[vstart:vend]
         cls = ATTRIBUTES.get(code)
         if cls is None:
@@ -214,6 +260,7 @@ def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> Shared
                 )
             )
             continue
+        problem = None
         if code == _NEXT_HOP_CODE:
             problem = next_hop_problem(attr.address)  # type: ignore[attr-defined]
             if problem is not None:
@@ -230,6 +277,10 @@ def decode_shared(body: bytes, frames: list[Frame], ctx: CodecContext) -> Shared
         if flags & PARTIAL and cls.flags & OPTIONAL and cls.flags & TRANSITIVE:
             attr = dataclasses.replace(attr, partial=True)
         items[code] = attr
+        if interned is not None and problem is None:
+            # Every outcome above is a function of these bytes and ctx: no error, so the
+            # same bytes decode to an equal object.
+            interned.put(raw, attr)
     if not ctx.four_octet_as:
         _merge_as4(items)
     return SharedAttributes(PathAttributes._of_index(items), tuple(errors), tuple(nh_errors), seen)
@@ -300,4 +351,4 @@ def _mp_next_hop_problem(address: IPv4Address | IPv6Address) -> str | None:
     return None
 
 
-__all__ = ["SharedAttributes", "frame_attributes", "decode_shared", "decode_mp"]
+__all__ = ["Interned", "SharedAttributes", "frame_attributes", "decode_shared", "decode_mp"]

@@ -550,7 +550,7 @@ class PathAttributes:
     def without(self, *codes: int) -> PathAttributes:
         """A copy without the attributes of the given type codes."""
         index = self._index
-        if not any(c in index for c in codes):
+        if index.keys().isdisjoint(codes):
             return self
         return PathAttributes._of_index({c: a for c, a in index.items() if c not in codes})
 

@@ -14,7 +14,7 @@ from ipaddress import IPv4Address
 from typing import ClassVar, Union
 
 from proto._attr_base import AS_TRANS, DEFAULT_CONTEXT, CodecContext
-from proto._attrblock import SharedAttributes, decode_mp, decode_shared, frame_attributes
+from proto._attrblock import Interned, SharedAttributes, decode_mp, decode_shared, frame_attributes
 from proto.attributes import EMPTY_ATTRIBUTES, MpReachNlri, MpUnreachNlri, PathAttributes
 from proto.capabilities import Capability, FourOctetAs, decode_capability
 from proto.errors import (
@@ -38,7 +38,7 @@ __all__ = [
     "MARKER", "HEADER_LEN", "MAX_MESSAGE_LEN", "AS_TRANS", "MessageType", "Message",
     "Open", "Update", "Notification", "Keepalive", "RouteRefresh", "MESSAGES",
     "MessageReader", "decode_message", "frame", "encode_updates", "encode_withdrawals",
-    "CodecContext", "DEFAULT_CONTEXT", "ATTRIBUTE_CACHE_SIZE",
+    "CodecContext", "DEFAULT_CONTEXT", "ATTRIBUTE_CACHE_SIZE", "trim_cache",
 ]
 
 
@@ -199,6 +199,8 @@ def _decode_optional_parameters(body: bytes) -> tuple[Capability, ...]:
 #: Bound on the decoded-attribute cache passed to Update.decode (oldest evicted first).
 ATTRIBUTE_CACHE_SIZE = 8192
 _CTX_KEY = object()  # the cache remembers the context its entries were decoded with
+_ATTR_KEY = object()  # ... and holds single attributes by their bytes (decode_shared's ``interned``)
+INTERNED_ATTRIBUTES = 8192  # per generation of those single attributes (see Interned)
 _TAW = ErrorAction.TREAT_AS_WITHDRAW
 _MISSING_NAMES = ((1, 1, "ORIGIN"), (2, 2, "AS_PATH"), (4, 3, "NEXT_HOP"))
 
@@ -221,7 +223,7 @@ class Update:
 
     @property
     def treat_as_withdraw(self) -> bool:
-        return any(e.action is _TAW for e in self.errors)
+        return bool(self.errors) and any(e.action is _TAW for e in self.errors)
 
     @property
     def end_of_rib(self) -> tuple[int, int] | None:
@@ -304,7 +306,12 @@ class Update:
                 else:
                     key = body[astart:aend]
             if shared is None:
-                shared = decode_shared(body, frames, ctx)
+                interned = None
+                if cache is not None:
+                    interned = cache.get(_ATTR_KEY)
+                    if interned is None:
+                        interned = cache[_ATTR_KEY] = Interned(INTERNED_ATTRIBUTES)
+                shared = decode_shared(body, frames, ctx, interned)
                 if key is not None:
                     if len(cache) > ATTRIBUTE_CACHE_SIZE:  # type: ignore[arg-type]
                         _evict(cache)  # type: ignore[arg-type]
@@ -364,9 +371,20 @@ def _missing(bits: int) -> list[UpdateError]:
     ]
 
 
+def trim_cache(cache: dict) -> None:
+    """Forget the attribute sets of an Update.decode cache, keeping its single attributes
+    (bounded on their own): a session's bound on the sets it remembers."""
+    interned = cache.get(_ATTR_KEY)
+    ctx = cache.get(_CTX_KEY)
+    cache.clear()
+    if interned is not None and ctx is not None:
+        cache[_CTX_KEY] = ctx
+        cache[_ATTR_KEY] = interned
+
+
 def _evict(cache: dict) -> None:
     # Oldest first (dicts keep insertion order); a quarter at a time keeps this rare.
-    drop = [k for _, k in zip(range(ATTRIBUTE_CACHE_SIZE // 4), cache) if k is not _CTX_KEY]
+    drop = [k for _, k in zip(range(ATTRIBUTE_CACHE_SIZE // 4), cache) if k is not _CTX_KEY and k is not _ATTR_KEY]
     for k in drop:
         del cache[k]
 

@@ -36,6 +36,28 @@ def test_paths_are_shared_by_prefixes():
     assert rib.best(IPV4_UNICAST, P1) is rib.best(IPV4_UNICAST, P2) is p
 
 
+def test_paths_are_interned_per_attributes_and_next_hop():
+    # Keyed by the attributes alone when the next hop is their NEXT_HOP, by both otherwise
+    # (an MP_REACH_NLRI next hop): the same pair always yields the same Path, and the same
+    # attributes with another next hop never do.
+    from proto.attributes import NextHop
+
+    adj = setup().adj_in["10.0.0.1"]
+    attrs = ATTRS.replace(NextHop(IPv4Address("192.0.2.1")))
+    own = adj.path(attrs, IPv4Address("192.0.2.1"))
+    other = adj.path(attrs, IPv4Address("192.0.2.9"))
+    none = adj.path(attrs, None)
+    assert len({id(own), id(other), id(none)}) == 3
+    assert (own.next_hop, other.next_hop, none.next_hop) == (IPv4Address("192.0.2.1"), IPv4Address("192.0.2.9"), None)
+    assert adj.path(attrs, IPv4Address("192.0.2.1")) is own
+    assert adj.path(attrs, IPv4Address("192.0.2.9")) is other
+    assert adj.path(attrs, None) is none
+    # A stale path is never handed out again (RFC 4724): a fresh one replaces it.
+    own.stale = True
+    fresh = adj.path(attrs, IPv4Address("192.0.2.1"))
+    assert fresh is not own and not fresh.stale
+
+
 def test_changes_report_old_and_new_best_once_per_batch():
     rib = setup()
     a = rib.adj_in["10.0.0.1"].path(ATTRS, ip_address("10.0.0.1"))

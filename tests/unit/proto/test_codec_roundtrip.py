@@ -627,3 +627,66 @@ def test_cache_is_bounded() -> None:
         med = attr(0x80, 4, struct.pack("!I", i))
         Update.decode(update_body(MANDATORY + med, NLRI), NEW, cache)
     assert len(cache) <= ATTRIBUTE_CACHE_SIZE + 2
+
+
+def test_cache_interns_single_attributes() -> None:
+    # Blocks that differ in one attribute (a MED per route) share the others' objects.
+    cache: dict = {}
+    a = Update.decode(update_body(MANDATORY + attr(0x80, 4, b"\x00\x00\x00\x01"), NLRI), NEW, cache)
+    b = Update.decode(update_body(MANDATORY + attr(0x80, 4, b"\x00\x00\x00\x02"), NLRI), NEW, cache)
+    assert a.attributes is not b.attributes and (a.attributes.med, b.attributes.med) == (1, 2)
+    for code in (1, 2, 3):
+        assert a.attributes.get(code) is b.attributes.get(code)
+    assert a.attributes == Update.decode(update_body(MANDATORY + attr(0x80, 4, b"\x00\x00\x00\x01"), NLRI)).attributes
+    # The Partial bit is part of the bytes: it is kept per occurrence (RFC 4271 §5).
+    comm = b"\xfd\xe8\x00\x01"
+    p = Update.decode(update_body(MANDATORY + attr(0xE0, 8, comm), NLRI), NEW, cache)
+    q = Update.decode(update_body(MANDATORY + attr(0xC0, 8, comm) + attr(0x80, 4, bytes(4)), NLRI), NEW, cache)
+    assert p.attributes.get(8).partial and not q.attributes.get(8).partial  # type: ignore[union-attr]
+
+
+def test_cache_never_interns_an_attribute_with_an_error() -> None:
+    # Every UPDATE carrying a malformed attribute reports it, also when the rest of its block
+    # differs (no set-cache hit) and the attribute's bytes were seen before.
+    cache: dict = {}
+    bad_next_hop = attr(0x40, 3, bytes(4))  # 0.0.0.0 (RFC 4271 §6.3)
+    bad_origin = attr(0x40, 1, b"\x07")
+    for i in range(3):
+        med = attr(0x80, 4, struct.pack("!I", i))
+        u = Update.decode(update_body(ORIGIN + AS_PATH + bad_next_hop + med, NLRI), NEW, cache)
+        assert u.treat_as_withdraw and [e.attribute for e in u.errors] == [3]
+        v = Update.decode(update_body(bad_origin + AS_PATH + NEXT_HOP + med, NLRI), NEW, cache)
+        assert v.treat_as_withdraw and [e.attribute for e in v.errors] == [1]
+    # Without NLRI a NEXT_HOP problem does not matter; with NLRI again it does.
+    mp = MpReachNlri(2, 1, (IPv6Address("2001:db8::1"),), (b"\x00",)).encode(NEW)
+    assert not Update.decode(update_body(mp + ORIGIN + AS_PATH + bad_next_hop, b""), NEW, cache).errors
+    assert Update.decode(update_body(ORIGIN + AS_PATH + bad_next_hop, NLRI), NEW, cache).treat_as_withdraw
+
+
+def test_interned_attributes_follow_the_context_and_survive_a_trim() -> None:
+    from proto.messages import trim_cache
+
+    cache: dict = {}
+    a = Update.decode(update_body(MANDATORY + attr(0x80, 4, bytes(4)), NLRI), NEW, cache)
+    trim_cache(cache)
+    b = Update.decode(update_body(MANDATORY + attr(0x80, 4, b"\x00\x00\x00\x05"), NLRI), NEW, cache)
+    assert b.attributes.get(2) is a.attributes.get(2)
+    # The same AS_PATH bytes mean other AS numbers between OLD speakers (2-octet, RFC 6793).
+    old = Update.decode(update_body(MANDATORY, NLRI), OLD, cache)
+    assert old.attributes.as_path != a.attributes.as_path
+    assert old.attributes.as_path == Update.decode(update_body(MANDATORY, NLRI), OLD).attributes.as_path
+
+
+def test_interned_generations_keep_what_is_used() -> None:
+    from proto._attrblock import Interned
+    from proto.attributes import MultiExitDisc
+
+    interned = Interned(2)
+    x, y, z = MultiExitDisc(1), MultiExitDisc(2), MultiExitDisc(3)
+    interned.put(b"x", x)
+    interned.put(b"y", y)
+    interned.put(b"z", z)  # the full generation becomes the old one
+    assert interned.get(b"x") is x  # found in the old one and kept in the new one
+    interned.put(b"w", MultiExitDisc(4))  # full again: {x, z} is old, {w} new
+    assert interned.get(b"y") is None
+    assert interned.get(b"x") is x and interned.get(b"z") is z
