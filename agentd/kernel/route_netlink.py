@@ -56,13 +56,77 @@ def open_netlink_sockets() -> tuple[nl.NetlinkSocket, nl.NetlinkSocket]:
         raise
 
 
+class RouteMonitor:
+    """The monitor socket's reader: route, link and address events (others cause: the
+    kernel drops our own) go to ``on_event(mtype, mflags, buf, start, end)``; when events
+    were lost ``on_resync()`` is called, and ``on_drained()`` after each read."""
+
+    def __init__(self, counters: RouteCounters) -> None:
+        self.counters = counters
+        self.sock = None
+        self.on_event: Callable[[int, int, bytes, int, int], None] = lambda *args: None
+        self.on_resync: Callable[[], None] = lambda: None
+        self.on_drained: Callable[[], None] = lambda: None
+        self._reading = False  # the socket is registered with the loop
+
+    def close(self) -> None:
+        if self.sock is not None:
+            if self._reading:
+                self._reading = False
+                try:
+                    asyncio.get_running_loop().remove_reader(self.sock.fileno())
+                except (RuntimeError, ValueError, OSError):
+                    pass
+            self.sock.close()
+        self.sock = None
+
+    def pause(self) -> bool:
+        if not self._reading:
+            return False
+        asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        self._reading = False
+        return True
+
+    def resume(self) -> None:
+        if self.sock is not None and not self._reading:
+            asyncio.get_running_loop().add_reader(self.sock.fileno(), self.read)
+            self._reading = True
+            self.read()
+
+    def read(self) -> None:
+        """Hand what the socket holds to ``on_event`` (the loop calls this)."""
+        mon = self.sock
+        if mon is None:
+            return
+        for _chunk in range(256):  # a flood of other people's events must not hog the loop
+            try:
+                chunk = mon.recv()
+            except OSError as exc:
+                if exc.errno == _errno.ENOBUFS:
+                    # The kernel dropped events for us: only a full re-read is trustworthy now.
+                    self.counters.monitor_overruns += 1
+                    self.on_resync()
+                    continue
+                log.error("route monitor socket failed: %s", exc)
+                self.on_resync()
+                break
+            if chunk is None:
+                break
+            try:
+                for mtype, mflags, _seq, _pid, start, end in nl.iter_messages(chunk):
+                    self.on_event(mtype, mflags, chunk, start, end)
+            except nl.NetlinkDecodeError as exc:
+                log.error("undecodable netlink event (%s); scheduling a full resync", exc)
+                self.on_resync()
+        self.on_drained()
+
+
 class RouteNetlink:
     """Netlink I/O for one table of one namespace, tagged with ``protocol``.
 
-    ``sockets`` opens the (request, monitor) pair; tests pass a stand-in kernel's.
-    The monitor's messages go to ``on_event(mtype, mflags, buf, start, end)``; when the
-    kernel view can no longer be trusted (events or acks lost) ``on_resync()`` is called,
-    and ``on_drained()`` after each read of the monitor.
+    ``sockets`` opens the (request, monitor) pair; tests pass a stand-in kernel's.  When
+    acks were lost, so the kernel view can no longer be trusted, ``on_resync()`` is called.
+    ``monitor`` is the monitor socket's reader.
     """
 
     BATCH_MESSAGES = 4096  # requests per send(); their error acks must fit the receive buffer
@@ -75,19 +139,16 @@ class RouteNetlink:
         self.netns = netns
         self.counters = counters if counters is not None else RouteCounters()
         self.sockets = sockets
-        self.on_event: Callable[[int, int, bytes, int, int], None] = lambda *args: None
         self.on_resync: Callable[[], None] = lambda: None
-        self.on_drained: Callable[[], None] = lambda: None
+        self.monitor = RouteMonitor(self.counters)
         self.batch = self.BATCH_MESSAGES
         self.ifindex: dict[str, int] = {}
         self.ifname: dict[int, str] = {}
         self.ifup: dict[int, bool] = {}
         self.req = None
-        self.mon = None
         self._seq = 0
         self._templates: dict[tuple, nl.RouteTemplate] = {}
         self._seen: dict[bytes, Route] = {}  # message bytes of the last dump -> Route
-        self._reading = False  # the monitor socket is registered with the loop
 
     # --- sockets -------------------------------------------------------------------------------
 
@@ -97,26 +158,19 @@ class RouteNetlink:
 
     def open(self) -> None:
         if self.netns is None:
-            self.req, self.mon = self.sockets()
+            self.req, self.monitor.sock = self.sockets()
             return
         path = netns_path(self.netns)
         if not os.path.exists(path):
             raise FileNotFoundError(f"network namespace {self.netns!r} does not exist ({path})")
         with entered(path):
-            self.req, self.mon = self.sockets()
+            self.req, self.monitor.sock = self.sockets()
 
     def close(self) -> None:
-        if self.mon is not None:
-            if self._reading:
-                self._reading = False
-                try:
-                    asyncio.get_running_loop().remove_reader(self.mon.fileno())
-                except (RuntimeError, ValueError, OSError):
-                    pass
-            self.mon.close()
+        self.monitor.close()
         if self.req is not None:
             self.req.close()
-        self.req = self.mon = None
+        self.req = None
 
     def next_seq(self) -> int:
         self._seq = self._seq + 1 if self._seq < 0xFFFF0000 else 1
@@ -364,45 +418,3 @@ class RouteNetlink:
             template = self._templates[key] = nl.delroute_template(
                 family, table=self.table, protocol=self.protocol, tos=tos, priority=priority)
         return nl.encode_route(nl.RTM_DELROUTE, seq, flags, raw, plen, template)
-
-    # --- the monitor -------------------------------------------------------------------------
-
-    def pause_monitor(self) -> bool:
-        if not self._reading:
-            return False
-        asyncio.get_running_loop().remove_reader(self.mon.fileno())
-        self._reading = False
-        return True
-
-    def resume_monitor(self) -> None:
-        if self.mon is not None and not self._reading:
-            asyncio.get_running_loop().add_reader(self.mon.fileno(), self.read_monitor)
-            self._reading = True
-            self.read_monitor()
-
-    def read_monitor(self) -> None:
-        """Hand what the monitor socket holds to ``on_event`` (the loop calls this)."""
-        mon = self.mon
-        if mon is None:
-            return
-        for _chunk in range(256):  # a flood of other people's events must not hog the loop
-            try:
-                chunk = mon.recv()
-            except OSError as exc:
-                if exc.errno == _errno.ENOBUFS:
-                    # The kernel dropped events for us: only a full re-read is trustworthy now.
-                    self.counters.monitor_overruns += 1
-                    self.on_resync()
-                    continue
-                log.error("route monitor socket failed: %s", exc)
-                self.on_resync()
-                break
-            if chunk is None:
-                break
-            try:
-                for mtype, mflags, _seq, _pid, start, end in nl.iter_messages(chunk):
-                    self.on_event(mtype, mflags, chunk, start, end)
-            except nl.NetlinkDecodeError as exc:
-                log.error("undecodable netlink event (%s); scheduling a full resync", exc)
-                self.on_resync()
-        self.on_drained()

@@ -102,9 +102,9 @@ class RouteProgrammer:
         self.failures: dict[str, str] = self.state.failures
         self.netlink = RouteNetlink(table=table, protocol=protocol, netns=netns, counters=self.counters,
                                     sockets=sockets)
-        self.netlink.on_event = self._on_event
         self.netlink.on_resync = self._resync_now
-        self.netlink.on_drained = self._wake_if_work
+        monitor = self.netlink.monitor
+        monitor.on_event, monitor.on_resync, monitor.on_drained = self._on_event, self._resync_now, self._wake_if_work
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -144,7 +144,7 @@ class RouteProgrammer:
             await self.netlink.dump_links()
             async with self._lock:
                 await self._dump_own()
-            self.netlink.resume_monitor()
+            self.netlink.monitor.resume()
         except BaseException:
             self.netlink.close()
             raise
@@ -300,13 +300,13 @@ class RouteProgrammer:
         The monitor is paused meanwhile: an event about a route the dump already passed would
         otherwise be applied to the old state and then lost when the new one replaces it.
         Paused, events wait in the socket and are applied on top of the new state."""
-        paused = self.netlink.pause_monitor()
+        paused = self.netlink.monitor.pause()
         try:
             found = await self.netlink.dump_own()
             self.state.kernel, self.state.strays = adopt(found, self.state.desired)
         finally:
             if paused:
-                self.netlink.resume_monitor()
+                self.netlink.monitor.resume()
 
     # --- the monitor -------------------------------------------------------------------------
 

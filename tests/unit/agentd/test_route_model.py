@@ -292,7 +292,7 @@ class FakeRequestSocket:
 
 class FakeMonitorSocket:
     """Queued notifications; the fd is a pipe nobody writes, so the loop never calls the
-    reader by itself: the test delivers the queue (``netlink.read_monitor()``) when it chooses."""
+    reader by itself: the test delivers the queue (``netlink.monitor.read()``) when it chooses."""
 
     def __init__(self, kernel: FakeKernel) -> None:
         self.kernel = kernel
@@ -582,7 +582,7 @@ class RouteModel(RuleBasedStateMachine):
 
     @rule()
     def deliver_events(self) -> None:
-        self.p.netlink.read_monitor()
+        self.p.netlink.monitor.read()
 
     @rule(remove_routes=st.booleans(), then=THEN)
     def restart(self, remove_routes, then) -> None:
