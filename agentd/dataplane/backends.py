@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping
 from ipaddress import IPv4Network
@@ -40,13 +42,13 @@ from agentd.config.settings import Config
 from agentd.dataplane import DataplaneClient, DataplaneError, DataplaneProcess
 from agentd.dataplane.bpf import BpfUnavailable, layout
 from agentd.datastore.store import NodeRecord
+from agentd.kernel import netlink as nl
 from agentd.kernel.forwarding import LocalPaths, PeerPlan, peer_in_userspace
 from agentd.kernel.netinfo import Underlay
 
 log = logging.getLogger("agentd.backends")
 
 DEVICES = {name: b.device for name, b in BACKENDS.items() if b.device}
-NTF_SELF = 0x02
 GATEWAY_REFRESH = 15.0  # seconds between re-resolving the underlay next hops of BPF routes
 
 
@@ -62,6 +64,33 @@ def _netlink_error() -> type[Exception]:
     from pyroute2.netlink.exceptions import NetlinkError
 
     return NetlinkError
+
+
+def vxlan_peer_entries(index: int, vtep_ip: str, mac: str, peer: str) -> tuple[nl.NeighMessage, nl.NeighMessage]:
+    """What a VXLAN peer needs on our VTEP (device ``index``), as flannel does it: a permanent
+    neighbour entry (its VTEP IP -> its VTEP MAC) and an FDB entry on the device itself
+    (NTF_SELF: the VXLAN driver's table, MAC -> its underlay address)."""
+    lladdr = bytes.fromhex(mac.replace(":", ""))
+    neighbour = nl.NeighMessage(socket.AF_INET, index, nl.NUD_PERMANENT, 0, 0, socket.inet_aton(vtep_ip), lladdr)
+    fdb = nl.NeighMessage(nl.AF_BRIDGE, index, nl.NUD_PERMANENT, nl.NTF_SELF, 0, socket.inet_aton(peer), lladdr)
+    return neighbour, fdb
+
+
+async def _neigh_request(sock: nl.NetlinkSocket, code: str, entry: nl.NeighMessage, seq: int) -> None:
+    """One RTM_NEWNEIGH ("replace": create or replace) or RTM_DELNEIGH ("del"), acknowledged;
+    the kernel's refusal raises nl.NetlinkError."""
+    if code == "replace":
+        flags = nl.NLM_F_REQUEST | nl.NLM_F_ACK | nl.NLM_F_CREATE | nl.NLM_F_REPLACE
+        message = nl.encode_newneigh(seq, flags, entry)
+    else:
+        message = nl.encode_delneigh(seq, nl.NLM_F_REQUEST | nl.NLM_F_ACK, entry)
+    errors, complete = await sock.send_batch(message, seq, seq)
+    what = "FDB entry" if entry.family == nl.AF_BRIDGE else "neighbour entry"
+    if errors:
+        _seq, err, kernel_message = errors[0]
+        raise nl.NetlinkError(err, kernel_message, f"{code} {what}")
+    if not complete:
+        raise nl.NetlinkError(errno.ETIMEDOUT, None, f"{code} {what}: no acknowledgement")
 
 
 def _link_index(ipr, name: str) -> int | None:
@@ -141,31 +170,39 @@ class _Vxlan:
             "vxlan_port": self.t.cfg.network.vxlan_port,
         }
 
-    def _sync(self, wanted: dict[str, tuple[str, str]], prune: bool) -> None:
-        with _ipr() as ipr:
-            index = _link_index(ipr, self.device)
-            if index is None:
-                return
+    async def _sync(self, wanted: dict[str, tuple[str, str]], prune: bool) -> None:
+        """Neighbour and FDB entries through agentd.kernel.netlink, the route programmer's
+        rtnetlink codec (pyroute2 only makes the device)."""
+        try:
+            index = socket.if_nametoindex(self.device)
+        except OSError:
+            return  # no device (yet): nothing to program
+        sock = nl.NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
+        seq = 0
+        try:
             for peer, (vtep_ip, mac) in list(self.installed.items()):
                 if prune and wanted.get(peer) != (vtep_ip, mac):
-                    with contextlib.suppress(_netlink_error()):
-                        ipr.neigh("del", dst=vtep_ip, lladdr=mac, ifindex=index)
-                    with contextlib.suppress(_netlink_error()):
-                        ipr.fdb("del", ifindex=index, lladdr=mac, dst=peer, flags=NTF_SELF)
+                    for entry in vxlan_peer_entries(index, vtep_ip, mac, peer):
+                        seq += 1
+                        with contextlib.suppress(nl.NetlinkError):
+                            await _neigh_request(sock, "del", entry, seq)
                     del self.installed[peer]
             for peer, (vtep_ip, mac) in wanted.items():
                 if self.installed.get(peer) == (vtep_ip, mac):
                     continue
-                ipr.neigh("replace", dst=vtep_ip, lladdr=mac, ifindex=index, state="permanent")
-                ipr.fdb("replace", ifindex=index, lladdr=mac, dst=peer, state="permanent", flags=NTF_SELF)
+                for entry in vxlan_peer_entries(index, vtep_ip, mac, peer):
+                    seq += 1
+                    await _neigh_request(sock, "replace", entry, seq)
                 self.installed[peer] = (vtep_ip, mac)
+        finally:
+            sock.close()
 
     async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
         wanted = {}
         for addr, plan in plans.items():
             if plan.backend == "vxlan" and plan.extra.get("vtep_ip") and plan.extra.get("vtep_mac"):
                 wanted[addr] = (str(plan.extra["vtep_ip"]), str(plan.extra["vtep_mac"]))
-        await asyncio.to_thread(self._sync, wanted, prune)
+        await self._sync(wanted, prune)
 
     def status(self) -> dict[str, Any]:
         return {"datapath": self.datapath, "device": self.device, **self.data(),

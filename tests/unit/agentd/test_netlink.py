@@ -348,3 +348,19 @@ def test_route_canonicalises_addresses_and_defaults():
 def test_bad_routes_raise_one_clear_error(kwargs, what):
     with pytest.raises(InvalidRoute, match=what):
         Route(**kwargs)
+
+
+def test_vxlan_backend_peer_entries_are_a_permanent_neighbour_and_a_self_fdb_entry():
+    """What agentd.dataplane.backends programs per VXLAN peer (tests/system/test_encap.py
+    checks them in the kernel with ``ip neigh`` and ``bridge fdb``)."""
+    from agentd.dataplane.backends import vxlan_peer_entries
+
+    neighbour, fdb = vxlan_peer_entries(7, "10.244.3.0", "02:00:5e:00:00:01", "192.0.2.3")
+    mac = bytes.fromhex("02005e000001")
+    assert neighbour == nl.NeighMessage(socket.AF_INET, 7, nl.NUD_PERMANENT, 0, 0, socket.inet_aton("10.244.3.0"), mac)
+    assert fdb == nl.NeighMessage(nl.AF_BRIDGE, 7, nl.NUD_PERMANENT, nl.NTF_SELF, 0, socket.inet_aton("192.0.2.3"), mac)
+    for entry in (neighbour, fdb):
+        wire = nl.encode_newneigh(9, nl.NLM_F_REQUEST | nl.NLM_F_ACK | nl.NLM_F_CREATE | nl.NLM_F_REPLACE, entry)
+        [(mtype, flags, seq, _p, start, end)] = nl.iter_messages(wire)
+        assert (mtype, seq) == (nl.RTM_NEWNEIGH, 9) and flags & nl.NLM_F_REPLACE
+        assert nl.decode_neigh(wire, start, end) == entry

@@ -1,9 +1,10 @@
 """Model-based tests of the route programmer's reconciliation (agentd.kernel.routing.RouteProgrammer).
 
-The decisions (what to add, replace and delete) are not separated from the netlink I/O:
-``_plan`` reads the programmer's private view of the kernel and ``_apply``/``_execute`` send
-the requests and react to the answers (EEXIST -> read the table, ENOENT -> add, ESRCH ->
-gone).  So these tests use the seam the class offers, its two sockets (``_open_sockets``):
+The decisions (what to add, replace and delete: agentd.kernel.route_plan) have their own
+unit tests (test_route_plan.py); these run the whole programmer, planning, adoption and its
+netlink I/O (agentd.kernel.route_netlink) together, reacting to the kernel's answers (EEXIST
+-> read the table, ENOENT -> add, ESRCH -> gone).  They use the seam the programmer offers,
+its two sockets (``RouteProgrammer(sockets=...)``):
 
 ``FakeKernel`` is an in-memory STAND-IN for the kernel's route tables, not the kernel.  It
 decodes the programmer's real netlink requests and applies them the way fib_table_insert /
@@ -291,7 +292,7 @@ class FakeRequestSocket:
 
 class FakeMonitorSocket:
     """Queued notifications; the fd is a pipe nobody writes, so the loop never calls the
-    reader by itself: the test delivers the queue (``_on_monitor_readable``) when it chooses."""
+    reader by itself: the test delivers the queue (``netlink.monitor.read()``) when it chooses."""
 
     def __init__(self, kernel: FakeKernel) -> None:
         self.kernel = kernel
@@ -321,12 +322,8 @@ class StandInProgrammer(RouteProgrammer):
     """The real programmer, its sockets swapped for the stand-in's."""
 
     def __init__(self, kernel: FakeKernel, **kwargs) -> None:
-        super().__init__(**kwargs)
+        super().__init__(sockets=lambda: (FakeRequestSocket(kernel), FakeMonitorSocket(kernel)), **kwargs)
         self.fake_kernel = kernel
-
-    def _open_sockets(self) -> None:
-        self._req = FakeRequestSocket(self.fake_kernel)
-        self._mon = FakeMonitorSocket(self.fake_kernel)
 
 
 # --- routes and the expected kernel state ----------------------------------------------------
@@ -585,7 +582,7 @@ class RouteModel(RuleBasedStateMachine):
 
     @rule()
     def deliver_events(self) -> None:
-        self.p._on_monitor_readable()
+        self.p.netlink.monitor.read()
 
     @rule(remove_routes=st.booleans(), then=THEN)
     def restart(self, remove_routes, then) -> None:

@@ -1,0 +1,223 @@
+"""Subnet leases: acquiring, publishing into, reading and releasing the subnets nodes hold.
+
+A subnet is taken by ONE etcd transaction that puts the subnet key only if it does not exist
+(agentd.datastore.subnets), under the liveness lease (agentd.datastore.liveness renews it and
+re-takes the subnet after the lease was lost).  Candidates are tried in this order: the
+subnet the node had before, the subnets etcd records for it, the subnet in its node record,
+then a free one picked at random.  A lost race moves on to the next candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections.abc import Awaitable
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any
+
+from agentd.datastore import subnets
+from agentd.datastore.connection import EtcdConnection
+from agentd.datastore.etcd import EtcdClient, is_lease_not_found
+from agentd.datastore.liveness import LeaseKeeper
+from agentd.datastore.records import (
+    ClusterConfig,
+    RecordError,
+    SubnetExhausted,
+    SubnetLease,
+    check_node_name,
+    is_cluster_subnet,
+    parse_subnet_key,
+    pick_free_subnet,
+    subnet_count,
+    subnet_key,
+    subnets_prefix,
+)
+from agentd.datastore.subnets import Claim, Entry
+
+log = logging.getLogger("agentd.datastore")
+
+# A subnet allocator that loses this many races in a row re-reads etcd's view.
+LOST_RACES_BEFORE_REREAD = 8
+
+
+class SubnetLeases:
+    """The subnet this agent holds (in ``keeper.subnet``) and everyone's subnet records."""
+
+    def __init__(self, connection: EtcdConnection, keeper: LeaseKeeper, prefix: str, rng: random.Random) -> None:
+        self.connection = connection
+        self.keeper = keeper
+        self.prefix = prefix
+        self.rng = rng
+
+    async def acquire_subnet(
+        self,
+        node: str,
+        public_ip: IPv4Address | str,
+        backend_type: str,
+        backend_data: dict[str, Any],
+        *,
+        cluster: ClusterConfig,
+        previous: IPv4Network | str | None = None,
+        timeout: float | None = None,
+    ) -> SubnetLease:
+        """Lease a /subnet_len of cluster.cidr for ``node`` (see the module doc for the order)."""
+        check_node_name(node, "acquire_subnet", "node")
+        template = SubnetLease(
+            subnet=cluster.cidr,  # replaced by each candidate
+            node=node,
+            public_ip=public_ip,
+            backend_type=backend_type,
+            backend_data=backend_data,
+        )
+        if previous is not None:
+            previous = IPv4Network(previous)
+            if not is_cluster_subnet(cluster, previous):
+                log.warning("previous subnet %s is not a /%d of the cluster network %s; ignoring it",
+                            previous, cluster.subnet_len, cluster.cidr)
+                previous = None
+        deadline = self.connection.deadline(timeout)
+        async with self.keeper.lock:
+            lease = await self._allocate(template, cluster, previous, deadline)
+            self.keeper.subnet = lease
+        return lease
+
+    async def set_subnet_backend_data(self, backend_data: dict[str, Any], *, timeout: float | None = None) -> bool:
+        """Publish ``backend_data`` (our VTEP MAC, UDP port...) in our subnet lease record too,
+        as flannel does; the node record carries the same.  Never moves or re-takes the lease:
+        the record is rewritten only while it is still the one we wrote.  True if written."""
+        keeper = self.keeper
+        async with keeper.lock:
+            lease = keeper.subnet
+            if lease is None or lease.lease_id is None or lease.backend_data == backend_data:
+                return False
+            new = dataclasses.replace(lease, backend_data=dict(backend_data))
+            keeper.subnet = new  # a re-claim after an etcd outage writes the new data too
+            ok = await self.connection.call(
+                "publish subnet backend data",
+                lambda c: subnets.rewrite(c, self.prefix, lease, new),
+                self.connection.deadline(timeout),
+            )
+        if not ok:
+            log.warning("subnet %s: its record changed meanwhile; backend data not published", lease.subnet)
+        return ok
+
+    async def _allocate(
+        self, template: SubnetLease, cluster: ClusterConfig, previous: IPv4Network | None, deadline: float | None
+    ) -> SubnetLease:
+        node = template.node
+        while True:
+            lease_id = await self.keeper.ensure_lease(deadline)
+            view = await self.connection.call("read subnets", lambda c: self._read_subnets(c, node), deadline)
+            ours = view.held_by(node)
+            preferred = [previous, *sorted(ours), view.node_subnet]
+            outcome = Claim.RETRY
+            tried: set[IPv4Network] = set()
+            for candidate in preferred:
+                if candidate is None or candidate in tried or not is_cluster_subnet(cluster, candidate):
+                    continue
+                tried.add(candidate)
+                entry = view.entries.get(candidate)
+                if entry is not None and candidate not in ours:
+                    continue  # someone else's
+                outcome = await self._claim(template, candidate, entry, ours, lease_id, deadline)
+                if outcome in (Claim.WON, Claim.LEASE_GONE, Claim.RETRY):
+                    break
+            else:
+                taken = set(view.entries)
+                for _ in range(LOST_RACES_BEFORE_REREAD):
+                    candidate = pick_free_subnet(cluster.cidr, cluster.subnet_len, taken, self.rng)
+                    if candidate is None:
+                        if taken == set(view.entries):
+                            raise SubnetExhausted(
+                                f"no free /{cluster.subnet_len} subnet left in {cluster.cidr} for node {node}: "
+                                f"all {subnet_count(cluster.cidr, cluster.subnet_len)} are leased"
+                            )
+                        break  # full only in our stale view: read again
+                    outcome = await self._claim(template, candidate, None, ours, lease_id, deadline)
+                    if outcome is not Claim.TAKEN:
+                        break
+                    taken.add(candidate)
+            if outcome is Claim.WON:
+                lease = dataclasses.replace(template, subnet=candidate, lease_id=lease_id)
+                how = "re-acquired" if candidate in ours or candidate == previous else "acquired"
+                log.info("%s subnet %s for node %s under lease %x", how, candidate, node, lease_id)
+                return lease
+            if outcome is Claim.LEASE_GONE:
+                self.keeper.lease_gone(lease_id)
+
+    async def _claim(
+        self,
+        template: SubnetLease,
+        candidate: IPv4Network,
+        entry: Entry | None,
+        ours: dict[IPv4Network, Entry],
+        lease_id: int,
+        deadline: float | None,
+    ) -> Claim:
+        stale = {s: e for s, e in ours.items() if s != candidate}
+        return await self.connection.call(
+            f"claim subnet {candidate}",
+            lambda c: subnets.claim(c, self.prefix, template, candidate, entry, stale, lease_id),
+            deadline,
+        )
+
+    def _read_subnets(self, client: EtcdClient, node: str) -> Awaitable[subnets.SubnetView]:
+        return subnets.read_subnets(client, self.prefix, node, self.connection.report_bad)
+
+    async def get_subnet_lease(
+        self, subnet: IPv4Network | str, *, timeout: float | None = None
+    ) -> SubnetLease | None:
+        """The lease on ``subnet``, or None; RecordError if the stored value is malformed."""
+        subnet = IPv4Network(subnet)
+        got = await self.connection.call(
+            "read subnet", lambda c: c.get(subnet_key(self.prefix, subnet)), self.connection.deadline(timeout)
+        )
+        return None if got is None else SubnetLease.from_json(got.value, subnet, got.lease)
+
+    async def list_subnets(self, *, timeout: float | None = None) -> dict[IPv4Network, SubnetLease]:
+        head = subnets_prefix(self.prefix)
+        got = await self.connection.call("list subnets", lambda c: c.get_prefix(head),
+                                         self.connection.deadline(timeout))
+        leases: dict[IPv4Network, SubnetLease] = {}
+        for kv in got:
+            try:
+                subnet = parse_subnet_key(self.prefix, kv.key)
+                leases[subnet] = SubnetLease.from_json(kv.value, subnet, kv.lease)
+            except RecordError as e:
+                self.connection.report_bad(kv.key, kv.mod_revision, e)
+        return leases
+
+    async def release(self, node: str, *, timeout: float | None = None) -> list[IPv4Network]:
+        """Delete the subnet keys recorded for ``node`` and revoke this instance's lease
+        (which removes the node record it registered).  Returns the released subnets.
+        Afterwards this instance holds no lease, node record or subnet."""
+        check_node_name(node, "release", "node")
+        call, keeper = self.connection.call, self.keeper
+        deadline = self.connection.deadline(timeout)
+        async with keeper.lock:  # the keepalive does not restore keys while we hold it
+            released: list[IPv4Network] = []
+            while True:
+                view = await call("read subnets", lambda c: self._read_subnets(c, node), deadline)
+                ours = view.held_by(node)
+                if not ours:
+                    break
+                ok = await call("release subnets", lambda c: subnets.release(c, self.prefix, ours), deadline)
+                if ok:
+                    released = sorted(ours)
+                    break
+            # Past this point nothing is ours any more; a failed revoke only means the
+            # lease runs out by itself after lease_ttl.
+            await keeper.stop()
+            lease_id, keeper.lease_id = keeper.lease_id, None
+            keeper.node = None
+            keeper.subnet = None
+            if lease_id is not None:
+                try:
+                    await call("revoke lease", lambda c: c.revoke_lease(lease_id), deadline)
+                except Exception as exc:
+                    if not is_lease_not_found(exc):
+                        raise
+        log.info("released node %s: subnets %s; revoked lease %s",
+                 node, ", ".join(map(str, released)) or "none", f"{lease_id:x}" if lease_id else "none")
+        return released

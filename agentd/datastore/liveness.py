@@ -1,0 +1,241 @@
+"""Liveness: the one etcd lease our node record and subnet key live under, kept alive.
+
+The lease is granted on first use and refreshed every ttl/3 by a background task (as etcd's
+clientv3 does).  If it expires or is revoked, the task grants a new one, puts the node record
+again and re-acquires THE SAME subnet if it is still free; if another node took it meanwhile,
+``on_subnet_lost(lease)`` is called.  Each round also puts back our keys if someone deleted
+them.  The task never exits and never raises.
+
+``LeaseKeeper`` holds what we keep alive (``node``, ``subnet``) and the ``lock`` every change
+of our keys takes: agentd.datastore.registration and agentd.datastore.leases change them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aetcd
+from aetcd import transactions as tx
+
+from agentd.datastore import subnets
+from agentd.datastore.connection import EtcdConnection
+from agentd.datastore.etcd import EtcdClient, describe, is_lease_not_found, is_transient
+from agentd.datastore.records import (
+    NodeRecord,
+    RecordError,
+    SubnetLease,
+    node_key,
+    subnet_key,
+)
+from agentd.datastore.subnets import Claim
+
+log = logging.getLogger("agentd.datastore")
+
+T = TypeVar("T")
+SubnetLostCallback = Callable[[SubnetLease], Any]
+
+
+class LeaseKeeper:
+    """Our etcd lease, the keys under it, and the keepalive task that renews and restores them.
+
+    ``subnet_lost_callback()`` returns the callback to run when our subnet was taken while
+    the lease was gone (read when it happens)."""
+
+    def __init__(self, connection: EtcdConnection, prefix: str, lease_ttl: int,
+                 subnet_lost_callback: Callable[[], SubnetLostCallback | None] = lambda: None) -> None:
+        self.connection = connection
+        self.prefix = prefix
+        self.lease_ttl = lease_ttl
+        self.subnet_lost_callback = subnet_lost_callback
+        self.lease_id: int | None = None
+        self.node: NodeRecord | None = None
+        self.subnet: SubnetLease | None = None
+        self.renewals = 0  # successful keepalives
+        self.lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+        self._reported_conflicts: set[tuple[bytes, int]] = set()
+
+    # -- the lease ------------------------------------------------------------------------
+
+    async def ensure_lease(self, deadline: float | None) -> int:
+        if self.lease_id is None:
+            lease = await self.connection.call("grant lease", lambda c: c.lease(self.lease_ttl), deadline)
+            self.lease_id = lease.id
+            log.info("granted etcd lease %x (ttl %ss)", lease.id, lease.ttl)
+        self.start()
+        return self.lease_id
+
+    async def with_lease(
+        self, what: str, op: Callable[[EtcdClient, int], Awaitable[T]], deadline: float | None
+    ) -> T:
+        """Run ``op(client, lease_id)``; if etcd says the lease is gone, grant a new one and retry."""
+        while True:
+            lease_id = await self.ensure_lease(deadline)
+            try:
+                return await self.connection.call(what, lambda c: op(c, lease_id), deadline)
+            except Exception as exc:
+                if not is_lease_not_found(exc):
+                    raise
+                self.lease_gone(lease_id)
+
+    def lease_gone(self, lease_id: int) -> None:
+        if self.lease_id == lease_id:
+            log.warning("etcd lease %x is gone (expired or revoked); granting a new one", lease_id)
+            self.lease_id = None
+
+    # -- keepalive --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.connection.closed or (self._task is not None and not self._task.done()):
+            return
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="agentd-datastore-keepalive")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is None or task is asyncio.current_task():
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    @property
+    def interval(self) -> float:
+        return max(0.2, self.lease_ttl / 3)
+
+    async def _loop(self) -> None:
+        """Refresh the lease every ttl/3; restore our keys when needed.  Never exits on error."""
+        interval = self.interval
+        # A failing keep-alive never waits longer than a successful one: when etcd is back
+        # (a member restarted, quorum regained) the lease must be refreshed well within its TTL.
+        backoff = self.connection.backoff(cap=min(5.0, interval))
+        last_problem = ""
+        while not self.connection.closed:
+            try:
+                await self._round()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if is_transient(exc):
+                    self.connection.set_connected(False, f"lease keepalive: {describe(exc)}")
+                elif describe(exc) != last_problem:
+                    log.error("lease keepalive failed: %s; retrying", describe(exc))
+                last_problem = describe(exc)
+                await asyncio.sleep(backoff.next())
+            else:
+                last_problem = ""
+                backoff.reset()
+                await asyncio.sleep(interval)
+
+    async def _round(self) -> None:
+        client = self.connection.client()
+        try:
+            await self._refresh(client)
+            if self.lock.locked():
+                return  # a public call is changing our keys right now; check next round
+            async with self.lock:
+                await self._restore_keys(client)
+        except Exception as exc:
+            if is_transient(exc):
+                self.connection.failover(client)  # the next round asks the next member
+            raise
+
+    async def _refresh(self, client: EtcdClient) -> None:
+        lease_id = self.lease_id
+        if lease_id is None:
+            return
+        # A member that went silent (cut off: no reset, no answer) must not hold the refresh
+        # much past the next one is due: the lease (TTL = 3 intervals) is refreshed elsewhere
+        # in time.  At least 1 s, or a merely busy member would count as lost.
+        timeout = min(self.connection.request_timeout, max(1.0, self.interval))
+        reply = await asyncio.wait_for(client.refresh_lease(lease_id), timeout)
+        if reply is None:  # no answer about the lease: never take that for "expired"
+            raise aetcd.ConnectionFailedError("lease keep-alive stream ended without a reply")
+        self.connection.set_connected(True)
+        if reply.TTL > 0:
+            self.renewals += 1
+        elif self.lease_id == lease_id:
+            log.warning("etcd lease %x expired or was revoked; granting a new one and restoring %s",
+                        lease_id, self.holdings())
+            self.lease_id = None
+
+    def holdings(self) -> str:
+        parts = []
+        if self.node is not None:
+            parts.append(f"node {self.node.name}")
+        if self.subnet is not None:
+            parts.append(f"subnet {self.subnet.subnet}")
+        return " and ".join(parts) or "nothing"
+
+    # -- restoring our keys -----------------------------------------------------------------
+
+    async def _restore_keys(self, client: EtcdClient) -> None:
+        """Make sure our node record and subnet key exist under our lease."""
+        node, subnet = self.node, self.subnet
+        if node is None and subnet is None:
+            return
+        if self.lease_id is None:
+            lease = await client.lease(self.lease_ttl)
+            self.lease_id = lease.id
+            log.info("granted new etcd lease %x (ttl %ss)", lease.id, lease.ttl)
+        lease_id = self.lease_id
+        keys = [node_key(self.prefix, node.name)] if node else []
+        keys += [subnet_key(self.prefix, subnet.subnet)] if subnet else []
+        _, found = await client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[])
+        node_kvs = found[0] if node else []
+        if subnet is not None:
+            await self._restore_subnet(client, subnet, found[-1], lease_id)
+        if node is not None and self.lease_id == lease_id:
+            if not node_kvs:
+                try:
+                    await client.put(keys[0], node.to_json(), lease=lease_id)
+                except Exception as exc:
+                    if not is_lease_not_found(exc):
+                        raise
+                    self.lease_gone(lease_id)
+                    return
+                log.info("restored node record %s under lease %x", node.name, lease_id)
+            elif node_kvs[0][1].lease != lease_id:
+                self._report_conflict(keys[0], node_kvs[0][1].mod_revision, "node record")
+
+    async def _restore_subnet(self, client: EtcdClient, subnet: SubnetLease, kvs: list, lease_id: int) -> None:
+        if not kvs:
+            outcome = await subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id)
+            if outcome is Claim.WON:
+                self.subnet = dataclasses.replace(subnet, lease_id=lease_id)
+                log.info("re-acquired subnet %s for node %s under lease %x", subnet.subnet, subnet.node, lease_id)
+                return
+            if outcome is Claim.LEASE_GONE:
+                self.lease_gone(lease_id)
+                return
+            if outcome is Claim.RETRY:
+                return
+            kvs = await client.get(subnet_key(self.prefix, subnet.subnet))
+            kvs = [(kvs.value, kvs)] if kvs is not None else []
+            if not kvs:
+                return
+        value, kv = kvs[0]
+        try:
+            holder = SubnetLease.from_json(value, subnet.subnet, kv.lease).node
+        except RecordError:
+            holder = "an unreadable record"
+        if holder == subnet.node:
+            if kv.lease != lease_id:
+                self._report_conflict(kv.key, kv.mod_revision, "subnet key")
+            return
+        self.subnet = None
+        log.error("subnet %s of node %s was taken by %s while our etcd lease was gone; it is lost",
+                  subnet.subnet, subnet.node, holder)
+        self.connection.notify("on_subnet_lost", self.subnet_lost_callback(), subnet)
+
+    def _report_conflict(self, key: bytes, mod_revision: int, what: str) -> None:
+        if (key, mod_revision) in self._reported_conflicts:
+            return
+        self._reported_conflicts.add((key, mod_revision))
+        log.error("%s %s is held under another etcd lease than ours (%x): is another agent running "
+                  "with the same node name? leaving it alone", what, key.decode(errors="replace"),
+                  self.lease_id or 0)

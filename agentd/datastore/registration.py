@@ -1,0 +1,149 @@
+"""Registration: the cluster config and the node records in etcd.
+
+Our own node record lives under the liveness lease (agentd.datastore.liveness), so it goes
+away by itself when the agent is gone for longer than the lease TTL.  Reading other nodes'
+records skips (and logs once) the malformed ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from aetcd import transactions as tx
+
+from agentd.datastore.connection import EtcdConnection
+from agentd.datastore.liveness import LeaseKeeper
+from agentd.datastore.records import (
+    ClusterConfig,
+    NodeEvent,
+    NodeRecord,
+    RecordError,
+    config_key,
+    node_key,
+    nodes_prefix,
+    parse_node,
+    parse_node_key,
+)
+
+log = logging.getLogger("agentd.datastore")
+
+
+class Registration:
+    """Cluster config and node records (ours under the lease, everyone's to read)."""
+
+    def __init__(self, connection: EtcdConnection, keeper: LeaseKeeper, prefix: str) -> None:
+        self.connection = connection
+        self.keeper = keeper
+        self.prefix = prefix
+
+    # -- cluster config ---------------------------------------------------------------------
+
+    async def ensure_cluster_config(self, wanted: ClusterConfig, *, timeout: float | None = None) -> ClusterConfig:
+        """Store ``wanted`` if no config exists (one transaction); else return the stored one."""
+        key = config_key(self.prefix)
+        ok, responses = await self.connection.call(
+            "store cluster config",
+            lambda c: c.transaction(
+                compare=[tx.Version(key) == 0], success=[tx.Put(key, wanted.to_json())], failure=[tx.Get(key)]
+            ),
+            self.connection.deadline(timeout),
+        )
+        if ok:
+            log.info("stored cluster config at %s: %s", key.decode(), wanted.to_json().decode())
+            return wanted
+        return parse_config(key, responses[0][0][0])
+
+    async def get_cluster_config(self, *, timeout: float | None = None) -> ClusterConfig | None:
+        key = config_key(self.prefix)
+        got = await self.connection.call("read cluster config", lambda c: c.get(key), self.connection.deadline(timeout))
+        return None if got is None else parse_config(key, got.value)
+
+    # -- our node record --------------------------------------------------------------------
+
+    async def register_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:
+        """Put our node record under our liveness lease; the keepalive task keeps it there."""
+        if not isinstance(record, NodeRecord):
+            raise TypeError(f"register_node needs a NodeRecord, got {type(record).__name__}")
+        keeper, call = self.keeper, self.connection.call
+        deadline = self.connection.deadline(timeout)
+        key, value = node_key(self.prefix, record.name), record.to_json()
+        async with keeper.lock:
+            old = keeper.node
+            await keeper.with_lease("register node", lambda c, lease: c.put(key, value, lease=lease), deadline)
+            keeper.node = record
+            log.info("registered node %s (address %s, subnet %s) under lease %x",
+                     record.name, record.address, record.subnet, keeper.lease_id or 0)
+            if old is not None and old.name != record.name:
+                old_key = node_key(self.prefix, old.name)
+                await call("remove old node name", lambda c: c.delete(old_key), deadline)
+
+    async def update_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:
+        """Replace our registered node record (same name)."""
+        node = self.keeper.node
+        if node is None or node.name != getattr(record, "name", None):
+            raise ValueError(f"update_node: node {getattr(record, 'name', record)!r} is not registered here")
+        await self.register_node(record, timeout=timeout)
+
+    async def remove_node(self, name: str, *, timeout: float | None = None) -> bool:
+        """Delete ``<prefix>/nodes/<name>``; True if it existed."""
+        key = node_key(self.prefix, name)
+        keeper = self.keeper
+        async with keeper.lock:
+            if keeper.node is not None and keeper.node.name == name:
+                keeper.node = None  # or the keepalive would put it back
+            deleted = await self.connection.call("remove node", lambda c: c.delete(key),
+                                                 self.connection.deadline(timeout))
+        log.info("removed node %s%s", name, "" if deleted else " (it was not registered)")
+        return deleted is not None
+
+    # -- everyone's node records ------------------------------------------------------------
+
+    async def list_nodes(self, *, timeout: float | None = None) -> dict[str, NodeRecord]:
+        prefix = nodes_prefix(self.prefix)
+        got = await self.connection.call("list nodes", lambda c: c.get_prefix(prefix), self.connection.deadline(timeout))
+        return self.parse_nodes(got)
+
+    def parse_nodes(self, kvs: Any) -> dict[str, NodeRecord]:
+        nodes: dict[str, NodeRecord] = {}
+        for kv in kvs:
+            record = self.parse_node_kv(kv.key, kv.value, kv.mod_revision)
+            if record is not None:
+                nodes[record.name] = record
+        return nodes
+
+    def parse_node_kv(self, key: bytes, value: bytes, mod_revision: int) -> NodeRecord | None:
+        try:
+            return parse_node(self.prefix, key, value)
+        except RecordError as e:
+            self.connection.report_bad(key, mod_revision, e)
+            return None
+
+    def node_event(self, key: bytes, value: bytes, mod_revision: int, kind: str,
+                   nodes: dict[str, NodeRecord]) -> NodeEvent | None:
+        """A watch's "put"/"delete" of a node key as a NodeEvent (``nodes``: what the consumer
+        has seen, updated); None when the consumer learns nothing from it."""
+        if kind == "delete":
+            try:
+                name = parse_node_key(self.prefix, key)
+            except RecordError:
+                return None
+            return NodeEvent("delete", name=name) if nodes.pop(name, None) is not None else None
+        record = self.parse_node_kv(key, value, mod_revision)
+        if record is None:
+            # The record we knew became unreadable: to the consumer it is gone.
+            with contextlib.suppress(RecordError):
+                name = parse_node_key(self.prefix, key)
+                if nodes.pop(name, None) is not None:
+                    return NodeEvent("delete", name=name)
+            return None
+        nodes[record.name] = record
+        return NodeEvent("put", name=record.name, record=record)
+
+
+def parse_config(key: bytes, value: bytes) -> ClusterConfig:
+    try:
+        return ClusterConfig.from_json(value)
+    except RecordError as e:
+        raise RecordError(f"{key.decode()}: {e}") from None

@@ -1,0 +1,109 @@
+"""Route adoption: taking over the routes of ours the kernel already holds.  Pure.
+
+A restarted agent finds the routes its previous run left (our protocol, our table).  They
+become the programmer's view of the kernel as they are, so nothing is torn down and put
+back: a desired route that is already there is never touched (``adopt``).  The same
+filing runs after every full re-read of the kernel.
+
+An add that meets EEXIST means a route holds the key (dst, metric) in our table that we
+had not heard of: ``classify_existing`` looks at the table's routes with that key and
+says whose it is: ours (adopt it, then replace it if it differs) or another protocol's
+(a conflict: left alone and reported).  agentd.kernel.routing does the reading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+from agentd.kernel import netlink as nl
+from agentd.kernel.route_model import (
+    PROTOCOL_NAMES,
+    RTM_F_CLONED,
+    ZERO_ADDRESS,
+    Route,
+    Stray,
+    kernel_metric,
+    same_route,
+    stray_of,
+)
+
+
+def file_route(route: Route, kernel: dict[str, Route], strays: set[Stray], desired: dict[str, Route]) -> None:
+    """File one of our kernel routes: the route for its dst, or a stray."""
+    dst = route.dst
+    have = kernel.get(dst)
+    if have is None or kernel_metric(have) == kernel_metric(route):
+        kernel[dst] = route
+        return
+    # Two routes of ours for one dst (different metrics): the one holding the desired
+    # route's key is its route (replaced in place if it differs); the other is a stray.
+    want = desired.get(dst)
+    if want is not None and kernel_metric(want) == kernel_metric(route):
+        kernel[dst], route = route, have
+    strays.add(stray_of(route))
+
+
+def adopt(found: Iterable[Route | Stray], desired: dict[str, Route]) -> tuple[dict[str, Route], set[Stray]]:
+    """Our routes as a dump of the kernel found them -> (route per dst, strays)."""
+    kernel: dict[str, Route] = {}
+    strays: set[Stray] = set()
+    for item in found:
+        if type(item) is Route:
+            file_route(item, kernel, strays, desired)
+        else:
+            strays.add(item)
+    return kernel, strays
+
+
+def route_key(route: Route) -> tuple[int, bytes, int, int]:
+    """The key the kernel files a route under in its table: (family, dst, dst_len, metric)."""
+    stray = stray_of(route)
+    return (stray.family, stray.dst, stray.dst_len, kernel_metric(route))
+
+
+class Existing(NamedTuple):
+    """``classify_existing``'s verdict on the adds that met EEXIST."""
+
+    own: list[Route]  # ours, but not the desired route: replace it
+    adopted: dict[str, Route]  # ours as the kernel has it, per dst
+    conflicts: list[tuple[str, str]]  # another protocol's route holds the key
+    unexplained: list[tuple[str, str]]  # nothing holds it (gone meanwhile?)
+
+
+def classify_existing(
+    routes: list[Route],
+    messages: Iterable[nl.RouteMessage],
+    *,
+    table: int,
+    protocol: int,
+    route_of: Callable[[nl.RouteMessage], Route | None],
+) -> Existing:
+    """Whose route holds the key of each of ``routes``, from the table's ``messages``.
+    Ours wins over another protocol's route with the same key (only one can be there, but
+    a dump may hold both for a moment)."""
+    wanted = {route_key(route): route for route in routes}
+    holders: dict[Route, nl.RouteMessage] = {}
+    for msg in messages:
+        if msg.table != table or msg.tos or msg.flags & RTM_F_CLONED or msg.family not in ZERO_ADDRESS:
+            continue
+        key = (msg.family, msg.dst or ZERO_ADDRESS[msg.family], msg.dst_len, msg.priority or 0)
+        route = wanted.get(key)
+        if route is not None and (route not in holders or msg.protocol == protocol):
+            holders[route] = msg
+    result = Existing([], {}, [], [])
+    for route in routes:
+        msg = holders.get(route)
+        if msg is None:
+            result.unexplained.append((route.dst, "EEXIST, but no route with this destination and metric was found"))
+        elif msg.protocol == protocol:
+            adopted = route_of(msg)
+            if adopted is not None:
+                result.adopted[route.dst] = adopted
+            if adopted is None or not same_route(route, adopted):
+                result.own.append(route)
+        else:
+            name = PROTOCOL_NAMES.get(msg.protocol, str(msg.protocol))
+            result.conflicts.append((route.dst, f"{route.dst}: table {table} already has a proto {name} route "
+                                                "with this destination and metric; left alone"))
+    return result

@@ -1,0 +1,284 @@
+"""Route planning: desired routes vs. our routes in the kernel -> the operations that close
+the gap.  Pure: no sockets, no asyncio, no clock; agentd.kernel.routing runs it.
+
+``RouteState`` is what the route programmer knows: the caller's desired routes, our routes
+the kernel holds (one per destination, plus "strays": other routes of ours, always
+deleted), the destinations that changed since the last reconcile, and the failures and
+conflicts of earlier reconciles.  ``plan()`` turns it into adds, replaces and deletes;
+``installed()``/``deleted()`` record what the kernel acknowledged; the ``*_event`` methods
+record what the monitor saw others do.
+
+The rule that makes restarts gapless lives here too: until the caller declared its whole
+desired set once (``set_desired``), nothing is deleted as "not desired", only what it
+``discard()``-ed and our second routes of a destination it ``upsert()``-ed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Set
+from typing import NamedTuple
+
+from agentd.kernel.route_adopt import file_route
+from agentd.kernel.route_model import (
+    InvalidRoute,
+    Route,
+    RouteCounters,
+    Stray,
+    canonical_dst,
+    kernel_metric,
+    same_route,
+    stray_of,
+)
+
+
+class RoutePlan(NamedTuple):
+    """What one reconcile sends, and the destinations nobody wants any more (their
+    failures and conflicts are forgotten)."""
+
+    adds: list[Route]
+    replaces: list[Route]
+    deletes: list[Route | Stray]
+    stale: list[str]
+
+
+class Work(NamedTuple):
+    """The destinations one reconcile looks at (``dsts`` None: all of them), whether it
+    re-reads the kernel first, and the conflicts it re-tries."""
+
+    dsts: set[str] | None
+    full: bool
+    retry: set[str]
+
+
+class RouteState:
+    """The desired routes, our routes in the kernel, and the work pending between them."""
+
+    def __init__(self, counters: RouteCounters | None = None) -> None:
+        self.counters = counters if counters is not None else RouteCounters()
+        self.desired: dict[str, Route] = {}
+        self.kernel: dict[str, Route] = {}  # our route in the kernel, per dst
+        self.strays: set[Stray] = set()  # our other routes there, to be deleted
+        self.complete = False  # set_desired() was called: undesired own routes may go
+        self.discarded: set[str] = set()  # explicit discards before that
+        self.dirty: set[str] = set()
+        self.retry: set[str] = set()  # conflicted dsts whose desired route changed: try again
+        self.dirty_all = False
+        self.full_pending = False
+        self.restoring: set[str] = set()  # own desired routes someone removed
+        self.conflicts: dict[str, str] = {}  # dst -> reason
+        self.failures: dict[str, str] = {}  # dst -> reason
+
+    # --- the caller's declarations ---------------------------------------------------------
+
+    def set_desired(self, routes: Iterable[Route]) -> None:
+        if not isinstance(routes, (list, tuple)):
+            routes = list(routes)
+        desired = {route.dst: route for route in routes if type(route) is Route}
+        if len(desired) != len(routes):
+            reject_bad(routes)
+        old = self.desired
+        self.retry.update(d for d in self.conflicts if desired.get(d) != old.get(d))
+        if self.strays:
+            # Two routes of ours for one dst were filed against the previous desired set (the
+            # one now wanted may be the "stray"): re-read them before deleting anything.
+            self.full_pending = True
+        self.desired = desired
+        self.complete = True
+        self.discarded.clear()
+        self.dirty_all = True
+
+    def upsert(self, route: Route) -> None:
+        if type(route) is not Route:
+            raise InvalidRoute(f"upsert takes a Route, got {route!r}")
+        self.desired[route.dst] = route
+        self.discarded.discard(route.dst)
+        self.dirty.add(route.dst)
+        if self.strays and any(s.text == route.dst for s in self.strays):
+            # As in set_desired(): the route now wanted may be the one filed as a stray.
+            self.full_pending = True
+
+    def discard(self, dst: str) -> None:
+        dst = canonical_dst(dst)
+        self.desired.pop(dst, None)
+        if not self.complete:
+            self.discarded.add(dst)
+        self.dirty.add(dst)
+
+    # --- one reconcile ---------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.dirty or self.dirty_all or self.full_pending)
+
+    def needs_full(self, full: bool) -> bool:
+        """Start a reconcile: does it re-read the kernel first (asked, or pending)?"""
+        if full or self.full_pending:
+            self.full_pending = False
+            return True
+        return False
+
+    def take_work(self, full: bool) -> Work:
+        """What a reconcile covers (after the re-read, if ``full``); the dirty marks are cleared."""
+        dsts = None if full or self.dirty_all else self.dirty
+        # Conflicts are re-tried on full resyncs, and at once when the monitor saw their
+        # destination change or their desired route changed.
+        retry = self.dirty | self.retry
+        self.dirty_all = False
+        self.dirty, self.retry = set(), set()
+        return Work(dsts, full, retry)
+
+    def plan(self, dsts: Iterable[str] | None, full: bool, retry: Set[str] = frozenset()) -> RoutePlan:
+        """Adds, replaces and deletes that turn kernel state into desired state."""
+        desired, kernel, conflicts = self.desired, self.kernel, self.conflicts
+        may_delete, discarded = self.complete, self.discarded
+        adds: list[Route] = []
+        replaces: list[Route] = []
+        deletes: list[Route | Stray] = []
+        stale: list[str] = []
+
+        def change(want: Route, have: Route) -> None:
+            if kernel_metric(want) == kernel_metric(have):
+                replaces.append(want)
+            else:  # a new key: add the new route first, then delete the old one
+                adds.append(want)
+                deletes.append(have)
+
+        if dsts is None:
+            for dst, want in desired.items():
+                have = kernel.get(dst)
+                if have is None:
+                    # Re-checking a conflict costs a table read: only full resyncs retry them,
+                    # and a conflict whose destination or desired route changed.
+                    if full or dst not in conflicts or dst in retry:
+                        adds.append(want)
+                elif have is not want and not same_route(want, have):
+                    change(want, have)
+            if may_delete:
+                deletes.extend(have for dst, have in kernel.items() if dst not in desired)
+            else:  # before the first set_desired(): only what was discarded explicitly
+                deletes.extend(kernel[d] for d in discarded if d in kernel and d not in desired)
+            stale.extend(d for d in (*self.failures, *conflicts) if d not in desired)
+        else:
+            for dst in dsts:
+                want, have = desired.get(dst), kernel.get(dst)
+                if want is None:
+                    stale.append(dst)
+                    if have is not None and (may_delete or dst in discarded):
+                        deletes.append(have)
+                elif have is None:
+                    adds.append(want)
+                elif not same_route(want, have):
+                    change(want, have)
+        if may_delete:
+            deletes.extend(self.strays)
+        elif self.strays:
+            # Before the first set_desired(), a destination the caller has declared (upsert)
+            # or discarded is complete already: our other routes for it go, as change() and
+            # the discard above delete the one filed as its route.
+            deletes.extend(s for s in self.strays if s.text in desired or s.text in discarded)
+        return RoutePlan(adds, replaces, deletes, stale)
+
+    def forget(self, stale: Iterable[str]) -> None:
+        for dst in stale:
+            self.failures.pop(dst, None)
+            self.conflicts.pop(dst, None)
+
+    def record(self, failed: Iterable[tuple[str, str]], conflicts: Iterable[tuple[str, str]]) -> list[str]:
+        """File a reconcile's failures and conflicts; returns the conflict reasons that are new."""
+        for dst, reason in failed:
+            self.failures[dst] = reason
+        new = []
+        for dst, reason in conflicts:
+            if self.conflicts.get(dst) != reason:
+                new.append(reason)
+            self.conflicts[dst] = reason
+        return new
+
+    # --- what the kernel acknowledged --------------------------------------------------------
+
+    def installed(self, routes: list[Route], report: list[str]) -> None:
+        kernel, strays = self.kernel, self.strays
+        for route in routes:
+            dst = route.dst
+            previous = kernel.get(dst)
+            if previous is not None and kernel_metric(previous) != kernel_metric(route):
+                strays.add(stray_of(previous))  # metric changed: deleted later in this sync
+            kernel[dst] = route
+            report.append(dst)
+        if self.failures or self.conflicts or self.restoring:
+            for route in routes:
+                self.failures.pop(route.dst, None)
+                self.conflicts.pop(route.dst, None)
+                if route.dst in self.restoring:
+                    self.restoring.discard(route.dst)
+                    self.counters.routes_restored += 1
+
+    def deleted(self, targets: list[Route | Stray], removed: list[str]) -> None:
+        kernel, strays = self.kernel, self.strays
+        for target in targets:
+            if type(target) is Route:
+                dst = target.dst
+                current = kernel.get(dst)
+                # The kernel deleted whatever route of ours held this dst and metric.
+                if current is target or (current is not None and kernel_metric(current) == kernel_metric(target)):
+                    del kernel[dst]
+                elif strays:
+                    strays.discard(stray_of(target))
+            else:
+                dst = target.text
+                strays.discard(target)
+            removed.append(dst)
+
+    # --- what the monitor saw others do ------------------------------------------------------
+
+    def own_route_added(self, found: Route | Stray) -> None:
+        """Someone else (or the kernel) added a route with our protocol."""
+        if type(found) is Route:
+            file_route(found, self.kernel, self.strays, self.desired)
+            self.dirty.add(found.dst)
+        else:
+            self.strays.add(found)
+            self.dirty.add(found.text)
+
+    def own_route_removed(self, found: Route | Stray) -> None:
+        """Someone else (or the kernel) removed a route with our protocol."""
+        if type(found) is not Route:
+            self.strays.discard(found)
+            return
+        dst = found.dst
+        have = self.kernel.get(dst)
+        if have is not None and kernel_metric(have) == kernel_metric(found):
+            del self.kernel[dst]
+            if dst in self.desired:
+                self.restoring.add(dst)
+        else:
+            self.strays.discard(stray_of(found))
+        self.dirty.add(dst)
+
+    def other_route_replaced(self, dst: str, metric: int) -> None:
+        """Another protocol's route replaced whatever held (dst, metric)."""
+        have = self.kernel.get(dst)
+        if have is not None and kernel_metric(have) == metric:
+            del self.kernel[dst]  # someone replaced our route with theirs
+            self.dirty.add(dst)
+
+    def other_route_removed(self, dst: str) -> None:
+        if dst in self.conflicts:
+            self.dirty.add(dst)  # the route in our way is gone: try again
+
+    def retry_failures(self) -> None:
+        """A device appeared or an address changed: failed routes may work now."""
+        self.dirty.update(self.failures)
+
+
+def dst_of(target: Route | Stray) -> str:
+    return target.dst if type(target) is Route else target.text
+
+
+def reject_bad(routes: Iterable[object]) -> None:
+    seen: dict[str, Route] = {}
+    for route in routes:
+        if type(route) is not Route:
+            raise InvalidRoute(f"desired routes must be Route objects, got {route!r}")
+        other = seen.setdefault(route.dst, route)
+        if other != route:
+            raise InvalidRoute(f"two different desired routes for {route.dst}: {other} and {route}")

@@ -1,0 +1,164 @@
+"""The datastore's parts alone, where they can be without etcd: the connection's deadline and
+reachability bookkeeping (agentd.datastore.connection), what the lease keeper holds
+(agentd.datastore.liveness) and node events from watch events (agentd.datastore.registration).
+Against a real etcd: tests/system/test_datastore.py and test_etcd_cluster.py."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import aetcd
+import pytest
+
+from agentd.datastore.connection import EtcdConnection
+from agentd.datastore.etcd import parse_endpoint
+from agentd.datastore.liveness import LeaseKeeper
+from agentd.datastore.records import (
+    DatastoreError,
+    DatastoreUnavailable,
+    NodeEvent,
+    NodeRecord,
+    SubnetLease,
+    node_key,
+)
+from agentd.datastore.registration import Registration
+from agentd.datastore.store import Datastore
+
+PREFIX = "/agentd"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def connection(*urls: str, clock: Clock | None = None, changes: list | None = None) -> EtcdConnection:
+    return EtcdConnection([parse_endpoint(u) for u in urls or ("http://127.0.0.1:2379",)],
+                          clock=clock or Clock(), request_timeout=5.0, rng=random.Random(7),
+                          state_callback=(lambda: changes.append) if changes is not None else (lambda: None))
+
+
+def record(name: str, subnet: str = "10.244.1.0/24") -> NodeRecord:
+    return NodeRecord(name=name, address="192.0.2.1", asn=64512, subnet=subnet, route_reflector=False,
+                      cluster_id=None)
+
+
+# --- the connection ------------------------------------------------------------------------
+
+
+def test_deadlines_come_from_the_clock_given():
+    clock = Clock()
+    conn = connection(clock=clock)
+    assert conn.deadline(None) is None
+    assert conn.deadline(2.5) == 102.5
+
+
+async def test_a_call_past_its_deadline_is_one_clear_error_and_marks_etcd_unreachable():
+    clock = Clock()
+    changes: list[bool] = []
+    conn = connection(clock=clock, changes=changes)
+    calls = []
+
+    async def op(client):
+        calls.append(client)
+        raise aetcd.ConnectionFailedError("refused")
+
+    with pytest.raises(DatastoreUnavailable, match=r"etcd at http://127.0.0.1:2379 unreachable \(list\)"):
+        await conn.call("list", op, conn.deadline(0.0))
+    assert calls == []  # the deadline had passed: not even tried
+    assert changes == [False] and conn.state is False
+    conn.set_connected(False, "again")  # no change: no callback
+    conn.set_connected(True)
+    assert changes == [False, True]
+    conn.closed = True
+    await conn.shut()
+    assert changes == [False, True, False]
+    with pytest.raises(DatastoreError, match="closed"):
+        conn.client()
+
+
+async def test_a_call_that_succeeds_reports_etcd_reachable_once():
+    changes: list[bool] = []
+    conn = connection(changes=changes)
+
+    async def op(client):
+        return "value"
+
+    assert await conn.call("read", op, None) == "value"
+    assert await conn.call("read", op, None) == "value"
+    assert changes == [True]
+    conn.closed = True
+    await conn.shut()
+
+
+async def test_the_first_endpoint_is_random_and_failover_needs_two():
+    urls = [f"http://127.0.0.{i}:2379" for i in range(1, 5)]
+    assert connection(*urls).endpoint in urls
+    single = connection("http://127.0.0.1:2379")
+    client = single.client()
+    single.failover(client)  # nowhere else to go
+    assert single.client() is client
+    single.closed = True
+    await single.shut()
+
+
+def test_malformed_records_are_logged_once_per_key_and_revision(caplog):
+    conn = connection()
+    with caplog.at_level(logging.WARNING, logger="agentd.datastore"):
+        for _ in range(3):
+            conn.report_bad(b"/agentd/nodes/x", 5, ValueError("bad"))
+        conn.report_bad(b"/agentd/nodes/x", 6, ValueError("bad"))
+    assert len(caplog.records) == 2
+
+
+# --- liveness --------------------------------------------------------------------------------
+
+
+def test_the_keeper_refreshes_at_a_third_of_the_ttl_and_says_what_it_holds():
+    keeper = LeaseKeeper(connection(), PREFIX, 30)
+    assert keeper.interval == 10.0
+    assert LeaseKeeper(connection(), PREFIX, 1).interval == pytest.approx(1 / 3)
+    assert keeper.holdings() == "nothing"
+    keeper.node = record("n1")
+    keeper.subnet = SubnetLease(subnet="10.244.1.0/24", node="n1", public_ip="192.0.2.1",
+                                backend_type="vxlan", backend_data={})
+    assert keeper.holdings() == "node n1 and subnet 10.244.1.0/24"
+    keeper.lease_id = 0x42
+    keeper.lease_gone(0x41)  # an older lease: ours is still good
+    assert keeper.lease_id == 0x42
+    keeper.lease_gone(0x42)
+    assert keeper.lease_id is None
+
+
+# --- registration: node events from watch events ------------------------------------------
+
+
+def test_watch_events_become_node_events_for_what_the_consumer_knows():
+    conn = connection()
+    registration = Registration(conn, LeaseKeeper(conn, PREFIX, 30), PREFIX)
+    n1 = record("n1")
+    key = node_key(PREFIX, "n1")
+    nodes: dict[str, NodeRecord] = {}
+    assert registration.node_event(key, n1.to_json(), 5, "put", nodes) == NodeEvent("put", name="n1", record=n1)
+    assert nodes == {"n1": n1}
+    # It became unreadable: to the consumer it is gone (once).
+    assert registration.node_event(key, b"{not json", 6, "put", nodes) == NodeEvent("delete", name="n1")
+    assert registration.node_event(key, b"{not json", 7, "put", nodes) is None
+    assert registration.node_event(key, b"", 8, "delete", nodes) is None  # not known: nothing to say
+    nodes["n1"] = n1
+    assert registration.node_event(key, b"", 9, "delete", nodes) == NodeEvent("delete", name="n1")
+    assert registration.node_event(b"/agentd/nodes/", b"", 10, "delete", nodes) is None  # not a node key
+
+
+def test_the_facade_exposes_its_parts_and_their_calls():
+    ds = Datastore("http://127.0.0.1:2379", lease_ttl=9)
+    assert ds.keeper.lease_ttl == 9 and ds.lease_id is None and ds.node is None and ds.subnet_lease is None
+    assert ds.registration.keeper is ds.keeper is ds.leases.keeper
+    assert ds.watches.registration is ds.registration
+    lost: list = []
+    ds.on_subnet_lost = lost.append
+    assert ds.keeper.subnet_lost_callback() == lost.append

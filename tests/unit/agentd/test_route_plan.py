@@ -1,0 +1,222 @@
+"""The route programmer's parts alone: planning (agentd.kernel.route_plan), adoption
+(agentd.kernel.route_adopt) and the pure side of its netlink I/O (agentd.kernel.route_netlink:
+kernel messages -> Routes, Routes -> requests).  No sockets: the whole programmer against a
+stand-in kernel is test_route_model.py, against the real one tests/system/test_routing.py."""
+
+from __future__ import annotations
+
+import socket
+
+from agentd.kernel import netlink as nl
+from agentd.kernel.route_adopt import adopt, classify_existing, file_route
+from agentd.kernel.route_model import (
+    ADD,
+    DELETE,
+    REQUEST_FLAGS,
+    RTPROT_AGENTD,
+    Route,
+    stray_of,
+)
+from agentd.kernel.route_netlink import RouteNetlink
+from agentd.kernel.route_plan import RouteState, dst_of
+
+A = Route("10.0.1.0/24", gateway="192.0.2.2")
+A_OTHER_GW = Route("10.0.1.0/24", gateway="192.0.2.3")
+A_METRIC5 = Route("10.0.1.0/24", gateway="192.0.2.2", metric=5)
+B = Route("10.0.2.0/24", dev="eth0")
+C = Route("2001:db8::/64", kind="blackhole")
+
+
+def adopted(*routes: Route, desired: dict | None = None) -> RouteState:
+    """A state that found ``routes`` of ours in the kernel at start."""
+    state = RouteState()
+    state.kernel, state.strays = adopt(routes, desired or {})
+    return state
+
+
+def full_plan(state: RouteState):
+    work = state.take_work(state.needs_full(True))
+    return state.plan(work.dsts, work.full, work.retry)
+
+
+# --- planning ------------------------------------------------------------------------------
+
+
+def test_plan_adds_what_the_kernel_lacks():
+    state = RouteState()
+    state.set_desired([A, B, C])
+    work = state.take_work(state.needs_full(False))
+    assert work.dsts is None and not work.full  # set_desired: every destination is looked at
+    plan = state.plan(work.dsts, work.full, work.retry)
+    assert (plan.adds, plan.replaces, plan.deletes, plan.stale) == ([A, B, C], [], [], [])
+    assert not state.has_work()
+
+
+def test_plan_leaves_the_desired_route_alone_and_replaces_a_different_one():
+    state = adopted(A, B)
+    state.set_desired([A, Route(B.dst, dev="eth1")])
+    plan = full_plan(state)
+    assert plan.adds == [] and plan.deletes == []
+    assert plan.replaces == [Route(B.dst, dev="eth1")]
+
+
+def test_a_new_metric_is_a_new_key_added_before_the_old_is_deleted():
+    state = adopted(A)
+    state.set_desired([A_METRIC5])
+    plan = full_plan(state)
+    assert (plan.adds, plan.replaces, plan.deletes) == ([A_METRIC5], [], [A])
+
+
+def test_nothing_is_deleted_before_the_first_complete_desired_set():
+    """Restart without a gap: routes a previous run left stay until the caller says."""
+    state = adopted(A, B)
+    state.upsert(C)
+    plan = full_plan(state)
+    assert plan.adds == [C] and plan.deletes == []
+    state.discard(B.dst)
+    work = state.take_work(False)
+    assert work.dsts == {B.dst}
+    plan = state.plan(work.dsts, work.full, work.retry)
+    assert plan.deletes == [B] and plan.stale == [B.dst]
+    state.set_desired([C])
+    assert full_plan(state).deletes == [A, B]
+
+
+def test_strays_go_once_the_destination_is_declared():
+    state = adopted(A, A_METRIC5, desired={A.dst: A})
+    assert state.kernel == {A.dst: A} and state.strays == {stray_of(A_METRIC5)}
+    assert full_plan(state).deletes == []  # undeclared: kept for now
+    state.upsert(A)
+    assert state.full_pending  # the stray might be the route now wanted: re-read first
+    assert full_plan(state).deletes == [stray_of(A_METRIC5)]
+
+
+def test_conflicts_are_retried_on_full_resyncs_or_when_their_route_changes():
+    state = RouteState()
+    state.set_desired([A])
+    state.take_work(False)
+    assert state.record([], [(A.dst, "in the way")]) == ["in the way"]
+    assert state.record([], [(A.dst, "in the way")]) == []  # not new: not logged again
+    state.dirty_all = True
+    work = state.take_work(False)
+    assert state.plan(work.dsts, work.full, work.retry).adds == []
+    assert full_plan(state).adds == [A]
+    state.set_desired([A_OTHER_GW])  # its desired route changed: retried at once
+    work = state.take_work(False)
+    assert state.plan(work.dsts, work.full, work.retry).adds == [A_OTHER_GW]
+    state.other_route_removed(A.dst)  # the route in the way went
+    assert state.dirty == {A.dst}
+
+
+def test_destinations_nobody_wants_forget_their_failures():
+    state = RouteState()
+    state.set_desired([A, B])
+    state.record([(B.dst, "no device")], [(A.dst, "in the way")])
+    state.set_desired([])
+    plan = full_plan(state)
+    assert sorted(plan.stale) == [A.dst, B.dst]
+    state.forget(plan.stale)
+    assert state.failures == {} and state.conflicts == {}
+
+
+def test_acknowledged_changes_update_the_kernel_view():
+    state = adopted(A)
+    state.record([(B.dst, "no device")], [])
+    added: list[str] = []
+    state.installed([A_METRIC5, B], added)
+    assert added == [A.dst, B.dst]
+    assert state.kernel == {A.dst: A_METRIC5, B.dst: B}
+    assert state.strays == {stray_of(A)}  # the old key, deleted later in the same sync
+    assert state.failures == {}
+    removed: list[str] = []
+    state.deleted([stray_of(A), B], removed)
+    assert removed == [A.dst, B.dst] and state.kernel == {A.dst: A_METRIC5} and not state.strays
+
+
+def test_a_desired_route_someone_deleted_is_restored_and_counted():
+    state = adopted(A)
+    state.set_desired([A])
+    state.take_work(False)
+    state.own_route_removed(A)
+    assert state.kernel == {} and state.dirty == {A.dst} and state.restoring == {A.dst}
+    work = state.take_work(False)
+    plan = state.plan(work.dsts, work.full, work.retry)
+    assert plan.adds == [A]
+    state.installed(plan.adds, [])
+    assert state.counters.routes_restored == 1 and not state.restoring
+
+
+def test_own_routes_others_add_are_filed_and_others_replacing_ours_are_noticed():
+    state = RouteState()
+    state.set_desired([A])
+    state.take_work(False)
+    state.own_route_added(A_OTHER_GW)
+    assert state.kernel == {A.dst: A_OTHER_GW} and state.dirty == {A.dst}
+    work = state.take_work(False)
+    assert state.plan(work.dsts, work.full, work.retry).replaces == [A]
+    state.other_route_replaced(A.dst, 7)  # another key: ours is still there
+    assert state.kernel == {A.dst: A_OTHER_GW}
+    state.other_route_replaced(A.dst, 0)
+    assert state.kernel == {} and state.dirty == {A.dst}
+
+
+def test_dst_of_names_routes_and_strays():
+    assert dst_of(A) == dst_of(stray_of(A)) == A.dst
+
+
+# --- adoption ------------------------------------------------------------------------------
+
+
+def test_two_own_routes_for_one_destination_file_the_desired_key_as_the_route():
+    kernel: dict = {}
+    strays: set = set()
+    file_route(A, kernel, strays, {A.dst: A_METRIC5})
+    file_route(A_METRIC5, kernel, strays, {A.dst: A_METRIC5})
+    assert kernel == {A.dst: A_METRIC5} and strays == {stray_of(A)}
+
+
+def route_message(route: Route, protocol: int, **fields) -> nl.RouteMessage:
+    addr, _, plen = route.dst.partition("/")
+    family = route.family
+    return nl.RouteMessage(family, int(plen), nl.RT_TABLE_MAIN, protocol, 0, nl.RTN_UNICAST,
+                           dst=socket.inet_pton(family, addr),
+                           gateway=None if route.gateway is None else socket.inet_pton(family, route.gateway),
+                           oif=2, priority=route.metric, **fields)
+
+
+def test_classify_existing_adopts_ours_and_reports_the_others():
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.ifname[2] = "eth0"
+    messages = [
+        route_message(A_OTHER_GW, RTPROT_AGENTD),  # ours, another gateway: replace
+        route_message(B, nl.RTPROT_BIRD),  # BIRD's: a conflict
+        route_message(A, nl.RTPROT_BIRD, tos=0x10),  # another key (TOS): not in the way
+    ]
+    result = classify_existing([A, B, C], messages, table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD,
+                               route_of=netlink.route_of)
+    assert result.own == [A]
+    assert result.adopted == {A.dst: Route(A.dst, gateway="192.0.2.3", dev="eth0")}
+    assert [dst for dst, _reason in result.conflicts] == [B.dst]
+    assert "proto bird" in result.conflicts[0][1]
+    assert [dst for dst, _reason in result.unexplained] == [C.dst]
+
+
+# --- the pure side of the netlink I/O --------------------------------------------------------
+
+
+def test_route_of_reads_our_kernel_routes_and_leaves_other_shapes_as_strays():
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.ifname[2] = "eth0"
+    assert netlink.route_of(route_message(A, RTPROT_AGENTD)) == Route(A.dst, gateway=A.gateway, dev="eth0")
+    multipath = route_message(A, RTPROT_AGENTD, multipath=b"\0" * 8)
+    assert netlink.route_of(multipath) is None
+    assert netlink.found_of(multipath).text == A.dst
+
+
+def test_requests_decode_to_the_route_they_were_encoded_from():
+    netlink = RouteNetlink(table=100, protocol=RTPROT_AGENTD)
+    netlink.learn_link(nl.LinkMessage(index=2, name="eth0", flags=nl.IFF_UP))
+    msg = nl.decode_route(netlink.encode_route(Route(B.dst, dev="eth0", mtu=1400), 7, REQUEST_FLAGS[ADD]), nl.NLMSG_HDRLEN)
+    assert (msg.table, msg.protocol, msg.oif, msg.mtu, msg.scope) == (100, RTPROT_AGENTD, 2, 1400, nl.RT_SCOPE_LINK)
+    delete = nl.decode_route(netlink.encode_delete(A_METRIC5, 8, REQUEST_FLAGS[DELETE]), nl.NLMSG_HDRLEN)
+    assert (delete.table, delete.protocol, delete.priority, delete.dst_len) == (100, RTPROT_AGENTD, 5, 24)
