@@ -41,7 +41,7 @@ from typing import Any
 
 from agentd.lab import bpffs
 from agentd.lab.etcd import EtcdCluster, EtcdServer
-from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names, veth
+from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names, run, veth
 from agentd.lab.speaker_proc import render_toml
 from agentd.lab.sweep import Source, sweep
 from agentd.lab.wait import auntil
@@ -55,6 +55,7 @@ MAX_ETCD_MEMBERS = 7
 # Node I is 172.30.s.(10+I) on its segment and holds one /24 of 10.244.0.0/16: 200 leaves room
 # for the etcd members (.2-.8), the router (.1) and every node's subnet.
 MAX_NODES = 200
+STATIC_NEIGHBORS_ABOVE = 16
 CLUSTER_ID = f"{UNDERLAY_PREFIX}.255.1"  # shared by every route reflector
 API_URL = "http://127.0.0.1:9099"
 ASN = 64512
@@ -84,6 +85,12 @@ class LabSpec:
     hold_time: int = 9
     lease_ttl: int = 15
     log_level: str = "info"
+    # Permanent ARP entries on the underlay instead of ARP (None: for labs of more than
+    # STATIC_NEIGHBORS_ABOVE nodes).  The kernel has ONE ARP table for every namespace, full at
+    # net.ipv4.neigh.default.gc_thresh3 entries (1024 by default) machine-wide, and a mesh of N
+    # nodes needs N*(N-1): past that, new neighbours fail with ENOBUFS and BGP sessions sit in
+    # Connect.  Permanent entries are exempt from that limit (they are never garbage-collected).
+    static_neighbors: bool | None = None
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-node config overrides
 
     def node_names(self) -> list[str]:
@@ -402,6 +409,38 @@ class Lab:
                 et.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.0.1")
         for n in self.nodes:
             self._build_node(n)
+        if self.static_neighbors:
+            members = self._underlay_members()
+            for ns in {m.ns.name: m.ns for m in members}.values():
+                self._program_neighbors(ns, members)
+
+    @property
+    def static_neighbors(self) -> bool:
+        on = self.spec.static_neighbors
+        return self.spec.nodes > STATIC_NEIGHBORS_ABOVE if on is None else on
+
+    def _underlay_members(self) -> list[_Member]:
+        """Every interface on the underlay segments, with the MAC address the lab gives it when
+        it uses permanent neighbour entries (02:ad:00:00 + a 16-bit id unique in the lab)."""
+        out = [_Member(m.netns, "eth0", 0, m.host, _mac(0x100 + i))  # type: ignore[arg-type]
+               for i, m in enumerate(self.etcd.members, start=1)]  # fmt: skip
+        if self.spec.subnets > 1:
+            out += [_Member(self.router, f"eth{s}", s, f"{UNDERLAY_PREFIX}.{s}.1", _mac(0x200 + s))
+                    for s in range(self.spec.subnets)]  # fmt: skip
+        out += [_Member(n.ns, "eth0", n.segment, n.address, _mac(n.index)) for n in self.nodes]
+        return out
+
+    def _program_neighbors(self, ns: Netns, members: list[_Member], only: list[_Member] | None = None) -> None:
+        """One ``ip -batch`` in ``ns``: its own underlay MACs, then a permanent entry for every other
+        member on the same segment (``only``: just for those)."""
+        own = [m for m in members if m.ns.name == ns.name]
+        lines = [] if only else [f"link set dev {m.ifname} address {m.mac}" for m in own]
+        for mine in own:
+            for other in only or members:
+                if other.ns.name != ns.name and other.segment == mine.segment:
+                    lines.append(f"neigh replace {other.address} lladdr {other.mac} dev {mine.ifname} nud permanent")
+        if lines:
+            run(["ip", "-n", ns.name, "-batch", "-"], input=("\n".join(lines) + "\n").encode())
 
     def _build_node(self, n: LabNode) -> None:
         ul = self.underlay
@@ -437,6 +476,12 @@ class Lab:
         self._save()
         try:
             self._build_node(node)
+            if self.static_neighbors:
+                members = self._underlay_members()
+                self._program_neighbors(node.ns, members)
+                new = [m for m in members if m.ns.name == node.ns.name]
+                for ns in {m.ns.name: m.ns for m in members if m.ns.name != node.ns.name}.values():
+                    self._program_neighbors(ns, members, only=new)
         except NetnsError as err:
             raise LabError(f"{node.name}: {err}") from None
         node.start_agent()
@@ -699,6 +744,22 @@ def stage_timeout(nodes: int) -> float:
     """Default seconds per stage of ``up``: 90, or 3 per node for labs above 30 nodes (a 2-core
     machine starts 100 agents, each a Python process, in about a minute)."""
     return max(90.0, 3.0 * nodes)
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One interface on an underlay segment (a node's, an etcd member's, the router's)."""
+
+    ns: Netns
+    ifname: str
+    segment: int
+    address: str
+    mac: str
+
+
+def _mac(ident: int) -> str:
+    """A locally administered unicast MAC address for underlay interface ``ident``."""
+    return f"02:ad:00:00:{ident >> 8:02x}:{ident & 0xFF:02x}"
 
 
 def etcd_address(member: int) -> str:
