@@ -56,6 +56,7 @@ MAX_ETCD_MEMBERS = 7
 # for the etcd members (.2-.8), the router (.1) and every node's subnet.
 MAX_NODES = 200
 STATIC_NEIGHBORS_ABOVE = 16
+START_WAVE = 10  # agents started at once; the next wave starts once these hold a subnet
 CLUSTER_ID = f"{UNDERLAY_PREFIX}.255.1"  # shared by every route reflector
 API_URL = "http://127.0.0.1:9099"
 ASN = 64512
@@ -362,9 +363,13 @@ class Lab:
             await self.etcd.start()
             self._stage(f"etcd up on {', '.join(self.etcd.endpoints)}")
             stage = "agents started"
-            for n in self.nodes:
-                n.start_agent()
-            await self.wait_agents_started(timeout)
+            # In waves: 100 Python processes importing at once starve etcd on a small machine
+            # (leases expire, nodes are de-registered and re-registered, sessions churn).
+            for i in range(0, len(self.nodes), START_WAVE):
+                wave = self.nodes[i : i + START_WAVE]
+                for n in wave:
+                    n.start_agent()
+                await self.wait_agents_started(timeout, wave)
             self._stage("agents started: " + ", ".join(f"{n.name}={self._subnet(n)}" for n in self.nodes))
             stage = "peers established"
             await self.wait_established(timeout)
@@ -503,9 +508,9 @@ class Lab:
 
         await auntil(ok, timeout, what=lambda: f"{what} ({detail})", interval=0.2, in_thread=True, error=LabError)
 
-    async def wait_agents_started(self, timeout: float) -> None:
+    async def wait_agents_started(self, timeout: float, nodes: list[LabNode] | None = None) -> None:
         def check() -> tuple[bool, str]:
-            for n in self.nodes:
+            for n in nodes or self.nodes:
                 if n.agent_pid() is None:
                     tail = _tail(n.log_path)
                     raise LabError(f"{n.name}: agent exited; log {n.log_path} ends:\n{tail}")
