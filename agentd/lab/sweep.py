@@ -107,26 +107,32 @@ def _sweep_batch(sources: Sequence[Source], deadline: float, resend: float) -> d
     ident = int.from_bytes(os.urandom(2), "big")
     token = os.urandom(8)
     data = token + bytes(DATA_LEN - len(token))
-    socks: list[socket.socket] = []
+    socks: list[socket.socket | None] = []
     try:
         for src in sources:
-            socks.append(_open(src.netns_path))
+            try:
+                socks.append(_open(src.netns_path))
+            except FileNotFoundError:  # no such namespace (a pod not attached yet): nothing answers it
+                socks.append(None)
         # pending[i]: target indexes of source i (the echo sequence number) still unanswered.
         pending = [set(range(len(src.targets))) for src in sources]
-        by_fd = {s.fileno(): i for i, s in enumerate(socks)}
+        live = [i for i, s in enumerate(socks) if s is not None]
+        by_fd = {socks[i].fileno(): i for i in live}  # type: ignore[union-attr]
         poller = select.poll()
-        for s in socks:
-            poller.register(s, select.POLLIN)
+        for i in live:
+            poller.register(socks[i], select.POLLIN)  # type: ignore[arg-type]
         end = time.monotonic() + deadline
         next_send = 0.0
-        while any(pending) and (now := time.monotonic()) < end:
+        while any(pending[i] for i in live) and (now := time.monotonic()) < end:
             if now >= next_send:
                 next_send = now + resend
                 sent = 0
-                for i, src in enumerate(sources):
+                for i in live:
+                    src, sock = sources[i], socks[i]
+                    assert sock is not None
                     for seq in sorted(pending[i]):
                         try:
-                            socks[i].sendto(echo_request(ident, seq, data), (src.targets[seq], 0))
+                            sock.sendto(echo_request(ident, seq, data), (src.targets[seq], 0))
                         except OSError as err:  # no route yet, a full queue: the next round re-sends
                             if err.errno not in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENOBUFS,
                                                  errno.EAGAIN, errno.EPERM, errno.EACCES):
@@ -143,10 +149,12 @@ def _sweep_batch(sources: Sequence[Source], deadline: float, resend: float) -> d
         }
     finally:
         for s in socks:
-            s.close()
+            if s is not None:
+                s.close()
 
 
 def _drain(poller, by_fd, socks, sources, pending, ident: int, token: bytes, wait: float) -> None:
+    """Read every reply waiting (up to ``wait`` seconds for the first) and strike its pair off."""
     for fd, _ in poller.poll(math.ceil(wait * 1000)):
         i = by_fd[fd]
         while True:

@@ -83,3 +83,8 @@ def test_sweep_pings_from_each_namespace_and_names_who_did_not_answer(netns_fact
     # A link taken down stops the replies: the answer comes from the namespaces, not a cache.
     c.ip("link", "set", "vc", "down")
     assert sweep([Source("c", c.path, ("198.51.100.1",))], deadline=1.0) == {("c", "198.51.100.1"): False}
+    # A source whose namespace is gone (a pod not attached yet) reaches nobody; the others still do.
+    gone = Source("gone", c.path + "-no-such-namespace", ("192.0.2.2",))
+    assert sweep([gone, Source("b", b.path, ("192.0.2.1",))], deadline=1.0) == {
+        ("gone", "192.0.2.2"): False, ("b", "192.0.2.1"): True,
+    }
