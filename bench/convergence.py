@@ -69,7 +69,7 @@ from bench._lab_timing import (  # noqa: E402
 )
 
 from agentd.backend_table import NAMES  # noqa: E402
-from agentd.config import ConfigError, load_config  # noqa: E402
+from agentd.config.settings import ConfigError, load_config  # noqa: E402
 from agentd.lab.lab import MAX_NODES, Lab, LabError, LabNode, LabSpec, _bin, stage_timeout  # noqa: E402
 from agentd.lab.netns import NetnsError  # noqa: E402
 from agentd.kernel.route_model import RTPROT_AGENTD  # noqa: E402
