@@ -11,6 +11,7 @@ from agentd.cli import Command
 from agentd.config.settings import DATAPATH_CHOICES
 
 NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
+MAX_NODES = 200  # agentd.lab.lab.MAX_NODES: node I is 172.30.s.(10+I), pod subnets are /24s of a /16
 
 
 def _lab_name(text: str) -> str:
@@ -47,7 +48,8 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     sub.required = True
     up = sub.add_parser("up", help="build the lab and wait until every pod reaches every other pod")
     up.add_argument("--name", type=_lab_name, default="lab", help="lab name (namespaces are ad-<name>-*)")
-    up.add_argument("--nodes", type=_positive(1, 32), default=3)
+    up.add_argument("--nodes", type=_positive(1, MAX_NODES), default=3,
+                    help=f"nodes (1..{MAX_NODES}; node I has underlay address 172.30.s.(10+I))")
     up.add_argument("--pods", type=_positive(0, 16), default=2, help="pods per node")
     up.add_argument("--bgp", choices=["mesh", "route-reflector"], default="mesh")
     up.add_argument("--reflectors", type=_positive(1, 8), default=2, help="route reflectors (route-reflector mode)")
@@ -58,7 +60,8 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--subnets", type=_positive(1, 8), default=1, help="L2 segments, joined by a router")
     up.add_argument("--etcd", type=_positive(1, 7), default=1, metavar="N",
                     help="etcd members forming one cluster (3 or 5 survive the loss of 1 or 2)")
-    up.add_argument("--timeout", type=_seconds, default=90.0, help="seconds to wait for each stage")
+    up.add_argument("--timeout", type=_seconds, default=None,
+                    help="seconds to wait for each stage (default 90, or 3 per node above 30 nodes)")
     for name in ("down", "status"):
         sp = sub.add_parser(name)
         sp.add_argument("--name", type=_lab_name, default="lab")

@@ -41,8 +41,9 @@ from typing import Any
 
 from agentd.lab import bpffs
 from agentd.lab.etcd import EtcdCluster, EtcdServer
-from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names, veth
+from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names, run, veth
 from agentd.lab.speaker_proc import render_toml
+from agentd.lab.sweep import Source, sweep
 from agentd.lab.wait import auntil
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
@@ -51,6 +52,11 @@ UNDERLAY_PREFIX = "172.30"
 ETCD_ADDRESS = f"{UNDERLAY_PREFIX}.0.2"  # member 1; member M is at .(1+M)
 ETCD_PORT = 2379
 MAX_ETCD_MEMBERS = 7
+# Node I is 172.30.s.(10+I) on its segment and holds one /24 of 10.244.0.0/16: 200 leaves room
+# for the etcd members (.2-.8), the router (.1) and every node's subnet.
+MAX_NODES = 200
+STATIC_NEIGHBORS_ABOVE = 16
+START_WAVE = 10  # agents started at once; the next wave starts once these hold a subnet
 CLUSTER_ID = f"{UNDERLAY_PREFIX}.255.1"  # shared by every route reflector
 API_URL = "http://127.0.0.1:9099"
 ASN = 64512
@@ -80,6 +86,12 @@ class LabSpec:
     hold_time: int = 9
     lease_ttl: int = 15
     log_level: str = "info"
+    # Permanent ARP entries on the underlay instead of ARP (None: for labs of more than
+    # STATIC_NEIGHBORS_ABOVE nodes).  The kernel has ONE ARP table for every namespace, full at
+    # net.ipv4.neigh.default.gc_thresh3 entries (1024 by default) machine-wide, and a mesh of N
+    # nodes needs N*(N-1): past that, new neighbours fail with ENOBUFS and BGP sessions sit in
+    # Connect.  Permanent entries are exempt from that limit (they are never garbage-collected).
+    static_neighbors: bool | None = None
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-node config overrides
 
     def node_names(self) -> list[str]:
@@ -279,6 +291,8 @@ class Lab:
         self.progress = progress or (lambda line: None)
         self.underlay = Netns(f"ad-{spec.name}-ul")
         self.router = Netns(f"ad-{spec.name}-rt")
+        if not 1 <= spec.nodes <= MAX_NODES:
+            raise LabError(f"nodes: {spec.nodes} is out of range 1..{MAX_NODES}")
         if not 1 <= spec.etcd <= MAX_ETCD_MEMBERS:
             raise LabError(f"etcd members: {spec.etcd} is out of range 1..{MAX_ETCD_MEMBERS}")
         members = range(1, spec.etcd + 1)
@@ -349,9 +363,13 @@ class Lab:
             await self.etcd.start()
             self._stage(f"etcd up on {', '.join(self.etcd.endpoints)}")
             stage = "agents started"
-            for n in self.nodes:
-                n.start_agent()
-            await self.wait_agents_started(timeout)
+            # In waves: 100 Python processes importing at once starve etcd on a small machine
+            # (leases expire, nodes are de-registered and re-registered, sessions churn).
+            for i in range(0, len(self.nodes), START_WAVE):
+                wave = self.nodes[i : i + START_WAVE]
+                for n in wave:
+                    n.start_agent()
+                await self.wait_agents_started(timeout, wave)
             self._stage("agents started: " + ", ".join(f"{n.name}={self._subnet(n)}" for n in self.nodes))
             stage = "peers established"
             await self.wait_established(timeout)
@@ -396,6 +414,38 @@ class Lab:
                 et.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.0.1")
         for n in self.nodes:
             self._build_node(n)
+        if self.static_neighbors:
+            members = self._underlay_members()
+            for ns in {m.ns.name: m.ns for m in members}.values():
+                self._program_neighbors(ns, members)
+
+    @property
+    def static_neighbors(self) -> bool:
+        on = self.spec.static_neighbors
+        return self.spec.nodes > STATIC_NEIGHBORS_ABOVE if on is None else on
+
+    def _underlay_members(self) -> list[_Member]:
+        """Every interface on the underlay segments, with the MAC address the lab gives it when
+        it uses permanent neighbour entries (02:ad:00:00 + a 16-bit id unique in the lab)."""
+        out = [_Member(m.netns, "eth0", 0, m.host, _mac(0x100 + i))  # type: ignore[arg-type]
+               for i, m in enumerate(self.etcd.members, start=1)]  # fmt: skip
+        if self.spec.subnets > 1:
+            out += [_Member(self.router, f"eth{s}", s, f"{UNDERLAY_PREFIX}.{s}.1", _mac(0x200 + s))
+                    for s in range(self.spec.subnets)]  # fmt: skip
+        out += [_Member(n.ns, "eth0", n.segment, n.address, _mac(n.index)) for n in self.nodes]
+        return out
+
+    def _program_neighbors(self, ns: Netns, members: list[_Member], only: list[_Member] | None = None) -> None:
+        """One ``ip -batch`` in ``ns``: its own underlay MACs, then a permanent entry for every other
+        member on the same segment (``only``: just for those)."""
+        own = [m for m in members if m.ns.name == ns.name]
+        lines = [] if only else [f"link set dev {m.ifname} address {m.mac}" for m in own]
+        for mine in own:
+            for other in only or members:
+                if other.ns.name != ns.name and other.segment == mine.segment:
+                    lines.append(f"neigh replace {other.address} lladdr {other.mac} dev {mine.ifname} nud permanent")
+        if lines:
+            run(["ip", "-n", ns.name, "-batch", "-"], input=("\n".join(lines) + "\n").encode())
 
     def _build_node(self, n: LabNode) -> None:
         ul = self.underlay
@@ -423,12 +473,20 @@ class Lab:
 
     async def add_node(self, timeout: float = 60.0) -> LabNode:
         """Build one more node (no pods), start its agent and wait until it holds a subnet."""
+        if len(self.nodes) >= MAX_NODES:
+            raise LabError(f"lab {self.spec.name} has {len(self.nodes)} nodes, the most a lab can have")
         node = LabNode(self, len(self.nodes) + 1)
         self.nodes.append(node)
         self.spec.nodes = len(self.nodes)
         self._save()
         try:
             self._build_node(node)
+            if self.static_neighbors:
+                members = self._underlay_members()
+                self._program_neighbors(node.ns, members)
+                new = [m for m in members if m.ns.name == node.ns.name]
+                for ns in {m.ns.name: m.ns for m in members if m.ns.name != node.ns.name}.values():
+                    self._program_neighbors(ns, members, only=new)
         except NetnsError as err:
             raise LabError(f"{node.name}: {err}") from None
         node.start_agent()
@@ -450,9 +508,9 @@ class Lab:
 
         await auntil(ok, timeout, what=lambda: f"{what} ({detail})", interval=0.2, in_thread=True, error=LabError)
 
-    async def wait_agents_started(self, timeout: float) -> None:
+    async def wait_agents_started(self, timeout: float, nodes: list[LabNode] | None = None) -> None:
         def check() -> tuple[bool, str]:
-            for n in self.nodes:
+            for n in nodes or self.nodes:
                 if n.agent_pid() is None:
                     tail = _tail(n.log_path)
                     raise LabError(f"{n.name}: agent exited; log {n.log_path} ends:\n{tail}")
@@ -502,10 +560,21 @@ class Lab:
 
     # ------------------------------------------------------------ pods
 
-    async def attach_pods(self) -> None:
+    async def attach_pods(self, parallel: int = 4) -> None:
+        """CNI ADD for every pod without an address: a node's pods one after the other (as one
+        runtime would), up to ``parallel`` nodes at once."""
+        gate = asyncio.Semaphore(parallel)
+
+        async def node_pods(pods: list[LabPod]) -> None:
+            async with gate:
+                for pod in pods:
+                    await self.attach_pod(pod)
+
+        per_node: dict[str, list[LabPod]] = {}
         for pod in self.pods:
             if pod.ip is None:
-                await self.attach_pod(pod)
+                per_node.setdefault(pod.node.name, []).append(pod)
+        await asyncio.gather(*(node_pods(pods) for pods in per_node.values()))
 
     async def attach_pod(self, pod: LabPod) -> None:
         if not pod.ns.exists():
@@ -589,10 +658,17 @@ class Lab:
         )
         return rc == 0
 
-    async def reachability(self) -> dict[tuple[str, str], bool]:
-        pairs = [(a, b) for a in self.pods for b in self.pods if a is not b and b.ip]
-        results = await asyncio.gather(*(self.ping(a, b.ip) for a, b in pairs))  # type: ignore[arg-type]
-        return {(a.name, b.name): ok for (a, b), ok in zip(pairs, results)}
+    async def reachability(self, deadline: float = 3.0) -> dict[tuple[str, str], bool]:
+        """{(source pod, target pod): an echo reply came back within ``deadline`` seconds} for every
+        ordered pair of pods; one raw ICMP socket per source pod in this process (agentd.lab.sweep),
+        not a ``ping`` process per pair."""
+        by_ip = {p.ip: p for p in self.pods if p.ip}
+        sources = [
+            Source(a.name, a.ns.path, tuple(b.ip for b in self.pods if b is not a and b.ip))  # type: ignore[misc]
+            for a in self.pods
+        ]
+        got = await asyncio.to_thread(sweep, sources, deadline=deadline)
+        return {(src, by_ip[ip].name): ok for (src, ip), ok in got.items()}
 
     async def wait_reachable(self, timeout: float) -> None:
         failing: list[str] = []
@@ -602,8 +678,11 @@ class Lab:
             failing = [f"{a}->{b}" for (a, b), ok in (await self.reachability()).items() if not ok]
             return not failing
 
-        await auntil(reachable, timeout, what=lambda: f"every pod reachable (failing: {', '.join(failing[:10])})",
-                     interval=0.5, error=LabError)
+        def what() -> str:
+            more = f" and {len(failing) - 10} more" if len(failing) > 10 else ""
+            return f"every pod reachable (failing: {', '.join(failing[:10])}{more})"
+
+        await auntil(reachable, timeout, what=what, interval=0.5, error=LabError)
 
     # ------------------------------------------------------------ down, state
 
@@ -612,13 +691,16 @@ class Lab:
             with contextlib.suppress(Exception):
                 await self._resources.close()
             self._resources = None
-        for n in self.nodes:
+
+        async def stop(n: LabNode) -> None:
             with contextlib.suppress(Exception):
-                await n.stop_agent(signal.SIGTERM, timeout=5)
+                await n.stop_agent(signal.SIGTERM, timeout=10)
             if n.proc is not None and n.proc.poll() is None:  # not stopped in time: kill and reap it
                 with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                     n.proc.kill()
                     await asyncio.to_thread(n.proc.wait, 5)
+
+        await asyncio.gather(*(stop(n) for n in self.nodes))  # all at once: 100 agents stop in seconds
         with contextlib.suppress(Exception):
             await self.etcd.kill()
         removed = await asyncio.to_thread(delete_matching, f"ad-{self.spec.name}-")
@@ -663,6 +745,28 @@ class Lab:
         return lab
 
 
+def stage_timeout(nodes: int) -> float:
+    """Default seconds per stage of ``up``: 90, or 3 per node for labs above 30 nodes (a 2-core
+    machine starts 100 agents, each a Python process, in about a minute)."""
+    return max(90.0, 3.0 * nodes)
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One interface on an underlay segment (a node's, an etcd member's, the router's)."""
+
+    ns: Netns
+    ifname: str
+    segment: int
+    address: str
+    mac: str
+
+
+def _mac(ident: int) -> str:
+    """A locally administered unicast MAC address for underlay interface ``ident``."""
+    return f"02:ad:00:00:{ident >> 8:02x}:{ident & 0xFF:02x}"
+
+
 def etcd_address(member: int) -> str:
     """Underlay address of etcd member ``member`` (1-based)."""
     return f"{UNDERLAY_PREFIX}.0.{1 + member}"
@@ -695,8 +799,10 @@ def cli_up(args) -> int:
         raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
     lab = Lab(spec, progress=lambda line: print(line, flush=True))
 
+    timeout = args.timeout or stage_timeout(spec.nodes)
+
     async def go() -> None:
-        await lab.up(args.timeout)
+        await lab.up(timeout)
 
     try:
         asyncio.run(go())
@@ -716,11 +822,18 @@ def cli_up(args) -> int:
     return 0
 
 
+MATRIX_PODS = 16  # a larger lab gets a count and the failing pairs instead of the matrix
+
+
 def _matrix(lab: Lab) -> str:
     matrix = asyncio.run(lab.reachability())
     names = [p.name for p in lab.pods]
+    if len(names) > MATRIX_PODS:
+        failing = [f"{a}->{b}" for (a, b), ok in matrix.items() if not ok]
+        text = f"pod reachability (ICMP echo): {len(matrix) - len(failing)}/{len(matrix)} ordered pod pairs answer"
+        return text + (f"; failing: {', '.join(failing)}" if failing else "")
     width = max([len(n) for n in names] + [4])
-    lines = ["pod reachability (ping):", " " * (width + 2) + " ".join(n.rjust(width) for n in names)]
+    lines = ["pod reachability (ICMP echo):", " " * (width + 2) + " ".join(n.rjust(width) for n in names)]
     for a in lab.pods:
         cells = []
         for b in lab.pods:

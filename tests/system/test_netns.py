@@ -58,3 +58,33 @@ def test_http_get_inside_namespace(netns_factory):
     finally:
         srv.kill()
         srv.wait()
+
+
+def test_sweep_pings_from_each_namespace_and_names_who_did_not_answer(netns_factory):
+    from agentd.lab.sweep import Source, sweep
+
+    a, b, c = netns_factory("a"), netns_factory("b"), netns_factory("c")
+    netns.veth(a, "va", b, "vb")
+    netns.veth(a, "va2", c, "vc")
+    a.ip("addr", "add", "192.0.2.1/24", "dev", "va")
+    b.ip("addr", "add", "192.0.2.2/24", "dev", "vb")
+    a.ip("addr", "add", "198.51.100.1/24", "dev", "va2")
+    c.ip("addr", "add", "198.51.100.2/24", "dev", "vc")
+    # b reaches a; c reaches a; .3 on b's link does not exist; b has no route to c's network.
+    # The sockets are b's and c's: a 192.0.2.1 reply to c would prove nothing about b.
+    got = sweep(
+        [Source("b", b.path, ("192.0.2.1", "192.0.2.3", "198.51.100.2")), Source("c", c.path, ("198.51.100.1",))],
+        deadline=1.5,
+    )
+    assert got == {
+        ("b", "192.0.2.1"): True, ("b", "192.0.2.3"): False, ("b", "198.51.100.2"): False,
+        ("c", "198.51.100.1"): True,
+    }
+    # A link taken down stops the replies: the answer comes from the namespaces, not a cache.
+    c.ip("link", "set", "vc", "down")
+    assert sweep([Source("c", c.path, ("198.51.100.1",))], deadline=1.0) == {("c", "198.51.100.1"): False}
+    # A source whose namespace is gone (a pod not attached yet) reaches nobody; the others still do.
+    gone = Source("gone", c.path + "-no-such-namespace", ("192.0.2.2",))
+    assert sweep([gone, Source("b", b.path, ("192.0.2.1",))], deadline=1.0) == {
+        ("gone", "192.0.2.2"): False, ("b", "192.0.2.1"): True,
+    }
