@@ -104,10 +104,12 @@ class BpfPath:
             return
         self.redirect_held = hold
         async with self._lock:
-            if self.dp is not None:
-                await asyncio.to_thread(self.dp.set_config, self.config(), keep=True, clear=self._cleared())
-        log.info("BPF: decapsulated packets for pods %s", "take the stack's path (network policy isolates a pod here)"
-                 if hold else "go straight to the pods' bridge ports again")
+            if self.dp is None:
+                return
+            await asyncio.to_thread(self.dp.set_config, self.config(), keep=True, clear=self._cleared())
+        if self.carried and self.cfg.network.bpf_pod_redirect:  # else there is no redirect to speak of
+            log.info("BPF: decapsulated packets for pods %s", "take the stack's path (network policy isolates a pod here)"
+                     if hold else "go straight to the pods' bridge ports again")
 
     def _cleared(self) -> int:
         return 0 if self.redirecting else layout.CFG_POD_REDIRECT
