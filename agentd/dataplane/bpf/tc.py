@@ -1,6 +1,6 @@
 """Attach the data path's programs to a device: a clsact qdisc and one cls_bpf filter per
 direction, in direct-action mode (the program's return value is the verdict), through
-rtnetlink (rtnl.py) -- the requests ``tc filter replace dev X egress prio P handle H bpf da
+rtnetlink (agentd.kernel.netlink_tc on the agent's one netlink codec) -- the requests ``tc filter replace dev X egress prio P handle H bpf da
 fd N name NAME`` makes, without running ``tc``.
 
 Our filters sit at priority :data:`PRIO`, handle :data:`HANDLE`, and carry the program's
@@ -17,7 +17,9 @@ import contextlib
 import errno
 from dataclasses import dataclass
 
-from .rtnl import Rtnl, RtnlError
+from agentd.kernel import netlink_tc as tcm
+from agentd.kernel.netlink import NetlinkError
+from agentd.kernel.rtnl import Rtnl
 
 PRIO = 0xA6E7  # "agentd" hashed to 16 bits: out of the way of the 1, 2, 49152... others pick
 HANDLE = 1
@@ -47,16 +49,33 @@ class Filter:
 def filters(ifindex: int) -> list[Filter]:
     """Every filter on the device's clsact hooks (anyone's); none without a clsact qdisc."""
     out = []
-    with Rtnl() as nl:
+    with Rtnl() as rt:
         for direction, parent in PARENTS.items():
             try:
-                found = nl.filters(ifindex, parent)
-            except RtnlError as err:
+                answers = rt.request(tcm.encode_get_filters(rt.next_seq(), ifindex, parent),
+                                     f"listing filters of device {ifindex}")
+            except NetlinkError as err:
                 if err.errno in (errno.EINVAL, errno.ENOENT):
                     continue  # no clsact qdisc
                 raise
-            out += [Filter(direction, f["prio"], f["handle"], f["kind"], f["name"], f["prog_id"]) for f in found]
+            for mtype, buf, start, end in answers:
+                if mtype != tcm.RTM_NEWTFILTER:
+                    continue
+                f = tcm.decode_filter(buf, start, end)
+                if f.handle:  # handle 0: the header of a priority's chain, not a filter
+                    out.append(Filter(direction, f.prio, f.handle, f.kind, f.name, f.prog_id))
     return out
+
+
+def _add_clsact(rt: Rtnl, ifindex: int) -> bool:
+    """Add the device's clsact qdisc; False if it has one already."""
+    try:
+        rt.request(tcm.encode_add_clsact(rt.next_seq(), ifindex), f"clsact on device {ifindex}")
+    except NetlinkError as err:
+        if err.errno == errno.EEXIST:
+            return False
+        raise
+    return True
 
 
 def attach(ifindex: int, direction: str, prog_fd: int, name: str) -> None:
@@ -66,11 +85,13 @@ def attach(ifindex: int, direction: str, prog_fd: int, name: str) -> None:
             if f.direction == direction and f.prio == PRIO and f.handle == HANDLE and not f.ours:
                 raise TcError(f"device {ifindex} {direction}: priority {PRIO:#x} handle {HANDLE} holds a {f.kind} "
                               f"filter {f.name or ''} that is not agentd's; not replacing it")
-        with Rtnl() as nl:
-            nl.add_clsact(ifindex)
-            nl.replace_bpf_filter(ifindex, PARENTS[direction], PRIO, HANDLE, ETH_P_ALL, prog_fd, name)
-    except RtnlError as err:
-        raise TcError(f"device {ifindex} {direction}: cannot attach {name}: {err.strerror}") from None
+        with Rtnl() as rt:
+            _add_clsact(rt, ifindex)
+            rt.request(tcm.encode_replace_bpf_filter(rt.next_seq(), ifindex, PARENTS[direction], PRIO, HANDLE,
+                                                     ETH_P_ALL, prog_fd, name),
+                       f"attaching {name} to device {ifindex}")
+    except NetlinkError as err:
+        raise TcError(f"device {ifindex} {direction}: cannot attach {name}: {err}") from None
 
 
 def detach(ifindex: int) -> int:
@@ -78,18 +99,19 @@ def detach(ifindex: int) -> int:
     returns how many filters were removed.  A device that is gone has nothing to remove."""
     try:
         current = filters(ifindex)
-    except RtnlError as err:
+    except NetlinkError as err:
         if err.errno == errno.ENODEV:
             return 0
         raise
     removed = 0
-    with Rtnl() as nl:
+    with Rtnl() as rt:
         for f in current:
             if f.ours:
-                with contextlib.suppress(RtnlError):
-                    nl.del_filter(ifindex, PARENTS[f.direction], f.prio, f.handle, ETH_P_ALL, "bpf")
+                with contextlib.suppress(NetlinkError):
+                    rt.request(tcm.encode_del_filter(rt.next_seq(), ifindex, PARENTS[f.direction], f.prio, f.handle,
+                                                     ETH_P_ALL, "bpf"), f"deleting a filter of device {ifindex}")
                     removed += 1
         if removed and all(f.ours for f in current):  # we were there, and nobody else is: ours to remove
-            with contextlib.suppress(RtnlError):
-                nl.del_clsact(ifindex)
+            with contextlib.suppress(NetlinkError):
+                rt.request(tcm.encode_del_clsact(rt.next_seq(), ifindex), f"deleting clsact on device {ifindex}")
     return removed
