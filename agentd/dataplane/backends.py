@@ -44,6 +44,7 @@ from agentd.dataplane.bpf import BpfUnavailable, layout
 from agentd.datastore.store import NodeRecord
 from agentd.kernel import netlink as nl
 from agentd.kernel.netlink_links import Vxlan, decode_vxlan
+from agentd.kernel.netlink_socket import NetlinkSocket
 from agentd.kernel.rtnl import Rtnl
 from agentd.kernel.forwarding import LocalPaths, PeerPlan, peer_in_userspace
 from agentd.kernel.netinfo import Underlay
@@ -64,7 +65,7 @@ def vxlan_peer_entries(index: int, vtep_ip: str, mac: str, peer: str) -> tuple[n
     return neighbour, fdb
 
 
-async def _neigh_request(sock: nl.NetlinkSocket, code: str, entry: nl.NeighMessage, seq: int) -> None:
+async def _neigh_request(sock: NetlinkSocket, code: str, entry: nl.NeighMessage, seq: int) -> None:
     """One RTM_NEWNEIGH ("replace": create or replace) or RTM_DELNEIGH ("del"), acknowledged;
     the kernel's refusal raises nl.NetlinkError."""
     if code == "replace":
@@ -147,7 +148,7 @@ class _Vxlan:
             index = socket.if_nametoindex(self.device)
         except OSError:
             return  # no device (yet): nothing to program
-        sock = nl.NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
+        sock = NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
         seq = 0
         try:
             for peer, (vtep_ip, mac) in list(self.installed.items()):

@@ -15,13 +15,14 @@ import socket
 
 from agentd.kernel import netlink as nl
 from agentd.kernel import netlink_links as links
+from agentd.kernel.netlink_socket import NetlinkSocket
 
 
 class Rtnl:
     """One NETLINK_ROUTE socket; ``with Rtnl() as rt: ...``."""
 
     def __init__(self) -> None:
-        self.sock = nl.NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
+        self.sock = NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
         self._seq = 0
 
     def __enter__(self) -> Rtnl:
