@@ -305,6 +305,7 @@ class BpfDatapath:
             "pins": str(self.dir),
             "adopted_maps": list(self.adopted),
             "programs": {DIRECTIONS[s]: {"id": i} for s, i in self.prog_ids.items()},
+            "hook": "tcx" if tc.tcx_available() else "clsact",  # where the programs are attached
             "routes": len(self.routes),
             "members": len(self.members),
             "bridge_ports": len(self.ports),
