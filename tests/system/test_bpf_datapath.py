@@ -20,6 +20,7 @@ from ipaddress import IPv4Network
 
 import pytest
 
+from agentd.dataplane.bpf import BpfDatapath, Config, layout, pin_dir, tc
 from agentd.lab.twohosts import (
     H1_UNDERLAY,
     H2_UNDERLAY,
@@ -32,7 +33,6 @@ from agentd.lab.twohosts import (
     build_two_hosts,
     wait_for,
 )
-from agentd.dataplane.bpf import BpfDatapath, Config, layout, pin_dir, tc
 from proto import packet as P
 
 pytestmark = pytest.mark.timeout(120)

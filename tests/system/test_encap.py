@@ -17,8 +17,8 @@ import threading
 
 import pytest
 
-from agentd.dataplane.backends import control_path
 from agentd.dataplane import DataplaneClient
+from agentd.dataplane.backends import control_path
 from agentd.dataplane.bpf import layout
 from agentd.dataplane.bpf import syscall as bpf
 from agentd.lab.lab import ETCD_ADDRESS
