@@ -87,6 +87,28 @@ class Interned:
         self.new[raw] = attr
 
 
+class InternedByCode:
+    """One :class:`Interned` per attribute type code, for one session and codec context.
+
+    Apart so that attributes seen once per route (a MED, COMMUNITIES of its own) cannot
+    push out the ones many routes share (a few thousand AS_PATHs, one NEXT_HOP): with
+    one prefix and one attribute set per UPDATE, a shared table would turn over every few
+    thousand UPDATEs and decode the same AS_PATH again and again, one copy per route.
+    """
+
+    __slots__ = ("tables", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.tables: dict[int, Interned] = {}
+        self.limit = limit
+
+    def table(self, code: int) -> Interned:
+        t = self.tables.get(code)
+        if t is None:
+            t = self.tables[code] = Interned(self.limit)
+        return t
+
+
 def frame_attributes(body: bytes, start: int, end: int) -> tuple[list[Frame], UpdateError | None, bool]:
     """Walk the attribute headers.  Returns the frames, the framing error if any
     (RFC 7606 §4: treat-as-withdraw, the NLRI being located by the Total Path Attribute
@@ -153,7 +175,7 @@ def _flags_error(cls: type[PathAttribute], flags: int, raw: bytes) -> UpdateErro
 
 
 def decode_shared(
-    body: bytes, frames: list[Frame], ctx: CodecContext, interned: Interned | None = None
+    body: bytes, frames: list[Frame], ctx: CodecContext, interned: InternedByCode | None = None
 ) -> SharedAttributes:
     """Decode every non-MP attribute of ``frames``; raises DecodeError only for
     session-reset outcomes (an unrecognized well-known attribute, RFC 4271 §6.3).
@@ -188,9 +210,10 @@ def decode_shared(
         seen |= _SEEN_BIT.get(code, 0)
         if interned is not None:
             raw = body[astart:vend]
-            attr = interned.new.get(raw)
+            table = interned.tables.get(code) or interned.table(code)
+            attr = table.new.get(raw)
             if attr is None:
-                attr = interned.get(raw)
+                attr = table.get(raw)
             if attr is not None:
                 items[code] = attr
                 continue
@@ -280,7 +303,7 @@ def decode_shared(
         if interned is not None and problem is None:
             # Every outcome above is a function of these bytes and ctx: no error, so the
             # same bytes decode to an equal object.
-            interned.put(raw, attr)
+            table.put(raw, attr)
     if not ctx.four_octet_as:
         _merge_as4(items)
     return SharedAttributes(PathAttributes._of_index(items), tuple(errors), tuple(nh_errors), seen)
@@ -351,4 +374,4 @@ def _mp_next_hop_problem(address: IPv4Address | IPv6Address) -> str | None:
     return None
 
 
-__all__ = ["Interned", "SharedAttributes", "frame_attributes", "decode_shared", "decode_mp"]
+__all__ = ["Interned", "InternedByCode", "SharedAttributes", "frame_attributes", "decode_shared", "decode_mp"]

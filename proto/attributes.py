@@ -413,16 +413,33 @@ _EMPTY_PATH = AsPath()
 _NLRI_CODES = (MpReachNlri.code, MpUnreachNlri.code)
 
 
+# The type codes of a PathAttributes, in order, as one bytes object (``codes.find(c)`` is
+# the position of code ``c`` in ``items``).  Shared: a table holds a handful of distinct
+# code lists, so a set of attributes pays a pointer for its index, not a dict per set.
+_CODE_LISTS: dict[bytes, bytes] = {}
+
+
+def _codes_of(items: tuple[PathAttribute, ...]) -> bytes:
+    codes = bytes([a.code for a in items])
+    shared = _CODE_LISTS.get(codes)
+    if shared is None:
+        if len(_CODE_LISTS) >= 4096:  # bounded even if a peer sends every combination
+            _CODE_LISTS.clear()
+        shared = _CODE_LISTS[codes] = codes
+    return shared
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class PathAttributes:
     """The path attributes of a route: immutable, hashable, sorted by type code.
 
     Never holds MP_REACH_NLRI/MP_UNREACH_NLRI (they live on the Update).  Lookups by
-    code go through an index built once at construction.
+    code go through ``_codes``, the items' type codes as bytes (a shared object: one
+    attribute set per route must not cost a dict per route).
     """
 
     items: tuple[PathAttribute, ...] = ()
-    _index: dict[int, PathAttribute] = field(init=False, repr=False, compare=False)
+    _codes: bytes = field(init=False, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -436,7 +453,7 @@ class PathAttributes:
             index[code] = attr
         items = tuple(index[c] for c in sorted(index))
         object.__setattr__(self, "items", items)
-        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_codes", _codes_of(items))
         object.__setattr__(self, "_hash", hash(items))
 
     @classmethod
@@ -449,9 +466,12 @@ class PathAttributes:
             index = {c: index[c] for c in sorted(codes)}
         items = tuple(index.values())
         object.__setattr__(self, "items", items)
-        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_codes", _codes_of(items))
         object.__setattr__(self, "_hash", hash(items))
         return self
+
+    def _index(self) -> dict[int, PathAttribute]:
+        return dict(zip(self._codes, self.items))
 
     @classmethod
     def of(cls, *attrs: PathAttribute) -> PathAttributes:
@@ -475,10 +495,11 @@ class PathAttributes:
         self.__post_init__()
 
     def get(self, code: int) -> PathAttribute | None:
-        return self._index.get(code)
+        i = self._codes.find(code) if type(code) is int and 0 <= code < 256 else -1
+        return self.items[i] if i >= 0 else None
 
     def __contains__(self, code: object) -> bool:
-        return code in self._index
+        return type(code) is int and 0 <= code < 256 and code in self._codes  # type: ignore[operator]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -488,59 +509,69 @@ class PathAttributes:
 
     @property
     def origin(self) -> int | None:
-        attr = self._index.get(1)
+        i = self._codes.find(1)
+        attr = self.items[i] if i >= 0 else None
         return attr.value if attr is not None else None  # type: ignore[attr-defined]
 
     @property
     def as_path(self) -> AsPath:
-        return self._index.get(2, _EMPTY_PATH)  # type: ignore[return-value]
+        i = self._codes.find(2)
+        return self.items[i] if i >= 0 else _EMPTY_PATH  # type: ignore[return-value]
 
     @property
     def next_hop(self) -> IPv4Address | None:
-        attr = self._index.get(3)
+        i = self._codes.find(3)
+        attr = self.items[i] if i >= 0 else None
         return attr.address if attr is not None else None  # type: ignore[attr-defined]
 
     @property
     def med(self) -> int | None:
-        attr = self._index.get(4)
+        i = self._codes.find(4)
+        attr = self.items[i] if i >= 0 else None
         return attr.value if attr is not None else None  # type: ignore[attr-defined]
 
     @property
     def local_pref(self) -> int | None:
-        attr = self._index.get(5)
+        i = self._codes.find(5)
+        attr = self.items[i] if i >= 0 else None
         return attr.value if attr is not None else None  # type: ignore[attr-defined]
 
     @property
     def atomic_aggregate(self) -> bool:
-        return 6 in self._index
+        return 6 in self._codes
 
     @property
     def aggregator(self) -> Aggregator | None:
-        return self._index.get(7)  # type: ignore[return-value]
+        i = self._codes.find(7)
+        return self.items[i] if i >= 0 else None  # type: ignore[return-value]
 
     @property
     def communities(self) -> tuple[int, ...]:
-        attr = self._index.get(8)
+        i = self._codes.find(8)
+        attr = self.items[i] if i >= 0 else None
         return attr.values if attr is not None else ()  # type: ignore[attr-defined]
 
     @property
     def large_communities(self) -> tuple[tuple[int, int, int], ...]:
-        attr = self._index.get(32)
+        i = self._codes.find(32)
+        attr = self.items[i] if i >= 0 else None
         return attr.values if attr is not None else ()  # type: ignore[attr-defined]
 
     @property
     def originator_id(self) -> IPv4Address | None:
-        attr = self._index.get(9)
+        i = self._codes.find(9)
+        attr = self.items[i] if i >= 0 else None
         return attr.address if attr is not None else None  # type: ignore[attr-defined]
 
     @property
     def cluster_list(self) -> tuple[IPv4Address, ...]:
-        attr = self._index.get(10)
+        i = self._codes.find(10)
+        attr = self.items[i] if i >= 0 else None
         return attr.ids if attr is not None else ()  # type: ignore[attr-defined]
 
     def replace(self, *attrs: PathAttribute) -> PathAttributes:
         """A copy with each of ``attrs`` added, or replacing the one with its code."""
-        index = dict(self._index)
+        index = self._index()
         for attr in attrs:
             if attr.code in _NLRI_CODES:
                 raise ValueError("MP_REACH_NLRI/MP_UNREACH_NLRI belong on the Update, not in PathAttributes")
@@ -549,10 +580,10 @@ class PathAttributes:
 
     def without(self, *codes: int) -> PathAttributes:
         """A copy without the attributes of the given type codes."""
-        index = self._index
-        if index.keys().isdisjoint(codes):
+        own = self._codes
+        if not any(type(c) is int and 0 <= c < 256 and c in own for c in codes):
             return self
-        return PathAttributes._of_index({c: a for c, a in index.items() if c not in codes})
+        return PathAttributes._of_index({c: a for c, a in zip(own, self.items) if c not in codes})
 
     def encode(self, ctx: CodecContext = DEFAULT_CONTEXT) -> bytes:
         """All attributes, ordered by type code.
@@ -563,7 +594,7 @@ class PathAttributes:
         """
         items = self.items
         if not ctx.four_octet_as:
-            index = self._index
+            index = self._index()
             extra: dict[int, PathAttribute] = {}
             as_path = index.get(2)
             if isinstance(as_path, AsPath):

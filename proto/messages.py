@@ -14,7 +14,7 @@ from ipaddress import IPv4Address
 from typing import ClassVar, Union
 
 from proto._attr_base import AS_TRANS, DEFAULT_CONTEXT, CodecContext
-from proto._attrblock import Interned, SharedAttributes, decode_mp, decode_shared, frame_attributes
+from proto._attrblock import InternedByCode, SharedAttributes, decode_mp, decode_shared, frame_attributes
 from proto.attributes import EMPTY_ATTRIBUTES, MpReachNlri, MpUnreachNlri, PathAttributes
 from proto.capabilities import Capability, FourOctetAs, decode_capability
 from proto.errors import (
@@ -200,7 +200,7 @@ def _decode_optional_parameters(body: bytes) -> tuple[Capability, ...]:
 ATTRIBUTE_CACHE_SIZE = 8192
 _CTX_KEY = object()  # the cache remembers the context its entries were decoded with
 _ATTR_KEY = object()  # ... and holds single attributes by their bytes (decode_shared's ``interned``)
-INTERNED_ATTRIBUTES = 8192  # per generation of those single attributes (see Interned)
+INTERNED_ATTRIBUTES = 8192  # per generation and type code of those single attributes (see InternedByCode)
 _TAW = ErrorAction.TREAT_AS_WITHDRAW
 _MISSING_NAMES = ((1, 1, "ORIGIN"), (2, 2, "AS_PATH"), (4, 3, "NEXT_HOP"))
 
@@ -310,7 +310,7 @@ class Update:
                 if cache is not None:
                     interned = cache.get(_ATTR_KEY)
                     if interned is None:
-                        interned = cache[_ATTR_KEY] = Interned(INTERNED_ATTRIBUTES)
+                        interned = cache[_ATTR_KEY] = InternedByCode(INTERNED_ATTRIBUTES)
                 shared = decode_shared(body, frames, ctx, interned)
                 if key is not None:
                     if len(cache) > ATTRIBUTE_CACHE_SIZE:  # type: ignore[arg-type]
