@@ -215,10 +215,12 @@ class UpdateGroup:
         self._segment: _Segment | None = None
         #: Families whose first computation from the Loc-RIB is still going on.
         self.building: dict[Family, _Cursor] = {}
-        #: Prefixes whose best path came from the group's only member: nobody here could have
-        #: them, so they are exported only once a second member joins (a feed of a million
-        #: routes from one peer costs no export work for that peer's own group).
-        self.deferred: dict[Family, set[bytes]] = {f: set() for f in key.families}
+        #: Families where routes whose best path came from the group's only member were held
+        #: back: nobody here could have them, so they are exported only once a second member
+        #: joins (a feed of a million routes from one peer costs no export work, and no
+        #: memory per prefix, for that peer's own group).  Which prefixes is not kept: the
+        #: join recomputes the family from the Loc-RIB (:meth:`take_deferred`).
+        self.deferred: set[Family] = set()
         # Exclusion counts, for each member's count of routes sent.
         self._by_source: Counter[str] = Counter()
         self._by_originator: Counter[IPv4Address] = Counter()
@@ -242,17 +244,18 @@ class UpdateGroup:
             m.cursors[family] = _Cursor(list(self.tables[family]))
             m.eor.add(family)
         self.members[key] = m
-        for family, deferred in self.deferred.items():
-            if deferred:
-                # Now someone may want them: export them as a build does (the new member reads
-                # the result from the log; its End-of-RIB waits for it).
-                cur = self.building.get(family)
-                if cur is None:
-                    self.building[family] = _Cursor(list(deferred))
-                else:
-                    cur.prefixes.extend(deferred)
-                deferred.clear()
         return m
+
+    def take_deferred(self) -> list[Family]:
+        """Families with routes held back while the group had one member (see ``deferred``),
+        and forgets them: once a second member joined, the caller starts a build of each
+        from the Loc-RIB (the new member reads the result from the log; its End-of-RIB
+        waits for it).  Prefixes the table already holds as computed cost a comparison."""
+        if len(self.members) < 2 or not self.deferred:
+            return []
+        families = sorted(self.deferred)
+        self.deferred.clear()
+        return families
 
     def leave(self, key: str) -> None:
         m = self.members.pop(key, None)
@@ -330,7 +333,7 @@ class UpdateGroup:
         exported: dict[int, OutRoute | None] = {}
         announce: dict[OutRoute, list[tuple[bytes, OutRoute | None]]] = {}
         withdrawn: list[bytes] = []
-        deferred = self.deferred[family]
+        deferred = False
         solo = next(iter(self.members)) if len(self.members) == 1 else None
         for prefix, new in pairs:
             if solo is not None and new is not None and new.source.key == solo:
@@ -340,10 +343,8 @@ class UpdateGroup:
                     if cur is not None:
                         del table[prefix]
                         self._count(cur, -1)
-                    deferred.add(prefix)
+                    deferred = True
                     continue
-            if deferred:
-                deferred.discard(prefix)
             if new is None:
                 desired = None
             else:
@@ -393,6 +394,8 @@ class UpdateGroup:
             self._append(_Entry(family, prefixes, out, messages, [cur for _, cur in items]))
         if withdrawn:
             self._append(_Entry(family, withdrawn, None, encode_withdrawals(afi, withdrawn, self.ctx)))
+        if deferred:
+            self.deferred.add(family)
 
     def _count(self, out: OutRoute, n: int) -> None:
         self._by_source[out.source] += n

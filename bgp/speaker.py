@@ -495,6 +495,8 @@ class Speaker:
             for family in sorted(neg.families):
                 group.start_build(family, list(self.rib.loc.get(family, ())))
         group.join(key, neg.peer_router_id)
+        for family in group.take_deferred():
+            group.start_build(family, list(self.rib.loc.get(family, ())))
         self._group_of[key] = group
         if group.building and sum(len(c.prefixes) for c in group.building.values()) <= BUILD_BUDGET:
             self._build(group, now)  # small tables: at once, not a turn later

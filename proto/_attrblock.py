@@ -298,7 +298,8 @@ def decode_shared(
                     )
                 )
         if flags & PARTIAL and cls.flags & OPTIONAL and cls.flags & TRANSITIVE:
-            attr = dataclasses.replace(attr, partial=True)
+            if not attr.partial:
+                attr = dataclasses.replace(attr, partial=True)
         items[code] = attr
         if interned is not None and problem is None:
             # Every outcome above is a function of these bytes and ctx: no error, so the

@@ -9,7 +9,7 @@ sorted by type code, at most one attribute per code, with O(1) lookups.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import partial
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
@@ -249,21 +249,38 @@ def community_from_str(text: str) -> int:
     raise ValueError(f"invalid community {text!r}: expected ASN:VALUE with both parts 0..65535")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False, repr=False)
 class Communities(PathAttribute):
-    """COMMUNITIES (type 8, optional transitive, RFC 1997): 32-bit values in order."""
+    """COMMUNITIES (type 8, optional transitive, RFC 1997): 32-bit values in order.
+
+    Built from the values (``Communities((0xFDE80064, NO_EXPORT))``); kept as the value
+    octets (``raw``, 4 per community, as on the wire), ``values`` unpacks them: a route of
+    its own with its own communities then costs one bytes object, not a tuple of ints.
+    """
 
     code: ClassVar[int] = 8
     flags: ClassVar[int] = OPTIONAL | TRANSITIVE
     action: ClassVar[ErrorAction] = ErrorAction.TREAT_AS_WITHDRAW  # RFC 7606 §7.8
     name: ClassVar[str] = "COMMUNITIES"
-    values: tuple[int, ...]
+    raw: bytes
+
+    def __init__(self, values: Iterable[int] = (), *, partial: bool = False) -> None:
+        values = tuple(values)
+        object.__setattr__(self, "raw", struct.pack(f"!{len(values)}I", *values))
+        object.__setattr__(self, "partial", partial)
+
+    @property
+    def values(self) -> tuple[int, ...]:
+        return struct.unpack(f"!{len(self.raw) >> 2}I", self.raw)
+
+    def __repr__(self) -> str:
+        return f"Communities({self.values!r})"
 
     def __str__(self) -> str:
         return " ".join(community_to_str(v) for v in self.values)
 
     def encode_value(self, ctx: CodecContext) -> bytes:
-        return b"".join(v.to_bytes(4, "big") for v in self.values)
+        return self.raw
 
     @classmethod
     def decode_value(cls, value: bytes, flags: int, ctx: CodecContext) -> Communities:
@@ -271,7 +288,10 @@ class Communities(PathAttribute):
             raise cls.error(
                 UpdateSubcode.ATTRIBUTE_LENGTH_ERROR, value, flags, f"length {len(value)} is not a non-zero multiple of 4"
             )
-        return cls(struct.unpack(f"!{len(value) // 4}I", value))
+        self = object.__new__(cls)
+        object.__setattr__(self, "raw", bytes(value))
+        object.__setattr__(self, "partial", bool(flags & PARTIAL))  # RFC 4271 §5, as the decoder would
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +437,9 @@ _NLRI_CODES = (MpReachNlri.code, MpUnreachNlri.code)
 # the position of code ``c`` in ``items``).  Shared: a table holds a handful of distinct
 # code lists, so a set of attributes pays a pointer for its index, not a dict per set.
 _CODE_LISTS: dict[bytes, bytes] = {}
+# The hash kept per set is cut to 30 bits: an int below 2**30 is one digit (28 octets), a
+# full 64-bit hash three (36), and a table holds one set per route.
+_HASH_MASK = (1 << 30) - 1
 
 
 def _codes_of(items: tuple[PathAttribute, ...]) -> bytes:
@@ -454,7 +477,7 @@ class PathAttributes:
         items = tuple(index[c] for c in sorted(index))
         object.__setattr__(self, "items", items)
         object.__setattr__(self, "_codes", _codes_of(items))
-        object.__setattr__(self, "_hash", hash(items))
+        object.__setattr__(self, "_hash", hash(items) & _HASH_MASK)
 
     @classmethod
     def _of_index(cls, index: dict[int, PathAttribute]) -> PathAttributes:
@@ -467,7 +490,7 @@ class PathAttributes:
         items = tuple(index.values())
         object.__setattr__(self, "items", items)
         object.__setattr__(self, "_codes", _codes_of(items))
-        object.__setattr__(self, "_hash", hash(items))
+        object.__setattr__(self, "_hash", hash(items) & _HASH_MASK)
         return self
 
     def _index(self) -> dict[int, PathAttribute]:

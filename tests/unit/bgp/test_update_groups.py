@@ -18,7 +18,7 @@ from bgp.session import Send
 from bgp.settings import LocalSettings
 from bgp.testing import RawHarness, RawPeer
 from proto.attributes import AsPath, LocalPref, Origin, PathAttributes
-from proto.messages import CodecContext, encode_updates
+from proto.messages import CodecContext, encode_updates, encode_withdrawals
 from proto.nlri import IPV4_UNICAST, prefix_from_str, prefix_to_str
 
 LOCAL = "10.0.0.1"
@@ -138,3 +138,38 @@ def test_a_member_that_cannot_take_bytes_is_handed_nothing_and_later_the_same_sh
     objects = {id(base(x)) for c in clients for x in chunks_to(h, c, start) if len(x) > 19}
     assert len(objects) == 1
     assert holds(slow) == {client_prefix(j): IPv4Address(client_addr(j)) for j in range(1, K)}
+
+
+def withdraw(prefix: str) -> bytes:
+    (msg,) = encode_withdrawals(1, [prefix_from_str(prefix)[1]], CodecContext())
+    return msg
+
+
+def test_routes_held_back_while_a_group_had_one_member_reach_the_second_one_to_join():
+    # While client 0 is the group's only member its own routes are not exported (nobody in
+    # the group could take them; no record per prefix is kept): the second member to join
+    # gets what the Loc-RIB holds then -- not what client 0 withdrew meanwhile.
+    local = LocalSettings(
+        asn=65000, router_id=IPv4Address(LOCAL), cluster_id=IPv4Address(LOCAL), update_delay=WINDOW,
+        families=(IPV4_UNICAST,), graceful_restart=False,
+    )  # fmt: skip
+    sp = Speaker(local, now=0.0, rng=random.Random(1))
+    for i in range(2):
+        sp.add_peer(PeerSettings(IPv4Address(client_addr(i)), 65000, passive=True, rr_client=True), 0.0)
+    sp.start(0.0)
+    h = RawHarness(sp, LOCAL)
+    first, second = (RawPeer(client_addr(i), 65000, conn=-(i + 1), families=((1, 1),)) for i in range(2))
+    assert h.connect(first)
+    kept, gone = [f"10.192.{n}.0/26" for n in range(50)], "10.193.0.0/24"
+    for prefix in [*kept, gone]:
+        h.send(first, announce(0, prefix))
+    h.advance(WINDOW * 2)
+    h.send(first, withdraw(gone))
+    h.advance(WINDOW * 2)
+    assert sp.rib.count() == len(kept)
+    assert sp.adj_out_count(first.address) == 0
+    assert h.connect(second)
+    h.advance(WINDOW * 2)
+    assert holds(second) == {p: IPv4Address(client_addr(0)) for p in kept}
+    assert sp.adj_out_count(second.address) == len(kept)
+    assert holds(first) == {}
