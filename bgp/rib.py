@@ -26,6 +26,11 @@ from . import bestpath
 from .settings import Family
 
 Address = IPv4Address | IPv6Address
+# Paths an Adj-RIB-In remembers by their attributes (then it starts afresh).  What repeats
+# arrives as the same PathAttributes object (proto.messages caches the decoded sets of a
+# session), so this only needs to span that cache; with a set per route (a pod network's
+# one-prefix UPDATEs) every entry is one more dict slot per route, not a saving.
+INTERNED_PATHS = 16384
 
 
 class Source:
@@ -108,7 +113,7 @@ class AdjRibIn:
         p = self._interned.get(key)
         if p is None or p.stale:
             p = Path(self.source, attributes, next_hop)
-            if len(self._interned) > 65536:
+            if len(self._interned) > INTERNED_PATHS:
                 self._interned.clear()
             self._interned[key] = p
         return p
