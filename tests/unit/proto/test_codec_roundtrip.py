@@ -690,3 +690,52 @@ def test_interned_generations_keep_what_is_used() -> None:
     interned.put(b"w", MultiExitDisc(4))  # full again: {x, z} is old, {w} new
     assert interned.get(b"y") is None
     assert interned.get(b"x") is x and interned.get(b"z") is z
+
+
+def test_path_attributes_look_up_by_code_without_a_dict_per_set() -> None:
+    # Issue 11: a set's index is its type codes as one shared bytes object.
+    from proto.attributes import Communities, MultiExitDisc, Origin, PathAttributes
+
+    a = PathAttributes.of(Communities((1, 2)), Origin(0), MultiExitDisc(7))
+    b = PathAttributes.of(Origin(2), MultiExitDisc(9), Communities((3,)))
+    assert [x.code for x in a] == [1, 4, 8]
+    assert a._codes is b._codes  # one object for every set with these codes
+    assert a.get(4) == MultiExitDisc(7) and a.med == 7 and a.communities == (1, 2)
+    assert a.get(2) is None and a.get(300) is None and a.get(-1) is None and a.get("4") is None  # type: ignore[arg-type]
+    assert 8 in a and 2 not in a and 300 not in a and "x" not in a
+    assert a.without(300, 2) is a
+    assert a.without(8) == PathAttributes.of(Origin(0), MultiExitDisc(7))
+    assert a.replace(MultiExitDisc(1)).med == 1 and a.med == 7
+
+
+def test_communities_are_kept_as_their_octets() -> None:
+    from proto.attributes import Communities
+
+    c = Communities((0xFDE80064, NO_EXPORT))
+    assert c.raw == b"\xfd\xe8\x00\x64\xff\xff\xff\x01" and c.values == (0xFDE80064, NO_EXPORT)
+    assert c == Communities.decode_value(c.raw, 0xC0, NEW) and hash(c) == hash(Communities([0xFDE80064, NO_EXPORT]))
+    assert repr(c) == f"Communities({(0xFDE80064, NO_EXPORT)!r})"
+    assert Communities.decode_value(c.raw, 0xE0, NEW).partial  # Partial as received (RFC 4271 §5)
+
+
+def test_interned_attributes_per_code_keep_shared_ones_while_others_churn() -> None:
+    # A pod network: one prefix per UPDATE, each with a MED of its own, AS_PATHs from a pool
+    # of 6,000.  One MED per route must not push the pool out of the table: the second pass
+    # over the pool gets the first pass's objects (with one table for all codes, the MEDs
+    # turned it over every ~4,000 UPDATEs and each route decoded its AS_PATH again).
+    from proto.messages import trim_cache
+
+    cache: dict = {}
+    first: dict[int, object] = {}
+    med = 0
+    for rnd in range(2):
+        for i in range(6000):
+            med += 1
+            path = attr(0x40, 2, segment(2, [65001, 70000 + i]))
+            body = update_body(ORIGIN + path + NEXT_HOP + attr(0x80, 4, med.to_bytes(4, "big")), NLRI)
+            as_path = Update.decode(body, NEW, cache).attributes.get(2)
+            trim_cache(cache)  # the sets are all distinct anyway: only single attributes count
+            if rnd == 0:
+                first[i] = as_path
+            else:
+                assert as_path is first[i], i
