@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import http.client
 import json
 import logging
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import Any, NoReturn
 
 from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, check_config, load_config
@@ -44,6 +40,8 @@ def tune_gc() -> None:
 
 
 def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("agentd")
     except PackageNotFoundError:  # running from a source tree without an install
@@ -69,9 +67,39 @@ def _overrides(pairs: list[str] | None, parser: argparse.ArgumentParser) -> dict
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The commands of this module.  When the command line names one of them, the resource
+# commands (YAML, manifests) and the plugged-in ones (entry points, the lab) are not
+# loaded at all: `agentd run` is on the path of a joining node's routes (issue 11: every
+# import before the agent is up is join time).
+CORE_COMMANDS = ("run", "speaker", "leave", "status", "check-config")
+
+
+class _Version(argparse.Action):
+    """``--version``, the package metadata read only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None) -> None:
+        print(f"agentd {package_version()}")
+        parser.exit()
+
+
+def _named_command(argv: list[str] | None) -> str | None:
+    """The sub-command ``argv`` names (its first word that is no option), if any."""
+    for arg in sys.argv[1:] if argv is None else argv:
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``full`` False only the commands of this module (see CORE_COMMANDS).
+    By default that is decided from ``argv`` (``sys.argv[1:]`` when None)."""
+    if full is None:
+        full = _named_command(argv) not in CORE_COMMANDS
     p = _Parser(prog="agentd", description="Pod-network agent: etcd subnet leases, BGP, routes, tunnels.")
-    p.add_argument("--version", action="version", version=f"agentd {package_version()}")
+    p.add_argument("--version", action=_Version, help="show the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -101,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(sp)
     sp.add_argument("--show", action="store_true", help="print the effective configuration as JSON")
 
+    if not full:
+        return p
     # Resources (issue 13): agentd apply|get|delete|label, in agentd/resources/cli.py.
     from agentd.resources.cli import add_commands as add_resource_commands
 
@@ -129,6 +159,8 @@ COMMANDS_GROUP = "agentd.commands"
 
 def plugin_commands() -> dict[str, Command]:
     """The installed ``agentd.commands`` entry points, by name."""
+    from importlib.metadata import entry_points
+
     found: dict[str, Command] = {}
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         command = ep.load()
@@ -181,7 +213,7 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, require_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return _dispatch(args, parser)
@@ -256,6 +288,9 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def leave_running_agent(host: str, port: int) -> bool:
     """POST /leave to the agent on this host; False if none answers."""
+    import urllib.error
+    import urllib.request
+
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/leave"
     try:
         req = urllib.request.Request(url, method="POST", data=b"")
@@ -271,11 +306,16 @@ def leave_running_agent(host: str, port: int) -> bool:
 
 
 def fetch_json(url: str, timeout: float = 5.0) -> Any:
+    import urllib.request
+
     with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (operator-given URL)
         return json.load(resp)
 
 
 def status_command(api: str, *, as_json: bool = False) -> int:
+    import http.client
+    import urllib.error
+
     url = api.rstrip("/") + "/status"
     try:
         status = fetch_json(url)
