@@ -145,6 +145,7 @@ class NetworkConfig:
     udp_port: int = 8285
     datapath: str = "auto"  # udp and ipip: "bpf" (tc-BPF), "userspace" (TUN worker), "auto" (bpf where it loads)
     bpf_pod_redirect: bool = True  # BPF: decapsulated packets go straight to the pod's bridge port
+    service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # Services (issue 14): the cluster IP range
 
     def pod_mtu(self, underlay_mtu: int) -> int:
         """The MTU for pod interfaces: the configured one, or the underlay's minus the overhead."""
@@ -326,6 +327,7 @@ _KEYS = (
     _Key("network", "udp_port", PORT, 8285),
     _Key("network", "datapath", choice_kind(*DATAPATH_CHOICES), "auto"),
     _Key("network", "bpf_pod_redirect", BOOL, True),
+    _Key("network", "service_cidr", string_kind(parse_pod_network), NetworkConfig.service_cidr),
     _Key("etcd", "endpoints", Kind((list,), "an array", text_list, parse_endpoints), EtcdConfig.endpoints),
     _Key("etcd", "prefix", string_kind(parse_etcd_prefix), "/agentd"),
     _Key("etcd", "ca", Kind((str,), "a string", str, parse_tls_file), None),
@@ -707,6 +709,10 @@ class _Loader:
             self.key_problem(self.blame("network.subnet_len", "network.cidr"),
                              f"node subnets /{sublen} must be longer than the cidr's /{cidr.prefixlen} "
                              "and at most /30")
+        if (ok("network.cidr", "network.service_cidr") and v["network.service_cidr"] != NetworkConfig.service_cidr
+                and v["network.service_cidr"].overlaps(cidr)):  # the default is not held against an older cidr
+            self.key_problem(self.blame("network.service_cidr", "network.cidr"),
+                             f"the service range {v['network.service_cidr']} overlaps the pod network {cidr}")
         if ok("network.encap", "network.backend") and (v["network.encap"], v["network.backend"]) == (
             "cross-subnet", "host-gw"
         ):

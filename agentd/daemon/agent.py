@@ -164,7 +164,8 @@ class Agent:
         self.datastore.on_subnet_lost = self._subnet_lost
         self.notifier.status("connecting to etcd")
         await self.datastore.connect()
-        wanted = ClusterConfig(cfg.network.cidr, cfg.network.subnet_len, cfg.network.backend, cfg.network.encap)
+        wanted = ClusterConfig(cfg.network.cidr, cfg.network.subnet_len, cfg.network.backend, cfg.network.encap,
+                               cfg.network.service_cidr)
         self.cluster = await self.datastore.ensure_cluster_config(wanted)
         if (self.cluster.cidr, self.cluster.subnet_len) != (wanted.cidr, wanted.subnet_len):
             log.warning(
