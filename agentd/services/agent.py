@@ -1,0 +1,239 @@
+"""The Services half of the node agent: Services, EndpointSlices and pod records in, nftables out.
+
+One :class:`ServiceAgent` per ``agentd run``.  It
+
+1. adopts the node's ``ip agentd-services`` table as a previous run left it (it keeps
+   translating while the agent reads etcd);
+2. follows every resource in etcd with one watch (Services, EndpointSlices, pod records);
+3. after every batch of changes, compiles the whole table (:mod:`agentd.services.compiler`)
+   and sends the difference to the kernel in ONE transaction (the policy programmer, on its
+   own table);
+4. flushes the UDP conntrack entries of endpoints that stopped being usable (a UDP "flow"
+   has no end, so without this it would keep going to an endpoint that is gone);
+5. answers ``GET /services`` and feeds per-service counters to /metrics.
+
+Until the first etcd snapshot nothing is changed in the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agentd.datastore.store import Datastore
+from agentd.policy.libnftables import Nft, NftError
+from agentd.policy.programmer import PolicyProgrammer
+from agentd.resources.store import ResourceEvent, ResourceStore
+
+from . import compiler, conntrack, model
+
+log = logging.getLogger("agentd.services")
+
+COUNTERS_INTERVAL = 2.0
+KINDS = ("Service", "EndpointSlice", "Pod")
+
+
+class ServiceAgent:
+    def __init__(self, node: str, datastore: Datastore, *, nft: Nft | None = None) -> None:
+        self.node = node
+        self.store = ResourceStore(datastore)
+        self.nft = nft
+        self.programmer: PolicyProgrammer | None = None
+        self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
+        self.ports: list[model.ServicePort] = []
+        self.revision = 0
+        self.applied_revision = 0
+        self.syncs = 0
+        self.sync_errors = 0
+        self.flushed = 0  # UDP conntrack entries deleted
+        self.last_sync: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.counters: dict[str, int] = {}
+        self._have_snapshot = False
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.nft is None:
+            self.nft = await asyncio.to_thread(Nft)
+        self.programmer = PolicyProgrammer(self.nft, compiler.TABLES, "services")
+        await self.programmer.adopt()
+
+    async def run(self) -> None:
+        if self.programmer is None:
+            await self.start()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._watch())
+            tg.create_task(self._sync_loop())
+            tg.create_task(self._counters_loop())
+
+    async def leave(self) -> None:
+        """``agentd leave``: remove the services table."""
+        with contextlib.suppress(NftError):
+            if self.programmer is None:
+                self.nft = self.nft or Nft()
+                self.programmer = PolicyProgrammer(self.nft, compiler.TABLES, "services")
+            if await self.programmer.remove():
+                log.info("removed the services table")
+
+    def close(self) -> None:
+        if self.nft is not None:
+            self.nft.close()
+            self.nft = None
+
+    # ------------------------------------------------------------------ inputs
+
+    async def _watch(self) -> None:
+        async for ev in self.store.watch():
+            if self._on_resource(ev):
+                self._wake.set()
+
+    def _on_resource(self, ev: ResourceEvent) -> bool:
+        """Take one event in; True if it may change the table."""
+        self.revision = max(self.revision, ev.revision)
+        if ev.kind == "snapshot":
+            self.objects = {k: {} for k in KINDS}
+            for (kind, ns, name), obj in ev.objects.items():
+                if kind in self.objects:
+                    self.objects[kind][(ns, name)] = obj
+            self._have_snapshot = True
+            return True
+        kind, ns, name = ev.key if ev.key is not None else ("", "", "")
+        if kind not in self.objects:
+            self._wake.set()  # nothing to change, but the revision is applied
+            return False
+        if ev.kind == "put" and ev.obj is not None:
+            self.objects[kind][(ns, name)] = ev.obj
+        else:
+            self.objects[kind].pop((ns, name), None)
+        return True
+
+    # ------------------------------------------------------------------ syncing
+
+    async def _sync_loop(self) -> None:
+        assert self.programmer is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._have_snapshot:
+                continue
+            revision = self.revision
+            start = time.perf_counter()
+            ports = model.build(
+                self.objects["Service"].values(), self.objects["EndpointSlice"].values(), self.objects["Pod"].values()
+            )
+            desired = compiler.compile_services(ports, self.node)
+            try:
+                result = await self.programmer.sync(desired)
+            except NftError as err:
+                self.sync_errors += 1
+                self.error = str(err)
+                log.error("programming services failed: %s", err)
+                await asyncio.sleep(1.0)
+                self._wake.set()
+                continue
+            gone = stale_udp(self.ports, ports)
+            self.ports = ports
+            self.error = None
+            self.syncs += 1
+            self.applied_revision = max(self.applied_revision, revision)
+            self.last_sync = {"commands": result.commands, "seconds": round(time.perf_counter() - start, 6),
+                              "full": result.full}  # fmt: skip
+            if gone:
+                try:
+                    self.flushed += await asyncio.to_thread(conntrack.flush_udp, gone)
+                except OSError as err:
+                    log.warning("flushing UDP conntrack entries failed: %s", err)
+
+    async def _counters_loop(self) -> None:
+        assert self.programmer is not None
+        while True:
+            await asyncio.sleep(COUNTERS_INTERVAL)
+            with contextlib.suppress(NftError):
+                await self.refresh_counters()
+
+    async def refresh_counters(self) -> None:
+        assert self.nft is not None
+        got = await self.nft.acounters(compiler.FAMILY, compiler.TABLE)
+        self.counters = {name: packets for name, (packets, _bytes) in got.items()}
+
+    # ------------------------------------------------------------------ views
+
+    def view(self) -> dict[str, Any]:
+        """GET /services: per service its VIP, ports and endpoints with their state."""
+        services: dict[str, dict[str, Any]] = {}
+        for sp in self.ports:
+            key = f"{sp.namespace}/{sp.service}"
+            svc = services.setdefault(key, {
+                "namespace": sp.namespace, "name": sp.service, "clusterIP": sp.cluster_ip or "None", "ports": [],
+                "connections": self.counters.get(compiler.counter_name(sp.namespace, sp.service), 0),
+            })  # fmt: skip
+            usable = set(sp.usable())
+            local = set(sp.usable(self.node))
+            svc["ports"].append({
+                "name": sp.port_name, "protocol": sp.protocol, "port": sp.port, "nodePort": sp.node_port,
+                "affinityTimeout": sp.affinity_timeout,
+                "internalTrafficPolicy": "Local" if sp.internal_local else "Cluster",
+                "externalTrafficPolicy": "Local" if sp.external_local else "Cluster",
+                "endpoints": [
+                    {"ip": e.ip, "port": e.port, "node": e.node, "ready": e.ready, "serving": e.serving,
+                     "terminating": e.terminating, "used": e in usable, "local": e in local}
+                    for e in sp.endpoints
+                ],
+            })  # fmt: skip
+        return {
+            "node": self.node, "revision": self.applied_revision, "error": self.error, "syncs": self.syncs,
+            "last_sync": self.last_sync, "udp_flushed": self.flushed, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
+        }  # fmt: skip
+
+    def collect(self) -> Any:
+        """prometheus_client custom collector: per-service connection counters."""
+        conns = CounterMetricFamily("agentd_service_connections", "new connections translated to a service's endpoints",
+                                    labels=["namespace", "service"])  # fmt: skip
+        seen = set()
+        for sp in self.ports:
+            if (sp.namespace, sp.service) in seen:
+                continue
+            seen.add((sp.namespace, sp.service))
+            conns.add_metric([sp.namespace, sp.service], self.counters.get(compiler.counter_name(sp.namespace, sp.service), 0))
+        yield conns
+        eps = GaugeMetricFamily("agentd_service_endpoints", "usable endpoints per service port",
+                                labels=["namespace", "service", "port"])  # fmt: skip
+        for sp in self.ports:
+            eps.add_metric([sp.namespace, sp.service, f"{sp.port}/{sp.protocol}"], len(sp.usable()))
+        yield eps
+        yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=self.syncs)
+
+
+def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
+    """UDP endpoints that took new connections before and do not now (their flows are to be flushed)."""
+    now = {sp.key: set(sp.usable()) for sp in after}
+    out = []
+    for sp in before:
+        if sp.protocol != "UDP":
+            continue
+        for e in set(sp.usable()) - now.get(sp.key, set()):
+            out.append(conntrack.Stale(e.ip, e.port, sp.cluster_ip, sp.port, sp.node_port))
+    return sorted(set(out))
+
+
+async def remove_services_table() -> None:
+    """``agentd leave`` with no agent running: remove this host's services table."""
+    try:
+        nft = await asyncio.to_thread(Nft)
+    except NftError as err:
+        log.warning("services table not removed: %s", err)
+        return
+    try:
+        if await PolicyProgrammer(nft, compiler.TABLES, "services").remove():
+            log.info("removed the services table")
+    except NftError as err:
+        log.error("could not remove the services table: %s", err)
+    finally:
+        nft.close()
