@@ -13,6 +13,7 @@ terminating state, hairpin, and the table's removal on leave.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -224,3 +225,41 @@ async def test_hairpin_a_pod_reaches_itself_through_its_service(world: World):
         assert await world.echo["web-2"].udp(vip, 53, sport=23000, count=2) == ["web-2", "web-2"]
     finally:
         await world.delete("Service", "self")
+
+
+def _table_handle(node: Any) -> int | None:
+    listing = json.loads(node.ns.exec("nft", "-j", "list", "tables"))["nftables"]
+    return next((i["table"]["handle"] for i in listing if i.get("table", {}).get("name") == "agentd-services"), None)
+
+
+async def test_a_killed_agent_leaves_the_table_working_and_adopts_it(world: World):
+    import signal
+
+    node1 = world.lab.nodes[0]
+    await world.apply(service("steady", {"selector": {"app": "web"}, "ports": WEB_PORTS}))
+    try:
+        vip = await world.vip("steady")
+        before = await asyncio.to_thread(_table_handle, node1)
+        await node1.stop_agent(signal.SIGKILL)
+        r = await world.echo["client-1"].tcp(vip, 80, count=30)  # no agent: the kernel still translates
+        assert r["failed"] == 0 and set(r["names"]) == WEBS, r
+        node1.start_agent()
+        await world.lab.wait_agents_started(60)
+        await world.apply(service("steady", {"selector": {"app": "web"}, "ports": WEB_PORTS, "internalTrafficPolicy": "Local"}))
+        assert await asyncio.to_thread(_table_handle, node1) == before  # adopted, not re-created
+        r = await world.echo["client-1"].tcp(vip, 80, count=10)
+        assert r == {"names": {"web-1": 10}, "failed": 0}, r
+    finally:
+        await world.delete("Service", "steady")
+
+
+async def test_leave_removes_the_table(world: World):  # last: node3 goes
+    node3 = world.lab.nodes[2]
+    await world.apply(service("last", {"selector": {"app": "web"}, "ports": WEB_PORTS}))
+    assert await asyncio.to_thread(_table_handle, node3) is not None
+    await node3.leave()
+
+    def gone() -> bool:
+        return node3.agent_pid() is None and _table_handle(node3) is None
+
+    await auntil(gone, 20, what="node3's agent gone with its services table")
