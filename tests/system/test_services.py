@@ -227,6 +227,28 @@ async def test_hairpin_a_pod_reaches_itself_through_its_service(world: World):
         await world.delete("Service", "self")
 
 
+async def test_host_port_through_the_portmap_plugin_and_gone_on_del(world: World):
+    """The conflist's portmap (after agentd-cni) maps node1's 18080 to the pod; DEL removes it."""
+    node1 = world.lab.nodes[0]
+    pod = await world.lab.add_pod(node1, "svc", "hostport", labels={"app": "hp"}, ports=PORTS,
+                                  host_ports=[{"hostPort": 18080, "containerPort": 8080, "protocol": "tcp"},
+                                              {"hostPort": 18053, "containerPort": 5353, "protocol": "udp"}])  # fmt: skip
+    echo = await Echo.start(pod, "hostport", [("tcp", 8080), ("udp", 5353)])
+    try:
+        r = await world.echo["node3"].tcp(node1.address, 18080, count=5)
+        assert r == {"names": {"hostport": 5}, "failed": 0}, r
+        assert await world.echo["node2"].udp(node1.address, 18053, sport=24000, count=2) == ["hostport", "hostport"]
+        r = await world.echo["client-2"].tcp(node1.address, 18080, count=3)  # from a pod on another node
+        assert r == {"names": {"hostport": 3}, "failed": 0}, r
+    finally:
+        await echo.close()
+        await world.lab.remove_pod(pod)
+    r = await world.echo["node3"].tcp(node1.address, 18080, count=1, timeout=1.0)
+    assert r == {"names": {}, "failed": 1}, r
+    rules = await asyncio.to_thread(node1.ns.exec, "nft", "list", "ruleset")
+    assert "18080" not in rules
+
+
 def _table_handle(node: Any) -> int | None:
     listing = json.loads(node.ns.exec("nft", "-j", "list", "tables"))["nftables"]
     return next((i["table"]["handle"] for i in listing if i.get("table", {}).get("name") == "agentd-services"), None)
