@@ -35,6 +35,9 @@ from typing import Any, Protocol
 from agentd.backend_table import NAMES, mtu_overhead
 from agentd.config.values import (
     parse_pod_network,
+    parse_dns_address,
+    parse_domain,
+    parse_upstreams,
     HostPort,
     IPAddress,
     IPNetwork,
@@ -238,6 +241,16 @@ class CniConfig:
 
 
 @dataclass(frozen=True)
+class DnsConfig:
+    """Service DNS (issue 14): the agent answers <svc>.<ns>.svc.<cluster_domain> on a node-local address."""
+
+    enabled: bool = True
+    address: IPv4Address = IPv4Address("169.254.20.10")  # NodeLocal DNSCache's usual address
+    cluster_domain: str = "cluster.local"
+    upstream: tuple[str, ...] = ()  # "IP:PORT" to forward other names to; empty: /etc/resolv.conf's
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
     format: str = "text"
@@ -258,6 +271,7 @@ class Config:
     bgp: BgpConfig = field(default_factory=BgpConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     cni: CniConfig = field(default_factory=CniConfig)
+    dns: DnsConfig = field(default_factory=DnsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     source: str | None = None  # the file read, None when only defaults/env/overrides
@@ -361,6 +375,10 @@ _KEYS = (
     _Key("cni", "data_dir", PATH, CniConfig.data_dir),
     _Key("cni", "ipam_data_dir", PATH, CniConfig.ipam_data_dir),
     _Key("cni", "write_conflist", BOOL, True),
+    _Key("dns", "enabled", BOOL, True),
+    _Key("dns", "address", string_kind(parse_dns_address), DnsConfig.address),
+    _Key("dns", "cluster_domain", string_kind(parse_domain), "cluster.local"),
+    _Key("dns", "upstream", Kind((list,), "an array", text_list, parse_upstreams), ()),
     _Key("log", "level", choice_kind("debug", "info", "warning", "error"), "info"),
     _Key("log", "format", choice_kind("text", "json"), "text"),
     _Key("agent", "state_dir", PATH, AgentConfig.state_dir),
@@ -751,7 +769,7 @@ class _Loader:
             return None
         sections = {}
         for sec, cls in (("node", NodeConfig), ("network", NetworkConfig), ("etcd", EtcdConfig),
-                         ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("log", LogConfig),
+                         ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("dns", DnsConfig), ("log", LogConfig),
                          ("agent", AgentConfig)):
             sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
         peers = tuple(BgpPeerConfig(**{"hold_time": hold, **p}) for p in v["bgp.peers"])

@@ -206,7 +206,7 @@ class Agent:
             self._problems.append(f"network policy not enforced: {err}")
             self.policy = None
         # Services (issue 14): adopt the services table as it is; it changes once etcd is read.
-        self.services = ServiceAgent(self.name, self.datastore)
+        self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns)
         try:
             await self.services.start()
             self.registry.register(self.services)
@@ -246,9 +246,11 @@ class Agent:
 
     def _write_cni_files(self) -> None:
         assert self.lease is not None and self.cluster is not None
+        dns = self.cfg.dns
         sf = cni_config.SubnetFile(
-            network=self.cluster.cidr, subnet=self.lease.subnet, mtu=self.pod_mtu, backend=self.cfg.network.backend
-        )
+            network=self.cluster.cidr, subnet=self.lease.subnet, mtu=self.pod_mtu, backend=self.cfg.network.backend,
+            dns=dns.address if dns.enabled else None, cluster_domain=dns.cluster_domain,
+        )  # fmt: skip
         cni_config.write_subnet_file(self.cfg.cni.subnet_file, sf)
         if self.cfg.cni.write_conflist:
             cni_config.write_conflist(

@@ -11,7 +11,11 @@ answered with ``NAME`` - and takes requests, one JSON line each, on stdin:
   (source port P: one conntrack flow), each waiting for its answer; ``{"names": [name|null...]}``;
 * ``{"hold": [ip, port], "id": ID}``: open a connection and keep it; ``{"name": name|null}``;
 * ``{"ask": ID, "timeout": T}``: ask a held connection again; ``{"name": name|null}``
-  (null: the connection is broken or silent).
+  (null: the connection is broken or silent);
+* ``{"dns": [server, name, type], "tcp": bool}``: one DNS query (dnspython);
+  ``{"rcode": "NOERROR", "answer": ["name ttl IN A 10.96.0.1", ...], "additional": [...], "aa": bool}``.
+
+A ``dns:PORT`` server is a stand-in upstream resolver: it answers every A query with 192.0.2.99.
 
 :class:`Echo` is the test side: it starts the process in a pod's or node's namespace.
 """
@@ -46,9 +50,24 @@ async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
         def datagram_received(self, data: bytes, addr: Any) -> None:
             self.transport.sendto(label, addr)
 
+    class Dns(asyncio.DatagramProtocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def datagram_received(self, data: bytes, addr: Any) -> None:
+            import dns.message
+            import dns.rrset
+
+            query = dns.message.from_wire(data)
+            response = dns.message.make_response(query)
+            response.answer.append(dns.rrset.from_text(query.question[0].name, 30, "IN", "A", "192.0.2.99"))
+            self.transport.sendto(response.to_wire(), addr)
+
     for proto, port in ports:
         if proto == "tcp":
             await asyncio.start_server(on_tcp, "0.0.0.0", port, reuse_address=True)
+        elif proto == "dns":
+            await loop.create_datagram_endpoint(Dns, local_addr=("0.0.0.0", port))
         else:
             await loop.create_datagram_endpoint(Udp, local_addr=("0.0.0.0", port))
 
@@ -97,6 +116,26 @@ def _udp(ip: str, port: int, count: int, sport: int, timeout: float) -> dict[str
     return {"names": out}
 
 
+async def _dns_query(server: str, name: str, rdtype: str, *, tcp: bool, timeout: float) -> dict[str, Any]:
+    import dns.asyncquery
+    import dns.exception
+    import dns.flags
+    import dns.message
+    import dns.rcode
+
+    query = dns.message.make_query(name, rdtype)
+    try:
+        send = dns.asyncquery.tcp if tcp else dns.asyncquery.udp
+        reply = await send(query, server, timeout=timeout)
+    except (dns.exception.DNSException, OSError) as err:
+        return {"rcode": None, "error": str(err)}
+    return {
+        "rcode": dns.rcode.to_text(reply.rcode()), "aa": bool(reply.flags & dns.flags.AA),
+        "answer": [line for rr in reply.answer for line in rr.to_text().splitlines()],
+        "additional": [line for rr in reply.additional for line in rr.to_text().splitlines()],
+    }
+
+
 async def _main(name: str, ports: list[tuple[str, int]]) -> None:
     loop = asyncio.get_running_loop()
     await _serve(name, ports)
@@ -107,8 +146,13 @@ async def _main(name: str, ports: list[tuple[str, int]]) -> None:
     while line := await reader.readline():
         req = json.loads(line)
         timeout = float(req.get("timeout", 2.0))
-        if "tcp" in req:
-            result: Any = await _tcp(req["tcp"][0], int(req["tcp"][1]), int(req.get("count", 1)), timeout)
+        if "dns" in req:
+            try:
+                result: Any = await _dns_query(*req["dns"], tcp=bool(req.get("tcp")), timeout=timeout)
+            except Exception as err:  # noqa: BLE001 - reported to the test, not a dead helper
+                result = {"rcode": None, "error": f"{type(err).__name__}: {err}"}
+        elif "tcp" in req:
+            result = await _tcp(req["tcp"][0], int(req["tcp"][1]), int(req.get("count", 1)), timeout)
         elif "udp" in req:
             result = await asyncio.to_thread(
                 _udp, req["udp"][0], int(req["udp"][1]), int(req.get("count", 1)), int(req["sport"]), timeout
@@ -168,6 +212,9 @@ class Echo:
 
     async def ask(self, ident: str) -> str | None:
         return (await self.call({"ask": ident}))["name"]
+
+    async def dns(self, server: str, name: str, rdtype: str = "A", *, tcp: bool = False) -> dict[str, Any]:
+        return await self.call({"dns": [server, name, rdtype], "tcp": tcp})
 
     async def close(self) -> None:
         if self.proc.returncode is None:

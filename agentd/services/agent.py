@@ -30,7 +30,7 @@ from agentd.policy.libnftables import Nft, NftError
 from agentd.policy.programmer import PolicyProgrammer
 from agentd.resources.store import ResourceEvent, ResourceStore
 
-from . import compiler, conntrack, model
+from . import compiler, conntrack, dns, model
 
 log = logging.getLogger("agentd.services")
 
@@ -39,8 +39,12 @@ KINDS = ("Service", "EndpointSlice", "Pod")
 
 
 class ServiceAgent:
-    def __init__(self, node: str, datastore: Datastore, *, nft: Nft | None = None) -> None:
+    def __init__(self, node: str, datastore: Datastore, *, nft: Nft | None = None, dns_config: Any = None) -> None:
         self.node = node
+        self.dns_config = dns_config  # agentd.config.settings.DnsConfig; None or not enabled: no DNS
+        self.dns_server: dns.DnsServer | None = None
+        self.error_dns: str | None = None
+        self.names = dns.Names(dns_config.cluster_domain if dns_config is not None else "cluster.local")
         self.store = ResourceStore(datastore)
         self.nft = nft
         self.programmer: PolicyProgrammer | None = None
@@ -68,10 +72,43 @@ class ServiceAgent:
     async def run(self) -> None:
         if self.programmer is None:
             await self.start()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._watch())
-            tg.create_task(self._sync_loop())
-            tg.create_task(self._counters_loop())
+        await self._start_dns()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._watch())
+                tg.create_task(self._sync_loop())
+                tg.create_task(self._counters_loop())
+        finally:
+            if self.dns_server is not None:
+                await self.dns_server.stop()
+                self.dns_server = None
+
+    async def _start_dns(self) -> None:
+        cfg = self.dns_config
+        if cfg is None or not cfg.enabled:
+            return
+        address = str(cfg.address)
+        try:
+            device = await asyncio.to_thread(dns.add_address, address)
+        except OSError as err:
+            log.error("service DNS is not served: cannot put %s on this node: %s", address, err)
+            self.error_dns = str(err)
+            return
+        if cfg.upstream:
+            upstreams = [(u.rpartition(":")[0], int(u.rpartition(":")[2])) for u in cfg.upstream]
+        else:
+            upstreams = dns.host_resolvers(exclude=[address])
+        server = dns.DnsServer(address, 53, lambda: self.names, upstreams)
+        try:
+            await server.start()
+        except OSError as err:
+            log.error("service DNS is not served: cannot listen on %s:53: %s", address, err)
+            self.error_dns = str(err)
+            return
+        self.dns_server = server
+        self.error_dns = None
+        log.info("answering DNS for %s on %s:53 (%s; others to %s)", cfg.cluster_domain, address, device,
+                 ", ".join(f"{h}:{p}" for h, p in upstreams) or "nowhere: SERVFAIL")  # fmt: skip
 
     async def leave(self) -> None:
         """``agentd leave``: remove the services table."""
@@ -81,6 +118,10 @@ class ServiceAgent:
                 self.programmer = PolicyProgrammer(self.nft, compiler.TABLES, "services")
             if await self.programmer.remove():
                 log.info("removed the services table")
+        if self.dns_config is not None and self.dns_config.enabled:
+            with contextlib.suppress(OSError):
+                if await asyncio.to_thread(dns.remove_address):
+                    log.info("removed the DNS address (%s)", dns.DEVICE)
 
     def close(self) -> None:
         if self.nft is not None:
@@ -140,16 +181,17 @@ class ServiceAgent:
                 continue
             gone = stale_udp(self.ports, ports)
             self.ports = ports
+            self.names = dns.names(ports, self.names.domain)
+            if gone:  # before the revision counts as applied: the change includes the flows' move
+                try:
+                    self.flushed += await asyncio.to_thread(conntrack.flush_udp, gone)
+                except OSError as err:
+                    log.warning("flushing UDP conntrack entries failed: %s", err)
             self.error = None
             self.syncs += 1
             self.applied_revision = max(self.applied_revision, revision)
             self.last_sync = {"commands": result.commands, "seconds": round(time.perf_counter() - start, 6),
                               "full": result.full}  # fmt: skip
-            if gone:
-                try:
-                    self.flushed += await asyncio.to_thread(conntrack.flush_udp, gone)
-                except OSError as err:
-                    log.warning("flushing UDP conntrack entries failed: %s", err)
 
     async def _counters_loop(self) -> None:
         assert self.programmer is not None
@@ -189,7 +231,11 @@ class ServiceAgent:
             })  # fmt: skip
         return {
             "node": self.node, "revision": self.applied_revision, "error": self.error, "syncs": self.syncs,
-            "last_sync": self.last_sync, "udp_flushed": self.flushed, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
+            "last_sync": self.last_sync, "udp_flushed": self.flushed,
+            "dns": None if self.dns_server is None else {
+                "address": self.dns_server.address, "queries": self.dns_server.queries,
+                "forwarded": self.dns_server.forwarded, "servfail": self.dns_server.failed},
+            "dns_error": self.error_dns, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
         }  # fmt: skip
 
     def collect(self) -> Any:
@@ -209,6 +255,12 @@ class ServiceAgent:
             eps.add_metric([sp.namespace, sp.service, f"{sp.port}/{sp.protocol}"], len(sp.usable()))
         yield eps
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=self.syncs)
+        if self.dns_server is not None:
+            q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
+            q.add_metric(["answered"], self.dns_server.queries - self.dns_server.forwarded)
+            q.add_metric(["forwarded"], self.dns_server.forwarded - self.dns_server.failed)
+            q.add_metric(["servfail"], self.dns_server.failed)
+            yield q
 
 
 def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
@@ -224,7 +276,10 @@ def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -
 
 
 async def remove_services_table() -> None:
-    """``agentd leave`` with no agent running: remove this host's services table."""
+    """``agentd leave`` with no agent running: remove this host's services table and DNS address."""
+    with contextlib.suppress(OSError):
+        if await asyncio.to_thread(dns.remove_address):
+            log.info("removed the DNS address (%s)", dns.DEVICE)
     try:
         nft = await asyncio.to_thread(Nft)
     except NftError as err:

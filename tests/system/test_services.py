@@ -13,6 +13,7 @@ terminating state, hairpin, and the table's removal on leave.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -69,6 +70,9 @@ class World:
 async def world(tmp_path_factory):
     lab = Lab(LabSpec(name="sv" + unique_tag("")[:6], nodes=3, pods=0), root=tmp_path_factory.mktemp("labs"))
     w = World(lab)
+    # Every node forwards names outside the cluster domain to a stand-in resolver on node3.
+    for node in lab.nodes:
+        lab.spec.extra[node.name] = {"dns": {"upstream": [f"{lab.nodes[2].address}:5300"]}}
     try:
         await lab.up(timeout=90)
         for i, node in enumerate(lab.nodes, start=1):
@@ -78,7 +82,7 @@ async def world(tmp_path_factory):
             ports = [("tcp", 8080), ("udp", 5353)] if name.startswith("web") else []
             w.echo[name] = await Echo.start(pod, name, ports)
         for node in lab.nodes:
-            w.echo[node.name] = await Echo.start(node, node.name)
+            w.echo[node.name] = await Echo.start(node, node.name, [("dns", 5300)] if node.index == 3 else [])
         w.res = await lab.resources()
         yield w
     finally:
@@ -247,6 +251,42 @@ async def test_host_port_through_the_portmap_plugin_and_gone_on_del(world: World
     assert r == {"names": {}, "failed": 1}, r
     rules = await asyncio.to_thread(node1.ns.exec, "nft", "list", "ruleset")
     assert "18080" not in rules
+
+
+DNS = "169.254.20.10"
+
+
+async def test_service_dns_answers_a_srv_headless_forwards_and_follows_changes(world: World):
+    client = world.echo["client-1"]
+    assert world.pods["client-1"].result["dns"] == {
+        "nameservers": [DNS], "search": ["svc.svc.cluster.local", "svc.cluster.local", "cluster.local"], "options": ["ndots:5"]}  # fmt: skip
+    await world.apply(service("web", {"selector": {"app": "web"}, "ports": WEB_PORTS}),
+                      service("hl", {"clusterIP": "None", "selector": {"pod": "web-2"}, "ports": WEB_PORTS}))  # fmt: skip
+    try:
+        vip = await world.vip("web")
+        r = await client.dns(DNS, "web.svc.svc.cluster.local", "A")
+        assert r["rcode"] == "NOERROR" and r["aa"] and r["answer"] == [f"web.svc.svc.cluster.local. 5 IN A {vip}"], r
+        r = await world.echo["client-3"].dns(DNS, "_http._tcp.web.svc.svc.cluster.local", "SRV", tcp=True)
+        assert r["answer"] == ["_http._tcp.web.svc.svc.cluster.local. 5 IN SRV 0 100 80 web.svc.svc.cluster.local."], r
+        assert r["additional"] == [f"web.svc.svc.cluster.local. 5 IN A {vip}"], r
+        r = await client.dns(DNS, "_dns._udp.web.svc.svc.cluster.local", "SRV")
+        assert r["answer"] == ["_dns._udp.web.svc.svc.cluster.local. 5 IN SRV 0 100 53 web.svc.svc.cluster.local."], r
+        r = await client.dns(DNS, "hl.svc.svc.cluster.local", "A")  # headless: the endpoints
+        assert r["answer"] == [f"hl.svc.svc.cluster.local. 5 IN A {world.pods['web-2'].ip}"], r
+        r = await client.dns(DNS, "nope.svc.svc.cluster.local", "A")
+        assert r["rcode"] == "NXDOMAIN" and r["aa"], r
+        r = await client.dns(DNS, "svc.svc.cluster.local", "A")  # a namespace: exists, no records
+        assert r["rcode"] == "NOERROR" and r["answer"] == [], r
+        r = await client.dns(DNS, "www.example.org", "A")  # forwarded to the upstream stand-in
+        assert r["rcode"] == "NOERROR" and r["answer"] == ["www.example.org. 30 IN A 192.0.2.99"], r
+        # A change is answered once the node has applied it.
+        await world.delete("Service", "web")
+        r = await client.dns(DNS, "web.svc.svc.cluster.local", "A")
+        assert r["rcode"] == "NXDOMAIN", r
+    finally:
+        await world.res.delete("Service", "svc", "hl")
+        with contextlib.suppress(Exception):
+            await world.res.delete("Service", "svc", "web")
 
 
 def _table_handle(node: Any) -> int | None:

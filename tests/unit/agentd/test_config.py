@@ -26,6 +26,7 @@ from agentd.config.settings import (
     ApiConfig,
     BgpConfig,
     BgpPeerConfig,
+    DnsConfig,
     ListenRangeConfig,
     CniConfig,
     Config,
@@ -43,7 +44,7 @@ from agentd.config.settings import (
 EXAMPLE = Path(__file__).resolve().parents[3] / "etc" / "agentd.toml"
 SECTION_CLASSES = {
     "node": NodeConfig, "network": NetworkConfig, "etcd": EtcdConfig, "bgp": BgpConfig,
-    "api": ApiConfig, "cni": CniConfig, "log": LogConfig, "agent": AgentConfig,
+    "api": ApiConfig, "cni": CniConfig, "dns": DnsConfig, "log": LogConfig, "agent": AgentConfig,
 }
 
 
