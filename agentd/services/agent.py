@@ -60,6 +60,8 @@ class ServiceAgent:
         self.counters: dict[str, int] = {}
         self._have_snapshot = False
         self._wake = asyncio.Event()
+        self._compiled: dict[model.ServicePort, compiler.Compiled] = {}
+        self._desired: Any = None  # the last ruleset the kernel took (for the changed keys)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -169,10 +171,13 @@ class ServiceAgent:
             ports = model.build(
                 self.objects["Service"].values(), self.objects["EndpointSlice"].values(), self.objects["Pod"].values()
             )
-            desired = compiler.compile_services(ports, self.node)
+            desired = compiler.compile_services(ports, self.node, self._compiled)
             try:
-                result = await self.programmer.sync(desired)
+                result = await self.programmer.sync(desired, compiler.changed(self._desired, desired))
+                self._desired = desired
             except NftError as err:
+                self._desired = None
+                self._compiled.clear()
                 self.sync_errors += 1
                 self.error = str(err)
                 log.error("programming services failed: %s", err)

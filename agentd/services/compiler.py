@@ -94,6 +94,19 @@ def counter_name(namespace: str, service: str) -> str:
     return name("svc", namespace, service)
 
 
+_COUNTERS: dict[tuple[str, str], NftCounter] = {}
+
+
+def _counter(namespace: str, service: str) -> NftCounter:
+    """One counter object per service, shared by its ports (so an unchanged one stays the same object)."""
+    got = _COUNTERS.get((namespace, service))
+    if got is None:
+        if len(_COUNTERS) > 200_000:
+            _COUNTERS.clear()
+        got = _COUNTERS[(namespace, service)] = NftCounter(FAMILY, TABLE, counter_name(namespace, service))
+    return got
+
+
 def base_objects() -> list[Any]:
     key = {"concat": [_payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}
     node_key = {"concat": [_meta("l4proto"), _payload("th", "dport")]}
@@ -116,15 +129,25 @@ def base_objects() -> list[Any]:
     ]  # fmt: skip
 
 
-def compile_services(ports: Iterable[ServicePort], node: str) -> Ruleset:
-    """The whole table for ``node``."""
+Compiled = tuple[list[Any], Any, Any]
+
+
+def compile_services(ports: Iterable[ServicePort], node: str, cache: dict[ServicePort, Compiled] | None = None) -> Ruleset:
+    """The whole table for ``node``.  ``cache``: what earlier calls compiled, by ServicePort
+    (a frozen value: an unchanged port is the same object again, so recompiling after one
+    change costs lookups, and :func:`changed` finds the changed objects by identity)."""
     rs = Ruleset(TABLES)
     for obj in base_objects():
         rs.add(obj)
     vips: set[Any] = set()
     node_ports: set[Any] = set()
+    fresh: dict[ServicePort, Compiled] = {}
     for sp in sorted(ports, key=lambda p: p.key):
-        objs, vip, node_port = compile_port(sp, node)
+        got = cache.get(sp) if cache is not None else None
+        if got is None:
+            got = compile_port(sp, node)
+        fresh[sp] = got
+        objs, vip, node_port = got
         for obj in objs:
             rs.add(obj)
         if vip is not None:
@@ -135,12 +158,25 @@ def compile_services(ports: Iterable[ServicePort], node: str) -> Ruleset:
         base = rs.objects[(FAMILY, TABLE, "set", map_name)]
         assert isinstance(base, NftSet)
         rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map, elements=frozenset(elements)))
+    if cache is not None:
+        cache.clear()
+        cache.update(fresh)
     return rs
+
+
+def changed(before: Ruleset | None, after: Ruleset) -> set[Any] | None:
+    """The keys of objects that may differ (None: compare everything): new, gone, or not the
+    same object (compile_services with a cache reuses the objects of unchanged ports)."""
+    if before is None:
+        return None
+    keys = set(before.objects.keys() ^ after.objects.keys())
+    keys.update(k for k, v in after.objects.items() if before.objects.get(k) is not v)
+    return keys
 
 
 def compile_port(sp: ServicePort, node: str) -> tuple[list[Any], Any, Any]:
     """The objects of one service port, its service-ips element and its node-port element."""
-    objs: list[Any] = [NftCounter(FAMILY, TABLE, counter_name(sp.namespace, sp.service))]
+    objs: list[Any] = [_counter(sp.namespace, sp.service)]
     counter = {"counter": counter_name(sp.namespace, sp.service)}
     every = sp.usable()
     local = sp.usable(node)

@@ -140,3 +140,23 @@ def test_stale_udp_endpoints_are_those_no_longer_usable():
     assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353)
     assert not stale.matches("10.96.0.11", 53, "192.0.2.2", 5353) and not stale.matches("10.96.0.10", 53, "192.0.2.1", 5353)
     assert stale_udp(after, after) == [] and stale_udp(before, []) != []
+
+
+def test_recompiling_after_one_change_touches_only_that_service():
+    services = [svc(f"s{i}", {"ports": [{"name": "http", "port": 80}]}) for i in range(50)]
+    for i, s in enumerate(services):
+        s["spec"]["clusterIP"] = f"10.96.1.{i + 1}"
+    slices = [eps_slice(f"s{i}-1", f"s{i}", [{"addresses": [f"10.244.1.{i + 1}"]}, {"addresses": [f"10.244.2.{i + 1}"]}],
+                        [{"name": "http", "port": 8080}]) for i in range(50)]  # fmt: skip
+    cache: dict = {}
+    before = compiler.compile_services(model.build(services, slices, []), "n1", cache)
+    assert compiler.changed(None, before) is None
+    slices[7]["endpoints"].pop()
+    after = compiler.compile_services(model.build(services, slices, []), "n1", cache)
+    keys = compiler.changed(before, after)
+    # Only s7's objects (recompiled), the maps and the fixed base chains are looked at again.
+    assert {k[3] for k in keys if k[3].startswith(("svc/", "ep/"))} == {
+        "svc/shop/s7/tcp/80", "ep/shop/s7/tcp/80/10.244.1.8/8080", "ep/shop/s7/tcp/80/10.244.2.8/8080"}  # fmt: skip
+    assert len(keys) < 15
+    assert plan(before, after, keys) == plan(before, after)  # the keys miss nothing
+    assert len(cache) == 50
