@@ -570,9 +570,9 @@ class Agent:
     def bgp_speaker(self) -> Speaker | None:
         return self.speaker
 
-    def services_view(self) -> dict[str, Any] | None:
+    def services_view(self, summary: bool = False) -> dict[str, Any] | None:
         """GET /services (issue 14)."""
-        return self.services.view() if self.services else None
+        return self.services.view(summary) if self.services else None
 
     def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None:
         """GET /policy (issue 13)."""

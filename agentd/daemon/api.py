@@ -152,7 +152,8 @@ class ApiServer:
     async def _services(self, request: web.Request) -> web.Response:
         """Per service: VIP, ports, endpoints with their state, connections (agentd/services/agent.py)."""
         view = getattr(self.provider, "services_view", None)
-        data = view() if view is not None else None
+        summary = request.query.get("view") == "summary"  # what is applied only: cheap to poll
+        data = view(summary) if view is not None else None
         if data is None:
             return _json({"error": "services are not running here"}, 404 if view is None else 503)
         return _json(data)

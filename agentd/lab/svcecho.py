@@ -12,6 +12,8 @@ answered with ``NAME`` - and takes requests, one JSON line each, on stdin:
 * ``{"hold": [ip, port], "id": ID}``: open a connection and keep it; ``{"name": name|null}``;
 * ``{"ask": ID, "timeout": T}``: ask a held connection again; ``{"name": name|null}``
   (null: the connection is broken or silent);
+* ``{"crr": [ip, port], "seconds": S, "parallel": P}``: TCP_CRR-style: P loops of connect, ask,
+  close for S seconds; ``{"connections": n, "failed": k, "seconds": s}`` (bench/services.py);
 * ``{"dns": [server, name, type], "tcp": bool}``: one DNS query (dnspython);
   ``{"rcode": "NOERROR", "answer": ["name ttl IN A 10.96.0.1", ...], "additional": [...], "aa": bool}``.
 
@@ -100,6 +102,26 @@ async def _tcp(ip: str, port: int, count: int, timeout: float) -> dict[str, Any]
     return {"names": names, "failed": failed}
 
 
+async def _crr(ip: str, port: int, seconds: float, parallel: int, timeout: float) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    done = [0, 0]
+    start = loop.time()
+    end = start + seconds
+
+    async def one_loop() -> None:
+        while loop.time() < end:
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+                name = await _ask(reader, writer, timeout)
+                writer.close()
+                done[0 if name else 1] += 1
+            except (OSError, TimeoutError):
+                done[1] += 1
+
+    await asyncio.gather(*(one_loop() for _ in range(parallel)))
+    return {"connections": done[0], "failed": done[1], "seconds": loop.time() - start}
+
+
 def _udp(ip: str, port: int, count: int, sport: int, timeout: float) -> dict[str, Any]:
     out: list[str | None] = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -151,6 +173,8 @@ async def _main(name: str, ports: list[tuple[str, int]]) -> None:
                 result: Any = await _dns_query(*req["dns"], tcp=bool(req.get("tcp")), timeout=timeout)
             except Exception as err:  # noqa: BLE001 - reported to the test, not a dead helper
                 result = {"rcode": None, "error": f"{type(err).__name__}: {err}"}
+        elif "crr" in req:
+            result = await _crr(req["crr"][0], int(req["crr"][1]), float(req["seconds"]), int(req.get("parallel", 4)), timeout)
         elif "tcp" in req:
             result = await _tcp(req["tcp"][0], int(req["tcp"][1]), int(req.get("count", 1)), timeout)
         elif "udp" in req:
@@ -212,6 +236,9 @@ class Echo:
 
     async def ask(self, ident: str) -> str | None:
         return (await self.call({"ask": ident}))["name"]
+
+    async def crr(self, ip: str, port: int, seconds: float, parallel: int = 4) -> dict[str, Any]:
+        return await self.call({"crr": [ip, port], "seconds": seconds, "parallel": parallel}, timeout=seconds + 60)
 
     async def dns(self, server: str, name: str, rdtype: str = "A", *, tcp: bool = False) -> dict[str, Any]:
         return await self.call({"dns": [server, name, rdtype], "tcp": tcp})

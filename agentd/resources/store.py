@@ -201,10 +201,19 @@ class ResourceStore:
 
     async def apply(self, objs: Iterable[dict[str, Any]]) -> list[Applied]:
         """Create or replace validated objects, in transactions of up to MAX_TXN_OPS objects."""
-        objs = list(objs)
         out: list[Applied] = []
-        for i in range(0, len(objs), MAX_TXN_OPS):
-            out += await self._apply_batch(objs[i : i + MAX_TXN_OPS])
+        batch: list[dict[str, Any]] = []
+        ops = 0
+        for obj in objs:
+            # A Service also writes (and compares) its allocation keys: its cluster IP and node ports.
+            cost = 2 + len(obj["spec"].get("ports", [])) if obj["kind"] == "Service" else 1
+            if batch and ops + cost > MAX_TXN_OPS:
+                out += await self._apply_batch(batch)
+                batch, ops = [], 0
+            batch.append(obj)
+            ops += cost
+        if batch:
+            out += await self._apply_batch(batch)
         return out
 
     async def _apply_batch(self, objs: list[dict[str, Any]]) -> list[Applied]:

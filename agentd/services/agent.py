@@ -212,8 +212,12 @@ class ServiceAgent:
 
     # ------------------------------------------------------------------ views
 
-    def view(self) -> dict[str, Any]:
-        """GET /services: per service its VIP, ports and endpoints with their state."""
+    def view(self, summary: bool = False) -> dict[str, Any]:
+        """GET /services: per service its VIP, ports and endpoints with their state
+        (``summary``: only what is applied, cheap to poll)."""
+        if summary:
+            return {"node": self.node, "revision": self.applied_revision, "error": self.error, "syncs": self.syncs,
+                    "last_sync": self.last_sync, "service_ports": len(self.ports)}  # fmt: skip
         services: dict[str, dict[str, Any]] = {}
         for sp in self.ports:
             key = f"{sp.namespace}/{sp.service}"

@@ -53,7 +53,7 @@ class World:
         deadline = time.monotonic() + timeout
         behind: list[str] = []
         while time.monotonic() < deadline:
-            views = await asyncio.gather(*(asyncio.to_thread(n.api_or_none, "/services") for n in self.lab.nodes))
+            views = await asyncio.gather(*(asyncio.to_thread(n.api_or_none, "/services?view=summary") for n in self.lab.nodes))
             behind = [f"{n.name}={(v or {}).get('revision')}" for n, v in zip(self.lab.nodes, views)
                       if not v or v.get("revision", 0) < revision or v.get("error")]  # fmt: skip
             if not behind:

@@ -170,3 +170,18 @@ async def test_command_line_apply_get_delete(etcd_server):
     gone = await asyncio.to_thread(_cli, etcd_server, "delete", "svc", "shop/web")
     assert gone.returncode == 0 and gone.stdout.strip() == "service/web deleted"
     assert await allocations(etcd_server) == {}
+
+
+async def test_a_large_apply_stays_within_etcds_operations_per_transaction(etcd_server, stores):
+    store = await stores()
+    store.service_cidr = RANGE
+    objs = []
+    for i in range(120):
+        objs.append(service(f"big-{i}", node_port=True))
+        objs.append(kinds.validate({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                                    "metadata": {"name": f"big-{i}-1", "namespace": "default",
+                                                 "labels": {"kubernetes.io/service-name": f"big-{i}"}},
+                                    "addressType": "IPv4", "endpoints": [{"addresses": [f"192.0.2.{i + 1}"]}]}))  # fmt: skip
+    applied = await store.apply(objs)
+    assert len(applied) == 240 and {a.outcome for a in applied} == {"created"}
+    assert len({a.obj["spec"]["clusterIP"] for a in applied if a.obj["kind"] == "Service"}) == 120
