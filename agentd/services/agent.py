@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from agentd.datastore.store import Datastore
 from agentd.policy.libnftables import Nft, NftError
 from agentd.policy.programmer import PolicyProgrammer
+from agentd.resources.service import SERVICE_NAME_LABEL
 from agentd.resources.store import ResourceEvent, ResourceStore
 
 from . import compiler, conntrack, dns, model
@@ -60,8 +61,9 @@ class ServiceAgent:
         self.counters: dict[str, int] = {}
         self._have_snapshot = False
         self._wake = asyncio.Event()
-        self._compiled: dict[model.ServicePort, compiler.Compiled] = {}
-        self._desired: Any = None  # the last ruleset the kernel took (for the changed keys)
+        self._slices: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (ns, service) -> its slices
+        self._dirty: set[tuple[str, str]] | None = None  # Services to recompile (None: all)
+        self._table: compiler.Table | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -138,24 +140,67 @@ class ServiceAgent:
                 self._wake.set()
 
     def _on_resource(self, ev: ResourceEvent) -> bool:
-        """Take one event in; True if it may change the table."""
+        """Take one event in, marking the Services it may change; True if it may change the table."""
         self.revision = max(self.revision, ev.revision)
         if ev.kind == "snapshot":
             self.objects = {k: {} for k in KINDS}
+            self._slices = {}
             for (kind, ns, name), obj in ev.objects.items():
                 if kind in self.objects:
-                    self.objects[kind][(ns, name)] = obj
+                    self._put(kind, ns, name, obj)
+            self._dirty = None  # everything
             self._have_snapshot = True
             return True
         kind, ns, name = ev.key if ev.key is not None else ("", "", "")
         if kind not in self.objects:
             self._wake.set()  # nothing to change, but the revision is applied
             return False
+        self._touch(kind, ns, name)
         if ev.kind == "put" and ev.obj is not None:
-            self.objects[kind][(ns, name)] = ev.obj
+            self._put(kind, ns, name, ev.obj)
         else:
-            self.objects[kind].pop((ns, name), None)
+            self._drop(kind, ns, name)
+        self._touch(kind, ns, name)
         return True
+
+    def _put(self, kind: str, ns: str, name: str, obj: dict[str, Any]) -> None:
+        self._drop(kind, ns, name)
+        self.objects[kind][(ns, name)] = obj
+        if kind == "EndpointSlice":
+            owner = (obj["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL)
+            if owner:
+                self._slices.setdefault((ns, owner), {})[name] = obj
+
+    def _drop(self, kind: str, ns: str, name: str) -> None:
+        old = self.objects[kind].pop((ns, name), None)
+        if kind == "EndpointSlice" and old is not None:
+            owner = (old["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL)
+            group = self._slices.get((ns, owner or ""))
+            if group is not None:
+                group.pop(name, None)
+                if not group:
+                    del self._slices[(ns, owner or "")]
+
+    def _touch(self, kind: str, ns: str, name: str) -> None:
+        """Mark the Services that object (as it is now) feeds."""
+        if self._dirty is None:
+            return
+        if kind == "Service":
+            self._dirty.add((ns, name))
+        elif kind == "EndpointSlice":
+            obj = self.objects[kind].get((ns, name))
+            owner = (obj["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL) if obj else None
+            if owner:
+                self._dirty.add((ns, owner))
+        elif kind == "Pod":  # every Service of its namespace with a selector may select it
+            self._dirty.update(k for k, svc in self.objects["Service"].items() if k[0] == ns and svc["spec"].get("selector"))
+
+    def _build(self, key: tuple[str, str]) -> list[model.ServicePort]:
+        svc = self.objects["Service"].get(key)
+        if svc is None:
+            return []
+        pods = [p for (ns, _), p in self.objects["Pod"].items() if ns == key[0]] if svc["spec"].get("selector") else []
+        return model.build([svc], list(self._slices.get(key, {}).values()), pods)
 
     # ------------------------------------------------------------------ syncing
 
@@ -168,25 +213,34 @@ class ServiceAgent:
                 continue
             revision = self.revision
             start = time.perf_counter()
-            ports = model.build(
-                self.objects["Service"].values(), self.objects["EndpointSlice"].values(), self.objects["Pod"].values()
-            )
-            desired = compiler.compile_services(ports, self.node, self._compiled)
+            dirty, self._dirty = self._dirty, set()
+            if dirty is None or self._table is None:
+                self._table = compiler.Table(self.node)
+                dirty = set(self.objects["Service"])
+                keys = None
+            else:
+                keys = set()
+            gone: list[conntrack.Stale] = []
+            for key in sorted(dirty):
+                before = self._table.services.get(key, ((),))[0]
+                after = self._build(key)
+                touched = self._table.update(key, after)
+                if keys is not None:
+                    keys |= touched
+                gone += stale_udp(list(before), after)
             try:
-                result = await self.programmer.sync(desired, compiler.changed(self._desired, desired))
-                self._desired = desired
+                result = await self.programmer.sync(self._table.rs, keys)
             except NftError as err:
-                self._desired = None
-                self._compiled.clear()
+                self._table = None  # rebuild everything next time
+                self._dirty = None
                 self.sync_errors += 1
                 self.error = str(err)
                 log.error("programming services failed: %s", err)
                 await asyncio.sleep(1.0)
                 self._wake.set()
                 continue
-            gone = stale_udp(self.ports, ports)
-            self.ports = ports
-            self.names = dns.names(ports, self.names.domain)
+            self.ports = self._table.ports()
+            self.names = dns.names(self.ports, self.names.domain)
             if gone:  # before the revision counts as applied: the change includes the flows' move
                 try:
                     self.flushed += await asyncio.to_thread(conntrack.flush_udp, gone)
@@ -196,7 +250,7 @@ class ServiceAgent:
             self.syncs += 1
             self.applied_revision = max(self.applied_revision, revision)
             self.last_sync = {"commands": result.commands, "seconds": round(time.perf_counter() - start, 6),
-                              "full": result.full}  # fmt: skip
+                              "full": result.full, "services": len(dirty)}  # fmt: skip
 
     async def _counters_loop(self) -> None:
         assert self.programmer is not None

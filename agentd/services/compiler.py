@@ -234,3 +234,65 @@ def _endpoint(sp: ServicePort, e: Endpoint, chain: str) -> list[Any]:
     rules.append(rule_text([_match(_meta("l4proto"), sp.l4), {"dnat": {"addr": e.ip, "port": e.port}}]))
     objs.append(NftChain(FAMILY, TABLE, chain, tuple(rules)))
     return objs
+
+
+ServiceKey = tuple[str, str]  # (namespace, name)
+
+
+class Table:
+    """The table kept up to date service by service: a change costs that service's objects.
+
+    :meth:`update` replaces what one Service compiles to and returns the keys of the objects
+    that changed (for :meth:`agentd.policy.programmer.PolicyProgrammer.sync`); the maps are
+    rebuilt from per-service elements.  ``rs`` is the whole wanted ruleset at any time."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.rs = Ruleset(TABLES)
+        for obj in base_objects():
+            self.rs.add(obj)
+        self.services: dict[ServiceKey, tuple[tuple[ServicePort, ...], dict[Any, Any], set[Any], set[Any]]] = {}
+        self.vips: set[Any] = set()
+        self.node_ports: set[Any] = set()
+
+    def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
+        """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys."""
+        ports = tuple(sorted(ports, key=lambda p: p.key))
+        old = self.services.get(key)
+        if old is not None and old[0] == ports:
+            return set()
+        old_objs, old_vips, old_nps = (old[1], old[2], old[3]) if old is not None else ({}, set(), set())
+        objs: dict[Any, Any] = {}
+        vips: set[Any] = set()
+        nps: set[Any] = set()
+        for sp in ports:
+            compiled, vip, node_port = compile_port(sp, self.node)
+            objs.update((o.key, o) for o in compiled)
+            if vip is not None:
+                vips.add(vip)
+            if node_port is not None:
+                nps.add(node_port)
+        touched: set[Any] = set()
+        for k in old_objs.keys() - objs.keys():
+            self.rs.objects.pop(k, None)
+            touched.add(k)
+        for k, o in objs.items():
+            if old_objs.get(k) != o:
+                self.rs.objects[k] = o
+                touched.add(k)
+        if ports:
+            self.services[key] = (ports, objs, vips, nps)
+        else:
+            self.services.pop(key, None)
+        for name, have, old_set, new_set in ((SERVICE_IPS, self.vips, old_vips, vips), (NODE_PORTS, self.node_ports, old_nps, nps)):
+            if old_set != new_set:
+                have.difference_update(old_set - new_set)
+                have.update(new_set)
+                base = self.rs.objects[(FAMILY, TABLE, "set", name)]
+                assert isinstance(base, NftSet)
+                self.rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map, elements=frozenset(have)))
+                touched.add(base.key)
+        return touched
+
+    def ports(self) -> list[ServicePort]:
+        return [sp for ports, *_ in self.services.values() for sp in ports]

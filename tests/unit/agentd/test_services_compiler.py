@@ -160,3 +160,32 @@ def test_recompiling_after_one_change_touches_only_that_service():
     assert len(keys) < 15
     assert plan(before, after, keys) == plan(before, after)  # the keys miss nothing
     assert len(cache) == 50
+
+
+def test_the_table_kept_service_by_service_equals_the_whole_compile():
+    services = [svc(f"s{i}", {"type": "NodePort", "ports": [{"name": "http", "port": 80, "nodePort": 30000 + i}]}) for i in range(20)]
+    for i, s in enumerate(services):
+        s["spec"]["clusterIP"] = f"10.96.1.{i + 1}"
+    slices = [eps_slice(f"s{i}-1", f"s{i}", [{"addresses": [f"10.244.1.{i + 1}"]}], [{"name": "http", "port": 8080}])
+              for i in range(20)]  # fmt: skip
+    table = compiler.Table("n1")
+    for s in services:
+        key = (s["metadata"]["namespace"], s["metadata"]["name"])
+        table.update(key, model.build([s], [sl for sl in slices if sl["metadata"]["labels"]["kubernetes.io/service-name"] == key[1]], []))
+    whole = compiler.compile_services(model.build(services, slices, []), "n1")
+    assert table.rs.objects == whole.objects
+    # s3 loses its endpoint, s4 goes: only their objects and the two maps are touched.
+    before = dict(table.rs.objects)
+    touched = table.update(("shop", "s3"), model.build([services[3]], [], []))
+    touched |= table.update(("shop", "s4"), [])
+    assert table.update(("shop", "s5"), model.build([services[5]], [slices[5]], [])) == set()  # unchanged
+    names = {k[3] for k in touched}
+    assert names == {"svc/shop/s3/tcp/80", "ep/shop/s3/tcp/80/10.244.1.4/8080", "ext/shop/s3/tcp/80",
+                     "svc/shop/s4/tcp/80", "ep/shop/s4/tcp/80/10.244.1.5/8080", "ext/shop/s4/tcp/80", "svc/shop/s4",
+                     compiler.SERVICE_IPS, compiler.NODE_PORTS}, names  # fmt: skip
+    whole = compiler.compile_services(model.build(services[:3] + services[5:] + [services[3]], slices[:3] + slices[5:], []), "n1")
+    assert table.rs.objects == whole.objects
+    def same(cmds: list) -> list:
+        return sorted(json.dumps(c, sort_keys=True) for c in cmds)
+
+    assert same(plan(Ruleset(compiler.TABLES, before), table.rs, touched)) == same(plan(Ruleset(compiler.TABLES, before), table.rs))
