@@ -185,28 +185,53 @@ def compile_port(sp: ServicePort, node: str) -> tuple[list[Any], Any, Any]:
     if sp.cluster_ip is not None:
         chosen = local if sp.internal_local else every
         if chosen:
-            objs.append(NftChain(FAMILY, TABLE, svc_chain(sp), _dispatch(sp, chosen, counter)))
-            chains.update({ep_chain(sp, e): e for e in chosen})
+            rules, eps = _pick(sp, chosen, counter)
+            objs.append(NftChain(FAMILY, TABLE, svc_chain(sp), rules))
+            chains.update(eps)
             vip = ((sp.cluster_ip, sp.l4, sp.port), ("goto", svc_chain(sp)))
     node_port = None
     if sp.node_port is not None:
+        rules = ()
         if sp.external_local:
-            rules = _dispatch(sp, local, counter) if local else ()
-            chains.update({ep_chain(sp, e): e for e in local})
+            if local:
+                rules, eps = _pick(sp, local, counter)
+                chains.update(eps)
         elif every:
             if sp.cluster_ip is not None and not sp.internal_local:
                 rules = (rule_text([MARK_MASQ, _goto(svc_chain(sp))]),)
             else:
-                rules = (rule_text([MARK_MASQ]), *_dispatch(sp, every, counter))
-                chains.update({ep_chain(sp, e): e for e in every})
-        else:
-            rules = ()
+                picked, eps = _pick(sp, every, counter)
+                rules = (rule_text([MARK_MASQ]), *picked)
+                chains.update(eps)
         if rules:
             objs.append(NftChain(FAMILY, TABLE, ext_chain(sp), rules))
             node_port = ((sp.l4, sp.node_port), ("goto", ext_chain(sp)))
     for chain, e in sorted(chains.items()):
         objs += _endpoint(sp, e, chain)
     return objs, vip, node_port
+
+
+def _pick(sp: ServicePort, endpoints: tuple[Endpoint, ...], counter: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Endpoint]]:
+    """The rules choosing an endpoint, and the endpoint chains they use.
+
+    Without affinity: no chain per endpoint, the service chain translates itself (one rule:
+    ``dnat ip to numgen random mod N map { 0 : ip . port, ... }``), and a connection from any of
+    the endpoints is marked for SNAT (hairpin: kube-proxy marks only the endpoint reaching
+    itself; here an endpoint reaching a sibling through the VIP is SNATed too).  A table of
+    one chain per service instead of one per endpoint is what keeps libnftables' per-transaction
+    cost (it reads the table's chains first) low.  With ClientIP affinity: a chain per endpoint."""
+    if sp.affinity_timeout is not None:
+        return _dispatch(sp, endpoints, counter), {ep_chain(sp, e): e for e in endpoints}
+    addrs = sorted({e.ip for e in endpoints})
+    hairpin = rule_text([_match(SADDR, addrs[0] if len(addrs) == 1 else {"set": addrs}), MARK_MASQ])
+    proto = _match(_meta("l4proto"), sp.l4)
+    if len(endpoints) == 1:
+        nat: dict[str, Any] = {"dnat": {"addr": endpoints[0].ip, "port": endpoints[0].port}}
+    else:
+        pick = {"numgen": {"mode": "random", "mod": len(endpoints), "offset": 0}}
+        table = {"set": [[i, {"concat": [e.ip, e.port]}] for i, e in enumerate(endpoints)]}
+        nat = {"dnat": {"family": "ip", "addr": {"map": {"key": pick, "data": table}}}}
+    return (hairpin, rule_text([proto, counter, nat])), {}
 
 
 def _dispatch(sp: ServicePort, endpoints: tuple[Endpoint, ...], counter: dict[str, Any]) -> tuple[str, ...]:
