@@ -457,21 +457,22 @@ class LocalHost:
 
     def default_address(self) -> IPv4Address | None:
         """The source address the kernel uses for the main table's best IPv4 default route."""
-        from pyroute2 import IPRoute  # only the daemon needs netlink, not every config reader
+        from agentd.kernel import netlink as nl  # only the daemon needs netlink, not every config reader
+        from agentd.kernel.rtnl import Rtnl
 
-        with IPRoute() as ipr:
-            defaults = [r for r in ipr.route("dump", family=socket.AF_INET, table=254) if r["dst_len"] == 0]
+        with Rtnl() as rt:
+            defaults = [r for r in rt.routes(nl.AF_INET, nl.RT_TABLE_MAIN) if r.dst_len == 0]
             if not defaults:
                 return None
-            best = min(defaults, key=lambda r: r.get("RTA_PRIORITY") or 0)
-            src = best.get("RTA_PREFSRC")
-            if src is None and best.get("RTA_GATEWAY"):
+            best = min(defaults, key=lambda r: r.priority or 0)
+            src = best.prefsrc
+            if src is None and best.gateway:
                 # The kernel's own source selection for the gateway, as `ip route get` shows it.
-                got = ipr.route("get", dst=best.get("RTA_GATEWAY"))
-                src = got[0].get("RTA_PREFSRC") if got else None
-            if src is None and best.get("RTA_OIF"):
-                addrs = ipr.get_addr(family=socket.AF_INET, index=best.get("RTA_OIF"))
-                src = addrs[0].get("IFA_ADDRESS") if addrs else None
+                got = rt.route_get(socket.inet_ntoa(best.gateway))
+                src = got.prefsrc if got else None
+            if src is None and best.oif:
+                addrs = rt.addresses(best.oif)
+                src = addrs[0].address if addrs else None
         return IPv4Address(src) if src else None
 
 

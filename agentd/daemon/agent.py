@@ -109,7 +109,7 @@ class Agent:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         try:
-            # pyroute2's synchronous IPRoute runs its own event loop: keep it off ours.
+            # `ip -json address show` in a subprocess: blocking, keep it off our loop.
             self.underlay = await asyncio.to_thread(underlay_for, self.address)
         except NetInfoError as err:
             log.error("%s", err)

@@ -43,6 +43,9 @@ from agentd.dataplane import DataplaneClient, DataplaneError, DataplaneProcess
 from agentd.dataplane.bpf import BpfUnavailable, layout
 from agentd.datastore.store import NodeRecord
 from agentd.kernel import netlink as nl
+from agentd.kernel.netlink_links import Vxlan, decode_vxlan
+from agentd.kernel.netlink_socket import NetlinkSocket
+from agentd.kernel.rtnl import Rtnl
 from agentd.kernel.forwarding import LocalPaths, PeerPlan, peer_in_userspace
 from agentd.kernel.netinfo import Underlay
 
@@ -50,20 +53,6 @@ log = logging.getLogger("agentd.backends")
 
 DEVICES = {name: b.device for name, b in BACKENDS.items() if b.device}
 GATEWAY_REFRESH = 15.0  # seconds between re-resolving the underlay next hops of BPF routes
-
-
-def _ipr():
-    """pyroute2, imported on first use: only kernel tunnel devices need it, and importing it
-    costs every agent ~0.2 s of start-up and ~10 MB."""
-    from pyroute2 import IPRoute
-
-    return IPRoute()
-
-
-def _netlink_error() -> type[Exception]:
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    return NetlinkError
 
 
 def vxlan_peer_entries(index: int, vtep_ip: str, mac: str, peer: str) -> tuple[nl.NeighMessage, nl.NeighMessage]:
@@ -76,7 +65,7 @@ def vxlan_peer_entries(index: int, vtep_ip: str, mac: str, peer: str) -> tuple[n
     return neighbour, fdb
 
 
-async def _neigh_request(sock: nl.NetlinkSocket, code: str, entry: nl.NeighMessage, seq: int) -> None:
+async def _neigh_request(sock: NetlinkSocket, code: str, entry: nl.NeighMessage, seq: int) -> None:
     """One RTM_NEWNEIGH ("replace": create or replace) or RTM_DELNEIGH ("del"), acknowledged;
     the kernel's refusal raises nl.NetlinkError."""
     if code == "replace":
@@ -93,22 +82,18 @@ async def _neigh_request(sock: nl.NetlinkSocket, code: str, entry: nl.NeighMessa
         raise nl.NetlinkError(errno.ETIMEDOUT, None, f"{code} {what}: no acknowledgement")
 
 
-def _link_index(ipr, name: str) -> int | None:
-    found = ipr.link_lookup(ifname=name)
-    return found[0] if found else None
-
-
-def _set_address(ipr, index: int, address: str) -> None:
+def _set_address(rt: Rtnl, index: int, address: str) -> None:
     """``address``/32 on the device, replacing any other IPv4 address we put there before."""
-    have = [
-        (m.get_attr("IFA_LOCAL") or m.get_attr("IFA_ADDRESS"), m["prefixlen"])
-        for m in ipr.get_addr(family=2, index=index)
-    ]
+    have = [(socket.inet_ntoa(a.local or a.address), a.prefixlen) for a in rt.addresses(index) if a.local or a.address]
     for addr, plen in have:
         if (addr, plen) != (address, 32):
-            ipr.addr("del", index=index, address=addr, prefixlen=plen)
+            rt.delete_address(index, addr, plen)
     if (address, 32) not in have:
-        ipr.addr("add", index=index, address=address, prefixlen=32)
+        rt.add_address(index, address, 32)
+
+
+def _mac(address: bytes | None) -> str | None:
+    return ":".join(f"{b:02x}" for b in address) if address else None
 
 
 class _Vxlan:
@@ -125,39 +110,25 @@ class _Vxlan:
     def _up(self, subnet: IPv4Network) -> None:
         cfg, ul = self.t.cfg.network, self.t.underlay
         mtu = ul.mtu - mtu_overhead("vxlan")
-        with _ipr() as ipr:
-            index = _link_index(ipr, self.device)
-            if index is not None:
-                (link,) = ipr.get_links(index)
-                info = link.get_attr("IFLA_LINKINFO")
-                data = info.get_attr("IFLA_INFO_DATA") if info else None
-                same = (
-                    data is not None
-                    and data.get_attr("IFLA_VXLAN_ID") == cfg.vxlan_vni
-                    and data.get_attr("IFLA_VXLAN_PORT") == cfg.vxlan_port
-                    and data.get_attr("IFLA_VXLAN_LOCAL") == str(self.t.underlay.interface.ip)
-                )
-                if not same:
+        wanted = Vxlan(cfg.vxlan_vni, cfg.vxlan_port, ul.interface.ip.packed, ul.ifindex, learning=False)
+        with Rtnl() as rt:
+            link = rt.link(self.device)
+            if link is not None:
+                # Adopt a device left by our previous run if it carries the same VNI, port and local address.
+                have = decode_vxlan(link.info_data) if link.kind == "vxlan" and link.info_data is not None else None
+                if have is None or (have.vni, have.port, have.local) != (wanted.vni, wanted.port, wanted.local):
                     log.info("replacing %s: its VNI, port or local address changed", self.device)
-                    ipr.link("del", index=index)
-                    index = None
-            if index is None:
-                ipr.link(
-                    "add",
-                    ifname=self.device,
-                    kind="vxlan",
-                    vxlan_id=cfg.vxlan_vni,
-                    vxlan_port=cfg.vxlan_port,
-                    vxlan_local=str(ul.interface.ip),
-                    vxlan_link=ul.ifindex,
-                    vxlan_learning=0,
-                )
-                index = _link_index(ipr, self.device)
-                assert index is not None
-            ipr.link("set", index=index, mtu=mtu, state="up")
+                    rt.delete_link(link.index)
+                    link = None
+            if link is None:
+                rt.create_vxlan(self.device, wanted)
+                link = rt.link(self.device)
+                if link is None:
+                    raise OSError(errno.ENODEV, f"vxlan device {self.device} vanished after it was made")
+            rt.set_link(link.index, mtu=mtu, up=True)
             self.vtep_ip = str(subnet.network_address)
-            _set_address(ipr, index, self.vtep_ip)
-            self.mac = ipr.get_links(index)[0].get_attr("IFLA_ADDRESS")
+            _set_address(rt, link.index, self.vtep_ip)
+            self.mac = _mac(link.address)
 
     async def up(self, subnet: IPv4Network) -> None:
         await asyncio.to_thread(self._up, subnet)
@@ -172,12 +143,12 @@ class _Vxlan:
 
     async def _sync(self, wanted: dict[str, tuple[str, str]], prune: bool) -> None:
         """Neighbour and FDB entries through agentd.kernel.netlink, the route programmer's
-        rtnetlink codec (pyroute2 only makes the device)."""
+        rtnetlink codec."""
         try:
             index = socket.if_nametoindex(self.device)
         except OSError:
             return  # no device (yet): nothing to program
-        sock = nl.NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
+        sock = NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
         seq = 0
         try:
             for peer, (vtep_ip, mac) in list(self.installed.items()):
@@ -253,10 +224,10 @@ class _Worker:
         self.pushed = None
 
     def _address(self, address: str) -> None:
-        with _ipr() as ipr:
-            index = _link_index(ipr, self.device)
-            if index is not None:
-                _set_address(ipr, index, address)
+        with Rtnl() as rt:
+            link = rt.link(self.device)
+            if link is not None:
+                _set_address(rt, link.index, address)
 
     def data(self) -> dict[str, Any]:
         return {key: getattr(self.t.cfg.network, key) for key in BACKENDS[self.name].node_data}
@@ -336,10 +307,10 @@ def control_path(state_dir: Path, kind: str) -> str:
 
 
 def _delete_link(name: str) -> None:
-    with _ipr() as ipr:
-        index = _link_index(ipr, name)
-        if index is not None:
-            ipr.link("del", index=index)
+    with Rtnl() as rt:
+        link = rt.link(name)
+        if link is not None:
+            rt.delete_link(link.index)
 
 
 # The implementation of each data path (agentd.backend_table.DATAPATHS); "route" needs none.
@@ -412,7 +383,7 @@ class Tunnels:
             impl = IMPLEMENTATIONS[datapath](self, backend)
             try:
                 await impl.up(self.subnet)
-            except (OSError, _netlink_error(), DataplaneError, RuntimeError) as err:
+            except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
                 reasons.append(f"{DATAPATHS[datapath].label}: {err}")
                 continue
             self.active[backend] = impl
@@ -481,7 +452,7 @@ class Tunnels:
             worker = _Worker(self, backend)
             try:
                 await worker.up(self.subnet)
-            except (OSError, _netlink_error(), DataplaneError, RuntimeError) as err:
+            except (OSError, DataplaneError, RuntimeError) as err:  # nl.NetlinkError is an OSError
                 self.helper_failed[backend] = str(err)
                 log.error("backend %s: no user-space worker for the peers that need one: %s", backend, err)
                 continue
@@ -605,16 +576,16 @@ class Tunnels:
 def _underlay_next_hops(peers: list[str], ifindex: int) -> tuple[dict[str, str], dict[str, str]]:
     """peer -> the gateway the kernel routes it through (the peer itself when on-link), for the
     peers routed out of the underlay device; the others with the reason."""
-    from agentd.dataplane.bpf.rtnl import Rtnl, RtnlError
-
     gateways, unreachable = {}, {}
-    with Rtnl() as nl:
+    with Rtnl() as rt:
         for peer in peers:
             try:
-                oif, gateway = nl.route_get(peer)
-            except RtnlError as err:
-                unreachable[peer] = f"no route to its underlay address ({err.strerror})"
+                route = rt.route_get(peer)
+            except nl.NetlinkError as err:
+                unreachable[peer] = f"no route to its underlay address ({err})"
                 continue
+            oif = route.oif if route is not None else None
+            gateway = socket.inet_ntoa(route.gateway) if route is not None and route.gateway else None
             if oif != ifindex:
                 unreachable[peer] = f"its underlay address is routed out of interface {oif}, not the underlay device"
                 continue

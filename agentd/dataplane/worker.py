@@ -6,8 +6,9 @@ tight blocking ``poll`` loop over the TUN fd, the underlay socket and a unix con
 With offloads and user segmentation (the default) the per-packet loops run in C
 (``_fastpath.c`` through ``_fast.FastPath``, whose ``run`` is then the poll loop and returns
 only when a control socket needs Python); this module keeps everything else and hands the C
-side the next hops and members.  The Python loops below do the same work where the C file is
-not built or ``--fast-path python`` is given, and are the reference the tests hold C to.
+side the next hops and members.  The Python loops (``_transmit``: one class per loop, one
+table picks it) do the same work where the C file is not built or ``--fast-path python`` is
+given, and are the reference the tests hold C to.
 
 TUN -> underlay: with offloads one read returns a TCP super-packet (up to 64 KB), read
 straight into a block of segment slots; the super-packets at hand (up to ``_TSO_BLOCKS``) are
@@ -41,26 +42,21 @@ import os
 import select
 import signal
 import socket
-import struct
 import sys
 import time
 from dataclasses import dataclass
 
 from agentd.backend_table import BACKENDS
 from agentd.dataplane import _fast
-from agentd.dataplane._forward import ForwardError, NextHopTable, complete_checksum, parse_members
+from agentd.dataplane._forward import NextHopTable, parse_members
 from agentd.dataplane._gro import Coalescer
-from agentd.dataplane._tso import TsoSegmenter
+from agentd.dataplane._transmit import BUDGET, LOOPS, Transmit
 from agentd.dataplane.ipip import IpipTransport
 from agentd.dataplane.tun import TunError, check_name, local_source_accepted, open_tun
 from agentd.dataplane.udp import UdpTransport
 from proto.packet import (
     FLANNEL_UDP_PORT,
-    VIRTIO_NET_HDR_F_NEEDS_CSUM,
-    VIRTIO_NET_HDR_GSO_NONE,
-    VIRTIO_NET_HDR_GSO_TCPV4,
     VNET_HDR_NONE,
-    decrement_ttl,
     icmp_net_unreachable,
     icmp_time_exceeded,
 )
@@ -77,14 +73,7 @@ DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "n
 COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
             "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "icmp_sent")
 
-_VNET = struct.Struct("<BBHHHH")
-_TUN_BUF = 65536 + 64
-_TSO_BLOCKS = 16  # super-packets read (into their own blocks) before one vectorized segmentation
-_OUT_BUF = 3 << 20  # the blocks (~70 KB each), then room for plain packets and the copied path
-_OUT_HEADROOM = 256 << 10  # a 64 KB super-packet with a tiny MSS still fits after this
-_SINGLES = 1 << 20  # out[-_SINGLES:]: plain packets waiting (in order) for the blocks' segmentation
 _RX_BUF = (1 << 19) + 4096  # 256 IPIP slots of 2 KB (+ slack for numpy row views), or a 64 KB GRO read
-_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -112,7 +101,6 @@ class Worker:
         self.drops = dict.fromkeys(DROP_REASONS, 0)
         self.table = NextHopTable()
         self.members: frozenset[str] = frozenset()
-        self.route_cache: dict[bytes, str | None] = {}
         self.ttl_decrement = TTL_DECREMENT[cfg.kind]
         self.state_path = cfg.state or cfg.control + ".state"
         self._stop = False
@@ -149,20 +137,17 @@ class Worker:
         if self.icmp_source is None:
             self.fallbacks["icmp_source"] = self.fallbacks_icmp
         self.fast = self._open_fast_path(user_tso)
-        # The Python loops' buffers and helpers, only where those loops run.
-        self.segmenter: TsoSegmenter | None = None
+        # TUN -> underlay: the C loop, or the Python loop the table picks (agentd.dataplane._transmit).
+        loop = Transmit if self.fast is not None else LOOPS[(cfg.offload, cfg.segmentation)]
+        self.tx = loop(tun_fd=self.tun.fd, transport=self.transport, mtu=cfg.mtu,
+                       ttl_decrement=self.ttl_decrement, icmp_source=self.icmp_source,
+                       counters=self.c, drops=self.drops)
+        # Underlay -> TUN in Python: the receive buffer and the coalescer, only where the C loop does not run.
         self.coalescer: Coalescer | _SingleWriter | None = None
         self.rxbuf: bytearray | None = None
         if self.fast is None:
-            self.tunbuf = bytearray(_TUN_BUF)
-            self.out = bytearray(_OUT_BUF)
             self.rxbuf = bytearray(_RX_BUF)
-            if hasattr(self.transport, "bind_tx_buffer"):
-                self.transport.bind_tx_buffer(self.out)
-            self.segmenter = TsoSegmenter(self.tunbuf, self.out, mtu=cfg.mtu,
-                                          blocks=_TSO_BLOCKS if user_tso else 0,
-                                          block_area=_OUT_BUF - _SINGLES)
-            self.coalescer = Coalescer(self._tun_write) if cfg.offload else _SingleWriter(self._tun_write)
+            self.coalescer = Coalescer(self.tx.tun_write) if cfg.offload else _SingleWriter(self.tx.tun_write)
         self.listener = self._listen(cfg.control)
         self._load_state()
 
@@ -238,7 +223,7 @@ class Worker:
         if not isinstance(routes, dict):
             raise ValueError("next_hops must be an object {prefix: underlay address}")
         self.table = NextHopTable(routes)
-        self.route_cache = {}
+        self.tx.set_table(self.table)
         if self.fast is not None:
             self.fast.set_routes(self.table)
         if save:
@@ -308,7 +293,7 @@ class Worker:
             "members": len(self.members),
             "controllers": len(self.clients),
             **c,
-            "tso_gathered": self.segmenter.gathered if self.segmenter is not None else 0,
+            "tso_gathered": self.tx.segmenter.gathered if self.tx.segmenter is not None else 0,
             "drops": drops,
             "offloads": offloads,
             "fallbacks": fallbacks,
@@ -365,288 +350,16 @@ class Worker:
 
     # -- forwarding ---------------------------------------------------------------------------
 
-    def _tun_write(self, parts) -> None:
-        try:
-            os.writev(self.tun.fd, parts)
-        except OSError:
-            self.drops["tun_write_error"] += 1
-            return
-        self.c["tun_writes"] += 1
-
-    def _resolve(self, dst: bytes) -> str | None:
-        cache = self.route_cache
-        if len(cache) > 65536:
-            cache.clear()
-        peer = cache[dst] = self.table.lookup(dst)
-        return peer
-
-    def _icmp(self, build, offender) -> None:
-        try:
-            src = self.icmp_source or bytes(offender[16:20])
-            self._tun_write([VNET_HDR_NONE, build(offender, src)])
-        except ValueError:
-            return
-        self.c["icmp_sent"] += 1
-
     def _run_fast(self) -> None:
         """Packets move in C until the control sockets need Python (or 0.5 s passed, for the
         orphan check and signals); a packet handed back needs an ICMP error to the TUN."""
         rc = self.fast.run((self.listener.fileno(), *self.clients), 500)
         if rc == 1:
             kind, pkt = self.fast.slow_packet()
-            self._icmp(icmp_net_unreachable if kind == _fast.SLOW_NET_UNREACHABLE else icmp_time_exceeded,
-                       memoryview(pkt))
+            self.tx.icmp(icmp_net_unreachable if kind == _fast.SLOW_NET_UNREACHABLE else icmp_time_exceeded,
+                         memoryview(pkt))
         elif rc < 0:
             _raise_errno()
-
-    def _from_tun_offload(self) -> None:
-        """TUN -> underlay with TSO super-packets.
-
-        Each super-packet is read straight into its own block of segment slots; up to
-        ``_TSO_BLOCKS`` of them are segmented by one vectorized pass, then everything read
-        goes out in the order it was read (plain packets wait in a side area meanwhile: a
-        flow's packets must not overtake each other)."""
-        seg = self.segmenter
-        fd = self.tun.fd
-        read = seg.read
-        fits = seg.fits
-        vnet = seg.vnet
-        out = self.out
-        omv = memoryview(out)
-        unpack = _VNET.unpack_from
-        cache = self.route_cache
-        drops = self.drops
-        mtu = self.cfg.mtu
-        ttl_dec = self.ttl_decrement
-        singles_start = len(out) - _SINGLES
-        so = singles_start
-        order: list[tuple] = []  # ("block", j, n, peer) or ("one", offset, length, peer), as read
-        lengths: list[int] = []  # bytes read per block, for the vectorized pass
-        j = 0
-        reads = 0
-        for _ in range(_BUDGET):
-            try:
-                n = read(fd, j)
-            except BlockingIOError:
-                break
-            reads += 1
-            b = j * seg.block_bytes
-            if n < 30 or out[b] >> 4 != 4:
-                drops["malformed" if n < 30 else "not_ipv4"] += 1
-                continue
-            flags, gso_type, _hl, gso_size, cs, co = unpack(vnet, j * 10)
-            dst = bytes(out[b + 16 : b + 20])
-            peer = cache.get(dst, 0)
-            if peer == 0:
-                peer = self._resolve(dst)
-            if peer is None:
-                drops["no_route"] += 1
-                self._icmp(icmp_net_unreachable, omv[b : b + min(n - 10, seg.geometry.stride)])
-                continue
-            gso_type &= 0x7F
-            if gso_type == VIRTIO_NET_HDR_GSO_TCPV4 and fits(j, n, gso_size):
-                if ttl_dec and out[b + 8] <= 1:
-                    drops["ttl_exceeded"] += 1
-                    self._icmp(icmp_time_exceeded, omv[b : b + seg.geometry.stride])
-                    continue
-                if seg.geometry.stride > mtu:
-                    drops["mtu"] += -(-(n - 10 - seg.geometry.hl) // gso_size)
-                    continue
-                order.append(("block", j, n, peer))
-                lengths.append(n)
-                j += 1
-                if j == seg.blocks:
-                    self._send_in_order(order, lengths)
-                    order, lengths, j, so = [], [], 0, singles_start
-                continue
-            if gso_type == VIRTIO_NET_HDR_GSO_NONE:
-                pkt = seg.packet(j, n)
-                if pkt is None:
-                    pkt = seg.gather(j, n)  # longer than a segment slot: beyond the MTU anyway
-                total = len(pkt)
-                if total > mtu:
-                    drops["mtu"] += 1
-                    continue
-                if so + total > len(out):
-                    self._send_in_order(order, lengths)
-                    order, lengths, j, so = [], [], 0, singles_start
-                out[so : so + total] = pkt
-                try:
-                    if flags & VIRTIO_NET_HDR_F_NEEDS_CSUM:
-                        complete_checksum(out, so, so + total, cs, co)
-                except ForwardError:
-                    drops["malformed"] += 1
-                    continue
-                if ttl_dec and not decrement_ttl(out, so):
-                    drops["ttl_exceeded"] += 1
-                    self._icmp(icmp_time_exceeded, omv[so : so + total])
-                    continue
-                order.append(("one", so, total, peer))
-                so += total
-                continue
-            # A super-packet the blocks do not fit (another MSS or header length, IP options,
-            # one segment) or a GSO kind we never enable: after everything before it, copied.
-            self._send_in_order(order, lengths)
-            order, lengths, so = [], [], singles_start
-            if gso_type != VIRTIO_NET_HDR_GSO_TCPV4:
-                drops["malformed"] += 1  # GSO kinds we never enable (TCPv6, UDP)
-                j = 0
-                continue
-            pkt = seg.gather(j, n)
-            j = 0
-            try:
-                count, seglen, total = seg.segment(10, n - 10, gso_size, 0, ttl_dec)
-            except ForwardError as exc:
-                drops[exc.reason] += 1
-                if exc.reason == "ttl_exceeded":
-                    self._icmp(icmp_time_exceeded, pkt)
-                continue
-            if seglen > mtu:
-                drops["mtu"] += count
-                continue
-            self.c["tso_frames"] += 1
-            self.c["tso_segments"] += count
-            self.transport.queue_run(omv, 0, seglen, count, total, peer)
-            self.transport.flush()
-        self._send_in_order(order, lengths)
-        self.c["tun_reads"] += reads
-
-    def _send_in_order(self, order: list[tuple], lengths: list[int]) -> None:
-        """Segment the pending blocks in one vectorized pass, then hand every pending run to
-        the transport in the order it was read, and flush (the blocks are reused next)."""
-        if not order:
-            return
-        c = self.c
-        runs = iter(self.segmenter.segment_blocks(len(lengths), lengths, self.ttl_decrement)) if lengths else None
-        queue_run = self.transport.queue_run
-        out = memoryview(self.out)
-        block_bytes = self.segmenter.block_bytes
-        segs = 0
-        for kind, where, size, peer in order:
-            if kind == "block":
-                count, stride, total = next(runs)
-                queue_run(out, where * block_bytes, stride, count, total, peer)
-                segs += count
-            else:
-                queue_run(out, where, size, 1, size, peer)
-        self.transport.flush()
-        if lengths:
-            c["tso_batches"] += 1
-        c["tso_frames"] += len(lengths)
-        c["tso_segments"] += segs
-
-    def _from_tun_batched(self) -> None:
-        """TUN -> underlay without TUN offloads: the kernel segments and checksums (in C), we
-        read packet by packet straight into the staging buffer and send runs of equal-sized
-        packets to one peer with one UDP-GSO sendmsg (or one sendmmsg batch)."""
-        fd = self.tun.fd
-        readv = os.readv
-        scratch = bytearray(10)
-        out = memoryview(self.out)
-        ob = self.out
-        limit = len(out) - _OUT_HEADROOM
-        cache = self.route_cache
-        transport = self.transport
-        queue_run = transport.queue_run
-        drops = self.drops
-        mtu = self.cfg.mtu
-        ttl_dec = self.ttl_decrement
-        wo = 0
-        reads = 0
-        run_peer = None
-        run_off = run_len = run_count = run_total = 0
-        run_open = False
-        for _ in range(_BUDGET * 4):
-            try:
-                n = readv(fd, [scratch, out[wo : wo + 65536]]) - 10
-            except BlockingIOError:
-                break
-            reads += 1
-            if n < 20 or ob[wo] >> 4 != 4:
-                drops["malformed" if n < 20 else "not_ipv4"] += 1
-                continue
-            dst = bytes(ob[wo + 16 : wo + 20])
-            peer = cache.get(dst, 0)
-            if peer == 0:
-                peer = self._resolve(dst)
-            if peer is None:
-                drops["no_route"] += 1
-                self._icmp(icmp_net_unreachable, out[wo : wo + n])
-                continue
-            if scratch[0] & VIRTIO_NET_HDR_F_NEEDS_CSUM:
-                try:
-                    cs, co = struct.unpack_from("<HH", scratch, 6)
-                    complete_checksum(ob, wo, wo + n, cs, co)
-                except ForwardError:
-                    drops["malformed"] += 1
-                    continue
-            if ttl_dec and not decrement_ttl(ob, wo):
-                drops["ttl_exceeded"] += 1
-                self._icmp(icmp_time_exceeded, out[wo : wo + n])
-                continue
-            if n > mtu:
-                drops["mtu"] += 1
-                continue
-            if run_open and peer == run_peer and n <= run_len:
-                run_count += 1
-                run_total += n
-                if n < run_len:
-                    run_open = False  # a shorter packet can only be the last of a GSO run
-            else:
-                if run_count:
-                    queue_run(out, run_off, run_len, run_count, run_total, run_peer)
-                run_peer, run_off, run_len, run_count, run_total, run_open = peer, wo, n, 1, n, True
-            wo += n
-            if wo > limit:
-                queue_run(out, run_off, run_len, run_count, run_total, run_peer)
-                run_count = 0
-                run_open = False
-                transport.flush()
-                wo = 0
-        if run_count:
-            queue_run(out, run_off, run_len, run_count, run_total, run_peer)
-        transport.flush()
-        self.c["tun_reads"] += reads
-
-    def _from_tun_plain(self) -> None:
-        """TUN -> underlay, one read and one send per packet (the per-packet baseline)."""
-        fd = self.tun.fd
-        readv = os.readv
-        bufs = [self.tunbuf]
-        tb = self.tunbuf
-        mv = memoryview(tb)
-        cache = self.route_cache
-        send_one = self.transport.send_one
-        drops = self.drops
-        mtu = self.cfg.mtu
-        ttl_dec = self.ttl_decrement
-        reads = 0
-        for _ in range(_BUDGET):
-            try:
-                n = readv(fd, bufs)
-            except BlockingIOError:
-                break
-            reads += 1
-            if n < 30 or tb[10] >> 4 != 4:
-                drops["malformed" if n < 30 else "not_ipv4"] += 1
-                continue
-            dst = bytes(tb[26:30])
-            peer = cache.get(dst, 0)
-            if peer == 0:
-                peer = self._resolve(dst)
-            if peer is None:
-                drops["no_route"] += 1
-                self._icmp(icmp_net_unreachable, mv[10:n])
-                continue
-            if ttl_dec and not decrement_ttl(tb, 10):
-                drops["ttl_exceeded"] += 1
-                self._icmp(icmp_time_exceeded, mv[10:n])
-                continue
-            if n - 10 > mtu:
-                drops["mtu"] += 1
-                continue
-            send_one(mv[10:n], peer)
-        self.c["tun_reads"] += reads
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -659,14 +372,7 @@ class Worker:
             poller.register(sock_fd, select.POLLIN)
         poller.register(lfd, select.POLLIN)
         receive, rxbuf, coalescer = self.transport.receive, self.rxbuf, self.coalescer
-        if fast is not None:
-            from_tun = None  # the C loop polls the TUN and the socket
-        elif not self.cfg.offload:
-            from_tun = self._from_tun_plain
-        elif self.cfg.segmentation == "user":
-            from_tun = self._from_tun_offload
-        else:
-            from_tun = self._from_tun_batched
+        from_tun = self.tx.from_tun  # None with the C loop: it polls the TUN and the socket
         log.info("%s worker on %s (mtu %d, local %s, offload %s) ready; control %s", self.cfg.kind,
                  self.cfg.tun, self.cfg.mtu, self.cfg.local_ip, self.cfg.offload, self.cfg.control)
         try:
@@ -677,7 +383,7 @@ class Worker:
                     if fd == tun_fd:
                         from_tun()
                     elif fd == sock_fd:
-                        receive(rxbuf, coalescer, _BUDGET)
+                        receive(rxbuf, coalescer, BUDGET)
                     elif fd == lfd:
                         self._accept()
                     elif fd in self.clients:

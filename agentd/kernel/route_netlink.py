@@ -16,6 +16,7 @@ import socket
 from collections.abc import Callable
 
 from agentd.kernel import netlink as nl
+from agentd.kernel.netlink_socket import NetlinkSocket
 from agentd.kernel.netns import entered, netns_path
 from agentd.kernel.route_model import (
     AF_INET,
@@ -45,12 +46,12 @@ MONITOR_GROUPS = (nl.RTMGRP_IPV4_ROUTE | nl.RTMGRP_IPV6_ROUTE | nl.RTMGRP_LINK
 Failure = tuple[object, int, "str | None"]  # (target, errno, the kernel's message)
 
 
-def open_netlink_sockets() -> tuple[nl.NetlinkSocket, nl.NetlinkSocket]:
+def open_netlink_sockets() -> tuple[NetlinkSocket, NetlinkSocket]:
     """A request socket and a monitor socket for route, link and address events."""
-    req = nl.NetlinkSocket()
+    req = NetlinkSocket()
     try:
         # Our own changes cause one notification each; the filter drops them in the kernel.
-        return req, nl.NetlinkSocket(MONITOR_GROUPS, ignore_pid=req.portid)
+        return req, NetlinkSocket(MONITOR_GROUPS, ignore_pid=req.portid)
     except BaseException:
         req.close()
         raise

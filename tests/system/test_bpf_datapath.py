@@ -20,6 +20,7 @@ from ipaddress import IPv4Network
 
 import pytest
 
+from agentd.dataplane.bpf import BpfDatapath, Config, layout, pin_dir, tc
 from agentd.lab.twohosts import (
     H1_UNDERLAY,
     H2_UNDERLAY,
@@ -32,7 +33,6 @@ from agentd.lab.twohosts import (
     build_two_hosts,
     wait_for,
 )
-from agentd.dataplane.bpf import BpfDatapath, Config, layout, pin_dir, tc
 from proto import packet as P
 
 pytestmark = pytest.mark.timeout(120)
@@ -484,3 +484,53 @@ def test_egress_encapsulates_by_route_and_refuses_oversized(programs):
     assert len(big) == 1473 and run(programs, layout.EGRESS, big)[0] == TC_ACT_SHOT
     assert _drops(programs) == {"too_big": 1}
 
+
+
+def _tx_dropped(ns, dev: str) -> int:
+    return int(ns.exec("cat", f"/sys/class/net/{dev}/statistics/tx_dropped"))
+
+
+def test_attaching_to_a_busy_device_grafts_no_qdisc_and_loses_nothing(pair_factory):
+    """The pods' bridge gets the member filter while pods talk through it (the CNI plugin made
+    it a moment ago), and a restarted agent swaps the programs on a busy underlay.  Neither may
+    cost a packet: a clsact qdisc grafted onto a live device stops its transmit queues for an
+    RCU grace period (every packet sent out of it meanwhile is dropped, QDISC_DROP), which is
+    why the programs go on by tcx, which needs no qdisc.  An older agent's cls_bpf filter on
+    the underlay is taken over (the filter removed, its qdisc left alone; ours runs first)."""
+    from agentd.kernel import netlink_tc as tcm
+    from agentd.kernel.rtnl import Rtnl
+
+    assert tc.tcx_available()  # Linux 6.18 here; the clsact path is for kernels before 6.6
+    pair = pair_factory("udp")
+    t = pair.t
+    name = "agentd_ingress"
+    vp2 = int(t.h2.exec("cat", "/sys/class/net/vp2/ifindex"))  # stands for a pods' bridge: no qdisc
+    u2 = pair.dp[2].ifindex
+    with t.h2.entered(), Rtnl() as rt:  # an older agent's filter on the underlay, as it left it
+        rt.request(tcm.encode_add_clsact(rt.next_seq(), u2), "clsact")
+        rt.request(tcm.encode_replace_bpf_filter(rt.next_seq(), u2, tc.PARENTS["ingress"], tc.PRIO, tc.HANDLE,
+                                                 tc.ETH_P_ALL, pair.dp[2].progs[layout.INGRESS], name), "filter")
+    qdiscs_before = t.h2.exec("tc", "qdisc", "show")
+    drops_before = {dev: _tx_dropped(t.h2, dev) for dev in ("vp2", "u2")}
+    pinger = t.p1.popen(["ping", "-n", "-i", "0.005", "-W", "1", P2], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= 20, 10)
+        for _ in range(5):  # an agent restarting on a busy node: new programs in place of the old
+            pair.dp[2].close()
+            dp = pair.open(2, {IPv4Network(SUBNET1): (H1_UNDERLAY, "udp")}, {H1_UNDERLAY})
+            with t.h2.entered():
+                tc.attach(vp2, "ingress", dp.progs[layout.INGRESS], name)  # the pods' bridge guarded
+        before = pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
+        assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= before + 20, 10)
+    finally:
+        pinger.send_signal(2)
+        out, _ = pinger.communicate(timeout=10)
+    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
+    assert m, out
+    assert int(m.group(1)) - int(m.group(2)) <= 1, out[-300:]  # the last may still be in flight
+    assert {dev: _tx_dropped(t.h2, dev) for dev in ("vp2", "u2")} == drops_before
+    assert t.h2.exec("tc", "qdisc", "show") == qdiscs_before  # no qdisc came or went
+    # Ours is on each hook once, by tcx; the older agent's filter is gone.
+    assert [(f.direction, f.kind, f.name) for f in _filters(t.h2, "vp2")] == [("ingress", "tcx", name)]
+    assert sorted((f.direction, f.kind) for f in _filters(t.h2, "u2")) == [("egress", "tcx"), ("ingress", "tcx")]

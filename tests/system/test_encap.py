@@ -17,8 +17,8 @@ import threading
 
 import pytest
 
-from agentd.dataplane.backends import control_path
 from agentd.dataplane import DataplaneClient
+from agentd.dataplane.backends import control_path
 from agentd.dataplane.bpf import layout
 from agentd.dataplane.bpf import syscall as bpf
 from agentd.lab.lab import ETCD_ADDRESS
@@ -208,14 +208,21 @@ async def wait_freed(ids: dict[str, set[int]], what: str) -> None:
 
 
 def tc_filters(node) -> str:
-    """Every tc filter on the node's underlay device and on its bridges (the pods' bridge gets
-    the member filter too)."""
+    """Every tc filter (``tc filter show``) and every tcx program (BPF_PROG_QUERY: ``tc`` does not
+    show those) on the node's underlay device and on its bridges (the pods' bridge gets the
+    member filter too)."""
     bridges = re.findall(r"^\d+: ([^:@]+)", node.ns.exec("ip", "-o", "link", "show", "type", "bridge"), re.MULTILINE)
-    return "".join(
+    devices = ("eth0", *bridges)
+    legacy = "".join(
         node.ns.exec("tc", "filter", "show", "dev", dev, d, check=False)
-        for dev in ("eth0", *bridges)
+        for dev in devices
         for d in ("ingress", "egress")
     )
+    query = ("import socket, sys; from agentd.dataplane.bpf import tc\n"
+             "for dev in sys.argv[1:]:\n"
+             "    for f in tc.filters(socket.if_nametoindex(dev)):\n"
+             "        if f.kind == 'tcx': print(dev, f.direction, 'tcx bpf', f.name, f.prog_id)\n")
+    return legacy + node.ns.exec(sys.executable, "-c", query, *devices)
 
 
 _SINK = """

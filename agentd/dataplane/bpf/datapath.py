@@ -30,6 +30,8 @@ from collections.abc import Iterable, Mapping
 from ipaddress import IPv4Network
 from pathlib import Path
 
+from agentd.kernel.rtnl import Rtnl
+
 from . import elf, layout, tc
 from . import syscall as sc
 
@@ -257,10 +259,8 @@ class BpfDatapath:
         are dropped and counted unless they come from a cluster member, whichever device they
         come in by -- a pod sending VXLAN or flannel UDP to its own node included.  Returns the
         bridges guarded."""
-        from .rtnl import Rtnl
-
-        with Rtnl() as nl:
-            bridges = nl.bridges()
+        with Rtnl() as rt:
+            bridges = rt.bridges()
         fd = self.progs.get(layout.INGRESS)
         if fd is None:
             return set()
@@ -272,10 +272,8 @@ class BpfDatapath:
     def sync_ports(self) -> int:
         """Mirror the bridges' learned MACs into the ports map (deliver_local in datapath.c);
         returns how many there are."""
-        from .rtnl import Rtnl
-
-        with Rtnl() as nl:
-            learned = nl.learned_macs()
+        with Rtnl() as rt:
+            learned = rt.learned_macs()
         self.set_ports(learned)
         return len(learned)
 
@@ -307,6 +305,7 @@ class BpfDatapath:
             "pins": str(self.dir),
             "adopted_maps": list(self.adopted),
             "programs": {DIRECTIONS[s]: {"id": i} for s, i in self.prog_ids.items()},
+            "hook": "tcx" if tc.tcx_available() else "clsact",  # where the programs are attached
             "routes": len(self.routes),
             "members": len(self.members),
             "bridge_ports": len(self.ports),
@@ -328,11 +327,9 @@ def remove_pinned(bpf_dir: str | os.PathLike, ifindex: int | None) -> list[str]:
     """Detach our filters from ``ifindex`` and remove this namespace's pins (and their directory,
     and ``bpf_dir`` itself once empty).  Works without the agent that made them; idempotent.
     Returns what was removed."""
-    from .rtnl import Rtnl
-
     removed = []
-    with Rtnl() as nl:
-        devices = nl.bridges()  # guard_bridges() put the ingress filter on them
+    with Rtnl() as rt:
+        devices = rt.bridges()  # guard_bridges() put the ingress filter on them
     if ifindex is not None:
         devices.add(ifindex)
     n = sum(tc.detach(i) for i in sorted(devices))

@@ -22,8 +22,17 @@ _NR_BPF = {"x86_64": 321, "i386": 357, "i686": 357, "aarch64": 280, "armv7l": 38
 # enum bpf_cmd
 MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY, PROG_LOAD = range(6)
 OBJ_PIN, OBJ_GET = 6, 7
+PROG_ATTACH, PROG_DETACH = 8, 9
 PROG_TEST_RUN = 10
+PROG_GET_FD_BY_ID = 13
 OBJ_GET_INFO_BY_FD = 15
+PROG_QUERY = 16
+
+# enum bpf_attach_type: tcx, the qdisc-less tc hooks (Linux 6.6)
+TCX_INGRESS, TCX_EGRESS = 46, 47
+# attach_flags of BPF_PROG_ATTACH for multi-program hooks (tcx)
+BPF_F_REPLACE = 1 << 2
+BPF_F_BEFORE = 1 << 3
 
 # enum bpf_map_type / bpf_prog_type
 MAP_TYPE_HASH, MAP_TYPE_ARRAY = 1, 2
@@ -204,6 +213,53 @@ def prog_info(fd: int) -> dict:
     tag = raw[8:16].hex()
     name = raw[64:80].rstrip(b"\0").decode()
     return {"type": ptype, "id": pid, "tag": tag, "name": name}
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    """A new file descriptor for the loaded program ``prog_id`` (BPF_PROG_GET_FD_BY_ID)."""
+    return _bpf(PROG_GET_FD_BY_ID, _attr("<III", prog_id, 0, 0), f"opening program {prog_id}")
+
+
+# BPF_PROG_ATTACH / BPF_PROG_DETACH: target_ifindex, attach_bpf_fd, attach_type, attach_flags,
+# replace_bpf_fd, relative_fd|id, expected_revision.
+_ATTACH = "<IIIIIIQ"
+
+
+def tcx_attach(ifindex: int, attach_type: int, fd: int, replace_fd: int | None = None) -> None:
+    """Put program ``fd`` on the device's tcx hook (no qdisc): in place of ``replace_fd``
+    (atomically, between two packets), else first in the hook's list.  The attachment
+    outlives this process, as a tc filter does, until detached or the device goes."""
+    if replace_fd is None:
+        attr = _attr(_ATTACH, ifindex, fd, attach_type, BPF_F_BEFORE, 0, 0, 0)
+    else:
+        attr = _attr(_ATTACH, ifindex, fd, attach_type, BPF_F_REPLACE, replace_fd, 0, 0)
+    _bpf(PROG_ATTACH, attr, f"attaching a program to device {ifindex} (tcx)")
+
+
+def tcx_detach(ifindex: int, attach_type: int, fd: int) -> None:
+    _bpf(PROG_DETACH, _attr(_ATTACH, ifindex, fd, attach_type, 0, 0, 0, 0), f"detaching a program from device {ifindex} (tcx)")
+
+
+def tcx_query(ifindex: int, attach_type: int) -> list[int]:
+    """The ids of the programs on the device's tcx hook, in the order they run."""
+    # target_ifindex, attach_type, query_flags, attach_flags, prog_ids, count, pad,
+    # prog_attach_flags, link_ids, link_attach_flags, revision
+    fmt = "<IIIIQIIQQQQ"
+    for _ in range(4):  # the list may grow between the two calls
+        attr = _attr(fmt, ifindex, attach_type, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        _bpf(PROG_QUERY, attr, f"listing the programs on device {ifindex} (tcx)")
+        (count,) = struct.unpack_from("<I", attr, 24)
+        if count == 0:
+            return []
+        ids = (ctypes.c_uint32 * count)()
+        attr = _attr(fmt, ifindex, attach_type, 0, 0, ctypes.addressof(ids), count, 0, 0, 0, 0, 0)
+        ret = _syscall(PROG_QUERY, attr)
+        if ret == 0:
+            (got,) = struct.unpack_from("<I", attr, 24)
+            return list(ids)[:got]
+        if ctypes.get_errno() != errno.ENOSPC:
+            raise BpfError(ctypes.get_errno(), f"listing the programs on device {ifindex} (tcx)")
+    raise BpfError(errno.EAGAIN, f"listing the programs on device {ifindex} (tcx)", "the list kept changing")
 
 
 def prog_test_run(fd: int, data: bytes, repeat: int = 1) -> tuple[int, bytes]:

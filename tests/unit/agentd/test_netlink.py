@@ -172,9 +172,9 @@ def test_iter_messages_walks_a_batch_in_order():
 
 
 def test_link_decode():
-    name = nl._attr(nl.IFLA_IFNAME, b"vxlan.calico\0")
-    info = nl._attr(nl.IFLA_LINKINFO, nl._attr(nl.IFLA_INFO_KIND, b"vxlan\0"))
-    body = struct.pack("=BxHiII", 0, 1, 12, nl.IFF_UP, 0) + name + nl._attr_u32(nl.IFLA_MTU, 1450) + info
+    name = nl.attr(nl.IFLA_IFNAME, b"vxlan.calico\0")
+    info = nl.attr(nl.IFLA_LINKINFO, nl.attr(nl.IFLA_INFO_KIND, b"vxlan\0"))
+    body = struct.pack("=BxHiII", 0, 1, 12, nl.IFF_UP, 0) + name + nl.attr_u32(nl.IFLA_MTU, 1450) + info
     link = nl.decode_link(body)
     assert link == nl.LinkMessage(12, "vxlan.calico", nl.IFF_UP, 1450, None, "vxlan", None)
     assert link.up
@@ -206,7 +206,7 @@ def test_plain_ack_decodes_to_errno_zero():
 
 def test_uncapped_error_ack_finds_tlvs_after_the_echoed_request():
     request = nl.encode_delroute(9, nl.NLM_F_REQUEST, socket.AF_INET, socket.inet_aton("10.1.0.0"), 16)
-    tlv = nl._attr(nl.NLMSGERR_ATTR_MSG, b"No such process\0")
+    tlv = nl.attr(nl.NLMSGERR_ATTR_MSG, b"No such process\0")
     body = struct.pack("=i", -3) + request + tlv
     wire = struct.pack("=IHHII", 16 + len(body), nl.NLMSG_ERROR, nl.NLM_F_ACK_TLVS, 9, 0) + body
     [(_t, flags, _s, _p, start, end)] = nl.iter_messages(wire)
@@ -243,11 +243,11 @@ def test_truncated_golden_route_raises_decode_error():
 @pytest.mark.parametrize(
     "attr, what",
     [
-        (nl._attr(nl.RTA_DST, b"\x0a\x00\x00"), "needs 4"),  # IPv4 address of 3 bytes
-        (nl._attr(nl.RTA_GATEWAY, bytes(16)), "needs 4"),  # IPv6-sized gateway on an IPv4 route
-        (nl._attr(nl.RTA_OIF, b"\x01\x00"), "4 bytes"),
-        (nl._attr(nl.RTA_PREFSRC, bytes(5)), "needs 4"),
-        (nl._attr(nl.RTA_METRICS, nl._attr(nl.RTAX_MTU, b"\x01")), "4 bytes"),
+        (nl.attr(nl.RTA_DST, b"\x0a\x00\x00"), "needs 4"),  # IPv4 address of 3 bytes
+        (nl.attr(nl.RTA_GATEWAY, bytes(16)), "needs 4"),  # IPv6-sized gateway on an IPv4 route
+        (nl.attr(nl.RTA_OIF, b"\x01\x00"), "4 bytes"),
+        (nl.attr(nl.RTA_PREFSRC, bytes(5)), "needs 4"),
+        (nl.attr(nl.RTA_METRICS, nl.attr(nl.RTAX_MTU, b"\x01")), "4 bytes"),
         (struct.pack("=HH", 200, nl.RTA_DST) + bytes(4), "does not fit"),
         (struct.pack("=HH", 2, nl.RTA_DST) + bytes(4), "does not fit"),
     ],

@@ -132,7 +132,7 @@ _IFINFO = struct.Struct("=IHHIIBxHiII")
 
 
 def link_message(mtype: int, seq: int, flags: int, index: int, up: bool) -> bytes:
-    name = nl._attr(nl.IFLA_IFNAME, LINKS[index].encode() + b"\0")
+    name = nl.attr(nl.IFLA_IFNAME, LINKS[index].encode() + b"\0")
     return _IFINFO.pack(32 + len(name), mtype, flags, seq, 0, nl.AF_UNSPEC, 1, index,
                         nl.IFF_UP if up else 0, 0) + name
 

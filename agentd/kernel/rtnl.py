@@ -1,0 +1,121 @@
+"""A blocking rtnetlink session for the few requests that are not bulk work: making and
+configuring devices (VXLAN, addresses), ``ip route get``, listing bridges and their learned
+MACs, and the tc requests of the BPF data path (agentd.kernel.netlink_tc).
+
+The same codec and socket as the route programmer (agentd.kernel.netlink), one request at a
+time with its answers; the kernel's refusal raises ``nl.NetlinkError`` naming what was asked.
+Blocking calls: run them off the event loop (``asyncio.to_thread``).  Open it inside the
+target network namespace; it stays bound there.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from agentd.kernel import netlink as nl
+from agentd.kernel import netlink_links as links
+from agentd.kernel.netlink_socket import NetlinkSocket
+
+
+class Rtnl:
+    """One NETLINK_ROUTE socket; ``with Rtnl() as rt: ...``."""
+
+    def __init__(self) -> None:
+        self.sock = NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
+        self._seq = 0
+
+    def __enter__(self) -> Rtnl:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def request(self, message: bytes, what: str) -> list[tuple[int, bytes, int, int]]:
+        """Send ``message`` (built with :meth:`next_seq`); its answers ``(type, buf, start, end)``."""
+        return self.sock.request(message, what=what)
+
+    # ------------------------------------------------------------------ links
+
+    def link(self, name: str) -> nl.LinkMessage | None:
+        """Device ``name``, or None if there is none."""
+        try:
+            answers = self.request(links.encode_getlink(self.next_seq(), name=name), f"looking up device {name}")
+        except nl.NetlinkError as err:
+            if err.errno == errno.ENODEV:
+                return None
+            raise
+        for mtype, buf, start, end in answers:
+            if mtype == nl.RTM_NEWLINK:
+                return nl.decode_link(buf, start, end)
+        return None
+
+    def create_vxlan(self, name: str, vxlan: links.Vxlan) -> None:
+        self.request(links.encode_newlink_vxlan(self.next_seq(), name, vxlan), f"creating vxlan device {name}")
+
+    def set_link(self, index: int, *, mtu: int | None = None, up: bool | None = None) -> None:
+        self.request(links.encode_setlink(self.next_seq(), index, mtu=mtu, up=up), f"configuring device {index}")
+
+    def delete_link(self, index: int) -> None:
+        self.request(links.encode_dellink(self.next_seq(), index), f"deleting device {index}")
+
+    def bridges(self) -> set[int]:
+        """The ifindexes of the bridge devices here (``ip link show type bridge``)."""
+        answers = self.request(nl.encode_getlink_dump(self.next_seq()), "listing the devices")
+        return {link.index for link in (nl.decode_link(b, s, e) for t, b, s, e in answers if t == nl.RTM_NEWLINK)
+                if link.kind == "bridge"}
+
+    # ------------------------------------------------------------------ addresses
+
+    def addresses(self, index: int, family: int = nl.AF_INET) -> list[links.AddrMessage]:
+        """The addresses on device ``index``."""
+        answers = self.request(links.encode_getaddr_dump(self.next_seq(), family, index),
+                               f"listing the addresses of device {index}")
+        found = [links.decode_addr(b, s, e) for t, b, s, e in answers if t == nl.RTM_NEWADDR]
+        return [a for a in found if a.index == index and a.family == family]  # older kernels do not filter
+
+    def add_address(self, index: int, address: str, prefixlen: int) -> None:
+        self.request(links.encode_addr(nl.RTM_NEWADDR, self.next_seq(), index, socket.inet_aton(address), prefixlen),
+                     f"adding {address}/{prefixlen} to device {index}")
+
+    def delete_address(self, index: int, address: str, prefixlen: int) -> None:
+        self.request(links.encode_addr(nl.RTM_DELADDR, self.next_seq(), index, socket.inet_aton(address), prefixlen),
+                     f"removing {address}/{prefixlen} from device {index}")
+
+    # ------------------------------------------------------------------ routes and neighbours
+
+    def route_get(self, address: str) -> nl.RouteMessage | None:
+        """The kernel's route to IPv4 ``address`` (``ip route get``)."""
+        answers = self.request(nl.encode_getroute(self.next_seq(), nl.AF_INET, socket.inet_aton(address)),
+                               f"route to {address}")
+        for mtype, buf, start, end in answers:
+            if mtype == nl.RTM_NEWROUTE:
+                return nl.decode_route(buf, start, end)
+        return None
+
+    def routes(self, family: int, table: int) -> list[nl.RouteMessage]:
+        """Every route of ``table`` (``ip route show table T``)."""
+        answers = self.request(nl.encode_getroute_dump(self.next_seq(), family, table=table), f"listing table {table}")
+        found = [nl.decode_route(b, s, e) for t, b, s, e in answers if t == nl.RTM_NEWROUTE]
+        return [r for r in found if r.table == table]  # older kernels dump every table
+
+    def learned_macs(self) -> dict[tuple[int, bytes], int]:
+        """(bridge ifindex, MAC) -> port ifindex, for every MAC the bridges here learned on a
+        port (not the ports' own permanent addresses): ``bridge fdb show``."""
+        message = nl.encode_getneigh_dump(self.next_seq(), nl.AF_BRIDGE)
+        out = {}
+        for mtype, buf, start, end in self.request(message, "listing the bridges' MACs"):
+            if mtype != nl.RTM_NEWNEIGH:
+                continue
+            entry = nl.decode_neigh(buf, start, end)
+            if entry.state & nl.NUD_PERMANENT or entry.lladdr is None or len(entry.lladdr) != 6 or not entry.master:
+                continue
+            out[(entry.master, entry.lladdr)] = entry.ifindex
+        return out
