@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -36,6 +38,9 @@ import dns.rcode
 import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
+
+from agentd.kernel import netlink as nl
+from agentd.kernel.rtnl import Rtnl
 
 from .model import ServicePort
 
@@ -209,43 +214,47 @@ class DnsServer:
 def add_address(address: str) -> str:
     """``address/32`` on the dummy interface ``agentd-dns`` (idempotent), in this namespace; on
     ``lo`` where the kernel has no dummy interfaces (no module).  Returns the device used."""
-    from pyroute2 import IPRoute
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    with IPRoute() as ipr:
+    with Rtnl() as rt:
         device = DEVICE
-        if not ipr.link_lookup(ifname=DEVICE):
+        if rt.link(DEVICE) is None:
             try:
-                ipr.link("add", ifname=DEVICE, kind="dummy")
-            except NetlinkError as err:
-                if err.code != 95:  # EOPNOTSUPP: no dummy driver
+                rt.create_link(DEVICE, "dummy")
+            except nl.NetlinkError as err:
+                if err.errno != errno.EOPNOTSUPP:  # no dummy driver
                     raise
                 device = "lo"
-        (index,) = ipr.link_lookup(ifname=device)
+        link = rt.link(device)
+        if link is None:
+            raise nl.NetlinkError(errno.ENODEV, None, f"looking up device {device}")
         try:
-            ipr.addr("add", index=index, address=address, prefixlen=32, label=f"{device}:agentd" if device == "lo" else None)
-        except NetlinkError as err:
-            if err.code != 17:  # EEXIST: there from a previous run
+            rt.add_address(link.index, address, 32, f"{device}:agentd" if device == "lo" else None)
+        except nl.NetlinkError as err:
+            if err.errno != errno.EEXIST:  # there from a previous run
                 raise
         if device == DEVICE:
-            ipr.link("set", index=index, state="up")
+            rt.set_link(link.index, up=True)
         return device
 
 
 def remove_address(address: str | None = None) -> bool:
     """Remove ``agentd-dns``, or ``address`` from ``lo`` where it was put there."""
-    from pyroute2 import IPRoute
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    with IPRoute() as ipr:
-        found = ipr.link_lookup(ifname=DEVICE)
-        if found:
-            ipr.link("del", index=found[0])
+    with Rtnl() as rt:
+        link = rt.link(DEVICE)
+        if link is not None:
+            rt.delete_link(link.index)
             return True
-        for a in ipr.get_addr(label="lo:agentd"):
+        lo = rt.link("lo")
+        if lo is None:
+            return False
+        found = False
+        for a in rt.addresses(lo.index):
+            if a.label != "lo:agentd" or a.local is None:
+                continue
+            if address is not None and a.local != socket.inet_aton(address):
+                continue
             try:
-                ipr.addr("del", index=a["index"], address=a.get_attr("IFA_ADDRESS"), prefixlen=a["prefixlen"])
-                found = [a["index"]]
-            except NetlinkError:
-                pass
-        return bool(found)
+                rt.delete_address(lo.index, socket.inet_ntoa(a.local), a.prefixlen)
+                found = True
+            except nl.NetlinkError:
+                pass  # gone meanwhile
+        return found
