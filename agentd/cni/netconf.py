@@ -22,6 +22,9 @@ Subnet file format (``KEY=value`` lines; ``#`` comments and blank lines are igno
                                     node subnet (note: FLANNEL_IPMASQ=true means the opposite,
                                     "flanneld masquerades, the plugin must not")
     AGENTD_BACKEND=vxlan            informational: the node's backend
+    AGENTD_DNS=169.254.20.10        optional: the node-local DNS address (Services); pods get it
+                                    as nameserver in the ADD result's "dns"
+    AGENTD_CLUSTER_DOMAIN=cluster.local  optional, with AGENTD_DNS: the search domains' base
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ MAX_MTU = 65535
 
 _DIGITS_RE = re.compile(r"[0-9]+")
 
-_KEYS = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_MTU", "AGENTD_IPMASQ", "AGENTD_BACKEND")
+_KEYS = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_MTU", "AGENTD_IPMASQ", "AGENTD_BACKEND", "AGENTD_DNS",
+         "AGENTD_CLUSTER_DOMAIN")
 _REQUIRED = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_MTU")
 
 
@@ -65,6 +69,8 @@ class SubnetFile:
     mtu: int
     ipmasq: bool = False
     backend: str = "host-gw"
+    dns: IPv4Address | None = None  # Services (issue 14): the node-local DNS address
+    cluster_domain: str = "cluster.local"
 
     def __post_init__(self) -> None:
         if not isinstance(self.network, IPv4Network) or not isinstance(self.subnet, IPv4Network):
@@ -95,7 +101,7 @@ def render_subnet_file(sf: SubnetFile) -> str:
         f"AGENTD_MTU={sf.mtu}\n"
         f"AGENTD_IPMASQ={'true' if sf.ipmasq else 'false'}\n"
         f"AGENTD_BACKEND={sf.backend}\n"
-    )
+    ) + (f"AGENTD_DNS={sf.dns}\nAGENTD_CLUSTER_DOMAIN={sf.cluster_domain}\n" if sf.dns is not None else "")
 
 
 def parse_subnet_file(text: str, source: str = "subnet file") -> SubnetFile:
@@ -150,9 +156,30 @@ def parse_subnet_file(text: str, source: str = "subnet file") -> SubnetFile:
             mtu=int(mtu_text),
             ipmasq=ipmasq_text == "true",
             backend=values.get("AGENTD_BACKEND", "host-gw"),
+            dns=_dns(values.get("AGENTD_DNS"), source),
+            cluster_domain=values.get("AGENTD_CLUSTER_DOMAIN", "cluster.local"),
         )
     except SubnetFileError as e:
         raise SubnetFileError(f"{source}: {e}") from None
+
+
+def _dns(text: str | None, source: str) -> IPv4Address | None:
+    if not text:
+        return None
+    try:
+        return IPv4Address(text)
+    except ValueError:
+        raise SubnetFileError(f"{source}: AGENTD_DNS {text!r} is not an IPv4 address") from None
+
+
+def dns_config(sf: SubnetFile, namespace: str | None) -> dict[str, Any] | None:
+    """The ADD result's "dns" for a pod (CNI spec: nameservers, search, options), as kubelet
+    writes a ClusterFirst pod's resolv.conf: the node-local server and the cluster's search path."""
+    if sf.dns is None:
+        return None
+    domain = sf.cluster_domain
+    search = ([f"{namespace}.svc.{domain}"] if namespace else []) + [f"svc.{domain}", domain]
+    return {"nameservers": [str(sf.dns)], "search": search, "options": ["ndots:5"]}
 
 
 def read_subnet_file(path: str | os.PathLike[str]) -> SubnetFile:

@@ -52,6 +52,7 @@ from agentd.cni.netconf import (
     SubnetFileError,
     delegate_config,
     read_subnet_file,
+    dns_config,
 )
 
 SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0")
@@ -329,6 +330,9 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
         raise CniError(INTERNAL, f"delegate {conf['type']} printed no result for ADD")
     if pod is not None:
         _record_endpoint(args, netconf, conf, pod, result)
+    dns = dns_config(sf, pod[0] if pod is not None else None)  # Services (issue 14): the pod namespace
+    if dns is not None and not result.get("dns", {}).get("nameservers"):
+        result["dns"] = dns
     return result
 
 

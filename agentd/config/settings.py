@@ -35,6 +35,9 @@ from typing import Any, Protocol
 from agentd.backend_table import NAMES, mtu_overhead
 from agentd.config.values import (
     parse_pod_network,
+    parse_dns_address,
+    parse_domain,
+    parse_upstreams,
     HostPort,
     IPAddress,
     IPNetwork,
@@ -145,6 +148,7 @@ class NetworkConfig:
     udp_port: int = 8285
     datapath: str = "auto"  # udp and ipip: "bpf" (tc-BPF), "userspace" (TUN worker), "auto" (bpf where it loads)
     bpf_pod_redirect: bool = True  # BPF: decapsulated packets go straight to the pod's bridge port
+    service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # Services (issue 14): the cluster IP range
 
     def pod_mtu(self, underlay_mtu: int) -> int:
         """The MTU for pod interfaces: the configured one, or the underlay's minus the overhead."""
@@ -237,6 +241,16 @@ class CniConfig:
 
 
 @dataclass(frozen=True)
+class DnsConfig:
+    """Service DNS (issue 14): the agent answers <svc>.<ns>.svc.<cluster_domain> on a node-local address."""
+
+    enabled: bool = True
+    address: IPv4Address = IPv4Address("169.254.20.10")  # NodeLocal DNSCache's usual address
+    cluster_domain: str = "cluster.local"
+    upstream: tuple[str, ...] = ()  # "IP:PORT" to forward other names to; empty: /etc/resolv.conf's
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
     format: str = "text"
@@ -257,6 +271,7 @@ class Config:
     bgp: BgpConfig = field(default_factory=BgpConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     cni: CniConfig = field(default_factory=CniConfig)
+    dns: DnsConfig = field(default_factory=DnsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     source: str | None = None  # the file read, None when only defaults/env/overrides
@@ -326,6 +341,7 @@ _KEYS = (
     _Key("network", "udp_port", PORT, 8285),
     _Key("network", "datapath", choice_kind(*DATAPATH_CHOICES), "auto"),
     _Key("network", "bpf_pod_redirect", BOOL, True),
+    _Key("network", "service_cidr", string_kind(parse_pod_network), NetworkConfig.service_cidr),
     _Key("etcd", "endpoints", Kind((list,), "an array", text_list, parse_endpoints), EtcdConfig.endpoints),
     _Key("etcd", "prefix", string_kind(parse_etcd_prefix), "/agentd"),
     _Key("etcd", "ca", Kind((str,), "a string", str, parse_tls_file), None),
@@ -359,6 +375,10 @@ _KEYS = (
     _Key("cni", "data_dir", PATH, CniConfig.data_dir),
     _Key("cni", "ipam_data_dir", PATH, CniConfig.ipam_data_dir),
     _Key("cni", "write_conflist", BOOL, True),
+    _Key("dns", "enabled", BOOL, True),
+    _Key("dns", "address", string_kind(parse_dns_address), DnsConfig.address),
+    _Key("dns", "cluster_domain", string_kind(parse_domain), "cluster.local"),
+    _Key("dns", "upstream", Kind((list,), "an array", text_list, parse_upstreams), ()),
     _Key("log", "level", choice_kind("debug", "info", "warning", "error"), "info"),
     _Key("log", "format", choice_kind("text", "json"), "text"),
     _Key("agent", "state_dir", PATH, AgentConfig.state_dir),
@@ -708,6 +728,10 @@ class _Loader:
             self.key_problem(self.blame("network.subnet_len", "network.cidr"),
                              f"node subnets /{sublen} must be longer than the cidr's /{cidr.prefixlen} "
                              "and at most /30")
+        if (ok("network.cidr", "network.service_cidr") and v["network.service_cidr"] != NetworkConfig.service_cidr
+                and v["network.service_cidr"].overlaps(cidr)):  # the default is not held against an older cidr
+            self.key_problem(self.blame("network.service_cidr", "network.cidr"),
+                             f"the service range {v['network.service_cidr']} overlaps the pod network {cidr}")
         if ok("network.encap", "network.backend") and (v["network.encap"], v["network.backend"]) == (
             "cross-subnet", "host-gw"
         ):
@@ -746,7 +770,7 @@ class _Loader:
             return None
         sections = {}
         for sec, cls in (("node", NodeConfig), ("network", NetworkConfig), ("etcd", EtcdConfig),
-                         ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("log", LogConfig),
+                         ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("dns", DnsConfig), ("log", LogConfig),
                          ("agent", AgentConfig)):
             sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
         peers = tuple(BgpPeerConfig(**{"hold_time": hold, **p}) for p in v["bgp.peers"])

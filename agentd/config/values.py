@@ -188,6 +188,43 @@ def parse_node_address(s: str) -> IPv4Address | None:
     return addr
 
 
+def parse_dns_address(s: str) -> IPv4Address:
+    """The node-local DNS address (Services, issue 14): unicast, not loopback (pods send to it)."""
+    addr = parse_ipv4(s)
+    if addr is None:
+        raise BadValue("must be an IPv4 address")
+    if addr.is_loopback:
+        raise BadValue("must not be a loopback address: pods send their queries to it")
+    return addr
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def parse_domain(s: str) -> str:
+    """A DNS domain (the cluster domain): RFC 1123 labels, lower case, no trailing dot."""
+    name = s.strip().lower().rstrip(".")
+    if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in name.split(".")):
+        raise BadValue("must be a domain name like cluster.local (letters, digits, hyphens; dot-separated)")
+    return name
+
+
+def parse_upstreams(v: list[Any], _base: Path) -> tuple[str, ...]:
+    """DNS servers to forward to: "IP" or "IP:PORT"; empty: the host's /etc/resolv.conf."""
+    out = []
+    for item in v:
+        if not isinstance(item, str):
+            raise BadValue(f"must be an array of strings, not of {type_name(item)}s")
+        host, _, port = item.strip().partition(":")
+        addr = parse_ipv4(host)
+        if addr is None:
+            raise BadValue(f"{item!r}: must be IP or IP:PORT")
+        if port and (not port.isdigit() or not 1 <= int(port) <= 65535):
+            raise BadValue(f"{item!r}: the port must be 1..65535")
+        out.append(f"{addr}:{int(port) if port else 53}")
+    return tuple(out)
+
+
 def parse_ipv6_or_none(s: str) -> IPv6Address | None:
     if not s.strip():
         return None

@@ -44,6 +44,7 @@ from agentd.kernel.forwarding import PeerPlan, plan_external, plan_peer, route_f
 from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy (issue 13)
 from agentd.policy.libnftables import NftError
+from agentd.services.agent import ServiceAgent, remove_services_table  # Services (issue 14)
 from agentd.kernel.route_model import Route, SyncResult
 from agentd.kernel.routing import RouteProgrammer
 from agentd.daemon.sdnotify import Notifier
@@ -84,6 +85,7 @@ class Agent:
         self.tunnels: Tunnels | None = None
         self.cluster: ClusterConfig | None = None
         self.policy: PolicyAgent | None = None  # NetworkPolicy (issue 13)
+        self.services: ServiceAgent | None = None  # Services (issue 14)
         self.lease: SubnetLease | None = None
         self.nodes: dict[str, NodeRecord] = {}
         self.plans: dict[str, PeerPlan] = {}
@@ -134,6 +136,8 @@ class Agent:
             self.supervisor.start("node-watch", self._watch_nodes)
             if self.policy is not None:
                 self.supervisor.start("policy", self.policy.run)
+            if self.services is not None:
+                self.supervisor.start("services", self.services.run)
             self.supervisor.start("readiness", self._readiness_loop)
             await self._stop.wait()
         except AgentError as err:
@@ -164,7 +168,8 @@ class Agent:
         self.datastore.on_subnet_lost = self._subnet_lost
         self.notifier.status("connecting to etcd")
         await self.datastore.connect()
-        wanted = ClusterConfig(cfg.network.cidr, cfg.network.subnet_len, cfg.network.backend, cfg.network.encap)
+        wanted = ClusterConfig(cfg.network.cidr, cfg.network.subnet_len, cfg.network.backend, cfg.network.encap,
+                               cfg.network.service_cidr)
         self.cluster = await self.datastore.ensure_cluster_config(wanted)
         if (self.cluster.cidr, self.cluster.subnet_len) != (wanted.cidr, wanted.subnet_len):
             log.warning(
@@ -200,6 +205,15 @@ class Agent:
             log.error("network policy is not enforced on this node: %s", err)
             self._problems.append(f"network policy not enforced: {err}")
             self.policy = None
+        # Services (issue 14): adopt the services table as it is; it changes once etcd is read.
+        self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns)
+        try:
+            await self.services.start()
+            self.registry.register(self.services)
+        except NftError as err:
+            log.error("services are not translated on this node: %s", err)
+            self._problems.append(f"services not translated: {err}")
+            self.services = None
         try:
             await self.tunnels.start(subnet)
         except RuntimeError as err:
@@ -232,9 +246,11 @@ class Agent:
 
     def _write_cni_files(self) -> None:
         assert self.lease is not None and self.cluster is not None
+        dns = self.cfg.dns
         sf = cni_config.SubnetFile(
-            network=self.cluster.cidr, subnet=self.lease.subnet, mtu=self.pod_mtu, backend=self.cfg.network.backend
-        )
+            network=self.cluster.cidr, subnet=self.lease.subnet, mtu=self.pod_mtu, backend=self.cfg.network.backend,
+            dns=dns.address if dns.enabled else None, cluster_domain=dns.cluster_domain,
+        )  # fmt: skip
         cni_config.write_subnet_file(self.cfg.cni.subnet_file, sf)
         if self.cfg.cni.write_conflist:
             cni_config.write_conflist(
@@ -291,6 +307,8 @@ class Agent:
             await self.tunnels.stop(remove=not graceful)
         if self.policy is not None:  # the policy tables stay in force unless the node leaves
             self.policy.close()
+        if self.services is not None:  # so does the services table
+            self.services.close()
         if self.datastore is not None:
             with contextlib.suppress(Exception):
                 await self.datastore.close()
@@ -315,6 +333,8 @@ class Agent:
                 os.unlink(path)
         if self.policy is not None:  # NetworkPolicy (issue 13); pod records went with the lease
             await self.policy.leave()
+        if self.services is not None:  # Services (issue 14)
+            await self.services.leave()
 
     def _reload(self) -> None:
         """SIGHUP: re-read the configuration; external peers and the log level change live."""
@@ -550,6 +570,10 @@ class Agent:
     def bgp_speaker(self) -> Speaker | None:
         return self.speaker
 
+    def services_view(self, summary: bool = False) -> dict[str, Any] | None:
+        """GET /services (issue 14)."""
+        return self.services.view(summary) if self.services else None
+
     def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None:
         """GET /policy (issue 13)."""
         return self.policy.view(pod, summary=summary) if self.policy else None
@@ -613,6 +637,7 @@ async def leave(cfg: Config) -> int:
         if gone:
             log.info("removed the BPF data path a previous agent left: %s", ", ".join(gone))
         await remove_policy_tables()  # NetworkPolicy (issue 13)
+        await remove_services_table()  # Services (issue 14)
         return 0
     except Exception as err:
         log.error("cannot leave: %s", err)

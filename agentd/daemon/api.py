@@ -66,6 +66,7 @@ class ApiServer:
                 web.get("/routes", self._routes),
                 web.get("/metrics", self._metrics),
                 web.get("/policy", self._policy),  # NetworkPolicy (issue 13)
+                web.get("/services", self._services),  # Services (issue 14)
                 web.post("/leave", self._leave),
             ]
         )
@@ -146,6 +147,15 @@ class ApiServer:
         data = view(request.query.get("pod"), summary) if view is not None else None
         if data is None:
             return _json({"error": "network policy is not running here"}, 404 if view is None else 503)
+        return _json(data)
+
+    async def _services(self, request: web.Request) -> web.Response:
+        """Per service: VIP, ports, endpoints with their state, connections (agentd/services/agent.py)."""
+        view = getattr(self.provider, "services_view", None)
+        summary = request.query.get("view") == "summary"  # what is applied only: cheap to poll
+        data = view(summary) if view is not None else None
+        if data is None:
+            return _json({"error": "services are not running here"}, 404 if view is None else 503)
         return _json(data)
 
     async def _leave(self, request: web.Request) -> web.Response:

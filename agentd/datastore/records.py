@@ -135,6 +135,9 @@ def check_node_name(name: Any, kind: str = "node record", field: str = "name") -
 # -- records -------------------------------------------------------------------
 
 
+DEFAULT_SERVICE_CIDR = IPv4Network("10.96.0.0/12")  # kube-apiserver's --service-cluster-ip-range default
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """The cluster network, stored once at ``<prefix>/config``; the first writer wins."""
@@ -143,6 +146,8 @@ class ClusterConfig:
     subnet_len: int
     backend: str
     encap: str
+    # Services (issue 14): the cluster IP range; records written before it have the default.
+    service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # DEFAULT_SERVICE_CIDR
 
     _KIND = "cluster config"
 
@@ -160,15 +165,18 @@ class ClusterConfig:
             raise RecordError(f"{kind}: field 'backend' = {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if _str(kind, "encap", self.encap) not in ENCAPS:
             raise RecordError(f"{kind}: field 'encap' = {self.encap!r} is not one of {', '.join(ENCAPS)}")
+        # Not checked against cidr: records written before the field have the default, whatever cidr is.
+        object.__setattr__(self, "service_cidr", _network(kind, "service_cidr", self.service_cidr))
 
     @property
     def subnet_count(self) -> int:
         return subnet_count(self.cidr, self.subnet_len)
 
     def to_json(self) -> bytes:
-        return _dumps(
-            {"cidr": str(self.cidr), "subnet_len": self.subnet_len, "backend": self.backend, "encap": self.encap}
-        )
+        obj: dict[str, Any] = {"cidr": str(self.cidr), "subnet_len": self.subnet_len, "backend": self.backend, "encap": self.encap}
+        if self.service_cidr != DEFAULT_SERVICE_CIDR:  # optional: the record of DESIGN.md, plus this when set
+            obj["service_cidr"] = str(self.service_cidr)
+        return _dumps(obj)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Self:
@@ -179,6 +187,7 @@ class ClusterConfig:
             subnet_len=_int(kind, "subnet_len", _field(kind, obj, "subnet_len"), 0, 32),
             backend=_str(kind, "backend", _field(kind, obj, "backend")),
             encap=_str(kind, "encap", _field(kind, obj, "encap")),
+            service_cidr=_network(kind, "service_cidr", obj.get("service_cidr", str(DEFAULT_SERVICE_CIDR))),
         )
 
 

@@ -36,6 +36,7 @@ from typing import NamedTuple
 # --- netlink.h -------------------------------------------------------------------------
 
 NETLINK_ROUTE = 0
+NETLINK_NETFILTER = 12  # nfnetlink: nf_tables, ctnetlink (agentd.policy.nfnetlink, agentd.services.conntrack)
 SOL_NETLINK = 270
 NETLINK_ADD_MEMBERSHIP = 1
 NETLINK_NO_ENOBUFS = 5

@@ -1,4 +1,4 @@
-"""Links and addresses on rtnetlink: make a VXLAN device, set a device's MTU and state,
+"""Links and addresses on rtnetlink: make a VXLAN (or dummy) device, set a device's MTU and state,
 delete it, read its VXLAN settings, put IPv4 addresses on it -- what ``ip link add ... type
 vxlan``, ``ip link set`` and ``ip addr`` send.  Built on :mod:`agentd.kernel.netlink` (its
 attribute packer, parser and socket); the requests are rare, so plain functions, no
@@ -33,6 +33,7 @@ IFLA_VXLAN_PORT = 15  # network byte order
 
 IFA_ADDRESS = 1
 IFA_LOCAL = 2
+IFA_LABEL = 3  # NUL-terminated; "dev" or "dev:suffix" (an alias name ``ip addr`` shows)
 
 _IFINFOMSG = struct.Struct("=BxHiII")
 _IFADDRMSG = struct.Struct("=BBBBI")
@@ -97,6 +98,15 @@ def encode_newlink_vxlan(seq: int, name: str, v: Vxlan) -> bytes:
     return _header(nl.RTM_NEWLINK, seq, nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL, body)
 
 
+def encode_newlink(seq: int, name: str, kind: str) -> bytes:
+    """RTM_NEWLINK creating device ``name`` of a kind without settings of its own (``ip link add
+    NAME type dummy``); CREATE|EXCL: an existing one is EEXIST, a kind the kernel has no driver
+    for is EOPNOTSUPP."""
+    body = (_IFINFOMSG.pack(nl.AF_UNSPEC, 0, 0, 0, 0) + nl.attr(nl.IFLA_IFNAME, name.encode() + b"\0")
+            + nl.attr(nl.IFLA_LINKINFO, nl.attr(nl.IFLA_INFO_KIND, kind.encode())))
+    return _header(nl.RTM_NEWLINK, seq, nl.NLM_F_REQUEST | nl.NLM_F_CREATE | nl.NLM_F_EXCL, body)
+
+
 def encode_setlink(seq: int, index: int, *, mtu: int | None = None, up: bool | None = None) -> bytes:
     """RTM_NEWLINK changing device ``index``: its MTU and/or its IFF_UP flag (``ip link set``)."""
     flags = nl.IFF_UP if up else 0
@@ -131,14 +141,18 @@ class AddrMessage(NamedTuple):
     index: int
     address: bytes | None = None
     local: bytes | None = None
+    label: str | None = None  # IFA_LABEL (IPv4 only)
 
 
-def encode_addr(mtype: int, seq: int, index: int, address: bytes, prefixlen: int) -> bytes:
+def encode_addr(mtype: int, seq: int, index: int, address: bytes, prefixlen: int, label: str | None = None) -> bytes:
     """RTM_NEWADDR (CREATE|EXCL) or RTM_DELADDR of an IPv4 ``address``/``prefixlen`` on device
-    ``index``: IFA_LOCAL and IFA_ADDRESS both the address, as ``ip addr add`` sends them."""
+    ``index``: IFA_LOCAL and IFA_ADDRESS both the address, as ``ip addr add`` sends them; with
+    ``label`` (``ip addr add ... label lo:x``) IFA_LABEL, which must start with the device's name."""
     flags = nl.NLM_F_REQUEST | (nl.NLM_F_CREATE | nl.NLM_F_EXCL if mtype == nl.RTM_NEWADDR else 0)
     body = (_IFADDRMSG.pack(nl.AF_INET, prefixlen, 0, 0, index)
             + nl.attr(IFA_LOCAL, address) + nl.attr(IFA_ADDRESS, address))
+    if label is not None:
+        body += nl.attr(IFA_LABEL, label.encode() + b"\0")
     return _header(mtype, seq, flags, body)
 
 
@@ -153,10 +167,12 @@ def decode_addr(buf: bytes, start: int = 0, end: int | None = None) -> AddrMessa
     if end > len(buf) or end - start < _IFADDRMSG.size:
         raise nl.NetlinkDecodeError(f"address message body is {end - start} bytes, ifaddrmsg needs {_IFADDRMSG.size}")
     family, prefixlen, _flags, _scope, index = _IFADDRMSG.unpack_from(buf, start)
-    address = local = None
+    address = local = label = None
     for atype, vs, ve in nl.iter_attrs(buf, start + _IFADDRMSG.size, end):
         if atype == IFA_ADDRESS:
             address = nl.read_address(buf, vs, ve, family, "IFA_ADDRESS")
         elif atype == IFA_LOCAL:
             local = nl.read_address(buf, vs, ve, family, "IFA_LOCAL")
-    return AddrMessage(family, prefixlen, index, address, local)
+        elif atype == IFA_LABEL:
+            label = nl.read_string(buf, vs, ve)
+    return AddrMessage(family, prefixlen, index, address, local, label)

@@ -46,7 +46,8 @@ def _drop_pid_filter(pid: int) -> tuple[bytes, object]:
 
 
 class NetlinkSocket:
-    """A non-blocking nl.NETLINK_ROUTE socket with the options a bulk programmer wants.
+    """A non-blocking nl.NETLINK_ROUTE socket with the options a bulk programmer wants
+    (``protocol=nl.NETLINK_NETFILTER``: the same framing for nfnetlink, e.g. ctnetlink).
 
     Open it inside the target namespace (``Netns.entered()``); it stays bound there.
     ``groups`` subscribes to multicast (RTMGRP_*); ``ignore_pid`` drops notifications caused
@@ -62,8 +63,9 @@ class NetlinkSocket:
         rcvbuf: int = 32 << 20,
         sndbuf: int = 8 << 20,
         ignore_pid: int | None = None,
+        protocol: int = nl.NETLINK_ROUTE,
     ) -> None:
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC, nl.NETLINK_ROUTE)
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC, protocol)
         try:
             _set_buffer(sock, nl.SO_RCVBUFFORCE, socket.SO_RCVBUF, rcvbuf)
             _set_buffer(sock, nl.SO_SNDBUFFORCE, socket.SO_SNDBUF, sndbuf)
@@ -119,17 +121,21 @@ class NetlinkSocket:
         finally:
             loop.remove_reader(self.sock.fileno())
 
-    def request(self, message: bytes, *, what: str, timeout: float = 10.0) -> list[tuple[int, bytes, int, int]]:
+    def request(
+        self, message: bytes, *, what: str, timeout: float = 10.0, dump: bool | None = None
+    ) -> list[tuple[int, bytes, int, int]]:
         """Blocking: send one request and return its answers as ``(type, buf, start, end)``.
 
         For the few, rare requests that are not bulk work (device set-up, tc, ``ip route
         get``; callers run them off the event loop).  A dump (nl.NLM_F_DUMP) ends at nl.NLMSG_DONE;
         anything else is sent with nl.NLM_F_ACK and ends at its ACK.  The kernel's refusal raises
-        :class:`nl.NetlinkError` naming ``what``."""
+        :class:`nl.NetlinkError` naming ``what``.  ``dump`` says which it is where the rtnetlink
+        rule below does not apply (another netlink family)."""
         mtype, flags, seq = _NLMSGHDR.unpack_from(message)[1:4]
-        # The kernel's own test (rtnetlink_rcv_msg): a GET kind ((type - nl.RTM_BASE) & 3 == 2)
-        # with either dump bit set is a dump.
-        dump = (mtype - nl.RTM_BASE) & 3 == 2 and flags & nl.NLM_F_DUMP
+        if dump is None:
+            # The kernel's own test (rtnetlink_rcv_msg): a GET kind ((type - nl.RTM_BASE) & 3 == 2)
+            # with either dump bit set is a dump.
+            dump = bool((mtype - nl.RTM_BASE) & 3 == 2 and flags & nl.NLM_F_DUMP)
         if not dump:
             message = nl.with_flags(message, nl.NLM_F_ACK)
         self.send(message)

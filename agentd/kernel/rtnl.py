@@ -60,6 +60,10 @@ class Rtnl:
     def create_vxlan(self, name: str, vxlan: links.Vxlan) -> None:
         self.request(links.encode_newlink_vxlan(self.next_seq(), name, vxlan), f"creating vxlan device {name}")
 
+    def create_link(self, name: str, kind: str) -> None:
+        """A device of a kind without settings (``ip link add NAME type dummy``)."""
+        self.request(links.encode_newlink(self.next_seq(), name, kind), f"creating {kind} device {name}")
+
     def set_link(self, index: int, *, mtu: int | None = None, up: bool | None = None) -> None:
         self.request(links.encode_setlink(self.next_seq(), index, mtu=mtu, up=up), f"configuring device {index}")
 
@@ -81,9 +85,9 @@ class Rtnl:
         found = [links.decode_addr(b, s, e) for t, b, s, e in answers if t == nl.RTM_NEWADDR]
         return [a for a in found if a.index == index and a.family == family]  # older kernels do not filter
 
-    def add_address(self, index: int, address: str, prefixlen: int) -> None:
-        self.request(links.encode_addr(nl.RTM_NEWADDR, self.next_seq(), index, socket.inet_aton(address), prefixlen),
-                     f"adding {address}/{prefixlen} to device {index}")
+    def add_address(self, index: int, address: str, prefixlen: int, label: str | None = None) -> None:
+        message = links.encode_addr(nl.RTM_NEWADDR, self.next_seq(), index, socket.inet_aton(address), prefixlen, label)
+        self.request(message, f"adding {address}/{prefixlen} to device {index}")
 
     def delete_address(self, index: int, address: str, prefixlen: int) -> None:
         self.request(links.encode_addr(nl.RTM_DELADDR, self.next_seq(), index, socket.inet_aton(address), prefixlen),

@@ -242,6 +242,7 @@ class LabPod:
         name: str | None = None,
         labels: dict[str, str] | None = None,
         ports: list[dict[str, Any]] | None = None,
+        host_ports: list[dict[str, Any]] | None = None,
     ) -> None:
         self.node = node
         self.added = name is not None
@@ -255,6 +256,10 @@ class LabPod:
             slug = _slug(f"p-{namespace}-{name}")
         self.labels = dict(labels or {})
         self.ports = list(ports or [])
+        # hostPort mappings (CNI runtimeConfig portMappings: hostPort, containerPort, protocol),
+        # for the conflist's portmap plugin: a pod with some is attached through the whole chain.
+        self.host_ports = list(host_ports or [])
+        self.result: dict[str, Any] | None = None  # the chain's ADD result (DEL's prevResult)
         self.ns = Netns(f"ad-{node.lab.spec.name}-{slug}")
         self.container_id = f"{node.lab.spec.name}-{slug}"
         self.ip: str | None = None
@@ -581,14 +586,37 @@ class Lab:
             Netns.create(pod.ns.name)
         out = await self._cni(pod, "ADD")
         result = json.loads(out)
+        pod.result = result
         pod.ip = result["ips"][0]["address"].split("/")[0]
 
     async def _cni(self, pod: LabPod, command: str) -> bytes:
-        """Run agentd-cni on the pod's node as a container runtime would (K8S_POD_* in CNI_ARGS)."""
+        """Run the node's conflist as a container runtime would (K8S_POD_* in CNI_ARGS): agentd-cni,
+        then - for a pod with host ports - portmap with the portMappings and the previous result
+        (DEL in the reverse order, with the ADD result as prevResult)."""
         node = pod.node
         conflist = json.loads((node.dir / "net.d" / "10-agentd.conflist").read_text())
-        netconf = dict(conflist["plugins"][0], name=conflist["name"], cniVersion=conflist["cniVersion"])
+        head = {"name": conflist["name"], "cniVersion": conflist["cniVersion"]}
+        netconf = dict(conflist["plugins"][0], **head)
         netconf.update(pod.netconf_extra())
+        chain: list[tuple[str, dict[str, Any]]] = [("agentd-cni", netconf)]
+        if pod.host_ports:
+            portmap = dict(conflist["plugins"][1], **head)
+            portmap["runtimeConfig"] = {"portMappings": pod.host_ports}
+            chain.append((os.path.join(CNI_PLUGIN_DIR, portmap["type"]), portmap))
+        if command == "DEL":
+            chain.reverse()
+        out = b""
+        previous = pod.result if command == "DEL" else None
+        for plugin, conf in chain:
+            if previous is not None and plugin != "agentd-cni":
+                conf = dict(conf, prevResult=previous)
+            out = await self._plugin(pod, plugin, conf, command)
+            if command == "ADD":
+                previous = json.loads(out)
+        return out
+
+    async def _plugin(self, pod: LabPod, plugin: str, netconf: dict[str, Any], command: str) -> bytes:
+        node = pod.node
         env = {
             "CNI_COMMAND": command,
             "CNI_CONTAINERID": pod.container_id,
@@ -598,13 +626,15 @@ class Lab:
             "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={pod.namespace};K8S_POD_NAME={pod.k8s_name}",
             "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
         }
+        binary = _bin("agentd-cni") if plugin == "agentd-cni" else plugin
         proc = await asyncio.create_subprocess_exec(
-            "ip", "netns", "exec", node.ns.name, _bin("agentd-cni"),
+            "ip", "netns", "exec", node.ns.name, binary,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
         )  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(json.dumps(netconf).encode()), 60)
         if proc.returncode != 0:
-            raise LabError(f"agentd-cni {command} for {pod.name} failed: {out.decode().strip()} {err.decode().strip()}")
+            name = os.path.basename(plugin)
+            raise LabError(f"{name} {command} for {pod.name} failed: {out.decode().strip()} {err.decode().strip()}")
         return out
 
     async def add_pod(
@@ -615,13 +645,14 @@ class Lab:
         *,
         labels: dict[str, str] | None = None,
         ports: list[dict[str, Any]] | None = None,
+        host_ports: list[dict[str, Any]] | None = None,
     ) -> LabPod:
         """Attach one more pod, ``namespace/name`` with ``labels`` and named ``ports``
         (``[{"name": "http", "containerPort": 80, "protocol": "TCP"}]``), to ``node``."""
         node = self.node(node) if isinstance(node, str) else node
         if any(p.name == f"{namespace}/{name}" for p in self.pods):
             raise LabError(f"lab {self.spec.name} already has a pod {namespace}/{name}")
-        pod = LabPod(node, namespace=namespace, name=name, labels=labels, ports=ports)
+        pod = LabPod(node, namespace=namespace, name=name, labels=labels, ports=ports, host_ports=host_ports)
         self.pods.append(pod)
         try:
             await self.attach_pod(pod)
@@ -714,7 +745,8 @@ class Lab:
 
     def _save(self) -> None:
         added = [
-            {"node": p.node.name, "namespace": p.namespace, "name": p.k8s_name, "labels": p.labels, "ports": p.ports}
+            {"node": p.node.name, "namespace": p.namespace, "name": p.k8s_name, "labels": p.labels, "ports": p.ports,
+             "host_ports": p.host_ports, "result": p.result}
             for p in self.pods if p.added
         ]  # fmt: skip
         state = {"spec": asdict(self.spec), "pods": {p.name: p.ip for p in self.pods}, "added_pods": added}
@@ -733,8 +765,9 @@ class Lab:
             for extra in state.get("added_pods", []):
                 lab.pods.append(
                     LabPod(lab.node(extra["node"]), namespace=extra["namespace"], name=extra["name"],
-                           labels=extra.get("labels"), ports=extra.get("ports"))
+                           labels=extra.get("labels"), ports=extra.get("ports"), host_ports=extra.get("host_ports"))
                 )  # fmt: skip
+                lab.pods[-1].result = extra.get("result")
             for p in lab.pods:
                 p.ip = state.get("pods", {}).get(p.name)
         except (KeyError, TypeError, AttributeError, ValueError) as err:

@@ -61,7 +61,7 @@ NFTA_VERDICT_CHAIN = 2
 NFT_JUMP = -3
 NFT_GOTO = -4
 
-FAMILIES = {"inet": 1, "ipv4": 2, "arp": 3, "netdev": 5, "bridge": 7, "ipv6": 10}
+FAMILIES = {"inet": 1, "ip": 2, "ipv4": 2, "arp": 3, "netdev": 5, "bridge": 7, "ipv6": 10}
 IFNAMSIZ = 16
 L4 = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1}
 

@@ -24,6 +24,7 @@ from .libnftables import Nft, NftError
 from .ruleset import NftChain, NftCounter, NftSet, Ruleset, applied, plan
 
 log = logging.getLogger("agentd.policy")
+SET_FLAGS = ("dynamic", "interval", "timeout")  # the flags the agent's sets are declared with
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,10 @@ class SyncResult:
 
 
 class PolicyProgrammer:
-    def __init__(self, nft: Nft) -> None:
+    def __init__(self, nft: Nft, tables: frozenset[tuple[str, str]] = compiler.TABLES, what: str = "policy") -> None:
         self.nft = nft
+        self.tables = tables  # the (family, table) pairs this programmer owns (Services: its own)
+        self.what = what
         self.current: Ruleset | None = None  # None: not adopted yet
         self.adopted_objects = 0
         self.last_error: str | None = None
@@ -46,7 +49,7 @@ class PolicyProgrammer:
         """Take over what a previous run left (contents to be rewritten on the first sync)."""
         objects: dict[Any, Any] = {}
         tables: set[tuple[str, str]] = set()
-        for family, table in sorted(compiler.TABLES):
+        for family, table in sorted(self.tables):
             listing = await self.nft.alist({"table": {"family": family, "name": table}})
             if listing is None:
                 continue
@@ -59,7 +62,7 @@ class PolicyProgrammer:
         self._unknown = True  # contents not read: the next sync compares (and rewrites) everything
         self.adopted_objects = len(objects)
         if objects:
-            log.info("adopted the policy tables of a previous run (%d objects); they stay in force", len(objects))
+            log.info("adopted the %s tables of a previous run (%d objects); they stay in force", self.what, len(objects))
         return self.current
 
     async def sync(self, desired: Ruleset, keys: set[Any] | None = None) -> SyncResult:
@@ -81,7 +84,7 @@ class PolicyProgrammer:
             elif commands:
                 await self.nft.arun(commands)
         except NftError as err:
-            log.warning("nftables refused the policy update (%s); re-reading the tables and rewriting them", err)
+            log.warning("nftables refused the %s update (%s); re-reading the tables and rewriting them", self.what, err)
             await self.adopt()
             commands = plan(self.current, desired)
             full = True
@@ -98,7 +101,7 @@ class PolicyProgrammer:
     async def remove(self) -> bool:
         """Delete the agent's policy tables (``agentd leave``); True if there were any."""
         found = False
-        for family, table in sorted(compiler.TABLES):
+        for family, table in sorted(self.tables):
             if await self.nft.alist({"table": {"family": family, "name": table}}) is not None:
                 await self.nft.arun([{"delete": {"table": {"family": family, "name": table}}}])
                 found = True
@@ -108,7 +111,7 @@ class PolicyProgrammer:
     async def counters(self) -> dict[tuple[str, str], int]:
         """Packets counted by each named counter, by (family, name)."""
         out: dict[tuple[str, str], int] = {}
-        for family, table in sorted(compiler.TABLES):
+        for family, table in sorted(self.tables):
             for name, (packets, _bytes) in (await self.nft.acounters(family, table)).items():
                 out[(family, name)] = packets
         return out
@@ -140,8 +143,9 @@ def _parse(item: dict[str, Any]) -> Any:
         return NftSet(
             body["family"], body["table"], body["name"], types,
             map=body.get("map") if "map" in item else None,
-            flags=tuple(f for f in (flags if isinstance(flags, list) else [flags]) if f == "interval"),
+            flags=tuple(sorted(f for f in (flags if isinstance(flags, list) else [flags]) if f in SET_FLAGS)),
             contents_known=False,
+            timeout=body.get("timeout"),
         )  # fmt: skip
     if "chain" in item:
         body = item["chain"]

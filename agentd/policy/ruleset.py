@@ -41,6 +41,7 @@ class NftSet:
     flags: tuple[str, ...] = ()
     elements: frozenset[Element] = frozenset()
     contents_known: bool = True
+    timeout: int | None = None  # seconds: elements expire (a dynamic set the kernel fills: Services' affinity)
 
     kind = "set"
 
@@ -53,7 +54,11 @@ class NftSet:
         return "interval" in self.flags
 
     def same_shape(self, other: NftSet) -> bool:
-        return (self.type, self.map, self.flags) == (other.type, other.map, other.flags)
+        return (self.type, self.map, self.flags, self.timeout) == (other.type, other.map, other.flags, other.timeout)
+
+    @property
+    def dynamic(self) -> bool:
+        return "dynamic" in self.flags or self.timeout is not None
 
     def declaration(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -66,6 +71,8 @@ class NftSet:
             body["map"] = self.map
         if self.flags:
             body["flags"] = list(self.flags)
+        if self.timeout is not None:
+            body["timeout"] = self.timeout
         return {"map" if self.map is not None else "set": body}
 
 
@@ -232,6 +239,8 @@ def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = Non
                     element_adds.append({"add": _elements(want, want.elements)})
                 continue
             assert isinstance(have, NftSet)
+            if want.dynamic:
+                continue  # its elements are the kernel's (rules add them); adopting keeps them
             if not have.contents_known or (want.interval and have.elements != want.elements):
                 contents.append({"flush": _obj_ref(want)})
                 if want.elements:

@@ -33,8 +33,9 @@ def add_commands(sub: Any, config_args: Any) -> None:
     sp.add_argument("-n", "--namespace", help="namespace for objects that name none (default: default)")
     config_args(sp)
 
-    sp = sub.add_parser("get", help="list or show resources (namespaces, networkpolicies, pods)")
-    sp.add_argument("kind", metavar="KIND", help="namespaces|ns, networkpolicies|netpol, pods|po")
+    sp = sub.add_parser("get", help="list or show resources (namespaces, networkpolicies, pods, services, endpointslices)")
+    sp.add_argument("kind", metavar="KIND",
+                    help="namespaces|ns, networkpolicies|netpol, pods|po, services|svc, endpointslices")
     sp.add_argument("name", nargs="?", metavar="[NAMESPACE/]NAME")
     sp.add_argument("-n", "--namespace", help="only this namespace")
     sp.add_argument("-o", "--output", choices=["table", "yaml", "json"], default="table")
@@ -143,6 +144,10 @@ async def _run(args: argparse.Namespace, cfg: Any, plan: Any) -> int:
     store = ResourceStore(ds, timeout=ETCD_TIMEOUT)
     try:
         await ds.connect(timeout=ETCD_TIMEOUT)
+        if args.command == "apply" and any(o["kind"] == "Service" for o in plan):
+            # Cluster IPs come from the cluster's range (the config in etcd; ours until one is stored).
+            cluster = await ds.get_cluster_config(timeout=ETCD_TIMEOUT)
+            store.service_cidr = cluster.service_cidr if cluster is not None else cfg.network.service_cidr
         if args.command == "apply":
             for applied in await store.apply(plan):
                 print(_applied_line(applied))

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import networkpolicy, pod
+from . import networkpolicy, pod, service
 from .validation import (
     Invalid,
     annotations,
@@ -64,6 +64,7 @@ class Kind:
     columns: tuple[str, ...]
     row: Callable[[Mapping[str, Any]], list[str]]
     writer: str | None = None  # who writes it, if not people (apply/delete refuse then)
+    fields: tuple[str, ...] = ("spec", "status")  # top-level fields beside apiVersion/kind/metadata
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -90,6 +91,28 @@ def _pod_body(doc: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     if "spec" not in doc:
         raise required("spec")
     return {"spec": pod.validate_spec(doc["spec"]), "status": pod.validate_status(doc.get("status"))}
+
+
+def _service_body(doc: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    return {"spec": service.validate_spec(doc.get("spec"))}
+
+
+def _slice_body(doc: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    return service.validate_slice(dict(doc))
+
+
+def _service_ports(spec: Mapping[str, Any]) -> str:
+    parts = []
+    for p in spec.get("ports", []):
+        node = f":{p['nodePort']}" if p.get("nodePort") else ""
+        parts.append(f"{p['port']}{node}/{p['protocol']}")
+    return ",".join(parts) or "<none>"
+
+
+def _slice_endpoints(doc: Mapping[str, Any]) -> str:
+    addrs = [e["addresses"][0] for e in doc.get("endpoints", [])]
+    more = f" + {len(addrs) - 3} more..." if len(addrs) > 3 else ""
+    return ",".join(addrs[:3]) + more if addrs else "<unset>"
 
 
 def _labels_text(meta: Mapping[str, Any]) -> str:
@@ -177,7 +200,47 @@ POD = Kind(
     writer="the agent of the pod's node (from agentd-cni); change labels with `agentd label pod`",
 )
 
-KINDS: dict[str, Kind] = {k.kind: k for k in (NAMESPACE, NETWORK_POLICY, POD)}
+SERVICE = Kind(
+    kind="Service",
+    api_version="v1",
+    plural="services",
+    short_names=("svc",),
+    namespaced=True,
+    name_check=dns1123_label,  # a Service name is a DNS label (it is one in <svc>.<ns>.svc)
+    body=_service_body,
+    columns=("NAMESPACE", "NAME", "TYPE", "CLUSTER-IP", "PORT(S)", "SELECTOR", "AGE"),
+    row=lambda d: [
+        d["metadata"]["namespace"],
+        d["metadata"]["name"],
+        d["spec"]["type"],
+        d["spec"].get("clusterIP") or "<pending>",
+        _service_ports(d["spec"]),
+        _selector_text({"matchLabels": d["spec"]["selector"]}) if d["spec"].get("selector") else "<none>",
+        _age(d["metadata"]),
+    ],
+)
+
+ENDPOINT_SLICE = Kind(
+    kind="EndpointSlice",
+    api_version="discovery.k8s.io/v1",
+    plural="endpointslices",
+    short_names=(),
+    namespaced=True,
+    name_check=dns1123_subdomain,
+    body=_slice_body,
+    columns=("NAMESPACE", "NAME", "ADDRESSTYPE", "PORTS", "ENDPOINTS", "AGE"),
+    row=lambda d: [
+        d["metadata"]["namespace"],
+        d["metadata"]["name"],
+        d["addressType"],
+        ",".join(str(p.get("port", "<unset>")) for p in d["ports"]) or "<unset>",
+        _slice_endpoints(d),
+        _age(d["metadata"]),
+    ],
+    fields=("addressType", "endpoints", "ports"),
+)
+
+KINDS: dict[str, Kind] = {k.kind: k for k in (NAMESPACE, NETWORK_POLICY, POD, SERVICE, ENDPOINT_SLICE)}
 BY_PLURAL: dict[str, Kind] = {k.plural: k for k in KINDS.values()}
 
 
@@ -218,7 +281,7 @@ def validate(doc: Any, *, default_namespace: str = DEFAULT_NAMESPACE) -> dict[st
         raise Invalid(
             "apiVersion", f"Unsupported value: {show(doc['apiVersion'])}: {kind.kind} is {show(kind.api_version)}"
         )
-    allowed = ("apiVersion", "kind", "metadata", "spec", "status")
+    allowed = ("apiVersion", "kind", "metadata", *kind.fields)
     top = obj(doc, "", allowed)
     meta = metadata(top.get("metadata"), kind, default_namespace)
     body = kind.body(top, meta)

@@ -22,8 +22,10 @@ and skipped (to a watcher it is gone), never a crash.
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -32,15 +34,17 @@ from typing import Any
 
 from aetcd import transactions as tx
 
+from agentd.datastore.records import DEFAULT_SERVICE_CIDR
 from agentd.datastore.store import Datastore, KeyValue
 
-from . import kinds
+from . import allocation, kinds
 from .kinds import Kind
 from .validation import Invalid
 
 log = logging.getLogger("agentd.resources")
 
 RESOURCES = "resources"
+
 MAX_TXN_OPS = 100  # etcd's --max-txn-ops default is 128
 Key = tuple[str, str, str]  # (kind, namespace or "", name)
 
@@ -149,10 +153,16 @@ class ResourceEvent:
 class ResourceStore:
     """Resources in etcd, through a :class:`~agentd.datastore.store.Datastore` (its retries and failover)."""
 
-    def __init__(self, datastore: Datastore, *, timeout: float | None = None) -> None:
+    def __init__(
+        self, datastore: Datastore, *, timeout: float | None = None,
+        service_cidr: ipaddress.IPv4Network | None = None, rng: random.Random | None = None,
+    ) -> None:  # fmt: skip
         self.ds = datastore
         self.prefix = datastore.prefix
         self.timeout = timeout
+        # The cluster IP range; None: the stored cluster config's (read at the first Service).
+        self.service_cidr = service_cidr
+        self.rng = rng or random.Random()
         self._reported: set[tuple[bytes, int]] = set()
 
     # ------------------------------------------------------------------ reads
@@ -191,19 +201,34 @@ class ResourceStore:
 
     async def apply(self, objs: Iterable[dict[str, Any]]) -> list[Applied]:
         """Create or replace validated objects, in transactions of up to MAX_TXN_OPS objects."""
-        objs = list(objs)
         out: list[Applied] = []
-        for i in range(0, len(objs), MAX_TXN_OPS):
-            out += await self._apply_batch(objs[i : i + MAX_TXN_OPS])
+        batch: list[dict[str, Any]] = []
+        ops = 0
+        for obj in objs:
+            # A Service also writes (and compares) its allocation keys: its cluster IP and node ports.
+            cost = 2 + len(obj["spec"].get("ports", [])) if obj["kind"] == "Service" else 1
+            if batch and ops + cost > MAX_TXN_OPS:
+                out += await self._apply_batch(batch)
+                batch, ops = [], 0
+            batch.append(obj)
+            ops += cost
+        if batch:
+            out += await self._apply_batch(batch)
         return out
 
     async def _apply_batch(self, objs: list[dict[str, Any]]) -> list[Applied]:
         keys = [object_key(self.prefix, kinds.KINDS[o["kind"]], *kinds.identity(o)[1:]) for o in objs]
+        services = any(o["kind"] == "Service" for o in objs)
+        if services:
+            await self._load_service_cidr()
+        alloc_heads = [allocation.allocations_prefix(self.prefix, w) for w in (allocation.SERVICE_IPS, allocation.NODE_PORTS)]
         for _ in range(20):  # lost races: read again and retry
+            reads = [tx.Get(k) for k in keys] + ([tx.Get(h, _prefix_end(h)) for h in alloc_heads] if services else [])
             _, found = await self.ds.request(
-                "read objects", lambda c: c.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[]),
+                "read objects", lambda c: c.transaction(compare=[], success=reads, failure=[]),
                 timeout=self.timeout,
             )
+            taken = _allocated(found[len(keys):]) if services else {}
             compare, puts, plan = [], [], []
             for key, obj, kvs in zip(keys, objs, found):
                 old = None
@@ -213,11 +238,18 @@ class ResourceStore:
                     compare.append(tx.Mod(key) == meta.mod_revision)
                 else:
                     compare.append(tx.Version(key) == 0)
+                if obj["kind"] == "Service":
+                    obj, ops = self._allocate(obj, old, taken)
+                    compare += ops[0]
+                    allocs = ops[1]
+                else:
+                    allocs = []
                 new = self._stamp(obj, old)
                 if old is not None and _content(old) == _content(new):
                     plan.append((new, "unchanged", int(old["metadata"]["resourceVersion"])))
                     continue
                 puts.append(tx.Put(key, encode(new)))
+                puts += allocs
                 plan.append((new, "configured" if kvs else "created", None))
             if not puts:
                 return [Applied(o, how, rev or 0) for o, how, rev in plan]
@@ -229,6 +261,51 @@ class ResourceStore:
                 revision = responses[0].response_put.header.revision if responses else 0
                 return [Applied(o, how, rev if rev is not None else revision) for o, how, rev in plan]
         raise Conflict("the objects kept changing while being applied; try again")
+
+    async def _load_service_cidr(self) -> None:
+        if self.service_cidr is None:
+            cluster = await self.ds.get_cluster_config(timeout=self.timeout)
+            self.service_cidr = cluster.service_cidr if cluster is not None else DEFAULT_SERVICE_CIDR
+
+    def _allocate(
+        self, obj: dict[str, Any], old: dict[str, Any] | None, taken: dict[tuple[str, str], bytes]
+    ) -> tuple[dict[str, Any], tuple[list[Any], list[Any]]]:
+        """The Service with its cluster IP and node ports (kept, given or picked), and the
+        compares and writes of the allocation keys it takes and frees.  ``taken`` is updated
+        so that the next Service of the same batch picks other values."""
+        assert self.service_cidr is not None
+        new = copy.deepcopy(obj)
+        allocation.carry_over(new, old)
+        spec = new["spec"]
+        me = allocation.owner(new)
+        allocation.check_range(spec, self.service_cidr)
+        if spec["clusterIP"] == "":
+            ips = {v for w, v in taken if w == allocation.SERVICE_IPS}
+            spec["clusterIP"] = allocation.pick_ip(self.service_cidr, ips, self.rng)
+            spec["clusterIPs"] = [spec["clusterIP"]]
+        if spec["type"] == "NodePort":
+            for i, p in enumerate(spec["ports"]):
+                if not p.get("nodePort"):
+                    ports = {v for w, v in taken if w == allocation.NODE_PORTS}
+                    p["nodePort"] = allocation.pick_port(ports, self.rng)
+        want = allocation.held(new)
+        have = allocation.held(old)
+        compare: list[Any] = []
+        writes: list[Any] = []
+        for what, value in sorted(want - have):
+            holder = taken.get((what, value))
+            if holder is not None and holder != me:
+                field = "spec.clusterIP" if what == allocation.SERVICE_IPS else "spec.ports"
+                shown = value if what == allocation.SERVICE_IPS else f"nodePort {value}"
+                raise Invalid(field, f'Invalid value: "{shown}": provided {"IP" if what == allocation.SERVICE_IPS else "port"} is already allocated (to {holder.decode()})')
+            key = allocation.allocation_key(self.prefix, what, value)
+            compare.append(tx.Version(key) == 0)
+            writes.append(tx.Put(key, me))
+            taken[(what, value)] = me
+        for what, value in sorted(have - want):
+            writes.append(tx.Delete(allocation.allocation_key(self.prefix, what, value)))
+            taken.pop((what, value), None)
+        return new, (compare, writes)
 
     @staticmethod
     def _stamp(obj: dict[str, Any], old: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -243,16 +320,28 @@ class ResourceStore:
         return new
 
     async def delete(self, kind: Kind, namespace: str, name: str) -> int:
-        """Delete one object; returns the revision of the delete; NotFound if there was none."""
+        """Delete one object (a Service with its allocations, in the same transaction);
+        returns the revision of the delete; NotFound if there was none."""
         key = object_key(self.prefix, kind, namespace, name)
-        ok, responses = await self.ds.request(
-            f"delete {kind.plural}",
-            lambda c: c.transaction(compare=[tx.Version(key) > 0], success=[tx.Delete(key)], failure=[]),
-            timeout=self.timeout,
-        )
-        if not ok:
-            raise NotFound(f"{kind.plural} {_shown(kind, namespace, name)} not found")
-        return responses[0].response_delete_range.header.revision
+        for _ in range(20):
+            compare, ops = [tx.Version(key) > 0], [tx.Delete(key)]
+            if kind is kinds.SERVICE:
+                got = await self.ds.request(f"read {kind.plural}", lambda c: c.get(key), timeout=self.timeout)
+                if got is None:
+                    break
+                old = self._decode(KeyValue(key, got.value, got.mod_revision, got.lease))
+                compare = [tx.Mod(key) == got.mod_revision]
+                ops += [tx.Delete(allocation.allocation_key(self.prefix, w, v)) for w, v in sorted(allocation.held(old))]
+            ok, responses = await self.ds.request(
+                f"delete {kind.plural}",
+                lambda c: c.transaction(compare=compare, success=ops, failure=[]),
+                timeout=self.timeout,
+            )
+            if ok:
+                return responses[0].response_delete_range.header.revision
+            if kind is not kinds.SERVICE:
+                break
+        raise NotFound(f"{kind.plural} {_shown(kind, namespace, name)} not found")
 
     async def label(
         self, kind: Kind, namespace: str, name: str, changes: Mapping[str, str | None], *, overwrite: bool = False
@@ -355,6 +444,20 @@ class ResourceStore:
                 continue
             known.add(key)
             yield ResourceEvent("put", ev.revision, key=key, obj=obj, lease=kv.lease)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+def _allocated(ranges: list[Any]) -> dict[tuple[str, str], bytes]:
+    """(what, value) -> owner of every allocation key read (the range Gets of a transaction)."""
+    out = {}
+    for kvs in ranges:
+        for value, meta in kvs:
+            parts = meta.key.decode(errors="replace").rsplit("/", 2)
+            out[(parts[-2], parts[-1])] = value
+    return out
 
 
 def _shown(kind: Kind, namespace: str, name: str) -> str:

@@ -26,6 +26,7 @@ from agentd.config.settings import (
     ApiConfig,
     BgpConfig,
     BgpPeerConfig,
+    DnsConfig,
     ListenRangeConfig,
     CniConfig,
     Config,
@@ -43,7 +44,7 @@ from agentd.config.settings import (
 EXAMPLE = Path(__file__).resolve().parents[3] / "etc" / "agentd.toml"
 SECTION_CLASSES = {
     "node": NodeConfig, "network": NetworkConfig, "etcd": EtcdConfig, "bgp": BgpConfig,
-    "api": ApiConfig, "cni": CniConfig, "log": LogConfig, "agent": AgentConfig,
+    "api": ApiConfig, "cni": CniConfig, "dns": DnsConfig, "log": LogConfig, "agent": AgentConfig,
 }
 
 
@@ -97,6 +98,7 @@ def test_defaults_without_reading_the_host():
     assert cfg.network == NetworkConfig(
         cidr=IPv4Network("10.244.0.0/16"), subnet_len=24, backend="host-gw", encap="always", mtu=None,
         route_protocol=143, vxlan_vni=1, vxlan_port=4789, udp_port=8285, datapath="auto", bpf_pod_redirect=True,
+        service_cidr=IPv4Network("10.96.0.0/12"),
     )
     assert cfg.etcd == EtcdConfig(endpoints=("http://127.0.0.1:2379",), prefix="/agentd", ca=None, cert=None,
                                   key=None, lease_ttl=30)

@@ -114,12 +114,38 @@ def test_addr_bytes():
                                                                "02 00 00 00 05000000")
 
 
+def test_newlink_dummy_bytes():
+    # ip link add agentd-dns type dummy
+    assert links.encode_newlink(7, "agentd-dns", "dummy") == _hex(
+        "40000000 1000 0106 07000000 00000000",  # 64 bytes, RTM_NEWLINK, REQUEST|EXCL|CREATE
+        "00 00 0000 00000000 00000000 00000000",  # ifinfomsg: AF_UNSPEC, no index
+        "0f000300 6167656e74642d646e7300 00",  # IFLA_IFNAME "agentd-dns"
+        "10001200",  # IFLA_LINKINFO, 16 bytes
+        "09000100 64756d6d79 000000",  # IFLA_INFO_KIND "dummy" (no NUL, as iproute2 sends it)
+    )
+
+
+def test_addr_with_label_bytes():
+    # ip addr add 169.254.20.10/32 dev lo label lo:agentd
+    wire = links.encode_addr(nl.RTM_NEWADDR, 3, 1, socket.inet_aton("169.254.20.10"), 32, "lo:agentd")
+    assert wire == _hex(
+        "38000000 1400 0106 03000000 00000000",  # 56 bytes
+        "02 20 00 00 01000000",  # ifaddrmsg: AF_INET /32, device 1 (lo)
+        "08000200 a9fe140a",  # IFA_LOCAL
+        "08000100 a9fe140a",  # IFA_ADDRESS
+        "0e000300 6c6f3a6167656e746400 0000",  # IFA_LABEL "lo:agentd"
+    )
+    [(_t, _f, _s, _p, start, end)] = nl.iter_messages(wire)
+    ip = socket.inet_aton("169.254.20.10")
+    assert links.decode_addr(wire, start, end) == links.AddrMessage(nl.AF_INET, 32, 1, ip, ip, "lo:agentd")
+
+
 def test_addr_decode_from_the_kernel():
     wire = bytes.fromhex(GOLDEN_NEWADDR)
     [(mtype, _f, _seq, _p, start, end)] = nl.iter_messages(wire)
     assert mtype == nl.RTM_NEWADDR
     ip = socket.inet_aton("192.0.2.1")
-    assert links.decode_addr(wire, start, end) == links.AddrMessage(nl.AF_INET, 24, 3, ip, ip)
+    assert links.decode_addr(wire, start, end) == links.AddrMessage(nl.AF_INET, 24, 3, ip, ip, "d0")
     with pytest.raises(nl.NetlinkDecodeError):
         links.decode_addr(wire, start, start + 6)
 

@@ -203,14 +203,14 @@ def test_kinds_are_found_by_every_name():
         assert kinds.lookup(name) is kinds.NETWORK_POLICY
     assert kinds.lookup("ns") is kinds.NAMESPACE and kinds.lookup("po") is kinds.POD
     with pytest.raises(kinds.Invalid, match="doesn't have a resource type"):
-        kinds.lookup("services")
+        kinds.lookup("deployments")
 
 
 def test_etcd_keys():
     assert object_key("/agentd", kinds.NETWORK_POLICY, "prod", "allow-web") == b"/agentd/resources/networkpolicies/prod/allow-web"
     assert object_key("/agentd", kinds.NAMESPACE, "", "prod") == b"/agentd/resources/namespaces/prod"
     assert parse_key("/agentd", b"/agentd/resources/pods/default/web-1") == (kinds.POD, "default", "web-1")
-    for bad in (b"/agentd/resources/pods/default", b"/agentd/resources/services/a/b", b"/agentd/nodes/x"):
+    for bad in (b"/agentd/resources/pods/default", b"/agentd/resources/deployments/a/b", b"/agentd/nodes/x"):
         with pytest.raises(ValueError):
             parse_key("/agentd", bad)
 
@@ -221,7 +221,7 @@ def test_etcd_keys():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["get", "services"], "agentd get: the server doesn't have a resource type \"services\""),
+        (["get", "deployments"], "agentd get: the server doesn't have a resource type \"deployments\""),
         (["get", "netpol", "Bad/Name"], 'agentd get: namespace: Invalid value: "Bad"'),
         (["get", "ns", "a/b"], "agentd get: namespaces are not namespaced"),
         (["delete", "pods", "default/x"], "agentd delete: pods are written by the agent"),

@@ -1,0 +1,254 @@
+"""Servers that say who they are, and a client that counts who answered: Services on the lab.
+
+Run inside a namespace (``python -m agentd.lab.svcecho NAME tcp:8080,udp:5353``; no ports for a
+client only), it serves the ports - TCP: every line received is answered with ``NAME\\n`` on
+the same connection (so a held connection can be asked again later); UDP: every datagram is
+answered with ``NAME`` - and takes requests, one JSON line each, on stdin:
+
+* ``{"tcp": [ip, port], "count": N, "timeout": T}``: N new connections one after another, each
+  asked once; answers ``{"names": {name: count}, "failed": k}``;
+* ``{"udp": [ip, port], "count": N, "sport": P, "timeout": T}``: N datagrams from ONE socket
+  (source port P: one conntrack flow), each waiting for its answer; ``{"names": [name|null...]}``;
+* ``{"hold": [ip, port], "id": ID}``: open a connection and keep it; ``{"name": name|null}``;
+* ``{"ask": ID, "timeout": T}``: ask a held connection again; ``{"name": name|null}``
+  (null: the connection is broken or silent);
+* ``{"crr": [ip, port], "seconds": S, "parallel": P}``: TCP_CRR-style: P loops of connect, ask,
+  close for S seconds; ``{"connections": n, "failed": k, "seconds": s}`` (bench/services.py);
+* ``{"dns": [server, name, type], "tcp": bool}``: one DNS query (dnspython);
+  ``{"rcode": "NOERROR", "answer": ["name ttl IN A 10.96.0.1", ...], "additional": [...], "aa": bool}``.
+
+A ``dns:PORT`` server is a stand-in upstream resolver: it answers every A query with 192.0.2.99.
+
+:class:`Echo` is the test side: it starts the process in a pod's or node's namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from typing import Any
+
+
+async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
+    loop = asyncio.get_running_loop()
+    label = name.encode()
+
+    async def on_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.readline():
+                writer.write(label + b"\n")
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    class Udp(asyncio.DatagramProtocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def datagram_received(self, data: bytes, addr: Any) -> None:
+            self.transport.sendto(label, addr)
+
+    class Dns(asyncio.DatagramProtocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def datagram_received(self, data: bytes, addr: Any) -> None:
+            import dns.message
+            import dns.rrset
+
+            query = dns.message.from_wire(data)
+            response = dns.message.make_response(query)
+            response.answer.append(dns.rrset.from_text(query.question[0].name, 30, "IN", "A", "192.0.2.99"))
+            self.transport.sendto(response.to_wire(), addr)
+
+    for proto, port in ports:
+        if proto == "tcp":
+            await asyncio.start_server(on_tcp, "0.0.0.0", port, reuse_address=True)
+        elif proto == "dns":
+            await loop.create_datagram_endpoint(Dns, local_addr=("0.0.0.0", port))
+        else:
+            await loop.create_datagram_endpoint(Udp, local_addr=("0.0.0.0", port))
+
+
+async def _ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float) -> str | None:
+    try:
+        writer.write(b"who\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        return line.decode().strip() or None
+    except (OSError, TimeoutError):
+        return None
+
+
+async def _tcp(ip: str, port: int, count: int, timeout: float) -> dict[str, Any]:
+    names: dict[str, int] = {}
+    failed = 0
+    for _ in range(count):
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+        except (OSError, TimeoutError):
+            failed += 1
+            continue
+        name = await _ask(reader, writer, timeout)
+        writer.close()
+        if name is None:
+            failed += 1
+        else:
+            names[name] = names.get(name, 0) + 1
+    return {"names": names, "failed": failed}
+
+
+async def _crr(ip: str, port: int, seconds: float, parallel: int, timeout: float) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    done = [0, 0]
+    start = loop.time()
+    end = start + seconds
+
+    async def one_loop() -> None:
+        while loop.time() < end:
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+                name = await _ask(reader, writer, timeout)
+                writer.close()
+                done[0 if name else 1] += 1
+            except (OSError, TimeoutError):
+                done[1] += 1
+
+    await asyncio.gather(*(one_loop() for _ in range(parallel)))
+    return {"connections": done[0], "failed": done[1], "seconds": loop.time() - start}
+
+
+def _udp(ip: str, port: int, count: int, sport: int, timeout: float) -> dict[str, Any]:
+    out: list[str | None] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", sport))
+        sock.settimeout(timeout)
+        for _ in range(count):
+            try:
+                sock.sendto(b"who", (ip, port))
+                data, _ = sock.recvfrom(256)
+                out.append(data.decode())
+            except OSError:  # timeout, or ICMP unreachable
+                out.append(None)
+    return {"names": out}
+
+
+async def _dns_query(server: str, name: str, rdtype: str, *, tcp: bool, timeout: float) -> dict[str, Any]:
+    import dns.asyncquery
+    import dns.exception
+    import dns.flags
+    import dns.message
+    import dns.rcode
+
+    query = dns.message.make_query(name, rdtype)
+    try:
+        send = dns.asyncquery.tcp if tcp else dns.asyncquery.udp
+        reply = await send(query, server, timeout=timeout)
+    except (dns.exception.DNSException, OSError) as err:
+        return {"rcode": None, "error": str(err)}
+    return {
+        "rcode": dns.rcode.to_text(reply.rcode()), "aa": bool(reply.flags & dns.flags.AA),
+        "answer": [line for rr in reply.answer for line in rr.to_text().splitlines()],
+        "additional": [line for rr in reply.additional for line in rr.to_text().splitlines()],
+    }
+
+
+async def _main(name: str, ports: list[tuple[str, int]]) -> None:
+    loop = asyncio.get_running_loop()
+    await _serve(name, ports)
+    held: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+    reader = asyncio.StreamReader(limit=1 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    print(json.dumps("ready"), flush=True)
+    while line := await reader.readline():
+        req = json.loads(line)
+        timeout = float(req.get("timeout", 2.0))
+        if "dns" in req:
+            try:
+                result: Any = await _dns_query(*req["dns"], tcp=bool(req.get("tcp")), timeout=timeout)
+            except Exception as err:  # noqa: BLE001 - reported to the test, not a dead helper
+                result = {"rcode": None, "error": f"{type(err).__name__}: {err}"}
+        elif "crr" in req:
+            result = await _crr(req["crr"][0], int(req["crr"][1]), float(req["seconds"]), int(req.get("parallel", 4)), timeout)
+        elif "tcp" in req:
+            result = await _tcp(req["tcp"][0], int(req["tcp"][1]), int(req.get("count", 1)), timeout)
+        elif "udp" in req:
+            result = await asyncio.to_thread(
+                _udp, req["udp"][0], int(req["udp"][1]), int(req.get("count", 1)), int(req["sport"]), timeout
+            )
+        elif "hold" in req:
+            try:
+                r, w = await asyncio.wait_for(asyncio.open_connection(req["hold"][0], int(req["hold"][1])), timeout)
+                held[req["id"]] = (r, w)
+                result = {"name": await _ask(r, w, timeout)}
+            except (OSError, TimeoutError):
+                result = {"name": None}
+        elif "ask" in req:
+            conn = held.get(req["ask"])
+            result = {"name": await _ask(*conn, timeout) if conn else None}
+        else:
+            result = {"error": "unknown request"}
+        print(json.dumps(result), flush=True)
+
+
+class Echo:
+    """One svcecho process in a namespace (``where``: anything with ``.ns``)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def start(cls, where: Any, name: str, ports: list[tuple[str, int]] = ()) -> Echo:  # type: ignore[assignment]
+        spec = ",".join(f"{p}:{n}" for p, n in ports)
+        proc = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", where.ns.name, sys.executable, "-m", "agentd.lab.svcecho", name, spec,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        self = cls(proc)
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        if json.loads(line or b'""') != "ready":
+            await self.close()
+            raise RuntimeError(f"svcecho in {where.ns.name} did not start")
+        return self
+
+    async def call(self, req: dict[str, Any], timeout: float = 120.0) -> Any:
+        async with self._lock:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+            await self.proc.stdin.drain()
+            return json.loads(await asyncio.wait_for(self.proc.stdout.readline(), timeout))
+
+    async def tcp(self, ip: str, port: int, count: int = 1, timeout: float = 2.0) -> dict[str, Any]:
+        return await self.call({"tcp": [ip, port], "count": count, "timeout": timeout})
+
+    async def udp(self, ip: str, port: int, sport: int, count: int = 1, timeout: float = 1.0) -> list[str | None]:
+        return (await self.call({"udp": [ip, port], "count": count, "sport": sport, "timeout": timeout}))["names"]
+
+    async def hold(self, ident: str, ip: str, port: int) -> str | None:
+        return (await self.call({"hold": [ip, port], "id": ident}))["name"]
+
+    async def ask(self, ident: str) -> str | None:
+        return (await self.call({"ask": ident}))["name"]
+
+    async def crr(self, ip: str, port: int, seconds: float, parallel: int = 4) -> dict[str, Any]:
+        return await self.call({"crr": [ip, port], "seconds": seconds, "parallel": parallel}, timeout=seconds + 60)
+
+    async def dns(self, server: str, name: str, rdtype: str = "A", *, tcp: bool = False) -> dict[str, Any]:
+        return await self.call({"dns": [server, name, rdtype], "tcp": tcp})
+
+    async def close(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
+
+
+if __name__ == "__main__":
+    ports = [(p.split(":")[0], int(p.split(":")[1])) for p in sys.argv[2].split(",") if p] if len(sys.argv) > 2 else []
+    asyncio.run(_main(sys.argv[1], ports))

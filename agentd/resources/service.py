@@ -1,0 +1,267 @@
+"""``v1 Service`` and ``discovery.k8s.io/v1 EndpointSlice``: validation and defaults, as the API server does them.
+
+The checks follow ``ValidateService`` / ``ValidateEndpointSlice`` (pkg/apis/core/validation,
+pkg/apis/discovery/validation) for the subset agentd implements, and the defaults
+``SetDefaults_Service``: a port's protocol is TCP, its targetPort the port; sessionAffinity
+None (ClientIP: timeout 10800 s); internalTrafficPolicy Cluster, externalTrafficPolicy Cluster
+for NodePort services.  Types ClusterIP and NodePort; headless (``clusterIP: None``).
+
+What is not pure - the cluster IP and node ports a Service gets when it names none - is the
+store's (:mod:`agentd.resources.store`, one etcd transaction with the object).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from .validation import (
+    Invalid,
+    array,
+    dns1123_label,
+    iana_svc_name,
+    integer,
+    invalid,
+    labels,
+    obj,
+    port_number,
+    protocol,
+    required,
+    string,
+    unsupported,
+    wrong_type,
+)
+
+SERVICE_TYPES = ("ClusterIP", "NodePort")
+UNSUPPORTED_TYPES = ("LoadBalancer", "ExternalName")
+AFFINITIES = ("None", "ClientIP")
+TRAFFIC_POLICIES = ("Cluster", "Local")
+DEFAULT_AFFINITY_TIMEOUT = 10800  # SetDefaults_Service: 3 hours
+MAX_AFFINITY_TIMEOUT = 86400
+NODE_PORT_RANGE = (30000, 32767)  # the API server's --service-node-port-range default
+HEADLESS = "None"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # an EndpointSlice's Service
+ADDRESS_TYPES = ("IPv4",)
+MAX_ENDPOINTS = 1000  # ValidateEndpointSlice: maxEndpoints
+MAX_PORTS = 20000
+
+_SPEC_FIELDS = (
+    "type", "clusterIP", "clusterIPs", "ports", "selector", "sessionAffinity", "sessionAffinityConfig",
+    "externalTrafficPolicy", "internalTrafficPolicy", "ipFamilies", "ipFamilyPolicy", "publishNotReadyAddresses",
+)  # fmt: skip
+
+
+def validate_spec(raw: Any) -> dict[str, Any]:
+    spec = obj(raw, "spec", _SPEC_FIELDS)
+    kind = string(spec.get("type", "ClusterIP"), "spec.type")
+    if kind in UNSUPPORTED_TYPES:
+        raise Invalid("spec.type", f'Unsupported value: "{kind}": agentd implements ClusterIP and NodePort services')
+    if kind not in SERVICE_TYPES:
+        raise unsupported("spec.type", kind, SERVICE_TYPES)
+    out: dict[str, Any] = {"type": kind}
+    cluster_ip = _cluster_ip(spec)
+    if cluster_ip == HEADLESS and kind != "ClusterIP":
+        raise invalid("spec.clusterIP", cluster_ip, "may be 'None' only when `type` is 'ClusterIP'")
+    out["clusterIP"] = cluster_ip  # "" until the store allocates one
+    if cluster_ip:
+        out["clusterIPs"] = [cluster_ip]
+    for key in ("ipFamilies",):
+        for i, fam in enumerate(array(spec.get(key), f"spec.{key}")):
+            if fam != "IPv4":
+                raise unsupported(f"spec.{key}[{i}]", fam, ("IPv4",))
+    if "ipFamilyPolicy" in spec and spec["ipFamilyPolicy"] != "SingleStack":
+        raise unsupported("spec.ipFamilyPolicy", spec["ipFamilyPolicy"], ("SingleStack",))
+    out["ipFamilies"], out["ipFamilyPolicy"] = ["IPv4"], "SingleStack"
+    if "selector" in spec:
+        out["selector"] = labels(spec["selector"], "spec.selector")
+    ports = array(spec.get("ports"), "spec.ports")
+    if not ports and cluster_ip != HEADLESS:
+        raise required("spec.ports")
+    out["ports"] = _ports(ports, kind, cluster_ip == HEADLESS)
+    out.update(_affinity(spec))
+    out["internalTrafficPolicy"] = _choice(spec, "internalTrafficPolicy", TRAFFIC_POLICIES)
+    if kind == "NodePort":
+        out["externalTrafficPolicy"] = _choice(spec, "externalTrafficPolicy", TRAFFIC_POLICIES)
+    elif "externalTrafficPolicy" in spec:
+        raise invalid(
+            "spec.externalTrafficPolicy", spec["externalTrafficPolicy"], "may only be set for externally-accessible services"
+        )
+    if "publishNotReadyAddresses" in spec:
+        if not isinstance(spec["publishNotReadyAddresses"], bool):
+            raise wrong_type("spec.publishNotReadyAddresses", spec["publishNotReadyAddresses"], "a boolean")
+        out["publishNotReadyAddresses"] = spec["publishNotReadyAddresses"]
+    return out
+
+
+def _cluster_ip(spec: dict[str, Any]) -> str:
+    ip = string(spec.get("clusterIP", ""), "spec.clusterIP")
+    ips = [string(x, f"spec.clusterIPs[{i}]") for i, x in enumerate(array(spec.get("clusterIPs"), "spec.clusterIPs"))]
+    if len(ips) > 1:
+        raise invalid("spec.clusterIPs", ips, "agentd services are single-stack IPv4: at most one address")
+    if ips and ip and ips[0] != ip:
+        raise invalid("spec.clusterIPs[0]", ips[0], "must match `clusterIP` when both are specified")
+    ip = ip or (ips[0] if ips else "")
+    if ip in ("", HEADLESS):
+        return ip
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        raise invalid("spec.clusterIP", ip, "must be empty, 'None', or a valid IP address") from None
+    if addr.version != 4:
+        raise invalid("spec.clusterIP", ip, "agentd services are IPv4")
+    return str(addr)
+
+
+def _ports(raw: list[Any], kind: str, headless: bool) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    names: set[str] = set()
+    seen: set[tuple[int, str]] = set()
+    node_ports: set[tuple[int, str]] = set()
+    for i, item in enumerate(raw):
+        path = f"spec.ports[{i}]"
+        p = obj(item, path, ("name", "protocol", "port", "targetPort", "nodePort", "appProtocol"))
+        port: dict[str, Any] = {}
+        if "name" in p and p["name"] != "":
+            port["name"] = dns1123_label(p["name"], f"{path}.name")
+        elif len(raw) > 1:
+            raise required(f"{path}.name")
+        if port.get("name") in names:
+            raise Invalid(f"{path}.name", f'Duplicate value: "{port["name"]}"')
+        names.add(port.get("name", ""))
+        port["protocol"] = protocol(p.get("protocol", "TCP"), f"{path}.protocol")
+        if "port" not in p:
+            raise required(f"{path}.port")
+        port["port"] = port_number(p["port"], f"{path}.port")
+        if (port["port"], port["protocol"]) in seen:
+            raise Invalid(f"{path}", f'Duplicate value: {{"port":{port["port"]},"protocol":"{port["protocol"]}"}}')
+        seen.add((port["port"], port["protocol"]))
+        port["targetPort"] = target_port(p.get("targetPort", port["port"]), f"{path}.targetPort", headless)
+        if "nodePort" in p and p["nodePort"] not in (0, None):
+            if kind != "NodePort":
+                raise Invalid(f"{path}.nodePort", "Forbidden: may not be used when `type` is 'ClusterIP'")
+            number = port_number(p["nodePort"], f"{path}.nodePort")
+            low, high = NODE_PORT_RANGE
+            if not low <= number <= high:
+                raise invalid(f"{path}.nodePort", number, f"provided port is not in the valid range. The range of valid ports is {low}-{high}")
+            if (number, port["protocol"]) in node_ports:
+                raise Invalid(f"{path}.nodePort", f"Duplicate value: {number}")
+            node_ports.add((number, port["protocol"]))
+            port["nodePort"] = number
+        if "appProtocol" in p:
+            port["appProtocol"] = string(p["appProtocol"], f"{path}.appProtocol")
+        out.append(port)
+    return out
+
+
+def target_port(value: Any, path: str, headless: bool = False) -> int | str:
+    if isinstance(value, str):
+        if value.isdigit():  # an IntOrString written as a string of digits
+            return port_number(int(value), path)
+        return iana_svc_name(value, path)
+    number = integer(value, path)
+    if headless and number == 0:
+        return 0
+    return port_number(number, path)
+
+
+def _affinity(spec: dict[str, Any]) -> dict[str, Any]:
+    affinity = _choice(spec, "sessionAffinity", AFFINITIES)
+    raw = obj(spec.get("sessionAffinityConfig"), "spec.sessionAffinityConfig", ("clientIP",))
+    client = obj(raw.get("clientIP"), "spec.sessionAffinityConfig.clientIP", ("timeoutSeconds",))
+    if affinity == "None":
+        if raw:
+            raise Invalid("spec.sessionAffinityConfig", "Forbidden: must not be set when `sessionAffinity` is None")
+        return {"sessionAffinity": "None"}
+    timeout = integer(client.get("timeoutSeconds", DEFAULT_AFFINITY_TIMEOUT), "spec.sessionAffinityConfig.clientIP.timeoutSeconds")
+    if not 0 < timeout <= MAX_AFFINITY_TIMEOUT:
+        raise invalid(
+            "spec.sessionAffinityConfig.clientIP.timeoutSeconds", timeout,
+            f"must be greater than 0 and less than or equal to {MAX_AFFINITY_TIMEOUT}",
+        )  # fmt: skip
+    return {"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": timeout}}}
+
+
+def _choice(spec: dict[str, Any], key: str, values: tuple[str, ...]) -> str:
+    value = spec.get(key, values[0])
+    if value not in values:
+        raise unsupported(f"spec.{key}", value, values)
+    return str(value)
+
+
+# ------------------------------------------------------------------ EndpointSlice
+
+
+def validate_slice(doc: dict[str, Any]) -> dict[str, Any]:
+    """The body of an EndpointSlice (its fields are at the top level, beside metadata)."""
+    if "addressType" not in doc:
+        raise required("addressType")
+    address_type = string(doc["addressType"], "addressType")
+    if address_type not in ADDRESS_TYPES:
+        raise unsupported("addressType", address_type, ADDRESS_TYPES)
+    endpoints = array(doc.get("endpoints"), "endpoints")
+    if len(endpoints) > MAX_ENDPOINTS:
+        raise Invalid("endpoints", f"Too many: {len(endpoints)}: must have at most {MAX_ENDPOINTS} items")
+    out: dict[str, Any] = {"addressType": address_type, "endpoints": [_endpoint(e, f"endpoints[{i}]") for i, e in enumerate(endpoints)]}
+    ports = []
+    names: set[str] = set()
+    for i, item in enumerate(array(doc.get("ports"), "ports")):
+        path = f"ports[{i}]"
+        p = obj(item, path, ("name", "protocol", "port", "appProtocol"))
+        port: dict[str, Any] = {"name": string(p.get("name", ""), f"{path}.name")}
+        if port["name"]:
+            dns1123_label(port["name"], f"{path}.name")
+        if port["name"] in names:
+            raise Invalid(f"{path}.name", f'Duplicate value: "{port["name"]}"')
+        names.add(port["name"])
+        port["protocol"] = protocol(p.get("protocol", "TCP"), f"{path}.protocol")
+        if "port" in p:
+            port["port"] = port_number(p["port"], f"{path}.port")
+        if "appProtocol" in p:
+            port["appProtocol"] = string(p["appProtocol"], f"{path}.appProtocol")
+        ports.append(port)
+    out["ports"] = ports
+    return out
+
+
+def _endpoint(raw: Any, path: str) -> dict[str, Any]:
+    e = obj(raw, path, ("addresses", "conditions", "nodeName", "targetRef", "zone", "hostname", "hints", "deprecatedTopology"))
+    addrs = array(e.get("addresses"), f"{path}.addresses")
+    if len(addrs) != 1:
+        # ValidateEndpointSlice: addresses must have 1..100 items; kube-proxy uses the first only.
+        raise Invalid(f"{path}.addresses", "Required value: must contain exactly one address (agentd: IPv4)")
+    try:
+        addr = ipaddress.IPv4Address(string(addrs[0], f"{path}.addresses[0]"))
+    except ValueError:
+        raise invalid(f"{path}.addresses[0]", addrs[0], "must be a valid IPv4 address") from None
+    out: dict[str, Any] = {"addresses": [str(addr)]}
+    cond = obj(e.get("conditions"), f"{path}.conditions", ("ready", "serving", "terminating"))
+    conditions = {}
+    for key in ("ready", "serving", "terminating"):
+        if key in cond:
+            if not isinstance(cond[key], bool):
+                raise wrong_type(f"{path}.conditions.{key}", cond[key], "a boolean")
+            conditions[key] = cond[key]
+    out["conditions"] = conditions
+    for key in ("nodeName", "zone", "hostname"):
+        if key in e:
+            out[key] = string(e[key], f"{path}.{key}")
+    if "hostname" in out:
+        dns1123_label(out["hostname"], f"{path}.hostname")
+    if "targetRef" in e:
+        ref = obj(e["targetRef"], f"{path}.targetRef", ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion", "fieldPath"))
+        out["targetRef"] = {k: string(v, f"{path}.targetRef.{k}") for k, v in ref.items()}
+    return out
+
+
+def endpoint_ready(e: dict[str, Any]) -> bool:
+    """EndpointConditions: an unset ``ready`` means ready (the API's "unknown state" is ready)."""
+    return bool(e.get("conditions", {}).get("ready", True))
+
+
+def endpoint_serving(e: dict[str, Any]) -> bool:
+    cond = e.get("conditions", {})
+    return bool(cond.get("serving", cond.get("ready", True)))
+
+
+def endpoint_terminating(e: dict[str, Any]) -> bool:
+    return bool(e.get("conditions", {}).get("terminating", False))

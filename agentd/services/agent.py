@@ -1,0 +1,357 @@
+"""The Services half of the node agent: Services, EndpointSlices and pod records in, nftables out.
+
+One :class:`ServiceAgent` per ``agentd run``.  It
+
+1. adopts the node's ``ip agentd-services`` table as a previous run left it (it keeps
+   translating while the agent reads etcd);
+2. follows every resource in etcd with one watch (Services, EndpointSlices, pod records);
+3. after every batch of changes, compiles the whole table (:mod:`agentd.services.compiler`)
+   and sends the difference to the kernel in ONE transaction (the policy programmer, on its
+   own table);
+4. flushes the UDP conntrack entries of endpoints that stopped being usable (a UDP "flow"
+   has no end, so without this it would keep going to an endpoint that is gone);
+5. answers ``GET /services`` and feeds per-service counters to /metrics.
+
+Until the first etcd snapshot nothing is changed in the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agentd.datastore.store import Datastore
+from agentd.policy.libnftables import Nft, NftError
+from agentd.policy.programmer import PolicyProgrammer
+from agentd.resources.service import SERVICE_NAME_LABEL
+from agentd.resources.store import ResourceEvent, ResourceStore
+
+from . import compiler, conntrack, dns, model
+
+log = logging.getLogger("agentd.services")
+
+COUNTERS_INTERVAL = 2.0
+KINDS = ("Service", "EndpointSlice", "Pod")
+
+
+class ServiceAgent:
+    def __init__(self, node: str, datastore: Datastore, *, nft: Nft | None = None, dns_config: Any = None) -> None:
+        self.node = node
+        self.dns_config = dns_config  # agentd.config.settings.DnsConfig; None or not enabled: no DNS
+        self.dns_server: dns.DnsServer | None = None
+        self.error_dns: str | None = None
+        self.names = dns.Names(dns_config.cluster_domain if dns_config is not None else "cluster.local")
+        self.store = ResourceStore(datastore)
+        self.nft = nft
+        self.programmer: PolicyProgrammer | None = None
+        self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
+        self.ports: list[model.ServicePort] = []
+        self.revision = 0
+        self.applied_revision = 0
+        self.syncs = 0
+        self.sync_errors = 0
+        self.flushed = 0  # UDP conntrack entries deleted
+        self.last_sync: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.counters: dict[str, int] = {}
+        self._have_snapshot = False
+        self._wake = asyncio.Event()
+        self._slices: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (ns, service) -> its slices
+        self._dirty: set[tuple[str, str]] | None = None  # Services to recompile (None: all)
+        self._table: compiler.Table | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.nft is None:
+            self.nft = await asyncio.to_thread(Nft)
+        self.programmer = PolicyProgrammer(self.nft, compiler.TABLES, "services")
+        await self.programmer.adopt()
+
+    async def run(self) -> None:
+        if self.programmer is None:
+            await self.start()
+        await self._start_dns()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._watch())
+                tg.create_task(self._sync_loop())
+                tg.create_task(self._counters_loop())
+        finally:
+            if self.dns_server is not None:
+                await self.dns_server.stop()
+                self.dns_server = None
+
+    async def _start_dns(self) -> None:
+        cfg = self.dns_config
+        if cfg is None or not cfg.enabled:
+            return
+        address = str(cfg.address)
+        try:
+            device = await asyncio.to_thread(dns.add_address, address)
+        except OSError as err:
+            log.error("service DNS is not served: cannot put %s on this node: %s", address, err)
+            self.error_dns = str(err)
+            return
+        if cfg.upstream:
+            upstreams = [(u.rpartition(":")[0], int(u.rpartition(":")[2])) for u in cfg.upstream]
+        else:
+            upstreams = dns.host_resolvers(exclude=[address])
+        server = dns.DnsServer(address, 53, lambda: self.names, upstreams)
+        try:
+            await server.start()
+        except OSError as err:
+            log.error("service DNS is not served: cannot listen on %s:53: %s", address, err)
+            self.error_dns = str(err)
+            return
+        self.dns_server = server
+        self.error_dns = None
+        log.info("answering DNS for %s on %s:53 (%s; others to %s)", cfg.cluster_domain, address, device,
+                 ", ".join(f"{h}:{p}" for h, p in upstreams) or "nowhere: SERVFAIL")  # fmt: skip
+
+    async def leave(self) -> None:
+        """``agentd leave``: remove the services table."""
+        with contextlib.suppress(NftError):
+            if self.programmer is None:
+                self.nft = self.nft or Nft()
+                self.programmer = PolicyProgrammer(self.nft, compiler.TABLES, "services")
+            if await self.programmer.remove():
+                log.info("removed the services table")
+        if self.dns_config is not None and self.dns_config.enabled:
+            with contextlib.suppress(OSError):
+                if await asyncio.to_thread(dns.remove_address):
+                    log.info("removed the DNS address (%s)", dns.DEVICE)
+
+    def close(self) -> None:
+        if self.nft is not None:
+            self.nft.close()
+            self.nft = None
+
+    # ------------------------------------------------------------------ inputs
+
+    async def _watch(self) -> None:
+        async for ev in self.store.watch():
+            if self._on_resource(ev):
+                self._wake.set()
+
+    def _on_resource(self, ev: ResourceEvent) -> bool:
+        """Take one event in, marking the Services it may change; True if it may change the table."""
+        self.revision = max(self.revision, ev.revision)
+        if ev.kind == "snapshot":
+            self.objects = {k: {} for k in KINDS}
+            self._slices = {}
+            for (kind, ns, name), obj in ev.objects.items():
+                if kind in self.objects:
+                    self._put(kind, ns, name, obj)
+            self._dirty = None  # everything
+            self._have_snapshot = True
+            return True
+        kind, ns, name = ev.key if ev.key is not None else ("", "", "")
+        if kind not in self.objects:
+            self._wake.set()  # nothing to change, but the revision is applied
+            return False
+        self._touch(kind, ns, name)
+        if ev.kind == "put" and ev.obj is not None:
+            self._put(kind, ns, name, ev.obj)
+        else:
+            self._drop(kind, ns, name)
+        self._touch(kind, ns, name)
+        return True
+
+    def _put(self, kind: str, ns: str, name: str, obj: dict[str, Any]) -> None:
+        self._drop(kind, ns, name)
+        self.objects[kind][(ns, name)] = obj
+        if kind == "EndpointSlice":
+            owner = (obj["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL)
+            if owner:
+                self._slices.setdefault((ns, owner), {})[name] = obj
+
+    def _drop(self, kind: str, ns: str, name: str) -> None:
+        old = self.objects[kind].pop((ns, name), None)
+        if kind == "EndpointSlice" and old is not None:
+            owner = (old["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL)
+            group = self._slices.get((ns, owner or ""))
+            if group is not None:
+                group.pop(name, None)
+                if not group:
+                    del self._slices[(ns, owner or "")]
+
+    def _touch(self, kind: str, ns: str, name: str) -> None:
+        """Mark the Services that object (as it is now) feeds."""
+        if self._dirty is None:
+            return
+        if kind == "Service":
+            self._dirty.add((ns, name))
+        elif kind == "EndpointSlice":
+            obj = self.objects[kind].get((ns, name))
+            owner = (obj["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL) if obj else None
+            if owner:
+                self._dirty.add((ns, owner))
+        elif kind == "Pod":  # every Service of its namespace with a selector may select it
+            self._dirty.update(k for k, svc in self.objects["Service"].items() if k[0] == ns and svc["spec"].get("selector"))
+
+    def _build(self, key: tuple[str, str]) -> list[model.ServicePort]:
+        svc = self.objects["Service"].get(key)
+        if svc is None:
+            return []
+        pods = [p for (ns, _), p in self.objects["Pod"].items() if ns == key[0]] if svc["spec"].get("selector") else []
+        return model.build([svc], list(self._slices.get(key, {}).values()), pods)
+
+    # ------------------------------------------------------------------ syncing
+
+    async def _sync_loop(self) -> None:
+        assert self.programmer is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._have_snapshot:
+                continue
+            revision = self.revision
+            start = time.perf_counter()
+            dirty, self._dirty = self._dirty, set()
+            if dirty is None or self._table is None:
+                self._table = compiler.Table(self.node)
+                dirty = set(self.objects["Service"])
+                keys = None
+            else:
+                keys = set()
+            gone: list[conntrack.Stale] = []
+            for key in sorted(dirty):
+                before = self._table.services.get(key, ((),))[0]
+                after = self._build(key)
+                touched = self._table.update(key, after)
+                if keys is not None:
+                    keys |= touched
+                gone += stale_udp(list(before), after)
+            try:
+                result = await self.programmer.sync(self._table.rs, keys)
+            except NftError as err:
+                self._table = None  # rebuild everything next time
+                self._dirty = None
+                self.sync_errors += 1
+                self.error = str(err)
+                log.error("programming services failed: %s", err)
+                await asyncio.sleep(1.0)
+                self._wake.set()
+                continue
+            self.ports = self._table.ports()
+            self.names = dns.names(self.ports, self.names.domain)
+            if gone:  # before the revision counts as applied: the change includes the flows' move
+                try:
+                    self.flushed += await asyncio.to_thread(conntrack.flush_udp, gone)
+                except OSError as err:
+                    log.warning("flushing UDP conntrack entries failed: %s", err)
+            self.error = None
+            self.syncs += 1
+            self.applied_revision = max(self.applied_revision, revision)
+            self.last_sync = {"commands": result.commands, "seconds": round(time.perf_counter() - start, 6),
+                              "full": result.full, "services": len(dirty)}  # fmt: skip
+
+    async def _counters_loop(self) -> None:
+        assert self.programmer is not None
+        while True:
+            await asyncio.sleep(COUNTERS_INTERVAL)
+            with contextlib.suppress(NftError):
+                await self.refresh_counters()
+
+    async def refresh_counters(self) -> None:
+        assert self.nft is not None
+        got = await self.nft.acounters(compiler.FAMILY, compiler.TABLE)
+        self.counters = {name: packets for name, (packets, _bytes) in got.items()}
+
+    # ------------------------------------------------------------------ views
+
+    def view(self, summary: bool = False) -> dict[str, Any]:
+        """GET /services: per service its VIP, ports and endpoints with their state
+        (``summary``: only what is applied, cheap to poll)."""
+        if summary:
+            return {"node": self.node, "revision": self.applied_revision, "error": self.error, "syncs": self.syncs,
+                    "last_sync": self.last_sync, "service_ports": len(self.ports)}  # fmt: skip
+        services: dict[str, dict[str, Any]] = {}
+        for sp in self.ports:
+            key = f"{sp.namespace}/{sp.service}"
+            svc = services.setdefault(key, {
+                "namespace": sp.namespace, "name": sp.service, "clusterIP": sp.cluster_ip or "None", "ports": [],
+                "connections": self.counters.get(compiler.counter_name(sp.namespace, sp.service), 0),
+            })  # fmt: skip
+            usable = set(sp.usable())
+            local = set(sp.usable(self.node))
+            svc["ports"].append({
+                "name": sp.port_name, "protocol": sp.protocol, "port": sp.port, "nodePort": sp.node_port,
+                "affinityTimeout": sp.affinity_timeout,
+                "internalTrafficPolicy": "Local" if sp.internal_local else "Cluster",
+                "externalTrafficPolicy": "Local" if sp.external_local else "Cluster",
+                "endpoints": [
+                    {"ip": e.ip, "port": e.port, "node": e.node, "ready": e.ready, "serving": e.serving,
+                     "terminating": e.terminating, "used": e in usable, "local": e in local}
+                    for e in sp.endpoints
+                ],
+            })  # fmt: skip
+        return {
+            "node": self.node, "revision": self.applied_revision, "error": self.error, "syncs": self.syncs,
+            "last_sync": self.last_sync, "udp_flushed": self.flushed,
+            "dns": None if self.dns_server is None else {
+                "address": self.dns_server.address, "queries": self.dns_server.queries,
+                "forwarded": self.dns_server.forwarded, "servfail": self.dns_server.failed},
+            "dns_error": self.error_dns, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
+        }  # fmt: skip
+
+    def collect(self) -> Any:
+        """prometheus_client custom collector: per-service connection counters."""
+        conns = CounterMetricFamily("agentd_service_connections", "new connections translated to a service's endpoints",
+                                    labels=["namespace", "service"])  # fmt: skip
+        seen = set()
+        for sp in self.ports:
+            if (sp.namespace, sp.service) in seen:
+                continue
+            seen.add((sp.namespace, sp.service))
+            conns.add_metric([sp.namespace, sp.service], self.counters.get(compiler.counter_name(sp.namespace, sp.service), 0))
+        yield conns
+        eps = GaugeMetricFamily("agentd_service_endpoints", "usable endpoints per service port",
+                                labels=["namespace", "service", "port"])  # fmt: skip
+        for sp in self.ports:
+            eps.add_metric([sp.namespace, sp.service, f"{sp.port}/{sp.protocol}"], len(sp.usable()))
+        yield eps
+        yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=self.syncs)
+        if self.dns_server is not None:
+            q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
+            q.add_metric(["answered"], self.dns_server.queries - self.dns_server.forwarded)
+            q.add_metric(["forwarded"], self.dns_server.forwarded - self.dns_server.failed)
+            q.add_metric(["servfail"], self.dns_server.failed)
+            yield q
+
+
+def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
+    """UDP endpoints that took new connections before and do not now (their flows are to be flushed)."""
+    now = {sp.key: set(sp.usable()) for sp in after}
+    out = []
+    for sp in before:
+        if sp.protocol != "UDP":
+            continue
+        for e in set(sp.usable()) - now.get(sp.key, set()):
+            out.append(conntrack.Stale(e.ip, e.port, sp.cluster_ip, sp.port, sp.node_port))
+    return sorted(set(out))
+
+
+async def remove_services_table() -> None:
+    """``agentd leave`` with no agent running: remove this host's services table and DNS address."""
+    with contextlib.suppress(OSError):
+        if await asyncio.to_thread(dns.remove_address):
+            log.info("removed the DNS address (%s)", dns.DEVICE)
+    try:
+        nft = await asyncio.to_thread(Nft)
+    except NftError as err:
+        log.warning("services table not removed: %s", err)
+        return
+    try:
+        if await PolicyProgrammer(nft, compiler.TABLES, "services").remove():
+            log.info("removed the services table")
+    except NftError as err:
+        log.error("could not remove the services table: %s", err)
+    finally:
+        nft.close()

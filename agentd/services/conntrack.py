@@ -1,0 +1,203 @@
+"""UDP conntrack entries of removed endpoints, deleted through ctnetlink.
+
+UDP has no connection end: a client that keeps sending to a service keeps its conntrack
+entry, and so its translation to the endpoint chosen first, for as long as it sends - also
+after that endpoint is gone (kube-proxy's stale-UDP bug, kubernetes#59368 and friends).  So
+when an endpoint stops taking new connections of a UDP service port, every entry that was
+translated to it for that service (original destination the cluster IP and port, or the node
+port; reply source the endpoint) is deleted, and the next datagram is a new connection that
+the rules send to a live endpoint.  TCP entries stay: a terminating endpoint keeps its
+established connections.
+
+The messages (include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h), framed with
+the agent's one netlink codec (agentd.kernel.netlink: header, attribute packer and parser)::
+
+    nlmsghdr.type = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET (dump) / _DELETE
+    struct nfgenmsg { u8 nfgen_family; u8 version; __be16 res_id; }          4 bytes
+    CTA_TUPLE_ORIG / CTA_TUPLE_REPLY (nested) {
+        CTA_TUPLE_IP (nested) { CTA_IP_V4_SRC in_addr, CTA_IP_V4_DST in_addr },
+        CTA_TUPLE_PROTO (nested) { CTA_PROTO_NUM u8,
+                                   CTA_PROTO_SRC_PORT __be16, CTA_PROTO_DST_PORT __be16 } }
+
+A DELETE names the entry by its original tuple (ctnetlink_del_conntrack looks it up in the
+hash by either direction's tuple).  Dumps are not filtered in the kernel (CTA_FILTER needs a
+5.x kernel with a different attribute set): the dump is of AF_INET entries, the UDP ones are
+picked here.
+
+Blocking (netlink): the agent calls :func:`flush_udp` in a thread, in its own namespace.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from agentd.kernel import netlink as nl
+from agentd.kernel.netlink_socket import NetlinkSocket
+
+# --- nfnetlink.h / nfnetlink_conntrack.h -------------------------------------------------------
+
+NFNL_SUBSYS_CTNETLINK = 1
+NFNETLINK_V0 = 0
+IPCTNL_MSG_CT_NEW = 0
+IPCTNL_MSG_CT_GET = 1
+IPCTNL_MSG_CT_DELETE = 2
+
+CTA_TUPLE_ORIG = 1
+CTA_TUPLE_REPLY = 2
+CTA_TUPLE_IP = 1  # inside a CTA_TUPLE_*
+CTA_TUPLE_PROTO = 2
+CTA_IP_V4_SRC = 1  # inside CTA_TUPLE_IP
+CTA_IP_V4_DST = 2
+CTA_PROTO_NUM = 1  # inside CTA_TUPLE_PROTO
+CTA_PROTO_SRC_PORT = 2
+CTA_PROTO_DST_PORT = 3
+
+NLA_F_NESTED = 0x8000
+
+_NLMSGHDR = struct.Struct("=IHHII")
+_NFGENMSG = struct.Struct("=BBH")  # res_id is __be16, always 0 here
+_BE16 = struct.Struct("!H")
+_U8 = struct.Struct("=B")
+
+
+class CtTuple(NamedTuple):
+    """One direction of a connection (ports 0 for protocols without them, e.g. ICMP)."""
+
+    src: str
+    dst: str
+    proto: int
+    sport: int = 0
+    dport: int = 0
+
+
+class CtEntry(NamedTuple):
+    orig: CtTuple
+    reply: CtTuple
+
+
+def _message(mtype: int, seq: int, flags: int, body: bytes) -> bytes:
+    payload = _NFGENMSG.pack(nl.AF_INET, NFNETLINK_V0, 0) + body
+    return _NLMSGHDR.pack(nl.NLMSG_HDRLEN + len(payload), NFNL_SUBSYS_CTNETLINK << 8 | mtype, flags, seq, 0) + payload
+
+
+def encode_tuple(kind: int, t: CtTuple) -> bytes:
+    """CTA_TUPLE_ORIG or CTA_TUPLE_REPLY with ``t`` (addresses and ports in network byte order)."""
+    ip = nl.attr(CTA_IP_V4_SRC, socket.inet_aton(t.src)) + nl.attr(CTA_IP_V4_DST, socket.inet_aton(t.dst))
+    proto = (nl.attr(CTA_PROTO_NUM, _U8.pack(t.proto)) + nl.attr(CTA_PROTO_SRC_PORT, _BE16.pack(t.sport))
+             + nl.attr(CTA_PROTO_DST_PORT, _BE16.pack(t.dport)))
+    return nl.attr(kind | NLA_F_NESTED,
+                   nl.attr(CTA_TUPLE_IP | NLA_F_NESTED, ip) + nl.attr(CTA_TUPLE_PROTO | NLA_F_NESTED, proto))
+
+
+def encode_dump(seq: int) -> bytes:
+    """IPCTNL_MSG_CT_GET with NLM_F_DUMP: every IPv4 entry (``conntrack -L -f ipv4``)."""
+    return _message(IPCTNL_MSG_CT_GET, seq, nl.NLM_F_REQUEST | nl.NLM_F_DUMP, b"")
+
+
+def encode_delete(seq: int, orig: CtTuple) -> bytes:
+    """IPCTNL_MSG_CT_DELETE of the entry whose original tuple is ``orig`` (ENOENT: none)."""
+    return _message(IPCTNL_MSG_CT_DELETE, seq, nl.NLM_F_REQUEST, encode_tuple(CTA_TUPLE_ORIG, orig))
+
+
+def _read_be16(buf: bytes, start: int, end: int, what: str) -> int:
+    if end - start != 2:
+        raise nl.NetlinkDecodeError(f"{what} must be 2 bytes, got {end - start}")
+    return _BE16.unpack_from(buf, start)[0]
+
+
+def _decode_tuple(buf: bytes, start: int, end: int) -> CtTuple:
+    src = dst = "0.0.0.0"
+    proto = sport = dport = 0
+    for atype, vs, ve in nl.iter_attrs(buf, start, end):
+        if atype == CTA_TUPLE_IP:
+            for itype, is_, ie in nl.iter_attrs(buf, vs, ve):
+                if itype == CTA_IP_V4_SRC:
+                    src = socket.inet_ntoa(nl.read_address(buf, is_, ie, nl.AF_INET, "CTA_IP_V4_SRC"))
+                elif itype == CTA_IP_V4_DST:
+                    dst = socket.inet_ntoa(nl.read_address(buf, is_, ie, nl.AF_INET, "CTA_IP_V4_DST"))
+        elif atype == CTA_TUPLE_PROTO:
+            for ptype, ps, pe in nl.iter_attrs(buf, vs, ve):
+                if ptype == CTA_PROTO_NUM:
+                    if pe - ps != 1:
+                        raise nl.NetlinkDecodeError(f"CTA_PROTO_NUM must be 1 byte, got {pe - ps}")
+                    proto = buf[ps]
+                elif ptype == CTA_PROTO_SRC_PORT:
+                    sport = _read_be16(buf, ps, pe, "CTA_PROTO_SRC_PORT")
+                elif ptype == CTA_PROTO_DST_PORT:
+                    dport = _read_be16(buf, ps, pe, "CTA_PROTO_DST_PORT")
+    return CtTuple(src, dst, proto, sport, dport)
+
+
+def decode_entry(buf: bytes, start: int, end: int) -> CtEntry | None:
+    """An IPCTNL_MSG_CT_NEW body (nfgenmsg + attributes) as its two tuples; None if it is not
+    IPv4 or lacks a tuple."""
+    if end > len(buf) or end - start < _NFGENMSG.size:
+        raise nl.NetlinkDecodeError(f"conntrack message body is {end - start} bytes, nfgenmsg needs {_NFGENMSG.size}")
+    if buf[start] != nl.AF_INET:
+        return None
+    orig = reply = None
+    for atype, vs, ve in nl.iter_attrs(buf, start + _NFGENMSG.size, end):
+        if atype == CTA_TUPLE_ORIG:
+            orig = _decode_tuple(buf, vs, ve)
+        elif atype == CTA_TUPLE_REPLY:
+            reply = _decode_tuple(buf, vs, ve)
+    if orig is None or reply is None:
+        return None
+    return CtEntry(orig, reply)
+
+
+# ------------------------------------------------------------------ what to delete
+
+
+@dataclass(frozen=True, order=True)
+class Stale:
+    ip: str  # the endpoint
+    port: int
+    vip: str | None  # the service's cluster IP and port, its node port
+    service_port: int
+    node_port: int | None = None
+
+    def matches(self, orig_daddr: str, orig_dport: int, reply_saddr: str, reply_sport: int) -> bool:
+        if (reply_saddr, reply_sport) != (self.ip, self.port):
+            return False
+        return (orig_daddr, orig_dport) == (self.vip, self.service_port) or (
+            self.node_port is not None and orig_dport == self.node_port
+        )
+
+
+def entries_to_delete(entries: Iterable[CtEntry], stale: Iterable[Stale]) -> list[CtEntry]:
+    """The UDP entries translated to a ``stale`` endpoint (reply source the endpoint, original
+    destination its service's VIP and port or its node port)."""
+    wanted = list(stale)
+    return [e for e in entries if e.orig.proto == socket.IPPROTO_UDP
+            and any(s.matches(e.orig.dst, e.orig.dport, e.reply.src, e.reply.sport) for s in wanted)]
+
+
+def flush_udp(stale: Iterable[Stale]) -> int:
+    """Delete the UDP entries of ``stale`` endpoints; returns how many were deleted."""
+    wanted = list(stale)
+    if not wanted:
+        return 0
+    deleted = 0
+    sock = NetlinkSocket(rcvbuf=4 << 20, sndbuf=1 << 20, protocol=nl.NETLINK_NETFILTER)
+    try:
+        seq = 1
+        answers = sock.request(encode_dump(seq), what="listing conntrack entries", dump=True)
+        entries = [e for t, buf, s, end in answers
+                   if t == NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW and (e := decode_entry(buf, s, end))]
+        for entry in entries_to_delete(entries, wanted):
+            seq += 1
+            try:
+                sock.request(encode_delete(seq, entry.orig), what=f"deleting conntrack entry {entry.orig}", dump=False)
+                deleted += 1
+            except nl.NetlinkError as err:
+                if err.errno != errno.ENOENT:  # gone meanwhile
+                    raise
+    finally:
+        sock.close()
+    return deleted

@@ -1,0 +1,260 @@
+"""Service DNS: every agent answers ``<service>.<namespace>.svc.<cluster domain>`` on a node-local address.
+
+As NodeLocal DNSCache does, the agent puts one address (``[dns] address``, 169.254.20.10)
+on a dummy interface of its node (``agentd-dns``) and serves DNS there, UDP and TCP;
+agentd-cni hands that address to pods as their nameserver (the ADD result's ``dns``).
+The wire format is dnspython's.
+
+* ``<svc>.<ns>.svc.<domain>`` A: the cluster IP; a headless service: its ready endpoints.
+* ``_<port>._<proto>.<svc>.<ns>.svc.<domain>`` SRV (named ports): ``0 100 <port> <svc>.<ns>.svc.<domain>``,
+  the target's A records in the additional section (RFC 2782; Kubernetes DNS spec 2.3.1/2.4.1).
+* Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
+  exists with another type), authoritative, TTL :data:`TTL`.
+* Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
+  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.
+
+The names come from the Service agent's view after every sync (:func:`names`), so an
+answer changes as soon as the node's table does.  :func:`resolve` is pure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import socket
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import dns.asyncquery
+import dns.exception
+import dns.flags
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
+
+from agentd.kernel import netlink as nl
+from agentd.kernel.rtnl import Rtnl
+
+from .model import ServicePort
+
+log = logging.getLogger("agentd.services.dns")
+
+TTL = 5  # seconds, as CoreDNS's kubernetes plugin
+DEVICE = "agentd-dns"
+FORWARD_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True)
+class Names:
+    """What the cluster domain holds: A records and SRV records by (lower-case, absolute) name."""
+
+    domain: str
+    a: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    srv: dict[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)  # (port, target)
+
+
+def names(ports: Iterable[ServicePort], domain: str) -> Names:
+    a: dict[str, set[str]] = {}
+    srv: dict[str, set[tuple[int, str]]] = {}
+    for sp in ports:
+        host = f"{sp.service}.{sp.namespace}.svc.{domain}."
+        addrs = a.setdefault(host, set())
+        if sp.cluster_ip is not None:
+            addrs.add(sp.cluster_ip)
+        else:
+            addrs.update(e.ip for e in sp.usable())
+        if sp.port_name:
+            srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).add((sp.port, host))
+    return Names(domain, {k: tuple(sorted(v)) for k, v in a.items()}, {k: tuple(sorted(v)) for k, v in srv.items()})
+
+
+def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | None:
+    """The answer to ``query`` from ``table``, or None when the name is not ours (forward it)."""
+    if not query.question:
+        response = dns.message.make_response(query)
+        response.set_rcode(dns.rcode.FORMERR)
+        return response
+    q = query.question[0]
+    qname = q.name.to_text().lower()
+    if not (qname == f"{table.domain}." or qname.endswith(f".{table.domain}.")):
+        return None
+    response = dns.message.make_response(query)
+    response.flags |= dns.flags.AA
+    known = qname in table.a or qname in table.srv or _is_branch(table, qname)
+    if not known:
+        response.set_rcode(dns.rcode.NXDOMAIN)
+        return response
+    if q.rdtype in (dns.rdatatype.A, dns.rdatatype.ANY) and table.a.get(qname):
+        response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "A", list(table.a[qname])))
+    if q.rdtype in (dns.rdatatype.SRV, dns.rdatatype.ANY) and qname in table.srv:
+        records = [f"0 100 {port} {target}" for port, target in table.srv[qname]]
+        response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "SRV", records))
+        for _, target in table.srv[qname]:
+            if table.a.get(target):
+                response.additional.append(dns.rrset.from_text_list(target, TTL, "IN", "A", list(table.a[target])))
+    return response
+
+
+def _is_branch(table: Names, qname: str) -> bool:
+    """An empty non-terminal (``svc.<domain>``, ``<ns>.svc.<domain>``): it exists, without records."""
+    return any(name.endswith("." + qname) for name in table.a)
+
+
+def host_resolvers(path: str = "/etc/resolv.conf", exclude: Iterable[str] = ()) -> list[tuple[str, int]]:
+    out = []
+    skip = set(exclude)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver" and parts[1] not in skip and ":" not in parts[1]:
+                    out.append((parts[1], 53))
+    except OSError:
+        pass
+    return out
+
+
+class DnsServer:
+    """UDP and TCP on ``address:port``; answers from ``table()``, forwards the rest to ``upstreams``."""
+
+    def __init__(self, address: str, port: int, table: Callable[[], Names], upstreams: list[tuple[str, int]]) -> None:
+        self.address = address
+        self.port = port
+        self.table = table
+        self.upstreams = upstreams
+        self.queries = 0
+        self.forwarded = 0
+        self.failed = 0
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        server = self
+
+        class Udp(asyncio.DatagramProtocol):
+            def connection_made(self, transport: Any) -> None:
+                self.transport = transport
+
+            def datagram_received(self, data: bytes, addr: Any) -> None:
+                loop.create_task(server._udp_query(self.transport, data, addr))
+
+        self._udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(self.address, self.port))
+        self._tcp = await asyncio.start_server(self._tcp_client, self.address, self.port, reuse_address=True)
+
+    async def stop(self) -> None:
+        if self._udp is not None:
+            self._udp.close()
+        if self._tcp is not None:
+            self._tcp.close()
+            with contextlib.suppress(Exception):
+                await self._tcp.wait_closed()
+
+    async def answer(self, wire: bytes, *, tcp: bool = False) -> bytes | None:
+        self.queries += 1
+        try:
+            query = dns.message.from_wire(wire)
+        except dns.exception.DNSException:
+            return None  # not DNS: no answer (as servers do with garbage)
+        response = resolve(self.table(), query)
+        if response is None:
+            response = await self._forward(query, tcp)
+        limit = 65535 if tcp else max(512, query.payload if query.edns >= 0 else 512)
+        return response.to_wire(max_size=limit) if not isinstance(response, bytes) else response
+
+    async def _forward(self, query: dns.message.Message, tcp: bool) -> Any:
+        self.forwarded += 1
+        for host, port in self.upstreams:
+            try:
+                if tcp:
+                    reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
+                else:
+                    reply = await dns.asyncquery.udp(query, host, timeout=FORWARD_TIMEOUT, port=port, ignore_trailing=True)
+                    if reply.flags & dns.flags.TC:
+                        reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
+                return reply
+            except (dns.exception.DNSException, OSError) as err:
+                log.debug("upstream %s:%d failed: %s", host, port, err)
+        self.failed += 1
+        response = dns.message.make_response(query)
+        response.set_rcode(dns.rcode.SERVFAIL)
+        return response
+
+    async def _udp_query(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> None:
+        out = await self.answer(data)
+        if out is not None and not transport.is_closing():
+            transport.sendto(out, addr)
+
+    async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await asyncio.wait_for(reader.readexactly(2), 10)
+                (length,) = struct.unpack("!H", head)
+                out = await self.answer(await reader.readexactly(length), tcp=True)
+                if out is None:
+                    break
+                writer.write(struct.pack("!H", len(out)) + out)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, TimeoutError, OSError):
+            pass
+        finally:
+            writer.close()
+
+
+# ------------------------------------------------------------------ the node-local address
+
+
+def add_address(address: str) -> str:
+    """``address/32`` on the dummy interface ``agentd-dns`` (idempotent), in this namespace; on
+    ``lo`` where the kernel has no dummy interfaces (no module).  Returns the device used."""
+    with Rtnl() as rt:
+        device = DEVICE
+        if rt.link(DEVICE) is None:
+            try:
+                rt.create_link(DEVICE, "dummy")
+            except nl.NetlinkError as err:
+                if err.errno != errno.EOPNOTSUPP:  # no dummy driver
+                    raise
+                device = "lo"
+        link = rt.link(device)
+        if link is None:
+            raise nl.NetlinkError(errno.ENODEV, None, f"looking up device {device}")
+        try:
+            rt.add_address(link.index, address, 32, f"{device}:agentd" if device == "lo" else None)
+        except nl.NetlinkError as err:
+            if err.errno != errno.EEXIST:  # there from a previous run
+                raise
+        if device == DEVICE:
+            rt.set_link(link.index, up=True)
+        return device
+
+
+def remove_address(address: str | None = None) -> bool:
+    """Remove ``agentd-dns``, or ``address`` from ``lo`` where it was put there."""
+    with Rtnl() as rt:
+        link = rt.link(DEVICE)
+        if link is not None:
+            rt.delete_link(link.index)
+            return True
+        lo = rt.link("lo")
+        if lo is None:
+            return False
+        found = False
+        for a in rt.addresses(lo.index):
+            if a.label != "lo:agentd" or a.local is None:
+                continue
+            if address is not None and a.local != socket.inet_aton(address):
+                continue
+            try:
+                rt.delete_address(lo.index, socket.inet_ntoa(a.local), a.prefixlen)
+                found = True
+            except nl.NetlinkError:
+                pass  # gone meanwhile
+        return found

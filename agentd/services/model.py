@@ -1,0 +1,146 @@
+"""What every node serves: Services with their endpoints, from the resources in etcd.  Pure.
+
+A Service with a selector takes its endpoints from the pod records (the NetworkPolicy
+issue's workload endpoints, every node's): every pod of its namespace whose labels match,
+each a ready endpoint, its port the service port's ``targetPort`` (a number, or the name of
+one of the pod's container ports with the same protocol; a pod without that name is not an
+endpoint of that port, as in Kubernetes).  A Service without a selector takes them from the
+EndpointSlices labelled ``kubernetes.io/service-name: <service>`` in its namespace (each
+slice port by name, ``""`` for an unnamed service port), with their conditions.
+
+:func:`build` gives one :class:`ServicePort` per (service, port): the unit the data path
+programs.  Which endpoints take new connections is :meth:`ServicePort.usable`: the ready
+ones; when none is ready, the serving ones that are terminating (Kubernetes' "terminating
+endpoints" fallback, KEP-1669), so a rolling update does not black-hole a service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agentd.resources.service import HEADLESS, SERVICE_NAME_LABEL, endpoint_ready, endpoint_serving, endpoint_terminating
+
+Obj = Mapping[str, Any]
+
+
+@dataclass(frozen=True, order=True)
+class Endpoint:
+    ip: str
+    port: int
+    node: str | None = None
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    pod: str | None = None  # "namespace/name" of a pod record
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    namespace: str
+    service: str
+    port_name: str  # "" for the single unnamed port
+    protocol: str  # TCP | UDP | SCTP
+    port: int
+    cluster_ip: str | None  # None: headless (no virtual IP)
+    node_port: int | None
+    affinity_timeout: int | None  # ClientIP affinity (seconds), None: none
+    internal_local: bool  # internalTrafficPolicy Local: this node's endpoints only, for the cluster IP
+    external_local: bool  # externalTrafficPolicy Local: this node's endpoints only, for the node port
+    endpoints: tuple[Endpoint, ...]
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        return (self.namespace, self.service, self.protocol, self.port)
+
+    @property
+    def l4(self) -> str:
+        return self.protocol.lower()
+
+    def usable(self, node: str | None = None) -> tuple[Endpoint, ...]:
+        """The endpoints new connections go to (``node``: only that node's)."""
+        mine = [e for e in self.endpoints if node is None or e.node == node]
+        ready = [e for e in mine if e.ready]
+        if ready:
+            return tuple(sorted(set(ready)))
+        return tuple(sorted({e for e in mine if e.serving and e.terminating}))
+
+
+def build(services: Iterable[Obj], slices: Iterable[Obj], pods: Iterable[Obj]) -> list[ServicePort]:
+    """Every (service, port) with its endpoints."""
+    by_service: dict[tuple[str, str], list[Obj]] = {}
+    for s in slices:
+        name = (s["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL)
+        if name:
+            by_service.setdefault((s["metadata"]["namespace"], name), []).append(s)
+    pods_by_ns: dict[str, list[Obj]] = {}
+    for p in pods:
+        pods_by_ns.setdefault(p["metadata"]["namespace"], []).append(p)
+    out = []
+    for svc in services:
+        meta, spec = svc["metadata"], svc["spec"]
+        ns = meta["namespace"]
+        selector = spec.get("selector") or {}
+        timeout = (spec.get("sessionAffinityConfig") or {}).get("clientIP", {}).get("timeoutSeconds")
+        for port in spec.get("ports", []):
+            if selector:
+                endpoints = _from_pods(port, selector, pods_by_ns.get(ns, []))
+            else:
+                endpoints = _from_slices(port, by_service.get((ns, meta["name"]), []))
+            cluster_ip = spec.get("clusterIP") or None
+            out.append(
+                ServicePort(
+                    namespace=ns, service=meta["name"], port_name=port.get("name", ""), protocol=port["protocol"],
+                    port=port["port"], cluster_ip=None if cluster_ip == HEADLESS else cluster_ip,
+                    node_port=port.get("nodePort") if spec["type"] == "NodePort" else None,
+                    affinity_timeout=timeout if spec.get("sessionAffinity") == "ClientIP" else None,
+                    internal_local=spec.get("internalTrafficPolicy") == "Local",
+                    external_local=spec.get("externalTrafficPolicy") == "Local",
+                    endpoints=tuple(sorted(set(endpoints))),
+                )
+            )  # fmt: skip
+    return out
+
+
+def matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj]) -> list[Endpoint]:
+    out = []
+    target = port["targetPort"]
+    for pod in pods:
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or not matches(selector, pod["metadata"].get("labels") or {}):
+            continue
+        number = target if isinstance(target, int) else _named_port(pod, target, port["protocol"])
+        if number is None:
+            continue
+        name = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        out.append(Endpoint(ip, number, pod["spec"].get("nodeName"), pod=name))
+    return out
+
+
+def _named_port(pod: Obj, name: str, protocol: str) -> int | None:
+    for container in pod["spec"].get("containers", []):
+        for p in container.get("ports", []):
+            if p.get("name") == name and p["protocol"] == protocol:
+                return int(p["containerPort"])
+    return None
+
+
+def _from_slices(port: Obj, slices: list[Obj]) -> list[Endpoint]:
+    out = []
+    for s in slices:
+        for sp in s.get("ports", []):
+            if sp.get("name", "") != port.get("name", "") or sp["protocol"] != port["protocol"] or "port" not in sp:
+                continue
+            for e in s.get("endpoints", []):
+                out.append(
+                    Endpoint(
+                        e["addresses"][0], sp["port"], e.get("nodeName"),
+                        ready=endpoint_ready(e), serving=endpoint_serving(e), terminating=endpoint_terminating(e),
+                    )
+                )  # fmt: skip
+    return out

@@ -1,0 +1,327 @@
+"""Services on the lab (issue 14): real traffic through every node's ``ip agentd-services`` table.
+
+One lab for the module (3 nodes, host-gw): pods svc/web-1..3 (one per node, label app=web,
+named ports http 8080/TCP and dns 5353/UDP) and a client pod per node, each running
+agentd.lab.svcecho (servers that answer with their name, a client that counts the names).
+Services are applied as manifests; every node is waited for until GET /services reports the
+etcd revision of the write.  Each test asserts who answered: the distribution over 300
+connections, affinity, NodePort from another node's underlay address, traffic policy Local,
+a UDP flow moving when its endpoint goes, a held TCP connection surviving its endpoint's
+terminating state, hairpin, and the table's removal on leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from agentd.lab.lab import API_URL, Lab, LabSpec
+from agentd.lab.netns import unique_tag
+from agentd.lab.svcecho import Echo
+from agentd.lab.wait import auntil
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PORTS = [
+    {"name": "http", "containerPort": 8080, "protocol": "TCP"},
+    {"name": "dns", "containerPort": 5353, "protocol": "UDP"},
+]
+
+
+class World:
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.pods: dict[str, Any] = {}
+        self.echo: dict[str, Echo] = {}
+        self.res: Any = None
+
+    async def apply(self, *objs: dict[str, Any]) -> int:
+        rev = await self.res.apply(list(objs))
+        await self.converged(rev)
+        return rev
+
+    async def delete(self, kind: str, name: str, ns: str = "svc") -> None:
+        await self.converged(await self.res.delete(kind, ns, name))
+
+    async def converged(self, revision: int, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        behind: list[str] = []
+        while time.monotonic() < deadline:
+            views = await asyncio.gather(*(asyncio.to_thread(n.api_or_none, "/services?view=summary") for n in self.lab.nodes))
+            behind = [f"{n.name}={(v or {}).get('revision')}" for n, v in zip(self.lab.nodes, views)
+                      if not v or v.get("revision", 0) < revision or v.get("error")]  # fmt: skip
+            if not behind:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"services revision {revision} not applied everywhere: {', '.join(behind)}")
+
+    async def vip(self, name: str) -> str:
+        obj = await self.res.get("Service", "svc", name)
+        return obj["spec"]["clusterIP"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory):
+    lab = Lab(LabSpec(name="sv" + unique_tag("")[:6], nodes=3, pods=0), root=tmp_path_factory.mktemp("labs"))
+    w = World(lab)
+    # Every node forwards names outside the cluster domain to a stand-in resolver on node3.
+    for node in lab.nodes:
+        lab.spec.extra[node.name] = {"dns": {"upstream": [f"{lab.nodes[2].address}:5300"]}}
+    try:
+        await lab.up(timeout=90)
+        for i, node in enumerate(lab.nodes, start=1):
+            w.pods[f"web-{i}"] = await lab.add_pod(node, "svc", f"web-{i}", labels={"app": "web", "pod": f"web-{i}"}, ports=PORTS)
+            w.pods[f"client-{i}"] = await lab.add_pod(node, "svc", f"client-{i}", labels={"app": "client"})
+        for name, pod in w.pods.items():
+            ports = [("tcp", 8080), ("udp", 5353)] if name.startswith("web") else []
+            w.echo[name] = await Echo.start(pod, name, ports)
+        for node in lab.nodes:
+            w.echo[node.name] = await Echo.start(node, node.name, [("dns", 5300)] if node.index == 3 else [])
+        w.res = await lab.resources()
+        yield w
+    finally:
+        for e in w.echo.values():
+            await e.close()
+        if w.res is not None:
+            await w.res.close()
+        await lab.down(keep_files=True)
+
+
+def service(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "svc"}, "spec": spec}
+
+
+def endpoint_slice(name: str, service_name: str, endpoints: list[dict[str, Any]], ports: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": name, "namespace": "svc", "labels": {"kubernetes.io/service-name": service_name}},
+            "addressType": "IPv4", "endpoints": endpoints, "ports": ports}  # fmt: skip
+
+
+WEB_PORTS = [{"name": "http", "port": 80, "targetPort": "http"}, {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": "dns"}]
+WEBS = {"web-1", "web-2", "web-3"}
+
+
+async def test_cluster_ip_spreads_over_every_endpoint_from_every_node(world: World):
+    await world.apply(service("web", {"selector": {"app": "web"}, "ports": WEB_PORTS}))
+    try:
+        vip = await world.vip("web")
+        results = await asyncio.gather(*(world.echo[f"client-{i}"].tcp(vip, 80, count=100) for i in (1, 2, 3)))
+        total: dict[str, int] = {}
+        for r in results:
+            assert r["failed"] == 0, r
+            for name, n in r["names"].items():
+                total[name] = total.get(name, 0) + n
+        # 300 connections, each endpoint chosen at random (1/3): none starved.
+        assert set(total) == WEBS and sum(total.values()) == 300 and min(total.values()) >= 40, total
+        # UDP: each new source port is a new flow; over 30 flows every endpoint answers.
+        names = []
+        for sport in range(21000, 21030):
+            names += await world.echo["client-2"].udp(vip, 53, sport)
+        assert set(names) == WEBS, names
+        view = world.lab.nodes[0].api("/services")
+        (svc,) = [s for s in view["services"] if s["name"] == "web"]
+        assert svc["clusterIP"] == vip and {e["ip"] for p in svc["ports"] for e in p["endpoints"]} == {
+            world.pods[w].ip for w in WEBS
+        }
+        # node1's counter (read from the kernel every 2 s): client-1's 100 connections at least.
+
+        def counted() -> bool:
+            view = world.lab.nodes[0].api("/services")
+            return [s for s in view["services"] if s["name"] == "web"][0]["connections"] >= 100
+
+        await auntil(counted, 20, what="node1's connection counter of svc/web")
+        metrics = await asyncio.to_thread(world.lab.nodes[0].ns.http_get, API_URL + "/metrics")
+        assert b'agentd_service_connections_total{namespace="svc",service="web"}' in metrics[1]
+    finally:
+        await world.delete("Service", "web")
+
+
+async def test_affinity_keeps_a_client_on_one_endpoint(world: World):
+    await world.apply(service("sticky", {"selector": {"app": "web"}, "ports": WEB_PORTS, "sessionAffinity": "ClientIP",
+                                         "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 60}}}))  # fmt: skip
+    try:
+        vip = await world.vip("sticky")
+        for client in ("client-1", "client-3"):
+            r = await world.echo[client].tcp(vip, 80, count=40)
+            assert r["failed"] == 0 and len(r["names"]) == 1, r
+    finally:
+        await world.delete("Service", "sticky")
+
+
+async def test_node_port_from_the_underlay_and_traffic_policy_local(world: World):
+    node1, node3 = world.lab.nodes[0], world.lab.nodes[2]
+    await world.apply(service("np", {"type": "NodePort", "selector": {"app": "web"},
+                                     "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]}))  # fmt: skip
+    try:
+        r = await world.echo["node3"].tcp(node1.address, 30080, count=60)
+        assert r["failed"] == 0 and set(r["names"]) == WEBS, r
+        # Local: node1's address only sends to node1's endpoint, and keeps the client's address.
+        await world.apply(service("np", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
+                                         "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]}))  # fmt: skip
+        r = await world.echo["node3"].tcp(node1.address, 30080, count=20)
+        assert r == {"names": {"web-1": 20}, "failed": 0}, r
+        r = await world.echo["node1"].tcp(node3.address, 30080, count=20)
+        assert r == {"names": {"web-3": 20}, "failed": 0}, r
+    finally:
+        await world.delete("Service", "np")
+
+
+async def test_internal_traffic_policy_local(world: World):
+    await world.apply(service("near", {"selector": {"app": "web"}, "ports": WEB_PORTS, "internalTrafficPolicy": "Local"}))
+    try:
+        vip = await world.vip("near")
+        for i in (1, 2, 3):
+            r = await world.echo[f"client-{i}"].tcp(vip, 80, count=10)
+            assert r == {"names": {f"web-{i}": 10}, "failed": 0}, r
+    finally:
+        await world.delete("Service", "near")
+
+
+def _eps(world: World, names: list[str], **conditions: bool) -> list[dict[str, Any]]:
+    return [{"addresses": [world.pods[n].ip], "conditions": {"ready": True, **conditions},
+             "nodeName": world.pods[n].node.name} for n in names]  # fmt: skip
+
+
+async def test_removed_endpoint_moves_udp_flows_and_terminating_keeps_tcp(world: World):
+    ports = [{"name": "http", "port": 80}, {"name": "dns", "port": 53, "protocol": "UDP"}]
+    slice_ports = [{"name": "http", "port": 8080}, {"name": "dns", "port": 5353, "protocol": "UDP"}]
+    await world.apply(service("manual", {"ports": ports}),
+                      endpoint_slice("manual-1", "manual", _eps(world, ["web-1", "web-2"]), slice_ports))
+    try:
+        vip = await world.vip("manual")
+        first = await world.echo["client-3"].udp(vip, 53, sport=22000, count=3)
+        assert len(set(first)) == 1 and first[0] in ("web-1", "web-2"), first
+        held_by = await world.echo["client-3"].hold("h", vip, 80)
+        assert held_by in ("web-1", "web-2")
+        # The UDP flow's endpoint is deleted: the same flow (same source port) moves to the other.
+        keep = "web-2" if first[0] == "web-1" else "web-1"
+        await world.apply(endpoint_slice("manual-1", "manual", _eps(world, [keep]), slice_ports))
+        moved = await world.echo["client-3"].udp(vip, 53, sport=22000, count=3)
+        assert moved == [keep] * 3, (first, moved)
+        # Terminating (not ready, still serving): no new connections, the established one lives on.
+        both = _eps(world, [keep]) + _eps(world, ["web-3"])
+        await world.apply(endpoint_slice("manual-1", "manual", both, slice_ports))
+        held_by = await world.echo["client-1"].hold("t", vip, 80)
+        term = held_by
+        other = "web-3" if term == keep else keep
+        eps = _eps(world, [term], ready=False, serving=True, terminating=True) + _eps(world, [other])
+        await world.apply(endpoint_slice("manual-1", "manual", eps, slice_ports))
+        r = await world.echo["client-1"].tcp(vip, 80, count=30)
+        assert r == {"names": {other: 30}, "failed": 0}, r
+        assert await world.echo["client-1"].ask("t") == term
+    finally:
+        await world.delete("EndpointSlice", "manual-1")
+        await world.delete("Service", "manual")
+
+
+async def test_hairpin_a_pod_reaches_itself_through_its_service(world: World):
+    await world.apply(service("self", {"selector": {"pod": "web-2"}, "ports": WEB_PORTS}))
+    try:
+        vip = await world.vip("self")
+        r = await world.echo["web-2"].tcp(vip, 80, count=5)
+        assert r == {"names": {"web-2": 5}, "failed": 0}, r
+        assert await world.echo["web-2"].udp(vip, 53, sport=23000, count=2) == ["web-2", "web-2"]
+    finally:
+        await world.delete("Service", "self")
+
+
+async def test_host_port_through_the_portmap_plugin_and_gone_on_del(world: World):
+    """The conflist's portmap (after agentd-cni) maps node1's 18080 to the pod; DEL removes it."""
+    node1 = world.lab.nodes[0]
+    pod = await world.lab.add_pod(node1, "svc", "hostport", labels={"app": "hp"}, ports=PORTS,
+                                  host_ports=[{"hostPort": 18080, "containerPort": 8080, "protocol": "tcp"},
+                                              {"hostPort": 18053, "containerPort": 5353, "protocol": "udp"}])  # fmt: skip
+    echo = await Echo.start(pod, "hostport", [("tcp", 8080), ("udp", 5353)])
+    try:
+        r = await world.echo["node3"].tcp(node1.address, 18080, count=5)
+        assert r == {"names": {"hostport": 5}, "failed": 0}, r
+        assert await world.echo["node2"].udp(node1.address, 18053, sport=24000, count=2) == ["hostport", "hostport"]
+        r = await world.echo["client-2"].tcp(node1.address, 18080, count=3)  # from a pod on another node
+        assert r == {"names": {"hostport": 3}, "failed": 0}, r
+    finally:
+        await echo.close()
+        await world.lab.remove_pod(pod)
+    r = await world.echo["node3"].tcp(node1.address, 18080, count=1, timeout=1.0)
+    assert r == {"names": {}, "failed": 1}, r
+    rules = await asyncio.to_thread(node1.ns.exec, "nft", "list", "ruleset")
+    assert "18080" not in rules
+
+
+DNS = "169.254.20.10"
+
+
+async def test_service_dns_answers_a_srv_headless_forwards_and_follows_changes(world: World):
+    client = world.echo["client-1"]
+    assert world.pods["client-1"].result["dns"] == {
+        "nameservers": [DNS], "search": ["svc.svc.cluster.local", "svc.cluster.local", "cluster.local"], "options": ["ndots:5"]}  # fmt: skip
+    await world.apply(service("web", {"selector": {"app": "web"}, "ports": WEB_PORTS}),
+                      service("hl", {"clusterIP": "None", "selector": {"pod": "web-2"}, "ports": WEB_PORTS}))  # fmt: skip
+    try:
+        vip = await world.vip("web")
+        r = await client.dns(DNS, "web.svc.svc.cluster.local", "A")
+        assert r["rcode"] == "NOERROR" and r["aa"] and r["answer"] == [f"web.svc.svc.cluster.local. 5 IN A {vip}"], r
+        r = await world.echo["client-3"].dns(DNS, "_http._tcp.web.svc.svc.cluster.local", "SRV", tcp=True)
+        assert r["answer"] == ["_http._tcp.web.svc.svc.cluster.local. 5 IN SRV 0 100 80 web.svc.svc.cluster.local."], r
+        assert r["additional"] == [f"web.svc.svc.cluster.local. 5 IN A {vip}"], r
+        r = await client.dns(DNS, "_dns._udp.web.svc.svc.cluster.local", "SRV")
+        assert r["answer"] == ["_dns._udp.web.svc.svc.cluster.local. 5 IN SRV 0 100 53 web.svc.svc.cluster.local."], r
+        r = await client.dns(DNS, "hl.svc.svc.cluster.local", "A")  # headless: the endpoints
+        assert r["answer"] == [f"hl.svc.svc.cluster.local. 5 IN A {world.pods['web-2'].ip}"], r
+        r = await client.dns(DNS, "nope.svc.svc.cluster.local", "A")
+        assert r["rcode"] == "NXDOMAIN" and r["aa"], r
+        r = await client.dns(DNS, "svc.svc.cluster.local", "A")  # a namespace: exists, no records
+        assert r["rcode"] == "NOERROR" and r["answer"] == [], r
+        r = await client.dns(DNS, "www.example.org", "A")  # forwarded to the upstream stand-in
+        assert r["rcode"] == "NOERROR" and r["answer"] == ["www.example.org. 30 IN A 192.0.2.99"], r
+        # A change is answered once the node has applied it.
+        await world.delete("Service", "web")
+        r = await client.dns(DNS, "web.svc.svc.cluster.local", "A")
+        assert r["rcode"] == "NXDOMAIN", r
+    finally:
+        await world.res.delete("Service", "svc", "hl")
+        with contextlib.suppress(Exception):
+            await world.res.delete("Service", "svc", "web")
+
+
+def _table_handle(node: Any) -> int | None:
+    listing = json.loads(node.ns.exec("nft", "-j", "list", "tables"))["nftables"]
+    return next((i["table"]["handle"] for i in listing if i.get("table", {}).get("name") == "agentd-services"), None)
+
+
+async def test_a_killed_agent_leaves_the_table_working_and_adopts_it(world: World):
+    import signal
+
+    node1 = world.lab.nodes[0]
+    await world.apply(service("steady", {"selector": {"app": "web"}, "ports": WEB_PORTS}))
+    try:
+        vip = await world.vip("steady")
+        before = await asyncio.to_thread(_table_handle, node1)
+        await node1.stop_agent(signal.SIGKILL)
+        r = await world.echo["client-1"].tcp(vip, 80, count=30)  # no agent: the kernel still translates
+        assert r["failed"] == 0 and set(r["names"]) == WEBS, r
+        node1.start_agent()
+        await world.lab.wait_agents_started(60)
+        await world.apply(service("steady", {"selector": {"app": "web"}, "ports": WEB_PORTS, "internalTrafficPolicy": "Local"}))
+        assert await asyncio.to_thread(_table_handle, node1) == before  # adopted, not re-created
+        r = await world.echo["client-1"].tcp(vip, 80, count=10)
+        assert r == {"names": {"web-1": 10}, "failed": 0}, r
+    finally:
+        await world.delete("Service", "steady")
+
+
+async def test_leave_removes_the_table(world: World):  # last: node3 goes
+    node3 = world.lab.nodes[2]
+    await world.apply(service("last", {"selector": {"app": "web"}, "ports": WEB_PORTS}))
+    assert await asyncio.to_thread(_table_handle, node3) is not None
+    await node3.leave()
+
+    def gone() -> bool:
+        return node3.agent_pid() is None and _table_handle(node3) is None
+
+    await auntil(gone, 20, what="node3's agent gone with its services table")

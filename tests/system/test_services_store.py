@@ -1,0 +1,187 @@
+"""Services in etcd (issue 14): cluster IPs and node ports allocated atomically, against a real etcd.
+
+Many ResourceStores (each its own etcd connection) apply Services at once: every Service gets
+its own address of the cluster's range and its own node port, and etcd holds exactly one
+allocation key per value, naming its Service.  A re-apply keeps what was given; a taken
+address is refused with one line; a delete frees what the Service held, in the same
+transaction.  The command line (`agentd apply`, `get svc`, `get endpointslices`) on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
+
+import aetcd
+import pytest
+
+from agentd.datastore.store import ClusterConfig, Datastore
+from agentd.resources import kinds
+from agentd.resources.store import ResourceStore
+from agentd.resources.validation import Invalid
+
+RANGE = IPv4Network("10.96.0.0/24")
+
+
+def service(name: str, ns: str = "default", *, node_port: bool = False, ip: str | None = None) -> dict:
+    spec: dict = {"selector": {"app": name}, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}
+    if node_port:
+        spec["type"] = "NodePort"
+    if ip:
+        spec["clusterIP"] = ip
+    return kinds.validate({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns}, "spec": spec})
+
+
+@pytest.fixture
+async def stores(etcd_server) -> AsyncIterator:
+    made: list[Datastore] = []
+
+    async def make() -> ResourceStore:
+        ds = Datastore([etcd_server.endpoint], lease_ttl=5)
+        made.append(ds)
+        await ds.connect(timeout=10)
+        return ResourceStore(ds, timeout=10)
+
+    try:
+        yield make
+    finally:
+        await asyncio.gather(*(ds.close() for ds in made))
+
+
+async def allocations(server) -> dict[str, str]:
+    async with aetcd.Client(server.host, server.client_port, timeout=5) as client:
+        got = await client.get_prefix(b"/agentd/allocations/")
+        return {kv.key.decode().removeprefix("/agentd/allocations/"): kv.value.decode() for kv in got}
+
+
+async def test_concurrent_applies_never_share_an_address_or_a_node_port(etcd_server, stores):
+    first = await stores()
+    await first.ds.ensure_cluster_config(
+        ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", RANGE), timeout=10
+    )
+    clients = [await stores() for _ in range(12)]
+    # 12 clients x 4 services, all at once: 48 of the range's 254 addresses.
+    batches = [[service(f"s{c}-{i}", node_port=True) for i in range(4)] for c in range(12)]
+    results = await asyncio.gather(*(cl.apply(b) for cl, b in zip(clients, batches)))
+    applied = [a.obj for r in results for a in r]
+    assert {a.outcome for r in results for a in r} == {"created"}
+    ips = [o["spec"]["clusterIP"] for o in applied]
+    ports = [o["spec"]["ports"][0]["nodePort"] for o in applied]
+    assert len(set(ips)) == 48 and len(set(ports)) == 48
+    assert all(IPv4Address(ip) in RANGE and ip not in ("10.96.0.0", "10.96.0.255") for ip in ips)
+    assert all(30000 <= p <= 32767 for p in ports)
+    # etcd holds one key per value, naming its Service, and the stored objects agree.
+    held = await allocations(etcd_server)
+    assert len(held) == 96
+    stored = {o["metadata"]["name"]: o for o in await first.list(kinds.SERVICE)}
+    for name, obj in stored.items():
+        assert held[f"serviceips/{obj['spec']['clusterIP']}"] == f"default/{name}"
+        assert held[f"nodeports/{obj['spec']['ports'][0]['nodePort']}"] == f"default/{name}"
+        assert obj["spec"]["clusterIPs"] == [obj["spec"]["clusterIP"]]
+
+
+async def test_reapply_keeps_address_taken_is_refused_delete_frees(etcd_server, stores):
+    store = await stores()
+    store.service_cidr = RANGE
+    (a,) = await store.apply([service("a", node_port=True)])
+    ip, port = a.obj["spec"]["clusterIP"], a.obj["spec"]["ports"][0]["nodePort"]
+    # The same manifest again: unchanged, same address and node port.
+    (again,) = await store.apply([service("a", node_port=True)])
+    assert again.outcome == "unchanged"
+    assert again.obj["spec"]["clusterIP"] == ip and again.obj["spec"]["ports"][0]["nodePort"] == port
+    # Another Service asking for a's address; a asking for another one (immutable); out of range.
+    with pytest.raises(Invalid, match=r'spec\.clusterIP: Invalid value: "%s": provided IP is already allocated' % ip):
+        await store.apply([service("b", ip=ip)])
+    with pytest.raises(Invalid, match=r"spec\.clusterIP: .*field is immutable"):
+        await store.apply([service("a", ip="10.96.0.77" if ip != "10.96.0.77" else "10.96.0.78", node_port=True)])
+    with pytest.raises(Invalid, match=r"not in the valid range. The range of valid IPs is 10\.96\.0\.0/24"):
+        await store.apply([service("c", ip="10.97.0.5")])
+    assert await store.get(kinds.SERVICE, "default", "b") is None
+    # Becoming a ClusterIP service frees the node port, in the same transaction.
+    (a2,) = await store.apply([service("a")])
+    assert a2.outcome == "configured" and a2.obj["spec"]["clusterIP"] == ip
+    assert await allocations(etcd_server) == {f"serviceips/{ip}": "default/a"}
+    await store.delete(kinds.SERVICE, "default", "a")
+    assert await allocations(etcd_server) == {}
+    # Now b may have it.
+    (b,) = await store.apply([service("b", ip=ip)])
+    assert b.obj["spec"]["clusterIP"] == ip
+    assert await allocations(etcd_server) == {f"serviceips/{ip}": "default/b"}
+
+
+def _cli(etcd_server, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """``agentd ARGS`` pointed at the test's etcd (no configuration file: the defaults)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    env["AGENTD_ETCD_ENDPOINTS"] = etcd_server.endpoint
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "agentd"), *args], input=stdin, capture_output=True, text=True,
+        env=env, timeout=60,
+    )  # fmt: skip
+
+
+MANIFEST = """\
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  type: NodePort
+  selector: {app: web}
+  sessionAffinity: ClientIP
+  ports:
+  - {name: http, port: 80, targetPort: http, nodePort: 30080}
+  - {name: dns, port: 53, protocol: UDP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: ext-1, namespace: shop, labels: {kubernetes.io/service-name: ext}}
+addressType: IPv4
+endpoints:
+- addresses: [192.0.2.7]
+  conditions: {ready: true}
+ports: [{name: http, port: 8080}]
+"""
+
+
+async def test_command_line_apply_get_delete(etcd_server):
+    done = await asyncio.to_thread(_cli, etcd_server, "apply", "-f", "-", stdin=MANIFEST)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["service/web created", "endpointslice.discovery.k8s.io/ext-1 created"]
+    got = await asyncio.to_thread(_cli, etcd_server, "get", "svc", "-n", "shop")
+    assert got.returncode == 0, got.stderr
+    header, row = got.stdout.splitlines()
+    assert header.split() == ["NAMESPACE", "NAME", "TYPE", "CLUSTER-IP", "PORT(S)", "SELECTOR", "AGE"]
+    cells = row.split()
+    assert cells[:3] == ["shop", "web", "NodePort"] and IPv4Address(cells[3]) in IPv4Network("10.96.0.0/12")
+    assert cells[4].startswith("80:30080/TCP,53:") and cells[4].endswith("/UDP") and cells[5] == "app=web"
+    js = await asyncio.to_thread(_cli, etcd_server, "get", "endpointslices", "shop/ext-1", "-o", "json")
+    assert json.loads(js.stdout)["endpoints"] == [{"addresses": ["192.0.2.7"], "conditions": {"ready": True}}]
+    bad = await asyncio.to_thread(_cli, etcd_server, "apply", "-f", "-", stdin=MANIFEST.replace("30080", "80"))
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.strip() == (
+        "agentd apply: stdin: document 1 (Service shop/web): spec.ports[0].nodePort: Invalid value: 80: "
+        "provided port is not in the valid range. The range of valid ports is 30000-32767"
+    )
+    gone = await asyncio.to_thread(_cli, etcd_server, "delete", "svc", "shop/web")
+    assert gone.returncode == 0 and gone.stdout.strip() == "service/web deleted"
+    assert await allocations(etcd_server) == {}
+
+
+async def test_a_large_apply_stays_within_etcds_operations_per_transaction(etcd_server, stores):
+    store = await stores()
+    store.service_cidr = RANGE
+    objs = []
+    for i in range(120):
+        objs.append(service(f"big-{i}", node_port=True))
+        objs.append(kinds.validate({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                                    "metadata": {"name": f"big-{i}-1", "namespace": "default",
+                                                 "labels": {"kubernetes.io/service-name": f"big-{i}"}},
+                                    "addressType": "IPv4", "endpoints": [{"addresses": [f"192.0.2.{i + 1}"]}]}))  # fmt: skip
+    applied = await store.apply(objs)
+    assert len(applied) == 240 and {a.outcome for a in applied} == {"created"}
+    assert len({a.obj["spec"]["clusterIP"] for a in applied if a.obj["kind"] == "Service"}) == 120

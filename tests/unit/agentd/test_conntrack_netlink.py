@@ -1,0 +1,88 @@
+"""The ctnetlink messages of agentd.services.conntrack, byte for byte against the uapi layout
+(include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h): nlmsghdr, nfgenmsg, nested
+tuples with addresses and ports in network byte order."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from agentd.kernel import netlink as nl
+from agentd.services import conntrack as ct
+
+
+def _hex(*parts: str) -> bytes:
+    return bytes.fromhex("".join(parts).replace(" ", ""))
+
+
+ORIG = ct.CtTuple("10.244.1.5", "10.96.0.10", socket.IPPROTO_UDP, 40000, 53)
+REPLY = ct.CtTuple("10.244.2.7", "10.244.1.5", socket.IPPROTO_UDP, 5353, 40000)
+
+ORIG_ATTR = (
+    "34000180",  # CTA_TUPLE_ORIG | NLA_F_NESTED, 52 bytes
+    "14000180",  # CTA_TUPLE_IP | NLA_F_NESTED, 20 bytes
+    "08000100 0af40105",  # CTA_IP_V4_SRC 10.244.1.5
+    "08000200 0a60000a",  # CTA_IP_V4_DST 10.96.0.10
+    "1c000280",  # CTA_TUPLE_PROTO | NLA_F_NESTED, 28 bytes
+    "05000100 11 000000",  # CTA_PROTO_NUM 17 (udp)
+    "06000200 9c40 0000",  # CTA_PROTO_SRC_PORT 40000, big-endian
+    "06000300 0035 0000",  # CTA_PROTO_DST_PORT 53
+)
+
+
+def test_dump_request_bytes():
+    assert ct.encode_dump(1) == _hex(
+        "14000000 0101 0103 01000000 00000000",  # 20 bytes, CTNETLINK << 8 | CT_GET, REQUEST|DUMP
+        "02 00 0000",  # nfgenmsg: AF_INET, NFNETLINK_V0, res_id 0
+    )
+
+
+def test_delete_request_bytes():
+    assert ct.encode_delete(9, ORIG) == _hex(
+        "48000000 0201 0100 09000000 00000000",  # 72 bytes, CTNETLINK << 8 | CT_DELETE, REQUEST
+        "02 00 0000",
+        *ORIG_ATTR,
+    )
+
+
+# An IPCTNL_MSG_CT_NEW as a dump answers it: both tuples and attributes that are skipped.
+ENTRY = _hex(
+    "02 00 0000",  # nfgenmsg
+    *ORIG_ATTR,
+    "34000280",  # CTA_TUPLE_REPLY | NLA_F_NESTED
+    "14000180", "08000100 0af40207", "08000200 0af40105",
+    "1c000280", "05000100 11 000000", "06000200 14e9 0000", "06000300 9c40 0000",
+    "08000300 00000188",  # CTA_STATUS (be32): skipped
+    "08000700 0000001e",  # CTA_TIMEOUT (be32): skipped
+)
+
+
+def test_decode_entry():
+    assert ct.decode_entry(ENTRY, 0, len(ENTRY)) == ct.CtEntry(ORIG, REPLY)
+    # Round trip: the tuples re-encoded are the bytes they were read from.
+    assert ct.encode_tuple(ct.CTA_TUPLE_ORIG, ORIG) == _hex(*ORIG_ATTR)
+
+
+def test_decode_rejects_malformed_and_skips_other_families():
+    with pytest.raises(nl.NetlinkDecodeError):
+        ct.decode_entry(ENTRY, 0, 2)
+    with pytest.raises(nl.NetlinkDecodeError):
+        ct.decode_entry(ENTRY, 0, len(ENTRY) - 1)  # the last attribute cut short
+    bad_port = ENTRY.replace(bytes.fromhex("06000200 9c40 0000".replace(" ", "")), bytes.fromhex("05000200 9c 000000"), 1)
+    with pytest.raises(nl.NetlinkDecodeError):
+        ct.decode_entry(bad_port, 0, len(bad_port))
+    ipv6 = bytes([socket.AF_INET6]) + ENTRY[1:]
+    assert ct.decode_entry(ipv6, 0, len(ipv6)) is None
+
+
+def test_entries_to_delete_match_what_kube_proxy_matches():
+    stale = ct.Stale("10.244.2.7", 5353, "10.96.0.10", 53, 30053)
+    via_vip = ct.CtEntry(ORIG, REPLY)
+    via_node_port = ct.CtEntry(ct.CtTuple("192.0.2.9", "192.0.2.50", 17, 41000, 30053), REPLY._replace(dst="192.0.2.9"))
+    other_endpoint = ct.CtEntry(ORIG, REPLY._replace(src="10.244.3.3"))
+    tcp = ct.CtEntry(ORIG._replace(proto=socket.IPPROTO_TCP), REPLY._replace(proto=socket.IPPROTO_TCP))
+    other_service = ct.CtEntry(ORIG._replace(dst="10.96.0.11"), REPLY)
+    entries = [via_vip, via_node_port, other_endpoint, tcp, other_service]
+    assert ct.entries_to_delete(entries, [stale]) == [via_vip, via_node_port]
+    assert ct.entries_to_delete(entries, []) == []

@@ -1,0 +1,106 @@
+"""Service DNS (issue 14), pure: the names a node answers, answers as the Kubernetes DNS spec
+gives them (dnspython wire format), what is forwarded, the [dns] keys, and what agentd-cni hands
+to pods (the subnet file's AGENTD_DNS, the ADD result's "dns")."""
+
+from __future__ import annotations
+
+from ipaddress import IPv4Address, IPv4Network
+
+import dns.flags
+import dns.message
+import dns.rcode
+import pytest
+
+from agentd.cni.netconf import SubnetFile, dns_config, parse_subnet_file, render_subnet_file
+from agentd.config.settings import ConfigError, load_config
+from agentd.services import dns as sdns
+from agentd.services.model import Endpoint, ServicePort
+
+
+def sp(service: str, port_name: str, protocol: str, port: int, cluster_ip: str | None, endpoints=()) -> ServicePort:
+    return ServicePort("shop", service, port_name, protocol, port, cluster_ip, None, None, False, False, tuple(endpoints))
+
+
+TABLE = sdns.names([
+    sp("web", "http", "TCP", 80, "10.96.0.10"),
+    sp("web", "dns", "UDP", 53, "10.96.0.10"),
+    sp("db", "", "TCP", 5432, None, [Endpoint("10.244.1.5", 5432), Endpoint("10.244.2.5", 5432, ready=False)]),
+], "cluster.local")  # fmt: skip
+
+
+def ask(name: str, rdtype: str = "A") -> dns.message.Message | None:
+    return sdns.resolve(TABLE, dns.message.make_query(name, rdtype))
+
+
+def lines(section) -> list[str]:
+    return [line for rr in section for line in rr.to_text().splitlines()]
+
+
+def test_a_records_cluster_ip_and_headless_ready_endpoints():
+    r = ask("web.shop.svc.cluster.local")
+    assert r is not None and r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA
+    assert lines(r.answer) == ["web.shop.svc.cluster.local. 5 IN A 10.96.0.10"]
+    assert lines(ask("DB.Shop.svc.cluster.local.").answer) == ["DB.Shop.svc.cluster.local. 5 IN A 10.244.1.5"]
+
+
+def test_srv_for_named_ports_with_the_target_in_additional():
+    r = ask("_http._tcp.web.shop.svc.cluster.local", "SRV")
+    assert lines(r.answer) == ["_http._tcp.web.shop.svc.cluster.local. 5 IN SRV 0 100 80 web.shop.svc.cluster.local."]
+    assert lines(r.additional) == ["web.shop.svc.cluster.local. 5 IN A 10.96.0.10"]
+    assert lines(ask("_dns._udp.web.shop.svc.cluster.local", "SRV").answer)[0].endswith("SRV 0 100 53 web.shop.svc.cluster.local.")
+    assert ask("_http._udp.web.shop.svc.cluster.local", "SRV").rcode() == dns.rcode.NXDOMAIN
+
+
+def test_unknown_names_empty_branches_and_other_types():
+    assert ask("nope.shop.svc.cluster.local").rcode() == dns.rcode.NXDOMAIN
+    for branch in ("shop.svc.cluster.local", "svc.cluster.local", "cluster.local"):
+        r = ask(branch)
+        assert r.rcode() == dns.rcode.NOERROR and r.answer == [], branch
+    r = ask("web.shop.svc.cluster.local", "AAAA")
+    assert r.rcode() == dns.rcode.NOERROR and r.answer == []
+
+
+def test_other_names_are_forwarded():
+    assert ask("www.example.org") is None
+    assert ask("cluster.local.example.org") is None
+    assert sdns.resolve(TABLE, dns.message.Message()).rcode() == dns.rcode.FORMERR  # no question
+
+
+async def test_server_answer_drops_garbage_and_servfails_without_upstreams():
+    server = sdns.DnsServer("127.0.0.1", 0, lambda: TABLE, [])
+    assert await server.answer(b"\x00\x01garbage") is None
+    wire = await server.answer(dns.message.make_query("www.example.org", "A").to_wire())
+    assert dns.message.from_wire(wire).rcode() == dns.rcode.SERVFAIL and server.failed == 1
+
+
+def test_host_resolvers_skip_our_own_address(tmp_path):
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("search x\nnameserver 192.0.2.53\nnameserver 169.254.20.10\nnameserver fd00::1\n")
+    assert sdns.host_resolvers(str(conf), exclude=["169.254.20.10"]) == [("192.0.2.53", 53)]
+    assert sdns.host_resolvers(str(tmp_path / "missing")) == []
+
+
+def test_dns_config_keys():
+    base = {"node.name": "n1", "node.address": "192.0.2.1"}
+    cfg = load_config(None, env={}, overrides=base, resolve_defaults=False)
+    assert (cfg.dns.enabled, cfg.dns.address, cfg.dns.cluster_domain, cfg.dns.upstream) == (
+        True, IPv4Address("169.254.20.10"), "cluster.local", ())  # fmt: skip
+    cfg = load_config(None, env={}, resolve_defaults=False, overrides={
+        **base, "dns.cluster_domain": "Corp.Example.", "dns.upstream": "192.0.2.53, 192.0.2.54:5353"})  # fmt: skip
+    assert cfg.dns.cluster_domain == "corp.example" and cfg.dns.upstream == ("192.0.2.53:53", "192.0.2.54:5353")
+    for key, bad, why in (("dns.address", "127.0.0.2", "loopback"), ("dns.cluster_domain", "a..b", "domain name"),
+                          ("dns.upstream", "x", "IPv4 address"), ("dns.upstream", "192.0.2.1:0", "1..65535")):  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, env={}, resolve_defaults=False, overrides={**base, key: bad})
+
+
+def test_subnet_file_and_cni_result_carry_the_pods_dns():
+    sf = SubnetFile(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"), 1450, dns=IPv4Address("169.254.20.10"))
+    text = render_subnet_file(sf)
+    assert "AGENTD_DNS=169.254.20.10\nAGENTD_CLUSTER_DOMAIN=cluster.local\n" in text
+    assert parse_subnet_file(text) == sf
+    assert dns_config(sf, "shop") == {"nameservers": ["169.254.20.10"], "options": ["ndots:5"],
+                                      "search": ["shop.svc.cluster.local", "svc.cluster.local", "cluster.local"]}  # fmt: skip
+    assert dns_config(sf, None)["search"] == ["svc.cluster.local", "cluster.local"]
+    plain = SubnetFile(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"), 1450)
+    assert "AGENTD_DNS" not in render_subnet_file(plain) and dns_config(plain, "shop") is None

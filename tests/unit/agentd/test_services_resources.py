@@ -1,0 +1,204 @@
+"""Services (issue 14), the pure half: Service and EndpointSlice validation and defaults as the
+API server does them (one line naming the field), the allocators' choices, the cluster config
+record and the kinds table.  No etcd, no root."""
+
+from __future__ import annotations
+
+import random
+from ipaddress import IPv4Network
+
+import pytest
+import yaml
+
+from agentd.datastore.records import ClusterConfig, RecordError
+from agentd.resources import allocation, kinds, manifests
+from agentd.resources.validation import Invalid
+
+SERVICE = """\
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  type: NodePort
+  selector: {app: web}
+  sessionAffinity: ClientIP
+  externalTrafficPolicy: Local
+  ports:
+  - {name: http, port: 80, targetPort: http}
+  - {name: dns, port: 53, protocol: UDP, nodePort: 30053}
+"""
+
+SLICE = """\
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints:
+- addresses: [10.244.1.2]
+  conditions: {ready: true, terminating: false}
+  nodeName: node1
+- addresses: [10.244.2.2]
+ports: [{name: http, port: 8080}]
+"""
+
+
+def one(text: str) -> dict:
+    (obj,) = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
+    return obj
+
+
+def error_of(text: str) -> str:
+    with pytest.raises(manifests.ManifestError) as err:
+        one(text)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def mutate(text: str, path: str, value) -> str:
+    doc = yaml.safe_load(text)
+    parts = path.split(".")
+    node = doc
+    for p in parts[:-1]:
+        node = node[int(p)] if p.isdigit() else node[p]
+    last = int(parts[-1]) if parts[-1].isdigit() else parts[-1]
+    if value is None:
+        del node[last]
+    else:
+        node[last] = value
+    return yaml.safe_dump(doc)
+
+
+def test_service_defaults_as_the_api_server():
+    spec = one(SERVICE)["spec"]
+    assert spec == {
+        "type": "NodePort", "clusterIP": "", "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack",
+        "selector": {"app": "web"},
+        "ports": [
+            {"name": "http", "protocol": "TCP", "port": 80, "targetPort": "http"},
+            {"name": "dns", "protocol": "UDP", "port": 53, "targetPort": 53, "nodePort": 30053},
+        ],
+        "sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 10800}},
+        "internalTrafficPolicy": "Cluster", "externalTrafficPolicy": "Local",
+    }  # fmt: skip
+    plain = one("apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {ports: [{port: 53, targetPort: '5353'}]}\n")
+    assert plain["metadata"]["namespace"] == "default"
+    assert plain["spec"]["type"] == "ClusterIP" and plain["spec"]["sessionAffinity"] == "None"
+    assert "externalTrafficPolicy" not in plain["spec"] and plain["spec"]["ports"][0]["targetPort"] == 5353
+    headless = one("apiVersion: v1\nkind: Service\nmetadata: {name: h}\nspec: {clusterIP: None, selector: {a: b}}\n")
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["ports"] == []
+
+
+@pytest.mark.parametrize(
+    "path, value, expected",
+    [
+        ("spec.type", "LoadBalancer", 'spec.type: Unsupported value: "LoadBalancer": agentd implements ClusterIP and NodePort'),
+        ("spec.type", "Bogus", 'spec.type: Unsupported value: "Bogus": supported values: "ClusterIP", "NodePort"'),
+        ("spec.ports.0.port", 0, "spec.ports[0].port: Invalid value: 0: must be between 1 and 65535, inclusive"),
+        ("spec.ports.0.port", None, "spec.ports[0].port: Required value"),
+        ("spec.ports.0.name", None, "spec.ports[0].name: Required value"),
+        ("spec.ports.1.name", "http", 'spec.ports[1].name: Duplicate value: "http"'),
+        ("spec.ports.0.name", "HTTP", 'spec.ports[0].name: Invalid value: "HTTP": a lowercase RFC 1123 label'),
+        ("spec.ports.0.targetPort", "Http_1", 'spec.ports[0].targetPort: Invalid value: "Http_1": must contain only'),
+        ("spec.ports.0.protocol", "ICMP", 'spec.ports[0].protocol: Unsupported value: "ICMP"'),
+        ("spec.ports.1.nodePort", 8080, "spec.ports[1].nodePort: Invalid value: 8080: provided port is not in the valid range"),
+        ("spec.sessionAffinity", "Cookie", 'spec.sessionAffinity: Unsupported value: "Cookie"'),
+        ("spec.sessionAffinityConfig", {"clientIP": {"timeoutSeconds": 0}},
+         "spec.sessionAffinityConfig.clientIP.timeoutSeconds: Invalid value: 0: must be greater than 0"),
+        ("spec.externalTrafficPolicy", "Nearby", 'spec.externalTrafficPolicy: Unsupported value: "Nearby"'),
+        ("spec.clusterIP", "10.96.0.300", 'spec.clusterIP: Invalid value: "10.96.0.300": must be empty'),
+        ("spec.clusterIP", "fd00::1", 'spec.clusterIP: Invalid value: "fd00::1": agentd services are IPv4'),
+        ("spec.selector", {"app": True}, "spec.selector: Invalid value: true: must be a string"),
+        ("spec.portz", [], "spec.portz: unknown field"),
+        ("metadata.name", "web.v1", 'metadata.name: Invalid value: "web.v1": a lowercase RFC 1123 label'),
+        ("spec.ports", [], "spec.ports: Required value"),
+    ],
+)  # fmt: skip
+def test_bad_services_give_one_line_naming_the_field(path, value, expected):
+    message = error_of(mutate(SERVICE, path, value))
+    assert message.startswith("f.yaml: document 1 (Service shop/web"), message
+    assert expected in message, message
+
+
+def test_type_dependent_fields():
+    cluster_ip = mutate(SERVICE, "spec.type", "ClusterIP")
+    assert "spec.ports[1].nodePort: Forbidden: may not be used when `type` is 'ClusterIP'" in error_of(cluster_ip)
+    cluster_ip = mutate(mutate(cluster_ip, "spec.ports.1.nodePort", None), "spec.externalTrafficPolicy", "Local")
+    assert "spec.externalTrafficPolicy: Invalid value" in error_of(cluster_ip)
+    headless_np = mutate(SERVICE, "spec.clusterIP", "None")
+    assert "spec.clusterIP: Invalid value: \"None\": may be 'None' only when `type` is 'ClusterIP'" in error_of(headless_np)
+    assert "spec.sessionAffinityConfig: Forbidden" in error_of(
+        mutate(mutate(SERVICE, "spec.sessionAffinity", "None"), "spec.sessionAffinityConfig", {"clientIP": {}})
+    )
+
+
+def test_endpointslice_validates_at_the_top_level():
+    obj = one(SLICE)
+    assert obj["endpoints"][1] == {"addresses": ["10.244.2.2"], "conditions": {}}
+    assert obj["ports"] == [{"name": "http", "protocol": "TCP", "port": 8080}]
+    assert "spec" not in obj
+    for path, value, expected in [
+        ("addressType", "FQDN", 'addressType: Unsupported value: "FQDN": supported values: "IPv4"'),
+        ("addressType", None, "addressType: Required value"),
+        ("endpoints.0.addresses", [], "endpoints[0].addresses: Required value"),
+        ("endpoints.0.addresses", ["10.0.0.300"], 'endpoints[0].addresses[0]: Invalid value: "10.0.0.300"'),
+        ("endpoints.0.conditions", {"ready": "yes"}, 'endpoints[0].conditions.ready: Invalid value: "yes": must be a boolean'),
+        ("ports.0.port", 70000, "ports[0].port: Invalid value: 70000"),
+        ("spec", {}, "spec: unknown field"),
+    ]:  # fmt: skip
+        message = error_of(mutate(SLICE, path, value))
+        assert message.startswith("f.yaml: document 1 (EndpointSlice shop/web-1): ") and expected in message, message
+
+
+def test_kinds_table_names_and_rows():
+    assert kinds.lookup("svc") is kinds.SERVICE and kinds.lookup("services") is kinds.SERVICE
+    assert kinds.lookup("endpointslices") is kinds.ENDPOINT_SLICE
+    assert kinds.lookup("endpointslice.discovery.k8s.io") is kinds.ENDPOINT_SLICE
+    svc = one(SERVICE)
+    svc["spec"]["clusterIP"] = "10.96.0.10"
+    svc["spec"]["ports"][0]["nodePort"] = 31000
+    row = kinds.SERVICE.row(svc)
+    assert row[:6] == ["shop", "web", "NodePort", "10.96.0.10", "80:31000/TCP,53:30053/UDP", "app=web"]
+    assert kinds.ENDPOINT_SLICE.row(one(SLICE))[:5] == ["shop", "web-1", "IPv4", "8080", "10.244.1.2,10.244.2.2"]
+
+
+def test_allocator_choices_are_free_and_in_range():
+    rng = random.Random(1)
+    net = IPv4Network("10.96.0.0/29")  # 6 usable
+    taken: set[str] = set()
+    for _ in range(6):
+        ip = allocation.pick_ip(net, taken, rng)
+        assert ip not in taken and ip not in ("10.96.0.0", "10.96.0.7")
+        taken.add(ip)
+    with pytest.raises(allocation.Exhausted, match="range 10.96.0.0/29 is full"):
+        allocation.pick_ip(net, taken, rng)
+    ports = {str(p) for p in range(30000, 32767)}
+    assert allocation.pick_port(ports, rng) == 32767
+
+
+def test_carry_over_keeps_ip_and_node_ports_and_refuses_changes():
+    old = one(SERVICE)
+    old["spec"]["clusterIP"] = "10.96.0.10"
+    old["spec"]["ports"][0]["nodePort"] = 31000
+    new = one(SERVICE)
+    allocation.carry_over(new, old)
+    assert new["spec"]["clusterIP"] == "10.96.0.10" and new["spec"]["clusterIPs"] == ["10.96.0.10"]
+    assert [p.get("nodePort") for p in new["spec"]["ports"]] == [31000, 30053]
+    assert allocation.held(new) == {("serviceips", "10.96.0.10"), ("nodeports", "31000"), ("nodeports", "30053")}
+    other = one(mutate(SERVICE, "spec.clusterIP", "10.96.0.11"))
+    with pytest.raises(Invalid, match="field is immutable"):
+        allocation.carry_over(other, old)
+    with pytest.raises(Invalid, match="not in the valid range"):
+        allocation.check_range({"clusterIP": "10.96.0.0"}, IPv4Network("10.96.0.0/24"))
+
+
+def test_cluster_config_carries_the_service_range():
+    cfg = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+    assert cfg.service_cidr == IPv4Network("10.96.0.0/12")
+    old_record = b'{"backend":"vxlan","cidr":"10.244.0.0/16","encap":"always","subnet_len":24}'
+    assert ClusterConfig.from_json(old_record) == cfg
+    assert ClusterConfig.from_json(cfg.to_json()) == cfg
+    assert b"service_cidr" not in cfg.to_json()  # the record of DESIGN.md unless the range is not the default
+    other = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", IPv4Network("172.30.0.0/16"))
+    assert ClusterConfig.from_json(other.to_json()).service_cidr == IPv4Network("172.30.0.0/16")
+    with pytest.raises(RecordError, match="service_cidr"):
+        ClusterConfig.from_json(old_record[:-1] + b',"service_cidr":"10.96.0.1/12"}')
