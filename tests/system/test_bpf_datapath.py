@@ -315,6 +315,15 @@ def _filters(ns, dev):
         return [f for f in tc.filters(int(ns.exec("cat", f"/sys/class/net/{dev}/ifindex")))]
 
 
+def _stop_pinger(pinger) -> tuple[int, str]:
+    """SIGINT to a ``ping`` started with stdout piped: (echoes never answered, the end of its output)."""
+    pinger.send_signal(2)
+    out, _ = pinger.communicate(timeout=10)
+    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
+    assert m, out
+    return int(m.group(1)) - int(m.group(2)), out[-300:]
+
+
 def _bpftool(*args):
     return json.loads(subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True).stdout)
 
@@ -340,12 +349,8 @@ def test_reopen_adopts_the_pins_without_losing_a_packet_and_remove_leaves_nothin
         before = pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
         assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= before + 20, 10)
     finally:
-        pinger.send_signal(2)
-        out, _ = pinger.communicate(timeout=10)
-    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
-    assert m, out
-    # Every echo answered (the last one may still be in flight when ping stops).
-    assert int(m.group(1)) - int(m.group(2)) <= 1, out[-300:]
+        unanswered = _stop_pinger(pinger)
+    assert unanswered[0] <= 1, unanswered[1]  # every echo answered (the last may still be in flight)
     # The old programs are gone once replaced; the pinned maps are the same objects.
     live_progs = {p["id"] for p in _bpftool("prog", "show")}
     assert ids["progs"].isdisjoint(live_progs)
@@ -524,11 +529,8 @@ def test_attaching_to_a_busy_device_grafts_no_qdisc_and_loses_nothing(pair_facto
         before = pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
         assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= before + 20, 10)
     finally:
-        pinger.send_signal(2)
-        out, _ = pinger.communicate(timeout=10)
-    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
-    assert m, out
-    assert int(m.group(1)) - int(m.group(2)) <= 1, out[-300:]  # the last may still be in flight
+        unanswered = _stop_pinger(pinger)
+    assert unanswered[0] <= 1, unanswered[1]  # every echo answered (the last may still be in flight)
     assert {dev: _tx_dropped(t.h2, dev) for dev in ("vp2", "u2")} == drops_before
     assert t.h2.exec("tc", "qdisc", "show") == qdiscs_before  # no qdisc came or went
     # Ours is on each hook once, by tcx; the older agent's filter is gone.
