@@ -255,16 +255,6 @@ def iter_attrs(buf: bytes, start: int, end: int):
         pos += (alen + 3) & ~3
 
 
-def body_end(buf: bytes, start: int, end: int | None, header: int, what: str, header_name: str) -> int:
-    """The end of the message body at ``start`` (``end`` None: the end of ``buf``), after
-    checking it holds the family's fixed ``header`` bytes."""
-    if end is None:
-        end = len(buf)
-    if end > len(buf) or end - start < header:
-        raise NetlinkDecodeError(f"{what} body is {end - start} bytes, {header_name} needs {header}")
-    return end
-
-
 def read_u32(buf: bytes, start: int, end: int, what: str) -> int:
     if end - start != 4:
         raise NetlinkDecodeError(f"{what} must be 4 bytes, got {end - start}")
@@ -482,7 +472,10 @@ def encode_getroute(seq: int, family: int, dst: bytes) -> bytes:
 
 def decode_route(buf: bytes, start: int = 0, end: int | None = None) -> RouteMessage:
     """Parse an rtmsg and its attributes (the payload after the nlmsghdr) in ``buf[start:end]``."""
-    end = body_end(buf, start, end, RTMSG_LEN, "route message", "rtmsg")
+    if end is None:
+        end = len(buf)
+    if end > len(buf) or end - start < RTMSG_LEN:
+        raise NetlinkDecodeError(f"route message body is {end - start} bytes, rtmsg needs {RTMSG_LEN}")
     family, dst_len, src_len, tos, table, protocol, scope, rtype, rflags = _RTMSG.unpack_from(buf, start)
     alen = _ADDR_LEN.get(family)
     if alen is not None and (dst_len > alen * 8 or src_len > alen * 8):
@@ -568,7 +561,10 @@ def encode_getlink_dump(seq: int) -> bytes:
 
 
 def decode_link(buf: bytes, start: int = 0, end: int | None = None) -> LinkMessage:
-    end = body_end(buf, start, end, IFINFOMSG_LEN, "link message", "ifinfomsg")
+    if end is None:
+        end = len(buf)
+    if end > len(buf) or end - start < IFINFOMSG_LEN:
+        raise NetlinkDecodeError(f"link message body is {end - start} bytes, ifinfomsg needs {IFINFOMSG_LEN}")
     _family, _type, index, flags, _change = _IFINFOMSG.unpack_from(buf, start)
     name = ""
     mtu = address = kind = master = info_data = None
@@ -636,7 +632,10 @@ def _encode_neigh(mtype: int, seq: int, flags: int, msg: NeighMessage) -> bytes:
 
 
 def decode_neigh(buf: bytes, start: int = 0, end: int | None = None) -> NeighMessage:
-    end = body_end(buf, start, end, NDMSG_LEN, "neighbour message", "ndmsg")
+    if end is None:
+        end = len(buf)
+    if end > len(buf) or end - start < NDMSG_LEN:
+        raise NetlinkDecodeError(f"neighbour message body is {end - start} bytes, ndmsg needs {NDMSG_LEN}")
     family, ifindex, state, flags, ntype = _NDMSG.unpack_from(buf, start)
     dst = lladdr = master = None
     for atype, vs, ve in iter_attrs(buf, start + NDMSG_LEN, end):

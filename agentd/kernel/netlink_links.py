@@ -162,7 +162,10 @@ def encode_getaddr_dump(seq: int, family: int, index: int = 0) -> bytes:
 
 
 def decode_addr(buf: bytes, start: int = 0, end: int | None = None) -> AddrMessage:
-    end = nl.body_end(buf, start, end, _IFADDRMSG.size, "address message", "ifaddrmsg")
+    if end is None:
+        end = len(buf)
+    if end > len(buf) or end - start < _IFADDRMSG.size:
+        raise nl.NetlinkDecodeError(f"address message body is {end - start} bytes, ifaddrmsg needs {_IFADDRMSG.size}")
     family, prefixlen, _flags, _scope, index = _IFADDRMSG.unpack_from(buf, start)
     address = local = label = None
     for atype, vs, ve in nl.iter_attrs(buf, start + _IFADDRMSG.size, end):

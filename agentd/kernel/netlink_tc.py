@@ -97,7 +97,10 @@ def encode_get_filters(seq: int, ifindex: int, parent: int) -> bytes:
 
 def decode_filter(buf: bytes, start: int = 0, end: int | None = None) -> TcFilter:
     """One RTM_NEWTFILTER of a dump (handle 0 is a priority's chain header, not a filter)."""
-    end = nl.body_end(buf, start, end, _TCMSG.size, "filter message", "tcmsg")
+    if end is None:
+        end = len(buf)
+    if end > len(buf) or end - start < _TCMSG.size:
+        raise nl.NetlinkDecodeError(f"filter message body is {end - start} bytes, tcmsg needs {_TCMSG.size}")
     _family, _ifindex, handle, _parent, info = _TCMSG.unpack_from(buf, start)
     kind = name = prog_id = None
     for atype, vs, ve in nl.iter_attrs(buf, start + _TCMSG.size, end):

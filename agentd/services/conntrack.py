@@ -136,7 +136,8 @@ def _decode_tuple(buf: bytes, start: int, end: int) -> CtTuple:
 def decode_entry(buf: bytes, start: int, end: int) -> CtEntry | None:
     """An IPCTNL_MSG_CT_NEW body (nfgenmsg + attributes) as its two tuples; None if it is not
     IPv4 or lacks a tuple."""
-    end = nl.body_end(buf, start, end, _NFGENMSG.size, "conntrack message", "nfgenmsg")
+    if end > len(buf) or end - start < _NFGENMSG.size:
+        raise nl.NetlinkDecodeError(f"conntrack message body is {end - start} bytes, nfgenmsg needs {_NFGENMSG.size}")
     if buf[start] != nl.AF_INET:
         return None
     orig = reply = None
