@@ -286,6 +286,9 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     parser.error(f"unknown command {cmd}")
 
 
+LEAVE_WAIT = 60  # seconds `agentd leave` waits for the running agent to finish and exit
+
+
 def leave_running_agent(host: str, port: int) -> bool:
     """POST /leave to the agent on this host; False if none answers."""
     import urllib.error
@@ -298,7 +301,22 @@ def leave_running_agent(host: str, port: int) -> bool:
             json.load(resp)
     except (urllib.error.URLError, OSError, ValueError):
         return False
-    logging.getLogger("agentd").info("the running agent is leaving the cluster")
+    log = logging.getLogger("agentd")
+    log.info("the running agent is leaving the cluster")
+    # The agent answers once it has left etcd; it then removes its tables, routes and BPF data
+    # path and exits.  `agentd leave` returns when that is done: until the API stops answering.
+    health = url[: -len("/leave")] + "/healthz"
+    deadline = time.monotonic() + LEAVE_WAIT
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(health, timeout=1) as resp:  # noqa: S310 (our own loopback API)
+                resp.read()
+        except urllib.error.HTTPError:
+            pass  # it answers (not healthy while stopping): still there
+        except (urllib.error.URLError, OSError, ValueError):
+            return True
+        time.sleep(0.1)
+    log.warning("the agent was still running %d s after it left the cluster", LEAVE_WAIT)
     return True
 
 
