@@ -155,21 +155,24 @@ class NetlinkSocket:
             answers.append((rtype, chunk, start, end))
         raise AssertionError("unreachable")  # _blocking_messages ends only by raising
 
-    def transact(self, data: bytes, seqs: Iterable[int], *, what: str, timeout: float = 10.0) -> None:
-        """Blocking: send concatenated requests that each ask for an ACK (nl.NLM_F_ACK) and
-        return once every one of ``seqs`` is acknowledged; the first refusal raises
-        :class:`nl.NetlinkError` naming ``what``.
+    def transact(
+        self, data: bytes, first_seq: int, last_seq: int, *, acked: Iterable[int], what: str, timeout: float = 10.0
+    ) -> None:
+        """Blocking: send concatenated requests numbered ``first_seq`` .. ``last_seq`` and return
+        once each of ``acked`` (those that ask for an ACK, nl.NLM_F_ACK) is acknowledged; an
+        error ack for any of them raises :class:`nl.NetlinkError` naming ``what``.
 
         For nfnetlink batches (NFNL_MSG_BATCH_BEGIN, requests, NFNL_MSG_BATCH_END): the kernel
         commits their requests as one transaction or none and acks each of them either way
-        (nfnetlink_rcv_batch), so the first error is the fate of the batch.  Answers with other
-        sequence numbers (the rest of an earlier, refused batch) are skipped."""
-        pending = set(seqs)
+        (nfnetlink_rcv_batch), so the first error is the fate of the batch; a refused batch
+        begin (EPERM, an unknown subsystem) is answered under its own number.  Answers outside
+        the range (the rest of an earlier, refused batch) are skipped."""
+        pending = set(acked)
         if not pending:
             return
         self.send(data)
         for rtype, rflags, rseq, chunk, start, end in self._blocking_messages(what, timeout):
-            if rtype != nl.NLMSG_ERROR or rseq not in pending:
+            if rtype != nl.NLMSG_ERROR or not first_seq <= rseq <= last_seq:
                 continue
             err, kernel_message = nl.decode_error(chunk, start, end, rflags)
             if err:

@@ -196,12 +196,13 @@ class ElementWriter:
         """Commit ``(op, family, table, set, key types, map type, elements)`` as ONE transaction."""
         if not ops:
             return
-        first = self.seq + 1
+        begin = self.seq
+        first, end = begin + 1, begin + len(ops) + 1  # the elements' numbers; the batch end's
         messages = [element_message(op, fam, tab, name, types, mtype, elems, first + i)
                     for i, (op, fam, tab, name, types, mtype, elems) in enumerate(ops)]  # fmt: skip
-        data = batch(messages, self.seq)
-        self.seq += len(messages) + 2
-        self.sock.transact(data, range(first, first + len(messages)), what="nf_tables refused the element batch")
+        self.seq = end + 1
+        self.sock.transact(batch(messages, begin), begin, end, acked=range(first, end),
+                           what="nf_tables refused the element batch")  # fmt: skip
 
     def counters(self, family: str, table: str) -> dict[str, tuple[int, int]]:
         """(packets, bytes) of every named counter of ``table``: an NFT_MSG_GETOBJ dump filtered

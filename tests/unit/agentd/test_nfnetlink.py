@@ -2,16 +2,20 @@
 for byte.  The expected bytes are what the module produced before it moved onto the kernel
 codec's framing (agentd.kernel.netlink: attributes, nfgenmsg header): computed with the old
 ``_attr`` / ``_nested`` / ``_message`` / ``batch`` and pasted here, so the wire did not change.
-Decoding: the counters of an NFT_MSG_NEWOBJ dump, built the way the old code parsed them."""
+Decoding: the counters of an NFT_MSG_NEWOBJ dump, built the way the old code parsed them.
+The writer on the shared NetlinkSocket: acks matched by sequence number, refusals as one line."""
 
 from __future__ import annotations
 
 import errno
+import os
+import socket
 import struct
 
 import pytest
 
 from agentd.kernel import netlink as nl
+from agentd.kernel.netlink_socket import NetlinkSocket
 from agentd.policy import nfnetlink as nf
 
 # --- encoding: the old module's bytes --------------------------------------------------------
@@ -165,3 +169,67 @@ def test_refused_batch_reads_as_one_line_naming_it():
     err = nl.NetlinkError(errno.EEXIST, None, "nf_tables refused the element batch")
     assert isinstance(err, OSError) and err.errno == errno.EEXIST
     assert str(err) == "nf_tables refused the element batch: EEXIST (File exists)"
+
+
+# --- the writer on NetlinkSocket: requests out, answers in -----------------------------------
+# The kernel's side is a datagram socket pair here (no netlink, no root): the answers, in the
+# kernel's format, are queued before the call, which sends its request and then reads them.
+
+
+def _writer(seq: int) -> tuple[nf.ElementWriter, socket.socket]:
+    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ours.setblocking(False)
+    sock = NetlinkSocket.__new__(NetlinkSocket)
+    sock.sock, sock._buf = ours, bytearray(NetlinkSocket.RECV_SIZE)
+    sock._view = memoryview(sock._buf)
+    writer = nf.ElementWriter.__new__(nf.ElementWriter)
+    writer.sock, writer.seq = sock, seq
+    return writer, kernel
+
+
+def _ack(seq: int, error: int = 0) -> bytes:
+    """NLMSG_ERROR as a NETLINK_CAP_ACK socket gets it: the request's header echoed."""
+    return struct.pack("=IHHIIi", 36, nl.NLMSG_ERROR, nl.NLM_F_CAPPED, seq, 0, -error) + bytes(16)
+
+
+OPS = [("add", "inet", "agentd-policy", "pods", ["ipv4_addr"], None, ["10.1.2.3", "10.1.2.4"]),
+       ("delete", "ip", "agentd-services", "eps", ["ipv4_addr", "inet_proto", "inet_service"], None,
+        [{"concat": ["10.0.0.1", "udp", 53]}])]  # fmt: skip
+
+
+def test_writer_sends_the_batch_and_waits_for_every_ack():
+    writer, kernel = _writer(100)
+    with kernel, writer.sock.sock:
+        kernel.send(_ack(57, errno.EEXIST) + _ack(101))  # a stale refusal of an earlier batch is skipped
+        kernel.send(_ack(102))
+        writer.send(OPS)
+        assert kernel.recv(1 << 16) == BATCH_BEGIN_100 + ADD_IPV4 + DEL_CONCAT + BATCH_END_103
+        assert writer.seq == 104
+        writer.send([])  # nothing to commit: nothing sent
+        assert writer.seq == 104
+
+
+@pytest.mark.parametrize(("seq", "error"), [(102, errno.EEXIST), (100, errno.EPERM)], ids=["element", "batch-begin"])
+def test_writer_raises_the_refusal_of_its_batch(seq, error):
+    writer, kernel = _writer(100)
+    with kernel, writer.sock.sock:
+        kernel.send(_ack(101) + _ack(seq, error))
+        with pytest.raises(nl.NetlinkError) as caught:
+            writer.send(OPS)
+        assert caught.value.errno == error
+        assert str(caught.value) == f"nf_tables refused the element batch: {errno.errorcode[error]} ({os.strerror(error)})"
+
+
+def test_writer_reads_counters_from_a_getobj_dump():
+    writer, kernel = _writer(41)
+    with kernel, writer.sock.sock:
+        kernel.send(NEWOBJ_DROP + NEWOBJ_DNS)
+        kernel.send(DONE)
+        assert writer.counters("inet", "agentd-policy") == {"pol-ingress-drop": (7, 420),
+                                                            "svc-udp-53": (2**40 + 5, 2**50 + 9)}  # fmt: skip
+        assert kernel.recv(1 << 16) == GETOBJ_COUNTERS
+        kernel.send(_ack(43, errno.ENOENT))  # no such table: no counters
+        assert writer.counters("inet", "agentd-policy") == {}
+        kernel.send(_ack(44, errno.EPERM))
+        with pytest.raises(nl.NetlinkError, match=r"^reading counters: EPERM \(Operation not permitted\)$"):
+            writer.counters("inet", "agentd-policy")
