@@ -1,8 +1,10 @@
 """A small, fast rtnetlink codec, pure (bytes in, typed values out): routes, links,
-neighbours and FDB entries, the attribute packer/parser and error acks -- the core of the
-agent's one netlink stack.  Beside it: ``netlink_socket`` (the socket: batches, dumps, one
-request at a time), ``netlink_links`` (device set-up: VXLAN, MTU/up, addresses),
-``netlink_tc`` (clsact, cls_bpf) and ``rtnl`` (a blocking session for the rare requests).
+neighbours and FDB entries, the attribute packer/parser, error acks and the nfnetlink
+header (NETLINK_NETFILTER: nf_tables in ``agentd.policy.nfnetlink``, ctnetlink in
+``agentd.services.conntrack``, both framed here) -- the core of the agent's one netlink
+stack.  Beside it: ``netlink_socket`` (the socket: batches, dumps, one request at a time),
+``netlink_links`` (device set-up: VXLAN, MTU/up, addresses), ``netlink_tc`` (clsact,
+cls_bpf) and ``rtnl`` (a blocking session for the rare requests).
 
 Why not a netlink library (pyroute2): it builds a nested object per message and costs tens of
 microseconds each, and importing it costs each agent ~0.2 s and ~10 MB; programming 100k
@@ -37,6 +39,7 @@ from typing import NamedTuple
 
 NETLINK_ROUTE = 0
 NETLINK_NETFILTER = 12  # nfnetlink: nf_tables, ctnetlink (agentd.policy.nfnetlink, agentd.services.conntrack)
+NFNETLINK_V0 = 0  # nfgenmsg.version
 SOL_NETLINK = 270
 NETLINK_ADD_MEMBERSHIP = 1
 NETLINK_NO_ENOBUFS = 5
@@ -68,6 +71,7 @@ NLM_F_ACK_TLVS = 0x200
 NLMSGERR_ATTR_MSG = 1
 NLMSGERR_ATTR_OFFS = 2
 
+NLA_F_NESTED = 0x8000  # the attribute holds attributes (include/uapi/linux/netlink.h)
 NLA_TYPE_MASK = 0x3FFF  # strips NLA_F_NESTED / NLA_F_NET_BYTEORDER
 
 # --- rtnetlink.h -----------------------------------------------------------------------
@@ -175,11 +179,14 @@ _RTA = struct.Struct("=HH")
 _RTA_U32 = struct.Struct("=HHI")
 _U32 = struct.Struct("=I")
 _I32 = struct.Struct("=i")
+# nlmsghdr + struct nfgenmsg { u8 nfgen_family; u8 version; __be16 res_id; }, packed in one call
+_NLMSG_NFGENMSG = struct.Struct("=IHHIIBBH")
 
 NLMSG_HDRLEN = _NLMSGHDR.size
 RTMSG_LEN = _RTMSG.size
 IFINFOMSG_LEN = _IFINFOMSG.size
 NDMSG_LEN = _NDMSG.size
+NFGENMSG_LEN = 4
 
 MESSAGE_NAMES = {
     NLMSG_ERROR: "NLMSG_ERROR", NLMSG_DONE: "NLMSG_DONE",
@@ -225,6 +232,11 @@ def attr(atype: int, value: bytes) -> bytes:
 
 def attr_u32(atype: int, value: int) -> bytes:
     return _RTA_U32.pack(8, atype, value)
+
+
+def nested(atype: int, *parts: bytes) -> bytes:
+    """One attribute (NLA_F_NESTED) holding the attributes ``parts``."""
+    return attr(atype | NLA_F_NESTED, b"".join(parts))
 
 
 def iter_messages(buf: bytes, length: int | None = None):
@@ -298,6 +310,18 @@ def with_flags(message: bytes, extra: int) -> bytes:
     if len(message) < NLMSG_HDRLEN:
         raise NetlinkDecodeError(f"not a netlink message: {len(message)} bytes")
     return message[:6] + _U16.pack(_U16.unpack_from(message, 6)[0] | extra) + message[8:]
+
+
+# --- nfnetlink (NETLINK_NETFILTER): nf_tables, ctnetlink --------------------------------
+
+
+def encode_nfgen(msg_type: int, flags: int, seq: int, family: int, body: bytes = b"", res_id: int = 0) -> bytes:
+    """One nfnetlink message (include/uapi/linux/netfilter/nfnetlink.h): nlmsghdr, nfgenmsg
+    (``res_id`` big-endian: the subsystem of a batch begin/end, else 0), then ``body``.
+    ``msg_type`` is ``subsystem << 8 | message``."""
+    return _NLMSG_NFGENMSG.pack(
+        NLMSG_HDRLEN + NFGENMSG_LEN + len(body), msg_type, flags, seq, 0, family, NFNETLINK_V0, socket.htons(res_id)
+    ) + body
 
 
 # --- routes -------------------------------------------------------------------------------

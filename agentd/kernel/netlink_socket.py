@@ -4,7 +4,9 @@ in :mod:`agentd.kernel.netlink`.
 Bulk work (the route programmer) sends batches and dumps from the event loop
 (:meth:`NetlinkSocket.send_batch`, :meth:`NetlinkSocket.dump`); the rare requests (device
 set-up, tc, ``ip route get``) go one at a time through :meth:`NetlinkSocket.request`, blocking
-(``agentd.kernel.rtnl``, run off the loop).  Kernel refusals raise ``nl.NetlinkError``.
+(``agentd.kernel.rtnl``, run off the loop); nf_tables batches, acked request by request,
+through :meth:`NetlinkSocket.transact`, blocking (``agentd.policy.nfnetlink``, run off the
+loop).  Kernel refusals raise ``nl.NetlinkError``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import select
 import socket
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from agentd.kernel import netlink as nl
 
@@ -140,6 +142,48 @@ class NetlinkSocket:
             message = nl.with_flags(message, nl.NLM_F_ACK)
         self.send(message)
         answers: list[tuple[int, bytes, int, int]] = []
+        for rtype, rflags, rseq, chunk, start, end in self._blocking_messages(what, timeout):
+            if rseq != seq:
+                continue  # a late answer to an earlier request
+            if rtype == nl.NLMSG_DONE:
+                return answers
+            if rtype == nl.NLMSG_ERROR:
+                err, kernel_message = nl.decode_error(chunk, start, end, rflags)
+                if err:
+                    raise nl.NetlinkError(err, kernel_message, what)
+                return answers  # the ACK
+            answers.append((rtype, chunk, start, end))
+        raise AssertionError("unreachable")  # _blocking_messages ends only by raising
+
+    def transact(
+        self, data: bytes, first_seq: int, last_seq: int, *, acked: Iterable[int], what: str, timeout: float = 10.0
+    ) -> None:
+        """Blocking: send concatenated requests numbered ``first_seq`` .. ``last_seq`` and return
+        once each of ``acked`` (those that ask for an ACK, nl.NLM_F_ACK) is acknowledged; an
+        error ack for any of them raises :class:`nl.NetlinkError` naming ``what``.
+
+        For nfnetlink batches (NFNL_MSG_BATCH_BEGIN, requests, NFNL_MSG_BATCH_END): the kernel
+        commits their requests as one transaction or none and acks each of them either way
+        (nfnetlink_rcv_batch), so the first error is the fate of the batch; a refused batch
+        begin (EPERM, an unknown subsystem) is answered under its own number.  Answers outside
+        the range (the rest of an earlier, refused batch) are skipped."""
+        pending = set(acked)
+        if not pending:
+            return
+        self.send(data)
+        for rtype, rflags, rseq, chunk, start, end in self._blocking_messages(what, timeout):
+            if rtype != nl.NLMSG_ERROR or not first_seq <= rseq <= last_seq:
+                continue
+            err, kernel_message = nl.decode_error(chunk, start, end, rflags)
+            if err:
+                raise nl.NetlinkError(err, kernel_message, what)
+            pending.discard(rseq)
+            if not pending:
+                return
+
+    def _blocking_messages(self, what: str, timeout: float) -> Iterator[tuple[int, int, int, bytes, int, int]]:
+        """``(type, flags, seq, buf, start, end)`` of every message received, waiting up to
+        ``timeout`` seconds for each datagram (then nl.NetlinkError ETIMEDOUT naming ``what``)."""
         poller = select.poll()
         poller.register(self.sock.fileno(), select.POLLIN)
         while True:
@@ -149,16 +193,7 @@ class NetlinkSocket:
                     raise nl.NetlinkError(_errno.ETIMEDOUT, None, what)
                 continue
             for rtype, rflags, rseq, _pid, start, end in nl.iter_messages(chunk):
-                if rseq != seq:
-                    continue  # a late answer to an earlier request
-                if rtype == nl.NLMSG_DONE:
-                    return answers
-                if rtype == nl.NLMSG_ERROR:
-                    err, kernel_message = nl.decode_error(chunk, start, end, rflags)
-                    if err:
-                        raise nl.NetlinkError(err, kernel_message, what)
-                    return answers  # the ACK
-                answers.append((rtype, chunk, start, end))
+                yield rtype, rflags, rseq, chunk, start, end
 
     async def send_batch(self, data: bytes, first_seq: int, last_seq: int, *, timeout: float = 10.0) -> tuple[list[tuple[int, int, str | None]], bool]:
         """Send concatenated requests (only the last asks for an ACK) and collect the errors.

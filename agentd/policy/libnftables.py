@@ -155,7 +155,7 @@ class Nft:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, self._elements.counters, family, table)
-        except OSError as err:
+        except (OSError, ValueError) as err:  # ValueError: a malformed answer (nl.NetlinkDecodeError)
             raise NftError(str(err)) from None
 
     def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None:

@@ -13,18 +13,26 @@ chains, new sets) still goes through libnftables.
 
 Keys are encoded the way nft lays them out: an address in 4 bytes, an interface name in 16,
 a concatenation as its parts each padded to 4 bytes (NFT_REG32 granularity); map data is a
-verdict (jump to a chain) or a MAC address.
+verdict (jump to a chain) or a MAC address.  Those encoders, the nf_tables messages and the
+decoding of counters are here; the framing (nlmsghdr, nfgenmsg, attributes, error acks) and
+the socket are the agent's one netlink stack, ``agentd.kernel.netlink`` and
+``agentd.kernel.netlink_socket``.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
 from collections.abc import Sequence
 from typing import Any
 
-NETLINK_NETFILTER = 12
+from agentd.kernel import netlink as nl
+from agentd.kernel.netlink_socket import NetlinkSocket
+
+# --- include/uapi/linux/netfilter/nfnetlink.h, nf_tables.h ------------------------------------
+
 NFNL_SUBSYS_NFTABLES = 10
 NFNL_MSG_BATCH_BEGIN = 16
 NFNL_MSG_BATCH_END = 17
@@ -39,14 +47,6 @@ NFTA_OBJ_TYPE = 3
 NFTA_OBJ_DATA = 4
 NFTA_COUNTER_BYTES = 1
 NFTA_COUNTER_PACKETS = 2
-NLMSG_DONE = 3
-NLM_F_DUMP = 0x300
-
-NLM_F_REQUEST = 0x1
-NLM_F_ACK = 0x4
-NLM_F_CREATE = 0x400
-NLMSG_ERROR = 2
-NLA_F_NESTED = 0x8000
 
 NFTA_SET_ELEM_LIST_TABLE = 1
 NFTA_SET_ELEM_LIST_SET = 2
@@ -65,21 +65,10 @@ FAMILIES = {"inet": 1, "ip": 2, "ipv4": 2, "arp": 3, "netdev": 5, "bridge": 7, "
 IFNAMSIZ = 16
 L4 = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1}
 
-
-class NetlinkError(OSError):
-    pass
+_BE64 = struct.Struct("!Q")
 
 
 # ------------------------------------------------------------------ encoding
-
-
-def _attr(kind: int, payload: bytes) -> bytes:
-    length = 4 + len(payload)
-    return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
-
-
-def _nested(kind: int, *parts: bytes) -> bytes:
-    return _attr(kind | NLA_F_NESTED, b"".join(parts))
 
 
 def _string(text: str) -> bytes:
@@ -121,12 +110,12 @@ def _data(map_type: str, value: Any) -> bytes:
     if map_type == "verdict":
         (kind, body), = value.items()
         code = {"jump": NFT_JUMP, "goto": NFT_GOTO}[kind]
-        return _nested(
+        return nl.nested(
             NFTA_DATA_VERDICT,
-            _attr(NFTA_VERDICT_CODE, struct.pack("!i", code)),
-            _attr(NFTA_VERDICT_CHAIN, _string(body["target"])),
+            nl.attr(NFTA_VERDICT_CODE, struct.pack("!i", code)),
+            nl.attr(NFTA_VERDICT_CHAIN, _string(body["target"])),
         )
-    return _attr(NFTA_DATA_VALUE, _field(map_type, value))
+    return nl.attr(NFTA_DATA_VALUE, _field(map_type, value))
 
 
 def element_message(
@@ -137,108 +126,100 @@ def element_message(
     for elem in elems:
         # As in libnftables' JSON: a map's element to add is [key, value]; everything else a key.
         key, value = (elem[0], elem[1]) if map_type is not None and op == "add" else (elem, None)
-        parts = [_nested(NFTA_SET_ELEM_KEY, _attr(NFTA_DATA_VALUE, encode_key(types, key)))]
+        parts = [nl.nested(NFTA_SET_ELEM_KEY, nl.attr(NFTA_DATA_VALUE, encode_key(types, key)))]
         if value is not None:
-            parts.append(_nested(NFTA_SET_ELEM_DATA, _data(map_type, value)))  # type: ignore[arg-type]
-        items.append(_nested(NFTA_LIST_ELEM, *parts))
+            parts.append(nl.nested(NFTA_SET_ELEM_DATA, _data(map_type, value)))  # type: ignore[arg-type]
+        items.append(nl.nested(NFTA_LIST_ELEM, *parts))
     body = (
-        _attr(NFTA_SET_ELEM_LIST_TABLE, _string(table))
-        + _attr(NFTA_SET_ELEM_LIST_SET, _string(name))
-        + _nested(NFTA_SET_ELEM_LIST_ELEMENTS, *items)
+        nl.attr(NFTA_SET_ELEM_LIST_TABLE, _string(table))
+        + nl.attr(NFTA_SET_ELEM_LIST_SET, _string(name))
+        + nl.nested(NFTA_SET_ELEM_LIST_ELEMENTS, *items)
     )
     kind = NFT_MSG_NEWSETELEM if op == "add" else NFT_MSG_DELSETELEM
-    flags = NLM_F_REQUEST | NLM_F_ACK | (NLM_F_CREATE if op == "add" else 0)
-    return _message((NFNL_SUBSYS_NFTABLES << 8) | kind, flags, seq, FAMILIES[family], body)
-
-
-def _message(kind: int, flags: int, seq: int, family: int, body: bytes, res_id: int = 0) -> bytes:
-    payload = struct.pack("=BBH", family, 0, socket.htons(res_id)) + body
-    return struct.pack("=IHHII", 16 + len(payload), kind, flags, seq, 0) + payload
+    flags = nl.NLM_F_REQUEST | nl.NLM_F_ACK | (nl.NLM_F_CREATE if op == "add" else 0)
+    return nl.encode_nfgen((NFNL_SUBSYS_NFTABLES << 8) | kind, flags, seq, FAMILIES[family], body)
 
 
 def batch(messages: list[bytes], seq: int) -> bytes:
-    begin = _message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, seq, 0, b"", NFNL_SUBSYS_NFTABLES)
-    end = _message(NFNL_MSG_BATCH_END, NLM_F_REQUEST, seq + len(messages) + 1, 0, b"", NFNL_SUBSYS_NFTABLES)
+    """``messages`` (numbered ``seq + 1`` on) between a batch begin ``seq`` and end: one
+    transaction of the nf_tables subsystem (res_id)."""
+    begin = nl.encode_nfgen(NFNL_MSG_BATCH_BEGIN, nl.NLM_F_REQUEST, seq, nl.AF_UNSPEC, res_id=NFNL_SUBSYS_NFTABLES)
+    end = nl.encode_nfgen(NFNL_MSG_BATCH_END, nl.NLM_F_REQUEST, seq + len(messages) + 1, nl.AF_UNSPEC,
+                          res_id=NFNL_SUBSYS_NFTABLES)  # fmt: skip
     return begin + b"".join(messages) + end
+
+
+def getobj_counters(family: str, table: str, seq: int) -> bytes:
+    """An NFT_MSG_GETOBJ dump of the named counters of ``table`` (filtered by the kernel by
+    table and object type)."""
+    body = nl.attr(NFTA_OBJ_TABLE, _string(table)) + nl.attr(NFTA_OBJ_TYPE, struct.pack("!I", NFT_OBJECT_COUNTER))
+    return nl.encode_nfgen((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETOBJ, nl.NLM_F_REQUEST | nl.NLM_F_DUMP, seq,
+                           FAMILIES[family], body)  # fmt: skip
+
+
+# ------------------------------------------------------------------ decoding
+
+
+def decode_counter(buf: bytes, start: int, end: int) -> tuple[str, int, int]:
+    """An NFT_MSG_NEWOBJ body (nfgenmsg + attributes) of a counter as ``(name, packets, bytes)``
+    (a missing count is 0).  Malformed input raises nl.NetlinkDecodeError."""
+    if end > len(buf) or end - start < nl.NFGENMSG_LEN:
+        raise nl.NetlinkDecodeError(f"nf_tables object body is {end - start} bytes, nfgenmsg needs {nl.NFGENMSG_LEN}")
+    name, packets, nbytes = "", 0, 0
+    for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
+        if atype == NFTA_OBJ_NAME:
+            name = nl.read_string(buf, vs, ve)
+        elif atype == NFTA_OBJ_DATA:
+            for ctype, cs, ce in nl.iter_attrs(buf, vs, ve):
+                if ctype in (NFTA_COUNTER_PACKETS, NFTA_COUNTER_BYTES):
+                    if ce - cs != _BE64.size:
+                        raise nl.NetlinkDecodeError(f"counter attribute {ctype} must be 8 bytes, got {ce - cs}")
+                    if ctype == NFTA_COUNTER_PACKETS:
+                        packets = _BE64.unpack_from(buf, cs)[0]
+                    else:
+                        nbytes = _BE64.unpack_from(buf, cs)[0]
+    return name, packets, nbytes
 
 
 # ------------------------------------------------------------------ the socket
 
 
 class ElementWriter:
-    """A NETLINK_NETFILTER socket (in the calling thread's network namespace) for element batches."""
+    """A NETLINK_NETFILTER socket (in the calling thread's network namespace) for element
+    batches and counter reads; blocking (callers run it off the event loop)."""
 
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        self.sock.bind((0, 0))
-        self.sock.settimeout(10.0)
+        self.sock = NetlinkSocket(rcvbuf=1 << 20, protocol=nl.NETLINK_NETFILTER)
         self.seq = int.from_bytes(os.urandom(3), "big")
 
     def send(self, ops: list[tuple[str, str, str, str, Sequence[str], str | None, list[Any]]]) -> None:
         """Commit ``(op, family, table, set, key types, map type, elements)`` as ONE transaction."""
         if not ops:
             return
-        first = self.seq + 1
+        begin = self.seq
+        first, end = begin + 1, begin + len(ops) + 1  # the elements' numbers; the batch end's
         messages = [element_message(op, fam, tab, name, types, mtype, elems, first + i)
                     for i, (op, fam, tab, name, types, mtype, elems) in enumerate(ops)]  # fmt: skip
-        data = batch(messages, self.seq)
-        self.seq += len(messages) + 2
-        self.sock.sendall(data)
-        pending = set(range(first, first + len(messages)))
-        while pending:
-            reply = self.sock.recv(1 << 16)
-            offset = 0
-            while offset + 16 <= len(reply):
-                length, kind, _flags, seq, _pid = struct.unpack_from("=IHHII", reply, offset)
-                if kind == NLMSG_ERROR:
-                    (error,) = struct.unpack_from("=i", reply, offset + 16)
-                    if error != 0:
-                        raise NetlinkError(-error, f"nf_tables refused the element batch: {os.strerror(-error)}")
-                    pending.discard(seq)
-                offset += max(16, (length + 3) & ~3)
+        self.seq = end + 1
+        self.sock.transact(batch(messages, begin), begin, end, acked=range(first, end),
+                           what="nf_tables refused the element batch")  # fmt: skip
 
     def counters(self, family: str, table: str) -> dict[str, tuple[int, int]]:
         """(packets, bytes) of every named counter of ``table``: an NFT_MSG_GETOBJ dump filtered
         by table and type (libnftables would first fetch the whole ruleset to list them)."""
         self.seq += 1
-        body = _attr(NFTA_OBJ_TABLE, _string(table)) + _attr(NFTA_OBJ_TYPE, struct.pack("!I", NFT_OBJECT_COUNTER))
-        self.sock.sendall(_message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETOBJ, NLM_F_REQUEST | NLM_F_DUMP,
-                                   self.seq, FAMILIES[family], body))  # fmt: skip
+        try:
+            answers = self.sock.request(getobj_counters(family, table, self.seq), what="reading counters", dump=True)
+        except nl.NetlinkError as err:
+            if err.errno == errno.ENOENT:  # no such table
+                return {}
+            raise
         out: dict[str, tuple[int, int]] = {}
-        while True:
-            reply = self.sock.recv(1 << 20)
-            offset = 0
-            while offset + 16 <= len(reply):
-                length, kind, _flags, seq, _pid = struct.unpack_from("=IHHII", reply, offset)
-                if kind == NLMSG_DONE:
-                    return out
-                if kind == NLMSG_ERROR:
-                    (error,) = struct.unpack_from("=i", reply, offset + 16)
-                    if error == -2:  # ENOENT: no such table
-                        return out
-                    if error != 0:
-                        raise NetlinkError(-error, f"reading counters: {os.strerror(-error)}")
-                elif kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ:
-                    attrs = _parse_attrs(reply[offset + 20 : offset + length])
-                    name = attrs.get(NFTA_OBJ_NAME, b"").rstrip(b"\0").decode(errors="replace")
-                    data = _parse_attrs(attrs.get(NFTA_OBJ_DATA, b""))
-                    packets = struct.unpack("!Q", data[NFTA_COUNTER_PACKETS])[0] if NFTA_COUNTER_PACKETS in data else 0
-                    nbytes = struct.unpack("!Q", data[NFTA_COUNTER_BYTES])[0] if NFTA_COUNTER_BYTES in data else 0
-                    out[name] = (packets, nbytes)
-                offset += max(16, (length + 3) & ~3)
+        for mtype, buf, start, end in answers:
+            if mtype == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ:
+                name, packets, nbytes = decode_counter(buf, start, end)
+                out[name] = (packets, nbytes)
+        return out
 
     def close(self) -> None:
         self.sock.close()
-
-
-def _parse_attrs(data: bytes) -> dict[int, bytes]:
-    out = {}
-    offset = 0
-    while offset + 4 <= len(data):
-        length, kind = struct.unpack_from("=HH", data, offset)
-        if length < 4:
-            break
-        out[kind & ~NLA_F_NESTED] = data[offset + 4 : offset + length]
-        offset += (length + 3) & ~3
-    return out

@@ -42,7 +42,6 @@ from agentd.kernel.netlink_socket import NetlinkSocket
 # --- nfnetlink.h / nfnetlink_conntrack.h -------------------------------------------------------
 
 NFNL_SUBSYS_CTNETLINK = 1
-NFNETLINK_V0 = 0
 IPCTNL_MSG_CT_NEW = 0
 IPCTNL_MSG_CT_GET = 1
 IPCTNL_MSG_CT_DELETE = 2
@@ -57,10 +56,6 @@ CTA_PROTO_NUM = 1  # inside CTA_TUPLE_PROTO
 CTA_PROTO_SRC_PORT = 2
 CTA_PROTO_DST_PORT = 3
 
-NLA_F_NESTED = 0x8000
-
-_NLMSGHDR = struct.Struct("=IHHII")
-_NFGENMSG = struct.Struct("=BBH")  # res_id is __be16, always 0 here
 _BE16 = struct.Struct("!H")
 _U8 = struct.Struct("=B")
 
@@ -81,8 +76,7 @@ class CtEntry(NamedTuple):
 
 
 def _message(mtype: int, seq: int, flags: int, body: bytes) -> bytes:
-    payload = _NFGENMSG.pack(nl.AF_INET, NFNETLINK_V0, 0) + body
-    return _NLMSGHDR.pack(nl.NLMSG_HDRLEN + len(payload), NFNL_SUBSYS_CTNETLINK << 8 | mtype, flags, seq, 0) + payload
+    return nl.encode_nfgen(NFNL_SUBSYS_CTNETLINK << 8 | mtype, flags, seq, nl.AF_INET, body)
 
 
 def encode_tuple(kind: int, t: CtTuple) -> bytes:
@@ -90,8 +84,7 @@ def encode_tuple(kind: int, t: CtTuple) -> bytes:
     ip = nl.attr(CTA_IP_V4_SRC, socket.inet_aton(t.src)) + nl.attr(CTA_IP_V4_DST, socket.inet_aton(t.dst))
     proto = (nl.attr(CTA_PROTO_NUM, _U8.pack(t.proto)) + nl.attr(CTA_PROTO_SRC_PORT, _BE16.pack(t.sport))
              + nl.attr(CTA_PROTO_DST_PORT, _BE16.pack(t.dport)))
-    return nl.attr(kind | NLA_F_NESTED,
-                   nl.attr(CTA_TUPLE_IP | NLA_F_NESTED, ip) + nl.attr(CTA_TUPLE_PROTO | NLA_F_NESTED, proto))
+    return nl.nested(kind, nl.nested(CTA_TUPLE_IP, ip), nl.nested(CTA_TUPLE_PROTO, proto))
 
 
 def encode_dump(seq: int) -> bytes:
@@ -136,12 +129,12 @@ def _decode_tuple(buf: bytes, start: int, end: int) -> CtTuple:
 def decode_entry(buf: bytes, start: int, end: int) -> CtEntry | None:
     """An IPCTNL_MSG_CT_NEW body (nfgenmsg + attributes) as its two tuples; None if it is not
     IPv4 or lacks a tuple."""
-    if end > len(buf) or end - start < _NFGENMSG.size:
-        raise nl.NetlinkDecodeError(f"conntrack message body is {end - start} bytes, nfgenmsg needs {_NFGENMSG.size}")
+    if end > len(buf) or end - start < nl.NFGENMSG_LEN:
+        raise nl.NetlinkDecodeError(f"conntrack message body is {end - start} bytes, nfgenmsg needs {nl.NFGENMSG_LEN}")
     if buf[start] != nl.AF_INET:
         return None
     orig = reply = None
-    for atype, vs, ve in nl.iter_attrs(buf, start + _NFGENMSG.size, end):
+    for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
         if atype == CTA_TUPLE_ORIG:
             orig = _decode_tuple(buf, vs, ve)
         elif atype == CTA_TUPLE_REPLY:

@@ -1,0 +1,235 @@
+"""The nf_tables messages of agentd.policy.nfnetlink (element batches, counter dumps), byte
+for byte.  The expected bytes are what the module produced before it moved onto the kernel
+codec's framing (agentd.kernel.netlink: attributes, nfgenmsg header): computed with the old
+``_attr`` / ``_nested`` / ``_message`` / ``batch`` and pasted here, so the wire did not change.
+Decoding: the counters of an NFT_MSG_NEWOBJ dump, built the way the old code parsed them.
+The writer on the shared NetlinkSocket: acks matched by sequence number, refusals as one line."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+
+import pytest
+
+from agentd.kernel import netlink as nl
+from agentd.kernel.netlink_socket import NetlinkSocket
+from agentd.policy import nfnetlink as nf
+
+# --- encoding: the old module's bytes --------------------------------------------------------
+
+ADD_IPV4 = bytes.fromhex(
+    "580000000c0a0504650000000000000001000000120001006167656e74642d706f6c69637900000009000200706f64730000000024000380"
+    "100001800c000180080001000a010203100001800c000180080001000a010204"
+)
+DEL_CONCAT = bytes.fromhex(
+    "4c0000000e0a0500660000000000000002000000140001006167656e74642d73657276696365730008000200657073001c000380180001"
+    "8014000180100001000a0000011100000000350000"
+)
+ADD_VERDICT_MAP = bytes.fromhex(
+    "700000000c0a0504670000000000000001000000120001006167656e74642d706f6c6963790000000c000200696e6772657373003c000380"
+    "38000180180001801400010061642d766574683000000000000000001c0002801800028008000100fffffffd0c000200706f6c2d61626300"
+)
+DEL_VERDICT_MAP = bytes.fromhex(
+    "540000000e0a0500680000000000000001000000120001006167656e74642d706f6c6963790000000c000200696e67726573730020000380"
+    "1c000180180001801400010061642d76657468300000000000000000"
+)
+ADD_ETHER_MAP = bytes.fromhex(
+    "580000000c0a0504690000000000000002000000140001006167656e74642d736572766963657300090002006d6163730000000024000380"
+    "200001800c000180080001000a000002100002800a00010002000a0000020000"
+)
+ADD_GOTO_CONCAT = bytes.fromhex(
+    "540000000c0a05046a00000000000000020000000600010074000000060002006d000000300003802c000180100001800c0001000a000003"
+    "00500000180002801400028008000100fffffffc0600020063000000"
+)
+BATCH_BEGIN_100 = bytes.fromhex("140000001000010064000000000000000000000a")
+BATCH_END_103 = bytes.fromhex("140000001100010067000000000000000000000a")
+EMPTY_BATCH_7 = bytes.fromhex("140000001000010007000000000000000000000a140000001100010008000000000000000000000a")
+GETOBJ_COUNTERS = bytes.fromhex(
+    "30000000130a01032a0000000000000001000000120001006167656e74642d706f6c6963790000000800030000000001"
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("add", "inet", "agentd-policy", "pods", ["ipv4_addr"], None, ["10.1.2.3", "10.1.2.4"], 101), ADD_IPV4),
+        (("delete", "ip", "agentd-services", "eps", ["ipv4_addr", "inet_proto", "inet_service"], None,
+          [{"concat": ["10.0.0.1", "udp", 53]}], 102), DEL_CONCAT),
+        (("add", "inet", "agentd-policy", "ingress", ["ifname"], "verdict",
+          [["ad-veth0", {"jump": {"target": "pol-abc"}}]], 103), ADD_VERDICT_MAP),
+        (("delete", "inet", "agentd-policy", "ingress", ["ifname"], "verdict", ["ad-veth0"], 104), DEL_VERDICT_MAP),
+        (("add", "ip", "agentd-services", "macs", ["ipv4_addr"], "ether_addr",
+          [["10.0.0.2", "02:00:0a:00:00:02"]], 105), ADD_ETHER_MAP),
+        (("add", "ip", "t", "m", ["ipv4_addr", "inet_service"], "verdict",
+          [[["10.0.0.3", 80], {"goto": {"target": "c"}}]], 106), ADD_GOTO_CONCAT),
+    ],
+    ids=["add-ipv4", "delete-concat", "add-verdict-map", "delete-verdict-map", "add-ether-map", "add-goto-concat"],
+)  # fmt: skip
+def test_element_messages_are_the_old_bytes(args, expected):
+    assert nf.element_message(*args) == expected
+
+
+def test_batch_is_the_old_bytes_and_frames_one_transaction():
+    data = nf.batch([ADD_IPV4, DEL_CONCAT], 100)
+    assert data == BATCH_BEGIN_100 + ADD_IPV4 + DEL_CONCAT + BATCH_END_103
+    assert nf.batch([], 7) == EMPTY_BATCH_7
+    # Read back with the kernel codec: begin/end carry res_id NFNL_SUBSYS_NFTABLES (big-endian)
+    # and family AF_UNSPEC; the element messages ask for an ACK each, adds with NLM_F_CREATE.
+    got = [(t, f, s, bytes(data[b:e][:4])) for t, f, s, _pid, b, e in nl.iter_messages(data)]
+    assert got == [
+        (nf.NFNL_MSG_BATCH_BEGIN, nl.NLM_F_REQUEST, 100, bytes([nl.AF_UNSPEC, 0, 0, nf.NFNL_SUBSYS_NFTABLES])),
+        (nf.NFNL_SUBSYS_NFTABLES << 8 | nf.NFT_MSG_NEWSETELEM, nl.NLM_F_REQUEST | nl.NLM_F_ACK | nl.NLM_F_CREATE, 101,
+         bytes([nf.FAMILIES["inet"], 0, 0, 0])),
+        (nf.NFNL_SUBSYS_NFTABLES << 8 | nf.NFT_MSG_DELSETELEM, nl.NLM_F_REQUEST | nl.NLM_F_ACK, 102,
+         bytes([nf.FAMILIES["ip"], 0, 0, 0])),
+        (nf.NFNL_MSG_BATCH_END, nl.NLM_F_REQUEST, 103, bytes([nl.AF_UNSPEC, 0, 0, nf.NFNL_SUBSYS_NFTABLES])),
+    ]  # fmt: skip
+
+
+def test_getobj_counters_is_the_old_bytes():
+    assert nf.getobj_counters("inet", "agentd-policy", 42) == GETOBJ_COUNTERS
+
+
+def test_element_attributes_decode_with_the_kernel_codec():
+    (_t, _f, _s, _pid, start, end), = nl.iter_messages(ADD_VERDICT_MAP)
+    top = {a: (vs, ve) for a, vs, ve in nl.iter_attrs(ADD_VERDICT_MAP, start + nl.NFGENMSG_LEN, end)}
+    assert nl.read_string(ADD_VERDICT_MAP, *top[nf.NFTA_SET_ELEM_LIST_TABLE]) == "agentd-policy"
+    assert nl.read_string(ADD_VERDICT_MAP, *top[nf.NFTA_SET_ELEM_LIST_SET]) == "ingress"
+    (elem_type, es, ee), = nl.iter_attrs(ADD_VERDICT_MAP, *top[nf.NFTA_SET_ELEM_LIST_ELEMENTS])
+    assert elem_type == nf.NFTA_LIST_ELEM
+    parts = {a: (vs, ve) for a, vs, ve in nl.iter_attrs(ADD_VERDICT_MAP, es, ee)}
+    (_v, ks, ke), = nl.iter_attrs(ADD_VERDICT_MAP, *parts[nf.NFTA_SET_ELEM_KEY])
+    assert ADD_VERDICT_MAP[ks:ke] == b"ad-veth0" + b"\0" * 8  # IFNAMSIZ
+    (_d, vs, ve), = nl.iter_attrs(ADD_VERDICT_MAP, *parts[nf.NFTA_SET_ELEM_DATA])
+    verdict = {a: ADD_VERDICT_MAP[s:e] for a, s, e in nl.iter_attrs(ADD_VERDICT_MAP, vs, ve)}
+    assert verdict == {nf.NFTA_VERDICT_CODE: (nf.NFT_JUMP & 0xFFFFFFFF).to_bytes(4, "big"),
+                       nf.NFTA_VERDICT_CHAIN: b"pol-abc\0"}  # fmt: skip
+
+
+def test_keys_that_cannot_be_encoded_are_value_errors():
+    with pytest.raises(ValueError, match="too long"):
+        nf.encode_key(["ifname"], "x" * 16)
+    with pytest.raises(ValueError, match="does not match ipv4_addr.inet_service"):
+        nf.encode_key(["ipv4_addr", "inet_service"], ["10.0.0.1"])
+    with pytest.raises(ValueError, match="no netlink encoding for nft type ipv6_addr"):
+        nf.encode_key(["ipv6_addr"], "::1")
+
+
+# --- decoding: a counter dump ----------------------------------------------------------------
+
+# Two NFT_MSG_NEWOBJ answers as nf_tables dumps them (table, name, type, data {bytes,
+# packets}, use, handle), then NLMSG_DONE; built with the old module's encoders.
+NEWOBJ_DROP = bytes.fromhex(
+    "78000000120a02002a0000000000000001000000120001006167656e74642d706f6c69637900000015000200706f6c2d696e6772657373"
+    "2d64726f700000000008000300000000011c0004800c00010000000000000001a40c00020000000000000000070800050000000001"
+    "0c0006000000000000000003"
+)
+NEWOBJ_DNS = bytes.fromhex(
+    "70000000120a02002a0000000000000001000000120001006167656e74642d706f6c6963790000000f0002007376632d7564702d3533"
+    "000008000300000000011c0004800c00010000040000000000090c000200000001000000000508000500000000010c0006000000000000"
+    "000004"
+)
+DONE = bytes.fromhex("14000000 0300 0200 2a000000 00000000 00000000".replace(" ", ""))  # NLM_F_MULTI, seq 42
+
+
+def test_counters_decode_from_a_dump():
+    dump = NEWOBJ_DROP + NEWOBJ_DNS + DONE
+    got = [nf.decode_counter(dump, s, e) for t, _f, _seq, _pid, s, e in nl.iter_messages(dump)
+           if t == nf.NFNL_SUBSYS_NFTABLES << 8 | nf.NFT_MSG_NEWOBJ]  # fmt: skip
+    assert got == [("pol-ingress-drop", 7, 420), ("svc-udp-53", 2**40 + 5, 2**50 + 9)]
+
+
+def test_counter_without_counts_is_zero():
+    msg = nl.encode_nfgen(nf.NFNL_SUBSYS_NFTABLES << 8 | nf.NFT_MSG_NEWOBJ, 0, 1, 1,
+                          nl.attr(nf.NFTA_OBJ_NAME, b"c\0") + nl.nested(nf.NFTA_OBJ_DATA))  # fmt: skip
+    assert nf.decode_counter(msg, nl.NLMSG_HDRLEN, len(msg)) == ("c", 0, 0)
+
+
+def test_malformed_counters_are_decode_errors():
+    (_t, _f, _s, _pid, start, end), = nl.iter_messages(NEWOBJ_DROP)
+    with pytest.raises(nl.NetlinkDecodeError, match="nfgenmsg needs 4"):
+        nf.decode_counter(NEWOBJ_DROP, start, start + 2)
+    short = nl.encode_nfgen(nf.NFNL_SUBSYS_NFTABLES << 8 | nf.NFT_MSG_NEWOBJ, 0, 1, 1,
+                            nl.nested(nf.NFTA_OBJ_DATA, nl.attr(nf.NFTA_COUNTER_PACKETS, b"\0\0\0\1")))  # fmt: skip
+    with pytest.raises(nl.NetlinkDecodeError, match="must be 8 bytes, got 4"):
+        nf.decode_counter(short, nl.NLMSG_HDRLEN, len(short))
+    with pytest.raises(nl.NetlinkDecodeError, match="does not fit"):
+        nf.decode_counter(NEWOBJ_DROP, start, end - 4)  # the last attribute cut short
+
+
+def test_refused_batch_reads_as_one_line_naming_it():
+    # What callers (libnftables.Nft -> NftError) see when nf_tables refuses an element.
+    # The ack of message 101 (NETLINK_CAP_ACK: it echoes only the request's header).
+    ack = struct.pack("=IHHIIi", 36, nl.NLMSG_ERROR, nl.NLM_F_CAPPED, 101, 0, -errno.EEXIST) + ADD_IPV4[:16]
+    (t, flags, seq, _pid, start, end), = nl.iter_messages(ack)
+    assert (t, seq, nl.decode_error(ack, start, end, flags)) == (nl.NLMSG_ERROR, 101, (errno.EEXIST, None))
+    err = nl.NetlinkError(errno.EEXIST, None, "nf_tables refused the element batch")
+    assert isinstance(err, OSError) and err.errno == errno.EEXIST
+    assert str(err) == "nf_tables refused the element batch: EEXIST (File exists)"
+
+
+# --- the writer on NetlinkSocket: requests out, answers in -----------------------------------
+# The kernel's side is a datagram socket pair here (no netlink, no root): the answers, in the
+# kernel's format, are queued before the call, which sends its request and then reads them.
+
+
+def _writer(seq: int) -> tuple[nf.ElementWriter, socket.socket]:
+    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ours.setblocking(False)
+    sock = NetlinkSocket.__new__(NetlinkSocket)
+    sock.sock, sock._buf = ours, bytearray(NetlinkSocket.RECV_SIZE)
+    sock._view = memoryview(sock._buf)
+    writer = nf.ElementWriter.__new__(nf.ElementWriter)
+    writer.sock, writer.seq = sock, seq
+    return writer, kernel
+
+
+def _ack(seq: int, error: int = 0) -> bytes:
+    """NLMSG_ERROR as a NETLINK_CAP_ACK socket gets it: the request's header echoed."""
+    return struct.pack("=IHHIIi", 36, nl.NLMSG_ERROR, nl.NLM_F_CAPPED, seq, 0, -error) + bytes(16)
+
+
+OPS = [("add", "inet", "agentd-policy", "pods", ["ipv4_addr"], None, ["10.1.2.3", "10.1.2.4"]),
+       ("delete", "ip", "agentd-services", "eps", ["ipv4_addr", "inet_proto", "inet_service"], None,
+        [{"concat": ["10.0.0.1", "udp", 53]}])]  # fmt: skip
+
+
+def test_writer_sends_the_batch_and_waits_for_every_ack():
+    writer, kernel = _writer(100)
+    with kernel, writer.sock.sock:
+        kernel.send(_ack(57, errno.EEXIST) + _ack(101))  # a stale refusal of an earlier batch is skipped
+        kernel.send(_ack(102))
+        writer.send(OPS)
+        assert kernel.recv(1 << 16) == BATCH_BEGIN_100 + ADD_IPV4 + DEL_CONCAT + BATCH_END_103
+        assert writer.seq == 104
+        writer.send([])  # nothing to commit: nothing sent
+        assert writer.seq == 104
+
+
+@pytest.mark.parametrize(("seq", "error"), [(102, errno.EEXIST), (100, errno.EPERM)], ids=["element", "batch-begin"])
+def test_writer_raises_the_refusal_of_its_batch(seq, error):
+    writer, kernel = _writer(100)
+    with kernel, writer.sock.sock:
+        kernel.send(_ack(101) + _ack(seq, error))
+        with pytest.raises(nl.NetlinkError) as caught:
+            writer.send(OPS)
+        assert caught.value.errno == error
+        assert str(caught.value) == f"nf_tables refused the element batch: {errno.errorcode[error]} ({os.strerror(error)})"
+
+
+def test_writer_reads_counters_from_a_getobj_dump():
+    writer, kernel = _writer(41)
+    with kernel, writer.sock.sock:
+        kernel.send(NEWOBJ_DROP + NEWOBJ_DNS)
+        kernel.send(DONE)
+        assert writer.counters("inet", "agentd-policy") == {"pol-ingress-drop": (7, 420),
+                                                            "svc-udp-53": (2**40 + 5, 2**50 + 9)}  # fmt: skip
+        assert kernel.recv(1 << 16) == GETOBJ_COUNTERS
+        kernel.send(_ack(43, errno.ENOENT))  # no such table: no counters
+        assert writer.counters("inet", "agentd-policy") == {}
+        kernel.send(_ack(44, errno.EPERM))
+        with pytest.raises(nl.NetlinkError, match=r"^reading counters: EPERM \(Operation not permitted\)$"):
+            writer.counters("inet", "agentd-policy")
