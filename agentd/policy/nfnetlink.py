@@ -93,6 +93,15 @@ def _field(type_name: str, value: Any) -> bytes:
     raise ValueError(f"no netlink encoding for nft type {type_name}")
 
 
+FIELD_TYPES = frozenset({"ipv4_addr", "ifname", "inet_proto", "inet_service", "ether_addr"})
+
+
+def can_encode(types: Sequence[str], map_type: str | None) -> bool:
+    """Whether elements of a set of ``types`` (a map to ``map_type``) have an encoding here;
+    others (object maps such as ``counter``) go through libnftables."""
+    return all(t in FIELD_TYPES for t in types) and (map_type is None or map_type == "verdict" or map_type in FIELD_TYPES)
+
+
 def encode_key(types: Sequence[str], value: Any) -> bytes:
     if len(types) == 1:
         return _field(types[0], value)

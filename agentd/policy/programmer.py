@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import compiler
+from . import compiler, nfnetlink
 from .libnftables import Nft, NftError
 from .ruleset import NftChain, NftCounter, NftSet, Ruleset, applied, plan
 
@@ -127,7 +127,7 @@ def _element_ops(commands: list[dict[str, Any]], desired: Ruleset, current: Rule
         e = body["element"]
         key = (e["family"], e["table"], "set", e["name"])
         obj = desired.objects.get(key) or current.objects.get(key)
-        if not isinstance(obj, NftSet) or obj.interval:
+        if not isinstance(obj, NftSet) or obj.interval or not nfnetlink.can_encode(obj.type, obj.map):
             return None
         ops.append((verb, e["family"], e["table"], e["name"], obj.type, obj.map, e["elem"]))
     return ops or None

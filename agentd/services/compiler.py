@@ -1,36 +1,50 @@
 """Services -> the node's ``ip agentd-services`` nftables table.  Pure: ServicePorts in, a Ruleset out.
 
-The table (kube-proxy's nftables mode, in agentd's own table)::
+The table (kube-proxy's nftables mode, in agentd's own table, but with the endpoints in maps)::
 
-    map service-ips    { type ipv4_addr . inet_proto . inet_service : verdict }  VIP . proto . port -> goto svc chain
-    map service-nodeports { type inet_proto . inet_service : verdict }           proto . node port -> goto ext chain
+    map service-ips       { ipv4_addr . inet_proto . inet_service : verdict }   VIP . proto . port -> goto pick/N
+    map service-nodeports { inet_proto . inet_service : verdict }                proto . node port -> goto np-pick/N
     chain prerouting   { type nat hook prerouting priority dstnat; jump services }
     chain output       { type nat hook output priority dstnat; jump services }
     chain services     { ip daddr . meta l4proto . th dport vmap @service-ips
                          fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports }
     chain postrouting  { type nat hook postrouting priority srcnat; meta mark & 0x4000 == 0x4000 masquerade }
 
-    chain svc/<ns>/<svc>/<proto>/<port>    counter; [affinity: ip saddr @aff/<ep> goto ep/<ep>, ...];
-                                           numgen random mod N vmap { 0 : goto ep/..., ... }
-    chain ext/<ns>/<svc>/<proto>/<port>    (node port) Cluster: mark for masquerade, goto svc/...;
-                                           Local: this node's endpoints only, no SNAT
-    chain ep/<ns>/<svc>/<proto>/<port>/<ip>/<tport>
-                                           [ip saddr <ip> mark for masquerade  (hairpin)]
-                                           [update @aff/... { ip saddr }]; dnat to <ip>:<tport>
+    chain pick/N       (one per endpoint count N, shared by every service with N endpoints)
+                       ip saddr . ip daddr . meta l4proto . th dport @service-hairpin  mark for masquerade
+                       counter name ip daddr . meta l4proto . th dport map @service-counters
+                       numgen random mod N vmap { 0 : goto slot/0, ..., N-1 : goto slot/N-1 }
+    chain slot/i       dnat to ip daddr . meta l4proto . th dport map @addr/i : ... map @port/i
+    map addr/i, port/i { VIP . proto . port : the address / port of the service's i-th endpoint }
 
-So 10,000 services are one map lookup, not a chain walk; a connection picks an endpoint at
-random once (NAT rules see only a connection's first packet; conntrack does the rest, which
-is also why a terminating endpoint keeps its established connections).  SNAT happens only
-where the reply would not come back through this node otherwise: a pod reaching itself
-through its service (hairpin), and node ports with externalTrafficPolicy Cluster (the
-endpoint may be on another node).  A port without usable endpoints has no map element: its
-traffic is not translated.
+    node ports alike: np-pick/N (externalTrafficPolicy Cluster: marked for masquerade),
+    np-local/N (Local: only this node's endpoints, client address kept), np-slot/i with the
+    maps np-addr/i and np-port/i keyed by proto . node port.
+
+So 10,000 services are one map lookup, not a chain walk, and a Service's endpoints are map
+elements, not rules: an endpoint appearing, leaving or becoming ready changes elements only,
+which go to the kernel as one nf_tables element batch (:mod:`agentd.policy.nfnetlink`)
+without libnftables reading the table first.  Rules change only when the largest endpoint
+count in use passes the prepared slots (``SLOTS_MIN``), or for ClientIP affinity.
+
+A connection picks an endpoint at random once (NAT rules see only a connection's first
+packet; conntrack does the rest, which is also why a terminating endpoint keeps its
+established connections).  SNAT happens only where the reply would not come back through
+this node otherwise: a pod reaching itself or a sibling endpoint through its service
+(hairpin; kube-proxy marks only the endpoint reaching itself), and node ports with
+externalTrafficPolicy Cluster (the endpoint may be on another node).  A port without usable
+endpoints has no map element: its traffic is not translated.
+
+Services with ClientIP affinity keep a chain of their own, one chain per endpoint and a
+timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/...``): the affinity
+sets are per endpoint, so changing their endpoints rewrites rules (through libnftables).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from agentd.policy.ruleset import NftChain, NftCounter, NftSet, Ruleset, rule_text
@@ -42,6 +56,11 @@ TABLE = "agentd-services"
 TABLES = frozenset({(FAMILY, TABLE)})
 SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
+HAIRPIN = "service-hairpin"  # endpoint address . VIP . proto . port
+NP_HAIRPIN = "nodeport-hairpin"  # endpoint address . proto . node port (Local node ports)
+SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
+NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
+SLOTS_MIN = 16  # endpoint counts prepared at start: up to this many, an endpoint change is elements only
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
 NAME_MAX = 200
 DSTNAT, SRCNAT = -100, 100
@@ -107,18 +126,73 @@ def _counter(namespace: str, service: str) -> NftCounter:
     return got
 
 
-def base_objects() -> list[Any]:
-    key = {"concat": [_payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}
-    node_key = {"concat": [_meta("l4proto"), _payload("th", "dport")]}
+VIP_TYPE = ("ipv4_addr", "inet_proto", "inet_service")
+NP_TYPE = ("inet_proto", "inet_service")
+VIP_KEY = {"concat": [_payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}
+NP_KEY = {"concat": [_meta("l4proto"), _payload("th", "dport")]}
+L4_ANY = _match(_meta("l4proto"), {"set": ["tcp", "udp", "sctp"]})  # dnat to a port needs the protocol known
+
+
+def pick_chain(n: int) -> str:
+    return f"pick/{n}"
+
+
+def np_pick_chain(n: int, local: bool) -> str:
+    return f"np-local/{n}" if local else f"np-pick/{n}"
+
+
+def _numgen(n: int, slot: str) -> str:
+    if n == 1:
+        return rule_text([_goto(f"{slot}/0")])
+    pick = {"numgen": {"mode": "random", "mod": n, "offset": 0}}
+    return rule_text([{"vmap": {"key": pick, "data": {"set": [[i, _goto(f"{slot}/{i}")] for i in range(n)]}}}])
+
+
+def slot_objects(i: int) -> list[Any]:
+    """Slot ``i``: the i-th endpoint of every service, as two maps per kind and the chain reading them."""
+    out: list[Any] = []
+    for prefix, key_type, key in (("", VIP_TYPE, VIP_KEY), ("np-", NP_TYPE, NP_KEY)):
+        addr, port = f"{prefix}addr/{i}", f"{prefix}port/{i}"
+        out += [
+            NftSet(FAMILY, TABLE, addr, key_type, map="ipv4_addr"),
+            NftSet(FAMILY, TABLE, port, key_type, map="inet_service"),
+            NftChain(FAMILY, TABLE, f"{prefix}slot/{i}", (rule_text([L4_ANY, {"dnat": {
+                "family": "ip",
+                "addr": {"map": {"key": key, "data": "@" + addr}},
+                "port": {"map": {"key": key, "data": "@" + port}},
+            }}]),)),
+        ]  # fmt: skip
+    return out
+
+
+def pick_objects(n: int) -> list[Any]:
+    """The chains choosing one of ``n`` endpoints: for VIPs, Cluster node ports, Local node ports."""
+    hairpin = _match({"concat": [SADDR, _payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}, "@" + HAIRPIN)
+    np_hairpin = _match({"concat": [SADDR, _meta("l4proto"), _payload("th", "dport")]}, "@" + NP_HAIRPIN)
+    count = rule_text([{"counter": {"map": {"key": VIP_KEY, "data": "@" + SVC_COUNTERS}}}])
+    np_count = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])
+    return [
+        NftChain(FAMILY, TABLE, pick_chain(n), (rule_text([hairpin, MARK_MASQ]), count, _numgen(n, "slot"))),
+        NftChain(FAMILY, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
+        NftChain(FAMILY, TABLE, np_pick_chain(n, True), (rule_text([np_hairpin, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
+    ]
+
+
+def base_objects(slots: int = SLOTS_MIN) -> list[Any]:
+    """The fixed part, prepared for services of up to ``slots`` endpoints (the maps empty)."""
     local = _match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = _match(_payload("ip", "daddr"), {"prefix": {"addr": "127.0.0.0", "len": 8}}, "!=")
     masq = _match({"&": [_meta("mark"), MASQ_MARK]}, MASQ_MARK)
-    return [
-        NftSet(FAMILY, TABLE, SERVICE_IPS, ("ipv4_addr", "inet_proto", "inet_service"), map="verdict"),
-        NftSet(FAMILY, TABLE, NODE_PORTS, ("inet_proto", "inet_service"), map="verdict"),
+    out: list[Any] = [
+        NftSet(FAMILY, TABLE, SERVICE_IPS, VIP_TYPE, map="verdict"),
+        NftSet(FAMILY, TABLE, NODE_PORTS, NP_TYPE, map="verdict"),
+        NftSet(FAMILY, TABLE, HAIRPIN, ("ipv4_addr", *VIP_TYPE)),
+        NftSet(FAMILY, TABLE, NP_HAIRPIN, ("ipv4_addr", *NP_TYPE)),
+        NftSet(FAMILY, TABLE, SVC_COUNTERS, VIP_TYPE, map="counter"),
+        NftSet(FAMILY, TABLE, NP_COUNTERS, NP_TYPE, map="counter"),
         NftChain(FAMILY, TABLE, "services", (
-            rule_text([{"vmap": {"key": key, "data": "@" + SERVICE_IPS}}]),
-            rule_text([local, not_loopback, {"vmap": {"key": node_key, "data": "@" + NODE_PORTS}}]),
+            rule_text([{"vmap": {"key": VIP_KEY, "data": "@" + SERVICE_IPS}}]),
+            rule_text([local, not_loopback, {"vmap": {"key": NP_KEY, "data": "@" + NODE_PORTS}}]),
         )),
         NftChain(FAMILY, TABLE, "prerouting", (rule_text([{"jump": {"target": "services"}}]),),
                  hook=("nat", "prerouting", DSTNAT, "accept")),
@@ -127,111 +201,98 @@ def base_objects() -> list[Any]:
         NftChain(FAMILY, TABLE, "postrouting", (rule_text([masq, {"masquerade": None}]),),
                  hook=("nat", "postrouting", SRCNAT, "accept")),
     ]  # fmt: skip
+    for i in range(slots):
+        out += slot_objects(i)
+    for n in range(1, slots + 1):
+        out += pick_objects(n)
+    return out
 
 
-Compiled = tuple[list[Any], Any, Any]
+Elements = dict[str, frozenset[Any]]  # map or set name -> the elements one service puts there
 
 
-def compile_services(ports: Iterable[ServicePort], node: str, cache: dict[ServicePort, Compiled] | None = None) -> Ruleset:
-    """The whole table for ``node``.  ``cache``: what earlier calls compiled, by ServicePort
-    (a frozen value: an unchanged port is the same object again, so recompiling after one
-    change costs lookups, and :func:`changed` finds the changed objects by identity)."""
-    rs = Ruleset(TABLES)
-    for obj in base_objects():
-        rs.add(obj)
-    vips: set[Any] = set()
-    node_ports: set[Any] = set()
-    fresh: dict[ServicePort, Compiled] = {}
-    for sp in sorted(ports, key=lambda p: p.key):
-        got = cache.get(sp) if cache is not None else None
-        if got is None:
-            got = compile_port(sp, node)
-        fresh[sp] = got
-        objs, vip, node_port = got
-        for obj in objs:
-            rs.add(obj)
-        if vip is not None:
-            vips.add(vip)
-        if node_port is not None:
-            node_ports.add(node_port)
-    for map_name, elements in ((SERVICE_IPS, vips), (NODE_PORTS, node_ports)):
-        base = rs.objects[(FAMILY, TABLE, "set", map_name)]
-        assert isinstance(base, NftSet)
-        rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map, elements=frozenset(elements)))
-    if cache is not None:
-        cache.clear()
-        cache.update(fresh)
-    return rs
+class Compiled:
+    """What one service port compiles to: objects of its own (affinity chains, its counter),
+    elements in the shared maps, and the endpoint count its pick chains need."""
+
+    __slots__ = ("objects", "elements", "size")
+
+    def __init__(self, objects: list[Any], elements: dict[str, set[Any]], size: int) -> None:
+        self.objects = objects
+        self.elements = elements
+        self.size = size
 
 
-def changed(before: Ruleset | None, after: Ruleset) -> set[Any] | None:
-    """The keys of objects that may differ (None: compare everything): new, gone, or not the
-    same object (compile_services with a cache reuses the objects of unchanged ports)."""
-    if before is None:
-        return None
-    keys = set(before.objects.keys() ^ after.objects.keys())
-    keys.update(k for k, v in after.objects.items() if before.objects.get(k) is not v)
-    return keys
+def compile_port(sp: ServicePort, node: str) -> Compiled:
+    """The objects and map elements of one service port on ``node``."""
+    counter = _counter(sp.namespace, sp.service)
+    objs: list[Any] = [counter]
+    elements: dict[str, set[Any]] = {}
 
+    def put(name: str, elem: Any) -> None:
+        elements.setdefault(name, set()).add(elem)
 
-def compile_port(sp: ServicePort, node: str) -> tuple[list[Any], Any, Any]:
-    """The objects of one service port, its service-ips element and its node-port element."""
-    objs: list[Any] = [_counter(sp.namespace, sp.service)]
-    counter = {"counter": counter_name(sp.namespace, sp.service)}
-    every = sp.usable()
-    local = sp.usable(node)
-    chains: dict[str, Endpoint] = {}
-    vip = None
+    if sp.affinity_timeout is not None:
+        _compile_affinity(sp, node, objs, put)
+        return Compiled(objs, elements, 0)
+    every, local = sp.usable(), sp.usable(node)
+    size = 0
     if sp.cluster_ip is not None:
         chosen = local if sp.internal_local else every
         if chosen:
-            rules, eps = _pick(sp, chosen, counter)
-            objs.append(NftChain(FAMILY, TABLE, svc_chain(sp), rules))
-            chains.update(eps)
-            vip = ((sp.cluster_ip, sp.l4, sp.port), ("goto", svc_chain(sp)))
-    node_port = None
+            key = (sp.cluster_ip, sp.l4, sp.port)
+            put(SERVICE_IPS, (key, ("goto", pick_chain(len(chosen)))))
+            put(SVC_COUNTERS, (key, counter.name))
+            for i, e in enumerate(chosen):
+                put(f"addr/{i}", (key, e.ip))
+                put(f"port/{i}", (key, e.port))
+            for addr in {e.ip for e in chosen}:
+                put(HAIRPIN, (addr, *key))
+            size = len(chosen)
     if sp.node_port is not None:
-        rules = ()
+        chosen = local if sp.external_local else every
+        if chosen:
+            key = (sp.l4, sp.node_port)
+            put(NODE_PORTS, (key, ("goto", np_pick_chain(len(chosen), sp.external_local))))
+            put(NP_COUNTERS, (key, counter.name))
+            for i, e in enumerate(chosen):
+                put(f"np-addr/{i}", (key, e.ip))
+                put(f"np-port/{i}", (key, e.port))
+            if sp.external_local:
+                for addr in {e.ip for e in chosen}:
+                    put(NP_HAIRPIN, (addr, *key))
+            size = max(size, len(chosen))
+    return Compiled(objs, elements, size)
+
+
+def _compile_affinity(sp: ServicePort, node: str, objs: list[Any], put: Callable[[str, Any], None]) -> None:
+    """ClientIP affinity: a chain for the service (``svc/``) and node port (``ext/``), one per endpoint."""
+    counter = {"counter": counter_name(sp.namespace, sp.service)}
+    every, local = sp.usable(), sp.usable(node)
+    chains: dict[str, Endpoint] = {}
+    if sp.cluster_ip is not None:
+        chosen = local if sp.internal_local else every
+        if chosen:
+            objs.append(NftChain(FAMILY, TABLE, svc_chain(sp), _dispatch(sp, chosen, counter)))
+            chains.update((ep_chain(sp, e), e) for e in chosen)
+            put(SERVICE_IPS, ((sp.cluster_ip, sp.l4, sp.port), ("goto", svc_chain(sp))))
+    if sp.node_port is not None:
+        rules: tuple[str, ...] = ()
         if sp.external_local:
             if local:
-                rules, eps = _pick(sp, local, counter)
-                chains.update(eps)
+                rules = _dispatch(sp, local, counter)
+                chains.update((ep_chain(sp, e), e) for e in local)
         elif every:
             if sp.cluster_ip is not None and not sp.internal_local:
                 rules = (rule_text([MARK_MASQ, _goto(svc_chain(sp))]),)
             else:
-                picked, eps = _pick(sp, every, counter)
-                rules = (rule_text([MARK_MASQ]), *picked)
-                chains.update(eps)
+                rules = (rule_text([MARK_MASQ]), *_dispatch(sp, every, counter))
+                chains.update((ep_chain(sp, e), e) for e in every)
         if rules:
             objs.append(NftChain(FAMILY, TABLE, ext_chain(sp), rules))
-            node_port = ((sp.l4, sp.node_port), ("goto", ext_chain(sp)))
+            put(NODE_PORTS, ((sp.l4, sp.node_port), ("goto", ext_chain(sp))))
     for chain, e in sorted(chains.items()):
         objs += _endpoint(sp, e, chain)
-    return objs, vip, node_port
-
-
-def _pick(sp: ServicePort, endpoints: tuple[Endpoint, ...], counter: dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Endpoint]]:
-    """The rules choosing an endpoint, and the endpoint chains they use.
-
-    Without affinity: no chain per endpoint, the service chain translates itself (one rule:
-    ``dnat ip to numgen random mod N map { 0 : ip . port, ... }``), and a connection from any of
-    the endpoints is marked for SNAT (hairpin: kube-proxy marks only the endpoint reaching
-    itself; here an endpoint reaching a sibling through the VIP is SNATed too).  A table of
-    one chain per service instead of one per endpoint is what keeps libnftables' per-transaction
-    cost (it reads the table's chains first) low.  With ClientIP affinity: a chain per endpoint."""
-    if sp.affinity_timeout is not None:
-        return _dispatch(sp, endpoints, counter), {ep_chain(sp, e): e for e in endpoints}
-    addrs = sorted({e.ip for e in endpoints})
-    hairpin = rule_text([_match(SADDR, addrs[0] if len(addrs) == 1 else {"set": addrs}), MARK_MASQ])
-    proto = _match(_meta("l4proto"), sp.l4)
-    if len(endpoints) == 1:
-        nat: dict[str, Any] = {"dnat": {"addr": endpoints[0].ip, "port": endpoints[0].port}}
-    else:
-        pick = {"numgen": {"mode": "random", "mod": len(endpoints), "offset": 0}}
-        table = {"set": [[i, {"concat": [e.ip, e.port]}] for i, e in enumerate(endpoints)]}
-        nat = {"dnat": {"family": "ip", "addr": {"map": {"key": pick, "data": table}}}}
-    return (hairpin, rule_text([proto, counter, nat])), {}
 
 
 def _dispatch(sp: ServicePort, endpoints: tuple[Endpoint, ...], counter: dict[str, Any]) -> tuple[str, ...]:
@@ -265,20 +326,24 @@ ServiceKey = tuple[str, str]  # (namespace, name)
 
 
 class Table:
-    """The table kept up to date service by service: a change costs that service's objects.
+    """The table kept up to date service by service: a change costs that service's objects
+    and elements.
 
     :meth:`update` replaces what one Service compiles to and returns the keys of the objects
-    that changed (for :meth:`agentd.policy.programmer.PolicyProgrammer.sync`); the maps are
-    rebuilt from per-service elements.  ``rs`` is the whole wanted ruleset at any time."""
+    that changed (for :meth:`agentd.policy.programmer.PolicyProgrammer.sync`); each shared map
+    is rebuilt from the services' elements only when they changed.  ``rs`` is the whole wanted
+    ruleset at any time."""
 
     def __init__(self, node: str) -> None:
         self.node = node
         self.rs = Ruleset(TABLES)
-        for obj in base_objects():
+        self.slots = SLOTS_MIN
+        for obj in base_objects(self.slots):
             self.rs.add(obj)
-        self.services: dict[ServiceKey, tuple[tuple[ServicePort, ...], dict[Any, Any], set[Any], set[Any]]] = {}
-        self.vips: set[Any] = set()
-        self.node_ports: set[Any] = set()
+        # per service: its ports, its own objects by key, its elements by map, its pick sizes
+        self.services: dict[ServiceKey, tuple[tuple[ServicePort, ...], dict[Any, Any], dict[str, set[Any]], list[int]]] = {}
+        self.elements: dict[str, set[Any]] = {}  # map or set name -> every service's elements
+        self.sizes: Counter[int] = Counter()
 
     def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
         """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys."""
@@ -286,17 +351,17 @@ class Table:
         old = self.services.get(key)
         if old is not None and old[0] == ports:
             return set()
-        old_objs, old_vips, old_nps = (old[1], old[2], old[3]) if old is not None else ({}, set(), set())
+        old_objs, old_elems, old_sizes = (old[1], old[2], old[3]) if old is not None else ({}, {}, [])
         objs: dict[Any, Any] = {}
-        vips: set[Any] = set()
-        nps: set[Any] = set()
+        elems: dict[str, set[Any]] = {}
+        sizes: list[int] = []
         for sp in ports:
-            compiled, vip, node_port = compile_port(sp, self.node)
-            objs.update((o.key, o) for o in compiled)
-            if vip is not None:
-                vips.add(vip)
-            if node_port is not None:
-                nps.add(node_port)
+            compiled = compile_port(sp, self.node)
+            objs.update((o.key, o) for o in compiled.objects)
+            for name, items in compiled.elements.items():
+                elems.setdefault(name, set()).update(items)
+            if compiled.size:
+                sizes.append(compiled.size)
         touched: set[Any] = set()
         for k in old_objs.keys() - objs.keys():
             self.rs.objects.pop(k, None)
@@ -306,18 +371,59 @@ class Table:
                 self.rs.objects[k] = o
                 touched.add(k)
         if ports:
-            self.services[key] = (ports, objs, vips, nps)
+            self.services[key] = (ports, objs, elems, sizes)
         else:
             self.services.pop(key, None)
-        for name, have, old_set, new_set in ((SERVICE_IPS, self.vips, old_vips, vips), (NODE_PORTS, self.node_ports, old_nps, nps)):
-            if old_set != new_set:
-                have.difference_update(old_set - new_set)
-                have.update(new_set)
-                base = self.rs.objects[(FAMILY, TABLE, "set", name)]
-                assert isinstance(base, NftSet)
-                self.rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map, elements=frozenset(have)))
-                touched.add(base.key)
+        self.sizes.subtract(old_sizes)
+        self.sizes.update(sizes)
+        touched |= self._resize()
+        for name in old_elems.keys() | elems.keys():
+            before, after = old_elems.get(name, set()), elems.get(name, set())
+            if before == after:
+                continue
+            base = self.rs.objects.get((FAMILY, TABLE, "set", name))
+            if base is None:  # a slot map _resize removed: it went with its last service
+                continue
+            assert isinstance(base, NftSet)
+            have = self.elements.setdefault(name, set())
+            have.difference_update(before - after)
+            have.update(after)
+            self.rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map, elements=frozenset(have)))
+            touched.add(base.key)
+        return touched
+
+    def _resize(self) -> set[Any]:
+        """Prepare slots and pick chains for the largest endpoint count in use (at least SLOTS_MIN)."""
+        wanted = max([SLOTS_MIN, *(n for n, uses in self.sizes.items() if uses > 0)])
+        if wanted == self.slots:
+            return set()
+        touched: set[Any] = set()
+        if wanted > self.slots:
+            for obj in [o for i in range(self.slots, wanted) for o in slot_objects(i)] + [
+                o for n in range(self.slots + 1, wanted + 1) for o in pick_objects(n)
+            ]:
+                self.rs.add(obj)
+                touched.add(obj.key)
+        else:
+            for obj in [o for i in range(wanted, self.slots) for o in slot_objects(i)] + [
+                o for n in range(wanted + 1, self.slots + 1) for o in pick_objects(n)
+            ]:
+                self.rs.objects.pop(obj.key, None)
+                self.elements.pop(obj.name, None)
+                touched.add(obj.key)
+        self.slots = wanted
         return touched
 
     def ports(self) -> list[ServicePort]:
         return [sp for ports, *_ in self.services.values() for sp in ports]
+
+
+def compile_services(ports: Iterable[ServicePort], node: str) -> Ruleset:
+    """The whole table for ``node`` at once (what a :class:`Table` fed service by service holds)."""
+    by_service: dict[ServiceKey, list[ServicePort]] = {}
+    for sp in ports:
+        by_service.setdefault((sp.namespace, sp.service), []).append(sp)
+    table = Table(node)
+    for key in sorted(by_service):
+        table.update(key, by_service[key])
+    return table.rs

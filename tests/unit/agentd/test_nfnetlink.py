@@ -109,6 +109,26 @@ def test_element_attributes_decode_with_the_kernel_codec():
                        nf.NFTA_VERDICT_CHAIN: b"pol-abc\0"}  # fmt: skip
 
 
+def test_address_and_port_maps_carry_their_values():
+    """Services' slot maps (VIP . proto . port -> an endpoint's address, or its port)."""
+    key = {"concat": ["10.96.0.10", "tcp", 80]}
+    for map_type, value, raw in (("ipv4_addr", "10.244.1.2", bytes([10, 244, 1, 2])), ("inet_service", 8080, b"\x1f\x90")):
+        msg = nf.element_message("add", "ip", "agentd-services", "m", ["ipv4_addr", "inet_proto", "inet_service"],
+                                 map_type, [[key, value]], 7)  # fmt: skip
+        (_t, _f, _s, _pid, start, end), = nl.iter_messages(msg)
+        top = {a: (vs, ve) for a, vs, ve in nl.iter_attrs(msg, start + nl.NFGENMSG_LEN, end)}
+        (_e, es, ee), = nl.iter_attrs(msg, *top[nf.NFTA_SET_ELEM_LIST_ELEMENTS])
+        parts = {a: (vs, ve) for a, vs, ve in nl.iter_attrs(msg, es, ee)}
+        (_k, ks, ke), = nl.iter_attrs(msg, *parts[nf.NFTA_SET_ELEM_KEY])
+        assert msg[ks:ke] == bytes([10, 96, 0, 10]) + b"\x06\0\0\0" + b"\0\x50\0\0"  # each part padded to 4
+        (kind, vs, ve), = nl.iter_attrs(msg, *parts[nf.NFTA_SET_ELEM_DATA])
+        assert (kind, msg[vs:ve]) == (nf.NFTA_DATA_VALUE, raw)
+    # Object maps (a counter by name) are left to libnftables.
+    assert nf.can_encode(("ipv4_addr", "inet_proto", "inet_service"), "inet_service")
+    assert not nf.can_encode(("ipv4_addr", "inet_proto", "inet_service"), "counter")
+    assert not nf.can_encode(("ipv6_addr",), None)
+
+
 def test_keys_that_cannot_be_encoded_are_value_errors():
     with pytest.raises(ValueError, match="too long"):
         nf.encode_key(["ifname"], "x" * 16)

@@ -81,34 +81,67 @@ def _map(rs: Ruleset, name: str) -> frozenset:
     return obj.elements
 
 
-def test_the_table_one_map_lookup_per_service_and_numgen_per_connection():
+VIP = ("10.96.0.10", "tcp", 80)
+
+
+def test_the_table_one_map_lookup_per_service_and_endpoints_as_map_elements():
     s = svc("web", {"type": "NodePort", "selector": {"app": "web"},
                     "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
     rs = compiler.compile_services(model.build([s], [], PODS), "n1")
-    assert _map(rs, compiler.SERVICE_IPS) == {(("10.96.0.10", "tcp", 80), ("goto", "svc/shop/web/tcp/80"))}
-    assert _map(rs, compiler.NODE_PORTS) == {(("tcp", 30080), ("goto", "ext/shop/web/tcp/80"))}
-    hairpin, rule = _chain(rs, "svc/shop/web/tcp/80")
-    # Without affinity the service chain translates itself: no chain per endpoint.
-    assert hairpin == [{"match": {"op": "==", "left": compiler.SADDR, "right": {"set": ["10.244.1.2", "10.244.2.2"]}}},
-                       compiler.MARK_MASQ]  # fmt: skip
-    assert rule[1] == {"counter": "svc/shop/web"}
-    nat = rule[2]["dnat"]["addr"]["map"]
-    assert nat["key"] == {"numgen": {"mode": "random", "mod": 2, "offset": 0}}
-    assert nat["data"]["set"] == [[0, {"concat": ["10.244.1.2", 8080]}], [1, {"concat": ["10.244.2.2", 8080]}]]
-    assert not [k for k in rs.objects if k[3].startswith("ep/")]
-    # Cluster node port: SNAT (the endpoint may be elsewhere), then the service chain.
-    assert _chain(rs, "ext/shop/web/tcp/80") == [[compiler.MARK_MASQ, {"goto": {"target": "svc/shop/web/tcp/80"}}]]
-    # One endpoint: a plain dnat.
+    # Two endpoints: the VIP goes to the shared chain choosing one of two, the node port
+    # (externalTrafficPolicy Cluster) to the one that also marks for SNAT.
+    assert _map(rs, compiler.SERVICE_IPS) == {(VIP, ("goto", "pick/2"))}
+    assert _map(rs, compiler.NODE_PORTS) == {(("tcp", 30080), ("goto", "np-pick/2"))}
+    assert _map(rs, "addr/0") == {(VIP, "10.244.1.2")} and _map(rs, "port/0") == {(VIP, 8080)}
+    assert _map(rs, "addr/1") == {(VIP, "10.244.2.2")} and _map(rs, "port/1") == {(VIP, 8080)}
+    assert _map(rs, "np-addr/1") == {(("tcp", 30080), "10.244.2.2")}
+    assert _map(rs, compiler.SVC_COUNTERS) == {(VIP, "svc/shop/web")}
+    assert _map(rs, compiler.NP_COUNTERS) == {(("tcp", 30080), "svc/shop/web")}
+    # Hairpin: an endpoint reaching the service is SNATed (itself or a sibling).
+    assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", *VIP), ("10.244.2.2", *VIP)}
+    assert _map(rs, compiler.NP_HAIRPIN) == frozenset()
+    hairpin, count, choose = _chain(rs, "pick/2")
+    assert hairpin[-1] == compiler.MARK_MASQ and hairpin[0]["match"]["right"] == "@" + compiler.HAIRPIN
+    assert count == [{"counter": {"map": {"key": compiler.VIP_KEY, "data": "@" + compiler.SVC_COUNTERS}}}]
+    vmap = choose[0]["vmap"]
+    assert vmap["key"] == {"numgen": {"mode": "random", "mod": 2, "offset": 0}}
+    assert vmap["data"]["set"] == [[0, {"goto": {"target": "slot/0"}}], [1, {"goto": {"target": "slot/1"}}]]
+    (dnat,) = _chain(rs, "slot/1")
+    assert dnat[-1]["dnat"]["addr"]["map"] == {"key": compiler.VIP_KEY, "data": "@addr/1"}
+    assert dnat[-1]["dnat"]["port"]["map"] == {"key": compiler.VIP_KEY, "data": "@port/1"}
+    assert _chain(rs, "np-pick/2")[0] == [compiler.MARK_MASQ]
+    # No chain of the service's own: its endpoints are elements only.
+    assert not [k for k in rs.objects if k[3].startswith(("svc/", "ep/", "ext/")) and k[2] == "chain"]
+    # One endpoint: the chain for one, no numgen.
     (one,) = model.build([s], [], PODS[:1])
     rs1 = compiler.compile_services([one], "n1")
-    assert _chain(rs1, "svc/shop/web/tcp/80")[1][-1] == {"dnat": {"addr": "10.244.1.2", "port": 8080}}
+    assert _map(rs1, compiler.SERVICE_IPS) == {(VIP, ("goto", "pick/1"))}
+    assert _chain(rs1, "pick/1")[-1] == [{"goto": {"target": "slot/0"}}]
 
 
-def test_local_policies_and_affinity():
+def test_local_traffic_policies():
+    s = svc("web", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
+                    "internalTrafficPolicy": "Local",
+                    "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
+    rs = compiler.compile_services(model.build([s], [], PODS), "n1")
+    # Only n1's endpoint, and the node port keeps the client address (no SNAT mark).
+    assert _map(rs, compiler.SERVICE_IPS) == {(VIP, ("goto", "pick/1"))}
+    assert _map(rs, compiler.NODE_PORTS) == {(("tcp", 30080), ("goto", "np-local/1"))}
+    assert _map(rs, "np-addr/0") == {(("tcp", 30080), "10.244.1.2")}
+    assert _map(rs, compiler.NP_HAIRPIN) == {("10.244.1.2", "tcp", 30080)}
+    hairpin = _chain(rs, "np-local/1")[0]
+    assert hairpin[0]["match"]["right"] == "@" + compiler.NP_HAIRPIN and hairpin[-1] == compiler.MARK_MASQ
+    # A node without local endpoints: no element, so no translation there.
+    rs3 = compiler.compile_services(model.build([s], [], PODS), "n3")
+    assert _map(rs3, compiler.SERVICE_IPS) == frozenset() and _map(rs3, compiler.NODE_PORTS) == frozenset()
+
+
+def test_affinity_keeps_a_chain_per_endpoint():
     s = svc("web", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
                     "internalTrafficPolicy": "Local", "sessionAffinity": "ClientIP",
                     "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
     rs = compiler.compile_services(model.build([s], [], PODS), "n1")
+    assert _map(rs, compiler.SERVICE_IPS) == {(VIP, ("goto", "svc/shop/web/tcp/80"))}
     ext = _chain(rs, "ext/shop/web/tcp/80")
     assert compiler.MARK_MASQ not in ext[-1]  # Local: the client address is kept
     assert ext[-1][-1] == {"goto": {"target": "ep/shop/web/tcp/80/10.244.1.2/8080"}}
@@ -116,23 +149,28 @@ def test_local_policies_and_affinity():
     assert hairpin[1] == compiler.MARK_MASQ and dnat[-1] == {"dnat": {"addr": "10.244.1.2", "port": 8080}}
     aff = rs.objects[(compiler.FAMILY, compiler.TABLE, "set", "aff/shop/web/tcp/80/10.244.1.2/8080")]
     assert isinstance(aff, NftSet) and aff.timeout == 10800 and aff.dynamic
-    assert _chain(rs, "ep/shop/web/tcp/80/10.244.1.2/8080")[1] == [
-        {"set": {"op": "update", "elem": compiler.SADDR, "set": "@aff/shop/web/tcp/80/10.244.1.2/8080"}}]  # fmt: skip
-    # A node without local endpoints: no element, so no translation there.
+    assert update == [{"set": {"op": "update", "elem": compiler.SADDR, "set": "@aff/shop/web/tcp/80/10.244.1.2/8080"}}]
     rs3 = compiler.compile_services(model.build([s], [], PODS), "n3")
     assert _map(rs3, compiler.SERVICE_IPS) == frozenset() and _map(rs3, compiler.NODE_PORTS) == frozenset()
 
 
-def test_an_endpoint_change_is_one_incremental_transaction():
+def test_an_endpoint_change_is_element_commands_only():
     s = svc("web", {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]})
     before = compiler.compile_services(model.build([s], [], PODS), "n1")
     after = compiler.compile_services(model.build([s], [], PODS[:1] + PODS[2:]), "n1")
     cmds = plan(before, after)
-    verbs = [(next(iter(c)), next(iter(next(iter(c.values()))))) for c in cmds]
-    # The service chain refilled (one endpoint now), in the same transaction.
-    assert verbs == [("flush", "chain"), ("add", "rule"), ("add", "rule")]
-    assert not any(v == ("delete", "table") or v == ("add", "table") for v in verbs)
+    verbs = {(next(iter(c)), next(iter(next(iter(c.values()))))) for c in cmds}
+    # pick/2 -> pick/1 (a map element replaced), slot 1 emptied, one hairpin address gone:
+    # no rule, no chain, nothing that makes libnftables read the table.
+    assert verbs == {("delete", "element"), ("add", "element")}
     assert plan(after, after) == []
+    # More endpoints than slots prepared: the slots and pick chains grow with them, once.
+    many = eps_slice("web-1", "web", [{"addresses": [f"10.244.3.{i}"]} for i in range(1, 21)], [{"name": "http", "port": 8080}])
+    s2 = svc("web", {"ports": [{"name": "http", "port": 80}]})
+    big = compiler.compile_services(model.build([s2], [many], []), "n1")
+    assert _map(big, compiler.SERVICE_IPS) == {(VIP, ("goto", "pick/20"))}
+    assert {addr for i in range(20) for _, addr in _map(big, f"addr/{i}")} == {f"10.244.3.{i}" for i in range(1, 21)}
+    assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/21") not in big.objects
 
 
 def test_stale_udp_endpoints_are_those_no_longer_usable():
@@ -149,48 +187,44 @@ def test_stale_udp_endpoints_are_those_no_longer_usable():
     assert stale_udp(after, after) == [] and stale_udp(before, []) != []
 
 
-def test_recompiling_after_one_change_touches_only_that_service():
-    services = [svc(f"s{i}", {"ports": [{"name": "http", "port": 80}]}) for i in range(50)]
-    for i, s in enumerate(services):
-        s["spec"]["clusterIP"] = f"10.96.1.{i + 1}"
-    slices = [eps_slice(f"s{i}-1", f"s{i}", [{"addresses": [f"10.244.1.{i + 1}"]}, {"addresses": [f"10.244.2.{i + 1}"]}],
-                        [{"name": "http", "port": 8080}]) for i in range(50)]  # fmt: skip
-    cache: dict = {}
-    before = compiler.compile_services(model.build(services, slices, []), "n1", cache)
-    assert compiler.changed(None, before) is None
-    slices[7]["endpoints"].pop()
-    after = compiler.compile_services(model.build(services, slices, []), "n1", cache)
-    keys = compiler.changed(before, after)
-    # Only s7's objects (recompiled), the maps and the fixed base chains are looked at again.
-    assert {k[3] for k in keys if k[3].startswith(("svc/", "ep/"))} == {"svc/shop/s7/tcp/80"}
-    assert len(keys) < 15
-    assert plan(before, after, keys) == plan(before, after)  # the keys miss nothing
-    assert len(cache) == 50
 
-
-def test_the_table_kept_service_by_service_equals_the_whole_compile():
+def test_one_change_touches_that_service_and_the_maps_it_is_in():
     services = [svc(f"s{i}", {"type": "NodePort", "ports": [{"name": "http", "port": 80, "nodePort": 30000 + i}]}) for i in range(20)]
     for i, s in enumerate(services):
         s["spec"]["clusterIP"] = f"10.96.1.{i + 1}"
-    slices = [eps_slice(f"s{i}-1", f"s{i}", [{"addresses": [f"10.244.1.{i + 1}"]}], [{"name": "http", "port": 8080}])
-              for i in range(20)]  # fmt: skip
+    slices = [eps_slice(f"s{i}-1", f"s{i}", [{"addresses": [f"10.244.1.{i + 1}"]}, {"addresses": [f"10.244.2.{i + 1}"]}],
+                        [{"name": "http", "port": 8080}]) for i in range(20)]  # fmt: skip
     table = compiler.Table("n1")
-    for s in services:
-        key = (s["metadata"]["namespace"], s["metadata"]["name"])
-        table.update(key, model.build([s], [sl for sl in slices if sl["metadata"]["labels"]["kubernetes.io/service-name"] == key[1]], []))
+
+    def build(i: int, with_slice: bool = True) -> list:
+        return model.build([services[i]], [slices[i]] if with_slice else [], [])
+
+    for i in range(20):
+        table.update(("shop", f"s{i}"), build(i))
     whole = compiler.compile_services(model.build(services, slices, []), "n1")
     assert table.rs.objects == whole.objects
-    # s3 loses its endpoint, s4 goes: only their objects and the two maps are touched.
+    # s3 loses an endpoint, s4 goes, s5 is the same again.
     before = dict(table.rs.objects)
-    touched = table.update(("shop", "s3"), model.build([services[3]], [], []))
+    slices[3]["endpoints"].pop()
+    touched = table.update(("shop", "s3"), build(3))
     touched |= table.update(("shop", "s4"), [])
-    assert table.update(("shop", "s5"), model.build([services[5]], [slices[5]], [])) == set()  # unchanged
+    assert table.update(("shop", "s5"), build(5)) == set()
     names = {k[3] for k in touched}
-    assert names == {"svc/shop/s3/tcp/80", "ext/shop/s3/tcp/80", "svc/shop/s4/tcp/80", "ext/shop/s4/tcp/80",
-                     "svc/shop/s4", compiler.SERVICE_IPS, compiler.NODE_PORTS}, names  # fmt: skip
-    whole = compiler.compile_services(model.build(services[:3] + services[5:] + [services[3]], slices[:3] + slices[5:], []), "n1")
+    assert names == {compiler.SERVICE_IPS, compiler.NODE_PORTS, compiler.HAIRPIN, compiler.SVC_COUNTERS, compiler.NP_COUNTERS,
+                     "addr/0", "port/0", "addr/1", "port/1", "np-addr/0", "np-port/0", "np-addr/1", "np-port/1",
+                     "svc/shop/s4"}, names  # fmt: skip
+    whole = compiler.compile_services(model.build(services[:4] + services[5:], slices[:4] + slices[5:], []), "n1")
     assert table.rs.objects == whole.objects
+
     def same(cmds: list) -> list:
         return sorted(json.dumps(c, sort_keys=True) for c in cmds)
 
     assert same(plan(Ruleset(compiler.TABLES, before), table.rs, touched)) == same(plan(Ruleset(compiler.TABLES, before), table.rs))
+    # Growing past the prepared slots adds slot maps and pick chains; shrinking back removes them.
+    wide = eps_slice("s6-1", "s6", [{"addresses": [f"10.244.3.{i}"]} for i in range(1, 19)], [{"name": "http", "port": 8080}])
+    grown = table.update(("shop", "s6"), model.build([services[6]], [wide], []))
+    assert {"pick/17", "pick/18", "slot/17", "addr/17"} <= {k[3] for k in grown}
+    shrunk = table.update(("shop", "s6"), build(6))
+    assert (compiler.FAMILY, compiler.TABLE, "set", "addr/17") in shrunk
+    assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/17") not in table.rs.objects
+    assert table.rs.objects == compiler.compile_services(table.ports(), "n1").objects
