@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -168,10 +169,12 @@ def iperf(server: Any, client: Any, seconds: float) -> float:
     """One iperf3 TCP stream client -> server for ``seconds``; Gbit/s received (retried on a hiccup)."""
     last = ""
     for _ in range(5):
-        srv = server.ns.popen(["iperf3", "-s", "-1", "-p", "5201"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Server and client pinned to different CPUs: the spread between runs of one condition
+        # halves, so that a few per cent between conditions can be seen at all.
+        srv = server.ns.popen(["taskset", "-c", "1", "iperf3", "-s", "-1", "-p", "5201"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             for _ in range(50):  # until the server listens
-                out = subprocess.run(["ip", "netns", "exec", client.ns.name, "iperf3", "-c", server.ip, "-p", "5201",
+                out = subprocess.run(["ip", "netns", "exec", client.ns.name, "taskset", "-c", "0", "iperf3", "-c", server.ip, "-p", "5201",
                                       "-t", str(max(1, int(seconds))), "-J"], capture_output=True, text=True)  # fmt: skip
                 if "unable to connect" not in out.stdout:
                     break
@@ -185,6 +188,28 @@ def iperf(server: Any, client: Any, seconds: float) -> float:
             srv.kill()
             srv.wait()
     raise RuntimeError(f"iperf3 {client.name} -> {server.name} failed: {last}")
+
+
+@contextlib.asynccontextmanager
+async def paused(lab: Lab) -> AsyncIterator[None]:
+    """Every running agent stopped (SIGSTOP) while a throughput run lasts, then continued.
+
+    The rows compare the packet path with and without the agent's tables; in the "no tables"
+    rows the agents of node1 and node2 are not running at all, so on this 2-core machine the
+    CPU the agents would otherwise take (counter reads, keepalives) must not be charged to
+    the tables.  A pause of a few seconds is well inside the lab's 9 s hold time; after it
+    the agents get two seconds to catch up (KEEPALIVEs) before the next run pauses them."""
+    pids = [pid for pid in (n.agent_pid() for n in lab.nodes) if pid is not None]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(2.0)
 
 
 CONNECT_LOOP = """
@@ -284,7 +309,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         async def measure(label: str) -> None:
             for _ in range(args.rounds):
                 for path, src in (("across nodes", client), ("same node", local)):
-                    gbps = await asyncio.to_thread(iperf, server, src, args.seconds)
+                    async with paused(lab):
+                        gbps = await asyncio.to_thread(iperf, server, src, args.seconds)
                     throughput[label].setdefault(path, []).append(gbps)
                     progress(f"{label}, {path}: {gbps:.2f} Gbit/s")
 
@@ -298,12 +324,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for n in (node1, node2):
                 n.start_agent()
             await lab.wait_agents_started(120)
-            await converge(lab, max(v["revision"] for v in await views(lab)))
+            await settle()
+
+        async def settle() -> None:
+            """Until every agent has applied the same revision twice in a row, 2 s apart: a
+            restarted agent re-publishes its pods, which changes what the others enforce, and
+            the throughput runs pause every agent (their tables must be final by then)."""
+            last = -1
+            while True:
+                rev = max(v["revision"] for v in await views(lab))
+                await converge(lab, rev)
+                if rev == last:
+                    return
+                last = rev
+                await asyncio.sleep(2.0)
 
         # Conditions are interleaved round by round, so that a slow spell of this shared
         # machine hits both alike.
         rounds, args.rounds = args.rounds, 1
-        await converge(lab, 1)
+        await settle()
         for _ in range(rounds):
             await measure("tables, 0 policies")
             await without_tables("no tables (before)")
@@ -397,6 +436,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # -- the data path with 1,000 policies (both ends isolated and allowed), interleaved
         # with rounds on no tables at all (agents of node1/node2 stopped, tables deleted), so
         # that a slow spell of this shared machine hits both alike.
+        await settle()
         for _ in range(rounds):
             await measure("1,000 policies")
             await without_tables("no tables")
@@ -473,7 +513,7 @@ def report(r: dict[str, Any]) -> None:
             med = statistics.median(values)
             ratio = f"{med / statistics.median(t[base_label][path]):.2f}x" if base_label else ""
             trows.append([label, path, f"{med:.2f}", f"{min(values):.2f}-{max(values):.2f}", ratio])
-    print_table("pod-to-pod TCP (iperf3, one stream; Gbit/s, median of rounds; each pair of rows interleaved)",
+    print_table("pod-to-pod TCP (iperf3, one stream, client and server pinned to CPUs 0 and 1, every agent paused during a run; Gbit/s, median of rounds; each pair of rows interleaved)",
                 ["policy", "path", "Gbit/s", "range", "vs no tables"], trows)
     print_notes("anchors", ANCHORS)
     print_notes("goals", GOALS)
