@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -40,7 +41,7 @@ from agentd.daemon.api import ApiServer
 from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from agentd.config.settings import Config, ConfigError, load_config, reloaded
 from agentd.datastore.store import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
-from agentd.kernel.forwarding import PeerPlan, plan_external, plan_peer, route_for
+from agentd.kernel.forwarding import PeerPlan, desired_routes
 from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy (issue 13)
 from agentd.policy.libnftables import NftError
@@ -200,16 +201,18 @@ class Agent:
         try:
             await self.policy.start()
             self.registry.register(self.policy)
-            self.tunnels.bpf.redirect_held = True
+            self.tunnels.bpf.holders.add("policy")
         except NftError as err:  # no libnftables: pods are routed, but policy is not enforced
             log.error("network policy is not enforced on this node: %s", err)
             self._problems.append(f"network policy not enforced: {err}")
             self.policy = None
         # Services (issue 14): adopt the services table as it is; it changes once etcd is read.
-        self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns)
+        self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns,
+                                     on_translating=functools.partial(self.tunnels.bpf.hold_redirect, who="services"))
         try:
             await self.services.start()
             self.registry.register(self.services)
+            self.tunnels.bpf.holders.add("services")  # until its first sync says what it translates
         except NftError as err:
             log.error("services are not translated on this node: %s", err)
             self._problems.append(f"services not translated: {err}")
@@ -410,42 +413,14 @@ class Agent:
         self._recompute_handle = None
         if self._stopping or self.programmer is None or self.underlay is None or self.tunnels is None or self.lease is None:
             return
-        underlay = self.underlay
-        by_address = {str(n.address): n for n in self.nodes.values() if n.name != self.name}
-        plans: dict[str, PeerPlan] = {}
-        for addr, node in by_address.items():
-            plans[addr] = plan_peer(
-                node,
-                underlay,
-                own_backend=self.cfg.network.backend,
-                encap=self.cfg.network.encap,
-                available=self.tunnels.available,
-            )
-        routes: list[Route] = [
-            Route(dst=str(self.lease.subnet), kind="blackhole", metric=BLACKHOLE_METRIC),
-        ]
-        rows: list[dict[str, Any]] = [
-            {"dst": str(self.lease.subnet), "via": None, "dev": None, "backend": "blackhole", "peer": None}
-        ]
-        next_hops: dict[str, list[str]] = {}
-        paths = self.tunnels.paths()
-        for (afi, prefix), path in self._bests.items():
-            if path.source.local or path.next_hop is None:
-                continue
-            dst = prefix_to_str(afi, prefix)
-            nh = str(path.next_hop)
-            plan = plans.get(nh)
-            if plan is None:
-                plan = plans[nh] = plan_external(nh, underlay)
-            if not plan.routable:
-                continue
-            route = route_for(dst, plan, underlay, paths)
-            if route is None:
-                continue
-            routes.append(route)
-            next_hops.setdefault(nh, []).append(dst)
-            rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh,
-                         "datapath": paths.label(plan)})
+        others = [n for n in self.nodes.values() if n.name != self.name]
+        bests = ((prefix_to_str(afi, prefix), path.next_hop, path.source.local) for (afi, prefix), path in self._bests.items())
+        plan = desired_routes(
+            bests, others, self.underlay, self.tunnels.paths(),
+            own_subnet=str(self.lease.subnet), blackhole_metric=BLACKHOLE_METRIC,
+            own_backend=self.cfg.network.backend, encap=self.cfg.network.encap, available=self.tunnels.available,
+        )  # fmt: skip
+        routes, rows, plans, next_hops = plan.routes, plan.rows, plan.plans, plan.next_hops
         self.plans = plans
         self.route_rows = rows
         if not self._initial_sync_done and self._initial_sync_complete():

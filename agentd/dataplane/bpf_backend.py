@@ -45,11 +45,17 @@ class BpfPath:
         self.carried: set[str] = set()  # backends encapsulated and decapsulated here
         self.filtered: set[str] = set()  # backends whose member filter is here
         self.counters: dict[str, Any] = {}
-        # NetworkPolicy isolates a pod of this node (or may: until the policy agent has synced
-        # once): decapsulated packets take the stack's path, where netfilter judges them and
-        # conntrack sees both directions, instead of bpf_redirect past it (see hold_redirect).
-        self.redirect_held = False
+        # Who needs decapsulated packets on the stack's path, where netfilter judges them and
+        # conntrack sees both directions, instead of bpf_redirect past it (see hold_redirect):
+        # "policy" while NetworkPolicy isolates a pod of this node, "services" while Services
+        # are translated here (a reply must meet its connection's NAT), each also until its
+        # agent has synced once.
+        self.holders: set[str] = set()
         self._lock = asyncio.Lock()
+
+    @property
+    def redirect_held(self) -> bool:
+        return bool(self.holders)
 
     @property
     def redirecting(self) -> bool:
@@ -96,19 +102,25 @@ class BpfPath:
             members = None if members is None else members | dp.members
         await asyncio.to_thread(self._sync, dp, dict(routes), members, dict(peer_flags), not prune)
 
-    async def hold_redirect(self, hold: bool) -> None:
-        """Stop (``hold``) or resume handing decapsulated packets straight to pods.  NetworkPolicy
-        calls this before it isolates a pod of this node (the packets must reach its netfilter
-        chains from then on) and after the last isolation is gone: no window either way."""
-        if hold == self.redirect_held:
+    async def hold_redirect(self, hold: bool, who: str = "policy") -> None:
+        """Stop (``hold``) or resume handing decapsulated packets straight to pods, for ``who``.
+        NetworkPolicy calls this before it isolates a pod of this node (the packets must reach
+        its netfilter chains from then on) and after the last isolation is gone, Services before
+        the first translation and after the last: no window either way.  The redirect resumes
+        when no one holds it."""
+        before = self.redirect_held
+        if hold:
+            self.holders.add(who)
+        else:
+            self.holders.discard(who)
+        if self.redirect_held == before:
             return
-        self.redirect_held = hold
         async with self._lock:
             if self.dp is None:
                 return
             await asyncio.to_thread(self.dp.set_config, self.config(), keep=True, clear=self._cleared())
         if self.carried and self.cfg.network.bpf_pod_redirect:  # else there is no redirect to speak of
-            log.info("BPF: decapsulated packets for pods %s", "take the stack's path (network policy isolates a pod here)"
+            log.info("BPF: decapsulated packets for pods %s", f"take the stack's path ({who} needs netfilter here)"
                      if hold else "go straight to the pods' bridge ports again")
 
     def _cleared(self) -> int:
@@ -141,7 +153,8 @@ class BpfPath:
             "device": self.underlay.ifname,
             "carries": sorted(self.carried),
             "filters": sorted(self.carried | self.filtered),
-            "redirecting": self.redirecting,  # decapsulated packets straight to pods (not while policy isolates one)
+            "redirecting": self.redirecting,  # decapsulated packets straight to pods (not while policy or services need netfilter)
+            "held_by": sorted(self.holders),
             **self.dp.status(),
             "drops": {k: v["packets"] for k, v in (self.counters.get("drops") or {}).items()},
             "kernel": self.counters.get("kernel") or {},

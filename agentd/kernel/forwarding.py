@@ -11,9 +11,10 @@ function each in :data:`ROUTE_SHAPES`; the backends' facts come from agentd.back
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address
+from typing import Any
 
 from agentd.backend_table import BACKENDS, DATAPATHS, ENCAPSULATING
 from agentd.datastore.store import NodeRecord
@@ -172,3 +173,54 @@ def route_for(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -
     """The kernel route for ``dst`` under ``plan``, in the shape of the data path that carries it."""
     shape = ROUTE_SHAPES.get(paths.datapath(plan) or "")
     return shape(dst, plan, underlay, paths) if shape else None
+
+
+@dataclass
+class RoutePlan:
+    """What the kernel should hold for a set of best paths: the routes, a row per route for
+    ``GET /routes``, the plan per peer address, and the prefixes behind each next hop."""
+
+    routes: list[Route]
+    rows: list[dict[str, Any]]
+    plans: dict[str, PeerPlan]
+    next_hops: dict[str, list[str]]
+
+
+def desired_routes(
+    bests: Iterable[tuple[str, IPv4Address | IPv6Address | None, bool]],
+    nodes: Iterable[NodeRecord],
+    underlay: Underlay,
+    paths: LocalPaths,
+    *,
+    own_subnet: str,
+    blackhole_metric: int,
+    own_backend: str,
+    encap: str,
+    available: Callable[[str], str | None] = lambda b: None,
+) -> RoutePlan:
+    """The routes for ``bests`` (destination, next hop, originated here) through the peers of
+    ``nodes`` (other nodes; any other next hop is an external router on the underlay), plus
+    the blackhole of this node's own subnet.  Pure: the agent applies the result."""
+    plans = {
+        str(n.address): plan_peer(n, underlay, own_backend=own_backend, encap=encap, available=available) for n in nodes
+    }
+    routes = [Route(dst=own_subnet, kind="blackhole", metric=blackhole_metric)]
+    rows: list[dict[str, Any]] = [{"dst": own_subnet, "via": None, "dev": None, "backend": "blackhole", "peer": None}]
+    next_hops: dict[str, list[str]] = {}
+    for dst, next_hop, local in bests:
+        if local or next_hop is None:
+            continue
+        nh = str(next_hop)
+        plan = plans.get(nh)
+        if plan is None:
+            plan = plans[nh] = plan_external(nh, underlay)
+        if not plan.routable:
+            continue
+        route = route_for(dst, plan, underlay, paths)
+        if route is None:
+            continue
+        routes.append(route)
+        next_hops.setdefault(nh, []).append(dst)
+        rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh,
+                     "datapath": paths.label(plan)})  # fmt: skip
+    return RoutePlan(routes, rows, plans, next_hops)

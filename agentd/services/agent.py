@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -40,8 +41,20 @@ KINDS = ("Service", "EndpointSlice", "Pod")
 
 
 class ServiceAgent:
-    def __init__(self, node: str, datastore: Datastore, *, nft: Nft | None = None, dns_config: Any = None) -> None:
+    def __init__(
+        self,
+        node: str,
+        datastore: Datastore,
+        *,
+        nft: Nft | None = None,
+        dns_config: Any = None,
+        on_translating: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> None:
         self.node = node
+        # Called with True before the table first translates anything and with False after it
+        # stops: the BPF data path must then hand decapsulated packets to netfilter, where
+        # conntrack undoes the translation of replies (BpfPath.hold_redirect).
+        self.on_translating = on_translating
         self.dns_config = dns_config  # agentd.config.settings.DnsConfig; None or not enabled: no DNS
         self.dns_server: dns.DnsServer | None = None
         self.error_dns: str | None = None
@@ -228,8 +241,13 @@ class ServiceAgent:
                 if keys is not None:
                     keys |= touched
                 gone += stale_udp(list(before), after)
+            translating = self._table.translating()
             try:
+                if translating and self.on_translating is not None:
+                    await self.on_translating(True)
                 result = await self.programmer.sync(self._table.rs, keys)
+                if not translating and self.on_translating is not None:
+                    await self.on_translating(False)
             except NftError as err:
                 self._table = None  # rebuild everything next time
                 self._dirty = None

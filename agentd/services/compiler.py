@@ -33,7 +33,8 @@ established connections).  SNAT happens only where the reply would not come back
 this node otherwise: a pod reaching itself or a sibling endpoint through its service
 (hairpin; kube-proxy marks only the endpoint reaching itself), and node ports with
 externalTrafficPolicy Cluster (the endpoint may be on another node).  A port without usable
-endpoints has no map element: its traffic is not translated.
+endpoints is not translated but refused (ICMP port unreachable, as kube-proxy does), or
+dropped where a Local traffic policy keeps it off other nodes' endpoints.
 
 Services with ClientIP affinity keep a chain of their own, one chain per endpoint and a
 timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/...``): the affinity
@@ -60,6 +61,9 @@ HAIRPIN = "service-hairpin"  # endpoint address . VIP . proto . port
 NP_HAIRPIN = "nodeport-hairpin"  # endpoint address . proto . node port (Local node ports)
 SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
 NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
+UNAVAILABLE = "service-unavailable"  # VIP . proto . port : goto reject or drop (no usable endpoint)
+NP_UNAVAILABLE = "nodeport-unavailable"  # proto . node port : the same for node ports
+REJECT_CHAIN, DROP_CHAIN = "no-endpoints", "no-local-endpoints"
 SLOTS_MIN = 16  # endpoint counts prepared at start: up to this many, an endpoint change is elements only
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
 NAME_MAX = 200
@@ -200,6 +204,18 @@ def base_objects(slots: int = SLOTS_MIN) -> list[Any]:
                  hook=("nat", "output", DSTNAT, "accept")),
         NftChain(FAMILY, TABLE, "postrouting", (rule_text([masq, {"masquerade": None}]),),
                  hook=("nat", "postrouting", SRCNAT, "accept")),
+        # A port without usable endpoints is refused, as kube-proxy does: no endpoint at all,
+        # ICMP port unreachable (a TCP client sees "connection refused" at once instead of a
+        # timeout); endpoints only on other nodes under a Local policy, dropped.  Looked at
+        # right after the nat chains (a translated packet no longer has the VIP), before routing.
+        NftSet(FAMILY, TABLE, UNAVAILABLE, VIP_TYPE, map="verdict"),
+        NftSet(FAMILY, TABLE, NP_UNAVAILABLE, NP_TYPE, map="verdict"),
+        NftChain(FAMILY, TABLE, REJECT_CHAIN, (rule_text([{"reject": None}]),)),
+        NftChain(FAMILY, TABLE, DROP_CHAIN, (rule_text([{"drop": None}]),)),
+        *(NftChain(FAMILY, TABLE, f"filter-{hook}", (
+            rule_text([{"vmap": {"key": VIP_KEY, "data": "@" + UNAVAILABLE}}]),
+            rule_text([local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
+        ), hook=("filter", hook, DSTNAT + 1, "accept")) for hook in ("prerouting", "output")),
     ]  # fmt: skip
     for i in range(slots):
         out += slot_objects(i)
@@ -249,6 +265,8 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
             for addr in {e.ip for e in chosen}:
                 put(HAIRPIN, (addr, *key))
             size = len(chosen)
+        else:
+            put(UNAVAILABLE, ((sp.cluster_ip, sp.l4, sp.port), _unavailable(every)))
     if sp.node_port is not None:
         chosen = local if sp.external_local else every
         if chosen:
@@ -262,7 +280,15 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
                 for addr in {e.ip for e in chosen}:
                     put(NP_HAIRPIN, (addr, *key))
             size = max(size, len(chosen))
+        else:
+            put(NP_UNAVAILABLE, ((sp.l4, sp.node_port), _unavailable(every)))
     return Compiled(objs, elements, size)
+
+
+def _unavailable(every: tuple[Endpoint, ...]) -> tuple[str, str]:
+    """Where a port without a usable endpoint here goes: refused if it has none anywhere,
+    dropped if its traffic policy keeps it off the endpoints other nodes have."""
+    return ("goto", DROP_CHAIN if every else REJECT_CHAIN)
 
 
 def _compile_affinity(sp: ServicePort, node: str, objs: list[Any], put: Callable[[str, Any], None]) -> None:
@@ -276,6 +302,8 @@ def _compile_affinity(sp: ServicePort, node: str, objs: list[Any], put: Callable
             objs.append(NftChain(FAMILY, TABLE, svc_chain(sp), _dispatch(sp, chosen, counter)))
             chains.update((ep_chain(sp, e), e) for e in chosen)
             put(SERVICE_IPS, ((sp.cluster_ip, sp.l4, sp.port), ("goto", svc_chain(sp))))
+        else:
+            put(UNAVAILABLE, ((sp.cluster_ip, sp.l4, sp.port), _unavailable(every)))
     if sp.node_port is not None:
         rules: tuple[str, ...] = ()
         if sp.external_local:
@@ -291,6 +319,8 @@ def _compile_affinity(sp: ServicePort, node: str, objs: list[Any], put: Callable
         if rules:
             objs.append(NftChain(FAMILY, TABLE, ext_chain(sp), rules))
             put(NODE_PORTS, ((sp.l4, sp.node_port), ("goto", ext_chain(sp))))
+        else:
+            put(NP_UNAVAILABLE, ((sp.l4, sp.node_port), _unavailable(every)))
     for chain, e in sorted(chains.items()):
         objs += _endpoint(sp, e, chain)
 
@@ -413,6 +443,10 @@ class Table:
                 touched.add(obj.key)
         self.slots = wanted
         return touched
+
+    def translating(self) -> bool:
+        """Whether any VIP or node port is translated here."""
+        return bool(self.elements.get(SERVICE_IPS) or self.elements.get(NODE_PORTS))
 
     def ports(self) -> list[ServicePort]:
         return [sp for ports, *_ in self.services.values() for sp in ports]

@@ -1,13 +1,15 @@
 """Services on the lab (issue 14): real traffic through every node's ``ip agentd-services`` table.
 
-One lab for the module (3 nodes, host-gw): pods svc/web-1..3 (one per node, label app=web,
-named ports http 8080/TCP and dns 5353/UDP) and a client pod per node, each running
+One lab per backend (3 nodes; host-gw, vxlan, ipip, udp; every test runs on each): pods
+svc/web-1..3 (one per node, label app=web, named ports http 8080/TCP and dns 5353/UDP) and a
+client pod per node, each running
 agentd.lab.svcecho (servers that answer with their name, a client that counts the names).
 Services are applied as manifests; every node is waited for until GET /services reports the
 etcd revision of the write.  Each test asserts who answered: the distribution over 300
 connections, affinity, NodePort from another node's underlay address, traffic policy Local,
 a UDP flow moving when its endpoint goes, a held TCP connection surviving its endpoint's
-terminating state, hairpin, and the table's removal on leave.
+terminating state, hairpin, a VIP from a node itself, refusal of a Service without endpoints,
+and the table's removal on leave.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 from typing import Any
 
@@ -66,9 +69,15 @@ class World:
         return obj["spec"]["clusterIP"]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def world(tmp_path_factory):
-    lab = Lab(LabSpec(name="sv" + unique_tag("")[:6], nodes=3, pods=0), root=tmp_path_factory.mktemp("labs"))
+BACKENDS = ["host-gw", "vxlan", "ipip", "udp"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=BACKENDS)
+async def world(request, tmp_path_factory):
+    """The lab, once per backend: every test runs on each (translation happens before the
+    packet is routed into a tunnel, or after it left one)."""
+    spec = LabSpec(name="sv" + unique_tag("")[:6], nodes=3, pods=0, backend=request.param)
+    lab = Lab(spec, root=tmp_path_factory.mktemp("labs"))
     w = World(lab)
     # Every node forwards names outside the cluster domain to a stand-in resolver on node3.
     for node in lab.nodes:
@@ -119,6 +128,16 @@ async def test_cluster_ip_spreads_over_every_endpoint_from_every_node(world: Wor
                 total[name] = total.get(name, 0) + n
         # 300 connections, each endpoint chosen at random (1/3): none starved.
         assert set(total) == WEBS and sum(total.values()) == 300 and min(total.values()) >= 40, total
+        # From a node itself (the nat output hook): the same VIP, every endpoint.  The host needs
+        # a route covering the VIP for the socket to send at all (a default route, as with
+        # kube-proxy); lab nodes have none, so node2 gets one for the check.
+        node2 = world.lab.nodes[1]
+        node2.ns.ip("route", "add", "default", "via", world.lab.nodes[0].address)
+        try:
+            r = await world.echo["node2"].tcp(vip, 80, count=30)
+        finally:
+            node2.ns.ip("route", "del", "default", check=False)
+        assert r["failed"] == 0 and set(r["names"]) == WEBS, r
         # UDP: each new source port is a new flow; over 30 flows every endpoint answers.
         names = []
         for sport in range(21000, 21030):
@@ -181,6 +200,45 @@ async def test_internal_traffic_policy_local(world: World):
             assert r == {"names": {f"web-{i}": 10}, "failed": 0}, r
     finally:
         await world.delete("Service", "near")
+
+
+CONNECT = """
+import socket, sys, time
+s = socket.socket()
+s.settimeout(5)
+start = time.monotonic()
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print("connected")
+except OSError as err:
+    print(type(err).__name__, round(time.monotonic() - start, 3))
+"""
+
+
+async def _connect(where: Any, ip: str, port: int) -> tuple[str, float]:
+    out = (await asyncio.to_thread(where.ns.exec, sys.executable, "-c", CONNECT, ip, str(port))).split()
+    return out[0], float(out[1]) if len(out) > 1 else 0.0
+
+
+async def test_a_service_without_endpoints_is_refused_at_once(world: World):
+    """As kube-proxy: no endpoint -> ICMP port unreachable, so a client gets "connection refused"
+    instead of waiting for a timeout; the refusal goes when an endpoint appears."""
+    node1, node3 = world.lab.nodes[0], world.lab.nodes[2]
+    spec = {"type": "NodePort", "selector": {"pod": "nobody"},
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30090}]}  # fmt: skip
+    await world.apply(service("empty", spec))
+    try:
+        vip = await world.vip("empty")
+        for where, ip, port in ((world.pods["client-1"], vip, 80), (node3, node1.address, 30090)):
+            outcome, seconds = await _connect(where, ip, port)
+            # Refused, not left to the 5 s timeout (a first SYN may go unanswered: ICMP rate limits).
+            assert outcome == "ConnectionRefusedError" and seconds < 3.5, (where.name, ip, port, outcome, seconds)
+        await world.apply(service("empty", {**spec, "selector": {"pod": "web-1"}}))
+        assert await _connect(world.pods["client-1"], vip, 80) == ("connected", 0.0)
+        r = await world.echo["node3"].tcp(node1.address, 30090, count=5)
+        assert r == {"names": {"web-1": 5}, "failed": 0}, r
+    finally:
+        await world.delete("Service", "empty")
 
 
 def _eps(world: World, names: list[str], **conditions: bool) -> list[dict[str, Any]]:

@@ -133,3 +133,29 @@ def test_external_next_hops():
     assert plan_external("10.0.0.254", UNDERLAY).backend == "host-gw"
     assert plan_external("192.0.2.1", UNDERLAY).backend == "kernel"
     assert not plan_external("::ffff:10.0.0.9", UNDERLAY).routable
+
+
+def test_desired_routes_for_best_paths():
+    """Best paths -> the kernel routes: the own subnet's blackhole first, one route per learned
+    prefix through its peer's plan, nothing for our own prefix or an unroutable peer, and an
+    unknown next hop on the underlay treated as an external router."""
+    from agentd.kernel.forwarding import desired_routes
+
+    peers = [node("n2", "10.0.0.4"), node("n3", "192.0.2.9")]  # n3: host-gw but off this segment
+    bests = [
+        ("10.244.1.0/24", None, True),  # ours
+        ("10.244.2.0/24", IPv4Address("10.0.0.4"), False),
+        ("10.244.3.0/24", IPv4Address("192.0.2.9"), False),
+        ("198.51.100.0/24", IPv4Address("10.0.0.1"), False),  # an external router on the segment
+    ]
+    plan = desired_routes(bests, peers, UNDERLAY, LocalPaths(), own_subnet="10.244.1.0/24", blackhole_metric=4000,
+                          own_backend="host-gw", encap="always")  # fmt: skip
+    assert [(r.dst, r.kind, r.gateway) for r in plan.routes] == [
+        ("10.244.1.0/24", "blackhole", None),
+        ("10.244.2.0/24", "unicast", "10.0.0.4"),
+        ("198.51.100.0/24", "unicast", "10.0.0.1"),
+    ]
+    assert plan.routes[0].metric == 4000
+    assert plan.next_hops == {"10.0.0.4": ["10.244.2.0/24"], "10.0.0.1": ["198.51.100.0/24"]}
+    assert set(plan.plans) == {"10.0.0.4", "192.0.2.9", "10.0.0.1"} and not plan.plans["192.0.2.9"].routable
+    assert [r["dst"] for r in plan.rows] == ["10.244.1.0/24", "10.244.2.0/24", "198.51.100.0/24"]

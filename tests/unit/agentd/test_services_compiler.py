@@ -134,6 +134,26 @@ def test_local_traffic_policies():
     # A node without local endpoints: no element, so no translation there.
     rs3 = compiler.compile_services(model.build([s], [], PODS), "n3")
     assert _map(rs3, compiler.SERVICE_IPS) == frozenset() and _map(rs3, compiler.NODE_PORTS) == frozenset()
+    # ... but dropped there (kube-proxy: the endpoints elsewhere are not for this node's traffic).
+    assert _map(rs3, compiler.UNAVAILABLE) == {(VIP, ("goto", compiler.DROP_CHAIN))}
+    assert _map(rs3, compiler.NP_UNAVAILABLE) == {(("tcp", 30080), ("goto", compiler.DROP_CHAIN))}
+    assert _map(rs, compiler.UNAVAILABLE) == frozenset()
+
+
+def test_a_service_without_endpoints_is_refused():
+    s = svc("web", {"type": "NodePort", "selector": {"app": "none"},
+                    "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
+    rs = compiler.compile_services(model.build([s], [], PODS), "n1")
+    assert _map(rs, compiler.SERVICE_IPS) == frozenset()
+    assert _map(rs, compiler.UNAVAILABLE) == {(VIP, ("goto", compiler.REJECT_CHAIN))}
+    assert _map(rs, compiler.NP_UNAVAILABLE) == {(("tcp", 30080), ("goto", compiler.REJECT_CHAIN))}
+    assert _chain(rs, compiler.REJECT_CHAIN) == [[{"reject": None}]]
+    pre = rs.objects[(compiler.FAMILY, compiler.TABLE, "chain", "filter-prerouting")]
+    assert isinstance(pre, NftChain) and pre.hook == ("filter", "prerouting", compiler.DSTNAT + 1, "accept")
+    # An endpoint appearing: the refusal goes and the VIP is translated, elements only.
+    after = compiler.compile_services(model.build([s], [], [pod("z", "n1", "10.244.1.9", {"app": "none"}, [HTTP])]), "n1")
+    assert _map(after, compiler.UNAVAILABLE) == frozenset()
+    assert {next(iter(c)) + " " + next(iter(next(iter(c.values())))) for c in plan(rs, after)} == {"delete element", "add element"}
 
 
 def test_affinity_keeps_a_chain_per_endpoint():
