@@ -42,6 +42,10 @@ class NftSet:
     elements: frozenset[Element] = frozenset()
     contents_known: bool = True
     timeout: int | None = None  # seconds: elements expire (a dynamic set the kernel fills: Services' affinity)
+    # How this set differs from an earlier version of it, when whoever made it knows exactly:
+    # (that version, elements added, elements removed).  plan() then takes the difference as
+    # given instead of comparing two large sets, if that version is what the kernel holds.
+    delta: tuple[Any, frozenset[Element], frozenset[Element]] | None = field(default=None, compare=False, repr=False)
 
     kind = "set"
 
@@ -241,7 +245,13 @@ def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = Non
             assert isinstance(have, NftSet)
             if want.dynamic:
                 continue  # its elements are the kernel's (rules add them); adopting keeps them
-            if not have.contents_known or (want.interval and have.elements != want.elements):
+            if want.delta is not None and want.delta[0] is have and have.contents_known and not want.interval:
+                _base, new, gone = want.delta
+                if gone:
+                    element_dels.append({"delete": _elements(want, gone, keys_only=True)})
+                if new:
+                    element_adds.append({"add": _elements(want, new)})
+            elif not have.contents_known or (want.interval and have.elements != want.elements):
                 contents.append({"flush": _obj_ref(want)})
                 if want.elements:
                     element_adds.append({"add": _elements(want, want.elements)})

@@ -63,7 +63,7 @@ class ServiceAgent:
         self.nft = nft
         self.programmer: PolicyProgrammer | None = None
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
-        self.ports: list[model.ServicePort] = []
+        self._named: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {}  # Service -> its DNS names
         self.revision = 0
         self.applied_revision = 0
         self.syncs = 0
@@ -227,7 +227,8 @@ class ServiceAgent:
             revision = self.revision
             start = time.perf_counter()
             dirty, self._dirty = self._dirty, set()
-            if dirty is None or self._table is None:
+            full = dirty is None or self._table is None
+            if full:
                 self._table = compiler.Table(self.node)
                 dirty = set(self.objects["Service"])
                 keys = None
@@ -257,8 +258,7 @@ class ServiceAgent:
                 await asyncio.sleep(1.0)
                 self._wake.set()
                 continue
-            self.ports = self._table.ports()
-            self.names = dns.names(self.ports, self.names.domain)
+            self._rename(dirty, full)
             if gone:  # before the revision counts as applied: the change includes the flows' move
                 try:
                     self.flushed += await asyncio.to_thread(conntrack.flush_udp, gone)
@@ -269,6 +269,32 @@ class ServiceAgent:
             self.applied_revision = max(self.applied_revision, revision)
             self.last_sync = {"commands": result.commands, "seconds": round(time.perf_counter() - start, 6),
                               "full": result.full, "services": len(dirty)}  # fmt: skip
+
+    @property
+    def ports(self) -> list[model.ServicePort]:
+        """Every service port as last programmed."""
+        return self._table.ports() if self._table is not None else []
+
+    def _rename(self, dirty: set[tuple[str, str]], full: bool) -> None:
+        """The DNS names of the ``dirty`` Services (all of them: ``full``), changed in place:
+        a Service's names are its own (its host name is unique to it), so one change costs
+        that Service, not a pass over 10,000."""
+        assert self._table is not None
+        if full:
+            self.names = dns.Names(self.names.domain)
+            self._named = {}
+        for key in dirty:
+            old_a, old_srv = self._named.pop(key, ((), ()))
+            for name in old_a:
+                self.names.a.pop(name, None)
+            for name in old_srv:
+                self.names.srv.pop(name, None)
+            ports = self._table.services.get(key, ((),))[0]
+            if ports:
+                part = dns.names(ports, self.names.domain)
+                self.names.a.update(part.a)
+                self.names.srv.update(part.srv)
+                self._named[key] = (tuple(part.a), tuple(part.srv))
 
     async def _counters_loop(self) -> None:
         assert self.programmer is not None
@@ -289,7 +315,7 @@ class ServiceAgent:
         (``summary``: only what is applied, cheap to poll)."""
         if summary:
             return {"node": self.node, "revision": self.applied_revision, "error": self.error, "syncs": self.syncs,
-                    "last_sync": self.last_sync, "service_ports": len(self.ports)}  # fmt: skip
+                    "last_sync": self.last_sync, "service_ports": self._table.port_count if self._table else 0}  # fmt: skip
         services: dict[str, dict[str, Any]] = {}
         for sp in self.ports:
             key = f"{sp.namespace}/{sp.service}"

@@ -360,20 +360,25 @@ class Table:
     and elements.
 
     :meth:`update` replaces what one Service compiles to and returns the keys of the objects
-    that changed (for :meth:`agentd.policy.programmer.PolicyProgrammer.sync`); each shared map
-    is rebuilt from the services' elements only when they changed.  ``rs`` is the whole wanted
-    ruleset at any time."""
+    that changed (for :meth:`agentd.policy.programmer.PolicyProgrammer.sync`).  The shared maps
+    change by exact differences: each update adds and removes that Service's elements, and
+    reading :attr:`rs` rebuilds each changed map once, carrying its net difference since the
+    last read (``NftSet.delta``), so that neither a batch of many Services nor the plan of one
+    change costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset."""
 
     def __init__(self, node: str) -> None:
         self.node = node
-        self.rs = Ruleset(TABLES)
+        self._rs = Ruleset(TABLES)
         self.slots = SLOTS_MIN
         for obj in base_objects(self.slots):
-            self.rs.add(obj)
+            self._rs.add(obj)
+        # map name -> (elements added, elements removed) since rs was last read
+        self._pending: dict[str, tuple[set[Any], set[Any]]] = {}
         # per service: its ports, its own objects by key, its elements by map, its pick sizes
         self.services: dict[ServiceKey, tuple[tuple[ServicePort, ...], dict[Any, Any], dict[str, set[Any]], list[int]]] = {}
         self.elements: dict[str, set[Any]] = {}  # map or set name -> every service's elements
         self.sizes: Counter[int] = Counter()
+        self.port_count = 0
 
     def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
         """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys."""
@@ -394,12 +399,13 @@ class Table:
                 sizes.append(compiled.size)
         touched: set[Any] = set()
         for k in old_objs.keys() - objs.keys():
-            self.rs.objects.pop(k, None)
+            self._rs.objects.pop(k, None)
             touched.add(k)
         for k, o in objs.items():
             if old_objs.get(k) != o:
-                self.rs.objects[k] = o
+                self._rs.objects[k] = o
                 touched.add(k)
+        self.port_count += len(ports) - (len(old[0]) if old is not None else 0)
         if ports:
             self.services[key] = (ports, objs, elems, sizes)
         else:
@@ -411,16 +417,38 @@ class Table:
             before, after = old_elems.get(name, set()), elems.get(name, set())
             if before == after:
                 continue
-            base = self.rs.objects.get((FAMILY, TABLE, "set", name))
-            if base is None:  # a slot map _resize removed: it went with its last service
+            key = (FAMILY, TABLE, "set", name)
+            if key not in self._rs.objects:  # a slot map _resize removed: it went with its last service
                 continue
-            assert isinstance(base, NftSet)
             have = self.elements.setdefault(name, set())
-            have.difference_update(before - after)
-            have.update(after)
-            self.rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map, elements=frozenset(have)))
-            touched.add(base.key)
+            added, removed = self._pending.setdefault(name, (set(), set()))
+            for e in before - after:
+                have.discard(e)
+                if e in added:
+                    added.discard(e)
+                else:
+                    removed.add(e)
+            for e in after - before:
+                have.add(e)
+                if e in removed:
+                    removed.discard(e)
+                else:
+                    added.add(e)
+            touched.add(key)
         return touched
+
+    @property
+    def rs(self) -> Ruleset:
+        """The whole wanted ruleset (changed maps rebuilt here, once per read)."""
+        for name, (added, removed) in self._pending.items():
+            base = self._rs.objects.get((FAMILY, TABLE, "set", name))
+            if not isinstance(base, NftSet):
+                continue
+            self._rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map,
+                                elements=frozenset(self.elements.get(name, ())),
+                                delta=(base, frozenset(added), frozenset(removed))))  # fmt: skip
+        self._pending.clear()
+        return self._rs
 
     def _resize(self) -> set[Any]:
         """Prepare slots and pick chains for the largest endpoint count in use (at least SLOTS_MIN)."""
@@ -432,14 +460,15 @@ class Table:
             for obj in [o for i in range(self.slots, wanted) for o in slot_objects(i)] + [
                 o for n in range(self.slots + 1, wanted + 1) for o in pick_objects(n)
             ]:
-                self.rs.add(obj)
+                self._rs.add(obj)
                 touched.add(obj.key)
         else:
             for obj in [o for i in range(wanted, self.slots) for o in slot_objects(i)] + [
                 o for n in range(wanted + 1, self.slots + 1) for o in pick_objects(n)
             ]:
-                self.rs.objects.pop(obj.key, None)
+                self._rs.objects.pop(obj.key, None)
                 self.elements.pop(obj.name, None)
+                self._pending.pop(obj.name, None)
                 touched.add(obj.key)
         self.slots = wanted
         return touched
