@@ -14,8 +14,9 @@ Where packets are judged (see docs/policy.md for the picture):
   pass through ``ct state established,related accept`` first.  Traffic between a pod and its
   own node is never judged (the input and output hooks are not used), as in Kubernetes.
 * ``table bridge agentd-policy`` exists because two pods of one node talk through the CNI
-  bridge, at layer 2, where the inet hooks never see them (br_netfilter is not loaded, and
-  bridge-family conntrack, nf_conntrack_bridge, is not available everywhere).  Its prerouting
+  bridge, at layer 2, where the inet hooks do not see them unless br_netfilter is built in
+  and bridge-nf-call-iptables is on (a host setting agentd does not rely on; bridge-family
+  conntrack, nf_conntrack_bridge, is not available everywhere either).  Its prerouting
   chain hands unicast IPv4 frames from or to an isolated pod up to the node's IP stack
   (``meta pkttype set host`` and a destination MAC the bridge delivers locally: the host side
   of a pod's own veth), so they are routed back out of the bridge, through conntrack and the
