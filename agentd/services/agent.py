@@ -349,8 +349,9 @@ class ServiceAgent:
         """prometheus_client custom collector: per-service connection counters."""
         conns = CounterMetricFamily("agentd_service_connections", "new connections translated to a service's endpoints",
                                     labels=["namespace", "service"])  # fmt: skip
+        ports = self.ports  # one listing per scrape
         seen = set()
-        for sp in self.ports:
+        for sp in ports:
             if (sp.namespace, sp.service) in seen:
                 continue
             seen.add((sp.namespace, sp.service))
@@ -358,7 +359,7 @@ class ServiceAgent:
         yield conns
         eps = GaugeMetricFamily("agentd_service_endpoints", "usable endpoints per service port",
                                 labels=["namespace", "service", "port"])  # fmt: skip
-        for sp in self.ports:
+        for sp in ports:
             eps.add_metric([sp.namespace, sp.service, f"{sp.port}/{sp.protocol}"], len(sp.usable()))
         yield eps
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=self.syncs)

@@ -326,10 +326,7 @@ def _compile_affinity(sp: ServicePort, node: str, objs: list[Any], put: Callable
 
 
 def _dispatch(sp: ServicePort, endpoints: tuple[Endpoint, ...], counter: dict[str, Any]) -> tuple[str, ...]:
-    rules = []
-    if sp.affinity_timeout is not None:
-        for e in endpoints:
-            rules.append(rule_text([_match(SADDR, "@" + affinity_set(sp, e)), counter, _goto(ep_chain(sp, e))]))
+    rules = [rule_text([_match(SADDR, "@" + affinity_set(sp, e)), counter, _goto(ep_chain(sp, e))]) for e in endpoints]
     if len(endpoints) == 1:
         rules.append(rule_text([counter, _goto(ep_chain(sp, endpoints[0]))]))
     else:
@@ -340,16 +337,19 @@ def _dispatch(sp: ServicePort, endpoints: tuple[Endpoint, ...], counter: dict[st
 
 
 def _endpoint(sp: ServicePort, e: Endpoint, chain: str) -> list[Any]:
-    rules = [rule_text([_match(SADDR, e.ip), MARK_MASQ])]  # hairpin: the pod reaching itself
-    objs: list[Any] = []
-    if sp.affinity_timeout is not None:
-        aff = affinity_set(sp, e)
-        objs.append(NftSet(FAMILY, TABLE, aff, ("ipv4_addr",), flags=("timeout",), timeout=sp.affinity_timeout))
-        rules.append(rule_text([{"set": {"op": "update", "elem": SADDR, "set": "@" + aff}}]))
-    # dnat to addr:port needs the protocol known in the rule (the map matched it already).
-    rules.append(rule_text([_match(_meta("l4proto"), sp.l4), {"dnat": {"addr": e.ip, "port": e.port}}]))
-    objs.append(NftChain(FAMILY, TABLE, chain, tuple(rules)))
-    return objs
+    """An affinity Service's endpoint: its chain (hairpin mark, the client recorded in the
+    endpoint's timeout set, dnat) and that set."""
+    aff = affinity_set(sp, e)
+    rules = (
+        rule_text([_match(SADDR, e.ip), MARK_MASQ]),  # hairpin: the pod reaching itself
+        rule_text([{"set": {"op": "update", "elem": SADDR, "set": "@" + aff}}]),
+        # dnat to addr:port needs the protocol known in the rule (the map matched it already).
+        rule_text([_match(_meta("l4proto"), sp.l4), {"dnat": {"addr": e.ip, "port": e.port}}]),
+    )
+    return [
+        NftSet(FAMILY, TABLE, aff, ("ipv4_addr",), flags=("timeout",), timeout=sp.affinity_timeout),
+        NftChain(FAMILY, TABLE, chain, rules),
+    ]
 
 
 ServiceKey = tuple[str, str]  # (namespace, name)
@@ -421,19 +421,15 @@ class Table:
             if key not in self._rs.objects:  # a slot map _resize removed: it went with its last service
                 continue
             have = self.elements.setdefault(name, set())
+            gone, new = before - after, after - before
+            have -= gone
+            have |= new
+            # The net difference since rs was last read: what came and went in between cancels.
             added, removed = self._pending.setdefault(name, (set(), set()))
-            for e in before - after:
-                have.discard(e)
-                if e in added:
-                    added.discard(e)
-                else:
-                    removed.add(e)
-            for e in after - before:
-                have.add(e)
-                if e in removed:
-                    removed.discard(e)
-                else:
-                    added.add(e)
+            removed |= gone - added
+            added -= gone
+            added |= new - removed
+            removed -= new
             touched.add(key)
         return touched
 
