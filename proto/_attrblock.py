@@ -58,7 +58,8 @@ class SharedAttributes(NamedTuple):
 
 
 class Interned:
-    """Decoded attributes by their bytes as received, for one session and codec context.
+    """Decoded attributes by their bytes as received, for one session and codec context,
+    each with its hash (a set's hash is the sum of its attributes', see PathAttributes).
 
     Two generations of at most ``limit`` entries each: a full one becomes the old one, and
     a hit there moves back, so attributes many routes share (AS_PATH, ORIGIN, NEXT_HOP)
@@ -68,23 +69,23 @@ class Interned:
     __slots__ = ("new", "old", "limit")
 
     def __init__(self, limit: int) -> None:
-        self.new: dict[bytes, PathAttribute] = {}
-        self.old: dict[bytes, PathAttribute] = {}
+        self.new: dict[bytes, tuple[PathAttribute, int]] = {}
+        self.old: dict[bytes, tuple[PathAttribute, int]] = {}
         self.limit = limit
 
-    def get(self, raw: bytes) -> PathAttribute | None:
-        attr = self.new.get(raw)
-        if attr is None:
-            attr = self.old.get(raw)
-            if attr is not None:
-                self.put(raw, attr)
-        return attr
+    def get(self, raw: bytes) -> tuple[PathAttribute, int] | None:
+        hit = self.new.get(raw)
+        if hit is None:
+            hit = self.old.get(raw)
+            if hit is not None:
+                self.put(raw, hit)
+        return hit
 
-    def put(self, raw: bytes, attr: PathAttribute) -> None:
+    def put(self, raw: bytes, hit: tuple[PathAttribute, int]) -> None:
         if len(self.new) >= self.limit:
             self.old = self.new
             self.new = {}
-        self.new[raw] = attr
+        self.new[raw] = hit
 
 
 class InternedByCode:
@@ -190,9 +191,15 @@ def decode_shared(
     nh_errors: list[UpdateError] = []
     seen_codes: set[int] = set()
     seen = 0
+    hashes = 0  # the sum of the kept attributes' hashes (PathAttributes' own hash)
+    last = -1
+    ordered = True  # codes ascending, as RFC 4271 §5 recommends senders order them
     for flags, code, vstart, vend, astart in frames:
         if code in _MP_CODES:
             continue
+        if code <= last:
+            ordered = False
+        last = code
         if code in seen_codes:
             # RFC 7606 §3 g: keep the first occurrence, discard the others.
             errors.append(
@@ -211,11 +218,10 @@ def decode_shared(
         if interned is not None:
             raw = body[astart:vend]
             table = interned.tables.get(code) or interned.table(code)
-            attr = table.new.get(raw)
-            if attr is None:
-                attr = table.get(raw)
-            if attr is not None:
-                items[code] = attr
+            hit = table.new.get(raw) or table.get(raw)
+            if hit is not None:
+                items[code] = hit[0]
+                hashes += hit[1]
                 continue
         value = body[vstart:vend]
         cls = ATTRIBUTES.get(code)
@@ -230,7 +236,8 @@ def decode_shared(
                 )
             if flags & TRANSITIVE:
                 # RFC 4271 §5: passed on with Partial set; non-transitive ones are dropped.
-                items[code] = UnknownAttribute(code, flags & 0xE0, value)
+                attr = items[code] = UnknownAttribute(code, flags & 0xE0, value)
+                hashes += hash(attr)
             continue
         if code in _AS4_CODES and ctx.four_octet_as:
             # RFC 6793 §3/§4.1: AS4_PATH/AS4_AGGREGATOR between NEW speakers are discarded.
@@ -301,32 +308,111 @@ def decode_shared(
             if not attr.partial:
                 attr = dataclasses.replace(attr, partial=True)
         items[code] = attr
+        attr_hash = hash(attr)
+        hashes += attr_hash
         if interned is not None and problem is None:
             # Every outcome above is a function of these bytes and ctx: no error, so the
             # same bytes decode to an equal object.
-            table.put(raw, attr)
+            table.put(raw, (attr, attr_hash))
+    if not ctx.four_octet_as and _merge_as4(items):
+        attributes = PathAttributes._of_index(items)
+    else:
+        attributes = PathAttributes._of_index(items, hashes, ordered)
+    return SharedAttributes(attributes, tuple(errors), tuple(nh_errors), seen)
+
+
+_PLAIN_SEEN = {1: 1, 2: 2, 3: 4}
+
+
+def decode_plain(body: bytes, start: int, end: int, ctx: CodecContext, interned: InternedByCode) -> SharedAttributes | None:
+    """The common attribute block in one pass: framed without error, type codes strictly
+    ascending (so no repeats), no MP_REACH_NLRI/MP_UNREACH_NLRI, and every attribute either
+    held in ``interned`` or decoding without any RFC 7606 outcome.  Anything else returns
+    None, and the caller takes the general path (:func:`frame_attributes` then
+    :func:`decode_shared`), which gives the same result for such a block: this is a shortcut
+    for the UPDATEs a sane speaker sends, not a second set of rules.
+    """
     if not ctx.four_octet_as:
-        _merge_as4(items)
-    return SharedAttributes(PathAttributes._of_index(items), tuple(errors), tuple(nh_errors), seen)
+        return None  # AS4_PATH / AS4_AGGREGATOR to merge: the general path
+    items: dict[int, PathAttribute] = {}
+    hashes = 0
+    last = -1
+    pos = start
+    tables = interned.tables
+    while pos + 2 < end:  # an attribute header has three octets at least
+        flags = body[pos]
+        code = body[pos + 1]
+        if flags & EXTENDED_LENGTH:
+            if pos + 3 >= end:
+                return None
+            vstart = pos + 4
+            vend = vstart + ((body[pos + 2] << 8) | body[pos + 3])
+        else:
+            vstart = pos + 3
+            vend = vstart + body[pos + 2]
+        if vend > end or code <= last:
+            return None
+        raw = body[pos:vend]
+        pos = vend
+        last = code
+        table = tables.get(code) or interned.table(code)
+        hit = table.new.get(raw) or table.get(raw)
+        if hit is not None:
+            items[code] = hit[0]
+            hashes += hit[1]
+            continue
+        cls = ATTRIBUTES.get(code)
+        if (
+            cls is None
+            or code in _MP_CODES
+            or (flags ^ cls.flags) & (OPTIONAL | TRANSITIVE)
+            or flags & PARTIAL
+            or code in _AS4_CODES
+            or (code == LocalPref.code and ctx.external)
+        ):
+            return None
+        try:
+            attr = cls.decode_value(body[vstart:vend], flags, ctx)
+        except DecodeError:
+            return None
+        if code == _NEXT_HOP_CODE:
+            if next_hop_problem(attr.address) is not None:  # type: ignore[attr-defined]
+                return None
+        elif code == AsPath.code and ctx.external and attr.has_confederation():  # type: ignore[attr-defined]
+            return None
+        items[code] = attr
+        attr_hash = hash(attr)
+        hashes += attr_hash
+        table.put(raw, (attr, attr_hash))
+    if pos != end:
+        return None  # octets left that cannot hold an attribute header
+    seen = 0
+    for code in items:
+        if code > 3:
+            break
+        seen |= _PLAIN_SEEN[code]
+    return SharedAttributes(PathAttributes._of_index(items, hashes, True), (), (), seen)
 
 
-def _merge_as4(items: dict[int, PathAttribute]) -> None:
-    """Rebuild AS_PATH/AGGREGATOR from AS4_PATH/AS4_AGGREGATOR (RFC 6793 §4.2.3)."""
+def _merge_as4(items: dict[int, PathAttribute]) -> bool:
+    """Rebuild AS_PATH/AGGREGATOR from AS4_PATH/AS4_AGGREGATOR (RFC 6793 §4.2.3);
+    whether ``items`` changed."""
     as4_path = items.pop(As4Path.code, None)
     as4_aggregator = items.pop(As4Aggregator.code, None)
     if as4_path is None and as4_aggregator is None:
-        return
+        return False
     aggregator = items.get(Aggregator.code)
     if isinstance(aggregator, Aggregator) and isinstance(as4_aggregator, As4Aggregator):
         if aggregator.asn != AS_TRANS:
             # Both AGGREGATOR and AS4_AGGREGATOR, and AGGREGATOR is not AS_TRANS: an OLD
             # speaker aggregated the route after the AS4 attributes were made, so both AS4
             # attributes are out of date and ignored.
-            return
+            return True
         items[Aggregator.code] = Aggregator(as4_aggregator.asn, as4_aggregator.address, partial=aggregator.partial)
     as_path = items.get(AsPath.code)
     if isinstance(as4_path, As4Path) and isinstance(as_path, AsPath):
         items[AsPath.code] = merge_as4_path(as_path, as4_path)
+    return True
 
 
 def decode_mp(

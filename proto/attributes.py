@@ -437,13 +437,19 @@ _NLRI_CODES = (MpReachNlri.code, MpUnreachNlri.code)
 # the position of code ``c`` in ``items``).  Shared: a table holds a handful of distinct
 # code lists, so a set of attributes pays a pointer for its index, not a dict per set.
 _CODE_LISTS: dict[bytes, bytes] = {}
-# The hash kept per set is cut to 30 bits: an int below 2**30 is one digit (28 octets), a
-# full 64-bit hash three (36), and a table holds one set per route.
+# A set's hash is the sum of its attributes' hashes (order does not matter, as the codes
+# are unique), so the decoder can add up hashes it keeps beside interned attributes
+# instead of hashing every attribute of every set again.  It is cut to 30 bits: an int
+# below 2**30 is one digit (28 octets), a full 64-bit hash three (36), and a table holds
+# one set per route.
 _HASH_MASK = (1 << 30) - 1
 
 
 def _codes_of(items: tuple[PathAttribute, ...]) -> bytes:
-    codes = bytes([a.code for a in items])
+    return _shared_codes(bytes([a.code for a in items]))
+
+
+def _shared_codes(codes: bytes) -> bytes:
     shared = _CODE_LISTS.get(codes)
     if shared is None:
         if len(_CODE_LISTS) >= 4096:  # bounded even if a peer sends every combination
@@ -477,20 +483,30 @@ class PathAttributes:
         items = tuple(index[c] for c in sorted(index))
         object.__setattr__(self, "items", items)
         object.__setattr__(self, "_codes", _codes_of(items))
-        object.__setattr__(self, "_hash", hash(items) & _HASH_MASK)
+        object.__setattr__(self, "_hash", sum(map(hash, items)) & _HASH_MASK)
 
     @classmethod
-    def _of_index(cls, index: dict[int, PathAttribute]) -> PathAttributes:
+    def _of_index(
+        cls, index: dict[int, PathAttribute], item_hashes: int | None = None, ordered: bool = False
+    ) -> PathAttributes:
         """Built from a code -> attribute dict that is already valid (one per code, no MP
-        attributes): the decoder's and replace()/without()'s way, skipping the checks."""
+        attributes): the decoder's and replace()/without()'s way, skipping the checks.
+
+        ``item_hashes``: the sum of ``hash(a)`` over the attributes, when the caller has it
+        (the decoder keeps each interned attribute's hash beside it); ``ordered``: the
+        dict's codes are known to be ascending.
+        """
         self = object.__new__(cls)
-        codes = list(index)
-        if codes != sorted(codes):
-            index = {c: index[c] for c in sorted(codes)}
+        if not ordered:
+            codes = list(index)
+            if codes != sorted(codes):
+                index = {c: index[c] for c in sorted(codes)}
         items = tuple(index.values())
         object.__setattr__(self, "items", items)
-        object.__setattr__(self, "_codes", _codes_of(items))
-        object.__setattr__(self, "_hash", hash(items) & _HASH_MASK)
+        object.__setattr__(self, "_codes", _shared_codes(bytes(index)))
+        if item_hashes is None:
+            item_hashes = sum(map(hash, items))
+        object.__setattr__(self, "_hash", item_hashes & _HASH_MASK)
         return self
 
     def _index(self) -> dict[int, PathAttribute]:

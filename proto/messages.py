@@ -14,7 +14,14 @@ from ipaddress import IPv4Address
 from typing import ClassVar, Union
 
 from proto._attr_base import AS_TRANS, DEFAULT_CONTEXT, CodecContext
-from proto._attrblock import InternedByCode, SharedAttributes, decode_mp, decode_shared, frame_attributes
+from proto._attrblock import (
+    InternedByCode,
+    SharedAttributes,
+    decode_mp,
+    decode_plain,
+    decode_shared,
+    frame_attributes,
+)
 from proto.attributes import EMPTY_ATTRIBUTES, MpReachNlri, MpUnreachNlri, PathAttributes
 from proto.capabilities import Capability, FourOctetAs, decode_capability
 from proto.errors import (
@@ -258,6 +265,29 @@ class Update:
         return frame(MessageType.UPDATE, body, ctx)
 
     @classmethod
+    def _decode_plain(cls, body: bytes, aend: int, ctx: CodecContext, cache: dict) -> Update | None:
+        """decode()'s shortcut for an UPDATE of NLRI and attributes only, whose attributes
+        are cached or decode by :func:`decode_plain` with every mandatory one present and no
+        error outcome; None sends the caller down the general path."""
+        held = cache.get(_CTX_KEY)
+        interned = cache.get(_ATTR_KEY)
+        if interned is None or (held is not ctx and held != ctx):
+            return None
+        key = body[4:aend]
+        shared = cache.get(key)
+        if shared is None:
+            shared = decode_plain(body, 4, aend, ctx, interned)
+            if shared is None:
+                return None
+            if len(cache) > ATTRIBUTE_CACHE_SIZE:
+                _evict(cache)
+            cache[key] = shared
+        if shared.seen != 7 or shared.errors or shared.next_hop_errors:
+            return None
+        # RFC 7606 §3 i, §5.3: the NLRI field must be syntactically correct.
+        return cls((), shared.attributes, tuple(decode_prefixes_at(body, aend, len(body), 1)))
+
+    @classmethod
     def decode(cls, body: bytes, ctx: CodecContext = DEFAULT_CONTEXT, cache: dict | None = None) -> Update:
         """Decode an UPDATE body applying RFC 4271 §6.3 and RFC 7606.
 
@@ -267,6 +297,13 @@ class Update:
         if not isinstance(body, bytes):
             body = bytes(body)
         n = len(body)
+        if cache is not None and n > 4 and not body[0] and not body[1]:
+            # The UPDATE nearly every speaker sends: no withdrawn routes, attributes, NLRI.
+            aend = 4 + ((body[2] << 8) | body[3])
+            if 4 < aend < n:
+                fast = cls._decode_plain(body, aend, ctx, cache)
+                if fast is not None:
+                    return fast
         if n < 4:
             raise _malformed_list(f"UPDATE body of {n} octets cannot hold its two length fields")
         wlen = (body[0] << 8) | body[1]
@@ -288,7 +325,8 @@ class Update:
 
         shared: SharedAttributes | None = None
         if cache is not None:
-            if cache.get(_CTX_KEY) != ctx:
+            held = cache.get(_CTX_KEY)
+            if held is not ctx and held != ctx:
                 cache.clear()
                 cache[_CTX_KEY] = ctx
             shared = cache.get(body[astart:aend])
@@ -296,6 +334,15 @@ class Update:
         errors: list[UpdateError] = []
         other_attrs = True
         framing_failed = False
+        if shared is None and cache is not None:
+            interned = cache.get(_ATTR_KEY)
+            if interned is None:
+                interned = cache[_ATTR_KEY] = InternedByCode(INTERNED_ATTRIBUTES)
+            shared = decode_plain(body, astart, aend, ctx, interned)
+            if shared is not None:
+                if len(cache) > ATTRIBUTE_CACHE_SIZE:  # type: ignore[arg-type]
+                    _evict(cache)  # type: ignore[arg-type]
+                cache[body[astart:aend]] = shared  # type: ignore[index]
         if shared is None:
             frames, framing_error, has_mp = frame_attributes(body, astart, aend)
             key = None

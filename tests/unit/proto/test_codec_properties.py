@@ -5,7 +5,7 @@ from __future__ import annotations
 from ipaddress import IPv4Address, IPv6Address
 
 import pytest
-from codec_build import MANDATORY, NLRI, attr, update
+from codec_build import MANDATORY, NLRI, attr, mp_reach, segment, update, update_body
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -337,3 +337,79 @@ def test_decode_prefixes_mixed_fields_agree_with_the_walk(afi: int, items: list,
         assert (info.value.code, info.value.subcode) == (3, 10)
     else:
         assert decode_prefixes(data, afi) == expected
+
+
+# Attributes for the cached-vs-plain equivalence below, by type code: well-formed ones and
+# every kind of outcome the general path knows (a bad NEXT_HOP, wrong flags, Partial,
+# Extended Length, an unknown optional one, AS4_PATH, LOCAL_PREF, a confederation segment,
+# MP_REACH_NLRI, a truncated header), so blocks fall on both sides of decode()'s shortcut.
+_VARIANTS = {
+    1: [attr(0x40, 1, b"\x00"), attr(0x40, 1, b"\x02"), attr(0x40, 1, b"\x07")],  # the last out of range
+    2: [
+        attr(0x40, 2, segment(2, [65001, 65002])),
+        attr(0x40, 2, segment(2, [65003])),
+        attr(0x40, 2, segment(3, [65010, 65011])),  # confederation: malformed from an external peer
+        attr(0x50, 2, segment(2, [65001, 65002])),  # Extended Length
+        attr(0x40, 2, segment(2, [65001, 23456], width=2)),  # for a 2-octet session, AS_TRANS
+    ],
+    3: [
+        attr(0x40, 3, bytes((192, 0, 2, 1))),
+        attr(0x40, 3, bytes((192, 0, 2, 2))),
+        attr(0x40, 3, bytes((0, 0, 0, 0))),  # not a host address
+        attr(0x40, 3, bytes((224, 0, 0, 1))),  # multicast
+        attr(0xC0, 3, bytes((192, 0, 2, 1))),  # flags conflict
+    ],
+    4: [attr(0x80, 4, b"\x00\x00\x00\x05"), attr(0x80, 4, b"\x00\x00\x00\x06"), attr(0x80, 4, b"\x00\x05")],
+    5: [attr(0x40, 5, b"\x00\x00\x00\x64")],
+    8: [attr(0xC0, 8, b"\xfd\xe9\x00\x01"), attr(0xE0, 8, b"\xfd\xe9\x00\x02"), attr(0xC0, 8, b"\xfd\xe9\x00")],
+    14: [mp_reach()],
+    17: [attr(0xC0, 17, segment(2, [70000])), attr(0xC0, 17, segment(2, [65001, 70000]))],  # AS4_PATH
+    97: [attr(0x40, 97, b"x")],  # unknown well-known: session reset
+    98: [attr(0x80, 98, b"x")],  # unknown optional non-transitive
+    99: [attr(0xC0, 99, b"opaque")],  # unknown optional transitive
+}
+_COMMON = (1, 2, 3, 4, 8, 17)
+
+
+@st.composite
+def _attribute_blocks(draw: st.DrawFn) -> bytes:
+    """Mostly what speakers send (ORIGIN, AS_PATH, NEXT_HOP, maybe MED and COMMUNITIES, in
+    code order), otherwise any codes, shuffled or repeated, maybe cut short."""
+    codes = [c for c in _COMMON if c < 4 or draw(st.booleans())]
+    if draw(st.integers(0, 3)) == 0:
+        codes = draw(st.lists(st.sampled_from(sorted(_VARIANTS)), max_size=6))
+    if draw(st.integers(0, 4)) == 0:
+        codes = draw(st.permutations(codes))
+    block = b"".join(draw(st.sampled_from(_VARIANTS[c])) for c in codes)
+    if draw(st.integers(0, 9)) == 0:
+        block += b"\x40\x01"  # a header cut short
+    return block
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(_attribute_blocks(), min_size=1, max_size=8),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([NLRI, b"", NLRI + b"\x10\x0a\x01", b"\x21\x00"]),
+    st.sampled_from([b"", b"\x18\x0a\x00\x02"]),
+)
+def test_decoding_with_a_cache_gives_what_decoding_without_one_gives(
+    blocks: list[bytes], four_octet: bool, external: bool, nlri: bytes, withdrawn: bytes
+) -> None:
+    """The session's cache (whole blocks, interned single attributes, and decode()'s shortcut
+    for plain UPDATEs) never changes a result: each body, decoded twice through one cache,
+    equals the body decoded alone, or raises the same error."""
+    ctx = CodecContext(four_octet_as=four_octet, external=external)
+    cache: dict = {}
+    bodies = [update_body(block, nlri, withdrawn) for block in blocks]
+
+    def outcome(body: bytes, with_cache: dict | None) -> object:
+        try:
+            return Update.decode(body, ctx, with_cache)
+        except DecodeError as exc:
+            return ("error", exc.code, exc.subcode, str(exc))
+
+    for _ in range(2):
+        for body in bodies:
+            assert outcome(body, cache) == outcome(body, None)
