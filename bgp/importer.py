@@ -95,7 +95,7 @@ class Importer:
         attrs = None if update.treat_as_withdraw else self._imported(p, update.attributes, now)
         breach = None
         if update.nlri:
-            breach = self._announce(p, IPV4_UNICAST, update.nlri, attrs, attrs.next_hop if attrs else None, now)
+            breach = self._announce(p, IPV4_UNICAST, update.nlri, attrs, None if attrs is None else attrs.next_hop, now)
         if mp is not None and mp.nlri and (mp.afi, mp.safi) in families:
             nh = mp.next_hop[0] if mp.next_hop else None
             breach = self._announce(p, (mp.afi, mp.safi), mp.nlri, attrs, nh, now) or breach

@@ -109,7 +109,8 @@ class AdjRibIn:
 
     def path(self, attributes: PathAttributes, next_hop: Address | None) -> Path:
         """The shared Path for these attributes from this source (fresh, not stale)."""
-        key = attributes if next_hop is not None and next_hop == attributes.next_hop else (attributes, next_hop)
+        own = attributes.next_hop
+        key = attributes if next_hop is own or (next_hop is not None and next_hop == own) else (attributes, next_hop)
         p = self._interned.get(key)
         if p is None or p.stale:
             p = Path(self.source, attributes, next_hop)

@@ -591,14 +591,18 @@ class Speaker:
                 for family, entry in batch.items():
                     if family not in group.families:
                         continue
-                    if not group.tables[family] and not group.building and not any(
-                        p.source.key in group.members or group.exports(p, family)
-                        for p in self.rib.promoted.get(family, ())
-                    ):
-                        # Nothing this group had before and nothing new is for it (iBGP routes
-                        # to iBGP peers without reflection, say): no need to look at each prefix.
-                        # (A member's own routes are deferred by the group itself, cheaply.)
-                        continue
+                    if not group.tables[family] and not group.building:
+                        promoted = self.rib.promoted.get(family, ())
+                        if len(group.members) == 1 and all(p.source.key in group.members for p in promoted):
+                            # The only member's own routes, and the group had nothing: all of
+                            # them would be held back (see UpdateGroup.apply), so hold the family.
+                            if promoted:
+                                group.deferred.add(family)
+                            continue
+                        if not any(p.source.key in group.members or group.exports(p, family) for p in promoted):
+                            # Nothing this group had before and nothing new is for it (iBGP routes
+                            # to iBGP peers without reflection, say): no need to look at each prefix.
+                            continue
                     group.apply(family, self.rib.changed(family, entry), now)
                     changed = True
             except Exception:

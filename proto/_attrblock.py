@@ -321,9 +321,6 @@ def decode_shared(
     return SharedAttributes(attributes, tuple(errors), tuple(nh_errors), seen)
 
 
-_PLAIN_SEEN = {1: 1, 2: 2, 3: 4}
-
-
 def decode_plain(body: bytes, start: int, end: int, ctx: CodecContext, interned: InternedByCode) -> SharedAttributes | None:
     """The common attribute block in one pass: framed without error, type codes strictly
     ascending (so no repeats), no MP_REACH_NLRI/MP_UNREACH_NLRI, and every attribute either
@@ -340,18 +337,16 @@ def decode_plain(body: bytes, start: int, end: int, ctx: CodecContext, interned:
     pos = start
     tables = interned.tables
     while pos + 2 < end:  # an attribute header has three octets at least
-        flags = body[pos]
         code = body[pos + 1]
-        if flags & EXTENDED_LENGTH:
+        if body[pos] & EXTENDED_LENGTH:
             if pos + 3 >= end:
                 return None
-            vstart = pos + 4
-            vend = vstart + ((body[pos + 2] << 8) | body[pos + 3])
+            vend = pos + 4 + ((body[pos + 2] << 8) | body[pos + 3])
         else:
-            vstart = pos + 3
-            vend = vstart + body[pos + 2]
+            vend = pos + 3 + body[pos + 2]
         if vend > end or code <= last:
             return None
+        apos = pos
         raw = body[pos:vend]
         pos = vend
         last = code
@@ -361,6 +356,8 @@ def decode_plain(body: bytes, start: int, end: int, ctx: CodecContext, interned:
             items[code] = hit[0]
             hashes += hit[1]
             continue
+        flags = body[apos]
+        vstart = apos + (4 if flags & EXTENDED_LENGTH else 3)
         cls = ATTRIBUTES.get(code)
         if (
             cls is None
@@ -386,11 +383,10 @@ def decode_plain(body: bytes, start: int, end: int, ctx: CodecContext, interned:
         table.put(raw, (attr, attr_hash))
     if pos != end:
         return None  # octets left that cannot hold an attribute header
-    seen = 0
-    for code in items:
-        if code > 3:
-            break
-        seen |= _PLAIN_SEEN[code]
+    if 3 in items and 2 in items and 1 in items:
+        seen = 7
+    else:
+        seen = (1 in items) | (2 in items) << 1 | (3 in items) << 2
     return SharedAttributes(PathAttributes._of_index(items, hashes, True), (), (), seen)
 
 

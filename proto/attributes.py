@@ -617,10 +617,17 @@ class PathAttributes:
             index[attr.code] = attr
         return PathAttributes._of_index(index)
 
+    def holds_any(self, codes: frozenset[int]) -> bool:
+        """Whether an attribute of any of these type codes is here."""
+        return not codes.isdisjoint(self._codes)
+
     def without(self, *codes: int) -> PathAttributes:
         """A copy without the attributes of the given type codes."""
         own = self._codes
-        if not any(type(c) is int and 0 <= c < 256 and c in own for c in codes):
+        for c in codes:
+            if type(c) is int and 0 <= c < 256 and c in own:
+                break
+        else:
             return self
         return PathAttributes._of_index({c: a for c, a in zip(own, self.items) if c not in codes})
 

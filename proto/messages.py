@@ -587,25 +587,31 @@ class MessageReader:
             )
         length = (buf[pos + 16] << 8) | buf[pos + 17]
         msg_type = buf[pos + 18]
-        if length < HEADER_LEN or length > self._max:
+        if msg_type == 2 and 23 <= length <= self._max:
+            pass  # an UPDATE of a sane length: the checks below would all pass
+        elif length < HEADER_LEN or length > self._max:
             raise DecodeError(
                 ErrorCode.MESSAGE_HEADER,
                 HeaderSubcode.BAD_MESSAGE_LENGTH,
                 bytes(buf[pos + 16 : pos + 18]),
                 f"length {length} outside {HEADER_LEN}..{self._max}",
             )
-        minimum = _MIN_LEN.get(msg_type)
-        if minimum is None:
-            raise DecodeError(
-                ErrorCode.MESSAGE_HEADER, HeaderSubcode.BAD_MESSAGE_TYPE, bytes((msg_type,)), f"message type {msg_type}"
-            )
-        if length < minimum or (msg_type == MessageType.KEEPALIVE and length != HEADER_LEN):
-            raise DecodeError(
-                ErrorCode.MESSAGE_HEADER,
-                HeaderSubcode.BAD_MESSAGE_LENGTH,
-                bytes(buf[pos + 16 : pos + 18]),
-                f"length {length} is wrong for a {MessageType(msg_type).name} message",
-            )
+        else:
+            minimum = _MIN_LEN.get(msg_type)
+            if minimum is None:
+                raise DecodeError(
+                    ErrorCode.MESSAGE_HEADER,
+                    HeaderSubcode.BAD_MESSAGE_TYPE,
+                    bytes((msg_type,)),
+                    f"message type {msg_type}",
+                )
+            if length < minimum or (msg_type == MessageType.KEEPALIVE and length != HEADER_LEN):
+                raise DecodeError(
+                    ErrorCode.MESSAGE_HEADER,
+                    HeaderSubcode.BAD_MESSAGE_LENGTH,
+                    bytes(buf[pos + 16 : pos + 18]),
+                    f"length {length} is wrong for a {MessageType(msg_type).name} message",
+                )
         end = pos + length
         if end > len(buf):
             return None
