@@ -38,6 +38,7 @@ from agentd.cni import netconf as cni_config
 
 from agentd.daemon import mesh
 from agentd.daemon.api import ApiServer
+from agentd.daemon.views import AgentViews
 from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from agentd.config.settings import Config, ConfigError, load_config, reloaded
 from agentd.datastore.store import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
@@ -49,7 +50,7 @@ from agentd.services.agent import ServiceAgent, remove_services_table  # Service
 from agentd.kernel.route_model import Route, SyncResult
 from agentd.kernel.routing import RouteProgrammer
 from agentd.daemon.sdnotify import Notifier
-from agentd.daemon.speaker import SpeakerMetrics, bfd_timers, listen_ranges, local_settings, peer_rows, peer_settings
+from agentd.daemon.speaker import SpeakerMetrics, bfd_timers, listen_ranges, local_settings, peer_settings
 from agentd.daemon.supervisor import Supervisor
 
 log = logging.getLogger("agentd")
@@ -77,7 +78,7 @@ class Agent:
         )
         self.registry.register(SpeakerMetrics(lambda: self.service))
         self.registry.register(_AgentMetrics(self))
-        self.api = ApiServer(self, cfg.api.listen.host, cfg.api.listen.port)
+        self.api = ApiServer(AgentViews(self), cfg.api.listen.host, cfg.api.listen.port)
         self.underlay: Underlay | None = None
         self.programmer: RouteProgrammer | None = None
         self.datastore: Datastore | None = None
@@ -475,7 +476,7 @@ class Agent:
         log.error("%s; pods keep their addresses, but the cluster is inconsistent until this node leaves", msg)
         self._problems.append(msg)
 
-    # ================================================================ StatusProvider
+    # ================================================================ health (AgentViews shows the rest)
 
     def health(self) -> tuple[bool, list[str]]:
         return self.supervisor.health()
@@ -491,71 +492,6 @@ class Agent:
         elif not self._initial_sync_done:
             reasons.append("waiting for peers' End-of-RIB")
         return not reasons, reasons
-
-    def status(self) -> dict[str, Any]:
-        prog = self.programmer
-        return {
-            "node": {
-                "name": self.name,
-                "address": str(self.address),
-                "asn": self.cfg.node.asn,
-                "subnet": str(self.lease.subnet) if self.lease else None,
-                "backend": self.cfg.network.backend,
-                "encap": self.cfg.network.encap,
-                "route_reflector": self.cfg.node.route_reflector,
-                "mtu": self.pod_mtu,
-                "underlay": self.underlay.ifname if self.underlay else None,
-            },
-            "bgp": {
-                "router_id": str(self.speaker.local.router_id) if self.speaker else None,
-                "mode": self.cfg.bgp.mode,
-                "peers": self.peers(),
-            },
-            "routes": {
-                "programmed": len(prog.programmed()) if prog else 0,
-                "last_sync": prog.last_sync if prog else None,
-                "conflicts": dict(prog.conflicts) if prog else {},
-            },
-            "datastore": {
-                "connected": bool(self.datastore and self.datastore.connected),
-                "endpoints": list(self.cfg.etcd.endpoints),
-                "endpoint": self.datastore.endpoint if self.datastore else None,
-            },
-            "backends": self.tunnels.status() if self.tunnels else {},
-            "policy": self.policy.status() if self.policy else None,
-            "tasks": self.supervisor.summary(),
-            "ready": self.readiness()[0],
-        }
-
-    def peers(self) -> list[dict[str, Any]]:
-        if self.service is None:
-            return []
-        rows = peer_rows(self.service)
-        paths = self.tunnels.paths() if self.tunnels else None
-        for row in rows:
-            plan = self.plans.get(row["address"])
-            row["backend"] = plan.backend if plan else None
-            row["backend_reason"] = plan.reason if plan else None
-            # The data path carrying it here, and its packet counters where the kernel keeps them.
-            row["datapath"] = paths.label(plan) if plan and paths else None
-            row["counters"] = self.tunnels.bpf.peer_counters(row["address"]) \
-                if self.tunnels and row["datapath"] == "bpf" else None
-        return rows
-
-    def bgp_speaker(self) -> Speaker | None:
-        return self.speaker
-
-    def services_view(self, summary: bool = False) -> dict[str, Any] | None:
-        """GET /services (issue 14)."""
-        return self.services.view(summary) if self.services else None
-
-    def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None:
-        """GET /policy (issue 13)."""
-        return self.policy.view(pod, summary=summary) if self.policy else None
-
-    def routes(self) -> list[dict[str, Any]]:
-        programmed = {r.dst for r in self.programmer.programmed()} if self.programmer else set()
-        return [dict(row, installed=row["dst"] in programmed) for row in self.route_rows]
 
 
 class _AgentMetrics:

@@ -1,0 +1,146 @@
+"""The agent as the REST API and ``agentd status`` see it: its state turned into JSON rows.
+
+``AgentViews`` is the :class:`agentd.daemon.api.StatusProvider` of ``agentd run``; it reads
+the running agent (what it reads is :class:`AgentState`) and never changes it
+(``request_leave`` passes the request on).  BGP rows come from :mod:`agentd.daemon.speaker`
+(``peer_rows``), the speaker's JSON from :mod:`agentd.daemon.bgp_json`.
+"""
+
+from __future__ import annotations
+
+from ipaddress import IPv4Address
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from bgp import Speaker, SpeakerService
+
+from agentd.config.settings import Config
+from agentd.daemon.speaker import peer_rows
+from agentd.daemon.supervisor import Supervisor
+from agentd.dataplane.backends import Tunnels
+from agentd.datastore.store import Datastore, SubnetLease
+from agentd.kernel.forwarding import PeerPlan
+from agentd.kernel.netinfo import Underlay
+from agentd.kernel.routing import RouteProgrammer
+from agentd.policy.agent import PolicyAgent
+from agentd.services.agent import ServiceAgent
+
+
+class AgentState(Protocol):
+    """What the views read of the agent (``agentd.daemon.agent.Agent`` has all of it)."""
+
+    cfg: Config
+    name: str
+    address: IPv4Address
+    pod_mtu: int
+    registry: CollectorRegistry
+    supervisor: Supervisor
+    underlay: Underlay | None
+    lease: SubnetLease | None
+    programmer: RouteProgrammer | None
+    datastore: Datastore | None
+    speaker: Speaker | None
+    service: SpeakerService | None
+    tunnels: Tunnels | None
+    policy: PolicyAgent | None
+    services: ServiceAgent | None
+    plans: dict[str, PeerPlan]
+    route_rows: list[dict[str, Any]]
+
+    def health(self) -> tuple[bool, list[str]]: ...
+
+    def readiness(self) -> tuple[bool, list[str]]: ...
+
+    def request_leave(self) -> None: ...
+
+
+class AgentViews:
+    """What ``GET /status``, ``/peers``, ``/routes``, ``/policy``, ``/services`` and ``/rib``
+    show of one agent."""
+
+    def __init__(self, agent: AgentState) -> None:
+        self.agent = agent
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.agent.registry
+
+    def health(self) -> tuple[bool, list[str]]:
+        return self.agent.health()
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        return self.agent.readiness()
+
+    def request_leave(self) -> None:
+        self.agent.request_leave()
+
+    def status(self) -> dict[str, Any]:
+        a = self.agent
+        prog = a.programmer
+        return {
+            "node": {
+                "name": a.name,
+                "address": str(a.address),
+                "asn": a.cfg.node.asn,
+                "subnet": str(a.lease.subnet) if a.lease else None,
+                "backend": a.cfg.network.backend,
+                "encap": a.cfg.network.encap,
+                "route_reflector": a.cfg.node.route_reflector,
+                "mtu": a.pod_mtu,
+                "underlay": a.underlay.ifname if a.underlay else None,
+            },
+            "bgp": {
+                "router_id": str(a.speaker.local.router_id) if a.speaker else None,
+                "mode": a.cfg.bgp.mode,
+                "peers": self.peers(),
+            },
+            "routes": {
+                "programmed": len(prog.programmed()) if prog else 0,
+                "last_sync": prog.last_sync if prog else None,
+                "conflicts": dict(prog.conflicts) if prog else {},
+            },
+            "datastore": {
+                "connected": bool(a.datastore and a.datastore.connected),
+                "endpoints": list(a.cfg.etcd.endpoints),
+                "endpoint": a.datastore.endpoint if a.datastore else None,
+            },
+            "backends": a.tunnels.status() if a.tunnels else {},
+            "policy": a.policy.status() if a.policy else None,
+            "tasks": a.supervisor.summary(),
+            "ready": a.readiness()[0],
+        }
+
+    def peers(self) -> list[dict[str, Any]]:
+        a = self.agent
+        if a.service is None:
+            return []
+        rows = peer_rows(a.service)
+        paths = a.tunnels.paths() if a.tunnels else None
+        for row in rows:
+            plan = a.plans.get(row["address"])
+            row["backend"] = plan.backend if plan else None
+            row["backend_reason"] = plan.reason if plan else None
+            # The data path carrying it here, and its packet counters where the kernel keeps them.
+            row["datapath"] = paths.label(plan) if plan and paths else None
+            row["counters"] = a.tunnels.bpf.peer_counters(row["address"]) \
+                if a.tunnels and row["datapath"] == "bpf" else None
+        return rows
+
+    def bgp_speaker(self) -> Speaker | None:
+        return self.agent.speaker
+
+    def services_view(self, summary: bool = False) -> dict[str, Any] | None:
+        """GET /services (issue 14)."""
+        services = self.agent.services
+        return services.view(summary) if services else None
+
+    def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None:
+        """GET /policy (issue 13)."""
+        policy = self.agent.policy
+        return policy.view(pod, summary=summary) if policy else None
+
+    def routes(self) -> list[dict[str, Any]]:
+        a = self.agent
+        programmed = {r.dst for r in a.programmer.programmed()} if a.programmer else set()
+        return [dict(row, installed=row["dst"] in programmed) for row in a.route_rows]
