@@ -75,6 +75,11 @@ class Importer:
         p = self._peers.get(key)
         if p is None:
             return None
+        nlri = update.nlri
+        if nlri and not update.errors and not update.withdrawn and update.mp_reach is None and update.mp_unreach is None:
+            # The common UPDATE: routes in the NLRI field, nothing else (what follows, shortened).
+            attrs = self._imported(p, update.attributes, now)
+            return self._announce(p, IPV4_UNICAST, nlri, attrs, None if attrs is None else attrs.next_hop, now, own=True)
         rib = self.rib
         families = p.families
         if update.errors:
@@ -95,7 +100,9 @@ class Importer:
         attrs = None if update.treat_as_withdraw else self._imported(p, update.attributes, now)
         breach = None
         if update.nlri:
-            breach = self._announce(p, IPV4_UNICAST, update.nlri, attrs, None if attrs is None else attrs.next_hop, now)
+            breach = self._announce(
+                p, IPV4_UNICAST, update.nlri, attrs, None if attrs is None else attrs.next_hop, now, own=True
+            )
         if mp is not None and mp.nlri and (mp.afi, mp.safi) in families:
             nh = mp.next_hop[0] if mp.next_hop else None
             breach = self._announce(p, (mp.afi, mp.safi), mp.nlri, attrs, nh, now) or breach
@@ -103,8 +110,9 @@ class Importer:
 
     def _announce(
         self, p: _Attached, family: Family, prefixes: tuple[bytes, ...], attrs: PathAttributes | None,
-        next_hop: Address | None, now: float,
+        next_hop: Address | None, now: float, own: bool = False,
     ) -> MaxPrefixBreach | None:  # fmt: skip
+        """``own``: ``next_hop`` is the attributes' own NEXT_HOP."""
         key = p.source.key
         rib = self.rib
         if family not in p.families:
@@ -122,7 +130,8 @@ class Importer:
         if attrs is None:
             rib.withdraw(key, family, prefixes)
             return None
-        rib.announce(key, family, prefixes, rib.adj_in[key].path(attrs, next_hop))
+        adj = rib.adj_in[key]
+        rib.announce(key, family, prefixes, adj.own_path(attrs, next_hop) if own else adj.path(attrs, next_hop))
         return self._check_max_prefixes(p, family)
 
     def _imported(self, p: _Attached, attributes: PathAttributes, now: float) -> PathAttributes | None:

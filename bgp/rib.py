@@ -107,6 +107,17 @@ class AdjRibIn:
         # field's case): no key tuple per path when every route has its own attribute set.
         self._interned: dict[PathAttributes | tuple[PathAttributes, Address | None], Path] = {}
 
+    def own_path(self, attributes: PathAttributes, next_hop: Address | None) -> Path:
+        """path() when ``next_hop`` is known to be the attributes' own NEXT_HOP (the IPv4 NLRI's
+        case), which keys the path by the attributes alone."""
+        p = self._interned.get(attributes)
+        if p is None or p.stale:
+            p = Path(self.source, attributes, next_hop)
+            if len(self._interned) > INTERNED_PATHS:
+                self._interned.clear()
+            self._interned[attributes] = p
+        return p
+
     def path(self, attributes: PathAttributes, next_hop: Address | None) -> Path:
         """The shared Path for these attributes from this source (fresh, not stale)."""
         own = attributes.next_hop
@@ -159,9 +170,18 @@ class Rib:
     # ------------------------------------------------------------ updates
 
     def announce(self, key: str, family: Family, prefixes: Iterable[bytes], path: Path) -> None:
-        adj = self.adj_in[key].table(family)
-        loc = self._loc(family)
-        self._promoted(family).add(path)
+        # (The helpers table(), _loc() and _promoted() written out: this runs once per UPDATE.)
+        tables = self.adj_in[key].tables
+        adj = tables.get(family)
+        if adj is None:
+            adj = tables[family] = {}
+        loc = self.loc.get(family)
+        if loc is None:
+            loc = self.loc[family] = {}
+        promoted = self._new_best.get(family)
+        if promoted is None:
+            promoted = self._new_best[family] = set()
+        promoted.add(path)
         if not isinstance(prefixes, (list, tuple)):
             prefixes = list(prefixes)
         # The common case when a table arrives: prefixes nobody had.  Then dict operations in
@@ -176,7 +196,11 @@ class Rib:
             adj.update(fresh)
             if len(adj) - before == len(fresh):
                 loc.update(fresh)
-                self._remember_fresh(family, prefixes, fresh)
+                lists = self._fresh.get(family)
+                if lists is None:
+                    lists = self._fresh[family] = []
+                # The list itself, unless it named a prefix twice (then the deduplicated keys).
+                lists.append(prefixes if len(fresh) == len(prefixes) else list(fresh))
                 return
             adj_done = True  # some were known: merged one by one below (adj already holds path)
         elif not loc or loc.keys().isdisjoint(fresh):
