@@ -201,7 +201,7 @@ class Agent:
                                   on_isolation=self.tunnels.bpf.hold_redirect)
         try:
             await self.policy.start()
-            self.registry.register(self.policy)
+            self.registry.register(self.policy.views)
             self.tunnels.bpf.holders.add("policy")
         except NftError as err:  # no libnftables: pods are routed, but policy is not enforced
             log.error("network policy is not enforced on this node: %s", err)
@@ -212,7 +212,7 @@ class Agent:
                                      on_translating=functools.partial(self.tunnels.bpf.hold_redirect, who="services"))
         try:
             await self.services.start()
-            self.registry.register(self.services)
+            self.registry.register(self.services.views)
             self.tunnels.bpf.holders.add("services")  # until its first sync says what it translates
         except NftError as err:
             log.error("services are not translated on this node: %s", err)

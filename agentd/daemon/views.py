@@ -106,7 +106,7 @@ class AgentViews:
                 "endpoint": a.datastore.endpoint if a.datastore else None,
             },
             "backends": a.tunnels.status() if a.tunnels else {},
-            "policy": a.policy.status() if a.policy else None,
+            "policy": a.policy.views.status() if a.policy else None,
             "tasks": a.supervisor.summary(),
             "ready": a.readiness()[0],
         }
@@ -133,12 +133,12 @@ class AgentViews:
     def services_view(self, summary: bool = False) -> dict[str, Any] | None:
         """GET /services (issue 14)."""
         services = self.agent.services
-        return services.view(summary) if services else None
+        return services.views.view(summary) if services else None
 
     def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None:
         """GET /policy (issue 13)."""
         policy = self.agent.policy
-        return policy.view(pod, summary=summary) if policy else None
+        return policy.views.view(pod, summary=summary) if policy else None
 
     def routes(self) -> list[dict[str, Any]]:
         a = self.agent

@@ -10,7 +10,8 @@ One :class:`PolicyAgent` per ``agentd run``.  It
    ``agentd label pod`` written back to the files;
 4. after every batch of changes, builds the wanted ruleset (:class:`PolicyEngine`) and sends
    the difference to the kernel in one transaction (:class:`PolicyProgrammer`);
-5. answers ``GET /policy``, feeds /metrics and ``agentd status``.
+5. keeps what ``GET /policy``, /metrics and ``agentd status`` show
+   (:class:`agentd.policy.views.PolicyViews`).
 
 Until the first etcd snapshot has arrived nothing is changed in the kernel: a restarted
 agent enforces what the previous run left, never a half-known state.
@@ -27,7 +28,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from agentd.datastore.store import Datastore
 from agentd.resources import kinds
@@ -39,6 +39,7 @@ from .engine import PolicyEngine
 from .libnftables import Nft, NftError
 from .model import LocalPort, Pod, PodKey, Policy
 from .programmer import PolicyProgrammer
+from .views import PolicyViews
 
 log = logging.getLogger("agentd.policy")
 
@@ -92,6 +93,7 @@ class PolicyAgent:
         self._publish_wake = asyncio.Event()
         self._reported: set[str] = set()
         self._watch: endpoints.DirectoryWatch | None = None
+        self.views = PolicyViews(self)  # GET /policy, /metrics, `agentd status` (agentd/policy/views.py)
         self.sync_seconds = (
             Histogram("agentd_policy_sync_seconds", "time to program one policy change into nftables", registry=registry)
             if registry is not None
@@ -382,7 +384,7 @@ class PolicyAgent:
                     self.spoofed = packets
             self.dropped = dropped
 
-    # ------------------------------------------------------------------ views
+    # ------------------------------------------------------------------ state read by the views
 
     def local_pods(self) -> list[PodKey]:
         return sorted(k for k in self.engine.local if k in self.engine.pods)
@@ -395,84 +397,6 @@ class PolicyAgent:
             egr += e
             both += i or e
         return {"ingress": ing, "egress": egr, "any": both}
-
-    def status(self) -> dict[str, Any]:
-        size = self.programmer.current.size() if self.programmer and self.programmer.current else {}
-        return {
-            "pods": len(self.engine.pods),
-            "local_pods": len(self.local_pods()),
-            "isolated": self.isolated(),
-            "policies": self.policy_count,
-            "revision": self.applied_revision,
-            "applied_at": self.applied_at,
-            "last_sync": self.last_sync,
-            "ruleset": size,
-            "error": self.error,
-        }
-
-    def view(self, pod: str | None = None, *, summary: bool = False) -> dict[str, Any]:
-        """GET /policy: per local pod (or ``pod``) its policies and allow-lists; with
-        ``summary`` only what the node has applied (cheap enough to poll)."""
-        if summary:
-            return {
-                "node": self.node,
-                "revision": self.applied_revision,
-                "applied_at": self.applied_at,
-                "history": [list(h) for h in self.history],
-                "policies": self.policy_count,
-                "pods": len(self.engine.pods),
-                "error": self.error,
-            }
-        pods = []
-        for key in self.local_pods():
-            name = f"{key[0]}/{key[1]}"
-            if pod is not None and pod != name:
-                continue
-            v = self.engine.view(key)
-            v["dropped"] = {
-                "ingress": self.dropped.get((name, "ingress"), 0),
-                "egress": self.dropped.get((name, "egress"), 0),
-            }
-            pods.append(v)
-        return {
-            "node": self.node,
-            "revision": self.applied_revision,
-            "applied_at": self.applied_at,
-            "history": [list(h) for h in self.history],
-            "policies": self.policy_count,
-            "ruleset": self.status()["ruleset"],
-            "spoofed_dropped": self.spoofed,
-            "error": self.error,
-            "pods": pods,
-        }
-
-    def collect(self):
-        """Prometheus metrics (registered as a collector on the agent's registry)."""
-        dropped = CounterMetricFamily(
-            "agentd_policy_dropped_packets", "packets dropped by network policy, per local pod",
-            labels=["namespace", "pod", "direction"],
-        )  # fmt: skip
-        for (name, direction), packets in sorted(self.dropped.items()):
-            ns, _, pod = name.partition("/")
-            dropped.add_metric([ns, pod, direction], float(packets))
-        spoofed = CounterMetricFamily("agentd_policy_spoofed_packets", "pod packets dropped for a foreign source address")
-        spoofed.add_metric([], float(self.spoofed))
-        isolated = GaugeMetricFamily("agentd_policy_isolated_pods", "local pods isolated by policy", labels=["direction"])
-        for direction, n in self.isolated().items():
-            isolated.add_metric([direction], float(n))
-        local = GaugeMetricFamily("agentd_policy_local_pods", "pods of this node known to policy")
-        local.add_metric([], float(len(self.local_pods())))
-        policies = GaugeMetricFamily("agentd_policy_policies", "NetworkPolicy objects in the cluster")
-        policies.add_metric([], float(self.policy_count))
-        errors = CounterMetricFamily("agentd_policy_sync_errors", "policy changes nftables refused")
-        errors.add_metric([], float(self.sync_errors))
-        yield from (dropped, spoofed, isolated, local, policies, errors)
-        size = self.status()["ruleset"]
-        if size:
-            rules = GaugeMetricFamily("agentd_policy_ruleset", "size of the policy tables", labels=["what"])
-            for what, n in size.items():
-                rules.add_metric([what], float(n))
-            yield rules
 
 
 def _container(record: dict[str, Any]) -> str | None:

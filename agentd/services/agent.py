@@ -10,7 +10,7 @@ One :class:`ServiceAgent` per ``agentd run``.  It
    own table);
 4. flushes the UDP conntrack entries of endpoints that stopped being usable (a UDP "flow"
    has no end, so without this it would keep going to an endpoint that is gone);
-5. answers ``GET /services`` and feeds per-service counters to /metrics.
+5. keeps what ``GET /services`` and /metrics show (:class:`agentd.services.views.ServiceViews`).
 
 Until the first etcd snapshot nothing is changed in the kernel.
 """
@@ -24,8 +24,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from agentd.datastore.store import Datastore
 from agentd.policy.libnftables import Nft, NftError
 from agentd.policy.programmer import PolicyProgrammer
@@ -33,6 +31,7 @@ from agentd.resources.service import SERVICE_NAME_LABEL
 from agentd.resources.store import ResourceEvent, ResourceStore
 
 from . import compiler, conntrack, dns, model
+from .views import ServiceViews
 
 log = logging.getLogger("agentd.services")
 
@@ -77,6 +76,7 @@ class ServiceAgent:
         self._slices: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (ns, service) -> its slices
         self._dirty: set[tuple[str, str]] | None = None  # Services to recompile (None: all)
         self._table: compiler.Table | None = None
+        self.views = ServiceViews(self)  # GET /services and /metrics (agentd/services/views.py)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -275,6 +275,11 @@ class ServiceAgent:
         """Every service port as last programmed."""
         return self._table.ports() if self._table is not None else []
 
+    @property
+    def port_count(self) -> int:
+        """How many service ports were last programmed (without listing them)."""
+        return self._table.port_count if self._table is not None else 0
+
     def _rename(self, dirty: set[tuple[str, str]], full: bool) -> None:
         """The DNS names of the ``dirty`` Services (all of them: ``full``), changed in place:
         a Service's names are its own (its host name is unique to it), so one change costs
@@ -307,69 +312,6 @@ class ServiceAgent:
         assert self.nft is not None
         got = await self.nft.acounters(compiler.FAMILY, compiler.TABLE)
         self.counters = {name: packets for name, (packets, _bytes) in got.items()}
-
-    # ------------------------------------------------------------------ views
-
-    def view(self, summary: bool = False) -> dict[str, Any]:
-        """GET /services: per service its VIP, ports and endpoints with their state
-        (``summary``: only what is applied, cheap to poll)."""
-        if summary:
-            return {"node": self.node, "revision": self.applied_revision, "error": self.error, "syncs": self.syncs,
-                    "last_sync": self.last_sync, "service_ports": self._table.port_count if self._table else 0}  # fmt: skip
-        services: dict[str, dict[str, Any]] = {}
-        for sp in self.ports:
-            key = f"{sp.namespace}/{sp.service}"
-            svc = services.setdefault(key, {
-                "namespace": sp.namespace, "name": sp.service, "clusterIP": sp.cluster_ip or "None", "ports": [],
-                "connections": self.counters.get(compiler.counter_name(sp.namespace, sp.service), 0),
-            })  # fmt: skip
-            usable = set(sp.usable())
-            local = set(sp.usable(self.node))
-            svc["ports"].append({
-                "name": sp.port_name, "protocol": sp.protocol, "port": sp.port, "nodePort": sp.node_port,
-                "affinityTimeout": sp.affinity_timeout,
-                "internalTrafficPolicy": "Local" if sp.internal_local else "Cluster",
-                "externalTrafficPolicy": "Local" if sp.external_local else "Cluster",
-                "endpoints": [
-                    {"ip": e.ip, "port": e.port, "node": e.node, "ready": e.ready, "serving": e.serving,
-                     "terminating": e.terminating, "used": e in usable, "local": e in local}
-                    for e in sp.endpoints
-                ],
-            })  # fmt: skip
-        return {
-            "node": self.node, "revision": self.applied_revision, "error": self.error, "syncs": self.syncs,
-            "last_sync": self.last_sync, "udp_flushed": self.flushed,
-            "dns": None if self.dns_server is None else {
-                "address": self.dns_server.address, "queries": self.dns_server.queries,
-                "forwarded": self.dns_server.forwarded, "servfail": self.dns_server.failed},
-            "dns_error": self.error_dns, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
-        }  # fmt: skip
-
-    def collect(self) -> Any:
-        """prometheus_client custom collector: per-service connection counters."""
-        conns = CounterMetricFamily("agentd_service_connections", "new connections translated to a service's endpoints",
-                                    labels=["namespace", "service"])  # fmt: skip
-        ports = self.ports  # one listing per scrape
-        seen = set()
-        for sp in ports:
-            if (sp.namespace, sp.service) in seen:
-                continue
-            seen.add((sp.namespace, sp.service))
-            conns.add_metric([sp.namespace, sp.service], self.counters.get(compiler.counter_name(sp.namespace, sp.service), 0))
-        yield conns
-        eps = GaugeMetricFamily("agentd_service_endpoints", "usable endpoints per service port",
-                                labels=["namespace", "service", "port"])  # fmt: skip
-        for sp in ports:
-            eps.add_metric([sp.namespace, sp.service, f"{sp.port}/{sp.protocol}"], len(sp.usable()))
-        yield eps
-        yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=self.syncs)
-        if self.dns_server is not None:
-            q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
-            q.add_metric(["answered"], self.dns_server.queries - self.dns_server.forwarded)
-            q.add_metric(["forwarded"], self.dns_server.forwarded - self.dns_server.failed)
-            q.add_metric(["servfail"], self.dns_server.failed)
-            yield q
-
 
 def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
     """UDP endpoints that took new connections before and do not now (their flows are to be flushed)."""

@@ -1,0 +1,124 @@
+"""What ``GET /policy``, /metrics and ``agentd status`` show of the policy half of the agent.
+
+:class:`PolicyViews` reads a :class:`PolicyState` (the running
+:class:`agentd.policy.agent.PolicyAgent`) and changes nothing; it is the agent's
+prometheus_client collector and the source of its REST view.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .engine import PolicyEngine
+from .model import PodKey
+from .programmer import PolicyProgrammer
+
+
+class PolicyState(Protocol):
+    """What the views read of the policy agent."""
+
+    node: str
+    engine: PolicyEngine
+    programmer: PolicyProgrammer | None
+    policy_count: int
+    applied_revision: int
+    applied_at: float | None
+    history: deque[tuple[int, float]]
+    last_sync: dict[str, Any] | None
+    error: str | None
+    dropped: dict[tuple[str, str], int]
+    spoofed: int
+    sync_errors: int
+
+    def local_pods(self) -> list[PodKey]: ...
+
+    def isolated(self) -> dict[str, int]: ...
+
+
+class PolicyViews:
+    def __init__(self, agent: PolicyState) -> None:
+        self.agent = agent
+
+    def status(self) -> dict[str, Any]:
+        a = self.agent
+        size = a.programmer.current.size() if a.programmer and a.programmer.current else {}
+        return {
+            "pods": len(a.engine.pods),
+            "local_pods": len(a.local_pods()),
+            "isolated": a.isolated(),
+            "policies": a.policy_count,
+            "revision": a.applied_revision,
+            "applied_at": a.applied_at,
+            "last_sync": a.last_sync,
+            "ruleset": size,
+            "error": a.error,
+        }
+
+    def view(self, pod: str | None = None, *, summary: bool = False) -> dict[str, Any]:
+        """GET /policy: per local pod (or ``pod``) its policies and allow-lists; with
+        ``summary`` only what the node has applied (cheap enough to poll)."""
+        a = self.agent
+        if summary:
+            return {
+                "node": a.node,
+                "revision": a.applied_revision,
+                "applied_at": a.applied_at,
+                "history": [list(h) for h in a.history],
+                "policies": a.policy_count,
+                "pods": len(a.engine.pods),
+                "error": a.error,
+            }
+        pods = []
+        for key in a.local_pods():
+            name = f"{key[0]}/{key[1]}"
+            if pod is not None and pod != name:
+                continue
+            v = a.engine.view(key)
+            v["dropped"] = {
+                "ingress": a.dropped.get((name, "ingress"), 0),
+                "egress": a.dropped.get((name, "egress"), 0),
+            }
+            pods.append(v)
+        return {
+            "node": a.node,
+            "revision": a.applied_revision,
+            "applied_at": a.applied_at,
+            "history": [list(h) for h in a.history],
+            "policies": a.policy_count,
+            "ruleset": self.status()["ruleset"],
+            "spoofed_dropped": a.spoofed,
+            "error": a.error,
+            "pods": pods,
+        }
+
+    def collect(self):
+        """Prometheus metrics (registered as a collector on the agent's registry)."""
+        a = self.agent
+        dropped = CounterMetricFamily(
+            "agentd_policy_dropped_packets", "packets dropped by network policy, per local pod",
+            labels=["namespace", "pod", "direction"],
+        )  # fmt: skip
+        for (name, direction), packets in sorted(a.dropped.items()):
+            ns, _, pod = name.partition("/")
+            dropped.add_metric([ns, pod, direction], float(packets))
+        spoofed = CounterMetricFamily("agentd_policy_spoofed_packets", "pod packets dropped for a foreign source address")
+        spoofed.add_metric([], float(a.spoofed))
+        isolated = GaugeMetricFamily("agentd_policy_isolated_pods", "local pods isolated by policy", labels=["direction"])
+        for direction, n in a.isolated().items():
+            isolated.add_metric([direction], float(n))
+        local = GaugeMetricFamily("agentd_policy_local_pods", "pods of this node known to policy")
+        local.add_metric([], float(len(a.local_pods())))
+        policies = GaugeMetricFamily("agentd_policy_policies", "NetworkPolicy objects in the cluster")
+        policies.add_metric([], float(a.policy_count))
+        errors = CounterMetricFamily("agentd_policy_sync_errors", "policy changes nftables refused")
+        errors.add_metric([], float(a.sync_errors))
+        yield from (dropped, spoofed, isolated, local, policies, errors)
+        size = self.status()["ruleset"]
+        if size:
+            rules = GaugeMetricFamily("agentd_policy_ruleset", "size of the policy tables", labels=["what"])
+            for what, n in size.items():
+                rules.add_metric([what], float(n))
+            yield rules

@@ -1,0 +1,101 @@
+"""What ``GET /services`` and /metrics show of the Services half of the agent.
+
+:class:`ServiceViews` reads a :class:`ServiceState` (the running
+:class:`agentd.services.agent.ServiceAgent`) and changes nothing; it is the agent's
+prometheus_client collector and the source of its REST view.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from . import compiler, dns, model
+
+
+class ServiceState(Protocol):
+    """What the views read of the Services agent."""
+
+    node: str
+    applied_revision: int
+    error: str | None
+    error_dns: str | None
+    syncs: int
+    last_sync: dict[str, Any] | None
+    flushed: int
+    counters: dict[str, int]
+    dns_server: dns.DnsServer | None
+
+    @property
+    def ports(self) -> list[model.ServicePort]: ...
+
+    @property
+    def port_count(self) -> int: ...
+
+
+class ServiceViews:
+    def __init__(self, agent: ServiceState) -> None:
+        self.agent = agent
+
+    def view(self, summary: bool = False) -> dict[str, Any]:
+        """GET /services: per service its VIP, ports and endpoints with their state
+        (``summary``: only what is applied, cheap to poll)."""
+        a = self.agent
+        if summary:
+            return {"node": a.node, "revision": a.applied_revision, "error": a.error, "syncs": a.syncs,
+                    "last_sync": a.last_sync, "service_ports": a.port_count}  # fmt: skip
+        services: dict[str, dict[str, Any]] = {}
+        for sp in a.ports:
+            key = f"{sp.namespace}/{sp.service}"
+            svc = services.setdefault(key, {
+                "namespace": sp.namespace, "name": sp.service, "clusterIP": sp.cluster_ip or "None", "ports": [],
+                "connections": a.counters.get(compiler.counter_name(sp.namespace, sp.service), 0),
+            })  # fmt: skip
+            usable = set(sp.usable())
+            local = set(sp.usable(a.node))
+            svc["ports"].append({
+                "name": sp.port_name, "protocol": sp.protocol, "port": sp.port, "nodePort": sp.node_port,
+                "affinityTimeout": sp.affinity_timeout,
+                "internalTrafficPolicy": "Local" if sp.internal_local else "Cluster",
+                "externalTrafficPolicy": "Local" if sp.external_local else "Cluster",
+                "endpoints": [
+                    {"ip": e.ip, "port": e.port, "node": e.node, "ready": e.ready, "serving": e.serving,
+                     "terminating": e.terminating, "used": e in usable, "local": e in local}
+                    for e in sp.endpoints
+                ],
+            })  # fmt: skip
+        return {
+            "node": a.node, "revision": a.applied_revision, "error": a.error, "syncs": a.syncs,
+            "last_sync": a.last_sync, "udp_flushed": a.flushed,
+            "dns": None if a.dns_server is None else {
+                "address": a.dns_server.address, "queries": a.dns_server.queries,
+                "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed},
+            "dns_error": a.error_dns, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
+        }  # fmt: skip
+
+    def collect(self) -> Any:
+        """prometheus_client custom collector: per-service connection counters."""
+        a = self.agent
+        conns = CounterMetricFamily("agentd_service_connections", "new connections translated to a service's endpoints",
+                                    labels=["namespace", "service"])  # fmt: skip
+        ports = a.ports  # one listing per scrape
+        seen = set()
+        for sp in ports:
+            if (sp.namespace, sp.service) in seen:
+                continue
+            seen.add((sp.namespace, sp.service))
+            conns.add_metric([sp.namespace, sp.service], a.counters.get(compiler.counter_name(sp.namespace, sp.service), 0))
+        yield conns
+        eps = GaugeMetricFamily("agentd_service_endpoints", "usable endpoints per service port",
+                                labels=["namespace", "service", "port"])  # fmt: skip
+        for sp in ports:
+            eps.add_metric([sp.namespace, sp.service, f"{sp.port}/{sp.protocol}"], len(sp.usable()))
+        yield eps
+        yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
+        if a.dns_server is not None:
+            q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
+            q.add_metric(["answered"], a.dns_server.queries - a.dns_server.forwarded)
+            q.add_metric(["forwarded"], a.dns_server.forwarded - a.dns_server.failed)
+            q.add_metric(["servfail"], a.dns_server.failed)
+            yield q

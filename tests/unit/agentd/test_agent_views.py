@@ -1,0 +1,108 @@
+"""The presenters of the policy and Services halves of the agent (agentd/policy/views.py,
+agentd/services/views.py), on the agents' own state: what GET /policy, GET /services,
+/metrics and ``agentd status`` show, with no etcd, kernel or event loop behind them."""
+
+from __future__ import annotations
+
+from ipaddress import IPv4Address
+
+from agentd.datastore.store import Datastore
+from agentd.policy.agent import PolicyAgent
+from agentd.policy.model import LocalPort, Pod, Policy
+from agentd.resources import kinds
+from agentd.services import compiler
+from agentd.services.agent import ServiceAgent
+from agentd.services.model import Endpoint, ServicePort
+
+NODE = "node1"
+
+
+def datastore() -> Datastore:
+    # Never connected: the agents only keep it for their watches, which do not run here.
+    return Datastore(["http://127.0.0.1:2379"], "/agentd")
+
+
+def metric_values(collector: object) -> dict[tuple[str, tuple[str, ...]], float]:
+    out = {}
+    for family in collector.collect():  # type: ignore[attr-defined]
+        for sample in family.samples:
+            out[(sample.name, tuple(sample.labels.values()))] = sample.value
+    return out
+
+
+def policy_agent() -> PolicyAgent:
+    agent = PolicyAgent(NODE, datastore(), "/nonexistent")
+    eng = agent.engine
+    eng.set_namespace("x", {})
+    eng.upsert_pod(Pod("x", "a", NODE, IPv4Address("10.244.1.2"), {"app": "a"}, ()), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    eng.upsert_pod(Pod("x", "b", NODE, IPv4Address("10.244.1.3"), {"app": "b"}, ()), LocalPort("veth1", "02:00:00:00:00:02", "cni0"))
+    eng.upsert_pod(Pod("x", "c", "node2", IPv4Address("10.244.2.2"), {"app": "c"}, ()))
+    manifest = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "deny", "namespace": "x"},
+                "spec": {"podSelector": {"matchLabels": {"app": "a"}}}}  # fmt: skip
+    eng.upsert_policy(Policy.parse(kinds.validate(manifest)))
+    agent.policy_count = len(eng.policies)
+    eng.build()
+    agent.dropped = {("x/a", "ingress"): 7}
+    agent.spoofed = 2
+    agent.applied_revision = 42
+    return agent
+
+
+def test_policy_status_counts_local_and_isolated_pods():
+    status = policy_agent().views.status()
+    assert status["pods"] == 3 and status["local_pods"] == 2
+    assert status["isolated"] == {"ingress": 1, "egress": 0, "any": 1}
+    assert status["policies"] == 1 and status["revision"] == 42
+    assert status["ruleset"] == {}  # nothing programmed: no programmer yet
+
+
+def test_policy_view_per_local_pod_and_one_pod_and_summary():
+    views = policy_agent().views
+    full = views.view()
+    assert [p["pod"] for p in full["pods"]] == ["x/a", "x/b"]  # one row per local pod
+    (a,) = views.view("x/a")["pods"]
+    assert a["policies"] == ["x/deny"] and a["isolated"] == {"ingress": True, "egress": False}
+    assert a["dropped"] == {"ingress": 7, "egress": 0}
+    assert views.view("x/c")["pods"] == []  # not on this node
+    summary = views.view(summary=True)
+    assert summary["revision"] == 42 and summary["pods"] == 3 and "ruleset" not in summary
+
+
+def test_policy_metrics():
+    got = metric_values(policy_agent().views)
+    assert got[("agentd_policy_dropped_packets_total", ("x", "a", "ingress"))] == 7
+    assert got[("agentd_policy_spoofed_packets_total", ())] == 2
+    assert got[("agentd_policy_isolated_pods", ("ingress",))] == 1
+    assert got[("agentd_policy_local_pods", ())] == 2
+    assert got[("agentd_policy_policies", ())] == 1
+
+
+def service_agent() -> ServiceAgent:
+    agent = ServiceAgent(NODE, datastore())
+    port = ServicePort(
+        "x", "web", "http", "TCP", 80, "10.96.0.10", node_port=None, affinity_timeout=None,
+        internal_local=False, external_local=False,
+        endpoints=(Endpoint("10.244.1.2", 8080, NODE), Endpoint("10.244.2.2", 8080, "node2", ready=False, serving=False)),
+    )  # fmt: skip
+    agent._table = compiler.Table(NODE)  # what the agent's sync builds from etcd
+    agent._table.update(("x", "web"), [port])
+    agent.counters = {compiler.counter_name("x", "web"): 5}
+    agent.applied_revision = 9
+    return agent
+
+
+def test_services_view_and_summary():
+    views = service_agent().views
+    (svc,) = views.view()["services"]
+    assert (svc["namespace"], svc["name"], svc["clusterIP"], svc["connections"]) == ("x", "web", "10.96.0.10", 5)
+    (port,) = svc["ports"]
+    used = {(e["ip"], e["used"], e["local"]) for e in port["endpoints"]}
+    assert used == {("10.244.1.2", True, True), ("10.244.2.2", False, False)}
+    summary = views.view(summary=True)
+    assert summary["revision"] == 9 and summary["service_ports"] == 1 and "services" not in summary
+
+
+def test_services_metrics():
+    got = metric_values(service_agent().views)
+    assert got[("agentd_service_connections_total", ("x", "web"))] == 5
+    assert got[("agentd_service_endpoints", ("x", "web", "80/TCP"))] == 1
