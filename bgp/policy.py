@@ -40,7 +40,6 @@ Address = IPv4Address | IPv6Address
 # What an external peer may not tell us, and what never leaves the AS (RFC 4271 §5.1.5,
 # RFC 4456 §8).
 _INTERNAL_ONLY = (LocalPref.code, OriginatorId.code, ClusterList.code)
-_INTERNAL_ONLY_SET = frozenset(_INTERNAL_ONLY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +63,7 @@ def import_attributes(attributes: PathAttributes, source: Source, local: LocalSe
         return Rejected(f"AS_PATH holds our AS {local.asn} (RFC 4271 §9.1.2)")
     # RFC 4271 §5.1.5: LOCAL_PREF from an external peer is ignored; RFC 4456 §8: ORIGINATOR_ID
     # and CLUSTER_LIST only make sense inside the AS.
-    if attributes.holds_any(_INTERNAL_ONLY_SET):
-        attributes = attributes.without(*_INTERNAL_ONLY)
-    return attributes
+    return attributes.without(*_INTERNAL_ONLY)  # (itself when it holds none of them)
 
 
 @dataclass(frozen=True)

@@ -617,17 +617,10 @@ class PathAttributes:
             index[attr.code] = attr
         return PathAttributes._of_index(index)
 
-    def holds_any(self, codes: frozenset[int]) -> bool:
-        """Whether an attribute of any of these type codes is here."""
-        return not codes.isdisjoint(self._codes)
-
     def without(self, *codes: int) -> PathAttributes:
         """A copy without the attributes of the given type codes."""
         own = self._codes
-        for c in codes:
-            if type(c) is int and 0 <= c < 256 and c in own:
-                break
-        else:
+        if frozenset(codes).isdisjoint(own):  # (bytes iterate as ints)
             return self
         return PathAttributes._of_index({c: a for c, a in zip(own, self.items) if c not in codes})
 
