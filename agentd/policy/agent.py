@@ -7,7 +7,7 @@ One :class:`PolicyAgent` per ``agentd run``.  It
    and this node's endpoint files (written by agentd-cni; inotify);
 3. keeps this node's pod records in etcd equal to its endpoint files (under the node lease,
    so the records of a node that is gone go with its lease), labels set later with
-   ``agentd label pod`` written back to the files;
+   ``agentd label pod`` written back to the files (:class:`agentd.policy.publisher.PodPublisher`);
 4. after every batch of changes, builds the wanted ruleset (:class:`PolicyEngine`) and sends
    the difference to the kernel in one transaction (:class:`PolicyProgrammer`);
 5. keeps what ``GET /policy``, /metrics and ``agentd status`` show
@@ -30,8 +30,6 @@ from typing import Any
 from prometheus_client import Histogram
 
 from agentd.datastore.store import Datastore
-from agentd.resources import kinds
-from agentd.resources.pod import CONTAINER_ID, CONTAINER_NAME, INTERFACE
 from agentd.resources.store import ResourceEvent, ResourceStore
 
 from . import compiler, endpoints
@@ -39,13 +37,13 @@ from .engine import PolicyEngine
 from .libnftables import Nft, NftError
 from .model import LocalPort, Pod, PodKey, Policy
 from .programmer import PolicyProgrammer
+from .publisher import PodPublisher, container_of, record_for
 from .views import PolicyViews
 
 log = logging.getLogger("agentd.policy")
 
 RESCAN_INTERVAL = 10.0  # endpoint files are read again this often even without inotify events
 COUNTERS_INTERVAL = 2.0
-PUBLISH_INTERVAL = 5.0  # own pod records are checked against etcd this often (lease changes)
 HISTORY = 64
 
 
@@ -73,7 +71,6 @@ class PolicyAgent:
         self.programmer: PolicyProgrammer | None = None
         self.records: dict[PodKey, dict[str, Any]] = {}  # pod records in etcd, every node
         self.record_leases: dict[PodKey, int] = {}
-        self.endpoints: dict[str, endpoints.Endpoint] = {}  # this node's endpoint files
         self.policy_count = 0
         self.revision = 0  # etcd revision of the last resource event taken in
         self.applied_revision = 0
@@ -88,10 +85,9 @@ class PolicyAgent:
         self._have_snapshot = False
         self._full_compare = True
         self._acked: set[str] = set()
-        self._have_local = False
         self._wake = asyncio.Event()
-        self._publish_wake = asyncio.Event()
-        self._reported: set[str] = set()
+        # This node's endpoint files and their records in etcd (agentd/policy/publisher.py).
+        self.publisher = PodPublisher(node, self.data_dir, datastore, self.store, self.records, self.record_leases)
         self._watch: endpoints.DirectoryWatch | None = None
         self.views = PolicyViews(self)  # GET /policy, /metrics, `agentd status` (agentd/policy/views.py)
         self.sync_seconds = (
@@ -121,7 +117,7 @@ class PolicyAgent:
                 tg.create_task(self._watch_resources())
                 tg.create_task(self._rescan_loop())
                 tg.create_task(self._sync_loop())
-                tg.create_task(self._publish_loop())
+                tg.create_task(self.publisher.loop(lambda: self._have_snapshot))
                 tg.create_task(self._counters_loop())
         finally:
             self._watch.stop()
@@ -161,7 +157,7 @@ class PolicyAgent:
             for key, obj in ev.objects.items():
                 self._put(obj, ev.leases.get(key, 0))
             self._have_snapshot = True
-            self._publish_wake.set()
+            self.publisher.wake.set()
         elif ev.kind == "put" and ev.obj is not None:
             self._put(ev.obj, ev.lease)
         elif ev.kind == "delete" and ev.key is not None:
@@ -186,7 +182,7 @@ class PolicyAgent:
             self.records[key] = obj
             self.record_leases[key] = lease
             if obj["spec"].get("nodeName") == self.node:
-                self._publish_wake.set()
+                self.publisher.wake.set()
             self._feed_pod(key)
 
     def _delete(self, key: tuple[str, str, str]) -> None:
@@ -200,7 +196,7 @@ class PolicyAgent:
             old = self.records.pop((ns, name), None)
             self.record_leases.pop((ns, name), None)
             if old is not None and old["spec"].get("nodeName") == self.node:
-                self._publish_wake.set()
+                self.publisher.wake.set()
             self._feed_pod((ns, name))
 
     def _local_changed(self) -> None:
@@ -212,32 +208,22 @@ class PolicyAgent:
             await asyncio.sleep(RESCAN_INTERVAL)
 
     def _rescan(self) -> None:
-        found = endpoints.read_all(self.data_dir, self._reported)
-        if found == self.endpoints and self._have_local:
+        changed = self.publisher.rescan()
+        if changed is None:
             return
-        old_keys = {ep.key for ep in self.endpoints.values()}
-        self.endpoints = found
-        self._have_local = True
-        for key in old_keys | {ep.key for ep in found.values()}:
+        for key in changed:
             self._feed_pod(key)
-        self._publish_wake.set()
         self._wake.set()
-
-    def _local(self, key: PodKey) -> endpoints.Endpoint | None:
-        for ep in self.endpoints.values():
-            if ep.key == key:
-                return ep
-        return None
 
     def _feed_pod(self, key: PodKey) -> None:
         """Tell the engine what is known of pod ``key`` now (local file first, else its record)."""
-        ep = self._local(key)
+        ep = self.publisher.local(key)
         record = self.records.get(key)
         if ep is not None:
             labels = ep.labels
-            if record is not None and record["spec"].get("nodeName") == self.node and _container(record) == ep.container_id:
+            if record is not None and record["spec"].get("nodeName") == self.node and container_of(record) == ep.container_id:
                 labels = record["metadata"].get("labels") or {}
-            pod = Pod.parse(_record_for(ep, self.node, labels))
+            pod = Pod.parse(record_for(ep, self.node, labels))
             self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge))
         elif record is not None and record["spec"].get("nodeName") != self.node:
             try:
@@ -246,65 +232,8 @@ class PolicyAgent:
                 log.warning("pod record %s/%s unusable: %s", *key, err)
                 self.engine.remove_pod(key)
         else:
-            # Gone, or a stale record of ours without a file (removed from etcd by _publish).
+            # Gone, or a stale record of ours without a file (the publisher removes it from etcd).
             self.engine.remove_pod(key)
-
-    # ------------------------------------------------------------------ publishing our pods
-
-    async def _publish_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._publish_wake.wait(), PUBLISH_INTERVAL)
-            except TimeoutError:
-                pass
-            self._publish_wake.clear()
-            if not (self._have_snapshot and self._have_local):
-                continue
-            try:
-                await self._publish()
-            except Exception as err:  # etcd trouble: the next round tries again
-                log.warning("publishing this node's pods failed: %s", err)
-                await asyncio.sleep(1.0)
-                self._publish_wake.set()
-
-    async def _publish(self) -> None:
-        lease = self.ds.lease_id
-        if lease is None:
-            return
-        wanted = {ep.key: ep for ep in self.endpoints.values()}
-        for key, ep in wanted.items():
-            record = self.records.get(key)
-            if record is not None and record["spec"].get("nodeName") != self.node:
-                self._report(f"conflict:{key}", "pod %s/%s is recorded for node %s; not overwriting it",
-                             key[0], key[1], record["spec"].get("nodeName"))
-                continue
-            labels = ep.labels
-            expect = 0
-            if record is not None:
-                expect = int(record["metadata"]["resourceVersion"])
-                if _container(record) == ep.container_id:
-                    labels = record["metadata"].get("labels") or {}
-                    if labels != ep.labels:  # set by `agentd label pod`: keep it in the file
-                        self.endpoints[ep.container_id] = endpoints.relabel(self.data_dir, ep, labels)
-            new = _record_for(ep, self.node, labels)
-            if record is not None:
-                same = _comparable(record) == _comparable(new)
-                if same and self.record_leases.get(key) == lease:
-                    continue
-                for field in ("uid", "creationTimestamp"):
-                    if field in record["metadata"]:
-                        new["metadata"][field] = record["metadata"][field]
-            if not await self.store.put_owned(new, lease=lease, expect=expect):
-                self._publish_wake.set()  # changed meanwhile: the watch brings it, try again
-        for key, record in list(self.records.items()):
-            if record["spec"].get("nodeName") == self.node and key not in wanted:
-                log.info("removing the record of pod %s/%s: no such pod on this node any more", *key)
-                await self.store.delete_owned(kinds.POD, *key, expect=int(record["metadata"]["resourceVersion"]))
-
-    def _report(self, tag: str, msg: str, *args: Any) -> None:
-        if tag not in self._reported:
-            self._reported.add(tag)
-            log.error(msg, *args)
 
     # ------------------------------------------------------------------ syncing
 
@@ -314,14 +243,14 @@ class PolicyAgent:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not (self._have_snapshot and self._have_local):
+            if not (self._have_snapshot and self.publisher.have_local):
                 continue  # keep what the kernel has until we know the whole picture
             if not self.engine.dirty and self.programmer.current is not None and self.applied_at is not None:
                 self._applied(self.revision)
                 continue
             revision = self.revision
             start = time.perf_counter()
-            containers = set(self.endpoints)  # the pods this build includes
+            containers = set(self.publisher.endpoints)  # the pods this build includes
             desired = self.engine.build()
             keys = self.engine.touched()
             isolating = self.isolated()["any"] > 0
@@ -397,37 +326,6 @@ class PolicyAgent:
             egr += e
             both += i or e
         return {"ingress": ing, "egress": egr, "any": both}
-
-
-def _container(record: dict[str, Any]) -> str | None:
-    return (record["metadata"].get("annotations") or {}).get(CONTAINER_ID)
-
-
-def _record_for(ep: endpoints.Endpoint, node: str, labels: dict[str, str]) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "name": ep.name,
-        "namespace": ep.namespace,
-        "annotations": {CONTAINER_ID: ep.container_id, INTERFACE: ep.interface},
-    }
-    if labels:
-        meta["labels"] = dict(labels)
-    status: dict[str, Any] = {"phase": "Running"}
-    if ep.ips:
-        status["podIP"] = ep.ips[0]
-        status["podIPs"] = [{"ip": ip} for ip in ep.ips]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": meta,
-        "spec": {"nodeName": node, "containers": [{"name": CONTAINER_NAME, "ports": list(ep.ports)}]},
-        "status": status,
-    }
-
-
-def _comparable(obj: dict[str, Any]) -> dict[str, Any]:
-    meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace", "labels", "annotations")}
-    return {"metadata": meta, "spec": obj.get("spec"), "status": obj.get("status")}
-
 
 
 async def remove_policy_tables() -> None:

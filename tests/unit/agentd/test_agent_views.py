@@ -1,15 +1,19 @@
-"""The presenters of the policy and Services halves of the agent (agentd/policy/views.py,
-agentd/services/views.py), on the agents' own state: what GET /policy, GET /services,
-/metrics and ``agentd status`` show, with no etcd, kernel or event loop behind them."""
+"""The parts split out of the policy and Services agents, each tested alone: the presenters
+(agentd/policy/views.py, agentd/services/views.py) on the agents' own state -- what GET
+/policy, GET /services, /metrics and ``agentd status`` show, with no etcd, kernel or event
+loop behind them -- and the pod publisher's endpoint-file side (agentd/policy/publisher.py)."""
 
 from __future__ import annotations
 
 from ipaddress import IPv4Address
 
 from agentd.datastore.store import Datastore
+from agentd.policy import endpoints
 from agentd.policy.agent import PolicyAgent
 from agentd.policy.model import LocalPort, Pod, Policy
+from agentd.policy.publisher import PodPublisher, container_of, record_for
 from agentd.resources import kinds
+from agentd.resources.store import ResourceStore
 from agentd.services import compiler
 from agentd.services.agent import ServiceAgent
 from agentd.services.model import Endpoint, ServicePort
@@ -106,3 +110,37 @@ def test_services_metrics():
     got = metric_values(service_agent().views)
     assert got[("agentd_service_connections_total", ("x", "web"))] == 5
     assert got[("agentd_service_endpoints", ("x", "web", "80/TCP"))] == 1
+
+
+# ------------------------------------------------------------------ the publisher's files side
+# (Publishing to etcd is exercised by tests/system/test_netpol.py on a real etcd.)
+
+
+def publisher(tmp_path) -> PodPublisher:
+    ds = datastore()
+    return PodPublisher(NODE, str(tmp_path), ds, ResourceStore(ds), {}, {})
+
+
+def endpoint(cid: str, name: str) -> endpoints.Endpoint:
+    return endpoints.Endpoint(cid, "x", name, {"app": name}, [], ["10.244.1.5"], f"veth-{cid}", "02:00:00:00:00:02", "cni0")
+
+
+def test_publisher_reports_the_pods_whose_files_came_changed_or_went(tmp_path):
+    pub = publisher(tmp_path)
+    assert pub.rescan() == set() and pub.have_local  # read once: nothing there
+    assert pub.rescan() is None
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    endpoints.write(tmp_path, endpoint("c2", "b"))
+    assert pub.rescan() == {("x", "a"), ("x", "b")} and pub.wake.is_set()
+    assert pub.local(("x", "a")) == endpoint("c1", "a") and pub.local(("x", "z")) is None
+    endpoints.remove(tmp_path, "c1")
+    assert pub.rescan() == {("x", "a"), ("x", "b")}  # every pod it knew or knows: the agent re-feeds them
+    assert pub.local(("x", "a")) is None
+
+
+def test_a_pod_record_is_made_from_its_endpoint_file():
+    record = record_for(endpoint("c1", "a"), NODE, {"app": "a", "tier": "web"})
+    assert record["kind"] == "Pod" and record["spec"]["nodeName"] == NODE
+    assert record["metadata"]["labels"] == {"app": "a", "tier": "web"}
+    assert record["status"]["podIP"] == "10.244.1.5"
+    assert container_of(record) == "c1"

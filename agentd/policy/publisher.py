@@ -1,0 +1,164 @@
+"""This node's pods, as the policy agent knows them: the endpoint files agentd-cni writes
+(one per pod it attached) and the pod records in etcd made from them.
+
+:class:`PodPublisher` reads the files (inotify tells the agent when to look; a rescan every
+few seconds covers lost events), keeps one record per pod in etcd under the node's lease
+(so the records of a node that is gone go with its lease), writes labels set later with
+``agentd label pod`` back to the files, and removes records of pods that are no longer here.
+It never writes a record another node owns.  Every record in etcd (all nodes) is the
+agent's, from its watch; the publisher reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from agentd.datastore.store import Datastore
+from agentd.resources import kinds
+from agentd.resources.pod import CONTAINER_ID, CONTAINER_NAME, INTERFACE
+from agentd.resources.store import ResourceStore
+
+from . import endpoints
+from .model import PodKey
+
+log = logging.getLogger("agentd.policy")
+
+PUBLISH_INTERVAL = 5.0  # own pod records are checked against etcd this often (lease changes)
+
+
+class PodPublisher:
+    def __init__(
+        self,
+        node: str,
+        data_dir: str,
+        datastore: Datastore,
+        store: ResourceStore,
+        records: dict[PodKey, dict[str, Any]],
+        record_leases: dict[PodKey, int],
+    ) -> None:
+        self.node = node
+        self.data_dir = data_dir
+        self.ds = datastore
+        self.store = store
+        self.records = records  # every pod record in etcd, kept by the agent's watch (read here)
+        self.record_leases = record_leases
+        self.endpoints: dict[str, endpoints.Endpoint] = {}  # this node's endpoint files, by container
+        self.have_local = False  # the files were read at least once
+        self.wake = asyncio.Event()  # something changed: publish now rather than at the interval
+        self._reported: set[str] = set()
+
+    # ------------------------------------------------------------------ the files
+
+    def rescan(self) -> set[PodKey] | None:
+        """Read the endpoint files again; the pods whose file appeared, changed or went (None:
+        nothing changed)."""
+        found = endpoints.read_all(self.data_dir, self._reported)
+        if found == self.endpoints and self.have_local:
+            return None
+        old_keys = {ep.key for ep in self.endpoints.values()}
+        self.endpoints = found
+        self.have_local = True
+        self.wake.set()
+        return old_keys | {ep.key for ep in found.values()}
+
+    def local(self, key: PodKey) -> endpoints.Endpoint | None:
+        """The endpoint file of pod ``key`` if it is on this node."""
+        for ep in self.endpoints.values():
+            if ep.key == key:
+                return ep
+        return None
+
+    # ------------------------------------------------------------------ the records
+
+    async def loop(self, ready: Callable[[], bool]) -> None:
+        """Publish when woken and every PUBLISH_INTERVAL, once ``ready()`` (the agent has the
+        etcd snapshot) and the files have been read."""
+        while True:
+            try:
+                await asyncio.wait_for(self.wake.wait(), PUBLISH_INTERVAL)
+            except TimeoutError:
+                pass
+            self.wake.clear()
+            if not (ready() and self.have_local):
+                continue
+            try:
+                await self.publish()
+            except Exception as err:  # etcd trouble: the next round tries again
+                log.warning("publishing this node's pods failed: %s", err)
+                await asyncio.sleep(1.0)
+                self.wake.set()
+
+    async def publish(self) -> None:
+        """Make this node's records in etcd what the files say."""
+        lease = self.ds.lease_id
+        if lease is None:
+            return
+        wanted = {ep.key: ep for ep in self.endpoints.values()}
+        for key, ep in wanted.items():
+            record = self.records.get(key)
+            if record is not None and record["spec"].get("nodeName") != self.node:
+                self._report(f"conflict:{key}", "pod %s/%s is recorded for node %s; not overwriting it",
+                             key[0], key[1], record["spec"].get("nodeName"))  # fmt: skip
+                continue
+            labels = ep.labels
+            expect = 0
+            if record is not None:
+                expect = int(record["metadata"]["resourceVersion"])
+                if container_of(record) == ep.container_id:
+                    labels = record["metadata"].get("labels") or {}
+                    if labels != ep.labels:  # set by `agentd label pod`: keep it in the file
+                        self.endpoints[ep.container_id] = endpoints.relabel(self.data_dir, ep, labels)
+            new = record_for(ep, self.node, labels)
+            if record is not None:
+                same = _comparable(record) == _comparable(new)
+                if same and self.record_leases.get(key) == lease:
+                    continue
+                for field in ("uid", "creationTimestamp"):
+                    if field in record["metadata"]:
+                        new["metadata"][field] = record["metadata"][field]
+            if not await self.store.put_owned(new, lease=lease, expect=expect):
+                self.wake.set()  # changed meanwhile: the watch brings it, try again
+        for key, record in list(self.records.items()):
+            if record["spec"].get("nodeName") == self.node and key not in wanted:
+                log.info("removing the record of pod %s/%s: no such pod on this node any more", *key)
+                await self.store.delete_owned(kinds.POD, *key, expect=int(record["metadata"]["resourceVersion"]))
+
+    def _report(self, tag: str, msg: str, *args: Any) -> None:
+        if tag not in self._reported:
+            self._reported.add(tag)
+            log.error(msg, *args)
+
+
+def container_of(record: dict[str, Any]) -> str | None:
+    """The container a pod record was made for (its annotation), if any."""
+    return (record["metadata"].get("annotations") or {}).get(CONTAINER_ID)
+
+
+def record_for(ep: endpoints.Endpoint, node: str, labels: dict[str, str]) -> dict[str, Any]:
+    """The pod record (a v1 Pod) for this node's endpoint file ``ep``."""
+    meta: dict[str, Any] = {
+        "name": ep.name,
+        "namespace": ep.namespace,
+        "annotations": {CONTAINER_ID: ep.container_id, INTERFACE: ep.interface},
+    }
+    if labels:
+        meta["labels"] = dict(labels)
+    status: dict[str, Any] = {"phase": "Running"}
+    if ep.ips:
+        status["podIP"] = ep.ips[0]
+        status["podIPs"] = [{"ip": ip} for ip in ep.ips]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"nodeName": node, "containers": [{"name": CONTAINER_NAME, "ports": list(ep.ports)}]},
+        "status": status,
+    }
+
+
+def _comparable(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace", "labels", "annotations")}
+    return {"metadata": meta, "spec": obj.get("spec"), "status": obj.get("status")}
