@@ -26,28 +26,27 @@ import os
 import signal
 import time
 from ipaddress import IPv4Address, IPv4Network
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from bgp import BestPathChange, Origination, Speaker, SpeakerService, State
-from proto.nlri import network_to_prefix, prefix_to_str
+from bgp import Origination, Speaker, SpeakerService
+from proto.nlri import network_to_prefix
 
 from agentd.cni import netconf as cni_config
 
 from agentd.daemon import mesh
 from agentd.daemon.api import ApiServer
+from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
 from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from agentd.config.settings import Config, ConfigError, load_config, reloaded
 from agentd.datastore.store import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
-from agentd.kernel.forwarding import PeerPlan, desired_routes
 from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy (issue 13)
 from agentd.policy.libnftables import NftError
 from agentd.services.agent import ServiceAgent, remove_services_table  # Services (issue 14)
-from agentd.kernel.route_model import Route, SyncResult
+from agentd.kernel.route_model import SyncResult
 from agentd.kernel.routing import RouteProgrammer
 from agentd.daemon.sdnotify import Notifier
 from agentd.daemon.speaker import SpeakerMetrics, bfd_timers, listen_ranges, local_settings, peer_settings
@@ -55,8 +54,6 @@ from agentd.daemon.supervisor import Supervisor
 
 log = logging.getLogger("agentd")
 
-BLACKHOLE_METRIC = 4000  # above the connected route of the CNI bridge, which must win
-INITIAL_SYNC_MAX = 60.0  # never wait longer than this for peers' End-of-RIB after a restart
 
 
 class AgentError(RuntimeError):
@@ -90,19 +87,12 @@ class Agent:
         self.services: ServiceAgent | None = None  # Services (issue 14)
         self.lease: SubnetLease | None = None
         self.nodes: dict[str, NodeRecord] = {}
-        self.plans: dict[str, PeerPlan] = {}
-        self.route_rows: list[dict[str, Any]] = []
-        self._bests: dict[tuple[int, bytes], Any] = {}
-        self._adopted: list[Route] = []
-        self._restarting = False
-        self._initial_sync_done = False
-        self._initial_sync_deadline = 0.0
-        self._started_bgp = False
-        self._have_registry = False  # the node registry has been read at least once
+        self.routes = KernelRoutes(self)  # best paths -> kernel routes (agentd/daemon/routes.py)
+        self.started_bgp = False
+        self.have_registry = False  # the node registry has been read at least once
         self._stop = asyncio.Event()
-        self._stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
+        self.stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
         self._leaving = False
-        self._recompute_handle: asyncio.Handle | None = None
         self._problems: list[str] = []
         self.pod_mtu = 1500
 
@@ -159,12 +149,7 @@ class Agent:
         )
         self.programmer.on_sync = self._on_sync
         await self.programmer.start()
-        self._adopted = self.programmer.programmed()
-        self._restarting = bool(self._adopted)
-        if self._restarting:
-            log.info("adopted %d routes from a previous run: restarting gracefully", len(self._adopted))
-        # Until BGP has re-learned everything, keep what we found.
-        self.programmer.set_desired(self._adopted)
+        self.routes.adopt(self.programmer)  # until BGP has re-learned everything, keep what we found
 
         self.datastore = datastore_for(cfg)
         self.datastore.on_subnet_lost = self._subnet_lost
@@ -183,7 +168,7 @@ class Agent:
             )
         previous = self._previous_subnet()
         self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed,
-                               on_paths=self._schedule_recompute)
+                               on_paths=self.routes.schedule)
         self.lease = await self.datastore.acquire_subnet(
             self.name,
             self.address,
@@ -227,16 +212,15 @@ class Agent:
         await self.datastore.set_subnet_backend_data(self.tunnels.node_data())
 
         # BGP.
-        self.speaker = Speaker(local_settings(cfg, restarting=self._restarting), now=time.monotonic())
-        self.speaker.add_listener(self._on_best_paths)
+        self.speaker = Speaker(local_settings(cfg, restarting=self.routes.restarting), now=time.monotonic())
+        self.speaker.add_listener(self.routes.on_best_paths)
         listen = (cfg.bgp.listen.host, cfg.bgp.listen.port) if cfg.bgp.listen else None
         self.service = SpeakerService(self.speaker, listen=listen, backlog=cfg.bgp.listen_backlog)
         await self.service.start()
-        self._started_bgp = True
+        self.started_bgp = True
         own = Origination((1, 1), network_to_prefix(subnet))
         self.service.set_originated([own])
-        self._initial_sync_deadline = time.monotonic() + min(INITIAL_SYNC_MAX, float(cfg.bgp.restart_time))
-        self._schedule_recompute()
+        self.routes.bgp_started(float(cfg.bgp.restart_time))
 
     def _previous_subnet(self) -> IPv4Network | None:
         try:
@@ -281,7 +265,7 @@ class Agent:
 
     def _node_data_changed(self) -> None:
         """A backend came up: publish its data (e.g. our VTEP MAC) and recompute routes."""
-        self._schedule_recompute()
+        self.routes.schedule()
         if self.datastore is None or self.lease is None or self._stop.is_set():
             return
         record = self._node_record()
@@ -292,7 +276,7 @@ class Agent:
 
     async def _shutdown(self) -> None:
         graceful = self.cfg.bgp.graceful_restart and not self._leaving
-        self._stopping = True
+        self.stopping = True
         self.notifier.stopping()
         log.info(
             "shutting down: %s",
@@ -368,13 +352,13 @@ class Agent:
     def _on_node_event(self, ev: NodeEvent) -> None:
         if ev.kind == "snapshot":
             self.nodes = dict(ev.nodes or {})
-            self._have_registry = True
+            self.have_registry = True
         elif ev.kind == "put" and ev.record is not None and ev.name:
             self.nodes[ev.name] = ev.record
         elif ev.kind == "delete" and ev.name:
             self.nodes.pop(ev.name, None)
         self._apply_peers()
-        self._schedule_recompute()
+        self.routes.schedule()
 
     def _apply_peers(self) -> None:
         if self.service is None:
@@ -394,62 +378,7 @@ class Agent:
         self.service.set_peers(peers)
         self.service.set_listen_ranges(listen_ranges(cfg))
 
-    # ================================================================ best paths -> kernel routes
-
-    def _on_best_paths(self, changes: list[BestPathChange]) -> None:
-        for ch in changes:
-            key = (ch.family[0], ch.prefix)
-            if ch.new is None:
-                self._bests.pop(key, None)
-            else:
-                self._bests[key] = ch.new
-        self._schedule_recompute()
-
-    def _schedule_recompute(self) -> None:
-        if self._recompute_handle is None:
-            self._recompute_handle = asyncio.get_running_loop().call_soon(self._recompute)
-
-    def _recompute(self) -> None:
-        """Desired kernel routes from the Loc-RIB bests, the node registry and the backends."""
-        self._recompute_handle = None
-        if self._stopping or self.programmer is None or self.underlay is None or self.tunnels is None or self.lease is None:
-            return
-        others = [n for n in self.nodes.values() if n.name != self.name]
-        bests = ((prefix_to_str(afi, prefix), path.next_hop, path.source.local) for (afi, prefix), path in self._bests.items())
-        plan = desired_routes(
-            bests, others, self.underlay, self.tunnels.paths(),
-            own_subnet=str(self.lease.subnet), blackhole_metric=BLACKHOLE_METRIC,
-            own_backend=self.cfg.network.backend, encap=self.cfg.network.encap, available=self.tunnels.available,
-        )  # fmt: skip
-        routes, rows, plans, next_hops = plan.routes, plan.rows, plan.plans, plan.next_hops
-        self.plans = plans
-        self.route_rows = rows
-        if not self._initial_sync_done and self._initial_sync_complete():
-            self._initial_sync_done = True
-            if self._restarting:
-                log.info("initial BGP sync complete: routes from the previous run no longer pinned")
-        self.tunnels.apply(
-            plans, next_hops, self.nodes, members_known=self._have_registry, prune=self._initial_sync_done
-        )
-        if not self._initial_sync_done:
-            # Keep what a previous run left until BGP has re-learned it (or given up waiting).
-            wanted = {r.dst for r in routes}
-            routes += [r for r in self._adopted if r.dst not in wanted]
-            asyncio.get_running_loop().call_later(0.5, self._schedule_recompute)
-        self.programmer.set_desired(routes)
-
-    def _initial_sync_complete(self) -> bool:
-        """RFC 4724 §4.1: every peer Established with End-of-RIB received, or the deadline passed."""
-        if self.speaker is None or not self._started_bgp:
-            return False
-        if time.monotonic() >= self._initial_sync_deadline:
-            return True
-        if not self.nodes and not self.cfg.bgp.peers:
-            return False  # no registry snapshot yet
-        for peer in self.speaker.peers.values():
-            if peer.state is not State.ESTABLISHED:
-                return False
-        return not self.speaker.initial_sync_pending()
+    # ================================================================ route programmer
 
     def _on_sync(self, result: SyncResult) -> None:
         self.sync_histogram.observe(result.seconds)
@@ -485,11 +414,11 @@ class Agent:
         reasons = list(self._problems)
         if self.lease is None:
             reasons.append("no subnet lease yet")
-        if not self._started_bgp:
+        if not self.started_bgp:
             reasons.append("BGP not started")
         if self.programmer is None or self.programmer.last_sync is None:
             reasons.append("routes not reconciled yet")
-        elif not self._initial_sync_done:
+        elif not self.routes.initial_sync_done:
             reasons.append("waiting for peers' End-of-RIB")
         return not reasons, reasons
 

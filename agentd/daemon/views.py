@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry
 from bgp import Speaker, SpeakerService
 
 from agentd.config.settings import Config
+from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.speaker import peer_rows
 from agentd.daemon.supervisor import Supervisor
 from agentd.dataplane.backends import Tunnels
 from agentd.datastore.store import Datastore, SubnetLease
-from agentd.kernel.forwarding import PeerPlan
 from agentd.kernel.netinfo import Underlay
 from agentd.kernel.routing import RouteProgrammer
 from agentd.policy.agent import PolicyAgent
@@ -45,8 +45,7 @@ class AgentState(Protocol):
     tunnels: Tunnels | None
     policy: PolicyAgent | None
     services: ServiceAgent | None
-    plans: dict[str, PeerPlan]
-    route_rows: list[dict[str, Any]]
+    routes: KernelRoutes
 
     def health(self) -> tuple[bool, list[str]]: ...
 
@@ -118,7 +117,7 @@ class AgentViews:
         rows = peer_rows(a.service)
         paths = a.tunnels.paths() if a.tunnels else None
         for row in rows:
-            plan = a.plans.get(row["address"])
+            plan = a.routes.plans.get(row["address"])
             row["backend"] = plan.backend if plan else None
             row["backend_reason"] = plan.reason if plan else None
             # The data path carrying it here, and its packet counters where the kernel keeps them.
@@ -141,6 +140,4 @@ class AgentViews:
         return policy.views.view(pod, summary=summary) if policy else None
 
     def routes(self) -> list[dict[str, Any]]:
-        a = self.agent
-        programmed = {r.dst for r in a.programmer.programmed()} if a.programmer else set()
-        return [dict(row, installed=row["dst"] in programmed) for row in a.route_rows]
+        return self.agent.routes.installed()

@@ -1,0 +1,142 @@
+"""Best paths -> kernel routes: what ``agentd run`` asks the route programmer to hold.
+
+:class:`KernelRoutes` follows the speaker's Loc-RIB (best-path changes), and is told when
+the node registry or a backend's paths change; each time (coalesced to one pass per loop
+turn) it computes the wanted routes with the pure :func:`agentd.kernel.forwarding.desired_routes`,
+hands the backends their peer plans and the programmer its routes.
+
+Graceful restart (RFC 4724): the routes a previous run left are adopted at start and stay
+installed until every peer is Established with End-of-RIB received (or ``restart_time``,
+at most INITIAL_SYNC_MAX, passes), so a restart never removes a route that is still used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Protocol
+
+from bgp import BestPathChange, Speaker, State
+from proto.nlri import prefix_to_str
+
+from agentd.config.settings import Config
+from agentd.dataplane.backends import Tunnels
+from agentd.datastore.store import NodeRecord, SubnetLease
+from agentd.kernel.forwarding import PeerPlan, desired_routes
+from agentd.kernel.netinfo import Underlay
+from agentd.kernel.route_model import Route
+from agentd.kernel.routing import RouteProgrammer
+
+log = logging.getLogger("agentd")
+
+BLACKHOLE_METRIC = 4000  # above the connected route of the CNI bridge, which must win
+INITIAL_SYNC_MAX = 60.0  # never wait longer than this for peers' End-of-RIB after a restart
+
+
+class RouteInputs(Protocol):
+    """What the routes are computed from (``agentd.daemon.agent.Agent`` has all of it)."""
+
+    cfg: Config
+    name: str
+    nodes: dict[str, NodeRecord]
+    underlay: Underlay | None
+    lease: SubnetLease | None
+    tunnels: Tunnels | None
+    speaker: Speaker | None
+    started_bgp: bool
+    have_registry: bool  # the node registry has been read at least once
+    stopping: bool  # no more route changes: a graceful stop leaves the kernel as it is
+
+
+class KernelRoutes:
+    def __init__(self, inputs: RouteInputs) -> None:
+        self.inputs = inputs
+        self.programmer: RouteProgrammer | None = None
+        self.plans: dict[str, PeerPlan] = {}  # per peer: how its routes are carried (GET /peers)
+        self.rows: list[dict[str, Any]] = []  # GET /routes
+        self.restarting = False  # routes of a previous run were adopted
+        self.initial_sync_done = False
+        self.initial_sync_deadline = 0.0
+        self._bests: dict[tuple[int, bytes], Any] = {}
+        self._adopted: list[Route] = []
+        self._handle: asyncio.Handle | None = None
+
+    def adopt(self, programmer: RouteProgrammer) -> None:
+        """Start from what the (started) programmer found in the kernel: kept until BGP has
+        re-learned it."""
+        self.programmer = programmer
+        self._adopted = programmer.programmed()
+        self.restarting = bool(self._adopted)
+        if self.restarting:
+            log.info("adopted %d routes from a previous run: restarting gracefully", len(self._adopted))
+        programmer.set_desired(self._adopted)
+
+    def bgp_started(self, restart_time: float) -> None:
+        """BGP is up: End-of-RIB is awaited from now for at most ``restart_time`` seconds."""
+        self.initial_sync_deadline = time.monotonic() + min(INITIAL_SYNC_MAX, restart_time)
+        self.schedule()
+
+    def on_best_paths(self, changes: list[BestPathChange]) -> None:
+        """The speaker's Loc-RIB listener."""
+        for ch in changes:
+            key = (ch.family[0], ch.prefix)
+            if ch.new is None:
+                self._bests.pop(key, None)
+            else:
+                self._bests[key] = ch.new
+        self.schedule()
+
+    def schedule(self) -> None:
+        """Recompute at the next loop turn (once, however often this is called before)."""
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_soon(self._recompute)
+
+    def _recompute(self) -> None:
+        """Desired kernel routes from the Loc-RIB bests, the node registry and the backends."""
+        self._handle = None
+        i = self.inputs
+        if i.stopping or self.programmer is None or i.underlay is None or i.tunnels is None or i.lease is None:
+            return
+        others = [n for n in i.nodes.values() if n.name != i.name]
+        bests = ((prefix_to_str(afi, prefix), path.next_hop, path.source.local) for (afi, prefix), path in self._bests.items())
+        plan = desired_routes(
+            bests, others, i.underlay, i.tunnels.paths(),
+            own_subnet=str(i.lease.subnet), blackhole_metric=BLACKHOLE_METRIC,
+            own_backend=i.cfg.network.backend, encap=i.cfg.network.encap, available=i.tunnels.available,
+        )  # fmt: skip
+        routes = plan.routes
+        self.plans = plan.plans
+        self.rows = plan.rows
+        if not self.initial_sync_done and self._initial_sync_complete():
+            self.initial_sync_done = True
+            if self.restarting:
+                log.info("initial BGP sync complete: routes from the previous run no longer pinned")
+        i.tunnels.apply(
+            plan.plans, plan.next_hops, i.nodes, members_known=i.have_registry, prune=self.initial_sync_done
+        )
+        if not self.initial_sync_done:
+            # Keep what a previous run left until BGP has re-learned it (or given up waiting).
+            wanted = {r.dst for r in routes}
+            routes += [r for r in self._adopted if r.dst not in wanted]
+            asyncio.get_running_loop().call_later(0.5, self.schedule)
+        self.programmer.set_desired(routes)
+
+    def _initial_sync_complete(self) -> bool:
+        """RFC 4724 §4.1: every peer Established with End-of-RIB received, or the deadline passed."""
+        i = self.inputs
+        if i.speaker is None or not i.started_bgp:
+            return False
+        if time.monotonic() >= self.initial_sync_deadline:
+            return True
+        if not i.nodes and not i.cfg.bgp.peers:
+            return False  # no registry snapshot yet
+        for peer in i.speaker.peers.values():
+            if peer.state is not State.ESTABLISHED:
+                return False
+        return not i.speaker.initial_sync_pending()
+
+    def installed(self) -> list[dict[str, Any]]:
+        """GET /routes: every wanted route, and whether the kernel has it."""
+        programmed = {r.dst for r in self.programmer.programmed()} if self.programmer else set()
+        return [dict(row, installed=row["dst"] in programmed) for row in self.rows]
