@@ -110,18 +110,16 @@ class AdjRibIn:
     def own_path(self, attributes: PathAttributes, next_hop: Address | None) -> Path:
         """path() when ``next_hop`` is known to be the attributes' own NEXT_HOP (the IPv4 NLRI's
         case), which keys the path by the attributes alone."""
-        p = self._interned.get(attributes)
-        if p is None or p.stale:
-            p = Path(self.source, attributes, next_hop)
-            if len(self._interned) > INTERNED_PATHS:
-                self._interned.clear()
-            self._interned[attributes] = p
-        return p
+        return self._shared(attributes, attributes, next_hop)
 
     def path(self, attributes: PathAttributes, next_hop: Address | None) -> Path:
         """The shared Path for these attributes from this source (fresh, not stale)."""
         own = attributes.next_hop
         key = attributes if next_hop is own or (next_hop is not None and next_hop == own) else (attributes, next_hop)
+        return self._shared(key, attributes, next_hop)
+
+    def _shared(self, key: PathAttributes | tuple[PathAttributes, Address | None], attributes: PathAttributes,
+                next_hop: Address | None) -> Path:  # fmt: skip
         p = self._interned.get(key)
         if p is None or p.stale:
             p = Path(self.source, attributes, next_hop)

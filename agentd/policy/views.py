@@ -61,16 +61,15 @@ class PolicyViews:
         """GET /policy: per local pod (or ``pod``) its policies and allow-lists; with
         ``summary`` only what the node has applied (cheap enough to poll)."""
         a = self.agent
+        applied = {
+            "node": a.node,
+            "revision": a.applied_revision,
+            "applied_at": a.applied_at,
+            "history": [list(h) for h in a.history],
+            "policies": a.policy_count,
+        }
         if summary:
-            return {
-                "node": a.node,
-                "revision": a.applied_revision,
-                "applied_at": a.applied_at,
-                "history": [list(h) for h in a.history],
-                "policies": a.policy_count,
-                "pods": len(a.engine.pods),
-                "error": a.error,
-            }
+            return {**applied, "pods": len(a.engine.pods), "error": a.error}
         pods = []
         for key in a.local_pods():
             name = f"{key[0]}/{key[1]}"
@@ -83,11 +82,7 @@ class PolicyViews:
             }
             pods.append(v)
         return {
-            "node": a.node,
-            "revision": a.applied_revision,
-            "applied_at": a.applied_at,
-            "history": [list(h) for h in a.history],
-            "policies": a.policy_count,
+            **applied,
             "ruleset": self.status()["ruleset"],
             "spoofed_dropped": a.spoofed,
             "error": a.error,
