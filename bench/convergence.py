@@ -70,7 +70,8 @@ from bench._lab_timing import (  # noqa: E402
 
 from agentd.backend_table import NAMES  # noqa: E402
 from agentd.config.settings import ConfigError, load_config  # noqa: E402
-from agentd.lab.lab import MAX_NODES, Lab, LabError, LabNode, LabSpec, _bin, stage_timeout  # noqa: E402
+from agentd.lab.lab import MAX_NODES, Lab, LabError, LabNode, LabSpec, stage_timeout  # noqa: E402
+from agentd.lab.runtime import binary  # noqa: E402
 from agentd.lab.netns import NetnsError  # noqa: E402
 from agentd.kernel.route_model import RTPROT_AGENTD  # noqa: E402
 
@@ -220,14 +221,14 @@ async def measure_join(lab: Lab, x: LabNode, watch: RouteWatch) -> dict[str, Any
     dst, per = got
     # Let X finish (every session up, ready) before reading its log for the breakdown.
     try:
-        await lab.wait_established(wait, [x])
-        await lab.wait_routes(wait)
+        await lab.ready.established(wait, [x])
+        await lab.ready.routes(wait)
     except LabError as err:
         raise BenchError(f"after join: {err}") from None
     lines = log_events(x.log_path, t0)
     holds = [ln for ln in lines if re.match(r"^node \S+ holds subnet", ln.message)]
     established = all_times(lines, r"^peer \S+ established")
-    expected = lab.expected_peers(x)
+    expected = lab.ready.expected_peers(x)
     t1 = max(per.values())
     api_up = first(lines, r"^API listening")
     return {
@@ -256,7 +257,7 @@ async def startup_times(x: LabNode, repeats: int) -> dict[str, float]:
     python = sys.executable
     commands = {
         "python -c pass": [python, "-c", "pass"],
-        "agentd --version": [_bin("agentd"), "--version"],
+        "agentd --version": [binary("agentd"), "--version"],
         "import agentd.daemon.agent": [python, "-c", "import agentd.daemon.agent, uvloop"],
     }
     out = {}

@@ -323,7 +323,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await measure(label)
             for n in (node1, node2):
                 n.start_agent()
-            await lab.wait_agents_started(120)
+            await lab.ready.agents_started(120)
             await settle()
 
         async def settle() -> None:

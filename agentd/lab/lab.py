@@ -14,8 +14,14 @@ Topology for ``--name NAME --nodes N --pods K --subnets S --etcd E``::
 
 ``lab.etcd`` is the :class:`~agentd.lab.etcd.EtcdCluster`: ``await lab.etcd.leader()``,
 ``wait_leader()``, ``roles()``, ``lab.etcd.members[i].kill()`` / ``stop()`` / ``start()``;
-``lab.cut_etcd(member)`` / ``lab.mend_etcd(member)`` take a member's link down and up (a
+``lab.network.cut(member)`` / ``lab.network.mend(member)`` take a member's link down and up (a
 partition: no resets, packets just vanish); ``await lab.add_node()`` joins another node.
+``lab.ready`` waits for each stage (``agents_started``, ``established``, ``routes``,
+``reachable``; ``reachability()`` is the pod-to-pod matrix).
+
+The parts: agentd.lab.underlay (the wires: bridges, router, links, neighbour entries),
+agentd.lab.runtime (CNI run as a container runtime runs it), agentd.lab.readiness (the
+waits); this module holds the nodes and pods, starts and stops them, and saves the lab's state.
 
 Nothing is created in the root network namespace: every veth pair is made with both ends
 already inside lab namespaces.  ``down`` kills everything in the lab's namespaces and
@@ -40,15 +46,16 @@ from pathlib import Path
 from typing import Any
 
 from agentd.lab import bpffs
-from agentd.lab.etcd import EtcdCluster, EtcdServer
-from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names, run, veth
+from agentd.lab.errors import LabError
+from agentd.lab.etcd import EtcdCluster
+from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names
+from agentd.lab.readiness import Readiness
+from agentd.lab.runtime import CNI_PLUGIN_DIR, binary, cni
 from agentd.lab.speaker_proc import render_toml
-from agentd.lab.sweep import Source, sweep
+from agentd.lab.underlay import UNDERLAY_PREFIX, Underlay
 from agentd.lab.wait import auntil
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
-CNI_PLUGIN_DIR = "/usr/lib/cni"
-UNDERLAY_PREFIX = "172.30"
 ETCD_ADDRESS = f"{UNDERLAY_PREFIX}.0.2"  # member 1; member M is at .(1+M)
 ETCD_PORT = 2379
 MAX_ETCD_MEMBERS = 7
@@ -60,15 +67,6 @@ START_WAVE = 10  # agents started at once; the next wave starts once these hold 
 CLUSTER_ID = f"{UNDERLAY_PREFIX}.255.1"  # shared by every route reflector
 API_URL = "http://127.0.0.1:9099"
 ASN = 64512
-
-
-class LabError(RuntimeError):
-    """A lab stage failed; the message names the stage."""
-
-
-def _bin(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else name
 
 
 @dataclass
@@ -167,7 +165,7 @@ class LabNode:
         log.write(f"--- agentd lab: starting agent at {time.ctime()} ---\n".encode())
         log.flush()
         self.proc = self.ns.popen(
-            [_bin("agentd"), "run", "--config", str(self.config_path)],
+            [binary("agentd"), "run", "--config", str(self.config_path)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -208,7 +206,7 @@ class LabNode:
     async def leave(self) -> None:
         """``agentd leave`` on this node (the running agent withdraws, releases and exits)."""
         rc, out, err = await self.ns.aexec(
-            _bin("agentd"), "leave", "--config", str(self.config_path), check=False, timeout=30
+            binary("agentd"), "leave", "--config", str(self.config_path), check=False, timeout=30
         )
         if rc != 0:
             raise LabError(f"{self.name}: agentd leave failed: {err.decode(errors='replace').strip()}")
@@ -294,8 +292,6 @@ class Lab:
         # The nodes' BPF pins: a bpffs of the lab's own (agentd.lab.bpffs says why).
         self.bpffs = self.dir / "bpffs"
         self.progress = progress or (lambda line: None)
-        self.underlay = Netns(f"ad-{spec.name}-ul")
-        self.router = Netns(f"ad-{spec.name}-rt")
         if not 1 <= spec.nodes <= MAX_NODES:
             raise LabError(f"nodes: {spec.nodes} is out of range 1..{MAX_NODES}")
         if not 1 <= spec.etcd <= MAX_ETCD_MEMBERS:
@@ -314,6 +310,10 @@ class Lab:
             **({} if spec.etcd == 1 else {"heartbeat_ms": 100, "election_ms": 1000}),
         )
         self.etcd_ns = self.etcd.members[0].netns  # member 1 (the only one by default)
+        self.network = Underlay(spec.name, spec.subnets, self.etcd)
+        self.underlay = self.network.ns
+        self.router = self.network.router
+        self.ready = Readiness(self)  # the waits of each stage: lab.ready.routes(timeout), ...
         self.nodes = [LabNode(self, i) for i in range(1, spec.nodes + 1)]
         self.pods = [LabPod(n, j) for n in self.nodes for j in range(1, spec.pods + 1)]
         self._t0 = time.monotonic()
@@ -362,7 +362,7 @@ class Lab:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._save()
             bpffs.mount(self.bpffs)
-            self._build_network()
+            self.network.build(self.nodes, static_neighbors=self.static_neighbors)  # type: ignore[arg-type]
             self._stage(f"network namespaces ready ({self.spec.nodes} nodes, {self.spec.subnets} segment(s))")
             stage = "etcd up"
             await self.etcd.start()
@@ -374,107 +374,34 @@ class Lab:
                 wave = self.nodes[i : i + START_WAVE]
                 for n in wave:
                     n.start_agent()
-                await self.wait_agents_started(timeout, wave)
+                await self.ready.agents_started(timeout, wave)
             self._stage("agents started: " + ", ".join(f"{n.name}={self._subnet(n)}" for n in self.nodes))
             stage = "peers established"
-            await self.wait_established(timeout)
+            await self.ready.established(timeout)
             self._stage("BGP peers established (" + self.spec.bgp + ")")
             if not full:
                 return
             stage = "routes installed"
-            await self.wait_routes(timeout)
+            await self.ready.routes(timeout)
             self._stage("routes installed on every node")
             stage = "pods attached"
             await self.attach_pods()
             self._save()
             self._stage(f"pods attached ({len(self.pods)}): " + ", ".join(f"{p.name}={p.ip}" for p in self.pods))
             stage = "all pods reachable"
-            await self.wait_reachable(timeout)
+            await self.ready.reachable(timeout)
             self._stage(f"all pods reachable ({len(self.pods) * (len(self.pods) - 1)} pod pairs)")
         except LabError as err:
             raise LabError(f"stage '{stage}' did not complete: {err}") from None
         except (NetnsError, OSError, RuntimeError) as err:
             raise LabError(f"stage '{stage}' failed: {err}") from None
 
-    def _build_network(self) -> None:
-        spec = self.spec
-        ul = Netns.create(self.underlay.name)
-        for s in range(spec.subnets):
-            ul.ip("link", "add", f"br{s}", "type", "bridge")
-            ul.ip("link", "set", f"br{s}", "up")
-        if spec.subnets > 1:
-            rt = Netns.create(self.router.name)
-            rt.sysctl("net.ipv4.ip_forward", 1)
-            for s in range(spec.subnets):
-                veth(rt, f"eth{s}", ul, f"r{s}")
-                ul.ip("link", "set", f"r{s}", "master", f"br{s}")
-                rt.ip("addr", "add", f"{UNDERLAY_PREFIX}.{s}.1/24", "dev", f"eth{s}")
-        for i, member in enumerate(self.etcd.members, start=1):
-            assert member.netns is not None
-            et = Netns.create(member.netns.name)
-            veth(et, "eth0", ul, f"etcd{i}")
-            ul.ip("link", "set", f"etcd{i}", "master", "br0")
-            et.ip("addr", "add", f"{member.host}/24", "dev", "eth0")
-            if spec.subnets > 1:
-                et.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.0.1")
-        for n in self.nodes:
-            self._build_node(n)
-        if self.static_neighbors:
-            members = self._underlay_members()
-            for ns in {m.ns.name: m.ns for m in members}.values():
-                self._program_neighbors(ns, members)
+    # ------------------------------------------------------------ changes to a running lab
 
     @property
     def static_neighbors(self) -> bool:
         on = self.spec.static_neighbors
         return self.spec.nodes > STATIC_NEIGHBORS_ABOVE if on is None else on
-
-    def _underlay_members(self) -> list[_Member]:
-        """Every interface on the underlay segments, with the MAC address the lab gives it when
-        it uses permanent neighbour entries (02:ad:00:00 + a 16-bit id unique in the lab)."""
-        out = [_Member(m.netns, "eth0", 0, m.host, _mac(0x100 + i))  # type: ignore[arg-type]
-               for i, m in enumerate(self.etcd.members, start=1)]  # fmt: skip
-        if self.spec.subnets > 1:
-            out += [_Member(self.router, f"eth{s}", s, f"{UNDERLAY_PREFIX}.{s}.1", _mac(0x200 + s))
-                    for s in range(self.spec.subnets)]  # fmt: skip
-        out += [_Member(n.ns, "eth0", n.segment, n.address, _mac(n.index)) for n in self.nodes]
-        return out
-
-    def _program_neighbors(self, ns: Netns, members: list[_Member], only: list[_Member] | None = None) -> None:
-        """One ``ip -batch`` in ``ns``: its own underlay MACs, then a permanent entry for every other
-        member on the same segment (``only``: just for those)."""
-        own = [m for m in members if m.ns.name == ns.name]
-        lines = [] if only else [f"link set dev {m.ifname} address {m.mac}" for m in own]
-        for mine in own:
-            for other in only or members:
-                if other.ns.name != ns.name and other.segment == mine.segment:
-                    lines.append(f"neigh replace {other.address} lladdr {other.mac} dev {mine.ifname} nud permanent")
-        if lines:
-            run(["ip", "-n", ns.name, "-batch", "-"], input=("\n".join(lines) + "\n").encode())
-
-    def _build_node(self, n: LabNode) -> None:
-        ul = self.underlay
-        ns = Netns.create(n.ns.name)
-        for key in ("net.ipv4.ip_forward", "net.ipv4.conf.all.rp_filter", "net.ipv4.conf.default.rp_filter"):
-            ns.sysctl(key, 1 if key.endswith("forward") else 0)
-        veth(ns, "eth0", ul, f"n{n.index}")
-        ul.ip("link", "set", f"n{n.index}", "master", f"br{n.segment}")
-        ns.ip("addr", "add", f"{n.address}/24", "dev", "eth0")
-        if self.spec.subnets > 1:
-            ns.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.{n.segment}.1")
-
-    # ------------------------------------------------------------ changes to a running lab
-
-    def _etcd_link(self, member: EtcdServer) -> str:
-        return f"etcd{self.etcd.members.index(member) + 1}"
-
-    def cut_etcd(self, member: EtcdServer) -> None:
-        """Take ``member``'s underlay link down: a partition (nothing is reset, packets to and
-        from it vanish), from the agents and from the other members alike."""
-        self.underlay.ip("link", "set", self._etcd_link(member), "down")
-
-    def mend_etcd(self, member: EtcdServer) -> None:
-        self.underlay.ip("link", "set", self._etcd_link(member), "up")
 
     async def add_node(self, timeout: float = 60.0) -> LabNode:
         """Build one more node (no pods), start its agent and wait until it holds a subnet."""
@@ -485,17 +412,11 @@ class Lab:
         self.spec.nodes = len(self.nodes)
         self._save()
         try:
-            self._build_node(node)
-            if self.static_neighbors:
-                members = self._underlay_members()
-                self._program_neighbors(node.ns, members)
-                new = [m for m in members if m.ns.name == node.ns.name]
-                for ns in {m.ns.name: m.ns for m in members if m.ns.name != node.ns.name}.values():
-                    self._program_neighbors(ns, members, only=new)
+            self.network.add(node, self.nodes, static_neighbors=self.static_neighbors)  # type: ignore[arg-type]
         except NetnsError as err:
             raise LabError(f"{node.name}: {err}") from None
         node.start_agent()
-        await self.wait_agents_started(timeout)
+        await self.ready.agents_started(timeout)
         self._stage(f"{node.name} joined with subnet {self._subnet(node)}")
         return node
 
@@ -503,65 +424,8 @@ class Lab:
         status = node.api_or_none("/status") or {}
         return (status.get("node") or {}).get("subnet") or "-"
 
-    async def _wait(self, what: str, check: Callable[[], tuple[bool, str]], timeout: float) -> None:
-        detail = ""
-
-        def ok() -> bool:
-            nonlocal detail
-            done, detail = check()
-            return done
-
-        await auntil(ok, timeout, what=lambda: f"{what} ({detail})", interval=0.2, in_thread=True, error=LabError)
-
-    async def wait_agents_started(self, timeout: float, nodes: list[LabNode] | None = None) -> None:
-        def check() -> tuple[bool, str]:
-            for n in nodes or self.nodes:
-                if n.agent_pid() is None:
-                    tail = _tail(n.log_path)
-                    raise LabError(f"{n.name}: agent exited; log {n.log_path} ends:\n{tail}")
-                status = n.api_or_none("/status")
-                if not status or not (status.get("node") or {}).get("subnet"):
-                    return False, f"{n.name} has no subnet lease yet (log: {n.log_path})"
-            return True, ""
-
-        await self._wait("every agent holding a subnet", check, timeout)
-
-    def expected_peers(self, node: LabNode) -> int:
-        n = len(self.nodes)
-        if self.spec.bgp == "mesh":
-            return n - 1
-        reflectors = sum(1 for x in self.nodes if x.reflector)
-        return n - 1 if node.reflector else reflectors
-
-    async def wait_established(self, timeout: float, nodes: list[LabNode] | None = None) -> None:
-        def check() -> tuple[bool, str]:
-            for n in nodes or self.nodes:
-                peers = n.api_or_none("/peers") or []
-                up = [p for p in peers if p.get("state") == "Established"]
-                if len(up) < self.expected_peers(n):
-                    states = ", ".join(f"{p['address']} {p['state']}" for p in peers) or "no peers"
-                    return False, f"{n.name}: {len(up)}/{self.expected_peers(n)} established ({states})"
-            return True, ""
-
-        await self._wait("every BGP session Established", check, timeout)
-
     def subnets(self) -> dict[str, str]:
         return {n.name: self._subnet(n) for n in self.nodes}
-
-    async def wait_routes(self, timeout: float, nodes: list[LabNode] | None = None) -> None:
-        def check() -> tuple[bool, str]:
-            subnets = self.subnets()
-            for n in nodes or self.nodes:
-                if n.agent_pid() is None:
-                    continue
-                have = {line.split()[0] for line in n.kernel_routes() if not line.startswith("blackhole")}
-                want = {s for name, s in subnets.items() if name != n.name and s != "-"}
-                missing = want - have
-                if missing:
-                    return False, f"{n.name} has no route for {', '.join(sorted(missing))}"
-            return True, ""
-
-        await self._wait("routes to every other node's subnet", check, timeout)
 
     # ------------------------------------------------------------ pods
 
@@ -584,58 +448,10 @@ class Lab:
     async def attach_pod(self, pod: LabPod) -> None:
         if not pod.ns.exists():
             Netns.create(pod.ns.name)
-        out = await self._cni(pod, "ADD")
+        out = await cni(pod, "ADD")
         result = json.loads(out)
         pod.result = result
         pod.ip = result["ips"][0]["address"].split("/")[0]
-
-    async def _cni(self, pod: LabPod, command: str) -> bytes:
-        """Run the node's conflist as a container runtime would (K8S_POD_* in CNI_ARGS): agentd-cni,
-        then - for a pod with host ports - portmap with the portMappings and the previous result
-        (DEL in the reverse order, with the ADD result as prevResult)."""
-        node = pod.node
-        conflist = json.loads((node.dir / "net.d" / "10-agentd.conflist").read_text())
-        head = {"name": conflist["name"], "cniVersion": conflist["cniVersion"]}
-        netconf = dict(conflist["plugins"][0], **head)
-        netconf.update(pod.netconf_extra())
-        chain: list[tuple[str, dict[str, Any]]] = [("agentd-cni", netconf)]
-        if pod.host_ports:
-            portmap = dict(conflist["plugins"][1], **head)
-            portmap["runtimeConfig"] = {"portMappings": pod.host_ports}
-            chain.append((os.path.join(CNI_PLUGIN_DIR, portmap["type"]), portmap))
-        if command == "DEL":
-            chain.reverse()
-        out = b""
-        previous = pod.result if command == "DEL" else None
-        for plugin, conf in chain:
-            if previous is not None and plugin != "agentd-cni":
-                conf = dict(conf, prevResult=previous)
-            out = await self._plugin(pod, plugin, conf, command)
-            if command == "ADD":
-                previous = json.loads(out)
-        return out
-
-    async def _plugin(self, pod: LabPod, plugin: str, netconf: dict[str, Any], command: str) -> bytes:
-        node = pod.node
-        env = {
-            "CNI_COMMAND": command,
-            "CNI_CONTAINERID": pod.container_id,
-            "CNI_NETNS": pod.ns.path,
-            "CNI_IFNAME": "eth0",
-            "CNI_PATH": CNI_PLUGIN_DIR,
-            "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={pod.namespace};K8S_POD_NAME={pod.k8s_name}",
-            "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-        }
-        binary = _bin("agentd-cni") if plugin == "agentd-cni" else plugin
-        proc = await asyncio.create_subprocess_exec(
-            "ip", "netns", "exec", node.ns.name, binary,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-        )  # fmt: skip
-        out, err = await asyncio.wait_for(proc.communicate(json.dumps(netconf).encode()), 60)
-        if proc.returncode != 0:
-            name = os.path.basename(plugin)
-            raise LabError(f"{name} {command} for {pod.name} failed: {out.decode().strip()} {err.decode().strip()}")
-        return out
 
     async def add_pod(
         self,
@@ -659,7 +475,7 @@ class Lab:
         except BaseException:
             self.pods.remove(pod)
             with contextlib.suppress(Exception):
-                await self._cni(pod, "DEL")
+                await cni(pod, "DEL")
             await asyncio.to_thread(pod.ns.delete)
             raise
         self._save()
@@ -667,7 +483,7 @@ class Lab:
 
     async def remove_pod(self, pod: LabPod) -> None:
         """CNI DEL for ``pod`` (as the runtime does when it goes), then its namespace."""
-        await self._cni(pod, "DEL")
+        await cni(pod, "DEL")
         await asyncio.to_thread(pod.ns.delete)
         self.pods.remove(pod)
         self._save()
@@ -688,32 +504,6 @@ class Lab:
             "ping", "-n", "-q", "-c", str(count), "-w", str(deadline), dst_ip, check=False, timeout=deadline + 10
         )
         return rc == 0
-
-    async def reachability(self, deadline: float = 3.0) -> dict[tuple[str, str], bool]:
-        """{(source pod, target pod): an echo reply came back within ``deadline`` seconds} for every
-        ordered pair of pods; one raw ICMP socket per source pod in this process (agentd.lab.sweep),
-        not a ``ping`` process per pair."""
-        by_ip = {p.ip: p for p in self.pods if p.ip}
-        sources = [
-            Source(a.name, a.ns.path, tuple(b.ip for b in self.pods if b is not a and b.ip))  # type: ignore[misc]
-            for a in self.pods
-        ]
-        got = await asyncio.to_thread(sweep, sources, deadline=deadline)
-        return {(src, by_ip[ip].name): ok for (src, ip), ok in got.items()}
-
-    async def wait_reachable(self, timeout: float) -> None:
-        failing: list[str] = []
-
-        async def reachable() -> bool:
-            nonlocal failing
-            failing = [f"{a}->{b}" for (a, b), ok in (await self.reachability()).items() if not ok]
-            return not failing
-
-        def what() -> str:
-            more = f" and {len(failing) - 10} more" if len(failing) > 10 else ""
-            return f"every pod reachable (failing: {', '.join(failing[:10])}{more})"
-
-        await auntil(reachable, timeout, what=what, interval=0.5, error=LabError)
 
     # ------------------------------------------------------------ down, state
 
@@ -784,32 +574,9 @@ def stage_timeout(nodes: int) -> float:
     return max(90.0, 3.0 * nodes)
 
 
-@dataclass(frozen=True)
-class _Member:
-    """One interface on an underlay segment (a node's, an etcd member's, the router's)."""
-
-    ns: Netns
-    ifname: str
-    segment: int
-    address: str
-    mac: str
-
-
-def _mac(ident: int) -> str:
-    """A locally administered unicast MAC address for underlay interface ``ident``."""
-    return f"02:ad:00:00:{ident >> 8:02x}:{ident & 0xFF:02x}"
-
-
 def etcd_address(member: int) -> str:
     """Underlay address of etcd member ``member`` (1-based)."""
     return f"{UNDERLAY_PREFIX}.0.{1 + member}"
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 # ---------------------------------------------------------------- CLI entry points
@@ -859,7 +626,7 @@ MATRIX_PODS = 16  # a larger lab gets a count and the failing pairs instead of t
 
 
 def _matrix(lab: Lab) -> str:
-    matrix = asyncio.run(lab.reachability())
+    matrix = asyncio.run(lab.ready.reachability())
     names = [p.name for p in lab.pods]
     if len(names) > MATRIX_PODS:
         failing = [f"{a}->{b}" for (a, b), ok in matrix.items() if not ok]

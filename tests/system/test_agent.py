@@ -40,7 +40,7 @@ async def test_sigterm_with_graceful_restart_keeps_routes_everywhere(lab_factory
     assert has_route(node1, subnets["node2"])
     assert rib and rib[0]["stale"]
     node2.start_agent()
-    await lab.wait_established(30)
+    await lab.ready.established(30)
     await wait_for(lambda: not [r for r in node1.api("/rib") if r["stale"]], 15, "stale routes refreshed")
 
 

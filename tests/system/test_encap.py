@@ -275,7 +275,7 @@ async def outer_lengths(ns, iface: str, flt: str, action, sentinel: tuple[Netns,
 async def test_backend_carries_pod_traffic(lab_factory, backend, mode):
     lab = await lab_factory(nodes=3, pods=2, bgp=mode, backend=backend)
     # a. every pod reaches every other pod
-    matrix = await lab.reachability()
+    matrix = await lab.ready.reachability()
     assert all(matrix.values()), [k for k, v in matrix.items() if not v]
     # /status and /routes say which backend and data path carry each peer and route.
     node1 = lab.nodes[0]
@@ -353,7 +353,7 @@ async def test_cross_subnet_encapsulates_only_across_segments(lab_factory, backe
     lab = await lab_factory(nodes=3, pods=1, backend=backend, encap="cross-subnet", subnets=2,
                             extra={"node2": {"network": {"bpf_pod_redirect": False}}})
     assert [n.segment for n in lab.nodes] == [0, 1, 0]
-    assert all((await lab.reachability()).values())
+    assert all((await lab.ready.reachability()).values())
     node1 = lab.nodes[0]
     plans = {p["address"]: p["backend"] for p in node1.api("/peers")}
     assert plans == {lab.nodes[1].address: backend, lab.nodes[2].address: "host-gw"}
@@ -391,8 +391,8 @@ async def test_node_changes_backend_by_config_and_restart(lab_factory):
     await node3.stop_agent()
     node3.backend = "udp"
     node3.start_agent()
-    await lab.wait_established(60)
-    await lab.wait_reachable(60)
+    await lab.ready.established(60)
+    await lab.ready.reachable(60)
     # node1 now reaches node3 with udp (node3's backend) and node2 still with vxlan.
     plans = {p["address"]: p["backend"] for p in lab.nodes[0].api("/peers")}
     assert plans == {lab.nodes[1].address: "vxlan", node3.address: "udp"}
@@ -535,7 +535,7 @@ async def test_restart_outsiders_leave_and_down(lab_factory, backend):
                      what=lambda: f"20 replies per pair with node2's agent dead "
                                   f"(have {[p.replies() - n for p, n in zip(pingers, at_kill)]})")
         node2.start_agent()
-        await lab.wait_established(60)
+        await lab.ready.established(60)
         # Past the new agent's first complete sync (ready), and traffic after it.
         await auntil(lambda: node2.api("/status")["ready"], ignore=(OSError, ValueError), in_thread=True,
                      what="node2's new agent ready")

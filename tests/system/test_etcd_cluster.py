@@ -302,7 +302,7 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
             await every_agent(lab, lambda n: renewals(n) >= before[n.name] + 2, 30, "two lease keep-alives on every agent")
             timings["leader killed -> every agent renewed its lease twice"] = time.monotonic() - t
             assert lab.subnets() == subnets
-            assert all((await lab.reachability()).values())
+            assert all((await lab.ready.reachability()).values())
             assert {k: (v["value"], v["lease"]) for k, v in (await lab_keys(lab)).items()} == held
 
             # 2. The new leader crashes too: 1 of 3 left, quorum lost.
@@ -318,7 +318,7 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
             while time.monotonic() - t_lost < 1.5 * ttl:
                 for n in lab.nodes:
                     assert http_status(n, "/healthz") == 200 and http_status(n, "/readyz") == 200
-                assert all((await lab.reachability()).values())
+                assert all((await lab.ready.reachability()).values())
                 assert lab.subnets() == subnets
                 await asyncio.sleep(1.0)
 
@@ -373,7 +373,7 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
     node4 = await lab.add_node()
     new = IPv4Network(lab.subnets()[node4.name])
     assert all(not new.overlaps(IPv4Network(s)) for s in subnets.values())
-    await lab.wait_routes(30)
+    await lab.ready.routes(30)
     assert len([k for k in await lab_keys(lab) if k.startswith("/agentd/subnets/")]) == 4
 
     print(f"\nkernel route samples: {len(kernel.samples)} per node (every 0.15 s); pings {results}")
@@ -396,7 +396,7 @@ async def test_lab_agents_move_off_an_etcd_member_cut_off_the_network(lab_factor
     with Watch(probe(lab), interval=0.15) as kernel:
         before = {n.name: renewals(n) for n in lab.nodes}
         t0 = time.monotonic()
-        lab.cut_etcd(member)
+        lab.network.cut(member)
         moved = await every_agent(
             lab, lambda n: n is not node1 or n.api("/status")["datastore"]["endpoint"] != used, 30, "node1 to move"
         )
@@ -405,8 +405,8 @@ async def test_lab_agents_move_off_an_etcd_member_cut_off_the_network(lab_factor
         leader = await lab.etcd.wait_leader(other_than=member)
         # The others go on without it; a node joining meanwhile is seen by every agent.
         node4 = await lab.add_node()
-        await lab.wait_routes(60, nodes=lab.nodes[:3])
-        lab.mend_etcd(member)
+        await lab.ready.routes(60, nodes=lab.nodes[:3])
+        lab.network.mend(member)
         # etcd 3.4 runs without pre-vote: the member comes back with a higher term and forces
         # an election; the agents ride through that too.
         await until(lambda: _rejoined(lab, member), 30, "the cut member to rejoin the cluster")

@@ -103,7 +103,7 @@ def close_all(*things):
 @pytest.mark.parametrize("mode", MODES)
 async def test_every_pod_reaches_every_other_pod(lab_factory, mode):
     lab = await lab_factory(nodes=3, pods=2, bgp=mode)
-    matrix = await lab.reachability()
+    matrix = await lab.ready.reachability()
     assert len(matrix) == 30 and all(matrix.values()), [k for k, v in matrix.items() if not v]
     # A TCP exchange between pods on different nodes, both directions of the mesh.
     p = {x.name: x for x in lab.pods}
@@ -160,7 +160,7 @@ async def test_agent_killed_and_restarted_loses_nothing(lab_factory, mode):
         await node2.kill_agent()  # SIGKILL: no goodbye to anyone
         await apause(2.0, "node2's agent stays dead for a while: nobody may remove a route meanwhile")
         node2.start_agent()
-        await lab.wait_established(60)
+        await lab.ready.established(60)
 
         def recovered():
             fresh = [r for r in node1.api("/rib") if r["prefix"] == subnet2 and r["best"] and not r["stale"]]
@@ -221,7 +221,7 @@ async def test_etcd_down_for_30s_changes_nothing_and_agents_recover(lab_factory,
     for n in lab.nodes:
         assert sorted(n.kernel_routes()) == before[n.name]
         assert n.agent_pid() is not None
-    assert all((await lab.reachability()).values())
+    assert all((await lab.ready.reachability()).values())
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -264,4 +264,4 @@ async def test_route_reflector_killed_keeps_every_pod_pair_connected(lab_factory
         close_all(*pingers)
     for _sent, missing in results:
         assert not missing, results
-    assert all((await lab.reachability()).values())
+    assert all((await lab.ready.reachability()).values())

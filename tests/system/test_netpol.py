@@ -358,7 +358,7 @@ async def test_agent_restart_keeps_enforcement(grid: Grid, how: str):
         await node1.stop_agent(signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM)
         await asyncio.sleep(1.0)  # no agent at all for a while
         node1.start_agent()
-        await grid.lab.wait_agents_started(60)
+        await grid.lab.ready.agents_started(60)
         denied, allowed_result = await hammer
         for result in denied:
             assert sum(result["ok"]) == 0, f"a denied flow got through around the restart: {result}"
@@ -390,12 +390,12 @@ async def test_records_of_a_dead_node_expire_with_its_lease_and_come_back(grid: 
     view = await asyncio.to_thread(grid.lab.nodes[0].api, "/policy")
     assert view["revision"] > 0
     node2.start_agent()
-    await grid.lab.wait_agents_started(60)
+    await grid.lab.ready.agents_started(60)
     deadline = time.monotonic() + 30
     while await recorded() != on_node2:
         assert time.monotonic() < deadline, "a restarted agent did not publish its pods again"
         await asyncio.sleep(0.2)
-    await grid.lab.wait_established(60)
+    await grid.lab.ready.established(60)
 
 
 # ------------------------------------------------------------------ leave (last: node3 goes)

@@ -364,7 +364,7 @@ async def test_a_killed_agent_leaves_the_table_working_and_adopts_it(world: Worl
         r = await world.echo["client-1"].tcp(vip, 80, count=30)  # no agent: the kernel still translates
         assert r["failed"] == 0 and set(r["names"]) == WEBS, r
         node1.start_agent()
-        await world.lab.wait_agents_started(60)
+        await world.lab.ready.agents_started(60)
         await world.apply(service("steady", {"selector": {"app": "web"}, "ports": WEB_PORTS, "internalTrafficPolicy": "Local"}))
         assert await asyncio.to_thread(_table_handle, node1) == before  # adopted, not re-created
         r = await world.echo["client-1"].tcp(vip, 80, count=10)

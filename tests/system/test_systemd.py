@@ -589,7 +589,7 @@ async def test_lab_runs_under_the_units_sandbox(tmp_path):
             # worker killed by a signal (SIGSYS, or SIGSEGV from code that did not expect one).
             for bad in ("Operation not permitted", "Address family not supported", "exited with -"):
                 assert bad not in text, f"{node.name}: {bad!r} in {node.log_path}"
-        matrix = await lab.reachability()
+        matrix = await lab.ready.reachability()
         assert matrix and all(matrix.values()), matrix
     finally:
         await lab.down(keep_files=True)

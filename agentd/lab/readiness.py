@@ -1,0 +1,127 @@
+"""Is the lab ready yet?  Each stage of ``agentd lab up``, as something to wait for.
+
+Every check reads what an operator would: each node's REST API (``/status``: a subnet lease
+held; ``/peers``: sessions Established), its kernel routes (``ip route show proto 143``) and
+pod-to-pod ICMP (agentd.lab.sweep: one raw socket per source pod).  ``lab.ready`` is the
+lab's :class:`Readiness`; a wait that runs out raises LabError naming what was missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from agentd.lab.errors import LabError
+from agentd.lab.sweep import Source, sweep
+from agentd.lab.wait import auntil
+
+
+class LabView(Protocol):
+    """What the checks read of a lab (agentd.lab.lab.Lab)."""
+
+    spec: Any  # .bgp: "mesh" or "route-reflector"
+    nodes: list[Any]  # LabNode: .name, .reflector, .log_path, agent_pid(), api_or_none(), kernel_routes()
+    pods: list[Any]  # LabPod: .name, .ip, .ns.path
+
+    def subnets(self) -> dict[str, str]: ...
+
+
+class Readiness:
+    def __init__(self, lab: LabView) -> None:
+        self.lab = lab
+
+    async def agents_started(self, timeout: float, nodes: list[Any] | None = None) -> None:
+        """Every agent (of ``nodes``) running and holding a subnet lease."""
+
+        def check() -> tuple[bool, str]:
+            for n in nodes or self.lab.nodes:
+                if n.agent_pid() is None:
+                    raise LabError(f"{n.name}: agent exited; log {n.log_path} ends:\n{_tail(n.log_path)}")
+                status = n.api_or_none("/status")
+                if not status or not (status.get("node") or {}).get("subnet"):
+                    return False, f"{n.name} has no subnet lease yet (log: {n.log_path})"
+            return True, ""
+
+        await self._wait("every agent holding a subnet", check, timeout)
+
+    def expected_peers(self, node: Any) -> int:
+        n = len(self.lab.nodes)
+        if self.lab.spec.bgp == "mesh":
+            return n - 1
+        reflectors = sum(1 for x in self.lab.nodes if x.reflector)
+        return n - 1 if node.reflector else reflectors
+
+    async def established(self, timeout: float, nodes: list[Any] | None = None) -> None:
+        """Every node (of ``nodes``) with all its BGP sessions Established."""
+
+        def check() -> tuple[bool, str]:
+            for n in nodes or self.lab.nodes:
+                peers = n.api_or_none("/peers") or []
+                up = [p for p in peers if p.get("state") == "Established"]
+                if len(up) < self.expected_peers(n):
+                    states = ", ".join(f"{p['address']} {p['state']}" for p in peers) or "no peers"
+                    return False, f"{n.name}: {len(up)}/{self.expected_peers(n)} established ({states})"
+            return True, ""
+
+        await self._wait("every BGP session Established", check, timeout)
+
+    async def routes(self, timeout: float, nodes: list[Any] | None = None) -> None:
+        """Every running node (of ``nodes``) with a kernel route to every other node's subnet."""
+
+        def check() -> tuple[bool, str]:
+            subnets = self.lab.subnets()
+            for n in nodes or self.lab.nodes:
+                if n.agent_pid() is None:
+                    continue
+                have = {line.split()[0] for line in n.kernel_routes() if not line.startswith("blackhole")}
+                want = {s for name, s in subnets.items() if name != n.name and s != "-"}
+                missing = want - have
+                if missing:
+                    return False, f"{n.name} has no route for {', '.join(sorted(missing))}"
+            return True, ""
+
+        await self._wait("routes to every other node's subnet", check, timeout)
+
+    async def reachability(self, deadline: float = 3.0) -> dict[tuple[str, str], bool]:
+        """{(source pod, target pod): an echo reply came back within ``deadline`` seconds} for every
+        ordered pair of pods; one raw ICMP socket per source pod in this process (agentd.lab.sweep),
+        not a ``ping`` process per pair."""
+        pods = self.lab.pods
+        by_ip = {p.ip: p for p in pods if p.ip}
+        sources = [Source(a.name, a.ns.path, tuple(b.ip for b in pods if b is not a and b.ip)) for a in pods]
+        got = await asyncio.to_thread(sweep, sources, deadline=deadline)
+        return {(src, by_ip[ip].name): ok for (src, ip), ok in got.items()}
+
+    async def reachable(self, timeout: float) -> None:
+        """Every pod answering every other."""
+        failing: list[str] = []
+
+        async def reachable() -> bool:
+            nonlocal failing
+            failing = [f"{a}->{b}" for (a, b), ok in (await self.reachability()).items() if not ok]
+            return not failing
+
+        def what() -> str:
+            more = f" and {len(failing) - 10} more" if len(failing) > 10 else ""
+            return f"every pod reachable (failing: {', '.join(failing[:10])}{more})"
+
+        await auntil(reachable, timeout, what=what, interval=0.5, error=LabError)
+
+    async def _wait(self, what: str, check: Callable[[], tuple[bool, str]], timeout: float) -> None:
+        detail = ""
+
+        def ok() -> bool:
+            nonlocal detail
+            done, detail = check()
+            return done
+
+        await auntil(ok, timeout, what=lambda: f"{what} ({detail})", interval=0.2, in_thread=True, error=LabError)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
