@@ -10,9 +10,10 @@ from .bestpath import Reason, rank, select
 from .bfd import BfdSession, BfdSettings, BfdStateChanged
 from .bfd_transport import BfdService
 from .fsm import TRANSITIONS, Event, IllegalTransition, State, transition
+from .negotiation import Negotiated
 from .peer import Peer
 from .rib import AdjRibIn, BestPathChange, Path, Rib, Source
-from .session import Negotiated, Session
+from .session import Session
 from .settings import ListenRange, LocalSettings, PeerSettings
 from .speaker import Origination, Speaker
 from .transport import SpeakerService

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from .negotiation import Negotiated
 from .rib import Rib
-from .session import Negotiated
 from .settings import Family
 from .timers import TimerHeap
 

@@ -17,17 +17,9 @@ session ends up after each event is decided by :mod:`bgp.fsm`'s table.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
-from ipaddress import IPv4Address
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
-from proto.capabilities import (
-    FourOctetAs,
-    GracefulRestart,
-    GracefulRestartFamily,
-    MultiProtocol,
-    RouteRefresh as RouteRefreshCapability,
-)
 from proto.errors import DecodeError, ErrorAction, ErrorCode
 from proto.messages import (
     CodecContext,
@@ -40,10 +32,10 @@ from proto.messages import (
     Update,
     trim_cache,
 )
-from proto.nlri import IPV4_UNICAST
 
 from .fsm import Event, State, fsm_error_subcode, transition
-from .settings import Family, LocalSettings, PeerSettings
+from .negotiation import Negotiated, negotiate, our_open
+from .settings import LocalSettings, PeerSettings
 
 # RFC 4271 §8.2.2: "the HoldTimer to a large value ... A HoldTimer value of 4 minutes is suggested"
 OPEN_HOLD_TIME = 240.0
@@ -89,29 +81,6 @@ Action = Connect | Send | Close
 
 
 # ---------------------------------------------------------------- events (for the speaker)
-
-
-@dataclass(frozen=True)
-class Negotiated:
-    """What both OPENs agreed on (RFC 4271 §4.2, RFC 5492, RFC 6793, RFC 4760, RFC 4724)."""
-
-    peer_asn: int
-    peer_router_id: IPv4Address
-    hold_time: int
-    keepalive_time: float
-    families: frozenset[Family]
-    route_refresh: bool
-    ctx: CodecContext
-    peer_graceful_restart: GracefulRestart | None
-    local_graceful_restart: bool
-    ibgp: bool
-
-    def peer_gr_families(self) -> dict[Family, bool]:
-        """Families the peer keeps forwarding state for across its restart, with the F bit."""
-        gr = self.peer_graceful_restart
-        if gr is None:
-            return {}
-        return {(f.afi, f.safi): f.forwarding_state for f in gr.families}
 
 
 @dataclass(frozen=True)
@@ -438,29 +407,8 @@ class Session:
             )
         )
 
-    def _local_families(self) -> tuple[Family, ...]:
-        return self.peer.families if self.peer.families is not None else self.local.families
-
     def _send_open(self, now: float) -> None:
-        caps: list = [MultiProtocol(afi, safi) for afi, safi in self._local_families()]
-        caps.append(RouteRefreshCapability())
-        if self.local.graceful_restart:
-            # RFC 4724 §3: R bit after our own restart; F bit where forwarding state survived it.
-            forwarding = self.local.forwarding_preserved
-            if forwarding is None:
-                forwarding = self.local.restarting
-            caps.append(
-                GracefulRestart(
-                    restart_state=self.local.restarting,
-                    restart_time=self.local.restart_time,
-                    families=tuple(
-                        GracefulRestartFamily(afi, safi, forwarding_state=forwarding)
-                        for afi, safi in self._local_families()
-                    ),
-                )
-            )
-        hold = self.peer.hold_time if self.peer.hold_time is not None else self.local.hold_time
-        self.open_sent = Open.build(self.local.asn, hold, self.local.router_id, caps)
+        self.open_sent = our_open(self.local, self.peer)
         self._send(self.open_sent.encode(self.ctx))
         self._hold_time = OPEN_HOLD_TIME
         self._hold_at = now + OPEN_HOLD_TIME
@@ -469,55 +417,17 @@ class Session:
         if self.state is not State.OPEN_SENT:
             self._fsm_error(Event.BGP_OPEN, now)
             return
-        # Message-local checks are done by the codec; these need our configuration (RFC 4271 §6.2).
-        if open_.asn != self.peer.asn:
-            raise DecodeError(
-                ErrorCode.OPEN_MESSAGE, 2, b"", f"peer AS {open_.asn} is not the configured {self.peer.asn}"
-            )
-        ibgp = open_.asn == self.local.asn
-        if ibgp and open_.router_id == self.local.router_id:
-            # RFC 6286 §2.2: the BGP Identifier must be unique within an AS.
-            raise DecodeError(
-                ErrorCode.OPEN_MESSAGE,
-                3,
-                open_.router_id.packed,
-                f"peer uses our own BGP identifier {open_.router_id}",
-            )
         assert self.open_sent is not None
+        neg = self.negotiated = negotiate(self.open_sent, open_, self.local, self.peer)  # DecodeError: Notification
         self.open_received = open_
-        four_octet = (
-            self.open_sent.capability(FourOctetAs) is not None and open_.capability(FourOctetAs) is not None
-        )
-        peer_mp = {(c.afi, c.safi) for c in open_.capabilities_of(MultiProtocol)}
-        if not peer_mp:
-            peer_mp = {IPV4_UNICAST}  # RFC 4760 §8: no MP capability means IPv4 unicast only
-        families = frozenset(set(self._local_families()) & peer_mp)
-        local_hold = self.open_sent.hold_time
-        hold = min(local_hold, open_.hold_time)  # RFC 4271 §4.2: the smaller of the two
-        if hold:
-            keepalive = self.local.keepalive_time or hold / 3.0
-            keepalive = min(keepalive, hold / 3.0)
-        else:
-            keepalive = 0.0
-        self.ctx = CodecContext(four_octet_as=four_octet, external=not ibgp)
-        self.negotiated = Negotiated(
-            peer_asn=open_.asn,
-            peer_router_id=open_.router_id,
-            hold_time=hold,
-            keepalive_time=keepalive,
-            families=families,
-            route_refresh=open_.capability(RouteRefreshCapability) is not None,
-            ctx=self.ctx,
-            peer_graceful_restart=open_.capability(GracefulRestart),
-            local_graceful_restart=self.local.graceful_restart,
-            ibgp=ibgp,
-        )
+        self.ctx = neg.ctx
+        hold = neg.hold_time
         self._hold_time = float(hold)
-        self._keepalive_time = keepalive
+        self._keepalive_time = neg.keepalive_time
         self._go(Event.BGP_OPEN, now)
         self._send(Keepalive().encode(self.ctx))
         self._hold_at = now + hold if hold else None
-        self._keepalive_at = now + keepalive if keepalive else None
+        self._keepalive_at = now + neg.keepalive_time if neg.keepalive_time else None
         self._events.append(OpenReceived(open_))
 
     def _on_keepalive(self, now: float) -> None:

@@ -39,11 +39,12 @@ from .fsm import State
 from .graceful import GracefulRestarts
 from .importer import Importer
 from .loglimit import LogLimiter
+from .negotiation import Negotiated
 from .peer import Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
 from .policy import ExportTarget
 from .refresh import RefreshPacer
 from .rib import BestPathChange, Rib, Source
-from .session import Action, Close, Connect, Negotiated
+from .session import Action, Close, Connect
 from .settings import Family, ListenRange, LocalSettings, PeerSettings
 from .timers import TimerHeap
 from .views import PeerView, RibPathView
