@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import socket
 import struct
+import termios
 import time
 from collections.abc import Callable, Iterable
 from ipaddress import IPv4Address, IPv6Address, ip_address
@@ -47,6 +49,8 @@ READ_SLICE = 64 * 1024
 WRITE_HIGH = 1024 * 1024  # a socket buffer above this pauses the peer's output ...
 WRITE_LOW = 256 * 1024  # ... until it drains below this
 CLOSE_LINGER = 5.0  # seconds a closing connection may spend flushing before it is aborted
+STALL_CHECK = 1.0  # seconds between looks at connections whose peer has not taken all we sent
+TCP_INFO_BYTES_ACKED = 120  # linux/tcp.h struct tcp_info: __u64 tcpi_bytes_acked (Linux >= 4.1)
 DEFAULT_BACKLOG = 4096
 
 
@@ -129,6 +133,9 @@ class _Protocol(asyncio.Protocol):
         self.active = conn is None
         self._early: list[bytes] = []
         self._backlog = bytearray()  # received, not yet handed to the speaker (READ_SLICE at a time)
+        self._paused = False  # our buffer went over WRITE_HIGH (uvloop's pause_writing)
+        self._stalled = False  # the peer acknowledged nothing for a whole STALL_CHECK (_StallWatch)
+        self._writable = True  # what the speaker was last told: neither of the two
 
     def activate(self) -> None:
         self.active = True
@@ -175,16 +182,83 @@ class _Protocol(asyncio.Protocol):
             self.transport.resume_reading()
 
     def pause_writing(self) -> None:
-        if self.conn is not None:
-            self.service._writable(self.conn, False)
+        self._paused = True
+        self._tell()
 
     def resume_writing(self) -> None:
-        if self.conn is not None:
-            self.service._writable(self.conn, True)
+        self._paused = False
+        self._tell()
+
+    def set_stalled(self, stalled: bool) -> None:
+        self._stalled = stalled
+        self._tell()
+
+    def _tell(self) -> None:
+        writable = not (self._paused or self._stalled)
+        if writable != self._writable:
+            self._writable = writable
+            if self.conn is not None:
+                self.service._writable(self.conn, writable)
+
+    def unacknowledged(self) -> tuple[int, int]:
+        """(octets the peer has not acknowledged yet: our buffer and the kernel's send queue,
+        octets it has acknowledged so far); (0, 0) once the connection is going."""
+        t = self.transport
+        sock = t.get_extra_info("socket") if t is not None and not t.is_closing() else None
+        if sock is None:
+            return 0, 0
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES_ACKED + 8)
+        except OSError:
+            return 0, 0
+        acked = struct.unpack_from("=Q", info, TCP_INFO_BYTES_ACKED)[0] if len(info) >= TCP_INFO_BYTES_ACKED + 8 else 0
+        return t.get_write_buffer_size() + queued, acked  # type: ignore[union-attr]
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.conn is not None:
             self.service._lost(self.conn)
+
+
+class _StallWatch:
+    """Is a peer taking what we send?  uvloop's pause_writing answers only once our buffer is
+    over WRITE_HIGH; a peer that stops reading with less than that owed (its initial table, a
+    route refresh or two) would keep its session for ever with hold time 0, or while it keeps
+    sending KEEPALIVEs.  So every connection we sent on is looked at every STALL_CHECK seconds
+    until the peer has acknowledged all of it (TIOCOUTQ, TCP_INFO's bytes_acked): a look that
+    finds octets owed and none acknowledged since the last look marks it stalled, which the
+    speaker treats like a full buffer (no more UPDATEs; Cease/Out of Resources once that lasts
+    ``send_timeout``); any acknowledgement ends it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._watched: dict[_Protocol, int] = {}  # connection -> bytes acknowledged at the last look
+        self._handle: asyncio.TimerHandle | None = None
+
+    def sent(self, proto: _Protocol) -> None:
+        if proto not in self._watched:
+            self._watched[proto] = -1  # the first look only records
+            if self._handle is None:
+                self._handle = self._loop.call_later(STALL_CHECK, self._look)
+
+    def _look(self) -> None:
+        self._handle = None
+        for proto, before in list(self._watched.items()):
+            owed, acked = proto.unacknowledged()
+            if owed == 0:
+                del self._watched[proto]
+                proto.set_stalled(False)
+                continue
+            self._watched[proto] = acked
+            proto.set_stalled(before >= 0 and acked == before)
+        if self._watched:
+            self._handle = self._loop.call_later(STALL_CHECK, self._look)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._watched.clear()
 
 
 class SpeakerService:
@@ -218,6 +292,7 @@ class SpeakerService:
         self._inbound_ids = _NegativeIds()
         self._md5_keys: dict[str, str] = {}
         self._work_handle: asyncio.Handle | None = None
+        self._stalls: _StallWatch | None = None
         self._pumping = False
         self.internal_errors = 0
 
@@ -225,6 +300,7 @@ class SpeakerService:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._stalls = _StallWatch(self._loop)
         if self.listen is not None:
             host, port = self.listen
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -261,6 +337,8 @@ class SpeakerService:
         if self._work_handle is not None:
             self._work_handle.cancel()
             self._work_handle = None
+        if self._stalls is not None:
+            self._stalls.close()
         for task in list(self._connecting.values()):
             task.cancel()
         if self.bfd is not None and self.bfd.started:
@@ -448,6 +526,8 @@ class SpeakerService:
                     # The pieces as they are (uvloop keeps references, no copy): an update
                     # group's shared stream stays one object however many sockets wait on it.
                     proto.transport.writelines(action.chunks)
+                    if self._stalls is not None:
+                        self._stalls.sent(proto)
             elif isinstance(action, Close):
                 task = self._connecting.pop(action.conn, None)
                 if task is not None:

@@ -68,12 +68,15 @@ class RawBgpPeer:
     def connect(
         cls, ns: Netns, local: str, remote: str, *, asn: int, port: int = 179, four_octet: bool = True,
         handshake: bool = True, timeout: float = 10.0, hold_time: int = 90, graceful_restart: bool = False,
-        ttl: int | None = None,
+        ttl: int | None = None, rcvbuf: int | None = None,
     ) -> RawBgpPeer:  # fmt: skip
+        """``rcvbuf``: SO_RCVBUF before connecting (a peer with a small window from the start)."""
         with ns.entered():
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if ttl is not None:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         try:
             sock.bind((local, 0))
             sock.settimeout(timeout)

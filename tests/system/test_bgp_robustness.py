@@ -168,6 +168,28 @@ def test_route_refresh_flood_from_a_peer_that_never_reads(netns_factory, procs, 
     assert 'agentd_bgp_events_total{event="route refreshes folded"}' in metrics
 
 
+def test_a_peer_that_stops_reading_with_little_owed_is_reset(netns_factory, procs, tmp_path):
+    # One ROUTE-REFRESH, then nothing: the table it asked for (5,000 routes, ~270 KB) is less
+    # than the transport's write high-water mark and fits in the kernel's send buffer, so the
+    # socket never reports itself full. The peer reads nothing more (a 4 KB receive window),
+    # sends nothing more and has hold time 0: neither a full buffer nor a hold timer would ever
+    # end its session; seeing that nothing sent is acknowledged does (the transport's stall watch).
+    r1, r2, r3 = lan(netns_factory, 3)
+    statics = [f"10.{100 + i // 256}.{i % 256}.0/24" for i in range(5000)]
+    routes = " ".join(f"route {p} blackhole {{ bgp_community.add((65000, {i})); }};" for i, p in enumerate(statics))
+    bird = start_bird(procs, r2, tmp_path / "bird", bird_config(
+        BIRD, bird_bgp("spk", BIRD, ASN, SPK, ASN), f"protocol static many {{ ipv4; {routes} }}\n"))
+    spk = start_speaker(procs, r1, tmp_path / "spk", speaker_config("spk", SPK, originate=["10.99.1.0/24"], peers=[
+        {"address": BIRD, "asn": ASN}, {"address": ATTACKER, "asn": EVIL_AS, "passive": True}], send_timeout=3))
+    eventually(lambda: spk.peer(BIRD)["prefixes_received"] == 5000, timeout=30, what="BIRD's 5,000 routes")
+    row = bird_row(spk)
+    evil = attacker(procs, r3, rcvbuf=4096)
+    evil.send(route_refresh())  # its whole table again (what the handshake read took the first time)
+    eventually(lambda: "send timeout" in spk.peer(ATTACKER)["info"], timeout=30, interval=0.5,
+               what=lambda: f"the peer that reads nothing reset for its send timeout: {spk.peer(ATTACKER)}")
+    bystander_intact(spk, bird, row, prefixes={"10.99.1.0/24"})
+
+
 def test_silent_connections_do_not_leak_descriptors(netns_factory, procs, tmp_path):
     r1, r2, r3, spk, bird = routers(netns_factory, procs, tmp_path)
     row = bird_row(spk)
