@@ -8,10 +8,12 @@ prefixes to originate as *desired state* (``set_peers``, ``set_originated``) and
 to Loc-RIB best-path changes (``add_listener``).
 
 Everything a peer should have is computed, not remembered as instructions: after each
-batch of input the speaker takes the Loc-RIB changes and hands them to the update groups
-(bgp.export), which export each changed prefix once per kind of peer and log the encoded
-difference; each Established peer is then given what it has not read yet, as far as its
-socket takes it.
+batch of input the speaker takes the Loc-RIB changes and hands them to its output side
+(bgp.output: update groups, bgp.export), which exports each changed prefix once per kind of
+peer and logs the encoded difference; each Established peer is then given what it has not
+read yet, as far as its socket takes it.  The speaker itself is the peers' switchboard:
+configuration, connections, timers, the events of each session and what they mean for the
+RIB (import: bgp.importer, graceful restart: bgp.graceful, route refresh: bgp.refresh).
 
 Peers are kept apart by construction: whatever goes wrong while handling one peer — a
 malformed message, a route that cannot be exported to it, a bug — ends that peer's
@@ -34,12 +36,12 @@ from proto.errors import CeaseSubcode, ErrorCode
 from proto.messages import Notification, Update
 
 from . import bestpath
-from .export import GroupKey, UpdateGroup
 from .fsm import State
 from .graceful import GracefulRestarts
 from .importer import Importer
 from .loglimit import LogLimiter
 from .negotiation import Negotiated
+from .output import SEND_KEY, TURN_BUDGET, Output
 from .peer import Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
 from .policy import ExportTarget
 from .refresh import RefreshPacer
@@ -57,12 +59,6 @@ Listener = Callable[[list[BestPathChange]], None]
 LOCAL_KEY = "local"
 DEFAULT_ORIGIN_ATTRIBUTES = PathAttributes((Origin(0), AsPath(())))
 _MISSING = object()
-#: Octets of UPDATEs one peer is given per turn: enough to fill a socket buffer, small enough
-#: that a large export leaves the loop to everything else between turns.
-TURN_BUDGET = 256 * 1024
-#: Prefixes of a new update group's first computation per turn.
-BUILD_BUDGET = 4096
-_SEND_KEY = "\0send"
 
 
 @dataclass(frozen=True)
@@ -91,12 +87,8 @@ class Speaker:
         self.rib.attach(self._local_source)
         self._origins: dict[tuple[Family, bytes], Origination] = {}
         self._negotiated: dict[str, Negotiated] = {}
-        self.groups: dict[GroupKey, UpdateGroup] = {}
-        self._group_of: dict[str, UpdateGroup] = {}
         self._eor_received: dict[str, set[Family]] = {}
         self._listeners: list[Listener] = []
-        self._owed: set[str] = set()  # peers with output waiting that their socket can take
-        self._waiting: dict[GroupKey, UpdateGroup] = {}  # groups with changes held for update_delay
         # Peers called since the last take_actions (only they can have actions): dicts keep order.
         self._touched: dict[int, Peer] = {}
         self._ranges: list[ListenRange] = []
@@ -108,6 +100,9 @@ class Speaker:
         self.graceful = GracefulRestarts(self.rib, self._timers, local.stale_time)
         self._refresh = RefreshPacer(self._timers, local.refresh_interval, self.counters)
         self._importer = Importer(self.rib, local, self.limiter, self.counters)
+        self.output = Output(
+            local, self.rib, self.peers, self._timers, self.limiter, self.counters, sent=self._sent, reset=self._reset
+        )
         self.now = now
 
     # ------------------------------------------------------------ configuration (desired state)
@@ -287,7 +282,7 @@ class Speaker:
         peer.set_writable(conn, writable, now)
         self._schedule(peer)
         if writable:
-            self._pump(peer, TURN_BUDGET, now)
+            self.output.pump(peer, TURN_BUDGET, now)
 
     def bfd_down(self, remote: str, why: str, now: float) -> None:
         """BFD says the path to ``remote`` failed: end its session at once with Cease/BFD Down
@@ -316,8 +311,8 @@ class Speaker:
             elif RefreshPacer.is_timer(key):
                 for req in self._refresh.due(now):
                     self._start_refresh(req, now)
-            elif key == _SEND_KEY:
-                self._send_window(now)
+            elif key == SEND_KEY:
+                self.output.send_window(now)
             else:
                 peer = self.peers.get(key)
                 if peer is None:
@@ -350,37 +345,13 @@ class Speaker:
 
     def has_work(self) -> bool:
         """Output is owed to a peer whose socket has room, or a new group is being computed."""
-        return bool(self._owed) or any(g.building for g in self.groups.values())
+        return self.output.has_work()
 
     def work(self, now: float, budget: int = 4 * TURN_BUDGET) -> bool:
-        """One turn of the output still owed: each peer with room gets up to TURN_BUDGET octets
-        (at most ``budget`` in all), new groups a step of their first computation.  Returns
+        """One turn of the output still owed (see :meth:`bgp.output.Output.work`); returns
         whether more is owed."""
         self.now = now
-        for group in list(self.groups.values()):
-            if group.building:
-                self._build(group, now)
-        spent = 0
-        for key in list(self._owed):
-            if spent >= budget:
-                break
-            peer = self.peers.get(key)
-            if peer is None:
-                self._owed.discard(key)
-                continue
-            spent += self._pump(peer, min(TURN_BUDGET, budget - spent), now)
-        return self.has_work()
-
-    def _build(self, group: UpdateGroup, now: float) -> None:
-        try:
-            group.build_step(self.rib.best, BUILD_BUDGET, now)
-        except Exception:
-            self._group_failed(group, now)
-            return
-        for key in list(group.members):
-            peer = self.peers.get(key)
-            if peer is not None:
-                self._pump(peer, TURN_BUDGET, now)
+        return self.output.work(now, budget)
 
     # ------------------------------------------------------------ isolation
 
@@ -413,17 +384,6 @@ class Speaker:
             return
         self._drain(peer, now)
 
-    def _group_failed(self, group: UpdateGroup, now: float) -> None:
-        """An update group failed (a bug): reset its members, who start over in a new group."""
-        self.counters["internal errors"] += 1
-        log.exception("internal error in an update group of %d peers; resetting them", len(group.members))
-        self.groups.pop(group.key, None)
-        for key in list(group.members):
-            self._group_of.pop(key, None)
-            peer = self.peers.get(key)
-            if peer is not None:
-                self._reset(peer, now, "internal error while exporting")
-
     # ------------------------------------------------------------ peer events
 
     def _after(self, peer: Peer, now: float) -> None:
@@ -451,6 +411,11 @@ class Speaker:
             except Exception as err:
                 self._internal_error(peer, now, type(ev).__name__, err)
             ev = peer.next_event()
+        self._schedule(peer)
+
+    def _sent(self, peer: Peer) -> None:
+        """The output side gave ``peer`` messages: its actions and timers changed."""
+        self._touched[id(peer)] = peer
         self._schedule(peer)
 
     def _schedule(self, peer: Peer) -> None:
@@ -489,19 +454,7 @@ class Speaker:
             local_address=local_address,
             next_hop_v6=self.local.next_hop_v6,
         )
-        gkey = GroupKey(target, neg.families, neg.ctx)
-        group = self.groups.get(gkey)
-        if group is None:
-            group = self.groups[gkey] = UpdateGroup(gkey, self.local, self.limiter)
-            for family in sorted(neg.families):
-                group.start_build(family, list(self.rib.loc.get(family, ())))
-        group.join(key, neg.peer_router_id)
-        for family in group.take_deferred():
-            group.start_build(family, list(self.rib.loc.get(family, ())))
-        self._group_of[key] = group
-        if group.building and sum(len(c.prefixes) for c in group.building.values()) <= BUILD_BUDGET:
-            self._build(group, now)  # small tables: at once, not a turn later
-        self._pump(peer, TURN_BUDGET, now)
+        self.output.join(peer, neg, target, now)
 
     def _peer_down(self, peer: Peer, ev: PeerDown, now: float) -> None:
         key = peer.key
@@ -520,12 +473,7 @@ class Speaker:
             log.info("peer %s down (%s): withdrew %d routes", key, ev.reason, n)
 
     def _forget_peer(self, key: str) -> None:
-        self._owed.discard(key)
-        group = self._group_of.pop(key, None)
-        if group is not None:
-            group.leave(key)
-            if not group.members:
-                self.groups.pop(group.key, None)
+        self.output.leave(key)
         self._negotiated.pop(key, None)
         self._importer.detach(key)
         self._eor_received.pop(key, None)
@@ -541,13 +489,8 @@ class Speaker:
             self._start_refresh((peer.key, family), now)
 
     def _start_refresh(self, req: tuple[str, Family], now: float) -> None:
-        group = self._group_of.get(req[0])
-        if group is not None:
-            group.refresh(*req)
+        if self.output.refresh(*req, now):
             self._refresh.started(req, now)
-            peer = self.peers.get(req[0])
-            if peer is not None:
-                self._pump(peer, TURN_BUDGET, now)
 
     # ------------------------------------------------------------ import
 
@@ -574,6 +517,7 @@ class Speaker:
     # ------------------------------------------------------------ export
 
     def _flush(self, now: float) -> None:
+        """Hand this batch's Loc-RIB changes to the listeners and to the output side."""
         if not self.rib.has_changes():
             return
         batch = self.rib.take_batch()
@@ -586,78 +530,7 @@ class Speaker:
                     except Exception:
                         self.counters["internal errors"] += 1
                         log.exception("a Loc-RIB listener failed")
-        for group in list(self.groups.values()):
-            changed = False
-            try:
-                for family, entry in batch.items():
-                    if family not in group.families:
-                        continue
-                    if not group.tables[family] and not group.building:
-                        promoted = self.rib.promoted.get(family, ())
-                        if len(group.members) == 1 and all(p.source.key in group.members for p in promoted):
-                            # The only member's own routes, and the group had nothing: all of
-                            # them would be held back (see UpdateGroup.apply), so hold the family.
-                            if promoted:
-                                group.deferred.add(family)
-                            continue
-                        if not any(p.source.key in group.members or group.exports(p, family) for p in promoted):
-                            # Nothing this group had before and nothing new is for it (iBGP routes
-                            # to iBGP peers without reflection, say): no need to look at each prefix.
-                            continue
-                    group.apply(family, self.rib.changed(family, entry), now)
-                    changed = True
-            except Exception:
-                self._group_failed(group, now)
-                continue
-            if changed:
-                if self.local.update_delay > 0:
-                    if not self._waiting:
-                        self._timers.set(_SEND_KEY, now + self.local.update_delay)
-                    self._waiting[group.key] = group
-                else:
-                    self._pump_group(group, now)
-
-    def _send_window(self, now: float) -> None:
-        waiting, self._waiting = self._waiting, {}
-        for group in waiting.values():
-            if self.groups.get(group.key) is group:
-                self._pump_group(group, now)
-
-    def _pump_group(self, group: UpdateGroup, now: float) -> None:
-        for key in list(group.members):
-            peer = self.peers.get(key)
-            if peer is not None:
-                self._pump(peer, TURN_BUDGET, now)
-
-    def _pump(self, peer: Peer, budget: int, now: float) -> int:
-        """Hand ``peer`` up to ``budget`` octets of what it is owed; returns how many."""
-        key = peer.key
-        group = self._group_of.get(key)
-        m = group.members.get(key) if group is not None else None
-        if m is None or peer.established is None or not peer.writable or not group.has_work(m):  # type: ignore[union-attr]
-            # Nothing owed, or a full socket: set_writable(True) pumps again.
-            self._owed.discard(key)
-            return 0
-        try:
-            messages = group.pump(key, budget)  # type: ignore[union-attr]
-        except Exception as err:
-            self.counters["internal errors"] += 1
-            self.limiter.log(
-                logging.ERROR, "internal-error", key, now,
-                "peer %s: internal error while exporting: %r; resetting its session only", key, err, exc_info=True,
-            )  # fmt: skip
-            self._reset(peer, now, "internal error while exporting")
-            return 0
-        if group.has_work(m):  # type: ignore[union-attr]
-            self._owed.add(key)
-        else:
-            self._owed.discard(key)
-        if not messages:
-            return 0
-        peer.send_messages(messages, now)
-        self._touched[id(peer)] = peer
-        self._schedule(peer)
-        return sum(map(len, messages))
+        self.output.flush(batch, now)
 
     # ------------------------------------------------------------ introspection
 
@@ -668,15 +541,13 @@ class Speaker:
         ]
 
     def adj_out_count(self, key: str) -> int:
-        group = self._group_of.get(key)
-        return group.sent_count(key) if group is not None else 0
+        return self.output.sent_count(key)
 
     def negotiated(self, key: str) -> Negotiated | None:
         return self._negotiated.get(key)
 
     def in_sync(self, key: str) -> bool:
-        group = self._group_of.get(key)
-        return group is not None and group.in_sync(key)
+        return self.output.in_sync(key)
 
     def peer_views(self) -> list[PeerView]:
         out = []
