@@ -34,6 +34,7 @@ from bench._common import int_list
 from bench._feeder import FeedStream, build_stream
 from bench._speakers import DUT_ADDR, FEEDER_ADDR, FEEDER_AS, HOLD_TIME, AgentdSpeaker
 from bgp import Speaker
+from bgp.views import peer_views
 from proto.capabilities import FourOctetAs, MultiProtocol, RouteRefresh
 from proto.messages import Keepalive, Open
 
@@ -55,7 +56,7 @@ def fresh_speaker(workdir: Path) -> Speaker:
     speaker.data_received(CONN, Open.build(FEEDER_AS, HOLD_TIME, FEEDER_ADDR, caps).encode(), now)
     speaker.data_received(CONN, Keepalive().encode(), now)
     speaker.take_actions()
-    state = speaker.peer_views()[0].state
+    state = peer_views(speaker)[0].state
     if state.lower() != "established":
         raise SystemExit(f"session with the feeder is {state}, not Established")
     return speaker
@@ -72,7 +73,7 @@ def feed(speaker: Speaker, stream: FeedStream) -> float:
 
 
 def received(speaker: Speaker) -> int:
-    return speaker.peer_views()[0].prefixes_received
+    return peer_views(speaker)[0].prefixes_received
 
 
 class GcClock:

@@ -35,7 +35,6 @@ from proto.attributes import AsPath, Origin, PathAttributes
 from proto.errors import CeaseSubcode, ErrorCode
 from proto.messages import Notification, Update
 
-from . import bestpath
 from .fsm import State
 from .graceful import GracefulRestarts
 from .importer import Importer
@@ -49,7 +48,6 @@ from .rib import BestPathChange, Rib, Source
 from .session import Action, Close, Connect
 from .settings import Family, ListenRange, LocalSettings, PeerSettings
 from .timers import TimerHeap
-from .views import PeerView, RibPathView
 
 log = logging.getLogger("bgp.speaker")
 
@@ -548,61 +546,6 @@ class Speaker:
 
     def in_sync(self, key: str) -> bool:
         return self.output.in_sync(key)
-
-    def peer_views(self) -> list[PeerView]:
-        out = []
-        for key, peer in self.peers.items():
-            s = peer.settings
-            neg = self._negotiated.get(key) or peer.session.negotiated
-            ibgp = s.asn == self.local.asn
-            kind = "ibgp" if ibgp else "ebgp"
-            if ibgp and s.rr_client:
-                kind = "ibgp rr-client"
-            adj = self.rib.adj_in.get(key)
-            graceful = key in self.graceful
-            families = tuple(sorted(f"{_afi_name(a)}-unicast" for a, _ in neg.families)) if neg else ()
-            out.append(
-                PeerView(
-                    address=key,
-                    asn=s.asn,
-                    kind=kind,
-                    state=peer.state.label,
-                    since=peer.since,
-                    prefixes_received=len(adj) if adj is not None else 0,
-                    prefixes_sent=self.adj_out_count(key),
-                    stale=self.rib.stale_count(key) if graceful else 0,
-                    router_id=str(neg.peer_router_id) if neg else None,
-                    hold_time=neg.hold_time if neg else None,
-                    families=families,
-                    graceful_restart=graceful,
-                    last_error=peer.last_error,
-                    flaps=max(0, peer.established_count - (1 if peer.established else 0)),
-                    description=s.description,
-                    in_sync=self.in_sync(key),
-                    max_prefixes=s.max_prefixes,
-                    held_down=peer.held_until is not None and peer.held_until > self.now,
-                    dynamic=key in self.dynamic,
-                )
-            )
-        return out
-
-    def rib_prefixes(self) -> list[tuple[Family, bytes]]:
-        """Every Loc-RIB prefix, in the order /rib lists them (a snapshot to page through)."""
-        out: list[tuple[Family, bytes]] = []
-        for family in sorted(self.rib.families()):
-            out.extend((family, p) for p in sorted(self.rib.loc[family]))  # by length, then address
-        return out
-
-    def rib_paths(self, family: Family, prefix: bytes) -> list[RibPathView]:
-        """The candidate paths of one prefix, best first (empty if it is gone by now)."""
-        return [
-            RibPathView(family, prefix, path, i == 0, reason if i == 0 else None)
-            for i, (path, reason) in enumerate(bestpath.rank(self.rib.candidates(family, prefix)))
-        ]
-
-
-def _afi_name(afi: int) -> str:
-    return "ipv4" if afi == 1 else "ipv6"
 
 
 def _normalize(address: str) -> str:

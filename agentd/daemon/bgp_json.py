@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from bgp import PeerView, RibPathView, Speaker
+from bgp.views import rib_paths, rib_prefixes
 from proto.attributes import community_to_str
 from proto.nlri import prefix_from_str, prefix_to_str
 
@@ -76,9 +77,9 @@ class RibQuery:
         """The rows, a few hundred prefixes at a time, read from the RIB as it is when each
         chunk is made (a prefix gone by then is left out)."""
         if self.prefix is not None:
-            yield [rib_row(v) for v in speaker.rib_paths(*self.prefix)]
+            yield [rib_row(v) for v in rib_paths(speaker.rib, *self.prefix)]
             return
-        keys = speaker.rib_prefixes()
+        keys = rib_prefixes(speaker.rib)
         start = 0
         if self.after is not None:
             start = bisect.bisect_right(keys, self.after)
@@ -86,7 +87,7 @@ class RibQuery:
         for i in range(start, end, RIB_CHUNK):
             rows = []
             for family, prefix in keys[i : min(end, i + RIB_CHUNK)]:
-                rows.extend(rib_row(v) for v in speaker.rib_paths(family, prefix))
+                rows.extend(rib_row(v) for v in rib_paths(speaker.rib, family, prefix))
             yield rows
 
 

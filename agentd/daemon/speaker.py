@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from bgp import ListenRange, LocalSettings, Origination, PeerSettings, Speaker, SpeakerService, State
+from bgp.views import peer_views
 from proto.nlri import prefix_from_str
 
 from agentd.daemon.api import ApiServer
@@ -163,7 +164,7 @@ class SpeakerMetrics:
 def peer_rows(service: SpeakerService) -> list[dict[str, Any]]:
     """The speaker's peer table with ``since`` as a UNIX timestamp (DESIGN.md /peers)."""
     bfd = {r["peer"]: r["state"] for r in service.bfd.status()} if service.bfd is not None else {}
-    return [dict(peer_row(v, service.wall_time), bfd=bfd.get(v.address)) for v in service.speaker.peer_views()]
+    return [dict(peer_row(v, service.wall_time), bfd=bfd.get(v.address)) for v in peer_views(service.speaker)]
 
 
 class SpeakerRuntime:

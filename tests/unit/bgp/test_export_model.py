@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 from bgp import Origination, PeerSettings
 from bgp.testing import MemoryNetwork, make_speaker, speaker_pair
+from bgp.views import peer_views
 from proto.attributes import (
     AS_SEQUENCE,
     NO_ADVERTISE,
@@ -403,7 +404,7 @@ class Lab:
                         return False
         for name in self.nodes:
             sp = self.speaker(name)
-            if sp.initial_sync_pending() or any(p.graceful_restart for p in sp.peer_views()):
+            if sp.initial_sync_pending() or any(p.graceful_restart for p in peer_views(sp)):
                 return False
         return True
 

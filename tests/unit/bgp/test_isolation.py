@@ -20,6 +20,7 @@ from bgp import Origination, PeerSettings, Speaker, State
 from bgp.session import Send
 from bgp.settings import LocalSettings
 from bgp.testing import RawHarness, RawPeer
+from bgp.views import peer_views
 from proto.errors import CeaseSubcode, ErrorCode
 from proto.messages import MessageType, RouteRefresh
 from proto.nlri import IPV4_UNICAST, prefix_from_str, prefix_to_str
@@ -327,7 +328,7 @@ def test_max_prefixes_without_restart_stays_down_until_reconfigured():
     assert a.closed
     h.advance(3600.0)
     assert not h.connect(RawPeer(A_ADDR, 65001, conn=-20))
-    assert [v.held_down for v in sp.peer_views() if v.address == A_ADDR] == [True]
+    assert [v.held_down for v in peer_views(sp) if v.address == A_ADDR] == [True]
     sp.set_peers([PeerSettings(A_ADDR, 65001, passive=True, max_prefixes=5), PeerSettings(B_ADDR, 65000, passive=True)], h.now)
     assert h.connect(RawPeer(A_ADDR, 65001, conn=-21))
 
