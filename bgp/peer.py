@@ -119,7 +119,7 @@ class Peer:
 
     def owns(self, conn: int) -> Session | None:
         for s in self.sessions():
-            if s.conn == conn or s._pending_connect == conn:
+            if s.uses(conn):
                 return s
         return None
 

@@ -187,6 +187,15 @@ class Session:
     def has_connection(self) -> bool:
         return self.conn is not None
 
+    @property
+    def connecting(self) -> bool:
+        """An outbound connection of ours is being made."""
+        return self._pending_connect is not None
+
+    def uses(self, conn: int) -> bool:
+        """``conn`` is this session's connection, or the one it is making."""
+        return self.conn == conn or self._pending_connect == conn
+
     # ------------------------------------------------------------ inputs: administrative
 
     def start(self, now: float, *, passive: bool | None = None) -> None:

@@ -35,6 +35,7 @@ from proto.attributes import AsPath, Origin, PathAttributes
 from proto.errors import CeaseSubcode, ErrorCode
 from proto.messages import Notification, Update
 
+from .dynamic import DynamicPeers
 from .fsm import State
 from .graceful import GracefulRestarts
 from .importer import Importer
@@ -89,8 +90,7 @@ class Speaker:
         self._listeners: list[Listener] = []
         # Peers called since the last take_actions (only they can have actions): dicts keep order.
         self._touched: dict[int, Peer] = {}
-        self._ranges: list[ListenRange] = []
-        self.dynamic: set[str] = set()  # peers accepted from a listen range, gone with their session
+        self.dynamic = DynamicPeers()  # listen ranges, and the peers accepted from one
         self._timers = TimerHeap()
         self.limiter = LogLimiter(log)
         #: Totals for metrics: "internal errors", "route refreshes deferred", "max-prefix resets", ...
@@ -145,23 +145,12 @@ class Speaker:
     def set_listen_ranges(self, ranges: Iterable[ListenRange], now: float) -> None:
         """Accept peers from these prefixes without configuring each (most specific first).
         Dynamic peers whose range is gone or changed are reset."""
-        self._ranges = sorted(ranges, key=lambda r: r.prefix.prefixlen, reverse=True)
-        for key in list(self.dynamic):
-            peer = self.peers.get(key)
-            rng = self._range_for(key)
-            if peer is None or rng is None or rng.settings_for(peer.settings.address) != peer.settings:
-                self.remove_peer(key, now, CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
+        for key in self.dynamic.set_ranges(ranges, self.peers.get):
+            self.remove_peer(key, now, CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
 
     @property
     def listen_ranges(self) -> list[ListenRange]:
-        return list(self._ranges)
-
-    def _range_for(self, key: str) -> ListenRange | None:
-        addr = ip_address(key)
-        for r in self._ranges:
-            if addr.version == r.prefix.version and addr in r.prefix:
-                return r
-        return None
+        return self.dynamic.ranges
 
     def add_peer(self, settings: PeerSettings, now: float) -> Peer:
         if settings.key in self.peers:
@@ -213,8 +202,7 @@ class Speaker:
         peer = self.peers.get(key)
         if peer is not None:
             return peer.settings
-        rng = self._range_for(key) if self._ranges else None
-        return rng.settings_for(ip_address(key)) if rng is not None else None
+        return self.dynamic.settings_for(key)
 
     # ------------------------------------------------------------ transport inputs
 
@@ -223,10 +211,10 @@ class Speaker:
         self.now = now
         key = _normalize(remote)
         peer = self.peers.get(key)
-        if peer is None and self._ranges and self.started:
-            rng = self._range_for(key)
-            if rng is not None:
-                peer = self.add_peer(rng.settings_for(ip_address(key)), now)
+        if peer is None and self.started:
+            settings = self.dynamic.settings_for(key)
+            if settings is not None:
+                peer = self.add_peer(settings, now)
                 self.dynamic.add(key)
         if peer is None or not peer.accept(conn, now, local_address):
             if peer is not None and key in self.dynamic:
@@ -394,9 +382,7 @@ class Speaker:
         """A peer from a listen range goes with its last connection (its routes stay, stale,
         while graceful restart keeps them; then it goes too)."""
         key = peer.key
-        if self.peers.get(key) is peer and peer.state <= State.ACTIVE and key not in self.graceful and not any(
-            s.conn is not None or s._pending_connect is not None for s in peer.sessions()
-        ):
+        if self.peers.get(key) is peer and self.dynamic.finished(peer, key in self.graceful):
             self.remove_peer(key, now)
 
     def _drain(self, peer: Peer, now: float) -> None:
