@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from ipaddress import IPv4Address
 from typing import Any
 
 from . import compiler
@@ -333,60 +332,6 @@ class PolicyEngine:
             if obj.kind == "set" and obj.name in elements:
                 obj = replace(obj, elements=frozenset(elements[obj.name]))
             out.append(obj)
-        return out
-
-    # ------------------------------------------------------------------ views
-
-    def view(self, key: PodKey) -> dict[str, Any]:
-        """What /policy shows for one local pod: its policies and effective allow-lists."""
-        pod = self.pods[key]
-        port = self.local.get(key)
-        ingress, egress = self.isolation(key)
-        policies = self.selecting(key)
-        return {
-            "pod": f"{pod.namespace}/{pod.name}",
-            "ip": str(pod.ip) if pod.ip else None,
-            "interface": port.interface if port else None,
-            "labels": dict(pod.labels),
-            "policies": [f"{p.namespace}/{p.name}" for p in policies],
-            "isolated": {"ingress": ingress, "egress": egress},
-            "ingress": self._allow_list(policies, "in") if ingress else None,
-            "egress": self._allow_list(policies, "out") if egress else None,
-        }
-
-    def _allow_list(self, policies: list[Policy], direction: str) -> list[dict[str, Any]]:
-        out = []
-        for policy in policies:
-            rules = policy.ingress if direction == "in" else policy.egress
-            for index, rule in enumerate(rules or ()):
-                mem = self.rule_members(policy, direction, rule)
-                peers: Any = "all"
-                if rule.peers is not None:
-                    peers = []
-                    for peer in rule.peers:
-                        if peer.block is not None:
-                            peers.append({"ipBlock": str(peer.block.cidr), "except": [str(e) for e in peer.block.excepts]})
-                        else:
-                            sel = peer.selector
-                            assert sel is not None
-                            peers.append({
-                                "namespace": sel.namespace if sel.namespace is not None else f"matching {sel.namespaces}",
-                                "pods": str(sel.pods),
-                            })  # fmt: skip
-                ports: Any = "all"
-                if rule.ports is not None:
-                    ports = [
-                        {"protocol": p.protocol, "port": p.port, **({"endPort": p.end_port} if p.end_port else {})}
-                        for p in rule.ports
-                    ]
-                out.append({
-                    "policy": f"{policy.namespace}/{policy.name}",
-                    "rule": index,
-                    "peers": peers,
-                    "peer_addresses": sorted(map(str, mem.pod_ips), key=IPv4Address) if rule.peers is not None else None,
-                    "ports": ports,
-                    "named_ports": sorted(f"{a} {p}/{n}" for a, p, n in mem.named) or None,
-                })  # fmt: skip
         return out
 
 

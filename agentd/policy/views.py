@@ -2,18 +2,20 @@
 
 :class:`PolicyViews` reads a :class:`PolicyState` (the running
 :class:`agentd.policy.agent.PolicyAgent`) and changes nothing; it is the agent's
-prometheus_client collector and the source of its REST view.
+prometheus_client collector and the source of its REST view.  :func:`pod_view` is one local
+pod as the engine sees it: the policies selecting it and its effective allow-lists.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from ipaddress import IPv4Address
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .engine import PolicyEngine
-from .model import PodKey
+from .model import PodKey, Policy
 from .programmer import PolicyProgrammer
 
 
@@ -75,7 +77,7 @@ class PolicyViews:
             name = f"{key[0]}/{key[1]}"
             if pod is not None and pod != name:
                 continue
-            v = a.engine.view(key)
+            v = pod_view(a.engine, key)
             v["dropped"] = {
                 "ingress": a.dropped.get((name, "ingress"), 0),
                 "egress": a.dropped.get((name, "egress"), 0),
@@ -117,3 +119,57 @@ class PolicyViews:
             for what, n in size.items():
                 rules.add_metric([what], float(n))
             yield rules
+
+
+def pod_view(engine: PolicyEngine, key: PodKey) -> dict[str, Any]:
+    """What /policy shows for one local pod: its policies and effective allow-lists."""
+    pod = engine.pods[key]
+    port = engine.local.get(key)
+    ingress, egress = engine.isolation(key)
+    policies = engine.selecting(key)
+    return {
+        "pod": f"{pod.namespace}/{pod.name}",
+        "ip": str(pod.ip) if pod.ip else None,
+        "interface": port.interface if port else None,
+        "labels": dict(pod.labels),
+        "policies": [f"{p.namespace}/{p.name}" for p in policies],
+        "isolated": {"ingress": ingress, "egress": egress},
+        "ingress": _allow_list(engine, policies, "in") if ingress else None,
+        "egress": _allow_list(engine, policies, "out") if egress else None,
+    }
+
+
+def _allow_list(engine: PolicyEngine, policies: list[Policy], direction: str) -> list[dict[str, Any]]:
+    out = []
+    for policy in policies:
+        rules = policy.ingress if direction == "in" else policy.egress
+        for index, rule in enumerate(rules or ()):
+            mem = engine.rule_members(policy, direction, rule)
+            peers: Any = "all"
+            if rule.peers is not None:
+                peers = []
+                for peer in rule.peers:
+                    if peer.block is not None:
+                        peers.append({"ipBlock": str(peer.block.cidr), "except": [str(e) for e in peer.block.excepts]})
+                    else:
+                        sel = peer.selector
+                        assert sel is not None
+                        peers.append({
+                            "namespace": sel.namespace if sel.namespace is not None else f"matching {sel.namespaces}",
+                            "pods": str(sel.pods),
+                        })  # fmt: skip
+            ports: Any = "all"
+            if rule.ports is not None:
+                ports = [
+                    {"protocol": p.protocol, "port": p.port, **({"endPort": p.end_port} if p.end_port else {})}
+                    for p in rule.ports
+                ]
+            out.append({
+                "policy": f"{policy.namespace}/{policy.name}",
+                "rule": index,
+                "peers": peers,
+                "peer_addresses": sorted(map(str, mem.pod_ips), key=IPv4Address) if rule.peers is not None else None,
+                "ports": ports,
+                "named_ports": sorted(f"{a} {p}/{n}" for a, p, n in mem.named) or None,
+            })  # fmt: skip
+    return out

@@ -22,6 +22,7 @@ from agentd.policy import compiler
 from agentd.policy.engine import PolicyEngine
 from agentd.policy.model import LocalPort, NamedPort, Pod, Policy
 from agentd.policy.ruleset import NftChain, NftSet, Ruleset, plan
+from agentd.policy.views import pod_view
 from agentd.resources import kinds
 
 NODE = "node1"
@@ -385,7 +386,7 @@ def test_view_lists_policies_and_allow_lists():
     cluster.policies = [CASES["ns and pod selector combined"], CASES["deny all egress"]]
     eng = engine_for(cluster, [p.key for p in cluster.pods[:3]])
     eng.build()
-    view = eng.view(("x", "a"))
+    view = pod_view(eng, ("x", "a"))
     assert view["policies"] == ["x/deny", "x/p"]
     assert view["isolated"] == {"ingress": True, "egress": True}
     assert view["egress"] == []  # deny: no egress rule at all
