@@ -477,7 +477,8 @@ class LocalHost:
 
 
 class _Loader:
-    """Collects values with their origins and every problem, then builds the Config."""
+    """Collects values with their origins (file < environment < --set) and every problem; the
+    checks across keys and the Config are :func:`_build`'s."""
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {k.path: k.default for k in _KEYS}
@@ -702,129 +703,132 @@ class _Loader:
                 continue
             self.set(key, text, o, current_dir(), from_text=True)
 
-    # -- computed defaults and checks across keys ----------------------------------------------
 
-    def build(self, host: HostFacts | None) -> Config | None:
-        v, ok = self.values, (lambda *paths: not self.bad.intersection(paths))
-        if host is not None and v["node.name"] is None and ok("node.name"):
-            name = host.hostname()
-            try:
-                v["node.name"] = parse_node_name(name)
-            except BadValue as e:
-                self.key_problem("node.name", f"not set and the hostname {name!r} {e}")
-        if host is not None and v["node.address"] is None and ok("node.address"):
-            try:
-                v["node.address"] = host.default_address()
-                reason = "this host has no IPv4 default route to take it from"
-            except Exception as e:  # netlink refused: say so in one line rather than a traceback
-                reason = f"reading the default route failed ({e})"
-            if v["node.address"] is None:
-                self.key_problem("node.address", f"not set and {reason}; set [node] address")
-        if v["node.cluster_id"] is None and v["node.route_reflector"]:
-            v["node.cluster_id"] = v["node.address"]  # RFC 4456 §7: commonly the router's address
+# ---------------------------------------------------------------- computed defaults, checks across keys
 
-        cidr, sublen = v["network.cidr"], v["network.subnet_len"]
-        if ok("network.cidr", "network.subnet_len") and not cidr.prefixlen < sublen <= 30:
-            self.key_problem(self.blame("network.subnet_len", "network.cidr"),
-                             f"node subnets /{sublen} must be longer than the cidr's /{cidr.prefixlen} "
-                             "and at most /30")
-        if (ok("network.cidr", "network.service_cidr") and v["network.service_cidr"] != NetworkConfig.service_cidr
-                and v["network.service_cidr"].overlaps(cidr)):  # the default is not held against an older cidr
-            self.key_problem(self.blame("network.service_cidr", "network.cidr"),
-                             f"the service range {v['network.service_cidr']} overlaps the pod network {cidr}")
-        if ok("network.encap", "network.backend") and (v["network.encap"], v["network.backend"]) == (
-            "cross-subnet", "host-gw"
-        ):
-            self.key_problem(self.blame("network.encap", "network.backend"),
-                             "host-gw never encapsulates, so encap = cross-subnet needs ipip, vxlan or udp")
 
-        if (v["etcd.cert"] is None) != (v["etcd.key"] is None) and ok("etcd.cert", "etcd.key"):
-            missing = "etcd.key" if v["etcd.key"] is None else "etcd.cert"
-            self.key_problem(self.blame("etcd.cert", "etcd.key"),
-                             f"cert and key go together; [etcd] {missing.split('.')[1]} is not set")
-        tls = [p for p in ("etcd.ca", "etcd.cert", "etcd.key") if v[p] is not None]
-        if tls and ok("etcd.endpoints") and not any(u.startswith("https:") for u in v["etcd.endpoints"]):
-            self.key_problem(tls[0], "TLS files are set but no [etcd] endpoints use https://")
+def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
+    """Computed defaults, checks across keys, and the Config (None when anything is wrong)."""
+    v, ok = ld.values, (lambda *paths: not ld.bad.intersection(paths))
+    if host is not None and v["node.name"] is None and ok("node.name"):
+        name = host.hostname()
+        try:
+            v["node.name"] = parse_node_name(name)
+        except BadValue as e:
+            ld.key_problem("node.name", f"not set and the hostname {name!r} {e}")
+    if host is not None and v["node.address"] is None and ok("node.address"):
+        try:
+            v["node.address"] = host.default_address()
+            reason = "this host has no IPv4 default route to take it from"
+        except Exception as e:  # netlink refused: say so in one line rather than a traceback
+            reason = f"reading the default route failed ({e})"
+        if v["node.address"] is None:
+            ld.key_problem("node.address", f"not set and {reason}; set [node] address")
+    if v["node.cluster_id"] is None and v["node.route_reflector"]:
+        v["node.cluster_id"] = v["node.address"]  # RFC 4456 §7: commonly the router's address
 
-        if v["bgp.router_id"] is None:
-            v["bgp.router_id"] = v["node.address"]
-        if v["bgp.asn"] is None:
-            v["bgp.asn"] = v["node.asn"]
-        hold, keep = v["bgp.hold_time"], v["bgp.keepalive_time"]
-        if keep is None:
-            v["bgp.keepalive_time"] = hold // 3  # RFC 4271 §10: one third of the hold time
-        elif ok("bgp.hold_time", "bgp.keepalive_time") and (not 0 < keep < hold if hold else keep != 0):
-            # RFC 4271 §4.4: no KEEPALIVEs at all when the hold time is zero, and some when it is not.
-            why = f"must be 1..{hold - 1} (less than hold_time {hold})" if hold else "must be 0 when hold_time = 0"
-            self.key_problem(self.blame("bgp.keepalive_time", "bgp.hold_time"), why)
-        bgp_at, api_at = v["bgp.listen"], v["api.listen"]
-        if ok("bgp.listen", "api.listen") and bgp_at and bgp_at.port and bgp_at.port == api_at.port and (
-            bgp_at.host == api_at.host or ip_address(bgp_at.host).is_unspecified
-            or ip_address(api_at.host).is_unspecified
-        ):
-            self.key_problem(self.blame("api.listen", "bgp.listen"),
-                             "[api] listen and [bgp] listen use the same port")
-        self.check_peers()
+    cidr, sublen = v["network.cidr"], v["network.subnet_len"]
+    if ok("network.cidr", "network.subnet_len") and not cidr.prefixlen < sublen <= 30:
+        ld.key_problem(ld.blame("network.subnet_len", "network.cidr"),
+                         f"node subnets /{sublen} must be longer than the cidr's /{cidr.prefixlen} "
+                         "and at most /30")
+    if (ok("network.cidr", "network.service_cidr") and v["network.service_cidr"] != NetworkConfig.service_cidr
+            and v["network.service_cidr"].overlaps(cidr)):  # the default is not held against an older cidr
+        ld.key_problem(ld.blame("network.service_cidr", "network.cidr"),
+                         f"the service range {v['network.service_cidr']} overlaps the pod network {cidr}")
+    if ok("network.encap", "network.backend") and (v["network.encap"], v["network.backend"]) == (
+        "cross-subnet", "host-gw"
+    ):
+        ld.key_problem(ld.blame("network.encap", "network.backend"),
+                         "host-gw never encapsulates, so encap = cross-subnet needs ipip, vxlan or udp")
 
-        if self.problems:
-            return None
-        sections = {}
-        for sec, cls in (("node", NodeConfig), ("network", NetworkConfig), ("etcd", EtcdConfig),
-                         ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("dns", DnsConfig), ("log", LogConfig),
-                         ("agent", AgentConfig)):
-            sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
-        peers = tuple(BgpPeerConfig(**{"hold_time": hold, **p}) for p in v["bgp.peers"])
-        ranges = tuple(ListenRangeConfig(**{"hold_time": hold, **r}) for r in v["bgp.listen_ranges"])
-        sections["bgp"] = dataclasses.replace(sections["bgp"], peers=peers, listen_ranges=ranges)
-        return Config(**sections, source=self.source)
+    if (v["etcd.cert"] is None) != (v["etcd.key"] is None) and ok("etcd.cert", "etcd.key"):
+        missing = "etcd.key" if v["etcd.key"] is None else "etcd.cert"
+        ld.key_problem(ld.blame("etcd.cert", "etcd.key"),
+                         f"cert and key go together; [etcd] {missing.split('.')[1]} is not set")
+    tls = [p for p in ("etcd.ca", "etcd.cert", "etcd.key") if v[p] is not None]
+    if tls and ok("etcd.endpoints") and not any(u.startswith("https:") for u in v["etcd.endpoints"]):
+        ld.key_problem(tls[0], "TLS files are set but no [etcd] endpoints use https://")
 
-    def check_peers(self) -> None:
-        v, seen = self.values, {}
-        own = {v["node.address"], v["bgp.router_id"]} - {None}
-        for peer, (i, origins) in zip(v["bgp.peers"], self.table_origins["bgp.peers"]):
-            where = f"[[bgp.peers]] #{i + 1}"
+    if v["bgp.router_id"] is None:
+        v["bgp.router_id"] = v["node.address"]
+    if v["bgp.asn"] is None:
+        v["bgp.asn"] = v["node.asn"]
+    hold, keep = v["bgp.hold_time"], v["bgp.keepalive_time"]
+    if keep is None:
+        v["bgp.keepalive_time"] = hold // 3  # RFC 4271 §10: one third of the hold time
+    elif ok("bgp.hold_time", "bgp.keepalive_time") and (not 0 < keep < hold if hold else keep != 0):
+        # RFC 4271 §4.4: no KEEPALIVEs at all when the hold time is zero, and some when it is not.
+        why = f"must be 1..{hold - 1} (less than hold_time {hold})" if hold else "must be 0 when hold_time = 0"
+        ld.key_problem(ld.blame("bgp.keepalive_time", "bgp.hold_time"), why)
+    bgp_at, api_at = v["bgp.listen"], v["api.listen"]
+    if ok("bgp.listen", "api.listen") and bgp_at and bgp_at.port and bgp_at.port == api_at.port and (
+        bgp_at.host == api_at.host or ip_address(bgp_at.host).is_unspecified
+        or ip_address(api_at.host).is_unspecified
+    ):
+        ld.key_problem(ld.blame("api.listen", "bgp.listen"),
+                         "[api] listen and [bgp] listen use the same port")
+    _check_peers(ld)
 
-            def fail(name: str, message: str) -> None:
-                o = origins.get(name, self.origins["bgp.peers"])
-                self.problem(message, o, f"bgp.peers[{i}].{name}", f"{where} {name}", show=name != "password")
+    if ld.problems:
+        return None
+    sections = {}
+    for sec, cls in (("node", NodeConfig), ("network", NetworkConfig), ("etcd", EtcdConfig),
+                     ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("dns", DnsConfig), ("log", LogConfig),
+                     ("agent", AgentConfig)):
+        sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
+    peers = tuple(BgpPeerConfig(**{"hold_time": hold, **p}) for p in v["bgp.peers"])
+    ranges = tuple(ListenRangeConfig(**{"hold_time": hold, **r}) for r in v["bgp.listen_ranges"])
+    sections["bgp"] = dataclasses.replace(sections["bgp"], peers=peers, listen_ranges=ranges)
+    return Config(**sections, source=ld.source)
 
-            addr, local = peer["address"], peer.get("local_address")
-            if addr in seen:
-                fail("address", f"duplicate of [[bgp.peers]] #{seen[addr] + 1}")
-            seen.setdefault(addr, i)
-            if addr in own:
-                fail("address", "is this node's own address")
-            if local is not None and local.version != addr.version:
-                fail("local_address", f"must be IPv{addr.version} like the peer address")
-            if peer.get("rr_client") and not v["node.route_reflector"]:
-                fail("rr_client", "needs [node] route_reflector = true (RFC 4456: reflectors have clients)")
-            asn_known = not self.bad & {"node.asn", "bgp.asn"}
-            if peer.get("rr_client") and peer["asn"] != v["bgp.asn"] and asn_known:
-                fail("rr_client", f"needs an iBGP peer (asn {v['bgp.asn']}); reflection stays in one AS")
-            if peer.get("passive") and v["bgp.listen"] is None and "bgp.listen" not in self.bad:
-                fail("passive", "a passive peer must connect to us, but [bgp] listen is empty")
-        self.check_ranges()
+def _check_peers(ld: _Loader) -> None:
+    v, seen = ld.values, {}
+    own = {v["node.address"], v["bgp.router_id"]} - {None}
+    for peer, (i, origins) in zip(v["bgp.peers"], ld.table_origins["bgp.peers"]):
+        where = f"[[bgp.peers]] #{i + 1}"
 
-    def check_ranges(self) -> None:
-        v, seen = self.values, {}
-        for rng, (i, origins) in zip(v["bgp.listen_ranges"], self.table_origins["bgp.listen_ranges"]):
-            where = f"[[bgp.listen_ranges]] #{i + 1}"
+        def fail(name: str, message: str) -> None:
+            o = origins.get(name, ld.origins["bgp.peers"])
+            ld.problem(message, o, f"bgp.peers[{i}].{name}", f"{where} {name}", show=name != "password")
 
-            def fail(name: str, message: str) -> None:
-                o = origins.get(name, self.origins["bgp.listen_ranges"])
-                self.problem(message, o, f"bgp.listen_ranges[{i}].{name}", f"{where} {name}",
-                             show=name != "password")
+        addr, local = peer["address"], peer.get("local_address")
+        if addr in seen:
+            fail("address", f"duplicate of [[bgp.peers]] #{seen[addr] + 1}")
+        seen.setdefault(addr, i)
+        if addr in own:
+            fail("address", "is this node's own address")
+        if local is not None and local.version != addr.version:
+            fail("local_address", f"must be IPv{addr.version} like the peer address")
+        if peer.get("rr_client") and not v["node.route_reflector"]:
+            fail("rr_client", "needs [node] route_reflector = true (RFC 4456: reflectors have clients)")
+        asn_known = not ld.bad & {"node.asn", "bgp.asn"}
+        if peer.get("rr_client") and peer["asn"] != v["bgp.asn"] and asn_known:
+            fail("rr_client", f"needs an iBGP peer (asn {v['bgp.asn']}); reflection stays in one AS")
+        if peer.get("passive") and v["bgp.listen"] is None and "bgp.listen" not in ld.bad:
+            fail("passive", "a passive peer must connect to us, but [bgp] listen is empty")
+    _check_ranges(ld)
 
-            prefix = rng["prefix"]
-            if prefix in seen:
-                fail("prefix", f"duplicate of [[bgp.listen_ranges]] #{seen[prefix] + 1}")
-            seen.setdefault(prefix, i)
-            if v["bgp.listen"] is None and "bgp.listen" not in self.bad:
-                fail("prefix", "peers from a range connect to us, but [bgp] listen is empty")
-            if rng.get("rr_client") and not v["node.route_reflector"]:
-                fail("rr_client", "needs [node] route_reflector = true (RFC 4456: reflectors have clients)")
-            if rng.get("rr_client") and rng["asn"] != v["bgp.asn"] and not self.bad & {"node.asn", "bgp.asn"}:
-                fail("rr_client", f"needs iBGP peers (asn {v['bgp.asn']}); reflection stays in one AS")
+def _check_ranges(ld: _Loader) -> None:
+    v, seen = ld.values, {}
+    for rng, (i, origins) in zip(v["bgp.listen_ranges"], ld.table_origins["bgp.listen_ranges"]):
+        where = f"[[bgp.listen_ranges]] #{i + 1}"
+
+        def fail(name: str, message: str) -> None:
+            o = origins.get(name, ld.origins["bgp.listen_ranges"])
+            ld.problem(message, o, f"bgp.listen_ranges[{i}].{name}", f"{where} {name}",
+                         show=name != "password")
+
+        prefix = rng["prefix"]
+        if prefix in seen:
+            fail("prefix", f"duplicate of [[bgp.listen_ranges]] #{seen[prefix] + 1}")
+        seen.setdefault(prefix, i)
+        if v["bgp.listen"] is None and "bgp.listen" not in ld.bad:
+            fail("prefix", "peers from a range connect to us, but [bgp] listen is empty")
+        if rng.get("rr_client") and not v["node.route_reflector"]:
+            fail("rr_client", "needs [node] route_reflector = true (RFC 4456: reflectors have clients)")
+        if rng.get("rr_client") and rng["asn"] != v["bgp.asn"] and not ld.bad & {"node.asn", "bgp.asn"}:
+            fail("rr_client", f"needs iBGP peers (asn {v['bgp.asn']}); reflection stays in one AS")
 
 
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
@@ -837,7 +841,7 @@ def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
     loader.read_overrides(overrides or {})
     if loader.file_failed:  # without the file every check across keys would mislead
         return None, loader.problems
-    config = loader.build((host or LocalHost()) if resolve_defaults else None)
+    config = _build(loader, (host or LocalHost()) if resolve_defaults else None)
     return config, loader.problems
 
 
