@@ -41,7 +41,7 @@ from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
 from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from agentd.config.settings import Config, ConfigError, load_config, reloaded
-from agentd.datastore.store import ClusterConfig, Datastore, NodeEvent, NodeRecord, SubnetLease
+from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy (issue 13)
 from agentd.policy.libnftables import NftError
@@ -49,7 +49,7 @@ from agentd.services.agent import ServiceAgent, remove_services_table  # Service
 from agentd.kernel.route_model import SyncResult
 from agentd.kernel.routing import RouteProgrammer
 from agentd.daemon.sdnotify import Notifier
-from agentd.daemon.speaker import SpeakerMetrics, bfd_timers, listen_ranges, local_settings, peer_settings
+from agentd.daemon.speaker import SpeakerMetrics, listen_ranges, local_settings
 from agentd.daemon.supervisor import Supervisor
 
 log = logging.getLogger("agentd")
@@ -86,10 +86,9 @@ class Agent:
         self.policy: PolicyAgent | None = None  # NetworkPolicy (issue 13)
         self.services: ServiceAgent | None = None  # Services (issue 14)
         self.lease: SubnetLease | None = None
-        self.nodes: dict[str, NodeRecord] = {}
+        self.peering = mesh.Peering(self.name)  # the node registry as read, and the peers it implies
         self.routes = KernelRoutes(self)  # best paths -> kernel routes (agentd/daemon/routes.py)
         self.started_bgp = False
-        self.have_registry = False  # the node registry has been read at least once
         self._stop = asyncio.Event()
         self.stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
         self._leaving = False
@@ -347,36 +346,14 @@ class Agent:
     async def _watch_nodes(self) -> None:
         assert self.datastore is not None
         async for ev in self.datastore.watch_nodes():
-            self._on_node_event(ev)
-
-    def _on_node_event(self, ev: NodeEvent) -> None:
-        if ev.kind == "snapshot":
-            self.nodes = dict(ev.nodes or {})
-            self.have_registry = True
-        elif ev.kind == "put" and ev.record is not None and ev.name:
-            self.nodes[ev.name] = ev.record
-        elif ev.kind == "delete" and ev.name:
-            self.nodes.pop(ev.name, None)
-        self._apply_peers()
-        self.routes.schedule()
+            self.peering.apply(ev)
+            self._apply_peers()
+            self.routes.schedule()
 
     def _apply_peers(self) -> None:
-        if self.service is None:
-            return
-        cfg = self.cfg
-        external = [peer_settings(p, cfg, description=mesh.EXTERNAL) for p in cfg.bgp.peers]
-        peers = mesh.desired_peers(
-            self.name,
-            self.nodes,
-            mode=cfg.bgp.mode,
-            i_am_reflector=cfg.node.route_reflector,
-            password=cfg.bgp.password,
-            hold_time=cfg.bgp.hold_time,
-            bfd=bfd_timers(cfg),
-            external=external,
-        )
-        self.service.set_peers(peers)
-        self.service.set_listen_ranges(listen_ranges(cfg))
+        if self.service is not None:
+            self.service.set_peers(self.peering.peers(self.cfg))
+            self.service.set_listen_ranges(listen_ranges(self.cfg))
 
     # ================================================================ route programmer
 

@@ -13,7 +13,9 @@ from collections.abc import Iterable, Mapping
 
 from bgp import PeerSettings
 
-from agentd.datastore.store import NodeRecord
+from agentd.config.settings import Config
+from agentd.daemon.speaker import bfd_timers, peer_settings
+from agentd.datastore.store import NodeEvent, NodeRecord
 
 MESH = "node-to-node mesh"
 REFLECTOR = "route reflector"
@@ -58,6 +60,37 @@ def desired_peers(
         if ps.key not in out:  # a node of the cluster wins over a stale external entry
             out[ps.key] = ps
     return list(out.values())
+
+
+class Peering:
+    """The node registry as this agent has read it (its watch of the nodes in etcd), and the
+    peer set that implies together with the configured external peers."""
+
+    def __init__(self, me: str) -> None:
+        self.me = me
+        self.nodes: dict[str, NodeRecord] = {}
+        self.known = False  # the registry has been read at least once
+
+    def apply(self, ev: NodeEvent) -> None:
+        if ev.kind == "snapshot":
+            self.nodes = dict(ev.nodes or {})
+            self.known = True
+        elif ev.kind == "put" and ev.record is not None and ev.name:
+            self.nodes[ev.name] = ev.record
+        elif ev.kind == "delete" and ev.name:
+            self.nodes.pop(ev.name, None)
+
+    def peers(self, cfg: Config) -> list[PeerSettings]:
+        return desired_peers(
+            self.me,
+            self.nodes,
+            mode=cfg.bgp.mode,
+            i_am_reflector=cfg.node.route_reflector,
+            password=cfg.bgp.password,
+            hold_time=cfg.bgp.hold_time,
+            bfd=bfd_timers(cfg),
+            external=[peer_settings(p, cfg, description=EXTERNAL) for p in cfg.bgp.peers],
+        )
 
 
 def peer_kind(settings: PeerSettings) -> str:

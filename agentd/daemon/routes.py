@@ -21,8 +21,9 @@ from bgp import BestPathChange, Speaker, State
 from proto.nlri import prefix_to_str
 
 from agentd.config.settings import Config
+from agentd.daemon.mesh import Peering
 from agentd.dataplane.backends import Tunnels
-from agentd.datastore.store import NodeRecord, SubnetLease
+from agentd.datastore.store import SubnetLease
 from agentd.kernel.forwarding import PeerPlan, desired_routes
 from agentd.kernel.netinfo import Underlay
 from agentd.kernel.route_model import Route
@@ -39,13 +40,12 @@ class RouteInputs(Protocol):
 
     cfg: Config
     name: str
-    nodes: dict[str, NodeRecord]
+    peering: Peering  # the node registry as read (.nodes, .known)
     underlay: Underlay | None
     lease: SubnetLease | None
     tunnels: Tunnels | None
     speaker: Speaker | None
     started_bgp: bool
-    have_registry: bool  # the node registry has been read at least once
     stopping: bool  # no more route changes: a graceful stop leaves the kernel as it is
 
 
@@ -98,7 +98,7 @@ class KernelRoutes:
         i = self.inputs
         if i.stopping or self.programmer is None or i.underlay is None or i.tunnels is None or i.lease is None:
             return
-        others = [n for n in i.nodes.values() if n.name != i.name]
+        others = [n for n in i.peering.nodes.values() if n.name != i.name]
         bests = ((prefix_to_str(afi, prefix), path.next_hop, path.source.local) for (afi, prefix), path in self._bests.items())
         plan = desired_routes(
             bests, others, i.underlay, i.tunnels.paths(),
@@ -113,7 +113,7 @@ class KernelRoutes:
             if self.restarting:
                 log.info("initial BGP sync complete: routes from the previous run no longer pinned")
         i.tunnels.apply(
-            plan.plans, plan.next_hops, i.nodes, members_known=i.have_registry, prune=self.initial_sync_done
+            plan.plans, plan.next_hops, i.peering.nodes, members_known=i.peering.known, prune=self.initial_sync_done
         )
         if not self.initial_sync_done:
             # Keep what a previous run left until BGP has re-learned it (or given up waiting).
@@ -129,7 +129,7 @@ class KernelRoutes:
             return False
         if time.monotonic() >= self.initial_sync_deadline:
             return True
-        if not i.nodes and not i.cfg.bgp.peers:
+        if not i.peering.nodes and not i.cfg.bgp.peers:
             return False  # no registry snapshot yet
         for peer in i.speaker.peers.values():
             if peer.state is not State.ESTABLISHED:
