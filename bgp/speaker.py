@@ -12,8 +12,9 @@ batch of input the speaker takes the Loc-RIB changes and hands them to its outpu
 (bgp.output: update groups, bgp.export), which exports each changed prefix once per kind of
 peer and logs the encoded difference; each Established peer is then given what it has not
 read yet, as far as its socket takes it.  The speaker itself is the peers' switchboard:
-configuration, connections, timers, the events of each session and what they mean for the
-RIB (import: bgp.importer, graceful restart: bgp.graceful, route refresh: bgp.refresh).
+configuration, connections (listen ranges: bgp.dynamic), timers, and handing each session's
+events to bgp.channels, which says what they mean for the RIB (import: bgp.importer,
+graceful restart: bgp.graceful, route refresh: bgp.refresh).
 
 Peers are kept apart by construction: whatever goes wrong while handling one peer — a
 malformed message, a route that cannot be exported to it, a bug — ends that peer's
@@ -33,17 +34,16 @@ from ipaddress import IPv4Address, IPv6Address, ip_address
 
 from proto.attributes import AsPath, Origin, PathAttributes
 from proto.errors import CeaseSubcode, ErrorCode
-from proto.messages import Notification, Update
+from proto.messages import Notification
 
+from .channels import Channels
 from .dynamic import DynamicPeers
 from .fsm import State
 from .graceful import GracefulRestarts
-from .importer import Importer
 from .loglimit import LogLimiter
 from .negotiation import Negotiated
 from .output import SEND_KEY, TURN_BUDGET, Output
 from .peer import Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
-from .policy import ExportTarget
 from .refresh import RefreshPacer
 from .rib import BestPathChange, Rib, Source
 from .session import Action, Close, Connect
@@ -85,8 +85,6 @@ class Speaker:
         )
         self.rib.attach(self._local_source)
         self._origins: dict[tuple[Family, bytes], Origination] = {}
-        self._negotiated: dict[str, Negotiated] = {}
-        self._eor_received: dict[str, set[Family]] = {}
         self._listeners: list[Listener] = []
         # Peers called since the last take_actions (only they can have actions): dicts keep order.
         self._touched: dict[int, Peer] = {}
@@ -96,11 +94,10 @@ class Speaker:
         #: Totals for metrics: "internal errors", "route refreshes deferred", "max-prefix resets", ...
         self.counters: Counter[str] = Counter()
         self.graceful = GracefulRestarts(self.rib, self._timers, local.stale_time)
-        self._refresh = RefreshPacer(self._timers, local.refresh_interval, self.counters)
-        self._importer = Importer(self.rib, local, self.limiter, self.counters)
         self.output = Output(
             local, self.rib, self.peers, self._timers, self.limiter, self.counters, sent=self._sent, reset=self._reset
         )
+        self.channels = Channels(local, self.rib, self._timers, self.limiter, self.counters, self.graceful, self.output)
         self.now = now
 
     # ------------------------------------------------------------ configuration (desired state)
@@ -175,7 +172,7 @@ class Speaker:
         del self.peers[key]
         for conn in [c for c, p in self._conn_owner.items() if p is peer]:
             del self._conn_owner[conn]
-        self._forget_peer(key)
+        self.channels.forget(key)
         self.rib.drop(key)
         self.graceful.forget(key)
         self._timers.set(key, None)
@@ -295,8 +292,7 @@ class Speaker:
                 if peer is not None and gr in self.dynamic:
                     self._forget_dynamic(peer, now)
             elif RefreshPacer.is_timer(key):
-                for req in self._refresh.due(now):
-                    self._start_refresh(req, now)
+                self.channels.refreshes_due(now)
             elif key == SEND_KEY:
                 self.output.send_window(now)
             else:
@@ -408,95 +404,15 @@ class Speaker:
 
     def _on_peer_event(self, peer: Peer, ev: PeerEvent, now: float) -> None:
         if isinstance(ev, PeerUpdate):
-            self._import(peer, ev.update, now)
+            self.channels.receive(peer, ev.update, now)
         elif isinstance(ev, PeerUp):
-            self._peer_up(peer, ev, now)
+            self.channels.up(peer, ev, now)
         elif isinstance(ev, PeerDown):
-            self._peer_down(peer, ev, now)
+            self.channels.down(peer, ev, now, quiet=not self.started)
         elif isinstance(ev, PeerRouteRefresh):
-            self._route_refresh(peer, (ev.afi, ev.safi), now)
+            self.channels.route_refresh(peer, (ev.afi, ev.safi), now)
         elif isinstance(ev, PeerFailed):
             self.limiter.log(logging.WARNING, "session-failed", peer.key, now, "peer %s: %s", peer.key, ev.reason)
-
-    def _peer_up(self, peer: Peer, ev: PeerUp, now: float) -> None:
-        neg = ev.negotiated
-        key = peer.key
-        s = peer.settings
-        source = Source(
-            key, s.address, neg.peer_asn, self.local.asn, neg.peer_router_id, ibgp=neg.ibgp, rr_client=s.rr_client
-        )
-        self.rib.attach(source)
-        self._negotiated[key] = neg
-        local_address = ip_address(ev.local_address) if ev.local_address else None
-        self._importer.attach(source, s, neg.families, local_address)
-        self._eor_received[key] = set()
-        self.graceful.came_back(key, neg, now)
-        log.info("peer %s established (AS %s, router id %s, hold %ss)", key, neg.peer_asn, neg.peer_router_id, neg.hold_time)
-        target = ExportTarget(
-            ibgp=neg.ibgp,
-            rr_client=s.rr_client,
-            local_address=local_address,
-            next_hop_v6=self.local.next_hop_v6,
-        )
-        self.output.join(peer, neg, target, now)
-
-    def _peer_down(self, peer: Peer, ev: PeerDown, now: float) -> None:
-        key = peer.key
-        self._forget_peer(key)
-        gr = ev.peer_graceful_restart
-        if ev.graceful and gr is not None and gr.restart_time > 0:
-            n = self.graceful.went_away(key, {(f.afi, f.safi) for f in gr.families}, gr.restart_time, now)
-            if self.started:  # (when we are the one stopping, there is nothing to tell)
-                log.info(
-                    "peer %s down (%s): keeping %d routes as stale for %ss (graceful restart)",
-                    key, ev.reason, n, gr.restart_time,
-                )  # fmt: skip
-        else:
-            n = self.rib.drop(key)
-            self.graceful.forget(key)
-            log.info("peer %s down (%s): withdrew %d routes", key, ev.reason, n)
-
-    def _forget_peer(self, key: str) -> None:
-        self.output.leave(key)
-        self._negotiated.pop(key, None)
-        self._importer.detach(key)
-        self._eor_received.pop(key, None)
-        self._refresh.forget(key)
-
-    # ------------------------------------------------------------ route refresh
-
-    def _route_refresh(self, peer: Peer, family: Family, now: float) -> None:
-        neg = self._negotiated.get(peer.key)
-        if neg is None or family not in neg.families:
-            return  # RFC 2918 §4: a family that was not negotiated is ignored
-        if self._refresh.request((peer.key, family), now):
-            self._start_refresh((peer.key, family), now)
-
-    def _start_refresh(self, req: tuple[str, Family], now: float) -> None:
-        if self.output.refresh(*req, now):
-            self._refresh.started(req, now)
-
-    # ------------------------------------------------------------ import
-
-    def _import(self, peer: Peer, update: Update, now: float) -> None:
-        key = peer.key
-        if key not in self._negotiated or peer.established is None:
-            return  # the session ended later in the same read: its PeerDown follows
-        eor = update.end_of_rib
-        if eor is not None:
-            self._eor_received.setdefault(key, set()).add(eor)
-            self.graceful.end_of_rib(key, eor)
-            return
-        breach = self._importer.update(key, update, now)
-        if breach is not None:
-            hold = peer.settings.max_prefixes_restart
-            reason = breach.reason()
-            log.warning(
-                "peer %s: %s; session reset%s", key, reason, f", restart in {hold:g}s" if hold else " until reconfigured"
-            )
-            self.counters["max-prefix resets"] += 1
-            note = Notification(ErrorCode.CEASE, CeaseSubcode.MAXIMUM_PREFIXES_REACHED, breach.notification_data())
-            peer.shutdown(now, note, reason, hold=hold)
 
     # ------------------------------------------------------------ export
 
@@ -520,15 +436,13 @@ class Speaker:
 
     def initial_sync_pending(self) -> list[str]:
         """Established peers that have not yet sent End-of-RIB for every family (RFC 4724 §4.1)."""
-        return [
-            k for k, neg in self._negotiated.items() if not neg.families <= self._eor_received.get(k, set())
-        ]
+        return self.channels.sync_pending()
 
     def adj_out_count(self, key: str) -> int:
         return self.output.sent_count(key)
 
     def negotiated(self, key: str) -> Negotiated | None:
-        return self._negotiated.get(key)
+        return self.channels.negotiated(key)
 
     def in_sync(self, key: str) -> bool:
         return self.output.in_sync(key)

@@ -342,7 +342,7 @@ def test_end_of_rib_is_sent_and_recognised():
     assert a.initial_sync_pending() == []
     net.run(duration=1)
     assert a.initial_sync_pending() == [] and b.initial_sync_pending() == []
-    assert a._eor_received["10.0.0.2"] == {IPV4_UNICAST, IPV6_UNICAST}
+    assert a.channels.eor_received("10.0.0.2") == {IPV4_UNICAST, IPV6_UNICAST}
 
 
 def test_ipv6_routes_use_mp_reach_and_mapped_next_hop():
