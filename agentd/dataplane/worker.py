@@ -44,7 +44,9 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from agentd.backend_table import BACKENDS
 from agentd.dataplane import _fast
@@ -105,8 +107,6 @@ class Worker:
         self.state_path = cfg.state or cfg.control + ".state"
         self._stop = False
         self._remove_device = False
-        self.clients: dict[int, tuple[socket.socket, bytearray]] = {}
-        self._orphan_since: float | None = time.monotonic()
 
         user_tso = cfg.offload and cfg.segmentation == "user"
         self.tun = open_tun(cfg.tun, mtu=cfg.mtu, offload=user_tso, txqueuelen=cfg.txqueuelen,
@@ -148,7 +148,7 @@ class Worker:
         if self.fast is None:
             self.rxbuf = bytearray(_RX_BUF)
             self.coalescer = Coalescer(self.tx.tun_write) if cfg.offload else _SingleWriter(self.tx.tun_write)
-        self.listener = self._listen(cfg.control)
+        self.control = ControlServer(cfg.control, self.handle_request)
         self._load_state()
 
     def _open_fast_path(self, user_tso: bool) -> _fast.FastPath | None:
@@ -175,27 +175,6 @@ class Worker:
                               udp_gro=t.get("udp_gro", False))
 
     # -- control ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _listen(path: str) -> socket.socket:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        if os.path.exists(path):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-            except OSError:
-                os.unlink(path)  # stale socket of a dead worker
-            else:
-                probe.close()
-                raise TunError(f"control socket {path} is served by a running worker")
-            finally:
-                probe.close()
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(path)
-        os.chmod(path, 0o600)
-        s.listen(8)
-        s.setblocking(False)
-        return s
 
     def _load_state(self) -> None:
         try:
@@ -299,6 +278,124 @@ class Worker:
             "fallbacks": fallbacks,
         }
 
+    # -- forwarding ---------------------------------------------------------------------------
+
+    def _run_fast(self) -> None:
+        """Packets move in C until the control sockets need Python (or 0.5 s passed, for the
+        orphan check and signals); a packet handed back needs an ICMP error to the TUN."""
+        rc = self.fast.run(self.control.fds(), 500)
+        if rc == 1:
+            kind, pkt = self.fast.slow_packet()
+            self.tx.icmp(icmp_net_unreachable if kind == _fast.SLOW_NET_UNREACHABLE else icmp_time_exceeded,
+                         memoryview(pkt))
+        elif rc < 0:
+            _raise_errno()
+
+    # -- main loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.poller = poller = select.poll()
+        tun_fd, sock_fd = self.tun.fd, self.transport.fileno()
+        fast = self.fast
+        if fast is None:  # else the C loop polls these two
+            poller.register(tun_fd, select.POLLIN)
+            poller.register(sock_fd, select.POLLIN)
+        self.control.attach(poller)
+        receive, rxbuf, coalescer = self.transport.receive, self.rxbuf, self.coalescer
+        from_tun = self.tx.from_tun  # None with the C loop: it polls the TUN and the socket
+        log.info("%s worker on %s (mtu %d, local %s, offload %s) ready; control %s", self.cfg.kind,
+                 self.cfg.tun, self.cfg.mtu, self.cfg.local_ip, self.cfg.offload, self.cfg.control)
+        try:
+            while not self._stop:
+                if fast is not None:
+                    self._run_fast()
+                for fd, _ev in poller.poll(0 if fast is not None else 500):
+                    if fd == tun_fd:
+                        from_tun()
+                    elif fd == sock_fd:
+                        receive(rxbuf, coalescer, BUDGET)
+                    else:
+                        self.control.readable(fd)
+                since = self.control.orphan_since
+                if since is not None and self.cfg.orphan_timeout > 0:
+                    if time.monotonic() - since > self.cfg.orphan_timeout:
+                        log.warning("no controller for %.0f s: exiting", self.cfg.orphan_timeout)
+                        break
+        finally:
+            self.close()
+        return 0
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def close(self) -> None:
+        self.control.close()
+        self.transport.close()
+        if self.fast is not None:
+            self.fast.close()
+        if self._remove_device:
+            with contextlib.suppress(OSError):
+                self.tun.set_persist(False)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.state_path)
+        self.tun.close()
+
+
+class ControlServer:
+    """The worker's unix control socket: JSON lines in, one response line per request (the
+    protocol in this module's docstring, answered by ``handle``); it notes when the last
+    controller left, for the orphan timeout.  Its sockets are polled by the worker's loop
+    (or by the C loop, which returns when one is readable)."""
+
+    def __init__(self, path: str, handle: Callable[[dict], dict]) -> None:
+        self.path = path
+        self.listener = self._listen(path)
+        self.clients: dict[int, tuple[socket.socket, bytearray]] = {}
+        self.orphan_since: float | None = time.monotonic()  # no controller connected since then
+        self._handle = handle
+        self._poller: Any = None
+
+    def attach(self, poller: Any) -> None:
+        self._poller = poller
+        poller.register(self.listener.fileno(), select.POLLIN)
+
+    def fds(self) -> tuple[int, ...]:
+        return (self.listener.fileno(), *self.clients)
+
+    def readable(self, fd: int) -> None:
+        if fd == self.listener.fileno():
+            self._accept()
+        elif fd in self.clients:
+            self._client_readable(fd)
+
+    def close(self) -> None:
+        for fd in list(self.clients):
+            self._drop_client(fd)
+        self.listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    @staticmethod
+    def _listen(path: str) -> socket.socket:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # stale socket of a dead worker
+            else:
+                probe.close()
+                raise TunError(f"control socket {path} is served by a running worker")
+            finally:
+                probe.close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        os.chmod(path, 0o600)
+        s.listen(8)
+        s.setblocking(False)
+        return s
+
     def _accept(self) -> None:
         try:
             conn, _ = self.listener.accept()
@@ -307,8 +404,9 @@ class Worker:
         conn.setblocking(True)
         conn.settimeout(2.0)
         self.clients[conn.fileno()] = (conn, bytearray())
-        self.poller.register(conn.fileno(), select.POLLIN)
-        self._orphan_since = None
+        if self._poller is not None:
+            self._poller.register(conn.fileno(), select.POLLIN)
+        self.orphan_since = None
 
     def _client_readable(self, fd: int) -> None:
         conn, buf = self.clients[fd]
@@ -333,7 +431,7 @@ class Worker:
             except ValueError:
                 resp = {"ok": False, "error": "request is not valid JSON"}
             else:
-                resp = self.handle_request(req)
+                resp = self._handle(req)
             try:
                 conn.sendall(json.dumps(resp).encode() + b"\n")
             except OSError:
@@ -342,79 +440,12 @@ class Worker:
 
     def _drop_client(self, fd: int) -> None:
         conn, _ = self.clients.pop(fd)
-        with contextlib.suppress(KeyError, ValueError):
-            self.poller.unregister(fd)
+        if self._poller is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._poller.unregister(fd)
         conn.close()
         if not self.clients:
-            self._orphan_since = time.monotonic()
-
-    # -- forwarding ---------------------------------------------------------------------------
-
-    def _run_fast(self) -> None:
-        """Packets move in C until the control sockets need Python (or 0.5 s passed, for the
-        orphan check and signals); a packet handed back needs an ICMP error to the TUN."""
-        rc = self.fast.run((self.listener.fileno(), *self.clients), 500)
-        if rc == 1:
-            kind, pkt = self.fast.slow_packet()
-            self.tx.icmp(icmp_net_unreachable if kind == _fast.SLOW_NET_UNREACHABLE else icmp_time_exceeded,
-                         memoryview(pkt))
-        elif rc < 0:
-            _raise_errno()
-
-    # -- main loop ----------------------------------------------------------------------------
-
-    def run(self) -> int:
-        self.poller = poller = select.poll()
-        tun_fd, sock_fd, lfd = self.tun.fd, self.transport.fileno(), self.listener.fileno()
-        fast = self.fast
-        if fast is None:  # else the C loop polls these two
-            poller.register(tun_fd, select.POLLIN)
-            poller.register(sock_fd, select.POLLIN)
-        poller.register(lfd, select.POLLIN)
-        receive, rxbuf, coalescer = self.transport.receive, self.rxbuf, self.coalescer
-        from_tun = self.tx.from_tun  # None with the C loop: it polls the TUN and the socket
-        log.info("%s worker on %s (mtu %d, local %s, offload %s) ready; control %s", self.cfg.kind,
-                 self.cfg.tun, self.cfg.mtu, self.cfg.local_ip, self.cfg.offload, self.cfg.control)
-        try:
-            while not self._stop:
-                if fast is not None:
-                    self._run_fast()
-                for fd, _ev in poller.poll(0 if fast is not None else 500):
-                    if fd == tun_fd:
-                        from_tun()
-                    elif fd == sock_fd:
-                        receive(rxbuf, coalescer, BUDGET)
-                    elif fd == lfd:
-                        self._accept()
-                    elif fd in self.clients:
-                        self._client_readable(fd)
-                since = self._orphan_since
-                if since is not None and self.cfg.orphan_timeout > 0:
-                    if time.monotonic() - since > self.cfg.orphan_timeout:
-                        log.warning("no controller for %.0f s: exiting", self.cfg.orphan_timeout)
-                        break
-        finally:
-            self.close()
-        return 0
-
-    def stop(self) -> None:
-        self._stop = True
-
-    def close(self) -> None:
-        for fd in list(self.clients):
-            self._drop_client(fd)
-        self.listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.cfg.control)
-        self.transport.close()
-        if self.fast is not None:
-            self.fast.close()
-        if self._remove_device:
-            with contextlib.suppress(OSError):
-                self.tun.set_persist(False)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.state_path)
-        self.tun.close()
+            self.orphan_since = time.monotonic()
 
 
 def _raise_errno() -> None:
