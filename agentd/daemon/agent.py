@@ -25,7 +25,7 @@ import logging
 import os
 import signal
 import time
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -33,9 +33,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from bgp import Origination, Speaker, SpeakerService
 from proto.nlri import network_to_prefix
 
-from agentd.cni import netconf as cni_config
 
-from agentd.daemon import mesh
+from agentd.daemon import mesh, node_files
 from agentd.daemon.api import ApiServer
 from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
@@ -43,9 +42,9 @@ from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_lef
 from agentd.config.settings import Config, ConfigError, load_config, reloaded
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
-from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy (issue 13)
+from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy
 from agentd.policy.libnftables import NftError
-from agentd.services.agent import ServiceAgent, remove_services_table  # Services (issue 14)
+from agentd.services.agent import ServiceAgent, remove_services_table  # Services
 from agentd.kernel.route_model import SyncResult
 from agentd.kernel.routing import RouteProgrammer
 from agentd.daemon.sdnotify import Notifier
@@ -83,8 +82,8 @@ class Agent:
         self.service: SpeakerService | None = None
         self.tunnels: Tunnels | None = None
         self.cluster: ClusterConfig | None = None
-        self.policy: PolicyAgent | None = None  # NetworkPolicy (issue 13)
-        self.services: ServiceAgent | None = None  # Services (issue 14)
+        self.policy: PolicyAgent | None = None  # NetworkPolicy
+        self.services: ServiceAgent | None = None  # Services
         self.lease: SubnetLease | None = None
         self.peering = mesh.Peering(self.name)  # the node registry as read, and the peers it implies
         self.routes = KernelRoutes(self)  # best paths -> kernel routes (agentd/daemon/routes.py)
@@ -165,7 +164,7 @@ class Agent:
                 wanted.cidr,
                 wanted.subnet_len,
             )
-        previous = self._previous_subnet()
+        previous = node_files.previous_subnet(cfg)
         self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed,
                                on_paths=self.routes.schedule)
         self.lease = await self.datastore.acquire_subnet(
@@ -178,7 +177,7 @@ class Agent:
         )
         subnet = self.lease.subnet
         log.info("node %s holds subnet %s%s", self.name, subnet, " (kept from before)" if subnet == previous else "")
-        # NetworkPolicy (issue 13): adopt the policy tables as they are; they change only once
+        # NetworkPolicy: adopt the policy tables as they are; they change only once
         # the resources in etcd have been read (the "policy" task).  Until its first sync says
         # no pod here is isolated, the BPF data path hands no packet to a pod past netfilter.
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
@@ -191,7 +190,7 @@ class Agent:
             log.error("network policy is not enforced on this node: %s", err)
             self._problems.append(f"network policy not enforced: {err}")
             self.policy = None
-        # Services (issue 14): adopt the services table as it is; it changes once etcd is read.
+        # Services: adopt the services table as it is; it changes once etcd is read.
         self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns,
                                      on_translating=functools.partial(self.tunnels.bpf.hold_redirect, who="services"))
         try:
@@ -206,7 +205,7 @@ class Agent:
             await self.tunnels.start(subnet)
         except RuntimeError as err:
             raise AgentError(str(err)) from None
-        self._write_cni_files()
+        node_files.write_cni_files(cfg, self.cluster.cidr, subnet, self.pod_mtu)
         await self.datastore.register_node(self._node_record())
         await self.datastore.set_subnet_backend_data(self.tunnels.node_data())
 
@@ -221,46 +220,9 @@ class Agent:
         self.service.set_originated([own])
         self.routes.bgp_started(float(cfg.bgp.restart_time))
 
-    def _previous_subnet(self) -> IPv4Network | None:
-        try:
-            sf = cni_config.read_subnet_file(self.cfg.cni.subnet_file)
-        except FileNotFoundError:
-            return None
-        except cni_config.SubnetFileError as err:
-            log.warning("ignoring the subnet file: %s", err)
-            return None
-        return sf.subnet
-
-    def _write_cni_files(self) -> None:
-        assert self.lease is not None and self.cluster is not None
-        dns = self.cfg.dns
-        sf = cni_config.SubnetFile(
-            network=self.cluster.cidr, subnet=self.lease.subnet, mtu=self.pod_mtu, backend=self.cfg.network.backend,
-            dns=dns.address if dns.enabled else None, cluster_domain=dns.cluster_domain,
-        )  # fmt: skip
-        cni_config.write_subnet_file(self.cfg.cni.subnet_file, sf)
-        if self.cfg.cni.write_conflist:
-            cni_config.write_conflist(
-                self.cfg.cni.conf_dir,
-                subnet_file=str(self.cfg.cni.subnet_file),
-                data_dir=str(self.cfg.cni.data_dir),
-                ipam_data_dir=str(self.cfg.cni.ipam_data_dir),
-                mtu=self.pod_mtu,
-                bin_dir=self.cfg.cni.bin_dir,
-            )
-
     def _node_record(self) -> NodeRecord:
         assert self.lease is not None and self.tunnels is not None
-        cid = self.cfg.node.cluster_id if self.cfg.node.route_reflector else None
-        return NodeRecord(
-            name=self.name,
-            address=self.address,
-            asn=self.cfg.node.asn,
-            subnet=self.lease.subnet,
-            route_reflector=self.cfg.node.route_reflector,
-            cluster_id=str(cid) if cid else None,
-            backend=self.tunnels.node_data(),
-        )
+        return node_files.node_record(self.cfg, self.name, self.address, self.lease.subnet, self.tunnels.node_data())
 
     def _node_data_changed(self) -> None:
         """A backend came up: publish its data (e.g. our VTEP MAC) and recompute routes."""
@@ -318,9 +280,9 @@ class Agent:
         for path in (self.cfg.cni.subnet_file,):
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        if self.policy is not None:  # NetworkPolicy (issue 13); pod records went with the lease
+        if self.policy is not None:  # NetworkPolicy; pod records went with the lease
             await self.policy.leave()
-        if self.services is not None:  # Services (issue 14)
+        if self.services is not None:  # Services
             await self.services.leave()
 
     def _reload(self) -> None:
@@ -453,8 +415,8 @@ async def leave(cfg: Config) -> int:
         gone = await asyncio.to_thread(remove_bpf_leftovers, cfg)
         if gone:
             log.info("removed the BPF data path a previous agent left: %s", ", ".join(gone))
-        await remove_policy_tables()  # NetworkPolicy (issue 13)
-        await remove_services_table()  # Services (issue 14)
+        await remove_policy_tables()  # NetworkPolicy
+        await remove_services_table()  # Services
         return 0
     except Exception as err:
         log.error("cannot leave: %s", err)
