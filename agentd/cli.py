@@ -69,7 +69,7 @@ def _overrides(pairs: list[str] | None, parser: argparse.ArgumentParser) -> dict
 
 # The commands of this module.  When the command line names one of them, the resource
 # commands (YAML, manifests) and the plugged-in ones (entry points, the lab) are not
-# loaded at all: `agentd run` is on the path of a joining node's routes (issue 11: every
+# loaded at all: `agentd run` is on the path of a joining node's routes (every
 # import before the agent is up is join time).
 CORE_COMMANDS = ("run", "speaker", "leave", "status", "check-config")
 
@@ -131,7 +131,7 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
 
     if not full:
         return p
-    # Resources (issue 13): agentd apply|get|delete|label, in agentd/resources/cli.py.
+    # Resources: agentd apply|get|delete|label, in agentd/resources/cli.py.
     from agentd.resources.cli import add_commands as add_resource_commands
 
     add_resource_commands(sub, config_args)
@@ -243,7 +243,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
-    if cmd in ("apply", "get", "delete", "label"):  # resources (issue 13): agentd/resources/cli.py
+    if cmd in ("apply", "get", "delete", "label"):  # resources: agentd/resources/cli.py
         from agentd.resources import cli as resource_cli
 
         path = args.config or resource_cli.default_config_path()
@@ -401,7 +401,7 @@ def render_status(status: dict[str, Any]) -> str:
         f"  datastore {'connected' if ds.get('connected') else 'DISCONNECTED'}"
         f"{' (' + ds['endpoint'] + ')' if len(ds.get('endpoints') or []) > 1 and ds.get('endpoint') else ''}"
     )
-    policy = status.get("policy")  # NetworkPolicy (issue 13)
+    policy = status.get("policy")  # NetworkPolicy
     if isinstance(policy, dict):
         iso = policy.get("isolated") or {}
         out.append(

@@ -69,7 +69,7 @@ class SubnetFile:
     mtu: int
     ipmasq: bool = False
     backend: str = "host-gw"
-    dns: IPv4Address | None = None  # Services (issue 14): the node-local DNS address
+    dns: IPv4Address | None = None  # Services: the node-local DNS address
     cluster_domain: str = "cluster.local"
 
     def __post_init__(self) -> None:

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Pod identity for NetworkPolicy (issue 13): the endpoint file the agent picks up.
+# Pod identity for NetworkPolicy: the endpoint file the agent picks up.
 from agentd.policy import endpoints as policy_endpoints
 from agentd.cni.netconf import (
     DEFAULT_DATA_DIR,
@@ -330,13 +330,13 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
         raise CniError(INTERNAL, f"delegate {conf['type']} printed no result for ADD")
     if pod is not None:
         _record_endpoint(args, netconf, conf, pod, result)
-    dns = dns_config(sf, pod[0] if pod is not None else None)  # Services (issue 14): the pod namespace
+    dns = dns_config(sf, pod[0] if pod is not None else None)  # Services: the pod namespace
     if dns is not None and not result.get("dns", {}).get("nameservers"):
         result["dns"] = dns
     return result
 
 
-# --- pod identity for NetworkPolicy (issue 13; agentd/policy/endpoints.py) ---------------------
+# --- pod identity for NetworkPolicy (agentd/policy/endpoints.py) -------------------------------
 
 
 def _pod_identity(env: Mapping[str, str], netconf: dict[str, Any]) -> Any:

@@ -148,7 +148,7 @@ class NetworkConfig:
     udp_port: int = 8285
     datapath: str = "auto"  # udp and ipip: "bpf" (tc-BPF), "userspace" (TUN worker), "auto" (bpf where it loads)
     bpf_pod_redirect: bool = True  # BPF: decapsulated packets go straight to the pod's bridge port
-    service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # Services (issue 14): the cluster IP range
+    service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # Services: the cluster IP range
 
     def pod_mtu(self, underlay_mtu: int) -> int:
         """The MTU for pod interfaces: the configured one, or the underlay's minus the overhead."""
@@ -242,7 +242,7 @@ class CniConfig:
 
 @dataclass(frozen=True)
 class DnsConfig:
-    """Service DNS (issue 14): the agent answers <svc>.<ns>.svc.<cluster_domain> on a node-local address."""
+    """Service DNS: the agent answers <svc>.<ns>.svc.<cluster_domain> on a node-local address."""
 
     enabled: bool = True
     address: IPv4Address = IPv4Address("169.254.20.10")  # NodeLocal DNSCache's usual address

@@ -189,7 +189,7 @@ def parse_node_address(s: str) -> IPv4Address | None:
 
 
 def parse_dns_address(s: str) -> IPv4Address:
-    """The node-local DNS address (Services, issue 14): unicast, not loopback (pods send to it)."""
+    """The node-local DNS address (Services): unicast, not loopback (pods send to it)."""
     addr = parse_ipv4(s)
     if addr is None:
         raise BadValue("must be an IPv4 address")

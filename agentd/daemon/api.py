@@ -65,8 +65,8 @@ class ApiServer:
                 web.get("/rib", self._rib),
                 web.get("/routes", self._routes),
                 web.get("/metrics", self._metrics),
-                web.get("/policy", self._policy),  # NetworkPolicy (issue 13)
-                web.get("/services", self._services),  # Services (issue 14)
+                web.get("/policy", self._policy),  # NetworkPolicy
+                web.get("/services", self._services),  # Services
                 web.post("/leave", self._leave),
             ]
         )

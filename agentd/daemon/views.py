@@ -130,12 +130,12 @@ class AgentViews:
         return self.agent.speaker
 
     def services_view(self, summary: bool = False) -> dict[str, Any] | None:
-        """GET /services (issue 14)."""
+        """GET /services."""
         services = self.agent.services
         return services.views.view(summary) if services else None
 
     def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None:
-        """GET /policy (issue 13)."""
+        """GET /policy."""
         policy = self.agent.policy
         return policy.views.view(pod, summary=summary) if policy else None
 

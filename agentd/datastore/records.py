@@ -146,7 +146,7 @@ class ClusterConfig:
     subnet_len: int
     backend: str
     encap: str
-    # Services (issue 14): the cluster IP range; records written before it have the default.
+    # Services: the cluster IP range; records written before it have the default.
     service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # DEFAULT_SERVICE_CIDR
 
     _KIND = "cluster config"

@@ -69,7 +69,7 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     ex.add_argument("--name", type=_lab_name, default="lab")
     ex.add_argument("target", help="node name (node1) or pod name (node1-pod1)")
     ex.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND...")
-    # Pods with a namespace, labels and named ports (NetworkPolicy, issue 13).
+    # Pods with a namespace, labels and named ports (NetworkPolicy).
     pod = sub.add_parser("pod", help="add, remove or list pods with a namespace and labels")
     pods = pod.add_subparsers(dest="pod_command", metavar="add|del|list")
     pods.required = True
