@@ -270,7 +270,7 @@ class Worker:
             "uptime": round(time.monotonic() - self.started, 3),
             "next_hops": len(self.table),
             "members": len(self.members),
-            "controllers": len(self.clients),
+            "controllers": len(self.control.clients),
             **c,
             "tso_gathered": self.tx.segmenter.gathered if self.tx.segmenter is not None else 0,
             "drops": drops,
