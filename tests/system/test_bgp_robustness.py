@@ -134,16 +134,22 @@ def test_routes_that_cannot_be_exported_never_reach_or_reset_the_bystander(netns
     assert "10.66.1.0/24" not in bird.routes()
 
 
-def test_route_refresh_flood_from_a_peer_that_never_reads(netns_factory, procs, tmp_path):
-    # 5,000 routes from BIRD, each with its own community: a full re-send is 5,000 UPDATEs.
+def big_table(netns_factory, procs, tmp_path, *, send_timeout: float):
+    """BIRD with 5,000 routes, each with its own community (a full re-send is 5,000 UPDATEs,
+    ~270 KB), all of them at the speaker; the attacker's address is a passive peer."""
     r1, r2, r3 = lan(netns_factory, 3)
     statics = [f"10.{100 + i // 256}.{i % 256}.0/24" for i in range(5000)]
     routes = " ".join(f"route {p} blackhole {{ bgp_community.add((65000, {i})); }};" for i, p in enumerate(statics))
     bird = start_bird(procs, r2, tmp_path / "bird", bird_config(
         BIRD, bird_bgp("spk", BIRD, ASN, SPK, ASN), f"protocol static many {{ ipv4; {routes} }}\n"))
     spk = start_speaker(procs, r1, tmp_path / "spk", speaker_config("spk", SPK, originate=["10.99.1.0/24"], peers=[
-        {"address": BIRD, "asn": ASN}, {"address": ATTACKER, "asn": EVIL_AS, "passive": True}], send_timeout=4))
+        {"address": BIRD, "asn": ASN}, {"address": ATTACKER, "asn": EVIL_AS, "passive": True}], send_timeout=send_timeout))
     eventually(lambda: spk.peer(BIRD)["prefixes_received"] == 5000, timeout=30, what="BIRD's 5,000 routes")
+    return r3, spk, bird
+
+
+def test_route_refresh_flood_from_a_peer_that_never_reads(netns_factory, procs, tmp_path):
+    r3, spk, bird = big_table(netns_factory, procs, tmp_path, send_timeout=4)
     row = bird_row(spk)
     rss_before = _rss(spk.pid)
     evil = attacker(procs, r3)
@@ -174,14 +180,7 @@ def test_a_peer_that_stops_reading_with_little_owed_is_reset(netns_factory, proc
     # socket never reports itself full. The peer reads nothing more (a 4 KB receive window),
     # sends nothing more and has hold time 0: neither a full buffer nor a hold timer would ever
     # end its session; seeing that nothing sent is acknowledged does (the transport's stall watch).
-    r1, r2, r3 = lan(netns_factory, 3)
-    statics = [f"10.{100 + i // 256}.{i % 256}.0/24" for i in range(5000)]
-    routes = " ".join(f"route {p} blackhole {{ bgp_community.add((65000, {i})); }};" for i, p in enumerate(statics))
-    bird = start_bird(procs, r2, tmp_path / "bird", bird_config(
-        BIRD, bird_bgp("spk", BIRD, ASN, SPK, ASN), f"protocol static many {{ ipv4; {routes} }}\n"))
-    spk = start_speaker(procs, r1, tmp_path / "spk", speaker_config("spk", SPK, originate=["10.99.1.0/24"], peers=[
-        {"address": BIRD, "asn": ASN}, {"address": ATTACKER, "asn": EVIL_AS, "passive": True}], send_timeout=3))
-    eventually(lambda: spk.peer(BIRD)["prefixes_received"] == 5000, timeout=30, what="BIRD's 5,000 routes")
+    r3, spk, bird = big_table(netns_factory, procs, tmp_path, send_timeout=3)
     row = bird_row(spk)
     evil = attacker(procs, r3, rcvbuf=4096)
     evil.send(route_refresh())  # its whole table again (what the handshake read took the first time)
