@@ -5,6 +5,9 @@
 * agentd/dataplane/bpf/datapath.c: the in-kernel data path, compiled with clang for the BPF
   target into datapath.bpf.o, which the agent loads itself (optional: without clang there is
   no object and udp/ipip fall back to the user-space worker, saying so).
+* agentd/dataplane/bpf/podpath.c: the pod fast path, into podpath.bpf.o, with BTF (-g): its
+  reads of conntrack's struct nf_conn are CO-RE relocations the agent's loader resolves
+  (optional: without it same-node pod traffic takes the stack's path, saying so).
 """
 
 import os
@@ -16,8 +19,11 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-BPF_SOURCE = Path("agentd/dataplane/bpf/datapath.c")
-BPF_OBJECT = "agentd/dataplane/bpf/datapath.bpf.o"
+# (source, object, extra clang flags)
+BPF_PROGRAMS = (
+    (Path("agentd/dataplane/bpf/datapath.c"), "agentd/dataplane/bpf/datapath.bpf.o", ()),
+    (Path("agentd/dataplane/bpf/podpath.c"), "agentd/dataplane/bpf/podpath.bpf.o", ("-g",)),
+)
 
 
 def _clang() -> str | None:
@@ -39,19 +45,20 @@ def _multiarch_include() -> list[str]:
 class BuildWithBpf(build_ext):
     def run(self) -> None:
         super().run()
-        out = Path(BPF_OBJECT if self.inplace else os.path.join(self.build_lib, BPF_OBJECT))
         clang = _clang()
         if clang is None:
             print("warning: no clang: the BPF data path is not built (udp/ipip use the user-space worker)",
                   file=sys.stderr)
             return
-        out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [clang, "-O2", "-target", "bpf", "-mcpu=v3", "-Wall", "-Werror", *_multiarch_include(),
-               "-c", str(BPF_SOURCE), "-o", str(out)]
-        print(" ".join(cmd))
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            print(f"warning: building the BPF data path failed:\n{result.stderr}", file=sys.stderr)
+        for source, obj, flags in BPF_PROGRAMS:
+            out = Path(obj if self.inplace else os.path.join(self.build_lib, obj))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [clang, "-O2", *flags, "-target", "bpf", "-mcpu=v3", "-Wall", "-Werror", *_multiarch_include(),
+                   "-c", str(source), "-o", str(out)]
+            print(" ".join(cmd))
+            result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                print(f"warning: building {source} failed:\n{result.stderr}", file=sys.stderr)
 
 
 setup(

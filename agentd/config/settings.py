@@ -148,6 +148,7 @@ class NetworkConfig:
     udp_port: int = 8285
     datapath: str = "auto"  # udp and ipip: "bpf" (tc-BPF), "userspace" (TUN worker), "auto" (bpf where it loads)
     bpf_pod_redirect: bool = True  # BPF: decapsulated packets go straight to the pod's bridge port
+    bpf_pod_fast_path: bool = True  # BPF: accepted TCP between two pods of this node goes pod to pod
     service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # Services: the cluster IP range
 
     def pod_mtu(self, underlay_mtu: int) -> int:
@@ -341,6 +342,7 @@ _KEYS = (
     _Key("network", "udp_port", PORT, 8285),
     _Key("network", "datapath", choice_kind(*DATAPATH_CHOICES), "auto"),
     _Key("network", "bpf_pod_redirect", BOOL, True),
+    _Key("network", "bpf_pod_fast_path", BOOL, True),
     _Key("network", "service_cidr", string_kind(parse_pod_network), NetworkConfig.service_cidr),
     _Key("etcd", "endpoints", Kind((list,), "an array", text_list, parse_endpoints), EtcdConfig.endpoints),
     _Key("etcd", "prefix", string_kind(parse_etcd_prefix), "/agentd"),

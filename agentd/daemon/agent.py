@@ -39,6 +39,8 @@ from agentd.daemon.api import ApiServer
 from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
 from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
+from agentd.dataplane.bpf.datapath import BpfUnavailable
+from agentd.dataplane.bpf.podpath import PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import Config, ConfigError, load_config, reloaded
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
@@ -180,8 +182,10 @@ class Agent:
         # NetworkPolicy: adopt the policy tables as they are; they change only once
         # the resources in etcd have been read (the "policy" task).  Until its first sync says
         # no pod here is isolated, the BPF data path hands no packet to a pod past netfilter.
+        fast_path, fast_path_error = await self._open_fast_path()
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
-                                  on_isolation=self.tunnels.bpf.hold_redirect)
+                                  on_isolation=self.tunnels.bpf.hold_redirect, fast_path=fast_path,
+                                  fast_path_error=fast_path_error)
         try:
             await self.policy.start()
             self.registry.register(self.policy.views)
@@ -284,6 +288,25 @@ class Agent:
             await self.policy.leave()
         if self.services is not None:  # Services
             await self.services.leave()
+
+    async def _open_fast_path(self) -> tuple[PodFastPath | None, str | None]:
+        """The pod fast path ([network] bpf_pod_fast_path), or None and why not; switched off,
+        a previous run's is removed."""
+        bpf_dir = self.cfg.agent.bpf_dir
+        if not self.cfg.network.bpf_pod_fast_path:
+            gone = await asyncio.to_thread(remove_pinned_fast_path, bpf_dir)
+            if gone:
+                log.info("pod fast path switched off: removed %s", ", ".join(gone))
+            return None, "switched off ([network] bpf_pod_fast_path = false)"
+        fast_path = PodFastPath(bpf_dir)
+        try:
+            await asyncio.to_thread(fast_path.open)
+        except BpfUnavailable as err:
+            log.warning("pod fast path off (same-node pod traffic takes the stack's path): %s", err)
+            return None, str(err)
+        log.info("pod fast path on: accepted TCP between pods of this node goes pod to pod (%d pods adopted)",
+                 len(fast_path.pods))
+        return fast_path, None
 
     def _reload(self) -> None:
         """SIGHUP: re-read the configuration; external peers and the log level change live."""

@@ -618,13 +618,15 @@ def dataplane_metrics(t: Tunnels):
 
 
 def remove_bpf_leftovers(cfg: Config) -> list[str]:
-    """``agentd leave`` with no agent running: detach and unpin the BPF data path a killed agent
-    left behind in this network namespace (nothing of ours survives a leave)."""
+    """``agentd leave`` with no agent running: detach and unpin the BPF data path and the pod
+    fast path a killed agent left behind in this network namespace (nothing of ours survives a
+    leave)."""
     from agentd.dataplane.bpf import remove_pinned
+    from agentd.dataplane.bpf.podpath import remove_pinned_fast_path
     from agentd.kernel.netinfo import NetInfoError, underlay_for
 
     ifindex = None
     if cfg.node.address is not None:
         with contextlib.suppress(NetInfoError):
             ifindex = underlay_for(cfg.node.address).ifindex
-    return remove_pinned(cfg.agent.bpf_dir, ifindex)
+    return remove_pinned_fast_path(cfg.agent.bpf_dir) + remove_pinned(cfg.agent.bpf_dir, ifindex)

@@ -11,7 +11,10 @@ One :class:`PolicyAgent` per ``agentd run``.  It
 4. after every batch of changes, builds the wanted ruleset (:class:`PolicyEngine`) and sends
    the difference to the kernel in one transaction (:class:`PolicyProgrammer`);
 5. keeps what ``GET /policy``, /metrics and ``agentd status`` show
-   (:class:`agentd.policy.views.PolicyViews`).
+   (:class:`agentd.policy.views.PolicyViews`);
+6. tells the pod fast path (a :class:`FastPath`, agentd/dataplane/bpf/podpath.py) where this
+   node's pods are, so that TCP connections the tables accepted between two of them go pod to
+   pod in the kernel.
 
 Until the first etcd snapshot has arrived nothing is changed in the kernel: a restarted
 agent enforces what the previous run left, never a half-known state.
@@ -25,7 +28,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from prometheus_client import Histogram
 
@@ -47,6 +51,20 @@ COUNTERS_INTERVAL = 2.0
 HISTORY = 64
 
 
+class FastPath(Protocol):
+    """The pod fast path as the policy agent drives it (blocking calls, run in a thread)."""
+
+    def set_pods(self, wanted: Mapping[str, str]) -> None: ...
+
+    def counters(self) -> dict[str, dict[str, int]]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+    def remove(self) -> list[str]: ...
+
+
 class PolicyAgent:
     def __init__(
         self,
@@ -57,6 +75,8 @@ class PolicyAgent:
         registry: Any = None,
         nft: Nft | None = None,
         on_isolation: Callable[[bool], Awaitable[None]] | None = None,
+        fast_path: FastPath | None = None,
+        fast_path_error: str | None = None,
     ) -> None:
         self.node = node
         self.ds = datastore
@@ -69,6 +89,12 @@ class PolicyAgent:
         # past netfilter (BpfPath.hold_redirect).
         self.on_isolation = on_isolation
         self.programmer: PolicyProgrammer | None = None
+        # Same-node TCP of accepted connections straight from pod to pod; None where it is off
+        # or cannot run here (``fast_path_error`` says which).
+        self.fast_path = fast_path
+        self.fast_path_error = fast_path_error
+        self.fast_path_counters: dict[str, dict[str, int]] = {}
+        self._fast_pods: dict[str, str] | None = None  # what the fast path was last told
         self.records: dict[PodKey, dict[str, Any]] = {}  # pod records in etcd, every node
         self.record_leases: dict[PodKey, int] = {}
         self.policy_count = 0
@@ -134,8 +160,18 @@ class PolicyAgent:
                     log.info("removed the policy tables")
             except NftError as err:
                 log.error("could not remove the policy tables: %s", err)
+        if self.fast_path is not None:
+            try:
+                gone = await asyncio.to_thread(self.fast_path.remove)
+                if gone:
+                    log.info("removed the pod fast path: %s", ", ".join(gone))
+            except OSError as err:
+                log.error("could not remove the pod fast path: %s", err)
+            self.fast_path = None
 
     def close(self) -> None:
+        if self.fast_path is not None:  # it stays on the veths, as the tables stay in force
+            self.fast_path.close()
         if self.nft is not None:
             self.nft.close()
             self.nft = None
@@ -278,6 +314,7 @@ class PolicyAgent:
                 self.sync_seconds.observe(seconds)
             self.last_sync = {"commands": result.commands, "seconds": round(seconds, 6),
                               "nft_seconds": round(result.seconds, 6), "full": result.full}
+            await self._update_fast_path()
             try:  # tell agentd-cni, waiting in ADD, that its pod is in the tables now
                 self._acked = endpoints.acknowledge(self.data_dir, containers, self._acked)
             except OSError as err:
@@ -287,6 +324,24 @@ class PolicyAgent:
                 log.info("policy tables programmed: %d chains, %d rules, %d set elements (%d commands)",
                          size["chains"], size["rules"], size["elements"], result.commands)
             self._applied(revision)
+
+    async def _update_fast_path(self) -> None:
+        """Tell the fast path this node's pods (address -> host side of its veth) when they
+        changed.  Before a new pod is acknowledged to agentd-cni: its address must not point
+        at the veth of a pod that had it before."""
+        if self.fast_path is None:
+            return
+        wanted = {ip: ep.interface for ep in self.publisher.endpoints.values() for ip in ep.ips}
+        if wanted == self._fast_pods:
+            return
+        try:
+            await asyncio.to_thread(self.fast_path.set_pods, wanted)
+        except (OSError, RuntimeError) as err:  # BpfError, BpfUnavailable: the normal path carries on
+            self.fast_path_error = str(err)
+            log.warning("pod fast path not updated: %s", err)
+            return
+        self._fast_pods = wanted
+        self.fast_path_error = None
 
     def _applied(self, revision: int) -> None:
         now = time.time()
@@ -298,6 +353,9 @@ class PolicyAgent:
     async def _counters_loop(self) -> None:
         while True:
             await asyncio.sleep(COUNTERS_INTERVAL)
+            if self.fast_path is not None:
+                with contextlib.suppress(OSError):
+                    self.fast_path_counters = await asyncio.to_thread(self.fast_path.counters)
             if self.programmer is None or self.programmer.current is None:
                 continue
             try:

@@ -34,6 +34,9 @@ class PolicyState(Protocol):
     dropped: dict[tuple[str, str], int]
     spoofed: int
     sync_errors: int
+    fast_path: Any
+    fast_path_error: str | None
+    fast_path_counters: dict[str, dict[str, int]]
 
     def local_pods(self) -> list[PodKey]: ...
 
@@ -57,7 +60,17 @@ class PolicyViews:
             "last_sync": a.last_sync,
             "ruleset": size,
             "error": a.error,
+            "fast_path": self.fast_path(),
         }
+
+    def fast_path(self) -> dict[str, Any]:
+        """The pod fast path: on or not (and why), where, and what it did with pod-to-pod TCP."""
+        a = self.agent
+        out: dict[str, Any] = {"on": a.fast_path is not None, "error": a.fast_path_error}
+        if a.fast_path is not None:
+            out.update(a.fast_path.status())
+            out["packets"] = {verdict: c["packets"] for verdict, c in a.fast_path_counters.items()}
+        return out
 
     def view(self, pod: str | None = None, *, summary: bool = False) -> dict[str, Any]:
         """GET /policy: per local pod (or ``pod``) its policies and allow-lists; with
@@ -113,6 +126,14 @@ class PolicyViews:
         errors = CounterMetricFamily("agentd_policy_sync_errors", "policy changes nftables refused")
         errors.add_metric([], float(a.sync_errors))
         yield from (dropped, spoofed, isolated, local, policies, errors)
+        if a.fast_path_counters:
+            packets = CounterMetricFamily(
+                "agentd_pod_fast_path_packets", "pod-to-pod TCP packets by what the pod fast path did with them "
+                "(carried: straight into the receiving pod; else why the stack's path took them)", labels=["verdict"],
+            )  # fmt: skip
+            for verdict, c in a.fast_path_counters.items():
+                packets.add_metric([verdict], float(c["packets"]))
+            yield packets
         size = self.status()["ruleset"]
         if size:
             rules = GaugeMetricFamily("agentd_policy_ruleset", "size of the policy tables", labels=["what"])

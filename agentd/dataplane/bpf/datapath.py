@@ -91,10 +91,12 @@ class BpfDatapath:
             layout.check(obj.maps, obj.programs)
         except ValueError as err:
             raise BpfUnavailable(f"{self.object_path}: {err}") from None
-        self._ensure_dir()
+        ensure_dir(self.bpf_dir, self.dir)
         try:
             for name, mdef in obj.maps.items():
-                self.maps[name] = self._map(mdef)
+                self.maps[name], adopted = open_map(self.dir, mdef)
+                if adopted:
+                    self.adopted.append(name)
             self._read_back()
             self.set_config(config, keep=True, clear=clear)
             for section, prog in obj.programs.items():
@@ -105,52 +107,13 @@ class BpfDatapath:
             for section, fd in self.progs.items():
                 self._names[section] = obj.programs[section].name
                 tc.attach(self.ifindex, DIRECTIONS[section], fd, obj.programs[section].name)
-                self._pin(fd, obj.programs[section].name)
+                pin(self.dir, fd, obj.programs[section].name)
         except sc.BpfError as err:
             self.close()
             raise BpfUnavailable(_explain(err)) from None
         except tc.TcError as err:
             self.close()
             raise BpfUnavailable(str(err)) from None
-
-    def _ensure_dir(self) -> None:
-        probe = self.bpf_dir
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        if not sc.is_bpffs(str(probe)):
-            raise BpfUnavailable(f"no BPF file system at {self.bpf_dir} ([agent] bpf_dir): pins need one "
-                                 "(systemd mounts /sys/fs/bpf at boot; else `mount -t bpf bpf /sys/fs/bpf`)")
-        try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as err:
-            raise BpfUnavailable(f"cannot make {self.dir}: {err.strerror}") from None
-
-    def _map(self, mdef: elf.MapDef) -> int:
-        path = self.dir / mdef.name
-        if path.exists():
-            try:
-                fd = sc.obj_get(str(path))
-                info = sc.map_info(fd)
-                same = (info["type"], info["key_size"], info["value_size"], info["max_entries"], info["flags"]) == (
-                    mdef.type, mdef.key_size, mdef.value_size, mdef.max_entries, mdef.flags)
-                if same:
-                    self.adopted.append(mdef.name)
-                    return fd
-                os.close(fd)  # another layout (an older agent): start this map afresh
-            except sc.BpfError:
-                pass
-            path.unlink()
-        fd = sc.map_create(mdef.type, mdef.key_size, mdef.value_size, mdef.max_entries, mdef.flags, mdef.name)
-        sc.obj_pin(fd, str(path))
-        return fd
-
-    def _pin(self, fd: int, name: str) -> None:
-        path = self.dir / name
-        new = self.dir / f"{name}_new"  # bpffs refuses names with a dot
-        with contextlib.suppress(FileNotFoundError):
-            new.unlink()
-        sc.obj_pin(fd, str(new))
-        os.replace(new, path)
 
     def _read_back(self) -> None:
         """What adopted maps hold, so that the first sync only changes what differs."""
@@ -313,6 +276,52 @@ class BpfDatapath:
         }
 
 
+def ensure_dir(bpf_dir: Path, directory: Path) -> None:
+    """Make ``directory`` (a namespace's pin directory under ``bpf_dir``), which must be on a
+    BPF file system; :class:`BpfUnavailable` says why not."""
+    probe = bpf_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not sc.is_bpffs(str(probe)):
+        raise BpfUnavailable(f"no BPF file system at {bpf_dir} ([agent] bpf_dir): pins need one "
+                             "(systemd mounts /sys/fs/bpf at boot; else `mount -t bpf bpf /sys/fs/bpf`)")
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise BpfUnavailable(f"cannot make {directory}: {err.strerror}") from None
+
+
+def open_map(directory: Path, mdef: elf.MapDef) -> tuple[int, bool]:
+    """The map pinned as ``directory/<name>`` if it has ``mdef``'s shape (adopted: True), else
+    a new one, pinned there."""
+    path = directory / mdef.name
+    if path.exists():
+        try:
+            fd = sc.obj_get(str(path))
+            info = sc.map_info(fd)
+            same = (info["type"], info["key_size"], info["value_size"], info["max_entries"], info["flags"]) == (
+                mdef.type, mdef.key_size, mdef.value_size, mdef.max_entries, mdef.flags)
+            if same:
+                return fd, True
+            os.close(fd)  # another layout (an older agent): start this map afresh
+        except sc.BpfError:
+            pass
+        path.unlink()
+    fd = sc.map_create(mdef.type, mdef.key_size, mdef.value_size, mdef.max_entries, mdef.flags, mdef.name)
+    sc.obj_pin(fd, str(path))
+    return fd, False
+
+
+def pin(directory: Path, fd: int, name: str) -> None:
+    """Pin ``fd`` as ``directory/name``, in place of what was pinned there (no moment without)."""
+    path = directory / name
+    new = directory / f"{name}_new"  # bpffs refuses names with a dot
+    with contextlib.suppress(FileNotFoundError):
+        new.unlink()
+    sc.obj_pin(fd, str(new))
+    os.replace(new, path)
+
+
 def _kernel_flags(live: layout.Config | None) -> dict:
     if live is None:
         return {}
@@ -324,8 +333,8 @@ def _kernel_flags(live: layout.Config | None) -> dict:
 
 
 def remove_pinned(bpf_dir: str | os.PathLike, ifindex: int | None) -> list[str]:
-    """Detach our filters from ``ifindex`` and remove this namespace's pins (and their directory,
-    and ``bpf_dir`` itself once empty).  Works without the agent that made them; idempotent.
+    """Detach our filters from ``ifindex`` and remove this namespace's pins of the data path (and
+    their directory, and ``bpf_dir`` itself once empty).  Works without the agent that made them; idempotent.
     Returns what was removed."""
     removed = []
     with Rtnl() as rt:
@@ -337,10 +346,11 @@ def remove_pinned(bpf_dir: str | os.PathLike, ifindex: int | None) -> list[str]:
         removed.append(f"{n} tc filters")
     d = pin_dir(bpf_dir)
     if d.is_dir():
-        for p in d.iterdir():
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-                removed.append(str(p))
+        for name in (*layout.MAPS, *tc.OURS):  # ours only: the pod fast path pins here too (podpath.py)
+            for p in (d / name, d / f"{name}_new"):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    removed.append(str(p))
         with contextlib.suppress(OSError):
             d.rmdir()
     with contextlib.suppress(OSError):

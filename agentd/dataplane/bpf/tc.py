@@ -40,7 +40,8 @@ PRIO = 0xA6E7  # "agentd" hashed to 16 bits: out of the way of the 1, 2, 49152..
 HANDLE = 1
 PARENTS = {"ingress": 0xFFFFFFF2, "egress": 0xFFFFFFF3}  # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_*)
 ETH_P_ALL = 0x0003
-OURS = ("agentd_egress", "agentd_ingress")
+OURS = ("agentd_egress", "agentd_ingress")  # the data path (datapath.c)
+POD_FAST_PATH = "agentd_pod_fast"  # on pods' veths (podpath.c)
 TCX = {"ingress": sc.TCX_INGRESS, "egress": sc.TCX_EGRESS}
 _tcx: bool | None = None  # whether this kernel has tcx; learned on first use
 
@@ -61,8 +62,8 @@ class Filter:
     @property
     def ours(self) -> bool:
         if self.kind == "tcx":
-            return self.name in OURS
-        return self.prio == PRIO and self.kind == "bpf" and self.name in OURS
+            return self.name in (*OURS, POD_FAST_PATH)
+        return self.prio == PRIO and self.kind == "bpf" and self.name in (*OURS, POD_FAST_PATH)
 
 
 def tcx_available() -> bool:
@@ -184,7 +185,7 @@ def _attach_tcx(ifindex: int, direction: str, prog_fd: int, name: str) -> None:
             if mtype != tcm.RTM_NEWTFILTER:
                 continue
             f = tcm.decode_filter(buf, start, end)
-            if f.handle and f.prio == PRIO and f.kind == "bpf" and f.name in OURS:
+            if f.handle and f.prio == PRIO and f.kind == "bpf" and f.name in (*OURS, POD_FAST_PATH):
                 with contextlib.suppress(NetlinkError):
                     rt.request(tcm.encode_del_filter(rt.next_seq(), ifindex, PARENTS[direction], f.prio, f.handle,
                                                      ETH_P_ALL, "bpf"), f"deleting a filter of device {ifindex}")

@@ -76,3 +76,57 @@ def test_per_cpu_values_are_summed():
     assert layout.sum_percpu(raw, layout.PEER_STATS) == (0, 6, 60, 600, 6000)
     raw = b"".join(layout.DROP_STATS.pack(i, i) for i in (4, 5))
     assert layout.sum_percpu(raw, layout.DROP_STATS) == (9, 9)
+
+
+# ------------------------------------------------------------------ the pod fast path (podpath.c)
+
+
+@pytest.fixture(scope="module")
+def pod_obj():
+    from agentd.dataplane.bpf import podpath
+
+    assert podpath.OBJECT.exists(), f"{podpath.OBJECT} is not built: run scripts/dev setup"
+    return elf.read_object(podpath.OBJECT.read_bytes())
+
+
+def test_the_pod_fast_path_matches_its_layout(pod_obj):
+    from agentd.dataplane.bpf import podpath
+
+    podpath.check(pod_obj)
+    assert set(pod_obj.maps) == set(podpath.MAPS)
+    prog = pod_obj.programs[podpath.SECTION]
+    assert prog.name == podpath.PROGRAM
+    assert prog.kfuncs == {"bpf_skb_ct_lookup", "bpf_ct_release", "bpf_ct_change_timeout"}
+    assert prog.fields == {("nf_conn", ("status",)), ("nf_conn", ("proto", "tcp", "state"))}
+
+
+def test_kfunc_calls_and_field_reads_are_relocated(pod_obj):
+    from agentd.dataplane.bpf import podpath
+
+    prog = pod_obj.programs[podpath.SECTION]
+    fds = {name: 100 + i for i, name in enumerate(sorted(pod_obj.maps))}
+    ids = {name: 70000 + i for i, name in enumerate(sorted(prog.kfuncs))}
+    offsets = {f: 200 + 8 * i for i, f in enumerate(sorted(prog.fields))}
+    code = prog.relocated(fds, ids, offsets)
+    for index, name in prog.kfunc_refs:
+        op, regs, off, imm = struct.unpack_from("<BBhi", code, index * 8)
+        assert op == elf.CALL and regs >> 4 == elf.PSEUDO_KFUNC_CALL and off == 0 and imm == ids[name]
+    for index, root, path in prog.field_refs:
+        op, _regs, off, _imm = struct.unpack_from("<BBhi", code, index * 8)
+        assert op & 0x07 == elf.LDX and off == offsets[(root, path)]
+    touched = {i for i, _ in prog.kfunc_refs} | {i for i, *_ in prog.field_refs} | {i for i, _ in prog.map_refs}
+    for i in range(len(code) // 8):
+        if i not in touched:
+            assert code[i * 8 : i * 8 + 8] == prog.insns[i * 8 : i * 8 + 8]
+
+
+def test_a_call_of_an_unknown_symbol_that_is_not_a_call_is_refused(pod_obj):
+    from agentd.dataplane.bpf import podpath
+
+    data = bytearray(podpath.OBJECT.read_bytes())
+    prog = pod_obj.programs[podpath.SECTION]
+    index = prog.kfunc_refs[0][0]
+    start = bytes(data).find(prog.insns)
+    data[start + index * 8] = 0xB7  # mov r, imm where the call was
+    with pytest.raises(elf.ObjectError, match="is not a call"):
+        elf.read_object(bytes(data))

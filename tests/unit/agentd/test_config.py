@@ -98,7 +98,7 @@ def test_defaults_without_reading_the_host():
     assert cfg.network == NetworkConfig(
         cidr=IPv4Network("10.244.0.0/16"), subnet_len=24, backend="host-gw", encap="always", mtu=None,
         route_protocol=143, vxlan_vni=1, vxlan_port=4789, udp_port=8285, datapath="auto", bpf_pod_redirect=True,
-        service_cidr=IPv4Network("10.96.0.0/12"),
+        bpf_pod_fast_path=True, service_cidr=IPv4Network("10.96.0.0/12"),
     )
     assert cfg.etcd == EtcdConfig(endpoints=("http://127.0.0.1:2379",), prefix="/agentd", ca=None, cert=None,
                                   key=None, lease_ttl=30)

@@ -1,0 +1,44 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/* The maps shared by podpath.c and the agent (agentd/dataplane/bpf/podpath.py mirrors them
+ * and checks the sizes against the object file when it loads it).  Addresses in network
+ * byte order, counters and flags in host order.
+ */
+#ifndef AGENTD_PODPATH_H
+#define AGENTD_PODPATH_H
+
+#include <linux/types.h>
+
+#include "datapath.h" /* struct agentd_map_def */
+
+/* pod_ips: hash, a local pod's IPv4 address -> the host side of its veth. */
+struct pod_value {
+	__u32 ifindex;
+};
+
+/* pod_stats: per-CPU array, indexed by what the program did with a pod-to-pod TCP packet. */
+enum pod_verdict {
+	POD_CARRIED = 0,         /* redirected into the receiving pod */
+	POD_NO_CONNTRACK = 1,    /* no confirmed conntrack entry: the normal path */
+	POD_NOT_ESTABLISHED = 2, /* the connection is not (or no longer) ESTABLISHED */
+	POD_NAT = 3,             /* translated (a Service): the normal path translates */
+	POD_VERDICTS = 4,
+};
+
+struct pod_stats {
+	__u64 packets; /* wire packets (a GSO super-packet counts its segments) */
+	__u64 bytes;
+};
+
+/* pod_config: array of one, written by the agent. */
+enum pod_config_flag {
+	POD_CFG_ON = 1 << 0,
+};
+
+struct pod_config {
+	__u32 flags;          /* enum pod_config_flag */
+	__u32 established_ms; /* nf_conntrack_tcp_timeout_established, renewed on carried packets */
+	__u32 liberal_before; /* not read by the program: the agent's note of what
+			       * nf_conntrack_tcp_be_liberal was before it set it (put back on leave) */
+};
+
+#endif

@@ -1,0 +1,270 @@
+"""The pod fast path of one node (podpath.c): load or adopt, put it on the pods' veths, count,
+remove.
+
+Pins, next to the data path's in this namespace's directory (see datapath.py)::
+
+    <bpf_dir>/netns-<inode>/
+        agentd_podips  agentd_podstat  agentd_podcfg      the maps
+        agentd_pod_fast                                   the program
+
+The program sits on the ingress hook of the host side of every local pod's veth (tcx, or
+cls_bpf where the kernel has no tcx; see tc.py); ``agentd_podips`` holds each local pod's
+address and the ifindex of that veth.  A restarted agent adopts the maps, loads the program
+afresh and swaps it onto each veth in place.
+
+The program needs conntrack's TCP tracking to be liberal about windows in this namespace (it
+does not see the packets it carries: see podpath.c), so :meth:`PodFastPath.open` sets
+``net.netfilter.nf_conntrack_tcp_be_liberal`` to 1 and notes the value it found, which
+:func:`remove_pinned_fast_path` puts back.  Blocking calls: run them off the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+from . import btf, elf, tc
+from . import syscall as sc
+from .datapath import DEFAULT_BPF_DIR, BpfUnavailable, _explain, ensure_dir, open_map, pin, pin_dir
+
+OBJECT = Path(__file__).with_name("podpath.bpf.o")
+IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
+MAPS = (IPS, STATS, CONFIG)
+SECTION, PROGRAM = "tc/ingress", tc.POD_FAST_PATH
+POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
+STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
+CONFIG_VALUE = struct.Struct("<III")  # struct pod_config: flags, established_ms, liberal_before
+U32 = struct.Struct("<I")
+VERDICTS = ("carried", "no_conntrack", "not_established", "nat")  # enum pod_verdict, in order
+CFG_ON = 1
+EXPECTED = {
+    IPS: (sc.MAP_TYPE_HASH, 4, POD_VALUE.size),
+    STATS: (sc.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
+    CONFIG: (sc.MAP_TYPE_ARRAY, 4, CONFIG_VALUE.size),
+}
+BE_LIBERAL = Path("/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
+ESTABLISHED_TIMEOUT = Path("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established")
+
+
+def check(obj: elf.BpfObject) -> None:
+    """Raise ValueError naming the first difference between podpath.h and this module."""
+    for name, (mtype, key, value) in EXPECTED.items():
+        m = obj.maps.get(name)
+        if m is None:
+            raise ValueError(f"the object file has no map {name}")
+        if (m.type, m.key_size, m.value_size) != (mtype, key, value):
+            raise ValueError(f"map {name} is (type, key, value) {(m.type, m.key_size, m.value_size)} in the "
+                             f"object file, {(mtype, key, value)} in podpath.py")
+    if obj.maps[STATS].max_entries != len(VERDICTS):
+        raise ValueError(f"the object file counts {obj.maps[STATS].max_entries} verdicts, podpath.py {len(VERDICTS)}")
+    if SECTION not in obj.programs:
+        raise ValueError(f"the object file has no {SECTION} program")
+
+
+def _read_int(path: Path) -> int:
+    return int(path.read_text().split()[0])
+
+
+class PodFastPath:
+    """The program, its maps and the veths it is on, for this network namespace."""
+
+    def __init__(self, bpf_dir: str | os.PathLike = DEFAULT_BPF_DIR, object_path: Path = OBJECT) -> None:
+        self.bpf_dir = Path(bpf_dir)
+        self.dir = pin_dir(bpf_dir)
+        self.object_path = object_path
+        self.maps: dict[str, int] = {}
+        self.prog_fd: int | None = None
+        self.prog_id: int | None = None
+        self.pods: dict[str, int] = {}  # pod address -> ifindex of its veth's host side, as in the map
+        self.attached: set[int] = set()  # veths our program is on (this run)
+        self.adopted = False
+        self.ncpus = sc.possible_cpus()
+
+    # ------------------------------------------------------------------ open / close
+
+    def open(self) -> None:
+        """Adopt or create the maps, load the program, turn conntrack's liberal windows on and
+        put the program back on the veths of the pods the maps hold.  Raises
+        :class:`BpfUnavailable` with the reason when any of it cannot be done."""
+        try:
+            data = self.object_path.read_bytes()
+        except OSError as err:
+            raise BpfUnavailable(f"no BPF object at {self.object_path} ({err.strerror}): it is built by "
+                                 "`pip install` and `scripts/dev setup` where clang is installed") from None
+        try:
+            obj = elf.read_object(data)
+            check(obj)
+        except ValueError as err:
+            raise BpfUnavailable(f"{self.object_path}: {err}") from None
+        prog = obj.programs[SECTION]
+        try:
+            kernel = btf.Btf.kernel()
+            kfunc_ids = btf.function_ids(prog.kfuncs, kernel)
+            offsets = {f: kernel.field_offset(*f) for f in prog.fields}
+        except btf.BtfError as err:
+            raise BpfUnavailable(f"the kernel cannot run the pod fast path: {err}") from None
+        ensure_dir(self.bpf_dir, self.dir)
+        try:
+            for name in MAPS:
+                self.maps[name], adopted = open_map(self.dir, obj.maps[name])
+                self.adopted = self.adopted or adopted
+            for key in sc.map_keys(self.maps[IPS], 4):
+                value = sc.map_lookup(self.maps[IPS], key, POD_VALUE.size)
+                if value is not None:
+                    self.pods[socket.inet_ntoa(key)] = POD_VALUE.unpack(value)[0]
+            self._configure()
+            self.prog_fd = sc.prog_load(sc.PROG_TYPE_SCHED_CLS, prog.relocated(self.maps, kfunc_ids, offsets),
+                                        obj.license, prog.name)
+            self.prog_id = sc.prog_info(self.prog_fd)["id"]
+            pin(self.dir, self.prog_fd, PROGRAM)
+            for address, ifindex in list(self.pods.items()):  # a previous run's veths: the new program
+                if not self._attach(ifindex):
+                    self._forget(address)
+        except sc.BpfError as err:
+            self.close()
+            raise BpfUnavailable(_explain(err)) from None
+        except OSError as err:  # the sysctls
+            self.close()
+            raise BpfUnavailable(f"conntrack settings: {err}") from None
+
+    def _configure(self) -> None:
+        """Liberal TCP windows in this namespace (noting what was there), and the program's config."""
+        key = U32.pack(0)
+        raw = sc.map_lookup(self.maps[CONFIG], key, CONFIG_VALUE.size)
+        flags, _ms, before = CONFIG_VALUE.unpack(raw) if raw else (0, 0, 0)
+        liberal = _read_int(BE_LIBERAL)
+        if not flags & CFG_ON:  # not set by an earlier run: what we find is the operator's
+            before = liberal
+        if liberal != 1:
+            BE_LIBERAL.write_text("1\n")
+        established_ms = min(_read_int(ESTABLISHED_TIMEOUT) * 1000, 0xFFFFFFFF)
+        sc.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(CFG_ON, established_ms, before))
+
+    def close(self) -> None:
+        """Let go of the file descriptors; the program stays on the veths."""
+        for fd in [*self.maps.values(), *([self.prog_fd] if self.prog_fd is not None else [])]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.maps.clear()
+        self.prog_fd = None
+
+    def remove(self) -> list[str]:
+        """Take the program off every veth, remove the pins, put conntrack's setting back."""
+        self.close()
+        return remove_pinned_fast_path(self.bpf_dir)
+
+    # ------------------------------------------------------------------ desired state
+
+    def set_pods(self, wanted: Mapping[str, str]) -> None:
+        """This node's pods: address -> the host side of its veth (a device name).  Pods whose
+        veth is not (or no longer) here are left out."""
+        resolved: dict[str, int] = {}
+        for address, device in wanted.items():
+            try:
+                resolved[address] = socket.if_nametoindex(device)
+            except OSError:
+                continue
+        for address in [a for a in self.pods if a not in resolved]:
+            self._forget(address)
+        for address, ifindex in resolved.items():
+            if ifindex not in self.attached and not self._attach(ifindex):
+                continue
+            if self.pods.get(address) != ifindex:
+                sc.map_update(self.maps[IPS], socket.inet_aton(address), POD_VALUE.pack(ifindex))
+                self.pods[address] = ifindex
+        self.attached &= set(self.pods.values())
+
+    def _attach(self, ifindex: int) -> bool:
+        assert self.prog_fd is not None
+        try:
+            tc.attach(ifindex, "ingress", self.prog_fd, PROGRAM)
+        except tc.TcError as err:
+            if "No such device" in str(err):
+                return False  # the pod went between the name lookup and now
+            raise BpfUnavailable(str(err)) from None
+        self.attached.add(ifindex)
+        return True
+
+    def _forget(self, address: str) -> None:
+        sc.map_delete(self.maps[IPS], socket.inet_aton(address))
+        self.pods.pop(address, None)
+
+    # ------------------------------------------------------------------ observation
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Pod-to-pod TCP packets and bytes by what the program did with them, since the maps
+        were made."""
+        out = {}
+        size = ((STATS_VALUE.size + 7) & ~7) * self.ncpus
+        for i, verdict in enumerate(VERDICTS):
+            raw = sc.map_lookup(self.maps[STATS], U32.pack(i), size)
+            packets = nbytes = 0
+            if raw:
+                step = (STATS_VALUE.size + 7) & ~7
+                for off in range(0, len(raw) - STATS_VALUE.size + 1, step):
+                    p, b = STATS_VALUE.unpack_from(raw, off)
+                    packets, nbytes = packets + p, nbytes + b
+            out[verdict] = {"packets": packets, "bytes": nbytes}
+        return out
+
+    def status(self) -> dict:
+        return {
+            "pins": str(self.dir),
+            "program": {"id": self.prog_id},
+            "hook": "tcx" if tc.tcx_available() else "clsact",
+            "pods": len(self.pods),
+            "adopted_maps": self.adopted,
+        }
+
+
+def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
+    """Detach the pod fast path from the veths its pinned map names, remove its pins and put
+    ``nf_conntrack_tcp_be_liberal`` back as it was found.  Works without the agent that made
+    them; idempotent.  Returns what was removed."""
+    d = pin_dir(bpf_dir)
+    removed: list[str] = []
+    ips = d / IPS
+    if ips.exists():
+        with contextlib.suppress(sc.BpfError):
+            fd = sc.obj_get(str(ips))
+            try:
+                devices = set()
+                for key in sc.map_keys(fd, 4):
+                    value = sc.map_lookup(fd, key, POD_VALUE.size)
+                    if value is not None:
+                        devices.add(POD_VALUE.unpack(value)[0])
+            finally:
+                os.close(fd)
+            n = sum(_detach(i) for i in sorted(devices))
+            if n:
+                removed.append(f"the pod fast path from {n} veths")
+    cfg = d / CONFIG
+    if cfg.exists():
+        with contextlib.suppress(sc.BpfError, OSError):
+            fd = sc.obj_get(str(cfg))
+            try:
+                raw = sc.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
+            finally:
+                os.close(fd)
+            if raw:
+                flags, _ms, before = CONFIG_VALUE.unpack(raw)
+                if flags & CFG_ON and _read_int(BE_LIBERAL) != before:
+                    BE_LIBERAL.write_text(f"{before}\n")
+    for name in (*MAPS, PROGRAM, f"{PROGRAM}_new"):
+        with contextlib.suppress(FileNotFoundError):
+            (d / name).unlink()
+            removed.append(str(d / name))
+    with contextlib.suppress(OSError):
+        d.rmdir()  # only when the data path's pins are gone too
+    return removed
+
+
+def _detach(ifindex: int) -> int:
+    """Our program off one veth; a veth that is gone (its pod with it) has nothing to remove."""
+    with contextlib.suppress(OSError, tc.TcError):
+        return tc.detach(ifindex)
+    return 0
