@@ -23,7 +23,9 @@ change from the etcd write to "enforced on every node" (each agent stamps the et
 it has programmed with the wall clock: GET /policy history; same machine, same clock); a
 new pod's path from CNI ADD to reachable under an allow rule; the ruleset's size; pod-to-pod
 TCP throughput (iperf3, across nodes and on one node) with no nftables tables at all, with
-the agent's tables and no policy, and with 1,000 policies isolating both ends; and, as the
+the agent's tables and no policy, and with 1,000 policies isolating both ends -- with the pod
+fast path (agentd/dataplane/bpf/podpath.c, on by default) and with it switched off at run
+time (its config map's "on" flag cleared: every packet takes the stack's path); and, as the
 anchor, what a full-table rewrite of the same ruleset costs per change (what Calico's
 iptables Felix does with iptables-restore) next to the incremental transaction.
 """
@@ -212,6 +214,26 @@ async def paused(lab: Lab) -> AsyncIterator[None]:
         await asyncio.sleep(2.0)
 
 
+# Run in a node's namespace: the pod fast path removed as `agentd leave` removes it.
+REMOVE_FAST_PATH = """
+import sys
+from agentd.dataplane.bpf.podpath import remove_pinned_fast_path
+remove_pinned_fast_path(sys.argv[1])
+"""
+
+# Run in a node's namespace: the pod fast path's "on" flag set or cleared in its pinned config
+# map (cleared, its program hands every packet to the stack).
+SWITCH_FAST_PATH = """
+import os, sys
+from agentd.dataplane.bpf import podpath, syscall as sc
+fd = sc.obj_get(str(podpath.pin_dir(sys.argv[1]) / podpath.CONFIG))
+key = podpath.U32.pack(0)
+flags, ms, before = podpath.CONFIG_VALUE.unpack(sc.map_lookup(fd, key, podpath.CONFIG_VALUE.size))
+flags = flags | podpath.CFG_ON if sys.argv[2] == "1" else flags & ~podpath.CFG_ON
+sc.map_update(fd, key, podpath.CONFIG_VALUE.pack(flags, ms, before))
+os.close(fd)
+"""
+
 CONNECT_LOOP = """
 import socket, sys, time
 ip, port = sys.argv[1], int(sys.argv[2])
@@ -304,7 +326,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # -- data path without policy: no tables at all, then the agent's tables and no policy
         throughput: dict[str, dict[str, list[float]]] = {
-            "no tables (before)": {}, "tables, 0 policies": {}, "no tables": {}, "1,000 policies": {}}
+            "no tables (before)": {}, "tables, 0 policies": {}, "no tables": {}, "1,000 policies": {},
+            "1,000 policies, fast path off": {}}
 
         async def measure(label: str) -> None:
             for _ in range(args.rounds):
@@ -315,11 +338,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     progress(f"{label}, {path}: {gbps:.2f} Gbit/s")
 
         async def without_tables(label: str) -> None:
-            """Stop the agents of node1/node2, delete their tables, measure, start them again."""
+            """Stop the agents of node1/node2, delete their tables and the pod fast path (its
+            programs, pins and conntrack setting), measure, start them again."""
             for n in (node1, node2):
                 await n.stop_agent(signal.SIGTERM)
                 for family in ("inet", "bridge"):
                     n.ns.exec("nft", "delete", "table", family, "agentd-policy", check=False)
+                n.ns.exec(sys.executable, "-c", REMOVE_FAST_PATH, str(lab.bpffs))
             await measure(label)
             for n in (node1, node2):
                 n.start_agent()
@@ -332,7 +357,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             the throughput runs pause every agent (their tables must be final by then)."""
             last = -1
             while True:
-                rev = max(v["revision"] for v in await views(lab))
+                answers = await views(lab)
+                if any("revision" not in v for v in answers):  # an agent still starting its policy half
+                    await asyncio.sleep(0.2)
+                    continue
+                rev = max(v["revision"] for v in answers)
                 await converge(lab, rev)
                 if rev == last:
                     return
@@ -439,6 +468,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await settle()
         for _ in range(rounds):
             await measure("1,000 policies")
+            for n in (node1, node2):
+                n.ns.exec(sys.executable, "-c", SWITCH_FAST_PATH, str(lab.bpffs), "0")
+            await measure("1,000 policies, fast path off")
+            for n in (node1, node2):
+                n.ns.exec(sys.executable, "-c", SWITCH_FAST_PATH, str(lab.bpffs), "1")
             await without_tables("no tables")
         args.rounds = rounds
         out["throughput_gbps"] = throughput
@@ -508,7 +542,8 @@ def report(r: dict[str, Any]) -> None:
     t = r["throughput_gbps"]
     trows = []
     for label, base_label in (("tables, 0 policies", "no tables (before)"), ("no tables (before)", None),
-                              ("1,000 policies", "no tables"), ("no tables", None)):  # fmt: skip
+                              ("1,000 policies", "no tables"), ("1,000 policies, fast path off", "no tables"),
+                              ("no tables", None)):  # fmt: skip
         for path, values in t.get(label, {}).items():
             med = statistics.median(values)
             ratio = f"{med / statistics.median(t[base_label][path]):.2f}x" if base_label else ""
