@@ -19,7 +19,7 @@ import pytest
 
 from agentd.dataplane import DataplaneClient
 from agentd.dataplane.backends import control_path
-from agentd.dataplane.bpf import layout
+from agentd.dataplane.bpf import layout, podpath
 from agentd.dataplane.bpf import syscall as bpf
 from agentd.lab.lab import ETCD_ADDRESS
 from agentd.lab.netns import Netns, veth
@@ -177,7 +177,7 @@ def bpf_object_ids(node) -> dict[str, set[int]]:
     for p in pin_dir(node).iterdir():
         fd = bpf.obj_get(str(p))
         try:
-            if p.name in layout.MAPS:
+            if p.name in layout.MAPS or p.name in podpath.MAPS:  # the pod fast path pins here too
                 ids["maps"].add(bpf.map_info(fd)["id"])
             else:
                 ids["progs"].add(bpf.prog_info(fd)["id"])
