@@ -298,14 +298,17 @@ class Agent:
             if gone:
                 log.info("pod fast path switched off: removed %s", ", ".join(gone))
             return None, "switched off ([network] bpf_pod_fast_path = false)"
-        fast_path = PodFastPath(bpf_dir)
+        assert self.cluster is not None and self.underlay is not None
+        fast_path = PodFastPath(bpf_dir, cluster=self.cluster.cidr, wire_ifindex=self.underlay.ifindex)
         try:
             await asyncio.to_thread(fast_path.open)
         except BpfUnavailable as err:
             log.warning("pod fast path off (same-node pod traffic takes the stack's path): %s", err)
             return None, str(err)
-        log.info("pod fast path on: accepted TCP between pods of this node goes pod to pod (%d pods adopted)",
-                 len(fast_path.pods))
+        log.info("pod fast path on: accepted TCP between pods of this node goes pod to pod%s (%d pods adopted)",
+                 "" if fast_path.wire else ", and between them and other nodes' pods too", len(fast_path.pods))
+        if fast_path.wire:
+            log.info("pod fast path: connections with other nodes' pods take the stack's path: %s", fast_path.wire)
         return fast_path, None
 
     def _reload(self) -> None:

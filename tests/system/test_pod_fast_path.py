@@ -1,10 +1,12 @@
 """The pod fast path (agentd/dataplane/bpf/podpath.c) on the real kernel, through the lab.
 
-One lab (2 nodes, host-gw); on node1 pods x/server, x/client and x/other, with a policy that
-isolates the server and lets only the client reach it on TCP 5201.  The fast path must carry
-the client's accepted connection pod to pod, let conntrack see the connection close, leave the
-other pod denied, keep carrying across an agent restart (adopted maps, program swapped in
-place) and be gone -- from the veths, the pins and the conntrack setting -- after a leave.
+One lab (2 nodes, host-gw); on node1 pods x/server, x/client and x/other, on node2 x/far,
+with a policy that isolates the server and lets only pods labelled pod=client (x/client and
+x/far) reach it on TCP 5201.  The fast path must carry the accepted connections pod to pod --
+on one node, and between the nodes on both of them -- let conntrack see the connections
+close, leave the other pod denied, keep carrying across an agent restart (adopted maps,
+programs swapped in place) and be gone -- from the veths, the underlay device, the pins and
+the conntrack setting -- after a leave.
 (The truth table of test_netpol.py runs with the fast path on as well: its probes' replies are
 carried packets.)
 """
@@ -41,6 +43,7 @@ async def lab(tmp_path_factory):
         await lab.up(timeout=90)
         for name in ("server", "client", "other"):
             await lab.add_pod(lab.nodes[0], "x", name, labels={"pod": name})
+        await lab.add_pod(lab.nodes[1], "x", "far", labels={"pod": "client"})
         res = await lab.resources()
         await converged(lab, await res.apply([namespace("x", {"ns": "x"}), GUARD]))
         yield lab
@@ -94,6 +97,7 @@ async def test_the_fast_path_is_on_for_every_pod(lab: Lab):
     view = await asyncio.to_thread(fast_path, lab.nodes[0])
     assert view["on"] and view["error"] is None, view
     assert view["pods"] == 3 and view["hook"] in ("tcx", "clsact")
+    assert view["between_nodes"]["on"] and view["between_nodes"]["why_not"] is None, view
     liberal = await asyncio.to_thread(lab.nodes[0].ns.exec, "cat", "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
     assert liberal.strip() == "1"
 
@@ -116,6 +120,25 @@ async def test_an_accepted_connection_is_carried_and_conntrack_sees_it_close(lab
             break
         assert time.monotonic() < deadline, f"conntrack did not see the connections close: {entries}"
         await asyncio.sleep(0.2)
+
+
+async def test_a_connection_with_another_nodes_pod_is_carried_on_both_nodes(lab: Lab):
+    node1, node2 = lab.nodes
+    before = [(await asyncio.to_thread(fast_path, n))["packets"].get("carried", 0) for n in (node1, node2)]
+    result = await iperf(lab, "far", "-n", "200M")
+    assert result["end"]["sum_received"]["bytes"] >= 200_000_000
+    # node2 carries far's data out (routed: FIB, TTL - 1) and the server's ACKs in; node1 the
+    # data in and the ACKs out.
+    assert await carried_after(node2, before[1] + 50_000) > before[1]
+    assert await carried_after(node1, before[0] + 50_000) > before[0]
+    for node in (node1, node2):
+        deadline = time.monotonic() + 5
+        while True:
+            entries = await asyncio.to_thread(conntrack, node, PORT)
+            if entries and not [e for e in entries if " ESTABLISHED " in e]:
+                break
+            assert time.monotonic() < deadline, f"{node.name}: conntrack did not see the connections close: {entries}"
+            await asyncio.sleep(0.2)
 
 
 async def test_a_denied_pod_stays_denied(lab: Lab):

@@ -341,7 +341,7 @@ def remove_pinned(bpf_dir: str | os.PathLike, ifindex: int | None) -> list[str]:
         devices = rt.bridges()  # guard_bridges() put the ingress filter on them
     if ifindex is not None:
         devices.add(ifindex)
-    n = sum(tc.detach(i) for i in sorted(devices))
+    n = sum(tc.detach(i, tc.OURS) for i in sorted(devices))
     if n:
         removed.append(f"{n} tc filters")
     d = pin_dir(bpf_dir)

@@ -1,15 +1,22 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
-/* The pod fast path: a tc ingress program on the host side of each local pod's veth that
- * carries the packets of an already accepted TCP connection between two pods of this node
- * straight into the receiving pod (bpf_redirect_peer), past the bridge, the route-up of
- * isolated pods, conntrack and the policy chains.
+/* The pod fast path: the packets of an already accepted TCP connection of a pod of this node
+ * go straight to where the stack would send them -- past the bridge, the route-up of isolated
+ * pods, the node's routing, conntrack and the policy chains.  Two tc ingress programs:
+ *
+ *   agentd_pod_fast  on the host side of each local pod's veth.  To another pod of this node:
+ *                    into that pod (bpf_redirect_peer).  To a pod of another node (the
+ *                    cluster's pod network, POD_CFG_ROUTE): routed as the stack would route
+ *                    it (bpf_fib_lookup: the next hop's MAC, TTL - 1) and sent out of the
+ *                    device the route names.
+ *   agentd_pod_wire  on the underlay device: from a pod of another node to a pod of this node,
+ *                    TTL - 1 and into that pod (bpf_redirect_peer).
  *
  * What decides is the kernel's own connection tracking, looked up with the bpf_skb_ct_lookup
  * kfunc: a packet is carried only when
  *   - it is IPv4 TCP without SYN, FIN or RST (those go the normal way, so conntrack sees every
  *     state change of the connection), not a fragment, without IP options;
- *   - its source address is the pod behind the veth it came in on (the anti-spoofing check
- *     of the normal path) and its destination is another pod of this node;
+ *   - from a pod's veth, its source address is that pod's (the anti-spoofing check of the
+ *     normal path); between nodes both ends are in the cluster's pod network;
  *   - conntrack has a confirmed entry for it -- confirmed means the normal path, policy
  *     included, accepted the connection's first packet -- in TCP state ESTABLISHED, with no
  *     NAT on it (a Service's translated flow stays on the normal path, which translates).
@@ -28,6 +35,7 @@
 #include <linux/in.h>
 #include <linux/ip.h>
 #include <linux/pkt_cls.h>
+#include <linux/stddef.h>
 #include <linux/tcp.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
@@ -40,6 +48,7 @@
 #define TCP_CONNTRACK_ESTABLISHED 3 /* enum tcp_conntrack */
 #define IPS_SRC_NAT (1UL << 4)
 #define IPS_DST_NAT (1UL << 5)
+#define AF_INET_ 2
 
 struct ip_ct_tcp {
 	__u8 state;
@@ -104,27 +113,88 @@ static __always_inline int count(__u32 verdict, struct __sk_buff *skb, int actio
 	return action;
 }
 
-SEC("tc/ingress")
-int agentd_pod_fast(struct __sk_buff *skb)
+/* The packet's TCP header, if it is a candidate at all: IPv4 TCP, no options, no fragment,
+ * no SYN, FIN or RST.  Packet pointers: valid until the first helper that changes the packet. */
+static __always_inline struct tcphdr *candidate(struct __sk_buff *skb, struct iphdr **ipp)
 {
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
-	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
 	struct ethhdr *eth = data;
 	struct iphdr *ip = data + ETH_HLEN;
 	struct tcphdr *tcp = data + ETH_HLEN + sizeof(*ip);
-	struct bpf_sock_tuple tuple = {};
-	struct pod_config *cfg;
-	struct pod_value *src, *dst;
-	struct nf_conn *ct;
-	unsigned long status;
-	__u32 zero = 0, ifindex;
-	__u8 state;
 
 	if ((void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
-		return PASS;
+		return NULL;
 	if (ip->ihl != 5 || ip->protocol != IPPROTO_TCP || (ip->frag_off & bpf_htons(IP_MF_OFFSET)))
-		return PASS;
+		return NULL;
 	if (tcp->syn || tcp->fin || tcp->rst)
+		return NULL;
+	*ipp = ip;
+	return tcp;
+}
+
+/* What conntrack says of the packet's connection: POD_CARRIED if it may be carried. */
+static __always_inline __u32 accepted(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp,
+				      struct pod_config *cfg)
+{
+	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
+	struct bpf_sock_tuple tuple = {};
+	unsigned long status;
+	struct nf_conn *ct;
+	__u8 state;
+
+	tuple.ipv4.saddr = ip->saddr;
+	tuple.ipv4.daddr = ip->daddr;
+	tuple.ipv4.sport = tcp->source;
+	tuple.ipv4.dport = tcp->dest;
+	ct = bpf_skb_ct_lookup(skb, &tuple, sizeof(tuple.ipv4), &opts, sizeof(opts));
+	if (!ct)
+		return POD_NO_CONNTRACK;
+	status = ct->status;
+	state = ct->proto.tcp.state;
+	if (status & (IPS_SRC_NAT | IPS_DST_NAT)) {
+		bpf_ct_release(ct);
+		return POD_NAT;
+	}
+	if (state != TCP_CONNTRACK_ESTABLISHED) {
+		bpf_ct_release(ct);
+		return POD_NOT_ESTABLISHED;
+	}
+	if (cfg->established_ms)
+		bpf_ct_change_timeout(ct, cfg->established_ms);
+	bpf_ct_release(ct);
+	return POD_CARRIED;
+}
+
+/* TTL - 1 with the header checksum updated, as a router does (the caller made sure TTL > 1). */
+static __always_inline int ttl_down(struct __sk_buff *skb, __u8 ttl, __u8 protocol)
+{
+	__u16 old = bpf_htons((__u16)ttl << 8 | protocol), new;
+
+	ttl -= 1;
+	new = bpf_htons((__u16)ttl << 8 | protocol);
+	if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), old, new, 2))
+		return -1;
+	return bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct iphdr, ttl), &ttl, 1, 0) ? -1 : 0;
+}
+
+static __always_inline int in_cluster(struct pod_config *cfg, __be32 addr)
+{
+	return (addr & cfg->cluster_mask) == cfg->cluster_net;
+}
+
+SEC("tc/pod")
+int agentd_pod_fast(struct __sk_buff *skb)
+{
+	struct bpf_fib_lookup fib = {};
+	struct pod_config *cfg;
+	struct pod_value *src, *dst;
+	struct tcphdr *tcp;
+	struct iphdr *ip = NULL;
+	__u32 zero = 0, verdict, ifindex;
+	__u8 ttl;
+
+	tcp = candidate(skb, &ip);
+	if (!tcp || !ip)
 		return PASS;
 	cfg = bpf_map_lookup_elem(&agentd_podcfg, &zero);
 	if (!cfg || !(cfg->flags & POD_CFG_ON))
@@ -133,28 +203,63 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	if (!src || src->ifindex != skb->ifindex)
 		return PASS; /* not this veth's pod: the normal path's spoofing check judges it */
 	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
+	if (dst) { /* a pod of this node */
+		ifindex = dst->ifindex;
+		verdict = accepted(skb, ip, tcp, cfg);
+		if (verdict != POD_CARRIED)
+			return count(verdict, skb, PASS);
+		return count(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
+	}
+	/* A pod of another node: routed as the stack would route it. */
+	if (!(cfg->flags & POD_CFG_ROUTE) || !in_cluster(cfg, ip->daddr) || ip->ttl <= 1)
+		return PASS;
+	ttl = ip->ttl;
+	fib.family = AF_INET_;
+	fib.tos = ip->tos;
+	fib.l4_protocol = IPPROTO_TCP;
+	fib.sport = tcp->source;
+	fib.dport = tcp->dest;
+	fib.ipv4_src = ip->saddr;
+	fib.ipv4_dst = ip->daddr;
+	fib.ifindex = skb->ingress_ifindex;
+	verdict = accepted(skb, ip, tcp, cfg);
+	if (verdict != POD_CARRIED)
+		return count(verdict, skb, PASS);
+	if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
+		return count(POD_NO_ROUTE, skb, PASS); /* no route, not forwarded, no neighbour yet: the stack */
+	if (ttl_down(skb, ttl, IPPROTO_TCP) || bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
+	    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
+		return count(POD_NO_ROUTE, skb, PASS);
+	return count(POD_CARRIED, skb, bpf_redirect(fib.ifindex, 0));
+}
+
+SEC("tc/wire")
+int agentd_pod_wire(struct __sk_buff *skb)
+{
+	struct pod_config *cfg;
+	struct pod_value *dst;
+	struct tcphdr *tcp;
+	struct iphdr *ip = NULL;
+	__u32 zero = 0, verdict, ifindex;
+	__u8 ttl;
+
+	tcp = candidate(skb, &ip);
+	if (!tcp || !ip)
+		return PASS;
+	cfg = bpf_map_lookup_elem(&agentd_podcfg, &zero);
+	if (!cfg || (cfg->flags & (POD_CFG_ON | POD_CFG_ROUTE)) != (POD_CFG_ON | POD_CFG_ROUTE))
+		return PASS;
+	if (!in_cluster(cfg, ip->saddr) || ip->ttl <= 1)
+		return PASS;
+	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (!dst)
-		return PASS; /* leaves the node, or to the node itself */
+		return PASS; /* not a pod of this node */
 	ifindex = dst->ifindex;
-	tuple.ipv4.saddr = ip->saddr;
-	tuple.ipv4.daddr = ip->daddr;
-	tuple.ipv4.sport = tcp->source;
-	tuple.ipv4.dport = tcp->dest;
-	ct = bpf_skb_ct_lookup(skb, &tuple, sizeof(tuple.ipv4), &opts, sizeof(opts));
-	if (!ct)
-		return count(POD_NO_CONNTRACK, skb, PASS);
-	status = ct->status;
-	state = ct->proto.tcp.state;
-	if (status & (IPS_SRC_NAT | IPS_DST_NAT)) {
-		bpf_ct_release(ct);
-		return count(POD_NAT, skb, PASS);
-	}
-	if (state != TCP_CONNTRACK_ESTABLISHED) {
-		bpf_ct_release(ct);
-		return count(POD_NOT_ESTABLISHED, skb, PASS);
-	}
-	if (cfg->established_ms)
-		bpf_ct_change_timeout(ct, cfg->established_ms);
-	bpf_ct_release(ct);
+	ttl = ip->ttl;
+	verdict = accepted(skb, ip, tcp, cfg);
+	if (verdict != POD_CARRIED)
+		return count(verdict, skb, PASS);
+	if (ttl_down(skb, ttl, IPPROTO_TCP))
+		return count(POD_NO_ROUTE, skb, PASS);
 	return count(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 }

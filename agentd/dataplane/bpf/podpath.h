@@ -15,13 +15,14 @@ struct pod_value {
 	__u32 ifindex;
 };
 
-/* pod_stats: per-CPU array, indexed by what the program did with a pod-to-pod TCP packet. */
+/* pod_stats: per-CPU array, indexed by what a program did with a pod's TCP packet. */
 enum pod_verdict {
-	POD_CARRIED = 0,         /* redirected into the receiving pod */
+	POD_CARRIED = 0,         /* redirected: into the receiving pod, or out toward its node */
 	POD_NO_CONNTRACK = 1,    /* no confirmed conntrack entry: the normal path */
 	POD_NOT_ESTABLISHED = 2, /* the connection is not (or no longer) ESTABLISHED */
 	POD_NAT = 3,             /* translated (a Service): the normal path translates */
-	POD_VERDICTS = 4,
+	POD_NO_ROUTE = 4,        /* to another node, but no FIB answer with a resolved neighbour */
+	POD_VERDICTS = 5,
 };
 
 struct pod_stats {
@@ -31,14 +32,18 @@ struct pod_stats {
 
 /* pod_config: array of one, written by the agent. */
 enum pod_config_flag {
-	POD_CFG_ON = 1 << 0,
+	POD_CFG_ON = 1 << 0,    /* carry between pods of this node */
+	POD_CFG_ROUTE = 1 << 1, /* carry between pods of this node and pods of other nodes too */
 };
 
 struct pod_config {
 	__u32 flags;          /* enum pod_config_flag */
 	__u32 established_ms; /* nf_conntrack_tcp_timeout_established, renewed on carried packets */
-	__u32 liberal_before; /* not read by the program: the agent's note of what
+	__u32 liberal_before; /* not read by the programs: the agent's note of what
 			       * nf_conntrack_tcp_be_liberal was before it set it (put back on leave) */
+	__be32 cluster_net;   /* the cluster's pod network: only pods' traffic between nodes is carried */
+	__be32 cluster_mask;
+	__u32 wire_ifindex;   /* not read by the programs: the underlay device agentd_pod_wire is on */
 };
 
 #endif

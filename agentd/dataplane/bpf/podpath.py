@@ -1,16 +1,17 @@
-"""The pod fast path of one node (podpath.c): load or adopt, put it on the pods' veths, count,
-remove.
+"""The pod fast path of one node (podpath.c): load or adopt, put it on the pods' veths and the
+underlay device, count, remove.
 
 Pins, next to the data path's in this namespace's directory (see datapath.py)::
 
     <bpf_dir>/netns-<inode>/
         agentd_podips  agentd_podstat  agentd_podcfg      the maps
-        agentd_pod_fast                                   the program
+        agentd_pod_fast  agentd_pod_wire                  the programs
 
-The program sits on the ingress hook of the host side of every local pod's veth (tcx, or
-cls_bpf where the kernel has no tcx; see tc.py); ``agentd_podips`` holds each local pod's
-address and the ifindex of that veth.  A restarted agent adopts the maps, loads the program
-afresh and swaps it onto each veth in place.
+``agentd_pod_fast`` sits on the ingress hook of the host side of every local pod's veth (tcx,
+or cls_bpf where the kernel has no tcx; see tc.py), ``agentd_pod_wire`` on the underlay
+device's (tcx only: under cls_bpf our one filter place there is the data path's); the
+``agentd_podips`` map holds each local pod's address and the ifindex of its veth.  A
+restarted agent adopts the maps, loads the programs afresh and swaps them in place.
 
 The program needs conntrack's TCP tracking to be liberal about windows in this namespace (it
 does not see the packets it carries: see podpath.c), so :meth:`PodFastPath.open` sets
@@ -25,6 +26,7 @@ import os
 import socket
 import struct
 from collections.abc import Mapping
+from ipaddress import IPv4Network
 from pathlib import Path
 
 from . import btf, elf, tc
@@ -34,13 +36,15 @@ from .datapath import DEFAULT_BPF_DIR, BpfUnavailable, _explain, ensure_dir, ope
 OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 MAPS = (IPS, STATS, CONFIG)
-SECTION, PROGRAM = "tc/ingress", tc.POD_FAST_PATH
+SECTION, PROGRAM = "tc/pod", tc.POD_FAST_PATH
+WIRE_SECTION, WIRE_PROGRAM = "tc/wire", tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
-CONFIG_VALUE = struct.Struct("<III")  # struct pod_config: flags, established_ms, liberal_before
+# struct pod_config: flags, established_ms, liberal_before, cluster_net, cluster_mask, wire_ifindex
+CONFIG_VALUE = struct.Struct("<III4s4sI")
 U32 = struct.Struct("<I")
-VERDICTS = ("carried", "no_conntrack", "not_established", "nat")  # enum pod_verdict, in order
-CFG_ON = 1
+VERDICTS = ("carried", "no_conntrack", "not_established", "nat", "no_route")  # enum pod_verdict, in order
+CFG_ON, CFG_ROUTE = 1, 2
 EXPECTED = {
     IPS: (sc.MAP_TYPE_HASH, 4, POD_VALUE.size),
     STATS: (sc.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
@@ -61,8 +65,9 @@ def check(obj: elf.BpfObject) -> None:
                              f"object file, {(mtype, key, value)} in podpath.py")
     if obj.maps[STATS].max_entries != len(VERDICTS):
         raise ValueError(f"the object file counts {obj.maps[STATS].max_entries} verdicts, podpath.py {len(VERDICTS)}")
-    if SECTION not in obj.programs:
-        raise ValueError(f"the object file has no {SECTION} program")
+    for section in (SECTION, WIRE_SECTION):
+        if section not in obj.programs:
+            raise ValueError(f"the object file has no {section} program")
 
 
 def _read_int(path: Path) -> int:
@@ -72,13 +77,21 @@ def _read_int(path: Path) -> int:
 class PodFastPath:
     """The program, its maps and the veths it is on, for this network namespace."""
 
-    def __init__(self, bpf_dir: str | os.PathLike = DEFAULT_BPF_DIR, object_path: Path = OBJECT) -> None:
+    def __init__(self, bpf_dir: str | os.PathLike = DEFAULT_BPF_DIR, object_path: Path = OBJECT, *,
+                 cluster: IPv4Network | None = None, wire_ifindex: int | None = None) -> None:
+        """``cluster``: the pod network; with ``wire_ifindex`` (the underlay device) connections
+        between this node's pods and other nodes' pods are carried too."""
         self.bpf_dir = Path(bpf_dir)
+        self.cluster = cluster
+        self.wire_ifindex = wire_ifindex
+        self.wire: str | None = None  # why the underlay device has no program, if it has none
         self.dir = pin_dir(bpf_dir)
         self.object_path = object_path
         self.maps: dict[str, int] = {}
         self.prog_fd: int | None = None
         self.prog_id: int | None = None
+        self.wire_fd: int | None = None
+        self.wire_id: int | None = None
         self.pods: dict[str, int] = {}  # pod address -> ifindex of its veth's host side, as in the map
         self.attached: set[int] = set()  # veths our program is on (this run)
         self.adopted = False
@@ -100,11 +113,11 @@ class PodFastPath:
             check(obj)
         except ValueError as err:
             raise BpfUnavailable(f"{self.object_path}: {err}") from None
-        prog = obj.programs[SECTION]
+        prog, wire = obj.programs[SECTION], obj.programs[WIRE_SECTION]
         try:
             kernel = btf.Btf.kernel()
-            kfunc_ids = btf.function_ids(prog.kfuncs, kernel)
-            offsets = {f: kernel.field_offset(*f) for f in prog.fields}
+            kfunc_ids = btf.function_ids(prog.kfuncs | wire.kfuncs, kernel)
+            offsets = {f: kernel.field_offset(*f) for f in prog.fields | wire.fields}
         except btf.BtfError as err:
             raise BpfUnavailable(f"the kernel cannot run the pod fast path: {err}") from None
         ensure_dir(self.bpf_dir, self.dir)
@@ -124,6 +137,14 @@ class PodFastPath:
             for address, ifindex in list(self.pods.items()):  # a previous run's veths: the new program
                 if not self._attach(ifindex):
                     self._forget(address)
+            if self.routed:
+                self.wire_fd = sc.prog_load(sc.PROG_TYPE_SCHED_CLS, wire.relocated(self.maps, kfunc_ids, offsets),
+                                            obj.license, wire.name)
+                self.wire_id = sc.prog_info(self.wire_fd)["id"]
+                pin(self.dir, self.wire_fd, WIRE_PROGRAM)
+                self._attach_wire()
+            else:
+                self.wire = "no cluster network or underlay device given"
         except sc.BpfError as err:
             self.close()
             raise BpfUnavailable(_explain(err)) from None
@@ -131,26 +152,46 @@ class PodFastPath:
             self.close()
             raise BpfUnavailable(f"conntrack settings: {err}") from None
 
-    def _configure(self) -> None:
-        """Liberal TCP windows in this namespace (noting what was there), and the program's config."""
+    @property
+    def routed(self) -> bool:
+        return self.cluster is not None and self.wire_ifindex is not None
+
+    def _attach_wire(self) -> None:
+        assert self.wire_fd is not None and self.wire_ifindex is not None
+        if not tc.tcx_available():
+            self.wire = "the kernel has no tcx (Linux 6.6): the underlay device's one cls_bpf place is the data path's"
+            self._configure(route=False)
+            return
+        try:
+            tc.attach(self.wire_ifindex, "ingress", self.wire_fd, WIRE_PROGRAM)
+        except tc.TcError as err:
+            raise BpfUnavailable(str(err)) from None
+        self.wire = None
+
+    def _configure(self, route: bool | None = None) -> None:
+        """Liberal TCP windows in this namespace (noting what was there), and the programs' config."""
         key = U32.pack(0)
         raw = sc.map_lookup(self.maps[CONFIG], key, CONFIG_VALUE.size)
-        flags, _ms, before = CONFIG_VALUE.unpack(raw) if raw else (0, 0, 0)
+        flags, _ms, before, _net, _mask, _wire = CONFIG_VALUE.unpack(raw) if raw else (0, 0, 0, b"", b"", 0)
         liberal = _read_int(BE_LIBERAL)
         if not flags & CFG_ON:  # not set by an earlier run: what we find is the operator's
             before = liberal
         if liberal != 1:
             BE_LIBERAL.write_text("1\n")
         established_ms = min(_read_int(ESTABLISHED_TIMEOUT) * 1000, 0xFFFFFFFF)
-        sc.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(CFG_ON, established_ms, before))
+        route = self.routed if route is None else route
+        net = self.cluster or IPv4Network("255.255.255.255/32")  # matches no pod
+        sc.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(
+            CFG_ON | (CFG_ROUTE if route else 0), established_ms, before, net.network_address.packed,
+            net.netmask.packed, self.wire_ifindex or 0))
 
     def close(self) -> None:
         """Let go of the file descriptors; the program stays on the veths."""
-        for fd in [*self.maps.values(), *([self.prog_fd] if self.prog_fd is not None else [])]:
+        for fd in [*self.maps.values(), *(f for f in (self.prog_fd, self.wire_fd) if f is not None)]:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.maps.clear()
-        self.prog_fd = None
+        self.prog_fd = self.wire_fd = None
 
     def remove(self) -> list[str]:
         """Take the program off every veth, remove the pins, put conntrack's setting back."""
@@ -216,6 +257,9 @@ class PodFastPath:
             "pins": str(self.dir),
             "program": {"id": self.prog_id},
             "hook": "tcx" if tc.tcx_available() else "clsact",
+            "between_nodes": {"on": self.wire_id is not None and self.wire is None, "program": {"id": self.wire_id},
+                              "device": self.wire_ifindex, "cluster": str(self.cluster) if self.cluster else None,
+                              "why_not": self.wire},
             "pods": len(self.pods),
             "adopted_maps": self.adopted,
         }
@@ -239,22 +283,24 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
                         devices.add(POD_VALUE.unpack(value)[0])
             finally:
                 os.close(fd)
-            n = sum(_detach(i) for i in sorted(devices))
+            n = sum(_detach(i, PROGRAM) for i in sorted(devices))
             if n:
                 removed.append(f"the pod fast path from {n} veths")
     cfg = d / CONFIG
     if cfg.exists():
-        with contextlib.suppress(sc.BpfError, OSError):
+        with contextlib.suppress(sc.BpfError, OSError, struct.error):
             fd = sc.obj_get(str(cfg))
             try:
                 raw = sc.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
             finally:
                 os.close(fd)
             if raw:
-                flags, _ms, before = CONFIG_VALUE.unpack(raw)
+                flags, _ms, before, _net, _mask, wire = CONFIG_VALUE.unpack(raw)
+                if wire and _detach(wire, WIRE_PROGRAM):
+                    removed.append("the pod fast path from the underlay device")
                 if flags & CFG_ON and _read_int(BE_LIBERAL) != before:
                     BE_LIBERAL.write_text(f"{before}\n")
-    for name in (*MAPS, PROGRAM, f"{PROGRAM}_new"):
+    for name in (*MAPS, PROGRAM, f"{PROGRAM}_new", WIRE_PROGRAM, f"{WIRE_PROGRAM}_new"):
         with contextlib.suppress(FileNotFoundError):
             (d / name).unlink()
             removed.append(str(d / name))
@@ -263,8 +309,8 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def _detach(ifindex: int) -> int:
-    """Our program off one veth; a veth that is gone (its pod with it) has nothing to remove."""
+def _detach(ifindex: int, name: str) -> int:
+    """Program ``name`` off one device; a veth that is gone (its pod with it) has nothing to remove."""
     with contextlib.suppress(OSError, tc.TcError):
-        return tc.detach(ifindex)
+        return tc.detach(ifindex, (name,))
     return 0

@@ -42,6 +42,8 @@ PARENTS = {"ingress": 0xFFFFFFF2, "egress": 0xFFFFFFF3}  # TC_H_MAKE(TC_H_CLSACT
 ETH_P_ALL = 0x0003
 OURS = ("agentd_egress", "agentd_ingress")  # the data path (datapath.c)
 POD_FAST_PATH = "agentd_pod_fast"  # on pods' veths (podpath.c)
+POD_WIRE = "agentd_pod_wire"  # on the underlay device (podpath.c)
+PROGRAMS = (*OURS, POD_FAST_PATH, POD_WIRE)  # every program of ours, by name
 TCX = {"ingress": sc.TCX_INGRESS, "egress": sc.TCX_EGRESS}
 _tcx: bool | None = None  # whether this kernel has tcx; learned on first use
 
@@ -62,8 +64,8 @@ class Filter:
     @property
     def ours(self) -> bool:
         if self.kind == "tcx":
-            return self.name in (*OURS, POD_FAST_PATH)
-        return self.prio == PRIO and self.kind == "bpf" and self.name in (*OURS, POD_FAST_PATH)
+            return self.name in PROGRAMS
+        return self.prio == PRIO and self.kind == "bpf" and self.name in PROGRAMS
 
 
 def tcx_available() -> bool:
@@ -185,7 +187,7 @@ def _attach_tcx(ifindex: int, direction: str, prog_fd: int, name: str) -> None:
             if mtype != tcm.RTM_NEWTFILTER:
                 continue
             f = tcm.decode_filter(buf, start, end)
-            if f.handle and f.prio == PRIO and f.kind == "bpf" and f.name in (*OURS, POD_FAST_PATH):
+            if f.handle and f.prio == PRIO and f.kind == "bpf" and f.name in PROGRAMS:
                 with contextlib.suppress(NetlinkError):
                     rt.request(tcm.encode_del_filter(rt.next_seq(), ifindex, PARENTS[direction], f.prio, f.handle,
                                                      ETH_P_ALL, "bpf"), f"deleting a filter of device {ifindex}")
@@ -209,10 +211,10 @@ def _detach_tcx(ifindex: int, direction: str, prog_id: int) -> bool:
         os.close(fd)
 
 
-def detach(ifindex: int) -> int:
-    """Remove our programs from the device: tcx ones, cls_bpf filters (and the clsact qdisc if
-    nothing else is on it); returns how many were removed.  A device that is gone has nothing
-    to remove."""
+def detach(ifindex: int, names: tuple[str, ...] = PROGRAMS) -> int:
+    """Remove our programs (those named ``names``) from the device: tcx ones, cls_bpf filters
+    (and the clsact qdisc if nothing else is on it); returns how many were removed.  A device
+    that is gone has nothing to remove."""
     try:
         current = filters(ifindex)
     except (NetlinkError, sc.BpfError) as err:
@@ -221,19 +223,19 @@ def detach(ifindex: int) -> int:
         raise
     removed = 0
     for f in current:
-        if f.ours and f.kind == "tcx" and f.prog_id is not None:
+        if f.ours and f.name in names and f.kind == "tcx" and f.prog_id is not None:
             with contextlib.suppress(sc.BpfError):
                 removed += _detach_tcx(ifindex, f.direction, f.prog_id)
     legacy = [f for f in current if f.kind != "tcx"]
     with Rtnl() as rt:
         gone = 0
         for f in legacy:
-            if f.ours:
+            if f.ours and f.name in names:
                 with contextlib.suppress(NetlinkError):
                     rt.request(tcm.encode_del_filter(rt.next_seq(), ifindex, PARENTS[f.direction], f.prio, f.handle,
                                                      ETH_P_ALL, "bpf"), f"deleting a filter of device {ifindex}")
                     gone += 1
-        if gone and all(f.ours for f in legacy):  # we were there, and nobody else is: ours to remove
+        if gone and all(f.ours and f.name in names for f in legacy):  # we were there, and nobody else is
             with contextlib.suppress(NetlinkError):
                 rt.request(tcm.encode_del_clsact(rt.next_seq(), ifindex), f"deleting clsact on device {ifindex}")
     return removed + gone

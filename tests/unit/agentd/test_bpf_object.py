@@ -94,30 +94,29 @@ def test_the_pod_fast_path_matches_its_layout(pod_obj):
 
     podpath.check(pod_obj)
     assert set(pod_obj.maps) == set(podpath.MAPS)
-    prog = pod_obj.programs[podpath.SECTION]
-    assert prog.name == podpath.PROGRAM
-    assert prog.kfuncs == {"bpf_skb_ct_lookup", "bpf_ct_release", "bpf_ct_change_timeout"}
-    assert prog.fields == {("nf_conn", ("status",)), ("nf_conn", ("proto", "tcp", "state"))}
+    assert {s: p.name for s, p in pod_obj.programs.items()} == {
+        podpath.SECTION: podpath.PROGRAM, podpath.WIRE_SECTION: podpath.WIRE_PROGRAM}
+    for prog in pod_obj.programs.values():
+        assert prog.kfuncs == {"bpf_skb_ct_lookup", "bpf_ct_release", "bpf_ct_change_timeout"}
+        assert prog.fields == {("nf_conn", ("status",)), ("nf_conn", ("proto", "tcp", "state"))}
 
 
 def test_kfunc_calls_and_field_reads_are_relocated(pod_obj):
-    from agentd.dataplane.bpf import podpath
-
-    prog = pod_obj.programs[podpath.SECTION]
     fds = {name: 100 + i for i, name in enumerate(sorted(pod_obj.maps))}
-    ids = {name: 70000 + i for i, name in enumerate(sorted(prog.kfuncs))}
-    offsets = {f: 200 + 8 * i for i, f in enumerate(sorted(prog.fields))}
-    code = prog.relocated(fds, ids, offsets)
-    for index, name in prog.kfunc_refs:
-        op, regs, off, imm = struct.unpack_from("<BBhi", code, index * 8)
-        assert op == elf.CALL and regs >> 4 == elf.PSEUDO_KFUNC_CALL and off == 0 and imm == ids[name]
-    for index, root, path in prog.field_refs:
-        op, _regs, off, _imm = struct.unpack_from("<BBhi", code, index * 8)
-        assert op & 0x07 == elf.LDX and off == offsets[(root, path)]
-    touched = {i for i, _ in prog.kfunc_refs} | {i for i, *_ in prog.field_refs} | {i for i, _ in prog.map_refs}
-    for i in range(len(code) // 8):
-        if i not in touched:
-            assert code[i * 8 : i * 8 + 8] == prog.insns[i * 8 : i * 8 + 8]
+    for prog in pod_obj.programs.values():
+        ids = {name: 70000 + i for i, name in enumerate(sorted(prog.kfuncs))}
+        offsets = {f: 200 + 8 * i for i, f in enumerate(sorted(prog.fields))}
+        code = prog.relocated(fds, ids, offsets)
+        for index, name in prog.kfunc_refs:
+            op, regs, off, imm = struct.unpack_from("<BBhi", code, index * 8)
+            assert op == elf.CALL and regs >> 4 == elf.PSEUDO_KFUNC_CALL and off == 0 and imm == ids[name]
+        for index, root, path in prog.field_refs:
+            op, _regs, off, _imm = struct.unpack_from("<BBhi", code, index * 8)
+            assert op & 0x07 == elf.LDX and off == offsets[(root, path)]
+        touched = {i for i, _ in prog.kfunc_refs} | {i for i, *_ in prog.field_refs} | {i for i, _ in prog.map_refs}
+        for i in range(len(code) // 8):
+            if i not in touched:
+                assert code[i * 8 : i * 8 + 8] == prog.insns[i * 8 : i * 8 + 8]
 
 
 def test_a_call_of_an_unknown_symbol_that_is_not_a_call_is_refused(pod_obj):
