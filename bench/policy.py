@@ -221,6 +221,21 @@ from agentd.dataplane.bpf.podpath import remove_pinned_fast_path
 remove_pinned_fast_path(sys.argv[1])
 """
 
+# Run in a node's namespace: packets the pod fast path carried so far (its pinned counters),
+# or -1 where it is not there.
+FAST_PATH_CARRIED = """
+import sys
+from agentd.dataplane.bpf import podpath, syscall as sc
+try:
+    fd = sc.obj_get(str(podpath.pin_dir(sys.argv[1]) / podpath.STATS))
+except OSError:
+    print(-1)
+    raise SystemExit
+size = ((podpath.STATS_VALUE.size + 7) & ~7) * sc.possible_cpus()
+raw = sc.map_lookup(fd, podpath.U32.pack(podpath.VERDICTS.index("carried")), size)
+print(sum(podpath.STATS_VALUE.unpack_from(raw, off)[0] for off in range(0, len(raw), (podpath.STATS_VALUE.size + 7) & ~7)))
+"""
+
 # Run in a node's namespace: the pod fast path's "on" flag set or cleared in its pinned config
 # map (cleared, its program hands every packet to the stack).
 SWITCH_FAST_PATH = """
@@ -228,9 +243,9 @@ import os, sys
 from agentd.dataplane.bpf import podpath, syscall as sc
 fd = sc.obj_get(str(podpath.pin_dir(sys.argv[1]) / podpath.CONFIG))
 key = podpath.U32.pack(0)
-flags, ms, before = podpath.CONFIG_VALUE.unpack(sc.map_lookup(fd, key, podpath.CONFIG_VALUE.size))
+flags, *rest = podpath.CONFIG_VALUE.unpack(sc.map_lookup(fd, key, podpath.CONFIG_VALUE.size))
 flags = flags | podpath.CFG_ON if sys.argv[2] == "1" else flags & ~podpath.CFG_ON
-sc.map_update(fd, key, podpath.CONFIG_VALUE.pack(flags, ms, before))
+sc.map_update(fd, key, podpath.CONFIG_VALUE.pack(flags, *rest))
 os.close(fd)
 """
 
@@ -325,17 +340,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         real = 3
 
         # -- data path without policy: no tables at all, then the agent's tables and no policy
+        carried: dict[str, dict[str, list[int]]] = {}  # label -> path -> packets the fast path carried per run
         throughput: dict[str, dict[str, list[float]]] = {
             "no tables (before)": {}, "tables, 0 policies": {}, "no tables": {}, "1,000 policies": {},
             "1,000 policies, fast path off": {}}
 
+        def fast_carried() -> int:
+            """Packets node1's pod fast path carried so far (-1: it is not there)."""
+            return int(node1.ns.exec(sys.executable, "-c", FAST_PATH_CARRIED, str(lab.bpffs)))
+
         async def measure(label: str) -> None:
             for _ in range(args.rounds):
                 for path, src in (("across nodes", client), ("same node", local)):
+                    before = fast_carried()
                     async with paused(lab):
                         gbps = await asyncio.to_thread(iperf, server, src, args.seconds)
+                    after = fast_carried()
                     throughput[label].setdefault(path, []).append(gbps)
-                    progress(f"{label}, {path}: {gbps:.2f} Gbit/s")
+                    carried.setdefault(label, {}).setdefault(path, []).append(after - before if before >= 0 else 0)
+                    progress(f"{label}, {path}: {gbps:.2f} Gbit/s, node1's fast path carried {after - before} packets")
 
         async def without_tables(label: str) -> None:
             """Stop the agents of node1/node2, delete their tables and the pod fast path (its
@@ -476,6 +499,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await without_tables("no tables")
         args.rounds = rounds
         out["throughput_gbps"] = throughput
+        out["fast_path_carried"] = carried
         out["rss_kb"] = {n.name: _rss(n) for n in lab.nodes}
         out["anchor"] = await asyncio.to_thread(full_rewrite_anchor, node1, "bp" + tag)
         out["agents"] = {n.name: {k: s[k] for k in ("error",)} for n, s in zip(lab.nodes, await statuses(lab))}
@@ -547,9 +571,11 @@ def report(r: dict[str, Any]) -> None:
         for path, values in t.get(label, {}).items():
             med = statistics.median(values)
             ratio = f"{med / statistics.median(t[base_label][path]):.2f}x" if base_label else ""
-            trows.append([label, path, f"{med:.2f}", f"{min(values):.2f}-{max(values):.2f}", ratio])
-    print_table("pod-to-pod TCP (iperf3, one stream, client and server pinned to CPUs 0 and 1, every agent paused during a run; Gbit/s, median of rounds; each pair of rows interleaved)",
-                ["policy", "path", "Gbit/s", "range", "vs no tables"], trows)
+            runs = r.get("fast_path_carried", {}).get(label, {}).get(path, [])
+            fp = f"{statistics.median(runs) / 1e6:.2f}M" if runs and max(runs) > 0 else "-"
+            trows.append([label, path, f"{med:.2f}", f"{min(values):.2f}-{max(values):.2f}", ratio, fp])
+    print_table("pod-to-pod TCP (iperf3, one stream, client and server pinned to CPUs 0 and 1, every agent paused during a run; Gbit/s, median of rounds; each pair of rows interleaved; carried: packets node1's pod fast path carried in a run, median)",
+                ["policy", "path", "Gbit/s", "range", "vs no tables", "carried"], trows)
     print_notes("anchors", ANCHORS)
     print_notes("goals", GOALS)
 
