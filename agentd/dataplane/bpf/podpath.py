@@ -164,8 +164,10 @@ class PodFastPath:
             return
         try:
             tc.attach(self.wire_ifindex, "ingress", self.wire_fd, WIRE_PROGRAM)
-        except tc.TcError as err:
-            raise BpfUnavailable(str(err)) from None
+        except tc.TcError as err:  # pods of this node keep their fast path between them
+            self.wire = str(err)
+            self._configure(route=False)
+            return
         self.wire = None
 
     def _configure(self, route: bool | None = None) -> None:
