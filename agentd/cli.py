@@ -383,6 +383,17 @@ def _datapath(peer: dict[str, Any]) -> str:
     return label
 
 
+def _fast_path_line(fast: dict[str, Any]) -> str:
+    """The pod fast path (docs/policy.md): on where, and what it carried; or why it is off."""
+    if not fast.get("on"):
+        return f"Pod fast path off: {_cell(fast.get('error') or 'not running')}"
+    between = fast.get("between_nodes") or {}
+    where = "same node and between nodes" if between.get("on") else (
+        f"same node only (between nodes: {_cell(between.get('why_not') or 'off')})")
+    packets = fast.get("packets") or {}
+    return f"Pod fast path on, {where}  carried {packets.get('carried', 0)} packets  pods {fast.get('pods', 0)}"
+
+
 def render_status(status: dict[str, Any]) -> str:
     node = status.get("node") or {}
     bgp = status.get("bgp") or {}
@@ -409,6 +420,9 @@ def render_status(status: dict[str, Any]) -> str:
             f"  isolated {iso.get('any', 0)} (ingress {iso.get('ingress', 0)}, egress {iso.get('egress', 0)})"
             f"{'  ERROR ' + _cell(policy['error']) if policy.get('error') else ''}"
         )
+        fast = policy.get("fast_path")
+        if isinstance(fast, dict):
+            out.append(_fast_path_line(fast))
     out.append("")
     for family, label in (("ipv4", "IPv4"), ("ipv6", "IPv6")):
         peers = [p for p in bgp.get("peers", []) if (":" in p["address"]) == (family == "ipv6")]

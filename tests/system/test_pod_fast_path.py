@@ -26,6 +26,7 @@ from netpol_lab import converged, namespace, np
 
 from agentd.lab.lab import Lab, LabSpec
 from agentd.lab.netns import unique_tag
+from agentd.lab.runtime import binary
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -100,6 +101,8 @@ async def test_the_fast_path_is_on_for_every_pod(lab: Lab):
     assert view["between_nodes"]["on"] and view["between_nodes"]["why_not"] is None, view
     liberal = await asyncio.to_thread(lab.nodes[0].ns.exec, "cat", "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
     assert liberal.strip() == "1"
+    text = await asyncio.to_thread(lab.nodes[0].ns.exec, binary("agentd"), "status")
+    assert "Pod fast path on, same node and between nodes" in text, text
 
 
 async def test_an_accepted_connection_is_carried_and_conntrack_sees_it_close(lab: Lab):

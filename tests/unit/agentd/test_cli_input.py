@@ -138,3 +138,18 @@ def test_cluster_id_out_of_range_says_so(capsys, monkeypatch):
     monkeypatch.setenv("AGENTD_NODE_CLUSTER_ID", "99999999999")
     code, _, err = run(capsys, "check-config", "--config", os.devnull)
     assert code == 1 and "out of range" in err, err
+
+
+@pytest.mark.parametrize("fast, line", [
+    ({"on": True, "pods": 3, "packets": {"carried": 1234}, "between_nodes": {"on": True}},
+     "Pod fast path on, same node and between nodes  carried 1234 packets  pods 3"),
+    ({"on": True, "pods": 1, "packets": {}, "between_nodes": {"on": False, "why_not": "no tcx\n"}},
+     "Pod fast path on, same node only (between nodes: no tcx\\n)  carried 0 packets  pods 1"),
+    ({"on": False, "error": "switched off ([network] bpf_pod_fast_path = false)"},
+     "Pod fast path off: switched off ([network] bpf_pod_fast_path = false)"),
+])  # fmt: skip
+def test_status_says_what_the_pod_fast_path_does(capsys, monkeypatch, fast, line):
+    reply = {"node": {"name": "n1"}, "bgp": {"peers": []}, "policy": {"isolated": {}, "fast_path": fast}}
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and line in out.splitlines()
