@@ -225,7 +225,7 @@ remove_pinned_fast_path(sys.argv[1])
 # or -1 where it is not there.
 FAST_PATH_CARRIED = """
 import sys
-from agentd.dataplane.bpf import podpath, syscall as sc
+from agentd.dataplane.bpf import layout, podpath, syscall as sc
 try:
     fd = sc.obj_get(str(podpath.pin_dir(sys.argv[1]) / podpath.STATS))
 except OSError:
@@ -233,7 +233,7 @@ except OSError:
     raise SystemExit
 size = ((podpath.STATS_VALUE.size + 7) & ~7) * sc.possible_cpus()
 raw = sc.map_lookup(fd, podpath.U32.pack(podpath.VERDICTS.index("carried")), size)
-print(sum(podpath.STATS_VALUE.unpack_from(raw, off)[0] for off in range(0, len(raw), (podpath.STATS_VALUE.size + 7) & ~7)))
+print(layout.sum_percpu(raw, podpath.STATS_VALUE)[0])
 """
 
 # Run in a node's namespace: the pod fast path's "on" flag set or cleared in its pinned config

@@ -303,7 +303,7 @@ class Agent:
         try:
             await asyncio.to_thread(fast_path.open)
         except BpfUnavailable as err:
-            log.warning("pod fast path off (same-node pod traffic takes the stack's path): %s", err)
+            log.warning("pod fast path off (pod traffic takes the stack's path): %s", err)
             return None, str(err)
         log.info("pod fast path on: accepted TCP between pods of this node goes pod to pod%s (%d pods adopted)",
                  "" if fast_path.wire else ", and between them and other nodes' pods too", len(fast_path.pods))

@@ -13,8 +13,7 @@ One :class:`PolicyAgent` per ``agentd run``.  It
 5. keeps what ``GET /policy``, /metrics and ``agentd status`` show
    (:class:`agentd.policy.views.PolicyViews`);
 6. tells the pod fast path (a :class:`FastPath`, agentd/dataplane/bpf/podpath.py) where this
-   node's pods are, so that TCP connections the tables accepted between two of them go pod to
-   pod in the kernel.
+   node's pods are, so that TCP connections the tables accepted go pod to pod in the kernel.
 
 Until the first etcd snapshot has arrived nothing is changed in the kernel: a restarted
 agent enforces what the previous run left, never a half-known state.
@@ -89,8 +88,8 @@ class PolicyAgent:
         # past netfilter (BpfPath.hold_redirect).
         self.on_isolation = on_isolation
         self.programmer: PolicyProgrammer | None = None
-        # Same-node TCP of accepted connections straight from pod to pod; None where it is off
-        # or cannot run here (``fast_path_error`` says which).
+        # Pods' accepted TCP connections carried in the kernel past the stack; None where it is
+        # off or cannot run here (``fast_path_error`` says which).
         self.fast_path = fast_path
         self.fast_path_error = fast_path_error
         self.fast_path_counters: dict[str, dict[str, int]] = {}

@@ -64,7 +64,7 @@ class PolicyViews:
         }
 
     def fast_path(self) -> dict[str, Any]:
-        """The pod fast path: on or not (and why), where, and what it did with pod-to-pod TCP."""
+        """The pod fast path: on or not (and why), where, and what it did with pods' TCP."""
         a = self.agent
         out: dict[str, Any] = {"on": a.fast_path is not None, "error": a.fast_path_error}
         if a.fast_path is not None:
@@ -128,8 +128,8 @@ class PolicyViews:
         yield from (dropped, spoofed, isolated, local, policies, errors)
         if a.fast_path_counters:
             packets = CounterMetricFamily(
-                "agentd_pod_fast_path_packets", "pod-to-pod TCP packets by what the pod fast path did with them "
-                "(carried: straight into the receiving pod; else why the stack's path took them)", labels=["verdict"],
+                "agentd_pod_fast_path_packets", "pod TCP packets by what the pod fast path did with them (carried: "
+                "into the receiving pod or routed toward its node; else why the stack's path took them)", labels=["verdict"],
             )  # fmt: skip
             for verdict, c in a.fast_path_counters.items():
                 packets.add_metric([verdict], float(c["packets"]))

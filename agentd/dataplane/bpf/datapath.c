@@ -244,7 +244,6 @@ static __always_inline int deliver_local(struct __sk_buff *skb)
 	struct bpf_fib_lookup fib = {};
 	struct port_key pk = {};
 	struct iphdr ip;
-	__u16 old, new;
 	__u32 *port;
 
 	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) || ip.ttl <= 1)
@@ -262,12 +261,8 @@ static __always_inline int deliver_local(struct __sk_buff *skb)
 	port = bpf_map_lookup_elem(&agentd_ports, &pk);
 	if (!port)
 		return TC_ACT_OK;
-	old = bpf_htons((__u16)ip.ttl << 8 | ip.protocol);
-	ip.ttl -= 1;
-	new = bpf_htons((__u16)ip.ttl << 8 | ip.protocol);
-	if (bpf_l3_csum_replace(skb, ETH_HLEN + 10, old, new, 2) ||
-	    bpf_skb_store_bytes(skb, ETH_HLEN + 8, &ip.ttl, 1, 0) ||
-	    bpf_skb_store_bytes(skb, 0, fib.dmac, 6, 0) || bpf_skb_store_bytes(skb, 6, fib.smac, 6, 0))
+	if (agentd_ttl_down(skb, ip.ttl, ip.protocol) || bpf_skb_store_bytes(skb, 0, fib.dmac, 6, 0) ||
+	    bpf_skb_store_bytes(skb, 6, fib.smac, 6, 0))
 		return drop(DROP_DECAP_ERROR, skb);
 	return bpf_redirect(*port, 0);
 }

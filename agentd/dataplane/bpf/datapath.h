@@ -1,12 +1,19 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /* The maps shared by datapath.c and the agent (agentd/dataplane/bpf/layout.py mirrors every
  * struct here, and the loader checks the sizes against the object file's map definitions).
- * Addresses and ports are in network byte order, counters in host order.
+ * Addresses and ports are in network byte order, counters in host order.  At the end, the one
+ * packet helper datapath.c and podpath.c share.
  */
 #ifndef AGENTD_DATAPATH_H
 #define AGENTD_DATAPATH_H
 
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/stddef.h>
 #include <linux/types.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_helpers.h>
 
 /* A map as the agent's loader reads it from the "maps" section (one struct per map, the
  * symbol names the map). Not libbpf's BTF-defined maps: the loader is ~200 lines of Python
@@ -102,5 +109,19 @@ struct config {
 	__u32 flags;      /* enum config_flag */
 	__u32 mtu;        /* the underlay MTU */
 };
+
+/* TTL - 1 with the IPv4 header checksum updated, as a router does, for a packet whose IPv4
+ * header follows an Ethernet header (the caller made sure TTL > 1).  0, or -1 when the packet
+ * could not be changed.  Used by datapath.c and podpath.c. */
+static __always_inline int agentd_ttl_down(struct __sk_buff *skb, __u8 ttl, __u8 protocol)
+{
+	__u16 old = bpf_htons((__u16)ttl << 8 | protocol), new;
+
+	ttl -= 1;
+	new = bpf_htons((__u16)ttl << 8 | protocol);
+	if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), old, new, 2))
+		return -1;
+	return bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct iphdr, ttl), &ttl, 1, 0) ? -1 : 0;
+}
 
 #endif

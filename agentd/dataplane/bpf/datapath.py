@@ -26,7 +26,7 @@ import errno
 import os
 import socket
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from ipaddress import IPv4Network
 from pathlib import Path
 
@@ -49,7 +49,7 @@ def pin_dir(bpf_dir: str | os.PathLike) -> Path:
     return Path(bpf_dir) / f"netns-{os.stat('/proc/self/ns/net').st_ino}"
 
 
-def _explain(err: OSError) -> str:
+def explain(err: OSError) -> str:
     if err.errno == errno.EPERM:
         return f"{err} (needs CAP_BPF and CAP_NET_ADMIN)"
     return str(err)
@@ -81,16 +81,7 @@ class BpfDatapath:
         """Adopt or create the maps, load and attach the programs, write ``config`` (``clear``:
         as in :meth:`set_config`).
         Raises :class:`BpfUnavailable` with the reason when any of it cannot be done."""
-        try:
-            data = self.object_path.read_bytes()
-        except OSError as err:
-            raise BpfUnavailable(f"no BPF object at {self.object_path} ({err.strerror}): it is built by "
-                                 "`pip install` and `scripts/dev setup` where clang is installed") from None
-        try:
-            obj = elf.read_object(data)
-            layout.check(obj.maps, obj.programs)
-        except ValueError as err:
-            raise BpfUnavailable(f"{self.object_path}: {err}") from None
+        obj = read_checked(self.object_path, lambda o: layout.check(o.maps, o.programs))
         ensure_dir(self.bpf_dir, self.dir)
         try:
             for name, mdef in obj.maps.items():
@@ -110,7 +101,7 @@ class BpfDatapath:
                 pin(self.dir, fd, obj.programs[section].name)
         except sc.BpfError as err:
             self.close()
-            raise BpfUnavailable(_explain(err)) from None
+            raise BpfUnavailable(explain(err)) from None
         except tc.TcError as err:
             self.close()
             raise BpfUnavailable(str(err)) from None
@@ -274,6 +265,22 @@ class BpfDatapath:
             "bridge_ports": len(self.ports),
             "guarded_bridges": len(self.guarded),
         }
+
+
+def read_checked(path: Path, check: Callable[[elf.BpfObject], None]) -> elf.BpfObject:
+    """The object file at ``path``, read and held against its Python side by ``check``;
+    :class:`BpfUnavailable` says why not."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise BpfUnavailable(f"no BPF object at {path} ({err.strerror}): it is built by "
+                             "`pip install` and `scripts/dev setup` where clang is installed") from None
+    try:
+        obj = elf.read_object(data)
+        check(obj)
+    except ValueError as err:
+        raise BpfUnavailable(f"{path}: {err}") from None
+    return obj
 
 
 def ensure_dir(bpf_dir: Path, directory: Path) -> None:

@@ -113,14 +113,18 @@ static __always_inline int count(__u32 verdict, struct __sk_buff *skb, int actio
 	return action;
 }
 
-/* The packet's TCP header, if it is a candidate at all: IPv4 TCP, no options, no fragment,
- * no SYN, FIN or RST.  Packet pointers: valid until the first helper that changes the packet. */
-static __always_inline struct tcphdr *candidate(struct __sk_buff *skb, struct iphdr **ipp)
+/* The config, if the packet is a candidate at all and the config has every flag of ``need``:
+ * IPv4 TCP, no options, no fragment, no SYN, FIN or RST.  Packet pointers (``*ipp``, ``*tcpp``):
+ * valid until the first helper that changes the packet. */
+static __always_inline struct pod_config *candidate(struct __sk_buff *skb, __u32 need, struct iphdr **ipp,
+						      struct tcphdr **tcpp)
 {
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
 	struct iphdr *ip = data + ETH_HLEN;
 	struct tcphdr *tcp = data + ETH_HLEN + sizeof(*ip);
+	struct pod_config *cfg;
+	__u32 zero = 0;
 
 	if ((void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
 		return NULL;
@@ -128,8 +132,12 @@ static __always_inline struct tcphdr *candidate(struct __sk_buff *skb, struct ip
 		return NULL;
 	if (tcp->syn || tcp->fin || tcp->rst)
 		return NULL;
+	cfg = bpf_map_lookup_elem(&agentd_podcfg, &zero);
+	if (!cfg || (cfg->flags & need) != need)
+		return NULL;
 	*ipp = ip;
-	return tcp;
+	*tcpp = tcp;
+	return cfg;
 }
 
 /* What conntrack says of the packet's connection: POD_CARRIED if it may be carried. */
@@ -165,18 +173,6 @@ static __always_inline __u32 accepted(struct __sk_buff *skb, struct iphdr *ip, s
 	return POD_CARRIED;
 }
 
-/* TTL - 1 with the header checksum updated, as a router does (the caller made sure TTL > 1). */
-static __always_inline int ttl_down(struct __sk_buff *skb, __u8 ttl, __u8 protocol)
-{
-	__u16 old = bpf_htons((__u16)ttl << 8 | protocol), new;
-
-	ttl -= 1;
-	new = bpf_htons((__u16)ttl << 8 | protocol);
-	if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), old, new, 2))
-		return -1;
-	return bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct iphdr, ttl), &ttl, 1, 0) ? -1 : 0;
-}
-
 static __always_inline int in_cluster(struct pod_config *cfg, __be32 addr)
 {
 	return (addr & cfg->cluster_mask) == cfg->cluster_net;
@@ -188,16 +184,13 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	struct bpf_fib_lookup fib = {};
 	struct pod_config *cfg;
 	struct pod_value *src, *dst;
-	struct tcphdr *tcp;
+	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
-	__u32 zero = 0, verdict, ifindex;
+	__u32 verdict, ifindex;
 	__u8 ttl;
 
-	tcp = candidate(skb, &ip);
-	if (!tcp || !ip)
-		return PASS;
-	cfg = bpf_map_lookup_elem(&agentd_podcfg, &zero);
-	if (!cfg || !(cfg->flags & POD_CFG_ON))
+	cfg = candidate(skb, POD_CFG_ON, &ip, &tcp);
+	if (!cfg || !ip || !tcp)
 		return PASS;
 	src = bpf_map_lookup_elem(&agentd_podips, &ip->saddr);
 	if (!src || src->ifindex != skb->ifindex)
@@ -227,7 +220,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 		return count(verdict, skb, PASS);
 	if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
 		return count(POD_NO_ROUTE, skb, PASS); /* no route, not forwarded, no neighbour yet: the stack */
-	if (ttl_down(skb, ttl, IPPROTO_TCP) || bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
+	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP) || bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
 	    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
 		return count(POD_NO_ROUTE, skb, PASS);
 	return count(POD_CARRIED, skb, bpf_redirect(fib.ifindex, 0));
@@ -238,16 +231,13 @@ int agentd_pod_wire(struct __sk_buff *skb)
 {
 	struct pod_config *cfg;
 	struct pod_value *dst;
-	struct tcphdr *tcp;
+	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
-	__u32 zero = 0, verdict, ifindex;
+	__u32 verdict, ifindex;
 	__u8 ttl;
 
-	tcp = candidate(skb, &ip);
-	if (!tcp || !ip)
-		return PASS;
-	cfg = bpf_map_lookup_elem(&agentd_podcfg, &zero);
-	if (!cfg || (cfg->flags & (POD_CFG_ON | POD_CFG_ROUTE)) != (POD_CFG_ON | POD_CFG_ROUTE))
+	cfg = candidate(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp);
+	if (!cfg || !ip || !tcp)
 		return PASS;
 	if (!in_cluster(cfg, ip->saddr) || ip->ttl <= 1)
 		return PASS;
@@ -259,7 +249,7 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	verdict = accepted(skb, ip, tcp, cfg);
 	if (verdict != POD_CARRIED)
 		return count(verdict, skb, PASS);
-	if (ttl_down(skb, ttl, IPPROTO_TCP))
+	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP))
 		return count(POD_NO_ROUTE, skb, PASS);
 	return count(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 }

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from . import btf, elf, tc
 from . import syscall as sc
-from .datapath import DEFAULT_BPF_DIR, BpfUnavailable, _explain, ensure_dir, open_map, pin, pin_dir
+from .datapath import DEFAULT_BPF_DIR, BpfUnavailable, ensure_dir, explain, open_map, pin, pin_dir, read_checked
+from .layout import sum_percpu
 
 OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
@@ -103,16 +104,7 @@ class PodFastPath:
         """Adopt or create the maps, load the program, turn conntrack's liberal windows on and
         put the program back on the veths of the pods the maps hold.  Raises
         :class:`BpfUnavailable` with the reason when any of it cannot be done."""
-        try:
-            data = self.object_path.read_bytes()
-        except OSError as err:
-            raise BpfUnavailable(f"no BPF object at {self.object_path} ({err.strerror}): it is built by "
-                                 "`pip install` and `scripts/dev setup` where clang is installed") from None
-        try:
-            obj = elf.read_object(data)
-            check(obj)
-        except ValueError as err:
-            raise BpfUnavailable(f"{self.object_path}: {err}") from None
+        obj = read_checked(self.object_path, check)
         prog, wire = obj.programs[SECTION], obj.programs[WIRE_SECTION]
         try:
             kernel = btf.Btf.kernel()
@@ -147,7 +139,7 @@ class PodFastPath:
                 self.wire = "no cluster network or underlay device given"
         except sc.BpfError as err:
             self.close()
-            raise BpfUnavailable(_explain(err)) from None
+            raise BpfUnavailable(explain(err)) from None
         except OSError as err:  # the sysctls
             self.close()
             raise BpfUnavailable(f"conntrack settings: {err}") from None
@@ -239,18 +231,12 @@ class PodFastPath:
     # ------------------------------------------------------------------ observation
 
     def counters(self) -> dict[str, dict[str, int]]:
-        """Pod-to-pod TCP packets and bytes by what the program did with them, since the maps
-        were made."""
+        """Pod TCP packets and bytes by what the programs did with them, since the maps were made."""
         out = {}
         size = ((STATS_VALUE.size + 7) & ~7) * self.ncpus
         for i, verdict in enumerate(VERDICTS):
             raw = sc.map_lookup(self.maps[STATS], U32.pack(i), size)
-            packets = nbytes = 0
-            if raw:
-                step = (STATS_VALUE.size + 7) & ~7
-                for off in range(0, len(raw) - STATS_VALUE.size + 1, step):
-                    p, b = STATS_VALUE.unpack_from(raw, off)
-                    packets, nbytes = packets + p, nbytes + b
+            packets, nbytes = sum_percpu(raw, STATS_VALUE) if raw else (0, 0)
             out[verdict] = {"packets": packets, "bytes": nbytes}
         return out
 
