@@ -56,8 +56,8 @@ from bench._common import emit_json, print_notes, print_table, require_root  # n
 from agentd.lab.lab import Lab, LabSpec  # noqa: E402
 from agentd.lab.netns import Netns, unique_tag  # noqa: E402
 from agentd.lab.probe import Prober  # noqa: E402
-from agentd.policy import endpoints  # noqa: E402
-from agentd.policy.libnftables import Nft  # noqa: E402
+from agentd.cni import endpoints  # noqa: E402
+from agentd.nft.libnftables import Nft  # noqa: E402
 
 APPS = 100
 NAMESPACES = 10
@@ -559,7 +559,7 @@ def report(r: dict[str, Any]) -> None:
     rows += [
         ["anchor: full-table rewrite of node1's ruleset", ms(a["full"]), f"{a['objects']} objects, {a['rules']} rules, {a['elements']} elements, one transaction (iptables-restore style)"],
         ["one element added through libnftables", ms(a["element"]), "same tables: its cache is fetched again first"],
-        ["this design: one element as a netlink batch", ms(a["fast"]), "agentd/policy/nfnetlink.py, one transaction"],
+        ["this design: one element as a netlink batch", ms(a["fast"]), "agentd/nft/nfnetlink.py, one transaction"],
     ]
     rows.append(["agent RSS with 1,000 policies", ", ".join(f"{v / 1024:.0f} MiB" for v in r["rss_kb"].values()), "node1, node2, node3"])
     print_table("NetworkPolicy at scale (3 real nodes, host-gw)", ["what", "result", "detail"], rows)

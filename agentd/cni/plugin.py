@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Pod identity for NetworkPolicy: the endpoint file the agent picks up.
-from agentd.policy import endpoints as policy_endpoints
+from agentd.cni import endpoints as pod_endpoints
 from agentd.cni.netconf import (
     DEFAULT_DATA_DIR,
     DEFAULT_SUBNET_FILE,
@@ -336,13 +336,13 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
     return result
 
 
-# --- pod identity for NetworkPolicy (agentd/policy/endpoints.py) -------------------------------
+# --- pod identity for NetworkPolicy (agentd/cni/endpoints.py) -------------------------------
 
 
 def _pod_identity(env: Mapping[str, str], netconf: dict[str, Any]) -> Any:
     try:
-        return policy_endpoints.identity(env, netconf)
-    except policy_endpoints.EndpointError as e:
+        return pod_endpoints.identity(env, netconf)
+    except pod_endpoints.EndpointError as e:
         raise CniError(INVALID_NETWORK_CONFIG, f"pod identity: {e}") from None
 
 
@@ -350,21 +350,21 @@ def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any
     """Leave the endpoint file for the agent (a failure fails ADD: the runtime then runs DEL)."""
     namespace, name, labels, ports = pod
     try:
-        ips, interface, mac = policy_endpoints.attachment(result, conf.get("bridge", "cni0"))
-        policy_endpoints.write(
+        ips, interface, mac = pod_endpoints.attachment(result, conf.get("bridge", "cni0"))
+        pod_endpoints.write(
             _data_dir(netconf),
-            policy_endpoints.Endpoint(
+            pod_endpoints.Endpoint(
                 container_id=args.container_id, namespace=namespace, name=name, labels=labels, ports=ports,
                 ips=ips, interface=interface, mac=mac, bridge=conf.get("bridge", "cni0"),
                 ifname=args.ifname, netns=args.netns,
             ),
         )  # fmt: skip
-    except policy_endpoints.EndpointError as e:
+    except pod_endpoints.EndpointError as e:
         raise CniError(INTERNAL, f"pod identity: {e}") from None
     except OSError as e:
         raise CniError(IO_FAILURE, f"cannot write the endpoint file for {namespace}/{name}: {e.strerror or e}") from None
-    wait = netconf.get("policyTimeout", policy_endpoints.DEFAULT_WAIT)
-    if wait and not policy_endpoints.wait_programmed(_data_dir(netconf), args.container_id, wait):
+    wait = netconf.get("policyTimeout", pod_endpoints.DEFAULT_WAIT)
+    if wait and not pod_endpoints.wait_programmed(_data_dir(netconf), args.container_id, wait):
         print(f"agentd-cni: the agent has not programmed network policy for {namespace}/{name} within {wait:g} s "
               "(is agentd running?); the pod starts anyway", file=sys.stderr)
 
@@ -380,7 +380,7 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
         # usable subnet file either, there is nothing this plugin can undo.
         if current is not None:
             invoke_delegate(current, args, env, timeout=timeout)
-        policy_endpoints.remove(data_dir, args.container_id)
+        pod_endpoints.remove(data_dir, args.container_id)
         return
     try:
         invoke_delegate(stored, args, env, timeout=timeout)
@@ -398,7 +398,7 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
         except CniError:
             raise stored_failed from None
     remove_state(data_dir, args.container_id)
-    policy_endpoints.remove(data_dir, args.container_id)
+    pod_endpoints.remove(data_dir, args.container_id)
 
 
 def _current_delegate_config(netconf: dict[str, Any]) -> dict[str, Any] | None:

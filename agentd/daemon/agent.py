@@ -45,7 +45,7 @@ from agentd.config.settings import Config, ConfigError, load_config, reloaded
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy
-from agentd.policy.libnftables import NftError
+from agentd.nft.libnftables import NftError
 from agentd.services.agent import ServiceAgent, remove_services_table  # Services
 from agentd.kernel.route_model import SyncResult
 from agentd.kernel.routing import RouteProgrammer

@@ -1,6 +1,6 @@
 """A small, fast rtnetlink codec, pure (bytes in, typed values out): routes, links,
 neighbours and FDB entries, the attribute packer/parser, error acks and the nfnetlink
-header (NETLINK_NETFILTER: nf_tables in ``agentd.policy.nfnetlink``, ctnetlink in
+header (NETLINK_NETFILTER: nf_tables in ``agentd.nft.nfnetlink``, ctnetlink in
 ``agentd.services.conntrack``, both framed here) -- the core of the agent's one netlink
 stack.  Beside it: ``netlink_socket`` (the socket: batches, dumps, one request at a time),
 ``netlink_links`` (device set-up: VXLAN, MTU/up, addresses), ``netlink_tc`` (clsact,
@@ -38,7 +38,7 @@ from typing import NamedTuple
 # --- netlink.h -------------------------------------------------------------------------
 
 NETLINK_ROUTE = 0
-NETLINK_NETFILTER = 12  # nfnetlink: nf_tables, ctnetlink (agentd.policy.nfnetlink, agentd.services.conntrack)
+NETLINK_NETFILTER = 12  # nfnetlink: nf_tables, ctnetlink (agentd.nft.nfnetlink, agentd.services.conntrack)
 NFNETLINK_V0 = 0  # nfgenmsg.version
 SOL_NETLINK = 270
 NETLINK_ADD_MEMBERSHIP = 1

@@ -5,7 +5,7 @@ Bulk work (the route programmer) sends batches and dumps from the event loop
 (:meth:`NetlinkSocket.send_batch`, :meth:`NetlinkSocket.dump`); the rare requests (device
 set-up, tc, ``ip route get``) go one at a time through :meth:`NetlinkSocket.request`, blocking
 (``agentd.kernel.rtnl``, run off the loop); nf_tables batches, acked request by request,
-through :meth:`NetlinkSocket.transact`, blocking (``agentd.policy.nfnetlink``, run off the
+through :meth:`NetlinkSocket.transact`, blocking (``agentd.nft.nfnetlink``, run off the
 loop).  Kernel refusals raise ``nl.NetlinkError``.
 """
 

@@ -9,7 +9,7 @@ One :class:`PolicyAgent` per ``agentd run``.  It
    so the records of a node that is gone go with its lease), labels set later with
    ``agentd label pod`` written back to the files (:class:`agentd.policy.publisher.PodPublisher`);
 4. after every batch of changes, builds the wanted ruleset (:class:`PolicyEngine`) and sends
-   the difference to the kernel in one transaction (:class:`PolicyProgrammer`);
+   the difference to the kernel in one transaction (:class:`NftProgrammer`);
 5. keeps what ``GET /policy``, /metrics and ``agentd status`` show
    (:class:`agentd.policy.views.PolicyViews`);
 6. tells the pod fast path (a :class:`FastPath`, agentd/dataplane/bpf/podpath.py) where this
@@ -35,11 +35,13 @@ from prometheus_client import Histogram
 from agentd.datastore.store import Datastore
 from agentd.resources.store import ResourceEvent, ResourceStore
 
-from . import compiler, endpoints
+from agentd.cni import endpoints
+from agentd.nft.libnftables import Nft, NftError
+from agentd.nft.programmer import NftProgrammer
+
+from . import compiler
 from .engine import PolicyEngine
-from .libnftables import Nft, NftError
 from .model import LocalPort, Pod, PodKey, Policy
-from .programmer import PolicyProgrammer
 from .publisher import PodPublisher, container_of, record_for
 from .views import PolicyViews
 
@@ -87,7 +89,7 @@ class PolicyAgent:
         # after one that leaves none: the BPF data path must not hand packets to isolated pods
         # past netfilter (BpfPath.hold_redirect).
         self.on_isolation = on_isolation
-        self.programmer: PolicyProgrammer | None = None
+        self.programmer: NftProgrammer | None = None
         # Pods' accepted TCP connections carried in the kernel past the stack; None where it is
         # off or cannot run here (``fast_path_error`` says which).
         self.fast_path = fast_path
@@ -127,7 +129,7 @@ class PolicyAgent:
         """Open nftables and adopt the tables a previous run left (no change to them)."""
         if self.nft is None:
             self.nft = await asyncio.to_thread(Nft)
-        self.programmer = PolicyProgrammer(self.nft)
+        self.programmer = NftProgrammer(self.nft, compiler.TABLES, "policy")
         await self.programmer.adopt()
 
     async def run(self) -> None:
@@ -152,7 +154,7 @@ class PolicyAgent:
         if self.programmer is None:
             with contextlib.suppress(NftError):
                 self.nft = self.nft or Nft()
-                self.programmer = PolicyProgrammer(self.nft)
+                self.programmer = NftProgrammer(self.nft, compiler.TABLES, "policy")
         if self.programmer is not None:
             try:
                 if await self.programmer.remove():
@@ -393,7 +395,7 @@ async def remove_policy_tables() -> None:
         log.warning("policy tables not removed: %s", err)
         return
     try:
-        if await PolicyProgrammer(nft).remove():
+        if await NftProgrammer(nft, compiler.TABLES, "policy").remove():
             log.info("removed the policy tables")
     except NftError as err:
         log.error("could not remove the policy tables: %s", err)

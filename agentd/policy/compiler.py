@@ -33,13 +33,15 @@ changing labels anywhere in the cluster changes elements, never rules.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any
 
+from agentd.nft.expr import ACCEPT, DROP, ESTABLISHED, jump, match, meta, object_name, payload, ref
+from agentd.nft.ruleset import NftChain, NftCounter, NftSet, rule_text
+
 from .model import Policy, Port, Rule
-from .ruleset import NftChain, NftCounter, NftSet, rule_text
+
 
 TABLE = "agentd-policy"
 INET = "inet"
@@ -49,7 +51,6 @@ TABLES = frozenset({(INET, TABLE), (BRIDGE, TABLE)})
 EGRESS_PRIORITY = 0
 INGRESS_PRIORITY = 10
 BRIDGE_PRIORITY = -200  # the bridge family's "filter" priority
-NAME_MAX = 200  # nft names may have 255 bytes; longer policy or pod names are hashed
 
 EGRESS_MAP = "egress-pods"
 INGRESS_MAP = "ingress-pods"
@@ -58,42 +59,6 @@ SPOOFED = "spoofed"
 
 _L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 ND_TYPES = ["nd-router-solicit", "nd-router-advert", "nd-neighbor-solicit", "nd-neighbor-advert"]
-
-
-# ------------------------------------------------------------------ JSON expression helpers
-
-
-def _payload(protocol: str, field: str) -> dict[str, Any]:
-    return {"payload": {"protocol": protocol, "field": field}}
-
-
-def _meta(key: str) -> dict[str, Any]:
-    return {"meta": {"key": key}}
-
-
-def _match(left: Any, right: Any, op: str = "==") -> dict[str, Any]:
-    return {"match": {"op": op, "left": left, "right": right}}
-
-
-ACCEPT: dict[str, Any] = {"accept": None}
-DROP: dict[str, Any] = {"drop": None}
-ESTABLISHED = _match({"ct": {"key": "state"}}, ["established", "related"], "in")
-
-
-def _jump(chain: str) -> dict[str, Any]:
-    return {"jump": {"target": chain}}
-
-
-def _ref(name: str) -> str:
-    return "@" + name
-
-
-def object_name(kind: str, namespace: str, name: str) -> str:
-    """``kind/namespace/name``, or a hash of it when that is too long for nftables."""
-    full = f"{kind}/{namespace}/{name}"
-    if len(full) <= NAME_MAX:
-        return full
-    return f"{kind}/#{hashlib.sha1(full.encode()).hexdigest()[:20]}"
 
 
 def pod_chain(direction: str, namespace: str, name: str) -> str:
@@ -120,19 +85,19 @@ def base_objects(bridges: Iterable[str], stateful: bool = True) -> list[Any]:
         NftSet(INET, TABLE, BRIDGES, ("ifname",), elements=frozenset(bridges)),
         NftChain(
             INET, TABLE, "egress",
-            (*established, rule_text([{"vmap": {"key": _payload("ip", "saddr"), "data": _ref(EGRESS_MAP)}}])),
+            (*established, rule_text([{"vmap": {"key": payload("ip", "saddr"), "data": ref(EGRESS_MAP)}}])),
             hook=("filter", "forward", EGRESS_PRIORITY, "accept"),
         ),
         NftChain(
             INET, TABLE, "ingress",
-            (*established, rule_text([{"vmap": {"key": _payload("ip", "daddr"), "data": _ref(INGRESS_MAP)}}])),
+            (*established, rule_text([{"vmap": {"key": payload("ip", "daddr"), "data": ref(INGRESS_MAP)}}])),
             hook=("filter", "forward", INGRESS_PRIORITY, "accept"),
         ),
         # Same-node pod traffic is routed back out of the bridge it came in on; the node
         # would tell the pod so with ICMP redirects ("send it directly"), which is not the point.
         NftChain(
             INET, TABLE, "output",
-            (rule_text([_match(_meta("oifname"), _ref(BRIDGES)), _match(_payload("icmp", "type"), "redirect"), DROP]),),
+            (rule_text([match(meta("oifname"), ref(BRIDGES)), match(payload("icmp", "type"), "redirect"), DROP]),),
             hook=("filter", "output", 0, "accept"),
         ),
     ]  # fmt: skip
@@ -140,27 +105,27 @@ def base_objects(bridges: Iterable[str], stateful: bool = True) -> list[Any]:
 
 
 def _bridge_base() -> list[Any]:
-    ip = _match(_payload("ether", "type"), "ip")
-    to_host = {"mangle": {"key": _meta("pkttype"), "value": "host"}}
-    unicast_other = _match(_meta("pkttype"), "other")  # not for the bridge, not broadcast/multicast
+    ip = match(payload("ether", "type"), "ip")
+    to_host = {"mangle": {"key": meta("pkttype"), "value": "host"}}
+    unicast_other = match(meta("pkttype"), "other")  # not for the bridge, not broadcast/multicast
     prerouting = [
         # A pod's IPv4 packets carry its own address, or are dropped.
-        [ip, _match(_meta("iifname"), _ref("pod-ports")),
-         _match({"concat": [_meta("iifname"), _payload("ip", "saddr")]}, _ref("pod-addrs"), "!="),
+        [ip, match(meta("iifname"), ref("pod-ports")),
+         match({"concat": [meta("iifname"), payload("ip", "saddr")]}, ref("pod-addrs"), "!="),
          {"counter": SPOOFED}, DROP],
         # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
         # pod's own host-side MAC, a local FDB entry of the bridge).
-        [ip, unicast_other, _match(_meta("iifname"), _ref("isolated-ports")), to_host,
-         {"mangle": {"key": _payload("ether", "daddr"), "value": {"map": {"key": _meta("iifname"), "data": _ref("port-macs")}}}}],
+        [ip, unicast_other, match(meta("iifname"), ref("isolated-ports")), to_host,
+         {"mangle": {"key": payload("ether", "daddr"), "value": {"map": {"key": meta("iifname"), "data": ref("port-macs")}}}}],
         # Unicast to an isolated pod, from anywhere on the bridge: the same, by destination.
-        [ip, unicast_other, _match(_payload("ip", "daddr"), _ref("isolated-addrs")), to_host,
-         {"mangle": {"key": _payload("ether", "daddr"), "value": {"map": {"key": _payload("ip", "daddr"), "data": _ref("addr-macs")}}}}],
+        [ip, unicast_other, match(payload("ip", "daddr"), ref("isolated-addrs")), to_host,
+         {"mangle": {"key": payload("ether", "daddr"), "value": {"map": {"key": payload("ip", "daddr"), "data": ref("addr-macs")}}}}],
     ]  # fmt: skip
-    both = _match(_payload("ether", "type"), {"set": ["ip", "ip6"]})
+    both = match(payload("ether", "type"), {"set": ["ip", "ip6"]})
     forward = [
-        [_match(_payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
-        [both, _match(_meta("oifname"), _ref("isolated-in-ports")), {"counter": None}, DROP],
-        [both, _match(_meta("iifname"), _ref("isolated-out-ports")), {"counter": None}, DROP],
+        [match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
+        [both, match(meta("oifname"), ref("isolated-in-ports")), {"counter": None}, DROP],
+        [both, match(meta("iifname"), ref("isolated-out-ports")), {"counter": None}, DROP],
     ]
     return [
         NftSet(BRIDGE, TABLE, "pod-ports", ("ifname",)),
@@ -218,13 +183,13 @@ def compile_policy(
             if any(p.selector is not None for p in rule.peers):
                 name = f"{base}/pods"
                 objects.append(NftSet(INET, TABLE, name, ("ipv4_addr",), elements=frozenset(map(str, mem.pod_ips))))
-                peer_matches.append([_match(_payload("ip", peer_field), _ref(name))])
+                peer_matches.append([match(payload("ip", peer_field), ref(name))])
             # ipBlocks: one prefix match per range (cidr minus its excepts), no set: named
             # interval sets would make libnftables dump all their elements before every change.
             for net in _collapse(r for p in rule.peers if p.block is not None for r in p.block.ranges()):
                 prefix = str(net.network_address) if net.prefixlen == 32 else {
                     "prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
-                peer_matches.append([_match(_payload("ip", peer_field), prefix)])
+                peer_matches.append([match(payload("ip", peer_field), prefix)])
         port_matches, named = _port_matches(rule.ports)
         if named:
             name = f"{base}/named"
@@ -232,7 +197,7 @@ def compile_policy(
                 NftSet(INET, TABLE, name, ("ipv4_addr", "inet_proto", "inet_service"), elements=frozenset(mem.named))
             )
             named_match = [
-                _match({"concat": [_payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}, _ref(name))
+                match({"concat": [payload("ip", "daddr"), meta("l4proto"), payload("th", "dport")]}, ref(name))
             ]
             if direction == "in":
                 port_matches.append(named_match)
@@ -277,12 +242,12 @@ def _port_matches(ports: tuple[Port, ...] | None) -> tuple[list[list[dict[str, A
         if proto not in by_proto:
             continue
         values = by_proto[proto]
-        proto_match = _match(_meta("l4proto"), _L4[proto])
+        proto_match = match(meta("l4proto"), _L4[proto])
         if values is None:
             out.append([proto_match])
         else:
             right = values[0] if len(values) == 1 and not isinstance(values[0], dict) else {"set": _dedupe(values)}
-            out.append([proto_match, _match(_payload("th", "dport"), right)])
+            out.append([proto_match, match(payload("th", "dport"), right)])
     return out, named
 
 
@@ -306,6 +271,6 @@ def l4proto(protocol: str) -> str:
 def compile_pod_chain(direction: str, namespace: str, name: str, policies: list[Policy]) -> list[Any]:
     """``pod-<direction>/<ns>/<name>``: a jump to each selecting policy, then a counted drop."""
     chain = pod_chain(direction, namespace, name)
-    rules = [rule_text([_jump(policy_chain(direction, p))]) for p in policies]
+    rules = [rule_text([jump(policy_chain(direction, p))]) for p in policies]
     rules.append(rule_text([{"counter": chain}, DROP]))
     return [NftChain(INET, TABLE, chain, tuple(rules)), NftCounter(INET, TABLE, chain)]

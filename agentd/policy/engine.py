@@ -2,7 +2,7 @@
 
 Pure (sans-IO): the agent feeds it pods (every pod of the cluster, the local ones with where
 they are attached), namespaces and policies, and asks :meth:`PolicyEngine.build` for the
-:class:`~agentd.policy.ruleset.Ruleset` this node should have.
+:class:`~agentd.nft.ruleset.Ruleset` this node should have.
 
 Kubernetes semantics (networking.k8s.io/v1):
 
@@ -31,7 +31,8 @@ from typing import Any
 
 from . import compiler
 from .model import LocalPort, PeerSelector, Pod, PodKey, Policy, Rule, namespace_labels
-from .ruleset import Ruleset
+from agentd.nft.ruleset import Ruleset
+
 
 PolicyKey = tuple[str, str]
 

@@ -16,12 +16,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from agentd.cni import endpoints
 from agentd.datastore.store import Datastore
 from agentd.resources import kinds
 from agentd.resources.pod import CONTAINER_ID, CONTAINER_NAME, INTERFACE
 from agentd.resources.store import ResourceStore
 
-from . import endpoints
+
 from .model import PodKey
 
 log = logging.getLogger("agentd.policy")

@@ -14,9 +14,11 @@ from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from agentd.nft.programmer import NftProgrammer
+
 from .engine import PolicyEngine
 from .model import PodKey, Policy
-from .programmer import PolicyProgrammer
+
 
 
 class PolicyState(Protocol):
@@ -24,7 +26,7 @@ class PolicyState(Protocol):
 
     node: str
     engine: PolicyEngine
-    programmer: PolicyProgrammer | None
+    programmer: NftProgrammer | None
     policy_count: int
     applied_revision: int
     applied_at: float | None

@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentd.datastore.store import Datastore
-from agentd.policy.libnftables import Nft, NftError
-from agentd.policy.programmer import PolicyProgrammer
+from agentd.nft.libnftables import Nft, NftError
+from agentd.nft.programmer import NftProgrammer
 from agentd.resources.service import SERVICE_NAME_LABEL
 from agentd.resources.store import ResourceEvent, ResourceStore
 
@@ -60,7 +60,7 @@ class ServiceAgent:
         self.names = dns.Names(dns_config.cluster_domain if dns_config is not None else "cluster.local")
         self.store = ResourceStore(datastore)
         self.nft = nft
-        self.programmer: PolicyProgrammer | None = None
+        self.programmer: NftProgrammer | None = None
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
         self._named: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {}  # Service -> its DNS names
         self.revision = 0
@@ -83,7 +83,7 @@ class ServiceAgent:
     async def start(self) -> None:
         if self.nft is None:
             self.nft = await asyncio.to_thread(Nft)
-        self.programmer = PolicyProgrammer(self.nft, compiler.TABLES, "services")
+        self.programmer = NftProgrammer(self.nft, compiler.TABLES, "services")
         await self.programmer.adopt()
 
     async def run(self) -> None:
@@ -132,7 +132,7 @@ class ServiceAgent:
         with contextlib.suppress(NftError):
             if self.programmer is None:
                 self.nft = self.nft or Nft()
-                self.programmer = PolicyProgrammer(self.nft, compiler.TABLES, "services")
+                self.programmer = NftProgrammer(self.nft, compiler.TABLES, "services")
             if await self.programmer.remove():
                 log.info("removed the services table")
         if self.dns_config is not None and self.dns_config.enabled:
@@ -336,7 +336,7 @@ async def remove_services_table() -> None:
         log.warning("services table not removed: %s", err)
         return
     try:
-        if await PolicyProgrammer(nft, compiler.TABLES, "services").remove():
+        if await NftProgrammer(nft, compiler.TABLES, "services").remove():
             log.info("removed the services table")
     except NftError as err:
         log.error("could not remove the services table: %s", err)

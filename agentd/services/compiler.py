@@ -23,7 +23,7 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
 
 So 10,000 services are one map lookup, not a chain walk, and a Service's endpoints are map
 elements, not rules: an endpoint appearing, leaving or becoming ready changes elements only,
-which go to the kernel as one nf_tables element batch (:mod:`agentd.policy.nfnetlink`)
+which go to the kernel as one nf_tables element batch (:mod:`agentd.nft.nfnetlink`)
 without libnftables reading the table first.  Rules change only when the largest endpoint
 count in use passes the prepared slots (``SLOTS_MIN``), or for ClientIP affinity.
 
@@ -43,12 +43,12 @@ sets are per endpoint, so changing their endpoints rewrites rules (through libnf
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agentd.policy.ruleset import NftChain, NftCounter, NftSet, Ruleset, rule_text
+from agentd.nft.expr import goto, match, meta, object_name, payload
+from agentd.nft.ruleset import NftChain, NftCounter, NftSet, Ruleset, rule_text
 
 from .model import Endpoint, ServicePort
 
@@ -66,55 +66,33 @@ NP_UNAVAILABLE = "nodeport-unavailable"  # proto . node port : the same for node
 REJECT_CHAIN, DROP_CHAIN = "no-endpoints", "no-local-endpoints"
 SLOTS_MIN = 16  # endpoint counts prepared at start: up to this many, an endpoint change is elements only
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
-NAME_MAX = 200
 DSTNAT, SRCNAT = -100, 100
 
 
-def _payload(protocol: str, field: str) -> dict[str, Any]:
-    return {"payload": {"protocol": protocol, "field": field}}
+MARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), MASQ_MARK]}}}
+SADDR = payload("ip", "saddr")
 
 
-def _meta(key: str) -> dict[str, Any]:
-    return {"meta": {"key": key}}
-
-
-def _match(left: Any, right: Any, op: str = "==") -> dict[str, Any]:
-    return {"match": {"op": op, "left": left, "right": right}}
-
-
-def _goto(chain: str) -> dict[str, Any]:
-    return {"goto": {"target": chain}}
-
-
-MARK_MASQ = {"mangle": {"key": _meta("mark"), "value": {"|": [_meta("mark"), MASQ_MARK]}}}
-SADDR = _payload("ip", "saddr")
-
-
-def name(kind: str, *parts: Any) -> str:
-    full = "/".join((kind, *map(str, parts)))
-    if len(full) <= NAME_MAX:
-        return full
-    return f"{kind}/#{hashlib.sha1(full.encode()).hexdigest()[:20]}"
 
 
 def svc_chain(sp: ServicePort) -> str:
-    return name("svc", sp.namespace, sp.service, sp.l4, sp.port)
+    return object_name("svc", sp.namespace, sp.service, sp.l4, sp.port)
 
 
 def ext_chain(sp: ServicePort) -> str:
-    return name("ext", sp.namespace, sp.service, sp.l4, sp.port)
+    return object_name("ext", sp.namespace, sp.service, sp.l4, sp.port)
 
 
 def ep_chain(sp: ServicePort, e: Endpoint) -> str:
-    return name("ep", sp.namespace, sp.service, sp.l4, sp.port, e.ip, e.port)
+    return object_name("ep", sp.namespace, sp.service, sp.l4, sp.port, e.ip, e.port)
 
 
 def affinity_set(sp: ServicePort, e: Endpoint) -> str:
-    return name("aff", sp.namespace, sp.service, sp.l4, sp.port, e.ip, e.port)
+    return object_name("aff", sp.namespace, sp.service, sp.l4, sp.port, e.ip, e.port)
 
 
 def counter_name(namespace: str, service: str) -> str:
-    return name("svc", namespace, service)
+    return object_name("svc", namespace, service)
 
 
 _COUNTERS: dict[tuple[str, str], NftCounter] = {}
@@ -132,9 +110,9 @@ def _counter(namespace: str, service: str) -> NftCounter:
 
 VIP_TYPE = ("ipv4_addr", "inet_proto", "inet_service")
 NP_TYPE = ("inet_proto", "inet_service")
-VIP_KEY = {"concat": [_payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}
-NP_KEY = {"concat": [_meta("l4proto"), _payload("th", "dport")]}
-L4_ANY = _match(_meta("l4proto"), {"set": ["tcp", "udp", "sctp"]})  # dnat to a port needs the protocol known
+VIP_KEY = {"concat": [payload("ip", "daddr"), meta("l4proto"), payload("th", "dport")]}
+NP_KEY = {"concat": [meta("l4proto"), payload("th", "dport")]}
+L4_ANY = match(meta("l4proto"), {"set": ["tcp", "udp", "sctp"]})  # dnat to a port needs the protocol known
 
 
 def pick_chain(n: int) -> str:
@@ -147,9 +125,9 @@ def np_pick_chain(n: int, local: bool) -> str:
 
 def _numgen(n: int, slot: str) -> str:
     if n == 1:
-        return rule_text([_goto(f"{slot}/0")])
+        return rule_text([goto(f"{slot}/0")])
     pick = {"numgen": {"mode": "random", "mod": n, "offset": 0}}
-    return rule_text([{"vmap": {"key": pick, "data": {"set": [[i, _goto(f"{slot}/{i}")] for i in range(n)]}}}])
+    return rule_text([{"vmap": {"key": pick, "data": {"set": [[i, goto(f"{slot}/{i}")] for i in range(n)]}}}])
 
 
 def slot_objects(i: int) -> list[Any]:
@@ -171,8 +149,8 @@ def slot_objects(i: int) -> list[Any]:
 
 def pick_objects(n: int) -> list[Any]:
     """The chains choosing one of ``n`` endpoints: for VIPs, Cluster node ports, Local node ports."""
-    hairpin = _match({"concat": [SADDR, _payload("ip", "daddr"), _meta("l4proto"), _payload("th", "dport")]}, "@" + HAIRPIN)
-    np_hairpin = _match({"concat": [SADDR, _meta("l4proto"), _payload("th", "dport")]}, "@" + NP_HAIRPIN)
+    hairpin = match({"concat": [SADDR, payload("ip", "daddr"), meta("l4proto"), payload("th", "dport")]}, "@" + HAIRPIN)
+    np_hairpin = match({"concat": [SADDR, meta("l4proto"), payload("th", "dport")]}, "@" + NP_HAIRPIN)
     count = rule_text([{"counter": {"map": {"key": VIP_KEY, "data": "@" + SVC_COUNTERS}}}])
     np_count = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])
     return [
@@ -184,9 +162,9 @@ def pick_objects(n: int) -> list[Any]:
 
 def base_objects(slots: int = SLOTS_MIN) -> list[Any]:
     """The fixed part, prepared for services of up to ``slots`` endpoints (the maps empty)."""
-    local = _match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
-    not_loopback = _match(_payload("ip", "daddr"), {"prefix": {"addr": "127.0.0.0", "len": 8}}, "!=")
-    masq = _match({"&": [_meta("mark"), MASQ_MARK]}, MASQ_MARK)
+    local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
+    not_loopback = match(payload("ip", "daddr"), {"prefix": {"addr": "127.0.0.0", "len": 8}}, "!=")
+    masq = match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK)
     out: list[Any] = [
         NftSet(FAMILY, TABLE, SERVICE_IPS, VIP_TYPE, map="verdict"),
         NftSet(FAMILY, TABLE, NODE_PORTS, NP_TYPE, map="verdict"),
@@ -312,7 +290,7 @@ def _compile_affinity(sp: ServicePort, node: str, objs: list[Any], put: Callable
                 chains.update((ep_chain(sp, e), e) for e in local)
         elif every:
             if sp.cluster_ip is not None and not sp.internal_local:
-                rules = (rule_text([MARK_MASQ, _goto(svc_chain(sp))]),)
+                rules = (rule_text([MARK_MASQ, goto(svc_chain(sp))]),)
             else:
                 rules = (rule_text([MARK_MASQ]), *_dispatch(sp, every, counter))
                 chains.update((ep_chain(sp, e), e) for e in every)
@@ -326,12 +304,12 @@ def _compile_affinity(sp: ServicePort, node: str, objs: list[Any], put: Callable
 
 
 def _dispatch(sp: ServicePort, endpoints: tuple[Endpoint, ...], counter: dict[str, Any]) -> tuple[str, ...]:
-    rules = [rule_text([_match(SADDR, "@" + affinity_set(sp, e)), counter, _goto(ep_chain(sp, e))]) for e in endpoints]
+    rules = [rule_text([match(SADDR, "@" + affinity_set(sp, e)), counter, goto(ep_chain(sp, e))]) for e in endpoints]
     if len(endpoints) == 1:
-        rules.append(rule_text([counter, _goto(ep_chain(sp, endpoints[0]))]))
+        rules.append(rule_text([counter, goto(ep_chain(sp, endpoints[0]))]))
     else:
         pick = {"numgen": {"mode": "random", "mod": len(endpoints), "offset": 0}}
-        table = {"set": [[i, _goto(ep_chain(sp, e))] for i, e in enumerate(endpoints)]}
+        table = {"set": [[i, goto(ep_chain(sp, e))] for i, e in enumerate(endpoints)]}
         rules.append(rule_text([counter, {"vmap": {"key": pick, "data": table}}]))
     return tuple(rules)
 
@@ -341,10 +319,10 @@ def _endpoint(sp: ServicePort, e: Endpoint, chain: str) -> list[Any]:
     endpoint's timeout set, dnat) and that set."""
     aff = affinity_set(sp, e)
     rules = (
-        rule_text([_match(SADDR, e.ip), MARK_MASQ]),  # hairpin: the pod reaching itself
+        rule_text([match(SADDR, e.ip), MARK_MASQ]),  # hairpin: the pod reaching itself
         rule_text([{"set": {"op": "update", "elem": SADDR, "set": "@" + aff}}]),
         # dnat to addr:port needs the protocol known in the rule (the map matched it already).
-        rule_text([_match(_meta("l4proto"), sp.l4), {"dnat": {"addr": e.ip, "port": e.port}}]),
+        rule_text([match(meta("l4proto"), sp.l4), {"dnat": {"addr": e.ip, "port": e.port}}]),
     )
     return [
         NftSet(FAMILY, TABLE, aff, ("ipv4_addr",), flags=("timeout",), timeout=sp.affinity_timeout),
@@ -360,7 +338,7 @@ class Table:
     and elements.
 
     :meth:`update` replaces what one Service compiles to and returns the keys of the objects
-    that changed (for :meth:`agentd.policy.programmer.PolicyProgrammer.sync`).  The shared maps
+    that changed (for :meth:`agentd.nft.programmer.NftProgrammer.sync`).  The shared maps
     change by exact differences: each update adds and removes that Service's elements, and
     reading :attr:`rs` rebuilds each changed map once, carrying its net difference since the
     last read (``NftSet.delta``), so that neither a batch of many Services nor the plan of one

@@ -1,6 +1,6 @@
 """The policy programmer against the real kernel, in a namespace of its own.
 
-Set elements that take the netlink fast path (agentd.policy.nfnetlink) must land in the
+Set elements that take the netlink fast path (agentd.nft.nfnetlink) must land in the
 kernel exactly as libnftables would have put them: every key layout the tables use
 (address, interface name, interface . address, address . protocol . port) and map data
 (verdict jumps, MAC addresses) is written, then read back with `nft -j list` and compared
@@ -15,10 +15,10 @@ import json
 
 from agentd.policy import compiler
 from agentd.policy.engine import PolicyEngine
-from agentd.policy.libnftables import Nft
+from agentd.nft.libnftables import Nft
 from agentd.policy.model import LocalPort, NamedPort, Pod, Policy
-from agentd.policy.programmer import PolicyProgrammer
-from agentd.policy.ruleset import NftSet
+from agentd.nft.programmer import NftProgrammer
+from agentd.nft.ruleset import NftSet
 from agentd.resources import kinds
 
 
@@ -86,7 +86,7 @@ async def test_element_batches_land_as_libnftables_would_put_them(netns_factory)
     nft = Nft(netns=ns.path)
     try:
         eng = _engine()
-        prog = PolicyProgrammer(nft)
+        prog = NftProgrammer(nft)
         await prog.sync(eng.build())
         assert _elements_in_kernel(ns) == _wanted(eng.build())
         # Membership changes only: they go through nfnetlink.
@@ -109,7 +109,7 @@ async def test_element_batches_land_as_libnftables_would_put_them(netns_factory)
         # A restart: another programmer adopts, rewrites in one transaction, deletes nothing.
         nft2 = Nft(netns=ns.path)
         try:
-            again = PolicyProgrammer(nft2)
+            again = NftProgrammer(nft2)
             await again.adopt()
             assert again.adopted_objects == len(eng.build().objects)
             result = await again.sync(eng.build())

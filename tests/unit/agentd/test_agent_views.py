@@ -8,7 +8,7 @@ from __future__ import annotations
 from ipaddress import IPv4Address
 
 from agentd.datastore.store import Datastore
-from agentd.policy import endpoints
+from agentd.cni import endpoints
 from agentd.policy.agent import PolicyAgent
 from agentd.policy.model import LocalPort, Pod, Policy
 from agentd.policy.publisher import PodPublisher, container_of, record_for

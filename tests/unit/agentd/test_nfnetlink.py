@@ -1,4 +1,4 @@
-"""The nf_tables messages of agentd.policy.nfnetlink (element batches, counter dumps), byte
+"""The nf_tables messages of agentd.nft.nfnetlink (element batches, counter dumps), byte
 for byte.  The expected bytes are what the module produced before it moved onto the kernel
 codec's framing (agentd.kernel.netlink: attributes, nfgenmsg header): computed with the old
 ``_attr`` / ``_nested`` / ``_message`` / ``batch`` and pasted here, so the wire did not change.
@@ -16,7 +16,7 @@ import pytest
 
 from agentd.kernel import netlink as nl
 from agentd.kernel.netlink_socket import NetlinkSocket
-from agentd.policy import nfnetlink as nf
+from agentd.nft import nfnetlink as nf
 
 # --- encoding: the old module's bytes --------------------------------------------------------
 

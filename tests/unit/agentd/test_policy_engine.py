@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from netpol_model import Cluster, ModelPod, egress_allowed, ingress_allowed
 
+from agentd.nft import expr
 from agentd.policy import compiler
 from agentd.policy.engine import PolicyEngine
 from agentd.policy.model import LocalPort, NamedPort, Pod, Policy
-from agentd.policy.ruleset import NftChain, NftSet, Ruleset, plan
+from agentd.nft.ruleset import NftChain, NftSet, Ruleset, plan
 from agentd.policy.views import pod_view
 from agentd.resources import kinds
 
@@ -339,7 +340,7 @@ def test_no_change_is_an_empty_plan_and_adoption_rewrites_in_one_transaction():
     rs = eng.build()
     assert plan(Ruleset(rs.tables, dict(rs.objects)), eng.build()) == []
     # A restart: the same objects found in the kernel, contents unknown.
-    from agentd.policy.ruleset import unknown_contents
+    from agentd.nft.ruleset import unknown_contents
 
     adopted = Ruleset(rs.tables, unknown_contents(rs.objects))
     commands = plan(adopted, rs)
@@ -378,7 +379,7 @@ def test_leave_plan_deletes_the_tables():
 def test_long_names_are_hashed_within_nft_limits():
     name = "p" + "x" * 250
     chain = compiler.policy_chain("in", Policy("ns", name, None, (), None))  # type: ignore[arg-type]
-    assert len(chain) <= compiler.NAME_MAX and chain.startswith("np-in/#")
+    assert len(chain) <= expr.NAME_MAX and chain.startswith("np-in/#")
 
 
 def test_view_lists_policies_and_allow_lists():

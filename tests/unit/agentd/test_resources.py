@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from agentd import cli
-from agentd.policy import endpoints
+from agentd.cni import endpoints
 from agentd.resources import kinds, manifests
 from agentd.resources.store import object_key, parse_key
 

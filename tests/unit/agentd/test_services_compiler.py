@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from agentd.policy.ruleset import NftChain, NftSet, Ruleset, plan
+from agentd.nft.ruleset import NftChain, NftSet, Ruleset, plan
 from agentd.resources import kinds
 from agentd.services import compiler, model
 from agentd.services.agent import stale_udp

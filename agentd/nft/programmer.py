@@ -1,15 +1,15 @@
-"""The nftables programmer: the node's policy tables, desired vs. actual, one transaction per change.
+"""The nftables programmer: tables the agent owns (policy, Services), desired vs. actual, one transaction per change.
 
 * **Adopt, never flush.**  At start the programmer lists the agent's tables as a previous run
   left them and takes over their objects with "contents unknown"; the tables keep enforcing
   while the agent reads etcd.  The first sync then rewrites every object's contents in ONE
   transaction (flush and refill, atomically), so there is no moment with open pods.
 * **Incremental.**  After that it knows what the kernel holds and sends only the difference
-  (:func:`agentd.policy.ruleset.plan`): element adds and deletes, changed chains refilled.
+  (:func:`agentd.nft.ruleset.plan`): element adds and deletes, changed chains refilled.
 * **Atomic.**  A change is one libnftables call, one netlink batch: all of it or nothing.
   If the kernel refuses (someone edited the tables), the programmer adopts again and
   retries with a full rewrite, still in one transaction.
-* **Leave.**  :meth:`remove` deletes both tables, and nothing of the agent's stays.
+* **Leave.**  :meth:`remove` deletes the tables it owns, and nothing of the agent's stays.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import compiler, nfnetlink
+from . import nfnetlink
 from .libnftables import Nft, NftError
 from .ruleset import NftChain, NftCounter, NftSet, Ruleset, applied, plan
 
-log = logging.getLogger("agentd.policy")
+log = logging.getLogger("agentd.nft")
 SET_FLAGS = ("dynamic", "interval", "timeout")  # the flags the agent's sets are declared with
 
 
@@ -34,10 +34,10 @@ class SyncResult:
     full: bool  # a rewrite of everything (first sync, or after the kernel refused a change)
 
 
-class PolicyProgrammer:
-    def __init__(self, nft: Nft, tables: frozenset[tuple[str, str]] = compiler.TABLES, what: str = "policy") -> None:
+class NftProgrammer:
+    def __init__(self, nft: Nft, tables: frozenset[tuple[str, str]], what: str) -> None:
         self.nft = nft
-        self.tables = tables  # the (family, table) pairs this programmer owns (Services: its own)
+        self.tables = tables  # the (family, table) pairs this programmer owns (policy's, Services' own)
         self.what = what
         self.current: Ruleset | None = None  # None: not adopted yet
         self.adopted_objects = 0
@@ -99,7 +99,7 @@ class PolicyProgrammer:
         return SyncResult(len(commands), time.perf_counter() - start, full)
 
     async def remove(self) -> bool:
-        """Delete the agent's policy tables (``agentd leave``); True if there were any."""
+        """Delete the tables this programmer owns (``agentd leave``); True if there were any."""
         found = False
         for family, table in sorted(self.tables):
             if await self.nft.alist({"table": {"family": family, "name": table}}) is not None:

@@ -42,7 +42,7 @@ from typing import Any
 from agentd.resources import pod as podres
 from agentd.resources.validation import Invalid, dns1123_label, dns1123_subdomain, labels as check_labels
 
-log = logging.getLogger("agentd.policy")
+log = logging.getLogger("agentd.cni")
 
 SUBDIR = "endpoints"
 SUFFIX = ".json"

@@ -106,7 +106,7 @@ class Nft:
         self._lib.nft_ctx_buffer_output(ctx)
         self._lib.nft_ctx_buffer_error(ctx)
         self._ctx = ctx
-        # Element-only transactions skip libnftables (and its cache): agentd.policy.nfnetlink.
+        # Element-only transactions skip libnftables (and its cache): agentd.nft.nfnetlink.
         self._elements = ElementWriter()
 
     def _run(self, text: str) -> str:
@@ -139,7 +139,7 @@ class Nft:
         self._executor.submit(self._send_elements, ops).result()
 
     async def arun_elements(self, ops: list[Any]) -> None:
-        """Set element adds and deletes as one netlink transaction (see agentd.policy.nfnetlink)."""
+        """Set element adds and deletes as one netlink transaction (see agentd.nft.nfnetlink)."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._send_elements, ops)
 
