@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, check_config, load_config
+from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, HostFacts, check_config, load_config
+from agentd.kernel.netinfo import LocalHost
 from agentd.tables import render_table
 
 DEFAULT_API = "http://127.0.0.1:9099"
@@ -103,9 +104,9 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    def config_args(sp: argparse.ArgumentParser, *, required: bool = False) -> None:
+    def config_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(
-            "--config", "-c", required=required, help=f"configuration file (default {DEFAULT_CONFIG_PATH})"
+            "--config", "-c", help=f"configuration file (default $AGENTD_CONFIG, else {DEFAULT_CONFIG_PATH})"
         )
         sp.add_argument(
             "--set", action="append", metavar="SECTION.KEY=VALUE", help="override one configuration key"
@@ -116,7 +117,7 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
     config_args(sp)
 
     sp = sub.add_parser("speaker", help="run the BGP speaker alone (route reflector, interop)")
-    config_args(sp, required=True)
+    config_args(sp)
 
     sp = sub.add_parser("leave", help="decommission this node: withdraw, release the subnet, remove the node")
     config_args(sp)
@@ -196,20 +197,28 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
-def _config_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    if args.config is not None and not args.config.strip():
-        parser.error("argument --config: empty path")
-    return args.config or DEFAULT_CONFIG_PATH
+def _config_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, bool]:
+    """The configuration file every command reads, by one rule: ``--config``, else
+    ``$AGENTD_CONFIG``, else the default file.  Returns (path, named): a file named by the flag
+    or the variable must exist; the default file may be missing (defaults and environment)."""
+    if args.config is not None:
+        if not args.config.strip():
+            parser.error("argument --config: empty path")
+        return args.config, True
+    env = os.environ.get("AGENTD_CONFIG")
+    if env is not None:
+        if not env.strip():
+            parser.error("AGENTD_CONFIG is set but empty: name a configuration file or unset it")
+        return env, True
+    return DEFAULT_CONFIG_PATH, False
 
 
-def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, require_file: bool | None = None):
-    _config_path(args, parser)
+def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, host: HostFacts | None):
+    path, named = _config_path(args, parser)
     overrides = _overrides(args.set, parser)
     if getattr(args, "log_level", None):
         overrides["log.level"] = args.log_level
-    path = args.config or DEFAULT_CONFIG_PATH
-    req = bool(args.config) if require_file is None else require_file
-    return path, overrides, load_config(path, overrides=overrides, require_file=req)
+    return path, overrides, load_config(path, overrides=overrides, require_file=named, host=host)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,15 +236,15 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cmd = args.command
     if cmd == "check-config":
-        path = _config_path(args, parser)
+        path, named = _config_path(args, parser)
         overrides = _overrides(args.set, parser)
-        problems = check_config(path, overrides=overrides, require_file=bool(args.config))
+        problems = check_config(path, overrides=overrides, require_file=named, host=LocalHost())
         for p in problems:
             print(p, file=sys.stderr)
         if problems:
             return 1
         if args.show:
-            print(json.dumps(load_config(path, overrides=overrides).to_dict(), indent=2))
+            print(json.dumps(load_config(path, overrides=overrides, host=LocalHost()).to_dict(), indent=2))
         elif os.path.exists(path):
             print(f"{path}: configuration OK")
         else:
@@ -246,16 +255,15 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if cmd in ("apply", "get", "delete", "label"):  # resources: agentd/resources/cli.py
         from agentd.resources import cli as resource_cli
 
-        path = args.config or resource_cli.default_config_path()
-        overrides = _overrides(args.set, parser)
-        cfg = load_config(path, overrides=overrides, require_file=path is not None, resolve_defaults=False)
+        # etcd's endpoints and credentials only: no host facts (node name, address) are needed.
+        _path, _overrides_, cfg = _load(args, parser, host=None)
         setup_logging(args.log_level or "warning")
         return resource_cli.run(args, cfg)
     plugin = getattr(args, "plugin_command", None)
     if plugin is not None:
         return plugin.run(args)
     if cmd == "leave":
-        path, overrides, cfg = _load(args, parser)
+        path, overrides, cfg = _load(args, parser, host=LocalHost())
         setup_logging(cfg.log.level, cfg.log.format)
         # Ask the running agent first; the daemon (and its imports) is only needed to clean
         # etcd up directly when no agent runs.
@@ -267,7 +275,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         return uvloop.run(leave(cfg))
     if cmd in ("run", "speaker"):
-        path, overrides, cfg = _load(args, parser, require_file=True if cmd == "speaker" else None)
+        path, overrides, cfg = _load(args, parser, host=LocalHost())
         setup_logging(cfg.log.level, cfg.log.format)
         import uvloop
 
@@ -275,7 +283,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             from agentd.daemon.speaker import SpeakerRuntime
 
             def reload():
-                return load_config(path, overrides=overrides, require_file=True)
+                return load_config(path, overrides=overrides, require_file=os.path.exists(path), host=LocalHost())
 
             tune_gc()
             return uvloop.run(SpeakerRuntime(cfg).run(reload=reload))

@@ -372,7 +372,7 @@ async def _measure(lab: Lab, args: argparse.Namespace, limit: float) -> dict[str
 def lab_timers(lab: Lab, x: LabNode) -> dict[str, Any]:
     """The timers every figure depends on, as X's agent reads them from its configuration file."""
     try:
-        cfg = load_config(x.config_path, env={}, require_file=True, resolve_defaults=False)
+        cfg = load_config(x.config_path, env={}, require_file=True)
     except ConfigError as err:
         raise BenchError(f"{x.name}: cannot read back {x.config_path}: {err}") from None
     bgp = cfg.bgp

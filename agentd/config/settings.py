@@ -23,7 +23,6 @@ import dataclasses
 import difflib
 import os
 import re
-import socket
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -128,8 +127,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class NodeConfig:
-    name: str | None  # None only with resolve_defaults=False
-    address: IPv4Address | None  # None only with resolve_defaults=False
+    name: str | None  # None only when loaded without host facts (host=None)
+    address: IPv4Address | None  # None only when loaded without host facts (host=None)
     asn: int = 64512
     route_reflector: bool = False
     cluster_id: IPv4Address | None = None  # the node address when route_reflector
@@ -443,39 +442,13 @@ _DEFAULT = _Origin(0, "default")
 
 
 class HostFacts(Protocol):
-    """What computed defaults read from the host. LocalHost reads this machine; pure tests pass
-    their own."""
+    """What computed defaults read from the host: :class:`agentd.kernel.netinfo.LocalHost` reads
+    this machine (the configuration itself never reaches into the kernel); pure tests pass their
+    own."""
 
     def hostname(self) -> str: ...
 
     def default_address(self) -> IPv4Address | None: ...
-
-
-class LocalHost:
-    """Reads (never changes) the hostname and the IPv4 default route of the current namespace."""
-
-    def hostname(self) -> str:
-        return socket.gethostname()
-
-    def default_address(self) -> IPv4Address | None:
-        """The source address the kernel uses for the main table's best IPv4 default route."""
-        from agentd.kernel import netlink as nl  # only the daemon needs netlink, not every config reader
-        from agentd.kernel.rtnl import Rtnl
-
-        with Rtnl() as rt:
-            defaults = [r for r in rt.routes(nl.AF_INET, nl.RT_TABLE_MAIN) if r.dst_len == 0]
-            if not defaults:
-                return None
-            best = min(defaults, key=lambda r: r.priority or 0)
-            src = best.prefsrc
-            if src is None and best.gateway:
-                # The kernel's own source selection for the gateway, as `ip route get` shows it.
-                got = rt.route_get(socket.inet_ntoa(best.gateway))
-                src = got.prefsrc if got else None
-            if src is None and best.oif:
-                addrs = rt.addresses(best.oif)
-                src = addrs[0].address if addrs else None
-        return IPv4Address(src) if src else None
 
 
 class _Loader:
@@ -834,7 +807,7 @@ def _check_ranges(ld: _Loader) -> None:
 
 
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
-             overrides: Mapping[str, str] | None, resolve_defaults: bool, require_file: bool,
+             overrides: Mapping[str, str] | None, require_file: bool,
              host: HostFacts | None) -> tuple[Config | None, list[ConfigError]]:
     loader = _Loader()
     if path is not None:
@@ -843,21 +816,22 @@ def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
     loader.read_overrides(overrides or {})
     if loader.file_failed:  # without the file every check across keys would mislead
         return None, loader.problems
-    config = _build(loader, (host or LocalHost()) if resolve_defaults else None)
+    config = _build(loader, host)
     return config, loader.problems
 
 
 def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, str] | None = None, resolve_defaults: bool = True,
-                require_file: bool = False, host: HostFacts | None = None) -> Config:
+                overrides: Mapping[str, str] | None = None, require_file: bool = False,
+                host: HostFacts | None = None) -> Config:
     """Read, merge (file < env < overrides) and validate the configuration.
 
     ``path`` None (or a missing file unless ``require_file``) means defaults, env and overrides
-    only. ``env`` defaults to os.environ. ``resolve_defaults=False`` reads nothing from the system:
-    node.name and node.address stay None unless configured. ``host`` supplies the hostname and
-    default route (default: LocalHost). Raises the first ConfigError; ``.problems`` has them all.
+    only. ``env`` defaults to os.environ. ``host`` supplies the hostname and default route for
+    the defaults computed from them (the daemon and CLI pass
+    :class:`agentd.kernel.netinfo.LocalHost`); None reads nothing from the system: node.name and
+    node.address stay None unless configured. Raises the first ConfigError; ``.problems`` has them all.
     """
-    config, problems = _collect(path, env, overrides, resolve_defaults, require_file, host)
+    config, problems = _collect(path, env, overrides, require_file, host)
     if problems:
         first = problems[0]
         first.problems = list(problems)
@@ -867,7 +841,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
 
 
 def check_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
-                 overrides: Mapping[str, str] | None = None, resolve_defaults: bool = True,
-                 require_file: bool = False, host: HostFacts | None = None) -> list[ConfigError]:
+                 overrides: Mapping[str, str] | None = None, require_file: bool = False,
+                 host: HostFacts | None = None) -> list[ConfigError]:
     """Every problem load_config would find, in file, env, override order; [] when valid."""
-    return _collect(path, env, overrides, resolve_defaults, require_file, host)[1]
+    return _collect(path, env, overrides, require_file, host)[1]

@@ -43,7 +43,7 @@ from agentd.dataplane.bpf.datapath import BpfUnavailable
 from agentd.dataplane.bpf.podpath import PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import Config, ConfigError, load_config, reloaded
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
-from agentd.kernel.netinfo import NetInfoError, Underlay, underlay_for
+from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy
 from agentd.nft.libnftables import NftError
 from agentd.services.agent import ServiceAgent, remove_services_table  # Services
@@ -316,7 +316,7 @@ class Agent:
         if self.config_path is None:
             return
         try:
-            cfg = load_config(self.config_path, overrides=self.overrides)
+            cfg = load_config(self.config_path, overrides=self.overrides, host=LocalHost())
         except ConfigError as err:
             log.error("reload failed, keeping the running configuration: %s", err)
             return

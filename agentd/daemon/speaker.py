@@ -23,7 +23,7 @@ from proto.nlri import prefix_from_str
 
 from agentd.daemon.api import ApiServer
 from agentd.daemon.bgp_json import peer_row
-from agentd.config.settings import BgpPeerConfig, Config, ConfigError, load_config
+from agentd.config.settings import BgpPeerConfig, Config, ConfigError
 
 log = logging.getLogger("agentd.speaker")
 
@@ -270,9 +270,3 @@ class SpeakerRuntime:
         self.service.set_listen_ranges(listen_ranges(cfg))
         self.service.set_originated(originations(cfg))
         log.info("configuration reloaded: %d peers, %d prefixes originated", len(cfg.bgp.peers), len(cfg.bgp.originate))
-
-
-async def run_speaker(config_path: str, overrides: dict[str, str] | None = None) -> int:
-    cfg = load_config(config_path, overrides=overrides, require_file=True)
-    runtime = SpeakerRuntime(cfg)
-    return await runtime.run(reload=lambda: load_config(config_path, overrides=overrides, require_file=True))

@@ -6,9 +6,13 @@ its on-link prefixes, its MTU.  Used to decide "is this peer on my L2 segment?"
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network, ip_address
+
+from . import netlink as nl
+from .rtnl import Rtnl
 
 
 class NetInfoError(RuntimeError):
@@ -53,3 +57,28 @@ def underlay_for(address: IPv4Address) -> Underlay:
             networks=tuple(dict.fromkeys(nets)),
         )
     raise NetInfoError(f"no interface in this network namespace has the node address {address}")
+
+
+class LocalHost:
+    """The host facts the configuration's computed defaults need (:class:`agentd.config.settings.HostFacts`):
+    the hostname and the IPv4 default route of the current namespace, read, never changed."""
+
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    def default_address(self) -> IPv4Address | None:
+        """The source address the kernel uses for the main table's best IPv4 default route."""
+        with Rtnl() as rt:
+            defaults = [r for r in rt.routes(nl.AF_INET, nl.RT_TABLE_MAIN) if r.dst_len == 0]
+            if not defaults:
+                return None
+            best = min(defaults, key=lambda r: r.priority or 0)
+            src = best.prefsrc
+            if src is None and best.gateway:
+                # The kernel's own source selection for the gateway, as `ip route get` shows it.
+                got = rt.route_get(socket.inet_ntoa(best.gateway))
+                src = got.prefsrc if got else None
+            if src is None and best.oif:
+                addrs = rt.addresses(best.oif)
+                src = addrs[0].address if addrs else None
+        return IPv4Address(src) if src else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from typing import Any
 
@@ -54,10 +53,6 @@ def add_commands(sub: Any, config_args: Any) -> None:
     sp.add_argument("-n", "--namespace")
     sp.add_argument("--overwrite", action="store_true", help="allow changing the value of an existing label")
     config_args(sp)
-
-
-def default_config_path() -> str | None:
-    return os.environ.get("AGENTD_CONFIG") or None
 
 
 def run(args: argparse.Namespace, cfg: Any) -> int:

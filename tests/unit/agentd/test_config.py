@@ -70,13 +70,11 @@ def write(tmp_path: Path, text: str, name: str = "agentd.toml") -> Path:
 
 def pure(path=None, **kw) -> Config:
     kw.setdefault("env", {})
-    kw.setdefault("resolve_defaults", False)
     return load_config(path, **kw)
 
 
 def problems(path=None, **kw) -> list[ConfigError]:
     kw.setdefault("env", {})
-    kw.setdefault("resolve_defaults", False)
     return check_config(path, **kw)
 
 

@@ -82,16 +82,16 @@ def test_host_resolvers_skip_our_own_address(tmp_path):
 
 def test_dns_config_keys():
     base = {"node.name": "n1", "node.address": "192.0.2.1"}
-    cfg = load_config(None, env={}, overrides=base, resolve_defaults=False)
+    cfg = load_config(None, env={}, overrides=base)
     assert (cfg.dns.enabled, cfg.dns.address, cfg.dns.cluster_domain, cfg.dns.upstream) == (
         True, IPv4Address("169.254.20.10"), "cluster.local", ())  # fmt: skip
-    cfg = load_config(None, env={}, resolve_defaults=False, overrides={
+    cfg = load_config(None, env={}, overrides={
         **base, "dns.cluster_domain": "Corp.Example.", "dns.upstream": "192.0.2.53, 192.0.2.54:5353"})  # fmt: skip
     assert cfg.dns.cluster_domain == "corp.example" and cfg.dns.upstream == ("192.0.2.53:53", "192.0.2.54:5353")
     for key, bad, why in (("dns.address", "127.0.0.2", "loopback"), ("dns.cluster_domain", "a..b", "domain name"),
                           ("dns.upstream", "x", "IPv4 address"), ("dns.upstream", "192.0.2.1:0", "1..65535")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):
-            load_config(None, env={}, resolve_defaults=False, overrides={**base, key: bad})
+            load_config(None, env={}, overrides={**base, key: bad})
 
 
 def test_subnet_file_and_cni_result_carry_the_pods_dns():

@@ -1,0 +1,89 @@
+"""Every command finds its configuration by one rule: ``--config``, else ``$AGENTD_CONFIG``,
+else /etc/agentd/agentd.toml (a missing default file means the defaults; a named file must
+exist).  The resource commands once ignored the default file and talked to 127.0.0.1:2379
+on nodes whose etcd is elsewhere."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agentd import cli
+
+COMMANDS = {
+    "run": [],
+    "speaker": [],
+    "leave": [],
+    "check-config": [],
+    "apply": ["-f", "-"],
+    "get": ["pods"],
+    "delete": ["pod", "ns/name"],
+    "label": ["pod", "ns/name", "a=b"],
+}
+
+
+class _Loaded(Exception):
+    pass
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The (path, require_file) of every configuration a command reads; the command stops there."""
+    seen: list[tuple[str, bool]] = []
+
+    def spy(path, *, overrides=None, require_file=False, host=None, **_):
+        seen.append((os.fspath(path), require_file))
+        raise _Loaded
+
+    monkeypatch.setattr(cli, "load_config", spy)
+    monkeypatch.setattr(cli, "check_config", spy)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    return seen
+
+
+def _run(command: str, *extra: str) -> None:
+    with pytest.raises(_Loaded):
+        cli.main([command, *COMMANDS[command], *extra])
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_the_default_file_when_nothing_names_one(loads, command):
+    _run(command)
+    assert loads == [(cli.DEFAULT_CONFIG_PATH, False)]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_agentd_config_names_the_file(loads, command):
+    os.environ["AGENTD_CONFIG"] = "/srv/node.toml"
+    _run(command)
+    assert loads == [("/srv/node.toml", True)]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_the_flag_wins_over_the_variable(loads, command):
+    os.environ["AGENTD_CONFIG"] = "/srv/node.toml"
+    _run(command, "--config", "/srv/other.toml")
+    assert loads == [("/srv/other.toml", True)]
+
+
+def test_an_empty_agentd_config_is_one_clear_error(capsys, monkeypatch):
+    monkeypatch.setattr(os, "environ", {"AGENTD_CONFIG": " "})
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["get", "pods"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "AGENTD_CONFIG is set but empty" in err and "Traceback" not in err
+
+
+def test_resource_commands_use_the_default_files_etcd(monkeypatch, tmp_path):
+    """End to end through the real loader: the default file's etcd endpoints reach the command."""
+    conf = tmp_path / "agentd.toml"
+    conf.write_text('[etcd]\nendpoints = ["http://192.0.2.7:2379"]\n')
+    monkeypatch.setattr(cli, "DEFAULT_CONFIG_PATH", str(conf))
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    got = []
+    from agentd.resources import cli as resource_cli
+
+    monkeypatch.setattr(resource_cli, "run", lambda args, cfg: got.append(cfg) or 0)
+    assert cli.main(["get", "pods"]) == 0
+    assert [str(e) for e in got[0].etcd.endpoints] == ["http://192.0.2.7:2379"]
