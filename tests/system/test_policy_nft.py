@@ -86,7 +86,7 @@ async def test_element_batches_land_as_libnftables_would_put_them(netns_factory)
     nft = Nft(netns=ns.path)
     try:
         eng = _engine()
-        prog = NftProgrammer(nft)
+        prog = NftProgrammer(nft, compiler.TABLES, "policy")
         await prog.sync(eng.build())
         assert _elements_in_kernel(ns) == _wanted(eng.build())
         # Membership changes only: they go through nfnetlink.
@@ -109,7 +109,7 @@ async def test_element_batches_land_as_libnftables_would_put_them(netns_factory)
         # A restart: another programmer adopts, rewrites in one transaction, deletes nothing.
         nft2 = Nft(netns=ns.path)
         try:
-            again = NftProgrammer(nft2)
+            again = NftProgrammer(nft2, compiler.TABLES, "policy")
             await again.adopt()
             assert again.adopted_objects == len(eng.build().objects)
             result = await again.sync(eng.build())
