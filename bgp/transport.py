@@ -324,10 +324,6 @@ class SpeakerService:
         self._sync_bfd()
         self._pump()
 
-    @property
-    def listen_port(self) -> int | None:
-        return self._listen_sock.getsockname()[1] if self._listen_sock else None
-
     async def stop(self, *, graceful: bool) -> None:
         self.speaker.stop(self.clock(), graceful=graceful)
         self._pump()

@@ -91,7 +91,3 @@ class Peering:
             bfd=bfd_timers(cfg),
             external=[peer_settings(p, cfg, description=EXTERNAL) for p in cfg.bgp.peers],
         )
-
-
-def peer_kind(settings: PeerSettings) -> str:
-    return settings.description or EXTERNAL

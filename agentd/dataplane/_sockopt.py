@@ -87,10 +87,6 @@ class MmsgBatch:
     def set_iov(self, i: int, base: int, length: int) -> None:
         _IOV.pack_into(self.iovs_view, i * IOV_SIZE, base, length)
 
-    def set_name(self, i: int, addr: int, length: int) -> None:
-        self.msgs[i].msg_hdr.msg_name = addr
-        self.msgs[i].msg_hdr.msg_namelen = length
-
 
 def sockaddr_in(ip: str, port: int = 0) -> ctypes.Array:
     """A ``struct sockaddr_in`` in a ctypes buffer (keep a reference while it is in use)."""

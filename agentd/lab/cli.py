@@ -128,23 +128,24 @@ def _named_port(text: str) -> dict:
 
 
 def lab_command(args: argparse.Namespace) -> int:
-    from agentd.lab import lab
+    from agentd.lab import commands
+    from agentd.lab.lab import LabError
 
     try:
         if args.lab_command == "up":
-            return lab.cli_up(args)
+            return commands.up(args)
         if args.lab_command == "down":
-            return lab.cli_down(args.name)
+            return commands.down(args.name)
         if args.lab_command == "status":
-            return lab.cli_status(args.name)
+            return commands.status(args.name)
         if args.lab_command == "pod":
-            return lab.cli_pod(args)
+            return commands.pod(args)
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not argv:
             sys.stderr.write("agentd lab exec: no command given (agentd lab exec NODE -- CMD...)\n")
             return 2
-        return lab.cli_exec(args.name, args.target, argv)
-    except lab.LabError as err:
+        return commands.exec_in(args.name, args.target, argv)
+    except LabError as err:
         sys.stderr.write(f"agentd lab {args.lab_command}: {err}\n")
         return 1
 

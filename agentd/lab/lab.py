@@ -38,7 +38,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -91,9 +90,6 @@ class LabSpec:
     # Connect.  Permanent entries are exempt from that limit (they are never garbage-collected).
     static_neighbors: bool | None = None
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-node config overrides
-
-    def node_names(self) -> list[str]:
-        return [f"node{i}" for i in range(1, self.nodes + 1)]
 
 
 class LabNode:
@@ -577,150 +573,3 @@ def stage_timeout(nodes: int) -> float:
 def etcd_address(member: int) -> str:
     """Underlay address of etcd member ``member`` (1-based)."""
     return f"{UNDERLAY_PREFIX}.0.{1 + member}"
-
-
-# ---------------------------------------------------------------- CLI entry points
-
-
-def cli_up(args) -> int:
-    spec = LabSpec(
-        name=args.name,
-        nodes=args.nodes,
-        pods=args.pods,
-        bgp=args.bgp,
-        reflectors=min(args.reflectors, args.nodes),
-        backend=args.backend,
-        datapath=args.datapath,
-        encap=args.encap,
-        subnets=args.subnets,
-        etcd=args.etcd,
-    )
-    if spec.encap == "cross-subnet" and spec.backend == "host-gw":
-        raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
-    lab = Lab(spec, progress=lambda line: print(line, flush=True))
-
-    timeout = args.timeout or stage_timeout(spec.nodes)
-
-    async def go() -> None:
-        await lab.up(timeout)
-
-    try:
-        asyncio.run(go())
-    except LabError as err:
-        print(f"agentd lab up: {err}", file=sys.stderr)
-        print(f"(the lab is left as it is for inspection; `agentd lab down --name {spec.name}` removes it)", file=sys.stderr)
-        return 1
-    print()
-    print(_matrix(lab))
-    print()
-    print(f"Lab {spec.name} is up. Try:")
-    print(f"  agentd lab status --name {spec.name}")
-    print(f"  agentd lab exec --name {spec.name} node1 -- agentd status")
-    if lab.pods:
-        print(f"  agentd lab exec --name {spec.name} {lab.pods[0].name} -- ping -c 3 {lab.pods[-1].ip}")
-    print(f"  agentd lab down --name {spec.name}")
-    return 0
-
-
-MATRIX_PODS = 16  # a larger lab gets a count and the failing pairs instead of the matrix
-
-
-def _matrix(lab: Lab) -> str:
-    matrix = asyncio.run(lab.ready.reachability())
-    names = [p.name for p in lab.pods]
-    if len(names) > MATRIX_PODS:
-        failing = [f"{a}->{b}" for (a, b), ok in matrix.items() if not ok]
-        text = f"pod reachability (ICMP echo): {len(matrix) - len(failing)}/{len(matrix)} ordered pod pairs answer"
-        return text + (f"; failing: {', '.join(failing)}" if failing else "")
-    width = max([len(n) for n in names] + [4])
-    lines = ["pod reachability (ICMP echo):", " " * (width + 2) + " ".join(n.rjust(width) for n in names)]
-    for a in lab.pods:
-        cells = []
-        for b in lab.pods:
-            cells.append("-".rjust(width) if a is b else ("ok" if matrix.get((a.name, b.name)) else "FAIL").rjust(width))
-        lines.append(f"{a.name.ljust(width)}  " + " ".join(cells))
-    return "\n".join(lines)
-
-
-def cli_down(name: str) -> int:
-    try:
-        lab = Lab.load(name)
-    except LabError:
-        removed = delete_matching(f"ad-{name}-")
-        with contextlib.suppress(OSError):
-            bpffs.umount(LAB_ROOT / name / "bpffs")
-        shutil.rmtree(LAB_ROOT / name, ignore_errors=True)
-        print(f"lab {name}: removed {len(removed)} namespaces" if removed else f"lab {name}: nothing to remove")
-        return 0
-    removed = asyncio.run(lab.down())
-    print(f"lab {name}: removed {len(removed)} namespaces")
-    return 0
-
-
-def cli_status(name: str) -> int:
-    lab = Lab.load(name)
-    from agentd.tables import render_table
-
-    roles = asyncio.run(lab.etcd.roles())
-    rows = [[m.name, m.endpoint, roles[m.name]] for m in lab.etcd.members]
-    print(render_table(["ETCD MEMBER", "ENDPOINT", "ROLE"], rows))
-    print()
-    for n in lab.nodes:
-        status = n.api_or_none("/status")
-        if status is None:
-            print(f"{n.name} ({n.address}): agent not answering (log {n.log_path})\n")
-            continue
-        node, ds = status["node"], status.get("datastore") or {}
-        print(
-            f"{n.name} ({n.address}) subnet {node.get('subnet')} backend {node.get('backend')}"
-            f"{' [route reflector]' if node.get('route_reflector') else ''}"
-            f" routes {status['routes']['programmed']} ready {status.get('ready')}"
-            f" etcd {'connected' if ds.get('connected') else 'DISCONNECTED'} ({ds.get('endpoint') or '-'})"
-        )
-        rows = [
-            [p["address"], p.get("description") or p.get("type", ""), p["state"], str(p.get("prefixes_received", 0)),
-             p.get("backend") or "-", p.get("datapath") or "-"]
-            for p in status["bgp"]["peers"]
-        ]
-        print(render_table(["PEER", "TYPE", "STATE", "PREFIXES", "BACKEND", "DATA PATH"], rows))
-        for line in n.kernel_routes():
-            print(f"  {line}")
-        print()
-    print("pods: " + ", ".join(f"{p.name}={p.ip}" for p in lab.pods))
-    return 0
-
-
-def cli_exec(name: str, target: str, argv: list[str]) -> int:
-    lab = Lab.load(name)
-    ns = lab.namespace_of(target)
-    if not ns.exists():
-        raise LabError(f"{target}: namespace {ns.name} does not exist")
-    env = dict(os.environ)
-    # The venv's agentd and agentd-cni first, so `lab exec node1 -- agentd status` works under sudo.
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"
-    for n in lab.nodes:
-        if n.name == target:  # `lab exec node1 -- agentd apply -f ...` finds the lab's etcd
-            env["AGENTD_CONFIG"] = str(n.config_path)
-    return subprocess.call(["ip", "netns", "exec", ns.name, *argv], env=env)
-
-
-def cli_pod(args) -> int:
-    """``agentd lab pod add NODE NS/NAME [--labels k=v ...] [--port NAME=PORT[/PROTO] ...]``,
-    ``agentd lab pod del NS/NAME``, ``agentd lab pod list``."""
-    lab = Lab.load(args.name)
-    if args.pod_command == "list":
-        from agentd.resources.cli import plain_table
-
-        rows = [[p.name, p.node.name, p.ip or "-", ",".join(f"{k}={v}" for k, v in p.labels.items()) or "-"]
-                for p in lab.pods]  # fmt: skip
-        print(plain_table(["POD", "NODE", "IP", "LABELS"], rows))
-        return 0
-    ns, _, pod_name = args.pod.rpartition("/")
-    if args.pod_command == "del":
-        asyncio.run(lab.remove_pod(lab.pod(args.pod if ns else f"default/{pod_name}")))
-        print(f"pod {args.pod} removed")
-        return 0
-    labels = dict(item.split("=", 1) for item in args.labels)
-    pod = asyncio.run(lab.add_pod(args.node, ns or "default", pod_name, labels=labels, ports=args.port))
-    print(f"pod {pod.name} on {pod.node.name}: {pod.ip} (namespace {pod.ns.name})")
-    return 0

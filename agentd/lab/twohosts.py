@@ -11,11 +11,8 @@ address through h2 and is used to send forged encapsulated packets.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from agentd.backend_table import BACKENDS, USERSPACE
 from agentd.lab.netns import Netns, veth
@@ -37,7 +34,6 @@ class TwoHosts:
     p2: Netns
     x: Netns | None
     underlay_mtu: int
-    workers: list[subprocess.Popen] = field(default_factory=list)
 
     def host(self, i: int) -> Netns:
         return self.h1 if i == 1 else self.h2
@@ -47,36 +43,6 @@ class TwoHosts:
             pod.ip("link", "set", "eth0", "mtu", str(mtu))
             host.ip("link", "set", dev, "mtu", str(mtu))
 
-    def start_worker(self, kind: str, i: int, control: str, *, mtu: int, offload: bool = True,
-                     extra: tuple[str, ...] = (), stderr=None, source: str | None = None) -> subprocess.Popen:
-        """Start a worker on host ``i``; with ``source`` (a directory holding ``agentd/`` and
-        ``proto/``, e.g. an export of an older commit) that code runs instead of this one."""
-        host = self.host(i)
-        local = H1_UNDERLAY if i == 1 else H2_UNDERLAY
-        argv = [sys.executable, "-m", "agentd.dataplane", kind, "--tun", DEVICE[kind], "--mtu", str(mtu),
-                "--local-ip", local, "--control", control, *extra]
-        if not offload:
-            argv.append("--no-offload")
-        env = cwd = None
-        if source:
-            env = dict(os.environ, PYTHONPATH=source)
-            cwd = source  # ``-m`` puts the working directory first on sys.path
-        proc = host.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                          stderr=stderr if stderr is not None else subprocess.PIPE, env=env, cwd=cwd)
-        self.workers.append(proc)
-        return proc
-
-    def stop_workers(self) -> None:
-        for proc in self.workers:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.workers:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.workers.clear()
 
 
 def build_two_hosts(make: Callable[[str], Netns], *, underlay_mtu: int = 1500, outsider: bool = True) -> TwoHosts:

@@ -158,16 +158,6 @@ class Nft:
         except (OSError, ValueError) as err:  # ValueError: a malformed answer (nl.NetlinkDecodeError)
             raise NftError(str(err)) from None
 
-    def list_table(self, family: str, table: str) -> list[dict[str, Any]] | None:
-        """The objects of one table (``nft -j list table``), or None if it does not exist."""
-        try:
-            out = self.run([{"list": {"table": {"family": family, "name": table}}}])
-        except NftError as err:
-            if "No such file or directory" in str(err):
-                return None
-            raise
-        return (out or {}).get("nftables", [])
-
     async def alist(self, what: dict[str, Any]) -> list[dict[str, Any]] | None:
         try:
             out = await self.arun([{"list": what}])

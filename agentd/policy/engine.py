@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from . import compiler
@@ -35,12 +34,6 @@ from agentd.nft.ruleset import Ruleset
 
 
 PolicyKey = tuple[str, str]
-
-
-@dataclass(frozen=True)
-class LocalPod:
-    pod: Pod
-    port: LocalPort
 
 
 class PolicyEngine:
