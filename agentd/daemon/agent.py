@@ -30,7 +30,8 @@ from ipaddress import IPv4Address
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from bgp import Origination, Speaker, SpeakerService
+from bgp import Origination, Speaker
+from bgp.transport import SpeakerService
 from proto.nlri import network_to_prefix
 
 

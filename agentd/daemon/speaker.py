@@ -17,7 +17,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from bgp import ListenRange, LocalSettings, Origination, PeerSettings, Speaker, SpeakerService, State
+from bgp import ListenRange, LocalSettings, Origination, PeerSettings, Speaker, State
+from bgp.transport import SpeakerService
 from bgp.views import peer_views
 from proto.nlri import prefix_from_str
 

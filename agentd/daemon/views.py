@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from bgp import Speaker, SpeakerService
+from bgp import Speaker
+from bgp.transport import SpeakerService
 
 from agentd.config.settings import Config
 from agentd.daemon.routes import KernelRoutes
