@@ -1,18 +1,132 @@
-"""Small helpers shared by the benchmarks: timing, rates, ratios and aligned tables.
+"""Small helpers shared by the benchmarks: the command line every bench accepts, failures,
+timing, rates, ratios and aligned tables.
 
 Benchmarks print tables, never assert timings (tests do that for behaviour only).
+
+The command line (bench/README.md): every bench takes ``--quick`` (its small sizes, to see it
+run end to end in a few minutes; options given explicitly still win) and ``--json FILE``
+(also write the results as JSON to FILE, or to DIR/<bench>.json when FILE is a directory,
+which is how ``scripts/dev bench --json DIR`` hands one directory to all of them).  A run
+that fails is a :class:`BenchError`: one line on stderr and exit status 1, never a zero in a
+table.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class BenchError(RuntimeError):
+    """A run that failed (a tool that did not start, a transfer that moved nothing): the
+    bench stops, says what failed in one line and exits 1."""
+
+
+def add_common_options(parser: argparse.ArgumentParser, quick: str) -> None:
+    """``--quick`` and ``--json FILE``, the same in every bench; ``quick`` says what the
+    small sizes are (for --help)."""
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small sizes, to see the bench run end to end ({quick}); options given explicitly win")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the results as JSON to FILE (a directory: FILE/<bench>.json)")
+
+
+def parse_bench_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, name: str,
+                     quick: Mapping[str, Any]) -> argparse.Namespace:
+    """Parse with the common options: under ``--quick`` the defaults in ``quick`` replace the
+    parser's own (an option given on the command line still wins); ``args.json`` becomes the
+    file to write (``name``.json inside a directory), checked to be writable before the run."""
+    if not any(a.dest == "quick" for a in parser._actions):
+        add_common_options(parser, ", ".join(f"{k.replace('_', '-')} {v}" for k, v in quick.items()))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**quick)
+    args = parser.parse_args(argv)
+    if args.json is not None:
+        try:
+            args.json = json_target(args.json, name)
+        except BenchError as err:
+            parser.error(str(err))
+    return args
+
+
+def json_target(path: str, name: str) -> str:
+    """Where ``--json PATH`` writes: PATH, or PATH/<name>.json when PATH is a directory.
+    The file is opened (and left as it was) so that a bad path fails before a long run."""
+    target = Path(path)
+    if target.is_dir():
+        target = target / f"{name}.json"
+    try:
+        with target.open("a"):
+            pass
+    except OSError as err:
+        raise BenchError(f"--json {path}: {err.strerror}") from None
+    return str(target)
+
+
+def write_json(path: str | None, obj: object) -> None:
+    """The results as JSON to ``path`` (nothing when it is None)."""
+    if path is not None:
+        with open(path, "w") as f:
+            emit_json(obj, file=f)
+
+
+def run_main(main: Callable[[], int | None], name: str, errors: tuple[type[BaseException], ...] = ()) -> None:
+    """``sys.exit(main())`` with the benches' conventions: a :class:`BenchError` (or one of
+    ``errors``, e.g. the lab's) is one line on stderr and exit 1; Ctrl-C exits 130; a closed
+    pipe (``| head``) ends quietly."""
+    try:
+        code = main()
+    except (BenchError, *errors) as err:
+        print(f"{name}: {err}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except BrokenPipeError:
+        sys.stdout = None  # nothing more can reach the reader; do not complain at exit
+        code = 0
+    sys.exit(code or 0)
+
+
+@dataclass(frozen=True)
+class Iperf3Run:
+    gbps: float  # received, as the server counted it
+    retransmits: int
+
+
+def iperf3_result(returncode: int, stdout: str | bytes, stderr: str | bytes, what: str) -> Iperf3Run:
+    """The figures of one ``iperf3 -c ... -J`` run; anything but a clean run that moved data
+    (a non-zero exit, an "error" in its report, no report, nothing received) is a
+    :class:`BenchError` naming ``what`` and iperf3's own reason."""
+    out = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
+    err = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
+    try:
+        report = json.loads(out)
+    except ValueError:
+        report = None
+    if not isinstance(report, dict):
+        tail = (out.strip() or err.strip() or "no output")[-300:]
+        raise BenchError(f"{what}: iperf3 failed (exit {returncode}): {tail}")
+    if report.get("error") or returncode != 0:
+        reason = report.get("error") or err.strip()[-300:] or "no reason given"
+        raise BenchError(f"{what}: iperf3 failed (exit {returncode}): {reason}")
+    try:
+        gbps = float(report["end"]["sum_received"]["bits_per_second"]) / 1e9
+        retransmits = int(report["end"].get("sum_sent", {}).get("retransmits", 0))
+    except (KeyError, TypeError, ValueError):
+        raise BenchError(f"{what}: iperf3 reported no received total") from None
+    if gbps <= 0:
+        raise BenchError(f"{what}: iperf3 moved no data (0 bit/s received)")
+    return Iperf3Run(gbps, retransmits)
 
 
 def require_root(what: str) -> None:
