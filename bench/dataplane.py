@@ -1,6 +1,9 @@
 """Pod-to-pod TCP throughput through the agent, every data path side by side.
 
-    python bench/dataplane.py [--seconds 10] [--rounds 3] [--only "udp bpf,ipip bpf,..."]
+    python bench/dataplane.py [--seconds 10] [--rounds 3] [--only "udp bpf,ipip bpf,..."] [--routed]
+                              [--quick] [--json FILE]
+
+Defaults: 10 s per iperf3 run, 3 rounds, every row below; ``--quick``: 2 s, 1 round.
 
 Brings up one lab per row (agentd.lab: 2 nodes, 1 pod each, real agents, etcd, BGP; all in
 namespaces, removed at the end) and runs ONE iperf3 TCP stream pod -> pod across the two
@@ -8,14 +11,21 @@ nodes, plus 20 pings:
 
   raw veth      node to node over the lab underlay (veth, bridge, veth): the physical anchor,
                 in the host-gw lab
-  kernel vxlan  the lab's vxlan backend (kernel VTEP; its BPF member filter on): the kernel anchor
+  kernel VTEP   the kernel alone, no agentd: the same shape built by hand (an underlay bridge,
+                two node namespaces with a kernel VXLAN device each (VNI 1, port 8472, no
+                learning, static FDB, neighbour and onlink routes, as flannel's vxlan backend
+                sets them), a cni0 bridge per node and a pod behind it, MTU 1450), no BPF
+                program anywhere: the kernel anchor of the encapsulating rows
+  agentd vxlan  the lab's vxlan backend: the same kernel VTEP, programmed by agentd, with
+                agentd's programs attached (its BPF member filter on the underlay, the pod
+                fast path)
   host-gw       plain routes
   udp bpf       the udp backend in the in-kernel (tc-BPF) data path
   ipip bpf      the ipip backend in the in-kernel data path
   udp user      the udp backend in the user-space worker ([network] datapath = "userspace")
   ipip user     the ipip backend in the user-space worker
-  ... routed    with --routed: vxlan, udp bpf and ipip bpf between nodes on two L2 segments
-                joined by the lab's router (agentd lab --subnets 2): the outer packet routed
+  ... routed    with --routed: agentd vxlan, udp bpf and ipip bpf between nodes on two L2
+                segments joined by the lab's router (agentd lab --subnets 2): the outer packet routed
 
 Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...),
 so a slow spell of the machine hits all of them alike; the table shows each row's median
@@ -23,38 +33,43 @@ round, its range, and ratios of medians. "CPU/Gbit" is the machine's busy CPU ti
 the transfer (all cores, /proc/stat: iperf3 x2, softirq, workers, everything else running)
 per second and per Gbit/s moved: cores per Gbit/s, lower is cheaper. On a shared machine
 other jobs inflate it; the load line says how busy the machine was. A failed iperf3 run is
-an error that stops the bench (exit 1), never a 0 Gbit/s row.
+an error that stops the bench (exit 1), never a 0 Gbit/s row; the client starts once the
+server's socket listens.  ``--json FILE`` also writes every round.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import os
 import re
-import subprocess
 import sys
 import time
 from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import _iperf  # noqa: E402
+from bench._common import BenchError, parse_bench_args, run_main, write_json  # noqa: E402
+
 from agentd.lab.lab import Lab, LabError, LabSpec  # noqa: E402
-from agentd.lab.netns import Netns, unique_tag  # noqa: E402
+from agentd.lab.netns import Netns, unique_tag, veth  # noqa: E402
 
 ANCHORS = [
     "flannel's UDP backend ~ 0.6x kernel VXLAN in published tests (\"for debugging only\")",
     "Calico IPIP (kernel ipip device) and the Cilium / Calico eBPF data planes: at or above kernel VXLAN",
-    "the probe behind issue 12 on this machine: BPF udp 1.09x, BPF ipip 1.02x kernel VXLAN (medians of 6)",
+    "the BPF data path's design probe on this machine: BPF udp 1.09x, BPF ipip 1.02x the lab's vxlan (medians of 6)",
 ]
-GOALS = [("udp bpf", "kernel vxlan", 1.0), ("ipip bpf", "kernel vxlan", 1.0), ("host-gw", "raw veth", 0.95),
-         ("udp bpf routed", "vxlan routed", 1.0), ("ipip bpf routed", "vxlan routed", 1.0)]
+GOALS = [("udp bpf", "kernel VTEP", 1.0), ("ipip bpf", "kernel VTEP", 1.0), ("host-gw", "raw veth", 0.95), ("udp bpf routed", "vxlan routed", 1.0), ("ipip bpf routed", "vxlan routed", 1.0)]
+KERNEL_VTEP = "kernel VTEP"
 
-# name -> (lab backend, [network] datapath, what to measure, L2 segments)
+# name -> (lab backend, [network] datapath, what to measure, L2 segments); the kernel VTEP row
+# is no agentd lab (KernelVtep below).
 ROWS = {
     "raw veth": ("host-gw", "auto", "nodes", 1),
-    "kernel vxlan": ("vxlan", "auto", "pods", 1),
+    KERNEL_VTEP: ("", "", "pods", 1),
+    "agentd vxlan": ("vxlan", "auto", "pods", 1),
     "host-gw": ("host-gw", "auto", "pods", 1),
     "udp bpf": ("udp", "bpf", "pods", 1),
     "ipip bpf": ("ipip", "bpf", "pods", 1),
@@ -66,10 +81,6 @@ ROUTED = {
     "udp bpf routed": ("udp", "bpf", "pods", 2),
     "ipip bpf routed": ("ipip", "bpf", "pods", 2),
 }
-
-
-class BenchError(RuntimeError):
-    pass
 
 
 class Round(NamedTuple):
@@ -87,31 +98,73 @@ def busy_jiffies() -> tuple[int, int]:
 
 async def iperf(client: Netns, server: Netns, dst: str, seconds: int, what: str) -> tuple[float, int, float]:
     """(Gbit/s, retransmits, busy cores) of one iperf3 TCP stream; a failure raises."""
-    srv = server.popen(["iperf3", "-s", "-1", "-B", dst], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while f"{dst}:5201" not in server.exec("ss", "-ltn", check=False):
-            if time.monotonic() > deadline:
-                raise BenchError(f"{what}: the iperf3 server did not start")
-            await asyncio.sleep(0.05)
+    async with _iperf.server(server, bind=dst, once=True, what=f"{what}: the iperf3 server"):
         total0, busy0 = busy_jiffies()
-        rc, out, err = await client.aexec("iperf3", "-c", dst, "-t", str(seconds), "-J", check=False,
-                                          timeout=seconds + 30)
+        run = await _iperf.client(client, dst, seconds, what=what)
         total1, busy1 = busy_jiffies()
-        try:
-            end = json.loads(out)["end"]
-            gbps = end["sum_received"]["bits_per_second"] / 1e9
-            retr = int(end["sum_sent"].get("retransmits", 0))
-        except (ValueError, KeyError, TypeError):
-            raise BenchError(f"{what}: iperf3 failed (rc {rc}): {(out + err).decode(errors='replace')[-400:]}") from None
-        if rc != 0 or gbps <= 0:
-            raise BenchError(f"{what}: iperf3 failed (rc {rc}, {gbps} Gbit/s)")
-        cores = (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
-        return gbps, retr, cores
-    finally:
-        if srv.poll() is None:
-            srv.kill()
-        srv.wait()
+    cores = (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
+    return run.gbps, run.retransmits, cores
+
+
+class KernelVtep:
+    """The kernel VXLAN anchor without agentd: an underlay bridge, two nodes with a kernel
+    VTEP each, a cni0 bridge per node and one pod behind it, all programmed by hand the way
+    flannel's vxlan backend programs a node (static FDB and neighbour entries, onlink routes,
+    no learning); every namespace is removed by :meth:`down`."""
+
+    UNDERLAY = ("192.168.250.1", "192.168.250.2")
+    SUBNETS = ("10.99.1", "10.99.2")
+    MACS = ("02:ad:00:00:00:01", "02:ad:00:00:00:02")
+    MTU = 1450  # 1500 underlay - 50 of VXLAN, as the lab's vxlan pods have
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.namespaces: list[Netns] = []
+        self.pods: list[Netns] = []
+
+    def _ns(self, suffix: str) -> Netns:
+        ns = Netns.create(f"ad-{self.tag}-{suffix}")
+        self.namespaces.append(ns)
+        return ns
+
+    def up(self) -> None:
+        ul = self._ns("ul")
+        ul.ip("link", "add", "br0", "type", "bridge")
+        ul.ip("link", "set", "br0", "up")
+        nodes = [self._ns(f"n{i + 1}") for i in range(2)]
+        for i, node in enumerate(nodes):
+            veth(node, "eth0", ul, f"n{i + 1}")
+            ul.ip("link", "set", f"n{i + 1}", "master", "br0")
+            node.ip("addr", "add", f"{self.UNDERLAY[i]}/24", "dev", "eth0")
+            node.sysctl("net.ipv4.ip_forward", 1)
+            node.ip("link", "add", "vxlan0", "address", self.MACS[i], "mtu", str(self.MTU), "type", "vxlan", "id", "1",
+                    "local", self.UNDERLAY[i], "dev", "eth0", "dstport", "8472", "nolearning")
+            node.ip("addr", "add", f"{self.SUBNETS[i]}.0/32", "dev", "vxlan0")
+            node.ip("link", "set", "vxlan0", "up")
+            node.ip("link", "add", "cni0", "mtu", str(self.MTU), "type", "bridge")
+            node.ip("addr", "add", f"{self.SUBNETS[i]}.1/24", "dev", "cni0")
+            node.ip("link", "set", "cni0", "up")
+            pod = self._ns(f"p{i + 1}")
+            veth(pod, "eth0", node, "veth0", mtu=self.MTU)
+            node.ip("link", "set", "veth0", "master", "cni0")
+            pod.ip("addr", "add", f"{self.SUBNETS[i]}.2/24", "dev", "eth0")
+            pod.ip("link", "set", "lo", "up")
+            pod.ip("route", "add", "default", "via", f"{self.SUBNETS[i]}.1")
+            self.pods.append(pod)
+        for i, node in enumerate(nodes):
+            j = 1 - i
+            node.ip("neigh", "add", f"{self.SUBNETS[j]}.0", "lladdr", self.MACS[j], "dev", "vxlan0", "nud", "permanent")
+            node.exec("bridge", "fdb", "append", self.MACS[j], "dev", "vxlan0", "dst", self.UNDERLAY[j], "self", "permanent")
+            node.ip("route", "add", f"{self.SUBNETS[j]}.0/24", "via", f"{self.SUBNETS[j]}.0", "dev", "vxlan0", "onlink")
+
+    @property
+    def dst(self) -> str:
+        return f"{self.SUBNETS[1]}.2"
+
+    def down(self) -> None:
+        for ns in reversed(self.namespaces):
+            with contextlib.suppress(Exception):
+                ns.delete()
 
 
 async def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
@@ -120,9 +173,11 @@ async def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-async def run_row(name: str, lab: Lab, seconds: int) -> Round:
+async def run_row(name: str, lab: Lab | KernelVtep, seconds: int) -> Round:
     what = ROWS[name][2]
-    if what == "nodes":
+    if isinstance(lab, KernelVtep):
+        client, server, dst = lab.pods[0], lab.pods[1], lab.dst
+    elif what == "nodes":
         client, server, dst = lab.nodes[0].ns, lab.nodes[1].ns, lab.nodes[1].address
     else:
         client, server, dst = lab.pods[0].ns, lab.pods[1].ns, lab.pods[1].ip
@@ -144,12 +199,19 @@ def check_datapath(name: str, lab: Lab) -> None:
 
 async def bench(args, names: list[str]) -> dict[str, list[Round]]:
     tag = unique_tag("b")
-    labs: dict[str, Lab] = {}
-    specs: dict[tuple[str, str], Lab] = {}
+    labs: dict[str, Lab | KernelVtep] = {}
+    specs: dict[tuple[str, str, int], Lab] = {}
+    vtep = None
     runs: dict[str, list[Round]] = {}
     try:
         for name in names:
             backend, datapath, _, segments = ROWS[name]
+            if name == KERNEL_VTEP:
+                print("  the kernel VTEP pair (no agentd) ...", file=sys.stderr, flush=True)
+                vtep = KernelVtep(f"{tag}k")
+                labs[name] = vtep
+                vtep.up()
+                continue
             key = (backend, datapath, segments)
             if key not in specs:  # raw veth and host-gw share a lab
                 lab = Lab(LabSpec(name=f"{tag}{len(specs)}", nodes=2, pods=1, backend=backend, datapath=datapath,
@@ -158,7 +220,7 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
                 print(f"  lab for {backend} ({datapath}) ...", file=sys.stderr, flush=True)
                 await lab.up(timeout=120)
             labs[name] = specs[key]
-            check_datapath(name, labs[name])
+            check_datapath(name, specs[key])
         for r in range(args.rounds):
             for name in names:
                 got = await run_row(name, labs[name], args.seconds)
@@ -166,6 +228,8 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
                 print(f"  round {r + 1}/{args.rounds} {name:<13} {got.gbps:6.2f} Gbit/s, {got.retr} retr, "
                       f"{got.cpu_per_gbit:.3f} cores/Gbit", file=sys.stderr, flush=True)
     finally:
+        if vtep is not None:
+            vtep.down()
         for lab in specs.values():
             await lab.down()
     return runs
@@ -179,19 +243,20 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
         spread = f"{ordered[0].gbps:.2f}-{ordered[-1].gbps:.2f}" if len(got) > 1 else ""
         results.append((name, mid, spread))
     by = {name: mid.gbps for name, mid, _ in results}
-    raw, vx = by.get("raw veth") or float("nan"), by.get("kernel vxlan") or float("nan")
-    print(f"\nagentd data plane through the agent: lab pods, iperf3 TCP, 1 stream, {args.seconds} s; "
-          f"median of {args.rounds} interleaved rounds")
+    raw, vx = by.get("raw veth") or float("nan"), by.get(KERNEL_VTEP) or float("nan")
+    print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s; median of {args.rounds} interleaved rounds "
+          "(pod to pod, but raw veth: node to node)")
     after = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, busy {background * 100:.0f}% before the run (other jobs); load average "
           f"{load[0]:.2f} before, {after[0]:.2f} after" + ("  <- rows are skewed by other load" if background > 0.1 else "")
           + "\n")
-    print(f"{'path':<13} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x vxlan':>8} {'retr':>6} {'ping ms':>8} "
+    print(f"{'path':<15} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x VTEP':>7} {'retr':>6} {'ping ms':>8} "
           f"{'CPU/Gbit':>9}")
     print("-" * 80)
     for name, mid, spread in results:
-        print(f"{name:<13} {mid.gbps:7.2f} {spread:>11} {mid.gbps / raw:10.2f} {mid.gbps / vx:8.2f} {mid.retr:6d} "
+        print(f"{name:<15} {mid.gbps:7.2f} {spread:>11} {mid.gbps / raw:10.2f} {mid.gbps / vx:7.2f} {mid.retr:6d} "
               f"{mid.ping:8.3f} {mid.cpu_per_gbit:9.3f}")
+    print("\nx VTEP: over the kernel VTEP row (the kernel's VXLAN, no agentd program anywhere)")
     print("\nanchors (context, not measured here):")
     for a in ANCHORS:
         print(f"  - {a}")
@@ -199,10 +264,10 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     for name, base, want in GOALS:
         if name in by and base in by:
             got = by[name] / by[base]
-            print(f"  {name:<9} >= {want:.2f}x {base:<12}: {got:.2f}x  {'met' if got >= want else 'NOT met'}")
+            print(f"  {name:<15} >= {want:.2f}x {base:<12}: {got:.2f}x  {'met' if got >= want else 'NOT met'}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=int, default=10, help="iperf3 duration per row (default 10)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -211,10 +276,9 @@ def main() -> int:
     ap.add_argument("--root", default=None, help="lab directory (default: agentd lab's)")
     ap.add_argument("--routed", action="store_true",
                     help="also the routed-underlay rows (two L2 segments joined by the lab's router)")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, argv, name="dataplane", quick={"seconds": 2, "rounds": 1})
     if args.rounds < 1 or args.seconds < 1:
-        print("bench/dataplane.py: --rounds and --seconds must be at least 1", file=sys.stderr)
-        return 1
+        ap.error("--rounds and --seconds must be at least 1")
     if os.geteuid() != 0:
         print("bench/dataplane.py: needs root (network namespaces)", file=sys.stderr)
         return 1
@@ -223,22 +287,20 @@ def main() -> int:
     wanted = [x.strip() for x in args.only.split(",")] if args.only else list(ROWS)
     unknown = [x for x in wanted if x not in ROWS]
     if unknown:
-        print(f"bench/dataplane.py: unknown rows {unknown}; rows are {', '.join(ROWS)}", file=sys.stderr)
-        return 1
-    names = [n for n in ROWS if n in wanted or n in ("raw veth", "kernel vxlan")]
+        ap.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
+    names = [n for n in ROWS if n in wanted or n in ("raw veth", KERNEL_VTEP)]
     total0, busy0 = busy_jiffies()
-    time.sleep(1.0)
+    time.sleep(1.0)  # a one-second sample of what else is running (the load line), not a synchronisation
     total1, busy1 = busy_jiffies()
     background = (busy1 - busy0) / max(total1 - total0, 1)
     load = os.getloadavg()
-    try:
-        runs = asyncio.run(bench(args, names))
-    except (BenchError, LabError) as err:
-        print(f"bench/dataplane.py: {err}", file=sys.stderr)
-        return 1
+    runs = asyncio.run(bench(args, names))
+    write_json(args.json, {"seconds": args.seconds, "rounds": args.rounds, "background_busy": background,
+                           "load_before": load[0], "load_after": os.getloadavg()[0],
+                           "rows": {name: [r._asdict() for r in got] for name, got in runs.items()}})
     report(args, runs, load, background)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, "bench/dataplane.py", errors=(LabError,))
