@@ -32,7 +32,8 @@ Measured, per N:
 There is no kube-proxy here (no API server for it to watch), so the anchors are what its
 syncs send to the kernel, rebuilt and timed in a scratch namespace of the same machine; its
 own Go work (walking every service to write the input) is not in them, so they are lower
-bounds of a kube-proxy sync:
+bounds of a kube-proxy sync (3 changes each, median; every tool is started by a thread that
+has entered the namespace, so ``ip netns exec`` is not in the figures):
 
 * a kube-proxy-shaped iptables ruleset (its nat chains KUBE-SERVICES -> KUBE-SVC-* with
   statistic random -> KUBE-SEP-* with masquerade mark and DNAT, its filter chains), loaded
@@ -71,6 +72,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import _iperf  # noqa: E402
+from bench._scratch import timed  # noqa: E402
 from bench._common import (  # noqa: E402
     BenchError,
     int_list,
@@ -300,25 +302,23 @@ def iptables_anchor(n: int, endpoints: int, changes: int = 3) -> dict[str, Any]:
         hooks = "\n".join(["*nat", "-A PREROUTING -j KUBE-SERVICES", "-A OUTPUT -j KUBE-SERVICES",
                            "-A POSTROUTING -j KUBE-POSTROUTING", "COMMIT", ""])
         first = kube_proxy_restore(n, endpoints, addresses, None)
-        start = time.perf_counter()
-        ns.exec("iptables-restore", "--noflush", "--counters", input=first.encode(), timeout=1800)
-        full = time.perf_counter() - start
-        ns.exec("iptables-restore", "--noflush", input=hooks.encode())  # kube-proxy's EnsureRule jumps
+        full, _ = timed(ns, ["iptables-restore", "--noflush", "--counters"], first.encode())
+        timed(ns, ["iptables-restore", "--noflush"], hooks.encode())  # kube-proxy's EnsureRule jumps
         large = n * endpoints > LARGE_CLUSTER_ENDPOINTS
         syncs, sizes = [], []
         for k in range(changes):
             i = (k * 7919) % n
             before = addresses[i]
             addresses[i] = fake_addresses(i, endpoints, salt=k + 1)
-            start = time.perf_counter()
             stale: list[str] = []
+            took = 0.0
             if not large:  # it reads the nat table back to find stale chains
-                saved = ns.exec("iptables-save", "-t", "nat", timeout=600)
+                took, saved = timed(ns, ["iptables-save", "-t", "nat"])
                 have = {line[1:].split()[0] for line in saved.splitlines() if line.startswith(":KUBE-SEP-")}
                 stale = sorted(have - {sep_chain(j, a) for j in range(n) for a in addresses[j]})
             text = kube_proxy_restore(n, endpoints, addresses, {i}, stale)
-            ns.exec("iptables-restore", "--noflush", "--counters", input=text.encode(), timeout=1800)
-            syncs.append(time.perf_counter() - start)
+            restore, _ = timed(ns, ["iptables-restore", "--noflush", "--counters"], text.encode())
+            syncs.append(took + restore)
             sizes.append(text.count("\n-A ") + text.count("\n-X "))
             if not large and sorted({sep_chain(i, a) for a in before} - {sep_chain(i, a) for a in addresses[i]}) != stale:
                 raise BenchError("the iptables anchor's stale-chain cleanup did not find what changed")
@@ -342,16 +342,16 @@ def _nft_service(i: int, addrs: list[str]) -> tuple[list[str], list[str]]:
     its chains added and flushed (ensureChain), then their rules."""
     svc = nft_service_name(i)
     eps = [nft_endpoint_name(i, a) for a in addrs]
-    cmds = [f'add chain ip kube-proxy "{svc}"', f'flush chain ip kube-proxy "{svc}"']
+    cmds = [f"add chain ip kube-proxy {svc}", f"flush chain ip kube-proxy {svc}"]
     for e in eps:
-        cmds += [f'add chain ip kube-proxy "{e}"', f'flush chain ip kube-proxy "{e}"']
-    cmds.append(f'add rule ip kube-proxy "{svc}" ip daddr {vip(i)} tcp dport 80 ip saddr != {POD_CIDR} '
+        cmds += [f"add chain ip kube-proxy {e}", f"flush chain ip kube-proxy {e}"]
+    cmds.append(f"add rule ip kube-proxy {svc} ip daddr {vip(i)} tcp dport 80 ip saddr != {POD_CIDR} "
                 "jump mark-for-masquerade")
-    vmap = ", ".join(f'{j} : goto "{e}"' for j, e in enumerate(eps))
-    cmds.append(f'add rule ip kube-proxy "{svc}" numgen random mod {len(eps)} vmap {{ {vmap} }}')
+    vmap = ", ".join(f"{j} : goto {e}" for j, e in enumerate(eps))
+    cmds.append(f"add rule ip kube-proxy {svc} numgen random mod {len(eps)} vmap {{ {vmap} }}")
     for e, a in zip(eps, addrs):
-        cmds.append(f'add rule ip kube-proxy "{e}" ip saddr {a} jump mark-for-masquerade')
-        cmds.append(f'add rule ip kube-proxy "{e}" meta l4proto tcp dnat to {a}:8080')
+        cmds.append(f"add rule ip kube-proxy {e} ip saddr {a} jump mark-for-masquerade")
+        cmds.append(f"add rule ip kube-proxy {e} meta l4proto tcp dnat to {a}:8080")
     return eps, cmds
 
 
@@ -389,28 +389,30 @@ def nft_anchor(n: int, endpoints: int, changes: int = 3) -> dict[str, Any]:
             eps, cmds = _nft_service(i, fake_addresses(i, endpoints))
             current[i] = eps
             base += cmds
-            elements.append(f'{vip(i)} . tcp . 80 : goto "{nft_service_name(i)}"')
+            elements.append(f"{vip(i)} . tcp . 80 : goto {nft_service_name(i)}")
             ips.append(vip(i))
         for k in range(0, n, 1000):
             base.append(f"add element ip kube-proxy service-ips {{ {', '.join(elements[k : k + 1000])} }}")
             base.append(f"add element ip kube-proxy cluster-ips {{ {', '.join(ips[k : k + 1000])} }}")
-        start = time.perf_counter()
-        ns.exec("nft", "-f", "-", input="\n".join(base).encode(), timeout=1800)
-        full = time.perf_counter() - start
+        full, _ = timed(ns, ["nft", "-f", "-"], "\n".join(base).encode())
         syncs, stale = [], []
         for k in range(changes):
             i = (k * 7919) % n
-            start = time.perf_counter()
+            took = 0.0
             if stale:  # chains flushed by the previous sync, deleted in a transaction of their own
-                ns.exec("nft", "-f", "-", input="\n".join(f'delete chain ip kube-proxy "{c}"' for c in stale).encode())
-            listed = json.loads(ns.exec("nft", "--json", "list", "chains", "ip", timeout=600))
-            json.loads(ns.exec("nft", "--json", "list", "sets", "ip", timeout=600))
+                took, _ = timed(ns, ["nft", "-f", "-"], "\n".join(f"delete chain ip kube-proxy {c}" for c in stale).encode())
+            seconds, text = timed(ns, ["nft", "--json", "list", "chains", "ip"])
+            listed = json.loads(text)
+            took += seconds
+            seconds, text = timed(ns, ["nft", "--json", "list", "sets", "ip"])
+            json.loads(text)
+            took += seconds
             eps, cmds = _nft_service(i, fake_addresses(i, endpoints, salt=k + 1))
             stale = [e for e in current[i] if e not in eps]
-            cmds += [f'flush chain ip kube-proxy "{e}"' for e in stale]
+            cmds += [f"flush chain ip kube-proxy {e}" for e in stale]
             current[i] = eps
-            ns.exec("nft", "-f", "-", input="\n".join(cmds).encode(), timeout=600)
-            syncs.append(time.perf_counter() - start)
+            seconds, _ = timed(ns, ["nft", "-f", "-"], "\n".join(cmds).encode())
+            syncs.append(took + seconds)
         chains = sum(1 for item in listed["nftables"] if "chain" in item)
         return {"chains": chains, "full_s": full, "change_s": statistics.median(syncs), "change_runs_s": syncs}
     finally:
