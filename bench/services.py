@@ -455,8 +455,8 @@ def report(rows: list[dict[str, Any]]) -> None:
     print_table(
         "One endpoint change, one node's sync (median): agentd's own report vs. one sync of each anchor, "
         "all on this machine (anchors: the kernel-facing part of a kube-proxy sync, a lower bound)",
-        ["services", "agentd node sync (ms)", "iptables --noflush partial (ms)", "agentd / it",
-         "nft partial sync (ms)", "agentd / it", "anchors' first load: iptables / nft (s)"],
+        ["services", "agentd node sync (ms)", "iptables --noflush partial (ms)", "agentd / iptables",
+         "nft partial sync (ms)", "agentd / nft", "anchors' first load: iptables / nft (s)"],
         [[r["services"], f"{r['node_sync_median_ms']:.1f}", ms(r["iptables_anchor"]["change_s"]),
           f"{r['node_sync_median_ms'] / (r['iptables_anchor']['change_s'] * 1000):.3f}x",
           ms(r["nft_anchor"]["change_s"]), f"{r['node_sync_median_ms'] / (r['nft_anchor']['change_s'] * 1000):.2f}x",
