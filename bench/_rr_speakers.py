@@ -10,8 +10,8 @@ in the kernel).  How the clients are configured is one switch per speaker (``sty
 * ``peers``: one entry per client: agentd ``[[bgp.peers]]`` (passive, rr_client),
   BIRD one ``protocol bgp`` per client from a template, GoBGP one ``[[neighbors]]`` each.
 
-agentd's default is ``range`` once its configuration knows ``listen_ranges`` (issue 11,
-item 5) and ``peers`` before; BIRD and GoBGP default to ``range`` (both take 2,000
+agentd's default is ``range`` once its configuration knows ``listen_ranges`` (the route-reflector
+scale work's dynamic neighbours) and ``peers`` before; BIRD and GoBGP default to ``range`` (both take 2,000
 dynamic clients without trouble on this machine; ``peers`` is there to compare).
 """
 

@@ -2,7 +2,8 @@
 
 Written from RFC 4271 directly and on purpose independent of proto/ and bgp/: the devices
 under test are measured by peers that do not share the project's codec, so a bug there
-cannot hide itself (issue 11, "Checked by").  Only the standard library is used.
+cannot hide itself (the scale work's rule that a
+measuring peer shares no code with what it measures).  Only the standard library is used.
 
 What is here: framing (RFC 4271 §4.1), OPEN with capabilities (§4.2, RFC 5492), KEEPALIVE,
 NOTIFICATION (§4.5), UPDATE (§4.3) with the path attributes the benchmarks send, IPv4 prefix

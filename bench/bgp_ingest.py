@@ -1,9 +1,9 @@
 """BGP ingest: time and peak RSS for a speaker to receive and hold N IPv4 prefixes.
 
     sudo .venv/bin/python bench/bgp_ingest.py [--regime one,three,packed] [--n 200000]
-         [--rounds R] [--only agentd,bird,gobgp] [--t1 idle|poll] [--json FILE]
+         [--rounds R] [--only agentd,bird,gobgp] [--t1 idle|poll] [--quick] [--json FILE]
 
-Three regimes (issue 11, item 6; streams in bench/_feeder.py):
+Three regimes (the pod-network-scale BGP goals; streams in bench/_feeder.py):
 
     one     1 prefix per UPDATE, every UPDATE its own attribute set (its own MED), as in a
             pod network where every node's route has its own next hop; default N 200,000
@@ -12,7 +12,7 @@ Three regimes (issue 11, item 6; streams in bench/_feeder.py):
             100-500 prefixes); default N 100,000 and 1,000,000
 
 agentd's speaker, BIRD 2 and GoBGP (Debian gobgpd) are measured side by side in one run
-with the same feeder on the same machine (issue 2, item 8).  For every N, round and
+with the same feeder on the same machine (as the BGP speaker's interop work asked).  For every N, round and
 speaker: fresh namespaces (the speaker's and a feeder's, joined by a veth pair) and a
 fresh speaker process; the feeder (bench/_feeder.py) connects over real TCP, opens an
 eBGP session (AS 65001 -> 65000) and pushes one pre-encoded UPDATE stream, the same
@@ -74,7 +74,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentd.lab.netns import Netns, NetnsError, unique_tag, veth
-from bench._common import int_list, print_notes, print_table, require_root
+from bench._common import int_list, parse_bench_args, print_notes, print_table, require_root
 from bench._feeder import Feeder, FeederError, FeedStream, build_stream
 from bench._speakers import (
     DRIVERS,
@@ -470,7 +470,7 @@ def report(
                 got = "no result" if ratio is None else f"{ratio:.2f}x"
                 lines.append(f"{regime} N={n}: agentd {what} {bound:g}x {LABELS[other]}{stretch}: {got}  {verdict}")
         if lines:
-            print_notes("goals (issue 11)", lines)
+            print_notes("goals (BGP at pod-network scale)", lines)
 
 
 # --------------------------------------------------------------------------- main
@@ -534,8 +534,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, default=2, choices=range(10), metavar="K",
                    help="at most K repeats of such a run (default 2); every attempt is in the JSON")
     p.add_argument("--seed", type=int, default=1, help="seed of the generated stream (default 1)")
-    p.add_argument("--json", metavar="FILE", help="also write every run (queries, CPU trace) as JSON")
-    return p.parse_args(argv)
+    return parse_bench_args(p, argv, name="bgp_ingest", quick={"n": [20000], "settle": 5.0})
 
 
 def _progress(r: RunResult, before: float) -> None:

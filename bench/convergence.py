@@ -1,10 +1,10 @@
-"""Convergence in the lab: join and leave times, idle CPU and memory per agent (issue 3, item 10).
+"""Convergence in the lab: join and leave times, idle CPU and memory per agent.
 
     sudo .venv/bin/python bench/convergence.py [--nodes 3,5,10] [--modes mesh,route-reflector]
         [--rounds 3] [--backend host-gw] [--settle 10] [--idle-seconds 25] [--lab-timeout SECONDS]
-        [--leave-via cli|light] [--keep-logs] [--no-bytecode-cache] [--json FILE]
+        [--leave-via cli|light] [--keep-logs] [--no-bytecode-cache] [--quick] [--json FILE]
 
-Large labs (issue 11, item 7), bounded to about 15 minutes on 2 cores:
+Large labs (BGP at pod-network scale), bounded to about 15 minutes on 2 cores:
 
     sudo .venv/bin/python bench/convergence.py --nodes 10,50,100 --modes mesh,route-reflector \
         --rounds 2 --settle 5 --idle-seconds 15
@@ -35,8 +35,8 @@ The lab's timers (BGP hold, keepalive, connect retry, etcd lease TTL...) are rea
 X's configuration file as the agent loads it and printed with the tables: every figure
 depends on them (a leave without `agentd leave` would take a hold time).
 
-Goals (issue 3): join and leave under 1 s at 10 nodes; an idle agent under 1% CPU and 80 MB RSS.
-Goal (issue 11): join under 2 s in a 50-node mesh.
+Goals of the node agent: join and leave under 1 s at 10 nodes; an idle agent under 1% CPU and 80 MB RSS.
+Goal of BGP at pod-network scale: join under 2 s in a 50-node mesh.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from typing import Any, NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import emit_json, int_list, median, print_notes, print_table, require_root  # noqa: E402
+from bench._common import emit_json, int_list, median, parse_bench_args, print_notes, print_table, require_root  # noqa: E402
 from bench._lab_timing import (  # noqa: E402
     RouteWatch,
     all_times,
@@ -82,8 +82,8 @@ GOAL_CPU_PERCENT = 1.0
 GOAL_RSS_MB = 80.0
 # (nodes, modes, what, seconds, where the goal is stated)
 GOALS = (
-    (10, MODES, ("join", "leave"), 1.0, "issue 3, item 10"),
-    (50, ("mesh",), ("join",), 2.0, "issue 11, item 7"),
+    (10, MODES, ("join", "leave"), 1.0, "the node agent's goal"),
+    (50, ("mesh",), ("join",), 2.0, "the pod-network-scale goal"),
 )
 WAIT = 30.0  # longest we wait for one join or leave to converge (labs up to 50 nodes)
 
@@ -629,13 +629,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the agents with this environment as it is (by default they get a private, pre-warmed "
         "bytecode cache, as an installed package has, even when PYTHONDONTWRITEBYTECODE is set here)",
     )
-    p.add_argument("--json", metavar="FILE", help="also write every measurement as JSON to FILE")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_bench_args(parser, argv, name="convergence", quick={
+        "nodes": [3], "modes": ["mesh"], "rounds": 1, "settle": 2.0, "idle_seconds": 5.0})
     if not 1 <= args.rounds <= 50:
         parser.error(f"--rounds must be between 1 and 50, got {args.rounds}")
     small = [n for n in args.nodes if n < 2 or n > MAX_NODES]
@@ -645,11 +645,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"route-reflector mode has {REFLECTORS} reflectors: --nodes must be at least {REFLECTORS + 1}")
     if args.idle_seconds < 1:
         parser.error("--idle-seconds must be at least 1")
-    if args.json:
-        try:
-            Path(args.json).open("a").close()
-        except OSError as err:
-            parser.error(f"--json {args.json}: {err.strerror}")
     require_root("bench/convergence.py")
     args.load = os.getloadavg()
     signal.signal(signal.SIGTERM, _terminate)  # outside the event loop; inside it, the task is cancelled

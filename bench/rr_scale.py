@@ -2,9 +2,9 @@
 
     sudo .venv/bin/python bench/rr_scale.py [--n 100,300,1000,2000] [--only agentd,bird,gobgp]
          [--rounds R] [--clients agentd=peers,...] [--in-flight 8] [--withdraw 0.1]
-         [--timeout S] [--until PHASE] [--profile DIR] [--json FILE]
+         [--timeout S] [--until PHASE] [--profile DIR] [--quick] [--json FILE]
 
-For every N, round and speaker (issue 11, item 6): fresh namespaces -- the reflector's and
+For every N, round and speaker (the route-reflector goals of BGP at pod-network scale): fresh namespaces -- the reflector's and
 the clients', joined by one veth pair: the reflector at 10.1.0.1/16, the N clients at
 10.1.1.1, 10.1.1.2, ... on one interface (250 per /24), with permanent neighbour entries
 both ways, so no ARP and the kernel's global neighbour-table limit (gc_thresh3, 1024 by
@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentd.lab.netns import Netns, NetnsError, unique_tag, veth
 from bench import _rrscan
-from bench._common import int_list, print_notes, print_table, require_root
+from bench._common import int_list, parse_bench_args, print_notes, print_table, require_root
 from bench._rr_speakers import (
     REFLECTORS,
     RR_ADDR,
@@ -520,7 +520,7 @@ def report(best: dict[tuple[int, str], RunResult], ns: list[int], keys: list[str
                 shown = "no result" if got is None else f"{got:.2f}x"
                 lines.append(f"N={n}: agentd {name} <= {limit:.1f}x {LABELS[other]}: {shown}  {verdict}")
         if lines:
-            print_notes("goals (issue 11)", lines)
+            print_notes("goals (BGP at pod-network scale)", lines)
 
 
 # --------------------------------------------------------------------------- main
@@ -588,10 +588,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--until", choices=PHASES, default="withdraw",
                    help="stop after this phase (e.g. establish: session setup alone; default withdraw)")
     p.add_argument("--profile", metavar="DIR", help="py-spy record agentd during its runs into DIR (speedscope)")
-    p.add_argument("--json", metavar="FILE", help="also write every run with the simulator's replies as JSON")
     p.add_argument("--report", metavar="JSON", nargs="+",
                    help="print the tables of earlier --json files (merged; nothing is run)")
-    return p.parse_args(argv)
+    return parse_bench_args(p, argv, name="rr_scale", quick={"n": [100]})
 
 
 def _progress(r: RunResult) -> None:
