@@ -6,18 +6,20 @@
 FROM python:3.11-slim-bookworm
 
 # iproute2: ip route/link/neigh, bridge fdb (troubleshooting; the agent itself uses netlink)
+# libbpf1: libbpf.so.1, which loads the BPF programs (iproute2 depends on it too)
 # containernetworking-plugins: bridge + host-local in /usr/lib/cni, which agentd-cni delegates to
 # iputils-ping: the compose lab's pod-to-pod check; util-linux has nsenter
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      iproute2 containernetworking-plugins iputils-ping util-linux procps \
+      iproute2 libbpf1 containernetworking-plugins iputils-ping util-linux procps \
  && rm -rf /var/lib/apt/lists/*
 
 # The package: `pip install .` gives /usr/local/bin/agentd and /usr/local/bin/agentd-cni
 # (the path systemd/agentd.service uses too) and builds the data plane's compiled parts: the
 # C fast path (gcc) and the BPF programs (clang for the BPF target, the libbpf headers);
 # the compilers are there for the build only, and the checks fail the build if either part
-# did not build. Sources only; tests and docs stay out.
+# did not build or libbpf cannot read both BPF objects as layout.py and podpath.py expect
+# them. Sources only; tests and docs stay out.
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY proto ./proto
@@ -29,7 +31,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev c
  && cd / && rm -rf /src \
  && agentd --version \
  && python -c "from agentd.dataplane import _fast; lib, why = _fast.load(); assert lib, why" \
- && python -c "from agentd.dataplane.bpf import OBJECT, elf, layout; o = elf.read_object(OBJECT.read_bytes()); layout.check(o.maps, o.programs)"
+ && python -c "from agentd.dataplane.bpf import OBJECT, layout, libbpf, podpath; o = libbpf.BpfObject(OBJECT); layout.check(o.maps, o.programs); podpath.check(libbpf.BpfObject(podpath.OBJECT))"
 
 # The documented example configuration: every key with its default. The compose nodes
 # override what differs per node through AGENTD_<SECTION>_<KEY> variables.

@@ -3,11 +3,14 @@
 * agentd/dataplane/_fastpath.c: the user-space worker's C loops (a CPython extension; optional,
   /status says what runs where it is not built).
 * agentd/dataplane/bpf/datapath.c: the in-kernel data path, compiled with clang for the BPF
-  target into datapath.bpf.o, which the agent loads itself (optional: without clang there is
-  no object and udp/ipip fall back to the user-space worker, saying so).
-* agentd/dataplane/bpf/podpath.c: the pod fast path, into podpath.bpf.o, with BTF (-g): its
-  reads of conntrack's struct nf_conn are CO-RE relocations the agent's loader resolves
-  (optional: without it same-node pod traffic takes the stack's path, saying so).
+  target into datapath.bpf.o, which the agent loads through libbpf (optional: without clang
+  there is no object and udp/ipip fall back to the user-space worker, saying so).
+* agentd/dataplane/bpf/podpath.c: the pod fast path, into podpath.bpf.o: its reads of
+  conntrack's struct nf_conn are CO-RE relocations and its kfunc calls are resolved by libbpf
+  (optional: without it pod traffic takes the stack's path, saying so).
+
+Both are standard libbpf objects (BTF-defined maps in ``.maps``, so both carry BTF: -g), which
+``bpftool prog loadall`` loads as well.
 """
 
 import os
@@ -19,9 +22,9 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-# (source, object, extra clang flags)
+# (source, object, extra clang flags); -g: BTF, which BTF-defined maps and CO-RE need
 BPF_PROGRAMS = (
-    (Path("agentd/dataplane/bpf/datapath.c"), "agentd/dataplane/bpf/datapath.bpf.o", ()),
+    (Path("agentd/dataplane/bpf/datapath.c"), "agentd/dataplane/bpf/datapath.bpf.o", ("-g",)),
     (Path("agentd/dataplane/bpf/podpath.c"), "agentd/dataplane/bpf/podpath.bpf.o", ("-g",)),
 )
 

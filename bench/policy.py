@@ -228,7 +228,7 @@ remove_pinned_fast_path(sys.argv[1])
 # or -1 where it is not there.
 FAST_PATH_CARRIED = """
 import sys
-from agentd.dataplane.bpf import layout, podpath, syscall as sc
+from agentd.dataplane.bpf import layout, podpath, libbpf as sc
 try:
     fd = sc.obj_get(str(podpath.pin_dir(sys.argv[1]) / podpath.STATS))
 except OSError:
@@ -243,7 +243,7 @@ print(layout.sum_percpu(raw, podpath.STATS_VALUE)[0])
 # map (cleared, its program hands every packet to the stack).
 SWITCH_FAST_PATH = """
 import os, sys
-from agentd.dataplane.bpf import podpath, syscall as sc
+from agentd.dataplane.bpf import podpath, libbpf as sc
 fd = sc.obj_get(str(podpath.pin_dir(sys.argv[1]) / podpath.CONFIG))
 key = podpath.U32.pack(0)
 flags, *rest = podpath.CONFIG_VALUE.unpack(sc.map_lookup(fd, key, podpath.CONFIG_VALUE.size))

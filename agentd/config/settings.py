@@ -87,6 +87,9 @@ ENV_PREFIX = "AGENTD_"
 # paths: one table, agentd.backend_table.
 BACKENDS = NAMES
 DATAPATH_CHOICES = ("auto", "bpf", "userspace")
+# How the BPF programs go on a device: tcx (Linux 6.6), cls_bpf on a clsact qdisc, or the first
+# where the kernel has it.
+BPF_ATTACH_CHOICES = ("auto", "tcx", "clsact")
 # Keys that are gone, and what took their place (named in the "unknown key" error).
 _REPLACED = {
     "network.ipip_mode": "[network] datapath: ipip runs in BPF or in user space, no kernel ipip device",
@@ -148,6 +151,7 @@ class NetworkConfig:
     datapath: str = "auto"  # udp and ipip: "bpf" (tc-BPF), "userspace" (TUN worker), "auto" (bpf where it loads)
     bpf_pod_redirect: bool = True  # BPF: decapsulated packets go straight to the pod's bridge port
     bpf_pod_fast_path: bool = True  # BPF: accepted TCP between two pods of this node goes pod to pod
+    bpf_attach: str = "auto"  # BPF programs' hook: "tcx", "clsact", "auto" (tcx where the kernel has it)
     service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # Services: the cluster IP range
 
     def pod_mtu(self, underlay_mtu: int) -> int:
@@ -342,6 +346,7 @@ _KEYS = (
     _Key("network", "datapath", choice_kind(*DATAPATH_CHOICES), "auto"),
     _Key("network", "bpf_pod_redirect", BOOL, True),
     _Key("network", "bpf_pod_fast_path", BOOL, True),
+    _Key("network", "bpf_attach", choice_kind(*BPF_ATTACH_CHOICES), "auto"),
     _Key("network", "service_cidr", string_kind(parse_pod_network), NetworkConfig.service_cidr),
     _Key("etcd", "endpoints", Kind((list,), "an array", text_list, parse_endpoints), EtcdConfig.endpoints),
     _Key("etcd", "prefix", string_kind(parse_etcd_prefix), "/agentd"),

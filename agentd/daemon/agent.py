@@ -300,7 +300,8 @@ class Agent:
                 log.info("pod fast path switched off: removed %s", ", ".join(gone))
             return None, "switched off ([network] bpf_pod_fast_path = false)"
         assert self.cluster is not None and self.underlay is not None
-        fast_path = PodFastPath(bpf_dir, cluster=self.cluster.cidr, wire_ifindex=self.underlay.ifindex)
+        fast_path = PodFastPath(bpf_dir, cluster=self.cluster.cidr, wire_ifindex=self.underlay.ifindex,
+                                attach=self.cfg.network.bpf_attach)
         try:
             await asyncio.to_thread(fast_path.open)
         except BpfUnavailable as err:

@@ -75,7 +75,7 @@ class BpfPath:
             if self.dp is None:
                 if self.error is not None:
                     raise BpfUnavailable(self.error)
-                dp = BpfDatapath(self.underlay.ifindex, self.cfg.agent.bpf_dir)
+                dp = BpfDatapath(self.underlay.ifindex, self.cfg.agent.bpf_dir, attach=self.cfg.network.bpf_attach)
                 try:
                     await asyncio.to_thread(dp.open, self.config([n for n in (carry, filter) if n]), clear=self._cleared())
                 except BpfUnavailable as err:

@@ -17,7 +17,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from agentd.dataplane.bpf.syscall import is_bpffs
+from agentd.dataplane.bpf.libbpf import is_bpffs
 
 _libc = ctypes.CDLL(None, use_errno=True)
 MNT_DETACH = 2

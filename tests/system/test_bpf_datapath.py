@@ -3,7 +3,9 @@ agentd.dataplane.bpf directly (the agent drives the same object; test_encap cove
 pods reach each other over udp and ipip with the documented outer headers, TCP super-packets
 cross the underlay whole, a 64 MiB transfer arrives intact (also with GSO and checksum offload
 off), non-members are dropped and counted, a re-open adopts the pinned maps without losing a
-packet, and remove() leaves no filter, pin, program or map behind."""
+packet, and remove() leaves no filter, pin, program or map behind.  Traffic, the re-open and
+restarts on a busy device run with both hooks ([network] bpf_attach): tcx, and the clsact
+qdisc with cls_bpf filters that kernels before 6.6 get."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ipaddress import IPv4Network
 
 import pytest
 
-from agentd.dataplane.bpf import BpfDatapath, Config, layout, pin_dir, tc
+from agentd.dataplane.bpf import BpfDatapath, BpfUnavailable, Config, layout, libbpf, pin_dir, tc
 from agentd.lab.twohosts import (
     H1_UNDERLAY,
     H2_UNDERLAY,
@@ -45,8 +47,8 @@ FLAGS = layout.CFG_DECAP_UDP | layout.CFG_DECAP_IPIP | layout.CFG_FILTER_VXLAN |
 class BpfPair:
     """Both hosts of the two-host topology with the BPF data path on their underlay veth."""
 
-    def __init__(self, topo, kind: str, bpf_dir: str) -> None:
-        self.t, self.kind, self.bpf_dir = topo, kind, bpf_dir
+    def __init__(self, topo, kind: str, bpf_dir: str, hook: str = "auto") -> None:
+        self.t, self.kind, self.bpf_dir, self.hook = topo, kind, bpf_dir, hook
         self.dp: dict[int, BpfDatapath] = {}
         mtu = topo.underlay_mtu - OVERHEAD[kind]
         topo.set_pod_mtu(mtu)
@@ -62,7 +64,7 @@ class BpfPair:
         host = self.t.host(i)
         local = H1_UNDERLAY if i == 1 else H2_UNDERLAY
         with host.entered():  # netlink sockets and the pin directory name come from this thread
-            dp = BpfDatapath(self.ifindex(i), self.bpf_dir)
+            dp = BpfDatapath(self.ifindex(i), self.bpf_dir, attach=self.hook)
             dp.open(Config(local, 8285, 4789, FLAGS, self.t.underlay_mtu))
             dp.set_routes(routes)
             dp.set_members(members)
@@ -81,8 +83,8 @@ class BpfPair:
 def pair_factory(netns_factory, bpffs):
     made = []
 
-    def make(kind: str, **kw) -> BpfPair:
-        pair = BpfPair(build_two_hosts(netns_factory, **kw), kind, bpffs)
+    def make(kind: str, hook: str = "auto", **kw) -> BpfPair:
+        pair = BpfPair(build_two_hosts(netns_factory, **kw), kind, bpffs, hook)
         made.append(pair)
         return pair
 
@@ -201,10 +203,28 @@ def csum_errors(ns) -> int:
     return sum(int(x.split()[1]) for x in out.splitlines()[1:] if x.split())
 
 
+def usable(hook: str) -> bool:
+    """Whether ``hook`` can run on this kernel (tcx: Linux 6.6); where it cannot, the tests of
+    that hook check that asking for it is refused, saying why."""
+    return hook != "tcx" or tc.tcx_available()
+
+
+def refused(pair_factory, hook: str) -> None:
+    with pytest.raises(BpfUnavailable, match=r'bpf_attach = "tcx": this kernel has no tcx hooks'):
+        pair_factory("udp", hook=hook)
+
+
+@pytest.mark.parametrize("hook", ["tcx", "clsact"])
 @pytest.mark.parametrize("kind", ["udp", "ipip"])
-def test_pods_reach_each_other_and_the_wire_shows_the_outer_headers(pair_factory, kind):
-    pair = pair_factory(kind)
+def test_pods_reach_each_other_and_the_wire_shows_the_outer_headers(pair_factory, kind, hook):
+    if not usable(hook):
+        return refused(pair_factory, hook)
+    pair = pair_factory(kind, hook=hook)
     t = pair.t
+    for i, dev in ((1, "u1"), (2, "u2")):  # the hook asked for, and only that one
+        assert sorted((f.direction, f.kind) for f in _filters(getattr(t, f"h{i}"), dev)) == \
+            [("egress", "tcx" if hook == "tcx" else "bpf"), ("ingress", "tcx" if hook == "tcx" else "bpf")]
+        assert pair.dp[i].status()["hook"] == hook
     assert "3 received" in ping(t.p1, P2)
     packets = capture(t.h2, "u2", WIRE[kind], lambda: ping(t.p1, P2, count=2))
     assert len(packets) >= 4
@@ -328,11 +348,14 @@ def _bpftool(*args):
     return json.loads(subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True).stdout)
 
 
-def test_reopen_adopts_the_pins_without_losing_a_packet_and_remove_leaves_nothing(pair_factory, bpffs):
-    pair = pair_factory("udp")
+@pytest.mark.parametrize("hook", ["tcx", "clsact"])
+def test_reopen_adopts_the_pins_without_losing_a_packet_and_remove_leaves_nothing(pair_factory, bpffs, hook):
+    if not usable(hook):
+        return refused(pair_factory, hook)
+    pair = pair_factory("udp", hook=hook)
     t = pair.t
     old = pair.dp[1]
-    ids = {"progs": set(old.prog_ids.values()), "maps": {sc_map_id(fd) for fd in old.maps.values()}}
+    ids = {"progs": set(old.prog_ids.values()), "maps": {map_id(fd) for fd in old.maps.values()}}
     pinger = t.p1.popen(["ping", "-n", "-i", "0.02", "-W", "1", P2], stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True)
     try:
@@ -360,6 +383,7 @@ def test_reopen_adopts_the_pins_without_losing_a_packet_and_remove_leaves_nothin
         d = pin_dir(bpffs)
         pair.dp[1].remove()
     assert _filters(t.h1, "u1") == []
+    assert "clsact" not in t.h1.exec("tc", "qdisc", "show", "dev", "u1")  # ours, and only ours was on it
     assert not d.exists()
     # The kernel frees a map an RCU grace period after its last program: wait for it.
     gone = set(pair.dp[1].prog_ids.values())
@@ -369,10 +393,8 @@ def test_reopen_adopts_the_pins_without_losing_a_packet_and_remove_leaves_nothin
     assert {f.name for f in _filters(t.h2, "u2")} == {"agentd_egress", "agentd_ingress"}
 
 
-def sc_map_id(fd: int) -> int:
-    from agentd.dataplane.bpf import syscall
-
-    return syscall.map_info(fd)["id"]
+def map_id(fd: int) -> int:
+    return libbpf.map_info(fd)["id"]
 
 
 # ---------------------------------------------------------------- the programs on crafted packets
@@ -399,10 +421,8 @@ def programs(netns_factory, bpffs):
         dp.close()
 
 
-def run(dp, section: str, packet: bytes) -> tuple[int, bytes]:
-    from agentd.dataplane.bpf import syscall
-
-    ret, out = syscall.prog_test_run(dp.progs[section], ETH + packet)
+def run(dp, program: str, packet: bytes) -> tuple[int, bytes]:
+    ret, out = libbpf.prog_test_run(dp.progs[program], ETH + packet)
     return (ret - (1 << 32) if ret >= 1 << 31 else ret), out[14:]
 
 
@@ -495,26 +515,37 @@ def _tx_dropped(ns, dev: str) -> int:
     return int(ns.exec("cat", f"/sys/class/net/{dev}/statistics/tx_dropped"))
 
 
-def test_attaching_to_a_busy_device_grafts_no_qdisc_and_loses_nothing(pair_factory):
+@pytest.mark.parametrize("hook", ["tcx", "clsact"])
+def test_restarts_on_a_busy_device_lose_nothing(pair_factory, hook):
     """The pods' bridge gets the member filter while pods talk through it (the CNI plugin made
     it a moment ago), and a restarted agent swaps the programs on a busy underlay.  Neither may
-    cost a packet: a clsact qdisc grafted onto a live device stops its transmit queues for an
-    RCU grace period (every packet sent out of it meanwhile is dropped, QDISC_DROP), which is
-    why the programs go on by tcx, which needs no qdisc.  An older agent's cls_bpf filter on
-    the underlay is taken over (the filter removed, its qdisc left alone; ours runs first)."""
+    cost a packet.  By tcx nothing is grafted at all: a clsact qdisc grafted onto a live device
+    stops its transmit queues for an RCU grace period (every packet sent out of it meanwhile is
+    dropped, QDISC_DROP), which is why "auto" takes tcx where the kernel has it.  By clsact the
+    qdisc is grafted once per device, when the first program goes on; the swaps after it are
+    filter replacements in place, which lose nothing either.  Ours on the other kind of hook (an
+    older agent's cls_bpf filter; an agent that ran with tcx before) is taken over: removed
+    once ours is on, the qdisc left alone."""
     from agentd.kernel import netlink_tc as tcm
     from agentd.kernel.rtnl import Rtnl
 
-    assert tc.tcx_available()  # Linux 6.18 here; the clsact path is for kernels before 6.6
-    pair = pair_factory("udp")
+    if not usable(hook):
+        return refused(pair_factory, hook)
+    pair = pair_factory("udp", hook=hook)
     t = pair.t
     name = "agentd_ingress"
     vp2 = int(t.h2.exec("cat", "/sys/class/net/vp2/ifindex"))  # stands for a pods' bridge: no qdisc
     u2 = pair.dp[2].ifindex
-    with t.h2.entered(), Rtnl() as rt:  # an older agent's filter on the underlay, as it left it
-        rt.request(tcm.encode_add_clsact(rt.next_seq(), u2), "clsact")
-        rt.request(tcm.encode_replace_bpf_filter(rt.next_seq(), u2, tc.PARENTS["ingress"], tc.PRIO, tc.HANDLE,
-                                                 tc.ETH_P_ALL, pair.dp[2].progs[layout.INGRESS], name), "filter")
+    if hook == "tcx":
+        with t.h2.entered(), Rtnl() as rt:  # an older agent's filter on the underlay, as it left it
+            rt.request(tcm.encode_add_clsact(rt.next_seq(), u2), "clsact")
+            rt.request(tcm.encode_replace_bpf_filter(rt.next_seq(), u2, tc.PARENTS["ingress"], tc.PRIO, tc.HANDLE,
+                                                     tc.ETH_P_ALL, pair.dp[2].progs[layout.INGRESS], name), "filter")
+    else:
+        with t.h2.entered():
+            tc.attach(vp2, "ingress", pair.dp[2].progs[layout.INGRESS], name, "clsact")  # the one graft
+            if tc.tcx_available():  # an agent that ran with tcx before, as it left its program
+                libbpf.tcx_attach(u2, libbpf.TCX_INGRESS, pair.dp[2].progs[layout.INGRESS])
     qdiscs_before = t.h2.exec("tc", "qdisc", "show")
     drops_before = {dev: _tx_dropped(t.h2, dev) for dev in ("vp2", "u2")}
     pinger = t.p1.popen(["ping", "-n", "-i", "0.005", "-W", "1", P2], stdout=subprocess.PIPE,
@@ -525,7 +556,7 @@ def test_attaching_to_a_busy_device_grafts_no_qdisc_and_loses_nothing(pair_facto
             pair.dp[2].close()
             dp = pair.open(2, {IPv4Network(SUBNET1): (H1_UNDERLAY, "udp")}, {H1_UNDERLAY})
             with t.h2.entered():
-                tc.attach(vp2, "ingress", dp.progs[layout.INGRESS], name)  # the pods' bridge guarded
+                tc.attach(vp2, "ingress", dp.progs[layout.INGRESS], name, hook)  # the pods' bridge guarded
         before = pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
         assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= before + 20, 10)
     finally:
@@ -533,6 +564,7 @@ def test_attaching_to_a_busy_device_grafts_no_qdisc_and_loses_nothing(pair_facto
     assert unanswered[0] <= 1, unanswered[1]  # every echo answered (the last may still be in flight)
     assert {dev: _tx_dropped(t.h2, dev) for dev in ("vp2", "u2")} == drops_before
     assert t.h2.exec("tc", "qdisc", "show") == qdiscs_before  # no qdisc came or went
-    # Ours is on each hook once, by tcx; the older agent's filter is gone.
-    assert [(f.direction, f.kind, f.name) for f in _filters(t.h2, "vp2")] == [("ingress", "tcx", name)]
-    assert sorted((f.direction, f.kind) for f in _filters(t.h2, "u2")) == [("egress", "tcx"), ("ingress", "tcx")]
+    # Ours is on each hook once, by the hook asked for; the other kind's is gone.
+    kind = "tcx" if hook == "tcx" else "bpf"
+    assert [(f.direction, f.kind, f.name) for f in _filters(t.h2, "vp2")] == [("ingress", kind, name)]
+    assert sorted((f.direction, f.kind) for f in _filters(t.h2, "u2")) == [("egress", kind), ("ingress", kind)]

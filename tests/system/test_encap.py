@@ -19,8 +19,8 @@ import pytest
 
 from agentd.dataplane import DataplaneClient
 from agentd.dataplane.backends import control_path
-from agentd.dataplane.bpf import layout, podpath
-from agentd.dataplane.bpf import syscall as bpf
+from agentd.dataplane.bpf import layout, podpath, tc
+from agentd.dataplane.bpf import libbpf as bpf
 from agentd.lab.lab import ETCD_ADDRESS
 from agentd.lab.netns import Netns, veth
 from agentd.lab.traffic import Pinger
@@ -501,9 +501,10 @@ async def _forge_from_outsider(lab, backend: str, target, drops: int) -> int:
 # ------------------------------------------------------------------ the life of a node, per backend
 
 
-@pytest.mark.parametrize("backend", ["vxlan", "udp", "ipip"])
-async def test_restart_outsiders_leave_and_down(lab_factory, backend):
-    """One lab per encapsulating backend, four checks in turn:
+@pytest.mark.parametrize("backend, hook", [("vxlan", "auto"), ("udp", "auto"), ("ipip", "auto"), ("udp", "clsact")])
+async def test_restart_outsiders_leave_and_down(lab_factory, backend, hook):
+    """One lab per encapsulating backend (and the udp one again with ``bpf_attach = "clsact"``,
+    the hook kernels before 6.6 get; "auto" is tcx on this kernel), four checks in turn:
 
     a. SIGKILL of an agent and a restart lose no ping (the kernel state -- BPF programs and
        maps, VXLAN device, user-space worker -- outlives the agent; the next one adopts it);
@@ -513,9 +514,13 @@ async def test_restart_outsiders_leave_and_down(lab_factory, backend):
        running (after a SIGKILL) removes what the killed agent left;
     d. lab down leaves no program, pin or map of any node behind.
     """
-    lab = await lab_factory(nodes=3, pods=1, backend=backend)
+    lab = await lab_factory(nodes=3, pods=1, backend=backend,
+                            extra={f"node{i}": {"network": {"bpf_attach": hook}} for i in (1, 2, 3)})
     node1, node2, node3 = lab.nodes
     pods = pods_by_node(lab)
+    for node in lab.nodes:  # the hook asked for, and the programs on it
+        assert node.api("/status")["backends"]["bpf"]["hook"] == tc.resolve(hook)
+        assert ("tcx bpf agentd_ingress" in tc_filters(node)) == (tc.resolve(hook) == "tcx")
 
     # a. SIGKILL node2's agent and start it again while pods ping through it.
     before = bpf_object_ids(node2) if DATAPATH[backend] == "bpf" else None

@@ -260,8 +260,10 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
         capture_output=True, text=True, env=env, check=True, cwd=tmp_path,
     ).stdout.strip()  # fmt: skip
     assert fast.startswith(purelib) and "_fastpath" in fast, fast
-    check_bpf = ("from agentd.dataplane.bpf import OBJECT, elf, layout\n"
-                 "obj = elf.read_object(OBJECT.read_bytes()); layout.check(obj.maps, obj.programs); print(OBJECT)")
+    check_bpf = ("from agentd.dataplane.bpf import OBJECT, layout, libbpf, podpath\n"
+                 "with libbpf.BpfObject(OBJECT) as o: layout.check(o.maps, o.programs)\n"
+                 "with libbpf.BpfObject(podpath.OBJECT) as o: podpath.check(o)\n"
+                 "print(OBJECT)")
     bpf_object = subprocess.run([str(bin_ / "python"), "-c", check_bpf], capture_output=True, text=True, env=env,
                                 check=True, cwd=tmp_path).stdout.strip()
     assert bpf_object.startswith(purelib), bpf_object

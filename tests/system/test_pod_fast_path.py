@@ -6,7 +6,9 @@ x/far) reach it on TCP 5201.  The fast path must carry the accepted connections 
 on one node, and between the nodes on both of them -- let conntrack see the connections
 close, leave the other pod denied, keep carrying across an agent restart (adopted maps,
 programs swapped in place) and be gone -- from the veths, the underlay device, the pins and
-the conntrack setting -- after a leave.
+the conntrack setting -- after a leave.  All of it twice: with ``[network] bpf_attach = "auto"``
+(tcx on this kernel) and with "clsact", the hook kernels before 6.6 get (the wire program then
+a cls_bpf filter of its own beside the data path's on the underlay device).
 (The truth table of test_netpol.py runs with the fast path on as well: its probes' replies are
 carried packets.)
 """
@@ -24,6 +26,7 @@ import pytest
 import pytest_asyncio
 from netpol_lab import converged, namespace, np
 
+from agentd.dataplane.bpf import tc
 from agentd.lab.lab import Lab, LabSpec
 from agentd.lab.netns import unique_tag
 from agentd.lab.runtime import binary
@@ -37,9 +40,10 @@ GUARD = np("guard", "x", {
 })  # fmt: skip
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def lab(tmp_path_factory):
-    lab = Lab(LabSpec(name="fp" + unique_tag("")[:6], nodes=2, pods=0), root=tmp_path_factory.mktemp("labs"))
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["auto", "clsact"])
+async def lab(request, tmp_path_factory):
+    extra = {name: {"network": {"bpf_attach": request.param}} for name in ("node1", "node2")}
+    lab = Lab(LabSpec(name="fp" + unique_tag("")[:6], nodes=2, pods=0, extra=extra), root=tmp_path_factory.mktemp("labs"))
     try:
         await lab.up(timeout=90)
         for name in ("server", "client", "other"):
@@ -54,6 +58,18 @@ async def lab(tmp_path_factory):
 
 def pod(lab: Lab, name: str) -> Any:
     return next(p for p in lab.pods if p.name == f"x/{name}")
+
+
+def hook(lab: Lab) -> str:
+    """The hook the lab's agents attach by: what their bpf_attach means on this kernel."""
+    return tc.resolve(lab.spec.extra["node1"]["network"]["bpf_attach"])
+
+
+def programs_on(node: Any, device: str) -> list[tuple[str, str, str]]:
+    """(direction, kind, name) of every program on ``device`` of ``node``: tcx or cls_bpf."""
+    query = ("import socket, sys; from agentd.dataplane.bpf import tc\n"
+             "for f in tc.filters(socket.if_nametoindex(sys.argv[1])): print(f.direction, f.kind, f.name)")
+    return [tuple(line.split()) for line in node.ns.exec(sys.executable, "-c", query, device).splitlines()]
 
 
 def fast_path(node: Any) -> dict[str, Any]:
@@ -97,8 +113,11 @@ async def iperf(lab: Lab, client: str, *args: str) -> dict[str, Any]:
 async def test_the_fast_path_is_on_for_every_pod(lab: Lab):
     view = await asyncio.to_thread(fast_path, lab.nodes[0])
     assert view["on"] and view["error"] is None, view
-    assert view["pods"] == 3 and view["hook"] in ("tcx", "clsact")
+    assert view["pods"] == 3 and view["hook"] == hook(lab)
     assert view["between_nodes"]["on"] and view["between_nodes"]["why_not"] is None, view
+    kind = "tcx" if hook(lab) == "tcx" else "bpf"
+    wire = await asyncio.to_thread(programs_on, lab.nodes[0], "eth0")
+    assert ("ingress", kind, tc.POD_WIRE) in wire and all(k == kind for _d, k, _n in wire), wire
     liberal = await asyncio.to_thread(lab.nodes[0].ns.exec, "cat", "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
     assert liberal.strip() == "1"
     text = await asyncio.to_thread(lab.nodes[0].ns.exec, binary("agentd"), "status")

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
-/* agentd's in-kernel data path: two tc (clsact, direct-action) programs on the underlay device.
+/* agentd's in-kernel data path: two tc programs (direct action: the return value is the
+ * verdict) on the underlay device, attached by tcx or as cls_bpf filters on clsact.
  *
  *   agentd_egress   pod packets routed out of the underlay device toward a pod subnet in the
  *                   routes map get an outer IPv4 header (+ UDP for the udp backend) in place:
@@ -54,41 +55,50 @@
  * lets it pass where there is none), so that others' programs on the device still see it. */
 #define PASS TC_ACT_UNSPEC
 
-struct agentd_map_def agentd_routes SEC("maps") = {
-	.type = BPF_MAP_TYPE_LPM_TRIE,
-	.key_size = sizeof(struct route_key),
-	.value_size = sizeof(struct route_value),
-	.max_entries = 16384,
-	.flags = BPF_F_NO_PREALLOC, /* required for LPM tries */
-};
+/* BTF-defined maps (libbpf's format: the map's shape as the types of its struct's members),
+ * pinned by name: the agent points libbpf at this network namespace's pin directory, and a
+ * restarted agent's libbpf reuses the maps pinned there -- routes, members and counters
+ * survive (see datapath.py). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct route_key);
+	__type(value, struct route_value);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC); /* required for LPM tries */
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_routes SEC(".maps");
 
-struct agentd_map_def agentd_peers SEC("maps") = {
-	.type = BPF_MAP_TYPE_PERCPU_HASH,
-	.key_size = sizeof(__be32),
-	.value_size = sizeof(struct peer_stats),
-	.max_entries = 4096,
-};
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__type(key, __be32);
+	__type(value, struct peer_stats);
+	__uint(max_entries, 4096);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_peers SEC(".maps");
 
-struct agentd_map_def agentd_drops SEC("maps") = {
-	.type = BPF_MAP_TYPE_PERCPU_ARRAY,
-	.key_size = sizeof(__u32),
-	.value_size = sizeof(struct drop_stats),
-	.max_entries = DROP_REASONS,
-};
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct drop_stats);
+	__uint(max_entries, DROP_REASONS);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_drops SEC(".maps");
 
-struct agentd_map_def agentd_ports SEC("maps") = {
-	.type = BPF_MAP_TYPE_HASH,
-	.key_size = sizeof(struct port_key),
-	.value_size = sizeof(__u32),
-	.max_entries = 4096,
-};
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct port_key);
+	__type(value, __u32);
+	__uint(max_entries, 4096);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_ports SEC(".maps");
 
-struct agentd_map_def agentd_config SEC("maps") = {
-	.type = BPF_MAP_TYPE_ARRAY,
-	.key_size = sizeof(__u32),
-	.value_size = sizeof(struct config),
-	.max_entries = 1,
-};
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct config);
+	__uint(max_entries, 1);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_config SEC(".maps");
 
 /* The kernel lets only GPL-compatible programs call bpf_fib_lookup (deliver_local): this file
  * and datapath.h are dual-licensed, as libbpf and the kernel's BPF samples are; the rest of
@@ -140,7 +150,7 @@ static __always_inline int pull(struct __sk_buff *skb, __u32 len)
 	return bpf_skb_pull_data(skb, len);
 }
 
-SEC("tc/egress")
+SEC("tc")
 int agentd_egress(struct __sk_buff *skb)
 {
 	struct route_key key = {.prefixlen = 32};
@@ -335,7 +345,7 @@ static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, stru
 	return TC_ACT_OK;
 }
 
-SEC("tc/ingress")
+SEC("tc")
 int agentd_ingress(struct __sk_buff *skb)
 {
 	struct peer_stats *stats;

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /* The maps shared by datapath.c and the agent (agentd/dataplane/bpf/layout.py mirrors every
- * struct here, and the loader checks the sizes against the object file's map definitions).
+ * struct here, and the agent checks the sizes against the object file's map definitions, as
+ * libbpf reads them, before it loads it).
  * Addresses and ports are in network byte order, counters in host order.  At the end, the one
  * packet helper datapath.c and podpath.c share.
  */
@@ -14,17 +15,6 @@
 #include <linux/types.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
-
-/* A map as the agent's loader reads it from the "maps" section (one struct per map, the
- * symbol names the map). Not libbpf's BTF-defined maps: the loader is ~200 lines of Python
- * and needs no BTF. */
-struct agentd_map_def {
-	__u32 type;
-	__u32 key_size;
-	__u32 value_size;
-	__u32 max_entries;
-	__u32 flags;
-};
 
 /* routes: LPM trie, pod subnet -> the peer node that owns it and how to reach it. */
 struct route_key {

@@ -1,7 +1,8 @@
 """The in-kernel data path on one underlay device: load or adopt, fill the maps, count, remove.
 
-Everything lives in the kernel; this object only holds file descriptors to it.  The maps and
-programs are pinned in a BPF file system, one directory per network namespace::
+Everything lives in the kernel; this object only holds file descriptors to it (through
+libbpf, which loads the object file).  The maps and programs are pinned in a BPF file
+system, one directory per network namespace::
 
     <bpf_dir>/netns-<inode>/      [agent] bpf_dir, default /sys/fs/bpf/agentd
         agentd_routes  agentd_peers  agentd_drops  agentd_config     the maps
@@ -11,11 +12,12 @@ programs are pinned in a BPF file system, one directory per network namespace::
 The attached filters hold the programs and the programs hold the maps, so pod traffic keeps
 flowing when the agent dies; the pins let the next agent find the maps again.
 
-:meth:`BpfDatapath.open` adopts what is pinned where it matches the object file (maps of the
-same type and sizes keep their contents, so routes, members and counters survive a restart
-or an upgrade), creates the rest, loads the programs afresh from the object file and swaps
-them onto the device in place (tc replace: no packet sees no program).  :meth:`remove` takes
-everything away again: filters, pins, directory.
+:meth:`BpfDatapath.open` has libbpf load the object with its maps pinned by name in that
+directory: libbpf reuses the maps pinned there (the agent first removes a pin of another shape
+-- type, sizes, flags -- which libbpf would refuse), so routes, members and counters survive a
+restart or an upgrade; it creates and pins the rest, loads the programs afresh, and the agent
+swaps them onto the device in place (tcx replace or tc filter replace: no packet sees no
+program).  :meth:`remove` takes everything away again: programs off the hooks, pins, directory.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ from pathlib import Path
 
 from agentd.kernel.rtnl import Rtnl
 
-from . import elf, layout, tc
-from . import syscall as sc
+from . import layout, tc
+from . import libbpf as lb
 
 OBJECT = Path(__file__).with_name("datapath.bpf.o")
 DEFAULT_BPF_DIR = "/sys/fs/bpf/agentd"
-DIRECTIONS = {layout.EGRESS: "egress", layout.INGRESS: "ingress"}
+DIRECTIONS = {layout.EGRESS: "egress", layout.INGRESS: "ingress"}  # program name -> its hook
 
 
 class BpfUnavailable(RuntimeError):
@@ -57,22 +59,24 @@ def explain(err: OSError) -> str:
 
 class BpfDatapath:
     def __init__(self, ifindex: int, bpf_dir: str | os.PathLike = DEFAULT_BPF_DIR,
-                 object_path: Path = OBJECT) -> None:
+                 object_path: Path = OBJECT, *, attach: str = "auto") -> None:
         self.ifindex = ifindex
         self.dir = pin_dir(bpf_dir)
         self.bpf_dir = Path(bpf_dir)
         self.object_path = object_path
-        self.maps: dict[str, int] = {}  # name -> fd
-        self.progs: dict[str, int] = {}  # section -> fd
+        self.attach = attach  # [network] bpf_attach
+        self.hook: str | None = None  # what it resolved to here: "tcx" | "clsact"
+        self.obj: lb.BpfObject | None = None
+        self.maps: dict[str, int] = {}  # name -> fd (libbpf's)
+        self.progs: dict[str, int] = {}  # program name -> fd (libbpf's)
         self.adopted: list[str] = []  # maps found pinned and kept
         self.routes: dict[IPv4Network, tuple[str, str]] = {}  # as in the map
         self.ports: dict[tuple[int, bytes], int] = {}  # as in the map
         self.members: set[str] = set()
         self.peer_flags: dict[str, int] = {}
         self.guarded: set[int] = set()  # bridges the ingress filter is attached to as well
-        self._names: dict[str, str] = {}  # section -> program name
         self.config: layout.Config | None = None
-        self.ncpus = sc.possible_cpus()
+        self.ncpus = 0
         self.prog_ids: dict[str, int] = {}
 
     # ------------------------------------------------------------------ open / close
@@ -81,56 +85,63 @@ class BpfDatapath:
         """Adopt or create the maps, load and attach the programs, write ``config`` (``clear``:
         as in :meth:`set_config`).
         Raises :class:`BpfUnavailable` with the reason when any of it cannot be done."""
-        obj = read_checked(self.object_path, lambda o: layout.check(o.maps, o.programs))
-        ensure_dir(self.bpf_dir, self.dir)
+        self.hook = resolve_hook(self.attach)
+        obj = open_checked(self.object_path, lambda o: layout.check(o.maps, o.programs))
         try:
-            for name, mdef in obj.maps.items():
-                self.maps[name], adopted = open_map(self.dir, mdef)
-                if adopted:
-                    self.adopted.append(name)
+            ensure_dir(self.bpf_dir, self.dir)
+            self.ncpus = lb.possible_cpus()
+            self.adopted = adopt_pins(obj, self.dir)
+            obj.load()
+            self.obj = obj
+            self.maps = {name: obj.map_fd(name) for name in layout.MAPS}
             self._read_back()
             self.set_config(config, keep=True, clear=clear)
-            for section, prog in obj.programs.items():
-                fd = sc.prog_load(sc.PROG_TYPE_SCHED_CLS, prog.relocated(self.maps), obj.license, prog.name)
-                self.progs[section] = fd
-                self.prog_ids[section] = sc.prog_info(fd)["id"]
+            for name in layout.PROGRAMS:
+                self.progs[name] = obj.prog_fd(name)
+                self.prog_ids[name] = lb.prog_info(self.progs[name])["id"]
             # Attach (replacing the previous agent's programs in place), then pin.
-            for section, fd in self.progs.items():
-                self._names[section] = obj.programs[section].name
-                tc.attach(self.ifindex, DIRECTIONS[section], fd, obj.programs[section].name)
-                pin(self.dir, fd, obj.programs[section].name)
-        except sc.BpfError as err:
-            self.close()
+            for name, fd in self.progs.items():
+                tc.attach(self.ifindex, DIRECTIONS[name], fd, name, self.hook)
+                pin(self.dir, fd, name)
+        except lb.BpfError as err:
+            self._drop(obj)
             raise BpfUnavailable(explain(err)) from None
         except tc.TcError as err:
-            self.close()
+            self._drop(obj)
             raise BpfUnavailable(str(err)) from None
+        except BpfUnavailable:
+            self._drop(obj)
+            raise
+
+    def _drop(self, obj: lb.BpfObject) -> None:
+        obj.close()
+        self.close()
 
     def _read_back(self) -> None:
         """What adopted maps hold, so that the first sync only changes what differs."""
         rfd = self.maps[layout.ROUTES]
-        for key in sc.map_keys(rfd, layout.ROUTE_KEY.size):
-            value = sc.map_lookup(rfd, key, layout.ROUTE_VALUE.size)
+        for key in lb.map_keys(rfd, layout.ROUTE_KEY.size):
+            value = lb.map_lookup(rfd, key, layout.ROUTE_VALUE.size)
             if value is not None:
                 dst, peer, kind = layout.decode_route(key, value)
                 self.routes[IPv4Network(dst)] = (peer, kind)
         pfd = self.maps[layout.PEERS]
         slot = (layout.PEER_STATS.size + 7) & ~7
-        for key in sc.map_keys(pfd, layout.PEER_KEY.size):
-            raw = sc.map_lookup(pfd, key, slot * self.ncpus)
+        for key in lb.map_keys(pfd, layout.PEER_KEY.size):
+            raw = lb.map_lookup(pfd, key, slot * self.ncpus)
             addr = socket.inet_ntoa(key)
             self.members.add(addr)
             self.peer_flags[addr] = struct.unpack_from("<Q", raw)[0] if raw else 0
-        for key in sc.map_keys(self.maps[layout.PORTS], layout.PORT_KEY.size):
-            value = sc.map_lookup(self.maps[layout.PORTS], key, layout.PORT_VALUE.size)
+        for key in lb.map_keys(self.maps[layout.PORTS], layout.PORT_KEY.size):
+            value = lb.map_lookup(self.maps[layout.PORTS], key, layout.PORT_VALUE.size)
             if value is not None:
                 self.ports[layout.PORT_KEY.unpack(key)] = layout.PORT_VALUE.unpack(value)[0]
 
     def close(self) -> None:
         """Let go of the file descriptors; everything stays in the kernel."""
-        for fd in [*self.maps.values(), *self.progs.values()]:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        if self.obj is not None:
+            self.obj.close()
+            self.obj = None
         self.maps.clear()
         self.progs.clear()
 
@@ -149,7 +160,7 @@ class BpfDatapath:
         ``clear``: flags off whatever the live value has."""
         fd = self.maps[layout.CONFIG]
         key = layout.CONFIG_KEY.pack(0)
-        raw = sc.map_lookup(fd, key, layout.CONFIG_VALUE.size)
+        raw = lb.map_lookup(fd, key, layout.CONFIG_VALUE.size)
         live = layout.Config.unpack(raw) if raw else None
         flags = config.flags
         if live is not None and live.local != "0.0.0.0":  # a value an agent wrote (this run or the last)
@@ -159,7 +170,7 @@ class BpfDatapath:
                 flags |= live.flags & ~learned
         value = dataclasses.replace(config, flags=flags & ~clear)
         if value != live:
-            sc.map_update(fd, key, value.pack())
+            lb.map_update(fd, key, value.pack())
         self.config = value
 
     def set_routes(self, routes: Mapping[IPv4Network, tuple[str, str]]) -> None:
@@ -167,10 +178,10 @@ class BpfDatapath:
         fd = self.maps[layout.ROUTES]
         for dst, (peer, kind) in routes.items():
             if self.routes.get(dst) != (peer, kind):
-                sc.map_update(fd, layout.route_key(dst), layout.route_value(peer, kind))
+                lb.map_update(fd, layout.route_key(dst), layout.route_value(peer, kind))
                 self.routes[dst] = (peer, kind)
         for dst in [d for d in self.routes if d not in routes]:
-            sc.map_delete(fd, layout.route_key(dst))
+            lb.map_delete(fd, layout.route_key(dst))
             del self.routes[dst]
 
     def set_members(self, members: Iterable[str], peer_flags: Mapping[str, int] | None = None) -> None:
@@ -185,14 +196,14 @@ class BpfDatapath:
             key = layout.peer_key(addr)
             if addr in self.members and self.peer_flags.get(addr, 0) == flags[addr]:
                 continue
-            raw = bytearray(sc.map_lookup(fd, key, slot * self.ncpus) or bytes(slot * self.ncpus))
+            raw = bytearray(lb.map_lookup(fd, key, slot * self.ncpus) or bytes(slot * self.ncpus))
             for cpu in range(self.ncpus):  # the flags in every CPU's copy, the counters as they are
                 struct.pack_into("<Q", raw, cpu * slot, flags[addr])
-            sc.map_update(fd, key, bytes(raw))
+            lb.map_update(fd, key, bytes(raw))
             self.members.add(addr)
             self.peer_flags[addr] = flags[addr]
         for addr in self.members - wanted:
-            sc.map_delete(fd, layout.peer_key(addr))
+            lb.map_delete(fd, layout.peer_key(addr))
             self.members.discard(addr)
             self.peer_flags.pop(addr, None)
 
@@ -201,10 +212,10 @@ class BpfDatapath:
         fd = self.maps[layout.PORTS]
         for (bridge, mac), port in ports.items():
             if self.ports.get((bridge, mac)) != port:
-                sc.map_update(fd, layout.PORT_KEY.pack(bridge, mac), layout.PORT_VALUE.pack(port))
+                lb.map_update(fd, layout.PORT_KEY.pack(bridge, mac), layout.PORT_VALUE.pack(port))
                 self.ports[(bridge, mac)] = port
         for key in [k for k in self.ports if k not in ports]:
-            sc.map_delete(fd, layout.PORT_KEY.pack(*key))
+            lb.map_delete(fd, layout.PORT_KEY.pack(*key))
             del self.ports[key]
 
     def guard_bridges(self) -> set[int]:
@@ -216,10 +227,10 @@ class BpfDatapath:
         with Rtnl() as rt:
             bridges = rt.bridges()
         fd = self.progs.get(layout.INGRESS)
-        if fd is None:
+        if fd is None or self.hook is None:
             return set()
         for ifindex in sorted(bridges - self.guarded):
-            tc.attach(ifindex, "ingress", fd, self._names[layout.INGRESS])
+            tc.attach(ifindex, "ingress", fd, layout.INGRESS, self.hook)
         self.guarded = bridges  # (a bridge that went took its filters along)
         return bridges
 
@@ -239,7 +250,7 @@ class BpfDatapath:
         pfd = self.maps[layout.PEERS]
         size = ((layout.PEER_STATS.size + 7) & ~7) * self.ncpus
         for addr in sorted(self.members):
-            raw = sc.map_lookup(pfd, layout.peer_key(addr), size)
+            raw = lb.map_lookup(pfd, layout.peer_key(addr), size)
             if raw is not None:
                 _flags, tx_p, tx_b, rx_p, rx_b = layout.sum_percpu(raw, layout.PEER_STATS)
                 peers[addr] = {"tx_packets": tx_p, "tx_bytes": tx_b, "rx_packets": rx_p, "rx_bytes": rx_b}
@@ -247,10 +258,10 @@ class BpfDatapath:
         dfd = self.maps[layout.DROPS]
         dsize = ((layout.DROP_STATS.size + 7) & ~7) * self.ncpus
         for i, reason in enumerate(layout.DROP_REASONS):
-            raw = sc.map_lookup(dfd, layout.DROP_KEY.pack(i), dsize)
+            raw = lb.map_lookup(dfd, layout.DROP_KEY.pack(i), dsize)
             packets, nbytes = layout.sum_percpu(raw, layout.DROP_STATS) if raw else (0, 0)
             drops[reason] = {"packets": packets, "bytes": nbytes}
-        raw = sc.map_lookup(self.maps[layout.CONFIG], layout.CONFIG_KEY.pack(0), layout.CONFIG_VALUE.size)
+        raw = lb.map_lookup(self.maps[layout.CONFIG], layout.CONFIG_KEY.pack(0), layout.CONFIG_VALUE.size)
         live = layout.Config.unpack(raw) if raw else None
         return {"peers": peers, "drops": drops, "kernel": _kernel_flags(live)}
 
@@ -259,7 +270,7 @@ class BpfDatapath:
             "pins": str(self.dir),
             "adopted_maps": list(self.adopted),
             "programs": {DIRECTIONS[s]: {"id": i} for s, i in self.prog_ids.items()},
-            "hook": "tcx" if tc.tcx_available() else "clsact",  # where the programs are attached
+            "hook": self.hook,  # where the programs are attached: tcx or clsact ([network] bpf_attach)
             "routes": len(self.routes),
             "members": len(self.members),
             "bridge_ports": len(self.ports),
@@ -267,20 +278,58 @@ class BpfDatapath:
         }
 
 
-def read_checked(path: Path, check: Callable[[elf.BpfObject], None]) -> elf.BpfObject:
-    """The object file at ``path``, read and held against its Python side by ``check``;
-    :class:`BpfUnavailable` says why not."""
+def resolve_hook(setting: str) -> str:
+    """:func:`tc.resolve`, its refusal as :class:`BpfUnavailable`."""
     try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise BpfUnavailable(f"no BPF object at {path} ({err.strerror}): it is built by "
-                             "`pip install` and `scripts/dev setup` where clang is installed") from None
+        return tc.resolve(setting)
+    except tc.TcError as err:
+        raise BpfUnavailable(str(err)) from None
+    except lb.BpfError as err:
+        raise BpfUnavailable(explain(err)) from None
+
+
+def open_checked(path: Path, check: Callable[[lb.BpfObject], None]) -> lb.BpfObject:
+    """The object file at ``path`` as libbpf reads it (nothing loaded yet), held against its
+    Python side by ``check``; :class:`BpfUnavailable` says why not."""
+    if not path.exists():
+        raise BpfUnavailable(f"no BPF object at {path}: it is built by "
+                             "`pip install` and `scripts/dev setup` where clang is installed")
     try:
-        obj = elf.read_object(data)
+        obj = lb.BpfObject(path)
+    except lb.BpfError as err:
+        raise BpfUnavailable(str(err)) from None
+    try:
         check(obj)
     except ValueError as err:
+        obj.close()
         raise BpfUnavailable(f"{path}: {err}") from None
     return obj
+
+
+def adopt_pins(obj: lb.BpfObject, directory: str | os.PathLike) -> list[str]:
+    """Point the object's pinned-by-name maps at ``directory``.  Those pinned there already
+    with the shape the object gives them (type, key and value sizes, entries, flags) are what
+    libbpf will reuse at load: their names are returned.  A pin of another shape (an older
+    agent's layout) is removed, so that libbpf makes that map afresh instead of refusing it."""
+    obj.pin_maps_in(directory)
+    adopted = []
+    for name, mdef in obj.maps.items():
+        path = Path(directory) / name
+        if not mdef.pinned or not path.exists():
+            continue
+        try:
+            fd = lb.obj_get(str(path))
+            try:
+                info = lb.map_info(fd)
+            finally:
+                os.close(fd)
+            if (info["type"], info["key_size"], info["value_size"], info["max_entries"], info["flags"]) == mdef.shape():
+                adopted.append(name)
+                continue
+        except lb.BpfError:
+            pass  # not a map (or not one we may open): replaced as well
+        path.unlink()
+    return adopted
 
 
 def ensure_dir(bpf_dir: Path, directory: Path) -> None:
@@ -289,7 +338,7 @@ def ensure_dir(bpf_dir: Path, directory: Path) -> None:
     probe = bpf_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    if not sc.is_bpffs(str(probe)):
+    if not lb.is_bpffs(str(probe)):
         raise BpfUnavailable(f"no BPF file system at {bpf_dir} ([agent] bpf_dir): pins need one "
                              "(systemd mounts /sys/fs/bpf at boot; else `mount -t bpf bpf /sys/fs/bpf`)")
     try:
@@ -298,34 +347,13 @@ def ensure_dir(bpf_dir: Path, directory: Path) -> None:
         raise BpfUnavailable(f"cannot make {directory}: {err.strerror}") from None
 
 
-def open_map(directory: Path, mdef: elf.MapDef) -> tuple[int, bool]:
-    """The map pinned as ``directory/<name>`` if it has ``mdef``'s shape (adopted: True), else
-    a new one, pinned there."""
-    path = directory / mdef.name
-    if path.exists():
-        try:
-            fd = sc.obj_get(str(path))
-            info = sc.map_info(fd)
-            same = (info["type"], info["key_size"], info["value_size"], info["max_entries"], info["flags"]) == (
-                mdef.type, mdef.key_size, mdef.value_size, mdef.max_entries, mdef.flags)
-            if same:
-                return fd, True
-            os.close(fd)  # another layout (an older agent): start this map afresh
-        except sc.BpfError:
-            pass
-        path.unlink()
-    fd = sc.map_create(mdef.type, mdef.key_size, mdef.value_size, mdef.max_entries, mdef.flags, mdef.name)
-    sc.obj_pin(fd, str(path))
-    return fd, False
-
-
 def pin(directory: Path, fd: int, name: str) -> None:
     """Pin ``fd`` as ``directory/name``, in place of what was pinned there (no moment without)."""
     path = directory / name
     new = directory / f"{name}_new"  # bpffs refuses names with a dot
     with contextlib.suppress(FileNotFoundError):
         new.unlink()
-    sc.obj_pin(fd, str(new))
+    lb.obj_pin(fd, str(new))
     os.replace(new, path)
 
 

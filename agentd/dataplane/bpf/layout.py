@@ -13,14 +13,14 @@ import struct
 from dataclasses import dataclass
 from ipaddress import IPv4Network
 
-from . import syscall as sc
+from . import libbpf as lb
 
 # Map names (the C symbols; the kernel's map names).
 ROUTES, PEERS, DROPS, CONFIG = "agentd_routes", "agentd_peers", "agentd_drops", "agentd_config"
 PORTS = "agentd_ports"
 MAPS = (ROUTES, PEERS, DROPS, PORTS, CONFIG)
-# Program sections and names.
-EGRESS, INGRESS = "tc/egress", "tc/ingress"
+# The programs (function names in datapath.c, the kernel's program names).
+EGRESS, INGRESS = "agentd_egress", "agentd_ingress"
 
 ROUTE_KEY = struct.Struct("<I4s")  # struct route_key: prefixlen (host order), addr
 ROUTE_VALUE = struct.Struct("<4sB3x")  # struct route_value: peer, kind
@@ -47,11 +47,11 @@ CFG_POD_REDIRECT = 32
 
 # What each map must be in the object file: (type, key, value, flags).
 EXPECTED = {
-    ROUTES: (sc.MAP_TYPE_LPM_TRIE, ROUTE_KEY.size, ROUTE_VALUE.size, sc.BPF_F_NO_PREALLOC),
-    PEERS: (sc.MAP_TYPE_PERCPU_HASH, PEER_KEY.size, PEER_STATS.size, 0),
-    DROPS: (sc.MAP_TYPE_PERCPU_ARRAY, DROP_KEY.size, DROP_STATS.size, 0),
-    PORTS: (sc.MAP_TYPE_HASH, PORT_KEY.size, PORT_VALUE.size, 0),
-    CONFIG: (sc.MAP_TYPE_ARRAY, CONFIG_KEY.size, CONFIG_VALUE.size, 0),
+    ROUTES: (lb.MAP_TYPE_LPM_TRIE, ROUTE_KEY.size, ROUTE_VALUE.size, lb.BPF_F_NO_PREALLOC),
+    PEERS: (lb.MAP_TYPE_PERCPU_HASH, PEER_KEY.size, PEER_STATS.size, 0),
+    DROPS: (lb.MAP_TYPE_PERCPU_ARRAY, DROP_KEY.size, DROP_STATS.size, 0),
+    PORTS: (lb.MAP_TYPE_HASH, PORT_KEY.size, PORT_VALUE.size, 0),
+    CONFIG: (lb.MAP_TYPE_ARRAY, CONFIG_KEY.size, CONFIG_VALUE.size, 0),
 }
 PROGRAMS = (EGRESS, INGRESS)
 
@@ -68,9 +68,21 @@ def check(maps: dict, programs: dict) -> None:
                              f"{(mtype, key, value, flags)} in layout.py")
     if maps[DROPS].max_entries != len(DROP_REASONS):
         raise ValueError(f"the object file has {maps[DROPS].max_entries} drop reasons, layout.py {len(DROP_REASONS)}")
-    for section in PROGRAMS:
-        if section not in programs:
-            raise ValueError(f"the object file has no {section} program")
+    check_programs(programs, PROGRAMS)
+    for name, mdef in maps.items():
+        if name in EXPECTED and not mdef.pinned:
+            raise ValueError(f"map {name} is not pinned by name in the object file: a restart would lose it")
+
+
+def check_programs(programs: dict, names: tuple[str, ...]) -> None:
+    """Every program of ``names`` is in the object file, as a tc program (``SEC("tc")``)."""
+    for name in names:
+        prog = programs.get(name)
+        if prog is None:
+            raise ValueError(f"the object file has no program {name}")
+        if prog.type != lb.PROG_TYPE_SCHED_CLS:
+            raise ValueError(f"program {name} is in section {prog.section!r}, which libbpf does not load "
+                             'as a tc program (SEC("tc"))')
 
 
 def route_key(subnet: IPv4Network) -> bytes:

@@ -28,7 +28,8 @@
  * on, so that the connection's FIN and RST (normal path) are not judged out of window.
  *
  * nf_conn's fields are read through CO-RE relocations (the struct below names only what is
- * read; the loader finds the kernel's offsets by name in /sys/kernel/btf/vmlinux).
+ * read; libbpf finds the kernel's offsets by name in the kernel's BTF, nf_conntrack's module
+ * BTF where conntrack is a module), and libbpf resolves the kfuncs the same way.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -76,28 +77,32 @@ struct ct_opts {
 extern struct nf_conn *bpf_skb_ct_lookup(struct __sk_buff *skb, struct bpf_sock_tuple *tuple, __u32 tuple_size,
 					 struct ct_opts *opts, __u32 opts_size) __ksym;
 extern void bpf_ct_release(struct nf_conn *ct) __ksym;
-extern void bpf_ct_change_timeout(struct nf_conn *ct, __u32 timeout_ms) __ksym;
+extern int bpf_ct_change_timeout(struct nf_conn *ct, __u32 timeout_ms) __ksym;
 
-struct agentd_map_def agentd_podips SEC("maps") = {
-	.type = BPF_MAP_TYPE_HASH,
-	.key_size = sizeof(__be32),
-	.value_size = sizeof(struct pod_value),
-	.max_entries = 4096,
-};
+/* BTF-defined maps, pinned by name next to the data path's (see podpath.py). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __be32);
+	__type(value, struct pod_value);
+	__uint(max_entries, 4096);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podips SEC(".maps");
 
-struct agentd_map_def agentd_podstat SEC("maps") = {
-	.type = BPF_MAP_TYPE_PERCPU_ARRAY,
-	.key_size = sizeof(__u32),
-	.value_size = sizeof(struct pod_stats),
-	.max_entries = POD_VERDICTS,
-};
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct pod_stats);
+	__uint(max_entries, POD_VERDICTS);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podstat SEC(".maps");
 
-struct agentd_map_def agentd_podcfg SEC("maps") = {
-	.type = BPF_MAP_TYPE_ARRAY,
-	.key_size = sizeof(__u32),
-	.value_size = sizeof(struct pod_config),
-	.max_entries = 1,
-};
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct pod_config);
+	__uint(max_entries, 1);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podcfg SEC(".maps");
 
 /* kfuncs are for GPL-compatible programs: dual-licensed as datapath.c is. */
 char _license[] SEC("license") = "Dual BSD/GPL";
@@ -178,7 +183,7 @@ static __always_inline int in_cluster(struct pod_config *cfg, __be32 addr)
 	return (addr & cfg->cluster_mask) == cfg->cluster_net;
 }
 
-SEC("tc/pod")
+SEC("tc")
 int agentd_pod_fast(struct __sk_buff *skb)
 {
 	struct bpf_fib_lookup fib = {};
@@ -226,7 +231,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	return count(POD_CARRIED, skb, bpf_redirect(fib.ifindex, 0));
 }
 
-SEC("tc/wire")
+SEC("tc")
 int agentd_pod_wire(struct __sk_buff *skb)
 {
 	struct pod_config *cfg;

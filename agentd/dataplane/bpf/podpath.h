@@ -8,7 +8,7 @@
 
 #include <linux/types.h>
 
-#include "datapath.h" /* struct agentd_map_def */
+#include "datapath.h" /* agentd_ttl_down */
 
 /* pod_ips: hash, a local pod's IPv4 address -> the host side of its veth. */
 struct pod_value {

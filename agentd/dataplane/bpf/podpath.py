@@ -7,11 +7,13 @@ Pins, next to the data path's in this namespace's directory (see datapath.py)::
         agentd_podips  agentd_podstat  agentd_podcfg      the maps
         agentd_pod_fast  agentd_pod_wire                  the programs
 
-``agentd_pod_fast`` sits on the ingress hook of the host side of every local pod's veth (tcx,
-or cls_bpf where the kernel has no tcx; see tc.py), ``agentd_pod_wire`` on the underlay
-device's (tcx only: under cls_bpf our one filter place there is the data path's); the
-``agentd_podips`` map holds each local pod's address and the ifindex of its veth.  A
-restarted agent adopts the maps, loads the programs afresh and swaps them in place.
+``agentd_pod_fast`` sits on the ingress hook of the host side of every local pod's veth,
+``agentd_pod_wire`` on the underlay device's (tcx or cls_bpf as ``[network] bpf_attach``
+says, see tc.py; under cls_bpf the wire program has a filter place of its own beside the data
+path's); the ``agentd_podips`` map holds each local pod's address and the ifindex of its
+veth.  A restarted agent's libbpf reuses the pinned maps, loads the programs afresh (the
+kfuncs and nf_conn's field offsets resolved against this kernel's BTF) and the agent swaps
+them in place.
 
 The program needs conntrack's TCP tracking to be liberal about windows in this namespace (it
 does not see the packets it carries: see podpath.c), so :meth:`PodFastPath.open` sets
@@ -29,16 +31,25 @@ from collections.abc import Mapping
 from ipaddress import IPv4Network
 from pathlib import Path
 
-from . import btf, elf, tc
-from . import syscall as sc
-from .datapath import DEFAULT_BPF_DIR, BpfUnavailable, ensure_dir, explain, open_map, pin, pin_dir, read_checked
-from .layout import sum_percpu
+from . import libbpf as lb
+from . import tc
+from .datapath import (
+    DEFAULT_BPF_DIR,
+    BpfUnavailable,
+    adopt_pins,
+    ensure_dir,
+    explain,
+    open_checked,
+    pin,
+    pin_dir,
+    resolve_hook,
+)
+from .layout import check_programs, sum_percpu
 
 OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 MAPS = (IPS, STATS, CONFIG)
-SECTION, PROGRAM = "tc/pod", tc.POD_FAST_PATH
-WIRE_SECTION, WIRE_PROGRAM = "tc/wire", tc.POD_WIRE
+PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
 # struct pod_config: flags, established_ms, liberal_before, cluster_net, cluster_mask, wire_ifindex
@@ -47,15 +58,15 @@ U32 = struct.Struct("<I")
 VERDICTS = ("carried", "no_conntrack", "not_established", "nat", "no_route")  # enum pod_verdict, in order
 CFG_ON, CFG_ROUTE = 1, 2
 EXPECTED = {
-    IPS: (sc.MAP_TYPE_HASH, 4, POD_VALUE.size),
-    STATS: (sc.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
-    CONFIG: (sc.MAP_TYPE_ARRAY, 4, CONFIG_VALUE.size),
+    IPS: (lb.MAP_TYPE_HASH, 4, POD_VALUE.size),
+    STATS: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
+    CONFIG: (lb.MAP_TYPE_ARRAY, 4, CONFIG_VALUE.size),
 }
 BE_LIBERAL = Path("/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
 ESTABLISHED_TIMEOUT = Path("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established")
 
 
-def check(obj: elf.BpfObject) -> None:
+def check(obj: lb.BpfObject) -> None:
     """Raise ValueError naming the first difference between podpath.h and this module."""
     for name, (mtype, key, value) in EXPECTED.items():
         m = obj.maps.get(name)
@@ -66,9 +77,10 @@ def check(obj: elf.BpfObject) -> None:
                              f"object file, {(mtype, key, value)} in podpath.py")
     if obj.maps[STATS].max_entries != len(VERDICTS):
         raise ValueError(f"the object file counts {obj.maps[STATS].max_entries} verdicts, podpath.py {len(VERDICTS)}")
-    for section in (SECTION, WIRE_SECTION):
-        if section not in obj.programs:
-            raise ValueError(f"the object file has no {section} program")
+    for name in MAPS:
+        if not obj.maps[name].pinned:
+            raise ValueError(f"map {name} is not pinned by name in the object file: a restart would lose it")
+    check_programs(obj.programs, (PROGRAM, WIRE_PROGRAM))
 
 
 def _read_int(path: Path) -> int:
@@ -79,15 +91,19 @@ class PodFastPath:
     """The program, its maps and the veths it is on, for this network namespace."""
 
     def __init__(self, bpf_dir: str | os.PathLike = DEFAULT_BPF_DIR, object_path: Path = OBJECT, *,
-                 cluster: IPv4Network | None = None, wire_ifindex: int | None = None) -> None:
+                 cluster: IPv4Network | None = None, wire_ifindex: int | None = None, attach: str = "auto") -> None:
         """``cluster``: the pod network; with ``wire_ifindex`` (the underlay device) connections
-        between this node's pods and other nodes' pods are carried too."""
+        between this node's pods and other nodes' pods are carried too.  ``attach``:
+        ``[network] bpf_attach``."""
         self.bpf_dir = Path(bpf_dir)
         self.cluster = cluster
         self.wire_ifindex = wire_ifindex
         self.wire: str | None = None  # why the underlay device has no program, if it has none
         self.dir = pin_dir(bpf_dir)
         self.object_path = object_path
+        self.attach = attach
+        self.hook: str | None = None  # "tcx" | "clsact", once open
+        self.obj: lb.BpfObject | None = None
         self.maps: dict[str, int] = {}
         self.prog_fd: int | None = None
         self.prog_id: int | None = None
@@ -96,66 +112,65 @@ class PodFastPath:
         self.pods: dict[str, int] = {}  # pod address -> ifindex of its veth's host side, as in the map
         self.attached: set[int] = set()  # veths our program is on (this run)
         self.adopted = False
-        self.ncpus = sc.possible_cpus()
+        self.ncpus = 0
 
     # ------------------------------------------------------------------ open / close
 
     def open(self) -> None:
-        """Adopt or create the maps, load the program, turn conntrack's liberal windows on and
+        """Adopt or create the maps, load the programs, turn conntrack's liberal windows on and
         put the program back on the veths of the pods the maps hold.  Raises
         :class:`BpfUnavailable` with the reason when any of it cannot be done."""
-        obj = read_checked(self.object_path, check)
-        prog, wire = obj.programs[SECTION], obj.programs[WIRE_SECTION]
+        self.hook = resolve_hook(self.attach)
+        obj = open_checked(self.object_path, check)
         try:
-            kernel = btf.Btf.kernel()
-            kfunc_ids = btf.function_ids(prog.kfuncs | wire.kfuncs, kernel)
-            offsets = {f: kernel.field_offset(*f) for f in prog.fields | wire.fields}
-        except btf.BtfError as err:
-            raise BpfUnavailable(f"the kernel cannot run the pod fast path: {err}") from None
-        ensure_dir(self.bpf_dir, self.dir)
-        try:
-            for name in MAPS:
-                self.maps[name], adopted = open_map(self.dir, obj.maps[name])
-                self.adopted = self.adopted or adopted
-            for key in sc.map_keys(self.maps[IPS], 4):
-                value = sc.map_lookup(self.maps[IPS], key, POD_VALUE.size)
+            ensure_dir(self.bpf_dir, self.dir)
+            self.ncpus = lb.possible_cpus()
+            self.adopted = bool(adopt_pins(obj, self.dir))
+            try:
+                obj.load()
+            except lb.BpfError as err:  # a kfunc, nf_conn's fields, or the verifier
+                raise BpfUnavailable(f"the kernel cannot run the pod fast path: {explain(err)}") from None
+            self.obj = obj
+            self.maps = {name: obj.map_fd(name) for name in MAPS}
+            for key in lb.map_keys(self.maps[IPS], 4):
+                value = lb.map_lookup(self.maps[IPS], key, POD_VALUE.size)
                 if value is not None:
                     self.pods[socket.inet_ntoa(key)] = POD_VALUE.unpack(value)[0]
             self._configure()
-            self.prog_fd = sc.prog_load(sc.PROG_TYPE_SCHED_CLS, prog.relocated(self.maps, kfunc_ids, offsets),
-                                        obj.license, prog.name)
-            self.prog_id = sc.prog_info(self.prog_fd)["id"]
+            self.prog_fd = obj.prog_fd(PROGRAM)
+            self.prog_id = lb.prog_info(self.prog_fd)["id"]
             pin(self.dir, self.prog_fd, PROGRAM)
             for address, ifindex in list(self.pods.items()):  # a previous run's veths: the new program
                 if not self._attach(ifindex):
                     self._forget(address)
             if self.routed:
-                self.wire_fd = sc.prog_load(sc.PROG_TYPE_SCHED_CLS, wire.relocated(self.maps, kfunc_ids, offsets),
-                                            obj.license, wire.name)
-                self.wire_id = sc.prog_info(self.wire_fd)["id"]
+                self.wire_fd = obj.prog_fd(WIRE_PROGRAM)
+                self.wire_id = lb.prog_info(self.wire_fd)["id"]
                 pin(self.dir, self.wire_fd, WIRE_PROGRAM)
                 self._attach_wire()
             else:
                 self.wire = "no cluster network or underlay device given"
-        except sc.BpfError as err:
+        except lb.BpfError as err:
+            obj.close()
             self.close()
             raise BpfUnavailable(explain(err)) from None
         except OSError as err:  # the sysctls
+            obj.close()
             self.close()
             raise BpfUnavailable(f"conntrack settings: {err}") from None
+        except BpfUnavailable:
+            obj.close()
+            self.close()
+            raise
 
     @property
     def routed(self) -> bool:
         return self.cluster is not None and self.wire_ifindex is not None
 
     def _attach_wire(self) -> None:
-        assert self.wire_fd is not None and self.wire_ifindex is not None
-        if not tc.tcx_available():
-            self.wire = "the kernel has no tcx (Linux 6.6): the underlay device's one cls_bpf place is the data path's"
-            self._configure(route=False)
-            return
+        assert self.wire_fd is not None and self.wire_ifindex is not None and self.hook is not None
         try:
-            tc.attach(self.wire_ifindex, "ingress", self.wire_fd, WIRE_PROGRAM)
+            tc.attach(self.wire_ifindex, "ingress", self.wire_fd, WIRE_PROGRAM, self.hook)
         except tc.TcError as err:  # pods of this node keep their fast path between them
             self.wire = str(err)
             self._configure(route=False)
@@ -165,7 +180,7 @@ class PodFastPath:
     def _configure(self, route: bool | None = None) -> None:
         """Liberal TCP windows in this namespace (noting what was there), and the programs' config."""
         key = U32.pack(0)
-        raw = sc.map_lookup(self.maps[CONFIG], key, CONFIG_VALUE.size)
+        raw = lb.map_lookup(self.maps[CONFIG], key, CONFIG_VALUE.size)
         flags, _ms, before, _net, _mask, _wire = CONFIG_VALUE.unpack(raw) if raw else (0, 0, 0, b"", b"", 0)
         liberal = _read_int(BE_LIBERAL)
         if not flags & CFG_ON:  # not set by an earlier run: what we find is the operator's
@@ -175,15 +190,15 @@ class PodFastPath:
         established_ms = min(_read_int(ESTABLISHED_TIMEOUT) * 1000, 0xFFFFFFFF)
         route = self.routed if route is None else route
         net = self.cluster or IPv4Network("255.255.255.255/32")  # matches no pod
-        sc.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(
+        lb.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(
             CFG_ON | (CFG_ROUTE if route else 0), established_ms, before, net.network_address.packed,
             net.netmask.packed, self.wire_ifindex or 0))
 
     def close(self) -> None:
         """Let go of the file descriptors; the program stays on the veths."""
-        for fd in [*self.maps.values(), *(f for f in (self.prog_fd, self.wire_fd) if f is not None)]:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        if self.obj is not None:
+            self.obj.close()
+            self.obj = None
         self.maps.clear()
         self.prog_fd = self.wire_fd = None
 
@@ -209,14 +224,14 @@ class PodFastPath:
             if ifindex not in self.attached and not self._attach(ifindex):
                 continue
             if self.pods.get(address) != ifindex:
-                sc.map_update(self.maps[IPS], socket.inet_aton(address), POD_VALUE.pack(ifindex))
+                lb.map_update(self.maps[IPS], socket.inet_aton(address), POD_VALUE.pack(ifindex))
                 self.pods[address] = ifindex
         self.attached &= set(self.pods.values())
 
     def _attach(self, ifindex: int) -> bool:
-        assert self.prog_fd is not None
+        assert self.prog_fd is not None and self.hook is not None
         try:
-            tc.attach(ifindex, "ingress", self.prog_fd, PROGRAM)
+            tc.attach(ifindex, "ingress", self.prog_fd, PROGRAM, self.hook)
         except tc.TcError as err:
             if "No such device" in str(err):
                 return False  # the pod went between the name lookup and now
@@ -225,7 +240,7 @@ class PodFastPath:
         return True
 
     def _forget(self, address: str) -> None:
-        sc.map_delete(self.maps[IPS], socket.inet_aton(address))
+        lb.map_delete(self.maps[IPS], socket.inet_aton(address))
         self.pods.pop(address, None)
 
     # ------------------------------------------------------------------ observation
@@ -235,7 +250,7 @@ class PodFastPath:
         out = {}
         size = ((STATS_VALUE.size + 7) & ~7) * self.ncpus
         for i, verdict in enumerate(VERDICTS):
-            raw = sc.map_lookup(self.maps[STATS], U32.pack(i), size)
+            raw = lb.map_lookup(self.maps[STATS], U32.pack(i), size)
             packets, nbytes = sum_percpu(raw, STATS_VALUE) if raw else (0, 0)
             out[verdict] = {"packets": packets, "bytes": nbytes}
         return out
@@ -244,7 +259,7 @@ class PodFastPath:
         return {
             "pins": str(self.dir),
             "program": {"id": self.prog_id},
-            "hook": "tcx" if tc.tcx_available() else "clsact",
+            "hook": self.hook,  # tcx or clsact ([network] bpf_attach)
             "between_nodes": {"on": self.wire_id is not None and self.wire is None, "program": {"id": self.wire_id},
                               "device": self.wire_ifindex, "cluster": str(self.cluster) if self.cluster else None,
                               "why_not": self.wire},
@@ -261,12 +276,12 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
     removed: list[str] = []
     ips = d / IPS
     if ips.exists():
-        with contextlib.suppress(sc.BpfError):
-            fd = sc.obj_get(str(ips))
+        with contextlib.suppress(lb.BpfError):
+            fd = lb.obj_get(str(ips))
             try:
                 devices = set()
-                for key in sc.map_keys(fd, 4):
-                    value = sc.map_lookup(fd, key, POD_VALUE.size)
+                for key in lb.map_keys(fd, 4):
+                    value = lb.map_lookup(fd, key, POD_VALUE.size)
                     if value is not None:
                         devices.add(POD_VALUE.unpack(value)[0])
             finally:
@@ -276,10 +291,10 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
                 removed.append(f"the pod fast path from {n} veths")
     cfg = d / CONFIG
     if cfg.exists():
-        with contextlib.suppress(sc.BpfError, OSError, struct.error):
-            fd = sc.obj_get(str(cfg))
+        with contextlib.suppress(lb.BpfError, OSError, struct.error):
+            fd = lb.obj_get(str(cfg))
             try:
-                raw = sc.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
+                raw = lb.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
             finally:
                 os.close(fd)
             if raw:

@@ -1,65 +1,114 @@
-"""The BPF object file scripts/dev setup builds, as the agent's loader reads it: its maps agree
-with layout.py (the Python side of datapath.h), every map reference is an ld_imm64 the loader can
-point at a map, and what the loader does not understand is refused, not half-loaded."""
+"""The BPF object files scripts/dev setup builds, as libbpf reads them (opened, not loaded: no
+root, no kernel): their maps agree with layout.py and podpath.py (the Python side of
+datapath.h and podpath.h), every map is pinned by name, every program is a tc program, and a
+difference on either side -- or a file that is no BPF object -- is refused before anything is
+loaded."""
 
+import dataclasses
 import struct
 from ipaddress import IPv4Network
 
 import pytest
 
-from agentd.dataplane.bpf import OBJECT, elf, layout
+from agentd.dataplane.bpf import OBJECT, layout, libbpf, podpath, tc
+from agentd.dataplane.bpf.datapath import BpfUnavailable, open_checked
 
 
 @pytest.fixture(scope="module")
 def obj():
     assert OBJECT.exists(), f"{OBJECT} is not built: run scripts/dev setup"
-    return elf.read_object(OBJECT.read_bytes())
+    with libbpf.BpfObject(OBJECT) as o:
+        yield o
+
+
+@pytest.fixture(scope="module")
+def pod_obj():
+    assert podpath.OBJECT.exists(), f"{podpath.OBJECT} is not built: run scripts/dev setup"
+    with libbpf.BpfObject(podpath.OBJECT) as o:
+        yield o
 
 
 def test_the_object_matches_layout(obj):
     layout.check(obj.maps, obj.programs)
-    assert set(obj.maps) == set(layout.EXPECTED)
-    assert {p.name for p in obj.programs.values()} == {"agentd_egress", "agentd_ingress"}
+    assert set(obj.maps) == set(layout.EXPECTED) == set(layout.MAPS)
+    assert set(obj.programs) == set(layout.PROGRAMS) == set(tc.OURS)
+    assert all(m.pinned for m in obj.maps.values())
+    assert {p.section for p in obj.programs.values()} == {"tc"}
     assert obj.maps[layout.DROPS].max_entries == len(layout.DROP_REASONS)
 
 
-def test_every_map_reference_is_relocated(obj):
-    fds = {name: 100 + i for i, name in enumerate(sorted(obj.maps))}
-    for prog in obj.programs.values():
-        assert prog.map_refs, prog.section
-        code = prog.relocated(fds)
-        for index, name in prog.map_refs:
-            op, regs, _off, imm = struct.unpack_from("<BBhi", code, index * 8)
-            assert op == elf.LD_IMM64 and regs >> 4 == elf.PSEUDO_MAP_FD and imm == fds[name]
-        # Nothing else changed.
-        untouched = {i for i, _ in prog.map_refs}
-        for i in range(len(code) // 8):
-            if i not in untouched:
-                assert code[i * 8 : i * 8 + 8] == prog.insns[i * 8 : i * 8 + 8]
+def test_the_pod_fast_path_matches_its_layout(pod_obj):
+    podpath.check(pod_obj)
+    assert set(pod_obj.maps) == set(podpath.MAPS)  # the compiler's .rodata is libbpf's, not listed
+    assert set(pod_obj.programs) == {podpath.PROGRAM, podpath.WIRE_PROGRAM} == {tc.POD_FAST_PATH, tc.POD_WIRE}
+    assert all(p.type == libbpf.PROG_TYPE_SCHED_CLS for p in pod_obj.programs.values())
 
 
 def test_a_layout_difference_is_refused(obj):
     maps = dict(obj.maps)
-    m = maps[layout.ROUTES]
-    maps[layout.ROUTES] = elf.MapDef(m.name, m.type, m.key_size, m.value_size + 4, m.max_entries, m.flags)
+    maps[layout.ROUTES] = dataclasses.replace(maps[layout.ROUTES], value_size=maps[layout.ROUTES].value_size + 4)
     with pytest.raises(ValueError, match="agentd_routes"):
         layout.check(maps, obj.programs)
 
 
+def test_a_map_that_is_not_pinned_would_not_survive_a_restart(obj):
+    maps = {**obj.maps, layout.PEERS: dataclasses.replace(obj.maps[layout.PEERS], pinned=False)}
+    with pytest.raises(ValueError, match="agentd_peers is not pinned"):
+        layout.check(maps, obj.programs)
+
+
+def test_a_program_libbpf_would_not_load_as_tc_is_refused(obj):
+    programs = {**obj.programs, layout.EGRESS: dataclasses.replace(obj.programs[layout.EGRESS], section="tc/egress",
+                                                                   type=0)}
+    with pytest.raises(ValueError, match=r"agentd_egress is in section 'tc/egress'"):
+        layout.check(obj.maps, programs)
+    with pytest.raises(ValueError, match="no program agentd_ingress"):
+        layout.check(obj.maps, {layout.EGRESS: obj.programs[layout.EGRESS]})
+
+
 @pytest.mark.parametrize("data, message", [
-    (b"not an elf at all", "not an ELF"),
-    (b"\x7fELF\x01\x01" + bytes(64), "ELF64"),
-])
-def test_what_is_not_a_bpf_object_is_refused(data, message):
-    with pytest.raises(elf.ObjectError, match=message):
-        elf.read_object(data)
+    (b"not an elf at all", "BPF object format invalid"),
+    (b"\x7fELF\x01\x01" + bytes(64), "BPF object format invalid"),
+])  # fmt: skip
+def test_what_is_not_a_bpf_object_is_refused(tmp_path, data, message):
+    path = tmp_path / "x.bpf.o"
+    path.write_bytes(data)
+    with pytest.raises(libbpf.BpfError, match=message):
+        libbpf.BpfObject(path)
+    with pytest.raises(BpfUnavailable, match=message):
+        open_checked(path, lambda o: None)
 
 
-def test_an_object_for_another_machine_is_refused(obj):
+def test_an_object_for_another_machine_is_refused(tmp_path):
     data = bytearray(OBJECT.read_bytes())
     struct.pack_into("<H", data, 18, 62)  # e_machine = x86-64
-    with pytest.raises(elf.ObjectError, match="not BPF"):
-        elf.read_object(bytes(data))
+    path = tmp_path / "x86.o"
+    path.write_bytes(bytes(data))
+    with pytest.raises(libbpf.BpfError, match="not a valid eBPF object file|format invalid"):
+        libbpf.BpfObject(path)
+
+
+def test_a_missing_object_says_how_it_is_built(tmp_path):
+    with pytest.raises(BpfUnavailable, match="scripts/dev setup"):
+        open_checked(tmp_path / "nothing.bpf.o", lambda o: None)
+
+
+def test_the_attach_setting_resolves_by_what_the_kernel_has(monkeypatch):
+    monkeypatch.setattr(tc, "_tcx", False)  # a kernel before 6.6 (Debian 12's 6.1)
+    assert tc.resolve("auto") == "clsact" and tc.resolve("clsact") == "clsact"
+    with pytest.raises(tc.TcError, match=r'bpf_attach = "tcx": this kernel has no tcx hooks \(Linux 6.6'):
+        tc.resolve("tcx")
+    monkeypatch.setattr(tc, "_tcx", True)
+    assert tc.resolve("auto") == "tcx" and tc.resolve("tcx") == "tcx" and tc.resolve("clsact") == "clsact"
+    with pytest.raises(tc.TcError, match="not one of auto, tcx, clsact"):
+        tc.resolve("xdp")
+
+
+def test_each_program_has_its_own_cls_bpf_place():
+    """The underlay's ingress hook holds the data path's program and the pod fast path's wire
+    program: under clsact each needs a place (priority, handle) of its own."""
+    assert tc.handle(tc.POD_WIRE) != tc.handle(layout.INGRESS)
+    assert len({tc.handle(n) for n in (layout.INGRESS, tc.POD_WIRE)}) == 2
 
 
 def test_map_values_round_trip():
@@ -76,56 +125,3 @@ def test_per_cpu_values_are_summed():
     assert layout.sum_percpu(raw, layout.PEER_STATS) == (0, 6, 60, 600, 6000)
     raw = b"".join(layout.DROP_STATS.pack(i, i) for i in (4, 5))
     assert layout.sum_percpu(raw, layout.DROP_STATS) == (9, 9)
-
-
-# ------------------------------------------------------------------ the pod fast path (podpath.c)
-
-
-@pytest.fixture(scope="module")
-def pod_obj():
-    from agentd.dataplane.bpf import podpath
-
-    assert podpath.OBJECT.exists(), f"{podpath.OBJECT} is not built: run scripts/dev setup"
-    return elf.read_object(podpath.OBJECT.read_bytes())
-
-
-def test_the_pod_fast_path_matches_its_layout(pod_obj):
-    from agentd.dataplane.bpf import podpath
-
-    podpath.check(pod_obj)
-    assert set(pod_obj.maps) == set(podpath.MAPS)
-    assert {s: p.name for s, p in pod_obj.programs.items()} == {
-        podpath.SECTION: podpath.PROGRAM, podpath.WIRE_SECTION: podpath.WIRE_PROGRAM}
-    for prog in pod_obj.programs.values():
-        assert prog.kfuncs == {"bpf_skb_ct_lookup", "bpf_ct_release", "bpf_ct_change_timeout"}
-        assert prog.fields == {("nf_conn", ("status",)), ("nf_conn", ("proto", "tcp", "state"))}
-
-
-def test_kfunc_calls_and_field_reads_are_relocated(pod_obj):
-    fds = {name: 100 + i for i, name in enumerate(sorted(pod_obj.maps))}
-    for prog in pod_obj.programs.values():
-        ids = {name: 70000 + i for i, name in enumerate(sorted(prog.kfuncs))}
-        offsets = {f: 200 + 8 * i for i, f in enumerate(sorted(prog.fields))}
-        code = prog.relocated(fds, ids, offsets)
-        for index, name in prog.kfunc_refs:
-            op, regs, off, imm = struct.unpack_from("<BBhi", code, index * 8)
-            assert op == elf.CALL and regs >> 4 == elf.PSEUDO_KFUNC_CALL and off == 0 and imm == ids[name]
-        for index, root, path in prog.field_refs:
-            op, _regs, off, _imm = struct.unpack_from("<BBhi", code, index * 8)
-            assert op & 0x07 == elf.LDX and off == offsets[(root, path)]
-        touched = {i for i, _ in prog.kfunc_refs} | {i for i, *_ in prog.field_refs} | {i for i, _ in prog.map_refs}
-        for i in range(len(code) // 8):
-            if i not in touched:
-                assert code[i * 8 : i * 8 + 8] == prog.insns[i * 8 : i * 8 + 8]
-
-
-def test_a_call_of_an_unknown_symbol_that_is_not_a_call_is_refused(pod_obj):
-    from agentd.dataplane.bpf import podpath
-
-    data = bytearray(podpath.OBJECT.read_bytes())
-    prog = pod_obj.programs[podpath.SECTION]
-    index = prog.kfunc_refs[0][0]
-    start = bytes(data).find(prog.insns)
-    data[start + index * 8] = 0xB7  # mov r, imm where the call was
-    with pytest.raises(elf.ObjectError, match="is not a call"):
-        elf.read_object(bytes(data))

@@ -96,7 +96,7 @@ def test_defaults_without_reading_the_host():
     assert cfg.network == NetworkConfig(
         cidr=IPv4Network("10.244.0.0/16"), subnet_len=24, backend="host-gw", encap="always", mtu=None,
         route_protocol=143, vxlan_vni=1, vxlan_port=4789, udp_port=8285, datapath="auto", bpf_pod_redirect=True,
-        bpf_pod_fast_path=True, service_cidr=IPv4Network("10.96.0.0/12"),
+        bpf_pod_fast_path=True, bpf_attach="auto", service_cidr=IPv4Network("10.96.0.0/12"),
     )
     assert cfg.etcd == EtcdConfig(endpoints=("http://127.0.0.1:2379",), prefix="/agentd", ca=None, cert=None,
                                   key=None, lease_ttl=30)
@@ -177,6 +177,7 @@ vxlan_vni = 4096
 vxlan_port = 8472
 udp_port = 9000
 datapath = "userspace"
+bpf_attach = "clsact"
 
 [etcd]
 endpoints = ["https://etcd-1:2379", "https://10.0.0.2:2379"]
@@ -245,7 +246,7 @@ def test_every_key_from_the_file(tmp_path):
     assert cfg.node == NodeConfig("edge-1", IPv4Address("192.0.2.20"), 4200000000, True,
                                   IPv4Address("1.2.3.4"))
     assert cfg.network == NetworkConfig(IPv4Network("172.16.0.0/12"), 26, "vxlan", "cross-subnet", 1400, 201,
-                                        4096, 8472, 9000, "userspace")
+                                        4096, 8472, 9000, "userspace", bpf_attach="clsact")
     assert cfg.etcd == EtcdConfig(("https://etcd-1:2379", "https://10.0.0.2:2379"), "/cluster/agentd",
                                   tmp_path / "tls/ca.pem", tmp_path / "tls/cert.pem",
                                   tmp_path / "tls/key.pem", 5)
@@ -458,6 +459,8 @@ BAD = [
      "host-gw never encapsulates"),
     ("bad-datapath", "file", "[network]\ndatapath = 'fast'\n",
      "network.datapath", "auto, bpf, userspace"),
+    ("bad-bpf-attach", "env", {"AGENTD_NETWORK_BPF_ATTACH": "xdp"}, "network.bpf_attach",
+     "AGENTD_NETWORK_BPF_ATTACH=xdp: [network] bpf_attach: must be one of auto, tcx, clsact"),
     ("mtu-small", "file", "[network]\nmtu = 100\n", "network.mtu", 'must be "auto" or 576..65535'),
     ("mtu-word", "env", {"AGENTD_NETWORK_MTU": "big"}, "network.mtu", 'must be "auto" or an integer'),
     ("route-protocol-bird", "file", "[network]\nroute_protocol = 12\n", "network.route_protocol",

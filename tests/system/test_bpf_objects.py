@@ -1,0 +1,121 @@
+"""The shipped BPF objects are standard libbpf objects: ``bpftool prog loadall`` loads every
+program of each (in a bpffs of its own, in a mount namespace made for it and gone with it),
+the maps it pins by name have the shapes layout.py and podpath.py expect, and an object loaded
+through the agent's libbpf binding has them too, as the kernel reports them.  A pin of another
+shape is replaced, not reused; one of the same shape is reused with its contents."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from ipaddress import IPv4Network
+
+import pytest
+
+from agentd.dataplane.bpf import OBJECT, layout, libbpf, podpath
+from agentd.dataplane.bpf.datapath import adopt_pins
+from agentd.lab.twohosts import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+# What each shipped object must give the kernel: its programs, and its maps' shapes
+# (type, key size, value size, flags), max_entries where the Python side counts on it.
+SHAPES = {
+    OBJECT: ({name: (*shape, None) for name, shape in layout.EXPECTED.items()} | {
+        layout.DROPS: (*layout.EXPECTED[layout.DROPS], len(layout.DROP_REASONS))}, set(layout.PROGRAMS)),
+    podpath.OBJECT: ({name: (mtype, key, value, 0, len(podpath.VERDICTS) if name == podpath.STATS else None)
+                      for name, (mtype, key, value) in podpath.EXPECTED.items()},
+                     {podpath.PROGRAM, podpath.WIRE_PROGRAM}),
+}
+MAP_TYPES = {"hash": libbpf.MAP_TYPE_HASH, "array": libbpf.MAP_TYPE_ARRAY, "percpu_hash": libbpf.MAP_TYPE_PERCPU_HASH,
+             "percpu_array": libbpf.MAP_TYPE_PERCPU_ARRAY, "lpm_trie": libbpf.MAP_TYPE_LPM_TRIE}
+
+# Runs in a new mount namespace (unshare -m, private propagation): a bpffs of its own on
+# /sys/fs/bpf, where libbpf's default pin root for maps pinned by name is, then bpftool.
+# The namespace, the mount and its pins end with the script.
+LOADALL = """
+set -eu
+mount -t bpf bpf /sys/fs/bpf
+bpftool prog loadall "$1" /sys/fs/bpf/progs
+for p in /sys/fs/bpf/progs/*; do printf 'prog '; bpftool -j prog show pinned "$p"; done
+for m in /sys/fs/bpf/agentd_*; do printf 'map '; bpftool -j map show pinned "$m"; done
+"""
+
+
+def live_ids(kind: str) -> set[int]:
+    out = subprocess.run(["bpftool", "-j", kind, "show"], capture_output=True, text=True, check=True).stdout
+    return {x["id"] for x in json.loads(out or "[]")}
+
+
+@pytest.mark.parametrize("obj", list(SHAPES), ids=lambda p: p.name)
+def test_bpftool_loads_every_shipped_object(obj):
+    assert obj.exists(), f"{obj} is not built: run scripts/dev setup"
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", LOADALL, "loadall", str(obj)],
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shown: dict[str, list[dict]] = {"prog": [], "map": []}
+    for line in proc.stdout.splitlines():
+        kind, _, text = line.partition(" ")
+        shown[kind].append(json.loads(text))
+    maps, programs = SHAPES[obj]
+    assert {p["name"] for p in shown["prog"]} == programs
+    assert all(p["type"] == "sched_cls" for p in shown["prog"])
+    got = {m["name"]: m for m in shown["map"]}
+    assert set(got) == set(maps)
+    for name, (mtype, key, value, flags, entries) in maps.items():
+        m = got[name]
+        assert (MAP_TYPES[m["type"]], m["bytes_key"], m["bytes_value"], m["flags"]) == (mtype, key, value, flags), m
+        assert entries is None or m["max_entries"] == entries
+    # The namespace went with the script, the bpffs with it, and the programs with their pins.
+    ids = {p["id"] for p in shown["prog"]}
+    assert wait_for(lambda: ids.isdisjoint(live_ids("prog")), 10)
+    assert not os.path.exists("/sys/fs/bpf/progs") and not os.path.exists(f"/sys/fs/bpf/{next(iter(maps))}")
+
+
+@pytest.mark.parametrize("obj", list(SHAPES), ids=lambda p: p.name)
+def test_a_libbpf_loaded_object_passes_the_layout_checks(obj, bpffs):
+    """Loaded as the agent loads it (kfuncs and CO-RE of the pod fast path resolved against
+    this kernel): what the kernel holds is what the Python side reads."""
+    maps, programs = SHAPES[obj]
+    with libbpf.BpfObject(obj) as o:
+        (layout.check(o.maps, o.programs) if obj == OBJECT else podpath.check(o))
+        assert adopt_pins(o, bpffs) == []  # nothing pinned there yet
+        o.load()
+        for name, (mtype, key, value, flags, entries) in maps.items():
+            info = libbpf.map_info(o.map_fd(name))
+            assert (info["type"], info["key_size"], info["value_size"], info["flags"]) == (mtype, key, value, flags)
+            assert entries is None or info["max_entries"] == entries
+            assert info["name"] == name and os.path.exists(os.path.join(bpffs, name))  # pinned by name
+        for name in programs:
+            info = libbpf.prog_info(o.prog_fd(name))
+            assert info["type"] == libbpf.PROG_TYPE_SCHED_CLS and info["name"] == name
+    for name in maps:
+        os.unlink(os.path.join(bpffs, name))
+
+
+def test_a_pin_of_another_shape_is_replaced_and_one_of_the_same_shape_reused(bpffs):
+    peers = os.path.join(bpffs, layout.PEERS)
+    # An older agent's peers map, with another value size: libbpf alone refuses to load over it.
+    subprocess.run(["bpftool", "map", "create", peers, "type", "percpu_hash", "key", "4", "value", "8",
+                    "entries", "16", "name", layout.PEERS], check=True)
+    with libbpf.BpfObject(OBJECT) as plain:
+        plain.pin_maps_in(bpffs)
+        with pytest.raises(libbpf.BpfError, match="loading datapath.bpf.o"):
+            plain.load()
+    assert os.path.exists(peers) and not os.path.exists(os.path.join(bpffs, layout.ROUTES))  # nothing left half-made
+    key = layout.route_key(IPv4Network("10.244.7.0/24"))
+    with libbpf.BpfObject(OBJECT) as first:
+        assert adopt_pins(first, bpffs) == []  # the other shape is not adopted: removed
+        first.load()
+        assert libbpf.map_info(first.map_fd(layout.PEERS))["value_size"] == layout.PEER_STATS.size
+        libbpf.map_update(first.map_fd(layout.ROUTES), key, layout.route_value("192.0.2.7", "udp"))
+        routes_id = libbpf.map_info(first.map_fd(layout.ROUTES))["id"]
+    with libbpf.BpfObject(OBJECT) as again:  # a restart: every map adopted, contents and all
+        assert sorted(adopt_pins(again, bpffs)) == sorted(layout.MAPS)
+        again.load()
+        assert libbpf.map_info(again.map_fd(layout.ROUTES))["id"] == routes_id
+        assert libbpf.map_lookup(again.map_fd(layout.ROUTES), key, layout.ROUTE_VALUE.size) == \
+            layout.route_value("192.0.2.7", "udp")
+    for name in layout.MAPS:
+        os.unlink(os.path.join(bpffs, name))
