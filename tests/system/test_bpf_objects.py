@@ -119,3 +119,29 @@ def test_a_pin_of_another_shape_is_replaced_and_one_of_the_same_shape_reused(bpf
             layout.route_value("192.0.2.7", "udp")
     for name in layout.MAPS:
         os.unlink(os.path.join(bpffs, name))
+
+
+# Two objects libbpf must refuse to load, each with the reason: a kfunc no kernel has, and a
+# program the verifier rejects (a packet read without a bounds check).
+REFUSED = {
+    "kfunc": ("""
+extern void bpf_agentd_no_such_kfunc(struct __sk_buff *skb) __ksym;
+SEC("tc") int calls_nothing(struct __sk_buff *skb) { bpf_agentd_no_such_kfunc(skb); return 0; }
+""", "extern (func ksym) 'bpf_agentd_no_such_kfunc': not found in kernel or module BTFs"),
+    "verifier": ("""
+SEC("tc") int unchecked(struct __sk_buff *skb) { return *(int *)(long)skb->data; }
+""", "verifier on unchecked: invalid access to packet"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_the_kernel_cannot_run_is_refused_with_the_reason(case, tmp_path):
+    body, reason = REFUSED[case]
+    src, obj = tmp_path / f"{case}.c", tmp_path / f"{case}.bpf.o"
+    src.write_text('#include <linux/bpf.h>\n#include <bpf/bpf_helpers.h>\nchar _license[] SEC("license") = "GPL";\n' + body)
+    arch = subprocess.run(["gcc", "-print-multiarch"], capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(["clang-16", "-O2", "-g", "-target", "bpf", "-mcpu=v3", f"-I/usr/include/{arch}", "-c", str(src),
+                    "-o", str(obj)], check=True, capture_output=True)
+    with libbpf.BpfObject(obj) as o, pytest.raises(libbpf.BpfError) as err:
+        o.load()
+    assert reason in str(err.value) and f"loading {obj.name}" in str(err.value), str(err.value)

@@ -147,12 +147,12 @@ def _on_message(level: int, fmt: bytes, args: int) -> int:
     return 0
 
 
-_print_callback = _PRINT_FN(_on_message)  # referenced for as long as libbpf may call it
+_print_callback = None  # referenced for as long as libbpf may call it
 
 
 def library() -> ctypes.CDLL:
     """libbpf.so.1, opened once; :class:`BpfError` (ENOENT) where it is not installed."""
-    global _lib
+    global _lib, _print_callback
     with _lib_lock:
         if _lib is None:
             try:
@@ -165,7 +165,12 @@ def library() -> ctypes.CDLL:
                 f.restype, f.argtypes = restype, argtypes
             lib.libbpf_set_print.restype = ctypes.c_void_p
             lib.libbpf_set_print.argtypes = [_PRINT_FN]
-            lib.libbpf_set_print(_print_callback)
+            try:
+                _print_callback = _PRINT_FN(_on_message)
+            except (MemoryError, OSError):  # no executable trampoline for libffi: libbpf prints to stderr
+                log.debug("libbpf's messages go to stderr: no callback could be made for them")
+            else:
+                lib.libbpf_set_print(_print_callback)
             _lib = lib
         return _lib
 

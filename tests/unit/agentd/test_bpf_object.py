@@ -11,7 +11,7 @@ from ipaddress import IPv4Network
 import pytest
 
 from agentd.dataplane.bpf import OBJECT, layout, libbpf, podpath, tc
-from agentd.dataplane.bpf.datapath import BpfUnavailable, open_checked
+from agentd.dataplane.bpf.datapath import BpfUnavailable, open_checked, resolve_hook
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +125,20 @@ def test_per_cpu_values_are_summed():
     assert layout.sum_percpu(raw, layout.PEER_STATS) == (0, 6, 60, 600, 6000)
     raw = b"".join(layout.DROP_STATS.pack(i, i) for i in (4, 5))
     assert layout.sum_percpu(raw, layout.DROP_STATS) == (9, 9)
+
+
+def test_without_libbpf_the_bpf_parts_say_what_to_install(monkeypatch):
+    real = libbpf.ctypes.CDLL
+
+    def cdll(name, *args, **kwargs):
+        if name == "libbpf.so.1":
+            raise OSError(f"{name}: cannot open shared object file")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(libbpf, "_lib", None)
+    monkeypatch.setattr(libbpf.ctypes, "CDLL", cdll)
+    with pytest.raises(BpfUnavailable, match=r"libbpf.so.1 is not installed \(Debian: apt-get install libbpf1\)"):
+        open_checked(OBJECT, lambda o: None)
+    monkeypatch.setattr(tc, "_tcx", None)
+    with pytest.raises(BpfUnavailable, match="libbpf.so.1 is not installed"):
+        resolve_hook("auto")
