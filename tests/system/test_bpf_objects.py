@@ -99,6 +99,14 @@ def test_a_pin_of_another_shape_is_replaced_and_one_of_the_same_shape_reused(bpf
     # An older agent's peers map, with another value size: libbpf alone refuses to load over it.
     subprocess.run(["bpftool", "map", "create", peers, "type", "percpu_hash", "key", "4", "value", "8",
                     "entries", "16", "name", layout.PEERS], check=True)
+    # An agent before libbpf left its ports map (no BTF, the same shape), holding an entry.
+    ports = os.path.join(bpffs, layout.PORTS)
+    subprocess.run(["bpftool", "map", "create", ports, "type", "hash", "key", str(layout.PORT_KEY.size), "value",
+                    str(layout.PORT_VALUE.size), "entries", "4096", "name", layout.PORTS], check=True)
+    port_key = layout.PORT_KEY.pack(7, b"\x02\x00\x00\x00\x00\x09")
+    fd = libbpf.obj_get(ports)
+    libbpf.map_update(fd, port_key, layout.PORT_VALUE.pack(12))
+    os.close(fd)
     with libbpf.BpfObject(OBJECT) as plain:
         plain.pin_maps_in(bpffs)
         with pytest.raises(libbpf.BpfError, match="loading datapath.bpf.o"):
@@ -106,8 +114,9 @@ def test_a_pin_of_another_shape_is_replaced_and_one_of_the_same_shape_reused(bpf
     assert os.path.exists(peers) and not os.path.exists(os.path.join(bpffs, layout.ROUTES))  # nothing left half-made
     key = layout.route_key(IPv4Network("10.244.7.0/24"))
     with libbpf.BpfObject(OBJECT) as first:
-        assert adopt_pins(first, bpffs) == []  # the other shape is not adopted: removed
+        assert adopt_pins(first, bpffs) == [layout.PORTS]  # the other shape is not adopted: removed
         first.load()
+        assert libbpf.map_lookup(first.map_fd(layout.PORTS), port_key, 4) == layout.PORT_VALUE.pack(12)
         assert libbpf.map_info(first.map_fd(layout.PEERS))["value_size"] == layout.PEER_STATS.size
         libbpf.map_update(first.map_fd(layout.ROUTES), key, layout.route_value("192.0.2.7", "udp"))
         routes_id = libbpf.map_info(first.map_fd(layout.ROUTES))["id"]
