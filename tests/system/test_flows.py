@@ -308,7 +308,8 @@ async def test_browser_view(shop, tmp_path):
             await page.wait_for_selector("[data-pod-link='shop/web']")
             await page.screenshot(path=str(shots / "ui-node.png"), full_page=True)
 
-            # A pod: labels, its policies, its flows.
+            # A pod: labels, its policies, its flows (one made now, whatever ran before).
+            assert (await shop.echo["client"].tcp(shop.pods["web"].ip, 80))["names"] == {"web": 1}
             await page.goto(base + "#/pod/node2/shop/web")
             await page.wait_for_selector("text=Policies selecting it")
             await page.wait_for_selector("#flow-rows tr")
