@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,26 +37,20 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit_json, print_notes, print_table, require_root  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import _iperf  # noqa: E402
+from bench._common import (BenchError, parse_bench_args, print_notes, print_table, require_root,  # noqa: E402
+                           run_main, write_json)
 
 from agentd.flows.model import Flow, Identity, Peer  # noqa: E402
 from agentd.flows.ring import FlowRing  # noqa: E402
+from agentd.lab.errors import LabError  # noqa: E402
 from agentd.lab.lab import Lab, LabSpec  # noqa: E402
-from agentd.lab.netns import unique_tag  # noqa: E402
+from agentd.lab.netns import NetnsError, unique_tag  # noqa: E402
 from agentd.lab.svcecho import Echo  # noqa: E402
 
 NS = "bench"
-
-
-def iperf(client_ns: str, server_ip: str, seconds: float) -> float:
-    out = subprocess.run(["ip", "netns", "exec", client_ns, "iperf3", "-c", server_ip, "-t", str(int(seconds)), "-J"],
-                         capture_output=True, text=True, timeout=seconds + 30, check=False)  # fmt: skip
-    data = json.loads(out.stdout or "{}")
-    bps = data.get("end", {}).get("sum_received", {}).get("bits_per_second", 0.0)
-    if not bps:
-        raise RuntimeError(f"iperf3 to {server_ip} failed: {out.stderr.strip() or out.stdout[-300:]}")
-    return bps / 1e9
 
 
 def rss_mb(pid: int | None) -> float:
@@ -91,7 +83,7 @@ async def restart(lab: Lab, flows: bool) -> None:
     deadline = time.monotonic() + 60
     while not settled():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"agents not settled with flows {'on' if flows else 'off'}")
+            raise BenchError(f"agents not settled with flows {'on' if flows else 'off'}")
         await asyncio.sleep(0.2)
     await asyncio.sleep(1.0)  # the first sync's transaction is in; let the restart's CPU settle
 
@@ -103,7 +95,8 @@ async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds
         r = await echo[client].crr(server.ip, 8080, seconds)
         out[f"crr_{where}"] = r["connections"] / r["seconds"]
         out[f"crr_failed_{where}"] = r["failed"]
-        out[f"gbps_{where}"] = await asyncio.to_thread(iperf, pods[client].ns.name, server.ip, seconds)
+        run = await _iperf.client(pods[client].ns, server.ip, seconds, what=f"iperf3 {where}")
+        out[f"gbps_{where}"] = run.gbps
     return out
 
 
@@ -199,7 +192,6 @@ async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: flo
 async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     lab = Lab(LabSpec(name="bf" + unique_tag("")[:6], nodes=2, pods=0, log_level="warning"), root=root)
     echo: dict[str, Echo] = {}
-    iperf_server = None
     try:
         await lab.up(timeout=120)
         pods = {"client": await lab.add_pod(lab.nodes[0], NS, "client", labels={"app": "client"}),
@@ -210,15 +202,14 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         echo["server"] = await Echo.start(pods["server"], "server", [("tcp", 8080)])
         for name in ("client", "local"):
             echo[name] = await Echo.start(pods[name], name)
-        iperf_server = subprocess.Popen(["ip", "netns", "exec", pods["server"].ns.name, "iperf3", "-s"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
-        for _ in range(args.rounds):
-            for mode in ("off", "on"):
-                await restart(lab, mode == "on")
-                got = await measure(lab, pods, echo, args.seconds)
-                runs[mode].append(got)
-                print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
+        async with _iperf.server(pods["server"].ns):
+            for _ in range(args.rounds):
+                for mode in ("off", "on"):
+                    await restart(lab, mode == "on")
+                    got = await measure(lab, pods, echo, args.seconds)
+                    runs[mode].append(got)
+                    print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
         res = await lab.resources()
         storm_result = await storm(lab, pods, res, args.storm_pps, args.storm_seconds)
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
@@ -227,9 +218,6 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     finally:
         for e in echo.values():
             await e.close()
-        if iperf_server is not None:
-            iperf_server.kill()
-            iperf_server.wait()
         await lab.down()
 
 
@@ -237,23 +225,28 @@ def load() -> str:
     return f"load average {os.getloadavg()[0]:.2f}"
 
 
-async def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--storm-pps", type=int, default=100_000)
-    ap.add_argument("--storm-seconds", type=float, default=5.0)
-    ap.add_argument("--quick", action="store_true", help="1 round of 3 s, a 3 s storm")
-    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    args = ap.parse_args()
-    if args.quick:
-        args.seconds, args.rounds, args.storm_seconds = 3.0, 1, 3.0
-    require_root("bench/flows.py")
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="agentd-bench-flows-") as tmp:
-        r = await run(args, Path(tmp))
-    if args.json:
-        with open(args.json, "w") as f:
-            emit_json(r, file=f)
+        return await run(args, Path(tmp))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=5.0, help="seconds per measurement (default 5)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of off and on (default 2, medians)")
+    ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
+    ap.add_argument("--storm-seconds", type=float, default=5.0, help="length of the storm (default 5)")
+    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "storm_seconds": 3.0})
+    if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1:
+        ap.error("--seconds, --rounds and --storm-pps must be at least 1")
+    require_root("bench/flows.py")
+    r = asyncio.run(amain(args))
+    write_json(args.json, r)
+    report(args, r)
+    return 0
+
+
+def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     med = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in r["runs"].items()}
     off, on = med["off"], med["on"]
     rows = []
@@ -280,8 +273,7 @@ async def main() -> int:
         f"({r['ring_bytes'] / r['ring_size']:.0f} bytes each, tracemalloc, 50 pods)",
         "the machine is shared (2 cores): other helpers' work runs beside this bench",
     ])
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    run_main(main, "bench/flows.py", errors=(LabError, NetnsError))
