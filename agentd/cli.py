@@ -132,6 +132,8 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
 
     if not full:
         return p
+    sp = sub.add_parser("flows", help="flow records with their verdicts, like hubble observe (GET /flows)")
+    add_flow_arguments(sp)
     # Resources: agentd apply|get|delete|label, in agentd/resources/cli.py.
     from agentd.resources.cli import add_commands as add_resource_commands
 
@@ -252,6 +254,8 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
+    if cmd == "flows":
+        return flows_command(args)
     if cmd in ("apply", "get", "delete", "label"):  # resources: agentd/resources/cli.py
         from agentd.resources import cli as resource_cli
 
@@ -326,6 +330,89 @@ def leave_running_agent(host: str, port: int) -> bool:
         time.sleep(0.1)
     log.warning("the agent was still running %d s after it left the cluster", LEAVE_WAIT)
     return True
+
+
+# ---------------------------------------------------------------- agentd flows
+
+FLOW_FILTERS = ("pod", "from-pod", "to-pod", "namespace", "label", "verdict", "protocol", "port", "node", "ip",
+                "event", "reason", "service")
+
+
+def add_flow_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--api", default=os.environ.get("AGENTD_STATUS_URL", DEFAULT_API), help="agent API URL")
+    sp.add_argument("--last", type=int, default=20, metavar="N", help="the last N matching records (default 20)")
+    sp.add_argument("-f", "--follow", action="store_true", help="then every new one, until interrupted")
+    sp.add_argument("-A", "--cluster", action="store_true", help="every node's records (the agent gathers them)")
+    sp.add_argument("-o", "--output", choices=["text", "json"], default="text", help="json: one record per line")
+    for name in FLOW_FILTERS:
+        flags = [f"--{name}"] + (["-n"] if name == "namespace" else ["-l"] if name == "label" else [])
+        sp.add_argument(*flags, action="append", default=[], dest=f"filter_{name.replace('-', '_')}",
+                        metavar={"label": "KEY[=VALUE]", "pod": "NS/NAME", "from-pod": "NS/NAME",
+                                 "to-pod": "NS/NAME"}.get(name, name.upper()),
+                        help=f"only records whose {name} matches (repeat for any of several)")
+
+
+def flows_command(args: argparse.Namespace) -> int:
+    """``agentd flows``: GET /flows, streamed; each record printed as it arrives."""
+    import http.client
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from agentd.flows.model import FilterError, FlowFilter
+    from agentd.flows.render import line
+
+    pairs = [(name, v) for name in FLOW_FILTERS for v in getattr(args, f"filter_{name.replace('-', '_')}")]
+    try:
+        FlowFilter.parse(pairs)  # one clear line before asking anyone
+        if not 0 <= args.last <= 100_000:
+            raise FilterError(f"--last: {args.last} is out of range 0..100000")
+    except FilterError as err:
+        sys.stderr.write(f"agentd flows: {err}\n")
+        return 2
+    query = [*pairs, ("last", str(args.last))]
+    if args.follow:
+        query.append(("follow", "1"))
+    if args.cluster:
+        query.append(("cluster", "1"))
+    url = args.api.rstrip("/") + "/flows?" + urllib.parse.urlencode(query)
+    try:
+        resp = urllib.request.urlopen(url, timeout=None if args.follow else 30)  # noqa: S310 (operator-given URL)
+    except urllib.error.HTTPError as err:
+        body = err.read().decode(errors="replace")
+        try:
+            body = json.loads(body).get("error", body)
+        except (ValueError, AttributeError):
+            pass
+        sys.stderr.write(f"agentd flows: {url}: {err.code} {body}\n")
+        return 1
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
+        sys.stderr.write(f"agentd flows: cannot reach the agent at {args.api}: {getattr(err, 'reason', err)}\n")
+        return 1
+    errors = 0
+    try:
+        with resp:
+            for raw in resp:
+                if not raw.strip():
+                    continue  # a keep-alive
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    sys.stderr.write(f"agentd flows: {url} answered, but not with JSON lines: is that an agentd API?\n")
+                    return 1
+                if "error" in record or "lost" in record:
+                    errors += "error" in record
+                    what = f"node {record.get('node')}: {record['error']}" if "error" in record else \
+                        f"{record['lost']} records lost (this reader was too slow)"
+                    sys.stderr.write(f"agentd flows: {what}\n")
+                    continue
+                print(json.dumps(record) if args.output == "json" else line(record), flush=args.follow)
+    except KeyboardInterrupt:
+        return 0
+    except (http.client.HTTPException, OSError) as err:
+        sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {err}\n")
+        return 1
+    return 1 if errors else 0  # some node could not be asked: what was printed is not everything
 
 
 # ---------------------------------------------------------------- agentd status

@@ -232,6 +232,21 @@ class BgpConfig:
 @dataclass(frozen=True)
 class ApiConfig:
     listen: HostPort = HostPort("127.0.0.1", 9099)
+    # The read-only listener other nodes gather the cluster view from: the node's address and
+    # this port (0: none), its GET endpoints only, each with the cluster read token.
+    cluster_port: int = 9098
+    read_token_file: Path | None = None  # the token; default: the one the agents keep in etcd
+
+
+@dataclass(frozen=True)
+class FlowsConfig:
+    """Flow records (docs/observability.md): conntrack events and logged drops."""
+
+    enabled: bool = True
+    ring_size: int = 10_000  # records kept per node
+    log_group: int = 143  # the NFLOG group of the drop rules (per network namespace)
+    log_rate: int = 100  # drops a second each drop rule logs at most (nft limit)
+    record_rate: float = 10.0  # drop records a second the agent keeps per (reason, source, destination, port)
 
 
 @dataclass(frozen=True)
@@ -276,6 +291,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     cni: CniConfig = field(default_factory=CniConfig)
     dns: DnsConfig = field(default_factory=DnsConfig)
+    flows: FlowsConfig = field(default_factory=FlowsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     source: str | None = None  # the file read, None when only defaults/env/overrides
@@ -375,6 +391,8 @@ _KEYS = (
     _Key("bgp", "peers", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
     _Key("bgp", "listen_ranges", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
     _Key("api", "listen", listen_kind(allow_empty=False), ApiConfig.listen),
+    _Key("api", "cluster_port", int_kind(0, 65535), 9098),
+    _Key("api", "read_token_file", Kind((str,), "a string", str, parse_tls_file), None),
     _Key("cni", "conf_dir", PATH, CniConfig.conf_dir),
     _Key("cni", "bin_dir", Kind((str, list), "a string or an array", str, parse_bin_dir), CniConfig.bin_dir),
     _Key("cni", "subnet_file", PATH, CniConfig.subnet_file),
@@ -385,6 +403,11 @@ _KEYS = (
     _Key("dns", "address", string_kind(parse_dns_address), DnsConfig.address),
     _Key("dns", "cluster_domain", string_kind(parse_domain), "cluster.local"),
     _Key("dns", "upstream", Kind((list,), "an array", text_list, parse_upstreams), ()),
+    _Key("flows", "enabled", BOOL, True),
+    _Key("flows", "ring_size", int_kind(100, 10_000_000), 10_000),
+    _Key("flows", "log_group", int_kind(1, 65535), 143),
+    _Key("flows", "log_rate", int_kind(1, 1_000_000), 100),
+    _Key("flows", "record_rate", float_kind(0.1, 100_000), 10.0),
     _Key("log", "level", choice_kind("debug", "info", "warning", "error"), "info"),
     _Key("log", "format", choice_kind("text", "json"), "text"),
     _Key("agent", "state_dir", PATH, AgentConfig.state_dir),
@@ -748,13 +771,22 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
     ):
         ld.key_problem(ld.blame("api.listen", "bgp.listen"),
                          "[api] listen and [bgp] listen use the same port")
+    cport = v["api.cluster_port"]
+    if ok("api.cluster_port", "api.listen") and cport and cport == api_at.port and (
+        ip_address(api_at.host).is_unspecified or str(api_at.host) == str(v["node.address"])
+    ):
+        ld.key_problem(ld.blame("api.cluster_port", "api.listen"),
+                       f"the cluster listener would take [api] listen's port {cport} on the node's address")
+    if ok("api.cluster_port", "bgp.listen") and cport and bgp_at and cport == bgp_at.port:
+        ld.key_problem(ld.blame("api.cluster_port", "bgp.listen"), f"[bgp] listen uses port {cport}")
     _check_peers(ld)
 
     if ld.problems:
         return None
     sections = {}
     for sec, cls in (("node", NodeConfig), ("network", NetworkConfig), ("etcd", EtcdConfig),
-                     ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("dns", DnsConfig), ("log", LogConfig),
+                     ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("dns", DnsConfig), ("flows", FlowsConfig),
+                     ("log", LogConfig),
                      ("agent", AgentConfig)):
         sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
     peers = tuple(BgpPeerConfig(**{"hold_time": hold, **p}) for p in v["bgp.peers"])

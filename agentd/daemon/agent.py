@@ -37,12 +37,14 @@ from proto.nlri import network_to_prefix
 
 from agentd.daemon import mesh, node_files
 from agentd.daemon.api import ApiServer
+from agentd.daemon.observe import Observability, drop_log
 from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
 from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from agentd.dataplane.bpf.datapath import BpfUnavailable
 from agentd.dataplane.bpf.podpath import PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import Config, ConfigError, load_config, reloaded
+from agentd.flows.recorder import restore_sysctls
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy
@@ -77,7 +79,15 @@ class Agent:
         )
         self.registry.register(SpeakerMetrics(lambda: self.service))
         self.registry.register(_AgentMetrics(self))
-        self.api = ApiServer(AgentViews(self), cfg.api.listen.host, cfg.api.listen.port)
+        views = AgentViews(self)
+        self.api = ApiServer(views, cfg.api.listen.host, cfg.api.listen.port)
+        # Flow records and the cluster view (agentd/daemon/observe.py); the read-only listener
+        # other nodes gather from starts once the read token is known.
+        self.observe = Observability(cfg, self.name, self._node_addresses)
+        self.read_api: ApiServer | None = None
+        if cfg.api.cluster_port:
+            self.read_api = ApiServer(views, str(self.address), cfg.api.cluster_port,
+                                      read_token=lambda: self.observe.cluster.token)
         self.underlay: Underlay | None = None
         self.programmer: RouteProgrammer | None = None
         self.datastore: Datastore | None = None
@@ -131,6 +141,8 @@ class Agent:
                 self.supervisor.start("policy", self.policy.run)
             if self.services is not None:
                 self.supervisor.start("services", self.services.run)
+            if self.observe.recorder is not None:
+                self.supervisor.start("flows", self.observe.recorder.run)
             self.supervisor.start("readiness", self._readiness_loop)
             await self._stop.wait()
         except AgentError as err:
@@ -186,7 +198,7 @@ class Agent:
         fast_path, fast_path_error = await self._open_fast_path()
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
                                   on_isolation=self.tunnels.bpf.hold_redirect, fast_path=fast_path,
-                                  fast_path_error=fast_path_error)
+                                  fast_path_error=fast_path_error, drop_log=drop_log(cfg))
         try:
             await self.policy.start()
             self.registry.register(self.policy.views)
@@ -196,7 +208,7 @@ class Agent:
             self._problems.append(f"network policy not enforced: {err}")
             self.policy = None
         # Services: adopt the services table as it is; it changes once etcd is read.
-        self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns,
+        self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns, drop_log=drop_log(cfg),
                                      on_translating=functools.partial(self.tunnels.bpf.hold_redirect, who="services"))
         try:
             await self.services.start()
@@ -206,6 +218,14 @@ class Agent:
             log.error("services are not translated on this node: %s", err)
             self._problems.append(f"services not translated: {err}")
             self.services = None
+        await self.observe.open_flows(self.policy, self.services, self.registry)
+        await self.observe.open_cluster(self.datastore)
+        if self.read_api is not None and self.observe.cluster.token is not None:
+            try:
+                await self.read_api.start()
+            except OSError as err:
+                log.warning("the cluster listener on %s:%d is off: %s", self.address, self.cfg.api.cluster_port, err)
+                self.read_api = None
         try:
             await self.tunnels.start(subnet)
         except RuntimeError as err:
@@ -263,11 +283,20 @@ class Agent:
             self.policy.close()
         if self.services is not None:  # so does the services table
             self.services.close()
+        await self.observe.close()
+        if self.read_api is not None:
+            await self.read_api.stop()
         if self.datastore is not None:
             with contextlib.suppress(Exception):
                 await self.datastore.close()
         await self.api.stop()
         self.notifier.close()
+
+    def _node_addresses(self) -> dict[str, str]:
+        """The nodes of the registry as this agent read it, by name (the cluster view asks them)."""
+        out = {name: str(rec.address) for name, rec in self.peering.nodes.items()}
+        out[self.name] = str(self.address)
+        return out
 
     def request_leave(self) -> None:
         """``agentd leave`` against a running agent: withdraw, release, remove, exit."""
@@ -289,6 +318,9 @@ class Agent:
             await self.policy.leave()
         if self.services is not None:  # Services
             await self.services.leave()
+        restored = await asyncio.to_thread(restore_sysctls, self.cfg.agent.state_dir)  # flow records
+        if restored:
+            log.info("put back %s", ", ".join(restored))
 
     async def _open_fast_path(self) -> tuple[PodFastPath | None, str | None]:
         """The pod fast path ([network] bpf_pod_fast_path), or None and why not; switched off,
@@ -445,6 +477,9 @@ async def leave(cfg: Config) -> int:
             log.info("removed the BPF data path a previous agent left: %s", ", ".join(gone))
         await remove_policy_tables()  # NetworkPolicy
         await remove_services_table()  # Services
+        restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
+        if restored:
+            log.info("put back %s", ", ".join(restored))
         return 0
     except Exception as err:
         log.error("cannot leave: %s", err)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -17,7 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from bgp import Speaker
 
+from agentd.daemon import web as observability
 from agentd.daemon.bgp_json import RibQuery
+from agentd.daemon.cluster import bearer_guard
 
 log = logging.getLogger("agentd.api")
 
@@ -47,15 +50,26 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 class ApiServer:
-    """``GET /healthz /readyz /status /peers /rib /routes /metrics`` on ``host:port``."""
+    """``GET /healthz /readyz /status /peers /rib /routes /policy /services /metrics``, and for
+    the node agent ``/flows``, ``/cluster``, ``/nodes/...``, ``/ui/``, on ``host:port``."""
 
-    def __init__(self, provider: StatusProvider, host: str = "127.0.0.1", port: int = 9099) -> None:
+    def __init__(
+        self,
+        provider: StatusProvider,
+        host: str = "127.0.0.1",
+        port: int = 9099,
+        *,
+        read_token: Callable[[], str | None] | None = None,
+    ) -> None:
+        """With ``read_token`` this is the read-only cluster listener (agentd.daemon.cluster):
+        GET endpoints only, each request with that token."""
         self.provider = provider
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        app = web.Application()
+        read_only = read_token is not None
+        app = web.Application(middlewares=[bearer_guard(read_token)] if read_token is not None else [])
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
@@ -67,9 +81,11 @@ class ApiServer:
                 web.get("/metrics", self._metrics),
                 web.get("/policy", self._policy),  # NetworkPolicy
                 web.get("/services", self._services),  # Services
-                web.post("/leave", self._leave),
+                *([] if read_only else [web.post("/leave", self._leave)]),
             ]
         )
+        if hasattr(provider, "flows_view"):  # flows, the cluster view, /ui/ (agentd/daemon/web.py)
+            observability.add_routes(app, provider, read_only=read_only)  # type: ignore[arg-type]
         self.app = app
 
     async def start(self) -> None:

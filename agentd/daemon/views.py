@@ -24,6 +24,9 @@ from agentd.dataplane.backends import Tunnels
 from agentd.datastore.store import Datastore, SubnetLease
 from agentd.kernel.netinfo import Underlay
 from agentd.kernel.routing import RouteProgrammer
+from agentd.daemon.cluster import ClusterView
+from agentd.daemon.observe import Observability
+from agentd.flows.views import FlowViews
 from agentd.policy.agent import PolicyAgent
 from agentd.services.agent import ServiceAgent
 
@@ -47,6 +50,7 @@ class AgentState(Protocol):
     policy: PolicyAgent | None
     services: ServiceAgent | None
     routes: KernelRoutes
+    observe: Observability
 
     def health(self) -> tuple[bool, list[str]]: ...
 
@@ -107,6 +111,7 @@ class AgentViews:
             },
             "backends": a.tunnels.status() if a.tunnels else {},
             "policy": a.policy.views.status() if a.policy else None,
+            "flows": a.observe.status(),
             "tasks": a.supervisor.summary(),
             "ready": a.readiness()[0],
         }
@@ -142,3 +147,14 @@ class AgentViews:
 
     def routes(self) -> list[dict[str, Any]]:
         return self.agent.routes.installed()
+
+    def node_name(self) -> str:
+        return self.agent.name
+
+    def flows_view(self) -> FlowViews | None:
+        """GET /flows (agentd/daemon/web.py); None where flow records are off."""
+        return self.agent.observe.views
+
+    def cluster_view(self) -> ClusterView | None:
+        """How this agent gathers from the others (agentd/daemon/cluster.py)."""
+        return self.agent.observe.cluster

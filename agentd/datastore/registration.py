@@ -60,6 +60,25 @@ class Registration:
         got = await self.connection.call("read cluster config", lambda c: c.get(key), self.connection.deadline(timeout))
         return None if got is None else parse_config(key, got.value)
 
+    async def ensure_read_token(self, wanted: str, *, timeout: float | None = None) -> str:
+        """The cluster's read credential at ``<prefix>/cluster/read-token``: ``wanted`` if none
+        is stored yet (one transaction, first writer wins), else the stored one."""
+        key = f"{self.prefix}/cluster/read-token".encode()
+        ok, responses = await self.connection.call(
+            "store the cluster read token",
+            lambda c: c.transaction(
+                compare=[tx.Version(key) == 0], success=[tx.Put(key, wanted.encode())], failure=[tx.Get(key)]
+            ),
+            self.connection.deadline(timeout),
+        )
+        if ok:
+            log.info("stored a new cluster read token at %s", key.decode())
+            return wanted
+        stored = bytes(responses[0][0][0]).decode("ascii", "replace").strip()
+        if not stored:
+            raise RecordError(f"{key.decode()} is empty: delete it and an agent stores a new one")
+        return stored
+
     # -- our node record --------------------------------------------------------------------
 
     async def register_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:

@@ -225,6 +225,10 @@ class Datastore:
     async def get_cluster_config(self, *, timeout: float | None = None) -> ClusterConfig | None:
         return await self.registration.get_cluster_config(timeout=timeout)
 
+    async def ensure_read_token(self, wanted: str, *, timeout: float | None = None) -> str:
+        """The cluster's read credential (first writer wins): what agents show each other."""
+        return await self.registration.ensure_read_token(wanted, timeout=timeout)
+
     async def register_node(self, record: NodeRecord, *, timeout: float | None = None) -> None:
         """Put our node record under our liveness lease; the keepalive task keeps it there."""
         await self.registration.register_node(record, timeout=timeout)

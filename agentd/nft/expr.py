@@ -7,6 +7,7 @@ the few shapes both compilers write, so each compiler reads as the rules it make
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 NAME_MAX = 200  # nft object names may have 255 bytes; longer names are hashed (names stay unique)
@@ -49,3 +50,29 @@ def object_name(kind: str, *parts: Any) -> str:
     if len(full) <= NAME_MAX:
         return full
     return f"{kind}/#{hashlib.sha1(full.encode()).hexdigest()[:20]}"
+
+
+SUPPRESSED = "flow-log-suppressed"  # the counter of drops a log rule's limit kept from the log
+
+
+@dataclass(frozen=True)
+class DropLog:
+    """How drop rules log for flow records (``agentd.flows``): the NFLOG group, and the
+    kernel's limit per log rule (packets a second, burst); what goes over it is counted in
+    each table's ``flow-log-suppressed`` counter instead."""
+
+    group: int
+    rate: int = 100
+    burst: int = 100
+
+    def statements(self, prefix: str) -> list[dict[str, Any]]:
+        """``limit rate R/second burst B packets log prefix "<prefix>" group N``"""
+        return [{"limit": {"rate": self.rate, "per": "second", "burst": self.burst}},
+                {"log": {"prefix": prefix, "group": self.group}}]
+
+    def chain_rules(self, prefix: str, final: list[dict[str, Any]]) -> tuple[str, ...]:
+        """A drop chain's rules: ``final`` logged while under the limit, else the suppressed
+        counter and ``final`` alone."""
+        from .ruleset import rule_text
+
+        return (rule_text([*self.statements(prefix), *final]), rule_text([{"counter": SUPPRESSED}]), rule_text(final))

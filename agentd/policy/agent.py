@@ -36,6 +36,7 @@ from agentd.datastore.store import Datastore
 from agentd.resources.store import ResourceEvent, ResourceStore
 
 from agentd.cni import endpoints
+from agentd.nft.expr import SUPPRESSED, DropLog
 from agentd.nft.libnftables import Nft, NftError
 from agentd.nft.programmer import NftProgrammer
 
@@ -78,12 +79,15 @@ class PolicyAgent:
         on_isolation: Callable[[bool], Awaitable[None]] | None = None,
         fast_path: FastPath | None = None,
         fast_path_error: str | None = None,
+        drop_log: DropLog | None = None,
     ) -> None:
+        """``drop_log``: flow records are kept (agentd.flows): drops are logged to its NFLOG
+        group and every local pod's traffic is routed through conntrack."""
         self.node = node
         self.ds = datastore
         self.store = ResourceStore(datastore)
         self.data_dir = str(data_dir)
-        self.engine = PolicyEngine(node)
+        self.engine = PolicyEngine(node, drop_log=drop_log, route_all=drop_log is not None)
         self.nft = nft
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods
@@ -105,6 +109,7 @@ class PolicyAgent:
         self.history: deque[tuple[int, float]] = deque(maxlen=HISTORY)
         self.dropped: dict[tuple[str, str], int] = {}
         self.spoofed = 0
+        self.log_suppressed = 0  # drops the log rules' limit kept from the flow records
         self.error: str | None = None
         self.syncs = 0
         self.last_sync: dict[str, Any] | None = None  # the last transaction: commands, seconds
@@ -290,7 +295,8 @@ class PolicyAgent:
             containers = set(self.publisher.endpoints)  # the pods this build includes
             desired = self.engine.build()
             keys = self.engine.touched()
-            isolating = self.isolated()["any"] > 0
+            # Flow records need every pod packet through netfilter too (route_all).
+            isolating = self.isolated()["any"] > 0 or self.engine.route_all
             try:
                 if isolating and self.on_isolation is not None:
                     await self.on_isolation(True)
@@ -364,15 +370,29 @@ class PolicyAgent:
             except NftError:
                 continue
             dropped = {}
+            suppressed = 0
             for (family, name), packets in counts.items():
+                if name == SUPPRESSED:
+                    suppressed += packets
                 if family == compiler.INET and name.startswith("pod-"):
                     direction, _, rest = name.partition("/")
                     dropped[(rest, "ingress" if direction == "pod-in" else "egress")] = packets
                 elif family == compiler.BRIDGE and name == compiler.SPOOFED:
                     self.spoofed = packets
             self.dropped = dropped
+            self.log_suppressed = suppressed
 
     # ------------------------------------------------------------------ state read by the views
+
+    def explain_drop(self, prefix: str) -> tuple[str, PodKey, list[str], bool] | None:
+        """A pod chain's drop log prefix -> (direction "ingress"/"egress", the pod, the
+        policies isolating it that way, default deny); None if no local pod's chain has it."""
+        origin = self.engine.drop_origin(prefix)
+        if origin is None:
+            return None
+        direction, key = origin
+        policies, default_deny = self.engine.denying(key, direction)
+        return ("ingress" if direction == "in" else "egress"), key, policies, default_deny
 
     def local_pods(self) -> list[PodKey]:
         return sorted(k for k in self.engine.local if k in self.engine.pods)

@@ -25,6 +25,14 @@ Where packets are judged (see docs/policy.md for the picture):
   to or from an isolated pod without being routed (IPv4 broadcast and multicast, IPv6 other
   than neighbour discovery).
 
+Drop records (flow visibility, ``agentd.flows``): with a :class:`DropLog`, each pod chain's
+drop is preceded by a rate-limited ``log group N prefix "<the chain's name>"`` rule (NFLOG:
+the agent hears the packet and maps the prefix back to the pod, the direction and the
+policies that isolate it), what the limit holds back is counted in the ``flow-log-suppressed``
+counter, and the spoofing drop logs with prefix ``spoofed``.  With ``route_all`` the bridge
+table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
+conntrack sees every connection of the node's pods (the flows' connection records).
+
 Selector members are set elements: each rule has a set of its peer pods' addresses
 (``np-in/<ns>/<policy>/<rule>/pods``) and, with named ports, a set of (address, protocol,
 port) (``.../named``); its ipBlocks are prefix matches in its rules.  A pod appearing or
@@ -33,11 +41,12 @@ changing labels anywhere in the cluster changes elements, never rules.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any
 
-from agentd.nft.expr import ACCEPT, DROP, ESTABLISHED, jump, match, meta, object_name, payload, ref
+from agentd.nft.expr import ACCEPT, DROP, ESTABLISHED, SUPPRESSED, DropLog, jump, match, meta, object_name, payload, ref
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, rule_text
 
 from .model import Policy, Port, Rule
@@ -57,6 +66,9 @@ INGRESS_MAP = "ingress-pods"
 BRIDGES = "bridges"
 SPOOFED = "spoofed"
 
+SPOOFED_PREFIX = "spoofed"
+PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
+
 _L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 ND_TYPES = ["nd-router-solicit", "nd-router-advert", "nd-neighbor-solicit", "nd-neighbor-advert"]
 
@@ -69,10 +81,18 @@ def policy_chain(direction: str, policy: Policy) -> str:
     return object_name(f"np-{direction}", policy.namespace, policy.name)
 
 
+def drop_prefix(chain: str) -> str:
+    """The log prefix of a pod chain's drop rule: its name, or its hash where that is too long."""
+    if len(chain) <= PREFIX_MAX:
+        return chain
+    kind = chain.partition("/")[0]
+    return f"{kind}/#{hashlib.sha1(chain.encode()).hexdigest()[:20]}"
+
+
 # ------------------------------------------------------------------ base objects
 
 
-def base_objects(bridges: Iterable[str], stateful: bool = True) -> list[Any]:
+def base_objects(bridges: Iterable[str], stateful: bool = True, log: DropLog | None = None) -> list[Any]:
     """Tables' fixed part: base chains, dispatch maps, the bridge table's sets.
 
     ``stateful``: some local pod is isolated.  Only then do the base chains look at conntrack
@@ -83,6 +103,7 @@ def base_objects(bridges: Iterable[str], stateful: bool = True) -> list[Any]:
         NftSet(INET, TABLE, EGRESS_MAP, ("ipv4_addr",), map="verdict"),
         NftSet(INET, TABLE, INGRESS_MAP, ("ipv4_addr",), map="verdict"),
         NftSet(INET, TABLE, BRIDGES, ("ifname",), elements=frozenset(bridges)),
+        *([NftCounter(INET, TABLE, SUPPRESSED)] if log is not None else []),
         NftChain(
             INET, TABLE, "egress",
             (*established, rule_text([{"vmap": {"key": payload("ip", "saddr"), "data": ref(EGRESS_MAP)}}])),
@@ -101,18 +122,18 @@ def base_objects(bridges: Iterable[str], stateful: bool = True) -> list[Any]:
             hook=("filter", "output", 0, "accept"),
         ),
     ]  # fmt: skip
-    return inet + _bridge_base()
+    return inet + _bridge_base(log)
 
 
-def _bridge_base() -> list[Any]:
+def _bridge_base(log: DropLog | None = None) -> list[Any]:
     ip = match(payload("ether", "type"), "ip")
     to_host = {"mangle": {"key": meta("pkttype"), "value": "host"}}
     unicast_other = match(meta("pkttype"), "other")  # not for the bridge, not broadcast/multicast
+    spoofed = [ip, match(meta("iifname"), ref("pod-ports")),
+               match({"concat": [meta("iifname"), payload("ip", "saddr")]}, ref("pod-addrs"), "!=")]
     prerouting = [
-        # A pod's IPv4 packets carry its own address, or are dropped.
-        [ip, match(meta("iifname"), ref("pod-ports")),
-         match({"concat": [meta("iifname"), payload("ip", "saddr")]}, ref("pod-addrs"), "!="),
-         {"counter": SPOOFED}, DROP],
+        # A pod's IPv4 packets carry its own address, or are dropped (and logged: flow records).
+        [*spoofed, jump(SPOOFED)] if log is not None else [*spoofed, {"counter": SPOOFED}, DROP],
         # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
         # pod's own host-side MAC, a local FDB entry of the bridge).
         [ip, unicast_other, match(meta("iifname"), ref("isolated-ports")), to_host,
@@ -127,7 +148,12 @@ def _bridge_base() -> list[Any]:
         [both, match(meta("oifname"), ref("isolated-in-ports")), {"counter": None}, DROP],
         [both, match(meta("iifname"), ref("isolated-out-ports")), {"counter": None}, DROP],
     ]
+    logged: list[Any] = []
+    if log is not None:
+        logged = [NftCounter(BRIDGE, TABLE, SUPPRESSED),
+                  NftChain(BRIDGE, TABLE, SPOOFED, log.chain_rules(SPOOFED_PREFIX, [{"counter": SPOOFED}, DROP]))]
     return [
+        *logged,
         NftSet(BRIDGE, TABLE, "pod-ports", ("ifname",)),
         NftSet(BRIDGE, TABLE, "pod-addrs", ("ifname", "ipv4_addr")),
         NftSet(BRIDGE, TABLE, "isolated-ports", ("ifname",)),
@@ -268,9 +294,14 @@ def l4proto(protocol: str) -> str:
 # ------------------------------------------------------------------ per local pod
 
 
-def compile_pod_chain(direction: str, namespace: str, name: str, policies: list[Policy]) -> list[Any]:
-    """``pod-<direction>/<ns>/<name>``: a jump to each selecting policy, then a counted drop."""
+def compile_pod_chain(direction: str, namespace: str, name: str, policies: list[Policy],
+                      log: DropLog | None = None) -> list[Any]:
+    """``pod-<direction>/<ns>/<name>``: a jump to each selecting policy, then a counted drop
+    (with ``log``: logged while under the limit, else counted as suppressed)."""
     chain = pod_chain(direction, namespace, name)
     rules = [rule_text([jump(policy_chain(direction, p))]) for p in policies]
-    rules.append(rule_text([{"counter": chain}, DROP]))
+    if log is not None:
+        rules += log.chain_rules(drop_prefix(chain), [{"counter": chain}, DROP])
+    else:
+        rules.append(rule_text([{"counter": chain}, DROP]))
     return [NftChain(INET, TABLE, chain, tuple(rules)), NftCounter(INET, TABLE, chain)]

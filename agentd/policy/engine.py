@@ -30,6 +30,7 @@ from typing import Any
 
 from . import compiler
 from .model import LocalPort, PeerSelector, Pod, PodKey, Policy, Rule, namespace_labels
+from agentd.nft.expr import DropLog
 from agentd.nft.ruleset import Ruleset
 
 
@@ -37,8 +38,15 @@ PolicyKey = tuple[str, str]
 
 
 class PolicyEngine:
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, *, drop_log: DropLog | None = None, route_all: bool = False) -> None:
+        """``drop_log``: drops are logged for flow records; ``route_all``: every local pod's
+        traffic goes through the IP stack and conntrack, not only isolated pods' (flow records
+        of connections between pods of this node)."""
         self.node = node
+        self.drop_log = drop_log
+        self.route_all = route_all
+        self.by_ip: dict[str, PodKey] = {}  # every pod's address (flow records name pods by it)
+        self._prefixes: dict[str, tuple[str, PodKey]] | None = None
         self.pods: dict[PodKey, Pod] = {}
         self.local: dict[PodKey, LocalPort] = {}
         self.namespaces: dict[str, dict[str, str]] = {}  # labels of Namespace objects
@@ -90,6 +98,10 @@ class PolicyEngine:
         old = self.pods.get(key)
         old_local = self.local.get(key)
         self.pods[key] = pod
+        if old is not None and old.ip != pod.ip:
+            self._unindex(old)
+        if pod.ip is not None:
+            self.by_ip[str(pod.ip)] = key
         self._ns_pods[pod.namespace].add(key)
         if local is not None:
             self.local[key] = local
@@ -110,6 +122,7 @@ class PolicyEngine:
         pod = self.pods.pop(key, None)
         if pod is None:
             return
+        self._unindex(pod)
         self._ns_pods[pod.namespace].discard(key)
         for sel, members in self._members.items():
             if key in members:
@@ -118,6 +131,10 @@ class PolicyEngine:
         self._dirty_policies |= self._all_pods_refs
         if self.local.pop(key, None) is not None or key in self._pod_policies:
             self._reselect(key)
+
+    def _unindex(self, pod: Pod) -> None:
+        if pod.ip is not None and self.by_ip.get(str(pod.ip)) == pod.key:
+            del self.by_ip[str(pod.ip)]
 
     def _recheck(self, sel: PeerSelector, members: set[PodKey], pod: Pod, ns_labels: Mapping[str, str], *, changed: bool) -> None:
         key = pod.key
@@ -150,6 +167,7 @@ class PolicyEngine:
         self._dirty_pods.add(key)
         self._dirty_policies |= before | after
         self._local_dirty = True
+        self._prefixes = None
 
     # ------------------------------------------------------------------ policies
 
@@ -203,6 +221,22 @@ class PolicyEngine:
         """(ingress isolated, egress isolated) of a local pod."""
         policies = self.selecting(key)
         return any(p.ingress is not None for p in policies), any(p.egress is not None for p in policies)
+
+    def drop_origin(self, prefix: str) -> tuple[str, PodKey] | None:
+        """Which local pod's chain, in which direction ("in", "out"), a drop log prefix names."""
+        if self._prefixes is None:
+            self._prefixes = {
+                compiler.drop_prefix(compiler.pod_chain(d, *key)): (d, key) for key in self.local for d in ("in", "out")
+            }
+        return self._prefixes.get(prefix)
+
+    def denying(self, key: PodKey, direction: str) -> tuple[list[str], bool]:
+        """The policies isolating local pod ``key`` in ``direction`` ("in", "out") -- a drop
+        there means none of them allows the packet -- and whether that is a default deny
+        (none of them has a rule in that direction at all)."""
+        attr = "ingress" if direction == "in" else "egress"
+        chosen = [p for p in self.selecting(key) if getattr(p, attr) is not None]
+        return [f"{p.namespace}/{p.name}" for p in chosen], all(not getattr(p, attr) for p in chosen)
 
     def members(self, policy: Policy, rule: Rule) -> set[PodKey]:
         """The pods the selector peers of ``rule`` match."""
@@ -271,7 +305,8 @@ class PolicyEngine:
                 for direction, attr in (("in", "ingress"), ("out", "egress")):
                     chosen = [p for p in policies if getattr(p, attr) is not None]
                     if chosen:
-                        objects += compiler.compile_pod_chain(direction, pod.namespace, pod.name, chosen)
+                        objects += compiler.compile_pod_chain(direction, pod.namespace, pod.name, chosen,
+                                                              self.drop_log)
             self._replace(self._pod_objects.pop(key, []), objects)
             if objects:
                 self._pod_objects[key] = objects
@@ -311,7 +346,7 @@ class PolicyEngine:
             elements["pod-addrs"].add((port.interface, ip))
             elements["port-macs"].add((port.interface, port.mac))
             elements["addr-macs"].add((ip, port.mac))
-            if ingress or egress:
+            if ingress or egress or self.route_all:
                 elements["isolated-ports"].add(port.interface)
                 elements["isolated-addrs"].add(ip)
             if ingress:
@@ -321,8 +356,8 @@ class PolicyEngine:
                 elements["isolated-out-ports"].add(port.interface)
                 elements[compiler.EGRESS_MAP].add((ip, ("jump", compiler.pod_chain("out", *key))))
         out = []
-        stateful = bool(elements["isolated-ports"])
-        for obj in compiler.base_objects(sorted(self.bridges), stateful):
+        stateful = bool(elements["isolated-ports"]) or self.route_all
+        for obj in compiler.base_objects(sorted(self.bridges), stateful, self.drop_log):
             if obj.kind == "set" and obj.name in elements:
                 obj = replace(obj, elements=frozenset(elements[obj.name]))
             out.append(obj)

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentd.datastore.store import Datastore
+from agentd.nft.expr import DropLog
 from agentd.nft.libnftables import Nft, NftError
 from agentd.nft.programmer import NftProgrammer
 from agentd.resources.service import SERVICE_NAME_LABEL
@@ -48,8 +49,10 @@ class ServiceAgent:
         nft: Nft | None = None,
         dns_config: Any = None,
         on_translating: Callable[[bool], Awaitable[None]] | None = None,
+        drop_log: DropLog | None = None,
     ) -> None:
         self.node = node
+        self.drop_log = drop_log  # refusals logged for flow records (agentd.flows)
         # Called with True before the table first translates anything and with False after it
         # stops: the BPF data path must then hand decapsulated packets to netfilter, where
         # conntrack undoes the translation of replies (BpfPath.hold_redirect).
@@ -229,7 +232,7 @@ class ServiceAgent:
             dirty, self._dirty = self._dirty, set()
             full = dirty is None or self._table is None
             if full:
-                self._table = compiler.Table(self.node)
+                self._table = compiler.Table(self.node, self.drop_log)
                 dirty = set(self.objects["Service"])
                 keys = None
             else:

@@ -47,7 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agentd.nft.expr import goto, match, meta, object_name, payload
+from agentd.nft.expr import SUPPRESSED, DropLog, goto, match, meta, object_name, payload
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, Ruleset, rule_text
 
 from .model import Endpoint, ServicePort
@@ -160,8 +160,9 @@ def pick_objects(n: int) -> list[Any]:
     ]
 
 
-def base_objects(slots: int = SLOTS_MIN) -> list[Any]:
-    """The fixed part, prepared for services of up to ``slots`` endpoints (the maps empty)."""
+def base_objects(slots: int = SLOTS_MIN, log: DropLog | None = None) -> list[Any]:
+    """The fixed part, prepared for services of up to ``slots`` endpoints (the maps empty);
+    with ``log`` the refusals are logged for flow records (prefix: the chain's name)."""
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = match(payload("ip", "daddr"), {"prefix": {"addr": "127.0.0.0", "len": 8}}, "!=")
     masq = match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK)
@@ -188,8 +189,7 @@ def base_objects(slots: int = SLOTS_MIN) -> list[Any]:
         # right after the nat chains (a translated packet no longer has the VIP), before routing.
         NftSet(FAMILY, TABLE, UNAVAILABLE, VIP_TYPE, map="verdict"),
         NftSet(FAMILY, TABLE, NP_UNAVAILABLE, NP_TYPE, map="verdict"),
-        NftChain(FAMILY, TABLE, REJECT_CHAIN, (rule_text([{"reject": None}]),)),
-        NftChain(FAMILY, TABLE, DROP_CHAIN, (rule_text([{"drop": None}]),)),
+        *_refusals(log),
         *(NftChain(FAMILY, TABLE, f"filter-{hook}", (
             rule_text([{"vmap": {"key": VIP_KEY, "data": "@" + UNAVAILABLE}}]),
             rule_text([local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
@@ -200,6 +200,16 @@ def base_objects(slots: int = SLOTS_MIN) -> list[Any]:
     for n in range(1, slots + 1):
         out += pick_objects(n)
     return out
+
+
+def _refusals(log: DropLog | None) -> list[Any]:
+    """The chains of ports without usable endpoints: reject, drop (logged with ``log``)."""
+    if log is None:
+        return [NftChain(FAMILY, TABLE, REJECT_CHAIN, (rule_text([{"reject": None}]),)),
+                NftChain(FAMILY, TABLE, DROP_CHAIN, (rule_text([{"drop": None}]),))]
+    return [NftCounter(FAMILY, TABLE, SUPPRESSED),
+            NftChain(FAMILY, TABLE, REJECT_CHAIN, log.chain_rules(REJECT_CHAIN, [{"reject": None}])),
+            NftChain(FAMILY, TABLE, DROP_CHAIN, log.chain_rules(DROP_CHAIN, [{"drop": None}]))]
 
 
 Elements = dict[str, frozenset[Any]]  # map or set name -> the elements one service puts there
@@ -344,11 +354,11 @@ class Table:
     last read (``NftSet.delta``), so that neither a batch of many Services nor the plan of one
     change costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, log: DropLog | None = None) -> None:
         self.node = node
         self._rs = Ruleset(TABLES)
         self.slots = SLOTS_MIN
-        for obj in base_objects(self.slots):
+        for obj in base_objects(self.slots, log):
             self._rs.add(obj)
         # map name -> (elements added, elements removed) since rs was last read
         self._pending: dict[str, tuple[set[Any], set[Any]]] = {}

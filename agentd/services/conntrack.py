@@ -9,8 +9,8 @@ port; reply source the endpoint) is deleted, and the next datagram is a new conn
 the rules send to a live endpoint.  TCP entries stay: a terminating endpoint keeps its
 established connections.
 
-The messages (include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h), framed with
-the agent's one netlink codec (agentd.kernel.netlink: header, attribute packer and parser)::
+The messages (include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h), encoded and
+decoded by the ctnetlink codec of the agent's one netlink stack (agentd.kernel.netlink_ct)::
 
     nlmsghdr.type = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET (dump) / _DELETE
     struct nfgenmsg { u8 nfgen_family; u8 version; __be16 res_id; }          4 bytes
@@ -31,60 +31,24 @@ from __future__ import annotations
 
 import errno
 import socket
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from agentd.kernel import netlink as nl
+from agentd.kernel.netlink_ct import (  # noqa: F401  (the codec, re-exported for this module's users)
+    CTA_TUPLE_ORIG,
+    CTA_TUPLE_REPLY,
+    IPCTNL_MSG_CT_DELETE,
+    IPCTNL_MSG_CT_GET,
+    IPCTNL_MSG_CT_NEW,
+    NFNL_SUBSYS_CTNETLINK,
+    CtEntry,
+    CtTuple,
+    decode_event,
+    encode_tuple,
+)
+from agentd.kernel.netlink_ct import message as _message
 from agentd.kernel.netlink_socket import NetlinkSocket
-
-# --- nfnetlink.h / nfnetlink_conntrack.h -------------------------------------------------------
-
-NFNL_SUBSYS_CTNETLINK = 1
-IPCTNL_MSG_CT_NEW = 0
-IPCTNL_MSG_CT_GET = 1
-IPCTNL_MSG_CT_DELETE = 2
-
-CTA_TUPLE_ORIG = 1
-CTA_TUPLE_REPLY = 2
-CTA_TUPLE_IP = 1  # inside a CTA_TUPLE_*
-CTA_TUPLE_PROTO = 2
-CTA_IP_V4_SRC = 1  # inside CTA_TUPLE_IP
-CTA_IP_V4_DST = 2
-CTA_PROTO_NUM = 1  # inside CTA_TUPLE_PROTO
-CTA_PROTO_SRC_PORT = 2
-CTA_PROTO_DST_PORT = 3
-
-_BE16 = struct.Struct("!H")
-_U8 = struct.Struct("=B")
-
-
-class CtTuple(NamedTuple):
-    """One direction of a connection (ports 0 for protocols without them, e.g. ICMP)."""
-
-    src: str
-    dst: str
-    proto: int
-    sport: int = 0
-    dport: int = 0
-
-
-class CtEntry(NamedTuple):
-    orig: CtTuple
-    reply: CtTuple
-
-
-def _message(mtype: int, seq: int, flags: int, body: bytes) -> bytes:
-    return nl.encode_nfgen(NFNL_SUBSYS_CTNETLINK << 8 | mtype, flags, seq, nl.AF_INET, body)
-
-
-def encode_tuple(kind: int, t: CtTuple) -> bytes:
-    """CTA_TUPLE_ORIG or CTA_TUPLE_REPLY with ``t`` (addresses and ports in network byte order)."""
-    ip = nl.attr(CTA_IP_V4_SRC, socket.inet_aton(t.src)) + nl.attr(CTA_IP_V4_DST, socket.inet_aton(t.dst))
-    proto = (nl.attr(CTA_PROTO_NUM, _U8.pack(t.proto)) + nl.attr(CTA_PROTO_SRC_PORT, _BE16.pack(t.sport))
-             + nl.attr(CTA_PROTO_DST_PORT, _BE16.pack(t.dport)))
-    return nl.nested(kind, nl.nested(CTA_TUPLE_IP, ip), nl.nested(CTA_TUPLE_PROTO, proto))
 
 
 def encode_dump(seq: int) -> bytes:
@@ -97,51 +61,13 @@ def encode_delete(seq: int, orig: CtTuple) -> bytes:
     return _message(IPCTNL_MSG_CT_DELETE, seq, nl.NLM_F_REQUEST, encode_tuple(CTA_TUPLE_ORIG, orig))
 
 
-def _read_be16(buf: bytes, start: int, end: int, what: str) -> int:
-    if end - start != 2:
-        raise nl.NetlinkDecodeError(f"{what} must be 2 bytes, got {end - start}")
-    return _BE16.unpack_from(buf, start)[0]
-
-
-def _decode_tuple(buf: bytes, start: int, end: int) -> CtTuple:
-    src = dst = "0.0.0.0"
-    proto = sport = dport = 0
-    for atype, vs, ve in nl.iter_attrs(buf, start, end):
-        if atype == CTA_TUPLE_IP:
-            for itype, is_, ie in nl.iter_attrs(buf, vs, ve):
-                if itype == CTA_IP_V4_SRC:
-                    src = socket.inet_ntoa(nl.read_address(buf, is_, ie, nl.AF_INET, "CTA_IP_V4_SRC"))
-                elif itype == CTA_IP_V4_DST:
-                    dst = socket.inet_ntoa(nl.read_address(buf, is_, ie, nl.AF_INET, "CTA_IP_V4_DST"))
-        elif atype == CTA_TUPLE_PROTO:
-            for ptype, ps, pe in nl.iter_attrs(buf, vs, ve):
-                if ptype == CTA_PROTO_NUM:
-                    if pe - ps != 1:
-                        raise nl.NetlinkDecodeError(f"CTA_PROTO_NUM must be 1 byte, got {pe - ps}")
-                    proto = buf[ps]
-                elif ptype == CTA_PROTO_SRC_PORT:
-                    sport = _read_be16(buf, ps, pe, "CTA_PROTO_SRC_PORT")
-                elif ptype == CTA_PROTO_DST_PORT:
-                    dport = _read_be16(buf, ps, pe, "CTA_PROTO_DST_PORT")
-    return CtTuple(src, dst, proto, sport, dport)
-
-
 def decode_entry(buf: bytes, start: int, end: int) -> CtEntry | None:
     """An IPCTNL_MSG_CT_NEW body (nfgenmsg + attributes) as its two tuples; None if it is not
     IPv4 or lacks a tuple."""
-    if end > len(buf) or end - start < nl.NFGENMSG_LEN:
-        raise nl.NetlinkDecodeError(f"conntrack message body is {end - start} bytes, nfgenmsg needs {nl.NFGENMSG_LEN}")
-    if buf[start] != nl.AF_INET:
+    event = decode_event(NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW, buf, start, end)
+    if event is None or event.family != nl.AF_INET:
         return None
-    orig = reply = None
-    for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
-        if atype == CTA_TUPLE_ORIG:
-            orig = _decode_tuple(buf, vs, ve)
-        elif atype == CTA_TUPLE_REPLY:
-            reply = _decode_tuple(buf, vs, ve)
-    if orig is None or reply is None:
-        return None
-    return CtEntry(orig, reply)
+    return CtEntry(event.orig, event.reply)
 
 
 # ------------------------------------------------------------------ what to delete

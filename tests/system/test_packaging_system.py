@@ -225,6 +225,9 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
     assert [n for n in names if re.fullmatch(r"agentd/dataplane/_fastpath\.cpython-.*\.so", n)], names
     # ...and the BPF data path, compiled by setup.py with clang for the BPF target.
     assert {"agentd/dataplane/bpf/datapath.bpf.o", "agentd/dataplane/bpf/datapath.c"} <= set(names), names
+    # ...and the browser view's assets (/ui/ works offline: nothing comes from elsewhere).
+    ui = {"agentd/ui/index.html", "agentd/ui/app.js", "agentd/ui/style.css", "agentd/ui/icon.svg"}
+    assert ui <= set(names), sorted(ui - set(names))
 
     # Installed into a fresh venv (no index: the wheel only; its dependencies are borrowed
     # from the project's venv through a .pth file, since this machine has no general internet).

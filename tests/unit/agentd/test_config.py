@@ -27,6 +27,7 @@ from agentd.config.settings import (
     BgpConfig,
     BgpPeerConfig,
     DnsConfig,
+    FlowsConfig,
     ListenRangeConfig,
     CniConfig,
     Config,
@@ -44,7 +45,7 @@ from agentd.config.settings import (
 EXAMPLE = Path(__file__).resolve().parents[3] / "etc" / "agentd.toml"
 SECTION_CLASSES = {
     "node": NodeConfig, "network": NetworkConfig, "etcd": EtcdConfig, "bgp": BgpConfig,
-    "api": ApiConfig, "cni": CniConfig, "dns": DnsConfig, "log": LogConfig, "agent": AgentConfig,
+    "api": ApiConfig, "cni": CniConfig, "dns": DnsConfig, "flows": FlowsConfig, "log": LogConfig, "agent": AgentConfig,
 }
 
 

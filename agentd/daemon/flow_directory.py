@@ -1,0 +1,101 @@
+"""Who an address is and what a drop prefix means, for the flow recorder: what the policy and
+services agents already know, never a second copy.
+
+* a pod anywhere in the cluster, by address: the policy engine's pods (from every node's pod
+  records in etcd), with its labels and node; the :class:`Identity` objects are cached per
+  pod record so every record of a pod shares one;
+* a Service, by virtual IP (or this node's address) and port: the services agent's ports as
+  last programmed;
+* a drop prefix: a pod chain's (``pod-in/...``, ``pod-out/...``: the pod, the direction and
+  the policies isolating it, :meth:`agentd.policy.agent.PolicyAgent.explain_drop`),
+  ``spoofed``, or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agentd.flows.model import Identity
+from agentd.policy.agent import PolicyAgent
+from agentd.policy.compiler import SPOOFED_PREFIX
+from agentd.services import compiler as services_compiler
+from agentd.services.agent import ServiceAgent
+
+_PROTO = {6: "TCP", 17: "UDP", 132: "SCTP"}
+
+
+@dataclass(frozen=True)
+class DropMeaning:
+    reason: str
+    direction: str | None = None
+    policies: tuple[str, ...] = ()
+    default_deny: bool = False
+
+
+SERVICE_REFUSALS = {services_compiler.REJECT_CHAIN: "no-endpoints", services_compiler.DROP_CHAIN: "no-local-endpoints"}
+
+
+class FlowDirectory:
+    def __init__(self, policy: PolicyAgent | None, services: ServiceAgent | None, node_address: str) -> None:
+        self.policy = policy
+        self.services = services
+        self.node_address = node_address
+        self._ids: dict[tuple[str, str], tuple[Any, Identity]] = {}  # pod key -> (its Pod, identity)
+        self._vips: dict[tuple[str, str, int], str] = {}
+        self._nodeports: dict[tuple[str, int], str] = {}
+        self._services_seen = -1
+
+    def identity(self, ip: str) -> Identity | None:
+        if self.policy is None:
+            return None
+        engine = self.policy.engine
+        key = engine.by_ip.get(ip)
+        if key is None:
+            return None
+        pod = engine.pods.get(key)
+        if pod is None:
+            return None
+        cached = self._ids.get(key)
+        if cached is not None and cached[0] is pod:
+            return cached[1]
+        ident = Identity(f"{pod.namespace}/{pod.name}", pod.node, dict(pod.labels), key in engine.local)
+        if len(self._ids) > 100_000:
+            self._ids.clear()
+        self._ids[key] = (pod, ident)
+        return ident
+
+    def service(self, ip: str, proto: int, port: int) -> str | None:
+        if self.services is None:
+            return None
+        if self._services_seen != self.services.syncs:
+            self._vips, self._nodeports = {}, {}
+            for sp in self.services.ports:
+                name = f"{sp.namespace}/{sp.service}"
+                if sp.cluster_ip is not None:
+                    self._vips[(sp.cluster_ip, sp.protocol, sp.port)] = name
+                if sp.node_port is not None:
+                    self._nodeports[(sp.protocol, sp.node_port)] = name
+            self._services_seen = self.services.syncs
+        protocol = _PROTO.get(proto)
+        if protocol is None:
+            return None
+        name = self._vips.get((ip, protocol, port))
+        if name is None and ip == self.node_address:
+            name = self._nodeports.get((protocol, port))
+        return name
+
+    def drop(self, prefix: str) -> DropMeaning | None:
+        if prefix == SPOOFED_PREFIX:
+            return DropMeaning("spoofed", "egress")
+        reason = SERVICE_REFUSALS.get(prefix)
+        if reason is not None:
+            return DropMeaning(reason)
+        if self.policy is not None:
+            explained = self.policy.explain_drop(prefix)
+            if explained is not None:
+                direction, _key, policies, default_deny = explained
+                return DropMeaning("policy", direction, tuple(policies), default_deny)
+        if prefix.startswith(("pod-in/", "pod-out/")):  # a pod gone since the packet was logged
+            return DropMeaning("policy", "ingress" if prefix.startswith("pod-in/") else "egress")
+        return None

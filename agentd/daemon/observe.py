@@ -1,0 +1,95 @@
+"""How ``agentd run`` sets up what shows traffic: the flow recorder and the cluster view.
+
+:class:`Observability` is the agent's part for both: it opens the flow recorder
+(agentd/flows) with a directory over the policy and services agents, its metrics, and the
+cluster view (agentd/daemon/cluster.py) with the read token and the read-only listener on
+the node's address.  Neither is needed for the node to route: a failure turns the part off
+with one line saying why (``GET /status`` -> ``flows``), the agent carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from agentd.config.settings import Config
+from agentd.daemon.cluster import ClusterView, new_token, read_token_file
+from agentd.daemon.flow_directory import FlowDirectory
+from agentd.datastore.store import Datastore
+from agentd.flows.recorder import FlowRecorder, restore_sysctls
+from agentd.flows.views import FlowViews
+from agentd.nft.expr import DropLog
+from agentd.policy.agent import PolicyAgent
+from agentd.services.agent import ServiceAgent
+
+log = logging.getLogger("agentd")
+
+
+def drop_log(cfg: Config) -> DropLog | None:
+    """How the policy and services tables log drops: None with flows off."""
+    f = cfg.flows
+    return DropLog(f.log_group, f.log_rate, f.log_rate) if f.enabled else None
+
+
+class Observability:
+    def __init__(self, cfg: Config, name: str, nodes: Any) -> None:
+        """``nodes()``: node name -> address, from the node registry the agent watches."""
+        self.cfg = cfg
+        self.name = name
+        self.recorder: FlowRecorder | None = None
+        self.views: FlowViews | None = None
+        self.error: str | None = None if cfg.flows.enabled else "switched off ([flows] enabled = false)"
+        self.cluster = ClusterView(name, nodes, cfg.api.cluster_port)
+
+    async def open_flows(self, policy: PolicyAgent | None, services: ServiceAgent | None,
+                         registry: CollectorRegistry) -> None:
+        cfg = self.cfg
+        if not cfg.flows.enabled:
+            gone = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)
+            if gone:
+                log.info("flow records switched off: put back %s", ", ".join(gone))
+            return
+        directory = FlowDirectory(policy, services, str(cfg.node.address))
+        recorder = FlowRecorder(self.name, directory, cfg.agent.state_dir, group=cfg.flows.log_group,
+                                ring_size=cfg.flows.ring_size, agent_rate=cfg.flows.record_rate,
+                                agent_burst=max(1, int(cfg.flows.record_rate * 2)))
+        try:
+            await asyncio.to_thread(recorder.open)
+        except OSError as err:
+            self.error = f"flow records off: {err}"
+            log.warning("%s", self.error)
+            return
+
+        def kernel_suppressed() -> int:
+            return (policy.log_suppressed if policy else 0) + (services.counters.get("flow-log-suppressed", 0)
+                                                                if services else 0)
+
+        self.recorder = recorder
+        self.views = FlowViews(recorder, kernel_suppressed)
+        registry.register(self.views)
+        log.info("flow records on: conntrack events and drops logged to NFLOG group %d, %d records kept",
+                 cfg.flows.log_group, cfg.flows.ring_size)
+
+    async def open_cluster(self, datastore: Datastore) -> None:
+        """The read token: ``[api] read_token_file``, else the cluster's in etcd."""
+        path = self.cfg.api.read_token_file
+        try:
+            if path is not None:
+                self.cluster.token = await asyncio.to_thread(read_token_file, path)
+            else:
+                self.cluster.token = await datastore.ensure_read_token(new_token())
+        except Exception as err:  # noqa: BLE001 - etcd unreachable, a bad record: the node routes anyway
+            log.warning("the cluster view is off here: %s", err)
+
+    def status(self) -> dict[str, Any]:
+        if self.views is None:
+            return {"on": False, "error": self.error}
+        return {**self.views.status(), "error": None}
+
+    async def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+        await self.cluster.close()

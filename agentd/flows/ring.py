@@ -1,0 +1,111 @@
+"""The node's flow records in a bounded ring, its followers, and the drop limiter.  Pure.
+
+:class:`FlowRing` keeps the last ``size`` records, numbered; ``GET /flows`` reads the last N
+that match a filter and then, following, gets every new one through a bounded queue: a
+follower that does not keep up loses records (counted, and told) rather than holding memory.
+
+:class:`DropLimiter` is the agent's half of drop rate limiting (the kernel's is an nft
+``limit`` on each log rule): at most ``rate`` records a second per (reason, source,
+destination, protocol, port) key, with a burst; what goes over is counted and the next record
+of that key says how many were folded into it.  Its table of keys is bounded: a storm of
+spoofed sources cannot grow it without limit.  Time is passed in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .model import Flow, FlowFilter
+
+
+class Follower:
+    """One ``--follow`` reader: new records that match its filter, in a bounded queue."""
+
+    def __init__(self, flt: FlowFilter, limit: int) -> None:
+        self.filter = flt
+        self.queue: asyncio.Queue[Flow] = asyncio.Queue(limit)
+        self.lost = 0
+
+    def offer(self, flow: Flow) -> None:
+        if not self.filter.matches(flow):
+            return
+        try:
+            self.queue.put_nowait(flow)
+        except asyncio.QueueFull:
+            self.lost += 1
+
+
+class FlowRing:
+    def __init__(self, size: int, on_record: Callable[[Flow], None] | None = None) -> None:
+        self.size = size
+        self.records: deque[Flow] = deque(maxlen=size)
+        self.seq = 0
+        self.followers: set[Follower] = set()
+        self.on_record = on_record
+
+    def add(self, flow: Flow) -> None:
+        self.seq += 1
+        flow.seq = self.seq
+        self.records.append(flow)
+        for f in self.followers:
+            f.offer(flow)
+        if self.on_record is not None:
+            self.on_record(flow)
+
+    def last(self, flt: FlowFilter, n: int, *, since: float | None = None) -> list[Flow]:
+        """The last ``n`` records matching ``flt`` (oldest first); ``since``: only newer ones."""
+        out: list[Flow] = []
+        for flow in reversed(self.records):
+            if len(out) >= n or (since is not None and flow.time < since):
+                break
+            if flt.matches(flow):
+                out.append(flow)
+        out.reverse()
+        return out
+
+    def follow(self, flt: FlowFilter, limit: int = 10_000) -> Follower:
+        follower = Follower(flt, limit)
+        self.followers.add(follower)
+        return follower
+
+    def unfollow(self, follower: Follower) -> None:
+        self.followers.discard(follower)
+
+    def __iter__(self) -> Iterator[Flow]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+class DropLimiter:
+    """Token buckets per drop key: ``allow(key, now)`` -> None (over the limit: folded) or the
+    number folded since the last allowed record of ``key``."""
+
+    def __init__(self, rate: float, burst: int, max_keys: int = 4096) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.max_keys = max_keys
+        self.buckets: OrderedDict[Any, list[float]] = OrderedDict()  # key -> [tokens, last, folded]
+        self.suppressed = 0  # over the limit, since start
+
+    def allow(self, key: Any, now: float) -> int | None:
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            if len(self.buckets) >= self.max_keys:
+                self.buckets.popitem(last=False)  # the least recently seen key
+            bucket = self.buckets[key] = [float(self.burst), now, 0.0]
+        else:
+            self.buckets.move_to_end(key)
+            bucket[0] = min(float(self.burst), bucket[0] + (now - bucket[1]) * self.rate)
+            bucket[1] = now
+        if bucket[0] < 1.0:
+            bucket[2] += 1
+            self.suppressed += 1
+            return None
+        bucket[0] -= 1.0
+        folded, bucket[2] = int(bucket[2]), 0.0
+        return folded

@@ -1,0 +1,69 @@
+"""What ``GET /flows``, ``/status`` and /metrics show of the flow recorder.  Reads only.
+
+Metrics have bounded label sets: verdicts (2), drop reasons (:data:`agentd.flows.model.REASONS`
+and ``unknown``) by direction (4), where records were suppressed (kernel, agent) and where
+events were lost (conntrack, log).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .model import VERDICTS, Flow, FlowFilter
+from .recorder import FlowRecorder
+from .ring import Follower
+
+
+class FlowViews:
+    def __init__(self, recorder: FlowRecorder, kernel_suppressed: Callable[[], int] = lambda: 0) -> None:
+        self.recorder = recorder
+        self.kernel_suppressed = kernel_suppressed  # drops the log rules' nft limit held back
+
+    def last(self, flt: FlowFilter, n: int, since: float | None = None) -> list[Flow]:
+        return self.recorder.ring.last(flt, n, since=since)
+
+    def follow(self, flt: FlowFilter) -> Follower:
+        return self.recorder.ring.follow(flt)
+
+    def unfollow(self, follower: Follower) -> None:
+        self.recorder.ring.unfollow(follower)
+
+    def status(self) -> dict[str, Any]:
+        r = self.recorder
+        return {
+            "on": True,
+            "records": len(r.ring),
+            "ring_size": r.ring.size,
+            "seq": r.ring.seq,
+            "flows": {v: r.flows.get(v, 0) for v in VERDICTS},
+            "suppressed": {"kernel": self.kernel_suppressed(), "agent": r.limiter.suppressed},
+            "lost": dict(r.lost),
+            "followers": len(r.ring.followers),
+            "log_group": r.group,
+        }
+
+    def collect(self):
+        r = self.recorder
+        flows = CounterMetricFamily("agentd_flows", "flow records of this node's pods by verdict "
+                                    "(forwarded: connections conntrack confirmed or ended; dropped: drops logged)",
+                                    labels=["verdict"])  # fmt: skip
+        for verdict in VERDICTS:
+            flows.add_metric([verdict], float(r.flows.get(verdict, 0)))
+        drops = CounterMetricFamily("agentd_flow_drops", "packets dropped, by reason and direction "
+                                    "(those the agent's limit folded included)", labels=["reason", "direction"])
+        for (reason, direction), n in sorted(r.drops.items()):
+            drops.add_metric([reason, direction], float(n))
+        suppressed = CounterMetricFamily("agentd_flow_drops_suppressed", "drops not recorded: over the kernel's "
+                                         "log limit, or folded by the agent's limit", labels=["where"])
+        suppressed.add_metric(["kernel"], float(self.kernel_suppressed()))
+        suppressed.add_metric(["agent"], float(r.limiter.suppressed))
+        lost = CounterMetricFamily("agentd_flow_events_lost", "conntrack events and logged packets the kernel "
+                                   "could not queue for the agent", labels=["source"])
+        for source in ("conntrack", "log"):
+            lost.add_metric([source], float(r.lost.get(source, 0)))
+        ring = GaugeMetricFamily("agentd_flow_ring_records", "flow records held in the node's ring")
+        ring.add_metric([], float(len(r.ring)))
+        yield from (flows, drops, suppressed, lost, ring)

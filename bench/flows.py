@@ -1,0 +1,279 @@
+"""What flow records cost: recording on vs. off, side by side, and a drop storm.
+
+    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--quick] [--json FILE]
+
+One 2-node lab (host-gw): a client pod on node1, a server pod and a second client on node2.
+Both agents run alternately with ``[flows] enabled = false`` and ``true`` (restarted between
+modes, ``--rounds`` times each, medians), and each mode measures:
+
+* ``conn/s``: many short TCP connections (connect, one request and answer, close; 4 loops for
+  ``--seconds``, svcecho's TCP_CRR), client pod to server pod across nodes and on one node;
+* ``Gbit/s``: one iperf3 stream for ``--seconds``, across nodes and on one node.
+
+Goals: connection rate >= 0.95x and throughput >= 0.98x of recording off.
+
+Then, with recording on, a drop storm: a NetworkPolicy isolates the server, and a pod it
+denies sends it UDP at ``--storm-pps`` for ``--storm-seconds`` (paced, bounded).  Beside a
+quiet baseline it measures node2's agent: API latency (GET /status, median and worst of 20),
+policy change latency (apply one NetworkPolicy -> node2 has it in the kernel), RSS before and
+after, and what was recorded and suppressed.  Goal: neither slower nor bigger.
+
+``ring memory``: the bytes one node's full ring (``[flows] ring_size``, 10,000 records) takes,
+measured with tracemalloc on records built by the recorder's own classes (50 pods).
+
+The machine is shared (2 cores): the figures move with other load; read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import _iperf  # noqa: E402
+from bench._common import (BenchError, parse_bench_args, print_notes, print_table, require_root,  # noqa: E402
+                           run_main, write_json)
+
+from agentd.flows.model import Flow, Identity, Peer  # noqa: E402
+from agentd.flows.ring import FlowRing  # noqa: E402
+from agentd.lab.errors import LabError  # noqa: E402
+from agentd.lab.lab import Lab, LabSpec  # noqa: E402
+from agentd.lab.netns import NetnsError, unique_tag  # noqa: E402
+from agentd.lab.svcecho import Echo  # noqa: E402
+
+NS = "bench"
+
+
+def rss_mb(pid: int | None) -> float:
+    if pid is None:
+        return float("nan")
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def restart(lab: Lab, flows: bool) -> None:
+    for node in lab.nodes:
+        lab.spec.extra.setdefault(node.name, {})["flows"] = {"enabled": flows}
+        await node.stop_agent()
+        node.start_agent()
+    await lab.ready.agents_started(60)
+    await lab.ready.established(60)
+
+    def settled() -> bool:
+        for n in lab.nodes:
+            s = n.api_or_none("/status") or {}
+            if not s.get("ready") or bool((s.get("flows") or {}).get("on")) != flows:
+                return False
+            p = n.api_or_none("/policy?view=summary") or {}
+            if p.get("applied_at") is None:
+                return False
+        return True
+
+    deadline = time.monotonic() + 60
+    while not settled():
+        if time.monotonic() > deadline:
+            raise BenchError(f"agents not settled with flows {'on' if flows else 'off'}")
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1.0)  # the first sync's transaction is in; let the restart's CPU settle
+
+
+async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds: float) -> dict[str, float]:
+    server = pods["server"]
+    out: dict[str, float] = {}
+    for where, client in (("across", "client"), ("same", "local")):
+        r = await echo[client].crr(server.ip, 8080, seconds)
+        out[f"crr_{where}"] = r["connections"] / r["seconds"]
+        out[f"crr_failed_{where}"] = r["failed"]
+        run = await _iperf.client(pods[client].ns, server.ip, seconds, what=f"iperf3 {where}")
+        out[f"gbps_{where}"] = run.gbps
+    return out
+
+
+def ring_memory(size: int = 10_000, pods: int = 50) -> float:
+    """Bytes per node of a full ring of ``size`` records over ``pods`` pods (tracemalloc)."""
+    ids = [Identity(f"ns{i % 5}/pod-{i}", f"node{i % 3}", {"app": f"a{i}", "tier": "web"}, i % 2 == 0)
+           for i in range(pods)]
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    ring = FlowRing(size)
+    for k in range(size * 2):  # twice round: what stays is one full ring
+        a, b = ids[k % pods], ids[(k * 7 + 1) % pods]
+        ring.add(Flow(time.time(), "node1", "end", "TCP", Peer(f"10.244.{k % 250}.{k % 200}", 30000 + k % 30000, a),
+                      Peer(f"10.244.7.{k % 200}", 8080, b), "egress", bytes_sent=k, bytes_received=k,
+                      packets_sent=3, packets_received=3, duration=0.01))
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    used = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    del ring
+    return used
+
+
+async def policy_latency(lab: Lab, res: Any, k: int) -> float:
+    pol = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+           "metadata": {"name": f"probe-{k}", "namespace": NS},
+           "spec": {"podSelector": {"matchLabels": {"app": "local"}}, "policyTypes": ["Egress"], "egress": [{}]}}
+    node2 = lab.nodes[1]
+    start = time.perf_counter()
+    revision = await res.apply([pol])
+    while (node2.api_or_none("/policy?view=summary") or {}).get("revision", 0) < revision:
+        await asyncio.sleep(0.005)
+    return time.perf_counter() - start
+
+
+async def agent_probe(lab: Lab, res: Any, k: int) -> dict[str, float]:
+    node2 = lab.nodes[1]
+    lat = []
+    for _ in range(20):
+        t = time.perf_counter()
+        node2.api("/status")
+        lat.append(time.perf_counter() - t)
+        await asyncio.sleep(0.1)
+    return {"api_median_ms": statistics.median(lat) * 1000, "api_max_ms": max(lat) * 1000,
+            "policy_ms": await policy_latency(lab, res, k) * 1000, "rss_mb": rss_mb(node2.agent_pid())}
+
+
+STORM = """
+import socket, sys, time
+ip, pps, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+start = time.monotonic(); sent = 0; batch = max(1, pps // 1000)
+while True:
+    now = time.monotonic() - start
+    if now >= seconds:
+        break
+    due = int(now * pps)
+    while sent < due:
+        for _ in range(batch):
+            s.sendto(b"x" * 18, (ip, 9))
+        sent += batch
+    time.sleep(0.0005)
+print(sent, time.monotonic() - start)
+"""
+
+
+async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: float) -> dict[str, Any]:
+    deny = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "isolate-server", "namespace": NS},
+            "spec": {"podSelector": {"matchLabels": {"app": "server"}}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}]}]}}  # fmt: skip
+    revision = await res.apply([deny])
+    while (lab.nodes[1].api_or_none("/policy?view=summary") or {}).get("revision", 0) < revision:
+        await asyncio.sleep(0.05)
+    quiet = await agent_probe(lab, res, 0)
+    before = lab.nodes[1].api("/status")["flows"]
+    proc = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", pods["local"].ns.name, sys.executable, "-c", STORM, pods["server"].ip, str(pps), str(seconds),
+        stdout=asyncio.subprocess.PIPE)  # fmt: skip
+    await asyncio.sleep(min(1.0, seconds / 4))
+    during = await agent_probe(lab, res, 1)
+    out, _ = await proc.communicate()
+    sent, took = out.split()
+    await asyncio.sleep(1.5)
+    after = lab.nodes[1].api("/status")["flows"]
+    return {
+        "quiet": quiet, "during": during, "rss_after_mb": rss_mb(lab.nodes[1].agent_pid()),
+        "sent": int(sent), "pps": int(sent) / float(took),
+        "records": after["flows"]["dropped"] - before["flows"]["dropped"],
+        "suppressed_kernel": after["suppressed"]["kernel"] - before["suppressed"]["kernel"],
+        "suppressed_agent": after["suppressed"]["agent"] - before["suppressed"]["agent"],
+        "lost": after["lost"], "ring": after["records"],
+    }
+
+
+async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    lab = Lab(LabSpec(name="bf" + unique_tag("")[:6], nodes=2, pods=0, log_level="warning"), root=root)
+    echo: dict[str, Echo] = {}
+    try:
+        await lab.up(timeout=120)
+        pods = {"client": await lab.add_pod(lab.nodes[0], NS, "client", labels={"app": "client"}),
+                "server": await lab.add_pod(lab.nodes[1], NS, "server", labels={"app": "server"}),
+                "local": await lab.add_pod(lab.nodes[1], NS, "local", labels={"app": "local"})}
+        for name in ("client", "local"):
+            pods[name].ns.sysctl("net.ipv4.tcp_tw_reuse", 1)  # TCP_CRR from one address reuses its ports
+        echo["server"] = await Echo.start(pods["server"], "server", [("tcp", 8080)])
+        for name in ("client", "local"):
+            echo[name] = await Echo.start(pods[name], name)
+        runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+        async with _iperf.server(pods["server"].ns):
+            for _ in range(args.rounds):
+                for mode in ("off", "on"):
+                    await restart(lab, mode == "on")
+                    got = await measure(lab, pods, echo, args.seconds)
+                    runs[mode].append(got)
+                    print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
+        res = await lab.resources()
+        storm_result = await storm(lab, pods, res, args.storm_pps, args.storm_seconds)
+        print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
+        ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]
+        return {"runs": runs, "storm": storm_result, "ring_bytes": ring_memory(ring_size), "ring_size": ring_size}
+    finally:
+        for e in echo.values():
+            await e.close()
+        await lab.down()
+
+
+def load() -> str:
+    return f"load average {os.getloadavg()[0]:.2f}"
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="agentd-bench-flows-") as tmp:
+        return await run(args, Path(tmp))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=5.0, help="seconds per measurement (default 5)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of off and on (default 2, medians)")
+    ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
+    ap.add_argument("--storm-seconds", type=float, default=5.0, help="length of the storm (default 5)")
+    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "storm_seconds": 3.0})
+    if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1:
+        ap.error("--seconds, --rounds and --storm-pps must be at least 1")
+    require_root("bench/flows.py")
+    r = asyncio.run(amain(args))
+    write_json(args.json, r)
+    report(args, r)
+    return 0
+
+
+def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
+    med = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in r["runs"].items()}
+    off, on = med["off"], med["on"]
+    rows = []
+    for label, key, fmt in (("conn/s across nodes", "crr_across", "{:,.0f}"), ("conn/s same node", "crr_same", "{:,.0f}"),
+                            ("Gbit/s across nodes", "gbps_across", "{:.2f}"), ("Gbit/s same node", "gbps_same", "{:.2f}")):
+        goal = 0.95 if key.startswith("crr") else 0.98
+        ratio = on[key] / off[key] if off[key] else float("nan")
+        rows.append([label, fmt.format(off[key]), fmt.format(on[key]), f"{ratio:.2f}x", f">= {goal}x",
+                     "met" if ratio >= goal else "NOT met"])
+    print_table(f"Flow recording off vs on: 2-node lab, host-gw, medians of {args.rounds} round(s) of {args.seconds:.0f} s "
+                f"({load()})", ["what", "off", "on", "on/off", "goal", ""], rows)
+    s = r["storm"]
+    q, d = s["quiet"], s["during"]
+    print_table(f"Drop storm: {s['sent']:,} denied UDP packets at {s['pps']:,.0f}/s into node2's isolated server pod",
+                ["node2's agent", "quiet", "during the storm", "ratio"],
+                [["GET /status median (ms)", f"{q['api_median_ms']:.1f}", f"{d['api_median_ms']:.1f}", f"{d['api_median_ms'] / q['api_median_ms']:.2f}x"],
+                 ["GET /status worst of 20 (ms)", f"{q['api_max_ms']:.1f}", f"{d['api_max_ms']:.1f}", f"{d['api_max_ms'] / q['api_max_ms']:.2f}x"],
+                 ["policy change -> kernel (ms)", f"{q['policy_ms']:.0f}", f"{d['policy_ms']:.0f}", f"{d['policy_ms'] / q['policy_ms']:.2f}x"],
+                 ["RSS (MB)", f"{q['rss_mb']:.1f}", f"{s['rss_after_mb']:.1f} (after)", f"{s['rss_after_mb'] / q['rss_mb']:.2f}x"]])  # fmt: skip
+    print_notes("Notes", [
+        f"drop records kept {s['records']:,}; suppressed in the kernel (nft limit) {s['suppressed_kernel']:,}, by the agent "
+        f"{s['suppressed_agent']:,}; lost {s['lost'] or 0}; ring now {s['ring']:,} records",
+        f"ring memory per node: {r['ring_bytes'] / 1e6:.1f} MB for {r['ring_size']:,} records "
+        f"({r['ring_bytes'] / r['ring_size']:.0f} bytes each, tracemalloc, 50 pods)",
+        "the machine is shared (2 cores): other helpers' work runs beside this bench",
+    ])
+
+
+if __name__ == "__main__":
+    run_main(main, "bench/flows.py", errors=(LabError, NetnsError))

@@ -1,0 +1,363 @@
+"""Flow records on the real kernel, read back through `agentd flows`, GET /flows and the browser.
+
+One lab for the module (2 nodes, host-gw): shop/web on node2 (app=web, TCP 80), shop/client
+and shop/other on node1, shop/peer on node2 beside web; NetworkPolicy default-deny ingress in
+shop plus web-from-clients (app=client may reach app=web); Service shop/web (VIP -> web) and
+shop/empty (selects nothing: refused).  Connections and drops are made by the test in the
+pods, and must come back as records from the kernel: conntrack's events (forwarded, with
+bytes and duration when they end) and the drop rules' NFLOG logs (the policy names).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from agentd.lab.lab import Lab, LabSpec
+from agentd.lab.netns import unique_tag
+from agentd.lab.runtime import binary
+from agentd.lab.svcecho import Echo
+from agentd.lab.wait import auntil
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+POLICIES = [
+    {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "default-deny", "namespace": "shop"},
+     "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}},
+    {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "web-from-clients", "namespace": "shop"},
+     "spec": {"podSelector": {"matchLabels": {"app": "web"}},
+              "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}]}]}},
+    {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "shop"},
+     "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}},
+    {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "empty", "namespace": "shop"},
+     "spec": {"selector": {"app": "nobody"}, "ports": [{"port": 80}]}},
+]  # fmt: skip
+CHROMIUM = "/usr/bin/chromium"
+# Known to work here as root: no sandbox (root), no GPU, nothing fetched in the background.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+class Shop:
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.echo: dict[str, Echo] = {}
+        self.pods: dict[str, object] = {}
+        self.vip: dict[str, str] = {}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def shop(tmp_path_factory):
+    lab = Lab(LabSpec(name="fl" + unique_tag("")[:6], nodes=2, pods=0), root=tmp_path_factory.mktemp("labs"))
+    s = Shop(lab)
+    try:
+        await lab.up(timeout=90)
+        for n in lab.nodes:  # ended TCP connections leave conntrack at once: their end records come quickly
+            n.ns.sysctl("net.netfilter.nf_conntrack_tcp_timeout_time_wait", 1)
+        for node, ns, name in (("node2", "shop", "web"), ("node1", "shop", "client"), ("node1", "shop", "other"),
+                               ("node2", "shop", "peer"), ("node2", "lobby", "a"), ("node2", "lobby", "b")):
+            s.pods[name] = await lab.add_pod(node, ns, name, labels={"app": name})
+        res = await lab.resources()
+        revision = await res.apply(POLICIES)
+        await _converged(lab, revision)
+        for name in ("web", "b"):
+            s.echo[name] = await Echo.start(s.pods[name], name, [("tcp", 80)])
+        for name in ("client", "other", "a", "peer"):
+            s.echo[name] = await Echo.start(s.pods[name], name)
+        for svc in ("web", "empty"):
+            s.vip[svc] = (await res.get("Service", "shop", svc))["spec"]["clusterIP"]
+        yield s
+    finally:
+        for e in s.echo.values():
+            await e.close()
+        await lab.down(keep_files=True)
+
+
+async def _converged(lab: Lab, revision: int) -> None:
+    def applied() -> bool:
+        for n in lab.nodes:
+            p = n.api_or_none("/policy?view=summary") or {}
+            sv = n.api_or_none("/services?view=summary") or {}
+            if p.get("revision", 0) < revision or sv.get("revision", 0) < revision:
+                return False
+        return True
+
+    await auntil(applied, 30, what=f"policy and services at revision {revision} on every node")
+
+
+async def agentd_flows(node, *args: str) -> list[dict]:
+    rc, out, err = await node.ns.aexec(binary("agentd"), "flows", "-o", "json", *args, check=False, timeout=30)
+    assert rc == 0, err.decode()
+    return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+
+
+async def records(node, *args: str, want, what: str, timeout: float = 15.0) -> list[dict]:
+    """`agentd flows ARGS` on ``node`` until ``want(records)`` holds."""
+    got: list[dict] = []
+
+    async def check() -> bool:
+        nonlocal got
+        got = await agentd_flows(node, *args)
+        return bool(want(got))
+
+    await auntil(check, timeout, what=what)
+    return got
+
+
+# ------------------------------------------------------------------ connections and drops
+
+
+async def test_denied_and_allowed_connections_as_records(shop):
+    web = shop.pods["web"]
+    node1, node2 = shop.lab.nodes
+    assert (await shop.echo["client"].tcp(web.ip, 80))["names"] == {"web": 1}
+    assert (await shop.echo["other"].tcp(web.ip, 80, timeout=0.5))["failed"] == 1
+
+    # node2 dropped other's SYN at web's ingress chain: the policies isolating web, by name.
+    drops = await records(node2, "--verdict", "dropped", "--from-pod", "shop/other", "--to-pod", "shop/web",
+                          want=lambda r: r, what="node2's drop record of other -> web")
+    d = drops[-1]
+    assert d["event"] == "drop" and d["reason"] == "policy" and d["direction"] == "ingress"
+    assert d["policies"] == ["shop/default-deny", "shop/web-from-clients"] and d["default_deny"] is False
+    assert (d["src"]["ip"], d["dst"]["ip"], d["dst"]["port"], d["protocol"]) == (shop.pods["other"].ip, web.ip, 80, "TCP")
+    assert d["src"]["labels"] == {"app": "other"} and d["dst"]["node"] == "node2"
+
+    # client's connection was forwarded: a new record on both nodes (egress on node1, ingress on node2).
+    for node, direction in ((node1, "egress"), (node2, "ingress")):
+        new = await records(node, "--verdict", "forwarded", "--from-pod", "shop/client", "--to-pod", "shop/web",
+                            "--event", "new", want=lambda r: r, what=f"{node.name}'s record of client -> web")
+        assert new[-1]["direction"] == direction and new[-1]["dst"]["port"] == 80
+
+    # The whole cluster from node1: node2's drop comes through the cluster listener.
+    cluster = await agentd_flows(node1, "-A", "--verdict", "dropped", "--to-pod", "shop/web")
+    assert any(r["node"] == "node2" and r["src"]["pod"] == "shop/other" for r in cluster)
+    # The text form names the policies too.
+    rc, out, _ = await node1.ns.aexec(binary("agentd"), "flows", "-A", "--verdict", "dropped", "--last", "1", check=False)
+    assert rc == 0 and "DROPPED" in out.decode() and "shop/default-deny" in out.decode()
+
+
+async def test_connection_end_has_bytes_and_duration(shop):
+    web = shop.pods["web"]
+    before = time.time()
+    assert (await shop.echo["client"].tcp(web.ip, 80))["names"] == {"web": 1}
+    ends = await records(shop.lab.nodes[1], "--event", "end", "--from-pod", "shop/client", "--to-pod", "shop/web",
+                         want=lambda r: [x for x in r if x["time"] >= before], what="the end record of client -> web",
+                         timeout=60)
+    end = [x for x in ends if x["time"] >= before][-1]
+    # What conntrack counted: the pod fast path carries the established segments in between
+    # past it (docs/observability.md), so at least SYN and FIN each way, SYN-ACK included.
+    assert end["packets_sent"] >= 2 and end["packets_received"] >= 2
+    assert end["bytes_sent"] >= 2 * 52 and end["bytes_received"] >= 2 * 52
+    assert 0 <= end["duration"] < 60
+
+
+async def test_same_node_pods_are_seen(shop):
+    """Pods of one node: lobby/a and lobby/b (no policy selects them) would talk over the bridge
+    alone; with flow records on, their connection goes through conntrack and is recorded.
+    shop/peer -> shop/web (same node, denied) is a drop record."""
+    node2 = shop.lab.nodes[1]
+    assert (await shop.echo["a"].tcp(shop.pods["b"].ip, 80))["names"] == {"b": 1}
+    new = await records(node2, "--from-pod", "lobby/a", "--to-pod", "lobby/b", "--event", "new",
+                        want=lambda r: r, what="node2's record of lobby/a -> lobby/b")
+    assert new[-1]["direction"] == "local" and new[-1]["verdict"] == "forwarded"
+    assert (await shop.echo["peer"].tcp(shop.pods["web"].ip, 80, timeout=0.5))["failed"] == 1
+    drops = await records(node2, "--verdict", "dropped", "--from-pod", "shop/peer",
+                          want=lambda r: r, what="node2's drop of peer -> web (same node)")
+    assert drops[-1]["dst"]["pod"] == "shop/web" and drops[-1]["policies"] == ["shop/default-deny", "shop/web-from-clients"]
+
+
+async def test_services_show_vip_endpoint_and_refusals(shop):
+    web, node1 = shop.pods["web"], shop.lab.nodes[0]
+    assert (await shop.echo["client"].tcp(shop.vip["web"], 80))["names"] == {"web": 1}
+    svc = await records(node1, "--service", "shop/web", "--event", "new", want=lambda r: r, what="a Service record")
+    assert svc[-1]["service"] == {"name": "shop/web", "ip": shop.vip["web"], "port": 80}
+    assert svc[-1]["dst"]["ip"] == web.ip and svc[-1]["dst"]["pod"] == "shop/web"  # the endpoint chosen
+
+    assert (await shop.echo["client"].tcp(shop.vip["empty"], 80, timeout=0.5))["failed"] == 1
+    refused = await records(node1, "--reason", "no-endpoints", want=lambda r: r, what="the refusal record")
+    assert refused[-1]["service"]["name"] == "shop/empty" and refused[-1]["verdict"] == "dropped"
+    assert refused[-1]["src"]["pod"] == "shop/client"
+
+
+async def test_followed_stream_gets_new_records(shop):
+    node2, web = shop.lab.nodes[1], shop.pods["web"]
+    url = "http://127.0.0.1:9099/flows?follow=1&last=0&verdict=dropped&port=81"
+
+    def follow() -> dict:
+        with node2.ns.entered():
+            sock = socket.create_connection(("127.0.0.1", 9099), timeout=20)
+        with sock:
+            sock.sendall(f"GET {url.split('9099')[1]} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            buf = b""
+            while True:
+                chunk = sock.recv(65536)
+                assert chunk, "the stream ended"
+                buf += chunk
+                for line in buf.split(b"\r\n"):
+                    if line.startswith(b"{"):
+                        return json.loads(line)
+
+    reader = asyncio.ensure_future(asyncio.to_thread(follow))
+    await auntil(lambda: (node2.api("/status")["flows"]["followers"] > 0), 10, what="the follower registered")
+    await shop.echo["other"].tcp(web.ip, 81, timeout=0.5)
+    got = await asyncio.wait_for(reader, 20)
+    assert got["dst"]["port"] == 81 and got["verdict"] == "dropped"
+
+
+async def test_bad_filters_are_one_line(shop):
+    node1 = shop.lab.nodes[0]
+    rc, out, err = await node1.ns.aexec(binary("agentd"), "flows", "--pod", "web", check=False)
+    assert rc == 2 and err.decode().count("\n") == 1 and "NAMESPACE/NAME" in err.decode()
+    code, body = node1.ns.http_get("http://127.0.0.1:9099/flows?protocol=gre", timeout=5)
+    assert code == 400 and "protocol" in json.loads(body)["error"]
+
+
+# ------------------------------------------------------------------ the cluster listener
+
+
+async def test_cluster_listener_is_read_only_and_authenticated(shop):
+    node1, node2 = shop.lab.nodes
+    url = f"http://{node2.address}:9098"
+    assert node1.ns.http_get(url + "/status", timeout=5)[0] == 401
+    with node1.ns.entered():
+        import urllib.error
+        import urllib.request
+
+        for method, path, code in (("POST", "/leave", 405), ("GET", "/ui/", 401)):
+            try:
+                urllib.request.urlopen(urllib.request.Request(url + path, method=method, data=b"" if method == "POST" else None), timeout=5)
+                status = 200
+            except urllib.error.HTTPError as err:
+                status = err.code
+            assert status == code, (method, path, status)
+    # Through node1's loopback API the gathered view has node2's own answer.
+    view = node1.api("/cluster")
+    assert view["nodes"]["node2"]["status"]["node"]["name"] == "node2"
+    assert node1.api("/nodes/node2/routes") == node2.api("/routes")
+
+
+# ------------------------------------------------------------------ a drop storm
+
+
+async def test_drop_storm_is_bounded(shop):
+    """A flood of denied packets: the kernel logs at most its limit, the agent keeps at most its
+    own, counts the rest, and still answers."""
+    node2, web = shop.lab.nodes[1], shop.pods["web"]
+    before = node2.api("/status")["flows"]
+    flood = ("import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nend = time.time() + 2\n"
+             "n = 0\nwhile time.time() < end:\n    s.sendto(b'x', ('{ip}', 9)); n += 1\nprint(n)").format(ip=web.ip)
+    rc, out, _ = await shop.pods["other"].ns.aexec("python3", "-c", flood, check=False, timeout=30)
+    sent = int(out)
+    assert rc == 0 and sent > 2000
+
+    def settled() -> bool:
+        s = node2.api("/status")["flows"]
+        return s["suppressed"]["kernel"] + s["suppressed"]["agent"] > before["suppressed"]["kernel"] + before["suppressed"]["agent"]
+
+    await auntil(settled, 15, what="suppressed drops counted")
+    recorded = await agentd_flows(node2, "--from-pod", "shop/other", "--port", "9", "--last", "100000")
+    # The agent's limit: 10 a second per key, a burst of 20, over the ~2 s of the flood (+1 s slack).
+    assert 0 < len(recorded) <= 20 + 10 * 3, len(recorded)
+    assert sum(1 + r.get("suppressed", 0) for r in recorded) <= sent
+    assert node2.api("/healthz")["healthy"]
+
+
+# ------------------------------------------------------------------ the browser
+
+
+async def test_browser_view(shop, tmp_path):
+    from playwright.async_api import async_playwright
+
+    node1 = shop.lab.nodes[0]
+    wrapper = tmp_path / "chromium-in-node1"  # the browser runs where node1's loopback API is
+    wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {node1.ns.name} {CHROMIUM} "$@"\n')
+    wrapper.chmod(0o755)
+    shots = Path(os.environ.get("AGENTD_UI_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    base = "http://127.0.0.1:9099/ui/"
+    async with async_playwright() as pw:
+        ctx = await pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=str(wrapper), args=CHROMIUM_ARGS, headless=True,
+            viewport={"width": 1280, "height": 860})
+        try:
+            page = ctx.pages[0] if ctx.pages else await ctx.new_page()
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+
+            # The cluster: every node and its session in the graph, Established.
+            await page.goto(base + "#/cluster")
+            await page.wait_for_selector("[data-graph-node=node2]")
+            assert await page.locator("circle[data-graph-node]").count() == 2
+            sessions = page.locator("line[data-session]")
+            assert await sessions.count() == 1
+            assert await sessions.first.get_attribute("data-state") == "up"
+            assert await page.locator("[data-node-row]").count() == 2
+            await page.screenshot(path=str(shots / "ui-cluster.png"), full_page=True)
+
+            # A node: peers, routes, pods.
+            await page.goto(base + "#/node/node2")
+            await page.wait_for_selector("[data-pod-link='shop/web']")
+            await page.screenshot(path=str(shots / "ui-node.png"), full_page=True)
+
+            # A pod: labels, its policies, its flows (one made now, whatever ran before).
+            assert (await shop.echo["client"].tcp(shop.pods["web"].ip, 80))["names"] == {"web": 1}
+            await page.goto(base + "#/pod/node2/shop/web")
+            await page.wait_for_selector("text=Policies selecting it")
+            await page.wait_for_selector("#flow-rows tr")
+            await page.screenshot(path=str(shots / "ui-pod.png"), full_page=True)
+
+            await page.goto(base + "#/services")
+            await page.wait_for_selector("text=shop/web")
+            await page.screenshot(path=str(shots / "ui-services.png"), full_page=True)
+
+            # The live flow table: a denied connection made now appears within a second (the
+            # promise; the deadline allows 2 s for a loaded machine), with the policy's name.
+            await page.goto(base + "#/flows")
+            await page.wait_for_selector("#flow-status:text('live')")
+            web = shop.pods["web"]
+            start = time.monotonic()
+            await shop.echo["other"].tcp(web.ip, 82, timeout=0.3)
+            row = page.locator("#flow-rows tr[data-verdict=dropped]", has_text=f"{web.ip}:82")
+            await row.first.wait_for(timeout=10_000)
+            elapsed = time.monotonic() - start - 0.3  # the client's own wait for an answer
+            assert elapsed < 2.0, f"the denied flow took {elapsed:.2f}s to show"
+            assert "shop/default-deny" in await row.first.inner_text()
+            await page.screenshot(path=str(shots / "ui-flows.png"), full_page=True)
+
+            # Filters: dropped only, from one pod.
+            await page.select_option("select[name=verdict]", "dropped")
+            await page.fill("input[name=pod]", "shop/other")
+            await page.click("#flow-filters button")
+            await page.wait_for_selector("#flow-rows tr")
+            verdicts = await page.locator("#flow-rows tr").evaluate_all("rows => rows.map(r => r.dataset.verdict)")
+            assert verdicts and set(verdicts) == {"dropped"}
+            assert "verdict=dropped" in page.url and "pod=shop%2Fother" in page.url
+            assert not errors, errors
+        finally:
+            await ctx.close()
+    assert (shots / "ui-cluster.png").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------ leave puts conntrack's settings back
+
+
+async def test_leave_restores_conntrack_settings(shop):
+    node2 = shop.lab.nodes[1]
+
+    def sysctl(name: str) -> str:
+        return node2.ns.exec("cat", f"/proc/sys/net/netfilter/{name}").strip()
+
+    assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("1", "1")
+    await node2.leave()
+    assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("0", "0")  # a new namespace's
+    assert not (node2.dir / "state" / "flows-sysctl.json").exists()
+    shutil.rmtree(node2.dir / "state", ignore_errors=True)

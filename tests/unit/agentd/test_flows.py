@@ -1,0 +1,289 @@
+"""Flow records, pure: the ctnetlink and nfnetlink_log codecs byte for byte against the uapi
+layouts, records from conntrack events and logged packets, filters, the ring, the drop
+limiter, and the drop rules the compilers write."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from ipaddress import IPv4Address
+
+import pytest
+
+from agentd.flows.model import FilterError, Flow, FlowFilter, Identity, Peer
+from agentd.flows.recorder import FlowRecorder
+from agentd.flows.render import line
+from agentd.flows.ring import DropLimiter, FlowRing
+from agentd.kernel import netlink as nl
+from agentd.kernel import netlink_ct as ct
+from agentd.kernel import netlink_log as nflog
+from agentd.nft.expr import SUPPRESSED, DropLog
+from agentd.policy import compiler as policy_compiler
+from agentd.policy.engine import PolicyEngine
+from agentd.policy.model import LocalPort, Pod, Policy
+from agentd.services import compiler as services_compiler
+
+# ------------------------------------------------------------------ ctnetlink events
+
+
+def _tuple(kind: int, src: str, dst: str, proto: int, sport: int, dport: int) -> bytes:
+    return ct.encode_tuple(kind, ct.CtTuple(src, dst, proto, sport, dport))
+
+
+def _counters(kind: int, packets: int, nbytes: int) -> bytes:
+    return nl.nested(kind, nl.attr(ct.CTA_COUNTERS_PACKETS, struct.pack("!Q", packets)),
+                     nl.attr(ct.CTA_COUNTERS_BYTES, struct.pack("!Q", nbytes)))
+
+
+def destroy_event(status: int = 0) -> bytes:
+    body = (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", "10.96.0.10", 6, 40000, 80)
+            + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 8080, 40000)
+            + nl.attr(ct.CTA_STATUS, struct.pack("!I", status)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7))
+            + _counters(ct.CTA_COUNTERS_ORIG, 5, 400) + _counters(ct.CTA_COUNTERS_REPLY, 4, 900)
+            + nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", 1_000_000_000_000)),
+                        nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", 1_000_250_000_000))))
+    return nl.encode_nfgen(ct.MSG_DELETE, 0, 0, socket.AF_INET, body)
+
+
+def test_destroy_event_decodes_counters_and_timestamps():
+    msg = destroy_event(ct.IPS_DST_NAT)
+    ((mtype, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    ev = ct.decode_event(mtype, msg, start, end)
+    assert ev is not None and ev.destroyed and ev.nat and ev.id == 7
+    assert ev.orig == ct.CtTuple("10.244.1.2", "10.96.0.10", 6, 40000, 80)
+    assert ev.reply.src == "10.244.2.3"
+    assert (ev.orig_packets, ev.orig_bytes, ev.reply_packets, ev.reply_bytes) == (5, 400, 4, 900)
+    assert ev.stop_ns - ev.start_ns == 250_000_000
+
+
+def test_ipv6_tuple_and_icmp_type_code():
+    ip = nl.nested(ct.CTA_TUPLE_IP, nl.attr(ct.CTA_IP_V6_SRC, socket.inet_pton(socket.AF_INET6, "fd00::1")),
+                   nl.attr(ct.CTA_IP_V6_DST, socket.inet_pton(socket.AF_INET6, "fd00::2")))
+    proto = nl.nested(ct.CTA_TUPLE_PROTO, nl.attr(ct.CTA_PROTO_NUM, b"\x3a"),
+                      nl.attr(ct.CTA_PROTO_ICMPV6_TYPE, b"\x80"), nl.attr(ct.CTA_PROTO_ICMPV6_CODE, b"\x00"))
+    buf = ip + proto
+    assert ct.decode_tuple(buf, 0, len(buf)) == ct.CtTuple("fd00::1", "fd00::2", 58, 128, 0)
+
+
+def test_malformed_conntrack_attribute_is_a_decode_error():
+    bad = nl.nested(ct.CTA_TUPLE_IP, nl.attr(ct.CTA_IP_V4_SRC, b"\x0a\x00\x00"))
+    with pytest.raises(nl.NetlinkDecodeError):
+        ct.decode_tuple(bad, 0, len(bad))
+
+
+# ------------------------------------------------------------------ nfnetlink_log
+
+
+def test_bind_and_settings_bytes():
+    assert nflog.encode_bind(143, 1) == bytes.fromhex(
+        "1c000000 0104 0100 01000000 00000000"  # 28 bytes, ULOG << 8 | CONFIG, REQUEST
+        "00 00 008f"  # nfgenmsg: AF_UNSPEC, v0, res_id = group 143 big-endian
+        "05000100 01 000000".replace(" ", ""))  # NFULA_CFG_CMD BIND
+    msg = nflog.encode_settings(143, 2, copy_range=128, timeout_cs=10, qthresh=64)
+    ((mtype, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    attrs = {t: msg[s:e] for t, s, e in nl.iter_attrs(msg, start + 4, end)}
+    assert mtype == nflog.MSG_CONFIG
+    assert attrs[nflog.NFULA_CFG_MODE] == struct.pack("!IBx", 128, nflog.NFULNL_COPY_PACKET)
+    assert attrs[nflog.NFULA_CFG_TIMEOUT] == struct.pack("!I", 10)
+    assert attrs[nflog.NFULA_CFG_QTHRESH] == struct.pack("!I", 64)
+    assert attrs[nflog.NFULA_CFG_FLAGS][:2] == struct.pack("!H", nflog.NFULNL_CFG_F_SEQ)
+
+
+def logged_packet(prefix: str, src: str, dst: str, proto: int, sport: int, dport: int, seq: int = 1) -> bytes:
+    header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 40, 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst))
+    payload = header + struct.pack("!HH", sport, dport) + b"\0" * 16
+    body = (nl.attr(nflog.NFULA_PREFIX, prefix.encode() + b"\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", seq))
+            + nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", 1700000000, 250000))
+            + nl.attr(nflog.NFULA_PAYLOAD, payload))
+    return nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
+
+
+def test_logged_packet_decodes_prefix_addresses_and_ports():
+    msg = logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, seq=9)
+    ((_t, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    p = nflog.decode_packet(msg, start, end)
+    assert p is not None
+    assert (p.prefix, p.src, p.dst, p.proto, p.sport, p.dport, p.seq) == ("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, 9)
+    assert p.time == pytest.approx(1700000000.25)
+
+
+def test_ip_summary_of_short_or_foreign_payloads():
+    assert nflog.ip_summary(b"\x45" + b"\0" * 10, 0, 11) is None  # too short for IPv4
+    assert nflog.ip_summary(b"\x20" * 40, 0, 40) is None  # not IP
+    v6 = bytes([0x60, 0, 0, 0, 0, 8, 17, 64]) + socket.inet_pton(socket.AF_INET6, "fd00::1") + \
+        socket.inet_pton(socket.AF_INET6, "fd00::2") + struct.pack("!HH", 5353, 53)
+    assert nflog.ip_summary(v6, 0, len(v6)) == ("fd00::1", "fd00::2", 17, 5353, 53)
+
+
+# ------------------------------------------------------------------ records
+
+
+WEB = Identity("shop/web", "node2", {"app": "web"}, True)
+CLIENT = Identity("shop/client", "node1", {"app": "client"}, False)
+
+
+class Meaning:
+    def __init__(self, reason, direction=None, policies=(), default_deny=False):
+        self.reason, self.direction, self.policies, self.default_deny = reason, direction, policies, default_deny
+
+
+class Directory:
+    ids = {"10.244.2.3": WEB, "10.244.1.2": CLIENT}
+
+    def identity(self, ip):
+        return self.ids.get(ip)
+
+    def service(self, ip, proto, port):
+        return "shop/web" if (ip, proto, port) == ("10.96.0.10", 6, 80) else None
+
+    def drop(self, prefix):
+        return Meaning("policy", "ingress", ("shop/default-deny",), True) if prefix == "pod-in/shop/web" else None
+
+
+def recorder() -> FlowRecorder:
+    return FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: 1000.0)
+
+
+def test_service_connection_end_record():
+    msg = destroy_event(ct.IPS_DST_NAT)
+    ((mtype, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    flow = recorder().connection(ct.decode_event(mtype, msg, start, end))
+    assert flow is not None
+    j = flow.json()
+    assert j["event"] == "end" and j["direction"] == "ingress"
+    assert j["service"] == {"name": "shop/web", "ip": "10.96.0.10", "port": 80}
+    assert j["dst"]["pod"] == "shop/web" and j["dst"]["port"] == 8080  # the endpoint, from the reply tuple
+    assert (j["bytes_sent"], j["bytes_received"], j["duration"]) == (400, 900, 0.25)
+
+
+def test_nodes_own_connections_are_not_recorded():
+    ev = ct.CtEvent(False, socket.AF_INET, ct.CtTuple("172.30.0.11", "172.30.0.2", 6, 50000, 2379),
+                    ct.CtTuple("172.30.0.2", "172.30.0.11", 6, 2379, 50000))
+    assert recorder().connection(ev) is None
+
+
+def test_drop_record_names_the_policies_and_folds_a_storm():
+    r = recorder()
+    msg = logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80)
+    ((_t, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    packet = nflog.decode_packet(msg, start, end)
+    flows = [r.dropped(packet) for _ in range(100)]  # one instant: the burst, then folded
+    kept = [f for f in flows if f is not None]
+    assert len(kept) == r.limiter.burst and r.limiter.suppressed == 100 - r.limiter.burst
+    j = kept[0].json()
+    assert (j["verdict"], j["reason"], j["policies"], j["default_deny"]) == ("dropped", "policy", ["shop/default-deny"], True)
+    assert "policy ingress: shop/default-deny (default deny)" in line(j)
+
+
+def test_log_sequence_gaps_count_as_lost():
+    r = recorder()
+    for seq in (1, 2, 6):
+        msg = logged_packet("x", "10.0.0.1", "10.0.0.2", 17, 1, 2, seq=seq)
+        for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):
+            r._on_log(mtype, msg, start, end)
+    assert r.lost["log"] == 3
+
+
+# ------------------------------------------------------------------ filters, ring, limiter
+
+
+def flow(src=CLIENT, dst=WEB, verdict="forwarded", port=80) -> Flow:
+    return Flow(1.0, "node2", "new" if verdict == "forwarded" else "drop", "TCP", Peer("10.244.1.2", 40000, src),
+                Peer("10.244.2.3", port, dst), "ingress", verdict=verdict)
+
+
+@pytest.mark.parametrize("pairs, matches", [
+    ([("pod", "shop/web")], True),
+    ([("from-pod", "shop/web")], False),
+    ([("to-pod", "shop/web"), ("verdict", "forwarded")], True),
+    ([("namespace", "shop"), ("protocol", "tcp"), ("port", "80")], True),
+    ([("label", "app=client")], True),
+    ([("label", "app=client"), ("label", "app=web")], False),  # every label on the same end
+    ([("label", "app")], True),
+    ([("verdict", "dropped")], False),
+    ([("node", "node1")], False),
+    ([("ip", "10.244.2.3")], True),
+])  # fmt: skip
+def test_filters(pairs, matches):
+    assert FlowFilter.parse(pairs).matches(flow()) is matches
+
+
+@pytest.mark.parametrize("pairs, message", [
+    ([("pod", "web")], "NAMESPACE/NAME"), ([("verdict", "maybe")], "verdict"), ([("port", "99999")], "out of range"),
+    ([("protocol", "gre")], "protocol"), ([("colour", "red")], "unknown filter"), ([("pod", " ")], "empty"),
+])  # fmt: skip
+def test_bad_filters_are_one_line(pairs, message):
+    with pytest.raises(FilterError, match=message):
+        FlowFilter.parse(pairs)
+
+
+def test_filter_round_trips_through_pairs():
+    f = FlowFilter.parse([("pod", "shop/web"), ("label", "app=web"), ("label", "tier"), ("port", "80")])
+    assert FlowFilter.parse(f.pairs()) == f
+
+
+async def test_ring_is_bounded_and_followers_lose_rather_than_grow():
+    ring = FlowRing(3)
+    follower = ring.follow(FlowFilter(), limit=2)
+    for i in range(5):
+        ring.add(flow(port=i))
+    assert [f.dst.port for f in ring.records] == [2, 3, 4] and ring.seq == 5
+    assert follower.queue.qsize() == 2 and follower.lost == 3
+    assert [f.dst.port for f in ring.last(FlowFilter.parse([("port", "3")]), 10)] == [3]
+    ring.unfollow(follower)
+    await asyncio.sleep(0)
+
+
+def test_limiter_refills_and_keeps_few_keys():
+    lim = DropLimiter(rate=10, burst=2, max_keys=3)
+    assert [lim.allow("k", 0.0) for _ in range(4)] == [0, 0, None, None]
+    assert lim.allow("k", 0.1) == 2  # one token back after 0.1 s: says how many were folded
+    for k in range(10):
+        lim.allow(("spoofed", k), 0.2)
+    assert len(lim.buckets) == 3
+
+
+# ------------------------------------------------------------------ the drop rules
+
+
+def test_pod_chain_logs_before_its_drop_under_a_limit():
+    policy = Policy.parse({"metadata": {"namespace": "shop", "name": "deny"}, "spec": {"podSelector": {}}})
+    (chain, _counter) = policy_compiler.compile_pod_chain("in", "shop", "web", [policy], DropLog(143, 50, 60))
+    rules = [json.loads(r) for r in chain.rules]
+    assert rules[1] == [{"limit": {"rate": 50, "per": "second", "burst": 60}},
+                        {"log": {"prefix": "pod-in/shop/web", "group": 143}},
+                        {"counter": "pod-in/shop/web"}, {"drop": None}]
+    assert rules[2] == [{"counter": SUPPRESSED}] and rules[3] == [{"counter": "pod-in/shop/web"}, {"drop": None}]
+    (plain, _) = policy_compiler.compile_pod_chain("in", "shop", "web", [policy])
+    assert len(plain.rules) == 2  # flows off: no log rule
+
+
+def test_long_pod_chain_prefix_fits_nflog():
+    chain = policy_compiler.pod_chain("in", "n" * 63, "p" * 130)
+    prefix = policy_compiler.drop_prefix(chain)
+    assert len(prefix) <= 127 and prefix.startswith("pod-in/#")
+
+
+def test_engine_explains_a_prefix_and_routes_every_pod_with_flows_on():
+    engine = PolicyEngine("node2", drop_log=DropLog(143), route_all=True)
+    pod = Pod("shop", "web", "node2", IPv4Address("10.244.2.3"), {"app": "web"})
+    engine.upsert_pod(pod, LocalPort("veth1", "02:00:00:00:00:01", "cni0"))
+    engine.upsert_pod(Pod("lobby", "a", "node2", IPv4Address("10.244.2.4"), {}),
+                      LocalPort("veth2", "02:00:00:00:00:02", "cni0"))
+    engine.upsert_policy(Policy.parse({"metadata": {"namespace": "shop", "name": "deny"}, "spec": {"podSelector": {}}}))
+    rs = engine.build()
+    assert engine.drop_origin("pod-in/shop/web") == ("in", ("shop", "web"))
+    assert engine.denying(("shop", "web"), "in") == (["shop/deny"], True)
+    assert engine.by_ip["10.244.2.4"] == ("lobby", "a")
+    handed_up = rs.objects[("bridge", "agentd-policy", "set", "isolated-ports")].elements
+    assert handed_up == {"veth1", "veth2"}  # lobby/a is not isolated, but goes through conntrack
+
+
+def test_services_refusals_log_with_the_chain_name():
+    table = services_compiler.Table("node1", DropLog(143))
+    rs = table.rs
+    reject = rs.objects[("ip", "agentd-services", "chain", services_compiler.REJECT_CHAIN)]
+    assert json.loads(reject.rules[0])[1] == {"log": {"prefix": "no-endpoints", "group": 143}}
+    assert ("ip", "agentd-services", "counter", SUPPRESSED) in rs.objects
