@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -222,6 +223,31 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, host: Ho
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``agentd``: every command, ``agentd lab`` included, ends quietly when its reader goes
+    away (``agentd get pods -o yaml | head``: exit status 128 + SIGPIPE, what a shell reports
+    for a tool that SIGPIPE killed) and on Ctrl-C (128 + SIGINT): no traceback, and no
+    "Exception ignored" from the interpreter's last flush of stdout."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # buffered output meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        return closed_stdout()
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
+def closed_stdout() -> int:
+    """Stdout's reader is gone: point stdout at /dev/null, as Python's signal module docs
+    advise ("Note on SIGPIPE"), so that nothing more fails on the way out."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
@@ -229,8 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         sys.stderr.write(f"agentd {args.command}: {err}\n")
         return 1
-    except KeyboardInterrupt:
-        return 130
 
 
 def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
