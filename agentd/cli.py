@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, HostFacts, check_config, load_config
@@ -291,8 +292,12 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         setup_logging(cfg.log.level, cfg.log.format)
         # Ask the running agent first; the daemon (and its imports) is only needed to clean
         # etcd up directly when no agent runs.
-        if leave_running_agent(cfg.api.listen.host, cfg.api.listen.port):
-            return 0
+        try:
+            if leave_running_agent(cfg.api.listen.host, cfg.api.listen.port, cfg.api.token_file):
+                return 0
+        except LeaveRefused as err:
+            sys.stderr.write(f"agentd leave: {err}\n")
+            return 1
         import uvloop
 
         from agentd.daemon.agent import leave
@@ -321,16 +326,31 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 LEAVE_WAIT = 60  # seconds `agentd leave` waits for the running agent to finish and exit
 
 
-def leave_running_agent(host: str, port: int) -> bool:
-    """POST /leave to the agent on this host; False if none answers."""
+class LeaveRefused(Exception):
+    """The running agent did not take ``agentd leave``'s request; the message says why."""
+
+
+def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
+    """POST /leave, with the API token of ``token_file``, to the agent on this host; False
+    if none answers, :class:`LeaveRefused` if it answers no."""
     import urllib.error
     import urllib.request
 
+    from agentd.daemon.auth import TokenFileError, bearer_header, read_token_file
+
+    try:
+        token, unreadable = read_token_file(token_file), None
+    except TokenFileError as err:  # maybe no agent runs: asking tells
+        token, unreadable = None, err
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/leave"
     try:
-        req = urllib.request.Request(url, method="POST", data=b"")
+        req = urllib.request.Request(url, method="POST", data=b"", headers=bearer_header(token) if token else {})
         with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (our own loopback API)
             json.load(resp)
+    except urllib.error.HTTPError as err:
+        if unreadable is not None:
+            raise LeaveRefused(f"an agent runs at {url}, but {unreadable}") from None
+        raise LeaveRefused(f"the agent at {url} refused: {_api_error(err)}") from None
     except (urllib.error.URLError, OSError, ValueError):
         return False
     log = logging.getLogger("agentd")
@@ -350,6 +370,14 @@ def leave_running_agent(host: str, port: int) -> bool:
         time.sleep(0.1)
     log.warning("the agent was still running %d s after it left the cluster", LEAVE_WAIT)
     return True
+
+
+def _api_error(err: Any) -> str:
+    """What an agent's error answer says (its JSON "error"), else the HTTP status."""
+    try:
+        return str(json.loads(err.read())["error"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"HTTP {err.code} {err.reason}"
 
 
 # ---------------------------------------------------------------- agentd status

@@ -114,9 +114,13 @@ def _rel(t: float | None, t0: float) -> float | None:
 
 
 # What `agentd leave` costs when it does not import the daemon: the CLI module and one POST.
+# What `agentd leave` costs when it does not import the daemon: the CLI module and one POST
+# with the node's API token (argv[1]: its [api] token_file).
 LIGHT_LEAVE = (
-    "import agentd.cli, urllib.request\n"
-    "req = urllib.request.Request('http://127.0.0.1:9099/leave', method='POST', data=b'')\n"
+    "import agentd.cli, sys, urllib.request\n"
+    "token = open(sys.argv[1]).read().strip()\n"
+    "req = urllib.request.Request('http://127.0.0.1:9099/leave', method='POST', data=b'',\n"
+    "                             headers={'Authorization': 'Bearer ' + token})\n"
     "urllib.request.urlopen(req, timeout=10).read()\n"
 )
 
@@ -125,7 +129,7 @@ async def _leave(x: LabNode, via: str) -> None:
     if via == "cli":
         await x.leave()
         return
-    rc, _, err = await x.ns.aexec(sys.executable, "-c", LIGHT_LEAVE, check=False, timeout=30)
+    rc, _, err = await x.ns.aexec(sys.executable, "-c", LIGHT_LEAVE, str(x.token_path), check=False, timeout=30)
     if rc != 0:
         raise LabError(f"{x.name}: POST /leave failed: {err.decode(errors='replace').strip()[-200:]}")
 

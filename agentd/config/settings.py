@@ -56,6 +56,7 @@ from agentd.config.values import (
     current_dir,
     parse_endpoints,
     parse_etcd_prefix,
+    parse_group_name,
     float_kind,
     int_kind,
     parse_ipv4,
@@ -228,6 +229,10 @@ class BgpConfig:
 @dataclass(frozen=True)
 class ApiConfig:
     listen: HostPort = HostPort("127.0.0.1", 9099)
+    # The bearer token that POST /leave (every request that changes something) must carry;
+    # `agentd run` writes a new one at every start (agentd/daemon/auth.py).
+    token_file: Path = Path("/run/agentd/api.token")
+    token_group: str | None = None  # a group that may read it too (mode 0640)
 
 
 @dataclass(frozen=True)
@@ -370,6 +375,8 @@ _KEYS = (
     _Key("bgp", "peers", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
     _Key("bgp", "listen_ranges", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
     _Key("api", "listen", listen_kind(allow_empty=False), ApiConfig.listen),
+    _Key("api", "token_file", PATH, ApiConfig.token_file),
+    _Key("api", "token_group", string_kind(parse_group_name), None),
     _Key("cni", "conf_dir", PATH, CniConfig.conf_dir),
     _Key("cni", "bin_dir", Kind((str, list), "a string or an array", str, parse_bin_dir), CniConfig.bin_dir),
     _Key("cni", "subnet_file", PATH, CniConfig.subnet_file),

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from bgp import Speaker
 
+from agentd.daemon import auth
 from agentd.daemon.bgp_json import RibQuery
 
 log = logging.getLogger("agentd.api")
@@ -47,15 +48,21 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 class ApiServer:
-    """``GET /healthz /readyz /status /peers /rib /routes /metrics`` on ``host:port``."""
+    """``GET /healthz /readyz /status /peers /rib /routes /metrics /policy /services`` and
+    ``POST /leave`` on ``host:port``."""
 
-    def __init__(self, provider: StatusProvider, host: str = "127.0.0.1", port: int = 9099) -> None:
+    def __init__(
+        self, provider: StatusProvider, host: str = "127.0.0.1", port: int = 9099, *, token: str | None = None
+    ) -> None:
+        """``token``: what a request that changes something (POST /leave) must carry
+        (agentd/daemon/auth.py); None: this API accepts no changes."""
         self.provider = provider
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        app = web.Application()
+        self.token = token
+        app = web.Application(middlewares=[auth.guard(lambda: self.token)])
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
@@ -159,13 +166,11 @@ class ApiServer:
         return _json(data)
 
     async def _leave(self, request: web.Request) -> web.Response:
-        """``agentd leave`` asks the running agent to decommission its node (loopback only)."""
+        """``agentd leave`` asks the running agent to decommission its node (from this host,
+        with the API token: auth.guard)."""
         leave = getattr(self.provider, "request_leave", None)
         if leave is None:
             return _json({"error": "this process does not manage a node"}, 404)
-        peer = request.remote or ""
-        if peer not in ("127.0.0.1", "::1") and not peer.startswith("127."):
-            return _json({"error": "leave is only accepted from this host"}, 403)
         leave()
         return _json({"leaving": True}, 202)
 
