@@ -1,12 +1,12 @@
 """Convergence in the lab: join and leave times, idle CPU and memory per agent.
 
-    sudo .venv/bin/python bench/convergence.py [--nodes 3,5,10] [--modes mesh,route-reflector]
+    .venv/bin/python bench/convergence.py [--nodes 3,5,10] [--modes mesh,route-reflector]
         [--rounds 3] [--backend host-gw] [--settle 10] [--idle-seconds 25] [--lab-timeout SECONDS]
         [--leave-via cli|light] [--keep-logs] [--no-bytecode-cache] [--quick] [--json FILE]
 
 Large labs (BGP at pod-network scale), bounded to about 15 minutes on 2 cores:
 
-    sudo .venv/bin/python bench/convergence.py --nodes 10,50,100 --modes mesh,route-reflector \
+    .venv/bin/python bench/convergence.py --nodes 10,50,100 --modes mesh,route-reflector \
         --rounds 2 --settle 5 --idle-seconds 15
 
 For every (N, mode) a lab with N nodes and no pods comes up (route-reflector mode: nodes 1
