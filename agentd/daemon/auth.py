@@ -114,10 +114,13 @@ def bearer_header(token: str) -> dict[str, str]:
 
 
 def is_loopback(remote: str | None) -> bool:
+    """127.0.0.0/8 or ::1; also 127.x as a dual-stack socket ("::" listen) shows it, ::ffff:127.x."""
     try:
-        return ipaddress.ip_address((remote or "").split("%", 1)[0]).is_loopback
+        addr = ipaddress.ip_address((remote or "").split("%", 1)[0])
     except ValueError:
         return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
 
 
 Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]

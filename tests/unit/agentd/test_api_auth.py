@@ -71,6 +71,8 @@ async def test_changes_need_this_host_and_the_token_reads_need_nothing():
     assert (await guard(_request("GET", "192.0.2.7"), _handled)).status == 202  # reads stay open
     assert (await guard(_request("POST", "127.0.0.1", auth.bearer_header(token)), _handled)).status == 202
     assert (await guard(_request("POST", "::1", auth.bearer_header(token)), _handled)).status == 202
+    assert (await guard(_request("POST", "::ffff:127.0.0.1", auth.bearer_header(token)), _handled)).status == 202
+    assert (await guard(_request("POST", "::ffff:192.0.2.7", auth.bearer_header(token)), _handled)).status == 403
     missing = await guard(_request("POST", "127.0.0.1"), _handled)
     assert missing.status == 401 and missing.headers["WWW-Authenticate"] == 'Bearer realm="agentd"'
     wrong = await guard(_request("DELETE", "127.0.0.1", auth.bearer_header("guess")), _handled)
