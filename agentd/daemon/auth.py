@@ -54,7 +54,9 @@ def write_token_file(path: Path, group: str | None = None) -> str:
         raise TokenFileError(f"cannot create {path.parent} for the API token: {err.strerror or err}") from None
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with contextlib.suppress(FileNotFoundError):  # left by an agent that died here, with our pid
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask: nobody else reads it before the group is set
             if gid is not None:
