@@ -11,10 +11,12 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, HostFacts, check_config, load_config
@@ -224,6 +226,31 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, host: Ho
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``agentd``: every command, ``agentd lab`` included, ends quietly when its reader goes
+    away (``agentd get pods -o yaml | head``: exit status 128 + SIGPIPE, what a shell reports
+    for a tool that SIGPIPE killed) and on Ctrl-C (128 + SIGINT): no traceback, and no
+    "Exception ignored" from the interpreter's last flush of stdout."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # buffered output meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        return closed_stdout()
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
+def closed_stdout() -> int:
+    """Stdout's reader is gone: point stdout at /dev/null, as Python's signal module docs
+    advise ("Note on SIGPIPE"), so that nothing more fails on the way out."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
@@ -231,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         sys.stderr.write(f"agentd {args.command}: {err}\n")
         return 1
-    except KeyboardInterrupt:
-        return 130
 
 
 def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -271,8 +296,12 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         setup_logging(cfg.log.level, cfg.log.format)
         # Ask the running agent first; the daemon (and its imports) is only needed to clean
         # etcd up directly when no agent runs.
-        if leave_running_agent(cfg.api.listen.host, cfg.api.listen.port):
-            return 0
+        try:
+            if leave_running_agent(cfg.api.listen.host, cfg.api.listen.port, cfg.api.token_file):
+                return 0
+        except LeaveRefused as err:
+            sys.stderr.write(f"agentd leave: {err}\n")
+            return 1
         import uvloop
 
         from agentd.daemon.agent import leave
@@ -301,16 +330,31 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 LEAVE_WAIT = 60  # seconds `agentd leave` waits for the running agent to finish and exit
 
 
-def leave_running_agent(host: str, port: int) -> bool:
-    """POST /leave to the agent on this host; False if none answers."""
+class LeaveRefused(Exception):
+    """The running agent did not take ``agentd leave``'s request; the message says why."""
+
+
+def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
+    """POST /leave, with the API token of ``token_file``, to the agent on this host; False
+    if none answers, :class:`LeaveRefused` if it answers no."""
     import urllib.error
     import urllib.request
 
+    from agentd.daemon.auth import TokenFileError, bearer_header, read_token_file
+
+    try:
+        token, unreadable = read_token_file(token_file), None
+    except TokenFileError as err:  # maybe no agent runs: asking tells
+        token, unreadable = None, err
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/leave"
     try:
-        req = urllib.request.Request(url, method="POST", data=b"")
+        req = urllib.request.Request(url, method="POST", data=b"", headers=bearer_header(token) if token else {})
         with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (our own loopback API)
             json.load(resp)
+    except urllib.error.HTTPError as err:
+        if unreadable is not None:
+            raise LeaveRefused(f"an agent runs at {url}, but {unreadable}") from None
+        raise LeaveRefused(f"the agent at {url} refused: {_api_error(err)}") from None
     except (urllib.error.URLError, OSError, ValueError):
         return False
     log = logging.getLogger("agentd")
@@ -413,6 +457,14 @@ def flows_command(args: argparse.Namespace) -> int:
         sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {err}\n")
         return 1
     return 1 if errors else 0  # some node could not be asked: what was printed is not everything
+
+
+def _api_error(err: Any) -> str:
+    """What an agent's error answer says (its JSON "error"), else the HTTP status."""
+    try:
+        return str(json.loads(err.read())["error"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"HTTP {err.code} {err.reason}"
 
 
 # ---------------------------------------------------------------- agentd status

@@ -132,7 +132,7 @@ def iperf3_result(returncode: int, stdout: str | bytes, stderr: str | bytes, wha
 def require_root(what: str) -> None:
     """Exit with one clear line unless running as root (namespaces need it)."""
     if os.geteuid() != 0:
-        print(f"{what} needs root (it builds network namespaces); run it with sudo", file=sys.stderr)
+        print(f"{what} needs root (it builds network namespaces); run it as root (or with sudo)", file=sys.stderr)
         raise SystemExit(2)
 
 

@@ -1,6 +1,6 @@
 """BGP ingest: time and peak RSS for a speaker to receive and hold N IPv4 prefixes.
 
-    sudo .venv/bin/python bench/bgp_ingest.py [--regime one,three,packed] [--n 200000]
+    .venv/bin/python bench/bgp_ingest.py [--regime one,three,packed] [--n 200000]
          [--rounds R] [--only agentd,bird,gobgp] [--t1 idle|poll] [--quick] [--json FILE]
 
 Three regimes (the pod-network-scale BGP goals; streams in bench/_feeder.py):

@@ -1,12 +1,12 @@
 """Convergence in the lab: join and leave times, idle CPU and memory per agent.
 
-    sudo .venv/bin/python bench/convergence.py [--nodes 3,5,10] [--modes mesh,route-reflector]
+    .venv/bin/python bench/convergence.py [--nodes 3,5,10] [--modes mesh,route-reflector]
         [--rounds 3] [--backend host-gw] [--settle 10] [--idle-seconds 25] [--lab-timeout SECONDS]
         [--leave-via cli|light] [--keep-logs] [--no-bytecode-cache] [--quick] [--json FILE]
 
 Large labs (BGP at pod-network scale), bounded to about 15 minutes on 2 cores:
 
-    sudo .venv/bin/python bench/convergence.py --nodes 10,50,100 --modes mesh,route-reflector \
+    .venv/bin/python bench/convergence.py --nodes 10,50,100 --modes mesh,route-reflector \
         --rounds 2 --settle 5 --idle-seconds 15
 
 For every (N, mode) a lab with N nodes and no pods comes up (route-reflector mode: nodes 1
@@ -114,9 +114,13 @@ def _rel(t: float | None, t0: float) -> float | None:
 
 
 # What `agentd leave` costs when it does not import the daemon: the CLI module and one POST.
+# What `agentd leave` costs when it does not import the daemon: the CLI module and one POST
+# with the node's API token (argv[1]: its [api] token_file).
 LIGHT_LEAVE = (
-    "import agentd.cli, urllib.request\n"
-    "req = urllib.request.Request('http://127.0.0.1:9099/leave', method='POST', data=b'')\n"
+    "import agentd.cli, sys, urllib.request\n"
+    "token = open(sys.argv[1]).read().strip()\n"
+    "req = urllib.request.Request('http://127.0.0.1:9099/leave', method='POST', data=b'',\n"
+    "                             headers={'Authorization': 'Bearer ' + token})\n"
     "urllib.request.urlopen(req, timeout=10).read()\n"
 )
 
@@ -125,7 +129,7 @@ async def _leave(x: LabNode, via: str) -> None:
     if via == "cli":
         await x.leave()
         return
-    rc, _, err = await x.ns.aexec(sys.executable, "-c", LIGHT_LEAVE, check=False, timeout=30)
+    rc, _, err = await x.ns.aexec(sys.executable, "-c", LIGHT_LEAVE, str(x.token_path), check=False, timeout=30)
     if rc != 0:
         raise LabError(f"{x.name}: POST /leave failed: {err.decode(errors='replace').strip()[-200:]}")
 

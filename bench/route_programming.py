@@ -1,7 +1,7 @@
 """Kernel route programming: agentd's RouteProgrammer against ``ip -batch`` and pyroute2, side by side.
 
-    sudo .venv/bin/python bench/route_programming.py [--n 10000,100000] [--repeat 3] [--family 4|6]
-                                                     [--pyroute2-upto 10000] [--quick] [--json FILE]
+    .venv/bin/python bench/route_programming.py [--n 10000,100000] [--repeat 3] [--family 4|6]
+                                                [--pyroute2-upto 10000] [--quick] [--json FILE]
 
 Defaults: N = 10,000 and 100,000, 3 repetitions, IPv4, pyroute2 up to N = 10,000;
 ``--quick``: N = 1,000, 1 repetition.

@@ -1,6 +1,6 @@
 """Route reflector at pod-network scale: N iBGP clients, one /26 each, against agentd, BIRD and GoBGP.
 
-    sudo .venv/bin/python bench/rr_scale.py [--n 100,300,1000,2000] [--only agentd,bird,gobgp]
+    .venv/bin/python bench/rr_scale.py [--n 100,300,1000,2000] [--only agentd,bird,gobgp]
          [--rounds R] [--clients agentd=peers,...] [--in-flight 8] [--withdraw 0.1]
          [--timeout S] [--until PHASE] [--profile DIR] [--quick] [--json FILE]
 

@@ -145,15 +145,27 @@ def handle(env: Mapping[str, str], stdin: bytes) -> tuple[int, dict[str, Any] | 
 
 
 def main() -> int:
+    """The executable: ends quietly (no traceback) when the runtime closes our stdout (128 +
+    SIGPIPE, what a shell reports for a tool that SIGPIPE killed) or on Ctrl-C (130).  The same
+    rule as ``agentd``'s (agentd/cli.py), kept here because the plugin imports nothing of the agent."""
     try:
-        stdin = sys.stdin.buffer.read() if sys.stdin is not None else b""
-    except (OSError, ValueError):
-        stdin = b""
-    code, result = handle(os.environ, stdin)
-    if result is not None:
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
-    return code
+        try:
+            stdin = sys.stdin.buffer.read() if sys.stdin is not None else b""
+        except (OSError, ValueError):
+            stdin = b""
+        code, result = handle(os.environ, stdin)
+        if result is not None:
+            sys.stdout.write(json.dumps(result) + "\n")
+            sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # Python's advice (signal module docs, "Note on SIGPIPE"): point stdout at /dev/null
+        # so that the interpreter's last flush at exit does not fail once more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
 
 
 # --- input ---------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from agentd.config.values import (
     current_dir,
     parse_endpoints,
     parse_etcd_prefix,
+    parse_group_name,
     float_kind,
     int_kind,
     parse_ipv4,
@@ -232,6 +233,10 @@ class BgpConfig:
 @dataclass(frozen=True)
 class ApiConfig:
     listen: HostPort = HostPort("127.0.0.1", 9099)
+    # The bearer token that POST /leave (every request that changes something) must carry;
+    # `agentd run` writes a new one at every start (agentd/daemon/auth.py).
+    token_file: Path = Path("/run/agentd/api.token")
+    token_group: str | None = None  # a group that may read it too (mode 0640)
     # The read-only listener other nodes gather the cluster view from: the node's address and
     # this port (0: none), its GET endpoints only, each with the cluster read token.
     cluster_port: int = 9098
@@ -391,6 +396,8 @@ _KEYS = (
     _Key("bgp", "peers", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
     _Key("bgp", "listen_ranges", Kind((list,), "an array of tables", text_json, parse_peer_list), ()),
     _Key("api", "listen", listen_kind(allow_empty=False), ApiConfig.listen),
+    _Key("api", "token_file", PATH, ApiConfig.token_file),
+    _Key("api", "token_group", string_kind(parse_group_name), None),
     _Key("api", "cluster_port", int_kind(0, 65535), 9098),
     _Key("api", "read_token_file", Kind((str,), "a string", str, parse_tls_file), None),
     _Key("cni", "conf_dir", PATH, CniConfig.conf_dir),

@@ -318,6 +318,15 @@ def parse_password(s: str) -> str | None:
     return s
 
 
+def parse_group_name(s: str) -> str | None:
+    """A local group's name (useradd's default NAME_REGEX), or "" for none."""
+    if not s:
+        return None
+    if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,30}\$?", s):
+        raise BadValue("must be a group name (lowercase letters, digits, '_', '-'; at most 32) or \"\"")
+    return s
+
+
 def parse_etcd_prefix(s: str) -> str:
     if not re.fullmatch(r"(/[A-Za-z0-9._-]+)+", s):
         raise BadValue('must be a key path like "/agentd" (leading /, no trailing /)')

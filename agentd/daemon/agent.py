@@ -35,7 +35,7 @@ from bgp.transport import SpeakerService
 from proto.nlri import network_to_prefix
 
 
-from agentd.daemon import mesh, node_files
+from agentd.daemon import auth, mesh, node_files
 from agentd.daemon.api import ApiServer
 from agentd.daemon.observe import Observability, drop_log
 from agentd.daemon.routes import KernelRoutes
@@ -118,10 +118,20 @@ class Agent:
             log.error("%s", err)
             return 1
         self.pod_mtu = self.cfg.network.mtu or self.cfg.network.pod_mtu(self.underlay.mtu)
+        try:  # a new API token for this run: POST /leave needs it (agentd/daemon/auth.py)
+            self.api.token = await asyncio.to_thread(auth.write_token_file, self.cfg.api.token_file, self.cfg.api.token_group)
+        except auth.TokenFileError as err:
+            log.error("%s", err)
+            return 1
+        try:
+            await self.api.start()
+        except OSError as err:  # the port is taken, the address is not ours
+            log.error("cannot serve the API on %s ([api] listen): %s", self.cfg.api.listen, err.strerror or err)
+            auth.remove_token_file(self.cfg.api.token_file, self.api.token)
+            return 1
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._reload)
-        await self.api.start()
         self.supervisor.start("watchdog", self.notifier.watchdog_loop)
         try:
             # Start-up can wait a long time (etcd unreachable): a SIGTERM meanwhile must still stop us.
@@ -290,6 +300,8 @@ class Agent:
             with contextlib.suppress(Exception):
                 await self.datastore.close()
         await self.api.stop()
+        if self.api.token is not None:
+            auth.remove_token_file(self.cfg.api.token_file, self.api.token)
         self.notifier.close()
 
     def _node_addresses(self) -> dict[str, str]:

@@ -18,9 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from bgp import Speaker
 
+from agentd.daemon import auth
 from agentd.daemon import web as observability
 from agentd.daemon.bgp_json import RibQuery
-from agentd.daemon.cluster import bearer_guard
 
 log = logging.getLogger("agentd.api")
 
@@ -50,8 +50,9 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 
 class ApiServer:
-    """``GET /healthz /readyz /status /peers /rib /routes /policy /services /metrics``, and for
-    the node agent ``/flows``, ``/cluster``, ``/nodes/...``, ``/ui/``, on ``host:port``."""
+    """``GET /healthz /readyz /status /peers /rib /routes /policy /services /metrics``, for the
+    node agent ``/flows``, ``/cluster``, ``/nodes/...``, ``/ui/``, and ``POST /leave``, on
+    ``host:port``."""
 
     def __init__(
         self,
@@ -59,17 +60,22 @@ class ApiServer:
         host: str = "127.0.0.1",
         port: int = 9099,
         *,
+        token: str | None = None,
         read_token: Callable[[], str | None] | None = None,
     ) -> None:
-        """With ``read_token`` this is the read-only cluster listener (agentd.daemon.cluster):
-        GET endpoints only, each request with that token."""
+        """``token``: what a request that changes something (POST /leave) must carry
+        (agentd/daemon/auth.py); None: this API accepts no changes.  With ``read_token`` this is
+        the read-only cluster listener (agentd/daemon/cluster.py): GET endpoints only, each
+        request with that token."""
         self.provider = provider
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
+        self.token = token
         read_only = read_token is not None
-        app = web.Application(middlewares=[bearer_guard(read_token)] if read_token is not None else [])
+        guard = auth.read_guard(read_token) if read_token is not None else auth.guard(lambda: self.token)
+        app = web.Application(middlewares=[guard])
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
@@ -175,13 +181,11 @@ class ApiServer:
         return _json(data)
 
     async def _leave(self, request: web.Request) -> web.Response:
-        """``agentd leave`` asks the running agent to decommission its node (loopback only)."""
+        """``agentd leave`` asks the running agent to decommission its node (from this host,
+        with the API token: auth.guard)."""
         leave = getattr(self.provider, "request_leave", None)
         if leave is None:
             return _json({"error": "this process does not manage a node"}, 404)
-        peer = request.remote or ""
-        if peer not in ("127.0.0.1", "::1") and not peer.startswith("127."):
-            return _json({"error": "leave is only accepted from this host"}, 403)
         leave()
         return _json({"leaving": True}, 202)
 

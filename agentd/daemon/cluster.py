@@ -5,7 +5,8 @@ Each agent serves its own GET endpoints a second time on a **read-only listener*
 node's address at ``[api] cluster_port`` (9098), where only other agents come: no POST, no
 ``/ui/``, no relay, and every request must carry the **cluster read token**
 (``Authorization: Bearer <token>``; 401 without it, compared in constant time).  The token is
-``[api] read_token_file``, or the one the agents keep in etcd (``<prefix>/cluster/read-token``,
+``[api] read_token_file``, or the one the agents keep in etcd (both checked by
+:func:`agentd.daemon.auth.read_guard`) (``<prefix>/cluster/read-token``,
 made by the first agent that starts: whoever can read etcd has the cluster anyway).
 
 The agent a person talks to (its loopback API: the browser, ``agentd flows``) gathers from the
@@ -19,49 +20,17 @@ the reason; nothing is cached, so every answer is the nodes' own data at that mo
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 log = logging.getLogger("agentd.cluster")
 
 TIMEOUT = 3.0  # seconds a node has to answer a gathered GET
 RELAYED = ("status", "peers", "routes", "policy", "services", "flows", "rib", "metrics", "healthz", "readyz")
-
-
-def new_token() -> str:
-    return secrets.token_urlsafe(32)
-
-
-def read_token_file(path: str | Path) -> str:
-    token = Path(path).read_text().strip()
-    if not token or "\n" in token:
-        raise ValueError(f"{path}: the read token must be one non-empty line")
-    return token
-
-
-def bearer_guard(token: Callable[[], str | None]) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """aiohttp middleware of the read-only listener: GET (and HEAD) with the token, else 401/405."""
-
-    @web.middleware
-    async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        if request.method not in ("GET", "HEAD"):
-            return web.json_response({"error": "this listener is read-only"}, status=405)
-        want = token()
-        got = request.headers.get("Authorization", "")
-        if want is None or not hmac.compare_digest(got.encode(), f"Bearer {want}".encode()):
-            return web.json_response({"error": "the cluster read token is required"}, status=401,
-                                     headers={"WWW-Authenticate": 'Bearer realm="agentd-cluster"'})
-        return await handler(request)
-
-    return guard
 
 
 class ClusterView:

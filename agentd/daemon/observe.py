@@ -16,7 +16,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agentd.config.settings import Config
-from agentd.daemon.cluster import ClusterView, new_token, read_token_file
+from agentd.daemon.auth import new_token, read_line_token
+from agentd.daemon.cluster import ClusterView
 from agentd.daemon.flow_directory import FlowDirectory
 from agentd.datastore.store import Datastore
 from agentd.flows.recorder import FlowRecorder, restore_sysctls
@@ -78,7 +79,7 @@ class Observability:
         path = self.cfg.api.read_token_file
         try:
             if path is not None:
-                self.cluster.token = await asyncio.to_thread(read_token_file, path)
+                self.cluster.token = await asyncio.to_thread(read_line_token, path)
             else:
                 self.cluster.token = await datastore.ensure_read_token(new_token())
         except Exception as err:  # noqa: BLE001 - etcd unreachable, a bad record: the node routes anyway

@@ -80,6 +80,9 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     add.add_argument("--labels", "-l", nargs="*", default=[], type=_label, metavar="KEY=VALUE")
     add.add_argument("--port", "-p", action="append", default=[], type=_named_port, metavar="NAME=PORT[/PROTO]",
                      help="a named container port (repeatable), e.g. http=80/TCP")
+    add.add_argument("--host-port", action="append", default=[], type=_host_port, metavar="NAME=HOSTPORT",
+                     help="map the node's HOSTPORT to the named --port NAME (a hostPort, through the "
+                          "conflist's portmap plugin; repeatable), e.g. http=8080")
     rm = pods.add_parser("del", help="detach a pod (CNI DEL) and remove its namespace")
     rm.add_argument("--name", type=_lab_name, default="lab")
     rm.add_argument("pod", type=_pod_ref, metavar="NS/NAME")
@@ -127,6 +130,13 @@ def _named_port(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"port {text!r}: {err}") from None
 
 
+def _host_port(text: str) -> tuple[str, int]:
+    name, eq, number = text.partition("=")
+    if not eq or not name or not number.isdigit() or not 1 <= int(number) <= 65535:
+        raise argparse.ArgumentTypeError(f"host port {text!r}: expected NAME=HOSTPORT (1-65535), e.g. http=8080")
+    return name, int(number)
+
+
 def lab_command(args: argparse.Namespace) -> int:
     from agentd.lab import commands
     from agentd.lab.lab import LabError
@@ -148,6 +158,10 @@ def lab_command(args: argparse.Namespace) -> int:
     except LabError as err:
         sys.stderr.write(f"agentd lab {args.lab_command}: {err}\n")
         return 1
+    except KeyboardInterrupt:  # agentd.cli.main makes it exit status 130, quietly
+        if args.lab_command == "up":
+            sys.stderr.write(f"agentd lab up: interrupted; `agentd lab down --name {args.name}` removes what was built\n")
+        raise
 
 
 #: ``agentd lab``, plugged into the agent's command line through the ``agentd.commands``

@@ -134,12 +134,19 @@ def exec_in(name: str, target: str, argv: list[str]) -> int:
     for n in lab.nodes:
         if n.name == target:  # `lab exec node1 -- agentd apply -f ...` finds the lab's etcd
             env["AGENTD_CONFIG"] = str(n.config_path)
-    return subprocess.call(["ip", "netns", "exec", ns.name, *argv], env=env)
+    rc = subprocess.call(["ip", "netns", "exec", ns.name, *argv], env=env)
+    return 128 - rc if rc < 0 else rc  # killed by a signal: the status a shell gives
 
 
 def pod(args) -> int:
-    """``agentd lab pod add NODE NS/NAME [--labels k=v ...] [--port NAME=PORT[/PROTO] ...]``,
-    ``agentd lab pod del NS/NAME``, ``agentd lab pod list``."""
+    """``agentd lab pod add NODE NS/NAME [--labels k=v ...] [--port NAME=PORT[/PROTO] ...]
+    [--host-port NAME=HOSTPORT ...]``, ``agentd lab pod del NS/NAME``, ``agentd lab pod list``."""
+    host_ports = []
+    if args.pod_command == "add":
+        try:
+            host_ports = host_port_mappings(args.port, args.host_port)
+        except ValueError as err:
+            raise LabError(str(err)) from None
     lab = Lab.load(args.name)
     if args.pod_command == "list":
         from agentd.resources.cli import plain_table
@@ -154,6 +161,26 @@ def pod(args) -> int:
         print(f"pod {args.pod} removed")
         return 0
     labels = dict(item.split("=", 1) for item in args.labels)
-    pod = asyncio.run(lab.add_pod(args.node, ns or "default", pod_name, labels=labels, ports=args.port))
-    print(f"pod {pod.name} on {pod.node.name}: {pod.ip} (namespace {pod.ns.name})")
+    pod = asyncio.run(lab.add_pod(args.node, ns or "default", pod_name, labels=labels, ports=args.port,
+                                  host_ports=host_ports))  # fmt: skip
+    mapped = "".join(f", {pod.node.address}:{m['hostPort']}/{m['protocol']} -> {m['containerPort']}" for m in host_ports)
+    print(f"pod {pod.name} on {pod.node.name}: {pod.ip} (namespace {pod.ns.name}{mapped})")
     return 0
+
+
+def host_port_mappings(ports: list[dict], host_ports: list[tuple[str, int]]) -> list[dict]:
+    """``--host-port NAME=HOSTPORT`` as the runtime passes hostPorts to portmap
+    (runtimeConfig.portMappings), each the named ``--port``'s container port and protocol."""
+    named = {p["name"]: p for p in ports if "name" in p}
+    out: list[dict] = []
+    seen: set[tuple[int, str]] = set()
+    for name, host_port in host_ports:
+        if name not in named:
+            raise ValueError(f"--host-port {name}={host_port}: no --port named {name!r} "
+                             f"(named ports: {', '.join(named) or 'none'})")  # fmt: skip
+        proto = named[name]["protocol"].lower()
+        if (host_port, proto) in seen:  # the API server: hostPort/protocol unique in a pod
+            raise ValueError(f"--host-port {name}={host_port}: host port {host_port}/{proto.upper()} is given twice")
+        seen.add((host_port, proto))
+        out.append({"hostPort": host_port, "containerPort": named[name]["containerPort"], "protocol": proto})
+    return out

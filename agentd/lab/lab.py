@@ -49,7 +49,7 @@ from agentd.lab.errors import LabError
 from agentd.lab.etcd import EtcdCluster
 from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names
 from agentd.lab.readiness import Readiness
-from agentd.lab.runtime import CNI_PLUGIN_DIR, binary, cni
+from agentd.lab.runtime import CNI_PLUGIN_DIR, binary, cni, write_resolv_conf
 from agentd.lab.speaker_proc import render_toml
 from agentd.lab.underlay import UNDERLAY_PREFIX, Underlay
 from agentd.lab.wait import auntil
@@ -117,6 +117,11 @@ class LabNode:
     def log_path(self) -> Path:
         return self.dir / "agentd.log"
 
+    @property
+    def token_path(self) -> Path:
+        """The node's API token (``[api] token_file``): POST /leave needs it."""
+        return self.dir / "api.token"
+
     def config(self) -> dict[str, dict[str, Any]]:
         spec = self.lab.spec
         cfg: dict[str, dict[str, Any]] = {
@@ -131,7 +136,8 @@ class LabNode:
                         "datapath": spec.datapath},
             "etcd": {"endpoints": self.lab.etcd.endpoints, "lease_ttl": spec.lease_ttl},
             "bgp": {"mode": spec.bgp, "hold_time": spec.hold_time, "connect_retry": 2.0},
-            "api": {"listen": "127.0.0.1:9099"},
+            # Every node its own API token (the nodes share this machine's file system).
+            "api": {"listen": "127.0.0.1:9099", "token_file": str(self.token_path)},
             "cni": {
                 "conf_dir": str(self.dir / "net.d"),
                 "bin_dir": [CNI_PLUGIN_DIR],
@@ -448,6 +454,7 @@ class Lab:
         result = json.loads(out)
         pod.result = result
         pod.ip = result["ips"][0]["address"].split("/")[0]
+        write_resolv_conf(pod, result.get("dns"))
 
     async def add_pod(
         self,

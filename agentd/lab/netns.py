@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +28,9 @@ from agentd.kernel.netns import NETNS_DIR, entered
 from agentd.lab.wait import until
 
 NAME_PREFIX = "ad-"
+# Per-namespace files: `ip netns exec NAME` bind-mounts /etc/netns/NAME/<file> over /etc/<file>
+# (a pod's resolv.conf); they go with the namespace.
+ETC_NETNS = "/etc/netns"
 
 
 class NetnsError(RuntimeError):
@@ -146,12 +150,18 @@ class Netns:
                 return
             pids = self.pids()
 
+    @property
+    def etc(self) -> str:
+        """/etc/netns/NAME: files `ip netns exec` shows in place of /etc's (see ETC_NETNS)."""
+        return f"{ETC_NETNS}/{self.name}"
+
     def delete(self) -> None:
-        """Kill everything inside and remove the namespace.  Idempotent."""
-        if not self.exists():
-            return
-        self.kill_all()
-        run(["ip", "netns", "del", self.name], check=False)
+        """Kill everything inside and remove the namespace and its /etc/netns files.  Idempotent."""
+        if self.exists():
+            self.kill_all()
+            run(["ip", "netns", "del", self.name], check=False)
+        if self.name.startswith(NAME_PREFIX):
+            shutil.rmtree(self.etc, ignore_errors=True)
 
     def connect(self, host: str, port: int, timeout: float = 5.0) -> socket.socket:
         """A TCP connection made from inside this namespace (usable from the calling process)."""
@@ -243,4 +253,8 @@ def delete_matching(prefix: str) -> list[str]:
     names = list_names(prefix)
     for name in names:
         Netns(name).delete()
+    with contextlib.suppress(FileNotFoundError):  # files of namespaces already gone
+        for name in os.listdir(ETC_NETNS):
+            if name.startswith(prefix):
+                Netns(name).delete()
     return names

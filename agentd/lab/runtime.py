@@ -30,7 +30,7 @@ class Pod(Protocol):
     k8s_name: str
     container_id: str
     node: Any  # .dir (its conflist is in net.d/) and .ns.name
-    ns: Any  # .path: the pod's network namespace
+    ns: Any  # .path: the pod's network namespace; .etc: its /etc/netns directory
     host_ports: list[dict[str, Any]]
     result: dict[str, Any] | None
 
@@ -67,6 +67,23 @@ async def cni(pod: Pod, command: str) -> bytes:
         if command == "ADD":
             previous = json.loads(out)
     return out
+
+
+def write_resolv_conf(pod: Pod, dns: dict[str, Any] | None) -> None:
+    """The pod's /etc/resolv.conf, as kubelet writes a ClusterFirst pod's, from the DNS of the
+    ADD result (agentd-cni gives the node-local DNS address, the search domains
+    ``<ns>.svc.<domain> svc.<domain> <domain>`` and ``ndots:5``), into /etc/netns/<pod ns>/,
+    which `ip netns exec` (`agentd lab exec`) mounts over /etc/resolv.conf."""
+    if not dns or not dns.get("nameservers"):
+        return
+    lines = [f"nameserver {ns}" for ns in dns["nameservers"]]
+    if dns.get("search"):
+        lines.append("search " + " ".join(dns["search"]))
+    if dns.get("options"):
+        lines.append("options " + " ".join(dns["options"]))
+    directory = Path(pod.ns.etc)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "resolv.conf").write_text("\n".join(lines) + "\n")
 
 
 async def _plugin(pod: Pod, plugin: str, netconf: dict[str, Any], command: str) -> bytes:

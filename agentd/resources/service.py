@@ -5,6 +5,8 @@ pkg/apis/discovery/validation) for the subset agentd implements, and the default
 ``SetDefaults_Service``: a port's protocol is TCP, its targetPort the port; sessionAffinity
 None (ClientIP: timeout 10800 s); internalTrafficPolicy Cluster, externalTrafficPolicy Cluster
 for NodePort services.  Types ClusterIP and NodePort; headless (``clusterIP: None``).
+LoadBalancer and ExternalName Services are validated with their own fields, then refused by
+type; so are ``externalIPs``.
 
 What is not pure - the cluster IP and node ports a Service gets when it names none - is the
 store's (:mod:`agentd.resources.store`, one etcd transaction with the object).
@@ -19,6 +21,7 @@ from .validation import (
     Invalid,
     array,
     dns1123_label,
+    dns1123_subdomain,
     iana_svc_name,
     integer,
     invalid,
@@ -26,6 +29,7 @@ from .validation import (
     obj,
     port_number,
     protocol,
+    qualified_name,
     required,
     string,
     unsupported,
@@ -48,17 +52,25 @@ MAX_PORTS = 20000
 _SPEC_FIELDS = (
     "type", "clusterIP", "clusterIPs", "ports", "selector", "sessionAffinity", "sessionAffinityConfig",
     "externalTrafficPolicy", "internalTrafficPolicy", "ipFamilies", "ipFamilyPolicy", "publishNotReadyAddresses",
+    # The fields of the types agentd refuses (and externalIPs, which it does not implement):
+    # checked as the API server checks them, so that a manifest written for a cluster is
+    # refused for what agentd lacks, not for a field it has never heard of.
+    "externalName", "externalIPs", "loadBalancerIP", "loadBalancerSourceRanges", "loadBalancerClass",
+    "allocateLoadBalancerNodePorts", "healthCheckNodePort",
 )  # fmt: skip
+LOAD_BALANCER_ONLY = ("loadBalancerSourceRanges", "allocateLoadBalancerNodePorts", "loadBalancerClass")
 
 
 def validate_spec(raw: Any) -> dict[str, Any]:
+    """The spec, validated and defaulted.  A LoadBalancer or ExternalName Service is checked
+    field by field first (ValidateService), then refused by its type, in one line."""
     spec = obj(raw, "spec", _SPEC_FIELDS)
     kind = string(spec.get("type", "ClusterIP"), "spec.type")
-    if kind in UNSUPPORTED_TYPES:
-        raise Invalid("spec.type", f'Unsupported value: "{kind}": agentd implements ClusterIP and NodePort services')
-    if kind not in SERVICE_TYPES:
+    if kind not in SERVICE_TYPES + UNSUPPORTED_TYPES:
         raise unsupported("spec.type", kind, SERVICE_TYPES)
     out: dict[str, Any] = {"type": kind}
+    if kind == "ExternalName":
+        _external_name(spec)
     cluster_ip = _cluster_ip(spec)
     if cluster_ip == HEADLESS and kind != "ClusterIP":
         raise invalid("spec.clusterIP", cluster_ip, "may be 'None' only when `type` is 'ClusterIP'")
@@ -75,12 +87,13 @@ def validate_spec(raw: Any) -> dict[str, Any]:
     if "selector" in spec:
         out["selector"] = labels(spec["selector"], "spec.selector")
     ports = array(spec.get("ports"), "spec.ports")
-    if not ports and cluster_ip != HEADLESS:
+    if not ports and cluster_ip != HEADLESS and kind != "ExternalName":
         raise required("spec.ports")
     out["ports"] = _ports(ports, kind, cluster_ip == HEADLESS)
     out.update(_affinity(spec))
     out["internalTrafficPolicy"] = _choice(spec, "internalTrafficPolicy", TRAFFIC_POLICIES)
-    if kind == "NodePort":
+    external_ips = _external_ips(spec)
+    if kind in ("NodePort", "LoadBalancer") or (kind == "ClusterIP" and external_ips):  # externally accessible
         out["externalTrafficPolicy"] = _choice(spec, "externalTrafficPolicy", TRAFFIC_POLICIES)
     elif "externalTrafficPolicy" in spec:
         raise invalid(
@@ -90,7 +103,71 @@ def validate_spec(raw: Any) -> dict[str, Any]:
         if not isinstance(spec["publishNotReadyAddresses"], bool):
             raise wrong_type("spec.publishNotReadyAddresses", spec["publishNotReadyAddresses"], "a boolean")
         out["publishNotReadyAddresses"] = spec["publishNotReadyAddresses"]
+    _load_balancer(spec, kind, out.get("externalTrafficPolicy"))
+    if kind in UNSUPPORTED_TYPES:
+        raise Invalid("spec.type", f'Unsupported value: "{kind}": agentd implements ClusterIP and NodePort services')
+    if external_ips:
+        raise Invalid("spec.externalIPs", "Unsupported value: agentd does not implement external IPs")
+    # Fields the API server keeps but ignores for these types (a warning there, stored here).
+    for key in ("externalName", "loadBalancerIP"):
+        if spec.get(key):
+            out[key] = spec[key]
     return out
+
+
+def _external_name(spec: dict[str, Any]) -> None:
+    """ExternalName: a CNAME, and no address of its own (ValidateService)."""
+    if spec.get("clusterIP") or spec.get("clusterIPs"):
+        raise Invalid("spec.clusterIPs", "Forbidden: may not be set for ExternalName services")
+    for key in ("ipFamilies", "ipFamilyPolicy"):
+        if spec.get(key):
+            raise Invalid(f"spec.{key}", "Forbidden: may not be set for ExternalName services")
+    cname = string(spec.get("externalName", ""), "spec.externalName").removesuffix(".")  # a dot: fully qualified
+    if not cname:
+        raise required("spec.externalName")
+    dns1123_subdomain(cname, "spec.externalName")
+
+
+def _external_ips(spec: dict[str, Any]) -> list[str]:
+    out = []
+    for i, item in enumerate(array(spec.get("externalIPs"), "spec.externalIPs")):
+        out.append(_ip_address(item, f"spec.externalIPs[{i}]"))
+    return out
+
+
+def _ip_address(value: Any, path: str) -> str:
+    text = string(value, path)
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise invalid(path, text, "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)") from None
+
+
+def _load_balancer(spec: dict[str, Any], kind: str, external_policy: str | None) -> None:
+    """The LoadBalancer fields, where they may appear and what they hold (ValidateService)."""
+    if spec.get("loadBalancerIP"):
+        _ip_address(spec["loadBalancerIP"], "spec.loadBalancerIP")
+    ranges = array(spec.get("loadBalancerSourceRanges"), "spec.loadBalancerSourceRanges")
+    for key in LOAD_BALANCER_ONLY:
+        present = bool(ranges) if key == "loadBalancerSourceRanges" else key in spec
+        if present and kind != "LoadBalancer":
+            raise Invalid(f"spec.{key}", "Forbidden: may only be used when `type` is 'LoadBalancer'")
+    for i, item in enumerate(ranges):
+        text = string(item, f"spec.loadBalancerSourceRanges[{i}]").strip()
+        try:
+            ipaddress.ip_network(text if "/" in text else "-", strict=False)  # a range, not an address
+        except ValueError:
+            raise invalid("spec.loadBalancerSourceRanges", ranges,
+                          "must be a list of IP ranges. For example, 10.240.0.0/24,10.250.0.0/24") from None  # fmt: skip
+    if "allocateLoadBalancerNodePorts" in spec and not isinstance(spec["allocateLoadBalancerNodePorts"], bool):
+        raise wrong_type("spec.allocateLoadBalancerNodePorts", spec["allocateLoadBalancerNodePorts"], "a boolean")
+    if "loadBalancerClass" in spec:
+        qualified_name(spec["loadBalancerClass"], "spec.loadBalancerClass")
+    if spec.get("healthCheckNodePort"):
+        if kind != "LoadBalancer" or external_policy != "Local":
+            raise invalid("spec.healthCheckNodePort", spec["healthCheckNodePort"],
+                          "may only be set when `type` is 'LoadBalancer' and `externalTrafficPolicy` is 'Local'")  # fmt: skip
+        port_number(spec["healthCheckNodePort"], "spec.healthCheckNodePort")
 
 
 def _cluster_ip(spec: dict[str, Any]) -> str:
@@ -137,7 +214,7 @@ def _ports(raw: list[Any], kind: str, headless: bool) -> list[dict[str, Any]]:
         seen.add((port["port"], port["protocol"]))
         port["targetPort"] = target_port(p.get("targetPort", port["port"]), f"{path}.targetPort", headless)
         if "nodePort" in p and p["nodePort"] not in (0, None):
-            if kind != "NodePort":
+            if kind == "ClusterIP":
                 raise Invalid(f"{path}.nodePort", "Forbidden: may not be used when `type` is 'ClusterIP'")
             number = port_number(p["nodePort"], f"{path}.nodePort")
             low, high = NODE_PORT_RANGE

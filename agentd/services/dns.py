@@ -166,8 +166,13 @@ class DnsServer:
         response = resolve(self.table(), query)
         if response is None:
             response = await self._forward(query, tcp)
-        limit = 65535 if tcp else max(512, query.payload if query.edns >= 0 else 512)
-        return response.to_wire(max_size=limit) if not isinstance(response, bytes) else response
+        # Over UDP an answer must fit the requestor's buffer: 512 octets (RFC 1035 4.2.1), or
+        # the payload size its EDNS OPT record offers (RFC 6891 6.2.5, never less than 512).
+        # What does not fit is cut at an RRset and marked TC (RFC 2181 9): the client asks
+        # again over TCP, where up to 65535 octets go (a headless Service's 40 endpoints need
+        # 700; glibc's stub resolver asks without EDNS, and retries over TCP on TC).
+        limit = 65535 if tcp else min(65535, max(512, query.payload if query.edns >= 0 else 512))
+        return response.to_wire(max_size=limit, prefer_truncation=True)
 
     async def _forward(self, query: dns.message.Message, tcp: bool) -> Any:
         self.forwarded += 1
@@ -188,7 +193,12 @@ class DnsServer:
         return response
 
     async def _udp_query(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> None:
-        out = await self.answer(data)
+        try:
+            out = await self.answer(data)
+        except (dns.exception.DNSException, ValueError) as err:  # an answer we cannot render
+            self.failed += 1
+            log.warning("no answer to a query from %s:%d: %s", addr[0], addr[1], err)
+            return
         if out is not None and not transport.is_closing():
             transport.sendto(out, addr)
 
@@ -202,7 +212,7 @@ class DnsServer:
                     break
                 writer.write(struct.pack("!H", len(out)) + out)
                 await writer.drain()
-        except (asyncio.IncompleteReadError, TimeoutError, OSError):
+        except (asyncio.IncompleteReadError, TimeoutError, OSError, dns.exception.DNSException):
             pass
         finally:
             writer.close()

@@ -255,6 +255,7 @@ def node_with_etcd(netns_factory, tmp_path):
                     "ipam_data_dir": str(tmp_path / "ipam"),
                 },
                 "agent": {"state_dir": str(tmp_path / "state")},
+                "api": {"token_file": str(tmp_path / "api.token")},
             }
         )
     )

@@ -153,3 +153,20 @@ def test_status_says_what_the_pod_fast_path_does(capsys, monkeypatch, fast, line
     monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
     code, out, _ = run(capsys, "status")
     assert code == 0 and line in out.splitlines()
+
+
+@pytest.mark.parametrize(
+    "args, status, message",
+    [
+        (("--port", "http=80/TCP", "--host-port", "http=99999"), 2, "expected NAME=HOSTPORT (1-65535)"),
+        (("--port", "http=80/TCP", "--host-port", "http"), 2, "expected NAME=HOSTPORT"),
+        (("--host-port", "http=8080"), 1, "no --port named 'http' (named ports: none)"),
+        (("--port", "http=80/TCP", "--port", "alt=81/TCP", "--host-port", "http=8080", "--host-port", "alt=8080"), 1,
+         "host port 8080/TCP is given twice"),
+    ],
+)  # fmt: skip
+def test_lab_pod_host_ports_name_a_port(capsys, args, status, message):
+    """`agentd lab pod add --host-port NAME=HOSTPORT` maps a named --port; a bad one is one line,
+    before the lab is even looked for."""
+    code, _, err = run(capsys, "lab", "pod", "add", "--name", "nolab", "node1", "shop/web", *args)
+    assert code == status and message in err and len(err.strip().splitlines()) == 1, err

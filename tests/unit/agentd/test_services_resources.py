@@ -131,6 +131,74 @@ def test_type_dependent_fields():
     )
 
 
+LOAD_BALANCER = """\
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  type: LoadBalancer
+  selector: {app: web}
+  loadBalancerIP: 192.0.2.10
+  loadBalancerSourceRanges: [198.51.100.0/24, " 203.0.113.0/25 "]
+  loadBalancerClass: example.com/lb
+  allocateLoadBalancerNodePorts: false
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 30500
+  ports:
+  - {name: http, port: 80, targetPort: http, nodePort: 30080}
+"""
+
+EXTERNAL_NAME = """\
+apiVersion: v1
+kind: Service
+metadata: {name: db, namespace: shop}
+spec:
+  type: ExternalName
+  externalName: db.example.com.
+"""
+
+TYPE_REFUSED = 'spec.type: Unsupported value: "{}": agentd implements ClusterIP and NodePort services'
+
+
+def test_load_balancer_and_external_name_are_refused_by_type_after_their_fields():
+    """A manifest written for a cluster is refused for what agentd lacks (its type), in one
+    line, once its fields pass the API server's checks; a bad field is named first."""
+    assert error_of(LOAD_BALANCER).endswith(TYPE_REFUSED.format("LoadBalancer")), error_of(LOAD_BALANCER)
+    assert error_of(EXTERNAL_NAME).endswith(TYPE_REFUSED.format("ExternalName")), error_of(EXTERNAL_NAME)
+    for text, path, value, expected in [
+        (LOAD_BALANCER, "spec.loadBalancerSourceRanges", ["10.0.0.1"], "spec.loadBalancerSourceRanges: Invalid value: "
+         '["10.0.0.1"]: must be a list of IP ranges'),
+        (LOAD_BALANCER, "spec.loadBalancerIP", "192.0.2.300", 'spec.loadBalancerIP: Invalid value: "192.0.2.300"'),
+        (LOAD_BALANCER, "spec.loadBalancerClass", "-lb", 'spec.loadBalancerClass: Invalid value: "-lb"'),
+        (LOAD_BALANCER, "spec.allocateLoadBalancerNodePorts", "no",
+         'spec.allocateLoadBalancerNodePorts: Invalid value: "no": must be a boolean'),
+        (LOAD_BALANCER, "spec.externalTrafficPolicy", "Cluster", "spec.healthCheckNodePort: Invalid value: 30500: "
+         "may only be set when `type` is 'LoadBalancer' and `externalTrafficPolicy` is 'Local'"),
+        (LOAD_BALANCER, "spec.clusterIP", "None", "spec.clusterIP: Invalid value: \"None\": may be 'None' only"),
+        (EXTERNAL_NAME, "spec.externalName", None, "spec.externalName: Required value"),
+        (EXTERNAL_NAME, "spec.externalName", "db_1.example.com", 'spec.externalName: Invalid value: "db_1.example.com"'),
+        (EXTERNAL_NAME, "spec.clusterIP", "10.96.0.5", "spec.clusterIPs: Forbidden: may not be set for ExternalName services"),
+        (EXTERNAL_NAME, "spec.ipFamilyPolicy", "SingleStack",
+         "spec.ipFamilyPolicy: Forbidden: may not be set for ExternalName services"),
+        (EXTERNAL_NAME, "spec.externalTrafficPolicy", "Local", "spec.externalTrafficPolicy: Invalid value"),
+    ]:  # fmt: skip
+        message = error_of(mutate(text, path, value))
+        assert expected in message and "unknown field" not in message, message
+    # The LoadBalancer-only fields on the types agentd implements: the API server's words.
+    node_port = mutate(mutate(LOAD_BALANCER, "spec.type", "NodePort"), "spec.healthCheckNodePort", None)
+    for key in ("loadBalancerSourceRanges", "allocateLoadBalancerNodePorts", "loadBalancerClass"):
+        message = error_of(node_port)
+        assert message.endswith(f"spec.{key}: Forbidden: may only be used when `type` is 'LoadBalancer'"), message
+        node_port = mutate(node_port, f"spec.{key}", None)
+    # What is left is a valid NodePort Service: loadBalancerIP is kept and ignored, as the API
+    # server does; externalIPs are refused as not implemented (after their own check).
+    spec = one(node_port)["spec"]
+    assert spec["type"] == "NodePort" and spec["loadBalancerIP"] == "192.0.2.10"
+    assert "spec.externalIPs[0]: Invalid value" in error_of(mutate(node_port, "spec.externalIPs", ["x"]))
+    message = error_of(mutate(node_port, "spec.externalIPs", ["192.0.2.7"]))
+    assert message.endswith("spec.externalIPs: Unsupported value: agentd does not implement external IPs"), message
+
+
 def test_endpointslice_validates_at_the_top_level():
     obj = one(SLICE)
     assert obj["endpoints"][1] == {"addresses": ["10.244.2.2"], "conditions": {}}

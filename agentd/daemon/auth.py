@@ -1,0 +1,197 @@
+"""Who may use the agent's REST API.
+
+Reading the loopback API is open (``GET /status``, ``/metrics``, ...: what ``agentd status`` and
+Prometheus ask).  A request that changes something -- any method but GET, HEAD and
+OPTIONS; today ``POST /leave``, which decommissions the node -- must come from this host
+(a loopback address) and carry ``Authorization: Bearer <token>`` (RFC 6750 2.1), the token
+that ``agentd run`` writes at every start into ``[api] token_file`` (default
+/run/agentd/api.token): mode 0600, so only root (the agent's user) reads it, or 0640 with
+``[api] token_group`` as its group.  A local process that cannot read that file cannot take
+the node out of the cluster, whatever port it can reach -- the same rule as kubelet's or
+containerd's root-only sockets, with a file instead of a socket so that the API stays the
+one TCP listener it is.
+
+The file is replaced atomically (a new file renamed over the old one), so a reader sees the
+old token or the new one, never a half-written one; an agent removes it when it stops, if it
+still holds its own token.
+
+The read-only cluster listener (:mod:`agentd.daemon.cluster`: the node's address, ``[api]
+cluster_port``) is the other door: GET and HEAD only, each with the cluster read token
+(:func:`read_guard`); it changes nothing, so the API token never leaves loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import grp
+import hmac
+import ipaddress
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # aiohttp only where the API runs: `agentd leave` reads the token without it
+    from aiohttp import web
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # RFC 9110 9.2.1: they change nothing
+TOKEN_BYTES = 32  # 256 bits from the OS's CSPRNG (secrets.token_urlsafe)
+REALM = "agentd"
+CLUSTER_REALM = "agentd-cluster"
+
+
+class TokenFileError(RuntimeError):
+    """The token file cannot be written (at start) or read (by a command); one clear line."""
+
+
+def write_token_file(path: Path, group: str | None = None) -> str:
+    """A new token in ``path``: mode 0600, or 0640 owned by ``group``; returns the token.
+
+    The group change needs no CAP_CHOWN when the agent is a member of the group (under
+    systemd: ``SupplementaryGroups=`` in a drop-in); root outside the unit can always do it."""
+    gid = _group_id(group) if group else None
+    token = new_token()
+    try:
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    except OSError as err:
+        raise TokenFileError(f"cannot create {path.parent} for the API token: {err.strerror or err}") from None
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with contextlib.suppress(FileNotFoundError):  # left by an agent that died here, with our pid
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask: nobody else reads it before the group is set
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+                os.fchmod(fd, 0o640)
+            os.write(fd, (token + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if gid is not None and err.errno == errno.EPERM:
+            raise TokenFileError(
+                f"cannot give the API token {path} to group {group}: {err.strerror} "
+                "(the agent must be a member of that group, or have CAP_CHOWN)"
+            ) from None
+        raise TokenFileError(f"cannot write the API token {path}: {err.strerror or err}") from None
+    return token
+
+
+def _group_id(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise TokenFileError(f"[api] token_group: no group named {group!r} on this host") from None
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path``, or :class:`TokenFileError` saying why it cannot be had."""
+    try:
+        token = path.read_text(encoding="ascii").strip()
+    except PermissionError:
+        raise TokenFileError(
+            f"cannot read the API token {path}: permission denied (run as root, or as a member of [api] token_group)"
+        ) from None
+    except FileNotFoundError:
+        raise TokenFileError(f"no API token at {path}: is the agent running with this configuration ([api] token_file)?") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise TokenFileError(f"cannot read the API token {path}: {getattr(err, 'strerror', None) or err}") from None
+    if not token:
+        raise TokenFileError(f"the API token file {path} is empty")
+    return token
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def read_line_token(path: str | Path) -> str:
+    """The cluster read token of ``[api] read_token_file``: one non-empty line."""
+    token = Path(path).read_text().strip()
+    if not token or "\n" in token:
+        raise ValueError(f"{path}: the read token must be one non-empty line")
+    return token
+
+
+def remove_token_file(path: Path, token: str) -> None:
+    """Remove ``path`` if it still holds ``token`` (a newer agent's file stays)."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if path.read_text(encoding="ascii").strip() == token:
+            path.unlink()
+
+
+def bearer_header(token: str) -> dict[str, str]:
+    """The request header a client sends (RFC 6750 2.1)."""
+    return {"Authorization": f"Bearer {token}"}
+
+
+def is_loopback(remote: str | None) -> bool:
+    """127.0.0.0/8 or ::1; also 127.x as a dual-stack socket ("::" listen) shows it, ::ffff:127.x."""
+    try:
+        addr = ipaddress.ip_address((remote or "").split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
+
+
+def guard(token_of: Callable[[], str | None]) -> Any:
+    """An aiohttp middleware: requests that change something need this host and the token
+    ``token_of()`` gives (None: this process accepts no changes at all)."""
+    from aiohttp import web
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method in SAFE_METHODS:
+            return await handler(request)
+        if not is_loopback(request.remote):
+            return _refuse(403, f"{request.method} {request.path} is only accepted from this host")
+        token = token_of()
+        if token is None:
+            return _refuse(403, "this process accepts no changes over its API")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return _refuse(401, "this request needs the API token ([api] token_file) as Authorization: Bearer")
+        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+            return _refuse(401, "wrong API token ([api] token_file holds the running agent's)", error="invalid_token")
+        return await handler(request)
+
+    return middleware
+
+
+def read_guard(token_of: Callable[[], str | None]) -> Any:
+    """An aiohttp middleware for the read-only cluster listener: GET and HEAD only (405
+    otherwise), each with the cluster read token ``token_of()`` gives (401 without it; None:
+    not known yet, so nobody is let in)."""
+    from aiohttp import web
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            return web.json_response({"error": "this listener is read-only"}, status=405)
+        token = token_of()
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if token is None or scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            return _refuse(401, "the cluster read token is required", realm=CLUSTER_REALM)
+        return await handler(request)
+
+    return middleware
+
+
+def _refuse(status: int, message: str, *, error: str | None = None, realm: str = REALM) -> web.Response:
+    from aiohttp import web
+
+    headers = {}
+    if status == 401:  # RFC 6750 3: the challenge a client needs to authenticate
+        headers["WWW-Authenticate"] = f'Bearer realm="{realm}"' + (f', error="{error}"' if error else "")
+    return web.json_response({"error": message}, status=status, headers=headers)

@@ -1,0 +1,84 @@
+"""The API token (agentd/daemon/auth.py): the file `agentd run` writes and `agentd leave` reads,
+and the rule the API applies to a request that changes something.  Pure: files in tmp_path,
+requests built with aiohttp's own make_mocked_request (no socket)."""
+
+from __future__ import annotations
+
+import grp
+import os
+import stat
+from unittest import mock
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from agentd.daemon import auth
+
+
+def test_the_token_file_is_new_at_every_write_0600_and_replaced_whole(tmp_path):
+    path = tmp_path / "run" / "agentd" / "api.token"
+    first = auth.write_token_file(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == first + "\n"
+    assert len(first) >= 40 and auth.read_token_file(path) == first
+    inode = path.stat().st_ino
+    second = auth.write_token_file(path)
+    assert second != first and auth.read_token_file(path) == second
+    assert path.stat().st_ino != inode  # a new file renamed over the old one, never rewritten in place
+    assert sorted(p.name for p in path.parent.iterdir()) == ["api.token"]  # no temporary file left
+    auth.remove_token_file(path, first)  # another agent's token: the file stays
+    assert path.exists()
+    auth.remove_token_file(path, second)
+    assert not path.exists()
+
+
+def test_a_token_group_may_read_it(tmp_path):
+    group = grp.getgrgid(os.getgid()).gr_name  # a group this process may give a file to
+    path = tmp_path / "api.token"
+    auth.write_token_file(path, group)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640 and path.stat().st_gid == os.getgid()
+    with pytest.raises(auth.TokenFileError, match="no group named 'no-such-group' on this host"):
+        auth.write_token_file(tmp_path / "other.token", "no-such-group")
+    assert not (tmp_path / "other.token").exists()
+
+
+def test_reading_says_why_it_cannot(tmp_path):
+    with pytest.raises(auth.TokenFileError, match="no API token at .*is the agent running"):
+        auth.read_token_file(tmp_path / "missing")
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(auth.TokenFileError, match="is empty"):
+        auth.read_token_file(tmp_path / "empty")
+    with mock.patch("pathlib.Path.read_text", side_effect=PermissionError(13, "Permission denied")):
+        with pytest.raises(auth.TokenFileError, match="permission denied \\(run as root, or as a member of"):
+            auth.read_token_file(tmp_path / "empty")
+    with pytest.raises(auth.TokenFileError, match="cannot create .*empty for the API token: File exists"):
+        auth.write_token_file(tmp_path / "empty" / "below-a-file")
+
+
+def _request(method: str, remote: str, headers: dict[str, str] | None = None) -> web.Request:
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda key, default=None: (remote, 40000) if key == "peername" else default
+    return make_mocked_request(method, "/leave", headers=headers or {}, transport=transport)
+
+
+async def _handled(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"leaving": True}, status=202)
+
+
+async def test_changes_need_this_host_and_the_token_reads_need_nothing():
+    token = "s3cret-token"
+    guard = auth.guard(lambda: token)
+    assert (await guard(_request("GET", "192.0.2.7"), _handled)).status == 202  # reads stay open
+    assert (await guard(_request("POST", "127.0.0.1", auth.bearer_header(token)), _handled)).status == 202
+    assert (await guard(_request("POST", "::1", auth.bearer_header(token)), _handled)).status == 202
+    assert (await guard(_request("POST", "::ffff:127.0.0.1", auth.bearer_header(token)), _handled)).status == 202
+    assert (await guard(_request("POST", "::ffff:192.0.2.7", auth.bearer_header(token)), _handled)).status == 403
+    missing = await guard(_request("POST", "127.0.0.1"), _handled)
+    assert missing.status == 401 and missing.headers["WWW-Authenticate"] == 'Bearer realm="agentd"'
+    wrong = await guard(_request("DELETE", "127.0.0.1", auth.bearer_header("guess")), _handled)
+    assert wrong.status == 401 and 'error="invalid_token"' in wrong.headers["WWW-Authenticate"]
+    assert (await guard(_request("POST", "127.0.0.1", {"Authorization": f"Basic {token}"}), _handled)).status == 401
+    far = await guard(_request("POST", "192.0.2.7", auth.bearer_header(token)), _handled)
+    assert far.status == 403 and b"only accepted from this host" in far.body
+    closed = auth.guard(lambda: None)  # a process without a token (agentd speaker) takes no changes
+    assert (await closed(_request("POST", "127.0.0.1", auth.bearer_header(token)), _handled)).status == 403
