@@ -463,8 +463,10 @@ class SpeakerService:
         proto.conn = conn
         self._protocols[conn] = proto
         local = _unmap(sockname[0]) if sockname else None
-        if why is None and not self.speaker.accept(conn, remote, now, local):
-            why = "not a configured or enabled peer"
+        if why is None:
+            admission = self.speaker.accept(conn, remote, now, local)
+            if not admission:
+                why = admission.reason
         if why is not None:
             self.speaker.counters["connections refused"] += 1
             self.speaker.limiter.log(
