@@ -5,7 +5,7 @@ GoBGP (gobgp) and etcd (etcd) are each a subclass that says how to start it (its
 how to tell it is ready; this base does the rest the same way for all of them:
 
 * started inside a lab namespace (or, with ``ns=None``, here), in a session of its own, with
-  its output appended to a file in its work directory behind a ``--- lab: starting ...``
+  its output appended to a file in its work directory behind a ``--- agentd lab: starting ...``
   line;
 * waited for with a deadline (:meth:`LabProcess.wait_until`), and a wait gives up at once,
   with the end of the log, when the process has exited;
@@ -72,7 +72,7 @@ class LabProcess:
         """Start ``argv`` (returns at once; then wait for readiness with :meth:`wait_until`)."""
         self._close_log()
         self._log = open(self.output_path, "ab")  # noqa: SIM115 - kept open while the process runs
-        self._log.write(f"--- lab: starting {self.label} at {time.ctime()} ---\n".encode())
+        self._log.write(f"--- agentd lab: starting {self.label} at {time.ctime()} ---\n".encode())
         self._log.flush()
         kwargs: dict[str, Any] = dict(stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)  # fmt: skip
