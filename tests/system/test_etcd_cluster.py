@@ -1,4 +1,4 @@
-"""etcd as a cluster (issue 10, item 5): the datastore and the agents against 3 real etcd members.
+"""etcd as a cluster (member loss, quorum loss, failover): the datastore and the agents against 3 real etcd members.
 
 The datastore tests run a 3-member cluster on loopback (no namespaces); the lab test runs
 ``agentd lab`` with ``etcd=3``: three members, each its own process and namespace on the

@@ -1,4 +1,4 @@
-"""Services on the lab (issue 14): real traffic through every node's ``ip agentd-services`` table.
+"""Services on the lab: real traffic through every node's ``ip agentd-services`` table.
 
 One lab per backend (3 nodes; host-gw, vxlan, ipip, udp; every test runs on each): pods
 svc/web-1..3 (one per node, label app=web, named ports http 8080/TCP and dns 5353/UDP) and a

@@ -1,4 +1,4 @@
-"""systemd/agentd.service for real (issue 5, item 1).
+"""systemd/agentd.service for real: the unit, its hardening, sd_notify and the watchdog.
 
 * ``systemd-analyze verify`` accepts the unit, its hardening keys are there, and its
   ``systemd-analyze security`` exposure is the figure docs/operations.md states.
