@@ -1,4 +1,4 @@
-"""The ``agentd`` command line (DESIGN.md "Command line").
+"""The ``agentd`` command line (README.md "Commands").
 
 Every command validates its arguments and configuration before touching the system
 and reports a problem as ONE line on stderr with a non-zero exit status.

@@ -11,7 +11,7 @@ from .bestpath import Reason, rank, select
 from .bfd import BfdSession, BfdSettings, BfdStateChanged
 from .fsm import TRANSITIONS, Event, IllegalTransition, State, transition
 from .negotiation import Negotiated
-from .peer import Peer
+from .peer import Admission, Peer
 from .rib import AdjRibIn, BestPathChange, Path, Rib, Source
 from .session import Session
 from .settings import ListenRange, LocalSettings, PeerSettings
@@ -19,6 +19,7 @@ from .speaker import Origination, Speaker
 from .views import PeerView, RibPathView
 
 __all__ = [
+    "Admission",
     "AdjRibIn",
     "BestPathChange",
     "BfdSession",

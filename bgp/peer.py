@@ -4,6 +4,13 @@ A :class:`Peer` owns a main :class:`~bgp.session.Session` and, while two TCP
 connections race, a second one (RFC 4271 §6.8 connection collision).  It restarts
 a failed session after an exponentially growing, jittered delay (the IdleHoldTimer
 of RFC 4271 §8.1.1) and tells the speaker what happened as :class:`PeerEvent` s.
+
+Two connections at a time is all a peer gets, and §6.8 only decides between connections
+that have both carried an OPEN.  A connection on which the peer has said nothing yet
+(a half-open socket, a prober, a crashed peer's last attempt) would otherwise keep its
+slot for the whole OpenSent hold time (240 s) and lock the peer out: so a newer
+connection from the same address takes the slot of the oldest silent one, which is
+closed with Cease/Connection Collision Resolution (:meth:`Peer.accept`).
 """
 
 from __future__ import annotations
@@ -67,6 +74,20 @@ class PeerFailed:
 
 
 PeerEvent = PeerUp | PeerUpdate | PeerRouteRefresh | PeerDown | PeerFailed
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What became of an inbound connection (:meth:`Peer.accept`, ``Speaker.accept``); true
+    when it was taken.  ``reason``: why it was refused; ``displaced``: the silent connection
+    it took the place of, if any, said for the log."""
+
+    accepted: bool
+    reason: str = ""
+    displaced: str = ""
+
+    def __bool__(self) -> bool:
+        return self.accepted
 
 
 class Peer:
@@ -165,27 +186,58 @@ class Peer:
 
     # ------------------------------------------------------------ transport inputs
 
-    def accept(self, conn: int, now: float, local_address: str | None = None) -> bool:
+    def accept(self, conn: int, now: float, local_address: str | None = None) -> Admission:
         """An inbound TCP connection from this peer's address arrived."""
-        if not self.enabled or (self.held_until is not None and now < self.held_until):
-            return False
+        if not self.enabled:
+            return Admission(False, "the peer is not enabled (the speaker is not running)")
+        if self.held_until is not None and now < self.held_until:
+            until = "until it is reconfigured" if self.held_until == math.inf else f"for {self.held_until - now:.0f}s more"
+            return Admission(False, f"the peer is held down after {self.last_error or 'a reset'}, {until}")
+        main = self.session
+        displaced = ""
+        if not self._free(main) and len(self.collisions) >= 1:
+            # Both slots taken.  RFC 4271 §6.8 decides only between connections that carried
+            # an OPEN; one on which the peer said nothing yet is the one to drop.
+            silent = [s for s in self.sessions() if s.silent]
+            if not silent:
+                return Admission(False, "two connections from this peer are already exchanging OPENs (RFC 4271 §6.8)")
+            victim = min(silent, key=lambda s: s.since)
+            displaced = (
+                f"an {'outbound' if victim.outbound else 'inbound'} connection on which it had sent "
+                f"nothing for {now - victim.since:.0f}s"
+            )
+            fresh = Session(self.local, self.settings, conn_ids=self._conn_ids, now=now)
+            if victim is main:
+                self.session = main = fresh
+            else:
+                self.collisions[self.collisions.index(victim)] = fresh
+            victim.stop(
+                now,
+                Notification(ErrorCode.CEASE, CeaseSubcode.CONNECTION_COLLISION_RESOLUTION),
+                reason="displaced by a newer connection before it sent anything",
+            )
+            self._actions.extend(victim.take_actions())  # its Cease and close; it never came up
         if local_address:
             self._local_addresses[conn] = local_address
-        main = self.session
-        if main.state in (State.IDLE, State.CONNECT, State.ACTIVE) and main.conn is None:
+        if self._free(main):
             if main.state is State.IDLE:
                 main.start(now, passive=True)
             self._restart_at = None
             main.connection_made(conn, now, outbound=False)
-        elif len(self.collisions) < 1:
-            s = Session(self.local, self.settings, conn_ids=self._conn_ids, now=now)
+        else:
+            if not self.collisions:
+                self.collisions.append(Session(self.local, self.settings, conn_ids=self._conn_ids, now=now))
+            s = self.collisions[0]  # new, or the fresh one in a displaced connection's place
+            assert s.state is State.IDLE and s.conn is None, s
             s.start(now, passive=True)
             s.connection_made(conn, now, outbound=False)
-            self.collisions.append(s)
-        else:
-            return False
         self._process(now)
-        return True
+        return Admission(True, displaced=displaced)
+
+    @staticmethod
+    def _free(s: Session) -> bool:
+        """``s`` can take an inbound connection: it has none, and is not past Active."""
+        return s.state in (State.IDLE, State.CONNECT, State.ACTIVE) and s.conn is None
 
     def connection_made(self, conn: int, now: float, local_address: str | None = None) -> None:
         s = self.owns(conn)
@@ -292,11 +344,14 @@ class Peer:
         elif isinstance(ev, OpenReceived):
             self._resolve_collision(s, ev, now)
         elif isinstance(ev, Established):
-            if s.state is not State.ESTABLISHED:
+            if s.collision_lost:
                 # Its OPEN and KEEPALIVE came in one read, and the collision check that ran on the
                 # OPEN has closed it since (the main session is Established): nothing came up.
                 return
-            if s is not self.session:
+            # Otherwise it did come up, even if it has ended since (OPEN, KEEPALIVE and a
+            # NOTIFICATION or a bad UPDATE in one read): it is counted, logged and reported
+            # like any session, and its SessionDown, next in the queue, takes it down again.
+            if s is not self.session and s.state is State.ESTABLISHED:
                 # A second connection reached Established while the main one had not (it sits in
                 # OpenSent: a silent peer, or a dead race).  It becomes the main session; the old
                 # one is closed with Cease/7 (RFC 4271 §6.8) rather than forgotten with its socket.

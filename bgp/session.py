@@ -150,6 +150,12 @@ class Session:
         self._keepalive_at: float | None = None
         self._blocked_at: float | None = None  # the send timeout, while the socket takes nothing
         self.writable = True  # the transport's socket buffer has room (set_writable)
+        # Whether the peer has sent anything at all on this connection: one that has not is
+        # the connection a newer one from the same peer displaces (bgp.peer, Peer.accept).
+        self.heard = False
+        # Set when connection collision resolution closed it (RFC 4271 §6.8): an Established
+        # event still queued from the same read then means nothing came up.
+        self.collision_lost = False
         self._hold_time = float(OPEN_HOLD_TIME)
         self._keepalive_time = 0.0
         self._cache: dict = {}
@@ -191,6 +197,11 @@ class Session:
     def connecting(self) -> bool:
         """An outbound connection of ours is being made."""
         return self._pending_connect is not None
+
+    @property
+    def silent(self) -> bool:
+        """Our OPEN is out on a connection on which the peer has sent nothing yet."""
+        return self.conn is not None and self.state is State.OPEN_SENT and not self.heard
 
     def uses(self, conn: int) -> bool:
         """``conn`` is this session's connection, or the one it is making."""
@@ -246,6 +257,7 @@ class Session:
         self._connect_retry_at = None
         self.conn = conn
         self.outbound = outbound
+        self.collision_lost = False
         self._go(Event.TCP_CR_ACKED if outbound else Event.TCP_CONNECTION_CONFIRMED, now)
         self._send_open(now)
 
@@ -276,6 +288,7 @@ class Session:
     def receive_data(self, data: bytes, now: float) -> None:
         if self.conn is None or self.state < State.OPEN_SENT:
             return
+        self.heard = self.heard or bool(data)
         self._reader.feed(data)
         while self.conn is not None:
             try:
@@ -386,6 +399,7 @@ class Session:
             self._send(notification.encode(self.ctx))
         self._drop_connection()
         self._go(Event.OPEN_COLLISION_DUMP, now)
+        self.collision_lost = True
         self.last_error = "connection collision resolution"
         self._events.append(
             SessionDown(self.last_error, was_established, graceful=False, notification=notification, sent=True)
@@ -519,4 +533,5 @@ class Session:
         self._cache = {}
         self._hold_at = self._keepalive_at = self._blocked_at = None
         self.writable = True
+        self.heard = False
         self.ctx = CodecContext()

@@ -43,7 +43,7 @@ from .graceful import GracefulRestarts
 from .loglimit import LogLimiter
 from .negotiation import Negotiated
 from .output import SEND_KEY, TURN_BUDGET, Output
-from .peer import Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
+from .peer import Admission, Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
 from .refresh import RefreshPacer
 from .rib import BestPathChange, Rib, Source
 from .session import Action, Close, Connect
@@ -203,8 +203,9 @@ class Speaker:
 
     # ------------------------------------------------------------ transport inputs
 
-    def accept(self, conn: int, remote: str, now: float, local_address: str | None = None) -> bool:
-        """An inbound connection from ``remote``; False means close it (unknown or unwilling peer)."""
+    def accept(self, conn: int, remote: str, now: float, local_address: str | None = None) -> Admission:
+        """An inbound connection from ``remote``; a false answer means close it, and its
+        ``reason`` says why (for the transport's log line)."""
         self.now = now
         key = _normalize(remote)
         peer = self.peers.get(key)
@@ -213,13 +214,25 @@ class Speaker:
             if settings is not None:
                 peer = self.add_peer(settings, now)
                 self.dynamic.add(key)
-        if peer is None or not peer.accept(conn, now, local_address):
-            if peer is not None and key in self.dynamic:
+        if peer is None:
+            if not self.started and self.dynamic.settings_for(key) is not None:
+                return Admission(False, "the speaker is not running")
+            return Admission(False, "not a configured peer" + (" nor in a listen range" if self.dynamic.ranges else ""))
+        admission = peer.accept(conn, now, local_address)
+        if not admission:
+            if key in self.dynamic:
                 self._forget_dynamic(peer, now)
-            return False
+            return admission
+        if admission.displaced:
+            self.counters["silent connections displaced"] += 1
+            self.limiter.log(
+                logging.INFO, "displaced", key, now,
+                "peer %s: a new connection takes the place of %s (closed with Cease/Connection Collision Resolution)",
+                key, admission.displaced,
+            )  # fmt: skip
         self._conn_owner[conn] = peer
         self._after(peer, now)
-        return True
+        return admission
 
     def connection_made(self, conn: int, now: float, local_address: str | None = None) -> None:
         self.now = now

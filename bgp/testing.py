@@ -276,15 +276,21 @@ class RawHarness:
         self.peers: dict[int, RawPeer] = {}
         self.sent: list = []  # every action, in order
 
+    def open(self, peer: RawPeer):  # -> bgp.peer.Admission
+        """Open the TCP connection only (the speaker sends its OPEN; the peer says nothing)."""
+        self.peers[peer.conn] = peer
+        admission = self.speaker.accept(peer.conn, peer.address, self.now, self.local_address)
+        if not admission:
+            peer.closed = True
+        self.pump()
+        return admission
+
     def connect(self, peer: RawPeer) -> bool:
         """Open the connection and complete the OPEN exchange; True when the speaker accepted."""
         from proto.messages import Keepalive
 
-        self.peers[peer.conn] = peer
-        if not self.speaker.accept(peer.conn, peer.address, self.now, self.local_address):
-            peer.closed = True
+        if not self.open(peer):
             return False
-        self.pump()
         self.send(peer, peer.open_message() + Keepalive().encode())
         return not peer.closed
 

@@ -2,9 +2,23 @@
 
 Everything protocol-related happens in the speaker; this module only listens,
 connects (with TCP MD5 signatures, RFC 2385, via Linux ``TCP_MD5SIG``; GTSM, RFC 5082,
-via ``IP_MINTTL``), moves bytes, and calls ``speaker.handle_timer`` when
+via ``IP_TTL`` and ``IP_MINTTL``), moves bytes, and calls ``speaker.handle_timer`` when
 ``speaker.get_timer()`` says so.  After every input it carries out
 ``speaker.take_actions()``.
+
+GTSM on accepted connections needs the listening socket's help.  RFC 5082 §3 wants every
+packet of the session sent with TTL 255, and a peer that sets IP_MINTTL 255 before it
+connects drops anything less, the SYN-ACK included.  Linux answers a SYN from the listening
+socket's own settings (``tcp_v4_send_synack`` -> ``ip_build_and_send_pkt`` takes the
+listener's IP_TTL) and makes the accepted socket a copy of the listener
+(``inet_csk_clone_lock``); there is no per-peer TTL before accept().  So while any peer or
+listen range has ``ttl_security``, the listener sends with TTL 255 (hop limit 255 for IPv6)
+-- for every peer, since one listener serves them all -- and each accepted connection of a
+peer without GTSM is set back to the system default at once: such a peer sees TTL 255 on
+the SYN-ACK alone, which is harmless (a TTL only bounds how far a packet may travel; GoBGP
+sends 255 on every accepted connection).  IP_MINTTL stays off the listener, where it would
+drop the SYNs of the peers without GTSM; the TTL of a GTSM peer's SYN is read from
+TCP_SAVED_SYN instead, and IP_MINTTL is set on its accepted socket.
 
 It also keeps one peer from hogging the loop or the memory: a read is handed to the
 speaker :data:`READ_SLICE` octets at a time with the loop's other work in between, the
@@ -94,6 +108,17 @@ def set_md5_prefix(sock: socket.socket, network: str, prefixlen: int, password: 
     sock.setsockopt(
         socket.IPPROTO_TCP, TCP_MD5SIG_EXT, md5sig_option(addr, password.encode() if password else None, prefixlen)
     )
+
+
+def set_ttl(sock: socket.socket, ttl: int | None) -> None:
+    """The TTL (IPv6: hop limit) ``sock`` sends with; None: the system default again."""
+    value = -1 if ttl is None else ttl  # ip(7), ipv6(7): -1 means "use the route's default"
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, value)
+        with contextlib.suppress(OSError):  # IPv4-mapped peers on an AF_INET6 socket
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, value)
+    else:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, value)
 
 
 def set_gtsm(sock: socket.socket) -> None:
@@ -291,6 +316,7 @@ class SpeakerService:
         self._timer_at: float | None = None
         self._inbound_ids = _NegativeIds()
         self._md5_keys: dict[str, str] = {}
+        self._listener_gtsm = False  # the listener sends with TTL 255 (some peer has GTSM)
         self._work_handle: asyncio.Handle | None = None
         self._stalls: _StallWatch | None = None
         self._pumping = False
@@ -315,7 +341,7 @@ class SpeakerService:
             sock.listen(self.backlog)
             sock.setblocking(False)
             self._listen_sock = sock
-            self._sync_md5()
+            self._sync_listener()
             # create_server listens again on the socket: give it the same backlog (its default is 100).
             self._server = await self._loop.create_server(
                 lambda: _Protocol(self, None), sock=sock, backlog=self.backlog
@@ -355,7 +381,7 @@ class SpeakerService:
 
     def set_peers(self, peers: Iterable[PeerSettings]) -> None:
         self.speaker.set_peers(list(peers), self.clock())
-        self._sync_md5()
+        self._sync_listener()
         self._pump()
         if self._loop is not None:
             self._sync_bfd()
@@ -403,13 +429,18 @@ class SpeakerService:
     def call(self, fn: Callable[[Speaker, float], object]) -> object:
         """Run ``fn(speaker, now)`` and carry out whatever it caused."""
         result = fn(self.speaker, self.clock())
-        self._sync_md5()
+        self._sync_listener()
         self._pump()
         return result
 
-    def _sync_md5(self) -> None:
+    def _sync_listener(self) -> None:
+        """The listening socket's per-peer options, after the peers or listen ranges changed."""
         if self._listen_sock is None:
             return
+        self._sync_listener_ttl()
+        self._sync_md5()
+
+    def _sync_md5(self) -> None:
         wanted = {
             k: p.settings.password
             for k, p in self.speaker.peers.items()
@@ -426,6 +457,17 @@ class SpeakerService:
                 self._set_md5(key, pw)
         self._md5_keys = wanted
 
+    def _sync_listener_ttl(self) -> None:
+        """TTL 255 on the listener while a peer or listen range has GTSM (see the module's
+        docstring: the SYN-ACK leaves with the listener's TTL)."""
+        assert self._listen_sock is not None
+        wanted = any(p.settings.ttl_security for p in self.speaker.peers.values()) or any(
+            r.template.ttl_security for r in self.speaker.listen_ranges
+        )
+        if wanted != self._listener_gtsm:
+            set_ttl(self._listen_sock, GTSM_TTL if wanted else None)
+            self._listener_gtsm = wanted
+
     def _set_md5(self, key: str, password: str | None) -> None:
         assert self._listen_sock is not None
         if "/" in key:
@@ -436,7 +478,7 @@ class SpeakerService:
 
     def set_listen_ranges(self, ranges: Iterable[ListenRange]) -> None:
         self.speaker.set_listen_ranges(list(ranges), self.clock())
-        self._sync_md5()
+        self._sync_listener()
         self._pump()
 
     # ------------------------------------------------------------ events from sockets
@@ -449,8 +491,8 @@ class SpeakerService:
         now = self.clock()
         settings = self.speaker.peer_settings(remote)
         why = None
+        sock = proto.transport.get_extra_info("socket")
         if settings is not None and settings.ttl_security:
-            sock = proto.transport.get_extra_info("socket")
             ttl = syn_ttl(sock) if sock is not None else None
             if ttl is None or ttl < GTSM_TTL:
                 why = f"GTSM: its SYN arrived with TTL {ttl}, not {GTSM_TTL} (RFC 5082)"
@@ -459,12 +501,17 @@ class SpeakerService:
                     set_gtsm(sock)
                 except OSError as err:
                     why = f"GTSM: {err.strerror or err}"
+        elif self._listener_gtsm and sock is not None:
+            with contextlib.suppress(OSError):
+                set_ttl(sock, None)  # inherited from the listener: back to the default
         conn = next(self._inbound_ids)
         proto.conn = conn
         self._protocols[conn] = proto
         local = _unmap(sockname[0]) if sockname else None
-        if why is None and not self.speaker.accept(conn, remote, now, local):
-            why = "not a configured or enabled peer"
+        if why is None:
+            admission = self.speaker.accept(conn, remote, now, local)
+            if not admission:
+                why = admission.reason
         if why is not None:
             self.speaker.counters["connections refused"] += 1
             self.speaker.limiter.log(

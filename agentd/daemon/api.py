@@ -1,4 +1,4 @@
-"""The REST and metrics API (DESIGN.md "REST"), served by aiohttp inside the agent's loop.
+"""The REST and metrics API (README.md "REST", docs/operations.md "Metrics"), served by aiohttp inside the agent's loop.
 
 The API knows nothing about how the answers are computed: it asks a
 :class:`StatusProvider` (the node agent, or the standalone speaker) and renders JSON.

@@ -1,4 +1,4 @@
-"""The BGP speaker's views as the REST API's JSON (DESIGN.md "REST": /peers, /rib).
+"""The BGP speaker's views as the REST API's JSON (README.md "REST": /peers, /rib).
 
 bgp/ hands out typed views (:class:`bgp.PeerView`, :class:`bgp.RibPathView`); turning them
 into JSON rows is the agent's business and lives here.

@@ -163,7 +163,7 @@ class SpeakerMetrics:
 
 
 def peer_rows(service: SpeakerService) -> list[dict[str, Any]]:
-    """The speaker's peer table with ``since`` as a UNIX timestamp (DESIGN.md /peers)."""
+    """The speaker's peer table with ``since`` as a UNIX timestamp (README.md "REST": /peers)."""
     bfd = {r["peer"]: r["state"] for r in service.bfd.status()} if service.bfd is not None else {}
     return [dict(peer_row(v, service.wall_time), bfd=bfd.get(v.address)) for v in peer_views(service.speaker)]
 

@@ -5,7 +5,7 @@ Pure: no asyncio, no etcd, no clock.  Every record is a frozen dataclass with
 one line naming the record and the field.  Unknown JSON keys are ignored so that a
 newer agent can add fields without breaking older ones (forward compatibility).
 
-Keys (DESIGN.md, prefix default ``/agentd``)::
+Keys (docs/operations.md, "What agentd keeps in etcd"; prefix default ``/agentd``)::
 
     <prefix>/config               ClusterConfig, first writer wins
     <prefix>/nodes/<name>         NodeRecord, under the node's liveness lease
@@ -174,7 +174,7 @@ class ClusterConfig:
 
     def to_json(self) -> bytes:
         obj: dict[str, Any] = {"cidr": str(self.cidr), "subnet_len": self.subnet_len, "backend": self.backend, "encap": self.encap}
-        if self.service_cidr != DEFAULT_SERVICE_CIDR:  # optional: the record of DESIGN.md, plus this when set
+        if self.service_cidr != DEFAULT_SERVICE_CIDR:  # optional: the record docs/operations.md lists, plus this when set
             obj["service_cidr"] = str(self.service_cidr)
         return _dumps(obj)
 
@@ -249,7 +249,7 @@ class NodeRecord:
 class SubnetLease:
     """A node's pod subnet, at ``<prefix>/subnets/<ip>-<len>`` under the node's lease.
 
-    The subnet is the key, not part of the JSON value (DESIGN.md keys); ``lease_id``
+    The subnet is the key, not part of the JSON value (docs/operations.md, "What agentd keeps in etcd"); ``lease_id``
     is the etcd lease the key is attached to, when known.
     """
 

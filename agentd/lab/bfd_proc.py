@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -42,11 +40,11 @@ from ipaddress import ip_address
 from pathlib import Path
 from typing import Any
 
-from agentd.lab.netns import Netns, stop_process
+from agentd.lab.netns import Netns
+from agentd.lab.process import LabProcess
 
 DEFAULT_API = "127.0.0.1:9098"
 START_TIMEOUT = 15.0
-_LOG_TAIL_LINES = 40
 
 
 class BfdProcessError(RuntimeError):
@@ -129,16 +127,17 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------- the test-side handle
 
 
-class BfdProcess:
+class BfdProcess(LabProcess):
     """One ``python -m agentd.lab.bfd_proc`` in ``ns``; ``start()``, ``stop()``; restartable."""
+
+    label = "bfd_proc"
+    error = BfdProcessError
 
     def __init__(self, ns: Netns, workdir: str | os.PathLike[str], *, listen: str | None, peers: list[str],
                  local: str | None = None, tx: float = 0.3, rx: float = 0.3, mult: int = 3,
                  api: str = DEFAULT_API) -> None:
-        self.ns = ns
         self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self.workdir / "bfd.log"
+        super().__init__(ns, self.workdir / "bfd.log")
         self.api = api
         self.argv = [sys.executable, "-m", "agentd.lab.bfd_proc", "--api", api, "--tx", str(tx), "--rx", str(rx),
                      "--mult", str(mult)]
@@ -148,40 +147,12 @@ class BfdProcess:
             self.argv += ["--local", local]
         for peer in peers:
             self.argv += ["--peer", peer]
-        self._proc: subprocess.Popen | None = None
-        self._log = None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout: float = START_TIMEOUT) -> None:
         if self.running:
             return
-        self._close_log()
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the process runs
-        self._proc = self.ns.popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        self.spawn(self.argv)
         self.wait_until(lambda: self.status(timeout=1.0), timeout, what="the BFD process's API")
-
-    def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM (the service sends AdminDown and exits) and wait.  Idempotent."""
-        proc = self._proc
-        if proc is None:
-            return None
-        code = stop_process(proc, timeout)
-        self._proc = None
-        self._close_log()
-        return code
-
-    def freeze(self) -> None:
-        """SIGSTOP: the process neither sends nor answers (a hung agent)."""
-        assert self._proc is not None
-        self._proc.send_signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        assert self._proc is not None
-        self._proc.send_signal(signal.SIGCONT)
 
     # ------------------------------------------------------------ queries and commands
 
@@ -205,27 +176,10 @@ class BfdProcess:
                                what=lambda: f"BFD session to {peer} {state} (now {self.session(peer)})")
 
     def wait_until(self, predicate: Callable[[], Any], timeout: float, *, what: str | Callable[[], str] = "condition",
-                   interval: float = 0.05) -> Any:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise BfdProcessError(f"bfd_proc exited with status {self._proc.returncode}:\n{self.log_tail()}")
-            result = None
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                result = predicate()
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                text = what() if callable(what) else what
-                raise BfdProcessError(f"timed out after {timeout:.0f}s waiting for {text}\n{self.log_tail()}")
-            time.sleep(interval)
-
-    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+                   interval: float = 0.05, ignore: tuple[type[BaseException], ...] = (OSError, ValueError, IndexError)) -> Any:
+        """Poll ``predicate`` until truthy (the API not answering yet is "not yet"); BfdProcessError,
+        with the log, on timeout or when the process exits."""
+        return super().wait_until(predicate, timeout, what=what, interval=interval, ignore=ignore)
 
     def _post(self, path: str) -> None:
         host, port = self.api.rsplit(":", 1)
@@ -237,11 +191,6 @@ class BfdProcess:
         head = reply.split(b"\r\n", 1)[0]
         if b" 200 " not in head:
             raise BfdProcessError(f"POST {path}: {reply.decode(errors='replace')}")
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
 
 # ---------------------------------------------------------------- on the wire

@@ -28,19 +28,18 @@ import contextlib
 import hashlib
 import os
 import re
-import signal
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentd.lab.netns import Netns, stop_process
-from agentd.lab.wait import pause, until
+from agentd.lab.netns import Netns
+from agentd.lab.process import LabProcess
+from agentd.lab.wait import pause
 
 BIRD_BINARY = "bird"
 BIRDC_BINARY = "birdc"
 START_TIMEOUT = 10.0
-STOP_GRACE = 10.0
+STOP_GRACE = 10.0  # graceful restart: how long BIRD may take to exit
 # sockaddr_un.sun_path is 108 bytes; pytest's tmp_path can be long.
 _MAX_SOCKET_PATH = 100
 _LOG_TAIL_LINES = 30
@@ -61,34 +60,24 @@ class BirdError(RuntimeError):
     """BIRD could not be started, stopped or queried; the message carries the tail of its log."""
 
 
-class Bird:
+class Bird(LabProcess):
     """One BIRD 2 daemon inside ``ns``.  ``start()``, ``stop()``; restartable."""
 
+    label = "bird"
+    error = BirdError
+
     def __init__(self, ns: Netns, workdir: str | os.PathLike[str], config: str) -> None:
-        self.ns = ns
         self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        # The process's own output; BIRD writes its log (``log_path``) itself.
+        super().__init__(ns, self.workdir / "bird.stderr")
+        self.stderr_path = self.output_path
         self.config_path = self.workdir / "bird.conf"
         self.log_path = self.workdir / "bird.log"
-        self.stderr_path = self.workdir / "bird.stderr"
         self.socket_path = _socket_path(self.workdir)
         self.config = config
-        self._proc: subprocess.Popen | None = None
-        self._stderr = None
         self._write_config(config)
 
-    def __repr__(self) -> str:
-        return f"Bird({self.ns.name}, pid={self.pid})"
-
     # ------------------------------------------------------------ lifecycle
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def start(self, *, recovery: bool = False, timeout: float = START_TIMEOUT) -> None:
         """Start BIRD (``recovery``: with ``-R``, graceful restart recovery) and wait for its socket."""
@@ -96,56 +85,14 @@ class Bird:
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        self._close_stderr()
-        self._stderr = open(self.stderr_path, "ab")  # noqa: SIM115 - kept open while BIRD runs
         argv = [BIRD_BINARY, "-f", "-c", str(self.config_path), "-s", self.socket_path]
-        if recovery:
-            argv.append("-R")
-        self._proc = self.ns.popen(
-            argv, stdin=subprocess.DEVNULL, stdout=self._stderr, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        def exited() -> str | None:
-            if self.running:
-                return None
-            code = self._proc.returncode
-            self._proc = None
-            self._close_stderr()
-            return f"bird exited with status {code} while starting in {self.ns.name}:\n{self.log_tail()}"
-
+        self.spawn(argv + ["-R"] if recovery else argv)
         try:
-            until(lambda: os.path.exists(self.socket_path) and self._ping(), timeout,
-                  what=lambda: f"bird to answer on {self.socket_path}:\n{self.log_tail()}", abort=exited, error=BirdError)
+            self.wait_until(lambda: os.path.exists(self.socket_path) and self._ping(), timeout,
+                            what=f"bird to answer on {self.socket_path}")
         except BirdError:
-            self.kill(signal.SIGKILL)
+            self.kill()
             raise
-
-    def stop(self, timeout: float = STOP_GRACE) -> None:
-        """SIGTERM and wait (SIGKILL after ``timeout``).  Idempotent."""
-        proc = self._proc
-        if proc is None:
-            return
-        stop_process(proc, timeout)
-        self._proc = None
-        self._close_stderr()
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig``; for SIGKILL (and SIGTERM) also wait for the exit."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            proc.wait(STOP_GRACE)
-            self._proc = None
-            self._close_stderr()
-
-    def freeze(self) -> None:
-        """SIGSTOP: BIRD stays connected but sends nothing (a hung router)."""
-        self.kill(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        self.kill(signal.SIGCONT)
 
     def graceful_restart(self, *, down_for: float = 0.0, timeout: float = STOP_GRACE) -> None:
         """``birdc graceful restart`` (sessions closed without NOTIFICATION, BIRD exits), wait
@@ -158,8 +105,7 @@ class Bird:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise BirdError(f"bird did not exit within {timeout:.0f}s of `graceful restart`:\n{self.log_tail()}") from None
-        self._proc = None
-        self._close_stderr()
+        self._forget()
         if down_for:
             pause(down_for, "BIRD stays down for the restart time the test asked for")
         self.start(recovery=True)
@@ -212,18 +158,8 @@ class Bird:
         self.wait_until(lambda: self.protocol_state(name) == "Established", timeout,
                         what=lambda: f"protocol {name} Established:\n{self.protocol_info(name)}")
 
-    def wait_until(self, predicate: Callable[[], Any], timeout: float, *, what: str | Callable[[], str] = "condition",
-                   interval: float = 0.1) -> Any:
-        """Poll ``predicate`` until it returns something truthy (returned); BirdError on timeout."""
-
-        def exited() -> str | None:
-            if self._proc is not None and self._proc.poll() is not None:
-                return f"bird exited with status {self._proc.returncode}:\n{self.log_tail()}"
-            return None
-
-        return until(predicate, timeout, what=what, interval=interval, abort=exited, error=BirdError)
-
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        """The end of BIRD's log and of its own output."""
         text = []
         for path in (self.log_path, self.stderr_path):
             with contextlib.suppress(OSError), open(path, errors="replace") as f:
@@ -242,11 +178,6 @@ class Bird:
         except subprocess.TimeoutExpired:
             return False
         return "Daemon is up and running" in out or "Router ID" in out
-
-    def _close_stderr(self) -> None:
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
 
 
 def parse_routes(text: str) -> dict[str, dict[str, Any]]:

@@ -23,7 +23,6 @@ import ipaddress
 import os
 import random
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentd.lab.netns import Netns
+from agentd.lab.process import LabProcess
 from agentd.lab.wait import auntil
 
 ETCD_BINARY = "etcd"
@@ -41,7 +41,6 @@ STOP_GRACE = 10.0
 # Picked ports come from here: above the well-known and registered services most
 # machines run, below the Linux default ephemeral range (32768-60999).
 PORT_RANGE = (12000, 32000)
-_LOG_TAIL_LINES = 25
 
 
 class EtcdError(RuntimeError):
@@ -95,8 +94,13 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-class EtcdServer:
-    """One etcd member.  ``await start()``, ``await stop()``; restartable with the same data."""
+class EtcdServer(LabProcess):
+    """One etcd member.  ``await start()``, ``await stop()``; restartable with the same data.
+
+    The one lab process with an async life (the datastore tests run in the event loop):
+    ``start``, ``stop`` and ``kill`` are coroutines around agentd.lab.process's waits."""
+
+    error = EtcdError
 
     def __init__(
         self,
@@ -125,19 +129,21 @@ class EtcdServer:
         self.netns = netns
         self.host = host
         self.name = name
-        self.log_path = log_path or f"{self.data_dir}.log"
+        super().__init__(netns, log_path or f"{self.data_dir}.log")
         self._family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
         self._ports_picked = client_port is None or peer_port is None
         self.client_port = client_port or 0
         self.peer_port = peer_port or 0
-        self._proc: subprocess.Popen | None = None
-        self._log_file = None
         if self._ports_picked:
             self._pick_ports(client_port, peer_port)
 
     def __repr__(self) -> str:
         where = f" in {self.netns.name}" if self.netns else ""
         return f"EtcdServer({self.endpoint}{where}, pid={self.pid})"
+
+    @property
+    def label(self) -> str:  # type: ignore[override]
+        return f"etcd {self.endpoint}"
 
     # -- addresses ---------------------------------------------------------
 
@@ -153,14 +159,6 @@ class EtcdServer:
     @property
     def peer_url(self) -> str:
         return self._url(self.peer_port)
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -183,20 +181,20 @@ class EtcdServer:
                 return
             except EtcdError:
                 lost_port_race = "address already in use" in self.log_tail()
-                await self._terminate(signal.SIGKILL)
+                await self.kill()
                 if not lost_port_race or attempt == attempts - 1:
                     raise
                 # Someone took a port between our bind test and etcd's listen: try others.
                 shutil.rmtree(self.data_dir, ignore_errors=True)
                 self._pick_ports(None, None)
 
-    async def stop(self) -> None:
+    async def stop(self) -> None:  # type: ignore[override]
         """SIGTERM, then SIGKILL after a grace period.  The data directory is kept."""
-        await self._terminate(signal.SIGTERM)
+        await asyncio.to_thread(LabProcess.stop, self, STOP_GRACE)
 
-    async def kill(self) -> None:
+    async def kill(self) -> None:  # type: ignore[override]
         """SIGKILL at once (a crash); the data directory is kept."""
-        await self._terminate(signal.SIGKILL)
+        await asyncio.to_thread(LabProcess.kill, self)
 
     async def __aenter__(self) -> EtcdServer:
         await self.start()
@@ -204,13 +202,6 @@ class EtcdServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
 
     # -- internals ---------------------------------------------------------
 
@@ -245,30 +236,10 @@ class EtcdServer:
 
     def _spawn(self) -> None:
         Path(self.data_dir).parent.mkdir(parents=True, exist_ok=True)
-        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
-        self._close_log()
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open while etcd runs
-        self._log_file.write(f"--- agentd lab: starting etcd {self.endpoint} at {time.ctime()} ---\n".encode())
-        self._log_file.flush()
-        kwargs = dict(
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        if self.netns is not None:
-            self._proc = self.netns.popen(self._argv(), **kwargs)
-        else:
-            self._proc = subprocess.Popen(self._argv(), **kwargs)
+        self.spawn(self._argv())
 
     async def _wait_healthy(self) -> None:
-        def exited() -> str | None:
-            if self.running:
-                return None
-            code = self._proc.returncode if self._proc else None
-            return f"etcd {self.endpoint} exited with status {code} while starting; log {self.log_path} ends:\n{self.log_tail()}"
-
-        await auntil(self._healthy, START_TIMEOUT, abort=exited, error=EtcdError,
+        await auntil(self._healthy, START_TIMEOUT, abort=self.exited, error=EtcdError,
                      what=lambda: f"etcd {self.endpoint} /health; log {self.log_path} ends:\n{self.log_tail()}")
 
     async def _healthy(self) -> bool:
@@ -322,24 +293,6 @@ class EtcdServer:
         with self.netns.entered():
             return socket.socket(self._family, socket.SOCK_STREAM)
 
-    async def _terminate(self, sig: signal.Signals) -> None:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
-            if not await _wait_exit(proc, STOP_GRACE if sig != signal.SIGKILL else 5.0):
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                if not await _wait_exit(proc, 5.0):
-                    raise EtcdError(f"etcd pid {proc.pid} did not exit after SIGKILL")
-        self._proc = None
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-
     def _pick_ports(self, client_port: int | None, peer_port: int | None) -> None:
         taken: set[int] = set()
         if client_port is None:
@@ -363,14 +316,6 @@ class EtcdServer:
                 sock.close()
             return port
         raise EtcdError(f"no free TCP port on {self.host} in {PORT_RANGE[0]}-{PORT_RANGE[1]}")
-
-
-async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
-    try:
-        await auntil(lambda: proc.poll() is not None, timeout, what=f"etcd pid {proc.pid} to exit")
-    except AssertionError:
-        return False
-    return True
 
 
 @contextlib.asynccontextmanager

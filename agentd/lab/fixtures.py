@@ -2,7 +2,8 @@
 
 ``netns_factory(role)`` makes a uniquely named namespace ``ad-<tag>-<role>``;
 every namespace it made is deleted (processes killed first) when the test ends,
-pass or fail.
+pass or fail.  ``routers`` is one interop test's routers and daemons (BIRD, agentd
+speaker, GoBGP, BFD; agentd.lab.interop.Routers), all stopped when it ends.
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ def netns_factory() -> Iterator[Callable[[str], Netns]]:
         for ns in reversed(made):
             ns.delete()
         delete_matching(f"ad-{tag}-")
+
+
+@pytest.fixture
+def routers(netns_factory, tmp_path):
+    """:class:`agentd.lab.interop.Routers` for this test: ``routers.pair()``, ``routers.lan(3)``,
+    ``routers.bird(ns, conf)``, ``routers.speaker(ns, cfg)``, ...; every daemon started through
+    it is stopped before the namespaces go, pass or fail."""
+    from agentd.lab.interop import Routers
+
+    made = Routers(netns_factory, tmp_path)
+    try:
+        yield made
+    finally:
+        made.stop()
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .netns import Netns, stop_process
-from .wait import until
+from .netns import Netns
+from .process import LabProcess
 
 API = "127.0.0.1"
 
@@ -40,38 +40,21 @@ def gobgp_config(asn: int, router_id: str, neighbors: Iterable[Mapping[str, Any]
     return "\n".join(lines) + "\n"
 
 
-class GoBgp:
+class GoBgp(LabProcess):
+    label = "gobgpd"
+    error = GoBgpError
+
     def __init__(self, ns: Netns, workdir: str | os.PathLike[str], config: str) -> None:
-        self.ns = ns
         self.dir = Path(workdir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(ns, self.dir / "gobgpd.log")
         self.conf = self.dir / "gobgpd.toml"
         self.conf.write_text(config)
-        self.log_path = self.dir / "gobgpd.log"
-        self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 10.0) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.proc = self.ns.popen(
-            ["gobgpd", "-f", str(self.conf), "-t", "toml", "--api-hosts", f"{API}:50051", "-l", "info"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        proc = self.proc
-        until(lambda: self._cli("global", check=False)[0] == 0, timeout, interval=0.1,
-              what=lambda: f"the gobgpd API: {self.log_tail()}", error=GoBgpError,
-              abort=lambda: proc.poll() is not None and f"gobgpd exited {proc.returncode}: {self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        if self.running:
+            return
+        self.spawn(["gobgpd", "-f", str(self.conf), "-t", "toml", "--api-hosts", f"{API}:50051", "-l", "info"])
+        self.wait_until(lambda: self._cli("global", check=False)[0] == 0, timeout, what="the gobgpd API")
 
     def _cli(self, *args: str, check: bool = True) -> tuple[int, str]:
         proc = subprocess.run(

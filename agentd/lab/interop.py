@@ -1,7 +1,15 @@
 """Helpers for BGP interop tests: router namespaces, speaker/BIRD configurations, polling.
 
-Shared by the system tests that run ``agentd speaker`` against BIRD and GoBGP.  Addresses
-are 10.0.0.x/24 (and 2001:db8:ff::x/64) inside the namespaces the caller's factory makes.
+Shared by the system tests that run ``agentd speaker`` against BIRD and GoBGP, and by the
+BFD tests.  Addresses are 10.0.0.x/24 (and 2001:db8:ff::x/64) inside the namespaces the
+caller's factory makes.  :class:`Routers` (the ``routers`` fixture of agentd.lab.fixtures)
+is one test's set of routers and the daemons in them::
+
+    def test_x(routers):
+        r1, r2 = routers.pair()
+        bird = routers.bird(r2, bird_config("10.0.0.2", bird_bgp("spk", "10.0.0.2", ASN, "10.0.0.1", ASN)))
+        spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", peers=[{"address": "10.0.0.2", "asn": ASN}]))
+        spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
 """
 
 from __future__ import annotations
@@ -10,9 +18,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from .bfd_proc import BfdProcess
 from .bird import Bird
+from .gobgp import GoBgp
 from .netns import Netns, veth
 from .speaker_proc import SpeakerProcess
 from .wait import until
@@ -124,19 +134,85 @@ def bird_bgp(
 # ---------------------------------------------------------------- helpers
 
 
-def start_speaker(procs: list, ns: Netns, workdir: Path, config: dict) -> SpeakerProcess:
-    spk = SpeakerProcess(ns, workdir, config)
-    procs.append(spk)
-    spk.start()
-    spk.wait_ready()
-    return spk
+T = TypeVar("T")
 
 
-def start_bird(procs: list, ns: Netns, workdir: Path, config: str) -> Bird:
-    bird = Bird(ns, workdir, config)
-    procs.append(bird)
-    bird.start()
-    return bird
+class Routers:
+    """One test's routers and the daemons in them: namespaces from ``netns_factory``, each
+    daemon with a work directory of its own under ``root`` (its configuration and log stay
+    there for a failed test).  :meth:`stop` stops everything started here, last first; the
+    ``routers`` fixture calls it when the test ends, pass or fail."""
+
+    def __init__(self, netns_factory: Callable[[str], Netns], root: Path) -> None:
+        self._netns = netns_factory
+        self.root = Path(root)
+        self._running: list[Any] = []
+        self._dirs: set[str] = set()
+
+    # -- the routers
+
+    def namespace(self, role: str) -> Netns:
+        return self._netns(role)
+
+    def pair(self, *, v6: bool = False) -> tuple[Netns, Netns]:
+        return pair(self._netns, v6=v6)
+
+    def lan(self, count: int) -> list[Netns]:
+        return lan(self._netns, count)
+
+    # -- the daemons
+
+    def bird(self, ns: Netns, config: str, name: str = "bird") -> Bird:
+        """A started BIRD 2 in ``ns``."""
+        bird = self.add(Bird(ns, self.workdir(name), config))
+        bird.start()
+        return bird
+
+    def speaker(self, ns: Netns, config: dict, name: str = "spk") -> SpeakerProcess:
+        """A started ``agentd speaker`` in ``ns`` whose API answers."""
+        spk = self.add(SpeakerProcess(ns, self.workdir(name), config))
+        spk.start()
+        spk.wait_ready()
+        return spk
+
+    def gobgp(self, ns: Netns, config: str, name: str = "gobgp") -> GoBgp:
+        """A started gobgpd in ``ns`` whose API answers."""
+        gob = self.add(GoBgp(ns, self.workdir(name), config))
+        gob.start()
+        return gob
+
+    def bfd(self, ns: Netns, name: str = "bfd", **settings: Any) -> BfdProcess:
+        """A started BFD process (agentd.lab.bfd_proc) in ``ns``; ``settings`` as BfdProcess takes them."""
+        bfd = self.add(BfdProcess(ns, self.workdir(name), **settings))
+        bfd.start()
+        return bfd
+
+    def add(self, thing: T) -> T:
+        """Stop ``thing`` with the rest: anything with ``stop()`` (a daemon, a raw peer) or
+        ``close()`` (a socket)."""
+        self._running.append(thing)
+        return thing
+
+    def workdir(self, name: str) -> Path:
+        """A new directory under ``root`` named ``name`` (``name-2``, ... if taken)."""
+        unique, n = name, 1
+        while unique in self._dirs:
+            n += 1
+            unique = f"{name}-{n}"
+        self._dirs.add(unique)
+        return self.root / unique
+
+    def stop(self) -> None:
+        """Stop every daemon started here (a frozen one is thawed first), last started first."""
+        errors = []
+        while self._running:
+            thing = self._running.pop()
+            try:
+                (getattr(thing, "stop", None) or thing.close)()
+            except Exception as err:  # noqa: BLE001 - the others are stopped all the same
+                errors.append(err)
+        if errors:
+            raise errors[0]
 
 
 def eventually(predicate: Callable[[], Any], timeout: float = CONVERGE_TIMEOUT, what: str | Callable[[], str] = "condition",

@@ -23,6 +23,8 @@ from proto.messages import Keepalive, MessageReader, MessageType, Notification, 
 
 from .netns import Netns
 
+IP_MINTTL = 21  # linux/in.h
+
 
 def attr(flags: int, code: int, value: bytes) -> bytes:
     """One path attribute, with the extended length flag when the value needs it."""
@@ -68,13 +70,17 @@ class RawBgpPeer:
     def connect(
         cls, ns: Netns, local: str, remote: str, *, asn: int, port: int = 179, four_octet: bool = True,
         handshake: bool = True, timeout: float = 10.0, hold_time: int = 90, graceful_restart: bool = False,
-        ttl: int | None = None, rcvbuf: int | None = None,
+        ttl: int | None = None, min_ttl: int | None = None, rcvbuf: int | None = None,
     ) -> RawBgpPeer:  # fmt: skip
-        """``rcvbuf``: SO_RCVBUF before connecting (a peer with a small window from the start)."""
+        """``ttl``: IP_TTL of everything it sends; ``min_ttl``: IP_MINTTL, set before connecting
+        (RFC 5082 GTSM as a strict peer does it: from the SYN-ACK on, nothing below it is taken);
+        ``rcvbuf``: SO_RCVBUF before connecting (a peer with a small window from the start)."""
         with ns.entered():
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if ttl is not None:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+        if min_ttl is not None:
+            sock.setsockopt(socket.IPPROTO_IP, IP_MINTTL, min_ttl)
         if rcvbuf is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         try:
@@ -89,16 +95,39 @@ class RawBgpPeer:
             raise
         return peer
 
-    def handshake(self, router_id: str, hold_time: int = 90, timeout: float = 10.0) -> None:
+    @classmethod
+    def listen(cls, ns: Netns, local: str, *, port: int = 179, ttl: int | None = None,
+               min_ttl: int | None = None) -> socket.socket:
+        """A listening socket at ``local`` in ``ns`` for a speaker to connect to (accept it and
+        wrap the connection: ``RawBgpPeer(conn, asn, True)``); ``ttl``/``min_ttl`` as in
+        :meth:`connect`, set before listen() so the SYN-ACK and the accepted socket have them."""
+        with ns.entered():
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if ttl is not None:
+                sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+            if min_ttl is not None:
+                sock.setsockopt(socket.IPPROTO_IP, IP_MINTTL, min_ttl)
+            sock.bind((local, port))
+            sock.listen(4)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def open_message(self, router_id: str, hold_time: int = 90) -> bytes:
+        """Our OPEN, encoded."""
         caps: list = [MultiProtocol(1, 1), RouteRefresh()]
         if self.graceful_restart:
             # RFC 4724: the speaker keeps our routes as stale for up to 4095 s if we vanish.
             caps.append(GracefulRestart(False, 4095, (GracefulRestartFamily(1, 1, True),)))
         if self.four_octet:
-            open_ = Open.build(self.asn, hold_time, router_id, caps)
-        else:
-            open_ = Open(self.asn, hold_time, IPv4Address(router_id), tuple(caps))
-        self.send(open_.encode() + Keepalive().encode())
+            return Open.build(self.asn, hold_time, router_id, caps).encode()
+        return Open(self.asn, hold_time, IPv4Address(router_id), tuple(caps)).encode()
+
+    def handshake(self, router_id: str, hold_time: int = 90, timeout: float = 10.0) -> None:
+        self.send(self.open_message(router_id, hold_time) + Keepalive().encode())
         deadline = time.monotonic() + timeout
         while not any(t == MessageType.KEEPALIVE for t, _ in self.messages):
             if self.closed or time.monotonic() > deadline:

@@ -3,7 +3,7 @@
 The configuration is a plain dict in the shape of the TOML file (sections as dicts,
 ``[[bgp.peers]]`` as a list of dicts); :func:`render_toml` writes it.  The speaker runs
 as ``ip netns exec NS <venv>/bin/agentd speaker --config FILE``, its log goes to a file
-in the work directory, and its REST API is queried from inside the namespace::
+in the work directory (agentd.lab.process runs it), and its REST API is queried from inside the namespace::
 
     spk = SpeakerProcess(ns, tmp_path / "spk1", {
         "node": {"name": "spk1", "address": "10.0.0.1", "asn": 65000},
@@ -22,26 +22,21 @@ does not set them (each speaker has its own namespace, so the port never clashes
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from agentd.lab.netns import Netns, stop_process
-from agentd.lab.wait import until
+from agentd.lab.netns import Netns
+from agentd.lab.process import LabProcess
 
 DEFAULT_API = "127.0.0.1:9099"
 START_TIMEOUT = 15.0
-STOP_GRACE = 10.0
-_LOG_TAIL_LINES = 40
 
 
 class SpeakerError(RuntimeError):
@@ -114,104 +109,39 @@ def _value(v: Any) -> str:
 # ---------------------------------------------------------------- the process
 
 
-class SpeakerProcess:
+class SpeakerProcess(LabProcess):
     """One ``agentd speaker`` in ``ns``, configured from a dict; ``start()``, ``stop()``; restartable."""
 
+    label = "agentd speaker"
+    error = SpeakerError
+
     def __init__(self, ns: Netns, workdir: str | os.PathLike[str], config: Mapping[str, Any]) -> None:
-        self.ns = ns
         self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        super().__init__(ns, self.workdir / "agentd.log")
         self.config_path = self.workdir / "agentd.toml"
-        self.log_path = self.workdir / "agentd.log"
-        self._proc: subprocess.Popen | None = None
-        self._log = None
         self.config: dict[str, Any] = {}
         self._write(config)
-
-    def __repr__(self) -> str:
-        return f"SpeakerProcess({self.ns.name}, pid={self.pid})"
 
     @property
     def api_url(self) -> str:
         return f"http://{self.config['api']['listen']}"
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         """Spawn the speaker (returns at once; see :meth:`wait_ready`)."""
-        if self.running:
-            return
-        self._close_log()
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the speaker runs
-        self._log.write(f"--- lab: starting agentd speaker at {time.ctime()} ---\n".encode())
-        self._log.flush()
-        self._proc = self.ns.popen(
-            [agentd_binary(), "speaker", "--config", str(self.config_path)],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        if not self.running:
+            self.spawn([agentd_binary(), "speaker", "--config", str(self.config_path)])
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
         """Wait until ``GET /healthz`` answers 200; SpeakerError (with the log) if it exits or times out."""
-        def exited() -> str | None:
-            if self.running:
-                return None
-            code = self._proc.returncode if self._proc else None
-            return f"agentd speaker exited with status {code} while starting:\n{self.log_tail()}"
-
-        until(lambda: self.ns.http_get(self.api_url + "/healthz", timeout=1.0)[0] == 200, timeout,
-              what=lambda: f"the agentd speaker API:\n{self.log_tail()}", ignore=(OSError, ValueError, IndexError),
-              abort=exited, error=SpeakerError)
+        self.wait_until(lambda: self.ns.http_get(self.api_url + "/healthz", timeout=1.0)[0] == 200, timeout,
+                        what="the agentd speaker API")
 
     def reload(self, config: Mapping[str, Any]) -> None:
         """Rewrite the configuration file and send SIGHUP (peers and ``originate`` change live)."""
         self._write(config)
         self.signal(signal.SIGHUP)
-
-    def stop(self, timeout: float = STOP_GRACE) -> int | None:
-        """SIGTERM and wait (SIGKILL after ``timeout``); returns the exit status.  Idempotent."""
-        proc = self._proc
-        if proc is None:
-            return None
-        code = stop_process(proc, timeout)
-        self._proc = None
-        self._close_log()
-        return code
-
-    def kill(self) -> None:
-        """SIGKILL (a crash: the kernel closes its TCP sessions) and wait."""
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(5)
-        self._proc = None
-        self._close_log()
-
-    def freeze(self) -> None:
-        """SIGSTOP: sessions stay open but the speaker sends nothing (a hung router)."""
-        self.signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        self.signal(signal.SIGCONT)
-
-    def signal(self, sig: int) -> None:
-        if not self.running:
-            raise SpeakerError(f"agentd speaker is not running (signal {sig}):\n{self.log_tail()}")
-        assert self._proc is not None
-        self._proc.send_signal(sig)
 
     # ------------------------------------------------------------ queries
 
@@ -251,23 +181,10 @@ class SpeakerProcess:
         )
 
     def wait_until(self, predicate: Callable[[], Any], timeout: float, *, what: str | Callable[[], str] = "condition",
-                   interval: float = 0.1) -> Any:
-        """Poll ``predicate`` until truthy and return its value; SpeakerError (with the log) on timeout."""
-
-        def exited() -> str | None:
-            if self._proc is not None and self._proc.poll() is not None:
-                return f"agentd speaker exited with status {self._proc.returncode}:\n{self.log_tail()}"
-            return None
-
-        return until(predicate, timeout, what=lambda: f"{what() if callable(what) else what}\n{self.log_tail()}",
-                     interval=interval, ignore=(OSError, ValueError), abort=exited, error=SpeakerError)
-
-    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+                   interval: float = 0.1, ignore: tuple[type[BaseException], ...] = (OSError, ValueError)) -> Any:
+        """Poll ``predicate`` until truthy and return its value (the API not answering yet is
+        "not yet"); SpeakerError (with the log) on timeout or when the speaker exits."""
+        return super().wait_until(predicate, timeout, what=what, interval=interval, ignore=ignore)
 
     # ------------------------------------------------------------ internals
 
@@ -286,8 +203,3 @@ class SpeakerProcess:
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(render_toml(cfg))
         os.replace(tmp, self.config_path)  # the speaker never reads a half-written file on SIGHUP
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None

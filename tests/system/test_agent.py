@@ -1,4 +1,4 @@
-"""The node agent's own behaviour (issue 3, items 1, 3, 4, 6, 7): signals, reload, external
+"""The node agent's own behaviour: signals, reload, external
 peers, metrics, MTU, off-link host-gw peers, bad configuration, and the lab CLI."""
 
 import json

@@ -5,12 +5,9 @@ frozen process.  The BIRD interop is tests/system/test_bfd_bird.py."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from agentd.lab.bfd_proc import BfdProcess
-from agentd.lab.interop import pair
 from proto.bfd import Diag
 
 pytestmark = pytest.mark.timeout(120)
@@ -19,23 +16,16 @@ V4 = ("10.0.0.1", "10.0.0.2")
 V6 = ("2001:db8:ff::1", "2001:db8:ff::2")
 
 
-@pytest.fixture
-def procs() -> Iterator[list]:
-    made: list = []
-    try:
-        yield made
-    finally:
-        for p in reversed(made):
-            p.stop()
+# A frozen process must be noticed after the Detection Time the fast timers give (3 x 0.1 s),
+# not the one of the slow rate a session uses while not Up (3 x 1 s, RFC 5880 §6.8.3): the bound
+# lies halfway, slack for a loaded machine; the figure itself is printed.
+FREEZE_BOUND = (3 * 0.1 + 3 * 1.0) / 2
 
 
-def test_two_services_remove_readd_freeze_and_stop(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory, v6=True)
-    a = BfdProcess(r1, tmp_path / "a", listen=None, peers=[V4[1], V6[1]], tx=0.1, rx=0.1, mult=3)
-    b = BfdProcess(r2, tmp_path / "b", listen=None, peers=[V4[0], V6[0]], tx=0.1, rx=0.1, mult=3)
-    procs.extend([a, b])
-    a.start()
-    b.start()
+def test_two_services_remove_readd_freeze_and_stop(routers):
+    r1, r2 = routers.pair(v6=True)
+    a = routers.bfd(r1, "a", listen=None, peers=[V4[1], V6[1]], tx=0.1, rx=0.1, mult=3)
+    b = routers.bfd(r2, "b", listen=None, peers=[V4[0], V6[0]], tx=0.1, rx=0.1, mult=3)
     for proc, peers in ((a, (V4[1], V6[1])), (b, (V4[0], V6[0]))):
         for peer in peers:
             proc.wait_state(peer, "Up", 20)
@@ -59,7 +49,7 @@ def test_two_services_remove_readd_freeze_and_stop(netns_factory, procs, tmp_pat
     b.wait_until(lambda: b.session(V4[0])["packets_in"] >= packets + 30, 10, what="30 more packets at b")
     assert len(b.events(V4[0])) == settled and b.session(V4[0])["state"] == "Up"
 
-    # a frozen: b declares both sessions down with diag 1, well within 1 s.
+    # a frozen: b declares both sessions down with diag 1, after the fast Detection Time.
     seen = {p: len(b.events(p)) for p in (V4[0], V6[0])}
     t_freeze = time.monotonic()
     a.freeze()
@@ -68,7 +58,7 @@ def test_two_services_remove_readd_freeze_and_stop(netns_factory, procs, tmp_pat
             down = b.wait_until(lambda peer=peer: [e for e in b.events(peer)[seen[peer]:] if e["state"] == "Down"],
                                 10, what=f"b's session to {peer} Down")[0]
             assert down["diag"] == Diag.CONTROL_DETECTION_TIME_EXPIRED and down["failure"]
-            assert down["t"] - t_freeze < 1.0
+            assert down["t"] - t_freeze < FREEZE_BOUND
             print(f"\n{peer}: down {down['t'] - t_freeze:.3f} s after SIGSTOP")
     finally:
         a.thaw()

@@ -1,7 +1,9 @@
-"""agentd's BGP speaker (``agentd speaker``) against a real BIRD 2 (issue 2, item 7).
+"""agentd's BGP speaker (``agentd speaker``) against a real BIRD 2: iBGP mesh, route
+reflection both ways, eBGP with 4-octet ASNs, IPv6 over IPv4, TCP MD5, hold timers,
+graceful restart and unknown peers.
 
-Every test builds its own routers, one network namespace each: two routers share a
-veth pair, three or more hang off a bridge in an "ul" (underlay) namespace.  The lab
+Every test builds its own routers (the ``routers`` fixture), one network namespace each: two
+routers share a veth pair, three or more hang off a bridge in an "ul" (underlay) namespace.  The lab
 addresses are 10.0.0.x/24 (and 2001:db8:ff::x/64) inside those namespaces only.
 agentd speakers run as real processes (agentd.lab.speaker_proc) and are observed
 through their REST API from inside their namespace; BIRD runs as ``bird -f`` and is
@@ -14,7 +16,7 @@ where a hold timer is measured, BIRD's connect delay 1 s.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -28,13 +30,9 @@ from agentd.lab.interop import (
     bird_bgp,
     bird_config,
     eventually,
-    lan,
     md5_failures,
-    pair,
     rib_paths,
     speaker_config,
-    start_bird,
-    start_speaker,
 )
 from agentd.lab.netns import Netns, veth
 from agentd.lab.wait import holds, pause, until
@@ -42,37 +40,26 @@ from agentd.lab.wait import holds, pause, until
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def procs() -> Iterator[list]:
-    """Every Bird / SpeakerProcess registered here is stopped at the end, pass or fail."""
-    made: list = []
-    try:
-        yield made
-    finally:
-        for p in reversed(made):
-            p.stop()  # also thaws a frozen process first (SIGCONT, then SIGTERM)
-
-
 # ---------------------------------------------------------------- a. iBGP full mesh
 
 
-def test_ibgp_full_mesh_two_speakers_and_bird(netns_factory, procs, tmp_path):
-    r1, r2, r3 = lan(netns_factory, 3)
+def test_ibgp_full_mesh_two_speakers_and_bird(routers):
+    r1, r2, r3 = routers.lan(3)
     bird_conf = bird_config(
         "10.0.0.3",
         bird_bgp("spk1", "10.0.0.3", ASN, "10.0.0.1", ASN),
         bird_bgp("spk2", "10.0.0.3", ASN, "10.0.0.2", ASN),
         static4=["10.99.3.0/24", "10.99.33.0/24"],
     )
-    bird = start_bird(procs, r3, tmp_path / "bird", bird_conf)
+    bird = routers.bird(r3, bird_conf)
     spk_cfg = {
         1: speaker_config("spk1", "10.0.0.1", originate=["10.99.1.0/24", "10.99.11.0/24"],
                           peers=[{"address": "10.0.0.2", "asn": ASN}, {"address": "10.0.0.3", "asn": ASN}]),
         2: speaker_config("spk2", "10.0.0.2", originate=["10.99.2.0/24"],
                           peers=[{"address": "10.0.0.1", "asn": ASN}, {"address": "10.0.0.3", "asn": ASN}]),
     }
-    spk1 = start_speaker(procs, r1, tmp_path / "spk1", spk_cfg[1])
-    spk2 = start_speaker(procs, r2, tmp_path / "spk2", spk_cfg[2])
+    spk1 = routers.speaker(r1, spk_cfg[1], name="spk1")
+    spk2 = routers.speaker(r2, spk_cfg[2], name="spk2")
     for spk, other in ((spk1, "10.0.0.2"), (spk2, "10.0.0.1")):
         spk.wait_peer_state(other, "Established", ESTABLISH_TIMEOUT)
         spk.wait_peer_state("10.0.0.3", "Established", ESTABLISH_TIMEOUT)
@@ -128,17 +115,17 @@ def test_ibgp_full_mesh_two_speakers_and_bird(netns_factory, procs, tmp_path):
 # ---------------------------------------------------------------- b. agentd reflects to two BIRDs
 
 
-def test_agentd_route_reflector_with_bird_clients(netns_factory, procs, tmp_path):
-    r1, r2, r3 = lan(netns_factory, 3)
+def test_agentd_route_reflector_with_bird_clients(routers):
+    r1, r2, r3 = routers.lan(3)
     birds = {}
     for i in (2, 3):
         conf = bird_config(f"192.0.2.{i}", bird_bgp("reflector", f"10.0.0.{i}", ASN, "10.0.0.1", ASN),
                            static4=[f"10.99.{i}.0/24"])
-        birds[i] = start_bird(procs, (r2, r3)[i - 2], tmp_path / f"bird{i}", conf)
+        birds[i] = routers.bird((r2, r3)[i - 2], conf, name=f"bird{i}")
     cfg = speaker_config("rr", "10.0.0.1", originate=["10.99.1.0/24"],
                          peers=[{"address": f"10.0.0.{i}", "asn": ASN, "rr_client": True} for i in (2, 3)])
     cfg["node"].update(route_reflector=True, cluster_id="1.1.1.1")
-    spk = start_speaker(procs, r1, tmp_path / "spk", cfg)
+    spk = routers.speaker(r1, cfg)
     for i in (2, 3):
         row = spk.wait_peer_state(f"10.0.0.{i}", "Established", ESTABLISH_TIMEOUT)
         assert row["type"] == "ibgp rr-client" and row["router_id"] == f"192.0.2.{i}", row
@@ -168,20 +155,20 @@ def test_agentd_route_reflector_with_bird_clients(netns_factory, procs, tmp_path
 # ---------------------------------------------------------------- c. BIRD reflects to two speakers
 
 
-def test_bird_route_reflector_with_agentd_clients(netns_factory, procs, tmp_path):
-    r1, r2, r3 = lan(netns_factory, 3)
+def test_bird_route_reflector_with_agentd_clients(routers):
+    r1, r2, r3 = routers.lan(3)
     conf = bird_config(
         "192.0.2.3",
         bird_bgp("spk1", "10.0.0.3", ASN, "10.0.0.1", ASN, options="rr client; rr cluster id 3.3.3.3;"),
         bird_bgp("spk2", "10.0.0.3", ASN, "10.0.0.2", ASN, options="rr client; rr cluster id 3.3.3.3;"),
         static4=["10.99.3.0/24"],
     )
-    bird = start_bird(procs, r3, tmp_path / "bird", conf)
+    bird = routers.bird(r3, conf)
     spks = {}
     for i, ns in ((1, r1), (2, r2)):
         cfg = speaker_config(f"spk{i}", f"10.0.0.{i}", originate=[f"10.99.{i}.0/24"], router_id=f"192.0.2.1{i}",
                              peers=[{"address": "10.0.0.3", "asn": ASN}])
-        spks[i] = start_speaker(procs, ns, tmp_path / f"spk{i}", cfg)
+        spks[i] = routers.speaker(ns, cfg, name=f"spk{i}")
     for i in (1, 2):
         spks[i].wait_peer_state("10.0.0.3", "Established", ESTABLISH_TIMEOUT)
         bird.wait_established(f"spk{i}")
@@ -205,14 +192,13 @@ def test_bird_route_reflector_with_agentd_clients(netns_factory, procs, tmp_path
 
 
 @pytest.mark.parametrize("bird_as", [4200000002, 65010])
-def test_ebgp_four_octet_as(netns_factory, procs, tmp_path, bird_as):
-    r1, r2 = pair(netns_factory)
+def test_ebgp_four_octet_as(routers, bird_as):
+    r1, r2 = routers.pair()
     agentd_as = 4200000001
     conf = bird_config("10.0.0.2", bird_bgp("spk", "10.0.0.2", bird_as, "10.0.0.1", agentd_as), static4=["10.99.2.0/24"])
-    bird = start_bird(procs, r2, tmp_path / "bird", conf)
-    spk = start_speaker(procs, r1, tmp_path / "spk",
-                        speaker_config("spk", "10.0.0.1", asn=agentd_as, originate=["10.99.1.0/24"],
-                                       peers=[{"address": "10.0.0.2", "asn": bird_as}]))
+    bird = routers.bird(r2, conf)
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", asn=agentd_as, originate=["10.99.1.0/24"],
+                                             peers=[{"address": "10.0.0.2", "asn": bird_as}]))
     row = spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     assert row["type"] == "ebgp" and row["asn"] == bird_as, row
     bird.wait_established("spk")
@@ -232,18 +218,17 @@ def test_ebgp_four_octet_as(netns_factory, procs, tmp_path, bird_as):
 # ---------------------------------------------------------------- e. IPv6 over an IPv4 session
 
 
-def test_ipv6_prefixes_over_ipv4_session(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory, v6=True)
+def test_ipv6_prefixes_over_ipv4_session(routers):
+    r1, r2 = routers.pair(v6=True)
     conf = bird_config(
         "10.0.0.2",
         bird_bgp("spk", "10.0.0.2", ASN, "10.0.0.1", ASN, ipv6="import all; export all; next hop address 2001:db8:ff::2;"),
         static4=["10.99.2.0/24"],
         static6=["2001:db8:2::/48"],
     )
-    bird = start_bird(procs, r2, tmp_path / "bird", conf)
-    spk = start_speaker(procs, r1, tmp_path / "spk",
-                        speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24", "2001:db8:1::/48"],
-                                       next_hop_v6="2001:db8:ff::1", peers=[{"address": "10.0.0.2", "asn": ASN}]))
+    bird = routers.bird(r2, conf)
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24", "2001:db8:1::/48"],
+                                             next_hop_v6="2001:db8:ff::1", peers=[{"address": "10.0.0.2", "asn": ASN}]))
     row = spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     assert set(row["families"]) == {"ipv4-unicast", "ipv6-unicast"}, row
     bird.wait_established("spk")
@@ -260,14 +245,13 @@ def test_ipv6_prefixes_over_ipv4_session(netns_factory, procs, tmp_path):
 # ---------------------------------------------------------------- f. TCP MD5
 
 
-def test_tcp_md5_same_password(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory)
+def test_tcp_md5_same_password(routers):
+    r1, r2 = routers.pair()
     conf = bird_config("10.0.0.2", bird_bgp("spk", "10.0.0.2", ASN, "10.0.0.1", ASN, options='password "s3cr3t-md5";'),
                        static4=["10.99.2.0/24"])
-    bird = start_bird(procs, r2, tmp_path / "bird", conf)
-    spk = start_speaker(procs, r1, tmp_path / "spk",
-                        speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
-                                       peers=[{"address": "10.0.0.2", "asn": ASN, "password": "s3cr3t-md5"}]))
+    bird = routers.bird(r2, conf)
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
+                                             peers=[{"address": "10.0.0.2", "asn": ASN, "password": "s3cr3t-md5"}]))
     spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     bird.wait_established("spk")
     eventually(lambda: best(spk, "10.99.2.0/24"), what="route over the MD5 session")
@@ -278,20 +262,20 @@ def test_tcp_md5_same_password(netns_factory, procs, tmp_path):
     assert md5_failures(r1) == 0 and md5_failures(r2) == 0
 
 
-def test_tcp_md5_mismatch_never_establishes(netns_factory, procs, tmp_path):
+def test_tcp_md5_mismatch_never_establishes(routers):
     """Wrong password on BIRD's side (pair a) and no password on BIRD's side (pair b)."""
     cases = {}
     for case, bird_option in (("wrong", 'password "not-the-secret";'), ("none", "")):
-        ns_a, ns_b = netns_factory(f"{case}1"), netns_factory(f"{case}2")
+        ns_a, ns_b = routers.namespace(f"{case}1"), routers.namespace(f"{case}2")
         veth(ns_a, "eth0", ns_b, "eth0")
         address(ns_a, 1)
         address(ns_b, 2)
         conf = bird_config("10.0.0.2", bird_bgp("spk", "10.0.0.2", ASN, "10.0.0.1", ASN, options=bird_option),
                            static4=["10.99.2.0/24"])
-        bird = start_bird(procs, ns_b, tmp_path / f"bird-{case}", conf)
-        spk = start_speaker(procs, ns_a, tmp_path / f"spk-{case}",
-                            speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
-                                           peers=[{"address": "10.0.0.2", "asn": ASN, "password": "the-secret"}]))
+        bird = routers.bird(ns_b, conf, name=f"bird-{case}")
+        spk = routers.speaker(ns_a, speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
+                                                   peers=[{"address": "10.0.0.2", "asn": ASN, "password": "the-secret"}]),
+                              name=f"spk-{case}")
         cases[case] = (ns_a, ns_b, bird, spk)
 
     seen: dict[str, set[str]] = {case: set() for case in cases}
@@ -334,16 +318,15 @@ def _frozen_drop(observe_established: Callable[[], bool], timeout: float = 2 * H
     return time.monotonic() - t0
 
 
-def test_hold_timer_bird_frozen(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory)
+def test_hold_timer_bird_frozen(routers):
+    r1, r2 = routers.pair()
     # keepalive 1 s: the last message before the freeze is at most 1 s old, so the hold timer
     # (9 s negotiated) must fire 8..9 s after the freeze (plus polling slack).
     conf = bird_config("10.0.0.2", bird_bgp("spk", "10.0.0.2", ASN, "10.0.0.1", ASN, options="keepalive time 1;"),
                        static4=["10.99.2.0/24"])
-    bird = start_bird(procs, r2, tmp_path / "bird", conf)
-    spk = start_speaker(procs, r1, tmp_path / "spk",
-                        speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
-                                       peers=[{"address": "10.0.0.2", "asn": ASN}]))
+    bird = routers.bird(r2, conf)
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
+                                             peers=[{"address": "10.0.0.2", "asn": ASN}]))
     row = spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     assert row["hold_time"] == HOLD, row
     eventually(lambda: best(spk, "10.99.2.0/24"), what="BIRD's route")
@@ -364,13 +347,12 @@ def test_hold_timer_bird_frozen(netns_factory, procs, tmp_path):
         bird.thaw()
 
 
-def test_hold_timer_agentd_frozen(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory)
+def test_hold_timer_agentd_frozen(routers):
+    r1, r2 = routers.pair()
     conf = bird_config("10.0.0.2", bird_bgp("spk", "10.0.0.2", ASN, "10.0.0.1", ASN), static4=["10.99.2.0/24"])
-    bird = start_bird(procs, r2, tmp_path / "bird", conf)
-    spk = start_speaker(procs, r1, tmp_path / "spk",
-                        speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"], keepalive_time=1,
-                                       peers=[{"address": "10.0.0.2", "asn": ASN}]))
+    bird = routers.bird(r2, conf)
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"], keepalive_time=1,
+                                             peers=[{"address": "10.0.0.2", "asn": ASN}]))
     spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     bird.wait_established("spk")
     eventually(lambda: "10.99.1.0/24" in bird.routes(), what="agentd's route at BIRD")
@@ -390,14 +372,13 @@ def test_hold_timer_agentd_frozen(netns_factory, procs, tmp_path):
 # ---------------------------------------------------------------- h. graceful restart
 
 
-def test_graceful_restart_bird_restarts(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory)
+def test_graceful_restart_bird_restarts(routers):
+    r1, r2 = routers.pair()
     conf = bird_config("10.0.0.2", bird_bgp("spk", "10.0.0.2", ASN, "10.0.0.1", ASN, options="debug { states, routes, events };"),
                        static4=["10.99.2.0/24"])
-    bird = start_bird(procs, r2, tmp_path / "bird", conf)
-    spk = start_speaker(procs, r1, tmp_path / "spk",
-                        speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
-                                       peers=[{"address": "10.0.0.2", "asn": ASN}]))
+    bird = routers.bird(r2, conf)
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
+                                             peers=[{"address": "10.0.0.2", "asn": ASN}]))
     spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     bird.wait_established("spk")
     eventually(lambda: best(spk, "10.99.2.0/24"), what="BIRD's route")
@@ -424,16 +405,16 @@ def test_graceful_restart_bird_restarts(netns_factory, procs, tmp_path):
     assert spk.peer("10.0.0.2")["stale"] == 0
 
 
-def test_graceful_restart_agentd_killed(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory)
+def test_graceful_restart_agentd_killed(routers):
+    r1, r2 = routers.pair()
     # BIRD logs every route change of the session ("spk.ipv4 > removed ..."), so a withdrawal
     # shorter than any polling interval is still seen.
     conf = bird_config("10.0.0.2", bird_bgp("spk", "10.0.0.2", ASN, "10.0.0.1", ASN, options="debug { states, routes, events };"),
                        static4=["10.99.2.0/24"])
-    bird = start_bird(procs, r2, tmp_path / "bird", conf)
+    bird = routers.bird(r2, conf)
     cfg = speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"], restart_time=60,
                          peers=[{"address": "10.0.0.2", "asn": ASN}])
-    spk = start_speaker(procs, r1, tmp_path / "spk", cfg)
+    spk = routers.speaker(r1, cfg)
     spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     bird.wait_established("spk")
     eventually(lambda: "10.99.1.0/24" in bird.routes(), what="agentd's route at BIRD")
@@ -474,26 +455,23 @@ def test_graceful_restart_agentd_killed(netns_factory, procs, tmp_path):
 # ---------------------------------------------------------------- unknown peers
 
 
-def test_unknown_peer_is_refused(netns_factory, procs, tmp_path):
+def test_unknown_peer_is_refused(routers):
     """(a) BIRD peers with agentd, agentd does not know BIRD; (b) the reverse."""
-    a1, a2 = netns_factory("a1"), netns_factory("a2")
-    b1, b2 = netns_factory("b1"), netns_factory("b2")
+    a1, a2 = routers.namespace("a1"), routers.namespace("a2")
+    b1, b2 = routers.namespace("b1"), routers.namespace("b2")
     for x, y in ((a1, a2), (b1, b2)):
         veth(x, "eth0", y, "eth0")
         address(x, 1)
         address(y, 2)
     conf = bird_config("10.0.0.2", bird_bgp("spk", "10.0.0.2", ASN, "10.0.0.1", ASN), static4=["10.99.2.0/24"])
-    bird_a = start_bird(procs, a2, tmp_path / "bird-a", conf)
-    spk_a = start_speaker(procs, a1, tmp_path / "spk-a",
-                          speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
-                                         peers=[{"address": "10.0.0.9", "asn": ASN, "passive": True}]))
+    bird_a = routers.bird(a2, conf, name="bird-a")
+    spk_a = routers.speaker(a1, speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
+                                               peers=[{"address": "10.0.0.9", "asn": ASN, "passive": True}]), name="spk-a")
     # BIRD only listens while it has a BGP protocol: give it one for some other neighbour.
-    bird_b = start_bird(procs, b2, tmp_path / "bird-b",
-                        bird_config("10.0.0.2", bird_bgp("elsewhere", "10.0.0.2", ASN, "10.0.0.9", ASN, options="passive;"),
-                                    static4=["10.99.2.0/24"]))
-    spk_b = start_speaker(procs, b1, tmp_path / "spk-b",
-                          speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
-                                         peers=[{"address": "10.0.0.2", "asn": ASN}]))
+    bird_b = routers.bird(b2, bird_config("10.0.0.2", bird_bgp("elsewhere", "10.0.0.2", ASN, "10.0.0.9", ASN, options="passive;"),
+                                          static4=["10.99.2.0/24"]), name="bird-b")
+    spk_b = routers.speaker(b1, speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
+                                               peers=[{"address": "10.0.0.2", "asn": ASN}]), name="spk-b")
 
     eventually(lambda: "refused BGP connection from 10.0.0.2" in spk_a.log_tail(200), 15,
                what="agentd to refuse BIRD's connection")

@@ -9,34 +9,17 @@ from ipaddress import IPv4Address
 
 import pytest
 
-from agentd.lab.gobgp import GoBgp, gobgp_config
-from agentd.lab.interop import ASN, bird_bgp, bird_config, best, eventually, lan, pair, speaker_config, start_bird, start_speaker
+from agentd.lab.gobgp import gobgp_config
+from agentd.lab.interop import ASN, bird_bgp, bird_config, best, eventually, speaker_config
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def procs():
-    made: list = []
-    try:
-        yield made
-    finally:
-        for p in reversed(made):
-            p.stop()
-
-
-def start_gobgp(procs, ns, workdir, config):
-    g = GoBgp(ns, workdir, config)
-    procs.append(g)
-    g.start()
-    return g
-
-
-def test_ibgp_with_gobgp_routes_both_ways_and_withdrawals(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory)
-    gob = start_gobgp(procs, r2, tmp_path / "gobgp", gobgp_config(ASN, "10.0.0.2", [{"address": "10.0.0.1", "asn": ASN}]))
-    spk = start_speaker(procs, r1, tmp_path / "spk", speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
-                                                                   peers=[{"address": "10.0.0.2", "asn": ASN}]))  # fmt: skip
+def test_ibgp_with_gobgp_routes_both_ways_and_withdrawals(routers):
+    r1, r2 = routers.pair()
+    gob = routers.gobgp(r2, gobgp_config(ASN, "10.0.0.2", [{"address": "10.0.0.1", "asn": ASN}]))
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", originate=["10.99.1.0/24"],
+                                             peers=[{"address": "10.0.0.2", "asn": ASN}]))  # fmt: skip
     spk.wait_peer_state("10.0.0.2", "Established", 30)
     gob.add("10.98.0.0/24")
     eventually(lambda: best(spk, "10.98.0.0/24"), what="GoBGP's prefix at agentd")
@@ -52,11 +35,11 @@ def test_ibgp_with_gobgp_routes_both_ways_and_withdrawals(netns_factory, procs, 
     eventually(lambda: "10.99.1.0/24" not in gob.rib(), what="agentd's withdrawal at GoBGP")
 
 
-def test_ebgp_with_gobgp_four_octet_asns(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory)
-    gob = start_gobgp(procs, r2, tmp_path / "gobgp", gobgp_config(4200000002, "10.0.0.2", [{"address": "10.0.0.1", "asn": 4200000001}]))
-    spk = start_speaker(procs, r1, tmp_path / "spk", speaker_config("spk", "10.0.0.1", asn=4200000001, originate=["10.99.1.0/24"],
-                                                                   peers=[{"address": "10.0.0.2", "asn": 4200000002}]))  # fmt: skip
+def test_ebgp_with_gobgp_four_octet_asns(routers):
+    r1, r2 = routers.pair()
+    gob = routers.gobgp(r2, gobgp_config(4200000002, "10.0.0.2", [{"address": "10.0.0.1", "asn": 4200000001}]))
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", asn=4200000001, originate=["10.99.1.0/24"],
+                                             peers=[{"address": "10.0.0.2", "asn": 4200000002}]))  # fmt: skip
     spk.wait_peer_state("10.0.0.2", "Established", 30)
     gob.add("10.98.0.0/24")
     route = eventually(lambda: best(spk, "10.98.0.0/24"), what="GoBGP's prefix")
@@ -67,23 +50,23 @@ def test_ebgp_with_gobgp_four_octet_asns(netns_factory, procs, tmp_path):
     assert 5 not in rib["10.99.1.0/24"]  # no LOCAL_PREF across eBGP
 
 
-def test_tcp_md5_with_gobgp(netns_factory, procs, tmp_path):
-    r1, r2 = pair(netns_factory)
-    start_gobgp(procs, r2, tmp_path / "gobgp", gobgp_config(ASN, "10.0.0.2", [{"address": "10.0.0.1", "asn": ASN, "password": "s3cret"}]))
-    spk = start_speaker(procs, r1, tmp_path / "spk", speaker_config("spk", "10.0.0.1",
-                                                                   peers=[{"address": "10.0.0.2", "asn": ASN, "password": "s3cret"}]))  # fmt: skip
+def test_tcp_md5_with_gobgp(routers):
+    r1, r2 = routers.pair()
+    routers.gobgp(r2, gobgp_config(ASN, "10.0.0.2", [{"address": "10.0.0.1", "asn": ASN, "password": "s3cret"}]))
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1",
+                                             peers=[{"address": "10.0.0.2", "asn": ASN, "password": "s3cret"}]))  # fmt: skip
     spk.wait_peer_state("10.0.0.2", "Established", 30)
 
 
-def test_agentd_reflects_between_a_gobgp_and_a_bird_client(netns_factory, procs, tmp_path):
-    r1, r2, r3 = lan(netns_factory, 3)
-    gob = start_gobgp(procs, r2, tmp_path / "gobgp", gobgp_config(ASN, "10.0.0.2", [{"address": "10.0.0.1", "asn": ASN}]))
-    bird = start_bird(procs, r3, tmp_path / "bird",
-                      bird_config("10.0.0.3", bird_bgp("refl", "10.0.0.3", ASN, "10.0.0.1", ASN), static4=["10.97.0.0/24"]))  # fmt: skip
+def test_agentd_reflects_between_a_gobgp_and_a_bird_client(routers):
+    r1, r2, r3 = routers.lan(3)
+    gob = routers.gobgp(r2, gobgp_config(ASN, "10.0.0.2", [{"address": "10.0.0.1", "asn": ASN}]))
+    bird = routers.bird(r3, bird_config("10.0.0.3", bird_bgp("refl", "10.0.0.3", ASN, "10.0.0.1", ASN),
+                                        static4=["10.97.0.0/24"]))
     cfg = speaker_config("rr", "10.0.0.1", peers=[{"address": "10.0.0.2", "asn": ASN, "rr_client": True},
                                                    {"address": "10.0.0.3", "asn": ASN, "rr_client": True}])  # fmt: skip
     cfg["node"].update(route_reflector=True, cluster_id="1.1.1.1")
-    spk = start_speaker(procs, r1, tmp_path / "spk", cfg)
+    spk = routers.speaker(r1, cfg)
     spk.wait_peer_state("10.0.0.2", "Established", 30)
     spk.wait_peer_state("10.0.0.3", "Established", 30)
     gob.add("10.98.0.0/24")

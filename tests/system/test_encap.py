@@ -1,4 +1,5 @@
-"""Encapsulation backends on the lab (issue 4, item 6; issue 12, item 9).
+"""Encapsulation backends on the lab: VXLAN, IPIP and flannel's UDP, in the kernel, in BPF
+and in user space.
 
 Three nodes, real agents, real kernel devices, BPF programs and user-space workers; captures
 on the underlay show what actually crosses the wire.  udp and ipip run in BPF here (the lab

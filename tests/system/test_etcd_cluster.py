@@ -1,4 +1,4 @@
-"""etcd as a cluster (issue 10, item 5): the datastore and the agents against 3 real etcd members.
+"""etcd as a cluster (member loss, quorum loss, failover): the datastore and the agents against 3 real etcd members.
 
 The datastore tests run a 3-member cluster on loopback (no namespaces); the lab test runs
 ``agentd lab`` with ``etcd=3``: three members, each its own process and namespace on the
@@ -23,6 +23,7 @@ import pytest
 from agentd.datastore.store import ClusterConfig, Datastore, DatastoreUnavailable, NodeEvent, NodeRecord
 from agentd.lab.etcd import EtcdCluster, etcd_cluster
 from agentd.lab.interop import Watch
+from agentd.lab.wait import aholds, apause, auntil
 
 CLUSTER = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "host-gw", "always")
 TTL = 3
@@ -30,17 +31,8 @@ LOG = "agentd.datastore"
 
 
 async def until(check, timeout: float, what: str, interval: float = 0.05):
-    """Poll ``check`` (sync or async) until it returns something truthy; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(interval)
+    """:func:`agentd.lab.wait.auntil` with the deadline and what it waits for in this file's order."""
+    return await auntil(check, timeout, what=what, interval=interval)
 
 
 def record(name: str, subnet: IPv4Network | None, address: str = "192.0.2.10") -> NodeRecord:
@@ -139,8 +131,8 @@ async def test_datastore_rides_through_every_member_loss_and_a_quorum_loss(tmp_p
         await until(lambda: not agent.connected, 20, "the datastore to report etcd unreachable")
         with pytest.raises(DatastoreUnavailable):
             await agent.list_nodes(timeout=2)
-        # The outage lasts two lease TTLs: without a leader, etcd expires no lease.
-        await asyncio.sleep(max(0.0, t_lost + 2 * TTL - time.monotonic()))
+        await apause(max(0.0, t_lost + 2 * TTL - time.monotonic()),
+                     "the outage lasts two lease TTLs: without a leader, etcd expires no lease")
         assert not agent.connected
         assert agent.lease_id == lease_id and agent.subnet_lease.subnet == lease.subnet
 
@@ -315,12 +307,12 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
             # (An agent may briefly read "connected" again: a member that has not yet noticed it
             # lost its leader accepts a watch for up to an election timeout. What matters is that
             # nothing is lost or renumbered while quorum is gone, and that it comes back.)
-            while time.monotonic() - t_lost < 1.5 * ttl:
-                for n in lab.nodes:
-                    assert http_status(n, "/healthz") == 200 and http_status(n, "/readyz") == 200
-                assert all((await lab.ready.reachability()).values())
-                assert lab.subnets() == subnets
-                await asyncio.sleep(1.0)
+            async def nothing_lost() -> bool:
+                return (all(http_status(n, "/healthz") == 200 and http_status(n, "/readyz") == 200 for n in lab.nodes)
+                        and all((await lab.ready.reachability()).values()) and lab.subnets() == subnets)
+
+            await aholds(nothing_lost, max(0.0, t_lost + 1.5 * ttl - time.monotonic()), interval=1.0,
+                         what="every node healthy, ready, reachable and on its subnet without quorum")
 
             # 3. Both come back: quorum again; the agents reconnect and refresh their leases.
             before = {n.name: renewals(n) for n in lab.nodes}

@@ -1,4 +1,4 @@
-"""The node agent on the lab (issue 3, item 8): 3 nodes x 2 pods, mesh and route reflectors.
+"""The node agent on the lab: 3 nodes x 2 pods, mesh and route reflectors.
 
 Everything here is real: etcd, three `agentd run` processes in their own network
 namespaces peering over BGP, kernel routes, pods attached through agentd-cni and the
@@ -124,7 +124,7 @@ async def test_every_pod_reaches_every_other_pod(lab_factory, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_leave_removes_the_node_everywhere(lab_factory, mode):
-    # Issue 3 asks for "gone from nodes 1 and 2 within 5 s": bench/convergence.py measures
+    # "Gone from nodes 1 and 2 within 5 s" is a speed: bench/convergence.py measures
     # that (leave column); here the behaviour, with a deadline that only bounds a failure.
     lab = await lab_factory(nodes=3, pods=1, bgp=mode)
     node1, node2, node3 = lab.nodes
@@ -226,7 +226,7 @@ async def test_etcd_down_for_30s_changes_nothing_and_agents_recover(lab_factory,
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_route_deleted_by_hand_is_put_back(lab_factory, mode):
-    # Issue 3: "back within 1 s". The netlink monitor puts it back, not the periodic full
+    # "Back within 1 s" is a speed. The netlink monitor puts it back, not the periodic full
     # resync (30 s): the deadline below stays well under that; the delay itself is measured
     # by bench/route_programming.py (restore row), not asserted here.
     lab = await lab_factory(nodes=3, pods=0, bgp=mode)

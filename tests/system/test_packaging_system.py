@@ -1,4 +1,4 @@
-"""Packaging and the container lab, with the tools they need (issue 5, items 2 and 3).
+"""Packaging (the wheel, the Debian package) and the container lab (compose), with the tools they need.
 
 * compose.yaml passes Debian's ``docker-compose config`` (no engine needed), describes etcd
   and three nodes with their pods the way docker/agentd-node expects, and every AGENTD_*

@@ -288,7 +288,7 @@ FOREIGN = [
 
 
 async def test_foreign_routes_stay_byte_for_byte_unchanged(lab, start):
-    """The issue's test: boot/static/kernel/bird/zebra routes, routes in another table (one with
+    """Foreign routes: boot/static/kernel/bird/zebra routes, routes in another table (one with
     our protocol), and foreign routes for our own destinations survive many sync cycles."""
     for family, *spec in FOREIGN:
         lab.r.ip(family, "route", "add", *spec)
@@ -393,7 +393,7 @@ async def test_programmer_in_another_table_leaves_main_alone(lab, start):
     ("2001:db8:60::/64", "2001:db8:60::/64 via 2001:db8::2 dev v0 metric 1024 pref medium"),
 ])
 async def test_route_deleted_by_hand_is_put_back_by_the_monitor(lab, start, dst, shown):
-    # Issue 3 asks for "back within 1 second"; bench/route_programming.py measures the delay
+    # "Back within 1 second" is a speed: bench/route_programming.py measures the delay
     # (restore row).  Here: the monitor puts it back (routes_restored counts exactly that),
     # well before the periodic full resync (30 s) could have.
     programmer = await start()

@@ -1,4 +1,4 @@
-"""Services on the lab (issue 14): real traffic through every node's ``ip agentd-services`` table.
+"""Services on the lab: real traffic through every node's ``ip agentd-services`` table.
 
 One lab per backend (3 nodes; host-gw, vxlan, ipip, udp; every test runs on each): pods
 svc/web-1..3 (one per node, label app=web, named ports http 8080/TCP and dns 5353/UDP) and a
@@ -202,22 +202,21 @@ async def test_internal_traffic_policy_local(world: World):
         await world.delete("Service", "near")
 
 
+# A refusal is "ConnectionRefusedError"; a SYN nobody answers ends in "TimeoutError" after 5 s.
 CONNECT = """
-import socket, sys, time
+import socket, sys
 s = socket.socket()
 s.settimeout(5)
-start = time.monotonic()
 try:
     s.connect((sys.argv[1], int(sys.argv[2])))
     print("connected")
 except OSError as err:
-    print(type(err).__name__, round(time.monotonic() - start, 3))
+    print(type(err).__name__)
 """
 
 
-async def _connect(where: Any, ip: str, port: int) -> tuple[str, float]:
-    out = (await asyncio.to_thread(where.ns.exec, sys.executable, "-c", CONNECT, ip, str(port))).split()
-    return out[0], float(out[1]) if len(out) > 1 else 0.0
+async def _connect(where: Any, ip: str, port: int) -> str:
+    return (await asyncio.to_thread(where.ns.exec, sys.executable, "-c", CONNECT, ip, str(port))).strip()
 
 
 async def test_a_service_without_endpoints_is_refused_at_once(world: World):
@@ -230,11 +229,12 @@ async def test_a_service_without_endpoints_is_refused_at_once(world: World):
     try:
         vip = await world.vip("empty")
         for where, ip, port in ((world.pods["client-1"], vip, 80), (node3, node1.address, 30090)):
-            outcome, seconds = await _connect(where, ip, port)
-            # Refused, not left to the 5 s timeout (a first SYN may go unanswered: ICMP rate limits).
-            assert outcome == "ConnectionRefusedError" and seconds < 3.5, (where.name, ip, port, outcome, seconds)
+            # Refused, not left to time out (a first SYN may go unanswered, ICMP being rate
+            # limited: the client's SYN retransmission within the 5 s still gets the refusal).
+            outcome = await _connect(where, ip, port)
+            assert outcome == "ConnectionRefusedError", (where.name, ip, port, outcome)
         await world.apply(service("empty", {**spec, "selector": {"pod": "web-1"}}))
-        assert await _connect(world.pods["client-1"], vip, 80) == ("connected", 0.0)
+        assert await _connect(world.pods["client-1"], vip, 80) == "connected"
         r = await world.echo["node3"].tcp(node1.address, 30090, count=5)
         assert r == {"names": {"web-1": 5}, "failed": 0}, r
     finally:

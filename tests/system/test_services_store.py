@@ -1,4 +1,4 @@
-"""Services in etcd (issue 14): cluster IPs and node ports allocated atomically, against a real etcd.
+"""Services in etcd: cluster IPs and node ports allocated atomically, against a real etcd.
 
 Many ResourceStores (each its own etcd connection) apply Services at once: every Service gets
 its own address of the cluster's range and its own node port, and etcd holds exactly one

@@ -1,4 +1,4 @@
-"""systemd/agentd.service for real (issue 5, item 1).
+"""systemd/agentd.service for real: the unit, its hardening, sd_notify and the watchdog.
 
 * ``systemd-analyze verify`` accepts the unit, its hardening keys are there, and its
   ``systemd-analyze security`` exposure is the figure docs/operations.md states.
@@ -325,7 +325,11 @@ async def test_notify_ready_watchdog_stopping(netns_factory, tmp_path):
         gaps = [b - a for a, b in itertools.pairwise(pings)]
         half = WATCHDOG_USEC / 2e6
         assert max(gaps) < 2 * half, f"a watchdog gap of {max(gaps):.2f}s would have tripped systemd: {gaps}"
-        assert abs(sorted(gaps)[len(gaps) // 2] - half) < 0.25 * half, gaps
+        # Paced by half the timeout: a ping never comes sooner than that (a sleep does not end
+        # early; 0.05 s for the two sides' timestamps), and is typically not much later.  The
+        # upper bound only has to tell that pace from one tied to the whole timeout.
+        median = sorted(gaps)[len(gaps) // 2]
+        assert half - 0.05 <= median < 1.5 * half, gaps
 
         # 4. SIGTERM: STOPPING=1, then a clean exit.
         t_term = time.monotonic()

@@ -1,4 +1,4 @@
-"""Services (issue 14), pure: endpoints from pod records and EndpointSlices, which of them take
+"""Services (the nftables table that replaces kube-proxy), pure: endpoints from pod records and EndpointSlices, which of them take
 new connections, the table the compiler makes for a node, and the UDP entries to flush."""
 
 from __future__ import annotations

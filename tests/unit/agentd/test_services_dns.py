@@ -1,4 +1,4 @@
-"""Service DNS (issue 14), pure: the names a node answers, answers as the Kubernetes DNS spec
+"""Service DNS (the node-local resolver of cluster.local names), pure: the names a node answers, answers as the Kubernetes DNS spec
 gives them (dnspython wire format), what is forwarded, the [dns] keys, and what agentd-cni hands
 to pods (the subnet file's AGENTD_DNS, the ADD result's "dns")."""
 

@@ -1,4 +1,4 @@
-"""Services (issue 14), the pure half: Service and EndpointSlice validation and defaults as the
+"""Services (ClusterIP, NodePort, headless; kube-proxy's job), the pure half: Service and EndpointSlice validation and defaults as the
 API server does them (one line naming the field), the allocators' choices, the cluster config
 record and the kinds table.  No etcd, no root."""
 
@@ -265,7 +265,7 @@ def test_cluster_config_carries_the_service_range():
     old_record = b'{"backend":"vxlan","cidr":"10.244.0.0/16","encap":"always","subnet_len":24}'
     assert ClusterConfig.from_json(old_record) == cfg
     assert ClusterConfig.from_json(cfg.to_json()) == cfg
-    assert b"service_cidr" not in cfg.to_json()  # the record of DESIGN.md unless the range is not the default
+    assert b"service_cidr" not in cfg.to_json()  # the record docs/operations.md lists, unless the range is not the default
     other = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", IPv4Network("172.30.0.0/16"))
     assert ClusterConfig.from_json(other.to_json()).service_cidr == IPv4Network("172.30.0.0/16")
     with pytest.raises(RecordError, match="service_cidr"):

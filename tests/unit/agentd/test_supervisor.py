@@ -24,6 +24,15 @@ async def test_crashed_task_is_restarted_with_its_error_recorded():
     await sup.stop()
 
 
+async def turns_until(condition, turns: int = 1000) -> None:
+    """Give the loop turns (no wall clock) until ``condition()`` holds."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"still not so after {turns} turns of the loop")
+
+
 async def test_health_reports_a_task_that_is_down():
     crashed = asyncio.Event()
 
@@ -34,8 +43,7 @@ async def test_health_reports_a_task_that_is_down():
     sup = Supervisor(backoff_initial=3600.0, backoff_max=3600.0)  # stays down until stopped
     sup.start("watch", broken)
     await asyncio.wait_for(crashed.wait(), 5)
-    for _ in range(10):
-        await asyncio.sleep(0)
+    await turns_until(lambda: not sup.health()[0])
     ok, problems = sup.health()
     assert not ok and "watch" in problems[0] and "no etcd" in problems[0]
     assert sup.summary()[0]["running"] is False
@@ -50,7 +58,6 @@ async def test_a_task_that_returns_is_not_restarted():
 
     sup = Supervisor(backoff_initial=0.0)
     child = sup.start("once", once)
-    for _ in range(10):
-        await asyncio.sleep(0)
+    await turns_until(lambda: child.done)
     assert calls == [1] and child.done and sup.health()[0]
     await sup.stop()

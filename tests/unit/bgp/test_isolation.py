@@ -1,9 +1,10 @@
-"""One bad peer must never hurt another session (issue 10), sans-IO with a float clock.
+"""One bad peer must never hurt another session, sans-IO with a float clock.
 
 A speaker (10.0.0.1, AS 65000) has an eBGP neighbour A (10.0.0.9, AS 65001) driven by
 hand (bgp.testing.RawPeer: it sends whatever bytes a test gives it) and an iBGP neighbour
-B (10.0.0.2, AS 65000) that reads what the speaker exports.  Each test reproduces one
-finding of the issue and checks that B's session, B's routes and what B is told stay right.
+B (10.0.0.2, AS 65000) that reads what the speaker exports.  Each test has A misbehave
+the way a broken or hostile peer does and checks that B's session, B's routes and what B
+is told stay right.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def b_intact(sp: Speaker, h: RawHarness, b: RawPeer) -> None:
     assert sp.adj_out_count(B_ADDR) == len(b_holds(b))
 
 
-# ---------------------------------------------------------------- finding 1 and 2: export encoding
+# ---------------------------------------------------------------- routes that cannot be exported
 
 
 def test_route_too_big_for_ibgp_export_is_not_sent_and_the_batch_goes_on():
@@ -144,7 +145,7 @@ def test_an_unencodable_route_that_was_sent_before_is_withdrawn():
     b_intact(sp, h, b)
 
 
-# ---------------------------------------------------------------- finding 3 and 4: refresh flood, back-pressure
+# ---------------------------------------------------------------- refresh flood, back-pressure
 
 
 def test_route_refresh_flood_is_folded_and_paced():
@@ -201,7 +202,7 @@ def test_a_peer_that_does_not_read_is_not_fed_and_is_reset_after_the_send_timeou
     b_intact(sp, h, b)
 
 
-# ---------------------------------------------------------------- finding 5 and 8: connections
+# ---------------------------------------------------------------- connections
 
 
 def test_silent_connection_superseded_by_a_second_one_is_closed():
@@ -227,7 +228,7 @@ def test_silent_connection_superseded_by_a_second_one_is_closed():
     assert len(sp._conn_owner) <= 1, sp._conn_owner
 
 
-# ---------------------------------------------------------------- finding 7 and 9: logs
+# ---------------------------------------------------------------- logs
 
 
 def test_per_message_problems_are_logged_once_and_counted(caplog):
@@ -255,7 +256,7 @@ def test_failure_before_established_is_logged(caplog):
     assert any("65099" in r.getMessage() and A_ADDR in r.getMessage() for r in caplog.records), caplog.text
 
 
-# ---------------------------------------------------------------- finding 10: RFC deviations
+# ---------------------------------------------------------------- RFC deviations
 
 
 def test_as_confed_sequence_from_ebgp_is_treat_as_withdraw():

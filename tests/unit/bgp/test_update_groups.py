@@ -1,4 +1,4 @@
-"""Update groups share one encoded stream among their members (issue 11, sans-IO, float clock).
+"""Update groups share one encoded stream among their members (sans-IO, float clock).
 
 A route reflector (10.0.0.1, AS 65000, update_delay 0.5 s) has K clients driven by hand
 (bgp.testing.RawPeer).  In one send window each client announces a prefix of its own: the

@@ -54,7 +54,7 @@ def test_bird_fixture(path: pathlib.Path) -> None:
         assert decode_message(msg_type, msg.encode(ctx)[19:], ctx) == msg
 
 
-def test_bird_fixtures_cover_the_issue_list() -> None:
+def test_bird_fixtures_cover_every_attribute_and_capability_we_decode() -> None:
     """Communities, large communities, MED, LOCAL_PREF, prepends, 4-octet AS, AS4_PATH,
     graceful restart and route refresh capabilities all appear in what BIRD sent."""
     seen: set[str] = set()

@@ -693,7 +693,7 @@ def test_interned_generations_keep_what_is_used() -> None:
 
 
 def test_path_attributes_look_up_by_code_without_a_dict_per_set() -> None:
-    # Issue 11: a set's index is its type codes as one shared bytes object.
+    # An attribute set's index is its type codes as one shared bytes object (no dict per set).
     from proto.attributes import Communities, MultiExitDisc, Origin, PathAttributes
 
     a = PathAttributes.of(Communities((1, 2)), Origin(0), MultiExitDisc(7))
