@@ -8,6 +8,7 @@ records skips (and logs once) the malformed ones.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from typing import Any
 
@@ -61,23 +62,30 @@ class Registration:
         return None if got is None else parse_config(key, got.value)
 
     async def ensure_read_token(self, wanted: str, *, timeout: float | None = None) -> str:
-        """The cluster's read credential at ``<prefix>/cluster/read-token``: ``wanted`` if none
-        is stored yet (one transaction, first writer wins), else the stored one."""
+        """The cluster's read credential at ``<prefix>/cluster/read-token`` (``{"token": ...}``,
+        JSON like every other record): ``wanted`` if none is stored yet (one transaction, first
+        writer wins), else the stored one."""
         key = f"{self.prefix}/cluster/read-token".encode()
         ok, responses = await self.connection.call(
             "store the cluster read token",
             lambda c: c.transaction(
-                compare=[tx.Version(key) == 0], success=[tx.Put(key, wanted.encode())], failure=[tx.Get(key)]
+                compare=[tx.Version(key) == 0],
+                success=[tx.Put(key, json.dumps({"token": wanted}).encode())],
+                failure=[tx.Get(key)],
             ),
             self.connection.deadline(timeout),
         )
         if ok:
             log.info("stored a new cluster read token at %s", key.decode())
             return wanted
-        stored = bytes(responses[0][0][0]).decode("ascii", "replace").strip()
-        if not stored:
-            raise RecordError(f"{key.decode()} is empty: delete it and an agent stores a new one")
-        return stored
+        raw = bytes(responses[0][0][0])
+        try:
+            stored = json.loads(raw)["token"]
+        except (ValueError, KeyError, TypeError):
+            stored = None
+        if not isinstance(stored, str) or not stored.strip():
+            raise RecordError(f'{key.decode()} is not {{"token": "..."}}: delete it and an agent stores a new one')
+        return stored.strip()
 
     # -- our node record --------------------------------------------------------------------
 
