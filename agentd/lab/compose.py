@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -115,15 +116,30 @@ class ComposeLab:
                     return json.loads(proc.stdout)
         return {}
 
-    def wait_pods(self, timeout: float, *, not_in: dict[str, str] | None = None) -> dict[str, str]:
-        """Every node's pod published (and, with ``not_in``, each node's published anew after
-        a restart: the address may be the same, so the pod container's netns is asked)."""
+    def wait_pods(self, timeout: float) -> dict[str, str]:
+        """Every node's pod attached and published: the address in etcd is the one on the pod's
+        eth0 (after a node's restart the old one stays published until the pod is re-attached)."""
 
         def ready() -> dict[str, str] | None:
             pods = self.pods()
-            return pods if set(pods) >= set(NODES) else None
+            if set(pods) >= set(NODES) and all(self.pod_address(n) == pods[n] for n in NODES):
+                return pods
+            return None
 
         return until(ready, timeout, what="every node to attach and publish its pod", interval=1.0, error=LabError)
+
+    def pod_address(self, node: str) -> str | None:
+        """The IPv4 address on ``node``'s pod's eth0, as the pod sees it (None: no eth0)."""
+        proc = subprocess.run(
+            ["nsenter", f"--net={self.pod_netns(node)}", "ip", "-4", "-o", "addr", "show", "dev", "eth0"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        words = proc.stdout.split()
+        return words[words.index("inet") + 1].split("/")[0] if "inet" in words else None
+
+    def status(self, node: str) -> dict:
+        """``agentd status --json`` in ``node``'s container."""
+        return json.loads(self.compose("exec", "-T", node, "agentd", "status", "--json", timeout=60).stdout)
 
     def pod_netns(self, node: str) -> str:
         """The network namespace file of ``node``'s pod container."""
@@ -226,7 +242,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     if state is None:
         # Nothing recorded: still remove a private engine and namespace a failed `up` left.
         engine = private_engine(args.name)
-        if engine.netns.exists() or engine.run_root.exists():
+        if engine.netns.exists() or engine.run_root.exists() or (args.images and engine.data_root.exists()):
             engine.stop(remove_data=args.images)
             engine.netns.delete()
             print(f"compose lab {args.name}: removed a private engine left behind")

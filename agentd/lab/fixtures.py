@@ -81,3 +81,22 @@ async def lab_factory(tmp_path):
     finally:
         for lab in reversed(labs):
             await lab.down(keep_files=True)
+
+
+@pytest.fixture(scope="session")
+def docker_engine():
+    """A private Docker engine (dockerd in a network namespace of its own, agentd.lab.dockerd)
+    with the agent's image and its systemd variant built once per test run (agentd.lab.images:
+    without a registry, from Debian packages).  Yields ``(engine, images)``; the engine, its
+    containers, namespace, mounts and files are removed at the end of the run."""
+    from agentd.lab.dockerd import DockerEngine
+    from agentd.lab.images import build_images
+
+    tag = unique_tag("d")
+    engine = DockerEngine(tag, netns=Netns.create(f"ad-{tag}-docker"))
+    try:
+        engine.start()
+        yield engine, build_images(engine, systemd=True)
+    finally:
+        engine.stop()
+        engine.netns.delete()
