@@ -58,9 +58,11 @@ class DockerEngine:
         data_root: Path | None = None,
         daemon_args: Sequence[str] = (),
         host: str | None = None,
+        shared_netns: bool = False,
     ) -> None:
         self.name = name
         self.netns = netns
+        self.shared_netns = shared_netns  # a lab node's: other processes live there too
         self.run_root = Path(run_root) if run_root else RUN_ROOT / name
         self.data_root = Path(data_root) if data_root else DATA_ROOT / name
         self.daemon_args = list(daemon_args)
@@ -217,7 +219,7 @@ class DockerEngine:
         self._kill_leftovers()
         for root in (self.exec_root, self.data_root):
             unmount_under(root)
-        if self.netns is not None and self.netns.exists():
+        if self.netns is not None and not self.shared_netns and self.netns.exists():
             self.netns.kill_all()  # containerd or a shim that outlived dockerd
         shutil.rmtree(self.run_root, ignore_errors=True)
         if remove_data:
