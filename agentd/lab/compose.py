@@ -34,7 +34,7 @@ from pathlib import Path
 
 from agentd.lab.dockerd import DockerEngine, compose, ensure_netns
 from agentd.lab.errors import LabError
-from agentd.lab.images import AGENT_IMAGE, LOCAL_BASE, ROOT, build_images, has_image
+from agentd.lab.images import AGENT_IMAGE, LOCAL_BASE, ROOT, Images, build_images, has_image
 from agentd.lab.netns import Netns
 from agentd.lab.sweep import Source, sweep
 from agentd.lab.wait import until
@@ -91,14 +91,22 @@ class ComposeLab:
         self.engine = engine
         self.project = project
         self.env = dict(env)
+        self._ids: dict[str, str] = {}
 
     def compose(self, *args: str, check: bool = True, timeout: float = 600):
         return compose(self.engine, *args, project=self.project, file=COMPOSE_FILE, env=self.env, check=check,
                        timeout=timeout)  # fmt: skip
 
     def container(self, service: str) -> str:
-        """The container ID of ``service`` ("" when it has none)."""
-        return self.compose("ps", "-q", service, timeout=60).stdout.strip()
+        """The container ID of ``service`` ("" when it has none).  A restarted container keeps it."""
+        if service not in self._ids:
+            self._ids[service] = self.compose("ps", "-q", service, timeout=60).stdout.strip()
+        return self._ids[service]
+
+    def exec(self, service: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``docker exec`` in ``service``'s container: what ``docker-compose exec -T`` does, without
+        starting docker-compose (a Python program: a second per call) for every poll."""
+        return self.engine.docker("exec", self.container(service), *argv, check=check, timeout=60)
 
     def up(self, timeout: float = 180.0, progress: Callable[[str], None] = lambda line: None) -> dict[str, str]:
         """``docker-compose up -d`` (images must exist), then wait until every node published its
@@ -110,7 +118,10 @@ class ComposeLab:
     def pods(self) -> dict[str, str]:
         """{node: its pod's address} as the nodes published them ({} before etcd answers)."""
         for node in NODES:
-            proc = self.compose("exec", "-T", node, "agentd-node", "pods", check=False, timeout=60)
+            try:
+                proc = self.exec(node, "agentd-node", "pods", check=False)
+            except LabError:  # no container yet
+                continue
             if proc.returncode == 0:
                 with contextlib.suppress(ValueError):
                     return json.loads(proc.stdout)
@@ -126,7 +137,7 @@ class ComposeLab:
                 return pods
             return None
 
-        return until(ready, timeout, what="every node to attach and publish its pod", interval=1.0, error=LabError)
+        return until(ready, timeout, what="every node to attach and publish its pod", interval=0.5, error=LabError)
 
     def pod_address(self, node: str) -> str | None:
         """The IPv4 address on ``node``'s pod's eth0, as the pod sees it (None: no eth0)."""
@@ -139,7 +150,7 @@ class ComposeLab:
 
     def status(self, node: str) -> dict:
         """``agentd status --json`` in ``node``'s container."""
-        return json.loads(self.compose("exec", "-T", node, "agentd", "status", "--json", timeout=60).stdout)
+        return json.loads(self.exec(node, "agentd", "status", "--json").stdout)
 
     def pod_netns(self, node: str) -> str:
         """The network namespace file of ``node``'s pod container."""
@@ -169,6 +180,7 @@ class ComposeLab:
 
     def down(self) -> None:
         self.compose("down", "--volumes", "--remove-orphans", "--timeout", "20", check=False)
+        self._ids.clear()
 
 
 def failing(matrix: dict[tuple[str, str], bool]) -> str:
@@ -184,6 +196,73 @@ def render_matrix(matrix: dict[tuple[str, str], bool]) -> str:
         cells = ["-" if a == b else ("ok" if matrix.get((a, b)) else "FAIL") for b in names]
         lines.append(f"{a.ljust(width)}  " + " ".join(c.rjust(width) for c in cells))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the tests' shared engine
+
+
+@dataclass
+class SharedEngine:
+    """A private engine brought up by the command line, for tests (agentd.lab.fixtures)."""
+
+    name: str
+    engine: DockerEngine
+    images: Images
+    up: subprocess.CompletedProcess  # `up --private`
+    status: subprocess.CompletedProcess  # `exec -T node1 agentd status`, while that lab was up
+
+
+def cli(name: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python -m agentd.lab.compose --name NAME ARGS...`` (against no DOCKER_HOST of the user's)."""
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    return subprocess.run([sys.executable, "-m", "agentd.lab.compose", "--name", name, *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False)  # fmt: skip
+
+
+def leftovers(engine: DockerEngine) -> list[str]:
+    """What of a private engine is still there: namespace, processes, mounts, cgroups, files."""
+    left = [f"namespace {engine.netns.name}"] if engine.netns is not None and engine.netns.exists() else []
+    marks = (str(engine.run_root).encode(), str(engine.data_root).encode())
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                if any(m in cmdline for m in marks):
+                    args = cmdline.replace(b"\0", b" ").decode(errors="replace")
+                    left.append(f"process {entry}: {args}")
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        if any(point == str(r) or point.startswith(f"{r}/") for r in (engine.run_root, engine.data_root)):
+            left.append(f"mount {point}")
+    left += [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*{engine.cgroup_parent}")]
+    left += [f"directory {d}" for d in (engine.run_root, engine.data_root) if d.exists()]
+    return left
+
+
+@contextlib.contextmanager
+def shared_engine(name: str):
+    """``up --private`` through the command line, the systemd image on top; ``down --images`` at
+    the end, and an AssertionError if it left anything (see :func:`leftovers`)."""
+    from agentd.lab.images import SYSTEMD_IMAGE, build_systemd_image
+
+    engine = private_engine(name)
+    try:
+        up = cli(name, "up", "--private")
+        if up.returncode != 0:
+            raise LabError(f"compose up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}")
+        status = cli(name, "exec", "-T", "node1", "agentd", "status", timeout=120)
+        state = ComposeState.load(name)
+        assert state is not None
+        ComposeLab(engine, state.project, state.env).down()
+        env = state.env
+        images = Images(agent=AGENT_IMAGE, etcd=env["ETCD_IMAGE"], systemd=SYSTEMD_IMAGE, base=env["AGENTD_BASE_IMAGE"],
+                        offline=env["AGENTD_PIP_OFFLINE"] == "1")  # fmt: skip
+        build_systemd_image(engine)
+        yield SharedEngine(name, engine, images, up, status)
+    finally:
+        down = cli(name, "down", "--images", timeout=300)
+    left = leftovers(engine)
+    assert down.returncode == 0 and not left, f"compose down --images: {down.stdout}{down.stderr}; left: {left}"
 
 
 # ---------------------------------------------------------------- the command line

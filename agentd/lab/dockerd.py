@@ -222,7 +222,9 @@ class DockerEngine:
         if self.netns is not None and not self.shared_netns and self.netns.exists():
             self.netns.kill_all()  # containerd or a shim that outlived dockerd
         shutil.rmtree(self.run_root, ignore_errors=True)
-        if remove_data:
+        if remove_data and self.data_root.exists():
+            # rm(1): an image store is a hundred thousand files, several times faster than rmtree
+            subprocess.run(["rm", "-rf", "--one-file-system", str(self.data_root)], capture_output=True, check=False)
             shutil.rmtree(self.data_root, ignore_errors=True)
         _remove_cgroups(self.cgroup_parent)
 

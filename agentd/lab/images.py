@@ -212,8 +212,14 @@ def build_images(
         engine.docker("build", "--quiet", *args, "-t", AGENT_IMAGE, str(ROOT), timeout=1800)
     if systemd and (rebuild or not has_image(engine, SYSTEMD_IMAGE)):
         progress(f"building {SYSTEMD_IMAGE}")
-        engine.docker(
-            "build", "--quiet", "-f", str(ROOT / "docker" / "systemd.Dockerfile"),
-            "--build-arg", f"AGENTD_IMAGE={AGENT_IMAGE}", "-t", SYSTEMD_IMAGE, str(ROOT), timeout=1800,
-        )  # fmt: skip
+        build_systemd_image(engine)
     return images
+
+
+def build_systemd_image(engine: DockerEngine) -> str:
+    """docker/systemd.Dockerfile on top of the agent's image (which must be there)."""
+    engine.docker(
+        "build", "--quiet", "-f", str(ROOT / "docker" / "systemd.Dockerfile"),
+        "--build-arg", f"AGENTD_IMAGE={AGENT_IMAGE}", "-t", SYSTEMD_IMAGE, str(ROOT), timeout=1800,
+    )  # fmt: skip
+    return SYSTEMD_IMAGE

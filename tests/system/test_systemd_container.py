@@ -79,7 +79,7 @@ class SystemdNode:
 
 @pytest.fixture
 def systemd_nodes(docker_engine, tmp_path):
-    engine, images = docker_engine
+    engine, images = docker_engine.engine, docker_engine.images
     tag = unique_tag("")
     network = f"sd{tag}"
     made: list[str] = []
@@ -132,6 +132,8 @@ def node_config(name: str, address: str, **extra: dict) -> str:
     return render_toml(cfg)
 
 
+# The first test of a run builds the images (a cold cache: mmdebstrap, about a minute).
+@pytest.mark.timeout(900)
 def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     sd1, sd2 = systemd_nodes["sd1"], systemd_nodes["sd2"]
     unit = sd1.sh("cat", "/etc/systemd/system/agentd.service")
