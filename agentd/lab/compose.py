@@ -212,9 +212,10 @@ class SharedEngine:
     status: subprocess.CompletedProcess  # `exec -T node1 agentd status`, while that lab was up
 
 
-def cli(name: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """``python -m agentd.lab.compose --name NAME ARGS...`` (against no DOCKER_HOST of the user's)."""
-    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+def cli(name: str, *args: str, timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m agentd.lab.compose --name NAME ARGS...``, with no DOCKER_HOST of the caller's
+    (``env`` adds to the environment)."""
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"} | (env or {})
     return subprocess.run([sys.executable, "-m", "agentd.lab.compose", "--name", name, *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False)  # fmt: skip
 

@@ -164,11 +164,13 @@ def python_requirements() -> list[str]:
 def fetch_wheels(dest: Path | None = None) -> Path:
     """Wheels of every Python requirement into docker/wheels/ (the Dockerfile's offline source)."""
     dest = dest or ROOT / "docker" / "wheels"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(dest),
-         *python_requirements()],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    base = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(dest)]
+    # Already there from an earlier build: then the index is not asked at all.
+    local = subprocess.run([*base, "--no-index", "--find-links", str(dest), *python_requirements()],
+                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    if local.returncode == 0:
+        return dest
+    proc = subprocess.run([*base, *python_requirements()], capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
         raise LabError(f"pip download of the Python dependencies failed: {proc.stderr.strip()[-2000:]}")
     return dest

@@ -50,6 +50,24 @@ def test_the_documented_command_brings_the_lab_up(docker_engine):
         assert re.search(rf"\| {re.escape(peer)} .*\| up .*\| host-gw .*Established", status.stdout), status.stdout
 
 
+def test_up_uses_the_engine_the_user_runs(docker_engine):
+    """With DOCKER_HOST set (here: the run's engine standing in for the user's), `up` starts no
+    engine of its own and `down` takes only its project away, never the engine."""
+    name = unique_tag("c")
+    engine = docker_engine.engine
+    up = cli(name, "up", "--backend", "host-gw", env={"DOCKER_HOST": engine.host})
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "starting one of our own" not in up.stdout and f"engine {engine.host} answers" in up.stdout
+        assert "FAIL" not in up.stdout and up.stdout.count(" ok") == 6, up.stdout
+    finally:
+        down = cli(name, "down", env={"DOCKER_HOST": engine.host})
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert engine.answers() and engine.netns.exists()
+    assert engine.docker("ps", "-aq", "--filter", f"label=com.docker.compose.project=agentd{name}").stdout.strip() == ""
+    assert engine.docker("image", "inspect", docker_engine.images.agent, check=False).returncode == 0
+
+
 def test_down_without_a_lab_removes_nothing():
     again = cli(unique_tag("c"), "down")
     assert again.returncode == 0 and "nothing to remove" in again.stdout, again.stdout + again.stderr
