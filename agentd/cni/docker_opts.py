@@ -15,7 +15,7 @@ node's pod subnet, so the containers get cluster addresses that every other node
 * ``--ip-masq``: AGENTD_IPMASQ -- whether the bridge should masquerade.  agentd writes false:
   a bridge's masquerading covers everything that leaves the node's subnet, containers on other
   nodes included; with ``[network] ip_masq = true`` the agent masquerades only what leaves the
-  pod network itself (agentd.policy.masquerade).
+  pod network itself (agentd.nft.masquerade).
 """
 
 from __future__ import annotations

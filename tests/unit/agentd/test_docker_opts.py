@@ -9,7 +9,7 @@ from ipaddress import IPv4Network
 from agentd.cli import main
 from agentd.cni.docker_opts import docker_options, render
 from agentd.cni.netconf import SubnetFile, render_subnet_file
-from agentd.policy.masquerade import ruleset
+from agentd.nft.masquerade import ruleset
 
 SF = SubnetFile(network=IPv4Network("10.244.0.0/16"), subnet=IPv4Network("10.244.3.0/24"), mtu=1450)
 
