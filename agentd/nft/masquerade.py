@@ -81,7 +81,7 @@ async def remove() -> bool:
     except NftError:
         return False
     try:
-        if await asyncio.to_thread(nft.list_table, FAMILY, TABLE) is None:
+        if await nft.alist({"table": {"family": FAMILY, "name": TABLE}}) is None:
             return False
         await nft.arun([{"delete": {"table": {"family": FAMILY, "name": TABLE}}}])
         return True

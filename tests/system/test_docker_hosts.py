@@ -11,6 +11,7 @@ and one container per node started with plain ``docker run`` (no CNI):
   masqueraded);
 * a container reaching an address outside the pod network (the other node's underlay
   address) arrives as its node (``[network] ip_masq``: the agent's nftables table);
+* ``agentd leave`` removes the masquerading table (host-gw only: it is the same code for all);
 * ``lab down`` leaves no engine, container namespace, mount or file behind.
 """
 
@@ -90,6 +91,11 @@ async def test_plain_docker_containers_reach_each_other_across_hosts(lab_factory
 
     # Leaving the pod network (to node2's own underlay address): masqueraded to node1's address.
     assert tcp_peer(lab, node2.ns, node2.address, pod1) == (node1.address, MESSAGE)
+
+    if backend == "host-gw":  # `agentd leave` takes the masquerading table away with the node
+        await node1.leave()
+        assert node1.ns.exec("nft", "list", "table", "ip", "agentd-masq", check=False) == ""
+        assert "table ip agentd-masq" in node2.ns.exec("nft", "list", "tables")
 
     await lab.down()
     assert not list_names(f"ad-{lab.spec.name}-")
