@@ -300,12 +300,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     print()
     print(render_matrix(matrix))
     print()
+    cmd = "scripts/dev compose" + (f" --name {args.name}" if args.name != "lab" else "")
     print("Try:")
-    print("  scripts/dev compose exec node1 agentd status")
-    print("  scripts/dev compose exec node1 ip route show proto 143")
-    print("  scripts/dev compose exec node1 agentd-node ping")
-    print("  scripts/dev compose logs node1")
-    print("  scripts/dev compose down            (--images: the images too)")
+    print(f"  {cmd} exec node1 agentd status")
+    print(f"  {cmd} exec node1 ip route show proto 143")
+    print(f"  {cmd} exec node1 agentd-node ping")
+    print(f"  {cmd} logs node1")
+    print(f"  {cmd} down            (--images: the images too)")
     if private:
         print(f"(the engine: DOCKER_HOST={engine.host} /usr/bin/docker ps; docker-compose -p {state.project})")
     return 0
