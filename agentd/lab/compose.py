@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -355,10 +356,16 @@ def cmd_passthrough(args: argparse.Namespace, argv: list[str]) -> int:
     return os.spawnvpe(os.P_WAIT, cmd[0], cmd, env)
 
 
+def _name(text: str) -> str:
+    if not re.fullmatch(r"[a-z0-9]{1,12}", text):
+        raise argparse.ArgumentTypeError(f"invalid lab name {text!r}: 1-12 lowercase letters or digits")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="scripts/dev compose", description=__doc__.split("\n\n")[0])
-    p.add_argument("--name", default="lab", help="the lab's name (several can run at once)")
+    p.add_argument("--name", default="lab", type=_name, help="the lab's name, 1-12 lowercase letters or digits")
     sub = p.add_subparsers(dest="command", required=True, metavar="up|down|<docker-compose command>")
     up = sub.add_parser("up", help="engine, images, docker-compose up, wait, the reachability matrix")
     up.add_argument("--backend", choices=["host-gw", "vxlan", "udp", "ipip"], default="host-gw")
@@ -377,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_up(args) if args.command == "up" else cmd_down(args)
     except LabError as err:
         print(f"scripts/dev compose: {err}", file=sys.stderr)
+        if argv[i:i + 1] == ["up"] and ComposeState.load(args.name) is not None:
+            print("(left as it is for a look; `scripts/dev compose down` removes what was made)", file=sys.stderr)
         return 1
 
 
