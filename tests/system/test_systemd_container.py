@@ -3,14 +3,17 @@ the agent's image plus systemd, the unit copied in unchanged -- its ExecStart= p
 /usr/local/bin/agentd, is where the image links the agent, so not even that is adapted).
 
 Two such containers and an etcd container on one Docker network of the run's shared engine
-(agentd.lab.fixtures' ``docker_engine``), each with its own /etc/agentd/agentd.toml:
+(agentd.lab.fixtures' ``docker_engine``), each with its own /etc/agentd/agentd.toml (the udp
+backend), run with the engine's ``runc-cap-bpf`` runtime: Docker 20.10 cannot add CAP_BPF to
+a container, and without it in the container's bounding set the unit could not keep it:
 
 * ``systemctl start agentd`` returns once the agent sent READY=1: /readyz answers 200 and the
   blackhole route of its subnet is in the kernel at that moment; ``StatusText`` says
   ``ready: subnet ...``; the two nodes peer with each other and route to each other's subnet;
-* the hardening holds: the agent runs with the unit's bounding set (as far as the container
-  has it: Docker 20.10 cannot add CAP_BPF), no_new_privs and a seccomp filter, wrote its
-  conflist into /etc/cni/net.d, and in its mount namespace a write to /etc/agentd is refused;
+* the hardening holds: the agent runs with exactly the unit's bounding set, no_new_privs and
+  a seccomp filter, carries the udp backend in BPF (CAP_BPF, bpf(), pins in the bpffs the
+  test gives the container), wrote its conflist into /etc/cni/net.d, and in its mount
+  namespace a write to /etc/agentd is refused;
 * ``systemctl reload`` re-reads the configuration as docs/operations.md says: the log level
   changes live, a changed hold time is named as applied only by a restart, the PID stays;
 * ``kill -9`` of the main PID: ``Restart=on-failure`` starts it again, with the same subnet,
@@ -31,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from agentd.lab.dockerd import DockerEngine
+from agentd.lab import bpffs
+from agentd.lab.dockerd import CAP_BPF_RUNTIME, DockerEngine
 from agentd.lab.netns import unique_tag
 from agentd.lab.speaker_proc import render_toml
 from agentd.lab.wait import until
@@ -83,6 +87,8 @@ def systemd_nodes(docker_engine, tmp_path):
     tag = unique_tag("")
     network = f"sd{tag}"
     made: list[str] = []
+    # The nodes' /sys/fs/bpf: a bpffs of the test's own (systemd in a container mounts none).
+    fs = bpffs.mount(tmp_path / "bpffs")
     engine.docker("network", "create", "--subnet", f"{SUBNET}.0/24", network)
     try:
         etcd = f"sd{tag}-etcd"
@@ -103,6 +109,8 @@ def systemd_nodes(docker_engine, tmp_path):
                 "--cap-add", "SYS_ADMIN", "--tmpfs", "/run", "--tmpfs", "/run/lock",
                 "-v", "/sys/fs/cgroup:/sys/fs/cgroup:ro",
                 "--cap-add", "NET_ADMIN", "--device", "/dev/net/tun", "--sysctl", "net.ipv4.ip_forward=1",
+                # CAP_BPF, which Docker 20.10 cannot add (docker/runc-cap-bpf), and a bpffs
+                "--runtime", CAP_BPF_RUNTIME, "-v", f"{fs}:/sys/fs/bpf",
                 "-v", f"{config}:/etc/agentd/agentd.toml:ro",
                 images.systemd,
             )  # fmt: skip
@@ -118,12 +126,26 @@ def systemd_nodes(docker_engine, tmp_path):
         if made:
             engine.docker("rm", "-f", "-v", *made, check=False)
         engine.docker("network", "rm", network, check=False)
+        bpffs.umount(fs)
+
+
+def diagnose(*nodes: SystemdNode) -> str:
+    out = []
+    for n in nodes:
+        try:
+            status = n.api("/status")[1]
+            out.append(f"{n.name}: routes {sorted(n.routes())} peers {[(p['address'], p['state'], p.get('backend'), p.get('datapath')) for p in status['bgp']['peers']]} "
+                       f"active {status['backends'].get('active')} journal tail {n.journal()[-1500:]}")
+        except Exception as err:  # noqa: BLE001 - a diagnosis
+            out.append(f"{n.name}: {err}")
+    return "\n".join(out)
 
 
 def node_config(name: str, address: str, **extra: dict) -> str:
     cfg = {
         "node": {"name": name, "address": address},
         "etcd": {"endpoints": [f"http://{ETCD}:2379"]},
+        "network": {"backend": "vxlan"},  # with the BPF member filter: the unit's CAP_BPF and bpf() at work
         "bgp": {"hold_time": 9, "connect_retry": 2.0},
         "log": {"level": "info"},
     }
@@ -155,7 +177,8 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
 
     def peered() -> bool:
         return all(
-            [p["state"] for p in n.api("/peers")[1]] == ["Established"] and any(r.startswith(subnets[o.name]) for r in n.routes())
+            [p["state"] for p in n.api("/peers")[1]] == ["Established"]
+            and any(r.startswith(subnets[o.name]) and "dev agentd.vxlan" in r for r in n.routes())
             for n, o in ((sd1, sd2), (sd2, sd1))
         )  # fmt: skip
 
@@ -164,8 +187,11 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     # -- the hardening holds
     pid = sd1.main_pid()
     status = dict(line.split(":\t", 1) for line in sd1.sh("cat", f"/proc/{pid}/status").splitlines() if ":\t" in line)
-    caps = {"CAP_NET_ADMIN": 12, "CAP_NET_RAW": 13, "CAP_NET_BIND_SERVICE": 10}  # CAP_BPF: not in Docker 20.10's set
+    caps = {"CAP_NET_ADMIN": 12, "CAP_NET_RAW": 13, "CAP_NET_BIND_SERVICE": 10, "CAP_BPF": 39}  # the unit's
     assert int(status["CapBnd"], 16) == sum(1 << c for c in caps.values()), status["CapBnd"]
+    backends = sd1.api("/status")[1]["backends"]
+    assert backends["active"]["vxlan"]["datapath"] == "vxlan-device" and backends["bpf"]["active"], backends
+    assert backends["member_filter"]["bpf"] == ["vxlan"] and not backends["member_filter"]["missing"], backends
     assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2", status
     assert "10-agentd.conflist" in sd1.sh("ls", "/etc/cni/net.d")
     write = sd1.engine.docker(
@@ -198,8 +224,9 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     until(restarted, 60, what="sd1's agent restarted by Restart=on-failure", interval=0.2)
     until(lambda: sd1.api("/readyz")[0] == 200, 90, what="sd1 ready again (peers' End-of-RIB)", interval=0.3)
     assert sd1.api("/status")[1]["node"]["subnet"] == subnet
-    until(peered, 60, what="sd1 and sd2 Established again", interval=0.3)
+    until(peered, 60, what=lambda: f"sd1 and sd2 Established again: {diagnose(sd1, sd2)}", interval=0.3)
     assert sd1.routes() == routes["sd1"] and sd2.routes() == routes["sd2"]
+    filter_after_restart = sd1.api("/status")[1]["backends"]["member_filter"]
 
     # -- SIGSTOP: no watchdog pings; past WatchdogSec systemd kills it and starts it again
     assert sd1.show("WatchdogUSec")["WatchdogUSec"] == f"{WATCHDOG_SEC}s"
@@ -223,3 +250,11 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     assert any(r.startswith(subnets["sd2"]) for r in sd1.routes()), sd1.routes()
     gateway = IPv4Network(subnet).network_address + 1
     assert f"AGENTD_SUBNET={gateway}/" in sd1.sh("cat", "/run/agentd/subnet.env")
+
+    # Known bug, kept visible: an agent restarted under the unit's capabilities cannot take
+    # over the BPF programs its predecessor attached (tcx): it opens them by id
+    # (BPF_PROG_GET_FD_BY_ID), which the kernel allows only with CAP_SYS_ADMIN, and the unit
+    # gives CAP_BPF and CAP_NET_ADMIN. So the member filter stays off after a restart (and
+    # udp or ipip would fall back to the user-space worker). Everything above passed.
+    if filter_after_restart["missing"]:
+        pytest.xfail(f"after kill -9 and restart the BPF member filter is missing: {filter_after_restart}")
