@@ -141,6 +141,11 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
 
     add_resource_commands(sub, config_args)
 
+    # agentd docker-opts: a Docker daemon's bridge on this node's subnet (agentd/cni/docker_opts.py).
+    from agentd.cni import docker_opts
+
+    docker_opts.add_arguments(sub.add_parser("docker-opts", help="the Docker daemon's --bip/--mtu/--ip-masq from the subnet file"))
+
     # Commands other packages plug in (entry-point group "agentd.commands" in pyproject.toml):
     # `agentd lab` comes from the lab harness this way, so the agent never imports the lab.
     for name, command in plugin_commands().items():
@@ -288,6 +293,10 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _path, _overrides_, cfg = _load(args, parser, host=None)
         setup_logging(args.log_level or "warning")
         return resource_cli.run(args, cfg)
+    if cmd == "docker-opts":
+        from agentd.cni import docker_opts
+
+        return docker_opts.run(args)
     plugin = getattr(args, "plugin_command", None)
     if plugin is not None:
         return plugin.run(args)

@@ -154,6 +154,7 @@ class NetworkConfig:
     bpf_pod_fast_path: bool = True  # BPF: accepted TCP between two pods of this node goes pod to pod
     bpf_attach: str = "auto"  # BPF programs' hook: "tcx", "clsact", "auto" (tcx where the kernel has it)
     service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # Services: the cluster IP range
+    ip_masq: bool = False  # masquerade traffic from the pod network to outside it (flannel's ipMasq)
 
     def pod_mtu(self, underlay_mtu: int) -> int:
         """The MTU for pod interfaces: the configured one, or the underlay's minus the overhead."""
@@ -369,6 +370,7 @@ _KEYS = (
     _Key("network", "bpf_pod_fast_path", BOOL, True),
     _Key("network", "bpf_attach", choice_kind(*BPF_ATTACH_CHOICES), "auto"),
     _Key("network", "service_cidr", string_kind(parse_pod_network), NetworkConfig.service_cidr),
+    _Key("network", "ip_masq", BOOL, False),
     _Key("etcd", "endpoints", Kind((list,), "an array", text_list, parse_endpoints), EtcdConfig.endpoints),
     _Key("etcd", "prefix", string_kind(parse_etcd_prefix), "/agentd"),
     _Key("etcd", "ca", Kind((str,), "a string", str, parse_tls_file), None),

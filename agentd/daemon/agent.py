@@ -48,6 +48,7 @@ from agentd.flows.recorder import restore_sysctls
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy
+from agentd.nft import masquerade
 from agentd.nft.libnftables import NftError
 from agentd.services.agent import ServiceAgent, remove_services_table  # Services
 from agentd.kernel.route_model import SyncResult
@@ -241,6 +242,7 @@ class Agent:
         except RuntimeError as err:
             raise AgentError(str(err)) from None
         node_files.write_cni_files(cfg, self.cluster.cidr, subnet, self.pod_mtu)
+        await self._masquerade(subnet)
         await self.datastore.register_node(self._node_record())
         await self.datastore.set_subnet_backend_data(self.tunnels.node_data())
 
@@ -254,6 +256,18 @@ class Agent:
         own = Origination((1, 1), network_to_prefix(subnet))
         self.service.set_originated([own])
         self.routes.bgp_started(float(cfg.bgp.restart_time))
+
+    async def _masquerade(self, subnet) -> None:
+        """[network] ip_masq: the masquerading table for this subnet, or none (agentd.nft.masquerade)."""
+        assert self.cluster is not None
+        try:
+            if self.cfg.network.ip_masq:
+                await masquerade.program(self.cluster.cidr, subnet)
+            elif await masquerade.remove():
+                log.info("masquerading switched off: removed the table %s %s", masquerade.FAMILY, masquerade.TABLE)
+        except NftError as err:
+            log.error("traffic leaving the pod network is not masqueraded: %s", err)
+            self._problems.append(f"ip_masq not applied: {err}")
 
     def _node_record(self) -> NodeRecord:
         assert self.lease is not None and self.tunnels is not None
@@ -333,6 +347,8 @@ class Agent:
         restored = await asyncio.to_thread(restore_sysctls, self.cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))
+        with contextlib.suppress(NftError):
+            await masquerade.remove()
 
     async def _open_fast_path(self) -> tuple[PodFastPath | None, str | None]:
         """The pod fast path ([network] bpf_pod_fast_path), or None and why not; switched off,
@@ -492,6 +508,8 @@ async def leave(cfg: Config) -> int:
         restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))
+        if await masquerade.remove():
+            log.info("removed the masquerading table")
         return 0
     except Exception as err:
         log.error("cannot leave: %s", err)

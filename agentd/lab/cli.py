@@ -60,6 +60,9 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--subnets", type=_positive(1, 8), default=1, help="L2 segments, joined by a router")
     up.add_argument("--etcd", type=_positive(1, 7), default=1, metavar="N",
                     help="etcd members forming one cluster (3 or 5 survive the loss of 1 or 2)")
+    up.add_argument("--docker", action="store_true",
+                    help="Docker hosts: every node runs a dockerd on its subnet (agentd docker-opts), the pods are "
+                         "containers started with docker run, and the agents masquerade traffic leaving the pod network")
     up.add_argument("--timeout", type=_seconds, default=None,
                     help="seconds to wait for each stage (default 90, or 3 per node above 30 nodes)")
     for name in ("down", "status"):

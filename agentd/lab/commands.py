@@ -27,6 +27,7 @@ def up(args) -> int:
         encap=args.encap,
         subnets=args.subnets,
         etcd=args.etcd,
+        docker=args.docker,
     )
     if spec.encap == "cross-subnet" and spec.backend == "host-gw":
         raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
@@ -79,6 +80,9 @@ def down(name: str) -> int:
     try:
         lab = Lab.load(name)
     except LabError:
+        from .docker_hosts import stop_leftover_engines
+
+        stop_leftover_engines(name)  # a lab of Docker hosts whose state file is gone
         removed = delete_matching(f"ad-{name}-")
         with contextlib.suppress(OSError):
             bpffs.umount(LAB_ROOT / name / "bpffs")

@@ -81,3 +81,22 @@ async def lab_factory(tmp_path):
     finally:
         for lab in reversed(labs):
             await lab.down(keep_files=True)
+
+
+@pytest.fixture(scope="session")
+def docker_engine():
+    """The container lab's engine, made by the documented command and shared by the run.
+
+    ``python -m agentd.lab.compose --name <tag> up --private`` -- what ``scripts/dev compose
+    up`` runs after setup -- starts a private dockerd in a network namespace of its own,
+    builds the images (without a registry: from Debian packages; once per run), brings
+    compose.yaml up (host-gw) and prints the pod matrix; ``compose exec node1 agentd status``
+    is asked once.  Then that project is taken down (later tests run their own on the same
+    network range) and the systemd image is built on top.  Yields a
+    :class:`agentd.lab.compose.SharedEngine`; at the end ``down --images`` runs and the
+    teardown fails if anything of the engine is left: its namespace, a dockerd/containerd
+    process, a mount, a cgroup or a file."""
+    from agentd.lab.compose import shared_engine
+
+    with shared_engine(unique_tag("c")) as shared:
+        yield shared

@@ -90,6 +90,9 @@ class LabSpec:
     # Connect.  Permanent entries are exempt from that limit (they are never garbage-collected).
     static_neighbors: bool | None = None
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-node config overrides
+    # Docker hosts (agentd.lab.docker_hosts): a dockerd per node on its subnet, the pods are
+    # containers on docker0, and the agents masquerade what leaves the pod network.
+    docker: bool = False
 
 
 class LabNode:
@@ -133,7 +136,7 @@ class LabNode:
                 "cluster_id": CLUSTER_ID if self.reflector else None,
             },
             "network": {"cidr": "10.244.0.0/16", "backend": self.backend, "encap": spec.encap,
-                        "datapath": spec.datapath},
+                        "datapath": spec.datapath, "ip_masq": True if spec.docker else None},
             "etcd": {"endpoints": self.lab.etcd.endpoints, "lease_ttl": spec.lease_ttl},
             "bgp": {"mode": spec.bgp, "hold_time": spec.hold_time, "connect_retry": 2.0},
             # Every node its own API token (the nodes share this machine's file system).
@@ -320,6 +323,11 @@ class Lab:
         self.pods = [LabPod(n, j) for n in self.nodes for j in range(1, spec.pods + 1)]
         self._t0 = time.monotonic()
         self._resources: Any = None  # agentd.lab.resources.LabResources, started on first use
+        self.docker: Any = None  # agentd.lab.docker_hosts.DockerHosts with spec.docker
+        if spec.docker:
+            from agentd.lab.docker_hosts import DockerHosts
+
+            self.docker = DockerHosts(self)
 
     # ------------------------------------------------------------ lookup
 
@@ -386,6 +394,10 @@ class Lab:
             stage = "routes installed"
             await self.ready.routes(timeout)
             self._stage("routes installed on every node")
+            if self.docker is not None:
+                stage = "Docker engines up"
+                await self.docker.start(timeout)
+                self._stage("a dockerd on every node, docker0 on the node's subnet (agentd docker-opts)")
             stage = "pods attached"
             await self.attach_pods()
             self._save()
@@ -448,6 +460,9 @@ class Lab:
         await asyncio.gather(*(node_pods(pods) for pods in per_node.values()))
 
     async def attach_pod(self, pod: LabPod) -> None:
+        if self.docker is not None:  # a container on the node's docker0, no CNI
+            pod.ip = await self.docker.run_container(pod)
+            return
         if not pod.ns.exists():
             Netns.create(pod.ns.name)
         out = await cni(pod, "ADD")
@@ -469,6 +484,8 @@ class Lab:
         """Attach one more pod, ``namespace/name`` with ``labels`` and named ``ports``
         (``[{"name": "http", "containerPort": 80, "protocol": "TCP"}]``), to ``node``."""
         node = self.node(node) if isinstance(node, str) else node
+        if self.docker is not None:
+            raise LabError(f"lab {self.spec.name} runs Docker hosts: its pods are containers (`docker run`), not CNI pods")
         if any(p.name == f"{namespace}/{name}" for p in self.pods):
             raise LabError(f"lab {self.spec.name} already has a pod {namespace}/{name}")
         pod = LabPod(node, namespace=namespace, name=name, labels=labels, ports=ports, host_ports=host_ports)
@@ -525,6 +542,8 @@ class Lab:
                     await asyncio.to_thread(n.proc.wait, 5)
 
         await asyncio.gather(*(stop(n) for n in self.nodes))  # all at once: 100 agents stop in seconds
+        if self.docker is not None:  # containers and dockerd, before their namespaces go
+            await asyncio.to_thread(self.docker.stop)
         with contextlib.suppress(Exception):
             await self.etcd.kill()
         removed = await asyncio.to_thread(delete_matching, f"ad-{self.spec.name}-")

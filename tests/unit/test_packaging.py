@@ -190,8 +190,13 @@ def test_dockerfile_copies_what_exists_and_matches_the_unit():
     assert sources, "no COPY lines found"
     for src in sources:
         assert (ROOT / src).exists(), src
-    assert re.search(r"^FROM python:3\.11-slim-bookworm$", dockerfile, re.MULTILINE)
-    assert "containernetworking-plugins" in dockerfile and "pip install --no-cache-dir ." in dockerfile
+    # The base is a build argument: the slim Python image by default, a local one without a registry.
+    assert re.search(r"^ARG BASE=python:3\.11-slim-bookworm$", dockerfile, re.MULTILINE)
+    assert re.search(r"^FROM \$\{BASE\}$", dockerfile, re.MULTILINE)
+    assert "containernetworking-plugins" in dockerfile
+    assert "pip install --no-cache-dir ${PIP_OFFLINE:+--no-index} --find-links /tmp/wheels ." in dockerfile
+    # The agent where the unit's ExecStart= expects it.
+    assert "ln -s /opt/agentd/bin/agentd /opt/agentd/bin/agentd-cni /usr/local/bin/" in dockerfile
     assert "COPY etc/agentd.toml /etc/agentd/agentd.toml" in dockerfile
     # The same environment as the unit.
     for assignment in unit_values("Environment"):

@@ -1,0 +1,80 @@
+"""``agentd docker-opts``: a Docker daemon's bridge on this node's pod subnet, from the subnet file.
+
+What flannel's ``mk-docker-opts.sh`` does with ``/run/flannel/subnet.env``: a host whose
+containers are started by a plain Docker daemon (no CNI) gives that daemon's ``docker0`` the
+node's pod subnet, so the containers get cluster addresses that every other node routes to::
+
+    agentd docker-opts                       DOCKER_OPTS="--bip=10.244.3.1/24 --ip-masq=false --mtu=1450"
+    agentd docker-opts --format args         --bip=10.244.3.1/24 --ip-masq=false --mtu=1450
+    agentd docker-opts --format json         {"bip": "10.244.3.1/24", "ip-masq": false, "mtu": 1450}
+                                             (merge into /etc/docker/daemon.json)
+    agentd docker-opts --output /run/docker_opts.env   (written atomically; EnvironmentFile= of docker.service)
+
+* ``--bip``: the subnet file's AGENTD_SUBNET, the bridge's address and the subnet's length.
+* ``--mtu``: AGENTD_MTU, the pod MTU (the underlay's minus the backend's overhead).
+* ``--ip-masq``: AGENTD_IPMASQ -- whether the bridge should masquerade.  agentd writes false:
+  a bridge's masquerading covers everything that leaves the node's subnet, containers on other
+  nodes included; with ``[network] ip_masq = true`` the agent masquerades only what leaves the
+  pod network itself (agentd.nft.masquerade).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from agentd.cni.netconf import DEFAULT_SUBNET_FILE, SubnetFile, SubnetFileError, _atomic_write, read_subnet_file
+
+FORMATS = ("env", "args", "json")
+
+
+def docker_options(sf: SubnetFile) -> dict[str, Any]:
+    """The daemon's options, as daemon.json names them."""
+    return {"bip": f"{sf.gateway}/{sf.subnet.prefixlen}", "ip-masq": sf.ipmasq, "mtu": sf.mtu}
+
+
+def render(options: dict[str, Any], fmt: str, key: str = "DOCKER_OPTS") -> str:
+    if fmt == "json":
+        return json.dumps(options, indent=2) + "\n"
+    args = " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
+    return f'{key}="{args}"\n' if fmt == "env" else args + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--subnet-file",
+        default=os.environ.get("AGENTD_CNI_SUBNET_FILE") or DEFAULT_SUBNET_FILE,
+        help=f"the agent's subnet file ([cni] subnet_file; default {DEFAULT_SUBNET_FILE})",
+    )
+    p.add_argument("--format", choices=FORMATS, default="env",
+                   help="env: KEY=\"--bip=...\" (default); args: the options alone; json: a daemon.json fragment")
+    p.add_argument("--key", default="DOCKER_OPTS", help="the variable's name with --format env")
+    p.add_argument("--output", "-o", help="write to this file (atomically) instead of standard output")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        sf = read_subnet_file(args.subnet_file)
+    except FileNotFoundError:
+        print(f"agentd docker-opts: no subnet file at {args.subnet_file} (is agentd running and holding a subnet?)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    except SubnetFileError as err:
+        print(f"agentd docker-opts: {err}", file=sys.stderr)
+        return 1
+    if not args.key.isidentifier():
+        print(f"agentd docker-opts: --key {args.key!r} is not a variable name", file=sys.stderr)
+        return 2
+    text = render(docker_options(sf), args.format, args.key)
+    if args.output:
+        try:
+            _atomic_write(args.output, text, mode=0o644)
+        except OSError as err:
+            print(f"agentd docker-opts: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
+            return 1
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,57 @@
+"""agentd docker-opts (the Docker daemon's options from the subnet file) and the masquerading
+ruleset of [network] ip_masq, both pure."""
+
+from __future__ import annotations
+
+import json
+from ipaddress import IPv4Network
+
+from agentd.cli import main
+from agentd.cni.docker_opts import docker_options, render
+from agentd.cni.netconf import SubnetFile, render_subnet_file
+from agentd.nft.masquerade import ruleset
+
+SF = SubnetFile(network=IPv4Network("10.244.0.0/16"), subnet=IPv4Network("10.244.3.0/24"), mtu=1450)
+
+
+def test_options_follow_the_subnet_file():
+    assert docker_options(SF) == {"bip": "10.244.3.1/24", "ip-masq": False, "mtu": 1450}
+    assert render(docker_options(SF), "env") == 'DOCKER_OPTS="--bip=10.244.3.1/24 --ip-masq=false --mtu=1450"\n'
+    assert render(docker_options(SF), "args", "X") == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
+    assert json.loads(render(docker_options(SF), "json")) == {"bip": "10.244.3.1/24", "ip-masq": False, "mtu": 1450}
+
+
+def test_the_command_reads_the_file_and_refuses_bad_input(tmp_path, capsys):
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    out = tmp_path / "docker_opts.env"
+    assert main(["docker-opts", "--subnet-file", str(path), "--key", "DOCKER_NETWORK_OPTIONS", "-o", str(out)]) == 0
+    assert out.read_text() == 'DOCKER_NETWORK_OPTIONS="--bip=10.244.3.1/24 --ip-masq=false --mtu=1450"\n'
+    assert main(["docker-opts", "--subnet-file", str(tmp_path / "missing")]) == 1
+    assert "no subnet file at" in capsys.readouterr().err
+    path.write_text("AGENTD_NETWORK=10.244.0.0/16\nAGENTD_SUBNET=10.244.3.1/24\nAGENTD_MTU=big\n")
+    assert main(["docker-opts", "--subnet-file", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "AGENTD_MTU 'big' is not an integer" in err
+
+
+def test_masquerading_never_touches_pod_to_pod_traffic():
+    cmds = ruleset(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"))
+    rules = [c["add"]["rule"]["expr"] for c in cmds if "rule" in c.get("add", {})]
+
+    def match(expr):
+        return [(m["match"]["left"]["payload"]["field"], m["match"]["op"],
+                 f"{m['match']['right']['prefix']['addr']}/{m['match']['right']['prefix']['len']}")
+                for m in expr if "match" in m]  # fmt: skip
+
+    def verdict(expr):
+        return "masquerade" if any("masquerade" in e for e in expr) else "return"
+
+    assert [(match(r), verdict(r)) for r in rules] == [
+        ([("saddr", "==", "10.244.0.0/16"), ("daddr", "==", "10.244.0.0/16")], "return"),
+        ([("saddr", "==", "10.244.0.0/16"), ("daddr", "!=", "224.0.0.0/4")], "masquerade"),
+        ([("saddr", "!=", "10.244.0.0/16"), ("daddr", "==", "10.244.3.0/24")], "return"),
+        ([("saddr", "!=", "10.244.0.0/16"), ("daddr", "==", "10.244.0.0/16")], "masquerade"),
+    ]
+    # One transaction that replaces the table whole.
+    assert [next(iter(c)) for c in cmds[:3]] == ["add", "delete", "add"]
