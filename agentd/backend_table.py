@@ -49,6 +49,10 @@ class Backend:
     port_key: str | None = None  # the [network] key holding its UDP port
     ttl_decrement: bool = False  # the user-space worker decrements the inner TTL (flannel UDP does)
     node_data: tuple[str, ...] = ()  # keys it publishes in the node record's "backend" object
+    # The pod families it carries between nodes (the inner packets), and whether it runs over
+    # an IPv6 underlay (outer IPv6 headers; ip_family = ipv6 has no other).
+    inner_families: tuple[int, ...] = (4, 6)
+    outer_ipv6: bool = True
 
     @property
     def encapsulates(self) -> bool:
@@ -72,6 +76,9 @@ BACKENDS = {
             datapaths=("bpf", "userspace"),
             device="agentd.ipip",
             member_filter="ipip",
+            # Calico's IPIP is IPv4 only as well; IPv6 in IPv4 would be protocol 41 (RFC 4213).
+            inner_families=(4,),
+            outer_ipv6=False,
         ),
         # RFC 7348 section 5: outer IPv4 + UDP + VXLAN header + inner Ethernet = 50 bytes.
         Backend(
@@ -95,6 +102,10 @@ BACKENDS = {
             port_key="udp_port",
             ttl_decrement=True,
             node_data=("udp_port",),
+            # The BPF programs and the worker build outer IPv4 headers and decapsulate IPv4
+            # inner packets only.
+            inner_families=(4,),
+            outer_ipv6=False,
         ),
     )
 }
@@ -111,6 +122,11 @@ def backend(name: str) -> Backend:
         raise ValueError(f"unknown backend {name!r}; one of {', '.join(NAMES)}") from None
 
 
-def mtu_overhead(name: str) -> int:
-    """Bytes of encapsulation backend ``name`` adds to every pod packet."""
-    return backend(name).overhead
+IPV6_EXTRA = 20  # an IPv6 header (RFC 8200: 40 bytes) is 20 bytes longer than an IPv4 one
+
+
+def mtu_overhead(name: str, underlay_family: int = 4) -> int:
+    """Bytes of encapsulation backend ``name`` adds to every pod packet on an underlay of
+    ``underlay_family`` (4 or 6): VXLAN is 50 over IPv4, 70 over IPv6."""
+    b = backend(name)
+    return b.overhead + (IPV6_EXTRA if underlay_family == 6 and b.encapsulates else 0)

@@ -27,13 +27,16 @@ import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Network, IPv6Address, ip_address
+import hashlib
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 from pathlib import Path
 from typing import Any, Protocol
 
-from agentd.backend_table import NAMES, mtu_overhead
+from agentd.backend_table import BACKENDS as BACKEND_TABLE, NAMES, mtu_overhead
 from agentd.config.values import (
     parse_pod_network,
+    parse_pod_network_v6,
+    parse_node_address_v6,
     parse_dns_address,
     parse_domain,
     parse_upstreams,
@@ -91,6 +94,12 @@ DATAPATH_CHOICES = ("auto", "bpf", "userspace")
 # How the BPF programs go on a device: tcx (Linux 6.6), cls_bpf on a clsact qdisc, or the first
 # where the kernel has it.
 BPF_ATTACH_CHOICES = ("auto", "tcx", "clsact")
+# Which families pods have addresses in: IPv4 only (the default), both, or IPv6 only.
+IP_FAMILIES = ("ipv4", "dual", "ipv6")
+IPV6_MIN_MTU = 1280  # RFC 8200 §5: every link that carries IPv6
+# A node's IPv6 pod subnet needs a gateway and at least one pod (::0 is the subnet-router
+# anycast address, RFC 4291 §2.6.1): /126 is the smallest, as /30 is for IPv4.
+MAX_SUBNET_LEN_V6 = 126
 # Keys that are gone, and what took their place (named in the "unknown key" error).
 _REPLACED = {
     "network.ipip_mode": "[network] datapath: ipip runs in BPF or in user space, no kernel ipip device",
@@ -136,6 +145,7 @@ class NodeConfig:
     asn: int = 64512
     route_reflector: bool = False
     cluster_id: IPv4Address | None = None  # the node address when route_reflector
+    address_v6: IPv6Address | None = None  # underlay IPv6 (dual, ipv6); None: none (dual) or not computed
 
 
 @dataclass(frozen=True)
@@ -155,10 +165,23 @@ class NetworkConfig:
     bpf_attach: str = "auto"  # BPF programs' hook: "tcx", "clsact", "auto" (tcx where the kernel has it)
     service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # Services: the cluster IP range
     ip_masq: bool = False  # masquerade traffic from the pod network to outside it (flannel's ipMasq)
+    ip_family: str = "ipv4"  # "ipv4", "dual" or "ipv6": the families pods have addresses in
+    # A ULA /48 as RFC 4193 §3.1 lays it out (40-bit global ID, 16-bit subnet ID): one /64
+    # per node for 65,536 nodes, the most kube-controller-manager allows (node mask - cluster
+    # mask <= 16).
+    cidr_v6: IPv6Network = IPv6Network("fd00:10:244::/48")
+    subnet_len_v6: int = 64  # kube-controller-manager's --node-cidr-mask-size-ipv6 default
 
-    def pod_mtu(self, underlay_mtu: int) -> int:
-        """The MTU for pod interfaces: the configured one, or the underlay's minus the overhead."""
-        return self.mtu if self.mtu is not None else underlay_mtu - mtu_overhead(self.backend)
+    @property
+    def families(self) -> tuple[int, ...]:
+        """The IP versions pods have addresses in: (4,), (4, 6) or (6,)."""
+        return {"ipv4": (4,), "dual": (4, 6), "ipv6": (6,)}[self.ip_family]
+
+    def pod_mtu(self, underlay_mtu: int, underlay_family: int = 4) -> int:
+        """The MTU for pod interfaces: the configured one, or the underlay's minus the overhead
+        of the backend's outer headers in the underlay's family (an IPv6 outer header is 20
+        bytes longer than an IPv4 one)."""
+        return self.mtu if self.mtu is not None else underlay_mtu - mtu_overhead(self.backend, underlay_family)
 
 
 @dataclass(frozen=True)
@@ -356,6 +379,7 @@ _KEYS = (
     _Key("node", "asn", ASN, 64512),
     _Key("node", "route_reflector", BOOL, False),
     _Key("node", "cluster_id", Kind((int, str), "an IPv4 address or an integer", str, parse_cluster_id), None),
+    _Key("node", "address_v6", string_kind(parse_node_address_v6), None),
     _Key("network", "cidr", string_kind(parse_pod_network), NetworkConfig.cidr),
     _Key("network", "subnet_len", int_kind(1, 32), 24),
     _Key("network", "backend", choice_kind(*BACKENDS), "host-gw"),
@@ -371,6 +395,9 @@ _KEYS = (
     _Key("network", "bpf_attach", choice_kind(*BPF_ATTACH_CHOICES), "auto"),
     _Key("network", "service_cidr", string_kind(parse_pod_network), NetworkConfig.service_cidr),
     _Key("network", "ip_masq", BOOL, False),
+    _Key("network", "ip_family", choice_kind(*IP_FAMILIES), "ipv4"),
+    _Key("network", "cidr_v6", string_kind(parse_pod_network_v6), NetworkConfig.cidr_v6),
+    _Key("network", "subnet_len_v6", int_kind(1, 128), 64),
     _Key("etcd", "endpoints", Kind((list,), "an array", text_list, parse_endpoints), EtcdConfig.endpoints),
     _Key("etcd", "prefix", string_kind(parse_etcd_prefix), "/agentd"),
     _Key("etcd", "ca", Kind((str,), "a string", str, parse_tls_file), None),
@@ -486,6 +513,8 @@ class HostFacts(Protocol):
     def hostname(self) -> str: ...
 
     def default_address(self) -> IPv4Address | None: ...
+
+    def default_address_v6(self) -> IPv6Address | None: ...
 
 
 class _Loader:
@@ -728,16 +757,12 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
             v["node.name"] = parse_node_name(name)
         except BadValue as e:
             ld.key_problem("node.name", f"not set and the hostname {name!r} {e}")
-    if host is not None and v["node.address"] is None and ok("node.address"):
-        try:
-            v["node.address"] = host.default_address()
-            reason = "this host has no IPv4 default route to take it from"
-        except Exception as e:  # netlink refused: say so in one line rather than a traceback
-            reason = f"reading the default route failed ({e})"
-        if v["node.address"] is None:
-            ld.key_problem("node.address", f"not set and {reason}; set [node] address")
+    _node_addresses(ld, host)
+    if v["bgp.router_id"] is None:
+        v["bgp.router_id"] = v["node.address"] or _router_id_of(v["node.name"])
     if v["node.cluster_id"] is None and v["node.route_reflector"]:
-        v["node.cluster_id"] = v["node.address"]  # RFC 4456 §7: commonly the router's address
+        # RFC 4456 §7: commonly the router's address (its router ID where it has no IPv4 one).
+        v["node.cluster_id"] = v["node.address"] or v["bgp.router_id"]
 
     cidr, sublen = v["network.cidr"], v["network.subnet_len"]
     if ok("network.cidr", "network.subnet_len") and not cidr.prefixlen < sublen <= 30:
@@ -748,6 +773,7 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
             and v["network.service_cidr"].overlaps(cidr)):  # the default is not held against an older cidr
         ld.key_problem(ld.blame("network.service_cidr", "network.cidr"),
                          f"the service range {v['network.service_cidr']} overlaps the pod network {cidr}")
+    _check_families(ld)
     if ok("network.encap", "network.backend") and (v["network.encap"], v["network.backend"]) == (
         "cross-subnet", "host-gw"
     ):
@@ -762,8 +788,6 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
     if tls and ok("etcd.endpoints") and not any(u.startswith("https:") for u in v["etcd.endpoints"]):
         ld.key_problem(tls[0], "TLS files are set but no [etcd] endpoints use https://")
 
-    if v["bgp.router_id"] is None:
-        v["bgp.router_id"] = v["node.address"]
     if v["bgp.asn"] is None:
         v["bgp.asn"] = v["node.asn"]
     hold, keep = v["bgp.hold_time"], v["bgp.keepalive_time"]
@@ -803,9 +827,77 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
     sections["bgp"] = dataclasses.replace(sections["bgp"], peers=peers, listen_ranges=ranges)
     return Config(**sections, source=ld.source)
 
+def _node_addresses(ld: _Loader, host: HostFacts | None) -> None:
+    """The underlay addresses the families need, from the host where not set: IPv4 (ipv4, dual:
+    required) and IPv6 (ipv6: required; dual: where the host has an IPv6 default route)."""
+    v, ok = ld.values, (lambda *paths: not ld.bad.intersection(paths))
+    if not ok("network.ip_family"):
+        return
+    family = v["network.ip_family"]
+    if family == "ipv6" and v["node.address"] is not None and ok("node.address"):
+        ld.key_problem("node.address", "is an IPv4 underlay address, which ip_family = ipv6 does not use "
+                                       "(remove it, or use [network] ip_family = dual)")
+        v["node.address"] = None
+    if family == "ipv4" and v["node.address_v6"] is not None and ok("node.address_v6"):
+        ld.key_problem(ld.blame("node.address_v6", "network.ip_family"),
+                       "is used only with [network] ip_family = dual or ipv6 (pods get IPv4 addresses alone)")
+    wanted = [("node.address", "default_address", "IPv4", True)] if family != "ipv6" else []
+    if family != "ipv4":
+        wanted.append(("node.address_v6", "default_address_v6", "IPv6", family == "ipv6"))
+    for path, method, name, required in wanted:
+        if host is None or v[path] is not None or not ok(path):
+            continue
+        try:
+            v[path] = getattr(host, method)()
+            reason = f"this host has no {name} default route to take it from"
+        except Exception as e:  # netlink refused: say so in one line rather than a traceback
+            reason = f"reading the {name} default route failed ({e})"
+        if v[path] is None and required:
+            ld.key_problem(path, f"not set and {reason}; set [node] {path.split('.')[1]}")
+
+
+def _router_id_of(name: str | None) -> IPv4Address | None:
+    """A node without an IPv4 address (ip_family = ipv6) still needs a 4-octet BGP identifier
+    (RFC 4271 §4.2, RFC 6286): derived from its node name, which is unique in the cluster, as
+    Calico's CALICO_ROUTER_ID=hash does.  Never 0.0.0.0 (RFC 6286 §2.1)."""
+    if name is None:
+        return None
+    n = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")
+    return IPv4Address(n or 1)
+
+
+def _check_families(ld: _Loader) -> None:
+    """What the pod families ask of the other [network] keys (one line per problem)."""
+    v, ok = ld.values, (lambda *paths: not ld.bad.intersection(paths))
+    if not ok("network.ip_family"):
+        return
+    family, backend = v["network.ip_family"], v["network.backend"]
+    cidr, sublen = v["network.cidr_v6"], v["network.subnet_len_v6"]
+    if ok("network.cidr_v6", "network.subnet_len_v6") and not cidr.prefixlen < sublen <= MAX_SUBNET_LEN_V6:
+        ld.key_problem(ld.blame("network.subnet_len_v6", "network.cidr_v6"),
+                       f"node subnets /{sublen} must be longer than the cidr_v6's /{cidr.prefixlen} "
+                       f"and at most /{MAX_SUBNET_LEN_V6}")
+    if family == "ipv4":
+        return
+    if family == "ipv6" and ok("network.backend") and not BACKEND_TABLE[backend].outer_ipv6:
+        ld.key_problem(ld.blame("network.backend", "network.ip_family"),
+                       f"{backend} needs an IPv4 underlay ({BACKEND_TABLE[backend].wire}), which ip_family = ipv6 "
+                       "has not: use vxlan or host-gw, or ip_family = dual")
+    mtu = v["network.mtu"]
+    if ok("network.mtu") and mtu is not None and mtu < IPV6_MIN_MTU:
+        ld.key_problem(ld.blame("network.mtu", "network.ip_family"),
+                       f"{mtu} is below {IPV6_MIN_MTU}, the least every IPv6 link must carry (RFC 8200 §5)")
+    if family == "dual" and ld.origins["bgp.next_hop_v6"].rank == 0:
+        # IPv6 routes over the IPv4 sessions: our IPv6 underlay address is their next hop
+        # (None: the IPv4-mapped form, which the other nodes map back to this node).
+        v["bgp.next_hop_v6"] = v["node.address_v6"]
+    if family == "ipv6" and ld.origins["bgp.listen"].rank == 0:
+        v["bgp.listen"] = HostPort("::", BgpConfig.listen.port)  # the sessions are IPv6
+
+
 def _check_peers(ld: _Loader) -> None:
     v, seen = ld.values, {}
-    own = {v["node.address"], v["bgp.router_id"]} - {None}
+    own = {v["node.address"], v["node.address_v6"], v["bgp.router_id"]} - {None}
     for peer, (i, origins) in zip(v["bgp.peers"], ld.table_origins["bgp.peers"]):
         where = f"[[bgp.peers]] #{i + 1}"
 

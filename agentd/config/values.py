@@ -188,6 +188,16 @@ def parse_node_address(s: str) -> IPv4Address | None:
     return addr
 
 
+def parse_node_address_v6(s: str) -> IPv6Address | None:
+    """This node's underlay IPv6 address: global or unique-local unicast, never loopback or
+    link-local (the other nodes reach this node at it, across routers too)."""
+    addr = parse_ipv6_or_none(s)
+    if addr is not None and (addr.is_link_local or addr.ipv4_mapped is not None):
+        raise BadValue("must be a global or unique-local address, not link-local or IPv4-mapped: "
+                       "the other nodes reach this node at it")
+    return addr
+
+
 def parse_dns_address(s: str) -> IPv4Address:
     """The node-local DNS address (Services): unicast, not loopback (pods send to it)."""
     addr = parse_ipv4(s)
@@ -276,6 +286,29 @@ def parse_pod_network(s: str) -> IPNetwork:
     clash = next((n for n in _NOT_POD_SPACE if net.overlaps(n)), None)
     if clash is not None:
         raise BadValue(f"overlaps {clash}, which pods cannot use (loopback, link-local, multicast or reserved)")
+    return net
+
+
+# RFC 4291 §2.4: what pods cannot have addresses in (loopback, link-local, multicast, the
+# IPv4-mapped and unspecified space).
+_NOT_POD_SPACE_V6 = [ip_network(n) for n in ("::/8", "fe80::/10", "ff00::/8")]
+
+
+def parse_pod_network_v6(s: str) -> IPv6Network:
+    """The cluster's IPv6 pod network: unicast, outside loopback, link-local and multicast."""
+    try:
+        net = ip_network(s.strip(), strict=False)
+    except ValueError:
+        raise BadValue("must be an IPv6 network like fd00:10:244::/48") from None
+    if net.version != 6:
+        raise BadValue("must be an IPv6 network like fd00:10:244::/48, not IPv4 ([network] cidr is the IPv4 one)")
+    if "/" not in s:
+        raise BadValue(f"needs a prefix length, e.g. {net.network_address}/48")
+    if net.network_address != ip_address(s.strip().split("/")[0]):
+        raise BadValue(f"has host bits set (did you mean {net}?)")
+    clash = next((n for n in _NOT_POD_SPACE_V6 if net.overlaps(n)), None)
+    if clash is not None:
+        raise BadValue(f"overlaps {clash}, which pods cannot use (loopback, IPv4-mapped, link-local or multicast)")
     return net
 
 

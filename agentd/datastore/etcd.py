@@ -104,7 +104,9 @@ class EtcdClient(aetcd.Client):
     def __init__(
         self, endpoint: Endpoint, *, timeout: float, credentials: grpc.ChannelCredentials | None = None
     ) -> None:
-        super().__init__(endpoint.host, endpoint.port, timeout=timeout, options=dict(CHANNEL_OPTIONS))
+        # gRPC's target is host:port, an IPv6 literal in brackets ([fd00::2]:2379).
+        host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+        super().__init__(host, endpoint.port, timeout=timeout, options=dict(CHANNEL_OPTIONS))
         self.endpoint = endpoint
         self._credentials = credentials
 

@@ -5,6 +5,10 @@ A subnet is taken by ONE etcd transaction that puts the subnet key only if it do
 re-takes the subnet after the lease was lost).  Candidates are tried in this order: the
 subnet the node had before, the subnets etcd records for it, the subnet in its node record,
 then a free one picked at random.  A lost race moves on to the next candidate.
+
+A dual-stack node holds one subnet of each family (``version`` 4 and 6), each taken by its
+own transaction of the same kind, under the same lease; a claim's clean-up of older subnets
+recorded for the node touches only its own family.  ``release`` drops both in one.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Awaitable
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
 from typing import Any
 
 from agentd.datastore import subnets
@@ -37,12 +41,15 @@ from agentd.datastore.subnets import Claim, Entry
 
 log = logging.getLogger("agentd.datastore")
 
+Network = IPv4Network | IPv6Network
+
 # A subnet allocator that loses this many races in a row re-reads etcd's view.
 LOST_RACES_BEFORE_REREAD = 8
 
 
 class SubnetLeases:
-    """The subnet this agent holds (in ``keeper.subnet``) and everyone's subnet records."""
+    """The subnets this agent holds (in ``keeper.subnets``, by IP version) and everyone's subnet
+    records."""
 
     def __init__(self, connection: EtcdConnection, keeper: LeaseKeeper, prefix: str, rng: random.Random) -> None:
         self.connection = connection
@@ -53,33 +60,38 @@ class SubnetLeases:
     async def acquire_subnet(
         self,
         node: str,
-        public_ip: IPv4Address | str,
+        public_ip: IPv4Address | IPv6Address | str,
         backend_type: str,
         backend_data: dict[str, Any],
         *,
         cluster: ClusterConfig,
-        previous: IPv4Network | str | None = None,
+        previous: Network | str | None = None,
         timeout: float | None = None,
+        version: int = 4,
     ) -> SubnetLease:
-        """Lease a /subnet_len of cluster.cidr for ``node`` (see the module doc for the order)."""
+        """Lease a subnet of the cluster's pod network of IP ``version`` for ``node`` (see the
+        module doc for the order)."""
         check_node_name(node, "acquire_subnet", "node")
+        if version not in cluster.versions:
+            raise ValueError(f"the cluster is {cluster.ip_family}: it has no IPv{version} pod network")
+        cidr, subnet_len = cluster.pool(version)
         template = SubnetLease(
-            subnet=cluster.cidr,  # replaced by each candidate
+            subnet=cidr,  # replaced by each candidate
             node=node,
             public_ip=public_ip,
             backend_type=backend_type,
             backend_data=backend_data,
         )
         if previous is not None:
-            previous = IPv4Network(previous)
-            if not is_cluster_subnet(cluster, previous):
+            previous = ip_network(previous)
+            if previous.version != version or not is_cluster_subnet(cluster, previous):
                 log.warning("previous subnet %s is not a /%d of the cluster network %s; ignoring it",
-                            previous, cluster.subnet_len, cluster.cidr)
+                            previous, subnet_len, cidr)
                 previous = None
         deadline = self.connection.deadline(timeout)
         async with self.keeper.lock:
-            lease = await self._allocate(template, cluster, previous, deadline)
-            self.keeper.subnet = lease
+            lease = await self._allocate(template, cluster, previous, deadline, version)
+            self.keeper.subnets[version] = lease
         return lease
 
     async def set_subnet_backend_data(self, backend_data: dict[str, Any], *, timeout: float | None = None) -> bool:
@@ -87,32 +99,36 @@ class SubnetLeases:
         as flannel does; the node record carries the same.  Never moves or re-takes the lease:
         the record is rewritten only while it is still the one we wrote.  True if written."""
         keeper = self.keeper
+        written = False
         async with keeper.lock:
-            lease = keeper.subnet
-            if lease is None or lease.lease_id is None or lease.backend_data == backend_data:
-                return False
-            new = dataclasses.replace(lease, backend_data=dict(backend_data))
-            keeper.subnet = new  # a re-claim after an etcd outage writes the new data too
-            ok = await self.connection.call(
-                "publish subnet backend data",
-                lambda c: subnets.rewrite(c, self.prefix, lease, new),
-                self.connection.deadline(timeout),
-            )
-        if not ok:
-            log.warning("subnet %s: its record changed meanwhile; backend data not published", lease.subnet)
-        return ok
+            for version, lease in sorted(keeper.subnets.items()):
+                if lease.lease_id is None or lease.backend_data == backend_data:
+                    continue
+                new = dataclasses.replace(lease, backend_data=dict(backend_data))
+                keeper.subnets[version] = new  # a re-claim after an etcd outage writes the new data too
+                ok = await self.connection.call(
+                    "publish subnet backend data",
+                    lambda c, lease=lease, new=new: subnets.rewrite(c, self.prefix, lease, new),
+                    self.connection.deadline(timeout),
+                )
+                if not ok:
+                    log.warning("subnet %s: its record changed meanwhile; backend data not published", lease.subnet)
+                written |= ok
+        return written
 
     async def _allocate(
-        self, template: SubnetLease, cluster: ClusterConfig, previous: IPv4Network | None, deadline: float | None
+        self, template: SubnetLease, cluster: ClusterConfig, previous: Network | None, deadline: float | None,
+        version: int,
     ) -> SubnetLease:
         node = template.node
+        cidr, subnet_len = cluster.pool(version)
         while True:
             lease_id = await self.keeper.ensure_lease(deadline)
             view = await self.connection.call("read subnets", lambda c: self._read_subnets(c, node), deadline)
-            ours = view.held_by(node)
-            preferred = [previous, *sorted(ours), view.node_subnet]
+            ours = view.held_by(node, version)
+            preferred = [previous, *sorted(ours), view.node_subnets.get(version)]
             outcome = Claim.RETRY
-            tried: set[IPv4Network] = set()
+            tried: set[Network] = set()
             for candidate in preferred:
                 if candidate is None or candidate in tried or not is_cluster_subnet(cluster, candidate):
                     continue
@@ -126,12 +142,12 @@ class SubnetLeases:
             else:
                 taken = set(view.entries)
                 for _ in range(LOST_RACES_BEFORE_REREAD):
-                    candidate = pick_free_subnet(cluster.cidr, cluster.subnet_len, taken, self.rng)
+                    candidate = pick_free_subnet(cidr, subnet_len, taken, self.rng)
                     if candidate is None:
                         if taken == set(view.entries):
                             raise SubnetExhausted(
-                                f"no free /{cluster.subnet_len} subnet left in {cluster.cidr} for node {node}: "
-                                f"all {subnet_count(cluster.cidr, cluster.subnet_len)} are leased"
+                                f"no free /{subnet_len} subnet left in {cidr} for node {node}: "
+                                f"all {subnet_count(cidr, subnet_len)} are leased"
                             )
                         break  # full only in our stale view: read again
                     outcome = await self._claim(template, candidate, None, ours, lease_id, deadline)
@@ -149,9 +165,9 @@ class SubnetLeases:
     async def _claim(
         self,
         template: SubnetLease,
-        candidate: IPv4Network,
+        candidate: Network,
         entry: Entry | None,
-        ours: dict[IPv4Network, Entry],
+        ours: dict[Network, Entry],
         lease_id: int,
         deadline: float | None,
     ) -> Claim:
@@ -166,20 +182,20 @@ class SubnetLeases:
         return subnets.read_subnets(client, self.prefix, node, self.connection.report_bad)
 
     async def get_subnet_lease(
-        self, subnet: IPv4Network | str, *, timeout: float | None = None
+        self, subnet: Network | str, *, timeout: float | None = None
     ) -> SubnetLease | None:
         """The lease on ``subnet``, or None; RecordError if the stored value is malformed."""
-        subnet = IPv4Network(subnet)
+        subnet = ip_network(subnet)
         got = await self.connection.call(
             "read subnet", lambda c: c.get(subnet_key(self.prefix, subnet)), self.connection.deadline(timeout)
         )
         return None if got is None else SubnetLease.from_json(got.value, subnet, got.lease)
 
-    async def list_subnets(self, *, timeout: float | None = None) -> dict[IPv4Network, SubnetLease]:
+    async def list_subnets(self, *, timeout: float | None = None) -> dict[Network, SubnetLease]:
         head = subnets_prefix(self.prefix)
         got = await self.connection.call("list subnets", lambda c: c.get_prefix(head),
                                          self.connection.deadline(timeout))
-        leases: dict[IPv4Network, SubnetLease] = {}
+        leases: dict[Network, SubnetLease] = {}
         for kv in got:
             try:
                 subnet = parse_subnet_key(self.prefix, kv.key)
@@ -188,7 +204,7 @@ class SubnetLeases:
                 self.connection.report_bad(kv.key, kv.mod_revision, e)
         return leases
 
-    async def release(self, node: str, *, timeout: float | None = None) -> list[IPv4Network]:
+    async def release(self, node: str, *, timeout: float | None = None) -> list[Network]:
         """Delete the subnet keys recorded for ``node`` and revoke this instance's lease
         (which removes the node record it registered).  Returns the released subnets.
         Afterwards this instance holds no lease, node record or subnet."""
@@ -196,7 +212,7 @@ class SubnetLeases:
         call, keeper = self.connection.call, self.keeper
         deadline = self.connection.deadline(timeout)
         async with keeper.lock:  # the keepalive does not restore keys while we hold it
-            released: list[IPv4Network] = []
+            released: list[Network] = []
             while True:
                 view = await call("read subnets", lambda c: self._read_subnets(c, node), deadline)
                 ours = view.held_by(node)
@@ -204,14 +220,14 @@ class SubnetLeases:
                     break
                 ok = await call("release subnets", lambda c: subnets.release(c, self.prefix, ours), deadline)
                 if ok:
-                    released = sorted(ours)
+                    released = sorted(ours, key=lambda n: (n.version, n))
                     break
             # Past this point nothing is ours any more; a failed revoke only means the
             # lease runs out by itself after lease_ttl.
             await keeper.stop()
             lease_id, keeper.lease_id = keeper.lease_id, None
             keeper.node = None
-            keeper.subnet = None
+            keeper.subnets.clear()
             if lease_id is not None:
                 try:
                     await call("revoke lease", lambda c: c.revoke_lease(lease_id), deadline)

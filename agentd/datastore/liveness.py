@@ -6,7 +6,7 @@ again and re-acquires THE SAME subnet if it is still free; if another node took 
 ``on_subnet_lost(lease)`` is called.  Each round also puts back our keys if someone deleted
 them.  The task never exits and never raises.
 
-``LeaseKeeper`` holds what we keep alive (``node``, ``subnet``) and the ``lock`` every change
+``LeaseKeeper`` holds what we keep alive (``node``, ``subnets`` by IP version) and the ``lock`` every change
 of our keys takes: agentd.datastore.registration and agentd.datastore.leases change them.
 """
 
@@ -54,11 +54,24 @@ class LeaseKeeper:
         self.subnet_lost_callback = subnet_lost_callback
         self.lease_id: int | None = None
         self.node: NodeRecord | None = None
-        self.subnet: SubnetLease | None = None
+        self.subnets: dict[int, SubnetLease] = {}  # by IP version: one each in a dual-stack cluster
         self.renewals = 0  # successful keepalives
         self.lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._reported_conflicts: set[tuple[bytes, int]] = set()
+
+    @property
+    def subnet(self) -> SubnetLease | None:
+        """The node's first subnet lease (IPv4 where it has one)."""
+        return next((self.subnets[v] for v in sorted(self.subnets)), None)
+
+    @subnet.setter
+    def subnet(self, lease: SubnetLease | None) -> None:
+        """Hold ``lease`` as the subnet of its family; None holds none at all."""
+        if lease is None:
+            self.subnets.clear()
+        else:
+            self.subnets[lease.subnet.version] = lease
 
     # -- the lease ------------------------------------------------------------------------
 
@@ -167,16 +180,15 @@ class LeaseKeeper:
         parts = []
         if self.node is not None:
             parts.append(f"node {self.node.name}")
-        if self.subnet is not None:
-            parts.append(f"subnet {self.subnet.subnet}")
+        parts += [f"subnet {lease.subnet}" for _v, lease in sorted(self.subnets.items())]
         return " and ".join(parts) or "nothing"
 
     # -- restoring our keys -----------------------------------------------------------------
 
     async def _restore_keys(self, client: EtcdClient) -> None:
-        """Make sure our node record and subnet key exist under our lease."""
-        node, subnet = self.node, self.subnet
-        if node is None and subnet is None:
+        """Make sure our node record and subnet keys exist under our lease."""
+        node, held = self.node, sorted(self.subnets.items())
+        if node is None and not held:
             return
         if self.lease_id is None:
             lease = await client.lease(self.lease_ttl)
@@ -184,11 +196,13 @@ class LeaseKeeper:
             log.info("granted new etcd lease %x (ttl %ss)", lease.id, lease.ttl)
         lease_id = self.lease_id
         keys = [node_key(self.prefix, node.name)] if node else []
-        keys += [subnet_key(self.prefix, subnet.subnet)] if subnet else []
+        keys += [subnet_key(self.prefix, lease.subnet) for _v, lease in held]
         _, found = await client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[])
         node_kvs = found[0] if node else []
-        if subnet is not None:
-            await self._restore_subnet(client, subnet, found[-1], lease_id)
+        for (_v, lease), kvs in zip(held, found[1 if node else 0:]):
+            if self.lease_id != lease_id:
+                return  # the lease went while restoring: the next round starts again
+            await self._restore_subnet(client, lease, kvs, lease_id)
         if node is not None and self.lease_id == lease_id:
             if not node_kvs:
                 try:
@@ -206,7 +220,7 @@ class LeaseKeeper:
         if not kvs:
             outcome = await subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id)
             if outcome is Claim.WON:
-                self.subnet = dataclasses.replace(subnet, lease_id=lease_id)
+                self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
                 log.info("re-acquired subnet %s for node %s under lease %x", subnet.subnet, subnet.node, lease_id)
                 return
             if outcome is Claim.LEASE_GONE:
@@ -227,7 +241,7 @@ class LeaseKeeper:
             if kv.lease != lease_id:
                 self._report_conflict(kv.key, kv.mod_revision, "subnet key")
             return
-        self.subnet = None
+        self.subnets.pop(subnet.subnet.version, None)
         log.error("subnet %s of node %s was taken by %s while our etcd lease was gone; it is lost",
                   subnet.subnet, subnet.node, holder)
         self.connection.notify("on_subnet_lost", self.subnet_lost_callback(), subnet)

@@ -9,7 +9,9 @@ Keys (docs/operations.md, "What agentd keeps in etcd"; prefix default ``/agentd`
 
     <prefix>/config               ClusterConfig, first writer wins
     <prefix>/nodes/<name>         NodeRecord, under the node's liveness lease
-    <prefix>/subnets/<ip>-<len>   SubnetLease, under the same lease
+    <prefix>/subnets/<ip>-<len>   SubnetLease, under the same lease; IPv6 subnets as their
+                                  RFC 5952 text (``fd00:10:244:3::-64``): one spelling per
+                                  subnet, so the key's existence decides who holds it
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import random
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address, ip_network
 from typing import Any, Literal, Self
 
 from agentd.backend_table import NAMES as BACKENDS
@@ -26,6 +28,9 @@ ENCAPS = ("always", "cross-subnet")
 # A pod subnet needs room for the bridge gateway and at least one pod: /30 is the
 # smallest that has two usable addresses.
 MAX_SUBNET_LEN = 30
+MAX_SUBNET_LEN_V6 = 126  # the same for IPv6: a gateway and one pod (::0 is the subnet-router anycast)
+IP_FAMILIES = ("ipv4", "dual", "ipv6")
+VERSIONS = {"ipv4": (4,), "dual": (4, 6), "ipv6": (6,)}  # the IP versions of each ip_family
 ASN_MAX = 2**32 - 1  # 4-octet AS numbers (RFC 6793)
 NODE_NAME_MAX = 253  # a DNS name, as Kubernetes node names are
 
@@ -94,24 +99,35 @@ def _dict(kind: str, name: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def _address(kind: str, name: str, value: Any) -> IPv4Address:
-    if isinstance(value, IPv4Address):
+_FAMILY_NAMES = {4: "an IPv4", 6: "an IPv6", None: "an IP"}
+
+
+def _address(kind: str, name: str, value: Any, version: int | None = 4) -> IPv4Address | IPv6Address:
+    """An address of IP ``version`` (None: either)."""
+    if isinstance(value, (IPv4Address, IPv6Address)) and version in (None, value.version):
         return value
-    text = _str(kind, name, value)
+    text = _str(kind, name, str(value) if isinstance(value, (IPv4Address, IPv6Address)) else value)
     try:
-        return IPv4Address(text)
+        addr = ip_address(text)
     except ValueError:
-        raise RecordError(f"{kind}: field {name!r} = {text!r} is not an IPv4 address") from None
+        addr = None
+    if addr is None or version not in (None, addr.version):
+        raise RecordError(f"{kind}: field {name!r} = {text!r} is not {_FAMILY_NAMES[version]} address") from None
+    return addr
 
 
-def _network(kind: str, name: str, value: Any) -> IPv4Network:
-    if isinstance(value, IPv4Network):
+def _network(kind: str, name: str, value: Any, version: int | None = 4) -> IPv4Network | IPv6Network:
+    """A network (no host bits) of IP ``version`` (None: either)."""
+    if isinstance(value, (IPv4Network, IPv6Network)) and version in (None, value.version):
         return value
-    text = _str(kind, name, value)
+    text = _str(kind, name, str(value) if isinstance(value, (IPv4Network, IPv6Network)) else value)
     try:
-        return IPv4Network(text)
+        net = ip_network(text)
     except ValueError as e:
-        raise RecordError(f"{kind}: field {name!r} = {text!r} is not an IPv4 network ({e})") from None
+        raise RecordError(f"{kind}: field {name!r} = {text!r} is not {_FAMILY_NAMES[version]} network ({e})") from None
+    if version not in (None, net.version):
+        raise RecordError(f"{kind}: field {name!r} = {text!r} is not {_FAMILY_NAMES[version]} network")
+    return net
 
 
 def _typename(value: Any) -> str:
@@ -148,6 +164,12 @@ class ClusterConfig:
     encap: str
     # Services: the cluster IP range; records written before it have the default.
     service_cidr: IPv4Network = IPv4Network("10.96.0.0/12")  # DEFAULT_SERVICE_CIDR
+    # The families pods have addresses in, and the IPv6 pod network (dual, ipv6).  Records
+    # written before them are "ipv4".  ``cidr`` is kept in every record (older agents read
+    # it), but with "ipv6" nobody leases from it.
+    ip_family: str = "ipv4"
+    cidr_v6: IPv6Network | None = None
+    subnet_len_v6: int | None = None
 
     _KIND = "cluster config"
 
@@ -167,6 +189,26 @@ class ClusterConfig:
             raise RecordError(f"{kind}: field 'encap' = {self.encap!r} is not one of {', '.join(ENCAPS)}")
         # Not checked against cidr: records written before the field have the default, whatever cidr is.
         object.__setattr__(self, "service_cidr", _network(kind, "service_cidr", self.service_cidr))
+        if _str(kind, "ip_family", self.ip_family) not in IP_FAMILIES:
+            raise RecordError(f"{kind}: field 'ip_family' = {self.ip_family!r} is not one of {', '.join(IP_FAMILIES)}")
+        if self.ip_family != "ipv4" or self.cidr_v6 is not None:
+            if self.cidr_v6 is None or self.subnet_len_v6 is None:
+                raise RecordError(f"{kind}: ip_family {self.ip_family} needs the fields 'cidr_v6' and 'subnet_len_v6'")
+            cidr_v6 = _network(kind, "cidr_v6", self.cidr_v6, 6)
+            object.__setattr__(self, "cidr_v6", cidr_v6)
+            _int(kind, "subnet_len_v6", self.subnet_len_v6, cidr_v6.prefixlen, MAX_SUBNET_LEN_V6)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The IP versions nodes lease subnets of: (4,), (4, 6) or (6,)."""
+        return VERSIONS[self.ip_family]
+
+    def pool(self, version: int) -> tuple[IPv4Network | IPv6Network, int]:
+        """(the pod network, the node subnets' prefix length) of IP ``version``."""
+        if version == 6:
+            assert self.cidr_v6 is not None and self.subnet_len_v6 is not None, "no IPv6 pod network"
+            return self.cidr_v6, self.subnet_len_v6
+        return self.cidr, self.subnet_len
 
     @property
     def subnet_count(self) -> int:
@@ -176,6 +218,8 @@ class ClusterConfig:
         obj: dict[str, Any] = {"cidr": str(self.cidr), "subnet_len": self.subnet_len, "backend": self.backend, "encap": self.encap}
         if self.service_cidr != DEFAULT_SERVICE_CIDR:  # optional: the record docs/operations.md lists, plus this when set
             obj["service_cidr"] = str(self.service_cidr)
+        if self.ip_family != "ipv4" or self.cidr_v6 is not None:  # an IPv4 cluster's record is as it was
+            obj.update(ip_family=self.ip_family, cidr_v6=str(self.cidr_v6), subnet_len_v6=self.subnet_len_v6)
         return _dumps(obj)
 
     @classmethod
@@ -188,60 +232,94 @@ class ClusterConfig:
             backend=_str(kind, "backend", _field(kind, obj, "backend")),
             encap=_str(kind, "encap", _field(kind, obj, "encap")),
             service_cidr=_network(kind, "service_cidr", obj.get("service_cidr", str(DEFAULT_SERVICE_CIDR))),
+            ip_family=_str(kind, "ip_family", obj.get("ip_family", "ipv4")),
+            cidr_v6=None if obj.get("cidr_v6") is None else _network(kind, "cidr_v6", obj["cidr_v6"], 6),
+            subnet_len_v6=None if obj.get("subnet_len_v6") is None
+            else _int(kind, "subnet_len_v6", obj["subnet_len_v6"], 0, 128),
         )
 
 
 @dataclass(frozen=True)
 class NodeRecord:
-    """A live node, at ``<prefix>/nodes/<name>`` under the node's liveness lease."""
+    """A live node, at ``<prefix>/nodes/<name>`` under the node's liveness lease.
+
+    ``address`` is its IPv4 underlay address (None only in an IPv6-only cluster),
+    ``address_v6`` its IPv6 one where it has one, ``link_local_v6`` the fe80:: address of its
+    underlay interface (host-gw's IPv6 next hop where the segment has no IPv6 addresses),
+    ``subnet`` / ``subnet_v6`` its pod subnets."""
 
     name: str
-    address: IPv4Address
+    address: IPv4Address | None
     asn: int
     subnet: IPv4Network | None
     route_reflector: bool
     cluster_id: str | None
     backend: dict[str, Any] = field(default_factory=dict, hash=False)
+    address_v6: IPv6Address | None = None
+    subnet_v6: IPv6Network | None = None
+    link_local_v6: IPv6Address | None = None
 
     _KIND = "node record"
 
     def __post_init__(self) -> None:
         kind = self._KIND
         check_node_name(self.name, kind)
-        object.__setattr__(self, "address", _address(kind, "address", self.address))
+        if self.address is None and self.address_v6 is None:
+            raise RecordError(f"{kind}: field 'address' must be an IPv4 address (null only beside an 'address_v6')")
+        for name, version in (("address", 4), ("address_v6", 6), ("link_local_v6", 6)):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _address(kind, name, getattr(self, name), version))
         _int(kind, "asn", self.asn, 1, ASN_MAX)
-        if self.subnet is not None:
-            object.__setattr__(self, "subnet", _network(kind, "subnet", self.subnet))
+        for name, version in (("subnet", 4), ("subnet_v6", 6)):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _network(kind, name, getattr(self, name), version))
         _bool(kind, "route_reflector", self.route_reflector)
         _str(kind, "cluster_id", self.cluster_id, optional=True)
         object.__setattr__(self, "backend", _dict(kind, "backend", self.backend))
 
+    @property
+    def peer_address(self) -> IPv4Address | IPv6Address:
+        """Where its BGP sessions and tunnels go: its IPv4 address, or its IPv6 one in an
+        IPv6-only cluster."""
+        return self.address if self.address is not None else self.address_v6  # type: ignore[return-value]
+
     def to_json(self) -> bytes:
-        return _dumps(
-            {
-                "name": self.name,
-                "address": str(self.address),
-                "asn": self.asn,
-                "subnet": None if self.subnet is None else str(self.subnet),
-                "route_reflector": self.route_reflector,
-                "cluster_id": self.cluster_id,
-                "backend": self.backend,
-            }
-        )
+        obj: dict[str, Any] = {
+            "name": self.name,
+            "address": None if self.address is None else str(self.address),
+            "asn": self.asn,
+            "subnet": None if self.subnet is None else str(self.subnet),
+            "route_reflector": self.route_reflector,
+            "cluster_id": self.cluster_id,
+            "backend": self.backend,
+        }
+        for name in ("address_v6", "subnet_v6", "link_local_v6"):  # only when set: an IPv4 node's record is as it was
+            if getattr(self, name) is not None:
+                obj[name] = str(getattr(self, name))
+        return _dumps(obj)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Self:
         kind = cls._KIND
         obj = _load(kind, data)
         subnet = _field(kind, obj, "subnet")
+        address = _field(kind, obj, "address")
+
+        def optional(name: str, parse: Any) -> Any:
+            return None if obj.get(name) is None else parse(kind, name, obj[name], 6)
+
         return cls(
             name=check_node_name(_field(kind, obj, "name"), kind),
-            address=_address(kind, "address", _field(kind, obj, "address")),
+            address=None if address is None and obj.get("address_v6") is not None
+            else _address(kind, "address", address),
             asn=_int(kind, "asn", _field(kind, obj, "asn"), 1, ASN_MAX),
             subnet=None if subnet is None else _network(kind, "subnet", subnet),
             route_reflector=_bool(kind, "route_reflector", _field(kind, obj, "route_reflector")),
             cluster_id=_str(kind, "cluster_id", obj.get("cluster_id"), optional=True),
             backend=_dict(kind, "backend", obj.get("backend", {})),
+            address_v6=optional("address_v6", _address),
+            subnet_v6=optional("subnet_v6", _network),
+            link_local_v6=optional("link_local_v6", _address),
         )
 
 
@@ -253,9 +331,9 @@ class SubnetLease:
     is the etcd lease the key is attached to, when known.
     """
 
-    subnet: IPv4Network
+    subnet: IPv4Network | IPv6Network
     node: str
-    public_ip: IPv4Address
+    public_ip: IPv4Address | IPv6Address  # the node's underlay address (IPv6 in an IPv6-only cluster)
     backend_type: str
     backend_data: dict[str, Any] = field(default_factory=dict, hash=False)
     lease_id: int | None = None
@@ -264,9 +342,9 @@ class SubnetLease:
 
     def __post_init__(self) -> None:
         kind = self._KIND
-        object.__setattr__(self, "subnet", _network(kind, "subnet", self.subnet))
+        object.__setattr__(self, "subnet", _network(kind, "subnet", self.subnet, None))
         check_node_name(self.node, kind, "node")
-        object.__setattr__(self, "public_ip", _address(kind, "public_ip", self.public_ip))
+        object.__setattr__(self, "public_ip", _address(kind, "public_ip", self.public_ip, None))
         _str(kind, "backend_type", self.backend_type)
         object.__setattr__(self, "backend_data", _dict(kind, "backend_data", self.backend_data))
 
@@ -281,15 +359,15 @@ class SubnetLease:
         )
 
     @classmethod
-    def from_json(cls, data: bytes | str, subnet: IPv4Network | str, lease_id: int | None = None) -> Self:
+    def from_json(cls, data: bytes | str, subnet: IPv4Network | IPv6Network | str, lease_id: int | None = None) -> Self:
         kind = f"{cls._KIND} {subnet}"
         obj = _load(kind, data)
         node = _field(kind, obj, "node")
         check_node_name(node, kind, "node")
         return cls(
-            subnet=_network(kind, "subnet", subnet),
+            subnet=_network(kind, "subnet", subnet, None),
             node=node,
-            public_ip=_address(kind, "public_ip", _field(kind, obj, "public_ip")),
+            public_ip=_address(kind, "public_ip", _field(kind, obj, "public_ip"), None),
             backend_type=_str(kind, "backend_type", _field(kind, obj, "backend_type")),
             backend_data=_dict(kind, "backend_data", obj.get("backend_data", {})),
             lease_id=lease_id or None,
@@ -335,12 +413,14 @@ def subnets_prefix(prefix: str) -> bytes:
     return f"{prefix}/subnets/".encode()
 
 
-def subnet_key(prefix: str, subnet: IPv4Network) -> bytes:
-    """``/agentd/subnets/10.244.3.0-24`` (flannel's key format)."""
+def subnet_key(prefix: str, subnet: IPv4Network | IPv6Network) -> bytes:
+    """``/agentd/subnets/10.244.3.0-24`` (flannel's key format), ``/agentd/subnets/fd00:10:244:3::-64``
+    (the address as RFC 5952 writes it, which ipaddress does: one key per subnet; ':' is an
+    ordinary byte in an etcd key)."""
     return subnets_prefix(prefix) + f"{subnet.network_address}-{subnet.prefixlen}".encode()
 
 
-def parse_subnet_key(prefix: str, key: bytes | str) -> IPv4Network:
+def parse_subnet_key(prefix: str, key: bytes | str) -> IPv4Network | IPv6Network:
     """The subnet named by a ``<prefix>/subnets/<ip>-<len>`` key; RecordError if it is not one."""
     text = key.decode(errors="replace") if isinstance(key, bytes) else key
     head = subnets_prefix(prefix).decode()
@@ -350,9 +430,9 @@ def parse_subnet_key(prefix: str, key: bytes | str) -> IPv4Network:
     if not sep or not length.isdigit():
         raise RecordError(f"subnet key {text!r} is not of the form <ip>-<len>")
     try:
-        return IPv4Network(f"{ip}/{int(length)}")
+        return ip_network(f"{ip}/{int(length)}")
     except ValueError as e:
-        raise RecordError(f"subnet key {text!r} does not name an IPv4 subnet ({e})") from None
+        raise RecordError(f"subnet key {text!r} does not name a subnet ({e})") from None
 
 
 def parse_node_key(prefix: str, key: bytes | str) -> str:
@@ -376,36 +456,43 @@ def parse_node(prefix: str, key: bytes | str, value: bytes) -> NodeRecord:
 # -- subnet arithmetic -------------------------------------------------------------
 
 
-def subnet_count(cidr: IPv4Network, subnet_len: int) -> int:
+Network = IPv4Network | IPv6Network
+
+
+def subnet_count(cidr: Network, subnet_len: int) -> int:
     """How many /subnet_len subnets the cluster network holds."""
-    if not cidr.prefixlen <= subnet_len <= 32:
+    if not cidr.prefixlen <= subnet_len <= cidr.max_prefixlen:
         raise ValueError(f"subnet_len {subnet_len} does not fit in {cidr}")
     return 1 << (subnet_len - cidr.prefixlen)
 
 
-def subnet_at(cidr: IPv4Network, subnet_len: int, index: int) -> IPv4Network:
+def subnet_at(cidr: Network, subnet_len: int, index: int) -> Network:
     """The index-th /subnet_len subnet of cidr (0 is the one at cidr's own address)."""
     count = subnet_count(cidr, subnet_len)
     if not 0 <= index < count:
         raise IndexError(f"subnet index {index} is outside 0..{count - 1} for /{subnet_len} in {cidr}")
-    base = int(cidr.network_address) + (index << (32 - subnet_len))
-    return IPv4Network((base, subnet_len))
+    base = int(cidr.network_address) + (index << (cidr.max_prefixlen - subnet_len))
+    return type(cidr)((base, subnet_len))
 
 
-def subnet_index(cidr: IPv4Network, subnet_len: int, subnet: IPv4Network) -> int:
+def subnet_index(cidr: Network, subnet_len: int, subnet: Network) -> int:
     """Inverse of subnet_at; ValueError if subnet is not one of cidr's /subnet_len subnets."""
-    if subnet.prefixlen != subnet_len or not subnet.subnet_of(cidr):
+    if subnet.version != cidr.version or subnet.prefixlen != subnet_len or not subnet.subnet_of(cidr):
         raise ValueError(f"{subnet} is not a /{subnet_len} subnet of {cidr}")
-    return (int(subnet.network_address) - int(cidr.network_address)) >> (32 - subnet_len)
+    return (int(subnet.network_address) - int(cidr.network_address)) >> (cidr.max_prefixlen - subnet_len)
 
 
-def is_cluster_subnet(cluster: ClusterConfig, subnet: IPv4Network) -> bool:
-    return subnet.prefixlen == cluster.subnet_len and subnet.subnet_of(cluster.cidr)
+def is_cluster_subnet(cluster: ClusterConfig, subnet: Network) -> bool:
+    """A subnet of the cluster's pod network of its family, of the nodes' prefix length."""
+    if subnet.version not in cluster.versions:
+        return False
+    cidr, subnet_len = cluster.pool(subnet.version)
+    return subnet.prefixlen == subnet_len and subnet.subnet_of(cidr)  # type: ignore[arg-type]
 
 
 def pick_free_subnet(
-    cidr: IPv4Network, subnet_len: int, taken: Collection[IPv4Network], rng: random.Random
-) -> IPv4Network | None:
+    cidr: Network, subnet_len: int, taken: Collection[Network], rng: random.Random
+) -> Network | None:
     """A pseudo-random subnet of cidr not in ``taken``, or None if every one is taken.
 
     Random rather than lowest-free so that many nodes allocating at the same time
@@ -414,7 +501,7 @@ def pick_free_subnet(
     that (or for small networks) the free ones are listed and one is chosen.
     """
     count = subnet_count(cidr, subnet_len)
-    taken_here = {s for s in taken if s.prefixlen == subnet_len and s.subnet_of(cidr)}
+    taken_here = {s for s in taken if s.version == cidr.version and s.prefixlen == subnet_len and s.subnet_of(cidr)}
     if len(taken_here) >= count:
         return None
     if count > 4096 and len(taken_here) * 2 < count:

@@ -8,6 +8,7 @@ records skips (and logs once) the malformed ones.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -42,19 +43,44 @@ class Registration:
     # -- cluster config ---------------------------------------------------------------------
 
     async def ensure_cluster_config(self, wanted: ClusterConfig, *, timeout: float | None = None) -> ClusterConfig:
-        """Store ``wanted`` if no config exists (one transaction); else return the stored one."""
+        """Store ``wanted`` if no config exists (one transaction); else return the stored one.
+
+        The one change a later node makes to a stored config: an IPv4 cluster that a node
+        configured for dual-stack joins becomes dual-stack, with that node's IPv6 pod network
+        (a compare-and-swap on the stored value; nothing stored is ever changed, only the IPv6
+        fields added).  That is how a running IPv4 cluster moves to dual-stack: its nodes
+        restart with ip_family = "dual" one at a time."""
         key = config_key(self.prefix)
+        deadline = self.connection.deadline(timeout)
         ok, responses = await self.connection.call(
             "store cluster config",
             lambda c: c.transaction(
                 compare=[tx.Version(key) == 0], success=[tx.Put(key, wanted.to_json())], failure=[tx.Get(key)]
             ),
-            self.connection.deadline(timeout),
+            deadline,
         )
         if ok:
             log.info("stored cluster config at %s: %s", key.decode(), wanted.to_json().decode())
             return wanted
-        return parse_config(key, responses[0][0][0])
+        raw = responses[0][0][0]
+        while True:
+            stored = parse_config(key, raw)
+            if not (stored.ip_family == "ipv4" and stored.cidr_v6 is None and wanted.ip_family == "dual"):
+                return stored
+            upgraded = dataclasses.replace(stored, ip_family="dual", cidr_v6=wanted.cidr_v6,
+                                           subnet_len_v6=wanted.subnet_len_v6)
+            ok, responses = await self.connection.call(
+                "make the cluster dual-stack",
+                lambda c, raw=raw, upgraded=upgraded: c.transaction(
+                    compare=[tx.Value(key) == raw], success=[tx.Put(key, upgraded.to_json())], failure=[tx.Get(key)]
+                ),
+                deadline,
+            )
+            if ok:
+                log.info("the cluster is dual-stack from now on: IPv6 pods in %s, a /%d per node (%s)",
+                         upgraded.cidr_v6, upgraded.subnet_len_v6, key.decode())
+                return upgraded
+            raw = responses[0][0][0]  # changed meanwhile: judge the new value
 
     async def get_cluster_config(self, *, timeout: float | None = None) -> ClusterConfig | None:
         key = config_key(self.prefix)

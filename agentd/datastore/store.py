@@ -57,7 +57,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any, TypeVar
 
 from agentd.datastore.connection import EtcdConnection, StateCallback
@@ -185,7 +185,13 @@ class Datastore:
 
     @property
     def subnet_lease(self) -> SubnetLease | None:
+        """The node's first subnet lease (its IPv4 one where it has one)."""
         return self.keeper.subnet
+
+    @property
+    def subnet_leases(self) -> dict[int, SubnetLease]:
+        """The node's subnet leases by IP version (both in a dual-stack cluster)."""
+        return dict(self.keeper.subnets)
 
     @property
     def lease_renewals(self) -> int:
@@ -260,30 +266,33 @@ class Datastore:
     async def acquire_subnet(
         self,
         node: str,
-        public_ip: IPv4Address | str,
+        public_ip: IPv4Address | IPv6Address | str,
         backend_type: str,
         backend_data: dict[str, Any],
         *,
         cluster: ClusterConfig,
-        previous: IPv4Network | str | None = None,
+        previous: IPv4Network | IPv6Network | str | None = None,
         timeout: float | None = None,
+        version: int = 4,
     ) -> SubnetLease:
-        """Lease a /subnet_len of cluster.cidr for ``node`` (see the module doc for the order)."""
+        """Lease a subnet of the cluster's IPv``version`` pod network for ``node`` (see the
+        module doc for the order); a dual-stack node calls this once per family."""
         return await self.leases.acquire_subnet(node, public_ip, backend_type, backend_data, cluster=cluster,
-                                                previous=previous, timeout=timeout)
+                                                previous=previous, timeout=timeout, version=version)
 
     async def set_subnet_backend_data(self, backend_data: dict[str, Any], *, timeout: float | None = None) -> bool:
         """Publish ``backend_data`` in our subnet lease record too; True if written."""
         return await self.leases.set_subnet_backend_data(backend_data, timeout=timeout)
 
-    async def get_subnet_lease(self, subnet: IPv4Network | str, *, timeout: float | None = None) -> SubnetLease | None:
+    async def get_subnet_lease(self, subnet: IPv4Network | IPv6Network | str, *,
+                               timeout: float | None = None) -> SubnetLease | None:
         """The lease on ``subnet``, or None; RecordError if the stored value is malformed."""
         return await self.leases.get_subnet_lease(subnet, timeout=timeout)
 
-    async def list_subnets(self, *, timeout: float | None = None) -> dict[IPv4Network, SubnetLease]:
+    async def list_subnets(self, *, timeout: float | None = None) -> dict[IPv4Network | IPv6Network, SubnetLease]:
         return await self.leases.list_subnets(timeout=timeout)
 
-    async def release(self, node: str, *, timeout: float | None = None) -> list[IPv4Network]:
+    async def release(self, node: str, *, timeout: float | None = None) -> list[IPv4Network | IPv6Network]:
         """Delete the subnet keys recorded for ``node`` and revoke this instance's lease (which
         removes the node record it registered).  Returns the released subnets."""
         return await self.leases.release(node, timeout=timeout)

@@ -11,7 +11,7 @@ import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 
 from aetcd import transactions as tx
 from aetcd.utils import prefix_range_end
@@ -28,6 +28,7 @@ from agentd.datastore.records import (
 )
 
 ReportBad = Callable[[bytes, int, Exception], None]
+Network = IPv4Network | IPv6Network
 
 
 class Claim(enum.Enum):
@@ -48,13 +49,20 @@ class Entry:
 
 @dataclass(frozen=True)
 class SubnetView:
-    """Every subnet key, and the subnet named by the node's own record, at one revision."""
+    """Every subnet key, and the subnets named by the node's own record (by IP version), at one
+    revision."""
 
-    entries: dict[IPv4Network, Entry]
-    node_subnet: IPv4Network | None
+    entries: dict[Network, Entry]
+    node_subnets: dict[int, Network]
 
-    def held_by(self, node: str) -> dict[IPv4Network, Entry]:
-        return {s: e for s, e in self.entries.items() if e.record is not None and e.record.node == node}
+    @property
+    def node_subnet(self) -> Network | None:
+        return self.node_subnets.get(4)
+
+    def held_by(self, node: str, version: int | None = None) -> dict[Network, Entry]:
+        """The subnets recorded for ``node`` (of IP ``version``; None: of both)."""
+        return {s: e for s, e in self.entries.items()
+                if e.record is not None and e.record.node == node and version in (None, s.version)}
 
 
 async def read_subnets(client: EtcdClient, prefix: str, node: str, report_bad: ReportBad) -> SubnetView:
@@ -64,7 +72,7 @@ async def read_subnets(client: EtcdClient, prefix: str, node: str, report_bad: R
         success=[tx.Get(head, prefix_range_end(head)), tx.Get(node_key(prefix, node))],
         failure=[],
     )
-    entries: dict[IPv4Network, Entry] = {}
+    entries: dict[Network, Entry] = {}
     for value, kv in subnets:
         try:
             subnet = parse_subnet_key(prefix, kv.key)
@@ -77,22 +85,24 @@ async def read_subnets(client: EtcdClient, prefix: str, node: str, report_bad: R
             report_bad(kv.key, kv.mod_revision, e)
             record = None  # unreadable, but the key exists: the subnet is taken
         entries[subnet] = Entry(kv.mod_revision, kv.lease, record)
-    node_subnet = None
+    node_subnets: dict[int, Network] = {}
     for value, kv in node_kvs:
         try:
-            node_subnet = parse_node(prefix, kv.key, value).subnet
+            record = parse_node(prefix, kv.key, value)
         except RecordError as e:
             report_bad(kv.key, kv.mod_revision, e)
-    return SubnetView(entries, node_subnet)
+            continue
+        node_subnets = {s.version: s for s in (record.subnet, record.subnet_v6) if s is not None}
+    return SubnetView(entries, node_subnets)
 
 
 async def claim(
     client: EtcdClient,
     prefix: str,
     template: SubnetLease,
-    candidate: IPv4Network,
+    candidate: Network,
     entry: Entry | None,
-    stale: dict[IPv4Network, Entry],
+    stale: dict[Network, Entry],
     lease_id: int,
 ) -> Claim:
     """Take ``candidate`` if it is as we saw it (absent, or ours at the revision we
@@ -130,7 +140,7 @@ async def rewrite(client: EtcdClient, prefix: str, old: SubnetLease, new: Subnet
     return ok
 
 
-async def release(client: EtcdClient, prefix: str, held: dict[IPv4Network, Entry]) -> bool:
+async def release(client: EtcdClient, prefix: str, held: dict[Network, Entry]) -> bool:
     """Delete the given subnet keys if none changed since we read them."""
     keys = {subnet_key(prefix, s): e.mod_revision for s, e in held.items()}
     ok, _ = await client.transaction(

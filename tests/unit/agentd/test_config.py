@@ -55,12 +55,16 @@ class StaticHost:
 
     name: str = "node-7"
     address: IPv4Address | None = IPv4Address("192.0.2.10")
+    address_v6: IPv6Address | None = None
 
     def hostname(self) -> str:
         return self.name
 
     def default_address(self) -> IPv4Address | None:
         return self.address
+
+    def default_address_v6(self) -> IPv6Address | None:
+        return self.address_v6
 
 
 def write(tmp_path: Path, text: str, name: str = "agentd.toml") -> Path:
@@ -714,7 +718,7 @@ def test_to_dict_is_json_and_masks_secrets(tmp_path):
     assert data["bgp"]["listen"] == "" and data["api"]["listen"] == "127.0.0.1:9099"
     assert data["network"]["mtu"] == "auto" and data["network"]["cidr"] == "10.244.0.0/16"
     assert data["node"] == {"name": "node-7", "address": "192.0.2.10", "asn": 64512, "route_reflector": False,
-                            "cluster_id": None}
+                            "cluster_id": None, "address_v6": None}
     assert data["cni"]["bin_dir"] == "/opt/cni/bin:/usr/lib/cni"
     assert set(data) == set(SECTION_CLASSES)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 import pytest
 from hypothesis import given
@@ -19,6 +19,7 @@ from agentd.datastore.records import (
     RecordError,
     SubnetLease,
     check_node_name,
+    is_cluster_subnet,
     node_key,
     normalize_prefix,
     parse_node,
@@ -333,3 +334,81 @@ def test_error_classification():
     assert not is_transient(aetcd.InvalidArgumentError("bad"))
     assert not is_transient(ValueError("x"))
     assert not is_lease_not_found(aetcd.ClientError("etcdserver: requested lease not found"))
+
+
+# -- IPv6 and dual-stack ------------------------------------------------------------------------
+
+DUAL = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", ip_family="dual",
+                     cidr_v6=IPv6Network("fd00:10:244::/48"), subnet_len_v6=64)
+
+
+def test_cluster_config_families_round_trip_and_an_ipv4_record_stays_as_it_was():
+    assert ClusterConfig.from_json(DUAL.to_json()) == DUAL
+    assert DUAL.versions == (4, 6) and DUAL.pool(6) == (IPv6Network("fd00:10:244::/48"), 64)
+    assert json.loads(DUAL.to_json())["cidr_v6"] == "fd00:10:244::/48"
+    v4 = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+    assert set(json.loads(v4.to_json())) == {"cidr", "subnet_len", "backend", "encap"}
+    assert ClusterConfig.from_json(v4.to_json()).ip_family == "ipv4"
+    for obj, needle in [
+        ({**json.loads(DUAL.to_json()), "cidr_v6": None}, "needs the fields 'cidr_v6'"),
+        ({**json.loads(DUAL.to_json()), "cidr_v6": "10.0.0.0/8"}, "'cidr_v6' = '10.0.0.0/8' is not an IPv6 network"),
+        ({**json.loads(DUAL.to_json()), "subnet_len_v6": 40}, "'subnet_len_v6' = 40 is outside 48..126"),
+        ({**json.loads(DUAL.to_json()), "ip_family": "v6"}, "'ip_family' = 'v6' is not one of ipv4, dual, ipv6"),
+    ]:
+        with pytest.raises(RecordError, match=needle) as excinfo:
+            ClusterConfig.from_json(json.dumps(obj))
+        one_line_error(excinfo)
+
+
+def test_node_record_with_ipv6_and_ipv6_only():
+    dual = NodeRecord.from_json(json.dumps({**NODE_JSON, "address_v6": "2001:db8::1", "subnet_v6": "fd00:10:244:3::/64",
+                                            "link_local_v6": "fe80::1"}))
+    assert dual.address_v6 == IPv6Address("2001:db8::1") and dual.subnet_v6 == IPv6Network("fd00:10:244:3::/64")
+    assert dual.peer_address == IPv4Address("192.0.2.1") and NodeRecord.from_json(dual.to_json()) == dual
+    assert "address_v6" not in json.loads(NodeRecord.from_json(json.dumps(NODE_JSON)).to_json())
+    only = NodeRecord.from_json(json.dumps({**NODE_JSON, "address": None, "subnet": None, "address_v6": "2001:db8::1"}))
+    assert only.address is None and only.peer_address == IPv6Address("2001:db8::1")
+    assert NodeRecord.from_json(only.to_json()) == only
+    for change, needle in [
+        ({"address": None}, "field 'address' must be a string, got null"),
+        ({"address_v6": "192.0.2.1"}, "'address_v6' = '192.0.2.1' is not an IPv6 address"),
+        ({"subnet_v6": "10.0.0.0/8"}, "'subnet_v6' = '10.0.0.0/8' is not an IPv6 network"),
+        ({"address": "2001:db8::1"}, "'address' = '2001:db8::1' is not an IPv4 address"),
+    ]:
+        with pytest.raises(RecordError, match=needle.replace("(", r"\(")) as excinfo:
+            NodeRecord.from_json(json.dumps({**NODE_JSON, **change}))
+        one_line_error(excinfo)
+
+
+def test_ipv6_subnet_keys_and_leases():
+    subnet = IPv6Network("fd00:10:244:3::/64")
+    key = subnet_key("/agentd", subnet)
+    assert key == b"/agentd/subnets/fd00:10:244:3::-64"
+    assert parse_subnet_key("/agentd", key) == subnet
+    lease = SubnetLease(subnet, "n1", IPv6Address("2001:db8::1"), "vxlan")
+    assert SubnetLease.from_json(lease.to_json(), str(subnet)) == lease
+    assert SubnetLease.from_json(lease.to_json(), subnet).public_ip == IPv6Address("2001:db8::1")
+
+
+def test_ipv6_subnet_arithmetic_and_picks():
+    cidr = IPv6Network("fd00:10:244::/48")
+    assert subnet_count(cidr, 64) == 65536
+    assert subnet_at(cidr, 64, 3) == IPv6Network("fd00:10:244:3::/64")
+    assert subnet_index(cidr, 64, IPv6Network("fd00:10:244:ffff::/64")) == 65535
+    with pytest.raises(ValueError):
+        subnet_index(cidr, 64, IPv4Network("10.0.0.0/24"))
+    rng = random.Random(1)
+    taken = {IPv4Network("10.244.0.0/24"), IPv6Network("fd00:10:244::/64")}
+    picks = {pick_free_subnet(cidr, 64, taken, rng) for _ in range(50)}
+    assert all(p.subnet_of(cidr) and p.prefixlen == 64 and p not in taken for p in picks) and len(picks) > 40
+    small = IPv6Network("fd00::/126")
+    assert pick_free_subnet(small, 127, {IPv6Network("fd00::/127")}, rng) == IPv6Network("fd00::2/127")
+    assert is_cluster_subnet(DUAL, IPv6Network("fd00:10:244:9::/64"))
+    assert not is_cluster_subnet(DUAL, IPv6Network("fd00:10:245::/64"))
+    assert not is_cluster_subnet(ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always"),
+                                 IPv6Network("fd00:10:244:9::/64"))
+
+
+def test_ipv6_etcd_endpoints():
+    ep = parse_endpoint("http://[fd00:ad::2]:2379")
+    assert (ep.host, ep.port) == ("fd00:ad::2", 2379)

@@ -1,0 +1,117 @@
+"""[network] ip_family: IPv4-only, dual-stack and IPv6-only configurations (pure: host facts
+are given by the test)."""
+
+from __future__ import annotations
+
+import dataclasses
+from ipaddress import IPv4Address, IPv6Address, IPv6Network
+
+import pytest
+
+from agentd.backend_table import mtu_overhead
+from agentd.config.settings import HostPort, NetworkConfig, check_config, load_config
+
+
+@dataclasses.dataclass
+class Host:
+    name: str = "node-7"
+    address: IPv4Address | None = IPv4Address("192.0.2.10")
+    address_v6: IPv6Address | None = IPv6Address("2001:db8::10")
+
+    def hostname(self) -> str:
+        return self.name
+
+    def default_address(self) -> IPv4Address | None:
+        return self.address
+
+    def default_address_v6(self) -> IPv6Address | None:
+        return self.address_v6
+
+
+def lines(env: dict[str, str], host: Host | None = None) -> list[str]:
+    return [str(e) for e in check_config(env=env, host=host or Host())]
+
+
+def test_ipv4_is_the_default_and_reads_no_ipv6_address():
+    cfg = load_config(env={}, host=Host())
+    assert cfg.network.ip_family == "ipv4" and cfg.network.families == (4,)
+    assert cfg.node.address_v6 is None and cfg.bgp.next_hop_v6 is None
+    assert cfg.network.cidr_v6 == IPv6Network("fd00:10:244::/48") and cfg.network.subnet_len_v6 == 64
+
+
+def test_dual_takes_both_addresses_from_the_host_and_gives_ipv6_routes_its_next_hop():
+    cfg = load_config(env={"AGENTD_NETWORK_IP_FAMILY": "dual"}, host=Host())
+    assert cfg.network.families == (4, 6)
+    assert cfg.node.address == IPv4Address("192.0.2.10")
+    assert cfg.node.address_v6 == IPv6Address("2001:db8::10")
+    assert cfg.bgp.next_hop_v6 == IPv6Address("2001:db8::10")
+    assert cfg.bgp.router_id == IPv4Address("192.0.2.10") and cfg.bgp.listen == HostPort("0.0.0.0", 179)
+    # A dual-stack host without IPv6 default route is fine: IPv6 routes carry the mapped next hop.
+    cfg = load_config(env={"AGENTD_NETWORK_IP_FAMILY": "dual"}, host=Host(address_v6=None))
+    assert cfg.node.address_v6 is None and cfg.bgp.next_hop_v6 is None
+    # An explicit next hop wins.
+    cfg = load_config(env={"AGENTD_NETWORK_IP_FAMILY": "dual", "AGENTD_BGP_NEXT_HOP_V6": "2001:db8::99"},
+                      host=Host())
+    assert cfg.bgp.next_hop_v6 == IPv6Address("2001:db8::99")
+
+
+def test_ipv6_only_has_no_ipv4_address_and_a_router_id_from_the_node_name():
+    env = {"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "vxlan"}
+    cfg = load_config(env=env, host=Host())
+    assert cfg.network.families == (6,)
+    assert cfg.node.address is None and cfg.node.address_v6 == IPv6Address("2001:db8::10")
+    assert cfg.bgp.listen == HostPort("::", 179)
+    rid = cfg.bgp.router_id
+    assert isinstance(rid, IPv4Address) and int(rid) != 0
+    assert load_config(env=env, host=Host(name="node-8")).bgp.router_id != rid  # from the name
+    assert load_config(env=env, host=Host()).bgp.router_id == rid  # and stable
+    rr = load_config(env={**env, "AGENTD_NODE_ROUTE_REFLECTOR": "true"}, host=Host())
+    assert rr.node.cluster_id == rid
+    # A configured listen address is kept.
+    assert load_config(env={**env, "AGENTD_BGP_LISTEN": "[2001:db8::10]:1179"}, host=Host()).bgp.listen == \
+        HostPort("2001:db8::10", 1179)
+
+
+@pytest.mark.parametrize(
+    "env, host, expected",
+    [
+        ({"AGENTD_NETWORK_IP_FAMILY": "ipv6"}, Host(address_v6=None),
+         "default: [node] address_v6: not set and this host has no IPv6 default route to take it from; "
+         "set [node] address_v6"),
+        ({"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "ipip"}, None,
+         "AGENTD_NETWORK_BACKEND=ipip: [network] backend: ipip needs an IPv4 underlay (IP in IP"),
+        ({"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "udp"}, None,
+         "AGENTD_NETWORK_BACKEND=udp: [network] backend: udp needs an IPv4 underlay (flannel UDP"),
+        ({"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NODE_ADDRESS": "192.0.2.1"}, None,
+         "[node] address: is an IPv4 underlay address, which ip_family = ipv6 does not use"),
+        ({"AGENTD_NODE_ADDRESS_V6": "2001:db8::1"}, None,
+         "[node] address_v6: is used only with [network] ip_family = dual or ipv6"),
+        ({"AGENTD_NETWORK_IP_FAMILY": "dual", "AGENTD_NETWORK_MTU": "1200"}, None,
+         "[network] mtu: 1200 is below 1280, the least every IPv6 link must carry (RFC 8200 §5)"),
+        ({"AGENTD_NETWORK_CIDR_V6": "fd00::/64"}, None,
+         "[network] cidr_v6: node subnets /64 must be longer than the cidr_v6's /64 and at most /126"),
+        ({"AGENTD_NETWORK_SUBNET_LEN_V6": "127"}, None, "node subnets /127 must be longer than the cidr_v6's /48"),
+        ({"AGENTD_NETWORK_CIDR_V6": "10.0.0.0/8"}, None, "must be an IPv6 network like fd00:10:244::/48, not IPv4"),
+        ({"AGENTD_NETWORK_CIDR_V6": "fe80::/64"}, None, "overlaps fe80::/10, which pods cannot use"),
+        ({"AGENTD_NETWORK_CIDR_V6": "fd00::1/48"}, None, "has host bits set (did you mean fd00::/48?)"),
+        ({"AGENTD_NETWORK_IP_FAMILY": "dual", "AGENTD_NODE_ADDRESS_V6": "fe80::1"}, None,
+         "must be a global or unique-local address, not link-local"),
+        ({"AGENTD_NETWORK_IP_FAMILY": "both"}, None, "[network] ip_family: must be one of ipv4, dual, ipv6"),
+    ],
+)
+def test_each_problem_is_one_line(env, host, expected):
+    got = lines(env, host)
+    assert len(got) == 1 and expected in got[0], got
+    assert "\n" not in got[0]
+
+
+def test_ipip_and_udp_are_fine_in_a_dual_stack_cluster():
+    for backend in ("ipip", "udp"):
+        assert lines({"AGENTD_NETWORK_IP_FAMILY": "dual", "AGENTD_NETWORK_BACKEND": backend}) == []
+
+
+def test_mtu_per_underlay_family():
+    assert mtu_overhead("vxlan", 6) == 70 and mtu_overhead("vxlan", 4) == 50 and mtu_overhead("host-gw", 6) == 0
+    assert NetworkConfig(backend="vxlan", ip_family="ipv6").pod_mtu(1500, 6) == 1430
+    assert NetworkConfig(backend="vxlan", ip_family="dual").pod_mtu(1500, 4) == 1450
+    assert NetworkConfig(backend="vxlan", ip_family="ipv6", mtu=1400).pod_mtu(1500, 6) == 1400
