@@ -539,6 +539,15 @@ def _datapath(peer: dict[str, Any]) -> str:
     return label
 
 
+def _backend(peer: dict[str, Any]) -> str:
+    """The peer's backend, and how its IPv6 pods are reached where that differs (dual-stack)."""
+    label = peer.get("backend") or "-"
+    v6 = peer.get("backend_v6")
+    if "backend_v6" in peer and v6 != peer.get("backend"):
+        label += f" (IPv6: {v6 or '-'})"
+    return label
+
+
 def _fast_path_line(fast: dict[str, Any]) -> str:
     """The pod fast path (docs/policy.md): on where, and what it carried; or why it is off."""
     if not fast.get("on"):
@@ -559,10 +568,12 @@ def render_status(status: dict[str, Any]) -> str:
     state = "ready" if status.get("ready") else "not ready"
     out.append(f"agentd is running ({state}).")
     out.append(
-        f"Node {node.get('name')}  address {node.get('address')}  AS {node.get('asn')}"
-        f"{'  route reflector' if node.get('route_reflector') else ''}"
+        f"Node {node.get('name')}  address {node.get('address')}"
+        f"{'  ' + _cell(node['address_v6']) if node.get('address_v6') and node['address_v6'] != node.get('address') else ''}"
+        f"  AS {node.get('asn')}{'  route reflector' if node.get('route_reflector') else ''}"
     )
-    out.append(f"Subnet {node.get('subnet') or '-'}  backend {node.get('backend') or '-'}")
+    subnets = [s for s in dict.fromkeys((node.get("subnet"), node.get("subnet_v6"))) if s]
+    out.append(f"Subnet{'s' * (len(subnets) > 1)} {'  '.join(map(_cell, subnets)) or '-'}  backend {node.get('backend') or '-'}")
     out.append(
         f"Routes programmed {routes.get('programmed', 0)}  last sync {_since(routes.get('last_sync'))}"
         f"  datastore {'connected' if ds.get('connected') else 'DISCONNECTED'}"
@@ -582,7 +593,7 @@ def render_status(status: dict[str, Any]) -> str:
     out.append("")
     for family, label in (("ipv4", "IPv4"), ("ipv6", "IPv6")):
         peers = [p for p in bgp.get("peers", []) if (":" in p["address"]) == (family == "ipv6")]
-        if family == "ipv6" and not peers:
+        if not peers and (family == "ipv6" or bgp.get("peers")):  # an IPv6-only node has no IPv4 sessions
             continue
         out.append(f"{label} BGP status")
         rows = []
@@ -597,7 +608,7 @@ def render_status(status: dict[str, Any]) -> str:
                     _cell(p.get("description") or p.get("type", "")),
                     "up" if established else "down",
                     _since(p.get("since")),
-                    _cell(p.get("backend") or "-"),
+                    _cell(_backend(p)),
                     _cell(_datapath(p)),
                     _cell(info),
                 ]

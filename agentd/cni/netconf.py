@@ -17,6 +17,10 @@ Subnet file format (``KEY=value`` lines; ``#`` comments and blank lines are igno
     AGENTD_SUBNET=10.244.3.1/24     this node's pod subnet, written like flannel's FLANNEL_SUBNET:
                                     the bridge gateway address (the subnet's first address) with
                                     the subnet's prefix length; readers take the network from it
+    AGENTD_IPV6_NETWORK=fd00:10:244::/48    dual-stack and IPv6-only clusters: the IPv6 pod
+    AGENTD_IPV6_SUBNET=fd00:10:244:3::1/64  network and this node's IPv6 subnet, in the same
+                                    form (flannel's FLANNEL_IPV6_NETWORK / FLANNEL_IPV6_SUBNET);
+                                    an IPv6-only node writes these two instead of the IPv4 pair
     AGENTD_MTU=1450                 pod interface MTU
     AGENTD_IPMASQ=false             true: the bridge plugin masquerades pod traffic leaving the
                                     node subnet (note: FLANNEL_IPMASQ=true means the opposite,
@@ -35,7 +39,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6Interface, IPv6Network
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,9 +55,10 @@ MAX_MTU = 65535
 
 _DIGITS_RE = re.compile(r"[0-9]+")
 
-_KEYS = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_MTU", "AGENTD_IPMASQ", "AGENTD_BACKEND", "AGENTD_DNS",
-         "AGENTD_CLUSTER_DOMAIN")
-_REQUIRED = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_MTU")
+_KEYS = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_IPV6_NETWORK", "AGENTD_IPV6_SUBNET", "AGENTD_MTU",
+         "AGENTD_IPMASQ", "AGENTD_BACKEND", "AGENTD_DNS", "AGENTD_CLUSTER_DOMAIN")
+_REQUIRED = ("AGENTD_MTU",)
+_PAIRS = (("AGENTD_NETWORK", "AGENTD_SUBNET"), ("AGENTD_IPV6_NETWORK", "AGENTD_IPV6_SUBNET"))
 
 
 class SubnetFileError(ValueError):
@@ -62,24 +67,33 @@ class SubnetFileError(ValueError):
 
 @dataclass(frozen=True)
 class SubnetFile:
-    """What the agent tells ``agentd-cni`` about this node."""
+    """What the agent tells ``agentd-cni`` about this node: its IPv4 pod subnet, its IPv6 one,
+    or both (dual-stack), each with its cluster network."""
 
-    network: IPv4Network  # the cluster cidr
-    subnet: IPv4Network  # this node's pod subnet
+    network: IPv4Network | None  # the cluster cidr (None: an IPv6-only node)
+    subnet: IPv4Network | None  # this node's pod subnet
     mtu: int
     ipmasq: bool = False
     backend: str = "host-gw"
     dns: IPv4Address | None = None  # Services: the node-local DNS address
     cluster_domain: str = "cluster.local"
+    network_v6: IPv6Network | None = None  # the IPv6 pod network (dual-stack, IPv6-only)
+    subnet_v6: IPv6Network | None = None  # this node's IPv6 pod subnet
 
     def __post_init__(self) -> None:
-        if not isinstance(self.network, IPv4Network) or not isinstance(self.subnet, IPv4Network):
-            raise SubnetFileError("network and subnet must be IPv4Network values")
-        if not self.subnet.subnet_of(self.network):
-            raise SubnetFileError(f"subnet {self.subnet} is not inside network {self.network}")
-        # The bridge takes the first address as gateway; pods need at least one more.
-        if self.subnet.prefixlen > 30:
-            raise SubnetFileError(f"subnet {self.subnet} is too small for a gateway and pods (max /30)")
+        pairs = [(self.network, self.subnet, IPv4Network, 30), (self.network_v6, self.subnet_v6, IPv6Network, 126)]
+        if all(net is None and sub is None for net, sub, _t, _m in pairs):
+            raise SubnetFileError("no pod subnet: an IPv4 or an IPv6 network and subnet are needed")
+        for network, subnet, kind, longest in pairs:
+            if network is None and subnet is None:
+                continue
+            if not isinstance(network, kind) or not isinstance(subnet, kind):
+                raise SubnetFileError(f"network and subnet must be {kind.__name__} values, together")
+            if not subnet.subnet_of(network):
+                raise SubnetFileError(f"subnet {subnet} is not inside network {network}")
+            # The bridge takes the first address as gateway; pods need at least one more.
+            if subnet.prefixlen > longest:
+                raise SubnetFileError(f"subnet {subnet} is too small for a gateway and pods (max /{longest})")
         if isinstance(self.mtu, bool) or not isinstance(self.mtu, int) or not MIN_MTU <= self.mtu <= MAX_MTU:
             raise SubnetFileError(f"mtu {self.mtu!r} is not an integer in {MIN_MTU}..{MAX_MTU}")
         if not isinstance(self.ipmasq, bool):
@@ -88,16 +102,31 @@ class SubnetFile:
             raise SubnetFileError(f"backend {self.backend!r} must be a non-empty word")
 
     @property
-    def gateway(self) -> IPv4Address:
+    def gateway(self) -> IPv4Address | None:
         """The bridge's address in the pod subnet (host-local's default gateway: the first host)."""
-        return self.subnet.network_address + 1
+        return None if self.subnet is None else self.subnet.network_address + 1
+
+    @property
+    def gateway_v6(self) -> IPv6Address | None:
+        """The bridge's address in the IPv6 pod subnet (the first after the subnet-router anycast)."""
+        return None if self.subnet_v6 is None else self.subnet_v6.network_address + 1
+
+    def pools(self) -> list[tuple[IPv4Network | IPv6Network, IPv4Network | IPv6Network, IPv4Address | IPv6Address]]:
+        """(cluster network, node subnet, gateway) per family, IPv4 first."""
+        out = []
+        if self.subnet is not None and self.network is not None and self.gateway is not None:
+            out.append((self.network, self.subnet, self.gateway))
+        if self.subnet_v6 is not None and self.network_v6 is not None and self.gateway_v6 is not None:
+            out.append((self.network_v6, self.subnet_v6, self.gateway_v6))
+        return out
 
 
 def render_subnet_file(sf: SubnetFile) -> str:
     """The subnet file's text (see the module docstring for the format)."""
-    return (
-        f"AGENTD_NETWORK={sf.network}\n"
-        f"AGENTD_SUBNET={sf.gateway}/{sf.subnet.prefixlen}\n"
+    v4 = "" if sf.subnet is None else f"AGENTD_NETWORK={sf.network}\nAGENTD_SUBNET={sf.gateway}/{sf.subnet.prefixlen}\n"
+    v6 = "" if sf.subnet_v6 is None else (
+        f"AGENTD_IPV6_NETWORK={sf.network_v6}\nAGENTD_IPV6_SUBNET={sf.gateway_v6}/{sf.subnet_v6.prefixlen}\n")
+    return v4 + v6 + (
         f"AGENTD_MTU={sf.mtu}\n"
         f"AGENTD_IPMASQ={'true' if sf.ipmasq else 'false'}\n"
         f"AGENTD_BACKEND={sf.backend}\n"
@@ -121,24 +150,15 @@ def parse_subnet_file(text: str, source: str = "subnet file") -> SubnetFile:
             raise SubnetFileError(f"{source}:{lineno}: {key} given twice")
         values[key] = value
     missing = [k for k in _REQUIRED if k not in values]
+    for pair in _PAIRS:
+        if any(k in values for k in pair):
+            missing += [k for k in pair if k not in values]
+    if not any(k in values for pair in _PAIRS for k in pair):
+        missing[:0] = list(_PAIRS[0])
     if missing:
-        raise SubnetFileError(f"{source} is missing {', '.join(missing)}")
-
-    try:
-        network = IPv4Network(values["AGENTD_NETWORK"], strict=True)
-    except ValueError as e:
-        raise SubnetFileError(
-            f"{source}: AGENTD_NETWORK {values['AGENTD_NETWORK']!r} is not an IPv4 network: {e}"
-        ) from None
-    if "/" not in values["AGENTD_SUBNET"]:
-        raise SubnetFileError(f"{source}: AGENTD_SUBNET {values['AGENTD_SUBNET']!r} has no prefix length")
-    try:
-        # Written as gateway/prefixlen (like FLANNEL_SUBNET); the network address is accepted too.
-        subnet = IPv4Interface(values["AGENTD_SUBNET"]).network
-    except ValueError as e:
-        raise SubnetFileError(
-            f"{source}: AGENTD_SUBNET {values['AGENTD_SUBNET']!r} is not an IPv4 address/prefix: {e}"
-        ) from None
+        raise SubnetFileError(f"{source} is missing {', '.join(sorted(missing, key=_KEYS.index))}")
+    (network, subnet), (network_v6, subnet_v6) = (
+        _pair(values, names, kinds, source) for names, kinds in zip(_PAIRS, (_V4, _V6)))
     mtu_text = values["AGENTD_MTU"]
     # ASCII digits only: str.isdigit() also takes "²" or "٣", which int() then rejects or reads.
     shown = repr(mtu_text if len(mtu_text) <= 20 else mtu_text[:16] + "...")
@@ -151,8 +171,10 @@ def parse_subnet_file(text: str, source: str = "subnet file") -> SubnetFile:
         raise SubnetFileError(f"{source}: AGENTD_IPMASQ {ipmasq_text!r} is not true or false")
     try:
         return SubnetFile(
-            network=network,
-            subnet=subnet,
+            network=network,  # type: ignore[arg-type]
+            subnet=subnet,  # type: ignore[arg-type]
+            network_v6=network_v6,  # type: ignore[arg-type]
+            subnet_v6=subnet_v6,  # type: ignore[arg-type]
             mtu=int(mtu_text),
             ipmasq=ipmasq_text == "true",
             backend=values.get("AGENTD_BACKEND", "host-gw"),
@@ -161,6 +183,30 @@ def parse_subnet_file(text: str, source: str = "subnet file") -> SubnetFile:
         )
     except SubnetFileError as e:
         raise SubnetFileError(f"{source}: {e}") from None
+
+
+_V4 = (IPv4Network, IPv4Interface, "an IPv4")
+_V6 = (IPv6Network, IPv6Interface, "an IPv6")
+
+
+def _pair(values: dict[str, str], names: tuple[str, str], kinds: tuple, source: str) -> tuple[Any, Any]:
+    """(network, subnet) of one family from the file, or (None, None) when it has not that family."""
+    net_key, sub_key = names
+    network_kind, interface_kind, what = kinds
+    if net_key not in values:
+        return None, None
+    try:
+        network = network_kind(values[net_key], strict=True)
+    except ValueError as e:
+        raise SubnetFileError(f"{source}: {net_key} {values[net_key]!r} is not {what} network: {e}") from None
+    if "/" not in values[sub_key]:
+        raise SubnetFileError(f"{source}: {sub_key} {values[sub_key]!r} has no prefix length")
+    try:
+        # Written as gateway/prefixlen (like FLANNEL_SUBNET); the network address is accepted too.
+        subnet = interface_kind(values[sub_key]).network
+    except ValueError as e:
+        raise SubnetFileError(f"{source}: {sub_key} {values[sub_key]!r} is not {what} address/prefix: {e}") from None
+    return network, subnet
 
 
 def _dns(text: str | None, source: str) -> IPv4Address | None:
@@ -311,12 +357,19 @@ def delegate_config(netconf: dict[str, Any], sf: SubnetFile) -> dict[str, Any]:
 
     ipam: dict[str, Any] = dict(netconf.get("ipam") or {})
     ipam.setdefault("type", "host-local")
-    ipam["subnet"] = str(sf.subnet)
+    pools = sf.pools()
+    if len(pools) == 1 and sf.subnet is not None:
+        ipam["subnet"] = str(sf.subnet)  # an IPv4 node: host-local's single range, as always
+    else:
+        # Dual-stack (or IPv6-only): one host-local range set per family, IPv4 first, so a pod
+        # gets one address of each and the first (its podIP) is IPv4 as Kubernetes orders them.
+        ipam.pop("subnet", None)
+        ipam["ranges"] = [[{"subnet": str(subnet)}] for _network, subnet, _gw in pools]
     # Pods reach the rest of the cluster through the bridge gateway (the node routes from there);
-    # with isDefaultGateway the default route goes there as well.  The gateway is spelled out
-    # because the bridge plugin's CHECK (plugins v1.1) matches routes on dst *and* gw, and would
-    # not find a gw-less route that ADD installed via the gateway.
-    ipam["routes"] = [*ipam.get("routes", []), {"dst": str(sf.network), "gw": str(sf.gateway)}]
+    # with isDefaultGateway the default route goes there as well, one per family.  The gateway
+    # is spelled out because the bridge plugin's CHECK (plugins v1.1) matches routes on dst
+    # *and* gw, and would not find a gw-less route that ADD installed via the gateway.
+    ipam["routes"] = [*ipam.get("routes", []), *({"dst": str(net), "gw": str(gw)} for net, _sub, gw in pools)]
     delegate["ipam"] = ipam
 
     if "runtimeConfig" in netconf:

@@ -6,10 +6,11 @@ validated by the CLI, and the underlay interface check pass):
 1. the API (so /healthz and /readyz answer while the rest comes up);
 2. the route programmer, which ADOPTS the kernel routes a previous run left (no flush);
    finding some means we are restarting, so BGP advertises Restart State (RFC 4724);
-3. etcd: cluster config (first writer wins), our subnet (the one we had, from the subnet
-   file or etcd), the CNI files, our node record under a liveness lease;
-4. the blackhole route for our subnet and our backend's devices;
-5. BGP: we originate our subnet; the peer set follows the node registry (mesh or route
+3. etcd: cluster config (first writer wins), our subnets -- one per pod family of the
+   cluster, IPv4 and/or IPv6 (the ones we had, from the subnet file or etcd) --, the CNI
+   files, our node record under a liveness lease;
+4. the blackhole routes for our subnets and our backend's devices;
+5. BGP: we originate our subnets; the peer set follows the node registry (mesh or route
    reflectors) plus configured external peers; Loc-RIB changes become kernel routes.
 
 Until every peer has sent End-of-RIB (or ``restart_time`` passes) routes adopted at start
@@ -25,7 +26,7 @@ import logging
 import os
 import signal
 import time
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -43,7 +44,7 @@ from agentd.daemon.views import AgentViews
 from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from agentd.dataplane.bpf.datapath import BpfUnavailable
 from agentd.dataplane.bpf.podpath import PodFastPath, remove_pinned_fast_path
-from agentd.config.settings import Config, ConfigError, load_config, reloaded
+from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
 from agentd.flows.recorder import restore_sysctls
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
@@ -59,6 +60,9 @@ from agentd.daemon.supervisor import Supervisor
 
 log = logging.getLogger("agentd")
 
+AFI = {4: 1, 6: 2}  # IANA address family numbers: IPv4, IPv6 (RFC 4760 §3)
+SAFI_UNICAST = 1
+
 
 
 class AgentError(RuntimeError):
@@ -71,7 +75,8 @@ class Agent:
         self.config_path = config_path
         self.overrides = overrides or {}
         self.name = cfg.node.name or "node"
-        self.address: IPv4Address = cfg.node.address  # type: ignore[assignment]
+        # The node's primary underlay address: IPv4, or IPv6 in an IPv6-only cluster.
+        self.address: IPv4Address | IPv6Address = cfg.node.address or cfg.node.address_v6  # type: ignore[assignment]
         self.notifier = Notifier()
         self.supervisor = Supervisor()
         self.registry = CollectorRegistry()
@@ -98,7 +103,8 @@ class Agent:
         self.cluster: ClusterConfig | None = None
         self.policy: PolicyAgent | None = None  # NetworkPolicy
         self.services: ServiceAgent | None = None  # Services
-        self.lease: SubnetLease | None = None
+        self.lease: SubnetLease | None = None  # the first of ``leases`` (IPv4 where the node has one)
+        self.leases: dict[int, SubnetLease] = {}  # by IP version: both in a dual-stack cluster
         self.peering = mesh.Peering(self.name)  # the node registry as read, and the peers it implies
         self.routes = KernelRoutes(self)  # best paths -> kernel routes (agentd/daemon/routes.py)
         self.started_bgp = False
@@ -114,11 +120,17 @@ class Agent:
         loop = asyncio.get_running_loop()
         try:
             # `ip -json address show` in a subprocess: blocking, keep it off our loop.
-            self.underlay = await asyncio.to_thread(underlay_for, self.address)
+            v6 = self.cfg.node.address_v6 if self.cfg.network.ip_family != "ipv4" else None
+            self.underlay = await asyncio.to_thread(underlay_for, self.address, v6)
         except NetInfoError as err:
             log.error("%s", err)
             return 1
-        self.pod_mtu = self.cfg.network.mtu or self.cfg.network.pod_mtu(self.underlay.mtu)
+        self.pod_mtu = self.cfg.network.mtu or self.cfg.network.pod_mtu(self.underlay.mtu, self.underlay.family)
+        if 6 in self.cfg.network.families and self.pod_mtu < IPV6_MIN_MTU:
+            log.error("the pod MTU would be %d (underlay %s: %d, less the %s overhead), below %d, the least every "
+                      "IPv6 link must carry (RFC 8200 §5)", self.pod_mtu, self.underlay.ifname, self.underlay.mtu,
+                      self.cfg.network.backend, IPV6_MIN_MTU)
+            return 1
         try:  # a new API token for this run: POST /leave needs it (agentd/daemon/auth.py)
             self.api.token = await asyncio.to_thread(auth.write_token_file, self.cfg.api.token_file, self.cfg.api.token_group)
         except auth.TokenFileError as err:
@@ -179,30 +191,20 @@ class Agent:
         self.datastore.on_subnet_lost = self._subnet_lost
         self.notifier.status("connecting to etcd")
         await self.datastore.connect()
-        wanted = ClusterConfig(cfg.network.cidr, cfg.network.subnet_len, cfg.network.backend, cfg.network.encap,
-                               cfg.network.service_cidr)
-        self.cluster = await self.datastore.ensure_cluster_config(wanted)
-        if (self.cluster.cidr, self.cluster.subnet_len) != (wanted.cidr, wanted.subnet_len):
-            log.warning(
-                "cluster network is %s/%d in etcd (first writer wins); our configuration says %s/%d",
-                self.cluster.cidr,
-                self.cluster.subnet_len,
-                wanted.cidr,
-                wanted.subnet_len,
-            )
-        previous = node_files.previous_subnet(cfg)
+        self.cluster = await self.datastore.ensure_cluster_config(wanted_cluster(cfg))
+        check_cluster(cfg, self.cluster)
+        previous = node_files.previous_subnets(cfg)
         self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed,
                                on_paths=self.routes.schedule)
-        self.lease = await self.datastore.acquire_subnet(
-            self.name,
-            self.address,
-            cfg.network.backend,
-            {},
-            cluster=self.cluster,
-            previous=previous,
-        )
-        subnet = self.lease.subnet
-        log.info("node %s holds subnet %s%s", self.name, subnet, " (kept from before)" if subnet == previous else "")
+        for version in self.cluster.versions:
+            lease = await self.datastore.acquire_subnet(
+                self.name, self.address, cfg.network.backend, {}, cluster=self.cluster, previous=previous.get(version),
+                version=version,
+            )  # fmt: skip
+            self.leases[version] = lease
+            log.info("node %s holds subnet %s%s", self.name, lease.subnet,
+                     " (kept from before)" if lease.subnet == previous.get(version) else "")
+        self.lease = next(iter(self.leases.values()))
         # NetworkPolicy: adopt the policy tables as they are; they change only once
         # the resources in etcd have been read (the "policy" task).  Until its first sync says
         # no pod here is isolated, the BPF data path hands no packet to a pod past netfilter.
@@ -238,11 +240,12 @@ class Agent:
                 log.warning("the cluster listener on %s:%d is off: %s", self.address, self.cfg.api.cluster_port, err)
                 self.read_api = None
         try:
-            await self.tunnels.start(subnet)
+            await self.tunnels.start({v: lease.subnet for v, lease in self.leases.items()})
         except RuntimeError as err:
             raise AgentError(str(err)) from None
-        node_files.write_cni_files(cfg, self.cluster.cidr, subnet, self.pod_mtu)
-        await self._masquerade(subnet)
+        node_files.write_cni_files(cfg, self.cluster, self.leases, self.pod_mtu)
+        if 4 in self.leases:  # the masquerading table is IPv4's (ip agentd-masq)
+            await self._masquerade(self.leases[4].subnet)
         await self.datastore.register_node(self._node_record())
         await self.datastore.set_subnet_backend_data(self.tunnels.node_data())
 
@@ -253,8 +256,9 @@ class Agent:
         self.service = SpeakerService(self.speaker, listen=listen, backlog=cfg.bgp.listen_backlog)
         await self.service.start()
         self.started_bgp = True
-        own = Origination((1, 1), network_to_prefix(subnet))
-        self.service.set_originated([own])
+        # One route per pod subnet: AFI 1 for IPv4, AFI 2 for IPv6 (RFC 4760 MP_REACH_NLRI).
+        self.service.set_originated([Origination((AFI[version], SAFI_UNICAST), network_to_prefix(lease.subnet))
+                                     for version, lease in sorted(self.leases.items())])
         self.routes.bgp_started(float(cfg.bgp.restart_time))
 
     async def _masquerade(self, subnet) -> None:
@@ -270,8 +274,8 @@ class Agent:
             self._problems.append(f"ip_masq not applied: {err}")
 
     def _node_record(self) -> NodeRecord:
-        assert self.lease is not None and self.tunnels is not None
-        return node_files.node_record(self.cfg, self.name, self.address, self.lease.subnet, self.tunnels.node_data())
+        assert self.lease is not None and self.tunnels is not None and self.underlay is not None
+        return node_files.node_record(self.cfg, self.name, self.underlay, self.leases, self.tunnels.node_data())
 
     def _node_data_changed(self) -> None:
         """A backend came up: publish its data (e.g. our VTEP MAC) and recompute routes."""
@@ -470,6 +474,36 @@ class _AgentMetrics:
         yield from (routes, up, renew, ready, restarts)
         if a.tunnels is not None:
             yield from dataplane_metrics(a.tunnels)
+
+
+def wanted_cluster(cfg: Config) -> ClusterConfig:
+    """The cluster config this node would store (the first node's is kept: agentd.datastore)."""
+    net = cfg.network
+    v6 = net.ip_family != "ipv4"
+    return ClusterConfig(net.cidr, net.subnet_len, net.backend, net.encap, net.service_cidr, ip_family=net.ip_family,
+                         cidr_v6=net.cidr_v6 if v6 else None, subnet_len_v6=net.subnet_len_v6 if v6 else None)
+
+
+def check_cluster(cfg: Config, cluster: ClusterConfig) -> None:
+    """The stored cluster config wins; say where it differs from ours, and stop where this node
+    cannot follow it (pods of a family it has no underlay address for)."""
+    net = cfg.network
+    if (cluster.cidr, cluster.subnet_len) != (net.cidr, net.subnet_len) and 4 in cluster.versions:
+        log.warning("cluster network is %s/%d in etcd (first writer wins); our configuration says %s/%d",
+                    cluster.cidr, cluster.subnet_len, net.cidr, net.subnet_len)
+    if 6 in cluster.versions and (cluster.cidr_v6, cluster.subnet_len_v6) != (net.cidr_v6, net.subnet_len_v6) \
+            and net.ip_family != "ipv4":
+        log.warning("cluster IPv6 network is %s/%s in etcd (first writer wins); our configuration says %s/%d",
+                    cluster.cidr_v6, cluster.subnet_len_v6, net.cidr_v6, net.subnet_len_v6)
+    if cluster.ip_family != net.ip_family:
+        log.warning("the cluster is %s in etcd (first writer wins); our configuration says %s: following the cluster",
+                    cluster.ip_family, net.ip_family)
+    if 4 in cluster.versions and cfg.node.address is None:
+        raise AgentError(f"the cluster in etcd is {cluster.ip_family}: its pods have IPv4 addresses, and this node "
+                         "(ip_family = ipv6) has no IPv4 underlay address to route them by")
+    if cluster.ip_family == "ipv6" and cfg.node.address_v6 is None:
+        raise AgentError("the cluster in etcd is ipv6: this node needs an IPv6 underlay address ([node] address_v6, "
+                         "[network] ip_family = ipv6)")
 
 
 def datastore_for(cfg: Config) -> Datastore:

@@ -33,11 +33,16 @@ def desired_peers(
     hold_time: int | None = None,
     bfd: tuple[float, int] | None = None,
     external: Iterable[PeerSettings] = (),
+    session_version: int = 4,
 ) -> list[PeerSettings]:
-    """The peer set for node ``me``.  Nodes without an address are skipped; so is ``me``."""
+    """The peer set for node ``me``.  Sessions are IPv4 (``session_version`` 4: they carry the
+    IPv6 routes of a dual-stack cluster too, as BIRD's multi-channel sessions do) or IPv6 (an
+    IPv6-only cluster); nodes without an address of that family are skipped, and so is ``me``."""
     out: dict[str, PeerSettings] = {}
-    others = [n for name, n in sorted(nodes.items()) if name != me and n.address is not None]
-    for node in others:
+    for name, node in sorted(nodes.items()):
+        address = node.address if session_version == 4 else node.address_v6
+        if name == me or address is None:
+            continue
         if mode == "mesh":
             kind, client = MESH, False
         elif i_am_reflector:
@@ -47,7 +52,7 @@ def desired_peers(
         else:
             continue  # clients peer only with reflectors
         ps = PeerSettings(
-            address=node.address,
+            address=address,
             asn=node.asn,
             rr_client=client,
             password=password,
@@ -90,4 +95,5 @@ class Peering:
             hold_time=cfg.bgp.hold_time,
             bfd=bfd_timers(cfg),
             external=[peer_settings(p, cfg, description=EXTERNAL) for p in cfg.bgp.peers],
+            session_version=6 if cfg.network.ip_family == "ipv6" else 4,
         )

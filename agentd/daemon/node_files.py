@@ -1,39 +1,47 @@
 """What the agent writes about this node for others to read: the CNI files on disk (the
 subnet file ``agentd-cni`` reads at every ADD, flannel's subnet.env; the conflist a container
-runtime reads) and the node record in etcd (address, ASN, subnet, reflector role, the
+runtime reads) and the node record in etcd (addresses, ASN, subnets, reflector role, the
 backend's data such as the VTEP MAC)."""
 
 from __future__ import annotations
 
 import logging
-from ipaddress import IPv4Address, IPv4Network
+from collections.abc import Mapping
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
 from agentd.cni import netconf as cni_config
 from agentd.config.settings import Config
-from agentd.datastore.store import NodeRecord
+from agentd.datastore.store import ClusterConfig, NodeRecord, SubnetLease
+from agentd.kernel.netinfo import Underlay
 
 log = logging.getLogger("agentd")
 
 
-def previous_subnet(cfg: Config) -> IPv4Network | None:
-    """The subnet this node had, from the subnet file a previous run wrote (None: none, or unreadable)."""
+def previous_subnets(cfg: Config) -> dict[int, IPv4Network | IPv6Network]:
+    """The subnets this node had, by IP version, from the subnet file a previous run wrote
+    ({}: none, or unreadable)."""
     try:
         sf = cni_config.read_subnet_file(cfg.cni.subnet_file)
     except FileNotFoundError:
-        return None
+        return {}
     except cni_config.SubnetFileError as err:
         log.warning("ignoring the subnet file: %s", err)
-        return None
-    return sf.subnet
+        return {}
+    return {s.version: s for s in (sf.subnet, sf.subnet_v6) if s is not None}
 
 
-def write_cni_files(cfg: Config, network: IPv4Network, subnet: IPv4Network, mtu: int) -> None:
-    """The subnet file, and (``[cni] write_conflist``) the conflist, for ``subnet`` of ``network``."""
+def write_cni_files(cfg: Config, cluster: ClusterConfig, leases: Mapping[int, SubnetLease], mtu: int) -> None:
+    """The subnet file, and (``[cni] write_conflist``) the conflist, for this node's subnets
+    (one per pod family) of the cluster's pod networks."""
     dns = cfg.dns
+    v4, v6 = leases.get(4), leases.get(6)
     sf = cni_config.SubnetFile(
-        network=network, subnet=subnet, mtu=mtu, backend=cfg.network.backend,
-        dns=dns.address if dns.enabled else None, cluster_domain=dns.cluster_domain,
+        network=cluster.cidr if v4 else None, subnet=v4.subnet if v4 else None,  # type: ignore[arg-type]
+        network_v6=cluster.cidr_v6 if v6 else None, subnet_v6=v6.subnet if v6 else None,  # type: ignore[arg-type]
+        mtu=mtu, backend=cfg.network.backend,
+        # The node-local DNS address is IPv4: pods without an IPv4 address cannot reach it.
+        dns=dns.address if dns.enabled and v4 else None, cluster_domain=dns.cluster_domain,
     )  # fmt: skip
     cni_config.write_subnet_file(cfg.cni.subnet_file, sf)
     if cfg.cni.write_conflist:
@@ -47,14 +55,21 @@ def write_cni_files(cfg: Config, network: IPv4Network, subnet: IPv4Network, mtu:
         )
 
 
-def node_record(cfg: Config, name: str, address: IPv4Address, subnet: IPv4Network, backend: dict[str, Any]) -> NodeRecord:
+def node_record(cfg: Config, name: str, underlay: Underlay, leases: Mapping[int, SubnetLease],
+                backend: dict[str, Any]) -> NodeRecord:
+    """This node as the others read it: its underlay addresses (the IPv6 ones where its pods
+    have IPv6 addresses: the next hops of their routes), its subnets, its BGP role."""
     cid = cfg.node.cluster_id if cfg.node.route_reflector else None
+    v4, v6 = leases.get(4), leases.get(6)
     return NodeRecord(
         name=name,
-        address=address,
+        address=cfg.node.address,
         asn=cfg.node.asn,
-        subnet=subnet,
+        subnet=v4.subnet if v4 else None,  # type: ignore[arg-type]
         route_reflector=cfg.node.route_reflector,
         cluster_id=str(cid) if cid else None,
         backend=backend,
+        address_v6=cfg.node.address_v6 if cfg.network.ip_family != "ipv4" else None,
+        subnet_v6=v6.subnet if v6 else None,  # type: ignore[arg-type]
+        link_local_v6=underlay.link_local if v6 else None,
     )

@@ -43,6 +43,7 @@ class RouteInputs(Protocol):
     peering: Peering  # the node registry as read (.nodes, .known)
     underlay: Underlay | None
     lease: SubnetLease | None
+    leases: dict[int, SubnetLease]  # by IP version: both in a dual-stack cluster
     tunnels: Tunnels | None
     speaker: Speaker | None
     started_bgp: bool
@@ -54,6 +55,7 @@ class KernelRoutes:
         self.inputs = inputs
         self.programmer: RouteProgrammer | None = None
         self.plans: dict[str, PeerPlan] = {}  # per peer: how its routes are carried (GET /peers)
+        self.plans_v6: dict[str, PeerPlan] = {}  # dual-stack: how its IPv6 pods are reached
         self.rows: list[dict[str, Any]] = []  # GET /routes
         self.restarting = False  # routes of a previous run were adopted
         self.initial_sync_done = False
@@ -102,11 +104,13 @@ class KernelRoutes:
         bests = ((prefix_to_str(afi, prefix), path.next_hop, path.source.local) for (afi, prefix), path in self._bests.items())
         plan = desired_routes(
             bests, others, i.underlay, i.tunnels.paths(),
-            own_subnet=str(i.lease.subnet), blackhole_metric=BLACKHOLE_METRIC,
-            own_backend=i.cfg.network.backend, encap=i.cfg.network.encap, available=i.tunnels.available,
+            own_subnets=[str(lease.subnet) for _v, lease in sorted(i.leases.items())],
+            blackhole_metric=BLACKHOLE_METRIC, own_backend=i.cfg.network.backend, encap=i.cfg.network.encap,
+            available=i.tunnels.available, versions=tuple(sorted(i.leases)),
         )  # fmt: skip
         routes = plan.routes
         self.plans = plan.plans
+        self.plans_v6 = plan.plans_v6
         self.rows = plan.rows
         if not self.initial_sync_done and self._initial_sync_complete():
             self.initial_sync_done = True

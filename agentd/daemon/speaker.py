@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from bgp import ListenRange, LocalSettings, Origination, PeerSettings, Speaker, State
 from bgp.transport import SpeakerService
 from bgp.views import peer_views
-from proto.nlri import prefix_from_str
+from proto.nlri import IPV4_UNICAST, IPV6_UNICAST, prefix_from_str
 
 from agentd.daemon.api import ApiServer
 from agentd.daemon.bgp_json import peer_row
@@ -53,6 +53,9 @@ def local_settings(
         restarting=restarting,
         forwarding_preserved=forwarding_preserved,
         next_hop_v6=getattr(bgp, "next_hop_v6", None),
+        # An IPv6-only cluster's sessions carry IPv6 alone; the others offer both families
+        # (a dual-stack cluster's IPv6 routes ride the IPv4 sessions).
+        families=(IPV6_UNICAST,) if cfg.network.ip_family == "ipv6" else (IPV4_UNICAST, IPV6_UNICAST),
         send_timeout=bgp.send_timeout,
         update_delay=bgp.batch_delay,
     )

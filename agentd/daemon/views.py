@@ -8,7 +8,7 @@ the running agent (what it reads is :class:`AgentState`) and never changes it
 
 from __future__ import annotations
 
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv6Address
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
@@ -36,12 +36,13 @@ class AgentState(Protocol):
 
     cfg: Config
     name: str
-    address: IPv4Address
+    address: IPv4Address | IPv6Address
     pod_mtu: int
     registry: CollectorRegistry
     supervisor: Supervisor
     underlay: Underlay | None
     lease: SubnetLease | None
+    leases: dict[int, SubnetLease]
     programmer: RouteProgrammer | None
     datastore: Datastore | None
     speaker: Speaker | None
@@ -82,12 +83,18 @@ class AgentViews:
     def status(self) -> dict[str, Any]:
         a = self.agent
         prog = a.programmer
+        v6 = a.leases.get(6)
         return {
             "node": {
                 "name": a.name,
                 "address": str(a.address),
+                # Dual-stack and IPv6-only: the IPv6 underlay address and subnet ("subnet" is
+                # the first one: IPv4, or the IPv6 one of an IPv6-only node).
+                "address_v6": str(a.cfg.node.address_v6) if a.cfg.node.address_v6 else None,
+                "ip_family": a.cfg.network.ip_family,
                 "asn": a.cfg.node.asn,
                 "subnet": str(a.lease.subnet) if a.lease else None,
+                "subnet_v6": str(v6.subnet) if v6 else None,
                 "backend": a.cfg.network.backend,
                 "encap": a.cfg.network.encap,
                 "route_reflector": a.cfg.node.route_reflector,
@@ -126,6 +133,10 @@ class AgentViews:
             plan = a.routes.plans.get(row["address"])
             row["backend"] = plan.backend if plan else None
             row["backend_reason"] = plan.reason if plan else None
+            if a.routes.plans_v6:  # dual-stack: how the peer's IPv6 pods are reached (ipip, udp: directly)
+                v6 = a.routes.plans_v6.get(row["address"])
+                row["backend_v6"] = v6.backend if v6 else None
+                row["backend_v6_reason"] = v6.reason if v6 else None
             # The data path carrying it here, and its packet counters where the kernel keeps them.
             row["datapath"] = paths.label(plan) if plan and paths else None
             row["counters"] = a.tunnels.bpf.peer_counters(row["address"]) \

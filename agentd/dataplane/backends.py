@@ -11,6 +11,9 @@ data paths (agentd.backend_table) that comes up here, and says why it fell back:
 vxlan-device  kernel VTEP ``agentd.vxlan`` (VNI/port configurable, no learning); per peer a
               permanent neighbour entry (peer VTEP IP -> MAC) and an FDB entry (MAC -> peer
               underlay IP), as flannel does; routes ``subnet via vtep_ip dev agentd.vxlan onlink``.
+              One VTEP carries both pod families: a dual-stack peer gets an IPv6 neighbour
+              entry too (its IPv6 VTEP address, the network address of its IPv6 subnet, as
+              flannel's second VTEP has it); the VTEP's outer family is the node's underlay's.
 bpf           udp and ipip: the tc-BPF programs on the underlay device (agentd.dataplane.bpf),
               routes ``subnet via <underlay next hop> dev <underlay> mtu <pod mtu>``.
 userspace     udp and ipip where BPF cannot run: the worker (TUN ``agentd.udp`` / ``agentd.ipip``
@@ -32,7 +35,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +58,24 @@ DEVICES = {name: b.device for name, b in BACKENDS.items() if b.device}
 GATEWAY_REFRESH = 15.0  # seconds between re-resolving the underlay next hops of BPF routes
 
 
-def vxlan_peer_entries(index: int, vtep_ip: str, mac: str, peer: str) -> tuple[nl.NeighMessage, nl.NeighMessage]:
+VtepPeer = tuple[tuple[str, ...], str]  # (the peer's VTEP addresses, one per pod family; its VTEP MAC)
+
+
+def _packed(address: str) -> tuple[int, bytes]:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return family, socket.inet_pton(family, address)
+
+
+def vxlan_peer_entries(index: int, vtep_ips: tuple[str, ...], mac: str, peer: str) -> list[nl.NeighMessage]:
     """What a VXLAN peer needs on our VTEP (device ``index``), as flannel does it: a permanent
-    neighbour entry (its VTEP IP -> its VTEP MAC) and an FDB entry on the device itself
-    (NTF_SELF: the VXLAN driver's table, MAC -> its underlay address)."""
+    neighbour entry per pod family (its VTEP IP -> its VTEP MAC: ARP for IPv4, NDP for IPv6)
+    and an FDB entry on the device itself (NTF_SELF: the VXLAN driver's table, MAC -> its
+    underlay address, IPv4 or IPv6)."""
     lladdr = bytes.fromhex(mac.replace(":", ""))
-    neighbour = nl.NeighMessage(socket.AF_INET, index, nl.NUD_PERMANENT, 0, 0, socket.inet_aton(vtep_ip), lladdr)
-    fdb = nl.NeighMessage(nl.AF_BRIDGE, index, nl.NUD_PERMANENT, nl.NTF_SELF, 0, socket.inet_aton(peer), lladdr)
-    return neighbour, fdb
+    entries = [nl.NeighMessage(family, index, nl.NUD_PERMANENT, 0, 0, raw, lladdr)
+               for family, raw in map(_packed, vtep_ips)]
+    entries.append(nl.NeighMessage(nl.AF_BRIDGE, index, nl.NUD_PERMANENT, nl.NTF_SELF, 0, _packed(peer)[1], lladdr))
+    return entries
 
 
 async def _neigh_request(sock: NetlinkSocket, code: str, entry: nl.NeighMessage, seq: int) -> None:
@@ -82,14 +95,19 @@ async def _neigh_request(sock: NetlinkSocket, code: str, entry: nl.NeighMessage,
         raise nl.NetlinkError(errno.ETIMEDOUT, None, f"{code} {what}: no acknowledgement")
 
 
-def _set_address(rt: Rtnl, index: int, address: str) -> None:
-    """``address``/32 on the device, replacing any other IPv4 address we put there before."""
-    have = [(socket.inet_ntoa(a.local or a.address), a.prefixlen) for a in rt.addresses(index) if a.local or a.address]
-    for addr, plen in have:
-        if (addr, plen) != (address, 32):
-            rt.delete_address(index, addr, plen)
-    if (address, 32) not in have:
-        rt.add_address(index, address, 32)
+def _set_address(rt: Rtnl, index: int, *addresses: str) -> None:
+    """Each of ``addresses`` as a host address (/32, /128) on the device, replacing any other
+    address of its family we put there before (IPv6 link-local addresses are the kernel's)."""
+    for family, bits in ((socket.AF_INET, 32), (socket.AF_INET6, 128)):
+        wanted = {(a, bits) for a in addresses if _packed(a)[0] == family}
+        have = [(socket.inet_ntop(family, a.local or a.address), a.prefixlen)
+                for a in rt.addresses(index, family) if a.local or a.address]
+        have = [(a, p) for a, p in have if not (family == socket.AF_INET6 and a.startswith("fe80:"))]
+        for addr, plen in have:
+            if (addr, plen) not in wanted:
+                rt.delete_address(index, addr, plen)
+        for addr, plen in wanted - set(have):
+            rt.add_address(index, addr, plen)
 
 
 def _mac(address: bytes | None) -> str | None:
@@ -105,11 +123,12 @@ class _Vxlan:
         self.device = DEVICES[name]
         self.mac: str | None = None
         self.vtep_ip: str | None = None
-        self.installed: dict[str, tuple[str, str]] = {}  # peer underlay -> (vtep ip, mac)
+        self.vtep_ip_v6: str | None = None
+        self.installed: dict[str, VtepPeer] = {}  # peer underlay -> (vtep ips, mac)
 
-    def _up(self, subnet: IPv4Network) -> None:
+    def _up(self, subnet: IPv4Network | IPv6Network) -> None:
         cfg, ul = self.t.cfg.network, self.t.underlay
-        mtu = ul.mtu - mtu_overhead("vxlan")
+        mtu = ul.mtu - mtu_overhead("vxlan", ul.family)
         wanted = Vxlan(cfg.vxlan_vni, cfg.vxlan_port, ul.interface.ip.packed, ul.ifindex, learning=False)
         with Rtnl() as rt:
             link = rt.link(self.device)
@@ -126,22 +145,27 @@ class _Vxlan:
                 if link is None:
                     raise OSError(errno.ENODEV, f"vxlan device {self.device} vanished after it was made")
             rt.set_link(link.index, mtu=mtu, up=True)
-            self.vtep_ip = str(subnet.network_address)
-            _set_address(rt, link.index, self.vtep_ip)
+            v4, v6 = self.t.subnets.get(4), self.t.subnets.get(6)
+            self.vtep_ip = str(v4.network_address) if v4 else None
+            self.vtep_ip_v6 = str(v6.network_address) if v6 else None
+            _set_address(rt, link.index, *(a for a in (self.vtep_ip, self.vtep_ip_v6) if a))
             self.mac = _mac(link.address)
 
-    async def up(self, subnet: IPv4Network) -> None:
+    async def up(self, subnet: IPv4Network | IPv6Network) -> None:
         await asyncio.to_thread(self._up, subnet)
 
     def data(self) -> dict[str, Any]:
-        return {
+        data = {
             "vtep_mac": self.mac,
             "vtep_ip": self.vtep_ip,
             "vni": self.t.cfg.network.vxlan_vni,
             "vxlan_port": self.t.cfg.network.vxlan_port,
         }
+        if self.vtep_ip_v6 is not None:
+            data["vtep_ip_v6"] = self.vtep_ip_v6
+        return data
 
-    async def _sync(self, wanted: dict[str, tuple[str, str]], prune: bool) -> None:
+    async def _sync(self, wanted: dict[str, VtepPeer], prune: bool) -> None:
         """Neighbour and FDB entries through agentd.kernel.netlink, the route programmer's
         rtnetlink codec."""
         try:
@@ -151,33 +175,37 @@ class _Vxlan:
         sock = NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
         seq = 0
         try:
-            for peer, (vtep_ip, mac) in list(self.installed.items()):
-                if prune and wanted.get(peer) != (vtep_ip, mac):
-                    for entry in vxlan_peer_entries(index, vtep_ip, mac, peer):
+            for peer, (vtep_ips, mac) in list(self.installed.items()):
+                if prune and wanted.get(peer) != (vtep_ips, mac):
+                    for entry in vxlan_peer_entries(index, vtep_ips, mac, peer):
                         seq += 1
                         with contextlib.suppress(nl.NetlinkError):
                             await _neigh_request(sock, "del", entry, seq)
                     del self.installed[peer]
-            for peer, (vtep_ip, mac) in wanted.items():
-                if self.installed.get(peer) == (vtep_ip, mac):
+            for peer, (vtep_ips, mac) in wanted.items():
+                if self.installed.get(peer) == (vtep_ips, mac):
                     continue
-                for entry in vxlan_peer_entries(index, vtep_ip, mac, peer):
+                for entry in vxlan_peer_entries(index, vtep_ips, mac, peer):
                     seq += 1
                     await _neigh_request(sock, "replace", entry, seq)
-                self.installed[peer] = (vtep_ip, mac)
+                self.installed[peer] = (vtep_ips, mac)
         finally:
             sock.close()
 
     async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
-        wanted = {}
+        wanted: dict[str, VtepPeer] = {}
         for addr, plan in plans.items():
-            if plan.backend == "vxlan" and plan.extra.get("vtep_ip") and plan.extra.get("vtep_mac"):
-                wanted[addr] = (str(plan.extra["vtep_ip"]), str(plan.extra["vtep_mac"]))
+            if plan.backend == "vxlan" and plan.extra.get("vtep_mac"):
+                # The peer's VTEP address of each pod family this node has too.
+                keys = [k for k, mine in (("vtep_ip", self.vtep_ip), ("vtep_ip_v6", self.vtep_ip_v6)) if mine]
+                ips = tuple(str(plan.extra[k]) for k in keys if plan.extra.get(k))
+                if ips:
+                    wanted[addr] = (ips, str(plan.extra["vtep_mac"]))
         await self._sync(wanted, prune)
 
     def status(self) -> dict[str, Any]:
         return {"datapath": self.datapath, "device": self.device, **self.data(),
-                "peers": {p: {"vtep_ip": v, "mac": m} for p, (v, m) in self.installed.items()}}
+                "peers": {p: {"vtep_ip": v[0], "vtep_ips": list(v), "mac": m} for p, (v, m) in self.installed.items()}}
 
     async def down(self, remove: bool) -> None:
         if remove:
@@ -332,7 +360,8 @@ class Tunnels:
         self.own = cfg.network.backend
         self.on_node_data = on_node_data
         self.on_paths = on_paths  # the data paths or the underlay next hops changed: recompute routes
-        self.subnet: IPv4Network | None = None
+        self.subnet: IPv4Network | IPv6Network | None = None  # the first of ``subnets``
+        self.subnets: dict[int, IPv4Network | IPv6Network] = {}  # this node's pod subnets, by IP version
         self.active: dict[str, Any] = {}
         self.failed: dict[str, str] = {}
         self.fallbacks: dict[str, str] = {}  # backend -> why it does not run on its first data path
@@ -351,10 +380,15 @@ class Tunnels:
         self._dirty = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def start(self, subnet: IPv4Network) -> None:
-        self.subnet = subnet
+    async def start(self, subnets: Mapping[int, IPv4Network | IPv6Network]) -> None:
+        self.subnets = dict(subnets)
+        self.subnet = next(self.subnets[v] for v in sorted(self.subnets))
         self.members = {str(self.underlay.interface.ip)}
-        if self.cfg.network.datapath != "userspace":
+        if self.underlay.family == 6:
+            # The programs read IPv4 outer headers: an IPv6 underlay's packets pass them untouched.
+            self.bpf.error = ("the BPF data path and member filter read IPv4 underlay packets only; "
+                              "on an IPv6 underlay they are not loaded")
+        elif self.cfg.network.datapath != "userspace":
             # Learn now whether udp and ipip can run in BPF here: the node record says so, and
             # peers choose how to speak to us by it (a host-gw node may be sent udp any time).
             try:
@@ -479,7 +513,7 @@ class Tunnels:
         peers' traffic because it has not heard of them yet)."""
         self._plans, self._next_hops, self._prune = plans, next_hops, prune
         if members_known:
-            self.members = {str(n.address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
+            self.members = {str(n.peer_address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
             self._members_known = True
         self._dirty.set()
 
@@ -626,7 +660,8 @@ def remove_bpf_leftovers(cfg: Config) -> list[str]:
     from agentd.kernel.netinfo import NetInfoError, underlay_for
 
     ifindex = None
-    if cfg.node.address is not None:
+    address = cfg.node.address or cfg.node.address_v6
+    if address is not None:
         with contextlib.suppress(NetInfoError):
-            ifindex = underlay_for(cfg.node.address).ifindex
+            ifindex = underlay_for(address).ifindex
     return remove_pinned_fast_path(cfg.agent.bpf_dir) + remove_pinned(cfg.agent.bpf_dir, ifindex)

@@ -7,6 +7,17 @@ tunnel).  :func:`plan_peer` decides, :func:`route_for` turns a best path into a 
 route under that plan and the data path this node runs the backend on (:class:`LocalPaths`,
 from agentd.dataplane.backends).  Both are pure.  The route shape belongs to the data path, one
 function each in :data:`ROUTE_SHAPES`; the backends' facts come from agentd.backend_table.
+
+Families.  A plan is per peer *and* per pod family (``version``): a dual-stack node has an
+IPv4 plan and an IPv6 plan for each peer.  Its IPv6 pods go the way of its backend where the
+backend carries IPv6 inner packets (host-gw, vxlan); ipip and udp carry IPv4 only
+(``Backend.inner_families``), so toward such a peer IPv6 pods are routed directly on a shared
+segment, else not at all (the reason says so).  Routed directly, an IPv6 pod subnet's next hop
+is the peer's IPv6 underlay address where it is on-link, else the peer's IPv6 link-local
+address on the shared segment: Linux has no IPv6 route through an IPv4 gateway (RTA_VIA and
+IPv4 nexthop objects are refused for IPv6 routes, "IPv6 does not support RTA_VIA attribute";
+RFC 8950 covers only the other direction), and every IPv6-enabled link has a link-local
+address, which is what BGP unnumbered routes through.
 """
 
 from __future__ import annotations
@@ -35,6 +46,8 @@ class PeerPlan:
     reason: str
     node: str | None = None  # the node's name; None for a next hop outside the cluster
     extra: dict = field(default_factory=dict, compare=False)  # backend data (vtep mac/ip, ...)
+    version: int = 4  # the pod family this plan carries
+    via: str | None = None  # the next hop of direct (host-gw) routes; None: ``address``
 
     @property
     def routable(self) -> bool:
@@ -77,6 +90,19 @@ def peer_in_userspace(plan: PeerPlan) -> bool:
     return plan.node is not None and plan.extra.get("datapath", "userspace") != "bpf"
 
 
+def direct_next_hop(node: NodeRecord, underlay: Underlay, version: int) -> str | None:
+    """The next hop of a direct route to ``node``'s pods of IP ``version`` on a segment this
+    node shares with it, or None when they share none: its address of that family where it is
+    on-link; for IPv6 on an IPv4 segment, its link-local address (see the module doc)."""
+    if version == 4:
+        return str(node.address) if node.address is not None and underlay.on_link(node.address) else None
+    if node.address_v6 is not None and underlay.on_link(node.address_v6):
+        return str(node.address_v6)
+    if node.link_local_v6 is not None and node.address is not None and underlay.on_link(node.address):
+        return str(node.link_local_v6)
+    return None
+
+
 def plan_peer(
     node: NodeRecord,
     underlay: Underlay,
@@ -84,8 +110,9 @@ def plan_peer(
     own_backend: str,
     encap: str,
     available: Callable[[str], str | None] = lambda b: None,
+    version: int = 4,
 ) -> PeerPlan:
-    """Decide how to reach ``node``.
+    """Decide how to reach ``node``'s pods of IP ``version``.
 
     The *peer's* backend says how it receives traffic, so it is the one we use toward it
     (agentd runs every backend, per peer): a host-gw peer only takes direct traffic; an
@@ -93,46 +120,58 @@ def plan_peer(
     cross-subnet and it shares our L2 segment.  ``available(backend)`` returns None if this
     node can run that backend, else the reason it cannot.
     """
-    addr = str(node.address)
-    on_link = underlay.on_link(node.address)
+    addr = str(node.peer_address)
+    via = direct_next_hop(node, underlay, version)
     peer_backend = str(node.backend.get("type") or own_backend)
+
+    def plan(backend: str, reason: str, extra: bool = True) -> PeerPlan:
+        return PeerPlan(addr, backend, reason, node.name, dict(node.backend) if extra else {}, version,
+                        via if backend == HOST_GW else None)
+
     if peer_backend == HOST_GW:
-        if on_link:
-            return PeerPlan(addr, HOST_GW, f"on-link via {underlay.ifname}", node.name, dict(node.backend))
-        return PeerPlan(
-            addr,
+        if via is not None:
+            return plan(HOST_GW, f"on-link via {underlay.ifname}")
+        if version == 6 and node.address_v6 is None and node.link_local_v6 is None:
+            return plan("none", f"peer {addr} published no IPv6 underlay or link-local address to route "
+                                "its IPv6 pods through", extra=False)
+        return plan(
             "none",
             f"peer {addr} is not on this node's L2 segment ({', '.join(map(str, underlay.networks))}) and uses "
             "host-gw, which needs a shared segment: use an encapsulating backend or cross-subnet",
-            node.name,
+            extra=False,
         )
-    if encap == "cross-subnet" and on_link:
-        return PeerPlan(addr, HOST_GW, f"cross-subnet: on-link via {underlay.ifname}, no encapsulation", node.name,
-                        dict(node.backend))
+    if encap == "cross-subnet" and via is not None:
+        return plan(HOST_GW, f"cross-subnet: on-link via {underlay.ifname}, no encapsulation")
     if peer_backend not in BACKENDS:
-        return PeerPlan(addr, "none", f"peer uses backend {peer_backend!r}, which this agent does not know", node.name)
+        return plan("none", f"peer uses backend {peer_backend!r}, which this agent does not know", extra=False)
+    if version not in BACKENDS[peer_backend].inner_families:
+        if via is not None:
+            return plan(HOST_GW, f"{peer_backend} carries IPv4 pods only: IPv6 pods routed directly, "
+                                 f"on-link via {underlay.ifname}")
+        return plan("none", f"peer uses {peer_backend}, which carries IPv4 pods only, and is not on this node's "
+                            "L2 segment: its IPv6 pods are unreachable from here (vxlan carries both)", extra=False)
     problem = available(peer_backend)
     if problem is not None:
-        return PeerPlan(addr, "none", f"peer uses {peer_backend}: {problem}", node.name)
+        return plan("none", f"peer uses {peer_backend}: {problem}", extra=False)
     why = "cross-subnet: peer on another segment" if encap == "cross-subnet" else f"peer uses {peer_backend}"
-    return PeerPlan(addr, peer_backend, why, node.name, dict(node.backend))
+    return plan(peer_backend, why)
 
 
 def plan_external(next_hop: str, underlay: Underlay) -> PeerPlan:
     """A next hop that is not a cluster node (a route learned from a top-of-rack router)."""
     a = ip_address(next_hop)
-    if isinstance(a, IPv4Address) and underlay.on_link(a):
-        return PeerPlan(next_hop, HOST_GW, f"external next hop on-link via {underlay.ifname}")
     if isinstance(a, IPv6Address) and a.ipv4_mapped is not None:
-        return PeerPlan(next_hop, "none", "IPv4-mapped IPv6 next hop cannot be routed")
-    return PeerPlan(next_hop, EXTERNAL, "external next hop resolved by the kernel")
+        return PeerPlan(next_hop, "none", "IPv4-mapped IPv6 next hop cannot be routed", version=6)
+    if underlay.on_link(a):
+        return PeerPlan(next_hop, HOST_GW, f"external next hop on-link via {underlay.ifname}", version=a.version)
+    return PeerPlan(next_hop, EXTERNAL, "external next hop resolved by the kernel", version=a.version)
 
 
 # ------------------------------------------------------------------ route shapes, per data path
 
 
 def _direct(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
-    return Route(dst=dst, gateway=plan.address, dev=underlay.ifname)
+    return Route(dst=dst, gateway=plan.via or plan.address, dev=underlay.ifname)
 
 
 def _external(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
@@ -140,7 +179,9 @@ def _external(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -
 
 
 def _vxlan_device(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
-    vtep_ip = plan.extra.get("vtep_ip")
+    # One VTEP carries both pod families (VXLAN is L2): an IPv6 neighbour entry for the peer's
+    # IPv6 VTEP address beside the IPv4 one (agentd.dataplane.backends).
+    vtep_ip = plan.extra.get("vtep_ip_v6" if plan.version == 6 else "vtep_ip")
     if not vtep_ip:
         return None
     return Route(dst=dst, gateway=vtep_ip, dev=BACKENDS[plan.backend].device, onlink=True)
@@ -182,8 +223,19 @@ class RoutePlan:
 
     routes: list[Route]
     rows: list[dict[str, Any]]
-    plans: dict[str, PeerPlan]
-    next_hops: dict[str, list[str]]
+    plans: dict[str, PeerPlan]  # per peer address: its plan for the node's first pod family
+    next_hops: dict[str, list[str]]  # per peer address: the destinations routed by those plans
+    plans_v6: dict[str, PeerPlan] = field(default_factory=dict)  # dual-stack: the IPv6 plans
+
+
+def next_hop_forms(node: NodeRecord) -> list[str]:
+    """Every next hop under which ``node`` advertises its subnets: its IPv4 address, its IPv6
+    address, and the IPv4-mapped IPv6 address (RFC 4291 §2.5.5.2) that a node without an IPv6
+    underlay address gives its IPv6 routes over the IPv4 sessions."""
+    forms = [str(a) for a in (node.address, node.address_v6) if a is not None]
+    if node.address is not None:
+        forms.append(str(IPv6Address(f"::ffff:{node.address}")))
+    return forms
 
 
 def desired_routes(
@@ -192,35 +244,51 @@ def desired_routes(
     underlay: Underlay,
     paths: LocalPaths,
     *,
-    own_subnet: str,
+    own_subnets: Iterable[str],
     blackhole_metric: int,
     own_backend: str,
     encap: str,
     available: Callable[[str], str | None] = lambda b: None,
+    versions: tuple[int, ...] = (4,),
 ) -> RoutePlan:
     """The routes for ``bests`` (destination, next hop, originated here) through the peers of
     ``nodes`` (other nodes; any other next hop is an external router on the underlay), plus
-    the blackhole of this node's own subnet.  Pure: the agent applies the result."""
-    plans = {
-        str(n.address): plan_peer(n, underlay, own_backend=own_backend, encap=encap, available=available) for n in nodes
-    }
-    routes = [Route(dst=own_subnet, kind="blackhole", metric=blackhole_metric)]
-    rows: list[dict[str, Any]] = [{"dst": own_subnet, "via": None, "dev": None, "backend": "blackhole", "peer": None}]
+    the blackholes of this node's own subnets.  ``versions``: the cluster's pod families.
+    Pure: the agent applies the result."""
+    nodes = list(nodes)
+    plans_by = {v: {str(n.peer_address): plan_peer(n, underlay, own_backend=own_backend, encap=encap,
+                                                    available=available, version=v) for n in nodes}
+                for v in versions}  # fmt: skip
+    primary = versions[0]
+    owner = {form: str(n.peer_address) for n in nodes for form in next_hop_forms(n)}
+    routes: list[Route] = []
+    rows: list[dict[str, Any]] = []
+    for own in own_subnets:
+        routes.append(Route(dst=own, kind="blackhole", metric=blackhole_metric))
+        rows.append({"dst": own, "via": None, "dev": None, "backend": "blackhole", "peer": None})
     next_hops: dict[str, list[str]] = {}
+    external: dict[str, PeerPlan] = {}
     for dst, next_hop, local in bests:
         if local or next_hop is None:
             continue
         nh = str(next_hop)
-        plan = plans.get(nh)
+        version = 6 if ":" in dst else 4
+        key = owner.get(nh)
+        plan = plans_by[version].get(key) if key is not None and version in plans_by else None
         if plan is None:
-            plan = plans[nh] = plan_external(nh, underlay)
+            plan = external.get(nh)
+            if plan is None:
+                plan = external[nh] = plan_external(nh, underlay)
+            key = nh
         if not plan.routable:
             continue
         route = route_for(dst, plan, underlay, paths)
         if route is None:
             continue
         routes.append(route)
-        next_hops.setdefault(nh, []).append(dst)
+        if plan.version == primary or plan.node is None:
+            next_hops.setdefault(key, []).append(dst)
         rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh,
                      "datapath": paths.label(plan)})  # fmt: skip
-    return RoutePlan(routes, rows, plans, next_hops)
+    plans = {**plans_by.get(primary, {}), **external}
+    return RoutePlan(routes, rows, plans, next_hops, plans_by.get(6, {}) if primary == 4 else {})

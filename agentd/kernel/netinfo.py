@@ -9,7 +9,16 @@ import json
 import socket
 import subprocess
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network, ip_address
+from ipaddress import (
+    IPv4Address,
+    IPv4Interface,
+    IPv4Network,
+    IPv6Address,
+    IPv6Interface,
+    IPv6Network,
+    ip_address,
+    ip_interface,
+)
 
 from . import netlink as nl
 from .rtnl import Rtnl
@@ -21,47 +30,77 @@ class NetInfoError(RuntimeError):
 
 @dataclass(frozen=True)
 class Underlay:
+    """The interface that carries the node's underlay address, with what the route shapes and
+    tunnels need of it.  ``interface`` is the node's primary address (IPv4; IPv6 with
+    ip_family = ipv6), the one its BGP sessions and tunnels use."""
+
     ifname: str
     ifindex: int
-    interface: IPv4Interface  # the node address with its prefix, e.g. 192.168.0.11/24
+    interface: IPv4Interface | IPv6Interface  # the node address with its prefix, e.g. 192.168.0.11/24
     mtu: int
-    networks: tuple[IPv4Network, ...]  # every IPv4 prefix on the interface (on-link destinations)
+    networks: tuple[IPv4Network | IPv6Network, ...]  # every prefix on the interface (on-link destinations), both families
+    interface_v6: IPv6Interface | None = None  # the node's IPv6 underlay address (dual, ipv6), if it has one
+    link_local: IPv6Address | None = None  # the interface's fe80:: address: host-gw's IPv6 next hop on an IPv4 underlay
 
-    def on_link(self, address: IPv4Address | str) -> bool:
+    @property
+    def family(self) -> int:
+        """The version of the primary address: what encapsulated packets' outer headers are."""
+        return self.interface.version
+
+    def on_link(self, address: IPv4Address | IPv6Address | str) -> bool:
         a = ip_address(address)
         return any(a in n for n in self.networks)
 
 
-def underlay_for(address: IPv4Address) -> Underlay:
-    """The interface that carries ``address`` in this network namespace.
+def underlay_for(address: IPv4Address | IPv6Address, address_v6: IPv6Address | None = None) -> Underlay:
+    """The interface that carries ``address`` in this network namespace; ``address_v6`` (the
+    node's IPv6 underlay address in a dual-stack cluster) must be on the same interface.
 
-    Read with ``ip -json -4 address show`` (iproute2 is a dependency anyway): a few
+    Read with ``ip -json address show`` (iproute2 is a dependency anyway): a few
     milliseconds, where importing a netlink library costs the agent's start-up ~0.2 s.
     """
     try:
-        proc = subprocess.run(["ip", "-json", "-4", "address", "show"], capture_output=True, text=True, timeout=10)
+        proc = subprocess.run(["ip", "-json", "address", "show"], capture_output=True, text=True, timeout=10)
         links = json.loads(proc.stdout or "[]")
     except (OSError, subprocess.SubprocessError, ValueError) as err:
-        raise NetInfoError(f"cannot list this host's addresses (ip -json -4 address show): {err}") from None
+        raise NetInfoError(f"cannot list this host's addresses (ip -json address show): {err}") from None
+    holder = {}
     for link in links:
-        infos = [a for a in link.get("addr_info", []) if a.get("family") == "inet" and a.get("local")]
-        mine = [a for a in infos if a["local"] == str(address)]
+        for a in link.get("addr_info", []):
+            if a.get("local"):
+                holder[a["local"]] = link["ifname"]
+    for link in links:
+        infos = [a for a in link.get("addr_info", []) if a.get("family") in ("inet", "inet6") and a.get("local")]
+        mine = [a for a in infos if ip_address(a["local"]) == address]
         if not mine:
             continue
-        nets = [IPv4Interface(f"{a['local']}/{a['prefixlen']}").network for a in infos]
+        if address_v6 is not None and address_v6 != address:
+            where = next((n for a, n in holder.items() if ip_address(a) == address_v6), None)
+            if where != link["ifname"]:
+                on = f"is on {where}" if where else "is on no interface here"
+                raise NetInfoError(f"the node's IPv6 address {address_v6} {on}, not on {link['ifname']}, which holds "
+                                   f"its address {address}: both must be on the underlay interface")
+        # Link-local prefixes are on every link: they say nothing about which peers share ours.
+        nets = [ip_interface(f"{a['local']}/{a['prefixlen']}").network for a in infos
+                if a.get("scope") != "link" and not ip_address(a["local"]).is_link_local]
+        v6 = address_v6 or (address if address.version == 6 else None)
+        v6_info = next((a for a in infos if v6 is not None and ip_address(a["local"]) == v6), None)
+        ll = next((a["local"] for a in infos if a["family"] == "inet6" and ip_address(a["local"]).is_link_local), None)
         return Underlay(
             ifname=link["ifname"],
             ifindex=int(link["ifindex"]),
-            interface=IPv4Interface(f"{address}/{mine[0]['prefixlen']}"),
+            interface=ip_interface(f"{address}/{mine[0]['prefixlen']}"),
             mtu=int(link.get("mtu") or 1500),
             networks=tuple(dict.fromkeys(nets)),
+            interface_v6=IPv6Interface(f"{v6}/{v6_info['prefixlen']}") if v6_info else None,
+            link_local=IPv6Address(ll) if ll else None,
         )
     raise NetInfoError(f"no interface in this network namespace has the node address {address}")
 
 
 class LocalHost:
     """The host facts the configuration's computed defaults need (:class:`agentd.config.settings.HostFacts`):
-    the hostname and the IPv4 default route of the current namespace, read, never changed."""
+    the hostname and the default routes of the current namespace, read, never changed."""
 
     def hostname(self) -> str:
         return socket.gethostname()
@@ -82,3 +121,21 @@ class LocalHost:
                 addrs = rt.addresses(best.oif)
                 src = addrs[0].address if addrs else None
         return IPv4Address(src) if src else None
+
+    def default_address_v6(self) -> IPv6Address | None:
+        """A global (or unique-local) address of the interface the best IPv6 default route
+        leaves by: its preferred source where it names one."""
+        with Rtnl() as rt:
+            defaults = [r for r in rt.routes(nl.AF_INET6, nl.RT_TABLE_MAIN) if r.dst_len == 0 and r.type == nl.RTN_UNICAST]
+            if not defaults:
+                return None
+            best = min(defaults, key=lambda r: r.priority or 0)
+            if best.prefsrc is not None:
+                return IPv6Address(best.prefsrc)
+            if not best.oif:
+                return None
+            for a in rt.addresses(best.oif, nl.AF_INET6):
+                addr = IPv6Address(a.local or a.address or bytes(16))
+                if not (addr.is_link_local or addr.is_loopback or addr.is_unspecified):
+                    return addr
+        return None

@@ -1,5 +1,5 @@
 """Links and addresses on rtnetlink: make a VXLAN (or dummy) device, set a device's MTU and state,
-delete it, read its VXLAN settings, put IPv4 addresses on it -- what ``ip link add ... type
+delete it, read its VXLAN settings, put IPv4 and IPv6 addresses on it -- what ``ip link add ... type
 vxlan``, ``ip link set`` and ``ip addr`` send.  Built on :mod:`agentd.kernel.netlink` (its
 attribute packer, parser and socket); the requests are rare, so plain functions, no
 precompiled message templates.
@@ -10,8 +10,8 @@ Layouts (include/uapi/linux/rtnetlink.h, if_link.h, if_addr.h)::
     struct ifaddrmsg { u8 family, prefixlen, flags, scope; u32 index; }              8 bytes
 
     IFLA_LINKINFO (nested) { IFLA_INFO_KIND "vxlan", IFLA_INFO_DATA (nested) {
-        IFLA_VXLAN_ID u32, IFLA_VXLAN_LINK u32, IFLA_VXLAN_LOCAL in_addr,
-        IFLA_VXLAN_LEARNING u8, IFLA_VXLAN_PORT __be16 } }
+        IFLA_VXLAN_ID u32, IFLA_VXLAN_LINK u32, IFLA_VXLAN_LOCAL in_addr (or
+        IFLA_VXLAN_LOCAL6 in6_addr), IFLA_VXLAN_LEARNING u8, IFLA_VXLAN_PORT __be16 } }
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ IFLA_VXLAN_LINK = 3
 IFLA_VXLAN_LOCAL = 4
 IFLA_VXLAN_LEARNING = 7
 IFLA_VXLAN_PORT = 15  # network byte order
+IFLA_VXLAN_LOCAL6 = 17  # the local address of a VTEP on an IPv6 underlay
 
 # --- if_addr.h ------------------------------------------------------------------------------
 
 IFA_ADDRESS = 1
 IFA_LOCAL = 2
 IFA_LABEL = 3  # NUL-terminated; "dev" or "dev:suffix" (an alias name ``ip addr`` shows)
+IFA_F_NODAD = 0x02  # an IPv6 address usable at once: no duplicate address detection (RFC 4862 §5.4)
 
 _IFINFOMSG = struct.Struct("=BxHiII")
 _IFADDRMSG = struct.Struct("=BBBBI")
@@ -46,7 +48,7 @@ class Vxlan(NamedTuple):
 
     vni: int
     port: int  # UDP destination port, host order here, __be16 on the wire
-    local: bytes  # the underlay address, 4 bytes
+    local: bytes  # the underlay address: 4 bytes (IPv4 underlay) or 16 (IPv6)
     link: int = 0  # the underlay device's index (0: none named)
     learning: bool = False
 
@@ -60,7 +62,7 @@ def vxlan_info_data(v: Vxlan) -> bytes:
     return (
         nl.attr_u32(IFLA_VXLAN_ID, v.vni)
         + (nl.attr_u32(IFLA_VXLAN_LINK, v.link) if v.link else b"")
-        + nl.attr(IFLA_VXLAN_LOCAL, v.local)
+        + nl.attr(IFLA_VXLAN_LOCAL6 if len(v.local) == 16 else IFLA_VXLAN_LOCAL, v.local)
         + nl.attr(IFLA_VXLAN_LEARNING, _U8.pack(int(v.learning)))
         + nl.attr(IFLA_VXLAN_PORT, _BE16.pack(v.port))
     )
@@ -79,6 +81,8 @@ def decode_vxlan(info_data: bytes) -> Vxlan:
             link = nl.read_u32(info_data, vs, ve, "IFLA_VXLAN_LINK")
         elif atype == IFLA_VXLAN_LOCAL:
             local = nl.read_address(info_data, vs, ve, nl.AF_INET, "IFLA_VXLAN_LOCAL")
+        elif atype == IFLA_VXLAN_LOCAL6:
+            local = nl.read_address(info_data, vs, ve, nl.AF_INET6, "IFLA_VXLAN_LOCAL6")
         elif atype == IFLA_VXLAN_LEARNING:
             if ve - vs != 1:
                 raise nl.NetlinkDecodeError(f"IFLA_VXLAN_LEARNING must be 1 byte, got {ve - vs}")
@@ -145,11 +149,13 @@ class AddrMessage(NamedTuple):
 
 
 def encode_addr(mtype: int, seq: int, index: int, address: bytes, prefixlen: int, label: str | None = None) -> bytes:
-    """RTM_NEWADDR (CREATE|EXCL) or RTM_DELADDR of an IPv4 ``address``/``prefixlen`` on device
-    ``index``: IFA_LOCAL and IFA_ADDRESS both the address, as ``ip addr add`` sends them; with
+    """RTM_NEWADDR (CREATE|EXCL) or RTM_DELADDR of an IPv4 or IPv6 (16 bytes) ``address``/``prefixlen``
+    on device ``index``: IFA_LOCAL and IFA_ADDRESS both the address, as ``ip addr add`` sends them
+    (an IPv6 one with IFA_F_NODAD: the agent's own addresses are usable at once); with
     ``label`` (``ip addr add ... label lo:x``) IFA_LABEL, which must start with the device's name."""
     flags = nl.NLM_F_REQUEST | (nl.NLM_F_CREATE | nl.NLM_F_EXCL if mtype == nl.RTM_NEWADDR else 0)
-    body = (_IFADDRMSG.pack(nl.AF_INET, prefixlen, 0, 0, index)
+    v6 = len(address) == 16
+    body = (_IFADDRMSG.pack(nl.AF_INET6 if v6 else nl.AF_INET, prefixlen, IFA_F_NODAD if v6 else 0, 0, index)
             + nl.attr(IFA_LOCAL, address) + nl.attr(IFA_ADDRESS, address))
     if label is not None:
         body += nl.attr(IFA_LABEL, label.encode() + b"\0")

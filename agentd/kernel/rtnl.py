@@ -86,18 +86,20 @@ class Rtnl:
         return [a for a in found if a.index == index and a.family == family]  # older kernels do not filter
 
     def add_address(self, index: int, address: str, prefixlen: int, label: str | None = None) -> None:
-        message = links.encode_addr(nl.RTM_NEWADDR, self.next_seq(), index, socket.inet_aton(address), prefixlen, label)
+        """``address`` (IPv4 or IPv6 text) /``prefixlen`` on device ``index``."""
+        message = links.encode_addr(nl.RTM_NEWADDR, self.next_seq(), index, _packed(address), prefixlen, label)
         self.request(message, f"adding {address}/{prefixlen} to device {index}")
 
     def delete_address(self, index: int, address: str, prefixlen: int) -> None:
-        self.request(links.encode_addr(nl.RTM_DELADDR, self.next_seq(), index, socket.inet_aton(address), prefixlen),
+        self.request(links.encode_addr(nl.RTM_DELADDR, self.next_seq(), index, _packed(address), prefixlen),
                      f"removing {address}/{prefixlen} from device {index}")
 
     # ------------------------------------------------------------------ routes and neighbours
 
     def route_get(self, address: str) -> nl.RouteMessage | None:
-        """The kernel's route to IPv4 ``address`` (``ip route get``)."""
-        answers = self.request(nl.encode_getroute(self.next_seq(), nl.AF_INET, socket.inet_aton(address)),
+        """The kernel's route to IPv4 or IPv6 ``address`` (``ip route get``)."""
+        raw = _packed(address)
+        answers = self.request(nl.encode_getroute(self.next_seq(), nl.AF_INET6 if len(raw) == 16 else nl.AF_INET, raw),
                                f"route to {address}")
         for mtype, buf, start, end in answers:
             if mtype == nl.RTM_NEWROUTE:
@@ -123,3 +125,8 @@ class Rtnl:
                 continue
             out[(entry.master, entry.lladdr)] = entry.ifindex
         return out
+
+
+def _packed(address: str) -> bytes:
+    """IPv4 or IPv6 text as its 4 or 16 bytes."""
+    return socket.inet_pton(socket.AF_INET6 if ":" in address else socket.AF_INET, address)

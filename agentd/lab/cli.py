@@ -57,6 +57,11 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--datapath", choices=DATAPATH_CHOICES, default="auto",
                     help="udp and ipip: in-kernel BPF, the user-space worker, or auto (bpf where it loads)")
     up.add_argument("--encap", choices=["always", "cross-subnet"], default="always")
+    up.add_argument("--ip-family", choices=["ipv4", "dual", "ipv6"], default="ipv4",
+                    help="the pods' addresses: IPv4, both (dual-stack) or IPv6; the underlay gets IPv6 "
+                         "addresses too (dual) or only (ipv6, etcd included)")
+    up.add_argument("--ipv4-underlay", action="store_true",
+                    help="with --ip-family dual: no IPv6 on the underlay (IPv6 pods over IPv4 links)")
     up.add_argument("--subnets", type=_positive(1, 8), default=1, help="L2 segments, joined by a router")
     up.add_argument("--etcd", type=_positive(1, 7), default=1, metavar="N",
                     help="etcd members forming one cluster (3 or 5 survive the loss of 1 or 2)")

@@ -28,9 +28,16 @@ def up(args) -> int:
         subnets=args.subnets,
         etcd=args.etcd,
         docker=args.docker,
+        ip_family=args.ip_family,
+        ipv4_underlay=args.ipv4_underlay,
     )
     if spec.encap == "cross-subnet" and spec.backend == "host-gw":
         raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
+    if spec.ip_family == "ipv6" and spec.backend in ("ipip", "udp"):
+        raise LabError(f"--backend {spec.backend} carries IPv4 over an IPv4 underlay: with --ip-family ipv6 use "
+                       "vxlan or host-gw")
+    if spec.ipv4_underlay and spec.ip_family != "dual":
+        raise LabError("--ipv4-underlay goes with --ip-family dual")
     lab = Lab(spec, progress=lambda line: print(line, flush=True))
 
     timeout = args.timeout or stage_timeout(spec.nodes)
@@ -44,14 +51,16 @@ def up(args) -> int:
         print(f"agentd lab up: {err}", file=sys.stderr)
         print(f"(the lab is left as it is for inspection; `agentd lab down --name {spec.name}` removes it)", file=sys.stderr)
         return 1
-    print()
-    print(_matrix(lab))
+    for version in _versions(spec.ip_family):
+        print()
+        print(_matrix(lab, version if spec.ip_family == "dual" else None))
     print()
     print(f"Lab {spec.name} is up. Try:")
     print(f"  agentd lab status --name {spec.name}")
     print(f"  agentd lab exec --name {spec.name} node1 -- agentd status")
     if lab.pods:
-        print(f"  agentd lab exec --name {spec.name} {lab.pods[0].name} -- ping -c 3 {lab.pods[-1].ip}")
+        for version in _versions(spec.ip_family):
+            print(f"  agentd lab exec --name {spec.name} {lab.pods[0].name} -- ping -c 3 {lab.pods[-1].address(version)}")
     print(f"  agentd lab down --name {spec.name}")
     return 0
 
@@ -59,15 +68,20 @@ def up(args) -> int:
 MATRIX_PODS = 16  # a larger lab gets a count and the failing pairs instead of the matrix
 
 
-def _matrix(lab: Lab) -> str:
-    matrix = asyncio.run(lab.ready.reachability())
+def _versions(ip_family: str) -> tuple[int, ...]:
+    return {"ipv4": (4,), "dual": (4, 6), "ipv6": (6,)}[ip_family]
+
+
+def _matrix(lab: Lab, version: int | None = None) -> str:
+    matrix = asyncio.run(lab.ready.reachability(version=version))
     names = [p.name for p in lab.pods]
+    what = "ICMP echo" if version is None else ("IPv4, ICMP echo" if version == 4 else "IPv6, ICMPv6 echo")
     if len(names) > MATRIX_PODS:
         failing = [f"{a}->{b}" for (a, b), ok in matrix.items() if not ok]
-        text = f"pod reachability (ICMP echo): {len(matrix) - len(failing)}/{len(matrix)} ordered pod pairs answer"
+        text = f"pod reachability ({what}): {len(matrix) - len(failing)}/{len(matrix)} ordered pod pairs answer"
         return text + (f"; failing: {', '.join(failing)}" if failing else "")
     width = max([len(n) for n in names] + [4])
-    lines = ["pod reachability (ICMP echo):", " " * (width + 2) + " ".join(n.rjust(width) for n in names)]
+    lines = [f"pod reachability ({what}):", " " * (width + 2) + " ".join(n.rjust(width) for n in names)]
     for a in lab.pods:
         cells = []
         for b in lab.pods:
@@ -105,11 +119,13 @@ def status(name: str) -> int:
     for n in lab.nodes:
         status = n.api_or_none("/status")
         if status is None:
-            print(f"{n.name} ({n.address}): agent not answering (log {n.log_path})\n")
+            print(f"{n.name} ({n.primary}): agent not answering (log {n.log_path})\n")
             continue
         node, ds = status["node"], status.get("datastore") or {}
+        subnets = " ".join(dict.fromkeys(s for s in (node.get("subnet"), node.get("subnet_v6")) if s))
         print(
-            f"{n.name} ({n.address}) subnet {node.get('subnet')} backend {node.get('backend')}"
+            f"{n.name} ({' '.join(a for a in (n.address, n.address_v6) if a)}) subnet {subnets} "
+            f"backend {node.get('backend')}"
             f"{' [route reflector]' if node.get('route_reflector') else ''}"
             f" routes {status['routes']['programmed']} ready {status.get('ready')}"
             f" etcd {'connected' if ds.get('connected') else 'DISCONNECTED'} ({ds.get('endpoint') or '-'})"
@@ -123,7 +139,7 @@ def status(name: str) -> int:
         for line in n.kernel_routes():
             print(f"  {line}")
         print()
-    print("pods: " + ", ".join(f"{p.name}={p.ip}" for p in lab.pods))
+    print("pods: " + ", ".join(f"{p.name}={'/'.join(p.ips) or p.ip}" for p in lab.pods))
     return 0
 
 
@@ -155,7 +171,8 @@ def pod(args) -> int:
     if args.pod_command == "list":
         from agentd.resources.cli import plain_table
 
-        rows = [[p.name, p.node.name, p.ip or "-", ",".join(f"{k}={v}" for k, v in p.labels.items()) or "-"]
+        rows = [[p.name, p.node.name, " ".join(p.ips) or p.ip or "-",
+                 ",".join(f"{k}={v}" for k, v in p.labels.items()) or "-"]
                 for p in lab.pods]  # fmt: skip
         print(plain_table(["POD", "NODE", "IP", "LABELS"], rows))
         return 0
@@ -168,7 +185,7 @@ def pod(args) -> int:
     pod = asyncio.run(lab.add_pod(args.node, ns or "default", pod_name, labels=labels, ports=args.port,
                                   host_ports=host_ports))  # fmt: skip
     mapped = "".join(f", {pod.node.address}:{m['hostPort']}/{m['protocol']} -> {m['containerPort']}" for m in host_ports)
-    print(f"pod {pod.name} on {pod.node.name}: {pod.ip} (namespace {pod.ns.name}{mapped})")
+    print(f"pod {pod.name} on {pod.node.name}: {' '.join(pod.ips) or pod.ip} (namespace {pod.ns.name}{mapped})")
     return 0
 
 

@@ -12,6 +12,12 @@ Topology for ``--name NAME --nodes N --pods K --subnets S --etcd E``::
                       with every etcd member in [etcd] endpoints
     ad-NAME-nodeI-podJ  pod J of node I, attached through agentd-cni + bridge/host-local
 
+``--ip-family dual`` gives every pod an IPv4 and an IPv6 address (fd00:10:244::/48) and every
+underlay interface an IPv6 address beside its IPv4 one (node I: fd00:172:30:s::(10+I));
+``--ipv4-underlay`` keeps the underlay IPv4-only (IPv6 pods then ride the IPv4 underlay: VXLAN,
+or host-gw through the nodes' link-local addresses).  ``--ip-family ipv6``: IPv6 only,
+etcd included (fd00:172:30:0::(1+M)).
+
 ``lab.etcd`` is the :class:`~agentd.lab.etcd.EtcdCluster`: ``await lab.etcd.leader()``,
 ``wait_leader()``, ``roles()``, ``lab.etcd.members[i].kill()`` / ``stop()`` / ``start()``;
 ``lab.network.cut(member)`` / ``lab.network.mend(member)`` take a member's link down and up (a
@@ -51,7 +57,7 @@ from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names
 from agentd.lab.readiness import Readiness
 from agentd.lab.runtime import CNI_PLUGIN_DIR, binary, cni, write_resolv_conf
 from agentd.lab.speaker_proc import render_toml
-from agentd.lab.underlay import UNDERLAY_PREFIX, Underlay
+from agentd.lab.underlay import UNDERLAY_PREFIX, Underlay, quiet_dad, v6_address
 from agentd.lab.wait import auntil
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
@@ -93,6 +99,16 @@ class LabSpec:
     # Docker hosts (agentd.lab.docker_hosts): a dockerd per node on its subnet, the pods are
     # containers on docker0, and the agents masquerade what leaves the pod network.
     docker: bool = False
+    ip_family: str = "ipv4"  # [network] ip_family of every node: the pods' families
+    ipv4_underlay: bool = False  # dual: keep the underlay IPv4-only (no IPv6 addresses on it)
+
+    @property
+    def underlay_v4(self) -> bool:
+        return self.ip_family != "ipv6"
+
+    @property
+    def underlay_v6(self) -> bool:
+        return self.ip_family == "ipv6" or (self.ip_family == "dual" and not self.ipv4_underlay)
 
 
 class LabNode:
@@ -102,7 +118,8 @@ class LabNode:
         self.index = index
         self.name = f"node{index}"
         self.segment = (index - 1) % spec.subnets
-        self.address = f"{UNDERLAY_PREFIX}.{self.segment}.{10 + index}"
+        self.address: str | None = f"{UNDERLAY_PREFIX}.{self.segment}.{10 + index}" if spec.underlay_v4 else None
+        self.address_v6: str | None = v6_address(self.segment, 10 + index) if spec.underlay_v6 else None
         self.ns = Netns(f"ad-{spec.name}-{self.name}")
         self.dir = lab.dir / self.name
         self.reflector = spec.bgp == "route-reflector" and index <= spec.reflectors
@@ -110,7 +127,12 @@ class LabNode:
         self.backend = spec.backend
 
     def __repr__(self) -> str:
-        return f"<LabNode {self.name} {self.address}>"
+        return f"<LabNode {self.name} {self.primary}>"
+
+    @property
+    def primary(self) -> str:
+        """Its underlay address its sessions and tunnels use (IPv6 in an IPv6-only lab)."""
+        return self.address or self.address_v6  # type: ignore[return-value]
 
     @property
     def config_path(self) -> Path:
@@ -131,12 +153,14 @@ class LabNode:
             "node": {
                 "name": self.name,
                 "address": self.address,
+                "address_v6": self.address_v6,
                 "asn": ASN,
                 "route_reflector": self.reflector,
                 "cluster_id": CLUSTER_ID if self.reflector else None,
             },
             "network": {"cidr": "10.244.0.0/16", "backend": self.backend, "encap": spec.encap,
-                        "datapath": spec.datapath, "ip_masq": True if spec.docker else None},
+                        "datapath": spec.datapath, "ip_masq": True if spec.docker else None,
+                        "ip_family": spec.ip_family},
             "etcd": {"endpoints": self.lab.etcd.endpoints, "lease_ttl": spec.lease_ttl},
             "bgp": {"mode": spec.bgp, "hold_time": spec.hold_time, "connect_retry": 2.0},
             # Every node its own API token (the nodes share this machine's file system).
@@ -226,9 +250,12 @@ class LabNode:
             return None
 
     def kernel_routes(self) -> list[str]:
-        """``ip route show proto <agentd>`` lines in this node's namespace."""
-        out = self.ns.ip("route", "show", "proto", "143", check=False).stdout.decode()
-        return [line.strip() for line in out.splitlines() if line.strip()]
+        """``ip route show proto <agentd>`` lines in this node's namespace, IPv4 then IPv6."""
+        lines = []
+        for family in (("-4",) if self.lab.spec.ip_family == "ipv4" else ("-4", "-6")):
+            out = self.ns.ip(family, "route", "show", "proto", "143", check=False).stdout.decode()
+            lines += [line.strip() for line in out.splitlines() if line.strip()]
+        return lines
 
 
 class LabPod:
@@ -265,10 +292,15 @@ class LabPod:
         self.result: dict[str, Any] | None = None  # the chain's ADD result (DEL's prevResult)
         self.ns = Netns(f"ad-{node.lab.spec.name}-{slug}")
         self.container_id = f"{node.lab.spec.name}-{slug}"
-        self.ip: str | None = None
+        self.ip: str | None = None  # its first address (IPv4 unless the lab is IPv6-only)
+        self.ips: list[str] = []  # every address: IPv4 and IPv6 in a dual-stack lab
 
     def __repr__(self) -> str:
-        return f"<LabPod {self.name} {self.ip}>"
+        return f"<LabPod {self.name} {' '.join(self.ips) or self.ip}>"
+
+    def address(self, version: int) -> str | None:
+        """Its address of IP ``version``, if it has one."""
+        return next((a for a in self.ips if (":" in a) == (version == 6)), None)
 
     def netconf_extra(self) -> dict[str, Any]:
         """Labels (CNI conventions' args.cni.labels) and named ports, as a runtime passes them."""
@@ -301,12 +333,16 @@ class Lab:
             raise LabError(f"nodes: {spec.nodes} is out of range 1..{MAX_NODES}")
         if not 1 <= spec.etcd <= MAX_ETCD_MEMBERS:
             raise LabError(f"etcd members: {spec.etcd} is out of range 1..{MAX_ETCD_MEMBERS}")
+        if spec.ip_family not in ("ipv4", "dual", "ipv6"):
+            raise LabError(f"ip family {spec.ip_family!r}: one of ipv4, dual, ipv6")
+        if spec.ipv4_underlay and spec.ip_family != "dual":
+            raise LabError("an IPv4-only underlay goes with --ip-family dual")
         members = range(1, spec.etcd + 1)
         self.etcd = EtcdCluster.create(
             self.dir / "etcd",
             spec.etcd,
             name=f"lab-{spec.name}",
-            hosts=[etcd_address(m) for m in members],
+            hosts=[etcd_address(m, 6 if not spec.underlay_v4 else 4) for m in members],
             netns=[Netns(f"ad-{spec.name}-etcd{m}") for m in members],
             client_port=ETCD_PORT,
             peer_port=ETCD_PORT + 1,
@@ -315,7 +351,8 @@ class Lab:
             **({} if spec.etcd == 1 else {"heartbeat_ms": 100, "election_ms": 1000}),
         )
         self.etcd_ns = self.etcd.members[0].netns  # member 1 (the only one by default)
-        self.network = Underlay(spec.name, spec.subnets, self.etcd)
+        self.network = Underlay(spec.name, spec.subnets, self.etcd,
+                                ip_family="ipv6" if not spec.underlay_v4 else "dual" if spec.underlay_v6 else "ipv4")
         self.underlay = self.network.ns
         self.router = self.network.router
         self.ready = Readiness(self)  # the waits of each stage: lab.ready.routes(timeout), ...
@@ -441,6 +478,14 @@ class Lab:
     def subnets(self) -> dict[str, str]:
         return {n.name: self._subnet(n) for n in self.nodes}
 
+    def all_subnets(self) -> dict[str, list[str]]:
+        """Each node's pod subnets as its /status says: IPv4 and IPv6 in a dual-stack lab."""
+        out = {}
+        for n in self.nodes:
+            node = (n.api_or_none("/status") or {}).get("node") or {}
+            out[n.name] = list(dict.fromkeys(s for s in (node.get("subnet"), node.get("subnet_v6")) if s))
+        return out
+
     # ------------------------------------------------------------ pods
 
     async def attach_pods(self, parallel: int = 4) -> None:
@@ -464,11 +509,14 @@ class Lab:
             pod.ip = await self.docker.run_container(pod)
             return
         if not pod.ns.exists():
-            Netns.create(pod.ns.name)
+            ns = Netns.create(pod.ns.name)
+            if self.spec.ip_family != "ipv4":
+                quiet_dad(ns)
         out = await cni(pod, "ADD")
         result = json.loads(out)
         pod.result = result
-        pod.ip = result["ips"][0]["address"].split("/")[0]
+        pod.ips = [entry["address"].split("/")[0] for entry in result["ips"]]
+        pod.ip = pod.ips[0]
         write_resolv_conf(pod, result.get("dns"))
 
     async def add_pod(
@@ -561,7 +609,8 @@ class Lab:
              "host_ports": p.host_ports, "result": p.result}
             for p in self.pods if p.added
         ]  # fmt: skip
-        state = {"spec": asdict(self.spec), "pods": {p.name: p.ip for p in self.pods}, "added_pods": added}
+        state = {"spec": asdict(self.spec), "pods": {p.name: p.ip for p in self.pods},
+                 "pod_ips": {p.name: p.ips for p in self.pods}, "added_pods": added}
         (self.dir / "lab.json").write_text(json.dumps(state, indent=2))
 
     @classmethod
@@ -582,6 +631,7 @@ class Lab:
                 lab.pods[-1].result = extra.get("result")
             for p in lab.pods:
                 p.ip = state.get("pods", {}).get(p.name)
+                p.ips = list(state.get("pod_ips", {}).get(p.name) or ([p.ip] if p.ip else []))
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise LabError(
                 f"lab {name}: {path} is not a lab state file ({type(err).__name__}: {err}); "
@@ -596,6 +646,6 @@ def stage_timeout(nodes: int) -> float:
     return max(90.0, 3.0 * nodes)
 
 
-def etcd_address(member: int) -> str:
-    """Underlay address of etcd member ``member`` (1-based)."""
-    return f"{UNDERLAY_PREFIX}.0.{1 + member}"
+def etcd_address(member: int, version: int = 4) -> str:
+    """Underlay address of etcd member ``member`` (1-based): IPv4, or IPv6 in an IPv6-only lab."""
+    return f"{UNDERLAY_PREFIX}.0.{1 + member}" if version == 4 else v6_address(0, 1 + member)

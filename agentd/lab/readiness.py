@@ -23,9 +23,9 @@ class LabView(Protocol):
 
     spec: Any  # .bgp: "mesh" or "route-reflector"
     nodes: list[Any]  # LabNode: .name, .reflector, .log_path, agent_pid(), api_or_none(), kernel_routes()
-    pods: list[Any]  # LabPod: .name, .ip, .ns.path
+    pods: list[Any]  # LabPod: .name, .ips, .ns.path
 
-    def subnets(self) -> dict[str, str]: ...
+    def all_subnets(self) -> dict[str, list[str]]: ...
 
 
 class Readiness:
@@ -68,15 +68,16 @@ class Readiness:
         await self._wait("every BGP session Established", check, timeout)
 
     async def routes(self, timeout: float, nodes: list[Any] | None = None) -> None:
-        """Every running node (of ``nodes``) with a kernel route to every other node's subnet."""
+        """Every running node (of ``nodes``) with a kernel route to every other node's subnets
+        (both families in a dual-stack lab)."""
 
         def check() -> tuple[bool, str]:
-            subnets = self.lab.subnets()
+            subnets = self.lab.all_subnets()
             for n in nodes or self.lab.nodes:
                 if n.agent_pid() is None:
                     continue
                 have = {line.split()[0] for line in n.kernel_routes() if not line.startswith("blackhole")}
-                want = {s for name, s in subnets.items() if name != n.name and s != "-"}
+                want = {s for name, mine in subnets.items() if name != n.name for s in mine}
                 missing = want - have
                 if missing:
                     return False, f"{n.name} has no route for {', '.join(sorted(missing))}"
@@ -84,23 +85,35 @@ class Readiness:
 
         await self._wait("routes to every other node's subnet", check, timeout)
 
-    async def reachability(self, deadline: float = 3.0) -> dict[tuple[str, str], bool]:
-        """{(source pod, target pod): an echo reply came back within ``deadline`` seconds} for every
-        ordered pair of pods; one raw ICMP socket per source pod in this process (agentd.lab.sweep),
-        not a ``ping`` process per pair."""
+    async def matrix(self, deadline: float = 3.0) -> dict[tuple[str, str, int], bool]:
+        """{(source pod, target pod, IP version): an echo reply came back within ``deadline``
+        seconds} for every ordered pair of pods and every address of the target (ICMP for IPv4,
+        ICMPv6 for IPv6, RFC 4443 §4); one raw socket per source pod and family in this process
+        (agentd.lab.sweep), not a ``ping`` process per pair."""
         pods = self.lab.pods
-        by_ip = {p.ip: p for p in pods if p.ip}
-        sources = [Source(a.name, a.ns.path, tuple(b.ip for b in pods if b is not a and b.ip)) for a in pods]
+        by_ip = {ip: p for p in pods for ip in p.ips}
+        sources = [Source(a.name, a.ns.path, tuple(ip for b in pods if b is not a for ip in b.ips)) for a in pods]
         got = await asyncio.to_thread(sweep, sources, deadline=deadline)
-        return {(src, by_ip[ip].name): ok for (src, ip), ok in got.items()}
+        return {(src, by_ip[ip].name, 6 if ":" in ip else 4): ok for (src, ip), ok in got.items()}
+
+    async def reachability(self, deadline: float = 3.0, version: int | None = None) -> dict[tuple[str, str], bool]:
+        """{(source pod, target pod): every address of the target answered} for every ordered
+        pair of pods (of IP ``version`` only, when given)."""
+        out: dict[tuple[str, str], bool] = {}
+        for (src, dst, v), ok in (await self.matrix(deadline)).items():
+            if version in (None, v):
+                out[(src, dst)] = out.get((src, dst), True) and ok
+        return out
 
     async def reachable(self, timeout: float) -> None:
-        """Every pod answering every other."""
+        """Every pod answering every other, at each of its addresses."""
         failing: list[str] = []
+        dual = any(len(p.ips) > 1 for p in self.lab.pods)
 
         async def reachable() -> bool:
             nonlocal failing
-            failing = [f"{a}->{b}" for (a, b), ok in (await self.reachability()).items() if not ok]
+            failing = [f"{a}->{b}" + (f" (IPv{v})" if dual else "")
+                       for (a, b, v), ok in (await self.matrix()).items() if not ok]
             return not failing
 
         def what() -> str:

@@ -3,7 +3,9 @@
 ``ping`` once per ordered pod pair is N*(N-1) processes: 9,900 at 100 pods, all started at
 once.  Instead, :func:`sweep` opens one raw ICMP socket inside each source namespace (a
 socket stays in the namespace it was made in, so one thread can hold sockets of many
-namespaces), sends an echo request (RFC 792) from every source to each of its targets,
+namespaces), and a raw ICMPv6 socket where it has IPv6 targets, sends an echo request
+(RFC 792; ICMPv6, RFC 4443 §4.1: type 128, the kernel fills in its checksum, RFC 3542 §3.1)
+from every source to each of its targets,
 re-sends to the targets that have not answered every ``resend`` seconds, and stops when
 every pair has answered or at ``deadline``.  A reply counts when it comes from the target's
 address to the source's socket with our identifier and our token in its data, so other
@@ -17,6 +19,7 @@ namespaces are swept at once (file descriptors); larger labs are swept in batche
 from __future__ import annotations
 
 import errno
+import ipaddress
 import math
 import os
 import select
@@ -30,8 +33,11 @@ from agentd.kernel.netns import entered
 
 ICMP_ECHO_REPLY = 0
 ICMP_ECHO_REQUEST = 8
+ICMP6_ECHO_REQUEST = 128  # RFC 4443 §4.1
+ICMP6_ECHO_REPLY = 129  # RFC 4443 §4.2
 SOL_RAW = 255
 ICMP_FILTER = 1  # linux/icmp.h: a bit set for every ICMP type the raw socket must NOT get
+ICMP6_FILTER = 1  # linux/icmpv6.h (level IPPROTO_ICMPV6): the same, 256 bits
 SO_RCVBUFFORCE = 33
 DATA_LEN = 56  # what ping sends by default
 BURST = 64  # echo requests sent before the sockets are drained (queues of veths and bridges are finite)
@@ -57,31 +63,45 @@ def checksum(data: bytes) -> int:
     return ~total & 0xFFFF
 
 
-def echo_request(ident: int, seq: int, data: bytes) -> bytes:
+def echo_request(ident: int, seq: int, data: bytes, version: int = 4) -> bytes:
+    if version == 6:  # the kernel computes an ICMPv6 socket's checksum (over its pseudo-header)
+        return _ICMP.pack(ICMP6_ECHO_REQUEST, 0, 0, ident, seq) + data
     header = _ICMP.pack(ICMP_ECHO_REQUEST, 0, 0, ident, seq)
     return _ICMP.pack(ICMP_ECHO_REQUEST, 0, checksum(header + data), ident, seq) + data
 
 
-def parse_echo_reply(packet: bytes) -> tuple[int, int, bytes] | None:
-    """(identifier, sequence, data) of an IPv4 packet holding an ICMP echo reply, else None."""
-    if len(packet) < 20:
+def parse_echo_reply(packet: bytes, version: int = 4) -> tuple[int, int, bytes] | None:
+    """(identifier, sequence, data) of an echo reply: an IPv4 packet holding an ICMP one, or
+    (``version`` 6) the ICMPv6 message itself (raw IPv6 sockets get no IP header); else None."""
+    if version == 6:
+        offset, want = 0, ICMP6_ECHO_REPLY
+    else:
+        if len(packet) < 20:
+            return None
+        offset, want = (packet[0] & 0x0F) * 4, ICMP_ECHO_REPLY
+    if len(packet) < offset + _ICMP.size:
         return None
-    ihl = (packet[0] & 0x0F) * 4
-    if len(packet) < ihl + _ICMP.size:
+    kind, code, _sum, ident, seq = _ICMP.unpack_from(packet, offset)
+    if kind != want or code != 0:
         return None
-    kind, code, _sum, ident, seq = _ICMP.unpack_from(packet, ihl)
-    if kind != ICMP_ECHO_REPLY or code != 0:
-        return None
-    return ident, seq, packet[ihl + _ICMP.size :]
+    return ident, seq, packet[offset + _ICMP.size :]
 
 
-def _open(netns_path: str) -> socket.socket:
+def _open(netns_path: str, version: int = 4) -> socket.socket:
     with entered(netns_path):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+        if version == 6:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+        else:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
     try:
         sock.setblocking(False)
         # Only echo replies reach us, not the requests other sources send to this pod.
-        sock.setsockopt(SOL_RAW, ICMP_FILTER, struct.pack("I", ~(1 << ICMP_ECHO_REPLY) & 0xFFFFFFFF))
+        if version == 6:
+            blocked = [0xFFFFFFFF] * 8
+            blocked[ICMP6_ECHO_REPLY >> 5] &= ~(1 << (ICMP6_ECHO_REPLY & 31))
+            sock.setsockopt(socket.IPPROTO_ICMPV6, ICMP6_FILTER, struct.pack("8I", *blocked))
+        else:
+            sock.setsockopt(SOL_RAW, ICMP_FILTER, struct.pack("I", ~(1 << ICMP_ECHO_REPLY) & 0xFFFFFFFF))
         try:
             sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 1 << 20)
         except OSError:
@@ -107,20 +127,28 @@ def _sweep_batch(sources: Sequence[Source], deadline: float, resend: float) -> d
     ident = int.from_bytes(os.urandom(2), "big")
     token = os.urandom(8)
     data = token + bytes(DATA_LEN - len(token))
-    socks: list[socket.socket | None] = []
+    # socks[i][version]: source i's socket of that IP version (only for the versions it targets).
+    socks: list[dict[int, socket.socket]] = []
+    # The targets as the kernel writes a reply's source address (one spelling of each IPv6 one).
+    canonical = [[str(ipaddress.ip_address(t)) for t in src.targets] for src in sources]
     try:
-        for src in sources:
+        for src, targets in zip(sources, canonical):
+            mine: dict[int, socket.socket] = {}
             try:
-                socks.append(_open(src.netns_path))
+                for version in sorted({6 if ":" in t else 4 for t in targets}):
+                    mine[version] = _open(src.netns_path, version)
             except FileNotFoundError:  # no such namespace (a pod not attached yet): nothing answers it
-                socks.append(None)
+                for sock in mine.values():
+                    sock.close()
+                mine = {}
+            socks.append(mine)
         # pending[i]: target indexes of source i (the echo sequence number) still unanswered.
         pending = [set(range(len(src.targets))) for src in sources]
-        live = [i for i, s in enumerate(socks) if s is not None]
-        by_fd = {socks[i].fileno(): i for i in live}  # type: ignore[union-attr]
+        live = [i for i, s in enumerate(socks) if s]
+        by_fd = {sock.fileno(): (i, v) for i in live for v, sock in socks[i].items()}
         poller = select.poll()
-        for i in live:
-            poller.register(socks[i], select.POLLIN)  # type: ignore[arg-type]
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
         end = time.monotonic() + deadline
         next_send = 0.0
         while any(pending[i] for i in live) and (now := time.monotonic()) < end:
@@ -128,44 +156,44 @@ def _sweep_batch(sources: Sequence[Source], deadline: float, resend: float) -> d
                 next_send = now + resend
                 sent = 0
                 for i in live:
-                    src, sock = sources[i], socks[i]
-                    assert sock is not None
                     for seq in sorted(pending[i]):
+                        target = canonical[i][seq]
+                        version = 6 if ":" in target else 4
                         try:
-                            sock.sendto(echo_request(ident, seq, data), (src.targets[seq], 0))
+                            socks[i][version].sendto(echo_request(ident, seq, data, version), (target, 0))
                         except OSError as err:  # no route yet, a full queue: the next round re-sends
                             if err.errno not in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENOBUFS,
-                                                 errno.EAGAIN, errno.EPERM, errno.EACCES):
+                                                 errno.EAGAIN, errno.EPERM, errno.EACCES, errno.EADDRNOTAVAIL):
                                 raise
                         sent += 1
                         if sent % BURST == 0:
-                            _drain(poller, by_fd, socks, sources, pending, ident, token, 0)
+                            _drain(poller, by_fd, socks, canonical, pending, ident, token, 0)
             wait = max(0.0, min(next_send, end) - time.monotonic())
-            _drain(poller, by_fd, socks, sources, pending, ident, token, wait)
+            _drain(poller, by_fd, socks, canonical, pending, ident, token, wait)
         return {
             (src.key, target): seq not in pending[i]
             for i, src in enumerate(sources)
             for seq, target in enumerate(src.targets)
         }
     finally:
-        for s in socks:
-            if s is not None:
-                s.close()
+        for mine in socks:
+            for sock in mine.values():
+                sock.close()
 
 
-def _drain(poller, by_fd, socks, sources, pending, ident: int, token: bytes, wait: float) -> None:
+def _drain(poller, by_fd, socks, canonical, pending, ident: int, token: bytes, wait: float) -> None:
     """Read every reply waiting (up to ``wait`` seconds for the first) and strike its pair off."""
     for fd, _ in poller.poll(math.ceil(wait * 1000)):
-        i = by_fd[fd]
+        i, version = by_fd[fd]
         while True:
             try:
-                packet, (addr, _) = socks[i].recvfrom(2048)
+                packet, peer = socks[i][version].recvfrom(2048)
             except BlockingIOError:
                 break
-            reply = parse_echo_reply(packet)
+            reply = parse_echo_reply(packet, version)
             if reply is None:
                 continue
             got_ident, seq, body = reply
-            targets = sources[i].targets
-            if got_ident == ident and body.startswith(token) and seq < len(targets) and targets[seq] == addr:
+            targets = canonical[i]
+            if got_ident == ident and body.startswith(token) and seq < len(targets) and targets[seq] == peer[0]:
                 pending[i].discard(seq)

@@ -338,7 +338,8 @@ class PolicyAgent:
         at the veth of a pod that had it before."""
         if self.fast_path is None:
             return
-        wanted = {ip: ep.interface for ep in self.publisher.endpoints.values() for ip in ep.ips}
+        # The fast path's programs read IPv4 (IPv6 packets pass them to the stack's path).
+        wanted = {ip: ep.interface for ep in self.publisher.endpoints.values() for ip in ep.ips if ":" not in ip}
         if wanted == self._fast_pods:
             return
         try:

@@ -111,7 +111,7 @@ def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj]) -> list[
     out = []
     target = port["targetPort"]
     for pod in pods:
-        ip = (pod.get("status") or {}).get("podIP")
+        ip = _ipv4_of(pod)
         if not ip or not matches(selector, pod["metadata"].get("labels") or {}):
             continue
         number = target if isinstance(target, int) else _named_port(pod, target, port["protocol"])
@@ -120,6 +120,14 @@ def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj]) -> list[
         name = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
         out.append(Endpoint(ip, number, pod["spec"].get("nodeName"), pod=name))
     return out
+
+
+def _ipv4_of(pod: Obj) -> str | None:
+    """The pod's IPv4 address: Services are translated in the ``ip`` table, to IPv4 endpoints
+    (a dual-stack pod's podIP is its IPv4 one; an IPv6-only pod is no endpoint yet)."""
+    status = pod.get("status") or {}
+    ips = [e.get("ip") for e in status.get("podIPs") or ()] or [status.get("podIP")]
+    return next((ip for ip in ips if isinstance(ip, str) and ip and ":" not in ip), None)
 
 
 def _named_port(pod: Obj, name: str, protocol: str) -> int | None:

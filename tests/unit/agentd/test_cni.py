@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 
 import pytest
 from hypothesis import given
@@ -439,6 +439,53 @@ def _subnet_files(draw) -> SubnetFile:
 @given(_subnet_files())
 def test_subnet_file_round_trips(sf):
     assert cni_config.parse_subnet_file(cni_config.render_subnet_file(sf)) == sf
+
+
+# --- dual-stack and IPv6-only ---------------------------------------------------------------
+
+DUAL_SF = SubnetFile(network=IPv4Network("10.244.0.0/16"), subnet=IPv4Network("10.244.3.0/24"), mtu=1450,
+                     network_v6=IPv6Network("fd00:10:244::/48"), subnet_v6=IPv6Network("fd00:10:244:3::/64"))
+
+
+def test_dual_stack_subnet_file_and_delegate_ranges():
+    text = cni_config.render_subnet_file(DUAL_SF)
+    assert "AGENTD_IPV6_NETWORK=fd00:10:244::/48\nAGENTD_IPV6_SUBNET=fd00:10:244:3::1/64\n" in text
+    assert cni_config.parse_subnet_file(text) == DUAL_SF
+    d = cni_config.delegate_config({"cniVersion": "1.0.0", "name": "podnet", "ipam": {"dataDir": "/x"}}, DUAL_SF)
+    assert d["ipam"] == {
+        "type": "host-local", "dataDir": "/x",
+        "ranges": [[{"subnet": "10.244.3.0/24"}], [{"subnet": "fd00:10:244:3::/64"}]],  # IPv4 first: the podIP
+        "routes": [{"dst": "10.244.0.0/16", "gw": "10.244.3.1"}, {"dst": "fd00:10:244::/48", "gw": "fd00:10:244:3::1"}],
+    }
+
+
+def test_ipv6_only_subnet_file_and_delegate_range():
+    sf = SubnetFile(network=None, subnet=None, mtu=1430, network_v6=IPv6Network("fd00:10:244::/48"),
+                    subnet_v6=IPv6Network("fd00:10:244:3::/64"))
+    text = cni_config.render_subnet_file(sf)
+    assert "AGENTD_NETWORK" not in text and cni_config.parse_subnet_file(text) == sf
+    d = cni_config.delegate_config({"cniVersion": "1.0.0", "name": "podnet"}, sf)
+    assert d["ipam"]["ranges"] == [[{"subnet": "fd00:10:244:3::/64"}]] and "subnet" not in d["ipam"]
+    assert d["ipam"]["routes"] == [{"dst": "fd00:10:244::/48", "gw": "fd00:10:244:3::1"}]
+
+
+@pytest.mark.parametrize(
+    ("values", "word"),
+    [
+        ({"AGENTD_MTU": "1450"}, "missing AGENTD_NETWORK, AGENTD_SUBNET"),
+        ({"AGENTD_IPV6_NETWORK": "fd00::/48", "AGENTD_MTU": "1450"}, "missing AGENTD_IPV6_SUBNET"),
+        ({"AGENTD_IPV6_NETWORK": "10.0.0.0/8", "AGENTD_IPV6_SUBNET": "10.0.0.1/24", "AGENTD_MTU": "1450"},
+         "AGENTD_IPV6_NETWORK '10.0.0.0/8' is not an IPv6 network"),
+        ({"AGENTD_IPV6_NETWORK": "fd00::/48", "AGENTD_IPV6_SUBNET": "fd01::1/64", "AGENTD_MTU": "1450"}, "not inside"),
+        ({"AGENTD_IPV6_NETWORK": "fd00::/48", "AGENTD_IPV6_SUBNET": "fd00::1/127", "AGENTD_MTU": "1450"},
+         "too small for a gateway and pods (max /126)"),
+    ],
+)
+def test_ipv6_subnet_file_errors_are_one_line(values, word):
+    text = "".join(f"{k}={v}\n" for k, v in values.items())
+    with pytest.raises(SubnetFileError) as exc:
+        cni_config.parse_subnet_file(text, "/run/agentd/subnet.env")
+    assert word in str(exc.value) and "\n" not in str(exc.value)
 
 
 # --- the conflist ----------------------------------------------------------------------------

@@ -25,3 +25,12 @@ def test_reply_is_parsed_past_the_ip_header_and_others_are_not():
     assert parse_echo_reply(_ipv4(echo_request(0xBEEF, 3, b"tok"))) is None  # a request, not a reply
     assert parse_echo_reply(_ipv4(b"\x03\x01" + bytes(6))) is None  # destination unreachable
     assert parse_echo_reply(b"\x45" + bytes(10)) is None  # truncated
+
+
+def test_icmpv6_echo_request_and_reply():
+    request = echo_request(0xBEEF, 3, b"tok", version=6)
+    assert request[:2] == b"\x80\x00" and request[2:4] == b"\x00\x00"  # type 128; the kernel sums it
+    reply = b"\x81\x00" + request[2:]  # an IPv6 raw socket gets the ICMPv6 message alone
+    assert parse_echo_reply(reply, 6) == (0xBEEF, 3, b"tok")
+    assert parse_echo_reply(request, 6) is None  # a request, not a reply
+    assert parse_echo_reply(b"\x81", 6) is None

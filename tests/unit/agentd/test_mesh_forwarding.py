@@ -1,6 +1,6 @@
 """Peer sets (mesh, route reflectors) and per-peer forwarding plans are pure functions."""
 
-from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6Interface, IPv6Network
 
 import pytest
 
@@ -148,7 +148,7 @@ def test_desired_routes_for_best_paths():
         ("10.244.3.0/24", IPv4Address("192.0.2.9"), False),
         ("198.51.100.0/24", IPv4Address("10.0.0.1"), False),  # an external router on the segment
     ]
-    plan = desired_routes(bests, peers, UNDERLAY, LocalPaths(), own_subnet="10.244.1.0/24", blackhole_metric=4000,
+    plan = desired_routes(bests, peers, UNDERLAY, LocalPaths(), own_subnets=["10.244.1.0/24"], blackhole_metric=4000,
                           own_backend="host-gw", encap="always")  # fmt: skip
     assert [(r.dst, r.kind, r.gateway) for r in plan.routes] == [
         ("10.244.1.0/24", "blackhole", None),
@@ -159,3 +159,95 @@ def test_desired_routes_for_best_paths():
     assert plan.next_hops == {"10.0.0.4": ["10.244.2.0/24"], "10.0.0.1": ["198.51.100.0/24"]}
     assert set(plan.plans) == {"10.0.0.4", "192.0.2.9", "10.0.0.1"} and not plan.plans["192.0.2.9"].routable
     assert [r["dst"] for r in plan.rows] == ["10.244.1.0/24", "10.244.2.0/24", "198.51.100.0/24"]
+
+
+# -- dual-stack and IPv6-only ---------------------------------------------------------------------
+
+DUAL_UNDERLAY = Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500,
+                         (IPv4Network("10.0.0.0/24"), IPv6Network("2001:db8::/64")),
+                         IPv6Interface("2001:db8::3/64"), IPv6Address("fe80::3"))
+V4_ONLY_SEGMENT = Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"),),
+                           None, IPv6Address("fe80::3"))
+V6_UNDERLAY = Underlay("eth0", 2, IPv6Interface("2001:db8::3/64"), 1500, (IPv6Network("2001:db8::/64"),),
+                       IPv6Interface("2001:db8::3/64"), IPv6Address("fe80::3"))
+
+
+def dual(name, addr, v6=None, ll=None, backend=None):
+    return NodeRecord(name, IPv4Address(addr), 64512, None, False, None, backend or {},
+                      address_v6=IPv6Address(v6) if v6 else None, link_local_v6=IPv6Address(ll) if ll else None)
+
+
+def v6only(name, v6, backend=None):
+    return NodeRecord(name, None, 64512, None, False, None, backend or {}, address_v6=IPv6Address(v6))
+
+
+def test_ipv6_pods_go_direct_via_the_peers_ipv6_address_or_its_link_local_one():
+    plan = plan_peer(dual("n1", "10.0.0.1", "2001:db8::1", "fe80::1"), DUAL_UNDERLAY, own_backend="host-gw",
+                     encap="always", version=6)
+    r = route_for("fd00:10:244:1::/64", plan, DUAL_UNDERLAY, LocalPaths())
+    assert (plan.backend, r.gateway, r.dev) == ("host-gw", "2001:db8::1", "eth0")
+    # No IPv6 addresses on the segment: Linux has no IPv6 route via an IPv4 gateway, so the
+    # peer's link-local address on the shared segment is the next hop.
+    plan = plan_peer(dual("n1", "10.0.0.1", None, "fe80::1"), V4_ONLY_SEGMENT, own_backend="host-gw",
+                     encap="always", version=6)
+    r = route_for("fd00:10:244:1::/64", plan, V4_ONLY_SEGMENT, LocalPaths())
+    assert (plan.backend, r.gateway, r.dev) == ("host-gw", "fe80::1", "eth0")
+    plan = plan_peer(dual("n1", "10.0.0.1"), V4_ONLY_SEGMENT, own_backend="host-gw", encap="always", version=6)
+    assert not plan.routable and "no IPv6 underlay or link-local address" in plan.reason
+    far = plan_peer(dual("far", "10.9.0.1", None, "fe80::9"), V4_ONLY_SEGMENT, own_backend="host-gw",
+                    encap="always", version=6)
+    assert not far.routable and "not on this node's L2 segment" in far.reason
+
+
+def test_vxlan_carries_ipv6_pods_through_the_one_vtep():
+    vx = {"type": "vxlan", "vtep_ip": "10.244.9.0", "vtep_ip_v6": "fd00:10:244:9::", "vtep_mac": "aa:bb:cc:dd:ee:ff"}
+    far = dual("far", "10.9.0.1", backend=vx)
+    plan = plan_peer(far, V4_ONLY_SEGMENT, own_backend="vxlan", encap="always", version=6)
+    r = route_for("fd00:10:244:9::/64", plan, V4_ONLY_SEGMENT, LocalPaths({"vxlan": "vxlan-device"}))
+    assert (plan.backend, r.gateway, r.dev, r.onlink) == ("vxlan", "fd00:10:244:9::", "agentd.vxlan", True)
+
+
+@pytest.mark.parametrize("backend", ["ipip", "udp"])
+def test_ipip_and_udp_carry_ipv4_pods_only(backend):
+    on = dual("on", "10.0.0.1", None, "fe80::1", backend={"type": backend})
+    off = dual("off", "10.9.0.1", None, "fe80::9", backend={"type": backend})
+    plan = plan_peer(on, V4_ONLY_SEGMENT, own_backend=backend, encap="always", version=6)
+    assert plan.backend == "host-gw" and "carries IPv4 pods only: IPv6 pods routed directly" in plan.reason
+    assert plan_peer(on, V4_ONLY_SEGMENT, own_backend=backend, encap="always").backend == backend  # IPv4 as always
+    plan = plan_peer(off, V4_ONLY_SEGMENT, own_backend=backend, encap="always", version=6)
+    assert not plan.routable and "its IPv6 pods are unreachable from here (vxlan carries both)" in plan.reason
+
+
+def test_ipv6_only_peers_and_routes():
+    vx = {"type": "vxlan", "vtep_ip_v6": "fd00:10:244:9::", "vtep_mac": "aa:bb:cc:dd:ee:ff"}
+    nodes = {"n1": v6only("n1", "2001:db8::1", backend=vx), "n3": v6only("n3", "2001:db8::3", backend=vx)}
+    peers = desired_peers("n3", nodes, mode="mesh", i_am_reflector=False, session_version=6)
+    assert [p.key for p in peers] == ["2001:db8::1"]
+    assert desired_peers("n3", nodes, mode="mesh", i_am_reflector=False) == []  # no IPv4 sessions to make
+    plan = plan_peer(nodes["n1"], V6_UNDERLAY, own_backend="vxlan", encap="cross-subnet", version=6)
+    assert (plan.address, plan.backend, plan.via) == ("2001:db8::1", "host-gw", "2001:db8::1")
+
+
+def test_desired_routes_of_a_dual_stack_node():
+    """Each family's routes through the peer its next hop names: the IPv6 address, or the
+    IPv4-mapped one a peer without an IPv6 underlay address gives its IPv6 routes."""
+    from agentd.kernel.forwarding import desired_routes
+
+    peers = [dual("n1", "10.0.0.1", "2001:db8::1", "fe80::1"), dual("n2", "10.0.0.2", None, "fe80::2")]
+    bests = [
+        ("10.244.1.0/24", IPv4Address("10.0.0.1"), False),
+        ("fd00:10:244:1::/64", IPv6Address("2001:db8::1"), False),
+        ("10.244.2.0/24", IPv4Address("10.0.0.2"), False),
+        ("fd00:10:244:2::/64", IPv6Address("::ffff:10.0.0.2"), False),
+        ("2001:db8:ff::/48", IPv6Address("2001:db8::fe"), False),  # an external router on the segment
+    ]
+    plan = desired_routes(bests, peers, DUAL_UNDERLAY, LocalPaths(), own_subnets=["10.244.3.0/24", "fd00:10:244:3::/64"],
+                          blackhole_metric=4000, own_backend="host-gw", encap="always", versions=(4, 6))
+    assert [(r.dst, r.kind, r.gateway) for r in plan.routes] == [
+        ("10.244.3.0/24", "blackhole", None), ("fd00:10:244:3::/64", "blackhole", None),
+        ("10.244.1.0/24", "unicast", "10.0.0.1"), ("fd00:10:244:1::/64", "unicast", "2001:db8::1"),
+        ("10.244.2.0/24", "unicast", "10.0.0.2"), ("fd00:10:244:2::/64", "unicast", "fe80::2"),
+        ("2001:db8:ff::/48", "unicast", "2001:db8::fe"),
+    ]
+    assert set(plan.plans) == {"10.0.0.1", "10.0.0.2", "2001:db8::fe"} and set(plan.plans_v6) == {"10.0.0.1", "10.0.0.2"}
+    assert plan.next_hops["10.0.0.1"] == ["10.244.1.0/24"]  # the IPv4 plans' routes (the tunnels' tables)

@@ -367,11 +367,18 @@ def test_vxlan_backend_peer_entries_are_a_permanent_neighbour_and_a_self_fdb_ent
     checks them in the kernel with ``ip neigh`` and ``bridge fdb``)."""
     from agentd.dataplane.backends import vxlan_peer_entries
 
-    neighbour, fdb = vxlan_peer_entries(7, "10.244.3.0", "02:00:5e:00:00:01", "192.0.2.3")
+    neighbour, fdb = vxlan_peer_entries(7, ("10.244.3.0",), "02:00:5e:00:00:01", "192.0.2.3")
     mac = bytes.fromhex("02005e000001")
     assert neighbour == nl.NeighMessage(socket.AF_INET, 7, nl.NUD_PERMANENT, 0, 0, socket.inet_aton("10.244.3.0"), mac)
     assert fdb == nl.NeighMessage(nl.AF_BRIDGE, 7, nl.NUD_PERMANENT, nl.NTF_SELF, 0, socket.inet_aton("192.0.2.3"), mac)
-    for entry in (neighbour, fdb):
+    # A dual-stack peer: an NDP entry for its IPv6 VTEP address too; an IPv6 underlay: the FDB
+    # entry's remote is the peer's IPv6 address.
+    v4, v6, fdb6 = vxlan_peer_entries(7, ("10.244.3.0", "fd00:10:244:3::"), "02:00:5e:00:00:01", "2001:db8::3")
+    assert v4 == neighbour
+    assert v6 == nl.NeighMessage(socket.AF_INET6, 7, nl.NUD_PERMANENT, 0, 0,
+                                 socket.inet_pton(socket.AF_INET6, "fd00:10:244:3::"), mac)
+    assert fdb6.dst == socket.inet_pton(socket.AF_INET6, "2001:db8::3") and fdb6.family == nl.AF_BRIDGE
+    for entry in (neighbour, fdb, v6, fdb6):
         wire = nl.encode_newneigh(9, nl.NLM_F_REQUEST | nl.NLM_F_ACK | nl.NLM_F_CREATE | nl.NLM_F_REPLACE, entry)
         [(mtype, flags, seq, _p, start, end)] = nl.iter_messages(wire)
         assert (mtype, seq) == (nl.RTM_NEWNEIGH, 9) and flags & nl.NLM_F_REPLACE

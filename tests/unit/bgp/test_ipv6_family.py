@@ -1,0 +1,149 @@
+"""IPv6 unicast (AFI 2) through the speaker's machinery: the two transports a pod network uses
+(IPv6 NLRI over an IPv4 session with an IPv6 next hop, and IPv6 sessions between IPv6
+addresses), graceful restart, max-prefix, route reflection and update groups.  Sans-IO, in
+memory, with a float clock."""
+
+from __future__ import annotations
+
+import struct
+from ipaddress import IPv4Address, IPv6Address
+
+from bgp import Origination, PeerSettings, State
+from bgp.testing import MemoryNetwork, RawHarness, RawPeer, make_speaker
+from proto.errors import CeaseSubcode, ErrorCode
+from proto.nlri import IPV4_UNICAST, IPV6_UNICAST, prefix_from_str, prefix_to_str
+
+
+def origin(*texts):
+    return [Origination((prefix_from_str(t)[0], 1), prefix_from_str(t)[1]) for t in texts]
+
+
+def table(sp, family=IPV6_UNICAST):
+    return {prefix_to_str(family[0], p): str(path.next_hop) for p, path in sp.rib.bests(family)}
+
+
+def v4_pair_with_v6_next_hops(restart_time=120):
+    """Two nodes of a dual-stack cluster: one IPv4 session, both families, each node's IPv6
+    underlay address as the next hop of its IPv6 routes."""
+    net = MemoryNetwork()
+    a = net.add("10.0.0.1", make_speaker("10.0.0.1", 65000, [("10.0.0.2", 65000)], restart_time=restart_time,
+                                         next_hop_v6=IPv6Address("2001:db8::1")))
+    b = net.add("10.0.0.2", make_speaker("10.0.0.2", 65000, [("10.0.0.1", 65000)], restart_time=restart_time,
+                                         next_hop_v6=IPv6Address("2001:db8::2")))
+    a.start(0.0)
+    b.start(0.0)
+    net.run(duration=1)
+    return net, a, b
+
+
+def test_ipv6_routes_ride_the_ipv4_session_with_the_nodes_ipv6_next_hop():
+    net, a, b = v4_pair_with_v6_next_hops()
+    b.set_originated(origin("10.244.2.0/24", "fd00:10:244:2::/64"), net.now)
+    net.run(duration=1)
+    assert table(a, IPV4_UNICAST) == {"10.244.2.0/24": "10.0.0.2"}
+    assert table(a) == {"fd00:10:244:2::/64": "2001:db8::2"}
+    assert a.channels.eor_received("10.0.0.2") == {IPV4_UNICAST, IPV6_UNICAST}
+
+
+def test_ipv6_sessions_between_ipv6_addresses_carry_ipv6_only():
+    """An IPv6-only cluster: sessions between the nodes' IPv6 addresses; the next hop is our
+    end of the session.  An IPv4 route has no next hop on such a session and is not sent."""
+    net = MemoryNetwork()
+    a = net.add("2001:db8::1", make_speaker("2001:db8::1", 65000, [("2001:db8::2", 65000)], router_id="0.0.0.1",
+                                            families=(IPV6_UNICAST,)))
+    b = net.add("2001:db8::2", make_speaker("2001:db8::2", 65000, [("2001:db8::1", 65000)], router_id="0.0.0.2"))
+    a.start(0.0)
+    b.start(0.0)
+    net.run(duration=1)
+    assert a.peers["2001:db8::2"].state is State.ESTABLISHED
+    b.set_originated(origin("fd00:10:244:2::/64", "10.244.2.0/24"), net.now)
+    net.run(duration=1)
+    assert table(a) == {"fd00:10:244:2::/64": "2001:db8::2"}
+    assert table(a, IPV4_UNICAST) == {}  # not negotiated (a offers IPv6 alone)
+
+
+def test_graceful_restart_keeps_ipv6_routes_stale_until_the_ipv6_end_of_rib():
+    net, a, b = v4_pair_with_v6_next_hops()
+    b.set_originated(origin("10.244.2.0/24", "fd00:10:244:2::/64", "fd00:10:244:22::/64"), net.now)
+    net.run(duration=1)
+    changes = []
+    a.add_listener(changes.extend)
+    net.crash("10.0.0.2")
+    net.run(duration=5)
+    assert set(table(a)) == {"fd00:10:244:2::/64", "fd00:10:244:22::/64"}
+    assert all(path.stale for _, path in a.rib.bests(IPV6_UNICAST))
+    assert not [c for c in changes if c.new is None]
+    b2 = make_speaker("10.0.0.2", 65000, [("10.0.0.1", 65000)], now=net.now, restarting=True,
+                      next_hop_v6=IPv6Address("2001:db8::2"))
+    net.replace("10.0.0.2", b2)
+    b2.set_originated(origin("10.244.2.0/24", "fd00:10:244:2::/64"), net.now)
+    b2.start(net.now)
+    net.run(duration=10)
+    assert table(a) == {"fd00:10:244:2::/64": "2001:db8::2"}
+    assert not any(path.stale for _, path in a.rib.bests(IPV6_UNICAST))
+    assert [prefix_to_str(2, c.prefix) for c in changes if c.new is None and c.family == IPV6_UNICAST] == [
+        "fd00:10:244:22::/64"]
+
+
+def test_a_reflector_reflects_ipv6_routes_with_their_next_hop_to_every_client():
+    """Route reflection (RFC 4456) of AFI 2: the originator's IPv6 next hop is left alone, and
+    the clients form one update group (the same UPDATE bytes for both)."""
+    net = MemoryNetwork()
+    rr = net.add("10.0.0.1", make_speaker("10.0.0.1", 65000, [PeerSettings("10.0.0.2", 65000, rr_client=True),
+                                                               PeerSettings("10.0.0.3", 65000, rr_client=True),
+                                                               PeerSettings("10.0.0.4", 65000, rr_client=True)],
+                                          cluster_id=IPv4Address("10.0.0.1")))
+    clients = {}
+    for i in (2, 3, 4):
+        addr = f"10.0.0.{i}"
+        clients[addr] = net.add(addr, make_speaker(addr, 65000, [("10.0.0.1", 65000)],
+                                                   next_hop_v6=IPv6Address(f"2001:db8::{i}")))
+    for sp in (rr, *clients.values()):
+        sp.start(0.0)
+    net.run(duration=1)
+    clients["10.0.0.2"].set_originated(origin("fd00:10:244:2::/64"), net.now)
+    net.run(duration=1)
+    for addr in ("10.0.0.3", "10.0.0.4"):
+        assert table(clients[addr]) == {"fd00:10:244:2::/64": "2001:db8::2"}
+        (path,) = [p for _, p in clients[addr].rib.bests(IPV6_UNICAST)]
+        assert str(path.attributes.originator_id) == "10.0.0.2"
+    groups = [g for g in rr.output.groups.values() if g.members]
+    assert any({"10.0.0.3", "10.0.0.4"} <= set(g.members) for g in groups), [sorted(g.members) for g in groups]
+
+
+def _mp_reach_v6(prefixes: list[str], next_hop: str = "2001:db8::9") -> bytes:
+    """MP_REACH_NLRI (RFC 4760 §3) for IPv6 unicast."""
+    nlri = b"".join(prefix_from_str(p)[1] for p in prefixes)
+    value = struct.pack("!HBB", 2, 1, 16) + IPv6Address(next_hop).packed + b"\x00" + nlri
+    flags = 0x90 if len(value) > 255 else 0x80
+    length = struct.pack("!H", len(value)) if flags & 0x10 else bytes((len(value),))
+    return bytes((flags, 14)) + length + value
+
+
+def _v6_update(prefixes: list[str]) -> bytes:
+    attrs = b"\x40\x01\x01\x00" + b"\x40\x02\x06\x02\x01" + (65001).to_bytes(4, "big") + _mp_reach_v6(prefixes)
+    body = struct.pack("!H", 0) + struct.pack("!H", len(attrs)) + attrs
+    return b"\xff" * 16 + struct.pack("!HB", 19 + len(body), 2) + body
+
+
+def test_max_prefixes_counts_ipv6_prefixes_and_resets_with_cease_1_naming_afi_2():
+    import random
+
+    from bgp import Speaker
+    from bgp.settings import LocalSettings
+
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1")), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings("10.0.0.9", 65001, passive=True, max_prefixes=3), 0.0)
+    sp.start(0.0)
+    h = RawHarness(sp, "10.0.0.1")
+    a = RawPeer("10.0.0.9", 65001, conn=-1)
+    assert h.connect(a)
+    h.send(a, _v6_update(["fd00:1::/64", "fd00:2::/64", "fd00:3::/64"]))
+    assert not a.closed and len(table(sp)) == 3
+    h.send(a, _v6_update(["fd00:4::/64"]))
+    assert a.closed
+    n = a.notifications()[-1]
+    # RFC 4486 §4: AFI (2), SAFI (1), the limit.
+    assert (n.code, n.subcode, n.data) == (ErrorCode.CEASE, CeaseSubcode.MAXIMUM_PREFIXES_REACHED,
+                                           b"\x00\x02\x01" + (3).to_bytes(4, "big"))
+    assert table(sp) == {}
