@@ -84,6 +84,10 @@ class LabResources:
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return await self.call({"op": "get", "kind": kind, "namespace": namespace, "name": name})
 
+    async def subnets(self) -> dict[str, str]:
+        """Every subnet lease in etcd: subnet -> node (``/agentd/subnets/<ip>-<len>``)."""
+        return await self.call({"op": "subnets"})
+
     async def close(self) -> None:
         if self.proc.returncode is None:
             assert self.proc.stdin is not None
@@ -119,6 +123,8 @@ async def _serve(endpoints: list[str]) -> None:
             objs = manifests.validate_all(docs, "lab")
             applied = await store.apply(objs)
             return max(a.revision for a in applied)
+        if op == "subnets":  # the subnet leases, as the agents took them
+            return {str(subnet): lease.node for subnet, lease in (await ds.list_subnets()).items()}
         if op == "put_records":  # agent-owned records (pods of simulated nodes, for benches)
             for o in req["objects"]:
                 await store.put_owned(kinds.validate(o), lease=None, expect=0)

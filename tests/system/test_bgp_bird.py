@@ -490,3 +490,48 @@ def test_unknown_peer_is_refused(routers):
     assert "10.99.1.0/24" not in bird_a.routes() and "10.99.1.0/24" not in bird_b.routes()
     # BIRD turned agentd's connection away as from an unknown address.
     assert "Unexpected connect from unknown address 10.0.0.1" in bird_b.log_tail(200)
+
+
+def test_ipv6_session_with_bird_and_its_graceful_restart(netns_factory, procs, tmp_path):
+    """An IPv6-only cluster's kind of session: TCP over IPv6, IPv6 unicast alone (BIRD offers
+    no IPv4 channel), each side's prefix at the other with the other's address as next hop;
+    BIRD's graceful restart keeps its IPv6 route at agentd (stale) until BIRD's End-of-RIB."""
+    r1, r2 = pair(netns_factory, v6=True)
+    conf = bird_config("10.0.0.2", "\n".join([
+        "protocol bgp spk {",
+        f"  local 2001:db8:ff::2 as {ASN};",
+        f"  neighbor 2001:db8:ff::1 as {ASN};",
+        f"  hold time {HOLD};",
+        "  connect delay time 1; connect retry time 2; error wait time 1, 5;",
+        "  graceful restart on;",
+        "  direct;",
+        "  ipv6 { import all; export all; };",
+        "}",
+    ]) + "\n", static6=["2001:db8:2::/48"])
+    bird = start_bird(procs, r2, tmp_path / "bird", conf)
+    spk = start_speaker(procs, r1, tmp_path / "spk",
+                        speaker_config("spk", "10.0.0.1", originate=["2001:db8:1::/48"], listen="[2001:db8:ff::1]:179",
+                                       peers=[{"address": "2001:db8:ff::2", "asn": ASN}]))
+    row = spk.wait_peer_state("2001:db8:ff::2", "Established", ESTABLISH_TIMEOUT)
+    assert row["families"] == ["ipv6-unicast"], row
+    bird.wait_established("spk")
+    r = eventually(lambda: best(spk, "2001:db8:2::/48"), what="BIRD's IPv6 prefix at agentd")
+    assert r["next_hop"] == "2001:db8:ff::2" and r["peer"] == "2001:db8:ff::2", r
+    got = eventually(lambda: bird.routes("master6").get("2001:db8:1::/48"), what="agentd's prefix at BIRD")
+    assert got["protocol"] == "spk" and got["via"] == "2001:db8:ff::1", got
+
+    def probe() -> tuple[bool, bool, str]:
+        r = best(spk, "2001:db8:2::/48")
+        return (r is not None, bool(r and r["stale"]), spk.peer("2001:db8:ff::2")["state"])
+
+    with Watch(probe) as watch:
+        watch.wait_samples(3)
+        bird.graceful_restart(down_for=3.0)
+        spk.wait_peer_state("2001:db8:ff::2", "Established", ESTABLISH_TIMEOUT)
+        eventually(lambda: (r := best(spk, "2001:db8:2::/48")) is not None and not r["stale"], 20,
+                   what="BIRD's IPv6 route fresh again")
+        watch.wait_samples(3)
+    assert not watch.errors, watch.errors[:3]
+    assert all(s[1][0] for s in watch.samples), watch.samples
+    stale_while_away = [s[1][1] for s in watch.samples if s[1][2] != "Established"]
+    assert stale_while_away and all(stale_while_away), watch.samples
