@@ -1,7 +1,8 @@
 """Timing helpers for benchmarks that drive the lab: route events, agent logs, process usage.
 
 * :class:`RouteWatch` opens one NETLINK_ROUTE socket per lab node namespace (made inside
-  the namespace with ``Netns.entered()``), subscribed to RTMGRP_IPV4_ROUTE, and stamps
+  the namespace with ``Netns.entered()``), subscribed to RTMGRP_IPV4_ROUTE and
+  RTMGRP_IPV6_ROUTE, and stamps
   every add/delete of a route with our protocol number with ``time.time()`` in a thread of
   its own: millisecond timing without polling ``ip route`` and without starting a process.
 * :func:`log_events` reads the timestamped lines of an agent's log (``asctime`` has
@@ -33,6 +34,7 @@ from agentd.lab.netns import Netns
 
 NETLINK_ROUTE = 0
 RTMGRP_IPV4_ROUTE = 0x40
+RTMGRP_IPV6_ROUTE = 0x400
 RTM_NEWROUTE, RTM_DELROUTE = 24, 25
 RTA_DST = 1
 SO_RCVBUFFORCE = 33
@@ -45,12 +47,12 @@ _RTATTR = struct.Struct("=HH")
 class RouteEvent:
     node: str
     kind: str  # "add" | "del"
-    dst: str  # "10.244.3.0/24"
+    dst: str  # "10.244.3.0/24", "fd00:10:244:3::/64"
     t: float  # time.time() when we read it
 
 
 def parse_route_messages(data: bytes, protocol: int) -> list[tuple[str, str]]:
-    """(kind, dst) for every IPv4 RTM_NEWROUTE/RTM_DELROUTE in ``data`` with ``protocol``."""
+    """(kind, dst) for every IPv4 or IPv6 RTM_NEWROUTE/RTM_DELROUTE in ``data`` with ``protocol``."""
     out: list[tuple[str, str]] = []
     off = 0
     while off + _NLMSGHDR.size <= len(data):
@@ -60,16 +62,17 @@ def parse_route_messages(data: bytes, protocol: int) -> list[tuple[str, str]]:
         if mtype in (RTM_NEWROUTE, RTM_DELROUTE) and length >= _NLMSGHDR.size + _RTMSG.size:
             body = off + _NLMSGHDR.size
             family, dst_len, _src_len, _tos, _table, proto, _scope, _rtype, _fl = _RTMSG.unpack_from(data, body)
-            if family == socket.AF_INET and proto == protocol:
-                dst = "0.0.0.0"
+            if family in (socket.AF_INET, socket.AF_INET6) and proto == protocol:
+                size = 4 if family == socket.AF_INET else 16
+                dst = socket.inet_ntop(family, bytes(size))
                 a = body + _RTMSG.size
                 end = off + length
                 while a + _RTATTR.size <= end:
                     alen, atype = _RTATTR.unpack_from(data, a)
                     if alen < _RTATTR.size:
                         break
-                    if atype == RTA_DST and alen >= _RTATTR.size + 4:
-                        dst = socket.inet_ntoa(data[a + 4 : a + 8])
+                    if atype == RTA_DST and alen >= _RTATTR.size + size:
+                        dst = socket.inet_ntop(family, data[a + 4 : a + 4 + size])
                     a += (alen + 3) & ~3
                 out.append(("add" if mtype == RTM_NEWROUTE else "del", f"{dst}/{dst_len}"))
         off += (length + 3) & ~3
@@ -95,7 +98,7 @@ class RouteWatch:
                 sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 4 << 20)
             except OSError:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-            sock.bind((0, RTMGRP_IPV4_ROUTE))
+            sock.bind((0, RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE))
             sock.setblocking(False)
             self._socks.append(sock)
             self._sel.register(sock, selectors.EVENT_READ, node)

@@ -1,7 +1,8 @@
 """Convergence in the lab: join and leave times, idle CPU and memory per agent.
 
     .venv/bin/python bench/convergence.py [--nodes 3,5,10] [--modes mesh,route-reflector]
-        [--rounds 3] [--backend host-gw] [--settle 10] [--idle-seconds 25] [--lab-timeout SECONDS]
+        [--families ipv4,dual,ipv6] [--rounds 3] [--backend host-gw] [--settle 10] [--idle-seconds 25]
+        [--lab-timeout SECONDS]
         [--leave-via cli|light] [--keep-logs] [--no-bytecode-cache] [--quick] [--json FILE]
 
 Large labs (BGP at pod-network scale), bounded to about 15 minutes on 2 cores:
@@ -9,16 +10,18 @@ Large labs (BGP at pod-network scale), bounded to about 15 minutes on 2 cores:
     .venv/bin/python bench/convergence.py --nodes 10,50,100 --modes mesh,route-reflector \
         --rounds 2 --settle 5 --idle-seconds 15
 
-For every (N, mode) a lab with N nodes and no pods comes up (route-reflector mode: nodes 1
-and 2 reflect).  X is the last node, never a reflector.  Each round:
+For every (N, mode, family) a lab with N nodes and no pods comes up (route-reflector mode:
+nodes 1 and 2 reflect; family: agentd lab --ip-family, IPv4 by default, "dual" and "ipv6"
+rows beside it: a dual-stack node leases, originates and routes two subnets).  X is the last
+node, never a reflector.  Each round:
 
   leave  t0 just before ``agentd leave`` runs in X's namespace (LabNode.leave: the CLI, which
-         POSTs /leave to the running agent); t1 when X's subnet route is deleted from the
-         kernel of the LAST other node.
+         POSTs /leave to the running agent); t1 when X's subnet routes (both, dual-stack) are
+         deleted from the kernel of the LAST other node.
   join   X's agent is gone; t0 just before ``agentd run`` is spawned (LabNode.start_agent);
-         t1 when X's new subnet route is in the kernel of the LAST other node.
+         t1 when X's new subnet routes (one per family) are in the kernel of the LAST other node.
 
-Route times come from one NETLINK_ROUTE socket per other node (RTMGRP_IPV4_ROUTE, stamped
+Route times come from one NETLINK_ROUTE socket per other node (RTMGRP_IPV4_ROUTE and _IPV6_, stamped
 as the kernel reports the change), not from polling.  The agent's log (same wall clock,
 millisecond stamps) splits the totals: for join, process start-up (Python + imports, up to
 "API listening") -> subnet lease -> BGP Established -> routes; for leave, the CLI's own
@@ -76,6 +79,8 @@ from agentd.lab.netns import NetnsError  # noqa: E402
 from agentd.kernel.route_model import RTPROT_AGENTD  # noqa: E402
 
 MODES = ("mesh", "route-reflector")
+FAMILIES = ("ipv4", "dual", "ipv6")
+VERSIONS = {"ipv4": (4,), "dual": (4, 6), "ipv6": (6,)}
 BACKENDS = NAMES
 REFLECTORS = 2
 GOAL_CPU_PERCENT = 1.0
@@ -137,10 +142,11 @@ async def _leave(x: LabNode, via: str) -> None:
 async def measure_leave(lab: Lab, x: LabNode, watch: RouteWatch, via: str = "cli") -> dict[str, Any]:
     wait = wait_for(len(lab.nodes))
     others = _others(lab, x)
-    subnet = lab.subnets()[x.name]
-    if subnet == "-":
-        raise BenchError(f"{x.name} reports no subnet before leave")
-    missing = [n.name for n in others if not any(line.startswith(subnet + " ") for line in n.kernel_routes())]
+    subnets = lab.all_subnets()[x.name]
+    if len(subnets) != len(VERSIONS[lab.spec.ip_family]):
+        raise BenchError(f"{x.name} reports subnets {subnets} before leave")
+    subnet = " ".join(subnets)
+    missing = [n.name for n in others for s in subnets if not any(line.startswith(s + " ") for line in n.kernel_routes())]
     if missing:
         raise BenchError(f"{subnet} of {x.name} not routed on {', '.join(missing)} before leave")
 
@@ -155,11 +161,16 @@ async def measure_leave(lab: Lab, x: LabNode, watch: RouteWatch, via: str = "cli
     exit_watch = asyncio.create_task(_wait_exit(x, wait + 5))
 
     def gone_everywhere(events):
-        dels: dict[str, float] = {}
+        dels: dict[tuple[str, str], float] = {}
         for e in events:
-            if e.t >= t0 and e.kind == "del" and e.dst == subnet:
-                dels.setdefault(e.node, e.t)
-        return dels if len(dels) == len(others) else None
+            if e.t >= t0 and e.kind == "del" and e.dst in subnets:
+                dels.setdefault((e.node, e.dst), e.t)
+        if len(dels) != len(others) * len(subnets):
+            return None
+        per: dict[str, float] = {}
+        for (node, _dst), t in dels.items():
+            per[node] = max(per.get(node, 0.0), t)  # a node is done once both subnets are gone
+        return per
 
     gone = await watch.wait_for(gone_everywhere, wait)
     try:
@@ -170,7 +181,7 @@ async def measure_leave(lab: Lab, x: LabNode, watch: RouteWatch, via: str = "cli
     finally:
         exit_watch.cancel()
     if gone is None:
-        left = [n.name for n in others if any(line.startswith(subnet + " ") for line in n.kernel_routes())]
+        left = [n.name for n in others for s in subnets if any(line.startswith(s + " ") for line in n.kernel_routes())]
         raise BenchError(f"leave: {subnet} still routed on {', '.join(left)} after {wait:.0f}s")
     lines = log_events(x.log_path, t0)
     request = first(lines, r"^shutting down")
@@ -202,20 +213,26 @@ async def _wait_exit(x: LabNode, timeout: float) -> float | None:
 async def measure_join(lab: Lab, x: LabNode, watch: RouteWatch) -> dict[str, Any]:
     wait = wait_for(len(lab.nodes))
     others = _others(lab, x)
-    known = {s for name, s in lab.subnets().items() if name != x.name and s != "-"}
+    known = {s for name, mine in lab.all_subnets().items() if name != x.name for s in mine}
+    families = len(VERSIONS[lab.spec.ip_family])
     t0 = time.time()
     x.start_agent()
 
     def routed_everywhere(events):
         adds = [e for e in events if e.t >= t0 and e.kind == "add" and e.dst not in known]
-        if not adds:
+        dsts = list(dict.fromkeys(e.dst for e in adds))[:families]  # X's new subnet of each family
+        if len(dsts) < families:
             return None
-        dst = adds[0].dst
-        per: dict[str, float] = {}
+        per: dict[tuple[str, str], float] = {}
         for e in adds:
-            if e.dst == dst:
-                per.setdefault(e.node, e.t)
-        return (dst, per) if len(per) == len(others) else None
+            if e.dst in dsts:
+                per.setdefault((e.node, e.dst), e.t)
+        if len(per) != len(others) * families:
+            return None
+        done: dict[str, float] = {}
+        for (node, _dst), t in per.items():
+            done[node] = max(done.get(node, 0.0), t)
+        return " ".join(dsts), done
 
     got = await watch.wait_for(routed_everywhere, wait)
     if got is None:
@@ -315,13 +332,14 @@ async def idle_usage(lab: Lab, seconds: float) -> dict[str, Any]:
 # ---------------------------------------------------------------- one configuration
 
 
-async def measure_config(nodes: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+async def measure_config(nodes: int, mode: str, args: argparse.Namespace, family: str = "ipv4") -> dict[str, Any]:
     name = "cv" + secrets.token_hex(3)
     root = Path(tempfile.mkdtemp(prefix=f"agentd-cv-{name}-"))
-    spec = LabSpec(name=name, nodes=nodes, pods=0, bgp=mode, reflectors=REFLECTORS, backend=args.backend)
+    spec = LabSpec(name=name, nodes=nodes, pods=0, bgp=mode, reflectors=REFLECTORS, backend=args.backend,
+                   ip_family=family)
     lab = Lab(spec, root=root, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    result: dict[str, Any] = {"nodes": nodes, "mode": mode, "backend": args.backend, "lab": name}
-    print(f"== {nodes} nodes, {mode}: lab {name} (files {root})", file=sys.stderr, flush=True)
+    result: dict[str, Any] = {"nodes": nodes, "mode": mode, "family": family, "backend": args.backend, "lab": name}
+    print(f"== {nodes} nodes, {mode}, {family}: lab {name} (files {root})", file=sys.stderr, flush=True)
     limit = args.lab_timeout or default_lab_timeout(nodes)
     try:
         result.update(await asyncio.wait_for(_measure(lab, args, limit), limit))
@@ -338,7 +356,7 @@ async def measure_config(nodes: int, mode: str, args: argparse.Namespace) -> dic
         else:
             shutil.rmtree(root, ignore_errors=True)
     if "error" in result:
-        print(f"   {nodes} nodes, {mode}: FAILED: {result['error']}", file=sys.stderr, flush=True)
+        print(f"   {nodes} nodes, {mode}, {family}: FAILED: {result['error']}", file=sys.stderr, flush=True)
     return result
 
 
@@ -414,6 +432,11 @@ def _f(v: float | None, unit: str = " s") -> str:
 # ---------------------------------------------------------------- report
 
 
+def _mode(r: dict) -> str:
+    """The mode column of the breakdown tables: the mode, and the family where it is not IPv4."""
+    return r["mode"] if r.get("family", "ipv4") == "ipv4" else f"{r['mode']}, {r['family']}"
+
+
 def _med(rounds: list[dict], key: str) -> float | None:
     values = [r[key] for r in rounds if r.get(key) is not None]
     return median(values) if values else None
@@ -435,22 +458,25 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     print_table(
         f"Convergence in the lab (backend {args.backend}, {args.rounds} rounds, X = last node, leave via "
         f"{'`agentd leave`' if args.leave_via == 'cli' else 'a light POST /leave'}; median / max)",
-        ["nodes", "mode", "join (s)", "leave (s)", "idle CPU avg / max (%)", "RSS avg / max (MB)", "lab up (s)",
-         "lab down (s)"],
+        ["nodes", "mode", "family", "join (s)", "leave (s)", "idle CPU avg / max (%)", "RSS avg / max (MB)",
+         "lab up (s)", "lab down (s)"],
         [
-            (r["nodes"], r["mode"], _mm(r["join"], "total"), _mm(r["leave"], "total"),
+            (r["nodes"], r["mode"], r["family"], _mm(r["join"], "total"), _mm(r["leave"], "total"),
              _avg_max([a["cpu_percent"] for a in r["idle"]["agents"].values()]),
              _avg_max([a["rss_mb"] for a in r["idle"]["agents"].values()], "{:.1f}"),
              f"{r['lab_up_s']:.1f}", f"{r['lab_down_s']:.1f}")
             for r in ok
-        ] + [(r["nodes"], r["mode"], "FAILED", r["error"][:60], "", "", "", "") for r in results if "error" in r],
+        ] + [(r["nodes"], r["mode"], r["family"], "FAILED", r["error"][:60], "", "", "", "")
+             for r in results if "error" in r],
     )  # fmt: skip
+    print_notes("IPv6 beside IPv4 (median join / leave over the IPv4 row of the same size and mode)",
+                family_lines(ok))
     print_table(
         "Join, seconds after `agentd run` was spawned (median); 'after start-up' = routes everywhere - API up",
         ["nodes", "mode", "API up", "lease held", "registered", "BGP est. first", "last", "route first", "route all",
          "after start-up (med / max)"],
         [
-            (r["nodes"], r["mode"], *(_f(_med(r["join"], k), "") for k in (
+            (r["nodes"], _mode(r), *(_f(_med(r["join"], k), "") for k in (
                 "api_up", "lease_held", "registered", "established_first", "established_last", "route_first",
                 "route_all")), _mm(r["join"], "agent_side"))
             for r in ok
@@ -462,7 +488,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         ["nodes", "mode", "request at agent", "peer down", "route first gone", "all gone", "agent side (med / max)",
          "CLI exit", "agent exit"],
         [
-            (r["nodes"], r["mode"], *(_f(_med(r["leave"], k), "") for k in (
+            (r["nodes"], _mode(r), *(_f(_med(r["leave"], k), "") for k in (
                 "request_at_agent", "peer_down", "first_gone", "all_gone")), _mm(r["leave"], "agent_side"),
              _f(_med(r["leave"], "cli_exit"), ""), _f(_med(r["leave"], "agent_exit"), ""))
             for r in ok
@@ -471,7 +497,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     print_table(
         "Start-up alone in X's namespace (median of 3, seconds, `ip netns exec` included)",
         ["nodes", "mode", "python -c pass", "agentd --version", "import agentd.daemon.agent, uvloop"],
-        [(r["nodes"], r["mode"], *(f"{v:.3f}" for v in r["startup"].values())) for r in ok],
+        [(r["nodes"], _mode(r), *(f"{v:.3f}" for v in r["startup"].values())) for r in ok],
     )
     rows = []
     for r in ok:
@@ -479,7 +505,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         workers = list(r["idle"]["workers"].values())
         top = r["idle"]["threads"][:3]
         rows.append((
-            r["nodes"], r["mode"],
+            r["nodes"], _mode(r),
             _avg_max([a["wakeups_per_s"] for a in agents], "{:.1f}"),
             _avg_max([a["hwm_mb"] for a in agents], "{:.1f}"),
             max(a["threads"] for a in agents),
@@ -507,10 +533,29 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     ])  # fmt: skip
 
 
+def family_lines(ok: list[dict]) -> list[str]:
+    """Join and leave of the dual-stack and IPv6-only rows against their IPv4 row: the goal is
+    that they stay as they are."""
+    lines = []
+    for r in ok:
+        if r["family"] == "ipv4":
+            continue
+        base = next((b for b in ok if (b["nodes"], b["mode"], b["family"]) == (r["nodes"], r["mode"], "ipv4")), None)
+        if base is None:
+            continue
+        parts = []
+        for what in ("join", "leave"):
+            mine, theirs = _med(r[what], "total"), _med(base[what], "total")
+            if mine is not None and theirs:
+                parts.append(f"{what} {mine:.3f} s vs {theirs:.3f} s ({mine / theirs:.2f}x)")
+        lines.append(f"{r['nodes']} nodes, {r['mode']}, {r['family']}: " + "; ".join(parts))
+    return lines or ["no IPv6 rows in this run (--families)"]
+
+
 def goal_lines(ok: list[dict], args: argparse.Namespace) -> list[str]:
     lines = []
     for nodes, modes, whats, seconds, source in GOALS:
-        at_goal = [r for r in ok if r["nodes"] == nodes and r["mode"] in modes]
+        at_goal = [r for r in ok if r["nodes"] == nodes and r["mode"] in modes and r["family"] == "ipv4"]
         if not at_goal:
             lines.append(f"{'/'.join(whats)} < {seconds:g} s at {nodes} nodes, {'/'.join(modes)} ({source}): "
                          "not measured in this run")
@@ -599,6 +644,14 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _families(text: str) -> list[str]:
+    families = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in families if f not in FAMILIES]
+    if bad or not families:
+        raise ValueError(f"expected a comma-separated list of {', '.join(FAMILIES)}, got {text!r}")
+    return families
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -613,6 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="bench/convergence.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=_typed(int_list), default=[3, 5, 10], help="lab sizes, e.g. 3,5,10 (default)")
     p.add_argument("--modes", type=_typed(_modes), default=list(MODES), help="mesh,route-reflector (default both)")
+    p.add_argument("--families", type=_typed(_families), default=list(FAMILIES),
+                   help="pod address families, each its own lab beside the others: ipv4,dual,ipv6 (default all)")
     p.add_argument("--rounds", type=int, default=3, help="leave+join rounds per configuration (default 3)")
     p.add_argument("--backend", choices=BACKENDS, default="host-gw", help="the lab's backend (default host-gw)")
     p.add_argument("--settle", type=_typed(_seconds), default=10.0, help="seconds before the idle sample (default 10)")
@@ -639,7 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_bench_args(parser, argv, name="convergence", quick={
-        "nodes": [3], "modes": ["mesh"], "rounds": 1, "settle": 2.0, "idle_seconds": 5.0})
+        "nodes": [3], "modes": ["mesh"], "families": ["ipv4", "dual"], "rounds": 1, "settle": 2.0,
+        "idle_seconds": 5.0})
     if not 1 <= args.rounds <= 50:
         parser.error(f"--rounds must be between 1 and 50, got {args.rounds}")
     small = [n for n in args.nodes if n < 2 or n > MAX_NODES]
@@ -669,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
         for nodes in args.nodes:
             for mode in args.modes:
-                results.append(await measure_config(nodes, mode, args))
+                for family in args.families:
+                    results.append(await measure_config(nodes, mode, args, family))
 
     interrupted = False
     try:

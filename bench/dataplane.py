@@ -1,7 +1,7 @@
 """Pod-to-pod TCP throughput through the agent, every data path side by side.
 
     python bench/dataplane.py [--seconds 10] [--rounds 3] [--only "udp bpf,ipip bpf,..."] [--routed]
-                              [--quick] [--json FILE]
+                              [--no-pod-fast-path] [--quick] [--json FILE]
 
 Defaults: 10 s per iperf3 run, 3 rounds, every row below; ``--quick``: 2 s, 1 round.
 
@@ -24,8 +24,20 @@ nodes, plus 20 pings:
   ipip bpf      the ipip backend in the in-kernel data path
   udp user      the udp backend in the user-space worker ([network] datapath = "userspace")
   ipip user     the ipip backend in the user-space worker
-  ... routed    with --routed: agentd vxlan, udp bpf and ipip bpf between nodes on two L2
-                segments joined by the lab's router (agentd lab --subnets 2): the outer packet routed
+  ... v6        the same lab, the same two pods (or nodes), over their IPv6 addresses: the labs
+                of raw veth, host-gw and agentd vxlan are dual-stack (agentd lab --ip-family dual:
+                IPv4 and IPv6 on the underlay, both in the pods), so each IPv6 row runs beside its
+                IPv4 row, interleaved; the goal is IPv6 >= 0.95x IPv4 on the same backend. vxlan
+                carries IPv6 pods through its one VTEP over the IPv4 underlay; the udp and ipip
+                backends carry IPv4 pods only, so they have no IPv6 row
+  ... routed    with --routed: agentd vxlan (also over IPv6), udp bpf and ipip bpf between nodes on
+                two L2 segments joined by the lab's router (agentd lab --subnets 2): the outer
+                packet routed
+
+The pod fast path (tc-BPF: accepted TCP from a pod's veth straight to the underlay device and
+into the other pod) carries IPv4 only; ``--no-pod-fast-path`` switches it off in every lab
+([network] bpf_pod_fast_path = false), so both families take the stack's path and the IPv6
+rows compare like with like.
 
 Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...),
 so a slow spell of the machine hits all of them alike; the table shows each row's median
@@ -61,26 +73,33 @@ ANCHORS = [
     "Calico IPIP (kernel ipip device) and the Cilium / Calico eBPF data planes: at or above kernel VXLAN",
     "the BPF data path's design probe on this machine: BPF udp 1.09x, BPF ipip 1.02x the lab's vxlan (medians of 6)",
 ]
-GOALS = [("udp bpf", "kernel VTEP", 1.0), ("ipip bpf", "kernel VTEP", 1.0), ("host-gw", "raw veth", 0.95), ("udp bpf routed", "vxlan routed", 1.0), ("ipip bpf routed", "vxlan routed", 1.0)]
+GOALS = [("udp bpf", "kernel VTEP", 1.0), ("ipip bpf", "kernel VTEP", 1.0), ("host-gw", "raw veth", 0.95), ("udp bpf routed", "vxlan routed", 1.0), ("ipip bpf routed", "vxlan routed", 1.0),
+         ("raw veth v6", "raw veth", 0.95), ("host-gw v6", "host-gw", 0.95), ("agentd vxlan v6", "agentd vxlan", 0.95),
+         ("vxlan routed v6", "vxlan routed", 0.95)]
 KERNEL_VTEP = "kernel VTEP"
 
-# name -> (lab backend, [network] datapath, what to measure, L2 segments); the kernel VTEP row
-# is no agentd lab (KernelVtep below).
+# name -> (lab backend, [network] datapath, what to measure, L2 segments, IP version); the
+# kernel VTEP row is no agentd lab (KernelVtep below).  A lab with a version 6 row is dual-stack.
 ROWS = {
-    "raw veth": ("host-gw", "auto", "nodes", 1),
-    KERNEL_VTEP: ("", "", "pods", 1),
-    "agentd vxlan": ("vxlan", "auto", "pods", 1),
-    "host-gw": ("host-gw", "auto", "pods", 1),
-    "udp bpf": ("udp", "bpf", "pods", 1),
-    "ipip bpf": ("ipip", "bpf", "pods", 1),
-    "udp user": ("udp", "userspace", "pods", 1),
-    "ipip user": ("ipip", "userspace", "pods", 1),
+    "raw veth": ("host-gw", "auto", "nodes", 1, 4),
+    "raw veth v6": ("host-gw", "auto", "nodes", 1, 6),
+    KERNEL_VTEP: ("", "", "pods", 1, 4),
+    "agentd vxlan": ("vxlan", "auto", "pods", 1, 4),
+    "agentd vxlan v6": ("vxlan", "auto", "pods", 1, 6),
+    "host-gw": ("host-gw", "auto", "pods", 1, 4),
+    "host-gw v6": ("host-gw", "auto", "pods", 1, 6),
+    "udp bpf": ("udp", "bpf", "pods", 1, 4),
+    "ipip bpf": ("ipip", "bpf", "pods", 1, 4),
+    "udp user": ("udp", "userspace", "pods", 1, 4),
+    "ipip user": ("ipip", "userspace", "pods", 1, 4),
 }
 ROUTED = {
-    "vxlan routed": ("vxlan", "auto", "pods", 2),
-    "udp bpf routed": ("udp", "bpf", "pods", 2),
-    "ipip bpf routed": ("ipip", "bpf", "pods", 2),
+    "vxlan routed": ("vxlan", "auto", "pods", 2, 4),
+    "vxlan routed v6": ("vxlan", "auto", "pods", 2, 6),
+    "udp bpf routed": ("udp", "bpf", "pods", 2, 4),
+    "ipip bpf routed": ("ipip", "bpf", "pods", 2, 4),
 }
+ANCHOR_ROWS = ("raw veth", KERNEL_VTEP)  # always run
 
 
 class Round(NamedTuple):
@@ -174,27 +193,35 @@ async def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
 
 
 async def run_row(name: str, lab: Lab | KernelVtep, seconds: int) -> Round:
-    what = ROWS[name][2]
+    what, version = ROWS[name][2], ROWS[name][4]
     if isinstance(lab, KernelVtep):
         client, server, dst = lab.pods[0], lab.pods[1], lab.dst
     elif what == "nodes":
-        client, server, dst = lab.nodes[0].ns, lab.nodes[1].ns, lab.nodes[1].address
+        node = lab.nodes[1]
+        client, server, dst = lab.nodes[0].ns, node.ns, node.address if version == 4 else node.address_v6
     else:
-        client, server, dst = lab.pods[0].ns, lab.pods[1].ns, lab.pods[1].ip
+        client, server, dst = lab.pods[0].ns, lab.pods[1].ns, lab.pods[1].address(version)
+    if dst is None:
+        raise BenchError(f"{name}: the lab has no IPv{version} address to measure")
     lat = await ping_avg(client, dst)
     gbps, retr, cores = await iperf(client, server, dst, seconds, name)
     return Round(gbps, retr, lat, cores / gbps)
 
 
 def check_datapath(name: str, lab: Lab) -> None:
-    """The row measures what it says: every peer carried by the data path named."""
-    backend, datapath, _, _ = ROWS[name]
+    """The row measures what it says: every peer carried by the data path named (and, for an
+    IPv6 row, its IPv6 pods by the same backend as its IPv4 ones)."""
+    backend, datapath, _, _, version = ROWS[name]
     want = {"host-gw": "kernel route", "vxlan": "vxlan device"}.get(backend) or \
         {"bpf": "bpf", "userspace": "user space"}[datapath]
     for node in lab.nodes:
-        got = {p.get("datapath") for p in node.api("/peers")}
+        peers = node.api("/peers")
+        got = {p.get("datapath") for p in peers}
         if got != {want}:
             raise BenchError(f"{name}: {node.name} carries its peer as {got}, not {want}")
+        if version == 6 and {p.get("backend_v6") for p in peers} != {backend}:
+            raise BenchError(f"{name}: {node.name} carries its peer's IPv6 pods as "
+                             f"{ {p.get('backend_v6') for p in peers} }, not {backend}")
 
 
 async def bench(args, names: list[str]) -> dict[str, list[Round]]:
@@ -203,9 +230,12 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
     specs: dict[tuple[str, str, int], Lab] = {}
     vtep = None
     runs: dict[str, list[Round]] = {}
+    # A lab with an IPv6 row is dual-stack, and its IPv4 rows run in it too: the two families
+    # side by side on one data path.
+    dual = {ROWS[n][:2] + ROWS[n][3:4] for n in names if ROWS[n][4] == 6}
     try:
         for name in names:
-            backend, datapath, _, segments = ROWS[name]
+            backend, datapath, _, segments, _version = ROWS[name]
             if name == KERNEL_VTEP:
                 print("  the kernel VTEP pair (no agentd) ...", file=sys.stderr, flush=True)
                 vtep = KernelVtep(f"{tag}k")
@@ -214,10 +244,14 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
                 continue
             key = (backend, datapath, segments)
             if key not in specs:  # raw veth and host-gw share a lab
+                family = "dual" if key in dual else "ipv4"
+                extra = {f"node{i}": {"network": {"bpf_pod_fast_path": False}} for i in (1, 2)} \
+                    if args.no_pod_fast_path else {}
                 lab = Lab(LabSpec(name=f"{tag}{len(specs)}", nodes=2, pods=1, backend=backend, datapath=datapath,
-                                  subnets=segments, log_level="warning"), root=args.root)
+                                  subnets=segments, log_level="warning", ip_family=family, extra=extra),
+                          root=args.root)
                 specs[key] = lab
-                print(f"  lab for {backend} ({datapath}) ...", file=sys.stderr, flush=True)
+                print(f"  lab for {backend} ({datapath}, {family}) ...", file=sys.stderr, flush=True)
                 await lab.up(timeout=120)
             labs[name] = specs[key]
             check_datapath(name, specs[key])
@@ -225,7 +259,7 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
             for name in names:
                 got = await run_row(name, labs[name], args.seconds)
                 runs.setdefault(name, []).append(got)
-                print(f"  round {r + 1}/{args.rounds} {name:<13} {got.gbps:6.2f} Gbit/s, {got.retr} retr, "
+                print(f"  round {r + 1}/{args.rounds} {name:<15} {got.gbps:6.2f} Gbit/s, {got.retr} retr, "
                       f"{got.cpu_per_gbit:.3f} cores/Gbit", file=sys.stderr, flush=True)
     finally:
         if vtep is not None:
@@ -245,18 +279,22 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     by = {name: mid.gbps for name, mid, _ in results}
     raw, vx = by.get("raw veth") or float("nan"), by.get(KERNEL_VTEP) or float("nan")
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s; median of {args.rounds} interleaved rounds "
-          "(pod to pod, but raw veth: node to node)")
+          "(pod to pod, but raw veth: node to node); pod fast path "
+          + ("off" if args.no_pod_fast_path else "on (it carries IPv4 TCP only)"))
     after = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, busy {background * 100:.0f}% before the run (other jobs); load average "
           f"{load[0]:.2f} before, {after[0]:.2f} after" + ("  <- rows are skewed by other load" if background > 0.1 else "")
           + "\n")
-    print(f"{'path':<15} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x VTEP':>7} {'retr':>6} {'ping ms':>8} "
-          f"{'CPU/Gbit':>9}")
-    print("-" * 80)
+    print(f"{'path':<17} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x VTEP':>7} {'x IPv4':>7} {'retr':>6} "
+          f"{'ping ms':>8} {'CPU/Gbit':>9}")
+    print("-" * 90)
     for name, mid, spread in results:
-        print(f"{name:<15} {mid.gbps:7.2f} {spread:>11} {mid.gbps / raw:10.2f} {mid.gbps / vx:7.2f} {mid.retr:6d} "
-              f"{mid.ping:8.3f} {mid.cpu_per_gbit:9.3f}")
-    print("\nx VTEP: over the kernel VTEP row (the kernel's VXLAN, no agentd program anywhere)")
+        v4 = by.get(name.removesuffix(" v6")) if name.endswith(" v6") else None
+        ratio = f"{mid.gbps / v4:7.2f}" if v4 else f"{'':>7}"
+        print(f"{name:<17} {mid.gbps:7.2f} {spread:>11} {mid.gbps / raw:10.2f} {mid.gbps / vx:7.2f} {ratio} "
+              f"{mid.retr:6d} {mid.ping:8.3f} {mid.cpu_per_gbit:9.3f}")
+    print("\nx VTEP: over the kernel VTEP row (the kernel's VXLAN, no agentd program anywhere); x IPv4: an IPv6 row "
+          "over the IPv4 row of the same lab")
     print("\nanchors (context, not measured here):")
     for a in ANCHORS:
         print(f"  - {a}")
@@ -264,7 +302,7 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     for name, base, want in GOALS:
         if name in by and base in by:
             got = by[name] / by[base]
-            print(f"  {name:<15} >= {want:.2f}x {base:<12}: {got:.2f}x  {'met' if got >= want else 'NOT met'}")
+            print(f"  {name:<17} >= {want:.2f}x {base:<12}: {got:.2f}x  {'met' if got >= want else 'NOT met'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run every row this many times, interleaved; the table shows medians (default 3)")
     ap.add_argument("--only", help=f"comma-separated rows to run, of: {', '.join(ROWS)} (anchors always run)")
     ap.add_argument("--root", default=None, help="lab directory (default: agentd lab's)")
+    ap.add_argument("--no-pod-fast-path", action="store_true",
+                    help="[network] bpf_pod_fast_path = false in every lab (the fast path carries IPv4 only)")
     ap.add_argument("--routed", action="store_true",
                     help="also the routed-underlay rows (two L2 segments joined by the lab's router)")
     args = parse_bench_args(ap, argv, name="dataplane", quick={"seconds": 2, "rounds": 1})
@@ -288,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in wanted if x not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
-    names = [n for n in ROWS if n in wanted or n in ("raw veth", KERNEL_VTEP)]
+    names = [n for n in ROWS if n in wanted or n in ANCHOR_ROWS]
     total0, busy0 = busy_jiffies()
     time.sleep(1.0)  # a one-second sample of what else is running (the load line), not a synchronisation
     total1, busy1 = busy_jiffies()
