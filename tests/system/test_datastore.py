@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Network
 
 import aetcd
 import pytest
@@ -595,3 +595,65 @@ async def test_backend_data_is_published_in_the_subnet_lease(etcd_server, stores
     assert not await ds.set_subnet_backend_data({**data, "vtep_mac": "02:00:00:00:00:99"})
     got = await ds.get_subnet_lease(lease.subnet)
     assert got is not None and got.node == "beta"
+
+
+# -- dual-stack: one subnet of each family, under one lease --------------------------------
+
+DUAL = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", ip_family="dual",
+                     cidr_v6=IPv6Network("fd00:10:244::/48"), subnet_len_v6=64)
+
+
+async def test_dual_stack_leases_restarts_revocation_and_release(etcd_server, stores):  # noqa: F811
+    # An IPv4 cluster becomes dual-stack when a dual-stack node joins (compare-and-swap that
+    # adds only the IPv6 fields); an IPv6-only node does not change it.
+    assert await stores().ensure_cluster_config(CLUSTER, timeout=10) == CLUSTER
+    assert (await stores().ensure_cluster_config(
+        ClusterConfig(IPv4Network("10.9.0.0/16"), 24, "vxlan", "always", ip_family="ipv6",
+                      cidr_v6=IPv6Network("fd00:9::/48"), subnet_len_v6=64), timeout=10)) == CLUSTER
+    upgraded = await stores().ensure_cluster_config(
+        ClusterConfig(IPv4Network("10.9.0.0/16"), 20, "host-gw", "always", ip_family="dual",
+                      cidr_v6=IPv6Network("fd00:10:244::/48"), subnet_len_v6=64), timeout=10)
+    assert upgraded == DUAL  # the IPv4 part stays as stored
+    assert await stores().get_cluster_config(timeout=10) == DUAL
+
+    first = stores()
+    v4 = await acquire(first, "alpha", cluster=DUAL)
+    v6 = await first.acquire_subnet("alpha", IPv4Address("192.0.2.10"), "vxlan", {}, cluster=DUAL, timeout=30,
+                                    version=6)
+    assert v6.subnet.prefixlen == 64 and v6.subnet.subnet_of(IPv6Network("fd00:10:244::/48"))
+    assert set(first.subnet_leases) == {4, 6} and first.subnet_lease == v4
+    key6 = f"/agentd/subnets/{v6.subnet.network_address}-64".encode()
+    async with raw(etcd_server) as client:
+        stored = await keys(client)
+        assert stored[key6].lease == first.lease_id == stored[f"/agentd/subnets/{v4.subnet.network_address}-24".encode()].lease
+    # A second node's IPv6 subnet is another one; claiming the first node's is impossible.
+    other = stores()
+    theirs = await other.acquire_subnet("beta", IPv4Address("192.0.2.11"), "vxlan", {}, cluster=DUAL, timeout=30,
+                                        version=6, previous=v6.subnet)
+    assert theirs.subnet != v6.subnet
+    # A revoked lease: both subnets come back under the new one.
+    async with raw(etcd_server) as client:
+        old = first.lease_id
+        await client.revoke_lease(old)
+
+        async def both_back():
+            stored = await keys(client)
+            return first.lease_id not in (None, old) and all(
+                stored.get(k) is not None and stored[k].lease == first.lease_id
+                for k in (key6, f"/agentd/subnets/{v4.subnet.network_address}-24".encode()))
+
+        await eventually(both_back, what="both subnets back under a new lease")
+    await first.close()
+    # A restart: each family's subnet from etcd's records (no subnet file), one key each.
+    second = stores()
+    assert (await acquire(second, "alpha", cluster=DUAL)).subnet == v4.subnet
+    assert (await second.acquire_subnet("alpha", IPv4Address("192.0.2.10"), "vxlan", {}, cluster=DUAL, timeout=30,
+                                        version=6)).subnet == v6.subnet
+    held = sorted((s for s, sl in (await second.list_subnets()).items() if sl.node == "alpha"), key=str)
+    assert held == sorted([v4.subnet, v6.subnet], key=str)
+    # Leave: both released in one transaction.
+    assert sorted(await second.release("alpha", timeout=10), key=str) == held
+    async with raw(etcd_server) as client:
+        stored = await keys(client)
+    assert key6 not in stored and f"/agentd/subnets/{v4.subnet.network_address}-24".encode() not in stored
+    assert [sl.node for sl in (await second.list_subnets()).values()] == ["beta"]

@@ -115,3 +115,20 @@ def test_mtu_per_underlay_family():
     assert NetworkConfig(backend="vxlan", ip_family="ipv6").pod_mtu(1500, 6) == 1430
     assert NetworkConfig(backend="vxlan", ip_family="dual").pod_mtu(1500, 4) == 1450
     assert NetworkConfig(backend="vxlan", ip_family="ipv6", mtu=1400).pod_mtu(1500, 6) == 1400
+
+
+def test_the_stored_cluster_config_decides_and_a_node_that_cannot_follow_it_stops():
+    from agentd.daemon.agent import AgentError, check_cluster, wanted_cluster
+
+    v4 = load_config(env={}, host=Host())
+    dual = load_config(env={"AGENTD_NETWORK_IP_FAMILY": "dual"}, host=Host())
+    v6 = load_config(env={"AGENTD_NETWORK_IP_FAMILY": "ipv6"}, host=Host())
+    assert wanted_cluster(v4).cidr_v6 is None and wanted_cluster(v4).to_json() == (
+        b'{"backend":"host-gw","cidr":"10.244.0.0/16","encap":"always","subnet_len":24}')
+    assert wanted_cluster(dual).versions == (4, 6) and wanted_cluster(v6).versions == (6,)
+    check_cluster(v4, wanted_cluster(dual))  # an IPv4-configured node follows a dual-stack cluster
+    check_cluster(dual, wanted_cluster(v4))
+    with pytest.raises(AgentError, match="its pods have IPv4 addresses, and this node"):
+        check_cluster(v6, wanted_cluster(dual))
+    with pytest.raises(AgentError, match="needs an IPv6 underlay address"):
+        check_cluster(v4, wanted_cluster(v6))
