@@ -184,7 +184,7 @@ def pod(args) -> int:
     labels = dict(item.split("=", 1) for item in args.labels)
     pod = asyncio.run(lab.add_pod(args.node, ns or "default", pod_name, labels=labels, ports=args.port,
                                   host_ports=host_ports))  # fmt: skip
-    mapped = "".join(f", {pod.node.address}:{m['hostPort']}/{m['protocol']} -> {m['containerPort']}" for m in host_ports)
+    mapped = "".join(f", {pod.node.primary}:{m['hostPort']}/{m['protocol']} -> {m['containerPort']}" for m in host_ports)
     print(f"pod {pod.name} on {pod.node.name}: {' '.join(pod.ips) or pod.ip} (namespace {pod.ns.name}{mapped})")
     return 0
 

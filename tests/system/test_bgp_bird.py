@@ -492,11 +492,11 @@ def test_unknown_peer_is_refused(routers):
     assert "Unexpected connect from unknown address 10.0.0.1" in bird_b.log_tail(200)
 
 
-def test_ipv6_session_with_bird_and_its_graceful_restart(netns_factory, procs, tmp_path):
+def test_ipv6_session_with_bird_and_its_graceful_restart(routers):
     """An IPv6-only cluster's kind of session: TCP over IPv6, IPv6 unicast alone (BIRD offers
     no IPv4 channel), each side's prefix at the other with the other's address as next hop;
     BIRD's graceful restart keeps its IPv6 route at agentd (stale) until BIRD's End-of-RIB."""
-    r1, r2 = pair(netns_factory, v6=True)
+    r1, r2 = routers.pair(v6=True)
     conf = bird_config("10.0.0.2", "\n".join([
         "protocol bgp spk {",
         f"  local 2001:db8:ff::2 as {ASN};",
@@ -508,10 +508,9 @@ def test_ipv6_session_with_bird_and_its_graceful_restart(netns_factory, procs, t
         "  ipv6 { import all; export all; };",
         "}",
     ]) + "\n", static6=["2001:db8:2::/48"])
-    bird = start_bird(procs, r2, tmp_path / "bird", conf)
-    spk = start_speaker(procs, r1, tmp_path / "spk",
-                        speaker_config("spk", "10.0.0.1", originate=["2001:db8:1::/48"], listen="[2001:db8:ff::1]:179",
-                                       peers=[{"address": "2001:db8:ff::2", "asn": ASN}]))
+    bird = routers.bird(r2, conf)
+    spk = routers.speaker(r1, speaker_config("spk", "10.0.0.1", originate=["2001:db8:1::/48"],
+                                             listen="[2001:db8:ff::1]:179", peers=[{"address": "2001:db8:ff::2", "asn": ASN}]))
     row = spk.wait_peer_state("2001:db8:ff::2", "Established", ESTABLISH_TIMEOUT)
     assert row["families"] == ["ipv6-unicast"], row
     bird.wait_established("spk")
