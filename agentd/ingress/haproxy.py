@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .routing import ANY_HOST, NOT_FOUND, RouteTable
-from .settings import Settings
+from agentd.resources.ingress_settings import Settings
 
 Server = tuple[str, int]  # (ip, port) of one ready endpoint
 
@@ -92,7 +92,7 @@ def server_name(server: Server) -> str:
     return f"{ip}:{port}"
 
 
-def _address(ip: str, port: int) -> str:
+def address(ip: str, port: int) -> str:
     # HAProxy reads the port after the LAST colon, so IPv6 addresses need no brackets; the
     # ipv6@ prefix keeps a bind of "::" from meaning "every family".
     return f"ipv6@{ip}:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
@@ -175,8 +175,8 @@ def render(
     ]
     alpn = " alpn h2,http/1.1" if s.http2 else ""
     for addr in listen.addresses:
-        out.append(f"    bind {_address(addr, listen.http_port)}")
-        out.append(f"    bind {_address(addr, listen.https_port)} ssl crt {paths.default_cert} crt-list {d / 'crt-list'}{alpn}")
+        out.append(f"    bind {address(addr, listen.http_port)}")
+        out.append(f"    bind {address(addr, listen.https_port)} ssl crt {paths.default_cert} crt-list {d / 'crt-list'}{alpn}")
     https = "" if listen.https_port == 443 else f":{listen.https_port}"
     out += [
         "    http-request set-var(txn.host) req.hdr(host),field(1,:),lower",
@@ -217,7 +217,7 @@ def render(
     for name in sorted(table.backends):
         out += ["", f"backend {name}", *(f"    {line}" for line in BACKEND_DEFAULTS)]
         for server in sorted(set(servers.get(name, ()))):
-            out.append(f"    server {server_name(server)} {_address(*server)}")
+            out.append(f"    server {server_name(server)} {address(*server)}")
     files = {"haproxy.cfg": "\n".join(_squeeze(out)) + "\n"}
     files.update(maps(table, cert_files))
     return files
@@ -246,7 +246,7 @@ def server_changes(have: Mapping[str, set[Server]], want: Mapping[str, set[Serve
     for backend in sorted(set(have) & set(want)):
         for server in sorted(want[backend] - have[backend]):
             name = f"{backend}/{server_name(server)}"
-            cmds += [f"add server {name} {_address(*server)}", f"enable server {name}"]
+            cmds += [f"add server {name} {address(*server)}", f"enable server {name}"]
         for server in sorted(have[backend] - want[backend]):
             name = f"{backend}/{server_name(server)}"
             cmds += [f"disable server {name}", f"del server {name}"]

@@ -43,11 +43,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentd.resources.ingress import CLASS_ANNOTATION, is_default_class
+from agentd.resources.ingress import DEFAULT_CONTROLLER, ours
 
 Obj = Mapping[str, Any]
 
-DEFAULT_CONTROLLER = "agentd.io/ingress-controller"
 NOT_FOUND = "default-404"  # the built-in default backend
 ANY_HOST = "_"  # the virtual host of the rules without a host (never a valid DNS name)
 REDIRECT_ANNOTATION = "ingress.agentd.io/ssl-redirect"
@@ -161,18 +160,6 @@ def normalise_host(host: str) -> str:
     if host.startswith("["):  # an IPv6 literal: no rule can name it
         return host.lower()
     return host.partition(":")[0].lower()
-
-
-def ours(ingress: Obj, classes: Iterable[Obj], controller: str = DEFAULT_CONTROLLER, *, without_class: bool = False) -> bool:
-    """Whether this controller serves ``ingress``: its ``ingressClassName`` (or the deprecated
-    ``kubernetes.io/ingress.class`` annotation) names an IngressClass of ``controller``; with
-    neither, when an IngressClass of ``controller`` is marked default
-    (``ingressclass.kubernetes.io/is-default-class: "true"``), or ``without_class`` says so."""
-    mine = {c["metadata"]["name"] for c in classes if c["spec"]["controller"] == controller}
-    name = ingress["spec"].get("ingressClassName") or (ingress["metadata"].get("annotations") or {}).get(CLASS_ANNOTATION)
-    if name:
-        return name in mine
-    return without_class or any(is_default_class(c) and c["spec"]["controller"] == controller for c in classes)
 
 
 def age_key(obj: Obj) -> tuple[float, str, str]:

@@ -28,6 +28,7 @@ def up(args) -> int:
         subnets=args.subnets,
         etcd=args.etcd,
         docker=args.docker,
+        ingress=args.ingress,
     )
     if spec.encap == "cross-subnet" and spec.backend == "host-gw":
         raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
@@ -52,6 +53,9 @@ def up(args) -> int:
     print(f"  agentd lab exec --name {spec.name} node1 -- agentd status")
     if lab.pods:
         print(f"  agentd lab exec --name {spec.name} {lab.pods[0].name} -- ping -c 3 {lab.pods[-1].ip}")
+    if spec.ingress:
+        print(f"  agentd lab exec --name {spec.name} underlay -- curl -s http://{lab.nodes[0].address}/  "
+              "(the ingress, from outside the pod network: docs/ingress.md)")
     print(f"  agentd lab down --name {spec.name}")
     return 0
 

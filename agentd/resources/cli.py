@@ -19,6 +19,7 @@ from typing import Any
 from . import kinds, manifests
 from .kinds import Kind
 from .store import Applied, ResourceStore, StoreError
+from .ingress import load_balancer
 from .validation import Invalid, dns1123_label, label_value, qualified_name
 
 COMMANDS = ("apply", "get", "delete", "label")
@@ -57,6 +58,7 @@ def add_commands(sub: Any, config_args: Any) -> None:
 
 def run(args: argparse.Namespace, cfg: Any) -> int:
     """Run one resource command with the loaded configuration ``cfg``; returns the exit status."""
+    args.ingress_configmap = cfg.ingress.configmap
     try:
         plan = _prepare(args)
     except (Invalid, manifests.ManifestError, OSError) as err:
@@ -81,7 +83,7 @@ def _prepare(args: argparse.Namespace) -> Any:
             text = sys.stdin.read() if path == "-" else _read(path)
             source = "stdin" if path == "-" else path
             docs = manifests.read(text, source)
-            objs += manifests.validate_all(docs, source, namespace=args.namespace)
+            objs += manifests.validate_all(docs, source, namespace=args.namespace, ingress_configmap=args.ingress_configmap)
         return objs
     kind = kinds.lookup(args.kind)
     target = _target(kind, args.name, args.namespace) if args.name else None
@@ -191,6 +193,10 @@ async def _get(store: ResourceStore, kind: Kind, target: tuple[str, str] | None,
         objs = [obj]
     else:
         objs = await store.list(kind, args.namespace)
+    if kind is kinds.INGRESS and objs:  # status.loadBalancer: the nodes serving each one now
+        classes, nodes = await store.list(kinds.INGRESS_CLASS), await store.ingress_nodes()
+        for o in objs:
+            o["status"] = {"loadBalancer": {"ingress": load_balancer(o, classes, nodes)}}
     if args.output in ("yaml", "json"):
         sys.stdout.write(manifests.dump(objs, args.output, as_list=target is None))
         return 0

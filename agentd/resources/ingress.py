@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .validation import (
@@ -47,6 +48,8 @@ INVALID_PATH_SUFFIXES = ("/..", "/.")
 DEFAULT_CLASS_ANNOTATION = "ingressclass.kubernetes.io/is-default-class"
 CLASS_ANNOTATION = "kubernetes.io/ingress.class"  # the deprecated way of naming a class
 CONTROLLER_MAX = 250
+DEFAULT_CONTROLLER = "agentd.io/ingress-controller"
+INGRESS_NODES = "ingress/nodes"  # <prefix>/ingress/nodes/<node>: the nodes serving Ingresses, under their lease
 _CONTROLLER = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9/_.~%!$&'()*+,;=:@-]+")
 _WILDCARD_MESSAGE = (
     "a wildcard DNS-1123 subdomain must start with '*.', followed by a valid DNS subdomain, which must consist "
@@ -204,3 +207,32 @@ def validate_class_spec(raw: Any, annotations: dict[str, str]) -> dict[str, Any]
 
 def is_default_class(doc: dict[str, Any]) -> bool:
     return (doc["metadata"].get("annotations") or {}).get(DEFAULT_CLASS_ANNOTATION) == "true"
+
+
+def ours(
+    ingress: Mapping[str, Any], classes: Iterable[Mapping[str, Any]], controller: str = DEFAULT_CONTROLLER,
+    *, without_class: bool = False,
+) -> bool:  # fmt: skip
+    """Whether this controller serves ``ingress``: its ``ingressClassName`` (or the deprecated
+    ``kubernetes.io/ingress.class`` annotation) names an IngressClass of ``controller``; with
+    neither, when an IngressClass of ``controller`` is marked default
+    (``ingressclass.kubernetes.io/is-default-class: "true"``), or ``without_class`` says so."""
+    classes = list(classes)
+    mine = {c["metadata"]["name"] for c in classes if c["spec"]["controller"] == controller}
+    name = ingress["spec"].get("ingressClassName") or (ingress["metadata"].get("annotations") or {}).get(CLASS_ANNOTATION)
+    if name:
+        return name in mine
+    return without_class or any(is_default_class(c) and c["spec"]["controller"] == controller for c in classes)
+
+
+def load_balancer(ingress: Mapping[str, Any], classes: Iterable[Mapping[str, Any]],
+                  nodes: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """``status.loadBalancer.ingress`` of ``ingress``: the addresses of the nodes whose
+    controller serves it (``nodes``: the records under INGRESS_NODES)."""
+    classes = list(classes)
+    out: list[dict[str, str]] = []
+    for node in sorted(nodes, key=lambda n: str(n.get("node", ""))):
+        controller = node.get("controller", DEFAULT_CONTROLLER)
+        if ours(ingress, classes, controller, without_class=bool(node.get("watch_without_class"))):
+            out += [{"ip": str(a)} for a in node.get("addresses", []) if {"ip": str(a)} not in out]
+    return out

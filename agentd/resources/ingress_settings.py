@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from agentd.resources.validation import Invalid
+from .validation import Invalid
 
 SNIPPET_DIRECTIVES = (
     ("http-request", "set-header"), ("http-request", "add-header"), ("http-request", "del-header"),
