@@ -112,9 +112,12 @@ class IngressController:
             await self._wake.wait()
             self._wake.clear()
         failures = 0
+        if self.proxy.running:  # this task was restarted after a crash: keep the proxy, reload it
+            self._structure = None
         while True:
             try:
-                await self._start_proxy()
+                if not self.proxy.running:
+                    await self._start_proxy()
             except (ProxyError, OSError) as err:
                 self.error = f"proxy not started: {err}"
                 log.error("ingress: %s", self.error)
@@ -131,7 +134,11 @@ class IngressController:
                     if exited.done():
                         break
                     self._wake.clear()
-                    await self._sync()
+                    try:
+                        await self._sync()
+                    except (ProxyError, OSError) as err:  # the proxy is checked again at the next tick
+                        self.error = f"applying the configuration failed: {err}"
+                        log.error("ingress: %s", self.error)
                     await self._publish()
             finally:
                 if not exited.done():

@@ -148,7 +148,6 @@ def render(
         f"    stats socket {paths.admin_socket} mode 600 level admin expose-fd listeners",
         "    stats timeout 30s",
         f"    pidfile {paths.pidfile}",
-        "    maxconn 20000",
         "    hard-stop-after 10m",  # an old worker with a stuck connection goes after a reload
         "    ssl-default-bind-options ssl-min-ver TLSv1.2",
     ]

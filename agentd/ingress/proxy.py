@@ -57,7 +57,7 @@ async def _ask(path: Path, command: str, timeout: float = SOCKET_TIMEOUT) -> str
         if writer.can_write_eof():
             writer.write_eof()
         return (await asyncio.wait_for(reader.read(), timeout)).decode(errors="replace")
-    except (OSError, TimeoutError) as err:
+    except (OSError, TimeoutError, RuntimeError) as err:  # RuntimeError: uvloop, the peer closed (a re-exec)
         raise ProxyError(f"{path.name}: {command!r}: {err or type(err).__name__}") from None
     finally:
         writer.close()

@@ -23,7 +23,8 @@ def _app(name: str) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
         headers = {"Server": "httpecho", "X-Pod": name}
         if request.headers.get("Upgrade", "").lower() == "websocket":
-            ws = web.WebSocketResponse(headers=headers)
+            ws = web.WebSocketResponse()
+            ws.headers.update(headers)
             await ws.prepare(request)
             async for msg in ws:
                 if msg.type == WSMsgType.TEXT:

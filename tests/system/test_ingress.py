@@ -322,7 +322,7 @@ async def test_headers_and_websocket(world: World):
 
         # The client's own address only (a claimed X-Forwarded-For is not trusted), scheme, host, port.
         assert h["x-forwarded-for"] == CLIENT_ADDRESS and h["x-real-ip"] == CLIENT_ADDRESS, h
-        assert h["x-forwarded-proto"] == "http" and h["x-forwarded-host"] == "ws.example:80" and h["x-forwarded-port"] == "80", h
+        assert h["x-forwarded-proto"] == "http" and h["x-forwarded-host"] == "ws.example" and h["x-forwarded-port"] == "80", h
         # WebSocket: the upgrade passes through and the connection carries messages both ways.
         script = (
             "import asyncio, aiohttp, sys\n"
