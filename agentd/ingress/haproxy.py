@@ -17,10 +17,10 @@ and no path is ever quoted into the configuration text:
 :mod:`agentd.ingress.routing` is the reference; tests/unit/agentd/test_ingress_haproxy.py runs
 both on the same tables.
 
-Backends list their endpoints as ``server <ip>:<port> <ip>:<port>``.  When only endpoints
-change, :func:`server_changes` gives the runtime-API commands that turn what the proxy has
-into what it should have (``add server`` + ``enable server``; ``disable server`` + ``del
-server``), so the proxy is never reloaded for them.
+Backends list their endpoints as ``server <ip>:<port> <ip>:<port>``: the server's name is
+its address, so the controller (agentd.ingress.controller) changes them through the runtime
+API by name (``add server`` + ``enable server``; ``disable server`` + ``del server``) and the
+proxy is never reloaded for an endpoint change.
 """
 
 from __future__ import annotations
@@ -234,19 +234,3 @@ def _squeeze(lines: list[str]) -> list[str]:
 
 def _quote(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
-
-
-def server_changes(have: Mapping[str, set[Server]], want: Mapping[str, set[Server]]) -> list[str]:
-    """Runtime-API commands turning the servers ``have`` into ``want`` (backends present in
-    both: a new or removed backend is a configuration change).  New servers are added in
-    maintenance and then enabled; removed ones are disabled (no new requests; requests in
-    flight finish) and then deleted."""
-    cmds = []
-    for backend in sorted(set(have) & set(want)):
-        for server in sorted(want[backend] - have[backend]):
-            name = f"{backend}/{server_name(server)}"
-            cmds += [f"add server {name} {address(*server)}", f"enable server {name}"]
-        for server in sorted(have[backend] - want[backend]):
-            name = f"{backend}/{server_name(server)}"
-            cmds += [f"disable server {name}", f"del server {name}"]
-    return cmds

@@ -43,7 +43,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentd.resources.ingress import DEFAULT_CONTROLLER, ours
 
 Obj = Mapping[str, Any]
 

@@ -80,7 +80,7 @@ class World:
         ip = self.lab.nodes[node].address
         m = re.match(r"(https?)://([^/:]+)(?::(\d+))?", url)
         assert m, url
-        scheme, name, port = m.group(1), m.group(2), m.group(3) or ("443" if m.group(1) == "https" else "80")
+        name, port = m.group(2), m.group(3) or ("443" if m.group(1) == "https" else "80")
         cmd = ["curl", "-sS", "--max-time", "10", "-D", "-", "--resolve", f"{name}:{port}:{ip}", "--cacert", str(self.ca)]
         if host is not None:
             cmd += ["-H", f"Host: {host}"]
