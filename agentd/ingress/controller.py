@@ -114,6 +114,7 @@ class IngressController:
         failures = 0
         if self.proxy.running:  # this task was restarted after a crash: keep the proxy, reload it
             self._structure = None
+            self._wake.set()
         while True:
             try:
                 if not self.proxy.running:
@@ -133,13 +134,14 @@ class IngressController:
                     woke.cancel()
                     if exited.done():
                         break
-                    self._wake.clear()
-                    try:
-                        await self._sync()
-                    except (ProxyError, OSError) as err:  # the proxy is checked again at the next tick
-                        self.error = f"applying the configuration failed: {err}"
-                        log.error("ingress: %s", self.error)
-                    await self._publish()
+                    if self._wake.is_set() or any(self.draining.values()):  # else a tick with nothing to do
+                        self._wake.clear()
+                        try:
+                            await self._sync()
+                        except (ProxyError, OSError) as err:  # the proxy is checked again at the next tick
+                            self.error = f"applying the configuration failed: {err}"
+                            log.error("ingress: %s", self.error)
+                    await self._publish()  # again when etcd gave us a new lease
             finally:
                 if not exited.done():
                     exited.cancel()

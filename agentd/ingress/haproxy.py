@@ -162,6 +162,10 @@ def render(
         "    option httplog" if log and not s.log_format else "",
         f"    log-format \"{_quote(s.log_format)}\"" if log and s.log_format else "",
         "    option http-keep-alive",
+        # On a reload the old worker keeps its idle keep-alive connections until their next
+        # response (sent with Connection: close) instead of closing them under a client that
+        # may be sending a request at that moment: no request is lost to the race.
+        "    option idle-close-on-response",
         f"    timeout connect {s.connect_timeout}s",
         f"    timeout client {s.send_timeout}s",
         f"    timeout server {s.read_timeout}s",

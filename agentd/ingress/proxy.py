@@ -72,6 +72,7 @@ class Proxy:
         self.proc: asyncio.subprocess.Process | None = None
         self.started_at: float | None = None
         self.reloads = 0
+        self.worker_pids: set[int] = set()  # the workers of the last show proc, for cleaning up after a crash
         self._output: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ configuration
@@ -181,6 +182,10 @@ class Proxy:
         if self._output is not None:
             self._output.cancel()
         self.proc = None
+        # A master that died (killed) leaves its workers running on the listening sockets, where
+        # they would take connections from the next master's worker and refuse them.
+        pids, self.worker_pids = self.worker_pids, set()
+        await asyncio.to_thread(_end, [p for p in pids if _runs(p, self.paths.config)])
         for path in (self.paths.master_socket, self.paths.admin_socket, self.paths.pidfile):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -192,6 +197,7 @@ class Proxy:
         text = await _ask(self.paths.master_socket, "show proc")
         best = None
         section = ""
+        pids = set()
         for line in text.splitlines():
             if line.startswith("#"):
                 section = line
@@ -200,8 +206,10 @@ class Proxy:
             if len(parts) >= 3 and parts[1] == "worker" and "programs" not in section:
                 with contextlib.suppress(ValueError):
                     w = Worker(int(parts[0]), int(parts[2]))
+                    pids.add(w.pid)
                     if best is None or w.reloads < best.reloads:
                         best = w
+        self.worker_pids = pids
         return best
 
     async def workers(self) -> int:
@@ -252,6 +260,25 @@ def stop_stale(paths: Paths) -> bool:
     with contextlib.suppress(FileNotFoundError):
         paths.pidfile.unlink()
     return True
+
+
+def _runs(pid: int, config: Path) -> bool:
+    """Whether ``pid`` is a HAProxy of ``config`` (ours: never another lab's or host's)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"haproxy" in argv[0] and str(config).encode() in argv
+
+
+def _end(pids: list[int]) -> None:
+    """SIGKILL ``pids`` and wait (briefly) until they are gone."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() and not _zombie(p) for p in pids):
+        time.sleep(0.02)
 
 
 def _zombie(pid: int) -> bool:

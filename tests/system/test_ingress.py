@@ -436,9 +436,12 @@ async def test_a_crashed_proxy_is_started_again(world: World):
 
         def back() -> bool:
             now = node.api_or_none("/ingress") or {}
-            return bool(now.get("running")) and now.get("pid") not in (None, before["pid"])
+            # Started (a new master) and configured again (the error of its exit is cleared then).
+            return bool(now.get("running")) and now.get("pid") not in (None, before["pid"]) and now.get("error") is None
 
         await auntil(back, 30, what="node3's proxy to be started again")
+        # The killed master's worker is gone too: the new one alone answers, at once.
+        assert before["worker"] not in node.ns.pids()
         assert await world.served_by("http://crash.example/", node=2) == "foo-1"
         now = world.proxy(2)
         assert now["restarts"] == before["restarts"] + 1
