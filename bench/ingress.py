@@ -247,12 +247,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(1)
         node1 = lab.nodes[0].address
         only = set(args.only.split(","))
-        for _ in range(args.rounds if "throughput" in only else 0):
+        targets = [("pod directly", f"http://{pods['web-1']}:8080/", None),
+                   ("proxy alone (anchor)", f"http://{node1}:{ANCHOR_PORT}/", None),
+                   ("agentd ingress", f"http://{node1}/", HOST)]  # fmt: skip
+        for n in range(args.rounds if "throughput" in only else 0):
+            order = targets[n % 3:] + targets[:n % 3]  # each round starts with another row: the load drifts
             for close in (False, True):
                 mode = "new connection" if close else "keep-alive"
-                for label, url, host in (("pod directly", f"http://{pods['web-1']}:8080/", None),
-                                         ("proxy alone (anchor)", f"http://{node1}:{ANCHOR_PORT}/", None),
-                                         ("agentd ingress", f"http://{node1}/", HOST)):  # fmt: skip
+                for label, url, host in order:
                     r = await wrk(lab, url, args.seconds, host=host, close=close)
                     out["rows"].append({"row": label, "mode": mode, **r})
         for what in ("endpoints", "ingresses"):

@@ -181,20 +181,27 @@ def render(
         out.append(f"    bind {address(addr, listen.http_port)}")
         out.append(f"    bind {address(addr, listen.https_port)} ssl crt {paths.default_cert} crt-list {d / 'crt-list'}{alpn}")
     https = "" if listen.https_port == 443 else f":{listen.https_port}"
-    out += [
-        "    http-request set-var(txn.host) req.hdr(host),field(1,:),lower",
-        "    http-request set-var(txn.path) path",
-        f"    http-request set-var(txn.vhost) var(txn.host),map_str({d / 'hosts.map'})",
-        f"    http-request set-var(txn.vhost) var(txn.host),regsub(^[^.]+,*),map_str({d / 'hosts.map'}) "
-        "if !{ var(txn.vhost) -m found }",
-        f"    http-request set-var(txn.vhost) str({ANY_HOST}) if !{{ var(txn.vhost) -m found }}",
-        "    http-request set-var(txn.key) var(txn.vhost),concat(,txn.path)",
-        # HTTP -> HTTPS for TLS hosts (the exact name, or the wildcard covering it).
-        f"    acl tls_host var(txn.host) -m str -f {d / 'redirect.lst'}",
-        f"    acl tls_host var(txn.host),regsub(^[^.]+,*) -m str -f {d / 'redirect.lst'}",
-        f"    http-request redirect location https://%[var(txn.host)]{https}%[capture.req.uri] code 308 "
-        "if !{ ssl_fc } tls_host",
-    ]
+    files = maps(table, cert_files)
+    # Only the lookups this table needs: every rule costs each request some CPU.
+    wildcards = any(v.startswith("*.") for v in table.vhosts)
+    redirects = files["redirect.lst"].split()
+    out.append("    http-request set-var(txn.host) req.hdr(host),field(1,:),lower")
+    if table.vhosts:
+        out += [
+            "    http-request set-var(txn.path) path",
+            f"    http-request set-var(txn.vhost) var(txn.host),map_str({d / 'hosts.map'})",
+            f"    http-request set-var(txn.vhost) var(txn.host),regsub(^[^.]+,*),map_str({d / 'hosts.map'}) "
+            "if !{ var(txn.vhost) -m found }" if wildcards else "",
+            f"    http-request set-var(txn.vhost) str({ANY_HOST}) if !{{ var(txn.vhost) -m found }}"
+            if ANY_HOST in table.vhosts else "",
+            "    http-request set-var(txn.key) var(txn.vhost),concat(,txn.path)",
+        ]
+    if redirects:  # HTTP -> HTTPS for TLS hosts (the exact name, or the wildcard covering it)
+        out.append(f"    acl tls_host var(txn.host) -m str -f {d / 'redirect.lst'}")
+        if any(h.startswith("*.") for h in redirects):
+            out.append(f"    acl tls_host var(txn.host),regsub(^[^.]+,*) -m str -f {d / 'redirect.lst'}")
+        out.append(f"    http-request redirect location https://%[var(txn.host)]{https}%[capture.req.uri] code 308 "
+                   "if !{ ssl_fc } tls_host")
     if s.body_size:
         out.append(f"    http-request deny deny_status 413 if {{ req.hdr_val(content-length) gt {s.body_size} }}")
     out += [
@@ -208,10 +215,12 @@ def render(
         "    http-request set-header X-Forwarded-Port %[dst_port]",
         "    option forwardfor",
         *(f"    {line}" for line in s.snippet),
-        f"    http-request set-var(txn.backend) var(txn.key),map_str({d / 'exact.map'})",
-        f"    http-request set-var(txn.backend) var(txn.key),map_beg({d / 'prefix.map'}) if !{{ var(txn.backend) -m found }}",
-        f"    http-request set-var(txn.backend) var(txn.vhost),map_str({d / 'defaults.map'}) if !{{ var(txn.backend) -m found }}",
-        "    use_backend %[var(txn.backend)] if { var(txn.backend) -m found }",
+        f"    http-request set-var(txn.backend) var(txn.key),map_str({d / 'exact.map'})" if files["exact.map"] else "",
+        f"    http-request set-var(txn.backend) var(txn.key),map_beg({d / 'prefix.map'}) if !{{ var(txn.backend) -m found }}"
+        if files["prefix.map"] else "",
+        f"    http-request set-var(txn.backend) var(txn.vhost),map_str({d / 'defaults.map'}) if !{{ var(txn.backend) -m found }}"
+        if files["defaults.map"] else "",
+        "    use_backend %[var(txn.backend)] if { var(txn.backend) -m found }" if table.vhosts else "",
         f"    default_backend {table.default}",
         "",
         f"backend {NOT_FOUND}",
@@ -221,8 +230,7 @@ def render(
         out += ["", f"backend {name}", *(f"    {line}" for line in BACKEND_DEFAULTS)]
         for server in sorted(set(servers.get(name, ()))):
             out.append(f"    server {server_name(server)} {address(*server)}")
-    files = {"haproxy.cfg": "\n".join(_squeeze(out)) + "\n"}
-    files.update(maps(table, cert_files))
+    files["haproxy.cfg"] = "\n".join(_squeeze(out)) + "\n"
     return files
 
 

@@ -33,9 +33,11 @@ def add_commands(sub: Any, config_args: Any) -> None:
     sp.add_argument("-n", "--namespace", help="namespace for objects that name none (default: default)")
     config_args(sp)
 
-    sp = sub.add_parser("get", help="list or show resources (namespaces, networkpolicies, pods, services, endpointslices)")
+    sp = sub.add_parser("get", help="list or show resources (namespaces, networkpolicies, pods, services, endpointslices, "
+                                    "ingresses, ingressclasses, secrets, configmaps)")
     sp.add_argument("kind", metavar="KIND",
-                    help="namespaces|ns, networkpolicies|netpol, pods|po, services|svc, endpointslices")
+                    help="namespaces|ns, networkpolicies|netpol, pods|po, services|svc, endpointslices, ingresses|ing, "
+                         "ingressclasses, secrets, configmaps|cm")
     sp.add_argument("name", nargs="?", metavar="[NAMESPACE/]NAME")
     sp.add_argument("-n", "--namespace", help="only this namespace")
     sp.add_argument("-o", "--output", choices=["table", "yaml", "json"], default="table")

@@ -3,8 +3,9 @@
 A kind says how it is written in a manifest (``apiVersion``, ``kind``), how the command line
 names it (``networkpolicies``, ``netpol``...), whether it lives in a namespace, how its
 fields are validated, how ``agentd get`` prints it as a table, and whether people may write
-it (pods are written by the agents, from what agentd-cni tells them).  Adding a kind (the
-Services issue adds ``Service`` and ``EndpointSlice``) is one more entry in :data:`KINDS`.
+it (pods are written by the agents, from what agentd-cni tells them).  Adding a kind (Service
+and EndpointSlice; Ingress, IngressClass, Secret and ConfigMap for the Ingress controller) is
+one more entry in :data:`KINDS`.
 
 :func:`validate` is the API server's admission for one object: apiVersion/kind, metadata
 (names, labels, annotations), then the kind's own spec checks and defaults.  It raises
