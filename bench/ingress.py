@@ -8,8 +8,9 @@ whose EndpointSlice lists both pods, and an Ingress for host bench.example.  The
 wrk (Debian's), run in node2's namespace against node1's address (the ingress) or a pod.
 
 Rows, each wrk with 2 threads and 16 connections for --seconds (keep-alive, or a new
-connection per request with ``Connection: close``): requests/s, p50 and p99 latency, failed
-requests (socket errors + non-2xx):
+connection per request with ``Connection: close``) asking for ``/bytes/64`` (a fixed answer,
+whatever the request's headers): requests/s, p50 and p99 latency, failed requests (socket
+errors + non-2xx); --rounds rounds, each starting with another row, medians:
 
 * ``pod directly``: wrk to one pod's address;
 * ``proxy alone (anchor)``: the same HAProxy binary in node1's namespace on port 8081, one
@@ -62,6 +63,9 @@ NS = "bench"
 PARTS = ("throughput", "endpoints", "ingresses", "first")
 HOST = "bench.example"
 ANCHOR_PORT = 8081
+# A fixed 64-byte answer: the pods' work does not depend on the request's headers (the ingress
+# adds X-Forwarded-*; an echo of them would make the pods, the bottleneck here, slower).
+PATH = "/bytes/64"
 
 
 def objects(pods: dict[str, str], ready2: bool = True) -> list[dict[str, Any]]:
@@ -206,7 +210,7 @@ async def churn(lab: Lab, res: Any, pods: dict[str, str], alone: ProxyAlone, sec
     interval = 0.1 if what == "endpoints" else 1.0
     results = []
     for target in ("agentd", "anchor"):
-        url = f"http://{lab.nodes[0].address}:{80 if target == 'agentd' else ANCHOR_PORT}/"
+        url = f"http://{lab.nodes[0].address}:{80 if target == 'agentd' else ANCHOR_PORT}{PATH}"
         load = asyncio.ensure_future(wrk(lab, url, seconds, host=HOST))
         start, i = time.monotonic(), 0
         while time.monotonic() - start < seconds - 0.5:
@@ -247,9 +251,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(1)
         node1 = lab.nodes[0].address
         only = set(args.only.split(","))
-        targets = [("pod directly", f"http://{pods['web-1']}:8080/", None),
-                   ("proxy alone (anchor)", f"http://{node1}:{ANCHOR_PORT}/", None),
-                   ("agentd ingress", f"http://{node1}/", HOST)]  # fmt: skip
+        targets = [("pod directly", f"http://{pods['web-1']}:8080{PATH}", None),
+                   ("proxy alone (anchor)", f"http://{node1}:{ANCHOR_PORT}{PATH}", None),
+                   ("agentd ingress", f"http://{node1}{PATH}", HOST)]  # fmt: skip
         for n in range(args.rounds if "throughput" in only else 0):
             order = targets[n % 3:] + targets[:n % 3]  # each round starts with another row: the load drifts
             for close in (False, True):

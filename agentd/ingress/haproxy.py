@@ -207,13 +207,11 @@ def render(
     out += [
         # What the pod sees of the client: its address (not what the client claims), scheme,
         # host and port, as ingress-nginx sets them by default.
-        "    http-request del-header X-Forwarded-For",
+        "    http-request set-header X-Forwarded-For %[src]",
         "    http-request set-header X-Real-IP %[src]",
-        "    http-request set-header X-Forwarded-Proto https if { ssl_fc }",
-        "    http-request set-header X-Forwarded-Proto http if !{ ssl_fc }",
+        "    http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
         "    http-request set-header X-Forwarded-Host %[req.hdr(host)]",
         "    http-request set-header X-Forwarded-Port %[dst_port]",
-        "    option forwardfor",
         *(f"    {line}" for line in s.snippet),
         f"    http-request set-var(txn.backend) var(txn.key),map_str({d / 'exact.map'})" if files["exact.map"] else "",
         f"    http-request set-var(txn.backend) var(txn.key),map_beg({d / 'prefix.map'}) if !{{ var(txn.backend) -m found }}"
