@@ -1,6 +1,6 @@
 """Ingress: requests through the node's HAProxy as agentd configures it, side by side with anchors.
 
-    sudo .venv/bin/python bench/ingress.py [--seconds 5] [--churn-seconds 30] [--rounds 3] [--only PARTS] [--json]
+    .venv/bin/python bench/ingress.py [--seconds 5] [--churn-seconds 30] [--rounds 3] [--only PARTS] [--quick] [--json FILE]
 
 Real: etcd, two `agentd run` agents (host-gw) with `[ingress] enabled`, two pods (one per
 node) running agentd.lab.httpecho (aiohttp), an IngressClass, a Service without selector
@@ -53,11 +53,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import emit_json, print_notes, print_table, require_root  # noqa: E402
+from bench._common import BenchError, parse_bench_args, print_notes, print_table, require_root, run_main, write_json  # noqa: E402
 
+from agentd.lab.errors import LabError  # noqa: E402
 from agentd.lab.httpecho import HttpEcho  # noqa: E402
 from agentd.lab.lab import Lab, LabSpec  # noqa: E402
-from agentd.lab.netns import unique_tag  # noqa: E402
+from agentd.lab.netns import NetnsError, unique_tag  # noqa: E402
 
 NS = "bench"
 PARTS = ("throughput", "endpoints", "ingresses", "first")
@@ -107,8 +108,8 @@ async def wrk(lab: Lab, url: str, seconds: float, *, host: str | None = None, cl
         args += ["-H", "Connection: close"]
     rc, out, err = await lab.nodes[1].ns.aexec(*args, url, check=False, timeout=seconds + 60)
     text = out.decode()
-    if rc != 0:
-        raise RuntimeError(f"wrk failed: {err.decode().strip() or text}")
+    if rc != 0 or "requests in" not in text:
+        raise BenchError(f"wrk {url} failed (exit {rc}): {err.decode().strip() or text.strip()}")
     total = int(re.search(r"(\d+) requests in", text).group(1))
     errors = sum(int(x) for x in (re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text) or
                                   re.match(r"()()()()", "")).groups() if x)  # fmt: skip
@@ -198,6 +199,8 @@ async def first_200(lab: Lab, res: Any, n: int) -> float:
     await res.apply(ingress(f"new{n}", [host]))
     seconds = float((await proc.stdout.readline()).decode())
     await proc.wait()
+    if seconds < 0:
+        raise BenchError(f"{host}: not served by every node within 30 s of the apply")
     await res.delete("Ingress", NS, f"new{n}")
     return seconds
 
@@ -317,21 +320,22 @@ def report(out: dict[str, Any]) -> None:
     print_notes("goals", goals)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=5.0, help="wrk duration per throughput row (default 5)")
     ap.add_argument("--churn-seconds", type=float, default=30.0, help="duration of each churn run (default 30)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the throughput rows, alternating (medians; default 3)")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to run, of: {', '.join(PARTS)}")
-    ap.add_argument("--json", action="store_true", help="print the raw figures as JSON too")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, argv, name="ingress", quick={"seconds": 2.0, "churn_seconds": 5.0, "rounds": 1})
+    unknown = set(args.only.split(",")) - set(PARTS)
+    if unknown or args.seconds < 1 or args.churn_seconds < 2 or args.rounds < 1:
+        ap.error(f"--only takes {', '.join(PARTS)}; --seconds >= 1, --churn-seconds >= 2, --rounds >= 1")
     require_root("bench/ingress.py")
     out = asyncio.run(run(args))
+    write_json(args.json, out)
     report(out)
-    if args.json:
-        emit_json(out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, "bench/ingress.py", errors=(LabError, NetnsError))
