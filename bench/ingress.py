@@ -10,7 +10,9 @@ wrk (Debian's), run in node2's namespace against node1's address (the ingress) o
 Rows, each wrk with 2 threads and 16 connections for --seconds (keep-alive, or a new
 connection per request with ``Connection: close``) asking for ``/bytes/64`` (a fixed answer,
 whatever the request's headers): requests/s, p50 and p99 latency, failed requests (socket
-errors + non-2xx); --rounds rounds, each starting with another row, medians:
+errors + non-2xx), and the proxy's CPU per request (its workers' user + system time over the
+run: what the load on the machine does not change); --rounds rounds, each starting with
+another row, medians:
 
 * ``pod directly``: wrk to one pod's address;
 * ``proxy alone (anchor)``: the same HAProxy binary in node1's namespace on port 8081, one
@@ -162,6 +164,28 @@ class ProxyAlone:
                 self.proc.wait()
 
 
+def proxy_workers(lab: Lab, alone: ProxyAlone, label: str) -> list[int]:
+    """The HAProxy worker processes of a row (none for the pod row)."""
+    if label == "agentd ingress":
+        return [lab.nodes[0].api("/ingress")["worker"]]
+    if label.startswith("proxy alone") and alone.proc is not None:
+        out = subprocess.run(["pgrep", "-P", str(alone.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+    return []
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` (the proxy's cost per request, whatever the load)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 # ---------------------------------------------------------------- first 200 everywhere
 
 POLLER = """
@@ -262,7 +286,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for close in (False, True):
                 mode = "new connection" if close else "keep-alive"
                 for label, url, host in order:
+                    workers = proxy_workers(lab, alone, label)
+                    before = cpu_seconds(workers)
                     r = await wrk(lab, url, args.seconds, host=host, close=close)
+                    used = cpu_seconds(workers) - before
+                    r["proxy_cpu_us"] = used / r["requests"] * 1e6 if workers and r["requests"] else None
                     out["rows"].append({"row": label, "mode": mode, **r})
         for what in ("endpoints", "ingresses"):
             if what in only:
@@ -289,11 +317,13 @@ def report(out: dict[str, Any]) -> None:
         for (label, mode), rs in by.items():
             rps = statistics.median(r["rps"] for r in rs)
             anchor = statistics.median(r["rps"] for r in by[("proxy alone (anchor)", mode)])
+            cpu = [r["proxy_cpu_us"] for r in rs if r.get("proxy_cpu_us") is not None]
             rows.append([label, mode, f"{rps:,.0f}/s", f"{statistics.median(r['p50_ms'] for r in rs):.2f}",
                          f"{statistics.median(r['p99_ms'] for r in rs):.2f}", str(sum(r["failed"] for r in rs)),
-                         f"{rps / anchor:.2f}x"])  # fmt: skip
+                         f"{rps / anchor:.2f}x", f"{statistics.median(cpu):.1f}" if cpu else "-"])  # fmt: skip
         print_table(f"Requests through the ingress (wrk -t2 -c16, medians of {len(out['rows']) // 6} rounds; load average at start {load})",
-                    ["path", "connections", "requests/s", "p50 ms", "p99 ms", "failed", "vs proxy alone"], rows)  # fmt: skip
+                    ["path", "connections", "requests/s", "p50 ms", "p99 ms", "failed", "vs proxy alone", "proxy CPU us/req"],
+                    rows)  # fmt: skip
         for mode in ("keep-alive", "new connection"):
             ing = statistics.median(r["rps"] for r in by[("agentd ingress", mode)])
             anc = statistics.median(r["rps"] for r in by[("proxy alone (anchor)", mode)])

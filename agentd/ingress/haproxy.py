@@ -185,17 +185,26 @@ def render(
     # Only the lookups this table needs: every rule costs each request some CPU.
     wildcards = any(v.startswith("*.") for v in table.vhosts)
     redirects = files["redirect.lst"].split()
-    out.append("    http-request set-var(txn.host) req.hdr(host),field(1,:),lower")
-    if table.vhosts:
+    # With no wildcard host and no rule without a host, a request's virtual host is its host
+    # (a host no rule names matches no key: every key starts with a rule's host), so the key
+    # is built in one step; the hosts.map lookup is only needed for the other cases.
+    by_map = wildcards or ANY_HOST in table.vhosts
+    host = "req.hdr(host),field(1,:),lower"
+    if by_map or redirects:
+        out.append(f"    http-request set-var(txn.host) {host}")
+        host = "var(txn.host)"
+    vhost = host
+    if table.vhosts and by_map:
         out += [
-            "    http-request set-var(txn.path) path",
-            f"    http-request set-var(txn.vhost) var(txn.host),map_str({d / 'hosts.map'})",
-            f"    http-request set-var(txn.vhost) var(txn.host),regsub(^[^.]+,*),map_str({d / 'hosts.map'}) "
+            f"    http-request set-var(txn.vhost) {host},map_str({d / 'hosts.map'})",
+            f"    http-request set-var(txn.vhost) {host},regsub(^[^.]+,*),map_str({d / 'hosts.map'}) "
             "if !{ var(txn.vhost) -m found }" if wildcards else "",
             f"    http-request set-var(txn.vhost) str({ANY_HOST}) if !{{ var(txn.vhost) -m found }}"
             if ANY_HOST in table.vhosts else "",
-            "    http-request set-var(txn.key) var(txn.vhost),concat(,txn.path)",
         ]
+        vhost = "var(txn.vhost)"
+    if table.vhosts:
+        out.append(f'    http-request set-var-fmt(txn.key) "%[{vhost}]%[path]"')
     if redirects:  # HTTP -> HTTPS for TLS hosts (the exact name, or the wildcard covering it)
         out.append(f"    acl tls_host var(txn.host) -m str -f {d / 'redirect.lst'}")
         if any(h.startswith("*.") for h in redirects):
@@ -216,7 +225,7 @@ def render(
         f"    http-request set-var(txn.backend) var(txn.key),map_str({d / 'exact.map'})" if files["exact.map"] else "",
         f"    http-request set-var(txn.backend) var(txn.key),map_beg({d / 'prefix.map'}) if !{{ var(txn.backend) -m found }}"
         if files["prefix.map"] else "",
-        f"    http-request set-var(txn.backend) var(txn.vhost),map_str({d / 'defaults.map'}) if !{{ var(txn.backend) -m found }}"
+        f"    http-request set-var(txn.backend) {vhost},map_str({d / 'defaults.map'}) if !{{ var(txn.backend) -m found }}"
         if files["defaults.map"] else "",
         "    use_backend %[var(txn.backend)] if { var(txn.backend) -m found }" if table.vhosts else "",
         f"    default_backend {table.default}",
