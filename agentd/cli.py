@@ -559,6 +559,16 @@ def _fast_path_line(fast: dict[str, Any]) -> str:
     return f"Pod fast path on, {where}  carried {packets.get('carried', 0)} packets  pods {fast.get('pods', 0)}"
 
 
+def _ingress_line(ing: dict[str, Any]) -> str:
+    """The ingress proxy (docs/ingress.md): where it listens, its PIDs, reloads and restarts."""
+    where = ", ".join(_cell(a) for a in ing.get("addresses") or []) or "-"
+    state = f"HAProxy pid {ing.get('pid')} worker {ing.get('worker')}" if ing.get("running") else "proxy NOT RUNNING"
+    error = ing.get("error") or ing.get("settings_error")
+    return (f"Ingress on {where} (http {ing.get('http_port')}, https {ing.get('https_port')})  {state}"
+            f"  ingresses {ing.get('ingresses', 0)}  reloads {ing.get('reloads', 0)}  restarts {ing.get('restarts', 0)}"
+            f"{'  ERROR ' + _cell(error) if error else ''}")
+
+
 def render_status(status: dict[str, Any]) -> str:
     node = status.get("node") or {}
     bgp = status.get("bgp") or {}
@@ -590,6 +600,9 @@ def render_status(status: dict[str, Any]) -> str:
         fast = policy.get("fast_path")
         if isinstance(fast, dict):
             out.append(_fast_path_line(fast))
+    ingress = status.get("ingress")  # Ingress
+    if isinstance(ingress, dict):
+        out.append(_ingress_line(ingress))
     out.append("")
     for family, label in (("ipv4", "IPv4"), ("ipv6", "IPv6")):
         peers = [p for p in bgp.get("peers", []) if (":" in p["address"]) == (family == "ipv6")]

@@ -34,6 +34,9 @@ from typing import Any, Protocol
 
 from agentd.backend_table import BACKENDS as BACKEND_TABLE, NAMES, mtu_overhead
 from agentd.config.values import (
+    parse_controller_name,
+    parse_listen_addresses,
+    parse_object_ref,
     parse_pod_network,
     parse_pod_network_v6,
     parse_node_address_v6,
@@ -299,6 +302,21 @@ class DnsConfig:
 
 
 @dataclass(frozen=True)
+class IngressConfig:
+    """The Ingress controller: a HAProxy on this node's addresses, routing by the Ingresses of
+    ``controller``'s IngressClasses (docs/ingress.md)."""
+
+    enabled: bool = False
+    http_port: int = 80
+    https_port: int = 443
+    addresses: tuple[IPAddress, ...] = ()  # empty: [node] address
+    controller: str = "agentd.io/ingress-controller"
+    configmap: str = "kube-system/agentd-ingress"
+    watch_without_class: bool = False
+    haproxy: str = "haproxy"
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
     format: str = "text"
@@ -321,6 +339,7 @@ class Config:
     cni: CniConfig = field(default_factory=CniConfig)
     dns: DnsConfig = field(default_factory=DnsConfig)
     flows: FlowsConfig = field(default_factory=FlowsConfig)
+    ingress: IngressConfig = field(default_factory=IngressConfig)
     log: LogConfig = field(default_factory=LogConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     source: str | None = None  # the file read, None when only defaults/env/overrides
@@ -444,6 +463,14 @@ _KEYS = (
     _Key("flows", "log_group", int_kind(1, 65535), 143),
     _Key("flows", "log_rate", int_kind(1, 1_000_000), 100),
     _Key("flows", "record_rate", float_kind(0.1, 100_000), 10.0),
+    _Key("ingress", "enabled", BOOL, False),
+    _Key("ingress", "http_port", PORT, 80),
+    _Key("ingress", "https_port", PORT, 443),
+    _Key("ingress", "addresses", Kind((list,), "an array", text_list, parse_listen_addresses), ()),
+    _Key("ingress", "controller", string_kind(parse_controller_name), IngressConfig.controller),
+    _Key("ingress", "configmap", string_kind(parse_object_ref), IngressConfig.configmap),
+    _Key("ingress", "watch_without_class", BOOL, False),
+    _Key("ingress", "haproxy", string_kind(lambda s: s.strip() or "haproxy"), "haproxy"),
     _Key("log", "level", choice_kind("debug", "info", "warning", "error"), "info"),
     _Key("log", "format", choice_kind("text", "json"), "text"),
     _Key("agent", "state_dir", PATH, AgentConfig.state_dir),
@@ -819,7 +846,7 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
     sections = {}
     for sec, cls in (("node", NodeConfig), ("network", NetworkConfig), ("etcd", EtcdConfig),
                      ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("dns", DnsConfig), ("flows", FlowsConfig),
-                     ("log", LogConfig),
+                     ("ingress", IngressConfig), ("log", LogConfig),
                      ("agent", AgentConfig)):
         sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
     peers = tuple(BgpPeerConfig(**{"hold_time": hold, **p}) for p in v["bgp.peers"])

@@ -235,6 +235,37 @@ def parse_upstreams(v: list[Any], _base: Path) -> tuple[str, ...]:
     return tuple(out)
 
 
+def parse_listen_addresses(v: list[Any], _base: Path) -> tuple[IPAddress, ...]:
+    """Addresses to listen on (IPv4 or IPv6); empty: the node's address."""
+    out = []
+    for item in v:
+        if not isinstance(item, str):
+            raise BadValue(f"must be an array of strings, not of {type_name(item)}s")
+        try:
+            out.append(ip_address(item.strip()))
+        except ValueError:
+            raise BadValue(f"{item!r}: must be an IP address") from None
+    return tuple(out)
+
+
+_QUALIFIED_PATH = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9/_.-]+")
+
+
+def parse_controller_name(s: str) -> str:
+    """An IngressClass controller name: a domain-prefixed path such as agentd.io/ingress-controller."""
+    if len(s) > 250 or not _QUALIFIED_PATH.fullmatch(s):
+        raise BadValue("must be a domain-prefixed path such as agentd.io/ingress-controller")
+    return s
+
+
+def parse_object_ref(s: str) -> str:
+    """NAMESPACE/NAME of an object (lower-case RFC 1123 names)."""
+    ns, slash, name = s.partition("/")
+    if not slash or not _DNS_LABEL.fullmatch(ns) or not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name):
+        raise BadValue("must be NAMESPACE/NAME, e.g. kube-system/agentd-ingress")
+    return s
+
+
 def parse_ipv6_or_none(s: str) -> IPv6Address | None:
     if not s.strip():
         return None

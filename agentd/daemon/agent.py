@@ -52,6 +52,7 @@ from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPoli
 from agentd.nft import masquerade
 from agentd.nft.libnftables import NftError
 from agentd.services.agent import ServiceAgent, remove_services_table  # Services
+from agentd.ingress.controller import IngressController, remove_ingress_proxy  # Ingress
 from agentd.kernel.route_model import SyncResult
 from agentd.kernel.routing import RouteProgrammer
 from agentd.daemon.sdnotify import Notifier
@@ -103,6 +104,7 @@ class Agent:
         self.cluster: ClusterConfig | None = None
         self.policy: PolicyAgent | None = None  # NetworkPolicy
         self.services: ServiceAgent | None = None  # Services
+        self.ingress: IngressController | None = None  # Ingress
         self.lease: SubnetLease | None = None  # the first of ``leases`` (IPv4 where the node has one)
         self.leases: dict[int, SubnetLease] = {}  # by IP version: both in a dual-stack cluster
         self.peering = mesh.Peering(self.name)  # the node registry as read, and the peers it implies
@@ -166,6 +168,8 @@ class Agent:
                 self.supervisor.start("services", self.services.run)
             if self.observe.recorder is not None:
                 self.supervisor.start("flows", self.observe.recorder.run)
+            if self.ingress is not None:
+                self.supervisor.start("ingress", self.ingress.run)
             self.supervisor.start("readiness", self._readiness_loop)
             await self._stop.wait()
         except AgentError as err:
@@ -239,6 +243,10 @@ class Agent:
             except OSError as err:
                 log.warning("the cluster listener on %s:%d is off: %s", self.address, self.cfg.api.cluster_port, err)
                 self.read_api = None
+        if cfg.ingress.enabled:  # Ingress: the proxy starts once the resources are read
+            addresses = [str(a) for a in cfg.ingress.addresses] or [str(self.address)]
+            self.ingress = IngressController(self.name, self.datastore, cfg.ingress, addresses, cfg.agent.state_dir)
+            self.registry.register(self.ingress.views)
         try:
             await self.tunnels.start({v: lease.subnet for v, lease in self.leases.items()})
         except RuntimeError as err:
@@ -301,6 +309,8 @@ class Agent:
         if self.service is not None:
             await self.service.stop(graceful=graceful)
         await self.supervisor.stop()
+        if self.ingress is not None and not self._leaving:  # the proxy stops with the agent
+            await self.ingress.stop()
         if self._leaving:
             await self._leave_cleanup()
         if self.programmer is not None:
@@ -353,6 +363,8 @@ class Agent:
             log.info("put back %s", ", ".join(restored))
         with contextlib.suppress(NftError):
             await masquerade.remove()
+        if self.ingress is not None:  # Ingress: the proxy and its files
+            await self.ingress.leave()
 
     async def _open_fast_path(self) -> tuple[PodFastPath | None, str | None]:
         """The pod fast path ([network] bpf_pod_fast_path), or None and why not; switched off,
@@ -544,6 +556,7 @@ async def leave(cfg: Config) -> int:
             log.info("put back %s", ", ".join(restored))
         if await masquerade.remove():
             log.info("removed the masquerading table")
+        await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir)  # Ingress
         return 0
     except Exception as err:
         log.error("cannot leave: %s", err)

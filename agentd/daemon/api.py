@@ -88,6 +88,7 @@ class ApiServer:
                 web.get("/policy", self._policy),  # NetworkPolicy
                 web.get("/services", self._services),  # Services
                 *([] if read_only else [web.post("/leave", self._leave)]),
+                web.get("/ingress", self._ingress),  # Ingress
             ]
         )
         if hasattr(provider, "flows_view"):  # flows, the cluster view, /ui/ (agentd/daemon/web.py)
@@ -178,6 +179,14 @@ class ApiServer:
         data = view(summary) if view is not None else None
         if data is None:
             return _json({"error": "services are not running here"}, 404 if view is None else 503)
+        return _json(data)
+
+    async def _ingress(self, request: web.Request) -> web.Response:
+        """The Ingress controller: hosts, rules, backends and their servers (agentd/ingress/)."""
+        view = getattr(self.provider, "ingress_view", None)
+        data = view() if view is not None else None
+        if data is None:
+            return _json({"error": "the ingress controller is not enabled here ([ingress] enabled)"}, 404)
         return _json(data)
 
     async def _leave(self, request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ from agentd.daemon.observe import Observability
 from agentd.flows.views import FlowViews
 from agentd.policy.agent import PolicyAgent
 from agentd.services.agent import ServiceAgent
+from agentd.ingress.controller import IngressController
 
 
 class AgentState(Protocol):
@@ -50,6 +51,7 @@ class AgentState(Protocol):
     tunnels: Tunnels | None
     policy: PolicyAgent | None
     services: ServiceAgent | None
+    ingress: IngressController | None
     routes: KernelRoutes
     observe: Observability
 
@@ -119,6 +121,7 @@ class AgentViews:
             "backends": a.tunnels.status() if a.tunnels else {},
             "policy": a.policy.views.status() if a.policy else None,
             "flows": a.observe.status(),
+            "ingress": a.ingress.views.status() if a.ingress else None,
             "tasks": a.supervisor.summary(),
             "ready": a.readiness()[0],
         }
@@ -150,6 +153,11 @@ class AgentViews:
         """GET /services."""
         services = self.agent.services
         return services.views.view(summary) if services else None
+
+    def ingress_view(self) -> dict[str, Any] | None:
+        """GET /ingress."""
+        ingress = self.agent.ingress
+        return ingress.views.view() if ingress else None
 
     def policy_view(self, pod: str | None = None, summary: bool = False) -> dict[str, Any] | None:
         """GET /policy."""

@@ -68,6 +68,8 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--docker", action="store_true",
                     help="Docker hosts: every node runs a dockerd on its subnet (agentd docker-opts), the pods are "
                          "containers started with docker run, and the agents masquerade traffic leaving the pod network")
+    up.add_argument("--ingress", action="store_true",
+                    help="run the Ingress controller on every node; the underlay namespace gets a client address")
     up.add_argument("--timeout", type=_seconds, default=None,
                     help="seconds to wait for each stage (default 90, or 3 per node above 30 nodes)")
     for name in ("down", "status"):

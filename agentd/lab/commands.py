@@ -30,6 +30,7 @@ def up(args) -> int:
         docker=args.docker,
         ip_family=args.ip_family,
         ipv4_underlay=args.ipv4_underlay,
+        ingress=args.ingress,
     )
     if spec.encap == "cross-subnet" and spec.backend == "host-gw":
         raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
@@ -61,6 +62,9 @@ def up(args) -> int:
     if lab.pods:
         for version in _versions(spec.ip_family):
             print(f"  agentd lab exec --name {spec.name} {lab.pods[0].name} -- ping -c 3 {lab.pods[-1].address(version)}")
+    if spec.ingress:
+        print(f"  agentd lab exec --name {spec.name} underlay -- curl -s http://{lab.nodes[0].address}/  "
+              "(the ingress, from outside the pod network: docs/ingress.md)")
     print(f"  agentd lab down --name {spec.name}")
     return 0
 

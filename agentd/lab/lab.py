@@ -71,6 +71,7 @@ STATIC_NEIGHBORS_ABOVE = 16
 START_WAVE = 10  # agents started at once; the next wave starts once these hold a subnet
 CLUSTER_ID = f"{UNDERLAY_PREFIX}.255.1"  # shared by every route reflector
 API_URL = "http://127.0.0.1:9099"
+CLIENT_ADDRESS = f"{UNDERLAY_PREFIX}.0.250"  # the underlay namespace's own address (labs with ingress)
 ASN = 64512
 
 
@@ -95,6 +96,9 @@ class LabSpec:
     # nodes needs N*(N-1): past that, new neighbours fail with ENOBUFS and BGP sessions sit in
     # Connect.  Permanent entries are exempt from that limit (they are never garbage-collected).
     static_neighbors: bool | None = None
+    # The Ingress controller on every node ([ingress] enabled), and a client address in the
+    # underlay namespace (CLIENT_ADDRESS) from which the nodes' ingress ports are reached.
+    ingress: bool = False
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-node config overrides
     # Docker hosts (agentd.lab.docker_hosts): a dockerd per node on its subnet, the pods are
     # containers on docker0, and the agents masquerade what leaves the pod network.
@@ -175,6 +179,8 @@ class LabNode:
             "agent": {"state_dir": str(self.dir / "state"), "bpf_dir": str(self.lab.bpffs)},
             "log": {"level": spec.log_level},
         }
+        if spec.ingress:
+            cfg["ingress"] = {"enabled": True}
         for section, keys in spec.extra.get(self.name, {}).items():
             cfg.setdefault(section, {}).update(keys)
         for section in cfg.values():  # TOML has no null: None means "leave the default"
@@ -410,6 +416,8 @@ class Lab:
             self._save()
             bpffs.mount(self.bpffs)
             self.network.build(self.nodes, static_neighbors=self.static_neighbors)  # type: ignore[arg-type]
+            if self.spec.ingress:
+                self.network.add_client(CLIENT_ADDRESS)
             self._stage(f"network namespaces ready ({self.spec.nodes} nodes, {self.spec.subnets} segment(s))")
             stage = "etcd up"
             await self.etcd.start()

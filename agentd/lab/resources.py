@@ -129,6 +129,8 @@ async def _serve(endpoints: list[str]) -> None:
             for o in req["objects"]:
                 await store.put_owned(kinds.validate(o), lease=None, expect=0)
             return None
+        if op == "ingress_nodes":
+            return await store.ingress_nodes()
         kind = kinds.lookup(req["kind"])
         if op == "delete":
             return await store.delete(kind, req["namespace"], req["name"])

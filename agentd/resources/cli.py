@@ -19,6 +19,7 @@ from typing import Any
 from . import kinds, manifests
 from .kinds import Kind
 from .store import Applied, ResourceStore, StoreError
+from .ingress import load_balancer
 from .validation import Invalid, dns1123_label, label_value, qualified_name
 
 COMMANDS = ("apply", "get", "delete", "label")
@@ -32,9 +33,11 @@ def add_commands(sub: Any, config_args: Any) -> None:
     sp.add_argument("-n", "--namespace", help="namespace for objects that name none (default: default)")
     config_args(sp)
 
-    sp = sub.add_parser("get", help="list or show resources (namespaces, networkpolicies, pods, services, endpointslices)")
+    sp = sub.add_parser("get", help="list or show resources (namespaces, networkpolicies, pods, services, endpointslices, "
+                                    "ingresses, ingressclasses, secrets, configmaps)")
     sp.add_argument("kind", metavar="KIND",
-                    help="namespaces|ns, networkpolicies|netpol, pods|po, services|svc, endpointslices")
+                    help="namespaces|ns, networkpolicies|netpol, pods|po, services|svc, endpointslices, ingresses|ing, "
+                         "ingressclasses, secrets, configmaps|cm")
     sp.add_argument("name", nargs="?", metavar="[NAMESPACE/]NAME")
     sp.add_argument("-n", "--namespace", help="only this namespace")
     sp.add_argument("-o", "--output", choices=["table", "yaml", "json"], default="table")
@@ -57,6 +60,7 @@ def add_commands(sub: Any, config_args: Any) -> None:
 
 def run(args: argparse.Namespace, cfg: Any) -> int:
     """Run one resource command with the loaded configuration ``cfg``; returns the exit status."""
+    args.ingress_configmap = cfg.ingress.configmap
     try:
         plan = _prepare(args)
     except (Invalid, manifests.ManifestError, OSError) as err:
@@ -81,7 +85,7 @@ def _prepare(args: argparse.Namespace) -> Any:
             text = sys.stdin.read() if path == "-" else _read(path)
             source = "stdin" if path == "-" else path
             docs = manifests.read(text, source)
-            objs += manifests.validate_all(docs, source, namespace=args.namespace)
+            objs += manifests.validate_all(docs, source, namespace=args.namespace, ingress_configmap=args.ingress_configmap)
         return objs
     kind = kinds.lookup(args.kind)
     target = _target(kind, args.name, args.namespace) if args.name else None
@@ -191,6 +195,10 @@ async def _get(store: ResourceStore, kind: Kind, target: tuple[str, str] | None,
         objs = [obj]
     else:
         objs = await store.list(kind, args.namespace)
+    if kind is kinds.INGRESS and objs:  # status.loadBalancer: the nodes serving each one now
+        classes, nodes = await store.list(kinds.INGRESS_CLASS), await store.ingress_nodes()
+        for o in objs:
+            o["status"] = {"loadBalancer": {"ingress": load_balancer(o, classes, nodes)}}
     if args.output in ("yaml", "json"):
         sys.stdout.write(manifests.dump(objs, args.output, as_list=target is None))
         return 0

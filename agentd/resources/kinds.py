@@ -3,8 +3,9 @@
 A kind says how it is written in a manifest (``apiVersion``, ``kind``), how the command line
 names it (``networkpolicies``, ``netpol``...), whether it lives in a namespace, how its
 fields are validated, how ``agentd get`` prints it as a table, and whether people may write
-it (pods are written by the agents, from what agentd-cni tells them).  Adding a kind (the
-Services issue adds ``Service`` and ``EndpointSlice``) is one more entry in :data:`KINDS`.
+it (pods are written by the agents, from what agentd-cni tells them).  Adding a kind (Service
+and EndpointSlice; Ingress, IngressClass, Secret and ConfigMap for the Ingress controller) is
+one more entry in :data:`KINDS`.
 
 :func:`validate` is the API server's admission for one object: apiVersion/kind, metadata
 (names, labels, annotations), then the kind's own spec checks and defaults.  It raises
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import networkpolicy, pod, service
+from . import ingress, networkpolicy, pod, secret, service
 from .validation import (
     Invalid,
     annotations,
@@ -99,6 +100,35 @@ def _service_body(doc: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any
 
 def _slice_body(doc: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     return service.validate_slice(dict(doc))
+
+
+def _ingress_body(doc: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    if "spec" not in doc:
+        raise required("spec")
+    return {"spec": ingress.validate_spec(doc["spec"])}  # status is the controller's (filled in when read)
+
+
+def _ingress_class_body(doc: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    return {"spec": ingress.validate_class_spec(doc.get("spec"), meta.get("annotations", {}))}
+
+
+def _secret_body(doc: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    return secret.validate_secret(dict(doc))
+
+
+def _configmap_body(doc: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    return secret.validate_configmap(dict(doc))
+
+
+def _ingress_hosts(spec: Mapping[str, Any]) -> str:
+    hosts = list(dict.fromkeys(r["host"] for r in spec.get("rules", []) if r.get("host")))
+    more = f" + {len(hosts) - 4} more..." if len(hosts) > 4 else ""
+    return ",".join(hosts[:4]) + more if hosts else "*"
+
+
+def _ingress_address(doc: Mapping[str, Any]) -> str:
+    lb = ((doc.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+    return ",".join(e.get("ip") or e.get("hostname", "") for e in lb)
 
 
 def _service_ports(spec: Mapping[str, Any]) -> str:
@@ -240,7 +270,76 @@ ENDPOINT_SLICE = Kind(
     fields=("addressType", "endpoints", "ports"),
 )
 
-KINDS: dict[str, Kind] = {k.kind: k for k in (NAMESPACE, NETWORK_POLICY, POD, SERVICE, ENDPOINT_SLICE)}
+INGRESS = Kind(
+    kind="Ingress",
+    api_version="networking.k8s.io/v1",
+    plural="ingresses",
+    short_names=("ing",),
+    namespaced=True,
+    name_check=dns1123_subdomain,
+    body=_ingress_body,
+    columns=("NAMESPACE", "NAME", "CLASS", "HOSTS", "ADDRESS", "PORTS", "AGE"),
+    row=lambda d: [
+        d["metadata"]["namespace"],
+        d["metadata"]["name"],
+        d["spec"].get("ingressClassName") or (d["metadata"].get("annotations") or {}).get(ingress.CLASS_ANNOTATION)
+        or "<none>",
+        _ingress_hosts(d["spec"]),
+        _ingress_address(d),
+        "80, 443" if d["spec"].get("tls") else "80",
+        _age(d["metadata"]),
+    ],
+)
+
+INGRESS_CLASS = Kind(
+    kind="IngressClass",
+    api_version="networking.k8s.io/v1",
+    plural="ingressclasses",
+    short_names=(),
+    namespaced=False,
+    name_check=dns1123_subdomain,
+    body=_ingress_class_body,
+    columns=("NAME", "CONTROLLER", "PARAMETERS", "AGE"),
+    row=lambda d: [
+        d["metadata"]["name"] + (" (default)" if ingress.is_default_class(d) else ""),
+        d["spec"]["controller"],
+        "<none>" if "parameters" not in d["spec"] else f"{d['spec']['parameters']['kind']}/{d['spec']['parameters']['name']}",
+        _age(d["metadata"]),
+    ],
+)
+
+SECRET = Kind(
+    kind="Secret",
+    api_version="v1",
+    plural="secrets",
+    short_names=(),
+    namespaced=True,
+    name_check=dns1123_subdomain,
+    body=_secret_body,
+    columns=("NAMESPACE", "NAME", "TYPE", "DATA", "AGE"),
+    row=lambda d: [d["metadata"]["namespace"], d["metadata"]["name"], d["type"], str(len(d.get("data", {}))),
+                   _age(d["metadata"])],
+    fields=("type", "data", "stringData", "immutable"),
+)
+
+CONFIG_MAP = Kind(
+    kind="ConfigMap",
+    api_version="v1",
+    plural="configmaps",
+    short_names=("cm",),
+    namespaced=True,
+    name_check=dns1123_subdomain,
+    body=_configmap_body,
+    columns=("NAMESPACE", "NAME", "DATA", "AGE"),
+    row=lambda d: [d["metadata"]["namespace"], d["metadata"]["name"],
+                   str(len(d.get("data", {})) + len(d.get("binaryData", {}))), _age(d["metadata"])],
+    fields=("data", "binaryData", "immutable"),
+)
+
+KINDS: dict[str, Kind] = {
+    k.kind: k
+    for k in (NAMESPACE, NETWORK_POLICY, POD, SERVICE, ENDPOINT_SLICE, INGRESS, INGRESS_CLASS, SECRET, CONFIG_MAP)
+}
 BY_PLURAL: dict[str, Kind] = {k.plural: k for k in KINDS.values()}
 
 

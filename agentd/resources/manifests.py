@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from . import kinds
+from . import ingress_settings, kinds
 from .validation import Invalid
 
 try:  # libyaml's C loader when PyYAML was built with it
@@ -94,8 +94,13 @@ def _document(doc: Any, where: str, source: str) -> Document:
     return Document(where, doc)
 
 
-def validate_all(docs: Iterable[Document], source: str, *, namespace: str | None = None) -> list[dict[str, Any]]:
-    """Validate every document (nothing is written unless all are valid); one line on error."""
+def validate_all(
+    docs: Iterable[Document], source: str, *, namespace: str | None = None,
+    ingress_configmap: str | None = "kube-system/agentd-ingress",
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Validate every document (nothing is written unless all are valid); one line on error.
+    The ConfigMap ``ingress_configmap`` (NAMESPACE/NAME) holds the Ingress controller's
+    settings: its keys are checked too."""
     out = []
     seen: dict[tuple[str, str, str], str] = {}
     for doc in docs:
@@ -109,6 +114,8 @@ def validate_all(docs: Iterable[Document], source: str, *, namespace: str | None
                     f"{json.dumps(namespace)}; pass --namespace={given} or remove it",
                 )
             obj = kinds.validate(doc.raw, default_namespace=namespace or kinds.DEFAULT_NAMESPACE)
+            if obj["kind"] == "ConfigMap" and "/".join(kinds.identity(obj)[1:]) == ingress_configmap:
+                ingress_settings.parse(obj.get("data"))
         except Invalid as err:
             raise ManifestError(f"{source}: {doc.where}{label}: {err}") from None
         kind = kinds.KINDS[obj["kind"]]

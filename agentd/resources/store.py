@@ -38,6 +38,7 @@ from agentd.datastore.records import DEFAULT_SERVICE_CIDR
 from agentd.datastore.store import Datastore, KeyValue
 
 from . import allocation, kinds
+from .ingress import INGRESS_NODES
 from .kinds import Kind
 from .validation import Invalid
 
@@ -183,6 +184,20 @@ class ResourceStore:
             if obj is not None:
                 out.append(obj)
         return sorted(out, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+
+    async def ingress_nodes(self) -> list[dict[str, Any]]:
+        """The nodes serving Ingresses now (their agents keep these records under their lease)."""
+        head = f"{self.prefix}/{INGRESS_NODES}/".encode()
+        got = await self.ds.request("list ingress nodes", lambda c: c.get_prefix(head), timeout=self.timeout)
+        out = []
+        for kv in got:
+            try:
+                record = json.loads(kv.value)
+            except (UnicodeDecodeError, ValueError):
+                continue
+            if isinstance(record, dict) and isinstance(record.get("addresses"), list):
+                out.append(record)
+        return out
 
     def _decode(self, kv: KeyValue, *, strict: bool = False) -> dict[str, Any] | None:
         try:

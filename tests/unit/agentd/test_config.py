@@ -28,6 +28,7 @@ from agentd.config.settings import (
     BgpPeerConfig,
     DnsConfig,
     FlowsConfig,
+    IngressConfig,
     ListenRangeConfig,
     CniConfig,
     Config,
@@ -45,7 +46,8 @@ from agentd.config.settings import (
 EXAMPLE = Path(__file__).resolve().parents[3] / "etc" / "agentd.toml"
 SECTION_CLASSES = {
     "node": NodeConfig, "network": NetworkConfig, "etcd": EtcdConfig, "bgp": BgpConfig,
-    "api": ApiConfig, "cni": CniConfig, "dns": DnsConfig, "flows": FlowsConfig, "log": LogConfig, "agent": AgentConfig,
+    "api": ApiConfig, "cni": CniConfig, "dns": DnsConfig, "flows": FlowsConfig, "ingress": IngressConfig,
+    "log": LogConfig, "agent": AgentConfig,
 }
 
 

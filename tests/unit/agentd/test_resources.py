@@ -154,7 +154,7 @@ BAD = [
     (mutate("metadata.namespace", "a.b"), 'metadata.namespace: Invalid value: "a.b": a lowercase RFC 1123 label'),
     (mutate("metadata.generateName", "x-"), "metadata.generateName: Forbidden"),
     (mutate("apiVersion", "networking.k8s.io/v1beta1"), 'apiVersion: Unsupported value: "networking.k8s.io/v1beta1"'),
-    (mutate("kind", "Ingress"), 'kind: Unsupported value: "Ingress"'),
+    (mutate("kind", "Gateway"), 'kind: Unsupported value: "Gateway"'),
     (mutate("kind", None), "kind: Required value"),
     (mutate("spec", None), "spec: Required value"),
     ("apiVersion: v1\nkind: Namespace\nmetadata: {name: Prod}\n", 'metadata.name: Invalid value: "Prod"'),

@@ -1,0 +1,1 @@
+"""The Ingress controller: Kubernetes Ingress rules served by a HAProxy on every node (docs/ingress.md)."""

@@ -1,0 +1,35 @@
+"""The default certificate: what HTTPS clients get for a host without a TLS Secret (as
+ingress-nginx's "Kubernetes Ingress Controller Fake Certificate").  Made with ``cryptography``."""
+
+from __future__ import annotations
+
+import datetime
+
+DAYS = 3650
+
+
+def self_signed(common_name: str, hosts: tuple[str, ...] = ()) -> bytes:
+    """A self-signed EC P-256 certificate and its key, as one PEM (certificate first)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=DAYS))
+    )
+    if hosts:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in hosts]), critical=False)
+    cert = builder.sign(key, hashes.SHA256())
+    return cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )

@@ -1,0 +1,484 @@
+"""The Ingress controller of one node: resources in etcd in, a HAProxy configured and supervised.
+
+One :class:`IngressController` per ``agentd run`` with ``[ingress] enabled``.  It
+
+1. follows every resource with one watch (Ingresses, IngressClasses, Secrets, ConfigMaps,
+   Services, EndpointSlices, pod records);
+2. after every batch of changes builds the routing table (:mod:`agentd.ingress.routing`) of
+   the Ingresses its IngressClasses own, the settings of its ConfigMap, the TLS certificates
+   of their Secrets and the ready endpoints of every backend (:mod:`agentd.services.model`,
+   the same endpoints the Services table uses);
+3. renders the proxy's configuration (:mod:`agentd.ingress.haproxy`).  When only endpoints
+   changed, the proxy is told through its runtime API (no reload, no restart); when anything
+   else changed (rules, TLS, settings, a backend added or gone), the configuration is
+   checked and the proxy reloaded gracefully;
+4. starts the proxy, and starts it again (with the configuration of the moment) whenever it
+   exits; stops it when the agent stops;
+5. publishes which addresses this node serves Ingresses on (``<prefix>/ingress/nodes/<node>``,
+   under the node's etcd lease): ``status.loadBalancer.ingress`` is read from those;
+6. keeps what ``/status``, ``/ingress`` and /metrics show (:mod:`agentd.ingress.views`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from aetcd import transactions as tx
+
+from agentd.datastore.store import Datastore
+from agentd.resources.ingress import INGRESS_NODES, ours
+from agentd.resources.secret import TLS_CERT_KEY, TLS_PRIVATE_KEY_KEY, TLS_TYPE
+from agentd.resources.store import ResourceEvent, ResourceStore
+from agentd.resources.validation import Invalid
+from agentd.services import model
+
+from agentd.resources import ingress_settings as settings
+
+from . import certs, haproxy, routing
+from .haproxy import Listen, Paths, Server
+from .proxy import Proxy, ProxyError, stop_stale
+from .views import IngressViews
+
+log = logging.getLogger("agentd.ingress")
+
+KINDS = ("Ingress", "IngressClass", "Secret", "ConfigMap", "Service", "EndpointSlice", "Pod")
+TICK = 1.0  # servers waiting for their connections to end are retried this often
+STATS_INTERVAL = 2.0
+RESTART_BACKOFF = (0.2, 1.0, 2.0, 5.0)
+
+
+class IngressController:
+    def __init__(self, node: str, datastore: Datastore, cfg: Any, addresses: list[str], state_dir: Path) -> None:
+        self.node = node
+        self.ds = datastore
+        self.cfg = cfg  # agentd.config.settings.IngressConfig
+        self.listen = Listen(tuple(addresses), cfg.http_port, cfg.https_port)
+        self.paths = Paths(Path(state_dir) / "ingress")
+        self.proxy = Proxy(self.paths, cfg.haproxy)
+        self.store = ResourceStore(datastore)
+        self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
+        self.revision = 0
+        self.applied_revision = 0
+        self.table = routing.RouteTable()
+        self.settings = settings.Settings()
+        self.servers: dict[str, set[Server]] = {}  # what the proxy has, per backend
+        self.draining: dict[str, set[Server]] = {}  # disabled, deleted once their connections end
+        self._structure: str | None = None  # everything but the servers, as last loaded
+        self.restarts = 0
+        self.runtime_changes = 0
+        self.last_change: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.settings_error: str | None = None
+        self.tls_errors: dict[str, str] = {}
+        self.worker: Any = None  # proxy.Worker
+        self.stats: list[dict[str, str]] = []
+        self.info: dict[str, str] = {}
+        self.counter_base: dict[tuple[str, str], int] = {}  # (backend, counter) of proxies gone
+        self._last_counts: dict[tuple[str, str], int] = {}
+        self._published: tuple[int | None, str] | None = None
+        self._have_snapshot = False
+        self._wake = asyncio.Event()
+        self.views = IngressViews(self)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        await asyncio.to_thread(self._prepare_dir)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._watch())
+            tg.create_task(self._supervise())
+            tg.create_task(self._stats_loop())
+
+    def _prepare_dir(self) -> None:
+        self.paths.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.paths.dir, 0o700)
+        self.paths.certs.mkdir(exist_ok=True)
+        if not self.paths.default_cert.exists():
+            _write(self.paths.default_cert, certs.self_signed("agentd ingress default certificate"))
+
+    async def _supervise(self) -> None:
+        """Start the proxy, keep it configured, start it again whenever it exits."""
+        while not self._have_snapshot:
+            await self._wake.wait()
+            self._wake.clear()
+        failures = 0
+        if self.proxy.running:  # this task was restarted after a crash: keep the proxy, reload it
+            self._structure = None
+            self._wake.set()
+        while True:
+            try:
+                if not self.proxy.running:
+                    await self._start_proxy()
+            except (ProxyError, OSError) as err:
+                self.error = f"proxy not started: {err}"
+                log.error("ingress: %s", self.error)
+                await asyncio.sleep(RESTART_BACKOFF[min(failures, len(RESTART_BACKOFF) - 1)])
+                failures += 1
+                continue
+            failures = 0
+            exited = asyncio.ensure_future(self.proxy.wait())
+            try:
+                while not exited.done():
+                    woke = asyncio.ensure_future(self._wake.wait())
+                    await asyncio.wait({exited, woke}, timeout=TICK, return_when=asyncio.FIRST_COMPLETED)
+                    woke.cancel()
+                    if exited.done():
+                        break
+                    if self._wake.is_set() or any(self.draining.values()):  # else a tick with nothing to do
+                        self._wake.clear()
+                        try:
+                            await self._sync()
+                        except (ProxyError, OSError) as err:  # the proxy is checked again at the next tick
+                            self.error = f"applying the configuration failed: {err}"
+                            log.error("ingress: %s", self.error)
+                    await self._publish()  # again when etcd gave us a new lease
+            finally:
+                if not exited.done():
+                    exited.cancel()
+            rc = exited.result()
+            self.restarts += 1
+            self._structure = None
+            self._fold_counters()
+            self.error = f"the proxy exited with status {rc}; started again"
+            log.error("ingress: HAProxy exited with status %s; starting it again with the current configuration", rc)
+            await self.proxy.stop()
+
+    async def _start_proxy(self) -> None:
+        files, structure = await self._render()
+        await asyncio.to_thread(self._write_files, files)
+        await self._check_or_fall_back()
+        await self.proxy.start()
+        self.servers = {name: set(s) for name, s in self._want_servers().items()}
+        self.draining = {}
+        self._structure = structure
+        self.worker = await self.proxy.worker()
+        self.error = None
+        self.applied_revision = self.revision
+        log.info("ingress: HAProxy %d serving %d Ingresses on %s (http %d, https %d)", self.proxy.pid or 0,
+                 len(self.table.ingresses), ", ".join(self.listen.addresses), self.listen.http_port,
+                 self.listen.https_port)  # fmt: skip
+        await self._publish()
+
+    async def stop(self) -> None:
+        """The agent stops: the proxy stops (requests in flight finish) and is unpublished."""
+        await self.proxy.stop()
+        await self._unpublish()
+
+    async def leave(self) -> None:
+        """``agentd leave``: stop the proxy and remove its files."""
+        await self.stop()
+        await asyncio.to_thread(remove_files, self.paths)
+
+    # ------------------------------------------------------------------ inputs
+
+    async def _watch(self) -> None:
+        async for ev in self.store.watch():
+            if self._on_resource(ev):
+                self._wake.set()
+
+    def _on_resource(self, ev: ResourceEvent) -> bool:
+        self.revision = max(self.revision, ev.revision)
+        if ev.kind == "snapshot":
+            self.objects = {k: {} for k in KINDS}
+            for (kind, ns, name), obj in ev.objects.items():
+                if kind in self.objects:
+                    self.objects[kind][(ns, name)] = obj
+            self._have_snapshot = True
+            return True
+        kind, ns, name = ev.key if ev.key is not None else ("", "", "")
+        if kind not in self.objects:
+            self._wake.set()  # the revision counts as applied too
+            return False
+        if ev.kind == "put" and ev.obj is not None:
+            self.objects[kind][(ns, name)] = ev.obj
+        else:
+            self.objects[kind].pop((ns, name), None)
+        return True
+
+    # ------------------------------------------------------------------ desired state
+
+    def _ours(self) -> list[dict[str, Any]]:
+        classes = list(self.objects["IngressClass"].values())
+        return [i for i in self.objects["Ingress"].values()
+                if ours(i, classes, self.cfg.controller, without_class=self.cfg.watch_without_class)]  # fmt: skip
+
+    def _parse_settings(self) -> settings.Settings:
+        ns, _, name = self.cfg.configmap.partition("/")
+        cm = self.objects["ConfigMap"].get((ns, name))
+        try:
+            parsed = settings.parse((cm or {}).get("data"), f"ConfigMap {self.cfg.configmap}: data")
+        except Invalid as err:
+            if self.settings_error != str(err):
+                log.error("ingress: %s; keeping the settings in use", err)
+            self.settings_error = str(err)
+            return self.settings
+        self.settings_error = None
+        return parsed
+
+    def _want_servers(self) -> dict[str, set[Server]]:
+        """The ready endpoints of every backend of the table (none: it answers 503)."""
+        out: dict[str, set[Server]] = {}
+        ports: dict[tuple[str, str], list[model.ServicePort]] = {}
+        for name, b in self.table.backends.items():
+            out[name] = set()
+            if b.service is None:
+                continue
+            key = (b.namespace, b.service)
+            if key not in ports:
+                ports[key] = self._service_ports(key)
+            for sp in ports[key]:
+                if sp.protocol == "TCP" and (sp.port == b.port if isinstance(b.port, int) else sp.port_name == b.port):
+                    out[name] = {(e.ip, e.port) for e in sp.usable()}
+        return out
+
+    def _service_ports(self, key: tuple[str, str]) -> list[model.ServicePort]:
+        svc = self.objects["Service"].get(key)
+        if svc is None:
+            return []
+        ns, name = key
+        slices = [s for (sns, _), s in self.objects["EndpointSlice"].items()
+                  if sns == ns and (s["metadata"].get("labels") or {}).get("kubernetes.io/service-name") == name]  # fmt: skip
+        pods = [p for (pns, _), p in self.objects["Pod"].items() if pns == ns] if svc["spec"].get("selector") else []
+        return model.build([svc], slices, pods)
+
+    def _cert_files(self) -> dict[tuple[str, str], bytes]:
+        """PEM (certificate chain + key) of every Secret the table's TLS hosts name."""
+        out: dict[tuple[str, str], bytes] = {}
+        errors = {}
+        for t in self.table.tls:
+            secret = self.objects["Secret"].get(t.secret)
+            where = f"{t.secret[0]}/{t.secret[1]}"
+            if secret is None:
+                errors[where] = "no such Secret: its hosts get the default certificate"
+            elif secret.get("type") != TLS_TYPE:
+                errors[where] = f"type is {secret.get('type')}, not {TLS_TYPE}"
+            else:
+                data = secret.get("data", {})
+                crt = base64.b64decode(data[TLS_CERT_KEY])
+                key = base64.b64decode(data[TLS_PRIVATE_KEY_KEY])
+                out[t.secret] = crt.rstrip(b"\n") + b"\n" + key.rstrip(b"\n") + b"\n"
+        for where, why in errors.items():
+            if self.tls_errors.get(where) != why:
+                log.warning("ingress: TLS Secret %s: %s", where, why)
+        self.tls_errors = errors
+        return out
+
+    async def _render(self) -> tuple[dict[str, bytes], str]:
+        """Every file of the proxy (config, maps, certificates) and its structure: all of it
+        but the servers (what decides reload vs. runtime change)."""
+        self.settings = self._parse_settings()
+        self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect)
+        pems = self._cert_files()
+        cert_paths = {k: self.paths.certs / f"{k[0]}.{k[1]}.pem" for k in pems}
+        files = {name: text.encode() for name, text in
+                 haproxy.render(self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths).items()}  # fmt: skip
+        bare = haproxy.render(self.table, {}, self.settings, self.listen, self.paths, cert_paths)
+        digest = hashlib.sha256(json.dumps(bare, sort_keys=True).encode())
+        for key in sorted(pems):
+            files[f"certs/{key[0]}.{key[1]}.pem"] = pems[key]
+            digest.update(pems[key])
+        return files, digest.hexdigest()
+
+    def _write_files(self, files: Mapping[str, bytes]) -> None:
+        for name, content in files.items():
+            _write(self.paths.dir / name, content)
+        keep = {name.partition("/")[2] for name in files if name.startswith("certs/")}
+        for path in self.paths.certs.iterdir():
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
+
+    async def _check_or_fall_back(self) -> None:
+        """Check the configuration on disk; a bad one (a snippet or log format HAProxy refuses)
+        is replaced by the same one with the default settings."""
+        try:
+            await self.proxy.check(self.paths.config)
+            return
+        except ProxyError as err:
+            if self.settings == settings.Settings():
+                raise
+            self.settings_error = f"ConfigMap {self.cfg.configmap}: HAProxy refused the settings: {err}"
+            log.error("ingress: %s; using the default settings", self.settings_error)
+        self.settings = settings.Settings()
+        cert_paths = {t.secret: self.paths.certs / f"{t.secret[0]}.{t.secret[1]}.pem"
+                      for t in self.table.tls if (self.paths.certs / f"{t.secret[0]}.{t.secret[1]}.pem").exists()}  # fmt: skip
+        files = haproxy.render(self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths)
+        await asyncio.to_thread(self._write_files, {**{k: v.encode() for k, v in files.items()},
+                                                    **{f"certs/{p.name}": p.read_bytes() for p in cert_paths.values()}})  # fmt: skip
+        await self.proxy.check(self.paths.config)
+
+    # ------------------------------------------------------------------ applying
+
+    async def _sync(self) -> None:
+        revision = self.revision
+        start = time.perf_counter()
+        files, structure = await self._render()
+        want = self._want_servers()
+        if structure != self._structure:
+            await self._reload(files, structure, want)
+            how = "reload"
+        else:
+            changed = await self._runtime(want)
+            if changed is None:  # the runtime API refused something: load it all
+                await self._reload(files, structure, want)
+                how = "reload"
+            else:
+                how = "runtime" if changed else "none"
+        self.applied_revision = max(self.applied_revision, revision)
+        if how != "none":
+            self.last_change = {"how": how, "seconds": round(time.perf_counter() - start, 6), "at": time.time(),
+                                "revision": revision}  # fmt: skip
+
+    async def _reload(self, files: Mapping[str, bytes], structure: str, want: dict[str, set[Server]]) -> None:
+        await asyncio.to_thread(self._write_files, files)
+        try:
+            await self._check_or_fall_back()
+            await self.refresh_stats()  # what the old worker counted until now
+            self._fold_counters()
+            self.worker = await self.proxy.reload()
+        except ProxyError as err:
+            self.error = f"reload failed: {err}"
+            log.error("ingress: %s", self.error)
+            return
+        self.servers = {name: set(s) for name, s in want.items()}
+        self.draining = {}
+        self._structure = structure
+        self.error = None
+        log.info("ingress: reloaded (worker %d): %d Ingresses, %d backends%s", self.worker.pid if self.worker else 0,
+                 len(self.table.ingresses), len(self.table.backends),
+                 f"; conflicts: {'; '.join(self.table.conflicts)}" if self.table.conflicts else "")  # fmt: skip
+
+    async def _runtime(self, want: dict[str, set[Server]]) -> int | None:
+        """Endpoint changes through the runtime API; the number of servers changed, None when
+        the proxy refused a command (the caller reloads)."""
+        changed = 0
+        try:
+            for backend in sorted(want):
+                have = self.servers.get(backend, set())
+                draining = self.draining.setdefault(backend, set())
+                for server in sorted(want[backend] - have):
+                    name = f"{backend}/{haproxy.server_name(server)}"
+                    if server in draining:  # back before its connections ended: just enable it
+                        draining.discard(server)
+                    else:
+                        out = await self.proxy.command(f"add server {name} {haproxy.address(*server)}")
+                        if "New server registered" not in out:
+                            raise ProxyError(f"add server {name}: {out}")
+                    await self._expect_empty(f"enable server {name}")
+                    have.add(server)
+                    changed += 1
+                for server in sorted(have - want[backend]):
+                    await self._expect_empty(f"disable server {backend}/{haproxy.server_name(server)}")
+                    have.discard(server)
+                    draining.add(server)
+                    changed += 1
+                self.servers[backend] = have
+                for server in sorted(draining):  # deleted once no connection uses it
+                    out = await self.proxy.command(f"del server {backend}/{haproxy.server_name(server)}")
+                    if "Server deleted" in out:
+                        draining.discard(server)
+        except ProxyError as err:
+            log.warning("ingress: runtime change refused (%s); reloading instead", err)
+            return None
+        self.runtime_changes += changed
+        return changed
+
+    async def _expect_empty(self, command: str) -> None:
+        out = await self.proxy.command(command)
+        if out:
+            raise ProxyError(f"{command}: {out}")
+
+    # ------------------------------------------------------------------ status in etcd
+
+    def _node_key(self) -> bytes:
+        return f"{self.ds.prefix}/{INGRESS_NODES}/{self.node}".encode()
+
+    async def _publish(self) -> None:
+        """``<prefix>/ingress/nodes/<node>`` under our lease, while the proxy serves; put again
+        when the lease changes (etcd lost it) or what we serve changes."""
+        lease = self.ds.lease_id
+        value = json.dumps({"node": self.node, "addresses": list(self.listen.addresses), "controller": self.cfg.controller,
+                            "watch_without_class": self.cfg.watch_without_class, "http_port": self.listen.http_port,
+                            "https_port": self.listen.https_port})  # fmt: skip
+        if lease is None or not self.proxy.running or self._published == (lease, value):
+            return
+        key = self._node_key()
+        try:
+            await self.ds.request("publish the ingress node", lambda c: c.transaction(
+                compare=[], success=[tx.Put(key, value.encode(), lease=lease)], failure=[]), timeout=10)  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - etcd down: tried again at the next tick
+            log.debug("ingress: publishing %s failed: %s", key.decode(), err)
+            return
+        self._published = (lease, value)
+
+    async def _unpublish(self) -> None:
+        key = self._node_key()
+        with contextlib.suppress(Exception):
+            await self.ds.request("unpublish the ingress node", lambda c: c.delete(key), timeout=5)
+        self._published = None
+
+    # ------------------------------------------------------------------ counters
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_INTERVAL)
+            await self.refresh_stats()
+
+    async def refresh_stats(self) -> None:
+        if not self.proxy.running:
+            return
+        with contextlib.suppress(ProxyError):
+            self.stats = await self.proxy.stats()
+            self.info = await self.proxy.info()
+            self._last_counts = {}
+            for row in self.stats:
+                if row.get("svname") == "BACKEND":
+                    for counter in ("req_tot", "hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "hrsp_other"):
+                        with contextlib.suppress(ValueError):
+                            self._last_counts[(row["pxname"], counter)] = int(row.get(counter) or 0)
+
+    def _fold_counters(self) -> None:
+        """A reload or restart starts the proxy's counters from zero: keep what was counted."""
+        for key, value in self._last_counts.items():
+            self.counter_base[key] = self.counter_base.get(key, 0) + value
+        self._last_counts = {}
+
+    def counter(self, backend: str, counter: str) -> int:
+        return self.counter_base.get((backend, counter), 0) + self._last_counts.get((backend, counter), 0)
+
+
+def _write(path: Path, content: bytes) -> None:
+    """Atomically, readable by the owner only (certificates hold private keys)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(content)
+    os.replace(tmp, path)
+
+
+def remove_files(paths: Paths) -> None:
+    """The proxy's directory, certificates included."""
+    import shutil
+
+    shutil.rmtree(paths.dir, ignore_errors=True)
+
+
+def remove_ingress_proxy(state_dir: Path) -> bool:
+    """``agentd leave`` with no agent running: stop a proxy a killed agent left, remove its files."""
+    paths = Paths(Path(state_dir) / "ingress")
+    if not paths.dir.exists():
+        return False
+    stop_stale(paths)
+    remove_files(paths)
+    log.info("removed the ingress proxy's files (%s)", paths.dir)
+    return True

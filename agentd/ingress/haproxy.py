@@ -1,0 +1,255 @@
+"""The routing table as HAProxy 2.6 configuration, and endpoint changes as runtime commands.  Pure.
+
+:func:`render` writes the whole configuration: ``haproxy.cfg`` and the map files it reads.
+Routing is four map lookups per request, so the configuration does not grow a rule per path
+and no path is ever quoted into the configuration text:
+
+1. ``hosts.map``: the request host (Host header, port and case dropped) -> its virtual host;
+   if absent, the host with its first label replaced by ``*`` (one wildcard label); if still
+   absent, ``_`` (the rules without a host);
+2. ``exact.map`` (``map_str``, a tree): ``vhost + path`` -> backend, for every Exact rule and
+   for every Prefix rule's own path (a request equal to a Prefix rule's path: no longer rule
+   can match it, and an Exact rule of the same path wins);
+3. ``prefix.map`` (``map_beg``, first match in file order): ``vhost + stem + "/"`` -> backend,
+   longest first: the element-wise Prefix match;
+4. ``defaults.map``: ``vhost`` -> its default backend; then the frontend's default backend.
+
+:mod:`agentd.ingress.routing` is the reference; tests/unit/agentd/test_ingress_haproxy.py runs
+both on the same tables.
+
+Backends list their endpoints as ``server <ip>:<port> <ip>:<port>``: the server's name is
+its address, so the controller (agentd.ingress.controller) changes them through the runtime
+API by name (``add server`` + ``enable server``; ``disable server`` + ``del server``) and the
+proxy is never reloaded for an endpoint change.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .routing import ANY_HOST, NOT_FOUND, RouteTable
+from agentd.resources.ingress_settings import Settings
+
+Server = tuple[str, int]  # (ip, port) of one ready endpoint
+
+MAPS = ("hosts.map", "exact.map", "prefix.map", "defaults.map", "redirect.lst", "crt-list")
+BACKEND_DEFAULTS = (
+    "balance roundrobin",
+    # A connection refused by a pod that just went away is retried once on another one.
+    "retries 2",
+    "retry-on conn-failure empty-response",
+    "option redispatch 1",
+    "http-reuse safe",
+)
+
+
+@dataclass(frozen=True)
+class Listen:
+    addresses: tuple[str, ...]
+    http_port: int = 80
+    https_port: int = 443
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where the proxy's files live (``[agent] state_dir``/ingress)."""
+
+    dir: Path
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "haproxy.cfg"
+
+    @property
+    def admin_socket(self) -> Path:
+        return self.dir / "admin.sock"
+
+    @property
+    def master_socket(self) -> Path:
+        return self.dir / "master.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.dir / "haproxy.pid"
+
+    @property
+    def certs(self) -> Path:
+        return self.dir / "certs"
+
+    @property
+    def default_cert(self) -> Path:
+        return self.dir / "default.pem"
+
+    def file(self, name: str) -> Path:
+        return self.dir / name
+
+
+def server_name(server: Server) -> str:
+    ip, port = server
+    return f"{ip}:{port}"
+
+
+def address(ip: str, port: int) -> str:
+    # HAProxy reads the port after the LAST colon, so IPv6 addresses need no brackets; the
+    # ipv6@ prefix keeps a bind of "::" from meaning "every family".
+    return f"ipv6@{ip}:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
+
+
+def maps(table: RouteTable, cert_files: Mapping[tuple[str, str], Path]) -> dict[str, str]:
+    """The map files of ``table``.  ``cert_files``: the PEM file of each usable TLS Secret."""
+    hosts, exact, prefix, defaults = [], {}, [], []
+    for name, vhost in sorted(table.vhosts.items()):
+        if name != ANY_HOST:
+            hosts.append(f"{name} {name}")
+        for rule in vhost.rules:
+            if rule.exact:
+                exact[name + rule.path] = rule.backend
+        for rule in vhost.rules:
+            if not rule.exact:
+                if rule.stem:
+                    exact.setdefault(name + rule.stem, rule.backend)
+                prefix.append((name + rule.stem + "/", rule.backend))
+        if vhost.default is not None:
+            defaults.append(f"{name} {vhost.default}")
+    prefix.sort(key=lambda kv: (-len(kv[0]), kv[0]))
+    redirect = sorted({t.host for t in table.tls if t.redirect and t.host and t.secret in cert_files})
+    crt = []
+    for t in table.tls:
+        if t.secret in cert_files:
+            crt.append(f"{cert_files[t.secret]}{' ' + t.host if t.host else ''}")
+    return {
+        "hosts.map": _lines(hosts),
+        "exact.map": _lines(f"{k} {v}" for k, v in sorted(exact.items())),
+        "prefix.map": _lines(f"{k} {v}" for k, v in prefix),
+        "defaults.map": _lines(defaults),
+        "redirect.lst": _lines(redirect),
+        "crt-list": _lines(crt),
+    }
+
+
+def _lines(lines: Iterable[str]) -> str:
+    text = "\n".join(lines)
+    return text + "\n" if text else ""
+
+
+def render(
+    table: RouteTable, servers: Mapping[str, Iterable[Server]], settings: Settings, listen: Listen, paths: Paths,
+    cert_files: Mapping[tuple[str, str], Path], *, access_log: bool | None = None,
+) -> dict[str, str]:  # fmt: skip
+    """Every file of the proxy's configuration, by name (``haproxy.cfg`` and :data:`MAPS`)."""
+    d = paths.dir
+    s = settings
+    log = s.access_log if access_log is None else access_log
+    g = [
+        "global",
+        f"    stats socket {paths.admin_socket} mode 600 level admin expose-fd listeners",
+        "    stats timeout 30s",
+        f"    pidfile {paths.pidfile}",
+        "    hard-stop-after 10m",  # an old worker with a stuck connection goes after a reload
+        "    ssl-default-bind-options ssl-min-ver TLSv1.2",
+    ]
+    if log:
+        g.append("    log stdout format raw local0")
+    out = [
+        *g,
+        "",
+        "defaults",
+        "    mode http",
+        "    log global" if log else "    no log",
+        "    option httplog" if log and not s.log_format else "",
+        f"    log-format \"{_quote(s.log_format)}\"" if log and s.log_format else "",
+        "    option http-keep-alive",
+        # On a reload the old worker keeps its idle keep-alive connections until their next
+        # response (sent with Connection: close) instead of closing them under a client that
+        # may be sending a request at that moment: no request is lost to the race.
+        "    option idle-close-on-response",
+        f"    timeout connect {s.connect_timeout}s",
+        f"    timeout client {s.send_timeout}s",
+        f"    timeout server {s.read_timeout}s",
+        f"    timeout http-keep-alive {s.keep_alive}s" if s.keep_alive else "    option http-server-close",
+        "    timeout http-request 60s",
+        f"    timeout tunnel {s.websocket_timeout}s",
+        "    timeout client-fin 30s",
+        "",
+        "frontend ingress",
+    ]
+    alpn = " alpn h2,http/1.1" if s.http2 else ""
+    for addr in listen.addresses:
+        out.append(f"    bind {address(addr, listen.http_port)}")
+        out.append(f"    bind {address(addr, listen.https_port)} ssl crt {paths.default_cert} crt-list {d / 'crt-list'}{alpn}")
+    https = "" if listen.https_port == 443 else f":{listen.https_port}"
+    files = maps(table, cert_files)
+    # Only the lookups this table needs: every rule costs each request some CPU.
+    wildcards = any(v.startswith("*.") for v in table.vhosts)
+    redirects = files["redirect.lst"].split()
+    # With no wildcard host and no rule without a host, a request's virtual host is its host
+    # (a host no rule names matches no key: every key starts with a rule's host), so the key
+    # is built in one step; the hosts.map lookup is only needed for the other cases.
+    by_map = wildcards or ANY_HOST in table.vhosts
+    host = "req.hdr(host),field(1,:),lower"
+    if by_map or redirects:
+        out.append(f"    http-request set-var(txn.host) {host}")
+        host = "var(txn.host)"
+    vhost = host
+    if table.vhosts and by_map:
+        out += [
+            f"    http-request set-var(txn.vhost) {host},map_str({d / 'hosts.map'})",
+            f"    http-request set-var(txn.vhost) {host},regsub(^[^.]+,*),map_str({d / 'hosts.map'}) "
+            "if !{ var(txn.vhost) -m found }" if wildcards else "",
+            f"    http-request set-var(txn.vhost) str({ANY_HOST}) if !{{ var(txn.vhost) -m found }}"
+            if ANY_HOST in table.vhosts else "",
+        ]
+        vhost = "var(txn.vhost)"
+    if table.vhosts:
+        out.append(f'    http-request set-var-fmt(txn.key) "%[{vhost}]%[path]"')
+    if redirects:  # HTTP -> HTTPS for TLS hosts (the exact name, or the wildcard covering it)
+        out.append(f"    acl tls_host var(txn.host) -m str -f {d / 'redirect.lst'}")
+        if any(h.startswith("*.") for h in redirects):
+            out.append(f"    acl tls_host var(txn.host),regsub(^[^.]+,*) -m str -f {d / 'redirect.lst'}")
+        out.append(f"    http-request redirect location https://%[var(txn.host)]{https}%[capture.req.uri] code 308 "
+                   "if !{ ssl_fc } tls_host")
+    if s.body_size:
+        out.append(f"    http-request deny deny_status 413 if {{ req.hdr_val(content-length) gt {s.body_size} }}")
+    out += [
+        # What the pod sees of the client: its address (not what the client claims), scheme,
+        # host and port, as ingress-nginx sets them by default.
+        "    http-request set-header X-Forwarded-For %[src]",
+        "    http-request set-header X-Real-IP %[src]",
+        "    http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
+        "    http-request set-header X-Forwarded-Host %[req.hdr(host)]",
+        "    http-request set-header X-Forwarded-Port %[dst_port]",
+        *(f"    {line}" for line in s.snippet),
+        f"    http-request set-var(txn.backend) var(txn.key),map_str({d / 'exact.map'})" if files["exact.map"] else "",
+        f"    http-request set-var(txn.backend) var(txn.key),map_beg({d / 'prefix.map'}) if !{{ var(txn.backend) -m found }}"
+        if files["prefix.map"] else "",
+        f"    http-request set-var(txn.backend) {vhost},map_str({d / 'defaults.map'}) if !{{ var(txn.backend) -m found }}"
+        if files["defaults.map"] else "",
+        "    use_backend %[var(txn.backend)] if { var(txn.backend) -m found }" if table.vhosts else "",
+        f"    default_backend {table.default}",
+        "",
+        f"backend {NOT_FOUND}",
+        '    http-request return status 404 content-type "text/plain" string "default backend - 404"',
+    ]
+    for name in sorted(table.backends):
+        out += ["", f"backend {name}", *(f"    {line}" for line in BACKEND_DEFAULTS)]
+        for server in sorted(set(servers.get(name, ()))):
+            out.append(f"    server {server_name(server)} {address(*server)}")
+    files["haproxy.cfg"] = "\n".join(_squeeze(out)) + "\n"
+    return files
+
+
+def _squeeze(lines: list[str]) -> list[str]:
+    """Drop the placeholders of switched-off lines (empty strings inside a section)."""
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        if line == "" and (i + 1 >= len(lines) or lines[i + 1].startswith("    ") or not out or out[-1] == ""):
+            continue
+        out.append(line)
+    return out
+
+
+def _quote(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')

@@ -1,0 +1,243 @@
+"""Which backend answers a request: the Kubernetes Ingress rules as one routing table.  Pure.
+
+:func:`build` turns the Ingresses this controller serves (:func:`ours`) into a
+:class:`RouteTable`; :meth:`RouteTable.route` is the reference answer for one request
+(host, path), and :mod:`agentd.ingress.haproxy` renders the same table as HAProxy maps
+(tests/unit/agentd/test_ingress_routing.py holds the two equal).
+
+The semantics are the Ingress API's (networking.k8s.io/v1, "Ingress" in the Kubernetes
+docs; the ingress-controller-conformance host_rules, path_rules and default_backend
+features):
+
+* **Host.**  A request's host (the Host header, port and case dropped) picks one virtual
+  host: the rules whose ``host`` is exactly it; else those whose host is ``*.`` + its parent
+  domain (a wildcard covers exactly ONE label: ``*.foo.com`` matches ``bar.foo.com``, not
+  ``foo.com`` nor ``baz.bar.foo.com``); else the rules without a host.  Once a virtual host
+  is picked, only its rules apply (as in ingress-nginx: ``server_name`` first, then
+  ``location``).
+* **Path.**  ``Exact`` matches the path exactly, case-sensitively.  ``Prefix`` matches
+  element by element on ``/``: ``/foo`` (and ``/foo/``) match ``/foo``, ``/foo/`` and
+  ``/foo/bar``, never ``/foobar``; ``/`` matches every path.  ``ImplementationSpecific`` is
+  agentd's choice, documented: it is ``Prefix``.  Of the paths that match, the longest wins
+  (its length without a trailing slash); at equal length ``Exact`` beats ``Prefix``.  The
+  query string is not part of the path; the path is matched as sent (not percent-decoded).
+* **Merging.**  Every Ingress of ours adds its rules.  Two rules for the same host, the same
+  match kind and the same path conflict: the one of the OLDEST Ingress (creationTimestamp,
+  then namespace/name) wins, as in ingress-nginx; the loser is listed in ``conflicts``.
+* **Default backend.**  A request no rule matches goes to the ``defaultBackend`` of the
+  oldest Ingress of its virtual host that has one, else to the ``defaultBackend`` of the
+  oldest Ingress of ours that has one, else to the built-in default backend: 404.
+* **TLS.**  ``tls[]`` entries give each host its Secret (SNI); a host named by several
+  Ingresses takes the oldest one's.  Plain-HTTP requests for a TLS host are redirected to
+  HTTPS (308) unless switched off (ConfigMap ``ssl-redirect``, Ingress annotation
+  ``ingress.agentd.io/ssl-redirect``).
+
+A backend is one (Ingress, Service, port): its requests are counted per Ingress.
+"""
+
+from __future__ import annotations
+
+import calendar
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+Obj = Mapping[str, Any]
+
+NOT_FOUND = "default-404"  # the built-in default backend
+ANY_HOST = "_"  # the virtual host of the rules without a host (never a valid DNS name)
+REDIRECT_ANNOTATION = "ingress.agentd.io/ssl-redirect"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Requests of one Ingress to one Service port (``port``: a number or a port name; for
+    a ``resource`` backend ``service`` is None: agentd does not serve those, they answer 503)."""
+
+    namespace: str
+    ingress: str
+    service: str | None
+    port: int | str | None
+
+    @property
+    def name(self) -> str:
+        """The HAProxy backend name: dots between parts no part of it can contain but the
+        Ingress name (a DNS subdomain), which sits between two that cannot."""
+        if self.service is None:
+            return f"ing.{self.namespace}.{self.ingress}.-resource"
+        return f"ing.{self.namespace}.{self.ingress}.{self.service}.{self.port}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    path: str  # as written ("" for an ImplementationSpecific path that names none: "/")
+    path_type: str
+    backend: str  # Backend.name
+    ingress: tuple[str, str]
+
+    @property
+    def exact(self) -> bool:
+        return self.path_type == "Exact"
+
+    @property
+    def stem(self) -> str:
+        """What a Prefix rule matches on: the path without its trailing slash ("" for "/")."""
+        return self.path if self.exact else self.path.rstrip("/")
+
+    def matches(self, path: str) -> bool:
+        if self.exact:
+            return path == self.path
+        return path == self.stem or path.startswith(self.stem + "/")
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Sort key: longest first, then Exact before Prefix."""
+        return (-len(self.stem), 0 if self.exact else 1)
+
+
+@dataclass
+class VirtualHost:
+    host: str  # exact, "*.parent", or ANY_HOST
+    rules: list[Rule] = field(default_factory=list)  # sorted by rank
+    default: str | None = None  # backend name
+
+    def route(self, path: str) -> Rule | None:
+        for rule in self.rules:
+            if rule.matches(path):
+                return rule
+        return None
+
+
+@dataclass(frozen=True)
+class TlsHost:
+    host: str  # exact or "*.parent"; "" for a tls entry without hosts (its certificate's own names)
+    secret: tuple[str, str]  # (namespace, name)
+    ingress: tuple[str, str]
+    redirect: bool
+
+
+@dataclass
+class RouteTable:
+    vhosts: dict[str, VirtualHost] = field(default_factory=dict)
+    backends: dict[str, Backend] = field(default_factory=dict)
+    default: str = NOT_FOUND
+    tls: list[TlsHost] = field(default_factory=list)
+    ingresses: list[tuple[str, str]] = field(default_factory=list)  # ours, oldest first
+    conflicts: list[str] = field(default_factory=list)
+
+    def vhost_for(self, host: str) -> VirtualHost | None:
+        host = normalise_host(host)
+        if host in self.vhosts:
+            return self.vhosts[host]
+        label, dot, parent = host.partition(".")
+        if label and dot and f"*.{parent}" in self.vhosts:
+            return self.vhosts[f"*.{parent}"]
+        return self.vhosts.get(ANY_HOST)
+
+    def route(self, host: str, path: str) -> str:
+        """The backend name a request for ``host`` and ``path`` goes to."""
+        vhost = self.vhost_for(host)
+        if vhost is None:
+            return self.default
+        rule = vhost.route(path)
+        if rule is not None:
+            return rule.backend
+        return vhost.default or self.default
+
+    def redirects(self, host: str) -> bool:
+        """Whether a plain-HTTP request for ``host`` is redirected to HTTPS."""
+        host = normalise_host(host)
+        label, dot, parent = host.partition(".")
+        names = {host, f"*.{parent}"} if label and dot else {host}
+        return any(t.redirect and t.host in names for t in self.tls)
+
+
+def normalise_host(host: str) -> str:
+    """The Host header as matched: lower case, without a port."""
+    if host.startswith("["):  # an IPv6 literal: no rule can name it
+        return host.lower()
+    return host.partition(":")[0].lower()
+
+
+def age_key(obj: Obj) -> tuple[float, str, str]:
+    """Oldest first: creationTimestamp, then namespace/name (deterministic for equal stamps)."""
+    meta = obj["metadata"]
+    try:
+        created = float(calendar.timegm(time.strptime(meta.get("creationTimestamp", ""), "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        created = float("inf")
+    return (created, meta.get("namespace", ""), meta["name"])
+
+
+def _backend(ns: str, name: str, spec: Obj) -> Backend:
+    svc = spec.get("service")
+    if svc is None:
+        return Backend(ns, name, None, None)
+    port = svc["port"]
+    return Backend(ns, name, svc["name"], port.get("number") or port.get("name"))
+
+
+def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True) -> RouteTable:
+    """The routing table of ``ingresses`` (those this controller serves)."""
+    table = RouteTable()
+    seen: dict[tuple[str, bool, str], tuple[str, str]] = {}
+    tls_seen: dict[str, tuple[str, str]] = {}
+    default_of: dict[str, tuple[str, str]] = {}
+    for ing in sorted(ingresses, key=age_key):
+        ns, name = ing["metadata"]["namespace"], ing["metadata"]["name"]
+        me = (ns, name)
+        table.ingresses.append(me)
+        spec = ing["spec"]
+        own_default = None
+        if "defaultBackend" in spec:
+            b = _backend(ns, name, spec["defaultBackend"])
+            table.backends[b.name] = b
+            own_default = b.name
+            if table.default == NOT_FOUND:
+                table.default = b.name
+            else:
+                table.conflicts.append(f"{ns}/{name}: defaultBackend: the default backend of {default_of['']} is older")
+            default_of.setdefault("", me)
+        for rule in spec.get("rules", []):
+            host = rule.get("host") or ANY_HOST
+            vhost = table.vhosts.setdefault(host, VirtualHost(host))
+            if own_default is not None and vhost.default is None:
+                vhost.default = own_default
+            for p in (rule.get("http") or {}).get("paths", []):
+                b = _backend(ns, name, p["backend"])
+                table.backends[b.name] = b
+                kind = p["pathType"]
+                r = Rule(p.get("path") or "/", "Exact" if kind == "Exact" else "Prefix", b.name, me)
+                key = (host, r.exact, r.stem)
+                if key in seen:
+                    if seen[key] != me:
+                        table.conflicts.append(
+                            f"{ns}/{name}: {'' if host == ANY_HOST else host}{r.path} ({kind}): "
+                            f"already routed by {seen[key][0]}/{seen[key][1]}, which is older")  # fmt: skip
+                    continue
+                seen[key] = me
+                vhost.rules.append(r)
+        redirect = _redirect(ing, ssl_redirect)
+        for t in spec.get("tls", []):
+            secret = t.get("secretName")
+            if not secret:
+                continue
+            for host in t.get("hosts") or [""]:
+                if host in tls_seen and host:
+                    if tls_seen[host] != me:
+                        table.conflicts.append(f"{ns}/{name}: tls for {host}: already given by {tls_seen[host][0]}/{tls_seen[host][1]}")
+                    continue
+                tls_seen[host] = me
+                table.tls.append(TlsHost(host, (ns, secret), me, redirect))
+    for vhost in table.vhosts.values():
+        vhost.rules.sort(key=lambda r: r.rank)
+    return table
+
+
+def _redirect(ing: Obj, default: bool) -> bool:
+    value = (ing["metadata"].get("annotations") or {}).get(REDIRECT_ANNOTATION)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("false", "0", "no", "off")

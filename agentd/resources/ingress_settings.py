@@ -1,0 +1,120 @@
+"""The controller's settings: the keys of its ConfigMap, parsed and checked.  Pure.
+
+The ConfigMap is ``[ingress] configmap`` (default ``kube-system/agentd-ingress``); its keys
+are named as ingress-nginx names them, so an operator finds the ones they know:
+
+==========================  =========  ====================================================
+key                         default    what it does
+==========================  =========  ====================================================
+proxy-connect-timeout       5          seconds to connect to a pod
+proxy-read-timeout          60         seconds a pod may be silent during a response
+proxy-send-timeout          60         seconds a client may be silent (HAProxy: timeout client)
+keep-alive                  75         seconds an idle client connection is kept
+proxy-body-size             1m         largest request body by Content-Length (k, m, g; 0: none)
+use-http2                   true       offer HTTP/2 (ALPN h2) on the HTTPS port
+ssl-redirect                true       plain HTTP to a TLS host gets a 308 to HTTPS
+enable-access-log           false      one line per request in the agent's log
+log-format                  (HAProxy)  HAProxy log-format of those lines
+websocket-timeout           3600       seconds an upgraded (WebSocket) connection may idle
+frontend-snippet            (none)     extra frontend lines, only header rules (below)
+==========================  =========  ====================================================
+
+``frontend-snippet`` takes lines of the forms ``http-request set-header|add-header|del-header
+...`` and ``http-response set-header|add-header|del-header ...`` only: they change headers,
+nothing else (no ACL-less deny, no Lua, no file paths), so a snippet cannot break routing
+or read the node's files.  HAProxy then checks the whole configuration before it is used.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .validation import Invalid
+
+SNIPPET_DIRECTIVES = (
+    ("http-request", "set-header"), ("http-request", "add-header"), ("http-request", "del-header"),
+    ("http-response", "set-header"), ("http-response", "add-header"), ("http-response", "del-header"),
+)  # fmt: skip
+_SIZE = re.compile(r"(\d+)([kKmMgG]?)")
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f]|lua|\bfile\b|/etc/|/proc/")
+
+
+@dataclass(frozen=True)
+class Settings:
+    connect_timeout: int = 5
+    read_timeout: int = 60
+    send_timeout: int = 60
+    keep_alive: int = 75
+    body_size: int = 1024 * 1024  # bytes; 0: no limit
+    http2: bool = True
+    ssl_redirect: bool = True
+    access_log: bool = False
+    log_format: str = ""  # "": HAProxy's HTTP log format
+    websocket_timeout: int = 3600
+    snippet: tuple[str, ...] = ()
+
+
+def parse(data: Mapping[str, str] | None, where: str = "data") -> Settings:
+    """The settings of ConfigMap ``data``; Invalid naming the key on a bad value.  Unknown
+    keys are ignored (ingress-nginx's many other keys may be present)."""
+    data = data or {}
+    out: dict[str, object] = {}
+    for key, attr, lo, hi in (("proxy-connect-timeout", "connect_timeout", 1, 3600),
+                              ("proxy-read-timeout", "read_timeout", 1, 86400),
+                              ("proxy-send-timeout", "send_timeout", 1, 86400),
+                              ("keep-alive", "keep_alive", 0, 86400),
+                              ("websocket-timeout", "websocket_timeout", 1, 86400 * 7)):  # fmt: skip
+        if key in data:
+            out[attr] = _seconds(data[key], f"{where}[{key}]", lo, hi)
+    if "proxy-body-size" in data:
+        out["body_size"] = _size(data["proxy-body-size"], f"{where}[proxy-body-size]")
+    for key, attr in (("use-http2", "http2"), ("ssl-redirect", "ssl_redirect"), ("enable-access-log", "access_log")):
+        if key in data:
+            out[attr] = _bool(data[key], f"{where}[{key}]")
+    if "log-format" in data:
+        text = data["log-format"]
+        if "\n" in text or not text.isprintable():
+            raise Invalid(f"{where}[log-format]", "Invalid value: must be one line of printable text")
+        out["log_format"] = text
+    if "frontend-snippet" in data:
+        out["snippet"] = snippet(data["frontend-snippet"], f"{where}[frontend-snippet]")
+    return Settings(**out)  # type: ignore[arg-type]
+
+
+def snippet(text: str, where: str) -> tuple[str, ...]:
+    lines = []
+    for n, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        words = line.split()
+        if tuple(words[:2]) not in SNIPPET_DIRECTIVES or len(words) < 3:
+            allowed = ", ".join(" ".join(d) for d in SNIPPET_DIRECTIVES)
+            raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: only header rules are allowed ({allowed})")
+        if _UNSAFE.search(line):
+            raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: control characters, Lua and file paths are not allowed")
+        lines.append(line)
+    return tuple(lines)
+
+
+def _seconds(text: str, where: str, lo: int, hi: int) -> int:
+    value = text.strip().rstrip("s")
+    if not value.isdigit() or not lo <= int(value) <= hi:
+        raise Invalid(where, f"Invalid value: {text!r}: must be a whole number of seconds, {lo}..{hi}")
+    return int(value)
+
+
+def _size(text: str, where: str) -> int:
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise Invalid(where, f"Invalid value: {text!r}: must be a size such as 1m, 512k or 0 (no limit)")
+    return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
+
+
+def _bool(text: str, where: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise Invalid(where, f'Invalid value: {text!r}: must be "true" or "false"')
+    return value == "true"

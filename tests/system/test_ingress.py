@@ -1,0 +1,558 @@
+"""Ingress on the lab: the real HAProxy on every node, driven by Ingress resources in etcd.
+
+One 3-node lab (host-gw) with the Ingress controller on every node and pods running
+agentd.lab.httpecho (an HTTP server that answers with its pod's name, the request and its
+headers; WebSocket echo): web-1..3 (one per node, app=web), foo-1 (app=foo), bar-1 (app=bar).
+The client is outside the pod network: curl and wrk in the lab's underlay namespace, to the
+nodes' underlay addresses.  Each test applies manifests, waits until every node reports the
+etcd revision applied (GET /ingress), and asserts what answered: the conformance scenarios
+(host rules, path rules, default backend, TLS) plus SNI with two certificates on one port,
+the redirect, the forwarded headers, WebSocket, merging, 404/503, the proxy's PID and worker
+across endpoint changes (no reload) and Ingress changes (a graceful reload), zero failed
+requests under load meanwhile, a crash and restart, status/metrics, bad manifests, and leave.
+The other backends (vxlan, udp, ipip) get one lab each for a short served-through-ingress check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import json
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from agentd.lab.httpecho import HttpEcho
+from agentd.lab.lab import API_URL, Lab, LabSpec
+from agentd.lab.netns import unique_tag
+from agentd.lab.runtime import binary
+from agentd.lab.wait import auntil
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+NS = "shop"
+HTTP = [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+
+
+class World:
+    def __init__(self, lab: Lab, tmp: Path) -> None:
+        self.lab = lab
+        self.tmp = tmp
+        self.pods: dict[str, Any] = {}
+        self.echo: list[HttpEcho] = []
+        self.res: Any = None
+        self.ca: Path = tmp / "ca.pem"
+
+    @property
+    def node_ips(self) -> list[str]:
+        return [n.address for n in self.lab.nodes]
+
+    async def apply(self, *objs: dict[str, Any]) -> int:
+        rev = await self.res.apply(list(objs))
+        await self.converged(rev)
+        return rev
+
+    async def delete(self, kind: str, name: str, ns: str = NS) -> None:
+        await self.converged(await self.res.delete(kind, ns, name))
+
+    async def converged(self, revision: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        behind: list[str] = []
+        while time.monotonic() < deadline:
+            views = await asyncio.gather(*(asyncio.to_thread(n.api_or_none, "/ingress") for n in self.lab.nodes))
+            behind = [f"{n.name}={(v or {}).get('revision')} running={(v or {}).get('running')} error={(v or {}).get('error')}"
+                      for n, v in zip(self.lab.nodes, views)
+                      if not v or v.get("revision", 0) < revision or v.get("error") or not v.get("running")]  # fmt: skip
+            if not behind:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"ingress revision {revision} not applied everywhere: {', '.join(behind)}")
+
+    async def curl(self, url: str, *, node: int = 0, host: str | None = None, args: tuple[str, ...] = ()) -> tuple[int, Any, dict[str, str]]:
+        """One request from the underlay namespace to node ``node`` (``--resolve``: the URL's
+        host name goes to that node's address); (status, JSON body or text, headers)."""
+        ip = self.lab.nodes[node].address
+        m = re.match(r"(https?)://([^/:]+)(?::(\d+))?", url)
+        assert m, url
+        name, port = m.group(2), m.group(3) or ("443" if m.group(1) == "https" else "80")
+        cmd = ["curl", "-sS", "--max-time", "10", "-D", "-", "--resolve", f"{name}:{port}:{ip}", "--cacert", str(self.ca)]
+        if host is not None:
+            cmd += ["-H", f"Host: {host}"]
+        rc, out, err = await self.lab.underlay.aexec(*cmd, *args, url, check=False, timeout=30)
+        assert rc == 0, f"curl {url} failed ({rc}): {err.decode(errors='replace').strip()}"
+        text = out.decode(errors="replace")
+        blocks = text.split("\r\n\r\n")
+        while len(blocks) > 2 and blocks[1].startswith("HTTP/"):  # 1xx / redirects not followed: keep the last head
+            blocks = blocks[1:]
+        head, body = blocks[0], "\r\n\r\n".join(blocks[1:])
+        status = int(head.split()[1])
+        headers = {}
+        for line in head.split("\r\n")[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        try:
+            return status, json.loads(body), headers
+        except ValueError:
+            return status, body, headers
+
+    async def served_by(self, url: str, **kw: Any) -> str | int:
+        """The pod that answered, or the status when no pod did."""
+        status, body, headers = await self.curl(url, **kw)
+        if status == 200 and isinstance(body, dict) and "pod" in body:
+            return body["pod"]
+        return status
+
+    def proxy(self, node: int = 0) -> dict[str, Any]:
+        return self.lab.nodes[node].api("/ingress")
+
+
+# ---------------------------------------------------------------- manifests
+
+
+def service(name: str, app: str, port_name: str | None = "http") -> dict[str, Any]:
+    port = {"port": 80, "targetPort": "http"}
+    if port_name:
+        port["name"] = port_name
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": NS},
+            "spec": {"selector": {"app": app}, "ports": [port]}}  # fmt: skip
+
+
+def backend(svc: str, port: int | str = 80) -> dict[str, Any]:
+    return {"service": {"name": svc, "port": {"number": port} if isinstance(port, int) else {"name": port}}}
+
+
+def path(p: str, kind: str, svc: str) -> dict[str, Any]:
+    return {"path": p, "pathType": kind, "backend": backend(svc)}
+
+
+def ingress(name: str, rules: list[dict[str, Any]] | None = None, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"ingressClassName": "agentd", **spec}
+    if rules is not None:
+        body["rules"] = rules
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": name, "namespace": NS},
+            "spec": body}  # fmt: skip
+
+
+def rule(host: str | None, *paths: dict[str, Any]) -> dict[str, Any]:
+    r: dict[str, Any] = {"http": {"paths": list(paths)}}
+    if host:
+        r["host"] = host
+    return r
+
+
+CLASS = {"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass", "metadata": {"name": "agentd"},
+         "spec": {"controller": "agentd.io/ingress-controller"}}  # fmt: skip
+
+
+def make_ca(tmp: Path) -> tuple[Any, Any]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "agentd test CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))  # fmt: skip
+    (tmp / "ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return cert, key
+
+
+def tls_secret(name: str, hosts: list[str], ca: tuple[Any, Any], *, wrong_key: bool = False) -> dict[str, Any]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_cert, ca_key = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in hosts]), critical=False)
+            .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    if wrong_key:
+        key = ec.generate_private_key(ec.SECP256R1())
+    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    data = {"tls.crt": cert.public_bytes(serialization.Encoding.PEM), "tls.key": pem_key}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS}, "type": "kubernetes.io/tls",
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}  # fmt: skip
+
+
+# ---------------------------------------------------------------- the lab
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ingress")
+    spec = LabSpec(name="in" + unique_tag("")[:6], nodes=3, pods=0, backend="host-gw", ingress=True)
+    lab = Lab(spec, root=tmp_path_factory.mktemp("labs"))
+    w = World(lab, tmp)
+    w.ca_pair = make_ca(tmp)
+    try:
+        await lab.up(timeout=90)
+        layout = {"web-1": (0, "web"), "web-2": (1, "web"), "web-3": (2, "web"), "foo-1": (0, "foo"), "bar-1": (1, "bar")}
+        for name, (node, app) in layout.items():
+            w.pods[name] = await lab.add_pod(lab.nodes[node], NS, name, labels={"app": app}, ports=HTTP)
+        w.echo = list(await asyncio.gather(*(HttpEcho.start(pod, name, [8080]) for name, pod in w.pods.items())))
+        w.res = await lab.resources()
+        await w.apply(CLASS, service("web", "web"), service("foo", "foo"), service("bar", "bar"), service("nobody", "none"))
+        yield w
+    finally:
+        for e in w.echo:
+            e.close()
+        if w.res is not None:
+            await w.res.close()
+        await lab.down(keep_files=True)
+
+
+WEBS = {"web-1", "web-2", "web-3"}
+
+
+async def test_host_rules_and_tls_with_sni_and_redirect(world: World):
+    """Conformance host_rules, plus a second TLS host on the same port (SNI picks the
+    certificate, which curl checks against the test CA), the 308 redirect, and the default
+    certificate for a host without a Secret."""
+    await world.apply(
+        tls_secret("foo-tls", ["foo.bar.com"], world.ca_pair), tls_secret("shop-tls", ["shop.example"], world.ca_pair),
+        ingress("hosts", [rule("*.foo.com", path("/", "Prefix", "web")), rule("foo.bar.com", path("/", "Prefix", "foo")),
+                          rule("shop.example", path("/", "Prefix", "bar"))],
+                tls=[{"hosts": ["foo.bar.com"], "secretName": "foo-tls"}, {"hosts": ["shop.example"], "secretName": "shop-tls"}]),
+    )  # fmt: skip
+    try:
+        for node in range(3):  # served on every node
+            assert await world.served_by("https://foo.bar.com/", node=node) == "foo-1"
+            assert await world.served_by("https://shop.example/", node=node) == "bar-1"
+        status, body, headers = await world.curl("http://foo.bar.com/x?y=1")
+        assert status == 308 and headers["location"] == "https://foo.bar.com/x?y=1", (status, headers)
+        assert await world.served_by("http://subdomain.bar.com/") == 404
+        assert await world.served_by("http://bar.foo.com/") in WEBS
+        assert await world.served_by("http://baz.bar.foo.com/") == 404  # one label only
+        assert await world.served_by("http://foo.com/") == 404
+        assert await world.served_by("http://BAR.foo.com:80/") in WEBS  # case and port of Host ignored
+        # A host without a Secret gets the default certificate: the client refuses it.
+        rc, _, err = await world.lab.underlay.aexec("curl", "-sS", "--cacert", str(world.ca), "--resolve",
+                                                    f"bar.foo.com:443:{world.node_ips[0]}", "https://bar.foo.com/", check=False)  # fmt: skip
+        assert rc != 0 and b"certificate" in err.lower(), err
+        # ... but is served over TLS (without checking the certificate).
+        assert await world.served_by("https://bar.foo.com/", args=("-k",)) in WEBS
+        # Switched off for one Ingress: plain HTTP is served.
+        off = ingress("hosts", [rule("foo.bar.com", path("/", "Prefix", "foo"))],
+                      tls=[{"hosts": ["foo.bar.com"], "secretName": "foo-tls"}])
+        off["metadata"]["annotations"] = {"ingress.agentd.io/ssl-redirect": "false"}
+        await world.apply(off)
+        assert await world.served_by("http://foo.bar.com/") == "foo-1"
+    finally:
+        await world.delete("Ingress", "hosts")
+
+
+async def test_path_rules(world: World):
+    """Conformance path_rules: Exact, Prefix element by element, longest match, Exact over Prefix."""
+    await world.apply(ingress("paths", [
+        rule("exact-path-rules", path("/foo", "Exact", "foo")),
+        rule("prefix-path-rules", path("/foo", "Prefix", "foo"), path("/aaa/bbb", "Prefix", "bar"), path("/aaa", "Prefix", "web")),
+        rule("mixed-path-rules", path("/foo", "Prefix", "web"), path("/foo", "Exact", "foo")),
+        rule("trailing-slash-path-rules", path("/aaa/bbb/", "Prefix", "bar"), path("/foo/", "Exact", "foo")),
+    ]))  # fmt: skip
+    try:
+        cases = {
+            "http://exact-path-rules/foo": "foo-1", "http://exact-path-rules/foo/": 404, "http://exact-path-rules/FOO": 404,
+            "http://exact-path-rules/bar": 404, "http://prefix-path-rules/foo": "foo-1", "http://prefix-path-rules/foo/": "foo-1",
+            "http://prefix-path-rules/FOO": 404, "http://prefix-path-rules/aaa/bbb": "bar-1",
+            "http://prefix-path-rules/aaa/bbb/ccc": "bar-1", "http://prefix-path-rules/aaa/ccc": WEBS,
+            "http://prefix-path-rules/aaaccc": 404, "http://mixed-path-rules/foo": "foo-1", "http://mixed-path-rules/foo/x": WEBS,
+            "http://trailing-slash-path-rules/aaa/bbb": "bar-1", "http://trailing-slash-path-rules/aaa/bbb/": "bar-1",
+            "http://trailing-slash-path-rules/foo": 404, "http://trailing-slash-path-rules/foo/": "foo-1",
+        }  # fmt: skip
+        for url, want in cases.items():
+            got = await world.served_by(url)
+            assert got in want if isinstance(want, set) else got == want, (url, got, want)
+        status, body, _ = await world.curl("http://prefix-path-rules/aaa/bbb/ccc?q=1")
+        assert body["path"] == "/aaa/bbb/ccc?q=1" and body["host"] == "prefix-path-rules"
+    finally:
+        await world.delete("Ingress", "paths")
+
+
+async def test_default_backend_404_503_and_other_classes(world: World):
+    # Nothing of ours: the built-in default backend.
+    status, body, _ = await world.curl("http://my-host/")
+    assert status == 404 and "default backend" in body
+    # Conformance default_backend: an Ingress with only a defaultBackend takes every request.
+    await world.apply(ingress("default-backend", defaultBackend=backend("foo")))
+    try:
+        for method, host, p in (("GET", "my-host", "/"), ("POST", "some-host", "/"), ("PUT", "", "/resource"),
+                                ("DELETE", "some-host", "/resource"), ("PATCH", "my-host", "/resource")):  # fmt: skip
+            status, body, headers = await world.curl(f"http://{world.node_ips[0]}{p}", host=host or None,
+                                                     args=("-X", method, "--http1.1"))  # fmt: skip
+            assert status == 200 and body["pod"] == "foo-1" and body["method"] == method and body["path"] == p
+            assert body["proto"] == "HTTP/1.1" and headers.get("server") and headers.get("date")
+        # 503: the Service has no ready endpoint; an unknown Service: the same.
+        await world.apply(ingress("empty", [rule("empty.example", path("/", "Prefix", "nobody"), path("/gone", "Prefix", "missing"))]))
+        assert await world.served_by("http://empty.example/") == 503
+        assert await world.served_by("http://empty.example/gone") == 503
+        assert await world.served_by("http://empty.example/", node=2) == 503
+        # An Ingress of another controller's class is not ours: its host falls to the default backend.
+        other = ingress("other", [rule("other.example", path("/", "Prefix", "bar"))])
+        other["spec"]["ingressClassName"] = "nginx"
+        await world.apply(other, {**CLASS, "metadata": {"name": "nginx"}, "spec": {"controller": "k8s.io/ingress-nginx"}})
+        assert await world.served_by("http://other.example/") == "foo-1"
+    finally:
+        for name in ("default-backend", "empty", "other"):
+            await world.delete("Ingress", name)
+        await world.delete("IngressClass", "nginx", ns="")
+
+
+async def test_headers_and_websocket(world: World):
+    await world.apply(ingress("ws", [rule("ws.example", path("/", "Prefix", "foo"))]))
+    try:
+        status, body, _ = await world.curl("http://ws.example:80/h", args=("-H", "X-Forwarded-For: 6.6.6.6"))
+        h = {k.lower(): v for k, v in body["headers"].items()}
+        from agentd.lab.lab import CLIENT_ADDRESS
+
+        # The client's own address only (a claimed X-Forwarded-For is not trusted), scheme, host, port.
+        assert h["x-forwarded-for"] == CLIENT_ADDRESS and h["x-real-ip"] == CLIENT_ADDRESS, h
+        assert h["x-forwarded-proto"] == "http" and h["x-forwarded-host"] == "ws.example" and h["x-forwarded-port"] == "80", h
+        # WebSocket: the upgrade passes through and the connection carries messages both ways.
+        script = (
+            "import asyncio, aiohttp, sys\n"
+            "async def main():\n"
+            "    async with aiohttp.ClientSession() as s:\n"
+            f"        async with s.ws_connect('http://{world.node_ips[1]}/chat', headers={{'Host': 'ws.example'}}) as ws:\n"
+            "            for m in ('one', 'two'):\n"
+            "                await ws.send_str(m)\n"
+            "                print((await ws.receive(timeout=10)).data)\n"
+            "asyncio.run(main())\n"
+        )
+        import sys
+
+        rc, out, err = await world.lab.underlay.aexec(sys.executable, "-c", script, check=False, timeout=30)
+        assert rc == 0 and out.decode().split("\n")[:2] == ["foo-1: one", "foo-1: two"], (out, err)
+    finally:
+        await world.delete("Ingress", "ws")
+
+
+async def test_ingresses_merge_per_host_and_the_oldest_wins(world: World):
+    await world.apply(ingress("first", [rule("merge.example", path("/a", "Prefix", "foo"), path("/same", "Prefix", "foo"))]))
+    await world.apply(ingress("second", [rule("merge.example", path("/b", "Prefix", "bar"), path("/same", "Prefix", "bar"))]))
+    try:
+        assert await world.served_by("http://merge.example/a") == "foo-1"
+        assert await world.served_by("http://merge.example/b/c") == "bar-1"
+        assert await world.served_by("http://merge.example/same") == "foo-1"  # first is older
+        conflicts = world.proxy()["conflicts"]
+        assert any("shop/second" in c and "/same" in c for c in conflicts), conflicts
+    finally:
+        await world.delete("Ingress", "first")
+        await world.delete("Ingress", "second")
+    assert await world.served_by("http://merge.example/same") == 404
+
+
+async def wrk(world: World, url: str, host: str, seconds: int, connections: int = 8) -> dict[str, int]:
+    """wrk from the underlay namespace (keep-alive, ``connections`` connections); its totals."""
+    rc, out, err = await world.lab.underlay.aexec(
+        "wrk", "-t", "2", "-c", str(connections), "-d", f"{seconds}s", "-H", f"Host: {host}", url,
+        check=False, timeout=seconds + 60)  # fmt: skip
+    text = out.decode()
+    assert rc == 0, (text, err)
+    total = int(re.search(r"(\d+) requests in", text).group(1))
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    errors = sum(int(x) for x in m.groups()) if m else 0
+    m = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    return {"requests": total, "errors": errors, "non2xx": int(m.group(1)) if m else 0}
+
+
+async def test_endpoint_changes_without_reload_and_ingress_change_with_graceful_reload(world: World):
+    """Under steady load (wrk, keep-alive): endpoints made not ready, ready, removed and added
+    change the proxy's servers through the runtime API: master and worker PIDs unchanged, not a
+    request failed.  Then an Ingress change: a new worker (a graceful reload), the master
+    unchanged, not a request failed."""
+    pods = {n: world.pods[n].ip for n in ("web-1", "web-2", "web-3")}
+
+    def slice_of(ready: dict[str, bool]) -> dict[str, Any]:
+        return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "manual-1", "namespace": NS, "labels": {"kubernetes.io/service-name": "manual"}},
+                "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+                "endpoints": [{"addresses": [pods[n]], "conditions": {"ready": r}} for n, r in ready.items()]}  # fmt: skip
+
+    manual = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "manual", "namespace": NS},
+              "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}  # fmt: skip
+    await world.apply(manual, slice_of({"web-1": True, "web-2": False}),
+                      ingress("load", [rule("load.example", path("/", "Prefix", "manual"))]))
+    try:
+        before = [world.proxy(i) for i in range(3)]
+        assert all(b["running"] for b in before)
+        url = f"http://{world.node_ips[0]}/"
+        load = asyncio.ensure_future(wrk(world, url, "load.example", seconds=8))
+        steps = [{"web-1": True, "web-2": True}, {"web-1": False, "web-2": True}, {"web-2": True, "web-3": True},
+                 {"web-1": True, "web-3": True}]  # fmt: skip
+        for ready in steps:
+            await world.apply(slice_of(ready))
+            want = {f"{pods[n]}:8080" for n, r in ready.items() if r}
+            (b,) = [b for b in world.proxy()["backends"] if b["service"] == "manual"]
+            assert set(b["servers"]) == want, (b, want)
+        served = {await world.served_by("http://load.example/", node=1) for _ in range(12)}
+        assert served == {"web-1", "web-3"}, served
+        result = await load
+        assert result["requests"] > 0 and result["errors"] == 0 and result["non2xx"] == 0, result
+        after = [world.proxy(i) for i in range(3)]
+        for b, a in zip(before, after):
+            assert (a["pid"], a["worker"], a["reloads"]) == (b["pid"], b["worker"], b["reloads"]), (b, a)
+            assert a["runtime_changes"] > b["runtime_changes"]
+        # An Ingress change: a graceful reload, nothing dropped.
+        load = asyncio.ensure_future(wrk(world, url, "load.example", seconds=6))
+        await asyncio.sleep(0)  # let wrk start before the change (it runs for its whole window)
+        await auntil(lambda: world.lab.underlay.pids(), 10, what="wrk to start")
+        await world.apply(ingress("load", [rule("load.example", path("/", "Prefix", "manual"), path("/new", "Exact", "foo"))]))
+        assert await world.served_by("http://load.example/new") == "foo-1"
+        result = await load
+        assert result["requests"] > 0 and result["errors"] == 0 and result["non2xx"] == 0, result
+        reloaded = [world.proxy(i) for i in range(3)]
+        for a, r in zip(after, reloaded):
+            assert r["pid"] == a["pid"] and r["worker"] != a["worker"] and r["reloads"] == a["reloads"] + 1, (a, r)
+    finally:
+        await world.delete("Ingress", "load")
+        await world.delete("Service", "manual")
+        await world.delete("EndpointSlice", "manual-1")
+
+
+async def test_a_crashed_proxy_is_started_again(world: World):
+    await world.apply(ingress("crash", [rule("crash.example", path("/", "Prefix", "foo"))]))
+    try:
+        node = world.lab.nodes[2]
+        before = world.proxy(2)
+        import os
+
+        os.kill(before["pid"], signal.SIGKILL)
+
+        def back() -> bool:
+            now = node.api_or_none("/ingress") or {}
+            # Started (a new master) and configured again (the error of its exit is cleared then).
+            return bool(now.get("running")) and now.get("pid") not in (None, before["pid"]) and now.get("error") is None
+
+        await auntil(back, 30, what="node3's proxy to be started again")
+        # The killed master's worker is gone too: the new one alone answers, at once.
+        assert before["worker"] not in node.ns.pids()
+        assert await world.served_by("http://crash.example/", node=2) == "foo-1"
+        now = world.proxy(2)
+        assert now["restarts"] == before["restarts"] + 1
+        status = node.api("/status")["ingress"]
+        assert status["running"] and status["restarts"] == now["restarts"]
+        rc, out, _ = await node.ns.aexec(binary("agentd"), "status", check=False)
+        assert rc == 0 and "Ingress on" in out.decode() and f"restarts {now['restarts']}" in out.decode(), out
+    finally:
+        await world.delete("Ingress", "crash")
+
+
+async def test_status_metrics_and_get_ingress(world: World):
+    await world.apply(ingress("shown", [rule("shown.example", path("/", "Prefix", "bar"))]))
+    try:
+        for _ in range(5):
+            assert await world.served_by("http://shown.example/") == "bar-1"
+        node1 = world.lab.nodes[0]
+
+        def counted() -> bool:
+            text = node1.ns.http_get(API_URL + "/metrics")[1].decode()
+            m = re.search(r'agentd_ingress_requests_total\{code="2xx",ingress="shown",namespace="shop",service="bar"\} (\S+)', text)
+            return m is not None and float(m.group(1)) >= 5
+
+        await auntil(counted, 20, what="node1's request counter of shop/shown")
+        text = node1.ns.http_get(API_URL + "/metrics")[1].decode()
+        assert "agentd_ingress_proxy_up 1.0" in text
+        env = f"AGENTD_CONFIG={node1.config_path}"
+        rc, out, err = await node1.ns.aexec("env", env, binary("agentd"), "get", "ingress", "-n", NS, check=False)
+        assert rc == 0, err
+        (row,) = [line for line in out.decode().splitlines() if " shown " in f" {line} "]
+        assert ",".join(world.node_ips) in row and "shown.example" in row and "agentd" in row, out.decode()
+        rc, out, err = await node1.ns.aexec("env", env, binary("agentd"), "get", "ingress", "shop/shown", "-o", "json", check=False)
+        lb = json.loads(out)["status"]["loadBalancer"]["ingress"]
+        assert [e["ip"] for e in lb] == world.node_ips
+    finally:
+        await world.delete("Ingress", "shown")
+
+
+async def test_bad_manifests_are_refused_with_one_line(world: World):
+    node1 = world.lab.nodes[0]
+    env = f"AGENTD_CONFIG={node1.config_path}"
+    bad = {
+        "path.yaml": (ingress("bad", [rule("x.example", {"path": "/a", "backend": backend("foo")})]),
+                      "spec.rules[0].http.paths[0].pathType: Required value"),
+        "host.yaml": (ingress("bad", [rule("*.*.example", path("/", "Prefix", "foo"))]), "spec.rules[0].host: Invalid value"),
+        "both.yaml": (ingress("bad", [rule("x.example", {"path": "/", "pathType": "Prefix", "backend": {
+            **backend("foo"), "resource": {"kind": "Bucket", "name": "b"}}})]), "cannot set both resource and service backends"),
+        "key.yaml": (tls_secret("bad", ["x.example"], world.ca_pair, wrong_key=True), "does not match the certificate"),
+        "cm.yaml": ({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
+                     "data": {"proxy-body-size": "lots"}}, "data[proxy-body-size]: Invalid value"),
+    }  # fmt: skip
+    for name, (doc, want) in bad.items():
+        f = world.tmp / name
+        f.write_text(json.dumps(doc))
+        rc, out, err = await node1.ns.aexec("env", env, binary("agentd"), "apply", "-f", str(f), check=False)
+        lines = err.decode().strip().splitlines()
+        assert rc == 1 and len(lines) == 1 and want in lines[0] and "Traceback" not in err.decode(), (name, err)
+    assert await world.res.get("Ingress", NS, "bad") is None and await world.res.get("Secret", NS, "bad") is None
+
+
+async def test_settings_from_the_configmap(world: World):
+    await world.apply(ingress("cfg", [rule("cfg.example", path("/", "Prefix", "foo"))]),
+                      {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
+                       "data": {"proxy-body-size": "1k", "frontend-snippet": "http-response set-header X-Served-By agentd"}})  # fmt: skip
+    try:
+        status, _, headers = await world.curl("http://cfg.example/", args=("--data-binary", "x" * 2048))
+        assert status == 413
+        status, body, headers = await world.curl("http://cfg.example/", args=("--data-binary", "x" * 100))
+        assert status == 200 and body["pod"] == "foo-1" and headers["x-served-by"] == "agentd"
+    finally:
+        await world.delete("ConfigMap", "agentd-ingress", ns="kube-system")
+        await world.delete("Ingress", "cfg")
+
+
+async def test_leave_stops_the_proxy_and_leaves_nothing(world: World):  # last: node3 goes
+    node3 = world.lab.nodes[2]
+    pid = world.proxy(2)["pid"]
+    ingress_dir = node3.dir / "state" / "ingress"
+    assert ingress_dir.exists()
+    await node3.leave()
+    await auntil(lambda: node3.agent_pid() is None, 30, what="node3's agent to exit")
+    assert pid not in node3.ns.pids() and not ingress_dir.exists()
+    rc, _, err = await world.lab.underlay.aexec("curl", "-sS", "--max-time", "3", f"http://{node3.address}/", check=False)
+    assert rc != 0  # nothing listens there any more
+    res = await world.res.call({"op": "ingress_nodes"})
+    assert sorted(r["node"] for r in res) == ["node1", "node2"]
+
+
+# ---------------------------------------------------------------- the other backends
+
+
+@pytest.mark.parametrize("backend_name", ["vxlan", "udp", "ipip"])
+async def test_served_through_the_ingress_on_every_backend(backend_name, tmp_path_factory):
+    """The proxy on node1 reaches pods on node2 through the backend's tunnel (the pod network
+    carries the proxy's connections to pods like any node's)."""
+    spec = LabSpec(name="ib" + unique_tag("")[:6], nodes=2, pods=0, backend=backend_name, ingress=True)
+    lab = Lab(spec, root=tmp_path_factory.mktemp("labs"))
+    w = World(lab, tmp_path_factory.mktemp("ingress"))
+    make_ca(w.tmp)
+    echo = []
+    try:
+        await lab.up(timeout=90)
+        pod = await lab.add_pod(lab.nodes[1], NS, "far-1", labels={"app": "far"}, ports=HTTP)
+        echo.append(await HttpEcho.start(pod, "far-1", [8080]))
+        w.res = await lab.resources()
+        await w.apply(CLASS, service("far", "far"), ingress("far", [rule("far.example", path("/", "Prefix", "far"))]))
+        for node in (0, 1):
+            assert await w.served_by("http://far.example/", node=node) == "far-1"
+    finally:
+        for e in echo:
+            e.close()
+        if w.res is not None:
+            await w.res.close()
+        await lab.down(keep_files=True)

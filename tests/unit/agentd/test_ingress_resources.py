@@ -1,0 +1,122 @@
+"""Ingress, IngressClass, Secret and ConfigMap admission (agentd.resources) and the controller's
+settings: the API server's checks, one line naming the field."""
+
+from __future__ import annotations
+
+import base64
+import copy
+
+import pytest
+
+from agentd.resources import kinds, manifests
+from agentd.resources.ingress_settings import Settings, parse
+from agentd.resources.validation import Invalid
+
+BACKEND = {"service": {"name": "web", "port": {"number": 80}}}
+GOOD = {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "a", "namespace": "shop"},
+        "spec": {"rules": [{"host": "*.example.com", "http": {"paths": [{"path": "/x", "pathType": "Prefix", "backend": BACKEND}]}}],
+                 "tls": [{"hosts": ["a.example.com"], "secretName": "a-tls"}]}}  # fmt: skip
+
+
+def bad(change) -> str:
+    doc = copy.deepcopy(GOOD)
+    change(doc)
+    with pytest.raises(Invalid) as err:
+        kinds.validate(doc)
+    return str(err.value)
+
+
+def path0(doc):
+    return doc["spec"]["rules"][0]["http"]["paths"][0]
+
+
+def test_a_good_ingress_is_stored_as_given():
+    obj = kinds.validate(copy.deepcopy(GOOD))
+    assert obj["spec"]["rules"][0]["host"] == "*.example.com" and obj["spec"]["tls"][0]["secretName"] == "a-tls"
+
+
+@pytest.mark.parametrize("change, want", [
+    (lambda d: path0(d).pop("pathType"), "spec.rules[0].http.paths[0].pathType: Required value"),
+    (lambda d: path0(d).update(pathType="Regex"), 'pathType: Unsupported value: "Regex"'),
+    (lambda d: path0(d).update(path="x"), "path: Invalid value: \"x\": must be an absolute path"),
+    (lambda d: path0(d).update(path="/a/../b"), "must not contain '/../'"),
+    (lambda d: path0(d).update(path="/a%2Fb"), "must not contain '%2F'"),
+    (lambda d: path0(d).update(path="/a/."), "cannot end with '/.'"),
+    (lambda d: d["spec"]["rules"][0].update(host="*.*.example.com"), "a wildcard DNS-1123 subdomain"),
+    (lambda d: d["spec"]["rules"][0].update(host="a.*.example.com"), "a wildcard DNS-1123 subdomain"),
+    (lambda d: d["spec"]["rules"][0].update(host="10.0.0.1"), "must be a DNS name, not an IP address"),
+    (lambda d: d["spec"]["rules"][0].update(host="Upper.com"), "spec.rules[0].host: Invalid value"),
+    (lambda d: path0(d).update(backend={**BACKEND, "resource": {"kind": "B", "name": "b"}}), "cannot set both resource and service"),
+    (lambda d: path0(d).update(backend={}), "resource or service backend is required"),
+    (lambda d: path0(d).update(backend={"service": {"name": "web", "port": {"number": 80, "name": "http"}}}),
+     "cannot set both port name & port number"),
+    (lambda d: path0(d).update(backend={"service": {"name": "web", "port": {}}}), "port name or number is required"),
+    (lambda d: path0(d).update(backend={"service": {"name": "web", "port": {"number": 70000}}}), "between 1 and 65535"),
+    (lambda d: d["spec"].pop("rules"), "either `defaultBackend` or `rules` must be specified"),
+    (lambda d: d["spec"]["rules"][0]["http"].update(paths=[]), "spec.rules[0].http.paths: Required value"),
+    (lambda d: d["spec"]["tls"][0].update(hosts=["*"]), "spec.tls[0].hosts[0]"),
+    (lambda d: d["spec"].update(ingressClasName="x"), "spec.ingressClasName: unknown field"),
+])  # fmt: skip
+def test_bad_ingresses(change, want):
+    assert want in bad(change)
+
+
+def test_ingress_class():
+    doc = {"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass", "metadata": {"name": "agentd"},
+           "spec": {"controller": "agentd.io/ingress-controller"}}  # fmt: skip
+    assert kinds.validate(doc)["spec"]["controller"] == "agentd.io/ingress-controller"
+    for spec, want in (({}, "spec.controller: Required value"), ({"controller": "no-slash"}, "domain-prefixed path")):
+        with pytest.raises(Invalid, match=want):
+            kinds.validate({**doc, "spec": spec})
+    with pytest.raises(Invalid, match="is-default-class"):
+        kinds.validate({**doc, "metadata": {"name": "x", "annotations": {"ingressclass.kubernetes.io/is-default-class": "yes"}}})
+
+
+def _pem_pair():
+    from agentd.ingress.certs import self_signed
+
+    pem = self_signed("x.example", ("x.example",))
+    cert, _, key = pem.partition(b"-----BEGIN PRIVATE KEY-----")
+    return cert, b"-----BEGIN PRIVATE KEY-----" + key
+
+
+def secret(crt: bytes, key: bytes) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "t", "namespace": "shop"}, "type": "kubernetes.io/tls",
+            "data": {"tls.crt": base64.b64encode(crt).decode(), "tls.key": base64.b64encode(key).decode()}}  # fmt: skip
+
+
+def test_tls_secrets_are_checked():
+    crt, key = _pem_pair()
+    assert kinds.validate(secret(crt, key))["type"] == "kubernetes.io/tls"
+    _, other = _pem_pair()
+    with pytest.raises(Invalid, match=r"data\[tls.key\]: Invalid value: the private key does not match"):
+        kinds.validate(secret(crt, other))
+    with pytest.raises(Invalid, match=r"data\[tls.crt\]: Invalid value: not a PEM certificate"):
+        kinds.validate(secret(b"junk", key))
+    with pytest.raises(Invalid, match=r"data\[tls.key\]: Invalid value: not an unencrypted PEM private key"):
+        kinds.validate(secret(crt, b"junk"))
+    doc = secret(crt, key)
+    doc["data"]["tls.crt"] = "not base64!"
+    with pytest.raises(Invalid, match="must be base64 encoded"):
+        kinds.validate(doc)
+    doc = secret(crt, key)
+    del doc["data"]["tls.key"]
+    with pytest.raises(Invalid, match=r"data\[tls.key\]: Required value"):
+        kinds.validate(doc)
+    plain = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "p"}, "stringData": {"a": "b"}}
+    assert kinds.validate(plain)["data"] == {"a": base64.b64encode(b"b").decode()}
+
+
+def test_the_controllers_configmap_is_checked_on_apply():
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
+          "data": {"proxy-read-timeout": "30", "proxy-body-size": "8m", "use-http2": "false",
+                   "frontend-snippet": "http-response set-header X-A b"}}  # fmt: skip
+    assert parse(cm["data"]) == Settings(read_timeout=30, body_size=8 << 20, http2=False, snippet=("http-response set-header X-A b",))
+    for data, want in (({"proxy-read-timeout": "soon"}, "proxy-read-timeout"), ({"use-http2": "yes"}, "use-http2"),
+                       ({"frontend-snippet": "use_backend x"}, "only header rules"),
+                       ({"frontend-snippet": "http-request set-header X %[lua.x]"}, "Lua")):  # fmt: skip
+        doc = {**cm, "data": data}
+        with pytest.raises(manifests.ManifestError, match=want):
+            manifests.validate_all([manifests.Document("document 1", doc)], "f.yaml")
+        # Another ConfigMap is just data.
+        manifests.validate_all([manifests.Document("document 1", {**doc, "metadata": {"name": "other"}})], "f.yaml")

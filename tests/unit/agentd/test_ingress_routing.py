@@ -1,0 +1,198 @@
+"""The Ingress routing table (agentd.ingress.routing) against the Kubernetes Ingress semantics
+(the ingress-controller-conformance host_rules, path_rules and default_backend features and
+the path-matching examples of the Ingress docs), and its HAProxy maps (agentd.ingress.haproxy)
+against the table: the same answer for every request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentd.ingress import haproxy, routing
+from agentd.resources import kinds
+from agentd.resources.ingress_settings import Settings
+
+NOT_FOUND = routing.NOT_FOUND
+
+
+def ing(name: str, rules: list, *, created: str = "2024-01-01T00:00:00Z", ns: str = "default", **spec) -> dict:
+    doc = {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": name, "namespace": ns},
+           "spec": {**spec, **({"rules": rules} if rules else {})}}  # fmt: skip
+    obj = kinds.validate(doc)
+    obj["metadata"]["creationTimestamp"] = created
+    return obj
+
+
+def p(path: str, kind: str, svc: str) -> dict:
+    return {"path": path, "pathType": kind, "backend": {"service": {"name": svc, "port": {"number": 8080}}}}
+
+
+def svc_of(table: routing.RouteTable, backend: str) -> str | int:
+    if backend == NOT_FOUND:
+        return 404
+    return table.backends[backend].service or "resource"
+
+
+PATH_RULES = ing("path-rules", [
+    {"host": "exact-path-rules", "http": {"paths": [p("/foo", "Exact", "foo-exact")]}},
+    {"host": "prefix-path-rules", "http": {"paths": [p("/foo", "Prefix", "foo-prefix"), p("/aaa/bbb", "Prefix", "aaa-slash-bbb-prefix"),
+                                                      p("/aaa", "Prefix", "aaa-prefix")]}},
+    {"host": "mixed-path-rules", "http": {"paths": [p("/foo", "Prefix", "foo-prefix"), p("/foo", "Exact", "foo-exact")]}},
+    {"host": "trailing-slash-path-rules", "http": {"paths": [p("/aaa/bbb/", "Prefix", "aaa-slash-bbb-slash-prefix"),
+                                                              p("/foo/", "Exact", "foo-slash-exact")]}},
+])  # fmt: skip
+
+# (host, path) -> service or status: the conformance path_rules scenarios.
+PATH_CASES = {
+    ("exact-path-rules", "/foo"): "foo-exact", ("exact-path-rules", "/foo/"): 404, ("exact-path-rules", "/FOO"): 404,
+    ("exact-path-rules", "/bar"): 404, ("prefix-path-rules", "/foo"): "foo-prefix", ("prefix-path-rules", "/foo/"): "foo-prefix",
+    ("prefix-path-rules", "/FOO"): 404, ("prefix-path-rules", "/aaa/bbb"): "aaa-slash-bbb-prefix",
+    ("prefix-path-rules", "/aaa/bbb/ccc"): "aaa-slash-bbb-prefix", ("prefix-path-rules", "/aaa/ccc"): "aaa-prefix",
+    ("prefix-path-rules", "/aaaccc"): 404, ("mixed-path-rules", "/foo"): "foo-exact",
+    ("trailing-slash-path-rules", "/aaa/bbb"): "aaa-slash-bbb-slash-prefix",
+    ("trailing-slash-path-rules", "/aaa/bbb/"): "aaa-slash-bbb-slash-prefix", ("trailing-slash-path-rules", "/foo"): 404,
+}  # fmt: skip
+
+HOST_RULES = ing("host-rules", [
+    {"host": "*.foo.com", "http": {"paths": [p("/", "Prefix", "wildcard-foo-com")]}},
+    {"host": "foo.bar.com", "http": {"paths": [p("/", "Prefix", "foo-bar-com")]}},
+], tls=[{"hosts": ["foo.bar.com"], "secretName": "conformance-tls"}])  # fmt: skip
+
+HOST_CASES = {
+    ("foo.bar.com", "/"): "foo-bar-com", ("subdomain.bar.com", "/"): 404, ("bar.foo.com", "/"): "wildcard-foo-com",
+    ("baz.bar.foo.com", "/"): 404, ("foo.com", "/"): 404, ("FOO.bar.com:8080", "/x"): "foo-bar-com",
+}  # fmt: skip
+
+
+def test_conformance_path_rules():
+    table = routing.build([PATH_RULES])
+    for (host, path), want in PATH_CASES.items():
+        assert svc_of(table, table.route(host, path)) == want, (host, path)
+
+
+def test_conformance_host_rules_and_redirect():
+    table = routing.build([HOST_RULES])
+    for (host, path), want in HOST_CASES.items():
+        assert svc_of(table, table.route(host, path)) == want, (host, path)
+    assert table.redirects("foo.bar.com") and not table.redirects("bar.foo.com")
+    off = routing.build([HOST_RULES], ssl_redirect=False)
+    assert not off.redirects("foo.bar.com")
+
+
+def test_the_docs_examples_of_path_matching():
+    # kubernetes.io/docs/concepts/services-networking/ingress/#examples
+    examples = [("Prefix", "/", "/aaa/bbb", True), ("Prefix", "/", "/", True), ("Exact", "/foo", "/foo", True),
+                ("Exact", "/foo", "/bar", False), ("Exact", "/foo", "/foo/", False), ("Exact", "/foo/", "/foo", False),
+                ("Prefix", "/foo", "/foo/", True), ("Prefix", "/foo/", "/foo", True), ("Prefix", "/aaa/bb", "/aaa/bbb", False),
+                ("Prefix", "/aaa/bbb", "/aaa/bbb", True), ("Prefix", "/aaa/bbb/", "/aaa/bbb", True),
+                ("Prefix", "/aaa/bbb", "/aaa/bbb/", True), ("Prefix", "/aaa/bbb", "/aaa/bbb/ccc", True),
+                ("Prefix", "/aaa/bbb", "/aaa/bbbxyz", False), ("ImplementationSpecific", "/foo", "/foo/bar", True),
+                ("ImplementationSpecific", "/foo", "/foobar", False)]  # fmt: skip
+    for kind, path, request, match in examples:
+        table = routing.build([ing("x", [{"host": "h", "http": {"paths": [p(path, kind, "svc")]}}])])
+        assert (table.route("h", request) != NOT_FOUND) == match, (kind, path, request)
+
+
+def test_default_backends_and_merging():
+    old = ing("old", [{"host": "a", "http": {"paths": [p("/x", "Prefix", "old-x")]}}],
+              created="2024-01-01T00:00:00Z", defaultBackend={"service": {"name": "old-default", "port": {"number": 80}}})
+    new = ing("new", [{"host": "a", "http": {"paths": [p("/x", "Prefix", "new-x"), p("/y", "Exact", "new-y")]}},
+                      {"host": "b", "http": {"paths": [p("/", "Prefix", "b")]}}],
+              created="2024-02-01T00:00:00Z", defaultBackend={"service": {"name": "new-default", "port": {"number": 80}}})
+    for order in ([old, new], [new, old]):  # the input order does not matter
+        table = routing.build(order)
+        assert svc_of(table, table.route("a", "/x/1")) == "old-x"  # the older Ingress wins a conflict
+        assert svc_of(table, table.route("a", "/y")) == "new-y"  # merged
+        assert svc_of(table, table.route("a", "/z")) == "old-default"  # a's oldest Ingress with a default
+        assert svc_of(table, table.route("b", "/z")) == "b"
+        assert svc_of(table, table.route("elsewhere", "/")) == "old-default"  # the oldest default overall
+        assert any("default/new" in c and "/x" in c for c in table.conflicts), table.conflicts
+    assert svc_of(routing.build([]), routing.build([]).route("any", "/")) == 404
+
+
+def test_ours_follows_the_classes():
+    from agentd.resources.ingress import ours
+
+    cls = kinds.validate({"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass", "metadata": {"name": "agentd"},
+                          "spec": {"controller": "agentd.io/ingress-controller"}})  # fmt: skip
+    other = kinds.validate({"apiVersion": "networking.k8s.io/v1", "kind": "IngressClass", "metadata": {"name": "nginx"},
+                            "spec": {"controller": "k8s.io/ingress-nginx"}})  # fmt: skip
+    named = ing("a", [], ingressClassName="agentd", defaultBackend={"service": {"name": "s", "port": {"number": 1}}})
+    theirs = ing("b", [], ingressClassName="nginx", defaultBackend={"service": {"name": "s", "port": {"number": 1}}})
+    none = ing("c", [], defaultBackend={"service": {"name": "s", "port": {"number": 1}}})
+    assert ours(named, [cls, other]) and not ours(theirs, [cls, other]) and not ours(none, [cls, other])
+    default = {**cls, "metadata": {**cls["metadata"], "annotations": {"ingressclass.kubernetes.io/is-default-class": "true"}}}
+    assert ours(none, [default, other]) and ours(none, [cls], without_class=True)
+    annotated = ing("d", [], defaultBackend={"service": {"name": "s", "port": {"number": 1}}})
+    annotated["metadata"]["annotations"] = {"kubernetes.io/ingress.class": "agentd"}
+    assert ours(annotated, [cls])
+
+
+# ------------------------------------------------------------------ the HAProxy maps
+
+
+def lookup(files: dict[str, str], table: routing.RouteTable, host: str, path: str) -> str:
+    """What the rendered frontend does with the map files (haproxy.cfg's http-request rules)."""
+
+    def kv(name: str) -> list[tuple[str, str]]:
+        return [tuple(line.split(" ", 1)) for line in files[name].splitlines()]  # type: ignore[misc]
+
+    hosts = dict(kv("hosts.map"))
+    h = routing.normalise_host(host)
+    label, dot, parent = h.partition(".")
+    vhost = hosts.get(h) or (hosts.get("*." + parent) if label and dot else None) or routing.ANY_HOST
+    key = vhost + path
+    backend = dict(kv("exact.map")).get(key)
+    if backend is None:
+        backend = next((b for k, b in kv("prefix.map") if key.startswith(k)), None)  # map_beg: first in file order
+    if backend is None:
+        backend = dict(kv("defaults.map")).get(vhost)
+    return backend or table.default
+
+
+def render(table: routing.RouteTable) -> dict[str, str]:
+    paths = haproxy.Paths(Path("/run/x"))
+    return haproxy.render(table, {}, Settings(), haproxy.Listen(("192.0.2.1",)), paths, {})
+
+
+def test_the_maps_answer_as_the_table_on_the_conformance_cases():
+    for ingress, cases in ((PATH_RULES, PATH_CASES), (HOST_RULES, HOST_CASES)):
+        table = routing.build([ingress])
+        files = render(table)
+        for host, path in cases:
+            assert lookup(files, table, host, path) == table.route(host, path), (host, path)
+
+
+SEGMENTS = st.sampled_from(["a", "b", "ab", "aa"])
+PATHS = st.lists(SEGMENTS, min_size=0, max_size=3).map(lambda parts: "/" + "/".join(parts))
+RULE_PATHS = st.tuples(PATHS, st.booleans(), st.sampled_from(["Exact", "Prefix", "ImplementationSpecific"]))
+HOSTS = st.sampled_from(["x.io", "y.x.io", "*.x.io", None])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(HOSTS, st.lists(RULE_PATHS, min_size=1, max_size=4)), min_size=1, max_size=4),
+       st.sampled_from(["x.io", "y.x.io", "z.x.io", "q.y.x.io", "other"]), PATHS, st.booleans())  # fmt: skip
+def test_the_maps_answer_as_the_table_on_any_rules(rules, host, path, slash):
+    spec_rules = []
+    for i, (h, paths) in enumerate(rules):
+        r = {"http": {"paths": [p(rp + ("/" if trail and rp != "/" else ""), kind, f"s{i}{j}")
+                                for j, (rp, trail, kind) in enumerate(paths)]}}  # fmt: skip
+        if h:
+            r["host"] = h
+        spec_rules.append(r)
+    table = routing.build([ing("r", spec_rules)])
+    request = path + ("/" if slash and path != "/" else "")
+    assert lookup(render(table), table, host, request) == table.route(host, request)
+
+
+def test_rendered_config_names_every_backend_and_its_servers():
+    table = routing.build([HOST_RULES])
+    name = next(iter(table.backends))
+    files = haproxy.render(table, {name: [("10.244.1.5", 8080)]}, Settings(), haproxy.Listen(("192.0.2.1", "2001:db8::1")),
+                           haproxy.Paths(Path("/run/x")), {})  # fmt: skip
+    cfg = files["haproxy.cfg"]
+    assert f"backend {name}" in cfg and "server 10.244.1.5:8080 10.244.1.5:8080" in cfg
+    assert "bind 192.0.2.1:80" in cfg and "bind ipv6@2001:db8::1:443 ssl" in cfg
+    assert "\n\n\n" not in cfg
