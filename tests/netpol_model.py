@@ -5,6 +5,10 @@ suite's reachability model, on raw manifests as a user writes them (its own defa
 policyTypes, protocol TCP) and NOT on agentd's parsed types, so that the enforcement code is
 checked against something it does not share.  Traffic between a pod and itself is not
 modelled (it never leaves the pod).
+
+Pods may have an address of each family (dual-stack): a connection runs over one family,
+from the source's address of that family to the destination's.  Selectors do not look at
+addresses at all; an ipBlock holds addresses of its own family only.
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ NAME_LABEL = "kubernetes.io/metadata.name"
 class ModelPod:
     namespace: str
     name: str
-    ip: str
+    ip: str | None  # its IPv4 address (None: an IPv6-only pod)
     labels: dict[str, str] = field(default_factory=dict)
     ports: dict[str, tuple[int, str]] = field(default_factory=dict)  # named container ports
+    ip6: str | None = None  # its IPv6 address, if it has one
 
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    def addr(self, family: int) -> str | None:
+        return self.ip6 if family == 6 else self.ip
 
 
 @dataclass
@@ -74,9 +82,13 @@ def _selects(policy: dict[str, Any], pod: ModelPod) -> bool:
     return _ns(policy) == pod.namespace and selector_matches(policy["spec"].get("podSelector"), pod.labels)
 
 
-def _peer_matches(cluster: Cluster, policy: dict[str, Any], peer: dict[str, Any], other: ModelPod | str) -> bool:
+def _peer_matches(cluster: Cluster, policy: dict[str, Any], peer: dict[str, Any], other: ModelPod | str,
+                  family: int) -> bool:
     if "ipBlock" in peer:
-        ip = ipaddress.ip_address(other.ip if isinstance(other, ModelPod) else other)
+        text = other.addr(family) if isinstance(other, ModelPod) else other
+        if text is None:
+            return False
+        ip = ipaddress.ip_address(text)
         block = peer["ipBlock"]
         net = ipaddress.ip_network(block["cidr"], strict=False)
         if ip.version != net.version or ip not in net:
@@ -110,7 +122,7 @@ def _port_matches(ports: list[dict[str, Any]] | None, dst: ModelPod, proto: str,
 
 
 def _direction_allows(cluster: Cluster, target: ModelPod, other: ModelPod | str, dst: ModelPod, proto: str,
-                      port: int, direction: str) -> bool:
+                      port: int, direction: str, family: int) -> bool:
     field_name, peer_field = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
     selecting = [p for p in cluster.policies if _selects(p, target) and direction in policy_types(p)]
     if not selecting:
@@ -118,23 +130,25 @@ def _direction_allows(cluster: Cluster, target: ModelPod, other: ModelPod | str,
     for policy in selecting:
         for rule in policy["spec"].get(field_name) or []:
             peers = rule.get(peer_field)
-            if peers and not any(_peer_matches(cluster, policy, peer, other) for peer in peers):
+            if peers and not any(_peer_matches(cluster, policy, peer, other, family) for peer in peers):
                 continue
             if _port_matches(rule.get("ports"), dst, proto, port):
                 return True
     return False
 
 
-def egress_allowed(cluster: Cluster, src: ModelPod, dst: ModelPod, proto: str, port: int) -> bool:
-    """What ``src``'s node decides: may ``src`` open this connection?"""
-    return _direction_allows(cluster, src, dst, dst, proto, port, "Egress")
+def egress_allowed(cluster: Cluster, src: ModelPod, dst: ModelPod, proto: str, port: int, family: int = 4) -> bool:
+    """What ``src``'s node decides: may ``src`` open this connection (over IP ``family``)?"""
+    return _direction_allows(cluster, src, dst, dst, proto, port, "Egress", family)
 
 
-def ingress_allowed(cluster: Cluster, src: ModelPod, dst: ModelPod, proto: str, port: int) -> bool:
-    """What ``dst``'s node decides: may ``dst`` accept this connection?"""
-    return _direction_allows(cluster, dst, src, dst, proto, port, "Ingress")
+def ingress_allowed(cluster: Cluster, src: ModelPod, dst: ModelPod, proto: str, port: int, family: int = 4) -> bool:
+    """What ``dst``'s node decides: may ``dst`` accept this connection (over IP ``family``)?"""
+    return _direction_allows(cluster, dst, src, dst, proto, port, "Ingress", family)
 
 
-def allowed(cluster: Cluster, src: ModelPod, dst: ModelPod, proto: str, port: int) -> bool:
-    """Whether a new connection from ``src`` to ``dst`` on ``proto``/``port`` is allowed."""
-    return egress_allowed(cluster, src, dst, proto, port) and ingress_allowed(cluster, src, dst, proto, port)
+def allowed(cluster: Cluster, src: ModelPod, dst: ModelPod, proto: str, port: int, family: int = 4) -> bool:
+    """Whether a new connection from ``src`` to ``dst`` on ``proto``/``port`` over IP
+    ``family`` (from the one's address of that family to the other's) is allowed."""
+    return (egress_allowed(cluster, src, dst, proto, port, family)
+            and ingress_allowed(cluster, src, dst, proto, port, family))  # fmt: skip

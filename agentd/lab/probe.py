@@ -12,7 +12,8 @@ request run at once.  ``{"hammer": {"targets": [...], "seconds": 5, "interval": 
 waiting for the previous one) for ``seconds`` and answers ``{"ok": [...], "failed": [...]}``,
 counts per target: traffic that runs while something else changes.  A TCP probe succeeds when a connection is made and the server's name
 comes back; a UDP probe when a datagram sent (again every 200 ms) is echoed with its nonce.
-A probe that is dropped by policy fails after ``timeout`` seconds.
+A probe that is dropped by policy fails after ``timeout`` seconds.  Servers listen on IPv4
+and IPv6 (where the namespace has IPv6); a target is probed over the family of its address.
 
 :class:`Prober` is the test side: it starts the process in a pod's namespace and asks it.
 """
@@ -78,13 +79,14 @@ _SOURCE_PORTS = range(20000, 32000)
 _next_port = [20000 + int.from_bytes(os.urandom(2), "big") % len(_SOURCE_PORTS)]
 
 
-def _udp_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+def _udp_socket(ip: str) -> socket.socket:
+    v6 = ":" in ip
+    sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
     for _ in range(len(_SOURCE_PORTS)):
         port = _next_port[0]
         _next_port[0] = port + 1 if port + 1 < _SOURCE_PORTS.stop else _SOURCE_PORTS.start
         try:
-            sock.bind(("0.0.0.0", port))
+            sock.bind(("::" if v6 else "0.0.0.0", port))
             return sock
         except OSError:
             continue
@@ -95,7 +97,7 @@ def _udp_socket() -> socket.socket:
 async def _udp_probe(ip: str, port: int, timeout: float) -> bool:
     loop = asyncio.get_running_loop()
     nonce = os.urandom(8).hex().encode()
-    sock = _udp_socket()
+    sock = _udp_socket(ip)
     sock.connect((ip, port))
     transport, proto = await loop.create_datagram_endpoint(lambda: _UdpClient(nonce), sock=sock)
     try:
@@ -136,6 +138,25 @@ async def _hammer(targets: list[list[Any]], seconds: float, interval: float = 0.
     return {"ok": ok, "failed": failed}
 
 
+def _hosts() -> list[str]:
+    """The wildcard addresses to listen on: IPv4's, and IPv6's where the namespace has IPv6."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.bind(("::", 0))
+    except OSError:
+        return ["0.0.0.0"]
+    return ["0.0.0.0", "::"]
+
+
+def udp_server(host: str, port: int) -> socket.socket:
+    """A UDP socket bound to ``host``:``port``; an IPv6 one for IPv6 alone, beside the IPv4 one."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+    if ":" in host:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    sock.bind((host, port))
+    return sock
+
+
 async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
     loop = asyncio.get_running_loop()
     label = name.encode()
@@ -149,13 +170,14 @@ async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
         finally:
             writer.close()
 
-    servers = []
+    servers: list[Any] = []
     for proto, port in ports:
-        if proto == "tcp":
-            servers.append(await asyncio.start_server(on_tcp, "0.0.0.0", port, reuse_address=True))
-        else:
-            transport, _ = await loop.create_datagram_endpoint(lambda: _Echo(label), local_addr=("0.0.0.0", port))
-            servers.append(transport)
+        for host in _hosts():
+            if proto == "tcp":
+                servers.append(await asyncio.start_server(on_tcp, host, port, reuse_address=True))
+            else:
+                transport, _ = await loop.create_datagram_endpoint(lambda: _Echo(label), sock=udp_server(host, port))
+                servers.append(transport)
     reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     sys.stdout.write(json.dumps("ready") + "\n")

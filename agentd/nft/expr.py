@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network
 from typing import Any
 
 NAME_MAX = 200  # nft object names may have 255 bytes; longer names are hashed (names stay unique)
@@ -76,3 +77,49 @@ class DropLog:
         from .ruleset import rule_text
 
         return (rule_text([*self.statements(prefix), *final]), rule_text([{"counter": SUPPRESSED}]), rule_text(final))
+
+
+@dataclass(frozen=True)
+class AddressFamily:
+    """What an IP version is called where the compilers write it: the header's payload
+    protocol (``ip saddr`` / ``ip6 saddr``), the set key type, the suffix of the objects
+    that hold its addresses (``egress-pods`` / ``egress-pods6``), its ICMP and loopback.
+    A table of two rows rather than a ladder of ifs: each compiler writes a rule once and
+    asks the row for the words."""
+
+    version: int
+    proto: str  # payload protocol of its header: "ip" | "ip6"; also the ether type and nft table family
+    addr: str  # set element type: "ipv4_addr" | "ipv6_addr"
+    suffix: str  # appended to the names of the objects holding its addresses ("" for IPv4: unchanged)
+    icmp: str  # "icmp" | "icmpv6"
+    redirect: str  # its ICMP redirect type
+    loopback: str  # the loopback network, as a prefix
+    link_local: str  # the link-local network, as a prefix
+
+    def name(self, base: str) -> str:
+        return base + self.suffix
+
+    def saddr(self) -> dict[str, Any]:
+        return payload(self.proto, "saddr")
+
+    def daddr(self) -> dict[str, Any]:
+        return payload(self.proto, "daddr")
+
+
+def prefix(net: IPv4Network | IPv6Network | str) -> Any:
+    """A network as a rule's right-hand side: an address for a host route, else a prefix."""
+    if isinstance(net, str):
+        net = IPv4Network(net) if ":" not in net else IPv6Network(net)
+    if net.prefixlen == net.max_prefixlen:
+        return str(net.network_address)
+    return {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
+
+
+IPV4 = AddressFamily(4, "ip", "ipv4_addr", "", "icmp", "redirect", "127.0.0.0/8", "169.254.0.0/16")
+IPV6 = AddressFamily(6, "ip6", "ipv6_addr", "6", "icmpv6", "nd-redirect", "::1/128", "fe80::/10")
+FAMILIES = {4: IPV4, 6: IPV6}
+
+
+def families(versions: Any) -> list[AddressFamily]:
+    """The rows of IP ``versions`` (4, 6), in that order."""
+    return [FAMILIES[v] for v in sorted(set(versions))]

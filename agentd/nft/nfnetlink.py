@@ -11,7 +11,7 @@ end (include/uapi/linux/netfilter/nf_tables.h), which the kernel commits as one 
 all or nothing, exactly like the batch libnftables would have sent.  Anything else (rules,
 chains, new sets) still goes through libnftables.
 
-Keys are encoded the way nft lays them out: an address in 4 bytes, an interface name in 16,
+Keys are encoded the way nft lays them out: an address in 4 bytes (IPv6: 16), an interface name in 16,
 a concatenation as its parts each padded to 4 bytes (NFT_REG32 granularity); map data is a
 verdict (jump to a chain) or a MAC address.  Those encoders, the nf_tables messages and the
 decoding of counters are here; the framing (nlmsghdr, nfgenmsg, attributes, error acks) and
@@ -61,7 +61,7 @@ NFTA_VERDICT_CHAIN = 2
 NFT_JUMP = -3
 NFT_GOTO = -4
 
-FAMILIES = {"inet": 1, "ip": 2, "ipv4": 2, "arp": 3, "netdev": 5, "bridge": 7, "ipv6": 10}
+FAMILIES = {"inet": 1, "ip": 2, "ipv4": 2, "arp": 3, "netdev": 5, "bridge": 7, "ip6": 10, "ipv6": 10}
 IFNAMSIZ = 16
 L4 = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1}
 
@@ -79,6 +79,8 @@ def _field(type_name: str, value: Any) -> bytes:
     """One value of an nft data type, unpadded."""
     if type_name == "ipv4_addr":
         return socket.inet_aton(str(value))
+    if type_name == "ipv6_addr":
+        return socket.inet_pton(socket.AF_INET6, str(value))
     if type_name == "ifname":
         raw = str(value).encode()
         if len(raw) >= IFNAMSIZ:
@@ -93,7 +95,7 @@ def _field(type_name: str, value: Any) -> bytes:
     raise ValueError(f"no netlink encoding for nft type {type_name}")
 
 
-FIELD_TYPES = frozenset({"ipv4_addr", "ifname", "inet_proto", "inet_service", "ether_addr"})
+FIELD_TYPES = frozenset({"ipv4_addr", "ipv6_addr", "ifname", "inet_proto", "inet_service", "ether_addr"})
 
 
 def can_encode(types: Sequence[str], map_type: str | None) -> bool:

@@ -80,6 +80,7 @@ class PolicyAgent:
         fast_path: FastPath | None = None,
         fast_path_error: str | None = None,
         drop_log: DropLog | None = None,
+        families: tuple[int, ...] = (4,),
     ) -> None:
         """``drop_log``: flow records are kept (agentd.flows): drops are logged to its NFLOG
         group and every local pod's traffic is routed through conntrack."""
@@ -87,7 +88,8 @@ class PolicyAgent:
         self.ds = datastore
         self.store = ResourceStore(datastore)
         self.data_dir = str(data_dir)
-        self.engine = PolicyEngine(node, drop_log=drop_log, route_all=drop_log is not None)
+        # families: the IP versions pods have addresses of
+        self.engine = PolicyEngine(node, drop_log=drop_log, route_all=drop_log is not None, families=families)
         self.nft = nft
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods

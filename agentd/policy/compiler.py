@@ -33,6 +33,15 @@ counter, and the spoofing drop logs with prefix ``spoofed``.  With ``route_all``
 table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
 conntrack sees every connection of the node's pods (the flows' connection records).
 
+IPv6 (``families`` with 6, dual-stack and IPv6-only clusters) is judged by the same chains:
+every object that holds addresses has an IPv6 twin beside it, named with a ``6``
+(``egress-pods6``, ``np-in/<ns>/<policy>/<rule>/pods6``), read by an ``ip6`` match next to
+the ``ip`` one, and a pod is in the sets of both families with both its addresses.  The
+bridge table checks IPv6 sources as it checks IPv4 ones (link-local sources and the
+unspecified source of duplicate address detection aside), drops router advertisements and
+redirects from pods (they are no routers), and lets neighbour discovery pass untouched, to
+and from isolated pods alike: it is never routed up, so isolation never breaks it.
+
 Selector members are set elements: each rule has a set of its peer pods' addresses
 (``np-in/<ns>/<policy>/<rule>/pods``) and, with named ports, a set of (address, protocol,
 port) (``.../named``); its ipBlocks are prefix matches in its rules.  A pod appearing or
@@ -42,14 +51,16 @@ changing labels anywhere in the cluster changes elements, never rules.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
-from ipaddress import IPv4Address, IPv4Network
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agentd.nft.expr import ACCEPT, DROP, ESTABLISHED, SUPPRESSED, DropLog, jump, match, meta, object_name, payload, ref
+from agentd.nft.expr import (
+    ACCEPT, DROP, ESTABLISHED, SUPPRESSED, AddressFamily, DropLog, families as rows, jump, match, meta, object_name,
+    payload, prefix, ref,
+)  # fmt: skip
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, rule_text
 
-from .model import Policy, Port, Rule
+from .model import Address, Network, Policy, Port, Rule
 
 
 TABLE = "agentd-policy"
@@ -92,56 +103,86 @@ def drop_prefix(chain: str) -> str:
 # ------------------------------------------------------------------ base objects
 
 
-def base_objects(bridges: Iterable[str], stateful: bool = True, log: DropLog | None = None) -> list[Any]:
+def base_objects(
+    bridges: Iterable[str], stateful: bool = True, log: DropLog | None = None, families: Sequence[int] = (4,)
+) -> list[Any]:
     """Tables' fixed part: base chains, dispatch maps, the bridge table's sets.
 
     ``stateful``: some local pod is isolated.  Only then do the base chains look at conntrack
     (a ct expression makes the kernel track every packet of the namespace): a node without
-    isolated pods pays no connection tracking for policy."""
+    isolated pods pays no connection tracking for policy.  ``families``: the IP versions
+    pods have addresses of (an IPv4-only node's tables hold nothing of IPv6)."""
+    fams = rows(families)
     established = (rule_text([ESTABLISHED, ACCEPT]),) if stateful else ()
+
+    def dispatch(field: str, base: str) -> tuple[str, ...]:
+        return tuple(rule_text([{"vmap": {"key": payload(f.proto, field), "data": ref(f.name(base))}}]) for f in fams)
+
+    # Neighbour discovery is never routed, but where br_netfilter hands bridged frames to the
+    # IP hooks (bridge-nf-call-ip6tables, which kubelet hosts and Docker turn on) it crosses
+    # the forward hook too: isolation must not take it away.
+    nd = (rule_text([match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT]),) if 6 in families else ()
+
     inet: list[Any] = [
-        NftSet(INET, TABLE, EGRESS_MAP, ("ipv4_addr",), map="verdict"),
-        NftSet(INET, TABLE, INGRESS_MAP, ("ipv4_addr",), map="verdict"),
+        *(NftSet(INET, TABLE, f.name(m), (f.addr,), map="verdict") for f in fams for m in (EGRESS_MAP, INGRESS_MAP)),
         NftSet(INET, TABLE, BRIDGES, ("ifname",), elements=frozenset(bridges)),
         *([NftCounter(INET, TABLE, SUPPRESSED)] if log is not None else []),
-        NftChain(
-            INET, TABLE, "egress",
-            (*established, rule_text([{"vmap": {"key": payload("ip", "saddr"), "data": ref(EGRESS_MAP)}}])),
-            hook=("filter", "forward", EGRESS_PRIORITY, "accept"),
-        ),
-        NftChain(
-            INET, TABLE, "ingress",
-            (*established, rule_text([{"vmap": {"key": payload("ip", "daddr"), "data": ref(INGRESS_MAP)}}])),
-            hook=("filter", "forward", INGRESS_PRIORITY, "accept"),
-        ),
+        NftChain(INET, TABLE, "egress", (*established, *nd, *dispatch("saddr", EGRESS_MAP)),
+                 hook=("filter", "forward", EGRESS_PRIORITY, "accept")),
+        NftChain(INET, TABLE, "ingress", (*established, *nd, *dispatch("daddr", INGRESS_MAP)),
+                 hook=("filter", "forward", INGRESS_PRIORITY, "accept")),
         # Same-node pod traffic is routed back out of the bridge it came in on; the node
         # would tell the pod so with ICMP redirects ("send it directly"), which is not the point.
-        NftChain(
-            INET, TABLE, "output",
-            (rule_text([match(meta("oifname"), ref(BRIDGES)), match(payload("icmp", "type"), "redirect"), DROP]),),
-            hook=("filter", "output", 0, "accept"),
-        ),
+        NftChain(INET, TABLE, "output", tuple(
+            rule_text([match(meta("oifname"), ref(BRIDGES)), match(payload(f.icmp, "type"), f.redirect), DROP])
+            for f in fams), hook=("filter", "output", 0, "accept")),
     ]  # fmt: skip
-    return inet + _bridge_base(log)
+    return inet + _bridge_base(fams, log)
 
 
-def _bridge_base(log: DropLog | None = None) -> list[Any]:
-    ip = match(payload("ether", "type"), "ip")
+def _spoofed(log: DropLog | None) -> list[dict[str, Any]]:
+    """What happens to a pod's packet with a source that is not its own (logged: flow records)."""
+    return [jump(SPOOFED)] if log is not None else [{"counter": SPOOFED}, DROP]
+
+
+def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[Any]:
     to_host = {"mangle": {"key": meta("pkttype"), "value": "host"}}
     unicast_other = match(meta("pkttype"), "other")  # not for the bridge, not broadcast/multicast
-    spoofed = [ip, match(meta("iifname"), ref("pod-ports")),
-               match({"concat": [meta("iifname"), payload("ip", "saddr")]}, ref("pod-addrs"), "!=")]
-    prerouting = [
-        # A pod's IPv4 packets carry its own address, or are dropped (and logged: flow records).
-        [*spoofed, jump(SPOOFED)] if log is not None else [*spoofed, {"counter": SPOOFED}, DROP],
-        # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
-        # pod's own host-side MAC, a local FDB entry of the bridge).
-        [ip, unicast_other, match(meta("iifname"), ref("isolated-ports")), to_host,
-         {"mangle": {"key": payload("ether", "daddr"), "value": {"map": {"key": meta("iifname"), "data": ref("port-macs")}}}}],
-        # Unicast to an isolated pod, from anywhere on the bridge: the same, by destination.
-        [ip, unicast_other, match(payload("ip", "daddr"), ref("isolated-addrs")), to_host,
-         {"mangle": {"key": payload("ether", "daddr"), "value": {"map": {"key": payload("ip", "daddr"), "data": ref("addr-macs")}}}}],
-    ]  # fmt: skip
+    from_pod = match(meta("iifname"), ref("pod-ports"))
+    prerouting: list[list[dict[str, Any]]] = []
+    routed_up: list[list[dict[str, Any]]] = []
+    for f in fams:
+        ether = match(payload("ether", "type"), f.proto)
+        own = match({"concat": [meta("iifname"), f.saddr()]}, ref(f.name("pod-addrs")), "!=")
+        unrouted: list[dict[str, Any]] = []  # what the node must not route (and so not be handed)
+        if f.version == 6:
+            not_ll = match(f.saddr(), prefix(f.link_local), "!=")
+            unrouted = [not_ll, match(f.daddr(), prefix(f.link_local), "!=")]
+            prerouting += [
+                # Pods are no routers: their router advertisements and redirects would move
+                # the other pods' routes (RFC 6105's RA guard, on every pod port).
+                [ether, from_pod, match(payload(f.icmp, "type"), {"set": ["nd-router-advert", f.redirect]}), *_spoofed(log)],
+                # Duplicate address detection (and MLD before it) comes from the unspecified address.
+                [ether, match(f.saddr(), "::"), match(meta("l4proto"), "ipv6-icmp"), ACCEPT],
+                # A pod's IPv6 packets carry its own address or a link-local one, or are dropped.
+                [ether, from_pod, not_ll, own, *_spoofed(log)],
+                # Neighbour discovery passes as it is, isolated or not: never routed up (a
+                # unicast advertisement handed to the node would never reach its pod).
+                [match(payload(f.icmp, "type"), {"set": ND_TYPES}), ACCEPT],
+            ]
+        else:
+            # A pod's IPv4 packets carry its own address, or are dropped (and logged: flow records).
+            prerouting.append([ether, from_pod, own, *_spoofed(log)])
+        routed_up += [
+            # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
+            # pod's own host-side MAC, a local FDB entry of the bridge).
+            [ether, unicast_other, match(meta("iifname"), ref("isolated-ports")), *unrouted, to_host,
+             {"mangle": {"key": payload("ether", "daddr"), "value": {"map": {"key": meta("iifname"), "data": ref("port-macs")}}}}],
+            # Unicast to an isolated pod, from anywhere on the bridge: the same, by destination.
+            [ether, unicast_other, match(f.daddr(), ref(f.name("isolated-addrs"))), *unrouted[:1], to_host,
+             {"mangle": {"key": payload("ether", "daddr"), "value": {"map": {"key": f.daddr(), "data": ref(f.name("addr-macs"))}}}}],
+        ]  # fmt: skip
+    prerouting += routed_up
     both = match(payload("ether", "type"), {"set": ["ip", "ip6"]})
     forward = [
         [match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
@@ -155,13 +196,13 @@ def _bridge_base(log: DropLog | None = None) -> list[Any]:
     return [
         *logged,
         NftSet(BRIDGE, TABLE, "pod-ports", ("ifname",)),
-        NftSet(BRIDGE, TABLE, "pod-addrs", ("ifname", "ipv4_addr")),
+        *(NftSet(BRIDGE, TABLE, f.name("pod-addrs"), ("ifname", f.addr)) for f in fams),
         NftSet(BRIDGE, TABLE, "isolated-ports", ("ifname",)),
         NftSet(BRIDGE, TABLE, "isolated-in-ports", ("ifname",)),
         NftSet(BRIDGE, TABLE, "isolated-out-ports", ("ifname",)),
-        NftSet(BRIDGE, TABLE, "isolated-addrs", ("ipv4_addr",)),
+        *(NftSet(BRIDGE, TABLE, f.name("isolated-addrs"), (f.addr,)) for f in fams),
         NftSet(BRIDGE, TABLE, "port-macs", ("ifname",), map="ether_addr"),
-        NftSet(BRIDGE, TABLE, "addr-macs", ("ipv4_addr",), map="ether_addr"),
+        *(NftSet(BRIDGE, TABLE, f.name("addr-macs"), (f.addr,), map="ether_addr") for f in fams),
         NftCounter(BRIDGE, TABLE, SPOOFED),
         NftChain(BRIDGE, TABLE, "prerouting", tuple(rule_text(r) for r in prerouting),
                  hook=("filter", "prerouting", BRIDGE_PRIORITY, "accept")),
@@ -178,11 +219,19 @@ class RuleMembers:
 
     def __init__(
         self,
-        pod_ips: frozenset[IPv4Address] = frozenset(),
+        pod_ips: frozenset[Address] = frozenset(),
         named: frozenset[tuple[str, str, int]] = frozenset(),
     ) -> None:
-        self.pod_ips = pod_ips  # addresses of the pods the rule's selector peers match
+        self.pod_ips = pod_ips  # addresses (both families) of the pods the rule's selector peers match
         self.named = named  # (address, l4proto, port) for the rule's named ports
+
+
+def version_of(address: str) -> int:
+    """The IP version of an address in text form (IPv6 text always has a colon, IPv4 never)."""
+    return 6 if ":" in address else 4
+
+
+Alternative = tuple[int | None, list[dict[str, Any]]]  # (the IP version it is bound to, None: any; its matches)
 
 
 def compile_policy(
@@ -190,57 +239,64 @@ def compile_policy(
     direction: str,
     rules: tuple[Rule, ...],
     members: list[RuleMembers],
+    families: Sequence[int] = (4,),
 ) -> list[Any]:
     """The chain ``np-<direction>/<ns>/<name>`` and its rules' sets.
 
     ``direction`` is "in" (peers are sources) or "out" (peers are destinations).  Named
     ports resolve on the destination pod: for "in" the selected local pods, for "out" the
-    peers; ``members[i].named`` already holds the resolved triples."""
+    peers; ``members[i].named`` already holds the resolved triples.  Each rule allows the
+    peers x ports it lists; a peer match and a port match of two different families never
+    meet in one rule (it could match nothing)."""
+    fams = rows(families)
     chain_name = policy_chain(direction, policy)
     peer_field = "saddr" if direction == "in" else "daddr"
     objects: list[Any] = []
     chain_rules: list[str] = []
     for index, (rule, mem) in enumerate(zip(rules, members)):
         base = f"{chain_name}/{index}"
-        peer_matches: list[list[dict[str, Any]]] = []
+        peers: list[Alternative] = []
         if rule.peers is None:
-            peer_matches.append([])
+            peers.append((None, []))
         else:
             if any(p.selector is not None for p in rule.peers):
-                name = f"{base}/pods"
-                objects.append(NftSet(INET, TABLE, name, ("ipv4_addr",), elements=frozenset(map(str, mem.pod_ips))))
-                peer_matches.append([match(payload("ip", peer_field), ref(name))])
+                for f in fams:
+                    name = f.name(f"{base}/pods")
+                    addrs = frozenset(str(ip) for ip in mem.pod_ips if ip.version == f.version)
+                    objects.append(NftSet(INET, TABLE, name, (f.addr,), elements=addrs))
+                    peers.append((f.version, [match(payload(f.proto, peer_field), ref(name))]))
             # ipBlocks: one prefix match per range (cidr minus its excepts), no set: named
             # interval sets would make libnftables dump all their elements before every change.
-            for net in _collapse(r for p in rule.peers if p.block is not None for r in p.block.ranges()):
-                prefix = str(net.network_address) if net.prefixlen == 32 else {
-                    "prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
-                peer_matches.append([match(payload("ip", peer_field), prefix)])
+            for f in fams:
+                for net in _collapse(r for p in rule.peers if p.block is not None for r in p.block.ranges(f.version)):
+                    peers.append((f.version, [match(payload(f.proto, peer_field), prefix(net))]))
         port_matches, named = _port_matches(rule.ports)
+        ports: list[Alternative] = [(None, m) for m in port_matches]
         if named:
-            name = f"{base}/named"
-            objects.append(
-                NftSet(INET, TABLE, name, ("ipv4_addr", "inet_proto", "inet_service"), elements=frozenset(mem.named))
-            )
-            named_match = [
-                match({"concat": [payload("ip", "daddr"), meta("l4proto"), payload("th", "dport")]}, ref(name))
-            ]
-            if direction == "in":
-                port_matches.append(named_match)
-            else:
-                # Egress named ports resolve on the peers themselves: the set holds only peers.
-                chain_rules.append(rule_text([*named_match, ACCEPT]))
-        for peer in peer_matches:
-            for port in port_matches:
-                chain_rules.append(rule_text([*peer, *port, ACCEPT]))
+            for f in fams:
+                name = f.name(f"{base}/named")
+                triples = frozenset(t for t in mem.named if version_of(t[0]) == f.version)
+                objects.append(NftSet(INET, TABLE, name, (f.addr, "inet_proto", "inet_service"), elements=triples))
+                named_match = [
+                    match({"concat": [payload(f.proto, "daddr"), meta("l4proto"), payload("th", "dport")]}, ref(name))
+                ]
+                if direction == "in":
+                    ports.append((f.version, named_match))
+                else:
+                    # Egress named ports resolve on the peers themselves: the set holds only peers.
+                    chain_rules.append(rule_text([*named_match, ACCEPT]))
+        for peer_version, peer in peers:
+            for port_version, port in ports:
+                if peer_version is None or port_version is None or peer_version == port_version:
+                    chain_rules.append(rule_text([*peer, *port, ACCEPT]))
     objects.append(NftChain(INET, TABLE, chain_name, tuple(chain_rules)))
     return objects
 
 
-def _collapse(nets: Iterable[IPv4Network]) -> list[IPv4Network]:
+def _collapse(nets: Iterable[Network]) -> list[Network]:
     from ipaddress import collapse_addresses
 
-    return list(collapse_addresses(nets))
+    return list(collapse_addresses(nets))  # type: ignore[arg-type]
 
 
 def _port_matches(ports: tuple[Port, ...] | None) -> tuple[list[list[dict[str, Any]]], bool]:

@@ -14,7 +14,9 @@ Kubernetes semantics (networking.k8s.io/v1):
 * a podSelector peer means pods of the policy's namespace, a namespaceSelector peer every
   pod of the matching namespaces, both together the pods matching both; an ipBlock is a
   range of addresses minus its excepts;
-* a named port resolves on the destination pod, by name and protocol.
+* a named port resolves on the destination pod, by name and protocol;
+* a pod has an address of each family the cluster runs (``families``): a selector that
+  matches it matches both, an ipBlock only those of its own family.
 
 Incremental: the members of each distinct peer selector are kept as pods come, go and
 change; a change marks the policies whose members changed (and local pods whose selecting
@@ -29,8 +31,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import compiler
-from .model import LocalPort, PeerSelector, Pod, PodKey, Policy, Rule, namespace_labels
-from agentd.nft.expr import DropLog
+from .model import Address, LocalPort, PeerSelector, Pod, PodKey, Policy, Rule, namespace_labels
+from agentd.nft.expr import FAMILIES, DropLog
 from agentd.nft.ruleset import Ruleset
 
 
@@ -38,14 +40,18 @@ PolicyKey = tuple[str, str]
 
 
 class PolicyEngine:
-    def __init__(self, node: str, *, drop_log: DropLog | None = None, route_all: bool = False) -> None:
+    def __init__(
+        self, node: str, *, drop_log: DropLog | None = None, route_all: bool = False, families: tuple[int, ...] = (4,)
+    ) -> None:
         """``drop_log``: drops are logged for flow records; ``route_all``: every local pod's
         traffic goes through the IP stack and conntrack, not only isolated pods' (flow records
-        of connections between pods of this node)."""
+        of connections between pods of this node); ``families``: the IP versions compiled (a
+        pod's addresses of other versions are ignored)."""
         self.node = node
         self.drop_log = drop_log
         self.route_all = route_all
-        self.by_ip: dict[str, PodKey] = {}  # every pod's address (flow records name pods by it)
+        self.families = tuple(sorted(set(families)))
+        self.by_ip: dict[str, PodKey] = {}  # every pod's addresses (flow records name pods by them)
         self._prefixes: dict[str, tuple[str, PodKey]] | None = None
         self.pods: dict[PodKey, Pod] = {}
         self.local: dict[PodKey, LocalPort] = {}
@@ -98,10 +104,10 @@ class PolicyEngine:
         old = self.pods.get(key)
         old_local = self.local.get(key)
         self.pods[key] = pod
-        if old is not None and old.ip != pod.ip:
+        if old is not None and old.ips != pod.ips:
             self._unindex(old)
-        if pod.ip is not None:
-            self.by_ip[str(pod.ip)] = key
+        for ip in pod.ips:
+            self.by_ip[str(ip)] = key
         self._ns_pods[pod.namespace].add(key)
         if local is not None:
             self.local[key] = local
@@ -109,7 +115,7 @@ class PolicyEngine:
         else:
             self.local.pop(key, None)
         if old != pod:
-            changed = old is None or old.ip != pod.ip or old.ports != pod.ports
+            changed = old is None or old.ips != pod.ips or old.ports != pod.ports
             labels = self.ns_labels(pod.namespace)
             for sel, members in self._members.items():
                 self._recheck(sel, members, pod, labels, changed=changed)
@@ -133,8 +139,9 @@ class PolicyEngine:
             self._reselect(key)
 
     def _unindex(self, pod: Pod) -> None:
-        if pod.ip is not None and self.by_ip.get(str(pod.ip)) == pod.key:
-            del self.by_ip[str(pod.ip)]
+        for ip in pod.ips:
+            if self.by_ip.get(str(ip)) == pod.key:
+                del self.by_ip[str(ip)]
 
     def _recheck(self, sel: PeerSelector, members: set[PodKey], pod: Pod, ns_labels: Mapping[str, str], *, changed: bool) -> None:
         key = pod.key
@@ -246,31 +253,36 @@ class PolicyEngine:
                 out |= self._members.get(peer.selector, set())
         return out
 
+    def addresses(self, pod: Pod) -> tuple[Address, ...]:
+        """The addresses of ``pod`` this node's tables hold: those of the cluster's families."""
+        return tuple(ip for ip in pod.ips if ip.version in self.families)
+
     def rule_members(self, policy: Policy, direction: str, rule: Rule) -> compiler.RuleMembers:
         pods = self.members(policy, rule)
-        ips = frozenset(ip for k in pods if (ip := self.pods[k].ip) is not None)
+        ips = frozenset(ip for k in pods for ip in self.addresses(self.pods[k]))
         named: set[tuple[str, str, int]] = set()
         names = [p for p in rule.ports or () if isinstance(p.port, str)]
         if names:
+            # The destinations a named port is resolved on, each with the addresses it has as
+            # one (a pod a selector matches: all of them; one an ipBlock holds: those inside).
+            candidates: list[tuple[Pod, tuple[Address, ...]]]
             if direction == "in":
-                candidates = [self.pods[k] for k in self._selected.get(policy.key, ())]
+                candidates = [(self.pods[k], self.addresses(self.pods[k])) for k in self._selected.get(policy.key, ())]
             elif rule.peers is None:
-                candidates = list(self.pods.values())
+                candidates = [(pod, self.addresses(pod)) for pod in self.pods.values()]
             else:
                 blocks = [p.block for p in rule.peers if p.block is not None]
-                candidates = [self.pods[k] for k in pods]
+                candidates = [(self.pods[k], self.addresses(self.pods[k])) for k in pods]
                 if blocks:
-                    candidates += [
-                        pod for k, pod in self.pods.items()
-                        if k not in pods and pod.ip is not None and any(b.contains(pod.ip) for b in blocks)
-                    ]  # fmt: skip
-            for pod in candidates:
-                if pod.ip is None:
-                    continue
+                    for k, pod in self.pods.items():
+                        inside = tuple(ip for ip in self.addresses(pod) if any(b.contains(ip) for b in blocks))
+                        if k not in pods and inside:
+                            candidates.append((pod, inside))
+            for pod, addresses in candidates:
                 for p in names:
                     number = pod.named_port(p.port, p.protocol)  # type: ignore[arg-type]
                     if number is not None:
-                        named.add((str(pod.ip), compiler.l4proto(p.protocol), number))
+                        named.update((str(ip), compiler.l4proto(p.protocol), number) for ip in addresses)
         return compiler.RuleMembers(ips, frozenset(named))
 
     # ------------------------------------------------------------------ compile
@@ -292,7 +304,7 @@ class PolicyEngine:
                     if rules is None:
                         continue
                     members = [self.rule_members(policy, direction, r) for r in rules]
-                    objects += compiler.compile_policy(policy, direction, rules, members)
+                    objects += compiler.compile_policy(policy, direction, rules, members, self.families)
             self._replace(self._compiled.pop(key, []), objects)
             if objects:
                 self._compiled[key] = objects
@@ -338,26 +350,31 @@ class PolicyEngine:
         elements: dict[str, set[Any]] = defaultdict(set)
         for key, port in self.local.items():
             pod = self.pods.get(key)
-            if pod is None or pod.ip is None:
+            addresses = [(FAMILIES[ip.version], str(ip)) for ip in self.addresses(pod)] if pod else []
+            if not addresses:
                 continue
-            ip = str(pod.ip)
             ingress, egress = self.isolation(key)
             elements["pod-ports"].add(port.interface)
-            elements["pod-addrs"].add((port.interface, ip))
             elements["port-macs"].add((port.interface, port.mac))
-            elements["addr-macs"].add((ip, port.mac))
-            if ingress or egress or self.route_all:
+            routed = ingress or egress or self.route_all  # its unicast goes up to the IP stack
+            if routed:
                 elements["isolated-ports"].add(port.interface)
-                elements["isolated-addrs"].add(ip)
             if ingress:
                 elements["isolated-in-ports"].add(port.interface)
-                elements[compiler.INGRESS_MAP].add((ip, ("jump", compiler.pod_chain("in", *key))))
             if egress:
                 elements["isolated-out-ports"].add(port.interface)
-                elements[compiler.EGRESS_MAP].add((ip, ("jump", compiler.pod_chain("out", *key))))
+            for f, ip in addresses:
+                elements[f.name("pod-addrs")].add((port.interface, ip))
+                elements[f.name("addr-macs")].add((ip, port.mac))
+                if routed:
+                    elements[f.name("isolated-addrs")].add(ip)
+                if ingress:
+                    elements[f.name(compiler.INGRESS_MAP)].add((ip, ("jump", compiler.pod_chain("in", *key))))
+                if egress:
+                    elements[f.name(compiler.EGRESS_MAP)].add((ip, ("jump", compiler.pod_chain("out", *key))))
         out = []
         stateful = bool(elements["isolated-ports"]) or self.route_all
-        for obj in compiler.base_objects(sorted(self.bridges), stateful, self.drop_log):
+        for obj in compiler.base_objects(sorted(self.bridges), stateful, self.drop_log, self.families):
             if obj.kind == "set" and obj.name in elements:
                 obj = replace(obj, elements=frozenset(elements[obj.name]))
             out.append(obj)

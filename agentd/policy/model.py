@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any
 
 from agentd.resources import pod as podres
@@ -20,6 +20,10 @@ Labels = Mapping[str, str]
 PodKey = tuple[str, str]  # (namespace, name)
 
 PROTOCOLS = ("TCP", "UDP", "SCTP")
+VERSIONS = (4, 6)  # the IP versions a pod may have an address of (one address each)
+
+Address = IPv4Address | IPv6Address
+Network = IPv4Network | IPv6Network
 
 
 @dataclass(frozen=True)
@@ -101,28 +105,34 @@ class PeerSelector:
 
 @dataclass(frozen=True)
 class IPBlock:
-    cidr: IPv4Network | ipaddress.IPv6Network
-    excepts: tuple[IPv4Network | ipaddress.IPv6Network, ...] = ()
+    """A range minus its excepts.  One family: the API server refuses an except of the other
+    family, so an IPv4 block never matches an IPv6 address and the other way round."""
 
-    def ranges(self) -> list[IPv4Network]:
-        """The IPv4 networks the block covers (cidr minus its excepts), non-overlapping."""
-        if self.cidr.version != 4:
-            return []  # pods are IPv4-only: an IPv6 block can match nothing here
-        nets: list[IPv4Network] = [self.cidr]  # type: ignore[list-item]
+    cidr: Network
+    excepts: tuple[Network, ...] = ()
+
+    def ranges(self, version: int = 4) -> list[Network]:
+        """The networks of IP ``version`` the block covers (cidr minus its excepts), non-overlapping."""
+        if self.cidr.version != version:
+            return []
+        nets: list[Network] = [self.cidr]
         for exc in self.excepts:
-            nets = [piece for n in nets for piece in _minus(n, exc)]  # type: ignore[arg-type]
+            if exc.version == version:
+                nets = [piece for n in nets for piece in _minus(n, exc)]
         return nets
 
-    def contains(self, ip: IPv4Address) -> bool:
-        return ip in self.cidr and not any(ip in e for e in self.excepts)
+    def contains(self, ip: Address) -> bool:
+        if ip.version != self.cidr.version:
+            return False
+        return ip in self.cidr and not any(ip in e for e in self.excepts if e.version == ip.version)
 
 
-def _minus(net: IPv4Network, exc: IPv4Network) -> list[IPv4Network]:
-    if not net.overlaps(exc):
+def _minus(net: Network, exc: Network) -> list[Network]:
+    if not net.overlaps(exc):  # type: ignore[arg-type]
         return [net]
-    if net.subnet_of(exc):
+    if net.subnet_of(exc):  # type: ignore[arg-type]
         return []
-    return list(net.address_exclude(exc))
+    return list(net.address_exclude(exc))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -211,18 +221,31 @@ class NamedPort:
 
 @dataclass(frozen=True)
 class Pod:
-    """A pod anywhere in the cluster, as its record in etcd describes it."""
+    """A pod anywhere in the cluster, as its record in etcd describes it.
+
+    ``ips`` are its addresses as ``status.podIPs`` lists them (the primary first; at most one
+    of each family, as Kubernetes allows): a selector that matches the pod matches every one
+    of them, an ipBlock only those of its own family."""
 
     namespace: str
     name: str
     node: str
-    ip: IPv4Address | None
+    ips: tuple[Address, ...]
     labels: Mapping[str, str]
     ports: tuple[NamedPort, ...] = ()
 
     @property
     def key(self) -> PodKey:
         return (self.namespace, self.name)
+
+    @property
+    def ip(self) -> Address | None:
+        """The primary address (``status.podIP``)."""
+        return self.ips[0] if self.ips else None
+
+    def address(self, version: int) -> Address | None:
+        """Its address of IP ``version``, if it has one."""
+        return next((ip for ip in self.ips if ip.version == version), None)
 
     def named_port(self, name: str, protocol: str) -> int | None:
         for p in self.ports:
@@ -233,19 +256,18 @@ class Pod:
     @classmethod
     def parse(cls, obj: Mapping[str, Any]) -> Pod:
         meta, spec, status = obj["metadata"], obj["spec"], obj.get("status") or {}
-        ip = None
+        ips: list[Address] = []
         for entry in status.get("podIPs") or ():
             addr = ipaddress.ip_address(entry["ip"])
-            if addr.version == 4:
-                ip = addr
-                break
+            if all(a.version != addr.version for a in ips):  # one per family (the first)
+                ips.append(addr)
         ports = tuple(
             NamedPort(p["name"], p["containerPort"], p.get("protocol", "TCP"))
             for c in spec.get("containers") or ()
             for p in c.get("ports") or ()
             if "name" in p
         )
-        return cls(meta["namespace"], meta["name"], spec["nodeName"], ip, dict(meta.get("labels") or {}), ports)
+        return cls(meta["namespace"], meta["name"], spec["nodeName"], tuple(ips), dict(meta.get("labels") or {}), ports)
 
 
 @dataclass(frozen=True)

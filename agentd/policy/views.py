@@ -9,7 +9,6 @@ pod as the engine sees it: the policies selecting it and its effective allow-lis
 from __future__ import annotations
 
 from collections import deque
-from ipaddress import IPv4Address
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -153,6 +152,7 @@ def pod_view(engine: PolicyEngine, key: PodKey) -> dict[str, Any]:
     return {
         "pod": f"{pod.namespace}/{pod.name}",
         "ip": str(pod.ip) if pod.ip else None,
+        "ips": [str(ip) for ip in pod.ips],
         "interface": port.interface if port else None,
         "labels": dict(pod.labels),
         "policies": [f"{p.namespace}/{p.name}" for p in policies],
@@ -191,8 +191,12 @@ def _allow_list(engine: PolicyEngine, policies: list[Policy], direction: str) ->
                 "policy": f"{policy.namespace}/{policy.name}",
                 "rule": index,
                 "peers": peers,
-                "peer_addresses": sorted(map(str, mem.pod_ips), key=IPv4Address) if rule.peers is not None else None,
+                "peer_addresses": [str(a) for a in sorted(mem.pod_ips, key=_address_order)] if rule.peers is not None else None,
                 "ports": ports,
                 "named_ports": sorted(f"{a} {p}/{n}" for a, p, n in mem.named) or None,
             })  # fmt: skip
     return out
+
+
+def _address_order(ip: Any) -> tuple[int, Any]:
+    return (ip.version, ip)  # IPv4 first; addresses of two families do not compare

@@ -2,9 +2,9 @@
 
 Set elements that take the netlink fast path (agentd.nft.nfnetlink) must land in the
 kernel exactly as libnftables would have put them: every key layout the tables use
-(address, interface name, interface . address, address . protocol . port) and map data
-(verdict jumps, MAC addresses) is written, then read back with `nft -j list` and compared
-with the wanted ruleset.  A second programmer adopts the tables (same handles, no delete)
+(address, interface name, interface . address, address . protocol . port, each with IPv4
+and IPv6 addresses: the pods are dual-stack) and map data (verdict jumps, MAC addresses) is
+written, then read back with `nft -j list` and compared with the wanted ruleset.  A second programmer adopts the tables (same handles, no delete)
 and rewrites them in one transaction; removing deletes both tables.
 """
 
@@ -22,15 +22,20 @@ from agentd.nft.ruleset import NftSet
 from agentd.resources import kinds
 
 
+def _ips(i: int, net: int = 1) -> tuple:
+    return (ipaddress.IPv4Address(f"10.244.{net}.{i + 2}"), ipaddress.IPv6Address(f"fd00:10:244:{net}::{i + 2}"))
+
+
 def _engine() -> PolicyEngine:
-    eng = PolicyEngine("node1")
+    eng = PolicyEngine("node1", families=(4, 6))
     ports = (NamedPort("http", 80, "TCP"), NamedPort("dns", 53, "UDP"))
     for i in range(6):
         local = LocalPort(f"veth{i}", f"02:00:00:00:00:{i:02x}", "cni0") if i < 3 else None
-        eng.upsert_pod(Pod("x", f"p{i}", "node1" if local else "node2", ipaddress.IPv4Address(f"10.244.1.{i + 2}"),
-                           {"app": "a" if i % 2 else "b"}, ports), local)  # fmt: skip
+        eng.upsert_pod(Pod("x", f"p{i}", "node1" if local else "node2", _ips(i), {"app": "a" if i % 2 else "b"}, ports),
+                       local)  # fmt: skip
     spec = {"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "a"}}}, {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.244.0.0/16"]}}],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "a"}}}, {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.244.0.0/16"]}},
+                                  {"ipBlock": {"cidr": "fd00::/8", "except": ["fd00:10:244::/48"]}}],
                          "ports": [{"port": "http"}, {"port": 443}]}],
             "egress": [{"to": [{"namespaceSelector": {}}], "ports": [{"port": "dns", "protocol": "UDP"}]}]}  # fmt: skip
     eng.upsert_policy(Policy.parse(kinds.validate({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
@@ -91,10 +96,10 @@ async def test_element_batches_land_as_libnftables_would_put_them(netns_factory)
         assert _elements_in_kernel(ns) == _wanted(eng.build())
         # Membership changes only: they go through nfnetlink.
         before = prog.fast
-        eng.upsert_pod(Pod("x", "new", "node3", ipaddress.IPv4Address("10.244.3.9"), {"app": "a"}, (NamedPort("dns", 53, "UDP"),)))
+        eng.upsert_pod(Pod("x", "new", "node3", _ips(7, 3), {"app": "a"}, (NamedPort("dns", 53, "UDP"),)))
         eng.remove_pod(("x", "p5"))
         await prog.sync(eng.build(), eng.touched())
-        eng.upsert_pod(Pod("x", "p4", "node2", ipaddress.IPv4Address("10.244.1.6"), {"app": "a"}, ()))
+        eng.upsert_pod(Pod("x", "p4", "node2", _ips(4)[:1], {"app": "a"}, ()))  # its IPv6 address gone
         await prog.sync(eng.build(), eng.touched())
         assert prog.fast == before + 2
         assert _elements_in_kernel(ns) == _wanted(eng.build())

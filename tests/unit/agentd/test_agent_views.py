@@ -38,9 +38,9 @@ def policy_agent() -> PolicyAgent:
     agent = PolicyAgent(NODE, datastore(), "/nonexistent")
     eng = agent.engine
     eng.set_namespace("x", {})
-    eng.upsert_pod(Pod("x", "a", NODE, IPv4Address("10.244.1.2"), {"app": "a"}, ()), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
-    eng.upsert_pod(Pod("x", "b", NODE, IPv4Address("10.244.1.3"), {"app": "b"}, ()), LocalPort("veth1", "02:00:00:00:00:02", "cni0"))
-    eng.upsert_pod(Pod("x", "c", "node2", IPv4Address("10.244.2.2"), {"app": "c"}, ()))
+    eng.upsert_pod(Pod("x", "a", NODE, (IPv4Address("10.244.1.2"),), {"app": "a"}, ()), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    eng.upsert_pod(Pod("x", "b", NODE, (IPv4Address("10.244.1.3"),), {"app": "b"}, ()), LocalPort("veth1", "02:00:00:00:00:02", "cni0"))
+    eng.upsert_pod(Pod("x", "c", "node2", (IPv4Address("10.244.2.2"),), {"app": "c"}, ()))
     manifest = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "deny", "namespace": "x"},
                 "spec": {"podSelector": {"matchLabels": {"app": "a"}}}}  # fmt: skip
     eng.upsert_policy(Policy.parse(kinds.validate(manifest)))

@@ -126,7 +126,24 @@ def test_address_and_port_maps_carry_their_values():
     # Object maps (a counter by name) are left to libnftables.
     assert nf.can_encode(("ipv4_addr", "inet_proto", "inet_service"), "inet_service")
     assert not nf.can_encode(("ipv4_addr", "inet_proto", "inet_service"), "counter")
-    assert not nf.can_encode(("ipv6_addr",), None)
+
+
+def test_ipv6_keys_and_values_are_sixteen_bytes():
+    """IPv6 sets and maps (policy's ``.../pods6``, Services' ``ip6 agentd-services`` maps)."""
+    assert nf.can_encode(("ipv6_addr", "inet_proto", "inet_service"), "ipv6_addr")
+    assert nf.encode_key(["ipv6_addr"], "fd00::1") == bytes.fromhex("fd000000000000000000000000000001")
+    # In a concatenation the 16 bytes need no padding; the protocol and port do.
+    key = nf.encode_key(["ipv6_addr", "inet_proto", "inet_service"], ["fd00:10:96::a", "udp", 53])
+    assert key == bytes.fromhex("fd00001000960000000000000000000a") + b"\x11\0\0\0" + b"\0\x35\0\0"
+    msg = nf.element_message("add", "ip6", "agentd-services", "addr/0", ["ipv6_addr", "inet_proto", "inet_service"],
+                             "ipv6_addr", [[{"concat": ["fd00:10:96::a", "tcp", 80]}, "fd00:10:244:1::2"]], 7)  # fmt: skip
+    (_t, _f, _s, _pid, start, end), = nl.iter_messages(msg)
+    assert msg[start] == 10  # NFPROTO_IPV6: the ip6 table's family
+    top = {a: (vs, ve) for a, vs, ve in nl.iter_attrs(msg, start + nl.NFGENMSG_LEN, end)}
+    (_e, es, ee), = nl.iter_attrs(msg, *top[nf.NFTA_SET_ELEM_LIST_ELEMENTS])
+    parts = {a: (vs, ve) for a, vs, ve in nl.iter_attrs(msg, es, ee)}
+    (kind, vs, ve), = nl.iter_attrs(msg, *parts[nf.NFTA_SET_ELEM_DATA])
+    assert (kind, msg[vs:ve]) == (nf.NFTA_DATA_VALUE, bytes.fromhex("fd000010024400010000000000000002"))
 
 
 def test_keys_that_cannot_be_encoded_are_value_errors():
@@ -134,8 +151,8 @@ def test_keys_that_cannot_be_encoded_are_value_errors():
         nf.encode_key(["ifname"], "x" * 16)
     with pytest.raises(ValueError, match="does not match ipv4_addr.inet_service"):
         nf.encode_key(["ipv4_addr", "inet_service"], ["10.0.0.1"])
-    with pytest.raises(ValueError, match="no netlink encoding for nft type ipv6_addr"):
-        nf.encode_key(["ipv6_addr"], "::1")
+    with pytest.raises(ValueError, match="no netlink encoding for nft type ipv4_addr6"):
+        nf.encode_key(["ipv4_addr6"], "::1")
 
 
 # --- decoding: a counter dump ----------------------------------------------------------------

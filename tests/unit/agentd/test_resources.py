@@ -99,6 +99,14 @@ def test_json_many_documents_and_lists():
     assert objs[1]["metadata"]["labels"] == {"team": "a", "kubernetes.io/metadata.name": "prod"}
 
 
+def test_ipv6_blocks_are_taken_as_written():
+    block = {"cidr": "fd00:10:244::/48", "except": ["fd00:10:244:3::/64", "fd00:10:244:5::7/128"]}
+    (obj,) = validate_text(mutate("spec.ingress.0.from.1.ipBlock", block))
+    assert obj["spec"]["ingress"][0]["from"][1]["ipBlock"] == block
+    (obj,) = validate_text(mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fd00:10:244::1/48"}))  # host bits: as given
+    assert obj["spec"]["ingress"][0]["from"][1]["ipBlock"] == {"cidr": "fd00:10:244::1/48"}
+
+
 def test_server_fields_round_trip_and_namespace_defaults():
     doc = yaml.safe_load(POLICY)
     doc["metadata"].update(uid="x", resourceVersion="12", creationTimestamp="2024-01-01T00:00:00Z", generation=3)
@@ -137,6 +145,13 @@ BAD = [
     (mutate("spec.ingress.0.from.1.ipBlock.except", ["11.0.0.0/16"]), "spec.ingress[0].from[1].ipBlock.except[0]: Invalid value: \"11.0.0.0/16\": must be a strict subset of `cidr`"),
     (mutate("spec.ingress.0.from.1.ipBlock.except", ["10.0.0.0/8"]), "must be a strict subset"),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", None), "spec.ingress[0].from[1].ipBlock.cidr: Required value"),
+    # IPv6 blocks: one family per block, excepts strictly inside
+    (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fd00::/8", "except": ["10.1.0.0/16"]}), 'ipBlock.except[0]: Invalid value: "10.1.0.0/16": must be a strict subset of `cidr`'),
+    (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "10.0.0.0/8", "except": ["::ffff:10.1.0.0/112"]}), "must be a strict subset of `cidr`"),
+    (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fd00::/8", "except": ["fe80::/10"]}), "must be a strict subset of `cidr`"),
+    (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fd00::/8", "except": ["fd00::/8"]}), "must be a strict subset of `cidr`"),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "fd00::/129"), 'ipBlock.cidr: Invalid value: "fd00::/129": must be a valid CIDR'),
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "fd00::1"), "must be a valid CIDR"),
     (mutate("spec.ingress.0.from.1.podSelector", {}), "spec.ingress[0].from[1]: Forbidden: may not specify both ipBlock and another peer"),
     (mutate("spec.ingress.0.from.1", {}), "spec.ingress[0].from[1]: Required value: must specify a peer"),
     (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0.operator", "in"), 'operator: Invalid value: "in": not a valid selector operator'),
