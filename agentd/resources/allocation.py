@@ -2,8 +2,11 @@
 
 Each allocated value is a key of its own, written in the same transaction as its Service::
 
-    <prefix>/allocations/serviceips/<ip>       "<namespace>/<name>"
+    <prefix>/allocations/serviceips/<ip>       "<namespace>/<name>"   (IPv6 in RFC 5952 text: one spelling)
     <prefix>/allocations/nodeports/<port>      "<namespace>/<name>"
+
+A dual-stack Service holds one address of each family's range (``clusterIPs``); node ports
+are per port, whatever the families.
 
 An allocation compares ``version == 0`` of its key, so two applies that pick the same free
 address cannot both succeed: the loser's transaction fails, it reads again and picks another
@@ -15,13 +18,17 @@ Pure here: the keys, what a Service holds, and the choice of free values (``rng`
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import random
 from collections.abc import Mapping
 from typing import Any
 
+from . import ipfamilies
 from .service import HEADLESS, NODE_PORT_RANGE
 from .validation import Invalid, invalid
+
+Range = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 ALLOCATIONS = "allocations"
 SERVICE_IPS = "serviceips"
@@ -50,9 +57,7 @@ def held(obj: Mapping[str, Any] | None) -> set[tuple[str, str]]:
     if obj is None or obj.get("kind") != "Service":
         return set()
     spec = obj["spec"]
-    out = set()
-    if spec.get("clusterIP") not in ("", HEADLESS, None):
-        out.add((SERVICE_IPS, spec["clusterIP"]))
+    out = {(SERVICE_IPS, ip) for ip in ipfamilies.cluster_ips(spec)}
     for p in spec.get("ports", []):
         if p.get("nodePort"):
             out.add((NODE_PORTS, str(p["nodePort"])))
@@ -60,19 +65,32 @@ def held(obj: Mapping[str, Any] | None) -> set[tuple[str, str]]:
 
 
 def carry_over(new: dict[str, Any], old: Mapping[str, Any] | None) -> None:
-    """Keep what the old Service was given (clusterIP is immutable; node ports stay with their port)."""
+    """Keep what the old Service was given and the new manifest leaves out: its cluster IPs
+    (clusterIP is immutable), its families and policy (``ipfamilies.default`` decides from
+    there), node ports with their port.  Without an old one: clusterIPs from clusterIP."""
+    spec = new["spec"]
     if old is None:
+        if spec["clusterIP"] and not spec.get("clusterIPs"):
+            spec["clusterIPs"] = [spec["clusterIP"]]
         return
-    spec, old_spec = new["spec"], old["spec"]
+    old_spec = old["spec"]
     old_ip = old_spec.get("clusterIP", "")
+    old_ips = list(old_spec.get("clusterIPs") or ([old_ip] if old_ip else []))
     if spec["clusterIP"] == "":
         if old_ip == HEADLESS:
             raise invalid("spec.clusterIP", "", "field is immutable (the Service is headless)")
         spec["clusterIP"] = old_ip
+        if old_ips:
+            spec["clusterIPs"] = old_ips
     elif old_ip and spec["clusterIP"] != old_ip:
         raise invalid("spec.clusterIP", spec["clusterIP"], "field is immutable")
-    if spec["clusterIP"] not in ("", HEADLESS):
-        spec["clusterIPs"] = [spec["clusterIP"]]
+    elif not spec.get("clusterIPs"):  # clusterIP alone, as it was: an older client's manifest (NormalizeClusterIPs)
+        spec["clusterIPs"] = old_ips or [spec["clusterIP"]]
+    if spec["clusterIP"] == "":
+        spec.pop("clusterIPs", None)
+    for key in ("ipFamilies", "ipFamilyPolicy"):
+        if key not in spec and old_spec.get(key) is not None:
+            spec[key] = copy.deepcopy(old_spec[key])
     if spec["type"] != "NodePort":
         return
     old_ports = {(p["port"], p["protocol"]): p.get("nodePort") for p in old_spec.get("ports", [])}
@@ -81,29 +99,47 @@ def carry_over(new: dict[str, Any], old: Mapping[str, Any] | None) -> None:
             p["nodePort"] = old_ports[(p["port"], p["protocol"])]
 
 
-def check_range(spec: Mapping[str, Any], service_cidr: ipaddress.IPv4Network) -> None:
-    ip = spec.get("clusterIP", "")
-    if ip in ("", HEADLESS):
-        return
-    if ipaddress.IPv4Address(ip) not in service_cidr or ip in (str(service_cidr.network_address), str(service_cidr.broadcast_address)):
-        raise invalid("spec.clusterIP", ip, f"provided IP is not in the valid range. The range of valid IPs is {service_cidr}")
+def check_range(spec: Mapping[str, Any], ranges: Mapping[str, Range] | Range) -> None:
+    """Every cluster IP of ``spec`` in the service range of its family (``ranges``: by family,
+    ``IPv4``/``IPv6``; one network: that family's alone)."""
+    if not isinstance(ranges, Mapping):
+        ranges = {ipfamilies.NAME[ranges.version]: ranges}
+    for i, ip in enumerate(ipfamilies.cluster_ips(spec)):
+        net = ranges.get(ipfamilies.family_of(ip))
+        where = "spec.clusterIP" if i == 0 else f"spec.clusterIPs[{i}]"
+        if net is None:
+            raise invalid(where, ip, f"{ipfamilies.family_of(ip)} is not configured on this cluster")
+        addr = ipaddress.ip_address(ip)
+        if addr not in net or addr == net.network_address or (net.version == 4 and addr == net.broadcast_address):
+            raise invalid(where, ip, f"provided IP is not in the valid range. The range of valid IPs is {net}")
 
 
-def pick_ip(service_cidr: ipaddress.IPv4Network, taken: set[str], rng: random.Random) -> str:
-    """A free address of the range (not its network or broadcast address), at random as the
-    API server's allocator does: concurrent applies rarely race for the same one."""
-    first, last = int(service_cidr.network_address) + 1, int(service_cidr.broadcast_address) - 1
+def usable(service_cidr: Range) -> tuple[int, int]:
+    """The first and last address of a range a Service may get: not the network's own (the
+    IPv6 subnet-router anycast, RFC 4291 2.6.1), nor IPv4's broadcast address; as the API
+    server's allocator."""
+    first = int(service_cidr.network_address) + 1
+    last = int(service_cidr.broadcast_address) - (1 if service_cidr.version == 4 else 0)
+    return first, last
+
+
+def pick_ip(service_cidr: Range, taken: set[str], rng: random.Random) -> str:
+    """A free address of the range, at random as the API server's allocator does: concurrent
+    applies rarely race for the same one."""
+    first, last = usable(service_cidr)
     size = last - first + 1
-    if size <= 0 or len(taken) >= size:
+    make = type(service_cidr.network_address)
+    mine = sum(1 for ip in taken if (":" in ip) == (service_cidr.version == 6))  # this family's (all in its range)
+    if size <= 0 or mine >= size:
         raise Exhausted("spec.clusterIP", f"Internal error: failed to allocate a serviceIP: range {service_cidr} is full")
-    if len(taken) > size // 2:  # nearly full: walk from a random start
+    if mine > size // 2:  # nearly full: walk from a random start
         start = rng.randrange(size)
         for i in range(size):
-            ip = str(ipaddress.IPv4Address(first + (start + i) % size))
+            ip = str(make(first + (start + i) % size))
             if ip not in taken:
                 return ip
     while True:
-        ip = str(ipaddress.IPv4Address(first + rng.randrange(size)))
+        ip = str(make(first + rng.randrange(size)))
         if ip not in taken:
             return ip
 

@@ -7,9 +7,13 @@ None (ClientIP: timeout 10800 s); internalTrafficPolicy Cluster, externalTraffic
 for NodePort services.  Types ClusterIP and NodePort; headless (``clusterIP: None``).
 LoadBalancer and ExternalName Services are validated with their own fields, then refused by
 type; so are ``externalIPs``.
+The IP family fields (``clusterIPs``, ``ipFamilies``, ``ipFamilyPolicy``) are
+:mod:`agentd.resources.ipfamilies`'s; an EndpointSlice's ``addressType`` is IPv4 or IPv6, and
+every address in it of that family.
 
-What is not pure - the cluster IP and node ports a Service gets when it names none - is the
-store's (:mod:`agentd.resources.store`, one etcd transaction with the object).
+What is not pure - the families a Service gets from the cluster's service ranges, the cluster
+IPs and node ports it gets when it names none - is the store's (:mod:`agentd.resources.store`,
+one etcd transaction with the object).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from . import ipfamilies
 from .validation import (
     Invalid,
     array,
@@ -45,7 +50,7 @@ MAX_AFFINITY_TIMEOUT = 86400
 NODE_PORT_RANGE = (30000, 32767)  # the API server's --service-node-port-range default
 HEADLESS = "None"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # an EndpointSlice's Service
-ADDRESS_TYPES = ("IPv4",)
+ADDRESS_TYPES = ("IPv4", "IPv6")
 MAX_ENDPOINTS = 1000  # ValidateEndpointSlice: maxEndpoints
 MAX_PORTS = 20000
 
@@ -71,19 +76,12 @@ def validate_spec(raw: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"type": kind}
     if kind == "ExternalName":
         _external_name(spec)
-    cluster_ip = _cluster_ip(spec)
+    # clusterIP ("" until the store allocates one), clusterIPs, ipFamilies, ipFamilyPolicy: the
+    # last two are defaulted by the store, from the cluster's service ranges (ipfamilies.py).
+    out.update(ipfamilies.validate(spec))
+    cluster_ip = out["clusterIP"]
     if cluster_ip == HEADLESS and kind != "ClusterIP":
         raise invalid("spec.clusterIP", cluster_ip, "may be 'None' only when `type` is 'ClusterIP'")
-    out["clusterIP"] = cluster_ip  # "" until the store allocates one
-    if cluster_ip:
-        out["clusterIPs"] = [cluster_ip]
-    for key in ("ipFamilies",):
-        for i, fam in enumerate(array(spec.get(key), f"spec.{key}")):
-            if fam != "IPv4":
-                raise unsupported(f"spec.{key}[{i}]", fam, ("IPv4",))
-    if "ipFamilyPolicy" in spec and spec["ipFamilyPolicy"] != "SingleStack":
-        raise unsupported("spec.ipFamilyPolicy", spec["ipFamilyPolicy"], ("SingleStack",))
-    out["ipFamilies"], out["ipFamilyPolicy"] = ["IPv4"], "SingleStack"
     if "selector" in spec:
         out["selector"] = labels(spec["selector"], "spec.selector")
     ports = array(spec.get("ports"), "spec.ports")
@@ -168,25 +166,6 @@ def _load_balancer(spec: dict[str, Any], kind: str, external_policy: str | None)
             raise invalid("spec.healthCheckNodePort", spec["healthCheckNodePort"],
                           "may only be set when `type` is 'LoadBalancer' and `externalTrafficPolicy` is 'Local'")  # fmt: skip
         port_number(spec["healthCheckNodePort"], "spec.healthCheckNodePort")
-
-
-def _cluster_ip(spec: dict[str, Any]) -> str:
-    ip = string(spec.get("clusterIP", ""), "spec.clusterIP")
-    ips = [string(x, f"spec.clusterIPs[{i}]") for i, x in enumerate(array(spec.get("clusterIPs"), "spec.clusterIPs"))]
-    if len(ips) > 1:
-        raise invalid("spec.clusterIPs", ips, "agentd services are single-stack IPv4: at most one address")
-    if ips and ip and ips[0] != ip:
-        raise invalid("spec.clusterIPs[0]", ips[0], "must match `clusterIP` when both are specified")
-    ip = ip or (ips[0] if ips else "")
-    if ip in ("", HEADLESS):
-        return ip
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        raise invalid("spec.clusterIP", ip, "must be empty, 'None', or a valid IP address") from None
-    if addr.version != 4:
-        raise invalid("spec.clusterIP", ip, "agentd services are IPv4")
-    return str(addr)
 
 
 def _ports(raw: list[Any], kind: str, headless: bool) -> list[dict[str, Any]]:
@@ -278,7 +257,8 @@ def validate_slice(doc: dict[str, Any]) -> dict[str, Any]:
     endpoints = array(doc.get("endpoints"), "endpoints")
     if len(endpoints) > MAX_ENDPOINTS:
         raise Invalid("endpoints", f"Too many: {len(endpoints)}: must have at most {MAX_ENDPOINTS} items")
-    out: dict[str, Any] = {"addressType": address_type, "endpoints": [_endpoint(e, f"endpoints[{i}]") for i, e in enumerate(endpoints)]}
+    out: dict[str, Any] = {"addressType": address_type,
+                           "endpoints": [_endpoint(e, f"endpoints[{i}]", address_type) for i, e in enumerate(endpoints)]}
     ports = []
     names: set[str] = set()
     for i, item in enumerate(array(doc.get("ports"), "ports")):
@@ -300,16 +280,17 @@ def validate_slice(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _endpoint(raw: Any, path: str) -> dict[str, Any]:
+def _endpoint(raw: Any, path: str, address_type: str) -> dict[str, Any]:
     e = obj(raw, path, ("addresses", "conditions", "nodeName", "targetRef", "zone", "hostname", "hints", "deprecatedTopology"))
     addrs = array(e.get("addresses"), f"{path}.addresses")
     if len(addrs) != 1:
         # ValidateEndpointSlice: addresses must have 1..100 items; kube-proxy uses the first only.
-        raise Invalid(f"{path}.addresses", "Required value: must contain exactly one address (agentd: IPv4)")
-    try:
-        addr = ipaddress.IPv4Address(string(addrs[0], f"{path}.addresses[0]"))
+        raise Invalid(f"{path}.addresses", f"Required value: must contain exactly one address (agentd: {address_type})")
+    text = string(addrs[0], f"{path}.addresses[0]")
+    try:  # the slice's addressType decides the family of every address in it
+        addr = (ipaddress.IPv4Address if address_type == "IPv4" else ipaddress.IPv6Address)(text)
     except ValueError:
-        raise invalid(f"{path}.addresses[0]", addrs[0], "must be a valid IPv4 address") from None
+        raise invalid(f"{path}.addresses[0]", text, f"must be a valid {address_type} address") from None
     out: dict[str, Any] = {"addresses": [str(addr)]}
     cond = obj(e.get("conditions"), f"{path}.conditions", ("ready", "serving", "terminating"))
     conditions = {}

@@ -37,7 +37,7 @@ from aetcd import transactions as tx
 from agentd.datastore.records import DEFAULT_SERVICE_CIDR
 from agentd.datastore.store import Datastore, KeyValue
 
-from . import allocation, kinds
+from . import allocation, ipfamilies, kinds
 from .ingress import INGRESS_NODES
 from .kinds import Kind
 from .validation import Invalid
@@ -157,12 +157,16 @@ class ResourceStore:
     def __init__(
         self, datastore: Datastore, *, timeout: float | None = None,
         service_cidr: ipaddress.IPv4Network | None = None, rng: random.Random | None = None,
+        service_cidr_v6: ipaddress.IPv6Network | None = None, service_families: list[str] | None = None,
     ) -> None:  # fmt: skip
         self.ds = datastore
         self.prefix = datastore.prefix
         self.timeout = timeout
-        # The cluster IP range; None: the stored cluster config's (read at the first Service).
+        # The cluster IP ranges and the families Services may have ("IPv4", "IPv6", the
+        # primary first); None: the stored cluster config's (read at the first Service).
         self.service_cidr = service_cidr
+        self.service_cidr_v6 = service_cidr_v6
+        self.service_families = service_families
         self.rng = rng or random.Random()
         self._reported: set[tuple[bytes, int]] = set()
 
@@ -278,26 +282,40 @@ class ResourceStore:
         raise Conflict("the objects kept changing while being applied; try again")
 
     async def _load_service_cidr(self) -> None:
-        if self.service_cidr is None:
+        if self.service_cidr is None or self.service_families is None:
             cluster = await self.ds.get_cluster_config(timeout=self.timeout)
-            self.service_cidr = cluster.service_cidr if cluster is not None else DEFAULT_SERVICE_CIDR
+            if self.service_cidr is None:
+                self.service_cidr = cluster.service_cidr if cluster is not None else DEFAULT_SERVICE_CIDR
+            if self.service_families is None:
+                self.service_families = [ipfamilies.IPV4]
+
+    def service_ranges(self) -> dict[str, ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        """The cluster's service range of each family Services may have, the primary first."""
+        assert self.service_cidr is not None and self.service_families is not None
+        nets = {ipfamilies.IPV4: self.service_cidr, ipfamilies.IPV6: self.service_cidr_v6}
+        return {fam: net for fam in self.service_families if (net := nets.get(fam)) is not None}
 
     def _allocate(
         self, obj: dict[str, Any], old: dict[str, Any] | None, taken: dict[tuple[str, str], bytes]
     ) -> tuple[dict[str, Any], tuple[list[Any], list[Any]]]:
-        """The Service with its cluster IP and node ports (kept, given or picked), and the
-        compares and writes of the allocation keys it takes and frees.  ``taken`` is updated
-        so that the next Service of the same batch picks other values."""
-        assert self.service_cidr is not None
+        """The Service with its families (defaulted from the cluster's service ranges), its
+        cluster IPs and node ports (kept, given or picked), and the compares and writes of the
+        allocation keys it takes and frees.  ``taken`` is updated so that the next Service of
+        the same batch picks other values."""
         new = copy.deepcopy(obj)
         allocation.carry_over(new, old)
         spec = new["spec"]
+        if old is not None:
+            ipfamilies.check_update(spec, old["spec"])
+        ranges = self.service_ranges()
+        ipfamilies.default(spec, old["spec"] if old is not None else None, list(ranges))
         me = allocation.owner(new)
-        allocation.check_range(spec, self.service_cidr)
-        if spec["clusterIP"] == "":
-            ips = {v for w, v in taken if w == allocation.SERVICE_IPS}
-            spec["clusterIP"] = allocation.pick_ip(self.service_cidr, ips, self.rng)
-            spec["clusterIPs"] = [spec["clusterIP"]]
+        allocation.check_range(spec, ranges)
+        if not ipfamilies.headless(spec):
+            ips = list(spec.get("clusterIPs") or [])
+            for fam in spec["ipFamilies"][len(ips):]:  # a cluster IP for each family that has none yet
+                ips.append(allocation.pick_ip(ranges[fam], {v for w, v in taken if w == allocation.SERVICE_IPS}, self.rng))
+            spec["clusterIPs"], spec["clusterIP"] = ips, ips[0]
         if spec["type"] == "NodePort":
             for i, p in enumerate(spec["ports"]):
                 if not p.get("nodePort"):
@@ -310,9 +328,12 @@ class ResourceStore:
         for what, value in sorted(want - have):
             holder = taken.get((what, value))
             if holder is not None and holder != me:
-                field = "spec.clusterIP" if what == allocation.SERVICE_IPS else "spec.ports"
-                shown = value if what == allocation.SERVICE_IPS else f"nodePort {value}"
-                raise Invalid(field, f'Invalid value: "{shown}": provided {"IP" if what == allocation.SERVICE_IPS else "port"} is already allocated (to {holder.decode()})')
+                if what == allocation.SERVICE_IPS:
+                    index = spec["clusterIPs"].index(value)
+                    field, shown, noun = "spec.clusterIP" if index == 0 else f"spec.clusterIPs[{index}]", value, "IP"
+                else:
+                    field, shown, noun = "spec.ports", f"nodePort {value}", "port"
+                raise Invalid(field, f'Invalid value: "{shown}": provided {noun} is already allocated (to {holder.decode()})')
             key = allocation.allocation_key(self.prefix, what, value)
             compare.append(tx.Version(key) == 0)
             writes.append(tx.Put(key, me))

@@ -1,4 +1,4 @@
-"""Services in etcd: cluster IPs and node ports allocated atomically, against a real etcd.
+"""Services in etcd: cluster IPs (of each family a Service has) and node ports allocated atomically, against a real etcd.
 
 Many ResourceStores (each its own etcd connection) apply Services at once: every Service gets
 its own address of the cluster's range and its own node port, and etcd holds exactly one
@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 
 import aetcd
@@ -29,12 +29,19 @@ from agentd.resources.validation import Invalid
 RANGE = IPv4Network("10.96.0.0/24")
 
 
-def service(name: str, ns: str = "default", *, node_port: bool = False, ip: str | None = None) -> dict:
+def service(name: str, ns: str = "default", *, node_port: bool = False, ip: str | None = None,
+            ips: list[str] | None = None, policy: str | None = None, families: list[str] | None = None) -> dict:
     spec: dict = {"selector": {"app": name}, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}
     if node_port:
         spec["type"] = "NodePort"
     if ip:
         spec["clusterIP"] = ip
+    if ips:
+        spec["clusterIP"], spec["clusterIPs"] = ips[0], ips
+    if policy:
+        spec["ipFamilyPolicy"] = policy
+    if families:
+        spec["ipFamilies"] = families
     return kinds.validate({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns}, "spec": spec})
 
 
@@ -185,3 +192,62 @@ async def test_a_large_apply_stays_within_etcds_operations_per_transaction(etcd_
     applied = await store.apply(objs)
     assert len(applied) == 240 and {a.outcome for a in applied} == {"created"}
     assert len({a.obj["spec"]["clusterIP"] for a in applied if a.obj["kind"] == "Service"}) == 120
+
+
+RANGE6 = IPv6Network("fd00:10:96::/120")
+
+
+async def test_dual_stack_services_get_an_address_of_each_family_and_give_them_back(etcd_server, stores):
+    """A dual-stack cluster: PreferDualStack Services get one address of each range, concurrent
+    applies never share one, an upgrade takes the second in the same transaction that writes the
+    Service, a downgrade (SingleStack) frees it there, a taken IPv6 address is refused."""
+    clients = [await stores() for _ in range(6)]
+    for c in clients:
+        c.service_cidr, c.service_cidr_v6, c.service_families = RANGE, RANGE6, ["IPv4", "IPv6"]
+    batches = [[service(f"d{c}-{i}", policy="PreferDualStack") for i in range(4)] for c in range(6)]
+    results = await asyncio.gather(*(cl.apply(b) for cl, b in zip(clients, batches)))
+    applied = [a.obj for r in results for a in r]
+    pairs = [o["spec"]["clusterIPs"] for o in applied]
+    assert all(o["spec"]["ipFamilies"] == ["IPv4", "IPv6"] for o in applied)
+    assert len({p[0] for p in pairs}) == 24 and len({p[1] for p in pairs}) == 24
+    assert all(IPv4Address(a) in RANGE and IPv6Address(b) in RANGE6 and b != "fd00:10:96::" for a, b in pairs)
+    held = await allocations(etcd_server)
+    assert len(held) == 48 and all(held[f"serviceips/{b}"] == f"default/{o['metadata']['name']}" for o, (_, b) in zip(applied, pairs))
+
+    store = clients[0]
+    (one,) = await store.apply([service("up")])  # SingleStack: the primary family only
+    assert one.obj["spec"]["ipFamilies"] == ["IPv4"] and len(one.obj["spec"]["clusterIPs"]) == 1
+    (up,) = await store.apply([service("up", policy="RequireDualStack")])  # upgrade: the IPv6 address added
+    v4, v6 = up.obj["spec"]["clusterIPs"]
+    assert v4 == one.obj["spec"]["clusterIP"] and IPv6Address(v6) in RANGE6
+    assert (await allocations(etcd_server))[f"serviceips/{v6}"] == "default/up"
+    with pytest.raises(Invalid, match=r"spec\.clusterIPs\[1\]: Invalid value: \"%s\": provided IP is already allocated \(to default/up\)" % v6):
+        await store.apply([service("other", ips=["10.96.0.250", v6], policy="RequireDualStack")])
+    with pytest.raises(Invalid, match="must be set to 'SingleStack' when releasing the secondary clusterIP"):
+        await store.apply([service("up", ips=[v4], policy="RequireDualStack")])
+    (down,) = await store.apply([service("up", policy="SingleStack")])  # downgrade: the IPv6 address goes
+    assert down.obj["spec"]["clusterIPs"] == [v4] and down.obj["spec"]["ipFamilies"] == ["IPv4"]
+    held = await allocations(etcd_server)
+    assert f"serviceips/{v6}" not in held and held[f"serviceips/{v4}"] == "default/up"
+    # IPv6-primary and headless without selector (both families, no address).
+    (six,) = await store.apply([service("six", families=["IPv6"])])
+    assert IPv6Address(six.obj["spec"]["clusterIP"]) in RANGE6 and six.obj["spec"]["clusterIPs"] == [six.obj["spec"]["clusterIP"]]
+    headless = kinds.validate({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "hl", "namespace": "default"},
+                               "spec": {"clusterIP": "None"}})  # fmt: skip
+    (hl,) = await store.apply([headless])
+    assert (hl.obj["spec"]["ipFamilyPolicy"], hl.obj["spec"]["ipFamilies"]) == ("RequireDualStack", ["IPv4", "IPv6"])
+    assert "serviceips/None" not in await allocations(etcd_server)
+    # Deleting a dual-stack Service frees both addresses in one transaction.
+    await store.delete(kinds.SERVICE, "default", "d0-0")
+    first = next(o for o in applied if o["metadata"]["name"] == "d0-0")["spec"]["clusterIPs"]
+    held = await allocations(etcd_server)
+    assert not {f"serviceips/{ip}" for ip in first} & set(held)
+
+
+async def test_a_single_stack_cluster_refuses_what_it_cannot_give(etcd_server, stores):
+    store = await stores()
+    store.service_cidr = RANGE  # the cluster config's families: IPv4 alone
+    with pytest.raises(Invalid, match="this cluster is not configured for dual-stack services"):
+        await store.apply([service("x", policy="RequireDualStack")])
+    (ok,) = await store.apply([service("y", policy="PreferDualStack")])
+    assert ok.obj["spec"]["ipFamilies"] == ["IPv4"] and len(ok.obj["spec"]["clusterIPs"]) == 1

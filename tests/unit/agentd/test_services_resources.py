@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from agentd.datastore.records import ClusterConfig, RecordError
-from agentd.resources import allocation, kinds, manifests
+from agentd.resources import allocation, ipfamilies, kinds, manifests
 from agentd.resources.validation import Invalid
 
 SERVICE = """\
@@ -71,7 +71,7 @@ def mutate(text: str, path: str, value) -> str:
 def test_service_defaults_as_the_api_server():
     spec = one(SERVICE)["spec"]
     assert spec == {
-        "type": "NodePort", "clusterIP": "", "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack",
+        "type": "NodePort", "clusterIP": "",  # families: the store's, from the cluster's service ranges
         "selector": {"app": "web"},
         "ports": [
             {"name": "http", "protocol": "TCP", "port": 80, "targetPort": "http"},
@@ -86,6 +86,9 @@ def test_service_defaults_as_the_api_server():
     assert "externalTrafficPolicy" not in plain["spec"] and plain["spec"]["ports"][0]["targetPort"] == 5353
     headless = one("apiVersion: v1\nkind: Service\nmetadata: {name: h}\nspec: {clusterIP: None, selector: {a: b}}\n")
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["ports"] == []
+    # An IPv4 cluster's store gives every Service what it gave before dual-stack existed.
+    ipfamilies.default(spec, None, ["IPv4"])
+    assert (spec["ipFamilies"], spec["ipFamilyPolicy"]) == (["IPv4"], "SingleStack")
 
 
 @pytest.mark.parametrize(
@@ -106,7 +109,8 @@ def test_service_defaults_as_the_api_server():
          "spec.sessionAffinityConfig.clientIP.timeoutSeconds: Invalid value: 0: must be greater than 0"),
         ("spec.externalTrafficPolicy", "Nearby", 'spec.externalTrafficPolicy: Unsupported value: "Nearby"'),
         ("spec.clusterIP", "10.96.0.300", 'spec.clusterIP: Invalid value: "10.96.0.300": must be empty'),
-        ("spec.clusterIP", "fd00::1", 'spec.clusterIP: Invalid value: "fd00::1": agentd services are IPv4'),
+        ("spec.clusterIP", "fd00::1::2", 'spec.clusterIP: Invalid value: "fd00::1::2": must be empty'),
+        ("spec.ipFamilyPolicy", "Dual", 'spec.ipFamilyPolicy: Unsupported value: "Dual"'),
         ("spec.selector", {"app": True}, "spec.selector: Invalid value: true: must be a string"),
         ("spec.portz", [], "spec.portz: unknown field"),
         ("metadata.name", "web.v1", 'metadata.name: Invalid value: "web.v1": a lowercase RFC 1123 label'),
@@ -205,7 +209,9 @@ def test_endpointslice_validates_at_the_top_level():
     assert obj["ports"] == [{"name": "http", "protocol": "TCP", "port": 8080}]
     assert "spec" not in obj
     for path, value, expected in [
-        ("addressType", "FQDN", 'addressType: Unsupported value: "FQDN": supported values: "IPv4"'),
+        ("addressType", "FQDN", 'addressType: Unsupported value: "FQDN": supported values: "IPv4", "IPv6"'),
+        ("addressType", "IPv6", 'endpoints[0].addresses[0]: Invalid value: "10.244.1.2": must be a valid IPv6 address'),
+        ("endpoints.0.addresses", ["fd00::2"], 'endpoints[0].addresses[0]: Invalid value: "fd00::2": must be a valid IPv4 address'),
         ("addressType", None, "addressType: Required value"),
         ("endpoints.0.addresses", [], "endpoints[0].addresses: Required value"),
         ("endpoints.0.addresses", ["10.0.0.300"], 'endpoints[0].addresses[0]: Invalid value: "10.0.0.300"'),
@@ -215,6 +221,12 @@ def test_endpointslice_validates_at_the_top_level():
     ]:  # fmt: skip
         message = error_of(mutate(SLICE, path, value))
         assert message.startswith("f.yaml: document 1 (EndpointSlice shop/web-1): ") and expected in message, message
+
+
+def test_an_ipv6_slice_holds_ipv6_addresses():
+    text = mutate(mutate(SLICE, "addressType", "IPv6"), "endpoints", [{"addresses": ["FD00:10:244:1::0002"]}])
+    obj = one(text)
+    assert obj["addressType"] == "IPv6" and obj["endpoints"] == [{"addresses": ["fd00:10:244:1::2"], "conditions": {}}]
 
 
 def test_kinds_table_names_and_rows():
