@@ -2,8 +2,8 @@
 
 One :class:`ServiceAgent` per ``agentd run``.  It
 
-1. adopts the node's ``ip agentd-services`` table as a previous run left it (it keeps
-   translating while the agent reads etcd);
+1. adopts the node's ``ip agentd-services`` table (and ``ip6 agentd-services`` where the
+   cluster has IPv6) as a previous run left it (it keeps translating while the agent reads etcd);
 2. follows every resource in etcd with one watch (Services, EndpointSlices, pod records);
 3. after every batch of changes, compiles the whole table (:mod:`agentd.services.compiler`)
    and sends the difference to the kernel in ONE transaction (the policy programmer, on its
@@ -50,9 +50,11 @@ class ServiceAgent:
         dns_config: Any = None,
         on_translating: Callable[[bool], Awaitable[None]] | None = None,
         drop_log: DropLog | None = None,
+        families: tuple[int, ...] = (4,),
     ) -> None:
         self.node = node
         self.drop_log = drop_log  # refusals logged for flow records (agentd.flows)
+        self.families = tuple(sorted(set(families)))  # the IP versions Services have here (one table each)
         # Called with True before the table first translates anything and with False after it
         # stops: the BPF data path must then hand decapsulated packets to netfilter, where
         # conntrack undoes the translation of replies (BpfPath.hold_redirect).
@@ -65,7 +67,7 @@ class ServiceAgent:
         self.nft = nft
         self.programmer: NftProgrammer | None = None
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
-        self._named: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {}  # Service -> its DNS names
+        self._named: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {}  # Service -> its host and SRV names
         self.revision = 0
         self.applied_revision = 0
         self.syncs = 0
@@ -232,7 +234,7 @@ class ServiceAgent:
             dirty, self._dirty = self._dirty, set()
             full = dirty is None or self._table is None
             if full:
-                self._table = compiler.Table(self.node, self.drop_log)
+                self._table = compiler.Table(self.node, self.drop_log, self.families)
                 dirty = set(self.objects["Service"])
                 keys = None
             else:
@@ -292,15 +294,17 @@ class ServiceAgent:
             self.names = dns.Names(self.names.domain)
             self._named = {}
         for key in dirty:
-            old_a, old_srv = self._named.pop(key, ((), ()))
-            for name in old_a:
+            old_hosts, old_srv = self._named.pop(key, ((), ()))
+            for name in old_hosts:
                 self.names.a.pop(name, None)
+                self.names.aaaa.pop(name, None)
             for name in old_srv:
                 self.names.srv.pop(name, None)
             ports = self._table.services.get(key, ((),))[0]
             if ports:
                 part = dns.names(ports, self.names.domain)
                 self.names.a.update(part.a)
+                self.names.aaaa.update(part.aaaa)
                 self.names.srv.update(part.srv)
                 self._named[key] = (tuple(part.a), tuple(part.srv))
 
@@ -312,9 +316,13 @@ class ServiceAgent:
                 await self.refresh_counters()
 
     async def refresh_counters(self) -> None:
+        """Each Service's new connections: its counters of every family's table, added up."""
         assert self.nft is not None
-        got = await self.nft.acounters(compiler.FAMILY, compiler.TABLE)
-        self.counters = {name: packets for name, (packets, _bytes) in got.items()}
+        counters: dict[str, int] = {}
+        for family, table in sorted(compiler.tables(self.families)):
+            for name, (packets, _bytes) in (await self.nft.acounters(family, table)).items():
+                counters[name] = counters.get(name, 0) + packets
+        self.counters = counters
 
 def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
     """UDP endpoints that took new connections before and do not now (their flows are to be flushed)."""

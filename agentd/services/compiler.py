@@ -1,4 +1,4 @@
-"""Services -> the node's ``ip agentd-services`` nftables table.  Pure: ServicePorts in, a Ruleset out.
+"""Services -> the node's ``ip agentd-services`` nftables table (and ``ip6 agentd-services``).  Pure: ServicePorts in, a Ruleset out.
 
 The table (kube-proxy's nftables mode, in agentd's own table, but with the endpoints in maps)::
 
@@ -39,6 +39,12 @@ dropped where a Local traffic policy keeps it off other nodes' endpoints.
 Services with ClientIP affinity keep a chain of their own, one chain per endpoint and a
 timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/...``): the affinity
 sets are per endpoint, so changing their endpoints rewrites rules (through libnftables).
+
+IPv6 (dual-stack and IPv6-only clusters) has a table of its own, ``ip6 agentd-services``, the
+same objects with IPv6 addresses: one table per family, as kube-proxy runs one proxier per
+family, so that every map is keyed by one address type and an IPv4 node's table is what it
+was.  A Service's IPv6 cluster IP and IPv6 endpoints go there (``ServicePort.family``), its
+node ports too, reached on the node's IPv6 addresses (``fib daddr type local``, ``::1`` aside).
 """
 
 from __future__ import annotations
@@ -47,14 +53,16 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from agentd.nft.expr import SUPPRESSED, DropLog, goto, match, meta, object_name, payload
+from agentd.nft.expr import (
+    IPV4, SUPPRESSED, AddressFamily, DropLog, FAMILIES, families as rows, goto, match, meta, object_name, payload, prefix,
+)  # fmt: skip
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, Ruleset, rule_text
 
 from .model import Endpoint, ServicePort
 
-FAMILY = "ip"
+FAMILY = "ip"  # the IPv4 table's family (the IPv6 table's: "ip6")
 TABLE = "agentd-services"
-TABLES = frozenset({(FAMILY, TABLE)})
+TABLES = frozenset({(FAMILY, TABLE), ("ip6", TABLE)})  # what the programmer owns; a node has those of its families
 SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
 HAIRPIN = "service-hairpin"  # endpoint address . VIP . proto . port
@@ -73,6 +81,11 @@ MARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), MASQ_
 SADDR = payload("ip", "saddr")
 
 
+
+
+def tables(versions: Iterable[int]) -> frozenset[tuple[str, str]]:
+    """The tables a node serving Services of IP ``versions`` has."""
+    return frozenset((f.proto, TABLE) for f in rows(versions))
 
 
 def svc_chain(sp: ServicePort) -> str:
@@ -95,22 +108,30 @@ def counter_name(namespace: str, service: str) -> str:
     return object_name("svc", namespace, service)
 
 
-_COUNTERS: dict[tuple[str, str], NftCounter] = {}
+_COUNTERS: dict[tuple[str, str, str], NftCounter] = {}
 
 
-def _counter(namespace: str, service: str) -> NftCounter:
-    """One counter object per service, shared by its ports (so an unchanged one stays the same object)."""
-    got = _COUNTERS.get((namespace, service))
+def _counter(namespace: str, service: str, fam: AddressFamily = IPV4) -> NftCounter:
+    """One counter object per service and table, shared by its ports (so an unchanged one stays the same object)."""
+    got = _COUNTERS.get((fam.proto, namespace, service))
     if got is None:
         if len(_COUNTERS) > 200_000:
             _COUNTERS.clear()
-        got = _COUNTERS[(namespace, service)] = NftCounter(FAMILY, TABLE, counter_name(namespace, service))
+        got = _COUNTERS[(fam.proto, namespace, service)] = NftCounter(fam.proto, TABLE, counter_name(namespace, service))
     return got
 
 
-VIP_TYPE = ("ipv4_addr", "inet_proto", "inet_service")
+def vip_type(fam: AddressFamily) -> tuple[str, ...]:
+    return (fam.addr, "inet_proto", "inet_service")
+
+
+def vip_key(fam: AddressFamily) -> dict[str, Any]:
+    return {"concat": [payload(fam.proto, "daddr"), meta("l4proto"), payload("th", "dport")]}
+
+
+VIP_TYPE = vip_type(IPV4)
 NP_TYPE = ("inet_proto", "inet_service")
-VIP_KEY = {"concat": [payload("ip", "daddr"), meta("l4proto"), payload("th", "dport")]}
+VIP_KEY = vip_key(IPV4)
 NP_KEY = {"concat": [meta("l4proto"), payload("th", "dport")]}
 L4_ANY = match(meta("l4proto"), {"set": ["tcp", "udp", "sctp"]})  # dnat to a port needs the protocol known
 
@@ -130,16 +151,16 @@ def _numgen(n: int, slot: str) -> str:
     return rule_text([{"vmap": {"key": pick, "data": {"set": [[i, goto(f"{slot}/{i}")] for i in range(n)]}}}])
 
 
-def slot_objects(i: int) -> list[Any]:
+def slot_objects(i: int, fam: AddressFamily = IPV4) -> list[Any]:
     """Slot ``i``: the i-th endpoint of every service, as two maps per kind and the chain reading them."""
     out: list[Any] = []
-    for prefix, key_type, key in (("", VIP_TYPE, VIP_KEY), ("np-", NP_TYPE, NP_KEY)):
-        addr, port = f"{prefix}addr/{i}", f"{prefix}port/{i}"
+    for pre, key_type, key in (("", vip_type(fam), vip_key(fam)), ("np-", NP_TYPE, NP_KEY)):
+        addr, port = f"{pre}addr/{i}", f"{pre}port/{i}"
         out += [
-            NftSet(FAMILY, TABLE, addr, key_type, map="ipv4_addr"),
-            NftSet(FAMILY, TABLE, port, key_type, map="inet_service"),
-            NftChain(FAMILY, TABLE, f"{prefix}slot/{i}", (rule_text([L4_ANY, {"dnat": {
-                "family": "ip",
+            NftSet(fam.proto, TABLE, addr, key_type, map=fam.addr),
+            NftSet(fam.proto, TABLE, port, key_type, map="inet_service"),
+            NftChain(fam.proto, TABLE, f"{pre}slot/{i}", (rule_text([L4_ANY, {"dnat": {
+                "family": fam.proto,
                 "addr": {"map": {"key": key, "data": "@" + addr}},
                 "port": {"map": {"key": key, "data": "@" + port}},
             }}]),)),
@@ -147,72 +168,77 @@ def slot_objects(i: int) -> list[Any]:
     return out
 
 
-def pick_objects(n: int) -> list[Any]:
+def pick_objects(n: int, fam: AddressFamily = IPV4) -> list[Any]:
     """The chains choosing one of ``n`` endpoints: for VIPs, Cluster node ports, Local node ports."""
-    hairpin = match({"concat": [SADDR, payload("ip", "daddr"), meta("l4proto"), payload("th", "dport")]}, "@" + HAIRPIN)
-    np_hairpin = match({"concat": [SADDR, meta("l4proto"), payload("th", "dport")]}, "@" + NP_HAIRPIN)
-    count = rule_text([{"counter": {"map": {"key": VIP_KEY, "data": "@" + SVC_COUNTERS}}}])
+    saddr = payload(fam.proto, "saddr")
+    hairpin = match({"concat": [saddr, payload(fam.proto, "daddr"), meta("l4proto"), payload("th", "dport")]}, "@" + HAIRPIN)
+    np_hairpin = match({"concat": [saddr, meta("l4proto"), payload("th", "dport")]}, "@" + NP_HAIRPIN)
+    count = rule_text([{"counter": {"map": {"key": vip_key(fam), "data": "@" + SVC_COUNTERS}}}])
     np_count = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])
+    t = fam.proto
     return [
-        NftChain(FAMILY, TABLE, pick_chain(n), (rule_text([hairpin, MARK_MASQ]), count, _numgen(n, "slot"))),
-        NftChain(FAMILY, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
-        NftChain(FAMILY, TABLE, np_pick_chain(n, True), (rule_text([np_hairpin, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
+        NftChain(t, TABLE, pick_chain(n), (rule_text([hairpin, MARK_MASQ]), count, _numgen(n, "slot"))),
+        NftChain(t, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
+        NftChain(t, TABLE, np_pick_chain(n, True), (rule_text([np_hairpin, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
     ]
 
 
-def base_objects(slots: int = SLOTS_MIN, log: DropLog | None = None) -> list[Any]:
-    """The fixed part, prepared for services of up to ``slots`` endpoints (the maps empty);
-    with ``log`` the refusals are logged for flow records (prefix: the chain's name)."""
+def base_objects(slots: int = SLOTS_MIN, log: DropLog | None = None, *, fam: AddressFamily = IPV4) -> list[Any]:
+    """The fixed part of family ``fam``'s table, prepared for services of up to ``slots``
+    endpoints (the maps empty); with ``log`` the refusals are logged for flow records
+    (prefix: the chain's name)."""
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
-    not_loopback = match(payload("ip", "daddr"), {"prefix": {"addr": "127.0.0.0", "len": 8}}, "!=")
+    not_loopback = match(payload(fam.proto, "daddr"), prefix(fam.loopback), "!=")
     masq = match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK)
+    t, key, key_type = fam.proto, vip_key(fam), vip_type(fam)
     out: list[Any] = [
-        NftSet(FAMILY, TABLE, SERVICE_IPS, VIP_TYPE, map="verdict"),
-        NftSet(FAMILY, TABLE, NODE_PORTS, NP_TYPE, map="verdict"),
-        NftSet(FAMILY, TABLE, HAIRPIN, ("ipv4_addr", *VIP_TYPE)),
-        NftSet(FAMILY, TABLE, NP_HAIRPIN, ("ipv4_addr", *NP_TYPE)),
-        NftSet(FAMILY, TABLE, SVC_COUNTERS, VIP_TYPE, map="counter"),
-        NftSet(FAMILY, TABLE, NP_COUNTERS, NP_TYPE, map="counter"),
-        NftChain(FAMILY, TABLE, "services", (
-            rule_text([{"vmap": {"key": VIP_KEY, "data": "@" + SERVICE_IPS}}]),
+        NftSet(t, TABLE, SERVICE_IPS, key_type, map="verdict"),
+        NftSet(t, TABLE, NODE_PORTS, NP_TYPE, map="verdict"),
+        NftSet(t, TABLE, HAIRPIN, (fam.addr, *key_type)),
+        NftSet(t, TABLE, NP_HAIRPIN, (fam.addr, *NP_TYPE)),
+        NftSet(t, TABLE, SVC_COUNTERS, key_type, map="counter"),
+        NftSet(t, TABLE, NP_COUNTERS, NP_TYPE, map="counter"),
+        NftChain(t, TABLE, "services", (
+            rule_text([{"vmap": {"key": key, "data": "@" + SERVICE_IPS}}]),
             rule_text([local, not_loopback, {"vmap": {"key": NP_KEY, "data": "@" + NODE_PORTS}}]),
         )),
-        NftChain(FAMILY, TABLE, "prerouting", (rule_text([{"jump": {"target": "services"}}]),),
+        NftChain(t, TABLE, "prerouting", (rule_text([{"jump": {"target": "services"}}]),),
                  hook=("nat", "prerouting", DSTNAT, "accept")),
-        NftChain(FAMILY, TABLE, "output", (rule_text([{"jump": {"target": "services"}}]),),
+        NftChain(t, TABLE, "output", (rule_text([{"jump": {"target": "services"}}]),),
                  hook=("nat", "output", DSTNAT, "accept")),
-        NftChain(FAMILY, TABLE, "postrouting", (rule_text([masq, {"masquerade": None}]),),
+        NftChain(t, TABLE, "postrouting", (rule_text([masq, {"masquerade": None}]),),
                  hook=("nat", "postrouting", SRCNAT, "accept")),
         # A port without usable endpoints is refused, as kube-proxy does: no endpoint at all,
         # ICMP port unreachable (a TCP client sees "connection refused" at once instead of a
         # timeout); endpoints only on other nodes under a Local policy, dropped.  Looked at
         # right after the nat chains (a translated packet no longer has the VIP), before routing.
-        NftSet(FAMILY, TABLE, UNAVAILABLE, VIP_TYPE, map="verdict"),
-        NftSet(FAMILY, TABLE, NP_UNAVAILABLE, NP_TYPE, map="verdict"),
-        *_refusals(log),
-        *(NftChain(FAMILY, TABLE, f"filter-{hook}", (
-            rule_text([{"vmap": {"key": VIP_KEY, "data": "@" + UNAVAILABLE}}]),
+        NftSet(t, TABLE, UNAVAILABLE, key_type, map="verdict"),
+        NftSet(t, TABLE, NP_UNAVAILABLE, NP_TYPE, map="verdict"),
+        *_refusals(log, fam),
+        *(NftChain(t, TABLE, f"filter-{hook}", (
+            rule_text([{"vmap": {"key": key, "data": "@" + UNAVAILABLE}}]),
             rule_text([local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
         ), hook=("filter", hook, DSTNAT + 1, "accept")) for hook in ("prerouting", "output")),
     ]  # fmt: skip
     for i in range(slots):
-        out += slot_objects(i)
+        out += slot_objects(i, fam)
     for n in range(1, slots + 1):
-        out += pick_objects(n)
+        out += pick_objects(n, fam)
     return out
 
 
-def _refusals(log: DropLog | None) -> list[Any]:
+def _refusals(log: DropLog | None, fam: AddressFamily = IPV4) -> list[Any]:
     """The chains of ports without usable endpoints: reject, drop (logged with ``log``)."""
+    t = fam.proto
     if log is None:
-        return [NftChain(FAMILY, TABLE, REJECT_CHAIN, (rule_text([{"reject": None}]),)),
-                NftChain(FAMILY, TABLE, DROP_CHAIN, (rule_text([{"drop": None}]),))]
-    return [NftCounter(FAMILY, TABLE, SUPPRESSED),
-            NftChain(FAMILY, TABLE, REJECT_CHAIN, log.chain_rules(REJECT_CHAIN, [{"reject": None}])),
-            NftChain(FAMILY, TABLE, DROP_CHAIN, log.chain_rules(DROP_CHAIN, [{"drop": None}]))]
+        return [NftChain(t, TABLE, REJECT_CHAIN, (rule_text([{"reject": None}]),)),
+                NftChain(t, TABLE, DROP_CHAIN, (rule_text([{"drop": None}]),))]
+    return [NftCounter(t, TABLE, SUPPRESSED),
+            NftChain(t, TABLE, REJECT_CHAIN, log.chain_rules(REJECT_CHAIN, [{"reject": None}])),
+            NftChain(t, TABLE, DROP_CHAIN, log.chain_rules(DROP_CHAIN, [{"drop": None}]))]
 
 
-Elements = dict[str, frozenset[Any]]  # map or set name -> the elements one service puts there
+MapKey = tuple[str, str]  # (table family, map or set name)
 
 
 class Compiled:
@@ -221,23 +247,25 @@ class Compiled:
 
     __slots__ = ("objects", "elements", "size")
 
-    def __init__(self, objects: list[Any], elements: dict[str, set[Any]], size: int) -> None:
+    def __init__(self, objects: list[Any], elements: dict[tuple[str, str], set[Any]], size: int) -> None:
         self.objects = objects
         self.elements = elements
         self.size = size
 
 
 def compile_port(sp: ServicePort, node: str) -> Compiled:
-    """The objects and map elements of one service port on ``node``."""
-    counter = _counter(sp.namespace, sp.service)
+    """The objects and map elements of one service port on ``node``; its elements are keyed
+    by (table family, map name): the port's family decides the table."""
+    fam = FAMILIES[sp.family]
+    counter = _counter(sp.namespace, sp.service, fam)
     objs: list[Any] = [counter]
-    elements: dict[str, set[Any]] = {}
+    elements: dict[tuple[str, str], set[Any]] = {}
 
     def put(name: str, elem: Any) -> None:
-        elements.setdefault(name, set()).add(elem)
+        elements.setdefault((fam.proto, name), set()).add(elem)
 
     if sp.affinity_timeout is not None:
-        _compile_affinity(sp, node, objs, put)
+        _compile_affinity(sp, node, fam, objs, put)
         return Compiled(objs, elements, 0)
     every, local = sp.usable(), sp.usable(node)
     size = 0
@@ -279,15 +307,18 @@ def _unavailable(every: tuple[Endpoint, ...]) -> tuple[str, str]:
     return ("goto", DROP_CHAIN if every else REJECT_CHAIN)
 
 
-def _compile_affinity(sp: ServicePort, node: str, objs: list[Any], put: Callable[[str, Any], None]) -> None:
+def _compile_affinity(
+    sp: ServicePort, node: str, fam: AddressFamily, objs: list[Any], put: Callable[[str, Any], None]
+) -> None:
     """ClientIP affinity: a chain for the service (``svc/``) and node port (``ext/``), one per endpoint."""
     counter = {"counter": counter_name(sp.namespace, sp.service)}
     every, local = sp.usable(), sp.usable(node)
     chains: dict[str, Endpoint] = {}
+    t = fam.proto
     if sp.cluster_ip is not None:
         chosen = local if sp.internal_local else every
         if chosen:
-            objs.append(NftChain(FAMILY, TABLE, svc_chain(sp), _dispatch(sp, chosen, counter)))
+            objs.append(NftChain(t, TABLE, svc_chain(sp), _dispatch(sp, fam, chosen, counter)))
             chains.update((ep_chain(sp, e), e) for e in chosen)
             put(SERVICE_IPS, ((sp.cluster_ip, sp.l4, sp.port), ("goto", svc_chain(sp))))
         else:
@@ -296,25 +327,26 @@ def _compile_affinity(sp: ServicePort, node: str, objs: list[Any], put: Callable
         rules: tuple[str, ...] = ()
         if sp.external_local:
             if local:
-                rules = _dispatch(sp, local, counter)
+                rules = _dispatch(sp, fam, local, counter)
                 chains.update((ep_chain(sp, e), e) for e in local)
         elif every:
             if sp.cluster_ip is not None and not sp.internal_local:
                 rules = (rule_text([MARK_MASQ, goto(svc_chain(sp))]),)
             else:
-                rules = (rule_text([MARK_MASQ]), *_dispatch(sp, every, counter))
+                rules = (rule_text([MARK_MASQ]), *_dispatch(sp, fam, every, counter))
                 chains.update((ep_chain(sp, e), e) for e in every)
         if rules:
-            objs.append(NftChain(FAMILY, TABLE, ext_chain(sp), rules))
+            objs.append(NftChain(t, TABLE, ext_chain(sp), rules))
             put(NODE_PORTS, ((sp.l4, sp.node_port), ("goto", ext_chain(sp))))
         else:
             put(NP_UNAVAILABLE, ((sp.l4, sp.node_port), _unavailable(every)))
     for chain, e in sorted(chains.items()):
-        objs += _endpoint(sp, e, chain)
+        objs += _endpoint(sp, fam, e, chain)
 
 
-def _dispatch(sp: ServicePort, endpoints: tuple[Endpoint, ...], counter: dict[str, Any]) -> tuple[str, ...]:
-    rules = [rule_text([match(SADDR, "@" + affinity_set(sp, e)), counter, goto(ep_chain(sp, e))]) for e in endpoints]
+def _dispatch(sp: ServicePort, fam: AddressFamily, endpoints: tuple[Endpoint, ...], counter: dict[str, Any]) -> tuple[str, ...]:
+    saddr = payload(fam.proto, "saddr")
+    rules = [rule_text([match(saddr, "@" + affinity_set(sp, e)), counter, goto(ep_chain(sp, e))]) for e in endpoints]
     if len(endpoints) == 1:
         rules.append(rule_text([counter, goto(ep_chain(sp, endpoints[0]))]))
     else:
@@ -324,19 +356,20 @@ def _dispatch(sp: ServicePort, endpoints: tuple[Endpoint, ...], counter: dict[st
     return tuple(rules)
 
 
-def _endpoint(sp: ServicePort, e: Endpoint, chain: str) -> list[Any]:
+def _endpoint(sp: ServicePort, fam: AddressFamily, e: Endpoint, chain: str) -> list[Any]:
     """An affinity Service's endpoint: its chain (hairpin mark, the client recorded in the
     endpoint's timeout set, dnat) and that set."""
     aff = affinity_set(sp, e)
+    saddr = payload(fam.proto, "saddr")
     rules = (
-        rule_text([match(SADDR, e.ip), MARK_MASQ]),  # hairpin: the pod reaching itself
-        rule_text([{"set": {"op": "update", "elem": SADDR, "set": "@" + aff}}]),
+        rule_text([match(saddr, e.ip), MARK_MASQ]),  # hairpin: the pod reaching itself
+        rule_text([{"set": {"op": "update", "elem": saddr, "set": "@" + aff}}]),
         # dnat to addr:port needs the protocol known in the rule (the map matched it already).
         rule_text([match(meta("l4proto"), sp.l4), {"dnat": {"addr": e.ip, "port": e.port}}]),
     )
     return [
-        NftSet(FAMILY, TABLE, aff, ("ipv4_addr",), flags=("timeout",), timeout=sp.affinity_timeout),
-        NftChain(FAMILY, TABLE, chain, rules),
+        NftSet(fam.proto, TABLE, aff, (fam.addr,), flags=("timeout",), timeout=sp.affinity_timeout),
+        NftChain(fam.proto, TABLE, chain, rules),
     ]
 
 
@@ -354,29 +387,33 @@ class Table:
     last read (``NftSet.delta``), so that neither a batch of many Services nor the plan of one
     change costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset."""
 
-    def __init__(self, node: str, log: DropLog | None = None) -> None:
+    def __init__(self, node: str, log: DropLog | None = None, families: Iterable[int] = (4,)) -> None:
         self.node = node
-        self._rs = Ruleset(TABLES)
+        self.families = rows(families)  # the IP versions this node serves (one table each)
+        self._versions = {f.version for f in self.families}
+        self._rs = Ruleset(tables(self._versions))
         self.slots = SLOTS_MIN
-        for obj in base_objects(self.slots, log):
-            self._rs.add(obj)
-        # map name -> (elements added, elements removed) since rs was last read
-        self._pending: dict[str, tuple[set[Any], set[Any]]] = {}
+        for fam in self.families:
+            for obj in base_objects(self.slots, log, fam=fam):
+                self._rs.add(obj)
+        # (family, map name) -> (elements added, elements removed) since rs was last read
+        self._pending: dict[MapKey, tuple[set[Any], set[Any]]] = {}
         # per service: its ports, its own objects by key, its elements by map, its pick sizes
-        self.services: dict[ServiceKey, tuple[tuple[ServicePort, ...], dict[Any, Any], dict[str, set[Any]], list[int]]] = {}
-        self.elements: dict[str, set[Any]] = {}  # map or set name -> every service's elements
+        self.services: dict[ServiceKey, tuple[tuple[ServicePort, ...], dict[Any, Any], dict[MapKey, set[Any]], list[int]]] = {}
+        self.elements: dict[MapKey, set[Any]] = {}  # (family, map or set name) -> every service's elements
         self.sizes: Counter[int] = Counter()
         self.port_count = 0
 
     def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
-        """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys."""
-        ports = tuple(sorted(ports, key=lambda p: p.key))
+        """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys.
+        Ports of a family this node does not serve are left out."""
+        ports = tuple(sorted((p for p in ports if p.family in self._versions), key=lambda p: p.key))
         old = self.services.get(key)
         if old is not None and old[0] == ports:
             return set()
         old_objs, old_elems, old_sizes = (old[1], old[2], old[3]) if old is not None else ({}, {}, [])
         objs: dict[Any, Any] = {}
-        elems: dict[str, set[Any]] = {}
+        elems: dict[MapKey, set[Any]] = {}
         sizes: list[int] = []
         for sp in ports:
             compiled = compile_port(sp, self.node)
@@ -405,8 +442,8 @@ class Table:
             before, after = old_elems.get(name, set()), elems.get(name, set())
             if before == after:
                 continue
-            key = (FAMILY, TABLE, "set", name)
-            if key not in self._rs.objects:  # a slot map _resize removed: it went with its last service
+            obj_key = (name[0], TABLE, "set", name[1])
+            if obj_key not in self._rs.objects:  # a slot map _resize removed: it went with its last service
                 continue
             have = self.elements.setdefault(name, set())
             gone, new = before - after, after - before
@@ -418,14 +455,14 @@ class Table:
             added -= gone
             added |= new - removed
             removed -= new
-            touched.add(key)
+            touched.add(obj_key)
         return touched
 
     @property
     def rs(self) -> Ruleset:
         """The whole wanted ruleset (changed maps rebuilt here, once per read)."""
         for name, (added, removed) in self._pending.items():
-            base = self._rs.objects.get((FAMILY, TABLE, "set", name))
+            base = self._rs.objects.get((name[0], TABLE, "set", name[1]))
             if not isinstance(base, NftSet):
                 continue
             self._rs.add(NftSet(base.family, base.table, base.name, base.type, map=base.map,
@@ -440,37 +477,38 @@ class Table:
         if wanted == self.slots:
             return set()
         touched: set[Any] = set()
-        if wanted > self.slots:
-            for obj in [o for i in range(self.slots, wanted) for o in slot_objects(i)] + [
-                o for n in range(self.slots + 1, wanted + 1) for o in pick_objects(n)
-            ]:
-                self._rs.add(obj)
-                touched.add(obj.key)
-        else:
-            for obj in [o for i in range(wanted, self.slots) for o in slot_objects(i)] + [
-                o for n in range(wanted + 1, self.slots + 1) for o in pick_objects(n)
-            ]:
-                self._rs.objects.pop(obj.key, None)
-                self.elements.pop(obj.name, None)
-                self._pending.pop(obj.name, None)
-                touched.add(obj.key)
+        for fam in self.families:
+            if wanted > self.slots:
+                for obj in [o for i in range(self.slots, wanted) for o in slot_objects(i, fam)] + [
+                    o for n in range(self.slots + 1, wanted + 1) for o in pick_objects(n, fam)
+                ]:
+                    self._rs.add(obj)
+                    touched.add(obj.key)
+            else:
+                for obj in [o for i in range(wanted, self.slots) for o in slot_objects(i, fam)] + [
+                    o for n in range(wanted + 1, self.slots + 1) for o in pick_objects(n, fam)
+                ]:
+                    self._rs.objects.pop(obj.key, None)
+                    self.elements.pop((fam.proto, obj.name), None)
+                    self._pending.pop((fam.proto, obj.name), None)
+                    touched.add(obj.key)
         self.slots = wanted
         return touched
 
     def translating(self) -> bool:
         """Whether any VIP or node port is translated here."""
-        return bool(self.elements.get(SERVICE_IPS) or self.elements.get(NODE_PORTS))
+        return any(self.elements.get((f.proto, m)) for f in self.families for m in (SERVICE_IPS, NODE_PORTS))
 
     def ports(self) -> list[ServicePort]:
         return [sp for ports, *_ in self.services.values() for sp in ports]
 
 
-def compile_services(ports: Iterable[ServicePort], node: str) -> Ruleset:
+def compile_services(ports: Iterable[ServicePort], node: str, families: Iterable[int] = (4,)) -> Ruleset:
     """The whole table for ``node`` at once (what a :class:`Table` fed service by service holds)."""
     by_service: dict[ServiceKey, list[ServicePort]] = {}
     for sp in ports:
         by_service.setdefault((sp.namespace, sp.service), []).append(sp)
-    table = Table(node)
+    table = Table(node, families=families)
     for key in sorted(by_service):
         table.update(key, by_service[key])
     return table.rs

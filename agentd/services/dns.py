@@ -5,9 +5,11 @@ on a dummy interface of its node (``agentd-dns``) and serves DNS there, UDP and 
 agentd-cni hands that address to pods as their nameserver (the ADD result's ``dns``).
 The wire format is dnspython's.
 
-* ``<svc>.<ns>.svc.<domain>`` A: the cluster IP; a headless service: its ready endpoints.
+* ``<svc>.<ns>.svc.<domain>`` A: the IPv4 cluster IP, AAAA: the IPv6 one (a Service has the
+  records of its ``ipFamilies``); a headless service: its ready endpoints of each family.
 * ``_<port>._<proto>.<svc>.<ns>.svc.<domain>`` SRV (named ports): ``0 100 <port> <svc>.<ns>.svc.<domain>``,
-  the target's A records in the additional section (RFC 2782; Kubernetes DNS spec 2.3.1/2.4.1).
+  the target's A and AAAA records in the additional section (RFC 2782; Kubernetes DNS spec
+  2.3.1/2.4.1, which gives AAAA as it gives A).
 * Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
   exists with another type), authoritative, TTL :data:`TTL`.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
@@ -53,26 +55,32 @@ FORWARD_TIMEOUT = 2.0
 
 @dataclass(frozen=True)
 class Names:
-    """What the cluster domain holds: A records and SRV records by (lower-case, absolute) name."""
+    """What the cluster domain holds: A, AAAA and SRV records by (lower-case, absolute) name.
+    A name a Service has is in both ``a`` and ``aaaa``, with the addresses of each family
+    (none for a family it has not)."""
 
     domain: str
     a: dict[str, tuple[str, ...]] = field(default_factory=dict)
     srv: dict[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)  # (port, target)
+    aaaa: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def names(ports: Iterable[ServicePort], domain: str) -> Names:
-    a: dict[str, set[str]] = {}
+    by_family: dict[int, dict[str, set[str]]] = {4: {}, 6: {}}
     srv: dict[str, set[tuple[int, str]]] = {}
     for sp in ports:
         host = f"{sp.service}.{sp.namespace}.svc.{domain}."
-        addrs = a.setdefault(host, set())
+        for hosts in by_family.values():  # the name exists for both types, if empty for one
+            hosts.setdefault(host, set())
+        addrs = by_family[sp.family][host]
         if sp.cluster_ip is not None:
             addrs.add(sp.cluster_ip)
         else:
             addrs.update(e.ip for e in sp.usable())
         if sp.port_name:
             srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).add((sp.port, host))
-    return Names(domain, {k: tuple(sorted(v)) for k, v in a.items()}, {k: tuple(sorted(v)) for k, v in srv.items()})
+    a, aaaa = ({k: tuple(sorted(v)) for k, v in by_family[version].items()} for version in (4, 6))
+    return Names(domain, a, {k: tuple(sorted(v)) for k, v in srv.items()}, aaaa)
 
 
 def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | None:
@@ -87,18 +95,20 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
         return None
     response = dns.message.make_response(query)
     response.flags |= dns.flags.AA
-    known = qname in table.a or qname in table.srv or _is_branch(table, qname)
+    known = qname in table.a or qname in table.srv or _is_branch(table, qname)  # a holds every host, aaaa too
     if not known:
         response.set_rcode(dns.rcode.NXDOMAIN)
         return response
-    if q.rdtype in (dns.rdatatype.A, dns.rdatatype.ANY) and table.a.get(qname):
-        response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "A", list(table.a[qname])))
+    for rdtype, records in ((dns.rdatatype.A, table.a), (dns.rdatatype.AAAA, table.aaaa)):
+        if q.rdtype in (rdtype, dns.rdatatype.ANY) and records.get(qname):
+            response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", rdtype, list(records[qname])))
     if q.rdtype in (dns.rdatatype.SRV, dns.rdatatype.ANY) and qname in table.srv:
-        records = [f"0 100 {port} {target}" for port, target in table.srv[qname]]
-        response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "SRV", records))
+        srv = [f"0 100 {port} {target}" for port, target in table.srv[qname]]
+        response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "SRV", srv))
         for _, target in table.srv[qname]:
-            if table.a.get(target):
-                response.additional.append(dns.rrset.from_text_list(target, TTL, "IN", "A", list(table.a[target])))
+            for rdtype, records in ((dns.rdatatype.A, table.a), (dns.rdatatype.AAAA, table.aaaa)):
+                if records.get(target):
+                    response.additional.append(dns.rrset.from_text_list(target, TTL, "IN", rdtype, list(records[target])))
     return response
 
 

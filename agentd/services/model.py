@@ -8,8 +8,12 @@ endpoint of that port, as in Kubernetes).  A Service without a selector takes th
 EndpointSlices labelled ``kubernetes.io/service-name: <service>`` in its namespace (each
 slice port by name, ``""`` for an unnamed service port), with their conditions.
 
-:func:`build` gives one :class:`ServicePort` per (service, port): the unit the data path
-programs.  Which endpoints take new connections is :meth:`ServicePort.usable`: the ready
+:func:`build` gives one :class:`ServicePort` per (service, port, IP family): the unit the
+data path programs.  A dual-stack Service is two of each: its IPv4 cluster IP with the IPv4
+addresses of its endpoints, its IPv6 one with their IPv6 addresses (as kube-proxy runs one
+proxier per family): a selector takes each pod's address of the family, EndpointSlices count
+for the family of their ``addressType``.  A headless Service has one per family too, without
+a cluster IP (DNS gives its endpoints of each family).  Which endpoints take new connections is :meth:`ServicePort.usable`: the ready
 ones; when none is ready, the serving ones that are terminating (Kubernetes' "terminating
 endpoints" fallback, KEP-1669), so a rolling update does not black-hole a service.
 """
@@ -20,7 +24,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agentd.resources.service import HEADLESS, SERVICE_NAME_LABEL, endpoint_ready, endpoint_serving, endpoint_terminating
+from agentd.resources import ipfamilies
+from agentd.resources.service import SERVICE_NAME_LABEL, endpoint_ready, endpoint_serving, endpoint_terminating
 
 Obj = Mapping[str, Any]
 
@@ -49,10 +54,11 @@ class ServicePort:
     internal_local: bool  # internalTrafficPolicy Local: this node's endpoints only, for the cluster IP
     external_local: bool  # externalTrafficPolicy Local: this node's endpoints only, for the node port
     endpoints: tuple[Endpoint, ...]
+    family: int = 4  # the IP version of its cluster IP and endpoints
 
     @property
-    def key(self) -> tuple[str, str, str, int]:
-        return (self.namespace, self.service, self.protocol, self.port)
+    def key(self) -> tuple[str, str, str, int, int]:
+        return (self.namespace, self.service, self.protocol, self.port, self.family)
 
     @property
     def l4(self) -> str:
@@ -83,23 +89,30 @@ def build(services: Iterable[Obj], slices: Iterable[Obj], pods: Iterable[Obj]) -
         ns = meta["namespace"]
         selector = spec.get("selector") or {}
         timeout = (spec.get("sessionAffinityConfig") or {}).get("clientIP", {}).get("timeoutSeconds")
-        for port in spec.get("ports", []):
-            if selector:
-                endpoints = _from_pods(port, selector, pods_by_ns.get(ns, []))
-            else:
-                endpoints = _from_slices(port, by_service.get((ns, meta["name"]), []))
-            cluster_ip = spec.get("clusterIP") or None
-            out.append(
-                ServicePort(
-                    namespace=ns, service=meta["name"], port_name=port.get("name", ""), protocol=port["protocol"],
-                    port=port["port"], cluster_ip=None if cluster_ip == HEADLESS else cluster_ip,
-                    node_port=port.get("nodePort") if spec["type"] == "NodePort" else None,
-                    affinity_timeout=timeout if spec.get("sessionAffinity") == "ClientIP" else None,
-                    internal_local=spec.get("internalTrafficPolicy") == "Local",
-                    external_local=spec.get("externalTrafficPolicy") == "Local",
-                    endpoints=tuple(sorted(set(endpoints))),
-                )
-            )  # fmt: skip
+        vips = ipfamilies.cluster_ips(spec)
+        for index, family in enumerate(ipfamilies.families_of(spec)):
+            version = ipfamilies.VERSION[family]
+            cluster_ip = None
+            if not ipfamilies.headless(spec):
+                if index >= len(vips):
+                    continue  # no address of this family (yet): nothing to translate
+                cluster_ip = vips[index]
+            for port in spec.get("ports", []):
+                if selector:
+                    endpoints = _from_pods(port, selector, pods_by_ns.get(ns, []), version)
+                else:
+                    endpoints = _from_slices(port, by_service.get((ns, meta["name"]), []), family)
+                out.append(
+                    ServicePort(
+                        namespace=ns, service=meta["name"], port_name=port.get("name", ""), protocol=port["protocol"],
+                        port=port["port"], cluster_ip=cluster_ip,
+                        node_port=port.get("nodePort") if spec["type"] == "NodePort" else None,
+                        affinity_timeout=timeout if spec.get("sessionAffinity") == "ClientIP" else None,
+                        internal_local=spec.get("internalTrafficPolicy") == "Local",
+                        external_local=spec.get("externalTrafficPolicy") == "Local",
+                        endpoints=tuple(sorted(set(endpoints))), family=version,
+                    )
+                )  # fmt: skip
     return out
 
 
@@ -107,11 +120,11 @@ def matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj]) -> list[Endpoint]:
+def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj], version: int) -> list[Endpoint]:
     out = []
     target = port["targetPort"]
     for pod in pods:
-        ip = _ipv4_of(pod)
+        ip = _pod_address(pod, version)
         if not ip or not matches(selector, pod["metadata"].get("labels") or {}):
             continue
         number = target if isinstance(target, int) else _named_port(pod, target, port["protocol"])
@@ -122,12 +135,13 @@ def _from_pods(port: Obj, selector: Mapping[str, str], pods: list[Obj]) -> list[
     return out
 
 
-def _ipv4_of(pod: Obj) -> str | None:
-    """The pod's IPv4 address: Services are translated in the ``ip`` table, to IPv4 endpoints
-    (a dual-stack pod's podIP is its IPv4 one; an IPv6-only pod is no endpoint yet)."""
+def _pod_address(pod: Obj, version: int) -> str | None:
+    """The pod's address of IP ``version`` (podIPs holds one of each family the pod has)."""
     status = pod.get("status") or {}
-    ips = [e.get("ip") for e in status.get("podIPs") or ()] or [status.get("podIP")]
-    return next((ip for ip in ips if isinstance(ip, str) and ip and ":" not in ip), None)
+    for entry in status.get("podIPs") or ([{"ip": status["podIP"]}] if status.get("podIP") else []):
+        if (":" in entry["ip"]) == (version == 6):
+            return str(entry["ip"])
+    return None
 
 
 def _named_port(pod: Obj, name: str, protocol: str) -> int | None:
@@ -138,9 +152,11 @@ def _named_port(pod: Obj, name: str, protocol: str) -> int | None:
     return None
 
 
-def _from_slices(port: Obj, slices: list[Obj]) -> list[Endpoint]:
+def _from_slices(port: Obj, slices: list[Obj], family: str) -> list[Endpoint]:
     out = []
     for s in slices:
+        if s.get("addressType", "IPv4") != family:
+            continue  # the slices of the other family are the other ServicePort's
         for sp in s.get("ports", []):
             if sp.get("name", "") != port.get("name", "") or sp["protocol"] != port["protocol"] or "port" not in sp:
                 continue

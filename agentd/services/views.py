@@ -49,13 +49,16 @@ class ServiceViews:
         for sp in a.ports:
             key = f"{sp.namespace}/{sp.service}"
             svc = services.setdefault(key, {
-                "namespace": sp.namespace, "name": sp.service, "clusterIP": sp.cluster_ip or "None", "ports": [],
-                "connections": a.counters.get(compiler.counter_name(sp.namespace, sp.service), 0),
+                "namespace": sp.namespace, "name": sp.service, "clusterIP": sp.cluster_ip or "None", "clusterIPs": [],
+                "ports": [], "connections": a.counters.get(compiler.counter_name(sp.namespace, sp.service), 0),
             })  # fmt: skip
+            if sp.cluster_ip is not None and sp.cluster_ip not in svc["clusterIPs"]:
+                svc["clusterIPs"].append(sp.cluster_ip)
             usable = set(sp.usable())
             local = set(sp.usable(a.node))
             svc["ports"].append({
                 "name": sp.port_name, "protocol": sp.protocol, "port": sp.port, "nodePort": sp.node_port,
+                "family": f"IPv{sp.family}", "clusterIP": sp.cluster_ip,
                 "affinityTimeout": sp.affinity_timeout,
                 "internalTrafficPolicy": "Local" if sp.internal_local else "Cluster",
                 "externalTrafficPolicy": "Local" if sp.external_local else "Cluster",
@@ -89,8 +92,12 @@ class ServiceViews:
         yield conns
         eps = GaugeMetricFamily("agentd_service_endpoints", "usable endpoints per service port",
                                 labels=["namespace", "service", "port"])  # fmt: skip
-        for sp in ports:
-            eps.add_metric([sp.namespace, sp.service, f"{sp.port}/{sp.protocol}"], len(sp.usable()))
+        usable: dict[tuple[str, str, str], int] = {}
+        for sp in ports:  # a dual-stack port is one port: its endpoints (pods) are in both families
+            key = (sp.namespace, sp.service, f"{sp.port}/{sp.protocol}")
+            usable[key] = max(usable.get(key, 0), len(sp.usable()))
+        for labels, n in usable.items():
+            eps.add_metric(list(labels), n)
         yield eps
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
         if a.dns_server is not None:

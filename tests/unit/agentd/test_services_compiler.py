@@ -240,13 +240,13 @@ def test_one_change_touches_that_service_and_the_maps_it_is_in():
     def same(cmds: list) -> list:
         return sorted(json.dumps(c, sort_keys=True) for c in cmds)
 
-    assert same(plan(Ruleset(compiler.TABLES, before), table.rs, touched)) == same(plan(Ruleset(compiler.TABLES, before), table.rs))
+    assert same(plan(Ruleset(table.rs.tables, before), table.rs, touched)) == same(plan(Ruleset(table.rs.tables, before), table.rs))
     # The maps carry their exact difference (no pass over their elements in plan); it is the
     # difference a full comparison finds.
     ips = table.rs.objects[(compiler.FAMILY, compiler.TABLE, "set", compiler.SERVICE_IPS)]
     assert isinstance(ips, NftSet) and ips.delta is not None and ips.delta[0] is before[ips.key]
-    plain = Ruleset(compiler.TABLES, {k: replace(v, delta=None) if isinstance(v, NftSet) else v for k, v in table.rs.objects.items()})
-    assert same(plan(Ruleset(compiler.TABLES, before), table.rs)) == same(plan(Ruleset(compiler.TABLES, before), plain))
+    plain = Ruleset(table.rs.tables, {k: replace(v, delta=None) if isinstance(v, NftSet) else v for k, v in table.rs.objects.items()})
+    assert same(plan(Ruleset(table.rs.tables, before), table.rs)) == same(plan(Ruleset(table.rs.tables, before), plain))
     # Growing past the prepared slots adds slot maps and pick chains; shrinking back removes them.
     wide = eps_slice("s6-1", "s6", [{"addresses": [f"10.244.3.{i}"]} for i in range(1, 19)], [{"name": "http", "port": 8080}])
     grown = table.update(("shop", "s6"), model.build([services[6]], [wide], []))
