@@ -268,9 +268,9 @@ def test_long_pod_chain_prefix_fits_nflog():
 
 def test_engine_explains_a_prefix_and_routes_every_pod_with_flows_on():
     engine = PolicyEngine("node2", drop_log=DropLog(143), route_all=True)
-    pod = Pod("shop", "web", "node2", IPv4Address("10.244.2.3"), {"app": "web"})
+    pod = Pod("shop", "web", "node2", (IPv4Address("10.244.2.3"),), {"app": "web"})
     engine.upsert_pod(pod, LocalPort("veth1", "02:00:00:00:00:01", "cni0"))
-    engine.upsert_pod(Pod("lobby", "a", "node2", IPv4Address("10.244.2.4"), {}),
+    engine.upsert_pod(Pod("lobby", "a", "node2", (IPv4Address("10.244.2.4"),), {}),
                       LocalPort("veth2", "02:00:00:00:00:02", "cni0"))
     engine.upsert_policy(Policy.parse({"metadata": {"namespace": "shop", "name": "deny"}, "spec": {"podSelector": {}}}))
     rs = engine.build()
