@@ -15,14 +15,15 @@ decoded by the ctnetlink codec of the agent's one netlink stack (agentd.kernel.n
     nlmsghdr.type = NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET (dump) / _DELETE
     struct nfgenmsg { u8 nfgen_family; u8 version; __be16 res_id; }          4 bytes
     CTA_TUPLE_ORIG / CTA_TUPLE_REPLY (nested) {
-        CTA_TUPLE_IP (nested) { CTA_IP_V4_SRC in_addr, CTA_IP_V4_DST in_addr },
+        CTA_TUPLE_IP (nested) { CTA_IP_V4_SRC/DST in_addr | CTA_IP_V6_SRC/DST in6_addr },
         CTA_TUPLE_PROTO (nested) { CTA_PROTO_NUM u8,
                                    CTA_PROTO_SRC_PORT __be16, CTA_PROTO_DST_PORT __be16 } }
 
 A DELETE names the entry by its original tuple (ctnetlink_del_conntrack looks it up in the
-hash by either direction's tuple).  Dumps are not filtered in the kernel (CTA_FILTER needs a
-5.x kernel with a different attribute set): the dump is of AF_INET entries, the UDP ones are
-picked here.
+hash by either direction's tuple); its nfgen_family is the entry's (AF_INET6 for IPv6
+endpoints, whose flows the ``ip6`` table translated).  Dumps are not filtered in the kernel
+(CTA_FILTER needs a 5.x kernel with a different attribute set): the dump is of one family's
+entries (of each family a stale endpoint has), the UDP ones are picked here.
 
 Blocking (netlink): the agent calls :func:`flush_udp` in a thread, in its own namespace.
 """
@@ -51,21 +52,25 @@ from agentd.kernel.netlink_ct import message as _message
 from agentd.kernel.netlink_socket import NetlinkSocket
 
 
-def encode_dump(seq: int) -> bytes:
-    """IPCTNL_MSG_CT_GET with NLM_F_DUMP: every IPv4 entry (``conntrack -L -f ipv4``)."""
-    return _message(IPCTNL_MSG_CT_GET, seq, nl.NLM_F_REQUEST | nl.NLM_F_DUMP, b"")
+def encode_dump(seq: int, family: int = nl.AF_INET) -> bytes:
+    """IPCTNL_MSG_CT_GET with NLM_F_DUMP: every entry of ``family`` (``conntrack -L -f ipv4|ipv6``)."""
+    return _message(IPCTNL_MSG_CT_GET, seq, nl.NLM_F_REQUEST | nl.NLM_F_DUMP, b"", family)
 
 
 def encode_delete(seq: int, orig: CtTuple) -> bytes:
     """IPCTNL_MSG_CT_DELETE of the entry whose original tuple is ``orig`` (ENOENT: none)."""
-    return _message(IPCTNL_MSG_CT_DELETE, seq, nl.NLM_F_REQUEST, encode_tuple(CTA_TUPLE_ORIG, orig))
+    return _message(IPCTNL_MSG_CT_DELETE, seq, nl.NLM_F_REQUEST, encode_tuple(CTA_TUPLE_ORIG, orig), _family(orig.src))
+
+
+def _family(address: str) -> int:
+    return socket.AF_INET6 if ":" in address else nl.AF_INET
 
 
 def decode_entry(buf: bytes, start: int, end: int) -> CtEntry | None:
-    """An IPCTNL_MSG_CT_NEW body (nfgenmsg + attributes) as its two tuples; None if it is not
-    IPv4 or lacks a tuple."""
+    """An IPCTNL_MSG_CT_NEW body (nfgenmsg + attributes) as its two tuples; None if it is
+    neither IPv4 nor IPv6, or lacks a tuple."""
     event = decode_event(NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW, buf, start, end)
-    if event is None or event.family != nl.AF_INET:
+    if event is None or event.family not in (nl.AF_INET, socket.AF_INET6):
         return None
     return CtEntry(event.orig, event.reply)
 
@@ -105,10 +110,13 @@ def flush_udp(stale: Iterable[Stale]) -> int:
     deleted = 0
     sock = NetlinkSocket(rcvbuf=4 << 20, sndbuf=1 << 20, protocol=nl.NETLINK_NETFILTER)
     try:
-        seq = 1
-        answers = sock.request(encode_dump(seq), what="listing conntrack entries", dump=True)
-        entries = [e for t, buf, s, end in answers
-                   if t == NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW and (e := decode_entry(buf, s, end))]
+        seq = 0
+        entries: list[CtEntry] = []
+        for family in sorted({_family(s.ip) for s in wanted}):  # the families of the stale endpoints
+            seq += 1
+            answers = sock.request(encode_dump(seq, family), what="listing conntrack entries", dump=True)
+            entries += [e for t, buf, s, end in answers
+                        if t == NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW and (e := decode_entry(buf, s, end))]
         for entry in entries_to_delete(entries, wanted):
             seq += 1
             try:

@@ -72,8 +72,30 @@ def test_decode_rejects_malformed_and_skips_other_families():
     bad_port = ENTRY.replace(bytes.fromhex("06000200 9c40 0000".replace(" ", "")), bytes.fromhex("05000200 9c 000000"), 1)
     with pytest.raises(nl.NetlinkDecodeError):
         ct.decode_entry(bad_port, 0, len(bad_port))
-    ipv6 = bytes([socket.AF_INET6]) + ENTRY[1:]
-    assert ct.decode_entry(ipv6, 0, len(ipv6)) is None
+    other = bytes([socket.AF_BRIDGE]) + ENTRY[1:]
+    assert ct.decode_entry(other, 0, len(other)) is None
+
+
+ORIG6 = ct.CtTuple("fd00:10:244:1::5", "fd00:10:96::a", socket.IPPROTO_UDP, 40000, 53)
+REPLY6 = ct.CtTuple("fd00:10:244:2::7", "fd00:10:244:1::5", socket.IPPROTO_UDP, 5353, 40000)
+ORIG6_ATTR = (
+    "4c000180",  # CTA_TUPLE_ORIG | NLA_F_NESTED, 76 bytes
+    "2c000180",  # CTA_TUPLE_IP | NLA_F_NESTED, 44 bytes
+    "14000300 fd000010024400010000000000000005",  # CTA_IP_V6_SRC
+    "14000400 fd00001000960000000000000000000a",  # CTA_IP_V6_DST
+    "1c000280", "05000100 11 000000", "06000200 9c40 0000", "06000300 0035 0000",
+)
+
+
+def test_ipv6_entries_are_dumped_decoded_and_deleted_in_their_family():
+    assert ct.encode_dump(1, socket.AF_INET6) == _hex("14000000 0101 0103 01000000 00000000", "0a 00 0000")
+    assert ct.encode_delete(9, ORIG6) == _hex("60000000 0201 0100 09000000 00000000", "0a 00 0000", *ORIG6_ATTR)
+    entry = _hex("0a 00 0000", *ORIG6_ATTR, "4c000280", "2c000180",
+                 "14000300 fd000010024400020000000000000007", "14000400 fd000010024400010000000000000005",
+                 "1c000280", "05000100 11 000000", "06000200 14e9 0000", "06000300 9c40 0000")  # fmt: skip
+    assert ct.decode_entry(entry, 0, len(entry)) == ct.CtEntry(ORIG6, REPLY6)
+    stale = ct.Stale("fd00:10:244:2::7", 5353, "fd00:10:96::a", 53)
+    assert ct.entries_to_delete([ct.CtEntry(ORIG6, REPLY6), ct.CtEntry(ORIG, REPLY)], [stale]) == [ct.CtEntry(ORIG6, REPLY6)]
 
 
 def test_entries_to_delete_match_what_kube_proxy_matches():

@@ -1,11 +1,13 @@
-"""Services (the nftables table that replaces kube-proxy), pure: endpoints from pod records and EndpointSlices, which of them take
-new connections, the table the compiler makes for a node, and the UDP entries to flush."""
+"""Services (the nftables tables that replace kube-proxy), pure: endpoints from pod records and
+EndpointSlices, which of them take new connections, the tables the compiler makes for a node
+(IPv4, and IPv6 beside it for dual-stack Services), and the UDP entries to flush."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 
+from agentd.nft import expr
 from agentd.nft.ruleset import NftChain, NftSet, Ruleset, plan
 from agentd.resources import kinds
 from agentd.services import compiler, model
@@ -255,3 +257,115 @@ def test_one_change_touches_that_service_and_the_maps_it_is_in():
     assert (compiler.FAMILY, compiler.TABLE, "set", "addr/17") in shrunk
     assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/17") not in table.rs.objects
     assert table.rs.objects == compiler.compile_services(table.ports(), "n1").objects
+
+
+# ------------------------------------------------------------------ IPv6 and dual-stack
+
+
+def pod2(name: str, node: str, v4: str | None, v6: str | None, labels: dict, ports=(), ns: str = "shop") -> dict:
+    ips = [{"ip": ip} for ip in (v4, v6) if ip]
+    return kinds.validate({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "spec": {"nodeName": node, "containers": [{"name": "pod", "ports": list(ports)}]}, "status": {"podIPs": ips},
+    })  # fmt: skip
+
+
+DUAL_PODS = [
+    pod2("a", "n1", "10.244.1.2", "fd00:10:244:1::2", {"app": "web"}, [HTTP]),
+    pod2("b", "n2", "10.244.2.2", "fd00:10:244:2::2", {"app": "web"}, [HTTP]),
+    pod2("c", "n2", None, "fd00:10:244:2::3", {"app": "web"}, [HTTP]),  # IPv6 only
+]
+VIP6 = ("fd00:10:96::a", "tcp", 80)
+
+
+def dual(name: str, spec: dict, ips: list[str], families: list[str]) -> dict:
+    obj = svc(name, spec)
+    obj["spec"].update(clusterIP=ips[0], clusterIPs=ips, ipFamilies=families, ipFamilyPolicy="RequireDualStack")
+    return obj
+
+
+def _map6(rs: Ruleset, name: str) -> frozenset:
+    obj = rs.objects[("ip6", compiler.TABLE, "set", name)]
+    assert isinstance(obj, NftSet)
+    return obj.elements
+
+
+def test_a_dual_stack_service_is_a_port_per_family_each_with_its_family_of_endpoints():
+    s = dual("web", {"type": "NodePort", "selector": {"app": "web"},
+                     "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]},
+             ["10.96.0.10", "fd00:10:96::a"], ["IPv4", "IPv6"])  # fmt: skip
+    v4, v6 = model.build([s], [], DUAL_PODS)
+    assert (v4.family, v4.cluster_ip, [e.ip for e in v4.endpoints]) == (4, "10.96.0.10", ["10.244.1.2", "10.244.2.2"])
+    assert (v6.family, v6.cluster_ip) == (6, "fd00:10:96::a")
+    assert [e.ip for e in v6.endpoints] == ["fd00:10:244:1::2", "fd00:10:244:2::2", "fd00:10:244:2::3"]
+    assert v4.key != v6.key and v4.node_port == v6.node_port == 30080
+    # Single-stack IPv6: the IPv6 port alone.
+    (only,) = model.build([dual("six", {"selector": {"app": "web"}, "ports": [{"port": 80}]}, ["fd00:10:96::b"], ["IPv6"])], [], DUAL_PODS)
+    assert only.family == 6 and len(only.endpoints) == 3
+    # A headless dual-stack Service: a port per family without a cluster IP.
+    hl = svc("hl", {"clusterIP": "None", "selector": {"app": "web"}, "ports": [{"port": 80}]})
+    hl["spec"].update(clusterIPs=["None"], ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="RequireDualStack")
+    a, b = model.build([hl], [], DUAL_PODS)
+    assert (a.cluster_ip, a.family, len(a.endpoints), b.cluster_ip, b.family, len(b.endpoints)) == (None, 4, 2, None, 6, 3)
+
+
+def test_slices_count_for_the_family_of_their_address_type():
+    s = dual("ext", {"ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}, ["10.96.0.10", "fd00:10:96::a"], ["IPv4", "IPv6"])
+    v4_slice = eps_slice("ext-1", "ext", [{"addresses": ["192.0.2.1"]}], [{"name": "dns", "port": 5353, "protocol": "UDP"}])
+    v6_slice = eps_slice("ext-2", "ext", [], [{"name": "dns", "port": 5353, "protocol": "UDP"}])
+    v6_slice.update(addressType="IPv6", endpoints=[{"addresses": ["2001:db8::1"], "conditions": {}}])
+    v4, v6 = model.build([s], [v4_slice, v6_slice], [])
+    assert [e.ip for e in v4.endpoints] == ["192.0.2.1"] and [e.ip for e in v6.endpoints] == ["2001:db8::1"]
+
+
+def test_the_ipv6_table_is_the_ipv4_one_with_ipv6_addresses():
+    s = dual("web", {"type": "NodePort", "selector": {"app": "web"},
+                     "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]},
+             ["10.96.0.10", "fd00:10:96::a"], ["IPv4", "IPv6"])  # fmt: skip
+    ports = model.build([s], [], DUAL_PODS)
+    rs = compiler.compile_services(ports, "n1", (4, 6))
+    assert rs.tables == {("ip", compiler.TABLE), ("ip6", compiler.TABLE)}
+    assert _map(rs, compiler.SERVICE_IPS) == {(VIP, ("goto", "pick/2"))}  # the IPv4 table as it was
+    assert _map6(rs, compiler.SERVICE_IPS) == {(VIP6, ("goto", "pick/3"))}
+    assert _map6(rs, "addr/2") == {(VIP6, "fd00:10:244:2::3")} and _map6(rs, "port/2") == {(VIP6, 8080)}
+    assert _map6(rs, compiler.NODE_PORTS) == {(("tcp", 30080), ("goto", "np-pick/3"))}
+    assert ("fd00:10:244:1::2", *VIP6) in _map6(rs, compiler.HAIRPIN)
+    sets = {k[3]: o for k, o in rs.objects.items() if k[0] == "ip6" and isinstance(o, NftSet)}
+    assert sets[compiler.SERVICE_IPS].type == ("ipv6_addr", "inet_proto", "inet_service")
+    assert sets["addr/0"].map == "ipv6_addr" and sets[compiler.HAIRPIN].type[:2] == ("ipv6_addr", "ipv6_addr")
+    (dnat,) = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", "slot/0")].rules]
+    assert dnat[-1]["dnat"]["family"] == "ip6" and dnat[-1]["dnat"]["addr"]["map"]["key"] == compiler.vip_key(expr.IPV6)
+    services = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", "services")].rules]
+    assert {"match": {"op": "!=", "left": {"payload": {"protocol": "ip6", "field": "daddr"}}, "right": "::1"}} in services[1]
+    # An IPv4-only node leaves the IPv6 ports out and has no ip6 table.
+    rs4 = compiler.compile_services(ports, "n1")
+    assert rs4.tables == {("ip", compiler.TABLE)} and not [k for k in rs4.objects if k[0] == "ip6"]
+    assert rs4.objects == compiler.compile_services([p for p in ports if p.family == 4], "n1").objects
+
+
+def test_ipv6_affinity_and_local_policies():
+    s = dual("web", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
+                     "sessionAffinity": "ClientIP",
+                     "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]},
+             ["10.96.0.10", "fd00:10:96::a"], ["IPv4", "IPv6"])  # fmt: skip
+    rs = compiler.compile_services(model.build([s], [], DUAL_PODS), "n2", (4, 6))
+    chain = "ep/shop/web/tcp/80/fd00:10:244:2::3/8080"
+    hairpin, update, dnat = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", chain)].rules]
+    saddr6 = {"payload": {"protocol": "ip6", "field": "saddr"}}
+    assert hairpin[0]["match"] == {"op": "==", "left": saddr6, "right": "fd00:10:244:2::3"}
+    assert update == [{"set": {"op": "update", "elem": saddr6, "set": "@aff/shop/web/tcp/80/fd00:10:244:2::3/8080"}}]
+    assert dnat[-1] == {"dnat": {"addr": "fd00:10:244:2::3", "port": 8080}}
+    aff = rs.objects[("ip6", compiler.TABLE, "set", "aff/shop/web/tcp/80/fd00:10:244:2::3/8080")]
+    assert isinstance(aff, NftSet) and aff.type == ("ipv6_addr",) and aff.timeout == 10800
+    ext = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", "ext/shop/web/tcp/80")].rules]
+    targets = {stmt["goto"]["target"] for rule in ext for stmt in rule if "goto" in stmt}
+    assert targets == {"ep/shop/web/tcp/80/fd00:10:244:2::2/8080", "ep/shop/web/tcp/80/fd00:10:244:2::3/8080"}  # n2's own
+
+
+def test_stale_ipv6_udp_endpoints():
+    s = dual("dns", {"ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}, ["10.96.0.10", "fd00:10:96::a"], ["IPv4", "IPv6"])
+    sl = eps_slice("dns-6", "dns", [], [{"name": "dns", "port": 5353, "protocol": "UDP"}])
+    sl.update(addressType="IPv6", endpoints=[{"addresses": ["2001:db8::1"]}, {"addresses": ["2001:db8::2"]}])
+    before = model.build([s], [sl], [])
+    sl["endpoints"] = sl["endpoints"][:1]
+    assert stale_udp(before, model.build([s], [sl], [])) == [Stale("2001:db8::2", 5353, "fd00:10:96::a", 53, None)]

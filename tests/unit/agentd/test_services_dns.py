@@ -60,6 +60,40 @@ def test_unknown_names_empty_branches_and_other_types():
     assert r.rcode() == dns.rcode.NOERROR and r.answer == []
 
 
+def sp6(service: str, port_name: str, port: int, cluster_ip: str | None, endpoints=()) -> ServicePort:
+    return ServicePort("shop", service, port_name, "TCP", port, cluster_ip, None, None, False, False, tuple(endpoints), 6)
+
+
+DUAL = sdns.names([
+    sp("web", "http", "TCP", 80, "10.96.0.10"), sp6("web", "http", 80, "fd00:10:96::a"),  # dual-stack
+    sp6("six", "", 80, "fd00:10:96::b"),  # IPv6 only
+    sp("hl", "", "TCP", 80, None, [Endpoint("10.244.1.5", 80)]),  # headless, dual-stack
+    sp6("hl", "", 80, None, [Endpoint("fd00:10:244:1::5", 80), Endpoint("fd00:10:244:2::5", 80, ready=False)]),
+], "cluster.local")  # fmt: skip
+
+
+def ask6(name: str, rdtype: str) -> dns.message.Message:
+    r = sdns.resolve(DUAL, dns.message.make_query(name, rdtype))
+    assert r is not None and r.rcode() == dns.rcode.NOERROR and r.flags & dns.flags.AA, r
+    return r
+
+
+def test_aaaa_and_a_per_the_services_families():
+    assert lines(ask6("web.shop.svc.cluster.local", "AAAA").answer) == ["web.shop.svc.cluster.local. 5 IN AAAA fd00:10:96::a"]
+    assert lines(ask6("web.shop.svc.cluster.local", "A").answer) == ["web.shop.svc.cluster.local. 5 IN A 10.96.0.10"]
+    assert lines(ask6("six.shop.svc.cluster.local", "AAAA").answer) == ["six.shop.svc.cluster.local. 5 IN AAAA fd00:10:96::b"]
+    assert ask6("six.shop.svc.cluster.local", "A").answer == []  # the name exists: NOERROR, no record
+    # Headless: the ready endpoints of each family.
+    assert lines(ask6("hl.shop.svc.cluster.local", "A").answer) == ["hl.shop.svc.cluster.local. 5 IN A 10.244.1.5"]
+    assert lines(ask6("hl.shop.svc.cluster.local", "AAAA").answer) == ["hl.shop.svc.cluster.local. 5 IN AAAA fd00:10:244:1::5"]
+    assert sorted(lines(ask6("hl.shop.svc.cluster.local", "ANY").answer)) == [
+        "hl.shop.svc.cluster.local. 5 IN A 10.244.1.5", "hl.shop.svc.cluster.local. 5 IN AAAA fd00:10:244:1::5"]
+    # SRV: the target's records of both families in the additional section.
+    r = ask6("_http._tcp.web.shop.svc.cluster.local", "SRV")
+    assert lines(r.additional) == ["web.shop.svc.cluster.local. 5 IN A 10.96.0.10", "web.shop.svc.cluster.local. 5 IN AAAA fd00:10:96::a"]
+    assert sdns.resolve(DUAL, dns.message.make_query("nope.shop.svc.cluster.local", "AAAA")).rcode() == dns.rcode.NXDOMAIN
+
+
 def test_other_names_are_forwarded():
     assert ask("www.example.org") is None
     assert ask("cluster.local.example.org") is None
