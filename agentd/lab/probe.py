@@ -138,7 +138,7 @@ async def _hammer(targets: list[list[Any]], seconds: float, interval: float = 0.
     return {"ok": ok, "failed": failed}
 
 
-def _hosts() -> list[str]:
+def wildcards() -> list[str]:
     """The wildcard addresses to listen on: IPv4's, and IPv6's where the namespace has IPv6."""
     try:
         with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
@@ -172,7 +172,7 @@ async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
 
     servers: list[Any] = []
     for proto, port in ports:
-        for host in _hosts():
+        for host in wildcards():
             if proto == "tcp":
                 servers.append(await asyncio.start_server(on_tcp, host, port, reuse_address=True))
             else:

@@ -18,6 +18,8 @@ answered with ``NAME`` - and takes requests, one JSON line each, on stdin:
   ``{"rcode": "NOERROR", "answer": ["name ttl IN A 10.96.0.1", ...], "additional": [...], "aa": bool}``.
 
 A ``dns:PORT`` server is a stand-in upstream resolver: it answers every A query with 192.0.2.99.
+Servers listen on IPv4 and, where the namespace has IPv6, on IPv6; a client request goes
+over the family of the address it names.
 
 :class:`Echo` is the test side: it starts the process in a pod's or node's namespace.
 """
@@ -29,6 +31,8 @@ import json
 import socket
 import sys
 from typing import Any
+
+from agentd.lab.probe import udp_server, wildcards
 
 
 async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
@@ -66,12 +70,13 @@ async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
             self.transport.sendto(response.to_wire(), addr)
 
     for proto, port in ports:
-        if proto == "tcp":
-            await asyncio.start_server(on_tcp, "0.0.0.0", port, reuse_address=True)
-        elif proto == "dns":
-            await loop.create_datagram_endpoint(Dns, local_addr=("0.0.0.0", port))
-        else:
-            await loop.create_datagram_endpoint(Udp, local_addr=("0.0.0.0", port))
+        for host in wildcards():
+            if proto == "tcp":
+                await asyncio.start_server(on_tcp, host, port, reuse_address=True)
+            elif proto == "dns":
+                await loop.create_datagram_endpoint(Dns, sock=udp_server(host, port))
+            else:
+                await loop.create_datagram_endpoint(Udp, sock=udp_server(host, port))
 
 
 async def _ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float) -> str | None:
@@ -124,9 +129,10 @@ async def _crr(ip: str, port: int, seconds: float, parallel: int, timeout: float
 
 def _udp(ip: str, port: int, count: int, sport: int, timeout: float) -> dict[str, Any]:
     out: list[str | None] = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    v6 = ":" in ip
+    with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("0.0.0.0", sport))
+        sock.bind(("::" if v6 else "0.0.0.0", sport))
         sock.settimeout(timeout)
         for _ in range(count):
             try:
