@@ -313,6 +313,24 @@ def test_attachment_from_the_bridge_plugins_result():
         endpoints.attachment({"interfaces": [], "ips": []}, "cni0")
 
 
+def test_a_dual_stack_pod_is_recorded_and_known_to_policy_with_both_addresses():
+    """host-local with two ranges: both addresses go from the ADD result into the endpoint
+    file, the pod record's podIPs, and the policy engine's pod."""
+    from agentd.policy.model import Pod
+    from agentd.policy.publisher import record_for
+
+    result = {
+        "interfaces": [{"name": "cni0", "mac": "02:00:00:00:00:01"}, {"name": "veth1234", "mac": "02:00:00:00:00:02"}],
+        "ips": [{"address": "10.244.1.5/24", "gateway": "10.244.1.1"}, {"address": "fd00:10:244:1::5/64", "gateway": "fd00:10:244:1::1"}],
+    }
+    ips, interface, mac = endpoints.attachment(result, "cni0")
+    assert ips == ["10.244.1.5", "fd00:10:244:1::5"]
+    ep = endpoints.Endpoint("c1", "prod", "web-1", {"app": "web"}, [], ips, interface, mac, "cni0")
+    record = kinds.validate(record_for(ep, "node1", {"app": "web"}))
+    assert record["status"] == {"phase": "Running", "podIP": "10.244.1.5", "podIPs": [{"ip": "10.244.1.5"}, {"ip": "fd00:10:244:1::5"}]}
+    assert [str(ip) for ip in Pod.parse(record).ips] == ips
+
+
 def test_endpoint_files_round_trip(tmp_path):
     ep = endpoints.Endpoint("c1", "prod", "web-1", {"app": "web"}, [], ["10.244.1.5"], "veth1", "02:00:00:00:00:02", "cni0")
     endpoints.write(tmp_path, ep)
