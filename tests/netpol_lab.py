@@ -1,6 +1,6 @@
 """Lab helpers for the NetworkPolicy system tests: a grid of labelled pods with servers and
-probers, convergence on the agents' applied etcd revision, and the probe matrix compared
-with the independent model (tests/netpol_model.py)."""
+probers, convergence on the agents' applied etcd revision, and the probe matrix (over IPv4,
+and over IPv6 in a dual-stack lab) compared with the independent model (tests/netpol_model.py)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ class Grid:
 
     def model(self, policies: list[dict[str, Any]]) -> Cluster:
         pods = [
-            ModelPod(p.namespace, p.k8s_name, p.ip, dict(self.labels[key]),
-                     {port["name"]: (port["containerPort"], port["protocol"]) for port in p.ports})
+            ModelPod(p.namespace, p.k8s_name, p.address(4), dict(self.labels[key]),
+                     {port["name"]: (port["containerPort"], port["protocol"]) for port in p.ports}, p.address(6))
             for key, p in self.pods.items()
         ]  # fmt: skip
         return Cluster(pods, {ns: dict(labels) for ns, labels in self.ns_labels.items()}, policies)
@@ -61,34 +61,38 @@ async def converged(lab: Lab, revision: int, timeout: float = 20.0) -> None:
     raise AssertionError(f"policy revision {revision} not applied everywhere within {timeout}s: {', '.join(behind)}")
 
 
-async def matrix(g: Grid, timeout: float = 1.0) -> dict[tuple[str, str, str, int], bool]:
+Cell = tuple[str, str, str, int, int]  # (source pod, destination pod, protocol, port, IP version)
+
+
+async def matrix(g: Grid, timeout: float = 1.0, families: tuple[int, ...] = (4,)) -> dict[Cell, bool]:
     keys = list(g.pods)
 
-    async def from_one(src: str) -> list[tuple[tuple[str, str, str, int], bool]]:
-        cells = [(src, dst, proto, port) for dst in keys if dst != src for proto, port in PROBES]
-        targets = [(g.pods[dst].ip, proto.lower(), port) for _, dst, proto, port in cells]
+    async def from_one(src: str) -> list[tuple[Cell, bool]]:
+        cells = [(src, dst, proto, port, fam) for dst in keys if dst != src for fam in families for proto, port in PROBES]
+        targets = [(g.pods[dst].address(fam), proto.lower(), port) for _, dst, proto, port, fam in cells]
         return list(zip(cells, await g.probers[src].probe(targets, timeout)))
 
     results = await asyncio.gather(*(from_one(src) for src in keys))
     return dict(item for batch in results for item in batch)
 
 
-async def check(g: Grid, policies: list[dict[str, Any]]) -> None:
-    """Probe everything; compare with the model (a failed allowed probe is retried, slower)."""
+async def check(g: Grid, policies: list[dict[str, Any]], families: tuple[int, ...] = (4,)) -> None:
+    """Probe everything over each of ``families``; compare with the model (a failed allowed
+    probe is retried, slower)."""
     cluster = g.model(policies)
     by_key = {p.key: p for p in cluster.pods}
-    want = {c: allowed(cluster, by_key[c[0]], by_key[c[1]], c[2], c[3]) for c in await matrix(g)}
-    got = await matrix(g)
+    got = await matrix(g, families=families)
+    want = {c: allowed(cluster, by_key[c[0]], by_key[c[1]], c[2], c[3], c[4]) for c in got}
     for attempt in range(2):
         retry = [c for c in got if got[c] != want[c] and want[c]]
         if not retry:
             break
         for src in {c[0] for c in retry}:
             cells = [c for c in retry if c[0] == src]
-            again = await g.probers[src].probe([(g.pods[c[1]].ip, c[2].lower(), c[3]) for c in cells], 3.0)
+            again = await g.probers[src].probe([(g.pods[c[1]].address(c[4]), c[2].lower(), c[3]) for c in cells], 3.0)
             got.update(zip(cells, again))
-    wrong = sorted(f"{s}->{d} {p}/{n}: expected {'allowed' if want[(s, d, p, n)] else 'denied'}"
-                   for (s, d, p, n), ok in got.items() if ok != want[(s, d, p, n)])  # fmt: skip
+    wrong = sorted(f"{s}->{d} {p}/{n} IPv{f}: expected {'allowed' if want[(s, d, p, n, f)] else 'denied'}"
+                   for (s, d, p, n, f), ok in got.items() if ok != want[(s, d, p, n, f)])  # fmt: skip
     assert not wrong, f"{len(wrong)} of {len(got)} probes differ from the model:\n" + "\n".join(wrong[:40])
 
 

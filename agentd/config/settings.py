@@ -39,6 +39,7 @@ from agentd.config.values import (
     parse_object_ref,
     parse_pod_network,
     parse_pod_network_v6,
+    parse_service_network_v6,
     parse_node_address_v6,
     parse_dns_address,
     parse_domain,
@@ -174,6 +175,9 @@ class NetworkConfig:
     # mask <= 16).
     cidr_v6: IPv6Network = IPv6Network("fd00:10:244::/48")
     subnet_len_v6: int = 64  # kube-controller-manager's --node-cidr-mask-size-ipv6 default
+    # Services' IPv6 cluster IPs (dual, ipv6): a ULA range of 65,536 addresses, kubeadm's
+    # dual-stack example (fd00:10:96::/112 beside 10.96.0.0/12).
+    service_cidr_v6: IPv6Network = IPv6Network("fd00:10:96::/112")
 
     @property
     def families(self) -> tuple[int, ...]:
@@ -417,6 +421,7 @@ _KEYS = (
     _Key("network", "ip_family", choice_kind(*IP_FAMILIES), "ipv4"),
     _Key("network", "cidr_v6", string_kind(parse_pod_network_v6), NetworkConfig.cidr_v6),
     _Key("network", "subnet_len_v6", int_kind(1, 128), 64),
+    _Key("network", "service_cidr_v6", string_kind(parse_service_network_v6), NetworkConfig.service_cidr_v6),
     _Key("etcd", "endpoints", Kind((list,), "an array", text_list, parse_endpoints), EtcdConfig.endpoints),
     _Key("etcd", "prefix", string_kind(parse_etcd_prefix), "/agentd"),
     _Key("etcd", "ca", Kind((str,), "a string", str, parse_tls_file), None),
@@ -906,6 +911,10 @@ def _check_families(ld: _Loader) -> None:
                        f"and at most /{MAX_SUBNET_LEN_V6}")
     if family == "ipv4":
         return
+    service = v["network.service_cidr_v6"]
+    if ok("network.cidr_v6", "network.service_cidr_v6") and service.overlaps(cidr):
+        ld.key_problem(ld.blame("network.service_cidr_v6", "network.cidr_v6"),
+                       f"the IPv6 service range {service} overlaps the IPv6 pod network {cidr}")
     if family == "ipv6" and ok("network.backend") and not BACKEND_TABLE[backend].outer_ipv6:
         ld.key_problem(ld.blame("network.backend", "network.ip_family"),
                        f"{backend} needs an IPv4 underlay ({BACKEND_TABLE[backend].wire}), which ip_family = ipv6 "

@@ -325,6 +325,18 @@ def parse_pod_network(s: str) -> IPNetwork:
 _NOT_POD_SPACE_V6 = [ip_network(n) for n in ("::/8", "fe80::/10", "ff00::/8")]
 
 
+SERVICE_PREFIX_V6 = (64, 124)  # an IPv6 service range: at most a /64, at least 16 addresses
+
+
+def parse_service_network_v6(s: str) -> IPv6Network:
+    """The IPv6 service range: unicast like a pod network, from /64 to /124."""
+    net = parse_pod_network_v6(s)
+    low, high = SERVICE_PREFIX_V6
+    if not low <= net.prefixlen <= high:
+        raise BadValue(f"must be a /{low} to a /{high} (e.g. fd00:10:96::/112), not a /{net.prefixlen}")
+    return net
+
+
 def parse_pod_network_v6(s: str) -> IPv6Network:
     """The cluster's IPv6 pod network: unicast, outside loopback, link-local and multicast."""
     try:

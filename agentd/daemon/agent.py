@@ -215,7 +215,8 @@ class Agent:
         fast_path, fast_path_error = await self._open_fast_path()
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
                                   on_isolation=self.tunnels.bpf.hold_redirect, fast_path=fast_path,
-                                  fast_path_error=fast_path_error, drop_log=drop_log(cfg))
+                                  fast_path_error=fast_path_error, drop_log=drop_log(cfg),
+                                  families=self.cluster.versions)  # the cluster's pod families (its record wins)
         try:
             await self.policy.start()
             self.registry.register(self.policy.views)
@@ -226,7 +227,8 @@ class Agent:
             self.policy = None
         # Services: adopt the services table as it is; it changes once etcd is read.
         self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns, drop_log=drop_log(cfg),
-                                     on_translating=functools.partial(self.tunnels.bpf.hold_redirect, who="services"))
+                                     on_translating=functools.partial(self.tunnels.bpf.hold_redirect, who="services"),
+                                     families=self.cluster.versions)
         try:
             await self.services.start()
             self.registry.register(self.services.views)
@@ -493,7 +495,8 @@ def wanted_cluster(cfg: Config) -> ClusterConfig:
     net = cfg.network
     v6 = net.ip_family != "ipv4"
     return ClusterConfig(net.cidr, net.subnet_len, net.backend, net.encap, net.service_cidr, ip_family=net.ip_family,
-                         cidr_v6=net.cidr_v6 if v6 else None, subnet_len_v6=net.subnet_len_v6 if v6 else None)
+                         cidr_v6=net.cidr_v6 if v6 else None, subnet_len_v6=net.subnet_len_v6 if v6 else None,
+                         service_cidr_v6=net.service_cidr_v6 if v6 else None)
 
 
 def check_cluster(cfg: Config, cluster: ClusterConfig) -> None:

@@ -152,6 +152,7 @@ def check_node_name(name: Any, kind: str = "node record", field: str = "name") -
 
 
 DEFAULT_SERVICE_CIDR = IPv4Network("10.96.0.0/12")  # kube-apiserver's --service-cluster-ip-range default
+DEFAULT_SERVICE_CIDR_V6 = IPv6Network("fd00:10:96::/112")  # [network] service_cidr_v6's default
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,8 @@ class ClusterConfig:
     ip_family: str = "ipv4"
     cidr_v6: IPv6Network | None = None
     subnet_len_v6: int | None = None
+    # Services' IPv6 range (a cluster with IPv6; records without it have the default).
+    service_cidr_v6: IPv6Network | None = None
 
     _KIND = "cluster config"
 
@@ -197,11 +200,19 @@ class ClusterConfig:
             cidr_v6 = _network(kind, "cidr_v6", self.cidr_v6, 6)
             object.__setattr__(self, "cidr_v6", cidr_v6)
             _int(kind, "subnet_len_v6", self.subnet_len_v6, cidr_v6.prefixlen, MAX_SUBNET_LEN_V6)
+        if self.service_cidr_v6 is not None:
+            object.__setattr__(self, "service_cidr_v6", _network(kind, "service_cidr_v6", self.service_cidr_v6, 6))
 
     @property
     def versions(self) -> tuple[int, ...]:
         """The IP versions nodes lease subnets of: (4,), (4, 6) or (6,)."""
         return VERSIONS[self.ip_family]
+
+    def service_ranges(self) -> dict[str, IPv4Network | IPv6Network]:
+        """The range Services get cluster IPs from, of each family of the cluster ("IPv4",
+        "IPv6"), the primary first."""
+        ranges: dict[int, IPv4Network | IPv6Network] = {4: self.service_cidr, 6: self.service_cidr_v6 or DEFAULT_SERVICE_CIDR_V6}
+        return {f"IPv{v}": ranges[v] for v in self.versions}
 
     def pool(self, version: int) -> tuple[IPv4Network | IPv6Network, int]:
         """(the pod network, the node subnets' prefix length) of IP ``version``."""
@@ -220,6 +231,8 @@ class ClusterConfig:
             obj["service_cidr"] = str(self.service_cidr)
         if self.ip_family != "ipv4" or self.cidr_v6 is not None:  # an IPv4 cluster's record is as it was
             obj.update(ip_family=self.ip_family, cidr_v6=str(self.cidr_v6), subnet_len_v6=self.subnet_len_v6)
+        if self.service_cidr_v6 is not None:
+            obj["service_cidr_v6"] = str(self.service_cidr_v6)
         return _dumps(obj)
 
     @classmethod
@@ -236,6 +249,8 @@ class ClusterConfig:
             cidr_v6=None if obj.get("cidr_v6") is None else _network(kind, "cidr_v6", obj["cidr_v6"], 6),
             subnet_len_v6=None if obj.get("subnet_len_v6") is None
             else _int(kind, "subnet_len_v6", obj["subnet_len_v6"], 0, 128),
+            service_cidr_v6=None if obj.get("service_cidr_v6") is None
+            else _network(kind, "service_cidr_v6", obj["service_cidr_v6"], 6),
         )
 
 

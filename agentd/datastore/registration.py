@@ -68,7 +68,7 @@ class Registration:
             if not (stored.ip_family == "ipv4" and stored.cidr_v6 is None and wanted.ip_family == "dual"):
                 return stored
             upgraded = dataclasses.replace(stored, ip_family="dual", cidr_v6=wanted.cidr_v6,
-                                           subnet_len_v6=wanted.subnet_len_v6)
+                                           subnet_len_v6=wanted.subnet_len_v6, service_cidr_v6=wanted.service_cidr_v6)
             ok, responses = await self.connection.call(
                 "make the cluster dual-stack",
                 lambda c, raw=raw, upgraded=upgraded: c.transaction(

@@ -284,10 +284,13 @@ class ResourceStore:
     async def _load_service_cidr(self) -> None:
         if self.service_cidr is None or self.service_families is None:
             cluster = await self.ds.get_cluster_config(timeout=self.timeout)
+            ranges = cluster.service_ranges() if cluster is not None else {ipfamilies.IPV4: DEFAULT_SERVICE_CIDR}
             if self.service_cidr is None:
                 self.service_cidr = cluster.service_cidr if cluster is not None else DEFAULT_SERVICE_CIDR
+            if self.service_cidr_v6 is None and ipfamilies.IPV6 in ranges:
+                self.service_cidr_v6 = ranges[ipfamilies.IPV6]  # type: ignore[assignment]
             if self.service_families is None:
-                self.service_families = [ipfamilies.IPV4]
+                self.service_families = list(ranges)
 
     def service_ranges(self) -> dict[str, ipaddress.IPv4Network | ipaddress.IPv6Network]:
         """The cluster's service range of each family Services may have, the primary first."""

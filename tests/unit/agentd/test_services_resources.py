@@ -282,3 +282,30 @@ def test_cluster_config_carries_the_service_range():
     assert ClusterConfig.from_json(other.to_json()).service_cidr == IPv4Network("172.30.0.0/16")
     with pytest.raises(RecordError, match="service_cidr"):
         ClusterConfig.from_json(old_record[:-1] + b',"service_cidr":"10.96.0.1/12"}')
+
+
+def test_the_ipv6_service_range_key_and_record():
+    from ipaddress import IPv6Network
+
+    from agentd.config.settings import ConfigError, load_config
+    from agentd.daemon.agent import wanted_cluster
+
+    base = {"node.name": "n1", "node.address": "192.0.2.1", "node.address_v6": "2001:db8::1", "network.ip_family": "dual"}
+    cfg = load_config(None, env={}, overrides=base)
+    assert cfg.network.service_cidr_v6 == IPv6Network("fd00:10:96::/112")
+    for value, why in (("10.96.0.0/12", "not IPv4"), ("fd00:10:96::/48", "must be a /64 to a /124"),
+                       ("fd00:10:244:7::/112", "overlaps the IPv6 pod network fd00:10:244::/48"),
+                       ("fd00:10:96::1/112", "host bits")):  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, env={}, overrides={**base, "network.service_cidr_v6": value})
+    # The cluster config records it where the cluster has IPv6; an IPv4 cluster's record is as it was.
+    dual = wanted_cluster(cfg)
+    assert b'"service_cidr_v6":"fd00:10:96::/112"' in dual.to_json() and ClusterConfig.from_json(dual.to_json()) == dual
+    assert dual.service_ranges() == {"IPv4": IPv4Network("10.96.0.0/12"), "IPv6": IPv6Network("fd00:10:96::/112")}
+    v4 = wanted_cluster(load_config(None, env={}, overrides={"node.name": "n1", "node.address": "192.0.2.1"}))
+    assert b"service_cidr_v6" not in v4.to_json() and v4.service_ranges() == {"IPv4": IPv4Network("10.96.0.0/12")}
+    six = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", ip_family="ipv6",
+                        cidr_v6=IPv6Network("fd00:10:244::/48"), subnet_len_v6=64)  # a record written without the range
+    assert six.service_ranges() == {"IPv6": IPv6Network("fd00:10:96::/112")}
+    with pytest.raises(RecordError, match="service_cidr_v6"):
+        ClusterConfig.from_json(dual.to_json().replace(b"fd00:10:96::/112", b"10.96.0.0/12"))
