@@ -28,7 +28,9 @@ Subnet file format (``KEY=value`` lines; ``#`` comments and blank lines are igno
     AGENTD_BACKEND=vxlan            informational: the node's backend
     AGENTD_DNS=169.254.20.10        optional: the node-local DNS address (Services); pods get it
                                     as nameserver in the ADD result's "dns"
-    AGENTD_CLUSTER_DOMAIN=cluster.local  optional, with AGENTD_DNS: the search domains' base
+    AGENTD_DNS_V6=fd00:169:254:20::10  optional, instead of AGENTD_DNS on an IPv6-only node: the
+                                    node-local DNS address pods without IPv4 get
+    AGENTD_CLUSTER_DOMAIN=cluster.local  optional, with AGENTD_DNS(_V6): the search domains' base
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ MAX_MTU = 65535
 _DIGITS_RE = re.compile(r"[0-9]+")
 
 _KEYS = ("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_IPV6_NETWORK", "AGENTD_IPV6_SUBNET", "AGENTD_MTU",
-         "AGENTD_IPMASQ", "AGENTD_BACKEND", "AGENTD_DNS", "AGENTD_CLUSTER_DOMAIN")
+         "AGENTD_IPMASQ", "AGENTD_BACKEND", "AGENTD_DNS", "AGENTD_DNS_V6", "AGENTD_CLUSTER_DOMAIN")
 _REQUIRED = ("AGENTD_MTU",)
 _PAIRS = (("AGENTD_NETWORK", "AGENTD_SUBNET"), ("AGENTD_IPV6_NETWORK", "AGENTD_IPV6_SUBNET"))
 
@@ -79,6 +81,7 @@ class SubnetFile:
     cluster_domain: str = "cluster.local"
     network_v6: IPv6Network | None = None  # the IPv6 pod network (dual-stack, IPv6-only)
     subnet_v6: IPv6Network | None = None  # this node's IPv6 pod subnet
+    dns_v6: IPv6Address | None = None  # Services: the node-local DNS address of pods without IPv4
 
     def __post_init__(self) -> None:
         pairs = [(self.network, self.subnet, IPv4Network, 30), (self.network_v6, self.subnet_v6, IPv6Network, 126)]
@@ -130,7 +133,9 @@ def render_subnet_file(sf: SubnetFile) -> str:
         f"AGENTD_MTU={sf.mtu}\n"
         f"AGENTD_IPMASQ={'true' if sf.ipmasq else 'false'}\n"
         f"AGENTD_BACKEND={sf.backend}\n"
-    ) + (f"AGENTD_DNS={sf.dns}\nAGENTD_CLUSTER_DOMAIN={sf.cluster_domain}\n" if sf.dns is not None else "")
+    ) + (f"AGENTD_DNS={sf.dns}\n" if sf.dns is not None else "") + (
+        f"AGENTD_DNS_V6={sf.dns_v6}\n" if sf.dns_v6 is not None else "") + (
+        f"AGENTD_CLUSTER_DOMAIN={sf.cluster_domain}\n" if sf.dns is not None or sf.dns_v6 is not None else "")
 
 
 def parse_subnet_file(text: str, source: str = "subnet file") -> SubnetFile:
@@ -179,6 +184,7 @@ def parse_subnet_file(text: str, source: str = "subnet file") -> SubnetFile:
             ipmasq=ipmasq_text == "true",
             backend=values.get("AGENTD_BACKEND", "host-gw"),
             dns=_dns(values.get("AGENTD_DNS"), source),
+            dns_v6=_dns(values.get("AGENTD_DNS_V6"), source, 6),  # type: ignore[arg-type]
             cluster_domain=values.get("AGENTD_CLUSTER_DOMAIN", "cluster.local"),
         )
     except SubnetFileError as e:
@@ -209,23 +215,25 @@ def _pair(values: dict[str, str], names: tuple[str, str], kinds: tuple, source: 
     return network, subnet
 
 
-def _dns(text: str | None, source: str) -> IPv4Address | None:
+def _dns(text: str | None, source: str, version: int = 4) -> IPv4Address | IPv6Address | None:
     if not text:
         return None
     try:
-        return IPv4Address(text)
+        return IPv4Address(text) if version == 4 else IPv6Address(text)
     except ValueError:
-        raise SubnetFileError(f"{source}: AGENTD_DNS {text!r} is not an IPv4 address") from None
+        key = "AGENTD_DNS" if version == 4 else "AGENTD_DNS_V6"
+        raise SubnetFileError(f"{source}: {key} {text!r} is not an IPv{version} address") from None
 
 
 def dns_config(sf: SubnetFile, namespace: str | None) -> dict[str, Any] | None:
     """The ADD result's "dns" for a pod (CNI spec: nameservers, search, options), as kubelet
     writes a ClusterFirst pod's resolv.conf: the node-local server and the cluster's search path."""
-    if sf.dns is None:
+    servers = [str(a) for a in (sf.dns, sf.dns_v6) if a is not None]
+    if not servers:
         return None
     domain = sf.cluster_domain
     search = ([f"{namespace}.svc.{domain}"] if namespace else []) + [f"svc.{domain}", domain]
-    return {"nameservers": [str(sf.dns)], "search": search, "options": ["ndots:5"]}
+    return {"nameservers": servers, "search": search, "options": ["ndots:5"]}
 
 
 def read_subnet_file(path: str | os.PathLike[str]) -> SubnetFile:

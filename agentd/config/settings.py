@@ -42,6 +42,7 @@ from agentd.config.values import (
     parse_service_network_v6,
     parse_node_address_v6,
     parse_dns_address,
+    parse_dns_address_v6,
     parse_domain,
     parse_upstreams,
     HostPort,
@@ -301,6 +302,9 @@ class DnsConfig:
 
     enabled: bool = True
     address: IPv4Address = IPv4Address("169.254.20.10")  # NodeLocal DNSCache's usual address
+    # Where pods without IPv4 ask (clusters with IPv6): a ULA address, as NodeLocal DNSCache
+    # advises for IPv6, spelling 169.254.20.10 in its groups.
+    address_v6: IPv6Address = IPv6Address("fd00:169:254:20::10")
     cluster_domain: str = "cluster.local"
     upstream: tuple[str, ...] = ()  # "IP:PORT" to forward other names to; empty: /etc/resolv.conf's
 
@@ -461,6 +465,7 @@ _KEYS = (
     _Key("cni", "write_conflist", BOOL, True),
     _Key("dns", "enabled", BOOL, True),
     _Key("dns", "address", string_kind(parse_dns_address), DnsConfig.address),
+    _Key("dns", "address_v6", string_kind(parse_dns_address_v6), DnsConfig.address_v6),
     _Key("dns", "cluster_domain", string_kind(parse_domain), "cluster.local"),
     _Key("dns", "upstream", Kind((list,), "an array", text_list, parse_upstreams), ()),
     _Key("flows", "enabled", BOOL, True),
@@ -915,6 +920,10 @@ def _check_families(ld: _Loader) -> None:
     if ok("network.cidr_v6", "network.service_cidr_v6") and service.overlaps(cidr):
         ld.key_problem(ld.blame("network.service_cidr_v6", "network.cidr_v6"),
                        f"the IPv6 service range {service} overlaps the IPv6 pod network {cidr}")
+    dns = v["dns.address_v6"]
+    for key, net, what in (("network.cidr_v6", cidr, "IPv6 pod network"), ("network.service_cidr_v6", service, "IPv6 service range")):
+        if v["dns.enabled"] and ok("dns.address_v6", key) and dns in net:
+            ld.key_problem(ld.blame("dns.address_v6", key), f"the node-local DNS address {dns} is inside the {what} {net}")
     if family == "ipv6" and ok("network.backend") and not BACKEND_TABLE[backend].outer_ipv6:
         ld.key_problem(ld.blame("network.backend", "network.ip_family"),
                        f"{backend} needs an IPv4 underlay ({BACKEND_TABLE[backend].wire}), which ip_family = ipv6 "

@@ -208,6 +208,20 @@ def parse_dns_address(s: str) -> IPv4Address:
     return addr
 
 
+def parse_dns_address_v6(s: str) -> IPv6Address:
+    """The node-local DNS address of pods without IPv4: IPv6 unicast that pods can route to the
+    node (not loopback, link-local, multicast or unspecified)."""
+    try:
+        addr = ip_address(s.strip())
+    except ValueError:
+        raise BadValue("must be an IPv6 address") from None
+    if addr.version != 6:
+        raise BadValue("must be an IPv6 address ([dns] address is the IPv4 one)")
+    if addr.is_loopback or addr.is_link_local or addr.is_multicast or addr.is_unspecified:
+        raise BadValue("must be a unicast address pods route to their node (not loopback, link-local or multicast)")
+    return addr
+
+
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 

@@ -553,7 +553,7 @@ async def leave(cfg: Config) -> int:
         if gone:
             log.info("removed the BPF data path a previous agent left: %s", ", ".join(gone))
         await remove_policy_tables()  # NetworkPolicy
-        await remove_services_table()  # Services
+        await remove_services_table(str(cfg.dns.address_v6))  # Services
         restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))

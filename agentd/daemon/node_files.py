@@ -40,8 +40,9 @@ def write_cni_files(cfg: Config, cluster: ClusterConfig, leases: Mapping[int, Su
         network=cluster.cidr if v4 else None, subnet=v4.subnet if v4 else None,  # type: ignore[arg-type]
         network_v6=cluster.cidr_v6 if v6 else None, subnet_v6=v6.subnet if v6 else None,  # type: ignore[arg-type]
         mtu=mtu, backend=cfg.network.backend,
-        # The node-local DNS address is IPv4: pods without an IPv4 address cannot reach it.
+        # The node-local DNS address pods reach: the IPv4 one, the IPv6 one for pods without IPv4.
         dns=dns.address if dns.enabled and v4 else None, cluster_domain=dns.cluster_domain,
+        dns_v6=dns.address_v6 if dns.enabled and v6 and not v4 else None,
     )  # fmt: skip
     cni_config.write_subnet_file(cfg.cni.subnet_file, sf)
     if cfg.cni.write_conflist:

@@ -109,27 +109,31 @@ class ServiceAgent:
         cfg = self.dns_config
         if cfg is None or not cfg.enabled:
             return
-        address = str(cfg.address)
+        # The IPv6 address too where pods have IPv6 (pods without IPv4 are handed that one).
+        addresses = [str(cfg.address)] + ([str(cfg.address_v6)] if 6 in self.families else [])
+        address = addresses[0]
         try:
-            device = await asyncio.to_thread(dns.add_address, address)
+            for a in addresses:
+                device = await asyncio.to_thread(dns.add_address, a)
         except OSError as err:
-            log.error("service DNS is not served: cannot put %s on this node: %s", address, err)
+            log.error("service DNS is not served: cannot put %s on this node: %s", " and ".join(addresses), err)
             self.error_dns = str(err)
             return
         if cfg.upstream:
             upstreams = [(u.rpartition(":")[0], int(u.rpartition(":")[2])) for u in cfg.upstream]
         else:
-            upstreams = dns.host_resolvers(exclude=[address])
-        server = dns.DnsServer(address, 53, lambda: self.names, upstreams)
+            upstreams = dns.host_resolvers(exclude=addresses)
+        server = dns.DnsServer(address, 53, lambda: self.names, upstreams, more=addresses[1:])
         try:
             await server.start()
         except OSError as err:
-            log.error("service DNS is not served: cannot listen on %s:53: %s", address, err)
+            await server.stop()
+            log.error("service DNS is not served: cannot listen on %s port 53: %s", " and ".join(addresses), err)
             self.error_dns = str(err)
             return
         self.dns_server = server
         self.error_dns = None
-        log.info("answering DNS for %s on %s:53 (%s; others to %s)", cfg.cluster_domain, address, device,
+        log.info("answering DNS for %s on %s port 53 (%s; others to %s)", cfg.cluster_domain, " and ".join(addresses), device,
                  ", ".join(f"{h}:{p}" for h, p in upstreams) or "nowhere: SERVFAIL")  # fmt: skip
 
     async def leave(self) -> None:
@@ -142,7 +146,7 @@ class ServiceAgent:
                 log.info("removed the services table")
         if self.dns_config is not None and self.dns_config.enabled:
             with contextlib.suppress(OSError):
-                if await asyncio.to_thread(dns.remove_address):
+                if await asyncio.to_thread(dns.remove_address, None, str(self.dns_config.address_v6)):
                     log.info("removed the DNS address (%s)", dns.DEVICE)
 
     def close(self) -> None:
@@ -336,10 +340,10 @@ def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -
     return sorted(set(out))
 
 
-async def remove_services_table() -> None:
-    """``agentd leave`` with no agent running: remove this host's services table and DNS address."""
+async def remove_services_table(dns_address_v6: str | None = None) -> None:
+    """``agentd leave`` with no agent running: remove this host's services tables and DNS addresses."""
     with contextlib.suppress(OSError):
-        if await asyncio.to_thread(dns.remove_address):
+        if await asyncio.to_thread(dns.remove_address, None, dns_address_v6):
             log.info("removed the DNS address (%s)", dns.DEVICE)
     try:
         nft = await asyncio.to_thread(Nft)

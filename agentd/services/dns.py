@@ -27,7 +27,7 @@ import errno
 import logging
 import socket
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,18 +132,21 @@ def host_resolvers(path: str = "/etc/resolv.conf", exclude: Iterable[str] = ()) 
 
 
 class DnsServer:
-    """UDP and TCP on ``address:port``; answers from ``table()``, forwards the rest to ``upstreams``."""
+    """UDP and TCP on ``address:port`` (and each of ``more``: the IPv6 address of a cluster with
+    IPv6); answers from ``table()``, forwards the rest to ``upstreams``."""
 
-    def __init__(self, address: str, port: int, table: Callable[[], Names], upstreams: list[tuple[str, int]]) -> None:
+    def __init__(self, address: str, port: int, table: Callable[[], Names], upstreams: list[tuple[str, int]],
+                 more: Sequence[str] = ()) -> None:  # fmt: skip
         self.address = address
+        self.addresses = [address, *more]
         self.port = port
         self.table = table
         self.upstreams = upstreams
         self.queries = 0
         self.forwarded = 0
         self.failed = 0
-        self._udp: asyncio.DatagramTransport | None = None
-        self._tcp: asyncio.base_events.Server | None = None
+        self._udp: list[asyncio.DatagramTransport] = []
+        self._tcp: list[asyncio.base_events.Server] = []
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -156,16 +159,19 @@ class DnsServer:
             def datagram_received(self, data: bytes, addr: Any) -> None:
                 loop.create_task(server._udp_query(self.transport, data, addr))
 
-        self._udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(self.address, self.port))
-        self._tcp = await asyncio.start_server(self._tcp_client, self.address, self.port, reuse_address=True)
+        for address in self.addresses:
+            udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(address, self.port))
+            self._udp.append(udp)
+            self._tcp.append(await asyncio.start_server(self._tcp_client, address, self.port, reuse_address=True))
 
     async def stop(self) -> None:
-        if self._udp is not None:
-            self._udp.close()
-        if self._tcp is not None:
-            self._tcp.close()
+        for udp in self._udp:
+            udp.close()
+        for tcp in self._tcp:
+            tcp.close()
             with contextlib.suppress(Exception):
-                await self._tcp.wait_closed()
+                await tcp.wait_closed()
+        self._udp, self._tcp = [], []
 
     async def answer(self, wire: bytes, *, tcp: bool = False) -> bytes | None:
         self.queries += 1
@@ -232,8 +238,10 @@ class DnsServer:
 
 
 def add_address(address: str) -> str:
-    """``address/32`` on the dummy interface ``agentd-dns`` (idempotent), in this namespace; on
-    ``lo`` where the kernel has no dummy interfaces (no module).  Returns the device used."""
+    """``address/32`` (an IPv6 one: /128) on the dummy interface ``agentd-dns`` (idempotent), in
+    this namespace; on ``lo`` where the kernel has no dummy interfaces (no module).  Returns the
+    device used.  Neither device does duplicate address detection (NOARP, loopback): the IPv6
+    address is usable at once."""
     with Rtnl() as rt:
         device = DEVICE
         if rt.link(DEVICE) is None:
@@ -247,7 +255,8 @@ def add_address(address: str) -> str:
         if link is None:
             raise nl.NetlinkError(errno.ENODEV, None, f"looking up device {device}")
         try:
-            rt.add_address(link.index, address, 32, f"{device}:agentd" if device == "lo" else None)
+            v6 = ":" in address
+            rt.add_address(link.index, address, 128 if v6 else 32, f"{device}:agentd" if device == "lo" and not v6 else None)
         except nl.NetlinkError as err:
             if err.errno != errno.EEXIST:  # there from a previous run
                 raise
@@ -256,8 +265,9 @@ def add_address(address: str) -> str:
         return device
 
 
-def remove_address(address: str | None = None) -> bool:
-    """Remove ``agentd-dns``, or ``address`` from ``lo`` where it was put there."""
+def remove_address(address: str | None = None, address_v6: str | None = None) -> bool:
+    """Remove ``agentd-dns``, or ``address`` (every address agentd labelled, without it) and
+    ``address_v6`` from ``lo`` where they were put there (IPv6 addresses have no label)."""
     with Rtnl() as rt:
         link = rt.link(DEVICE)
         if link is not None:
@@ -277,4 +287,10 @@ def remove_address(address: str | None = None) -> bool:
                 found = True
             except nl.NetlinkError:
                 pass  # gone meanwhile
+        if address_v6 is not None:
+            packed = socket.inet_pton(socket.AF_INET6, address_v6)
+            if any(a.address == packed and a.prefixlen == 128 for a in rt.addresses(lo.index, socket.AF_INET6)):
+                with contextlib.suppress(nl.NetlinkError):  # gone meanwhile
+                    rt.delete_address(lo.index, address_v6, 128)
+                    found = True
         return found

@@ -72,7 +72,7 @@ class ServiceViews:
             "node": a.node, "revision": a.applied_revision, "error": a.error, "syncs": a.syncs,
             "last_sync": a.last_sync, "udp_flushed": a.flushed,
             "dns": None if a.dns_server is None else {
-                "address": a.dns_server.address, "queries": a.dns_server.queries,
+                "address": a.dns_server.address, "addresses": a.dns_server.addresses, "queries": a.dns_server.queries,
                 "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed},
             "dns_error": a.error_dns, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
         }  # fmt: skip

@@ -11,7 +11,7 @@ import dns.message
 import dns.rcode
 import pytest
 
-from agentd.cni.netconf import SubnetFile, dns_config, parse_subnet_file, render_subnet_file
+from agentd.cni.netconf import SubnetFile, SubnetFileError, dns_config, parse_subnet_file, render_subnet_file
 from agentd.config.settings import ConfigError, load_config
 from agentd.services import dns as sdns
 from agentd.services.model import Endpoint, ServicePort
@@ -158,3 +158,24 @@ def test_subnet_file_and_cni_result_carry_the_pods_dns():
     assert dns_config(sf, None)["search"] == ["svc.cluster.local", "cluster.local"]
     plain = SubnetFile(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"), 1450)
     assert "AGENTD_DNS" not in render_subnet_file(plain) and dns_config(plain, "shop") is None
+
+
+def test_pods_without_ipv4_get_the_ipv6_dns_address():
+    from ipaddress import IPv6Address, IPv6Network
+
+    base = {"node.name": "n1", "node.address_v6": "2001:db8::1", "network.ip_family": "ipv6", "network.backend": "vxlan"}
+    cfg = load_config(None, env={}, overrides=base)
+    assert cfg.dns.address_v6 == IPv6Address("fd00:169:254:20::10")
+    for bad, why in (("fe80::10", "not loopback, link-local"), ("169.254.20.10", "must be an IPv6 address"),
+                     ("fd00:10:244:9::10", "inside the IPv6 pod network"), ("fd00:10:96::10", "inside the IPv6 service range")):  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, env={}, overrides={**base, "dns.address_v6": bad})
+    sf = SubnetFile(None, None, 1430, network_v6=IPv6Network("fd00:10:244::/48"), subnet_v6=IPv6Network("fd00:10:244:3::/64"),
+                    dns_v6=IPv6Address("fd00:169:254:20::10"))  # fmt: skip
+    text = render_subnet_file(sf)
+    assert "AGENTD_DNS_V6=fd00:169:254:20::10\nAGENTD_CLUSTER_DOMAIN=cluster.local\n" in text and "AGENTD_DNS=" not in text
+    assert parse_subnet_file(text) == sf
+    assert dns_config(sf, "shop")["nameservers"] == ["fd00:169:254:20::10"]
+    with pytest.raises(SubnetFileError, match="AGENTD_DNS_V6 '169.254.20.10' is not an IPv6 address"):
+        parse_subnet_file(text.replace("fd00:169:254:20::10", "169.254.20.10"))
+

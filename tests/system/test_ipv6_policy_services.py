@@ -1,7 +1,8 @@
-"""NetworkPolicy and Services over IPv6, end to end in one dual-stack lab.
+"""NetworkPolicy and Services over IPv6, end to end: one dual-stack lab shared by most checks,
+and an IPv6-only one.
 
-One lab (3 nodes, host-gw, ``ip_family = "dual"``: every pod has an IPv4 and an IPv6
-address) shared by every check:
+The dual-stack lab (3 nodes, host-gw, ``ip_family = "dual"``: every pod has an IPv4 and an
+IPv6 address) is shared by:
 
 * the NetworkPolicy truth table over both families: namespaces x and y with pods a, b, c on
   the three nodes (tests/netpol_lab.py's grid), a set of scenarios applied as manifests,
@@ -12,6 +13,9 @@ address) shared by every check:
   cluster IP to the endpoints' IPv6 addresses across nodes (TCP, UDP), its node port answers
   on a node's IPv6 underlay address (externalTrafficPolicy Cluster, then Local), and the
   node-local DNS answers AAAA (and A) for it, and both for a headless Service, to a pod.
+
+The IPv6-only lab (2 nodes) checks what has no IPv4 to lean on: the Service's one family,
+the IPv6 node-local DNS address pods are handed, a node port and a policy over IPv6 alone.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from netpol_lab import Grid, check, close_grid, converged, make_grid, np
 from agentd.lab.lab import Lab, LabSpec
 from agentd.lab.netns import unique_tag
 from agentd.lab.svcecho import Echo
+from agentd.lab.wait import auntil
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -39,10 +44,10 @@ DNS = "169.254.20.10"
 
 
 class World:
-    def __init__(self, lab: Lab, grid: Grid) -> None:
+    def __init__(self, lab: Lab, res: Any, grid: Grid | None = None) -> None:
         self.lab = lab
         self.grid = grid
-        self.res = grid.res
+        self.res = res
         self.pods: dict[str, Any] = {}
         self.echo: dict[str, Echo] = {}
 
@@ -76,7 +81,7 @@ async def world(tmp_path_factory):
         await lab.up(timeout=90)
         grid = await make_grid(lab, [(i, ns, name) for ns in NS_LABELS for i, name in enumerate(("a", "b", "c"))], NS_LABELS)
         assert all(p.address(4) and p.address(6) for p in grid.pods.values()), grid.pods
-        w = World(lab, grid)
+        w = World(lab, grid.res, grid)
         for i, node in enumerate(lab.nodes, start=1):
             w.pods[f"web-{i}"] = await lab.add_pod(node, "svc", f"web-{i}", labels={"app": "web", "pod": f"web-{i}"}, ports=SVC_PORTS)
         w.pods["client"] = await lab.add_pod(lab.nodes[0], "svc", "client", labels={"app": "client"})
@@ -115,6 +120,7 @@ SCENARIOS: dict[str, Any] = {
 @pytest.mark.parametrize("name", list(SCENARIOS))
 async def test_truth_table_over_both_families(world: World, name: str):
     g = world.grid
+    assert g is not None
     policies = SCENARIOS[name](g)
     try:
         if policies:
@@ -191,3 +197,56 @@ async def test_an_ipv6_single_stack_service(world: World):
         assert r["rcode"] == "NOERROR" and r["answer"] == [], r  # the name exists, without an IPv4 address
     finally:
         await world.delete("six")
+
+
+# ------------------------------------------------------------------ an IPv6-only cluster
+
+
+async def test_an_ipv6_only_cluster_services_dns_and_policy(lab_factory):
+    """No IPv4 anywhere: a Service gets an IPv6 cluster IP (SingleStack, the cluster's one
+    family), pods are handed the IPv6 node-local DNS address and resolve it there, its node
+    port answers on a node's IPv6 address, and a policy isolates a pod over IPv6."""
+    lab = await lab_factory(nodes=2, pods=0, ip_family="ipv6")
+    node1, node2 = lab.nodes
+    pods = {}
+    for i, node in enumerate(lab.nodes, start=1):
+        pods[f"web-{i}"] = await lab.add_pod(node, "svc", f"web-{i}", labels={"app": "web", "pod": f"web-{i}"}, ports=SVC_PORTS)
+    pods["client"] = await lab.add_pod(node1, "svc", "client", labels={"app": "client"})
+    echo = {name: await Echo.start(p, name, [("tcp", 8080), ("udp", 5353)] if name.startswith("web") else [])
+            for name, p in pods.items()}  # fmt: skip
+    echo["node1"] = await Echo.start(node1, "node1")
+    res = await lab.resources()
+    try:
+        assert pods["client"].result["dns"]["nameservers"] == ["fd00:169:254:20::10"]
+        rev = await res.apply([service("web", {"type": "NodePort", "selector": {"app": "web"},
+                                               "ports": [{**WEB_PORTS[0], "nodePort": 30080}, WEB_PORTS[1]]})])  # fmt: skip
+        await World(lab, res).services_converged(rev)
+        obj = await res.get("Service", "svc", "web")
+        assert (obj["spec"]["ipFamilies"], obj["spec"]["ipFamilyPolicy"]) == (["IPv6"], "SingleStack")
+        (vip,) = obj["spec"]["clusterIPs"]
+        assert ipaddress.ip_address(vip) in ipaddress.ip_network("fd00:10:96::/112")
+        r = await echo["client"].tcp(vip, 80, count=30)
+        assert r["failed"] == 0 and set(r["names"]) == {"web-1", "web-2"}, r
+        r = await echo["client"].dns("fd00:169:254:20::10", "web.svc.svc.cluster.local", "AAAA")
+        assert r["rcode"] == "NOERROR" and r["answer"] == [f"web.svc.svc.cluster.local. 5 IN AAAA {vip}"], r
+        r = await echo["node1"].tcp(node2.address_v6, 30080, count=20)
+        assert r["failed"] == 0 and set(r["names"]) == {"web-1", "web-2"}, r
+        # NetworkPolicy over IPv6 alone: web-1 takes nothing from the client, web-2 is open.
+        rev = await res.apply([np("deny", "svc", {"podSelector": {"matchLabels": {"pod": "web-1"}}})])
+        await converged(lab, rev)
+        assert await echo["client"].tcp(pods["web-1"].address(6), 8080, count=1, timeout=1.0) == {"names": {}, "failed": 1}
+        assert await echo["client"].tcp(pods["web-2"].address(6), 8080, count=2) == {"names": {"web-2": 2}, "failed": 0}
+        # A node that leaves takes its ip6 table and its IPv6 DNS address with it.
+        assert "fd00:169:254:20::10" in node2.ns.ip("-6", "addr").stdout.decode()
+        await node2.leave()
+
+        def left() -> bool:
+            tables = node2.ns.exec("nft", "list", "tables")
+            return node2.agent_pid() is None and "agentd-services" not in tables and \
+                "fd00:169:254:20::10" not in node2.ns.ip("-6", "addr").stdout.decode()
+
+        await auntil(left, 20, what="node2's agent gone with its ip6 table and IPv6 DNS address", in_thread=True)
+    finally:
+        for e in echo.values():
+            await e.close()
+        await res.close()
