@@ -236,9 +236,7 @@ class IngressController:
             key = (b.namespace, b.service)
             if key not in ports:
                 ports[key] = self._service_ports(key)
-            for sp in ports[key]:
-                if sp.protocol == "TCP" and (sp.port == b.port if isinstance(b.port, int) else sp.port_name == b.port):
-                    out[name] = {(e.ip, e.port) for e in sp.usable()}
+            out[name] = backend_servers(ports[key], b.port)
         return out
 
     def _service_ports(self, key: tuple[str, str]) -> list[model.ServicePort]:
@@ -454,6 +452,15 @@ class IngressController:
 
     def counter(self, backend: str, counter: str) -> int:
         return self.counter_base.get((backend, counter), 0) + self._last_counts.get((backend, counter), 0)
+
+
+def backend_servers(ports: list[model.ServicePort], port: int | str) -> set[Server]:
+    """The ready endpoints of a backend's Service port (a number or a port name): those of the
+    Service's primary family, its first (a dual-stack Service's pods are not proxied to twice)."""
+    for sp in ports:
+        if sp.protocol == "TCP" and (sp.port == port if isinstance(port, int) else sp.port_name == port):
+            return {(e.ip, e.port) for e in sp.usable()}
+    return set()
 
 
 def _write(path: Path, content: bytes) -> None:

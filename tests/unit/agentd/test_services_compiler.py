@@ -369,3 +369,14 @@ def test_stale_ipv6_udp_endpoints():
     before = model.build([s], [sl], [])
     sl["endpoints"] = sl["endpoints"][:1]
     assert stale_udp(before, model.build([s], [sl], [])) == [Stale("2001:db8::2", 5353, "fd00:10:96::a", 53, None)]
+
+
+def test_ingress_proxies_to_the_primary_familys_endpoints():
+    from agentd.ingress.controller import backend_servers
+
+    spec = {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}
+    v4_first = model.build([dual("web", spec, ["10.96.0.10", "fd00:10:96::a"], ["IPv4", "IPv6"])], [], DUAL_PODS)
+    assert backend_servers(v4_first, 80) == {("10.244.1.2", 8080), ("10.244.2.2", 8080)}
+    v6_first = model.build([dual("web", spec, ["fd00:10:96::a", "10.96.0.10"], ["IPv6", "IPv4"])], [], DUAL_PODS)
+    assert backend_servers(v6_first, "http") == {("fd00:10:244:1::2", 8080), ("fd00:10:244:2::2", 8080), ("fd00:10:244:2::3", 8080)}
+    assert backend_servers(v4_first, 81) == set()
