@@ -224,8 +224,9 @@ class ResourceStore:
         batch: list[dict[str, Any]] = []
         ops = 0
         for obj in objs:
-            # A Service also writes (and compares) its allocation keys: its cluster IP and node ports.
-            cost = 2 + len(obj["spec"].get("ports", [])) if obj["kind"] == "Service" else 1
+            # A Service also writes (and compares) its allocation keys: its cluster IPs (two for
+            # one that asks for both families) and node ports.
+            cost = 1 + _cluster_ips_asked(obj["spec"]) + len(obj["spec"].get("ports", [])) if obj["kind"] == "Service" else 1
             if batch and ops + cost > MAX_TXN_OPS:
                 out += await self._apply_batch(batch)
                 batch, ops = [], 0
@@ -483,6 +484,12 @@ class ResourceStore:
                 continue
             known.add(key)
             yield ResourceEvent("put", ev.revision, key=key, obj=obj, lease=kv.lease)
+
+
+def _cluster_ips_asked(spec: Mapping[str, Any]) -> int:
+    """How many cluster IPs a Service manifest may take: two where it asks for both families."""
+    dual = spec.get("ipFamilyPolicy") in (ipfamilies.PREFER_DUAL, ipfamilies.REQUIRE_DUAL)
+    return 2 if dual or len(spec.get("ipFamilies") or ()) == 2 or len(spec.get("clusterIPs") or ()) == 2 else 1
 
 
 def _prefix_end(prefix: bytes) -> bytes:

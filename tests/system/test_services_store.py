@@ -251,3 +251,11 @@ async def test_a_single_stack_cluster_refuses_what_it_cannot_give(etcd_server, s
         await store.apply([service("x", policy="RequireDualStack")])
     (ok,) = await store.apply([service("y", policy="PreferDualStack")])
     assert ok.obj["spec"]["ipFamilies"] == ["IPv4"] and len(ok.obj["spec"]["clusterIPs"]) == 1
+
+
+async def test_a_large_dual_stack_apply_stays_within_etcds_operations_per_transaction(etcd_server, stores):
+    store = await stores()
+    store.service_cidr, store.service_cidr_v6, store.service_families = RANGE, RANGE6, ["IPv4", "IPv6"]
+    applied = await store.apply([service(f"dual-{i}", node_port=True, policy="PreferDualStack") for i in range(70)])
+    assert len(applied) == 70 and {a.outcome for a in applied} == {"created"}
+    assert len({ip for a in applied for ip in a.obj["spec"]["clusterIPs"]}) == 140
