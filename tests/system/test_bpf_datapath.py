@@ -546,7 +546,8 @@ def test_restarts_on_a_busy_device_lose_nothing(pair_factory, hook):
     qdisc is grafted once per device, when the first program goes on; the swaps after it are
     filter replacements in place, which lose nothing either.  Ours on the other kind of hook (an
     older agent's cls_bpf filter; an agent that ran with tcx before) is taken over: removed
-    once ours is on, the qdisc left alone."""
+    once ours is on, the qdisc left alone; and so is an agent before links' tcx programs, which
+    it recognises by its program pins (tc.Pins) and takes off by their position."""
     from agentd.kernel import netlink_tc as tcm
     from agentd.kernel.rtnl import Rtnl
 
@@ -562,9 +563,14 @@ def test_restarts_on_a_busy_device_lose_nothing(pair_factory, hook):
             rt.request(tcm.encode_add_clsact(rt.next_seq(), u2), "clsact")
             rt.request(tcm.encode_replace_bpf_filter(rt.next_seq(), u2, tc.PARENTS["ingress"], tc.PRIO, tc.HANDLE,
                                                      tc.ETH_P_ALL, pair.dp[2].progs[layout.INGRESS], name), "filter")
+            # ... and an agent before links: its programs on tcx without one, pinned by name.
+            tc.remove_links(pair.dp[2].pins, tc.OURS)
+            for prog, direction in ((layout.EGRESS, libbpf.TCX_EGRESS), (layout.INGRESS, libbpf.TCX_INGRESS)):
+                libbpf.tcx_attach(u2, direction, pair.dp[2].progs[prog])
+            assert [f.link_id for f in _filters(t.h2, "u2") if f.kind == "tcx"] == [0, 0]
     else:
         with t.h2.entered():
-            tc.attach(vp2, "ingress", pair.dp[2].progs[layout.INGRESS], name, "clsact")  # the one graft
+            tc.attach(vp2, "ingress", pair.dp[2].progs[layout.INGRESS], name, "clsact", pair.dp[2].pins)  # the one graft
             if tc.tcx_available():  # an agent that ran with tcx before, as it left its program
                 libbpf.tcx_attach(u2, libbpf.TCX_INGRESS, pair.dp[2].progs[layout.INGRESS])
     qdiscs_before = t.h2.exec("tc", "qdisc", "show")
@@ -577,7 +583,7 @@ def test_restarts_on_a_busy_device_lose_nothing(pair_factory, hook):
             pair.dp[2].close()
             dp = pair.open(2, {IPv4Network(SUBNET1): (H1_UNDERLAY, "udp")}, {H1_UNDERLAY})
             with t.h2.entered():
-                tc.attach(vp2, "ingress", dp.progs[layout.INGRESS], name, hook)  # the pods' bridge guarded
+                tc.attach(vp2, "ingress", dp.progs[layout.INGRESS], name, hook, dp.pins)  # the pods' bridge guarded
         before = pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
         assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= before + 20, 10)
     finally:
@@ -589,3 +595,5 @@ def test_restarts_on_a_busy_device_lose_nothing(pair_factory, hook):
     kind = "tcx" if hook == "tcx" else "bpf"
     assert [(f.direction, f.kind, f.name) for f in _filters(t.h2, "vp2")] == [("ingress", kind, name)]
     assert sorted((f.direction, f.kind) for f in _filters(t.h2, "u2")) == [("egress", kind), ("ingress", kind)]
+    if hook == "tcx":  # each held by a pinned link of ours: none left without one
+        assert all(f.link_id for f in _filters(t.h2, "u2") + _filters(t.h2, "vp2"))

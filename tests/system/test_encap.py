@@ -176,6 +176,8 @@ def bpf_object_ids(node) -> dict[str, set[int]]:
     """The kernel ids of the programs and maps pinned for ``node``."""
     ids: dict[str, set[int]] = {"progs": set(), "maps": set()}
     for p in pin_dir(node).iterdir():
+        if p.is_dir():
+            continue  # links/: the tcx links (the programs they hold are pinned by name too)
         fd = bpf.obj_get(str(p))
         try:
             if p.name in layout.MAPS or p.name in podpath.MAPS:  # the pod fast path pins here too

@@ -7,16 +7,19 @@ system, one directory per network namespace::
     <bpf_dir>/netns-<inode>/      [agent] bpf_dir, default /sys/fs/bpf/agentd
         agentd_routes  agentd_peers  agentd_drops  agentd_config     the maps
         agentd_egress  agentd_ingress                                the programs
+        links/agentd_egress-<ifindex>  links/agentd_ingress-<ifindex>  the tcx links (tc.py)
 
 (the namespace's inode number keeps two agents on one machine, e.g. the lab's nodes, apart).
-The attached filters hold the programs and the programs hold the maps, so pod traffic keeps
-flowing when the agent dies; the pins let the next agent find the maps again.
+The hooks hold the programs (a pinned link, or a cls_bpf filter) and the programs hold the
+maps, so pod traffic keeps flowing when the agent dies; the pins let the next agent find the
+maps and its attachments again -- by BPF_OBJ_GET, which CAP_BPF allows, where opening
+anything by its id would take CAP_SYS_ADMIN.
 
 :meth:`BpfDatapath.open` has libbpf load the object with its maps pinned by name in that
 directory: libbpf reuses the maps pinned there (the agent first removes a pin of another shape
 -- type, sizes, flags -- which libbpf would refuse), so routes, members and counters survive a
 restart or an upgrade; it creates and pins the rest, loads the programs afresh, and the agent
-swaps them onto the device in place (tcx replace or tc filter replace: no packet sees no
+swaps them onto the device in place (a link update or tc filter replace: no packet sees no
 program).  :meth:`remove` takes everything away again: programs off the hooks, pins, directory.
 """
 
@@ -78,6 +81,8 @@ class BpfDatapath:
         self.config: layout.Config | None = None
         self.ncpus = 0
         self.prog_ids: dict[str, int] = {}
+        self.pins = tc.Pins(self.dir)  # read at open: how our programs on the hooks are known
+        self.unidentified: set[str] = set()  # programs on our hooks we could not take over, and why
 
     # ------------------------------------------------------------------ open / close
 
@@ -89,6 +94,8 @@ class BpfDatapath:
         obj = open_checked(self.object_path, lambda o: layout.check(o.maps, o.programs))
         try:
             ensure_dir(self.bpf_dir, self.dir)
+            self.pins = tc.Pins.read(self.dir)  # the previous agent's programs, before ours replace the pins
+            tc.sweep(self.pins)
             self.ncpus = lb.possible_cpus()
             self.adopted = adopt_pins(obj, self.dir)
             obj.load()
@@ -101,7 +108,7 @@ class BpfDatapath:
                 self.prog_ids[name] = lb.prog_info(self.progs[name])["id"]
             # Attach (replacing the previous agent's programs in place), then pin.
             for name, fd in self.progs.items():
-                tc.attach(self.ifindex, DIRECTIONS[name], fd, name, self.hook)
+                self._note(tc.attach(self.ifindex, DIRECTIONS[name], fd, name, self.hook, self.pins))
                 pin(self.dir, fd, name)
         except lb.BpfError as err:
             self._drop(obj)
@@ -112,6 +119,9 @@ class BpfDatapath:
         except BpfUnavailable:
             self._drop(obj)
             raise
+
+    def _note(self, lines: list[str]) -> None:
+        self.unidentified.update(lines)
 
     def _drop(self, obj: lb.BpfObject) -> None:
         obj.close()
@@ -230,8 +240,10 @@ class BpfDatapath:
         if fd is None or self.hook is None:
             return set()
         for ifindex in sorted(bridges - self.guarded):
-            tc.attach(ifindex, "ingress", fd, layout.INGRESS, self.hook)
-        self.guarded = bridges  # (a bridge that went took its filters along)
+            self._note(tc.attach(ifindex, "ingress", fd, layout.INGRESS, self.hook, self.pins))
+        if self.guarded - bridges:  # a bridge that went took its filter along; its link's pin stays
+            tc.sweep(self.pins)
+        self.guarded = bridges
         return bridges
 
     def sync_ports(self) -> int:
@@ -275,6 +287,8 @@ class BpfDatapath:
             "members": len(self.members),
             "bridge_ports": len(self.ports),
             "guarded_bridges": len(self.guarded),
+            # Programs on our tcx hooks we could not tell ours or anyone's (tc.py): they stay.
+            "unidentified_programs": sorted(self.unidentified),
         }
 
 
@@ -368,18 +382,19 @@ def _kernel_flags(live: layout.Config | None) -> dict:
 
 
 def remove_pinned(bpf_dir: str | os.PathLike, ifindex: int | None) -> list[str]:
-    """Detach our filters from ``ifindex`` and remove this namespace's pins of the data path (and
-    their directory, and ``bpf_dir`` itself once empty).  Works without the agent that made them; idempotent.
-    Returns what was removed."""
+    """Detach our programs from ``ifindex`` and the bridges and remove this namespace's pins of
+    the data path (and their directory, and ``bpf_dir`` itself once empty).  Works without the
+    agent that made them; idempotent.  Returns what was removed."""
     removed = []
+    d = pin_dir(bpf_dir)
+    pins = tc.Pins.read(d)
     with Rtnl() as rt:
-        devices = rt.bridges()  # guard_bridges() put the ingress filter on them
+        devices = rt.bridges()  # guard_bridges() put the ingress program on them
     if ifindex is not None:
         devices.add(ifindex)
-    n = sum(tc.detach(i, tc.OURS) for i in sorted(devices))
+    n = sum(tc.detach(i, tc.OURS, pins) for i in sorted(devices)) + tc.remove_links(pins, tc.OURS)
     if n:
         removed.append(f"{n} tc filters")
-    d = pin_dir(bpf_dir)
     if d.is_dir():
         for name in (*layout.MAPS, *tc.OURS):  # ours only: the pod fast path pins here too (podpath.py)
             for p in (d / name, d / f"{name}_new"):

@@ -8,10 +8,18 @@ needs of it and no more.
   programs loaded.  The agent points the pinned maps at its own directory first
   (:meth:`BpfObject.pin_maps_in`).
 * The rest are libbpf's thin wrappers of single bpf() commands -- map elements, pins, object
-  info, test runs -- and the tcx hook (BPF_PROG_ATTACH / DETACH / QUERY with the tcx attach
-  types, through ``bpf_prog_attach_opts``, ``bpf_prog_detach2`` and ``bpf_prog_query_opts``).
-  libbpf 1.1 (Debian 12) has no ``bpf_program__attach_tcx`` (1.3): these three are what it
-  has, and tcx takes them.
+  info, test runs -- and the tcx hook: BPF links (``bpf_link_create`` with the tcx attach
+  types, ``bpf_link_update``, ``bpf_link_detach``), which is how the agent attaches, and a
+  plain BPF_PROG_ATTACH (``bpf_prog_attach_opts``), which is how agents before links did.
+  libbpf 1.1 (Debian 12) has no ``bpf_program__attach_tcx`` (1.3), and its query and detach
+  wrappers predate tcx's fields (the revision, the link ids, detaching by position): those
+  two commands are made directly (:func:`tcx_query`, :func:`tcx_detach_at`), the ABI of
+  ``union bpf_attr`` as Linux 6.6 has it.
+
+What the unit's capabilities allow (CAP_BPF, CAP_NET_ADMIN; no CAP_SYS_ADMIN): all of the
+above on objects the agent holds a file descriptor or a pin of.  Opening an object by its id
+(:func:`prog_fd_by_id`, BPF_PROG_GET_FD_BY_ID) is CAP_SYS_ADMIN's alone, so nothing the agent
+needs to do may depend on it.
 
 Errors: every call returns a plain int (a file descriptor, an id) or bytes, and raises
 :class:`BpfError` (an OSError with the errno, what was asked and, for a load, libbpf's own
@@ -39,6 +47,13 @@ TCX_INGRESS, TCX_EGRESS = 46, 47
 # attach_flags for the multi-program hooks (tcx)
 BPF_F_REPLACE = 1 << 2
 BPF_F_BEFORE = 1 << 3
+BPF_F_AFTER = 1 << 4
+BPF_F_ID = 1 << 5  # the relative program is named by its id, not a file descriptor
+LINK_TYPE_TCX = 11  # enum bpf_link_type
+# enum bpf_cmd, for the two commands made directly
+_BPF_PROG_DETACH, _BPF_PROG_QUERY = 9, 16
+# bpf(2)'s number by machine (asm/unistd.h); the agent's hosts are the first two
+_SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351, "armv7l": 386, "i686": 357}
 # enum bpf_map_type
 MAP_TYPE_HASH, MAP_TYPE_ARRAY = 1, 2
 MAP_TYPE_PERCPU_HASH, MAP_TYPE_PERCPU_ARRAY = 5, 6
@@ -69,9 +84,27 @@ class _AttachOpts(ctypes.Structure):  # struct bpf_prog_attach_opts (libbpf 1.1)
     _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint), ("replace_prog_fd", ctypes.c_int)]
 
 
-class _QueryOpts(ctypes.Structure):  # struct bpf_prog_query_opts (libbpf 1.1)
-    _fields_ = [("sz", ctypes.c_size_t), ("query_flags", ctypes.c_uint32), ("attach_flags", ctypes.c_uint32),
-                ("prog_ids", _c_u32_p), ("prog_cnt", ctypes.c_uint32), ("prog_attach_flags", _c_u32_p)]
+class _LinkCreateOpts(ctypes.Structure):  # struct bpf_link_create_opts, as far as tcx needs it
+    _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32)]
+
+
+class _LinkUpdateOpts(ctypes.Structure):  # struct bpf_link_update_opts (libbpf 1.1)
+    _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32), ("old_prog_fd", ctypes.c_uint32)]
+
+
+class _MprogAttr(ctypes.Structure):  # union bpf_attr for BPF_PROG_ATTACH / BPF_PROG_DETACH (Linux 6.6)
+    _fields_ = [("target_ifindex", ctypes.c_uint32), ("attach_bpf_fd", ctypes.c_uint32),
+                ("attach_type", ctypes.c_uint32), ("attach_flags", ctypes.c_uint32),
+                ("replace_bpf_fd", ctypes.c_uint32), ("relative_id", ctypes.c_uint32),
+                ("expected_revision", ctypes.c_uint64)]
+
+
+class _QueryAttr(ctypes.Structure):  # union bpf_attr for BPF_PROG_QUERY (Linux 6.6)
+    _fields_ = [("target_ifindex", ctypes.c_uint32), ("attach_type", ctypes.c_uint32),
+                ("query_flags", ctypes.c_uint32), ("attach_flags", ctypes.c_uint32),
+                ("prog_ids", ctypes.c_uint64), ("count", ctypes.c_uint32), ("_pad", ctypes.c_uint32),
+                ("prog_attach_flags", ctypes.c_uint64), ("link_ids", ctypes.c_uint64),
+                ("link_attach_flags", ctypes.c_uint64), ("revision", ctypes.c_uint64)]
 
 
 class _TestRunOpts(ctypes.Structure):  # struct bpf_test_run_opts (libbpf 1.1)
@@ -115,8 +148,9 @@ _SIGNATURES = {
     "bpf_obj_get_info_by_fd": (_I, [_I, _P, _c_u32_p]),
     "bpf_prog_get_fd_by_id": (_I, [_U32]),
     "bpf_prog_attach_opts": (_I, [_I, _I, _I, ctypes.POINTER(_AttachOpts)]),
-    "bpf_prog_detach2": (_I, [_I, _I, _I]),
-    "bpf_prog_query_opts": (_I, [_I, _I, ctypes.POINTER(_QueryOpts)]),
+    "bpf_link_create": (_I, [_I, _I, _I, ctypes.POINTER(_LinkCreateOpts)]),
+    "bpf_link_update": (_I, [_I, _I, ctypes.POINTER(_LinkUpdateOpts)]),
+    "bpf_link_detach": (_I, [_I]),
     "bpf_prog_test_run_opts": (_I, [_I, ctypes.POINTER(_TestRunOpts)]),
     "libbpf_num_possible_cpus": (_I, []),
     "libbpf_strerror": (_I, [_I, ctypes.c_char_p, ctypes.c_size_t]),
@@ -392,43 +426,107 @@ def prog_info(fd: int) -> dict:
             "tag": raw[8:16].hex(), "name": raw[64:80].rstrip(b"\0").decode()}
 
 
+def link_info(fd: int) -> dict:
+    """type, id and program id of struct bpf_link_info, and for a tcx link its device and hook
+    (``ifindex`` 0 once the device is gone: the link outlives it, holding nothing)."""
+    raw = _info(fd, 64)
+    ltype, lid, prog_id = (int.from_bytes(raw[i : i + 4], "little") for i in range(0, 12, 4))
+    out = {"type": ltype, "id": lid, "prog_id": prog_id}
+    if ltype == LINK_TYPE_TCX:  # the union after the three u32s is 8-aligned: offset 16
+        out["ifindex"], out["attach_type"] = (int.from_bytes(raw[i : i + 4], "little") for i in (16, 20))
+    return out
+
+
 def prog_fd_by_id(prog_id: int) -> int:
-    """A new file descriptor for the loaded program ``prog_id``."""
+    """A new file descriptor for the loaded program ``prog_id``: CAP_SYS_ADMIN only."""
     return _check(library().bpf_prog_get_fd_by_id(prog_id), f"opening program {prog_id}")
 
 
-def tcx_attach(ifindex: int, attach_type: int, fd: int, replace_fd: int | None = None) -> None:
-    """Put program ``fd`` on the device's tcx hook (no qdisc): in place of ``replace_fd``
-    (atomically, between two packets), else first in the hook's list.  The attachment
-    outlives this process, as a tc filter does, until detached or the device goes."""
-    opts = _AttachOpts(ctypes.sizeof(_AttachOpts), BPF_F_BEFORE if replace_fd is None else BPF_F_REPLACE,
-                       0 if replace_fd is None else replace_fd)
+def tcx_attach(ifindex: int, attach_type: int, fd: int) -> None:
+    """Put program ``fd`` first on the device's tcx hook, with no link: how agents before
+    links attached (kept to make their state in tests).  The attachment outlives this process
+    until detached or the device goes, and nothing but its id names it."""
+    opts = _AttachOpts(ctypes.sizeof(_AttachOpts), BPF_F_BEFORE, 0)
     _check(library().bpf_prog_attach_opts(fd, ifindex, attach_type, ctypes.byref(opts)),
            f"attaching a program to device {ifindex} (tcx)")
 
 
-def tcx_detach(ifindex: int, attach_type: int, fd: int) -> None:
-    _check(library().bpf_prog_detach2(fd, ifindex, attach_type), f"detaching a program from device {ifindex} (tcx)")
+def link_create(prog_fd: int, ifindex: int, attach_type: int) -> int:
+    """Attach program ``prog_fd`` first on the device's tcx hook through a new BPF link; returns
+    the link's file descriptor.  The attachment lasts as long as the link: pin it to keep it
+    beyond this process (the kernel detaches a link whose last descriptor and pin are gone)."""
+    opts = _LinkCreateOpts(ctypes.sizeof(_LinkCreateOpts), BPF_F_BEFORE)
+    return _check(library().bpf_link_create(prog_fd, ifindex, attach_type, ctypes.byref(opts)),
+                  f"attaching a program to device {ifindex} (tcx link)")
 
 
-def tcx_query(ifindex: int, attach_type: int) -> list[int]:
-    """The ids of the programs on the device's tcx hook, in the order they run."""
-    lib = library()
+def link_update(link_fd: int, prog_fd: int) -> None:
+    """Swap the link's program for ``prog_fd`` in place: one pointer exchange, between two
+    packets, the position on the hook kept."""
+    opts = _LinkUpdateOpts(ctypes.sizeof(_LinkUpdateOpts), 0, 0)
+    _check(library().bpf_link_update(link_fd, prog_fd, ctypes.byref(opts)), "replacing the program of a link")
+
+
+def link_detach(link_fd: int) -> None:
+    """Take the link's program off its hook now (the link stays, holding nothing)."""
+    _check(library().bpf_link_detach(link_fd), "detaching a link")
+
+
+@dataclass(frozen=True)
+class TcxHook:
+    """What runs on one tcx hook, in order: program ids, the link of each (0: attached without
+    one), and the hook's revision (every change counts it up)."""
+
+    prog_ids: tuple[int, ...]
+    link_ids: tuple[int, ...]
+    revision: int
+
+
+def _sys_bpf(cmd: int, attr: ctypes.Structure) -> int:
+    """bpf(2) itself, for the commands whose fields libbpf 1.1 does not pass."""
+    machine = os.uname().machine
+    if machine not in _SYS_BPF:
+        raise BpfError(errno.ENOSYS, f"bpf() on {machine}", "its system call number is not known here")
+    ret = _libc.syscall(ctypes.c_long(_SYS_BPF[machine]), ctypes.c_int(cmd), ctypes.byref(attr),
+                        ctypes.c_uint(ctypes.sizeof(attr)))
+    return -ctypes.get_errno() if ret < 0 else ret
+
+
+def tcx_query(ifindex: int, attach_type: int) -> TcxHook:
+    """The programs on the device's tcx hook (BPF_PROG_QUERY: CAP_NET_ADMIN)."""
     what = f"listing the programs on device {ifindex} (tcx)"
-    opts = _QueryOpts(ctypes.sizeof(_QueryOpts))
-    _check(lib.bpf_prog_query_opts(ifindex, attach_type, ctypes.byref(opts)), what)
-    for _ in range(4):  # the list may grow between the two calls
-        count = opts.prog_cnt
-        if count == 0:
-            return []
-        ids = (ctypes.c_uint32 * count)()
-        opts = _QueryOpts(ctypes.sizeof(_QueryOpts), prog_ids=ids, prog_cnt=count)
-        ret = lib.bpf_prog_query_opts(ifindex, attach_type, ctypes.byref(opts))
-        if ret == 0:
-            return list(ids)[: opts.prog_cnt]
-        if ret != -errno.ENOSPC:
-            _check(ret, what)
+    count = 16
+    for _ in range(4):  # the list may grow between two calls
+        ids, links = (ctypes.c_uint32 * count)(), (ctypes.c_uint32 * count)()
+        attr = _QueryAttr(ifindex, attach_type, prog_ids=ctypes.addressof(ids), count=count,
+                          link_ids=ctypes.addressof(links))
+        ret = _sys_bpf(_BPF_PROG_QUERY, attr)
+        if ret == -errno.ENOENT:  # no tcx entry on the device yet (Linux 6.6 says so)
+            return TcxHook((), (), attr.revision)
+        if ret == -errno.ENOSPC:
+            count = attr.count + 8
+            continue
+        _check(ret, what)
+        n = attr.count
+        return TcxHook(tuple(ids[:n]), tuple(links[:n]), attr.revision)
     raise BpfError(errno.EAGAIN, what, "the list kept changing")
+
+
+def tcx_detach_at(ifindex: int, attach_type: int, hook: TcxHook, index: int) -> None:
+    """Detach the program at ``index`` of ``hook`` (as :func:`tcx_query` returned it) without a
+    file descriptor of it: named by its position -- before the next program or after the one
+    before, both by id (BPF_F_ID), or the hook's only one -- and refused (ESTALE) if the hook
+    changed since the query (kernel/bpf/mprog.c, bpf_mprog_detach).  A program attached
+    through a link cannot be detached this way (EBUSY)."""
+    ids = hook.prog_ids
+    if index + 1 < len(ids):
+        flags, relative = BPF_F_BEFORE | BPF_F_ID, ids[index + 1]
+    elif index > 0:
+        flags, relative = BPF_F_AFTER | BPF_F_ID, ids[index - 1]
+    else:
+        flags, relative = BPF_F_BEFORE, 0  # the first, which is the only one
+    attr = _MprogAttr(ifindex, 0, attach_type, flags, 0, relative, hook.revision)
+    _check(_sys_bpf(_BPF_PROG_DETACH, attr), f"detaching program {ids[index]} from device {ifindex} (tcx)")
 
 
 def prog_test_run(fd: int, data: bytes, repeat: int = 1) -> tuple[int, bytes]:

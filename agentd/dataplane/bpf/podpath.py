@@ -6,6 +6,7 @@ Pins, next to the data path's in this namespace's directory (see datapath.py)::
     <bpf_dir>/netns-<inode>/
         agentd_podips  agentd_podstat  agentd_podcfg      the maps
         agentd_pod_fast  agentd_pod_wire                  the programs
+        links/agentd_pod_fast-<ifindex>  links/agentd_pod_wire-<ifindex>    the tcx links (tc.py)
 
 ``agentd_pod_fast`` sits on the ingress hook of the host side of every local pod's veth,
 ``agentd_pod_wire`` on the underlay device's (tcx or cls_bpf as ``[network] bpf_attach``
@@ -13,7 +14,7 @@ says, see tc.py; under cls_bpf the wire program has a filter place of its own be
 path's); the ``agentd_podips`` map holds each local pod's address and the ifindex of its
 veth.  A restarted agent's libbpf reuses the pinned maps, loads the programs afresh (the
 kfuncs and nf_conn's field offsets resolved against this kernel's BTF) and the agent swaps
-them in place.
+them in place: into the pinned links, or the cls_bpf filters, as the data path does.
 
 The program needs conntrack's TCP tracking to be liberal about windows in this namespace (it
 does not see the packets it carries: see podpath.c), so :meth:`PodFastPath.open` sets
@@ -24,6 +25,7 @@ does not see the packets it carries: see podpath.c), so :meth:`PodFastPath.open`
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -62,6 +64,10 @@ EXPECTED = {
     STATS: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
     CONFIG: (lb.MAP_TYPE_ARRAY, 4, CONFIG_VALUE.size),
 }
+CAP_SYS_ADMIN, CAP_PERFMON = 21, 38
+NEEDS_PERFMON = ("the pod fast path needs CAP_PERFMON, which this agent lacks: it reads conntrack's struct nf_conn, "
+                 "which the verifier lets only CAP_PERFMON (or CAP_SYS_ADMIN) read; systemd/agentd.service leaves it "
+                 "out (docs/operations.md adds it in a drop-in), or set [network] bpf_pod_fast_path = false")
 BE_LIBERAL = Path("/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
 ESTABLISHED_TIMEOUT = Path("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established")
 
@@ -81,6 +87,16 @@ def check(obj: lb.BpfObject) -> None:
         if not obj.maps[name].pinned:
             raise ValueError(f"map {name} is not pinned by name in the object file: a restart would lose it")
     check_programs(obj.programs, (PROGRAM, WIRE_PROGRAM))
+
+
+def _may_read_kernel_structs() -> bool:
+    """Whether this process has CAP_PERFMON or CAP_SYS_ADMIN (its effective set)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        eff = int(next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), 16)
+    except (OSError, StopIteration, ValueError):
+        return True  # not known: the kernel's own words are the better message
+    return bool(eff & (1 << CAP_PERFMON | 1 << CAP_SYS_ADMIN))
 
 
 def _read_int(path: Path) -> int:
@@ -113,6 +129,8 @@ class PodFastPath:
         self.attached: set[int] = set()  # veths our program is on (this run)
         self.adopted = False
         self.ncpus = 0
+        self.pins = tc.Pins(self.dir)  # read at open: how our programs on the hooks are known
+        self.unidentified: set[str] = set()  # programs on our hooks we could not take over, and why
 
     # ------------------------------------------------------------------ open / close
 
@@ -124,11 +142,15 @@ class PodFastPath:
         obj = open_checked(self.object_path, check)
         try:
             ensure_dir(self.bpf_dir, self.dir)
+            self.pins = tc.Pins.read(self.dir)  # the previous agent's programs, before ours replace the pins
+            tc.sweep(self.pins)  # links of veths that went while no agent ran
             self.ncpus = lb.possible_cpus()
             self.adopted = bool(adopt_pins(obj, self.dir))
             try:
                 obj.load()
             except lb.BpfError as err:  # a kfunc, nf_conn's fields, or the verifier
+                if err.errno in (errno.EPERM, errno.EACCES) and not _may_read_kernel_structs():
+                    raise BpfUnavailable(NEEDS_PERFMON) from None
                 raise BpfUnavailable(f"the kernel cannot run the pod fast path: {explain(err)}") from None
             self.obj = obj
             self.maps = {name: obj.map_fd(name) for name in MAPS}
@@ -170,7 +192,8 @@ class PodFastPath:
     def _attach_wire(self) -> None:
         assert self.wire_fd is not None and self.wire_ifindex is not None and self.hook is not None
         try:
-            tc.attach(self.wire_ifindex, "ingress", self.wire_fd, WIRE_PROGRAM, self.hook)
+            self.unidentified.update(tc.attach(self.wire_ifindex, "ingress", self.wire_fd, WIRE_PROGRAM, self.hook,
+                                               self.pins))
         except tc.TcError as err:  # pods of this node keep their fast path between them
             self.wire = str(err)
             self._configure(route=False)
@@ -218,8 +241,11 @@ class PodFastPath:
                 resolved[address] = socket.if_nametoindex(device)
             except OSError:
                 continue
-        for address in [a for a in self.pods if a not in resolved]:
+        gone = [a for a in self.pods if a not in resolved]
+        for address in gone:
             self._forget(address)
+        if gone:
+            tc.sweep(self.pins)  # the links of the veths that went with their pods
         for address, ifindex in resolved.items():
             if ifindex not in self.attached and not self._attach(ifindex):
                 continue
@@ -231,7 +257,7 @@ class PodFastPath:
     def _attach(self, ifindex: int) -> bool:
         assert self.prog_fd is not None and self.hook is not None
         try:
-            tc.attach(ifindex, "ingress", self.prog_fd, PROGRAM, self.hook)
+            self.unidentified.update(tc.attach(ifindex, "ingress", self.prog_fd, PROGRAM, self.hook, self.pins))
         except tc.TcError as err:
             if "No such device" in str(err):
                 return False  # the pod went between the name lookup and now
@@ -265,6 +291,8 @@ class PodFastPath:
                               "why_not": self.wire},
             "pods": len(self.pods),
             "adopted_maps": self.adopted,
+            # Programs on our tcx hooks we could not tell ours or anyone's (tc.py): they stay.
+            "unidentified_programs": sorted(self.unidentified),
         }
 
 
@@ -273,6 +301,7 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
     ``nf_conntrack_tcp_be_liberal`` back as it was found.  Works without the agent that made
     them; idempotent.  Returns what was removed."""
     d = pin_dir(bpf_dir)
+    pins = tc.Pins.read(d)
     removed: list[str] = []
     ips = d / IPS
     if ips.exists():
@@ -286,7 +315,8 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
                         devices.add(POD_VALUE.unpack(value)[0])
             finally:
                 os.close(fd)
-            n = sum(_detach(i, PROGRAM) for i in sorted(devices))
+            devices |= {i for name, i in pins.links().values() if name == PROGRAM}
+            n = sum(_detach(i, PROGRAM, pins) for i in sorted(devices))
             if n:
                 removed.append(f"the pod fast path from {n} veths")
     cfg = d / CONFIG
@@ -299,10 +329,12 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
                 os.close(fd)
             if raw:
                 flags, _ms, before, _net, _mask, wire = CONFIG_VALUE.unpack(raw)
-                if wire and _detach(wire, WIRE_PROGRAM):
+                if wire and _detach(wire, WIRE_PROGRAM, pins):
                     removed.append("the pod fast path from the underlay device")
                 if flags & CFG_ON and _read_int(BE_LIBERAL) != before:
                     BE_LIBERAL.write_text(f"{before}\n")
+    with contextlib.suppress(OSError):
+        tc.remove_links(pins, (PROGRAM, WIRE_PROGRAM))  # those of devices that went
     for name in (*MAPS, PROGRAM, f"{PROGRAM}_new", WIRE_PROGRAM, f"{WIRE_PROGRAM}_new"):
         with contextlib.suppress(FileNotFoundError):
             (d / name).unlink()
@@ -312,8 +344,8 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def _detach(ifindex: int, name: str) -> int:
+def _detach(ifindex: int, name: str, pins: tc.Pins) -> int:
     """Program ``name`` off one device; a veth that is gone (its pod with it) has nothing to remove."""
     with contextlib.suppress(OSError, tc.TcError):
-        return tc.detach(ifindex, (name,))
+        return tc.detach(ifindex, (name,), pins)
     return 0

@@ -2,8 +2,10 @@
 root, no kernel): their maps agree with layout.py and podpath.py (the Python side of
 datapath.h and podpath.h), every map is pinned by name, every program is a tc program, and a
 difference on either side -- or a file that is no BPF object -- is refused before anything is
-loaded."""
+loaded.  And the attach layer's parts that need no kernel: the bpf() attributes of the two
+commands made directly, a detach by position, the names of the link pins."""
 
+import ctypes
 import dataclasses
 import struct
 from ipaddress import IPv4Network
@@ -142,3 +144,50 @@ def test_without_libbpf_the_bpf_parts_say_what_to_install(monkeypatch):
     monkeypatch.setattr(tc, "_tcx", None)
     with pytest.raises(BpfUnavailable, match="libbpf.so.1 is not installed"):
         resolve_hook("auto")
+
+
+def test_the_bpf_attr_of_the_commands_made_directly_is_the_kernels():
+    """union bpf_attr for BPF_PROG_DETACH and BPF_PROG_QUERY as include/uapi/linux/bpf.h lays
+    it out since Linux 6.6 (the fields libbpf 1.1 does not pass: relative id, revision, link ids)."""
+    mprog, query = libbpf._MprogAttr, libbpf._QueryAttr
+    assert (mprog.attach_flags.offset, mprog.relative_id.offset, mprog.expected_revision.offset) == (12, 20, 24)
+    assert ctypes.sizeof(mprog) == 32
+    assert (query.prog_ids.offset, query.count.offset, query.prog_attach_flags.offset, query.link_ids.offset,
+            query.revision.offset) == (16, 24, 32, 40, 56)
+    assert ctypes.sizeof(query) == 64
+
+
+@pytest.mark.parametrize(("index", "flags", "relative"), [
+    (0, libbpf.BPF_F_BEFORE | libbpf.BPF_F_ID, 12),  # the first of three: before the second
+    (1, libbpf.BPF_F_BEFORE | libbpf.BPF_F_ID, 13),
+    (2, libbpf.BPF_F_AFTER | libbpf.BPF_F_ID, 12),  # the last: after the one before it
+])  # fmt: skip
+def test_a_program_is_detached_by_its_neighbour_and_the_revision(monkeypatch, index, flags, relative):
+    asked = []
+    monkeypatch.setattr(libbpf, "_sys_bpf", lambda cmd, attr: asked.append((cmd, bytes(attr))) or 0)
+    libbpf.tcx_detach_at(7, libbpf.TCX_INGRESS, libbpf.TcxHook((11, 12, 13), (0, 0, 0), 42), index)
+    ((cmd, raw),) = asked
+    attr = libbpf._MprogAttr.from_buffer_copy(raw)
+    assert cmd == libbpf._BPF_PROG_DETACH and attr.attach_bpf_fd == 0  # no file descriptor of it
+    assert (attr.target_ifindex, attr.attach_type, attr.attach_flags, attr.relative_id, attr.expected_revision) == (
+        7, libbpf.TCX_INGRESS, flags, relative, 42)
+
+
+def test_the_only_program_is_detached_as_the_first(monkeypatch):
+    asked = []
+    monkeypatch.setattr(libbpf, "_sys_bpf", lambda cmd, attr: asked.append(bytes(attr)) or 0)
+    libbpf.tcx_detach_at(7, libbpf.TCX_EGRESS, libbpf.TcxHook((11,), (0,), 3), 0)
+    attr = libbpf._MprogAttr.from_buffer_copy(asked[0])
+    assert (attr.attach_flags, attr.relative_id, attr.expected_revision) == (libbpf.BPF_F_BEFORE, 0, 3)
+
+
+def test_link_pins_are_named_by_program_and_device(tmp_path):
+    pins = tc.Pins(tmp_path)
+    assert pins.links() == {}  # no links directory yet
+    (tmp_path / tc.LINKS).mkdir()
+    for name in ("agentd_pod_fast-17", "agentd_egress-2", "agentd_pod_wire-2", "someone-3", "agentd_ingress-x"):
+        (tmp_path / tc.LINKS / name).touch()
+    assert pins.link("agentd_pod_fast", 17) == tmp_path / "links" / "agentd_pod_fast-17"
+    assert {p.name: v for p, v in pins.links().items()} == {
+        "agentd_pod_fast-17": ("agentd_pod_fast", 17), "agentd_egress-2": ("agentd_egress", 2),
+        "agentd_pod_wire-2": ("agentd_pod_wire", 2)}
