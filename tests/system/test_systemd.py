@@ -15,6 +15,13 @@
   (vxlan with the BPF member filter, udp in BPF, ipip in the user-space worker over a raw
   socket): every pod must reach every other. The file-system options (ProtectSystem=, ...)
   are not rebuilt here.
+* Restarts under that sandbox, as Restart=, the watchdog and upgrades make them: an agent
+  killed (SIGKILL) or stopped (SIGTERM) and started again with only the unit's capabilities
+  takes over the BPF programs its predecessor attached -- the data path (udp in BPF, the
+  VXLAN member filter) and the pod fast path (pods' veths, the underlay) -- by tcx and by
+  clsact, while pod traffic flows throughout; and it takes over an agent before links (its
+  tcx programs attached without one), saying which program on its hooks it cannot tell
+  ours or anyone's.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 
+from agentd.dataplane.bpf import tc
 from agentd.lab.etcd import EtcdServer
 from agentd.lab.lab import Lab, LabSpec, render_toml
 from agentd.lab.netns import unique_tag, veth
@@ -473,7 +482,8 @@ os.execv(argv[0], argv)
 """
 
 
-def sandbox_spec() -> dict:
+def sandbox_spec(extra_caps: tuple[str, ...] = ()) -> dict:
+    """The unit's sandbox (``extra_caps``: as a drop-in adding them to its capabilities would make it)."""
     caps = capability_numbers()
     groups = syscall_groups()
     allowed = allowed_syscalls(UNIT_KEYS["Service.SystemCallFilter"], groups)
@@ -481,7 +491,7 @@ def sandbox_spec() -> dict:
     assert not {"setuid", "mount", "init_module", "capset", "sched_setaffinity", "perf_event_open"} & allowed
     errno = {"EPERM": EPERM}[service("SystemCallErrorNumber")]
     return {
-        "keep_caps": sorted(caps[c] for c in service("CapabilityBoundingSet").split()),
+        "keep_caps": sorted(caps[c] for c in (*service("CapabilityBoundingSet").split(), *extra_caps)),
         "mdwe": service("MemoryDenyWriteExecute") == "yes",
         "bpf": seccomp_program(allowed, service("RestrictAddressFamilies").split(), errno).hex(),
     }
@@ -523,6 +533,26 @@ def test_sandbox_filter_refuses_what_the_unit_refuses(tmp_path):
     assert int(out["caps"], 16) == sum(1 << c for c in json.loads(spec.read_text())["keep_caps"])
 
 
+UNIT_ENV = dict(v.partition("=")[::2] for line in UNIT_KEYS.get("Service.Environment", []) for v in line.split())
+
+
+def sandboxed(node, spec_path: Path):
+    """The lab node's ``start_agent``, starting ``agentd run`` inside the unit's sandbox (with
+    the unit's Environment=)."""
+
+    def start_agent() -> None:
+        node.write_config()
+        with open(node.log_path, "ab") as log:
+            node.proc = node.ns.popen(
+                [sys.executable, "-c", SANDBOX, str(spec_path), "--", str(AGENTD), "run", "--config", str(node.config_path)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **UNIT_ENV},
+            )  # fmt: skip
+        (node.dir / "agent.pid").write_text(str(node.proc.pid))
+
+    return start_agent
+
+
 async def test_lab_runs_under_the_units_sandbox(tmp_path):
     """Three agents, one per encapsulating backend, each started inside the unit's sandbox;
     node3 runs its backends in the user-space worker, so every node also starts a worker
@@ -545,24 +575,10 @@ async def test_lab_runs_under_the_units_sandbox(tmp_path):
     )  # fmt: skip
 
     # The unit's Environment= too.
-    unit_env = dict(v.partition("=")[::2] for line in UNIT_KEYS.get("Service.Environment", []) for v in line.split())
-    assert unit_env.get("GRPC_ENABLE_FORK_SUPPORT") == "0"
-
-    def sandboxed(node):
-        def start_agent() -> None:
-            node.write_config()
-            with open(node.log_path, "ab") as log:
-                node.proc = node.ns.popen(
-                    [sys.executable, "-c", SANDBOX, str(spec_path), "--", str(AGENTD), "run", "--config", str(node.config_path)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                    env={**os.environ, **unit_env},
-                )  # fmt: skip
-            (node.dir / "agent.pid").write_text(str(node.proc.pid))
-
-        return start_agent
+    assert UNIT_ENV.get("GRPC_ENABLE_FORK_SUPPORT") == "0"
 
     for node in lab.nodes:
-        node.start_agent = sandboxed(node)
+        node.start_agent = sandboxed(node, spec_path)
     try:
         await lab.up(timeout=90)
         want = sum(1 << c for c in spec["keep_caps"])
@@ -605,3 +621,261 @@ async def test_lab_runs_under_the_units_sandbox(tmp_path):
                 node.proc.wait(timeout=10)
         shutil.copytree(root, tmp_path / "labs", ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ restarts under the sandbox
+
+# Every program on every device of the namespace it runs in: tcx and cls_bpf, named by id
+# (the test runs as root, with CAP_SYS_ADMIN: it sees what the agent cannot).
+HOOKS_OF = r"""
+import json, socket
+from agentd.dataplane.bpf import tc
+print(json.dumps({dev: [[f.direction, f.kind, f.name, f.prog_id, f.link_id] for f in tc.filters(i)]
+                  for i, dev in socket.if_nameindex()}))
+"""
+
+
+def hooks_of(ns) -> dict[str, list[tuple[str, str, str | None, int, int]]]:
+    """device -> (direction, kind, name, program id, link id) of every program on its hooks."""
+    return {dev: [tuple(f) for f in found] for dev, found in json.loads(ns.exec(sys.executable, "-c", HOOKS_OF)).items()}
+
+
+def loaded(status: dict) -> dict[str, int]:
+    """The agent's own word on the programs it runs: name -> id."""
+    bpf, fast = status["backends"]["bpf"], status["policy"]["fast_path"]
+    ids = {"agentd_egress": bpf["programs"]["egress"]["id"], "agentd_ingress": bpf["programs"]["ingress"]["id"]}
+    if fast["on"]:
+        ids.update({"agentd_pod_fast": fast["program"]["id"], "agentd_pod_wire": fast["between_nodes"]["program"]["id"]})
+    return ids
+
+
+def takeover(node, hook: str, fast: bool, pods: int = 2) -> str | None:
+    """Why the node's agent has not (yet) taken every hook over, or None: ready, its programs --
+    and only those -- on the underlay (both data-path programs, and with the pod fast path
+    (``fast``) the wire program), on the pods' bridge (the member filter) and on each of its
+    ``pods`` veths (the fast path), attached by ``hook``, each tcx one held by a link."""
+    status = node.api_or_none("/status")
+    if not status or not status.get("ready"):
+        return "not ready"
+    if not status["backends"]["bpf"].get("active") or status["policy"]["fast_path"]["on"] != fast:
+        return f"BPF: {status['backends']['bpf']} / {status['policy']['fast_path']}"
+    ids = loaded(status)
+    kind = "tcx" if hook == "tcx" else "bpf"
+    placed: dict[str, list[str]] = {}
+    for dev, found in hooks_of(node.ns).items():
+        for direction, k, name, prog_id, link_id in found:
+            if name not in ids or prog_id != ids[name] or k != kind or (kind == "tcx") != bool(link_id):
+                return f"{dev} {direction}: {k} {name} id {prog_id} link {link_id}, not one of {ids} by {hook}"
+            placed.setdefault(name, []).append(f"{dev} {direction}")
+    want = {"agentd_egress": ["eth0 egress"], "agentd_pod_wire": ["eth0 ingress"] if fast else None,
+            "agentd_pod_fast": pods if fast else 0, "agentd_ingress": 2}  # the underlay and the pods' bridge
+    got = {n: len(placed.get(n, [])) if isinstance(w, int) else placed.get(n) for n, w in want.items()}
+    return None if got == want else f"programs placed {placed}"
+
+
+def stop_pinger(pinger: subprocess.Popen) -> tuple[int, str]:
+    """SIGINT to a ``ping`` started with stdout piped: (echoes never answered, the end of its output)."""
+    pinger.send_signal(signal.SIGINT)
+    out, _ = pinger.communicate(timeout=10)
+    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
+    assert m, out
+    return int(m.group(1)) - int(m.group(2)), out[-300:]
+
+
+def stop_stream(client: subprocess.Popen) -> list[float]:
+    """SIGINT to an ``iperf3 -c`` started with stdout piped; the bytes of each interval it
+    reported, but the last (cut short by the signal)."""
+    client.send_signal(signal.SIGINT)
+    out, _ = client.communicate(timeout=10)
+    units = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}
+    sizes = [float(m[1]) * units[m[2]] for m in re.finditer(r"sec\s+([\d.]+) ([KMG]?)Bytes\s+[\d.]+ \w*bits/sec(?!.*(?:sender|receiver))", out)]
+    assert len(sizes) > 2, out
+    return sizes[:-1]
+
+
+@pytest.mark.parametrize("hook", ["tcx", "clsact"])
+async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path, hook):
+    """Two nodes, node1 on udp (carried in BPF) under the unit's sandbox exactly, node2 on vxlan
+    (the BPF member filter) under it with CAP_PERFMON added as docs/operations.md's drop-in does
+    for the pod fast path; each runs both backends' BPF, node2 the pod fast path too (node1
+    says why not).  Both agents are killed (SIGKILL: Restart=, the watchdog), started again in
+    their sandboxes, and later stopped (SIGTERM: an upgrade) and started again.  Each time the
+    new agents take every hook over with their own programs (the member filter there, udp in
+    BPF and not in the user-space worker: no fall-back), while a ping between the nodes' pods
+    and a TCP stream between node2's pods (carried by its fast path) run throughout without
+    losing a packet or stalling.  Neither has CAP_SYS_ADMIN."""
+    if hook == "tcx" and not tc.tcx_available():  # asking for it is refused, saying why (test_bpf_datapath)
+        with pytest.raises(tc.TcError, match="no tcx hooks"):
+            tc.resolve(hook)
+        return
+    unit, perfmon = tmp_path / "sandbox.json", tmp_path / "sandbox-perfmon.json"
+    unit.write_text(json.dumps(sandbox_spec()))
+    perfmon.write_text(json.dumps(sandbox_spec(extra_caps=("CAP_PERFMON",))))
+    root = Path(tempfile.mkdtemp(prefix="ad-sb-"))  # a short root: see test_lab_runs_under_the_units_sandbox
+    lab = Lab(
+        LabSpec(name="sr" + unique_tag("")[:6], nodes=2, pods=2,
+                extra={name: {"network": {"backend": b, "bpf_attach": hook}}
+                       for name, b in (("node1", "udp"), ("node2", "vxlan"))}),
+        root=root,
+    )  # fmt: skip
+    node1, node2 = lab.nodes
+    node1.start_agent, node2.start_agent = sandboxed(node1, unit), sandboxed(node2, perfmon)
+    fast = {node1: False, node2: True}
+    pinger = server = client = None
+
+    def settled(node) -> bool:
+        return takeover(node, hook, fast[node]) is None
+
+    try:
+        await lab.up(timeout=90)
+        for node in lab.nodes:
+            await auntil(lambda n=node: settled(n), 30, in_thread=True,
+                         what=lambda n=node: f"{n.name}'s programs on its hooks: {takeover(n, hook, fast[n])}")
+        why = node1.api("/status")["policy"]["fast_path"]["error"]
+        assert why.startswith("the pod fast path needs CAP_PERFMON, which this agent lacks"), why
+        here, there = (p for p in lab.pods if p.node is node2)
+        far = next(p for p in lab.pods if p.node is node1)
+        # Pod traffic for the whole test: across the nodes (udp in BPF one way, VXLAN through
+        # the member filter the other), and a TCP stream between node2's pods (the fast path).
+        pinger = far.ns.popen(["ping", "-n", "-i", "0.05", "-W", "1", here.ip], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        server = here.ns.popen(["iperf3", "-s", "-p", "5201"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await auntil(lambda: here.ns.exec("ss", "-Hltn", "sport = :5201").strip(), 10, in_thread=True,
+                     what="iperf3 listening")
+        client = there.ns.popen(["iperf3", "-c", here.ip, "-p", "5201", "-t", "600", "-i", "1", "-b", "20M",
+                                 "--forceflush"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        def carried() -> int:
+            return node2.api("/status")["policy"]["fast_path"]["packets"].get("carried", 0)
+
+        await auntil(lambda: carried() > 100, 15, in_thread=True, what="the fast path carrying the stream")
+        for sig in (signal.SIGKILL, signal.SIGTERM):
+            before = {node: loaded(node.api("/status")) for node in lab.nodes}
+            count = carried()
+            for node in lab.nodes:
+                await node.stop_agent(sig)
+            for node in lab.nodes:
+                node.start_agent()
+            for node in lab.nodes:
+                await auntil(lambda n=node: settled(n), 90, in_thread=True,
+                             what=lambda n=node: f"{n.name}'s new agent (after signal {sig}) on every hook: "
+                                                 f"{takeover(n, hook, fast[n])}; log {n.log_path}")  # fmt: skip
+                status = node.api("/status")
+                assert not set(loaded(status).values()) & set(before[node].values()), (before[node], loaded(status))
+                backends = status["backends"]
+                assert backends["active"]["udp"]["datapath"] == "bpf" and "fallback" not in backends["active"]["udp"]
+                assert backends["member_filter"] == {"bpf": ["udp", "vxlan"], "userspace": [], "missing": {}}, backends
+                assert backends["bpf"]["hook"] == hook and backends["bpf"]["unidentified_programs"] == [], backends
+            view = node2.api("/status")["policy"]["fast_path"]
+            assert view["hook"] == hook and view["adopted_maps"] and view["between_nodes"]["on"], view
+            assert view["unidentified_programs"] == [], view
+            await auntil(lambda c=count: carried() > c + 100, 15, in_thread=True,
+                         what="the new agent's fast path carrying the stream")
+        for node, spec in ((node1, unit), (node2, perfmon)):
+            assert sandboxed_caps(node.agent_pid()) == sum(1 << c for c in json.loads(spec.read_text())["keep_caps"])
+        intervals = stop_stream(client)
+        assert min(intervals) > 0, f"the stream stalled: {intervals}"
+        unanswered = stop_pinger(pinger)
+        assert unanswered[0] <= 1, unanswered[1]  # the last may still be in flight
+        for node in lab.nodes:
+            text = node.log_path.read_text()
+            for bad in ("Operation not permitted", "not its first data path", "no member filter"):
+                assert bad not in text, f"{bad!r} in {node.log_path}"
+    finally:
+        for proc in (pinger, client, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        await lab.down(keep_files=True)
+        for node in lab.nodes:
+            if node.proc is not None:
+                if node.proc.poll() is None:
+                    node.proc.kill()
+                node.proc.wait(timeout=10)
+        shutil.copytree(root, tmp_path / "labs", ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# Run inside the sandbox, in the device's namespace: what a restarted agent does (open the data
+# path), and what it then knows of the device's hooks.
+REOPEN = r"""
+import json, logging, sys
+from agentd.dataplane.bpf import BpfDatapath, Config, tc
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+ifindex, bpf_dir, hook = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dp = BpfDatapath(ifindex, bpf_dir, attach=hook)
+dp.open(Config("192.168.50.2", 8285, 4789, 0, 1500))
+print(json.dumps({"status": dp.status(), "hooks": [[f.direction, f.kind, f.name, f.prog_id, f.link_id]
+                                                   for f in tc.filters(ifindex, tc.Pins.read(dp.dir))]}))
+"""
+
+
+@pytest.mark.parametrize("hook", ["tcx", "clsact"])
+def test_an_agent_before_links_is_taken_over_with_the_units_capabilities(netns_factory, bpffs, tmp_path, hook):
+    """An agent before links left its data path on tcx without one, its programs pinned by
+    name -- and one more program it never pinned (it died between attaching and pinning).  An
+    agent with only the unit's capabilities takes the device over by either hook: the pinned
+    ones recognised by their pins and removed, ours on; the unpinned one, which it cannot name
+    (that takes CAP_SYS_ADMIN), left in place and said so, in its status and once in its log.
+    An agent with CAP_SYS_ADMIN names it and removes it."""
+    if not tc.tcx_available():  # no agent before links could have used tcx here
+        with pytest.raises(tc.TcError, match="no tcx hooks"):
+            tc.resolve("tcx")
+        return
+    from agentd.dataplane.bpf import OBJECT, BpfDatapath, Config, layout, libbpf
+
+    ns = netns_factory("h")
+    ns.ip("link", "add", "u0", "type", "veth", "peer", "name", "u9")
+    ns.ip("link", "set", "u0", "up")
+    ifindex = int(ns.exec("cat", "/sys/class/net/u0/ifindex"))
+    config = Config("192.168.50.2", 8285, 4789, 0, 1500)
+    tcx = {layout.EGRESS: libbpf.TCX_EGRESS, layout.INGRESS: libbpf.TCX_INGRESS}
+    with ns.entered():
+        dp = BpfDatapath(ifindex, bpffs, attach="tcx")
+        dp.open(config)
+        tc.remove_links(dp.pins, tc.OURS)  # as an agent before links attached them:
+        for name, attach_type in tcx.items():
+            libbpf.tcx_attach(ifindex, attach_type, dp.progs[name])
+        old = set(dp.prog_ids.values())
+        stray_dir = Path(bpffs) / "stray"
+        stray_dir.mkdir()
+        with libbpf.BpfObject(OBJECT) as obj:  # the same object again, its program never pinned
+            obj.pin_maps_in(stray_dir)
+            obj.load()
+            libbpf.tcx_attach(ifindex, libbpf.TCX_INGRESS, obj.prog_fd(layout.INGRESS))
+            stray = libbpf.prog_info(obj.prog_fd(layout.INGRESS))["id"]
+        shutil.rmtree(stray_dir)  # (its maps' pins: the program holds the maps)
+        dp.close()
+    assert [(d, k, n, link) for d, k, n, _, link in hooks_of(ns)["u0"]] == [
+        ("ingress", "tcx", "agentd_ingress", 0), ("ingress", "tcx", "agentd_ingress", 0), ("egress", "tcx", "agentd_egress", 0)]
+
+    spec = tmp_path / "sandbox.json"
+    spec.write_text(json.dumps(sandbox_spec()))
+    proc = ns.popen([sys.executable, "-c", SANDBOX, str(spec), "--", sys.executable, "-c", REOPEN, str(ifindex),
+                     bpffs, hook], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    seen = json.loads(out)
+    new = {seen["status"]["programs"]["egress"]["id"], seen["status"]["programs"]["ingress"]["id"]}
+    (line,) = seen["status"]["unidentified_programs"]
+    assert line.startswith(f"u0 ingress (tcx): program {stray}, attached without a link") and "CAP_SYS_ADMIN" in line
+    assert err.count(f"program {stray},") == 1, err  # said once in the log
+    # What the sandboxed agent knows of the hook: ours (named by its pins) and the stray, unnamed.
+    kind = "tcx" if hook == "tcx" else "bpf"
+    assert sorted(((d, k, n) for d, k, n, _, _ in seen["hooks"]), key=str) == sorted(
+        [("egress", kind, "agentd_egress"), ("ingress", kind, "agentd_ingress"), ("ingress", "tcx", None)], key=str)
+    hooks = hooks_of(ns)["u0"]
+    assert {i for *_, i, _ in hooks} == new | {stray} and not old & {i for *_, i, _ in hooks}, hooks
+    if hook == "tcx":  # ours first, by a link; the stray after it
+        assert [(i, bool(link)) for d, _, _, i, link in hooks if d == "ingress"] == [
+            (seen["status"]["programs"]["ingress"]["id"], True), (stray, False)]
+
+    # An agent with CAP_SYS_ADMIN (this test) names the stray by its id: agentd's, removed.
+    with ns.entered():
+        dp = BpfDatapath(ifindex, bpffs, attach=hook)
+        dp.open(config)
+        assert dp.status()["unidentified_programs"] == []
+        assert {n for _, _, n, _, _ in hooks_of(ns)["u0"]} == set(tc.OURS)
+        assert stray not in {i for *_, i, _ in hooks_of(ns)["u0"]}
+        dp.remove()
+    assert hooks_of(ns).get("u0") == [] and not dp.dir.exists()

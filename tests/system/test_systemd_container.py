@@ -16,8 +16,11 @@ a container, and without it in the container's bounding set the unit could not k
   namespace a write to /etc/agentd is refused;
 * ``systemctl reload`` re-reads the configuration as docs/operations.md says: the log level
   changes live, a changed hold time is named as applied only by a restart, the PID stays;
+* the pod fast path is off, saying it needs CAP_PERFMON, which the unit does not give;
 * ``kill -9`` of the main PID: ``Restart=on-failure`` starts it again, with the same subnet,
-  and the routes on both nodes are the ones before (kept through graceful restart);
+  and the routes on both nodes are the ones before (kept through graceful restart); the new
+  agent takes its predecessor's BPF programs over (the member filter on, new programs in
+  place of the old), with the unit's capabilities;
 * SIGSTOP: past ``WatchdogSec=`` (30 s, the unit's) systemd kills it (SIGABRT, with SIGCONT)
   and restarts it;
 * ``systemctl stop``: a clean exit (status 0, result success), no agent process and no API
@@ -192,6 +195,10 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     backends = sd1.api("/status")[1]["backends"]
     assert backends["active"]["vxlan"]["datapath"] == "vxlan-device" and backends["bpf"]["active"], backends
     assert backends["member_filter"]["bpf"] == ["vxlan"] and not backends["member_filter"]["missing"], backends
+    programs = backends["bpf"]["programs"]
+    # The pod fast path reads conntrack's nf_conn, which takes CAP_PERFMON: off, saying so.
+    fast = sd1.api("/status")[1]["policy"]["fast_path"]
+    assert not fast["on"] and fast["error"].startswith("the pod fast path needs CAP_PERFMON"), fast
     assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2", status
     assert "10-agentd.conflist" in sd1.sh("ls", "/etc/cni/net.d")
     write = sd1.engine.docker(
@@ -226,7 +233,12 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     assert sd1.api("/status")[1]["node"]["subnet"] == subnet
     until(peered, 60, what=lambda: f"sd1 and sd2 Established again: {diagnose(sd1, sd2)}", interval=0.3)
     assert sd1.routes() == routes["sd1"] and sd2.routes() == routes["sd2"]
-    filter_after_restart = sd1.api("/status")[1]["backends"]["member_filter"]
+    # The new agent took its predecessor's programs over with the unit's capabilities: by the
+    # pins of their tcx links, not by their ids (which would take CAP_SYS_ADMIN).
+    backends = sd1.api("/status")[1]["backends"]
+    assert backends["member_filter"] == {"bpf": ["vxlan"], "userspace": [], "missing": {}}, backends
+    assert backends["bpf"]["hook"] == "tcx" and backends["bpf"]["unidentified_programs"] == [], backends["bpf"]
+    assert {p["id"] for p in backends["bpf"]["programs"].values()}.isdisjoint(p["id"] for p in programs.values())
 
     # -- SIGSTOP: no watchdog pings; past WatchdogSec systemd kills it and starts it again
     assert sd1.show("WatchdogUSec")["WatchdogUSec"] == f"{WATCHDOG_SEC}s"
@@ -250,11 +262,3 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     assert any(r.startswith(subnets["sd2"]) for r in sd1.routes()), sd1.routes()
     gateway = IPv4Network(subnet).network_address + 1
     assert f"AGENTD_SUBNET={gateway}/" in sd1.sh("cat", "/run/agentd/subnet.env")
-
-    # Known bug, kept visible: an agent restarted under the unit's capabilities cannot take
-    # over the BPF programs its predecessor attached (tcx): it opens them by id
-    # (BPF_PROG_GET_FD_BY_ID), which the kernel allows only with CAP_SYS_ADMIN, and the unit
-    # gives CAP_BPF and CAP_NET_ADMIN. So the member filter stays off after a restart (and
-    # udp or ipip would fall back to the user-space worker). Everything above passed.
-    if filter_after_restart["missing"]:
-        pytest.xfail(f"after kill -9 and restart the BPF member filter is missing: {filter_after_restart}")
