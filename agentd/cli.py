@@ -603,6 +603,11 @@ def render_status(status: dict[str, Any]) -> str:
     ingress = status.get("ingress")  # Ingress
     if isinstance(ingress, dict):
         out.append(_ingress_line(ingress))
+    # Programs on agentd's tcx hooks it could not tell its own or anyone's (docs/operations.md).
+    bpf = (status.get("backends") or {}).get("bpf") or {}
+    fast = (policy or {}).get("fast_path") if isinstance(policy, dict) else None
+    unidentified = {*(bpf.get("unidentified_programs") or []), *((fast or {}).get("unidentified_programs") or [])}
+    out += [f"BPF: {_cell(line)}" for line in sorted(unidentified)]
     out.append("")
     for family, label in (("ipv4", "IPv4"), ("ipv6", "IPv6")):
         peers = [p for p in bgp.get("peers", []) if (":" in p["address"]) == (family == "ipv6")]

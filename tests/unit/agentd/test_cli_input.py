@@ -155,6 +155,15 @@ def test_status_says_what_the_pod_fast_path_does(capsys, monkeypatch, fast, line
     assert code == 0 and line in out.splitlines()
 
 
+def test_status_names_a_program_on_our_hooks_it_could_not_take_over(capsys, monkeypatch):
+    line = "eth0 ingress (tcx): program 77, attached without a link, is not agentd's by any pin"
+    reply = {"node": {"name": "n1"}, "bgp": {"peers": []}, "backends": {"bpf": {"unidentified_programs": [line]}},
+             "policy": {"isolated": {}, "fast_path": {"on": True, "unidentified_programs": [line]}}}
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and out.splitlines().count(f"BPF: {line}") == 1, out
+
+
 @pytest.mark.parametrize(
     "args, status, message",
     [
