@@ -35,7 +35,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
-from ipaddress import IPv4Network, IPv6Network
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 from typing import Any
 
@@ -545,9 +545,9 @@ class Tunnels:
             plan = plans.get(nh)
             if plan is None or plan.backend not in self.bpf.carried or paths.datapath(plan) != "bpf":
                 continue
-            for dst in dsts:
+            for dst in dsts:  # IPv4 and IPv6 pod subnets: BpfPath puts each in its family's map
                 with contextlib.suppress(ValueError):
-                    routes[IPv4Network(dst)] = (nh, plan.backend)
+                    routes[ip_network(dst)] = (nh, plan.backend)
         return routes
 
     async def _resolve_gateways(self, plans: Mapping[str, PeerPlan], *, every: float = GATEWAY_REFRESH) -> None:

@@ -7,8 +7,11 @@ device takes packets from anyone).  :class:`InBpf` is the per-backend face agent
 drives, like its vxlan-device and user-space implementations.
 
 The maps are filled from the same reconcile that programs the kernel routes
-(agentd.dataplane.backends.Tunnels): routes (pod subnet -> peer, kind), members (every node's underlay
-address), config (ports, which backends to decapsulate or filter).  Before BGP has re-learned
+(agentd.dataplane.backends.Tunnels): routes (pod subnet -> peer, kind; IPv4 and IPv6 subnets
+alike, :meth:`BpfPath.sync` puts each in its family's map), members (every node's underlay
+address), config (ports, which backends to decapsulate or filter).  An IPv6 pod subnet's
+kernel route goes via the peer's IPv4-mapped address (``datapath.gateway6``), whose
+neighbour entry the same sync keeps.  Before BGP has re-learned
 everything after a restart (``prune`` False) nothing is removed from them -- not a route, not
 a member, not a backend's flag -- exactly like the kernel routes adopted at start.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Mapping
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from typing import TYPE_CHECKING, Any
 
 from agentd.backend_table import BACKENDS
@@ -90,10 +93,15 @@ class BpfPath:
             if filter:
                 self.filtered.add(filter)
 
-    async def sync(self, routes: Mapping[IPv4Network, tuple[str, str]], members: set[str] | None,
+    async def sync(self, routes: Mapping[IPv4Network | IPv6Network, tuple[str, str]], members: set[str] | None,
                    peer_flags: Mapping[str, int], *, prune: bool) -> None:
         """Make the maps say ``routes`` and ``members`` (None: leave the members as they are),
-        with ``peer_flags`` (layout.PEER_F_*: whose packets go to this node's workers)."""
+        with ``peer_flags`` (layout.PEER_F_*: whose packets go to this node's workers).
+
+        ``routes``: pod subnet -> (the peer's underlay IPv4 address, backend), for the pod
+        subnets of both families the node carries in BPF: IPv4 ones by udp or ipip, IPv6 ones
+        by udp only (:meth:`carries`), each routed ``via gateway6(peer) ... onlink`` in the
+        kernel; the gateways' neighbour entries follow the IPv6 routes."""
         dp = self.dp
         if dp is None:
             return
@@ -128,9 +136,21 @@ class BpfPath:
 
     def _sync(self, dp: BpfDatapath, routes: dict, members: set[str] | None, flags: dict, keep: bool) -> None:
         dp.set_config(self.config(), keep=keep, clear=self._cleared())
-        dp.set_routes(routes)
+        carried = {dst: v for dst, v in routes.items() if self.carries(v[1], dst.version)}
+        if len(carried) < len(routes):
+            log.warning("BPF: %d IPv6 pod subnets routed to ipip peers are not carried (ipip is IPv4 only)",
+                        len(routes) - len(carried))
+        dp.set_gateways6({peer for dst, (peer, _kind) in carried.items() if dst.version == 6})
+        dp.set_routes(carried)
         if members is not None:
             dp.set_members(members, flags)
+
+    @staticmethod
+    def carries(backend: str, version: int) -> bool:
+        """Whether the BPF data path carries pods of IP ``version`` for ``backend``: udp both
+        families (flannel UDP's payload is the inner packet), ipip IPv4 only (RFC 2003)."""
+        return version == 4 or backend in layout.KINDS6
+
 
     async def refresh(self) -> None:
         if self.dp is not None:
@@ -152,6 +172,8 @@ class BpfPath:
             "active": True,
             "device": self.underlay.ifname,
             "carries": sorted(self.carried),
+            # The pod families each carries (outer headers IPv4): udp both, ipip IPv4 only.
+            "families": {b: [v for v in (4, 6) if self.carries(b, v)] for b in sorted(self.carried)},
             "filters": sorted(self.carried | self.filtered),
             "redirecting": self.redirecting,  # decapsulated packets straight to pods (not while policy or services need netfilter)
             "held_by": sorted(self.holders),

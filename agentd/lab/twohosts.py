@@ -6,7 +6,9 @@
                                                                                               ux 192.168.60.2/24 ==veth== x (192.168.60.3)
 
 ``x`` is an outsider on the underlay side of h2 (not a member): it can reach h2's underlay
-address through h2 and is used to send forged encapsulated packets.
+address through h2 and is used to send forged encapsulated packets.  With ``ipv6=True`` the
+pods are dual-stack (p1 fd00:10:244:1::2/64 behind h1's fd00:10:244:1::1, p2 likewise in
+fd00:10:244:2::/64); the underlay stays IPv4, and the hosts forward IPv6.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from agentd.lab.wait import until
 H1_UNDERLAY, H2_UNDERLAY, X_UNDERLAY = "192.168.50.1", "192.168.50.2", "192.168.60.3"
 P1, P2 = "10.244.1.2", "10.244.2.2"
 SUBNET1, SUBNET2 = "10.244.1.0/24", "10.244.2.0/24"
+P1_6, P2_6 = "fd00:10:244:1::2", "fd00:10:244:2::2"
+SUBNET1_6, SUBNET2_6 = "fd00:10:244:1::/64", "fd00:10:244:2::/64"
 CLUSTER = "10.244.0.0/16"
 OVERHEAD = {name: b.overhead for name, b in BACKENDS.items() if b.encapsulates}
 DEVICE = {name: BACKENDS[name].device for name in USERSPACE}
@@ -45,7 +49,8 @@ class TwoHosts:
 
 
 
-def build_two_hosts(make: Callable[[str], Netns], *, underlay_mtu: int = 1500, outsider: bool = True) -> TwoHosts:
+def build_two_hosts(make: Callable[[str], Netns], *, underlay_mtu: int = 1500, outsider: bool = True,
+                    ipv6: bool = False) -> TwoHosts:
     h1, h2, p1, p2 = make("h1"), make("h2"), make("p1"), make("p2")
     x = make("x") if outsider else None
     veth(h1, "u1", h2, "u2", mtu=underlay_mtu)
@@ -57,6 +62,12 @@ def build_two_hosts(make: Callable[[str], Netns], *, underlay_mtu: int = 1500, o
         pod.ip("addr", "add", f"{addr}/24", "dev", "eth0")
         pod.ip("route", "add", "default", "via", gw)
         host.sysctl("net.ipv4.ip_forward", 1)
+        if ipv6:  # nodad: usable at once (no duplicate address detection on a link of two)
+            net6 = addr.replace("10.244.", "fd00:10:244:").rsplit(".", 1)[0]
+            host.ip("-6", "addr", "add", f"{net6}::1/64", "dev", dev, "nodad")
+            pod.ip("-6", "addr", "add", f"{net6}::2/64", "dev", "eth0", "nodad")
+            pod.ip("-6", "route", "add", "default", "via", f"{net6}::1")
+            host.sysctl("net.ipv6.conf.all.forwarding", 1)
     if x is not None:
         veth(h2, "ux", x, "eth0")
         h2.ip("addr", "add", "192.168.60.2/24", "dev", "ux")

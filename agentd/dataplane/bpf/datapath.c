@@ -3,29 +3,40 @@
  * verdict) on the underlay device, attached by tcx or as cls_bpf filters on clsact.
  *
  *   agentd_egress   pod packets routed out of the underlay device toward a pod subnet in the
- *                   routes map get an outer IPv4 header (+ UDP for the udp backend) in place:
- *                   bpf_skb_adjust_room(ENCAP_L3_IPV4 [| ENCAP_L4_UDP] | FIXED_GSO) keeps TCP
- *                   GSO super-packets whole; the device (or the stack, for a device without
- *                   tunnel GSO) segments them, as it does for kernel VXLAN.
- *   agentd_ingress  flannel UDP (to config.udp_port) and IPIP (protocol 4) from cluster members
- *                   are decapsulated and handed on (TC_ACT_OK) to the stack, which forwards the
- *                   inner packet to the pod; from anyone else they are dropped and counted, and
- *                   so is UDP to the VXLAN port (the kernel VXLAN device takes it from anyone).
+ *                   routes map (IPv4) or the routes6 map (IPv6) get an outer IPv4 header (+ UDP
+ *                   for the udp backend) in place: bpf_skb_adjust_room(ENCAP_L3_IPV4 [|
+ *                   ENCAP_L4_UDP] | FIXED_GSO) keeps TCP GSO super-packets whole, of either
+ *                   family; the device (or the stack, for a device without tunnel GSO) segments
+ *                   them, as it does for kernel VXLAN.
+ *   agentd_ingress  flannel UDP (to config.udp_port, an IPv4 or IPv6 inner packet) and IPIP
+ *                   (protocol 4, IPv4 inner) from cluster members are decapsulated and handed on
+ *                   (TC_ACT_OK) to the stack, which forwards the inner packet to the pod; from
+ *                   anyone else they are dropped and counted, and so is UDP to the VXLAN port
+ *                   (the kernel VXLAN device takes it from anyone).
  *
  * Wire formats are the ones the user-space worker and flannel use: flannel UDP is outer IPv4 +
- * UDP whose payload is exactly the inner IPv4 packet; IPIP is RFC 2003 section 3.1. The outer
- * header: DF set, TTL 64, DSCP and ECN copied from the inner header (RFC 6040 section 4.1,
- * normal mode), UDP checksum 0 (RFC 768: none computed), UDP source port from the flow hash
- * (entropy for ECMP and RSS, as the kernel's udp_flow_src_port does).
+ * UDP whose payload is exactly the inner packet (its version nibble says its family); IPIP is
+ * RFC 2003 section 3.1, IPv4 in IPv4 (as Calico's IPIP: IPv6 in IPv4 would be protocol 41,
+ * RFC 4213, which no agentd node sends).  The outer header: DF set, TTL 64, DSCP and ECN copied
+ * from the inner header (its TOS or traffic class; RFC 6040 section 4.1, normal mode), UDP
+ * checksum 0 (RFC 768: none computed), UDP source port from the flow hash (entropy for ECMP
+ * and RSS, as the kernel's udp_flow_src_port does).  The outer header is always IPv4: these
+ * programs run on an IPv4 underlay (an IPv6 outer packet passes them untouched).
  *
- * The routes that bring pod packets to the underlay device are the agent's kernel routes
- * ("subnet via <underlay next hop to the peer> dev <underlay> mtu <underlay mtu - overhead>"),
- * so the outer packet leaves toward the same next hop the stack would route it to.
+ * The routes that bring pod packets to the underlay device are the agent's kernel routes:
+ * IPv4 "subnet via <underlay next hop to the peer> dev <underlay> mtu <underlay mtu - overhead>",
+ * so the outer packet leaves toward the same next hop the stack would route it to.  Linux routes
+ * IPv6 only through IPv6 next hops, so an IPv6 pod subnet's route is "subnet via ::ffff:<peer>
+ * dev <underlay> onlink mtu ..." (the peer's IPv4-mapped address, RFC 4291 section 2.5.5.2,
+ * whose permanent neighbour entry the agent keeps), and the program gives the outer packet the
+ * MACs of the underlay next hop the stack would send it to (bpf_fib_lookup), or hands it to the
+ * neighbour subsystem while that next hop is unresolved (bpf_redirect_neigh).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
 #include <linux/udp.h>
 #include <bpf/bpf_endian.h>
@@ -36,6 +47,7 @@
 /* linux-libc-dev of Debian 12 is 6.1; these came later. Values from include/uapi/linux/bpf.h. */
 #ifndef BPF_F_ADJ_ROOM_DECAP_L3_IPV4
 #define BPF_F_ADJ_ROOM_DECAP_L3_IPV4 (1ULL << 7) /* Linux 6.3 */
+#define BPF_F_ADJ_ROOM_DECAP_L3_IPV6 (1ULL << 8) /* Linux 6.3: skb->protocol becomes IPv6 */
 #endif
 #define ADJ_ROOM_DECAP_L4_UDP (1ULL << 10) /* bpf-next: clears the UDP tunnel GSO type */
 #define ADJ_ROOM_DECAP_IPXIP4 (1ULL << 11) /* bpf-next: clears SKB_GSO_IPXIP4 */
@@ -51,6 +63,8 @@
 #define MIN_FRAME 60 /* shorter Ethernet frames are padded: their IP length is the truth */
 #define IP_MAX_LEN 0xffff
 #define AF_INET_ 2
+#define AF_INET6_ 10
+#define IPV6_FLOWINFO_MASK 0x0fffffff /* traffic class and flow label */
 /* A packet that is none of ours: TC_ACT_UNSPEC hands it to the next filter on the hook (or
  * lets it pass where there is none), so that others' programs on the device still see it. */
 #define PASS TC_ACT_UNSPEC
@@ -67,6 +81,15 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC); /* required for LPM tries */
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_routes SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__type(key, struct route6_key);
+	__type(value, struct route_value);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_routes6 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
@@ -150,6 +173,112 @@ static __always_inline int pull(struct __sk_buff *skb, __u32 len)
 	return bpf_skb_pull_data(skb, len);
 }
 
+/* The outer IPv4 header to ``peer``, ``total`` bytes with it. */
+static __always_inline void outer_ip(struct iphdr *ip, struct config *cfg, __be32 peer, __u32 total, __u32 hash,
+				     __u8 tos, __u8 protocol)
+{
+	ip->version = 4;
+	ip->ihl = 5;
+	ip->tos = tos;
+	/* A GSO packet above 64 KB (BIG TCP) carries 0, the stack's own convention (iph_totlen). */
+	ip->tot_len = total > IP_MAX_LEN ? 0 : bpf_htons(total);
+	ip->id = bpf_htons(hash & 0xffff);
+	ip->frag_off = bpf_htons(IP_DF);
+	ip->ttl = OUTER_TTL;
+	ip->saddr = cfg->local;
+	ip->daddr = peer;
+	ip->protocol = protocol;
+	ip->check = ipv4_csum(ip);
+}
+
+/* The outer IPv4 + UDP header of flannel UDP to ``peer``, ``total`` bytes with it. */
+static __always_inline void udp_outer(struct outer_hdr *o, struct config *cfg, __be32 peer, __u32 total,
+				      __u32 hash, __u8 tos)
+{
+	outer_ip(&o->ip, cfg, peer, total, hash, tos, IPPROTO_UDP);
+	o->udp.source = bpf_htons(0xc000 | ((hash ^ (hash >> 16)) & 0x3fff));
+	o->udp.dest = cfg->udp_port;
+	o->udp.len = total - sizeof(o->ip) > IP_MAX_LEN ? 0 : bpf_htons(total - sizeof(o->ip));
+	o->udp.check = 0;
+}
+
+/* An IPv6 pod packet toward a pod subnet in routes6: flannel UDP over the IPv4 underlay.  Its
+ * kernel route ("via ::ffff:<peer> ... onlink", see the top) brought it here with the MACs of a
+ * neighbour entry that only stands for the peer: once encapsulated, the outer packet gets the
+ * MACs of the underlay next hop the stack would send it to. */
+static __always_inline int egress6(struct __sk_buff *skb)
+{
+	struct route6_key key = {.prefixlen = 128};
+	struct bpf_fib_lookup fib = {};
+	__be16 proto = bpf_htons(ETH_P_IP);
+	struct outer_hdr o = {};
+	struct route_value *route;
+	struct peer_stats *stats;
+	struct config *cfg;
+	struct ipv6hdr *ip6;
+	void *data, *end;
+	__u32 zero = 0, inner_len, total, hash, segs;
+	__be32 peer;
+	__u8 tos;
+	long ret;
+
+	if (pull(skb, ETH_HLEN + sizeof(*ip6)))
+		return PASS;
+	data = (void *)(long)skb->data;
+	end = (void *)(long)skb->data_end;
+	ip6 = data + ETH_HLEN;
+	if ((void *)(ip6 + 1) > end)
+		return PASS;
+	__builtin_memcpy(key.addr, &ip6->daddr, sizeof(key.addr));
+	route = bpf_map_lookup_elem(&agentd_routes6, &key);
+	if (!route || route->kind != KIND_UDP)
+		return PASS; /* not a pod subnet we encapsulate to (only udp carries IPv6): plain routing */
+	cfg = bpf_map_lookup_elem(&agentd_config, &zero);
+	if (!cfg || !cfg->local)
+		return PASS;
+	peer = route->peer;
+	tos = ip6->priority << 4 | ip6->flow_lbl[0] >> 4; /* the traffic class: DSCP and ECN */
+	inner_len = skb->len - ETH_HLEN;
+	total = inner_len + sizeof(o);
+	if (!skb->gso_size && total > cfg->mtu)
+		return drop(DROP_TOO_BIG, skb);
+
+	hash = bpf_get_hash_recalc(skb);
+	segs = wire_packets(skb);
+	/* skb->protocol becomes IPv4 with the outer header; the inner one keeps GSO (TCPV6). */
+	if (bpf_skb_adjust_room(skb, sizeof(o), BPF_ADJ_ROOM_MAC,
+				BPF_F_ADJ_ROOM_ENCAP_L3_IPV4 | BPF_F_ADJ_ROOM_ENCAP_L4_UDP | BPF_F_ADJ_ROOM_FIXED_GSO))
+		return drop(DROP_ENCAP_ERROR, skb);
+	udp_outer(&o, cfg, peer, total, hash, tos);
+	if (bpf_skb_store_bytes(skb, ETH_HLEN, &o, sizeof(o), 0) ||
+	    bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_proto), &proto, sizeof(proto), 0))
+		return drop(DROP_ENCAP_ERROR, skb);
+
+	/* The underlay next hop toward the peer, as the stack routes what this node sends. */
+	fib.family = AF_INET_;
+	fib.tos = tos;
+	fib.l4_protocol = IPPROTO_UDP;
+	fib.ipv4_src = cfg->local;
+	fib.ipv4_dst = peer;
+	fib.ifindex = skb->ifindex;
+	ret = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_OUTPUT);
+	if (ret == BPF_FIB_LKUP_RET_NOT_FWDED || ret == BPF_FIB_LKUP_RET_BLACKHOLE ||
+	    ret == BPF_FIB_LKUP_RET_UNREACHABLE || ret == BPF_FIB_LKUP_RET_PROHIBIT)
+		return drop(DROP_ENCAP_ERROR, skb); /* no route to the peer out of this device */
+	stats = bpf_map_lookup_elem(&agentd_peers, &peer);
+	if (stats) {
+		stats->tx_packets += segs;
+		stats->tx_bytes += skb->len;
+	}
+	if (ret != BPF_FIB_LKUP_RET_SUCCESS)
+		/* The next hop not resolved yet (or IPv4 forwarding off, which the lookup needs): the
+		 * neighbour subsystem routes the outer packet, queues it and asks. */
+		return bpf_redirect_neigh(skb->ifindex, NULL, 0, 0);
+	if (bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) || bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
+		return drop(DROP_ENCAP_ERROR, skb);
+	return TC_ACT_OK;
+}
+
 SEC("tc")
 int agentd_egress(struct __sk_buff *skb)
 {
@@ -166,7 +295,7 @@ int agentd_egress(struct __sk_buff *skb)
 	__u8 kind, tos;
 
 	if (skb->protocol != bpf_htons(ETH_P_IP))
-		return PASS;
+		return skb->protocol == bpf_htons(ETH_P_IPV6) ? egress6(skb) : PASS;
 	if (pull(skb, ETH_HLEN + sizeof(*ip)))
 		return PASS;
 	data = (void *)(long)skb->data;
@@ -205,28 +334,12 @@ int agentd_egress(struct __sk_buff *skb)
 	if (bpf_skb_adjust_room(skb, total - inner_len, BPF_ADJ_ROOM_MAC, flags))
 		return drop(DROP_ENCAP_ERROR, skb);
 
-	o.ip.version = 4;
-	o.ip.ihl = 5;
-	o.ip.tos = tos;
-	/* A GSO packet above 64 KB (BIG TCP) carries 0, the stack's own convention (iph_totlen). */
-	o.ip.tot_len = total > IP_MAX_LEN ? 0 : bpf_htons(total);
-	o.ip.id = bpf_htons(hash & 0xffff);
-	o.ip.frag_off = bpf_htons(IP_DF);
-	o.ip.ttl = OUTER_TTL;
-	o.ip.saddr = cfg->local;
-	o.ip.daddr = peer;
 	if (kind == KIND_UDP) {
-		o.ip.protocol = IPPROTO_UDP;
-		o.ip.check = ipv4_csum(&o.ip);
-		o.udp.source = bpf_htons(0xc000 | ((hash ^ (hash >> 16)) & 0x3fff));
-		o.udp.dest = cfg->udp_port;
-		o.udp.len = total - sizeof(o.ip) > IP_MAX_LEN ? 0 : bpf_htons(total - sizeof(o.ip));
-		o.udp.check = 0;
+		udp_outer(&o, cfg, peer, total, hash, tos);
 		if (bpf_skb_store_bytes(skb, ETH_HLEN, &o, sizeof(o), 0))
 			return drop(DROP_ENCAP_ERROR, skb);
 	} else {
-		o.ip.protocol = IPPROTO_IPIP_;
-		o.ip.check = ipv4_csum(&o.ip);
+		outer_ip(&o.ip, cfg, peer, total, hash, tos, IPPROTO_IPIP_);
 		if (bpf_skb_store_bytes(skb, ETH_HLEN, &o.ip, sizeof(o.ip), 0))
 			return drop(DROP_ENCAP_ERROR, skb);
 	}
@@ -277,24 +390,125 @@ static __always_inline int deliver_local(struct __sk_buff *skb)
 	return bpf_redirect(*port, 0);
 }
 
+/* deliver_local for a decapsulated IPv6 packet: the same reasons, the same fall-backs. */
+static __always_inline int deliver_local6(struct __sk_buff *skb)
+{
+	struct bpf_fib_lookup fib = {};
+	struct port_key pk = {};
+	struct ipv6hdr ip;
+	__u32 *port;
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) || ip.hop_limit <= 1)
+		return TC_ACT_OK;
+	fib.family = AF_INET6_;
+	fib.flowinfo = *(__be32 *)&ip & bpf_htonl(IPV6_FLOWINFO_MASK);
+	fib.l4_protocol = ip.nexthdr;
+	__builtin_memcpy(fib.ipv6_src, &ip.saddr, sizeof(fib.ipv6_src));
+	__builtin_memcpy(fib.ipv6_dst, &ip.daddr, sizeof(fib.ipv6_dst));
+	fib.ifindex = skb->ingress_ifindex;
+	if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
+		return TC_ACT_OK;
+	pk.bridge = fib.ifindex;
+	__builtin_memcpy(pk.mac, fib.dmac, 6);
+	port = bpf_map_lookup_elem(&agentd_ports, &pk);
+	if (!port)
+		return TC_ACT_OK;
+	if (agentd_hop_limit_down(skb, ip.hop_limit) || bpf_skb_store_bytes(skb, 0, fib.dmac, 6, 0) ||
+	    bpf_skb_store_bytes(skb, 6, fib.smac, 6, 0))
+		return drop(DROP_DECAP_ERROR, skb);
+	return bpf_redirect(*port, 0);
+}
+
 /* Remove ``outer_len`` bytes of outer headers behind the Ethernet header.
  *
  * Headers at offsets that depend on the packet (IPv4 options) are read and written with
  * bpf_skb_load_bytes / bpf_skb_store_bytes, never through packet pointers: the verifier
  * allows variable offsets on packet pointers only to CAP_PERFMON (its Spectre v1 masking
  * covers stack and map pointers alone), and the agent runs with CAP_BPF + CAP_NET_ADMIN. */
+/* bpf_skb_adjust_room(-outer_len) with the decapsulation flags of newer kernels: ``l3`` (the
+ * inner family's BPF_F_ADJ_ROOM_DECAP_L3_*: skb->protocol becomes the inner packet's) and
+ * ``l4``, each given up (and noted in the config) where this kernel refuses it.  ``*l3_taken``:
+ * whether ``l3`` was. */
+static __always_inline long shrink(struct __sk_buff *skb, struct config *cfg, __u32 outer_len, __u64 l3, __u64 l4,
+				   int *l3_taken)
+{
+	__u64 flags, extra;
+	long ret;
+
+	flags = BPF_F_ADJ_ROOM_FIXED_GSO;
+	if (cfg->flags & CFG_DECAP_L3_FLAG)
+		flags |= l3;
+	extra = (cfg->flags & CFG_DECAP_L4_FLAGS) ? l4 : 0;
+	ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags | extra);
+	if (ret == -EINVAL && extra) {
+		/* This kernel predates the flags that clear the tunnel GSO type: note it once. */
+		cfg->flags &= ~CFG_DECAP_L4_FLAGS; /* a lost race only costs one more try */
+		ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags);
+	}
+	if (ret == -EINVAL && (flags & l3)) {
+		cfg->flags &= ~CFG_DECAP_L3_FLAG; /* before Linux 6.3 */
+		flags = BPF_F_ADJ_ROOM_FIXED_GSO;
+		ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags);
+	}
+	*l3_taken = !!(flags & l3);
+	return ret;
+}
+
+/* decap for flannel UDP carrying an IPv6 packet: the same checks (RFC 6040 on the traffic
+ * class), then the Ethernet header says IPv6, as skb->protocol does after DECAP_L3_IPV6. */
+static __always_inline int decap6(struct __sk_buff *skb, struct config *cfg, struct peer_stats *stats,
+				  __u32 outer_len, __u8 outer_tos, __u32 segs)
+{
+	__be16 proto = bpf_htons(ETH_P_IPV6);
+	__u32 remaining, inner_tot;
+	struct ipv6hdr inner;
+	int l3_taken;
+	__u8 ecn;
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + outer_len, &inner, sizeof(inner)))
+		return drop(DROP_MALFORMED, skb);
+	remaining = skb->len - ETH_HLEN - outer_len;
+	inner_tot = sizeof(inner) + bpf_ntohs(inner.payload_len);
+	if (skb->gso_size) {
+		/* As in decap; an IPv6 super-packet above 64 KB (BIG TCP) has payload length 0. */
+		if (inner_tot != remaining && inner.payload_len)
+			return drop(DROP_MALFORMED, skb);
+	} else if (inner_tot != remaining) { /* 82 bytes at least: never padded */
+		return drop(DROP_MALFORMED, skb);
+	}
+	ecn = (inner.flow_lbl[0] >> 4) & ECN_MASK; /* the low bits of the traffic class */
+	if ((outer_tos & ECN_MASK) == ECN_CE && ecn != ECN_CE) {
+		if (!ecn)
+			return drop(DROP_ECN, skb);
+		inner.flow_lbl[0] |= ECN_CE << 4;
+		if (bpf_skb_store_bytes(skb, ETH_HLEN + outer_len + 1, &inner.flow_lbl[0], 1, 0))
+			return drop(DROP_DECAP_ERROR, skb);
+	}
+	if (shrink(skb, cfg, outer_len, BPF_F_ADJ_ROOM_DECAP_L3_IPV6, ADJ_ROOM_DECAP_L4_UDP, &l3_taken) ||
+	    bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_proto), &proto, sizeof(proto), 0))
+		return drop(DROP_DECAP_ERROR, skb);
+	stats->rx_packets += segs;
+	stats->rx_bytes += skb->len;
+	if (!l3_taken) /* before Linux 6.3 skb->protocol stays IPv4: in again, as what it is now */
+		return bpf_redirect(skb->ifindex, BPF_F_INGRESS);
+	if (cfg->flags & CFG_POD_REDIRECT)
+		return deliver_local6(skb);
+	return TC_ACT_OK;
+}
+
 static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, struct peer_stats *stats,
 				 __u32 outer_len, __u8 outer_tos, int udp)
 {
 	__u32 remaining, inner_tot, segs = wire_packets(skb);
 	struct iphdr inner;
-	__u64 flags, extra;
-	long ret;
+	int l3_taken;
 
 	if (outer_len > 68) /* 60 bytes of IPv4 header and options + 8 of UDP at most */
 		return drop(DROP_MALFORMED, skb);
 	if (bpf_skb_load_bytes(skb, ETH_HLEN + outer_len, &inner, sizeof(inner)))
 		return drop(DROP_MALFORMED, skb);
+	if (inner.version == 6 && udp) /* IPIP is IPv4 in IPv4 only */
+		return decap6(skb, cfg, stats, outer_len, outer_tos, segs);
 	if (inner.version != 4 || inner.ihl < 5)
 		return drop(DROP_MALFORMED, skb);
 	remaining = skb->len - ETH_HLEN - outer_len;
@@ -322,21 +536,8 @@ static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, stru
 			return drop(DROP_DECAP_ERROR, skb);
 	}
 
-	flags = BPF_F_ADJ_ROOM_FIXED_GSO;
-	if (cfg->flags & CFG_DECAP_L3_FLAG)
-		flags |= BPF_F_ADJ_ROOM_DECAP_L3_IPV4;
-	extra = (cfg->flags & CFG_DECAP_L4_FLAGS) ? (udp ? ADJ_ROOM_DECAP_L4_UDP : ADJ_ROOM_DECAP_IPXIP4) : 0;
-	ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags | extra);
-	if (ret == -EINVAL && extra) {
-		/* This kernel predates the flags that clear the tunnel GSO type: note it once. */
-		cfg->flags &= ~CFG_DECAP_L4_FLAGS; /* a lost race only costs one more try */
-		ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, flags);
-	}
-	if (ret == -EINVAL && (flags & BPF_F_ADJ_ROOM_DECAP_L3_IPV4)) {
-		cfg->flags &= ~CFG_DECAP_L3_FLAG; /* before Linux 6.3 */
-		ret = bpf_skb_adjust_room(skb, -(__s32)outer_len, BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_FIXED_GSO);
-	}
-	if (ret)
+	if (shrink(skb, cfg, outer_len, BPF_F_ADJ_ROOM_DECAP_L3_IPV4,
+		   udp ? ADJ_ROOM_DECAP_L4_UDP : ADJ_ROOM_DECAP_IPXIP4, &l3_taken))
 		return drop(DROP_DECAP_ERROR, skb);
 	stats->rx_packets += segs;
 	stats->rx_bytes += skb->len;

@@ -11,6 +11,7 @@
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/stddef.h>
 #include <linux/types.h>
 #include <bpf/bpf_endian.h>
@@ -31,6 +32,14 @@ struct route_value {
 	__be32 peer; /* the peer's underlay address: the outer destination */
 	__u8 kind;   /* enum route_kind */
 	__u8 pad[3];
+};
+
+/* routes6: LPM trie, IPv6 pod subnet -> the peer node that owns it, with struct route_value:
+ * the outer header stays IPv4 (the underlay's).  Only KIND_UDP: flannel UDP's payload is the
+ * inner packet, whichever its family; IPIP is IPv4 in IPv4 (RFC 2003), so ipip carries none. */
+struct route6_key {
+	__u32 prefixlen;
+	__u8 addr[16];
 };
 
 /* peers: per-CPU hash, peer underlay address -> flags and counters. An entry is a cluster
@@ -112,6 +121,15 @@ static __always_inline int agentd_ttl_down(struct __sk_buff *skb, __u8 ttl, __u8
 	if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), old, new, 2))
 		return -1;
 	return bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct iphdr, ttl), &ttl, 1, 0) ? -1 : 0;
+}
+
+/* Hop limit - 1 for a packet whose IPv6 header follows an Ethernet header (the caller made
+ * sure it is above 1): IPv6 has no header checksum, and the hop limit is in no upper-layer
+ * pseudo-header (RFC 8200 section 8.1).  0, or -1 when the packet could not be changed. */
+static __always_inline int agentd_hop_limit_down(struct __sk_buff *skb, __u8 hop_limit)
+{
+	hop_limit -= 1;
+	return bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct ipv6hdr, hop_limit), &hop_limit, 1, 0) ? -1 : 0;
 }
 
 #endif

@@ -5,7 +5,8 @@ libbpf, which loads the object file).  The maps and programs are pinned in a BPF
 system, one directory per network namespace::
 
     <bpf_dir>/netns-<inode>/      [agent] bpf_dir, default /sys/fs/bpf/agentd
-        agentd_routes  agentd_peers  agentd_drops  agentd_config     the maps
+        agentd_routes  agentd_routes6  agentd_peers  agentd_drops
+        agentd_ports  agentd_config                                  the maps
         agentd_egress  agentd_ingress                                the programs
         links/agentd_egress-<ifindex>  links/agentd_ingress-<ifindex>  the tcx links (tc.py)
 
@@ -21,6 +22,15 @@ directory: libbpf reuses the maps pinned there (the agent first removes a pin of
 restart or an upgrade; it creates and pins the rest, loads the programs afresh, and the agent
 swaps them onto the device in place (a link update or tc filter replace: no packet sees no
 program).  :meth:`remove` takes everything away again: programs off the hooks, pins, directory.
+
+IPv6 pods (the udp backend) need one more thing in the kernel: Linux routes IPv6 only through
+IPv6 next hops, so an IPv6 pod subnet's kernel route goes ``via ::ffff:<peer> dev <underlay>
+onlink`` -- the peer's underlay address, IPv4-mapped (RFC 4291 section 2.5.5.2; no link ever
+has such an address) -- and :meth:`BpfDatapath.set_gateways6` keeps a permanent neighbour entry
+for each such gateway on the underlay device (the device's own MAC: the egress program gives
+the outer packet the MACs of the real underlay next hop).  Those entries -- permanent,
+IPv4-mapped, on the underlay device -- are the agent's: adopted on restart, removed with the
+rest.
 """
 
 from __future__ import annotations
@@ -32,9 +42,10 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Iterable, Mapping
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Address, IPv6Network, ip_network
 from pathlib import Path
 
+from agentd.kernel import netlink as nl
 from agentd.kernel.rtnl import Rtnl
 
 from . import layout, tc
@@ -52,6 +63,12 @@ class BpfUnavailable(RuntimeError):
 def pin_dir(bpf_dir: str | os.PathLike) -> Path:
     """Where this network namespace's agent pins its maps and programs."""
     return Path(bpf_dir) / f"netns-{os.stat('/proc/self/ns/net').st_ino}"
+
+
+def gateway6(peer: str) -> str:
+    """The next hop of an IPv6 pod subnet's kernel route to BPF peer ``peer`` (its underlay
+    IPv4 address): the peer's IPv4-mapped address, ``::ffff:192.0.2.7``."""
+    return socket.inet_ntop(socket.AF_INET6, bytes(10) + b"\xff\xff" + socket.inet_aton(peer))
 
 
 def explain(err: OSError) -> str:
@@ -73,7 +90,8 @@ class BpfDatapath:
         self.maps: dict[str, int] = {}  # name -> fd (libbpf's)
         self.progs: dict[str, int] = {}  # program name -> fd (libbpf's)
         self.adopted: list[str] = []  # maps found pinned and kept
-        self.routes: dict[IPv4Network, tuple[str, str]] = {}  # as in the map
+        self.routes: dict[IPv4Network | IPv6Network, tuple[str, str]] = {}  # as in the two routes maps
+        self.gateways6: set[str] = set()  # peers with a neighbour entry for gateway6(peer)
         self.ports: dict[tuple[int, bytes], int] = {}  # as in the map
         self.members: set[str] = set()
         self.peer_flags: dict[str, int] = {}
@@ -129,12 +147,14 @@ class BpfDatapath:
 
     def _read_back(self) -> None:
         """What adopted maps hold, so that the first sync only changes what differs."""
-        rfd = self.maps[layout.ROUTES]
-        for key in lb.map_keys(rfd, layout.ROUTE_KEY.size):
-            value = lb.map_lookup(rfd, key, layout.ROUTE_VALUE.size)
-            if value is not None:
-                dst, peer, kind = layout.decode_route(key, value)
-                self.routes[IPv4Network(dst)] = (peer, kind)
+        for name, st in ((layout.ROUTES, layout.ROUTE_KEY), (layout.ROUTES6, layout.ROUTE6_KEY)):
+            rfd = self.maps[name]
+            for key in lb.map_keys(rfd, st.size):
+                value = lb.map_lookup(rfd, key, layout.ROUTE_VALUE.size)
+                if value is not None:
+                    dst, peer, kind = layout.decode_route(key, value)
+                    self.routes[ip_network(dst)] = (peer, kind)
+        self.gateways6 = set(gateway_neighbours(self.ifindex))
         pfd = self.maps[layout.PEERS]
         slot = (layout.PEER_STATS.size + 7) & ~7
         for key in lb.map_keys(pfd, layout.PEER_KEY.size):
@@ -156,9 +176,11 @@ class BpfDatapath:
         self.progs.clear()
 
     def remove(self) -> None:
-        """Detach the programs and remove every pin: nothing of ours is left in the kernel."""
+        """Detach the programs, remove every pin and the gateways' neighbour entries: nothing
+        of ours is left in the kernel."""
         self.close()
         remove_pinned(self.bpf_dir, self.ifindex)
+        self.gateways6.clear()
 
     # ------------------------------------------------------------------ desired state
 
@@ -183,16 +205,35 @@ class BpfDatapath:
             lb.map_update(fd, key, value.pack())
         self.config = value
 
-    def set_routes(self, routes: Mapping[IPv4Network, tuple[str, str]]) -> None:
-        """Make the routes map exactly ``routes`` (pod subnet -> (peer underlay address, kind))."""
-        fd = self.maps[layout.ROUTES]
+    def set_routes(self, routes: Mapping[IPv4Network | IPv6Network, tuple[str, str]]) -> None:
+        """Make the routes maps exactly ``routes`` (pod subnet, IPv4 or IPv6 -> (peer underlay
+        IPv4 address, kind)); ValueError, before anything changes, for a route the programs
+        cannot carry (an IPv6 one by ipip)."""
+        for dst, (peer, kind) in routes.items():
+            layout.check_route(dst, peer, kind)
         for dst, (peer, kind) in routes.items():
             if self.routes.get(dst) != (peer, kind):
-                lb.map_update(fd, layout.route_key(dst), layout.route_value(peer, kind))
+                lb.map_update(self.maps[layout.routes_map(dst)], layout.route_key(dst), layout.route_value(peer, kind))
                 self.routes[dst] = (peer, kind)
         for dst in [d for d in self.routes if d not in routes]:
-            lb.map_delete(fd, layout.route_key(dst))
+            lb.map_delete(self.maps[layout.routes_map(dst)], layout.route_key(dst))
             del self.routes[dst]
+
+    def set_gateways6(self, peers: Iterable[str]) -> None:
+        """Make the permanent neighbour entries of the IPv6 routes' gateways (:func:`gateway6`)
+        on the underlay device exactly those of ``peers``."""
+        wanted = set(peers)
+        if wanted == self.gateways6:
+            return
+        with Rtnl() as rt:
+            link = rt.link(socket.if_indextoname(self.ifindex))
+            mac = link.address if link is not None and link.address else bytes(6)
+            for peer in sorted(wanted - self.gateways6):
+                _neighbour(rt, nl.RTM_NEWNEIGH, self.ifindex, peer, mac)
+                self.gateways6.add(peer)
+            for peer in sorted(self.gateways6 - wanted):
+                _neighbour(rt, nl.RTM_DELNEIGH, self.ifindex, peer)
+                self.gateways6.discard(peer)
 
     def set_members(self, members: Iterable[str], peer_flags: Mapping[str, int] | None = None) -> None:
         """Make the member set exactly ``members``, with ``peer_flags`` (enum peer_flag, e.g.
@@ -283,7 +324,8 @@ class BpfDatapath:
             "adopted_maps": list(self.adopted),
             "programs": {DIRECTIONS[s]: {"id": i} for s, i in self.prog_ids.items()},
             "hook": self.hook,  # where the programs are attached: tcx or clsact ([network] bpf_attach)
-            "routes": len(self.routes),
+            "routes": sum(1 for d in self.routes if d.version == 4),
+            "routes_v6": sum(1 for d in self.routes if d.version == 6),  # IPv6 pod subnets (udp)
             "members": len(self.members),
             "bridge_ports": len(self.ports),
             "guarded_bridges": len(self.guarded),
@@ -381,10 +423,44 @@ def _kernel_flags(live: layout.Config | None) -> dict:
     }
 
 
+def _neighbour(rt: Rtnl, mtype: int, ifindex: int, peer: str, mac: bytes | None = None) -> None:
+    """Create (replace) or delete the permanent neighbour entry of :func:`gateway6` ``(peer)``."""
+    entry = nl.NeighMessage(nl.AF_INET6, ifindex, nl.NUD_PERMANENT, 0, 0, IPv6Address(gateway6(peer)).packed, mac)
+    if mtype == nl.RTM_NEWNEIGH:
+        flags = nl.NLM_F_REQUEST | nl.NLM_F_ACK | nl.NLM_F_CREATE | nl.NLM_F_REPLACE
+        rt.request(nl.encode_newneigh(rt.next_seq(), flags, entry), f"neighbour entry {gateway6(peer)}")
+    else:
+        try:
+            rt.request(nl.encode_delneigh(rt.next_seq(), nl.NLM_F_REQUEST | nl.NLM_F_ACK, entry),
+                       f"removing neighbour entry {gateway6(peer)}")
+        except nl.NetlinkError as err:
+            if err.errno != errno.ENOENT:
+                raise
+
+
+def gateway_neighbours(ifindex: int) -> list[str]:
+    """The peers whose :func:`gateway6` has a permanent neighbour entry on device ``ifindex``:
+    ours (nobody else has a use for an IPv4-mapped neighbour)."""
+    out = []
+    with Rtnl() as rt:
+        for mtype, buf, start, end in rt.request(nl.encode_getneigh_dump(rt.next_seq(), nl.AF_INET6),
+                                                 "listing the IPv6 neighbours"):
+            if mtype != nl.RTM_NEWNEIGH:
+                continue
+            entry = nl.decode_neigh(buf, start, end)
+            if entry.ifindex != ifindex or not entry.state & nl.NUD_PERMANENT or entry.dst is None:
+                continue
+            mapped = IPv6Address(entry.dst).ipv4_mapped
+            if mapped is not None:
+                out.append(str(mapped))
+    return out
+
+
 def remove_pinned(bpf_dir: str | os.PathLike, ifindex: int | None) -> list[str]:
-    """Detach our programs from ``ifindex`` and the bridges and remove this namespace's pins of
-    the data path (and their directory, and ``bpf_dir`` itself once empty).  Works without the
-    agent that made them; idempotent.  Returns what was removed."""
+    """Detach our programs from ``ifindex`` and the bridges, remove the gateways' neighbour
+    entries on ``ifindex`` and this namespace's pins of the data path (and their directory, and
+    ``bpf_dir`` itself once empty).  Works without the agent that made them; idempotent.
+    Returns what was removed."""
     removed = []
     d = pin_dir(bpf_dir)
     pins = tc.Pins.read(d)
@@ -395,6 +471,13 @@ def remove_pinned(bpf_dir: str | os.PathLike, ifindex: int | None) -> list[str]:
     n = sum(tc.detach(i, tc.OURS, pins) for i in sorted(devices)) + tc.remove_links(pins, tc.OURS)
     if n:
         removed.append(f"{n} tc filters")
+    if ifindex is not None:
+        peers = gateway_neighbours(ifindex)
+        with Rtnl() as rt:
+            for peer in peers:
+                _neighbour(rt, nl.RTM_DELNEIGH, ifindex, peer)
+        if peers:
+            removed.append(f"{len(peers)} IPv6 gateway neighbour entries")
     if d.is_dir():
         for name in (*layout.MAPS, *tc.OURS):  # ours only: the pod fast path pins here too (podpath.py)
             for p in (d / name, d / f"{name}_new"):

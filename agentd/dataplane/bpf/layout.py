@@ -11,19 +11,21 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 
 from . import libbpf as lb
 
 # Map names (the C symbols; the kernel's map names).
 ROUTES, PEERS, DROPS, CONFIG = "agentd_routes", "agentd_peers", "agentd_drops", "agentd_config"
 PORTS = "agentd_ports"
-MAPS = (ROUTES, PEERS, DROPS, PORTS, CONFIG)
+ROUTES6 = "agentd_routes6"  # IPv6 pod subnets: a map of their own, so the IPv4 maps keep their shapes
+MAPS = (ROUTES, PEERS, DROPS, PORTS, CONFIG, ROUTES6)
 # The programs (function names in datapath.c, the kernel's program names).
 EGRESS, INGRESS = "agentd_egress", "agentd_ingress"
 
 ROUTE_KEY = struct.Struct("<I4s")  # struct route_key: prefixlen (host order), addr
 ROUTE_VALUE = struct.Struct("<4sB3x")  # struct route_value: peer, kind
+ROUTE6_KEY = struct.Struct("<I16s")  # struct route6_key: prefixlen (host order), addr; value: struct route_value
 PEER_KEY = struct.Struct("<4s")
 PEER_STATS = struct.Struct("<QQQQQ")  # flags, tx_packets, tx_bytes, rx_packets, rx_bytes
 PEER_F_UDP_TO_WORKER, PEER_F_IPIP_TO_WORKER = 1, 2  # enum peer_flag
@@ -38,6 +40,7 @@ CONFIG_VALUE = struct.Struct("<4s2s2sII")  # local, udp_port, vxlan_port, flags,
 # enum route_kind
 KIND_UDP, KIND_IPIP = 1, 2
 KINDS = {"udp": KIND_UDP, "ipip": KIND_IPIP}
+KINDS6 = ("udp",)  # the kinds that carry IPv6 pods: flannel UDP's payload is either family; IPIP is IPv4 only
 # enum drop_reason, in order
 DROP_REASONS = ("non_member_udp", "non_member_ipip", "non_member_vxlan", "malformed", "too_big",
                 "encap_error", "decap_error", "ecn")
@@ -48,6 +51,7 @@ CFG_POD_REDIRECT = 32
 # What each map must be in the object file: (type, key, value, flags).
 EXPECTED = {
     ROUTES: (lb.MAP_TYPE_LPM_TRIE, ROUTE_KEY.size, ROUTE_VALUE.size, lb.BPF_F_NO_PREALLOC),
+    ROUTES6: (lb.MAP_TYPE_LPM_TRIE, ROUTE6_KEY.size, ROUTE_VALUE.size, lb.BPF_F_NO_PREALLOC),
     PEERS: (lb.MAP_TYPE_PERCPU_HASH, PEER_KEY.size, PEER_STATS.size, 0),
     DROPS: (lb.MAP_TYPE_PERCPU_ARRAY, DROP_KEY.size, DROP_STATS.size, 0),
     PORTS: (lb.MAP_TYPE_HASH, PORT_KEY.size, PORT_VALUE.size, 0),
@@ -85,19 +89,44 @@ def check_programs(programs: dict, names: tuple[str, ...]) -> None:
                              'as a tc program (SEC("tc"))')
 
 
-def route_key(subnet: IPv4Network) -> bytes:
-    return ROUTE_KEY.pack(subnet.prefixlen, subnet.network_address.packed)
+def routes_map(subnet: IPv4Network | IPv6Network) -> str:
+    """The map that holds routes to ``subnet``: ROUTES or ROUTES6."""
+    return ROUTES6 if subnet.version == 6 else ROUTES
+
+
+def route_key(subnet: IPv4Network | IPv6Network) -> bytes:
+    st = ROUTE6_KEY if subnet.version == 6 else ROUTE_KEY
+    return st.pack(subnet.prefixlen, subnet.network_address.packed)
 
 
 def route_value(peer: str, kind: str) -> bytes:
     return ROUTE_VALUE.pack(socket.inet_aton(peer), KINDS[kind])
 
 
+def check_route(subnet: IPv4Network | IPv6Network, peer: str, kind: str) -> None:
+    """ValueError unless the programs can carry pods of ``subnet`` as ``kind`` to ``peer``:
+    the outer header is IPv4, and only udp carries IPv6 pods."""
+    if kind not in KINDS:
+        raise ValueError(f"route to {subnet}: unknown kind {kind!r}")
+    if subnet.version == 6 and kind not in KINDS6:
+        raise ValueError(f"route to {subnet}: {kind} carries IPv4 pods only ({', '.join(KINDS6)} carries IPv6)")
+    try:
+        socket.inet_aton(peer)
+    except OSError:
+        raise ValueError(f"route to {subnet}: peer {peer!r} is not an IPv4 underlay address") from None
+
+
 def decode_route(key: bytes, value: bytes) -> tuple[str, str, str]:
-    plen, addr = ROUTE_KEY.unpack(key)
+    """(subnet, peer, kind) of an entry of either routes map (the key's size says which)."""
+    if len(key) == ROUTE6_KEY.size:
+        plen, addr = ROUTE6_KEY.unpack(key)
+        dst = f"{socket.inet_ntop(socket.AF_INET6, addr)}/{plen}"
+    else:
+        plen, addr = ROUTE_KEY.unpack(key)
+        dst = f"{socket.inet_ntoa(addr)}/{plen}"
     peer, kind = ROUTE_VALUE.unpack(value)
     names = {v: k for k, v in KINDS.items()}
-    return f"{socket.inet_ntoa(addr)}/{plen}", socket.inet_ntoa(peer), names.get(kind, str(kind))
+    return dst, socket.inet_ntoa(peer), names.get(kind, str(kind))
 
 
 def peer_key(address: str) -> bytes:
