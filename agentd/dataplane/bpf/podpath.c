@@ -11,10 +11,14 @@
  *   agentd_pod_wire  on the underlay device: from a pod of another node to a pod of this node,
  *                    TTL - 1 and into that pod (bpf_redirect_peer).
  *
+ * Both carry IPv4 and IPv6 alike, each family with its own maps (pods, counters, cluster
+ * network); for IPv6 the hop limit is decremented (no header checksum to mend) and the FIB
+ * is asked with AF_INET6.
  * What decides is the kernel's own connection tracking, looked up with the bpf_skb_ct_lookup
  * kfunc: a packet is carried only when
- *   - it is IPv4 TCP without SYN, FIN or RST (those go the normal way, so conntrack sees every
- *     state change of the connection), not a fragment, without IP options;
+ *   - it is TCP without SYN, FIN or RST (those go the normal way, so conntrack sees every
+ *     state change of the connection): IPv4 not a fragment and without options, IPv6 with TCP
+ *     as its first next header (no extension header: a fragment header among them);
  *   - from a pod's veth, its source address is that pod's (the anti-spoofing check of the
  *     normal path); between nodes both ends are in the cluster's pod network;
  *   - conntrack has a confirmed entry for it -- confirmed means the normal path, policy
@@ -35,6 +39,7 @@
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
 #include <linux/stddef.h>
 #include <linux/tcp.h>
@@ -50,6 +55,8 @@
 #define IPS_SRC_NAT (1UL << 4)
 #define IPS_DST_NAT (1UL << 5)
 #define AF_INET_ 2
+#define AF_INET6_ 10
+#define IPV6_FLOWINFO_MASK 0x0fffffff /* traffic class and flow label */
 
 struct ip_ct_tcp {
 	__u8 state;
@@ -104,12 +111,36 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_podcfg SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct pod6_key);
+	__type(value, struct pod_value);
+	__uint(max_entries, 4096);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podips6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, struct pod_stats);
+	__uint(max_entries, POD_VERDICTS);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podstat6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct pod_config6);
+	__uint(max_entries, 1);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podcfg6 SEC(".maps");
+
 /* kfuncs are for GPL-compatible programs: dual-licensed as datapath.c is. */
 char _license[] SEC("license") = "Dual BSD/GPL";
 
-static __always_inline int count(__u32 verdict, struct __sk_buff *skb, int action)
+static __always_inline int count_in(void *stats, __u32 verdict, struct __sk_buff *skb, int action)
 {
-	struct pod_stats *s = bpf_map_lookup_elem(&agentd_podstat, &verdict);
+	struct pod_stats *s = bpf_map_lookup_elem(stats, &verdict);
 
 	if (s) {
 		s->packets += skb->gso_segs > 1 ? skb->gso_segs : 1;
@@ -117,6 +148,9 @@ static __always_inline int count(__u32 verdict, struct __sk_buff *skb, int actio
 	}
 	return action;
 }
+
+#define count(verdict, skb, action) count_in(&agentd_podstat, verdict, skb, action)
+#define count6(verdict, skb, action) count_in(&agentd_podstat6, verdict, skb, action)
 
 /* The config, if the packet is a candidate at all and the config has every flag of ``need``:
  * IPv4 TCP, no options, no fragment, no SYN, FIN or RST.  Packet pointers (``*ipp``, ``*tcpp``):
@@ -145,21 +179,17 @@ static __always_inline struct pod_config *candidate(struct __sk_buff *skb, __u32
 	return cfg;
 }
 
-/* What conntrack says of the packet's connection: POD_CARRIED if it may be carried. */
-static __always_inline __u32 accepted(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp,
-				      struct pod_config *cfg)
+/* What conntrack says of the connection of ``tuple`` (``size``: of its IPv4 or IPv6 part,
+ * which tells bpf_skb_ct_lookup the family): POD_CARRIED if it may be carried. */
+static __always_inline __u32 tracked(struct __sk_buff *skb, struct bpf_sock_tuple *tuple, __u32 size,
+				     struct pod_config *cfg)
 {
 	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
-	struct bpf_sock_tuple tuple = {};
 	unsigned long status;
 	struct nf_conn *ct;
 	__u8 state;
 
-	tuple.ipv4.saddr = ip->saddr;
-	tuple.ipv4.daddr = ip->daddr;
-	tuple.ipv4.sport = tcp->source;
-	tuple.ipv4.dport = tcp->dest;
-	ct = bpf_skb_ct_lookup(skb, &tuple, sizeof(tuple.ipv4), &opts, sizeof(opts));
+	ct = bpf_skb_ct_lookup(skb, tuple, size, &opts, sizeof(opts));
 	if (!ct)
 		return POD_NO_CONNTRACK;
 	status = ct->status;
@@ -178,10 +208,159 @@ static __always_inline __u32 accepted(struct __sk_buff *skb, struct iphdr *ip, s
 	return POD_CARRIED;
 }
 
+static __always_inline __u32 accepted(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp,
+				      struct pod_config *cfg)
+{
+	struct bpf_sock_tuple tuple = {};
+
+	tuple.ipv4.saddr = ip->saddr;
+	tuple.ipv4.daddr = ip->daddr;
+	tuple.ipv4.sport = tcp->source;
+	tuple.ipv4.dport = tcp->dest;
+	return tracked(skb, &tuple, sizeof(tuple.ipv4), cfg);
+}
+
 static __always_inline int in_cluster(struct pod_config *cfg, __be32 addr)
 {
 	return (addr & cfg->cluster_mask) == cfg->cluster_net;
 }
+
+/* ---------------------------------------------------------------- IPv6 */
+
+/* candidate() for IPv6: TCP right behind the IPv6 header (an extension header -- a fragment
+ * header among them -- leaves the packet to the stack), no SYN, FIN or RST. */
+static __always_inline struct pod_config *candidate6(struct __sk_buff *skb, __u32 need, struct ipv6hdr **ipp,
+						       struct tcphdr **tcpp)
+{
+	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	struct ipv6hdr *ip = data + ETH_HLEN;
+	struct tcphdr *tcp = data + ETH_HLEN + sizeof(*ip);
+	struct pod_config *cfg;
+	__u32 zero = 0;
+
+	if ((void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IPV6) || ip->nexthdr != IPPROTO_TCP)
+		return NULL;
+	if (tcp->syn || tcp->fin || tcp->rst)
+		return NULL;
+	cfg = bpf_map_lookup_elem(&agentd_podcfg, &zero);
+	if (!cfg || (cfg->flags & need) != need)
+		return NULL;
+	*ipp = ip;
+	*tcpp = tcp;
+	return cfg;
+}
+
+/* The packet's addresses and ports as conntrack's tuple and as the two map keys. */
+struct flow6 {
+	struct bpf_sock_tuple tuple;
+	struct pod6_key src, dst;
+	__be32 flowinfo;
+	__u8 hop_limit;
+};
+
+static __always_inline void read_flow6(struct flow6 *f, struct ipv6hdr *ip, struct tcphdr *tcp)
+{
+	__builtin_memcpy(f->tuple.ipv6.saddr, &ip->saddr, 16);
+	__builtin_memcpy(f->tuple.ipv6.daddr, &ip->daddr, 16);
+	f->tuple.ipv6.sport = tcp->source;
+	f->tuple.ipv6.dport = tcp->dest;
+	__builtin_memcpy(f->src.addr, &ip->saddr, 16);
+	__builtin_memcpy(f->dst.addr, &ip->daddr, 16);
+	f->flowinfo = *(__be32 *)ip & bpf_htonl(IPV6_FLOWINFO_MASK);
+	f->hop_limit = ip->hop_limit;
+}
+
+static __always_inline int in_cluster6(struct pod6_key *addr)
+{
+	struct pod_config6 *cfg6;
+	__u32 zero = 0;
+	__u64 a[2], net[2], mask[2];
+
+	cfg6 = bpf_map_lookup_elem(&agentd_podcfg6, &zero);
+	if (!cfg6)
+		return 0;
+	__builtin_memcpy(a, addr->addr, 16);
+	__builtin_memcpy(net, cfg6->cluster_net, 16);
+	__builtin_memcpy(mask, cfg6->cluster_mask, 16);
+	return (a[0] & mask[0]) == net[0] && (a[1] & mask[1]) == net[1];
+}
+
+static __always_inline int pod_fast6(struct __sk_buff *skb)
+{
+	struct bpf_fib_lookup fib = {};
+	struct pod_value *src, *dst;
+	struct tcphdr *tcp = NULL;
+	struct ipv6hdr *ip = NULL;
+	struct pod_config *cfg;
+	struct flow6 f = {};
+	__u32 verdict, ifindex;
+
+	cfg = candidate6(skb, POD_CFG_ON, &ip, &tcp);
+	if (!cfg || !ip || !tcp)
+		return PASS;
+	read_flow6(&f, ip, tcp);
+	src = bpf_map_lookup_elem(&agentd_podips6, &f.src);
+	if (!src || src->ifindex != skb->ifindex)
+		return PASS; /* not this veth's pod: the normal path's spoofing check judges it */
+	dst = bpf_map_lookup_elem(&agentd_podips6, &f.dst);
+	if (dst) { /* a pod of this node */
+		ifindex = dst->ifindex;
+		verdict = tracked(skb, &f.tuple, sizeof(f.tuple.ipv6), cfg);
+		if (verdict != POD_CARRIED)
+			return count6(verdict, skb, PASS);
+		return count6(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
+	}
+	/* A pod of another node: routed as the stack would route it. */
+	if (!(cfg->flags & POD_CFG_ROUTE) || !in_cluster6(&f.dst) || f.hop_limit <= 1)
+		return PASS;
+	fib.family = AF_INET6_;
+	fib.flowinfo = f.flowinfo;
+	fib.l4_protocol = IPPROTO_TCP;
+	fib.sport = f.tuple.ipv6.sport;
+	fib.dport = f.tuple.ipv6.dport;
+	__builtin_memcpy(fib.ipv6_src, f.src.addr, 16);
+	__builtin_memcpy(fib.ipv6_dst, f.dst.addr, 16);
+	fib.ifindex = skb->ingress_ifindex;
+	verdict = tracked(skb, &f.tuple, sizeof(f.tuple.ipv6), cfg);
+	if (verdict != POD_CARRIED)
+		return count6(verdict, skb, PASS);
+	if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
+		return count6(POD_NO_ROUTE, skb, PASS); /* no route, not forwarded, no neighbour yet: the stack */
+	if (agentd_hop_limit_down(skb, f.hop_limit) || bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
+	    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
+		return count6(POD_NO_ROUTE, skb, PASS);
+	return count6(POD_CARRIED, skb, bpf_redirect(fib.ifindex, 0));
+}
+
+static __always_inline int pod_wire6(struct __sk_buff *skb)
+{
+	struct pod_value *dst;
+	struct tcphdr *tcp = NULL;
+	struct ipv6hdr *ip = NULL;
+	struct pod_config *cfg;
+	struct flow6 f = {};
+	__u32 verdict, ifindex;
+
+	cfg = candidate6(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp);
+	if (!cfg || !ip || !tcp)
+		return PASS;
+	read_flow6(&f, ip, tcp);
+	if (!in_cluster6(&f.src) || f.hop_limit <= 1)
+		return PASS;
+	dst = bpf_map_lookup_elem(&agentd_podips6, &f.dst);
+	if (!dst)
+		return PASS; /* not a pod of this node */
+	ifindex = dst->ifindex;
+	verdict = tracked(skb, &f.tuple, sizeof(f.tuple.ipv6), cfg);
+	if (verdict != POD_CARRIED)
+		return count6(verdict, skb, PASS);
+	if (agentd_hop_limit_down(skb, f.hop_limit))
+		return count6(POD_NO_ROUTE, skb, PASS);
+	return count6(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
+}
+
+/* ---------------------------------------------------------------- the programs */
 
 SEC("tc")
 int agentd_pod_fast(struct __sk_buff *skb)
@@ -194,6 +373,8 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	__u32 verdict, ifindex;
 	__u8 ttl;
 
+	if (skb->protocol == bpf_htons(ETH_P_IPV6))
+		return pod_fast6(skb);
 	cfg = candidate(skb, POD_CFG_ON, &ip, &tcp);
 	if (!cfg || !ip || !tcp)
 		return PASS;
@@ -241,6 +422,8 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	__u32 verdict, ifindex;
 	__u8 ttl;
 
+	if (skb->protocol == bpf_htons(ETH_P_IPV6))
+		return pod_wire6(skb);
 	cfg = candidate(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp);
 	if (!cfg || !ip || !tcp)
 		return PASS;

@@ -46,4 +46,18 @@ struct pod_config {
 	__u32 wire_ifindex;   /* not read by the programs: the underlay device agentd_pod_wire is on */
 };
 
+/* IPv6 has maps of its own beside these (so that theirs keep their shapes, and an upgraded
+ * agent adopts them with what they hold):
+ * pod_ips6: hash, a local pod's IPv6 address -> struct pod_value;
+ * pod_stats6: per-CPU array of struct pod_stats by enum pod_verdict, for IPv6 TCP;
+ * pod_config6: array of one, the cluster's IPv6 pod network (the flags are pod_config's). */
+struct pod6_key {
+	__u8 addr[16];
+};
+
+struct pod_config6 {
+	__u8 cluster_net[16];
+	__u8 cluster_mask[16];
+};
+
 #endif

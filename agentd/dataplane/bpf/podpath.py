@@ -4,7 +4,8 @@ underlay device, count, remove.
 Pins, next to the data path's in this namespace's directory (see datapath.py)::
 
     <bpf_dir>/netns-<inode>/
-        agentd_podips  agentd_podstat  agentd_podcfg      the maps
+        agentd_podips  agentd_podstat  agentd_podcfg      the maps (IPv4)
+        agentd_podips6  agentd_podstat6  agentd_podcfg6   the maps (IPv6)
         agentd_pod_fast  agentd_pod_wire                  the programs
         links/agentd_pod_fast-<ifindex>  links/agentd_pod_wire-<ifindex>    the tcx links (tc.py)
 
@@ -12,7 +13,8 @@ Pins, next to the data path's in this namespace's directory (see datapath.py)::
 ``agentd_pod_wire`` on the underlay device's (tcx or cls_bpf as ``[network] bpf_attach``
 says, see tc.py; under cls_bpf the wire program has a filter place of its own beside the data
 path's); the ``agentd_podips`` map holds each local pod's address and the ifindex of its
-veth.  A restarted agent's libbpf reuses the pinned maps, loads the programs afresh (the
+veth, ``agentd_podips6`` each IPv6 address (IPv6 has maps of its own, counters included, so
+that the IPv4 ones keep their shapes).  A restarted agent's libbpf reuses the pinned maps, loads the programs afresh (the
 kfuncs and nf_conn's field offsets resolved against this kernel's BTF) and the agent swaps
 them in place: into the pinned links, or the cls_bpf filters, as the data path does.
 
@@ -30,7 +32,7 @@ import os
 import socket
 import struct
 from collections.abc import Mapping
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 
 from . import libbpf as lb
@@ -50,12 +52,14 @@ from .layout import check_programs, sum_percpu
 
 OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
-MAPS = (IPS, STATS, CONFIG)
+IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
+MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6)
 PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
 # struct pod_config: flags, established_ms, liberal_before, cluster_net, cluster_mask, wire_ifindex
 CONFIG_VALUE = struct.Struct("<III4s4sI")
+CONFIG6_VALUE = struct.Struct("<16s16s")  # struct pod_config6: cluster_net, cluster_mask
 U32 = struct.Struct("<I")
 VERDICTS = ("carried", "no_conntrack", "not_established", "nat", "no_route")  # enum pod_verdict, in order
 CFG_ON, CFG_ROUTE = 1, 2
@@ -63,6 +67,9 @@ EXPECTED = {
     IPS: (lb.MAP_TYPE_HASH, 4, POD_VALUE.size),
     STATS: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
     CONFIG: (lb.MAP_TYPE_ARRAY, 4, CONFIG_VALUE.size),
+    IPS6: (lb.MAP_TYPE_HASH, 16, POD_VALUE.size),
+    STATS6: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
+    CONFIG6: (lb.MAP_TYPE_ARRAY, 4, CONFIG6_VALUE.size),
 }
 CAP_SYS_ADMIN, CAP_PERFMON = 21, 38
 NEEDS_PERFMON = ("the pod fast path needs CAP_PERFMON, which this agent lacks: it reads conntrack's struct nf_conn, "
@@ -81,8 +88,10 @@ def check(obj: lb.BpfObject) -> None:
         if (m.type, m.key_size, m.value_size) != (mtype, key, value):
             raise ValueError(f"map {name} is (type, key, value) {(m.type, m.key_size, m.value_size)} in the "
                              f"object file, {(mtype, key, value)} in podpath.py")
-    if obj.maps[STATS].max_entries != len(VERDICTS):
-        raise ValueError(f"the object file counts {obj.maps[STATS].max_entries} verdicts, podpath.py {len(VERDICTS)}")
+    for name in (STATS, STATS6):
+        if obj.maps[name].max_entries != len(VERDICTS):
+            raise ValueError(f"the object file counts {obj.maps[name].max_entries} verdicts in {name}, "
+                             f"podpath.py {len(VERDICTS)}")
     for name in MAPS:
         if not obj.maps[name].pinned:
             raise ValueError(f"map {name} is not pinned by name in the object file: a restart would lose it")
@@ -103,16 +112,27 @@ def _read_int(path: Path) -> int:
     return int(path.read_text().split()[0])
 
 
+def _ips_map(address: str) -> str:
+    return IPS6 if ":" in address else IPS
+
+
+def _pod_key(address: str) -> bytes:
+    return socket.inet_pton(socket.AF_INET6, address) if ":" in address else socket.inet_aton(address)
+
+
 class PodFastPath:
     """The program, its maps and the veths it is on, for this network namespace."""
 
     def __init__(self, bpf_dir: str | os.PathLike = DEFAULT_BPF_DIR, object_path: Path = OBJECT, *,
-                 cluster: IPv4Network | None = None, wire_ifindex: int | None = None, attach: str = "auto") -> None:
-        """``cluster``: the pod network; with ``wire_ifindex`` (the underlay device) connections
-        between this node's pods and other nodes' pods are carried too.  ``attach``:
-        ``[network] bpf_attach``."""
+                 cluster: IPv4Network | None = None, wire_ifindex: int | None = None, attach: str = "auto",
+                 cluster_v6: IPv6Network | None = None) -> None:
+        """``cluster``, ``cluster_v6``: the pod networks (IPv4, IPv6); with ``wire_ifindex``
+        (the underlay device) connections between this node's pods and other nodes' pods of
+        those networks are carried too.  ``attach``: ``[network] bpf_attach``."""
         self.bpf_dir = Path(bpf_dir)
         self.cluster = cluster
+        self.cluster_v6 = cluster_v6
+        self.last_v6: dict[str, dict[str, int]] = {}  # the IPv6 verdicts, as counters() last read them
         self.wire_ifindex = wire_ifindex
         self.wire: str | None = None  # why the underlay device has no program, if it has none
         self.dir = pin_dir(bpf_dir)
@@ -125,7 +145,7 @@ class PodFastPath:
         self.prog_id: int | None = None
         self.wire_fd: int | None = None
         self.wire_id: int | None = None
-        self.pods: dict[str, int] = {}  # pod address -> ifindex of its veth's host side, as in the map
+        self.pods: dict[str, int] = {}  # pod address (IPv4 or IPv6) -> ifindex of its veth's host side, as in the maps
         self.attached: set[int] = set()  # veths our program is on (this run)
         self.adopted = False
         self.ncpus = 0
@@ -154,10 +174,11 @@ class PodFastPath:
                 raise BpfUnavailable(f"the kernel cannot run the pod fast path: {explain(err)}") from None
             self.obj = obj
             self.maps = {name: obj.map_fd(name) for name in MAPS}
-            for key in lb.map_keys(self.maps[IPS], 4):
-                value = lb.map_lookup(self.maps[IPS], key, POD_VALUE.size)
-                if value is not None:
-                    self.pods[socket.inet_ntoa(key)] = POD_VALUE.unpack(value)[0]
+            for name, family, size in ((IPS, socket.AF_INET, 4), (IPS6, socket.AF_INET6, 16)):
+                for key in lb.map_keys(self.maps[name], size):
+                    value = lb.map_lookup(self.maps[name], key, POD_VALUE.size)
+                    if value is not None:
+                        self.pods[socket.inet_ntop(family, key)] = POD_VALUE.unpack(value)[0]
             self._configure()
             self.prog_fd = obj.prog_fd(PROGRAM)
             self.prog_id = lb.prog_info(self.prog_fd)["id"]
@@ -187,7 +208,7 @@ class PodFastPath:
 
     @property
     def routed(self) -> bool:
-        return self.cluster is not None and self.wire_ifindex is not None
+        return (self.cluster is not None or self.cluster_v6 is not None) and self.wire_ifindex is not None
 
     def _attach_wire(self) -> None:
         assert self.wire_fd is not None and self.wire_ifindex is not None and self.hook is not None
@@ -213,6 +234,8 @@ class PodFastPath:
         established_ms = min(_read_int(ESTABLISHED_TIMEOUT) * 1000, 0xFFFFFFFF)
         route = self.routed if route is None else route
         net = self.cluster or IPv4Network("255.255.255.255/32")  # matches no pod
+        net6 = self.cluster_v6 or IPv6Network(f"{'ffff:' * 7}ffff/128")  # matches no pod either
+        lb.map_update(self.maps[CONFIG6], key, CONFIG6_VALUE.pack(net6.network_address.packed, net6.netmask.packed))
         lb.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(
             CFG_ON | (CFG_ROUTE if route else 0), established_ms, before, net.network_address.packed,
             net.netmask.packed, self.wire_ifindex or 0))
@@ -233,8 +256,8 @@ class PodFastPath:
     # ------------------------------------------------------------------ desired state
 
     def set_pods(self, wanted: Mapping[str, str]) -> None:
-        """This node's pods: address -> the host side of its veth (a device name).  Pods whose
-        veth is not (or no longer) here are left out."""
+        """This node's pods: address (IPv4 or IPv6: each goes to its family's map) -> the host
+        side of its veth (a device name).  Pods whose veth is not (or no longer) here are left out."""
         resolved: dict[str, int] = {}
         for address, device in wanted.items():
             try:
@@ -250,7 +273,7 @@ class PodFastPath:
             if ifindex not in self.attached and not self._attach(ifindex):
                 continue
             if self.pods.get(address) != ifindex:
-                lb.map_update(self.maps[IPS], socket.inet_aton(address), POD_VALUE.pack(ifindex))
+                lb.map_update(self.maps[_ips_map(address)], _pod_key(address), POD_VALUE.pack(ifindex))
                 self.pods[address] = ifindex
         self.attached &= set(self.pods.values())
 
@@ -266,17 +289,22 @@ class PodFastPath:
         return True
 
     def _forget(self, address: str) -> None:
-        lb.map_delete(self.maps[IPS], socket.inet_aton(address))
+        lb.map_delete(self.maps[_ips_map(address)], _pod_key(address))
         self.pods.pop(address, None)
 
     # ------------------------------------------------------------------ observation
 
     def counters(self) -> dict[str, dict[str, int]]:
-        """Pod TCP packets and bytes by what the programs did with them, since the maps were made."""
+        """Pod IPv4 TCP packets and bytes by what the programs did with them, since the maps were
+        made; the IPv6 ones, read at the same time, go to ``last_v6`` (:meth:`status` shows them)."""
+        self.last_v6 = self._verdicts(STATS6)
+        return self._verdicts(STATS)
+
+    def _verdicts(self, name: str) -> dict[str, dict[str, int]]:
         out = {}
         size = ((STATS_VALUE.size + 7) & ~7) * self.ncpus
         for i, verdict in enumerate(VERDICTS):
-            raw = lb.map_lookup(self.maps[STATS], U32.pack(i), size)
+            raw = lb.map_lookup(self.maps[name], U32.pack(i), size)
             packets, nbytes = sum_percpu(raw, STATS_VALUE) if raw else (0, 0)
             out[verdict] = {"packets": packets, "bytes": nbytes}
         return out
@@ -293,6 +321,10 @@ class PodFastPath:
             "adopted_maps": self.adopted,
             # Programs on our tcx hooks we could not tell ours or anyone's (tc.py): they stay.
             "unidentified_programs": sorted(self.unidentified),
+            # IPv6 TCP: the same programs and rules, its own pods and counters (``packets`` above is IPv4's).
+            "ipv6": {"pods": sum(1 for a in self.pods if ":" in a),
+                     "cluster": str(self.cluster_v6) if self.cluster_v6 else None,
+                     "packets": {verdict: c["packets"] for verdict, c in self.last_v6.items()}},
         }
 
 
@@ -303,22 +335,23 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
     d = pin_dir(bpf_dir)
     pins = tc.Pins.read(d)
     removed: list[str] = []
-    ips = d / IPS
-    if ips.exists():
+    devices: set[int] = set()
+    for name, size in ((IPS, 4), (IPS6, 16)):
+        if not (d / name).exists():
+            continue
         with contextlib.suppress(lb.BpfError):
-            fd = lb.obj_get(str(ips))
+            fd = lb.obj_get(str(d / name))
             try:
-                devices = set()
-                for key in lb.map_keys(fd, 4):
+                for key in lb.map_keys(fd, size):
                     value = lb.map_lookup(fd, key, POD_VALUE.size)
                     if value is not None:
                         devices.add(POD_VALUE.unpack(value)[0])
             finally:
                 os.close(fd)
-            devices |= {i for name, i in pins.links().values() if name == PROGRAM}
-            n = sum(_detach(i, PROGRAM, pins) for i in sorted(devices))
-            if n:
-                removed.append(f"the pod fast path from {n} veths")
+    devices |= {i for name, i in pins.links().values() if name == PROGRAM}
+    n = sum(_detach(i, PROGRAM, pins) for i in sorted(devices))
+    if n:
+        removed.append(f"the pod fast path from {n} veths")
     cfg = d / CONFIG
     if cfg.exists():
         with contextlib.suppress(lb.BpfError, OSError, struct.error):
