@@ -257,6 +257,32 @@ def test_decap_before_linux_6_3_sends_the_ipv6_packet_in_again(programs6):
     assert programs6.counters()["peers"][MEMBER]["rx_packets"] == 1
 
 
+def test_decap_hands_ipv6_for_a_bridged_pod_straight_to_its_port(programs6):
+    """With [network] bpf_pod_redirect: a decapsulated IPv6 packet for a pod behind a local
+    bridge goes to the pod's bridge port as the stack would forward it (FIB, the pod's MAC,
+    hop limit - 1); one whose MAC the bridge has not learned takes the stack's path."""
+    ns = programs6.ns
+    ns.ip("link", "add", "br0", "type", "bridge")
+    ns.ip("link", "set", "br0", "up")
+    ns.ip("-6", "addr", "add", "fd00:10:244:2::1/64", "dev", "br0", "nodad")
+    pod_mac = bytes.fromhex("0200000000bb")
+    ns.ip("-6", "neigh", "replace", P2_6, "lladdr", pod_mac.hex(":"), "dev", "br0", "nud", "permanent")
+    ns.sysctl("net.ipv6.conf.all.forwarding", 1)
+    inner = echo6(src=P1_6, dst=P2_6)
+    with ns.entered():
+        br0 = int(ns.exec("cat", "/sys/class/net/br0/ifindex"))
+        cfg = programs6.config
+        programs6.set_config(Config(cfg.local, cfg.udp_port, cfg.vxlan_port, cfg.flags | layout.CFG_POD_REDIRECT,
+                                    cfg.mtu))
+    assert run(programs6, layout.INGRESS, encap(inner))[0] == TC_ACT_OK  # not learned: the stack's path
+    with ns.entered():
+        programs6.set_ports({(br0, pod_mac): programs6.ifindex})  # "learned" behind some port
+    ret, out = run(programs6, layout.INGRESS, encap(inner))
+    assert ret == TC_ACT_REDIRECT and out[:6] == pod_mac and out[6:12] == mac(ns, "br0")
+    assert out[14:] == inner[:7] + bytes([inner[7] - 1]) + inner[8:]  # hop limit - 1, nothing else
+    assert _drops(programs6) == {}
+
+
 def test_egress_encapsulates_ipv6_toward_the_real_next_hop(programs6):
     inner = echo6(tclass=0xB8 | 0b10)  # EF, ECT(0)
     ret, out = run(programs6, layout.EGRESS, inner, ETH6)

@@ -530,19 +530,19 @@ def tcx_detach_at(ifindex: int, attach_type: int, hook: TcxHook, index: int) -> 
     _check(_sys_bpf(_BPF_PROG_DETACH, attr), f"detaching program {ids[index]} from device {ifindex} (tcx)")
 
 
-SKB_CTX_IFINDEX = 40  # offsetof(struct __sk_buff, ifindex): a test run's context up to it
+SKB_CTX_INGRESS_IFINDEX = 36  # offsetof(struct __sk_buff, ingress_ifindex); ifindex follows
 
 
 def prog_test_run(fd: int, data: bytes, repeat: int = 1, *, ifindex: int = 0) -> tuple[int, bytes]:
     """Run a program on ``data`` (BPF_PROG_TEST_RUN); returns (its return value, the packet
-    as it left).  ``ifindex``: the device the packet is on (the loopback device if 0), given
-    to the kernel as the run's ``struct __sk_buff`` context."""
+    as it left).  ``ifindex``: the device the packet is on and came in by (the loopback
+    device if 0), given to the kernel as the run's ``struct __sk_buff`` context."""
     din = _buf(data)
     dout = ctypes.create_string_buffer(len(data) + 256)
     opts = _TestRunOpts(ctypes.sizeof(_TestRunOpts), ctypes.addressof(din), ctypes.addressof(dout), len(data),
                         len(dout), repeat=repeat)
     if ifindex:
-        ctx = _buf(bytes(SKB_CTX_IFINDEX) + struct.pack("<I", ifindex))
+        ctx = _buf(bytes(SKB_CTX_INGRESS_IFINDEX) + struct.pack("<II", ifindex, ifindex))
         opts.ctx_in, opts.ctx_size_in = ctypes.addressof(ctx), len(ctx)
     _check(library().bpf_prog_test_run_opts(fd, ctypes.byref(opts)), "test run")
     return opts.retval, dout.raw[: opts.data_size_out]

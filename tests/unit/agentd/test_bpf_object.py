@@ -8,7 +8,7 @@ commands made directly, a detach by position, the names of the link pins."""
 import ctypes
 import dataclasses
 import struct
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 
 import pytest
 
@@ -120,6 +120,25 @@ def test_map_values_round_trip():
     key, value = layout.route_key(IPv4Network("10.244.3.0/24")), layout.route_value("172.30.0.12", "ipip")
     assert layout.decode_route(key, value) == ("10.244.3.0/24", "172.30.0.12", "ipip")
     assert key == struct.pack("<I", 24) + bytes([10, 244, 3, 0])
+
+
+def test_ipv6_routes_have_a_map_of_their_own_and_only_udp_carries_them():
+    subnet = IPv6Network("fd00:10:244:3::/64")
+    key, value = layout.route_key(subnet), layout.route_value("172.30.0.12", "udp")
+    assert layout.routes_map(subnet) == layout.ROUTES6 and layout.routes_map(IPv4Network("10.0.0.0/8")) == layout.ROUTES
+    assert key == struct.pack("<I", 64) + subnet.network_address.packed and len(key) == layout.ROUTE6_KEY.size
+    assert layout.decode_route(key, value) == ("fd00:10:244:3::/64", "172.30.0.12", "udp")
+    layout.check_route(subnet, "172.30.0.12", "udp")
+    with pytest.raises(ValueError, match="ipip carries IPv4 pods only"):
+        layout.check_route(subnet, "172.30.0.12", "ipip")
+    with pytest.raises(ValueError, match="not an IPv4 underlay address"):
+        layout.check_route(subnet, "fd00::1", "udp")  # the outer header is IPv4
+
+
+def test_an_ipv6_routes_gateway_is_the_peers_ipv4_mapped_address():
+    from agentd.dataplane.bpf.datapath import gateway6
+
+    assert gateway6("192.0.2.7") == "::ffff:192.0.2.7"  # as the kernel prints it (inet_ntop)
 
 
 def test_per_cpu_values_are_summed():
