@@ -69,7 +69,11 @@ class BpfPath:
         for name in {*self.carried, *self.filtered, *extra}:
             flags |= FILTER_FLAGS.get(BACKENDS[name].member_filter or "", 0)
         net = self.cfg.network
-        return Config(str(self.underlay.interface.ip), net.udp_port, net.vxlan_port, flags, self.underlay.mtu)
+        ip = self.underlay.interface.ip
+        # An IPv6 underlay (an IPv6-only cluster): no IPv4 address to encapsulate from or
+        # decapsulate at; the member filter judges VXLAN to the IPv6 one (config6).
+        local, local6 = (str(ip), None) if ip.version == 4 else ("0.0.0.0", str(ip))
+        return Config(local, net.udp_port, net.vxlan_port, flags, self.underlay.mtu, local6)
 
     async def up(self, *, carry: str | None = None, filter: str | None = None) -> None:
         """Load (or adopt) the data path once, with ``carry``/``filter`` in its config from the

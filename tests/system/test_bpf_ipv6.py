@@ -313,3 +313,53 @@ def test_ipv6_routes_only_by_udp(programs6):
     with pytest.raises(ValueError, match="ipip carries IPv4 pods only"):
         programs6.set_routes({**before, IPv6Network("fd00:10:244:8::/64"): (MEMBER, "ipip")})
     assert programs6.routes == before
+
+
+# ---------------------------------------------------------------- the member filter on an IPv6 underlay
+
+LOCAL6, MEMBER6, STRANGER6 = "fd00:172:30::2", "fd00:172:30::1", "fd00:172:30::66"
+
+
+@pytest.fixture
+def filter6(netns_factory, bpffs):
+    """The data path of a node on an IPv6 underlay: no IPv4 address, VXLAN filtered."""
+    ns = netns_factory("h6")
+    ns.ip("link", "add", "u0", "type", "veth", "peer", "name", "u9")
+    with ns.entered():
+        dp = BpfDatapath(int(ns.exec("cat", "/sys/class/net/u0/ifindex")), bpffs)
+        dp.open(Config("0.0.0.0", 8285, 4789, layout.CFG_FILTER_VXLAN, 1500, local6=LOCAL6))
+        dp.set_members({MEMBER6})
+    dp.ns = ns
+    try:
+        yield dp
+    finally:
+        dp.close()
+
+
+def vxlan6(src: str, *, ext: bytes = b"", first: int = 17, dport: int = 4789, dst: str = LOCAL6) -> bytes:
+    """VXLAN over IPv6 (the UDP checksum is not checked here), behind extension headers ``ext``
+    whose first next-header value is ``first``."""
+    frame = b"\xff" * 6 + b"\x02" * 6 + b"\x86\xdd" + echo6()
+    udp = struct.pack("!HHHH", 40000, dport, 8 + 8 + len(frame), 0) + struct.pack("!II", 0x08000000, 1 << 8) + frame
+    return ipv6_packet(src, dst, ext + udp, nh=first if ext else 17)
+
+
+def test_vxlan_over_ipv6_from_non_members_is_dropped_and_counted(filter6):
+    def verdict(pkt: bytes) -> int:
+        return run(filter6, layout.INGRESS, pkt, ETH6)[0]
+
+    dest_opts = bytes([17, 0]) + bytes([1, 4, 0, 0, 0, 0])  # next UDP, 8 bytes: a PadN option
+    first_fragment = bytes([17, 0]) + struct.pack("!HI", 0x0001, 7)  # offset 0, more fragments
+    later_fragment = bytes([17, 0]) + struct.pack("!HI", 0x00B9, 7)  # offset 184 (x 8 bytes)
+    assert verdict(vxlan6(MEMBER6)) == TC_ACT_UNSPEC  # a member: on to the VXLAN device
+    assert verdict(vxlan6(STRANGER6)) == TC_ACT_SHOT
+    assert verdict(vxlan6(STRANGER6, ext=dest_opts, first=60)) == TC_ACT_SHOT  # behind an extension header
+    assert verdict(vxlan6(STRANGER6, ext=first_fragment, first=44)) == TC_ACT_SHOT
+    assert verdict(vxlan6(STRANGER6, ext=later_fragment, first=44)) == TC_ACT_UNSPEC  # no port: reassembly decides
+    chain = bytes([60]) + dest_opts[1:]  # a destination options header followed by another
+    assert verdict(vxlan6(STRANGER6, ext=chain * 6 + dest_opts, first=60)) == TC_ACT_SHOT  # more than any node sends
+    for other in (vxlan6(STRANGER6, dport=4790), vxlan6(STRANGER6, dst="fd00:172:30::9"), echo6(src=STRANGER6, dst=LOCAL6)):
+        assert verdict(other) == TC_ACT_UNSPEC  # another port, another address, not UDP
+    assert _drops(filter6) == {"non_member_vxlan": 3, "malformed": 1}
+    assert filter6.members == {MEMBER6} and filter6.status()["members"] == 1
+

@@ -12,7 +12,9 @@
  *                   (protocol 4, IPv4 inner) from cluster members are decapsulated and handed on
  *                   (TC_ACT_OK) to the stack, which forwards the inner packet to the pod; from
  *                   anyone else they are dropped and counted, and so is UDP to the VXLAN port
- *                   (the kernel VXLAN device takes it from anyone).
+ *                   (the kernel VXLAN device takes it from anyone).  On an IPv6 underlay it
+ *                   does the same for VXLAN in IPv6 (peers6, config6): the member filter of an
+ *                   IPv6-only cluster.
  *
  * Wire formats are the ones the user-space worker and flannel use: flannel UDP is outer IPv4 +
  * UDP whose payload is exactly the inner packet (its version nibble says its family); IPIP is
@@ -90,6 +92,22 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_routes6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct addr6);
+	__type(value, __u32);
+	__uint(max_entries, 4096);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_peers6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct addr6);
+	__uint(max_entries, 1);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_config6 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
@@ -546,6 +564,68 @@ static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, stru
 	return TC_ACT_OK;
 }
 
+#define NEXTHDR_HOP 0
+#define NEXTHDR_ROUTING 43
+#define NEXTHDR_FRAGMENT 44
+#define NEXTHDR_DEST 60
+#define IPV6_EXT_MAX 6      /* extension headers walked before the UDP header */
+#define IPV6_FRAG_OFFSET 0xfff8
+
+/* The member filter on an IPv6 underlay: VXLAN to this node's IPv6 address from anyone but a
+ * member is dropped and counted.  The UDP header is looked for behind the extension headers a
+ * sender may put first (the stack walks them and delivers to the VXLAN socket all the same);
+ * a later fragment has no port to check -- reassembly needs the first one, which is checked --
+ * and more extension headers than any agentd node sends is dropped as malformed. */
+static __always_inline int ingress6(struct __sk_buff *skb)
+{
+	struct {
+		__u8 nexthdr;
+		__u8 hdrlen;
+		__be16 frag_off; /* a fragment header's; other headers' first option bytes */
+	} ext;
+	__u64 dst[2], local[2];
+	struct config *cfg;
+	struct addr6 *cfg6;
+	struct ipv6hdr ip;
+	struct udphdr udp;
+	__u32 zero = 0, off = ETH_HLEN + sizeof(ip);
+	__u8 nexthdr;
+
+	cfg = bpf_map_lookup_elem(&agentd_config, &zero);
+	cfg6 = bpf_map_lookup_elem(&agentd_config6, &zero);
+	if (!cfg || !cfg6 || !(cfg->flags & CFG_FILTER_VXLAN))
+		return PASS;
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)))
+		return PASS;
+	__builtin_memcpy(dst, &ip.daddr, sizeof(dst));
+	__builtin_memcpy(local, cfg6->addr, sizeof(local));
+	if (dst[0] != local[0] || dst[1] != local[1] || !(local[0] | local[1]))
+		return PASS; /* not addressed to this node: forwarded or someone else's */
+	nexthdr = ip.nexthdr;
+	for (int i = 0; i < IPV6_EXT_MAX && nexthdr != IPPROTO_UDP; i++) {
+		if (nexthdr != NEXTHDR_HOP && nexthdr != NEXTHDR_ROUTING && nexthdr != NEXTHDR_DEST &&
+		    nexthdr != NEXTHDR_FRAGMENT)
+			return PASS; /* not UDP */
+		if (bpf_skb_load_bytes(skb, off, &ext, sizeof(ext)))
+			return PASS;
+		if (nexthdr == NEXTHDR_FRAGMENT) {
+			if (ext.frag_off & bpf_htons(IPV6_FRAG_OFFSET))
+				return PASS;
+			off += 8;
+		} else {
+			off += ((__u32)ext.hdrlen + 1) * 8;
+		}
+		nexthdr = ext.nexthdr;
+	}
+	if (nexthdr != IPPROTO_UDP)
+		return drop(DROP_MALFORMED, skb);
+	if (bpf_skb_load_bytes(skb, off, &udp, sizeof(udp)) || udp.dest != cfg->vxlan_port)
+		return PASS;
+	if (!bpf_map_lookup_elem(&agentd_peers6, &ip.saddr))
+		return drop(DROP_NON_MEMBER_VXLAN, skb);
+	return PASS;
+}
+
 SEC("tc")
 int agentd_ingress(struct __sk_buff *skb)
 {
@@ -557,7 +637,7 @@ int agentd_ingress(struct __sk_buff *skb)
 	int first_fragment, fragment;
 
 	if (skb->protocol != bpf_htons(ETH_P_IP))
-		return PASS;
+		return skb->protocol == bpf_htons(ETH_P_IPV6) ? ingress6(skb) : PASS;
 	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)))
 		return PASS;
 	if (ip.protocol != IPPROTO_UDP && ip.protocol != IPPROTO_IPIP_)

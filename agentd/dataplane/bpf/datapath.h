@@ -60,6 +60,13 @@ struct peer_stats {
 	__u64 rx_bytes;
 };
 
+/* On an IPv6 underlay (an IPv6-only cluster) the member filter judges IPv6 outer packets:
+ * peers6: hash, a member's underlay IPv6 address -> 1;
+ * config6: array of one, this node's underlay IPv6 address (all zero: none). */
+struct addr6 {
+	__u8 addr[16];
+};
+
 /* drops: per-CPU array indexed by reason. */
 enum drop_reason {
 	DROP_NON_MEMBER_UDP = 0,

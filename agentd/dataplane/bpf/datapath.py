@@ -6,7 +6,7 @@ system, one directory per network namespace::
 
     <bpf_dir>/netns-<inode>/      [agent] bpf_dir, default /sys/fs/bpf/agentd
         agentd_routes  agentd_routes6  agentd_peers  agentd_drops
-        agentd_ports  agentd_config                                  the maps
+        agentd_ports  agentd_config  agentd_peers6  agentd_config6   the maps
         agentd_egress  agentd_ingress                                the programs
         links/agentd_egress-<ifindex>  links/agentd_ingress-<ifindex>  the tcx links (tc.py)
 
@@ -162,6 +162,8 @@ class BpfDatapath:
             addr = socket.inet_ntoa(key)
             self.members.add(addr)
             self.peer_flags[addr] = struct.unpack_from("<Q", raw)[0] if raw else 0
+        for key in lb.map_keys(self.maps[layout.PEERS6], layout.ADDR6.size):
+            self.members.add(socket.inet_ntop(socket.AF_INET6, key))
         for key in lb.map_keys(self.maps[layout.PORTS], layout.PORT_KEY.size):
             value = lb.map_lookup(self.maps[layout.PORTS], key, layout.PORT_VALUE.size)
             if value is not None:
@@ -193,7 +195,8 @@ class BpfDatapath:
         fd = self.maps[layout.CONFIG]
         key = layout.CONFIG_KEY.pack(0)
         raw = lb.map_lookup(fd, key, layout.CONFIG_VALUE.size)
-        live = layout.Config.unpack(raw) if raw else None
+        raw6 = lb.map_lookup(self.maps[layout.CONFIG6], key, layout.ADDR6.size)
+        live = layout.Config.unpack(raw, raw6) if raw else None
         flags = config.flags
         if live is not None and live.local != "0.0.0.0":  # a value an agent wrote (this run or the last)
             learned = layout.CFG_DECAP_L3_FLAG | layout.CFG_DECAP_L4_FLAGS
@@ -201,7 +204,9 @@ class BpfDatapath:
             if keep:
                 flags |= live.flags & ~learned
         value = dataclasses.replace(config, flags=flags & ~clear)
-        if value != live:
+        if live is None or value.local6 != live.local6:  # first: the address the IPv4 config's flags filter at
+            lb.map_update(self.maps[layout.CONFIG6], key, value.pack6())
+        if live is None or value.pack() != live.pack():
             lb.map_update(fd, key, value.pack())
         self.config = value
 
@@ -236,11 +241,20 @@ class BpfDatapath:
                 self.gateways6.discard(peer)
 
     def set_members(self, members: Iterable[str], peer_flags: Mapping[str, int] | None = None) -> None:
-        """Make the member set exactly ``members``, with ``peer_flags`` (enum peer_flag, e.g.
-        for peers this node speaks to through its user-space workers); the counters of those
-        that stay are kept."""
+        """Make the member set exactly ``members`` (underlay addresses: IPv4 ones, or IPv6
+        ones on an IPv6 underlay, each kept in its family's map), with ``peer_flags`` (enum
+        peer_flag, e.g. for peers this node speaks to through its user-space workers); the
+        counters of those that stay are kept."""
+        wanted6 = {a for a in members if ":" in a}
+        fd6 = self.maps[layout.PEERS6]
+        for addr in sorted(wanted6 - self.members):
+            lb.map_update(fd6, layout.ADDR6.pack(socket.inet_pton(socket.AF_INET6, addr)), layout.PEER6_VALUE.pack(1))
+            self.members.add(addr)
+        for addr in [a for a in self.members if ":" in a and a not in wanted6]:
+            lb.map_delete(fd6, layout.ADDR6.pack(socket.inet_pton(socket.AF_INET6, addr)))
+            self.members.discard(addr)
         fd = self.maps[layout.PEERS]
-        wanted = set(members)
+        wanted = {a for a in members if ":" not in a}
         flags = {a: (peer_flags or {}).get(a, 0) for a in wanted}
         slot = (layout.PEER_STATS.size + 7) & ~7
         for addr in sorted(wanted):
@@ -253,7 +267,7 @@ class BpfDatapath:
             lb.map_update(fd, key, bytes(raw))
             self.members.add(addr)
             self.peer_flags[addr] = flags[addr]
-        for addr in self.members - wanted:
+        for addr in {a for a in self.members if ":" not in a} - wanted:
             lb.map_delete(fd, layout.peer_key(addr))
             self.members.discard(addr)
             self.peer_flags.pop(addr, None)
@@ -302,7 +316,7 @@ class BpfDatapath:
         peers = {}
         pfd = self.maps[layout.PEERS]
         size = ((layout.PEER_STATS.size + 7) & ~7) * self.ncpus
-        for addr in sorted(self.members):
+        for addr in sorted(a for a in self.members if ":" not in a):  # counted: the IPv4 underlay's
             raw = lb.map_lookup(pfd, layout.peer_key(addr), size)
             if raw is not None:
                 _flags, tx_p, tx_b, rx_p, rx_b = layout.sum_percpu(raw, layout.PEER_STATS)

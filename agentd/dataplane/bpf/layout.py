@@ -19,7 +19,8 @@ from . import libbpf as lb
 ROUTES, PEERS, DROPS, CONFIG = "agentd_routes", "agentd_peers", "agentd_drops", "agentd_config"
 PORTS = "agentd_ports"
 ROUTES6 = "agentd_routes6"  # IPv6 pod subnets: a map of their own, so the IPv4 maps keep their shapes
-MAPS = (ROUTES, PEERS, DROPS, PORTS, CONFIG, ROUTES6)
+PEERS6, CONFIG6 = "agentd_peers6", "agentd_config6"  # the member filter on an IPv6 underlay
+MAPS = (ROUTES, PEERS, DROPS, PORTS, CONFIG, ROUTES6, PEERS6, CONFIG6)
 # The programs (function names in datapath.c, the kernel's program names).
 EGRESS, INGRESS = "agentd_egress", "agentd_ingress"
 
@@ -36,6 +37,8 @@ PORT_KEY = struct.Struct("<I6s2x")  # struct port_key: bridge ifindex, MAC
 PORT_VALUE = struct.Struct("<I")  # the port's ifindex
 CONFIG_KEY = struct.Struct("<I")
 CONFIG_VALUE = struct.Struct("<4s2s2sII")  # local, udp_port, vxlan_port, flags, mtu
+ADDR6 = struct.Struct("<16s")  # struct addr6: peers6's key, config6's value
+PEER6_VALUE = struct.Struct("<I")
 
 # enum route_kind
 KIND_UDP, KIND_IPIP = 1, 2
@@ -52,6 +55,8 @@ CFG_POD_REDIRECT = 32
 EXPECTED = {
     ROUTES: (lb.MAP_TYPE_LPM_TRIE, ROUTE_KEY.size, ROUTE_VALUE.size, lb.BPF_F_NO_PREALLOC),
     ROUTES6: (lb.MAP_TYPE_LPM_TRIE, ROUTE6_KEY.size, ROUTE_VALUE.size, lb.BPF_F_NO_PREALLOC),
+    PEERS6: (lb.MAP_TYPE_HASH, ADDR6.size, PEER6_VALUE.size, 0),
+    CONFIG6: (lb.MAP_TYPE_ARRAY, CONFIG_KEY.size, ADDR6.size, 0),
     PEERS: (lb.MAP_TYPE_PERCPU_HASH, PEER_KEY.size, PEER_STATS.size, 0),
     DROPS: (lb.MAP_TYPE_PERCPU_ARRAY, DROP_KEY.size, DROP_STATS.size, 0),
     PORTS: (lb.MAP_TYPE_HASH, PORT_KEY.size, PORT_VALUE.size, 0),
@@ -135,20 +140,26 @@ def peer_key(address: str) -> bytes:
 
 @dataclass(frozen=True)
 class Config:
-    local: str
+    local: str  # the underlay IPv4 address ("0.0.0.0" on an IPv6 underlay)
     udp_port: int
     vxlan_port: int
     flags: int
     mtu: int
+    local6: str | None = None  # the underlay IPv6 address, on an IPv6 underlay (the config6 map)
 
     def pack(self) -> bytes:
         return CONFIG_VALUE.pack(socket.inet_aton(self.local), struct.pack("!H", self.udp_port),
                                  struct.pack("!H", self.vxlan_port), self.flags, self.mtu)
 
     @classmethod
-    def unpack(cls, raw: bytes) -> Config:
+    def unpack(cls, raw: bytes, raw6: bytes | None = None) -> Config:
         local, udp, vxlan, flags, mtu = CONFIG_VALUE.unpack(raw[: CONFIG_VALUE.size])
-        return cls(socket.inet_ntoa(local), struct.unpack("!H", udp)[0], struct.unpack("!H", vxlan)[0], flags, mtu)
+        local6 = socket.inet_ntop(socket.AF_INET6, raw6[:16]) if raw6 and any(raw6[:16]) else None
+        return cls(socket.inet_ntoa(local), struct.unpack("!H", udp)[0], struct.unpack("!H", vxlan)[0], flags, mtu,
+                   local6)
+
+    def pack6(self) -> bytes:
+        return ADDR6.pack(socket.inet_pton(socket.AF_INET6, self.local6) if self.local6 else bytes(16))
 
 
 def sum_percpu(raw: bytes, st: struct.Struct) -> tuple[int, ...]:
