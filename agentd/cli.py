@@ -556,7 +556,10 @@ def _fast_path_line(fast: dict[str, Any]) -> str:
     where = "same node and between nodes" if between.get("on") else (
         f"same node only (between nodes: {_cell(between.get('why_not') or 'off')})")
     packets = fast.get("packets") or {}
-    return f"Pod fast path on, {where}  carried {packets.get('carried', 0)} packets  pods {fast.get('pods', 0)}"
+    v6 = fast.get("ipv6") or {}
+    ipv6 = f" (IPv6: carried {(v6.get('packets') or {}).get('carried', 0)}, pods {v6.get('pods', 0)})" \
+        if v6.get("pods") else ""
+    return f"Pod fast path on, {where}  carried {packets.get('carried', 0)} packets  pods {fast.get('pods', 0)}{ipv6}"
 
 
 def _ingress_line(ing: dict[str, Any]) -> str:

@@ -143,6 +143,9 @@ def test_cluster_id_out_of_range_says_so(capsys, monkeypatch):
 @pytest.mark.parametrize("fast, line", [
     ({"on": True, "pods": 3, "packets": {"carried": 1234}, "between_nodes": {"on": True}},
      "Pod fast path on, same node and between nodes  carried 1234 packets  pods 3"),
+    ({"on": True, "pods": 4, "packets": {"carried": 9}, "between_nodes": {"on": True},
+      "ipv6": {"pods": 2, "cluster": "fd00:10:244::/48", "packets": {"carried": 77}}},
+     "Pod fast path on, same node and between nodes  carried 9 packets  pods 4 (IPv6: carried 77, pods 2)"),
     ({"on": True, "pods": 1, "packets": {}, "between_nodes": {"on": False, "why_not": "no tcx\n"}},
      "Pod fast path on, same node only (between nodes: no tcx\\n)  carried 0 packets  pods 1"),
     ({"on": False, "error": "switched off ([network] bpf_pod_fast_path = false)"},
