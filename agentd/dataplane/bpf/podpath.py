@@ -317,7 +317,7 @@ class PodFastPath:
             "between_nodes": {"on": self.wire_id is not None and self.wire is None, "program": {"id": self.wire_id},
                               "device": self.wire_ifindex, "cluster": str(self.cluster) if self.cluster else None,
                               "why_not": self.wire},
-            "pods": len(self.pods),
+            "pods": len(set(self.pods.values())),  # veths: a dual-stack pod has an address of each family
             "adopted_maps": self.adopted,
             # Programs on our tcx hooks we could not tell ours or anyone's (tc.py): they stay.
             "unidentified_programs": sorted(self.unidentified),
