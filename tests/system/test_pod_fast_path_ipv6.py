@@ -118,7 +118,7 @@ def test_ipv6_connections_are_carried_and_translated_ones_are_not(setup, hook):
     sent, got = transfer6(t.p1, t.p2, P2_6, 8 << 20)
     assert sent == got
     assert v6(fp1, "carried", "bytes") > carried + (4 << 20), fp1.last_v6
-    assert v6(fp2, "carried") > 100, fp2.last_v6  # pod 2's acknowledgements, toward node 1
+    assert v6(fp2, "carried") > 10, fp2.last_v6  # pod 2's acknowledgements, toward node 1 (as many as it sends)
 
     # Translated: the stack's path, which translates.
     nat = v6(fp1, "nat")

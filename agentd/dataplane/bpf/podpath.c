@@ -373,11 +373,9 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	__u32 verdict, ifindex;
 	__u8 ttl;
 
-	if (skb->protocol == bpf_htons(ETH_P_IPV6))
-		return pod_fast6(skb);
 	cfg = candidate(skb, POD_CFG_ON, &ip, &tcp);
-	if (!cfg || !ip || !tcp)
-		return PASS;
+	if (!cfg || !ip || !tcp) /* IPv6 is asked after IPv4: an IPv4 candidate pays nothing for it */
+		return skb->protocol == bpf_htons(ETH_P_IPV6) ? pod_fast6(skb) : PASS;
 	src = bpf_map_lookup_elem(&agentd_podips, &ip->saddr);
 	if (!src || src->ifindex != skb->ifindex)
 		return PASS; /* not this veth's pod: the normal path's spoofing check judges it */
@@ -422,11 +420,9 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	__u32 verdict, ifindex;
 	__u8 ttl;
 
-	if (skb->protocol == bpf_htons(ETH_P_IPV6))
-		return pod_wire6(skb);
 	cfg = candidate(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp);
 	if (!cfg || !ip || !tcp)
-		return PASS;
+		return skb->protocol == bpf_htons(ETH_P_IPV6) ? pod_wire6(skb) : PASS;
 	if (!in_cluster(cfg, ip->saddr) || ip->ttl <= 1)
 		return PASS;
 	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
