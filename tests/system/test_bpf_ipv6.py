@@ -60,6 +60,10 @@ def test_ipv6_pods_reach_each_other_with_ipv4_outer_headers(pair6, hook):
     t = pair.t
     assert "3 received" in ping6(t.p1, P2_6) and "3 received" in ping6(t.p2, P1_6)
     assert "3 received" in t.p1.exec("ping", "-n", "-c", "3", "-i", "0.2", "-W", "2", P2, check=False)  # IPv4 too
+    # The underlay next hop unresolved: the first packet goes to the neighbour subsystem, which asks.
+    t.h1.ip("neigh", "flush", "dev", "u1")
+    assert "1 received" in ping6(t.p1, P2_6, count=1)
+    assert "REACHABLE" in t.h1.exec("ip", "neigh", "show", H2_UNDERLAY, "dev", "u1")
     frames = capture(t.h2, "u2", "udp port 8285", lambda: ping6(t.p1, P2_6, count=2))
     assert len(frames) >= 4
     h1_mac, h2_mac = mac(t.h1, "u1"), mac(t.h2, "u2")
