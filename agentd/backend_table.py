@@ -53,6 +53,9 @@ class Backend:
     # an IPv6 underlay (outer IPv6 headers; ip_family = ipv6 has no other).
     inner_families: tuple[int, ...] = (4, 6)
     outer_ipv6: bool = True
+    # The data paths that carry its IPv6 pods, where not all of ``datapaths`` do: both nodes
+    # of a pair must run it on one of them.
+    ipv6_datapaths: tuple[str, ...] | None = None
 
     @property
     def encapsulates(self) -> bool:
@@ -95,16 +98,18 @@ BACKENDS = {
         Backend(
             "udp",
             overhead=28,
-            wire="flannel UDP: outer IPv4 + UDP to udp_port, payload the inner IPv4 packet",
+            wire="flannel UDP: outer IPv4 + UDP to udp_port, payload the inner packet (IPv4; IPv6 in BPF)",
             datapaths=("bpf", "userspace"),
             device="agentd.udp",
             member_filter="udp",
             port_key="udp_port",
             ttl_decrement=True,
             node_data=("udp_port",),
-            # The BPF programs and the worker build outer IPv4 headers and decapsulate IPv4
-            # inner packets only.
-            inner_families=(4,),
+            # Outer headers IPv4 (the BPF programs and the worker build no other).  The payload
+            # is the inner packet, of either family: the BPF programs carry IPv6 pods too, the
+            # worker decapsulates IPv4 only.
+            inner_families=(4, 6),
+            ipv6_datapaths=("bpf",),
             outer_ipv6=False,
         ),
     )

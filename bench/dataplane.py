@@ -28,16 +28,17 @@ nodes, plus 20 pings:
                 of raw veth, host-gw and agentd vxlan are dual-stack (agentd lab --ip-family dual:
                 IPv4 and IPv6 on the underlay, both in the pods), so each IPv6 row runs beside its
                 IPv4 row, interleaved; the goal is IPv6 >= 0.95x IPv4 on the same backend. vxlan
-                carries IPv6 pods through its one VTEP over the IPv4 underlay; the udp and ipip
-                backends carry IPv4 pods only, so they have no IPv6 row
-  ... routed    with --routed: agentd vxlan (also over IPv6), udp bpf and ipip bpf between nodes on
-                two L2 segments joined by the lab's router (agentd lab --subnets 2): the outer
-                packet routed
+                carries IPv6 pods through its one VTEP over the IPv4 underlay, udp bpf in outer
+                IPv4 + UDP (the BPF programs); ipip carries IPv4 pods only, and so does udp in the
+                user-space worker: they have no IPv6 row
+  ... routed    with --routed: agentd vxlan and udp bpf (both also over IPv6) and ipip bpf between
+                nodes on two L2 segments joined by the lab's router (agentd lab --subnets 2): the
+                outer packet routed
 
 The pod fast path (tc-BPF: accepted TCP from a pod's veth straight to the underlay device and
-into the other pod) carries IPv4 only; ``--no-pod-fast-path`` switches it off in every lab
-([network] bpf_pod_fast_path = false), so both families take the stack's path and the IPv6
-rows compare like with like.
+into the other pod) carries both families (it needs conntrack, which runs where a policy or
+flow records need it); ``--no-pod-fast-path`` switches it off in every lab ([network]
+bpf_pod_fast_path = false), so both families take the stack's path.
 
 Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...),
 so a slow spell of the machine hits all of them alike; the table shows each row's median
@@ -75,7 +76,8 @@ ANCHORS = [
 ]
 GOALS = [("udp bpf", "kernel VTEP", 1.0), ("ipip bpf", "kernel VTEP", 1.0), ("host-gw", "raw veth", 0.95), ("udp bpf routed", "vxlan routed", 1.0), ("ipip bpf routed", "vxlan routed", 1.0),
          ("raw veth v6", "raw veth", 0.95), ("host-gw v6", "host-gw", 0.95), ("agentd vxlan v6", "agentd vxlan", 0.95),
-         ("vxlan routed v6", "vxlan routed", 0.95)]
+         ("vxlan routed v6", "vxlan routed", 0.95), ("udp bpf v6", "udp bpf", 0.95),
+         ("udp bpf routed v6", "udp bpf routed", 0.95)]
 KERNEL_VTEP = "kernel VTEP"
 
 # name -> (lab backend, [network] datapath, what to measure, L2 segments, IP version); the
@@ -89,6 +91,7 @@ ROWS = {
     "host-gw": ("host-gw", "auto", "pods", 1, 4),
     "host-gw v6": ("host-gw", "auto", "pods", 1, 6),
     "udp bpf": ("udp", "bpf", "pods", 1, 4),
+    "udp bpf v6": ("udp", "bpf", "pods", 1, 6),
     "ipip bpf": ("ipip", "bpf", "pods", 1, 4),
     "udp user": ("udp", "userspace", "pods", 1, 4),
     "ipip user": ("ipip", "userspace", "pods", 1, 4),
@@ -97,6 +100,7 @@ ROUTED = {
     "vxlan routed": ("vxlan", "auto", "pods", 2, 4),
     "vxlan routed v6": ("vxlan", "auto", "pods", 2, 6),
     "udp bpf routed": ("udp", "bpf", "pods", 2, 4),
+    "udp bpf routed v6": ("udp", "bpf", "pods", 2, 6),
     "ipip bpf routed": ("ipip", "bpf", "pods", 2, 4),
 }
 ANCHOR_ROWS = ("raw veth", KERNEL_VTEP)  # always run
@@ -280,7 +284,7 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     raw, vx = by.get("raw veth") or float("nan"), by.get(KERNEL_VTEP) or float("nan")
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s; median of {args.rounds} interleaved rounds "
           "(pod to pod, but raw veth: node to node); pod fast path "
-          + ("off" if args.no_pod_fast_path else "on (it carries IPv4 TCP only)"))
+          + ("off" if args.no_pod_fast_path else "on"))
     after = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, busy {background * 100:.0f}% before the run (other jobs); load average "
           f"{load[0]:.2f} before, {after[0]:.2f} after" + ("  <- rows are skewed by other load" if background > 0.1 else "")
@@ -313,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help=f"comma-separated rows to run, of: {', '.join(ROWS)} (anchors always run)")
     ap.add_argument("--root", default=None, help="lab directory (default: agentd lab's)")
     ap.add_argument("--no-pod-fast-path", action="store_true",
-                    help="[network] bpf_pod_fast_path = false in every lab (the fast path carries IPv4 only)")
+                    help="[network] bpf_pod_fast_path = false in every lab")
     ap.add_argument("--routed", action="store_true",
                     help="also the routed-underlay rows (two L2 segments joined by the lab's router)")
     args = parse_bench_args(ap, argv, name="dataplane", quick={"seconds": 2, "rounds": 1})

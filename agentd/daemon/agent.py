@@ -378,8 +378,10 @@ class Agent:
                 log.info("pod fast path switched off: removed %s", ", ".join(gone))
             return None, "switched off ([network] bpf_pod_fast_path = false)"
         assert self.cluster is not None and self.underlay is not None
-        fast_path = PodFastPath(bpf_dir, cluster=self.cluster.cidr, wire_ifindex=self.underlay.ifindex,
-                                attach=self.cfg.network.bpf_attach)
+        versions = self.cluster.versions  # the pod networks of the cluster's families, each carried
+        fast_path = PodFastPath(bpf_dir, cluster=self.cluster.cidr if 4 in versions else None,
+                                cluster_v6=self.cluster.cidr_v6 if 6 in versions else None,
+                                wire_ifindex=self.underlay.ifindex, attach=self.cfg.network.bpf_attach)
         try:
             await asyncio.to_thread(fast_path.open)
         except BpfUnavailable as err:

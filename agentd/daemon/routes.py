@@ -117,7 +117,8 @@ class KernelRoutes:
             if self.restarting:
                 log.info("initial BGP sync complete: routes from the previous run no longer pinned")
         i.tunnels.apply(
-            plan.plans, plan.next_hops, i.peering.nodes, members_known=i.peering.known, prune=self.initial_sync_done
+            plan.plans, plan.next_hops, i.peering.nodes, members_known=i.peering.known, prune=self.initial_sync_done,
+            plans_v6=plan.plans_v6, next_hops_v6=plan.next_hops_v6,
         )
         if not self.initial_sync_done:
             # Keep what a previous run left until BGP has re-learned it (or given up waiting).

@@ -376,6 +376,8 @@ class Tunnels:
         self._members_known = False
         self._plans: Mapping[str, PeerPlan] = {}
         self._next_hops: Mapping[str, list[str]] = {}
+        self._plans_v6: Mapping[str, PeerPlan] = {}
+        self._next_hops_v6: Mapping[str, list[str]] = {}
         self._prune = True
         self._dirty = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -503,8 +505,12 @@ class Tunnels:
         *,
         members_known: bool = True,
         prune: bool = True,
+        plans_v6: Mapping[str, PeerPlan] | None = None,
+        next_hops_v6: Mapping[str, list[str]] | None = None,
     ) -> None:
         """Bring tunnel state in line with the peer plans (in the background, coalesced).
+        ``plans_v6``, ``next_hops_v6``: a dual-stack node's IPv6 plans and the IPv6 pod
+        subnets routed by them (the BPF data path carries those of udp peers).
 
         ``prune`` False (until BGP has re-learned every route after a restart) only adds and
         updates tunnel state, never removes it, like the kernel routes adopted at start.
@@ -512,6 +518,7 @@ class Tunnels:
         member filters keep whatever they had (a restarted agent must not start dropping its
         peers' traffic because it has not heard of them yet)."""
         self._plans, self._next_hops, self._prune = plans, next_hops, prune
+        self._plans_v6, self._next_hops_v6 = dict(plans_v6 or {}), dict(next_hops_v6 or {})
         if members_known:
             self.members = {str(n.peer_address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
             self._members_known = True
@@ -531,8 +538,8 @@ class Tunnels:
                     continue
                 for impl in [*self.active.values(), *self.helpers.values()]:
                     await impl.sync(plans, next_hops, prune)
-                await self.bpf.sync(self._bpf_routes(plans, next_hops), set(self.members), self._peer_flags(plans),
-                                    prune=prune)
+                routes = {**self._bpf_routes(plans, next_hops), **self._bpf_routes(self._plans_v6, self._next_hops_v6)}
+                await self.bpf.sync(routes, set(self.members), self._peer_flags(plans), prune=prune)
             except Exception:
                 log.exception("tunnel sync failed; retrying")
                 await asyncio.sleep(1.0)

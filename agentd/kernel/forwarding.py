@@ -10,9 +10,10 @@ function each in :data:`ROUTE_SHAPES`; the backends' facts come from agentd.back
 
 Families.  A plan is per peer *and* per pod family (``version``): a dual-stack node has an
 IPv4 plan and an IPv6 plan for each peer.  Its IPv6 pods go the way of its backend where the
-backend carries IPv6 inner packets (host-gw, vxlan); ipip and udp carry IPv4 only
-(``Backend.inner_families``), so toward such a peer IPv6 pods are routed directly on a shared
-segment, else not at all (the reason says so).  Routed directly, an IPv6 pod subnet's next hop
+backend carries IPv6 inner packets (host-gw, vxlan; udp where both nodes run it in BPF,
+``Backend.ipv6_datapaths``); ipip carries IPv4 only (``Backend.inner_families``), so toward
+such a peer (or a udp peer either node runs in user space) IPv6 pods are routed directly on a
+shared segment, else not at all (the reason says so).  Routed directly, an IPv6 pod subnet's next hop
 is the peer's IPv6 underlay address where it is on-link, else the peer's IPv6 link-local
 address on the shared segment: Linux has no IPv6 route through an IPv4 gateway (RTA_VIA and
 IPv4 nexthop objects are refused for IPv6 routes, "IPv6 does not support RTA_VIA attribute";
@@ -103,6 +104,21 @@ def direct_next_hop(node: NodeRecord, underlay: Underlay, version: int) -> str |
     return None
 
 
+def _no_ipv6(plan: PeerPlan, paths: LocalPaths | None) -> str | None:
+    """Why ``plan``'s backend does not carry the peer's IPv6 pods, or None if it does."""
+    b = BACKENDS[plan.backend]
+    if 6 not in b.inner_families:
+        return f"{b.name} carries IPv4 pods only"
+    if b.ipv6_datapaths is None:
+        return None
+    where = " or ".join(DATAPATHS[d].label for d in b.ipv6_datapaths)
+    if plan.extra.get("datapath", "userspace") not in b.ipv6_datapaths:
+        return f"{b.name} carries IPv6 pods in its {where} data path only, and the peer runs it in user space"
+    if paths is None or paths.datapath(plan) not in b.ipv6_datapaths:
+        return f"{b.name} carries IPv6 pods in its {where} data path only, and this node does not run it there"
+    return None
+
+
 def plan_peer(
     node: NodeRecord,
     underlay: Underlay,
@@ -111,6 +127,7 @@ def plan_peer(
     encap: str,
     available: Callable[[str], str | None] = lambda b: None,
     version: int = 4,
+    paths: LocalPaths | None = None,
 ) -> PeerPlan:
     """Decide how to reach ``node``'s pods of IP ``version``.
 
@@ -118,7 +135,8 @@ def plan_peer(
     (agentd runs every backend, per peer): a host-gw peer only takes direct traffic; an
     encapsulating peer takes its own encapsulation, or direct traffic when our ``encap`` is
     cross-subnet and it shares our L2 segment.  ``available(backend)`` returns None if this
-    node can run that backend, else the reason it cannot.
+    node can run that backend, else the reason it cannot.  ``paths``: how this node carries
+    each backend now (for the backends whose IPv6 pods only some data paths carry).
     """
     addr = str(node.peer_address)
     via = direct_next_hop(node, underlay, version)
@@ -144,12 +162,12 @@ def plan_peer(
         return plan(HOST_GW, f"cross-subnet: on-link via {underlay.ifname}, no encapsulation")
     if peer_backend not in BACKENDS:
         return plan("none", f"peer uses backend {peer_backend!r}, which this agent does not know", extra=False)
-    if version not in BACKENDS[peer_backend].inner_families:
+    no_ipv6 = _no_ipv6(plan(peer_backend, ""), paths) if version == 6 else None
+    if no_ipv6 is not None:
         if via is not None:
-            return plan(HOST_GW, f"{peer_backend} carries IPv4 pods only: IPv6 pods routed directly, "
-                                 f"on-link via {underlay.ifname}")
-        return plan("none", f"peer uses {peer_backend}, which carries IPv4 pods only, and is not on this node's "
-                            "L2 segment: its IPv6 pods are unreachable from here (vxlan carries both)", extra=False)
+            return plan(HOST_GW, f"{no_ipv6}: IPv6 pods routed directly, on-link via {underlay.ifname}")
+        return plan("none", f"peer uses {peer_backend}: {no_ipv6}, and is not on this node's L2 segment: its IPv6 "
+                            "pods are unreachable from here (vxlan carries both)", extra=False)
     problem = available(peer_backend)
     if problem is not None:
         return plan("none", f"peer uses {peer_backend}: {problem}", extra=False)
@@ -190,11 +208,17 @@ def _vxlan_device(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPath
 def _bpf(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
     """Out of the underlay device (where the egress program encapsulates) toward the next hop
     the stack routes the peer's address to, so the outer packet's link-layer header is already
-    the right one; the MTU leaves room for the outer headers (the program keeps gso_size)."""
+    the right one; the MTU leaves room for the outer headers (the program keeps gso_size).
+    An IPv6 pod subnet goes via the peer's IPv4-mapped address, onlink (Linux routes IPv6
+    through IPv6 next hops only; agentd.dataplane.bpf keeps that address's neighbour entry,
+    and the program gives the outer packet the real next hop's MACs)."""
+    mtu = underlay.mtu - BACKENDS[plan.backend].overhead
+    if plan.version == 6:
+        return Route(dst=dst, gateway=f"::ffff:{plan.address}", dev=underlay.ifname, onlink=True, mtu=mtu)
     gateway = plan.address if underlay.on_link(plan.address) else paths.gateways.get(plan.address)
     if gateway is None:
         return None  # not resolved yet: agentd.dataplane.backends resolves it and asks for a recompute
-    return Route(dst=dst, gateway=gateway, dev=underlay.ifname, mtu=underlay.mtu - BACKENDS[plan.backend].overhead)
+    return Route(dst=dst, gateway=gateway, dev=underlay.ifname, mtu=mtu)
 
 
 def _userspace(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Route | None:
@@ -226,6 +250,7 @@ class RoutePlan:
     plans: dict[str, PeerPlan]  # per peer address: its plan for the node's first pod family
     next_hops: dict[str, list[str]]  # per peer address: the destinations routed by those plans
     plans_v6: dict[str, PeerPlan] = field(default_factory=dict)  # dual-stack: the IPv6 plans
+    next_hops_v6: dict[str, list[str]] = field(default_factory=dict)  # dual-stack: routed by plans_v6
 
 
 def next_hop_forms(node: NodeRecord) -> list[str]:
@@ -257,7 +282,7 @@ def desired_routes(
     Pure: the agent applies the result."""
     nodes = list(nodes)
     plans_by = {v: {str(n.peer_address): plan_peer(n, underlay, own_backend=own_backend, encap=encap,
-                                                    available=available, version=v) for n in nodes}
+                                                    available=available, version=v, paths=paths) for n in nodes}
                 for v in versions}  # fmt: skip
     primary = versions[0]
     owner = {form: str(n.peer_address) for n in nodes for form in next_hop_forms(n)}
@@ -267,6 +292,7 @@ def desired_routes(
         routes.append(Route(dst=own, kind="blackhole", metric=blackhole_metric))
         rows.append({"dst": own, "via": None, "dev": None, "backend": "blackhole", "peer": None})
     next_hops: dict[str, list[str]] = {}
+    next_hops_v6: dict[str, list[str]] = {}
     external: dict[str, PeerPlan] = {}
     for dst, next_hop, local in bests:
         if local or next_hop is None:
@@ -288,7 +314,10 @@ def desired_routes(
         routes.append(route)
         if plan.version == primary or plan.node is None:
             next_hops.setdefault(key, []).append(dst)
+        else:
+            next_hops_v6.setdefault(key, []).append(dst)
         rows.append({"dst": dst, "via": route.gateway, "dev": route.dev, "backend": plan.backend, "peer": nh,
                      "datapath": paths.label(plan)})  # fmt: skip
     plans = {**plans_by.get(primary, {}), **external}
-    return RoutePlan(routes, rows, plans, next_hops, plans_by.get(6, {}) if primary == 4 else {})
+    dual = primary == 4 and 6 in plans_by
+    return RoutePlan(routes, rows, plans, next_hops, plans_by[6] if dual else {}, next_hops_v6 if dual else {})

@@ -340,8 +340,7 @@ class PolicyAgent:
         at the veth of a pod that had it before."""
         if self.fast_path is None:
             return
-        # The fast path's programs read IPv4 (IPv6 packets pass them to the stack's path).
-        wanted = {ip: ep.interface for ep in self.publisher.endpoints.values() for ip in ep.ips if ":" not in ip}
+        wanted = {ip: ep.interface for ep in self.publisher.endpoints.values() for ip in ep.ips}  # both families
         if wanted == self._fast_pods:
             return
         try:

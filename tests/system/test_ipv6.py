@@ -69,14 +69,15 @@ async def test_dual_stack_every_backend_in_a_mesh_restart_and_leave(lab_factory)
     rib = {r["prefix"]: r for r in node1.api("/rib") if r["best"]}
     for n in lab.nodes[1:]:
         assert rib[subnets[n.name][1]]["next_hop"] == n.address_v6
-    # The IPv6 plan per peer: host-gw and vxlan carry IPv6 pods as they do IPv4 ones; udp and
-    # ipip do not, so their IPv6 pods are routed directly on the shared segment.
+    # The IPv6 plan per peer: host-gw, vxlan and udp (in BPF) carry IPv6 pods as they do IPv4
+    # ones; ipip does not, so its IPv6 pods are routed directly on the shared segment.
     assert {a: (p["backend"], p["backend_v6"]) for a, p in peers.items()} == {
-        node2.address: ("vxlan", "vxlan"), node3.address: ("udp", "host-gw"), node4.address: ("ipip", "host-gw")}
-    assert "carries IPv4 pods only" in peers[node3.address]["backend_v6_reason"]
+        node2.address: ("vxlan", "vxlan"), node3.address: ("udp", "udp"), node4.address: ("ipip", "host-gw")}
+    assert "carries IPv4 pods only" in peers[node4.address]["backend_v6_reason"]
     routes = {r["dst"]: r for r in node1.api("/routes")}
     assert routes[subnets["node2"][1]]["dev"] == "agentd.vxlan" and routes[subnets["node2"][1]]["installed"]
-    assert routes[subnets["node3"][1]]["via"] == node3.address_v6
+    assert routes[subnets["node4"][1]]["via"] == node4.address_v6
+    assert routes[subnets["node3"][1]]["via"] == f"::ffff:{node3.address}" and routes[subnets["node3"][1]]["installed"]
     # The one VTEP of node1 holds node2's IPv6 VTEP address beside its IPv4 one.
     neigh = node1.ns.ip("-6", "neigh", "show", "dev", "agentd.vxlan").stdout.decode()
     assert subnets["node2"][1].split("/")[0] in neigh and "PERMANENT" in neigh, neigh

@@ -207,15 +207,37 @@ def test_vxlan_carries_ipv6_pods_through_the_one_vtep():
     assert (plan.backend, r.gateway, r.dev, r.onlink) == ("vxlan", "fd00:10:244:9::", "agentd.vxlan", True)
 
 
-@pytest.mark.parametrize("backend", ["ipip", "udp"])
-def test_ipip_and_udp_carry_ipv4_pods_only(backend):
-    on = dual("on", "10.0.0.1", None, "fe80::1", backend={"type": backend})
-    off = dual("off", "10.9.0.1", None, "fe80::9", backend={"type": backend})
-    plan = plan_peer(on, V4_ONLY_SEGMENT, own_backend=backend, encap="always", version=6)
-    assert plan.backend == "host-gw" and "carries IPv4 pods only: IPv6 pods routed directly" in plan.reason
-    assert plan_peer(on, V4_ONLY_SEGMENT, own_backend=backend, encap="always").backend == backend  # IPv4 as always
-    plan = plan_peer(off, V4_ONLY_SEGMENT, own_backend=backend, encap="always", version=6)
+def test_ipip_carries_ipv4_pods_only():
+    on = dual("on", "10.0.0.1", None, "fe80::1", backend={"type": "ipip", "datapath": "bpf"})
+    off = dual("off", "10.9.0.1", None, "fe80::9", backend={"type": "ipip", "datapath": "bpf"})
+    paths = LocalPaths({"ipip": "bpf"})
+    plan = plan_peer(on, V4_ONLY_SEGMENT, own_backend="ipip", encap="always", version=6, paths=paths)
+    assert plan.backend == "host-gw" and "ipip carries IPv4 pods only: IPv6 pods routed directly" in plan.reason
+    assert plan_peer(on, V4_ONLY_SEGMENT, own_backend="ipip", encap="always").backend == "ipip"  # IPv4 as always
+    plan = plan_peer(off, V4_ONLY_SEGMENT, own_backend="ipip", encap="always", version=6, paths=paths)
     assert not plan.routable and "its IPv6 pods are unreachable from here (vxlan carries both)" in plan.reason
+
+
+def test_udp_carries_ipv6_pods_where_both_nodes_run_it_in_bpf():
+    bpf = dual("far", "10.9.0.1", None, "fe80::9", backend={"type": "udp", "datapath": "bpf"})
+    plan = plan_peer(bpf, V4_ONLY_SEGMENT, own_backend="udp", encap="always", version=6,
+                     paths=LocalPaths({"udp": "bpf"}))
+    assert plan.backend == "udp"
+    # Linux routes IPv6 through IPv6 next hops only: via the peer's IPv4-mapped address, onlink.
+    r = route_for("fd00:10:244:9::/64", plan, V4_ONLY_SEGMENT, LocalPaths({"udp": "bpf"}))
+    assert (r.gateway, r.dev, r.onlink, r.mtu) == ("::ffff:10.9.0.1", "eth0", True, 1500 - 28)
+    # Either end in user space (whose worker decapsulates IPv4 only): no udp for IPv6 pods.
+    user = dual("far", "10.9.0.1", None, "fe80::9", backend={"type": "udp", "datapath": "userspace"})
+    plan = plan_peer(user, V4_ONLY_SEGMENT, own_backend="udp", encap="always", version=6,
+                     paths=LocalPaths({"udp": "bpf"}))
+    assert not plan.routable and "the peer runs it in user space" in plan.reason
+    plan = plan_peer(bpf, V4_ONLY_SEGMENT, own_backend="udp", encap="always", version=6,
+                     paths=LocalPaths({"udp": "userspace"}))
+    assert not plan.routable and "this node does not run it there" in plan.reason
+    near = dual("near", "10.0.0.1", None, "fe80::1", backend={"type": "udp", "datapath": "userspace"})
+    plan = plan_peer(near, V4_ONLY_SEGMENT, own_backend="udp", encap="always", version=6,
+                     paths=LocalPaths({"udp": "bpf"}))
+    assert plan.backend == "host-gw" and plan.via == "fe80::1"  # on the segment: direct
 
 
 def test_ipv6_only_peers_and_routes():
