@@ -386,11 +386,9 @@ class Tunnels:
         self.subnets = dict(subnets)
         self.subnet = next(self.subnets[v] for v in sorted(self.subnets))
         self.members = {str(self.underlay.interface.ip)}
-        if self.underlay.family == 6:
-            # The programs read IPv4 outer headers: an IPv6 underlay's packets pass them untouched.
-            self.bpf.error = ("the BPF data path and member filter read IPv4 underlay packets only; "
-                              "on an IPv6 underlay they are not loaded")
-        elif self.cfg.network.datapath != "userspace":
+        # On an IPv6 underlay the BPF programs carry no pods (udp and ipip need an IPv4 one) but
+        # are the member filter of VXLAN over IPv6 (agentd.dataplane.bpf).
+        if self.cfg.network.datapath != "userspace":
             # Learn now whether udp and ipip can run in BPF here: the node record says so, and
             # peers choose how to speak to us by it (a host-gw node may be sent udp any time).
             try:

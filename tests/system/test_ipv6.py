@@ -189,11 +189,12 @@ async def test_ipv6_only_mesh_with_bfd_and_an_external_bird_router(lab_factory, 
                  in_thread=True)
     ids = {n.api("/status")["bgp"]["router_id"] for n in lab.nodes}
     assert len(ids) == 3
-    # The VTEP runs over IPv6 (its MTU leaves room for an IPv6 outer header), the BPF data
-    # path stays off (it reads IPv4) and says so.
+    # The VTEP runs over IPv6 (its MTU leaves room for an IPv6 outer header), its member
+    # filter is the BPF ingress program, judging VXLAN in IPv6 by the members' IPv6 addresses.
     status = node2.api("/status")
     assert status["node"]["mtu"] == 1500 - 70
-    assert "IPv4 underlay packets only" in status["backends"]["member_filter"]["missing"]["vxlan"]
+    assert status["backends"]["member_filter"] == {"bpf": ["vxlan"], "userspace": [], "missing": {}}
+    assert status["backends"]["bpf"]["members"] == 3 and status["backends"]["bpf"]["carries"] == []
     link = json.loads(node2.ns.ip("-j", "-d", "link", "show", "agentd.vxlan").stdout)[0]
     assert link["linkinfo"]["info_data"]["local6"] == node2.address_v6
     subnets = lab.all_subnets()
