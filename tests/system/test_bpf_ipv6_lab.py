@@ -60,8 +60,9 @@ async def test_udp_in_bpf_carries_ipv6_pods_across_segments(lab_factory):
     # and handed to the pod's bridge port).
     src, dst = pods["node1"], pods["node2"]
     result = {}
-    await auntil(lambda: node2.api("/status")["backends"]["bpf"]["redirecting"], in_thread=True,
-                 what="node2 hands decapsulated packets to the pods' bridge ports (its policy agent synced)")
+    await auntil(lambda: (lambda b: b["redirecting"] and b["bridge_ports"] >= 1)(node2.api("/status")["backends"]["bpf"]),
+                 in_thread=True, what="node2 hands decapsulated packets to its pod's bridge port (its policy agent "
+                                      "synced, the pod's MAC learned)")
 
     def flow():
         result["sent"], result["got"] = transfer6(src.ns, dst.ns, dst.address(6), 16 << 20)
