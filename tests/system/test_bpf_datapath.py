@@ -5,7 +5,10 @@ cross the underlay whole, a 64 MiB transfer arrives intact (also with GSO and ch
 off), non-members are dropped and counted, a re-open adopts the pinned maps without losing a
 packet, and remove() leaves no filter, pin, program or map behind.  Traffic, the re-open and
 restarts on a busy device run with both hooks ([network] bpf_attach): tcx, and the clsact
-qdisc with cls_bpf filters that kernels before 6.6 get."""
+qdisc with cls_bpf filters that kernels before 6.6 get.  An open -- of the data path or the
+pod fast path -- that fails part-way (a pin it cannot make or replace, a read-only bpffs, a
+hook someone else holds) says why in one BpfUnavailable and leaves none of its programs on
+the hooks (the pod fast path: none of an earlier agent's either)."""
 
 from __future__ import annotations
 
@@ -597,3 +600,159 @@ def test_restarts_on_a_busy_device_lose_nothing(pair_factory, hook):
     assert sorted((f.direction, f.kind) for f in _filters(t.h2, "u2")) == [("egress", kind), ("ingress", kind)]
     if hook == "tcx":  # each held by a pinned link of ours: none left without one
         assert all(f.link_id for f in _filters(t.h2, "u2") + _filters(t.h2, "vp2"))
+
+
+# ---------------------------------------------------------------- an open that fails part-way
+# What an agent meets in the pin directory or on the hooks can make open() fail after some of
+# its programs are on the device.  It must say why in one BpfUnavailable (the agent then falls
+# back to the user-space worker, or runs without the pod fast path, and /status says why) --
+# never another exception, which would end the agent's start in a traceback -- and take off
+# what it put on: a program left on a hook with maps no agent keeps goes on deciding packets.
+
+
+def _ours(ns, dev: str) -> list[tuple[str, str]]:
+    """(direction, name) of every program of ours on the device (this test names them by id)."""
+    return sorted((f.direction, f.name) for f in _filters(ns, dev) if f.name in tc.PROGRAMS)
+
+
+def _veths(ns, *names: str) -> dict[str, int]:
+    for name in names:
+        ns.ip("link", "add", name, "type", "veth", "peer", "name", name[:-1] + "9")
+    return {name: int(ns.exec("cat", f"/sys/class/net/{name}/ifindex")) for name in names}
+
+
+def _foreign_filter(ns, dev: str) -> None:
+    """Someone else's filter (classic BPF, accepting all) at the place agentd's cls_bpf filter
+    takes on the device's ingress hook."""
+    ns.exec("tc", "qdisc", "replace", "dev", dev, "clsact")
+    ns.exec("tc", "filter", "add", "dev", dev, "ingress", "prio", str(tc.PRIO), "handle", "1", "bpf", "bytecode",
+            "1,6 0 0 4294967295,")
+
+
+class OneDevice:
+    """A namespace with one veth, u0, for a BpfDatapath to open on by ``hook``."""
+
+    def __init__(self, netns_factory, bpffs: str, hook: str) -> None:
+        self.ns, self.bpffs, self.hook = netns_factory("h"), bpffs, hook
+        self.u0 = _veths(self.ns, "u0")["u0"]
+        with self.ns.entered():
+            self.dir = pin_dir(bpffs)
+
+    def open(self) -> BpfDatapath:
+        with self.ns.entered():
+            dp = BpfDatapath(self.u0, self.bpffs, attach=self.hook)
+            dp.open(Config(LOCAL, 8285, 4789, FLAGS, 1500))
+        return dp
+
+    def open_fails(self) -> str:
+        """Why open() failed: a BpfUnavailable's reason (anything else fails the test)."""
+        with pytest.raises(BpfUnavailable) as err:
+            self.open()
+        return str(err.value)
+
+    def ours(self) -> list[tuple[str, str]]:
+        return _ours(self.ns, "u0")
+
+
+@pytest.mark.parametrize("hook", ["tcx", "clsact"])
+def test_pins_that_cannot_be_made_or_replaced_fail_the_data_path_with_a_reason(netns_factory, bpffs, hook):
+    if not usable(hook):  # asking for tcx is refused, saying why (refused())
+        return
+    dev = OneDevice(netns_factory, bpffs, hook)
+    d = dev.dir
+    # Something that is not a program where the ingress program's pin goes: both programs
+    # were on the device by then, and come off again.
+    d.mkdir(parents=True)
+    (d / layout.INGRESS).mkdir()
+    assert dev.open_fails() == f"cannot pin {layout.INGRESS} as {d / layout.INGRESS}: Is a directory"
+    assert dev.ours() == []
+    (d / layout.INGRESS).rmdir()
+    # A restart on a bpffs that went read-only: the maps' pins can be neither opened for writing
+    # nor replaced.  Nothing of this open's is on the device by then; the previous agent's
+    # programs stay, as when the object cannot even be loaded.
+    dev.open()
+    subprocess.run(["mount", "-o", "remount,ro", bpffs], check=True)
+    try:
+        why = dev.open_fails()
+        assert re.fullmatch(rf"the pin {re.escape(str(d))}/agentd_\w+ cannot be opened as a map \(Read-only file "
+                            r"system\) nor removed: Read-only file system", why), why
+        assert dev.ours() == [("egress", layout.EGRESS), ("ingress", layout.INGRESS)]
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", bpffs], check=True)
+
+
+@pytest.mark.parametrize("hook", ["tcx", "clsact"])
+def test_an_ingress_hook_that_cannot_be_had_takes_the_egress_program_off_again(netns_factory, bpffs, hook):
+    """Egress is attached first: the data path fails with the ingress hook's reason and leaves
+    neither on the device.  The hook is taken by someone's filter at our cls_bpf place; by
+    tcx, by something that is not our link where the link's pin goes."""
+    if not usable(hook):  # asking for tcx is refused, saying why (refused())
+        return
+    dev = OneDevice(netns_factory, bpffs, hook)
+    if hook == "clsact":
+        _foreign_filter(dev.ns, "u0")
+        why = dev.open_fails()
+        assert why.startswith(f"device {dev.u0} ingress: priority {tc.PRIO:#x} handle 1 holds a bpf filter") \
+            and why.endswith("not replacing it"), why
+        assert [(f.direction, f.kind, f.name) for f in _filters(dev.ns, "u0")] == [("ingress", "bpf", None)]  # theirs
+    else:
+        link = dev.dir / tc.LINKS / f"{layout.INGRESS}-{dev.u0}"
+        link.mkdir(parents=True)
+        assert dev.open_fails() == f"device {dev.u0} ingress: cannot attach {layout.INGRESS}: opening pinned {link}: " \
+                                   "Permission denied"
+        assert dev.ours() == []
+
+
+@pytest.mark.parametrize("hook", ["tcx", "clsact"])
+def test_a_pod_fast_path_that_fails_part_way_is_off_and_gone_from_every_hook(netns_factory, bpffs, hook):
+    """The pod fast path off means off: when open() fails, none of it stays on a veth or the
+    underlay device -- neither what this open put there nor what an earlier agent left (its
+    map of pods no agent keeps any more)."""
+    from agentd.dataplane.bpf.podpath import PodFastPath
+
+    if not usable(hook):
+        return
+    ns = netns_factory("h")
+    dev = _veths(ns, "u0", "pa0", "pb0")
+    pods = {"10.244.1.2": "pa0", "10.244.1.3": "pb0"}
+
+    def opened() -> PodFastPath:
+        return PodFastPath(bpffs, cluster=IPv4Network("10.244.0.0/16"), wire_ifindex=dev["u0"], attach=hook)
+
+    def running() -> None:
+        """The fast path as an agent left it: on both pods' veths and the underlay."""
+        with ns.entered():
+            fast = opened()
+            fast.open()
+            fast.set_pods(pods)
+            fast.close()
+        assert [_ours(ns, d) for d in dev] == [[("ingress", tc.POD_WIRE)], [("ingress", tc.POD_FAST_PATH)],
+                                               [("ingress", tc.POD_FAST_PATH)]]
+
+    def open_fails() -> str:
+        with ns.entered(), pytest.raises(BpfUnavailable) as err:
+            opened().open()
+        assert [_ours(ns, d) for d in dev] == [[], [], []]
+        return str(err.value)
+
+    running()
+    with ns.entered():
+        d = pin_dir(bpffs)
+    # The wire program cannot be pinned: the veths have this open's program by then.
+    (d / tc.POD_WIRE).unlink()
+    (d / tc.POD_WIRE).mkdir()
+    assert open_fails() == f"cannot pin {tc.POD_WIRE} as {d / tc.POD_WIRE}: Is a directory"
+    (d / tc.POD_WIRE).rmdir()
+    # One pod's veth cannot be had: the other's has this open's program or the earlier one.
+    running()
+    if hook == "clsact":
+        ns.exec("tc", "filter", "del", "dev", "pb0", "ingress", "prio", str(tc.PRIO), "handle", "1", "bpf")
+        _foreign_filter(ns, "pb0")
+        why = open_fails()
+        assert why.startswith(f"device {dev['pb0']} ingress: priority {tc.PRIO:#x} handle 1 holds a bpf filter"), why
+    else:
+        link = d / tc.LINKS / f"{tc.POD_FAST_PATH}-{dev['pb0']}"
+        link.unlink()  # (the link goes with its last reference: the program is off pb0)
+        link.mkdir()
+        assert open_fails() == f"device {dev['pb0']} ingress: cannot attach {tc.POD_FAST_PATH}: opening pinned " \
+                               f"{link}: Permission denied"

@@ -107,9 +107,11 @@ class BpfDatapath:
     def open(self, config: layout.Config, *, clear: int = 0) -> None:
         """Adopt or create the maps, load and attach the programs, write ``config`` (``clear``:
         as in :meth:`set_config`).
-        Raises :class:`BpfUnavailable` with the reason when any of it cannot be done."""
+        Raises :class:`BpfUnavailable` with the reason when any of it cannot be done, having
+        taken off the device again the programs it had put on."""
         self.hook = resolve_hook(self.attach)
         obj = open_checked(self.object_path, lambda o: layout.check(o.maps, o.programs))
+        attached: list[str] = []  # programs this call put on (or swapped into) the device's hooks
         try:
             ensure_dir(self.bpf_dir, self.dir)
             self.pins = tc.Pins.read(self.dir)  # the previous agent's programs, before ours replace the pins
@@ -126,24 +128,39 @@ class BpfDatapath:
                 self.prog_ids[name] = lb.prog_info(self.progs[name])["id"]
             # Attach (replacing the previous agent's programs in place), then pin.
             for name, fd in self.progs.items():
+                attached.append(name)  # before: a failure may come after the program is on
                 self._note(tc.attach(self.ifindex, DIRECTIONS[name], fd, name, self.hook, self.pins))
                 pin(self.dir, fd, name)
-        except lb.BpfError as err:
-            self._drop(obj)
-            raise BpfUnavailable(explain(err)) from None
-        except tc.TcError as err:
-            self._drop(obj)
-            raise BpfUnavailable(str(err)) from None
-        except BpfUnavailable:
-            self._drop(obj)
-            raise
+        except (OSError, tc.TcError, BpfUnavailable) as err:  # lb.BpfError is an OSError
+            if isinstance(err, lb.BpfError):
+                reason = explain(err)
+            else:  # an OSError names its file (a pin, a link's pin) or its netlink request
+                reason = str(err)
+            obj.close()
+            self.close()
+            raise BpfUnavailable(reason + self._detach(attached)) from None
 
     def _note(self, lines: list[str]) -> None:
         self.unidentified.update(lines)
 
-    def _drop(self, obj: lb.BpfObject) -> None:
-        obj.close()
-        self.close()
+    def _detach(self, names: list[str]) -> str:
+        """Take programs ``names`` off the device again after a failed :meth:`open`: the agent
+        falls back to the user-space worker, whose packets a half-attached data path would
+        take (or drop, as the member filter of a peer set no agent keeps).  Returns what could
+        not be done, to add to the reason."""
+        for name in names:
+            try:
+                tc.detach(self.ifindex, (name,), self.pins)
+            except (OSError, tc.TcError) as err:
+                if self._on_device(name):  # (a read-only bpffs fails the link pin's unlink after the detach)
+                    return f"; and {name} could not be taken off device {self.ifindex} again: {err}"
+        return ""
+
+    def _on_device(self, name: str) -> bool:
+        try:
+            return any(f.name == name for f in tc.filters(self.ifindex, self.pins))
+        except (OSError, tc.TcError):
+            return True  # not known: say so
 
     def _read_back(self) -> None:
         """What adopted maps hold, so that the first sync only changes what differs."""
@@ -387,6 +404,7 @@ def adopt_pins(obj: lb.BpfObject, directory: str | os.PathLike) -> list[str]:
         path = Path(directory) / name
         if not mdef.pinned or not path.exists():
             continue
+        what = "holds a map of another shape (an older agent's layout) and cannot be removed"
         try:
             fd = lb.obj_get(str(path))
             try:
@@ -396,9 +414,12 @@ def adopt_pins(obj: lb.BpfObject, directory: str | os.PathLike) -> list[str]:
             if (info["type"], info["key_size"], info["value_size"], info["max_entries"], info["flags"]) == mdef.shape():
                 adopted.append(name)
                 continue
-        except lb.BpfError:
-            pass  # not a map (or not one we may open): replaced as well
-        path.unlink()
+        except lb.BpfError as err:  # not a map (or not one we may open): replaced as well
+            what = f"cannot be opened as a map ({os.strerror(err.errno)}) nor removed"
+        try:
+            path.unlink()
+        except OSError as err:  # a read-only bpffs, say
+            raise BpfUnavailable(f"the pin {path} {what}: {err.strerror}") from None
     return adopted
 
 
@@ -421,10 +442,15 @@ def pin(directory: Path, fd: int, name: str) -> None:
     """Pin ``fd`` as ``directory/name``, in place of what was pinned there (no moment without)."""
     path = directory / name
     new = directory / f"{name}_new"  # bpffs refuses names with a dot
-    with contextlib.suppress(FileNotFoundError):
-        new.unlink()
-    lb.obj_pin(fd, str(new))
-    os.replace(new, path)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            new.unlink()
+        lb.obj_pin(fd, str(new))
+        os.replace(new, path)
+    except lb.BpfError:
+        raise
+    except OSError as err:
+        raise BpfUnavailable(f"cannot pin {name} as {path}: {err.strerror}") from None
 
 
 def _kernel_flags(live: layout.Config | None) -> dict:

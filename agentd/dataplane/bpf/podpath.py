@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import socket
 import struct
@@ -50,6 +51,7 @@ from .datapath import (
 )
 from .layout import check_programs, sum_percpu
 
+log = logging.getLogger("agentd.bpf")
 OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
@@ -157,7 +159,10 @@ class PodFastPath:
     def open(self) -> None:
         """Adopt or create the maps, load the programs, turn conntrack's liberal windows on and
         put the program back on the veths of the pods the maps hold.  Raises
-        :class:`BpfUnavailable` with the reason when any of it cannot be done."""
+        :class:`BpfUnavailable` with the reason when any of it cannot be done; the fast path is
+        then off, and what this call or an earlier agent put of it in the kernel is removed
+        (:func:`remove_pinned_fast_path`): programs left on the hooks with maps no agent keeps
+        would go on steering packets by pods that may have gone, their addresses reused."""
         self.hook = resolve_hook(self.attach)
         obj = open_checked(self.object_path, check)
         try:
@@ -193,18 +198,21 @@ class PodFastPath:
                 self._attach_wire()
             else:
                 self.wire = "no cluster network or underlay device given"
-        except lb.BpfError as err:
+        except (OSError, tc.TcError, BpfUnavailable) as err:  # lb.BpfError is an OSError
+            if isinstance(err, lb.BpfError):
+                reason = explain(err)
+            else:  # an OSError names its file (a pin, a link's pin) or its netlink request
+                reason = str(err)
             obj.close()
             self.close()
-            raise BpfUnavailable(explain(err)) from None
-        except OSError as err:  # the sysctls
-            obj.close()
-            self.close()
-            raise BpfUnavailable(f"conntrack settings: {err}") from None
-        except BpfUnavailable:
-            obj.close()
-            self.close()
-            raise
+            try:
+                removed = remove_pinned_fast_path(self.bpf_dir)
+            except OSError as cleanup:
+                reason += f"; and what there is of it in the kernel could not be removed: {cleanup}"
+            else:
+                if removed:
+                    log.warning("pod fast path off: removed %s", ", ".join(removed))
+            raise BpfUnavailable(reason) from None
 
     @property
     def routed(self) -> bool:
@@ -226,12 +234,15 @@ class PodFastPath:
         key = U32.pack(0)
         raw = lb.map_lookup(self.maps[CONFIG], key, CONFIG_VALUE.size)
         flags, _ms, before, _net, _mask, _wire = CONFIG_VALUE.unpack(raw) if raw else (0, 0, 0, b"", b"", 0)
-        liberal = _read_int(BE_LIBERAL)
-        if not flags & CFG_ON:  # not set by an earlier run: what we find is the operator's
-            before = liberal
-        if liberal != 1:
-            BE_LIBERAL.write_text("1\n")
-        established_ms = min(_read_int(ESTABLISHED_TIMEOUT) * 1000, 0xFFFFFFFF)
+        try:
+            liberal = _read_int(BE_LIBERAL)
+            if not flags & CFG_ON:  # not set by an earlier run: what we find is the operator's
+                before = liberal
+            if liberal != 1:
+                BE_LIBERAL.write_text("1\n")
+            established_ms = min(_read_int(ESTABLISHED_TIMEOUT) * 1000, 0xFFFFFFFF)
+        except OSError as err:
+            raise BpfUnavailable(f"conntrack settings: {err}") from None
         route = self.routed if route is None else route
         net = self.cluster or IPv4Network("255.255.255.255/32")  # matches no pod
         net6 = self.cluster_v6 or IPv6Network(f"{'ffff:' * 7}ffff/128")  # matches no pod either
@@ -369,7 +380,7 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
     with contextlib.suppress(OSError):
         tc.remove_links(pins, (PROGRAM, WIRE_PROGRAM))  # those of devices that went
     for name in (*MAPS, PROGRAM, f"{PROGRAM}_new", WIRE_PROGRAM, f"{WIRE_PROGRAM}_new"):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # one that cannot go (a read-only bpffs) holds what no hook runs
             (d / name).unlink()
             removed.append(str(d / name))
     with contextlib.suppress(OSError):
