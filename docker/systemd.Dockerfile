@@ -2,8 +2,9 @@
 # how tests/system/test_systemd_container.py runs the unit under a real systemd.
 #
 #   docker build -f docker/systemd.Dockerfile --build-arg AGENTD_IMAGE=agentd:latest -t agentd-systemd .
-#   docker run -d --cap-add SYS_ADMIN --cap-add NET_ADMIN --cap-add BPF --tmpfs /run --tmpfs /run/lock \
-#       -v /sys/fs/cgroup:/sys/fs/cgroup:ro agentd-systemd
+#   docker run -d --cap-add SYS_ADMIN --cap-add NET_ADMIN --cap-add BPF --cap-add PERFMON \
+#       --tmpfs /run --tmpfs /run/lock -v /sys/fs/cgroup:/sys/fs/cgroup:ro agentd-systemd
+# (Docker 20.10 knows neither BPF nor PERFMON: `--runtime runc-bpf-caps`, docker/runc-bpf-caps.)
 ARG AGENTD_IMAGE=agentd:latest
 FROM ${AGENTD_IMAGE}
 

@@ -40,9 +40,10 @@ from agentd.lab.wait import until
 DOCKER = os.environ.get("AGENTD_DOCKER_CLIENT", "/usr/bin/docker")
 COMPOSE = os.environ.get("AGENTD_COMPOSE", "/usr/bin/docker-compose")
 DEFAULT_SOCKET = "/var/run/docker.sock"
-# runc with CAP_BPF added (docker/runc-cap-bpf says why): `docker run --runtime runc-cap-bpf`.
-CAP_BPF_RUNTIME = "runc-cap-bpf"
-CAP_BPF_RUNC = Path(__file__).resolve().parents[2] / "docker" / "runc-cap-bpf"
+# runc with CAP_BPF and CAP_PERFMON added (docker/runc-bpf-caps says why):
+# `docker run --runtime runc-bpf-caps`.
+BPF_CAPS_RUNTIME = "runc-bpf-caps"
+BPF_CAPS_RUNC = Path(__file__).resolve().parents[2] / "docker" / "runc-bpf-caps"
 # Short paths: containerd's socket lives under the exec root, and AF_UNIX paths end at 107 bytes.
 RUN_ROOT = Path(os.environ.get("AGENTD_DOCKER_RUN", "/run/ad-docker"))
 DATA_ROOT = Path(os.environ.get("AGENTD_DOCKER_DATA", "/var/lib/ad-docker"))
@@ -165,7 +166,7 @@ class DockerEngine:
             "--cgroup-parent", self.cgroup_parent,
             # No DNS of the host's to copy into containers: the lab has no outside world.
             "--dns", "127.0.0.1",
-            *([f"--add-runtime={CAP_BPF_RUNTIME}={CAP_BPF_RUNC}"] if CAP_BPF_RUNC.exists() else []),
+            *([f"--add-runtime={BPF_CAPS_RUNTIME}={BPF_CAPS_RUNC}"] if BPF_CAPS_RUNC.exists() else []),
             *self.daemon_args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:

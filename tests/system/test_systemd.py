@@ -21,7 +21,8 @@
   VXLAN member filter) and the pod fast path (pods' veths, the underlay) -- by tcx and by
   clsact, while pod traffic flows throughout; and it takes over an agent before links (its
   tcx programs attached without one), saying which program on its hooks it cannot tell
-  ours or anyone's.
+  ours or anyone's.  And docs/operations.md's drop-in that takes CAP_PERFMON away turns the
+  pod fast path off: the agent says why and leaves none of it on the hooks.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def test_unit_hardening_keys():
     assert service("ExecStart") == "/usr/local/bin/agentd run --config /etc/agentd/agentd.toml"
     assert service("ExecReload") == "/bin/kill -HUP $MAINPID"
     assert service("KillMode") == "process"  # the data-plane worker outlives a restart
-    caps = {"CAP_NET_ADMIN", "CAP_BPF", "CAP_NET_RAW", "CAP_NET_BIND_SERVICE"}
+    caps = {"CAP_NET_ADMIN", "CAP_BPF", "CAP_PERFMON", "CAP_NET_RAW", "CAP_NET_BIND_SERVICE"}
     assert set(service("CapabilityBoundingSet").split()) == caps
     assert set(service("AmbientCapabilities").split()) == caps
     assert service("ProtectSystem") == "strict"
@@ -482,16 +483,40 @@ os.execv(argv[0], argv)
 """
 
 
-def sandbox_spec(extra_caps: tuple[str, ...] = ()) -> dict:
-    """The unit's sandbox (``extra_caps``: as a drop-in adding them to its capabilities would make it)."""
+def perfmon_drop_in() -> str:
+    """docs/operations.md's drop-in that takes CAP_PERFMON away, exactly as the page shows it."""
+    blocks = re.findall(r"    # systemctl edit agentd\n((?:    [^\n]*\n)+)", OPERATIONS_DOC.read_text())
+    (block,) = [b for b in blocks if "~CAP_PERFMON" in b]
+    return "".join(line[4:] + "\n" for line in block.splitlines())
+
+
+def capability_set(values: list[str]) -> set[str]:
+    """CapabilityBoundingSet= assignments in order, merged as systemd.exec(5) says: a list adds
+    its capabilities, a list prefixed with "~" takes its own out, the empty string empties the set."""
+    caps: set[str] = set()
+    for i, value in enumerate(values):
+        assert i > 0 or not value.startswith("~"), "a first ~ line would mean all capabilities but those"
+        if not value:
+            caps = set()
+        elif value.startswith("~"):
+            caps -= set(value[1:].split())
+        else:
+            caps |= set(value.split())
+    return caps
+
+
+def sandbox_spec(drop_in: str = "") -> dict:
+    """The unit's sandbox, or the one it has with ``drop_in`` (a drop-in's text: systemd reads
+    its lines after the unit's)."""
+    keys = parse_unit(UNIT.read_text() + "\n" + drop_in)
     caps = capability_numbers()
     groups = syscall_groups()
-    allowed = allowed_syscalls(UNIT_KEYS["Service.SystemCallFilter"], groups)
+    allowed = allowed_syscalls(keys["Service.SystemCallFilter"], groups)
     assert {"socket", "ioctl", "sendmmsg", "recvmmsg", "execve", "epoll_wait", "setsockopt", "bpf"} <= allowed
     assert not {"setuid", "mount", "init_module", "capset", "sched_setaffinity", "perf_event_open"} & allowed
     errno = {"EPERM": EPERM}[service("SystemCallErrorNumber")]
     return {
-        "keep_caps": sorted(caps[c] for c in (*service("CapabilityBoundingSet").split(), *extra_caps)),
+        "keep_caps": sorted(caps[c] for c in capability_set(keys["Service.CapabilityBoundingSet"])),
         "mdwe": service("MemoryDenyWriteExecute") == "yes",
         "bpf": seccomp_program(allowed, service("RestrictAddressFamilies").split(), errno).hex(),
     }
@@ -695,22 +720,27 @@ def stop_stream(client: subprocess.Popen) -> list[float]:
 
 @pytest.mark.parametrize("hook", ["tcx", "clsact"])
 async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path, hook):
-    """Two nodes, node1 on udp (carried in BPF) under the unit's sandbox exactly, node2 on vxlan
-    (the BPF member filter) under it with CAP_PERFMON added as docs/operations.md's drop-in does
-    for the pod fast path; each runs both backends' BPF, node2 the pod fast path too (node1
-    says why not).  Both agents are killed (SIGKILL: Restart=, the watchdog), started again in
-    their sandboxes, and later stopped (SIGTERM: an upgrade) and started again.  Each time the
-    new agents take every hook over with their own programs (the member filter there, udp in
-    BPF and not in the user-space worker: no fall-back), while a ping between the nodes' pods
-    and a TCP stream between node2's pods (carried by its fast path) run throughout without
-    losing a packet or stalling.  Neither has CAP_SYS_ADMIN."""
+    """Two nodes under the unit's sandbox, node1 on udp (carried in BPF), node2 on vxlan (the
+    BPF member filter); each runs both backends' BPF and the pod fast path.  Both agents are
+    killed (SIGKILL: Restart=, the watchdog), started again in their sandboxes, and later
+    stopped (SIGTERM: an upgrade) and started again.  Each time the new agents take every hook
+    over with their own programs (the member filter there, udp in BPF and not in the
+    user-space worker: no fall-back, the fast path on the pods' veths and the underlay), while
+    a ping between the nodes' pods and a TCP stream between node2's pods (carried by its fast
+    path) run throughout without losing a packet or stalling.  Neither has CAP_SYS_ADMIN.
+    Then node1 is restarted with docs/operations.md's drop-in that takes CAP_PERFMON away:
+    its agent takes the data path over, says why the fast path is off, and has removed its
+    predecessor's fast path from every hook (a fast path no agent keeps would go on steering
+    packets by pods that may be gone)."""
     if hook == "tcx" and not tc.tcx_available():  # asking for it is refused, saying why (test_bpf_datapath)
         with pytest.raises(tc.TcError, match="no tcx hooks"):
             tc.resolve(hook)
         return
-    unit, perfmon = tmp_path / "sandbox.json", tmp_path / "sandbox-perfmon.json"
+    unit, no_perfmon = tmp_path / "sandbox.json", tmp_path / "sandbox-no-perfmon.json"
     unit.write_text(json.dumps(sandbox_spec()))
-    perfmon.write_text(json.dumps(sandbox_spec(extra_caps=("CAP_PERFMON",))))
+    no_perfmon.write_text(json.dumps(sandbox_spec(perfmon_drop_in())))
+    assert set(json.loads(unit.read_text())["keep_caps"]) - set(json.loads(no_perfmon.read_text())["keep_caps"]) == {
+        capability_numbers()["CAP_PERFMON"]}
     root = Path(tempfile.mkdtemp(prefix="ad-sb-"))  # a short root: see test_lab_runs_under_the_units_sandbox
     lab = Lab(
         LabSpec(name="sr" + unique_tag("")[:6], nodes=2, pods=2,
@@ -719,8 +749,8 @@ async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path,
         root=root,
     )  # fmt: skip
     node1, node2 = lab.nodes
-    node1.start_agent, node2.start_agent = sandboxed(node1, unit), sandboxed(node2, perfmon)
-    fast = {node1: False, node2: True}
+    node1.start_agent, node2.start_agent = sandboxed(node1, unit), sandboxed(node2, unit)
+    fast = {node1: True, node2: True}
     pinger = server = client = None
 
     def settled(node) -> bool:
@@ -731,8 +761,6 @@ async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path,
         for node in lab.nodes:
             await auntil(lambda n=node: settled(n), 30, in_thread=True,
                          what=lambda n=node: f"{n.name}'s programs on its hooks: {takeover(n, hook, fast[n])}")
-        why = node1.api("/status")["policy"]["fast_path"]["error"]
-        assert why.startswith("the pod fast path needs CAP_PERFMON, which this agent lacks"), why
         here, there = (p for p in lab.pods if p.node is node2)
         far = next(p for p in lab.pods if p.node is node1)
         # Pod traffic for the whole test: across the nodes (udp in BPF one way, VXLAN through
@@ -771,8 +799,8 @@ async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path,
             assert view["unidentified_programs"] == [], view
             await auntil(lambda c=count: carried() > c + 100, 15, in_thread=True,
                          what="the new agent's fast path carrying the stream")
-        for node, spec in ((node1, unit), (node2, perfmon)):
-            assert sandboxed_caps(node.agent_pid()) == sum(1 << c for c in json.loads(spec.read_text())["keep_caps"])
+        for node in lab.nodes:
+            assert sandboxed_caps(node.agent_pid()) == sum(1 << c for c in json.loads(unit.read_text())["keep_caps"])
         intervals = stop_stream(client)
         assert min(intervals) > 0, f"the stream stalled: {intervals}"
         unanswered = stop_pinger(pinger)
@@ -781,6 +809,19 @@ async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path,
             text = node.log_path.read_text()
             for bad in ("Operation not permitted", "not its first data path", "no member filter"):
                 assert bad not in text, f"{bad!r} in {node.log_path}"
+
+        # The drop-in taking CAP_PERFMON away, on node1: its data path taken over, its fast path
+        # off and gone from every hook (takeover() with fast=False: no program of it anywhere).
+        node1.start_agent, fast[node1] = sandboxed(node1, no_perfmon), False
+        await node1.stop_agent(signal.SIGTERM)
+        node1.start_agent()
+        await auntil(lambda: settled(node1), 90, in_thread=True,
+                     what=lambda: f"node1 without CAP_PERFMON: {takeover(node1, hook, False)}; log {node1.log_path}")
+        view = node1.api("/status")["policy"]["fast_path"]
+        assert view["error"].startswith("the pod fast path needs CAP_PERFMON, which this agent lacks"), view
+        assert sandboxed_caps(node1.agent_pid()) == sum(1 << c for c in json.loads(no_perfmon.read_text())["keep_caps"])
+        text = node1.log_path.read_text()
+        assert "pod fast path off: removed the pod fast path from 2 veths" in text and "Traceback" not in text, text[-3000:]
     finally:
         for proc in (pinger, client, server):
             if proc is not None and proc.poll() is None:

@@ -4,8 +4,9 @@ the agent's image plus systemd, the unit copied in unchanged -- its ExecStart= p
 
 Two such containers and an etcd container on one Docker network of the run's shared engine
 (agentd.lab.fixtures' ``docker_engine``), each with its own /etc/agentd/agentd.toml (the udp
-backend), run with the engine's ``runc-cap-bpf`` runtime: Docker 20.10 cannot add CAP_BPF to
-a container, and without it in the container's bounding set the unit could not keep it:
+backend), run with the engine's ``runc-bpf-caps`` runtime: Docker 20.10 can add neither CAP_BPF
+nor CAP_PERFMON to a container, and without them in the container's bounding set the unit
+could not keep them:
 
 * ``systemctl start agentd`` returns once the agent sent READY=1: /readyz answers 200 and the
   blackhole route of its subnet is in the kernel at that moment; ``StatusText`` says
@@ -14,18 +15,23 @@ a container, and without it in the container's bounding set the unit could not k
   a seccomp filter, carries the udp backend in BPF (CAP_BPF, bpf(), pins in the bpffs the
   test gives the container), wrote its conflist into /etc/cni/net.d, and in its mount
   namespace a write to /etc/agentd is refused;
+* the pod fast path is on (CAP_PERFMON, which the unit gives): two pods attached by
+  agentd-cni, as a container runtime attaches them, and a TCP transfer between them that the
+  fast path carries;
 * ``systemctl reload`` re-reads the configuration as docs/operations.md says: the log level
   changes live, a changed hold time is named as applied only by a restart, the PID stays;
-* the pod fast path is off, saying it needs CAP_PERFMON, which the unit does not give;
 * ``kill -9`` of the main PID: ``Restart=on-failure`` starts it again, with the same subnet,
   and the routes on both nodes are the ones before (kept through graceful restart); the new
   agent takes its predecessor's BPF programs over (the member filter on, new programs in
-  place of the old), with the unit's capabilities;
+  place of the old; the pod fast path on, its pods adopted), with the unit's capabilities;
 * SIGSTOP: past ``WatchdogSec=`` (30 s, the unit's) systemd kills it (SIGABRT, with SIGCONT)
   and restarts it;
 * ``systemctl stop``: a clean exit (status 0, result success), no agent process and no API
   left, while what docs/operations.md says a graceful stop keeps stays: the kernel routes
-  and /run/agentd/subnet.env.
+  and /run/agentd/subnet.env;
+* docs/operations.md's drop-in that takes CAP_PERFMON away, installed as ``systemctl edit``
+  would: the agent starts without it (bounding and ambient sets) and the pod fast path is
+  off, saying why.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pathlib import Path
 import pytest
 
 from agentd.lab import bpffs
-from agentd.lab.dockerd import CAP_BPF_RUNTIME, DockerEngine
+from agentd.lab.dockerd import BPF_CAPS_RUNTIME, DockerEngine
 from agentd.lab.netns import unique_tag
 from agentd.lab.speaker_proc import render_toml
 from agentd.lab.wait import until
@@ -48,6 +54,47 @@ SUBNET = "172.28.61"  # the test's Docker network, inside the engine's own names
 ETCD = f"{SUBNET}.2"
 NODES = {"sd1": f"{SUBNET}.11", "sd2": f"{SUBNET}.12"}
 WATCHDOG_SEC = 30
+UNIT_CAPS = {"CAP_NET_ADMIN": 12, "CAP_NET_RAW": 13, "CAP_NET_BIND_SERVICE": 10, "CAP_BPF": 39, "CAP_PERFMON": 38}
+
+# Two pods on a node, attached as a container runtime attaches them (CNI ADD through
+# agentd-cni, with the pod's identity in CNI_ARGS); prints their addresses.
+PODS = r'''
+import json, os, subprocess
+conflist = json.load(open("/etc/cni/net.d/10-agentd.conflist"))
+netconf = json.dumps(dict(conflist["plugins"][0], name=conflist["name"], cniVersion=conflist["cniVersion"]))
+out = {}
+for name in ("pa", "pb"):
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    env = dict(os.environ, CNI_COMMAND="ADD", CNI_CONTAINERID=name, CNI_NETNS=f"/run/netns/{name}", CNI_IFNAME="eth0",
+               CNI_PATH="/opt/cni/bin:/usr/lib/cni", CNI_ARGS=f"IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}")
+    proc = subprocess.run(["agentd-cni"], input=netconf.encode(), env=env, capture_output=True)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    out[name] = json.loads(proc.stdout)["ips"][0]["address"].split("/")[0]
+print(json.dumps(out))
+'''
+# A TCP sink in one pod, and 16 MiB sent to it from the other (connecting until the sink listens).
+SINK = "import socket\ns = socket.create_server(('0.0.0.0', 5201))\nwhile True:\n    c, _ = s.accept()\n    while c.recv(1 << 16): pass\n    c.close()"
+SEND = r'''
+import socket, sys, time
+deadline = time.monotonic() + 30
+while True:
+    try:
+        s = socket.create_connection((sys.argv[1], 5201), timeout=5)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.1)
+s.sendall(bytes(16 << 20))
+s.close()
+'''
+
+
+def perfmon_drop_in() -> str:
+    """docs/operations.md's drop-in that takes CAP_PERFMON away, exactly as the page shows it."""
+    blocks = re.findall(r"    # systemctl edit agentd\n((?:    [^\n]*\n)+)", (ROOT / "docs" / "operations.md").read_text())
+    (block,) = [b for b in blocks if "~CAP_PERFMON" in b]
+    return "".join(line[4:] + "\n" for line in block.splitlines())
 
 
 class SystemdNode:
@@ -112,8 +159,9 @@ def systemd_nodes(docker_engine, tmp_path):
                 "--cap-add", "SYS_ADMIN", "--tmpfs", "/run", "--tmpfs", "/run/lock",
                 "-v", "/sys/fs/cgroup:/sys/fs/cgroup:ro",
                 "--cap-add", "NET_ADMIN", "--device", "/dev/net/tun", "--sysctl", "net.ipv4.ip_forward=1",
-                # CAP_BPF, which Docker 20.10 cannot add (docker/runc-cap-bpf), and a bpffs
-                "--runtime", CAP_BPF_RUNTIME, "-v", f"{fs}:/sys/fs/bpf",
+                # CAP_BPF and CAP_PERFMON, which Docker 20.10 cannot add (docker/runc-bpf-caps),
+                # and a bpffs
+                "--runtime", BPF_CAPS_RUNTIME, "-v", f"{fs}:/sys/fs/bpf",
                 "-v", f"{config}:/etc/agentd/agentd.toml:ro",
                 images.systemd,
             )  # fmt: skip
@@ -190,15 +238,11 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     # -- the hardening holds
     pid = sd1.main_pid()
     status = dict(line.split(":\t", 1) for line in sd1.sh("cat", f"/proc/{pid}/status").splitlines() if ":\t" in line)
-    caps = {"CAP_NET_ADMIN": 12, "CAP_NET_RAW": 13, "CAP_NET_BIND_SERVICE": 10, "CAP_BPF": 39}  # the unit's
-    assert int(status["CapBnd"], 16) == sum(1 << c for c in caps.values()), status["CapBnd"]
+    assert int(status["CapBnd"], 16) == sum(1 << c for c in UNIT_CAPS.values()), status["CapBnd"]
     backends = sd1.api("/status")[1]["backends"]
     assert backends["active"]["vxlan"]["datapath"] == "vxlan-device" and backends["bpf"]["active"], backends
     assert backends["member_filter"]["bpf"] == ["vxlan"] and not backends["member_filter"]["missing"], backends
     programs = backends["bpf"]["programs"]
-    # The pod fast path reads conntrack's nf_conn, which takes CAP_PERFMON: off, saying so.
-    fast = sd1.api("/status")[1]["policy"]["fast_path"]
-    assert not fast["on"] and fast["error"].startswith("the pod fast path needs CAP_PERFMON"), fast
     assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2", status
     assert "10-agentd.conflist" in sd1.sh("ls", "/etc/cni/net.d")
     write = sd1.engine.docker(
@@ -207,6 +251,20 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     )  # fmt: skip
     assert write.returncode != 0 and "Read-only file system" in write.stderr, write
     assert "written-by-test" not in sd1.sh("ls", "/etc/agentd")
+
+    # -- the pod fast path, which reads conntrack's nf_conn (CAP_PERFMON): on, carrying pod TCP
+    fast = sd1.api("/status")[1]["policy"]["fast_path"]
+    assert fast["on"] and fast["between_nodes"]["on"], fast
+    pods = json.loads(sd1.sh("python3", "-c", PODS))
+    until(lambda: sd1.api("/status")[1]["policy"]["fast_path"]["pods"] == 2, 30, what="sd1's fast path on both pods",
+          interval=0.3)  # fmt: skip
+    sd1.engine.docker("exec", "-d", sd1.container, "ip", "netns", "exec", "pb", "python3", "-c", SINK)
+    sd1.sh("ip", "netns", "exec", "pa", "python3", "-c", SEND, pods["pb"])
+
+    def carried() -> int:
+        return sd1.api("/status")[1]["policy"]["fast_path"]["packets"].get("carried", 0)
+
+    until(lambda: carried() > 100, 30, what=lambda: f"the transfer carried by the fast path: {carried()}", interval=0.3)
 
     # -- reload: SIGHUP re-reads the file; [log] live, the rest named for a restart
     (tmp_path / "sd1.toml").write_text(
@@ -239,6 +297,8 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     assert backends["member_filter"] == {"bpf": ["vxlan"], "userspace": [], "missing": {}}, backends
     assert backends["bpf"]["hook"] == "tcx" and backends["bpf"]["unidentified_programs"] == [], backends["bpf"]
     assert {p["id"] for p in backends["bpf"]["programs"].values()}.isdisjoint(p["id"] for p in programs.values())
+    view = sd1.api("/status")[1]["policy"]["fast_path"]
+    assert view["on"] and view["pods"] == 2 and view["adopted_maps"] and view["program"]["id"] != fast["program"]["id"], view
 
     # -- SIGSTOP: no watchdog pings; past WatchdogSec systemd kills it and starts it again
     assert sd1.show("WatchdogUSec")["WatchdogUSec"] == f"{WATCHDOG_SEC}s"
@@ -262,3 +322,16 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     assert any(r.startswith(subnets["sd2"]) for r in sd1.routes()), sd1.routes()
     gateway = IPv4Network(subnet).network_address + 1
     assert f"AGENTD_SUBNET={gateway}/" in sd1.sh("cat", "/run/agentd/subnet.env")
+
+    # -- docs/operations.md's drop-in takes CAP_PERFMON away: the fast path is off, saying why
+    sd1.engine.docker("exec", "-i", sd1.container, "sh", "-c",
+                      "mkdir -p /etc/systemd/system/agentd.service.d && "
+                      "cat > /etc/systemd/system/agentd.service.d/override.conf", input=perfmon_drop_in())  # fmt: skip
+    sd1.sh("systemctl", "daemon-reload")
+    sd1.sh("systemctl", "start", "agentd")
+    status = dict(line.split(":\t", 1) for line in sd1.sh("cat", f"/proc/{sd1.main_pid()}/status").splitlines()
+                  if ":\t" in line)  # fmt: skip
+    without = sum(1 << c for name, c in UNIT_CAPS.items() if name != "CAP_PERFMON")
+    assert (int(status["CapBnd"], 16), int(status["CapAmb"], 16)) == (without, without), status
+    fast = sd1.api("/status")[1]["policy"]["fast_path"]
+    assert not fast["on"] and fast["error"].startswith("the pod fast path needs CAP_PERFMON, which this agent lacks"), fast

@@ -75,8 +75,9 @@ EXPECTED = {
 }
 CAP_SYS_ADMIN, CAP_PERFMON = 21, 38
 NEEDS_PERFMON = ("the pod fast path needs CAP_PERFMON, which this agent lacks: it reads conntrack's struct nf_conn, "
-                 "which the verifier lets only CAP_PERFMON (or CAP_SYS_ADMIN) read; systemd/agentd.service leaves it "
-                 "out (docs/operations.md adds it in a drop-in), or set [network] bpf_pod_fast_path = false")
+                 "which the verifier lets only CAP_PERFMON (or CAP_SYS_ADMIN) read; systemd/agentd.service gives it "
+                 "unless a drop-in takes it away (docs/operations.md); [network] bpf_pod_fast_path = false turns "
+                 "the fast path off without this message")
 BE_LIBERAL = Path("/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
 ESTABLISHED_TIMEOUT = Path("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established")
 
