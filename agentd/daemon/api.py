@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from bgp import Speaker
 
 from agentd.daemon import auth
-from agentd.daemon import web as observability
+from agentd.daemon import observe_api
 from agentd.daemon.bgp_json import RibQuery
 
 log = logging.getLogger("agentd.api")
@@ -91,8 +91,8 @@ class ApiServer:
                 web.get("/ingress", self._ingress),  # Ingress
             ]
         )
-        if hasattr(provider, "flows_view"):  # flows, the cluster view, /ui/ (agentd/daemon/web.py)
-            observability.add_routes(app, provider, read_only=read_only)  # type: ignore[arg-type]
+        if hasattr(provider, "flows_view"):  # flows, the cluster view, /ui/ (agentd/daemon/observe_api.py)
+            observe_api.add_routes(app, provider, read_only=read_only)  # type: ignore[arg-type]
         self.app = app
 
     async def start(self) -> None:
