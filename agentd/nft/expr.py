@@ -1,4 +1,4 @@
-"""nftables JSON expressions the agent's compilers share (policy, Services).
+"""nftables JSON expressions the agent's compilers share (policy, Services, masquerading).
 
 libnftables' JSON schema (libnftables-json(5)): a rule is a list of statements; these build
 the few shapes both compilers write, so each compiler reads as the rules it makes.
@@ -15,10 +15,16 @@ NAME_MAX = 200  # nft object names may have 255 bytes; longer names are hashed (
 
 ACCEPT: dict[str, Any] = {"accept": None}
 DROP: dict[str, Any] = {"drop": None}
+RETURN: dict[str, Any] = {"return": None}
 
 
 def payload(protocol: str, field: str) -> dict[str, Any]:
     return {"payload": {"protocol": protocol, "field": field}}
+
+
+def prefix(net: IPv4Network | IPv6Network) -> dict[str, Any]:
+    """A network as a rule's right-hand side (``10.244.0.0/16``)."""
+    return {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
 
 
 def meta(key: str) -> dict[str, Any]:

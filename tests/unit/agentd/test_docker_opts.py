@@ -10,6 +10,7 @@ from agentd.cli import main
 from agentd.cni.docker_opts import docker_options, render
 from agentd.cni.netconf import SubnetFile, render_subnet_file
 from agentd.nft.masquerade import ruleset
+from agentd.nft.ruleset import NftChain, Ruleset, plan
 
 SF = SubnetFile(network=IPv4Network("10.244.0.0/16"), subnet=IPv4Network("10.244.3.0/24"), mtu=1450)
 
@@ -36,8 +37,10 @@ def test_the_command_reads_the_file_and_refuses_bad_input(tmp_path, capsys):
 
 
 def test_masquerading_never_touches_pod_to_pod_traffic():
-    cmds = ruleset(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"))
-    rules = [c["add"]["rule"]["expr"] for c in cmds if "rule" in c.get("add", {})]
+    rs = ruleset(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"))
+    (chain,) = rs.chains()
+    assert rs.tables == {("ip", "agentd-masq")} and chain.hook == ("nat", "postrouting", 100, "accept")
+    rules = [json.loads(r) for r in chain.rules]
 
     def match(expr):
         return [(m["match"]["left"]["payload"]["field"], m["match"]["op"],
@@ -53,5 +56,12 @@ def test_masquerading_never_touches_pod_to_pod_traffic():
         ([("saddr", "!=", "10.244.0.0/16"), ("daddr", "==", "10.244.3.0/24")], "return"),
         ([("saddr", "!=", "10.244.0.0/16"), ("daddr", "==", "10.244.0.0/16")], "masquerade"),
     ]
-    # One transaction that replaces the table whole.
-    assert [next(iter(c)) for c in cmds[:3]] == ["add", "delete", "add"]
+    # From nothing: one transaction that makes the table, its chain and the rules.
+    def shape(commands):
+        return [(verb, next(iter(body))) for c in commands for verb, body in c.items()]
+
+    assert shape(plan(Ruleset(), rs)) == [("add", "table"), ("add", "chain")] + [("add", "rule")] * 4
+    # Over a previous run's table (adopted: contents unknown): flushed and refilled in the same one.
+    adopted = Ruleset(rs.tables, {chain.key: NftChain("ip", "agentd-masq", "postrouting", hook=chain.hook,
+                                                      contents_known=False)})
+    assert shape(plan(adopted, rs)) == [("flush", "chain")] + [("add", "rule")] * 4

@@ -236,6 +236,42 @@ async def test_ring_is_bounded_and_followers_lose_rather_than_grow():
     await asyncio.sleep(0)
 
 
+def test_search_goes_step_by_step_over_what_the_ring_held_when_it_began():
+    ring = FlowRing(100)
+    for i in range(50):
+        f = flow(port=i % 5)
+        f.time = float(i)
+        ring.add(f)
+    search = ring.search(FlowFilter.parse([("port", "3")]), 4)
+    steps = 1
+    late = flow(port=3)
+    late.time = 50.0
+    ring.add(late)  # taken in after the search began: not in it
+    while not search.step(7):
+        steps += 1
+    assert [f.time for f in search.result()] == [33.0, 38.0, 43.0, 48.0]
+    assert steps == 3  # 21 records looked at, 7 at a time: no more than the answer needed
+    since = ring.search(FlowFilter(), 100, since=45.0)
+    assert not since.step(2) and since.step(100)
+    assert [f.time for f in since.result()] == [45.0, 46.0, 47.0, 48.0, 49.0, 50.0]
+    assert ring.search(FlowFilter(), 0).step(1)  # asked for none: done at once
+
+
+def test_a_cluster_answer_holds_the_newest_records_only():
+    from agentd.daemon.observe_api import _Newest, _node_params
+
+    newest = _Newest(3)
+    for when, node in ((5.0, "a"), (1.0, "b"), (7.0, "b"), (3.0, "a"), (6.0, "c"), (2.0, "c")):
+        newest.add(when, f"{node}{when}".encode())
+    assert newest.oldest_first() == [b"a5.0", b"c6.0", b"b7.0"] and len(newest.heap) == 3
+    none = _Newest(0)
+    none.add(1.0, b"x")
+    assert none.oldest_first() == []
+    # Each node is asked for its own records, whichever nodes the reader named.
+    flt = FlowFilter.parse([("node", "node1"), ("node", "node2"), ("verdict", "dropped")])
+    assert _node_params(flt, "node2", 12.5) == [("verdict", "dropped"), ("node", "node2"), ("since", "12.5")]
+
+
 def test_limiter_refills_and_keeps_few_keys():
     lim = DropLimiter(rate=10, burst=2, max_keys=3)
     assert [lim.allow("k", 0.0) for _ in range(4)] == [0, 0, None, None]
