@@ -24,6 +24,10 @@ from agentd.daemon.bgp_json import RibQuery
 
 log = logging.getLogger("agentd.api")
 
+# Seconds a request in flight has to finish when the API stops (then it is cancelled): a
+# followed GET /flows never ends by itself, and the agent must not wait aiohttp's 60 s for it.
+SHUTDOWN_GRACE = 2.0
+
 
 class StatusProvider(Protocol):
     registry: CollectorRegistry
@@ -100,7 +104,7 @@ class ApiServer:
         self.app = app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         try:

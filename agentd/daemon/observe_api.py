@@ -122,8 +122,8 @@ class _Handlers:
         if view is None and not cluster:
             return web.json_response({"error": "flow records are off on this node ([flows] enabled = false)"}, status=404)
         resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)
             if cluster:
                 await self._cluster_flows(resp, flt, last, since, follow)
             else:
