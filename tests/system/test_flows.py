@@ -263,6 +263,8 @@ async def test_bad_filters_are_one_line(shop):
 async def test_cluster_listener_is_read_only_and_authenticated(shop):
     node1, node2 = shop.lab.nodes
     url = f"http://{node2.address}:9098"
+    assert (await shop.echo["client"].tcp(shop.pods["web"].ip, 80))["names"] == {"web": 1}
+    await records(node2, "--to-pod", "shop/web", want=lambda r: r, what="node2's records of a connection to web")
     token = await read_token(shop.lab)
     bearer = {"Authorization": f"Bearer {token}"}
     assert node1.ns.http_get(url + "/status", timeout=5)[0] == 401
@@ -284,8 +286,8 @@ async def test_cluster_listener_is_read_only_and_authenticated(shop):
             assert status == code, (method, path, headers, status)
     # No relay there: asked for two nodes' records, node2 answers with its own.
     code, body = node1.ns.http_get(url + "/flows?node=node1&node=node2&to-pod=shop/web&last=1000", 10, bearer)
-    records = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
-    assert code == 200 and records and {r["node"] for r in records} == {"node2"}
+    answered = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+    assert code == 200 and answered and {r["node"] for r in answered} == {"node2"}
 
     # node1's loopback API gathers only for who has its API token (or the browser key) ...
     local = "http://127.0.0.1:9099"
