@@ -147,7 +147,9 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
     # agentd docker-opts: a Docker daemon's bridge on this node's subnet (agentd/cni/docker_opts.py).
     from agentd.cni import docker_opts
 
-    docker_opts.add_arguments(sub.add_parser("docker-opts", help="the Docker daemon's --bip/--mtu/--ip-masq from the subnet file"))
+    sp = sub.add_parser("docker-opts", help="the Docker daemon's --bip/--mtu/--ip-masq from the subnet file")
+    docker_opts.add_arguments(sp)
+    config_args(sp)
 
     # Commands other packages plug in (entry-point group "agentd.commands" in pyproject.toml):
     # `agentd lab` comes from the lab harness this way, so the agent never imports the lab.
@@ -300,6 +302,8 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if cmd == "docker-opts":
         from agentd.cni import docker_opts
 
+        if args.subnet_file is None:  # the configuration's: [cni] subnet_file (no host facts needed)
+            args.subnet_file = str(_load(args, parser, host=None)[2].cni.subnet_file)
         return docker_opts.run(args)
     plugin = getattr(args, "plugin_command", None)
     if plugin is not None:

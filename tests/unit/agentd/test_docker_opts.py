@@ -4,6 +4,7 @@ ruleset of [network] ip_masq, both pure."""
 from __future__ import annotations
 
 import json
+import os
 from ipaddress import IPv4Network
 
 from agentd.cli import main
@@ -34,6 +35,25 @@ def test_the_command_reads_the_file_and_refuses_bad_input(tmp_path, capsys):
     assert main(["docker-opts", "--subnet-file", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "AGENTD_MTU 'big' is not an integer" in err
+
+
+def test_the_subnet_file_is_the_configurations_by_default(tmp_path, capsys, monkeypatch):
+    """No --subnet-file: [cni] subnet_file of the configuration, found by the one rule
+    (--config, $AGENTD_CONFIG, the default file) and the AGENTD_CNI_SUBNET_FILE variable."""
+    for name in [k for k in os.environ if k.startswith("AGENTD_")]:
+        monkeypatch.delenv(name)
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    config = tmp_path / "agentd.toml"
+    config.write_text(f'[cni]\nsubnet_file = "{path}"\n')
+    assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
+    assert capsys.readouterr().out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
+    monkeypatch.setenv("AGENTD_CONFIG", str(config))
+    assert main(["docker-opts", "--format", "args"]) == 0
+    assert capsys.readouterr().out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
+    monkeypatch.setenv("AGENTD_CNI_SUBNET_FILE", str(tmp_path / "elsewhere.env"))
+    assert main(["docker-opts"]) == 1
+    assert f"no subnet file at {tmp_path / 'elsewhere.env'}" in capsys.readouterr().err
 
 
 def test_masquerading_never_touches_pod_to_pod_traffic():
