@@ -323,3 +323,62 @@ def test_services_refusals_log_with_the_chain_name():
     reject = rs.objects[("ip", "agentd-services", "chain", services_compiler.REJECT_CHAIN)]
     assert json.loads(reject.rules[0])[1] == {"log": {"prefix": "no-endpoints", "group": 143}}
     assert ("ip", "agentd-services", "counter", SUPPRESSED) in rs.objects
+
+
+# ------------------------------------------------------------------ the cluster's followed streams
+
+
+class _Node:
+    """A ClusterView whose node answers each follow with ``answers`` in turn (an exception, or lines)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.asked = 0
+
+    async def lines(self, node, path, *, follow=False):
+        self.asked += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        for line in answer:
+            yield line
+
+
+async def test_a_merged_stream_counts_what_it_could_not_hold():
+    from agentd.daemon.observe_api import _Merge
+
+    merge = _Merge(limit=2)
+    for i in range(5):
+        merge.put(b"%d\n" % i)
+    assert merge.queue.qsize() == 2 and merge.lost == 3
+
+
+async def test_a_followed_node_that_refuses_is_given_up_and_a_broken_one_asked_less_often(monkeypatch):
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+    from agentd.daemon.cluster import NodeAnswered
+
+    gone = _Node([NodeAnswered("node2", 404, b'{"error": "flow records are off"}')])
+    merge = observe_api._Merge()
+    await observe_api._pump_remote(gone, "node2", "/flows?follow=1", merge)  # returns: not asked again
+    assert gone.asked == 1 and b"answered 404" in merge.queue.get_nowait() and merge.queue.empty()
+
+    delays: list[float] = []
+
+    async def sleep(seconds):  # the pauses between two askings, without waiting them
+        delays.append(seconds)
+        if len(delays) == 5:
+            raise asyncio.CancelledError
+
+    merge = observe_api._Merge()
+    monkeypatch.setattr(observe_api, "asyncio", SimpleNamespace(get_running_loop=asyncio.get_running_loop, sleep=sleep))
+    refused = NodeAnswered("node2", 401, b'{"error": "the cluster read token is required"}')
+    broken = _Node([refused, refused, refused, [b'{"time": 1}\n'], OSError("node2 unreachable: reset")])
+    with pytest.raises(asyncio.CancelledError):
+        await observe_api._pump_remote(broken, "node2", "/flows?follow=1", merge)
+    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0]  # longer each time while it stays broken, up to a minute
+    said = [merge.queue.get_nowait() for _ in range(merge.queue.qsize())]
+    # The refusal said once for the outage, the record passed on, each new reason said.
+    assert [b"401" in line for line in said] == [True, False, False, False]
+    assert said[1] == b'{"time": 1}\n' and b"ended the stream" in said[2] and b"reset" in said[3]
