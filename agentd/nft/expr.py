@@ -22,11 +22,6 @@ def payload(protocol: str, field: str) -> dict[str, Any]:
     return {"payload": {"protocol": protocol, "field": field}}
 
 
-def prefix(net: IPv4Network | IPv6Network) -> dict[str, Any]:
-    """A network as a rule's right-hand side (``10.244.0.0/16``)."""
-    return {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
-
-
 def meta(key: str) -> dict[str, Any]:
     return {"meta": {"key": key}}
 

@@ -340,8 +340,8 @@ class _Node:
         answer = self.answers.pop(0)
         if isinstance(answer, BaseException):
             raise answer
-        for line in answer:
-            yield line
+        for record in answer:
+            yield record
 
 
 async def test_a_merged_stream_counts_what_it_could_not_hold():
