@@ -136,6 +136,9 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
         return p
     sp = sub.add_parser("flows", help="flow records with their verdicts, like hubble observe (GET /flows)")
     add_flow_arguments(sp)
+    config_args(sp)
+    sp = sub.add_parser("ui", help="the browser view's address on this node, with its key (prints a URL)")
+    config_args(sp)
     # Resources: agentd apply|get|delete|label, in agentd/resources/cli.py.
     from agentd.resources.cli import add_commands as add_resource_commands
 
@@ -144,7 +147,9 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
     # agentd docker-opts: a Docker daemon's bridge on this node's subnet (agentd/cni/docker_opts.py).
     from agentd.cni import docker_opts
 
-    docker_opts.add_arguments(sub.add_parser("docker-opts", help="the Docker daemon's --bip/--mtu/--ip-masq from the subnet file"))
+    sp = sub.add_parser("docker-opts", help="the Docker daemon's --bip/--mtu/--ip-masq from the subnet file")
+    docker_opts.add_arguments(sp)
+    config_args(sp)
 
     # Commands other packages plug in (entry-point group "agentd.commands" in pyproject.toml):
     # `agentd lab` comes from the lab harness this way, so the agent never imports the lab.
@@ -284,8 +289,9 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
-    if cmd == "flows":
-        return flows_command(args)
+    if cmd in ("flows", "ui"):  # [api] listen and token_file only: no host facts are needed
+        _path, _overrides_, cfg = _load(args, parser, host=None)
+        return flows_command(args, cfg.api.token_file) if cmd == "flows" else ui_command(cfg)
     if cmd in ("apply", "get", "delete", "label"):  # resources: agentd/resources/cli.py
         from agentd.resources import cli as resource_cli
 
@@ -296,6 +302,8 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if cmd == "docker-opts":
         from agentd.cni import docker_opts
 
+        if args.subnet_file is None:  # the configuration's: [cni] subnet_file (no host facts needed)
+            args.subnet_file = str(_load(args, parser, host=None)[2].cni.subnet_file)
         return docker_opts.run(args)
     plugin = getattr(args, "plugin_command", None)
     if plugin is not None:
@@ -318,6 +326,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return uvloop.run(leave(cfg))
     if cmd in ("run", "speaker"):
         path, overrides, cfg = _load(args, parser, host=LocalHost())
+        named = _config_path(args, parser)[1]  # a named file must still be there at a reload (SIGHUP)
         setup_logging(cfg.log.level, cfg.log.format)
         import uvloop
 
@@ -325,14 +334,14 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             from agentd.daemon.speaker import SpeakerRuntime
 
             def reload():
-                return load_config(path, overrides=overrides, require_file=os.path.exists(path), host=LocalHost())
+                return load_config(path, overrides=overrides, require_file=named, host=LocalHost())
 
             tune_gc()
             return uvloop.run(SpeakerRuntime(cfg).run(reload=reload))
         from agentd.daemon.agent import run_agent
 
         tune_gc()
-        return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides))
+        return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides, config_named=named))
     parser.error(f"unknown command {cmd}")
 
 
@@ -405,13 +414,16 @@ def add_flow_arguments(sp: argparse.ArgumentParser) -> None:
                         help=f"only records whose {name} matches (repeat for any of several)")
 
 
-def flows_command(args: argparse.Namespace) -> int:
-    """``agentd flows``: GET /flows, streamed; each record printed as it arrives."""
+def flows_command(args: argparse.Namespace, token_file: Path) -> int:
+    """``agentd flows``: GET /flows, streamed; each record printed as it arrives.  What the
+    agent gathers from other nodes (``-A``, ``--node``) needs the API token: sent when this
+    user can read ``token_file`` (root, ``[api] token_group``)."""
     import http.client
     import urllib.error
     import urllib.parse
     import urllib.request
 
+    from agentd.daemon.auth import TokenFileError, bearer_header, read_token_file
     from agentd.flows.model import FilterError, FlowFilter
     from agentd.flows.render import line
 
@@ -430,13 +442,20 @@ def flows_command(args: argparse.Namespace) -> int:
         query.append(("cluster", "1"))
     url = args.api.rstrip("/") + "/flows?" + urllib.parse.urlencode(query)
     try:
-        resp = urllib.request.urlopen(url, timeout=None if args.follow else 30)  # noqa: S310 (operator-given URL)
+        headers, unreadable = bearer_header(read_token_file(token_file)), None
+    except TokenFileError as err:  # needed only to gather from other nodes
+        headers, unreadable = {}, err
+    try:
+        req = urllib.request.Request(url, headers=headers)
+        resp = urllib.request.urlopen(req, timeout=None if args.follow else 30)  # noqa: S310 (operator-given URL)
     except urllib.error.HTTPError as err:
         body = err.read().decode(errors="replace")
         try:
             body = json.loads(body).get("error", body)
         except (ValueError, AttributeError):
             pass
+        if err.code == 401 and unreadable is not None:
+            body = f"other nodes' records need the API token, and {unreadable}"
         sys.stderr.write(f"agentd flows: {url}: {err.code} {body}\n")
         return 1
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
@@ -460,12 +479,30 @@ def flows_command(args: argparse.Namespace) -> int:
                     sys.stderr.write(f"agentd flows: {what}\n")
                     continue
                 print(json.dumps(record) if args.output == "json" else line(record), flush=args.follow)
-    except KeyboardInterrupt:
-        return 0
-    except (http.client.HTTPException, OSError) as err:
+    except BrokenPipeError:  # our reader went (`| head`): main() ends quietly, 141
+        raise
+    except (http.client.HTTPException, OSError) as err:  # Ctrl-C is main()'s too: 130
         sys.stderr.write(f"agentd flows: the stream from {args.api} broke: {err}\n")
         return 1
     return 1 if errors else 0  # some node could not be asked: what was printed is not everything
+
+
+def ui_command(cfg: Any) -> int:
+    """``agentd ui``: the address of the browser view on this node, with its key (the API
+    token's read-only derivative, agentd/daemon/auth.py), for a browser here or through
+    ``ssh -L 9099:127.0.0.1:9099 NODE``."""
+    from agentd.daemon.auth import TokenFileError, read_token_file, ui_key
+
+    try:
+        token = read_token_file(cfg.api.token_file)
+    except TokenFileError as err:
+        sys.stderr.write(f"agentd ui: {err}\n")
+        return 1
+    host = str(cfg.api.listen.host)
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    print(f"http://{'[' + host + ']' if ':' in host else host}:{cfg.api.listen.port}/ui/?key={ui_key(token)}")
+    return 0
 
 
 def _api_error(err: Any) -> str:

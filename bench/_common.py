@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -82,18 +83,22 @@ def write_json(path: str | None, obj: object) -> None:
 
 def run_main(main: Callable[[], int | None], name: str, errors: tuple[type[BaseException], ...] = ()) -> None:
     """``sys.exit(main())`` with the benches' conventions: a :class:`BenchError` (or one of
-    ``errors``, e.g. the lab's) is one line on stderr and exit 1; Ctrl-C exits 130; a closed
-    pipe (``| head``) ends quietly."""
+    ``errors``, e.g. the lab's) is one line on stderr and exit 1; Ctrl-C exits 130 and a closed
+    pipe (``| head``) 141, quietly, by ``agentd``'s own rule (agentd.cli.main)."""
+    from agentd.cli import closed_stdout
+
     try:
-        code = main()
+        try:
+            code = main()
+        finally:
+            sys.stdout.flush()  # buffered output meets a closed pipe here, not at exit
     except (BenchError, *errors) as err:
         print(f"{name}: {err}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        code = 130
+        code = 128 + signal.SIGINT
     except BrokenPipeError:
-        sys.stdout = None  # nothing more can reach the reader; do not complain at exit
-        code = 0
+        code = closed_stdout()
     sys.exit(code or 0)
 
 

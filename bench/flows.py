@@ -1,6 +1,6 @@
 """What flow records cost: recording on vs. off, side by side, and a drop storm.
 
-    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--quick] [--json FILE]
+    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--drops 20] [--quick] [--json FILE]
 
 One 2-node lab (host-gw): a client pod on node1, a server pod and a second client on node2.
 Both agents run alternately with ``[flows] enabled = false`` and ``true`` (restarted between
@@ -18,6 +18,12 @@ quiet baseline it measures node2's agent: API latency (GET /status, median and w
 policy change latency (apply one NetworkPolicy -> node2 has it in the kernel), RSS before and
 after, and what was recorded and suppressed.  Goal: neither slower nor bigger.
 
+``drop -> followed stream``: with recording on and the server isolated, the client on node2
+that the policy denies connects to a new port of the server ``--drops`` times; for each, the
+time from the client's attempt to the drop's record on a followed ``GET /flows`` stream of
+node2's own API, and of node1's gathering every node (``cluster=1``, through node2's read-only
+listener).  Goal: within a second (docs/observability.md).
+
 ``ring memory``: the bytes one node's full ring (``[flows] ring_size``, 10,000 records) takes,
 measured with tracemalloc on records built by the recorder's own classes (50 pods).
 
@@ -28,10 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -162,12 +172,83 @@ print(sent, time.monotonic() - start)
 """
 
 
-async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: float) -> dict[str, Any]:
-    deny = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "isolate-server", "namespace": NS},
-            "spec": {"podSelector": {"matchLabels": {"app": "server"}}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}]}]}}  # fmt: skip
-    revision = await res.apply([deny])
+DENY = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "isolate-server", "namespace": NS},
+        "spec": {"podSelector": {"matchLabels": {"app": "server"}}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}]}]}}  # fmt: skip
+
+
+async def isolate_server(lab: Lab, res: Any) -> None:
+    revision = await res.apply([DENY])
     while (lab.nodes[1].api_or_none("/policy?view=summary") or {}).get("revision", 0) < revision:
         await asyncio.sleep(0.05)
+
+
+class Followed:
+    """A followed ``GET /flows`` in a node's namespace: each record with when it arrived."""
+
+    def __init__(self, node: Any, query: str, token: str | None = None) -> None:
+        self.records: list[tuple[float, dict[str, Any]]] = []
+        with node.ns.entered():  # the socket belongs to the node's namespace from here on
+            self.sock = socket.create_connection(("127.0.0.1", 9099), timeout=60)
+        auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        self.sock.sendall(f"GET /flows?{query} HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}\r\n".encode())
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        buf = b""
+        with contextlib.suppress(OSError):
+            while chunk := self.sock.recv(65536):
+                now = time.monotonic()
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"{"):
+                        self.records.append((now, json.loads(line)))
+
+    def arrival(self, port: int) -> float | None:
+        return next((t for t, r in self.records if r.get("dst", {}).get("port") == port), None)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(10)
+
+
+async def drop_latency(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], samples: int) -> dict[str, list[float]]:
+    """Seconds from a denied connection attempt to its record on node2's followed stream and on
+    node1's followed cluster stream, ``samples`` times (a new port each: its own limiter key)."""
+    node1, node2 = lab.nodes
+    query = f"follow=1&last=0&verdict=dropped&from-pod={NS}/local"
+    streams = {"node": Followed(node2, query), "cluster": Followed(node1, query + "&cluster=1",
+                                                                   node1.token_path.read_text().strip())}
+    out: dict[str, list[float]] = {"node": [], "cluster": []}
+    try:
+        port = 20000
+        deadline = time.monotonic() + 30
+        while not all(s.arrival(port) for s in streams.values()):  # until both streams carry drops
+            if time.monotonic() > deadline:
+                raise BenchError("no drop record reached the followed streams within 30 s")
+            port += 1
+            await echo["local"].tcp(pods["server"].ip, port, timeout=0.3)
+        for k in range(samples):
+            port += 1
+            start = time.monotonic()
+            await echo["local"].tcp(pods["server"].ip, port, timeout=0.3)
+            while not all(s.arrival(port) for s in streams.values()):
+                if time.monotonic() - start > 10:
+                    raise BenchError(f"the drop to port {port} did not reach both followed streams within 10 s")
+                await asyncio.sleep(0.01)
+            for name, stream in streams.items():
+                out[name].append(stream.arrival(port) - start)  # type: ignore[operator]
+    finally:
+        for stream in streams.values():
+            stream.close()
+    return out
+
+
+async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: float) -> dict[str, Any]:
+    await isolate_server(lab, res)
     quiet = await agent_probe(lab, res, 0)
     before = lab.nodes[1].api("/status")["flows"]
     proc = await asyncio.create_subprocess_exec(
@@ -211,10 +292,14 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     runs[mode].append(got)
                     print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
         res = await lab.resources()
+        await isolate_server(lab, res)
+        latency = await drop_latency(lab, pods, echo, args.drops)
+        print(f"[drop latency] {latency}", file=sys.stderr, flush=True)
         storm_result = await storm(lab, pods, res, args.storm_pps, args.storm_seconds)
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
         ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]
-        return {"runs": runs, "storm": storm_result, "ring_bytes": ring_memory(ring_size), "ring_size": ring_size}
+        return {"runs": runs, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
+                "ring_size": ring_size}
     finally:
         for e in echo.values():
             await e.close()
@@ -236,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of off and on (default 2, medians)")
     ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
     ap.add_argument("--storm-seconds", type=float, default=5.0, help="length of the storm (default 5)")
-    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "storm_seconds": 3.0})
-    if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1:
-        ap.error("--seconds, --rounds and --storm-pps must be at least 1")
+    ap.add_argument("--drops", type=int, default=20, help="denied connections timed to the followed streams (default 20)")
+    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "storm_seconds": 3.0, "drops": 5})
+    if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1 or args.drops < 1:
+        ap.error("--seconds, --rounds, --storm-pps and --drops must be at least 1")
     require_root("bench/flows.py")
     r = asyncio.run(amain(args))
     write_json(args.json, r)
@@ -258,6 +344,12 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
                      "met" if ratio >= goal else "NOT met"])
     print_table(f"Flow recording off vs on: 2-node lab, host-gw, medians of {args.rounds} round(s) of {args.seconds:.0f} s "
                 f"({load()})", ["what", "off", "on", "on/off", "goal", ""], rows)
+    lat = r["drop_latency"]
+    print_table(f"Drop -> followed GET /flows: {len(lat['node'])} denied connections from node2's client pod "
+                "(ms from the attempt to the record)", ["stream", "median", "worst", "goal", ""],
+                [[label, f"{statistics.median(lat[key]) * 1000:.0f}", f"{max(lat[key]) * 1000:.0f}", "<= 1000",
+                  "met" if max(lat[key]) <= 1.0 else "NOT met"]
+                 for label, key in (("node2's own", "node"), ("node1's, gathering every node", "cluster"))])  # fmt: skip
     s = r["storm"]
     q, d = s["quiet"], s["during"]
     print_table(f"Drop storm: {s['sent']:,} denied UDP packets at {s['pps']:,.0f}/s into node2's isolated server pod",

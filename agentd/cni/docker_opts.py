@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
-from agentd.cni.netconf import DEFAULT_SUBNET_FILE, SubnetFile, SubnetFileError, _atomic_write, read_subnet_file
+from agentd.cni.netconf import SubnetFile, SubnetFileError, atomic_write, read_subnet_file
 
 FORMATS = ("env", "args", "json")
 
@@ -46,8 +45,8 @@ def render(options: dict[str, Any], fmt: str, key: str = "DOCKER_OPTS") -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--subnet-file",
-        default=os.environ.get("AGENTD_CNI_SUBNET_FILE") or DEFAULT_SUBNET_FILE,
-        help=f"the agent's subnet file ([cni] subnet_file; default {DEFAULT_SUBNET_FILE})",
+        help="the agent's subnet file (default: [cni] subnet_file of the configuration: --config, "
+             "$AGENTD_CONFIG or the default file, and AGENTD_CNI_SUBNET_FILE)",
     )
     p.add_argument("--format", choices=FORMATS, default="env",
                    help="env: KEY=\"--bip=...\" (default); args: the options alone; json: a daemon.json fragment")
@@ -56,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``args.subnet_file``: the flag's, or the configuration's (the CLI puts it there)."""
     try:
         sf = read_subnet_file(args.subnet_file)
     except FileNotFoundError:
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     text = render(docker_options(sf), args.format, args.key)
     if args.output:
         try:
-            _atomic_write(args.output, text, mode=0o644)
+            atomic_write(args.output, text, mode=0o644)
         except OSError as err:
             print(f"agentd docker-opts: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
             return 1

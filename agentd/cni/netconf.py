@@ -254,7 +254,7 @@ def read_subnet_file(path: str | os.PathLike[str]) -> SubnetFile:
 
 def write_subnet_file(path: str | os.PathLike[str], sf: SubnetFile) -> None:
     """Write the subnet file atomically (temp file + rename), creating its directory."""
-    _atomic_write(os.fspath(path), render_subnet_file(sf), mode=0o644)
+    atomic_write(os.fspath(path), render_subnet_file(sf), mode=0o644)
 
 
 def conflist(
@@ -338,7 +338,7 @@ def write_conflist(
         bin_dir=bin_dir,
     )
     path = os.path.join(os.fspath(conf_dir), CONFLIST_NAME)
-    _atomic_write(path, json.dumps(doc, indent=2) + "\n", mode=0o644)
+    atomic_write(path, json.dumps(doc, indent=2) + "\n", mode=0o644)
     return path
 
 
@@ -385,7 +385,9 @@ def delegate_config(netconf: dict[str, Any], sf: SubnetFile) -> dict[str, Any]:
     return delegate
 
 
-def _atomic_write(path: str, text: str, *, mode: int) -> None:
+def atomic_write(path: str, text: str, *, mode: int) -> None:
+    """``text`` in ``path`` with ``mode``: a new file, synced and renamed over the old one, so a
+    reader sees the old content or the new, never half of it."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")

@@ -163,6 +163,7 @@ def main() -> int:
         # so that the interpreter's last flush at exit does not fail once more.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
         return 128 + signal.SIGINT

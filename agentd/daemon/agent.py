@@ -3,7 +3,8 @@
 Start-up order (nothing on the system is touched before the configuration, already
 validated by the CLI, and the underlay interface check pass):
 
-1. the API (so /healthz and /readyz answer while the rest comes up);
+1. the API (so /healthz and /readyz answer while the rest comes up), then its token file
+   (so a second agent on this host, which cannot have the API, stops before it replaces it);
 2. the route programmer, which ADOPTS the kernel routes a previous run left (no flush);
    finding some means we are restarting, so BGP advertises Restart State (RFC 4724);
 3. etcd: cluster config (first writer wins), our subnets -- one per pod family of the
@@ -71,9 +72,13 @@ class AgentError(RuntimeError):
 
 
 class Agent:
-    def __init__(self, cfg: Config, *, config_path: str | None = None, overrides: dict | None = None) -> None:
+    def __init__(self, cfg: Config, *, config_path: str | None = None, overrides: dict | None = None,
+                 config_named: bool = True) -> None:
+        """``config_named``: the file was named (``--config``, ``AGENTD_CONFIG``), so it must be
+        there at every reload; the default file may be missing (defaults and environment)."""
         self.cfg = cfg
         self.config_path = config_path
+        self.config_named = config_named
         self.overrides = overrides or {}
         self.name = cfg.node.name or "node"
         # The node's primary underlay address: IPv4, or IPv6 in an IPv6-only cluster.
@@ -133,16 +138,19 @@ class Agent:
                       "IPv6 link must carry (RFC 8200 §5)", self.pod_mtu, self.underlay.ifname, self.underlay.mtu,
                       self.cfg.network.backend, IPV6_MIN_MTU)
             return 1
-        try:  # a new API token for this run: POST /leave needs it (agentd/daemon/auth.py)
-            self.api.token = await asyncio.to_thread(auth.write_token_file, self.cfg.api.token_file, self.cfg.api.token_group)
-        except auth.TokenFileError as err:
-            log.error("%s", err)
-            return 1
+        # The API first: an agent that cannot have it (another agent runs here) stops before it
+        # touches anything, that agent's token file included.  Until the token is written the
+        # API accepts no changes (auth.guard: no token, no POST).
         try:
             await self.api.start()
         except OSError as err:  # the port is taken, the address is not ours
             log.error("cannot serve the API on %s ([api] listen): %s", self.cfg.api.listen, err.strerror or err)
-            auth.remove_token_file(self.cfg.api.token_file, self.api.token)
+            return 1
+        try:  # a new API token for this run: POST /leave needs it (agentd/daemon/auth.py)
+            self.api.token = await asyncio.to_thread(auth.write_token_file, self.cfg.api.token_file, self.cfg.api.token_group)
+        except auth.TokenFileError as err:
+            log.error("%s", err)
+            await self.api.stop()
             return 1
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -168,6 +176,9 @@ class Agent:
                 self.supervisor.start("services", self.services.run)
             if self.observe.recorder is not None:
                 self.supervisor.start("flows", self.observe.recorder.run)
+            if self.datastore is not None:  # the read token; then the read-only listener
+                self.supervisor.start("cluster-token",
+                                      lambda: self.observe.keep_read_token(self.datastore, self._start_read_api))
             if self.ingress is not None:
                 self.supervisor.start("ingress", self.ingress.run)
             self.supervisor.start("readiness", self._readiness_loop)
@@ -238,13 +249,6 @@ class Agent:
             self._problems.append(f"services not translated: {err}")
             self.services = None
         await self.observe.open_flows(self.policy, self.services, self.registry)
-        await self.observe.open_cluster(self.datastore)
-        if self.read_api is not None and self.observe.cluster.token is not None:
-            try:
-                await self.read_api.start()
-            except OSError as err:
-                log.warning("the cluster listener on %s:%d is off: %s", self.address, self.cfg.api.cluster_port, err)
-                self.read_api = None
         if cfg.ingress.enabled:  # Ingress: the proxy starts once the resources are read
             addresses = [str(a) for a in cfg.ingress.addresses] or [str(self.address)]
             self.ingress = IngressController(self.name, self.datastore, cfg.ingress, addresses, cfg.agent.state_dir)
@@ -334,6 +338,16 @@ class Agent:
             auth.remove_token_file(self.cfg.api.token_file, self.api.token)
         self.notifier.close()
 
+    async def _start_read_api(self) -> None:
+        """The read-only listener other nodes gather from, once there is a read token."""
+        if self.read_api is None or self.read_api.running:
+            return
+        try:
+            await self.read_api.start()
+        except OSError as err:
+            raise OSError(f"cannot serve the cluster listener on {self.address}:{self.cfg.api.cluster_port}: "
+                          f"{err.strerror or err}") from None
+
     def _node_addresses(self) -> dict[str, str]:
         """The nodes of the registry as this agent read it, by name (the cluster view asks them)."""
         out = {name: str(rec.address) for name, rec in self.peering.nodes.items()}
@@ -397,8 +411,9 @@ class Agent:
         """SIGHUP: re-read the configuration; external peers and the log level change live."""
         if self.config_path is None:
             return
-        try:
-            cfg = load_config(self.config_path, overrides=self.overrides, host=LocalHost())
+        try:  # a file named at start (flag, AGENTD_CONFIG) that is gone now is a failed reload, not the defaults
+            cfg = load_config(self.config_path, overrides=self.overrides, require_file=self.config_named,
+                              host=LocalHost())
         except ConfigError as err:
             log.error("reload failed, keeping the running configuration: %s", err)
             return
@@ -535,8 +550,9 @@ def datastore_for(cfg: Config) -> Datastore:
     )
 
 
-async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: dict | None = None) -> int:
-    agent = Agent(cfg, config_path=config_path, overrides=overrides)
+async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: dict | None = None,
+                    config_named: bool = True) -> int:
+    agent = Agent(cfg, config_path=config_path, overrides=overrides, config_named=config_named)
     return await agent.run()
 
 

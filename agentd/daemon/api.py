@@ -19,10 +19,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from bgp import Speaker
 
 from agentd.daemon import auth
-from agentd.daemon import web as observability
+from agentd.daemon import observe_api
 from agentd.daemon.bgp_json import RibQuery
 
 log = logging.getLogger("agentd.api")
+
+# Seconds a request in flight has to finish when the API stops (then it is cancelled): a
+# followed GET /flows never ends by itself, and the agent must not wait aiohttp's 60 s for it.
+SHUTDOWN_GRACE = 2.0
 
 
 class StatusProvider(Protocol):
@@ -74,8 +78,11 @@ class ApiServer:
         self._site: web.TCPSite | None = None
         self.token = token
         read_only = read_token is not None
-        guard = auth.read_guard(read_token) if read_token is not None else auth.guard(lambda: self.token)
-        app = web.Application(middlewares=[guard])
+        if read_token is not None:
+            middlewares = [auth.read_guard(read_token)]
+        else:  # loopback's: DNS rebinding, then changes
+            middlewares = [auth.host_guard(host), auth.guard(lambda: self.token)]
+        app = web.Application(middlewares=middlewares)
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
@@ -91,15 +98,21 @@ class ApiServer:
                 web.get("/ingress", self._ingress),  # Ingress
             ]
         )
-        if hasattr(provider, "flows_view"):  # flows, the cluster view, /ui/ (agentd/daemon/web.py)
-            observability.add_routes(app, provider, read_only=read_only)  # type: ignore[arg-type]
+        if hasattr(provider, "flows_view"):  # flows, the cluster view, /ui/ (agentd/daemon/observe_api.py)
+            observe_api.add_routes(app, provider, read_only=read_only,  # type: ignore[arg-type]
+                                   token_of=lambda: self.token)
         self.app = app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
-        await self._site.start()
+        try:
+            await self._site.start()
+        except OSError:  # the port is taken, the address is not ours: nothing is left half made
+            await self._runner.cleanup()
+            self._runner = self._site = None
+            raise
         if self.port == 0:
             server = self._site._server  # the bound port, for tests that ask for port 0
             sockets = getattr(server, "sockets", None) or []
@@ -107,10 +120,14 @@ class ApiServer:
                 self.port = sockets[0].getsockname()[1]
         log.info("API listening on http://%s:%d", self.host, self.port)
 
+    @property
+    def running(self) -> bool:
+        return self._site is not None
+
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-            self._runner = None
+            self._runner = self._site = None
 
     @property
     def url(self) -> str:

@@ -15,6 +15,17 @@ The file is replaced atomically (a new file renamed over the old one), so a read
 old token or the new one, never a half-written one; an agent removes it when it stops, if it
 still holds its own token.
 
+What this agent gathers from the other nodes (``GET /cluster``, ``/nodes/NODE/...`` of
+another node, ``/flows?cluster=1``: the cluster view) needs a credential too, since the
+cluster read token guards the same data on the other nodes (:func:`may_read_cluster`): the
+API token, or the browser view's key derived from it (:func:`ui_key`; ``agentd ui`` prints
+the address with it), which reads and never changes anything.  What this node alone knows
+stays open to this host, as ``/status`` and ``/metrics`` are.
+
+Every request to the loopback API must name it in its Host header (:func:`host_guard`): an
+address, ``localhost`` or the ``[api] listen`` host.  A web page of another site that has its
+own name resolve to 127.0.0.1 (DNS rebinding) sends that name, and is refused.
+
 The read-only cluster listener (:mod:`agentd.daemon.cluster`: the node's address, ``[api]
 cluster_port``) is the other door: GET and HEAD only, each with the cluster read token
 (:func:`read_guard`); it changes nothing, so the API token never leaves loopback.
@@ -22,6 +33,7 @@ cluster_port``) is the other door: GET and HEAD only, each with the cluster read
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import grp
@@ -164,6 +176,69 @@ def guard(token_of: Callable[[], str | None]) -> Any:
             return _refuse(401, "this request needs the API token ([api] token_file) as Authorization: Bearer")
         if not hmac.compare_digest(given.strip().encode(), token.encode()):
             return _refuse(401, "wrong API token ([api] token_file holds the running agent's)", error="invalid_token")
+        return await handler(request)
+
+    return middleware
+
+
+UI_KEY_PURPOSE = b"agentd ui: read the cluster through this agent"
+
+
+def ui_key(token: str) -> str:
+    """The browser view's key: HMAC-SHA256 of a fixed purpose under this run's API token --
+    it changes with the token, and does not give the token away (it cannot POST)."""
+    digest = hmac.new(token.encode(), UI_KEY_PURPOSE, "sha256").digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def may_read_cluster(authorization: str, token: str | None) -> bool:
+    """``Authorization: Bearer`` with the API token or its :func:`ui_key` (a process that runs
+    no agent -- ``agentd speaker`` -- gathers nothing)."""
+    scheme, _, given = authorization.partition(" ")
+    if token is None or scheme.lower() != "bearer" or not given.strip():
+        return False
+    presented = given.strip().encode()
+    # Both compared, in constant time each, whichever matches.
+    as_token = hmac.compare_digest(presented, token.encode())
+    as_key = hmac.compare_digest(presented, ui_key(token).encode())
+    return as_token or as_key
+
+
+def refuse_cluster_read() -> web.Response:
+    return _refuse(401, "the cluster view needs the API token ([api] token_file) or the browser view's key "
+                        "(agentd ui prints the address with it) as Authorization: Bearer")
+
+
+def allowed_host(host: str | None, listen_host: str) -> bool:
+    """The Host header names this API: an address (what no rebinding page can be served
+    from), ``localhost``, or the ``[api] listen`` host; a request without one (HTTP/1.0) too."""
+    if host is None:
+        return True
+    name = host.strip()
+    if name.startswith("["):  # [v6]:port
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:  # name:port
+        name = name.partition(":")[0]
+    name = name.rstrip(".").lower()
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    return name == "localhost" or name == listen_host.strip("[]").rstrip(".").lower()
+
+
+def host_guard(listen_host: str) -> Any:
+    """An aiohttp middleware: every request names this API in its Host (:func:`allowed_host`),
+    421 Misdirected Request otherwise (RFC 9110 15.5.20), before anything is read or done."""
+    from aiohttp import web
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        host = request.headers.get("Host")
+        if not allowed_host(host, listen_host):
+            return web.json_response({"error": f"Host {host!r} is not this API: ask it by address or as localhost"},
+                                     status=421)
         return await handler(request)
 
     return middleware

@@ -3,17 +3,20 @@
 
 Each agent serves its own GET endpoints a second time on a **read-only listener**, on its
 node's address at ``[api] cluster_port`` (9098), where only other agents come: no POST, no
-``/ui/``, no relay, and every request must carry the **cluster read token**
-(``Authorization: Bearer <token>``; 401 without it, compared in constant time).  The token is
-``[api] read_token_file``, or the one the agents keep in etcd (both checked by
-:func:`agentd.daemon.auth.read_guard`) (``<prefix>/cluster/read-token``,
-made by the first agent that starts: whoever can read etcd has the cluster anyway).
+``/ui/``, and no relay (``GET /flows`` there is that node's own records, whatever the
+filter), and every request must carry the **cluster read token** (``Authorization: Bearer
+<token>``; 401 without it, compared in constant time by :func:`agentd.daemon.auth.read_guard`).
+The token is ``[api] read_token_file``, or else the one the agents keep in etcd
+(``<prefix>/cluster/read-token``, made by the first agent that starts: whoever can read etcd
+has the cluster anyway); agents follow that key, so a token deleted there is replaced by a
+new one on every node (agentd/daemon/observe.py).
 
 The agent a person talks to (its loopback API: the browser, ``agentd flows``) gathers from the
 others over the underlay with that token -- the nodes it knows from the node registry in
 etcd, each at its ``[node] address`` and the same ``cluster_port`` -- and relays: the token
 never reaches the browser, and mutating endpoints stay on loopback (and behind their own
-credential).  A node that does not answer within ``TIMEOUT`` is shown as unreachable with
+credential).  A node that does not answer a gathered GET within ``TIMEOUT`` (a followed
+stream: ``FOLLOW_IDLE`` without a byte, keep-alives included) is shown as unreachable with
 the reason; nothing is cached, so every answer is the nodes' own data at that moment.
 """
 
@@ -29,28 +32,41 @@ import aiohttp
 
 log = logging.getLogger("agentd.cluster")
 
-TIMEOUT = 3.0  # seconds a node has to answer a gathered GET
+TIMEOUT = 3.0  # seconds a node has to answer a gathered GET (to connect, and between two reads)
+GATHER_TOTAL = 60.0  # seconds a gathered answer may take in all (the last 100,000 records of a node)
+KEEPALIVE = 10.0  # seconds between empty lines on a quiet followed stream (proxies close idle ones)
+FOLLOW_IDLE = 2.5 * KEEPALIVE  # seconds without a byte after which a followed node counts as gone
 RELAYED = ("status", "peers", "routes", "policy", "services", "flows", "rib", "metrics", "healthz", "readyz")
+
+
+class NodeAnswered(OSError):
+    """A node answered, but not 200: ``status`` and what it said."""
+
+    def __init__(self, node: str, status: int, body: bytes) -> None:
+        super().__init__(f"{node} answered {status}: {body[:200].decode(errors='replace').strip()}")
+        self.status = status
 
 
 class ClusterView:
     """Gathers from the other nodes' read-only listeners (the local node answers itself)."""
 
-    def __init__(self, me: str, nodes: Callable[[], dict[str, str]], port: int) -> None:
+    def __init__(self, me: str, nodes: Callable[[], dict[str, str]], port: int, *,
+                 follow_idle: float = FOLLOW_IDLE) -> None:
         """``nodes()``: node name -> underlay address, as the registry in etcd says now."""
         self.me = me
         self.nodes = nodes
         self.port = port
-        self.token: str | None = None
+        self.follow_idle = follow_idle
+        self.token: str | None = None  # may change while running (observe.py follows etcd)
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT, sock_read=None),
-                headers={"Authorization": f"Bearer {self.token}"} if self.token else None,
-            )
+            self._session = aiohttp.ClientSession()
         return self._session
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     async def close(self) -> None:
         if self._session is not None:
@@ -64,33 +80,48 @@ class ClusterView:
         host = f"[{address}]" if ":" in address else address
         return f"http://{host}:{self.port}{path}"
 
-    async def get_json(self, node: str, path: str) -> Any:
-        """One node's answer to ``GET path`` (raises OSError/ValueError/KeyError with the reason)."""
+    def _check(self) -> None:
         if not self.port or self.token is None:
             raise OSError("the cluster listener is off ([api] cluster_port = 0) or no read token yet")
+
+    async def get(self, node: str, path: str) -> tuple[int, str, bytes]:
+        """One node's answer to ``GET path`` as it is: (status, content type, body); raises
+        OSError (unreachable, too slow) or KeyError (no such node)."""
+        self._check()
+        timeout = aiohttp.ClientTimeout(total=TIMEOUT, sock_connect=TIMEOUT, sock_read=TIMEOUT)
         try:
-            async with self._client().get(self.url(node, path), timeout=aiohttp.ClientTimeout(total=TIMEOUT)) as resp:
-                body = await resp.read()
-                if resp.status != 200:
-                    raise OSError(f"{node} answered {resp.status}: {body[:200].decode(errors='replace').strip()}")
-                return json.loads(body)
+            async with self._client().get(self.url(node, path), headers=self._headers(), timeout=timeout) as resp:
+                return resp.status, resp.headers.get("Content-Type", "application/octet-stream"), await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             raise OSError(f"{node} unreachable: {type(err).__name__} {err}".strip()) from None
 
-    async def lines(self, node: str, path: str) -> AsyncIterator[bytes]:
-        """The NDJSON lines of one node's streamed answer (``GET /flows?follow=1``)."""
-        if not self.port or self.token is None:
-            raise OSError("the cluster listener is off or no read token yet")
+    async def get_json(self, node: str, path: str) -> Any:
+        """One node's JSON answer to ``GET path`` (raises OSError/ValueError/KeyError with the reason)."""
+        status, _, body = await self.get(node, path)
+        if status != 200:
+            raise NodeAnswered(node, status, body)
+        return json.loads(body)
+
+    async def lines(self, node: str, path: str, *, follow: bool = False) -> AsyncIterator[bytes]:
+        """The NDJSON lines of one node's streamed answer (``GET /flows``).  A gathered answer
+        must keep coming (``TIMEOUT`` between reads, ``GATHER_TOTAL`` in all); a followed one
+        (``follow``) may be quiet, but not for ``follow_idle`` (its keep-alives count)."""
+        self._check()
+        if follow:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT, sock_read=self.follow_idle)
+        else:
+            timeout = aiohttp.ClientTimeout(total=GATHER_TOTAL, sock_connect=TIMEOUT, sock_read=TIMEOUT)
         try:
-            async with self._client().get(self.url(node, path)) as resp:
+            async with self._client().get(self.url(node, path), headers=self._headers(), timeout=timeout) as resp:
                 if resp.status != 200:
-                    body = await resp.read()
-                    raise OSError(f"{node} answered {resp.status}: {body[:200].decode(errors='replace').strip()}")
+                    raise NodeAnswered(node, resp.status, await resp.read())
                 async for line in resp.content:
                     if line.strip():
                         yield line
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            raise OSError(f"{node} unreachable: {type(err).__name__} {err}".strip()) from None
+            what = f"nothing for {self.follow_idle:g}s" if follow and isinstance(err, asyncio.TimeoutError) else \
+                f"{type(err).__name__} {err}".strip()
+            raise OSError(f"{node} unreachable: {what}") from None
 
     async def gather(self, path: str, local: Callable[[], Any], nodes: list[str] | None = None) -> dict[str, Any]:
         """``{node: answer}`` of every (or each named) node; an unreachable one maps to

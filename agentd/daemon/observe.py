@@ -2,8 +2,8 @@
 
 :class:`Observability` is the agent's part for both: it opens the flow recorder
 (agentd/flows) with a directory over the policy and services agents, its metrics, and the
-cluster view (agentd/daemon/cluster.py) with the read token and the read-only listener on
-the node's address.  Neither is needed for the node to route: a failure turns the part off
+cluster view (agentd/daemon/cluster.py) with the read token (kept in step with etcd) and the
+read-only listener on the node's address.  Neither is needed for the node to route: a failure turns the part off
 with one line saying why (``GET /status`` -> ``flows``), the agent carries on.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -27,6 +28,9 @@ from agentd.policy.agent import PolicyAgent
 from agentd.services.agent import ServiceAgent
 
 log = logging.getLogger("agentd")
+
+TOKEN_RETRY_FIRST = 1.0  # seconds before the read token is tried again; doubled each time, up to
+TOKEN_RETRY_MAX = 15.0
 
 
 def drop_log(cfg: Config) -> DropLog | None:
@@ -74,16 +78,39 @@ class Observability:
         log.info("flow records on: conntrack events and drops logged to NFLOG group %d, %d records kept",
                  cfg.flows.log_group, cfg.flows.ring_size)
 
-    async def open_cluster(self, datastore: Datastore) -> None:
-        """The read token: ``[api] read_token_file``, else the cluster's in etcd."""
+    async def keep_read_token(self, datastore: Datastore, on_token: Callable[[], Awaitable[None]]) -> None:
+        """The cluster read token, got and kept (a supervised task): ``[api] read_token_file``
+        (read again until it can be), else the cluster's in etcd, followed there -- a token
+        deleted there is replaced (one agent stores a new one, the others take it: first writer
+        wins), a changed one taken.  ``on_token()`` once there is one (it starts the read-only
+        listener).  While there is none -- etcd unreachable at start, a record that is no
+        token -- the node routes as ever, and this says so once and keeps trying."""
         path = self.cfg.api.read_token_file
-        try:
-            if path is not None:
-                self.cluster.token = await asyncio.to_thread(read_line_token, path)
-            else:
-                self.cluster.token = await datastore.ensure_read_token(new_token())
-        except Exception as err:  # noqa: BLE001 - etcd unreachable, a bad record: the node routes anyway
-            log.warning("the cluster view is off here: %s", err)
+        delay, said = TOKEN_RETRY_FIRST, None
+        while True:
+            try:
+                if path is not None:
+                    self._use(await asyncio.to_thread(read_line_token, path))
+                    await on_token()
+                    return  # a file: the operator's, read at start
+                async for stored in datastore.watch_read_token():
+                    if stored is None:  # none (deleted, or never stored): ours, unless another agent's came first
+                        stored = await datastore.ensure_read_token(new_token())
+                    self._use(stored)
+                    await on_token()
+                    delay, said = TOKEN_RETRY_FIRST, None
+            except Exception as err:  # noqa: BLE001 - etcd unreachable, the file unreadable, the port taken
+                if str(err) != said:
+                    log.warning("the cluster view is off here for now: %s (trying again)", err)
+                    said = str(err)
+                await asyncio.sleep(delay)
+                delay = min(TOKEN_RETRY_MAX, delay * 2)
+
+    def _use(self, token: str) -> None:
+        if token != self.cluster.token:
+            if self.cluster.token is not None:
+                log.info("the cluster read token changed: other nodes are asked with the new one")
+            self.cluster.token = token
 
     def status(self) -> dict[str, Any]:
         if self.views is None:

@@ -171,7 +171,7 @@ class AgentViews:
         return self.agent.name
 
     def flows_view(self) -> FlowViews | None:
-        """GET /flows (agentd/daemon/web.py); None where flow records are off."""
+        """GET /flows (agentd/daemon/observe_api.py); None where flow records are off."""
         return self.agent.observe.views
 
     def cluster_view(self) -> ClusterView | None:

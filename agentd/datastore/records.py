@@ -416,6 +416,22 @@ def config_key(prefix: str) -> bytes:
     return f"{prefix}/config".encode()
 
 
+def read_token_key(prefix: str) -> bytes:
+    """Where the cluster read token is kept (agentd/daemon/cluster.py)."""
+    return f"{prefix}/cluster/read-token".encode()
+
+
+def parse_read_token(key: bytes, raw: bytes) -> str:
+    """``{"token": "..."}``, the token; RecordError saying what to do otherwise."""
+    try:
+        stored = json.loads(raw)["token"]
+    except (ValueError, KeyError, TypeError):
+        stored = None
+    if not isinstance(stored, str) or not stored.strip():
+        raise RecordError(f'{key.decode()} is not {{"token": "..."}}: delete it and an agent stores a new one')
+    return stored.strip()
+
+
 def nodes_prefix(prefix: str) -> bytes:
     return f"{prefix}/nodes/".encode()
 

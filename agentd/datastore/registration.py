@@ -27,6 +27,8 @@ from agentd.datastore.records import (
     nodes_prefix,
     parse_node,
     parse_node_key,
+    parse_read_token,
+    read_token_key,
 )
 
 log = logging.getLogger("agentd.datastore")
@@ -91,7 +93,7 @@ class Registration:
         """The cluster's read credential at ``<prefix>/cluster/read-token`` (``{"token": ...}``,
         JSON like every other record): ``wanted`` if none is stored yet (one transaction, first
         writer wins), else the stored one."""
-        key = f"{self.prefix}/cluster/read-token".encode()
+        key = read_token_key(self.prefix)
         ok, responses = await self.connection.call(
             "store the cluster read token",
             lambda c: c.transaction(
@@ -104,14 +106,7 @@ class Registration:
         if ok:
             log.info("stored a new cluster read token at %s", key.decode())
             return wanted
-        raw = bytes(responses[0][0][0])
-        try:
-            stored = json.loads(raw)["token"]
-        except (ValueError, KeyError, TypeError):
-            stored = None
-        if not isinstance(stored, str) or not stored.strip():
-            raise RecordError(f'{key.decode()} is not {{"token": "..."}}: delete it and an agent stores a new one')
-        return stored.strip()
+        return parse_read_token(key, bytes(responses[0][0][0]))
 
     # -- our node record --------------------------------------------------------------------
 

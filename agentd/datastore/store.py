@@ -256,6 +256,11 @@ class Datastore:
         """A "snapshot" of every node, then "put"/"delete" events (see :meth:`watch_prefix`)."""
         return self.watches.watch_nodes()
 
+    def watch_read_token(self) -> AsyncIterator[str | None]:
+        """The cluster read token now and at every change (None: none stored; see
+        :meth:`agentd.datastore.watches.Watches.watch_read_token`)."""
+        return self.watches.watch_read_token()
+
     def watch_prefix(self, prefix: bytes, what: str = "watch") -> AsyncIterator[PrefixEvent]:
         """Every key under ``prefix``: a "snapshot", then a "put" or "delete" per change,
         resumed after interruptions (agentd.datastore.watches)."""

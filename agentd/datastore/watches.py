@@ -18,7 +18,7 @@ import aetcd
 
 from agentd.datastore.connection import EtcdConnection, close_quietly
 from agentd.datastore.etcd import describe, is_transient
-from agentd.datastore.records import NodeEvent, NodeRecord, nodes_prefix
+from agentd.datastore.records import NodeEvent, NodeRecord, RecordError, nodes_prefix, parse_read_token, read_token_key
 from agentd.datastore.registration import Registration
 
 log = logging.getLogger("agentd.datastore")
@@ -66,6 +66,24 @@ class Watches:
             item = registration.node_event(kv.key, kv.value, kv.mod_revision, ev.kind, nodes)
             if item is not None:
                 yield item
+
+    async def watch_read_token(self) -> AsyncIterator[str | None]:
+        """The cluster read token now, then at every change: the token, or None when there is
+        none (deleted).  A record that is no token is logged and skipped."""
+        key = read_token_key(self.prefix)
+        async for ev in self.watch_prefix(key, "read token watch"):
+            kvs = [kv for kv in ev.kvs if kv.key == key]  # the prefix would match longer keys too
+            if ev.kind == "snapshot" and not kvs:
+                yield None
+            elif not kvs:
+                continue
+            elif ev.kind == "delete":
+                yield None
+            else:
+                try:
+                    yield parse_read_token(key, kvs[0].value)
+                except RecordError as err:
+                    log.warning("%s", err)
 
     async def watch_prefix(self, prefix: bytes, what: str = "watch") -> AsyncIterator[PrefixEvent]:
         """Every key under ``prefix``: a "snapshot" (all key-values at one revision), then a

@@ -1,7 +1,8 @@
 """The node's flow records in a bounded ring, its followers, and the drop limiter.  Pure.
 
 :class:`FlowRing` keeps the last ``size`` records, numbered; ``GET /flows`` reads the last N
-that match a filter and then, following, gets every new one through a bounded queue: a
+that match a filter (:class:`LastSearch`: step by step, so a large ring never holds the
+event loop for long) and then, following, gets every new one through a bounded queue: a
 follower that does not keep up loses records (counted, and told) rather than holding memory.
 
 :class:`DropLimiter` is the agent's half of drop rate limiting (the kernel's is an nft
@@ -38,6 +39,44 @@ class Follower:
             self.lost += 1
 
 
+class LastSearch:
+    """The last ``n`` records of a snapshot that match a filter, newest first, ``step(k)``
+    records at a time: a large ring (``[flows] ring_size`` up to a million) is searched with
+    the event loop free in between, and what the ring takes in meanwhile is not in it."""
+
+    def __init__(self, records: list[Flow], flt: FlowFilter, n: int, since: float | None) -> None:
+        self.records = records  # a copy: the ring moves on while this searches
+        self.filter = flt
+        self.n = n
+        self.since = since
+        self.found: list[Flow] = []
+        self.index = len(records)  # records[index:] are searched
+        self.done = n <= 0
+
+    def step(self, k: int) -> bool:
+        """Search the next ``k`` records (older ones); True once the search is over."""
+        stop = max(0, self.index - k)
+        flt, since, found = self.filter, self.since, self.found
+        for i in range(self.index - 1, stop - 1, -1):
+            flow = self.records[i]
+            if since is not None and flow.time < since:
+                self.done = True
+                break
+            if flt.matches(flow):
+                found.append(flow)
+                if len(found) >= self.n:
+                    self.done = True
+                    break
+        self.index = stop
+        if stop == 0:
+            self.done = True
+        return self.done
+
+    def result(self) -> list[Flow]:
+        """What was found, oldest first."""
+        return self.found[::-1]
+
+
 class FlowRing:
     def __init__(self, size: int, on_record: Callable[[Flow], None] | None = None) -> None:
         self.size = size
@@ -57,14 +96,14 @@ class FlowRing:
 
     def last(self, flt: FlowFilter, n: int, *, since: float | None = None) -> list[Flow]:
         """The last ``n`` records matching ``flt`` (oldest first); ``since``: only newer ones."""
-        out: list[Flow] = []
-        for flow in reversed(self.records):
-            if len(out) >= n or (since is not None and flow.time < since):
-                break
-            if flt.matches(flow):
-                out.append(flow)
-        out.reverse()
-        return out
+        search = self.search(flt, n, since=since)
+        while not search.step(len(self.records) + 1):
+            pass
+        return search.result()
+
+    def search(self, flt: FlowFilter, n: int, *, since: float | None = None) -> LastSearch:
+        """The same, a step at a time (:class:`LastSearch`) over the ring as it is now."""
+        return LastSearch(list(self.records), flt, n, since)
 
     def follow(self, flt: FlowFilter, limit: int = 10_000) -> Follower:
         follower = Follower(flt, limit)

@@ -7,6 +7,7 @@ events were lost (conntrack, log).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .model import VERDICTS, Flow, FlowFilter
 from .recorder import FlowRecorder
-from .ring import Follower
+from .ring import Follower, LastSearch
+
+# Records a search of the ring looks at between two turns of the event loop: some milliseconds
+# (a filter's match is about a microsecond), so BGP, etcd and other requests wait no longer.
+SEARCH_STEP = 10_000
 
 
 class FlowViews:
@@ -22,8 +27,19 @@ class FlowViews:
         self.recorder = recorder
         self.kernel_suppressed = kernel_suppressed  # drops the log rules' nft limit held back
 
-    def last(self, flt: FlowFilter, n: int, since: float | None = None) -> list[Flow]:
-        return self.recorder.ring.last(flt, n, since=since)
+    def search(self, flt: FlowFilter, n: int, since: float | None = None) -> LastSearch:
+        """The last ``n`` matching records of the ring as it is now, to be searched (:meth:`finish`)."""
+        return self.recorder.ring.search(flt, n, since=since)
+
+    async def last(self, flt: FlowFilter, n: int, since: float | None = None) -> list[Flow]:
+        return await self.finish(self.search(flt, n, since))
+
+    @staticmethod
+    async def finish(search: LastSearch) -> list[Flow]:
+        """Search ``SEARCH_STEP`` records at a time, the event loop free in between."""
+        while not search.step(SEARCH_STEP):
+            await asyncio.sleep(0)
+        return search.result()
 
     def follow(self, flt: FlowFilter) -> Follower:
         return self.recorder.ring.follow(flt)

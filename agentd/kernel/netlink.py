@@ -1,8 +1,8 @@
 """A small, fast rtnetlink codec, pure (bytes in, typed values out): routes, links,
 neighbours and FDB entries, the attribute packer/parser, error acks and the nfnetlink
 header (NETLINK_NETFILTER: nf_tables in ``agentd.nft.nfnetlink``, ctnetlink in
-``agentd.services.conntrack``, both framed here) -- the core of the agent's one netlink
-stack.  Beside it: ``netlink_socket`` (the socket: batches, dumps, one request at a time),
+``netlink_ct`` and nfnetlink_log in ``netlink_log``, all framed here) -- the core of the
+agent's one netlink stack.  Beside it: ``netlink_socket`` (the socket: batches, dumps, one request at a time),
 ``netlink_links`` (device set-up: VXLAN, MTU/up, addresses), ``netlink_tc`` (clsact,
 cls_bpf) and ``rtnl`` (a blocking session for the rare requests).
 

@@ -246,8 +246,11 @@ class LabNode:
         if rc != 0:
             raise LabError(f"{self.name}: agentd leave failed: {err.decode(errors='replace').strip()}")
 
-    def api(self, path: str) -> Any:
-        return self.ns.http_json(API_URL + path, timeout=5)
+    def api(self, path: str, *, token: bool = False) -> Any:
+        """``GET path`` on the node's API; ``token``: with its API token (what the cluster
+        view -- /cluster, another node's /nodes/NODE/..., /flows?cluster=1 -- needs)."""
+        headers = {"Authorization": f"Bearer {self.token_path.read_text().strip()}"} if token else None
+        return self.ns.http_json(API_URL + path, timeout=5, headers=headers)
 
     def api_or_none(self, path: str) -> Any:
         try:

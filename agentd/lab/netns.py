@@ -175,13 +175,16 @@ class Netns:
             raise
         return sock
 
-    def http_get(self, url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-        """``GET url`` from inside the namespace; returns (status, body).  Plain HTTP/1.0 only."""
+    def http_get(self, url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """``GET url`` from inside the namespace; returns (status, body).  Plain HTTP/1.0 only;
+        ``headers`` are sent too (``Host`` among them replaces the URL's)."""
         parts = urllib.parse.urlsplit(url)
         host, port = parts.hostname or "127.0.0.1", parts.port or 80
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        fields = {"Host": host, **(headers or {}), "Connection": "close"}
+        head = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
         with self.connect(host, port, timeout) as sock:
-            sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            sock.sendall(f"GET {path} HTTP/1.0\r\n{head}\r\n".encode())
             chunks = []
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
@@ -190,9 +193,9 @@ class Netns:
         status = int(head.split(b" ", 2)[1])
         return status, body
 
-    def http_json(self, url: str, timeout: float = 5.0):
+    def http_json(self, url: str, timeout: float = 5.0, headers: dict[str, str] | None = None):
         """``GET url`` inside the namespace and decode the JSON body (any status)."""
-        return json.loads(self.http_get(url, timeout)[1])
+        return json.loads(self.http_get(url, timeout, headers)[1])
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:

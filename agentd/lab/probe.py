@@ -10,8 +10,12 @@ and answers one JSON line: ``[true, false, ...]`` in the same order.  All probes
 request run at once.  ``{"hammer": {"targets": [...], "seconds": 5, "interval": 0.01,
 "timeout": 0.5}}`` instead starts a probe of every target every ``interval`` seconds (without
 waiting for the previous one) for ``seconds`` and answers ``{"ok": [...], "failed": [...]}``,
-counts per target: traffic that runs while something else changes.  A TCP probe succeeds when a connection is made and the server's name
-comes back; a UDP probe when a datagram sent (again every 200 ms) is echoed with its nonce.
+counts per target: traffic that runs while something else changes.  Meanwhile it writes a
+line ``{"progress": {"started": [...], "ok": [...], "failed": [...]}}`` whenever probes have
+ended (at most every 50 ms), and ``{"stop": true}`` ends it early (what was started still
+ends).  More probes of a target ended than had started at some moment means one started
+after that moment has ended: :meth:`Prober.wait_probed` waits for that.  A TCP probe
+succeeds when a connection is made and the server's name comes back; a UDP probe when a datagram sent (again every 200 ms) is echoed with its nonce.
 A probe that is dropped by policy fails after ``timeout`` seconds.  Servers listen on IPv4
 and IPv6 (where the namespace has IPv6); a target is probed over the family of its address.
 
@@ -113,11 +117,23 @@ async def _udp_probe(ip: str, port: int, timeout: float) -> bool:
         transport.close()
 
 
-async def _hammer(targets: list[list[Any]], seconds: float, interval: float = 0.01, timeout: float = 0.5) -> dict[str, list[int]]:
+PROGRESS_EVERY = 0.05  # seconds between two progress lines of a hammer, at most
+
+
+async def _hammer(targets: list[list[Any]], seconds: float, interval: float = 0.01, timeout: float = 0.5, *,
+                  stop: asyncio.Event | None = None) -> dict[str, list[int]]:
     loop = asyncio.get_running_loop()
     ok = [0] * len(targets)
     failed = [0] * len(targets)
+    started = [0] * len(targets)
     tasks: set[asyncio.Task] = set()
+    told = [-1.0, 0]  # when the last progress line went, and how many probes had ended then
+
+    def progress() -> None:
+        ended = sum(ok) + sum(failed)
+        if ended != told[1] and loop.time() - told[0] >= PROGRESS_EVERY:
+            told[:] = [loop.time(), ended]
+            _say({"progress": {"started": started, "ok": ok, "failed": failed}})
 
     async def one(i: int, ip: str, proto: str, port: int) -> None:
         good = await (_tcp_probe if proto == "tcp" else _udp_probe)(ip, int(port), timeout)
@@ -125,10 +141,12 @@ async def _hammer(targets: list[list[Any]], seconds: float, interval: float = 0.
             ok[i] += 1
         else:
             failed[i] += 1
+        progress()
 
     end = loop.time() + seconds
-    while loop.time() < end:
+    while loop.time() < end and not (stop is not None and stop.is_set()):
         for i, (ip, proto, port) in enumerate(targets):
+            started[i] += 1
             task = loop.create_task(one(i, ip, proto, port))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -157,6 +175,11 @@ def udp_server(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _say(message: Any) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
 async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
     loop = asyncio.get_running_loop()
     label = name.encode()
@@ -180,13 +203,23 @@ async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
                 servers.append(transport)
     reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    sys.stdout.write(json.dumps("ready") + "\n")
-    sys.stdout.flush()
+    _say("ready")
+    stop = asyncio.Event()
+    hammering: set[asyncio.Task] = set()
+
+    async def hammer(args: dict[str, Any]) -> None:
+        stop.clear()
+        _say(await _hammer(**args, stop=stop))
+
     while line := await reader.readline():
         req = json.loads(line)
-        if "hammer" in req:
-            sys.stdout.write(json.dumps(await _hammer(**req["hammer"])) + "\n")
-            sys.stdout.flush()
+        if "hammer" in req:  # runs on while this reads on: a "stop" may come
+            task = loop.create_task(hammer(req["hammer"]))
+            hammering.add(task)
+            task.add_done_callback(hammering.discard)
+            continue
+        if "stop" in req:
+            stop.set()
             continue
         timeout = float(req.get("timeout", 1.0))
         probes = [
@@ -194,8 +227,9 @@ async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
             for ip, proto, port in req["targets"]
         ]
         results = await asyncio.gather(*probes)
-        sys.stdout.write(json.dumps(list(results)) + "\n")
-        sys.stdout.flush()
+        _say(list(results))
+    if hammering:
+        await asyncio.gather(*hammering)
 
 
 # ------------------------------------------------------------------ the test side
@@ -208,6 +242,9 @@ class Prober:
         self.pod = pod
         self.proc = proc
         self._lock = asyncio.Lock()
+        self.progress: dict[str, list[int]] = {"started": [], "ok": [], "failed": []}  # of the hammer running now
+        self.updates = 0  # progress lines read
+        self._updated = asyncio.Event()  # set at each
 
     @classmethod
     async def start(cls, pod: Any, ports: list[tuple[str, int]]) -> Prober:
@@ -239,16 +276,55 @@ class Prober:
     async def hammer(
         self, targets: list[tuple[str, str, int]], seconds: float, *, interval: float = 0.01, timeout: float = 0.5
     ) -> dict[str, list[int]]:
-        """Probe every target every ``interval`` s for ``seconds``; counts of ok and failed per target."""
+        """Probe every target every ``interval`` s for ``seconds`` (or until :meth:`stop_hammer`);
+        counts of ok and failed per target.  Meanwhile :attr:`progress` and :meth:`ended` say
+        how many probes of each target have started and ended so far."""
         async with self._lock:
             assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.progress = {"started": [0] * len(targets), "ok": [0] * len(targets), "failed": [0] * len(targets)}
             req = {"hammer": {"targets": targets, "seconds": seconds, "interval": interval, "timeout": timeout}}
             self.proc.stdin.write(json.dumps(req).encode() + b"\n")
             await self.proc.stdin.drain()
-            line = await asyncio.wait_for(self.proc.stdout.readline(), seconds + timeout + 60)
-        if not line:
-            raise RuntimeError(f"prober of {self.pod.name} exited")
-        return json.loads(line)
+            deadline = asyncio.get_running_loop().time() + seconds + timeout + 60
+            while True:
+                line = await asyncio.wait_for(self.proc.stdout.readline(), deadline - asyncio.get_running_loop().time())
+                if not line:
+                    raise RuntimeError(f"prober of {self.pod.name} exited (status {await self.proc.wait()})")
+                answer = json.loads(line)
+                if "progress" not in answer:
+                    return answer
+                self.progress = answer["progress"]
+                self.updates += 1
+                self._updated.set()
+
+    def ended(self) -> list[int]:
+        """Probes of each target of the running hammer that have ended, ok or failed."""
+        return [a + b for a, b in zip(self.progress["ok"], self.progress["failed"])]
+
+    async def wait_probed(self, what: str, timeout: float = 30.0) -> None:
+        """Until the running hammer has ended, for every target, a probe it started after
+        now: the next progress line says how many had started (at least as many as now),
+        and more than that must have ended."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        seen = self.updates
+        while self.updates == seen:
+            await self._next_progress(deadline, what)
+        started = list(self.progress["started"])
+        while not all(e > s for e, s in zip(self.ended(), started)):
+            await self._next_progress(deadline, what)
+
+    async def _next_progress(self, deadline: float, what: str) -> None:
+        """Until the next progress line (hammer() reads them)."""
+        self._updated.clear()
+        try:
+            await asyncio.wait_for(self._updated.wait(), max(0.0, deadline - asyncio.get_running_loop().time()))
+        except TimeoutError:
+            raise AssertionError(f"{self.pod.name}: timed out waiting for {what} (progress {self.progress})") from None
+
+    def stop_hammer(self) -> None:
+        """End the running hammer now (its answer then comes as usual)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b'{"stop": true}\n')
 
     async def close(self) -> None:
         if self.proc.returncode is None:

@@ -1,4 +1,4 @@
-"""nftables JSON expressions the agent's compilers share (policy, Services).
+"""nftables JSON expressions the agent's compilers share (policy, Services, masquerading).
 
 libnftables' JSON schema (libnftables-json(5)): a rule is a list of statements; these build
 the few shapes both compilers write, so each compiler reads as the rules it makes.
@@ -15,6 +15,7 @@ NAME_MAX = 200  # nft object names may have 255 bytes; longer names are hashed (
 
 ACCEPT: dict[str, Any] = {"accept": None}
 DROP: dict[str, Any] = {"drop": None}
+RETURN: dict[str, Any] = {"return": None}
 
 
 def payload(protocol: str, field: str) -> dict[str, Any]:

@@ -16,8 +16,9 @@ bridge's own masquerading stays off (the subnet file's ``AGENTD_IPMASQ=false``, 
 ``--ip-masq=false`` from ``agentd docker-opts``): both masquerade everything leaving the node's
 subnet, pod-to-pod traffic to other nodes included.
 
-The table is replaced whole in one transaction when the agent starts (cluster network and
-subnet are known then), kept when it stops (like the policy tables: pods keep reaching out
+The table is written in one transaction when the agent starts (cluster network and subnet
+are known then; a previous run's is adopted and rewritten in that transaction, never left
+empty), kept when it stops (like the policy tables: pods keep reaching out
 while the agent restarts), removed when ``ip_masq`` is switched off and by ``agentd leave``.
 """
 
@@ -26,49 +27,40 @@ from __future__ import annotations
 import asyncio
 import logging
 from ipaddress import IPv4Network
-from typing import Any
 
+from .expr import RETURN, match, payload, prefix
 from .libnftables import Nft, NftError
+from .programmer import NftProgrammer
+from .ruleset import NftChain, Ruleset, rule_text
 
 log = logging.getLogger("agentd.masquerade")
 
 FAMILY, TABLE, CHAIN = "ip", "agentd-masq", "postrouting"
+TABLES = frozenset({(FAMILY, TABLE)})
 MULTICAST = IPv4Network("224.0.0.0/4")
-
-
-def _addr(field: str, net: IPv4Network, op: str = "==") -> dict[str, Any]:
-    prefix = {"prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
-    return {"match": {"op": op, "left": {"payload": {"protocol": "ip", "field": field}}, "right": prefix}}
-
-
-def _rule(*expr: dict[str, Any]) -> dict[str, Any]:
-    return {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": CHAIN, "expr": list(expr)}}}
-
-
 MASQUERADE = {"masquerade": {"flags": ["fully-random"]}}
+SRCNAT = ("nat", "postrouting", 100, "accept")  # type, hook, priority (srcnat), policy
 
 
-def ruleset(cluster: IPv4Network, subnet: IPv4Network) -> list[dict[str, Any]]:
-    """The commands that replace the table with the rules for ``cluster`` and this node's ``subnet``."""
-    table = {"family": FAMILY, "name": TABLE}
-    return [
-        {"add": {"table": table}},  # so that the delete below never fails
-        {"delete": {"table": table}},
-        {"add": {"table": table}},
-        {"add": {"chain": {"family": FAMILY, "table": TABLE, "name": CHAIN, "type": "nat", "hook": "postrouting",
-                           "prio": 100, "policy": "accept"}}},  # srcnat  # fmt: skip
-        _rule(_addr("saddr", cluster), _addr("daddr", cluster), {"return": None}),
-        _rule(_addr("saddr", cluster), _addr("daddr", MULTICAST, "!="), MASQUERADE),
-        _rule(_addr("saddr", cluster, "!="), _addr("daddr", subnet), {"return": None}),
-        _rule(_addr("saddr", cluster, "!="), _addr("daddr", cluster), MASQUERADE),
+def ruleset(cluster: IPv4Network, subnet: IPv4Network) -> Ruleset:
+    """The table for ``cluster`` and this node's ``subnet``: one chain, the four rules above."""
+    saddr, daddr = payload("ip", "saddr"), payload("ip", "daddr")
+    rules = [
+        [match(saddr, prefix(cluster)), match(daddr, prefix(cluster)), RETURN],
+        [match(saddr, prefix(cluster)), match(daddr, prefix(MULTICAST), "!="), MASQUERADE],
+        [match(saddr, prefix(cluster), "!="), match(daddr, prefix(subnet)), RETURN],
+        [match(saddr, prefix(cluster), "!="), match(daddr, prefix(cluster)), MASQUERADE],
     ]
+    chain = NftChain(FAMILY, TABLE, CHAIN, tuple(rule_text(r) for r in rules), hook=SRCNAT)
+    return Ruleset(TABLES, {chain.key: chain})
 
 
 async def program(cluster: IPv4Network, subnet: IPv4Network) -> None:
-    """Install (replace) the table in this network namespace."""
+    """Install the table in this network namespace, or bring a previous run's to these rules
+    (adopted and rewritten in one transaction: NftProgrammer)."""
     nft = await asyncio.to_thread(Nft)
     try:
-        await nft.arun(ruleset(cluster, subnet))
+        await NftProgrammer(nft, TABLES, "masquerading").sync(ruleset(cluster, subnet))
     finally:
         await asyncio.to_thread(nft.close)
     log.info("masquerading traffic from %s to outside it (nftables table %s %s)", cluster, FAMILY, TABLE)
@@ -81,9 +73,6 @@ async def remove() -> bool:
     except NftError:
         return False
     try:
-        if await nft.alist({"table": {"family": FAMILY, "name": TABLE}}) is None:
-            return False
-        await nft.arun([{"delete": {"table": {"family": FAMILY, "name": TABLE}}}])
-        return True
+        return await NftProgrammer(nft, TABLES, "masquerading").remove()
     finally:
         await asyncio.to_thread(nft.close)

@@ -36,9 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from agentd.kernel import netlink as nl
-from agentd.kernel.netlink_ct import (  # noqa: F401  (the codec, re-exported for this module's users)
+from agentd.kernel.netlink_ct import (
     CTA_TUPLE_ORIG,
-    CTA_TUPLE_REPLY,
     IPCTNL_MSG_CT_DELETE,
     IPCTNL_MSG_CT_GET,
     IPCTNL_MSG_CT_NEW,

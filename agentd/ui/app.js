@@ -5,6 +5,23 @@
 const view = document.getElementById("view");
 let stopStream = null; // the live flow stream of the page shown, if any
 
+// The browser view's key (`agentd ui` prints the address with it): what this agent gathers
+// from the other nodes needs it.  Taken from the address once, kept for this origin, and
+// taken out of the address bar (and so of the history it would otherwise stay in).
+const KEY = "agentd-ui-key";
+(() => {
+  const q = new URLSearchParams(location.search);
+  if (!q.has("key")) return;
+  localStorage.setItem(KEY, q.get("key"));
+  q.delete("key");
+  history.replaceState(null, "", location.pathname + (q.size ? "?" + q : "") + location.hash);
+})();
+
+function withKey(headers) {
+  const key = localStorage.getItem(KEY);
+  return key ? { ...headers, Authorization: "Bearer " + key } : headers;
+}
+
 // ------------------------------------------------------------------ small helpers
 
 function el(tag, attrs, ...children) {
@@ -31,7 +48,7 @@ function svg(tag, attrs, ...children) {
 }
 
 async function getJSON(path) {
-  const resp = await fetch(path, { headers: { Accept: "application/json" } });
+  const resp = await fetch(path, { headers: withKey({ Accept: "application/json" }) });
   const body = await resp.json().catch(() => ({ error: `${path}: not JSON (${resp.status})` }));
   if (!resp.ok) throw new Error(body.error || `${path}: ${resp.status}`);
   return body;
@@ -276,7 +293,7 @@ function flowTable(container, params, follow) {
   let count = 0;
   (async () => {
     try {
-      const resp = await fetch("/flows?" + q, { signal: controller.signal });
+      const resp = await fetch("/flows?" + q, { signal: controller.signal, headers: withKey({}) });
       if (!resp.ok) { const b = await resp.json().catch(() => ({})); throw new Error(b.error || `GET /flows: ${resp.status}`); }
       status.textContent = "live";
       const reader = resp.body.getReader();

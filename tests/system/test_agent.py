@@ -92,6 +92,18 @@ protocol bgp node1 {{
         assert "debug logging is on" in node1.log_path.read_text()
         # The reload did not disturb the mesh.
         assert all(p["state"] == "Established" for p in peers.values())
+        # The file named at start gone for a moment: that reload fails, and nothing changes
+        # (rather than the defaults, which a default route makes valid here: no external peer).
+        node1.ns.ip("route", "add", "default", "via", "172.30.0.200")
+        aside = node1.config_path.rename(node1.config_path.with_suffix(".aside"))
+        try:
+            node1.signal_agent(signal.SIGHUP)
+            await wait_for(lambda: "reload failed, keeping the running configuration" in node1.log_path.read_text(),
+                           15, "the failed reload")  # fmt: skip
+            assert {p["address"] for p in node1.api("/peers")} == set(peers)  # the external peer too
+        finally:
+            aside.rename(node1.config_path)
+            node1.ns.ip("route", "del", "default", "via", "172.30.0.200")
     finally:
         tor.stop()
 

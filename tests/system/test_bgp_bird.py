@@ -15,6 +15,7 @@ where a hold timer is measured, BIRD's connect delay 1 s.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 
@@ -110,6 +111,19 @@ def test_ibgp_full_mesh_two_speakers_and_bird(routers):
     assert {"10.99.1.0/24", "10.99.2.0/24", "10.99.3.0/24"} <= bird.routes().keys()
     assert {p["address"]: p["since"] for p in spk1.peers()} == since
     assert all(p["state"] == "Established" for p in spk1.peers() + spk2.peers())
+
+    # The file named at start (--config) gone for a moment: the reload fails, nothing changes
+    # (rather than the defaults, which a default route makes valid here: no peers at all).
+    r1.ip("route", "add", "default", "via", "10.0.0.3")
+    aside = spk1.config_path.rename(spk1.config_path.with_suffix(".aside"))
+    try:
+        spk1.signal(signal.SIGHUP)
+        spk1.wait_until(lambda: "reload failed, keeping the running configuration" in spk1.log_path.read_text(), 10,
+                        what="the failed reload")  # fmt: skip
+        assert {p["address"]: p["since"] for p in spk1.peers()} == since
+        assert "10.99.1.0/24" in spk2.best_routes()  # still originated
+    finally:
+        aside.rename(spk1.config_path)
 
 
 # ---------------------------------------------------------------- b. agentd reflects to two BIRDs

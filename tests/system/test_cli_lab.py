@@ -3,14 +3,15 @@
 
 * A closed stdout (`agentd ... | head`) ends every command quietly, exit status 141
   (128 + SIGPIPE), and Ctrl-C (SIGINT to the process group, as a terminal sends it) with
-  130: no traceback, no "Exception ignored" -- agentd, agentd lab, agentd-cni.
+  130: no traceback, no "Exception ignored" -- agentd, agentd lab, agentd flows, agentd-cni.
 * A lab pod resolves docs/services.md's `web.shop.svc.cluster.local` through glibc (its
   resolv.conf: the node-local DNS, kubelet's search list, ndots:5) and reaches the Service by
   name with curl; a hostPort given with `agentd lab pod add --host-port` answers on the node.
 * Service DNS over UDP: a headless Service with 40 endpoints is too big for 512 octets; the
   answer comes truncated (TC) and whole over TCP (dnspython), and glibc's `getent` gets all 40.
 * POST /leave needs the node's API token: refused without it, `agentd leave` as a user who
-  cannot read the token says so in one line, and as root it decommissions the node (last).
+  cannot read the token says so in one line, a second `agentd run` on the node stops without
+  touching the token, and as root `agentd leave` decommissions the node (last).
 """
 
 from __future__ import annotations
@@ -175,8 +176,15 @@ def test_a_closed_stdout_ends_every_command_quietly(cli_lab: CliLab):
         "agentd status --json": ["ip", "netns", "exec", node1.ns.name, AGENTD, "status", "--json"],
         "agentd check-config --show": [AGENTD, "check-config", "--show", "--config", str(node1.config_path)],
         "agentd-cni VERSION": [AGENTD_CNI],
+        "agentd flows -f": ["ip", "netns", "exec", node1.ns.name, AGENTD, "flows", "-f", "--last", "1",
+                            "--config", str(node1.config_path)],  # each line flushed: the first meets the closed pipe
     }  # fmt: skip
     env = dict(cli_lab.env, CNI_COMMAND="VERSION")
+    # Something for `agentd flows` to print: a connection from node1's pod to node2's.
+    pod1, pod2 = cli_lab.state().pod("node1-pod1"), cli_lab.state().pod("node2-pod1")
+    until(lambda: cli_lab.exec("node1-pod1", "ping", "-c", "1", "-W", "1", pod2.ip).returncode == 0, 30,
+          what=f"{pod1.name} reaching {pod2.name}")  # fmt: skip
+    until(lambda: node1.api_or_none("/flows?last=1"), 30, what="a flow record on node1")
     for what, argv in commands.items():
         r = _closed_pipe_run(argv, env)
         assert (r.returncode, r.stderr) == (128 + signal.SIGPIPE, ""), (what, r.returncode, r.stderr)
@@ -202,6 +210,14 @@ def _reading_stdin(proc: subprocess.Popen) -> bool:
     """The process sits in read(0, ...) (its /proc syscall line: number 0, first argument 0)."""
     with contextlib.suppress(OSError):
         return Path(f"/proc/{proc.pid}/syscall").read_text().split()[:2] == ["0", "0x0"]
+    return False
+
+
+def _receiving(proc: subprocess.Popen) -> bool:
+    """The process sits in recvfrom(2) (x86-64's number 45): reading an answer from a socket
+    (`ip netns exec` execs its command, so the pid is the command's)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{proc.pid}/syscall").read_text().split()[:1] == ["45"]
     return False
 
 
@@ -234,6 +250,10 @@ def test_ctrl_c_ends_every_command_with_130_and_no_traceback(cli_lab: CliLab):
     r = _interrupted([AGENTD, "lab", "exec", "--name", cli_lab.name, "node1", "--", "sleep", "60"], cli_lab.env, sleeping)
     assert (r.returncode, r.stderr) == (130, ""), r
 
+    r = _interrupted(["ip", "netns", "exec", node1.ns.name, AGENTD, "flows", "-f", "--last", "0",
+                      "--config", str(node1.config_path)], cli_lab.env, _receiving)  # fmt: skip
+    assert (r.returncode, r.stderr) == (130, ""), r
+
 
 def test_leave_needs_the_api_token_last(cli_lab: CliLab):
     """node2 leaves: only with its API token, which only root reads."""
@@ -255,6 +275,12 @@ def test_leave_needs_the_api_token_last(cli_lab: CliLab):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and "permission denied (run as root" in lines[0], r.stderr
     assert node2.api_or_none("/healthz") == {"healthy": True, "problems": []}
+    # A second agent on the host: it cannot have the API, so it stops -- before it touches the
+    # running one's token.
+    token = token_file.read_text()
+    r = cli_lab.exec("node2", "agentd", "run", timeout=60)
+    assert r.returncode == 1 and "cannot serve the API on 127.0.0.1:9099" in r.stderr, r.stderr
+    assert token_file.read_text() == token
     # Root, through the lab: the agent leaves and exits, and its token goes with it.
     r = cli_lab.exec("node2", "agentd", "leave", timeout=90)
     assert r.returncode == 0, r.stderr

@@ -14,7 +14,9 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -94,9 +96,39 @@ async def _converged(lab: Lab, revision: int) -> None:
 
 
 async def agentd_flows(node, *args: str) -> list[dict]:
-    rc, out, err = await node.ns.aexec(binary("agentd"), "flows", "-o", "json", *args, check=False, timeout=30)
+    rc, out, err = await node.ns.aexec(binary("agentd"), "flows", "-o", "json", "--config", str(node.config_path), *args,
+                                       check=False, timeout=30)  # fmt: skip
     assert rc == 0, err.decode()
     return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+
+
+ETCD_KEY = """
+import asyncio, json, sys, aetcd
+async def main(endpoint, verb, key, value=None):
+    host, port = endpoint.rsplit("/", 1)[1].rsplit(":", 1)
+    async with aetcd.Client(host, int(port), timeout=5) as c:
+        if verb == "get":
+            got = await c.get(key.encode())
+            print(got.value.decode() if got else "")
+        elif verb == "put":
+            await c.put(key.encode(), value.encode())
+        else:
+            await c.delete(key.encode())
+asyncio.run(main(*sys.argv[1:]))
+"""
+READ_TOKEN_KEY = "/agentd/cluster/read-token"
+
+
+async def etcd_key(lab: Lab, verb: str, key: str, value: str | None = None) -> str:
+    """get/put/delete one key in the lab's etcd, from its namespace (a plain aetcd client)."""
+    argv = [lab.etcd.endpoints[0], verb, key, *([value] if value is not None else [])]
+    rc, out, err = await lab.etcd_ns.aexec(sys.executable, "-c", ETCD_KEY, *argv, check=False, timeout=30)
+    assert rc == 0, err.decode()
+    return out.decode().strip()
+
+
+async def read_token(lab: Lab) -> str:
+    return json.loads(await etcd_key(lab, "get", READ_TOKEN_KEY))["token"]
 
 
 async def records(node, *args: str, want, what: str, timeout: float = 15.0) -> list[dict]:
@@ -139,8 +171,13 @@ async def test_denied_and_allowed_connections_as_records(shop):
     # The whole cluster from node1: node2's drop comes through the cluster listener.
     cluster = await agentd_flows(node1, "-A", "--verdict", "dropped", "--to-pod", "shop/web")
     assert any(r["node"] == "node2" and r["src"]["pod"] == "shop/other" for r in cluster)
+    # Two nodes named: each is asked for its own records (nobody relays the question on).
+    both = await agentd_flows(node1, "--node", "node1", "--node", "node2", "--to-pod", "shop/web", "--last", "1000")
+    assert {r["node"] for r in both} == {"node1", "node2"}
+    assert [r["time"] for r in both] == sorted(r["time"] for r in both)
     # The text form names the policies too.
-    rc, out, _ = await node1.ns.aexec(binary("agentd"), "flows", "-A", "--verdict", "dropped", "--last", "1", check=False)
+    rc, out, _ = await node1.ns.aexec(binary("agentd"), "flows", "-A", "--verdict", "dropped", "--last", "1",
+                                      "--config", str(node1.config_path), check=False)  # fmt: skip
     assert rc == 0 and "DROPPED" in out.decode() and "shop/default-deny" in out.decode()
 
 
@@ -195,7 +232,7 @@ async def test_followed_stream_gets_new_records(shop):
         with node2.ns.entered():
             sock = socket.create_connection(("127.0.0.1", 9099), timeout=20)
         with sock:
-            sock.sendall(f"GET {url.split('9099')[1]} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            sock.sendall(f"GET {url.split('9099')[1]} HTTP/1.1\r\nHost: 127.0.0.1:9099\r\n\r\n".encode())
             buf = b""
             while True:
                 chunk = sock.recv(65536)
@@ -226,22 +263,93 @@ async def test_bad_filters_are_one_line(shop):
 async def test_cluster_listener_is_read_only_and_authenticated(shop):
     node1, node2 = shop.lab.nodes
     url = f"http://{node2.address}:9098"
+    assert (await shop.echo["client"].tcp(shop.pods["web"].ip, 80))["names"] == {"web": 1}
+    await records(node2, "--to-pod", "shop/web", want=lambda r: r, what="node2's records of a connection to web")
+    token = await read_token(shop.lab)
+    bearer = {"Authorization": f"Bearer {token}"}
     assert node1.ns.http_get(url + "/status", timeout=5)[0] == 401
+    assert node1.ns.http_get(url + "/status", timeout=5, headers=bearer)[0] == 200
     with node1.ns.entered():
         import urllib.error
         import urllib.request
 
-        for method, path, code in (("POST", "/leave", 405), ("GET", "/ui/", 401)):
+        for method, path, headers, code in (("POST", "/leave", bearer, 405), ("GET", "/ui/", {}, 401),
+                                            ("GET", "/ui/", bearer, 404), ("GET", "/cluster", bearer, 404),
+                                            ("GET", "/nodes/node1/status", bearer, 404)):  # fmt: skip
+            req = urllib.request.Request(url + path, method=method, headers=headers,
+                                         data=b"" if method == "POST" else None)  # fmt: skip
             try:
-                urllib.request.urlopen(urllib.request.Request(url + path, method=method, data=b"" if method == "POST" else None), timeout=5)
+                urllib.request.urlopen(req, timeout=5)
                 status = 200
             except urllib.error.HTTPError as err:
                 status = err.code
-            assert status == code, (method, path, status)
-    # Through node1's loopback API the gathered view has node2's own answer.
-    view = node1.api("/cluster")
+            assert status == code, (method, path, headers, status)
+    # No relay there: asked for two nodes' records, node2 answers with its own.
+    code, body = node1.ns.http_get(url + "/flows?node=node1&node=node2&to-pod=shop/web&last=1000", 10, bearer)
+    answered = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+    assert code == 200 and answered and {r["node"] for r in answered} == {"node2"}
+
+    # node1's loopback API gathers only for who has its API token (or the browser key) ...
+    local = "http://127.0.0.1:9099"
+    for path in ("/cluster", "/nodes/node2/routes", "/flows?cluster=1&last=1", "/flows?node=node2&last=1"):
+        assert node1.ns.http_get(local + path, 5)[0] == 401, path
+    assert node1.ns.http_get(local + "/nodes/node1/routes", 5)[0] == 200  # its own: open as /routes
+    view = node1.api("/cluster", token=True)
     assert view["nodes"]["node2"]["status"]["node"]["name"] == "node2"
-    assert node1.api("/nodes/node2/routes") == node2.api("/routes")
+    assert node1.api("/nodes/node2/routes", token=True) == node2.api("/routes")
+    # ... relays what node2 answers as it is: Prometheus text, a refusal ...
+    code, metrics = node1.ns.http_get(local + "/nodes/node2/metrics", 5, _api_token(node1))
+    assert code == 200 and b"agentd_flow_ring_records " in metrics
+    code, body = node1.ns.http_get(local + "/nodes/node2/rib?limit=many", 5, _api_token(node1))
+    assert code == 400 and "many" in json.loads(body)["error"]
+    # ... and answers only Hosts that name it: not a page of another site resolving to 127.0.0.1.
+    for path in ("/status", "/ui/", "/cluster"):
+        code, body = node1.ns.http_get(local + path, 5, {"Host": "rebound.example:9099", **_api_token(node1)})
+        assert code == 421 and "rebound.example" in json.loads(body)["error"], path
+    assert node1.ns.http_get(local + "/status", 5, {"Host": "localhost:9099"})[0] == 200
+
+
+def _api_token(node) -> dict[str, str]:
+    return {"Authorization": f"Bearer {node.token_path.read_text().strip()}"}
+
+
+async def test_a_stopped_node_is_unreachable_not_a_hang(shop):
+    """node2's agent stopped (SIGSTOP: its kernel still completes the TCP handshake): gathering
+    from node1 says node2 is unreachable and ends, and a followed stream gives it up after its
+    idle time (here 1 s, as a ClusterView configured so) instead of waiting for ever."""
+    node1, node2 = shop.lab.nodes
+    token = await read_token(shop.lab)
+    follow = (
+        "import asyncio, sys\n"
+        "from agentd.daemon.cluster import ClusterView\n"
+        "async def main():\n"
+        f"    view = ClusterView('node1', lambda: {{'node2': '{node2.address}'}}, 9098, follow_idle=1.0)\n"
+        f"    view.token = '{token}'\n"
+        "    try:\n"
+        "        async for line in view.lines('node2', '/flows?last=0&follow=1', follow=True):\n"
+        "            pass\n"
+        "    except OSError as err:\n"
+        "        print(err)\n"
+        "    finally:\n"
+        "        await view.close()\n"
+        "asyncio.run(main())\n"
+    )
+    node2.signal_agent(signal.SIGSTOP)
+    try:  # the three at once: node2 stays stopped for less than the lab's BGP hold time (9 s)
+        gathered, followed, (code, body) = await asyncio.gather(
+            node1.ns.aexec(binary("agentd"), "flows", "-A", "-o", "json", "--last", "5",
+                           "--config", str(node1.config_path), check=False, timeout=30),
+            node1.ns.aexec(sys.executable, "-c", follow, check=False, timeout=30),
+            asyncio.to_thread(node1.ns.http_get, "http://127.0.0.1:9099/nodes/node2/status", 30, _api_token(node1)),
+        )  # fmt: skip
+    finally:
+        node2.signal_agent(signal.SIGCONT)
+    rc, _, err = gathered
+    assert rc == 1 and "node node2:" in err.decode() and "unreachable" in err.decode(), err.decode()
+    rc, out, err = followed
+    assert rc == 0 and out.decode().strip() == "node2 unreachable: nothing for 1s", (out, err)
+    assert code == 502 and "unreachable" in json.loads(body)["error"]
+    await auntil(lambda: (node2.api_or_none("/healthz") or {}).get("healthy"), 30, what="node2's agent back")
 
 
 # ------------------------------------------------------------------ a drop storm
@@ -283,6 +391,9 @@ async def test_browser_view(shop, tmp_path):
     shots = Path(os.environ.get("AGENTD_UI_SCREENSHOTS", tmp_path))
     shots.mkdir(parents=True, exist_ok=True)
     base = "http://127.0.0.1:9099/ui/"
+    rc, out, err = await node1.ns.aexec(binary("agentd"), "ui", "--config", str(node1.config_path), check=False)
+    address = out.decode().strip()
+    assert rc == 0 and address.startswith(base + "?key="), (out, err)
     async with async_playwright() as pw:
         ctx = await pw.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=str(wrapper), args=CHROMIUM_ARGS, headless=True,
@@ -293,9 +404,11 @@ async def test_browser_view(shop, tmp_path):
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
 
-            # The cluster: every node and its session in the graph, Established.
-            await page.goto(base + "#/cluster")
+            # The cluster: every node and its session in the graph, Established.  The address
+            # `agentd ui` printed carries the key; the page keeps it and takes it out of the address.
+            await page.goto(address + "#/cluster")
             await page.wait_for_selector("[data-graph-node=node2]")
+            assert "key=" not in page.url and page.url.endswith("/ui/#/cluster")
             assert await page.locator("circle[data-graph-node]").count() == 2
             sessions = page.locator("line[data-session]")
             assert await sessions.count() == 1
@@ -319,17 +432,14 @@ async def test_browser_view(shop, tmp_path):
             await page.wait_for_selector("text=shop/web")
             await page.screenshot(path=str(shots / "ui-services.png"), full_page=True)
 
-            # The live flow table: a denied connection made now appears within a second (the
-            # promise; the deadline allows 2 s for a loaded machine), with the policy's name.
+            # The live flow table: a denied connection made now appears, with the policy's name
+            # (how soon is bench/flows.py's "drop to the followed stream").
             await page.goto(base + "#/flows")
             await page.wait_for_selector("#flow-status:text('live')")
             web = shop.pods["web"]
-            start = time.monotonic()
             await shop.echo["other"].tcp(web.ip, 82, timeout=0.3)
             row = page.locator("#flow-rows tr[data-verdict=dropped]", has_text=f"{web.ip}:82")
             await row.first.wait_for(timeout=10_000)
-            elapsed = time.monotonic() - start - 0.3  # the client's own wait for an answer
-            assert elapsed < 2.0, f"the denied flow took {elapsed:.2f}s to show"
             assert "shop/default-deny" in await row.first.inner_text()
             await page.screenshot(path=str(shots / "ui-flows.png"), full_page=True)
 
@@ -345,6 +455,50 @@ async def test_browser_view(shop, tmp_path):
         finally:
             await ctx.close()
     assert (shots / "ui-cluster.png").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------ the read token kept
+
+
+def _since_start(node) -> str:
+    """The node's log since its agent last started."""
+    return node.log_path.read_text(errors="replace").rsplit("--- agentd lab: starting agent", 1)[-1]
+
+
+def _gathers(node, other) -> bool:
+    code, _ = node.ns.http_get(f"http://127.0.0.1:9099/nodes/{other.name}/status", 10, _api_token(node))
+    return code == 200
+
+
+async def test_the_cluster_view_keeps_its_read_token(shop):
+    """The read token in etcd: an agent that starts while the record is no token keeps its
+    cluster listener off until it is put right (trying, not giving up); deleted while every
+    agent runs, one of them stores a new one and every agent takes it."""
+    lab = shop.lab
+    node1, node2 = lab.nodes
+    await etcd_key(lab, "put", READ_TOKEN_KEY, "not a token")
+    await node2.stop_agent()
+    node2.start_agent()
+    await lab.ready.agents_started(60)
+    await auntil(lambda: 'cluster/read-token is not {"token"' in _since_start(node2), 30,
+                 what="node2 saying the read token record is no token")  # fmt: skip
+    assert not _gathers(node1, node2)  # node2's cluster listener is off (connection refused)
+    await etcd_key(lab, "delete", READ_TOKEN_KEY)
+    await auntil(lambda: _gathers(node1, node2) and _gathers(node2, node1), 30, what="both gathering again")
+    first = await read_token(lab)
+    await etcd_key(lab, "delete", READ_TOKEN_KEY)  # every agent running: one stores a new one
+
+    async def replaced() -> str | None:
+        stored = await etcd_key(lab, "get", READ_TOKEN_KEY)
+        return stored and json.loads(stored)["token"] != first and json.loads(stored)["token"]
+
+    second = await auntil(replaced, 30, what="a new read token in etcd")
+    bearer = {"Authorization": f"Bearer {second}"}
+    for node, other in ((node1, node2), (node2, node1)):  # each listener takes it, each asks with it
+        await auntil(lambda node=node: node.ns.http_get(f"http://{node.address}:9098/status", 10, bearer)[0] == 200,
+                     30, what=f"{node.name}'s listener taking the new token", ignore=(OSError,))  # fmt: skip
+        await auntil(lambda node=node, other=other: _gathers(node, other), 30, what=f"{node.name} gathering")
+    await lab.ready.established(60)
 
 
 # ------------------------------------------------------------------ leave puts conntrack's settings back

@@ -299,23 +299,45 @@ def guard_variant(i: int) -> dict[str, Any]:
     return np("guard", "x", {"podSelector": {"matchLabels": {"pod": "a"}}, "ingress": rules})
 
 
+# The hammers: z/a and y/c are denied x/a (a probe every 10 ms, given 0.3 s), x/b is allowed
+# (every 50 ms, given 3 s); each probes x/a's TCP 80 and UDP 80.
+HAMMERS = (("z/a", 0.01, 0.3), ("y/c", 0.01, 0.3), ("x/b", 0.05, 3.0))
+
+
 async def _hammer_denied_and_allowed(grid: Grid, seconds: float) -> tuple[list[dict], dict]:
+    """The three hammers for ``seconds`` at most (``_stop_hammers`` ends them sooner)."""
     x_a = grid.pods["x/a"].ip
-    denied = [grid.probers["z/a"].hammer([(x_a, "tcp", 80), (x_a, "udp", 80)], seconds, interval=0.01, timeout=0.3),
-              grid.probers["y/c"].hammer([(x_a, "tcp", 80), (x_a, "udp", 80)], seconds, interval=0.01, timeout=0.3)]  # fmt: skip
-    allowed_run = grid.probers["x/b"].hammer([(x_a, "tcp", 80), (x_a, "udp", 80)], seconds, interval=0.05, timeout=3.0)
-    *denied_results, allowed_result = await asyncio.gather(*denied, allowed_run)
+    runs = [grid.probers[name].hammer([(x_a, "tcp", 80), (x_a, "udp", 80)], seconds, interval=interval,
+                                      timeout=timeout) for name, interval, timeout in HAMMERS]  # fmt: skip
+    *denied_results, allowed_result = await asyncio.gather(*runs)
     return denied_results, allowed_result
+
+
+async def _probed(grid: Grid, hammer: asyncio.Future, what: str) -> None:
+    """Every hammer has ended, for every target, a probe it started after now."""
+    waits = asyncio.ensure_future(asyncio.gather(*(grid.probers[name].wait_probed(what) for name, _, _ in HAMMERS)))
+    done, _ = await asyncio.wait({waits, hammer}, return_when=asyncio.FIRST_COMPLETED)
+    if waits not in done:
+        waits.cancel()
+        await asyncio.gather(waits, return_exceptions=True)
+        raise AssertionError(f"the hammers ended while waiting for {what}")
+    waits.result()
+
+
+def _stop_hammers(grid: Grid) -> None:
+    for name, _, _ in HAMMERS:
+        grid.probers[name].stop_hammer()
+
+
+ROUNDS = 12  # every combination of the rewrites below (round mod 2, round mod 3), twice
 
 
 async def test_rewriting_policies_under_traffic_never_opens_a_window(grid: Grid):
     await converged(grid.lab, await grid.res.apply(GUARD))
+    hammer = asyncio.ensure_future(_hammer_denied_and_allowed(grid, 300.0))  # stopped after the rounds
     try:
-        hammer = asyncio.ensure_future(_hammer_denied_and_allowed(grid, 10.0))
-        changes = 0
-        i = 0
-        while not hammer.done():
-            i += 1
+        await _probed(grid, hammer, "the hammers' first probes")
+        for i in range(1, ROUNDS + 1):
             await grid.res.apply(guard_variant(i))  # the guarding policy itself, rewritten
             if i % 2:
                 await grid.res.apply(np("other", "x", {"podSelector": {}, "ingress": [{"from": [{"namespaceSelector": {"matchLabels": {"ns": "x"}}}]}]}))
@@ -323,19 +345,17 @@ async def test_rewriting_policies_under_traffic_never_opens_a_window(grid: Grid)
                 await grid.res.delete("NetworkPolicy", "x", "other")
             await grid.res.label("Pod", "y", "b", {"round": str(i)})  # selector members change elsewhere
             await grid.res.apply(namespace("z", {**NS_LABELS["z"], "round": str(i)}))
-            changes += 4
-            await apause(0.05, "the probes run between two rounds of changes")
+            # Every flow is probed between two rounds of changes (a probe sent after these ended).
+            await _probed(grid, hammer, f"every flow probed after round {i}")
+        _stop_hammers(grid)
         denied, allowed_result = await hammer
-        # Every combination of the rewrites (i mod 2 and i mod 3) was applied under traffic ...
-        assert i >= 6, changes
         for result in denied:
-            assert sum(result["ok"]) == 0, f"a denied flow got through during {changes} changes: {result}"
+            assert sum(result["ok"]) == 0, f"a denied flow got through during {ROUNDS} rounds of changes: {result}"
         assert sum(allowed_result["failed"]) == 0, allowed_result
-        # ... and every flow was probed all along: the hammers start a probe of each every 0.01 s
-        # (denied) and 0.05 s (allowed); a tenth of that is slack for a loaded machine.
-        assert all(min(r["failed"]) >= 10.0 / 0.01 / 10 for r in denied), denied
-        assert min(allowed_result["ok"]) >= 10.0 / 0.05 / 10, allowed_result
     finally:
+        if not hammer.done():
+            _stop_hammers(grid)
+            await asyncio.gather(hammer, return_exceptions=True)
         await grid.res.delete("NetworkPolicy", "x", "guard")
         await grid.res.apply(namespace("z", NS_LABELS["z"]))
         await grid.res.label("Pod", "y", "b", {"round": None})
@@ -359,14 +379,18 @@ async def test_agent_restart_keeps_enforcement(grid: Grid, how: str):
 
     node1 = grid.lab.nodes[0]  # x/a and z/a live here
     await converged(grid.lab, await grid.res.apply(GUARD))
+    hammer: asyncio.Future | None = None
     try:
         before = await asyncio.to_thread(table_handles, node1)
-        hammer = asyncio.ensure_future(_hammer_denied_and_allowed(grid, 12.0))
-        await apause(1.0, "the probes run against the agent's tables before it goes")
+        hammer = asyncio.ensure_future(_hammer_denied_and_allowed(grid, 300.0))  # stopped below
+        await _probed(grid, hammer, "the hammers' first probes, against the agent's tables before it goes")
         await node1.stop_agent(signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM)
-        await apause(1.0, "no agent at all for a while: the kernel enforces alone")
+        await asyncio.gather(apause(1.0, "no agent at all for a while: the kernel enforces alone"),
+                             _probed(grid, hammer, "every flow probed while no agent runs"))
         node1.start_agent()
         await grid.lab.ready.agents_started(60)
+        await _probed(grid, hammer, "every flow probed against the restarted agent")
+        _stop_hammers(grid)
         denied, allowed_result = await hammer
         for result in denied:
             assert sum(result["ok"]) == 0, f"a denied flow got through around the restart: {result}"
@@ -378,6 +402,9 @@ async def test_agent_restart_keeps_enforcement(grid: Grid, how: str):
         await converged(grid.lab, rev)
         assert await grid.probers["z/a"].probe([(grid.pods["x/a"].ip, "tcp", 80)], 3.0) == [True]
     finally:
+        if hammer is not None and not hammer.done():
+            _stop_hammers(grid)
+            await asyncio.gather(hammer, return_exceptions=True)
         await grid.res.delete("NetworkPolicy", "x", "guard")
 
 

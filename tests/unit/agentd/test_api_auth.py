@@ -82,3 +82,26 @@ async def test_changes_need_this_host_and_the_token_reads_need_nothing():
     assert far.status == 403 and b"only accepted from this host" in far.body
     closed = auth.guard(lambda: None)  # a process without a token (agentd speaker) takes no changes
     assert (await closed(_request("POST", "127.0.0.1", auth.bearer_header(token)), _handled)).status == 403
+
+
+@pytest.mark.parametrize("host, ok", [
+    ("127.0.0.1:9099", True), ("127.0.0.1", True), ("[::1]:9099", True), ("localhost:9099", True),
+    ("LOCALHOST.", True), ("192.0.2.7:9099", True), ("node1.example:9099", True),  # the listen host
+    ("evil.example:9099", False), ("127.0.0.1.evil.example", False), ("localhost.evil.example:9099", False),
+])  # fmt: skip
+async def test_the_loopback_api_answers_only_hosts_that_name_it(host, ok):
+    """DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends that name."""
+    guard = auth.host_guard("node1.example")
+    answer = await guard(_request("GET", "127.0.0.1", {"Host": host}), _handled)
+    assert answer.status == (202 if ok else 421), host
+    assert auth.allowed_host(None, "127.0.0.1")  # HTTP/1.0 without a Host: no browser sends that
+
+
+def test_the_cluster_view_needs_the_token_or_the_browser_key():
+    token = "s3cret-token"
+    key = auth.ui_key(token)
+    assert key != token and key == auth.ui_key(token) and auth.ui_key("other") != key
+    assert auth.may_read_cluster(f"Bearer {token}", token) and auth.may_read_cluster(f"bearer {key}", token)
+    for header in ("", "Bearer", "Bearer guess", f"Basic {token}", f"Bearer {auth.ui_key('other')}"):
+        assert not auth.may_read_cluster(header, token), header
+    assert not auth.may_read_cluster(f"Bearer {token}", None)  # no token here (agentd speaker): nobody

@@ -509,6 +509,7 @@ BAD = [
     ("etcd-prefix", "file", "[etcd]\nprefix = 'agentd/'\n",
      "etcd.prefix", 'must be a key path like "/agentd"'),
     ("lease-ttl", "file", "[etcd]\nlease_ttl = 1\n", "etcd.lease_ttl", "must be 2..86400"),
+    ("ring-size", "file", "[flows]\nring_size = 1000001\n", "flows.ring_size", "must be 100..1000000"),
     ("missing-tls-file", "file", "[etcd]\nendpoints = ['https://a:2379']\nca = '/nonexistent/ca.pem'\n",
      "etcd.ca", "/nonexistent/ca.pem does not exist"),
     ("password-too-long", "file", "[bgp]\npassword = '" + "p" * 81 + "'\n", "bgp.password",

@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from agentd.kernel import netlink as nl
+from agentd.kernel import netlink_ct as codec
 from agentd.services import conntrack as ct
 
 
@@ -16,8 +17,8 @@ def _hex(*parts: str) -> bytes:
     return bytes.fromhex("".join(parts).replace(" ", ""))
 
 
-ORIG = ct.CtTuple("10.244.1.5", "10.96.0.10", socket.IPPROTO_UDP, 40000, 53)
-REPLY = ct.CtTuple("10.244.2.7", "10.244.1.5", socket.IPPROTO_UDP, 5353, 40000)
+ORIG = codec.CtTuple("10.244.1.5", "10.96.0.10", socket.IPPROTO_UDP, 40000, 53)
+REPLY = codec.CtTuple("10.244.2.7", "10.244.1.5", socket.IPPROTO_UDP, 5353, 40000)
 
 ORIG_ATTR = (
     "34000180",  # CTA_TUPLE_ORIG | NLA_F_NESTED, 52 bytes
@@ -59,9 +60,9 @@ ENTRY = _hex(
 
 
 def test_decode_entry():
-    assert ct.decode_entry(ENTRY, 0, len(ENTRY)) == ct.CtEntry(ORIG, REPLY)
+    assert ct.decode_entry(ENTRY, 0, len(ENTRY)) == codec.CtEntry(ORIG, REPLY)
     # Round trip: the tuples re-encoded are the bytes they were read from.
-    assert ct.encode_tuple(ct.CTA_TUPLE_ORIG, ORIG) == _hex(*ORIG_ATTR)
+    assert codec.encode_tuple(codec.CTA_TUPLE_ORIG, ORIG) == _hex(*ORIG_ATTR)
 
 
 def test_decode_rejects_malformed_and_skips_other_families():
@@ -100,11 +101,11 @@ def test_ipv6_entries_are_dumped_decoded_and_deleted_in_their_family():
 
 def test_entries_to_delete_match_what_kube_proxy_matches():
     stale = ct.Stale("10.244.2.7", 5353, "10.96.0.10", 53, 30053)
-    via_vip = ct.CtEntry(ORIG, REPLY)
-    via_node_port = ct.CtEntry(ct.CtTuple("192.0.2.9", "192.0.2.50", 17, 41000, 30053), REPLY._replace(dst="192.0.2.9"))
-    other_endpoint = ct.CtEntry(ORIG, REPLY._replace(src="10.244.3.3"))
-    tcp = ct.CtEntry(ORIG._replace(proto=socket.IPPROTO_TCP), REPLY._replace(proto=socket.IPPROTO_TCP))
-    other_service = ct.CtEntry(ORIG._replace(dst="10.96.0.11"), REPLY)
+    via_vip = codec.CtEntry(ORIG, REPLY)
+    via_node_port = codec.CtEntry(codec.CtTuple("192.0.2.9", "192.0.2.50", 17, 41000, 30053), REPLY._replace(dst="192.0.2.9"))
+    other_endpoint = codec.CtEntry(ORIG, REPLY._replace(src="10.244.3.3"))
+    tcp = codec.CtEntry(ORIG._replace(proto=socket.IPPROTO_TCP), REPLY._replace(proto=socket.IPPROTO_TCP))
+    other_service = codec.CtEntry(ORIG._replace(dst="10.96.0.11"), REPLY)
     entries = [via_vip, via_node_port, other_endpoint, tcp, other_service]
     assert ct.entries_to_delete(entries, [stale]) == [via_vip, via_node_port]
     assert ct.entries_to_delete(entries, []) == []

@@ -4,12 +4,14 @@ ruleset of [network] ip_masq, both pure."""
 from __future__ import annotations
 
 import json
+import os
 from ipaddress import IPv4Network
 
 from agentd.cli import main
 from agentd.cni.docker_opts import docker_options, render
 from agentd.cni.netconf import SubnetFile, render_subnet_file
 from agentd.nft.masquerade import ruleset
+from agentd.nft.ruleset import NftChain, Ruleset, plan
 
 SF = SubnetFile(network=IPv4Network("10.244.0.0/16"), subnet=IPv4Network("10.244.3.0/24"), mtu=1450)
 
@@ -35,9 +37,30 @@ def test_the_command_reads_the_file_and_refuses_bad_input(tmp_path, capsys):
     assert err.count("\n") == 1 and "AGENTD_MTU 'big' is not an integer" in err
 
 
+def test_the_subnet_file_is_the_configurations_by_default(tmp_path, capsys, monkeypatch):
+    """No --subnet-file: [cni] subnet_file of the configuration, found by the one rule
+    (--config, $AGENTD_CONFIG, the default file) and the AGENTD_CNI_SUBNET_FILE variable."""
+    for name in [k for k in os.environ if k.startswith("AGENTD_")]:
+        monkeypatch.delenv(name)
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    config = tmp_path / "agentd.toml"
+    config.write_text(f'[cni]\nsubnet_file = "{path}"\n')
+    assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
+    assert capsys.readouterr().out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
+    monkeypatch.setenv("AGENTD_CONFIG", str(config))
+    assert main(["docker-opts", "--format", "args"]) == 0
+    assert capsys.readouterr().out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
+    monkeypatch.setenv("AGENTD_CNI_SUBNET_FILE", str(tmp_path / "elsewhere.env"))
+    assert main(["docker-opts"]) == 1
+    assert f"no subnet file at {tmp_path / 'elsewhere.env'}" in capsys.readouterr().err
+
+
 def test_masquerading_never_touches_pod_to_pod_traffic():
-    cmds = ruleset(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"))
-    rules = [c["add"]["rule"]["expr"] for c in cmds if "rule" in c.get("add", {})]
+    rs = ruleset(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"))
+    (chain,) = rs.chains()
+    assert rs.tables == {("ip", "agentd-masq")} and chain.hook == ("nat", "postrouting", 100, "accept")
+    rules = [json.loads(r) for r in chain.rules]
 
     def match(expr):
         return [(m["match"]["left"]["payload"]["field"], m["match"]["op"],
@@ -53,5 +76,12 @@ def test_masquerading_never_touches_pod_to_pod_traffic():
         ([("saddr", "!=", "10.244.0.0/16"), ("daddr", "==", "10.244.3.0/24")], "return"),
         ([("saddr", "!=", "10.244.0.0/16"), ("daddr", "==", "10.244.0.0/16")], "masquerade"),
     ]
-    # One transaction that replaces the table whole.
-    assert [next(iter(c)) for c in cmds[:3]] == ["add", "delete", "add"]
+    # From nothing: one transaction that makes the table, its chain and the rules.
+    def shape(commands):
+        return [(verb, next(iter(body))) for c in commands for verb, body in c.items()]
+
+    assert shape(plan(Ruleset(), rs)) == [("add", "table"), ("add", "chain")] + [("add", "rule")] * 4
+    # Over a previous run's table (adopted: contents unknown): flushed and refilled in the same one.
+    adopted = Ruleset(rs.tables, {chain.key: NftChain("ip", "agentd-masq", "postrouting", hook=chain.hook,
+                                                      contents_known=False)})
+    assert shape(plan(adopted, rs)) == [("flush", "chain")] + [("add", "rule")] * 4

@@ -236,6 +236,42 @@ async def test_ring_is_bounded_and_followers_lose_rather_than_grow():
     await asyncio.sleep(0)
 
 
+def test_search_goes_step_by_step_over_what_the_ring_held_when_it_began():
+    ring = FlowRing(100)
+    for i in range(50):
+        f = flow(port=i % 5)
+        f.time = float(i)
+        ring.add(f)
+    search = ring.search(FlowFilter.parse([("port", "3")]), 4)
+    steps = 1
+    late = flow(port=3)
+    late.time = 50.0
+    ring.add(late)  # taken in after the search began: not in it
+    while not search.step(7):
+        steps += 1
+    assert [f.time for f in search.result()] == [33.0, 38.0, 43.0, 48.0]
+    assert steps == 3  # 21 records looked at, 7 at a time: no more than the answer needed
+    since = ring.search(FlowFilter(), 100, since=45.0)
+    assert not since.step(2) and since.step(100)
+    assert [f.time for f in since.result()] == [45.0, 46.0, 47.0, 48.0, 49.0, 50.0]
+    assert ring.search(FlowFilter(), 0).step(1)  # asked for none: done at once
+
+
+def test_a_cluster_answer_holds_the_newest_records_only():
+    from agentd.daemon.observe_api import _Newest, _node_params
+
+    newest = _Newest(3)
+    for when, node in ((5.0, "a"), (1.0, "b"), (7.0, "b"), (3.0, "a"), (6.0, "c"), (2.0, "c")):
+        newest.add(when, f"{node}{when}".encode())
+    assert newest.oldest_first() == [b"a5.0", b"c6.0", b"b7.0"] and len(newest.heap) == 3
+    none = _Newest(0)
+    none.add(1.0, b"x")
+    assert none.oldest_first() == []
+    # Each node is asked for its own records, whichever nodes the reader named.
+    flt = FlowFilter.parse([("node", "node1"), ("node", "node2"), ("verdict", "dropped")])
+    assert _node_params(flt, "node2", 12.5) == [("verdict", "dropped"), ("node", "node2"), ("since", "12.5")]
+
+
 def test_limiter_refills_and_keeps_few_keys():
     lim = DropLimiter(rate=10, burst=2, max_keys=3)
     assert [lim.allow("k", 0.0) for _ in range(4)] == [0, 0, None, None]
@@ -287,3 +323,62 @@ def test_services_refusals_log_with_the_chain_name():
     reject = rs.objects[("ip", "agentd-services", "chain", services_compiler.REJECT_CHAIN)]
     assert json.loads(reject.rules[0])[1] == {"log": {"prefix": "no-endpoints", "group": 143}}
     assert ("ip", "agentd-services", "counter", SUPPRESSED) in rs.objects
+
+
+# ------------------------------------------------------------------ the cluster's followed streams
+
+
+class _Node:
+    """A ClusterView whose node answers each follow with ``answers`` in turn (an exception, or lines)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.asked = 0
+
+    async def lines(self, node, path, *, follow=False):
+        self.asked += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        for record in answer:
+            yield record
+
+
+async def test_a_merged_stream_counts_what_it_could_not_hold():
+    from agentd.daemon.observe_api import _Merge
+
+    merge = _Merge(limit=2)
+    for i in range(5):
+        merge.put(b"%d\n" % i)
+    assert merge.queue.qsize() == 2 and merge.lost == 3
+
+
+async def test_a_followed_node_that_refuses_is_given_up_and_a_broken_one_asked_less_often(monkeypatch):
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+    from agentd.daemon.cluster import NodeAnswered
+
+    gone = _Node([NodeAnswered("node2", 404, b'{"error": "flow records are off"}')])
+    merge = observe_api._Merge()
+    await observe_api._pump_remote(gone, "node2", "/flows?follow=1", merge)  # returns: not asked again
+    assert gone.asked == 1 and b"answered 404" in merge.queue.get_nowait() and merge.queue.empty()
+
+    delays: list[float] = []
+
+    async def sleep(seconds):  # the pauses between two askings, without waiting them
+        delays.append(seconds)
+        if len(delays) == 5:
+            raise asyncio.CancelledError
+
+    merge = observe_api._Merge()
+    monkeypatch.setattr(observe_api, "asyncio", SimpleNamespace(get_running_loop=asyncio.get_running_loop, sleep=sleep))
+    refused = NodeAnswered("node2", 401, b'{"error": "the cluster read token is required"}')
+    broken = _Node([refused, refused, refused, [b'{"time": 1}\n'], OSError("node2 unreachable: reset")])
+    with pytest.raises(asyncio.CancelledError):
+        await observe_api._pump_remote(broken, "node2", "/flows?follow=1", merge)
+    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0]  # longer each time while it stays broken, up to a minute
+    said = [merge.queue.get_nowait() for _ in range(merge.queue.qsize())]
+    # The refusal said once for the outage, the record passed on, each new reason said.
+    assert [b"401" in line for line in said] == [True, False, False, False]
+    assert said[1] == b'{"time": 1}\n' and b"ended the stream" in said[2] and b"reset" in said[3]

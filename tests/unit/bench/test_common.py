@@ -143,3 +143,20 @@ def test_run_main_other_exceptions_are_not_hidden():
 
     with pytest.raises(ZeroDivisionError):
         run_main(bug, "bench/x.py")
+
+
+def test_run_main_ends_quietly_on_a_closed_pipe_as_agentd_does():
+    """`bench/x.py | head`, head gone: exit status 141 (128 + SIGPIPE), nothing on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    code = "from bench._common import run_main\nrun_main(lambda: print('row ' * 50_000), 'bench/x.py')\n"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
+                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, ""), r

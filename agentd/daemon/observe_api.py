@@ -2,31 +2,37 @@
 (``GET /cluster``, ``GET /nodes/{node}/{what}``) and the browser view (``/ui/``).
 
 Everything here reads: the same views as the other endpoints (the UI calls these and nothing
-else), gathered from other nodes through :class:`agentd.daemon.cluster.ClusterView`.
+else), gathered from other nodes through :class:`agentd.daemon.cluster.ClusterView`.  What
+is gathered needs a credential (the API token or the browser view's key:
+agentd/daemon/auth.py); what this node alone knows does not.  On the read-only cluster
+listener only ``/flows`` is served, and only this node's records: nothing is relayed there.
 
 ``GET /flows`` takes the filters of :class:`agentd.flows.model.FlowFilter` as query parameters
 (``pod``, ``from-pod``, ``to-pod``, ``namespace``, ``label``, ``verdict``, ``protocol``,
 ``port``, ``node``, ``ip``, ``event``, ``reason``, ``service``; repeat one for "any of"), and
 ``last=N`` (default 100: the last N matching records, oldest first), ``since=UNIX-TIME``,
 ``follow=1`` (then every new matching record as it comes, until the client goes), and
-``cluster=1`` (every node's records, gathered; a ``node`` filter alone also asks those nodes).
-One JSON record per line; a node that cannot be asked is a line ``{"node": ..., "error": ...}``,
-records a slow follower missed a line ``{"lost": N}``.
+``cluster=1`` (every node's records, gathered; a ``node`` filter alone also asks those nodes,
+each for its own records).  One JSON record per line; a node that cannot be asked is a line
+``{"node": ..., "error": ...}``, records a slow reader missed a line ``{"lost": N}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import json
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from aiohttp import web
 
-from agentd.daemon.cluster import RELAYED, ClusterView
+from agentd.daemon import auth
+from agentd.daemon.cluster import KEEPALIVE, RELAYED, ClusterView, NodeAnswered
 from agentd.flows.model import FilterError, FlowFilter
 from agentd.flows.views import FlowViews
 
@@ -35,7 +41,6 @@ log = logging.getLogger("agentd.api")
 UI_DIR = Path(__file__).resolve().parent.parent / "ui"
 NDJSON = "application/x-ndjson"
 CONTROL = ("last", "since", "follow", "cluster")
-KEEPALIVE = 10.0  # seconds between empty lines on a quiet followed stream (proxies close idle ones)
 MAX_LAST = 100_000
 # The browser view loads nothing from elsewhere: the page says so to the browser too.
 UI_HEADERS = {
@@ -68,9 +73,12 @@ class ObservedAgent(Protocol):
     def services_view(self, summary: bool = False) -> dict[str, Any] | None: ...
 
 
-def add_routes(app: web.Application, agent: ObservedAgent, *, read_only: bool) -> None:
-    """``/flows`` on both listeners; the cluster gathering and ``/ui/`` only on loopback's."""
-    handlers = _Handlers(agent)
+def add_routes(app: web.Application, agent: ObservedAgent, *, read_only: bool,
+               token_of: Callable[[], str | None] = lambda: None) -> None:
+    """``/flows`` on both listeners (on the read-only one: this node's records only); the
+    cluster gathering and ``/ui/`` only on loopback's, where what is gathered from other
+    nodes needs the API token ``token_of()`` gives, or its browser key (agentd/daemon/auth.py)."""
+    handlers = _Handlers(agent, read_only=read_only, token_of=token_of)
     app.router.add_get("/flows", handlers.flows)
     if read_only:
         return
@@ -82,8 +90,13 @@ def add_routes(app: web.Application, agent: ObservedAgent, *, read_only: bool) -
 
 
 class _Handlers:
-    def __init__(self, agent: ObservedAgent) -> None:
+    def __init__(self, agent: ObservedAgent, *, read_only: bool, token_of: Callable[[], str | None]) -> None:
         self.agent = agent
+        self.read_only = read_only  # the cluster listener: never relays
+        self.token_of = token_of
+
+    def _may_gather(self, request: web.Request) -> bool:
+        return auth.may_read_cluster(request.headers.get("Authorization", ""), self.token_of())
 
     # ------------------------------------------------------------------ /flows
 
@@ -98,13 +111,19 @@ class _Handlers:
         except (FilterError, ValueError) as err:
             return web.json_response({"error": str(err)}, status=400)
         follow = q.get("follow", "") in ("1", "true", "yes")
-        cluster = q.get("cluster", "") in ("1", "true", "yes") or bool(flt.node and set(flt.node) != {self.agent.node_name()})
+        me = self.agent.node_name()
+        # Another node's listener asks each node for its own records: a node filter there
+        # selects among them (no record of another node), it never sends the question on.
+        cluster = not self.read_only and (q.get("cluster", "") in ("1", "true", "yes")
+                                          or bool(flt.node and set(flt.node) != {me}))
+        if cluster and not self._may_gather(request):
+            return auth.refuse_cluster_read()
         view = self.agent.flows_view()
         if view is None and not cluster:
             return web.json_response({"error": "flow records are off on this node ([flows] enabled = false)"}, status=404)
         resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)
             if cluster:
                 await self._cluster_flows(resp, flt, last, since, follow)
             else:
@@ -121,76 +140,87 @@ class _Handlers:
         cluster = self.agent.cluster_view()
         me = self.agent.node_name()
         names = sorted(set(flt.node) if flt.node else {me, *(cluster.nodes() if cluster else {})})
-        params = flt.pairs()
-        if since is not None:
-            params.append(("since", str(since)))
         view = self.agent.flows_view()
-        # The last N of the cluster: each node's last N, merged by time.
-        records: list[dict[str, Any]] = []
-        for name, answer in (await self._gather_last(names, params, last)).items():
-            if isinstance(answer, str):
-                await resp.write(_line({"node": name, "error": answer}))
-            else:
-                records += answer
-        records.sort(key=lambda r: r.get("time", 0))
-        for record in records[len(records) - last:] if last else []:
-            await resp.write(_line(record))
-        if not follow:
-            return
-        queue: asyncio.Queue[bytes] = asyncio.Queue(10_000)
+        merge = _Merge()
+        # Following starts before the last N are asked for: a record made meanwhile may come
+        # twice (in the last N and followed), but none falls between the two.
         tasks = []
-        for name in names:
-            if name == me:
-                if view is not None:
-                    tasks.append(asyncio.create_task(_pump_local(view, flt, queue)))
-            elif cluster is not None:
-                path = "/flows?" + urlencode([*params, ("last", "0"), ("follow", "1")])
-                tasks.append(asyncio.create_task(_pump_remote(cluster, name, path, queue)))
+        if follow:
+            for name in names:
+                if name == me:
+                    if view is not None:
+                        tasks.append(asyncio.create_task(_pump_local(view, flt, merge)))
+                elif cluster is not None:
+                    path = "/flows?" + urlencode([*_node_params(flt, name, None), ("last", "0"), ("follow", "1")])
+                    tasks.append(asyncio.create_task(_pump_remote(cluster, name, path, merge)))
         try:
+            if last:
+                records, errors = await self._gather_last(names, flt, last, since)
+                for name, error in sorted(errors.items()):
+                    await resp.write(_line({"node": name, "error": error}))
+                for line in records:
+                    await resp.write(line)
+            if not follow:
+                return
+            told = 0
             while True:
                 try:
-                    line = await asyncio.wait_for(queue.get(), KEEPALIVE)
+                    line = await asyncio.wait_for(merge.queue.get(), KEEPALIVE)
                 except asyncio.TimeoutError:
                     line = b"\n"
+                if merge.lost != told:  # what the merged stream could not hold, said before the next line
+                    await resp.write(_line({"lost": merge.lost - told}))
+                    told = merge.lost
                 await resp.write(line)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _gather_last(self, names: list[str], params: list[tuple[str, str]], last: int) -> dict[str, Any]:
-        """Each node's last ``last`` matching records (list of dicts), or the reason it has none (str)."""
+    async def _gather_last(self, names: list[str], flt: FlowFilter, last: int,
+                           since: float | None) -> tuple[list[bytes], dict[str, str]]:
+        """The cluster's last ``last`` matching records (each node's last ``last``, merged by
+        time: at most ``last`` are held, however many nodes answer), and why a node has none."""
         cluster = self.agent.cluster_view()
         me = self.agent.node_name()
         view = self.agent.flows_view()
-        flt = FlowFilter.parse(p for p in params if p[0] != "since")
-        since = next((float(v) for k, v in params if k == "since"), None)
+        newest = _Newest(last)
+        errors: dict[str, str] = {}
 
-        async def one(name: str) -> tuple[str, Any]:
+        async def one(name: str) -> None:
             if name == me:
                 if view is None:
-                    return name, "flow records are off on this node"
-                return name, [f.json() for f in view.last(flt, last, since)]
+                    errors[name] = "flow records are off on this node"
+                    return
+                for flow in await view.last(flt, last, since):
+                    newest.add(flow.time, _line(flow.json()))
+                return
             if cluster is None:
-                return name, "no cluster view here"
-            path = "/flows?" + urlencode([*params, ("last", str(last))])
-            out = []
+                errors[name] = "no cluster view here"
+                return
+            path = "/flows?" + urlencode([*_node_params(flt, name, since), ("last", str(last))])
             try:
                 async for line in cluster.lines(name, path):
                     record = json.loads(line)
                     if "error" in record:
-                        return name, str(record["error"])
-                    out.append(record)
-            except (OSError, ValueError, KeyError) as err:
-                return name, str(err) if not isinstance(err, KeyError) else f"no node {name} in etcd"
-            return name, out
+                        errors[name] = str(record["error"])
+                        return
+                    if "time" in record:  # not a {"lost": N} of a remote follower
+                        newest.add(float(record["time"]), line if line.endswith(b"\n") else line + b"\n")
+            except (OSError, ValueError, TypeError) as err:
+                errors[name] = str(err)
+            except KeyError:
+                errors[name] = f"no node {name} in etcd"
 
-        return dict(await asyncio.gather(*(one(n) for n in names)))
+        await asyncio.gather(*(one(n) for n in names))
+        return newest.oldest_first(), errors
 
     # ------------------------------------------------------------------ the cluster
 
     async def cluster(self, request: web.Request) -> web.Response:
         """Every node: its record in etcd and its own ``/status`` (peers included), or why not."""
+        if not self._may_gather(request):
+            return auth.refuse_cluster_read()
         cluster = self.agent.cluster_view()
         me = self.agent.node_name()
         if cluster is None:
@@ -219,16 +249,20 @@ class _Handlers:
             if data is None:
                 return web.json_response({"error": f"{what} is not running here"}, status=503)
             return web.json_response(data, dumps=_dumps)
+        if not self._may_gather(request):
+            return auth.refuse_cluster_read()
         cluster = a.cluster_view()
         if cluster is None:
             return web.json_response({"error": "no cluster view here"}, status=503)
         path = f"/{what}" + (f"?{request.query_string}" if request.query_string else "")
         try:
-            return web.json_response(await cluster.get_json(name, path), dumps=_dumps)
+            status, content_type, body = await cluster.get(name, path)
         except KeyError:
             return web.json_response({"error": f"no node {name} in etcd"}, status=404)
-        except (OSError, ValueError) as err:
+        except OSError as err:
             return web.json_response({"error": str(err)}, status=502)
+        # The node's own answer as it gave it: Prometheus text for metrics, a 503 of /readyz.
+        return web.Response(body=body, status=status, headers={"Content-Type": content_type})
 
     # ------------------------------------------------------------------ /ui/
 
@@ -245,11 +279,12 @@ class _Handlers:
 
 async def _local_flows(resp: web.StreamResponse, view: FlowViews, flt: FlowFilter, last: int,
                        since: float | None, follow: bool) -> None:
-    # Following starts with the same ring the last N are read from (no await in between): no
-    # record falls between them, and none is written twice.
+    # Following starts with the same ring the last N are searched in (no await in between):
+    # no record falls between them, and none is written twice.
     follower = view.follow(flt) if follow else None
+    search = view.search(flt, last, since)
     try:
-        for flow in view.last(flt, last, since) if last else []:
+        for flow in await view.finish(search):
             await resp.write(_line(flow.json()))
         if follower is None:
             return
@@ -269,28 +304,95 @@ async def _local_flows(resp: web.StreamResponse, view: FlowViews, flt: FlowFilte
             view.unfollow(follower)
 
 
-async def _pump_local(view: FlowViews, flt: FlowFilter, queue: asyncio.Queue[bytes]) -> None:
+def _node_params(flt: FlowFilter, node: str, since: float | None) -> list[tuple[str, str]]:
+    """The query that asks ``node`` for its own matching records: the filter with ``node``
+    naming that node alone (however many the reader named), so no node relays the question."""
+    params = [(k, v) for k, v in flt.pairs() if k != "node"] + [("node", node)]
+    return params + ([("since", repr(since))] if since is not None else [])
+
+
+class _Newest:
+    """The ``n`` newest of the lines added (by time), in a heap: a cluster's last N cost the
+    memory of N records, not of N per node."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.heap: list[tuple[float, int, bytes]] = []
+        self.count = 0
+
+    def add(self, when: float, line: bytes) -> None:
+        self.count += 1
+        item = (when, self.count, line)
+        if len(self.heap) < self.n:
+            heapq.heappush(self.heap, item)
+        elif self.n and item > self.heap[0]:
+            heapq.heapreplace(self.heap, item)
+
+    def oldest_first(self) -> list[bytes]:
+        return [line for _, _, line in sorted(self.heap)]
+
+
+class _Merge:
+    """The followed streams of several nodes as one, in a bounded queue: what does not fit
+    (a reader slower than the cluster) is counted, and the reader is told how much."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue(limit)
+        self.lost = 0
+
+    def put(self, line: bytes) -> None:
+        try:
+            self.queue.put_nowait(line)
+        except asyncio.QueueFull:
+            self.lost += 1
+
+
+async def _pump_local(view: FlowViews, flt: FlowFilter, merge: _Merge) -> None:
     follower = view.follow(flt)
     try:
+        lost = 0
         while True:
             flow = await follower.queue.get()
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(_line(flow.json()))
+            if follower.lost != lost:  # the follower's own queue overflowed
+                merge.lost += follower.lost - lost
+                lost = follower.lost
+            merge.put(_line(flow.json()))
     finally:
         view.unfollow(follower)
 
 
-async def _pump_remote(cluster: ClusterView, node: str, path: str, queue: asyncio.Queue[bytes]) -> None:
-    """One node's followed stream into ``queue``; reconnects after a pause when it breaks."""
+RETRY_FIRST = 2.0  # seconds before a broken followed stream is asked again; doubled each time, up to
+RETRY_MAX = 60.0
+GIVE_UP = (400, 404)  # that node will not follow this (a filter it does not know, flow records off there)
+
+
+async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge) -> None:
+    """One node's followed stream into ``merge``; asked again after a pause when it breaks
+    (longer each time while it stays broken), given up on when the node says it cannot."""
+    loop = asyncio.get_running_loop()
+    delay, said = RETRY_FIRST, None
     while True:
+        started = loop.time()
         try:
-            async for line in cluster.lines(node, path):
-                with contextlib.suppress(asyncio.QueueFull):
-                    queue.put_nowait(line if line.endswith(b"\n") else line + b"\n")
-        except (OSError, KeyError) as err:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(_line({"node": node, "error": str(err)}))
-        await asyncio.sleep(2.0)
+            async for line in cluster.lines(node, path, follow=True):
+                merge.put(line if line.endswith(b"\n") else line + b"\n")
+            message = f"{node} ended the stream"
+        except NodeAnswered as err:
+            if err.status in GIVE_UP:
+                merge.put(_line({"node": node, "error": str(err)}))
+                return
+            message = str(err)
+        except OSError as err:
+            message = str(err)
+        except KeyError:
+            message = f"no node {node} in etcd"
+        if loop.time() - started > RETRY_MAX:  # it ran a good while: a new outage, not the same one
+            delay, said = RETRY_FIRST, None
+        if message != said:  # said once per outage, not at every retry
+            merge.put(_line({"node": node, "error": message}))
+            said = message
+        await asyncio.sleep(delay)
+        delay = min(RETRY_MAX, delay * 2)
 
 
 def _line(record: dict[str, Any]) -> bytes:
