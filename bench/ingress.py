@@ -16,9 +16,21 @@ another row, medians:
 
 * ``pod directly``: wrk to one pod's address;
 * ``proxy alone (anchor)``: the same HAProxy binary in node1's namespace on port 8081, one
-  frontend and one backend listing the same two pods (no routing maps, nothing else): what
-  the ingress costs is the difference to this;
+  frontend and one backend listing the same two pods, with what a hand-written HAProxy in
+  front of an HTTP service gives it too and the ingress gives every request: the same
+  forwarded headers (X-Forwarded-For, X-Real-IP, X-Forwarded-Proto/Host/Port), the same
+  backend settings (round robin, retries, connection reuse), no access log (the ingress's
+  default).  Not the routing: what the ingress costs is the difference to this;
 * ``agentd ingress``: node1's port 80, host bench.example.
+
+Both proxies run as daemons in a session of their own (the agent starts HAProxy with
+``-D``; the anchor with ``setsid``), while wrk and the pods share the bench's session.  That
+matters on Linux with ``kernel.sched_autogroup_enabled = 1`` (this machine's default): the
+scheduler shares the CPU between sessions first, and the same HAProxy configuration started in
+the bench's session, beside wrk and the pods, served about three times the keep-alive
+requests/s it served when started in a session of its own.  The anchor used to run in the
+bench's session while agentd's HAProxy ran in the agent's: that, not the configuration, was
+most of the gap the first runs showed.
 
 Churn (--churn-seconds, 30 s by the issue), wrk keep-alive meanwhile:
 
@@ -57,6 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._common import BenchError, parse_bench_args, print_notes, print_table, require_root, run_main, write_json  # noqa: E402
 
+from agentd.ingress.haproxy import BACKEND_DEFAULTS, FORWARDED  # noqa: E402
 from agentd.lab.errors import LabError  # noqa: E402
 from agentd.lab.httpecho import HttpEcho  # noqa: E402
 from agentd.lab.lab import Lab, LabSpec  # noqa: E402
@@ -137,17 +150,18 @@ class ProxyAlone:
 
     def render(self, servers: list[str]) -> None:
         lines = ["global", f"    stats socket {self.dir}/admin.sock mode 600 level admin expose-fd listeners",
-                 "defaults", "    mode http", "    timeout connect 5s", "    timeout client 60s", "    timeout server 60s",
+                 "defaults", "    mode http", "    no log", "    timeout connect 5s", "    timeout client 60s", "    timeout server 60s",
                  "    option http-keep-alive", "    option idle-close-on-response", "frontend alone", f"    bind {self.lab.nodes[0].address}:{ANCHOR_PORT}",
-                 "    option forwardfor", "    default_backend pods", "backend pods", "    balance roundrobin",
-                 "    retries 2", "    retry-on conn-failure empty-response", "    option redispatch 1", "    http-reuse safe"]  # fmt: skip
+                 *(f"    {line}" for line in FORWARDED), "    default_backend pods", "backend pods",
+                 *(f"    {line}" for line in BACKEND_DEFAULTS)]  # fmt: skip
         lines += [f"    server {ip}:8080 {ip}:8080" for ip in servers]
         (self.dir / "haproxy.cfg").write_text("\n".join(lines) + "\n")
 
     def start(self) -> None:
         self.render(self.pods)
+        # A session of its own, as agentd's HAProxy (see the module's docstring: autogroups).
         self.proc = self.lab.nodes[0].ns.popen(["haproxy", "-W", "-S", f"{self.dir}/master.sock", "-f", str(self.dir / "haproxy.cfg")],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
     def reload(self, servers: list[str]) -> None:
         self.render(servers)
@@ -292,6 +306,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     used = cpu_seconds(workers) - before
                     r["proxy_cpu_us"] = used / r["requests"] * 1e6 if workers and r["requests"] else None
                     out["rows"].append({"row": label, "mode": mode, **r})
+        out["load_after"] = os.getloadavg()
         for what in ("endpoints", "ingresses"):
             if what in only:
                 out[what] = await churn(lab, res, pods, alone, args.churn_seconds, what)
@@ -308,6 +323,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(out: dict[str, Any]) -> None:
     load = ", ".join(f"{x:.2f}" for x in out["load"])
+    if "load_after" in out:
+        load += "; after the rows " + ", ".join(f"{x:.2f}" for x in out["load_after"])
     goals = []
     if out["rows"]:
         by: dict[tuple[str, str], list[dict[str, Any]]] = {}

@@ -249,6 +249,8 @@ class Agent:
             addresses = [str(a) for a in cfg.ingress.addresses] or [str(self.address)]
             self.ingress = IngressController(self.name, self.datastore, cfg.ingress, addresses, cfg.agent.state_dir)
             self.registry.register(self.ingress.views)
+        elif await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir):  # switched off: a previous run's goes
+            log.info("[ingress] is off: stopped the proxy a previous agent left and removed its files")
         try:
             await self.tunnels.start({v: lease.subnet for v, lease in self.leases.items()})
         except RuntimeError as err:
@@ -311,7 +313,7 @@ class Agent:
         if self.service is not None:
             await self.service.stop(graceful=graceful)
         await self.supervisor.stop()
-        if self.ingress is not None and not self._leaving:  # the proxy stops with the agent
+        if self.ingress is not None and not self._leaving:  # the proxy goes on serving; the next agent adopts it
             await self.ingress.stop()
         if self._leaving:
             await self._leave_cleanup()

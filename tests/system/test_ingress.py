@@ -9,7 +9,8 @@ etcd revision applied (GET /ingress), and asserts what answered: the conformance
 (host rules, path rules, default backend, TLS) plus SNI with two certificates on one port,
 the redirect, the forwarded headers, WebSocket, merging, 404/503, the proxy's PID and worker
 across endpoint changes (no reload) and Ingress changes (a graceful reload), zero failed
-requests under load meanwhile, a crash and restart, status/metrics, bad manifests, and leave.
+requests under load meanwhile, the proxy serving on while the agent is killed or stopped and
+adopted by the next agent, a crash and restart, status/metrics, bad manifests, and leave.
 The other backends (vxlan, udp, ipip) get one lab each for a short served-through-ingress check.
 """
 
@@ -423,6 +424,82 @@ async def test_endpoint_changes_without_reload_and_ingress_change_with_graceful_
         await world.delete("Ingress", "load")
         await world.delete("Service", "manual")
         await world.delete("EndpointSlice", "manual-1")
+
+
+class SteadyLoad:
+    """wrk from the underlay namespace for as long as it takes (keep-alive), stopped with
+    SIGINT, which makes wrk print its totals."""
+
+    def __init__(self, world: World, url: str, host: str) -> None:
+        self.world, self.url, self.host = world, url, host
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> SteadyLoad:
+        self.proc = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", self.world.lab.underlay.name, "wrk", "-t", "2", "-c", "8", "-d", "300s",
+            "-H", f"Host: {self.host}", self.url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+        await auntil(lambda: self.proc.pid in self.world.lab.underlay.pids(), 10, what="wrk to start")
+        return self
+
+    async def stop(self) -> dict[str, int]:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(self.proc.communicate(), 30)
+        text = out.decode()
+        assert "requests in" in text, (text, err.decode())
+        total = int(re.search(r"(\d+) requests in", text).group(1))
+        m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+        m2 = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+        return {"requests": total, "errors": sum(int(x) for x in m.groups()) if m else 0, "non2xx": int(m2.group(1)) if m2 else 0}
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def test_the_proxy_outlives_agent_restarts(world: World):
+    """The agent killed (SIGKILL), then stopped (SIGTERM), and started again each time, under
+    steady load through its node's ingress: the proxy serves all along (not a request failed),
+    the new agent adopts it (master and worker PIDs and reloads unchanged: no reload, the
+    configuration it renders is the one running), and an endpoint change after the restart
+    goes through the runtime API."""
+    node = world.lab.nodes[1]
+    pods = {n: world.pods[n].ip for n in ("web-1", "web-2", "web-3")}
+
+    def slice_of(*ready: str) -> dict[str, Any]:
+        return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "steady-1", "namespace": NS, "labels": {"kubernetes.io/service-name": "steady"}},
+                "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+                "endpoints": [{"addresses": [ip], "conditions": {"ready": n in ready}} for n, ip in pods.items()]}  # fmt: skip
+
+    steady = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "steady", "namespace": NS},
+              "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}  # fmt: skip
+    await world.apply(steady, slice_of("web-1", "web-2"), ingress("steady", [rule("steady.example", path("/", "Prefix", "steady"))]))
+    try:
+        before = world.proxy(1)
+        for sig, ready in ((signal.SIGKILL, ("web-1", "web-3")), (signal.SIGTERM, ("web-2", "web-3"))):
+            async with SteadyLoad(world, f"http://{node.address}/", "steady.example") as load:
+                await node.stop_agent(sig)
+                assert before["pid"] in node.ns.pids() and before["worker"] in node.ns.pids()  # no agent, still serving
+                node.start_agent()
+                await auntil(lambda: (node.api_or_none("/ingress") or {}).get("running"), 60, what="node2's agent to adopt its proxy")
+                adopted = world.proxy(1)
+                assert (adopted["pid"], adopted["worker"], adopted["reloads"]) == (before["pid"], before["worker"], before["reloads"]), (before, adopted)
+                await world.apply(slice_of(*ready))
+                (b,) = [b for b in world.proxy(1)["backends"] if b["service"] == "steady"]
+                assert set(b["servers"]) == {f"{pods[n]}:8080" for n in ready}, b
+                served = {await world.served_by("http://steady.example/", node=1) for _ in range(8)}
+                assert served == set(ready), served
+                result = await load.stop()
+            assert result["requests"] > 0 and result["errors"] == 0 and result["non2xx"] == 0, (sig, result)
+            after = world.proxy(1)
+            assert (after["pid"], after["worker"], after["reloads"]) == (before["pid"], before["worker"], before["reloads"]), (before, after)
+            assert after["runtime_changes"] > 0 and after["last_change"]["how"] == "runtime", after
+    finally:
+        await world.delete("Ingress", "steady")
+        await world.delete("Service", "steady")
+        await world.delete("EndpointSlice", "steady-1")
 
 
 async def test_a_crashed_proxy_is_started_again(world: World):
