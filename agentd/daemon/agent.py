@@ -246,7 +246,9 @@ class Agent:
                 log.warning("the cluster listener on %s:%d is off: %s", self.address, self.cfg.api.cluster_port, err)
                 self.read_api = None
         if cfg.ingress.enabled:  # Ingress: the proxy starts once the resources are read
-            addresses = [str(a) for a in cfg.ingress.addresses] or [str(self.address)]
+            # Default: the node's underlay addresses, both families on a dual-stack node.
+            v6 = cfg.node.address_v6 if cfg.network.ip_family != "ipv4" else None
+            addresses = [str(a) for a in cfg.ingress.addresses] or [str(a) for a in dict.fromkeys((self.address, v6)) if a]
             self.ingress = IngressController(self.name, self.datastore, cfg.ingress, addresses, cfg.agent.state_dir)
             self.registry.register(self.ingress.views)
         elif await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir):  # switched off: a previous run's goes

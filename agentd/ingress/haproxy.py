@@ -119,9 +119,9 @@ def server_name(server: Server) -> str:
 
 
 def address(ip: str, port: int) -> str:
-    # HAProxy reads the port after the LAST colon, so IPv6 addresses need no brackets; the
-    # ipv6@ prefix keeps a bind of "::" from meaning "every family".
-    return f"ipv6@{ip}:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
+    """A bind or server address: an IPv6 one in brackets (RFC 3986's form, which HAProxy reads
+    in the configuration and in the runtime API's ``add server`` alike)."""
+    return f"[{ip}]:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
 
 
 def maps(table: RouteTable, cert_files: Mapping[tuple[str, str], Path]) -> dict[str, str]:

@@ -30,7 +30,7 @@ import pytest
 import pytest_asyncio
 
 from agentd.lab.httpecho import HttpEcho
-from agentd.lab.lab import API_URL, Lab, LabSpec
+from agentd.lab.lab import API_URL, CLIENT_ADDRESS_V6, Lab, LabSpec
 from agentd.lab.netns import unique_tag
 from agentd.lab.runtime import binary
 from agentd.lab.wait import auntil
@@ -75,10 +75,12 @@ class World:
             await asyncio.sleep(0.05)
         raise AssertionError(f"ingress revision {revision} not applied everywhere: {', '.join(behind)}")
 
-    async def curl(self, url: str, *, node: int = 0, host: str | None = None, args: tuple[str, ...] = ()) -> tuple[int, Any, dict[str, str]]:
+    async def curl(self, url: str, *, node: int = 0, host: str | None = None, args: tuple[str, ...] = (),
+                   family: int = 4) -> tuple[int, Any, dict[str, str]]:  # fmt: skip
         """One request from the underlay namespace to node ``node`` (``--resolve``: the URL's
-        host name goes to that node's address); (status, JSON body or text, headers)."""
-        ip = self.lab.nodes[node].address
+        host name goes to that node's address of ``family``); (status, JSON body or text, headers)."""
+        n = self.lab.nodes[node]
+        ip = n.address if family == 4 else f"[{n.address_v6}]"
         m = re.match(r"(https?)://([^/:]+)(?::(\d+))?", url)
         assert m, url
         name, port = m.group(2), m.group(3) or ("443" if m.group(1) == "https" else "80")
@@ -610,11 +612,13 @@ async def test_leave_stops_the_proxy_and_leaves_nothing(world: World):  # last: 
 # ---------------------------------------------------------------- the other backends
 
 
-@pytest.mark.parametrize("backend_name", ["vxlan", "udp", "ipip"])
-async def test_served_through_the_ingress_on_every_backend(backend_name, tmp_path_factory):
+@pytest.mark.parametrize(("backend_name", "ip_family"), [("vxlan", "ipv4"), ("udp", "ipv4"), ("ipip", "ipv4"), ("host-gw", "dual")])
+async def test_served_through_the_ingress_on_every_backend(backend_name, ip_family, tmp_path_factory):
     """The proxy on node1 reaches pods on node2 through the backend's tunnel (the pod network
-    carries the proxy's connections to pods like any node's)."""
-    spec = LabSpec(name="ib" + unique_tag("")[:6], nodes=2, pods=0, backend=backend_name, ingress=True)
+    carries the proxy's connections to pods like any node's).  Dual-stack: a Service whose
+    primary family is IPv6 is served by its pods' IPv6 addresses, and the ingress answers on
+    the nodes' IPv6 addresses as on their IPv4 ones."""
+    spec = LabSpec(name="ib" + unique_tag("")[:6], nodes=2, pods=0, backend=backend_name, ingress=True, ip_family=ip_family)
     lab = Lab(spec, root=tmp_path_factory.mktemp("labs"))
     w = World(lab, tmp_path_factory.mktemp("ingress"))
     make_ca(w.tmp)
@@ -624,9 +628,20 @@ async def test_served_through_the_ingress_on_every_backend(backend_name, tmp_pat
         pod = await lab.add_pod(lab.nodes[1], NS, "far-1", labels={"app": "far"}, ports=HTTP)
         echo.append(await HttpEcho.start(pod, "far-1", [8080]))
         w.res = await lab.resources()
-        await w.apply(CLASS, service("far", "far"), ingress("far", [rule("far.example", path("/", "Prefix", "far"))]))
+        svc = service("far", "far")
+        if ip_family == "dual":
+            svc["spec"].update(ipFamilyPolicy="RequireDualStack", ipFamilies=["IPv6", "IPv4"])
+        await w.apply(CLASS, svc, ingress("far", [rule("far.example", path("/", "Prefix", "far"))]))
         for node in (0, 1):
             assert await w.served_by("http://far.example/", node=node) == "far-1"
+        if ip_family == "dual":
+            (b,) = w.proxy(0)["backends"]
+            assert b["servers"] == [f"{pod.address(6)}:8080"], b
+            for node in (0, 1):
+                status, body, _ = await w.curl("http://far.example/", node=node, family=6)
+                assert status == 200 and body["pod"] == "far-1", (status, body)
+                # The pod saw the proxy's IPv6 address; the client's is in X-Forwarded-For.
+                assert body["headers"]["X-Forwarded-For"] == CLIENT_ADDRESS_V6, body
     finally:
         for e in echo:
             e.close()
