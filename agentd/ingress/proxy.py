@@ -398,6 +398,7 @@ def stop_stale(paths: Paths) -> bool:
     if pid is None or not _runs(pid, paths.config):
         return False
     log.warning("stopping the HAProxy (pid %d) a previous agent left running", pid)
+    workers = _children(pid)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     for _ in range(100):
@@ -407,9 +408,19 @@ def stop_stale(paths: Paths) -> bool:
     else:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    # Workers of a master that had to be killed would go on taking connections on the
+    # listening sockets (SO_REUSEPORT) beside the next master's.
+    _end([w for w in workers if _runs(w, paths.config)])
     with contextlib.suppress(FileNotFoundError):
         paths.pidfile.unlink()
     return True
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _runs(pid: int, config: Path) -> bool:

@@ -584,12 +584,21 @@ async def test_bad_manifests_are_refused_with_one_line(world: World):
 async def test_settings_from_the_configmap(world: World):
     await world.apply(ingress("cfg", [rule("cfg.example", path("/", "Prefix", "foo"))]),
                       {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
-                       "data": {"proxy-body-size": "1k", "frontend-snippet": "http-response set-header X-Served-By agentd"}})  # fmt: skip
+                       "data": {"proxy-body-size": "1k", "frontend-snippet": "http-response set-header X-Served-By agentd",
+                                "enable-access-log": "true"}})  # fmt: skip
     try:
         status, _, headers = await world.curl("http://cfg.example/", args=("--data-binary", "x" * 2048))
         assert status == 413
-        status, body, headers = await world.curl("http://cfg.example/", args=("--data-binary", "x" * 100))
+        status, body, headers = await world.curl("http://cfg.example/logged", args=("--data-binary", "x" * 100))
         assert status == 200 and body["pod"] == "foo-1" and headers["x-served-by"] == "agentd"
+        # The access log: HAProxy's line (httplog) through the agent's socket into the agent's log.
+        log_path = world.lab.nodes[0].log_path
+
+        def logged() -> bool:
+            return any("agentd.ingress.access" in ln and "ing.shop.cfg.foo.80" in ln and "POST /logged" in ln
+                       for ln in log_path.read_text(errors="replace").splitlines())  # fmt: skip
+
+        await auntil(logged, 20, what="the access log line of POST /logged in node1's agent log")
     finally:
         await world.delete("ConfigMap", "agentd-ingress", ns="kube-system")
         await world.delete("Ingress", "cfg")
