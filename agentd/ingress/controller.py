@@ -100,7 +100,10 @@ class IngressController:
     async def run(self) -> None:
         await asyncio.to_thread(self._prepare_dir)
         if self.access_log.sock is None:
-            self.access_log.open()
+            try:
+                self.access_log.open()
+            except OSError as err:  # the access log is lost, not the ingress
+                log.warning("ingress: no access log: cannot bind %s: %s", self.paths.log_socket, err)
         if not self.proxy.running and (adopted := await self.proxy.adopt()) is not None:
             self.worker = adopted
             log.info("ingress: adopted the running HAProxy (pid %d, worker %d)", self.proxy.pid or 0,
