@@ -498,6 +498,21 @@ async def test_the_proxy_outlives_agent_restarts(world: World):
             after = world.proxy(1)
             assert (after["pid"], after["worker"], after["reloads"]) == (before["pid"], before["worker"], before["reloads"]), (before, after)
             assert after["runtime_changes"] > 0 and after["last_change"]["how"] == "runtime", after
+        # An agent started with the ingress switched off stops the proxy it finds and removes
+        # its files; switched on again, it starts a new one.
+        ingress_dir = node.dir / "state" / "ingress"
+        world.lab.spec.extra["node2"] = {"ingress": {"enabled": False}}
+        try:
+            await node.stop_agent(signal.SIGTERM)
+            node.start_agent()
+            await auntil(lambda: not ingress_dir.exists(), 60, what="node2's agent to remove the proxy it does not run")
+            assert before["pid"] not in node.ns.pids() and before["worker"] not in node.ns.pids()
+        finally:
+            del world.lab.spec.extra["node2"]
+            await node.stop_agent(signal.SIGTERM)
+            node.start_agent()
+        await auntil(lambda: (node.api_or_none("/ingress") or {}).get("running"), 60, what="node2's proxy to start again")
+        assert world.proxy(1)["pid"] != before["pid"]
     finally:
         await world.delete("Ingress", "steady")
         await world.delete("Service", "steady")
