@@ -488,6 +488,7 @@ async def test_the_proxy_outlives_agent_restarts(world: World):
                 await auntil(lambda: (node.api_or_none("/ingress") or {}).get("running"), 60, what="node2's agent to adopt its proxy")
                 adopted = world.proxy(1)
                 assert (adopted["pid"], adopted["worker"], adopted["reloads"]) == (before["pid"], before["worker"], before["reloads"]), (before, adopted)
+                assert adopted["adopted"] and abs(adopted["started_at"] - before["started_at"]) < 2, (before, adopted)
                 await world.apply(slice_of(*ready))
                 (b,) = [b for b in world.proxy(1)["backends"] if b["service"] == "steady"]
                 assert set(b["servers"]) == {f"{pods[n]}:8080" for n in ready}, b
