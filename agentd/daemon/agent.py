@@ -250,9 +250,13 @@ class Agent:
             self.services = None
         await self.observe.open_flows(self.policy, self.services, self.registry)
         if cfg.ingress.enabled:  # Ingress: the proxy starts once the resources are read
-            addresses = [str(a) for a in cfg.ingress.addresses] or [str(self.address)]
+            # Default: the node's underlay addresses, both families on a dual-stack node.
+            v6 = cfg.node.address_v6 if cfg.network.ip_family != "ipv4" else None
+            addresses = [str(a) for a in cfg.ingress.addresses] or [str(a) for a in dict.fromkeys((self.address, v6)) if a]
             self.ingress = IngressController(self.name, self.datastore, cfg.ingress, addresses, cfg.agent.state_dir)
             self.registry.register(self.ingress.views)
+        elif await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir):  # switched off: a previous run's goes
+            log.info("[ingress] is off: stopped the proxy a previous agent left and removed its files")
         try:
             await self.tunnels.start({v: lease.subnet for v, lease in self.leases.items()})
         except RuntimeError as err:
@@ -315,7 +319,7 @@ class Agent:
         if self.service is not None:
             await self.service.stop(graceful=graceful)
         await self.supervisor.stop()
-        if self.ingress is not None and not self._leaving:  # the proxy stops with the agent
+        if self.ingress is not None and not self._leaving:  # the proxy goes on serving; the next agent adopts it
             await self.ingress.stop()
         if self._leaving:
             await self._leave_cleanup()

@@ -13,7 +13,11 @@ One :class:`IngressController` per ``agentd run`` with ``[ingress] enabled``.  I
    else changed (rules, TLS, settings, a backend added or gone), the configuration is
    checked and the proxy reloaded gracefully;
 4. starts the proxy, and starts it again (with the configuration of the moment) whenever it
-   exits; stops it when the agent stops;
+   exits.  The proxy outlives the agent: an agent that stops or dies leaves it serving, and
+   the next one adopts it (:meth:`Proxy.adopt`), reloads it only if the configuration it
+   renders differs from the one the proxy runs, and brings its servers up to date through
+   the runtime API.  Only ``agentd leave``, ``[ingress] enabled = false`` or a proxy that
+   cannot be adopted stop it;
 5. publishes which addresses this node serves Ingresses on (``<prefix>/ingress/nodes/<node>``,
    under the node's etcd lease): ``status.loadBalancer.ingress`` is read from those;
 6. keeps what ``/status``, ``/ingress`` and /metrics show (:mod:`agentd.ingress.views`).
@@ -46,7 +50,7 @@ from agentd.resources import ingress_settings as settings
 
 from . import certs, haproxy, routing
 from .haproxy import Listen, Paths, Server
-from .proxy import Proxy, ProxyError, stop_stale
+from .proxy import AccessLog, Proxy, ProxyError, stop_stale
 from .views import IngressViews
 
 log = logging.getLogger("agentd.ingress")
@@ -65,6 +69,7 @@ class IngressController:
         self.listen = Listen(tuple(addresses), cfg.http_port, cfg.https_port)
         self.paths = Paths(Path(state_dir) / "ingress")
         self.proxy = Proxy(self.paths, cfg.haproxy)
+        self.access_log = AccessLog(self.paths.log_socket)
         self.store = ResourceStore(datastore)
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
         self.revision = 0
@@ -94,6 +99,15 @@ class IngressController:
 
     async def run(self) -> None:
         await asyncio.to_thread(self._prepare_dir)
+        if self.access_log.sock is None:
+            try:
+                self.access_log.open()
+            except OSError as err:  # the access log is lost, not the ingress
+                log.warning("ingress: no access log: cannot bind %s: %s", self.paths.log_socket, err)
+        if not self.proxy.running and (adopted := await self.proxy.adopt()) is not None:
+            self.worker = adopted
+            log.info("ingress: adopted the running HAProxy (pid %d, worker %d)", self.proxy.pid or 0,
+                     self.worker.pid if self.worker else 0)  # fmt: skip
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._watch())
             tg.create_task(self._supervise())
@@ -112,9 +126,8 @@ class IngressController:
             await self._wake.wait()
             self._wake.clear()
         failures = 0
-        if self.proxy.running:  # this task was restarted after a crash: keep the proxy, reload it
-            self._structure = None
-            self._wake.set()
+        if self.proxy.running:  # adopted, or this task was restarted after a crash: keep the proxy
+            await self._take_over()
         while True:
             try:
                 if not self.proxy.running:
@@ -145,12 +158,11 @@ class IngressController:
             finally:
                 if not exited.done():
                     exited.cancel()
-            rc = exited.result()
             self.restarts += 1
             self._structure = None
             self._fold_counters()
-            self.error = f"the proxy exited with status {rc}; started again"
-            log.error("ingress: HAProxy exited with status %s; starting it again with the current configuration", rc)
+            self.error = f"the proxy (pid {self.proxy.pid}) exited; started again"
+            log.error("ingress: HAProxy (pid %s) exited; starting it again with the current configuration", self.proxy.pid)
             await self.proxy.stop()
 
     async def _start_proxy(self) -> None:
@@ -161,6 +173,7 @@ class IngressController:
         self.servers = {name: set(s) for name, s in self._want_servers().items()}
         self.draining = {}
         self._structure = structure
+        await asyncio.to_thread(self._save_loaded, structure)
         self.worker = await self.proxy.worker()
         self.error = None
         self.applied_revision = self.revision
@@ -169,15 +182,47 @@ class IngressController:
                  self.listen.https_port)  # fmt: skip
         await self._publish()
 
+    async def _take_over(self) -> None:
+        """Go on with a running proxy this controller did not start (adopted from a previous
+        agent, or this task restarted after a crash): what it runs is known from
+        ``loaded.json`` (a reload only if the rendered configuration differs) and from its
+        runtime API (its servers, enabled or draining); the next sync does the rest."""
+        self._structure = None
+        loaded = await asyncio.to_thread(_read_json, self.paths.loaded)
+        if loaded.get("master") == self.proxy.pid:
+            self._structure = loaded.get("structure")
+        self.servers, self.draining = {}, {}
+        try:
+            rows = await self.proxy.stats()
+        except ProxyError as err:
+            log.warning("ingress: reading the adopted proxy's servers failed (%s); reloading it", err)
+            self._structure = None
+            rows = []
+        for row in rows:
+            name = row.get("svname", "")
+            if name in ("FRONTEND", "BACKEND"):  # servers are ours alone: named ip:port
+                continue
+            ip, _, port = name.rpartition(":")
+            with contextlib.suppress(ValueError):
+                into = self.draining if row.get("status", "").startswith("MAINT") else self.servers
+                into.setdefault(row["pxname"], set()).add((ip, int(port)))
+        self._wake.set()
+
+    def _save_loaded(self, structure: str) -> None:
+        _write(self.paths.loaded, json.dumps({"master": self.proxy.pid, "structure": structure}).encode())
+
     async def stop(self) -> None:
-        """The agent stops: the proxy stops (requests in flight finish) and is unpublished."""
-        await self.proxy.stop()
-        await self._unpublish()
+        """The agent stops: the proxy goes on serving (the next agent adopts it)."""
+        self.proxy.detach()
+        self.access_log.close()
 
     async def leave(self) -> None:
-        """``agentd leave``: stop the proxy and remove its files."""
-        await self.stop()
-        await asyncio.to_thread(remove_files, self.paths)
+        """``agentd leave``: stop the proxy (requests in flight finish), unpublish this node,
+        remove the proxy's files."""
+        await self.proxy.stop()
+        self.access_log.close()
+        await self._unpublish()
+        await asyncio.to_thread(remove_ingress_proxy, self.paths.dir.parent)
 
     # ------------------------------------------------------------------ inputs
 
@@ -350,6 +395,7 @@ class IngressController:
         self.servers = {name: set(s) for name, s in want.items()}
         self.draining = {}
         self._structure = structure
+        await asyncio.to_thread(self._save_loaded, structure)
         self.error = None
         log.info("ingress: reloaded (worker %d): %d Ingresses, %d backends%s", self.worker.pid if self.worker else 0,
                  len(self.table.ingresses), len(self.table.backends),
@@ -473,6 +519,14 @@ def _write(path: Path, content: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
 def remove_files(paths: Paths) -> None:
     """The proxy's directory, certificates included."""
     import shutil
@@ -481,7 +535,8 @@ def remove_files(paths: Paths) -> None:
 
 
 def remove_ingress_proxy(state_dir: Path) -> bool:
-    """``agentd leave`` with no agent running: stop a proxy a killed agent left, remove its files."""
+    """Stop the proxy a previous agent left running and remove its files: ``agentd leave``
+    (with or without an agent), an agent started with ``[ingress] enabled = false``."""
     paths = Paths(Path(state_dir) / "ingress")
     if not paths.dir.exists():
         return False

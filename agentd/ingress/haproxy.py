@@ -44,6 +44,15 @@ BACKEND_DEFAULTS = (
     "option redispatch 1",
     "http-reuse safe",
 )
+# What the pod sees of the client: its address (not what the client claims), scheme, host and
+# port, as ingress-nginx sets them by default.
+FORWARDED = (
+    "http-request set-header X-Forwarded-For %[src]",
+    "http-request set-header X-Real-IP %[src]",
+    "http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
+    "http-request set-header X-Forwarded-Host %[req.hdr(host)]",
+    "http-request set-header X-Forwarded-Port %[dst_port]",
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,23 @@ class Paths:
         return self.dir / "haproxy.pid"
 
     @property
+    def output(self) -> Path:
+        """What the launcher printed (startup warnings and alerts): the master's stdio is
+        /dev/null once it runs in the background."""
+        return self.dir / "haproxy.log"
+
+    @property
+    def log_socket(self) -> Path:
+        """The access log's unix datagram socket, which the agent drains."""
+        return self.dir / "log.sock"
+
+    @property
+    def loaded(self) -> Path:
+        """Which master runs which configuration (its structure's digest): what a restarted
+        agent compares with what it renders before it decides to reload."""
+        return self.dir / "loaded.json"
+
+    @property
     def certs(self) -> Path:
         return self.dir / "certs"
 
@@ -93,9 +119,9 @@ def server_name(server: Server) -> str:
 
 
 def address(ip: str, port: int) -> str:
-    # HAProxy reads the port after the LAST colon, so IPv6 addresses need no brackets; the
-    # ipv6@ prefix keeps a bind of "::" from meaning "every family".
-    return f"ipv6@{ip}:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
+    """A bind or server address: an IPv6 one in brackets (RFC 3986's form, which HAProxy reads
+    in the configuration and in the runtime API's ``add server`` alike)."""
+    return f"[{ip}]:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
 
 
 def maps(table: RouteTable, cert_files: Mapping[tuple[str, str], Path]) -> dict[str, str]:
@@ -152,7 +178,7 @@ def render(
         "    ssl-default-bind-options ssl-min-ver TLSv1.2",
     ]
     if log:
-        g.append("    log stdout format raw local0")
+        g.append(f"    log {paths.log_socket} format raw local0")
     out = [
         *g,
         "",
@@ -214,13 +240,7 @@ def render(
     if s.body_size:
         out.append(f"    http-request deny deny_status 413 if {{ req.hdr_val(content-length) gt {s.body_size} }}")
     out += [
-        # What the pod sees of the client: its address (not what the client claims), scheme,
-        # host and port, as ingress-nginx sets them by default.
-        "    http-request set-header X-Forwarded-For %[src]",
-        "    http-request set-header X-Real-IP %[src]",
-        "    http-request set-header X-Forwarded-Proto %[ssl_fc,iif(https,http)]",
-        "    http-request set-header X-Forwarded-Host %[req.hdr(host)]",
-        "    http-request set-header X-Forwarded-Port %[dst_port]",
+        *(f"    {line}" for line in FORWARDED),
         *(f"    {line}" for line in s.snippet),
         f"    http-request set-var(txn.backend) var(txn.key),map_str({d / 'exact.map'})" if files["exact.map"] else "",
         f"    http-request set-var(txn.backend) var(txn.key),map_beg({d / 'prefix.map'}) if !{{ var(txn.backend) -m found }}"

@@ -1,7 +1,16 @@
-"""The HAProxy process: start, check, graceful reload, runtime commands, counters, stop.
+"""The HAProxy process: start, adopt, check, graceful reload, runtime commands, counters, stop.
 
-HAProxy runs in master-worker mode (``-W``) with the master CLI on a unix socket (``-S``):
+HAProxy runs as a daemon in master-worker mode (``-W -D``) with the master CLI on a unix
+socket (``-S``), the way its packages run it, so that it outlives the agent:
 
+* **start**: the launcher checks the configuration, binds the listeners and forks the master
+  into a session of its own (stdin/stdout/stderr on /dev/null; what the launcher printed is
+  kept in ``haproxy.log``); the master writes the pidfile and forks the worker.  It is not
+  the agent's child: the agent notices its exit through a pidfd, whoever its parent is, and
+  a restarted agent can do the same;
+* **adopt**: a restarted agent takes over the master its pidfile names once it has checked
+  that the process is a HAProxy of this configuration and that its master CLI answers with
+  that PID (never another program that got the PID, never another node's proxy);
 * **reload** is SIGUSR2 to the master: it re-executes itself with the new configuration,
   the new worker takes the listening sockets over from the old one (the stats socket's
   ``expose-fd listeners``), and the old worker stops accepting, finishes its requests in
@@ -23,6 +32,8 @@ import io
 import logging
 import os
 import signal
+import socket
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +44,7 @@ log = logging.getLogger("agentd.ingress")
 access_log = logging.getLogger("agentd.ingress.access")
 
 SOCKET_TIMEOUT = 5.0
+OUTPUT_LIMIT = 1 << 20  # haproxy.log (the launcher's output) is started anew past this size
 
 
 class ProxyError(RuntimeError):
@@ -65,15 +77,37 @@ async def _ask(path: Path, command: str, timeout: float = SOCKET_TIMEOUT) -> str
             await writer.wait_closed()
 
 
+def parse_proc(text: str) -> tuple[tuple[int, int] | None, list[Worker]]:
+    """The master CLI's ``show proc``: (master PID, its reloads) and the workers."""
+    master = None
+    workers = []
+    section = ""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            section = line
+            continue
+        parts = line.split()
+        if len(parts) < 3 or "programs" in section:
+            continue
+        with contextlib.suppress(ValueError):
+            if parts[1] == "master":
+                master = (int(parts[0]), int(parts[2]))
+            elif parts[1] == "worker":
+                workers.append(Worker(int(parts[0]), int(parts[2])))
+    return master, workers
+
+
 class Proxy:
     def __init__(self, paths: Paths, binary: str = "haproxy") -> None:
         self.paths = paths
         self.binary = binary
-        self.proc: asyncio.subprocess.Process | None = None
+        self.pid: int | None = None  # the master's
         self.started_at: float | None = None
         self.reloads = 0
+        self.adopted = False  # a previous agent started it
         self.worker_pids: set[int] = set()  # the workers of the last show proc, for cleaning up after a crash
-        self._output: asyncio.Task | None = None
+        self._pidfd: int | None = None
+        self._exited: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ configuration
 
@@ -92,28 +126,33 @@ class Proxy:
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.running and self.proc is not None else None
+        return self.pid is not None and self._exited is not None and not self._exited.done()
 
     async def start(self, timeout: float = 20.0) -> None:
-        """Start the master (after ending one a previous agent left behind) and wait for its worker."""
+        """Start the master (after ending one a previous agent left that could not be
+        adopted) and wait for its worker."""
         await asyncio.to_thread(stop_stale, self.paths)
-        with contextlib.suppress(FileNotFoundError):
-            self.paths.master_socket.unlink()
-        self.proc = await asyncio.create_subprocess_exec(
-            self.binary, "-W", "-S", f"{self.paths.master_socket},mode,600", "-f", str(self.paths.config),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+        for path in (self.paths.master_socket, self.paths.pidfile):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        rc, output = await asyncio.to_thread(self._launch, timeout)
+        for line in output.splitlines():
+            if "[WARNING]" in line:
+                log.warning("haproxy: %s", line.strip())
+        if rc != 0:
+            alerts = [ln.strip() for ln in output.splitlines() if "[ALERT]" in ln]
+            raise ProxyError("; ".join(alerts[:3]) or f"haproxy exited at start with status {rc}")
+        pid = _read_pid(self.paths.pidfile)
+        if pid is None or not _runs(pid, self.paths.config):
+            raise ProxyError("haproxy started, but its pidfile names no running master")
+        self._watch(pid)
         self.started_at = time.time()
-        self._output = asyncio.get_running_loop().create_task(self._read_output(self.proc))
+        self.reloads = 0
+        self.adopted = False
         deadline = time.monotonic() + timeout
         while True:
             if not self.running:
-                await self._drain_output()
-                raise ProxyError(f"haproxy exited at start with status {self.proc.returncode} (see the log above)")
+                raise ProxyError(f"haproxy (pid {pid}) exited at start (see {self.paths.output})")
             with contextlib.suppress(ProxyError):
                 if await self.worker() is not None:
                     await _ask(self.paths.admin_socket, "show info")
@@ -122,35 +161,115 @@ class Proxy:
                 raise ProxyError("haproxy did not start a worker in time")
             await asyncio.sleep(0.05)
 
-    async def _read_output(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stdout is not None
-        while line := await proc.stdout.readline():
-            text = line.decode(errors="replace").rstrip()
-            if text.startswith("[NOTICE]") or "Reexecuting Master" in text or "Loading success" in text:
-                log.debug("haproxy: %s", text)
-            elif text.startswith(("[WARNING]", "[ALERT]")):
-                log.warning("haproxy: %s", text)
-            else:
-                access_log.info("%s", text)
+    def _launch(self, timeout: float) -> tuple[int, str]:
+        """Run the launcher, which returns once the master runs in the background: its
+        status and what it printed.  A blocking Popen (in a thread) rather than the loop's:
+        close_fds, so that the daemon holds none of the agent's descriptors (uvloop's
+        subprocesses inherit every one not marked close-on-exec, libnftables' netlink
+        sockets among them)."""
+        out_path = self.paths.output
+        with contextlib.suppress(OSError):
+            if out_path.stat().st_size > OUTPUT_LIMIT:
+                out_path.unlink()
+        fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "ab") as out:
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} agentd starts HAProxy\n".encode())
+            out.flush()
+            offset = os.fstat(fd).st_size
+            argv = [self.binary, "-W", "-D", "-S", f"{self.paths.master_socket},mode,600", "-f", str(self.paths.config)]
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, close_fds=True,
+                                        cwd=self.paths.dir)  # fmt: skip
+            except OSError as err:
+                return 127, f"[ALERT] cannot run {self.binary}: {err}"
+            try:
+                rc = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+        with open(out_path, "rb") as f:
+            f.seek(offset)
+            return rc, f.read().decode(errors="replace")
 
-    async def _drain_output(self) -> None:
-        if self._output is not None:
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._output), 1.0)
+    async def adopt(self) -> Worker | None:
+        """Take over the master a previous agent started (its pidfile in our directory), if
+        it is a HAProxy of our configuration whose master CLI answers with that PID; its
+        current worker, or None (nothing adopted)."""
+        pid = _read_pid(self.paths.pidfile)
+        if pid is None or not _runs(pid, self.paths.config):
+            return None
+        try:
+            pidfd = os.pidfd_open(pid)  # from here on the PID cannot name another process
+        except OSError:
+            return None
+        try:
+            master, workers = parse_proc(await _ask(self.paths.master_socket, "show proc"))
+            if master is None or master[0] != pid:
+                raise ProxyError(f"its master CLI names master {master[0] if master else None}")
+            if not workers:
+                raise ProxyError("it has no worker")
+            await _ask(self.paths.admin_socket, "show info")
+        except ProxyError as err:
+            os.close(pidfd)
+            log.warning("ingress: cannot adopt the HAProxy (pid %d) a previous agent left: %s", pid, err)
+            return None
+        self._watch(pid, pidfd)
+        self.worker_pids = {w.pid for w in workers}
+        self.reloads = master[1]
+        self.adopted = True
+        self.started_at = _start_time(pid)
+        return min(workers, key=lambda w: w.reloads)
 
-    async def wait(self) -> int:
-        """Until the master exits; its status."""
-        assert self.proc is not None
-        rc = await self.proc.wait()
-        await self._drain_output()
-        return rc
+    def _watch(self, pid: int, fd: int | None = None) -> None:
+        """Follow ``pid``'s exit through a pidfd (it need not be our child)."""
+        self.detach()
+        if fd is None:
+            fd = os.pidfd_open(pid)
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def on_exit() -> None:
+            if self._pidfd == fd:
+                loop.remove_reader(fd)
+                os.close(fd)
+                self._pidfd = None
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, on_exit)
+        self.pid, self._pidfd, self._exited = pid, fd, exited
+
+    def detach(self) -> None:
+        """Stop following the master and leave it running (the agent stops; the next adopts it)."""
+        if self._pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._exited is not None and not self._exited.done():
+            self._exited.cancel()
+        self.pid = None
+
+    async def wait(self) -> None:
+        """Until the master exits."""
+        assert self._exited is not None
+        await asyncio.shield(self._exited)
+
+    async def _exit_within(self, timeout: float) -> bool:
+        if self._exited is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def reload(self, timeout: float = 20.0) -> Worker:
         """Graceful reload (the configuration on disk was checked); the new current worker."""
-        if not self.running or self.proc is None:
+        if not self.running or self.pid is None:
             raise ProxyError("haproxy is not running")
         before = await self.worker()
-        self.proc.send_signal(signal.SIGUSR2)
+        os.kill(self.pid, signal.SIGUSR2)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(ProxyError):
@@ -160,28 +279,22 @@ class Proxy:
                     self.reloads += 1
                     return now
             if not self.running:
-                raise ProxyError(f"haproxy exited during a reload with status {self.proc.returncode}")
+                raise ProxyError("haproxy exited during a reload")
             await asyncio.sleep(0.02)
         raise ProxyError("haproxy did not start a new worker after the reload")
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Soft stop (requests in flight finish), then SIGTERM/SIGKILL past ``timeout``."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.returncode is None:
+        """Soft stop (requests in flight finish), then SIGKILL past ``timeout``; its sockets
+        and pidfile removed."""
+        pid = self.pid
+        if pid is not None and self.running:
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGUSR1)
-            try:
-                await asyncio.wait_for(proc.wait(), timeout)
-            except TimeoutError:
+                os.kill(pid, signal.SIGUSR1)
+            if not await self._exit_within(timeout) and _runs(pid, self.paths.config):
                 with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-        await self._drain_output()
-        if self._output is not None:
-            self._output.cancel()
-        self.proc = None
+                    os.kill(pid, signal.SIGKILL)
+                await self._exit_within(5.0)
+        self.detach()
         # A master that died (killed) leaves its workers running on the listening sockets, where
         # they would take connections from the next master's worker and refuse them.
         pids, self.worker_pids = self.worker_pids, set()
@@ -194,28 +307,13 @@ class Proxy:
 
     async def worker(self) -> Worker | None:
         """The current worker (master CLI ``show proc``)."""
-        text = await _ask(self.paths.master_socket, "show proc")
-        best = None
-        section = ""
-        pids = set()
-        for line in text.splitlines():
-            if line.startswith("#"):
-                section = line
-                continue
-            parts = line.split()
-            if len(parts) >= 3 and parts[1] == "worker" and "programs" not in section:
-                with contextlib.suppress(ValueError):
-                    w = Worker(int(parts[0]), int(parts[2]))
-                    pids.add(w.pid)
-                    if best is None or w.reloads < best.reloads:
-                        best = w
-        self.worker_pids = pids
-        return best
+        _, workers = parse_proc(await _ask(self.paths.master_socket, "show proc"))
+        self.worker_pids = {w.pid for w in workers}
+        return min(workers, key=lambda w: w.reloads, default=None)
 
     async def workers(self) -> int:
         """How many workers run (old ones finishing their requests after a reload included)."""
-        text = await _ask(self.paths.master_socket, "show proc")
-        return sum(1 for line in text.splitlines() if len(line.split()) > 1 and line.split()[1] == "worker")
+        return len(parse_proc(await _ask(self.paths.master_socket, "show proc"))[1])
 
     async def command(self, command: str) -> str:
         return (await _ask(self.paths.admin_socket, command)).strip()
@@ -237,17 +335,70 @@ class Proxy:
         return out
 
 
-def stop_stale(paths: Paths) -> bool:
-    """End a HAProxy master a previous agent left running on our configuration (it was killed
-    without stopping it); True if there was one."""
+class AccessLog:
+    """The unix datagram socket HAProxy sends its access log to (``log <path> format raw``),
+    drained into the ``agentd.ingress.access`` logger.  A datagram socket because HAProxy's
+    log sends never block: while no agent listens (a restart), lines are dropped, never
+    queued in front of requests."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock: socket.socket | None = None
+
+    def open(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        sock.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._drain)
+        self.sock = sock
+
+    def _drain(self) -> None:
+        assert self.sock is not None
+        for _ in range(256):  # then back to the loop
+            try:
+                line = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            access_log.info("%s", line.decode(errors="replace").rstrip("\n"))
+
+    def close(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+
+
+def _read_pid(path: Path) -> int | None:
     try:
-        pid = int(paths.pidfile.read_text().split()[0])
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return False
-    if str(paths.config).encode() not in cmdline or not any(b"haproxy" in part for part in cmdline[:1]):
+        return None
+
+
+def _start_time(pid: int) -> float | None:
+    """When ``pid`` started (wall clock), from /proc."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def stop_stale(paths: Paths) -> bool:
+    """End a HAProxy master of our configuration that its pidfile names and that no agent
+    follows (it could not be adopted); True if there was one."""
+    pid = _read_pid(paths.pidfile)
+    if pid is None or not _runs(pid, paths.config):
         return False
     log.warning("stopping the HAProxy (pid %d) a previous agent left running", pid)
+    workers = _children(pid)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     for _ in range(100):
@@ -257,9 +408,19 @@ def stop_stale(paths: Paths) -> bool:
     else:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    # Workers of a master that had to be killed would go on taking connections on the
+    # listening sockets (SO_REUSEPORT) beside the next master's.
+    _end([w for w in workers if _runs(w, paths.config)])
     with contextlib.suppress(FileNotFoundError):
         paths.pidfile.unlink()
     return True
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _runs(pid: int, config: Path) -> bool:
@@ -268,7 +429,7 @@ def _runs(pid: int, config: Path) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"haproxy" in argv[0] and str(config).encode() in argv
+    return b"haproxy" in os.path.basename(argv[0]) and str(config).encode() in argv
 
 
 def _end(pids: list[int]) -> None:

@@ -27,6 +27,8 @@ class IngressViews:
             "proxy": "haproxy",
             "running": c.proxy.running,
             "pid": c.proxy.pid,
+            "adopted": c.proxy.adopted,  # started by a previous agent
+            "started_at": c.proxy.started_at,
             "worker": worker.pid if worker else None,
             "reloads": c.proxy.reloads,
             "restarts": c.restarts,

@@ -46,7 +46,7 @@ async def _serve(name: str, ports: list[int]) -> None:
     runner = web.AppRunner(_app(name), access_log=None)
     await runner.setup()
     for port in ports:
-        await web.TCPSite(runner, "0.0.0.0", port, backlog=1024).start()
+        await web.TCPSite(runner, None, port, backlog=1024).start()  # every address, both families
     print("ready", flush=True)
     await asyncio.Event().wait()
 

@@ -72,6 +72,7 @@ START_WAVE = 10  # agents started at once; the next wave starts once these hold 
 CLUSTER_ID = f"{UNDERLAY_PREFIX}.255.1"  # shared by every route reflector
 API_URL = "http://127.0.0.1:9099"
 CLIENT_ADDRESS = f"{UNDERLAY_PREFIX}.0.250"  # the underlay namespace's own address (labs with ingress)
+CLIENT_ADDRESS_V6 = v6_address(0, 250)  # its IPv6 twin, on an IPv6 underlay
 ASN = 64512
 
 
@@ -420,7 +421,8 @@ class Lab:
             bpffs.mount(self.bpffs)
             self.network.build(self.nodes, static_neighbors=self.static_neighbors)  # type: ignore[arg-type]
             if self.spec.ingress:
-                self.network.add_client(CLIENT_ADDRESS)
+                self.network.add_client(CLIENT_ADDRESS if self.spec.underlay_v4 else None,
+                                        CLIENT_ADDRESS_V6 if self.spec.underlay_v6 else None)
             self._stage(f"network namespaces ready ({self.spec.nodes} nodes, {self.spec.subnets} segment(s))")
             stage = "etcd up"
             await self.etcd.start()

@@ -112,12 +112,17 @@ class Underlay:
             for ns in {m.ns.name: m.ns for m in members}.values():
                 self._program_neighbors(ns, members)
 
-    def add_client(self, address: str) -> None:
-        """An address of the underlay namespace itself on segment 0 (a client outside the pod
+    def add_client(self, address: str | None, address_v6: str | None = None) -> None:
+        """Addresses of the underlay namespace itself on segment 0 (a client outside the pod
         network: it reaches the nodes' addresses, never a pod's), routed to the other segments."""
-        self.ns.ip("addr", "add", f"{address}/24", "dev", "br0")
-        if self.segments > 1:
-            self.ns.ip("route", "add", f"{UNDERLAY_PREFIX}.0.0/16", "via", f"{UNDERLAY_PREFIX}.0.1")
+        if address is not None:
+            self.ns.ip("addr", "add", f"{address}/24", "dev", "br0")
+            if self.segments > 1:
+                self.ns.ip("route", "add", f"{UNDERLAY_PREFIX}.0.0/16", "via", f"{UNDERLAY_PREFIX}.0.1")
+        if address_v6 is not None:
+            self.ns.ip("-6", "addr", "add", f"{address_v6}/64", "dev", "br0", "nodad")
+            if self.segments > 1:
+                self.ns.ip("-6", "route", "add", f"{UNDERLAY_PREFIX_V6}::/48", "via", v6_address(0, 1))
 
     def add(self, host: Host, hosts: list[Host], *, static_neighbors: bool) -> None:
         """Wire one more host (``hosts`` includes it) into a running underlay."""

@@ -9,7 +9,8 @@ etcd revision applied (GET /ingress), and asserts what answered: the conformance
 (host rules, path rules, default backend, TLS) plus SNI with two certificates on one port,
 the redirect, the forwarded headers, WebSocket, merging, 404/503, the proxy's PID and worker
 across endpoint changes (no reload) and Ingress changes (a graceful reload), zero failed
-requests under load meanwhile, a crash and restart, status/metrics, bad manifests, and leave.
+requests under load meanwhile, the proxy serving on while the agent is killed or stopped and
+adopted by the next agent, a crash and restart, status/metrics, bad manifests, and leave.
 The other backends (vxlan, udp, ipip) get one lab each for a short served-through-ingress check.
 """
 
@@ -29,7 +30,7 @@ import pytest
 import pytest_asyncio
 
 from agentd.lab.httpecho import HttpEcho
-from agentd.lab.lab import API_URL, Lab, LabSpec
+from agentd.lab.lab import API_URL, CLIENT_ADDRESS_V6, Lab, LabSpec
 from agentd.lab.netns import unique_tag
 from agentd.lab.runtime import binary
 from agentd.lab.wait import auntil
@@ -74,10 +75,12 @@ class World:
             await asyncio.sleep(0.05)
         raise AssertionError(f"ingress revision {revision} not applied everywhere: {', '.join(behind)}")
 
-    async def curl(self, url: str, *, node: int = 0, host: str | None = None, args: tuple[str, ...] = ()) -> tuple[int, Any, dict[str, str]]:
+    async def curl(self, url: str, *, node: int = 0, host: str | None = None, args: tuple[str, ...] = (),
+                   family: int = 4) -> tuple[int, Any, dict[str, str]]:  # fmt: skip
         """One request from the underlay namespace to node ``node`` (``--resolve``: the URL's
-        host name goes to that node's address); (status, JSON body or text, headers)."""
-        ip = self.lab.nodes[node].address
+        host name goes to that node's address of ``family``); (status, JSON body or text, headers)."""
+        n = self.lab.nodes[node]
+        ip = n.address if family == 4 else f"[{n.address_v6}]"
         m = re.match(r"(https?)://([^/:]+)(?::(\d+))?", url)
         assert m, url
         name, port = m.group(2), m.group(3) or ("443" if m.group(1) == "https" else "80")
@@ -425,6 +428,98 @@ async def test_endpoint_changes_without_reload_and_ingress_change_with_graceful_
         await world.delete("EndpointSlice", "manual-1")
 
 
+class SteadyLoad:
+    """wrk from the underlay namespace for as long as it takes (keep-alive), stopped with
+    SIGINT, which makes wrk print its totals."""
+
+    def __init__(self, world: World, url: str, host: str) -> None:
+        self.world, self.url, self.host = world, url, host
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> SteadyLoad:
+        self.proc = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", self.world.lab.underlay.name, "wrk", "-t", "2", "-c", "8", "-d", "300s",
+            "-H", f"Host: {self.host}", self.url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+        await auntil(lambda: self.proc.pid in self.world.lab.underlay.pids(), 10, what="wrk to start")
+        return self
+
+    async def stop(self) -> dict[str, int]:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(self.proc.communicate(), 30)
+        text = out.decode()
+        assert "requests in" in text, (text, err.decode())
+        total = int(re.search(r"(\d+) requests in", text).group(1))
+        m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+        m2 = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+        return {"requests": total, "errors": sum(int(x) for x in m.groups()) if m else 0, "non2xx": int(m2.group(1)) if m2 else 0}
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def test_the_proxy_outlives_agent_restarts(world: World):
+    """The agent killed (SIGKILL), then stopped (SIGTERM), and started again each time, under
+    steady load through its node's ingress: the proxy serves all along (not a request failed),
+    the new agent adopts it (master and worker PIDs and reloads unchanged: no reload, the
+    configuration it renders is the one running), and an endpoint change after the restart
+    goes through the runtime API."""
+    node = world.lab.nodes[1]
+    pods = {n: world.pods[n].ip for n in ("web-1", "web-2", "web-3")}
+
+    def slice_of(*ready: str) -> dict[str, Any]:
+        return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "steady-1", "namespace": NS, "labels": {"kubernetes.io/service-name": "steady"}},
+                "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+                "endpoints": [{"addresses": [ip], "conditions": {"ready": n in ready}} for n, ip in pods.items()]}  # fmt: skip
+
+    steady = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "steady", "namespace": NS},
+              "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}  # fmt: skip
+    await world.apply(steady, slice_of("web-1", "web-2"), ingress("steady", [rule("steady.example", path("/", "Prefix", "steady"))]))
+    try:
+        before = world.proxy(1)
+        for sig, ready in ((signal.SIGKILL, ("web-1", "web-3")), (signal.SIGTERM, ("web-2", "web-3"))):
+            async with SteadyLoad(world, f"http://{node.address}/", "steady.example") as load:
+                await node.stop_agent(sig)
+                assert before["pid"] in node.ns.pids() and before["worker"] in node.ns.pids()  # no agent, still serving
+                node.start_agent()
+                await auntil(lambda: (node.api_or_none("/ingress") or {}).get("running"), 60, what="node2's agent to adopt its proxy")
+                adopted = world.proxy(1)
+                assert (adopted["pid"], adopted["worker"], adopted["reloads"]) == (before["pid"], before["worker"], before["reloads"]), (before, adopted)
+                assert adopted["adopted"] and abs(adopted["started_at"] - before["started_at"]) < 2, (before, adopted)
+                await world.apply(slice_of(*ready))
+                (b,) = [b for b in world.proxy(1)["backends"] if b["service"] == "steady"]
+                assert set(b["servers"]) == {f"{pods[n]}:8080" for n in ready}, b
+                served = {await world.served_by("http://steady.example/", node=1) for _ in range(8)}
+                assert served == set(ready), served
+                result = await load.stop()
+            assert result["requests"] > 0 and result["errors"] == 0 and result["non2xx"] == 0, (sig, result)
+            after = world.proxy(1)
+            assert (after["pid"], after["worker"], after["reloads"]) == (before["pid"], before["worker"], before["reloads"]), (before, after)
+            assert after["runtime_changes"] > 0 and after["last_change"]["how"] == "runtime", after
+        # An agent started with the ingress switched off stops the proxy it finds and removes
+        # its files; switched on again, it starts a new one.
+        ingress_dir = node.dir / "state" / "ingress"
+        world.lab.spec.extra["node2"] = {"ingress": {"enabled": False}}
+        try:
+            await node.stop_agent(signal.SIGTERM)
+            node.start_agent()
+            await auntil(lambda: not ingress_dir.exists(), 60, what="node2's agent to remove the proxy it does not run")
+            assert before["pid"] not in node.ns.pids() and before["worker"] not in node.ns.pids()
+        finally:
+            del world.lab.spec.extra["node2"]
+            await node.stop_agent(signal.SIGTERM)
+            node.start_agent()
+        await auntil(lambda: (node.api_or_none("/ingress") or {}).get("running"), 60, what="node2's proxy to start again")
+        assert world.proxy(1)["pid"] != before["pid"]
+    finally:
+        await world.delete("Ingress", "steady")
+        await world.delete("Service", "steady")
+        await world.delete("EndpointSlice", "steady-1")
+
+
 async def test_a_crashed_proxy_is_started_again(world: World):
     await world.apply(ingress("crash", [rule("crash.example", path("/", "Prefix", "foo"))]))
     try:
@@ -505,12 +600,21 @@ async def test_bad_manifests_are_refused_with_one_line(world: World):
 async def test_settings_from_the_configmap(world: World):
     await world.apply(ingress("cfg", [rule("cfg.example", path("/", "Prefix", "foo"))]),
                       {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
-                       "data": {"proxy-body-size": "1k", "frontend-snippet": "http-response set-header X-Served-By agentd"}})  # fmt: skip
+                       "data": {"proxy-body-size": "1k", "frontend-snippet": "http-response set-header X-Served-By agentd",
+                                "enable-access-log": "true"}})  # fmt: skip
     try:
         status, _, headers = await world.curl("http://cfg.example/", args=("--data-binary", "x" * 2048))
         assert status == 413
-        status, body, headers = await world.curl("http://cfg.example/", args=("--data-binary", "x" * 100))
+        status, body, headers = await world.curl("http://cfg.example/logged", args=("--data-binary", "x" * 100))
         assert status == 200 and body["pod"] == "foo-1" and headers["x-served-by"] == "agentd"
+        # The access log: HAProxy's line (httplog) through the agent's socket into the agent's log.
+        log_path = world.lab.nodes[0].log_path
+
+        def logged() -> bool:
+            return any("agentd.ingress.access" in ln and "ing.shop.cfg.foo.80" in ln and "POST /logged" in ln
+                       for ln in log_path.read_text(errors="replace").splitlines())  # fmt: skip
+
+        await auntil(logged, 20, what="the access log line of POST /logged in node1's agent log")
     finally:
         await world.delete("ConfigMap", "agentd-ingress", ns="kube-system")
         await world.delete("Ingress", "cfg")
@@ -533,11 +637,13 @@ async def test_leave_stops_the_proxy_and_leaves_nothing(world: World):  # last: 
 # ---------------------------------------------------------------- the other backends
 
 
-@pytest.mark.parametrize("backend_name", ["vxlan", "udp", "ipip"])
-async def test_served_through_the_ingress_on_every_backend(backend_name, tmp_path_factory):
+@pytest.mark.parametrize(("backend_name", "ip_family"), [("vxlan", "ipv4"), ("udp", "ipv4"), ("ipip", "ipv4"), ("host-gw", "dual")])
+async def test_served_through_the_ingress_on_every_backend(backend_name, ip_family, tmp_path_factory):
     """The proxy on node1 reaches pods on node2 through the backend's tunnel (the pod network
-    carries the proxy's connections to pods like any node's)."""
-    spec = LabSpec(name="ib" + unique_tag("")[:6], nodes=2, pods=0, backend=backend_name, ingress=True)
+    carries the proxy's connections to pods like any node's).  Dual-stack: a Service whose
+    primary family is IPv6 is served by its pods' IPv6 addresses, and the ingress answers on
+    the nodes' IPv6 addresses as on their IPv4 ones."""
+    spec = LabSpec(name="ib" + unique_tag("")[:6], nodes=2, pods=0, backend=backend_name, ingress=True, ip_family=ip_family)
     lab = Lab(spec, root=tmp_path_factory.mktemp("labs"))
     w = World(lab, tmp_path_factory.mktemp("ingress"))
     make_ca(w.tmp)
@@ -547,9 +653,20 @@ async def test_served_through_the_ingress_on_every_backend(backend_name, tmp_pat
         pod = await lab.add_pod(lab.nodes[1], NS, "far-1", labels={"app": "far"}, ports=HTTP)
         echo.append(await HttpEcho.start(pod, "far-1", [8080]))
         w.res = await lab.resources()
-        await w.apply(CLASS, service("far", "far"), ingress("far", [rule("far.example", path("/", "Prefix", "far"))]))
+        svc = service("far", "far")
+        if ip_family == "dual":
+            svc["spec"].update(ipFamilyPolicy="RequireDualStack", ipFamilies=["IPv6", "IPv4"])
+        await w.apply(CLASS, svc, ingress("far", [rule("far.example", path("/", "Prefix", "far"))]))
         for node in (0, 1):
             assert await w.served_by("http://far.example/", node=node) == "far-1"
+        if ip_family == "dual":
+            (b,) = w.proxy(0)["backends"]
+            assert b["servers"] == [f"{pod.address(6)}:8080"], b
+            for node in (0, 1):
+                status, body, _ = await w.curl("http://far.example/", node=node, family=6)
+                assert status == 200 and body["pod"] == "far-1", (status, body)
+                # The pod saw the proxy's IPv6 address; the client's is in X-Forwarded-For.
+                assert body["headers"]["X-Forwarded-For"] == CLIENT_ADDRESS_V6, body
     finally:
         for e in echo:
             e.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentd.ingress import haproxy, routing
+from agentd.ingress import haproxy, proxy, routing
 from agentd.resources import kinds
 from agentd.resources.ingress_settings import Settings
 
@@ -190,9 +190,29 @@ def test_the_maps_answer_as_the_table_on_any_rules(rules, host, path, slash):
 def test_rendered_config_names_every_backend_and_its_servers():
     table = routing.build([HOST_RULES])
     name = next(iter(table.backends))
-    files = haproxy.render(table, {name: [("10.244.1.5", 8080)]}, Settings(), haproxy.Listen(("192.0.2.1", "2001:db8::1")),
+    servers = {name: [("10.244.1.5", 8080), ("fd00:10:244:1::5", 8080)]}
+    files = haproxy.render(table, servers, Settings(), haproxy.Listen(("192.0.2.1", "2001:db8::1")),
                            haproxy.Paths(Path("/run/x")), {})  # fmt: skip
     cfg = files["haproxy.cfg"]
     assert f"backend {name}" in cfg and "server 10.244.1.5:8080 10.244.1.5:8080" in cfg
-    assert "bind 192.0.2.1:80" in cfg and "bind ipv6@2001:db8::1:443 ssl" in cfg
-    assert "\n\n\n" not in cfg
+    assert "server fd00:10:244:1::5:8080 [fd00:10:244:1::5]:8080" in cfg
+    assert "bind 192.0.2.1:80" in cfg and "bind [2001:db8::1]:443 ssl" in cfg
+    assert "\n\n\n" not in cfg and "log " not in cfg.split("defaults")[0]
+    logged = haproxy.render(table, servers, Settings(access_log=True), haproxy.Listen(("192.0.2.1",)), haproxy.Paths(Path("/run/x")), {})
+    assert "    log /run/x/log.sock format raw local0" in logged["haproxy.cfg"]
+
+
+def test_show_proc_names_the_master_and_its_workers():
+    # HAProxy 2.6's answer on the master CLI after two reloads, an old worker still finishing.
+    text = """#<PID>          <type>          <reloads>       <uptime>        <version>
+26601           master          2 [failed: 0]   0d00h05m12s     2.6.12-1+deb12u4
+# workers
+26890           worker          0               0d00h00m03s     2.6.12-1+deb12u4
+26750           worker          1               0d00h01m40s     2.6.12-1+deb12u4
+# old workers
+# programs
+"""
+    master, workers = proxy.parse_proc(text)
+    assert master == (26601, 2)
+    assert workers == [proxy.Worker(26890, 0), proxy.Worker(26750, 1)]
+    assert proxy.parse_proc("") == (None, [])
