@@ -43,7 +43,7 @@ from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
 from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from agentd.dataplane.bpf.datapath import BpfUnavailable
-from agentd.dataplane.bpf.podpath import PodFastPath, remove_pinned_fast_path
+from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
 from agentd.flows.recorder import restore_sysctls
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
@@ -213,6 +213,16 @@ class Agent:
         # the resources in etcd have been read (the "policy" task).  Until its first sync says
         # no pod here is isolated, the BPF data path hands no packet to a pod past netfilter.
         fast_path, fast_path_error = await self._open_fast_path()
+        if fast_path is not None:
+            if fast_path.routed and fast_path.wire is None:
+                self.tunnels.bpf.gate = WIRE_PROGRAM  # decapsulated packets meet it while the redirect is held
+            if cfg.flows.enabled:  # what it carries counts in the connections' end records
+                try:
+                    await asyncio.to_thread(fast_path.set_counting, True)
+                except OSError as err:
+                    log.warning("flow records will miss what the pod fast path carries: %s", err)
+        if cfg.flows.enabled:  # conntrack must see every connection start and end (agentd/flows)
+            self.tunnels.bpf.holders.add("flows")
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
                                   on_isolation=self.tunnels.bpf.hold_redirect, fast_path=fast_path,
                                   fast_path_error=fast_path_error, drop_log=drop_log(cfg),
