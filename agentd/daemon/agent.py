@@ -247,7 +247,7 @@ class Agent:
             log.error("services are not translated on this node: %s", err)
             self._problems.append(f"services not translated: {err}")
             self.services = None
-        await self.observe.open_flows(self.policy, self.services, self.registry)
+        await self.observe.open_flows(self.policy, self.services, self.registry, carried=fast_path)
         await self.observe.open_cluster(self.datastore)
         if self.read_api is not None and self.observe.cluster.token is not None:
             try:

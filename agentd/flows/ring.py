@@ -14,11 +14,33 @@ spoofed sources cannot grow it without limit.  Time is passed in.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from .model import Flow, FlowFilter
+
+
+class Deferred:
+    """A record kept as the kernel's bytes until someone reads it (the recorder's conntrack
+    events: most are never read before the ring drops them, and reading costs more than
+    keeping).  :meth:`flow` makes the record, once."""
+
+    __slots__ = ("seq",)
+    verdict = "forwarded"
+
+    def flow(self) -> Flow:
+        raise NotImplementedError
+
+
+Entry = Flow | Deferred
+# Records are in the ring in the order the agent heard of them, which is their kernel time's
+# order to within the recorder's read interval: ``since`` looks this far behind it.
+SINCE_SLACK = 1.0
+
+
+def record(entry: Entry) -> Flow:
+    return entry if type(entry) is Flow else entry.flow()  # type: ignore[union-attr]
 
 
 class Follower:
@@ -39,28 +61,59 @@ class Follower:
 
 
 class FlowRing:
-    def __init__(self, size: int, on_record: Callable[[Flow], None] | None = None) -> None:
+    def __init__(self, size: int, on_record: Callable[[Entry], None] | None = None) -> None:
         self.size = size
-        self.records: deque[Flow] = deque(maxlen=size)
+        # A fixed circle of slots (a deferred entry read is replaced by its record in place).
+        self._slots: list[Entry | None] = [None] * size
+        self._next = 0  # the slot the next record takes
+        self._count = 0
         self.seq = 0
         self.followers: set[Follower] = set()
         self.on_record = on_record
 
-    def add(self, flow: Flow) -> None:
+    def add(self, entry: Entry) -> None:
+        """A record, or a :class:`Deferred` one (made when it is first read: by a follower
+        at once, else by :meth:`last`, if it is still here then)."""
         self.seq += 1
-        flow.seq = self.seq
-        self.records.append(flow)
-        for f in self.followers:
-            f.offer(flow)
+        entry.seq = self.seq
+        if self.followers:
+            flow = record(entry)
+            entry = flow
+            for f in self.followers:
+                f.offer(flow)
+        self._slots[self._next] = entry
+        self._next = (self._next + 1) % self.size
+        self._count = min(self._count + 1, self.size)
         if self.on_record is not None:
-            self.on_record(flow)
+            self.on_record(entry)
+
+    def _newest_first(self) -> Iterator[int]:
+        return ((self._next - 1 - k) % self.size for k in range(self._count))
+
+    def _record(self, slot: int) -> Flow:
+        entry = self._slots[slot]
+        if type(entry) is Flow:
+            return entry
+        flow = entry.flow()  # type: ignore[union-attr]
+        self._slots[slot] = flow
+        return flow
+
+    @property
+    def records(self) -> list[Entry]:
+        """What the ring holds, oldest first (deferred entries as they are)."""
+        return [self._slots[i] for i in reversed(list(self._newest_first()))]  # type: ignore[misc]
 
     def last(self, flt: FlowFilter, n: int, *, since: float | None = None) -> list[Flow]:
         """The last ``n`` records matching ``flt`` (oldest first); ``since``: only newer ones."""
         out: list[Flow] = []
-        for flow in reversed(self.records):
-            if len(out) >= n or (since is not None and flow.time < since):
+        for slot in self._newest_first():
+            if len(out) >= n:
                 break
+            flow = self._record(slot)
+            if since is not None and flow.time < since:
+                if flow.time < since - SINCE_SLACK:
+                    break
+                continue
             if flt.matches(flow):
                 out.append(flow)
         out.reverse()
@@ -75,10 +128,10 @@ class FlowRing:
         self.followers.discard(follower)
 
     def __iter__(self) -> Iterator[Flow]:
-        return iter(self.records)
+        return (self._record(slot) for slot in reversed(list(self._newest_first())))
 
     def __len__(self) -> int:
-        return len(self.records)
+        return self._count
 
 
 class DropLimiter:
