@@ -1,7 +1,7 @@
 """Pod-to-pod TCP throughput through the agent, every data path side by side.
 
     python bench/dataplane.py [--seconds 10] [--rounds 3] [--only "udp bpf,ipip bpf,..."] [--routed]
-                              [--no-pod-fast-path] [--quick] [--json FILE]
+                              [--no-pod-fast-path] [--flows on|off|both] [--quick] [--json FILE]
 
 Defaults: 10 s per iperf3 run, 3 rounds, every row below; ``--quick``: 2 s, 1 round.
 
@@ -39,6 +39,10 @@ The pod fast path (tc-BPF: accepted TCP from a pod's veth straight to the underl
 into the other pod) carries both families (it needs conntrack, which runs where a policy or
 flow records need it); ``--no-pod-fast-path`` switches it off in every lab ([network]
 bpf_pod_fast_path = false), so both families take the stack's path.
+
+The agents keep flow records ([flows] enabled, the default) unless ``--flows off``; ``--flows
+both`` runs every agentd row twice, "(flows on)" and "(flows off)", in labs of their own,
+interleaved like the rest, and adds the ratio of each pair: what recording costs the data path.
 
 Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...),
 so a slow spell of the machine hits all of them alike; the table shows each row's median
@@ -79,6 +83,27 @@ GOALS = [("udp bpf", "kernel VTEP", 1.0), ("ipip bpf", "kernel VTEP", 1.0), ("ho
          ("vxlan routed v6", "vxlan routed", 0.95), ("udp bpf v6", "udp bpf", 0.95),
          ("udp bpf routed v6", "udp bpf routed", 0.95)]
 KERNEL_VTEP = "kernel VTEP"
+FLOWS = {"on": (True,), "off": (False,), "both": (True, False)}  # --flows: [flows] enabled of the agents
+FLOW_SUFFIX = {True: " (flows on)", False: " (flows off)"}
+# A row's name -> (its ROWS entry, [flows] enabled: None for the kernel VTEP, which runs no agentd)
+SPECS: dict[str, tuple[str, bool | None]] = {}
+
+
+def expand(names: list[str], flows: str) -> list[str]:
+    """The rows to run: with ``--flows both`` each agentd row twice, flows on then off (the
+    raw veth anchors once, in the flows-on lab)."""
+    out = []
+    for name in names:
+        if name == KERNEL_VTEP:
+            SPECS[name] = (name, None)
+            out.append(name)
+            continue
+        for on in FLOWS[flows]:
+            row = name + (FLOW_SUFFIX[on] if flows == "both" and not name.startswith("raw veth") else "")
+            if row not in SPECS:
+                SPECS[row] = (name, on)
+                out.append(row)
+    return out
 
 # name -> (lab backend, [network] datapath, what to measure, L2 segments, IP version); the
 # kernel VTEP row is no agentd lab (KernelVtep below).  A lab with a version 6 row is dual-stack.
@@ -197,7 +222,7 @@ async def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
 
 
 async def run_row(name: str, lab: Lab | KernelVtep, seconds: int) -> Round:
-    what, version = ROWS[name][2], ROWS[name][4]
+    what, version = ROWS[SPECS[name][0]][2], ROWS[SPECS[name][0]][4]
     if isinstance(lab, KernelVtep):
         client, server, dst = lab.pods[0], lab.pods[1], lab.dst
     elif what == "nodes":
@@ -215,10 +240,14 @@ async def run_row(name: str, lab: Lab | KernelVtep, seconds: int) -> Round:
 def check_datapath(name: str, lab: Lab) -> None:
     """The row measures what it says: every peer carried by the data path named (and, for an
     IPv6 row, its IPv6 pods by the same backend as its IPv4 ones)."""
-    backend, datapath, _, _, version = ROWS[name]
+    base, flows = SPECS[name]
+    backend, datapath, _, _, version = ROWS[base]
     want = {"host-gw": "kernel route", "vxlan": "vxlan device"}.get(backend) or \
         {"bpf": "bpf", "userspace": "user space"}[datapath]
     for node in lab.nodes:
+        recording = bool((node.api("/status").get("flows") or {}).get("on"))
+        if recording != flows:
+            raise BenchError(f"{name}: {node.name} has flow records {'on' if recording else 'off'}")
         peers = node.api("/peers")
         got = {p.get("datapath") for p in peers}
         if got != {want}:
@@ -231,31 +260,34 @@ def check_datapath(name: str, lab: Lab) -> None:
 async def bench(args, names: list[str]) -> dict[str, list[Round]]:
     tag = unique_tag("b")
     labs: dict[str, Lab | KernelVtep] = {}
-    specs: dict[tuple[str, str, int], Lab] = {}
+    specs: dict[tuple[str, str, int, bool | None], Lab] = {}
     vtep = None
     runs: dict[str, list[Round]] = {}
     # A lab with an IPv6 row is dual-stack, and its IPv4 rows run in it too: the two families
     # side by side on one data path.
-    dual = {ROWS[n][:2] + ROWS[n][3:4] for n in names if ROWS[n][4] == 6}
+    dual = {ROWS[SPECS[n][0]][:2] + ROWS[SPECS[n][0]][3:4] for n in names if ROWS[SPECS[n][0]][4] == 6}
     try:
         for name in names:
-            backend, datapath, _, segments, _version = ROWS[name]
+            base, flows = SPECS[name]
+            backend, datapath, _, segments, _version = ROWS[base]
             if name == KERNEL_VTEP:
                 print("  the kernel VTEP pair (no agentd) ...", file=sys.stderr, flush=True)
                 vtep = KernelVtep(f"{tag}k")
                 labs[name] = vtep
                 vtep.up()
                 continue
-            key = (backend, datapath, segments)
+            key = (backend, datapath, segments, flows)
             if key not in specs:  # raw veth and host-gw share a lab
-                family = "dual" if key in dual else "ipv4"
-                extra = {f"node{i}": {"network": {"bpf_pod_fast_path": False}} for i in (1, 2)} \
-                    if args.no_pod_fast_path else {}
+                family = "dual" if key[:3] in dual else "ipv4"
+                extra = {f"node{i}": {"flows": {"enabled": bool(flows)},
+                                      **({"network": {"bpf_pod_fast_path": False}} if args.no_pod_fast_path else {})}
+                         for i in (1, 2)}
                 lab = Lab(LabSpec(name=f"{tag}{len(specs)}", nodes=2, pods=1, backend=backend, datapath=datapath,
                                   subnets=segments, log_level="warning", ip_family=family, extra=extra),
                           root=args.root)
                 specs[key] = lab
-                print(f"  lab for {backend} ({datapath}, {family}) ...", file=sys.stderr, flush=True)
+                print(f"  lab for {backend} ({datapath}, {family}, flows {'on' if flows else 'off'}) ...",
+                      file=sys.stderr, flush=True)
                 await lab.up(timeout=120)
             labs[name] = specs[key]
             check_datapath(name, specs[key])
@@ -263,7 +295,7 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
             for name in names:
                 got = await run_row(name, labs[name], args.seconds)
                 runs.setdefault(name, []).append(got)
-                print(f"  round {r + 1}/{args.rounds} {name:<15} {got.gbps:6.2f} Gbit/s, {got.retr} retr, "
+                print(f"  round {r + 1}/{args.rounds} {name:<28} {got.gbps:6.2f} Gbit/s, {got.retr} retr, "
                       f"{got.cpu_per_gbit:.3f} cores/Gbit", file=sys.stderr, flush=True)
     finally:
         if vtep is not None:
@@ -282,6 +314,9 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
         results.append((name, mid, spread))
     by = {name: mid.gbps for name, mid, _ in results}
     raw, vx = by.get("raw veth") or float("nan"), by.get(KERNEL_VTEP) or float("nan")
+    for name, gbps in list(by.items()):  # ratios and goals name rows as recorded by default (flows on)
+        if name.endswith(FLOW_SUFFIX[True]):
+            by.setdefault(name.removesuffix(FLOW_SUFFIX[True]), gbps)
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s; median of {args.rounds} interleaved rounds "
           "(pod to pod, but raw veth: node to node); pod fast path "
           + ("off" if args.no_pod_fast_path else "on"))
@@ -289,14 +324,23 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     print(f"machine: {os.cpu_count()} CPUs, busy {background * 100:.0f}% before the run (other jobs); load average "
           f"{load[0]:.2f} before, {after[0]:.2f} after" + ("  <- rows are skewed by other load" if background > 0.1 else "")
           + "\n")
-    print(f"{'path':<17} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x VTEP':>7} {'x IPv4':>7} {'retr':>6} "
+    width = max(17, *(len(name) for name, _mid, _spread in results))
+    print(f"{'path':<{width}} {'Gbit/s':>7} {'range':>11} {'x raw veth':>10} {'x VTEP':>7} {'x IPv4':>7} {'retr':>6} "
           f"{'ping ms':>8} {'CPU/Gbit':>9}")
-    print("-" * 90)
+    print("-" * (width + 73))
     for name, mid, spread in results:
-        v4 = by.get(name.removesuffix(" v6")) if name.endswith(" v6") else None
+        base, flows = SPECS.get(name, (name, None))
+        v4 = by.get(base.removesuffix(" v6") + (FLOW_SUFFIX[flows] if name != base else "")) \
+            if base.endswith(" v6") else None
         ratio = f"{mid.gbps / v4:7.2f}" if v4 else f"{'':>7}"
-        print(f"{name:<17} {mid.gbps:7.2f} {spread:>11} {mid.gbps / raw:10.2f} {mid.gbps / vx:7.2f} {ratio} "
+        print(f"{name:<{width}} {mid.gbps:7.2f} {spread:>11} {mid.gbps / raw:10.2f} {mid.gbps / vx:7.2f} {ratio} "
               f"{mid.retr:6d} {mid.ping:8.3f} {mid.cpu_per_gbit:9.3f}")
+    pairs = [(base, by[base + FLOW_SUFFIX[True]], by[base + FLOW_SUFFIX[False]]) for base in ROWS
+             if base + FLOW_SUFFIX[True] in by and base + FLOW_SUFFIX[False] in by]
+    if pairs:
+        print("\nflow records on / off (the same row with [flows] enabled = true and false):")
+        for base, on, off in pairs:
+            print(f"  {base:<17} {on:6.2f} / {off:6.2f} Gbit/s = {on / off:.2f}x")
     print("\nx VTEP: over the kernel VTEP row (the kernel's VXLAN, no agentd program anywhere); x IPv4: an IPv6 row "
           "over the IPv4 row of the same lab")
     print("\nanchors (context, not measured here):")
@@ -320,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="[network] bpf_pod_fast_path = false in every lab")
     ap.add_argument("--routed", action="store_true",
                     help="also the routed-underlay rows (two L2 segments joined by the lab's router)")
+    ap.add_argument("--flows", choices=FLOWS, default="on",
+                    help="the agents' flow records: on (the default config), off, or both (each agentd row twice)")
     args = parse_bench_args(ap, argv, name="dataplane", quick={"seconds": 2, "rounds": 1})
     if args.rounds < 1 or args.seconds < 1:
         ap.error("--rounds and --seconds must be at least 1")
@@ -332,14 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in wanted if x not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; rows are {', '.join(ROWS)}")
-    names = [n for n in ROWS if n in wanted or n in ANCHOR_ROWS]
+    names = expand([n for n in ROWS if n in wanted or n in ANCHOR_ROWS], args.flows)
     total0, busy0 = busy_jiffies()
     time.sleep(1.0)  # a one-second sample of what else is running (the load line), not a synchronisation
     total1, busy1 = busy_jiffies()
     background = (busy1 - busy0) / max(total1 - total0, 1)
     load = os.getloadavg()
     runs = asyncio.run(bench(args, names))
-    write_json(args.json, {"seconds": args.seconds, "rounds": args.rounds, "background_busy": background,
+    write_json(args.json, {"seconds": args.seconds, "rounds": args.rounds, "flows": args.flows,
+                           "background_busy": background,
                            "load_before": load[0], "load_after": os.getloadavg()[0],
                            "rows": {name: [r._asdict() for r in got] for name, got in runs.items()}})
     report(args, runs, load, background)

@@ -54,7 +54,10 @@ from bench._common import (BenchError, parse_bench_args, print_notes, print_tabl
                            run_main, write_json)
 
 from agentd.flows.model import Flow, Identity, Peer  # noqa: E402
+from agentd.flows.recorder import FlowRecorder, PendingConnection  # noqa: E402
 from agentd.flows.ring import FlowRing  # noqa: E402
+from agentd.kernel import netlink as nl  # noqa: E402
+from agentd.kernel import netlink_ct as ct  # noqa: E402
 from agentd.lab.errors import LabError  # noqa: E402
 from agentd.lab.lab import Lab, LabSpec  # noqa: E402
 from agentd.lab.netns import NetnsError, unique_tag  # noqa: E402
@@ -110,23 +113,48 @@ async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds
     return out
 
 
-def ring_memory(size: int = 10_000, pods: int = 50) -> float:
-    """Bytes per node of a full ring of ``size`` records over ``pods`` pods (tracemalloc)."""
+def ring_memory(size: int = 10_000, pods: int = 50, *, deferred: bool = False) -> float:
+    """Bytes per node of a full ring of ``size`` records over ``pods`` pods (tracemalloc):
+    records made (read), or ``deferred``: conntrack end events as the recorder keeps them
+    until read (the kernel's bytes, laid out as Linux 6.18 sends a DESTROY, and the names)."""
     ids = [Identity(f"ns{i % 5}/pod-{i}", f"node{i % 3}", {"app": f"a{i}", "tier": "web"}, i % 2 == 0)
            for i in range(pods)]
+    recorder = FlowRecorder("node1", None, "/nonexistent", group=0)  # type: ignore[arg-type]
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     ring = FlowRing(size)
     for k in range(size * 2):  # twice round: what stays is one full ring
         a, b = ids[k % pods], ids[(k * 7 + 1) % pods]
-        ring.add(Flow(time.time(), "node1", "end", "TCP", Peer(f"10.244.{k % 250}.{k % 200}", 30000 + k % 30000, a),
-                      Peer(f"10.244.7.{k % 200}", 8080, b), "egress", bytes_sent=k, bytes_received=k,
+        src, dst = f"10.244.{k % 250}.{k % 200}", f"10.244.7.{k % 200}"
+        if deferred:
+            data = destroy_message(src, dst, 30000 + k % 30000, 8080)
+            ring.add(PendingConnection(recorder, data, ct.MSG_DELETE, 16, len(data), (a, b, b), None, time.time()))
+            continue
+        ring.add(Flow(time.time(), "node1", "end", "TCP", Peer(src, 30000 + k % 30000, a),
+                      Peer(dst, 8080, b), "egress", bytes_sent=k, bytes_received=k,
                       packets_sent=3, packets_received=3, duration=0.01))
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     used = sum(s.size_diff for s in after.compare_to(before, "filename"))
     del ring
     return used
+
+
+def destroy_message(src: str, dst: str, sport: int, dport: int) -> bytes:
+    """A conntrack DESTROY event as Linux 6.18 sends one (its attributes and their sizes)."""
+    def u32(kind: int, value: int) -> bytes:
+        return nl.attr(kind, value.to_bytes(4, "big"))
+
+    def u64s(kind: int, *parts: tuple[int, int]) -> bytes:
+        return nl.nested(kind, *(nl.attr(t, v.to_bytes(8, "big")) for t, v in parts))
+
+    body = (ct.encode_tuple(ct.CTA_TUPLE_ORIG, ct.CtTuple(src, dst, 6, sport, dport))
+            + ct.encode_tuple(ct.CTA_TUPLE_REPLY, ct.CtTuple(dst, src, 6, dport, sport))
+            + u32(ct.CTA_ID, sport) + u32(ct.CTA_STATUS, 0x18e) + u32(7, 120)
+            + u64s(ct.CTA_COUNTERS_ORIG, (1, 6), (2, 400)) + u64s(ct.CTA_COUNTERS_REPLY, (1, 5), (2, 300))
+            + u64s(ct.CTA_TIMESTAMP, (1, 1), (2, 2)) + nl.nested(4, nl.nested(1, nl.attr(1, b"\x07")))
+            + nl.attr(ct.CTA_TIMESTAMP_EVENT, (3).to_bytes(8, "big")))
+    return nl.encode_nfgen(ct.MSG_DELETE, 0, 0, 2, body)
 
 
 async def policy_latency(lab: Lab, res: Any, k: int) -> float:
@@ -299,7 +327,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
         ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]
         return {"runs": runs, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
-                "ring_size": ring_size}
+                "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True)}
     finally:
         for e in echo.values():
             await e.close()
@@ -361,8 +389,10 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     print_notes("Notes", [
         f"drop records kept {s['records']:,}; suppressed in the kernel (nft limit) {s['suppressed_kernel']:,}, by the agent "
         f"{s['suppressed_agent']:,}; lost {s['lost'] or 0}; ring now {s['ring']:,} records",
-        f"ring memory per node: {r['ring_bytes'] / 1e6:.1f} MB for {r['ring_size']:,} records "
-        f"({r['ring_bytes'] / r['ring_size']:.0f} bytes each, tracemalloc, 50 pods)",
+        f"ring memory per node: {r['ring_bytes'] / 1e6:.1f} MB for {r['ring_size']:,} records read "
+        f"({r['ring_bytes'] / r['ring_size']:.0f} bytes each, tracemalloc, 50 pods); "
+        f"{r['ring_bytes_deferred'] / 1e6:.1f} MB unread ({r['ring_bytes_deferred'] / r['ring_size']:.0f} bytes each: "
+        "conntrack events kept as the kernel sent them)",
         "the machine is shared (2 cores): other helpers' work runs beside this bench",
     ])
 

@@ -44,7 +44,7 @@ from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
 from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
 from agentd.dataplane.bpf.datapath import BpfUnavailable
-from agentd.dataplane.bpf.podpath import PodFastPath, remove_pinned_fast_path
+from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
 from agentd.flows.recorder import restore_sysctls
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
@@ -224,6 +224,16 @@ class Agent:
         # the resources in etcd have been read (the "policy" task).  Until its first sync says
         # no pod here is isolated, the BPF data path hands no packet to a pod past netfilter.
         fast_path, fast_path_error = await self._open_fast_path()
+        if fast_path is not None:
+            if fast_path.routed and fast_path.wire is None:
+                self.tunnels.bpf.gate = WIRE_PROGRAM  # decapsulated packets meet it while the redirect is held
+            if cfg.flows.enabled:  # what it carries counts in the connections' end records
+                try:
+                    await asyncio.to_thread(fast_path.set_counting, True)
+                except OSError as err:
+                    log.warning("flow records will miss what the pod fast path carries: %s", err)
+        if cfg.flows.enabled:  # conntrack must see every connection start and end (agentd/flows)
+            self.tunnels.bpf.holders.add("flows")
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
                                   on_isolation=self.tunnels.bpf.hold_redirect, fast_path=fast_path,
                                   fast_path_error=fast_path_error, drop_log=drop_log(cfg),
@@ -248,7 +258,7 @@ class Agent:
             log.error("services are not translated on this node: %s", err)
             self._problems.append(f"services not translated: {err}")
             self.services = None
-        await self.observe.open_flows(self.policy, self.services, self.registry)
+        await self.observe.open_flows(self.policy, self.services, self.registry, carried=fast_path)
         if cfg.ingress.enabled:  # Ingress: the proxy starts once the resources are read
             # Default: the node's underlay addresses, both families on a dual-stack node.
             v6 = cfg.node.address_v6 if cfg.network.ip_family != "ipv4" else None

@@ -46,6 +46,10 @@ class FlowDirectory:
         self._nodeports: dict[tuple[str, int], str] = {}
         self._services_seen = -1
 
+    def version(self) -> int:
+        """Changes whenever a pod's record does: an address may be someone else since."""
+        return self.policy.engine.pods_version if self.policy is not None else 0
+
     def identity(self, ip: str) -> Identity | None:
         if self.policy is None:
             return None

@@ -21,7 +21,7 @@ from agentd.daemon.auth import new_token, read_line_token
 from agentd.daemon.cluster import ClusterView
 from agentd.daemon.flow_directory import FlowDirectory
 from agentd.datastore.store import Datastore
-from agentd.flows.recorder import FlowRecorder, restore_sysctls
+from agentd.flows.recorder import CarriedCounts, FlowRecorder, restore_sysctls
 from agentd.flows.views import FlowViews
 from agentd.nft.expr import DropLog
 from agentd.policy.agent import PolicyAgent
@@ -50,7 +50,8 @@ class Observability:
         self.cluster = ClusterView(name, nodes, cfg.api.cluster_port)
 
     async def open_flows(self, policy: PolicyAgent | None, services: ServiceAgent | None,
-                         registry: CollectorRegistry) -> None:
+                         registry: CollectorRegistry, carried: CarriedCounts | None = None) -> None:
+        """``carried``: the pod fast path, which counts what it carries past conntrack."""
         cfg = self.cfg
         if not cfg.flows.enabled:
             gone = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)
@@ -60,7 +61,8 @@ class Observability:
         directory = FlowDirectory(policy, services, str(cfg.node.address))
         recorder = FlowRecorder(self.name, directory, cfg.agent.state_dir, group=cfg.flows.log_group,
                                 ring_size=cfg.flows.ring_size, agent_rate=cfg.flows.record_rate,
-                                agent_burst=max(1, int(cfg.flows.record_rate * 2)))
+                                agent_burst=max(1, int(cfg.flows.record_rate * 2)),
+                                pods=[cfg.network.cidr], services=[cfg.network.service_cidr], carried=carried)
         try:
             await asyncio.to_thread(recorder.open)
         except OSError as err:

@@ -52,8 +52,15 @@ class BpfPath:
         # conntrack sees both directions, instead of bpf_redirect past it (see hold_redirect):
         # "policy" while NetworkPolicy isolates a pod of this node, "services" while Services
         # are translated here (a reply must meet its connection's NAT), each also until its
-        # agent has synced once.
+        # agent has synced once; "flows" while flow records are kept (conntrack must see every
+        # connection start and end).
         self.holders: set[str] = set()
+        # While it is held, the pod fast path's wire program (podpath.c), after ours on the
+        # underlay's ingress hook, judges decapsulated packets (datapath.c deliver_gated): TCP
+        # that conntrack accepted still goes straight to its pod.  None: no pod fast path here
+        # (held, every decapsulated packet takes the stack's path); else its program's name.
+        self.gate: str | None = None
+        self.gated = False  # it is there, after ours (checked when the data path comes up)
         self._lock = asyncio.Lock()
 
     @property
@@ -64,8 +71,18 @@ class BpfPath:
     def redirecting(self) -> bool:
         return self.cfg.network.bpf_pod_redirect and not self.redirect_held
 
+    @property
+    def delivery(self) -> str:
+        """How decapsulated packets reach this node's pods: "direct" (all straight to the pods'
+        bridge ports), "gated" (accepted, established TCP straight into the pod, the rest by
+        the stack's path) or "stack" (all by the stack's path)."""
+        if self.redirecting:
+            return "direct"
+        return "gated" if self.gated else "stack"
+
     def config(self, extra: Iterable[str] = ()) -> Config:
-        flags = KERNEL_FLAGS | (layout.CFG_POD_REDIRECT if self.redirecting else 0)
+        flags = KERNEL_FLAGS | (layout.CFG_POD_REDIRECT if self.redirecting else 0) | \
+            (layout.CFG_POD_GATE if self.gated else 0)
         for name in {*self.carried, *self.filtered, *extra}:
             flags |= FILTER_FLAGS.get(BACKENDS[name].member_filter or "", 0)
         net = self.cfg.network
@@ -89,6 +106,7 @@ class BpfPath:
                     self.error = str(err)
                     raise
                 self.dp = dp
+                await self._check_gate()
                 how = f"adopted the pinned maps ({len(dp.routes)} routes, {len(dp.members)} members)" \
                     if dp.adopted else "loaded"
                 log.info("BPF data path on %s: %s; programs attached, pins in %s", self.underlay.ifname, how, dp.dir)
@@ -132,11 +150,28 @@ class BpfPath:
                 return
             await asyncio.to_thread(self.dp.set_config, self.config(), keep=True, clear=self._cleared())
         if self.carried and self.cfg.network.bpf_pod_redirect:  # else there is no redirect to speak of
-            log.info("BPF: decapsulated packets for pods %s", f"take the stack's path ({who} needs netfilter here)"
+            how = "TCP that conntrack accepted straight to the pods, the rest by" if self.delivery == "gated" \
+                else "by"
+            log.info("BPF: decapsulated packets for pods %s", f"go {how} the stack's path ({who} needs netfilter here)"
                      if hold else "go straight to the pods' bridge ports again")
 
+    async def _check_gate(self) -> None:
+        """Whether the pod fast path's wire program runs after ours (tcx puts it last; an
+        older cls_bpf filter of it may run first), and the config saying so."""
+        dp = self.dp
+        if dp is None:
+            return
+        gated = bool(self.gate and self.cfg.network.bpf_pod_redirect) and \
+            await asyncio.to_thread(dp.gated, self.gate)  # type: ignore[arg-type]
+        if gated != self.gated:
+            self.gated = gated
+            await asyncio.to_thread(dp.set_config, self.config(), keep=True, clear=self._cleared())
+        if self.gate and not gated and self.cfg.network.bpf_pod_redirect:
+            log.warning("BPF: the pod fast path's program on %s does not run after the data path's: decapsulated "
+                        "packets take the stack's path while netfilter must see them", self.underlay.ifname)
+
     def _cleared(self) -> int:
-        return 0 if self.redirecting else layout.CFG_POD_REDIRECT
+        return (0 if self.redirecting else layout.CFG_POD_REDIRECT) | (0 if self.gated else layout.CFG_POD_GATE)
 
     def _sync(self, dp: BpfDatapath, routes: dict, members: set[str] | None, flags: dict, keep: bool) -> None:
         dp.set_config(self.config(), keep=keep, clear=self._cleared())
@@ -179,7 +214,8 @@ class BpfPath:
             # The pod families each carries (outer headers IPv4): udp both, ipip IPv4 only.
             "families": {b: [v for v in (4, 6) if self.carries(b, v)] for b in sorted(self.carried)},
             "filters": sorted(self.carried | self.filtered),
-            "redirecting": self.redirecting,  # decapsulated packets straight to pods (not while policy or services need netfilter)
+            "redirecting": self.redirecting,  # decapsulated packets straight to pods (not while policy, services or flows need netfilter)
+            "delivery": self.delivery,  # direct, gated (accepted TCP straight to pods, the rest by the stack) or stack
             "held_by": sorted(self.holders),
             **self.dp.status(),
             "drops": {k: v["packets"] for k, v in (self.counters.get("drops") or {}).items()},

@@ -16,10 +16,22 @@ Where the records come from (the kernel, never guessed):
   :class:`Directory` says what the prefix means (the pod chain and direction -> the
   policies isolating the pod; ``spoofed``; ``no-endpoints``).
 
+Cost: conntrack tells every listener of every connection, so the agent keeps that cheap.  A
+classic BPF filter on its socket (:func:`agentd.kernel.netlink_ct.event_filter`) lets only
+events of pods' connections through (an address in the pod network or the Services' range);
+the socket is read at most every ``CT_INTERVAL`` (one wake-up for many events); an event's
+addresses are read at fixed offsets and its ends named then (:class:`PendingConnection`), but
+the record itself is made only when someone reads it -- most scroll out of the ring unread.
+
+The pod fast path (agentd/dataplane/bpf/podpath.c) carries established TCP between pods past
+conntrack, which therefore counts only what it saw of such a connection; the programs count
+what they carried, per connection (:class:`CarriedCounts`), and an ``end`` record adds it.
+
 Rate limits: the kernel logs at most ``rate`` drops a second per drop rule (nft ``limit``; what
 it holds back is counted in each table's ``flow-log-suppressed`` counter), the agent keeps at
 most ``agent_rate`` records a second per drop key (:class:`~agentd.flows.ring.DropLimiter`),
-and reads at most ``BUDGET`` datagrams per socket per turn of the event loop.  The sockets'
+and reads at most ``CT_BUDGET`` conntrack and ``BUDGET`` log datagrams per turn of the event
+loop.  The sockets'
 receive buffers are bounded; what the kernel could not queue is counted as lost (ENOBUFS,
 gaps in NFLOG's sequence numbers).  So memory stays bounded under a drop storm: the ring, the
 limiter's key table and two socket buffers.
@@ -35,9 +47,12 @@ import errno
 import json
 import logging
 import os
+import socket
+import struct
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Protocol
 
@@ -47,7 +62,7 @@ from agentd.kernel import netlink_log as nflog
 from agentd.kernel.netlink_socket import NetlinkSocket
 
 from .model import Flow, Identity, Peer, direction_of, protocol_name
-from .ring import DropLimiter, FlowRing
+from .ring import Deferred, DropLimiter, FlowRing
 
 log = logging.getLogger("agentd.flows")
 
@@ -58,6 +73,12 @@ BUDGET = 64  # datagrams read per socket per turn of the loop: the rest waits fo
 COPY_RANGE = 128  # bytes of each logged packet: its IP and transport headers
 LOG_TIMEOUT_CS = 10  # the kernel sends logged packets within 0.1 s ...
 LOG_QTHRESH = 64  # ... or once this many are queued
+CT_INTERVAL = 0.05  # conntrack events are read at most this often: one wake-up for many
+CT_BUDGET = 2048  # datagrams read per turn; more are read at the next turn of the loop
+RESTARTS_MAX = 4096  # carried counts waiting for their connection's end (tuples reused meanwhile)
+NAMES_MAX = 65536  # addresses whose identity is remembered between changes of the pods
+_NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
+TCP = 6
 
 
 class Drop(Protocol):
@@ -72,11 +93,62 @@ class Drop(Protocol):
 class Directory(Protocol):
     """Who an address is and what a drop prefix means (the daemon's policy and services agents)."""
 
+    def version(self) -> int: ...  # changes whenever an address may have become someone else
+
     def identity(self, ip: str) -> Identity | None: ...
 
     def service(self, ip: str, proto: int, port: int) -> str | None: ...
 
     def drop(self, prefix: str) -> Drop | None: ...
+
+
+class CarriedCounts(Protocol):
+    """What the pod fast path carried past conntrack, per connection
+    (:class:`agentd.dataplane.bpf.podpath.PodFastPath`).  A connection is known by its two
+    ends in a fixed order, the lower (address, port) first (:func:`carried_key`); counts are
+    (packets sent by the lower end, by the other, bytes sent by the lower end, by the other)."""
+
+    def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int]]]: ...
+
+    def take_carried(self, key: bytes) -> tuple[int, int, int, int] | None: ...
+
+
+def carried_key(src: bytes, sport: int, dst: bytes, dport: int) -> tuple[bytes, bool]:
+    """The fast path's key of a connection from ``src``:``sport`` to ``dst``:``dport``, and
+    whether ``src`` is its lower end (podpath.h, struct podflow_key)."""
+    lower = (src, sport) <= (dst, dport)  # 4-byte addresses compare as the numbers they are
+    a, ap, b, bp = (src, sport, dst, dport) if lower else (dst, dport, src, sport)
+    return a + b + ap.to_bytes(2, "big") + bp.to_bytes(2, "big"), lower
+
+
+class PendingConnection(Deferred):
+    """A conntrack event as the kernel sent it, with its ends named when it came; the record
+    is made when it is first read."""
+
+    __slots__ = ("recorder", "data", "mtype", "start", "end", "names", "carried", "received", "_flow")
+
+    def __init__(self, recorder: FlowRecorder, data: bytes, mtype: int, start: int, end: int,
+                 names: tuple[Identity | None, Identity | None, Identity | None],
+                 carried: tuple[int, int, int, int] | None, received: float) -> None:
+        self.recorder = recorder
+        self.data: bytes | None = data
+        self.mtype, self.start, self.end = mtype, start, end
+        self.names = names  # the original source, original destination, reply source
+        self.carried = carried  # (packets, bytes) each way of the original direction, by the fast path
+        self.received = received
+        self._flow: Flow | None = None
+
+    def flow(self) -> Flow:
+        if self._flow is None:
+            assert self.data is not None
+            ev = ct.decode_event(self.mtype, self.data, self.start, self.end)
+            assert ev is not None  # its tuples were read when it came
+            flow = self.recorder.connection(ev, names=self.names, carried=self.carried, received=self.received)
+            assert flow is not None
+            flow.seq = self.seq
+            self._flow = flow
+            self.data = self.recorder = self.names = self.carried = None  # type: ignore[assignment]
+        return self._flow
 
 
 class FlowRecorder:
@@ -91,7 +163,12 @@ class FlowRecorder:
         agent_rate: float = 10.0,
         agent_burst: int = 20,
         clock: Callable[[], float] = time.time,
+        pods: Sequence[IPv4Network] = (),
+        services: Sequence[IPv4Network] = (),
+        carried: CarriedCounts | None = None,
     ) -> None:
+        """``pods``, ``services``: the pod network and the Services' range; conntrack events of
+        connections with neither are not even read.  ``carried``: the pod fast path's counts."""
         self.node = node
         self.directory = directory
         self.state_dir = Path(state_dir)
@@ -106,7 +183,15 @@ class FlowRecorder:
         self.lost: Counter[str] = Counter()  # events the kernel could not queue for us: conntrack, log
         self.malformed = 0
         self.events = 0
+        self.filtered = False  # the kernel filters conntrack events (pods' only) for us
+        self.prefixes = [(int(n.network_address), int(n.netmask)) for n in (*pods, *services)]
+        self.service_ranges = [(int(n.network_address), int(n.netmask)) for n in services]
+        self.carried = carried
+        self._restarts: dict[bytes, deque[tuple[int, int, int, int]]] = {}
+        self._names: dict[bytes, Identity | None] = {}
+        self._names_version: int | None = None
         self._log_seq: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.error: str | None = None
 
     # ------------------------------------------------------------------ lifecycle (blocking)
@@ -117,6 +202,12 @@ class FlowRecorder:
         enable_sysctls(self.state_dir)
         sock = NetlinkSocket(rcvbuf=8 << 20, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
         try:
+            if self.prefixes:
+                try:
+                    sock.attach_filter(ct.event_filter(self.prefixes))
+                    self.filtered = True
+                except OSError as err:  # every event is read and sorted here instead
+                    log.warning("flows: conntrack events are not filtered in the kernel: %s", err)
             for group in (ct.NFNLGRP_CONNTRACK_NEW, ct.NFNLGRP_CONNTRACK_DESTROY):
                 sock.sock.setsockopt(nl.SOL_NETLINK, nl.NETLINK_ADD_MEMBERSHIP, group)
         except OSError:
@@ -153,17 +244,129 @@ class FlowRecorder:
         if self.ct_sock is None:
             await asyncio.to_thread(self.open)
         assert self.ct_sock is not None and self.log_sock is not None
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self.ct_sock.fileno(), self._read, self.ct_sock, self._on_conntrack, "conntrack")
+        loop = self._loop = asyncio.get_running_loop()
+        ct_fd = self.ct_sock.fileno()
+        loop.add_reader(ct_fd, self._ct_ready)
         loop.add_reader(self.log_sock.fileno(), self._read, self.log_sock, self._on_log, "log")
         try:
             await asyncio.Event().wait()
         finally:
-            for sock in (self.ct_sock, self.log_sock):
-                if sock is not None:
-                    loop.remove_reader(sock.fileno())
+            self._loop = None
+            loop.remove_reader(ct_fd)
+            if self.log_sock is not None:
+                loop.remove_reader(self.log_sock.fileno())
 
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ reading conntrack events
+
+    def _ct_ready(self) -> None:
+        """Events are queued: read them in a moment, with those that come meanwhile."""
+        if self._loop is None or self.ct_sock is None:
+            return
+        self._loop.remove_reader(self.ct_sock.fileno())
+        self._loop.call_later(CT_INTERVAL, self._drain_conntrack)
+
+    def _drain_conntrack(self) -> None:
+        sock, loop = self.ct_sock, self._loop
+        if sock is None or loop is None:
+            return
+        self._begin()
+        now = self.clock()
+        n = 0
+        try:
+            while n < CT_BUDGET:
+                try:
+                    data = sock.recv()
+                except OSError as err:
+                    if err.errno == errno.ENOBUFS:  # the kernel dropped events for us
+                        self.lost["conntrack"] += 1
+                        continue
+                    raise
+                if data is None:
+                    break
+                n += 1
+                try:
+                    self._on_conntrack_datagram(data, now)
+                except (nl.NetlinkDecodeError, struct.error) as err:
+                    self.malformed += 1
+                    log.debug("flows: malformed conntrack message: %s", err)
+        finally:
+            if n >= CT_BUDGET:
+                loop.call_soon(self._drain_conntrack)
+            else:
+                loop.add_reader(sock.fileno(), self._ct_ready)
+
+    def _begin(self) -> None:
+        """Before a read: the fast path's counts of reused tuples, and names forgotten if the
+        pods changed since the last read (an address may be someone else now)."""
+        if self.carried is not None:
+            self._take_restarts()
+        version = self.directory.version()
+        if version != self._names_version or len(self._names) > NAMES_MAX:
+            self._names.clear()
+            self._names_version = version
+
+    def _on_conntrack_datagram(self, data: bytes, now: float) -> None:
+        mlen, mtype = _NLMSG.unpack_from(data)
+        if mlen != len(data):  # events come one per datagram; anything else the long way
+            for mtype, _flags, _seq, _pid, start, end in nl.iter_messages(data):
+                self._on_conntrack(mtype, data, start, end)
+            return
+        b = ct.brief(mtype, data, nl.NLMSG_HDRLEN, mlen)
+        if b is None:  # IPv6, or laid out otherwise: read it all now
+            self._on_conntrack(mtype, data, nl.NLMSG_HDRLEN, mlen)
+            return
+        names = (self._name(b.src), self._name(b.dst), self._name(b.reply_src))
+        if names == (None, None, None) and not self._in_services(b.dst):
+            return  # the node's own traffic (etcd, BGP)
+        self.events += 1
+        carried = None
+        if b.destroyed and b.proto == TCP and self.carried is not None and names[0] and names[1]:
+            carried = self._carried(b.src, b.sport, b.dst, b.dport)
+        self.ring.add(PendingConnection(self, data, mtype, nl.NLMSG_HDRLEN, mlen, names, carried, now))
+
+    def _name(self, address: bytes) -> Identity | None:
+        """Who a 4-byte address is: the directory's answer, remembered until the pods change."""
+        try:
+            return self._names[address]
+        except KeyError:
+            ident = self._names[address] = self.directory.identity(socket.inet_ntoa(address))
+            return ident
+
+    def _in_services(self, address: bytes) -> bool:
+        value = int.from_bytes(address, "big")
+        return any(value & mask == net for net, mask in self.service_ranges)
+
+    # ------------------------------------------------------------------ what the fast path carried
+
+    def _take_restarts(self) -> None:
+        """Counts of connections whose tuple a new connection took: they wait for their end."""
+        assert self.carried is not None
+        for key, counts in self.carried.carried_restarts():
+            waiting = self._restarts.get(key)
+            if waiting is None:
+                if len(self._restarts) >= RESTARTS_MAX:
+                    del self._restarts[next(iter(self._restarts))]
+                waiting = self._restarts[key] = deque()
+            waiting.append(counts)
+
+    def _carried(self, src: bytes, sport: int, dst: bytes, dport: int) -> tuple[int, int, int, int] | None:
+        """What the fast path carried of an ended connection: (packets, bytes) of its original
+        direction, then of its reply direction."""
+        assert self.carried is not None
+        key, src_lower = carried_key(src, sport, dst, dport)
+        waiting = self._restarts.get(key)
+        if waiting:
+            counts = waiting.popleft()
+            if not waiting:
+                del self._restarts[key]
+        else:
+            counts = self.carried.take_carried(key)
+        if counts is None:
+            return None
+        p_lo, p_hi, b_lo, b_hi = counts
+        return (p_lo, b_lo, p_hi, b_hi) if src_lower else (p_hi, b_hi, p_lo, b_lo)
+
+    # ------------------------------------------------------------------ reading drop logs
 
     def _read(self, sock: NetlinkSocket, handle: Callable[[int, bytes, int, int], None], what: str) -> None:
         for _ in range(BUDGET):
@@ -208,31 +411,39 @@ class FlowRecorder:
 
     # ------------------------------------------------------------------ records (pure given the directory)
 
-    def connection(self, ev: ct.CtEvent) -> Flow | None:
-        """A conntrack event as a record; None if no end of it is a pod or a Service."""
+    def connection(self, ev: ct.CtEvent, *, names: tuple[Identity | None, Identity | None, Identity | None] | None = None,
+                   carried: tuple[int, int, int, int] | None = None, received: float | None = None) -> Flow | None:
+        """A conntrack event as a record; None if no end of it is a pod or a Service.
+        ``names``: its ends as named when it came (original source, destination, reply source);
+        ``carried``: what the pod fast path carried of it (packets, bytes each way);
+        ``received``: when it came."""
         orig, reply = ev.orig, ev.reply
         d = self.directory
-        src_id = d.identity(orig.src)
+        if names is None:
+            names = (d.identity(orig.src), d.identity(orig.dst), d.identity(reply.src))
+        src_id = names[0]
         service = None
         if ev.status & ct.IPS_DST_NAT:  # a Service: the endpoint is where the replies come from
-            dst = Peer(reply.src, reply.sport, d.identity(reply.src))
+            dst = Peer(reply.src, reply.sport, names[2])
             service = d.service(orig.dst, orig.proto, orig.dport)
         else:
-            dst = Peer(orig.dst, orig.dport, d.identity(orig.dst))
-        if src_id is None and dst.identity is None and service is None:
+            dst = Peer(orig.dst, orig.dport, names[1])
+        if src_id is None and dst.identity is None and service is None and received is None:
             return None  # the node's own traffic (etcd, BGP): not a pod's
-        now = self.clock()
+        when = (ev.stop_ns if ev.destroyed else ev.event_ns or ev.start_ns) / 1e9 or received or self.clock()
         flow = Flow(
-            time=(ev.stop_ns if ev.destroyed else ev.start_ns) / 1e9 or now,
-            node=self.node, event="end" if ev.destroyed else "new", protocol=protocol_name(orig.proto),
+            time=when, node=self.node, event="end" if ev.destroyed else "new", protocol=protocol_name(orig.proto),
             src=Peer(orig.src, orig.sport, src_id), dst=dst, direction=direction_of(src_id, dst.identity),
             service=service,
         )  # fmt: skip
         if ev.status & ct.IPS_DST_NAT:
             flow.service_ip, flow.service_port = orig.dst, orig.dport
         if ev.destroyed:
-            flow.bytes_sent, flow.bytes_received = ev.orig_bytes, ev.reply_bytes
-            flow.packets_sent, flow.packets_received = ev.orig_packets, ev.reply_packets
+            op, ob, rp, rb = ev.orig_packets, ev.orig_bytes, ev.reply_packets, ev.reply_bytes
+            if carried is not None:
+                op, ob, rp, rb = op + carried[0], ob + carried[1], rp + carried[2], rb + carried[3]
+            flow.bytes_sent, flow.bytes_received = ob, rb
+            flow.packets_sent, flow.packets_received = op, rp
             if ev.start_ns and ev.stop_ns:
                 flow.duration = max(0.0, (ev.stop_ns - ev.start_ns) / 1e9)
         return flow
@@ -260,9 +471,10 @@ class FlowRecorder:
             flow.policies, flow.default_deny = tuple(meaning.policies), meaning.default_deny
         return flow
 
-    def _count(self, flow: Flow) -> None:
-        self.flows[flow.verdict] += 1
-        if flow.verdict == "dropped":
+    def _count(self, entry: Flow | Deferred) -> None:
+        self.flows[entry.verdict] += 1
+        if entry.verdict == "dropped":
+            flow: Flow = entry  # type: ignore[assignment]  # drops are records from the start
             self.drops[(flow.reason or "unknown", flow.direction)] += 1 + flow.suppressed
 
 

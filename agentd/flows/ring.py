@@ -15,11 +15,33 @@ spoofed sources cannot grow it without limit.  Time is passed in.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from .model import Flow, FlowFilter
+
+
+class Deferred:
+    """A record kept as the kernel's bytes until someone reads it (the recorder's conntrack
+    events: most are never read before the ring drops them, and reading costs more than
+    keeping).  :meth:`flow` makes the record, once."""
+
+    __slots__ = ("seq",)
+    verdict = "forwarded"
+
+    def flow(self) -> Flow:
+        raise NotImplementedError
+
+
+Entry = Flow | Deferred
+# Records are in the ring in the order the agent heard of them, which is their kernel time's
+# order to within the recorder's read interval: ``since`` looks this far behind it.
+SINCE_SLACK = 1.0
+
+
+def record(entry: Entry) -> Flow:
+    return entry if type(entry) is Flow else entry.flow()  # type: ignore[union-attr]
 
 
 class Follower:
@@ -44,7 +66,7 @@ class LastSearch:
     records at a time: a large ring (``[flows] ring_size`` up to a million) is searched with
     the event loop free in between, and what the ring takes in meanwhile is not in it."""
 
-    def __init__(self, records: list[Flow], flt: FlowFilter, n: int, since: float | None) -> None:
+    def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None) -> None:
         self.records = records  # a copy: the ring moves on while this searches
         self.filter = flt
         self.n = n
@@ -58,10 +80,12 @@ class LastSearch:
         stop = max(0, self.index - k)
         flt, since, found = self.filter, self.since, self.found
         for i in range(self.index - 1, stop - 1, -1):
-            flow = self.records[i]
+            flow = record(self.records[i])
             if since is not None and flow.time < since:
-                self.done = True
-                break
+                if flow.time < since - SINCE_SLACK:
+                    self.done = True
+                    break
+                continue
             if flt.matches(flow):
                 found.append(flow)
                 if len(found) >= self.n:
@@ -78,32 +102,58 @@ class LastSearch:
 
 
 class FlowRing:
-    def __init__(self, size: int, on_record: Callable[[Flow], None] | None = None) -> None:
+    def __init__(self, size: int, on_record: Callable[[Entry], None] | None = None) -> None:
         self.size = size
-        self.records: deque[Flow] = deque(maxlen=size)
+        # A fixed circle of slots (a deferred entry read is replaced by its record in place).
+        self._slots: list[Entry | None] = [None] * size
+        self._next = 0  # the slot the next record takes
+        self._count = 0
         self.seq = 0
         self.followers: set[Follower] = set()
         self.on_record = on_record
 
-    def add(self, flow: Flow) -> None:
+    def add(self, entry: Entry) -> None:
+        """A record, or a :class:`Deferred` one (made when it is first read: by a follower
+        at once, else by :meth:`last`, if it is still here then)."""
         self.seq += 1
-        flow.seq = self.seq
-        self.records.append(flow)
-        for f in self.followers:
-            f.offer(flow)
+        entry.seq = self.seq
+        if self.followers:
+            flow = record(entry)
+            entry = flow
+            for f in self.followers:
+                f.offer(flow)
+        self._slots[self._next] = entry
+        self._next = (self._next + 1) % self.size
+        self._count = min(self._count + 1, self.size)
         if self.on_record is not None:
-            self.on_record(flow)
+            self.on_record(entry)
+
+    def _newest_first(self) -> Iterator[int]:
+        return ((self._next - 1 - k) % self.size for k in range(self._count))
+
+    def _record(self, slot: int) -> Flow:
+        entry = self._slots[slot]
+        if type(entry) is Flow:
+            return entry
+        flow = entry.flow()  # type: ignore[union-attr]
+        self._slots[slot] = flow
+        return flow
+
+    @property
+    def records(self) -> list[Entry]:
+        """What the ring holds, oldest first (deferred entries as they are)."""
+        return [self._slots[i] for i in reversed(list(self._newest_first()))]  # type: ignore[misc]
 
     def last(self, flt: FlowFilter, n: int, *, since: float | None = None) -> list[Flow]:
         """The last ``n`` records matching ``flt`` (oldest first); ``since``: only newer ones."""
         search = self.search(flt, n, since=since)
-        while not search.step(len(self.records) + 1):
+        while not search.step(self._count + 1):
             pass
         return search.result()
 
     def search(self, flt: FlowFilter, n: int, *, since: float | None = None) -> LastSearch:
         """The same, a step at a time (:class:`LastSearch`) over the ring as it is now."""
-        return LastSearch(list(self.records), flt, n, since)
+        return LastSearch(self.records, flt, n, since)
 
     def follow(self, flt: FlowFilter, limit: int = 10_000) -> Follower:
         follower = Follower(flt, limit)
@@ -114,10 +164,10 @@ class FlowRing:
         self.followers.discard(follower)
 
     def __iter__(self) -> Iterator[Flow]:
-        return iter(self.records)
+        return (self._record(slot) for slot in reversed(list(self._newest_first())))
 
     def __len__(self) -> int:
-        return len(self.records)
+        return self._count
 
 
 class DropLimiter:

@@ -28,8 +28,10 @@ text (``str``), so IPv4 and IPv6 entries are the same values.
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
+import sys
 from typing import NamedTuple
 
 from agentd.kernel import netlink as nl
@@ -53,6 +55,7 @@ CTA_ID = 12
 CTA_COUNTERS_ORIG = 9
 CTA_COUNTERS_REPLY = 10
 CTA_TIMESTAMP = 20
+CTA_TIMESTAMP_EVENT = 27  # __be64 ns: when the event happened (Linux 6.x, with nf_conntrack_timestamp)
 CTA_TUPLE_IP = 1  # inside a CTA_TUPLE_*
 CTA_TUPLE_PROTO = 2
 CTA_IP_V4_SRC = 1  # inside CTA_TUPLE_IP
@@ -62,6 +65,7 @@ CTA_IP_V6_DST = 4
 CTA_PROTO_NUM = 1  # inside CTA_TUPLE_PROTO
 CTA_PROTO_SRC_PORT = 2
 CTA_PROTO_DST_PORT = 3
+CTA_PROTO_ICMP_ID = 4
 CTA_PROTO_ICMP_TYPE = 5
 CTA_PROTO_ICMP_CODE = 6
 CTA_PROTO_ICMPV6_TYPE = 8
@@ -113,6 +117,7 @@ class CtEvent(NamedTuple):
     reply_bytes: int = 0
     start_ns: int = 0  # CLOCK_REALTIME nanoseconds (nf_conntrack_timestamp), 0: not kept
     stop_ns: int = 0
+    event_ns: int = 0  # when the event happened (CTA_TIMESTAMP_EVENT), 0: not said
 
     @property
     def nat(self) -> bool:
@@ -192,7 +197,7 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
         raise nl.NetlinkDecodeError(f"conntrack message body is {end - start} bytes, nfgenmsg needs {nl.NFGENMSG_LEN}")
     family = buf[start]
     orig = reply = None
-    status = ident = op = ob = rp = rb = t0 = t1 = 0
+    status = ident = op = ob = rp = rb = t0 = t1 = te = 0
     for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
         if atype == CTA_TUPLE_ORIG:
             orig = decode_tuple(buf, vs, ve)
@@ -207,11 +212,140 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
         elif atype == CTA_COUNTERS_REPLY:
             rp, rb = _counters(buf, vs, ve)
         elif atype == CTA_TIMESTAMP:
-            for ttype, ts, te in nl.iter_attrs(buf, vs, ve):
+            for ttype, ts, tend in nl.iter_attrs(buf, vs, ve):
                 if ttype == CTA_TIMESTAMP_START:
-                    t0 = _read_be(buf, ts, te, _BE64, "CTA_TIMESTAMP_START")
+                    t0 = _read_be(buf, ts, tend, _BE64, "CTA_TIMESTAMP_START")
                 elif ttype == CTA_TIMESTAMP_STOP:
-                    t1 = _read_be(buf, ts, te, _BE64, "CTA_TIMESTAMP_STOP")
+                    t1 = _read_be(buf, ts, tend, _BE64, "CTA_TIMESTAMP_STOP")
+        elif atype == CTA_TIMESTAMP_EVENT:
+            te = _read_be(buf, vs, ve, _BE64, "CTA_TIMESTAMP_EVENT")
     if orig is None or reply is None:
         return None
-    return CtEvent(mtype == MSG_DELETE, family, orig, reply, status, ident, op, ob, rp, rb, t0, t1)
+    return CtEvent(mtype == MSG_DELETE, family, orig, reply, status, ident, op, ob, rp, rb, t0, t1, te)
+
+
+# ------------------------------------------------------------------ events at fixed offsets
+
+# The kernel writes an IPv4 entry's tuples first and always alike (ctnetlink_dump_tuples):
+#   CTA_TUPLE_ORIG / _REPLY { CTA_TUPLE_IP { CTA_IP_V4_SRC, CTA_IP_V4_DST },
+#                             CTA_TUPLE_PROTO { CTA_PROTO_NUM, then the protocol's own:
+#                                 CTA_PROTO_SRC_PORT, _DST_PORT (TCP, UDP, SCTP, ...) or
+#                                 CTA_PROTO_ICMP_ID, _TYPE, _CODE (ICMP) } }
+# so a listener that takes many events can match both tuples against that layout as one byte
+# pattern (headers in host order; a value is any bytes) and read addresses and ports from it.
+def _hdr(length: int, atype: int) -> bytes:
+    return re.escape(struct.pack("=HH", length, atype))
+
+
+def _tuple_pattern(kind: int, icmp: bool) -> bytes:
+    head = (_hdr(52 if not icmp else 60, kind | nl.NLA_F_NESTED) + _hdr(20, CTA_TUPLE_IP | nl.NLA_F_NESTED)
+            + _hdr(8, CTA_IP_V4_SRC) + rb"(.{4})" + _hdr(8, CTA_IP_V4_DST) + rb"(.{4})")
+    if icmp:
+        return (head + _hdr(36, CTA_TUPLE_PROTO | nl.NLA_F_NESTED) + _hdr(5, CTA_PROTO_NUM) + rb"(.)..."
+                + _hdr(6, CTA_PROTO_ICMP_ID) + rb"...." + _hdr(5, CTA_PROTO_ICMP_TYPE) + rb"(.)..."
+                + _hdr(5, CTA_PROTO_ICMP_CODE) + rb"(.)...")
+    return (head + _hdr(28, CTA_TUPLE_PROTO | nl.NLA_F_NESTED) + _hdr(5, CTA_PROTO_NUM) + rb"(.)..."
+            + _hdr(6, CTA_PROTO_SRC_PORT) + rb"(..).." + _hdr(6, CTA_PROTO_DST_PORT) + rb"(..)..")
+
+
+_PORTS_LAYOUT = re.compile(_tuple_pattern(CTA_TUPLE_ORIG, False) + _tuple_pattern(CTA_TUPLE_REPLY, False), re.S)
+_ICMP_LAYOUT = re.compile(_tuple_pattern(CTA_TUPLE_ORIG, True) + _tuple_pattern(CTA_TUPLE_REPLY, True), re.S)
+
+
+class CtBrief(NamedTuple):
+    """Who an IPv4 event is about, read without walking its attributes: addresses as the
+    4 bytes of the packet, ports (ICMP: type and code) as numbers.  ``reply_src`` is where the
+    replies come from: the endpoint a Service's connection was translated to."""
+
+    destroyed: bool
+    proto: int
+    src: bytes
+    dst: bytes
+    sport: int
+    dport: int
+    reply_src: bytes
+    reply_sport: int
+
+
+def brief(mtype: int, buf: bytes, start: int, end: int) -> CtBrief | None:
+    """The tuples of an IPv4 ctnetlink event laid out as the kernel lays them out; None for
+    anything else (IPv6, a zone in a tuple, another protocol's fields): :func:`decode_event`
+    reads those."""
+    if mtype not in (MSG_NEW, MSG_DELETE) or end > len(buf) or end - start < nl.NFGENMSG_LEN or \
+            buf[start] != socket.AF_INET:
+        return None
+    destroyed = mtype == MSG_DELETE
+    pos = start + nl.NFGENMSG_LEN
+    m = _PORTS_LAYOUT.match(buf, pos, end)
+    if m is not None:
+        src, dst, num, sport, dport, rsrc, _rdst, _rnum, rsport, _rdport = m.groups()
+        return CtBrief(destroyed, num[0], src, dst, int.from_bytes(sport, "big"), int.from_bytes(dport, "big"),
+                       rsrc, int.from_bytes(rsport, "big"))
+    m = _ICMP_LAYOUT.match(buf, pos, end)
+    if m is not None:
+        src, dst, num, itype, code, rsrc, _rdst, _rnum, rtype, _rcode = m.groups()
+        return CtBrief(destroyed, num[0], src, dst, itype[0], code[0], rsrc, rtype[0])
+    return None
+
+
+# ------------------------------------------------------------------ the listener's filter
+
+# Classic BPF (SO_ATTACH_FILTER), as conntrackd's and libnetfilter_conntrack's event filters
+# are: the kernel runs it on each event before queueing it for the socket.
+_LD_W_ABS, _LD_B_ABS, _LD_W_IND = 0x20, 0x30, 0x40
+_TAX, _AND_K, _JEQ_K, _RET_K = 0x07, 0x54, 0x15, 0x06
+_NLMSG_BODY = nl.NLMSG_HDRLEN  # where nfgenmsg starts
+_NESTED = nl.NLA_F_NESTED
+
+
+def _host_word(hi16: int, lo16: int, byteorder: str) -> int:
+    """An attribute header (length, type: host order) as classic BPF loads it (big-endian)."""
+    return int.from_bytes(hi16.to_bytes(2, byteorder) + lo16.to_bytes(2, byteorder), "big")
+
+
+def event_filter(prefixes: list[tuple[int, int]], byteorder: str = sys.byteorder) -> list[tuple[int, int, int, int]]:
+    """A classic BPF program (``(code, jt, jf, k)`` instructions) for a socket joined to the
+    conntrack event groups: it passes an IPv4 event only when its original source or
+    destination, or its reply's source, is in one of ``prefixes`` ((network, mask) as
+    integers); every event laid out otherwise (IPv6, unexpected attributes) passes, for
+    :func:`decode_event` to read.  So the connections of the node itself (etcd, BGP, the
+    host's own) cost the listener nothing."""
+    b = _NLMSG_BODY + nl.NFGENMSG_LEN  # the original tuple's attribute
+    ip_head = _host_word(20, CTA_TUPLE_IP | _NESTED, byteorder)
+    src_head = _host_word(8, CTA_IP_V4_SRC, byteorder)
+    dst_head = _host_word(8, CTA_IP_V4_DST, byteorder)
+    len_lo, len_hi = (b, b + 1) if byteorder == "little" else (b + 1, b)
+    prog: list[tuple[str, int, object, object, int]] = []  # (label, code, jt, jf, k): jumps by label
+
+    def op(code: int, k: int = 0, jt: object = 0, jf: object = 0, label: str = "") -> None:
+        prog.append((label, code, jt, jf, k))
+
+    def in_prefixes(load: int, offset: int) -> None:
+        for net, mask in prefixes:
+            op(load, offset)
+            op(_AND_K, mask)
+            op(_JEQ_K, net, "accept", 0)
+
+    op(_LD_B_ABS, _NLMSG_BODY)  # nfgen_family
+    op(_JEQ_K, socket.AF_INET, 0, "accept")
+    for offset, want in ((b + 4, ip_head), (b + 8, src_head), (b + 16, dst_head)):
+        op(_LD_W_ABS, offset)
+        op(_JEQ_K, want, 0, "accept")
+    in_prefixes(_LD_W_ABS, b + 12)  # original source
+    in_prefixes(_LD_W_ABS, b + 20)  # original destination
+    op(_LD_B_ABS, len_hi)  # the original tuple's length (< 256 as the kernel writes it)
+    op(_JEQ_K, 0, 0, "accept")
+    op(_LD_B_ABS, len_lo)
+    op(_TAX)
+    for offset, want in ((b + 4, ip_head), (b + 8, src_head)):
+        op(_LD_W_IND, offset)
+        op(_JEQ_K, want, 0, "accept")
+    in_prefixes(_LD_W_IND, b + 12)  # the reply's source
+    op(_RET_K, 0, label="drop")
+    op(_RET_K, 0xFFFFFFFF, label="accept")
+    where = {label: i for i, (label, *_rest) in enumerate(prog) if label}
+    out = []
+    for i, (_label, code, jt, jf, k) in enumerate(prog):
+        jumps = [where[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf)]
+        out.append((code, jumps[0], jumps[1], k))
+    return out

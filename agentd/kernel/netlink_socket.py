@@ -92,6 +92,13 @@ class NetlinkSocket:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def attach_filter(self, program: list[tuple[int, int, int, int]]) -> None:
+        """Have the kernel run a classic BPF program, ``(code, jt, jf, k)`` instructions, on
+        every message before it queues it for this socket (SO_ATTACH_FILTER): what the program
+        returns 0 for is never queued.  The kernel copies the program."""
+        prog = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
+        self.sock.setsockopt(socket.SOL_SOCKET, nl.SO_ATTACH_FILTER, bytes(_SockFprog(len(program), prog)))
+
     def close(self) -> None:
         self.sock.close()
 

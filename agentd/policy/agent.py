@@ -297,8 +297,7 @@ class PolicyAgent:
             containers = set(self.publisher.endpoints)  # the pods this build includes
             desired = self.engine.build()
             keys = self.engine.touched()
-            # Flow records need every pod packet through netfilter too (route_all).
-            isolating = self.isolated()["any"] > 0 or self.engine.route_all
+            isolating = self.isolated()["any"] > 0
             try:
                 if isolating and self.on_isolation is not None:
                     await self.on_isolation(True)

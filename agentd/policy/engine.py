@@ -52,6 +52,7 @@ class PolicyEngine:
         self.route_all = route_all
         self.families = tuple(sorted(set(families)))
         self.by_ip: dict[str, PodKey] = {}  # every pod's addresses (flow records name pods by them)
+        self.pods_version = 0  # changes with any pod's record (flow records remember names until then)
         self._prefixes: dict[str, tuple[str, PodKey]] | None = None
         self.pods: dict[PodKey, Pod] = {}
         self.local: dict[PodKey, LocalPort] = {}
@@ -122,12 +123,14 @@ class PolicyEngine:
             if changed or old.labels != pod.labels:  # type: ignore[union-attr]
                 self._dirty_policies |= self._all_pods_refs
         if old != pod or old_local != local:
+            self.pods_version += 1
             self._reselect(key)
 
     def remove_pod(self, key: PodKey) -> None:
         pod = self.pods.pop(key, None)
         if pod is None:
             return
+        self.pods_version += 1
         self._unindex(pod)
         self._ns_pods[pod.namespace].discard(key)
         for sel, members in self._members.items():

@@ -29,7 +29,9 @@ SHAPES = {
                      {podpath.PROGRAM, podpath.WIRE_PROGRAM}),
 }
 MAP_TYPES = {"hash": libbpf.MAP_TYPE_HASH, "array": libbpf.MAP_TYPE_ARRAY, "percpu_hash": libbpf.MAP_TYPE_PERCPU_HASH,
-             "percpu_array": libbpf.MAP_TYPE_PERCPU_ARRAY, "lpm_trie": libbpf.MAP_TYPE_LPM_TRIE}
+             "percpu_array": libbpf.MAP_TYPE_PERCPU_ARRAY, "lpm_trie": libbpf.MAP_TYPE_LPM_TRIE,
+             "lru_hash": libbpf.MAP_TYPE_LRU_HASH,
+             "ringbuf": libbpf.MAP_TYPE_RINGBUF}
 
 # Runs in a new mount namespace (unshare -m, private propagation): a bpffs of its own on
 # /sys/fs/bpf, where libbpf's default pin root for maps pinned by name is, then bpftool.

@@ -24,6 +24,7 @@ from agentd.dataplane.bpf import layout, podpath, tc
 from agentd.dataplane.bpf import libbpf as bpf
 from agentd.lab.lab import ETCD_ADDRESS
 from agentd.lab.netns import Netns, veth
+from agentd.lab.runtime import binary
 from agentd.lab.traffic import Pinger
 from agentd.lab.wait import DEFAULT_TIMEOUT, apause, auntil
 
@@ -337,9 +338,17 @@ async def test_backend_carries_pod_traffic(lab_factory, backend, mode):
         assert lengths and result["pod"], "nothing captured"
         if backend in ("udp", "ipip"):
             assert max(lengths) > 8 * 1500, max(lengths)
-            # ...and reach the pod whole: decapsulated and handed straight to its bridge port
-            # (the bridge would cut them, see deliver_local in datapath.c).
+            # ...and reach the pod whole: decapsulated and, with flow records on (the default),
+            # handed to the pod fast path's judgement, which takes TCP that conntrack accepted
+            # straight into the pod (the bridge would cut them, see deliver_local and
+            # deliver_gated in datapath.c)...
             assert max(result["pod"]) > 8 * 1500, max(result["pod"])
+            assert dst.node.api("/status")["backends"]["bpf"]["delivery"] == "gated"
+            # ...while conntrack there still saw the connection start: node2's flow record.
+            _, out, _ = await dst.node.ns.aexec(binary("agentd"), "flows", "-o", "json", "--event", "new",
+                                                "--to-pod", f"{dst.namespace}/{dst.k8s_name}", "--port", "5001")
+            new = [json.loads(x) for x in out.decode().splitlines()]
+            assert new and new[-1]["direction"] == "ingress", new
         # Forwarded like any routed packet: one TTL decrement per node, whatever the backend
         # (one reply; ping probes once a second for up to 10 s, a lost probe is no failure).
         _, out, _ = await src.ns.aexec("ping", "-n", "-c", "1", "-w", "10", dst.ip, check=False, timeout=30)

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -194,6 +195,109 @@ async def test_connection_end_has_bytes_and_duration(shop):
     assert end["packets_sent"] >= 2 and end["packets_received"] >= 2
     assert end["bytes_sent"] >= 2 * 52 and end["bytes_received"] >= 2 * 52
     assert 0 <= end["duration"] < 60
+
+
+# A sink that takes exactly the given sizes, one connection each, and closes first (so the
+# client's port is free again at once); a source that sends them from one source port.
+SINK = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen()
+print("ready", flush=True)
+for size in map(int, sys.argv[2:]):
+    c, _ = s.accept(); got = 0
+    while got < size:
+        b = c.recv(1 << 20)
+        if not b: break
+        got += len(b)
+    c.close(); print(got, flush=True)
+"""
+SOURCE = """
+import socket, sys
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for size in map(int, sys.argv[4:]):
+    c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+    c.connect((ip, port)); c.sendall(b"x" * size)
+    while c.recv(65536): pass
+    c.close()
+"""
+
+
+async def send_sizes(src, dst, port: int, sport: int, sizes: list[int]) -> None:
+    """``sizes`` bytes over one TCP connection each, one after another, from ``src``:``sport``."""
+    args = [str(n) for n in sizes]
+    sink = dst.ns.popen(["python3", "-c", SINK, str(port), *args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        await src.ns.aexec("python3", "-c", SOURCE, dst.ip, str(port), str(sport), *args, timeout=60)
+        got, _ = await asyncio.to_thread(sink.communicate, timeout=30)
+        assert got.split() == args
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.communicate()
+
+
+def carried(node) -> int:
+    return node.api("/status")["policy"]["fast_path"]["packets"]["carried"]
+
+
+# What `conntrack -D -p tcp --sport N` does: the entries go at once (and their DESTROY events
+# with them) instead of after TIME_WAIT and conntrack's next garbage collection.
+FORGET = """
+import sys
+from agentd.kernel import netlink as nl, netlink_ct as ct
+from agentd.kernel.netlink_socket import NetlinkSocket
+from agentd.services.conntrack import encode_delete, encode_dump
+ports = set(map(int, sys.argv[1:]))
+sock = NetlinkSocket(protocol=nl.NETLINK_NETFILTER)
+entries = [ev for m, b, s, e in sock.request(encode_dump(1), what="dump", dump=True)
+           if (ev := ct.decode_event(m, b, s, e)) is not None and ports & {ev.orig.sport, ev.orig.dport}]
+for seq, ev in enumerate(entries, 2):
+    sock.request(encode_delete(seq, ev.orig), what="delete", dump=False)
+"""
+
+
+async def forget(node, *ports: int) -> None:
+    await node.ns.aexec(sys.executable, "-c", FORGET, *map(str, ports), timeout=30)
+
+
+async def test_end_counts_what_the_pod_fast_path_carried(shop):
+    """The pod fast path carries accepted TCP between pods past conntrack; its programs count
+    what they carry per connection and the end record adds it: every byte, across nodes and
+    on one node.  Then one source port twice in a row: the second connection's SYN takes the
+    tuple while conntrack still holds the first (TIME_WAIT), and each end keeps its own bytes."""
+    node1, node2 = shop.lab.nodes
+    client, web, a, b = (shop.pods[n] for n in ("client", "web", "a", "b"))
+    before = (carried(node1), carried(node2))
+    await send_sizes(client, web, 5001, 41001, [4_000_000])
+    await send_sizes(a, b, 5001, 41002, [3_000_000])
+    await send_sizes(client, web, 5002, 41003, [3_000_000, 1_000_000])
+    # The fast path took most of it (its counters are read every 2 s).
+    await auntil(lambda: carried(node1) > before[0] and carried(node2) > before[1], 10, in_thread=True,
+                 what="the pod fast path's carried counters moved on both nodes")
+    for node in (node1, node2):
+        await forget(node, 41001, 41002, 41003)
+
+    async def ends(node, sport: int, n: int) -> list[dict]:
+        """The end records of connections from ``sport`` that carried data (the second
+        connection's SYN, sent the moment the first closed, may meet the server's socket still
+        closing and be answered, reset and sent again: conntrack sees a short connection too)."""
+        got = await records(node, "--event", "end", "--port", str(sport),
+                            want=lambda r: len([x for x in r if x["bytes_sent"] > 10_000]) >= n,
+                            what=f"{node.name}'s {n} end record(s) from port {sport}")
+        return [x for x in sorted(got, key=lambda r: r["seq"]) if x["bytes_sent"] > 10_000]
+
+    def sent(end: dict, size: int) -> bool:  # the payload, and at most a header per packet more
+        return size <= end["bytes_sent"] <= size + 60 * end["packets_sent"]
+
+    for node in (node1, node2):
+        (end,) = await ends(node, 41001, 1)
+        assert sent(end, 4_000_000) and end["packets_received"] >= 2, end
+    (end,) = await ends(node2, 41002, 1)
+    assert sent(end, 3_000_000) and end["direction"] == "local", end
+    for node in (node1, node2):
+        first, second = await ends(node, 41003, 2)
+        assert sent(first, 3_000_000) and sent(second, 1_000_000), (first, second)
 
 
 async def test_same_node_pods_are_seen(shop):

@@ -22,28 +22,30 @@ SCENARIOS = [
 
 @pytest.mark.parametrize("backend", ["vxlan", "udp", "ipip"])
 async def test_policy_is_enforced_through_every_backend(lab_factory, backend):
-    # Flow records hold the BPF pod redirect too (every pod's packets through conntrack): they
-    # are off here, where the hold that isolation alone makes and lifts is what is checked.
-    no_flows = {f"node{i}": {"flows": {"enabled": False}} for i in (1, 2)}
-    lab = await lab_factory(nodes=2, pods=0, backend=backend, extra=no_flows)
+    # Flow records are on (the default): they hold the BPF pod redirect from the start, and
+    # isolation holds it as well while it lasts.
+    lab = await lab_factory(nodes=2, pods=0, backend=backend)
     layout = [(0, "x", "a"), (1, "x", "b"), (0, "y", "a"), (1, "y", "b")]
     grid = await make_grid(lab, layout, {"x": {"ns": "x"}, "y": {"ns": "y"}})
     try:
         for i, policies in enumerate(SCENARIOS):
             await converged(lab, await grid.res.apply(policies))
             if i == 0 and backend != "vxlan":
-                # Both nodes isolate a pod: their BPF programs hand no packet to a pod past
-                # netfilter (the truth table below is what shows it is judged).
-                assert [redirecting(n) for n in lab.nodes] == [False, False]
+                # Both nodes isolate a pod: their BPF programs hand a decapsulated packet to a
+                # pod past netfilter only once conntrack holds its connection as accepted (the
+                # truth table below is what shows every connection is judged).
+                assert [delivery(n) for n in lab.nodes] == [("gated", ["flows", "policy"])] * 2
             await check(grid, policies)
             for p in policies:
                 await grid.res.delete("NetworkPolicy", p["metadata"]["namespace"], p["metadata"]["name"])
         if backend != "vxlan":
-            # No pod isolated any more: decapsulated packets go straight to the pods again.
-            await auntil(lambda: all(redirecting(n) for n in lab.nodes), 10, what="the BPF pod redirect back on")
+            # No pod isolated any more: only the flow records hold the redirect.
+            await auntil(lambda: all(delivery(n) == ("gated", ["flows"]) for n in lab.nodes), 10,
+                         what="isolation's hold of the BPF pod redirect lifted")
     finally:
         await close_grid(grid)
 
 
-def redirecting(node) -> bool:
-    return node.api("/status")["backends"]["bpf"]["redirecting"]
+def delivery(node) -> tuple[str, list[str]]:
+    bpf = node.api("/status")["backends"]["bpf"]
+    return bpf["delivery"], bpf["held_by"]

@@ -10,8 +10,10 @@
  *                   them, as it does for kernel VXLAN.
  *   agentd_ingress  flannel UDP (to config.udp_port, an IPv4 or IPv6 inner packet) and IPIP
  *                   (protocol 4, IPv4 inner) from cluster members are decapsulated and handed on
- *                   (TC_ACT_OK) to the stack, which forwards the inner packet to the pod; from
- *                   anyone else they are dropped and counted, and so is UDP to the VXLAN port
+ *                   to the stack (TC_ACT_OK), which forwards the inner packet to the pod, or
+ *                   straight to the pod (deliver_local) or to the pod fast path's wire program
+ *                   after this one (deliver_gated); from anyone else they are dropped and
+ *                   counted, and so is UDP to the VXLAN port
  *                   (the kernel VXLAN device takes it from anyone).  On an IPv6 underlay it
  *                   does the same for VXLAN in IPv6 (peers6, config6): the member filter of an
  *                   IPv6-only cluster.
@@ -437,6 +439,19 @@ static __always_inline int deliver_local6(struct __sk_buff *skb)
 	return bpf_redirect(*port, 0);
 }
 
+/* While netfilter must see pod packets here (policy isolating a pod, Services translating,
+ * flow records: CFG_POD_REDIRECT is off), a decapsulated packet goes on to the hook's next
+ * program instead of straight to the pod: the pod fast path's wire program, which the agent
+ * puts after this one (CFG_POD_GATE says it is there).  It takes a packet of a TCP connection
+ * conntrack has already accepted -- confirmed, ESTABLISHED, not translated -- into its pod
+ * whole (a GSO super-packet stays one, which the stack's bridge would cut: see deliver_local),
+ * and lets everything else, the connection's SYN, FIN and RST among it, through to the stack,
+ * where netfilter and conntrack see it.  Without it, the stack's path for all. */
+static __always_inline int deliver_gated(struct config *cfg)
+{
+	return (cfg->flags & CFG_POD_GATE) ? PASS : TC_ACT_OK;
+}
+
 /* Remove ``outer_len`` bytes of outer headers behind the Ethernet header.
  *
  * Headers at offsets that depend on the packet (IPv4 options) are read and written with
@@ -511,7 +526,7 @@ static __always_inline int decap6(struct __sk_buff *skb, struct config *cfg, str
 		return bpf_redirect(skb->ifindex, BPF_F_INGRESS);
 	if (cfg->flags & CFG_POD_REDIRECT)
 		return deliver_local6(skb);
-	return TC_ACT_OK;
+	return deliver_gated(cfg);
 }
 
 static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, struct peer_stats *stats,
@@ -561,7 +576,7 @@ static __always_inline int decap(struct __sk_buff *skb, struct config *cfg, stru
 	stats->rx_bytes += skb->len;
 	if (cfg->flags & CFG_POD_REDIRECT)
 		return deliver_local(skb);
-	return TC_ACT_OK;
+	return deliver_gated(cfg);
 }
 
 #define NEXTHDR_HOP 0

@@ -106,6 +106,9 @@ enum config_flag {
 				      * the inner packet loses the tunnel GSO type */
 	CFG_POD_REDIRECT = 1 << 5,   /* decapsulated packets for pods behind a local bridge go
 				      * straight to their bridge port ([network] bpf_pod_redirect) */
+	CFG_POD_GATE = 1 << 6,       /* without CFG_POD_REDIRECT, decapsulated packets go on to the
+				      * hook's next program, the pod fast path's wire program
+				      * (deliver_gated), instead of to the stack */
 };
 
 struct config {

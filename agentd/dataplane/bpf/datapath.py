@@ -300,6 +300,12 @@ class BpfDatapath:
             lb.map_delete(fd, layout.PORT_KEY.pack(*key))
             del self.ports[key]
 
+    def gated(self, wire: str) -> bool:
+        """Whether program ``wire`` (the pod fast path's) runs after our ingress program on the
+        device's ingress hook: decapsulated packets reach it then (datapath.c deliver_gated)."""
+        order = [f.name for f in tc.filters(self.ifindex) if f.direction == "ingress" and f.name in (layout.INGRESS, wire)]
+        return layout.INGRESS in order and wire in order and order.index(layout.INGRESS) < order.index(wire)
+
     def guard_bridges(self) -> set[int]:
         """Attach the ingress filter to every bridge here as well (the pods' bridges, which the
         CNI plugin makes when the first pod comes): encapsulated packets addressed to this node

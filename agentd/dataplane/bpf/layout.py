@@ -50,6 +50,7 @@ DROP_REASONS = ("non_member_udp", "non_member_ipip", "non_member_vxlan", "malfor
 # enum config_flag
 CFG_DECAP_UDP, CFG_DECAP_IPIP, CFG_FILTER_VXLAN, CFG_DECAP_L3_FLAG, CFG_DECAP_L4_FLAGS = 1, 2, 4, 8, 16
 CFG_POD_REDIRECT = 32
+CFG_POD_GATE = 64  # decapsulated packets not redirected go on to the pod fast path's wire program
 
 # What each map must be in the object file: (type, key, value, flags).
 EXPECTED = {

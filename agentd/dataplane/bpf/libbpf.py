@@ -58,7 +58,9 @@ _SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390
 # enum bpf_map_type
 MAP_TYPE_HASH, MAP_TYPE_ARRAY = 1, 2
 MAP_TYPE_PERCPU_HASH, MAP_TYPE_PERCPU_ARRAY = 5, 6
+MAP_TYPE_LRU_HASH = 9
 MAP_TYPE_LPM_TRIE = 11
+MAP_TYPE_RINGBUF = 27
 PROG_TYPE_SCHED_CLS = 3
 BPF_ANY, BPF_NOEXIST, BPF_EXIST = 0, 1, 2
 BPF_F_NO_PREALLOC = 1
@@ -118,6 +120,8 @@ class _TestRunOpts(ctypes.Structure):  # struct bpf_test_run_opts (libbpf 1.1)
 
 
 _P, _I, _U32, _STR = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_char_p
+# int (*ring_buffer_sample_fn)(void *ctx, void *data, size_t size)
+_SAMPLE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 # name: (result, arguments)
 _SIGNATURES = {
     "bpf_object__open_file": (_P, [_STR, _P]),
@@ -143,6 +147,7 @@ _SIGNATURES = {
     "bpf_map_lookup_elem": (_I, [_I, _P, _P]),
     "bpf_map_update_elem": (_I, [_I, _P, _P, ctypes.c_uint64]),
     "bpf_map_delete_elem": (_I, [_I, _P]),
+    "bpf_map_lookup_and_delete_elem": (_I, [_I, _P, _P]),
     "bpf_map_get_next_key": (_I, [_I, _P, _P]),
     "bpf_obj_pin": (_I, [_I, _STR]),
     "bpf_obj_get": (_I, [_STR]),
@@ -153,6 +158,9 @@ _SIGNATURES = {
     "bpf_link_update": (_I, [_I, _I, ctypes.POINTER(_LinkUpdateOpts)]),
     "bpf_link_detach": (_I, [_I]),
     "bpf_prog_test_run_opts": (_I, [_I, ctypes.POINTER(_TestRunOpts)]),
+    "ring_buffer__new": (_P, [_I, _SAMPLE_FN, _P, _P]),
+    "ring_buffer__consume": (_I, [_P]),
+    "ring_buffer__free": (None, [_P]),
     "libbpf_num_possible_cpus": (_I, []),
     "libbpf_strerror": (_I, [_I, ctypes.c_char_p, ctypes.c_size_t]),
 }
@@ -380,6 +388,17 @@ def map_delete(fd: int, key: bytes) -> bool:
     return True
 
 
+def map_take(fd: int, key: bytes, value_size: int) -> bytes | None:
+    """The value under ``key``, removed from the map in the same step
+    (BPF_MAP_LOOKUP_AND_DELETE_ELEM: hash maps since Linux 5.14); None if it was not there."""
+    value = ctypes.create_string_buffer(value_size)
+    ret = library().bpf_map_lookup_and_delete_elem(fd, _buf(key), value)
+    if ret == -errno.ENOENT:
+        return None
+    _check(ret, "map lookup and delete")
+    return value.raw
+
+
 def map_keys(fd: int, key_size: int) -> list[bytes]:
     """Every key of a hash or trie map (BPF_MAP_GET_NEXT_KEY from no key)."""
     lib = library()
@@ -452,11 +471,12 @@ def tcx_attach(ifindex: int, attach_type: int, fd: int) -> None:
            f"attaching a program to device {ifindex} (tcx)")
 
 
-def link_create(prog_fd: int, ifindex: int, attach_type: int) -> int:
-    """Attach program ``prog_fd`` first on the device's tcx hook through a new BPF link; returns
-    the link's file descriptor.  The attachment lasts as long as the link: pin it to keep it
-    beyond this process (the kernel detaches a link whose last descriptor and pin are gone)."""
-    opts = _LinkCreateOpts(ctypes.sizeof(_LinkCreateOpts), BPF_F_BEFORE)
+def link_create(prog_fd: int, ifindex: int, attach_type: int, *, last: bool = False) -> int:
+    """Attach program ``prog_fd`` first (``last``: last) on the device's tcx hook through a new
+    BPF link; returns the link's file descriptor.  The attachment lasts as long as the link: pin
+    it to keep it beyond this process (the kernel detaches a link whose last descriptor and pin
+    are gone)."""
+    opts = _LinkCreateOpts(ctypes.sizeof(_LinkCreateOpts), BPF_F_AFTER if last else BPF_F_BEFORE)
     return _check(library().bpf_link_create(prog_fd, ifindex, attach_type, ctypes.byref(opts)),
                   f"attaching a program to device {ifindex} (tcx link)")
 
@@ -546,6 +566,39 @@ def prog_test_run(fd: int, data: bytes, repeat: int = 1, *, ifindex: int = 0) ->
         opts.ctx_in, opts.ctx_size_in = ctypes.addressof(ctx), len(ctx)
     _check(library().bpf_prog_test_run_opts(fd, ctypes.byref(opts)), "test run")
     return opts.retval, dout.raw[: opts.data_size_out]
+
+
+class RingBuffer:
+    """A BPF ring buffer map (BPF_MAP_TYPE_RINGBUF), read through libbpf's consumer (the
+    map's pages mapped into this process: reading costs no system call per record)."""
+
+    def __init__(self, map_fd: int) -> None:
+        self._records: list[bytes] = []
+        self._sample = _SAMPLE_FN(self._on_sample)  # kept alive as long as the ring
+        with _capturing() as said:
+            ptr = library().ring_buffer__new(map_fd, self._sample, None, None)
+        if not ptr:
+            raise BpfError(ctypes.get_errno() or errno.EINVAL, "opening a ring buffer", "; ".join(said[:1]))
+        self._rb: int | None = ptr
+
+    def _on_sample(self, _ctx: int, data: int, size: int) -> int:
+        self._records.append(ctypes.string_at(data, size))
+        return 0
+
+    def drain(self) -> list[bytes]:
+        """Every record written since the last call, oldest first (never waits)."""
+        if self._rb is None:
+            return []
+        ret = library().ring_buffer__consume(self._rb)
+        if ret < 0:
+            _check(ret, "reading a ring buffer")
+        out, self._records = self._records, []
+        return out
+
+    def close(self) -> None:
+        if self._rb is not None:
+            library().ring_buffer__free(self._rb)
+            self._rb = None
 
 
 def possible_cpus() -> int:

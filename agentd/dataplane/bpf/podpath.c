@@ -9,7 +9,12 @@
  *                    it (bpf_fib_lookup: the next hop's MAC, TTL - 1) and sent out of the
  *                    device the route names.
  *   agentd_pod_wire  on the underlay device: from a pod of another node to a pod of this node,
- *                    TTL - 1 and into that pod (bpf_redirect_peer).
+ *                    TTL - 1 and into that pod (bpf_redirect_peer).  After the data path's
+ *                    program there, it sees the packets that program decapsulated as well
+ *                    while netfilter must see pods' packets (datapath.c deliver_gated).
+ *
+ * With POD_CFG_COUNT (flow records on) they count what they carry of IPv4 connections, per
+ * connection (agentd_podflows): conntrack does not see it, and a connection's end record adds it.
  *
  * Both carry IPv4 and IPv6 alike, each family with its own maps (pods, counters, cluster
  * network); for IPv6 the hop limit is decremented (no header checksum to mend) and the FIB
@@ -135,6 +140,20 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_podcfg6 SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct podflow_key);
+	__type(value, struct podflow_value);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podflows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podends SEC(".maps");
+
 /* kfuncs are for GPL-compatible programs: dual-licensed as datapath.c is. */
 char _license[] SEC("license") = "Dual BSD/GPL";
 
@@ -152,11 +171,80 @@ static __always_inline int count_in(void *stats, __u32 verdict, struct __sk_buff
 #define count(verdict, skb, action) count_in(&agentd_podstat, verdict, skb, action)
 #define count6(verdict, skb, action) count_in(&agentd_podstat6, verdict, skb, action)
 
+/* ------------------------------------------------------------ per-connection counts (podflows) */
+
+/* The podflows key of a packet's connection, and which end sent it (0: the lower). */
+static __always_inline __u32 podflow_key(struct iphdr *ip, struct tcphdr *tcp, struct podflow_key *key)
+{
+	__u32 s = bpf_ntohl(ip->saddr), d = bpf_ntohl(ip->daddr);
+	__u16 sp = bpf_ntohs(tcp->source), dp = bpf_ntohs(tcp->dest);
+
+	if (s > d || (s == d && sp > dp)) {
+		key->addr[0] = ip->daddr;
+		key->addr[1] = ip->saddr;
+		key->port[0] = tcp->dest;
+		key->port[1] = tcp->source;
+		return 1;
+	}
+	key->addr[0] = ip->saddr;
+	key->addr[1] = ip->daddr;
+	key->port[0] = tcp->source;
+	key->port[1] = tcp->dest;
+	return 0;
+}
+
+/* Count a carried packet of ``len`` IP bytes sent by end ``side`` of connection ``key``. */
+static __always_inline void podflow_count(struct podflow_key *key, __u32 side, __u64 len)
+{
+	struct podflow_value *v, fresh = {};
+
+	v = bpf_map_lookup_elem(&agentd_podflows, key);
+	if (!v) {
+		if (side) {
+			fresh.packets[1] = 1;
+			fresh.bytes[1] = len;
+		} else {
+			fresh.packets[0] = 1;
+			fresh.bytes[0] = len;
+		}
+		if (!bpf_map_update_elem(&agentd_podflows, key, &fresh, BPF_NOEXIST))
+			return;
+		v = bpf_map_lookup_elem(&agentd_podflows, key); /* another CPU made it first */
+		if (!v)
+			return;
+	}
+	if (side) {
+		__sync_fetch_and_add(&v->packets[1], 1);
+		__sync_fetch_and_add(&v->bytes[1], len);
+	} else {
+		__sync_fetch_and_add(&v->packets[0], 1);
+		__sync_fetch_and_add(&v->bytes[0], len);
+	}
+}
+
+/* A SYN (or SYN-ACK) of a pod's starts a connection: what podflows holds for its tuple was an
+ * earlier connection's, which goes to the agent through the ring. */
+static __always_inline void podflow_restart(struct iphdr *ip, struct tcphdr *tcp)
+{
+	struct podflow_end end = {};
+	struct podflow_value *v;
+
+	podflow_key(ip, tcp, &end.key);
+	v = bpf_map_lookup_elem(&agentd_podflows, &end.key);
+	if (!v)
+		return;
+	end.value = *v;
+	bpf_map_delete_elem(&agentd_podflows, &end.key);
+	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), 0);
+}
+
 /* The config, if the packet is a candidate at all and the config has every flag of ``need``:
- * IPv4 TCP, no options, no fragment, no SYN, FIN or RST.  Packet pointers (``*ipp``, ``*tcpp``):
- * valid until the first helper that changes the packet. */
+ * IPv4 TCP, no options, no fragment, no SYN, FIN or RST -- but for a SYN (or SYN-ACK) while
+ * the programs count per connection, which is returned with ``*opening`` set (never carried,
+ * but it tells that its tuple now belongs to a new connection: podflow_restart).  Packet
+ * pointers (``*ipp``, ``*tcpp``): valid until the first helper that changes the packet. */
 static __always_inline struct pod_config *candidate(struct __sk_buff *skb, __u32 need, struct iphdr **ipp,
-						      struct tcphdr **tcpp)
+						      struct tcphdr **tcpp, int *opening)
 {
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
@@ -169,10 +257,11 @@ static __always_inline struct pod_config *candidate(struct __sk_buff *skb, __u32
 		return NULL;
 	if (ip->ihl != 5 || ip->protocol != IPPROTO_TCP || (ip->frag_off & bpf_htons(IP_MF_OFFSET)))
 		return NULL;
-	if (tcp->syn || tcp->fin || tcp->rst)
-		return NULL;
 	cfg = bpf_map_lookup_elem(&agentd_podcfg, &zero);
 	if (!cfg || (cfg->flags & need) != need)
+		return NULL;
+	*opening = tcp->syn && !tcp->fin && !tcp->rst && (cfg->flags & POD_CFG_COUNT);
+	if ((tcp->syn || tcp->fin || tcp->rst) && !*opening)
 		return NULL;
 	*ipp = ip;
 	*tcpp = tcp;
@@ -366,25 +455,35 @@ SEC("tc")
 int agentd_pod_fast(struct __sk_buff *skb)
 {
 	struct bpf_fib_lookup fib = {};
+	struct podflow_key key = {};
 	struct pod_config *cfg;
 	struct pod_value *src, *dst;
 	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
-	__u32 verdict, ifindex;
+	__u32 verdict, ifindex, side;
+	int opening = 0;
 	__u8 ttl;
 
-	cfg = candidate(skb, POD_CFG_ON, &ip, &tcp);
+	cfg = candidate(skb, POD_CFG_ON, &ip, &tcp, &opening);
 	if (!cfg || !ip || !tcp) /* IPv6 is asked after IPv4: an IPv4 candidate pays nothing for it */
 		return skb->protocol == bpf_htons(ETH_P_IPV6) ? pod_fast6(skb) : PASS;
 	src = bpf_map_lookup_elem(&agentd_podips, &ip->saddr);
 	if (!src || src->ifindex != skb->ifindex)
 		return PASS; /* not this veth's pod: the normal path's spoofing check judges it */
+	if (opening) {
+		podflow_restart(ip, tcp);
+		return PASS;
+	}
 	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (dst) { /* a pod of this node */
 		ifindex = dst->ifindex;
 		verdict = accepted(skb, ip, tcp, cfg);
 		if (verdict != POD_CARRIED)
 			return count(verdict, skb, PASS);
+		if (cfg->flags & POD_CFG_COUNT) {
+			side = podflow_key(ip, tcp, &key);
+			podflow_count(&key, side, skb->len - ETH_HLEN);
+		}
 		return count(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 	}
 	/* A pod of another node: routed as the stack would route it. */
@@ -404,23 +503,28 @@ int agentd_pod_fast(struct __sk_buff *skb)
 		return count(verdict, skb, PASS);
 	if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
 		return count(POD_NO_ROUTE, skb, PASS); /* no route, not forwarded, no neighbour yet: the stack */
+	side = podflow_key(ip, tcp, &key); /* the packet pointers die with the first store below */
 	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP) || bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
 	    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
 		return count(POD_NO_ROUTE, skb, PASS);
+	if (cfg->flags & POD_CFG_COUNT)
+		podflow_count(&key, side, skb->len - ETH_HLEN);
 	return count(POD_CARRIED, skb, bpf_redirect(fib.ifindex, 0));
 }
 
 SEC("tc")
 int agentd_pod_wire(struct __sk_buff *skb)
 {
+	struct podflow_key key = {};
 	struct pod_config *cfg;
 	struct pod_value *dst;
 	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
-	__u32 verdict, ifindex;
+	__u32 verdict, ifindex, side;
+	int opening = 0;
 	__u8 ttl;
 
-	cfg = candidate(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp);
+	cfg = candidate(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp, &opening);
 	if (!cfg || !ip || !tcp)
 		return skb->protocol == bpf_htons(ETH_P_IPV6) ? pod_wire6(skb) : PASS;
 	if (!in_cluster(cfg, ip->saddr) || ip->ttl <= 1)
@@ -428,12 +532,19 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (!dst)
 		return PASS; /* not a pod of this node */
+	if (opening) {
+		podflow_restart(ip, tcp);
+		return PASS;
+	}
 	ifindex = dst->ifindex;
 	ttl = ip->ttl;
 	verdict = accepted(skb, ip, tcp, cfg);
 	if (verdict != POD_CARRIED)
 		return count(verdict, skb, PASS);
+	side = podflow_key(ip, tcp, &key); /* the packet pointers die with the store below */
 	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP))
 		return count(POD_NO_ROUTE, skb, PASS);
+	if (cfg->flags & POD_CFG_COUNT)
+		podflow_count(&key, side, skb->len - ETH_HLEN);
 	return count(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 }

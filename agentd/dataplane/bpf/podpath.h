@@ -34,6 +34,31 @@ struct pod_stats {
 enum pod_config_flag {
 	POD_CFG_ON = 1 << 0,    /* carry between pods of this node */
 	POD_CFG_ROUTE = 1 << 1, /* carry between pods of this node and pods of other nodes too */
+	POD_CFG_COUNT = 1 << 2, /* count what is carried per connection (flow records: podflows) */
+};
+
+/* podflows: LRU hash, a connection the programs carried packets of -> how many, each way
+ * (conntrack does not count what it does not see; the agent adds these to the connection's
+ * end record).  The key is the connection's two ends in a fixed order, the lower (address,
+ * port) first, so both directions and both programs find one entry; counts are indexed by
+ * the end that sent them: [0] the lower end, [1] the other. */
+struct podflow_key {
+	__be32 addr[2];
+	__be16 port[2];
+};
+
+struct podflow_value {
+	__u64 packets[2]; /* one per packet as the stack sees it (a GSO super-packet is one), as conntrack counts */
+	__u64 bytes[2];   /* IP lengths, as conntrack counts */
+};
+
+/* podends: ring buffer of these.  A new connection on a tuple (its SYN or SYN-ACK passed a
+ * program) moves the entry of the one before out of podflows, so the next connection's
+ * counts are its own: the agent matches them to the old connection's end. */
+struct podflow_end {
+	struct podflow_key key;
+	__u32 pad;
+	struct podflow_value value;
 };
 
 struct pod_config {

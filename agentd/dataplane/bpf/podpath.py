@@ -55,7 +55,8 @@ log = logging.getLogger("agentd.bpf")
 OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
-MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6)
+FLOWS, ENDS = "agentd_podflows", "agentd_podends"  # per-connection counts (flow records)
+MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, ENDS)
 PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
@@ -64,7 +65,10 @@ CONFIG_VALUE = struct.Struct("<III4s4sI")
 CONFIG6_VALUE = struct.Struct("<16s16s")  # struct pod_config6: cluster_net, cluster_mask
 U32 = struct.Struct("<I")
 VERDICTS = ("carried", "no_conntrack", "not_established", "nat", "no_route")  # enum pod_verdict, in order
-CFG_ON, CFG_ROUTE = 1, 2
+CFG_ON, CFG_ROUTE, CFG_COUNT = 1, 2, 4
+FLOW_KEY = struct.Struct("<4s4s2s2s")  # struct podflow_key: the two ends, the lower (address, port) first
+FLOW_VALUE = struct.Struct("<QQQQ")  # struct podflow_value: packets sent by each end, bytes sent by each end
+FLOW_END = struct.Struct("<12s4x32s")  # struct podflow_end: key, value
 EXPECTED = {
     IPS: (lb.MAP_TYPE_HASH, 4, POD_VALUE.size),
     STATS: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
@@ -72,6 +76,8 @@ EXPECTED = {
     IPS6: (lb.MAP_TYPE_HASH, 16, POD_VALUE.size),
     STATS6: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
     CONFIG6: (lb.MAP_TYPE_ARRAY, 4, CONFIG6_VALUE.size),
+    FLOWS: (lb.MAP_TYPE_LRU_HASH, FLOW_KEY.size, FLOW_VALUE.size),
+    ENDS: (lb.MAP_TYPE_RINGBUF, 0, 0),
 }
 CAP_SYS_ADMIN, CAP_PERFMON = 21, 38
 NEEDS_PERFMON = ("the pod fast path needs CAP_PERFMON, which this agent lacks: it reads conntrack's struct nf_conn, "
@@ -148,6 +154,8 @@ class PodFastPath:
         self.prog_id: int | None = None
         self.wire_fd: int | None = None
         self.wire_id: int | None = None
+        self.counting = False  # per-connection counts of what is carried (flow records)
+        self.ends: lb.RingBuffer | None = None
         self.pods: dict[str, int] = {}  # pod address (IPv4 or IPv6) -> ifindex of its veth's host side, as in the maps
         self.attached: set[int] = set()  # veths our program is on (this run)
         self.adopted = False
@@ -221,9 +229,9 @@ class PodFastPath:
 
     def _attach_wire(self) -> None:
         assert self.wire_fd is not None and self.wire_ifindex is not None and self.hook is not None
-        try:
+        try:  # after the data path's program there, whenever either comes (datapath.c deliver_gated)
             self.unidentified.update(tc.attach(self.wire_ifindex, "ingress", self.wire_fd, WIRE_PROGRAM, self.hook,
-                                               self.pins))
+                                               self.pins, last=True))
         except tc.TcError as err:  # pods of this node keep their fast path between them
             self.wire = str(err)
             self._configure(route=False)
@@ -244,16 +252,50 @@ class PodFastPath:
             established_ms = min(_read_int(ESTABLISHED_TIMEOUT) * 1000, 0xFFFFFFFF)
         except OSError as err:
             raise BpfUnavailable(f"conntrack settings: {err}") from None
-        route = self.routed if route is None else route
+        if route is None:
+            route = self.routed and self.wire is None
         net = self.cluster or IPv4Network("255.255.255.255/32")  # matches no pod
         net6 = self.cluster_v6 or IPv6Network(f"{'ffff:' * 7}ffff/128")  # matches no pod either
         lb.map_update(self.maps[CONFIG6], key, CONFIG6_VALUE.pack(net6.network_address.packed, net6.netmask.packed))
         lb.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(
-            CFG_ON | (CFG_ROUTE if route else 0), established_ms, before, net.network_address.packed,
-            net.netmask.packed, self.wire_ifindex or 0))
+            CFG_ON | (CFG_ROUTE if route else 0) | (CFG_COUNT if self.counting else 0), established_ms, before,
+            net.network_address.packed, net.netmask.packed, self.wire_ifindex or 0))
+
+    def set_counting(self, on: bool) -> None:
+        """Count what the programs carry per connection (``agentd_podflows``; flow records add it
+        to conntrack's counts of the connection), or stop."""
+        if on and self.ends is None:
+            self.ends = lb.RingBuffer(self.maps[ENDS])
+        self.counting = on
+        self._configure()
+
+    def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int]]]:
+        """What the programs carried of connections whose tuple a new connection took since the
+        last call (the ring ``agentd_podends``), oldest first: (podflow key, (packets sent by the
+        lower end, by the other, bytes sent by the lower end, by the other))."""
+        if self.ends is None:
+            return []
+        out = []
+        for raw in self.ends.drain():
+            if len(raw) >= FLOW_END.size:
+                key, value = FLOW_END.unpack_from(raw)
+                out.append((key, FLOW_VALUE.unpack(value)))
+        return out
+
+    def take_carried(self, key: bytes) -> tuple[int, int, int, int] | None:
+        """What the programs carried of the connection with podflow key ``key``, removed from
+        the map; None if they carried nothing of it."""
+        fd = self.maps.get(FLOWS)
+        if fd is None:
+            return None
+        raw = lb.map_take(fd, key, FLOW_VALUE.size)
+        return FLOW_VALUE.unpack(raw) if raw else None
 
     def close(self) -> None:
         """Let go of the file descriptors; the program stays on the veths."""
+        if self.ends is not None:
+            self.ends.close()
+            self.ends = None
         if self.obj is not None:
             self.obj.close()
             self.obj = None

@@ -272,16 +272,18 @@ def _add_clsact(rt: Rtnl, ifindex: int) -> bool:
     return True
 
 
-def attach(ifindex: int, direction: str, prog_fd: int, name: str, hook: str, pins: Pins) -> list[str]:
+def attach(ifindex: int, direction: str, prog_fd: int, name: str, hook: str, pins: Pins, *,
+           last: bool = False) -> list[str]:
     """Put program ``prog_fd`` (named ``name``) on the device's ``direction`` hook of kind
     ``hook`` (from :func:`resolve`), in place of ours if there; then take ours of that name off
     the other kind of hook, and an older agent's from tcx without a link.  Returns a line for
     each program without a link on that tcx hook that is neither ours nor known to be anyone
-    else's (none, as a rule; see the module's docstring)."""
+    else's (none, as a rule; see the module's docstring).  A program new on a tcx hook goes
+    first in its list, or ``last``; a new cls_bpf filter runs before those at its priority."""
     what = f"device {ifindex} {direction}: cannot attach {name}"
     try:
         if hook == "tcx":
-            _attach_tcx(ifindex, direction, prog_fd, name, pins)
+            _attach_tcx(ifindex, direction, prog_fd, name, pins, last)
             _remove_filter(ifindex, direction, name)
         else:
             _attach_clsact(ifindex, direction, prog_fd, name)
@@ -308,9 +310,9 @@ def _attach_clsact(ifindex: int, direction: str, prog_fd: int, name: str) -> Non
                    f"attaching {name} to device {ifindex}")
 
 
-def _attach_tcx(ifindex: int, direction: str, prog_fd: int, name: str, pins: Pins) -> None:
+def _attach_tcx(ifindex: int, direction: str, prog_fd: int, name: str, pins: Pins, last: bool = False) -> None:
     """Ours by its pinned link: the new program swapped in, or a new link made (first on the
-    hook) and pinned."""
+    hook, or ``last``) and pinned."""
     path = pins.link(name, ifindex)
     got = _open_link(path)
     if got is not None:
@@ -327,7 +329,7 @@ def _attach_tcx(ifindex: int, direction: str, prog_fd: int, name: str, pins: Pin
         # another device's.
         path.unlink()
     path.parent.mkdir(mode=0o700, exist_ok=True)
-    fd = lb.link_create(prog_fd, ifindex, TCX[direction])
+    fd = lb.link_create(prog_fd, ifindex, TCX[direction], last=last)
     try:
         lb.obj_pin(fd, str(path))
     finally:
