@@ -91,6 +91,8 @@ class Readiness:
         ICMPv6 for IPv6, RFC 4443 §4); one raw socket per source pod and family in this process
         (agentd.lab.sweep), not a ``ping`` process per pair."""
         pods = self.lab.pods
+        if unaddressed := [p.name for p in pods if not p.ips]:  # else a pair would pass unprobed
+            raise LabError(f"pods without an address: {', '.join(unaddressed)}")
         by_ip = {ip: p for p in pods for ip in p.ips}
         sources = [Source(a.name, a.ns.path, tuple(ip for b in pods if b is not a for ip in b.ips)) for a in pods]
         got = await asyncio.to_thread(sweep, sources, deadline=deadline)
