@@ -1,4 +1,4 @@
-"""Data-plane wire formats: IPv4, UDP, TCP, ICMP, IPIP, VXLAN and the TUN virtio-net header.
+"""Data-plane wire formats: IPv4, IPv6, UDP, TCP, ICMP, ICMPv6, IPIP, VXLAN and the TUN virtio-net header.
 
 Bytes in, typed values out; no sockets, no clocks.  Besides the frozen dataclass codecs
 (``decode(buf)`` / ``encode()``) this module offers the few buffer-level helpers the
@@ -18,11 +18,13 @@ IPPROTO_ICMP = 1
 IPPROTO_IPIP = 4
 IPPROTO_TCP = 6
 IPPROTO_UDP = 17
+IPPROTO_ICMPV6 = 58
 
 FLANNEL_UDP_PORT = 8285
 VXLAN_PORT = 4789
 
 IPV4_HEADER_LEN = 20
+IPV6_HEADER_LEN = 40
 UDP_HEADER_LEN = 8
 TCP_HEADER_LEN = 20
 VXLAN_HEADER_LEN = 8
@@ -51,6 +53,12 @@ ICMP_HOST_UNREACH = 1
 ICMP_PROT_UNREACH = 2
 ICMP_FRAG_NEEDED = 4
 ICMP_EXC_TTL = 0
+# RFC 4443 §3: ICMPv6 error messages (types below 128; informational ones are 128 and up)
+ICMPV6_DEST_UNREACH = 1
+ICMPV6_TIME_EXCEEDED = 3
+ICMPV6_NO_ROUTE = 0
+ICMPV6_EXC_HOPLIMIT = 0
+IPV6_MIN_MTU = 1280  # RFC 8200 §5
 
 # include/uapi/linux/virtio_net.h
 VIRTIO_NET_HDR_LEN = 10
@@ -65,6 +73,7 @@ VIRTIO_NET_HDR_GSO_UDP_L4 = 5
 VIRTIO_NET_HDR_GSO_ECN = 0x80
 
 _IPV4 = struct.Struct("!BBHHHBBH4s4s")
+_IPV6 = struct.Struct("!IHBB16s16s")
 _UDP = struct.Struct("!HHHH")
 _TCP = struct.Struct("!HHIIBBHHH")
 _ICMP = struct.Struct("!BBHI")
@@ -74,6 +83,7 @@ _VXLAN = struct.Struct("!B3xI")
 _VNET = struct.Struct("<BBHHHH")
 _VNET_MRG = struct.Struct("<BBHHHHH")
 _H = struct.Struct("!H")
+_WORDS16 = struct.Struct("!8H")
 
 
 class DecodeError(ValueError):
@@ -121,10 +131,14 @@ def checksum_naive(data, initial: int = 0) -> int:
 
 
 def pseudo_header_sum(src: bytes, dst: bytes, protocol: int, length: int) -> int:
-    """Unfolded sum of the IPv4 pseudo header (RFC 793 §3.1, RFC 768)."""
-    s = int.from_bytes(src, "big")
-    d = int.from_bytes(dst, "big")
-    return (s >> 16) + (s & 0xFFFF) + (d >> 16) + (d & 0xFFFF) + protocol + length
+    """Unfolded sum of the pseudo header's 16-bit words (RFC 793 §3.1, RFC 768) of IPv4
+    (4-byte addresses) or IPv6 (16-byte ones; RFC 8200 §8.1: the upper-layer length and the
+    next header are 32-bit words there, which sum as IPv4's 16-bit fields do)."""
+    if len(src) == 4:
+        s = int.from_bytes(src, "big")
+        d = int.from_bytes(dst, "big")
+        return (s >> 16) + (s & 0xFFFF) + (d >> 16) + (d & 0xFFFF) + protocol + length
+    return sum(_WORDS16.unpack(src)) + sum(_WORDS16.unpack(dst)) + protocol + (length >> 16) + (length & 0xFFFF)
 
 
 def fold(value: int) -> int:
@@ -254,6 +268,81 @@ def split_ipv4(packet) -> tuple[IPv4Header, memoryview]:
 
 
 # --------------------------------------------------------------------------------------------
+# IPv6 (RFC 8200)
+
+
+def _addr6(value: str | bytes | ipaddress.IPv6Address) -> bytes:
+    if isinstance(value, bytes):
+        if len(value) != 16:
+            raise ValueError(f"IPv6 address must be 16 bytes, got {len(value)}")
+        return value
+    return ipaddress.IPv6Address(value).packed
+
+
+def _addr_any(value: str | bytes) -> bytes:
+    """4 or 16 packed bytes of an address of either family."""
+    if isinstance(value, bytes):
+        if len(value) not in (4, 16):
+            raise ValueError(f"an address is 4 or 16 bytes, got {len(value)}")
+        return value
+    return ipaddress.ip_address(value).packed
+
+
+@dataclass(frozen=True)
+class IPv6Header:
+    """RFC 8200 §3.  ``src``/``dst`` are strings; ``payload_length`` 0 means "compute"."""
+
+    src: str
+    dst: str
+    next_header: int
+    hop_limit: int = 64
+    traffic_class: int = 0
+    flow_label: int = 0
+    payload_length: int = 0
+
+    @classmethod
+    def decode(cls, buf) -> IPv6Header:
+        if len(buf) < IPV6_HEADER_LEN:
+            raise DecodeError(f"IPv6 header needs 40 bytes, got {len(buf)}")
+        first, plen, nh, hops, src, dst = _IPV6.unpack_from(buf, 0)
+        if first >> 28 != 6:
+            raise DecodeError(f"IP version {first >> 28}, expected 6")
+        return cls(src=str(ipaddress.IPv6Address(src)), dst=str(ipaddress.IPv6Address(dst)), next_header=nh,
+                   hop_limit=hops, traffic_class=(first >> 20) & 0xFF, flow_label=first & 0xFFFFF,
+                   payload_length=plen)
+
+    def encode(self, payload_length: int | None = None) -> bytes:
+        plen = self.payload_length if payload_length is None else payload_length
+        if not 0 <= plen <= 0xFFFF or not 0 <= self.flow_label < 1 << 20:
+            raise ValueError("IPv6 payload length or flow label out of range")
+        first = 6 << 28 | (self.traffic_class & 0xFF) << 20 | self.flow_label
+        return _IPV6.pack(first, plen, self.next_header, self.hop_limit, _addr6(self.src), _addr6(self.dst))
+
+
+def ipv6_packet(header: IPv6Header, payload: bytes) -> bytes:
+    return header.encode(len(payload)) + bytes(payload)
+
+
+def split_ipv6(packet) -> tuple[IPv6Header, memoryview]:
+    """Parse an IPv6 packet: header and a view of its payload (bounded by the payload length)."""
+    header = IPv6Header.decode(packet)
+    if IPV6_HEADER_LEN + header.payload_length > len(packet):
+        raise DecodeError(f"IPv6 payload length {header.payload_length} exceeds the {len(packet) - 40} bytes given")
+    return header, memoryview(packet)[IPV6_HEADER_LEN : IPV6_HEADER_LEN + header.payload_length]
+
+
+def decrement_hop_limit(buf, off: int = 0) -> int:
+    """Decrement the hop limit of the IPv6 header at ``buf[off:]`` in place (RFC 8200 §3: no
+    header checksum to patch).  Returns the new hop limit; at 1 or 0 the buffer is left
+    unchanged and 0 is returned (the caller drops the packet, RFC 4443 §3.3)."""
+    hops = buf[off + 7]
+    if hops <= 1:
+        return 0
+    buf[off + 7] = hops - 1
+    return hops - 1
+
+
+# --------------------------------------------------------------------------------------------
 # UDP (RFC 768)
 
 
@@ -358,7 +447,7 @@ class TcpHeader:
         if src:
             length = len(raw) + len(payload)
             _H.pack_into(raw, 16, checksum(bytes(raw) + bytes(payload),
-                                           pseudo_header_sum(_addr(src), _addr(dst), IPPROTO_TCP, length)))
+                                           pseudo_header_sum(_addr_any(src), _addr_any(dst), IPPROTO_TCP, length)))
         return bytes(raw)
 
 
@@ -370,13 +459,26 @@ def tcp_packet(src: str, dst: str, tcp: TcpHeader, payload: bytes = b"", *, ttl:
                                   identification=identification), seg)
 
 
+def tcp6_packet(src: str, dst: str, tcp: TcpHeader, payload: bytes = b"", *, hop_limit: int = 64,
+                traffic_class: int = 0, flow_label: int = 0) -> bytes:
+    """A full IPv6/TCP packet (no extension headers) with a correct TCP checksum."""
+    seg = tcp.encode(src, dst, payload) + bytes(payload)
+    return ipv6_packet(IPv6Header(src=src, dst=dst, next_header=IPPROTO_TCP, hop_limit=hop_limit,
+                                  traffic_class=traffic_class, flow_label=flow_label), seg)
+
+
 def transport_checksum_ok(packet) -> bool:
-    """Verify the TCP/UDP checksum of an IPv4 packet (UDP checksum 0 means "none")."""
-    header, payload = split_ipv4(packet)
-    if header.protocol == IPPROTO_UDP and len(payload) >= 8 and payload[6:8] == b"\0\0":
-        return True
-    ps = pseudo_header_sum(_addr(header.src), _addr(header.dst), header.protocol, len(payload))
-    return ones_sum(payload, ps) == 0xFFFF
+    """Verify the TCP/UDP (or ICMPv6) checksum of an IPv4 or IPv6 packet without extension
+    headers (an IPv4 UDP checksum 0 means "none"; RFC 8200 §8.1: never in IPv6)."""
+    if len(packet) and packet[0] >> 4 == 6:
+        h6, payload = split_ipv6(packet)
+        src, dst, protocol = _addr6(h6.src), _addr6(h6.dst), h6.next_header
+    else:
+        header, payload = split_ipv4(packet)
+        if header.protocol == IPPROTO_UDP and len(payload) >= 8 and payload[6:8] == b"\0\0":
+            return True
+        src, dst, protocol = _addr(header.src), _addr(header.dst), header.protocol
+    return ones_sum(payload, pseudo_header_sum(src, dst, protocol, len(payload))) == 0xFFFF
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,6 +521,39 @@ def icmp_time_exceeded(offender, src: str | bytes) -> bytes:
 def icmp_frag_needed(offender, src: str | bytes, mtu: int) -> bytes:
     """RFC 1191 §4: next-hop MTU in the low 16 bits of the second word."""
     return icmp_error(offender, ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED, src, rest=mtu & 0xFFFF)
+
+
+def icmp6_error(offender, type_: int, code: int, src: str | bytes, *, hop_limit: int = 64, rest: int = 0) -> bytes:
+    """An ICMPv6 error about ``offender`` (an IPv6 packet), addressed to its source.
+
+    RFC 4443 §2.4 (c): the body quotes as much of the offender as fits in the minimum IPv6
+    MTU; (e): never about an ICMPv6 error message, nor about a packet to a multicast address
+    or from an unspecified one (ValueError: the caller sends nothing).  The checksum covers
+    the IPv6 pseudo header (§2.3)."""
+    off = memoryview(offender)
+    if len(off) < IPV6_HEADER_LEN:
+        raise DecodeError("offending packet shorter than an IPv6 header")
+    source, dst = bytes(off[8:24]), bytes(off[24:40])
+    if off[6] == IPPROTO_ICMPV6 and len(off) > IPV6_HEADER_LEN and off[IPV6_HEADER_LEN] < 128:
+        raise ValueError("no ICMPv6 error about an ICMPv6 error (RFC 4443 §2.4 (e))")
+    if dst[0] == 0xFF or source == bytes(16):
+        raise ValueError("no ICMPv6 error about multicast or from the unspecified address (RFC 4443 §2.4 (e))")
+    quote = bytes(off[: IPV6_MIN_MTU - IPV6_HEADER_LEN - ICMP_HEADER_LEN])
+    me = _addr6(src)
+    body = bytearray(_ICMP.pack(type_, code, 0, rest) + quote)
+    _H.pack_into(body, 2, checksum(body, pseudo_header_sum(me, source, IPPROTO_ICMPV6, len(body))))
+    return ipv6_packet(IPv6Header(src=str(ipaddress.IPv6Address(me)), dst=str(ipaddress.IPv6Address(source)),
+                                  next_header=IPPROTO_ICMPV6, hop_limit=hop_limit), bytes(body))
+
+
+def icmp6_no_route(offender, src: str | bytes) -> bytes:
+    """RFC 4443 §3.1: destination unreachable, no route to destination."""
+    return icmp6_error(offender, ICMPV6_DEST_UNREACH, ICMPV6_NO_ROUTE, src)
+
+
+def icmp6_hop_limit_exceeded(offender, src: str | bytes) -> bytes:
+    """RFC 4443 §3.3: time exceeded, hop limit exceeded in transit."""
+    return icmp6_error(offender, ICMPV6_TIME_EXCEEDED, ICMPV6_EXC_HOPLIMIT, src)
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,8 @@ def test_ipv4_decode_errors(raw, msg):
 @given(st.binary(max_size=80))
 def test_decoders_raise_only_decode_error(data):
     for decode in (P.IPv4Header.decode, P.UdpHeader.decode, P.TcpHeader.decode, P.VxlanHeader.decode,
-                   P.VirtioNetHdr.decode, P.IcmpHeader.decode, P.split_ipv4, P.ipip_decapsulate):
+                   P.VirtioNetHdr.decode, P.IcmpHeader.decode, P.split_ipv4, P.ipip_decapsulate,
+                   P.IPv6Header.decode, P.split_ipv6):
         try:
             decode(data)
         except P.DecodeError:
@@ -162,3 +163,60 @@ def test_icmp_net_unreachable_quotes_header_and_8_bytes():
     assert (te[0], te[1]) == (11, 0)
     fn = P.IcmpHeader.decode(P.split_ipv4(P.icmp_frag_needed(offender, "192.168.50.1", 1472))[1])
     assert (fn.type, fn.code, fn.rest) == (3, 4, 1472)
+
+
+# -- IPv6 (RFC 8200) and ICMPv6 errors (RFC 4443) ------------------------------------------------
+
+SRC6, DST6 = "fd00:10:244:1::2", "fd00:10:244:9::9"
+
+
+def test_ipv6_header_round_trip_and_hop_limit():
+    h = P.IPv6Header(SRC6, DST6, P.IPPROTO_TCP, hop_limit=7, traffic_class=0xB9, flow_label=0xFEDCB)
+    pkt = bytearray(P.ipv6_packet(h, b"x" * 30))
+    assert len(pkt) == 70 and pkt[0] == 0x6B and pkt[1] == 0x9F
+    got, payload = P.split_ipv6(pkt)
+    assert got == P.IPv6Header(SRC6, DST6, 6, 7, 0xB9, 0xFEDCB, 30) and bytes(payload) == b"x" * 30
+    assert P.decrement_hop_limit(pkt) == 6 and pkt[7] == 6
+    pkt[7] = 1
+    assert P.decrement_hop_limit(pkt) == 0 and pkt[7] == 1
+    with pytest.raises(P.DecodeError, match="version"):
+        P.IPv6Header.decode(b"\x45" + bytes(39))
+    with pytest.raises(P.DecodeError, match="exceeds"):
+        P.split_ipv6(bytes(pkt[:60]))
+
+
+def test_tcp_over_ipv6_checksum_covers_the_ipv6_pseudo_header():
+    pkt = P.tcp6_packet(SRC6, DST6, P.TcpHeader(40000, 5201, 1, 2, P.TCP_ACK, 502), b"hello")
+    assert P.transport_checksum_ok(pkt)
+    seg = pkt[40:]
+    # RFC 8200 section 8.1: source, destination, upper-layer length (32 bits), next header (32 bits).
+    pseudo = pkt[8:40] + struct.pack("!II", len(seg), 6)
+    assert P.checksum_naive(pseudo + seg) == 0
+    moved = bytearray(pkt)
+    moved[39] ^= 1  # another destination: the same TCP bytes no longer check
+    assert not P.transport_checksum_ok(moved)
+
+
+def test_icmpv6_errors_quote_up_to_the_minimum_mtu_and_never_answer_errors():
+    offender = P.tcp6_packet(SRC6, DST6, P.TcpHeader(1, 2, 3, 4, P.TCP_SYN, 5), b"x" * 1400)
+    for build, (type_, code) in ((P.icmp6_no_route, (1, 0)), (P.icmp6_hop_limit_exceeded, (3, 0))):
+        msg = build(offender, "fd00:10:244:1::1")
+        ip, body = P.split_ipv6(msg)
+        assert (ip.src, ip.dst, ip.next_header, ip.hop_limit) == ("fd00:10:244:1::1", SRC6, 58, 64)
+        assert len(msg) == 1280 and (body[0], body[1]) == (type_, code)  # RFC 4443 section 2.4 (c)
+        assert bytes(body[8:]) == offender[: 1280 - 48]
+        assert P.transport_checksum_ok(msg)
+    small = P.tcp6_packet(SRC6, DST6, P.TcpHeader(1, 2, 3, 4, P.TCP_SYN, 5), b"y")
+    assert bytes(P.split_ipv6(P.icmp6_no_route(small, "fd00::1"))[1][8:]) == small
+    # Never about an ICMPv6 error, multicast or the unspecified source (RFC 4443 section 2.4 (e));
+    # about an echo request, yes.
+    error = P.icmp6_no_route(small, "fd00::1")
+    multicast = P.ipv6_packet(P.IPv6Header(SRC6, "ff02::1", 17), bytes(8))
+    unspecified = P.ipv6_packet(P.IPv6Header("::", DST6, 17), bytes(8))
+    for bad in (error, multicast, unspecified):
+        with pytest.raises(ValueError):
+            P.icmp6_no_route(bad, "fd00::1")
+    echo = P.ipv6_packet(P.IPv6Header(SRC6, DST6, 58), b"\x80\x00\x00\x00" + bytes(12))
+    assert P.transport_checksum_ok(P.icmp6_hop_limit_exceeded(echo, "fd00::1"))
+    with pytest.raises(P.DecodeError):
+        P.icmp6_no_route(b"\x60" + bytes(20), "fd00::1")
