@@ -1,9 +1,12 @@
-"""GRO in user space: consecutive in-order TCP/IPv4 segments of one flow become one TSO
-super-packet written to the TUN (virtio-net header GSO_TCPV4 + NEEDS_CSUM), following the
-rules of Linux ``tcp_gro_receive``: identical IP/TCP headers except ID, length, checksums and
+"""GRO in user space: consecutive in-order TCP segments of one flow become one TSO
+super-packet written to the TUN (virtio-net header GSO_TCPV4 or GSO_TCPV6 + NEEDS_CSUM),
+following the rules of Linux ``tcp_gro_receive`` (with ``inet_gro_receive`` /
+``ipv6_gro_receive``): identical IP/TCP headers except length, IPv4 ID and checksums and
 sequence number; contiguous sequence numbers; every segment but the last exactly ``gso_size``
-(a shorter one, or one with PSH, ends the run); only ACK (and PSH) set; no IP options or
-fragments; at most 64 KB.
+(a shorter one, or one with PSH, ends the run); only ACK (and PSH) set; no IPv4 options or
+fragments, no IPv6 extension headers; at most 64 KB.  IPv6 differs only in where things are:
+a 40-byte header, a payload length (not counting it) instead of a total length, no ID, no
+header checksum; the TCP checksum's pseudo header has the 16-byte addresses (RFC 8200 §8.1).
 
 The open run lives in one staging buffer laid out exactly as the TUN write wants it (virtio-net
 header, the first segment's headers, then the payloads back to back), so a flush is one
@@ -26,6 +29,7 @@ from proto.packet import (
     TCP_PSH,
     VIRTIO_NET_HDR_F_NEEDS_CSUM,
     VIRTIO_NET_HDR_GSO_TCPV4,
+    VIRTIO_NET_HDR_GSO_TCPV6,
     VNET_HDR_NONE,
     VirtioNetHdr,
     checksum,
@@ -42,28 +46,51 @@ _pack_H = struct.Struct("!H").pack_into
 _ZERO4 = b"\0\0\0\0"
 
 
-def _flow_key(h) -> bytes:
-    """The header bytes that must match for two segments to merge: everything but total
-    length, ID, IP checksum, sequence number, TCP checksum and PSH."""
+def tcp_family(v) -> int:
+    """The IP header length of a packet GRO may merge (IPv4 without options: 20; IPv6 whose
+    next header is TCP: 40), or 0."""
+    b = v[0]
+    if b == 0x45 and v[9] == IPPROTO_TCP:
+        return 20
+    if b >> 4 == 6 and v[6] == IPPROTO_TCP:
+        return 40
+    return 0
+
+
+def _ip_length(h, ihl: int) -> int:
+    """The packet length the IP header says: IPv4's total length, IPv6's payload length + 40."""
+    return (h[2] << 8 | h[3]) if ihl == 20 else (h[4] << 8 | h[5]) + 40
+
+
+def _flow_key(h, ihl: int = 20) -> bytes:
+    """The header bytes that must match for two segments to merge: everything but the IP
+    length, the IPv4 ID and checksum, sequence number, TCP checksum and PSH."""
     k = bytearray(h)
-    k[2:6] = _ZERO4
-    k[10] = k[11] = 0
-    k[24:28] = _ZERO4
-    k[33] &= ~TCP_PSH & 0xFF
-    k[36] = k[37] = 0
+    if ihl == 20:
+        k[2:6] = _ZERO4
+        k[10] = k[11] = 0
+    else:
+        k[4] = k[5] = 0
+    k[ihl + 4 : ihl + 8] = _ZERO4
+    k[ihl + 13] &= ~TCP_PSH & 0xFF
+    k[ihl + 16] = k[ihl + 17] = 0
     return bytes(k)
 
 
-_MASKS: dict[int, np.ndarray] = {}
+_MASKS: dict[tuple[int, int], np.ndarray] = {}
 
 
-def _mask(hl: int) -> np.ndarray:
-    m = _MASKS.get(hl)
+def _mask(hl: int, ihl: int = 20) -> np.ndarray:
+    m = _MASKS.get((hl, ihl))
     if m is None:
         m = np.full(hl, 0xFF, np.uint8)
-        m[2:6] = m[10:12] = m[24:28] = m[36:38] = 0
-        m[33] = ~TCP_PSH & 0xFF
-        m = _MASKS[hl] = m
+        if ihl == 20:
+            m[2:6] = m[10:12] = 0
+        else:
+            m[4:6] = 0
+        m[ihl + 4 : ihl + 8] = m[ihl + 16 : ihl + 18] = 0
+        m[ihl + 13] = ~TCP_PSH & 0xFF
+        m = _MASKS[(hl, ihl)] = m
     return m
 
 
@@ -71,36 +98,43 @@ class _BatchViews:
     """numpy views and scratch arrays for one batch geometry (made once: making a view costs
     about as much as using it)."""
 
-    __slots__ = ("hl", "grid", "h_next", "h_prev", "flags_head", "tot", "tot_head", "seq_next", "seq_prev",
-                 "diff", "headers", "run_mask", "masked", "expect", "expect_seq", "expect_tot")
+    __slots__ = ("hl", "ihl", "base", "grid", "h_next", "h_prev", "flags_head", "tot", "tot_head", "seq_next",
+                 "seq_prev", "diff", "headers", "run_mask", "masked", "expect", "expect_seq", "expect_tot")
 
-    def __init__(self, arr: np.ndarray, base: int, stride: int, k: int, hl: int) -> None:
+    def __init__(self, arr: np.ndarray, base: int, stride: int, k: int, hl: int, ihl: int = 20) -> None:
         self.hl = hl
+        self.ihl = ihl
+        # What the length field leaves out: 0 for IPv4's total length, the header for IPv6's
+        # payload length (``tot`` + ``base`` is the packet length either way).
+        self.base = 0 if ihl == 20 else 40
+        length = slice(2, 4) if ihl == 20 else slice(4, 6)
         self.grid = grid = arr[base : base + k * stride].reshape(k, stride)
-        # One run, checked in one go: every header equals the first but for ID, checksums and
-        # PSH on the last packet, with the length and sequence number predicted.
+        # One run, checked in one go: every header equals the first but for the IPv4 ID,
+        # checksums and PSH on the last packet, with the length and sequence number predicted.
         self.headers = grid[:, :hl]
         self.run_mask = np.full((k, hl), 0xFF, np.uint8)
-        self.run_mask[:, 4:6] = self.run_mask[:, 10:12] = self.run_mask[:, 36:38] = 0
-        self.run_mask[k - 1, 33] = ~TCP_PSH & 0xFF
+        if ihl == 20:
+            self.run_mask[:, 4:6] = self.run_mask[:, 10:12] = 0
+        self.run_mask[:, ihl + 16 : ihl + 18] = 0
+        self.run_mask[k - 1, ihl + 13] = ~TCP_PSH & 0xFF
         self.masked = np.empty((k, hl), np.uint8)
         self.expect = np.empty((k, hl), np.uint8)
-        self.expect_seq = self.expect[:, 24:28].view(">u4")[:, 0]
-        self.expect_tot = self.expect[:, 2:4].view(">u2")[:, 0]
+        self.expect_seq = self.expect[:, ihl + 4 : ihl + 8].view(">u4")[:, 0]
+        self.expect_tot = self.expect[:, length].view(">u2")[:, 0]
         # Otherwise: where the runs start.
         self.h_next = grid[1:, :hl]
         self.h_prev = grid[:-1, :hl]
-        self.flags_head = grid[:-1, 33]
-        self.tot = grid[:, 2:4].view(">u2")[:, 0]
+        self.flags_head = grid[:-1, ihl + 13]
+        self.tot = grid[:, length].view(">u2")[:, 0]
         self.tot_head = self.tot[:-1]
-        seqs = grid[:, 24:28].view(">u4")[:, 0]
+        seqs = grid[:, ihl + 4 : ihl + 8].view(">u4")[:, 0]
         self.seq_next = seqs[1:]
         self.seq_prev = seqs[:-1]
         self.diff = np.empty((k - 1, hl), np.uint8)
 
 
 class Coalescer:
-    """Merge consecutive in-order TCP/IPv4 segments of one flow into super-packets.
+    """Merge consecutive in-order TCP segments (IPv4 or IPv6) of one flow into super-packets.
 
     ``write(parts)`` receives a list of buffers whose concatenation is one TUN write (a
     virtio-net header and a packet).  Call :meth:`flush` when no more packets are at hand.
@@ -114,6 +148,7 @@ class Coalescer:
         self._stage_np = np.frombuffer(self.stage, np.uint8)
         self._n = 0          # segments in the open run (0: none)
         self._hl = 0
+        self._ihl = 20       # the run's IP header: 20 (IPv4), 40 (IPv6)
         self._mss = 0
         self._end = 0        # stage offset just past the last payload byte
         self._next_seq = 0
@@ -130,42 +165,44 @@ class Coalescer:
     # -- one packet -----------------------------------------------------------------------------
 
     def add(self, v) -> None:
-        """One IPv4 packet (a memoryview of exactly the packet)."""
+        """One IPv4 or IPv6 packet (a memoryview of exactly the packet)."""
         n = len(v)
-        if n < 40 or v[0] != 0x45 or v[9] != IPPROTO_TCP:
+        ihl = tcp_family(v) if n >= 40 else 0
+        if not ihl or n < ihl + 20:
             self._single(v)
             return
-        hl = 20 + ((v[32] >> 4) << 2)
+        hl = ihl + ((v[ihl + 12] >> 4) << 2)
         plen = n - hl
-        fl = v[33]
-        if ((v[2] << 8) | v[3]) != n or plen <= 0 or (fl & ~TCP_PSH) != TCP_ACK or (v[6] & 0x3F) or v[7] \
-                or hl < 40:
+        fl = v[ihl + 13]
+        if _ip_length(v, ihl) != n or plen <= 0 or (fl & ~TCP_PSH) != TCP_ACK or hl < ihl + 20 \
+                or ihl == 20 and ((v[6] & 0x3F) or v[7]):
             self._single(v)
             return
-        seq = _unpack_I(v, 24)[0]
-        if self._open and seq == self._next_seq and hl == self._hl and plen <= self._mss \
-                and self._run_key() == _flow_key(v[:hl]):
+        seq = _unpack_I(v, ihl + 4)[0]
+        if self._open and seq == self._next_seq and hl == self._hl and ihl == self._ihl and plen <= self._mss \
+                and self._run_key() == _flow_key(v[:hl], ihl):
             end = self._end
             self.stage[end : end + plen] = v[hl:]
             self._end = end + plen
             self._n += 1
         else:
             self.flush()
-            self._start(v, hl, plen)
+            self._start(v, hl, plen, ihl)
         self._next_seq = (seq + plen) & 0xFFFFFFFF
         if fl & TCP_PSH:
             self._psh = True
         if fl & TCP_PSH or plen < self._mss or self._n >= self._cap:
             self.flush()
 
-    def _start(self, v, hl: int, plen: int) -> None:
+    def _start(self, v, hl: int, plen: int, ihl: int) -> None:
         n = hl + plen
         self.stage[VNET_LEN : VNET_LEN + n] = v[:n]
         self._n = 1
         self._hl = hl
+        self._ihl = ihl
         self._mss = plen
         self._end = VNET_LEN + n
-        self._key = _flow_key(v[:hl])
+        self._key = _flow_key(v[:hl], ihl)
         self._open = True
         self._psh = False
         self._cap = min(self.max_segments, (MAX_IP_TOTAL - hl) // plen)
@@ -173,7 +210,7 @@ class Coalescer:
     def _run_key(self) -> bytes:
         key = self._key
         if key is None:
-            key = self._key = _flow_key(self._stage_mv[VNET_LEN : VNET_LEN + self._hl])
+            key = self._key = _flow_key(self._stage_mv[VNET_LEN : VNET_LEN + self._hl], self._ihl)
         return key
 
     def _single(self, v) -> None:
@@ -191,25 +228,25 @@ class Coalescer:
         vw = self._batch_views(arr, base, seg, k)
         if vw is None:
             return False
-        hl = vw.hl
+        hl, ihl, base = vw.hl, vw.ihl, vw.base
         mss = seg - hl
         last = n - (k - 1) * seg
         lens = [seg] * (k - 1) + [last]
-        h0 = vw.grid[0, :28].tobytes()
+        h0 = vw.grid[0, : ihl + 8].tobytes()
         steps = self._steps.get(mss)
         if steps is None:
             steps = self._steps[mss] = np.arange(1024, dtype=np.uint32) * np.uint32(mss)
-        if mss > 0 and last > hl and (h0[2] << 8 | h0[3]) == seg and k <= len(steps):
+        if mss > 0 and last > hl and _ip_length(h0, ihl) == seg and k <= len(steps):
             masked = np.bitwise_and(vw.headers, vw.run_mask, out=vw.masked)
             expect = vw.expect
             expect[...] = masked[0]
-            vw.expect_seq[...] = steps[:k] + np.uint32(_unpack_I(h0, 24)[0])
-            vw.expect_tot[k - 1] = last
+            vw.expect_seq[...] = steps[:k] + np.uint32(_unpack_I(h0, ihl + 4)[0])
+            vw.expect_tot[k - 1] = last - base
             if not np.count_nonzero(np.bitwise_xor(masked, expect, out=expect)):
                 self._cut(vw, mss, [], lens)
                 return True
-        if mss <= 0 or last <= hl or int(vw.tot[k - 1]) != last or np.count_nonzero(vw.tot_head != seg):
-            return False          # a total length that is not the packet length, pure ACKs, ...
+        if mss <= 0 or last <= hl or int(vw.tot[k - 1]) + base != last or np.count_nonzero(vw.tot_head != seg - base):
+            return False          # an IP length that is not the packet length, pure ACKs, ...
         starts = self._header_changes(vw)
         starts |= (vw.seq_next - vw.seq_prev) != mss
         starts |= vw.flags_head & TCP_PSH
@@ -217,17 +254,18 @@ class Coalescer:
         return True
 
     def add_batch(self, arr: np.ndarray, base: int, stride: int, lens: np.ndarray) -> bool:
-        """Take the ``len(lens)`` IPv4 packets at ``arr[base + i*stride:][:lens[i]]``.
+        """Take the ``len(lens)`` packets at ``arr[base + i*stride:][:lens[i]]`` (IPv4 or IPv6,
+        as the first says: another family in the batch goes packet by packet, below).
 
-        The batch is checked in one go: every total length must be the packet length
+        The batch is checked in one go: every IP length must be the packet length
         (otherwise nothing is taken and False returned: the caller checks and counts packet by
         packet), then it is cut where GRO would cut it (another flow or header, a gap in
         sequence numbers, after PSH or a short segment) and each piece is copied into a run
         with one strided copy; what cannot be merged at all goes through :meth:`add`."""
         k = len(lens)
         vw = self._batch_views(arr, base, stride, k)
-        if vw is None or np.count_nonzero(vw.tot != lens):
-            return False          # a total length that is not the packet length: malformed
+        if vw is None or np.count_nonzero(vw.tot != lens - vw.base):
+            return False          # an IP length that is not the packet length: malformed
         hl = vw.hl
         plens = lens - hl
         if np.minimum.reduce(plens) <= 0:
@@ -245,18 +283,19 @@ class Coalescer:
     def _batch_views(self, arr: np.ndarray, base: int, stride: int, k: int) -> _BatchViews | None:
         if k < VECTOR_MIN or base + k * stride > len(arr):
             return None
-        h0 = arr[base : base + 40].tobytes()
-        if h0[0] != 0x45 or h0[9] != IPPROTO_TCP:
+        h0 = arr[base : base + min(stride, 60)].tobytes()
+        ihl = tcp_family(h0) if len(h0) >= 40 else 0
+        if not ihl or len(h0) < ihl + 20:
             return None
-        hl = 20 + ((h0[32] >> 4) << 2)
-        if hl < 40 or hl > stride:
+        hl = ihl + ((h0[ihl + 12] >> 4) << 2)
+        if hl < ihl + 20 or hl > stride:
             return None
-        key = (id(arr), base, stride, k, hl)  # a cached view keeps its array alive: ids stay unique
+        key = (id(arr), base, stride, k, hl, ihl)  # a cached view keeps its array alive: ids stay unique
         vw = self._views.get(key)
         if vw is None:
             if len(self._views) > 1024:
                 self._views.clear()
-            vw = self._views[key] = _BatchViews(arr, base, stride, k, hl)
+            vw = self._views[key] = _BatchViews(arr, base, stride, k, hl, ihl)
         return vw
 
     @staticmethod
@@ -265,47 +304,50 @@ class Coalescer:
         anything but ID, length, checksums, sequence number and PSH?  (Where a run must
         start; uint8, non-zero for yes.)"""
         diff = np.bitwise_xor(vw.h_next, vw.h_prev, out=vw.diff)
-        np.bitwise_and(diff, _mask(vw.hl), out=diff)
+        np.bitwise_and(diff, _mask(vw.hl, vw.ihl), out=diff)
         return np.bitwise_or.reduce(diff, axis=1)
 
     def _cut(self, vw: _BatchViews, mss: int, cuts: list[int], lens: list[int]) -> None:
         """Add the runs the batch falls into: a run ends at each cut (the next packet must
         start a run) and at the last packet."""
         self.batches += 1
-        grid, hl = vw.grid, vw.hl
+        grid, hl, ihl = vw.grid, vw.hl, vw.ihl
         a = 0
         for e in cuts + [len(lens) - 1]:
             # A run that ended (PSH, a short segment) must not go on, even with the same flow.
-            ended = bool(grid[e, 33] & TCP_PSH) or lens[e] - hl < mss
-            self._add_run(grid, hl, mss, a, e + 1, ended, lens)
+            ended = bool(grid[e, ihl + 13] & TCP_PSH) or lens[e] - hl < mss
+            self._add_run(grid, hl, ihl, mss, a, e + 1, ended, lens)
             a = e + 1
 
-    def _add_run(self, grid: np.ndarray, hl: int, mss: int, a: int, e: int, ended: bool, lens: list[int]) -> None:
-        """Rows ``a..e-1`` share their headers (but ID, length, checksums, sequence number,
+    def _add_run(self, grid: np.ndarray, hl: int, ihl: int, mss: int, a: int, e: int, ended: bool,
+                 lens: list[int]) -> None:
+        """Rows ``a..e-1`` share their headers (but IPv4 ID, length, checksums, sequence number,
         PSH) and follow on in sequence space; all but the last are ``mss`` long."""
-        h = grid[a, :40].tobytes()
-        if h[0] != 0x45 or h[9] != IPPROTO_TCP or 20 + ((h[32] >> 4) << 2) != hl or (h[33] & ~TCP_PSH) != TCP_ACK \
-                or h[6] & 0x3F or h[7] or lens[a] - hl < mss:
-            # Not TCP with the batch's header length (a ping among the segments, a flow with
-            # other options), not mergeable (flags, fragments), or it starts with a short
-            # segment: packet by packet (the rows of a run share all these bytes).
+        h = grid[a, : ihl + 20].tobytes()
+        if tcp_family(h) != ihl or ihl + ((h[ihl + 12] >> 4) << 2) != hl or (h[ihl + 13] & ~TCP_PSH) != TCP_ACK \
+                or ihl == 20 and (h[6] & 0x3F or h[7]) or lens[a] - hl < mss:
+            # Not TCP of the batch's family and header length (a ping among the segments, a
+            # flow with other options), not mergeable (flags, fragments), or it starts with a
+            # short segment: packet by packet (the rows of a run share all these bytes).
             for i in range(a, e):
                 self.add(memoryview(grid[i, : lens[i]]))
             return
         while a < e:
             if self._open:
-                if self._mss == mss and self._hl == hl and self._next_seq == _unpack_I(grid[a, 24:28].tobytes(), 0)[0] \
-                        and self._run_key() == _flow_key(grid[a, :hl].tobytes()):
+                if self._mss == mss and self._hl == hl and self._ihl == ihl \
+                        and self._next_seq == _unpack_I(grid[a, ihl + 4 : ihl + 8].tobytes(), 0)[0] \
+                        and self._run_key() == _flow_key(grid[a, :hl].tobytes(), ihl):
                     a = self._extend(grid, hl, a, e, ended, lens)
                     continue
                 self.flush()
-            self._start_row(grid[a], hl, mss)
+            self._start_row(grid[a], hl, mss, ihl)
             a = self._extend(grid, hl, a, e, ended, lens)
 
-    def _start_row(self, row: np.ndarray, hl: int, mss: int) -> None:
+    def _start_row(self, row: np.ndarray, hl: int, mss: int, ihl: int) -> None:
         self._stage_np[VNET_LEN : VNET_LEN + hl] = row[:hl]
         self._n = 0
         self._hl = hl
+        self._ihl = ihl
         self._mss = mss
         self._end = VNET_LEN + hl
         self._key = None     # made from the staged header when a packet asks to join
@@ -329,9 +371,10 @@ class Coalescer:
         self._stage_np[end : end + tail] = grid[last, hl : hl + tail]
         self._end = end + tail
         self._n += stop - start
-        row = grid[last, :40].tobytes()
-        self._next_seq = (_unpack_I(row, 24)[0] + tail) & 0xFFFFFFFF
-        if row[33] & TCP_PSH:
+        ihl = self._ihl
+        row = grid[last, : ihl + 20].tobytes()
+        self._next_seq = (_unpack_I(row, ihl + 4)[0] + tail) & 0xFFFFFFFF
+        if row[ihl + 13] & TCP_PSH:
             self._psh = True
         if (ended and stop == e) or self._n >= self._cap:
             self.flush()
@@ -356,15 +399,21 @@ class Coalescer:
             return
         total = end - VNET_LEN
         h = VNET_LEN
-        _pack_H(stage, h + 2, total)
-        stage[h + 10] = stage[h + 11] = 0
-        _pack_H(stage, h + 10, checksum(self._stage_mv[h : h + 20]))
+        ihl = self._ihl
+        if ihl == 20:
+            _pack_H(stage, h + 2, total)
+            stage[h + 10] = stage[h + 11] = 0
+            _pack_H(stage, h + 10, checksum(self._stage_mv[h : h + 20]))
+            src, dst, gso_type = bytes(stage[h + 12 : h + 16]), bytes(stage[h + 16 : h + 20]), VIRTIO_NET_HDR_GSO_TCPV4
+        else:
+            _pack_H(stage, h + 4, total - 40)  # RFC 8200 §3: the payload length, no header checksum
+            src, dst, gso_type = bytes(stage[h + 8 : h + 24]), bytes(stage[h + 24 : h + 40]), VIRTIO_NET_HDR_GSO_TCPV6
         if self._psh:
-            stage[h + 33] |= TCP_PSH
+            stage[h + ihl + 13] |= TCP_PSH
         # CHECKSUM_PARTIAL convention: the TCP checksum field holds the folded pseudo-header sum.
-        ps = pseudo_header_sum(bytes(stage[h + 12 : h + 16]), bytes(stage[h + 16 : h + 20]), IPPROTO_TCP, total - 20)
-        _pack_H(stage, h + 36, ps % 0xFFFF or 0xFFFF)
-        _VNET.pack_into(stage, 0, VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_TCPV4, hl, self._mss, 20, 16)
+        ps = pseudo_header_sum(src, dst, IPPROTO_TCP, total - ihl)
+        _pack_H(stage, h + ihl + 16, ps % 0xFFFF or 0xFFFF)
+        _VNET.pack_into(stage, 0, VIRTIO_NET_HDR_F_NEEDS_CSUM, gso_type, hl, self._mss, ihl, 16)
         self.merged += n
         self.write([self._stage_mv[:end]])
 

@@ -14,6 +14,11 @@ plain      no offloads: :class:`PlainLoop` -- one read, one send (flannel's mode
            honest per-packet baseline)
 =========  =========================================================================================
 
+Inner packets are IPv4, and IPv6 where the backend carries it (udp: flannel's payload is the
+inner packet, whatever its family; ipip is IPv4 in IPv4 only): TCPv6 super-packets are
+segmented as TCPv4 ones are, the hop limit is decremented where the TTL is, and the ICMP
+errors are ICMPv6 ones (RFC 4443).
+
 The loops differ in how they read and batch, which is where their speed comes from, and each
 keeps its per-packet checks inline (a shared per-packet function would cost the Python loops
 a call per packet); what they share -- the next-hop table and its cache, ICMP errors, the TUN
@@ -32,8 +37,12 @@ from proto.packet import (
     VIRTIO_NET_HDR_F_NEEDS_CSUM,
     VIRTIO_NET_HDR_GSO_NONE,
     VIRTIO_NET_HDR_GSO_TCPV4,
+    VIRTIO_NET_HDR_GSO_TCPV6,
     VNET_HDR_NONE,
+    decrement_hop_limit,
     decrement_ttl,
+    icmp6_hop_limit_exceeded,
+    icmp6_no_route,
     icmp_net_unreachable,
     icmp_time_exceeded,
 )
@@ -45,6 +54,15 @@ _OUT_BUF = 3 << 20  # the blocks (~70 KB each), then room for plain packets and 
 _OUT_HEADROOM = 256 << 10  # a 64 KB super-packet with a tiny MSS still fits after this
 _SINGLES = 1 << 20  # out[-_SINGLES:]: plain packets waiting (in order) for the blocks' segmentation
 BUDGET = 64  # packets (reads) per loop call before the poll loop looks at the other sockets
+# The ICMP error a drop answers, by reason and the offender's IP version (RFC 792, RFC 4443).
+ICMP_ERRORS = {
+    ("no_route", 4): icmp_net_unreachable,
+    ("no_route", 6): icmp6_no_route,
+    ("ttl_exceeded", 4): icmp_time_exceeded,
+    ("ttl_exceeded", 6): icmp6_hop_limit_exceeded,
+}
+# The TSO kind of each IP version (what a TUN with TUN_F_TSO4 / TUN_F_TSO6 hands over).
+GSO_TCP = {4: VIRTIO_NET_HDR_GSO_TCPV4, 6: VIRTIO_NET_HDR_GSO_TCPV6}
 
 
 class Transmit:
@@ -57,12 +75,15 @@ class Transmit:
     from_tun = None  # the Python loop: TUN readable -> read, check, route, send
 
     def __init__(self, *, tun_fd: int, transport, mtu: int, ttl_decrement: bool,
-                 icmp_source: str | None, counters: dict[str, int], drops: dict[str, int]) -> None:
+                 icmp_source: str | None, counters: dict[str, int], drops: dict[str, int],
+                 families: tuple[int, ...] = (4,), icmp_source_v6: str | None = None) -> None:
         self.tun_fd = tun_fd
         self.transport = transport
         self.mtu = mtu
         self.ttl_decrement = ttl_decrement
         self.icmp_source = icmp_source
+        self.icmp_source_v6 = icmp_source_v6
+        self.v6 = 6 in families  # the backend carries IPv6 inner packets (udp), else they are dropped
         self.c = counters
         self.drops = drops
         self.table = NextHopTable()
@@ -96,11 +117,19 @@ class Transmit:
         peer = cache[dst] = self.table.lookup(dst)
         return peer
 
-    def icmp(self, build, offender) -> None:
+    def icmp(self, reason: str, offender) -> None:
+        """The ICMP (ICMPv6) error for a packet dropped for ``reason``, written to the TUN: from
+        the worker's source address of the offender's family where it has one, else from the
+        offender's destination (routed through the TUN: any reverse-path check passes)."""
         try:
-            src = self.icmp_source or bytes(offender[16:20])
+            if offender[0] >> 4 == 6:
+                src = self.icmp_source_v6 or bytes(offender[24:40])
+                build = ICMP_ERRORS[(reason, 6)]
+            else:
+                src = self.icmp_source or bytes(offender[16:20])
+                build = ICMP_ERRORS[(reason, 4)]
             self.tun_write([VNET_HDR_NONE, build(offender, src)])
-        except ValueError:
+        except ValueError:  # too short to answer, or an error about an error (proto.packet.DecodeError too)
             return
         self.c["icmp_sent"] += 1
 
@@ -108,11 +137,11 @@ class Transmit:
 
     def no_route(self, pkt) -> None:
         self.drops["no_route"] += 1
-        self.icmp(icmp_net_unreachable, pkt)
+        self.icmp("no_route", pkt)
 
     def ttl_exceeded(self, pkt) -> None:
         self.drops["ttl_exceeded"] += 1
-        self.icmp(icmp_time_exceeded, pkt)
+        self.icmp("ttl_exceeded", pkt)
 
 
 class BlocksLoop(Transmit):
@@ -138,6 +167,7 @@ class BlocksLoop(Transmit):
         drops = self.drops
         mtu = self.mtu
         ttl_dec = self.ttl_decrement
+        v6 = self.v6
         singles_start = len(out) - _SINGLES
         so = singles_start
         order: list[tuple] = []  # ("block", j, n, peer) or ("one", offset, length, peer), as read
@@ -151,11 +181,20 @@ class BlocksLoop(Transmit):
                 break
             reads += 1
             b = j * seg.block_bytes
-            if n < 30 or out[b] >> 4 != 4:
-                drops["malformed" if n < 30 else "not_ipv4"] += 1
+            version = out[b] >> 4
+            if n < 30 or version == 6 and n < 50:
+                drops["malformed"] += 1
+                continue
+            if version == 4:
+                dst = bytes(out[b + 16 : b + 20])
+                hop_at = 8
+            elif version == 6 and v6:
+                dst = bytes(out[b + 24 : b + 40])
+                hop_at = 7
+            else:
+                drops["not_ipv4"] += 1
                 continue
             flags, gso_type, _hl, gso_size, cs, co = unpack(vnet, j * 10)
-            dst = bytes(out[b + 16 : b + 20])
             peer = cache.get(dst, 0)
             if peer == 0:
                 peer = self.resolve(dst)
@@ -163,8 +202,8 @@ class BlocksLoop(Transmit):
                 self.no_route(omv[b : b + min(n - 10, seg.geometry.stride)])
                 continue
             gso_type &= 0x7F
-            if gso_type == VIRTIO_NET_HDR_GSO_TCPV4 and fits(j, n, gso_size):
-                if ttl_dec and out[b + 8] <= 1:
+            if gso_type == GSO_TCP[version] and fits(j, n, gso_size):
+                if ttl_dec and out[b + hop_at] <= 1:
                     self.ttl_exceeded(omv[b : b + seg.geometry.stride])
                     continue
                 if seg.geometry.stride > mtu:
@@ -195,18 +234,18 @@ class BlocksLoop(Transmit):
                 except ForwardError:
                     drops["malformed"] += 1
                     continue
-                if ttl_dec and not decrement_ttl(out, so):
+                if ttl_dec and not (decrement_ttl(out, so) if version == 4 else decrement_hop_limit(out, so)):
                     self.ttl_exceeded(omv[so : so + total])
                     continue
                 order.append(("one", so, total, peer))
                 so += total
                 continue
-            # A super-packet the blocks do not fit (another MSS or header length, IP options,
-            # one segment) or a GSO kind we never enable: after everything before it, copied.
+            # A super-packet the blocks do not fit (another MSS, header length or IP version, IPv4
+            # options, one segment) or a GSO kind we never enable: after everything before it, copied.
             self._send_in_order(order, lengths)
             order, lengths, so = [], [], singles_start
-            if gso_type != VIRTIO_NET_HDR_GSO_TCPV4:
-                drops["malformed"] += 1  # GSO kinds we never enable (TCPv6, UDP)
+            if gso_type != GSO_TCP[version]:
+                drops["malformed"] += 1  # GSO kinds we never enable (UDP), or not the packet's family
                 j = 0
                 continue
             pkt = seg.gather(j, n)
@@ -216,7 +255,7 @@ class BlocksLoop(Transmit):
             except ForwardError as exc:
                 drops[exc.reason] += 1
                 if exc.reason == "ttl_exceeded":
-                    self.icmp(icmp_time_exceeded, pkt)
+                    self.icmp("ttl_exceeded", pkt)
                 continue
             if seglen > mtu:
                 drops["mtu"] += count
@@ -272,6 +311,7 @@ class BatchedLoop(Transmit):
         drops = self.drops
         mtu = self.mtu
         ttl_dec = self.ttl_decrement
+        v6 = self.v6
         wo = 0
         reads = 0
         run_peer = None
@@ -283,10 +323,17 @@ class BatchedLoop(Transmit):
             except BlockingIOError:
                 break
             reads += 1
-            if n < 20 or ob[wo] >> 4 != 4:
-                drops["malformed" if n < 20 else "not_ipv4"] += 1
+            version = ob[wo] >> 4 if n > 0 else 0
+            if n < 20 or version == 6 and n < 40:
+                drops["malformed"] += 1
                 continue
-            dst = bytes(ob[wo + 16 : wo + 20])
+            if version == 4:
+                dst = bytes(ob[wo + 16 : wo + 20])
+            elif version == 6 and v6:
+                dst = bytes(ob[wo + 24 : wo + 40])
+            else:
+                drops["not_ipv4"] += 1
+                continue
             peer = cache.get(dst, 0)
             if peer == 0:
                 peer = self.resolve(dst)
@@ -300,7 +347,7 @@ class BatchedLoop(Transmit):
                 except ForwardError:
                     drops["malformed"] += 1
                     continue
-            if ttl_dec and not decrement_ttl(ob, wo):
+            if ttl_dec and not (decrement_ttl(ob, wo) if version == 4 else decrement_hop_limit(ob, wo)):
                 self.ttl_exceeded(out[wo : wo + n])
                 continue
             if n > mtu:
@@ -343,6 +390,7 @@ class PlainLoop(Transmit):
         drops = self.drops
         mtu = self.mtu
         ttl_dec = self.ttl_decrement
+        v6 = self.v6
         reads = 0
         for _ in range(BUDGET):
             try:
@@ -350,17 +398,24 @@ class PlainLoop(Transmit):
             except BlockingIOError:
                 break
             reads += 1
-            if n < 30 or tb[10] >> 4 != 4:
-                drops["malformed" if n < 30 else "not_ipv4"] += 1
+            version = tb[10] >> 4 if n > 10 else 0
+            if n < 30 or version == 6 and n < 50:
+                drops["malformed"] += 1
                 continue
-            dst = bytes(tb[26:30])
+            if version == 4:
+                dst = bytes(tb[26:30])
+            elif version == 6 and v6:
+                dst = bytes(tb[34:50])
+            else:
+                drops["not_ipv4"] += 1
+                continue
             peer = cache.get(dst, 0)
             if peer == 0:
                 peer = self.resolve(dst)
             if peer is None:
                 self.no_route(mv[10:n])
                 continue
-            if ttl_dec and not decrement_ttl(tb, 10):
+            if ttl_dec and not (decrement_ttl(tb, 10) if version == 4 else decrement_hop_limit(tb, 10)):
                 self.ttl_exceeded(mv[10:n])
                 continue
             if n - 10 > mtu:

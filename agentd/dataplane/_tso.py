@@ -1,19 +1,21 @@
 """TSO segmentation in user space, vectorized over all segments of many super-packets (numpy).
 
-A TUN with TUN_F_TSO4 hands over one TCP/IPv4 packet of up to 64 KB; the wire needs ~45
-packets of at most the MTU, each with its own IP total length, ID and checksum and its own TCP
-sequence number and checksum (Linux ``tcp_gso_segment``/``inet_gso_segment``).  Packet by
+A TUN with TUN_F_TSO4 / TUN_F_TSO6 hands over one TCP packet of up to 64 KB; the wire needs ~45
+packets of at most the MTU, each with its own IPv4 total length, ID and checksum (IPv6: its own
+payload length, and no header checksum) and its own TCP sequence number and checksum (Linux
+``tcp_gso_segment`` with ``inet_gso_segment`` / ``ipv6_gso_segment``).  Packet by
 packet in CPython that costs ~5 µs a segment, mostly the TCP checksum.  Here:
 
 * **No copy.**  The TUN is read with ``readv`` straight into a *block* laid out as the wire
   wants it: row ``i`` of the block is segment ``i`` (``hl + gso_size`` bytes, the stride UDP GSO
   and the sendmmsg iovecs want); the first iovec takes the headers and the first payload, the
   next ones each later payload, leaving room for a header in front of it.  That needs the
-  header length and MSS in advance: the segmenter keeps the last ones seen (a TCP flow keeps
-  them), and a super-packet that does not match is gathered and segmented from a copy.
+  header length and MSS (and the IP version) in advance: the segmenter keeps the last ones seen
+  (a TCP flow keeps them), and a super-packet that does not match is gathered and segmented
+  from a copy.
 * **Whole batches.**  All super-packets read in one go (up to ``blocks``) are segmented with
   the same ~20 numpy calls: the output is a ``(frames, rows, stride)`` array; the header
-  template is one broadcast; per-row fields (ID, sequence number, checksums) are columns of it;
+  template is one broadcast; per-row fields (IPv4 ID, sequence number, checksums) are columns of it;
   the payload checksums are one ``add.reduce`` over 32-bit little-endian words into 64-bit
   accumulators.  RFC 1071 §2: the one's-complement sum is the value modulo 0xFFFF (2**16 ≡ 1),
   so 32-bit words sum to the same value as 16-bit ones, and little-endian words give the
@@ -21,8 +23,8 @@ packet in CPython that costs ~5 µs a segment, mostly the TCP checksum.  Here:
   ``(-s) mod 0xFFFF``: 0xFFFF - r for r != 0 and 0 for r == 0, exactly the folded value.
 
 Rows past a super-packet's last segment hold junk that is computed on and never sent.
-Geometries numpy cannot view this way (an odd MSS, a single segment, IP options) go to the
-scalar :func:`segment_tcp4`, which is also the reference the tests compare against.
+Geometries numpy cannot view this way (an odd MSS, a single segment, IPv4 options) go to the
+scalar :func:`segment_tcp`, which is also the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -35,9 +37,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agentd.dataplane._forward import ForwardError, segment_tcp4
+from agentd.dataplane._forward import ForwardError, segment_tcp, tcp_headers
 from agentd.dataplane._sockopt import iovec
-from proto.packet import IPPROTO_TCP, TCP_CWR, TCP_FIN, TCP_PSH, VIRTIO_NET_HDR_LEN, ones_sum, pseudo_header_sum
+from proto.packet import (
+    IPPROTO_TCP,
+    TCP_CWR,
+    TCP_FIN,
+    TCP_PSH,
+    VIRTIO_NET_HDR_GSO_TCPV4,
+    VIRTIO_NET_HDR_GSO_TCPV6,
+    VIRTIO_NET_HDR_LEN,
+    ones_sum,
+    pseudo_header_sum,
+)
 
 MAX_VECTOR_SEGMENTS = 1024  # beyond this (a tiny MSS) the scalar path is as good
 MAX_TUN_PACKET = 0xFFFF + VIRTIO_NET_HDR_LEN
@@ -64,18 +76,21 @@ def _address(view: memoryview) -> int:
 
 class _Grid:
     """numpy views of ``frames`` x ``rows`` segments of ``hl + gso`` bytes at ``out[off:]``,
-    made once per geometry: making a view costs about as much as using it."""
+    made once per geometry: making a view costs about as much as using it.  IPv6 (``ihl`` 40)
+    has no ID or header checksum column: its payload length is the template's but in the last
+    row."""
 
     __slots__ = ("rows", "headers", "ids", "seqs", "ipsum", "tcpsum", "words", "payload")
 
-    def __init__(self, out: np.ndarray, off: int, frames: int, rows: int, ihl: int, hl: int, gso: int) -> None:
+    def __init__(self, out: np.ndarray, off: int, frames: int, rows: int, ihl: int, hl: int, gso: int,
+                 v4: bool = True) -> None:
         stride = hl + gso
         g = out[off : off + frames * rows * stride].reshape(frames, rows, stride)
         self.rows = rows
         self.headers = g[:, :, :hl]
-        self.ids = g[:, :, 4:6].view(">u2")[..., 0]
+        self.ids = g[:, :, 4:6].view(">u2")[..., 0] if v4 else None
         self.seqs = g[:, :, ihl + 4 : ihl + 8].view(">u4")[..., 0]
-        self.ipsum = g[:, :, 10:12].view(">u2")[..., 0]
+        self.ipsum = g[:, :, 10:12].view(">u2")[..., 0] if v4 else None
         self.tcpsum = g[:, :, ihl + 16 : ihl + 18].view(">u2")[..., 0]
         self.words = g[:, :, hl:].view("<u4" if gso & 3 == 0 else "<u2")
         self.payload = g[0, :, hl:]
@@ -83,10 +98,16 @@ class _Grid:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Header length and MSS of the super-packets a block layout expects."""
+    """Header length, MSS and IP version of the super-packets a block layout expects (the
+    layout itself depends on the first two; a vectorized pass takes one version)."""
 
     hl: int
     gso: int
+    version: int = 4
+
+    @property
+    def ihl(self) -> int:
+        return 40 if self.version == 6 else 20
 
     @property
     def stride(self) -> int:
@@ -203,14 +224,18 @@ class TsoSegmenter:
         return self._out[b : b + size]
 
     def fits(self, j: int, n: int, gso_size: int) -> bool:
-        """Whether block ``j`` holds a TCP/IPv4 super-packet of the block geometry with at
-        least two segments (then :meth:`segment_blocks` can take it in place)."""
+        """Whether block ``j`` holds a TCP super-packet of the block geometry (IPv4 without
+        options, or IPv6 whose next header is TCP) with at least two segments (then
+        :meth:`segment_blocks` can take it in place)."""
         geo = self.geometry
         if gso_size != geo.gso:
             return False
         b = j * self.block_bytes
         out = self.out
-        if out[b] != 0x45 or out[b + 9] != IPPROTO_TCP or 20 + ((out[b + 32] >> 4) << 2) != geo.hl:
+        if geo.version == 4:
+            if out[b] != 0x45 or out[b + 9] != IPPROTO_TCP or 20 + ((out[b + 32] >> 4) << 2) != geo.hl:
+                return False
+        elif out[b] >> 4 != 6 or out[b + 6] != IPPROTO_TCP or 40 + ((out[b + 52] >> 4) << 2) != geo.hl:
             return False
         plen = n - VIRTIO_NET_HDR_LEN - geo.hl
         return geo.gso < plen and -(-plen // geo.gso) < self.rows_for(geo)
@@ -230,10 +255,14 @@ class TsoSegmenter:
                 break
         self.gathered += 1
         pkt = self._in[VIRTIO_NET_HDR_LEN:n]
-        if len(pkt) > 40 and pkt[0] == 0x45 and pkt[9] == IPPROTO_TCP:
-            flags, gso_type, _, gso_size, _, _ = struct.unpack_from("<BBHHHH", self.inbuf, 0)
-            if gso_type & 0x7F == 1 and gso_size:
-                self._set_geometry(Geometry(20 + ((pkt[32] >> 4) << 2), gso_size))
+        flags, gso_type, _, gso_size, _, _ = struct.unpack_from("<BBHHHH", self.inbuf, 0)
+        gso_type &= 0x7F
+        if gso_size and gso_type == VIRTIO_NET_HDR_GSO_TCPV4 and len(pkt) > 40 and pkt[0] == 0x45 \
+                and pkt[9] == IPPROTO_TCP:
+            self._set_geometry(Geometry(20 + ((pkt[32] >> 4) << 2), gso_size))
+        elif gso_size and gso_type == VIRTIO_NET_HDR_GSO_TCPV6 and len(pkt) > 60 and pkt[0] >> 4 == 6 \
+                and pkt[6] == IPPROTO_TCP:
+            self._set_geometry(Geometry(40 + ((pkt[52] >> 4) << 2), gso_size, 6))
         return pkt
 
     def segment_blocks(self, k: int, lengths: list[int], ttl_decrement: bool) -> list[tuple[int, int, int]]:
@@ -241,11 +270,12 @@ class TsoSegmenter:
         header included; every block :meth:`fits`) in place.  Returns ``(count, stride, total)``
         per block; raises nothing: the caller dropped TTL-expired ones before."""
         geo = self.geometry
-        hl, gso, stride = geo.hl, geo.gso, geo.stride
+        hl, gso, stride, ihl = geo.hl, geo.gso, geo.stride, geo.ihl
         key = ("blocks", geo, self.blocks)
         grid = self._grids.get(key)
         if grid is None:
-            grid = self._grids[key] = _Grid(self._dst, 0, self.blocks, self.rows_for(geo), 20, hl, gso)
+            grid = self._grids[key] = _Grid(self._dst, 0, self.blocks, self.rows_for(geo), ihl, hl, gso,
+                                            geo.version == 4)
         frames = []
         out = self._out
         for j in range(k):
@@ -255,38 +285,35 @@ class TsoSegmenter:
             last = plen - (count - 1) * gso
             end = b + (count - 1) * stride + hl + last
             out[end : b + count * stride] = self._zeros[: gso - last]  # row sums and odd lengths
-            frames.append((b, count, last, *_template(out[b : b + hl], 20, hl, gso, ttl_decrement)))
-        return self._fill(grid, k, frames, hl, 20, gso)
+            frames.append((b, count, last, *_template(out[b : b + hl], ihl, hl, gso, ttl_decrement)))
+        return self._fill(grid, k, frames, hl, ihl, gso)
 
     # -- one super-packet, copied ------------------------------------------------------------------
 
     def segment(self, start: int, n: int, gso_size: int, off: int,
                 ttl_decrement: bool = False) -> tuple[int, int, int]:
         """Segment the super-packet ``inbuf[start:start+n]`` into ``out[off:]``; same contract
-        and result as :func:`segment_tcp4`: ``(count, segment_length, total_length)``,
+        and result as :func:`segment_tcp`: ``(count, segment_length, total_length)``,
         segments back to back, all but the last ``segment_length`` long."""
         pkt = self._in[start : start + n]
-        if n < 40 or pkt[0] >> 4 != 4 or pkt[9] != IPPROTO_TCP:
-            raise ForwardError("malformed", "TSO super-packet is not TCP/IPv4")
-        ihl = (pkt[0] & 0x0F) << 2
-        thl = (pkt[ihl + 12] >> 4) << 2 if ihl + 12 < n else 0
+        ihl, thl = tcp_headers(pkt)
+        v4 = pkt[0] >> 4 == 4
         hl = ihl + thl
         plen = n - hl
-        if ihl < 20 or thl < 20 or hl > n or gso_size <= 0 or gso_size & 1 or plen <= gso_size \
-                or -(-plen // gso_size) > MAX_VECTOR_SEGMENTS:
-            return segment_tcp4(pkt, gso_size, self._out[off:], ttl_decrement)
+        if gso_size <= 0 or gso_size & 1 or plen <= gso_size or -(-plen // gso_size) > MAX_VECTOR_SEGMENTS:
+            return segment_tcp(pkt, gso_size, self._out[off:], ttl_decrement)
         count = -(-plen // gso_size)
         stride = hl + gso_size
         if off + count * stride > len(self.out):
             raise ForwardError("malformed", "super-packet too large for the segment buffer")
-        if ttl_decrement and pkt[8] <= 1:
+        if ttl_decrement and pkt[8 if v4 else 7] <= 1:
             raise ForwardError("ttl_exceeded", "TTL exceeded")
-        key = (off, ihl, hl, gso_size, count)
+        key = (off, ihl, hl, gso_size, count, v4)
         grid = self._grids.get(key)
         if grid is None:
             if len(self._grids) > 512:
                 self._grids.clear()
-            grid = self._grids[key] = _Grid(self._dst, off, 1, count, ihl, hl, gso_size)
+            grid = self._grids[key] = _Grid(self._dst, off, 1, count, ihl, hl, gso_size, v4)
         full = count - 1
         last = plen - full * gso_size
         src = self._src[start + hl : start + hl + full * gso_size]
@@ -303,18 +330,21 @@ class TsoSegmenter:
     def _fill(self, grid: _Grid, k: int, frames: list, hl: int, ihl: int, gso: int) -> list[tuple[int, int, int]]:
         rows = grid.rows
         stride = hl + gso
+        v4 = grid.ids is not None
         grid.headers[:k] = np.frombuffer(b"".join([f[3] for f in frames]), np.uint8).reshape(k, 1, hl)
-        ids = self._ar16[:rows] + np.array([f[4] for f in frames], np.uint16)[:, None]   # wraps mod 2**16
-        grid.ids[:k] = ids
+        if v4:
+            ids = self._ar16[:rows] + np.array([f[4] for f in frames], np.uint16)[:, None]   # wraps mod 2**16
+            grid.ids[:k] = ids
         steps = self._steps.get(gso)
         if steps is None:
             steps = self._steps[gso] = self._ar32 * np.uint32(gso)
         seqs = steps[:rows] + np.array([f[5] for f in frames], np.uint32)[:, None]       # wraps mod 2**32
         grid.seqs[:k] = seqs
-        s = ids + np.array([f[8] for f in frames], np.uint64)[:, None]
-        np.subtract(_K_IP, s, out=s)
-        np.remainder(s, 0xFFFF, out=s)
-        grid.ipsum[:k] = s
+        if v4:
+            s = ids + np.array([f[8] for f in frames], np.uint64)[:, None]
+            np.subtract(_K_IP, s, out=s)
+            np.remainder(s, 0xFFFF, out=s)
+            grid.ipsum[:k] = s
         t = np.add.reduce(grid.words[:k], axis=2, dtype=np.uint64)
         t *= np.uint64(256)       # little-endian word sum -> big-endian, modulo 0xFFFF
         t += seqs                 # a 32-bit value is its two 16-bit halves modulo 0xFFFF
@@ -337,8 +367,11 @@ class TsoSegmenter:
             lo = off + full * stride
             f_last = mid | (flags & (TCP_FIN | TCP_PSH))
             last_total = hl + last
-            _pack_H(out, lo + 2, last_total)
-            _pack_H(out, lo + 10, _complement(ip_base - stride + last_total + ((ident0 + full) & 0xFFFF)))
+            if v4:
+                _pack_H(out, lo + 2, last_total)
+                _pack_H(out, lo + 10, _complement(ip_base - stride + last_total + ((ident0 + full) & 0xFFFF)))
+            else:
+                _pack_H(out, lo + 4, last_total - 40)  # the IPv6 payload length
             out[lo + ihl + 13] = f_last
             _pack_H(out, lo + ihl + 16, _complement(lasts[i] - gso + last + f_last - mid))
             results.append((count, stride, full * stride + last_total))
@@ -347,24 +380,32 @@ class TsoSegmenter:
 
 
 def _template(header, ihl: int, hl: int, gso: int, ttl_decrement: bool) -> tuple:
-    """The header every segment starts from: total length of a full segment, fields that
-    differ per segment zeroed, flags as in a middle segment (CWR only on the first, FIN/PSH
-    only on the last: tcp_gso_segment); with the sums the checksums start from."""
+    """The header every segment starts from: the length of a full segment (IPv4 total length,
+    IPv6 payload length), fields that differ per segment zeroed, flags as in a middle segment
+    (CWR only on the first, FIN/PSH only on the last: tcp_gso_segment); with the sums the
+    checksums start from (IPv6: no header checksum, its ID fields 0)."""
     hdr = bytearray(header)
+    v6 = hdr[0] >> 4 == 6
+    hop_at = 7 if v6 else 8
     if ttl_decrement:
-        if hdr[8] <= 1:
+        if hdr[hop_at] <= 1:
             raise ForwardError("ttl_exceeded", "TTL exceeded")
-        hdr[8] -= 1
-    ident0 = (hdr[4] << 8) | hdr[5]
+        hdr[hop_at] -= 1
     seq0 = _unpack_I(hdr, ihl + 4)[0]
     flags = hdr[ihl + 13]
     mid = flags & ~(TCP_FIN | TCP_PSH | TCP_CWR)
-    _pack_H(hdr, 2, hl + gso)
-    hdr[4] = hdr[5] = hdr[10] = hdr[11] = 0
-    ip_base = ones_sum(memoryview(hdr)[:ihl])
+    if v6:
+        _pack_H(hdr, 4, hl - 40 + gso)
+        ident0 = ip_base = 0
+        src, dst = bytes(hdr[8:24]), bytes(hdr[24:40])
+    else:
+        ident0 = (hdr[4] << 8) | hdr[5]
+        _pack_H(hdr, 2, hl + gso)
+        hdr[4] = hdr[5] = hdr[10] = hdr[11] = 0
+        ip_base = ones_sum(memoryview(hdr)[:ihl])
+        src, dst = bytes(hdr[12:16]), bytes(hdr[16:20])
     hdr[ihl + 4 : ihl + 8] = b"\0\0\0\0"
     hdr[ihl + 16] = hdr[ihl + 17] = 0
     hdr[ihl + 13] = mid
-    tcp_base = ones_sum(memoryview(hdr)[ihl:hl],
-                        pseudo_header_sum(bytes(hdr[12:16]), bytes(hdr[16:20]), IPPROTO_TCP, hl - ihl + gso))
+    tcp_base = ones_sum(memoryview(hdr)[ihl:hl], pseudo_header_sum(src, dst, IPPROTO_TCP, hl - ihl + gso))
     return bytes(hdr), ident0, seq0, flags, mid, ip_base, tcp_base

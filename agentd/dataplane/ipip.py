@@ -256,6 +256,9 @@ class IpipTransport:
             return False
         if np.count_nonzero((outer ^ outer[0]) & _OUTER_MASK):
             return False
+        # IPv4 inside only (RFC 2003); the coalescer would take IPv6 too (udp carries it).
+        if np.count_nonzero(arr[20 : got * RX_SLOT : RX_SLOT] >> 4 != 4):
+            return False
         inner = np.subtract(lens, 20, dtype=np.int64)
         if not add_batch(arr, 20, RX_SLOT, inner):
             return False

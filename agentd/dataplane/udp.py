@@ -1,4 +1,5 @@
-"""flannel-compatible UDP transport: the UDP payload is exactly one inner IPv4 packet.
+"""flannel-compatible UDP transport: the UDP payload is exactly one inner packet, IPv4 or IPv6
+(its version nibble says which; the outer header is IPv4, the underlay's).
 
 Fast path: a batch of equal-sized inner packets leaves in ONE ``sendmsg`` carrying a
 ``UDP_SEGMENT`` control message (UDP GSO, Linux >= 4.18): the kernel cuts the buffer into one
@@ -46,6 +47,15 @@ _SEG_DATA = socket.CMSG_LEN(0)             # where its 16-bit gso_size sits
 _CMSG_HDR = struct.Struct("@NiiH")         # cmsg_len, cmsg_level, cmsg_type, gso_size
 _IOV = struct.Struct("@PN")
 _TX_QUEUE = 128
+
+
+def inner_packet_ok(v, n: int) -> bool:
+    """Whether the ``n`` bytes ``v`` are exactly one IP packet: IPv4 whose total length is
+    ``n``, or IPv6 whose payload length plus its 40-byte header is ``n`` (flannel's format: one
+    inner packet per datagram; a jumbogram's payload length 0 is not one)."""
+    if n >= 20 and v[0] >> 4 == 4:
+        return (v[2] << 8 | v[3]) == n
+    return n >= 40 and v[0] >> 4 == 6 and (v[4] << 8 | v[5]) + 40 == n
 
 
 class _GsoQueue:
@@ -282,7 +292,7 @@ class UdpTransport:
                     drops["non_member"] += 1
                     continue
                 v = mv[:n]
-                if n < 20 or v[0] >> 4 != 4 or ((v[2] << 8) | v[3]) != n:
+                if not inner_packet_ok(v, n):
                     drops["malformed"] += 1
                     continue
                 c["rx_packets"] += 1
@@ -317,8 +327,7 @@ class UdpTransport:
             good = 0
             for off in range(0, n, seg):
                 v = mv[off : off + seg] if off + seg <= n else mv[off:n]
-                ln = len(v)
-                if ln < 20 or v[0] >> 4 != 4 or ((v[2] << 8) | v[3]) != ln:
+                if not inner_packet_ok(v, len(v)):
                     drops["malformed"] += 1
                     continue
                 good += 1

@@ -56,12 +56,7 @@ from agentd.dataplane._transmit import BUDGET, LOOPS, Transmit
 from agentd.dataplane.ipip import IpipTransport
 from agentd.dataplane.tun import TunError, check_name, local_source_accepted, open_tun
 from agentd.dataplane.udp import UdpTransport
-from proto.packet import (
-    FLANNEL_UDP_PORT,
-    VNET_HDR_NONE,
-    icmp_net_unreachable,
-    icmp_time_exceeded,
-)
+from proto.packet import FLANNEL_UDP_PORT, VNET_HDR_NONE
 
 log = logging.getLogger("agentd.dataplane")
 
@@ -70,6 +65,9 @@ DEFAULT_DEVICE = {kind: BACKENDS[kind].device for kind in TRANSPORTS}
 # flannel's UDP backend decrements the inner TTL (it is a router hop in user space); IPIP
 # (like a kernel ipip device) does not.
 TTL_DECREMENT = {kind: BACKENDS[kind].ttl_decrement for kind in TRANSPORTS}
+# The inner families each carries: udp IPv4 and IPv6 (the payload is the inner packet), ipip IPv4
+# (RFC 2003; IPv6 in IPv4 would be another protocol, 41).
+FAMILIES = {kind: BACKENDS[kind].inner_families for kind in TRANSPORTS}
 DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "not_ipv4", "send_error",
                 "tun_write_error")
 COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
@@ -90,6 +88,7 @@ class WorkerConfig:
     orphan_timeout: float = 120.0
     state: str | None = None
     icmp_source: str | None = None
+    icmp_source_v6: str | None = None
     segmentation: str = "user"
     txqueuelen: int = 1000
     fast_path: str = "c"
@@ -141,8 +140,10 @@ class Worker:
         loop = Transmit if self.fast is not None else LOOPS[(cfg.offload, cfg.segmentation)]
         self.tx = loop(tun_fd=self.tun.fd, transport=self.transport, mtu=cfg.mtu,
                        ttl_decrement=self.ttl_decrement, icmp_source=self.icmp_source,
-                       counters=self.c, drops=self.drops)
+                       counters=self.c, drops=self.drops, families=FAMILIES[cfg.kind],
+                       icmp_source_v6=cfg.icmp_source_v6)
         # Underlay -> TUN in Python: the receive buffer and the coalescer, only where the C loop does not run.
+        # (The transports check the inner family on receive: udp takes IPv4 and IPv6, ipip IPv4.)
         self.coalescer: Coalescer | _SingleWriter | None = None
         self.rxbuf: bytearray | None = None
         if self.fast is None:
@@ -246,6 +247,8 @@ class Worker:
         cfg = self.cfg
         return {"kind": cfg.kind, "tun": cfg.tun, "mtu": cfg.mtu, "local_ip": cfg.local_ip, "port": cfg.port,
                 "icmp_source": self.icmp_source or "inner-destination",
+                "icmp_source_v6": cfg.icmp_source_v6 or "inner-destination",
+                "families": list(FAMILIES[cfg.kind]),
                 "offload": cfg.offload, "segmentation": cfg.segmentation if cfg.offload else "none",
                 "fast_path": "c" if self.fast is not None else "python",
                 "pid": os.getpid(), "orphan_timeout": cfg.orphan_timeout}
@@ -286,8 +289,7 @@ class Worker:
         rc = self.fast.run(self.control.fds(), 500)
         if rc == 1:
             kind, pkt = self.fast.slow_packet()
-            self.tx.icmp(icmp_net_unreachable if kind == _fast.SLOW_NET_UNREACHABLE else icmp_time_exceeded,
-                         memoryview(pkt))
+            self.tx.icmp("no_route" if kind == _fast.SLOW_NET_UNREACHABLE else "ttl_exceeded", memoryview(pkt))
         elif rc < 0:
             _raise_errno()
 
@@ -489,6 +491,17 @@ def _ipv4(value: str) -> str:
     return str(addr)
 
 
+def _ipv6(value: str) -> str:
+    """A unicast IPv6 address (the source of ICMPv6 errors)."""
+    try:
+        addr = ipaddress.IPv6Address(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an IPv6 address: {value!r}") from None
+    if addr.is_unspecified or addr.is_multicast or addr.ipv4_mapped is not None:
+        raise argparse.ArgumentTypeError(f"not a unicast IPv6 address: {value!r}")
+    return str(addr)
+
+
 def _timeout(value: str) -> float:
     try:
         seconds = float(value)
@@ -552,11 +565,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                         "where built) or python (numpy; also the fall-back)")
     p.add_argument("--state", help="state file (default CONTROL.state)")
     p.add_argument("--icmp-source", type=_ipv4, help="source of ICMP errors sent to pods (default --local-ip)")
+    p.add_argument("--icmp-source-v6", type=_ipv6,
+                   help="source of ICMPv6 errors sent to IPv6 pods (udp; default the unreachable destination)")
     a = p.parse_args(argv)
     return WorkerConfig(kind=a.kind, tun=a.tun or DEFAULT_DEVICE[a.kind], mtu=a.mtu, local_ip=a.local_ip,
                         port=a.port, control=a.control, offload=not a.no_offload,
                         orphan_timeout=a.orphan_timeout, state=a.state, icmp_source=a.icmp_source,
-                        segmentation=a.segmentation, fast_path=a.fast_path)
+                        icmp_source_v6=a.icmp_source_v6, segmentation=a.segmentation, fast_path=a.fast_path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,8 +18,8 @@ from agentd.dataplane._forward import (
     NextHopTable,
     complete_checksum,
     parse_members,
-    segment_tcp4,
-    segment_tcp4_packets,
+    segment_tcp,
+    segment_tcp_packets,
 )
 from agentd.dataplane._gro import Coalescer, coalesce_packets
 from agentd.dataplane._tso import TsoSegmenter
@@ -84,7 +84,7 @@ def test_members():
 
 def test_segment_rebuilds_what_a_kernel_sender_would_send():
     payload = bytes(range(256)) * 20  # 5120 bytes
-    segs = segment_tcp4_packets(P.VirtioNetHdr(gso_type=1, gso_size=1448), super_packet(payload), ttl_decrement=True)
+    segs = segment_tcp_packets(P.VirtioNetHdr(gso_type=1, gso_size=1448), super_packet(payload), ttl_decrement=True)
     assert [len(s) for s in segs] == [1500, 1500, 1500, 20 + 32 + 5120 - 3 * 1448]
     got = b""
     for i, s in enumerate(segs):
@@ -98,7 +98,7 @@ def test_segment_rebuilds_what_a_kernel_sender_would_send():
 
 
 def test_segment_cwr_first_fin_last_and_odd_lengths():
-    segs = segment_tcp4_packets(P.VirtioNetHdr(gso_type=1, gso_size=101),
+    segs = segment_tcp_packets(P.VirtioNetHdr(gso_type=1, gso_size=101),
                                 super_packet(b"z" * 333, flags=P.TCP_ACK | P.TCP_CWR | P.TCP_FIN, opts=b""))
     flags = [parse(s)[1].flags for s in segs]
     assert flags == [P.TCP_ACK | P.TCP_CWR, P.TCP_ACK, P.TCP_ACK, P.TCP_ACK | P.TCP_FIN]
@@ -116,7 +116,7 @@ def test_segment_cwr_first_fin_last_and_odd_lengths():
 )
 def test_segments_verify_against_the_naive_checksum_and_coalesce_back(payload, mss, seq, ident, opts, flags):
     sp = super_packet(payload, seq=seq, ident=ident, opts=opts, flags=flags)
-    segs = segment_tcp4_packets(P.VirtioNetHdr(gso_type=1, gso_size=mss), sp)
+    segs = segment_tcp_packets(P.VirtioNetHdr(gso_type=1, gso_size=mss), sp)
     assert len(segs) == -(-len(payload) // mss)
     data = b""
     for i, s in enumerate(segs):
@@ -150,13 +150,13 @@ def test_segments_verify_against_the_naive_checksum_and_coalesce_back(payload, m
 def test_segment_refuses_ttl_one_and_garbage():
     out = bytearray(100000)
     with pytest.raises(ForwardError) as e:
-        segment_tcp4(memoryview(super_packet(b"x" * 3000, ttl=1)), 1448, out, True)
+        segment_tcp(memoryview(super_packet(b"x" * 3000, ttl=1)), 1448, out, True)
     assert e.value.reason == "ttl_exceeded"
     with pytest.raises(ForwardError) as e:
-        segment_tcp4(memoryview(P.udp_datagram(SRC, DST, 1, 2, b"x" * 100)), 1448, out)
+        segment_tcp(memoryview(P.udp_datagram(SRC, DST, 1, 2, b"x" * 100)), 1448, out)
     assert e.value.reason == "malformed"
     with pytest.raises(ForwardError):
-        segment_tcp4(memoryview(b"\x45" + bytes(50)), 1448, out)
+        segment_tcp(memoryview(b"\x45" + bytes(50)), 1448, out)
 
 
 def vector_segments(sp: bytes, mss: int, ttl_decrement=False, *, start=10, off=0):
@@ -169,7 +169,7 @@ def vector_segments(sp: bytes, mss: int, ttl_decrement=False, *, start=10, off=0
 
 def scalar_segments(sp: bytes, mss: int, ttl_decrement=False):
     out = bytearray(1 << 20)
-    count, seglen, total = segment_tcp4(memoryview(sp), mss, out, ttl_decrement)
+    count, seglen, total = segment_tcp(memoryview(sp), mss, out, ttl_decrement)
     return (count, seglen, total), bytes(out[:total])
 
 
@@ -188,7 +188,7 @@ def scalar_segments(sp: bytes, mss: int, ttl_decrement=False):
 )
 def test_vectorized_segmentation_equals_the_scalar_reference(payload, mss, seq, ident, opts, flags, ttl,
                                                              ttl_decrement, place):
-    """The numpy segmenter writes exactly the bytes segment_tcp4 writes (which the tests above
+    """The numpy segmenter writes exactly the bytes segment_tcp writes (which the tests above
     check against the naive RFC 1071 checksum), for any MSS, wrap of ID and sequence number,
     flags, options and buffer offsets; what it cannot view it hands to the reference."""
     sp = super_packet(payload, seq=seq, ident=ident, opts=opts, flags=flags, ttl=ttl)

@@ -1,5 +1,5 @@
 """The C fast path (agentd/dataplane/_fastpath.c) against the Python reference, byte for byte:
-TSO segmentation against segment_tcp4, and the transmit loop (TUN reads into segment slots,
+TSO segmentation against segment_tcp, and the transmit loop (TUN reads into segment slots,
 UDP GSO sends) against it.  The receive side is held to the Coalescer in
 test_dataplane_logic.py.
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentd.dataplane import _fast
-from agentd.dataplane._forward import complete_checksum, segment_tcp4
+from agentd.dataplane._forward import complete_checksum, segment_tcp
 from proto import packet as P
 
 SRC, DST = "10.244.1.2", "10.244.2.2"
@@ -34,7 +34,7 @@ def seg(seq, data=b"x" * 1000, **kw):
 
 def reference(sp: bytes, mss: int, ttl_decrement=False):
     out = bytearray(1 << 20)
-    count, seglen, total = segment_tcp4(memoryview(sp), mss, out, ttl_decrement)
+    count, seglen, total = segment_tcp(memoryview(sp), mss, out, ttl_decrement)
     return count, seglen, total, bytes(out[:total])
 
 
@@ -66,7 +66,7 @@ def test_every_field_python_mirrors_matches_the_c_struct():
 )
 def test_c_segmentation_equals_the_reference(payload, mss, seq, ident, opts, flags, ttl, ttl_decrement):
     """Any MSS (odd ones too), wrap of ID and sequence number, flags, TCP options, TTL: the C
-    segmenter writes exactly what segment_tcp4 writes (which test_dataplane_logic checks
+    segmenter writes exactly what segment_tcp writes (which test_dataplane_logic checks
     against the naive RFC 1071 checksum and a kernel sender's rules)."""
     sp = super_packet(payload, seq=seq, ident=ident, opts=opts, flags=flags, ttl=ttl)
     assert _fast.segment(sp, mss, ttl_decrement) == reference(sp, mss, ttl_decrement)
@@ -174,7 +174,7 @@ def expected_wire(reads) -> list[bytes]:
 def test_c_transmit_loop_sends_what_the_reference_segmenter_makes(reads):
     """Super-packets of the slots' geometry are segmented where readv put them, others are
     gathered first (and move the slots to their geometry); every inner packet on the wire is
-    byte for byte what segment_tcp4 makes, in order, TTL decremented (udp)."""
+    byte for byte what segment_tcp makes, in order, TTL decremented (udp)."""
     with c_sender(mtu=1472) as (fp, tun, received):
         for _kind, raw, _pkt, _mss in reads:
             tun.send(raw)
