@@ -35,7 +35,7 @@ class _State(ctypes.Structure):
     _fields_ = [
         ("tun_fd", ctypes.c_int), ("sock_fd", ctypes.c_int), ("kind", ctypes.c_int), ("mtu", ctypes.c_int),
         ("ttl_decrement", ctypes.c_int), ("udp_gso", ctypes.c_int), ("udp_gro", ctypes.c_int),
-        ("port", ctypes.c_uint16),
+        ("ipv6", ctypes.c_int), ("port", ctypes.c_uint16),
         ("counters", ctypes.c_uint64 * len(COUNTERS)),
         ("slow_kind", ctypes.c_int), ("slow_len", ctypes.c_int), ("slow", ctypes.c_uint8 * SLOW_MAX),
         ("gso_failed_errno", ctypes.c_int),
@@ -78,6 +78,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.fp_run.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.fp_run.restype = ctypes.c_int
     lib.fp_set_routes.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int]
+    lib.fp_set_routes6.argtypes = [ctypes.POINTER(_State), ctypes.c_char_p, ctypes.c_int]
     lib.fp_set_members.argtypes = [ctypes.POINTER(_State), ctypes.c_void_p, ctypes.c_int]
     lib.fp_segment.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
@@ -94,7 +95,7 @@ class FastPath:
     """One worker's C state; :meth:`run` is the worker's poll loop."""
 
     def __init__(self, lib: ctypes.CDLL, kind: str, *, tun_fd: int, sock_fd: int, mtu: int, ttl_decrement: bool,
-                 port: int, udp_gso: bool, udp_gro: bool) -> None:
+                 port: int, udp_gso: bool, udp_gro: bool, ipv6: bool = False) -> None:
         self._lib = lib
         ptr = lib.fp_new()
         if not ptr:
@@ -103,6 +104,7 @@ class FastPath:
         st = self.state = ptr.contents
         st.tun_fd, st.sock_fd, st.kind, st.mtu = tun_fd, sock_fd, KINDS[kind], mtu
         st.ttl_decrement, st.udp_gso, st.udp_gro = int(ttl_decrement), int(udp_gso), int(udp_gro)
+        st.ipv6 = int(ipv6)  # IPv6 inner packets carried (udp), else dropped as not_ipv4
         st.port = int.from_bytes(port.to_bytes(2, "big"), sys.byteorder)  # network byte order
         self._run = lib.fp_run
         self._other: tuple[int, ...] = ()
@@ -123,11 +125,16 @@ class FastPath:
             self._ptr = None
 
     def set_routes(self, table: NextHopTable) -> None:
-        rows = []
+        rows, rows6 = [], []
         for prefix, via in table.routes.items():
-            net = ipaddress.IPv4Network(prefix)
-            rows.append((net.prefixlen, int(net.network_address), int(net.netmask), int(ipaddress.IPv4Address(via))))
+            net = ipaddress.ip_network(prefix)
+            peer = ipaddress.IPv4Address(via).packed
+            if net.version == 6:  # prefix and mask as in the header, the peer in network byte order
+                rows6.append((net.prefixlen, net.network_address.packed + net.netmask.packed + peer))
+                continue
+            rows.append((net.prefixlen, int(net.network_address), int(net.netmask), int.from_bytes(peer, "big")))
         rows.sort(key=lambda r: -r[0])  # longest prefix first
+        rows6.sort(key=lambda r: -r[0])
         flat = (ctypes.c_uint32 * (3 * len(rows)))()
         for i, (_plen, net, mask, via) in enumerate(rows):
             # network byte order in a native uint32: the C side compares raw header words
@@ -136,6 +143,8 @@ class FastPath:
             flat[3 * i + 2] = int.from_bytes(via.to_bytes(4, "big"), sys.byteorder)
         if self._lib.fp_set_routes(self._ptr, flat, len(rows)):
             raise MemoryError("fp_set_routes")
+        if self._lib.fp_set_routes6(self._ptr, b"".join(entry for _plen, entry in rows6), len(rows6)):
+            raise MemoryError("fp_set_routes6")
 
     def set_members(self, members) -> None:
         addrs = sorted(int(ipaddress.IPv4Address(m)) for m in members)
@@ -166,8 +175,8 @@ class FastPath:
 
 
 def segment(pkt: bytes, gso_size: int, ttl_decrement: bool = False) -> tuple[int, int, int, bytes]:
-    """The C segmenter on one super-packet (for tests): ``(count, seglen, total, segments)``;
-    count < 0 as ``fp_segment`` returns it (-1 malformed, -2 TTL exceeded)."""
+    """The C segmenter on one super-packet, IPv4 or IPv6 (for tests): ``(count, seglen, total,
+    segments)``; count < 0 as ``fp_segment`` returns it (-1 malformed, -2 TTL exceeded)."""
     lib, why = load()
     if lib is None:
         raise RuntimeError(why)

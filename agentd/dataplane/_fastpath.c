@@ -7,10 +7,14 @@
  * the underlay socket (fp_rx) until a control socket needs Python.  What it cannot finish (a
  * packet that needs an ICMP error) it hands back to Python.
  *
- * TUN -> underlay: the TUN has IFF_VNET_HDR and TSO, so one read returns a TCP/IPv4 super-packet
- * of up to 64 KB; it is cut into MTU-sized segments exactly as Linux tcp_gso_segment does (IP ID
- * +1 per segment, sequence number +MSS, CWR on the first only, FIN/PSH on the last only, every
- * checksum complete), and the segments of a batch of reads leave in one sendmmsg: for UDP in
+ * Inner packets are IPv4, and IPv6 where the backend carries it (udp: st->ipv6; ipip is IPv4 in
+ * IPv4 only): the outer header is IPv4 either way, the underlay's.
+ *
+ * TUN -> underlay: the TUN has IFF_VNET_HDR and TSO, so one read returns a TCP super-packet (IPv4
+ * or IPv6) of up to 64 KB; it is cut into MTU-sized segments exactly as Linux tcp_gso_segment
+ * does (IPv4 ID +1 per segment, IPv6 payload length per segment and no header checksum, sequence
+ * number +MSS, CWR on the first only, FIN/PSH on the last only, every checksum complete), and the
+ * segments of a batch of reads leave in one sendmmsg: for UDP in
  * messages of up to 64 equal segments with a UDP_SEGMENT control message (the kernel cuts each
  * into one datagram per segment: flannel's wire format; consecutive super-packets share a
  * message where their segments line up), for IPIP one message per segment (raw sockets have
@@ -18,7 +22,8 @@
  *
  * Underlay -> TUN: a UDP GRO read (or a recvmmsg batch of IPIP packets) is cut into its inner
  * packets; consecutive in-order segments of one TCP flow are merged as Linux tcp_gro_receive
- * would and written to the TUN as one super-packet (virtio-net header GSO_TCPV4 + NEEDS_CSUM)
+ * would and written to the TUN as one super-packet (virtio-net header GSO_TCPV4 or GSO_TCPV6 +
+ * NEEDS_CSUM)
  * with one writev whose iovecs point at the payloads where they were received: no copy.
  *
  * Python reference implementations of every step (agentd/dataplane/_forward.py, _tso.py,
@@ -44,6 +49,7 @@
 #define VNET_F_NEEDS_CSUM 1
 #define VNET_GSO_NONE 0
 #define VNET_GSO_TCPV4 1
+#define VNET_GSO_TCPV6 4
 #define SOL_UDP_ 17
 #define UDP_SEGMENT_ 103
 #define UDP_GRO_ 104
@@ -89,12 +95,14 @@ enum {
 #define SLOW_TIME_EXCEEDED 2
 
 struct fp_route { uint32_t net, mask, peer; };   /* network byte order */
+struct fp_route6 { uint64_t net[2], mask[2]; uint32_t peer; };   /* bytes as in the header; peer network order */
 
 struct fp_msg_meta { uint32_t peer; int segments; int bytes; int seglen; int gso; };
 
 struct fp_state {
     /* set by Python (_fast.py's _State mirrors them; fp_fields below lets it check) */
     int tun_fd, sock_fd, kind, mtu, ttl_decrement, udp_gso, udp_gro;
+    int ipv6;                        /* IPv6 inner packets are carried (udp), else dropped as not_ipv4 */
     uint16_t port;                   /* network byte order */
     uint64_t counters[C_COUNT];
     int slow_kind, slow_len;
@@ -102,8 +110,10 @@ struct fp_state {
     int gso_failed_errno;            /* non-zero once a UDP_SEGMENT send was refused */
     /* private */
     struct fp_route *routes; int nroutes;
+    struct fp_route6 *routes6; int nroutes6;
     uint32_t *members; int nmembers;  /* host byte order, sorted */
     uint32_t cache_dst, cache_peer; int cache_ok;
+    uint64_t cache6_dst[2]; uint32_t cache6_peer; int cache6_ok;
     uint8_t *in, *out, *rx, *ovf;
     int geo_hl, geo_gso;             /* the segment slots TUN reads go into (the last TSO geometry) */
     struct iovec tiov[TX_IOV];
@@ -158,9 +168,10 @@ static inline void put_csum(uint8_t *at, uint64_t s)
     memcpy(at, &v, 2);
 }
 
-static inline uint64_t pseudo_sum(const uint8_t *ip, uint8_t proto, uint32_t length)
+/* The pseudo header of the IPv4 (ihl 20) or IPv6 (ihl 40; RFC 8200 section 8.1) packet at ip. */
+static inline uint64_t pseudo_sum(const uint8_t *ip, int ihl, uint8_t proto, uint32_t length)
 {
-    uint64_t s = sum_bytes(ip + 12, 8, 0);
+    uint64_t s = ihl == 40 ? sum_bytes(ip + 8, 32, 0) : sum_bytes(ip + 12, 8, 0);
     s += htons(proto);
     s += htons((uint16_t)length);
     return s;
@@ -190,31 +201,32 @@ static inline void decrement_ttl(uint8_t *ip)
 
 /* -- segmentation -------------------------------------------------------------------------------- */
 
-/* Cut a TCP/IPv4 super-packet of n bytes (headers: ihl + thl bytes at hdr_in; payload chunk i
- * of gso bytes at payload + i * step) into segments back to back from out.  With
+/* Cut a TCP super-packet of n bytes (headers: ihl + thl bytes at hdr_in, IPv4 or with v6 IPv6;
+ * payload chunk i of gso bytes at payload + i * step) into segments back to back from out.  With
  * payload == out + hl and step == hl + gso the payload is already where the segments want it
  * (the worker reads the TUN that way) and only the headers are written. */
-static int segment(const uint8_t *hdr_in, int n, int ihl, int thl, const uint8_t *payload, int step, int gso,
-                   uint8_t *out, int out_len, int ttl_decrement, int *seglen, int *total)
+static int segment(const uint8_t *hdr_in, int n, int ihl, int thl, int v6, const uint8_t *payload, int step,
+                   int gso, uint8_t *out, int out_len, int ttl_decrement, int *seglen, int *total)
 {
     int hl = ihl + thl;
     int plen = n - hl;
     int count = plen ? (plen + gso - 1) / gso : 1;
     int tot = plen + count * hl;
+    int hop_at = v6 ? 7 : 8;   /* IPv6's hop limit, IPv4's TTL */
     if (tot > out_len)
         return -3;
-    if (ttl_decrement && hdr_in[8] <= 1)
+    if (ttl_decrement && hdr_in[hop_at] <= 1)
         return -2;
 
     uint8_t hdr[120];
     memcpy(hdr, hdr_in, hl);
     if (ttl_decrement)
-        hdr[8] -= 1;
-    uint16_t id0 = get16(hdr + 4);
+        hdr[hop_at] -= 1;
+    uint16_t id0 = v6 ? 0 : get16(hdr + 4);
     uint32_t seq0 = get32(hdr + ihl + 4);
     uint8_t flags = hdr[ihl + 13];
     uint8_t mid = flags & ~(TCP_FIN | TCP_PSH | TCP_CWR);
-    uint64_t pseudo = sum_bytes(hdr + 12, 8, 0) + htons(IPPROTO_TCP);
+    uint64_t pseudo = (v6 ? sum_bytes(hdr + 8, 32, 0) : sum_bytes(hdr + 12, 8, 0)) + htons(IPPROTO_TCP);
     hdr[ihl + 16] = hdr[ihl + 17] = 0;
 
     uint8_t *o = out;
@@ -225,9 +237,13 @@ static int segment(const uint8_t *hdr_in, int n, int ihl, int thl, const uint8_t
         if (o + hl != src)
             memmove(o + hl, src, clen);
         src += step;
-        put16(o + 2, (uint16_t)(hl + clen));
-        put16(o + 4, (uint16_t)(id0 + i));
-        ip_checksum(o, ihl);
+        if (v6) {
+            put16(o + 4, (uint16_t)(hl - 40 + clen));   /* the payload length; no header checksum */
+        } else {
+            put16(o + 2, (uint16_t)(hl + clen));
+            put16(o + 4, (uint16_t)(id0 + i));
+            ip_checksum(o, ihl);
+        }
         uint8_t f = mid;
         if (i == 0)
             f |= flags & TCP_CWR;
@@ -245,12 +261,16 @@ static int segment(const uint8_t *hdr_in, int n, int ihl, int thl, const uint8_t
     return count;
 }
 
-/* The header lengths of a TCP/IPv4 packet of n bytes, or -1 when it is not one. */
-static inline int tcp4_headers(const uint8_t *pkt, int n, int *ihl, int *thl)
+/* The header lengths of a TCP/IPv4 packet of n bytes, or (with ipv6) of a TCP/IPv6 one whose next
+ * header is TCP (no extension headers), or -1 when it is neither. */
+static inline int tcp_headers(const uint8_t *pkt, int n, int ipv6, int *ihl, int *thl)
 {
-    if (n < 40 || pkt[0] >> 4 != 4 || pkt[9] != IPPROTO_TCP)
+    if (n >= 40 && pkt[0] >> 4 == 4 && pkt[9] == IPPROTO_TCP)
+        *ihl = (pkt[0] & 0x0F) << 2;
+    else if (ipv6 && n >= 60 && pkt[0] >> 4 == 6 && pkt[6] == IPPROTO_TCP)
+        *ihl = 40;
+    else
         return -1;
-    *ihl = (pkt[0] & 0x0F) << 2;
     if (*ihl < 20 || *ihl + 13 >= n)
         return -1;
     *thl = (pkt[*ihl + 12] >> 4) << 2;
@@ -259,16 +279,17 @@ static inline int tcp4_headers(const uint8_t *pkt, int n, int *ihl, int *thl)
     return 0;
 }
 
-/* Cut the TCP/IPv4 super-packet pkt[0:n] into segments of at most gso payload bytes, back to
- * back from out.  Returns the segment count (and *seglen, *total as segment_tcp4 does), or -1
- * when malformed, -2 when the TTL is exhausted, -3 when out is too small. */
+/* Cut the TCP super-packet pkt[0:n] (IPv4 or IPv6) into segments of at most gso payload bytes,
+ * back to back from out.  Returns the segment count (and *seglen, *total as segment_tcp does),
+ * or -1 when malformed, -2 when the TTL (hop limit) is exhausted, -3 when out is too small. */
 int fp_segment(const uint8_t *pkt, int n, int gso, uint8_t *out, int out_len, int ttl_decrement,
                int *seglen, int *total)
 {
     int ihl, thl;
-    if (tcp4_headers(pkt, n, &ihl, &thl) || gso <= 0)
+    if (tcp_headers(pkt, n, 1, &ihl, &thl) || gso <= 0)
         return -1;
-    return segment(pkt, n, ihl, thl, pkt + ihl + thl, gso, gso, out, out_len, ttl_decrement, seglen, total);
+    return segment(pkt, n, ihl, thl, pkt[0] >> 4 == 6, pkt + ihl + thl, gso, gso, out, out_len, ttl_decrement,
+                   seglen, total);
 }
 
 /* -- next hops and members ----------------------------------------------------------------------- */
@@ -288,6 +309,26 @@ int fp_set_routes(struct fp_state *st, const uint32_t *triples, int n)
     st->routes = r;
     st->nroutes = n;
     st->cache_ok = 0;
+    return 0;
+}
+
+/* IPv6 routes: n entries of 36 bytes (prefix 16, mask 16, as in the header; peer 4, network byte
+ * order), longest prefix first. */
+int fp_set_routes6(struct fp_state *st, const uint8_t *entries, int n)
+{
+    struct fp_route6 *r = n ? malloc(sizeof(*r) * (size_t)n) : NULL;
+    if (n && !r)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        const uint8_t *e = entries + 36 * i;
+        memcpy(r[i].net, e, 16);
+        memcpy(r[i].mask, e + 16, 16);
+        memcpy(&r[i].peer, e + 32, 4);
+    }
+    free(st->routes6);
+    st->routes6 = r;
+    st->nroutes6 = n;
+    st->cache6_ok = 0;
     return 0;
 }
 
@@ -319,6 +360,27 @@ static uint32_t lookup(struct fp_state *st, uint32_t dst)
     st->cache_dst = dst;
     st->cache_peer = peer;
     st->cache_ok = 1;
+    return peer;
+}
+
+/* The peer for the IPv6 destination at dst (16 bytes as in the header), 0 when none. */
+static uint32_t lookup6(struct fp_state *st, const uint8_t *dst)
+{
+    uint64_t d[2];
+    memcpy(d, dst, 16);
+    if (st->cache6_ok && st->cache6_dst[0] == d[0] && st->cache6_dst[1] == d[1])
+        return st->cache6_peer;
+    uint32_t peer = 0;
+    for (int i = 0; i < st->nroutes6; i++) {
+        const struct fp_route6 *r = &st->routes6[i];
+        if ((d[0] & r->mask[0]) == r->net[0] && (d[1] & r->mask[1]) == r->net[1]) {
+            peer = r->peer;
+            break;
+        }
+    }
+    memcpy(st->cache6_dst, d, 16);
+    st->cache6_peer = peer;
+    st->cache6_ok = 1;
     return peer;
 }
 
@@ -367,6 +429,7 @@ void fp_free(struct fp_state *st)
     if (!st)
         return;
     free(st->routes);
+    free(st->routes6);
     free(st->members);
     free(st->in);
     free(st->ovf);
@@ -384,7 +447,7 @@ struct fp_field { const char *name; int offset, size; };
 #define FP_FIELD(f) {#f, (int)offsetof(struct fp_state, f), (int)sizeof(((struct fp_state *)0)->f)}
 static const struct fp_field fp_fields[] = {
     FP_FIELD(tun_fd), FP_FIELD(sock_fd), FP_FIELD(kind), FP_FIELD(mtu), FP_FIELD(ttl_decrement),
-    FP_FIELD(udp_gso), FP_FIELD(udp_gro), FP_FIELD(port), FP_FIELD(counters), FP_FIELD(slow_kind),
+    FP_FIELD(udp_gso), FP_FIELD(udp_gro), FP_FIELD(ipv6), FP_FIELD(port), FP_FIELD(counters), FP_FIELD(slow_kind),
     FP_FIELD(slow_len), FP_FIELD(slow), FP_FIELD(gso_failed_errno),
 };
 #undef FP_FIELD
@@ -605,28 +668,34 @@ static int fp_tx(struct fp_state *st, int budget)
         int stride = st->geo_hl + st->geo_gso;
         /* The packet: contiguous at o when it fits slot 0, else gathered (copied) to st->in. */
         uint8_t *p = len <= stride ? o : NULL;
-        if (len < 20) {
+        int version = o[0] >> 4;
+        if (len < 20 || (version == 6 && len < 40)) {
             st->counters[D_MALFORMED]++;
             continue;
         }
-        if (o[0] >> 4 != 4) {
-            st->counters[D_NOT_IPV4]++;
+        uint32_t peer;
+        if (version == 4) {
+            uint32_t dst;
+            memcpy(&dst, o + 16, 4);
+            peer = lookup(st, dst);
+        } else if (version == 6 && st->ipv6) {
+            peer = lookup6(st, o + 24);
+        } else {
+            st->counters[D_NOT_IPV4]++;   /* not IP, or IPv6 where the backend carries IPv4 only (ipip) */
             continue;
         }
-        uint32_t dst;
-        memcpy(&dst, o + 16, 4);
-        uint32_t peer = lookup(st, dst);
         if (!peer) {
             st->counters[D_NO_ROUTE]++;
             return hand_back(st, SLOW_NET_UNREACHABLE, p ? p : gather(st, nv, len), len);
         }
         int gso_type = v[1] & 0x7F;
         int gso_size = v[4] | v[5] << 8;
-        if (gso_type == VNET_GSO_TCPV4) {
+        int hop_at = version == 6 ? 7 : 8;   /* IPv6's hop limit, IPv4's TTL */
+        if (gso_type == (version == 6 ? VNET_GSO_TCPV6 : VNET_GSO_TCPV4)) {
             int seglen, total, ihl, thl;
             if (!p)
                 p = o;   /* the headers are in slot 0 either way */
-            if (tcp4_headers(p, len, &ihl, &thl) || gso_size <= 0) {
+            if (tcp_headers(p, len, version == 6, &ihl, &thl) || gso_size <= 0) {
                 st->counters[D_MALFORMED]++;
                 continue;
             }
@@ -638,12 +707,12 @@ static int fp_tx(struct fp_state *st, int budget)
             int capacity = stride + (nv - 3) * st->geo_gso;   /* bytes the slots hold */
             int count;
             if (hl == st->geo_hl && gso_size == st->geo_gso && len <= capacity) {
-                count = segment(o, len, ihl, thl, o + hl, stride, gso_size, o, OUT_SIZE - st->out_used,
-                                st->ttl_decrement, &seglen, &total);
+                count = segment(o, len, ihl, thl, version == 6, o + hl, stride, gso_size, o,
+                                OUT_SIZE - st->out_used, st->ttl_decrement, &seglen, &total);
             } else {
                 p = gather(st, nv, len);
-                count = segment(p, len, ihl, thl, p + hl, gso_size, gso_size, o, OUT_SIZE - st->out_used,
-                                st->ttl_decrement, &seglen, &total);
+                count = segment(p, len, ihl, thl, version == 6, p + hl, gso_size, gso_size, o,
+                                OUT_SIZE - st->out_used, st->ttl_decrement, &seglen, &total);
                 if (gso_size >= MIN_SLOT_GSO && hl <= 120) {   /* the next ones are likely alike */
                     st->geo_hl = hl;
                     st->geo_gso = gso_size;
@@ -665,7 +734,7 @@ static int fp_tx(struct fp_state *st, int budget)
             continue;
         }
         if (gso_type != VNET_GSO_NONE) {
-            st->counters[D_MALFORMED]++;   /* GSO kinds we never enable (TCPv6, UDP) */
+            st->counters[D_MALFORMED]++;   /* GSO kinds we never enable (UDP), or not the packet's family */
             continue;
         }
         if (len > st->mtu) {
@@ -676,21 +745,24 @@ static int fp_tx(struct fp_state *st, int budget)
             memcpy(o, gather(st, nv, len), (size_t)len);
         if (v[0] & VNET_F_NEEDS_CSUM) {
             int cs = v[6] | v[7] << 8, co = v[8] | v[9] << 8;
-            if (cs < 20 || cs + co + 2 > len) {
+            if (cs < (version == 6 ? 40 : 20) || cs + co + 2 > len) {
                 st->counters[D_MALFORMED]++;
                 continue;
             }
             uint16_t sum = (uint16_t)~fold(sum_bytes(o + cs, (size_t)(len - cs), 0));
-            if (sum == 0 && o[9] == IPPROTO_UDP)
-                sum = 0xFFFF;
+            if (sum == 0 && o[version == 6 ? 6 : 9] == IPPROTO_UDP)
+                sum = 0xFFFF;   /* RFC 768; RFC 8200 section 8.1 */
             memcpy(o + cs + co, &sum, 2);
         }
         if (st->ttl_decrement) {
-            if (o[8] <= 1) {
+            if (o[hop_at] <= 1) {
                 st->counters[D_TTL_EXCEEDED]++;
                 return hand_back(st, SLOW_TIME_EXCEEDED, o, len);
             }
-            decrement_ttl(o);
+            if (version == 6)
+                o[7] -= 1;   /* no header checksum */
+            else
+                decrement_ttl(o);
         }
         st->out_used += len;
         queue_segments(st, peer, o, 1, len, len);
@@ -722,42 +794,57 @@ static void write_single(struct fp_state *st, uint8_t *p, int len)
     tun_write(st, iov, 2);
 }
 
-/* Could this packet be part of a GRO run (tcp_gro_receive's conditions)? */
-static inline int mergeable(const uint8_t *p, int len)
+/* Could this packet be part of a GRO run (tcp_gro_receive's conditions)?  Its IP header length
+ * (20: IPv4 without options or fragments; 40: IPv6 whose next header is TCP) and in *hlp the
+ * length of its headers, or 0. */
+static inline int mergeable(const uint8_t *p, int len, int *hlp)
 {
-    if (len < 40 || p[0] != 0x45 || p[9] != IPPROTO_TCP || (p[6] & 0x3F) || p[7])
+    int ihl;
+    if (len < 40)
         return 0;
-    int hl = 20 + ((p[32] >> 4) << 2);
-    return hl >= 40 && hl < len && (p[33] & ~TCP_PSH) == TCP_ACK;
+    if (p[0] == 0x45 && p[9] == IPPROTO_TCP && !(p[6] & 0x3F) && !p[7])
+        ihl = 20;
+    else if (p[0] >> 4 == 6 && p[6] == IPPROTO_TCP && len >= 60)
+        ihl = 40;
+    else
+        return 0;
+    int hl = ihl + ((p[ihl + 12] >> 4) << 2);
+    if (hl < ihl + 20 || hl >= len || (p[ihl + 13] & ~TCP_PSH) != TCP_ACK)
+        return 0;
+    *hlp = hl;
+    return ihl;
 }
 
-/* Headers equal but for total length, ID, IP checksum, sequence number, PSH and TCP checksum. */
-static inline int same_flow(const uint8_t *a, const uint8_t *b, int hl)
+/* Headers equal but for the IP length (IPv4 total, IPv6 payload), IPv4 ID and checksum, sequence
+ * number, PSH and TCP checksum. */
+static inline int same_flow(const uint8_t *a, const uint8_t *b, int ihl, int hl)
 {
-    return a[0] == b[0] && a[1] == b[1] && !memcmp(a + 6, b + 6, 4) && !memcmp(a + 12, b + 12, 12)
-           && !memcmp(a + 28, b + 28, 5) && (a[33] & ~TCP_PSH) == (b[33] & ~TCP_PSH)
-           && a[34] == b[34] && a[35] == b[35] && !memcmp(a + 38, b + 38, (size_t)(hl - 38));
+    int ip = ihl == 20 ? a[0] == b[0] && a[1] == b[1] && !memcmp(a + 6, b + 6, 4) && !memcmp(a + 12, b + 12, 8)
+                       : !memcmp(a, b, 4) && !memcmp(a + 6, b + 6, 34);
+    const uint8_t *t = a + ihl, *u = b + ihl;
+    return ip && !memcmp(t, u, 4) && !memcmp(t + 8, u + 8, 5) && (t[13] & ~TCP_PSH) == (u[13] & ~TCP_PSH)
+           && t[14] == u[14] && t[15] == u[15] && !memcmp(t + 18, u + 18, (size_t)(hl - ihl - 18));
 }
 
 /* Write pkts[0..k) to the TUN, merging runs of one TCP flow into super-packets. */
 static void coalesce(struct fp_state *st, uint8_t **pkts, int *lens, int k)
 {
-    uint8_t head[VNET_LEN + 80];
+    uint8_t head[VNET_LEN + 128];
     struct iovec iov[MAX_RUN + 1];
     int i = 0;
     while (i < k) {
         uint8_t *p = pkts[i];
         int len = lens[i];
-        if (!mergeable(p, len)) {
+        int hl, ihl = mergeable(p, len, &hl);
+        if (!ihl) {
             write_single(st, p, len);
             i++;
             continue;
         }
-        int hl = 20 + ((p[32] >> 4) << 2);
         int mss = len - hl;
         int total = len;
-        int psh = p[33] & TCP_PSH;
-        uint32_t next = get32(p + 24) + (uint32_t)mss;
+        int psh = p[ihl + 13] & TCP_PSH;
+        uint32_t next = get32(p + ihl + 4) + (uint32_t)mss;
         int cap = (MAX_IP_TOTAL - hl) / mss;
         if (cap > MAX_RUN)
             cap = MAX_RUN;
@@ -765,13 +852,13 @@ static void coalesce(struct fp_state *st, uint8_t **pkts, int *lens, int k)
         int open = !psh;
         while (open && j < k && j - i < cap) {
             uint8_t *q = pkts[j];
-            int ql = lens[j];
-            if (!mergeable(q, ql) || 20 + ((q[32] >> 4) << 2) != hl || ql - hl > mss || get32(q + 24) != next
-                || !same_flow(p, q, hl))
+            int ql = lens[j], qhl;
+            if (mergeable(q, ql, &qhl) != ihl || qhl != hl || ql - hl > mss || get32(q + ihl + 4) != next
+                || !same_flow(p, q, ihl, hl))
                 break;
             next += (uint32_t)(ql - hl);
             total += ql - hl;
-            if (q[33] & TCP_PSH) {
+            if (q[ihl + 13] & TCP_PSH) {
                 psh = 1;
                 open = 0;
             }
@@ -786,17 +873,21 @@ static void coalesce(struct fp_state *st, uint8_t **pkts, int *lens, int k)
         }
         uint8_t *h = head + VNET_LEN;
         memcpy(h, p, (size_t)hl);
-        put16(h + 2, (uint16_t)total);
-        ip_checksum(h, 20);
+        if (ihl == 20) {
+            put16(h + 2, (uint16_t)total);
+            ip_checksum(h, 20);
+        } else {
+            put16(h + 4, (uint16_t)(total - 40));   /* RFC 8200: payload length, no header checksum */
+        }
         if (psh)
-            h[33] |= TCP_PSH;
-        uint16_t ps = fold(pseudo_sum(h, IPPROTO_TCP, (uint32_t)(total - 20)));
-        memcpy(h + 36, &ps, 2);
+            h[ihl + 13] |= TCP_PSH;
+        uint16_t ps = fold(pseudo_sum(h, ihl, IPPROTO_TCP, (uint32_t)(total - ihl)));
+        memcpy(h + ihl + 16, &ps, 2);
         head[0] = VNET_F_NEEDS_CSUM;
-        head[1] = VNET_GSO_TCPV4;
+        head[1] = ihl == 20 ? VNET_GSO_TCPV4 : VNET_GSO_TCPV6;
         head[2] = hl & 0xFF; head[3] = hl >> 8;
         head[4] = mss & 0xFF; head[5] = mss >> 8;
-        head[6] = 20; head[7] = 0;
+        head[6] = (uint8_t)ihl; head[7] = 0;
         head[8] = 16; head[9] = 0;
         /* The patched header, then every payload where it was received. */
         iov[0].iov_base = head;
@@ -815,10 +906,13 @@ static void coalesce(struct fp_state *st, uint8_t **pkts, int *lens, int k)
     }
 }
 
-/* Is this an inner packet we may write: IPv4 with a total length equal to its length? */
-static inline int inner_ok(const uint8_t *p, int len)
+/* Is this an inner packet we may write: IPv4 with a total length equal to its length, or (with
+ * ipv6) IPv6 whose payload length and header are its length? */
+static inline int inner_ok(const uint8_t *p, int len, int ipv6)
 {
-    return len >= 20 && p[0] >> 4 == 4 && (p[0] & 0x0F) >= 5 && get16(p + 2) == len;
+    if (len >= 20 && p[0] >> 4 == 4)
+        return (p[0] & 0x0F) >= 5 && get16(p + 2) == len;
+    return ipv6 && len >= 40 && p[0] >> 4 == 6 && get16(p + 4) + 40 == len;
 }
 
 /* Received inner packets wait in st->rx (and in pkts/lens) until the socket is drained, the
@@ -884,7 +978,7 @@ static int rx_udp(struct fp_state *st, int budget)
         for (int off = 0; off < n; off += seg) {
             int len = off + seg <= n ? seg : (int)n - off;
             uint8_t *p = buf + off;
-            if (!inner_ok(p, len)) {
+            if (!inner_ok(p, len, st->ipv6)) {
                 st->counters[D_MALFORMED]++;
                 continue;
             }
@@ -946,7 +1040,7 @@ static int rx_ipip(struct fp_state *st, int budget)
                 continue;
             }
             int ihl = (o[0] & 0x0F) << 2;
-            if (o[0] >> 4 != 4 || ihl < 20 || ihl > n || o[9] != 4 || !inner_ok(o + ihl, n - ihl)) {
+            if (o[0] >> 4 != 4 || ihl < 20 || ihl > n || o[9] != 4 || !inner_ok(o + ihl, n - ihl, 0)) {
                 st->counters[D_MALFORMED]++;
                 continue;
             }
@@ -974,7 +1068,7 @@ int fp_write_packets(struct fp_state *st, uint8_t *buf, const int *lens, int k)
     if (k > MAX_PENDING)
         return -1;
     for (int i = 0; i < k; i++) {
-        if (inner_ok(buf, lens[i])) {
+        if (inner_ok(buf, lens[i], st->ipv6)) {
             pkts[k2] = buf;
             ls[k2++] = lens[i];
         } else {

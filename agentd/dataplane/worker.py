@@ -173,7 +173,7 @@ class Worker:
         t = self.transport.offloads
         return _fast.FastPath(lib, cfg.kind, tun_fd=self.tun.fd, sock_fd=self.transport.fileno(), mtu=cfg.mtu,
                               ttl_decrement=self.ttl_decrement, port=cfg.port, udp_gso=t.get("udp_gso", False),
-                              udp_gro=t.get("udp_gro", False))
+                              udp_gro=t.get("udp_gro", False), ipv6=6 in FAMILIES[cfg.kind])
 
     # -- control ------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from agentd.dataplane import _fast
 from agentd.dataplane._forward import complete_checksum, segment_tcp
+from agentd.dataplane._gro import coalesce_packets
 from proto import packet as P
 
 SRC, DST = "10.244.1.2", "10.244.2.2"
@@ -33,7 +34,7 @@ def seg(seq, data=b"x" * 1000, **kw):
 
 
 def reference(sp: bytes, mss: int, ttl_decrement=False):
-    out = bytearray(1 << 20)
+    out = bytearray(len(sp) + (len(sp) // max(mss, 1) + 2) * 120)
     count, seglen, total = segment_tcp(memoryview(sp), mss, out, ttl_decrement)
     return count, seglen, total, bytes(out[:total])
 
@@ -200,3 +201,269 @@ def test_c_transmit_loop_hands_back_what_needs_an_icmp_error():
         assert fp.slow_packet() == (_fast.SLOW_TIME_EXCEEDED, sp[: _fast.SLOW_MAX])
         assert received() == []
         assert fp.counters()["drop:no_route"] == 1 and fp.counters()["drop:ttl_exceeded"] == 1
+
+
+# -- IPv6 inner packets (udp): the same loops, byte for byte the Python reference ------------------
+
+SRC6, DST6 = "fd00:10:244:1::2", "fd00:10:244:2::2"
+
+
+def payloads(max_size: int, min_size: int = 1):
+    """Payloads of any length up to ``max_size`` (hypothesis' binaries are mostly short: super-packets
+    of many segments need lengths drawn first), random bytes repeated."""
+    return st.builds(lambda n, seed: (seed * (n // len(seed) + 1))[:n], st.integers(min_size, max_size),
+                     st.binary(min_size=1, max_size=256))
+
+
+ROUTES = {"10.244.0.0/16": "127.0.0.1", "fd00:10:244::/48": "127.0.0.1"}
+
+
+def super_packet6(payload: bytes, *, seq=1000, flags=P.TCP_ACK | P.TCP_PSH, opts=TS_OPTS, hop_limit=63,
+                  traffic_class=0, flow_label=0x54321, dport=5201):
+    return bytes(P.tcp6_packet(SRC6, DST6, P.TcpHeader(40000, dport, seq, 777, flags, 502, options=opts), payload,
+                               hop_limit=hop_limit, traffic_class=traffic_class, flow_label=flow_label))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    payload=st.one_of(st.binary(min_size=0, max_size=3000), payloads(65535 - 100)),
+    mss=st.one_of(st.sampled_from([1400, 1408, 1428, 536, 1001, 100]), st.integers(1, 1440)),
+    seq=st.one_of(st.integers(0, 0xFFFFFFFF), st.integers(0xFFFFFFFF - 70000, 0xFFFFFFFF)),
+    opts=st.sampled_from([b"", TS_OPTS, b"\x01\x01\x01\x01", bytes(40)]),
+    flags=st.sampled_from([P.TCP_ACK, P.TCP_ACK | P.TCP_PSH, P.TCP_ACK | P.TCP_FIN | P.TCP_PSH,
+                           P.TCP_ACK | P.TCP_CWR, P.TCP_ACK | P.TCP_CWR | P.TCP_PSH | P.TCP_FIN]),
+    hop_limit=st.integers(2, 255),
+    traffic_class=st.integers(0, 255),
+    flow_label=st.integers(0, 0xFFFFF),
+    ttl_decrement=st.booleans(),
+)
+def test_c_tcpv6_segmentation_equals_the_reference(payload, mss, seq, opts, flags, hop_limit, traffic_class,
+                                                   flow_label, ttl_decrement):
+    """TCPv6 super-packets: payload length per segment, no header checksum, the TCP checksum
+    over the IPv6 pseudo header, the hop limit: what segment_tcp writes (checked against the
+    naive checksum and a kernel sender's rules in test_dataplane_ipv6)."""
+    sp = super_packet6(payload, seq=seq, opts=opts, flags=flags, hop_limit=hop_limit, traffic_class=traffic_class,
+                       flow_label=flow_label)
+    assert _fast.segment(sp, mss, ttl_decrement) == reference(sp, mss, ttl_decrement)
+
+
+def test_c_tcpv6_segmentation_refuses_what_the_reference_refuses():
+    assert _fast.segment(super_packet6(b"x" * 3000, hop_limit=1), 1400, True)[0] == -2    # hop limit exhausted
+    assert _fast.segment(super_packet6(b"x" * 3000, hop_limit=1), 1400, False)[0] == 3
+    ext = bytearray(super_packet6(b"x" * 3000))
+    ext[6] = 0  # a hop-by-hop options header first
+    assert _fast.segment(bytes(ext), 1400)[0] == -1
+    assert _fast.segment(b"\x60" + bytes(70), 1400)[0] == -1
+
+
+def vnet_tso6(sp: bytes, mss: int) -> bytes:
+    hl = 40 + ((sp[52] >> 4) << 2)
+    return P.VirtioNetHdr(flags=1, gso_type=P.VIRTIO_NET_HDR_GSO_TCPV6, hdr_len=hl, gso_size=mss, csum_start=40,
+                          csum_offset=16).encode() + sp
+
+
+@st.composite
+def tun_reads_dual(draw):
+    """What a TUN with TSO hands over from dual-stack pods: super-packets and plain packets of
+    both families (the slots follow the last geometry seen, whatever its family), some with a
+    partial checksum."""
+    reads = []
+    seq = draw(st.integers(0, 0xFFFFFFFF))
+    for _ in range(draw(st.integers(1, 8))):
+        v6 = draw(st.booleans())
+        kind = draw(st.sampled_from(["tso", "tso", "tso", "plain", "partial"]))
+        opts = draw(st.sampled_from([TS_OPTS, b""]))
+        ihl = 40 if v6 else 20
+        if kind == "tso":
+            mss = draw(st.sampled_from([1400, 1000, 700, 1432 - ihl + 20 - len(opts)]))
+            payload = draw(st.binary(min_size=mss + 1, max_size=65535 - 80))
+            if v6:
+                sp = super_packet6(payload, seq=seq, opts=opts, flags=P.TCP_ACK)
+                reads.append(("tso", vnet_tso6(sp, mss), sp, mss))
+            else:
+                sp = super_packet(payload, seq=seq, opts=opts, flags=P.TCP_ACK)
+                reads.append(("tso", vnet_tso(sp, mss), sp, mss))
+            seq = (seq + len(payload)) & 0xFFFFFFFF
+            continue
+        size = draw(st.sampled_from([10, 900, 1380]))
+        make = super_packet6 if v6 else super_packet
+        pkt = make(bytes([size & 0xFF]) * size, seq=seq, opts=opts)
+        vnet = P.VNET_HDR_NONE
+        if kind == "partial":  # the TCP checksum field holds the pseudo-header sum only
+            pkt = bytearray(pkt)
+            src, dst = (pkt[8:24], pkt[24:40]) if v6 else (pkt[12:16], pkt[16:20])
+            ps = P.pseudo_header_sum(bytes(src), bytes(dst), 6, len(pkt) - ihl)
+            pkt[ihl + 16 : ihl + 18] = P.fold(ps).to_bytes(2, "big")
+            pkt = bytes(pkt)
+            vnet = P.VirtioNetHdr(flags=1, csum_start=ihl, csum_offset=16).encode()
+        reads.append((kind, vnet + pkt, pkt, 0))
+    return reads
+
+
+def expected_wire_dual(reads) -> list[bytes]:
+    out = []
+    for kind, _raw, pkt, mss in reads:
+        if kind == "tso":
+            _count, seglen, total, data = reference(pkt, mss, ttl_decrement=True)
+            out += [data[i : i + seglen] for i in range(0, total, seglen)]
+            continue
+        buf = bytearray(pkt)
+        v6 = buf[0] >> 4 == 6
+        if kind == "partial":
+            complete_checksum(buf, 0, len(buf), 40 if v6 else 20, 16)
+        if v6:
+            P.decrement_hop_limit(buf, 0)
+        else:
+            P.decrement_ttl(buf, 0)
+        out.append(bytes(buf))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(tun_reads_dual())
+def test_c_transmit_loop_sends_both_families_as_the_reference_makes_them(reads):
+    """IPv6 and IPv4 reads mixed: TCPv6 super-packets segmented in the slots or gathered
+    (moving the slots to their geometry), plain IPv6 packets checksummed and their hop limit
+    decremented; every inner packet on the wire what segment_tcp makes, in order."""
+    with c_sender(mtu=1472) as (fp, tun, received):
+        fp.state.ipv6 = 1
+        fp.set_routes(_fast.NextHopTable(ROUTES))
+        for _kind, raw, _pkt, _mss in reads:
+            tun.send(raw)
+        assert fp.run((), 0) == 0
+        assert received() == expected_wire_dual(reads)
+        counters = fp.counters()
+    assert counters["tun_reads"] == len(reads) and counters["drop:malformed"] == counters["drop:not_ipv4"] == 0
+    assert counters["tso_frames"] == sum(k == "tso" for k, *_ in reads)
+
+
+def test_c_transmit_loop_hands_back_ipv6_for_icmpv6_errors_and_ipip_drops_it():
+    with c_sender(mtu=1472) as (fp, tun, received):
+        fp.state.ipv6 = 1
+        fp.set_routes(_fast.NextHopTable({"fd00:10:244:9::/64": "127.0.0.1"}))  # DST6 is not routed
+        plain = super_packet6(b"p" * 100)
+        tun.send(P.VNET_HDR_NONE + plain)
+        assert fp.run((), 0) == 1
+        assert fp.slow_packet() == (_fast.SLOW_NET_UNREACHABLE, plain)
+        fp.set_routes(_fast.NextHopTable(ROUTES))
+        sp = super_packet6(b"y" * 5000, hop_limit=1, flags=P.TCP_ACK)
+        tun.send(vnet_tso6(sp, 1400))
+        assert fp.run((), 0) == 1
+        assert fp.slow_packet() == (_fast.SLOW_TIME_EXCEEDED, sp[: _fast.SLOW_MAX])
+        tun.send(P.VNET_HDR_NONE + super_packet6(b"q", hop_limit=1))
+        assert fp.run((), 0) == 1 and fp.slow_packet()[0] == _fast.SLOW_TIME_EXCEEDED
+        assert received() == []
+        # A backend that carries IPv4 only (ipip): IPv6 is not sent, and counted.
+        fp.state.ipv6 = 0
+        tun.send(P.VNET_HDR_NONE + plain)
+        tun.send(vnet_tso6(super_packet6(b"z" * 5000), 1400))
+        assert fp.run((), 0) == 0 and received() == []
+        c = fp.counters()
+    assert (c["drop:no_route"], c["drop:ttl_exceeded"], c["drop:not_ipv4"]) == (1, 2, 2)
+
+
+# -- the receive side: C merges TCPv6 runs exactly as the Coalescer does -------------------------
+
+
+@contextlib.contextmanager
+def c_writer6():
+    """A FastPath (udp, IPv6 carried) whose TUN fd is a SOCK_SEQPACKET socket; yields
+    (fastpath, read_writes)."""
+    lib, why = _fast.load()
+    assert lib is not None, why
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    b.setblocking(False)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    fp = _fast.FastPath(lib, "udp", tun_fd=a.fileno(), sock_fd=-1, mtu=1500, ttl_decrement=True, port=8285,
+                        udp_gso=True, udp_gro=True, ipv6=True)
+
+    def writes():
+        out = []
+        while True:
+            try:
+                blob = b.recv(1 << 17)
+            except BlockingIOError:
+                return out
+            out.append((P.VirtioNetHdr.decode(blob), blob[10:]))
+
+    try:
+        yield fp, writes
+    finally:
+        fp.close()
+        a.close()
+        b.close()
+
+
+def seg6(seq, data=b"x" * 1000, **kw) -> bytes:
+    return P.tcp6_packet(SRC6, DST6, P.TcpHeader(40000, kw.pop("dport", 5201), seq, 777, kw.pop("flags", P.TCP_ACK),
+                                                 502, options=kw.pop("opts", TS_OPTS)), data, **kw)
+
+
+@st.composite
+def dual_streams(draw):
+    """Segments of TCP flows of both families with what ends a GRO run among them."""
+    mss = draw(st.sampled_from([1000, 1400, 300]))
+    seq = draw(st.integers(0, 0xFFFFFFFF))
+    packets = []
+    for ev in draw(st.lists(st.sampled_from(["v6"] * 20 + ["v4"] * 5 + ["short", "psh", "gap", "flow", "label",
+                                                                          "hops", "tclass", "icmp6"]),
+                            min_size=1, max_size=100)):
+        if ev == "icmp6":
+            packets.append(P.ipv6_packet(P.IPv6Header(src=SRC6, dst=DST6, next_header=58), bytes(64)))
+            continue
+        ln = mss if ev != "short" else draw(st.integers(1, mss - 1))
+        kw = {"flow_label": 99} if ev == "label" else {"hop_limit": 9} if ev == "hops" else \
+            {"traffic_class": 0x20} if ev == "tclass" else {"dport": 5202} if ev == "flow" else {}
+        if ev == "gap":
+            seq = (seq + 1) & 0xFFFFFFFF
+        flags = P.TCP_ACK | (P.TCP_PSH if ev == "psh" else 0)
+        data = bytes([len(packets) & 0xFF]) * ln
+        packets.append(seg(seq, data, flags=flags) if ev == "v4" else seg6(seq, data, flags=flags, **kw))
+        seq = (seq + ln) & 0xFFFFFFFF
+    return packets
+
+
+@settings(max_examples=150, deadline=None)
+@given(dual_streams())
+def test_c_coalescing_of_both_families_makes_exactly_the_python_writes(packets):
+    with c_writer6() as (fp, writes):
+        assert fp.write_packets(packets) == len(packets)
+        assert writes() == coalesce_packets(packets)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    payload=payloads(64000),
+    mss=st.sampled_from([1400, 1388, 1000, 536, 777]),
+    seq=st.integers(0, 0xFFFFFFFF),
+    opts=st.sampled_from([b"", TS_OPTS]),
+    v6=st.booleans(),
+)
+def test_c_segment_then_merge_round_trips_to_the_super_packet(payload, mss, seq, opts, v6):
+    """What one worker segments (C) and the other merges (C) is the sender's super-packet again:
+    its headers (the IP length of the whole, PSH where it was), its payload, one TUN write per
+    at most 64 segments, with the TSO kind of its family and a checksum to complete; and the
+    Python loops make the same bytes."""
+    make = super_packet6 if v6 else super_packet
+    sp = make(payload, seq=seq, opts=opts, flags=P.TCP_ACK | P.TCP_PSH)
+    count, seglen, total, data = _fast.segment(sp, mss)
+    segs = [data[i : i + seglen] for i in range(0, total, seglen)]
+    with c_writer6() as (fp, writes):
+        assert fp.write_packets(segs) == count
+        got = writes()
+    assert got == coalesce_packets(segs)
+    ihl = 40 if v6 else 20
+    hl = ihl + 20 + len(opts)
+    assert b"".join(p[hl:] for _, p in got) == payload
+    if count > 1 and count <= 64 and len(sp) <= 0xFFFF:
+        ((vnet, merged),) = got
+        assert vnet.gso_type == (P.VIRTIO_NET_HDR_GSO_TCPV6 if v6 else P.VIRTIO_NET_HDR_GSO_TCPV4)
+        assert (vnet.gso_size, vnet.hdr_len, vnet.csum_start, vnet.csum_offset) == (mss, hl, ihl, 16)
+        # The sender's headers but the checksum fields (IPv4's is recomputed; TCP's is partial).
+        mask = [(ihl + 16, ihl + 18)] + ([] if v6 else [(10, 12)])
+        strip = lambda p: bytes(b for i, b in enumerate(p[:hl]) if not any(a <= i < e for a, e in mask))  # noqa: E731
+        assert strip(merged) == strip(sp)
+        full = bytearray(merged)
+        complete_checksum(full, 0, len(full), ihl, 16)
+        assert P.transport_checksum_ok(full)
