@@ -98,7 +98,7 @@ BACKENDS = {
         Backend(
             "udp",
             overhead=28,
-            wire="flannel UDP: outer IPv4 + UDP to udp_port, payload the inner packet (IPv4; IPv6 in BPF)",
+            wire="flannel UDP: outer IPv4 + UDP to udp_port, payload the inner packet (IPv4 or IPv6)",
             datapaths=("bpf", "userspace"),
             device="agentd.udp",
             member_filter="udp",
@@ -106,10 +106,9 @@ BACKENDS = {
             ttl_decrement=True,
             node_data=("udp_port",),
             # Outer headers IPv4 (the BPF programs and the worker build no other).  The payload
-            # is the inner packet, of either family: the BPF programs carry IPv6 pods too, the
-            # worker decapsulates IPv4 only.
+            # is the inner packet, of either family, in both data paths: a BPF node and a
+            # user-space one speak the same format for IPv6 pods as for IPv4 ones.
             inner_families=(4, 6),
-            ipv6_datapaths=("bpf",),
             outer_ipv6=False,
         ),
     )

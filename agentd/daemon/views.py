@@ -136,7 +136,7 @@ class AgentViews:
             plan = a.routes.plans.get(row["address"])
             row["backend"] = plan.backend if plan else None
             row["backend_reason"] = plan.reason if plan else None
-            if a.routes.plans_v6:  # dual-stack: how the peer's IPv6 pods are reached (ipip, udp in user space: directly)
+            if a.routes.plans_v6:  # dual-stack: how the peer's IPv6 pods are reached (ipip: directly)
                 v6 = a.routes.plans_v6.get(row["address"])
                 row["backend_v6"] = v6.backend if v6 else None
                 row["backend_v6_reason"] = v6.reason if v6 else None

@@ -264,9 +264,13 @@ class _Worker:
         if self.client is None:
             return
         paths = self.t.paths()
+        # Both pod families: a dual-stack node's IPv6 subnets go through the same peers (the
+        # worker's next hops are IPv4 underlay addresses whatever the inner family).
         table = {
-            dst: nh for nh, dsts in next_hops.items()
-            if plans.get(nh) and plans[nh].backend == self.name and paths.datapath(plans[nh]) == "userspace"
+            dst: nh
+            for plans_f, next_hops_f in ((plans, next_hops), (self.t.plans_v6, self.t.next_hops_v6))
+            for nh, dsts in next_hops_f.items()
+            if plans_f.get(nh) and plans_f[nh].backend == self.name and paths.datapath(plans_f[nh]) == "userspace"
             for dst in dsts
         }
         if prune:
@@ -376,8 +380,8 @@ class Tunnels:
         self._members_known = False
         self._plans: Mapping[str, PeerPlan] = {}
         self._next_hops: Mapping[str, list[str]] = {}
-        self._plans_v6: Mapping[str, PeerPlan] = {}
-        self._next_hops_v6: Mapping[str, list[str]] = {}
+        self.plans_v6: Mapping[str, PeerPlan] = {}
+        self.next_hops_v6: Mapping[str, list[str]] = {}
         self._prune = True
         self._dirty = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -516,7 +520,7 @@ class Tunnels:
         member filters keep whatever they had (a restarted agent must not start dropping its
         peers' traffic because it has not heard of them yet)."""
         self._plans, self._next_hops, self._prune = plans, next_hops, prune
-        self._plans_v6, self._next_hops_v6 = dict(plans_v6 or {}), dict(next_hops_v6 or {})
+        self.plans_v6, self.next_hops_v6 = dict(plans_v6 or {}), dict(next_hops_v6 or {})
         if members_known:
             self.members = {str(n.peer_address) for n in nodes.values()} | {str(self.underlay.interface.ip)}
             self._members_known = True
@@ -536,7 +540,7 @@ class Tunnels:
                     continue
                 for impl in [*self.active.values(), *self.helpers.values()]:
                     await impl.sync(plans, next_hops, prune)
-                routes = {**self._bpf_routes(plans, next_hops), **self._bpf_routes(self._plans_v6, self._next_hops_v6)}
+                routes = {**self._bpf_routes(plans, next_hops), **self._bpf_routes(self.plans_v6, self.next_hops_v6)}
                 await self.bpf.sync(routes, set(self.members), self._peer_flags(plans), prune=prune)
             except Exception:
                 log.exception("tunnel sync failed; retrying")

@@ -64,13 +64,13 @@ class DataplaneClient:
         return resp
 
     async def set_next_hops(self, next_hops: Mapping[str, str]) -> int:
-        """Replace the table: inner destination prefix -> peer underlay IPv4 (longest prefix
-        wins).  Returns the number of entries."""
+        """Replace the table: inner destination prefix (IPv4 or IPv6) -> peer underlay IPv4
+        (longest prefix wins).  Returns the number of entries."""
         if not isinstance(next_hops, Mapping):
             raise DataplaneError("next_hops must be a mapping {prefix: underlay address}")
         for prefix, via in next_hops.items():
             try:
-                ipaddress.IPv4Network(prefix, strict=True)
+                ipaddress.ip_network(prefix, strict=True)
                 ipaddress.IPv4Address(via)
             except (ValueError, TypeError) as exc:
                 raise DataplaneError(f"bad next hop {prefix!r} -> {via!r}: {exc}") from None

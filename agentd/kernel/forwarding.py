@@ -10,10 +10,10 @@ function each in :data:`ROUTE_SHAPES`; the backends' facts come from agentd.back
 
 Families.  A plan is per peer *and* per pod family (``version``): a dual-stack node has an
 IPv4 plan and an IPv6 plan for each peer.  Its IPv6 pods go the way of its backend where the
-backend carries IPv6 inner packets (host-gw, vxlan; udp where both nodes run it in BPF,
-``Backend.ipv6_datapaths``); ipip carries IPv4 only (``Backend.inner_families``), so toward
-such a peer (or a udp peer either node runs in user space) IPv6 pods are routed directly on a
-shared segment, else not at all (the reason says so).  Routed directly, an IPv6 pod subnet's next hop
+backend carries IPv6 inner packets (host-gw, vxlan, udp in either data path; a backend
+whose IPv6 pods only some data paths carry names them in ``Backend.ipv6_datapaths``); ipip
+carries IPv4 only (``Backend.inner_families``), so toward such a peer IPv6 pods are routed
+directly on a shared segment, else not at all (the reason says so).  Routed directly, an IPv6 pod subnet's next hop
 is the peer's IPv6 underlay address where it is on-link, else the peer's IPv6 link-local
 address on the shared segment: Linux has no IPv6 route through an IPv4 gateway (RTA_VIA and
 IPv4 nexthop objects are refused for IPv6 routes, "IPv6 does not support RTA_VIA attribute";

@@ -218,7 +218,7 @@ def test_ipip_carries_ipv4_pods_only():
     assert not plan.routable and "its IPv6 pods are unreachable from here (vxlan carries both)" in plan.reason
 
 
-def test_udp_carries_ipv6_pods_where_both_nodes_run_it_in_bpf():
+def test_udp_carries_ipv6_pods_in_either_data_path():
     bpf = dual("far", "10.9.0.1", None, "fe80::9", backend={"type": "udp", "datapath": "bpf"})
     plan = plan_peer(bpf, V4_ONLY_SEGMENT, own_backend="udp", encap="always", version=6,
                      paths=LocalPaths({"udp": "bpf"}))
@@ -226,18 +226,21 @@ def test_udp_carries_ipv6_pods_where_both_nodes_run_it_in_bpf():
     # Linux routes IPv6 through IPv6 next hops only: via the peer's IPv4-mapped address, onlink.
     r = route_for("fd00:10:244:9::/64", plan, V4_ONLY_SEGMENT, LocalPaths({"udp": "bpf"}))
     assert (r.gateway, r.dev, r.onlink, r.mtu) == ("::ffff:10.9.0.1", "eth0", True, 1500 - 28)
-    # Either end in user space (whose worker decapsulates IPv4 only): no udp for IPv6 pods.
+    # This node in user space: into the worker's TUN, whose next-hop table picks the peer.
+    plan = plan_peer(bpf, V4_ONLY_SEGMENT, own_backend="udp", encap="always", version=6,
+                     paths=LocalPaths({"udp": "userspace"}))
+    assert plan.backend == "udp"
+    r = route_for("fd00:10:244:9::/64", plan, V4_ONLY_SEGMENT, LocalPaths({"udp": "userspace"}))
+    assert (r.dst, r.gateway, r.dev) == ("fd00:10:244:9::/64", None, "agentd.udp")
+    # The peer in user space, this node in BPF: spoken to through this node's worker, as for
+    # IPv4 (no route until that worker is up).
     user = dual("far", "10.9.0.1", None, "fe80::9", backend={"type": "udp", "datapath": "userspace"})
     plan = plan_peer(user, V4_ONLY_SEGMENT, own_backend="udp", encap="always", version=6,
                      paths=LocalPaths({"udp": "bpf"}))
-    assert not plan.routable and "the peer runs it in user space" in plan.reason
-    plan = plan_peer(bpf, V4_ONLY_SEGMENT, own_backend="udp", encap="always", version=6,
-                     paths=LocalPaths({"udp": "userspace"}))
-    assert not plan.routable and "this node does not run it there" in plan.reason
-    near = dual("near", "10.0.0.1", None, "fe80::1", backend={"type": "udp", "datapath": "userspace"})
-    plan = plan_peer(near, V4_ONLY_SEGMENT, own_backend="udp", encap="always", version=6,
-                     paths=LocalPaths({"udp": "bpf"}))
-    assert plan.backend == "host-gw" and plan.via == "fe80::1"  # on the segment: direct
+    assert plan.backend == "udp" and plan.routable
+    assert route_for("fd00:10:244:9::/64", plan, V4_ONLY_SEGMENT, LocalPaths({"udp": "bpf"})) is None
+    r = route_for("fd00:10:244:9::/64", plan, V4_ONLY_SEGMENT, LocalPaths({"udp": "bpf"}, helpers=frozenset({"udp"})))
+    assert (r.gateway, r.dev) == (None, "agentd.udp")
 
 
 def test_ipv6_only_peers_and_routes():
