@@ -22,9 +22,13 @@ from agentd.lab.twohosts import (
     H2_UNDERLAY,
     OVERHEAD,
     P1,
+    P1_6,
     P2,
+    P2_6,
     SUBNET1,
+    SUBNET1_6,
     SUBNET2,
+    SUBNET2_6,
     X_UNDERLAY,
     build_two_hosts,
     wait_for,
@@ -33,6 +37,7 @@ from agentd.lab.wait import apause, auntil
 from proto import packet as P
 
 pytestmark = pytest.mark.timeout(120)
+CLUSTER_6 = "fd00:10:244::/48"
 
 
 class Pair:
@@ -46,8 +51,11 @@ class Pair:
             await p.stop()
 
 
-async def start_pair(netns_factory, tmp_path, kind, *, offload=True, extra=(), orphan_timeout=120.0) -> Pair:
-    topo = build_two_hosts(netns_factory)
+async def start_pair(netns_factory, tmp_path, kind, *, offload=True, extra=(), orphan_timeout=120.0,
+                     ipv6=False) -> Pair:
+    """Two hosts whose workers carry the pods' traffic; ``ipv6``: dual-stack pods, both
+    families routed into the TUN and through the workers' next-hop tables."""
+    topo = build_two_hosts(netns_factory, ipv6=ipv6)
     mtu = topo.underlay_mtu - OVERHEAD[kind]
     topo.set_pod_mtu(mtu)
     procs, clients, controls = {}, {}, {}
@@ -58,8 +66,12 @@ async def start_pair(netns_factory, tmp_path, kind, *, offload=True, extra=(), o
                                                 orphan_timeout=orphan_timeout)
         # The agent's route programmer would do this; the whole cluster range goes to the TUN.
         topo.host(i).ip("route", "add", CLUSTER, "dev", DEVICE[kind])
+        hops = {peer_subnet: peer}
+        if ipv6:
+            topo.host(i).ip("-6", "route", "add", CLUSTER_6, "dev", DEVICE[kind])
+            hops[SUBNET1_6 if i == 2 else SUBNET2_6] = peer
         clients[i] = await DataplaneClient.connect(controls[i])
-        await clients[i].set_next_hops({peer_subnet: peer})
+        await clients[i].set_next_hops(hops)
         await clients[i].set_members([peer])
     return Pair(topo, kind, procs, clients, controls)
 
@@ -91,8 +103,11 @@ s.sendall(data); s.close(); print(n, hashlib.sha256(data).hexdigest(), flush=Tru
 
 
 def tcp_transfer(src_ns, dst_ns, dst_ip, nbytes=16 << 20):
-    """Send ``nbytes`` over TCP from src_ns to dst_ip; both ends report length and SHA-256."""
-    sink = dst_ns.popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Send ``nbytes`` over TCP from src_ns to dst_ip (IPv4 or IPv6); both ends report length
+    and SHA-256."""
+    sink_code = _SINK.replace("socket.socket()", "socket.socket(socket.AF_INET6)").replace('"0.0.0.0"', '"::"') \
+        if ":" in dst_ip else _SINK
+    sink = dst_ns.popen([sys.executable, "-c", sink_code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert sink.stdout.readline().strip() == "ready"
         sent = src_ns.exec(sys.executable, "-c", _SOURCE, dst_ip, str(nbytes), timeout=60).split()
@@ -333,6 +348,82 @@ async def test_udp_decrements_the_inner_ttl_and_answers_time_exceeded(netns_fact
         assert " 0% packet loss" in ping(pair.topo.p1, P2, count=2, extra=("-t", "4"))
         stats = await pair.clients[1].stats()
         assert stats["drops"]["ttl_exceeded"] >= 2 and stats["icmp_sent"] >= 2
+    finally:
+        await pair.stop()
+
+
+def ping6(ns, dst, count=3, extra=()):
+    return ns.exec("ping", "-6", "-n", "-c", str(count), "-i", "0.2", "-W", "2", *extra, dst, check=False)
+
+
+def inner_packets(pkt: bytes) -> list[bytes]:
+    """The inner packets of one captured udp datagram (outer IPv4): one on a real wire; a veth
+    passes a UDP GSO send whole, then they are back to back, each as long as its IP header says."""
+    _outer, payload = P.split_ipv4(pkt)
+    stream, out = bytes(payload[8 : P.UdpHeader.decode(payload).length]), []
+    while stream:
+        n = (stream[4] << 8 | stream[5]) + 40 if stream[0] >> 4 == 6 else stream[2] << 8 | stream[3]
+        out.append(stream[:n])
+        stream = stream[n:]
+    return out
+
+
+@pytest.mark.parametrize("extra", [(), PYTHON_PATH], ids=["c", "python"])
+async def test_udp_worker_carries_ipv6_pods(netns_factory, tmp_path, extra):
+    """Dual-stack pods over the flannel-UDP worker, its loops in C and in Python: IPv6 both
+    ways beside IPv4; TCP over IPv6 segmented in user space into inner packets a kernel
+    receiver takes (payload length per segment, the TCP checksum over the IPv6 pseudo header,
+    no larger than the pod MTU, the hop limit decremented once), the receiving worker merging
+    them back into super-packets; ICMPv6 errors for an unrouted destination and an exhausted
+    hop limit, as a router sends them (RFC 4443)."""
+    pair = await start_pair(netns_factory, tmp_path, "udp", extra=extra, ipv6=True)
+    t = pair.topo
+    mtu = t.underlay_mtu - OVERHEAD["udp"]
+    try:
+        for src, dst in ((t.p1, P2_6), (t.p2, P1_6), (t.p1, P2)):
+            out = ping6(src, dst) if ":" in dst else ping(src, dst)
+            assert " 0% packet loss" in out, out
+
+        pcap = str(tmp_path / "u2-tcp6.pcap")
+        dump = t.h2.popen(["tcpdump", "-i", "u2", "-n", "-U", "-s", "65535", "-c", "300", "-w", pcap,
+                           "udp port 8285"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            assert "listening" in dump.stderr.readline().decode()
+            tcp_transfer(t.p1, t.p2, P2_6)
+            if not wait_for(lambda: dump.poll() is not None, 2):  # GSO sends may make 300 more than there were
+                dump.terminate()
+            dump.wait(timeout=10)
+        finally:
+            if dump.poll() is None:
+                dump.kill()
+                dump.wait()
+            dump.stderr.close()
+        data_segments = 0
+        for pkt in read_pcap(pcap):
+            for inner_raw in inner_packets(pkt):
+                if inner_raw[0] >> 4 != 6:
+                    continue
+                inner, seg = P.split_ipv6(inner_raw)
+                assert 40 + inner.payload_length == len(inner_raw) <= mtu and inner.next_header == P.IPPROTO_TCP
+                assert P.transport_checksum_ok(inner_raw), inner
+                if inner.src == P1_6:
+                    assert inner.hop_limit == 62  # p1's 64: h1's kernel and the worker take one each
+                    data_segments += len(seg) > 32  # more than the TCP header with timestamps
+        assert data_segments > 100
+        tcp_transfer(t.p2, t.p1, P1_6, 4 << 20)
+
+        s1, s2 = await pair.clients[1].stats(), await pair.clients[2].stats()
+        assert s1["tx_packets"] > 10000 and s2["rx_packets"] >= s1["tx_packets"] * 0.99
+        assert s1["tso_segments"] > 10000 and s2["coalesced_segments"] > s2["rx_packets"] / 2
+        assert s1["fast_path"] == ("python" if extra else "c")
+        assert s1["drops"]["malformed"] == s2["drops"]["malformed"] == s1["drops"]["not_ipv4"] == 0
+
+        out = ping6(t.p1, "fd00:10:244:9::5", count=2)
+        assert "No route" in out, out
+        out = ping6(t.p1, P2_6, count=2, extra=("-t", "2"))
+        assert "Time exceeded: Hop limit" in out, out
+        s1 = await pair.clients[1].stats()
+        assert s1["drops"]["no_route"] >= 2 and s1["drops"]["ttl_exceeded"] >= 2 and s1["icmp_sent"] >= 4
     finally:
         await pair.stop()
 
