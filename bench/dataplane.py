@@ -28,9 +28,9 @@ nodes, plus 20 pings:
                 of raw veth, host-gw and agentd vxlan are dual-stack (agentd lab --ip-family dual:
                 IPv4 and IPv6 on the underlay, both in the pods), so each IPv6 row runs beside its
                 IPv4 row, interleaved; the goal is IPv6 >= 0.95x IPv4 on the same backend. vxlan
-                carries IPv6 pods through its one VTEP over the IPv4 underlay, udp bpf in outer
-                IPv4 + UDP (the BPF programs); ipip carries IPv4 pods only, and so does udp in the
-                user-space worker: they have no IPv6 row
+                carries IPv6 pods through its one VTEP over the IPv4 underlay, udp in outer IPv4
+                + UDP (bpf: the BPF programs; user: the worker's C loops, TCPv6 segmented and
+                merged in user space); ipip carries IPv4 pods only: it has no IPv6 row
   ... routed    with --routed: agentd vxlan and udp bpf (both also over IPv6) and ipip bpf between
                 nodes on two L2 segments joined by the lab's router (agentd lab --subnets 2): the
                 outer packet routed
@@ -81,7 +81,7 @@ ANCHORS = [
 GOALS = [("udp bpf", "kernel VTEP", 1.0), ("ipip bpf", "kernel VTEP", 1.0), ("host-gw", "raw veth", 0.95), ("udp bpf routed", "vxlan routed", 1.0), ("ipip bpf routed", "vxlan routed", 1.0),
          ("raw veth v6", "raw veth", 0.95), ("host-gw v6", "host-gw", 0.95), ("agentd vxlan v6", "agentd vxlan", 0.95),
          ("vxlan routed v6", "vxlan routed", 0.95), ("udp bpf v6", "udp bpf", 0.95),
-         ("udp bpf routed v6", "udp bpf routed", 0.95)]
+         ("udp bpf routed v6", "udp bpf routed", 0.95), ("udp user v6", "udp user", 0.95)]
 KERNEL_VTEP = "kernel VTEP"
 FLOWS = {"on": (True,), "off": (False,), "both": (True, False)}  # --flows: [flows] enabled of the agents
 FLOW_SUFFIX = {True: " (flows on)", False: " (flows off)"}
@@ -119,6 +119,7 @@ ROWS = {
     "udp bpf v6": ("udp", "bpf", "pods", 1, 6),
     "ipip bpf": ("ipip", "bpf", "pods", 1, 4),
     "udp user": ("udp", "userspace", "pods", 1, 4),
+    "udp user v6": ("udp", "userspace", "pods", 1, 6),
     "ipip user": ("ipip", "userspace", "pods", 1, 4),
 }
 ROUTED = {
