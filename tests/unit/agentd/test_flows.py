@@ -91,12 +91,15 @@ def test_bind_and_settings_bytes():
     assert attrs[nflog.NFULA_CFG_FLAGS][:2] == struct.pack("!H", nflog.NFULNL_CFG_F_SEQ)
 
 
-def logged_packet(prefix: str, src: str, dst: str, proto: int, sport: int, dport: int, seq: int = 1) -> bytes:
+def logged_packet(prefix: str, src: str, dst: str, proto: int, sport: int, dport: int, seq: int = 1,
+                  when: tuple[int, int] | None = (1700000000, 250000)) -> bytes:
+    """An NFULNL_MSG_PACKET as the kernel sends one; ``when``: NFULA_TIMESTAMP (seconds,
+    microseconds), None for none (the kernel sends it only for packets it stamped)."""
     header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 40, 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst))
     payload = header + struct.pack("!HH", sport, dport) + b"\0" * 16
+    stamp = nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", *when)) if when is not None else b""
     body = (nl.attr(nflog.NFULA_PREFIX, prefix.encode() + b"\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", seq))
-            + nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", 1700000000, 250000))
-            + nl.attr(nflog.NFULA_PAYLOAD, payload))
+            + stamp + nl.attr(nflog.NFULA_PAYLOAD, payload))
     return nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
 
 
@@ -175,6 +178,40 @@ def test_drop_record_names_the_policies_and_folds_a_storm():
     j = kept[0].json()
     assert (j["verdict"], j["reason"], j["policies"], j["default_deny"]) == ("dropped", "policy", ["shop/default-deny"], True)
     assert "policy ingress: shop/default-deny (default deny)" in line(j)
+
+
+def _decoded(msg: bytes) -> nflog.Packet:
+    ((_t, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    packet = nflog.decode_packet(msg, start, end)
+    assert packet is not None
+    return packet
+
+
+def test_a_backlog_read_late_is_limited_by_when_the_kernel_logged_it():
+    # Ten drops of one key a second apart, all read at one instant (the agent was busy): at
+    # one record a second with a burst of 2, each came with a token back, so all are kept.
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, agent_rate=1.0, agent_burst=2,
+                     clock=lambda: 1700000100.0)
+    drops = [_decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, seq=k + 1,
+                                    when=(1700000000 + k, 0))) for k in range(10)]
+    kept = [r.dropped(p) for p in drops]
+    assert all(f is not None for f in kept) and r.limiter.suppressed == 0
+    assert [f.time for f in kept] == [1700000000.0 + k for k in range(10)]  # type: ignore[union-attr]
+    # The same ten stamped within one second are a burst: two kept, eight folded into the next.
+    burst = [_decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, seq=k + 11,
+                                    when=(1700000020, k * 1000))) for k in range(10)]
+    assert sum(r.dropped(p) is not None for p in burst) == 2 and r.limiter.suppressed == 8
+
+
+def test_a_drop_without_a_kernel_timestamp_is_limited_by_when_it_was_read():
+    now = iter([1000.0, 1000.0, 1000.0, 1003.0])
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, agent_rate=1.0, agent_burst=2,
+                     clock=lambda: next(now))
+    p = _decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, when=None))
+    assert p.time == 0.0
+    kept = [r.dropped(p) for _ in range(4)]
+    assert [f is not None for f in kept] == [True, True, False, True]
+    assert kept[3].time == 1003.0 and kept[3].suppressed == 1  # type: ignore[union-attr]
 
 
 def test_log_sequence_gaps_count_as_lost():
@@ -279,6 +316,14 @@ def test_limiter_refills_and_keeps_few_keys():
     for k in range(10):
         lim.allow(("spoofed", k), 0.2)
     assert len(lim.buckets) == 3
+
+
+def test_limiter_takes_drops_a_little_out_of_order_without_losing_tokens():
+    lim = DropLimiter(rate=10, burst=2)
+    assert lim.allow("k", 5.0) == 0
+    assert lim.allow("k", 4.9) == 0  # logged earlier on another CPU: the burst's second token
+    assert lim.allow("k", 4.95) is None  # no refill from a time before the bucket's
+    assert lim.allow("k", 5.25) == 1  # a quarter second after the bucket's time: tokens back
 
 
 # ------------------------------------------------------------------ the drop rules
