@@ -28,6 +28,7 @@ import os
 import signal
 import time
 from ipaddress import IPv4Address, IPv6Address
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -42,7 +43,7 @@ from agentd.daemon.api import ApiServer
 from agentd.daemon.observe import Observability, drop_log
 from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
-from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
+from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers, remove_worker_leftovers
 from agentd.dataplane.bpf.datapath import BpfUnavailable
 from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
@@ -584,6 +585,9 @@ async def leave(cfg: Config) -> int:
         gone = await asyncio.to_thread(remove_bpf_leftovers, cfg)
         if gone:
             log.info("removed the BPF data path a previous agent left: %s", ", ".join(gone))
+        gone = await remove_worker_leftovers(Path(cfg.agent.state_dir))  # the user-space data path
+        if gone:
+            log.info("removed the user-space data path a previous agent left: %s", ", ".join(gone))
         await remove_policy_tables()  # NetworkPolicy
         await remove_services_table(str(cfg.dns.address_v6))  # Services
         restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
