@@ -62,6 +62,7 @@ from agentd.lab.errors import LabError  # noqa: E402
 from agentd.lab.lab import Lab, LabSpec  # noqa: E402
 from agentd.lab.netns import NetnsError, unique_tag  # noqa: E402
 from agentd.lab.svcecho import Echo  # noqa: E402
+from agentd.lab.wait import auntil  # noqa: E402
 
 NS = "bench"
 
@@ -164,9 +165,16 @@ async def policy_latency(lab: Lab, res: Any, k: int) -> float:
     node2 = lab.nodes[1]
     start = time.perf_counter()
     revision = await res.apply([pol])
-    while (node2.api_or_none("/policy?view=summary") or {}).get("revision", 0) < revision:
-        await asyncio.sleep(0.005)
+    await applied(node2, revision, f"node2 to apply NetworkPolicy probe-{k}", interval=0.005)
     return time.perf_counter() - start
+
+
+async def applied(node: Any, revision: int, what: str, *, timeout: float = 60, interval: float = 0.05) -> None:
+    """Wait until ``node`` has applied the policy ``revision`` (BenchError after ``timeout``)."""
+    def done() -> bool:
+        return (node.api_or_none("/policy?view=summary") or {}).get("revision", 0) >= revision
+
+    await auntil(done, timeout, what=what, interval=interval, error=BenchError)
 
 
 async def agent_probe(lab: Lab, res: Any, k: int) -> dict[str, float]:
@@ -206,8 +214,7 @@ DENY = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata
 
 async def isolate_server(lab: Lab, res: Any) -> None:
     revision = await res.apply([DENY])
-    while (lab.nodes[1].api_or_none("/policy?view=summary") or {}).get("revision", 0) < revision:
-        await asyncio.sleep(0.05)
+    await applied(lab.nodes[1], revision, "node2 to apply the policy isolating the server")
 
 
 class Followed:
@@ -282,11 +289,24 @@ async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: flo
     proc = await asyncio.create_subprocess_exec(
         "ip", "netns", "exec", pods["local"].ns.name, sys.executable, "-c", STORM, pods["server"].ip, str(pps), str(seconds),
         stdout=asyncio.subprocess.PIPE)  # fmt: skip
-    await asyncio.sleep(min(1.0, seconds / 4))
-    during = await agent_probe(lab, res, 1)
-    out, _ = await proc.communicate()
-    sent, took = out.split()
-    await asyncio.sleep(1.5)
+    try:
+        await asyncio.sleep(min(1.0, seconds / 4))
+        during = await agent_probe(lab, res, 1)
+        limit = seconds + 30  # the sender stops itself after ``seconds``
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), limit)
+        except asyncio.TimeoutError:
+            raise BenchError(f"the storm sender did not finish within {limit:.0f} s") from None
+    finally:  # whatever happened, no sender outlives the storm
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+    try:
+        sent, took = out.split()
+    except ValueError:
+        raise BenchError(f"the storm sender exited {proc.returncode} without its count: {out[-200:]!r}") from None
+    await asyncio.sleep(1.5)  # the last logged drops reach the agent (the kernel sends within 0.1 s)
     after = lab.nodes[1].api("/status")["flows"]
     return {
         "quiet": quiet, "during": during, "rss_after_mb": rss_mb(lab.nodes[1].agent_pid()),

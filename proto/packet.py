@@ -1,4 +1,5 @@
-"""Data-plane wire formats: IPv4, IPv6, UDP, TCP, ICMP, ICMPv6, IPIP, VXLAN and the TUN virtio-net header.
+"""Data-plane wire formats: IPv4, IPv6 (and its extension headers' chain), UDP, TCP, ICMP, ICMPv6,
+SCTP's common header, IPIP, VXLAN and the TUN virtio-net header.
 
 Bytes in, typed values out; no sockets, no clocks.  Besides the frozen dataclass codecs
 (``decode(buf)`` / ``encode()``) this module offers the few buffer-level helpers the
@@ -19,6 +20,13 @@ IPPROTO_IPIP = 4
 IPPROTO_TCP = 6
 IPPROTO_UDP = 17
 IPPROTO_ICMPV6 = 58
+IPPROTO_SCTP = 132
+# RFC 8200 §4.1: the IPv6 extension headers an upper-layer header may sit behind
+IPPROTO_HOPOPTS = 0
+IPPROTO_ROUTING = 43
+IPPROTO_FRAGMENT = 44
+IPPROTO_AH = 51
+IPPROTO_DSTOPTS = 60
 
 FLANNEL_UDP_PORT = 8285
 VXLAN_PORT = 4789
@@ -29,6 +37,7 @@ UDP_HEADER_LEN = 8
 TCP_HEADER_LEN = 20
 VXLAN_HEADER_LEN = 8
 ICMP_HEADER_LEN = 8
+SCTP_HEADER_LEN = 12
 
 IP_DF = 0x4000
 IP_MF = 0x2000
@@ -74,6 +83,7 @@ VIRTIO_NET_HDR_GSO_ECN = 0x80
 
 _IPV4 = struct.Struct("!BBHHHBBH4s4s")
 _IPV6 = struct.Struct("!IHBB16s16s")
+_SCTP = struct.Struct("!HHII")
 _UDP = struct.Struct("!HHHH")
 _TCP = struct.Struct("!HHIIBBHHH")
 _ICMP = struct.Struct("!BBHI")
@@ -342,6 +352,47 @@ def decrement_hop_limit(buf, off: int = 0) -> int:
     return hops - 1
 
 
+# Extension headers with RFC 8200 §4's length field (8-octet units, not counting the first 8),
+# and the two laid out otherwise: Fragment (§4.5, always 8 octets) and AH (RFC 4302 §2.2,
+# 4-octet units, not counting the first 2).  Mobility (135), HIP (139) and Shim6 (140) use the
+# uniform format (RFC 6564).
+_EXTENSION_HEADERS = frozenset({IPPROTO_HOPOPTS, IPPROTO_ROUTING, IPPROTO_FRAGMENT, IPPROTO_AH, IPPROTO_DSTOPTS,
+                                135, 139, 140})
+
+
+@dataclass(frozen=True)
+class UpperLayer:
+    """Where an IPv6 packet's upper-layer header is (:func:`ipv6_upper_layer`).
+
+    ``offset`` None: its header is not in the bytes -- they end inside the extension headers
+    (``protocol`` is then the type of the header they end in), or this is a fragment other
+    than the first (``protocol`` is the fragmented packet's, RFC 8200 §4.5)."""
+
+    protocol: int
+    offset: int | None
+
+
+def ipv6_upper_layer(packet, next_header: int, offset: int = IPV6_HEADER_LEN) -> UpperLayer:
+    """Walk the extension headers of the IPv6 packet in ``packet`` from ``offset`` (whose type
+    is ``next_header``) to its upper-layer header (RFC 8200 §4.1: they are chained by their
+    Next Header fields).  Never raises: bytes that end early give ``offset`` None."""
+    n = len(packet)
+    while next_header in _EXTENSION_HEADERS:
+        if n - offset < 8:  # every extension header is at least 8 octets
+            return UpperLayer(next_header, None)
+        following = packet[offset]
+        if next_header == IPPROTO_FRAGMENT:
+            if _H.unpack_from(packet, offset + 2)[0] >> 3:  # fragment offset: a later fragment
+                return UpperLayer(following, None)
+            size = 8
+        elif next_header == IPPROTO_AH:
+            size = (packet[offset + 1] + 2) * 4
+        else:
+            size = (packet[offset + 1] + 1) * 8
+        next_header, offset = following, offset + size
+    return UpperLayer(next_header, offset if offset <= n else None)
+
+
 # --------------------------------------------------------------------------------------------
 # UDP (RFC 768)
 
@@ -568,6 +619,46 @@ class IcmpHeader:
         if len(buf) < ICMP_HEADER_LEN:
             raise DecodeError(f"ICMP header needs 8 bytes, got {len(buf)}")
         return cls(*_ICMP.unpack_from(buf, 0))
+
+
+# --------------------------------------------------------------------------------------------
+# SCTP's common header (RFC 9260 §3.1), and the ports of a transport header
+
+
+@dataclass(frozen=True)
+class SctpHeader:
+    src_port: int
+    dst_port: int
+    verification_tag: int
+    checksum: int
+
+    @classmethod
+    def decode(cls, buf) -> SctpHeader:
+        if len(buf) < SCTP_HEADER_LEN:
+            raise DecodeError(f"SCTP common header needs 12 bytes, got {len(buf)}")
+        return cls(*_SCTP.unpack_from(buf, 0))
+
+
+def transport_ports(protocol: int, segment) -> tuple[int, int]:
+    """(source port, destination port) of the TCP, UDP or SCTP header at the start of
+    ``segment``, (type, code) of an ICMP or ICMPv6 one (RFC 4443 §2.1: the same first octets);
+    (0, 0) for other protocols, and where the header is not whole or not valid."""
+    try:
+        if protocol == IPPROTO_TCP:
+            tcp = TcpHeader.decode(segment)
+            return tcp.src_port, tcp.dst_port
+        if protocol == IPPROTO_UDP:
+            udp = UdpHeader.decode(segment)
+            return udp.src_port, udp.dst_port
+        if protocol == IPPROTO_SCTP:
+            sctp = SctpHeader.decode(segment)
+            return sctp.src_port, sctp.dst_port
+        if protocol in (IPPROTO_ICMP, IPPROTO_ICMPV6):
+            icmp = IcmpHeader.decode(segment)
+            return icmp.type, icmp.code
+    except DecodeError:
+        pass
+    return 0, 0
 
 
 # --------------------------------------------------------------------------------------------

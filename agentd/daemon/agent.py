@@ -28,6 +28,7 @@ import os
 import signal
 import time
 from ipaddress import IPv4Address, IPv6Address
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -42,7 +43,7 @@ from agentd.daemon.api import ApiServer
 from agentd.daemon.observe import Observability, drop_log
 from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
-from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers
+from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers, remove_worker_leftovers
 from agentd.dataplane.bpf.datapath import BpfUnavailable
 from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
@@ -272,8 +273,7 @@ class Agent:
         except RuntimeError as err:
             raise AgentError(str(err)) from None
         node_files.write_cni_files(cfg, self.cluster, self.leases, self.pod_mtu)
-        if 4 in self.leases:  # the masquerading table is IPv4's (ip agentd-masq)
-            await self._masquerade(self.leases[4].subnet)
+        await self._masquerade()
         await self.datastore.register_node(self._node_record())
         await self.datastore.set_subnet_backend_data(self.tunnels.node_data())
 
@@ -289,14 +289,16 @@ class Agent:
                                      for version, lease in sorted(self.leases.items())])
         self.routes.bgp_started(float(cfg.bgp.restart_time))
 
-    async def _masquerade(self, subnet) -> None:
-        """[network] ip_masq: the masquerading table for this subnet, or none (agentd.nft.masquerade)."""
+    async def _masquerade(self) -> None:
+        """[network] ip_masq: the masquerading tables for the node's pod subnets, one per family
+        (ip and ip6 agentd-masq), or none (agentd.nft.masquerade)."""
         assert self.cluster is not None
+        cluster = {4: self.cluster.cidr, 6: self.cluster.cidr_v6}
         try:
             if self.cfg.network.ip_masq:
-                await masquerade.program(self.cluster.cidr, subnet)
+                await masquerade.program({v: (cluster[v], lease.subnet) for v, lease in self.leases.items()})
             elif await masquerade.remove():
-                log.info("masquerading switched off: removed the table %s %s", masquerade.FAMILY, masquerade.TABLE)
+                log.info("masquerading switched off: removed the tables %s", masquerade.TABLE)
         except NftError as err:
             log.error("traffic leaving the pod network is not masqueraded: %s", err)
             self._problems.append(f"ip_masq not applied: {err}")
@@ -584,6 +586,9 @@ async def leave(cfg: Config) -> int:
         gone = await asyncio.to_thread(remove_bpf_leftovers, cfg)
         if gone:
             log.info("removed the BPF data path a previous agent left: %s", ", ".join(gone))
+        gone = await remove_worker_leftovers(Path(cfg.agent.state_dir))  # the user-space data path
+        if gone:
+            log.info("removed the user-space data path a previous agent left: %s", ", ".join(gone))
         await remove_policy_tables()  # NetworkPolicy
         await remove_services_table(str(cfg.dns.address_v6))  # Services
         restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records

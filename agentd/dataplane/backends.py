@@ -32,6 +32,7 @@ import contextlib
 import errno
 import hashlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -222,6 +223,7 @@ class _Worker:
         self.name = kind
         self.device = DEVICES[kind]
         self.control_path = control_path(Path(t.cfg.agent.state_dir), kind)
+        self.state_path = state_path(Path(t.cfg.agent.state_dir), kind)
         self.process: DataplaneProcess | None = None
         self.client: DataplaneClient | None = None
         self.pushed: tuple[dict, frozenset] | None = None
@@ -245,6 +247,7 @@ class _Worker:
                 str(self.t.underlay.interface.ip),
                 port=self.t.cfg.network.udp_port,
                 control_path=self.control_path,
+                state_path=self.state_path,
             )
             self.client = await DataplaneClient.connect(self.control_path)
             log.info("started the %s data-plane worker (pid %d)", self.name, self.process.pid)
@@ -338,11 +341,48 @@ def control_path(state_dir: Path, kind: str) -> str:
     return f"/run/agentd/dataplane-{kind}-{digest}.sock"
 
 
-def _delete_link(name: str) -> None:
+def state_path(state_dir: Path, kind: str) -> str:
+    """The worker's state file: in the state dir always (a path has no length limit there), so
+    that it goes with the node's state whatever directory its control socket had to use."""
+    return str(state_dir / f"dataplane-{kind}.sock.state")
+
+
+async def remove_worker_leftovers(state_dir: Path) -> list[str]:
+    """``agentd leave`` with no agent running: a worker still forwarding (orphaned) is asked to
+    shut down and take its TUN device along; what a killed one left -- its control socket, its
+    state file, its persistent TUN device -- is removed.  Returns what went."""
+    gone = []
+    for kind in ("udp", "ipip"):
+        control = control_path(state_dir, kind)
+        try:
+            client = await DataplaneClient.connect(control, timeout=1.0)
+        except DataplaneError:
+            client = None
+        if client is not None:
+            with contextlib.suppress(DataplaneError, OSError):
+                await client.shutdown(remove_device=True)
+                gone.append(f"the running {kind} worker")
+            with contextlib.suppress(Exception):
+                await client.close()
+            continue
+        # Nobody answers: a dead worker's files (the state file also where earlier versions
+        # kept it, beside a control socket in /run/agentd).
+        for path in dict.fromkeys((control, state_path(state_dir, kind), control + ".state")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                gone.append(path)
+        if await asyncio.to_thread(_delete_link, DEVICES[kind]):
+            gone.append(DEVICES[kind])
+    return gone
+
+
+def _delete_link(name: str) -> bool:
     with Rtnl() as rt:
         link = rt.link(name)
         if link is not None:
             rt.delete_link(link.index)
+            return True
+    return False
 
 
 # The implementation of each data path (agentd.backend_table.DATAPATHS); "route" needs none.

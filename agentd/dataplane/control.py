@@ -148,16 +148,20 @@ class DataplaneProcess:
         netns: str | None = None,
         extra_args: Sequence[str] = (),
         ready_timeout: float = 15.0,
+        state_path: str | None = None,
     ) -> DataplaneProcess:
         """Spawn the worker and return once its control socket accepts connections.
 
         ``netns`` runs it through ``ip netns exec`` (the lab and tests; the agent itself
-        already runs in the node's namespace).
+        already runs in the node's namespace).  ``state_path``: its state file (default: the
+        control socket's path + ``.state``).
         """
         control_path = control_path or DEFAULT_CONTROL.get(kind, f"/run/agentd/dataplane-{kind}.sock")
         argv = [python, "-m", "agentd.dataplane", kind, "--tun", tun, "--mtu", str(mtu),
                 "--local-ip", local_ip, "--port", str(port), "--control", control_path,
                 "--orphan-timeout", str(orphan_timeout), *extra_args]
+        if state_path:
+            argv += ["--state", state_path]
         if not offload:
             argv.append("--no-offload")
         if netns:

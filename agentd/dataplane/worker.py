@@ -25,8 +25,10 @@ Control protocol (JSON lines over the unix socket; one response line per request
 ``{"op": "set_members", "members": [underlay_ip, ...]}``, ``{"op": "stats"}``, ``{"op": "get"}``,
 ``{"op": "shutdown", "remove_device": bool}``.  Responses: ``{"ok": true, ...}`` or
 ``{"ok": false, "error": "..."}``.  The table survives controller disconnects and is saved to a
-state file so a restarted worker starts with it.  With no controller for ``orphan_timeout``
-seconds the worker exits.
+state file so that a worker started after one that died (killed, crashed) starts with it.  A
+worker that stops cleanly -- a shutdown request, SIGTERM or SIGINT, ``orphan_timeout`` seconds
+without a controller -- removes its control socket and its state file: whoever starts the next
+one (the agent) brings its table.
 """
 
 from __future__ import annotations
@@ -307,6 +309,7 @@ class Worker:
         from_tun = self.tx.from_tun  # None with the C loop: it polls the TUN and the socket
         log.info("%s worker on %s (mtu %d, local %s, offload %s) ready; control %s", self.cfg.kind,
                  self.cfg.tun, self.cfg.mtu, self.cfg.local_ip, self.cfg.offload, self.cfg.control)
+        clean = False
         try:
             while not self._stop:
                 if fast is not None:
@@ -323,14 +326,17 @@ class Worker:
                     if time.monotonic() - since > self.cfg.orphan_timeout:
                         log.warning("no controller for %.0f s: exiting", self.cfg.orphan_timeout)
                         break
+            clean = True
         finally:
-            self.close()
+            self.close(keep_state=not clean)  # an error: the next worker starts from the table
         return 0
 
     def stop(self) -> None:
         self._stop = True
 
-    def close(self) -> None:
+    def close(self, *, keep_state: bool = False) -> None:
+        """Release everything; the state file goes too unless ``keep_state`` (the worker is
+        going down on an error, not stopping)."""
         self.control.close()
         self.transport.close()
         if self.fast is not None:
@@ -338,6 +344,7 @@ class Worker:
         if self._remove_device:
             with contextlib.suppress(OSError):
                 self.tun.set_persist(False)
+        if self._remove_device or not keep_state:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.state_path)
         self.tun.close()

@@ -449,10 +449,15 @@ class FlowRecorder:
         return flow
 
     def dropped(self, p: nflog.Packet) -> Flow | None:
-        """A logged packet as a drop record; None when the agent's limit folds it."""
+        """A logged packet as a drop record; None when the agent's limit folds it.
+
+        The limit is judged at the drop's time as the kernel stamped it (NFULA_TIMESTAMP): a
+        backlog the agent reads late (a busy loop, a full read budget) holds drops that were
+        spread out, and reading them in one go must not fold them as one burst.  Without a
+        timestamp, the time the agent read it."""
         meaning = self.directory.drop(p.prefix)
         reason = meaning.reason if meaning is not None else "unknown"
-        now = self.clock()
+        now = p.time or self.clock()
         folded = self.limiter.allow((p.prefix, p.src, p.dst, p.proto, p.dport), now)
         if folded is None:
             return None
@@ -461,7 +466,7 @@ class FlowRecorder:
         service = d.service(p.dst, p.proto, p.dport) if reason in ("no-endpoints", "no-local-endpoints") else None
         direction = meaning.direction if meaning is not None and meaning.direction else direction_of(src_id, dst_id)
         flow = Flow(
-            time=p.time or now, node=self.node, event="drop", protocol=protocol_name(p.proto),
+            time=now, node=self.node, event="drop", protocol=protocol_name(p.proto),
             src=Peer(p.src, p.sport, src_id), dst=Peer(p.dst, p.dport, dst_id), direction=direction,
             verdict="dropped", reason=reason, suppressed=folded, service=service,
         )  # fmt: skip

@@ -9,7 +9,9 @@ follower that does not keep up loses records (counted, and told) rather than hol
 ``limit`` on each log rule): at most ``rate`` records a second per (reason, source,
 destination, protocol, port) key, with a burst; what goes over is counted and the next record
 of that key says how many were folded into it.  Its table of keys is bounded: a storm of
-spoofed sources cannot grow it without limit.  Time is passed in.
+spoofed sources cannot grow it without limit.  Time is passed in: the recorder passes when
+the kernel logged the drop (NFULA_TIMESTAMP), so a backlog read late is judged by when its
+drops happened, not by when the agent got round to them.
 """
 
 from __future__ import annotations
@@ -172,7 +174,11 @@ class FlowRing:
 
 class DropLimiter:
     """Token buckets per drop key: ``allow(key, now)`` -> None (over the limit: folded) or the
-    number folded since the last allowed record of ``key``."""
+    number folded since the last allowed record of ``key``.
+
+    ``now`` is the drop's own time.  Drops logged on different CPUs may reach the agent a little
+    out of order: an earlier time than the bucket's last one refills nothing (and does not move
+    the bucket back), rather than taking tokens away."""
 
     def __init__(self, rate: float, burst: int, max_keys: int = 4096) -> None:
         self.rate = rate
@@ -189,8 +195,9 @@ class DropLimiter:
             bucket = self.buckets[key] = [float(self.burst), now, 0.0]
         else:
             self.buckets.move_to_end(key)
-            bucket[0] = min(float(self.burst), bucket[0] + (now - bucket[1]) * self.rate)
-            bucket[1] = now
+            if now > bucket[1]:
+                bucket[0] = min(float(self.burst), bucket[0] + (now - bucket[1]) * self.rate)
+                bucket[1] = now
         if bucket[0] < 1.0:
             bucket[2] += 1
             self.suppressed += 1

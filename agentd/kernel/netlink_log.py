@@ -26,11 +26,11 @@ second, a drop storm must not cost a datagram per packet).
 
 from __future__ import annotations
 
-import socket
 import struct
 from typing import NamedTuple
 
 from agentd.kernel import netlink as nl
+from proto import packet as P
 
 NFNL_SUBSYS_ULOG = 4
 NFULNL_MSG_PACKET = 0
@@ -61,7 +61,6 @@ _BE16 = struct.Struct("!H")
 _BE32 = struct.Struct("!I")
 _MODE = struct.Struct("!IBx")
 _TIMESTAMP = struct.Struct("!QQ")
-_PORTS = struct.Struct("!HH")
 
 
 def _config(group: int, seq: int, body: bytes, family: int = nl.AF_UNSPEC) -> bytes:
@@ -148,38 +147,31 @@ def _be32(buf: bytes, start: int, end: int, what: str) -> int:
     return _BE32.unpack_from(buf, start)[0]
 
 
-_L4_PORTS = (socket.IPPROTO_TCP, socket.IPPROTO_UDP, 132)  # 132: SCTP
-_ICMP = (socket.IPPROTO_ICMP, socket.IPPROTO_ICMPV6)
-
-
 def ip_summary(buf: bytes, start: int, end: int) -> tuple[str, str, int, int, int] | None:
     """(source, destination, protocol, source port or ICMP type, destination port or ICMP code)
-    of the IP packet in ``buf[start:end]``; None if it is not one (or too short to say)."""
-    n = end - start
-    if n < 1:
+    of the IP packet in ``buf[start:end]``, read with the data path's own codecs
+    (:mod:`proto.packet`); None if it is not one or too short for its IP header.
+
+    The bytes are the first ``copy_range`` of the packet, so a header may end early: then what
+    is known is given (ports 0 when the transport header is not whole; an IPv6 packet whose
+    bytes end in its extension headers shows the type of the one they end in).  A fragment
+    other than the first has no transport header: its protocol, ports 0."""
+    packet = memoryview(buf)[start:end]
+    if not packet:
         return None
-    version = buf[start] >> 4
-    if version == 4:
-        if n < 20:
+    try:
+        if packet[0] >> 4 == 4:
+            ip4 = P.IPv4Header.decode(packet)
+            src, dst, proto = ip4.src, ip4.dst, ip4.protocol
+            l4: int | None = None if ip4.fragment_offset else ip4.header_length
+        elif packet[0] >> 4 == 6:
+            ip6 = P.IPv6Header.decode(packet)
+            src, dst = ip6.src, ip6.dst
+            upper = P.ipv6_upper_layer(packet, ip6.next_header)
+            proto, l4 = upper.protocol, upper.offset
+        else:
             return None
-        ihl = (buf[start] & 0x0F) * 4
-        proto = buf[start + 9]
-        src = socket.inet_ntop(socket.AF_INET, bytes(buf[start + 12:start + 16]))
-        dst = socket.inet_ntop(socket.AF_INET, bytes(buf[start + 16:start + 20]))
-        fragment_offset = _BE16.unpack_from(buf, start + 6)[0] & 0x1FFF
-        l4 = start + ihl if ihl >= 20 and not fragment_offset else end  # a later fragment has no ports
-    elif version == 6:
-        if n < 40:
-            return None
-        proto = buf[start + 6]  # extension headers are not walked: their protocol is what is shown
-        src = socket.inet_ntop(socket.AF_INET6, bytes(buf[start + 8:start + 24]))
-        dst = socket.inet_ntop(socket.AF_INET6, bytes(buf[start + 24:start + 40]))
-        l4 = start + 40
-    else:
+    except P.DecodeError:
         return None
-    sport = dport = 0
-    if end - l4 >= 4 and proto in _L4_PORTS:
-        sport, dport = _PORTS.unpack_from(buf, l4)
-    elif end - l4 >= 2 and proto in _ICMP:
-        sport, dport = buf[l4], buf[l4 + 1]
+    sport, dport = P.transport_ports(proto, packet[l4:]) if l4 is not None else (0, 0)
     return src, dst, proto, sport, dport

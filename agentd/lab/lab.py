@@ -609,6 +609,7 @@ class Lab:
         with contextlib.suppress(Exception):
             await self.etcd.kill()
         removed = await asyncio.to_thread(delete_matching, f"ad-{self.spec.name}-")
+        self._remove_worker_sockets()
         # The nodes' devices went with their namespaces, and their tc filters with them; the
         # pinned programs and maps go with the file system.
         with contextlib.suppress(OSError):
@@ -616,6 +617,22 @@ class Lab:
         if not keep_files:
             shutil.rmtree(self.dir, ignore_errors=True)
         return removed
+
+    def _remove_worker_sockets(self) -> None:
+        """The nodes' state dirs are too deep for a unix socket's path, so their data-plane
+        workers' control sockets are in /run/agentd (agentd.dataplane.backends.control_path):
+        once the nodes' processes are gone, remove those of this lab's nodes, by exact name (a
+        worker that stopped cleanly removed its own; one killed with its namespace did not)."""
+        from agentd.dataplane.backends import control_path
+
+        for node in self.nodes:
+            for kind in ("udp", "ipip"):
+                path = control_path(node.dir / "state", kind)
+                if Path(path).is_relative_to(self.dir):
+                    continue  # goes with the lab's directory
+                for stale in (path, path + ".state"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(stale)
 
     def _save(self) -> None:
         added = [

@@ -100,7 +100,7 @@ class PolicyAgent:
         # off or cannot run here (``fast_path_error`` says which).
         self.fast_path = fast_path
         self.fast_path_error = fast_path_error
-        self.fast_path_counters: dict[str, dict[str, int]] = {}
+        self.fast_path_counters: dict[str, dict[str, dict[str, int]]] = {}  # family -> verdict -> counts
         self._fast_pods: dict[str, str] | None = None  # what the fast path was last told
         self.records: dict[PodKey, dict[str, Any]] = {}  # pod records in etcd, every node
         self.record_leases: dict[PodKey, int] = {}

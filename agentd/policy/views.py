@@ -37,7 +37,7 @@ class PolicyState(Protocol):
     sync_errors: int
     fast_path: Any
     fast_path_error: str | None
-    fast_path_counters: dict[str, dict[str, int]]
+    fast_path_counters: dict[str, dict[str, dict[str, int]]]  # family ("ipv4", "ipv6") -> verdict -> counts
 
     def local_pods(self) -> list[PodKey]: ...
 
@@ -70,7 +70,8 @@ class PolicyViews:
         out: dict[str, Any] = {"on": a.fast_path is not None, "error": a.fast_path_error}
         if a.fast_path is not None:
             out.update(a.fast_path.status())
-            out["packets"] = {verdict: c["packets"] for verdict, c in a.fast_path_counters.items()}
+            # IPv4's (``ipv6`` in the status above has IPv6's).
+            out["packets"] = {verdict: c["packets"] for verdict, c in a.fast_path_counters.get("ipv4", {}).items()}
         return out
 
     def view(self, pod: str | None = None, *, summary: bool = False) -> dict[str, Any]:
@@ -130,10 +131,12 @@ class PolicyViews:
         if a.fast_path_counters:
             packets = CounterMetricFamily(
                 "agentd_pod_fast_path_packets", "pod TCP packets by what the pod fast path did with them (carried: "
-                "into the receiving pod or routed toward its node; else why the stack's path took them)", labels=["verdict"],
+                "into the receiving pod or routed toward its node; else why the stack's path took them), by IP family",
+                labels=["family", "verdict"],
             )  # fmt: skip
-            for verdict, c in a.fast_path_counters.items():
-                packets.add_metric([verdict], float(c["packets"]))
+            for family, verdicts in sorted(a.fast_path_counters.items()):
+                for verdict, c in verdicts.items():
+                    packets.add_metric([family, verdict], float(c["packets"]))
             yield packets
         size = self.status()["ruleset"]
         if size:

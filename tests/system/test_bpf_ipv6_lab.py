@@ -3,8 +3,9 @@ two L2 segments joined by the lab's router, so that every pair is encapsulated a
 the reachability matrix over both families, what /peers, /routes and /status say, the
 kernel's IPv6 routes via the peers' IPv4-mapped addresses and their neighbour entries, IPv6
 TCP in super-packets that reach the pod whole and carried by the sending node's pod fast
-path once a policy has conntrack track it, an agent restart that loses no IPv6 echo and
-changes no IPv6 route, and a leave that takes its routes and entries along.  node1 attaches
+path once a policy has conntrack track it (and counted in /metrics under family ipv6), an
+agent restart that loses no IPv6 echo and changes no IPv6 route, and a leave that takes its
+routes and entries along.  node1 attaches
 by clsact, the others by tcx (where the kernel has it): one lab, both hooks."""
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ def mapped_neighbours(node) -> set[str]:
     """The IPv4-mapped permanent neighbour entries on the node's underlay device."""
     out = node.ns.ip("-6", "neigh", "show", "dev", "eth0", "nud", "permanent").stdout.decode()
     return {line.split()[0].removeprefix("::ffff:") for line in out.splitlines() if line.startswith("::ffff:")}
+
+
+def fast_path_metrics(node) -> dict[tuple[str, str], float]:
+    """agentd_pod_fast_path_packets_total from the node's /metrics: (family, verdict) -> value."""
+    _status, text = node.ns.http_get("http://127.0.0.1:9099/metrics")
+    out = {}
+    for line in text.decode().splitlines():
+        if line.startswith("agentd_pod_fast_path_packets_total{"):
+            labels, value = line[len("agentd_pod_fast_path_packets_total{"):].split("} ")
+            pairs = dict(kv.split("=", 1) for kv in labels.split(","))
+            out[(pairs["family"].strip('"'), pairs["verdict"].strip('"'))] = float(value)
+    return out
 
 
 async def test_udp_in_bpf_carries_ipv6_pods_across_segments(lab_factory):
@@ -78,6 +91,10 @@ async def test_udp_in_bpf_carries_ipv6_pods_across_segments(lab_factory):
     assert result["sent"] == result["got"], result
     await auntil(lambda: node1.api("/status")["policy"]["fast_path"]["ipv6"]["packets"].get("carried", 0) > 100,
                  what="node1's pod fast path carried the IPv6 connection", in_thread=True)
+    # /metrics counts it too, under its family (IPv4's series beside it, as many as IPv6's).
+    metrics = fast_path_metrics(node1)
+    assert metrics[("ipv6", "carried")] > 100, metrics
+    assert {v for (_f, v) in metrics if _f == "ipv4"} == {v for (_f, v) in metrics if _f == "ipv6"}, metrics
     await res.delete("networkpolicies", "default", "allow-all")
 
     # A killed and restarted agent adopts its maps and routes: no IPv6 echo lost, no IPv6 route

@@ -1,12 +1,14 @@
 """The user-space data plane between two hosts in namespaces: pods reach each other over the
 flannel-UDP and user-space IPIP paths, the wire carries exactly the inner packets, outsiders are
 dropped and counted, unknown destinations get ICMP net-unreachable, the no-offload fallback
-works, and a controller can go away and come back (and a worker restart keeps its table)."""
+works, and a controller can go away and come back (a worker that died is replaced by one
+that starts from its saved table; one that stops cleanly leaves no file behind)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -460,9 +462,13 @@ async def test_reattach_and_worker_restart_keep_the_table(netns_factory, tmp_pat
         assert (await again.stats())["controllers"] == 1
         await again.close()
 
-        # The worker restarts: the persistent TUN (and the kernel route through it) stays and
-        # the new worker starts from the saved table.
-        await pair.procs[1].stop()
+        # The worker dies: the persistent TUN (and the kernel route through it) stays and a new
+        # worker starts from the saved table.
+        state = pair.controls[1] + ".state"
+        assert os.path.exists(state)
+        os.killpg(pair.procs[1].pid, signal.SIGKILL)
+        assert await asyncio.wait_for(pair.procs[1].wait(), 10) == -signal.SIGKILL
+        assert os.path.exists(state)
         assert "agentd.udp" in t.h1.ip("-o", "link", "show", "agentd.udp").stdout.decode()
         assert CLUSTER in t.h1.ip("route", "show").stdout.decode()
         pair.procs[1] = await DataplaneProcess.start("udp", "agentd.udp", 1472, H1_UNDERLAY, 8285,
@@ -478,12 +484,21 @@ async def test_reattach_and_worker_restart_keep_the_table(netns_factory, tmp_pat
             await fresh.set_members(["not-an-address"])
         assert (await fresh.get())["next_hops"] == {SUBNET2: H2_UNDERLAY}
 
-        # An explicit shutdown with remove_device takes the TUN away.
+        # An explicit shutdown with remove_device takes the TUN away, and the state file.
         await fresh.shutdown(remove_device=True)
         await fresh.close()
         assert await asyncio.wait_for(pair.procs[1].wait(), 10) == 0
         assert wait_for(lambda: t.h1.ip("link", "show", "agentd.udp", check=False).returncode != 0, 5)
-        pair.clients = {2: await DataplaneClient.connect(pair.controls[2])}
+        assert not os.path.exists(state) and not os.path.exists(pair.controls[1])
+
+        # A worker stopped cleanly (SIGTERM) keeps its TUN but leaves no file behind: neither
+        # its control socket nor its state file.
+        state2 = pair.controls[2] + ".state"
+        assert os.path.exists(state2) and os.path.exists(pair.controls[2])
+        pair.clients = {}
+        assert await pair.procs[2].stop() == 0
+        assert not os.path.exists(state2) and not os.path.exists(pair.controls[2])
+        assert "agentd.udp" in t.h2.ip("-o", "link", "show", "agentd.udp").stdout.decode()
     finally:
         await pair.stop()
 
@@ -497,11 +512,14 @@ async def test_orphaned_worker_exits(netns_factory, tmp_path):
                                         netns=h.name, orphan_timeout=1.0)
     try:
         c = await DataplaneClient.connect(proc.control_path)
+        await c.set_next_hops({SUBNET2: H2_UNDERLAY})  # saved to the state file
+        assert os.path.exists(proc.control_path + ".state")
         await apause(1.5, "longer than orphan_timeout (1 s): a connected controller keeps it alive")
         assert proc.returncode is None
         await c.close()
         assert await asyncio.wait_for(proc.wait(), 10) == 0
         assert not os.path.exists(proc.control_path)
+        assert not os.path.exists(proc.control_path + ".state")  # an exit on its own is a clean stop
     finally:
         await proc.stop()
 

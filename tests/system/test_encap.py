@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from agentd.dataplane import DataplaneClient
-from agentd.dataplane.backends import control_path
+from agentd.dataplane.backends import control_path, state_path
 from agentd.dataplane.bpf import layout, podpath, tc
 from agentd.dataplane.bpf import libbpf as bpf
 from agentd.lab.lab import ETCD_ADDRESS
@@ -654,3 +654,16 @@ async def test_mixed_bpf_and_userspace_pair(lab_factory, tmp_path, backend):
         w = await auntil(lambda node=node: carried(node), in_thread=True, interval=0.2,
                          what=lambda node=node: f"{node.name}'s worker to count both transfers: {worker(node)['counters']}")
         assert w["drops"]["malformed"] == 0
+
+    # node2's agent is SIGKILLed (its worker forwards on, orphaned), then `agentd leave` runs
+    # with no agent: the worker is shut down and takes its TUN device, its control socket and
+    # its state file along.
+    pid = worker(node2)["worker_pid"]
+    control, state = control_path(node2.dir / "state", backend), state_path(node2.dir / "state", backend)
+    assert os.path.exists(control) and os.path.exists(state)
+    await node2.kill_agent()
+    assert pid in node2.ns.pids()
+    await node2.leave()
+    await auntil(lambda: pid not in node2.ns.pids(), in_thread=True, what=f"node2's worker (pid {pid}) to exit")
+    assert not os.path.exists(control) and not os.path.exists(state)
+    assert f"agentd.{backend}" not in node2.ns.ip("-o", "link").stdout.decode()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import socket
 
 from agentd.lab.bird import Bird
 from agentd.lab.traffic import Pinger
@@ -41,15 +42,50 @@ def v6_routes(node) -> list[str]:
     return [line for line in node.kernel_routes() if ":" in line.split()[0] or line.startswith("blackhole fd")]
 
 
+def seen_as(listen_ns, address: str, client_ns) -> str:
+    """Connect from ``client_ns`` to a listener on ``address`` in ``listen_ns``: the source
+    address the listener saw."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with listen_ns.entered():
+        server = socket.socket(family, socket.SOCK_STREAM)
+    with client_ns.entered():
+        client = socket.socket(family, socket.SOCK_STREAM)
+    with server, client:
+        server.bind((address, 0))
+        server.listen(1)
+        server.settimeout(10)
+        client.settimeout(10)
+        client.connect((address, server.getsockname()[1]))
+        conn, peer = server.accept()
+        conn.close()
+        return peer[0]
+
+
 async def test_dual_stack_every_backend_in_a_mesh_restart_and_leave(lab_factory):
-    """Dual-stack pods on a dual-stack underlay, a mesh of four nodes on four backends."""
-    lab = await lab_factory(nodes=4, pods=1, ip_family="dual",
-                            extra=backends({"node2": "vxlan", "node3": "udp", "node4": "ipip"}))
+    """Dual-stack pods on a dual-stack underlay, a mesh of four nodes on four backends; node1 and
+    node4 masquerade what leaves the pod network ([network] ip_masq), both families."""
+    extra = backends({"node2": "vxlan", "node3": "udp", "node4": "ipip"})
+    for name in ("node1", "node4"):
+        extra.setdefault(name, {}).setdefault("network", {})["ip_masq"] = True
+    lab = await lab_factory(nodes=4, pods=1, ip_family="dual", extra=extra)
     node1, node2, node3, node4 = lab.nodes
     pods = {p.node.name: p for p in lab.pods}
     matrix = await lab.ready.matrix()
     assert {v for (_a, _b, v) in matrix} == {4, 6} and len(matrix) == 24
     everything_reaches_everything(matrix)
+
+    # ip_masq on a dual-stack node: a pod's traffic to an underlay address (outside the pod
+    # network) arrives as its node, over IPv6 as over IPv4; pod to pod it arrives as the pod.
+    tables = node1.ns.exec("nft", "list", "tables")
+    assert "table ip agentd-masq" in tables and "table ip6 agentd-masq" in tables, tables
+    pod1, pod2 = pods["node1"], pods["node2"]
+    assert await asyncio.to_thread(seen_as, node2.ns, node2.address_v6, pod1.ns) == node1.address_v6
+    assert await asyncio.to_thread(seen_as, node2.ns, node2.address, pod1.ns) == node1.address
+    assert await asyncio.to_thread(seen_as, pod2.ns, pod2.address(6), pod1.ns) == pod1.address(6)
+    assert await asyncio.to_thread(seen_as, pod2.ns, pod2.address(4), pod1.ns) == pod1.address(4)
+    # node2 does not masquerade: its pod reaches node1's underlay as itself.
+    assert "agentd-masq" not in node2.ns.exec("nft", "list", "tables")
+    assert await asyncio.to_thread(seen_as, node1.ns, node1.address_v6, pod2.ns) == pod2.address(6)
 
     # Each family's subnet: in /status, in etcd (both leased under each node), in the kernel.
     status = node1.api("/status")["node"]
@@ -143,6 +179,7 @@ async def test_dual_stack_every_backend_in_a_mesh_restart_and_leave(lab_factory)
                  what=f"{gone} withdrawn everywhere", in_thread=True)
     leases = await resources.subnets()
     assert not set(gone) & set(leases) and "node4" not in leases.values(), leases
+    assert "agentd-masq" not in node4.ns.exec("nft", "list", "tables")  # both tables gone
 
 
 async def test_dual_stack_route_reflectors_on_an_ipv4_underlay(lab_factory):

@@ -141,7 +141,7 @@ class PodFastPath:
         self.bpf_dir = Path(bpf_dir)
         self.cluster = cluster
         self.cluster_v6 = cluster_v6
-        self.last_v6: dict[str, dict[str, int]] = {}  # the IPv6 verdicts, as counters() last read them
+        self.last: dict[str, dict[str, dict[str, int]]] = {}  # counters() as last read, by family
         self.wire_ifindex = wire_ifindex
         self.wire: str | None = None  # why the underlay device has no program, if it has none
         self.dir = pin_dir(bpf_dir)
@@ -348,11 +348,12 @@ class PodFastPath:
 
     # ------------------------------------------------------------------ observation
 
-    def counters(self) -> dict[str, dict[str, int]]:
-        """Pod IPv4 TCP packets and bytes by what the programs did with them, since the maps were
-        made; the IPv6 ones, read at the same time, go to ``last_v6`` (:meth:`status` shows them)."""
-        self.last_v6 = self._verdicts(STATS6)
-        return self._verdicts(STATS)
+    def counters(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Pod TCP packets and bytes by what the programs did with them, since the maps were
+        made, per family (``ipv4``, ``ipv6``: each has its counters map); kept in ``last``
+        (:meth:`status` shows IPv6's from there)."""
+        self.last = {"ipv4": self._verdicts(STATS), "ipv6": self._verdicts(STATS6)}
+        return self.last
 
     def _verdicts(self, name: str) -> dict[str, dict[str, int]]:
         out = {}
@@ -378,7 +379,7 @@ class PodFastPath:
             # IPv6 TCP: the same programs and rules, its own pods and counters (``packets`` above is IPv4's).
             "ipv6": {"pods": sum(1 for a in self.pods if ":" in a),
                      "cluster": str(self.cluster_v6) if self.cluster_v6 else None,
-                     "packets": {verdict: c["packets"] for verdict, c in self.last_v6.items()}},
+                     "packets": {verdict: c["packets"] for verdict, c in self.last.get("ipv6", {}).items()}},
         }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 
 from agentd.cli import main
 from agentd.cni.docker_opts import docker_options, render
@@ -57,7 +57,7 @@ def test_the_subnet_file_is_the_configurations_by_default(tmp_path, capsys, monk
 
 
 def test_masquerading_never_touches_pod_to_pod_traffic():
-    rs = ruleset(IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"))
+    rs = ruleset({4: (IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"))})
     (chain,) = rs.chains()
     assert rs.tables == {("ip", "agentd-masq")} and chain.hook == ("nat", "postrouting", 100, "accept")
     rules = [json.loads(r) for r in chain.rules]
@@ -85,3 +85,36 @@ def test_masquerading_never_touches_pod_to_pod_traffic():
     adopted = Ruleset(rs.tables, {chain.key: NftChain("ip", "agentd-masq", "postrouting", hook=chain.hook,
                                                       contents_known=False)})
     assert shape(plan(adopted, rs)) == [("flush", "chain")] + [("add", "rule")] * 4
+
+
+def _rules(chain) -> list[tuple[list[tuple[str, str, str, str]], str]]:
+    """(matches as (family, field, op, network), verdict) of each rule of ``chain``."""
+    out = []
+    for expr in (json.loads(r) for r in chain.rules):
+        matches = [(m["match"]["left"]["payload"]["protocol"], m["match"]["left"]["payload"]["field"], m["match"]["op"],
+                    f"{m['match']['right']['prefix']['addr']}/{m['match']['right']['prefix']['len']}")
+                   for m in expr if "match" in m]  # fmt: skip
+        out.append((matches, "masquerade" if any("masquerade" in e for e in expr) else "return"))
+    return out
+
+
+def test_masquerading_covers_the_ipv6_pod_network_too():
+    v4 = (IPv4Network("10.244.0.0/16"), IPv4Network("10.244.3.0/24"))
+    v6 = (IPv6Network("fd00:10:244::/48"), IPv6Network("fd00:10:244:3::/64"))
+    dual = ruleset({4: v4, 6: v6})
+    assert dual.tables == {("ip", "agentd-masq"), ("ip6", "agentd-masq")}
+    chains = {c.family: c for c in dual.chains()}
+    assert chains["ip6"].hook == chains["ip"].hook == ("nat", "postrouting", 100, "accept")
+    # flannel's MasqIP6Rules: the same four rules over ip6 addresses, multicast ff00::/8 (RFC 4291 §2.7).
+    assert _rules(chains["ip6"]) == [
+        ([("ip6", "saddr", "==", "fd00:10:244::/48"), ("ip6", "daddr", "==", "fd00:10:244::/48")], "return"),
+        ([("ip6", "saddr", "==", "fd00:10:244::/48"), ("ip6", "daddr", "!=", "ff00::/8")], "masquerade"),
+        ([("ip6", "saddr", "!=", "fd00:10:244::/48"), ("ip6", "daddr", "==", "fd00:10:244:3::/64")], "return"),
+        ([("ip6", "saddr", "!=", "fd00:10:244::/48"), ("ip6", "daddr", "==", "fd00:10:244::/48")], "masquerade"),
+    ]
+    assert _rules(chains["ip"]) == _rules(ruleset({4: v4}).chains()[0])
+    # IPv6-only: the ip6 table alone.  A node whose pods lost a family loses that table in the
+    # same transaction that rewrites the other (adopted from the previous run).
+    assert ruleset({6: v6}).tables == {("ip6", "agentd-masq")}
+    commands = plan(Ruleset(dual.tables, dict(dual.objects)), ruleset({6: v6}))
+    assert commands == [{"delete": {"table": {"family": "ip", "name": "agentd-masq"}}}]

@@ -11,6 +11,8 @@ import struct
 from ipaddress import IPv4Address
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agentd.flows.model import FilterError, Flow, FlowFilter, Identity, Peer
 from agentd.flows.recorder import FlowRecorder
@@ -24,6 +26,7 @@ from agentd.policy import compiler as policy_compiler
 from agentd.policy.engine import PolicyEngine
 from agentd.policy.model import LocalPort, Pod, Policy
 from agentd.services import compiler as services_compiler
+from proto import packet as P
 
 # ------------------------------------------------------------------ ctnetlink events
 
@@ -91,12 +94,17 @@ def test_bind_and_settings_bytes():
     assert attrs[nflog.NFULA_CFG_FLAGS][:2] == struct.pack("!H", nflog.NFULNL_CFG_F_SEQ)
 
 
-def logged_packet(prefix: str, src: str, dst: str, proto: int, sport: int, dport: int, seq: int = 1) -> bytes:
-    header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 40, 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst))
-    payload = header + struct.pack("!HH", sport, dport) + b"\0" * 16
+def logged_packet(prefix: str, src: str, dst: str, proto: int, sport: int, dport: int, seq: int = 1,
+                  when: tuple[int, int] | None = (1700000000, 250000)) -> bytes:
+    """An NFULNL_MSG_PACKET as the kernel sends one; ``when``: NFULA_TIMESTAMP (seconds,
+    microseconds), None for none (the kernel sends it only for packets it stamped)."""
+    if proto == P.IPPROTO_TCP:
+        payload = P.tcp_packet(src, dst, P.TcpHeader(sport, dport, 1, 0, P.TCP_SYN, 64240))
+    else:
+        payload = P.udp_datagram(src, dst, sport, dport, b"x" * 8)
+    stamp = nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", *when)) if when is not None else b""
     body = (nl.attr(nflog.NFULA_PREFIX, prefix.encode() + b"\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", seq))
-            + nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", 1700000000, 250000))
-            + nl.attr(nflog.NFULA_PAYLOAD, payload))
+            + stamp + nl.attr(nflog.NFULA_PAYLOAD, payload))
     return nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
 
 
@@ -109,12 +117,62 @@ def test_logged_packet_decodes_prefix_addresses_and_ports():
     assert p.time == pytest.approx(1700000000.25)
 
 
-def test_ip_summary_of_short_or_foreign_payloads():
+# Packets as Linux 6.18 sent them on a namespace's loopback (tcpdump; lo's MTU 1280 so that
+# the 2,000-byte datagrams went in fragments), each its first 128 bytes, NFLOG's copy_range here.
+CAPTURED = {
+    "IPv4 TCP SYN": ("4500003c24ae40004006180c7f0000017f000001a4a60050862e70b400000000a002fbe0fe300000020404d804"
+                     "02080a4fcdabca000000000103030a", ("127.0.0.1", "127.0.0.1", 6, 42150, 80)),
+    "IPv4 ICMP echo request": ("4500005436e74000400105c07f0000017f0000010800a83a2cf700018bf1126b00000000c49d01000000"
+                               "0000101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f3031323334353637",
+                               ("127.0.0.1", "127.0.0.1", 1, 8, 0)),
+    "IPv4 UDP, first fragment": ("450004fcf0252000401167c97f0000017f000001c26f14e907d89860" + "79" * 100,
+                                 ("127.0.0.1", "127.0.0.1", 17, 49775, 5353)),
+    # A later fragment carries no UDP header: its first bytes are payload ("yyyy"), not ports.
+    "IPv4 UDP, later fragment": ("45000304f025009d401189247f0000017f000001" + "79" * 108, ("127.0.0.1", "127.0.0.1", 17, 0, 0)),
+    # UDP behind a Destination Options header (PadN), from setsockopt(IPV6_DSTOPTS).
+    "IPv6 UDP behind Destination Options": ("600a170100153c40" + "00" * 15 + "01" + "00" * 15 + "01"
+                                            + "1100010400000000e9b40035000dd21668656c6c6f", ("::1", "::1", 17, 59828, 53)),
+    "IPv6 UDP, first fragment": ("600bf1db04d82c40" + "00" * 15 + "01" + "00" * 15 + "01" + "11000001a7d6bc09b20e14e907d892ae"
+                                 + "78" * 72, ("::1", "::1", 17, 45582, 5353)),
+    "IPv6 UDP, later fragment": ("600bf1db03102c40" + "00" * 15 + "01" + "00" * 15 + "01" + "110004d0a7d6bc09" + "78" * 80,
+                                 ("::1", "::1", 17, 0, 0)),
+    "IPv6 ICMPv6 echo request": ("600e1f4400403a40" + "00" * 15 + "01" + "00" * 15 + "01" + "8000daca2cf600018bf1126b00000000"
+                                 "1992010000000000101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f3031"
+                                 "323334353637", ("::1", "::1", 58, 128, 0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAPTURED))
+def test_ip_summary_of_captured_packets(name):
+    raw, want = CAPTURED[name]
+    packet = bytes.fromhex(raw)
+    assert len(packet) <= 128
+    framed = b"\xff" * 20 + packet + b"\xee" * 8  # inside a larger buffer, as in a netlink message
+    assert nflog.ip_summary(framed, 20, 20 + len(packet)) == want
+
+
+@given(st.sampled_from([0x45, 0x46, 0x4F, 0x60, 0x20]), st.binary(max_size=160))
+def test_ip_summary_of_random_bytes_never_raises(first, rest):
+    data = bytes([first]) + rest
+    got = nflog.ip_summary(data, 0, len(data))
+    assert got is None or len(got) == 5
+
+
+def test_ip_summary_of_short_truncated_or_foreign_payloads():
+    assert nflog.ip_summary(b"", 0, 0) is None
     assert nflog.ip_summary(b"\x45" + b"\0" * 10, 0, 11) is None  # too short for IPv4
+    assert nflog.ip_summary(b"\x46" + b"\0" * 19, 0, 20) is None  # IHL says 24 bytes, 20 given
     assert nflog.ip_summary(b"\x20" * 40, 0, 40) is None  # not IP
-    v6 = bytes([0x60, 0, 0, 0, 0, 8, 17, 64]) + socket.inet_pton(socket.AF_INET6, "fd00::1") + \
-        socket.inet_pton(socket.AF_INET6, "fd00::2") + struct.pack("!HH", 5353, 53)
-    assert nflog.ip_summary(v6, 0, len(v6)) == ("fd00::1", "fd00::2", 17, 5353, 53)
+    syn = bytes.fromhex(CAPTURED["IPv4 TCP SYN"][0])
+    assert nflog.ip_summary(syn, 0, 30) == ("127.0.0.1", "127.0.0.1", 6, 0, 0)  # TCP header cut short: no ports
+    dstopts = bytes.fromhex(CAPTURED["IPv6 UDP behind Destination Options"][0])
+    assert nflog.ip_summary(dstopts, 0, 39) is None  # too short for IPv6
+    # The bytes end inside the extension header: what is known is its type (60).
+    assert nflog.ip_summary(dstopts, 0, 44) == ("::1", "::1", 60, 0, 0)
+    # A chain of extension headers longer than the bytes: never an exception.
+    chain = (P.IPv6Header("fd00::1", "fd00::2", P.IPPROTO_HOPOPTS).encode(64)
+             + bytes([P.IPPROTO_DSTOPTS, 255]) + b"\0" * 6 + bytes([P.IPPROTO_TCP, 0]) + b"\0" * 6)
+    assert nflog.ip_summary(chain, 0, len(chain)) == ("fd00::1", "fd00::2", 60, 0, 0)
 
 
 # ------------------------------------------------------------------ records
@@ -175,6 +233,40 @@ def test_drop_record_names_the_policies_and_folds_a_storm():
     j = kept[0].json()
     assert (j["verdict"], j["reason"], j["policies"], j["default_deny"]) == ("dropped", "policy", ["shop/default-deny"], True)
     assert "policy ingress: shop/default-deny (default deny)" in line(j)
+
+
+def _decoded(msg: bytes) -> nflog.Packet:
+    ((_t, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    packet = nflog.decode_packet(msg, start, end)
+    assert packet is not None
+    return packet
+
+
+def test_a_backlog_read_late_is_limited_by_when_the_kernel_logged_it():
+    # Ten drops of one key a second apart, all read at one instant (the agent was busy): at
+    # one record a second with a burst of 2, each came with a token back, so all are kept.
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, agent_rate=1.0, agent_burst=2,
+                     clock=lambda: 1700000100.0)
+    drops = [_decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, seq=k + 1,
+                                    when=(1700000000 + k, 0))) for k in range(10)]
+    kept = [r.dropped(p) for p in drops]
+    assert all(f is not None for f in kept) and r.limiter.suppressed == 0
+    assert [f.time for f in kept] == [1700000000.0 + k for k in range(10)]  # type: ignore[union-attr]
+    # The same ten stamped within one second are a burst: two kept, eight folded into the next.
+    burst = [_decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, seq=k + 11,
+                                    when=(1700000020, k * 1000))) for k in range(10)]
+    assert sum(r.dropped(p) is not None for p in burst) == 2 and r.limiter.suppressed == 8
+
+
+def test_a_drop_without_a_kernel_timestamp_is_limited_by_when_it_was_read():
+    now = iter([1000.0, 1000.0, 1000.0, 1003.0])
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, agent_rate=1.0, agent_burst=2,
+                     clock=lambda: next(now))
+    p = _decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, when=None))
+    assert p.time == 0.0
+    kept = [r.dropped(p) for _ in range(4)]
+    assert [f is not None for f in kept] == [True, True, False, True]
+    assert kept[3].time == 1003.0 and kept[3].suppressed == 1  # type: ignore[union-attr]
 
 
 def test_log_sequence_gaps_count_as_lost():
@@ -279,6 +371,14 @@ def test_limiter_refills_and_keeps_few_keys():
     for k in range(10):
         lim.allow(("spoofed", k), 0.2)
     assert len(lim.buckets) == 3
+
+
+def test_limiter_takes_drops_a_little_out_of_order_without_losing_tokens():
+    lim = DropLimiter(rate=10, burst=2)
+    assert lim.allow("k", 5.0) == 0
+    assert lim.allow("k", 4.9) == 0  # logged earlier on another CPU: the burst's second token
+    assert lim.allow("k", 4.95) is None  # no refill from a time before the bucket's
+    assert lim.allow("k", 5.25) == 1  # a quarter second after the bucket's time: tokens back
 
 
 # ------------------------------------------------------------------ the drop rules

@@ -85,7 +85,7 @@ def test_ipv4_decode_errors(raw, msg):
 def test_decoders_raise_only_decode_error(data):
     for decode in (P.IPv4Header.decode, P.UdpHeader.decode, P.TcpHeader.decode, P.VxlanHeader.decode,
                    P.VirtioNetHdr.decode, P.IcmpHeader.decode, P.split_ipv4, P.ipip_decapsulate,
-                   P.IPv6Header.decode, P.split_ipv6):
+                   P.IPv6Header.decode, P.split_ipv6, P.SctpHeader.decode):
         try:
             decode(data)
         except P.DecodeError:
@@ -220,3 +220,60 @@ def test_icmpv6_errors_quote_up_to_the_minimum_mtu_and_never_answer_errors():
     assert P.transport_checksum_ok(P.icmp6_hop_limit_exceeded(echo, "fd00::1"))
     with pytest.raises(P.DecodeError):
         P.icmp6_no_route(b"\x60" + bytes(20), "fd00::1")
+
+
+# --------------------------------------------------------------------------------------------
+# IPv6 (RFC 8200) and what sits behind its extension headers
+
+
+def test_ipv6_header_round_trip():
+    h = P.IPv6Header("fd00:10:244:1::2", "2001:db8::1", P.IPPROTO_TCP, hop_limit=63, traffic_class=0xB8,
+                     flow_label=0xABCDE, payload_length=20)
+    raw = h.encode()
+    assert len(raw) == P.IPV6_HEADER_LEN and raw[0] >> 4 == 6
+    assert P.IPv6Header.decode(raw + b"tail") == h
+    with pytest.raises(P.DecodeError, match="40 bytes"):
+        P.IPv6Header.decode(raw[:39])
+    with pytest.raises(P.DecodeError, match="version 4"):
+        P.IPv6Header.decode(b"\x45" + raw[1:])
+
+
+def _ext(next_header: int, units: int) -> bytes:
+    """An extension header of RFC 8200 §4's format: (units + 1) * 8 octets."""
+    return bytes([next_header, units]) + b"\0" * (units * 8 + 6)
+
+
+def test_upper_layer_behind_every_kind_of_extension_header():
+    tcp = P.TcpHeader(40000, 443, 1, 0, P.TCP_SYN, 65535).encode()
+    ah = bytes([P.IPPROTO_TCP, 4]) + b"\0" * 22  # RFC 4302: (4 + 2) * 4 = 24 octets
+    fragment = bytes([P.IPPROTO_AH, 0, 0, 1]) + b"\0\0\0\x07"  # offset 0, M set: the first fragment
+    chain = _ext(P.IPPROTO_ROUTING, 0) + _ext(P.IPPROTO_DSTOPTS, 2) + _ext(P.IPPROTO_FRAGMENT, 1) + fragment + ah
+    packet = P.IPv6Header("fd00::1", "fd00::2", P.IPPROTO_HOPOPTS).encode(len(chain) + len(tcp)) + chain + tcp
+    upper = P.ipv6_upper_layer(packet, P.IPPROTO_HOPOPTS)
+    assert upper == P.UpperLayer(P.IPPROTO_TCP, 40 + len(chain))
+    assert P.transport_ports(upper.protocol, packet[upper.offset:]) == (40000, 443)
+    # A later fragment: the protocol is known, its header is not here.
+    later = bytes([P.IPPROTO_UDP, 0, 0x05, 0x08]) + b"\0\0\0\x07"
+    assert P.ipv6_upper_layer(later, P.IPPROTO_FRAGMENT, 0) == P.UpperLayer(P.IPPROTO_UDP, None)
+    # No extension headers: the upper layer is right after the fixed header.
+    assert P.ipv6_upper_layer(b"\0" * 48, P.IPPROTO_UDP) == P.UpperLayer(P.IPPROTO_UDP, 40)
+
+
+def test_transport_ports_of_each_protocol_and_of_cut_headers():
+    udp = P.UdpHeader(5353, 53, 9).encode()
+    sctp = struct.pack("!HHII", 36412, 38412, 7, 0)
+    assert P.transport_ports(P.IPPROTO_UDP, udp) == (5353, 53)
+    assert P.transport_ports(P.IPPROTO_SCTP, sctp) == (36412, 38412)
+    assert P.transport_ports(P.IPPROTO_ICMPV6, bytes([128, 0]) + b"\0" * 6) == (128, 0)
+    assert P.transport_ports(P.IPPROTO_UDP, udp[:7]) == (0, 0)
+    assert P.transport_ports(P.IPPROTO_SCTP, sctp[:11]) == (0, 0)
+    assert P.transport_ports(P.IPPROTO_TCP, b"\0" * 20) == (0, 0)  # data offset 0: not a TCP header
+    assert P.transport_ports(47, b"\0" * 40) == (0, 0)  # GRE: no ports
+
+
+@given(st.integers(0, 255), st.binary(max_size=200), st.integers(0, 60))
+def test_upper_layer_walk_never_raises(next_header, data, offset):
+    upper = P.ipv6_upper_layer(data, next_header, offset)
+    assert upper.offset is None or offset <= upper.offset <= len(data)
+    if upper.offset is not None:
+        P.transport_ports(upper.protocol, data[upper.offset:])
