@@ -166,8 +166,9 @@ def plan_peer(
     if no_ipv6 is not None:
         if via is not None:
             return plan(HOST_GW, f"{no_ipv6}: IPv6 pods routed directly, on-link via {underlay.ifname}")
+        both = " and ".join(name for name in ENCAPSULATING if 6 in BACKENDS[name].inner_families)
         return plan("none", f"peer uses {peer_backend}: {no_ipv6}, and is not on this node's L2 segment: its IPv6 "
-                            "pods are unreachable from here (vxlan carries both)", extra=False)
+                            f"pods are unreachable from here ({both} carry both)", extra=False)
     problem = available(peer_backend)
     if problem is not None:
         return plan("none", f"peer uses {peer_backend}: {problem}", extra=False)

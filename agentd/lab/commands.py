@@ -15,6 +15,23 @@ from . import bpffs
 from .lab import LAB_ROOT, Lab, LabError, LabSpec, stage_timeout
 from .netns import delete_matching
 
+def check_spec(spec: LabSpec) -> None:
+    """Refuse, in one line and before anything is built, a lab whose pods could never all
+    reach each other (``lab up`` waits for exactly that)."""
+    if spec.encap == "cross-subnet" and spec.backend == "host-gw":
+        raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
+    if spec.ip_family == "ipv6" and spec.backend in ("ipip", "udp"):
+        raise LabError(f"--backend {spec.backend} needs an IPv4 underlay (its outer header is IPv4), which "
+                       "--ip-family ipv6 has not: use vxlan or host-gw, or --ip-family dual")
+    if spec.ip_family == "dual" and spec.backend == "ipip" and spec.subnets > 1:
+        # ipip carries IPv4 inside IPv4 only (RFC 2003): a peer's IPv6 pods are routed
+        # directly or not at all, so across the router between segments they are unreachable.
+        raise LabError("--backend ipip carries no IPv6 pods between segments (IPv4 in IPv4 only): with "
+                       "--ip-family dual and --subnets above 1 use udp or vxlan, or one segment")
+    if spec.ipv4_underlay and spec.ip_family != "dual":
+        raise LabError("--ipv4-underlay goes with --ip-family dual")
+
+
 def up(args) -> int:
     spec = LabSpec(
         name=args.name,
@@ -32,13 +49,7 @@ def up(args) -> int:
         ipv4_underlay=args.ipv4_underlay,
         ingress=args.ingress,
     )
-    if spec.encap == "cross-subnet" and spec.backend == "host-gw":
-        raise LabError("--encap cross-subnet needs an encapsulating --backend (ipip, vxlan or udp)")
-    if spec.ip_family == "ipv6" and spec.backend in ("ipip", "udp"):
-        raise LabError(f"--backend {spec.backend} carries IPv4 over an IPv4 underlay: with --ip-family ipv6 use "
-                       "vxlan or host-gw")
-    if spec.ipv4_underlay and spec.ip_family != "dual":
-        raise LabError("--ipv4-underlay goes with --ip-family dual")
+    check_spec(spec)
     lab = Lab(spec, progress=lambda line: print(line, flush=True))
 
     timeout = args.timeout or stage_timeout(spec.nodes)

@@ -40,7 +40,7 @@ from agentd.datastore.store import Datastore, KeyValue
 from . import allocation, ipfamilies, kinds
 from .ingress import INGRESS_NODES
 from .kinds import Kind
-from .validation import Invalid
+from .validation import Invalid, about
 
 log = logging.getLogger("agentd.resources")
 
@@ -259,7 +259,10 @@ class ResourceStore:
                 else:
                     compare.append(tx.Version(key) == 0)
                 if obj["kind"] == "Service":
-                    obj, ops = self._allocate(obj, old, taken)
+                    try:
+                        obj, ops = self._allocate(obj, old, taken)
+                    except Invalid as err:  # one of several documents: say which
+                        raise about(err, kinds.describe(*kinds.identity(obj))) from None
                     compare += ops[0]
                     allocs = ops[1]
                 else:

@@ -44,6 +44,15 @@ class Invalid(ValueError):
         self.detail = detail
 
 
+def about(err: Invalid, subject: str) -> Invalid:
+    """``err`` with the object it concerns in front (``Service shop/web: spec.clusterIP: ...``),
+    for the checks that need the cluster's state and so run after the documents were read,
+    where the document's place is no longer known."""
+    out = type(err)(err.path, err.detail)
+    out.args = (f"{subject}: {err}",)
+    return out
+
+
 def show(value: Any, limit: int = 60) -> str:
     """A value as the API server quotes it in messages (JSON), cut to ``limit`` characters."""
     try:

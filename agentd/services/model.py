@@ -55,6 +55,7 @@ class ServicePort:
     external_local: bool  # externalTrafficPolicy Local: this node's endpoints only, for the node port
     endpoints: tuple[Endpoint, ...]
     family: int = 4  # the IP version of its cluster IP and endpoints
+    primary: bool = True  # of the Service's primary family (spec.ipFamilies[0]: its clusterIP's)
 
     @property
     def key(self) -> tuple[str, str, str, int, int]:
@@ -110,7 +111,7 @@ def build(services: Iterable[Obj], slices: Iterable[Obj], pods: Iterable[Obj]) -
                         affinity_timeout=timeout if spec.get("sessionAffinity") == "ClientIP" else None,
                         internal_local=spec.get("internalTrafficPolicy") == "Local",
                         external_local=spec.get("externalTrafficPolicy") == "Local",
-                        endpoints=tuple(sorted(set(endpoints))), family=version,
+                        endpoints=tuple(sorted(set(endpoints))), family=version, primary=index == 0,
                     )
                 )  # fmt: skip
     return out

@@ -53,7 +53,13 @@ class ServiceViews:
                 "ports": [], "connections": a.counters.get(compiler.counter_name(sp.namespace, sp.service), 0),
             })  # fmt: skip
             if sp.cluster_ip is not None and sp.cluster_ip not in svc["clusterIPs"]:
-                svc["clusterIPs"].append(sp.cluster_ip)
+                # The ports come ordered by family, not by the Service's: its primary
+                # address leads, as in its spec (an IPv6-primary dual-stack Service).
+                if sp.primary:
+                    svc["clusterIP"] = sp.cluster_ip
+                    svc["clusterIPs"].insert(0, sp.cluster_ip)
+                else:
+                    svc["clusterIPs"].append(sp.cluster_ip)
             usable = set(sp.usable())
             local = set(sp.usable(a.node))
             svc["ports"].append({

@@ -1,0 +1,47 @@
+"""What `agentd lab up` refuses before building anything: labs whose pods could never all
+reach each other, each in one line that says what to use instead."""
+
+import pytest
+
+from agentd.lab.commands import check_spec
+from agentd.lab.lab import LabError, LabSpec
+
+
+def _problem(**kw) -> str | None:
+    try:
+        check_spec(LabSpec(name="t", **kw))
+    except LabError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("kw", [
+    {"ip_family": "dual", "backend": "ipip"},
+    {"ip_family": "dual", "backend": "udp", "subnets": 2},
+    {"ip_family": "dual", "backend": "vxlan", "subnets": 2},
+    {"ip_family": "ipv6", "backend": "vxlan", "subnets": 2},
+    {"ip_family": "ipv4", "backend": "ipip", "subnets": 2},
+])  # fmt: skip
+def test_labs_whose_pods_all_meet_are_built(kw):
+    assert _problem(**kw) is None
+
+
+def test_ipip_between_segments_carries_no_ipv6_pods():
+    # ipip routes a peer's IPv6 pods directly or not at all: the matrix could never fill up,
+    # and `lab up` would wait its whole timeout for routes that never come.
+    for kw in ({}, {"encap": "cross-subnet"}, {"ipv4_underlay": True}):
+        text = _problem(ip_family="dual", backend="ipip", subnets=2, **kw)
+        assert text is not None and "ipip carries no IPv6 pods between segments" in text and "udp or vxlan" in text
+
+
+@pytest.mark.parametrize("backend", ["ipip", "udp"])
+def test_ipv6_only_refuses_the_ipv4_underlay_backends(backend):
+    text = _problem(ip_family="ipv6", backend=backend)
+    # udp carries IPv6 pods (over an IPv4 underlay): the reason is the underlay, not the pods
+    assert text == (f"--backend {backend} needs an IPv4 underlay (its outer header is IPv4), which --ip-family "
+                    "ipv6 has not: use vxlan or host-gw, or --ip-family dual")
+
+
+def test_the_other_refusals_stay():
+    assert _problem(backend="host-gw", encap="cross-subnet") is not None
+    assert _problem(ip_family="ipv4", ipv4_underlay=True) == "--ipv4-underlay goes with --ip-family dual"

@@ -1,0 +1,39 @@
+"""GET /services shows a Service's addresses as its spec has them: the primary first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentd.resources import kinds
+from agentd.services import compiler, model
+from agentd.services.views import ServiceViews
+
+
+class _State:
+    node, applied_revision, error, error_dns, syncs, last_sync, flushed = "n1", 1, None, None, 1, None, 0
+    counters: dict[str, int] = {}
+    dns_server = None
+
+    def __init__(self, ports: list[model.ServicePort]) -> None:
+        table = compiler.Table("n1", families=(4, 6))
+        for sp in ports:
+            table.update((sp.namespace, sp.service), [p for p in ports if p.service == sp.service])
+        self.ports = table.ports()  # as the agent lists them: ordered by family, not by the Service
+        self.port_count = len(self.ports)
+
+
+def _service(name: str, ips: list[str], families: list[str]) -> dict[str, Any]:
+    return kinds.validate({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "shop"},
+        "spec": {"clusterIP": ips[0], "clusterIPs": ips, "ipFamilies": families, "ipFamilyPolicy": "RequireDualStack",
+                 "selector": {"app": "web"}, "ports": [{"name": "http", "port": 80}]},
+    })  # fmt: skip
+
+
+def test_an_ipv6_primary_dual_stack_service_lists_its_ipv6_address_first():
+    services = [_service("v6first", ["fd00:10:96::8c74", "10.96.44.88"], ["IPv6", "IPv4"]),
+                _service("v4first", ["10.96.1.2", "fd00:10:96::2"], ["IPv4", "IPv6"])]
+    view = ServiceViews(_State(model.build(services, [], [])))  # type: ignore[arg-type]
+    shown = {s["name"]: (s["clusterIP"], s["clusterIPs"]) for s in view.view()["services"]}
+    assert shown == {"v6first": ("fd00:10:96::8c74", ["fd00:10:96::8c74", "10.96.44.88"]),
+                     "v4first": ("10.96.1.2", ["10.96.1.2", "fd00:10:96::2"])}
