@@ -230,6 +230,11 @@ def render(
         ]
         vhost = "var(txn.vhost)"
     if table.vhosts:
+        # A request's key is its virtual host, then its path: a Host header with a "/" (never
+        # a host: RFC 9110 section 7.2) would move part of the key's path into its host -- a
+        # request for /admin with "Host: h/public" keyed as h/public/admin, routed by the
+        # /public rule.  Refused as RFC 9112 section 3.2 asks of an invalid Host: 400.
+        out.append("    http-request deny deny_status 400 if { req.hdr(host) -m sub / }")
         out.append(f'    http-request set-var-fmt(txn.key) "%[{vhost}]%[path]"')
     if redirects:  # HTTP -> HTTPS for TLS hosts (the exact name, or the wildcard covering it)
         out.append(f"    acl tls_host var(txn.host) -m str -f {d / 'redirect.lst'}")

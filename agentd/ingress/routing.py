@@ -21,6 +21,9 @@ features):
   agentd's choice, documented: it is ``Prefix``.  Of the paths that match, the longest wins
   (its length without a trailing slash); at equal length ``Exact`` beats ``Prefix``.  The
   query string is not part of the path; the path is matched as sent (not percent-decoded).
+  What a request line cannot carry raw in a rule's path (controls, space, DEL, non-ASCII:
+  RFC 3986 section 2.1, RFC 9112 section 3.2) is percent-encoded as UTF-8 first, so ``/a b``
+  matches what a client sends for it, ``/a%20b`` (the API server accepts such paths).
 * **Merging.**  Every Ingress of ours adds its rules.  Two rules for the same host, the same
   match kind and the same path conflict: the one of the OLDEST Ingress (creationTimestamp,
   then namespace/name) wins, as in ingress-nginx; the loser is listed in ``conflicts``.
@@ -72,7 +75,7 @@ class Backend:
 
 @dataclass(frozen=True)
 class Rule:
-    path: str  # as written ("" for an ImplementationSpecific path that names none: "/")
+    path: str  # as written, in the form a client sends it (as_sent); "/" when none is named
     path_type: str
     backend: str  # Backend.name
     ingress: tuple[str, str]
@@ -161,6 +164,17 @@ def normalise_host(host: str) -> str:
     return host.partition(":")[0].lower()
 
 
+def as_sent(path: str) -> str:
+    """A rule's path as a client sends it: every character outside visible ASCII
+    percent-encoded (UTF-8), the rest as written.  Besides matching the request, this keeps
+    the HAProxy map files one rule per line: a space, tab or newline in a path would split
+    its line into a key and a value of the writer's choosing -- a route for another host."""
+    if all(0x20 < ord(c) < 0x7F for c in path):
+        return path
+    return "".join(c if 0x20 < ord(c) < 0x7F else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+                   for c in path)  # fmt: skip
+
+
 def age_key(obj: Obj) -> tuple[float, str, str]:
     """Oldest first: creationTimestamp, then namespace/name (deterministic for equal stamps)."""
     meta = obj["metadata"]
@@ -209,7 +223,7 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True) -> RouteTable:
                 b = _backend(ns, name, p["backend"])
                 table.backends[b.name] = b
                 kind = p["pathType"]
-                r = Rule(p.get("path") or "/", "Exact" if kind == "Exact" else "Prefix", b.name, me)
+                r = Rule(as_sent(p.get("path") or "/"), "Exact" if kind == "Exact" else "Prefix", b.name, me)
                 key = (host, r.exact, r.stem)
                 if key in seen:
                     if seen[key] != me:

@@ -283,6 +283,18 @@ async def test_path_rules(world: World):
             assert got in want if isinstance(want, set) else got == want, (url, got, want)
         status, body, _ = await world.curl("http://prefix-path-rules/aaa/bbb/ccc?q=1")
         assert body["path"] == "/aaa/bbb/ccc?q=1" and body["host"] == "prefix-path-rules"
+        # A Host header with a path in it (not a host) moves no path into the routing key:
+        # /ccc is nobody's, whatever "Host: prefix-path-rules/aaa" says.
+        assert await world.served_by("http://prefix-path-rules/ccc", host="prefix-path-rules/aaa") == 400
+        # A path with a space and a newline matches what a client sends for it, and keeps to
+        # its own map line (a newline would otherwise have written a rule for another host).
+        odd = "/a b\nmixed-path-rules/ ing.shop.odd-paths.bar.80\nx"
+        await world.apply(ingress("odd-paths", [rule("odd-paths", path(odd, "Exact", "bar"))]))
+        try:
+            assert await world.served_by("http://odd-paths/a%20b%0Amixed-path-rules/%20ing.shop.odd-paths.bar.80%0Ax") == "bar-1"
+            assert await world.served_by("http://mixed-path-rules/") == 404
+        finally:
+            await world.delete("Ingress", "odd-paths")
     finally:
         await world.delete("Ingress", "paths")
 

@@ -187,6 +187,36 @@ def test_the_maps_answer_as_the_table_on_any_rules(rules, host, path, slash):
     assert lookup(render(table), table, host, request) == table.route(host, request)
 
 
+def test_a_path_with_spaces_or_newlines_matches_as_sent_and_keeps_to_its_own_map_line():
+    # The API server accepts any character after the leading "/" of a path.  Written raw, a
+    # newline would add a map line of the Ingress writer's choosing (here: every request
+    # for api.example to this Ingress's backend), a space or tab split its key from its value.
+    evil = ing("evil", [{"host": "evil.test", "http": {"paths": [
+        p("/z\napi.example/ ing.default.evil.c.8080\nx", "ImplementationSpecific", "c"),
+        p("/a b", "Exact", "space"), p("/t\tu", "Prefix", "tab"), p("/caf\u00e9", "Prefix", "utf8")]}}])
+    api = ing("api", [{"host": "api.example", "http": {"paths": [p("/", "Prefix", "api")]}}], created="2023-01-01T00:00:00Z")
+    table = routing.build([evil, api])
+    files = render(table)
+    for name in ("exact.map", "prefix.map"):
+        for line in files[name].splitlines():
+            key, value = line.split(" ")  # one key, one value, nothing else
+            assert value in table.backends and key.startswith(("evil.test/", "api.example/")), (name, line)
+    assert svc_of(table, lookup(files, table, "api.example", "/")) == "api"
+    assert svc_of(table, lookup(files, table, "api.example", "/x")) == "api"
+    for path, want in (("/a%20b", "space"), ("/a b", 404), ("/t%09u/v", "tab"), ("/caf%C3%A9", "utf8"),
+                       ("/z%0Aapi.example/%20ing.default.evil.c.8080%0Ax/1", "c")):  # fmt: skip
+        assert svc_of(table, table.route("evil.test", path)) == want, path
+        assert lookup(files, table, "evil.test", path) == table.route("evil.test", path), path
+
+
+def test_a_host_header_with_a_slash_is_refused_before_it_is_keyed():
+    # "Host: h/public" with the path /admin would be keyed h/public/admin: routed by /public.
+    table = routing.build([ing("one", [{"host": "h", "http": {"paths": [p("/public", "Prefix", "pub")]}}])])
+    cfg = render(table)["haproxy.cfg"].splitlines()
+    deny = cfg.index("    http-request deny deny_status 400 if { req.hdr(host) -m sub / }")
+    assert deny < next(i for i, line in enumerate(cfg) if "set-var-fmt(txn.key)" in line)
+
+
 def test_rendered_config_names_every_backend_and_its_servers():
     table = routing.build([HOST_RULES])
     name = next(iter(table.backends))
