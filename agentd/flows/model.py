@@ -15,6 +15,7 @@ select with (like ``hubble observe``): every given criterion must hold; ``pod``,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,9 @@ class FilterError(ValueError):
     """A filter that cannot be understood (one line naming it)."""
 
 
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")  # a label's name or value
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # its optional DNS prefix
+
 _KEYS = ("pod", "from_pod", "to_pod", "namespace", "label", "verdict", "protocol", "port", "node", "ip",
          "event", "reason", "service")
 
@@ -155,7 +159,9 @@ class FlowFilter:
             value = value.strip()
             if not value:
                 raise FilterError(f"filter {key.replace('_', '-')}: empty value")
-            got.setdefault(key, []).append(_value(key, value))
+            # Labels as a selector writes them: "app=web,tier=db" is two, both on one end.
+            for part in value.split(",") if key == "label" else (value,):
+                got.setdefault(key, []).append(_value(key, part.strip()))
         return cls(**{k: tuple(v) for k, v in got.items()})
 
     def pairs(self) -> list[tuple[str, str]]:
@@ -211,6 +217,12 @@ def _value(key: str, value: str) -> Any:
         return value
     if key == "label":
         k, sep, v = value.partition("=")
+        prefix, slash, name = k.rpartition("/")
+        # Kubernetes' label syntax: anything else (app!=web, app==web) could never match,
+        # and would show nothing without saying why.
+        if (not _LABEL_NAME.fullmatch(name) or (slash and not _LABEL_PREFIX.fullmatch(prefix))
+                or (v and not _LABEL_NAME.fullmatch(v))):  # fmt: skip
+            raise FilterError(f"filter label: expected KEY or KEY=VALUE (label syntax), got {value!r}")
         return (k, v if sep else None)
     if key == "verdict":
         if value not in VERDICTS:

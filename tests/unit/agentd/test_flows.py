@@ -294,6 +294,8 @@ def flow(src=CLIENT, dst=WEB, verdict="forwarded", port=80) -> Flow:
     ([("label", "app=client")], True),
     ([("label", "app=client"), ("label", "app=web")], False),  # every label on the same end
     ([("label", "app")], True),
+    ([("label", "app=client,app=web")], False),  # a selector's labels: on one end as well
+    ([("label", "app=client, app")], True),
     ([("verdict", "dropped")], False),
     ([("node", "node1")], False),
     ([("ip", "10.244.2.3")], True),
@@ -305,6 +307,8 @@ def test_filters(pairs, matches):
 @pytest.mark.parametrize("pairs, message", [
     ([("pod", "web")], "NAMESPACE/NAME"), ([("verdict", "maybe")], "verdict"), ([("port", "99999")], "out of range"),
     ([("protocol", "gre")], "protocol"), ([("colour", "red")], "unknown filter"), ([("pod", " ")], "empty"),
+    ([("label", "app!=web")], "label syntax"), ([("label", "app==web")], "label syntax"), ([("label", "app=web,")], "label syntax"),
+    ([("label", "=web")], "label syntax"), ([("label", "Example.com/app=web")], "label syntax"),
 ])  # fmt: skip
 def test_bad_filters_are_one_line(pairs, message):
     with pytest.raises(FilterError, match=message):
