@@ -79,6 +79,8 @@ class LastSearch:
 
     def step(self, k: int) -> bool:
         """Search the next ``k`` records (older ones); True once the search is over."""
+        if self.done:  # the last 0 (a follower's start) is none: no record is looked at
+            return True
         stop = max(0, self.index - k)
         flt, since, found = self.filter, self.since, self.found
         for i in range(self.index - 1, stop - 1, -1):

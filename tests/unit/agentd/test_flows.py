@@ -320,6 +320,15 @@ def test_filter_round_trips_through_pairs():
     assert FlowFilter.parse(f.pairs()) == f
 
 
+async def test_the_last_zero_records_are_none():
+    # GET /flows?follow=1&last=0: only what comes from now on, not the newest record first.
+    ring = FlowRing(3)
+    ring.add(flow(port=1))
+    assert ring.last(FlowFilter(), 0) == [] and ring.last(FlowFilter(), 1)[0].dst.port == 1
+    search = ring.search(FlowFilter(), 0)
+    assert search.step(10) and search.result() == []
+
+
 async def test_ring_is_bounded_and_followers_lose_rather_than_grow():
     ring = FlowRing(3)
     follower = ring.follow(FlowFilter(), limit=2)
