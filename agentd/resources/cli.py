@@ -39,7 +39,10 @@ def add_commands(sub: Any, config_args: Any) -> None:
                     help="namespaces|ns, networkpolicies|netpol, pods|po, services|svc, endpointslices, ingresses|ing, "
                          "ingressclasses, secrets, configmaps|cm")
     sp.add_argument("name", nargs="?", metavar="[NAMESPACE/]NAME")
-    sp.add_argument("-n", "--namespace", help="only this namespace")
+    scope = sp.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", help="only this namespace")
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="every namespace (the default without -n; as kubectl's -A)")
     sp.add_argument("-o", "--output", choices=["table", "yaml", "json"], default="table")
     config_args(sp)
 

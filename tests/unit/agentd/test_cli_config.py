@@ -87,3 +87,16 @@ def test_resource_commands_use_the_default_files_etcd(monkeypatch, tmp_path):
     monkeypatch.setattr(resource_cli, "run", lambda args, cfg: got.append(cfg) or 0)
     assert cli.main(["get", "pods"]) == 0
     assert [str(e) for e in got[0].etcd.endpoints] == ["http://192.0.2.7:2379"]
+
+
+def test_get_takes_kubectls_all_namespaces_flag(capsys):
+    """``agentd get ingress -A`` as kubectl users type it: every namespace (the default), and
+    never together with -n."""
+    parser = cli.build_parser(["get", "ingress", "-A"])
+    args = parser.parse_args(["get", "ingress", "-A"])
+    assert args.all_namespaces and args.namespace is None
+    assert parser.parse_args(["get", "pods", "--all-namespaces"]).all_namespaces
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["get", "pods", "-A", "-n", "shop"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
