@@ -238,7 +238,8 @@ async def send_sizes(src, dst, port: int, sport: int, sizes: list[int]) -> None:
 
 
 def carried(node) -> int:
-    return node.api("/status")["policy"]["fast_path"]["packets"]["carried"]
+    # (no counts before the policy agent's first read of them: none carried yet, as far as it knows)
+    return node.api("/status")["policy"]["fast_path"]["packets"].get("carried", 0)
 
 
 # What `conntrack -D -p tcp --sport N` does: the entries go at once (and their DESTROY events
