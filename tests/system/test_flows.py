@@ -291,14 +291,19 @@ async def test_end_counts_what_the_pod_fast_path_carried(shop):
     def sent(end: dict, size: int) -> bool:  # the payload, and at most a header per packet more
         return size <= end["bytes_sent"] <= size + 60 * end["packets_sent"]
 
+    def shown(*ends: dict) -> str:
+        return "; ".join(json.dumps({k: e.get(k) for k in ("node", "direction", "bytes_sent", "packets_sent",
+                                                           "bytes_received", "packets_received", "duration")})
+                         for e in ends)
+
     for node in (node1, node2):
         (end,) = await ends(node, 41001, 1)
-        assert sent(end, 4_000_000) and end["packets_received"] >= 2, end
+        assert sent(end, 4_000_000) and end["packets_received"] >= 2, shown(end)
     (end,) = await ends(node2, 41002, 1)
-    assert sent(end, 3_000_000) and end["direction"] == "local", end
+    assert sent(end, 3_000_000) and end["direction"] == "local", shown(end)
     for node in (node1, node2):
         first, second = await ends(node, 41003, 2)
-        assert sent(first, 3_000_000) and sent(second, 1_000_000), (first, second)
+        assert sent(first, 3_000_000) and sent(second, 1_000_000), shown(first, second)
 
 
 async def test_same_node_pods_are_seen(shop):
