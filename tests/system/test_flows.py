@@ -288,8 +288,12 @@ async def test_end_counts_what_the_pod_fast_path_carried(shop):
                             what=f"{node.name}'s {n} end record(s) from port {sport}")
         return [x for x in sorted(got, key=lambda r: r["seq"]) if x["bytes_sent"] > 10_000]
 
-    def sent(end: dict, size: int) -> bool:  # the payload, and at most a header per packet more
-        return size <= end["bytes_sent"] <= size + 60 * end["packets_sent"]
+    def sent(end: dict, size: int) -> bool:
+        """The payload, and at most a header (60 octets) more per packet on the wire: a GSO
+        super-packet is one packet to conntrack and the fast path's count but its length has a
+        header per segment (MSS 1448 here; 1,000 leaves room), so under load, as TCP sends fewer
+        and larger super-packets, the overhead per counted packet grows."""
+        return size <= end["bytes_sent"] <= size + 60 * (end["packets_sent"] + size // 1000)
 
     def shown(*ends: dict) -> str:
         return "; ".join(json.dumps({k: e.get(k) for k in ("node", "direction", "bytes_sent", "packets_sent",
