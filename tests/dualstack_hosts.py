@@ -143,10 +143,13 @@ def mac(ns, dev: str) -> bytes:
     return bytes.fromhex(ns.exec("cat", f"/sys/class/net/{dev}/address").strip().replace(":", ""))
 
 
-_SINK6 = """
-import hashlib, socket
-s = socket.socket(socket.AF_INET6); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("::", 5001)); s.listen(1); print("ready", flush=True)
+# A transfer whose bytes are checked end to end (sha256 of what was sent and what arrived),
+# over IPv4 or IPv6 by the destination address.
+_SINK = """
+import hashlib, socket, sys
+family = socket.AF_INET6 if sys.argv[1] == "6" else socket.AF_INET
+s = socket.socket(family); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 5001)); s.listen(1); print("ready", flush=True)
 c, _ = s.accept(); h = hashlib.sha256(); n = 0
 while True:
     b = c.recv(1 << 20)
@@ -155,7 +158,7 @@ while True:
 print(n, h.hexdigest(), flush=True)
 """
 
-_SOURCE6 = """
+_SOURCE = """
 import hashlib, os, socket, sys
 n = int(sys.argv[2]); h = hashlib.sha256(); s = socket.create_connection((sys.argv[1], 5001), timeout=30)
 seed = os.urandom(1 << 16); sent = 0
@@ -166,17 +169,24 @@ s.close(); print(sent, h.hexdigest(), flush=True)
 """
 
 
-def transfer6(src_ns, dst_ns, dst_ip, nbytes):
-    sink = dst_ns.popen([sys.executable, "-c", _SINK6], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def transfer(src_ns, dst_ns, dst_ip, nbytes):
+    """``nbytes`` from ``src_ns`` to a sink on port 5001 in ``dst_ns`` at ``dst_ip``:
+    (sent, got), each [count, sha256]."""
+    version = "6" if ":" in dst_ip else "4"
+    sink = dst_ns.popen([sys.executable, "-c", _SINK, version], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True)
     try:
         assert sink.stdout.readline().strip() == "ready"
-        sent = src_ns.exec(sys.executable, "-c", _SOURCE6, dst_ip, str(nbytes), timeout=90).split()
+        sent = src_ns.exec(sys.executable, "-c", _SOURCE, dst_ip, str(nbytes), timeout=90).split()
         got = sink.communicate(timeout=60)[0].split()
     finally:
         if sink.poll() is None:
             sink.kill()
             sink.communicate()
     return sent, got
+
+
+transfer6 = transfer  # the name the IPv6 tests use
 
 
 def csum_errors(ns) -> int:

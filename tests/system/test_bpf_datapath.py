@@ -18,13 +18,14 @@ import re
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from ipaddress import IPv4Network
 from typing import Any
 
 import pytest
+
+from dualstack_hosts import csum_errors, transfer
 
 from agentd.dataplane.bpf import BpfDatapath, BpfUnavailable, Config, layout, libbpf, pin_dir, tc
 from agentd.lab.twohosts import (
@@ -175,47 +176,6 @@ def _read_pcap(path: str) -> list[Packet]:
         if len(frame) > skip + 20 and frame[skip] >> 4 == 4:
             out.append(Packet(orig - skip, frame[skip:]))
     return out
-
-
-_SINK = """
-import hashlib, socket
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 5001)); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); h = hashlib.sha256(); n = 0
-while True:
-    b = c.recv(1 << 20)
-    if not b: break
-    h.update(b); n += len(b)
-print(n, h.hexdigest(), flush=True)
-"""
-
-_SOURCE = """
-import hashlib, os, socket, sys
-n = int(sys.argv[2]); h = hashlib.sha256(); s = socket.create_connection((sys.argv[1], 5001), timeout=30)
-seed = os.urandom(1 << 16); sent = 0
-while sent < n:
-    chunk = hashlib.sha256(seed + sent.to_bytes(8, "big")).digest() * 2048   # 64 KB, never the same
-    chunk = chunk[: n - sent]; s.sendall(chunk); h.update(chunk); sent += len(chunk)
-s.close(); print(sent, h.hexdigest(), flush=True)
-"""
-
-
-def transfer(src_ns, dst_ns, dst_ip, nbytes):
-    sink = dst_ns.popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert sink.stdout.readline().strip() == "ready"
-        sent = src_ns.exec(sys.executable, "-c", _SOURCE, dst_ip, str(nbytes), timeout=90).split()
-        got = sink.communicate(timeout=60)[0].split()
-    finally:
-        if sink.poll() is None:
-            sink.kill()
-            sink.communicate()
-    return sent, got
-
-
-def csum_errors(ns) -> int:
-    out = ns.exec("nstat", "-az", "TcpInCsumErrors", "UdpInCsumErrors", "IpInHdrErrors")
-    return sum(int(x.split()[1]) for x in out.splitlines()[1:] if x.split())
 
 
 def usable(hook: str) -> bool:
