@@ -215,3 +215,35 @@ def stop_pinger(pinger) -> tuple[int, str]:
     m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
     assert m, out
     return int(m.group(1)) - int(m.group(2)), out[-300:]
+
+
+async def restart_under_ping(lab, node, pairs) -> tuple[list, list[str]]:
+    """Kill ``node``'s agent and start it again while pings run between each (source pod,
+    destination address) of ``pairs`` (each answering before); wait until the lab's sessions
+    are back and the node is ready, and the pings answer again.  Returns each pinger's
+    (sent, missing) and the lines ``ip -6 monitor route`` printed in the node meanwhile."""
+    import asyncio
+
+    from agentd.lab.traffic import Pinger
+    from agentd.lab.wait import auntil
+
+    monitor = await asyncio.create_subprocess_exec("ip", "-n", node.ns.name, "-6", "monitor", "route",
+                                                   stdout=asyncio.subprocess.PIPE)
+    pingers = [Pinger(src.ns, dst) for src, dst in pairs]
+    try:
+        for p in pingers:
+            await asyncio.to_thread(p.wait_replies, 10)
+        await node.kill_agent()
+        node.start_agent()
+        await lab.ready.established(60)
+        await auntil(lambda: node.api("/status")["ready"], what=f"{node.name} ready again",
+                     ignore=(OSError, ValueError), in_thread=True)
+        for p in pingers:
+            await asyncio.to_thread(p.wait_replies, 20, more=True)
+        results = [p.stop() for p in pingers]
+    finally:
+        for p in pingers:
+            p.close()
+        monitor.kill()
+        events, _ = await monitor.communicate()
+    return results, events.decode().splitlines()

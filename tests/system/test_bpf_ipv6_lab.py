@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import asyncio
 
-from dualstack_hosts import capture, transfer6
+from dualstack_hosts import capture, restart_under_ping, transfer6
 from netpol_lab import converged, np
 
 from agentd.dataplane.bpf import tc
-from agentd.lab.traffic import Pinger
 from agentd.lab.wait import auntil
 
 
@@ -99,27 +98,10 @@ async def test_udp_in_bpf_carries_ipv6_pods_across_segments(lab_factory):
 
     # A killed and restarted agent adopts its maps and routes: no IPv6 echo lost, no IPv6 route
     # replaced.
-    monitor = await asyncio.create_subprocess_exec("ip", "-n", node2.ns.name, "-6", "monitor", "route",
-                                                   stdout=asyncio.subprocess.PIPE)
-    pingers = [Pinger(pods["node1"].ns, pods["node2"].address(6)), Pinger(pods["node2"].ns, pods["node3"].address(6))]
-    try:
-        for p in pingers:
-            await asyncio.to_thread(p.wait_replies, 10)
-        await node2.kill_agent()
-        node2.start_agent()
-        await lab.ready.established(60)
-        await auntil(lambda: node2.api("/status")["ready"], what="node2 ready again", ignore=(OSError, ValueError),
-                     in_thread=True)
-        for p in pingers:
-            await asyncio.to_thread(p.wait_replies, 20, more=True)
-        results = [p.stop() for p in pingers]
-    finally:
-        for p in pingers:
-            p.close()
-        monitor.kill()
-        events, _ = await monitor.communicate()
+    results, events = await restart_under_ping(
+        lab, node2, [(pods["node1"], pods["node2"].address(6)), (pods["node2"], pods["node3"].address(6))])
     assert all(not missing for _sent, missing in results), results
-    assert [x for x in events.decode().splitlines() if "fd00:10:244:" in x or "::ffff:" in x] == []
+    assert [x for x in events if "fd00:10:244:" in x or "::ffff:" in x] == []
     assert "agentd_routes6" in node2.api("/status")["backends"]["bpf"]["adopted_maps"]
 
     # A node that leaves takes its BPF state along, and the others drop its IPv6 route and entry.

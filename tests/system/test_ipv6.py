@@ -14,8 +14,9 @@ import ipaddress
 import json
 import socket
 
+from dualstack_hosts import restart_under_ping
+
 from agentd.lab.bird import Bird
-from agentd.lab.traffic import Pinger
 from agentd.lab.wait import auntil
 
 DENY_ALL = """
@@ -148,27 +149,10 @@ async def test_dual_stack_every_backend_in_a_mesh_restart_and_leave(lab_factory)
     # An agent killed and restarted adopts its IPv6 routes: not one is removed or replaced, and
     # IPv6 pod traffic through it flows on.
     before = v6_routes(node2)
-    monitor = await asyncio.create_subprocess_exec("ip", "-n", node2.ns.name, "-6", "monitor", "route",
-                                                   stdout=asyncio.subprocess.PIPE)
-    pingers = [Pinger(pods["node1"].ns, pods["node2"].address(6)), Pinger(pods["node2"].ns, pods["node4"].address(6))]
-    try:
-        for p in pingers:
-            await asyncio.to_thread(p.wait_replies, 10)
-        await node2.kill_agent()
-        node2.start_agent()
-        await lab.ready.established(60)
-        await auntil(lambda: node2.api("/status")["ready"], what="node2 ready again", ignore=(OSError, ValueError),
-                     in_thread=True)
-        for p in pingers:
-            await asyncio.to_thread(p.wait_replies, 20, more=True)
-        results = [p.stop() for p in pingers]
-    finally:
-        for p in pingers:
-            p.close()
-        monitor.kill()
-        events, _ = await monitor.communicate()
+    results, events = await restart_under_ping(
+        lab, node2, [(pods["node1"], pods["node2"].address(6)), (pods["node2"], pods["node4"].address(6))])
     assert all(not missing for _sent, missing in results), results
-    changed = [line for line in events.decode().splitlines() if "fd00:10:244:" in line]
+    changed = [line for line in events if "fd00:10:244:" in line]
     assert changed == [], changed
     assert v6_routes(node2) == before
 
