@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, settings
 
 pytest_plugins = ["agentd.lab.fixtures", "agentd.lab.fixtures_etcd"]
 
-_SYSTEM = pathlib.Path(__file__).parent / "system"
+_ROOT = pathlib.Path(__file__).parent.parent
+_SYSTEM = _ROOT / "tests" / "system"
 
 # Hypothesis' defaults are wall-clock assertions (a 200 ms deadline per example, a health
 # check that fails "too slow" data generation): on a shared, loaded machine they fail tests
@@ -14,12 +15,73 @@ _SYSTEM = pathlib.Path(__file__).parent / "system"
 settings.register_profile("agentd", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("agentd")
 
+# `scripts/dev test` runs the suite on several pytest-xdist workers with --dist loadfile: a
+# worker takes a file at a time and runs all its tests, in order, so what a file's tests share
+# (a module-scoped lab, a module's event loop) is made once, on one worker.  Files that share a
+# resource of the whole run are one unit, below.  Everything else a test makes is its own on
+# any worker -- namespaces and labs named by agentd.lab.netns.unique_tag, etcd on picked
+# ports, files under tmp_path, a private dockerd per name -- as it must be beside the other
+# runs on the machine.
+#
+# The session-scoped ``docker_engine`` is one private dockerd with the images built in it (once
+# per worker that asks for it), and the Docker networks these files make on it have fixed
+# ranges: one worker, one after another.
+SHARED = {"docker-engine": ("tests/system/test_compose_lab.py", "tests/system/test_systemd_container.py")}
+_SHARED_FIXTURES = {"docker_engine": "docker-engine"}
+_UNIT_OF = {path: unit for unit, paths in SHARED.items() for path in paths}
+
+# Workers take units in collection order (--no-loadscope-reorder), one at a time as they run
+# dry: the ones that take minutes first, so that no worker is left with a long one at the end
+# while the others idle; then the other system tests, the quick unit tests last.  Only an
+# order: a file missing here runs all the same.
+LONG_FIRST = (
+    "docker-engine",
+    "tests/system/test_encap.py",
+    "tests/system/test_lab.py",
+    "tests/system/test_flows.py",
+    "tests/system/test_netpol.py",
+    "tests/system/test_etcd_cluster.py",
+    "tests/system/test_bgp_bird.py",
+    "tests/system/test_dataplane.py",
+    "tests/system/test_systemd.py",
+)
+
 
 def pytest_collection_modifyitems(config, items):
-    # Everything under tests/system is a system test: root, namespaces, real daemons.
+    files: dict[pathlib.Path, list[pytest.Item]] = {}
     for item in items:
-        if _SYSTEM in pathlib.Path(str(item.fspath)).parents:
+        path = pathlib.Path(str(item.path))
+        # Everything under tests/system is a system test: root, namespaces, real daemons.
+        if _SYSTEM in path.parents:
             item.add_marker(pytest.mark.system)
+        files.setdefault(path, []).append(item)
+    rank: dict[pathlib.Path, tuple[int, int]] = {}
+    for n, (path, file_items) in enumerate(files.items()):
+        name = path.relative_to(_ROOT).as_posix()
+        unit = _UNIT_OF.get(name, name)
+        for fixture in {f for item in file_items for f in item.fixturenames if f in _SHARED_FIXTURES}:
+            assert unit == _SHARED_FIXTURES[fixture], (
+                f"{name} uses {fixture}: add it to SHARED[{_SHARED_FIXTURES[fixture]!r}] in tests/conftest.py "
+                "(one worker has the resource)")
+        first = LONG_FIRST.index(unit) if unit in LONG_FIRST else len(LONG_FIRST) + (_SYSTEM not in path.parents)
+        rank[path] = (first, n)
+    # A stable sort: each file's tests stay together and in their order.
+    items.sort(key=lambda item: rank[pathlib.Path(str(item.path))])
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with the files of one SHARED unit as one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileUnits(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return _UNIT_OF.get(path, path)
+
+    return FileUnits(config, log)
 
 
 @pytest.fixture(autouse=True)
