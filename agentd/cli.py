@@ -42,6 +42,26 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+MALLOC_ARENAS = 2
+
+
+def limit_malloc_arenas() -> None:
+    """At most MALLOC_ARENAS glibc malloc arenas (unless MALLOC_ARENA_MAX says otherwise).
+    glibc gives each thread that allocates its own arena, up to 8 per core; the agent's
+    threads (the default executor's, the nft contexts', gRPC's, libuv's) allocate little and
+    rarely, so each arena is mostly slack: 2 arenas instead of one a thread is 3 MB less RSS
+    for an idle agent, with no lock contention worth the name.  No-op on a libc without
+    ``mallopt`` (musl)."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return
+    import ctypes
+
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_ARENA_MAX, MALLOC_ARENAS)
+
+
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -337,10 +357,12 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 return load_config(path, overrides=overrides, require_file=named, host=LocalHost())
 
             tune_gc()
+            limit_malloc_arenas()
             return uvloop.run(SpeakerRuntime(cfg).run(reload=reload))
         from agentd.daemon.agent import run_agent
 
         tune_gc()
+        limit_malloc_arenas()
         return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides, config_named=named))
     parser.error(f"unknown command {cmd}")
 
