@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno as _errno
+import mmap
 import select
 import socket
 import struct
@@ -86,7 +87,11 @@ class NetlinkSocket:
         self.sock = sock
         self.portid: int = sock.getsockname()[0]
         self.sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-        self._buf = bytearray(self.RECV_SIZE)
+        # Anonymous memory, not a bytearray: a bytearray is zeroed by the process, so every
+        # socket's whole buffer would count in the agent's RSS from the start; the kernel's
+        # zero pages are only made real where a datagram is written, and an idle agent's
+        # replies are a few kB.
+        self._buf = mmap.mmap(-1, self.RECV_SIZE)
         self._view = memoryview(self._buf)
 
     def fileno(self) -> int:
