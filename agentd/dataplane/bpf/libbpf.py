@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -325,7 +326,10 @@ class BpfObject:
         """Everything into the kernel, as libbpf does it; :class:`BpfError` with libbpf's reason
         (a kfunc or a struct field the kernel lacks, the verifier's last words, ...)."""
         lib = library()
-        logs = {name: ctypes.create_string_buffer(_LOG_SIZE) for name in self._progs}
+        # Anonymous pages rather than create_string_buffer, which zeroes (so touches) all of
+        # it: the kernel writes a log only when a load fails, so a good load costs no memory
+        # (1 MB a program at the agent's start-up peak otherwise, beside libbpf's BTF).
+        logs = {name: _log_buffer() for name in self._progs}
         for name, p in self._progs.items():
             # Read by the kernel only when a load fails (libbpf then retries with the log on).
             lib.bpf_program__set_log_buf(p, ctypes.addressof(logs[name]), _LOG_SIZE)
@@ -349,6 +353,11 @@ class BpfObject:
         if self._obj is not None:
             library().bpf_object__close(self._obj)
             self._obj = None
+
+
+def _log_buffer() -> ctypes.Array:
+    """A zeroed ``char[_LOG_SIZE]`` whose pages are real only where written."""
+    return (ctypes.c_char * _LOG_SIZE).from_buffer(mmap.mmap(-1, _LOG_SIZE))
 
 
 def _load_detail(said: list[str], logs: dict[str, ctypes.Array]) -> str:
