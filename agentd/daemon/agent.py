@@ -29,6 +29,7 @@ import signal
 import time
 from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -54,12 +55,15 @@ from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPoli
 from agentd.nft import masquerade
 from agentd.nft.libnftables import NftError
 from agentd.services.agent import ServiceAgent, remove_services_table  # Services
-from agentd.ingress.controller import IngressController, remove_ingress_proxy  # Ingress
+from agentd.ingress import remove_ingress_proxy  # Ingress (the controller is imported when enabled)
 from agentd.kernel.route_model import SyncResult
 from agentd.kernel.routing import RouteProgrammer
 from agentd.daemon.sdnotify import Notifier
 from agentd.daemon.speaker import SpeakerMetrics, listen_ranges, local_settings
 from agentd.daemon.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from agentd.ingress.controller import IngressController
 
 log = logging.getLogger("agentd")
 
@@ -264,6 +268,8 @@ class Agent:
             # Default: the node's underlay addresses, both families on a dual-stack node.
             v6 = cfg.node.address_v6 if cfg.network.ip_family != "ipv4" else None
             addresses = [str(a) for a in cfg.ingress.addresses] or [str(a) for a in dict.fromkeys((self.address, v6)) if a]
+            from agentd.ingress.controller import IngressController  # off by default: ~1 MB not loaded
+
             self.ingress = IngressController(self.name, self.datastore, cfg.ingress, addresses, cfg.agent.state_dir)
             self.registry.register(self.ingress.views)
         elif await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir):  # switched off: a previous run's goes

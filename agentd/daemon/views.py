@@ -9,7 +9,7 @@ the running agent (what it reads is :class:`AgentState`) and never changes it
 from __future__ import annotations
 
 from ipaddress import IPv4Address, IPv6Address
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -29,7 +29,9 @@ from agentd.daemon.observe import Observability
 from agentd.flows.views import FlowViews
 from agentd.policy.agent import PolicyAgent
 from agentd.services.agent import ServiceAgent
-from agentd.ingress.controller import IngressController
+
+if TYPE_CHECKING:  # the controller is imported only when [ingress] enabled
+    from agentd.ingress.controller import IngressController
 
 
 class AgentState(Protocol):

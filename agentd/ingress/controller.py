@@ -48,7 +48,7 @@ from agentd.services import model
 
 from agentd.resources import ingress_settings as settings
 
-from . import certs, haproxy, routing
+from . import STATE_SUBDIR, certs, haproxy, routing
 from .haproxy import Listen, Paths, Server
 from .proxy import AccessLog, Proxy, ProxyError, stop_stale
 from .views import IngressViews
@@ -67,7 +67,7 @@ class IngressController:
         self.ds = datastore
         self.cfg = cfg  # agentd.config.settings.IngressConfig
         self.listen = Listen(tuple(addresses), cfg.http_port, cfg.https_port)
-        self.paths = Paths(Path(state_dir) / "ingress")
+        self.paths = Paths(Path(state_dir) / STATE_SUBDIR)
         self.proxy = Proxy(self.paths, cfg.haproxy)
         self.access_log = AccessLog(self.paths.log_socket)
         self.store = ResourceStore(datastore)
@@ -537,7 +537,7 @@ def remove_files(paths: Paths) -> None:
 def remove_ingress_proxy(state_dir: Path) -> bool:
     """Stop the proxy a previous agent left running and remove its files: ``agentd leave``
     (with or without an agent), an agent started with ``[ingress] enabled = false``."""
-    paths = Paths(Path(state_dir) / "ingress")
+    paths = Paths(Path(state_dir) / STATE_SUBDIR)
     if not paths.dir.exists():
         return False
     stop_stale(paths)
