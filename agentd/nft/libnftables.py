@@ -23,7 +23,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from agentd.kernel.heap import malloc_trim
+
 from .nfnetlink import ElementWriter
+from .ruleset import command_json
 
 # include/nftables/libnftables.h
 NFT_CTX_DEFAULT = 0
@@ -33,6 +36,10 @@ NFT_CTX_OUTPUT_NUMERIC_PROTO = 1 << 7
 NFT_CTX_OUTPUT_NUMERIC_PRIO = 1 << 8
 NFT_CTX_OUTPUT_NUMERIC_SYMBOL = 1 << 9
 CLONE_NEWNET = 0x40000000
+# A transaction this large (the first sync of a table, a rewrite after a refusal: Services'
+# prepared slots are ~190 kB of JSON dual-stack) leaves libnftables' parse tree, ~30x its
+# text, freed in glibc's heap but still resident; it is handed back after such a call.
+TRIM_AFTER_BYTES = 64 << 10
 
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
@@ -113,23 +120,39 @@ class Nft:
         if self._ctx is None:
             raise NftError("the nftables context is closed")
         self.calls += 1
+        large = len(text) >= TRIM_AFTER_BYTES
+        if large:  # what the caller freed making the text, before libnftables' parse sits on it
+            malloc_trim()
         rc = self._lib.nft_run_cmd_from_buffer(self._ctx, text.encode())
         out = (self._lib.nft_ctx_get_output_buffer(self._ctx) or b"").decode(errors="replace")
         err = (self._lib.nft_ctx_get_error_buffer(self._ctx) or b"").decode(errors="replace")
+        if large:
+            malloc_trim()
         if rc != 0:
             lines = [line for line in err.strip().splitlines() if line.strip()]
             raise NftError(" | ".join(lines[:3]) or f"nft_run_cmd_from_buffer returned {rc}")
         return out
 
+    @staticmethod
+    def encode(commands: list[dict[str, Any]]) -> str:
+        """A command list as libnftables' JSON input (one transaction).  Command by command:
+        one ``json.dumps`` of the whole list holds every fragment of the text at once (~1.5 MB
+        of small strings for Services' 190 kB first sync) before it joins them."""
+        head = json.dumps({"metainfo": {"json_schema_version": 1}})
+        return '{"nftables": [' + ", ".join([head, *map(command_json, commands)]) + "]}"
+
     def run(self, commands: list[dict[str, Any]]) -> dict[str, Any] | None:
         """Run a JSON command list as one transaction (blocking); returns parsed output, if any."""
-        text = json.dumps({"nftables": [{"metainfo": {"json_schema_version": 1}}, *commands]})
-        out = self._executor.submit(self._run, text).result()
+        out = self._executor.submit(self._run, self.encode(commands)).result()
         return json.loads(out) if out.strip() else None
 
     async def arun(self, commands: list[dict[str, Any]]) -> dict[str, Any] | None:
         """:meth:`run` without blocking the event loop."""
-        text = json.dumps({"nftables": [{"metainfo": {"json_schema_version": 1}}, *commands]})
+        return await self.arun_text(self.encode(commands))
+
+    async def arun_text(self, text: str) -> dict[str, Any] | None:
+        """:meth:`arun` of commands already :meth:`encode`d: the caller can let go of a large
+        command list's objects before libnftables builds its own from the text."""
         loop = asyncio.get_running_loop()
         out = await loop.run_in_executor(self._executor, self._run, text)
         return json.loads(out) if out.strip() else None

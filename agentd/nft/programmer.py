@@ -76,17 +76,23 @@ class NftProgrammer:
             keys = None
         start = time.perf_counter()
         commands = plan(self.current, desired, keys)
+        count = len(commands)
         try:
             elements = _element_ops(commands, desired, self.current)
             if elements is not None:
                 await self.nft.arun_elements(elements)
                 self.fast += 1
             elif commands:
-                await self.nft.arun(commands)
+                # As text, the command objects go before libnftables parses it: a first sync's
+                # (Services' prepared slots) would otherwise sit under libnftables' own peak.
+                text = self.nft.encode(commands)
+                del commands
+                await self.nft.arun_text(text)
         except NftError as err:
             log.warning("nftables refused the %s update (%s); re-reading the tables and rewriting them", self.what, err)
             await self.adopt()
             commands = plan(self.current, desired)
+            count = len(commands)
             full = True
             try:
                 await self.nft.arun(commands)
@@ -96,7 +102,7 @@ class NftProgrammer:
         self.last_error = None
         self.current = applied(desired)
         self._unknown = False
-        return SyncResult(len(commands), time.perf_counter() - start, full)
+        return SyncResult(count, time.perf_counter() - start, full)
 
     async def remove(self) -> bool:
         """Delete the tables this programmer owns (``agentd leave``); True if there were any."""

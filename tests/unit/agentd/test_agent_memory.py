@@ -58,3 +58,22 @@ def test_verifier_log_buffer_reads_as_a_c_string():
     assert len(buf) == libbpf._LOG_SIZE and buf.value == b""
     buf[0:5] = b"hello"
     assert buf.value == b"hello"
+
+
+def test_a_first_sync_is_encoded_with_rule_expressions_as_kept():
+    """Services' first sync (its prepared slots, both families): the transaction's text is the
+    JSON of the commands with each rule's expressions spliced in as its chain keeps them --
+    the same transaction as parsing them into objects first, without the MBs of objects."""
+    import json
+
+    from agentd.nft.libnftables import Nft
+    from agentd.nft.ruleset import Ruleset, RuleExpr, plan
+    from agentd.services import compiler
+
+    table = compiler.Table("node1", None, (4, 6))
+    commands = plan(Ruleset(), table.rs)
+    rules = [c["add"]["rule"] for c in commands if "rule" in c.get("add", {})]
+    assert len(rules) > 100 and all(type(r["expr"]) is RuleExpr for r in rules)
+    parsed = [{"add": {"rule": {**c["add"]["rule"], "expr": c["add"]["rule"]["expr"].value()}}}
+              if "rule" in c.get("add", {}) else c for c in commands]
+    assert json.loads(Nft.encode(commands)) == {"nftables": [{"metainfo": {"json_schema_version": 1}}, *parsed]}
