@@ -42,6 +42,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentd.kernel.heap import malloc_trim
+
 log = logging.getLogger("agentd.bpf")
 
 # enum bpf_attach_type: tcx, the qdisc-less tc hooks (Linux 6.6)
@@ -333,6 +335,9 @@ class BpfObject:
         for name, p in self._progs.items():
             # Read by the kernel only when a load fails (libbpf then retries with the log on).
             lib.bpf_program__set_log_buf(p, ctypes.addressof(logs[name]), _LOG_SIZE)
+        # libbpf reads the kernel's BTF (5.5 MB, copied once more while parsing) for CO-RE
+        # and kfuncs, the agent's start-up peak: put it on a trimmed heap, and trim after.
+        malloc_trim()
         try:
             with _capturing() as said:
                 ret = lib.bpf_object__load(self._obj)
@@ -341,6 +346,7 @@ class BpfObject:
         finally:
             for p in self._progs.values():
                 lib.bpf_program__set_log_buf(p, None, 0)
+            malloc_trim()
         self.loaded = True
 
     def map_fd(self, name: str) -> int:
