@@ -102,15 +102,28 @@ class Directory(Protocol):
     def drop(self, prefix: str) -> Drop | None: ...
 
 
+# (packets sent by the lower end, by the other, bytes sent by the lower end, by the other,
+# CLOCK_TAI ns of the first packet carried)
+Counts = tuple[int, int, int, int, int]
+
+
 class CarriedCounts(Protocol):
     """What the pod fast path carried past conntrack, per connection
     (:class:`agentd.dataplane.bpf.podpath.PodFastPath`).  A connection is known by its two
-    ends in a fixed order, the lower (address, port) first (:func:`carried_key`); counts are
-    (packets sent by the lower end, by the other, bytes sent by the lower end, by the other)."""
+    ends in a fixed order, the lower (address, port) first (:func:`carried_key`); its counts are
+    :data:`Counts`.  When a connection ends, what the fast path holds of its tuple may already be
+    a later connection's (the tuple reused before the end was read): when its first packet was
+    carried tells whose they are, as conntrack stamps each connection's start and stop."""
 
-    def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int]]]: ...
+    def carried_restarts(self) -> list[tuple[bytes, Counts]]: ...
 
-    def take_carried(self, key: bytes) -> tuple[int, int, int, int] | None: ...
+    def take_carried(self, key: bytes, before_tai: int | None = None) -> Counts | None: ...
+
+
+def tai_offset_ns() -> int:
+    """CLOCK_TAI - CLOCK_REALTIME (whole seconds, the kernel's TAI offset: 0 unless NTP set it):
+    the fast path stamps in TAI, conntrack in real time."""
+    return round((time.clock_gettime_ns(time.CLOCK_TAI) - time.time_ns()) / 1e9) * 1_000_000_000
 
 
 def carried_key(src: bytes, sport: int, dst: bytes, dport: int) -> tuple[bytes, bool]:
@@ -166,6 +179,7 @@ class FlowRecorder:
         pods: Sequence[IPv4Network] = (),
         services: Sequence[IPv4Network] = (),
         carried: CarriedCounts | None = None,
+        tai_offset: Callable[[], int] = tai_offset_ns,
     ) -> None:
         """``pods``, ``services``: the pod network and the Services' range; conntrack events of
         connections with neither are not even read.  ``carried``: the pod fast path's counts."""
@@ -187,7 +201,9 @@ class FlowRecorder:
         self.prefixes = [(int(n.network_address), int(n.netmask)) for n in (*pods, *services)]
         self.service_ranges = [(int(n.network_address), int(n.netmask)) for n in services]
         self.carried = carried
-        self._restarts: dict[bytes, deque[tuple[int, int, int, int]]] = {}
+        self.tai_offset = tai_offset
+        self._tai_offset = 0
+        self._restarts: dict[bytes, deque[Counts]] = {}
         self._names: dict[bytes, Identity | None] = {}
         self._names_version: int | None = None
         self._log_seq: int | None = None
@@ -300,6 +316,7 @@ class FlowRecorder:
         pods changed since the last read (an address may be someone else now)."""
         if self.carried is not None:
             self._take_restarts()
+            self._tai_offset = self.tai_offset()
         version = self.directory.version()
         if version != self._names_version or len(self._names) > NAMES_MAX:
             self._names.clear()
@@ -321,7 +338,7 @@ class FlowRecorder:
         self.events += 1
         carried = None
         if b.destroyed and b.proto == TCP and self.carried is not None and names[0] and names[1]:
-            carried = self._carried(b.src, b.sport, b.dst, b.dport)
+            carried = self._carried(b.src, b.sport, b.dst, b.dport, *ct.lifetime(data, nl.NLMSG_HDRLEN, mlen))
         self.ring.add(PendingConnection(self, data, mtype, nl.NLMSG_HDRLEN, mlen, names, carried, now))
 
     def _name(self, address: bytes) -> Identity | None:
@@ -342,25 +359,54 @@ class FlowRecorder:
         """Counts of connections whose tuple a new connection took: they wait for their end."""
         assert self.carried is not None
         for key, counts in self.carried.carried_restarts():
-            waiting = self._restarts.get(key)
-            if waiting is None:
-                if len(self._restarts) >= RESTARTS_MAX:
-                    del self._restarts[next(iter(self._restarts))]
-                waiting = self._restarts[key] = deque()
-            waiting.append(counts)
+            self._wait(key, counts)
 
-    def _carried(self, src: bytes, sport: int, dst: bytes, dport: int) -> tuple[int, int, int, int] | None:
-        """What the fast path carried of an ended connection: (packets, bytes) of its original
-        direction, then of its reply direction."""
+    def _wait(self, key: bytes, counts: Counts) -> None:
+        waiting = self._restarts.get(key)
+        if waiting is None:
+            if len(self._restarts) >= RESTARTS_MAX:
+                del self._restarts[next(iter(self._restarts))]
+            waiting = self._restarts[key] = deque()
+        waiting.append(counts)
+
+    def _carried(self, src: bytes, sport: int, dst: bytes, dport: int, born: int,
+                 died: int) -> tuple[int, int, int, int] | None:
+        """What the fast path carried of a connection that ended (conntrack's start and stop
+        stamps ``born`` and ``died``, real-time ns, 0 if it kept none): (packets, bytes) of its
+        original direction, then of its reply direction.
+
+        Its counts are those whose first packet was carried while it lived: a SYN that reused
+        the tuple moved them to the ring (read here first: the SYN passed the program before
+        conntrack ended the old entry for it), or they are still in the map.  Counts first
+        carried after its stop are a later connection's -- a short one before it, answered and
+        reset, may end with the next one's counts already in the map -- and stay for that one's
+        end; counts first carried before its start are an earlier connection's whose end went by."""
         assert self.carried is not None
         key, src_lower = carried_key(src, sport, dst, dport)
+        self._take_restarts()
         waiting = self._restarts.get(key)
-        if waiting:
-            counts = waiting.popleft()
-            if not waiting:
-                del self._restarts[key]
+        counts: list[int] | None = None
+        if not died:  # no stamps (made before they were turned on): in the order they came
+            taken = waiting.popleft() if waiting else self.carried.take_carried(key)
+            if taken is not None:
+                counts = list(taken[:4])
         else:
-            counts = self.carried.take_carried(key)
+            lo, hi = born + self._tai_offset, died + self._tai_offset  # as CLOCK_TAI
+            mine = []
+            if waiting:
+                mine = [c for c in waiting if lo <= c[4] < hi]
+                waiting = deque(c for c in waiting if c[4] >= hi)
+                self._restarts[key] = waiting
+            taken = self.carried.take_carried(key, hi)
+            if taken is not None and taken[4] >= hi:  # the tuple's next connection took it just now
+                self._wait(key, taken)
+                waiting = self._restarts[key]
+            elif taken is not None and taken[4] >= lo:
+                mine.append(taken)
+            if mine:
+                counts = [sum(c[i] for c in mine) for i in range(4)]
+        if waiting is not None and not waiting:
+            self._restarts.pop(key, None)
         if counts is None:
             return None
         p_lo, p_hi, b_lo, b_hi = counts

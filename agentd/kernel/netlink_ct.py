@@ -224,6 +224,21 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
     return CtEvent(mtype == MSG_DELETE, family, orig, reply, status, ident, op, ob, rp, rb, t0, t1, te)
 
 
+def lifetime(buf: bytes, start: int, end: int) -> tuple[int, int]:
+    """An entry's CTA_TIMESTAMP_START and _STOP (CLOCK_REALTIME ns; 0: not kept) from a
+    ctnetlink message body, without reading the rest of it."""
+    t0 = t1 = 0
+    for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
+        if atype == CTA_TIMESTAMP:
+            for ttype, ts, tend in nl.iter_attrs(buf, vs, ve):
+                if ttype == CTA_TIMESTAMP_START:
+                    t0 = _read_be(buf, ts, tend, _BE64, "CTA_TIMESTAMP_START")
+                elif ttype == CTA_TIMESTAMP_STOP:
+                    t1 = _read_be(buf, ts, tend, _BE64, "CTA_TIMESTAMP_STOP")
+            break
+    return t0, t1
+
+
 # ------------------------------------------------------------------ events at fixed offsets
 
 # The kernel writes an IPv4 entry's tuples first and always alike (ctnetlink_dump_tuples):

@@ -192,7 +192,14 @@ def test_a_closed_stdout_ends_every_command_quietly(cli_lab: CliLab):
 
 def _interrupted(argv: list[str], env: dict[str, str], waiting, **kw) -> subprocess.CompletedProcess[str]:
     """Start ``argv`` in its own process group, wait until ``waiting(proc)``, then Ctrl-C it (SIGINT
-    to the group, as a terminal does)."""
+    to the group, as a terminal does).
+
+    It starts as a terminal's foreground job does, with SIGINT at its default action.  The test run
+    may have inherited SIGINT ignored -- a shell without job control ignores SIGINT in what it
+    starts in the background (``scripts/dev test &``, POSIX "Asynchronous Lists") -- and a
+    command that starts with SIGINT ignored rightly keeps ignoring it, as Python does: it would
+    sit out ``agentd status``'s own 5 s timeout instead.  ``env`` execs the command: same pid."""
+    argv = ["env", "--default-signal=INT", *argv]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True, **kw)  # fmt: skip
     try:

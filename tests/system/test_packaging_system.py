@@ -217,9 +217,9 @@ def test_wheel_has_both_entry_points_and_they_run(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         entry_points = zf.read(f"agentd-{version}.dist-info/entry_points.txt").decode()
-    assert "agentd = agentd.cli:main" in entry_points
-    assert "agentd-cni = agentd.cni.plugin:main" in entry_points
-    for module in ("agentd/cli.py", "agentd/cni/plugin.py", "agentd/dataplane/worker.py", "bgp/__init__.py", "proto/__init__.py"):
+    assert "agentd = agentd.entry:agentd" in entry_points
+    assert "agentd-cni = agentd.entry:agentd_cni" in entry_points
+    for module in ("agentd/entry.py", "agentd/cli.py", "agentd/cni/plugin.py", "agentd/dataplane/worker.py", "bgp/__init__.py", "proto/__init__.py"):
         assert module in names
     assert not [n for n in names if n.startswith("tests/")]
     assert [n for n in names if re.fullmatch(r"agentd/dataplane/_fastpath\.cpython-.*\.so", n)], names

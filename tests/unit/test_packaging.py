@@ -48,7 +48,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_both_commands_are_declared_and_importable():
     scripts = PYPROJECT["project"]["scripts"]
-    assert scripts == {"agentd": "agentd.cli:main", "agentd-cni": "agentd.cni.plugin:main"}
+    assert scripts == {"agentd": "agentd.entry:agentd", "agentd-cni": "agentd.entry:agentd_cni"}
     for target in scripts.values():
         module, _, func = target.partition(":")
         assert callable(getattr(importlib.import_module(module), func))

@@ -200,6 +200,7 @@ static __always_inline void podflow_count(struct podflow_key *key, __u32 side, _
 
 	v = bpf_map_lookup_elem(&agentd_podflows, key);
 	if (!v) {
+		fresh.first_tai = bpf_ktime_get_tai_ns();
 		if (side) {
 			fresh.packets[1] = 1;
 			fresh.bytes[1] = len;

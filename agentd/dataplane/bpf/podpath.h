@@ -50,11 +50,14 @@ struct podflow_key {
 struct podflow_value {
 	__u64 packets[2]; /* one per packet as the stack sees it (a GSO super-packet is one), as conntrack counts */
 	__u64 bytes[2];   /* IP lengths, as conntrack counts */
+	__u64 first_tai;  /* CLOCK_TAI ns of the entry's first carried packet: which connection on the tuple
+			   * the counts are of (the one conntrack held from its start to its stop then) */
 };
 
 /* podends: ring buffer of these.  A new connection on a tuple (its SYN or SYN-ACK passed a
  * program) moves the entry of the one before out of podflows, so the next connection's
- * counts are its own: the agent matches them to the old connection's end. */
+ * counts are its own: the agent matches them to the old connection's end (by first_tai, which
+ * falls between that connection's start and stop as conntrack stamps them). */
 struct podflow_end {
 	struct podflow_key key;
 	__u32 pad;

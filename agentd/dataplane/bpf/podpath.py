@@ -67,8 +67,9 @@ U32 = struct.Struct("<I")
 VERDICTS = ("carried", "no_conntrack", "not_established", "nat", "no_route")  # enum pod_verdict, in order
 CFG_ON, CFG_ROUTE, CFG_COUNT = 1, 2, 4
 FLOW_KEY = struct.Struct("<4s4s2s2s")  # struct podflow_key: the two ends, the lower (address, port) first
-FLOW_VALUE = struct.Struct("<QQQQ")  # struct podflow_value: packets sent by each end, bytes sent by each end
-FLOW_END = struct.Struct("<12s4x32s")  # struct podflow_end: key, value
+# struct podflow_value: packets sent by each end, bytes sent by each end, CLOCK_TAI ns of the first
+FLOW_VALUE = struct.Struct("<QQQQQ")
+FLOW_END = struct.Struct("<12s4x40s")  # struct podflow_end: key, value
 EXPECTED = {
     IPS: (lb.MAP_TYPE_HASH, 4, POD_VALUE.size),
     STATS: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
@@ -269,10 +270,11 @@ class PodFastPath:
         self.counting = on
         self._configure()
 
-    def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int]]]:
+    def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int, int]]]:
         """What the programs carried of connections whose tuple a new connection took since the
         last call (the ring ``agentd_podends``), oldest first: (podflow key, (packets sent by the
-        lower end, by the other, bytes sent by the lower end, by the other))."""
+        lower end, by the other, bytes sent by the lower end, by the other, CLOCK_TAI ns of the
+        first packet carried))."""
         if self.ends is None:
             return []
         out = []
@@ -282,12 +284,17 @@ class PodFastPath:
                 out.append((key, FLOW_VALUE.unpack(value)))
         return out
 
-    def take_carried(self, key: bytes) -> tuple[int, int, int, int] | None:
-        """What the programs carried of the connection with podflow key ``key``, removed from
-        the map; None if they carried nothing of it."""
+    def take_carried(self, key: bytes, before_tai: int | None = None) -> tuple[int, int, int, int, int] | None:
+        """What the programs carry of podflow key ``key`` (as :meth:`carried_restarts` gives
+        it), removed from the map; None if nothing -- or, with ``before_tai``, nothing whose
+        first packet was carried before then (a later connection's counts stay for its end)."""
         fd = self.maps.get(FLOWS)
         if fd is None:
             return None
+        if before_tai is not None:
+            raw = lb.map_lookup(fd, key, FLOW_VALUE.size)
+            if raw is None or FLOW_VALUE.unpack(raw)[4] >= before_tai:
+                return None
         raw = lb.map_take(fd, key, FLOW_VALUE.size)
         return FLOW_VALUE.unpack(raw) if raw else None
 

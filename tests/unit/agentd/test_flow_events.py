@@ -55,12 +55,16 @@ def event(mtype: int, orig: ct.CtTuple, reply: ct.CtTuple, family: int = socket.
 
 
 def tcp(src: str, dst: str, sport: int, dport: int, *, reply_src: str | None = None, destroyed: bool = False,
-        status: int = 0, counters: tuple[int, int, int, int] = (0, 0, 0, 0)) -> bytes:
+        status: int = 0, counters: tuple[int, int, int, int] = (0, 0, 0, 0), lived: tuple[int, int] | None = None) -> bytes:
+    """``lived``: conntrack's CTA_TIMESTAMP (start, stop), real-time ns."""
     extra = nl.attr(ct.CTA_STATUS, struct.pack("!I", status))
     if destroyed:
         for kind, packets, nbytes in ((ct.CTA_COUNTERS_ORIG, *counters[:2]), (ct.CTA_COUNTERS_REPLY, *counters[2:])):
             extra += nl.nested(kind, nl.attr(ct.CTA_COUNTERS_PACKETS, struct.pack("!Q", packets)),
                                nl.attr(ct.CTA_COUNTERS_BYTES, struct.pack("!Q", nbytes)))
+    if lived is not None:
+        extra += nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", lived[0])),
+                           nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", lived[1])))
     return event(ct.MSG_DELETE if destroyed else ct.MSG_NEW, ct.CtTuple(src, dst, 6, sport, dport),
                  ct.CtTuple(reply_src or dst, src, 6, dport, sport), extra=extra)
 
@@ -176,12 +180,18 @@ class Carried:
         out, self.restarts = self.restarts, []
         return out
 
-    def take_carried(self, key):
+    def take_carried(self, key, before_tai=None):
+        if before_tai is not None and key in self.table and self.table[key][4] >= before_tai:
+            return None
         return self.table.pop(key, None)
 
 
+TAI = 37 * 10**9  # CLOCK_TAI - CLOCK_REALTIME, as an NTP daemon sets it
+
+
 def recorder(carried=None) -> FlowRecorder:
-    return FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: 1000.0, carried=carried)
+    return FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: 1000.0, carried=carried,
+                        tai_offset=lambda: TAI)
 
 
 def feed(r: FlowRecorder, *messages: bytes) -> None:
@@ -238,14 +248,14 @@ def test_an_end_adds_what_the_fast_path_carried():
     a, b = socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3")
     key, _ = carried_key(a, 40000, b, 80)
     # The lower end (client) sent 1000 packets of 1 MB in all past conntrack, web 500 of 26 kB.
-    r = recorder(Carried({key: (1000, 500, 1_000_000, 26_000)}))
+    r = recorder(Carried({key: (1000, 500, 1_000_000, 26_000, 0)}))
     feed(r, tcp("10.244.1.2", "10.244.2.3", 40000, 80, destroyed=True, counters=(6, 400, 5, 300)))
     (flow,) = list(r.ring)
     assert (flow.packets_sent, flow.bytes_sent, flow.packets_received, flow.bytes_received) == (
         1006, 1_000_400, 505, 26_300)
     assert r.carried.table == {}  # taken from the map
     # Seen from web's end (web the original source): the other way round.
-    r = recorder(Carried({key: (1000, 500, 1_000_000, 26_000)}))
+    r = recorder(Carried({key: (1000, 500, 1_000_000, 26_000, 0)}))
     feed(r, tcp("10.244.2.3", "10.244.1.2", 80, 40000, destroyed=True))
     assert (list(r.ring)[0].bytes_sent, list(r.ring)[0].bytes_received) == (26_000, 1_000_000)
 
@@ -255,11 +265,43 @@ def test_a_reused_tuple_keeps_each_connections_counts():
     key, _ = carried_key(a, 40000, b, 80)
     # Two connections ended on one tuple before the agent read their ends: the first two were
     # moved to the ring by the SYNs that reused it, the third is in the map.
-    r = recorder(Carried({key: (3, 0, 3000, 0)}, [(key, (1, 0, 1000, 0)), (key, (2, 0, 2000, 0))]))
+    r = recorder(Carried({key: (3, 0, 3000, 0, 0)}, [(key, (1, 0, 1000, 0, 0)), (key, (2, 0, 2000, 0, 0))]))
     ends = [tcp("10.244.1.2", "10.244.2.3", 40000, 80, destroyed=True) for _ in range(3)]
     feed(r, *ends)
     assert [f.bytes_sent for f in r.ring] == [1000, 2000, 3000]
     assert r._restarts == {}
+
+
+def test_a_reused_tuple_gives_each_end_the_counts_of_its_lifetime():
+    """One source port three times in a row, the ends read late: the first connection's counts
+    went to the ring with the second's SYN; the second was answered from TIME_WAIT and reset
+    (it carried nothing); the third's counts are in the map by the time the second's end is
+    read.  Each end takes what was first carried between its start and its stop."""
+    a, b = socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3")
+    key, _ = carried_key(a, 41003, b, 5002)
+    s = 10**9  # conntrack stamps real time, the fast path TAI (TAI seconds ahead)
+    carried = Carried({key: (700, 0, 1_000_000, 0, 21 * s + TAI)})
+    r = recorder(carried)
+    feed(r)  # a read before the second connection's SYN: the ring was empty then
+    carried.restarts = [(key, (2100, 0, 3_000_000, 0, 11 * s + TAI))]  # that SYN moved the first's counts
+    first, short, third = (tcp("10.244.1.2", "10.244.2.3", 41003, 5002, destroyed=True, lived=lived)
+                           for lived in ((10 * s, 15 * s), (15 * s, 16 * s), (20 * s, 30 * s)))
+    for end in (first, short):  # one read, which meets the ring's news only after it began
+        r._on_conntrack_datagram(end, 1000.0)
+    assert [f.bytes_sent for f in r.ring] == [3_000_000, 0]
+    assert key in carried.table  # the third's, for its own end
+    feed(r, third)
+    assert [f.bytes_sent for f in r.ring] == [3_000_000, 0, 1_000_000] and carried.table == {}
+
+
+def test_counts_carried_before_a_connection_began_are_not_its_own():
+    a, b = socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3")
+    key, _ = carried_key(a, 40000, b, 80)
+    s = 10**9
+    # An earlier connection's counts, moved by a SYN after its end was read: nobody's now.
+    r = recorder(Carried({key: (5, 0, 5000, 0, 12 * s + TAI)}, [(key, (1, 0, 1000, 0, 2 * s + TAI))]))
+    feed(r, tcp("10.244.1.2", "10.244.2.3", 40000, 80, destroyed=True, lived=(10 * s, 20 * s)))
+    assert [f.bytes_sent for f in r.ring] == [5000] and r._restarts == {}
 
 
 def test_only_ended_pod_to_pod_tcp_is_looked_up():
