@@ -42,8 +42,10 @@ class Supervisor:
         backoff_max: float = 30.0,
         stable_after: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        recancel_after: float = 2.0,
     ) -> None:
         self.children: dict[str, Child] = {}
+        self._recancel_after = recancel_after
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
         self._stable_after = stable_after
@@ -107,11 +109,26 @@ class Supervisor:
         ]
 
     async def stop(self) -> None:
+        """Cancel every task and wait until all have ended.  Every task still running
+        ``recancel_after`` seconds after it was cancelled is cancelled again, ours and those
+        they started (a TaskGroup's, which it cancels once): a cancel can be lost on its way
+        (Python 3.11's ``asyncio.wait_for`` drops one that lands in the loop step where the
+        awaited thing completes, CPython gh-86296, and libraries wait that way), and a task
+        that lost it would hold the agent's exit forever."""
         self._closing = True
-        for child in self.children.values():
-            if child.task is not None:
-                child.task.cancel()
-        for runner in self._runners.values():
-            runner.cancel()
-        await asyncio.gather(*self._runners.values(), return_exceptions=True)
-        await asyncio.gather(*(c.task for c in self.children.values() if c.task), return_exceptions=True)
+        tasks = [c.task for c in self.children.values() if c.task is not None] + list(self._runners.values())
+        for task in tasks:
+            task.cancel()
+        pending = {t for t in tasks if not t.done()}
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=self._recancel_after)
+            if not pending:
+                break
+            me = asyncio.current_task()
+            for task in asyncio.all_tasks():
+                if task is not me and task.cancelling() and not task.done():
+                    log.warning("task %s did not end when cancelled; cancelling it again", task.get_name())
+                    task.cancel()
+        for task in tasks:  # retrieved: never "exception was never retrieved" at exit
+            if not task.cancelled():
+                task.exception()

@@ -174,7 +174,7 @@ class EtcdConnection:
                 elif remaining <= 0:
                     raise asyncio.TimeoutError()
                 else:
-                    result = await asyncio.wait_for(op(client), remaining)
+                    result = await cancel_kept(asyncio.wait_for(op(client), remaining))
             except asyncio.CancelledError:
                 if self.closed_under_us():
                     raise DatastoreError(f"the datastore was closed during {what}") from None
@@ -212,6 +212,25 @@ class EtcdConnection:
             self._reported_bad.clear()
         self._reported_bad.add((key, mod_revision))
         log.warning("skipping malformed record at %s: %s", key.decode(errors="replace"), error)
+
+
+async def cancel_kept(awaitable: Awaitable[T]) -> T:
+    """``await awaitable``; CancelledError if this task was cancelled meanwhile and the cancel
+    was lost on the way.
+
+    Python 3.11's ``asyncio.wait_for`` returns the inner result, dropping the cancel, when the
+    inner awaitable completes in the same loop step as its caller is cancelled (CPython
+    gh-86296; 3.12 rewrote wait_for).  aetcd waits for a watch to be created that way, and so
+    do our requests: a task cancelled at that moment would go on -- a watch waiting for events
+    forever, an agent that never exits on SIGTERM.  A cancel asked for during the await that
+    raised nothing was lost: raised here (one asked for before, in a task cleaning up after
+    it, is not raised again)."""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+    result = await awaitable
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError
+    return result
 
 
 async def close_quietly(client: EtcdClient) -> None:

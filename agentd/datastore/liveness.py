@@ -23,7 +23,7 @@ import aetcd
 from aetcd import transactions as tx
 
 from agentd.datastore import subnets
-from agentd.datastore.connection import EtcdConnection
+from agentd.datastore.connection import EtcdConnection, cancel_kept
 from agentd.datastore.etcd import EtcdClient, describe, is_lease_not_found, is_transient
 from agentd.datastore.records import (
     NodeRecord,
@@ -165,7 +165,7 @@ class LeaseKeeper:
         # much past the next one is due: the lease (TTL = 3 intervals) is refreshed elsewhere
         # in time.  At least 1 s, or a merely busy member would count as lost.
         timeout = min(self.connection.request_timeout, max(1.0, self.interval))
-        reply = await asyncio.wait_for(client.refresh_lease(lease_id), timeout)
+        reply = await cancel_kept(asyncio.wait_for(client.refresh_lease(lease_id), timeout))
         if reply is None:  # no answer about the lease: never take that for "expired"
             raise aetcd.ConnectionFailedError("lease keep-alive stream ended without a reply")
         self.connection.set_connected(True)

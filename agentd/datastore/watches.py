@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import aetcd
 
-from agentd.datastore.connection import EtcdConnection, close_quietly
+from agentd.datastore.connection import EtcdConnection, cancel_kept, close_quietly
 from agentd.datastore.etcd import describe, is_transient
 from agentd.datastore.records import NodeEvent, NodeRecord, RecordError, nodes_prefix, parse_read_token, read_token_key
 from agentd.datastore.registration import Registration
@@ -103,14 +103,15 @@ class Watches:
             conn.watch_clients.add(client)
             try:
                 if revision is None:
-                    got = await asyncio.wait_for(client.get_prefix(prefix), conn.request_timeout)
+                    got = await cancel_kept(asyncio.wait_for(client.get_prefix(prefix), conn.request_timeout))
                     revision = got.header.revision
                     kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in got]
                     conn.set_connected(True)
                     if interrupted:
                         log.info("%s re-synced at revision %d (%d keys)", what, revision, len(kvs))
                     yield PrefixEvent("snapshot", revision, kvs)
-                watch = await client.watch_prefix(prefix, start_revision=revision + 1)
+                # aetcd waits for the watch's creation with wait_for, which may drop a cancel.
+                watch = await cancel_kept(client.watch_prefix(prefix, start_revision=revision + 1))
                 conn.set_connected(True)
                 if interrupted:
                     log.info("%s resumed at revision %d on %s", what, revision + 1, client.endpoint.url)

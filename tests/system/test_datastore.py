@@ -451,6 +451,30 @@ async def test_watch_resyncs_after_compaction(etcd_server, stores):  # noqa: F81
         await events.aclose()
 
 
+async def test_a_watch_cancelled_while_it_is_being_set_up_ends(etcd_server, stores):  # noqa: F811
+    """A task cancelled while its watch is being created (the snapshot read, the create
+    request on its way) ends: the cancel is not lost when the creation completes in the same
+    loop step (Python 3.11's wait_for, which aetcd uses, would drop it and the watch would
+    wait for events forever: an agent that never exits on SIGTERM).  The cancel lands at 50
+    offsets spread over the few milliseconds the creation takes, ten times each."""
+    ds = stores()
+    for i in range(500):
+        snapshot = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in ds.watch_prefix(b"/agentd/cancelled-watch/", "cancelled watch"):
+                snapshot.set()
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.wait_for(snapshot.wait(), 10)
+        await asyncio.sleep((i % 50) * 0.0001)  # where the cancel lands, not a wait for something
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5)
+        if not done:
+            task.cancel()  # once more: it ends with the test
+        assert done, f"cancel {i} ({(i % 50) * 0.1:.1f} ms after the snapshot) was lost: the watch goes on"
+
+
 # -- malformed records ----------------------------------------------------------------------
 
 

@@ -61,3 +61,30 @@ async def test_a_task_that_returns_is_not_restarted():
     await turns_until(lambda: child.done)
     assert calls == [1] and child.done and sup.health()[0]
     await sup.stop()
+
+
+async def test_stop_cancels_again_a_task_that_lost_its_cancel():
+    """A task whose cancel was lost on its way (as Python 3.11's wait_for loses one that lands
+    when the awaited thing completes) and that goes on waiting is cancelled again, a child
+    task of a TaskGroup (which cancels its tasks once) too: stop() returns, they have ended."""
+    lost, started = [], []
+
+    async def loses_one_cancel():
+        started.append(1)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            lost.append(1)  # swallowed, as wait_for would: the task goes on
+        await asyncio.Event().wait()
+
+    async def group():
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(loses_one_cancel())
+
+    sup = Supervisor(recancel_after=0.0)
+    children = [sup.start("watch", loses_one_cancel), sup.start("group", group)]
+    await turns_until(lambda: len(started) == 2)  # the group's task too
+    stopping = asyncio.ensure_future(sup.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)  # not wait_for: it would wait for stop() to end
+    assert done, "stop() waits for ever for a task that lost its cancel"
+    assert lost == [1, 1] and all(c.task is not None and c.task.cancelled() for c in children)
