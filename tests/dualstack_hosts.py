@@ -144,12 +144,13 @@ def mac(ns, dev: str) -> bytes:
 
 
 # A transfer whose bytes are checked end to end (sha256 of what was sent and what arrived),
-# over IPv4 or IPv6 by the destination address.
-_SINK = """
+# over IPv4 or IPv6 by the destination address: SINK [4|6] [PORT], SOURCE ADDRESS BYTES [PORT].
+SINK = """
 import hashlib, socket, sys
 family = socket.AF_INET6 if sys.argv[1] == "6" else socket.AF_INET
+port = int(sys.argv[2]) if len(sys.argv) > 2 else 5001
 s = socket.socket(family); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 5001)); s.listen(1); print("ready", flush=True)
+s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port)); s.listen(1); print("ready", flush=True)
 c, _ = s.accept(); h = hashlib.sha256(); n = 0
 while True:
     b = c.recv(1 << 20)
@@ -158,9 +159,10 @@ while True:
 print(n, h.hexdigest(), flush=True)
 """
 
-_SOURCE = """
+SOURCE = """
 import hashlib, os, socket, sys
-n = int(sys.argv[2]); h = hashlib.sha256(); s = socket.create_connection((sys.argv[1], 5001), timeout=30)
+n = int(sys.argv[2]); port = int(sys.argv[3]) if len(sys.argv) > 3 else 5001
+h = hashlib.sha256(); s = socket.create_connection((sys.argv[1], port), timeout=30)
 seed = os.urandom(1 << 16); sent = 0
 while sent < n:
     chunk = hashlib.sha256(seed + sent.to_bytes(8, "big")).digest() * 2048   # 64 KB, never the same
@@ -173,11 +175,11 @@ def transfer(src_ns, dst_ns, dst_ip, nbytes):
     """``nbytes`` from ``src_ns`` to a sink on port 5001 in ``dst_ns`` at ``dst_ip``:
     (sent, got), each [count, sha256]."""
     version = "6" if ":" in dst_ip else "4"
-    sink = dst_ns.popen([sys.executable, "-c", _SINK, version], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    sink = dst_ns.popen([sys.executable, "-c", SINK, version], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         text=True)
     try:
         assert sink.stdout.readline().strip() == "ready"
-        sent = src_ns.exec(sys.executable, "-c", _SOURCE, dst_ip, str(nbytes), timeout=90).split()
+        sent = src_ns.exec(sys.executable, "-c", SOURCE, dst_ip, str(nbytes), timeout=90).split()
         got = sink.communicate(timeout=60)[0].split()
     finally:
         if sink.poll() is None:

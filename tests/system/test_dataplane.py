@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from dualstack_hosts import SINK, SOURCE, transfer
+
 from agentd.dataplane import DataplaneClient, DataplaneError, DataplaneProcess
 from agentd.lab.twohosts import (
     CLUSTER,
@@ -82,42 +84,10 @@ def ping(ns, dst, count=3, extra=()):
     return ns.exec("ping", "-c", str(count), "-i", "0.2", "-W", "2", *extra, dst, check=False)
 
 
-_SINK = """
-import hashlib, socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 5001)); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); h = hashlib.sha256(); n = 0
-while True:
-    b = c.recv(1 << 20)
-    if not b: break
-    h.update(b); n += len(b)
-print(n, h.hexdigest(), flush=True)
-"""
-
-_SOURCE = """
-import hashlib, socket, sys
-n = int(sys.argv[2]); block = hashlib.sha256(b"agentd").digest() * 2048   # 64 KB pattern
-data = bytearray()
-while len(data) < n: data += block + len(data).to_bytes(8, "big")
-data = bytes(data[:n]); s = socket.create_connection((sys.argv[1], 5001), timeout=30)
-s.sendall(data); s.close(); print(n, hashlib.sha256(data).hexdigest(), flush=True)
-"""
-
-
 def tcp_transfer(src_ns, dst_ns, dst_ip, nbytes=16 << 20):
     """Send ``nbytes`` over TCP from src_ns to dst_ip (IPv4 or IPv6); both ends report length
-    and SHA-256."""
-    sink_code = _SINK.replace("socket.socket()", "socket.socket(socket.AF_INET6)").replace('"0.0.0.0"', '"::"') \
-        if ":" in dst_ip else _SINK
-    sink = dst_ns.popen([sys.executable, "-c", sink_code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert sink.stdout.readline().strip() == "ready"
-        sent = src_ns.exec(sys.executable, "-c", _SOURCE, dst_ip, str(nbytes), timeout=60).split()
-        got = sink.communicate(timeout=30)[0].split()
-    finally:
-        if sink.poll() is None:
-            sink.kill()
-            sink.communicate()
+    and SHA-256, which must agree."""
+    sent, got = transfer(src_ns, dst_ns, dst_ip, nbytes)
     assert sent == got and int(got[0]) == nbytes
     return got
 
@@ -262,13 +232,13 @@ async def test_concurrent_flows_both_ways_arrive_intact(netns_factory, tmp_path,
         pinger = t.p1.popen(["ping", "-c", "40", "-i", "0.05", "-s", "1200", P2],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         flows = [(t.p1, t.p2, P2, 5001, 12 << 20), (t.p1, t.p2, P2, 5002, 6 << 20), (t.p2, t.p1, P1, 5003, 8 << 20)]
-        sinks = [dst.popen([sys.executable, "-c", _SINK.replace("5001", str(port))], stdout=subprocess.PIPE,
+        sinks = [dst.popen([sys.executable, "-c", SINK, "4", str(port)], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True) for _src, dst, _ip, port, _n in flows]
         sources = []
         try:
             for sink in sinks:
                 assert sink.stdout.readline().strip() == "ready"
-            sources = [src.popen([sys.executable, "-c", _SOURCE.replace("5001", str(port)), ip, str(n)],
+            sources = [src.popen([sys.executable, "-c", SOURCE, ip, str(n), str(port)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                        for src, _dst, ip, port, n in flows]
             sent = [s.communicate(timeout=120)[0].split() for s in sources]
