@@ -18,6 +18,8 @@ import threading
 
 import pytest
 
+from dualstack_hosts import SINK, SOURCE
+
 from agentd.dataplane import DataplaneClient
 from agentd.dataplane.backends import control_path, state_path
 from agentd.dataplane.bpf import layout, podpath, tc
@@ -229,34 +231,12 @@ def tc_filters(node) -> str:
     return legacy + node.ns.exec(sys.executable, "-c", query, *devices)
 
 
-_SINK = """
-import hashlib, socket
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 5001)); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); h = hashlib.sha256(); n = 0
-while True:
-    b = c.recv(1 << 20)
-    if not b: break
-    h.update(b); n += len(b)
-print(n, h.hexdigest(), flush=True)
-"""
-_SOURCE = """
-import hashlib, os, socket, sys
-n = int(sys.argv[2]); h = hashlib.sha256(); s = socket.create_connection((sys.argv[1], 5001), timeout=30)
-seed = os.urandom(32); sent = 0
-while sent < n:
-    chunk = (hashlib.sha256(seed + sent.to_bytes(8, "big")).digest() * 2048)[: n - sent]
-    s.sendall(chunk); h.update(chunk); sent += len(chunk)
-s.close(); print(sent, h.hexdigest(), flush=True)
-"""
-
-
 async def transfer(src, dst, nbytes=64 << 20):
     """``nbytes`` of TCP from pod ``src`` to pod ``dst``: (sent, received), each (length, sha256)."""
-    sink = dst.ns.popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sink = dst.ns.popen([sys.executable, "-c", SINK, "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
-        _, out, _ = await src.ns.aexec(sys.executable, "-c", _SOURCE, dst.ip, str(nbytes), timeout=120)
+        _, out, _ = await src.ns.aexec(sys.executable, "-c", SOURCE, dst.ip, str(nbytes), timeout=120)
         got, _ = await asyncio.to_thread(sink.communicate, timeout=60)
     finally:
         if sink.poll() is None:
