@@ -44,7 +44,7 @@ def _seconds(text: str) -> float:
 
 
 def add_lab_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="lab_command", metavar="up|down|status|exec|pod")
+    sub = p.add_subparsers(dest="lab_command", metavar="up|down|status|restart|exec|pod")
     sub.required = True
     up = sub.add_parser("up", help="build the lab and wait until every pod reaches every other pod")
     up.add_argument("--name", type=_lab_name, default="lab", help="lab name (namespaces are ad-<name>-*)")
@@ -75,6 +75,12 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     for name in ("down", "status"):
         sp = sub.add_parser(name)
         sp.add_argument("--name", type=_lab_name, default="lab")
+    rs = sub.add_parser("restart", help="stop one node's agent and start it again (graceful, or --kill for a crash)")
+    rs.add_argument("--name", type=_lab_name, default="lab")
+    rs.add_argument("node", help="node name (node2)")
+    rs.add_argument("--kill", action="store_true",
+                    help="SIGKILL instead of SIGTERM: a crash, as when the process dies or the OOM killer strikes")
+    rs.add_argument("--timeout", type=_seconds, default=60.0, help="seconds to wait for the agent to be ready (default 60)")
     ex = sub.add_parser("exec", help="run a command in a node or pod namespace")
     ex.add_argument("--name", type=_lab_name, default="lab")
     ex.add_argument("target", help="node name (node1) or pod name (node1-pod1)")
@@ -160,6 +166,8 @@ def lab_command(args: argparse.Namespace) -> int:
             return commands.status(args.name)
         if args.lab_command == "pod":
             return commands.pod(args)
+        if args.lab_command == "restart":
+            return commands.restart(args.name, args.node, kill=args.kill, timeout=args.timeout)
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not argv:
             sys.stderr.write("agentd lab exec: no command given (agentd lab exec NODE -- CMD...)\n")

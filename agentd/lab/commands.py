@@ -1,4 +1,4 @@
-"""The bodies of ``agentd lab up|down|status|exec|pod`` (argument parsing is :mod:`agentd.lab.cli`):
+"""The bodies of ``agentd lab up|down|status|restart|exec|pod`` (argument parsing is :mod:`agentd.lab.cli`):
 what each prints.  The lab itself (:mod:`agentd.lab.lab`) prints nothing but its progress."""
 
 from __future__ import annotations
@@ -7,13 +7,16 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from . import bpffs
 from .lab import LAB_ROOT, Lab, LabError, LabSpec, stage_timeout
 from .netns import delete_matching
+from .wait import auntil
 
 def check_spec(spec: LabSpec) -> None:
     """Refuse, in one line and before anything is built, a lab whose pods could never all
@@ -155,6 +158,42 @@ def status(name: str) -> int:
             print(f"  {line}")
         print()
     print("pods: " + ", ".join(f"{p.name}={'/'.join(p.ips) or p.ip}" for p in lab.pods))
+    return 0
+
+
+def restart(name: str, node_name: str, *, kill: bool = False, timeout: float = 60.0) -> int:
+    """Stop one node's agent (SIGTERM: a graceful stop that keeps its routes and lets its peers
+    keep theirs; ``kill``: SIGKILL, a crash) and start it again with the same configuration,
+    then wait until it says it is ready.  What a systemd restart or a crash does to a host,
+    for one lab node; the kernel routes before and after show what the restart kept."""
+    lab = Lab.load(name)
+    node = lab.node(node_name)
+    before = node.kernel_routes()
+    sig = signal.SIGKILL if kill else signal.SIGTERM
+    old_pid = node.agent_pid()
+    t0 = time.monotonic()
+
+    async def run() -> None:
+        await node.stop_agent(sig)
+        node.start_agent()
+
+        def ready() -> bool:
+            if node.proc is not None and node.proc.poll() is not None:
+                raise LabError(f"{node.name}: the agent exited with status {node.proc.returncode} (log {node.log_path})")
+            return bool((node.api_or_none("/status") or {}).get("ready"))
+
+        await auntil(ready, timeout, what=f"{node.name}: agent ready after the restart (log {node.log_path})",
+                     interval=0.1, in_thread=True, error=LabError)
+
+    asyncio.run(run())
+    after = node.kernel_routes()
+    kept = len(set(before) & set(after))
+    if old_pid is None:
+        what = "was not running; started"
+    else:
+        what = f"(pid {old_pid}) {'killed with SIGKILL' if kill else 'stopped with SIGTERM'}; started again"
+    print(f"{node.name}: agent {what} as pid {node.agent_pid()}, ready in {time.monotonic() - t0:.1f} s")
+    print(f"kernel routes (proto 143): {len(before)} before, {len(after)} after, {kept} unchanged")
     return 0
 
 

@@ -70,8 +70,8 @@ async def lab_factory(tmp_path):
 
     labs: list[Lab] = []
 
-    async def make(*, timeout: float = 60.0, full: bool = True, **spec) -> Lab:
-        lab = Lab(LabSpec(name="l" + unique_tag("")[:6], **spec), root=tmp_path / "labs")
+    async def make(*, timeout: float = 60.0, full: bool = True, progress=None, **spec) -> Lab:
+        lab = Lab(LabSpec(name="l" + unique_tag("")[:6], **spec), root=tmp_path / "labs", progress=progress)
         labs.append(lab)
         await lab.up(timeout=timeout, full=full)
         return lab

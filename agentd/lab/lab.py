@@ -435,7 +435,7 @@ class Lab:
                 for n in wave:
                     n.start_agent()
                 await self.ready.agents_started(timeout, wave)
-            self._stage("agents started: " + ", ".join(f"{n.name}={self._subnet(n)}" for n in self.nodes))
+            self._stage("agents started: " + ", ".join(f"{n.name}={self._subnets_text(n)}" for n in self.nodes))
             stage = "peers established"
             await self.ready.established(timeout)
             self._stage("BGP peers established (" + self.spec.bgp + ")")
@@ -451,10 +451,12 @@ class Lab:
             stage = "pods attached"
             await self.attach_pods()
             self._save()
-            self._stage(f"pods attached ({len(self.pods)}): " + ", ".join(f"{p.name}={p.ip}" for p in self.pods))
+            self._stage(f"pods attached ({len(self.pods)}): " + ", ".join(f"{p.name}={'/'.join(p.ips) or p.ip}" for p in self.pods))
             stage = "all pods reachable"
             await self.ready.reachable(timeout)
-            self._stage(f"all pods reachable ({len(self.pods) * (len(self.pods) - 1)} pod pairs)")
+            families = sorted({6 if ":" in a else 4 for p in self.pods for a in p.ips})
+            over = " over " + " and ".join(f"IPv{v}" for v in families) if families else ""
+            self._stage(f"all pods reachable ({len(self.pods) * (len(self.pods) - 1)} pod pairs{over})")
         except LabError as err:
             raise LabError(f"stage '{stage}' did not complete: {err}") from None
         except (NetnsError, OSError, RuntimeError) as err:
@@ -481,12 +483,18 @@ class Lab:
             raise LabError(f"{node.name}: {err}") from None
         node.start_agent()
         await self.ready.agents_started(timeout)
-        self._stage(f"{node.name} joined with subnet {self._subnet(node)}")
+        self._stage(f"{node.name} joined with subnet {self._subnets_text(node)}")
         return node
 
     def _subnet(self, node: LabNode) -> str:
         status = node.api_or_none("/status") or {}
         return (status.get("node") or {}).get("subnet") or "-"
+
+    def _subnets_text(self, node: LabNode) -> str:
+        """Its pod subnets for a progress line: both families in a dual-stack lab, the IPv6
+        one in an IPv6-only lab (where ``subnet`` is empty)."""
+        node_status = (node.api_or_none("/status") or {}).get("node") or {}
+        return " ".join(dict.fromkeys(s for s in (node_status.get("subnet"), node_status.get("subnet_v6")) if s)) or "-"
 
     def subnets(self) -> dict[str, str]:
         return {n.name: self._subnet(n) for n in self.nodes}

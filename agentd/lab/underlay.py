@@ -100,10 +100,15 @@ class Underlay:
             ul.ip("link", "set", f"etcd{i}", "master", "br0")
             plen = 64 if ":" in member.host else 24
             et.ip("addr", "add", f"{member.host}/{plen}", "dev", "eth0", *(["nodad"] if plen == 64 else []))
+            # A dual-stack underlay gives the member its IPv6 twin as well (etcd itself listens
+            # on the IPv4 address the agents are configured with): every host on it has both.
+            twin = v6_address(0, int(member.host.rsplit(".", 1)[1])) if self.v4 and self.v6 and plen == 24 else None
+            if twin is not None:
+                et.ip("-6", "addr", "add", f"{twin}/64", "dev", "eth0", "nodad")
             if self.segments > 1:
                 if plen == 24:
                     et.ip("route", "add", "default", "via", f"{UNDERLAY_PREFIX}.0.1")
-                else:
+                if plen == 64 or twin is not None:
                     et.ip("-6", "route", "add", "default", "via", v6_address(0, 1))
         for h in hosts:
             self._link(h)

@@ -9,6 +9,8 @@
   name with curl; a hostPort given with `agentd lab pod add --host-port` answers on the node.
 * Service DNS over UDP: a headless Service with 40 endpoints is too big for 512 octets; the
   answer comes truncated (TC) and whole over TCP (dnspython), and glibc's `getent` gets all 40.
+* `agentd lab restart node2` (graceful, then --kill) returns with the agent ready, its routes
+  unchanged and the pods talking.
 * POST /leave needs the node's API token: refused without it, `agentd leave` as a user who
   cannot read the token says so in one line, a second `agentd run` on the node stops without
   touching the token, and as root `agentd leave` decommissions the node (last).
@@ -260,6 +262,29 @@ def test_ctrl_c_ends_every_command_with_130_and_no_traceback(cli_lab: CliLab):
     r = _interrupted(["ip", "netns", "exec", node1.ns.name, AGENTD, "flows", "-f", "--last", "0",
                       "--config", str(node1.config_path)], cli_lab.env, _receiving)  # fmt: skip
     assert (r.returncode, r.stderr) == (130, ""), r
+
+
+def test_lab_restart_brings_one_agent_back_with_its_routes(cli_lab: CliLab):
+    """`agentd lab restart NODE` stops the node's agent (SIGTERM, or SIGKILL with --kill) and
+    starts it again; it returns once the agent is ready, its routes unchanged, the pods talking."""
+    lab = cli_lab.state()
+    node2 = lab.node("node2")
+    pod1, pod2 = (p for p in lab.pods)
+    for extra in ((), ("--kill",)):
+        old_pid = node2.agent_pid()
+        r = cli_lab.lab("restart", "node2", *extra, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        how = "killed with SIGKILL" if extra else "stopped with SIGTERM"
+        assert f"node2: agent (pid {old_pid}) {how}; started again as pid " in r.stdout, r.stdout
+        new_pid = node2.agent_pid()
+        assert new_pid not in (None, old_pid) and f"as pid {new_pid}, ready in " in r.stdout, r.stdout
+        assert node2.api("/status")["ready"] is True
+        routes = len(node2.kernel_routes())
+        assert routes >= 1 and f"kernel routes (proto 143): {routes} before, {routes} after, {routes} unchanged" in r.stdout
+        pod1.ns.exec("ping", "-c", "1", "-W", "2", pod2.ip)
+    r = cli_lab.lab("restart", "node9")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"agentd lab restart: no node 'node9' in lab {cli_lab.name} (nodes: node1, node2)"], r.stderr
 
 
 def test_leave_needs_the_api_token_last(cli_lab: CliLab):

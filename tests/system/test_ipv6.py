@@ -68,12 +68,25 @@ async def test_dual_stack_every_backend_in_a_mesh_restart_and_leave(lab_factory)
     extra = backends({"node2": "vxlan", "node3": "udp", "node4": "ipip"})
     for name in ("node1", "node4"):
         extra.setdefault(name, {}).setdefault("network", {})["ip_masq"] = True
-    lab = await lab_factory(nodes=4, pods=1, ip_family="dual", extra=extra)
+    progress: list[str] = []
+    lab = await lab_factory(nodes=4, pods=1, ip_family="dual", extra=extra, progress=progress.append)
     node1, node2, node3, node4 = lab.nodes
     pods = {p.node.name: p for p in lab.pods}
     matrix = await lab.ready.matrix()
     assert {v for (_a, _b, v) in matrix} == {4, 6} and len(matrix) == 24
     everything_reaches_everything(matrix)
+    # `lab up` says both families: each node's two subnets, each pod's two addresses.
+    said = "\n".join(progress)
+    subnets = lab.all_subnets()
+    assert f"node1={' '.join(subnets['node1'])}" in said, said
+    assert f"{pods['node2'].name}={pods['node2'].address(4)}/{pods['node2'].address(6)}" in said, said
+    assert "pod pairs over IPv4 and IPv6" in said, said
+    # The etcd member has its IPv6 twin on the dual-stack underlay, like every host there.
+    member = lab.etcd.members[0]
+    assert member.netns is not None
+    twin = "fd00:172:30::" + member.host.rsplit(".", 1)[1]
+    assert f"inet6 {twin}/64" in member.netns.ip("-6", "addr", "show", "dev", "eth0").stdout.decode()
+    node1.ns.exec("ping", "-6", "-c", "1", "-W", "2", twin)
 
     # ip_masq on a dual-stack node: a pod's traffic to an underlay address (outside the pod
     # network) arrives as its node, over IPv6 as over IPv4; pod to pod it arrives as the pod.
