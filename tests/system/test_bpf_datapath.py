@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from ipaddress import IPv4Network
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -628,17 +629,36 @@ def test_pins_that_cannot_be_made_or_replaced_fail_the_data_path_with_a_reason(n
     assert dev.ours() == []
     (d / layout.INGRESS).rmdir()
     # A restart on a bpffs that went read-only: the maps' pins can be neither opened for writing
-    # nor replaced.  Nothing of this open's is on the device by then; the previous agent's
-    # programs stay, as when the object cannot even be loaded.
+    # nor replaced.  Nothing of this open's is on the device by then, but the previous agent's
+    # programs are, with maps nobody keeps now: they come off too (the user-space worker takes
+    # over) -- by clsact; a tcx link is detached through its pin, which the kernel opens for
+    # reading and writing only, so there the reason says they stay.
     dev.open()
     subprocess.run(["mount", "-o", "remount,ro", bpffs], check=True)
     try:
         why = dev.open_fails()
-        assert re.fullmatch(rf"the pin {re.escape(str(d))}/agentd_\w+ cannot be opened as a map \(Read-only file "
-                            r"system\) nor removed: Read-only file system", why), why
-        assert dev.ours() == [("egress", layout.EGRESS), ("ingress", layout.INGRESS)]
+        maps = rf"the pin {re.escape(str(d))}/agentd_\w+ cannot be opened as a map \(Read-only file system\) " \
+               r"nor removed: Read-only file system"
+        if hook == "clsact":
+            assert re.fullmatch(maps, why), why
+            assert dev.ours() == []
+        else:
+            link = re.escape(str(d / tc.LINKS / f"{layout.EGRESS}-{dev.u0}"))
+            assert re.fullmatch(rf"{maps}; and {layout.EGRESS} could not be taken off device {dev.u0} again: "
+                                rf"\[Errno 30\] opening pinned {link}: Read-only file system", why), why
+            assert dev.ours() == [("egress", layout.EGRESS), ("ingress", layout.INGRESS)]
     finally:
         subprocess.run(["mount", "-o", "remount,rw", bpffs], check=True)
+    # The same when the object itself cannot be had (a broken install): the previous agent's
+    # programs, which this open never reached, are taken off.
+    dev.open()
+    assert dev.ours() == [("egress", layout.EGRESS), ("ingress", layout.INGRESS)]
+    with dev.ns.entered():
+        dp = BpfDatapath(dev.u0, dev.bpffs, attach=dev.hook)
+        dp.object_path = Path("/nonexistent/missing.bpf.o")
+        with pytest.raises(BpfUnavailable, match="no BPF object at"):
+            dp.open(Config(LOCAL, 8285, 4789, FLAGS, 1500))
+    assert dev.ours() == []
 
 
 @pytest.mark.parametrize("hook", ["tcx", "clsact"])

@@ -108,11 +108,13 @@ class BpfDatapath:
         """Adopt or create the maps, load and attach the programs, write ``config`` (``clear``:
         as in :meth:`set_config`).
         Raises :class:`BpfUnavailable` with the reason when any of it cannot be done, having
-        taken off the device again the programs it had put on."""
-        self.hook = resolve_hook(self.attach)
-        obj = open_checked(self.object_path, lambda o: layout.check(o.maps, o.programs))
-        attached: list[str] = []  # programs this call put on (or swapped into) the device's hooks
+        taken our programs off the device again: those this call had put on, and a previous
+        agent's it never reached (they would go on steering the user-space worker's packets
+        by maps no agent keeps any more)."""
+        obj: lb.BpfObject | None = None
         try:
+            self.hook = resolve_hook(self.attach)
+            obj = open_checked(self.object_path, lambda o: layout.check(o.maps, o.programs))
             ensure_dir(self.bpf_dir, self.dir)
             self.pins = tc.Pins.read(self.dir)  # the previous agent's programs, before ours replace the pins
             tc.sweep(self.pins)
@@ -128,7 +130,6 @@ class BpfDatapath:
                 self.prog_ids[name] = lb.prog_info(self.progs[name])["id"]
             # Attach (replacing the previous agent's programs in place), then pin.
             for name, fd in self.progs.items():
-                attached.append(name)  # before: a failure may come after the program is on
                 self._note(tc.attach(self.ifindex, DIRECTIONS[name], fd, name, self.hook, self.pins))
                 pin(self.dir, fd, name)
         except (OSError, tc.TcError, BpfUnavailable) as err:  # lb.BpfError is an OSError
@@ -136,9 +137,10 @@ class BpfDatapath:
                 reason = explain(err)
             else:  # an OSError names its file (a pin, a link's pin) or its netlink request
                 reason = str(err)
-            obj.close()
+            if obj is not None:
+                obj.close()
             self.close()
-            raise BpfUnavailable(reason + self._detach(attached)) from None
+            raise BpfUnavailable(reason + self._detach(list(layout.PROGRAMS))) from None
 
     def _note(self, lines: list[str]) -> None:
         self.unidentified.update(lines)
@@ -148,6 +150,9 @@ class BpfDatapath:
         falls back to the user-space worker, whose packets a half-attached data path would
         take (or drop, as the member filter of a peer set no agent keeps).  Returns what could
         not be done, to add to the reason."""
+        if not self.pins.programs:  # the failure came before the previous agent's pins were read
+            with contextlib.suppress(OSError):
+                self.pins = tc.Pins.read(self.dir)
         for name in names:
             try:
                 tc.detach(self.ifindex, (name,), self.pins)

@@ -173,9 +173,10 @@ class PodFastPath:
         then off, and what this call or an earlier agent put of it in the kernel is removed
         (:func:`remove_pinned_fast_path`): programs left on the hooks with maps no agent keeps
         would go on steering packets by pods that may have gone, their addresses reused."""
-        self.hook = resolve_hook(self.attach)
-        obj = open_checked(self.object_path, check)
+        obj: lb.BpfObject | None = None
         try:
+            self.hook = resolve_hook(self.attach)
+            obj = open_checked(self.object_path, check)
             ensure_dir(self.bpf_dir, self.dir)
             self.pins = tc.Pins.read(self.dir)  # the previous agent's programs, before ours replace the pins
             tc.sweep(self.pins)  # links of veths that went while no agent ran
@@ -213,7 +214,8 @@ class PodFastPath:
                 reason = explain(err)
             else:  # an OSError names its file (a pin, a link's pin) or its netlink request
                 reason = str(err)
-            obj.close()
+            if obj is not None:
+                obj.close()
             self.close()
             try:
                 removed = remove_pinned_fast_path(self.bpf_dir)
