@@ -203,18 +203,27 @@ async def test_dual_stack_route_reflectors_on_an_ipv4_underlay(lab_factory):
 
 async def test_ipv6_only_mesh_with_bfd_and_an_external_bird_router(lab_factory, tmp_path):
     """IPv6 sessions between IPv6 addresses (BFD on them), host-gw and vxlan over an IPv6
-    underlay; a BIRD router on the segment is node1's eBGP peer and gets every pod subnet."""
+    underlay, node2 masquerading what leaves the pod network; a BIRD router on the segment is
+    node1's eBGP peer and gets every pod subnet."""
     bird_address = "fd00:172:30::2"  # the etcd member's namespace doubles as the top-of-rack router
     lab = await lab_factory(
         nodes=3, pods=1, ip_family="ipv6",
         extra={**backends({"node2": "vxlan", "node3": "vxlan"}),
                "node1": {"bgp": {"bfd": True, "peers": [{"address": bird_address, "asn": 65100, "bfd": False}]}},
-               "node2": {"network": {"backend": "vxlan"}, "bgp": {"bfd": True}},
+               "node2": {"network": {"backend": "vxlan", "ip_masq": True}, "bgp": {"bfd": True}},
                "node3": {"network": {"backend": "vxlan"}, "bgp": {"bfd": True}}},
     )
     node1, node2, node3 = lab.nodes
     assert node1.address is None
     everything_reaches_everything(await lab.ready.matrix())
+    # ip_masq on an IPv6-only node: its table is ip6 alone; what its pod sends out of the pod
+    # network arrives as the node, pod to pod as the pod.
+    tables = node2.ns.exec("nft", "list", "tables")
+    assert "table ip6 agentd-masq" in tables and "table ip agentd-masq" not in tables, tables
+    pods = {p.node.name: p for p in lab.pods}
+    pod2, pod3 = pods["node2"], pods["node3"]
+    assert await asyncio.to_thread(seen_as, node3.ns, node3.address_v6, pod2.ns) == node2.address_v6
+    assert await asyncio.to_thread(seen_as, pod3.ns, pod3.address(6), pod2.ns) == pod2.address(6)
     # Sessions over IPv6 carrying IPv6 alone, BFD up on them, router IDs distinct.
     peers = {p["address"]: p for p in node2.api("/peers")}
     assert set(peers) == {node1.address_v6, node3.address_v6}
