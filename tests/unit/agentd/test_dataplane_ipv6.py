@@ -10,6 +10,7 @@ import struct
 
 import numpy as np
 import pytest
+from coalescer_feed import batch_writes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -305,34 +306,6 @@ def test_coalescer_caps_a_tcpv6_super_packet_at_64k():
     writes = coalesce_packets(packets)
     assert len(writes) == 2 and all(len(p) <= 0xFFFF and v.gso_type == TSO6 for v, p in writes)
     assert b"".join(parse6(p)[2] for _, p in writes) == b"y" * 1400 * 60
-
-
-def batch_writes(packets, chunks, stride=2048):
-    """Feed ``packets`` to one Coalescer in batches (2 KB slots, as recvmmsg fills them); a
-    batch add_batch refuses goes packet by packet.  Returns the writes and whole batches taken."""
-    writes = []
-
-    def write(parts):
-        blob = b"".join(bytes(p) for p in parts)
-        writes.append((P.VirtioNetHdr.decode(blob), blob[10:]))
-
-    c = Coalescer(write)
-    i = 0
-    for size in chunks:
-        chunk = packets[i : i + size]
-        i += size
-        if not chunk:
-            break
-        buf = bytearray(stride * len(chunk))
-        for j, p in enumerate(chunk):
-            buf[j * stride : j * stride + len(p)] = p
-        if not c.add_batch(np.frombuffer(buf, np.uint8), 0, stride, np.array([len(p) for p in chunk])):
-            for p in chunk:
-                c.add(memoryview(p))
-    for p in packets[i:]:
-        c.add(memoryview(p))
-    c.flush()
-    return writes, c.batches
 
 
 @st.composite

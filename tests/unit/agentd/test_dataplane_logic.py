@@ -9,6 +9,7 @@ import struct
 
 import numpy as np
 import pytest
+from coalescer_feed import batch_writes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -385,34 +386,6 @@ def test_complete_checksum_for_udp_never_writes_zero():
 
 
 # -- batches: the vectorized path makes exactly the writes the per-packet path makes -----------------
-
-def batch_writes(packets, chunks, stride=2048):
-    """Feed ``packets`` to one Coalescer in batches of the given sizes (2 KB slots, like
-    recvmmsg); a batch add_batch refuses goes packet by packet.  Returns the writes and
-    how many batches were taken whole."""
-    writes = []
-
-    def write(parts):
-        blob = b"".join(bytes(p) for p in parts)
-        writes.append((P.VirtioNetHdr.decode(blob), blob[10:]))
-
-    c = Coalescer(write)
-    i = 0
-    for size in chunks:
-        chunk = packets[i : i + size]
-        i += size
-        if not chunk:
-            break
-        buf = bytearray(stride * len(chunk))
-        for j, p in enumerate(chunk):
-            buf[j * stride : j * stride + len(p)] = p
-        if not c.add_batch(np.frombuffer(buf, np.uint8), 0, stride, np.array([len(p) for p in chunk])):
-            for p in chunk:
-                c.add(memoryview(p))
-    for p in packets[i:]:
-        c.add(memoryview(p))
-    c.flush()
-    return writes, c.batches
 
 
 @st.composite
