@@ -17,11 +17,13 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from agentd.backend_table import mtu_overhead
 from agentd.config.settings import (
     CONFIG_KEYS,
     DEFAULT_CONFIG_PATH,
     PEER_KEYS,
     RANGE_KEYS,
+    SECTIONS,
     AgentConfig,
     ApiConfig,
     BgpConfig,
@@ -40,7 +42,6 @@ from agentd.config.settings import (
     NodeConfig,
     check_config,
     load_config,
-    mtu_overhead,
 )
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "etc" / "agentd.toml"
@@ -284,6 +285,8 @@ def test_every_dataclass_field_is_a_config_key():
     assert fields == set(CONFIG_KEYS)
     assert set(PEER_KEYS) == {f.name for f in dataclasses.fields(BgpPeerConfig)}
     assert set(RANGE_KEYS) == {f.name for f in dataclasses.fields(ListenRangeConfig)}
+    # The sections in the file's order are Config's fields, in the same order as the keys' table.
+    assert SECTIONS == tuple(dict.fromkeys(key.split(".")[0] for key in CONFIG_KEYS)) == tuple(SECTION_CLASSES)
 
 
 def test_missing_file_means_defaults_unless_required(tmp_path):
