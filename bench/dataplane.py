@@ -1,9 +1,9 @@
 """Pod-to-pod TCP throughput through the agent, every data path side by side.
 
-    python bench/dataplane.py [--seconds 10] [--rounds 3] [--only "udp bpf,ipip bpf,..."] [--routed]
-                              [--no-pod-fast-path] [--flows on|off|both] [--quick] [--json FILE]
+    python bench/dataplane.py [--seconds 6] [--rounds 5] [--only "udp bpf,ipip bpf,..."] [--routed]
+                              [--no-pod-fast-path] [--flows on|off|both] [--no-pin] [--quick] [--json FILE]
 
-Defaults: 10 s per iperf3 run, 3 rounds, every row below; ``--quick``: 2 s, 1 round.
+Defaults: 6 s per iperf3 run, 5 rounds, every row below; ``--quick``: 2 s, 1 round.
 
 Brings up one lab per row (agentd.lab: 2 nodes, 1 pod each, real agents, etcd, BGP; all in
 namespaces, removed at the end) and runs ONE iperf3 TCP stream pod -> pod across the two
@@ -44,9 +44,16 @@ The agents keep flow records ([flows] enabled, the default) unless ``--flows off
 both`` runs every agentd row twice, "(flows on)" and "(flows off)", in labs of their own,
 interleaved like the rest, and adds the ratio of each pair: what recording costs the data path.
 
-Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...),
-so a slow spell of the machine hits all of them alike; the table shows each row's median
-round, its range, and ratios of medians. "CPU/Gbit" is the machine's busy CPU time during
+Every row runs --rounds times, the rows interleaved (round 1 of every row, then round 2...,
+every other round in the reverse order), so a slow spell of the machine hits all of them
+alike; the table shows each row's median round, its range, and ratios of medians -- but "x
+IPv4", which is the median of the per-round ratios: an IPv6 row runs right beside its IPv4 row
+in every round (before it in one round, after it in the next), so each round's ratio compares
+two runs a few seconds apart, and the spread of the ratios is printed under the table.  The
+iperf3 client runs on CPU 0 and its server on CPU 1 (taskset; ``--no-pin``: where the
+scheduler puts them): on a 2-core machine the scheduler otherwise moves them, and the
+softirq work that follows the sender, between the cores, which moves a single stream's
+throughput by several per cent from run to run and hides a 5 % question. "CPU/Gbit" is the machine's busy CPU time during
 the transfer (all cores, /proc/stat: iperf3 x2, softirq, workers, everything else running)
 per second and per Gbit/s moved: cores per Gbit/s, lower is cheaper. On a shared machine
 other jobs inflate it; the load line says how busy the machine was. A failed iperf3 run is
@@ -61,6 +68,7 @@ import asyncio
 import contextlib
 import os
 import re
+import statistics
 import sys
 import time
 from typing import NamedTuple
@@ -132,6 +140,9 @@ ROUTED = {
 ANCHOR_ROWS = ("raw veth", KERNEL_VTEP)  # always run
 
 
+PIN = (("taskset", "-c", "0"), ("taskset", "-c", "1"))  # iperf3 (client, server): their own CPUs
+
+
 class Round(NamedTuple):
     gbps: float
     retr: int
@@ -145,11 +156,13 @@ def busy_jiffies() -> tuple[int, int]:
     return sum(v), sum(v) - v[3] - v[4]
 
 
-async def iperf(client: Netns, server: Netns, dst: str, seconds: int, what: str) -> tuple[float, int, float]:
+async def iperf(client: Netns, server: Netns, dst: str, seconds: int, what: str,
+                pin: bool) -> tuple[float, int, float]:
     """(Gbit/s, retransmits, busy cores) of one iperf3 TCP stream; a failure raises."""
-    async with _iperf.server(server, bind=dst, once=True, what=f"{what}: the iperf3 server"):
+    cpus = PIN if pin else ((), ())
+    async with _iperf.server(server, bind=dst, once=True, prefix=cpus[1], what=f"{what}: the iperf3 server"):
         total0, busy0 = busy_jiffies()
-        run = await _iperf.client(client, dst, seconds, what=what)
+        run = await _iperf.client(client, dst, seconds, prefix=cpus[0], what=what)
         total1, busy1 = busy_jiffies()
     cores = (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
     return run.gbps, run.retransmits, cores
@@ -222,7 +235,7 @@ async def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-async def run_row(name: str, lab: Lab | KernelVtep, seconds: int) -> Round:
+async def run_row(name: str, lab: Lab | KernelVtep, seconds: int, pin: bool) -> Round:
     what, version = ROWS[SPECS[name][0]][2], ROWS[SPECS[name][0]][4]
     if isinstance(lab, KernelVtep):
         client, server, dst = lab.pods[0], lab.pods[1], lab.dst
@@ -234,7 +247,7 @@ async def run_row(name: str, lab: Lab | KernelVtep, seconds: int) -> Round:
     if dst is None:
         raise BenchError(f"{name}: the lab has no IPv{version} address to measure")
     lat = await ping_avg(client, dst)
-    gbps, retr, cores = await iperf(client, server, dst, seconds, name)
+    gbps, retr, cores = await iperf(client, server, dst, seconds, name, pin)
     return Round(gbps, retr, lat, cores / gbps)
 
 
@@ -293,8 +306,8 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
             labs[name] = specs[key]
             check_datapath(name, specs[key])
         for r in range(args.rounds):
-            for name in names:
-                got = await run_row(name, labs[name], args.seconds)
+            for name in round_order(names, r):
+                got = await run_row(name, labs[name], args.seconds, args.pin)
                 runs.setdefault(name, []).append(got)
                 print(f"  round {r + 1}/{args.rounds} {name:<28} {got.gbps:6.2f} Gbit/s, {got.retr} retr, "
                       f"{got.cpu_per_gbit:.3f} cores/Gbit", file=sys.stderr, flush=True)
@@ -306,6 +319,37 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
     return runs
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The rows in round ``r`` (from 0): as listed in even rounds, reversed in odd ones, so
+    that neither row of an IPv4/IPv6 pair always runs first (a machine warming up or
+    slowing down through a round favours neither family), while each stays beside the other."""
+    return list(names) if r % 2 == 0 else list(reversed(names))
+
+
+def ipv4_row(name: str) -> str | None:
+    """The IPv4 row an IPv6 row is compared with ("udp bpf v6 (flows off)" -> "udp bpf (flows
+    off)"), or None for a row that is not an IPv6 one."""
+    base, flows = SPECS.get(name, (name, None))
+    if not base.endswith(" v6"):
+        return None
+    return base.removesuffix(" v6") + (FLOW_SUFFIX[flows] if name != base and flows is not None else "")
+
+
+def round_ratios(v6: list[Round], v4: list[Round]) -> list[float]:
+    """Each round's IPv6 Gbit/s over the same round's IPv4 Gbit/s (the two ran side by side)."""
+    return [a.gbps / b.gbps for a, b in zip(v6, v4, strict=True) if b.gbps > 0]
+
+
+def ipv4_ratios(runs: dict[str, list[Round]]) -> dict[str, list[float]]:
+    """Per IPv6 row whose IPv4 row ran too: its per-round ratios."""
+    out = {}
+    for name, got in runs.items():
+        v4 = ipv4_row(name)
+        if v4 in runs:
+            out[name] = round_ratios(got, runs[v4])
+    return out
+
+
 def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -> None:
     results = []
     for name, got in runs.items():
@@ -314,13 +358,16 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
         spread = f"{ordered[0].gbps:.2f}-{ordered[-1].gbps:.2f}" if len(got) > 1 else ""
         results.append((name, mid, spread))
     by = {name: mid.gbps for name, mid, _ in results}
+    ratios = ipv4_ratios(runs)
+    x_ipv4 = {name: statistics.median(got) for name, got in ratios.items() if got}
     raw, vx = by.get("raw veth") or float("nan"), by.get(KERNEL_VTEP) or float("nan")
     for name, gbps in list(by.items()):  # ratios and goals name rows as recorded by default (flows on)
         if name.endswith(FLOW_SUFFIX[True]):
             by.setdefault(name.removesuffix(FLOW_SUFFIX[True]), gbps)
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s; median of {args.rounds} interleaved rounds "
           "(pod to pod, but raw veth: node to node); pod fast path "
-          + ("off" if args.no_pod_fast_path else "on"))
+          + ("off" if args.no_pod_fast_path else "on") + "; iperf3 "
+          + ("client on CPU 0, server on CPU 1 (taskset)" if args.pin else "not pinned (--no-pin)"))
     after = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, busy {background * 100:.0f}% before the run (other jobs); load average "
           f"{load[0]:.2f} before, {after[0]:.2f} after" + ("  <- rows are skewed by other load" if background > 0.1 else "")
@@ -330,10 +377,7 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
           f"{'ping ms':>8} {'CPU/Gbit':>9}")
     print("-" * (width + 73))
     for name, mid, spread in results:
-        base, flows = SPECS.get(name, (name, None))
-        v4 = by.get(base.removesuffix(" v6") + (FLOW_SUFFIX[flows] if name != base else "")) \
-            if base.endswith(" v6") else None
-        ratio = f"{mid.gbps / v4:7.2f}" if v4 else f"{'':>7}"
+        ratio = f"{x_ipv4[name]:7.2f}" if name in x_ipv4 else f"{'':>7}"
         print(f"{name:<{width}} {mid.gbps:7.2f} {spread:>11} {mid.gbps / raw:10.2f} {mid.gbps / vx:7.2f} {ratio} "
               f"{mid.retr:6d} {mid.ping:8.3f} {mid.cpu_per_gbit:9.3f}")
     pairs = [(base, by[base + FLOW_SUFFIX[True]], by[base + FLOW_SUFFIX[False]]) for base in ROWS
@@ -343,33 +387,40 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
         for base, on, off in pairs:
             print(f"  {base:<17} {on:6.2f} / {off:6.2f} Gbit/s = {on / off:.2f}x")
     print("\nx VTEP: over the kernel VTEP row (the kernel's VXLAN, no agentd program anywhere); x IPv4: an IPv6 row "
-          "over the IPv4 row of the same lab")
+          "over the IPv4 row of the same lab, the median of the per-round ratios (the two run side by side):")
+    for name, got in ratios.items():
+        print(f"  {name:<{width}} " + " ".join(f"{x:.3f}" for x in got)
+              + (f"   range {min(got):.3f}-{max(got):.3f}" if got else ""))
     print("\nanchors (context, not measured here):")
     for a in ANCHORS:
         print(f"  - {a}")
     print("\ngoals:")
     for name, base, want in GOALS:
         if name in by and base in by:
-            got = by[name] / by[base]
+            got = x_ipv4[name] if ipv4_row(name) == base and name in x_ipv4 else by[name] / by[base]
             print(f"  {name:<17} >= {want:.2f}x {base:<12}: {got:.2f}x  {'met' if got >= want else 'NOT met'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=int, default=10, help="iperf3 duration per row (default 10)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="run every row this many times, interleaved; the table shows medians (default 3)")
+    ap.add_argument("--seconds", type=int, default=6, help="iperf3 duration per row (default 6)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="run every row this many times, interleaved; the table shows medians (default 5)")
     ap.add_argument("--only", help=f"comma-separated rows to run, of: {', '.join(ROWS)} (anchors always run)")
     ap.add_argument("--root", default=None, help="lab directory (default: agentd lab's)")
     ap.add_argument("--no-pod-fast-path", action="store_true",
                     help="[network] bpf_pod_fast_path = false in every lab")
     ap.add_argument("--routed", action="store_true",
                     help="also the routed-underlay rows (two L2 segments joined by the lab's router)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave iperf3's client and server where the scheduler puts them (default: CPU 0 and 1)")
     ap.add_argument("--flows", choices=FLOWS, default="on",
                     help="the agents' flow records: on (the default config), off, or both (each agentd row twice)")
     args = parse_bench_args(ap, argv, name="dataplane", quick={"seconds": 2, "rounds": 1})
     if args.rounds < 1 or args.seconds < 1:
         ap.error("--rounds and --seconds must be at least 1")
+    if args.pin and (os.cpu_count() or 1) < 2:
+        ap.error("pinning iperf3's client and server to CPUs 0 and 1 needs 2 CPUs: add --no-pin")
     if os.geteuid() != 0:
         print("bench/dataplane.py: needs root (network namespaces)", file=sys.stderr)
         return 1
@@ -386,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     background = (busy1 - busy0) / max(total1 - total0, 1)
     load = os.getloadavg()
     runs = asyncio.run(bench(args, names))
-    write_json(args.json, {"seconds": args.seconds, "rounds": args.rounds, "flows": args.flows,
+    write_json(args.json, {"seconds": args.seconds, "rounds": args.rounds, "flows": args.flows, "pinned": args.pin,
+                           "x_ipv4_per_round": ipv4_ratios(runs),
                            "background_busy": background,
                            "load_before": load[0], "load_after": os.getloadavg()[0],
                            "rows": {name: [r._asdict() for r in got] for name, got in runs.items()}})
