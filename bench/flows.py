@@ -4,11 +4,18 @@
 
 One 2-node lab (host-gw): a client pod on node1, a server pod and a second client on node2.
 Both agents run alternately with ``[flows] enabled = false`` and ``true`` (restarted between
-modes, ``--rounds`` times each, medians), and each mode measures:
+modes), ``--rounds`` rounds of one run each, the order turned round every other round (off,
+on; on, off; ...) so that a drift of the machine's load falls on both alike; each run measures:
 
 * ``conn/s``: many short TCP connections (connect, one request and answer, close; 4 loops for
   ``--seconds``, svcecho's TCP_CRR), client pod to server pod across nodes and on one node;
+  with the CPU seconds both agents used meanwhile (/proc/PID/stat), per 1000 connections;
 * ``Gbit/s``: one iperf3 stream for ``--seconds``, across nodes and on one node.
+
+Clients run on CPU 0 and the servers on CPU 1 (``taskset``, as bench/policy.py does; the
+agents go where the scheduler puts them: their CPU is what is measured), which halves the
+spread between runs of one mode on 2 cores.  The ratio on/off is the median of each round's
+own ratio (its two runs a minute apart at most), with the lowest and highest beside it.
 
 Goals: connection rate >= 0.95x and throughput >= 0.98x of recording off.
 
@@ -65,6 +72,13 @@ from agentd.lab.svcecho import Echo  # noqa: E402
 from agentd.lab.wait import auntil  # noqa: E402
 
 NS = "bench"
+CLIENT_CPU, SERVER_CPU = ("taskset", "-c", "0"), ("taskset", "-c", "1")
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of process ``pid`` (and so what it starts later) on ``cpu``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {cpu})
 
 
 def rss_mb(pid: int | None) -> float:
@@ -102,13 +116,32 @@ async def restart(lab: Lab, flows: bool) -> None:
     await asyncio.sleep(1.0)  # the first sync's transaction is in; let the restart's CPU settle
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User and system CPU seconds a process has used (/proc/PID/stat utime + stime)."""
+    if pid is None:
+        return float("nan")
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (/proc/stat: all but idle and iowait)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds: float) -> dict[str, float]:
     server = pods["server"]
     out: dict[str, float] = {}
     for where, client in (("across", "client"), ("same", "local")):
+        pids = [n.agent_pid() for n in lab.nodes]
+        agents, busy = [cpu_seconds(p) for p in pids], busy_seconds()
         r = await echo[client].crr(server.ip, 8080, seconds)
+        per_k = 1000 / max(1, r["connections"])
         out[f"crr_{where}"] = r["connections"] / r["seconds"]
         out[f"crr_failed_{where}"] = r["failed"]
+        out[f"agent_ms_{where}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
+        out[f"busy_ms_{where}"] = (busy_seconds() - busy) * 1000 * per_k
         run = await _iperf.client(pods[client].ns, server.ip, seconds, what=f"iperf3 {where}")
         out[f"gbps_{where}"] = run.gbps
     return out
@@ -331,14 +364,20 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         echo["server"] = await Echo.start(pods["server"], "server", [("tcp", 8080)])
         for name in ("client", "local"):
             echo[name] = await Echo.start(pods[name], name)
+        for name, e in echo.items():
+            pin(e.proc.pid, 1 if name == "server" else 0)
         runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
-        async with _iperf.server(pods["server"].ns):
-            for _ in range(args.rounds):
-                for mode in ("off", "on"):
+        loads = [os.getloadavg()[0]]
+        async with _iperf.server(pods["server"].ns, prefix=SERVER_CPU):
+            for k in range(args.rounds):
+                for mode in ("off", "on") if k % 2 == 0 else ("on", "off"):
                     await restart(lab, mode == "on")
                     got = await measure(lab, pods, echo, args.seconds)
                     runs[mode].append(got)
                     print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
+                loads.append(os.getloadavg()[0])
+            if runs["on"] and mode == "off":  # what follows needs recording on
+                await restart(lab, True)
         res = await lab.resources()
         await isolate_server(lab, res)
         latency = await drop_latency(lab, pods, echo, args.drops)
@@ -346,7 +385,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         storm_result = await storm(lab, pods, res, args.storm_pps, args.storm_seconds)
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
         ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]
-        return {"runs": runs, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
+        return {"runs": runs, "loads": loads, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
                 "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True)}
     finally:
         for e in echo.values():
@@ -366,7 +405,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds per measurement (default 5)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of off and on (default 2, medians)")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of off and on, interleaved (default 6)")
     ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
     ap.add_argument("--storm-seconds", type=float, default=5.0, help="length of the storm (default 5)")
     ap.add_argument("--drops", type=int, default=20, help="denied connections timed to the followed streams (default 20)")
@@ -381,17 +420,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
-    med = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in r["runs"].items()}
+    runs = r["runs"]
+    med = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in runs.items()}
     off, on = med["off"], med["on"]
     rows = []
     for label, key, fmt in (("conn/s across nodes", "crr_across", "{:,.0f}"), ("conn/s same node", "crr_same", "{:,.0f}"),
                             ("Gbit/s across nodes", "gbps_across", "{:.2f}"), ("Gbit/s same node", "gbps_same", "{:.2f}")):
         goal = 0.95 if key.startswith("crr") else 0.98
-        ratio = on[key] / off[key] if off[key] else float("nan")
-        rows.append([label, fmt.format(off[key]), fmt.format(on[key]), f"{ratio:.2f}x", f">= {goal}x",
-                     "met" if ratio >= goal else "NOT met"])
-    print_table(f"Flow recording off vs on: 2-node lab, host-gw, medians of {args.rounds} round(s) of {args.seconds:.0f} s "
-                f"({load()})", ["what", "off", "on", "on/off", "goal", ""], rows)
+        ratios = sorted(b[key] / a[key] for a, b in zip(runs["off"], runs["on"]) if a[key])
+        ratio = statistics.median(ratios) if ratios else float("nan")
+        rows.append([label, fmt.format(off[key]), fmt.format(on[key]), f"{ratio:.2f}x",
+                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "", f">= {goal}x", "met" if ratio >= goal else "NOT met"])
+    for label, key in (("agents' CPU ms / 1000 conn, across", "agent_ms_across"),
+                       ("agents' CPU ms / 1000 conn, same node", "agent_ms_same")):
+        if key in off:
+            rows.append([label, f"{off[key]:.1f}", f"{on[key]:.1f}", "", "", "", ""])
+    loads = r.get("loads") or []
+    load_note = f"load average {min(loads):.2f}-{max(loads):.2f} over the rounds" if loads else load()
+    print_table(f"Flow recording off vs on: 2-node lab, host-gw, {args.rounds} round(s) of {args.seconds:.0f} s per mode, "
+                f"order off,on / on,off by turns, clients on CPU 0 and servers on CPU 1; medians, on/off the median "
+                f"of the rounds' own ratios ({load_note})",
+                ["what", "off", "on", "on/off", "rounds' range", "goal", ""], rows)
     lat = r["drop_latency"]
     print_table(f"Drop -> followed GET /flows: {len(lat['node'])} denied connections from node2's client pod "
                 "(ms from the attempt to the record)", ["stream", "median", "worst", "goal", ""],

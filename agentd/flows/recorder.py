@@ -62,7 +62,7 @@ from agentd.kernel import netlink_log as nflog
 from agentd.kernel.netlink_socket import NetlinkSocket
 
 from .model import Flow, Identity, Peer, direction_of, protocol_name
-from .ring import Deferred, DropLimiter, FlowRing
+from .ring import Deferred, DropLimiter, Entry, FlowRing
 
 log = logging.getLogger("agentd.flows")
 
@@ -78,6 +78,7 @@ CT_BUDGET = 2048  # datagrams read per turn; more are read at the next turn of t
 RESTARTS_MAX = 4096  # carried counts waiting for their connection's end (tuples reused meanwhile)
 NAMES_MAX = 65536  # addresses whose identity is remembered between changes of the pods
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
+_UNKNOWN = object()  # an address not named yet
 TCP = 6
 
 
@@ -285,35 +286,34 @@ class FlowRecorder:
         sock, loop = self.ct_sock, self._loop
         if sock is None or loop is None:
             return
-        self._begin()
-        now = self.clock()
-        n = 0
+        batch: list[bytes] = []
         try:
-            while n < CT_BUDGET:
+            while len(batch) < CT_BUDGET:
                 try:
-                    data = sock.recv()
+                    got = sock.recv_many()
                 except OSError as err:
                     if err.errno == errno.ENOBUFS:  # the kernel dropped events for us
                         self.lost["conntrack"] += 1
                         continue
                     raise
-                if data is None:
+                if not got:
                     break
-                n += 1
-                try:
-                    self._on_conntrack_datagram(data, now)
-                except (nl.NetlinkDecodeError, struct.error) as err:
-                    self.malformed += 1
-                    log.debug("flows: malformed conntrack message: %s", err)
+                batch += got
+            # After the reads: the fast path's news then holds whatever came before these events.
+            self._begin()
+            self._on_conntrack_datagrams(batch, self.clock())
         finally:
-            if n >= CT_BUDGET:
+            if len(batch) >= CT_BUDGET:
                 loop.call_soon(self._drain_conntrack)
             else:
                 loop.add_reader(sock.fileno(), self._ct_ready)
 
     def _begin(self) -> None:
-        """Before a read: the fast path's counts of reused tuples, and names forgotten if the
-        pods changed since the last read (an address may be someone else now)."""
+        """Once the events of a read are in hand, before they are looked at: the fast path's
+        counts of reused tuples (a SYN that reused a tuple passed the program before conntrack
+        ended the old entry and sent its DESTROY, so the counts of every end in hand are in the
+        ring by now), and names forgotten if the pods changed since the last read (an address
+        may be someone else now)."""
         if self.carried is not None:
             self._take_restarts()
             self._tai_offset = self.tai_offset()
@@ -322,7 +322,44 @@ class FlowRecorder:
             self._names.clear()
             self._names_version = version
 
+    def _on_conntrack_datagrams(self, batch: list[bytes], now: float) -> None:
+        """A read's events, into the ring in the order they came.  The common kind -- one IPv4
+        event a datagram, laid out as the kernel lays them out -- is taken in one loop, which
+        is most of what the agent does per pod connection; the rest the long way."""
+        entries: list[Entry] = []
+        names, name, carried, hdr = self._names, self._name, self.carried, nl.NLMSG_HDRLEN
+        for data in batch:
+            try:
+                mlen, mtype = _NLMSG.unpack_from(data)
+                fields = ct.ipv4_tuples(mtype, data, hdr, mlen) if mlen == len(data) else None
+                if fields is None:
+                    if entries:
+                        self.ring.extend(entries)
+                        entries = []
+                    self._on_conntrack_datagram(data, now)
+                    continue
+                src, dst, proto, sport, dport, reply_src, _reply_sport = fields
+                n_src, n_dst, n_reply = names.get(src, _UNKNOWN), names.get(dst, _UNKNOWN), names.get(reply_src, _UNKNOWN)
+                if n_src is _UNKNOWN:
+                    n_src = name(src)
+                if n_dst is _UNKNOWN:
+                    n_dst = name(dst)
+                if n_reply is _UNKNOWN:
+                    n_reply = name(reply_src)
+                if n_src is None and n_dst is None and n_reply is None and not self._in_services(dst):
+                    continue  # the node's own traffic (etcd, BGP)
+                counts = None
+                if mtype == ct.MSG_DELETE and proto == TCP and carried is not None and n_src and n_dst:
+                    counts = self._carried(src, sport, dst, dport, *ct.lifetime(data, hdr, mlen))
+                entries.append(PendingConnection(self, data, mtype, hdr, mlen, (n_src, n_dst, n_reply), counts, now))
+            except (nl.NetlinkDecodeError, struct.error) as err:
+                self.malformed += 1
+                log.debug("flows: malformed conntrack message: %s", err)
+        self.events += len(entries)
+        self.ring.extend(entries)
+
     def _on_conntrack_datagram(self, data: bytes, now: float) -> None:
+        """One datagram of conntrack events, whatever its layout."""
         mlen, mtype = _NLMSG.unpack_from(data)
         if mlen != len(data):  # events come one per datagram; anything else the long way
             for mtype, _flags, _seq, _pid, start, end in nl.iter_messages(data):
@@ -332,14 +369,7 @@ class FlowRecorder:
         if b is None:  # IPv6, or laid out otherwise: read it all now
             self._on_conntrack(mtype, data, nl.NLMSG_HDRLEN, mlen)
             return
-        names = (self._name(b.src), self._name(b.dst), self._name(b.reply_src))
-        if names == (None, None, None) and not self._in_services(b.dst):
-            return  # the node's own traffic (etcd, BGP)
-        self.events += 1
-        carried = None
-        if b.destroyed and b.proto == TCP and self.carried is not None and names[0] and names[1]:
-            carried = self._carried(b.src, b.sport, b.dst, b.dport, *ct.lifetime(data, nl.NLMSG_HDRLEN, mlen))
-        self.ring.add(PendingConnection(self, data, mtype, nl.NLMSG_HDRLEN, mlen, names, carried, now))
+        self._on_conntrack_datagrams([data], now)
 
     def _name(self, address: bytes) -> Identity | None:
         """Who a 4-byte address is: the directory's answer, remembered until the pods change."""
@@ -356,18 +386,19 @@ class FlowRecorder:
     # ------------------------------------------------------------------ what the fast path carried
 
     def _take_restarts(self) -> None:
-        """Counts of connections whose tuple a new connection took: they wait for their end."""
+        """Counts of connections whose tuple a new connection took: they wait for their end,
+        whole (nothing more of that connection is carried after its tuple's next SYN)."""
         assert self.carried is not None
         for key, counts in self.carried.carried_restarts():
-            self._wait(key, counts)
+            self._wait(key, counts, True)
 
-    def _wait(self, key: bytes, counts: Counts) -> None:
+    def _wait(self, key: bytes, counts: Counts, whole: bool) -> None:
         waiting = self._restarts.get(key)
         if waiting is None:
             if len(self._restarts) >= RESTARTS_MAX:
                 del self._restarts[next(iter(self._restarts))]
             waiting = self._restarts[key] = deque()
-        waiting.append(counts)
+        waiting.append((*counts, whole))
 
     def _carried(self, src: bytes, sport: int, dst: bytes, dport: int, born: int,
                  died: int) -> tuple[int, int, int, int] | None:
@@ -376,37 +407,43 @@ class FlowRecorder:
         original direction, then of its reply direction.
 
         Its counts are those whose first packet was carried while it lived: a SYN that reused
-        the tuple moved them to the ring (read here first: the SYN passed the program before
-        conntrack ended the old entry for it), or they are still in the map.  Counts first
-        carried after its stop are a later connection's -- a short one before it, answered and
-        reset, may end with the next one's counts already in the map -- and stay for that one's
-        end; counts first carried before its start are an earlier connection's whose end went by."""
+        the tuple moved them to the ring (read by :meth:`_begin` before this end is looked at:
+        then they are all there is, and the map is not asked -- a system call saved per
+        connection of a client that reuses its ports), or they are still in the map.  Counts
+        first carried after its stop are a later connection's -- a short one before it,
+        answered and reset, may end with the next one's counts already in the map -- and wait
+        in the agent for that one's end (taken in one step, the map then holds what is carried
+        of it afterwards: its end adds both); counts first carried before its start are an
+        earlier connection's whose end went by."""
         assert self.carried is not None
         key, src_lower = carried_key(src, sport, dst, dport)
-        self._take_restarts()
-        waiting = self._restarts.get(key)
+        waiting = self._restarts.pop(key, None)
         counts: list[int] | None = None
         if not died:  # no stamps (made before they were turned on): in the order they came
             taken = waiting.popleft() if waiting else self.carried.take_carried(key)
             if taken is not None:
                 counts = list(taken[:4])
+            if waiting:
+                self._restarts[key] = waiting
         else:
             lo, hi = born + self._tai_offset, died + self._tai_offset  # as CLOCK_TAI
-            mine = []
+            mine: list[tuple[int, ...]] = []
+            whole = False
             if waiting:
-                mine = [c for c in waiting if lo <= c[4] < hi]
-                waiting = deque(c for c in waiting if c[4] >= hi)
-                self._restarts[key] = waiting
-            taken = self.carried.take_carried(key, hi)
-            if taken is not None and taken[4] >= hi:  # the tuple's next connection took it just now
-                self._wait(key, taken)
-                waiting = self._restarts[key]
-            elif taken is not None and taken[4] >= lo:
-                mine.append(taken)
+                for c in waiting:
+                    if c[4] >= hi:
+                        self._wait(key, c[:5], c[5])  # type: ignore[arg-type]
+                    elif c[4] >= lo:
+                        mine.append(c)
+                        whole = whole or c[5]
+            if not whole:
+                taken = self.carried.take_carried(key)
+                if taken is not None and taken[4] >= hi:  # the tuple's next connection's
+                    self._wait(key, taken, False)
+                elif taken is not None and taken[4] >= lo:
+                    mine.append(taken)
             if mine:
                 counts = [sum(c[i] for c in mine) for i in range(4)]
-        if waiting is not None and not waiting:
-            self._restarts.pop(key, None)
         if counts is None:
             return None
         p_lo, p_hi, b_lo, b_hi = counts
@@ -522,11 +559,13 @@ class FlowRecorder:
             flow.policies, flow.default_deny = tuple(meaning.policies), meaning.default_deny
         return flow
 
-    def _count(self, entry: Flow | Deferred) -> None:
-        self.flows[entry.verdict] += 1
-        if entry.verdict == "dropped":
-            flow: Flow = entry  # type: ignore[assignment]  # drops are records from the start
-            self.drops[(flow.reason or "unknown", flow.direction)] += 1 + flow.suppressed
+    def _count(self, entries: list[Entry]) -> None:
+        flows = self.flows
+        for entry in entries:
+            flows[entry.verdict] += 1
+            if entry.verdict == "dropped":
+                flow: Flow = entry  # type: ignore[assignment]  # drops are records from the start
+                self.drops[(flow.reason or "unknown", flow.direction)] += 1 + flow.suppressed
 
 
 # ------------------------------------------------------------------ conntrack's settings

@@ -28,7 +28,6 @@ text (``str``), so IPv4 and IPv6 entries are the same values.
 
 from __future__ import annotations
 
-import re
 import socket
 import struct
 import sys
@@ -227,6 +226,10 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
 def lifetime(buf: bytes, start: int, end: int) -> tuple[int, int]:
     """An entry's CTA_TIMESTAMP_START and _STOP (CLOCK_REALTIME ns; 0: not kept) from a
     ctnetlink message body, without reading the rest of it."""
+    pos = start + nl.NFGENMSG_LEN
+    if end - pos >= _LIFETIME_LEN and \
+            int.from_bytes(buf[pos:pos + _LIFETIME_LEN], "little") & _LIFETIME_MASK == _LIFETIME_WANT:
+        return _LIFETIME_FIELDS.unpack_from(buf, pos)  # type: ignore[return-value]
     t0 = t1 = 0
     for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
         if atype == CTA_TIMESTAMP:
@@ -246,25 +249,50 @@ def lifetime(buf: bytes, start: int, end: int) -> tuple[int, int]:
 #                             CTA_TUPLE_PROTO { CTA_PROTO_NUM, then the protocol's own:
 #                                 CTA_PROTO_SRC_PORT, _DST_PORT (TCP, UDP, SCTP, ...) or
 #                                 CTA_PROTO_ICMP_ID, _TYPE, _CODE (ICMP) } }
-# so a listener that takes many events can match both tuples against that layout as one byte
-# pattern (headers in host order; a value is any bytes) and read addresses and ports from it.
-def _hdr(length: int, atype: int) -> bytes:
-    return re.escape(struct.pack("=HH", length, atype))
+# so a listener that takes many events can check both tuples' attribute headers against that
+# layout at once (the bytes as one number, masked: headers in host order, the values any) and
+# read addresses and ports at their offsets.  A DESTROY goes on alike (ctnetlink_conntrack_event):
+# CTA_ID, CTA_STATUS, CTA_TIMEOUT, CTA_COUNTERS_ORIG and _REPLY (nf_conntrack_acct), then
+# CTA_TIMESTAMP { _START, _STOP } (nf_conntrack_timestamp).  Anything else (IPv6, a zone, no
+# counters) is walked attribute by attribute.
+def _layout(*parts: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(length, mask, want) of attribute headers ``(offset, nla_len, nla_type)``: bytes whose
+    little-endian number ANDed with mask equals want have those headers there."""
+    size = max(off for off, _len, _type in parts) + 4
+    mask, want = bytearray(size), bytearray(size)
+    for off, length, atype in parts:
+        mask[off:off + 4] = b"\xff" * 4
+        want[off:off + 4] = struct.pack("=HH", length, atype)
+    return size, int.from_bytes(mask, "little"), int.from_bytes(want, "little")
 
 
-def _tuple_pattern(kind: int, icmp: bool) -> bytes:
-    head = (_hdr(52 if not icmp else 60, kind | nl.NLA_F_NESTED) + _hdr(20, CTA_TUPLE_IP | nl.NLA_F_NESTED)
-            + _hdr(8, CTA_IP_V4_SRC) + rb"(.{4})" + _hdr(8, CTA_IP_V4_DST) + rb"(.{4})")
+def _tuple_heads(base: int, kind: int, icmp: bool) -> list[tuple[int, int, int]]:
+    heads = [(base, 60 if icmp else 52, kind | nl.NLA_F_NESTED), (base + 4, 20, CTA_TUPLE_IP | nl.NLA_F_NESTED),
+             (base + 8, 8, CTA_IP_V4_SRC), (base + 16, 8, CTA_IP_V4_DST),
+             (base + 24, 36 if icmp else 28, CTA_TUPLE_PROTO | nl.NLA_F_NESTED), (base + 28, 5, CTA_PROTO_NUM)]
     if icmp:
-        return (head + _hdr(36, CTA_TUPLE_PROTO | nl.NLA_F_NESTED) + _hdr(5, CTA_PROTO_NUM) + rb"(.)..."
-                + _hdr(6, CTA_PROTO_ICMP_ID) + rb"...." + _hdr(5, CTA_PROTO_ICMP_TYPE) + rb"(.)..."
-                + _hdr(5, CTA_PROTO_ICMP_CODE) + rb"(.)...")
-    return (head + _hdr(28, CTA_TUPLE_PROTO | nl.NLA_F_NESTED) + _hdr(5, CTA_PROTO_NUM) + rb"(.)..."
-            + _hdr(6, CTA_PROTO_SRC_PORT) + rb"(..).." + _hdr(6, CTA_PROTO_DST_PORT) + rb"(..)..")
+        return heads + [(base + 36, 6, CTA_PROTO_ICMP_ID), (base + 44, 5, CTA_PROTO_ICMP_TYPE),
+                        (base + 52, 5, CTA_PROTO_ICMP_CODE)]
+    return heads + [(base + 36, 6, CTA_PROTO_SRC_PORT), (base + 44, 6, CTA_PROTO_DST_PORT)]
 
 
-_PORTS_LAYOUT = re.compile(_tuple_pattern(CTA_TUPLE_ORIG, False) + _tuple_pattern(CTA_TUPLE_REPLY, False), re.S)
-_ICMP_LAYOUT = re.compile(_tuple_pattern(CTA_TUPLE_ORIG, True) + _tuple_pattern(CTA_TUPLE_REPLY, True), re.S)
+_PORTS_HEADS = _tuple_heads(0, CTA_TUPLE_ORIG, False) + _tuple_heads(52, CTA_TUPLE_REPLY, False)
+_PORTS_LEN, _PORTS_MASK, _PORTS_WANT = _layout(*_PORTS_HEADS)
+_PORTS_LEN += 4  # the last header's value: 2 bytes of port, 2 of padding
+_PORTS_FIELDS = struct.Struct("!12x4s4x4s8xB7xH6xH2x" "12x4s24xH10x")  # src dst proto sport dport, reply src sport
+_ICMP_HEADS = _tuple_heads(0, CTA_TUPLE_ORIG, True) + _tuple_heads(60, CTA_TUPLE_REPLY, True)
+_ICMP_LEN, _ICMP_MASK, _ICMP_WANT = _layout(*_ICMP_HEADS)
+_ICMP_LEN += 4  # the code: 1 byte, 3 of padding
+_ICMP_FIELDS = struct.Struct("!12x4s4x4s8xB15xB7xB3x" "12x4s32xB11x")  # src dst proto type code, reply src type
+_END = _PORTS_LEN  # a DESTROY's attributes after the tuples: ID, status, timeout, counters, timestamps
+_LIFETIME_LEN, _LIFETIME_MASK, _LIFETIME_WANT = _layout(
+    *_PORTS_HEADS, (_END, 8, CTA_ID), (_END + 8, 8, CTA_STATUS), (_END + 16, 8, 7),  # CTA_TIMEOUT
+    (_END + 24, 28, CTA_COUNTERS_ORIG | nl.NLA_F_NESTED), (_END + 52, 28, CTA_COUNTERS_REPLY | nl.NLA_F_NESTED),
+    (_END + 80, 28, CTA_TIMESTAMP | nl.NLA_F_NESTED), (_END + 84, 12, CTA_TIMESTAMP_START),
+    (_END + 96, 12, CTA_TIMESTAMP_STOP))
+_LIFETIME_LEN += 8
+_LIFETIME_FIELDS = struct.Struct(f"!{_END + 88}xQ4xQ")
+assert _PORTS_FIELDS.size == _PORTS_LEN and _ICMP_FIELDS.size == _ICMP_LEN and _LIFETIME_FIELDS.size == _LIFETIME_LEN
 
 
 class CtBrief(NamedTuple):
@@ -273,34 +301,34 @@ class CtBrief(NamedTuple):
     replies come from: the endpoint a Service's connection was translated to."""
 
     destroyed: bool
-    proto: int
     src: bytes
     dst: bytes
+    proto: int
     sport: int
     dport: int
     reply_src: bytes
     reply_sport: int
 
 
+def ipv4_tuples(mtype: int, buf: bytes, start: int, end: int) -> tuple[bytes, bytes, int, int, int, bytes, int] | None:
+    """:func:`brief`'s fields but ``destroyed``, as a plain tuple (for a reader of many events)."""
+    if (mtype != MSG_NEW and mtype != MSG_DELETE) or end > len(buf) or end - start < nl.NFGENMSG_LEN or \
+            buf[start] != socket.AF_INET:
+        return None
+    pos = start + nl.NFGENMSG_LEN
+    if end - pos >= _PORTS_LEN and int.from_bytes(buf[pos:pos + _PORTS_LEN], "little") & _PORTS_MASK == _PORTS_WANT:
+        return _PORTS_FIELDS.unpack_from(buf, pos)  # type: ignore[return-value]
+    if end - pos >= _ICMP_LEN and int.from_bytes(buf[pos:pos + _ICMP_LEN], "little") & _ICMP_MASK == _ICMP_WANT:
+        return _ICMP_FIELDS.unpack_from(buf, pos)  # type: ignore[return-value]
+    return None
+
+
 def brief(mtype: int, buf: bytes, start: int, end: int) -> CtBrief | None:
     """The tuples of an IPv4 ctnetlink event laid out as the kernel lays them out; None for
     anything else (IPv6, a zone in a tuple, another protocol's fields): :func:`decode_event`
     reads those."""
-    if mtype not in (MSG_NEW, MSG_DELETE) or end > len(buf) or end - start < nl.NFGENMSG_LEN or \
-            buf[start] != socket.AF_INET:
-        return None
-    destroyed = mtype == MSG_DELETE
-    pos = start + nl.NFGENMSG_LEN
-    m = _PORTS_LAYOUT.match(buf, pos, end)
-    if m is not None:
-        src, dst, num, sport, dport, rsrc, _rdst, _rnum, rsport, _rdport = m.groups()
-        return CtBrief(destroyed, num[0], src, dst, int.from_bytes(sport, "big"), int.from_bytes(dport, "big"),
-                       rsrc, int.from_bytes(rsport, "big"))
-    m = _ICMP_LAYOUT.match(buf, pos, end)
-    if m is not None:
-        src, dst, num, itype, code, rsrc, _rdst, _rnum, rtype, _rcode = m.groups()
-        return CtBrief(destroyed, num[0], src, dst, itype[0], code[0], rsrc, rtype[0])
-    return None
+    fields = ipv4_tuples(mtype, buf, start, end)
+    return None if fields is None else CtBrief(mtype == MSG_DELETE, *fields)
 
 
 # ------------------------------------------------------------------ the listener's filter

@@ -40,6 +40,15 @@ LOOPBACK_NEW = bytes.fromhex(
     "050001000600000006000200238b000006000300b824000008000c00286f9c9b080003000000018808000700000000783000"
     "04802c0001800500010001000000050002000a0000000500030000000000060004000300000006000500000000000c001b00"
     "18ee16be8478cd46")
+# A DESTROY as the kernel sent it (a lab namespace, loopback, both sysctls on): the tuples, CTA_ID,
+# _STATUS, _TIMEOUT, _COUNTERS_ORIG and _REPLY, _TIMESTAMP, _PROTOINFO, _TIMESTAMP_EVENT.
+TCP_DESTROY = bytes.fromhex(
+    "04010000020100000000000016eb77bd020000003400018014000180080001007f000001080002007f0000011c0002800500"
+    "01000600000006000200c858000006000300232800003400028014000180080001007f000001080002007f0000011c000280"
+    "0500010006000000060002002328000006000300c858000008000c0000db49fe080003000000020e080007000006977f1c00"
+    "09800c00010000000000000000030c00020000000000000000a51c000a800c00010000000000000000020c00020000000000"
+    "000000701c0014800c00010018ee2585773495b80c00020018ee25857d52e3f3100004800c00018005000100030000000c00"
+    "1b0018ee25857d52e4c2")
 PODS = (int.from_bytes(socket.inet_aton("10.244.0.0"), "big"), 0xFFFF0000)
 SERVICES = (int.from_bytes(socket.inet_aton("10.96.0.0"), "big"), 0xFFF00000)
 
@@ -70,6 +79,22 @@ def tcp(src: str, dst: str, sport: int, dport: int, *, reply_src: str | None = N
 
 
 # ------------------------------------------------------------------ fixed offsets
+
+
+def test_a_destroys_lifetime_is_read_where_the_kernel_puts_it():
+    mtype, start, end = body(TCP_DESTROY)
+    ev = ct.decode_event(mtype, TCP_DESTROY, start, end)
+    assert ev is not None and ev.destroyed and ev.start_ns and ev.stop_ns > ev.start_ns
+    assert ct.lifetime(TCP_DESTROY, start, end) == (ev.start_ns, ev.stop_ns)
+    # Laid out otherwise (no CTA_ID, no CTA_TIMEOUT): the attributes are walked, same answer.
+    other = tcp("10.244.1.2", "10.244.2.3", 1, 80, destroyed=True, lived=(5, 9))
+    assert ct.lifetime(other, *body(other)[1:]) == (5, 9)
+    # A header that is not where the layout says: walked, never read at the wrong place.
+    moved = bytearray(TCP_DESTROY)
+    at = TCP_DESTROY.index(bytes.fromhex("1c001480"))  # CTA_TIMESTAMP's header ...
+    moved[at + 2] = ct.CTA_TIMESTAMP + 1  # ... now another attribute's: no timestamps to read
+    assert ct.lifetime(bytes(moved), start, end) == (0, 0)
+
 
 
 @pytest.mark.parametrize("msg, proto, sport, dport", [
@@ -286,12 +311,84 @@ def test_a_reused_tuple_gives_each_end_the_counts_of_its_lifetime():
     carried.restarts = [(key, (2100, 0, 3_000_000, 0, 11 * s + TAI))]  # that SYN moved the first's counts
     first, short, third = (tcp("10.244.1.2", "10.244.2.3", 41003, 5002, destroyed=True, lived=lived)
                            for lived in ((10 * s, 15 * s), (15 * s, 16 * s), (20 * s, 30 * s)))
-    for end in (first, short):  # one read, which meets the ring's news only after it began
-        r._on_conntrack_datagram(end, 1000.0)
+    feed(r, first, short)  # the ring is read once the ends are in hand: the SYN's news is in it
     assert [f.bytes_sent for f in r.ring] == [3_000_000, 0]
-    assert key in carried.table  # the third's, for its own end
-    feed(r, third)
-    assert [f.bytes_sent for f in r.ring] == [3_000_000, 0, 1_000_000] and carried.table == {}
+    assert key not in carried.table and list(r._restarts[key]) == [(700, 0, 1_000_000, 0, 21 * s + TAI, False)]
+    feed(r, third)  # the third's counts, taken with the second's end, wait for it
+    assert [f.bytes_sent for f in r.ring] == [3_000_000, 0, 1_000_000] and r._restarts == {}
+
+
+def test_counts_split_by_an_early_take_add_up_at_the_end():
+    """A later connection's counts taken from the map with an earlier end (one step, no look
+    first) wait in the agent; what the fast path carries of it afterwards is in the map
+    again, and its end adds both."""
+    a, b = socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3")
+    key, _ = carried_key(a, 41003, b, 5002)
+    s = 10**9
+    carried = Carried({key: (7, 0, 7000, 0, 21 * s + TAI)})
+    r = recorder(carried)
+    feed(r, tcp("10.244.1.2", "10.244.2.3", 41003, 5002, destroyed=True, lived=(15 * s, 16 * s)))
+    carried.table[key] = (3, 0, 3000, 0, 25 * s + TAI)  # carried after the take
+    feed(r, tcp("10.244.1.2", "10.244.2.3", 41003, 5002, destroyed=True, lived=(20 * s, 30 * s)))
+    assert [(f.packets_sent, f.bytes_sent) for f in r.ring] == [(0, 0), (10, 10_000)]
+    assert r._restarts == {} and carried.table == {}
+
+
+def test_counts_a_syn_moved_are_whole_and_the_map_is_not_asked():
+    """A client that reuses its ports: each end's counts came through the ring with the next
+    SYN, and what the map holds is the next connection's -- one system call per end saved."""
+    a, b = socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3")
+    key, _ = carried_key(a, 40000, b, 80)
+    s = 10**9
+    carried = Carried({key: (2, 0, 200, 0, 21 * s + TAI)}, [(key, (1, 0, 100, 0, 11 * s + TAI))])
+    asked = []
+    take = carried.take_carried
+    carried.take_carried = lambda k, before_tai=None: asked.append(k) or take(k)  # type: ignore[method-assign]
+    r = recorder(carried)
+    feed(r, tcp("10.244.1.2", "10.244.2.3", 40000, 80, destroyed=True, lived=(10 * s, 20 * s)))
+    assert [f.bytes_sent for f in r.ring] == [100] and asked == [] and key in carried.table
+    feed(r, tcp("10.244.1.2", "10.244.2.3", 40000, 80, destroyed=True, lived=(20 * s, 30 * s)))
+    assert [f.bytes_sent for f in r.ring] == [100, 200] and asked == [key] and r._restarts == {}
+
+
+def test_a_read_takes_the_socket_first_then_the_fast_paths_news_once():
+    """Whatever the fast path moved to its ring before an end was queued is in the ring when
+    the read looks at the ends; it is read once per read of the socket, not once per end."""
+    a, b = socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3")
+    key, _ = carried_key(a, 40000, b, 80)
+    calls: list[str] = []
+    ends = [tcp("10.244.1.2", "10.244.2.3", 40000, 80, destroyed=True) for _ in range(3)]
+
+    class Sock:
+        queued = [ends[:2], ends[2:]]
+
+        def recv_many(self):
+            calls.append("recv")
+            if self.queued and len(calls) == 2:  # the SYN that reused the tuple, while the socket is read
+                carried.restarts = [(key, (1, 0, 100, 0, 0)), (key, (2, 0, 200, 0, 0))]
+            return self.queued.pop(0) if self.queued else []
+
+        def fileno(self):
+            return -1
+
+    class Carried2(Carried):
+        def carried_restarts(self):
+            calls.append("ring")
+            return super().carried_restarts()
+
+    class Loop:
+        def add_reader(self, *args):
+            calls.append("wait")
+
+        def call_soon(self, *args):
+            calls.append("again")
+
+    carried = Carried2({key: (3, 0, 300, 0, 0)})
+    r = recorder(carried)
+    r.ct_sock, r._loop = Sock(), Loop()  # type: ignore[assignment]
+    r._drain_conntrack()
+    assert calls == ["recv", "recv", "recv", "ring", "wait"]
+    assert [f.bytes_sent for f in r.ring] == [100, 200, 300]
 
 
 def test_counts_carried_before_a_connection_began_are_not_its_own():

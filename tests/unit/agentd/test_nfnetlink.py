@@ -270,3 +270,19 @@ def test_writer_reads_counters_from_a_getobj_dump():
         kernel.send(_ack(44, errno.EPERM))
         with pytest.raises(nl.NetlinkError, match=r"^reading counters: EPERM \(Operation not permitted\)$"):
             writer.counters("inet", "agentd-policy")
+
+
+def test_recv_many_takes_what_is_queued_a_batch_per_call():
+    """A listener of many small messages (conntrack's events) reads up to BATCH datagrams a
+    system call (recvmmsg), each whole and in order."""
+    writer, kernel = _writer(1)
+    sock = writer.sock
+    sock._batch = None
+    sent = [bytes([k % 251]) * (1 + k * 37 % 900) for k in range(NetlinkSocket.BATCH + 6)]
+    with kernel, sock.sock:
+        assert sock.recv_many() == []
+        for datagram in sent:
+            kernel.send(datagram)
+        assert sock.recv_many() == sent[:NetlinkSocket.BATCH]
+        assert sock.recv_many() == sent[NetlinkSocket.BATCH:]
+        assert sock.recv_many() == []
