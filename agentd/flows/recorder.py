@@ -19,9 +19,11 @@ Where the records come from (the kernel, never guessed):
 Cost: conntrack tells every listener of every connection, so the agent keeps that cheap.  A
 classic BPF filter on its socket (:func:`agentd.kernel.netlink_ct.event_filter`) lets only
 events of pods' connections through (an address in the pod network or the Services' range);
-the socket is read at most every ``CT_INTERVAL`` (one wake-up for many events); an event's
-addresses are read at fixed offsets and its ends named then (:class:`PendingConnection`), but
+the socket is read at most every ``CT_INTERVAL`` (one wake-up for many events), up to 64
+datagrams a system call (recvmmsg); a read's events are taken in one loop, each one's
+addresses read at fixed offsets and its ends named then (:class:`PendingConnection`), but
 the record itself is made only when someone reads it -- most scroll out of the ring unread.
+On a busy node this loop is most of the agent's CPU: per event it does only that.
 
 The pod fast path (agentd/dataplane/bpf/podpath.c) carries established TCP between pods past
 conntrack, which therefore counts only what it saw of such a connection; the programs count
