@@ -24,7 +24,9 @@ Measured, per N:
   (``last_sync``: the table's delta compiled and sent to nftables in one transaction), median
   over the nodes and changes;
 * connection setup through the VIP vs. directly to the pod: TCP_CRR-style, 4 loops of
-  connect + one request/response + close for --seconds, 3 alternating rounds each, medians
+  connect + one request/response + close for --seconds, 6 rounds of a pair, the pair's
+  order turned round each round, the client pinned to CPU 0 and the server to CPU 1; the
+  ratio is the median of the rounds' own ratios
   (asyncio client: the client's own cost dominates, the ratio is the figure);
 * throughput through the VIP vs. direct (iperf3, --seconds, one stream, 2 alternating rounds,
   medians; the client starts once the server listens, and a failed run stops the bench).
@@ -125,6 +127,15 @@ async def node_syncs(lab: Lab) -> list[dict[str, Any]]:
     return [v.get("last_sync") or {} for v in views]
 
 
+CRR_ROUNDS = 6  # connection-rate rounds, each a direct run and a VIP run
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of process ``pid`` (and so what it starts later) on ``cpu``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+
+
 async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: Path) -> dict[str, Any]:
     lab = Lab(LabSpec(name="bs" + unique_tag("")[:6], nodes=3, pods=0, log_level="warning"), root=root)
     echoes: list[Echo] = []
@@ -133,10 +144,12 @@ async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: P
         client = await lab.add_pod(lab.nodes[0], NS, "client")
         server = await lab.add_pod(lab.nodes[1], NS, "server")
         echoes.append(await Echo.start(server, "server", [("tcp", 8080)]))
+        pin(echoes[-1].proc.pid, 1)
         # Many short connections from one address: let the client reuse its TIME_WAIT ports
         # (as TCP_CRR runs do), or the second round waits for free ports, not for the path.
         client.ns.sysctl("net.ipv4.tcp_tw_reuse", 1)
         c = await Echo.start(client, "client")
+        pin(c.proc.pid, 0)  # client and server on a core each, as bench/flows.py and bench/policy.py run them
         echoes.append(c)
         res = await lab.resources()
         objs: list[dict[str, Any]] = []
@@ -172,17 +185,22 @@ async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: P
         sl["ports"] = [{"name": "http", "port": 8080}, {"name": "iperf", "port": 5201}]
         await live_everywhere(lab, await res.apply([real, sl]))
         vip = (await res.get("Service", NS, "real"))["spec"]["clusterIP"]
-        # Alternating rounds, medians: a shared 2-core machine drifts more than the difference.
+        # Rounds of a pair each, the pair's order turned round every round (direct first, then
+        # the VIP first); the ratio is the median of the rounds' own ratios: a shared 2-core
+        # machine drifts between rounds more than the difference between the two.
         crr: dict[str, list[float]] = {"direct": [], "vip": []}
         failed = 0
-        for _ in range(3):
-            for what, ip, port in (("direct", server.ip, 8080), ("vip", vip, 80)):
+        pair = [("direct", server.ip, 8080), ("vip", vip, 80)]
+        for k in range(CRR_ROUNDS):
+            for what, ip, port in pair if k % 2 == 0 else pair[::-1]:
                 r = await c.crr(ip, port, seconds)
                 if not r["connections"]:
                     raise BenchError(f"connections {what} ({ip}:{port}): none succeeded ({r['failed']} failed)")
                 crr[what].append(r["connections"] / r["seconds"])
                 failed += r["failed"]
-        print(f"[{n} services] conn/s {crr}", file=sys.stderr, flush=True)
+        ratios = [v / d for v, d in zip(crr["vip"], crr["direct"], strict=True)]
+        print(f"[{n} services] conn/s {crr}; VIP/direct by round {', '.join(f'{x:.2f}' for x in ratios)}",
+              file=sys.stderr, flush=True)
         bw: dict[str, list[float]] = {"direct": [], "vip": []}
         async with _iperf.server(server.ns, what="the iperf3 server in the server pod"):
             for k in range(2):
@@ -198,6 +216,7 @@ async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: P
             "node_sync_median_ms": statistics.median(node_sync) * 1000, "node_sync_max_ms": max(node_sync) * 1000,
             "node_sync_runs_ms": [x * 1000 for x in node_sync],
             "crr_direct": statistics.median(crr["direct"]), "crr_vip": statistics.median(crr["vip"]),
+            "crr_ratio": statistics.median(ratios), "crr_ratio_range": [min(ratios), max(ratios)],
             "crr_failed": failed, "gbps_direct": statistics.median(bw["direct"]), "gbps_vip": statistics.median(bw["vip"]),
             "table_chains": chains.count("chain "), "last_sync": sizes.get("last_sync"),
         }  # fmt: skip
@@ -443,9 +462,12 @@ def report(rows: list[dict[str, Any]]) -> None:
           f"{r['change_max_ms']:.0f}", r["table_chains"]] for r in rows],
     )  # fmt: skip
     print_table(
-        "Data path: client pod (node1) -> server pod (node2), through the VIP vs. direct",
-        ["services", "conn/s direct", "conn/s VIP", "VIP/direct", "Gbit/s direct", "Gbit/s VIP", "failed"],
-        [[r["services"], f"{r['crr_direct']:.0f}", f"{r['crr_vip']:.0f}", f"{r['crr_vip'] / r['crr_direct']:.2f}",
+        f"Data path: client pod (node1, CPU 0) -> server pod (node2, CPU 1), through the VIP vs. direct; conn/s "
+        f"medians of {CRR_ROUNDS} rounds, VIP/direct the median of the rounds' own ratios (their range beside it)",
+        ["services", "conn/s direct", "conn/s VIP", "VIP/direct", "rounds' range", "Gbit/s direct", "Gbit/s VIP",
+         "failed"],
+        [[r["services"], f"{r['crr_direct']:.0f}", f"{r['crr_vip']:.0f}", f"{r['crr_ratio']:.2f}",
+          f"{r['crr_ratio_range'][0]:.2f}-{r['crr_ratio_range'][1]:.2f}",
           f"{r['gbps_direct']:.2f}", f"{r['gbps_vip']:.2f}", r["crr_failed"]] for r in rows],
     )  # fmt: skip
 
