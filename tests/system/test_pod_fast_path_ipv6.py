@@ -24,7 +24,7 @@ from ipaddress import IPv4Network, IPv6Network
 import pytest
 from dualstack_hosts import HOOKS, pairs, ping6, transfer6, usable
 
-from agentd.dataplane.bpf.podpath import PodFastPath
+from agentd.dataplane.bpf.podpath import FLOWS6, PodFastPath
 from agentd.flows.recorder import carried_key
 from agentd.lab.netns import veth
 from agentd.lab.twohosts import P1, P1_6, P2_6, SUBNET2_6, build_two_hosts, wait_for
@@ -203,10 +203,11 @@ def send_sizes(src, dst, dst_ip: str, sport: int, sizes: list[int]) -> None:
             sink.communicate()
 
 
-def test_ipv6_connections_are_counted_per_connection_and_a_reused_tuple_hands_its_counts_on(setup):
+def test_ipv6_connections_are_counted_per_connection_and_a_reused_tuple_hands_its_counts_on(setup, bpffs):
     """With counting on, each carried IPv6 connection's bytes are in the IPv6 map under its
     two ends (the lower first), on one node and on both nodes between them; a second
-    connection from the same port moves the first's counts to the ring at its SYN."""
+    connection from the same port moves the first's counts to the ring at its SYN.  An agent
+    that finds the pins of one from before the IPv6 map adopts the others and makes it."""
     hook = next(h for h in HOOKS if usable(h))  # the programs count alike under either hook
     pair, p3, fp1, fp2 = setup(hook)
     t = pair.t
@@ -235,3 +236,16 @@ def test_ipv6_connections_are_counted_per_connection_and_a_reused_tuple_hands_it
     assert out is not None and within(out, 2_000_000), out
     assert acks is not None and acks[0] == 0 and acks[1] > 10 and acks[3] > 0, acks
     assert fp1.take_carried(remote) is None  # taken
+
+    fp1.close()
+    (fp1.dir / FLOWS6).unlink()  # as an older agent left its pins
+    again = fast_path(t.h1, bpffs, hook, "u1")
+    try:
+        assert again.adopted and (again.dir / FLOWS6).exists() and again.pods == fp1.pods
+        with t.h1.entered():
+            again.set_counting(True)
+        send_sizes(t.p1, p3, P3_6, 41203, [1_000_000])
+        counts = again.take_carried(carried_key(six[P1_6], 41203, six[P3_6], 5001)[0])
+        assert counts is not None and within(counts, 1_000_000), counts
+    finally:
+        again.close()
