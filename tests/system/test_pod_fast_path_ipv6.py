@@ -10,7 +10,7 @@ that reads ct state, as the policy tables do), with both hooks:
 * routed directly (host-gw over the peer's link-local address): the underlay's program
   (agentd_pod_wire) carries the other node's packets into the pod;
 * counting per connection (flow records on): what is carried of each IPv6 connection is in
-  agentd_podflows6 by its two ends, and a connection reusing a tuple hands the one before's
+  agentd_podflow6 by its two ends, and a connection reusing a tuple hands the one before's
   counts to the agent through the ring.
 """
 

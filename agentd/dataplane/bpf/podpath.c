@@ -14,7 +14,7 @@
  *                    while netfilter must see pods' packets (datapath.c deliver_gated).
  *
  * With POD_CFG_COUNT (flow records on) they count what they carry, per connection
- * (agentd_podflows for IPv4, agentd_podflows6 for IPv6): conntrack does not see it, and a
+ * (agentd_podflows for IPv4, agentd_podflow6 for IPv6): conntrack does not see it, and a
  * connection's end record adds it.
  *
  * Both carry IPv4 and IPv6 alike, each family with its own maps (pods, counters, cluster
@@ -155,7 +155,7 @@ struct {
 	__type(value, struct podflow_value);
 	__uint(max_entries, 65536);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} agentd_podflows6 SEC(".maps");
+} agentd_podflow6 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -203,7 +203,7 @@ static __always_inline __u32 podflow_key(struct iphdr *ip, struct tcphdr *tcp, s
 }
 
 /* Count a carried packet of ``len`` IP bytes sent by end ``side`` of connection ``key`` in
- * ``flows`` (agentd_podflows or agentd_podflows6, a constant once inlined). */
+ * ``flows`` (agentd_podflows or agentd_podflow6, a constant once inlined). */
 static __always_inline void podflow_count_in(void *flows, void *key, __u32 side, __u64 len)
 {
 	struct podflow_value *v, fresh = {};
@@ -234,7 +234,7 @@ static __always_inline void podflow_count_in(void *flows, void *key, __u32 side,
 }
 
 #define podflow_count(key, side, len) podflow_count_in(&agentd_podflows, key, side, len)
-#define podflow6_count(key, side, len) podflow_count_in(&agentd_podflows6, key, side, len)
+#define podflow6_count(key, side, len) podflow_count_in(&agentd_podflow6, key, side, len)
 
 /* A SYN (or SYN-ACK) of a pod's starts a connection: what podflows holds for its tuple was an
  * earlier connection's, which goes to the agent through the ring. */
@@ -430,11 +430,11 @@ static __always_inline void podflow6_restart(struct flow6 *f)
 	struct podflow_value *v;
 
 	podflow6_key(f, &end.key);
-	v = bpf_map_lookup_elem(&agentd_podflows6, &end.key);
+	v = bpf_map_lookup_elem(&agentd_podflow6, &end.key);
 	if (!v)
 		return;
 	end.value = *v;
-	bpf_map_delete_elem(&agentd_podflows6, &end.key);
+	bpf_map_delete_elem(&agentd_podflow6, &end.key);
 	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), 0);
 }
 

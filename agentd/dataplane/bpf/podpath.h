@@ -88,9 +88,10 @@ struct pod_config6 {
 	__u8 cluster_mask[16];
 };
 
-/* podflows6: podflows for IPv6 connections (a map of its own, so that IPv4's key and its
- * hashing stay 12 bytes).  The same order: the lower (address, port) first, addresses
- * compared as the 128-bit numbers they are; the same value. */
+/* podflow6: podflows for IPv6 connections (a map of its own, so that IPv4's key and its
+ * hashing stay 12 bytes; named agentd_podflow6, as the kernel keeps 15 characters of a
+ * map's name).  The same order: the lower (address, port) first, addresses compared as the
+ * 128-bit numbers they are; the same value. */
 struct podflow6_key {
 	__u8 addr[2][16];
 	__be16 port[2];

@@ -6,7 +6,7 @@ Pins, next to the data path's in this namespace's directory (see datapath.py)::
     <bpf_dir>/netns-<inode>/
         agentd_podips  agentd_podstat  agentd_podcfg      the maps (IPv4)
         agentd_podips6  agentd_podstat6  agentd_podcfg6   the maps (IPv6)
-        agentd_podflows  agentd_podflows6  agentd_podends  per-connection counts (flow records)
+        agentd_podflows  agentd_podflow6  agentd_podends  per-connection counts (flow records)
         agentd_pod_fast  agentd_pod_wire                  the programs
         links/agentd_pod_fast-<ifindex>  links/agentd_pod_wire-<ifindex>    the tcx links (tc.py)
 
@@ -56,7 +56,7 @@ log = logging.getLogger("agentd.bpf")
 OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
-FLOWS, FLOWS6, ENDS = "agentd_podflows", "agentd_podflows6", "agentd_podends"  # per-connection counts (flow records)
+FLOWS, FLOWS6, ENDS = "agentd_podflows", "agentd_podflow6", "agentd_podends"  # per-connection counts (flow records)
 MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS)
 PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
@@ -273,7 +273,7 @@ class PodFastPath:
 
     def set_counting(self, on: bool) -> None:
         """Count what the programs carry per connection (``agentd_podflows``, IPv6's in
-        ``agentd_podflows6``; flow records add it to conntrack's counts of the connection), or stop."""
+        ``agentd_podflow6``; flow records add it to conntrack's counts of the connection), or stop."""
         if on and self.ends is None:
             self.ends = lb.RingBuffer(self.maps[ENDS])
         self.counting = on
