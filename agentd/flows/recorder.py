@@ -132,7 +132,7 @@ def tai_offset_ns() -> int:
 def carried_key(src: bytes, sport: int, dst: bytes, dport: int) -> tuple[bytes, bool]:
     """The fast path's key of a connection from ``src``:``sport`` to ``dst``:``dport``, and
     whether ``src`` is its lower end (podpath.h, struct podflow_key)."""
-    lower = (src, sport) <= (dst, dport)  # 4-byte addresses compare as the numbers they are
+    lower = (src, sport) <= (dst, dport)  # addresses (4 or 16 bytes) compare as the numbers they are
     a, ap, b, bp = (src, sport, dst, dport) if lower else (dst, dport, src, sport)
     return a + b + ap.to_bytes(2, "big") + bp.to_bytes(2, "big"), lower
 
@@ -402,6 +402,19 @@ class FlowRecorder:
             waiting = self._restarts[key] = deque()
         waiting.append((*counts, whole))
 
+    def _carried_of(self, ev: ct.CtEvent) -> tuple[int, int, int, int] | None:
+        """:meth:`_carried` of a decoded event (IPv6's: the fast path counts them in a map of
+        their own, keyed alike with 16-byte addresses) if it ended a TCP connection between pods."""
+        o = ev.orig
+        if not ev.destroyed or o.proto != TCP or self.carried is None:
+            return None
+        d = self.directory
+        if d.identity(o.src) is None or d.identity(o.dst) is None:
+            return None
+        family = socket.AF_INET6 if ":" in o.src else socket.AF_INET
+        src, dst = socket.inet_pton(family, o.src), socket.inet_pton(family, o.dst)
+        return self._carried(src, o.sport, dst, o.dport, ev.start_ns, ev.stop_ns)
+
     def _carried(self, src: bytes, sport: int, dst: bytes, dport: int, born: int,
                  died: int) -> tuple[int, int, int, int] | None:
         """What the fast path carried of a connection that ended (conntrack's start and stop
@@ -475,7 +488,7 @@ class FlowRecorder:
         event = ct.decode_event(mtype, buf, start, end)
         if event is not None:
             self.events += 1
-            flow = self.connection(event)
+            flow = self.connection(event, carried=self._carried_of(event))
             if flow is not None:
                 self.ring.add(flow)
 

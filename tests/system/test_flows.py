@@ -204,12 +204,14 @@ async def test_connection_end_has_bytes_and_duration(shop):
 
 
 # A sink that takes exactly the given sizes, one connection each, and closes first (so the
-# client's port is free again at once); a source that sends them from one source port.
+# client's port is free again at once); a source that sends them from one source port.  The
+# family is the address's: the sink listens on argv[1] ("0.0.0.0" or "::").
 SINK = """
 import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen()
+fam = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
+s = socket.socket(fam); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen()
 print("ready", flush=True)
-for size in map(int, sys.argv[2:]):
+for size in map(int, sys.argv[3:]):
     c, _ = s.accept(); got = 0
     while got < size:
         b = c.recv(1 << 20)
@@ -221,20 +223,24 @@ SOURCE = """
 import socket, sys
 ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 for size in map(int, sys.argv[4:]):
-    c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+    c = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    c.bind(("::" if ":" in ip else "0.0.0.0", sport))
     c.connect((ip, port)); c.sendall(b"x" * size)
     while c.recv(65536): pass
     c.close()
 """
 
 
-async def send_sizes(src, dst, port: int, sport: int, sizes: list[int]) -> None:
-    """``sizes`` bytes over one TCP connection each, one after another, from ``src``:``sport``."""
+async def send_sizes(src, dst, port: int, sport: int, sizes: list[int], version: int = 4) -> None:
+    """``sizes`` bytes over one TCP connection each, one after another, from ``src``:``sport``
+    to ``dst``'s address of IP ``version``."""
     args = [str(n) for n in sizes]
-    sink = dst.ns.popen(["python3", "-c", SINK, str(port), *args], stdout=subprocess.PIPE, text=True)
+    listen = "::" if version == 6 else "0.0.0.0"
+    sink = dst.ns.popen(["python3", "-c", SINK, listen, str(port), *args], stdout=subprocess.PIPE, text=True)
     try:
         assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
-        await src.ns.aexec("python3", "-c", SOURCE, dst.ip, str(port), str(sport), *args, timeout=60)
+        ip = dst.address(6) if version == 6 else dst.ip
+        await src.ns.aexec("python3", "-c", SOURCE, ip, str(port), str(sport), *args, timeout=60)
         got, _ = await asyncio.to_thread(sink.communicate, timeout=30)
         assert got.split() == args
     finally:
@@ -252,13 +258,14 @@ def carried(node) -> int:
 # with them) instead of after TIME_WAIT and conntrack's next garbage collection.  One that went
 # by itself between the dump and its delete (TIME_WAIT over, reaped) is gone all the same.
 FORGET = """
-import errno, sys
+import errno, socket, sys
 from agentd.kernel import netlink as nl, netlink_ct as ct
 from agentd.kernel.netlink_socket import NetlinkSocket
 from agentd.services.conntrack import encode_delete, encode_dump
 ports = set(map(int, sys.argv[1:]))
 sock = NetlinkSocket(protocol=nl.NETLINK_NETFILTER)
-entries = [ev for m, b, s, e in sock.request(encode_dump(1), what="dump", dump=True)
+entries = [ev for family in (socket.AF_INET, socket.AF_INET6)
+           for m, b, s, e in sock.request(encode_dump(1, family), what="dump", dump=True)
            if (ev := ct.decode_event(m, b, s, e)) is not None and ports & {ev.orig.sport, ev.orig.dport}]
 for seq, ev in enumerate(entries, 2):
     try:
@@ -283,6 +290,32 @@ async def forget(node, *ports: int) -> None:
     await node.ns.aexec(sys.executable, "-c", FORGET, *map(str, ports), timeout=30)
 
 
+def sent(end: dict, size: int) -> bool:
+    """The payload, and at most a header (60 octets) more per packet on the wire: a GSO
+    super-packet is one packet to conntrack and the fast path's count but its length has a
+    header per segment (MSS 1448 here, 1428 for IPv6, whose 72 octets of headers the 1,000
+    leaves room for too), so under load, as TCP sends fewer and larger super-packets, the
+    overhead per counted packet grows."""
+    return size <= end["bytes_sent"] <= size + 60 * (end["packets_sent"] + size // 1000)
+
+
+def shown(*ends: dict) -> str:
+    return "; ".join(json.dumps({k: e.get(k) for k in ("seq", "time", "node", "direction", "bytes_sent", "packets_sent",
+                                                       "bytes_received", "packets_received", "duration")})
+                     for e in ends)
+
+
+async def ends_from(node, sport: int, n: int) -> list[dict]:
+    """The end records of connections from ``sport`` that carried data, oldest first, once
+    there are ``n`` (a connection's SYN sent the moment the one before closed may meet the
+    server's socket still closing and be answered, reset and sent again: conntrack sees a short
+    connection too)."""
+    got = await records(node, "--event", "end", "--port", str(sport),
+                        want=lambda r: len([x for x in r if x["bytes_sent"] > 10_000]) >= n,
+                        what=f"{node.name}'s {n} end record(s) from port {sport}")
+    return [x for x in sorted(got, key=lambda r: r["seq"]) if x["bytes_sent"] > 10_000]
+
+
 async def test_end_counts_what_the_pod_fast_path_carried(shop):
     """The pod fast path carries accepted TCP between pods past conntrack; its programs count
     what they carry per connection and the end record adds it: every byte, across nodes and
@@ -300,34 +333,13 @@ async def test_end_counts_what_the_pod_fast_path_carried(shop):
     for node in (node1, node2):
         await forget(node, 41001, 41002, 41003)
 
-    async def ends(node, sport: int, n: int) -> list[dict]:
-        """The end records of connections from ``sport`` that carried data (the second
-        connection's SYN, sent the moment the first closed, may meet the server's socket still
-        closing and be answered, reset and sent again: conntrack sees a short connection too)."""
-        got = await records(node, "--event", "end", "--port", str(sport),
-                            want=lambda r: len([x for x in r if x["bytes_sent"] > 10_000]) >= n,
-                            what=f"{node.name}'s {n} end record(s) from port {sport}")
-        return [x for x in sorted(got, key=lambda r: r["seq"]) if x["bytes_sent"] > 10_000]
-
-    def sent(end: dict, size: int) -> bool:
-        """The payload, and at most a header (60 octets) more per packet on the wire: a GSO
-        super-packet is one packet to conntrack and the fast path's count but its length has a
-        header per segment (MSS 1448 here; 1,000 leaves room), so under load, as TCP sends fewer
-        and larger super-packets, the overhead per counted packet grows."""
-        return size <= end["bytes_sent"] <= size + 60 * (end["packets_sent"] + size // 1000)
-
-    def shown(*ends: dict) -> str:
-        return "; ".join(json.dumps({k: e.get(k) for k in ("seq", "time", "node", "direction", "bytes_sent", "packets_sent",
-                                                           "bytes_received", "packets_received", "duration")})
-                         for e in ends)
-
     for node in (node1, node2):
-        (end,) = await ends(node, 41001, 1)
+        (end,) = await ends_from(node, 41001, 1)
         assert sent(end, 4_000_000) and end["packets_received"] >= 2, shown(end)
-    (end,) = await ends(node2, 41002, 1)
+    (end,) = await ends_from(node2, 41002, 1)
     assert sent(end, 3_000_000) and end["direction"] == "local", shown(end)
     for node in (node1, node2):
-        got = await ends(node, 41003, 2)
+        got = await ends_from(node, 41003, 2)
         # Exactly two: a third end with data would be one connection's bytes split between two
         # records (another's end took what the fast path had carried of it so far).
         assert len(got) == 2, shown(*await agentd_flows(node, "--event", "end", "--port", "41003"))
@@ -363,6 +375,56 @@ async def test_a_port_reused_while_the_agents_look_away_keeps_each_connections_b
         transfers = [x for x in got if not (x["packets_received"] == 0 and x["bytes_sent"] <= 10_000)]
         assert [x["bytes_sent"] // 100_000 for x in transfers] == [s // 100_000 for s in sizes], [
             (x["bytes_sent"], x["packets_sent"], x["bytes_received"], x["packets_received"], x["duration"]) for x in got]
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def dual(tmp_path_factory):
+    """A dual-stack lab beside the shop for the one test that needs it (2 nodes, no policy):
+    client on node1, web and peer on node2, each with an IPv4 and an IPv6 address."""
+    lab = Lab(LabSpec(name="f6" + unique_tag("")[:6], nodes=2, pods=0, ip_family="dual"),
+              root=tmp_path_factory.mktemp("labs"))
+    try:
+        await lab.up(timeout=90)
+        for n in lab.nodes:
+            n.ns.sysctl("net.netfilter.nf_conntrack_tcp_timeout_time_wait", 1)
+        pods = {name: await lab.add_pod(node, "six", name, labels={"app": name})
+                for node, name in (("node1", "client"), ("node2", "web"), ("node2", "peer"))}
+        yield lab, pods
+    finally:
+        await lab.down(keep_files=True)
+
+
+def carried6(node) -> int:
+    return node.api("/status")["policy"]["fast_path"]["ipv6"]["packets"].get("carried", 0)
+
+
+async def test_end_counts_what_the_pod_fast_path_carried_of_ipv6(dual):
+    """IPv6 as IPv4 above: the fast path's IPv6 programs count what they carry per connection
+    (a map of their own) and the end record adds it -- across nodes (node1 carries out of
+    client's veth, node2 in from the wire), on one node, and a source port used twice in a row."""
+    lab, pods = dual
+    node1, node2 = lab.nodes
+    client, web, peer = pods["client"], pods["web"], pods["peer"]
+    assert client.address(6) and web.address(6), (client, web)
+    before = (carried6(node1), carried6(node2))
+    await send_sizes(client, web, 5001, 41101, [4_000_000], version=6)
+    await send_sizes(peer, web, 5001, 41102, [3_000_000], version=6)
+    await send_sizes(client, web, 5002, 41103, [3_000_000, 1_000_000], version=6)
+    await auntil(lambda: carried6(node1) > before[0] and carried6(node2) > before[1], 10, in_thread=True,
+                 what="the pod fast path's IPv6 carried counters moved on both nodes")
+    for node in (node1, node2):
+        await forget(node, 41101, 41102, 41103)
+    for node in (node1, node2):
+        (end,) = await ends_from(node, 41101, 1)
+        assert end["src"]["ip"] == client.address(6) and end["src"]["pod"] == "six/client", shown(end)
+        assert sent(end, 4_000_000) and end["packets_received"] >= 2, shown(end)
+    (end,) = await ends_from(node2, 41102, 1)
+    assert sent(end, 3_000_000) and end["direction"] == "local", shown(end)
+    for node in (node1, node2):
+        got = await ends_from(node, 41103, 2)
+        assert len(got) == 2, shown(*await agentd_flows(node, "--event", "end", "--port", "41103"))
+        first, second = got
+        assert sent(first, 3_000_000) and sent(second, 1_000_000), shown(first, second)
 
 
 async def test_same_node_pods_are_seen(shop):

@@ -8,17 +8,24 @@ that reads ct state, as the policy tables do), with both hooks:
   (DNAT, as a Service) IPv6 connection stays on the stack's path, counted "nat"; every
   transfer arrives intact and conntrack sees each connection close;
 * routed directly (host-gw over the peer's link-local address): the underlay's program
-  (agentd_pod_wire) carries the other node's packets into the pod.
+  (agentd_pod_wire) carries the other node's packets into the pod;
+* counting per connection (flow records on): what is carried of each IPv6 connection is in
+  agentd_podflow6 by its two ends, and a connection reusing a tuple hands the one before's
+  counts to the agent through the ring.
 """
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 from ipaddress import IPv4Network, IPv6Network
 
 import pytest
 from dualstack_hosts import HOOKS, pairs, ping6, transfer6, usable
 
-from agentd.dataplane.bpf.podpath import PodFastPath
+from agentd.dataplane.bpf.podpath import FLOWS6, PodFastPath
+from agentd.flows.recorder import carried_key
 from agentd.lab.netns import veth
 from agentd.lab.twohosts import P1, P1_6, P2_6, SUBNET2_6, build_two_hosts, wait_for
 
@@ -157,3 +164,88 @@ def test_ipv6_from_the_wire_into_the_pod_when_routed_directly(netns_factory, bpf
     finally:
         fp1.close()
         fp2.close()
+
+
+# One TCP connection per size from one source port, one after another; the sink closes first,
+# so the port is free again at once (the next SYN meets the sink's TIME_WAIT).
+SIZES_SINK = """
+import socket, sys
+s = socket.socket(socket.AF_INET6); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("::", 5001)); s.listen()
+print("ready", flush=True)
+for size in map(int, sys.argv[1:]):
+    c, _ = s.accept(); got = 0
+    while got < size:
+        b = c.recv(1 << 20)
+        if not b: break
+        got += len(b)
+    c.close(); print(got, flush=True)
+"""
+SIZES_SOURCE = """
+import socket, sys
+for size in map(int, sys.argv[3:]):
+    c = socket.socket(socket.AF_INET6); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("::", int(sys.argv[2])))
+    c.connect((sys.argv[1], 5001)); c.sendall(b"x" * size)
+    while c.recv(65536): pass
+    c.close()
+"""
+
+
+def send_sizes(src, dst, dst_ip: str, sport: int, sizes: list[int]) -> None:
+    args = [str(n) for n in sizes]
+    sink = dst.popen([sys.executable, "-c", SIZES_SINK, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout.readline().strip() == "ready"
+        src.exec(sys.executable, "-c", SIZES_SOURCE, dst_ip, str(sport), *args, timeout=60)
+        assert sink.communicate(timeout=30)[0].split() == args
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.communicate()
+
+
+def test_ipv6_connections_are_counted_per_connection_and_a_reused_tuple_hands_its_counts_on(setup, bpffs):
+    """With counting on, each carried IPv6 connection's bytes are in the IPv6 map under its
+    two ends (the lower first), on one node and on both nodes between them; a second
+    connection from the same port moves the first's counts to the ring at its SYN.  An agent
+    that finds the pins of one from before the IPv6 map adopts the others and makes it."""
+    hook = next(h for h in HOOKS if usable(h))  # the programs count alike under either hook
+    pair, p3, fp1, fp2 = setup(hook)
+    t = pair.t
+    for host, fp in ((t.h1, fp1), (t.h2, fp2)):
+        with host.entered():
+            fp.set_counting(True)
+
+    def within(counts, size: int) -> bool:  # the payload and at most 80 octets of headers per 1,000
+        return size <= counts[2] <= size + 80 * (size // 1000)  # bytes sent by the lower end (pod 1)
+
+    six = {a: socket.inet_pton(socket.AF_INET6, a) for a in (P1_6, P2_6, P3_6)}
+    local, _ = carried_key(six[P1_6], 41201, six[P3_6], 5001)
+    remote, _ = carried_key(six[P1_6], 41202, six[P2_6], 5001)
+    assert six[P1_6] < six[P3_6] and six[P1_6] < six[P2_6]  # pod 1 is the lower end of both
+    send_sizes(t.p1, p3, P3_6, 41201, [3_000_000, 1_000_000])
+    send_sizes(t.p1, t.p2, P2_6, 41202, [2_000_000])
+
+    (moved,) = [c for k, c in fp1.carried_restarts() if k == local]  # by the second connection's SYN
+    assert within(moved, 3_000_000) and moved[4] > 0, moved
+    second = fp1.take_carried(local)
+    assert second is not None and within(second, 1_000_000) and second[4] > moved[4], second
+    # Node 1 carried the data out of pod 1's veth (into the data path's encapsulation); node 2
+    # pod 2's acknowledgements out of its veth (the higher end's count; the data came in by the
+    # data path, past this program: conntrack counts it there).
+    out, acks = fp1.take_carried(remote), fp2.take_carried(remote)
+    assert out is not None and within(out, 2_000_000), out
+    assert acks is not None and acks[0] == 0 and acks[1] > 10 and acks[3] > 0, acks
+    assert fp1.take_carried(remote) is None  # taken
+
+    fp1.close()
+    (fp1.dir / FLOWS6).unlink()  # as an older agent left its pins
+    again = fast_path(t.h1, bpffs, hook, "u1")
+    try:
+        assert again.adopted and (again.dir / FLOWS6).exists() and again.pods == fp1.pods
+        with t.h1.entered():
+            again.set_counting(True)
+        send_sizes(t.p1, p3, P3_6, 41203, [1_000_000])
+        counts = again.take_carried(carried_key(six[P1_6], 41203, six[P3_6], 5001)[0])
+        assert counts is not None and within(counts, 1_000_000), counts
+    finally:
+        again.close()

@@ -13,8 +13,9 @@
  *                    program there, it sees the packets that program decapsulated as well
  *                    while netfilter must see pods' packets (datapath.c deliver_gated).
  *
- * With POD_CFG_COUNT (flow records on) they count what they carry of IPv4 connections, per
- * connection (agentd_podflows): conntrack does not see it, and a connection's end record adds it.
+ * With POD_CFG_COUNT (flow records on) they count what they carry, per connection
+ * (agentd_podflows for IPv4, agentd_podflow6 for IPv6): conntrack does not see it, and a
+ * connection's end record adds it.
  *
  * Both carry IPv4 and IPv6 alike, each family with its own maps (pods, counters, cluster
  * network); for IPv6 the hop limit is decremented (no header checksum to mend) and the FIB
@@ -149,6 +150,14 @@ struct {
 } agentd_podflows SEC(".maps");
 
 struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct podflow6_key);
+	__type(value, struct podflow_value);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podflow6 SEC(".maps");
+
+struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 256 * 1024);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
@@ -193,12 +202,13 @@ static __always_inline __u32 podflow_key(struct iphdr *ip, struct tcphdr *tcp, s
 	return 0;
 }
 
-/* Count a carried packet of ``len`` IP bytes sent by end ``side`` of connection ``key``. */
-static __always_inline void podflow_count(struct podflow_key *key, __u32 side, __u64 len)
+/* Count a carried packet of ``len`` IP bytes sent by end ``side`` of connection ``key`` in
+ * ``flows`` (agentd_podflows or agentd_podflow6, a constant once inlined). */
+static __always_inline void podflow_count_in(void *flows, void *key, __u32 side, __u64 len)
 {
 	struct podflow_value *v, fresh = {};
 
-	v = bpf_map_lookup_elem(&agentd_podflows, key);
+	v = bpf_map_lookup_elem(flows, key);
 	if (!v) {
 		fresh.first_tai = bpf_ktime_get_tai_ns();
 		if (side) {
@@ -208,9 +218,9 @@ static __always_inline void podflow_count(struct podflow_key *key, __u32 side, _
 			fresh.packets[0] = 1;
 			fresh.bytes[0] = len;
 		}
-		if (!bpf_map_update_elem(&agentd_podflows, key, &fresh, BPF_NOEXIST))
+		if (!bpf_map_update_elem(flows, key, &fresh, BPF_NOEXIST))
 			return;
-		v = bpf_map_lookup_elem(&agentd_podflows, key); /* another CPU made it first */
+		v = bpf_map_lookup_elem(flows, key); /* another CPU made it first */
 		if (!v)
 			return;
 	}
@@ -222,6 +232,9 @@ static __always_inline void podflow_count(struct podflow_key *key, __u32 side, _
 		__sync_fetch_and_add(&v->bytes[0], len);
 	}
 }
+
+#define podflow_count(key, side, len) podflow_count_in(&agentd_podflows, key, side, len)
+#define podflow6_count(key, side, len) podflow_count_in(&agentd_podflow6, key, side, len)
 
 /* A SYN (or SYN-ACK) of a pod's starts a connection: what podflows holds for its tuple was an
  * earlier connection's, which goes to the agent through the ring. */
@@ -318,9 +331,10 @@ static __always_inline int in_cluster(struct pod_config *cfg, __be32 addr)
 /* ---------------------------------------------------------------- IPv6 */
 
 /* candidate() for IPv6: TCP right behind the IPv6 header (an extension header -- a fragment
- * header among them -- leaves the packet to the stack), no SYN, FIN or RST. */
+ * header among them -- leaves the packet to the stack), no SYN, FIN or RST -- but for a SYN
+ * (or SYN-ACK) while the programs count per connection, returned with ``*opening`` set. */
 static __always_inline struct pod_config *candidate6(struct __sk_buff *skb, __u32 need, struct ipv6hdr **ipp,
-						       struct tcphdr **tcpp)
+						       struct tcphdr **tcpp, int *opening)
 {
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
@@ -331,10 +345,13 @@ static __always_inline struct pod_config *candidate6(struct __sk_buff *skb, __u3
 
 	if ((void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IPV6) || ip->nexthdr != IPPROTO_TCP)
 		return NULL;
-	if (tcp->syn || tcp->fin || tcp->rst)
+	if (tcp->fin || tcp->rst)
 		return NULL;
 	cfg = bpf_map_lookup_elem(&agentd_podcfg, &zero);
 	if (!cfg || (cfg->flags & need) != need)
+		return NULL;
+	*opening = tcp->syn && (cfg->flags & POD_CFG_COUNT);
+	if (tcp->syn && !*opening)
 		return NULL;
 	*ipp = ip;
 	*tcpp = tcp;
@@ -361,6 +378,66 @@ static __always_inline void read_flow6(struct flow6 *f, struct ipv6hdr *ip, stru
 	f->hop_limit = ip->hop_limit;
 }
 
+/* podflow_key() for IPv6, from the packet's flow6 (which outlives the packet's pointers). */
+static __always_inline __u32 podflow6_key(struct flow6 *f, struct podflow6_key *key)
+{
+	__be16 sp = f->tuple.ipv6.sport, dp = f->tuple.ipv6.dport;
+	__u64 s[2], d[2];
+	__u32 swap;
+
+	__builtin_memcpy(s, f->src.addr, 16);
+	__builtin_memcpy(d, f->dst.addr, 16);
+	s[0] = bpf_be64_to_cpu(s[0]);
+	s[1] = bpf_be64_to_cpu(s[1]);
+	d[0] = bpf_be64_to_cpu(d[0]);
+	d[1] = bpf_be64_to_cpu(d[1]);
+	if (s[0] != d[0])
+		swap = s[0] > d[0];
+	else if (s[1] != d[1])
+		swap = s[1] > d[1];
+	else
+		swap = bpf_ntohs(sp) > bpf_ntohs(dp);
+	if (swap) {
+		__builtin_memcpy(key->addr[0], f->dst.addr, 16);
+		__builtin_memcpy(key->addr[1], f->src.addr, 16);
+		key->port[0] = dp;
+		key->port[1] = sp;
+		return 1;
+	}
+	__builtin_memcpy(key->addr[0], f->src.addr, 16);
+	__builtin_memcpy(key->addr[1], f->dst.addr, 16);
+	key->port[0] = sp;
+	key->port[1] = dp;
+	return 0;
+}
+
+/* Count a carried IPv6 packet (POD_CFG_COUNT) of ``len`` IP bytes. */
+static __always_inline void podflow6_carried(struct pod_config *cfg, struct flow6 *f, __u64 len)
+{
+	struct podflow6_key key = {};
+	__u32 side;
+
+	if (!(cfg->flags & POD_CFG_COUNT))
+		return;
+	side = podflow6_key(f, &key);
+	podflow6_count(&key, side, len);
+}
+
+/* podflow_restart() for IPv6: the end goes through the same ring, told apart by its size. */
+static __always_inline void podflow6_restart(struct flow6 *f)
+{
+	struct podflow6_end end = {};
+	struct podflow_value *v;
+
+	podflow6_key(f, &end.key);
+	v = bpf_map_lookup_elem(&agentd_podflow6, &end.key);
+	if (!v)
+		return;
+	end.value = *v;
+	bpf_map_delete_elem(&agentd_podflow6, &end.key);
+	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), 0);
+}
+
 static __always_inline int in_cluster6(struct pod6_key *addr)
 {
 	struct pod_config6 *cfg6;
@@ -385,20 +462,26 @@ static __always_inline int pod_fast6(struct __sk_buff *skb)
 	struct pod_config *cfg;
 	struct flow6 f = {};
 	__u32 verdict, ifindex;
+	int opening = 0;
 
-	cfg = candidate6(skb, POD_CFG_ON, &ip, &tcp);
+	cfg = candidate6(skb, POD_CFG_ON, &ip, &tcp, &opening);
 	if (!cfg || !ip || !tcp)
 		return PASS;
 	read_flow6(&f, ip, tcp);
 	src = bpf_map_lookup_elem(&agentd_podips6, &f.src);
 	if (!src || src->ifindex != skb->ifindex)
 		return PASS; /* not this veth's pod: the normal path's spoofing check judges it */
+	if (opening) {
+		podflow6_restart(&f);
+		return PASS;
+	}
 	dst = bpf_map_lookup_elem(&agentd_podips6, &f.dst);
 	if (dst) { /* a pod of this node */
 		ifindex = dst->ifindex;
 		verdict = tracked(skb, &f.tuple, sizeof(f.tuple.ipv6), cfg);
 		if (verdict != POD_CARRIED)
 			return count6(verdict, skb, PASS);
+		podflow6_carried(cfg, &f, skb->len - ETH_HLEN);
 		return count6(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 	}
 	/* A pod of another node: routed as the stack would route it. */
@@ -420,6 +503,7 @@ static __always_inline int pod_fast6(struct __sk_buff *skb)
 	if (agentd_hop_limit_down(skb, f.hop_limit) || bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
 	    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
 		return count6(POD_NO_ROUTE, skb, PASS);
+	podflow6_carried(cfg, &f, skb->len - ETH_HLEN);
 	return count6(POD_CARRIED, skb, bpf_redirect(fib.ifindex, 0));
 }
 
@@ -431,8 +515,9 @@ static __always_inline int pod_wire6(struct __sk_buff *skb)
 	struct pod_config *cfg;
 	struct flow6 f = {};
 	__u32 verdict, ifindex;
+	int opening = 0;
 
-	cfg = candidate6(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp);
+	cfg = candidate6(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp, &opening);
 	if (!cfg || !ip || !tcp)
 		return PASS;
 	read_flow6(&f, ip, tcp);
@@ -441,12 +526,17 @@ static __always_inline int pod_wire6(struct __sk_buff *skb)
 	dst = bpf_map_lookup_elem(&agentd_podips6, &f.dst);
 	if (!dst)
 		return PASS; /* not a pod of this node */
+	if (opening) {
+		podflow6_restart(&f);
+		return PASS;
+	}
 	ifindex = dst->ifindex;
 	verdict = tracked(skb, &f.tuple, sizeof(f.tuple.ipv6), cfg);
 	if (verdict != POD_CARRIED)
 		return count6(verdict, skb, PASS);
 	if (agentd_hop_limit_down(skb, f.hop_limit))
 		return count6(POD_NO_ROUTE, skb, PASS);
+	podflow6_carried(cfg, &f, skb->len - ETH_HLEN);
 	return count6(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 }
 

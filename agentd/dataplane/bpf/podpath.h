@@ -88,4 +88,21 @@ struct pod_config6 {
 	__u8 cluster_mask[16];
 };
 
+/* podflow6: podflows for IPv6 connections (a map of its own, so that IPv4's key and its
+ * hashing stay 12 bytes; named agentd_podflow6, as the kernel keeps 15 characters of a
+ * map's name).  The same order: the lower (address, port) first, addresses compared as the
+ * 128-bit numbers they are; the same value. */
+struct podflow6_key {
+	__u8 addr[2][16];
+	__be16 port[2];
+};
+
+/* podends carries these too, told apart from struct podflow_end by their size (80 octets,
+ * podflow_end's 56): one ring for both families, read in one pass. */
+struct podflow6_end {
+	struct podflow6_key key;
+	__u32 pad;
+	struct podflow_value value;
+};
+
 #endif

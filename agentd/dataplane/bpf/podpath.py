@@ -6,6 +6,7 @@ Pins, next to the data path's in this namespace's directory (see datapath.py)::
     <bpf_dir>/netns-<inode>/
         agentd_podips  agentd_podstat  agentd_podcfg      the maps (IPv4)
         agentd_podips6  agentd_podstat6  agentd_podcfg6   the maps (IPv6)
+        agentd_podflows  agentd_podflow6  agentd_podends  per-connection counts (flow records)
         agentd_pod_fast  agentd_pod_wire                  the programs
         links/agentd_pod_fast-<ifindex>  links/agentd_pod_wire-<ifindex>    the tcx links (tc.py)
 
@@ -55,8 +56,8 @@ log = logging.getLogger("agentd.bpf")
 OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
-FLOWS, ENDS = "agentd_podflows", "agentd_podends"  # per-connection counts (flow records)
-MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, ENDS)
+FLOWS, FLOWS6, ENDS = "agentd_podflows", "agentd_podflow6", "agentd_podends"  # per-connection counts (flow records)
+MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS)
 PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
@@ -70,6 +71,8 @@ FLOW_KEY = struct.Struct("<4s4s2s2s")  # struct podflow_key: the two ends, the l
 # struct podflow_value: packets sent by each end, bytes sent by each end, CLOCK_TAI ns of the first
 FLOW_VALUE = struct.Struct("<QQQQQ")
 FLOW_END = struct.Struct("<12s4x40s")  # struct podflow_end: key, value
+FLOW6_KEY = struct.Struct("<16s16s2s2s")  # struct podflow6_key: as FLOW_KEY, IPv6 addresses
+FLOW6_END = struct.Struct("<36s4x40s")  # struct podflow6_end: key, value (the ring tells it by its size)
 EXPECTED = {
     IPS: (lb.MAP_TYPE_HASH, 4, POD_VALUE.size),
     STATS: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
@@ -78,6 +81,7 @@ EXPECTED = {
     STATS6: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
     CONFIG6: (lb.MAP_TYPE_ARRAY, 4, CONFIG6_VALUE.size),
     FLOWS: (lb.MAP_TYPE_LRU_HASH, FLOW_KEY.size, FLOW_VALUE.size),
+    FLOWS6: (lb.MAP_TYPE_LRU_HASH, FLOW6_KEY.size, FLOW_VALUE.size),
     ENDS: (lb.MAP_TYPE_RINGBUF, 0, 0),
 }
 CAP_SYS_ADMIN, CAP_PERFMON = 21, 38
@@ -116,6 +120,9 @@ def _may_read_kernel_structs() -> bool:
     except (OSError, StopIteration, ValueError):
         return True  # not known: the kernel's own words are the better message
     return bool(eff & (1 << CAP_PERFMON | 1 << CAP_SYS_ADMIN))
+
+
+_END_OF_SIZE = {FLOW_END.size: FLOW_END, FLOW6_END.size: FLOW6_END}
 
 
 def _read_int(path: Path) -> int:
@@ -265,8 +272,8 @@ class PodFastPath:
             net.network_address.packed, net.netmask.packed, self.wire_ifindex or 0))
 
     def set_counting(self, on: bool) -> None:
-        """Count what the programs carry per connection (``agentd_podflows``; flow records add it
-        to conntrack's counts of the connection), or stop."""
+        """Count what the programs carry per connection (``agentd_podflows``, IPv6's in
+        ``agentd_podflow6``; flow records add it to conntrack's counts of the connection), or stop."""
         if on and self.ends is None:
             self.ends = lb.RingBuffer(self.maps[ENDS])
         self.counting = on
@@ -274,23 +281,24 @@ class PodFastPath:
 
     def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int, int]]]:
         """What the programs carried of connections whose tuple a new connection took since the
-        last call (the ring ``agentd_podends``), oldest first: (podflow key, (packets sent by the
-        lower end, by the other, bytes sent by the lower end, by the other, CLOCK_TAI ns of the
-        first packet carried))."""
+        last call (the ring ``agentd_podends``), oldest first: (podflow key -- 12 bytes for
+        IPv4, 36 for IPv6 --, (packets sent by the lower end, by the other, bytes sent by the
+        lower end, by the other, CLOCK_TAI ns of the first packet carried))."""
         if self.ends is None:
             return []
         out = []
         for raw in self.ends.drain():
-            if len(raw) >= FLOW_END.size:
-                key, value = FLOW_END.unpack_from(raw)
+            end = _END_OF_SIZE.get(len(raw))  # both families' ends share the ring
+            if end is not None:
+                key, value = end.unpack(raw)
                 out.append((key, FLOW_VALUE.unpack(value)))
         return out
 
     def take_carried(self, key: bytes, before_tai: int | None = None) -> tuple[int, int, int, int, int] | None:
         """What the programs carry of podflow key ``key`` (as :meth:`carried_restarts` gives
-        it), removed from the map; None if nothing -- or, with ``before_tai``, nothing whose
-        first packet was carried before then (a later connection's counts stay for its end)."""
-        fd = self.maps.get(FLOWS)
+        it), removed from its family's map; None if nothing -- or, with ``before_tai``, nothing
+        whose first packet was carried before then (a later connection's counts stay for its end)."""
+        fd = self.maps.get(FLOWS6 if len(key) == FLOW6_KEY.size else FLOWS)
         if fd is None:
             return None
         if before_tai is not None:

@@ -75,7 +75,8 @@ def tcp(src: str, dst: str, sport: int, dport: int, *, reply_src: str | None = N
         extra += nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", lived[0])),
                            nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", lived[1])))
     return event(ct.MSG_DELETE if destroyed else ct.MSG_NEW, ct.CtTuple(src, dst, 6, sport, dport),
-                 ct.CtTuple(reply_src or dst, src, 6, dport, sport), extra=extra)
+                 ct.CtTuple(reply_src or dst, src, 6, dport, sport), socket.AF_INET6 if ":" in src else socket.AF_INET,
+                 extra=extra)
 
 
 # ------------------------------------------------------------------ fixed offsets
@@ -174,11 +175,12 @@ def test_the_filter_passes_pods_and_services_and_drops_the_nodes_own():
 
 WEB = Identity("shop/web", "node2", {"app": "web"}, True)
 CLIENT = Identity("shop/client", "node1", {"app": "client"}, False)
+WEB6, CLIENT6 = "fd00:10:244:2::3", "fd00:10:244:1::2"  # their IPv6 addresses (dual-stack)
 
 
 class Directory:
     def __init__(self) -> None:
-        self.ids = {"10.244.2.3": WEB, "10.244.1.2": CLIENT}
+        self.ids = {"10.244.2.3": WEB, "10.244.1.2": CLIENT, WEB6: WEB, CLIENT6: CLIENT}
         self.asked = 0
         self.changes = 0
 
@@ -401,6 +403,34 @@ def test_counts_carried_before_a_connection_began_are_not_its_own():
     assert [f.bytes_sent for f in r.ring] == [5000] and r._restarts == {}
 
 
+def test_carried_key_orders_ipv6_ends_as_128_bit_numbers():
+    a, b = socket.inet_pton(socket.AF_INET6, "fd00::ff"), socket.inet_pton(socket.AF_INET6, "fd00::1:0")
+    key, lower = carried_key(a, 40000, b, 80)
+    assert len(key) == 36 and lower  # struct podflow6_key: fd00::ff is below fd00::1:0, as numbers
+    assert key == a + b + (40000).to_bytes(2, "big") + (80).to_bytes(2, "big")
+    assert carried_key(b, 80, a, 40000) == (key, False)
+
+
+def test_an_ipv6_end_adds_what_the_fast_path_carried_and_a_reused_tuple_keeps_its_own():
+    """IPv6 ends are decoded in full (no fixed offsets for them) and take their counts by the
+    IPv6 key, as IPv4's do: what the map holds, and what a SYN reusing the tuple moved to the ring."""
+    a, b = socket.inet_pton(socket.AF_INET6, CLIENT6), socket.inet_pton(socket.AF_INET6, WEB6)
+    key, _ = carried_key(a, 40000, b, 80)
+    s = 10**9
+    carried = Carried({key: (3, 1, 3_000_000, 52, 21 * s + TAI)}, [(key, (1000, 500, 1_000_000, 26_000, 11 * s + TAI))])
+    r = recorder(carried)
+    first, second = (tcp(CLIENT6, WEB6, 40000, 80, destroyed=True, counters=(6, 400, 5, 300), lived=lived)
+                     for lived in ((10 * s, 15 * s), (20 * s, 30 * s)))
+    feed(r, first, second)
+    assert [(f.src.ip, f.packets_sent, f.bytes_sent, f.packets_received, f.bytes_received) for f in r.ring] == [
+        (CLIENT6, 1006, 1_000_400, 505, 26_300), (CLIENT6, 9, 3_000_400, 6, 352)]
+    assert carried.table == {} and r._restarts == {}
+    # Seen from web's end (web the original source): the other way round.
+    r = recorder(Carried({key: (1000, 500, 1_000_000, 26_000, 0)}))
+    feed(r, tcp(WEB6, CLIENT6, 80, 40000, destroyed=True))
+    assert [(f.bytes_sent, f.bytes_received) for f in r.ring] == [(26_000, 1_000_000)]
+
+
 def test_only_ended_pod_to_pod_tcp_is_looked_up():
     carried = Carried()
     asked = []
@@ -408,8 +438,12 @@ def test_only_ended_pod_to_pod_tcp_is_looked_up():
     r = recorder(carried)
     feed(r, tcp("10.244.1.2", "10.244.2.3", 1, 80),  # not ended
          tcp("10.244.1.2", "10.96.0.10", 2, 80, reply_src="10.244.2.3", destroyed=True, status=ct.IPS_DST_NAT),
-         tcp("10.244.1.2", "10.244.2.3", 3, 80, destroyed=True))
-    assert asked == [carried_key(socket.inet_aton("10.244.1.2"), 3, socket.inet_aton("10.244.2.3"), 80)[0]]
+         tcp("10.244.1.2", "10.244.2.3", 3, 80, destroyed=True),
+         tcp(CLIENT6, "fd00:10:96::a", 4, 80, reply_src=WEB6, destroyed=True, status=ct.IPS_DST_NAT),
+         tcp(CLIENT6, WEB6, 5, 80), tcp(CLIENT6, WEB6, 6, 80, destroyed=True))
+    six = [socket.inet_pton(socket.AF_INET6, a) for a in (CLIENT6, WEB6)]
+    assert asked == [carried_key(socket.inet_aton("10.244.1.2"), 3, socket.inet_aton("10.244.2.3"), 80)[0],
+                     carried_key(six[0], 6, six[1], 80)[0]]
 
 
 def test_since_looks_behind_records_that_came_late():
