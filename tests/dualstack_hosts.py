@@ -249,3 +249,31 @@ async def restart_under_ping(lab, node, pairs) -> tuple[list, list[str]]:
         monitor.kill()
         events, _ = await monitor.communicate()
     return results, events.decode().splitlines()
+
+
+# A sink that takes exactly the given sizes, one connection each, and closes first (so the
+# client's port is free again at once); a source that sends them from one source port.  The
+# family is the address's: the sink listens on argv[1] ("0.0.0.0" or "::").
+SIZES_SINK = """
+import socket, sys
+fam = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
+s = socket.socket(fam); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen()
+print("ready", flush=True)
+for size in map(int, sys.argv[3:]):
+    c, _ = s.accept(); got = 0
+    while got < size:
+        b = c.recv(1 << 20)
+        if not b: break
+        got += len(b)
+    c.close(); print(got, flush=True)
+"""
+SIZES_SOURCE = """
+import socket, sys
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for size in map(int, sys.argv[4:]):
+    c = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    c.bind(("::" if ":" in ip else "0.0.0.0", sport))
+    c.connect((ip, port)); c.sendall(b"x" * size)
+    while c.recv(65536): pass
+    c.close()
+"""

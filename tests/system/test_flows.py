@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from dualstack_hosts import SIZES_SINK, SIZES_SOURCE
 
 from agentd.lab.lab import Lab, LabSpec
 from agentd.lab.netns import unique_tag
@@ -203,44 +204,16 @@ async def test_connection_end_has_bytes_and_duration(shop):
     assert 0 <= end["duration"] < 60
 
 
-# A sink that takes exactly the given sizes, one connection each, and closes first (so the
-# client's port is free again at once); a source that sends them from one source port.  The
-# family is the address's: the sink listens on argv[1] ("0.0.0.0" or "::").
-SINK = """
-import socket, sys
-fam = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
-s = socket.socket(fam); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen()
-print("ready", flush=True)
-for size in map(int, sys.argv[3:]):
-    c, _ = s.accept(); got = 0
-    while got < size:
-        b = c.recv(1 << 20)
-        if not b: break
-        got += len(b)
-    c.close(); print(got, flush=True)
-"""
-SOURCE = """
-import socket, sys
-ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for size in map(int, sys.argv[4:]):
-    c = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    c.bind(("::" if ":" in ip else "0.0.0.0", sport))
-    c.connect((ip, port)); c.sendall(b"x" * size)
-    while c.recv(65536): pass
-    c.close()
-"""
-
-
 async def send_sizes(src, dst, port: int, sport: int, sizes: list[int], version: int = 4) -> None:
     """``sizes`` bytes over one TCP connection each, one after another, from ``src``:``sport``
     to ``dst``'s address of IP ``version``."""
     args = [str(n) for n in sizes]
     listen = "::" if version == 6 else "0.0.0.0"
-    sink = dst.ns.popen(["python3", "-c", SINK, listen, str(port), *args], stdout=subprocess.PIPE, text=True)
+    sink = dst.ns.popen(["python3", "-c", SIZES_SINK, listen, str(port), *args], stdout=subprocess.PIPE, text=True)
     try:
         assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
         ip = dst.address(6) if version == 6 else dst.ip
-        await src.ns.aexec("python3", "-c", SOURCE, ip, str(port), str(sport), *args, timeout=60)
+        await src.ns.aexec("python3", "-c", SIZES_SOURCE, ip, str(port), str(sport), *args, timeout=60)
         got, _ = await asyncio.to_thread(sink.communicate, timeout=30)
         assert got.split() == args
     finally:

@@ -22,7 +22,7 @@ import sys
 from ipaddress import IPv4Network, IPv6Network
 
 import pytest
-from dualstack_hosts import HOOKS, pairs, ping6, transfer6, usable
+from dualstack_hosts import HOOKS, SIZES_SINK, SIZES_SOURCE, pairs, ping6, transfer6, usable
 
 from agentd.dataplane.bpf.podpath import FLOWS6, PodFastPath
 from agentd.flows.recorder import carried_key
@@ -166,36 +166,12 @@ def test_ipv6_from_the_wire_into_the_pod_when_routed_directly(netns_factory, bpf
         fp2.close()
 
 
-# One TCP connection per size from one source port, one after another; the sink closes first,
-# so the port is free again at once (the next SYN meets the sink's TIME_WAIT).
-SIZES_SINK = """
-import socket, sys
-s = socket.socket(socket.AF_INET6); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("::", 5001)); s.listen()
-print("ready", flush=True)
-for size in map(int, sys.argv[1:]):
-    c, _ = s.accept(); got = 0
-    while got < size:
-        b = c.recv(1 << 20)
-        if not b: break
-        got += len(b)
-    c.close(); print(got, flush=True)
-"""
-SIZES_SOURCE = """
-import socket, sys
-for size in map(int, sys.argv[3:]):
-    c = socket.socket(socket.AF_INET6); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("::", int(sys.argv[2])))
-    c.connect((sys.argv[1], 5001)); c.sendall(b"x" * size)
-    while c.recv(65536): pass
-    c.close()
-"""
-
-
 def send_sizes(src, dst, dst_ip: str, sport: int, sizes: list[int]) -> None:
     args = [str(n) for n in sizes]
-    sink = dst.popen([sys.executable, "-c", SIZES_SINK, *args], stdout=subprocess.PIPE, text=True)
+    sink = dst.popen([sys.executable, "-c", SIZES_SINK, "::", "5001", *args], stdout=subprocess.PIPE, text=True)
     try:
         assert sink.stdout.readline().strip() == "ready"
-        src.exec(sys.executable, "-c", SIZES_SOURCE, dst_ip, str(sport), *args, timeout=60)
+        src.exec(sys.executable, "-c", SIZES_SOURCE, dst_ip, "5001", str(sport), *args, timeout=60)
         assert sink.communicate(timeout=30)[0].split() == args
     finally:
         if sink.poll() is None:
