@@ -220,9 +220,12 @@ async def test_dual_stack_services_get_an_address_of_each_family_and_give_them_b
     (up,) = await store.apply([service("up", policy="RequireDualStack")])  # upgrade: the IPv6 address added
     v4, v6 = up.obj["spec"]["clusterIPs"]
     assert v4 == one.obj["spec"]["clusterIP"] and IPv6Address(v6) in RANGE6
-    assert (await allocations(etcd_server))[f"serviceips/{v6}"] == "default/up"
+    held = await allocations(etcd_server)
+    assert held[f"serviceips/{v6}"] == "default/up"
+    # An IPv4 address nobody holds (the ones above are random), beside the taken IPv6 one.
+    free4 = next(str(a) for a in RANGE.hosts() if f"serviceips/{a}" not in held)
     with pytest.raises(Invalid, match=r"spec\.clusterIPs\[1\]: Invalid value: \"%s\": provided IP is already allocated \(to default/up\)" % v6):
-        await store.apply([service("other", ips=["10.96.0.250", v6], policy="RequireDualStack")])
+        await store.apply([service("other", ips=[free4, v6], policy="RequireDualStack")])
     with pytest.raises(Invalid, match="must be set to 'SingleStack' when releasing the secondary clusterIP"):
         await store.apply([service("up", ips=[v4], policy="RequireDualStack")])
     (down,) = await store.apply([service("up", policy="SingleStack")])  # downgrade: the IPv6 address goes
