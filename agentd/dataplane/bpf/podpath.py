@@ -294,17 +294,12 @@ class PodFastPath:
                 out.append((key, FLOW_VALUE.unpack(value)))
         return out
 
-    def take_carried(self, key: bytes, before_tai: int | None = None) -> tuple[int, int, int, int, int] | None:
+    def take_carried(self, key: bytes) -> tuple[int, int, int, int, int] | None:
         """What the programs carry of podflow key ``key`` (as :meth:`carried_restarts` gives
-        it), removed from its family's map; None if nothing -- or, with ``before_tai``, nothing
-        whose first packet was carried before then (a later connection's counts stay for its end)."""
+        it), removed from its family's map in one step; None if nothing."""
         fd = self.maps.get(FLOWS6 if len(key) == FLOW6_KEY.size else FLOWS)
         if fd is None:
             return None
-        if before_tai is not None:
-            raw = lb.map_lookup(fd, key, FLOW_VALUE.size)
-            if raw is None or FLOW_VALUE.unpack(raw)[4] >= before_tai:
-                return None
         raw = lb.map_take(fd, key, FLOW_VALUE.size)
         return FLOW_VALUE.unpack(raw) if raw else None
 
