@@ -7,12 +7,18 @@ and no path is ever quoted into the configuration text:
 1. ``hosts.map``: the request host (Host header, port and case dropped) -> its virtual host;
    if absent, the host with its first label replaced by ``*`` (one wildcard label); if still
    absent, ``_`` (the rules without a host);
-2. ``exact.map`` (``map_str``, a tree): ``vhost + path`` -> backend, for every Exact rule and
-   for every Prefix rule's own path (a request equal to a Prefix rule's path: no longer rule
-   can match it, and an Exact rule of the same path wins);
-3. ``prefix.map`` (``map_beg``, first match in file order): ``vhost + stem + "/"`` -> backend,
-   longest first: the element-wise Prefix match;
+2. ``exact.map`` (``map_str``, a tree): the key -> backend, for every Exact rule and for
+   every Prefix rule's own path (a request equal to a Prefix rule's path: no longer rule can
+   match it, and an Exact rule of the same path wins);
+3. ``prefix.map`` (``map_beg``, first match in file order): the key of ``stem + "/"`` ->
+   backend, longest first: the element-wise Prefix match;
 4. ``defaults.map``: ``vhost`` -> its default backend; then the frontend's default backend.
+
+A key is ``vhost/`` and the normalised path's bytes in hex (:func:`key`): the request path is
+percent-decoded and normalised first, as nginx does (agentd.ingress.routing.normalise_path,
+whose regular expressions the frontend runs), and a decoded path may hold any byte -- a
+space, a tab or a newline would split a map line into a key and a value of the sender's
+choosing; in hex each rule is one line whatever its path, and a byte prefix is a hex prefix.
 
 :mod:`agentd.ingress.routing` is the reference; tests/unit/agentd/test_ingress_haproxy.py runs
 both on the same tables.
@@ -30,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .routing import ANY_HOST, NOT_FOUND, RouteTable
+from .routing import ANY_HOST, BAD_REQUEST, NEEDS_NORMALISING, NORMALISE, NOT_FOUND, RouteTable
 from agentd.resources.ingress_settings import Settings
 
 Server = tuple[str, int]  # (ip, port) of one ready endpoint
@@ -124,6 +130,11 @@ def address(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
 
 
+def key(vhost: str, path: bytes) -> str:
+    """A map key: the virtual host, a slash (a host never has one), the path in hex."""
+    return f"{vhost}/{path.hex().upper()}"
+
+
 def maps(table: RouteTable, cert_files: Mapping[tuple[str, str], Path]) -> dict[str, str]:
     """The map files of ``table``.  ``cert_files``: the PEM file of each usable TLS Secret."""
     hosts, exact, prefix, defaults = [], {}, [], []
@@ -132,12 +143,12 @@ def maps(table: RouteTable, cert_files: Mapping[tuple[str, str], Path]) -> dict[
             hosts.append(f"{name} {name}")
         for rule in vhost.rules:
             if rule.exact:
-                exact[name + rule.path] = rule.backend
+                exact[key(name, rule.key)] = rule.backend
         for rule in vhost.rules:
             if not rule.exact:
                 if rule.stem:
-                    exact.setdefault(name + rule.stem, rule.backend)
-                prefix.append((name + rule.stem + "/", rule.backend))
+                    exact.setdefault(key(name, rule.stem), rule.backend)
+                prefix.append((key(name, rule.stem + b"/"), rule.backend))
         if vhost.default is not None:
             defaults.append(f"{name} {vhost.default}")
     prefix.sort(key=lambda kv: (-len(kv[0]), kv[0]))
@@ -235,7 +246,8 @@ def render(
         # request for /admin with "Host: h/public" keyed as h/public/admin, routed by the
         # /public rule.  Refused as RFC 9112 section 3.2 asks of an invalid Host: 400.
         out.append("    http-request deny deny_status 400 if { req.hdr(host) -m sub / }")
-        out.append(f'    http-request set-var-fmt(txn.key) "%[{vhost}]%[path]"')
+        out += _normalise_path()
+        out.append(f'    http-request set-var-fmt(txn.key) "%[{vhost}]/%[var(txn.path),hex]"')
     if redirects:  # HTTP -> HTTPS for TLS hosts (the exact name, or the wildcard covering it)
         out.append(f"    acl tls_host var(txn.host) -m str -f {d / 'redirect.lst'}")
         if any(h.startswith("*.") for h in redirects):
@@ -264,6 +276,22 @@ def render(
             out.append(f"    server {server_name(server)} {address(*server)}")
     files["haproxy.cfg"] = "\n".join(_squeeze(out)) + "\n"
     return files
+
+
+def _normalise_path() -> list[str]:
+    """The request path as nginx matches it, in ``txn.path`` (routing.normalise_path's
+    steps); 400 where nginx answers 400.  The request itself goes on as sent (ingress-nginx's
+    ``proxy_pass`` names no URI: the pod gets the client's)."""
+    steps = ",".join(f'regsub("{p}","{r}"{",g" if every else ""})' for p, r, every in NORMALISE)
+    return [
+        f"    http-request deny deny_status {BAD_REQUEST} if {{ path -m sub %00 }}",
+        "    http-request set-var(txn.path) path,url_dec",  # fails (no variable) on a bad escape
+        f"    http-request deny deny_status {BAD_REQUEST} if !{{ var(txn.path) -m found }}",
+        # Single quotes: no "$" expanded, the inner double quotes keep the patterns' commas
+        # and parentheses from the converter's argument list.
+        f"    http-request set-var(txn.path) 'var(txn.path),{steps}' if {{ var(txn.path) -m reg '{NEEDS_NORMALISING}' }}",
+        f"    http-request deny deny_status {BAD_REQUEST} if {{ var(txn.path) -m sub /../ }}",
+    ]
 
 
 def _squeeze(lines: list[str]) -> list[str]:

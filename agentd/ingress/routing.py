@@ -20,10 +20,11 @@ features):
   ``/foo/bar``, never ``/foobar``; ``/`` matches every path.  ``ImplementationSpecific`` is
   agentd's choice, documented: it is ``Prefix``.  Of the paths that match, the longest wins
   (its length without a trailing slash); at equal length ``Exact`` beats ``Prefix``.  The
-  query string is not part of the path; the path is matched as sent (not percent-decoded).
-  What a request line cannot carry raw in a rule's path (controls, space, DEL, non-ASCII:
-  RFC 3986 section 2.1, RFC 9112 section 3.2) is percent-encoded as UTF-8 first, so ``/a b``
-  matches what a client sends for it, ``/a%20b`` (the API server accepts such paths).
+  query string is not part of the path.  The request's path is matched as ingress-nginx
+  (nginx) matches its ``location``s: normalised first (:func:`normalise_path`: percent-decoded,
+  ``//`` merged, ``.`` and ``..`` segments resolved), so ``/%61pi``, ``/a%2Fb`` and
+  ``/x/../api`` are ``/api``, ``/a/b`` and ``/api``; a rule's path is taken as written (its
+  UTF-8 bytes), so ``/a b`` matches ``/a%20b`` and ``/café`` matches ``/caf%C3%A9``.
 * **Merging.**  Every Ingress of ours adds its rules.  Two rules for the same host, the same
   match kind and the same path conflict: the one of the OLDEST Ingress (creationTimestamp,
   then namespace/name) wins, as in ingress-nginx; the loser is listed in ``conflicts``.
@@ -41,6 +42,7 @@ A backend is one (Ingress, Service, port): its requests are counted per Ingress.
 from __future__ import annotations
 
 import calendar
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -75,7 +77,7 @@ class Backend:
 
 @dataclass(frozen=True)
 class Rule:
-    path: str  # as written, in the form a client sends it (as_sent); "/" when none is named
+    path: str  # as written; "/" when none is named
     path_type: str
     backend: str  # Backend.name
     ingress: tuple[str, str]
@@ -85,14 +87,20 @@ class Rule:
         return self.path_type == "Exact"
 
     @property
-    def stem(self) -> str:
-        """What a Prefix rule matches on: the path without its trailing slash ("" for "/")."""
-        return self.path if self.exact else self.path.rstrip("/")
+    def key(self) -> bytes:
+        """The path as it is compared with a normalised request path: its UTF-8 bytes, taken
+        literally (nginx compares a ``location`` as written with the decoded URI)."""
+        return self.path.encode("utf-8", "surrogatepass")
 
-    def matches(self, path: str) -> bool:
+    @property
+    def stem(self) -> bytes:
+        """What a Prefix rule matches on: the path without its trailing slash (b"" for "/")."""
+        return self.key if self.exact else self.key.rstrip(b"/")
+
+    def matches(self, path: bytes) -> bool:
         if self.exact:
-            return path == self.path
-        return path == self.stem or path.startswith(self.stem + "/")
+            return path == self.key
+        return path == self.stem or path.startswith(self.stem + b"/")
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -106,7 +114,7 @@ class VirtualHost:
     rules: list[Rule] = field(default_factory=list)  # sorted by rank
     default: str | None = None  # backend name
 
-    def route(self, path: str) -> Rule | None:
+    def route(self, path: bytes) -> Rule | None:
         for rule in self.rules:
             if rule.matches(path):
                 return rule
@@ -140,11 +148,15 @@ class RouteTable:
         return self.vhosts.get(ANY_HOST)
 
     def route(self, host: str, path: str) -> str:
-        """The backend name a request for ``host`` and ``path`` goes to."""
+        """The backend name a request for ``host`` and ``path`` (as sent, without the query)
+        goes to; :data:`BAD_REQUEST` for a path :func:`normalise_path` refuses."""
+        normal = normalise_path(path)
+        if normal is None:
+            return BAD_REQUEST
         vhost = self.vhost_for(host)
         if vhost is None:
             return self.default
-        rule = vhost.route(path)
+        rule = vhost.route(normal)
         if rule is not None:
             return rule.backend
         return vhost.default or self.default
@@ -164,15 +176,37 @@ def normalise_host(host: str) -> str:
     return host.partition(":")[0].lower()
 
 
-def as_sent(path: str) -> str:
-    """A rule's path as a client sends it: every character outside visible ASCII
-    percent-encoded (UTF-8), the rest as written.  Besides matching the request, this keeps
-    the HAProxy map files one rule per line: a space, tab or newline in a path would split
-    its line into a key and a value of the writer's choosing -- a route for another host."""
-    if all(0x20 < ord(c) < 0x7F for c in path):
-        return path
-    return "".join(c if 0x20 < ord(c) < 0x7F else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
-                   for c in path)  # fmt: skip
+# The request path's normalisation, as nginx does it before it matches a ``location``
+# (ngx_http_parse_complex_uri): percent-decode it once, merge slashes, resolve dot segments
+# (RFC 3986 section 5.2.4).  Written as the regular expressions HAProxy's ``regsub`` runs on
+# every request (agentd.ingress.haproxy renders these same patterns; Python's re and PCRE2
+# read them alike), so this reference and the proxy cannot drift apart.
+NEEDS_NORMALISING = r"//|/\.\.?(/|$)"  # a path without these is already normal
+NORMALISE = (
+    ("//+", "/", True),  # merge slashes
+    (r"(/\.\.?)$", r"\1/", False),  # a final "." or ".." ends in a slash ("/a/.." is "/a/")
+    (r"/\.(?=/)", "", True),  # "/./" is "/"
+) + ((r"/(?!\.\.?/)[^/]+/\.\.(?=/)", "", True),) * 8  # "/seg/../" is "/": one level of nesting a pass
+BAD_REQUEST = "400"  # what a path that climbs above the root (or %00, or a bad escape) gets, as from nginx
+_ESCAPE = re.compile(rb"%([0-9A-Fa-f]{2})")
+
+
+def normalise_path(raw: str) -> bytes | None:
+    """The path a request is routed by: percent-decoded, ``//`` merged, ``.`` and ``..``
+    resolved (``/%61pi`` and ``/x/%2E%2E/api`` are ``/api``; ``/a%2Fb`` is ``/a/b``: nginx
+    decodes ``%2F`` too).  None when nginx answers 400: a ``%`` not followed by two hex
+    digits, ``%00``, or a ``..`` above the root (also past eight nested levels, where the
+    proxy's fixed number of passes ends)."""
+    data = raw.encode("utf-8", "surrogatepass")
+    if b"%00" in data or data.count(b"%") != len(_ESCAPE.findall(data)):
+        return None
+    text = _ESCAPE.sub(lambda m: bytes([int(m.group(1), 16)]), data).decode("latin-1")
+    if re.search(NEEDS_NORMALISING, text):
+        for pattern, replacement, every in NORMALISE:
+            text = re.sub(pattern, replacement, text, count=0 if every else 1)
+        if "/../" in text:
+            return None
+    return text.encode("latin-1")
 
 
 def age_key(obj: Obj) -> tuple[float, str, str]:
@@ -223,7 +257,7 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True) -> RouteTable:
                 b = _backend(ns, name, p["backend"])
                 table.backends[b.name] = b
                 kind = p["pathType"]
-                r = Rule(as_sent(p.get("path") or "/"), "Exact" if kind == "Exact" else "Prefix", b.name, me)
+                r = Rule(p.get("path") or "/", "Exact" if kind == "Exact" else "Prefix", b.name, me)
                 key = (host, r.exact, r.stem)
                 if key in seen:
                     if seen[key] != me:

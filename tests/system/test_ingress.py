@@ -301,6 +301,24 @@ async def test_path_rules(world: World):
         await world.delete("Ingress", "paths")
 
 
+async def test_the_request_path_is_normalised_as_ingress_nginx_does(world: World):
+    """Rules match the path nginx matches its locations against (percent-decoded, %2F
+    included, dot segments resolved, slashes merged); the pod still gets the path as sent."""
+    await world.apply(ingress("normal", [rule("normal.example", path("/a/b", "Prefix", "foo"), path("/api", "Prefix", "bar"),
+                                                path("/admin", "Prefix", "web"))]))  # fmt: skip
+    try:
+        as_is = ("--path-as-is",)  # curl would resolve the dot segments itself
+        cases = {"/a%2Fb": "foo-1", "/%61pi/v1": "bar-1", "/api/../admin": WEBS, "//api": "bar-1",
+                 "/x/%2E%2E/a/./b": "foo-1", "/../admin": 400, "/a%252Fb": 404}  # fmt: skip
+        for p, want in cases.items():
+            got = await world.served_by(f"http://normal.example{p}", args=as_is)
+            assert got in want if isinstance(want, set) else got == want, (p, got, want)
+        status, body, _ = await world.curl("http://normal.example/api/../admin?q=%2F", args=as_is)
+        assert status == 200 and body["path"] == "/api/../admin?q=%2F", body
+    finally:
+        await world.delete("Ingress", "normal")
+
+
 async def test_default_backend_404_503_and_other_classes(world: World):
     # Nothing of ours: the built-in default backend.
     status, body, _ = await world.curl("http://my-host/")

@@ -143,7 +143,10 @@ def lookup(files: dict[str, str], table: routing.RouteTable, host: str, path: st
     h = routing.normalise_host(host)
     label, dot, parent = h.partition(".")
     vhost = hosts.get(h) or (hosts.get("*." + parent) if label and dot else None) or routing.ANY_HOST
-    key = vhost + path
+    normal = routing.normalise_path(path)
+    if normal is None:
+        return routing.BAD_REQUEST
+    key = haproxy.key(vhost, normal)
     backend = dict(kv("exact.map")).get(key)
     if backend is None:
         backend = next((b for k, b in kv("prefix.map") if key.startswith(k)), None)  # map_beg: first in file order
@@ -169,11 +172,14 @@ SEGMENTS = st.sampled_from(["a", "b", "ab", "aa"])
 PATHS = st.lists(SEGMENTS, min_size=0, max_size=3).map(lambda parts: "/" + "/".join(parts))
 RULE_PATHS = st.tuples(PATHS, st.booleans(), st.sampled_from(["Exact", "Prefix", "ImplementationSpecific"]))
 HOSTS = st.sampled_from(["x.io", "y.x.io", "*.x.io", None])
+# What a client may send for them: escaped, with dot segments and doubled slashes.
+REQUEST_PATHS = st.lists(st.sampled_from(["a", "b", "ab", "aa", "%61", "a%2Fb", ".", "..", "%2E%2E", ""]),
+                         min_size=0, max_size=4).map(lambda parts: "/" + "/".join(parts))  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(HOSTS, st.lists(RULE_PATHS, min_size=1, max_size=4)), min_size=1, max_size=4),
-       st.sampled_from(["x.io", "y.x.io", "z.x.io", "q.y.x.io", "other"]), PATHS, st.booleans())  # fmt: skip
+       st.sampled_from(["x.io", "y.x.io", "z.x.io", "q.y.x.io", "other"]), REQUEST_PATHS, st.booleans())  # fmt: skip
 def test_the_maps_answer_as_the_table_on_any_rules(rules, host, path, slash):
     spec_rules = []
     for i, (h, paths) in enumerate(rules):
@@ -187,7 +193,7 @@ def test_the_maps_answer_as_the_table_on_any_rules(rules, host, path, slash):
     assert lookup(render(table), table, host, request) == table.route(host, request)
 
 
-def test_a_path_with_spaces_or_newlines_matches_as_sent_and_keeps_to_its_own_map_line():
+def test_a_path_with_spaces_or_newlines_matches_decoded_and_keeps_to_its_own_map_line():
     # The API server accepts any character after the leading "/" of a path.  Written raw, a
     # newline would add a map line of the Ingress writer's choosing (here: every request
     # for api.example to this Ingress's backend), a space or tab split its key from its value.
@@ -203,10 +209,37 @@ def test_a_path_with_spaces_or_newlines_matches_as_sent_and_keeps_to_its_own_map
             assert value in table.backends and key.startswith(("evil.test/", "api.example/")), (name, line)
     assert svc_of(table, lookup(files, table, "api.example", "/")) == "api"
     assert svc_of(table, lookup(files, table, "api.example", "/x")) == "api"
-    for path, want in (("/a%20b", "space"), ("/a b", 404), ("/t%09u/v", "tab"), ("/caf%C3%A9", "utf8"),
+    for path, want in (("/a%20b", "space"), ("/a%2520b", 404), ("/t%09u/v", "tab"), ("/caf%C3%A9", "utf8"),
                        ("/z%0Aapi.example/%20ing.default.evil.c.8080%0Ax/1", "c")):  # fmt: skip
         assert svc_of(table, table.route("evil.test", path)) == want, path
         assert lookup(files, table, "evil.test", path) == table.route("evil.test", path), path
+
+
+# The request path as nginx 1.22 normalises it before matching a location ($uri), seen with
+# a real nginx: percent-decoded once (%2F too), slashes merged, dot segments resolved; 400
+# for a bad escape, %00, or a ".." above the root.
+NGINX_URI = {
+    "/a%2Fb": b"/a/b", "/a%2fb/c": b"/a/b/c", "/%61pi": b"/api", "/api/../admin": b"/admin",
+    "/api/%2E%2E/admin": b"/admin", "/api%2F..%2Fadmin": b"/admin", "//api": b"/api", "/api/./x": b"/api/x",
+    "/../admin": None, "/%2e%2e/admin": None, "/a%20b": b"/a b", "/x%00y": None, "/x%3Fy": b"/x?y",
+    "/%252F": b"/%2F", "/api/..": b"/", "/x/..%2F..%2Fadmin": None, "/api/.": b"/api/", "/a/b/../../..": None,
+    "/a/./../b": b"/b", "/%zz": None, "/a%2": None, "/a/b/c/d/e/../../../../../x": b"/x", "/a/.../b": b"/a/.../b",
+    "/a/..b/c": b"/a/..b/c", "/caf%C3%A9": "/caf\u00e9".encode(), "/a+b": b"/a+b", "/./": b"/", "/.": b"/",
+    "/a/./.": b"/a/", "/a/.//../b": b"/b",
+}  # fmt: skip
+
+
+def test_the_request_path_is_normalised_as_nginx_does():
+    for raw, want in NGINX_URI.items():
+        assert routing.normalise_path(raw) == want, raw
+    table = routing.build([ing("n", [{"host": "h", "http": {"paths": [
+        p("/a/b", "Prefix", "ab"), p("/api", "Prefix", "api"), p("/admin", "Exact", "admin")]}}])])
+    files = render(table)
+    for path, want in (("/a%2Fb", "ab"), ("/%61pi/v1", "api"), ("/api/../admin", "admin"), ("/x/..%2Fapi", "api"),
+                       ("/../admin", routing.BAD_REQUEST), ("/apix/../api", "api"), ("/a%252Fb", 404)):  # fmt: skip
+        got = table.route("h", path)
+        assert (got if got == routing.BAD_REQUEST else svc_of(table, got)) == want, path
+        assert lookup(files, table, "h", path) == got, path
 
 
 def test_a_host_header_with_a_slash_is_refused_before_it_is_keyed():
@@ -246,3 +279,4 @@ def test_show_proc_names_the_master_and_its_workers():
     assert master == (26601, 2)
     assert workers == [proxy.Worker(26890, 0), proxy.Worker(26750, 1)]
     assert proxy.parse_proc("") == (None, [])
+
