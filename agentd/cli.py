@@ -626,9 +626,10 @@ def _ingress_line(ing: dict[str, Any]) -> str:
     where = ", ".join(_cell(a) for a in ing.get("addresses") or []) or "-"
     state = f"HAProxy pid {ing.get('pid')} worker {ing.get('worker')}" if ing.get("running") else "proxy NOT RUNNING"
     error = ing.get("error") or ing.get("settings_error")
+    tls = "".join(f"\n  TLS Secret {_cell(secret)}: {_cell(why)}" for secret, why in sorted((ing.get("tls_errors") or {}).items()))
     return (f"Ingress on {where} (http {ing.get('http_port')}, https {ing.get('https_port')})  {state}"
             f"  ingresses {ing.get('ingresses', 0)}  reloads {ing.get('reloads', 0)}  restarts {ing.get('restarts', 0)}"
-            f"{'  ERROR ' + _cell(error) if error else ''}")
+            f"{'  ERROR ' + _cell(error) if error else ''}{tls}")
 
 
 def render_status(status: dict[str, Any]) -> str:

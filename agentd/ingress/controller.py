@@ -298,13 +298,20 @@ class IngressController:
         """PEM (certificate chain + key) of every Secret the table's TLS hosts name."""
         out: dict[tuple[str, str], bytes] = {}
         errors = {}
+        hosts: dict[tuple[str, str], list[str]] = {}
         for t in self.table.tls:
+            if t.secret is not None:
+                hosts.setdefault(t.secret, []).append(t.host or "*")
+        for t in self.table.tls:
+            if t.secret is None:
+                continue
             secret = self.objects["Secret"].get(t.secret)
             where = f"{t.secret[0]}/{t.secret[1]}"
+            served = f"{', '.join(hosts[t.secret])} served with the default certificate"
             if secret is None:
-                errors[where] = "no such Secret: its hosts get the default certificate"
+                errors[where] = f"no such Secret: {served}"
             elif secret.get("type") != TLS_TYPE:
-                errors[where] = f"type is {secret.get('type')}, not {TLS_TYPE}"
+                errors[where] = f"type is {secret.get('type')}, not {TLS_TYPE}: {served}"
             else:
                 data = secret.get("data", {})
                 crt = base64.b64decode(data[TLS_CERT_KEY])
@@ -353,7 +360,8 @@ class IngressController:
             log.error("ingress: %s; using the default settings", self.settings_error)
         self.settings = settings.Settings()
         cert_paths = {t.secret: self.paths.certs / f"{t.secret[0]}.{t.secret[1]}.pem"
-                      for t in self.table.tls if (self.paths.certs / f"{t.secret[0]}.{t.secret[1]}.pem").exists()}  # fmt: skip
+                      for t in self.table.tls
+                      if t.secret is not None and (self.paths.certs / f"{t.secret[0]}.{t.secret[1]}.pem").exists()}  # fmt: skip
         files = haproxy.render(self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths)
         await asyncio.to_thread(self._write_files, {**{k: v.encode() for k, v in files.items()},
                                                     **{f"certs/{p.name}": p.read_bytes() for p in cert_paths.values()}})  # fmt: skip

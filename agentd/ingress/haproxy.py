@@ -152,10 +152,12 @@ def maps(table: RouteTable, cert_files: Mapping[tuple[str, str], Path]) -> dict[
         if vhost.default is not None:
             defaults.append(f"{name} {vhost.default}")
     prefix.sort(key=lambda kv: (-len(kv[0]), kv[0]))
-    redirect = sorted({t.host for t in table.tls if t.redirect and t.host and t.secret in cert_files})
+    # Every TLS host is redirected, its Secret usable or not (ingress-nginx serves the default
+    # certificate then, and still redirects).
+    redirect = sorted({t.host for t in table.tls if t.redirect and t.host})
     crt = []
     for t in table.tls:
-        if t.secret in cert_files:
+        if t.secret is not None and t.secret in cert_files:
             crt.append(f"{cert_files[t.secret]}{' ' + t.host if t.host else ''}")
     return {
         "hosts.map": _lines(hosts),

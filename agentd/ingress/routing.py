@@ -34,7 +34,8 @@ features):
 * **TLS.**  ``tls[]`` entries give each host its Secret (SNI); a host named by several
   Ingresses takes the oldest one's.  Plain-HTTP requests for a TLS host are redirected to
   HTTPS (308) unless switched off (ConfigMap ``ssl-redirect``, Ingress annotation
-  ``ingress.agentd.io/ssl-redirect``).
+  ``ingress.agentd.io/ssl-redirect``) -- also when its Secret is missing or unusable (or
+  the entry names none): it is then served with the default certificate, as in ingress-nginx.
 
 A backend is one (Ingress, Service, port): its requests are counted per Ingress.
 """
@@ -124,7 +125,7 @@ class VirtualHost:
 @dataclass(frozen=True)
 class TlsHost:
     host: str  # exact or "*.parent"; "" for a tls entry without hosts (its certificate's own names)
-    secret: tuple[str, str]  # (namespace, name)
+    secret: tuple[str, str] | None  # (namespace, name); None: the entry names none (the default certificate)
     ingress: tuple[str, str]
     redirect: bool
 
@@ -269,16 +270,16 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True) -> RouteTable:
                 vhost.rules.append(r)
         redirect = _redirect(ing, ssl_redirect)
         for t in spec.get("tls", []):
-            secret = t.get("secretName")
-            if not secret:
-                continue
-            for host in t.get("hosts") or [""]:
+            # Without a secretName the hosts are still TLS hosts, served with the default
+            # certificate and redirected, as ingress-nginx does.
+            secret = (ns, t["secretName"]) if t.get("secretName") else None
+            for host in t.get("hosts") or ([""] if secret else []):
                 if host in tls_seen and host:
                     if tls_seen[host] != me:
                         table.conflicts.append(f"{ns}/{name}: tls for {host}: already given by {tls_seen[host][0]}/{tls_seen[host][1]}")
                     continue
                 tls_seen[host] = me
-                table.tls.append(TlsHost(host, (ns, secret), me, redirect))
+                table.tls.append(TlsHost(host, secret, me, redirect))
     for vhost in table.vhosts.values():
         vhost.rules.sort(key=lambda r: r.rank)
     return table

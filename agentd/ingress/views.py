@@ -42,6 +42,7 @@ class IngressViews:
             "last_change": c.last_change,
             "error": c.error,
             "settings_error": c.settings_error,
+            "tls_errors": dict(c.tls_errors),  # Secret -> why its hosts get the default certificate
         }
 
     def view(self) -> dict[str, Any]:
@@ -68,8 +69,8 @@ class IngressViews:
             "default_backend": c.table.default,
             "hosts": vhosts,
             "backends": backends,
-            "tls": [{"host": t.host or "*", "secret": "/".join(t.secret), "redirect": t.redirect} for t in c.table.tls],
-            "tls_errors": dict(c.tls_errors),
+            "tls": [{"host": t.host or "*", "secret": "/".join(t.secret) if t.secret else None, "redirect": t.redirect}
+                    for t in c.table.tls],  # fmt: skip
             "conflicts": list(c.table.conflicts),
             "proxy_servers": servers,
         }

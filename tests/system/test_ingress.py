@@ -227,12 +227,15 @@ WEBS = {"web-1", "web-2", "web-3"}
 async def test_host_rules_and_tls_with_sni_and_redirect(world: World):
     """Conformance host_rules, plus a second TLS host on the same port (SNI picks the
     certificate, which curl checks against the test CA), the 308 redirect, and the default
-    certificate for a host without a Secret."""
+    certificate for a host without a Secret -- and for a TLS host whose Secret is missing,
+    still redirected (as ingress-nginx does), the missing Secret named in /ingress and
+    `agentd status`."""
     await world.apply(
         tls_secret("foo-tls", ["foo.bar.com"], world.ca_pair), tls_secret("shop-tls", ["shop.example"], world.ca_pair),
         ingress("hosts", [rule("*.foo.com", path("/", "Prefix", "web")), rule("foo.bar.com", path("/", "Prefix", "foo")),
-                          rule("shop.example", path("/", "Prefix", "bar"))],
-                tls=[{"hosts": ["foo.bar.com"], "secretName": "foo-tls"}, {"hosts": ["shop.example"], "secretName": "shop-tls"}]),
+                          rule("shop.example", path("/", "Prefix", "bar")), rule("nosecret.example", path("/", "Prefix", "foo"))],
+                tls=[{"hosts": ["foo.bar.com"], "secretName": "foo-tls"}, {"hosts": ["shop.example"], "secretName": "shop-tls"},
+                     {"hosts": ["nosecret.example"], "secretName": "missing-tls"}]),
     )  # fmt: skip
     try:
         for node in range(3):  # served on every node
@@ -251,6 +254,18 @@ async def test_host_rules_and_tls_with_sni_and_redirect(world: World):
         assert rc != 0 and b"certificate" in err.lower(), err
         # ... but is served over TLS (without checking the certificate).
         assert await world.served_by("https://bar.foo.com/", args=("-k",)) in WEBS
+        # A TLS host whose Secret is missing: redirected all the same, served with the default
+        # certificate, the Secret named where an operator looks.
+        status, _, headers = await world.curl("http://nosecret.example/a?b=1")
+        assert status == 308 and headers["location"] == "https://nosecret.example/a?b=1", (status, headers)
+        assert await world.served_by("https://nosecret.example/", args=("-k",)) == "foo-1"
+        rc, _, err = await world.lab.underlay.aexec("curl", "-sS", "--cacert", str(world.ca), "--resolve",
+                                                    f"nosecret.example:443:{world.node_ips[0]}", "https://nosecret.example/", check=False)  # fmt: skip
+        assert rc != 0 and b"certificate" in err.lower(), err
+        why = world.proxy()["tls_errors"].get(f"{NS}/missing-tls", "")
+        assert why.startswith("no such Secret") and "nosecret.example" in why, world.proxy()["tls_errors"]
+        rc, out, _ = await world.lab.nodes[0].ns.aexec(binary("agentd"), "status", check=False)
+        assert rc == 0 and f"TLS Secret {NS}/missing-tls: no such Secret" in out.decode(), out
         # Switched off for one Ingress: plain HTTP is served.
         off = ingress("hosts", [rule("foo.bar.com", path("/", "Prefix", "foo"))],
                       tls=[{"hosts": ["foo.bar.com"], "secretName": "foo-tls"}])

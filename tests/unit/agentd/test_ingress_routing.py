@@ -280,3 +280,15 @@ def test_show_proc_names_the_master_and_its_workers():
     assert workers == [proxy.Worker(26890, 0), proxy.Worker(26750, 1)]
     assert proxy.parse_proc("") == (None, [])
 
+
+def test_a_tls_host_is_redirected_whatever_its_secret():
+    # ingress-nginx redirects every host of a tls section and serves its default certificate
+    # where the Secret is missing or bad: no Secret is no reason to serve plain HTTP.
+    tls = [{"hosts": ["ok.example"], "secretName": "ok"}, {"hosts": ["gone.example"], "secretName": "gone"},
+           {"hosts": ["unnamed.example"]}]  # fmt: skip
+    table = routing.build([ing("t", [{"host": h, "http": {"paths": [p("/", "Prefix", "s")]}}
+                                     for h in ("ok.example", "gone.example", "unnamed.example")], tls=tls)])  # fmt: skip
+    files = haproxy.maps(table, {("default", "ok"): Path("/run/x/certs/default.ok.pem")})
+    assert files["redirect.lst"].split() == ["gone.example", "ok.example", "unnamed.example"]
+    assert files["crt-list"] == "/run/x/certs/default.ok.pem ok.example\n"  # the others: the default certificate
+    assert all(table.redirects(h) for h in ("ok.example", "gone.example", "unnamed.example"))
