@@ -70,17 +70,24 @@ def up(args) -> int:
         print()
         print(_matrix(lab, version if spec.ip_family == "dual" else None))
     print()
-    print(f"Lab {spec.name} is up. Try:")
-    print(f"  agentd lab status --name {spec.name}")
-    print(f"  agentd lab exec --name {spec.name} node1 -- agentd status")
-    if lab.pods:
-        for version in _versions(spec.ip_family):
-            print(f"  agentd lab exec --name {spec.name} {lab.pods[0].name} -- ping -c 3 {lab.pods[-1].address(version)}")
-    if spec.ingress:
-        print(f"  agentd lab exec --name {spec.name} underlay -- curl -s http://{lab.nodes[0].address}/  "
-              "(the ingress, from outside the pod network: docs/ingress.md)")
-    print(f"  agentd lab down --name {spec.name}")
+    pings = [(lab.pods[0].name, lab.pods[-1].address(v)) for v in _versions(spec.ip_family)] if lab.pods else []
+    print(try_hints(spec.name, [n.name for n in lab.nodes], pings, lab.nodes[0].address if spec.ingress else None))
     return 0
+
+
+def try_hints(name: str, nodes: list[str], pings: list[tuple[str, str]], ingress_address: str | None) -> str:
+    """What ``agentd lab up`` suggests next: each line a command that works as printed.
+    ``pings``: (pod, address) pairs; ``ingress_address``: a node's, when the lab has an ingress."""
+    lines = [f"Lab {name} is up. Try:",
+             f"  agentd lab status --name {name}",
+             f"  agentd lab exec --name {name} {nodes[0]} -- agentd status"]  # fmt: skip
+    lines += [f"  agentd lab exec --name {name} {pod} -- ping -c 3 {address}" for pod, address in pings]
+    if ingress_address is not None:
+        lines.append(f"  agentd lab exec --name {name} underlay -- curl -s http://{ingress_address}/  "
+                     "(the ingress, from outside the pod network: docs/ingress.md)")
+    lines.append(f"  agentd lab restart --name {name} {nodes[-1]} [--kill]  (its agent stops and starts again; --kill: a crash)")
+    lines.append(f"  agentd lab down --name {name}")
+    return "\n".join(lines)
 
 
 MATRIX_PODS = 16  # a larger lab gets a count and the failing pairs instead of the matrix

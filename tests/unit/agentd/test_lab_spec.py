@@ -3,7 +3,7 @@ reach each other, each in one line that says what to use instead."""
 
 import pytest
 
-from agentd.lab.commands import check_spec
+from agentd.lab.commands import check_spec, try_hints
 from agentd.lab.lab import LabError, LabSpec
 
 
@@ -45,3 +45,26 @@ def test_ipv6_only_refuses_the_ipv4_underlay_backends(backend):
 def test_the_other_refusals_stay():
     assert _problem(backend="host-gw", encap="cross-subnet") is not None
     assert _problem(ip_family="ipv4", ipv4_underlay=True) == "--ipv4-underlay goes with --ip-family dual"
+
+
+def test_the_hints_after_lab_up_are_commands_the_cli_takes():
+    import argparse
+
+    from agentd.lab.cli import add_lab_arguments
+
+    text = try_hints("demo", ["node1", "node2", "node3"], [("node1-pod1", "10.244.3.2")], "172.30.0.11")
+    lines = text.splitlines()
+    assert lines[0] == "Lab demo is up. Try:"
+    assert "  agentd lab restart --name demo node3 [--kill]  (its agent stops and starts again; --kill: a crash)" in lines
+    assert lines[-1] == "  agentd lab down --name demo"
+    parser = argparse.ArgumentParser(prog="agentd lab")
+    add_lab_arguments(parser)
+    for line in lines[1:]:
+        argv = line.split("  (")[0].split()[2:]  # after "agentd lab", without the explanation
+        argv = [a.strip("[]") for a in argv]
+        if "--" in argv:
+            argv = argv[: argv.index("--") + 2]
+        args = parser.parse_args(argv)  # exits (SystemExit) on a command the CLI does not take
+        assert args.name == "demo", line
+    restart = parser.parse_args(["restart", "--name", "demo", "node3", "--kill"])
+    assert (restart.node, restart.kill) == ("node3", True)
