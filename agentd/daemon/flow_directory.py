@@ -8,11 +8,14 @@ services agents already know, never a second copy.
   last programmed;
 * a drop prefix: a pod chain's (``pod-in/...``, ``pod-out/...``: the pod, the direction and
   the policies isolating it, :meth:`agentd.policy.agent.PolicyAgent.explain_drop`),
-  ``spoofed``, or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``).
+  ``spoofed``, or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``);
+* the pod on an interface (a spoofed packet's sender): the node's side of each local pod's
+  veth, as agentd-cni's endpoint files name it (the policy agent's publisher).
 """
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +60,10 @@ class FlowDirectory:
         key = engine.by_ip.get(ip)
         if key is None:
             return None
+        return self._identity_of(key)
+
+    def _identity_of(self, key: Any) -> Identity | None:
+        engine = self.policy.engine  # type: ignore[union-attr]
         pod = engine.pods.get(key)
         if pod is None:
             return None
@@ -68,6 +75,18 @@ class FlowDirectory:
             self._ids.clear()
         self._ids[key] = (pod, ident)
         return ident
+
+    def pod_on(self, ifindex: int) -> tuple[str, Identity | None] | None:
+        try:
+            name = socket.if_indextoname(ifindex)  # this node's namespace: the agent's own
+        except OSError:  # gone since the packet was logged
+            return None
+        if self.policy is None:
+            return name, None
+        for ep in self.policy.publisher.endpoints.values():  # this node's pods: a short scan, for rate-limited drops
+            if ep.interface == name:
+                return name, self._identity_of(ep.key)
+        return name, None
 
     def service(self, ip: str, proto: int, port: int) -> str | None:
         if self.services is None:

@@ -88,6 +88,8 @@ class Flow:
     packets_received: int | None = None
     duration: float | None = None
     suppressed: int = 0  # drops like this one the agent folded since the last record of them
+    sender: Identity | None = None  # spoofed: the pod whose veth it came in on (src names whom it pretends to be)
+    sender_interface: str | None = None  # spoofed: that veth (the node's side)
     seq: int = 0  # the ring's number for it
 
     def json(self) -> dict[str, Any]:
@@ -110,6 +112,11 @@ class Flow:
                        duration=None if self.duration is None else round(self.duration, 6))
         if self.suppressed:
             out["suppressed"] = self.suppressed
+        if self.sender_interface is not None:
+            out["sender"] = {"interface": self.sender_interface}
+            if self.sender is not None:
+                s = self.sender
+                out["sender"].update(pod=s.pod, namespace=s.namespace, node=s.node, labels=dict(s.labels))
         return out
 
 
@@ -188,13 +195,17 @@ class FlowFilter:
             return False
         if self.service and f.service not in self.service:
             return False
-        if self.pod and not any(e.identity and e.identity.pod in self.pod for e in ends):
+        sender = f.sender  # a spoofed packet's sender is one of its ends too
+        if self.pod and not (any(e.identity and e.identity.pod in self.pod for e in ends)
+                             or (sender and sender.pod in self.pod)):  # fmt: skip
             return False
-        if self.from_pod and not (f.src.identity and f.src.identity.pod in self.from_pod):
+        if self.from_pod and not ((f.src.identity and f.src.identity.pod in self.from_pod)
+                                  or (sender and sender.pod in self.from_pod)):  # fmt: skip
             return False
         if self.to_pod and not (f.dst.identity and f.dst.identity.pod in self.to_pod):
             return False
-        if self.namespace and not any(e.identity and e.identity.namespace in self.namespace for e in ends):
+        if self.namespace and not (any(e.identity and e.identity.namespace in self.namespace for e in ends)
+                                   or (sender and sender.namespace in self.namespace)):  # fmt: skip
             return False
         if self.label and not any(e.identity and _labels_match(e.identity.labels, self.label) for e in ends):
             return False

@@ -104,6 +104,11 @@ class Directory(Protocol):
 
     def drop(self, prefix: str) -> Drop | None: ...
 
+    def pod_on(self, ifindex: int) -> tuple[str, Identity | None] | None:
+        """The interface ``ifindex`` of the node (its name) and the local pod whose veth it is;
+        None when there is no such interface (any more)."""
+        ...
+
 
 # (packets sent by the lower end, by the other, bytes sent by the lower end, by the other,
 # CLOCK_TAI ns of the first packet carried)
@@ -572,6 +577,12 @@ class FlowRecorder:
             flow.service_ip, flow.service_port = p.dst, p.dport
         if meaning is not None:
             flow.policies, flow.default_deny = tuple(meaning.policies), meaning.default_deny
+        if reason == "spoofed" and p.port:
+            # The source address names whom the packet pretends to be; the veth it came in
+            # on names who sent it.
+            on = d.pod_on(p.port)
+            if on is not None:
+                flow.sender_interface, flow.sender = on
         return flow
 
     def _count(self, entries: list[Entry]) -> None:

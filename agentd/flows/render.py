@@ -46,6 +46,10 @@ def info(r: dict[str, Any]) -> str:
                 text += " (default deny)"
         else:
             text = _clean(r.get("reason_text") or reason)
+        sender = r.get("sender")
+        if isinstance(sender, dict):
+            who = f"{_clean(sender['pod'])} on " if sender.get("pod") else ""
+            text += f" (sent by {who}{_clean(sender.get('interface'))})"
         if r.get("suppressed"):
             text += f" (+{r['suppressed']} like it)"
         return text

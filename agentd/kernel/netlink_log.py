@@ -15,7 +15,9 @@ codec (:mod:`agentd.kernel.netlink`)::
             NFULA_CFG_TIMEOUT __be32 (1/100 s), NFULA_CFG_QTHRESH __be32, NFULA_CFG_NLBUFSIZ __be32,
             NFULA_CFG_FLAGS __be16
     packet: NFULA_PACKET_HDR { __be16 hw_protocol; u8 hook; u8 pad }, NFULA_PREFIX (string),
-            NFULA_IFINDEX_INDEV / OUTDEV __be32, NFULA_TIMESTAMP { __be64 sec; __be64 usec },
+            NFULA_IFINDEX_INDEV / OUTDEV __be32, NFULA_IFINDEX_PHYSINDEV __be32 (a bridged
+            packet's bridge port, where INDEV is the bridge: nfnetlink_log.c with
+            CONFIG_BRIDGE_NETFILTER), NFULA_TIMESTAMP { __be64 sec; __be64 usec },
             NFULA_SEQ __be32 (with NFULNL_CFG_F_SEQ), NFULA_PAYLOAD (the packet from its
             network header, up to copy_range bytes)
 
@@ -53,6 +55,7 @@ NFULA_PACKET_HDR = 1
 NFULA_TIMESTAMP = 3
 NFULA_IFINDEX_INDEV = 4
 NFULA_IFINDEX_OUTDEV = 5
+NFULA_IFINDEX_PHYSINDEV = 6
 NFULA_PAYLOAD = 9
 NFULA_PREFIX = 10
 NFULA_SEQ = 12
@@ -104,6 +107,12 @@ class Packet(NamedTuple):
     proto: int
     sport: int  # ports, or ICMP type and code
     dport: int
+    physindev: int = 0  # the bridge port it came in on (a bridge family hook's packet), 0: none
+
+    @property
+    def port(self) -> int:
+        """The interface it came in on: the bridge port if bridged, else the input device."""
+        return self.physindev or self.indev
 
 
 def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
@@ -114,7 +123,7 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
     family = buf[start]
     prefix = ""
     when = 0.0
-    indev = outdev = 0
+    indev = outdev = physindev = 0
     seq = None
     payload = None
     for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
@@ -126,6 +135,8 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
             indev = _be32(buf, vs, ve, "NFULA_IFINDEX_INDEV")
         elif atype == NFULA_IFINDEX_OUTDEV:
             outdev = _be32(buf, vs, ve, "NFULA_IFINDEX_OUTDEV")
+        elif atype == NFULA_IFINDEX_PHYSINDEV:
+            physindev = _be32(buf, vs, ve, "NFULA_IFINDEX_PHYSINDEV")
         elif atype == NFULA_SEQ:
             seq = _be32(buf, vs, ve, "NFULA_SEQ")
         elif atype == NFULA_TIMESTAMP:
@@ -138,7 +149,7 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
     headers = ip_summary(buf, *payload)
     if headers is None:
         return None
-    return Packet(prefix, family, when, indev, outdev, seq, *headers)
+    return Packet(prefix, family, when, indev, outdev, seq, *headers, physindev=physindev)
 
 
 def _be32(buf: bytes, start: int, end: int, what: str) -> int:

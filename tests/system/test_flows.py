@@ -415,6 +415,37 @@ async def test_same_node_pods_are_seen(shop):
     assert drops[-1]["dst"]["pod"] == "shop/web" and drops[-1]["policies"] == ["shop/default-deny", "shop/web-from-clients"]
 
 
+SEND_FROM = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 0))
+for _ in range(3):
+    s.sendto(b"x", (sys.argv[2], 9))
+"""
+
+
+async def test_a_spoofed_source_names_the_pod_that_sent_it(shop):
+    """lobby/a sends from an address that is not its own: the bridge drops it, and the record
+    names a as the sender (the veth it came in on), whatever its source address says."""
+    a, b, node2 = shop.pods["a"], shop.pods["b"], shop.lab.nodes[1]
+    spoofed = a.ip.rsplit(".", 1)[0] + ".250"  # in node2's pod subnet, nobody's
+    a.ns.ip("addr", "add", f"{spoofed}/32", "dev", "eth0")
+    try:
+        await a.ns.aexec(sys.executable, "-c", SEND_FROM, spoofed, b.ip, timeout=30)
+    finally:
+        a.ns.ip("addr", "del", f"{spoofed}/32", "dev", "eth0")
+    got = await records(node2, "--reason", "spoofed", "--from-pod", "lobby/a", "--ip", spoofed,
+                        want=lambda r: r, what="node2's spoofed drop naming lobby/a")  # fmt: skip
+    d = got[-1]
+    assert d["src"]["ip"] == spoofed and "pod" not in d["src"] and d["dst"]["pod"] == "lobby/b", d
+    sender = d["sender"]
+    assert sender["pod"] == "lobby/a" and sender["node"] == "node2" and sender["labels"] == {"app": "a"}, d
+    assert sender["interface"] in node2.ns.exec("ip", "-o", "link", "show", "master", "cni0"), sender
+    rc, out, _ = await node2.ns.aexec(binary("agentd"), "flows", "--reason", "spoofed", "--ip", spoofed, "--last", "1",
+                                      "--config", str(node2.config_path), check=False)  # fmt: skip
+    assert rc == 0 and f"sent by lobby/a on {sender['interface']}" in out.decode(), out
+
+
 async def test_services_show_vip_endpoint_and_refusals(shop):
     web, node1 = shop.pods["web"], shop.lab.nodes[0]
     assert (await shop.echo["client"].tcp(shop.vip["web"], 80))["names"] == {"web": 1}

@@ -95,9 +95,10 @@ def test_bind_and_settings_bytes():
 
 
 def logged_packet(prefix: str, src: str, dst: str, proto: int, sport: int, dport: int, seq: int = 1,
-                  when: tuple[int, int] | None = (1700000000, 250000)) -> bytes:
+                  when: tuple[int, int] | None = (1700000000, 250000), devices: tuple[int, int] | None = None) -> bytes:
     """An NFULNL_MSG_PACKET as the kernel sends one; ``when``: NFULA_TIMESTAMP (seconds,
-    microseconds), None for none (the kernel sends it only for packets it stamped)."""
+    microseconds), None for none (the kernel sends it only for packets it stamped); ``devices``:
+    (NFULA_IFINDEX_INDEV, NFULA_IFINDEX_PHYSINDEV), as for a bridge hook's packet."""
     if proto == P.IPPROTO_TCP:
         payload = P.tcp_packet(src, dst, P.TcpHeader(sport, dport, 1, 0, P.TCP_SYN, 64240))
     else:
@@ -105,6 +106,9 @@ def logged_packet(prefix: str, src: str, dst: str, proto: int, sport: int, dport
     stamp = nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", *when)) if when is not None else b""
     body = (nl.attr(nflog.NFULA_PREFIX, prefix.encode() + b"\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", seq))
             + stamp + nl.attr(nflog.NFULA_PAYLOAD, payload))
+    if devices is not None:
+        body += nl.attr(nflog.NFULA_IFINDEX_INDEV, struct.pack("!I", devices[0]))
+        body += nl.attr(nflog.NFULA_IFINDEX_PHYSINDEV, struct.pack("!I", devices[1]))
     return nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
 
 
@@ -197,7 +201,12 @@ class Directory:
         return "shop/web" if (ip, proto, port) == ("10.96.0.10", 6, 80) else None
 
     def drop(self, prefix):
+        if prefix == "spoofed":
+            return Meaning("spoofed", "egress")
         return Meaning("policy", "ingress", ("shop/default-deny",), True) if prefix == "pod-in/shop/web" else None
+
+    def pod_on(self, ifindex):
+        return {7: ("vethclient", CLIENT), 8: ("vethgone", None)}.get(ifindex)
 
 
 def recorder() -> FlowRecorder:
@@ -495,3 +504,24 @@ async def test_a_followed_node_that_refuses_is_given_up_and_a_broken_one_asked_l
     # The refusal said once for the outage, the record passed on, each new reason said.
     assert [b"401" in line for line in said] == [True, False, False, False]
     assert said[1] == b'{"time": 1}\n' and b"ended the stream" in said[2] and b"reset" in said[3]
+
+
+def test_a_spoofed_drop_names_the_pod_whose_veth_sent_it():
+    # A bridged packet: NFLOG's INDEV is the bridge (3), PHYSINDEV the pod's port (7).  The
+    # source address is web's: whom it pretends to be; the port says client sent it.
+    r = recorder()
+    flow = r.dropped(_decoded(logged_packet("spoofed", "10.244.2.3", "10.244.2.9", 17, 5000, 81, devices=(3, 7))))
+    assert flow is not None
+    j = flow.json()
+    assert (j["reason"], j["src"]["pod"]) == ("spoofed", "shop/web")
+    assert j["sender"] == {"interface": "vethclient", "pod": "shop/client", "namespace": "shop", "node": "node1",
+                           "labels": {"app": "client"}}  # fmt: skip
+    assert "source address is not the pod's own (sent by shop/client on vethclient)" in line(j)
+    # `agentd flows --from-pod shop/client` shows it: client sent it, whatever address it wrote.
+    assert FlowFilter.parse([("from-pod", "shop/client")]).matches(flow)
+    assert FlowFilter.parse([("pod", "shop/client")]).matches(flow)
+    # An interface that is no pod's: named alone; a policy drop: no sender.
+    j = r.dropped(_decoded(logged_packet("spoofed", "10.244.2.3", "10.244.2.9", 17, 5002, 81, devices=(3, 8)))).json()  # type: ignore[union-attr]
+    assert j["sender"] == {"interface": "vethgone"} and "(sent by vethgone)" in line(j)
+    j = r.dropped(_decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, devices=(3, 7)))).json()  # type: ignore[union-attr]
+    assert "sender" not in j
