@@ -165,8 +165,9 @@ class _Handlers:
             told = 0
             while True:
                 try:
-                    line = await asyncio.wait_for(merge.queue.get(), KEEPALIVE)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(KEEPALIVE):  # not wait_for: the stream's cancel must end it
+                        line = await merge.queue.get()
+                except TimeoutError:
                     line = b"\n"
                 if merge.lost != told:  # what the merged stream could not hold, said before the next line
                     await resp.write(_line({"lost": merge.lost - told}))
@@ -291,8 +292,9 @@ async def _local_flows(resp: web.StreamResponse, view: FlowViews, flt: FlowFilte
         lost = 0
         while True:
             try:
-                flow = await asyncio.wait_for(follower.queue.get(), KEEPALIVE)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(KEEPALIVE):  # not wait_for: the stream's cancel must end it
+                    flow = await follower.queue.get()
+            except TimeoutError:
                 await resp.write(b"\n")
                 continue
             if follower.lost != lost:

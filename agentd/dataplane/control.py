@@ -40,7 +40,10 @@ class DataplaneClient:
     @classmethod
     async def connect(cls, path: str, timeout: float = 5.0) -> DataplaneClient:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path, limit=16 << 20), timeout)
+            # Not wait_for: on Python 3.11 a cancel as the connection is made would leave it open
+            # (or be dropped); under asyncio.timeout the connection and the cancel stay ours.
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_unix_connection(path, limit=16 << 20)
         except (OSError, asyncio.TimeoutError) as exc:
             raise DataplaneError(f"cannot connect to the data-plane worker at {path}: {exc}") from None
         return cls(reader, writer, path)
@@ -50,7 +53,8 @@ class DataplaneClient:
             try:
                 self._writer.write(json.dumps(request).encode() + b"\n")
                 await self._writer.drain()
-                line = await asyncio.wait_for(self._reader.readline(), timeout)
+                async with asyncio.timeout(timeout):  # a cancel while the lock is held must propagate
+                    line = await self._reader.readline()
             except (OSError, asyncio.TimeoutError) as exc:
                 raise DataplaneError(f"data-plane worker at {self.path}: {exc or type(exc).__name__}") from None
         if not line:

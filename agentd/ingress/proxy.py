@@ -60,7 +60,10 @@ class Worker:
 async def _ask(path: Path, command: str, timeout: float = SOCKET_TIMEOUT) -> str:
     """One command on a HAProxy CLI socket (non-interactive: the answer ends at EOF)."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), timeout)
+        # Not wait_for: on Python 3.11 a cancel as the connection is made would leave it open
+        # (or be dropped); under asyncio.timeout the connection and the cancel stay ours.
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_unix_connection(str(path))
     except (OSError, TimeoutError) as err:
         raise ProxyError(f"cannot reach {path.name}: {err or type(err).__name__}") from None
     try:
@@ -68,7 +71,8 @@ async def _ask(path: Path, command: str, timeout: float = SOCKET_TIMEOUT) -> str
         await writer.drain()
         if writer.can_write_eof():
             writer.write_eof()
-        return (await asyncio.wait_for(reader.read(), timeout)).decode(errors="replace")
+        async with asyncio.timeout(timeout):
+            return (await reader.read()).decode(errors="replace")
     except (OSError, TimeoutError, RuntimeError) as err:  # RuntimeError: uvloop, the peer closed (a re-exec)
         raise ProxyError(f"{path.name}: {command!r}: {err or type(err).__name__}") from None
     finally:
@@ -259,7 +263,8 @@ class Proxy:
         if self._exited is None:
             return True
         try:
-            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: a cancel as the proxy exits must not be lost
+                await asyncio.shield(self._exited)
         except TimeoutError:
             return False
         return True

@@ -189,8 +189,9 @@ class NetlinkSocket:
 
         loop.add_reader(self.sock.fileno(), ready)
         try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # not wait_for: a cancel as the socket turns readable must not be lost
+                return await fut
+        except TimeoutError:
             return False
         finally:
             loop.remove_reader(self.sock.fileno())

@@ -265,9 +265,10 @@ class EtcdServer(LabProcess):
             sock.setblocking(False)
             await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.client_port)), 1.0)
             context = self._client_ssl()
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(sock=sock, ssl=context, server_hostname=self.host if context else None), 2.0
-            )
+            async with asyncio.timeout(2.0):  # not wait_for: the connection must not escape a cancel
+                reader, writer = await asyncio.open_connection(
+                    sock=sock, ssl=context, server_hostname=self.host if context else None
+                )
             writer.write(f"GET {path} HTTP/1.0\r\nHost: {self.host}\r\n\r\n".encode())
             return await asyncio.wait_for(reader.read(), 2.0)
         except (OSError, asyncio.TimeoutError):

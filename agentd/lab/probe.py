@@ -50,7 +50,8 @@ class _Echo(asyncio.DatagramProtocol):
 
 async def _tcp_probe(ip: str, port: int, timeout: float) -> bool:
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for: the connection must not escape a cancel
+            reader, writer = await asyncio.open_connection(ip, port)
     except (OSError, TimeoutError):
         return False
     try:

@@ -94,7 +94,8 @@ async def _tcp(ip: str, port: int, count: int, timeout: float) -> dict[str, Any]
     failed = 0
     for _ in range(count):
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: the connection must not escape a cancel
+                reader, writer = await asyncio.open_connection(ip, port)
         except (OSError, TimeoutError):
             failed += 1
             continue
@@ -116,7 +117,8 @@ async def _crr(ip: str, port: int, seconds: float, parallel: int, timeout: float
     async def one_loop() -> None:
         while loop.time() < end:
             try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
+                async with asyncio.timeout(timeout):
+                    reader, writer = await asyncio.open_connection(ip, port)
                 name = await _ask(reader, writer, timeout)
                 writer.close()
                 done[0 if name else 1] += 1
@@ -189,7 +191,8 @@ async def _main(name: str, ports: list[tuple[str, int]]) -> None:
             )
         elif "hold" in req:
             try:
-                r, w = await asyncio.wait_for(asyncio.open_connection(req["hold"][0], int(req["hold"][1])), timeout)
+                async with asyncio.timeout(timeout):
+                    r, w = await asyncio.open_connection(req["hold"][0], int(req["hold"][1]))
                 held[req["id"]] = (r, w)
                 result = {"name": await _ask(r, w, timeout)}
             except (OSError, TimeoutError):

@@ -79,7 +79,10 @@ class PodPublisher:
         etcd snapshot) and the files have been read."""
         while True:
             try:
-                await asyncio.wait_for(self.wake.wait(), PUBLISH_INTERVAL)
+                # Not wait_for: on Python 3.11 it drops a cancel that comes as the wait ends,
+                # and the agent stopping would wait for this loop for ever.
+                async with asyncio.timeout(PUBLISH_INTERVAL):
+                    await self.wake.wait()
             except TimeoutError:
                 pass
             self.wake.clear()

@@ -221,7 +221,8 @@ class DnsServer:
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await asyncio.wait_for(reader.readexactly(2), 10)
+                async with asyncio.timeout(10):  # not wait_for: a cancel (the server closing) must end the loop
+                    head = await reader.readexactly(2)
                 (length,) = struct.unpack("!H", head)
                 out = await self.answer(await reader.readexactly(length), tcp=True)
                 if out is None:
