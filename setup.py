@@ -2,6 +2,8 @@
 
 * agentd/dataplane/_fastpath.c: the user-space worker's C loops (a CPython extension; optional,
   /status says what runs where it is not built).
+* agentd/kernel/_ctevents.c: the flow recorder's per-event loop over conntrack events (a CPython
+  extension; optional: the recorder's Python loop does the same where it is not built).
 * agentd/dataplane/bpf/datapath.c: the in-kernel data path, compiled with clang for the BPF
   target into datapath.bpf.o, which the agent loads through libbpf (optional: without clang
   there is no object and udp/ipip fall back to the user-space worker, saying so).
@@ -72,6 +74,12 @@ setup(
             ["agentd/dataplane/_fastpath.c"],
             extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             optional=True,
-        )
+        ),
+        Extension(
+            "agentd.kernel._ctevents",
+            ["agentd/kernel/_ctevents.c"],
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            optional=True,
+        ),
     ],
 )

@@ -162,7 +162,7 @@ def ring_memory(size: int = 10_000, pods: int = 50, *, deferred: bool = False) -
         src, dst = f"10.244.{k % 250}.{k % 200}", f"10.244.7.{k % 200}"
         if deferred:
             data = destroy_message(src, dst, 30000 + k % 30000, 8080)
-            ring.add(PendingConnection(recorder, data, ct.MSG_DELETE, 16, len(data), (a, b, b), None, time.time()))
+            ring.add(PendingConnection(recorder, (data, ct.MSG_DELETE, a, b, b, None), None, time.time()))
             continue
         ring.add(Flow(time.time(), "node1", "end", "TCP", Peer(src, 30000 + k % 30000, a),
                       Peer(dst, 8080, b), "egress", bytes_sent=k, bytes_received=k,

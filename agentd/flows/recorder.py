@@ -142,33 +142,41 @@ def carried_key(src: bytes, sport: int, dst: bytes, dport: int) -> tuple[bytes, 
     return a + b + ap.to_bytes(2, "big") + bp.to_bytes(2, "big"), lower
 
 
+# A conntrack event as its read gives it (agentd/kernel/_ctevents.c, or the recorder's Python
+# loop): (the datagram -- one message --, its type, the names of its original source,
+# original destination and reply source, and for a DESTROY of TCP between pods while the fast
+# path counts: (its carried_key, whether the source is the lower end, conntrack's start and stop
+# stamps), else None).
+Carry = tuple[bytes, bool, int, int]
+Event = tuple[bytes, int, Identity | None, Identity | None, Identity | None, Carry | None]
+
+
 class PendingConnection(Deferred):
     """A conntrack event as the kernel sent it, with its ends named when it came; the record
     is made when it is first read."""
 
-    __slots__ = ("recorder", "data", "mtype", "start", "end", "names", "carried", "received", "_flow")
+    __slots__ = ("recorder", "event", "carried", "received", "_flow")
 
-    def __init__(self, recorder: FlowRecorder, data: bytes, mtype: int, start: int, end: int,
-                 names: tuple[Identity | None, Identity | None, Identity | None],
-                 carried: tuple[int, int, int, int] | None, received: float) -> None:
+    def __init__(self, recorder: FlowRecorder, event: Event, carried: tuple[int, int, int, int] | None,
+                 received: float) -> None:
         self.recorder = recorder
-        self.data: bytes | None = data
-        self.mtype, self.start, self.end = mtype, start, end
-        self.names = names  # the original source, original destination, reply source
+        self.event: Event | None = event
         self.carried = carried  # (packets, bytes) each way of the original direction, by the fast path
         self.received = received
         self._flow: Flow | None = None
 
     def flow(self) -> Flow:
         if self._flow is None:
-            assert self.data is not None
-            ev = ct.decode_event(self.mtype, self.data, self.start, self.end)
+            assert self.event is not None
+            data, mtype, *names, _carry = self.event
+            ev = ct.decode_event(mtype, data, nl.NLMSG_HDRLEN, len(data))
             assert ev is not None  # its tuples were read when it came
-            flow = self.recorder.connection(ev, names=self.names, carried=self.carried, received=self.received)
+            flow = self.recorder.connection(ev, names=tuple(names), carried=self.carried,  # type: ignore[arg-type]
+                                            received=self.received)
             assert flow is not None
             flow.seq = self.seq
             self._flow = flow
-            self.data = self.recorder = self.names = self.carried = None  # type: ignore[assignment]
+            self.event = self.recorder = self.carried = None  # type: ignore[assignment]
         return self._flow
 
 
@@ -217,6 +225,8 @@ class FlowRecorder:
         self._log_seq: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: str | None = None
+        # The per-event loop: in C where it is built (it then reads the socket too), else here.
+        self.fast = ct.fast_events is not None
 
     # ------------------------------------------------------------------ lifecycle (blocking)
 
@@ -293,6 +303,9 @@ class FlowRecorder:
         sock, loop = self.ct_sock, self._loop
         if sock is None or loop is None:
             return
+        if self.fast and isinstance(sock, NetlinkSocket):
+            self._drain_fast(sock, loop)
+            return
         batch: list[bytes] = []
         try:
             while len(batch) < CT_BUDGET:
@@ -315,68 +328,125 @@ class FlowRecorder:
             else:
                 loop.add_reader(sock.fileno(), self._ct_ready)
 
+    def _drain_fast(self, sock: NetlinkSocket, loop: asyncio.AbstractEventLoop) -> None:
+        """:meth:`_drain_conntrack` with the socket read and its events looked at in C
+        (agentd/kernel/_ctevents.c): names forgotten first if the pods changed (they are
+        asked as the events are read), the fast path's news once the events are in hand."""
+        n = 0
+        try:
+            self._begin_names()
+            assert ct.fast_events is not None
+            items, n, lost = ct.fast_events.drain(sock.fileno(), CT_BUDGET, self._names, self._name,
+                                                  self.service_ranges, self.carried is not None)
+            self.lost["conntrack"] += lost
+            self._begin_carried()
+            self._on_conntrack_items(items, self.clock())
+        finally:
+            if n >= CT_BUDGET:
+                loop.call_soon(self._drain_conntrack)
+            else:
+                loop.add_reader(sock.fileno(), self._ct_ready)
+
     def _begin(self) -> None:
         """Once the events of a read are in hand, before they are looked at: the fast path's
-        counts of reused tuples (a SYN that reused a tuple passed the program before conntrack
-        ended the old entry and sent its DESTROY, so the counts of every end in hand are in the
-        ring by now), and names forgotten if the pods changed since the last read (an address
-        may be someone else now)."""
+        counts of reused tuples (:meth:`_begin_carried`) and names forgotten if the pods
+        changed since the last read (:meth:`_begin_names`)."""
+        self._begin_carried()
+        self._begin_names()
+
+    def _begin_carried(self) -> None:
+        """The fast path's counts of reused tuples: a SYN that reused a tuple passed the
+        program before conntrack ended the old entry and sent its DESTROY, so the counts of
+        every end in hand are in the ring by now."""
         if self.carried is not None:
             self._take_restarts()
             self._tai_offset = self.tai_offset()
+
+    def _begin_names(self) -> None:
+        """Names forgotten if the pods changed since the last read (an address may be someone
+        else now)."""
         version = self.directory.version()
         if version != self._names_version or len(self._names) > NAMES_MAX:
             self._names.clear()
             self._names_version = version
 
-    def _on_conntrack_datagrams(self, batch: list[bytes], now: float) -> None:
-        """A read's events, into the ring in the order they came.  The common kind -- one IPv4
-        event a datagram, laid out as the kernel lays them out -- is taken in one loop, which
-        is most of what the agent does per pod connection; the rest the long way."""
-        entries: list[Entry] = []
-        names, name, carried, hdr = self._names, self._name, self.carried, nl.NLMSG_HDRLEN
+    def _decode(self, batch: list[bytes]) -> list[Event | bytes]:
+        """A read's datagrams as :data:`Event` s, in C where it is built, else
+        :meth:`_decode_here`."""
+        if self.fast and ct.fast_events is not None:
+            return ct.fast_events.decode(batch, self._names, self._name, self.service_ranges, self.carried is not None)
+        return self._decode_here(batch)
+
+    def _decode_here(self, batch: list[bytes]) -> list[Event | bytes]:
+        """What agentd/kernel/_ctevents.c does, in Python: each datagram of one IPv4 event laid
+        out as the kernel lays them out read at fixed offsets and its ends named (the node's
+        own left out); any other datagram as it is, for :meth:`_on_conntrack_datagram`."""
+        out: list[Event | bytes] = []
+        names, name, counting, hdr = self._names, self._name, self.carried is not None, nl.NLMSG_HDRLEN
         for data in batch:
-            try:
-                mlen, mtype = _NLMSG.unpack_from(data)
-                fields = ct.ipv4_tuples(mtype, data, hdr, mlen) if mlen == len(data) else None
-                if fields is None:
-                    if entries:
-                        self.ring.extend(entries)
-                        entries = []
-                    self._on_conntrack_datagram(data, now)
-                    continue
-                src, dst, proto, sport, dport, reply_src, _reply_sport = fields
-                n_src, n_dst, n_reply = names.get(src, _UNKNOWN), names.get(dst, _UNKNOWN), names.get(reply_src, _UNKNOWN)
-                if n_src is _UNKNOWN:
-                    n_src = name(src)
-                if n_dst is _UNKNOWN:
-                    n_dst = name(dst)
-                if n_reply is _UNKNOWN:
-                    n_reply = name(reply_src)
-                if n_src is None and n_dst is None and n_reply is None and not self._in_services(dst):
-                    continue  # the node's own traffic (etcd, BGP)
-                counts = None
-                if mtype == ct.MSG_DELETE and proto == TCP and carried is not None and n_src and n_dst:
-                    counts = self._carried(src, sport, dst, dport, *ct.lifetime(data, hdr, mlen))
-                entries.append(PendingConnection(self, data, mtype, hdr, mlen, (n_src, n_dst, n_reply), counts, now))
-            except (nl.NetlinkDecodeError, struct.error) as err:
-                self.malformed += 1
-                log.debug("flows: malformed conntrack message: %s", err)
+            if len(data) < hdr + nl.NFGENMSG_LEN:
+                out.append(data)
+                continue
+            mlen, mtype = _NLMSG.unpack_from(data)
+            fields = ct.ipv4_tuples(mtype, data, hdr, mlen) if mlen == len(data) else None
+            if fields is None:
+                out.append(data)
+                continue
+            src, dst, proto, sport, dport, reply_src, _reply_sport = fields
+            n_src, n_dst, n_reply = names.get(src, _UNKNOWN), names.get(dst, _UNKNOWN), names.get(reply_src, _UNKNOWN)
+            if n_src is _UNKNOWN:
+                n_src = name(src)
+            if n_dst is _UNKNOWN:
+                n_dst = name(dst)
+            if n_reply is _UNKNOWN:
+                n_reply = name(reply_src)
+            if n_src is None and n_dst is None and n_reply is None and not self._in_services(dst):
+                continue  # the node's own traffic (etcd, BGP)
+            carry = None
+            if mtype == ct.MSG_DELETE and proto == TCP and counting and n_src and n_dst:
+                carry = (*carried_key(src, sport, dst, dport), *ct.lifetime(data, hdr, mlen))
+            out.append((data, mtype, n_src, n_dst, n_reply, carry))  # type: ignore[arg-type]
+        return out
+
+    def _on_conntrack_datagrams(self, batch: list[bytes], now: float) -> None:
+        """A read's datagrams, into the ring in the order they came."""
+        self._on_conntrack_items(self._decode(batch), now)
+
+    def _on_conntrack_items(self, items: list[Event | bytes], now: float) -> None:
+        """A read's events (:meth:`_decode`), into the ring in the order they came: the common
+        kind as :class:`PendingConnection` s in one loop -- with what the fast path carried
+        of an ended one -- the rest the long way."""
+        entries: list[Entry] = []
+        carried = self._carried
+        for item in items:
+            if type(item) is bytes:
+                if entries:
+                    self._extend(entries)
+                    entries = []
+                self._on_conntrack_long(item)
+                continue
+            carry = item[5]  # type: ignore[index]
+            entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now))  # type: ignore[arg-type]
+        if entries:
+            self._extend(entries)
+
+    def _extend(self, entries: list[Entry]) -> None:
         self.events += len(entries)
         self.ring.extend(entries)
 
     def _on_conntrack_datagram(self, data: bytes, now: float) -> None:
         """One datagram of conntrack events, whatever its layout."""
-        mlen, mtype = _NLMSG.unpack_from(data)
-        if mlen != len(data):  # events come one per datagram; anything else the long way
+        self._on_conntrack_items(self._decode([data]), now)
+
+    def _on_conntrack_long(self, data: bytes) -> None:
+        """A datagram not read at fixed offsets (IPv6, laid out otherwise, more than one
+        message, malformed): every message of it, decoded whole; what is malformed counted."""
+        try:
             for mtype, _flags, _seq, _pid, start, end in nl.iter_messages(data):
                 self._on_conntrack(mtype, data, start, end)
-            return
-        b = ct.brief(mtype, data, nl.NLMSG_HDRLEN, mlen)
-        if b is None:  # IPv6, or laid out otherwise: read it all now
-            self._on_conntrack(mtype, data, nl.NLMSG_HDRLEN, mlen)
-            return
-        self._on_conntrack_datagrams([data], now)
+        except (nl.NetlinkDecodeError, struct.error) as err:
+            self.malformed += 1
+            log.debug("flows: malformed conntrack message: %s", err)
 
     def _name(self, address: bytes) -> Identity | None:
         """Who a 4-byte address is: the directory's answer, remembered until the pods change."""
@@ -418,12 +488,12 @@ class FlowRecorder:
             return None
         family = socket.AF_INET6 if ":" in o.src else socket.AF_INET
         src, dst = socket.inet_pton(family, o.src), socket.inet_pton(family, o.dst)
-        return self._carried(src, o.sport, dst, o.dport, ev.start_ns, ev.stop_ns)
+        return self._carried(*carried_key(src, o.sport, dst, o.dport), ev.start_ns, ev.stop_ns)
 
-    def _carried(self, src: bytes, sport: int, dst: bytes, dport: int, born: int,
-                 died: int) -> tuple[int, int, int, int] | None:
-        """What the fast path carried of a connection that ended (conntrack's start and stop
-        stamps ``born`` and ``died``, real-time ns, 0 if it kept none): (packets, bytes) of its
+    def _carried(self, key: bytes, src_lower: bool, born: int, died: int) -> tuple[int, int, int, int] | None:
+        """What the fast path carried of a connection that ended (its :func:`carried_key`,
+        whether its original source is the lower end, conntrack's start and stop stamps
+        ``born`` and ``died``, real-time ns, 0 if it kept none): (packets, bytes) of its
         original direction, then of its reply direction.
 
         Its counts are those whose first packet was carried while it lived: a SYN that reused
@@ -436,7 +506,6 @@ class FlowRecorder:
         of it afterwards: its end adds both); counts first carried before its start are an
         earlier connection's whose end went by."""
         assert self.carried is not None
-        key, src_lower = carried_key(src, sport, dst, dport)
         waiting = self._restarts.pop(key, None)
         counts: list[int] | None = None
         if not died:  # no stamps (made before they were turned on): in the order they came
@@ -586,12 +655,14 @@ class FlowRecorder:
         return flow
 
     def _count(self, entries: list[Entry]) -> None:
+        made = [e for e in entries if type(e) is Flow]  # the rest: connections not read yet
         flows = self.flows
-        for entry in entries:
-            flows[entry.verdict] += 1
-            if entry.verdict == "dropped":
-                flow: Flow = entry  # type: ignore[assignment]  # drops are records from the start
-                self.drops[(flow.reason or "unknown", flow.direction)] += 1 + flow.suppressed
+        if len(made) != len(entries):
+            flows["forwarded"] += len(entries) - len(made)
+        for flow in made:
+            flows[flow.verdict] += 1
+            if flow.verdict == "dropped":
+                self.drops[(flow.reason or "unknown", flow.direction)] += 1 + flow.suppressed  # type: ignore[union-attr]
 
 
 # ------------------------------------------------------------------ conntrack's settings

@@ -294,6 +294,18 @@ _LIFETIME_LEN += 8
 _LIFETIME_FIELDS = struct.Struct(f"!{_END + 88}xQ4xQ")
 assert _PORTS_FIELDS.size == _PORTS_LEN and _ICMP_FIELDS.size == _ICMP_LEN and _LIFETIME_FIELDS.size == _LIFETIME_LEN
 
+# The flow recorder's per-event loop in C (agentd/kernel/_ctevents.c: a read of the socket and
+# its events in one call), given these layouts; None where it is not built (the recorder's
+# Python loop does the same then).
+try:
+    from agentd.kernel import _ctevents as fast_events
+except ImportError:  # not built: scripts/dev setup and pip install build it
+    fast_events = None
+else:
+    fast_events.configure(*(v.to_bytes(n, "little") for n, m, w in (
+        (_PORTS_LEN, _PORTS_MASK, _PORTS_WANT), (_ICMP_LEN, _ICMP_MASK, _ICMP_WANT),
+        (_LIFETIME_LEN, _LIFETIME_MASK, _LIFETIME_WANT)) for v in (m, w)))
+
 
 class CtBrief(NamedTuple):
     """Who an IPv4 event is about, read without walking its attributes: addresses as the

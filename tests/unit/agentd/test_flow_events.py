@@ -1,11 +1,12 @@
 """What keeps flow records cheap, pure: conntrack events read at fixed offsets (against events
-a Linux 6.18 kernel sent), the classic BPF filter the kernel runs on them for the recorder's
+a Linux 6.18 kernel sent; in C, agentd/kernel/_ctevents.c, as in Python), the classic BPF filter the kernel runs on them for the recorder's
 socket (run here by a small interpreter of the instructions it uses), records made only when
 read but naming their pods as they were when the event came, and the pod fast path's counts
 added to a connection's end -- a tuple reused before its end came included."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import struct
 
@@ -15,6 +16,7 @@ from agentd.flows.model import FlowFilter, Identity
 from agentd.flows.recorder import FlowRecorder, PendingConnection, carried_key
 from agentd.flows.ring import FlowRing
 from agentd.kernel import netlink as nl
+from agentd.kernel import _ctevents  # the recorder's per-event loop in C: scripts/dev setup builds it
 from agentd.kernel import netlink_ct as ct
 
 # Events as the kernel sent them (captured in a lab node: nf_conntrack_acct and _timestamp on).
@@ -51,6 +53,17 @@ TCP_DESTROY = bytes.fromhex(
     "1b0018ee25857d52e4c2")
 PODS = (int.from_bytes(socket.inet_aton("10.244.0.0"), "big"), 0xFFFF0000)
 SERVICES = (int.from_bytes(socket.inet_aton("10.96.0.0"), "big"), 0xFFF00000)
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def per_event_loop(request, monkeypatch):
+    """Every test with the recorder's per-event loop in C (agentd/kernel/_ctevents.c, as the
+    agent runs it) and in Python (its fall-back and reference)."""
+    if request.param == "c":
+        assert ct.fast_events is not None, "agentd/kernel/_ctevents.c is not built (scripts/dev setup)"
+    else:
+        monkeypatch.setattr(ct, "fast_events", None)
+    return request.param
 
 
 def body(msg: bytes) -> tuple[int, int, int]:
@@ -237,7 +250,7 @@ def test_records_are_made_when_read_with_the_names_of_when_they_came():
     (flow,) = r.ring.last(FlowFilter.parse([("to-pod", "shop/web")]), 10)
     assert (flow.src.identity, flow.dst.identity, flow.direction, flow.seq) == (CLIENT, WEB, "ingress", 1)
     assert flow.time == 1000.0  # no CTA_TIMESTAMP_EVENT in this one: when it was read
-    assert entry.data is None  # the kernel's bytes go once the record is made
+    assert entry.event is None  # the kernel's bytes go once the record is made
 
 
 def test_names_are_asked_once_per_address_until_the_pods_change():
@@ -456,3 +469,80 @@ def test_since_looks_behind_records_that_came_late():
         ring.add(flow)
     assert [f.time for f in ring.last(FlowFilter(), 10, since=11.5)] == [12.0, 11.9, 12.5]
     assert [f.time for f in ring.last(FlowFilter(), 2)] == [11.9, 12.5]
+
+
+# ------------------------------------------------------------------ the per-event loop in C
+
+
+class Everyone(Directory):
+    """Names every address but the node's own (172.30.0.0/16): the captured events' too."""
+
+    def identity(self, ip):
+        self.asked += 1
+        return None if ip.startswith("172.30.") else Identity(f"ns/{ip}", "node1", {}, True)
+
+
+def real_and_made() -> list[bytes]:
+    """The captured events, and events made to every layout the recorder meets."""
+    s = 10**9
+    made = [tcp("10.244.1.2", "10.244.2.3", 40000, 80), tcp("10.244.2.3", "10.244.1.2", 80, 40000, destroyed=True),
+            tcp("10.244.1.2", "10.244.2.3", 40001, 80, destroyed=True, lived=(10 * s, 20 * s)),
+            tcp("10.244.1.2", "10.96.0.10", 2, 80, reply_src="10.244.2.3", destroyed=True, status=ct.IPS_DST_NAT),
+            tcp("172.30.0.11", "172.30.0.2", 1, 2379), tcp("172.30.0.2", "10.96.0.10", 1, 80, reply_src="172.30.0.9"),
+            tcp(CLIENT6, WEB6, 5, 80), tcp(CLIENT6, WEB6, 6, 80, destroyed=True)]
+    return [ICMP_NEW, TCP_NEW, UDP_NEW, LOOPBACK_NEW, TCP_DESTROY, *made, TCP_DESTROY + TCP_NEW]
+
+
+@pytest.mark.parametrize("counting", [False, True])
+def test_the_c_loop_reads_what_the_python_loop_reads(counting):
+    batch = real_and_made()
+    r = FlowRecorder("node2", Everyone(), "/nonexistent", group=143, clock=lambda: 1000.0,
+                     carried=Carried() if counting else None, services=[ipaddress.IPv4Network("10.96.0.0/12")])
+    r._begin()
+    here = r._decode_here(batch)
+    asked = r.directory.asked
+    assert _ctevents.decode(batch, r._names, r._name, r.service_ranges, counting) == here
+    assert r.directory.asked == asked  # the names the Python loop asked for are remembered
+    kinds = [item if type(item) is bytes else item[:2] for item in here]
+    assert kinds[:5] == [(m, ct.MSG_NEW) for m in (ICMP_NEW, TCP_NEW, UDP_NEW, LOOPBACK_NEW)] + [
+        (TCP_DESTROY, ct.MSG_DELETE)]
+    assert batch[9] not in kinds  # the node's own (etcd): left out ...
+    assert (batch[10], ct.MSG_NEW) in kinds  # ... but not a Service's connection from the node
+    assert kinds[-3:] == batch[-3:]  # IPv6, two messages in one datagram: as they came, the long way
+    carries = [item[5] for item in here if type(item) is tuple and item[5]]
+    if counting:  # the DESTROYs of TCP between pods: their key, their source's end, their lifetime
+        a, b = socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3")
+        assert carries[1:] == [(carried_key(b, 80, a, 40000)[0], False, 0, 0),
+                               (carried_key(a, 40001, b, 80)[0], True, 10 * 10**9, 20 * 10**9),
+                               (carried_key(a, 2, socket.inet_aton("10.96.0.10"), 80)[0], False, 0, 0)]
+        _mtype, start, end = body(TCP_DESTROY)
+        assert carries[0][2:] == ct.lifetime(TCP_DESTROY, start, end) != (0, 0)
+    else:
+        assert carries == []
+
+
+def test_the_c_loop_reads_a_socket_in_batches():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with a, b:
+        a.setblocking(False)
+        r = recorder()
+        batch = [tcp("10.244.1.2", "10.244.2.3", 40000 + i, 80) for i in range(150)] + [b"\x01\x02"]
+        for msg in batch:
+            b.send(msg)
+        items, n, lost = _ctevents.drain(a.fileno(), 100, r._names, r._name, [], False)
+        assert (n, lost) == (128, 0)  # whole reads of 64 until the budget is reached
+        assert [item[0] for item in items] == batch[:128]
+        items, n, lost = _ctevents.drain(a.fileno(), 100, r._names, r._name, [], False)
+        assert (n, lost, items[-1]) == (23, 0, b"\x01\x02") and len(items) == 23
+        assert _ctevents.drain(a.fileno(), 100, r._names, r._name, [], False) == ([], 0, 0)
+    with pytest.raises(OSError):
+        _ctevents.drain(a.fileno(), 100, r._names, r._name, [], False)  # closed
+
+
+def test_malformed_datagrams_are_counted_never_raised():
+    r = recorder()
+    cut = TCP_NEW[:100]
+    lying = bytearray(TCP_NEW)
+    lying[0] += 8  # says it is longer than it is
+    feed(r, b"\x01", cut, bytes(lying), b"", tcp("10.244.1.2", "10.244.2.3", 40000, 80))
+    assert r.malformed == 3 and len(r.ring) == 1  # (an empty datagram holds no message)

@@ -1,0 +1,390 @@
+/* agentd conntrack events: the flow recorder's per-event loop in C (a CPython extension).
+ *
+ * A node's agent hears two conntrack events per pod connection (NEW, DESTROY) over ctnetlink.
+ * In Python each cost more than the rest of the agent's work on it; here a read of the socket
+ * (recvmmsg, up to BATCH datagrams a system call) and the reading of its events happen in one
+ * call, and Python gets one list for the lot.  Per event this file does what
+ * agentd/flows/recorder.py's Python loop does (that loop stays: the fall-back when this file is
+ * not built, and the reference tests/unit/agentd/test_flow_events.py holds this file equal to):
+ *
+ *   - an IPv4 event laid out as the kernel lays them out (agentd/kernel/netlink_ct.py, "events
+ *     at fixed offsets": the attribute headers of both tuples checked against that layout at
+ *     once, masked; the layout's masks come from there, through configure()) is read at its
+ *     offsets: addresses, protocol, ports (ICMP: type and code), the reply's source;
+ *   - its three addresses are named through the recorder's table (a dict of the 4 address
+ *     bytes -> identity or None), asking the recorder (``name(address)``) for one not in it;
+ *   - an event of none of the pods, Services' range not its destination either, is the node's
+ *     own (etcd, BGP): left out;
+ *   - a DESTROY of TCP between two pods (when the pod fast path counts what it carries) gets
+ *     the fast path's key of the connection (podpath.h struct podflow_key: the lower (address,
+ *     port) first), whether its source is the lower end, and conntrack's start and stop stamps,
+ *     for the recorder to take what was carried of it.
+ *
+ * An event is returned as the tuple (datagram, type, source's name, destination's, reply
+ * source's, carried) where carried is None or (key, source is lower, start ns, stop ns); a
+ * datagram laid out otherwise (IPv6, more than one message, a zone, a malformed one) as its bytes,
+ * in its place, for Python to read the long way (which counts what is malformed).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#define BATCH 64         /* datagrams one recvmmsg takes at most */
+#define SLOT 8192        /* bytes of each (an event is a few hundred; a longer one is cut, for Python to refuse) */
+#define NLMSG_HDRLEN_ 16
+#define BODY (NLMSG_HDRLEN_ + 4) /* the first attribute: after nlmsghdr and nfgenmsg */
+#define MSG_NEW_ 0x100   /* NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW */
+#define MSG_DELETE_ 0x102
+#define AF_INET_ 2
+#define TCP 6
+#define SERVICES_MAX 16
+#define LAYOUT_MAX 256
+
+/* A layout: the bytes at BODY whose (byte & mask) == want. */
+struct layout {
+	Py_ssize_t len;
+	uint8_t mask[LAYOUT_MAX], want[LAYOUT_MAX];
+};
+
+static struct layout ports, icmp, lifetime;
+static int configured;
+static uint8_t *bufs;
+static struct mmsghdr msgs[BATCH];
+static struct iovec iovs[BATCH];
+
+struct ctx {
+	PyObject *names, *name;
+	uint32_t services[SERVICES_MAX][2];
+	int n_services, counting;
+};
+
+static int fits(const uint8_t *p, Py_ssize_t n, const struct layout *l)
+{
+	if (n < l->len)
+		return 0;
+	for (Py_ssize_t i = 0; i < l->len; i++)
+		if ((p[i] & l->mask[i]) != l->want[i])
+			return 0;
+	return 1;
+}
+
+static uint16_t be16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+static uint32_t be32(const uint8_t *p) { return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3]; }
+static uint64_t be64(const uint8_t *p) { return (uint64_t)be32(p) << 32 | be32(p + 4); }
+static uint16_t h16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static uint32_t h32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* The identity of a 4-byte address (new reference): the table's, else the recorder's answer. */
+static PyObject *named(struct ctx *c, const uint8_t *addr)
+{
+	PyObject *key = PyBytes_FromStringAndSize((const char *)addr, 4), *ident;
+
+	if (!key)
+		return NULL;
+	ident = PyDict_GetItemWithError(c->names, key);
+	if (ident) {
+		Py_INCREF(ident);
+	} else if (!PyErr_Occurred()) {
+		ident = PyObject_CallOneArg(c->name, key);
+	}
+	Py_DECREF(key);
+	return ident;
+}
+
+/* CTA_TIMESTAMP's START and STOP, walking the attributes (a DESTROY laid out otherwise). */
+static void walk_lifetime(const uint8_t *p, Py_ssize_t n, uint64_t *born, uint64_t *died)
+{
+	Py_ssize_t pos = BODY;
+
+	while (pos + 4 <= n) {
+		uint16_t len = h16(p + pos), type = h16(p + pos + 2) & 0x3fff;
+		if (len < 4 || pos + len > n)
+			return;
+		if (type == 20) { /* CTA_TIMESTAMP */
+			Py_ssize_t q = pos + 4;
+			while (q + 4 <= pos + len) {
+				uint16_t l2 = h16(p + q), t2 = h16(p + q + 2) & 0x3fff;
+				if (l2 < 4 || q + l2 > pos + len)
+					return;
+				if (l2 == 12 && t2 == 1)
+					*born = be64(p + q + 4);
+				else if (l2 == 12 && t2 == 2)
+					*died = be64(p + q + 4);
+				q += (l2 + 3) & ~3;
+			}
+			return;
+		}
+		pos += (len + 3) & ~3;
+	}
+}
+
+/* One datagram: a new reference to its item, Py_None (borrowed, not to be kept) if it is the
+ * node's own, NULL on error. */
+static PyObject *event(struct ctx *c, PyObject *datagram, const uint8_t *p, Py_ssize_t n)
+{
+	const uint8_t *b = p + BODY, *src, *dst, *rsrc;
+	uint16_t mtype, sport, dport;
+	uint8_t proto;
+	PyObject *n_src = NULL, *n_dst = NULL, *n_rsrc = NULL, *carried = NULL, *item = NULL;
+
+	if (n < BODY || h32(p) != (uint32_t)n)
+		goto raw;
+	mtype = h16(p + 4);
+	if ((mtype != MSG_NEW_ && mtype != MSG_DELETE_) || p[NLMSG_HDRLEN_] != AF_INET_)
+		goto raw;
+	if (fits(b, n - BODY, &ports)) {
+		src = b + 12, dst = b + 20, proto = b[32], sport = be16(b + 40), dport = be16(b + 48), rsrc = b + 64;
+	} else if (fits(b, n - BODY, &icmp)) {
+		src = b + 12, dst = b + 20, proto = b[32], sport = b[48], dport = b[56], rsrc = b + 72;
+	} else {
+		goto raw;
+	}
+	if (!(n_src = named(c, src)) || !(n_dst = named(c, dst)) || !(n_rsrc = named(c, rsrc)))
+		goto out;
+	if (n_src == Py_None && n_dst == Py_None && n_rsrc == Py_None) {
+		uint32_t d = be32(dst);
+		int i;
+		for (i = 0; i < c->n_services; i++)
+			if ((d & c->services[i][1]) == c->services[i][0])
+				break;
+		if (i == c->n_services) { /* the node's own traffic */
+			item = Py_None;
+			goto out;
+		}
+	}
+	if (mtype == MSG_DELETE_ && proto == TCP && c->counting) {
+		int t_src = PyObject_IsTrue(n_src), t_dst;
+		if (t_src < 0 || (t_dst = PyObject_IsTrue(n_dst)) < 0)
+			goto out;
+		if (t_src && t_dst) {
+			uint8_t key[12];
+			uint64_t born = 0, died = 0;
+			int lower = memcmp(src, dst, 4) < 0 || (memcmp(src, dst, 4) == 0 && sport <= dport);
+			const uint8_t *lo = lower ? src : dst, *hi = lower ? dst : src;
+			uint16_t lp = lower ? sport : dport, hp = lower ? dport : sport;
+			memcpy(key, lo, 4);
+			memcpy(key + 4, hi, 4);
+			key[8] = lp >> 8, key[9] = lp & 0xff, key[10] = hp >> 8, key[11] = hp & 0xff;
+			if (fits(b, n - BODY, &lifetime)) {
+				born = be64(b + 192);
+				died = be64(b + 204);
+			} else {
+				walk_lifetime(p, n, &born, &died);
+			}
+			carried = Py_BuildValue("(y#OKK)", key, (Py_ssize_t)12, lower ? Py_True : Py_False,
+						(unsigned long long)born, (unsigned long long)died);
+			if (!carried)
+				goto out;
+		}
+	}
+	{
+		PyObject *type = PyLong_FromLong(mtype);
+		if (!type)
+			goto out;
+		item = PyTuple_Pack(6, datagram, type, n_src, n_dst, n_rsrc, carried ? carried : Py_None);
+		Py_DECREF(type);
+	}
+	goto out;
+raw:
+	Py_INCREF(datagram);
+	return datagram;
+out:
+	Py_XDECREF(n_src);
+	Py_XDECREF(n_dst);
+	Py_XDECREF(n_rsrc);
+	Py_XDECREF(carried);
+	return item;
+}
+
+static int parse_ctx(struct ctx *c, PyObject *names, PyObject *name, PyObject *services, int counting)
+{
+	Py_ssize_t k;
+
+	if (!configured) {
+		PyErr_SetString(PyExc_RuntimeError, "_ctevents.configure() was not called");
+		return -1;
+	}
+	if (!PyDict_Check(names)) {
+		PyErr_SetString(PyExc_TypeError, "names must be a dict");
+		return -1;
+	}
+	services = PySequence_Fast(services, "services must be a sequence of (network, mask)");
+	if (!services)
+		return -1;
+	c->names = names, c->name = name, c->counting = counting;
+	c->n_services = 0;
+	for (k = 0; k < PySequence_Fast_GET_SIZE(services) && k < SERVICES_MAX; k++) {
+		unsigned long net, mask;
+		if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(services, k), "kk", &net, &mask)) {
+			Py_DECREF(services);
+			return -1;
+		}
+		c->services[k][0] = (uint32_t)net, c->services[k][1] = (uint32_t)mask;
+		c->n_services++;
+	}
+	Py_DECREF(services);
+	return 0;
+}
+
+/* Append datagram's item to out; 0, or -1 on error. */
+static int take(struct ctx *c, PyObject *out, PyObject *datagram)
+{
+	PyObject *item = event(c, datagram, (const uint8_t *)PyBytes_AS_STRING(datagram), PyBytes_GET_SIZE(datagram));
+	int rc;
+
+	if (!item)
+		return -1;
+	if (item == Py_None)
+		return 0;
+	rc = PyList_Append(out, item);
+	Py_DECREF(item);
+	return rc;
+}
+
+PyDoc_STRVAR(decode_doc, "decode(datagrams, names, name, services, counting) -> items\n\n"
+	     "The items of datagrams already read (a list of bytes), as drain() gives them.");
+
+static PyObject *decode(PyObject *self, PyObject *args)
+{
+	PyObject *datagrams, *names, *name, *services, *out;
+	int counting;
+	struct ctx c;
+
+	if (!PyArg_ParseTuple(args, "O!OOOp", &PyList_Type, &datagrams, &names, &name, &services, &counting) ||
+	    parse_ctx(&c, names, name, services, counting) < 0)
+		return NULL;
+	if (!(out = PyList_New(0)))
+		return NULL;
+	for (Py_ssize_t i = 0; i < PyList_GET_SIZE(datagrams); i++) {
+		PyObject *d = PyList_GET_ITEM(datagrams, i);
+		if (!PyBytes_Check(d)) {
+			PyErr_SetString(PyExc_TypeError, "datagrams must be bytes");
+			goto fail;
+		}
+		if (take(&c, out, d) < 0)
+			goto fail;
+	}
+	return out;
+fail:
+	Py_DECREF(out);
+	return NULL;
+}
+
+PyDoc_STRVAR(drain_doc, "drain(fd, budget, names, name, services, counting) -> (items, datagrams, lost)\n\n"
+	     "Read the socket (non-blocking) until it is empty or budget datagrams were read, and\n"
+	     "their items; datagrams: how many were read; lost: how many times the kernel said it\n"
+	     "had dropped events for us (ENOBUFS).  OSError for any other error of the socket.");
+
+static PyObject *drain(PyObject *self, PyObject *args)
+{
+	PyObject *names, *name, *services, *out;
+	int fd, budget, counting, got, total = 0, lost = 0;
+	struct ctx c;
+
+	if (!PyArg_ParseTuple(args, "iiOOOp", &fd, &budget, &names, &name, &services, &counting) ||
+	    parse_ctx(&c, names, name, services, counting) < 0)
+		return NULL;
+	if (!bufs) {
+		bufs = PyMem_RawMalloc((size_t)BATCH * SLOT);
+		if (!bufs)
+			return PyErr_NoMemory();
+		for (int i = 0; i < BATCH; i++) {
+			iovs[i].iov_base = bufs + (size_t)i * SLOT;
+			iovs[i].iov_len = SLOT;
+		}
+	}
+	if (!(out = PyList_New(0)))
+		return NULL;
+	while (total < budget) {
+		for (int i = 0; i < BATCH; i++) {
+			memset(&msgs[i].msg_hdr, 0, sizeof(msgs[i].msg_hdr));
+			msgs[i].msg_hdr.msg_iov = &iovs[i];
+			msgs[i].msg_hdr.msg_iovlen = 1;
+		}
+		got = recvmmsg(fd, msgs, BATCH, MSG_DONTWAIT, NULL);
+		if (got < 0) {
+			if (errno == ENOBUFS) { /* the kernel dropped events for us: what is queued is still there */
+				lost++;
+				continue;
+			}
+			if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+				break;
+			PyErr_SetFromErrno(PyExc_OSError);
+			goto fail;
+		}
+		if (got == 0)
+			break;
+		for (int i = 0; i < got; i++) {
+			PyObject *d = PyBytes_FromStringAndSize((const char *)iovs[i].iov_base, msgs[i].msg_len);
+			int rc;
+			if (!d)
+				goto fail;
+			rc = take(&c, out, d);
+			Py_DECREF(d);
+			if (rc < 0)
+				goto fail;
+		}
+		total += got;
+	}
+	return Py_BuildValue("(Nii)", out, total, lost);
+fail:
+	Py_DECREF(out);
+	return NULL;
+}
+
+static int set_layout(struct layout *l, PyObject *mask, PyObject *want)
+{
+	Py_ssize_t n = PyBytes_GET_SIZE(mask);
+
+	if (n != PyBytes_GET_SIZE(want) || n > LAYOUT_MAX) {
+		PyErr_SetString(PyExc_ValueError, "a layout's mask and want are bytes of one length, at most 256");
+		return -1;
+	}
+	l->len = n;
+	memcpy(l->mask, PyBytes_AS_STRING(mask), n);
+	memcpy(l->want, PyBytes_AS_STRING(want), n);
+	return 0;
+}
+
+PyDoc_STRVAR(configure_doc, "configure(ports_mask, ports_want, icmp_mask, icmp_want, lifetime_mask, lifetime_want)\n\n"
+	     "The layouts of agentd.kernel.netlink_ct (bytes from the first attribute on).");
+
+static PyObject *configure(PyObject *self, PyObject *args)
+{
+	PyObject *pm, *pw, *im, *iw, *lm, *lw;
+
+	if (!PyArg_ParseTuple(args, "SSSSSS", &pm, &pw, &im, &iw, &lm, &lw))
+		return NULL;
+	if (set_layout(&ports, pm, pw) < 0 || set_layout(&icmp, im, iw) < 0 || set_layout(&lifetime, lm, lw) < 0)
+		return NULL;
+	/* The offsets above are these layouts' (netlink_ct's _PORTS_FIELDS, _ICMP_FIELDS, _LIFETIME_FIELDS). */
+	if (ports.len != 104 || icmp.len != 120 || lifetime.len != 212) {
+		configured = 0;
+		PyErr_SetString(PyExc_ValueError, "the layouts are not the ones this file reads at fixed offsets");
+		return NULL;
+	}
+	configured = 1;
+	Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+	{"configure", configure, METH_VARARGS, configure_doc},
+	{"decode", decode, METH_VARARGS, decode_doc},
+	{"drain", drain, METH_VARARGS, drain_doc},
+	{NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+	PyModuleDef_HEAD_INIT, "_ctevents", "The flow recorder's per-event loop (conntrack events) in C.", -1, methods,
+	NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ctevents(void)
+{
+	return PyModule_Create(&module);
+}
