@@ -19,11 +19,13 @@ Where the records come from (the kernel, never guessed):
 Cost: conntrack tells every listener of every connection, so the agent keeps that cheap.  A
 classic BPF filter on its socket (:func:`agentd.kernel.netlink_ct.event_filter`) lets only
 events of pods' connections through (an address in the pod network or the Services' range);
-the socket is read at most every ``CT_INTERVAL`` (one wake-up for many events), up to 64
-datagrams a system call (recvmmsg); a read's events are taken in one loop, each one's
-addresses read at fixed offsets and its ends named then (:class:`PendingConnection`), but
-the record itself is made only when someone reads it -- most scroll out of the ring unread.
-On a busy node this loop is most of the agent's CPU: per event it does only that.
+the socket is read at most every ``CT_INTERVAL`` (one wake-up for many events); a read and
+the reading of its events are one call into C (agentd/kernel/_ctevents.c: recvmmsg, up to 64
+datagrams a system call, each event's addresses read at fixed offsets and its ends named
+then), which gives one list of :data:`Event` s for Python to keep as they came
+(:class:`PendingConnection`); the record itself is made only when someone reads it -- most
+scroll out of the ring unread.  Where the C file is not built, :meth:`FlowRecorder._decode_here`
+does the same in Python.  Events laid out otherwise (IPv6, malformed) are decoded whole here.
 
 The pod fast path (agentd/dataplane/bpf/podpath.c) carries established TCP between pods past
 conntrack, which therefore counts only what it saw of such a connection; the programs count
