@@ -30,6 +30,7 @@
 
 #include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -372,7 +373,99 @@ static PyObject *configure(PyObject *self, PyObject *args)
 	Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------ BPF ring buffer records
+ *
+ * libbpf's ring buffer consumer calls a function per record; called through ctypes that is a
+ * Python call per record (a pod fast path's count of a connection whose tuple a new SYN took:
+ * one per connection of a client that reuses its ports).  ring_sample is that function in C:
+ * it copies each record into a sink (one per ring), and ring_take gives Python the lot. */
+
+struct sink {
+	uint8_t *buf;
+	size_t len, cap;
+};
+
+/* libbpf's ring_buffer_sample_fn: ctx is a struct sink.  Exported, for ctypes to hand libbpf. */
+int agentd_ring_sample(void *ctx, void *data, size_t size)
+{
+	struct sink *s = ctx;
+	uint32_t n = (uint32_t)size;
+
+	if (s->len + 4 + size > s->cap) {
+		size_t cap = s->cap ? s->cap : 4096;
+		uint8_t *grown;
+		while (cap < s->len + 4 + size)
+			cap *= 2;
+		grown = realloc(s->buf, cap);
+		if (!grown)
+			return -ENOMEM; /* libbpf stops; what was taken stays */
+		s->buf = grown, s->cap = cap;
+	}
+	memcpy(s->buf + s->len, &n, 4);
+	memcpy(s->buf + s->len + 4, data, size);
+	s->len += 4 + size;
+	return 0;
+}
+
+PyDoc_STRVAR(ring_sink_doc, "ring_sink() -> address\n\nA new sink for agentd_ring_sample (its ctx).");
+
+static PyObject *ring_sink(PyObject *self, PyObject *args)
+{
+	struct sink *s = calloc(1, sizeof(*s));
+
+	if (!s)
+		return PyErr_NoMemory();
+	return PyLong_FromVoidPtr(s);
+}
+
+PyDoc_STRVAR(ring_take_doc, "ring_take(sink) -> list of bytes\n\nThe records the sink holds, oldest first; it is emptied.");
+
+static PyObject *ring_take(PyObject *self, PyObject *arg)
+{
+	struct sink *s = PyLong_AsVoidPtr(arg);
+	PyObject *out;
+	size_t pos = 0;
+
+	if (!s)
+		return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "no sink");
+	if (!(out = PyList_New(0)))
+		return NULL;
+	while (pos + 4 <= s->len) {
+		uint32_t n;
+		PyObject *rec;
+		memcpy(&n, s->buf + pos, 4);
+		rec = PyBytes_FromStringAndSize((const char *)s->buf + pos + 4, n);
+		if (!rec || PyList_Append(out, rec) < 0) {
+			Py_XDECREF(rec);
+			Py_DECREF(out);
+			return NULL;
+		}
+		Py_DECREF(rec);
+		pos += 4 + n;
+	}
+	s->len = 0;
+	return out;
+}
+
+PyDoc_STRVAR(ring_sink_free_doc, "ring_sink_free(sink)\n\nLet go of a sink (after its ring).");
+
+static PyObject *ring_sink_free(PyObject *self, PyObject *arg)
+{
+	struct sink *s = PyLong_AsVoidPtr(arg);
+
+	if (!s && PyErr_Occurred())
+		return NULL;
+	if (s) {
+		free(s->buf);
+		free(s);
+	}
+	Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+	{"ring_sink", ring_sink, METH_NOARGS, ring_sink_doc},
+	{"ring_take", ring_take, METH_O, ring_take_doc},
+	{"ring_sink_free", ring_sink_free, METH_O, ring_sink_free_doc},
 	{"configure", configure, METH_VARARGS, configure_doc},
 	{"decode", decode, METH_VARARGS, decode_doc},
 	{"drain", drain, METH_VARARGS, drain_doc},

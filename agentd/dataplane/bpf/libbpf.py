@@ -41,6 +41,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agentd.kernel.heap import malloc_trim
 
@@ -583,16 +584,37 @@ def prog_test_run(fd: int, data: bytes, repeat: int = 1, *, ifindex: int = 0) ->
     return opts.retval, dout.raw[: opts.data_size_out]
 
 
+def _c_sample() -> tuple[Any, Any] | None:
+    """agentd/kernel/_ctevents.c's ring buffer record function (``agentd_ring_sample``, as
+    libbpf calls it) and its module; None where it is not built."""
+    try:
+        from agentd.kernel import _ctevents
+    except ImportError:
+        return None
+    address = ctypes.cast(ctypes.CDLL(_ctevents.__file__).agentd_ring_sample, ctypes.c_void_p).value
+    return _SAMPLE_FN(address), _ctevents
+
+
 class RingBuffer:
     """A BPF ring buffer map (BPF_MAP_TYPE_RINGBUF), read through libbpf's consumer (the
-    map's pages mapped into this process: reading costs no system call per record)."""
+    map's pages mapped into this process: reading costs no system call per record).  libbpf
+    hands it each record through a function: agentd/kernel/_ctevents.c's, which copies them
+    into a buffer of its own (Python then takes them in one call), or where that is not built
+    a Python one (a call through ctypes per record)."""
 
     def __init__(self, map_fd: int) -> None:
         self._records: list[bytes] = []
-        self._sample = _SAMPLE_FN(self._on_sample)  # kept alive as long as the ring
+        c = _c_sample()
+        self._c = None if c is None else c[1]
+        self._sink: int | None = None
+        if c is not None:
+            self._sample, self._sink = c[0], c[1].ring_sink()
+        else:
+            self._sample = _SAMPLE_FN(self._on_sample)  # kept alive as long as the ring
         with _capturing() as said:
-            ptr = library().ring_buffer__new(map_fd, self._sample, None, None)
+            ptr = library().ring_buffer__new(map_fd, self._sample, self._sink, None)
         if not ptr:
+            self._free_sink()
             raise BpfError(ctypes.get_errno() or errno.EINVAL, "opening a ring buffer", "; ".join(said[:1]))
         self._rb: int | None = ptr
 
@@ -605,15 +627,24 @@ class RingBuffer:
         if self._rb is None:
             return []
         ret = library().ring_buffer__consume(self._rb)
+        if self._c is not None:
+            out = self._c.ring_take(self._sink)  # what was taken before an error too
+        else:
+            out, self._records = self._records, []
         if ret < 0:
             _check(ret, "reading a ring buffer")
-        out, self._records = self._records, []
         return out
 
     def close(self) -> None:
         if self._rb is not None:
             library().ring_buffer__free(self._rb)
             self._rb = None
+        self._free_sink()
+
+    def _free_sink(self) -> None:
+        if self._c is not None and self._sink is not None:
+            self._c.ring_sink_free(self._sink)
+            self._sink = None
 
 
 def possible_cpus() -> int:
