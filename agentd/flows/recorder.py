@@ -533,7 +533,9 @@ class FlowRecorder:
                     self._wait(key, taken, False)
                 elif taken is not None and taken[4] >= lo:
                     mine.append(taken)
-            if mine:
+            if len(mine) == 1:  # the common case: one connection's counts, moved or taken
+                counts = list(mine[0][:4])
+            elif mine:
                 counts = [sum(c[i] for c in mine) for i in range(4)]
         if counts is None:
             return None
