@@ -171,7 +171,12 @@ class PendingConnection(Deferred):
         if self._flow is None:
             assert self.event is not None
             data, mtype, *names, _carry = self.event
-            ev = ct.decode_event(mtype, data, nl.NLMSG_HDRLEN, len(data))
+            try:
+                ev = ct.decode_event(mtype, data, nl.NLMSG_HDRLEN, len(data))
+            except nl.NetlinkDecodeError as err:  # its tuples were read when it came, not the rest
+                log.debug("flows: malformed conntrack message: %s", err)
+                self.recorder.malformed += 1
+                ev = _tuples_only(mtype, data)
             assert ev is not None  # its tuples were read when it came
             flow = self.recorder.connection(ev, names=tuple(names), carried=self.carried,  # type: ignore[arg-type]
                                             received=self.received)
@@ -180,6 +185,17 @@ class PendingConnection(Deferred):
             self._flow = flow
             self.event = self.recorder = self.carried = None  # type: ignore[assignment]
         return self._flow
+
+
+def _tuples_only(mtype: int, data: bytes) -> ct.CtEvent | None:
+    """An event whose attributes after its tuples are malformed: what its tuples say (no
+    counters, no stamps, no status)."""
+    b = ct.brief(mtype, data, nl.NLMSG_HDRLEN, len(data))
+    if b is None:
+        return None
+    src, dst, reply_src = (socket.inet_ntoa(a) for a in (b.src, b.dst, b.reply_src))
+    return ct.CtEvent(b.destroyed, socket.AF_INET, ct.CtTuple(src, dst, b.proto, b.sport, b.dport),
+                      ct.CtTuple(reply_src, src, b.proto, b.reply_sport, b.sport))
 
 
 class FlowRecorder:
@@ -406,7 +422,11 @@ class FlowRecorder:
                 continue  # the node's own traffic (etcd, BGP)
             carry = None
             if mtype == ct.MSG_DELETE and proto == TCP and counting and n_src and n_dst:
-                carry = (*carried_key(src, sport, dst, dport), *ct.lifetime(data, hdr, mlen))
+                try:
+                    carry = (*carried_key(src, sport, dst, dport), *ct.lifetime(data, hdr, mlen))
+                except nl.NetlinkDecodeError:  # malformed: the long way, which counts it
+                    out.append(data)
+                    continue
             out.append((data, mtype, n_src, n_dst, n_reply, carry))  # type: ignore[arg-type]
         return out
 

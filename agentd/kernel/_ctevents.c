@@ -97,31 +97,35 @@ static PyObject *named(struct ctx *c, const uint8_t *addr)
 	return ident;
 }
 
-/* CTA_TIMESTAMP's START and STOP, walking the attributes (a DESTROY laid out otherwise). */
-static void walk_lifetime(const uint8_t *p, Py_ssize_t n, uint64_t *born, uint64_t *died)
+/* CTA_TIMESTAMP's START and STOP, walking the attributes (a DESTROY laid out otherwise) as
+ * netlink_ct.lifetime does: 0, or -1 if an attribute does not fit or a stamp is not 8 bytes
+ * (malformed: for Python to read and count). */
+static int walk_lifetime(const uint8_t *p, Py_ssize_t n, uint64_t *born, uint64_t *died)
 {
 	Py_ssize_t pos = BODY;
 
-	while (pos + 4 <= n) {
+	while (n - pos >= 4) {
 		uint16_t len = h16(p + pos), type = h16(p + pos + 2) & 0x3fff;
 		if (len < 4 || pos + len > n)
-			return;
+			return -1;
 		if (type == 20) { /* CTA_TIMESTAMP */
-			Py_ssize_t q = pos + 4;
-			while (q + 4 <= pos + len) {
+			Py_ssize_t q = pos + 4, end = pos + len;
+			while (end - q >= 4) {
 				uint16_t l2 = h16(p + q), t2 = h16(p + q + 2) & 0x3fff;
-				if (l2 < 4 || q + l2 > pos + len)
-					return;
-				if (l2 == 12 && t2 == 1)
-					*born = be64(p + q + 4);
-				else if (l2 == 12 && t2 == 2)
-					*died = be64(p + q + 4);
+				if (l2 < 4 || q + l2 > end)
+					return -1;
+				if (t2 == 1 || t2 == 2) {
+					if (l2 != 12)
+						return -1;
+					*(t2 == 1 ? born : died) = be64(p + q + 4);
+				}
 				q += (l2 + 3) & ~3;
 			}
-			return;
+			return 0;
 		}
 		pos += (len + 3) & ~3;
 	}
+	return 0;
 }
 
 /* One datagram: a new reference to its item, Py_None (borrowed, not to be kept) if it is the
@@ -174,8 +178,10 @@ static PyObject *event(struct ctx *c, PyObject *datagram, const uint8_t *p, Py_s
 			if (fits(b, n - BODY, &lifetime)) {
 				born = be64(b + 192);
 				died = be64(b + 204);
-			} else {
-				walk_lifetime(p, n, &born, &died);
+			} else if (walk_lifetime(p, n, &born, &died) < 0) {
+				item = datagram; /* malformed: the long way */
+				Py_INCREF(item);
+				goto out;
 			}
 			carried = Py_BuildValue("(y#OKK)", key, (Py_ssize_t)12, lower ? Py_True : Py_False,
 						(unsigned long long)born, (unsigned long long)died);

@@ -15,6 +15,7 @@ import pytest
 from agentd.flows.model import FlowFilter, Identity
 from agentd.flows.recorder import FlowRecorder, PendingConnection, carried_key
 from agentd.flows.ring import FlowRing
+from agentd.flows.ring import record as ring_record
 from agentd.kernel import netlink as nl
 from agentd.kernel import _ctevents  # the recorder's per-event loop in C: scripts/dev setup builds it
 from agentd.kernel import netlink_ct as ct
@@ -546,3 +547,23 @@ def test_malformed_datagrams_are_counted_never_raised():
     lying[0] += 8  # says it is longer than it is
     feed(r, b"\x01", cut, bytes(lying), b"", tcp("10.244.1.2", "10.244.2.3", 40000, 80))
     assert r.malformed == 3 and len(r.ring) == 1  # (an empty datagram holds no message)
+
+
+def test_every_cut_and_bent_byte_of_an_event_is_read_or_counted():
+    """What the kernel would never send -- an event cut anywhere, any one byte changed -- is
+    read (as some event) or counted as malformed: never an exception, never a read out of
+    the datagram (the C loop's checks of lengths and layouts)."""
+    r = recorder(Carried())
+    r.directory.ids.update({"127.0.0.1": CLIENT})
+    for msg in (TCP_DESTROY, TCP_NEW, ICMP_NEW):
+        datagrams = [msg[:n] for n in range(len(msg))]
+        for at in range(len(msg)):
+            bent = bytearray(msg)
+            bent[at] ^= 0xFF
+            datagrams.append(bytes(bent))
+        for data in datagrams:
+            r._begin()
+            r._on_conntrack_datagram(data, 1000.0)
+    assert r.malformed > 0 and r.events > 0
+    for entry in r.ring.records:  # and the records of what was read can be made
+        assert ring_record(entry).node == "node2"
