@@ -398,7 +398,7 @@ class FlowRecorder:
     def _decode_here(self, batch: list[bytes]) -> list[Event | bytes]:
         """What agentd/kernel/_ctevents.c does, in Python: each datagram of one IPv4 event laid
         out as the kernel lays them out read at fixed offsets and its ends named (the node's
-        own left out); any other datagram as it is, for :meth:`_on_conntrack_datagram`."""
+        own left out); any other datagram as it is, for :meth:`_on_conntrack_long`."""
         out: list[Event | bytes] = []
         names, name, counting, hdr = self._names, self._name, self.carried is not None, nl.NLMSG_HDRLEN
         for data in batch:
