@@ -1,5 +1,7 @@
+import getpass
 import os
 import pathlib
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -45,6 +47,19 @@ LONG_FIRST = (
     "tests/system/test_dataplane.py",
     "tests/system/test_systemd.py",
 )
+
+
+def pytest_sessionstart(session):
+    """Before the run (once, not in each xdist worker): unmount the BPF file systems of labs an
+    earlier run left behind when it was killed (agentd.lab.bpffs.sweep_dead) -- their pins keep
+    programs and maps alive, and pytest cannot remove their directories."""
+    if os.geteuid() != 0 or hasattr(session.config, "workerinput"):
+        return
+    from agentd.lab import bpffs
+
+    base = pathlib.Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
+    for point in bpffs.sweep_dead(base):
+        print(f"agentd: unmounted {point}, left by a lab of a run that was killed")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
+import re
+import time
 from pathlib import Path
 
 from agentd.dataplane.bpf.libbpf import is_bpffs
+from agentd.lab.netns import list_names
 
 _libc = ctypes.CDLL(None, use_errno=True)
 MNT_DETACH = 2
@@ -44,3 +48,52 @@ def umount(path: str | os.PathLike) -> None:
             raise OSError(err, f"umount {p}: {os.strerror(err)}")
     with contextlib.suppress(OSError):
         p.rmdir()
+
+
+def _mount_points(fs_type: str = "bpf") -> list[str]:
+    """Where file systems of ``fs_type`` are mounted in this mount namespace (/proc/self/mountinfo,
+    its octal escapes undone)."""
+    points = []
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split(" ")
+        try:
+            sep = fields.index("-")
+        except ValueError:
+            continue
+        if len(fields) > sep + 1 and fields[sep + 1] == fs_type:
+            points.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+    return points
+
+
+def sweep_dead(under: str | os.PathLike, *, min_age: float = 60.0, now: float | None = None) -> list[str]:
+    """Unmount lab file systems left behind under ``under`` by labs that are gone: a bpffs at
+    ``<lab dir>/bpffs`` whose ``<lab dir>/lab.json`` names a lab with no network namespace left
+    (``ad-<name>-*``) and was written more than ``min_age`` seconds ago (a lab being built
+    mounts its bpffs just before its namespaces).  A lab whose process was killed (SIGKILL, a
+    CI timeout) could not unmount its own, and the pins in it keep programs and maps alive.
+    Returns the mount points removed."""
+    root = os.path.realpath(under)
+    now = time.time() if now is None else now
+    removed = []
+    for point in _mount_points():
+        p = Path(point)
+        if p.name != "bpffs" or not (point + "/").startswith(root.rstrip("/") + "/"):
+            continue
+        state = p.parent / "lab.json"
+        try:
+            name = json.loads(state.read_text())["spec"]["name"]
+            age = now - state.stat().st_mtime
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(name, str) or not name or age < min_age or list_names(f"ad-{name}-"):
+            continue
+        try:
+            umount(p)
+        except OSError:
+            continue
+        removed.append(point)
+    return removed

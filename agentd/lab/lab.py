@@ -414,6 +414,8 @@ class Lab:
                 f"a lab named {self.spec.name} already exists (agentd lab down --name {self.spec.name} removes it)"
             )
         self._t0 = time.monotonic()
+        with contextlib.suppress(OSError):  # file systems of labs here that were killed
+            bpffs.sweep_dead(self.root)
         stage = "network namespaces"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,13 @@
 """The lab's namespace primitives keep their promises."""
 
+import json
+import os
+import pathlib
 import socket
 import subprocess
+import time
 
-from agentd.lab import netns
+from agentd.lab import bpffs, netns
 from agentd.lab.wait import until
 
 
@@ -88,3 +92,43 @@ def test_sweep_pings_from_each_namespace_and_names_who_did_not_answer(netns_fact
     assert sweep([gone, Source("b", b.path, ("192.0.2.1",))], deadline=1.0) == {
         ("gone", "192.0.2.2"): False, ("b", "192.0.2.1"): True,
     }
+
+
+def test_sweep_dead_unmounts_only_the_bpf_file_systems_of_labs_that_are_gone(tmp_path, netns_factory):
+    """A lab killed before its `down` leaves its bpffs mounted (and every program and map pinned
+    in it alive): the next run's sweep takes it away, and leaves a lab that still has its
+    namespaces, or was made a moment ago, alone."""
+    live = netns_factory("node1")  # ad-<tag>-node1: a lab named <tag> is still there
+    live_name = live.name.removeprefix("ad-").removesuffix("-node1")
+    old = time.time() - 3600
+    made: dict[str, pathlib.Path] = {}
+    try:
+        for kind, name in (("dead", netns.unique_tag("sw")), ("live", live_name), ("young", netns.unique_tag("sw"))):
+            d = tmp_path / kind
+            d.mkdir()
+            (d / "lab.json").write_text(json.dumps({"spec": {"name": name}}))
+            if kind != "young":
+                os.utime(d / "lab.json", (old, old))
+            made[kind] = bpffs.mount(d / "bpffs")
+        fd = _pinned_map(made["dead"] / "m")
+        os.close(fd)
+
+        assert bpffs.sweep_dead(tmp_path / "elsewhere") == []
+        assert bpffs.sweep_dead(tmp_path) == [str(made["dead"])]
+
+        assert not os.path.ismount(made["dead"]) and not made["dead"].exists()
+        assert os.path.ismount(made["live"]) and os.path.ismount(made["young"])
+        assert bpffs.sweep_dead(tmp_path) == []  # nothing more to do
+    finally:
+        for p in made.values():
+            bpffs.umount(p)
+
+
+def _pinned_map(path: pathlib.Path) -> int:
+    """A small array map pinned at ``path``: what an agent leaves in its lab's bpffs."""
+    from agentd.dataplane.bpf import libbpf as lb
+
+    fd = lb.library().bpf_map_create(2, None, 4, 4, 1, None)  # BPF_MAP_TYPE_ARRAY
+    assert fd >= 0, f"bpf_map_create: {fd}"
+    lb.obj_pin(fd, str(path))
+    return fd
