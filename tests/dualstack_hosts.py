@@ -253,14 +253,20 @@ async def restart_under_ping(lab, node, pairs) -> tuple[list, list[str]]:
 
 # A sink that takes exactly the given sizes, one connection each, and closes first (so the
 # client's port is free again at once); a source that sends them from one source port.  The
-# family is the address's: the sink listens on argv[1] ("0.0.0.0" or "::").
+# family is the address's: the sink listens on argv[1] ("0.0.0.0" or "::").  The sink greets
+# each connection with one byte and the source sends only once it has it: by then the
+# handshake's last ACK has reached the sink, so conntrack on every node between has the
+# connection ESTABLISHED and the pod fast path carries every segment of the payload.  Sent
+# straight after connect(), the first segments could overtake that ACK (it leaves from the
+# core that took the SYN-ACK, the data from the sender's) and go the stack's way, counted by
+# conntrack instead of the fast path.
 SIZES_SINK = """
 import socket, sys
 fam = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
 s = socket.socket(fam); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen()
 print("ready", flush=True)
 for size in map(int, sys.argv[3:]):
-    c, _ = s.accept(); got = 0
+    c, _ = s.accept(); c.sendall(b"g"); got = 0
     while got < size:
         b = c.recv(1 << 20)
         if not b: break
@@ -273,7 +279,7 @@ ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 for size in map(int, sys.argv[4:]):
     c = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     c.bind(("::" if ":" in ip else "0.0.0.0", sport))
-    c.connect((ip, port)); c.sendall(b"x" * size)
+    c.connect((ip, port)); assert c.recv(1) == b"g"; c.sendall(b"x" * size)
     while c.recv(65536): pass
     c.close()
 """
