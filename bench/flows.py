@@ -3,9 +3,10 @@
     sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--drops 20] [--quick] [--json FILE]
 
 One 2-node lab (host-gw): a client pod on node1, a server pod and a second client on node2.
-Both agents run alternately with ``[flows] enabled = false`` and ``true`` (restarted between
-modes), ``--rounds`` rounds of one run each, the order turned round every other round (off,
-on; on, off; ...) so that a drift of the machine's load falls on both alike; each run measures:
+Both agents run alternately with ``[flows] enabled = false``, with drops only (``enabled =
+true``, ``connections = false``) and with ``true`` (restarted between modes), ``--rounds``
+rounds of one run each, the order turned round every other round (off, drops, on; on, drops,
+off; ...) so that a drift of the machine's load falls on all alike; each run measures:
 
 * ``conn/s``: many short TCP connections (connect, one request and answer, close; 4 loops for
   ``--seconds``, svcecho's TCP_CRR), client pod to server pod across nodes and on one node;
@@ -15,9 +16,10 @@ on; on, off; ...) so that a drift of the machine's load falls on both alike; eac
 Clients run on CPU 0 and the servers on CPU 1 (``taskset``, as bench/policy.py does; the
 agents go where the scheduler puts them: their CPU is what is measured), which halves the
 spread between runs of one mode on 2 cores.  The ratio on/off is the median of each round's
-own ratio (its two runs a minute apart at most), with the lowest and highest beside it.
+own ratio (its runs a minute or two apart at most), with the lowest and highest beside it;
+drops only beside them, as its own median ratio to off.
 
-Goals: connection rate >= 0.95x and throughput >= 0.98x of recording off.
+Goals: connection rate >= 0.95x and throughput >= 0.98x of recording off (recording on).
 
 Then, with recording on, a drop storm: a NetworkPolicy isolates the server, and a pod it
 denies sends it UDP at ``--storm-pps`` for ``--storm-seconds`` (paced, bounded).  Beside a
@@ -72,6 +74,7 @@ from agentd.lab.svcecho import Echo  # noqa: E402
 from agentd.lab.wait import auntil  # noqa: E402
 
 NS = "bench"
+MODES = ("off", "drops", "on")  # flows off; [flows] connections = false (drops only); flows on
 CLIENT_CPU, SERVER_CPU = ("taskset", "-c", "0"), ("taskset", "-c", "1")
 
 
@@ -90,9 +93,9 @@ def rss_mb(pid: int | None) -> float:
     return float("nan")
 
 
-async def restart(lab: Lab, flows: bool) -> None:
+async def restart(lab: Lab, flows: bool, connections: bool = True) -> None:
     for node in lab.nodes:
-        lab.spec.extra.setdefault(node.name, {})["flows"] = {"enabled": flows}
+        lab.spec.extra.setdefault(node.name, {})["flows"] = {"enabled": flows, "connections": connections}
         await node.stop_agent()
         node.start_agent()
     await lab.ready.agents_started(60)
@@ -101,7 +104,8 @@ async def restart(lab: Lab, flows: bool) -> None:
     def settled() -> bool:
         for n in lab.nodes:
             s = n.api_or_none("/status") or {}
-            if not s.get("ready") or bool((s.get("flows") or {}).get("on")) != flows:
+            f = s.get("flows") or {}
+            if not s.get("ready") or bool(f.get("on")) != flows or (flows and f.get("connections") is not connections):
                 return False
             p = n.api_or_none("/policy?view=summary") or {}
             if p.get("applied_at") is None:
@@ -366,17 +370,17 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             echo[name] = await Echo.start(pods[name], name)
         for name, e in echo.items():
             pin(e.proc.pid, 1 if name == "server" else 0)
-        runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+        runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         loads = [os.getloadavg()[0]]
         async with _iperf.server(pods["server"].ns, prefix=SERVER_CPU):
             for k in range(args.rounds):
-                for mode in ("off", "on") if k % 2 == 0 else ("on", "off"):
-                    await restart(lab, mode == "on")
+                for mode in MODES if k % 2 == 0 else MODES[::-1]:
+                    await restart(lab, mode != "off", connections=mode == "on")
                     got = await measure(lab, pods, echo, args.seconds)
                     runs[mode].append(got)
                     print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
                 loads.append(os.getloadavg()[0])
-            if runs["on"] and mode == "off":  # what follows needs recording on
+            if mode != "on":  # what follows needs recording on, connections and all
                 await restart(lab, True)
         res = await lab.resources()
         await isolate_server(lab, res)
@@ -423,24 +427,32 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     runs = r["runs"]
     med = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in runs.items()}
     off, on = med["off"], med["on"]
+    drops = med.get("drops")
+
+    def ratios_of(mode: str, key: str) -> list[float]:
+        return sorted(b[key] / a[key] for a, b in zip(runs["off"], runs.get(mode) or []) if a[key])
+
     rows = []
     for label, key, fmt in (("conn/s across nodes", "crr_across", "{:,.0f}"), ("conn/s same node", "crr_same", "{:,.0f}"),
                             ("Gbit/s across nodes", "gbps_across", "{:.2f}"), ("Gbit/s same node", "gbps_same", "{:.2f}")):
         goal = 0.95 if key.startswith("crr") else 0.98
-        ratios = sorted(b[key] / a[key] for a, b in zip(runs["off"], runs["on"]) if a[key])
+        ratios = ratios_of("on", key)
         ratio = statistics.median(ratios) if ratios else float("nan")
+        d = ratios_of("drops", key)
         rows.append([label, fmt.format(off[key]), fmt.format(on[key]), f"{ratio:.2f}x",
-                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "", f">= {goal}x", "met" if ratio >= goal else "NOT met"])
+                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "", f">= {goal}x", "met" if ratio >= goal else "NOT met",
+                     fmt.format(drops[key]) if drops else "", f"{statistics.median(d):.2f}x" if d else ""])
     for label, key in (("agents' CPU ms / 1000 conn, across", "agent_ms_across"),
                        ("agents' CPU ms / 1000 conn, same node", "agent_ms_same")):
         if key in off:
-            rows.append([label, f"{off[key]:.1f}", f"{on[key]:.1f}", "", "", "", ""])
+            rows.append([label, f"{off[key]:.1f}", f"{on[key]:.1f}", "", "", "", "",
+                         f"{drops[key]:.1f}" if drops else "", ""])
     loads = r.get("loads") or []
     load_note = f"load average {min(loads):.2f}-{max(loads):.2f} over the rounds" if loads else load()
     print_table(f"Flow recording off vs on: 2-node lab, host-gw, {args.rounds} round(s) of {args.seconds:.0f} s per mode, "
-                f"order off,on / on,off by turns, clients on CPU 0 and servers on CPU 1; medians, on/off the median "
-                f"of the rounds' own ratios ({load_note})",
-                ["what", "off", "on", "on/off", "rounds' range", "goal", ""], rows)
+                f"order off,drops,on / on,drops,off by turns, clients on CPU 0 and servers on CPU 1; medians, on/off the "
+                f"median of the rounds' own ratios; 'drops only': [flows] connections = false ({load_note})",
+                ["what", "off", "on", "on/off", "rounds' range", "goal", "", "drops only", "drops/off"], rows)
     lat = r["drop_latency"]
     print_table(f"Drop -> followed GET /flows: {len(lat['node'])} denied connections from node2's client pod "
                 "(ms from the attempt to the record)", ["stream", "median", "worst", "goal", ""],

@@ -198,6 +198,9 @@ class FlowsConfig:
     """Flow records (docs/observability.md): conntrack events and logged drops."""
 
     enabled: bool = True
+    # Connection records (conntrack events, the fast path's counts); false: drops only, which
+    # costs the data path nothing per connection (docs/observability.md).
+    connections: bool = True
     ring_size: int = 10_000  # records kept per node
     log_group: int = 143  # the NFLOG group of the drop rules (per network namespace)
     log_rate: int = 100  # drops a second each drop rule logs at most (nft limit)

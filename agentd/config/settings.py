@@ -206,6 +206,7 @@ _KEYS = (
     _Key("dns", "cluster_domain", string_kind(parse_domain), "cluster.local"),
     _Key("dns", "upstream", Kind((list,), "an array", text_list, parse_upstreams), ()),
     _Key("flows", "enabled", BOOL, True),
+    _Key("flows", "connections", BOOL, True),
     _Key("flows", "ring_size", int_kind(100, 1_000_000), 10_000),
     _Key("flows", "log_group", int_kind(1, 65535), 143),
     _Key("flows", "log_rate", int_kind(1, 1_000_000), 100),

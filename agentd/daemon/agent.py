@@ -232,16 +232,17 @@ class Agent:
         if fast_path is not None:
             if fast_path.routed and fast_path.wire is None:
                 self.tunnels.bpf.gate = WIRE_PROGRAM  # decapsulated packets meet it while the redirect is held
-            if cfg.flows.enabled:  # what it carries counts in the connections' end records
+            if cfg.flows.enabled and cfg.flows.connections:  # what it carries counts in the connections' end records
                 try:
                     await asyncio.to_thread(fast_path.set_counting, True)
                 except OSError as err:
                     log.warning("flow records will miss what the pod fast path carries: %s", err)
-        if cfg.flows.enabled:  # conntrack must see every connection start and end (agentd/flows)
+        if cfg.flows.enabled and cfg.flows.connections:  # conntrack must see every connection start and end
             self.tunnels.bpf.holders.add("flows")
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
                                   on_isolation=self.tunnels.bpf.hold_redirect, fast_path=fast_path,
                                   fast_path_error=fast_path_error, drop_log=drop_log(cfg),
+                                  route_all=cfg.flows.enabled and cfg.flows.connections,
                                   families=self.cluster.versions)  # the cluster's pod families (its record wins)
         try:
             await self.policy.start()

@@ -62,7 +62,8 @@ class Observability:
         recorder = FlowRecorder(self.name, directory, cfg.agent.state_dir, group=cfg.flows.log_group,
                                 ring_size=cfg.flows.ring_size, agent_rate=cfg.flows.record_rate,
                                 agent_burst=max(1, int(cfg.flows.record_rate * 2)),
-                                pods=[cfg.network.cidr], services=[cfg.network.service_cidr], carried=carried)
+                                pods=[cfg.network.cidr], services=[cfg.network.service_cidr], carried=carried,
+                                connections=cfg.flows.connections)
         try:
             await asyncio.to_thread(recorder.open)
         except OSError as err:
@@ -77,7 +78,8 @@ class Observability:
         self.recorder = recorder
         self.views = FlowViews(recorder, kernel_suppressed)
         registry.register(self.views)
-        log.info("flow records on: conntrack events and drops logged to NFLOG group %d, %d records kept",
+        log.info("flow records on: %s logged to NFLOG group %d, %d records kept",
+                 "conntrack events and drops" if cfg.flows.connections else "drops only ([flows] connections = false)",
                  cfg.flows.log_group, cfg.flows.ring_size)
 
     async def keep_read_token(self, datastore: Datastore, on_token: Callable[[], Awaitable[None]]) -> None:

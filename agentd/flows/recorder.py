@@ -214,9 +214,12 @@ class FlowRecorder:
         services: Sequence[IPv4Network] = (),
         carried: CarriedCounts | None = None,
         tai_offset: Callable[[], int] = tai_offset_ns,
+        connections: bool = True,
     ) -> None:
         """``pods``, ``services``: the pod network and the Services' range; conntrack events of
-        connections with neither are not even read.  ``carried``: the pod fast path's counts."""
+        connections with neither are not even read.  ``carried``: the pod fast path's counts.
+        ``connections`` False: drops only -- no conntrack events are asked for (nor the
+        sysctls set), so connections cost nothing more than with flows off."""
         self.node = node
         self.directory = directory
         self.state_dir = Path(state_dir)
@@ -234,7 +237,8 @@ class FlowRecorder:
         self.filtered = False  # the kernel filters conntrack events (pods' only) for us
         self.prefixes = [(int(n.network_address), int(n.netmask)) for n in (*pods, *services)]
         self.service_ranges = [(int(n.network_address), int(n.netmask)) for n in services]
-        self.carried = carried
+        self.connections = connections
+        self.carried = carried if connections else None
         self.tai_offset = tai_offset
         self._tai_offset = 0
         self._restarts: dict[bytes, deque[Counts]] = {}
@@ -250,22 +254,14 @@ class FlowRecorder:
 
     def open(self) -> None:
         """Turn on conntrack's accounting and timestamps (noting what was there), join the
-        conntrack event groups and bind the drop log group.  Raises OSError (one line)."""
-        enable_sysctls(self.state_dir)
-        sock = NetlinkSocket(rcvbuf=8 << 20, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
-        try:
-            if self.prefixes:
-                try:
-                    sock.attach_filter(ct.event_filter(self.prefixes))
-                    self.filtered = True
-                except OSError as err:  # every event is read and sorted here instead
-                    log.warning("flows: conntrack events are not filtered in the kernel: %s", err)
-            for group in (ct.NFNLGRP_CONNTRACK_NEW, ct.NFNLGRP_CONNTRACK_DESTROY):
-                sock.sock.setsockopt(nl.SOL_NETLINK, nl.NETLINK_ADD_MEMBERSHIP, group)
-        except OSError:
-            sock.close()
-            raise
-        self.ct_sock = sock
+        conntrack event groups and bind the drop log group; with ``connections`` False only
+        the last (and the sysctls an earlier run turned on put back).  Raises OSError (one line)."""
+        if self.connections:
+            self._open_conntrack()
+        else:
+            gone = restore_sysctls(self.state_dir)
+            if gone:
+                log.info("flows: connection records off: put back %s", ", ".join(gone))
         sock = NetlinkSocket(rcvbuf=4 << 20, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
         try:
             try:
@@ -285,6 +281,23 @@ class FlowRecorder:
             raise
         self.log_sock = sock
 
+    def _open_conntrack(self) -> None:
+        enable_sysctls(self.state_dir)
+        sock = NetlinkSocket(rcvbuf=8 << 20, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
+        try:
+            if self.prefixes:
+                try:
+                    sock.attach_filter(ct.event_filter(self.prefixes))
+                    self.filtered = True
+                except OSError as err:  # every event is read and sorted here instead
+                    log.warning("flows: conntrack events are not filtered in the kernel: %s", err)
+            for group in (ct.NFNLGRP_CONNTRACK_NEW, ct.NFNLGRP_CONNTRACK_DESTROY):
+                sock.sock.setsockopt(nl.SOL_NETLINK, nl.NETLINK_ADD_MEMBERSHIP, group)
+        except OSError:
+            sock.close()
+            raise
+        self.ct_sock = sock
+
     def close(self) -> None:
         for sock in (self.ct_sock, self.log_sock):
             if sock is not None:
@@ -292,19 +305,22 @@ class FlowRecorder:
         self.ct_sock = self.log_sock = None
 
     async def run(self) -> None:
-        """The supervised task: read both sockets as they become readable."""
-        if self.ct_sock is None:
+        """The supervised task: read both sockets (the log's alone with ``connections`` False)
+        as they become readable."""
+        if self.log_sock is None:
             await asyncio.to_thread(self.open)
-        assert self.ct_sock is not None and self.log_sock is not None
+        assert self.log_sock is not None and (self.ct_sock is not None or not self.connections)
         loop = self._loop = asyncio.get_running_loop()
-        ct_fd = self.ct_sock.fileno()
-        loop.add_reader(ct_fd, self._ct_ready)
+        ct_fd = self.ct_sock.fileno() if self.ct_sock is not None else None
+        if ct_fd is not None:
+            loop.add_reader(ct_fd, self._ct_ready)
         loop.add_reader(self.log_sock.fileno(), self._read, self.log_sock, self._on_log, "log")
         try:
             await asyncio.Event().wait()
         finally:
             self._loop = None
-            loop.remove_reader(ct_fd)
+            if ct_fd is not None:
+                loop.remove_reader(ct_fd)
             if self.log_sock is not None:
                 loop.remove_reader(self.log_sock.fileno())
 

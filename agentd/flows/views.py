@@ -51,6 +51,7 @@ class FlowViews:
         r = self.recorder
         return {
             "on": True,
+            "connections": r.connections,  # False: drops only ([flows] connections = false)
             "records": len(r.ring),
             "ring_size": r.ring.size,
             "seq": r.ring.seq,

@@ -81,15 +81,19 @@ class PolicyAgent:
         fast_path_error: str | None = None,
         drop_log: DropLog | None = None,
         families: tuple[int, ...] = (4,),
+        route_all: bool | None = None,
     ) -> None:
         """``drop_log``: flow records are kept (agentd.flows): drops are logged to its NFLOG
-        group and every local pod's traffic is routed through conntrack."""
+        group.  ``route_all``: every local pod's traffic is routed through conntrack, for
+        connection records (default: whenever ``drop_log`` is given)."""
         self.node = node
         self.ds = datastore
         self.store = ResourceStore(datastore)
         self.data_dir = str(data_dir)
         # families: the IP versions pods have addresses of
-        self.engine = PolicyEngine(node, drop_log=drop_log, route_all=drop_log is not None, families=families)
+        if route_all is None:
+            route_all = drop_log is not None
+        self.engine = PolicyEngine(node, drop_log=drop_log, route_all=route_all, families=families)
         self.nft = nft
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods

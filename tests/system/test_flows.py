@@ -739,6 +739,65 @@ async def test_the_cluster_view_keeps_its_read_token(shop):
 # ------------------------------------------------------------------ leave puts conntrack's settings back
 
 
+async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(shop):
+    """``[flows] connections = false`` on node2: its drops are still recorded with the policies
+    that denied them, but no connection is (no conntrack events read), the conntrack sysctls
+    are put back and the pod fast path counts nothing; node1, unchanged, records on.  Back to
+    connections on, all of that returns."""
+    lab = shop.lab
+    node1, node2 = lab.nodes
+    web = shop.pods["web"]
+
+    def sysctls() -> tuple[str, str]:
+        return tuple(node2.ns.exec("cat", f"/proc/sys/net/netfilter/{n}").strip()
+                     for n in ("nf_conntrack_acct", "nf_conntrack_timestamp"))  # type: ignore[return-value]
+
+    def fast_path_counts() -> bool:  # POD_CFG_COUNT in node2's agentd_podcfg (podpath.h)
+        from agentd.dataplane.bpf import libbpf as lb
+
+        inode = os.stat(f"/run/netns/{node2.ns.name}").st_ino
+        fd = lb.obj_get(str(lab.bpffs / f"netns-{inode}" / "agentd_podcfg"))
+        try:
+            flags = int.from_bytes(lb.map_lookup(fd, bytes(4), 24)[:4], "little")
+        finally:
+            os.close(fd)
+        return bool(flags & 4)
+
+    async def restart(connections: bool) -> None:
+        lab.spec.extra.setdefault("node2", {})["flows"] = {"connections": connections}
+        await node2.stop_agent()
+        node2.start_agent()
+
+        def settled() -> bool:
+            st = node2.api_or_none("/status") or {}
+            p = node2.api_or_none("/policy?view=summary") or {}
+            return bool(st.get("ready")) and (st.get("flows") or {}).get("connections") is connections \
+                and p.get("applied_at") is not None
+
+        await auntil(settled, 60, what=f"node2 back with [flows] connections = {str(connections).lower()}")
+
+    assert sysctls() == ("1", "1") and fast_path_counts()
+    await restart(False)
+    try:
+        assert node2.api("/status")["flows"]["on"] is True
+        assert sysctls() == ("0", "0") and not fast_path_counts()
+        since, t0 = node2.api("/status")["flows"]["seq"], time.time()
+        assert (await shop.echo["client"].tcp(web.ip, 80))["names"] == {"web": 1}
+        assert (await shop.echo["other"].tcp(web.ip, 80, timeout=0.5))["failed"] == 1
+
+        drops = await records(node2, "--verdict", "dropped", "--from-pod", "shop/other", "--to-pod", "shop/web",
+                              want=lambda r: any(x["seq"] > since for x in r), what="node2's drop of other -> web")
+        assert drops[-1]["policies"] == ["shop/default-deny", "shop/web-from-clients"]
+        await records(node1, "--from-pod", "shop/client", "--to-pod", "shop/web", "--event", "new",
+                      want=lambda r: any(x["time"] >= t0 for x in r), what="node1's record of client -> web")
+        mine = [x for x in await agentd_flows(node2, "--last", "1000") if x["seq"] > since]
+        assert mine and all(x["verdict"] == "dropped" for x in mine), mine
+    finally:
+        await restart(True)
+        lab.spec.extra["node2"].pop("flows")
+    assert sysctls() == ("1", "1") and fast_path_counts()
+
+
 async def test_leave_restores_conntrack_settings(shop):
     node2 = shop.lab.nodes[1]
 

@@ -367,8 +367,10 @@ def test_env_sets_every_kind_of_value():
     ("on", True), ("OFF", False), (" True ", True),
 ])
 def test_env_booleans(text, value):
-    cfg = pure(env={"AGENTD_BGP_GRACEFUL_RESTART": text, "AGENTD_CNI_WRITE_CONFLIST": text})
+    cfg = pure(env={"AGENTD_BGP_GRACEFUL_RESTART": text, "AGENTD_CNI_WRITE_CONFLIST": text,
+                    "AGENTD_FLOWS_CONNECTIONS": text})
     assert cfg.bgp.graceful_restart is value and cfg.cni.write_conflist is value
+    assert cfg.flows.connections is value and cfg.flows.enabled is True
 
 
 def test_empty_env_value_means_not_set():
@@ -513,6 +515,7 @@ BAD = [
      "etcd.prefix", 'must be a key path like "/agentd"'),
     ("lease-ttl", "file", "[etcd]\nlease_ttl = 1\n", "etcd.lease_ttl", "must be 2..86400"),
     ("ring-size", "file", "[flows]\nring_size = 1000001\n", "flows.ring_size", "must be 100..1000000"),
+    ("flows-connections", "file", "[flows]\nconnections = 'some'\n", "flows.connections", "must be a boolean, not a string"),
     ("missing-tls-file", "file", "[etcd]\nendpoints = ['https://a:2379']\nca = '/nonexistent/ca.pem'\n",
      "etcd.ca", "/nonexistent/ca.pem does not exist"),
     ("password-too-long", "file", "[bgp]\npassword = '" + "p" * 81 + "'\n", "bgp.password",
