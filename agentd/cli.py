@@ -621,6 +621,17 @@ def _fast_path_line(fast: dict[str, Any]) -> str:
     return f"Pod fast path on, {where}  carried {packets.get('carried', 0)} packets  pods {fast.get('pods', 0)}{ipv6}"
 
 
+def _flows_line(flows: dict[str, Any]) -> str:
+    """Flow records (docs/observability.md): what is recorded and how full the ring is; or why
+    nothing is."""
+    if not flows.get("on"):
+        return f"Flows off: {_cell(flows.get('error') or 'not running')}"
+    what = "connections and drops" if flows.get("connections", True) else "drops only ([flows] connections = false)"
+    lost = sum(v for v in (flows.get("lost") or {}).values() if isinstance(v, int))
+    return (f"Flows on: {what}  records {flows.get('records', 0)} of {flows.get('ring_size', 0)}"
+            f"{f'  LOST {lost} events' if lost else ''}")
+
+
 def _ingress_line(ing: dict[str, Any]) -> str:
     """The ingress proxy (docs/ingress.md): where it listens, its PIDs, reloads and restarts."""
     where = ", ".join(_cell(a) for a in ing.get("addresses") or []) or "-"
@@ -663,6 +674,9 @@ def render_status(status: dict[str, Any]) -> str:
         fast = policy.get("fast_path")
         if isinstance(fast, dict):
             out.append(_fast_path_line(fast))
+    flows = status.get("flows")  # flow records
+    if isinstance(flows, dict):
+        out.append(_flows_line(flows))
     ingress = status.get("ingress")  # Ingress
     if isinstance(ingress, dict):
         out.append(_ingress_line(ingress))

@@ -66,7 +66,8 @@ def test_peer_description_must_be_printable(capsys, tmp_path):
 @pytest.mark.parametrize(
     "reply",
     [[], "hello", {}, {"node": "x"}, {"node": {}, "bgp": {"peers": [{}]}}, {"node": {}, "bgp": {"peers": "x"}},
-     {"node": {}, "routes": {"last_sync": "abc"}}, {"node": {}, "routes": {"last_sync": 1e300}}],
+     {"node": {}, "routes": {"last_sync": "abc"}}, {"node": {}, "routes": {"last_sync": 1e300}},
+     {"node": {}, "flows": {"on": True, "lost": "x"}}],
 )
 def test_status_with_an_unexpected_reply_is_one_line(capsys, monkeypatch, reply):
     monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
@@ -156,6 +157,24 @@ def test_status_says_what_the_pod_fast_path_does(capsys, monkeypatch, fast, line
     monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
     code, out, _ = run(capsys, "status")
     assert code == 0 and line in out.splitlines()
+
+
+@pytest.mark.parametrize("flows, line", [
+    ({"on": True, "connections": True, "records": 812, "ring_size": 10000, "lost": {}},
+     "Flows on: connections and drops  records 812 of 10000"),
+    ({"on": True, "connections": False, "records": 3, "ring_size": 10000, "lost": {"log": 0}},
+     "Flows on: drops only ([flows] connections = false)  records 3 of 10000"),
+    ({"on": True, "connections": True, "records": 10000, "ring_size": 10000, "lost": {"conntrack": 5, "log": 2}},
+     "Flows on: connections and drops  records 10000 of 10000  LOST 7 events"),
+    ({"on": False, "error": "switched off ([flows] enabled = false)"}, "Flows off: switched off ([flows] enabled = false)"),
+    ({"on": False, "error": "flow records off: NFLOG group 143 is bound\nby another process"},
+     "Flows off: flow records off: NFLOG group 143 is bound\\nby another process"),
+])  # fmt: skip
+def test_status_says_what_flow_records_keep(capsys, monkeypatch, flows, line):
+    reply = {"node": {"name": "n1"}, "bgp": {"peers": []}, "flows": flows}
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and line in out.splitlines(), out
 
 
 def test_status_names_a_program_on_our_hooks_it_could_not_take_over(capsys, monkeypatch):
