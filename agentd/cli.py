@@ -625,7 +625,7 @@ def _flows_line(flows: dict[str, Any]) -> str:
     """Flow records (docs/observability.md): what is recorded and how full the ring is; or why
     nothing is."""
     if not flows.get("on"):
-        return f"Flows off: {_cell(flows.get('error') or 'not running')}"
+        return f"Flows off: {_cell(flows['error'])}" if flows.get("error") else "Flows not on yet (starting)"
     what = "connections and drops" if flows.get("connections", True) else "drops only ([flows] connections = false)"
     lost = sum(v for v in (flows.get("lost") or {}).values() if isinstance(v, int))
     return (f"Flows on: {what}  records {flows.get('records', 0)} of {flows.get('ring_size', 0)}"

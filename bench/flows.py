@@ -115,7 +115,7 @@ async def restart(lab: Lab, flows: bool, connections: bool = True) -> None:
     deadline = time.monotonic() + 60
     while not settled():
         if time.monotonic() > deadline:
-            raise BenchError(f"agents not settled with flows {'on' if flows else 'off'}")
+            raise BenchError(f"agents not settled with flows {('on' if connections else 'drops only') if flows else 'off'}")
         await asyncio.sleep(0.2)
     await asyncio.sleep(1.0)  # the first sync's transaction is in; let the restart's CPU settle
 
@@ -409,7 +409,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds per measurement (default 5)")
-    ap.add_argument("--rounds", type=int, default=6, help="rounds of off and on, interleaved (default 6)")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of off, drops only and on, interleaved (default 6)")
     ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
     ap.add_argument("--storm-seconds", type=float, default=5.0, help="length of the storm (default 5)")
     ap.add_argument("--drops", type=int, default=20, help="denied connections timed to the followed streams (default 20)")

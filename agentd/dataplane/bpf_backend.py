@@ -52,8 +52,8 @@ class BpfPath:
         # conntrack sees both directions, instead of bpf_redirect past it (see hold_redirect):
         # "policy" while NetworkPolicy isolates a pod of this node, "services" while Services
         # are translated here (a reply must meet its connection's NAT), each also until its
-        # agent has synced once; "flows" while flow records are kept (conntrack must see every
-        # connection start and end).
+        # agent has synced once; "flows" while connection records are kept (conntrack must see
+        # every connection start and end; not for drops only, [flows] connections = false).
         self.holders: set[str] = set()
         # While it is held, the pod fast path's wire program (podpath.c), after ours on the
         # underlay's ingress hook, judges decapsulated packets (datapath.c deliver_gated): TCP

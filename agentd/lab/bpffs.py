@@ -74,8 +74,11 @@ def sweep_dead(under: str | os.PathLike, *, min_age: float = 60.0, now: float | 
     ``<lab dir>/bpffs`` whose ``<lab dir>/lab.json`` names a lab with no network namespace left
     (``ad-<name>-*``) and was written more than ``min_age`` seconds ago (a lab being built
     mounts its bpffs just before its namespaces).  A lab whose process was killed (SIGKILL, a
-    CI timeout) could not unmount its own, and the pins in it keep programs and maps alive.
-    Returns the mount points removed."""
+    CI timeout) could not unmount its own, and the pins in it keep programs and maps alive;
+    its namespaces outlive it too (their mounts under /run/netns), so the lab counts as gone
+    here only once they are removed (``agentd lab down --name``, or by hand).  A lab of the
+    same name made meanwhile writes a new ``lab.json`` before it mounts: both are looked at
+    again just before the unmount.  Returns the mount points removed."""
     root = os.path.realpath(under)
     now = time.time() if now is None else now
     removed = []
@@ -86,12 +89,15 @@ def sweep_dead(under: str | os.PathLike, *, min_age: float = 60.0, now: float | 
         state = p.parent / "lab.json"
         try:
             name = json.loads(state.read_text())["spec"]["name"]
-            age = now - state.stat().st_mtime
+            written = state.stat().st_mtime
+            age = now - written
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if not isinstance(name, str) or not name or age < min_age or list_names(f"ad-{name}-"):
             continue
         try:
+            if state.stat().st_mtime != written or list_names(f"ad-{name}-"):
+                continue  # a lab of that name is being made there now
             umount(p)
         except OSError:
             continue

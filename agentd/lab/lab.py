@@ -420,6 +420,7 @@ class Lab:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._save()
+            bpffs.umount(self.bpffs)  # a dead lab's of the same name (its pins are not this lab's)
             bpffs.mount(self.bpffs)
             self.network.build(self.nodes, static_neighbors=self.static_neighbors)  # type: ignore[arg-type]
             if self.spec.ingress:

@@ -763,6 +763,14 @@ async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(sho
             os.close(fd)
         return bool(flags & 4)
 
+    def routed_ports() -> int:  # local pods whose traffic the bridge hands up to conntrack
+        out = node2.ns.exec("nft", "-j", "list", "set", "bridge", "agentd-policy", "isolated-ports")
+        sets = [o["set"] for o in json.loads(out)["nftables"] if "set" in o]
+        return len(sets[0].get("elem", [])) if sets else 0
+
+    def held_for_flows() -> bool:  # decapsulated packets kept on the stack's path for conntrack
+        return "flows" in ((node2.api("/status").get("backends") or {}).get("bpf") or {}).get("held_by", [])
+
     async def restart(connections: bool) -> None:
         lab.spec.extra.setdefault("node2", {})["flows"] = {"connections": connections}
         await node2.stop_agent()
@@ -776,11 +784,13 @@ async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(sho
 
         await auntil(settled, 60, what=f"node2 back with [flows] connections = {str(connections).lower()}")
 
-    assert sysctls() == ("1", "1") and fast_path_counts()
+    # node2's pods: web and peer isolated (shop's default deny), lobby/a and lobby/b not.
+    assert sysctls() == ("1", "1") and fast_path_counts() and routed_ports() == 4 and held_for_flows()
     await restart(False)
     try:
         assert node2.api("/status")["flows"]["on"] is True
         assert sysctls() == ("0", "0") and not fast_path_counts()
+        assert routed_ports() == 2 and not held_for_flows()  # the isolated pods only, as with flows off
         since, t0 = node2.api("/status")["flows"]["seq"], time.time()
         assert (await shop.echo["client"].tcp(web.ip, 80))["names"] == {"web": 1}
         assert (await shop.echo["other"].tcp(web.ip, 80, timeout=0.5))["failed"] == 1
@@ -795,7 +805,7 @@ async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(sho
     finally:
         await restart(True)
         lab.spec.extra["node2"].pop("flows")
-    assert sysctls() == ("1", "1") and fast_path_counts()
+    assert sysctls() == ("1", "1") and fast_path_counts() and routed_ports() == 4 and held_for_flows()
 
 
 async def test_leave_restores_conntrack_settings(shop):

@@ -3,8 +3,10 @@
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 
 from agentd.lab import bpffs, netns
@@ -94,10 +96,12 @@ def test_sweep_pings_from_each_namespace_and_names_who_did_not_answer(netns_fact
     }
 
 
-def test_sweep_dead_unmounts_only_the_bpf_file_systems_of_labs_that_are_gone(tmp_path, netns_factory):
+def test_sweep_dead_unmounts_only_the_bpf_file_systems_of_labs_that_are_gone(netns_factory):
     """A lab killed before its `down` leaves its bpffs mounted (and every program and map pinned
     in it alive): the next run's sweep takes it away, and leaves a lab that still has its
     namespaces, or was made a moment ago, alone."""
+    # Not under pytest's base temp: another session starting meanwhile sweeps there.
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="agentd-sweep-"))
     live = netns_factory("node1")  # ad-<tag>-node1: a lab named <tag> is still there
     live_name = live.name.removeprefix("ad-").removesuffix("-node1")
     old = time.time() - 3600
@@ -122,6 +126,7 @@ def test_sweep_dead_unmounts_only_the_bpf_file_systems_of_labs_that_are_gone(tmp
     finally:
         for p in made.values():
             bpffs.umount(p)
+        shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def _pinned_map(path: pathlib.Path) -> int:

@@ -167,6 +167,7 @@ def test_status_says_what_the_pod_fast_path_does(capsys, monkeypatch, fast, line
     ({"on": True, "connections": True, "records": 10000, "ring_size": 10000, "lost": {"conntrack": 5, "log": 2}},
      "Flows on: connections and drops  records 10000 of 10000  LOST 7 events"),
     ({"on": False, "error": "switched off ([flows] enabled = false)"}, "Flows off: switched off ([flows] enabled = false)"),
+    ({"on": False, "error": None}, "Flows not on yet (starting)"),
     ({"on": False, "error": "flow records off: NFLOG group 143 is bound\nby another process"},
      "Flows off: flow records off: NFLOG group 143 is bound\\nby another process"),
 ])  # fmt: skip
