@@ -57,9 +57,10 @@ def pytest_sessionstart(session):
         return
     from agentd.lab import bpffs
 
-    base = pathlib.Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
-    try:
-        swept = bpffs.sweep_dead(base)
+    tmp = pathlib.Path(tempfile.gettempdir())
+    try:  # pytest's base temp, and the short lab roots some tests make beside it (ad-sb-*)
+        swept = [p for base in (tmp / f"pytest-of-{getpass.getuser()}", *tmp.glob("ad-sb-*"))
+                 for p in bpffs.sweep_dead(base)]
     except OSError as err:  # a tidy-up: the run goes on without it
         print(f"agentd: could not look for file systems left by killed runs: {err}")
         swept = []

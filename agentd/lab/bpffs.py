@@ -27,16 +27,24 @@ _libc = ctypes.CDLL(None, use_errno=True)
 MNT_DETACH = 2
 
 
-def mount(path: str | os.PathLike) -> Path:
-    """Mount a new bpffs at ``path`` (made if missing); a no-op if one is there already."""
+def mount(path: str | os.PathLike, *, owner: int | None = None) -> Path:
+    """Mount a new bpffs at ``path`` (made if missing); a no-op if one is there already.
+    ``owner``: the process whose file system it is, noted beside it (``<path>.owner``) for
+    :func:`sweep_dead` where no lab's ``lab.json`` says whose it is (a test's own)."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
+    if owner is not None:
+        _owner_file(p).write_text(f"{owner}\n")
     if is_bpffs(str(p)) and os.path.ismount(p):
         return p
     if _libc.mount(b"bpf", str(p).encode(), b"bpf", 0, b"mode=0700") != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount -t bpf bpf {p}: {os.strerror(err)}")
     return p
+
+
+def _owner_file(p: Path) -> Path:
+    return p.with_name(p.name + ".owner")
 
 
 def umount(path: str | os.PathLike) -> None:
@@ -48,6 +56,8 @@ def umount(path: str | os.PathLike) -> None:
             raise OSError(err, f"umount {p}: {os.strerror(err)}")
     with contextlib.suppress(OSError):
         p.rmdir()
+    with contextlib.suppress(OSError):
+        _owner_file(p).unlink()
 
 
 def _mount_points(fs_type: str = "bpf") -> list[str]:
@@ -78,13 +88,20 @@ def sweep_dead(under: str | os.PathLike, *, min_age: float = 60.0, now: float | 
     its namespaces outlive it too (their mounts under /run/netns), so the lab counts as gone
     here only once they are removed (``agentd lab down --name``, or by hand).  A lab of the
     same name made meanwhile writes a new ``lab.json`` before it mounts: both are looked at
-    again just before the unmount.  Returns the mount points removed."""
+    again just before the unmount.  A bpffs with no lab beside it but an owner noted
+    (:func:`mount`, a test's own) goes once that process is gone.  Returns the mount points
+    removed."""
     root = os.path.realpath(under)
     now = time.time() if now is None else now
     removed = []
     for point in _mount_points():
         p = Path(point)
         if p.name != "bpffs" or not (point + "/").startswith(root.rstrip("/") + "/"):
+            continue
+        if _owner_gone(p):
+            with contextlib.suppress(OSError):
+                umount(p)
+                removed.append(point)
             continue
         state = p.parent / "lab.json"
         try:
@@ -103,3 +120,20 @@ def sweep_dead(under: str | os.PathLike, *, min_age: float = 60.0, now: float | 
             continue
         removed.append(point)
     return removed
+
+
+def _owner_gone(p: Path) -> bool:
+    """Whether ``p`` has an owner noted (:func:`mount`) that no longer runs."""
+    try:
+        pid = int(_owner_file(p).read_text())
+    except (OSError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -8,6 +8,7 @@ speaker, GoBGP, BFD; agentd.lab.interop.Routers), all stopped when it ends.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -52,7 +53,7 @@ def bpffs(tmp_path) -> Iterator[str]:
     """A BPF file system of the test's own (mounted under tmp_path, unmounted at the end)."""
     from agentd.lab import bpffs as fs
 
-    path = fs.mount(tmp_path / "bpffs")
+    path = fs.mount(tmp_path / "bpffs", owner=os.getpid())
     try:
         yield str(path)
     finally:

@@ -123,6 +123,17 @@ def test_sweep_dead_unmounts_only_the_bpf_file_systems_of_labs_that_are_gone(net
         assert not os.path.ismount(made["dead"]) and not made["dead"].exists()
         assert os.path.ismount(made["live"]) and os.path.ismount(made["young"])
         assert bpffs.sweep_dead(tmp_path) == []  # nothing more to do
+
+        # A test's own (no lab): its owner noted beside it; it goes once that process is gone.
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        made["orphan"] = bpffs.mount(tmp_path / "t1" / "bpffs", owner=gone.pid)
+        made["owned"] = bpffs.mount(tmp_path / "t2" / "bpffs", owner=os.getpid())
+        assert bpffs.sweep_dead(tmp_path) == [str(made["orphan"])]
+        assert not os.path.ismount(made["orphan"]) and not (tmp_path / "t1" / "bpffs.owner").exists()
+        assert os.path.ismount(made["owned"])
+        bpffs.umount(made["owned"])
+        assert not (tmp_path / "t2" / "bpffs.owner").exists()
     finally:
         for p in made.values():
             bpffs.umount(p)

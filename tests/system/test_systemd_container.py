@@ -37,6 +37,7 @@ could not keep them:
 from __future__ import annotations
 
 import json
+import os
 import re
 from ipaddress import IPv4Network
 from pathlib import Path
@@ -138,7 +139,7 @@ def systemd_nodes(docker_engine, tmp_path):
     network = f"sd{tag}"
     made: list[str] = []
     # The nodes' /sys/fs/bpf: a bpffs of the test's own (systemd in a container mounts none).
-    fs = bpffs.mount(tmp_path / "bpffs")
+    fs = bpffs.mount(tmp_path / "bpffs", owner=os.getpid())
     engine.docker("network", "create", "--subnet", f"{SUBNET}.0/24", network)
     try:
         etcd = f"sd{tag}-etcd"
