@@ -174,11 +174,18 @@ def guard(token_of: Callable[[], str | None]) -> Any:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:
             return _refuse(401, "this request needs the API token ([api] token_file) as Authorization: Bearer")
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        if not hmac.compare_digest(_octets(given), token.encode()):
             return _refuse(401, "wrong API token ([api] token_file holds the running agent's)", error="invalid_token")
         return await handler(request)
 
     return middleware
+
+
+def _octets(presented: str) -> bytes:
+    """A presented credential as the octets that came: aiohttp decodes header values as UTF-8
+    with surrogateescape, so a header that is not UTF-8 gets its own bytes back (and is simply
+    wrong) rather than failing to encode."""
+    return presented.strip().encode("utf-8", "surrogateescape")
 
 
 UI_KEY_PURPOSE = b"agentd ui: read the cluster through this agent"
@@ -197,7 +204,7 @@ def may_read_cluster(authorization: str, token: str | None) -> bool:
     scheme, _, given = authorization.partition(" ")
     if token is None or scheme.lower() != "bearer" or not given.strip():
         return False
-    presented = given.strip().encode()
+    presented = _octets(given)
     # Both compared, in constant time each, whichever matches.
     as_token = hmac.compare_digest(presented, token.encode())
     as_key = hmac.compare_digest(presented, ui_key(token).encode())
@@ -256,7 +263,7 @@ def read_guard(token_of: Callable[[], str | None]) -> Any:
             return web.json_response({"error": "this listener is read-only"}, status=405)
         token = token_of()
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if token is None or scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        if token is None or scheme.lower() != "bearer" or not hmac.compare_digest(_octets(given), token.encode()):
             return _refuse(401, "the cluster read token is required", realm=CLUSTER_REALM)
         return await handler(request)
 

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger("agentd.cluster")
 
@@ -122,6 +123,8 @@ class ClusterView:
             what = f"nothing for {self.follow_idle:g}s" if follow and isinstance(err, asyncio.TimeoutError) else \
                 f"{type(err).__name__} {err}".strip()
             raise OSError(f"{node} unreachable: {what}") from None
+        except HttpProcessingError as err:  # a line past aiohttp's limit (LineTooLong), a broken chunk
+            raise OSError(f"{node} answered what cannot be read: {type(err).__name__} {err.message}".strip()) from None
 
     async def gather(self, path: str, local: Callable[[], Any], nodes: list[str] | None = None) -> dict[str, Any]:
         """``{node: answer}`` of every (or each named) node; an unreachable one maps to

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from agentd.flows.model import Identity
@@ -39,14 +40,37 @@ class DropMeaning:
 SERVICE_REFUSALS = {services_compiler.REJECT_CHAIN: "no-endpoints", services_compiler.DROP_CHAIN: "no-local-endpoints"}
 
 
+def _no_service(ip: str, proto: int, port: int) -> str | None:
+    return None
+
+
+class _ServiceNames:
+    """A Service's name by the address, protocol and port a client used (its cluster IP, or
+    a node port of this node's address), as the Services were at one sync."""
+
+    __slots__ = ("vips", "nodeports", "node_address")
+
+    def __init__(self, vips: dict[tuple[str, str, int], str], nodeports: dict[tuple[str, int], str],
+                 node_address: str) -> None:
+        self.vips, self.nodeports, self.node_address = vips, nodeports, node_address
+
+    def name(self, ip: str, proto: int, port: int) -> str | None:
+        protocol = _PROTO.get(proto)
+        if protocol is None:
+            return None
+        name = self.vips.get((ip, protocol, port))
+        if name is None and ip == self.node_address:
+            name = self.nodeports.get((protocol, port))
+        return name
+
+
 class FlowDirectory:
     def __init__(self, policy: PolicyAgent | None, services: ServiceAgent | None, node_address: str) -> None:
         self.policy = policy
         self.services = services
         self.node_address = node_address
         self._ids: dict[tuple[str, str], tuple[Any, Identity]] = {}  # pod key -> (its Pod, identity)
-        self._vips: dict[tuple[str, str, int], str] = {}
-        self._nodeports: dict[tuple[str, int], str] = {}
+        self._names: Callable[[str, int, int], str | None] = _no_service
         self._services_seen = -1
 
     def version(self) -> int:
@@ -89,24 +113,26 @@ class FlowDirectory:
         return name, None
 
     def service(self, ip: str, proto: int, port: int) -> str | None:
+        return self.service_names()(ip, proto, port)
+
+    def service_names(self) -> Callable[[str, int, int], str | None]:
+        """The Services as they are now (rebuilt after each sync of the services agent, never
+        changed after): a record made later from an event of now names the Service it went to
+        then, not one that took its address since."""
         if self.services is None:
-            return None
+            return _no_service
         if self._services_seen != self.services.syncs:
-            self._vips, self._nodeports = {}, {}
+            vips: dict[tuple[str, str, int], str] = {}
+            nodeports: dict[tuple[str, int], str] = {}
             for sp in self.services.ports:
                 name = f"{sp.namespace}/{sp.service}"
                 if sp.cluster_ip is not None:
-                    self._vips[(sp.cluster_ip, sp.protocol, sp.port)] = name
+                    vips[(sp.cluster_ip, sp.protocol, sp.port)] = name
                 if sp.node_port is not None:
-                    self._nodeports[(sp.protocol, sp.node_port)] = name
+                    nodeports[(sp.protocol, sp.node_port)] = name
+            self._names = _ServiceNames(vips, nodeports, self.node_address).name
             self._services_seen = self.services.syncs
-        protocol = _PROTO.get(proto)
-        if protocol is None:
-            return None
-        name = self._vips.get((ip, protocol, port))
-        if name is None and ip == self.node_address:
-            name = self._nodeports.get((protocol, port))
-        return name
+        return self._names
 
     def drop(self, prefix: str) -> DropMeaning | None:
         if prefix == SPOOFED_PREFIX:

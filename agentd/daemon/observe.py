@@ -62,7 +62,10 @@ class Observability:
         recorder = FlowRecorder(self.name, directory, cfg.agent.state_dir, group=cfg.flows.log_group,
                                 ring_size=cfg.flows.ring_size, agent_rate=cfg.flows.record_rate,
                                 agent_burst=max(1, int(cfg.flows.record_rate * 2)),
-                                pods=[cfg.network.cidr], services=[cfg.network.service_cidr], carried=carried,
+                                pods=[cfg.network.cidr, *([cfg.network.cidr_v6] if 6 in cfg.network.families else [])],
+                                services=[cfg.network.service_cidr,
+                                          *([cfg.network.service_cidr_v6] if 6 in cfg.network.families else [])],
+                                carried=carried,
                                 connections=cfg.flows.connections)
         try:
             await asyncio.to_thread(recorder.open)

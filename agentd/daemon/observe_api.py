@@ -34,6 +34,7 @@ from aiohttp import web
 from agentd.daemon import auth
 from agentd.daemon.cluster import KEEPALIVE, RELAYED, ClusterView, NodeAnswered
 from agentd.flows.model import FilterError, FlowFilter
+from agentd.flows.ring import MAX_FOLLOWERS, TooManyFollowers
 from agentd.flows.views import FlowViews
 
 log = logging.getLogger("agentd.api")
@@ -121,6 +122,9 @@ class _Handlers:
         view = self.agent.flows_view()
         if view is None and not cluster:
             return web.json_response({"error": "flow records are off on this node ([flows] enabled = false)"}, status=404)
+        if follow and view is not None and view.followers() >= MAX_FOLLOWERS:
+            return web.json_response({"error": f"{view.followers()} streams already follow this node's flow records "
+                                               f"(at most {MAX_FOLLOWERS}); try again later"}, status=503)
         resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
@@ -128,7 +132,7 @@ class _Handlers:
                 await self._cluster_flows(resp, flt, last, since, follow)
             else:
                 assert view is not None
-                await _local_flows(resp, view, flt, last, since, follow)
+                await _local_flows(resp, view, flt, last, since, follow, me)
         except ConnectionResetError:  # the reader went: a followed stream ends so
             return resp
         with contextlib.suppress(ConnectionResetError):
@@ -149,7 +153,7 @@ class _Handlers:
             for name in names:
                 if name == me:
                     if view is not None:
-                        tasks.append(asyncio.create_task(_pump_local(view, flt, merge)))
+                        tasks.append(asyncio.create_task(_pump_local(view, flt, merge, me)))
                 elif cluster is not None:
                     path = "/flows?" + urlencode([*_node_params(flt, name, None), ("last", "0"), ("follow", "1")])
                     tasks.append(asyncio.create_task(_pump_remote(cluster, name, path, merge)))
@@ -279,10 +283,14 @@ class _Handlers:
 
 
 async def _local_flows(resp: web.StreamResponse, view: FlowViews, flt: FlowFilter, last: int,
-                       since: float | None, follow: bool) -> None:
+                       since: float | None, follow: bool, me: str) -> None:
     # Following starts with the same ring the last N are searched in (no await in between):
     # no record falls between them, and none is written twice.
-    follower = view.follow(flt) if follow else None
+    try:
+        follower = view.follow(flt) if follow else None
+    except TooManyFollowers as err:  # more came since the handler looked
+        await resp.write(_line({"node": me, "error": str(err)}))
+        return
     search = view.search(flt, last, since)
     try:
         for flow in await view.finish(search):
@@ -349,8 +357,12 @@ class _Merge:
             self.lost += 1
 
 
-async def _pump_local(view: FlowViews, flt: FlowFilter, merge: _Merge) -> None:
-    follower = view.follow(flt)
+async def _pump_local(view: FlowViews, flt: FlowFilter, merge: _Merge, me: str) -> None:
+    try:
+        follower = view.follow(flt)
+    except TooManyFollowers as err:
+        merge.put(_line({"node": me, "error": str(err)}))
+        return
     try:
         lost = 0
         while True:

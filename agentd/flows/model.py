@@ -209,7 +209,8 @@ class FlowFilter:
             return False
         if self.label and not any(e.identity and _labels_match(e.identity.labels, self.label) for e in ends):
             return False
-        if self.port and not (f.src.port in self.port or f.dst.port in self.port or f.service_port in self.port):
+        if self.port and not (f.src.port in self.port or f.dst.port in self.port
+                              or (f.service is not None and f.service_port in self.port)):  # fmt: skip
             return False
         if self.ip and not (f.src.ip in self.ip or f.dst.ip in self.ip or f.service_ip in self.ip):
             return False
@@ -248,10 +249,10 @@ def _value(key: str, value: str) -> Any:
             raise FilterError(f"filter reason: {value!r} is not one of {', '.join(REASONS)}")
         return value
     if key == "protocol":
-        upper = value.upper()
-        if upper not in PROTOCOLS.values():
+        named = {name.upper(): name for name in PROTOCOLS.values()}.get(value.upper())
+        if named is None:
             raise FilterError(f"filter protocol: {value!r} is not one of {', '.join(PROTOCOLS.values())}")
-        return upper
+        return named
     if key == "port":
         try:
             port = int(value)

@@ -56,7 +56,7 @@ import struct
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from pathlib import Path
 from typing import Protocol
 
@@ -103,6 +103,10 @@ class Directory(Protocol):
     def identity(self, ip: str) -> Identity | None: ...
 
     def service(self, ip: str, proto: int, port: int) -> str | None: ...
+
+    # service() as the Services are now, kept so: what a record made later of an event of now
+    # names (the Service an address belonged to when the connection was made).
+    def service_names(self) -> Callable[[str, int, int], str | None]: ...
 
     def drop(self, prefix: str) -> Drop | None: ...
 
@@ -157,14 +161,15 @@ class PendingConnection(Deferred):
     """A conntrack event as the kernel sent it, with its ends named when it came; the record
     is made when it is first read."""
 
-    __slots__ = ("recorder", "event", "carried", "received", "_flow")
+    __slots__ = ("recorder", "event", "carried", "received", "services", "_flow")
 
     def __init__(self, recorder: FlowRecorder, event: Event, carried: tuple[int, int, int, int] | None,
-                 received: float) -> None:
+                 received: float, services: Callable[[str, int, int], str | None] | None = None) -> None:
         self.recorder = recorder
         self.event: Event | None = event
         self.carried = carried  # (packets, bytes) each way of the original direction, by the fast path
         self.received = received
+        self.services = services  # the Services as they were when it came (shared by a read's events)
         self._flow: Flow | None = None
 
     def flow(self) -> Flow:
@@ -179,11 +184,11 @@ class PendingConnection(Deferred):
                 ev = _tuples_only(mtype, data)
             assert ev is not None  # its tuples were read when it came
             flow = self.recorder.connection(ev, names=tuple(names), carried=self.carried,  # type: ignore[arg-type]
-                                            received=self.received)
+                                            received=self.received, services=self.services)
             assert flow is not None
             flow.seq = self.seq
             self._flow = flow
-            self.event = self.recorder = self.carried = None  # type: ignore[assignment]
+            self.event = self.recorder = self.carried = self.services = None  # type: ignore[assignment]
         return self._flow
 
 
@@ -210,14 +215,15 @@ class FlowRecorder:
         agent_rate: float = 10.0,
         agent_burst: int = 20,
         clock: Callable[[], float] = time.time,
-        pods: Sequence[IPv4Network] = (),
-        services: Sequence[IPv4Network] = (),
+        pods: Sequence[IPv4Network | IPv6Network] = (),
+        services: Sequence[IPv4Network | IPv6Network] = (),
         carried: CarriedCounts | None = None,
         tai_offset: Callable[[], int] = tai_offset_ns,
         connections: bool = True,
     ) -> None:
-        """``pods``, ``services``: the pod network and the Services' range; conntrack events of
-        connections with neither are not even read.  ``carried``: the pod fast path's counts.
+        """``pods``, ``services``: the pod networks and the Services' ranges (either family); a
+        conntrack event of a connection with neither end in them, nor named, is the node's own
+        (its IPv4 ones are not even read: the kernel's filter).  ``carried``: the pod fast path's counts.
         ``connections`` False: drops only -- no conntrack events are asked for (nor the
         sysctls set), so connections cost nothing more than with flows off."""
         self.node = node
@@ -232,11 +238,13 @@ class FlowRecorder:
         self.flows: Counter[str] = Counter()  # records by verdict
         self.drops: Counter[tuple[str, str]] = Counter()  # drop records by (reason, direction)
         self.lost: Counter[str] = Counter()  # events the kernel could not queue for us: conntrack, log
+        self._ct_lost_before = 0  # conntrack events lost at sockets before the one open now
         self.malformed = 0
         self.events = 0
         self.filtered = False  # the kernel filters conntrack events (pods' only) for us
-        self.prefixes = [(int(n.network_address), int(n.netmask)) for n in (*pods, *services)]
-        self.service_ranges = [(int(n.network_address), int(n.netmask)) for n in services]
+        v4 = [n for n in (*pods, *services) if n.version == 4]
+        self.prefixes = [(int(n.network_address), int(n.netmask)) for n in v4]  # IPv4, for the kernel's filter and C
+        self.networks = tuple(ip_network(n) for n in (*pods, *services))  # both families: the long way
         self.connections = connections
         self.carried = carried if connections else None
         self.tai_offset = tai_offset
@@ -297,6 +305,7 @@ class FlowRecorder:
             sock.close()
             raise
         self.ct_sock = sock
+        self._ct_lost_before = self.lost["conntrack"]  # a new socket's drop count starts at 0
 
     def close(self) -> None:
         for sock in (self.ct_sock, self.log_sock):
@@ -346,13 +355,13 @@ class FlowRecorder:
                 try:
                     got = sock.recv_many()
                 except OSError as err:
-                    if err.errno == errno.ENOBUFS:  # the kernel dropped events for us
-                        self.lost["conntrack"] += 1
+                    if err.errno == errno.ENOBUFS:  # the kernel dropped events for us: counted below
                         continue
                     raise
                 if not got:
                     break
                 batch += got
+            self._count_ct_drops()
             # After the reads: the fast path's news then holds whatever came before these events.
             self._begin()
             self._on_conntrack_datagrams(batch, self.clock())
@@ -370,9 +379,9 @@ class FlowRecorder:
         try:
             self._begin_names()
             assert ct.fast_events is not None
-            items, n, lost = ct.fast_events.drain(sock.fileno(), CT_BUDGET, self._names, self._name,
-                                                  self.service_ranges, self.carried is not None)
-            self.lost["conntrack"] += lost
+            items, n, _overruns = ct.fast_events.drain(sock.fileno(), CT_BUDGET, self._names, self._name,
+                                                       self.prefixes, self.carried is not None)
+            self._count_ct_drops()
             self._begin_carried()
             self._on_conntrack_items(items, self.clock())
         finally:
@@ -380,6 +389,19 @@ class FlowRecorder:
                 loop.call_soon(self._drain_conntrack)
             else:
                 loop.add_reader(sock.fileno(), self._ct_ready)
+
+    def _count_ct_drops(self) -> None:
+        """Conntrack events lost: what the kernel dropped at this socket (its sk_drops, one per
+        event it could not queue), not how often it said ENOBUFS -- it says so once per
+        overrun, which may have lost thousands."""
+        sock = getattr(self.ct_sock, "sock", None)
+        if not isinstance(sock, socket.socket):
+            return
+        try:
+            drops = socket_drops(sock)
+        except OSError:
+            return
+        self.lost["conntrack"] = max(self.lost["conntrack"], self._ct_lost_before + drops)
 
     def _begin(self) -> None:
         """Once the events of a read are in hand, before they are looked at: the fast path's
@@ -408,7 +430,7 @@ class FlowRecorder:
         """A read's datagrams as :data:`Event` s, in C where it is built, else
         :meth:`_decode_here`."""
         if self.fast and ct.fast_events is not None:
-            return ct.fast_events.decode(batch, self._names, self._name, self.service_ranges, self.carried is not None)
+            return ct.fast_events.decode(batch, self._names, self._name, self.prefixes, self.carried is not None)
         return self._decode_here(batch)
 
     def _decode_here(self, batch: list[bytes]) -> list[Event | bytes]:
@@ -434,7 +456,7 @@ class FlowRecorder:
                 n_dst = name(dst)
             if n_reply is _UNKNOWN:
                 n_reply = name(reply_src)
-            if n_src is None and n_dst is None and n_reply is None and not self._in_services(dst):
+            if n_src is None and n_dst is None and n_reply is None and not self._in_ranges(src, dst, reply_src):
                 continue  # the node's own traffic (etcd, BGP)
             carry = None
             if mtype == ct.MSG_DELETE and proto == TCP and counting and n_src and n_dst:
@@ -456,6 +478,7 @@ class FlowRecorder:
         of an ended one -- the rest the long way."""
         entries: list[Entry] = []
         carried = self._carried
+        services = self.directory.service_names()
         for item in items:
             if type(item) is bytes:
                 if entries:
@@ -464,7 +487,8 @@ class FlowRecorder:
                 self._on_conntrack_long(item)
                 continue
             carry = item[5]  # type: ignore[index]
-            entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now))  # type: ignore[arg-type]
+            entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now,  # type: ignore[arg-type]
+                                             services))
         if entries:
             self._extend(entries)
 
@@ -494,9 +518,13 @@ class FlowRecorder:
             ident = self._names[address] = self.directory.identity(socket.inet_ntoa(address))
             return ident
 
-    def _in_services(self, address: bytes) -> bool:
-        value = int.from_bytes(address, "big")
-        return any(value & mask == net for net, mask in self.service_ranges)
+    def _in_ranges(self, *addresses: bytes) -> bool:
+        """Whether any of these IPv4 addresses is in the pods' or the Services' ranges."""
+        for address in addresses:
+            value = int.from_bytes(address, "big")
+            if any(value & mask == net for net, mask in self.prefixes):
+                return True
+        return False
 
     # ------------------------------------------------------------------ what the fast path carried
 
@@ -585,8 +613,9 @@ class FlowRecorder:
             try:
                 data = sock.recv()
             except OSError as err:
-                if err.errno == errno.ENOBUFS:  # the kernel dropped messages for us
-                    self.lost[what] += 1
+                # The kernel dropped messages for us: the packets' sequence numbers show the gap
+                # (_on_log counts each lost packet there; counting this too would count twice).
+                if err.errno == errno.ENOBUFS:
                     continue
                 raise
             if data is None:
@@ -624,11 +653,13 @@ class FlowRecorder:
     # ------------------------------------------------------------------ records (pure given the directory)
 
     def connection(self, ev: ct.CtEvent, *, names: tuple[Identity | None, Identity | None, Identity | None] | None = None,
-                   carried: tuple[int, int, int, int] | None = None, received: float | None = None) -> Flow | None:
+                   carried: tuple[int, int, int, int] | None = None, received: float | None = None,
+                   services: Callable[[str, int, int], str | None] | None = None) -> Flow | None:
         """A conntrack event as a record; None if no end of it is a pod or a Service.
         ``names``: its ends as named when it came (original source, destination, reply source);
         ``carried``: what the pod fast path carried of it (packets, bytes each way);
-        ``received``: when it came."""
+        ``received``: when it came; ``services``: the Services then (Directory.service_names),
+        else as they are now."""
         orig, reply = ev.orig, ev.reply
         d = self.directory
         if names is None:
@@ -637,10 +668,11 @@ class FlowRecorder:
         service = None
         if ev.status & ct.IPS_DST_NAT:  # a Service: the endpoint is where the replies come from
             dst = Peer(reply.src, reply.sport, names[2])
-            service = d.service(orig.dst, orig.proto, orig.dport)
+            service = (services or d.service)(orig.dst, orig.proto, orig.dport)
         else:
             dst = Peer(orig.dst, orig.dport, names[1])
-        if src_id is None and dst.identity is None and service is None and received is None:
+        if (src_id is None and dst.identity is None and service is None and received is None
+                and not self._ours(orig.src, orig.dst, reply.src)):  # fmt: skip
             return None  # the node's own traffic (etcd, BGP): not a pod's
         when = (ev.stop_ns if ev.destroyed else ev.event_ns or ev.start_ns) / 1e9 or received or self.clock()
         flow = Flow(
@@ -660,6 +692,18 @@ class FlowRecorder:
                 flow.duration = max(0.0, (ev.stop_ns - ev.start_ns) / 1e9)
         return flow
 
+    def _ours(self, *addresses: str) -> bool:
+        """Whether any of these addresses is in the pods' or the Services' ranges (a pod's
+        connection, named or not yet)."""
+        for text in addresses:
+            try:
+                address = ip_address(text)
+            except ValueError:
+                continue
+            if any(address in n for n in self.networks):
+                return True
+        return False
+
     def dropped(self, p: nflog.Packet) -> Flow | None:
         """A logged packet as a drop record; None when the agent's limit folds it.
 
@@ -671,12 +715,13 @@ class FlowRecorder:
         reason = meaning.reason if meaning is not None else "unknown"
         now = p.time or self.clock()
         folded = self.limiter.allow((p.prefix, p.src, p.dst, p.proto, p.dport), now)
-        if folded is None:
-            return None
         d = self.directory
         src_id, dst_id = d.identity(p.src), d.identity(p.dst)
-        service = d.service(p.dst, p.proto, p.dport) if reason in ("no-endpoints", "no-local-endpoints") else None
         direction = meaning.direction if meaning is not None and meaning.direction else direction_of(src_id, dst_id)
+        if folded is None:  # counted now, as a recorded one is when it is taken in (_count)
+            self.drops[(reason, direction)] += 1
+            return None
+        service = d.service(p.dst, p.proto, p.dport) if reason in ("no-endpoints", "no-local-endpoints") else None
         flow = Flow(
             time=now, node=self.node, event="drop", protocol=protocol_name(p.proto),
             src=Peer(p.src, p.sport, src_id), dst=Peer(p.dst, p.dport, dst_id), direction=direction,
@@ -702,10 +747,23 @@ class FlowRecorder:
         for flow in made:
             flows[flow.verdict] += 1
             if flow.verdict == "dropped":
-                self.drops[(flow.reason or "unknown", flow.direction)] += 1 + flow.suppressed  # type: ignore[union-attr]
+                self.drops[(flow.reason or "unknown", flow.direction)] += 1  # folded ones: when folded (dropped)
 
 
 # ------------------------------------------------------------------ conntrack's settings
+
+
+SO_MEMINFO = 55  # <asm-generic/socket.h>: u32[SK_MEMINFO_VARS]
+SK_MEMINFO_DROPS = 8
+
+
+def socket_drops(sock: socket.socket) -> int:
+    """What the kernel dropped at ``sock`` for want of room (its sk_drops: a netlink socket
+    counts each message it could not queue, ENOBUFS or not)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (SK_MEMINFO_DROPS + 1))
+    if len(raw) < 4 * (SK_MEMINFO_DROPS + 1):
+        return 0
+    return struct.unpack_from("=I", raw, 4 * SK_MEMINFO_DROPS)[0]
 
 
 def enable_sysctls(state_dir: Path) -> None:

@@ -105,6 +105,13 @@ class LastSearch:
         return self.found[::-1]
 
 
+MAX_FOLLOWERS = 64  # followed streams of one node's records at once (local readers and other nodes' gatherers)
+
+
+class TooManyFollowers(Exception):
+    pass
+
+
 class FlowRing:
     def __init__(self, size: int, on_records: Callable[[list[Entry]], None] | None = None) -> None:
         """``on_records(entries)``: told of what each :meth:`add` or :meth:`extend` took in."""
@@ -165,8 +172,12 @@ class FlowRing:
 
     @property
     def records(self) -> list[Entry]:
-        """What the ring holds, oldest first (deferred entries as they are)."""
-        return [self._slots[i] for i in reversed(list(self._newest_first()))]  # type: ignore[misc]
+        """What the ring holds, oldest first (deferred entries as they are): two list slices,
+        at C speed, however large the ring (a search starts with this copy, taken in one
+        step of the event loop)."""
+        if self._count < self.size:  # never wrapped: the first _next slots, in order
+            return self._slots[: self._next]  # type: ignore[return-value]
+        return self._slots[self._next :] + self._slots[: self._next]  # type: ignore[operator]
 
     def last(self, flt: FlowFilter, n: int, *, since: float | None = None) -> list[Flow]:
         """The last ``n`` records matching ``flt`` (oldest first); ``since``: only newer ones."""
@@ -177,9 +188,14 @@ class FlowRing:
 
     def search(self, flt: FlowFilter, n: int, *, since: float | None = None) -> LastSearch:
         """The same, a step at a time (:class:`LastSearch`) over the ring as it is now."""
-        return LastSearch(self.records, flt, n, since)
+        return LastSearch(self.records if n > 0 else [], flt, n, since)
 
     def follow(self, flt: FlowFilter, limit: int = 10_000) -> Follower:
+        """A new :class:`Follower` of what comes; :class:`TooManyFollowers` past
+        ``MAX_FOLLOWERS`` (each one costs every record a filter match and a decode)."""
+        if len(self.followers) >= MAX_FOLLOWERS:
+            raise TooManyFollowers(f"{len(self.followers)} streams already follow this node's flow records "
+                                   f"(at most {MAX_FOLLOWERS})")
         follower = Follower(flt, limit)
         self.followers.add(follower)
         return follower

@@ -47,6 +47,9 @@ class FlowViews:
     def unfollow(self, follower: Follower) -> None:
         self.recorder.ring.unfollow(follower)
 
+    def followers(self) -> int:
+        return len(self.recorder.ring.followers)
+
     def status(self) -> dict[str, Any]:
         r = self.recorder
         return {

@@ -13,8 +13,9 @@
  *     offsets: addresses, protocol, ports (ICMP: type and code), the reply's source;
  *   - its three addresses are named through the recorder's table (a dict of the 4 address
  *     bytes -> identity or None), asking the recorder (``name(address)``) for one not in it;
- *   - an event of none of the pods, Services' range not its destination either, is the node's
- *     own (etcd, BGP): left out;
+ *   - an event with no end named and no address in the pods' or the Services' ranges (the
+ *     ranges given) is the node's own (etcd, BGP): left out -- as the kernel's socket filter
+ *     (netlink_ct.event_filter) leaves it out where that filter is attached;
  *   - a DESTROY of TCP between two pods (when the pod fast path counts what it carries) gets
  *     the fast path's key of the connection (podpath.h struct podflow_key: the lower (address,
  *     port) first), whether its source is the lower end, and conntrack's start and stop stamps,
@@ -60,7 +61,7 @@ static struct iovec iovs[BATCH];
 
 struct ctx {
 	PyObject *names, *name;
-	uint32_t services[SERVICES_MAX][2];
+	uint32_t services[SERVICES_MAX][2]; /* the ranges (network, mask): the pods' and the Services' */
 	int n_services, counting;
 };
 
@@ -79,6 +80,14 @@ static uint32_t be32(const uint8_t *p) { return (uint32_t)p[0] << 24 | (uint32_t
 static uint64_t be64(const uint8_t *p) { return (uint64_t)be32(p) << 32 | be32(p + 4); }
 static uint16_t h16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static uint32_t h32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static int in_ranges(const struct ctx *c, uint32_t a)
+{
+	for (int i = 0; i < c->n_services; i++)
+		if ((a & c->services[i][1]) == c->services[i][0])
+			return 1;
+	return 0;
+}
 
 /* The identity of a 4-byte address (new reference): the table's, else the recorder's answer. */
 static PyObject *named(struct ctx *c, const uint8_t *addr)
@@ -151,16 +160,10 @@ static PyObject *event(struct ctx *c, PyObject *datagram, const uint8_t *p, Py_s
 	}
 	if (!(n_src = named(c, src)) || !(n_dst = named(c, dst)) || !(n_rsrc = named(c, rsrc)))
 		goto out;
-	if (n_src == Py_None && n_dst == Py_None && n_rsrc == Py_None) {
-		uint32_t d = be32(dst);
-		int i;
-		for (i = 0; i < c->n_services; i++)
-			if ((d & c->services[i][1]) == c->services[i][0])
-				break;
-		if (i == c->n_services) { /* the node's own traffic */
-			item = Py_None;
-			goto out;
-		}
+	if (n_src == Py_None && n_dst == Py_None && n_rsrc == Py_None &&
+	    !in_ranges(c, be32(src)) && !in_ranges(c, be32(dst)) && !in_ranges(c, be32(rsrc))) {
+		item = Py_None; /* the node's own traffic: no end in the pods' or Services' ranges */
+		goto out;
 	}
 	if (mtype == MSG_DELETE_ && proto == TCP && c->counting) {
 		int t_src = PyObject_IsTrue(n_src), t_dst;

@@ -249,7 +249,7 @@ function showFlows(params) {
   const form = el("form", { class: "filters", id: "flow-filters" },
     FILTERS.map((f) => el("label", {}, f,
       f === "verdict" ? el("select", { name: f }, ["", "forwarded", "dropped"].map((v) => el("option", { value: v, selected: params.get(f) === v ? "" : null }, v || "any")))
-        : f === "protocol" ? el("select", { name: f }, ["", "TCP", "UDP", "ICMP", "SCTP"].map((v) => el("option", { value: v, selected: params.get(f) === v ? "" : null }, v || "any")))
+        : f === "protocol" ? el("select", { name: f }, ["", "TCP", "UDP", "ICMP", "ICMPv6", "SCTP"].map((v) => el("option", { value: v, selected: params.get(f) === v ? "" : null }, v || "any")))
           : el("input", { name: f, value: params.get(f) || "", placeholder: { pod: "ns/name", label: "key=value" }[f] || "" }))),
     el("button", { type: "submit" }, "Apply"));
   const out = el("div", {});

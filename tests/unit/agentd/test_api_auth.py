@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 from aiohttp.test_utils import make_mocked_request
 
 from agentd.daemon import auth
@@ -105,3 +106,18 @@ def test_the_cluster_view_needs_the_token_or_the_browser_key():
     for header in ("", "Bearer", "Bearer guess", f"Basic {token}", f"Bearer {auth.ui_key('other')}"):
         assert not auth.may_read_cluster(header, token), header
     assert not auth.may_read_cluster(f"Bearer {token}", None)  # no token here (agentd speaker): nobody
+
+
+async def test_a_credential_that_is_not_utf8_is_just_wrong():
+    """aiohttp hands header values over as UTF-8 with surrogateescape: a header of other bytes
+    is refused (401) like any wrong token, on every listener, never a 500."""
+    token = "s3cret-token"
+    odd = b"Bearer \xff\xfe".decode("utf-8", "surrogateescape")
+    assert not auth.may_read_cluster(odd, token)
+    def presenting(method: str, remote: str) -> web.Request:
+        request = _request(method, remote)
+        request._headers = CIMultiDictProxy(CIMultiDict({"Authorization": odd}))  # as the parser leaves it
+        return request
+
+    assert (await auth.guard(lambda: token)(presenting("POST", "127.0.0.1"), _handled)).status == 401
+    assert (await auth.read_guard(lambda: token)(presenting("GET", "192.0.2.7"), _handled)).status == 401

@@ -208,6 +208,9 @@ class Directory:
     def service(self, ip, proto, port):
         return None
 
+    def service_names(self):
+        return self.service
+
     def drop(self, prefix):
         return None
 
@@ -502,7 +505,7 @@ def test_the_c_loop_reads_what_the_python_loop_reads(counting):
     r._begin()
     here = r._decode_here(batch)
     asked = r.directory.asked
-    assert _ctevents.decode(batch, r._names, r._name, r.service_ranges, counting) == here
+    assert _ctevents.decode(batch, r._names, r._name, r.prefixes, counting) == here
     assert r.directory.asked == asked  # the names the Python loop asked for are remembered
     kinds = [item if type(item) is bytes else item[:2] for item in here]
     assert kinds[:5] == [(m, ct.MSG_NEW) for m in (ICMP_NEW, TCP_NEW, UDP_NEW, LOOPBACK_NEW)] + [
@@ -520,6 +523,32 @@ def test_the_c_loop_reads_what_the_python_loop_reads(counting):
         assert carries[0][2:] == ct.lifetime(TCP_DESTROY, start, end) != (0, 0)
     else:
         assert carries == []
+
+
+class Nobody(Directory):
+    """Names no address at all: a pod whose record has not come yet, one gone already."""
+
+    def identity(self, ip):
+        return None
+
+
+def test_a_pods_connection_is_kept_before_its_pod_is_known():
+    """The node's own connections are told by their addresses (no end in the pods' or the
+    Services' ranges, as the kernel's filter tells them), not by whether a pod is named: a
+    new pod's first connection -- before its record reached the agent -- is a record with
+    its addresses, in the C loop, the Python loop and the long way (IPv6) alike."""
+    r = FlowRecorder("node2", Nobody(), "/nonexistent", group=143, clock=lambda: 1000.0,
+                     pods=[ipaddress.IPv4Network("10.244.0.0/16"), ipaddress.IPv6Network("fd00:10:244::/48")],
+                     services=[ipaddress.IPv4Network("10.96.0.0/12")])
+    batch = [tcp("10.244.1.9", "8.8.8.8", 40000, 53), tcp("172.30.0.11", "172.30.0.2", 1, 2379),
+             tcp("8.8.8.8", "10.244.1.9", 53, 40001, destroyed=True)]
+    r._begin()
+    here = r._decode_here(batch)
+    assert _ctevents.decode(batch, r._names, r._name, r.prefixes, False) == here
+    assert [item[0] for item in here] == [batch[0], batch[2]]  # the etcd connection alone is left out
+    feed(r, *batch, tcp(CLIENT6, "2001:db8::1", 7, 443), tcp("2001:db8::2", "2001:db8::1", 8, 179))
+    got = [(f.src.ip, f.dst.ip, f.src.identity) for f in r.ring]
+    assert got == [("10.244.1.9", "8.8.8.8", None), ("8.8.8.8", "10.244.1.9", None), (CLIENT6, "2001:db8::1", None)]
 
 
 def test_the_c_loop_reads_a_socket_in_batches():

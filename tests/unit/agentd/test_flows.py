@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from agentd.flows.model import FilterError, Flow, FlowFilter, Identity, Peer
 from agentd.flows.recorder import FlowRecorder
 from agentd.flows.render import line
-from agentd.flows.ring import DropLimiter, FlowRing
+from agentd.flows.ring import MAX_FOLLOWERS, DropLimiter, FlowRing, TooManyFollowers
 from agentd.kernel import netlink as nl
 from agentd.kernel import netlink_ct as ct
 from agentd.kernel import netlink_log as nflog
@@ -197,8 +197,15 @@ class Directory:
     def identity(self, ip):
         return self.ids.get(ip)
 
+    def __init__(self):
+        self.vips = {("10.96.0.10", 6, 80): "shop/web"}
+
     def service(self, ip, proto, port):
-        return "shop/web" if (ip, proto, port) == ("10.96.0.10", 6, 80) else None
+        return self.vips.get((ip, proto, port))
+
+    def service_names(self):
+        vips = dict(self.vips)  # as they are now, whatever comes later
+        return lambda ip, proto, port: vips.get((ip, proto, port))
 
     def drop(self, prefix):
         if prefix == "spoofed":
@@ -223,6 +230,18 @@ def test_service_connection_end_record():
     assert j["service"] == {"name": "shop/web", "ip": "10.96.0.10", "port": 80}
     assert j["dst"]["pod"] == "shop/web" and j["dst"]["port"] == 8080  # the endpoint, from the reply tuple
     assert (j["bytes_sent"], j["bytes_received"], j["duration"]) == (400, 900, 0.25)
+
+
+def test_a_record_read_later_names_the_service_of_when_the_event_came():
+    """Records are made when first read: the Service is the one the address belonged to when
+    the connection was made, not whatever took its address since (or nothing, once deleted)."""
+    r = recorder()
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)], 1000.0)
+    r.directory.vips = {("10.96.0.10", 6, 80): "shop/other"}  # the Service deleted, its address reused
+    (flow,) = list(r.ring)
+    assert flow.service == "shop/web"
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT)], 1001.0)
+    assert list(r.ring)[-1].service == "shop/other"
 
 
 def test_nodes_own_connections_are_not_recorded():
@@ -278,6 +297,19 @@ def test_a_drop_without_a_kernel_timestamp_is_limited_by_when_it_was_read():
     assert kept[3].time == 1003.0 and kept[3].suppressed == 1  # type: ignore[union-attr]
 
 
+def test_every_drop_is_counted_when_it_comes_folded_or_not():
+    """agentd_flow_drops_total counts each dropped packet the agent heard of, the ones its limit
+    folds included, as they come -- not when the next record of the same drop is made (a storm's
+    last folded drops would wait for a record that may never come)."""
+    r = recorder()
+    msg = logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80)
+    for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):
+        for _ in range(100):  # one instant: the burst recorded, the rest folded
+            r._on_log(mtype, msg, start, end)
+    assert len(r.ring) < 100 and r.limiter.suppressed == 100 - len(r.ring)
+    assert r.drops == {("policy", "ingress"): 100}
+
+
 def test_log_sequence_gaps_count_as_lost():
     r = recorder()
     for seq in (1, 2, 6):
@@ -308,6 +340,7 @@ def flow(src=CLIENT, dst=WEB, verdict="forwarded", port=80) -> Flow:
     ([("verdict", "dropped")], False),
     ([("node", "node1")], False),
     ([("ip", "10.244.2.3")], True),
+    ([("port", "0")], False),  # no end has port 0, and a record of no Service has no Service port
 ])  # fmt: skip
 def test_filters(pairs, matches):
     assert FlowFilter.parse(pairs).matches(flow()) is matches
@@ -322,6 +355,15 @@ def test_filters(pairs, matches):
 def test_bad_filters_are_one_line(pairs, message):
     with pytest.raises(FilterError, match=message):
         FlowFilter.parse(pairs)
+
+
+def test_every_protocol_can_be_named_in_any_case():
+    for name in ("ICMP", "TCP", "UDP", "ICMPv6", "SCTP"):
+        for spelled in (name, name.lower(), name.upper()):
+            assert FlowFilter.parse([("protocol", spelled)]).protocol == (name,), spelled
+    v6 = Flow(1.0, "node2", "new", "ICMPv6", Peer("fd00::1", 128), Peer("fd00::2", 0), "egress")
+    assert FlowFilter.parse([("protocol", "icmpv6")]).matches(v6)
+    assert not FlowFilter.parse([("protocol", "icmp")]).matches(v6)
 
 
 def test_filter_round_trips_through_pairs():
@@ -348,6 +390,26 @@ async def test_ring_is_bounded_and_followers_lose_rather_than_grow():
     assert [f.dst.port for f in ring.last(FlowFilter.parse([("port", "3")]), 10)] == [3]
     ring.unfollow(follower)
     await asyncio.sleep(0)
+
+
+def test_the_ring_lists_what_it_holds_oldest_first_before_and_after_it_wraps():
+    for size, added in ((5, 0), (5, 3), (5, 5), (5, 7), (5, 10), (1, 4)):
+        ring = FlowRing(size)
+        for i in range(added):
+            ring.add(flow(port=i))
+        want = list(range(max(0, added - size), added))
+        assert [f.dst.port for f in ring.records] == want, (size, added)
+        assert [f.dst.port for f in ring] == want and len(ring) == len(want)
+
+
+def test_followers_are_bounded():
+    ring = FlowRing(3)
+    followers = [ring.follow(FlowFilter()) for _ in range(MAX_FOLLOWERS)]
+    with pytest.raises(TooManyFollowers, match="at most"):
+        ring.follow(FlowFilter())
+    ring.unfollow(followers.pop())
+    followers.append(ring.follow(FlowFilter()))  # room again once one went
+    assert len(ring.followers) == MAX_FOLLOWERS
 
 
 def test_search_goes_step_by_step_over_what_the_ring_held_when_it_began():
