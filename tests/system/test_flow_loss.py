@@ -1,9 +1,12 @@
-"""Conntrack events the kernel could not queue for the flow recorder are counted one by one
-(the socket's drop count), not once per overrun: an overrun that lost thousands of events
-says thousands in ``agentd_flow_events_lost_total`` and ``agentd status``."""
+"""What flow records lose, said as it is: conntrack events the kernel could not queue for the
+recorder are counted one by one (the socket's drop count), not once per overrun -- an overrun
+that lost thousands of events says thousands in ``agentd_flow_events_lost_total`` and
+``agentd status``; and a node's stream that cannot be read is that node's error."""
 
 import errno
 import socket
+
+import pytest
 
 from agentd.flows.recorder import FlowRecorder, socket_drops
 from agentd.kernel import netlink as nl
@@ -69,3 +72,41 @@ def test_lost_conntrack_events_are_counted_each(netns_factory):
     finally:
         recorder.ct_sock = None
         sock.close()
+
+
+async def test_a_node_line_too_long_to_read_is_that_nodes_error():
+    """A node whose stream has a line past aiohttp's limit (512 KiB with aiohttp 3.14: a record
+    of pods with very many labels) is an OSError naming it -- what every gatherer catches -- not
+    an exception that kills the followed stream or the gathered answer."""
+    from aiohttp import web
+
+    from agentd.daemon.cluster import ClusterView
+
+    async def flows(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        try:
+            await resp.write(b'{"ok": 1}\n' + b'{"x": "' + b"y" * 4_000_000 + b'"}\n')
+            await resp.write_eof()
+        except ConnectionError:  # the reader gave up on the line, as it should
+            pass
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/flows", flows)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    view = ClusterView("node1", lambda: {"node2": "127.0.0.1"}, port)
+    view.token = "t"
+    got = []
+    try:
+        with pytest.raises(OSError, match="node2 answered what cannot be read"):
+            async for line in view.lines("node2", "/flows"):
+                got.append(line)
+        assert got == [b'{"ok": 1}\n']
+    finally:
+        await view.close()
+        await runner.cleanup()
