@@ -202,6 +202,8 @@ def _pair(values: dict[str, str], names: tuple[str, str], kinds: tuple, source: 
     if net_key not in values:
         return None, None
     try:
+        if "%" in values[net_key] or "%" in values.get(sub_key, ""):  # host-local (Go's net.ParseCIDR) refuses zones
+            raise ValueError("an IPv6 zone (%...) has no place in a pod network")
         network = network_kind(values[net_key], strict=True)
     except ValueError as e:
         raise SubnetFileError(f"{source}: {net_key} {values[net_key]!r} is not {what} network: {e}") from None
@@ -219,6 +221,8 @@ def _dns(text: str | None, source: str, version: int = 4) -> IPv4Address | IPv6A
     if not text:
         return None
     try:
+        if "%" in text:  # a zone: pods cannot be told of one in resolv.conf's nameserver
+            raise ValueError(text)
         return IPv4Address(text) if version == 4 else IPv6Address(text)
     except ValueError:
         key = "AGENTD_DNS" if version == 4 else "AGENTD_DNS_V6"

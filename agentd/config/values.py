@@ -166,6 +166,16 @@ def check_protocol(n: int) -> None:
                    "number so agentd never owns someone else's routes")
 
 
+def _no_zone(s: str) -> str:
+    """``s`` stripped; ValueError if it names an IPv6 zone (``%eth0``): Python's ipaddress takes
+    one, but a network or an address other hosts route to has none (Go's net.ParseCIDR, host-local
+    and the API server refuse it), and ``fd00::5%eth0`` would be a second spelling of fd00::5."""
+    s = s.strip()
+    if "%" in s:
+        raise ValueError("an IPv6 zone (%...) has no place here")
+    return s
+
+
 def parse_ipv4(s: str, *, unicast: bool = True) -> IPv4Address | None:
     if not s.strip():  # empty: not set
         return None
@@ -212,7 +222,7 @@ def parse_dns_address_v6(s: str) -> IPv6Address:
     """The node-local DNS address of pods without IPv4: IPv6 unicast that pods can route to the
     node (not loopback, link-local, multicast or unspecified)."""
     try:
-        addr = ip_address(s.strip())
+        addr = ip_address(_no_zone(s))
     except ValueError:
         raise BadValue("must be an IPv6 address") from None
     if addr.version != 6:
@@ -309,7 +319,7 @@ def parse_any_ip(s: str) -> IPAddress:
 
 def parse_network(s: str, *, v4_only: bool) -> IPNetwork:
     try:
-        net = ip_network(s.strip(), strict=False)
+        net = ip_network(_no_zone(s), strict=False)
     except ValueError:
         raise BadValue(f"must be {'an IPv4' if v4_only else 'an IP'} network like 10.244.0.0/16") from None
     if v4_only and net.version != 4:
@@ -354,7 +364,7 @@ def parse_service_network_v6(s: str) -> IPv6Network:
 def parse_pod_network_v6(s: str) -> IPv6Network:
     """The cluster's IPv6 pod network: unicast, outside loopback, link-local and multicast."""
     try:
-        net = ip_network(s.strip(), strict=False)
+        net = ip_network(_no_zone(s), strict=False)
     except ValueError:
         raise BadValue("must be an IPv6 network like fd00:10:244::/48") from None
     if net.version != 6:

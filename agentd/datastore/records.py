@@ -108,7 +108,7 @@ def _address(kind: str, name: str, value: Any, version: int | None = 4) -> IPv4A
         return value
     text = _str(kind, name, str(value) if isinstance(value, (IPv4Address, IPv6Address)) else value)
     try:
-        addr = ip_address(text)
+        addr = ip_address(text) if "%" not in text else None  # a zone: no address other hosts route to
     except ValueError:
         addr = None
     if addr is None or version not in (None, addr.version):
@@ -122,6 +122,8 @@ def _network(kind: str, name: str, value: Any, version: int | None = 4) -> IPv4N
         return value
     text = _str(kind, name, str(value) if isinstance(value, (IPv4Network, IPv6Network)) else value)
     try:
+        if "%" in text:
+            raise ValueError("an IPv6 zone (%...) has no place in a network")
         net = ip_network(text)
     except ValueError as e:
         raise RecordError(f"{kind}: field {name!r} = {text!r} is not {_FAMILY_NAMES[version]} network ({e})") from None

@@ -98,6 +98,8 @@ def validate(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 def _address(text: str, path: str, why: str) -> str:
     try:
+        if "%" in text:  # a zone: the API server's net.ParseIP refuses it
+            raise ValueError(text)
         return str(ipaddress.ip_address(text))
     except ValueError:
         raise invalid(path, text, why) from None

@@ -98,6 +98,8 @@ def validate_status(raw: Any) -> dict[str, Any]:
 def _ip(value: Any, path: str) -> str:
     text = string(value, path)
     try:
+        if "%" in text:  # a zone: the API server's net.ParseIP refuses it
+            raise ValueError(text)
         return str(ipaddress.ip_address(text))
     except ValueError:
         raise Invalid(path, f'Invalid value: "{text}": must be a valid IP address') from None

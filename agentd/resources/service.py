@@ -136,6 +136,8 @@ def _external_ips(spec: dict[str, Any]) -> list[str]:
 def _ip_address(value: Any, path: str) -> str:
     text = string(value, path)
     try:
+        if "%" in text:  # a zone: the API server's net.ParseIP refuses it
+            raise ValueError(text)
         return str(ipaddress.ip_address(text))
     except ValueError:
         raise invalid(path, text, "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)") from None
@@ -288,6 +290,8 @@ def _endpoint(raw: Any, path: str, address_type: str) -> dict[str, Any]:
         raise Invalid(f"{path}.addresses", f"Required value: must contain exactly one address (agentd: {address_type})")
     text = string(addrs[0], f"{path}.addresses[0]")
     try:  # the slice's addressType decides the family of every address in it
+        if "%" in text:  # a zone: the API server's net.ParseIP refuses it
+            raise ValueError(text)
         addr = (ipaddress.IPv4Address if address_type == "IPv4" else ipaddress.IPv6Address)(text)
     except ValueError:
         raise invalid(f"{path}.addresses[0]", text, f"must be a valid {address_type} address") from None
