@@ -213,6 +213,9 @@ class Agent:
         await self.datastore.connect()
         self.cluster = await self.datastore.ensure_cluster_config(wanted_cluster(cfg))
         check_cluster(cfg, self.cluster)
+        if 6 in self.cluster.versions and self.pod_mtu < IPV6_MIN_MTU:  # pods get IPv6 as the cluster says
+            raise AgentError(f"the cluster in etcd is {self.cluster.ip_family}: pods get IPv6, but the pod MTU would be "
+                             f"{self.pod_mtu}, below {IPV6_MIN_MTU}, the least every IPv6 link must carry (RFC 8200 §5)")
         previous = node_files.previous_subnets(cfg)
         self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed,
                                on_paths=self.routes.schedule)
@@ -559,6 +562,11 @@ def check_cluster(cfg: Config, cluster: ClusterConfig) -> None:
     if cluster.ip_family == "ipv6" and cfg.node.address_v6 is None:
         raise AgentError("the cluster in etcd is ipv6: this node needs an IPv6 underlay address ([node] address_v6, "
                          "[network] ip_family = ipv6)")
+    if cluster.ip_family == "ipv6" and net.ip_family != "ipv6":
+        # Its BGP sessions, listen address and next hops follow its own setting: it would peer
+        # with none of the cluster's IPv6-only nodes (they have no IPv4 address), silently.
+        raise AgentError(f"the cluster in etcd is ipv6, and this node is configured {net.ip_family}: set "
+                         "[network] ip_family = ipv6 to join it")
 
 
 def datastore_for(cfg: Config) -> Datastore:

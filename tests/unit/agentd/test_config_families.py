@@ -132,3 +132,7 @@ def test_the_stored_cluster_config_decides_and_a_node_that_cannot_follow_it_stop
         check_cluster(v6, wanted_cluster(dual))
     with pytest.raises(AgentError, match="needs an IPv6 underlay address"):
         check_cluster(v4, wanted_cluster(v6))
+    # A dual-stack node would keep IPv4 sessions and listen on IPv4: no peer in an IPv6-only cluster.
+    with pytest.raises(AgentError, match="configured dual: set \\[network\\] ip_family = ipv6"):
+        check_cluster(dual, wanted_cluster(v6))
+    check_cluster(v6, wanted_cluster(v6))
