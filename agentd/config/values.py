@@ -244,18 +244,27 @@ def parse_domain(s: str) -> str:
 
 
 def parse_upstreams(v: list[Any], _base: Path) -> tuple[str, ...]:
-    """DNS servers to forward to: "IP" or "IP:PORT"; empty: the host's /etc/resolv.conf."""
+    """DNS servers to forward to: "IPv4", "IPv4:PORT", "IPv6" or "[IPv6]:PORT"; empty: the
+    host's /etc/resolv.conf.  Kept as "IPv4:PORT" and "[IPv6]:PORT"."""
     out = []
     for item in v:
         if not isinstance(item, str):
             raise BadValue(f"must be an array of strings, not of {type_name(item)}s")
-        host, _, port = item.strip().partition(":")
-        addr = parse_ipv4(host)
-        if addr is None:
-            raise BadValue(f"{item!r}: must be IP or IP:PORT")
-        if port and (not port.isdigit() or not 1 <= int(port) <= 65535):
+        text = item.strip()
+        m = re.fullmatch(r"\[([^\]]*)\](?::([0-9]*))?|([^:\[\]]*)(?::([0-9]*))?|([0-9A-Fa-f:.]*)", text)
+        if not m:
+            raise BadValue(f"{item!r}: must be IPv4, IPv4:PORT, IPv6 or [IPv6]:PORT")
+        host, port = (m[1], m[2]) if m[1] is not None else (m[3], m[4]) if m[3] is not None else (m[5], None)
+        try:
+            addr = ip_address(_no_zone(host))
+        except ValueError:
+            raise BadValue(f"{item!r}: must be IPv4, IPv4:PORT, IPv6 or [IPv6]:PORT") from None
+        if addr.is_unspecified or addr.is_multicast:
+            raise BadValue(f"{item!r}: must be a unicast address")
+        if port is not None and (not port.isdigit() or not 1 <= int(port) <= 65535):
             raise BadValue(f"{item!r}: the port must be 1..65535")
-        out.append(f"{addr}:{int(port) if port else 53}")
+        where = f"[{addr}]" if addr.version == 6 else str(addr)
+        out.append(f"{where}:{int(port) if port else 53}")
     return tuple(out)
 
 

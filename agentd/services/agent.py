@@ -120,7 +120,7 @@ class ServiceAgent:
             self.error_dns = str(err)
             return
         if cfg.upstream:
-            upstreams = [(u.rpartition(":")[0], int(u.rpartition(":")[2])) for u in cfg.upstream]
+            upstreams = dns.upstream_pairs(cfg.upstream)
         else:
             upstreams = dns.host_resolvers(exclude=addresses)
         server = dns.DnsServer(address, 53, lambda: self.names, upstreams, more=addresses[1:])

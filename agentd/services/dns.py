@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import errno
 import logging
 import socket
@@ -117,15 +118,33 @@ def _is_branch(table: Names, qname: str) -> bool:
     return any(name.endswith("." + qname) for name in table.a)
 
 
-def host_resolvers(path: str = "/etc/resolv.conf", exclude: Iterable[str] = ()) -> list[tuple[str, int]]:
+def upstream_pairs(upstream: Iterable[str]) -> list[tuple[str, int]]:
+    """``[dns] upstream`` as the config keeps it ("IPv4:PORT", "[IPv6]:PORT") -> (address, port)."""
     out = []
-    skip = set(exclude)
+    for item in upstream:
+        host, _, port = item.rpartition(":")
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def host_resolvers(path: str = "/etc/resolv.conf", exclude: Iterable[str] = ()) -> list[tuple[str, int]]:
+    """The host's nameservers, IPv4 and IPv6 (an IPv6-only host has no other), but for
+    ``exclude`` (our own addresses) and what is no address (a zoned link-local one among them:
+    a server on one link, which the forwarder's sockets are not bound to)."""
+    out = []
+    skip = {str(ipaddress.ip_address(a)) for a in exclude}
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) >= 2 and parts[0] == "nameserver" and parts[1] not in skip and ":" not in parts[1]:
-                    out.append((parts[1], 53))
+                if len(parts) < 2 or parts[0] != "nameserver" or "%" in parts[1]:
+                    continue
+                try:
+                    addr = str(ipaddress.ip_address(parts[1]))
+                except ValueError:
+                    continue
+                if addr not in skip:
+                    out.append((addr, 53))
     except OSError:
         pass
     return out

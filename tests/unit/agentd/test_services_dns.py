@@ -129,8 +129,11 @@ async def test_an_answer_too_big_for_udp_is_truncated_with_tc_and_whole_over_tcp
 
 def test_host_resolvers_skip_our_own_address(tmp_path):
     conf = tmp_path / "resolv.conf"
-    conf.write_text("search x\nnameserver 192.0.2.53\nnameserver 169.254.20.10\nnameserver fd00::1\n")
-    assert sdns.host_resolvers(str(conf), exclude=["169.254.20.10"]) == [("192.0.2.53", 53)]
+    conf.write_text("search x\nnameserver 192.0.2.53\nnameserver 169.254.20.10\nnameserver fd00::1\n"
+                    "nameserver FD00:169:254:20:0::10\nnameserver fe80::1%eth0\nnameserver bogus\n")
+    # IPv6 servers too (an IPv6-only host has no other); ours in any spelling, a zoned one and junk not.
+    assert sdns.host_resolvers(str(conf), exclude=["169.254.20.10", "fd00:169:254:20::10"]) == [
+        ("192.0.2.53", 53), ("fd00::1", 53)]
     assert sdns.host_resolvers(str(tmp_path / "missing")) == []
 
 
@@ -142,8 +145,13 @@ def test_dns_config_keys():
     cfg = load_config(None, env={}, overrides={
         **base, "dns.cluster_domain": "Corp.Example.", "dns.upstream": "192.0.2.53, 192.0.2.54:5353"})  # fmt: skip
     assert cfg.dns.cluster_domain == "corp.example" and cfg.dns.upstream == ("192.0.2.53:53", "192.0.2.54:5353")
+    cfg = load_config(None, env={}, overrides={**base, "dns.upstream": "2001:db8::53, [2001:DB8::54]:5353, [192.0.2.9]"})
+    assert cfg.dns.upstream == ("[2001:db8::53]:53", "[2001:db8::54]:5353", "192.0.2.9:53")
+    assert sdns.upstream_pairs(cfg.dns.upstream) == [("2001:db8::53", 53), ("2001:db8::54", 5353), ("192.0.2.9", 53)]
     for key, bad, why in (("dns.address", "127.0.0.2", "loopback"), ("dns.cluster_domain", "a..b", "domain name"),
-                          ("dns.upstream", "x", "IPv4 address"), ("dns.upstream", "192.0.2.1:0", "1..65535")):  # fmt: skip
+                          ("dns.upstream", "x", "IPv4, IPv4:PORT, IPv6"), ("dns.upstream", "192.0.2.1:0", "1..65535"),
+                          ("dns.upstream", "[fe80::1%eth0]:53", "IPv6"), ("dns.upstream", "[2001:db8::1]:x", "IPv6"),
+                          ("dns.upstream", "0.0.0.0", "unicast"), ("dns.upstream", "2001:db8::1:53:", "IPv6")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             load_config(None, env={}, overrides={**base, key: bad})
 
