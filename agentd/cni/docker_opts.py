@@ -10,7 +10,10 @@ node's pod subnet, so the containers get cluster addresses that every other node
                                              (merge into /etc/docker/daemon.json)
     agentd docker-opts --output /run/docker_opts.env   (written atomically; EnvironmentFile= of docker.service)
 
-* ``--bip``: the subnet file's AGENTD_SUBNET, the bridge's address and the subnet's length.
+* ``--bip``: the subnet file's AGENTD_SUBNET, the bridge's address and the subnet's length
+  (none on an IPv6-only node: docker0 keeps Docker's own IPv4 range there).
+* ``--ipv6 --fixed-cidr-v6``: AGENTD_IPV6_SUBNET, where the node has one (dual-stack and
+  IPv6-only clusters): containers get IPv6 addresses of the node's subnet.
 * ``--mtu``: AGENTD_MTU, the pod MTU (the underlay's minus the backend's overhead).
 * ``--ip-masq``: AGENTD_IPMASQ -- whether the bridge should masquerade.  agentd writes false:
   a bridge's masquerading covers everything that leaves the node's subnet, containers on other
@@ -31,8 +34,16 @@ FORMATS = ("env", "args", "json")
 
 
 def docker_options(sf: SubnetFile) -> dict[str, Any]:
-    """The daemon's options, as daemon.json names them."""
-    return {"bip": f"{sf.gateway}/{sf.subnet.prefixlen}", "ip-masq": sf.ipmasq, "mtu": sf.mtu}
+    """The daemon's options, as daemon.json names them: ``bip`` for the node's IPv4 subnet,
+    ``ipv6`` and ``fixed-cidr-v6`` for its IPv6 one (dual-stack and IPv6-only nodes; Docker
+    gives the bridge the subnet's first address, as agentd's CNI does)."""
+    out: dict[str, Any] = {}
+    if sf.subnet is not None:
+        out["bip"] = f"{sf.gateway}/{sf.subnet.prefixlen}"
+    if sf.subnet_v6 is not None:
+        out["ipv6"] = True
+        out["fixed-cidr-v6"] = str(sf.subnet_v6)
+    return {**out, "ip-masq": sf.ipmasq, "mtu": sf.mtu}
 
 
 def render(options: dict[str, Any], fmt: str, key: str = "DOCKER_OPTS") -> str:

@@ -23,6 +23,19 @@ def test_options_follow_the_subnet_file():
     assert json.loads(render(docker_options(SF), "json")) == {"bip": "10.244.3.1/24", "ip-masq": False, "mtu": 1450}
 
 
+def test_dual_stack_and_ipv6_only_nodes_give_docker_their_ipv6_subnet(tmp_path, capsys):
+    v6 = {"network_v6": IPv6Network("fd00:10:244::/48"), "subnet_v6": IPv6Network("fd00:10:244:3::/64")}
+    dual = SubnetFile(network=SF.network, subnet=SF.subnet, mtu=1450, **v6)
+    assert docker_options(dual) == {"bip": "10.244.3.1/24", "ipv6": True, "fixed-cidr-v6": "fd00:10:244:3::/64",
+                                    "ip-masq": False, "mtu": 1450}
+    only6 = SubnetFile(network=None, subnet=None, mtu=1430, **v6)
+    assert render(docker_options(only6), "args") == "--ipv6=true --fixed-cidr-v6=fd00:10:244:3::/64 --ip-masq=false --mtu=1430\n"
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(only6))
+    assert main(["docker-opts", "--subnet-file", str(path)]) == 0  # an IPv6-only node: no traceback
+    assert capsys.readouterr().out == 'DOCKER_OPTS="--ipv6=true --fixed-cidr-v6=fd00:10:244:3::/64 --ip-masq=false --mtu=1430"\n'
+
+
 def test_the_command_reads_the_file_and_refuses_bad_input(tmp_path, capsys):
     path = tmp_path / "subnet.env"
     path.write_text(render_subnet_file(SF))
