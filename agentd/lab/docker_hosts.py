@@ -60,8 +60,10 @@ class DockerHosts:
 
         await asyncio.gather(*(asyncio.to_thread(start, n) for n in self.lab.nodes))
 
-    async def run_container(self, pod: Any) -> str:
-        """``docker run`` on the pod's node, the container's namespace named as the pod's; its address."""
+    async def run_container(self, pod: Any) -> list[str]:
+        """``docker run`` on the pod's node, the container's namespace named as the pod's; its
+        addresses on the node's subnets (IPv4 first; the IPv6 one where the lab has IPv6: Docker
+        gives it from ``--fixed-cidr-v6``, the node's IPv6 subnet)."""
         engine = self.engines[pod.node.name]
 
         def run() -> str:
@@ -75,10 +77,14 @@ class DockerHosts:
                                     capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
             if attach.returncode != 0:
                 raise LabError(f"{pod.name}: ip netns attach failed: {attach.stderr.strip()}")
-            address = info["NetworkSettings"]["IPAddress"]
-            if not address:
-                raise LabError(f"{pod.name}: docker gave the container no address")
-            return address
+            settings = info["NetworkSettings"]
+            family = self.lab.spec.ip_family
+            addresses = [a for a, wanted in ((settings.get("IPAddress"), family != "ipv6"),
+                                             (settings.get("GlobalIPv6Address"), family != "ipv4")) if wanted and a]
+            if len(addresses) != (2 if family == "dual" else 1):
+                raise LabError(f"{pod.name}: docker gave the container {addresses or 'no address'} "
+                               f"(the lab is {family})")
+            return addresses
 
         return await asyncio.to_thread(run)
 

@@ -530,8 +530,8 @@ class Lab:
 
     async def attach_pod(self, pod: LabPod) -> None:
         if self.docker is not None:  # a container on the node's docker0, no CNI
-            pod.ip = await self.docker.run_container(pod)
-            pod.ips = [pod.ip]
+            pod.ips = await self.docker.run_container(pod)
+            pod.ip = pod.ips[0]
             return
         if not pod.ns.exists():
             ns = Netns.create(pod.ns.name)

@@ -12,7 +12,9 @@ and one container per node started with plain ``docker run`` (no CNI):
 * a container reaching an address outside the pod network (the other node's underlay
   address) arrives as its node (``[network] ip_masq``: the agent's nftables table);
 * ``agentd leave`` removes the masquerading table (host-gw only: it is the same code for all);
-* ``lab down`` leaves no engine, container namespace, mount or file behind.
+* ``lab down`` leaves no engine, container namespace, mount or file behind;
+* on a dual-stack or IPv6-only lab, dockerd gets the node's IPv6 subnet as well, and the
+  containers talk over IPv6 across the hosts.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,7 @@ def tcp_peer(lab, listen_ns, address: str, src_pod) -> tuple[str, str]:
     """Listen on ``address`` in ``listen_ns``, connect from ``src_pod``'s container with busybox nc;
     (the peer address the listener saw, what it received)."""
     with listen_ns.entered():
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
     with server:
         server.bind((address, 0))
         server.listen(1)
@@ -44,11 +46,11 @@ def tcp_peer(lab, listen_ns, address: str, src_pod) -> tuple[str, str]:
         port = server.getsockname()[1]
         engine = lab.docker.engines[src_pod.node.name]
         client = subprocess.Popen(
-            [DOCKER, "exec", src_pod.name, "sh", "-c", f"echo '{MESSAGE}' | nc {address} {port}"],
+            [DOCKER, "exec", src_pod.name, "sh", "-c", f"echo '{MESSAGE}' | nc {address} {port}"],  # busybox nc: IPv6 too
             env=engine.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            conn, (peer, _) = server.accept()
+            conn, (peer, *_) = server.accept()
             with conn:  # busybox nc sends and waits for us to close
                 conn.settimeout(10)
                 data = b""
@@ -104,6 +106,27 @@ async def test_plain_docker_containers_reach_each_other_across_hosts(lab_factory
         mounts = Path("/proc/self/mountinfo").read_text()
         assert str(engine.data_root) not in mounts and str(engine.run_root) not in mounts
         assert not [p for p in os.listdir("/proc") if p.isdigit() and _mentions(p, str(engine.run_root))]
+
+
+@pytest.mark.parametrize("family", ["dual", "ipv6"])
+async def test_docker_containers_get_the_nodes_ipv6_subnet(lab_factory, family):
+    """A dual-stack or IPv6-only node gives its dockerd the node's IPv6 subnet too (``--ipv6
+    --fixed-cidr-v6``, agentd docker-opts): the containers get IPv6 addresses of it and reach
+    each other across the hosts over IPv6 (and IPv4 where the lab has it), not masqueraded."""
+    lab = await lab_factory(nodes=2, pods=1, docker=True, ip_family=family)
+    pod1, pod2 = lab.pods
+    for node in lab.nodes:
+        sf = read_subnet_file(node.dir / "subnet.env")
+        argv = set(Path(f"/proc/{lab.docker.engines[node.name].running_pid()}/cmdline").read_bytes().split(b"\0"))
+        assert {b"--ipv6=true", f"--fixed-cidr-v6={sf.subnet_v6}".encode()} <= argv
+        assert any(a.startswith(b"--bip=") for a in argv) is (family == "dual")
+        assert f"inet6 {sf.gateway_v6}/{sf.subnet_v6.prefixlen} " in node.ns.ip("-6", "addr", "show", "dev", "docker0").stdout.decode()
+        pod = next(p for p in lab.pods if p.node is node)
+        assert IPv6Network(f"{pod.address(6)}/128").subnet_of(sf.subnet_v6)
+        assert (pod.address(4) is not None) is (family == "dual")
+    matrix = await lab.ready.reachability()  # every family the lab has
+    assert matrix == {(pod1.name, pod2.name): True, (pod2.name, pod1.name): True}
+    assert tcp_peer(lab, pod2.ns, pod2.address(6), pod1) == (pod1.address(6), MESSAGE)
 
 
 def _mentions(pid: str, text: str) -> bool:
