@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import ipaddress
 import json
 import logging
 import os
@@ -88,6 +89,17 @@ class Endpoint:
                 raise ValueError(f"field {f!r} missing or not a string")
         if not isinstance(ep.labels, dict) or not isinstance(ep.ips, list) or not isinstance(ep.ports, list):
             raise ValueError("labels, ips or ports have the wrong type")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in ep.labels.items()):
+            raise ValueError("labels must map strings to strings")
+        for ip in ep.ips:
+            if not isinstance(ip, str) or "%" in ip:
+                raise ValueError(f"ips: {ip!r} is not an address")
+            ipaddress.ip_address(ip)  # ValueError, naming it, if it is none
+        for port in ep.ports:
+            if not (isinstance(port, dict) and type(port.get("containerPort")) is int
+                    and 1 <= port["containerPort"] <= 65535
+                    and isinstance(port.get("name", ""), str) and isinstance(port.get("protocol", "TCP"), str)):
+                raise ValueError(f"ports: {port!r} is not a named container port")
         return ep
 
 
@@ -127,7 +139,8 @@ def identity(env: Mapping[str, str], netconf: Mapping[str, Any]) -> tuple[str, s
     labels: dict[str, Any] = {}
     listed = cni_args.get("labels") if isinstance(cni_args, dict) else None
     if listed is not None:
-        if not isinstance(listed, list) or not all(isinstance(x, dict) and "key" in x for x in listed):
+        if not isinstance(listed, list) or not all(isinstance(x, dict) and isinstance(x.get("key"), str)
+                                                   and isinstance(x.get("value", ""), str) for x in listed):
             raise EndpointError("args.cni.labels must be a list of {\"key\": ..., \"value\": ...}")
         labels.update({x["key"]: x.get("value", "") for x in listed})
     if runtime.get("labels") is not None:

@@ -271,7 +271,12 @@ class PolicyAgent:
             labels = ep.labels
             if record is not None and record["spec"].get("nodeName") == self.node and container_of(record) == ep.container_id:
                 labels = record["metadata"].get("labels") or {}
-            pod = Pod.parse(record_for(ep, self.node, labels))
+            try:
+                pod = Pod.parse(record_for(ep, self.node, labels))
+            except (KeyError, ValueError, TypeError) as err:  # one bad file must not stop policy for every pod
+                log.warning("endpoint file of pod %s/%s unusable: %s", *key, err)
+                self.engine.remove_pod(key)
+                return
             self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge))
         elif record is not None and record["spec"].get("nodeName") != self.node:
             try:

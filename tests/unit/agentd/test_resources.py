@@ -286,6 +286,8 @@ def test_identity_from_cni_args_labels_and_ports():
         ({"CNI_ARGS": "K8S_POD_NAMESPACE=p"}, {}, "CNI_ARGS K8S_POD_NAME: Required value"),
         ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"runtimeConfig": {"labels": {"a": "b c"}}}, 'labels: Invalid value: "b c"'),
         ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"args": {"cni": {"labels": {"a": "b"}}}}, "args.cni.labels must be a list"),
+        ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"args": {"cni": {"labels": [{"key": ["x"]}]}}}, "args.cni.labels must be a list"),
+        ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"args": {"cni": {"labels": [{"key": "a", "value": 1}]}}}, "args.cni.labels must be a list"),
         ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"runtimeConfig": {"containerPorts": [{"name": "HTTP", "containerPort": 80}]}},
          'containerPorts[0].name: Invalid value: "HTTP"'),
         ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"},
@@ -297,6 +299,26 @@ def test_bad_identity_is_one_clear_error(env, netconf, expected):
     with pytest.raises(endpoints.EndpointError) as err:
         endpoints.identity(env, netconf)
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("change, word", [
+    ({"ips": ["10.0.0.300"]}, "10.0.0.300"),
+    ({"ips": ["fd00::5%eth0"]}, "fd00::5%eth0"),
+    ({"ips": [5]}, "ips"),
+    ({"ports": [{"name": "http"}]}, "ports"),
+    ({"ports": [{"name": "http", "containerPort": 70000}]}, "ports"),
+    ({"ports": [{"name": "http", "containerPort": True}]}, "ports"),
+    ({"labels": {"app": ["web"]}}, "labels"),
+])  # fmt: skip
+def test_an_endpoint_file_with_bad_contents_is_refused_when_read(change, word):
+    """A file the policy agent reads must hold what a pod record can be made of: one that does
+    not is refused (read_all logs and skips it), never taken in to fail every policy sync."""
+    good = {"container_id": "c1", "namespace": "shop", "name": "web", "interface": "veth1", "mac": "02:00:00:00:00:01",
+            "bridge": "cni0", "ips": ["10.244.1.5"], "labels": {"app": "web"},
+            "ports": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]}
+    assert endpoints.Endpoint.from_json(json.dumps(good)).ips == ["10.244.1.5"]
+    with pytest.raises(ValueError, match=word.replace("[", "\\[")):
+        endpoints.Endpoint.from_json(json.dumps({**good, **change}))
 
 
 def test_attachment_from_the_bridge_plugins_result():
