@@ -398,6 +398,14 @@ class Peer:
                     # Established means it restarted: the old session goes, its routes stay stale.
                     old_conn = other.conn
                     other.connection_lost(old_conn, now)
+                    # Its SessionDown now, before anything of the new session: with the peer's
+                    # first KEEPALIVE in this read, the new one is Established next, and the old
+                    # one's end would then come after it and not count (no PeerDown: the routes
+                    # would not be marked stale, nor flushed by the End-of-RIB).
+                    ev = other.next_event()
+                    while ev is not None:
+                        self._on_session_event(other, ev, now)
+                        ev = other.next_event()
                     self._actions.append(Close(old_conn))
                     self._promote(s)
                 else:

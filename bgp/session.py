@@ -334,7 +334,10 @@ class Session:
                 return
             self._restart_hold_timer(now)
             self._go(Event.ROUTE_REFRESH_MSG, now)
-            self._events.append(RouteRefreshReceived(refresh.afi, refresh.safi))
+            # RFC 7313 §5: subtypes other than 0-2 MUST be ignored; BoRR (1) and EoRR (2) mean
+            # something only with Enhanced Route Refresh, which we do not advertise.
+            if refresh.subtype == 0:
+                self._events.append(RouteRefreshReceived(refresh.afi, refresh.safi))
 
     # ------------------------------------------------------------ inputs: time
 

@@ -390,6 +390,12 @@ def test_route_refresh_resends_the_table():
     net.inject("10.0.0.2", "10.0.0.1", RouteRefresh(1, 1).encode())
     net.run(duration=1)
     assert a.peers["10.0.0.2"].session.updates_out == before + 1
+    # RFC 7313 §5: other subtypes are ignored (BoRR and EoRR too: no Enhanced Route Refresh here).
+    for subtype in (1, 2, 3, 255):
+        net.inject("10.0.0.2", "10.0.0.1", RouteRefresh(1, 1, subtype).encode())
+        net.run(duration=2)
+    assert a.peers["10.0.0.2"].session.updates_out == before + 1
+    assert peer_state(a, "10.0.0.2") is State.ESTABLISHED
 
 
 def test_malformed_update_resets_the_session_with_the_rfc_notification():

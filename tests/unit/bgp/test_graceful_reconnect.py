@@ -1,0 +1,84 @@
+"""A graceful-restart peer that comes back on a new connection while we still hold the old
+one Established (RFC 4724 §4.2): the old session goes, its routes are kept as stale, and the
+peer's End-of-RIB on the new session flushes the ones it no longer announces -- whether its
+OPEN and first KEEPALIVE come in separate reads or in one.  Sans-IO, float clock."""
+
+from __future__ import annotations
+
+import random
+import struct
+from ipaddress import IPv4Address
+
+import pytest
+
+from bgp import PeerSettings, Speaker
+from bgp.settings import LocalSettings
+from bgp.testing import RawHarness, RawPeer
+from proto.capabilities import GracefulRestart, GracefulRestartFamily, MultiProtocol, RouteRefresh
+from proto.messages import Keepalive, Open
+from proto.nlri import IPV4_UNICAST, prefix_from_str
+
+LOCAL, A = "10.0.0.1", "10.0.0.9"
+
+
+class GracefulPeer(RawPeer):
+    """A raw peer whose OPEN carries Graceful Restart for IPv4 and IPv6 unicast, forwarding
+    state kept (F) -- and the R bit once it is back from a restart."""
+
+    def __init__(self, conn: int, restarted: bool = False) -> None:
+        super().__init__(A, 65001, conn=conn)
+        self.restarted = restarted
+
+    def open_message(self) -> bytes:
+        gr = GracefulRestart(self.restarted, 120, tuple(GracefulRestartFamily(a, s, True) for a, s in self.families))
+        caps = [MultiProtocol(a, s) for a, s in self.families] + [RouteRefresh(), gr]
+        return Open.build(self.asn, self.hold_time, self.router_id, caps).encode()
+
+
+def update(prefix: str) -> bytes:
+    origin = bytes((0x40, 1, 1, 0))
+    as_path = bytes((0x40, 2, 6, 2, 1)) + (65001).to_bytes(4, "big")
+    next_hop = bytes((0x40, 3, 4)) + IPv4Address(A).packed
+    attrs = origin + as_path + next_hop
+    body = struct.pack("!HH", 0, len(attrs)) + attrs + prefix_from_str(prefix)[1]
+    return b"\xff" * 16 + struct.pack("!HB", 19 + len(body), 2) + body
+
+
+def end_of_rib() -> bytes:
+    """End-of-RIB for IPv4 unicast (an empty UPDATE) and IPv6 unicast (an empty MP_UNREACH)."""
+    v4 = struct.pack("!HH", 0, 0)
+    mp = bytes((0x80, 15, 3)) + struct.pack("!HB", 2, 1)
+    v6 = struct.pack("!HH", 0, len(mp)) + mp
+    return b"".join(b"\xff" * 16 + struct.pack("!HB", 19 + len(body), 2) + body for body in (v4, v6))
+
+
+def held(sp: Speaker, prefix: str) -> bool:
+    return sp.rib.best(IPV4_UNICAST, prefix_from_str(prefix)[1]) is not None
+
+
+@pytest.mark.parametrize("one_read", [False, True])
+def test_a_peer_back_from_a_restart_on_a_new_connection_has_its_stale_routes_flushed(one_read):
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address(LOCAL)), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings(A, 65001, passive=True), 0.0)
+    sp.start(0.0)
+    h = RawHarness(sp, LOCAL)
+    before = GracefulPeer(conn=-1)
+    assert h.connect(before)
+    h.send(before, update("10.244.1.0/24") + update("10.244.9.0/24"))
+    assert held(sp, "10.244.1.0/24") and held(sp, "10.244.9.0/24")
+
+    h.advance(1.0)
+    after = GracefulPeer(conn=-2, restarted=True)  # the old connection is not closed: the peer just came back
+    assert h.open(after)
+    if one_read:
+        h.send(after, after.open_message() + Keepalive().encode())
+    else:
+        h.send(after, after.open_message())
+        h.send(after, Keepalive().encode())
+    assert before.closed and not after.closed
+    assert A in sp.graceful, "the old session's routes were not kept as stale"
+    h.send(after, update("10.244.1.0/24") + end_of_rib())
+    h.advance(1.0)
+    assert held(sp, "10.244.1.0/24")
+    assert not held(sp, "10.244.9.0/24"), "a route the restarted peer no longer announces outlived its End-of-RIB"
+    assert A not in sp.graceful
