@@ -215,6 +215,9 @@ class UpdateGroup:
         self._segment: _Segment | None = None
         #: Families whose first computation from the Loc-RIB is still going on.
         self.building: dict[Family, _Cursor] = {}
+        #: End-of-RIB is held from every member (RFC 4724 §4.1: a restarting speaker defers
+        #: route selection, and so its End-of-RIB, until its peers' End-of-RIB or a timer).
+        self.hold_eor = False
         #: Families where routes whose best path came from the group's only member were held
         #: back: nobody here could have them, so they are exported only once a second member
         #: joins (a feed of a million routes from one peer costs no export work, and no
@@ -422,7 +425,7 @@ class UpdateGroup:
         return bool(m.pos != self.head or m.cursors or m.dirty or (m.eor and not self._eor_blocked(m)))
 
     def _eor_blocked(self, m: Member) -> bool:
-        return any(f in self.building or f in m.cursors for f in m.eor)
+        return self.hold_eor or any(f in self.building or f in m.cursors for f in m.eor)
 
     def pump(self, key: str, budget: int) -> list[bytes | memoryview]:
         """Up to about ``budget`` octets of UPDATEs for member ``key``: the log first, then its
@@ -471,7 +474,7 @@ class UpdateGroup:
             size += self._send_cursor(m, family, cur, out, budget - size)
             if cur.index >= len(cur.prefixes):
                 del m.cursors[family]
-        if m.eor and m.pos == self.head:
+        if m.eor and m.pos == self.head and not self.hold_eor:
             for family in sorted(m.eor):
                 if family not in self.building and family not in m.cursors:
                     out.append(Update.end_of_rib_marker(*family).encode(ctx))

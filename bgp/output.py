@@ -64,6 +64,7 @@ class Output:
         self._group_of: dict[str, UpdateGroup] = {}
         self._owed: set[str] = set()  # peers with output waiting that their socket can take
         self._waiting: dict[GroupKey, UpdateGroup] = {}  # groups with changes held for update_delay
+        self.hold_eor = False  # End-of-RIB held from every peer (Speaker: selection deferral)
 
     # ------------------------------------------------------------ membership
 
@@ -73,6 +74,7 @@ class Output:
         group = self.groups.get(gkey)
         if group is None:
             group = self.groups[gkey] = UpdateGroup(gkey, self.local, self.limiter)
+            group.hold_eor = self.hold_eor
             for family in sorted(neg.families):
                 group.start_build(family, list(self.rib.loc.get(family, ())))
         group.join(peer.key, neg.peer_router_id)
@@ -203,6 +205,13 @@ class Output:
         peer.send_messages(messages, now)
         self._sent(peer)
         return sum(map(len, messages))
+
+    def release_eor(self, now: float) -> None:
+        """Send the End-of-RIB held from every peer (RFC 4724 §4.1: selection deferral over)."""
+        self.hold_eor = False
+        for group in list(self.groups.values()):
+            group.hold_eor = False
+            self._pump_group(group, now)
 
     def _pump_group(self, group: UpdateGroup, now: float) -> None:
         for key in list(group.members):

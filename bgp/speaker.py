@@ -59,6 +59,8 @@ LOCAL_KEY = "local"
 DEFAULT_ORIGIN_ATTRIBUTES = PathAttributes((Origin(0), AsPath(())))
 _MISSING = object()
 
+DEFERRAL_KEY = "\0deferral"  # the timer of RFC 4724 §4.1 (no peer key starts with NUL)
+
 
 @dataclass(frozen=True)
 class Origination:
@@ -99,6 +101,13 @@ class Speaker:
         )
         self.channels = Channels(local, self.rib, self._timers, self.limiter, self.counters, self.graceful, self.output)
         self.now = now
+        # RFC 4724 §4.1: back from a restart (``local.restarting``), route selection -- here,
+        # the End-of-RIB that tells a peer our table is whole -- is deferred until every
+        # graceful-restart peer has sent its End-of-RIB, or restart_time has passed.  A route
+        # reflector that sent a returning client its partial table and End-of-RIB at once would
+        # have it flush the routes of every client that is not back yet.
+        self.deferring = bool(local.restarting and local.graceful_restart)
+        self.output.hold_eor = self.deferring
 
     # ------------------------------------------------------------ configuration (desired state)
 
@@ -109,6 +118,8 @@ class Speaker:
     def start(self, now: float) -> None:
         self.now = now
         self.started = True
+        if self.deferring:
+            self._timers.set(DEFERRAL_KEY, now + self.local.restart_time)
         for peer in list(self.peers.values()):
             with self._isolated(peer, now, "starting the session"):
                 peer.start(now)
@@ -308,6 +319,8 @@ class Speaker:
                 self.channels.refreshes_due(now)
             elif key == SEND_KEY:
                 self.output.send_window(now)
+            elif key == DEFERRAL_KEY:
+                self._end_deferral(now, "its time ran out")
             else:
                 peer = self.peers.get(key)
                 if peer is None:
@@ -429,8 +442,36 @@ class Speaker:
 
     # ------------------------------------------------------------ export
 
+    def deferral_pending(self) -> list[str]:
+        """While route selection is deferred: the peers it waits for -- every configured,
+        enabled peer that is not Established yet, and every Established one that offered
+        graceful restart without the Restart State bit and has not sent End-of-RIB for all
+        its families (RFC 4724 §4.1: those without graceful restart, and those restarting
+        too, are not waited for)."""
+        syncing = set(self.channels.sync_pending())
+        out = []
+        for key, peer in self.peers.items():
+            if key in self.dynamic or not peer.enabled:
+                continue
+            if peer.state is not State.ESTABLISHED:
+                out.append(key)
+                continue
+            neg = self.channels.negotiated(key)
+            gr = neg.peer_graceful_restart if neg is not None else None
+            if gr is not None and not gr.restart_state and key in syncing:
+                out.append(key)
+        return out
+
+    def _end_deferral(self, now: float, why: str) -> None:
+        self.deferring = False
+        self._timers.set(DEFERRAL_KEY, None)
+        log.info("route selection no longer deferred (%s): End-of-RIB to every peer", why)
+        self.output.release_eor(now)
+
     def _flush(self, now: float) -> None:
         """Hand this batch's Loc-RIB changes to the listeners and to the output side."""
+        if self.deferring and self.started and not self.deferral_pending():
+            self._end_deferral(now, "every peer sent End-of-RIB")
         if not self.rib.has_changes():
             return
         batch = self.rib.take_batch()

@@ -1,0 +1,100 @@
+"""RFC 4724 §4.1, the restarting speaker: back from a restart (``restarting``), it defers route
+selection -- here, the End-of-RIB that tells a peer our table is whole -- until every graceful-
+restart peer has sent its own End-of-RIB, or its restart time runs out.  A route reflector
+that sent the first client back its partial table and End-of-RIB at once would have that
+client flush the routes of every client not back yet.  Sans-IO, float clock."""
+
+from __future__ import annotations
+
+import struct
+from ipaddress import IPv4Address
+
+from bgp import PeerSettings
+from bgp.testing import RawHarness, RawPeer, make_speaker
+from proto.capabilities import GracefulRestart, GracefulRestartFamily, MultiProtocol, RouteRefresh
+from proto.messages import Open
+from proto.nlri import IPV4_UNICAST, IPV6_UNICAST
+
+RR, C1, C2, C3 = "10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"
+
+
+class Client(RawPeer):
+    """An iBGP client whose OPEN offers graceful restart (``restarting``: with the R bit), or
+    none (``graceful=False``)."""
+
+    def __init__(self, address: str, conn: int, *, graceful: bool = True, restarting: bool = False) -> None:
+        super().__init__(address, 65000, conn=conn, hold_time=0)  # no hold timer: the test lets minutes pass
+        self.graceful, self.restarting = graceful, restarting
+
+    def open_message(self) -> bytes:
+        caps = [MultiProtocol(a, s) for a, s in self.families] + [RouteRefresh()]
+        if self.graceful:
+            caps.append(GracefulRestart(self.restarting, 120, tuple(GracefulRestartFamily(a, s, True)
+                                                                    for a, s in self.families)))
+        return Open.build(self.asn, self.hold_time, self.router_id, caps).encode()
+
+    def end_of_ribs(self) -> set:
+        return {u.end_of_rib for u in self.updates() if u.end_of_rib is not None}
+
+
+def end_of_rib() -> bytes:
+    mp = bytes((0x80, 15, 3)) + struct.pack("!HB", 2, 1)
+    bodies = (struct.pack("!HH", 0, 0), struct.pack("!HH", 0, len(mp)) + mp)
+    return b"".join(b"\xff" * 16 + struct.pack("!HB", 19 + len(b), 2) + b for b in bodies)
+
+
+def reflector(*clients: str, restarting: bool = True) -> tuple:
+    sp = make_speaker(RR, 65000, [PeerSettings(c, 65000, passive=True, rr_client=True) for c in clients],
+                      cluster_id=IPv4Address(RR), restarting=restarting)
+    sp.start(0.0)
+    return sp, RawHarness(sp, RR)
+
+
+BOTH = {IPV4_UNICAST, IPV6_UNICAST}
+
+
+def test_end_of_rib_waits_for_every_graceful_peers_end_of_rib():
+    sp, h = reflector(C1, C2)
+    c1 = Client(C1, -1)
+    assert h.connect(c1)
+    h.send(c1, end_of_rib())
+    h.advance(5.0)
+    assert c1.end_of_ribs() == set() and sp.deferring and sp.deferral_pending() == [C2]
+    c2 = Client(C2, -2)
+    assert h.connect(c2)
+    h.advance(1.0)
+    assert c1.end_of_ribs() == set()  # c2 is back, but has not said its table is whole
+    h.send(c2, end_of_rib())
+    h.advance(1.0)
+    assert c1.end_of_ribs() == BOTH and c2.end_of_ribs() == BOTH and not sp.deferring
+
+
+def test_the_deferral_ends_with_the_restart_time():
+    sp, h = reflector(C1, C2)
+    c1 = Client(C1, -1)
+    assert h.connect(c1)
+    h.send(c1, end_of_rib())
+    h.advance(119.0)
+    assert c1.end_of_ribs() == set()
+    h.advance(2.0)  # restart_time (120 s) is up: c2 is not waited for any longer
+    assert c1.end_of_ribs() == BOTH and not sp.deferring
+
+
+def test_peers_without_graceful_restart_or_restarting_too_are_not_waited_for():
+    sp, h = reflector(C1, C2, C3)
+    c1, c2, c3 = Client(C1, -1), Client(C2, -2, graceful=False), Client(C3, -3, restarting=True)
+    for c in (c2, c3, c1):
+        assert h.connect(c)
+    h.advance(1.0)
+    assert sp.deferral_pending() == [C1] and c2.end_of_ribs() == set()
+    h.send(c1, end_of_rib())
+    h.advance(1.0)
+    assert all(c.end_of_ribs() == BOTH for c in (c1, c2, c3))
+
+
+def test_a_speaker_not_back_from_a_restart_sends_end_of_rib_at_once():
+    sp, h = reflector(C1, C2, restarting=False)
+    c1 = Client(C1, -1)
+    assert h.connect(c1)
+    h.advance(1.0)
+    assert c1.end_of_ribs() == BOTH and not sp.deferring
