@@ -228,7 +228,12 @@ static int parse_ctx(struct ctx *c, PyObject *names, PyObject *name, PyObject *s
 		return -1;
 	c->names = names, c->name = name, c->counting = counting;
 	c->n_services = 0;
-	for (k = 0; k < PySequence_Fast_GET_SIZE(services) && k < SERVICES_MAX; k++) {
+	if (PySequence_Fast_GET_SIZE(services) > SERVICES_MAX) { /* not silently fewer: events would be left out */
+		Py_DECREF(services);
+		PyErr_Format(PyExc_ValueError, "at most %d ranges", SERVICES_MAX);
+		return -1;
+	}
+	for (k = 0; k < PySequence_Fast_GET_SIZE(services); k++) {
 		unsigned long net, mask;
 		if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(services, k), "kk", &net, &mask)) {
 			Py_DECREF(services);

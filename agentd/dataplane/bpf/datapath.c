@@ -514,7 +514,8 @@ static __always_inline int decap6(struct __sk_buff *skb, struct config *cfg, str
 		if (!ecn)
 			return drop(DROP_ECN, skb);
 		inner.flow_lbl[0] |= ECN_CE << 4;
-		if (bpf_skb_store_bytes(skb, ETH_HLEN + outer_len + 1, &inner.flow_lbl[0], 1, 0))
+		/* (skb->csum of a CHECKSUM_COMPLETE packet covers the inner header: kept right) */
+		if (bpf_skb_store_bytes(skb, ETH_HLEN + outer_len + 1, &inner.flow_lbl[0], 1, BPF_F_RECOMPUTE_CSUM))
 			return drop(DROP_DECAP_ERROR, skb);
 	}
 	if (shrink(skb, cfg, outer_len, BPF_F_ADJ_ROOM_DECAP_L3_IPV6, ADJ_ROOM_DECAP_L4_UDP, &l3_taken) ||

@@ -135,11 +135,14 @@ static __always_inline int agentd_ttl_down(struct __sk_buff *skb, __u8 ttl, __u8
 
 /* Hop limit - 1 for a packet whose IPv6 header follows an Ethernet header (the caller made
  * sure it is above 1): IPv6 has no header checksum, and the hop limit is in no upper-layer
- * pseudo-header (RFC 8200 section 8.1).  0, or -1 when the packet could not be changed. */
+ * pseudo-header (RFC 8200 section 8.1) -- but a NIC's CHECKSUM_COMPLETE sum (skb->csum)
+ * covers it, and without BPF_F_RECOMPUTE_CSUM the receiving stack would find that sum wrong
+ * ("hw csum failure") on every packet carried.  0, or -1 when the packet could not be changed. */
 static __always_inline int agentd_hop_limit_down(struct __sk_buff *skb, __u8 hop_limit)
 {
 	hop_limit -= 1;
-	return bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct ipv6hdr, hop_limit), &hop_limit, 1, 0) ? -1 : 0;
+	return bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct ipv6hdr, hop_limit), &hop_limit, 1,
+				   BPF_F_RECOMPUTE_CSUM) ? -1 : 0;
 }
 
 #endif
