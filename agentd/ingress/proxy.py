@@ -47,6 +47,30 @@ SOCKET_TIMEOUT = 5.0
 OUTPUT_LIMIT = 1 << 20  # haproxy.log (the launcher's output) is started anew past this size
 
 
+MDWE_DROP_IN = """[Service]
+MemoryDenyWriteExecute=no
+"""
+MDWE_HELP = ("HAProxy compiles its regular expressions to machine code (PCRE2's JIT), which needs memory "
+             "both writable and executable, and this process may not have any (systemd's "
+             "MemoryDenyWriteExecute=yes, as the shipped unit sets it): on a node with [ingress] enabled add "
+             "the drop-in /etc/systemd/system/agentd.service.d/ingress.conf with 'MemoryDenyWriteExecute=no' "
+             "under [Service] (docs/ingress.md)")
+
+
+def writable_executable_denied() -> bool:
+    """Whether this process (and so HAProxy, its child, which inherits it) is refused memory
+    that is writable and executable at once: systemd's MemoryDenyWriteExecute (a seccomp filter,
+    or the kernel's PR_SET_MDWE)."""
+    import mmap
+
+    try:
+        m = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    except OSError:  # EPERM (seccomp) or EACCES (PR_SET_MDWE)
+        return True
+    m.close()
+    return False
+
+
 class ProxyError(RuntimeError):
     """The proxy refused a configuration or a command, or is not running; one line."""
 
@@ -118,12 +142,15 @@ class Proxy:
     async def check(self, config: Path) -> None:
         """ProxyError with HAProxy's own words unless ``config`` is valid."""
         proc = await asyncio.create_subprocess_exec(
-            self.binary, "-c", "-q", "-f", str(config),
+            self.binary, "-c", "-f", str(config),  # (not -q: that silences the ALERT lines too)
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
         out, _ = await proc.communicate()
         if proc.returncode != 0:
-            lines = [ln.strip() for ln in out.decode(errors="replace").splitlines() if "ALERT" in ln or "rror" in ln]
+            text = out.decode(errors="replace")
+            if "jit compilation failed" in text and writable_executable_denied():
+                raise ProxyError(MDWE_HELP)
+            lines = [ln.strip() for ln in text.splitlines() if "ALERT" in ln or "rror" in ln]
             raise ProxyError("; ".join(lines[:3]) or f"haproxy -c exited with {proc.returncode}")
 
     # ------------------------------------------------------------------ the process
