@@ -295,6 +295,8 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if cmd == "check-config":
         path, named = _config_path(args, parser)
         overrides = _overrides(args.set, parser)
+        if getattr(args, "log_level", None):
+            overrides["log.level"] = args.log_level
         problems = check_config(path, overrides=overrides, require_file=named, host=LocalHost())
         for p in problems:
             print(p, file=sys.stderr)
@@ -552,7 +554,7 @@ def status_command(api: str, *, as_json: bool = False) -> int:
     url = api.rstrip("/") + "/status"
     try:
         status = fetch_json(url)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:  # (JSON nested too deep to read)
         sys.stderr.write(f"agentd status: {url} answered, but not with JSON ({err}): is that an agentd API?\n")
         return 1
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
@@ -566,7 +568,8 @@ def status_command(api: str, *, as_json: bool = False) -> int:
         if not isinstance(status, dict) or not isinstance(status.get("node"), dict):
             raise ValueError("no 'node' object")
         text = render_status(status)
-    except (TypeError, KeyError, AttributeError, ValueError, OverflowError) as err:
+    except (TypeError, KeyError, AttributeError, ValueError, OverflowError, OSError) as err:  # OSError: a time
+        # localtime cannot give (EOVERFLOW)
         sys.stderr.write(f"agentd status: {url} did not answer with an agentd status ({type(err).__name__}: {err})\n")
         return 1
     print(text)

@@ -210,7 +210,7 @@ _KEYS = (
     _Key("flows", "ring_size", int_kind(100, 1_000_000), 10_000),
     _Key("flows", "log_group", int_kind(1, 65535), 143),
     _Key("flows", "log_rate", int_kind(1, 1_000_000), 100),
-    _Key("flows", "record_rate", float_kind(0.1, 100_000), 10.0),
+    _Key("flows", "record_rate", float_kind(0.1, 100_000, "records a second"), 10.0),
     _Key("ingress", "enabled", BOOL, False),
     _Key("ingress", "http_port", PORT, 80),
     _Key("ingress", "https_port", PORT, 443),
@@ -259,6 +259,12 @@ _RANGE_KINDS: dict[str, Kind] = {
 }
 RANGE_KEYS: tuple[str, ...] = tuple(_RANGE_KINDS)
 # The keys that hold arrays of tables: their kinds and required fields.
+# What agentd writes into the subnet file (agentd.cni.netconf._KEYS, held equal by a unit test):
+# a shell that sourced it, as flannel's users do with subnet.env, has them in its environment.
+SUBNET_FILE_NAMES = frozenset(("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_IPV6_NETWORK", "AGENTD_IPV6_SUBNET",
+                               "AGENTD_MTU", "AGENTD_IPMASQ", "AGENTD_BACKEND", "AGENTD_DNS", "AGENTD_DNS_V6",
+                               "AGENTD_CLUSTER_DOMAIN"))
+
 _TABLE_LISTS = {
     "bgp.peers": (_PEER_KINDS, ("address", "asn")),
     "bgp.listen_ranges": (_RANGE_KINDS, ("prefix", "asn")),
@@ -487,7 +493,7 @@ class _Loader:
             if not var.upper().startswith(ENV_PREFIX):
                 continue
             sec, _, name = var[len(ENV_PREFIX):].lower().partition("_")
-            if not name:  # AGENTD_NETWORK, AGENTD_MTU: the subnet file's names, not config keys
+            if not name or var in SUBNET_FILE_NAMES:  # the subnet file's names (a shell that sourced it)
                 continue
             if sec not in _SECTIONS:
                 # AGENTD_CONFIG and the like belong to the command line; a near miss is a typo.
@@ -496,7 +502,7 @@ class _Loader:
                     self.problem(f"unknown section [{sec}]{hint}", _Origin(2, var), sec)
                 continue
             key = _BY_PATH.get(f"{sec}.{name}")
-            shown = var if key and (key.secret or key.name == "peers") else f"{var}={show_text(env[var])}"
+            shown = var if key and (key.secret or key.path in _TABLE_LISTS) else f"{var}={show_text(env[var])}"
             o = _Origin(2, shown)
             if key is None:
                 names = [k.name for k in _KEYS if k.section == sec]
@@ -510,7 +516,7 @@ class _Loader:
         for dotted, text in overrides.items():
             text = ("true" if text else "false") if isinstance(text, bool) else str(text)
             key = _BY_PATH.get(dotted)
-            secret = key is not None and (key.secret or key.name == "peers")
+            secret = key is not None and (key.secret or key.path in _TABLE_LISTS)  # peers' and ranges' passwords
             o = _Origin(3, f"--set {dotted}" if secret else f"--set {dotted}={show_text(text)}")
             if key is None:
                 sec, dot, name = dotted.partition(".")

@@ -129,10 +129,10 @@ def int_kind(lo: int, hi: int, extra: Callable[[int], None] | None = None) -> Ki
     return Kind((int,), "an integer", text_int, check)
 
 
-def float_kind(lo: float, hi: float) -> Kind:
+def float_kind(lo: float, hi: float, unit: str = "seconds") -> Kind:
     def check(x: float, _base: Path) -> float:
         if not math.isfinite(x) or not lo <= x <= hi:
-            raise BadValue(f"must be a number of seconds, {lo:g}..{hi:g}")
+            raise BadValue(f"must be a number of {unit}, {lo:g}..{hi:g}")
         return float(x)
     return Kind((int, float), "a number", text_float, check)
 

@@ -386,7 +386,9 @@ class Agent:
         self._stop.set()
 
     async def _leave_cleanup(self) -> None:
-        assert self.datastore is not None
+        if self.datastore is None:  # asked to leave before etcd was reached: nothing was taken
+            log.info("left before joining: no subnet or node record to release")
+            return
         try:
             released = await self.datastore.release(self.name, timeout=10)
             await self.datastore.remove_node(self.name, timeout=10)

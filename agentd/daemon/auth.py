@@ -154,6 +154,24 @@ def is_loopback(remote: str | None) -> bool:
     return (mapped or addr).is_loopback
 
 
+def from_this_host(request: Any) -> bool:
+    """The request came from this host: over loopback, or from one of this host's own
+    addresses to itself (``[api] listen`` on the node's address: the CLI's connection then has
+    that address at both ends -- which no other host can give a TCP connection)."""
+    if is_loopback(request.remote):
+        return True
+    transport = request.transport
+    local = transport.get_extra_info("sockname") if transport is not None else None
+    if not local or not request.remote:
+        return False
+    try:
+        ours = ipaddress.ip_address(str(local[0]).split("%", 1)[0])
+        theirs = ipaddress.ip_address(request.remote.split("%", 1)[0])
+    except ValueError:
+        return False
+    return ours == theirs
+
+
 Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
 
 
@@ -166,7 +184,7 @@ def guard(token_of: Callable[[], str | None]) -> Any:
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method in SAFE_METHODS:
             return await handler(request)
-        if not is_loopback(request.remote):
+        if not from_this_host(request):
             return _refuse(403, f"{request.method} {request.path} is only accepted from this host")
         token = token_of()
         if token is None:

@@ -56,9 +56,10 @@ def test_reading_says_why_it_cannot(tmp_path):
         auth.write_token_file(tmp_path / "empty" / "below-a-file")
 
 
-def _request(method: str, remote: str, headers: dict[str, str] | None = None) -> web.Request:
+def _request(method: str, remote: str, headers: dict[str, str] | None = None, local: str = "127.0.0.1") -> web.Request:
     transport = mock.Mock()
-    transport.get_extra_info.side_effect = lambda key, default=None: (remote, 40000) if key == "peername" else default
+    transport.get_extra_info.side_effect = lambda key, default=None: {
+        "peername": (remote, 40000), "sockname": (local, 9099)}.get(key, default)
     return make_mocked_request(method, "/leave", headers=headers or {}, transport=transport)
 
 
@@ -81,6 +82,11 @@ async def test_changes_need_this_host_and_the_token_reads_need_nothing():
     assert (await guard(_request("POST", "127.0.0.1", {"Authorization": f"Basic {token}"}), _handled)).status == 401
     far = await guard(_request("POST", "192.0.2.7", auth.bearer_header(token)), _handled)
     assert far.status == 403 and b"only accepted from this host" in far.body
+    # [api] listen on the node's own address: the CLI's connection has that address at both ends.
+    mine = await guard(_request("POST", "192.0.2.7", auth.bearer_header(token), local="192.0.2.7"), _handled)
+    assert mine.status == 202
+    other = await guard(_request("POST", "192.0.2.8", auth.bearer_header(token), local="192.0.2.7"), _handled)
+    assert other.status == 403
     closed = auth.guard(lambda: None)  # a process without a token (agentd speaker) takes no changes
     assert (await closed(_request("POST", "127.0.0.1", auth.bearer_header(token)), _handled)).status == 403
 

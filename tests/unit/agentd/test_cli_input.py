@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -67,12 +68,54 @@ def test_peer_description_must_be_printable(capsys, tmp_path):
     "reply",
     [[], "hello", {}, {"node": "x"}, {"node": {}, "bgp": {"peers": [{}]}}, {"node": {}, "bgp": {"peers": "x"}},
      {"node": {}, "routes": {"last_sync": "abc"}}, {"node": {}, "routes": {"last_sync": 1e300}},
-     {"node": {}, "flows": {"on": True, "lost": "x"}}],
+     {"node": {}, "flows": {"on": True, "lost": "x"}},
+     {"node": {}, "routes": {"last_sync": 1e18}},  # time_t holds it, the year does not: EOVERFLOW
+     {"node": {}, "bgp": {"peers": [{"address": "10.0.0.2", "since": 1e18}]}}],
 )
 def test_status_with_an_unexpected_reply_is_one_line(capsys, monkeypatch, reply):
     monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
     code, _, err = run(capsys, "status", "--api", "http://127.0.0.1:9099")
     assert code == 1 and "did not answer with an agentd status" in err and len(err.strip().splitlines()) == 1
+
+
+def test_status_with_json_nested_too_deep_is_one_line(capsys, monkeypatch):
+    def deep(url, timeout=5.0):
+        raise RecursionError("maximum recursion depth exceeded while decoding a JSON object")
+
+    monkeypatch.setattr(cli, "fetch_json", deep)
+    code, _, err = run(capsys, "status", "--api", "http://127.0.0.1:9099")
+    assert code == 1 and "not with JSON" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_listen_range_password_is_never_shown(capsys, monkeypatch, tmp_path):
+    """A bad [[bgp.listen_ranges]] given in the environment or with --set: the error names
+    where it came from, never the password in it (as for [[bgp.peers]])."""
+    bad = '[{"password": "s3cret-pw", "prefix": "x", "asn": 1}]'
+    monkeypatch.setenv("AGENTD_BGP_LISTEN_RANGES", bad)
+    code, _, err = run(capsys, "check-config", "--config", str(tmp_path / "none.toml"))
+    assert code == 1 and "AGENTD_BGP_LISTEN_RANGES" in err and "s3cret-pw" not in err
+    monkeypatch.delenv("AGENTD_BGP_LISTEN_RANGES")
+    code, _, err = run(capsys, "check-config", "--config", str(tmp_path / "none.toml"), "--set", f"bgp.listen_ranges={bad}")
+    assert code == 1 and "--set bgp.listen_ranges" in err and "s3cret-pw" not in err
+
+
+def test_a_shell_that_sourced_the_subnet_file_can_run_every_command(capsys, monkeypatch, tmp_path):
+    from agentd.cni import netconf
+    from agentd.config.settings import SUBNET_FILE_NAMES
+
+    assert SUBNET_FILE_NAMES == set(netconf._KEYS)
+    for name, value in (("AGENTD_NETWORK", "10.244.0.0/16"), ("AGENTD_DNS_V6", "fd00:169:254:20::10"),
+                        ("AGENTD_IPV6_SUBNET", "fd00:10:244:3::1/64"), ("AGENTD_CLUSTER_DOMAIN", "cluster.local")):
+        monkeypatch.setenv(name, value)
+    (tmp_path / "agentd.toml").write_text("")
+    code, out, err = run(capsys, "check-config", "--config", str(tmp_path / "agentd.toml"))
+    assert code == 0, err
+
+
+def test_check_config_shows_the_log_level_given(capsys, tmp_path):
+    (tmp_path / "agentd.toml").write_text("")
+    code, out, _ = run(capsys, "check-config", "--config", str(tmp_path / "agentd.toml"), "--log-level", "debug", "--show")
+    assert code == 0 and json.loads(out)["log"]["level"] == "debug"
 
 
 def test_status_escapes_control_characters_from_the_agent(capsys, monkeypatch):
