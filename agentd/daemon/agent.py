@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -257,7 +256,7 @@ class Agent:
             self.policy = None
         # Services: adopt the services table as it is; it changes once etcd is read.
         self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns, drop_log=drop_log(cfg),
-                                     on_translating=functools.partial(self.tunnels.bpf.hold_redirect, who="services"),
+                                     on_translating=self._services_translating,
                                      families=self.cluster.versions)
         try:
             await self.services.start()
@@ -384,6 +383,16 @@ class Agent:
         """``agentd leave`` against a running agent: withdraw, release, remove, exit."""
         self._leaving = True
         self._stop.set()
+
+    async def _services_translating(self, on: bool) -> None:
+        """Services start (``on``, before their first translation) or stop translating: the BPF
+        data path hands decapsulated packets to netfilter while they do, and every local pod's
+        traffic is routed (an endpoint's reply to a client on its own node must be translated
+        back even where the bridge would hand it over at layer 2)."""
+        assert self.tunnels is not None
+        await self.tunnels.bpf.hold_redirect(on, who="services")
+        if self.policy is not None:
+            await self.policy.route_services(on)
 
     async def _leave_cleanup(self) -> None:
         if self.datastore is None:  # asked to leave before etcd was reached: nothing was taken

@@ -118,6 +118,7 @@ class PolicyAgent:
         self.log_suppressed = 0  # drops the log rules' limit kept from the flow records
         self.error: str | None = None
         self.syncs = 0
+        self._synced = asyncio.Event()  # set after each sync (route_services waits for one)
         self.last_sync: dict[str, Any] | None = None  # the last transaction: commands, seconds
         self.sync_errors = 0
         self._have_snapshot = False
@@ -326,6 +327,7 @@ class PolicyAgent:
             backoff = 0.2
             self.error = None
             self.syncs += 1
+            self._synced.set()
             seconds = time.perf_counter() - start
             if self.sync_seconds is not None:
                 self.sync_seconds.observe(seconds)
@@ -341,6 +343,25 @@ class PolicyAgent:
                 log.info("policy tables programmed: %d chains, %d rules, %d set elements (%d commands)",
                          size["chains"], size["rules"], size["elements"], result.commands)
             self._applied(revision)
+
+    async def route_services(self, on: bool, timeout: float = 5.0) -> None:
+        """Services start (``on``) or stop translating on this node: every local pod's traffic
+        goes up through the IP stack while they do (PolicyEngine.route_services).  Returns once
+        a sync has programmed it -- the services agent calls this before its first translation
+        and after its last -- or at once before the first sync (which takes it in anyway)."""
+        if not self.engine.set_route_services(on):
+            return
+        done = self.syncs
+        self._wake.set()
+        if done == 0:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                while self.syncs <= done:
+                    self._synced.clear()
+                    await self._synced.wait()
+        except TimeoutError:
+            log.warning("policy: routing every pod for Services not programmed within %.0fs; going on", timeout)
 
     async def _update_fast_path(self) -> None:
         """Tell the fast path this node's pods (address -> host side of its veth) when they

@@ -50,6 +50,10 @@ class PolicyEngine:
         self.node = node
         self.drop_log = drop_log
         self.route_all = route_all
+        # Services translate on this node: every local pod's traffic is routed too, so that an
+        # endpoint's reply to a client on its own node (which the bridge would hand over at
+        # layer 2, past the un-DNAT, where br_netfilter does not call the IP hooks) is translated.
+        self.route_services = False
         self.families = tuple(sorted(set(families)))
         self.by_ip: dict[str, PodKey] = {}  # every pod's addresses (flow records name pods by them)
         self.pods_version = 0  # changes with any pod's record (flow records remember names until then)
@@ -290,6 +294,15 @@ class PolicyEngine:
 
     # ------------------------------------------------------------------ compile
 
+    def set_route_services(self, on: bool) -> bool:
+        """Route every local pod's traffic while Services translate (see ``route_services``);
+        whether that changed anything."""
+        if on == self.route_services:
+            return False
+        self.route_services = on
+        self._local_dirty = True
+        return True
+
     @property
     def dirty(self) -> bool:
         return bool(self._dirty_policies or self._dirty_pods or self._local_dirty or self._base is None)
@@ -359,7 +372,7 @@ class PolicyEngine:
             ingress, egress = self.isolation(key)
             elements["pod-ports"].add(port.interface)
             elements["port-macs"].add((port.interface, port.mac))
-            routed = ingress or egress or self.route_all  # its unicast goes up to the IP stack
+            routed = ingress or egress or self.route_all or self.route_services  # its unicast goes up to the IP stack
             if routed:
                 elements["isolated-ports"].add(port.interface)
             if ingress:
@@ -376,7 +389,7 @@ class PolicyEngine:
                 if egress:
                     elements[f.name(compiler.EGRESS_MAP)].add((ip, ("jump", compiler.pod_chain("out", *key))))
         out = []
-        stateful = bool(elements["isolated-ports"]) or self.route_all
+        stateful = bool(elements["isolated-ports"]) or self.route_all or self.route_services
         for obj in compiler.base_objects(sorted(self.bridges), stateful, self.drop_log, self.families):
             if obj.kind == "set" and obj.name in elements:
                 obj = replace(obj, elements=frozenset(elements[obj.name]))
