@@ -18,7 +18,9 @@ from proto.capabilities import GracefulRestart, GracefulRestartFamily, MultiProt
 from proto.messages import Keepalive, Open
 from proto.nlri import IPV4_UNICAST, prefix_from_str
 
-LOCAL, A = "10.0.0.1", "10.0.0.9"
+from .test_connections import A, update  # an UPDATE from A (AS 65001) of one prefix
+
+LOCAL = "10.0.0.1"
 
 
 class GracefulPeer(RawPeer):
@@ -33,15 +35,6 @@ class GracefulPeer(RawPeer):
         gr = GracefulRestart(self.restarted, 120, tuple(GracefulRestartFamily(a, s, True) for a, s in self.families))
         caps = [MultiProtocol(a, s) for a, s in self.families] + [RouteRefresh(), gr]
         return Open.build(self.asn, self.hold_time, self.router_id, caps).encode()
-
-
-def update(prefix: str) -> bytes:
-    origin = bytes((0x40, 1, 1, 0))
-    as_path = bytes((0x40, 2, 6, 2, 1)) + (65001).to_bytes(4, "big")
-    next_hop = bytes((0x40, 3, 4)) + IPv4Address(A).packed
-    attrs = origin + as_path + next_hop
-    body = struct.pack("!HH", 0, len(attrs)) + attrs + prefix_from_str(prefix)[1]
-    return b"\xff" * 16 + struct.pack("!HB", 19 + len(body), 2) + body
 
 
 def end_of_rib() -> bytes:
