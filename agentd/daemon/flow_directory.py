@@ -48,7 +48,7 @@ class _ServiceNames:
     """A Service's name by the address, protocol and port a client used (its cluster IP, or
     a node port of this node's address), as the Services were at one sync."""
 
-    __slots__ = ("vips", "nodeports", "node_address")
+    __slots__ = ("node_address", "nodeports", "vips")
 
     def __init__(self, vips: dict[tuple[str, str, int], str], nodeports: dict[tuple[str, int], str],
                  node_address: str) -> None:

@@ -11,8 +11,8 @@ from unittest import mock
 
 import pytest
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
 from aiohttp.test_utils import make_mocked_request
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from agentd.daemon import auth
 

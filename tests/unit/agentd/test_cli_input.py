@@ -108,7 +108,7 @@ def test_a_shell_that_sourced_the_subnet_file_can_run_every_command(capsys, monk
                         ("AGENTD_IPV6_SUBNET", "fd00:10:244:3::1/64"), ("AGENTD_CLUSTER_DOMAIN", "cluster.local")):
         monkeypatch.setenv(name, value)
     (tmp_path / "agentd.toml").write_text("")
-    code, out, err = run(capsys, "check-config", "--config", str(tmp_path / "agentd.toml"))
+    code, _, err = run(capsys, "check-config", "--config", str(tmp_path / "agentd.toml"))
     assert code == 0, err
 
 

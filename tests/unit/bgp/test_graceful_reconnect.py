@@ -14,7 +14,12 @@ import pytest
 from bgp import PeerSettings, Speaker
 from bgp.settings import LocalSettings
 from bgp.testing import RawHarness, RawPeer
-from proto.capabilities import GracefulRestart, GracefulRestartFamily, MultiProtocol, RouteRefresh
+from proto.capabilities import (
+    GracefulRestart,
+    GracefulRestartFamily,
+    MultiProtocol,
+    RouteRefresh,
+)
 from proto.messages import Keepalive, Open
 from proto.nlri import IPV4_UNICAST, prefix_from_str
 

@@ -11,7 +11,12 @@ from ipaddress import IPv4Address
 
 from bgp import PeerSettings
 from bgp.testing import RawHarness, RawPeer, make_speaker
-from proto.capabilities import GracefulRestart, GracefulRestartFamily, MultiProtocol, RouteRefresh
+from proto.capabilities import (
+    GracefulRestart,
+    GracefulRestartFamily,
+    MultiProtocol,
+    RouteRefresh,
+)
 from proto.messages import Open
 from proto.nlri import IPV4_UNICAST, IPV6_UNICAST
 
