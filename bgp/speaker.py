@@ -108,6 +108,7 @@ class Speaker:
         # have it flush the routes of every client that is not back yet.
         self.deferring = bool(local.restarting and local.graceful_restart)
         self.output.hold_eor = self.deferring
+        self._deferral_changed = True  # a peer came, went or sent End-of-RIB since the last look
 
     # ------------------------------------------------------------ configuration (desired state)
 
@@ -185,6 +186,7 @@ class Speaker:
             del self._conn_owner[conn]
         self.channels.forget(key)
         self.rib.drop(key)
+        self._deferral_changed = True  # one fewer peer to wait for
         self.graceful.forget(key)
         self._timers.set(key, None)
         self.limiter.forget(key)
@@ -429,6 +431,8 @@ class Speaker:
             self._timers.set(peer.key, peer.get_timer())
 
     def _on_peer_event(self, peer: Peer, ev: PeerEvent, now: float) -> None:
+        if self.deferring and (not isinstance(ev, PeerUpdate) or ev.update.end_of_rib is not None):
+            self._deferral_changed = True  # looked at once per batch, not per UPDATE (_flush)
         if isinstance(ev, PeerUpdate):
             self.channels.receive(peer, ev.update, now)
         elif isinstance(ev, PeerUp):
@@ -470,8 +474,10 @@ class Speaker:
 
     def _flush(self, now: float) -> None:
         """Hand this batch's Loc-RIB changes to the listeners and to the output side."""
-        if self.deferring and self.started and not self.deferral_pending():
-            self._end_deferral(now, "every peer sent End-of-RIB")
+        if self.deferring and self.started and self._deferral_changed:
+            self._deferral_changed = False
+            if not self.deferral_pending():
+                self._end_deferral(now, "every peer sent End-of-RIB")
         if not self.rib.has_changes():
             return
         batch = self.rib.take_batch()

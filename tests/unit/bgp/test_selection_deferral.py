@@ -103,3 +103,15 @@ def test_a_speaker_not_back_from_a_restart_sends_end_of_rib_at_once():
     assert h.connect(c1)
     h.advance(1.0)
     assert c1.end_of_ribs() == BOTH and not sp.deferring
+
+
+def test_a_peer_removed_while_awaited_is_not_waited_for():
+    sp, h = reflector(C1, C2)
+    c1 = Client(C1, -1)
+    assert h.connect(c1)
+    h.send(c1, end_of_rib())
+    h.advance(1.0)
+    assert c1.end_of_ribs() == set() and sp.deferral_pending() == [C2]
+    sp.remove_peer(C2, h.now)
+    h.advance(1.0)
+    assert c1.end_of_ribs() == BOTH and not sp.deferring
