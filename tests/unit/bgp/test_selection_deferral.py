@@ -58,11 +58,17 @@ def reflector(*clients: str, restarting: bool = True) -> tuple:
 BOTH = {IPV4_UNICAST, IPV6_UNICAST}
 
 
-def test_end_of_rib_waits_for_every_graceful_peers_end_of_rib():
+def first_client_back() -> tuple:
+    """A restarted reflector of C1 and C2, C1 back and its End-of-RIB sent, C2 not back yet."""
     sp, h = reflector(C1, C2)
     c1 = Client(C1, -1)
     assert h.connect(c1)
     h.send(c1, end_of_rib())
+    return sp, h, c1
+
+
+def test_end_of_rib_waits_for_every_graceful_peers_end_of_rib():
+    sp, h, c1 = first_client_back()
     h.advance(5.0)
     assert c1.end_of_ribs() == set() and sp.deferring and sp.deferral_pending() == [C2]
     c2 = Client(C2, -2)
@@ -75,10 +81,7 @@ def test_end_of_rib_waits_for_every_graceful_peers_end_of_rib():
 
 
 def test_the_deferral_ends_with_the_restart_time():
-    sp, h = reflector(C1, C2)
-    c1 = Client(C1, -1)
-    assert h.connect(c1)
-    h.send(c1, end_of_rib())
+    sp, h, c1 = first_client_back()
     h.advance(119.0)
     assert c1.end_of_ribs() == set()
     h.advance(2.0)  # restart_time (120 s) is up: c2 is not waited for any longer
@@ -106,10 +109,7 @@ def test_a_speaker_not_back_from_a_restart_sends_end_of_rib_at_once():
 
 
 def test_a_peer_removed_while_awaited_is_not_waited_for():
-    sp, h = reflector(C1, C2)
-    c1 = Client(C1, -1)
-    assert h.connect(c1)
-    h.send(c1, end_of_rib())
+    sp, h, c1 = first_client_back()
     h.advance(1.0)
     assert c1.end_of_ribs() == set() and sp.deferral_pending() == [C2]
     sp.remove_peer(C2, h.now)
