@@ -35,7 +35,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from agentd.backend_table import BACKENDS, DATAPATHS, mtu_overhead
 from agentd.dataplane.bpf_backend import BpfPath, InBpf
 from agentd.config.settings import Config
 from agentd.dataplane import DataplaneClient, DataplaneError, DataplaneProcess
-from agentd.dataplane.bpf import BpfUnavailable, layout
+from agentd.dataplane.bpf import BpfUnavailable, layout, remove_pinned
 from agentd.datastore.store import NodeRecord
 from agentd.kernel import netlink as nl
 from agentd.kernel.netlink_links import Vxlan, decode_vxlan
@@ -57,6 +57,7 @@ log = logging.getLogger("agentd.backends")
 
 DEVICES = {name: b.device for name, b in BACKENDS.items() if b.device}
 GATEWAY_REFRESH = 15.0  # seconds between re-resolving the underlay next hops of BPF routes
+WORKER_EXIT_TIMEOUT = 5.0  # seconds a replaced worker has to exit before its successor starts
 
 
 VtepPeer = tuple[tuple[str, ...], str]  # (the peer's VTEP addresses, one per pod family; its VTEP MAC)
@@ -195,7 +196,9 @@ class _Vxlan:
 
     async def sync(self, plans: Mapping[str, PeerPlan], next_hops: Mapping[str, list[str]], prune: bool) -> None:
         wanted: dict[str, VtepPeer] = {}
-        for addr, plan in plans.items():
+        # A dual-stack peer may be reached over VXLAN for one family only (cross-subnet, on-link
+        # for IPv4 but without an IPv6 next hop on the segment): its IPv6 plan needs it too.
+        for addr, plan in [*plans.items(), *self.t.plans_v6.items()]:
             if plan.backend == "vxlan" and plan.extra.get("vtep_mac"):
                 # The peer's VTEP address of each pod family this node has too.
                 keys = [k for k, mine in (("vtep_ip", self.vtep_ip), ("vtep_ip_v6", self.vtep_ip_v6)) if mine]
@@ -232,20 +235,21 @@ class _Worker:
 
     async def up(self, subnet: IPv4Network) -> None:
         Path(self.control_path).parent.mkdir(parents=True, exist_ok=True)
-        try:
-            # A worker left running by our previous run keeps forwarding; take it over.
-            self.client = await DataplaneClient.connect(self.control_path, timeout=1.0)
-            # Its table keeps traffic flowing until BGP has re-learned every route.
-            self.base = dict((await self.client.get()).get("next_hops") or {})
-            log.info("re-attached to the running %s data-plane worker (%d next hops)", self.name, len(self.base))
-        except DataplaneError:
-            mtu = self.t.underlay.mtu - mtu_overhead(self.name)
+        mtu = self.t.underlay.mtu - mtu_overhead(self.name)
+        local_ip, port = str(self.t.underlay.interface.ip), self.t.cfg.network.udp_port
+        self.client = None
+        # A worker left running by our previous run keeps forwarding; take it over -- if it
+        # runs as this run would start it (a re-addressed node, a changed MTU or udp_port:
+        # its socket and TUN would be the old ones).
+        with contextlib.suppress(DataplaneError):
+            await self._attach({"local_ip": local_ip, "port": port, "mtu": mtu})
+        if self.client is None:
             self.process = await DataplaneProcess.start(
                 self.name,
                 self.device,
                 mtu,
-                str(self.t.underlay.interface.ip),
-                port=self.t.cfg.network.udp_port,
+                local_ip,
+                port=port,
                 control_path=self.control_path,
                 state_path=self.state_path,
             )
@@ -253,6 +257,33 @@ class _Worker:
             log.info("started the %s data-plane worker (pid %d)", self.name, self.process.pid)
         await asyncio.to_thread(self._address, str(subnet.network_address))
         self.pushed = None
+
+    async def _attach(self, wanted: dict[str, Any]) -> None:
+        client = await DataplaneClient.connect(self.control_path, timeout=1.0)
+        try:
+            held = await client.get()
+        except DataplaneError:
+            with contextlib.suppress(Exception):
+                await client.close()
+            raise
+        config = held.get("config") or {}
+        have = {key: config.get(key) for key in wanted}
+        if have == wanted:
+            self.client = client
+            # Its table keeps traffic flowing until BGP has re-learned every route.
+            self.base = dict(held.get("next_hops") or {})
+            log.info("re-attached to the running %s data-plane worker (%d next hops)", self.name, len(self.base))
+            return
+        log.info("the running %s data-plane worker has %s, not %s: replacing it", self.name, have, wanted)
+        with contextlib.suppress(DataplaneError, OSError):
+            await client.shutdown(remove_device=False)
+        with contextlib.suppress(Exception):
+            await client.close()
+        pid = config.get("pid")
+        if isinstance(pid, int) and pid > 0:
+            deadline = time.monotonic() + WORKER_EXIT_TIMEOUT
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
 
     def _address(self, address: str) -> None:
         with Rtnl() as rt:
@@ -300,9 +331,23 @@ class _Worker:
         await self.up(self.t.subnet)
 
     async def refresh_stats(self) -> None:
-        if self.client is not None:
-            with contextlib.suppress(DataplaneError):
-                self.last_stats = await self.client.stats()
+        """The worker's counters; a worker that no longer answers (it died: its TUN and our
+        routes through it stay, so its traffic would be dropped unseen) is started again and
+        given its table."""
+        try:
+            if self.client is None:
+                raise DataplaneError("not connected")
+            self.last_stats = await self.client.stats()
+            return
+        except DataplaneError as err:
+            log.warning("%s data-plane worker not answering (%s): starting it again", self.name, err)
+        self.pushed = None
+        try:
+            await self._reconnect()
+        except (OSError, DataplaneError, RuntimeError) as err:
+            self.client = None
+            log.error("%s data-plane worker could not be started again: %s", self.name, err)
+        self.t.resync()
 
     def status(self) -> dict[str, Any]:
         s = self.last_stats
@@ -347,12 +392,13 @@ def state_path(state_dir: Path, kind: str) -> str:
     return str(state_dir / f"dataplane-{kind}.sock.state")
 
 
-async def remove_worker_leftovers(state_dir: Path) -> list[str]:
-    """``agentd leave`` with no agent running: a worker still forwarding (orphaned) is asked to
-    shut down and take its TUN device along; what a killed one left -- its control socket, its
-    state file, its persistent TUN device -- is removed.  Returns what went."""
+async def remove_worker_leftovers(state_dir: Path, kinds: Collection[str] = ("udp", "ipip")) -> list[str]:
+    """``agentd leave`` with no agent running (and an agent whose backend changed, for the
+    ``kinds`` it no longer runs): a worker still forwarding (orphaned) is asked to shut down
+    and take its TUN device along; what a killed one left -- its control socket, its state
+    file, its persistent TUN device -- is removed.  Returns what went."""
     gone = []
-    for kind in ("udp", "ipip"):
+    for kind in kinds:
         control = control_path(state_dir, kind)
         try:
             client = await DataplaneClient.connect(control, timeout=1.0)
@@ -374,6 +420,12 @@ async def remove_worker_leftovers(state_dir: Path) -> list[str]:
         if await asyncio.to_thread(_delete_link, DEVICES[kind]):
             gone.append(DEVICES[kind])
     return gone
+
+
+def remove_vxlan_leftover() -> list[str]:
+    """The VXLAN device a previous run left (``agentd leave``; an agent whose peers no longer
+    use VXLAN): left up, it takes VXLAN from anyone on its port."""
+    return [DEVICES["vxlan"]] if _delete_link(DEVICES["vxlan"]) else []
 
 
 def _delete_link(name: str) -> bool:
@@ -423,6 +475,7 @@ class Tunnels:
         self.plans_v6: Mapping[str, PeerPlan] = {}
         self.next_hops_v6: Mapping[str, list[str]] = {}
         self._prune = True
+        self._leftovers_removed = False
         self._dirty = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -439,6 +492,16 @@ class Tunnels:
                 await self.bpf.up()
             except BpfUnavailable as err:
                 log.warning("the BPF data path cannot run here: %s; udp and ipip use the user-space worker", err)
+        else:
+            # A previous run's BPF programs would stay on the underlay with the member list and
+            # flags they had then (dropping a later node's packets as a non-member's).
+            try:
+                gone = await asyncio.to_thread(remove_pinned, self.cfg.agent.bpf_dir, self.underlay.ifindex)
+            except Exception as err:  # noqa: BLE001 -- best effort: the user-space path works regardless
+                log.warning("datapath = userspace: could not remove a previous run's BPF data path: %s", err)
+            else:
+                if gone:
+                    log.info("datapath = userspace: removed the BPF data path a previous run left: %s", ", ".join(gone))
         await self._ensure(self.own)
         if self.own in self.failed:
             raise RuntimeError(f"backend {self.own}: {self.failed[self.own]}")
@@ -566,13 +629,28 @@ class Tunnels:
             self._members_known = True
         self._dirty.set()
 
+    async def _remove_unused(self) -> None:
+        """Once BGP has re-learned every route after a start: what a previous run left of a
+        backend no peer uses now ([network] backend changed) goes -- a VXLAN device would take
+        VXLAN from anyone, a worker would keep forwarding."""
+        used = {*self.active, *self.helpers}
+        gone = await remove_worker_leftovers(Path(self.cfg.agent.state_dir), [k for k in ("udp", "ipip") if k not in used])
+        if "vxlan" not in used:
+            gone += await asyncio.to_thread(remove_vxlan_leftover)
+        if gone:
+            log.info("removed what a previous run left of backends no peer uses now: %s", ", ".join(gone))
+
+    def resync(self) -> None:
+        """Bring every backend's state in line again (a worker was started again)."""
+        self._dirty.set()
+
     async def _sync_loop(self) -> None:
         while True:
             await self._dirty.wait()
             self._dirty.clear()
             plans, next_hops, prune = self._plans, self._next_hops, self._prune
             try:
-                for backend in {p.backend for p in plans.values()} & set(BACKENDS):
+                for backend in {p.backend for p in [*plans.values(), *self.plans_v6.values()]} & set(BACKENDS):
                     await self._ensure(backend)
                 await self._ensure_helpers(plans)
                 await self._resolve_gateways(plans)
@@ -580,6 +658,9 @@ class Tunnels:
                     continue
                 for impl in [*self.active.values(), *self.helpers.values()]:
                     await impl.sync(plans, next_hops, prune)
+                if prune and not self._leftovers_removed:
+                    self._leftovers_removed = True
+                    await self._remove_unused()
                 routes = {**self._bpf_routes(plans, next_hops), **self._bpf_routes(self.plans_v6, self.next_hops_v6)}
                 await self.bpf.sync(routes, set(self.members), self._peer_flags(plans), prune=prune)
             except Exception:
@@ -654,6 +735,9 @@ class Tunnels:
                 await impl.down(remove)
         with contextlib.suppress(Exception):
             await self.bpf.down(remove)
+        if remove and "vxlan" not in self.active:  # a previous run's (nothing of ours survives a leave)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(remove_vxlan_leftover)
 
 
 def _underlay_next_hops(peers: list[str], ifindex: int) -> tuple[dict[str, str], dict[str, str]]:

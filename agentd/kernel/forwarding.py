@@ -23,6 +23,7 @@ address, which is what BGP unnumbered routes through.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address
@@ -173,7 +174,32 @@ def plan_peer(
     if problem is not None:
         return plan("none", f"peer uses {peer_backend}: {problem}", extra=False)
     why = "cross-subnet: peer on another segment" if encap == "cross-subnet" else f"peer uses {peer_backend}"
+    bad = _bad_vxlan_data(node.backend) if peer_backend == "vxlan" else None
+    if bad is not None:
+        return plan("none", f"peer's record: {bad}", extra=False)
     return plan(peer_backend, why)
+
+
+_MAC = re.compile(r"[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}")
+
+
+def _bad_vxlan_data(data: Mapping[str, Any]) -> str | None:
+    """What is wrong with a VXLAN peer's published VTEP (its record is another node's word:
+    one bad field must not stop the routes and tunnel entries of every other peer), or None."""
+    mac = data.get("vtep_mac")
+    if mac is not None and not (isinstance(mac, str) and _MAC.fullmatch(mac)):
+        return f"backend field 'vtep_mac' = {mac!r} is not a MAC address (aa:bb:cc:dd:ee:ff)"
+    for key, version in (("vtep_ip", 4), ("vtep_ip_v6", 6)):
+        value = data.get(key)
+        if value is None:
+            continue
+        try:
+            ok = isinstance(value, str) and ip_address(value).version == version and "%" not in value
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"backend field {key!r} = {value!r} is not an IPv{version} address"
+    return None
 
 
 def plan_external(next_hop: str, underlay: Underlay) -> PeerPlan:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -389,6 +390,36 @@ async def test_node_changes_backend_by_config_and_restart(lab_factory):
     plans = {p["address"]: p["backend"] for p in lab.nodes[0].api("/peers")}
     assert plans == {lab.nodes[1].address: "vxlan", node3.address: "udp"}
     assert lab.nodes[2].api("/status")["node"]["backend"] == "udp"
+    # node3 still speaks VXLAN to the others: its VTEP stays.
+    assert b"agentd.vxlan" in node3.ns.ip("-o", "link").stdout
+    # The others change too; then node1 restarts once more, with no peer on VXLAN left: once
+    # its routes are re-learned it removes the VTEP its previous run made (left up, unused,
+    # it would take VXLAN from anyone).
+    for node in lab.nodes[:2]:
+        await node.stop_agent()
+        node.backend = "udp"
+        node.start_agent()
+        await lab.ready.established(60)
+    node1 = lab.nodes[0]
+    assert b"agentd.vxlan" in node1.ns.ip("-o", "link").stdout  # node2 was on VXLAN when node1 came back
+    await node1.stop_agent()
+    node1.start_agent()
+    await lab.ready.established(60)
+    await lab.ready.reachable(60)
+    await auntil(lambda: b"agentd.vxlan" not in node1.ns.ip("-o", "link").stdout, in_thread=True, timeout=60,
+                 what="node1's unused VXLAN device to go")
+    assert "removed what a previous run left of backends no peer uses now: agentd.vxlan" in node1.log_path.read_text()
+    # node1 changes to the user-space data path: its previous run's BPF programs (member list
+    # and flags as they were then) leave the underlay, and pods still reach each other.
+    assert "agentd_ingress" in tc_filters(node1)
+    await node1.stop_agent()
+    lab.spec.extra.setdefault("node1", {}).setdefault("network", {})["datapath"] = "userspace"
+    node1.start_agent()
+    await lab.ready.established(60)
+    await lab.ready.reachable(60)
+    assert "agentd_ingress" not in tc_filters(node1)
+    assert "datapath = userspace: removed the BPF data path a previous run left" in node1.log_path.read_text()
+    assert node1.api("/status")["backends"]["active"]["udp"]["datapath"] == "userspace"
 
 
 def _neighbours(ns: Netns, dev: str) -> str:
@@ -634,6 +665,30 @@ async def test_mixed_bpf_and_userspace_pair(lab_factory, tmp_path, backend):
         w = await auntil(lambda node=node: carried(node), in_thread=True, interval=0.2,
                          what=lambda node=node: f"{node.name}'s worker to count both transfers: {worker(node)['counters']}")
         assert w["drops"]["malformed"] == 0
+
+    # node2's worker dies: its TUN and the routes through it stay, so the agent must notice
+    # (its next refresh), start another and give it its table.
+    dead = worker(node2)["worker_pid"]
+    os.kill(dead, signal.SIGKILL)
+    await auntil(lambda: worker(node2)["worker_pid"] not in (None, dead), in_thread=True, timeout=30,
+                 what="node2's agent to start another worker")
+    for src, dst in ((pods["node1"][0], pods["node2"][0]), (pods["node2"][0], pods["node1"][0])):
+        sent, got = await transfer(src, dst, 1 << 20)
+        assert sent == got and int(got[0]) == 1 << 20
+    if backend == "udp":
+        # A graceful restart with another udp_port: the running worker (on the old port) is
+        # not taken over but replaced.  (The port is the cluster's: node1 still sends to the
+        # old one, so no traffic is checked from here on.)
+        old = worker(node2)["worker_pid"]
+        await node2.stop_agent()
+        assert old in node2.ns.pids()  # a graceful stop leaves the worker forwarding
+        lab.spec.extra.setdefault("node2", {}).setdefault("network", {})["udp_port"] = 8473
+        node2.start_agent()
+        await lab.ready.established(60)
+        await auntil(lambda: worker(node2)["worker_pid"] not in (None, old), in_thread=True, timeout=30,
+                     what="node2's new worker")
+        assert old not in node2.ns.pids()
+        assert (await _worker_table(node2, backend))["config"]["port"] == 8473
 
     # node2's agent is SIGKILLed (its worker forwards on, orphaned), then `agentd leave` runs
     # with no agent: the worker is shut down and takes its TUN device, its control socket and

@@ -276,3 +276,61 @@ def test_desired_routes_of_a_dual_stack_node():
     ]
     assert set(plan.plans) == {"10.0.0.1", "10.0.0.2", "2001:db8::fe"} and set(plan.plans_v6) == {"10.0.0.1", "10.0.0.2"}
     assert plan.next_hops["10.0.0.1"] == ["10.244.1.0/24"]  # the IPv4 plans' routes (the tunnels' tables)
+
+
+@pytest.mark.parametrize("bad", [
+    {"vtep_mac": "zz:bb:cc:dd:ee:ff"},
+    {"vtep_mac": "aa:bb:cc:dd:ee"},
+    {"vtep_mac": 7},
+    {"vtep_ip": "bogus"},
+    {"vtep_ip": 10},
+    {"vtep_ip": "fd00::1"},
+    {"vtep_ip_v6": "10.244.9.0"},
+    {"vtep_ip_v6": "fd00::1%eth0"},
+])
+def test_a_peers_bad_vxlan_data_makes_that_peer_unroutable_not_the_rest(bad):
+    """A peer's record is another node's word: one bad VTEP field gives that peer no route (and
+    says why); the best paths through every other peer are still routed."""
+    from agentd.kernel.forwarding import desired_routes
+
+    good = {"type": "vxlan", "vtep_ip": "10.244.2.0", "vtep_mac": "aa:bb:cc:dd:ee:02"}
+    broken = {"type": "vxlan", "vtep_ip": "10.244.3.0", "vtep_mac": "aa:bb:cc:dd:ee:03", **bad}
+    peers = [node("n2", "10.9.0.2", backend=good), node("n3", "10.9.0.3", backend=broken)]
+    bests = [("10.244.2.0/24", IPv4Address("10.9.0.2"), False), ("10.244.3.0/24", IPv4Address("10.9.0.3"), False)]
+    plan = desired_routes(bests, peers, UNDERLAY, LocalPaths({"vxlan": "vxlan-device"}), own_subnets=[],
+                          blackhole_metric=4000, own_backend="vxlan", encap="always")  # fmt: skip
+    assert [(r.dst, r.gateway, r.dev) for r in plan.routes] == [("10.244.2.0/24", "10.244.2.0", "agentd.vxlan")]
+    assert plan.plans["10.9.0.2"].backend == "vxlan"
+    n3 = plan.plans["10.9.0.3"]
+    assert not n3.routable and "peer's record" in n3.reason and n3.extra == {}
+    # cross-subnet, on-link: no VTEP needed, so its bad VTEP data does not matter
+    direct = plan_peer(node("n3", "10.0.0.9", backend=broken), UNDERLAY, own_backend="vxlan", encap="cross-subnet")
+    assert direct.backend == "host-gw"
+
+
+def test_a_dual_stack_peer_reached_over_vxlan_for_ipv6_only_gets_its_vtep_entries():
+    """cross-subnet, on-link for IPv4 but without an IPv6 next hop on the segment: the IPv6 plan
+    is VXLAN, so the peer's neighbour and FDB entries are wanted although its IPv4 plan is direct."""
+    import asyncio
+
+    from agentd.dataplane.backends import _Vxlan
+
+    vx = {"type": "vxlan", "vtep_ip": "10.244.9.0", "vtep_ip_v6": "fd00:10:244:9::", "vtep_mac": "aa:bb:cc:dd:ee:ff"}
+    peer = dual("n9", "10.0.0.9", backend=vx)
+    v4 = plan_peer(peer, V4_ONLY_SEGMENT, own_backend="vxlan", encap="cross-subnet", version=4)
+    v6 = plan_peer(peer, V4_ONLY_SEGMENT, own_backend="vxlan", encap="cross-subnet", version=6)
+    assert (v4.backend, v6.backend) == ("host-gw", "vxlan")
+
+    class Tunnels:
+        plans_v6 = {"10.0.0.9": v6}
+
+    vtep = _Vxlan.__new__(_Vxlan)
+    vtep.t, vtep.vtep_ip, vtep.vtep_ip_v6 = Tunnels(), "10.244.1.0", "fd00:10:244:1::"
+    wanted = {}
+
+    async def _sync(w, prune):
+        wanted.update(w)
+
+    vtep._sync = _sync
+    asyncio.run(vtep.sync({"10.0.0.9": v4}, {}, prune=True))
+    assert wanted == {"10.0.0.9": (("10.244.9.0", "fd00:10:244:9::"), "aa:bb:cc:dd:ee:ff")}
