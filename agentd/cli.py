@@ -360,12 +360,13 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
             tune_gc()
             limit_malloc_arenas()
-            return uvloop.run(SpeakerRuntime(cfg).run(reload=reload))
+            return uvloop.run(SpeakerRuntime(cfg).run(reload=reload, set_logging=setup_logging))
         from agentd.daemon.agent import run_agent
 
         tune_gc()
         limit_malloc_arenas()
-        return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides, config_named=named))
+        return uvloop.run(run_agent(cfg, config_path=path, overrides=overrides, config_named=named,
+                                    set_logging=setup_logging))
     parser.error(f"unknown command {cmd}")
 
 

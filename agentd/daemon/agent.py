@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,7 +44,13 @@ from agentd.daemon.api import ApiServer
 from agentd.daemon.observe import Observability, drop_log
 from agentd.daemon.routes import KernelRoutes
 from agentd.daemon.views import AgentViews
-from agentd.dataplane.backends import Tunnels, dataplane_metrics, remove_bpf_leftovers, remove_worker_leftovers
+from agentd.dataplane.backends import (
+    Tunnels,
+    dataplane_metrics,
+    remove_bpf_leftovers,
+    remove_vxlan_leftover,
+    remove_worker_leftovers,
+)
 from agentd.dataplane.bpf.datapath import BpfUnavailable
 from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
@@ -77,10 +84,12 @@ class AgentError(RuntimeError):
 
 class Agent:
     def __init__(self, cfg: Config, *, config_path: str | None = None, overrides: dict | None = None,
-                 config_named: bool = True) -> None:
+                 config_named: bool = True, set_logging: Callable[[str, str], None] | None = None) -> None:
         """``config_named``: the file was named (``--config``, ``AGENTD_CONFIG``), so it must be
-        there at every reload; the default file may be missing (defaults and environment)."""
+        there at every reload; the default file may be missing (defaults and environment).
+        ``set_logging(level, format)``: how a reload applies ``[log]`` (the CLI's set-up)."""
         self.cfg = cfg
+        self.set_logging = set_logging
         self.config_path = config_path
         self.config_named = config_named
         self.overrides = overrides or {}
@@ -123,6 +132,7 @@ class Agent:
         self.stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
         self._leaving = False
         self._problems: list[str] = []
+        self.exit_status = 0  # 1 when the agent stops itself (its subnet lost)
         self.pod_mtu = 1500
 
     # ================================================================ lifecycle
@@ -170,9 +180,15 @@ class Agent:
                 start.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await start
-                return 0
+                return self.exit_status
             stop.cancel()
-            start.result()
+            try:
+                start.result()
+            except (AgentError, asyncio.CancelledError):
+                raise
+            except Exception as err:  # a bad record in etcd, a full pool, etcd refusing us, a file not written
+                log.debug("start-up failed", exc_info=True)
+                raise AgentError(f"cannot start: {str(err) or type(err).__name__}") from err
             self.supervisor.start("node-watch", self._watch_nodes)
             if self.policy is not None:
                 self.supervisor.start("policy", self.policy.run)
@@ -194,7 +210,7 @@ class Agent:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             await self._shutdown()
-        return 0
+        return self.exit_status
 
     async def _start(self) -> None:
         cfg = self.cfg
@@ -455,10 +471,14 @@ class Agent:
             log.error("reload failed, keeping the running configuration: %s", err)
             return
         cfg, pending = reloaded(self.cfg, cfg)
-        logging.getLogger().setLevel(cfg.log.level.upper())
+        if self.set_logging is not None:
+            self.set_logging(cfg.log.level, cfg.log.format)
+        else:
+            logging.getLogger().setLevel(cfg.log.level.upper())
         self.cfg = cfg
         self._apply_peers()
-        log.info("configuration reloaded: %d external peers, log level %s", len(cfg.bgp.peers), cfg.log.level)
+        log.info("configuration reloaded: %d external peers, log level %s, format %s", len(cfg.bgp.peers),
+                 cfg.log.level, cfg.log.format)
         if pending:
             log.warning("changed but applied only by a restart: %s", ", ".join(pending))
         log.debug("debug logging is on")
@@ -500,9 +520,15 @@ class Agent:
             await asyncio.sleep(0.5 if not ready_sent else 2.0)
 
     def _subnet_lost(self, lease: SubnetLease) -> None:
+        """As flanneld does: stop (exit status 1), so that the service manager's restart leases
+        another subnet.  Running on, this node would keep originating the subnet and handing
+        out its addresses to new pods beside the node that holds it now."""
         msg = f"subnet {lease.subnet} was taken by another node while etcd was unreachable"
-        log.error("%s; pods keep their addresses, but the cluster is inconsistent until this node leaves", msg)
+        log.error("%s: stopping, to start again with another subnet; this node's pods keep addresses of %s, which "
+                  "that node hands out now: re-create them", msg, lease.subnet)
         self._problems.append(msg)
+        self.exit_status = 1
+        self._stop.set()
 
     # ================================================================ health (AgentViews shows the rest)
 
@@ -593,14 +619,18 @@ def datastore_for(cfg: Config) -> Datastore:
 
 
 async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: dict | None = None,
-                    config_named: bool = True) -> int:
-    agent = Agent(cfg, config_path=config_path, overrides=overrides, config_named=config_named)
+                    config_named: bool = True, set_logging: Callable[[str, str], None] | None = None) -> int:
+    agent = Agent(cfg, config_path=config_path, overrides=overrides, config_named=config_named,
+                  set_logging=set_logging)
     return await agent.run()
 
 
 async def leave(cfg: Config) -> int:
     """``agentd leave`` when no agent is running here: remove the node from etcd directly.
-    (With an agent running, the CLI asks it over ``POST /leave`` instead.)"""
+    (With an agent running, the CLI asks it over ``POST /leave`` instead.)  The host is
+    cleaned up even when etcd cannot be reached (a node being taken out of service); the
+    exit status then says the etcd step failed."""
+    status = 0
     ds = datastore_for(cfg)
     try:
         await ds.connect(timeout=10)
@@ -608,13 +638,21 @@ async def leave(cfg: Config) -> int:
         released = await ds.release(name, timeout=10)
         await ds.remove_node(name, timeout=10)
         log.info("node %s removed from etcd (no agent was running); released %s", name, ", ".join(map(str, released)) or "-")
+    except Exception as err:
+        log.error("cannot remove the node from etcd: %s (cleaning up this host all the same)", err)
+        status = 1
+    finally:
+        with contextlib.suppress(Exception):
+            await ds.close()
+    try:
         # What a killed agent left in the kernel: the BPF programs, filters and pins.
         gone = await asyncio.to_thread(remove_bpf_leftovers, cfg)
         if gone:
             log.info("removed the BPF data path a previous agent left: %s", ", ".join(gone))
         gone = await remove_worker_leftovers(Path(cfg.agent.state_dir))  # the user-space data path
+        gone += await asyncio.to_thread(remove_vxlan_leftover)  # the kernel VXLAN device
         if gone:
-            log.info("removed the user-space data path a previous agent left: %s", ", ".join(gone))
+            log.info("removed the tunnel devices and workers a previous agent left: %s", ", ".join(gone))
         await remove_policy_tables()  # NetworkPolicy
         await remove_services_table(str(cfg.dns.address_v6))  # Services
         restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
@@ -623,10 +661,7 @@ async def leave(cfg: Config) -> int:
         if await masquerade.remove():
             log.info("removed the masquerading table")
         await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir)  # Ingress
-        return 0
     except Exception as err:
         log.error("cannot leave: %s", err)
         return 1
-    finally:
-        with contextlib.suppress(Exception):
-            await ds.close()
+    return status

@@ -134,8 +134,8 @@ class KernelRoutes:
             return False
         if time.monotonic() >= self.initial_sync_deadline:
             return True
-        if not i.peering.nodes and not i.cfg.bgp.peers:
-            return False  # no registry snapshot yet
+        if not i.peering.known:
+            return False  # no registry snapshot yet: the cluster's peers are not configured (external ones may be)
         for peer in i.speaker.peers.values():
             if peer.state is not State.ESTABLISHED:
                 return False

@@ -176,6 +176,7 @@ class SpeakerRuntime:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.set_logging: Callable[[str, str], None] | None = None
         self.registry = CollectorRegistry()
         # The speaker's routes come from its configuration, so they survive any restart: tell
         # GR peers to keep them until our End-of-RIB (RFC 4724 §4.2, the F bit).
@@ -228,7 +229,9 @@ class SpeakerRuntime:
 
     # ------------------------------------------------------------ lifecycle
 
-    async def run(self, *, config_path: str | None = None, reload: Callable[[], Config] | None = None) -> int:
+    async def run(self, *, config_path: str | None = None, reload: Callable[[], Config] | None = None,
+                  set_logging: Callable[[str, str], None] | None = None) -> int:
+        self.set_logging = set_logging  # how a reload applies [log] (the CLI's set-up)
         loop = asyncio.get_running_loop()
         await self.service.start()
         self.service.set_peers(peer_settings(p, self.cfg) for p in self.cfg.bgp.peers)
@@ -269,7 +272,10 @@ class SpeakerRuntime:
             log.error("reload failed, keeping the running configuration: %s", err)
             return
         self.cfg = cfg
-        logging.getLogger().setLevel(cfg.log.level.upper())
+        if self.set_logging is not None:
+            self.set_logging(cfg.log.level, cfg.log.format)
+        else:
+            logging.getLogger().setLevel(cfg.log.level.upper())
         self.service.set_peers(peer_settings(p, cfg) for p in cfg.bgp.peers)
         self.service.set_listen_ranges(listen_ranges(cfg))
         self.service.set_originated(originations(cfg))

@@ -102,6 +102,15 @@ class Watches:
             client = conn.new_client(index)
             conn.watch_clients.add(client)
             try:
+                if revision is not None and interrupted:
+                    # Resuming: etcd accepts a watch from a revision it has not reached and sends
+                    # nothing below it, so a store whose revision went back (restored from a
+                    # snapshot, a lone member that lost its data) would starve the watch unseen.
+                    head = await cancel_kept(asyncio.wait_for(client.get_prefix(prefix, keys_only=True), conn.request_timeout))
+                    if head.header.revision < revision:
+                        log.warning("%s: etcd's revision went back from %d to %d (restored from a snapshot, or its "
+                                    "data lost): re-syncing", what, revision, head.header.revision)
+                        revision = None
                 if revision is None:
                     got = await cancel_kept(asyncio.wait_for(client.get_prefix(prefix), conn.request_timeout))
                     revision = got.header.revision

@@ -1,6 +1,7 @@
 """The node agent's own behaviour: signals, reload, external
 peers, metrics, MTU, off-link host-gw peers, bad configuration, and the lab CLI."""
 
+import asyncio
 import json
 import os
 import signal
@@ -220,3 +221,48 @@ def test_lab_cli_up_status_exec_down_leaves_nothing(tmp_path):
     assert not (tmp_path / "labs" / name).exists()
     leftovers = subprocess.run(["pgrep", "-f", f"ad-{name}-"], capture_output=True, text=True)
     assert leftovers.stdout.strip() == ""
+
+
+async def test_a_bad_record_in_etcd_at_start_is_one_line_and_leave_cleans_up_without_etcd(netns_factory, tmp_path):
+    """Bad input from etcd at start (a cluster config that is no JSON) stops the agent with one
+    error line, no traceback; ``agentd leave`` with etcd gone still cleans the host (here a
+    VXLAN device a previous run left) and says the etcd step failed."""
+    from agentd.lab.etcd import EtcdServer
+
+    ns, other = netns_factory("badrec"), netns_factory("badrec-peer")
+    veth(ns, "eth0", other, "eth0")
+    ns.ip("addr", "add", "10.1.1.1/24", "dev", "eth0")
+    server = EtcdServer(str(tmp_path / "etcd"), netns=ns)
+    conf = tmp_path / "agentd.toml"
+    conf.write_text(
+        f'[node]\nname = "n1"\naddress = "10.1.1.1"\n'
+        f'[etcd]\nendpoints = ["http://127.0.0.1:{server.client_port}"]\n'
+        f'[api]\nlisten = "127.0.0.1:9099"\ntoken_file = "{tmp_path}/token"\n'
+        f'[cni]\nsubnet_file = "{tmp_path}/subnet.env"\nconf_dir = "{tmp_path}/net.d"\n'
+        f'[agent]\nstate_dir = "{tmp_path}/state"\nbpf_dir = "{tmp_path}/bpf"\n'
+    )
+    put = (
+        "import asyncio, aetcd\n"
+        "async def main():\n"
+        f"    async with aetcd.Client('127.0.0.1', {server.client_port}, timeout=5) as c:\n"
+        "        await c.put(b'/agentd/config', b'{not json')\n"
+        "asyncio.run(main())\n"
+    )
+    try:
+        await server.start()
+        await ns.aexec(sys.executable, "-c", put)
+        proc = await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns.name, AGENTD, "run", "--config", str(conf)],
+                                       capture_output=True, text=True, timeout=90)
+        errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert len(errors) == 1 and "cannot start" in errors[0] and "config" in errors[0], proc.stderr
+        assert not (tmp_path / "subnet.env").exists()
+    finally:
+        await server.stop()
+    # etcd gone: leave cleans this host all the same, and its exit status says etcd failed.
+    ns.ip("link", "add", "agentd.vxlan", "type", "vxlan", "id", "1", "dstport", "4789", "dev", "eth0")
+    proc = await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns.name, AGENTD, "leave", "--config", str(conf)],
+                                   capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot remove the node from etcd" in proc.stderr, proc.stderr
+    assert b"agentd.vxlan" not in ns.ip("-o", "link").stdout

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import socket
 import sys
 import time
@@ -328,6 +329,36 @@ async def test_etcd_outage_longer_than_ttl_recovers_by_itself(etcd_server, store
             assert (await client.get_lease_info(ds.lease_id)).TTL > 0
         assert ds.subnet_lease.subnet == lease.subnet
         assert states[0] is True and False in states and states[-1] is True
+    finally:
+        await watcher.stop()
+
+
+async def test_watch_re_syncs_when_etcd_revision_goes_back(etcd_server, stores):  # noqa: F811
+    """etcd back with less history (a restore from a snapshot; here a lone member that lost its
+    data): etcd would take a watch from a revision it has not reached and send nothing below
+    it, so the watch re-syncs (a new snapshot) instead of resuming where it was."""
+    ds = stores()
+    await ds.connect(timeout=10)
+    async with raw(etcd_server) as client:
+        for i in range(40):  # the revision well past what the emptied store will reach
+            await client.put(b"/agentd/elsewhere", str(i).encode())
+    watcher = Collector(ds)
+    try:
+        await eventually(lambda: ("snapshot", None) in watcher.kinds(), what="first snapshot")
+        await etcd_server.stop()
+        await eventually(lambda: not ds.connected, what="connected=False")
+        shutil.rmtree(etcd_server.data_dir)
+        seen = len(watcher.events)
+        await etcd_server.start()
+        async with raw(etcd_server) as client:
+            await client.put(b"/agentd/nodes/lambda", node_record("lambda", None).to_json())
+
+        def lambda_seen() -> bool:  # in the new snapshot, or put after it
+            return any((e.kind == "snapshot" and "lambda" in (e.nodes or {})) or (e.kind, e.name) == ("put", "lambda")
+                       for e in watcher.events[seen:])
+
+        await eventually(lambda_seen, timeout=20, what="the node put after etcd came back")
+        assert ("snapshot", None) in watcher.kinds(seen)
     finally:
         await watcher.stop()
 

@@ -108,7 +108,7 @@ def test_the_dns_tcp_handler_ends_when_cancelled_as_a_query_arrives():
 WAIT_FOR_KEPT = {
     "agentd/datastore/connection.py": 2,  # cancel_kept(wait_for(...)), and closing a client
     "agentd/datastore/liveness.py": 1,  # cancel_kept(wait_for(...))
-    "agentd/datastore/watches.py": 1,  # cancel_kept(wait_for(...))
+    "agentd/datastore/watches.py": 2,  # cancel_kept(wait_for(...)): the snapshot, the revision check on resuming
     "agentd/dataplane/control.py": 3,  # proc.wait() while starting/stopping the worker, its output drain: exit status
     "agentd/lab/resources.py": 2,  # a lab tool's reply line, its process exit
     "agentd/lab/runtime.py": 1,  # a CNI plugin's output (the process is waited for either way)
