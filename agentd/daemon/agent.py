@@ -273,7 +273,8 @@ class Agent:
         # Services: adopt the services table as it is; it changes once etcd is read.
         self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns, drop_log=drop_log(cfg),
                                      on_translating=self._services_translating,
-                                     families=self.cluster.versions)
+                                     families=self.cluster.versions,
+                                     pod_subnets={v: str(lease.subnet) for v, lease in self.leases.items()})
         try:
             await self.services.start()
             self.registry.register(self.services.views)

@@ -51,8 +51,10 @@ class ServiceAgent:
         on_translating: Callable[[bool], Awaitable[None]] | None = None,
         drop_log: DropLog | None = None,
         families: tuple[int, ...] = (4,),
+        pod_subnets: dict[int, str] | None = None,
     ) -> None:
         self.node = node
+        self.pod_subnets = dict(pod_subnets or {})  # IP version -> this node's pod subnet (Local node ports short-circuit it)
         self.drop_log = drop_log  # refusals logged for flow records (agentd.flows)
         self.families = tuple(sorted(set(families)))  # the IP versions Services have here (one table each)
         # Called with True before the table first translates anything and with False after it
@@ -238,7 +240,7 @@ class ServiceAgent:
             dirty, self._dirty = self._dirty, set()
             full = dirty is None or self._table is None
             if full:
-                self._table = compiler.Table(self.node, self.drop_log, self.families)
+                self._table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets)
                 dirty = set(self.objects["Service"])
                 keys = None
             else:

@@ -6,8 +6,12 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     map service-nodeports { inet_proto . inet_service : verdict }                proto . node port -> goto np-pick/N
     chain prerouting   { type nat hook prerouting priority dstnat; jump services }
     chain output       { type nat hook output priority dstnat; jump services }
+    map nodeport-short-circuit { inet_proto . inet_service : verdict }          Local node ports -> goto np-local/N (every endpoint)
     chain services     { ip daddr . meta l4proto . th dport vmap @service-ips
-                         fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports }
+                         fib daddr type local ip daddr != 127.0.0.0/8 goto nodeports }
+    chain nodeports    { ip saddr <this node's pod subnet> meta l4proto . th dport vmap @nodeport-short-circuit
+                         fib saddr type local meta l4proto . th dport vmap @nodeport-short-circuit
+                         meta l4proto . th dport vmap @service-nodeports }
     chain postrouting  { type nat hook postrouting priority srcnat; meta mark & 0x4000 == 0x4000 masquerade }
 
     chain pick/N       (one per endpoint count N, shared by every service with N endpoints)
@@ -18,8 +22,10 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     map addr/i, port/i { VIP . proto . port : the address / port of the service's i-th endpoint }
 
     node ports alike: np-pick/N (externalTrafficPolicy Cluster: marked for masquerade),
-    np-local/N (Local: only this node's endpoints, client address kept), np-slot/i with the
-    maps np-addr/i and np-port/i keyed by proto . node port.
+    np-local/N (Local: client address kept; the node's own traffic marked), np-slot/i with the
+    maps np-addr/i and np-port/i keyed by proto . node port.  A Local node port's slots hold
+    this node's endpoints first, then the others: from outside, np-local/L picks among the L
+    of this node; from this node or its pods, kube-proxy's short-circuit, np-local/N among all.
 
 So 10,000 services are one map lookup, not a chain walk, and a Service's endpoints are map
 elements, not rules: an endpoint appearing, leaving or becoming ready changes elements only,
@@ -31,10 +37,19 @@ A connection picks an endpoint at random once (NAT rules see only a connection's
 packet; conntrack does the rest, which is also why a terminating endpoint keeps its
 established connections).  SNAT happens only where the reply would not come back through
 this node otherwise: a pod reaching itself or a sibling endpoint through its service
-(hairpin; kube-proxy marks only the endpoint reaching itself), and node ports with
-externalTrafficPolicy Cluster (the endpoint may be on another node).  A port without usable
-endpoints is not translated but refused (ICMP port unreachable, as kube-proxy does), or
-dropped where a Local traffic policy keeps it off other nodes' endpoints.
+(hairpin; kube-proxy marks only the endpoint reaching itself), node ports with
+externalTrafficPolicy Cluster (the endpoint may be on another node), and a node's own
+connections to its Local node ports.  A port without usable endpoints is not translated but
+refused (ICMP port unreachable, as kube-proxy does), or dropped where a Local traffic policy
+keeps it off other nodes' endpoints.
+
+externalTrafficPolicy Local is for traffic from outside the node.  A node port reached from
+the node itself or from one of its pods is short-circuited to every endpoint of the Service,
+as kube-proxy does (pkg/proxy/nftables/proxier.go and pkg/proxy/iptables/proxier.go, the
+"external" chain: pod traffic to the cluster policy's endpoints, the node's own traffic
+masqueraded and to them too), so such a node without endpoints of its own still reaches the
+Service.  "From this node" is ``fib saddr type local``; "one of its pods" is a source in the
+node's pod subnet of the family (kube-proxy's ``--detect-local-mode=NodeCIDR``).
 
 Services with ClientIP affinity keep a chain of their own, one chain per endpoint and a
 timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/...``): the affinity
@@ -50,7 +65,7 @@ node ports too, reached on the node's IPv6 addresses (``fib daddr type local``, 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from agentd.nft.expr import (
@@ -67,6 +82,7 @@ SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
 HAIRPIN = "service-hairpin"  # endpoint address . VIP . proto . port
 NP_HAIRPIN = "nodeport-hairpin"  # endpoint address . proto . node port (Local node ports)
+NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every endpoint (Local node ports)
 SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
 NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
 UNAVAILABLE = "service-unavailable"  # VIP . proto . port : goto reject or drop (no usable endpoint)
@@ -79,6 +95,7 @@ DSTNAT, SRCNAT = -100, 100
 
 MARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), MASQ_MARK]}}}
 SADDR = payload("ip", "saddr")
+FROM_NODE = match({"fib": {"result": "type", "flags": ["saddr"]}}, "local")  # sent by this node itself
 
 
 
@@ -94,6 +111,10 @@ def svc_chain(sp: ServicePort) -> str:
 
 def ext_chain(sp: ServicePort) -> str:
     return object_name("ext", sp.namespace, sp.service, sp.l4, sp.port)
+
+
+def short_circuit_chain(sp: ServicePort) -> str:
+    return object_name("short-circuit", sp.namespace, sp.service, sp.l4, sp.port)
 
 
 def ep_chain(sp: ServicePort, e: Endpoint) -> str:
@@ -169,7 +190,9 @@ def slot_objects(i: int, fam: AddressFamily = IPV4) -> list[Any]:
 
 
 def pick_objects(n: int, fam: AddressFamily = IPV4) -> list[Any]:
-    """The chains choosing one of ``n`` endpoints: for VIPs, Cluster node ports, Local node ports."""
+    """The chains choosing one of ``n`` endpoints: for VIPs, Cluster node ports, Local node ports
+    (the node's own traffic reaches those short-circuited only, masqueraded as by kube-proxy:
+    the node port's address, one of the node's, is its source)."""
     saddr = payload(fam.proto, "saddr")
     hairpin = match({"concat": [saddr, payload(fam.proto, "daddr"), meta("l4proto"), payload("th", "dport")]}, "@" + HAIRPIN)
     np_hairpin = match({"concat": [saddr, meta("l4proto"), payload("th", "dport")]}, "@" + NP_HAIRPIN)
@@ -179,28 +202,42 @@ def pick_objects(n: int, fam: AddressFamily = IPV4) -> list[Any]:
     return [
         NftChain(t, TABLE, pick_chain(n), (rule_text([hairpin, MARK_MASQ]), count, _numgen(n, "slot"))),
         NftChain(t, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
-        NftChain(t, TABLE, np_pick_chain(n, True), (rule_text([np_hairpin, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
+        NftChain(t, TABLE, np_pick_chain(n, True), (
+            rule_text([FROM_NODE, MARK_MASQ]), rule_text([np_hairpin, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
     ]
 
 
-def base_objects(slots: int = SLOTS_MIN, log: DropLog | None = None, *, fam: AddressFamily = IPV4) -> list[Any]:
+def base_objects(
+    slots: int = SLOTS_MIN, log: DropLog | None = None, *, fam: AddressFamily = IPV4, pod_subnet: str | None = None
+) -> list[Any]:
     """The fixed part of family ``fam``'s table, prepared for services of up to ``slots``
     endpoints (the maps empty); with ``log`` the refusals are logged for flow records
-    (prefix: the chain's name)."""
+    (prefix: the chain's name).  ``pod_subnet``: this node's pods' subnet of the family, whose
+    traffic to a Local node port is short-circuited (none: only the node's own is)."""
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = match(payload(fam.proto, "daddr"), prefix(fam.loopback), "!=")
     masq = match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK)
+    short_circuit = {"vmap": {"key": NP_KEY, "data": "@" + NP_SHORT_CIRCUIT}}
     t, key, key_type = fam.proto, vip_key(fam), vip_type(fam)
     out: list[Any] = [
         NftSet(t, TABLE, SERVICE_IPS, key_type, map="verdict"),
         NftSet(t, TABLE, NODE_PORTS, NP_TYPE, map="verdict"),
+        NftSet(t, TABLE, NP_SHORT_CIRCUIT, NP_TYPE, map="verdict"),
         NftSet(t, TABLE, HAIRPIN, (fam.addr, *key_type)),
         NftSet(t, TABLE, NP_HAIRPIN, (fam.addr, *NP_TYPE)),
         NftSet(t, TABLE, SVC_COUNTERS, key_type, map="counter"),
         NftSet(t, TABLE, NP_COUNTERS, NP_TYPE, map="counter"),
         NftChain(t, TABLE, "services", (
             rule_text([{"vmap": {"key": key, "data": "@" + SERVICE_IPS}}]),
-            rule_text([local, not_loopback, {"vmap": {"key": NP_KEY, "data": "@" + NODE_PORTS}}]),
+            rule_text([local, not_loopback, goto("nodeports")]),
+        )),
+        # A node port from this node's pods or from the node itself: a Local one goes to every
+        # endpoint (kube-proxy's short-circuit); anything else, and traffic from outside, as the
+        # node port's policy says.
+        NftChain(t, TABLE, "nodeports", (
+            *([rule_text([match(payload(t, "saddr"), prefix(pod_subnet)), short_circuit])] if pod_subnet else []),
+            rule_text([FROM_NODE, short_circuit]),
+            rule_text([{"vmap": {"key": NP_KEY, "data": "@" + NODE_PORTS}}]),
         )),
         NftChain(t, TABLE, "prerouting", (rule_text([{"jump": {"target": "services"}}]),),
                  hook=("nat", "prerouting", DSTNAT, "accept")),
@@ -284,20 +321,30 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
         else:
             put(UNAVAILABLE, ((sp.cluster_ip, sp.l4, sp.port), _unavailable(every)))
     if sp.node_port is not None:
-        chosen = local if sp.external_local else every
-        if chosen:
-            key = (sp.l4, sp.node_port)
-            put(NODE_PORTS, (key, ("goto", np_pick_chain(len(chosen), sp.external_local))))
-            put(NP_COUNTERS, (key, counter.name))
-            for i, e in enumerate(chosen):
-                put(f"np-addr/{i}", (key, e.ip))
-                put(f"np-port/{i}", (key, e.port))
-            if sp.external_local:
-                for addr in {e.ip for e in chosen}:
-                    put(NP_HAIRPIN, (addr, *key))
-            size = max(size, len(chosen))
+        key = (sp.l4, sp.node_port)
+        if sp.external_local:
+            # This node's endpoints in the first slots, the others after them: from outside
+            # the choice is among the first (np-local/L), from this node or its pods among all
+            # (the short-circuit).  Only while this node's endpoints are all terminating and
+            # others are ready do the two lists differ by more than that; the short-circuit
+            # then takes this node's terminating ones too.
+            chosen, outside = local + tuple(e for e in every if e not in local), len(local)
         else:
-            put(NP_UNAVAILABLE, ((sp.l4, sp.node_port), _unavailable(every)))
+            chosen, outside = every, len(every)
+        for i, e in enumerate(chosen):
+            put(f"np-addr/{i}", (key, e.ip))
+            put(f"np-port/{i}", (key, e.port))
+        if chosen:
+            put(NP_COUNTERS, (key, counter.name))
+            size = max(size, len(chosen))
+        if outside:
+            put(NODE_PORTS, (key, ("goto", np_pick_chain(outside, sp.external_local))))
+        else:
+            put(NP_UNAVAILABLE, (key, _unavailable(every)))
+        if sp.external_local and chosen:
+            put(NP_SHORT_CIRCUIT, (key, ("goto", np_pick_chain(len(chosen), True))))
+            for addr in {e.ip for e in local}:
+                put(NP_HAIRPIN, (addr, *key))
     return Compiled(objs, elements, size)
 
 
@@ -324,22 +371,31 @@ def _compile_affinity(
         else:
             put(UNAVAILABLE, ((sp.cluster_ip, sp.l4, sp.port), _unavailable(every)))
     if sp.node_port is not None:
+        key = (sp.l4, sp.node_port)
         rules: tuple[str, ...] = ()
+        # The choice among every endpoint: the cluster IP's chain where it has them all.
+        via_svc = sp.cluster_ip is not None and not sp.internal_local
+        if every and not via_svc:
+            chains.update((ep_chain(sp, e), e) for e in every)
         if sp.external_local:
             if local:
                 rules = _dispatch(sp, fam, local, counter)
                 chains.update((ep_chain(sp, e), e) for e in local)
+            if every:  # from this node or its pods: every endpoint, the node's own traffic masqueraded
+                mark = rule_text([FROM_NODE, MARK_MASQ])
+                short = (mark, rule_text([goto(svc_chain(sp))])) if via_svc else (mark, *_dispatch(sp, fam, every, counter))
+                objs.append(NftChain(t, TABLE, short_circuit_chain(sp), short))
+                put(NP_SHORT_CIRCUIT, (key, ("goto", short_circuit_chain(sp))))
         elif every:
-            if sp.cluster_ip is not None and not sp.internal_local:
+            if via_svc:
                 rules = (rule_text([MARK_MASQ, goto(svc_chain(sp))]),)
             else:
                 rules = (rule_text([MARK_MASQ]), *_dispatch(sp, fam, every, counter))
-                chains.update((ep_chain(sp, e), e) for e in every)
         if rules:
             objs.append(NftChain(t, TABLE, ext_chain(sp), rules))
-            put(NODE_PORTS, ((sp.l4, sp.node_port), ("goto", ext_chain(sp))))
+            put(NODE_PORTS, (key, ("goto", ext_chain(sp))))
         else:
-            put(NP_UNAVAILABLE, ((sp.l4, sp.node_port), _unavailable(every)))
+            put(NP_UNAVAILABLE, (key, _unavailable(every)))
     for chain, e in sorted(chains.items()):
         objs += _endpoint(sp, fam, e, chain)
 
@@ -385,16 +441,21 @@ class Table:
     change by exact differences: each update adds and removes that Service's elements, and
     reading :attr:`rs` rebuilds each changed map once, carrying its net difference since the
     last read (``NftSet.delta``), so that neither a batch of many Services nor the plan of one
-    change costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset."""
+    change costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset.
+    ``pod_subnets``: this node's pod subnet per IP version (whose traffic to a Local node port
+    is short-circuited, as the node's own is)."""
 
-    def __init__(self, node: str, log: DropLog | None = None, families: Iterable[int] = (4,)) -> None:
+    def __init__(
+        self, node: str, log: DropLog | None = None, families: Iterable[int] = (4,),
+        pod_subnets: Mapping[int, str] | None = None,
+    ) -> None:  # fmt: skip
         self.node = node
         self.families = rows(families)  # the IP versions this node serves (one table each)
         self._versions = {f.version for f in self.families}
         self._rs = Ruleset(tables(self._versions))
         self.slots = SLOTS_MIN
         for fam in self.families:
-            for obj in base_objects(self.slots, log, fam=fam):
+            for obj in base_objects(self.slots, log, fam=fam, pod_subnet=(pod_subnets or {}).get(fam.version)):
                 self._rs.add(obj)
         # (family, map name) -> (elements added, elements removed) since rs was last read
         self._pending: dict[MapKey, tuple[set[Any], set[Any]]] = {}
@@ -503,12 +564,14 @@ class Table:
         return [sp for ports, *_ in self.services.values() for sp in ports]
 
 
-def compile_services(ports: Iterable[ServicePort], node: str, families: Iterable[int] = (4,)) -> Ruleset:
+def compile_services(
+    ports: Iterable[ServicePort], node: str, families: Iterable[int] = (4,), pod_subnets: Mapping[int, str] | None = None
+) -> Ruleset:
     """The whole table for ``node`` at once (what a :class:`Table` fed service by service holds)."""
     by_service: dict[ServiceKey, list[ServicePort]] = {}
     for sp in ports:
         by_service.setdefault((sp.namespace, sp.service), []).append(sp)
-    table = Table(node, families=families)
+    table = Table(node, families=families, pod_subnets=pod_subnets)
     for key in sorted(by_service):
         table.update(key, by_service[key])
     return table.rs

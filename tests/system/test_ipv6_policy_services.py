@@ -11,7 +11,8 @@ IPv6 address) is shared by:
 * Services as an operator applies them: a PreferDualStack Service gets an address of each
   range from the store (the cluster config is dual-stack), every node translates its IPv6
   cluster IP to the endpoints' IPv6 addresses across nodes (TCP, UDP), its node port answers
-  on a node's IPv6 underlay address (externalTrafficPolicy Cluster, then Local), and the
+  on a node's IPv6 underlay address (externalTrafficPolicy Cluster, then Local: from outside
+  the node its own endpoint, from its pod every endpoint), and the
   node-local DNS answers AAAA (and A) for it, and both for a headless Service, to a pod.
 
 The IPv6-only lab (2 nodes) checks what has no IPv4 to lean on: the Service's one family,
@@ -167,6 +168,9 @@ async def test_a_dual_stack_service_over_ipv6_cluster_ip_node_port_and_dns(world
         await world.apply(service("web", {"type": "NodePort", "selector": {"app": "web"}, "ipFamilyPolicy": "PreferDualStack",
                                           "externalTrafficPolicy": "Local", "ports": [{**WEB_PORTS[0], "nodePort": 30080}, WEB_PORTS[1]]}))  # fmt: skip
         assert await world.echo["node3"].tcp(node1.address_v6, 30080, count=10) == {"names": {"web-1": 10}, "failed": 0}
+        # ... but from node1's own pod (its IPv6 pod subnet), kube-proxy's short-circuit: every endpoint.
+        r = await world.echo["client"].tcp(node1.address_v6, 30080, count=30)
+        assert r["failed"] == 0 and set(r["names"]) == WEBS, r
         # DNS: AAAA and A for the Service; a headless one's endpoints of both families.
         await world.apply(service("hl", {"clusterIP": "None", "selector": {"pod": "web-2"}, "ipFamilyPolicy": "RequireDualStack",
                                          "ports": WEB_PORTS}))  # fmt: skip

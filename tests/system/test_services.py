@@ -6,7 +6,8 @@ client pod per node, each running
 agentd.lab.svcecho (servers that answer with their name, a client that counts the names).
 Services are applied as manifests; every node is waited for until GET /services reports the
 etcd revision of the write.  Each test asserts who answered: the distribution over 300
-connections, affinity, NodePort from another node's underlay address, traffic policy Local,
+connections, affinity, NodePort from another node's underlay address, traffic policy Local
+(and a Local node port reached from the node itself or its pod: short-circuited),
 a UDP flow moving when its endpoint goes, a held TCP connection surviving its endpoint's
 terminating state, hairpin, a VIP from a node itself, refusal of a Service without endpoints,
 and the table's removal on leave.
@@ -191,6 +192,22 @@ async def test_node_port_from_the_underlay_and_traffic_policy_local(world: World
         await world.delete("Service", "np")
 
 
+async def test_a_local_node_port_from_the_node_and_its_pods_is_short_circuited(world: World):
+    """externalTrafficPolicy Local is for traffic from outside the node: the Service's only
+    endpoint is on node2, yet node1's node port answers node1 itself and its pod (kube-proxy's
+    short-circuit to every endpoint); from node3 it is still dropped on node1."""
+    node1, node3 = world.lab.nodes[0], world.lab.nodes[2]
+    await world.apply(service("far", {"type": "NodePort", "selector": {"pod": "web-2"}, "externalTrafficPolicy": "Local",
+                                      "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30081}]}))  # fmt: skip
+    try:
+        for client in ("client-1", "node1"):
+            r = await world.echo[client].tcp(node1.address, 30081, count=5)
+            assert r == {"names": {"web-2": 5}, "failed": 0}, (client, r)
+        assert await _connect(node3, node1.address, 30081, timeout=1.0) == "TimeoutError"  # dropped, not refused
+    finally:
+        await world.delete("Service", "far")
+
+
 async def test_internal_traffic_policy_local(world: World):
     await world.apply(service("near", {"selector": {"app": "web"}, "ports": WEB_PORTS, "internalTrafficPolicy": "Local"}))
     try:
@@ -202,11 +219,11 @@ async def test_internal_traffic_policy_local(world: World):
         await world.delete("Service", "near")
 
 
-# A refusal is "ConnectionRefusedError"; a SYN nobody answers ends in "TimeoutError" after 5 s.
+# A refusal is "ConnectionRefusedError"; a SYN nobody answers ends in "TimeoutError" (5 s by default).
 CONNECT = """
 import socket, sys
 s = socket.socket()
-s.settimeout(5)
+s.settimeout(float(sys.argv[3]))
 try:
     s.connect((sys.argv[1], int(sys.argv[2])))
     print("connected")
@@ -215,8 +232,8 @@ except OSError as err:
 """
 
 
-async def _connect(where: Any, ip: str, port: int) -> str:
-    return (await asyncio.to_thread(where.ns.exec, sys.executable, "-c", CONNECT, ip, str(port))).strip()
+async def _connect(where: Any, ip: str, port: int, timeout: float = 5.0) -> str:
+    return (await asyncio.to_thread(where.ns.exec, sys.executable, "-c", CONNECT, ip, str(port), str(timeout))).strip()
 
 
 async def test_a_service_without_endpoints_is_refused_at_once(world: World):

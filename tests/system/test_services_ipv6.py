@@ -7,8 +7,9 @@ IPv4 and an IPv6 address, routes between the nodes' pod subnets).  node1's ``ip`
 compiles them (agentd.services.model / compiler, dual-stack) and written by the programmer;
 traffic is real (agentd.lab.svcecho: servers that say who they are).  Checked over IPv6: a
 cluster IP spreading over both endpoints (TCP and UDP) beside its IPv4 one, hairpin, a
-NodePort on node1's IPv6 underlay address with externalTrafficPolicy Cluster and Local,
-ClientIP affinity, internalTrafficPolicy Local, refusal without endpoints (ICMPv6), a UDP
+NodePort on node1's IPv6 underlay address with externalTrafficPolicy Cluster and Local, a
+Local node port whose endpoint is on node2 (from node1 itself and its pod: short-circuited to
+it, over both families; from node2: dropped), ClientIP affinity, internalTrafficPolicy Local, refusal without endpoints (ICMPv6), a UDP
 flow moving when its endpoint goes (ctnetlink, AF_INET6), and the service DNS answering
 AAAA and A to a pod over IPv6.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -53,7 +55,7 @@ class World:
         self.ns = ns
         self.nft = Nft(netns=ns["node1"].path)
         self.programmer = NftProgrammer(self.nft, compiler.TABLES, "services")
-        self.table = compiler.Table("node1", families=(4, 6))
+        self.table = compiler.Table("node1", families=(4, 6), pod_subnets={4: "10.244.1.0/24", 6: "fd00:10:244:1::/64"})
         self.echo: dict[str, Echo] = {}
         self.records = [pod_record(name) for name in ("w1", "w2")]
         self.ports: dict[str, list[model.ServicePort]] = {}
@@ -146,7 +148,7 @@ async def world():
         await w.programmer.adopt()
         for name in ("w1", "w2"):
             w.echo[name] = await Echo.start(SimpleNamespace(ns=w.ns[name]), name, [("tcp", 8080), ("udp", 5353)])
-        for name in ("c1", "node2"):
+        for name in ("c1", "node1", "node2"):
             w.echo[name] = await Echo.start(SimpleNamespace(ns=w.ns[name]), name)
         yield w
     finally:
@@ -201,6 +203,61 @@ async def test_node_port_on_the_nodes_ipv6_address_cluster_and_local(world: Worl
         assert (await world.echo["node2"].tcp(NODES["node1"][0], 30080, count=4))["failed"] == 0
     finally:
         await world.remove("np")
+
+
+# The connection's outcome in 1 s: "connected", or the error's name ("TimeoutError": dropped).
+CONNECT_ONCE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.0).close()
+    print("connected")
+except OSError as err:
+    print(type(err).__name__)
+"""
+
+
+def _reply_addresses(ns: Netns, family: int, dport: int) -> set[tuple[str, str]]:
+    """(original source, reply destination) of node1's TCP conntrack entries to port ``dport``:
+    the reply destination is the source the endpoint saw (another than the original: masqueraded)."""
+    from agentd.kernel import netlink as nl
+    from agentd.kernel.netlink_ct import IPCTNL_MSG_CT_NEW, NFNL_SUBSYS_CTNETLINK
+    from agentd.kernel.netlink_socket import NetlinkSocket
+
+    with ns.entered():
+        sock = NetlinkSocket(protocol=nl.NETLINK_NETFILTER)
+        try:
+            answers = sock.request(conntrack.encode_dump(1, family), what="listing conntrack entries", dump=True)
+        finally:
+            sock.close()
+    entries = [conntrack.decode_entry(buf, s, end) for t, buf, s, end in answers if t == NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW]
+    return {(e.orig.src, e.reply.dst) for e in entries if e is not None and e.orig.proto == socket.IPPROTO_TCP and e.orig.dport == dport}
+
+
+async def test_a_local_node_port_from_the_node_and_its_pods_goes_to_every_endpoint(world: World):
+    """externalTrafficPolicy Local is for traffic from outside: node1 has no endpoint of the
+    Service, yet from node1 itself and from its pod its node port answers (kube-proxy's
+    short-circuit: every endpoint; the node's own connections masqueraded, the pod's keeping
+    its address); from node2 it is dropped on node1.  Both families."""
+    spec = {"type": "NodePort", "selector": {"pod": "w2"}, "externalTrafficPolicy": "Local",
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30081}]}  # fmt: skip
+    await world.program(service("far", spec))
+    try:
+        node1_v4, node1_v6, _ = NODES["node1"]
+        for address in (node1_v6, node1_v4):
+            for client in ("c1", "node1"):
+                assert await world.echo[client].tcp(address, 30081, count=4) == {"names": {"w2": 4}, "failed": 0}, (client, address)
+            outcome = (await asyncio.to_thread(world.ns["node2"].exec, sys.executable, "-c", CONNECT_ONCE, address, "30081")).strip()
+            assert outcome == "TimeoutError", (address, outcome)
+        # node1 reaching its node port on its bridge address (the source it sends from): w2 sees
+        # node1's underlay address; c1 keeps its own.
+        for family, bridge, underlay, pod in ((socket.AF_INET6, "fd00:10:244:1::1", node1_v6, PODS["c1"][2]),
+                                              (socket.AF_INET, "10.244.1.1", node1_v4, PODS["c1"][1])):  # fmt: skip
+            for client in ("node1", "c1"):
+                assert await world.echo[client].tcp(bridge, 30081, count=1) == {"names": {"w2": 1}, "failed": 0}, (client, bridge)
+            seen = _reply_addresses(world.ns["node1"], family, 30081)
+            assert (bridge, underlay) in seen and (pod, pod) in seen and (bridge, bridge) not in seen, seen
+    finally:
+        await world.remove("far")
 
 
 async def test_affinity_and_internal_traffic_policy_over_ipv6(world: World):

@@ -127,20 +127,65 @@ def test_local_traffic_policies():
                     "internalTrafficPolicy": "Local",
                     "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
     rs = compiler.compile_services(model.build([s], [], PODS), "n1")
-    # Only n1's endpoint, and the node port keeps the client address (no SNAT mark).
+    np = ("tcp", 30080)
+    # From outside: only n1's endpoint, and the node port keeps the client address (no SNAT mark).
     assert _map(rs, compiler.SERVICE_IPS) == {(VIP, ("goto", "pick/1"))}
-    assert _map(rs, compiler.NODE_PORTS) == {(("tcp", 30080), ("goto", "np-local/1"))}
-    assert _map(rs, "np-addr/0") == {(("tcp", 30080), "10.244.1.2")}
+    assert _map(rs, compiler.NODE_PORTS) == {(np, ("goto", "np-local/1"))}
     assert _map(rs, compiler.NP_HAIRPIN) == {("10.244.1.2", "tcp", 30080)}
-    hairpin = _chain(rs, "np-local/1")[0]
+    from_node, hairpin, _count, _choose = _chain(rs, "np-local/1")
     assert hairpin[0]["match"]["right"] == "@" + compiler.NP_HAIRPIN and hairpin[-1] == compiler.MARK_MASQ
-    # A node without local endpoints: no element, so no translation there.
+    # The node's own traffic (reaching np-local only short-circuited) is masqueraded, as kube-proxy does.
+    assert from_node == [compiler.FROM_NODE, compiler.MARK_MASQ]
+    assert compiler.FROM_NODE == {"match": {"op": "==", "left": {"fib": {"result": "type", "flags": ["saddr"]}}, "right": "local"}}
+    # From n1 itself or its pods: kube-proxy's short-circuit, every endpoint.  The slots hold
+    # n1's endpoint first: np-local/1 picks it alone, np-local/2 both.
+    assert _map(rs, compiler.NP_SHORT_CIRCUIT) == {(np, ("goto", "np-local/2"))}
+    assert _map(rs, "np-addr/0") == {(np, "10.244.1.2")} and _map(rs, "np-addr/1") == {(np, "10.244.2.2")}
+    assert _map(rs, compiler.NP_UNAVAILABLE) == frozenset()
+    # A node without local endpoints: no element for traffic from outside, so no translation there...
     rs3 = compiler.compile_services(model.build([s], [], PODS), "n3")
     assert _map(rs3, compiler.SERVICE_IPS) == frozenset() and _map(rs3, compiler.NODE_PORTS) == frozenset()
-    # ... but dropped there (kube-proxy: the endpoints elsewhere are not for this node's traffic).
+    # ... and dropped there (kube-proxy: the endpoints elsewhere are not for traffic from outside;
+    # internalTrafficPolicy Local has no short-circuit: the cluster IP is dropped for every client).
     assert _map(rs3, compiler.UNAVAILABLE) == {(VIP, ("goto", compiler.DROP_CHAIN))}
-    assert _map(rs3, compiler.NP_UNAVAILABLE) == {(("tcp", 30080), ("goto", compiler.DROP_CHAIN))}
+    assert _map(rs3, compiler.NP_UNAVAILABLE) == {(np, ("goto", compiler.DROP_CHAIN))}
     assert _map(rs, compiler.UNAVAILABLE) == frozenset()
+    # ... but its own traffic and its pods' goes to every endpoint (no hairpin: no endpoint of its own).
+    assert _map(rs3, compiler.NP_SHORT_CIRCUIT) == {(np, ("goto", "np-local/2"))}
+    assert {a for i in (0, 1) for _, a in _map(rs3, f"np-addr/{i}")} == {"10.244.1.2", "10.244.2.2"}
+    assert _map(rs3, compiler.NP_HAIRPIN) == frozenset()
+    # externalTrafficPolicy Cluster: nothing to short-circuit, every client gets every endpoint.
+    cluster = compiler.compile_services(model.build([svc("web", {**s["spec"], "externalTrafficPolicy": "Cluster"})], [], PODS), "n3")
+    assert _map(cluster, compiler.NP_SHORT_CIRCUIT) == frozenset()
+    assert _map(cluster, compiler.NODE_PORTS) == {(np, ("goto", "np-pick/2"))}
+
+
+def test_local_node_ports_short_circuit_this_nodes_traffic_and_its_pods():
+    """The services chain hands a node port to a chain that asks where it came from: from this
+    node's pod subnet or the node itself, a Local node port's short-circuit; else its policy."""
+    rs = compiler.compile_services([], "n3", pod_subnets={4: "10.244.3.0/24"})
+    services = _chain(rs, "services")
+    assert services[1][-1] == {"goto": {"target": "nodeports"}}
+    assert services[1][0]["match"]["left"] == {"fib": {"result": "type", "flags": ["daddr"]}}
+    short = {"vmap": {"key": compiler.NP_KEY, "data": "@" + compiler.NP_SHORT_CIRCUIT}}
+    from_pods, from_node, policy = _chain(rs, "nodeports")
+    assert from_pods == [expr.match(compiler.SADDR, {"prefix": {"addr": "10.244.3.0", "len": 24}}), short]
+    assert from_node == [compiler.FROM_NODE, short]
+    assert policy == [{"vmap": {"key": compiler.NP_KEY, "data": "@" + compiler.NODE_PORTS}}]
+    # Without a pod subnet (none leased yet): the node's own traffic only.
+    assert len(_chain(compiler.compile_services([], "n3"), "nodeports")) == 2
+    # This node's endpoints all terminating while others are ready: from outside, the
+    # terminating local one (KEP-1669); short-circuited, it and the ready one elsewhere.
+    sl = eps_slice("web-1", "web", [
+        {"addresses": ["10.244.3.5"], "nodeName": "n3", "conditions": {"ready": False, "serving": True, "terminating": True}},
+        {"addresses": ["10.244.1.5"], "nodeName": "n1"},
+    ], [{"name": "http", "port": 8080}])  # fmt: skip
+    s = svc("web", {"type": "NodePort", "externalTrafficPolicy": "Local",
+                    "ports": [{"name": "http", "port": 80, "nodePort": 30080}]})  # fmt: skip
+    rs = compiler.compile_services(model.build([s], [sl], []), "n3")
+    assert _map(rs, compiler.NODE_PORTS) == {(("tcp", 30080), ("goto", "np-local/1"))}
+    assert _map(rs, "np-addr/0") == {(("tcp", 30080), "10.244.3.5")}
+    assert _map(rs, compiler.NP_SHORT_CIRCUIT) == {(("tcp", 30080), ("goto", "np-local/2"))}
 
 
 def test_a_service_without_endpoints_is_refused():
@@ -175,6 +220,18 @@ def test_affinity_keeps_a_chain_per_endpoint():
     assert update == [{"set": {"op": "update", "elem": compiler.SADDR, "set": "@aff/shop/web/tcp/80/10.244.1.2/8080"}}]
     rs3 = compiler.compile_services(model.build([s], [], PODS), "n3")
     assert _map(rs3, compiler.SERVICE_IPS) == frozenset() and _map(rs3, compiler.NODE_PORTS) == frozenset()
+    # From n3 itself or its pods: short-circuited to every endpoint (the cluster IP's chain has
+    # only this node's: a choice of its own), the node's own traffic masqueraded; from outside, dropped.
+    assert _map(rs3, compiler.NP_SHORT_CIRCUIT) == {(("tcp", 30080), ("goto", "short-circuit/shop/web/tcp/80"))}
+    mark, *choice = _chain(rs3, "short-circuit/shop/web/tcp/80")
+    assert mark == [compiler.FROM_NODE, compiler.MARK_MASQ]
+    assert {stmt["goto"]["target"] for rule in choice for stmt in rule if "goto" in stmt} == {
+        "ep/shop/web/tcp/80/10.244.1.2/8080", "ep/shop/web/tcp/80/10.244.2.2/8080"}
+    assert _map(rs3, compiler.NP_UNAVAILABLE) == {(("tcp", 30080), ("goto", compiler.DROP_CHAIN))}
+    # internalTrafficPolicy Cluster: the cluster IP's chain has every endpoint, the short-circuit goes there.
+    s2 = svc("web", {**s["spec"], "internalTrafficPolicy": "Cluster"})
+    rs3 = compiler.compile_services(model.build([s2], [], PODS), "n3")
+    assert _chain(rs3, "short-circuit/shop/web/tcp/80")[1:] == [[{"goto": {"target": "svc/shop/web/tcp/80"}}]]
 
 
 def test_an_endpoint_change_is_element_commands_only():
@@ -360,6 +417,25 @@ def test_ipv6_affinity_and_local_policies():
     ext = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", "ext/shop/web/tcp/80")].rules]
     targets = {stmt["goto"]["target"] for rule in ext for stmt in rule if "goto" in stmt}
     assert targets == {"ep/shop/web/tcp/80/fd00:10:244:2::2/8080", "ep/shop/web/tcp/80/fd00:10:244:2::3/8080"}  # n2's own
+
+
+def test_ipv6_local_node_port_short_circuit():
+    s = dual("web", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
+                     "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]},
+             ["10.96.0.10", "fd00:10:96::a"], ["IPv4", "IPv6"])  # fmt: skip
+    subnets = {4: "10.244.3.0/24", 6: "fd00:10:244:3::/64"}
+    rs = compiler.compile_services(model.build([s], [], DUAL_PODS), "n3", (4, 6), subnets)
+    # n3 has no endpoint: from outside dropped, from n3 or its pods every endpoint of the family.
+    assert _map6(rs, compiler.NODE_PORTS) == frozenset()
+    assert _map6(rs, compiler.NP_UNAVAILABLE) == {(("tcp", 30080), ("goto", compiler.DROP_CHAIN))}
+    assert _map6(rs, compiler.NP_SHORT_CIRCUIT) == {(("tcp", 30080), ("goto", "np-local/3"))}
+    assert _map(rs, compiler.NP_SHORT_CIRCUIT) == {(("tcp", 30080), ("goto", "np-local/2"))}
+    assert {a for i in range(3) for _, a in _map6(rs, f"np-addr/{i}")} == {"fd00:10:244:1::2", "fd00:10:244:2::2", "fd00:10:244:2::3"}
+    from_pods, from_node, _ = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", "nodeports")].rules]
+    assert from_pods[0] == expr.match(expr.payload("ip6", "saddr"), {"prefix": {"addr": "fd00:10:244:3::", "len": 64}})
+    assert from_node[0] == compiler.FROM_NODE
+    (from_node6, *_) = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", "np-local/3")].rules]
+    assert from_node6 == [compiler.FROM_NODE, compiler.MARK_MASQ]
 
 
 def test_stale_ipv6_udp_endpoints():
