@@ -97,6 +97,29 @@ async def _neigh_request(sock: NetlinkSocket, code: str, entry: nl.NeighMessage,
         raise nl.NetlinkError(errno.ETIMEDOUT, None, f"{code} {what}: no acknowledgement")
 
 
+def vxlan_peers_installed(rt: Rtnl, index: int) -> dict[str, VtepPeer]:
+    """The peers a VTEP (device ``index``) holds entries of, as :func:`vxlan_peer_entries` made
+    them: each permanent FDB entry (MAC -> a peer's underlay address) with the permanent
+    neighbour entries of that MAC (its VTEP addresses, IPv4 first).  What a previous run left,
+    so that this one prunes the entries of peers gone meanwhile."""
+    vteps: dict[bytes, list[tuple[int, str]]] = {}
+    for family in (nl.AF_INET, nl.AF_INET6):
+        for mtype, buf, start, end in rt.request(nl.encode_getneigh_dump(rt.next_seq(), family), "listing the VTEP's neighbours"):
+            e = nl.decode_neigh(buf, start, end) if mtype == nl.RTM_NEWNEIGH else None
+            if e is None or e.ifindex != index or not e.state & nl.NUD_PERMANENT or e.dst is None or not e.lladdr:
+                continue
+            vteps.setdefault(e.lladdr, []).append((family, socket.inet_ntop(family, e.dst)))
+    peers: dict[str, VtepPeer] = {}
+    for mtype, buf, start, end in rt.request(nl.encode_getneigh_dump(rt.next_seq(), nl.AF_BRIDGE), "listing the VTEP's FDB"):
+        e = nl.decode_neigh(buf, start, end) if mtype == nl.RTM_NEWNEIGH else None
+        if e is None or e.ifindex != index or not e.state & nl.NUD_PERMANENT or e.dst is None or not any(e.lladdr or b""):
+            continue
+        family = socket.AF_INET if len(e.dst) == 4 else socket.AF_INET6
+        ips = tuple(ip for _f, ip in sorted(vteps.get(e.lladdr, []), key=lambda v: v[0] != nl.AF_INET))
+        peers[socket.inet_ntop(family, e.dst)] = (ips, _mac(e.lladdr) or "")
+    return peers
+
+
 def _set_address(rt: Rtnl, index: int, *addresses: str) -> None:
     """Each of ``addresses`` as a host address (/32, /128) on the device, replacing any other
     address of its family we put there before (IPv6 link-local addresses are the kernel's)."""
@@ -147,6 +170,9 @@ class _Vxlan:
                 if link is None:
                     raise OSError(errno.ENODEV, f"vxlan device {self.device} vanished after it was made")
             rt.set_link(link.index, mtu=mtu, up=True)
+            # An adopted device keeps the previous run's entries: known, they are pruned once
+            # the routes are re-learned (peers gone meanwhile), like the routes themselves.
+            self.installed = vxlan_peers_installed(rt, link.index)
             v4, v6 = self.t.subnets.get(4), self.t.subnets.get(6)
             self.vtep_ip = str(v4.network_address) if v4 else None
             self.vtep_ip_v6 = str(v6.network_address) if v6 else None
@@ -176,10 +202,15 @@ class _Vxlan:
             return  # no device (yet): nothing to program
         sock = NetlinkSocket(rcvbuf=1 << 20, sndbuf=1 << 20)
         seq = 0
+        # A neighbour entry is the kernel's by VTEP address alone: one a wanted peer uses now
+        # (a peer re-addressed, its VTEP address kept) is not deleted with the old peer's.
+        in_use = {ip for ips, _mac in wanted.values() for ip in ips}
         try:
             for peer, (vtep_ips, mac) in list(self.installed.items()):
                 if prune and wanted.get(peer) != (vtep_ips, mac):
                     for entry in vxlan_peer_entries(index, vtep_ips, mac, peer):
+                        if entry.family != nl.AF_BRIDGE and entry.dst and socket.inet_ntop(entry.family, entry.dst) in in_use:
+                            continue
                         seq += 1
                         with contextlib.suppress(nl.NetlinkError):
                             await _neigh_request(sock, "del", entry, seq)

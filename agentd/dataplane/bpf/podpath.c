@@ -269,7 +269,7 @@ static __always_inline struct pod_config *candidate(struct __sk_buff *skb, __u32
 
 	if ((void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
 		return NULL;
-	if (ip->ihl != 5 || ip->protocol != IPPROTO_TCP || (ip->frag_off & bpf_htons(IP_MF_OFFSET)))
+	if (ip->version != 4 || ip->ihl != 5 || ip->protocol != IPPROTO_TCP || (ip->frag_off & bpf_htons(IP_MF_OFFSET)))
 		return NULL;
 	cfg = bpf_map_lookup_elem(&agentd_podcfg, &zero);
 	if (!cfg || (cfg->flags & need) != need)
@@ -343,7 +343,7 @@ static __always_inline struct pod_config *candidate6(struct __sk_buff *skb, __u3
 	struct pod_config *cfg;
 	__u32 zero = 0;
 
-	if ((void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IPV6) || ip->nexthdr != IPPROTO_TCP)
+	if ((void *)(tcp + 1) > end || eth->h_proto != bpf_htons(ETH_P_IPV6) || ip->version != 6 || ip->nexthdr != IPPROTO_TCP)
 		return NULL;
 	if (tcp->fin || tcp->rst)
 		return NULL;
