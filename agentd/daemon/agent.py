@@ -392,7 +392,7 @@ class Agent:
 
     def _node_addresses(self) -> dict[str, str]:
         """The nodes of the registry as this agent read it, by name (the cluster view asks them)."""
-        out = {name: str(rec.address) for name, rec in self.peering.nodes.items()}
+        out = {name: str(rec.peer_address) for name, rec in self.peering.nodes.items()}  # IPv6 in an IPv6-only cluster
         out[self.name] = str(self.address)
         return out
 

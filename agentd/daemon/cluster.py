@@ -35,6 +35,7 @@ log = logging.getLogger("agentd.cluster")
 
 TIMEOUT = 3.0  # seconds a node has to answer a gathered GET (to connect, and between two reads)
 GATHER_TOTAL = 60.0  # seconds a gathered answer may take in all (the last 100,000 records of a node)
+RELAY_MAX = 64 << 20  # bytes of one node's answer a gathering node holds (a large /rib: ask that node itself)
 KEEPALIVE = 10.0  # seconds between empty lines on a quiet followed stream (proxies close idle ones)
 FOLLOW_IDLE = 2.5 * KEEPALIVE  # seconds without a byte after which a followed node counts as gone
 RELAYED = ("status", "peers", "routes", "policy", "services", "flows", "rib", "metrics", "healthz", "readyz")
@@ -63,7 +64,10 @@ class ClusterView:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            # No pool limit: followed streams hold a connection per node each (at most
+            # MAX_FOLLOWERS of them), and a gathered GET must never wait behind them -- its
+            # deadlines are the connection's and the reads', not the pool's.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     def _headers(self) -> dict[str, str]:
@@ -87,12 +91,18 @@ class ClusterView:
 
     async def get(self, node: str, path: str) -> tuple[int, str, bytes]:
         """One node's answer to ``GET path`` as it is: (status, content type, body); raises
-        OSError (unreachable, too slow) or KeyError (no such node)."""
+        OSError (unreachable, too slow, more than RELAY_MAX bytes) or KeyError (no such node).
+        ``TIMEOUT`` to connect and between two reads, ``GATHER_TOTAL`` in all."""
         self._check()
-        timeout = aiohttp.ClientTimeout(total=TIMEOUT, sock_connect=TIMEOUT, sock_read=TIMEOUT)
+        timeout = aiohttp.ClientTimeout(total=GATHER_TOTAL, sock_connect=TIMEOUT, sock_read=TIMEOUT)
         try:
             async with self._client().get(self.url(node, path), headers=self._headers(), timeout=timeout) as resp:
-                return resp.status, resp.headers.get("Content-Type", "application/octet-stream"), await resp.read()
+                body = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > RELAY_MAX:
+                        raise OSError(f"{node} answered more than {RELAY_MAX >> 20} MB: ask it directly")
+                return resp.status, resp.headers.get("Content-Type", "application/octet-stream"), bytes(body)
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             raise OSError(f"{node} unreachable: {type(err).__name__} {err}".strip()) from None
 

@@ -208,7 +208,7 @@ async function showPod(node, pod) {
   const allow = (rules) => rules === null ? el("p", { class: "muted" }, "not isolated: everything is allowed") :
     rules.length === 0 ? el("p", { class: "bad" }, "isolated, and no rule allows anything (default deny)") :
     table(["policy", "rule", "peers", "addresses", "ports"], rules.map((r) => [r.policy, r.rule,
-      r.peers === "all" ? "all" : r.peers.map((x) => x.ipBlock ? `ipBlock ${x.ipBlock}` : `ns ${x.namespace} pods ${x.pods}`).join("; "),
+      r.peers === "all" ? "all" : r.peers.map((x) => x.ipBlock ? `ipBlock ${x.ipBlock}${x.except && x.except.length ? " except " + x.except.join(", ") : ""}` : `ns ${x.namespace} pods ${x.pods}`).join("; "),
       r.peer_addresses === null ? "any" : r.peer_addresses.join(", ") || "none",
       r.ports === "all" ? "all" : r.ports.map((x) => `${x.port === null || x.port === undefined ? "all" : x.port}${x.endPort ? "-" + x.endPort : ""}/${x.protocol}`).join(", ")]));
   const flows = el("div", {});
@@ -231,7 +231,7 @@ async function showServices() {
   const rows = [];
   for (const s of data.services || []) {
     for (const port of s.ports) {
-      rows.push([`${s.namespace}/${s.name}`, s.clusterIP, `${port.port}/${port.protocol}${port.nodePort ? " (node port " + port.nodePort + ")" : ""}`,
+      rows.push([`${s.namespace}/${s.name}`, port.clusterIP || s.clusterIP, `${port.port}/${port.protocol}${port.nodePort ? " (node port " + port.nodePort + ")" : ""}`,
         el("span", {}, port.endpoints.length ? port.endpoints.map((e) => pill(`${e.ip}:${e.port}${e.node ? " @" + e.node : ""} ${e.ready ? "ready" : e.terminating ? "terminating" : "not ready"}${e.used ? "" : " (unused)"}`, e.used ? "ok" : "warn")) : el("span", { class: "bad" }, "no endpoints")),
         s.connections]);
     }
@@ -244,6 +244,8 @@ async function showServices() {
 // ------------------------------------------------------------------ flows
 
 const FILTERS = ["pod", "namespace", "label", "verdict", "protocol", "port", "node"];
+// Filters the form has no field for, but GET /flows and the CLI take: kept from the URL on Apply.
+const MORE_FILTERS = ["from-pod", "to-pod", "ip", "event", "reason", "service"];
 
 function showFlows(params) {
   const form = el("form", { class: "filters", id: "flow-filters" },
@@ -257,9 +259,12 @@ function showFlows(params) {
     ev.preventDefault();
     const q = new URLSearchParams();
     for (const f of FILTERS) { const v = form.elements[f].value.trim(); if (v) q.set(f, v); }
+    for (const f of MORE_FILTERS) for (const v of params.getAll(f)) q.append(f, v);
     location.hash = "#/flows" + (q.toString() ? "?" + q : "");
   });
-  page("Flows", el("p", { class: "muted" }, "Every node's flow records, live (GET /flows?cluster=1&follow=1)."), form, out);
+  const kept = MORE_FILTERS.flatMap((f) => params.getAll(f).map((v) => `${f}=${v}`));
+  page("Flows", el("p", { class: "muted" }, "Every node's flow records, live (GET /flows?cluster=1&follow=1)."), form,
+    kept.length ? el("p", { class: "muted", id: "flow-more-filters" }, `also filtered by ${kept.join(", ")} (from the address)`) : null, out);
   flowTable(out, params, true);
 }
 
@@ -268,6 +273,7 @@ function flowRow(r) {
   let info = r.event;
   if (r.event === "drop") {
     info = r.reason === "policy" ? `policy ${r.direction}: ${(r.policies || []).join(", ")}${r.default_deny ? " (default deny)" : ""}` : (r.reason_text || r.reason);
+    if (r.sender) info += ` (sent by ${r.sender.pod ? r.sender.pod + " on " : ""}${r.sender.interface})`;
     if (r.suppressed) info += ` (+${r.suppressed} like it)`;
   } else if (r.event === "end") {
     info = `end · sent ${r.bytes_sent} B · received ${r.bytes_received} B${r.duration !== null && r.duration !== undefined ? " · " + r.duration.toFixed(3) + " s" : ""}`;

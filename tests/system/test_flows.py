@@ -686,6 +686,13 @@ async def test_browser_view(shop, tmp_path):
             verdicts = await page.locator("#flow-rows tr").evaluate_all("rows => rows.map(r => r.dataset.verdict)")
             assert verdicts and set(verdicts) == {"dropped"}
             assert "verdict=dropped" in page.url and "pod=shop%2Fother" in page.url
+            # A filter the form has no field for (from the address) is shown, and kept on Apply.
+            await page.goto(base + "#/flows?event=drop")
+            await page.wait_for_selector("#flow-more-filters:text('event=drop')")
+            await page.select_option("select[name=verdict]", "dropped")
+            await page.click("#flow-filters button")
+            await page.wait_for_function("location.hash.includes('verdict=dropped')")
+            assert "event=drop" in page.url
             assert not errors, errors
         finally:
             await ctx.close()

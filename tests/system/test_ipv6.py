@@ -243,6 +243,14 @@ async def test_ipv6_only_mesh_with_bfd_and_an_external_bird_router(lab_factory, 
     subnets = lab.all_subnets()
     routes = {r["dst"]: r for r in node1.api("/routes")}
     assert routes[subnets["node2"][0]]["dev"] == "agentd.vxlan"
+    # The cluster view asks the other nodes at their IPv6 addresses.
+
+    def gathered():
+        view = node1.api("/cluster", token=True)
+        return view if all("status" in view["nodes"].get(n.name, {}) for n in lab.nodes) else None
+
+    view = await auntil(gathered, in_thread=True, what="node1's cluster view to gather every node")
+    assert view["nodes"]["node2"]["address"] == node2.address_v6
 
     # The external router: BIRD learns every pod subnet from node1 (next hop node1), node1
     # installs BIRD's prefix.
