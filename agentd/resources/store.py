@@ -103,8 +103,9 @@ def decode(prefix: str, kv: KeyValue) -> dict[str, Any]:
     kind, namespace, name = parse_key(prefix, kv.key)
     try:
         raw = json.loads(kv.value)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise Invalid("", f"not valid JSON ({err})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: nested too deep
+        raise Invalid("", f"not valid JSON ({type(err).__name__}: {err})" if isinstance(err, RecursionError)
+                      else f"not valid JSON ({err})") from None
     obj = kinds.validate(raw, default_namespace=namespace or kinds.DEFAULT_NAMESPACE)
     if (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]) != (kind.kind, namespace, name):
         raise Invalid("metadata", "the object's kind, namespace or name does not match its key")
@@ -459,8 +460,12 @@ class ResourceStore:
     # ------------------------------------------------------------------ watch
 
     async def watch(self) -> AsyncIterator[ResourceEvent]:
-        """Every resource: a snapshot, then puts and deletes (see Datastore.watch_prefix)."""
-        known: set[Key] = set()
+        """Every resource: a snapshot, then puts and deletes (see Datastore.watch_prefix).
+
+        A record that cannot be read (a bad put by hand, a field a newer agentd writes that this
+        one does not know) is logged and leaves the watcher with the object's last good version:
+        only a delete in etcd removes an object (bad input loses nothing already working)."""
+        good: dict[Key, tuple[dict[str, Any], int]] = {}  # the last readable version of each object, its lease
         async for ev in self.ds.watch_prefix(resources_prefix(self.prefix), "resource watch"):
             if ev.kind == "snapshot":
                 objects: dict[Key, dict[str, Any]] = {}
@@ -470,7 +475,14 @@ class ResourceStore:
                     if obj is not None:
                         objects[kinds.identity(obj)] = obj
                         leases[kinds.identity(obj)] = kv.lease
-                known = set(objects)
+                        continue
+                    try:
+                        kind, namespace, name = parse_key(self.prefix, kv.key)
+                    except ValueError:
+                        continue
+                    if (kind.kind, namespace, name) in good:
+                        objects[kind.kind, namespace, name], leases[kind.kind, namespace, name] = good[kind.kind, namespace, name]
+                good = {key: (obj, leases[key]) for key, obj in objects.items()}
                 yield ResourceEvent("snapshot", ev.revision, objects=objects, leases=leases)
                 continue
             kv = ev.kvs[0]
@@ -479,13 +491,14 @@ class ResourceStore:
             except ValueError:
                 continue
             key = (kind.kind, namespace, name)
-            obj = self._decode(kv) if ev.kind == "put" else None
-            if obj is None:
-                if key in known:  # deleted, or became unreadable: to the watcher it is gone
-                    known.discard(key)
+            if ev.kind != "put":
+                if good.pop(key, None) is not None:
                     yield ResourceEvent("delete", ev.revision, key=key)
                 continue
-            known.add(key)
+            obj = self._decode(kv)
+            if obj is None:
+                continue  # unreadable (logged): the last good version stays
+            good[key] = (obj, kv.lease)
             yield ResourceEvent("put", ev.revision, key=key, obj=obj, lease=kv.lease)
 
 

@@ -64,7 +64,7 @@ class ServiceAgent:
         self.dns_config = dns_config  # agentd.config.settings.DnsConfig; None or not enabled: no DNS
         self.dns_server: dns.DnsServer | None = None
         self.error_dns: str | None = None
-        self.names = dns.Names(dns_config.cluster_domain if dns_config is not None else "cluster.local")
+        self.names = dns.Names(dns_config.cluster_domain if dns_config is not None else "cluster.local", ready=False)
         self.store = ResourceStore(datastore)
         self.nft = nft
         self.programmer: NftProgrammer | None = None
@@ -83,6 +83,10 @@ class ServiceAgent:
         self._slices: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (ns, service) -> its slices
         self._dirty: set[tuple[str, str]] | None = None  # Services to recompile (None: all)
         self._table: compiler.Table | None = None
+        # Each Service's ports as last programmed, kept across rebuilds of the table: the UDP
+        # endpoints a change takes away are judged against it, and flushes that failed wait here.
+        self._applied: dict[tuple[str, str], list[model.ServicePort]] = {}
+        self._unflushed: list[conntrack.Stale] = []
         self.views = ServiceViews(self)  # GET /services and /metrics (agentd/services/views.py)
 
     # ------------------------------------------------------------------ lifecycle
@@ -216,8 +220,13 @@ class ServiceAgent:
             owner = (obj["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL) if obj else None
             if owner:
                 self._dirty.add((ns, owner))
-        elif kind == "Pod":  # every Service of its namespace with a selector may select it
-            self._dirty.update(k for k, svc in self.objects["Service"].items() if k[0] == ns and svc["spec"].get("selector"))
+        elif kind == "Pod":  # the Services of its namespace whose selector picks it (called before and after a change)
+            pod = self.objects[kind].get((ns, name))
+            if pod is None:
+                return
+            labels = pod["metadata"].get("labels") or {}
+            self._dirty.update(k for k, svc in self.objects["Service"].items()
+                               if k[0] == ns and svc["spec"].get("selector") and model.matches(svc["spec"]["selector"], labels))
 
     def _build(self, key: tuple[str, str]) -> list[model.ServicePort]:
         svc = self.objects["Service"].get(key)
@@ -241,18 +250,18 @@ class ServiceAgent:
             full = dirty is None or self._table is None
             if full:
                 self._table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets)
-                dirty = set(self.objects["Service"])
+                dirty = set(self.objects["Service"]) | set(self._applied)  # and those gone since
                 keys = None
             else:
                 keys = set()
-            gone: list[conntrack.Stale] = []
+            gone: list[conntrack.Stale] = list(self._unflushed)
+            built: dict[tuple[str, str], list[model.ServicePort]] = {}
             for key in sorted(dirty):
-                before = self._table.services.get(key, ((),))[0]
-                after = self._build(key)
+                after = built[key] = self._build(key)
                 touched = self._table.update(key, after)
                 if keys is not None:
                     keys |= touched
-                gone += stale_udp(list(before), after)
+                gone += stale_udp(self._applied.get(key, []), after)
             translating = self._table.translating()
             try:
                 if translating and self.on_translating is not None:
@@ -270,11 +279,18 @@ class ServiceAgent:
                 self._wake.set()
                 continue
             self._rename(dirty, full)
+            for key, after in built.items():
+                if after:
+                    self._applied[key] = after
+                else:
+                    self._applied.pop(key, None)
+            self._unflushed = []
             if gone:  # before the revision counts as applied: the change includes the flows' move
                 try:
-                    self.flushed += await asyncio.to_thread(conntrack.flush_udp, gone)
+                    self.flushed += await asyncio.to_thread(conntrack.flush_udp, sorted(set(gone)))
                 except OSError as err:
-                    log.warning("flushing UDP conntrack entries failed: %s", err)
+                    log.warning("flushing UDP conntrack entries failed (tried again at the next change): %s", err)
+                    self._unflushed = sorted(set(gone))
             self.error = None
             self.syncs += 1
             self.applied_revision = max(self.applied_revision, revision)

@@ -64,6 +64,9 @@ class Names:
     a: dict[str, tuple[str, ...]] = field(default_factory=dict)
     srv: dict[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)  # (port, target)
     aaaa: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # False until the Services were read once: the domain's names are then SERVFAIL, not
+    # NXDOMAIN (a client takes that as final and caches it; CoreDNS waits for its first sync too).
+    ready: bool = True
 
 
 def names(ports: Iterable[ServicePort], domain: str) -> Names:
@@ -79,7 +82,10 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
         else:
             addrs.update(e.ip for e in sp.usable())
         if sp.port_name:
-            srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).add((sp.port, host))
+            # A headless Service is not translated: its SRV records give each endpoint's own
+            # port (the Kubernetes DNS specification, 2.4.1), a cluster IP's the Service's.
+            ports = {sp.port} if sp.cluster_ip is not None else {e.port for e in sp.usable()}
+            srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update((port, host) for port in ports)
     a, aaaa = ({k: tuple(sorted(v)) for k, v in by_family[version].items()} for version in (4, 6))
     return Names(domain, a, {k: tuple(sorted(v)) for k, v in srv.items()}, aaaa)
 
@@ -95,6 +101,9 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
     if not (qname == f"{table.domain}." or qname.endswith(f".{table.domain}.")):
         return None
     response = dns.message.make_response(query)
+    if not table.ready:
+        response.set_rcode(dns.rcode.SERVFAIL)
+        return response
     response.flags |= dns.flags.AA
     known = qname in table.a or qname in table.srv or _is_branch(table, qname)  # a holds every host, aaaa too
     if not known:
@@ -220,7 +229,7 @@ class DnsServer:
                     if reply.flags & dns.flags.TC:
                         reply = await dns.asyncquery.tcp(query, host, timeout=FORWARD_TIMEOUT, port=port)
                 return reply
-            except (dns.exception.DNSException, OSError) as err:
+            except (dns.exception.DNSException, OSError, EOFError, ValueError) as err:  # EOFError: TCP closed unanswered
                 log.debug("upstream %s:%d failed: %s", host, port, err)
         self.failed += 1
         response = dns.message.make_response(query)
@@ -230,7 +239,7 @@ class DnsServer:
     async def _udp_query(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> None:
         try:
             out = await self.answer(data)
-        except (dns.exception.DNSException, ValueError) as err:  # an answer we cannot render
+        except Exception as err:  # an answer we cannot render: no reply, never a dead task
             self.failed += 1
             log.warning("no answer to a query from %s:%d: %s", addr[0], addr[1], err)
             return
@@ -242,14 +251,18 @@ class DnsServer:
             while True:
                 async with asyncio.timeout(10):  # not wait_for: a cancel (the server closing) must end the loop
                     head = await reader.readexactly(2)
-                (length,) = struct.unpack("!H", head)
-                out = await self.answer(await reader.readexactly(length), tcp=True)
+                    (length,) = struct.unpack("!H", head)
+                    wire = await reader.readexactly(length)
+                out = await self.answer(wire, tcp=True)
                 if out is None:
                     break
                 writer.write(struct.pack("!H", len(out)) + out)
                 await writer.drain()
         except (asyncio.IncompleteReadError, TimeoutError, OSError, dns.exception.DNSException):
             pass
+        except Exception as err:  # an answer we cannot render: the connection ends, the server goes on
+            self.failed += 1
+            log.warning("no answer to a query over TCP: %s", err)
         finally:
             writer.close()
 

@@ -372,3 +372,49 @@ def test_cni_policy_timeout_is_checked(value):
     conf = {"cniVersion": "1.0.0", "name": "agentd", "type": "agentd-cni", "policyTimeout": value}
     with pytest.raises(cni.CniError, match="'policyTimeout' must be a number of seconds in \\[0, 60\\]"):
         cni.parse_netconf(json.dumps(conf).encode())
+
+
+def _watched(events):
+    """What ResourceStore.watch makes of these etcd watch events (a datastore stand-in)."""
+    import asyncio
+
+    from agentd.resources.store import ResourceStore
+
+    class Datastore:
+        prefix = "/agentd"
+
+        async def watch_prefix(self, prefix, what):
+            for ev in events:
+                yield ev
+
+    async def main():
+        return [ev async for ev in ResourceStore(Datastore()).watch()]
+
+    return asyncio.run(main())
+
+
+def _policy_kv(value: bytes, revision: int):
+    from agentd.datastore.watches import KeyValue
+
+    key = object_key("/agentd", kinds.KINDS["NetworkPolicy"], "prod", "allow-web")
+    return KeyValue(key, value, revision, 0)
+
+
+def test_an_unreadable_put_keeps_the_objects_last_good_version():
+    """A record that becomes unreadable (a bad put by hand, nesting too deep for the JSON
+    parser, a field a newer agentd writes) is logged and leaves the watcher with what it had:
+    only a delete in etcd removes the object (bad input loses nothing already working)."""
+    from agentd.datastore.watches import PrefixEvent
+    from agentd.resources.store import encode
+
+    good = encode(validate_text(POLICY)[0])
+    events = _watched([
+        PrefixEvent("snapshot", 5, [_policy_kv(good, 5)]),
+        PrefixEvent("put", 6, [_policy_kv(b"[" * 100_000, 6)]),  # RecursionError in json.loads
+        PrefixEvent("put", 7, [_policy_kv(b"{not json", 7)]),
+        PrefixEvent("snapshot", 8, [_policy_kv(b"{not json", 7)]),  # a re-sync: still the last good one
+        PrefixEvent("delete", 9, [_policy_kv(b"", 9)]),
+    ])
+    assert [ev.kind for ev in events] == ["snapshot", "snapshot", "delete"]
+    assert list(events[0].objects) == list(events[1].objects) == [("NetworkPolicy", "prod", "allow-web")]
+    assert events[1].objects == events[0].objects

@@ -187,3 +187,48 @@ def test_pods_without_ipv4_get_the_ipv6_dns_address():
     with pytest.raises(SubnetFileError, match="AGENTD_DNS_V6 '169.254.20.10' is not an IPv6 address"):
         parse_subnet_file(text.replace("fd00:169:254:20::10", "169.254.20.10"))
 
+
+
+def test_before_the_services_were_read_the_domain_is_servfail_not_nxdomain():
+    """A just-started agent has not read the Services yet: a cluster name is SERVFAIL (retried),
+    never an authoritative NXDOMAIN (final, and cached by clients); others are forwarded."""
+    empty = sdns.Names("cluster.local", ready=False)
+    r = sdns.resolve(empty, dns.message.make_query("kubernetes.default.svc.cluster.local", "A"))
+    assert r.rcode() == dns.rcode.SERVFAIL and not r.flags & dns.flags.AA
+    assert sdns.resolve(empty, dns.message.make_query("example.com", "A")) is None
+    assert sdns.names([], "cluster.local").ready  # once read, even with no Service at all
+
+
+def test_a_headless_services_srv_records_give_the_endpoints_ports():
+    """Nothing translates a headless Service, so its SRV records name the port the endpoints
+    listen on (the Kubernetes DNS specification, 2.4.1), not the Service's port."""
+    table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 8080), Endpoint("10.244.2.5", 8081)])],
+                       "cluster.local")
+    r = sdns.resolve(table, dns.message.make_query("_http._tcp.h.shop.svc.cluster.local", "SRV"))
+    assert sorted(lines(r.answer)) == ["_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8080 h.shop.svc.cluster.local.",
+                                       "_http._tcp.h.shop.svc.cluster.local. 5 IN SRV 0 100 8081 h.shop.svc.cluster.local."]
+
+
+async def test_an_upstream_that_closes_tcp_unanswered_is_a_failure_and_the_next_is_asked(monkeypatch):
+    """dnspython raises a bare EOFError when a TCP upstream closes without an answer: that
+    upstream failed, the next one is asked, and with none left the client gets SERVFAIL."""
+    import dns.asyncquery
+
+    asked = []
+
+    async def udp(query, host, **kw):
+        asked.append(("udp", host))
+        reply = dns.message.make_response(query)
+        reply.flags |= dns.flags.TC
+        return reply
+
+    async def tcp(query, host, **kw):
+        asked.append(("tcp", host))
+        raise EOFError
+
+    monkeypatch.setattr(dns.asyncquery, "udp", udp)
+    monkeypatch.setattr(dns.asyncquery, "tcp", tcp)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53), ("192.0.2.2", 53)])
+    out = dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire()))
+    assert out.rcode() == dns.rcode.SERVFAIL and server.failed == 1
+    assert asked == [("udp", "192.0.2.1"), ("tcp", "192.0.2.1"), ("udp", "192.0.2.2"), ("tcp", "192.0.2.2")]

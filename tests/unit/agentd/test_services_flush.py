@@ -1,0 +1,67 @@
+"""The Services agent's sync pass flushes the UDP flows of endpoints a change took away (their
+conntrack entries would keep a client on a dead pod) -- also when the change comes with a
+rebuild of the whole table (a snapshot after etcd compacted, an error)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from agentd.datastore.store import Datastore
+from agentd.resources import kinds, manifests
+from agentd.resources.store import ResourceEvent
+from agentd.services import agent as services_agent
+from agentd.services.agent import ServiceAgent
+
+SERVICE = """\
+apiVersion: v1
+kind: Service
+metadata: {name: stats, namespace: shop}
+spec:
+  clusterIP: 10.96.0.20
+  ports:
+  - {name: statsd, port: 8125, protocol: UDP, targetPort: 8125}
+"""
+
+SLICE = """\
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: stats-1, namespace: shop, labels: {kubernetes.io/service-name: stats}}
+addressType: IPv4
+endpoints:
+%s
+ports: [{name: statsd, port: 8125, protocol: UDP}]
+"""
+
+
+def objects(*ips: str) -> dict:
+    endpoints = "\n".join(f"- addresses: [{ip}]\n  conditions: {{ready: true}}" for ip in ips)
+    out = {}
+    for text in (SERVICE, SLICE % endpoints):
+        (obj,) = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
+        out[kinds.identity(obj)] = obj
+    return out
+
+
+class Programmer:
+    async def sync(self, rs, keys):
+        return SimpleNamespace(commands=1, full=keys is None)
+
+
+async def test_an_endpoint_gone_in_a_snapshot_has_its_udp_flows_flushed(monkeypatch):
+    flushed: list = []
+    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: flushed.extend(gone) or len(gone))
+    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"))
+    agent.programmer = Programmer()
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        for revision, ips in ((5, ("10.244.1.2", "10.244.2.2")), (9, ("10.244.1.2",))):
+            syncs = agent.syncs
+            agent._on_resource(ResourceEvent("snapshot", revision, objects=objects(*ips), leases={}))
+            agent._wake.set()
+            while agent.syncs == syncs:
+                await asyncio.sleep(0)
+    finally:
+        task.cancel()
+    # The second snapshot rebuilt the table: 10.244.2.2's flows are flushed all the same.
+    assert [(s.ip, s.port, s.vip, s.service_port) for s in flushed] == [("10.244.2.2", 8125, "10.96.0.20", 8125)]
