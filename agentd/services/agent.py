@@ -317,6 +317,7 @@ class ServiceAgent:
             self._named = {}
         for key in dirty:
             old_hosts, old_srv = self._named.pop(key, ((), ()))
+            self.names.add_hosts(old_hosts, -1)
             for name in old_hosts:
                 self.names.a.pop(name, None)
                 self.names.aaaa.pop(name, None)
@@ -328,6 +329,7 @@ class ServiceAgent:
                 self.names.a.update(part.a)
                 self.names.aaaa.update(part.aaaa)
                 self.names.srv.update(part.srv)
+                self.names.add_hosts(part.a)
                 self._named[key] = (tuple(part.a), tuple(part.srv))
 
     async def _counters_loop(self) -> None:

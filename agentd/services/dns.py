@@ -28,6 +28,7 @@ import errno
 import logging
 import socket
 import struct
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,24 @@ class Names:
     # False until the Services were read once: the domain's names are then SERVFAIL, not
     # NXDOMAIN (a client takes that as final and caches it; CoreDNS waits for its first sync too).
     ready: bool = True
+    # The empty non-terminals (``<ns>.svc.<domain>.``, ``svc.<domain>.``, ``<domain>.``): how
+    # many host names each has under it (a look-up, not a scan of every name, per NXDOMAIN).
+    branches: Counter[str] = field(default_factory=Counter)
+
+    def add_hosts(self, hosts: Iterable[str], sign: int = 1) -> None:
+        """Count ``hosts`` in (``sign`` -1: out of) the branches above them."""
+        suffix = f"{self.domain}."
+        for host in hosts:
+            labels = host.split(".")
+            for i in range(1, len(labels)):
+                branch = ".".join(labels[i:])
+                if not branch.endswith(suffix) and branch != suffix:
+                    break
+                self.branches[branch] += sign
+                if self.branches[branch] <= 0:
+                    del self.branches[branch]
+                if branch == suffix:
+                    break
 
 
 def names(ports: Iterable[ServicePort], domain: str) -> Names:
@@ -87,7 +106,9 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
             ports = {sp.port} if sp.cluster_ip is not None else {e.port for e in sp.usable()}
             srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update((port, host) for port in ports)
     a, aaaa = ({k: tuple(sorted(v)) for k, v in by_family[version].items()} for version in (4, 6))
-    return Names(domain, a, {k: tuple(sorted(v)) for k, v in srv.items()}, aaaa)
+    table = Names(domain, a, {k: tuple(sorted(v)) for k, v in srv.items()}, aaaa)
+    table.add_hosts(a)
+    return table
 
 
 def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | None:
@@ -124,7 +145,7 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
 
 def _is_branch(table: Names, qname: str) -> bool:
     """An empty non-terminal (``svc.<domain>``, ``<ns>.svc.<domain>``): it exists, without records."""
-    return any(name.endswith("." + qname) for name in table.a)
+    return table.branches.get(qname, 0) > 0
 
 
 def upstream_pairs(upstream: Iterable[str]) -> list[tuple[str, int]]:

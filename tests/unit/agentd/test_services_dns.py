@@ -232,3 +232,15 @@ async def test_an_upstream_that_closes_tcp_unanswered_is_a_failure_and_the_next_
     out = dns.message.from_wire(await server.answer(dns.message.make_query("example.com", "A").to_wire()))
     assert out.rcode() == dns.rcode.SERVFAIL and server.failed == 1
     assert asked == [("udp", "192.0.2.1"), ("tcp", "192.0.2.1"), ("udp", "192.0.2.2"), ("tcp", "192.0.2.2")]
+
+
+def test_branches_follow_services_coming_and_going():
+    """The empty non-terminals are counted, not searched for: one Service's names going
+    leaves the branch while another Service of the namespace has names under it."""
+    table = sdns.names([sp("web", "", "TCP", 80, "10.96.0.10"), sp("db", "", "TCP", 5432, "10.96.0.11")], "cluster.local")
+    assert dict(table.branches) == {"shop.svc.cluster.local.": 2, "svc.cluster.local.": 2, "cluster.local.": 2}
+    table.add_hosts(["web.shop.svc.cluster.local."], -1)
+    assert sdns.resolve(table, dns.message.make_query("shop.svc.cluster.local", "A")).rcode() == dns.rcode.NOERROR
+    table.add_hosts(["db.shop.svc.cluster.local."], -1)
+    assert not table.branches
+    assert sdns.resolve(table, dns.message.make_query("shop.svc.cluster.local", "A")).rcode() == dns.rcode.NXDOMAIN
