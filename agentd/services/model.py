@@ -74,6 +74,11 @@ class ServicePort:
         return tuple(sorted({e for e in mine if e.serving and e.terminating}))
 
 
+# A headless Service without ports still has a DNS name, its endpoints' addresses (CoreDNS
+# gives it a port of its own for that, -1): this one, port 0, stands for "every address".
+NO_PORTS = {"name": "", "protocol": "TCP", "port": 0, "targetPort": 0}
+
+
 def build(services: Iterable[Obj], slices: Iterable[Obj], pods: Iterable[Obj]) -> list[ServicePort]:
     """Every (service, port) with its endpoints."""
     by_service: dict[tuple[str, str], list[Obj]] = {}
@@ -98,7 +103,7 @@ def build(services: Iterable[Obj], slices: Iterable[Obj], pods: Iterable[Obj]) -
                 if index >= len(vips):
                     continue  # no address of this family (yet): nothing to translate
                 cluster_ip = vips[index]
-            for port in spec.get("ports", []):
+            for port in spec.get("ports") or ([NO_PORTS] if ipfamilies.headless(spec) else []):
                 if selector:
                     endpoints = _from_pods(port, selector, pods_by_ns.get(ns, []), version)
                 else:
@@ -158,6 +163,11 @@ def _from_slices(port: Obj, slices: list[Obj], family: str) -> list[Endpoint]:
     for s in slices:
         if s.get("addressType", "IPv4") != family:
             continue  # the slices of the other family are the other ServicePort's
+        if port is NO_PORTS:  # every address of the slice, whatever its ports
+            out.extend(Endpoint(e["addresses"][0], 0, e.get("nodeName"), ready=endpoint_ready(e),
+                                serving=endpoint_serving(e), terminating=endpoint_terminating(e))
+                       for e in s.get("endpoints", []))
+            continue
         for sp in s.get("ports", []):
             if sp.get("name", "") != port.get("name", "") or sp["protocol"] != port["protocol"] or "port" not in sp:
                 continue

@@ -244,3 +244,40 @@ def test_branches_follow_services_coming_and_going():
     table.add_hosts(["db.shop.svc.cluster.local."], -1)
     assert not table.branches
     assert sdns.resolve(table, dns.message.make_query("shop.svc.cluster.local", "A")).rcode() == dns.rcode.NXDOMAIN
+
+
+def test_a_headless_service_without_ports_has_its_endpoints_addresses():
+    """Kubernetes allows a headless Service without ports (a StatefulSet's governing Service
+    may have none): its name still gives the addresses of what it selects, as CoreDNS does."""
+    from agentd.resources import manifests
+    from agentd.services import model
+
+    text = """\
+apiVersion: v1
+kind: Service
+metadata: {name: peers, namespace: shop}
+spec: {clusterIP: None, selector: {app: db}}
+"""
+    (svc,) = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
+    pod = {"kind": "Pod", "metadata": {"name": "db-0", "namespace": "shop", "labels": {"app": "db"}},
+           "spec": {"nodeName": "node1", "containers": []}, "status": {"podIP": "10.244.1.7"}}
+    table = sdns.names(model.build([svc], [], [pod]), "cluster.local")
+    r = sdns.resolve(table, dns.message.make_query("peers.shop.svc.cluster.local", "A"))
+    assert lines(r.answer) == ["peers.shop.svc.cluster.local. 5 IN A 10.244.1.7"]
+    # The same from an EndpointSlice (a Service without a selector).
+    text = """\
+apiVersion: v1
+kind: Service
+metadata: {name: peers, namespace: shop}
+spec: {clusterIP: None}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: peers-1, namespace: shop, labels: {kubernetes.io/service-name: peers}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.2.8], conditions: {ready: true}}]
+"""
+    svc, eps = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
+    table = sdns.names(model.build([svc], [eps], []), "cluster.local")
+    r = sdns.resolve(table, dns.message.make_query("peers.shop.svc.cluster.local", "A"))
+    assert lines(r.answer) == ["peers.shop.svc.cluster.local. 5 IN A 10.244.2.8"]
