@@ -74,5 +74,7 @@ class DynamicPeers:
     @staticmethod
     def finished(peer: Peer, kept: bool) -> bool:
         """Whether a dynamic peer is done: no session past Active, no connection, none being
-        made, and (``kept``) no routes kept for it by graceful restart."""
-        return peer.state <= State.ACTIVE and not kept and not any(s.has_connection or s.connecting for s in peer.sessions())
+        made, (``kept``) no routes kept for it by graceful restart, and not held down (max-prefix:
+        forgotten, its next connection would make a fresh peer with no hold-down)."""
+        return (peer.state <= State.ACTIVE and not kept and peer.held_until is None
+                and not any(s.has_connection or s.connecting for s in peer.sessions()))

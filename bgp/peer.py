@@ -412,8 +412,9 @@ class Peer:
                     s.collision_dump(now)
                 return
             if other.state is State.OPEN_CONFIRM:
-                # Keep the connection opened by the speaker with the higher BGP Identifier.
-                if int(self.local.router_id) < int(ev.open.router_id):
+                # Keep the connection opened by the speaker with the higher BGP Identifier; equal
+                # ones (legal between ASes, RFC 6286 §2.2): the one with the larger AS number.
+                if (int(self.local.router_id), self.local.asn) < (int(ev.open.router_id), ev.open.asn):
                     loser = s if s.outbound else other  # close the one we initiated
                 else:
                     loser = other if not other.outbound else s  # close the one they initiated

@@ -61,17 +61,21 @@ class Interned:
     """Decoded attributes by their bytes as received, for one session and codec context,
     each with its hash (a set's hash is the sum of its attributes', see PathAttributes).
 
-    Two generations of at most ``limit`` entries each: a full one becomes the old one, and
+    Two generations of at most ``limit`` entries and ``max_bytes`` octets as received each
+    (a peer sending thousands of distinct 4 KB LARGE_COMMUNITY or CLUSTER_LIST values must not
+    make the session hold a gigabyte of decoded copies): a full one becomes the old one, and
     a hit there moves back, so attributes many routes share (AS_PATH, ORIGIN, NEXT_HOP)
     stay while ones seen once (a MED per route) pass through.
     """
 
-    __slots__ = ("new", "old", "limit")
+    __slots__ = ("new", "old", "limit", "max_bytes", "size")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, max_bytes: int = 256 * 1024) -> None:
         self.new: dict[bytes, tuple[PathAttribute, int]] = {}
         self.old: dict[bytes, tuple[PathAttribute, int]] = {}
         self.limit = limit
+        self.max_bytes = max_bytes
+        self.size = 0  # octets of the keys of ``new``
 
     def get(self, raw: bytes) -> tuple[PathAttribute, int] | None:
         hit = self.new.get(raw)
@@ -82,10 +86,12 @@ class Interned:
         return hit
 
     def put(self, raw: bytes, hit: tuple[PathAttribute, int]) -> None:
-        if len(self.new) >= self.limit:
+        if len(self.new) >= self.limit or self.size + len(raw) > self.max_bytes:
             self.old = self.new
             self.new = {}
+            self.size = 0
         self.new[raw] = hit
+        self.size += len(raw)
 
 
 class InternedByCode:
