@@ -178,7 +178,8 @@ def lab_command(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:  # agentd.cli.main makes it exit status 130, quietly
         if args.lab_command == "up":
-            sys.stderr.write(f"agentd lab up: interrupted; `agentd lab down --name {args.name}` removes what was built\n")
+            sys.stderr.write(f"agentd lab up: interrupted; `{commands.agentd_command()} lab down --name {args.name}` "
+                             "removes what was built\n")
         raise
 
 

@@ -64,29 +64,43 @@ def up(args) -> int:
         asyncio.run(go())
     except LabError as err:
         print(f"agentd lab up: {err}", file=sys.stderr)
-        print(f"(the lab is left as it is for inspection; `agentd lab down --name {spec.name}` removes it)", file=sys.stderr)
+        print(f"(the lab is left as it is for inspection; `{agentd_command()} lab down --name {spec.name}` removes it)",
+              file=sys.stderr)
         return 1
     for version in _versions(spec.ip_family):
         print()
         print(_matrix(lab, version if spec.ip_family == "dual" else None))
     print()
     pings = [(lab.pods[0].name, lab.pods[-1].address(v)) for v in _versions(spec.ip_family)] if lab.pods else []
-    print(try_hints(spec.name, [n.name for n in lab.nodes], pings, lab.nodes[0].address if spec.ingress else None))
+    print(try_hints(spec.name, [n.name for n in lab.nodes], pings, lab.nodes[0].address if spec.ingress else None,
+                    agentd=agentd_command()))
     return 0
 
 
-def try_hints(name: str, nodes: list[str], pings: list[tuple[str, str]], ingress_address: str | None) -> str:
-    """What ``agentd lab up`` suggests next: each line a command that works as printed.
-    ``pings``: (pod, address) pairs; ``ingress_address``: a node's, when the lab has an ingress."""
+def agentd_command() -> str:
+    """How a shell runs this agentd: ``agentd`` where that is the one on PATH, else its path
+    (after ``scripts/dev lab`` it is .venv/bin/agentd, on no PATH)."""
+    me = sys.argv[0] if sys.argv and os.path.basename(sys.argv[0]) == "agentd" else None
+    if me is None:
+        return "agentd"
+    found = shutil.which("agentd")
+    return "agentd" if found and os.path.realpath(found) == os.path.realpath(me) else os.path.abspath(me)
+
+
+def try_hints(name: str, nodes: list[str], pings: list[tuple[str, str]], ingress_address: str | None,
+              *, agentd: str = "agentd") -> str:
+    """What ``agentd lab up`` suggests next: each line a command that works as printed
+    (``agentd``: how the shell runs it, :func:`agentd_command`).  ``pings``: (pod, address)
+    pairs; ``ingress_address``: a node's, when the lab has an ingress."""
     lines = [f"Lab {name} is up. Try:",
-             f"  agentd lab status --name {name}",
-             f"  agentd lab exec --name {name} {nodes[0]} -- agentd status"]  # fmt: skip
-    lines += [f"  agentd lab exec --name {name} {pod} -- ping -c 3 {address}" for pod, address in pings]
+             f"  {agentd} lab status --name {name}",
+             f"  {agentd} lab exec --name {name} {nodes[0]} -- agentd status"]  # fmt: skip
+    lines += [f"  {agentd} lab exec --name {name} {pod} -- ping -c 3 {address}" for pod, address in pings]
     if ingress_address is not None:
-        lines.append(f"  agentd lab exec --name {name} underlay -- curl -s http://{ingress_address}/  "
+        lines.append(f"  {agentd} lab exec --name {name} underlay -- curl -s http://{ingress_address}/  "
                      "(the ingress, from outside the pod network: docs/ingress.md)")
-    lines.append(f"  agentd lab restart --name {name} {nodes[-1]} [--kill]  (its agent stops and starts again; --kill: a crash)")
-    lines.append(f"  agentd lab down --name {name}")
+    lines.append(f"  {agentd} lab restart --name {name} {nodes[-1]} [--kill]  (its agent stops and starts again; --kill: a crash)")
+    lines.append(f"  {agentd} lab down --name {name}")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@
 
 ``up`` uses the Docker engine the user runs (``DOCKER_HOST``, else the default socket) if one
 answers, else (or with ``--private``) starts one of its own in a network namespace
-(agentd.lab.dockerd: ``ad-compose<name>-docker``, its docker0 and iptables rules in there),
+(agentd.lab.dockerd: ``ad-compose_<name>-docker``, its docker0 and iptables rules in there),
 builds the images (agentd.lab.images: from the registry's slim Python image, or, without a
 registry, from Debian packages), runs ``docker-compose up -d``, waits until every node has
 attached its pod, and prints the pod reachability matrix: one ICMP echo per ordered pod pair,
@@ -73,10 +73,20 @@ class ComposeState:
         except (OSError, ValueError, TypeError):
             return None
 
+    @classmethod
+    def all(cls) -> list[ComposeState]:
+        """Every compose lab up now (as the states kept say)."""
+        try:
+            names = sorted(p.name for p in STATE_ROOT.iterdir() if p.is_dir())
+        except OSError:
+            return []
+        return [s for s in map(cls.load, names) if s is not None]
+
 
 def private_engine(name: str) -> DockerEngine:
-    """The compose lab's own engine (netns ``ad-compose<name>-docker``), not started."""
-    return DockerEngine(f"compose-{name}", netns=Netns(f"ad-compose{name}-docker"))
+    """The compose lab's own engine (netns ``ad-compose_<name>-docker``: no ``agentd lab`` name
+    makes that prefix, so neither tool takes the other's namespace for its own), not started."""
+    return DockerEngine(f"compose-{name}", netns=Netns(f"ad-compose_{name}-docker"))
 
 
 def user_engine() -> DockerEngine | None:
@@ -276,6 +286,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise LabError(f"compose lab {args.name} is up already (`scripts/dev compose down` removes it)")
     t0 = time.monotonic()
     engine = None if args.private else user_engine()
+    if engine is not None:
+        # compose.yaml's underlay network and addresses are fixed: two projects on one engine collide.
+        others = [s.name for s in ComposeState.all() if s.name != args.name and not s.private and s.host == engine.host]
+        if others:
+            raise LabError(f"compose lab {others[0]} is up on your Docker engine already, and two cannot share it "
+                           f"(compose.yaml's underlay network is fixed): take it down first, or use --private")
     private = engine is None
     if private:
         engine = private_engine(args.name)

@@ -259,8 +259,11 @@ class EtcdServer(LabProcess):
     async def _http_get(self, path: str) -> bytes | None:
         """GET ``path`` over a socket opened in etcd's namespace; the raw reply, or None."""
         loop = asyncio.get_running_loop()
-        sock = self._socket()
         writer = None
+        try:
+            sock = self._socket()  # OSError too when the namespace is gone (a lab half up, half down)
+        except OSError:
+            return None
         try:
             sock.setblocking(False)
             await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.client_port)), 1.0)

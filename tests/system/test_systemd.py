@@ -542,6 +542,10 @@ def test_sandbox_filter_refuses_what_the_unit_refuses(tmp_path):
         "out['netlink'] = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).fileno() > 0\n"
         "out['setuid'] = libc.setuid(0) == 0 or errno.errorcode[ctypes.get_errno()]\n"
         "out['mdwe'] = libc.prctl(66, 0, 0, 0, 0)\n"
+        "import tempfile\n"
+        "with tempfile.TemporaryFile() as f:\n"
+        "    try: os.fchown(f.fileno(), -1, os.getgid()); out['fchown'] = 'ok'\n"
+        "    except OSError as e: out['fchown'] = errno.errorcode[e.errno]\n"
         "out['caps'] = [l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')][0]\n"
         "print(__import__('json').dumps(out))\n"
     )
@@ -554,6 +558,7 @@ def test_sandbox_filter_refuses_what_the_unit_refuses(tmp_path):
     assert out["alg"] == "EAFNOSUPPORT"
     assert out["netlink"] is True
     assert out["setuid"] == "EPERM"
+    assert out["fchown"] == "ok"  # [api] token_group: the token file's group
     assert out["mdwe"] == 1
     assert int(out["caps"], 16) == sum(1 << c for c in json.loads(spec.read_text())["keep_caps"])
 

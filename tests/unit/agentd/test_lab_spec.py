@@ -68,3 +68,17 @@ def test_the_hints_after_lab_up_are_commands_the_cli_takes():
         assert args.name == "demo", line
     restart = parser.parse_args(["restart", "--name", "demo", "node3", "--kill"])
     assert (restart.node, restart.kill) == ("node3", True)
+
+
+def test_the_hints_name_the_agentd_the_shell_can_run(monkeypatch, tmp_path):
+    """After `scripts/dev lab`, agentd is .venv/bin/agentd, on no PATH: the hints print its path."""
+    from agentd.lab import commands
+
+    venv_agentd = tmp_path / "bin" / "agentd"
+    monkeypatch.setattr("sys.argv", [str(venv_agentd), "lab", "up"])
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert commands.agentd_command() == str(venv_agentd)
+    text = try_hints("demo", ["node1"], [], None, agentd=commands.agentd_command())
+    assert text.splitlines()[-1] == f"  {venv_agentd} lab down --name demo"
+    monkeypatch.setattr("sys.argv", ["/usr/bin/python3", "-m", "agentd"])
+    assert commands.agentd_command() == "agentd"
