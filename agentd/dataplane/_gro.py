@@ -43,7 +43,6 @@ from proto.packet import (
     VNET_HDR_NONE,
     VirtioNetHdr,
     checksum,
-    ones_sum,
     pseudo_header_sum,
 )
 
@@ -68,6 +67,15 @@ def tcp_family(v) -> int:
     return 0
 
 
+# RFC 1071 §2(B): the sum is the same in either byte order, up to a byte swap, and a swap is a
+# multiplication by 256 modulo 0xFFFF (2**16 = 1 there).  So sums of native-order words verify
+# where they are 0 mod 0xFFFF (what folds to 0xFFFF, every sum here being non-zero), once the
+# big-endian values added to them (protocol, TCP length) are multiplied by _BE, and a trailing
+# odd byte (the high byte of a big-endian word padded with zero) by _ODD.
+_BE, _ODD = (256, 1) if sys.byteorder == "little" else (1, 256)
+_IPV4_PARTS = np.array([0, 6, 10], np.intp)  # in words: bytes 0-11, 12-19 (the addresses), 20-
+
+
 def csum_ok(v, ihl: int) -> bool:
     """Do the checksums of the TCP packet ``v`` (exactly the packet; IP header length ``ihl``:
     20 for IPv4, 40 for IPv6) verify: IPv4's header checksum, and the TCP checksum over the
@@ -75,64 +83,44 @@ def csum_ok(v, ihl: int) -> bool:
     addresses are the bytes just before the TCP header (IPv4 12..20, IPv6 8..40), so one sum
     from there covers them and the segment; the protocol and the TCP length are added."""
     n = len(v)
+    w = np.frombuffer(v, np.uint16, n >> 1)
     if ihl == 20:
-        if ones_sum(v[:20]) != 0xFFFF:
+        head, addrs, rest = np.add.reduceat(w, _IPV4_PARTS, dtype=np.uint32).tolist()
+        if (head + addrs) % 0xFFFF:
             return False
-        return ones_sum(v[12:], IPPROTO_TCP + n - 20) == 0xFFFF
-    return ones_sum(v[8:], IPPROTO_TCP + n - 40) == 0xFFFF
-
-
-if sys.byteorder == "little":
-    def _native16(x):
-        """A 16-bit big-endian value as it adds into a sum of native-order words."""
-        return ((x & 0xFF) << 8) | (x >> 8)
-else:  # pragma: no cover - no big-endian machine here
-    def _native16(x):
-        return x
-
-
-def batch_csum_ok(arr: np.ndarray, offs: np.ndarray, lens: np.ndarray, ihl: int) -> np.ndarray | None:
-    """:func:`csum_ok` for the packets at ``arr[offs[i]:][:lens[i]]`` (increasing offsets, all
-    read as TCP over IPv4 or IPv6 as ``ihl`` says), in one ``np.add.reduceat`` over native
-    16-bit words: per packet the sums of the IPv4 header's two halves (bytes 0-11, 12-19: the
-    addresses belong to the pseudo header too) and of the rest, then the gap to the next packet
-    (ignored).  RFC 1071's sum is the same in either byte order (§2(B)), and a sum that verifies
-    folds to 0xFFFF in both.  None where an offset is odd (no word view): the caller checks
-    packet by packet."""
-    k = len(offs)
-    if int(np.bitwise_or.reduce(offs)) & 1:
-        return None
-    ends = offs + lens
-    w = offs >> 1
-    if ihl == 20:
-        idx = np.empty(4 * k, np.intp)
-        idx[0::4] = w
-        idx[1::4] = w + 6
-        idx[2::4] = w + 10
-        idx[3::4] = ends >> 1
-        top = int(idx[-1])
-        sums = np.zeros(4 * k, np.uint64)
-        # Each part's sum fits 32 bits (at most 32 K words); the last part (no gap) ends the view.
-        sums[:-1] = np.add.reduceat(arr[: 2 * top].view(np.uint16), idx[:-1], dtype=np.uint32)
-        sums = sums.reshape(k, 4)
-        head = sums[:, 0] + sums[:, 1]
-        tcp = sums[:, 1] + sums[:, 2]
+        tcp = addrs + rest
     else:
-        idx = np.empty(2 * k, np.intp)
-        idx[0::2] = w + 4
-        idx[1::2] = ends >> 1
-        top = int(idx[-1])
-        sums = np.zeros(2 * k, np.uint64)
-        sums[:-1] = np.add.reduceat(arr[: 2 * top].view(np.uint16), idx[:-1], dtype=np.uint32)
-        tcp = sums[0::2]
-    odd = (lens & 1).astype(bool)
-    if odd.any():  # the last byte, padded with a zero byte to a word (RFC 1071)
-        tcp = tcp + np.where(odd, _native16(arr[np.where(odd, ends - 1, 0)].astype(np.uint64) << 8), 0)
-    tcp = tcp + _native16((lens - ihl).astype(np.uint64)) + _native16(IPPROTO_TCP)
-    ok = tcp % 0xFFFF == 0
+        tcp = int(np.add.reduce(w[4:], dtype=np.uint32))
+    if n & 1:
+        tcp += v[n - 1] * _ODD
+    return (tcp + (n - ihl + IPPROTO_TCP) * _BE) % 0xFFFF == 0
+
+
+def batch_csum_failures(arr: np.ndarray, offs: np.ndarray, lens: np.ndarray, ihl: int,
+                        idx: np.ndarray) -> np.ndarray:
+    """:func:`csum_ok` for the packets at ``arr[offs[i]:][:lens[i]]`` (increasing even offsets,
+    all read as TCP over IPv4 or IPv6 as ``ihl`` says): non-zero where a packet fails.  One
+    ``np.add.reduceat`` over native 16-bit words sums, per packet, the IPv4 header's two halves
+    (bytes 0-11 and 12-19, the addresses, which belong to the pseudo header too) and the rest,
+    then the gap to the next packet (ignored).  ``idx``: scratch of ``len(offs)`` * 4 (IPv4) or
+    * 2 (IPv6) word indices, the starts already in place (:class:`_BatchViews`)."""
+    ends = offs + lens
+    np.right_shift(ends, 1, out=idx[3::4] if ihl == 20 else idx[1::2])
+    top = int(idx[-1])
+    # Each part's sum fits 32 bits (at most 32 K words); the last part (no gap) ends the view.
+    s = np.add.reduceat(arr[: 2 * top].view(np.uint16), idx[:-1], dtype=np.uint32)
     if ihl == 20:
-        ok &= head % 0xFFFF == 0
-    return ok
+        tcp = s[1::4] + s[2::4]
+    else:
+        tcp = s[0::2]
+    tcp = tcp + (lens + (IPPROTO_TCP - ihl)) * _BE
+    odd = lens & 1
+    if odd.any():
+        tcp += arr[ends - 1] * odd * _ODD
+    bad = tcp % 0xFFFF
+    if ihl == 20:
+        bad |= (s[0::4] + s[1::4]) % 0xFFFF
+    return bad
 
 
 def _ip_length(h, ihl: int) -> int:
@@ -176,7 +164,7 @@ class _BatchViews:
     """numpy views and scratch arrays for one batch geometry (made once: making a view costs
     about as much as using it)."""
 
-    __slots__ = ("hl", "ihl", "base", "offs", "grid", "h_next", "h_prev", "flags_head", "tot", "tot_head", "seq_next",
+    __slots__ = ("hl", "ihl", "base", "offs", "csum_idx", "grid", "h_next", "h_prev", "flags_head", "tot", "tot_head", "seq_next",
                  "seq_prev", "diff", "headers", "run_mask", "masked", "expect", "expect_seq", "expect_tot")
 
     def __init__(self, arr: np.ndarray, base: int, stride: int, k: int, hl: int, ihl: int = 20) -> None:
@@ -187,6 +175,16 @@ class _BatchViews:
         self.base = 0 if ihl == 20 else 40
         length = slice(2, 4) if ihl == 20 else slice(4, 6)
         self.offs = base + stride * np.arange(k, dtype=np.intp)   # where each packet starts in arr
+        # batch_csum_failures' word indices, where they do not depend on the lengths; None where
+        # an offset is odd (no word view: packet by packet).
+        self.csum_idx = None
+        if not (base | stride) & 1:
+            w = self.offs >> 1
+            self.csum_idx = idx = np.empty(k * (4 if ihl == 20 else 2), np.intp)
+            if ihl == 20:
+                idx[0::4], idx[1::4], idx[2::4] = w, w + 6, w + 10
+            else:
+                idx[0::2] = w + 4
         self.grid = grid = arr[base : base + k * stride].reshape(k, stride)
         # One run, checked in one go: every header equals the first but for the IPv4 ID,
         # checksums and PSH on the last packet, with the length and sequence number predicted.
@@ -403,11 +401,11 @@ class Coalescer:
     def _csum_failures(arr: np.ndarray, vw: _BatchViews, lens: np.ndarray) -> list[int]:
         """The rows whose checksums do not verify as TCP of the batch's family (corrupted
         segments; also any packet that is not such TCP: :meth:`add` sorts those out)."""
-        ok = batch_csum_ok(arr, vw.offs, lens, vw.ihl)
-        if ok is None:  # odd offsets (an odd GRO segment size): row by row
+        if vw.csum_idx is None:  # odd offsets (an odd GRO segment size): row by row
             grid, ihl = vw.grid, vw.ihl
-            ok = np.array([csum_ok(memoryview(grid[i, : lens[i]]), ihl) for i in range(len(lens))])
-        return (~ok).nonzero()[0].tolist()
+            return [i for i in range(len(lens)) if not csum_ok(memoryview(grid[i, : lens[i]]), ihl)]
+        bad = batch_csum_failures(arr, vw.offs, lens, vw.ihl, vw.csum_idx)
+        return bad.nonzero()[0].tolist() if bad.any() else []
 
     def _cut_checked(self, arr: np.ndarray, vw: _BatchViews, mss: int, starts: np.ndarray, lens: list[int],
                      lens_np: np.ndarray) -> None:
