@@ -19,7 +19,7 @@ from agentd.dataplane._forward import NextHopTable
 COUNTERS = (
     "tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
     "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "coalesced_segments",
-    "coalesced_batches",
+    "coalesced_batches", "rx_csum_errors",
     "drop:non_member", "drop:no_route", "drop:ttl_exceeded", "drop:malformed", "drop:mtu", "drop:not_ipv4",
     "drop:send_error", "drop:tun_write_error",
 )

@@ -24,7 +24,9 @@
  * packets; consecutive in-order segments of one TCP flow are merged as Linux tcp_gro_receive
  * would and written to the TUN as one super-packet (virtio-net header GSO_TCPV4 or GSO_TCPV6 +
  * NEEDS_CSUM)
- * with one writev whose iovecs point at the payloads where they were received: no copy.
+ * with one writev whose iovecs point at the payloads where they were received: no copy.  As
+ * there, every segment's checksums are validated first: one that fails is not merged but
+ * written on its own with flags 0, for the pod's stack to drop (rx_csum_errors counts it).
  *
  * Python reference implementations of every step (agentd/dataplane/_forward.py, _tso.py,
  * _gro.py) stay the fall-back when this file is not built, and tests/unit/agentd/test_fastpath.py
@@ -83,7 +85,7 @@
 enum {
     C_TX_PACKETS, C_TX_BYTES, C_TX_SYSCALLS, C_RX_PACKETS, C_RX_BYTES, C_RX_SYSCALLS,
     C_TUN_READS, C_TUN_WRITES, C_TSO_FRAMES, C_TSO_SEGMENTS, C_TSO_BATCHES, C_COALESCED,
-    C_COALESCED_BATCHES,
+    C_COALESCED_BATCHES, C_RX_CSUM_ERRORS,
     D_NON_MEMBER, D_NO_ROUTE, D_TTL_EXCEEDED, D_MALFORMED, D_MTU, D_NOT_IPV4, D_SEND_ERROR,
     D_TUN_WRITE_ERROR,
     C_COUNT
@@ -815,6 +817,22 @@ static inline int mergeable(const uint8_t *p, int len, int *hlp)
     return ihl;
 }
 
+/* Do the checksums of the TCP packet p (len bytes, IP header ihl: 20 or 40) verify: IPv4's header
+ * checksum, and the TCP checksum over the pseudo header and the segment (RFC 9293 section 3.1;
+ * RFC 8200 section 8.1)?  The pseudo header's addresses are the bytes just before the TCP header
+ * (IPv4 12..20, IPv6 8..40), so one sum from there covers them and the segment.  tcp4_gro_receive
+ * and tcp6_gro_receive validate (skb_gro_checksum_validate) before merging: the merged packet
+ * leaves with a fresh checksum to complete, and flannel's outer IPv4 UDP checksum is 0, so
+ * nothing else would notice a segment corrupted on the way. */
+static inline int csum_ok(const uint8_t *p, int len, int ihl)
+{
+    if (ihl == 20 && fold(sum_bytes(p, 20, 0)) != 0xFFFF)
+        return 0;
+    int from = ihl == 20 ? 12 : 8;
+    uint64_t s = sum_bytes(p + from, (size_t)(len - from), htons(IPPROTO_TCP) + htons((uint16_t)(len - ihl)));
+    return fold(s) == 0xFFFF;
+}
+
 /* Headers equal but for the IP length (IPv4 total, IPv6 payload), IPv4 ID and checksum, sequence
  * number, PSH and TCP checksum. */
 static inline int same_flow(const uint8_t *a, const uint8_t *b, int ihl, int hl)
@@ -841,6 +859,14 @@ static void coalesce(struct fp_state *st, uint8_t **pkts, int *lens, int k)
             i++;
             continue;
         }
+        if (!csum_ok(p, len, ihl)) {
+            /* As it came, claiming nothing (flags 0): the pod's stack checks it, drops it and
+             * counts it (TcpInCsumErrors). */
+            st->counters[C_RX_CSUM_ERRORS]++;
+            write_single(st, p, len);
+            i++;
+            continue;
+        }
         int mss = len - hl;
         int total = len;
         int psh = p[ihl + 13] & TCP_PSH;
@@ -854,8 +880,8 @@ static void coalesce(struct fp_state *st, uint8_t **pkts, int *lens, int k)
             uint8_t *q = pkts[j];
             int ql = lens[j], qhl;
             if (mergeable(q, ql, &qhl) != ihl || qhl != hl || ql - hl > mss || get32(q + ihl + 4) != next
-                || !same_flow(p, q, ihl, hl))
-                break;
+                || !same_flow(p, q, ihl, hl) || !csum_ok(q, ql, ihl))
+                break;   /* q starts the next round (a failing one goes alone, counted) */
             next += (uint32_t)(ql - hl);
             total += ql - hl;
             if (q[ihl + 13] & TCP_PSH) {

@@ -8,6 +8,15 @@ fragments, no IPv6 extension headers; at most 64 KB.  IPv6 differs only in where
 a 40-byte header, a payload length (not counting it) instead of a total length, no ID, no
 header checksum; the TCP checksum's pseudo header has the 16-byte addresses (RFC 8200 §8.1).
 
+Checksums are validated first, as ``tcp4_gro_receive`` / ``tcp6_gro_receive`` do
+(``skb_gro_checksum_validate``): the merged packet goes to the TUN as CHECKSUM_PARTIAL, with a
+checksum made afresh, so a segment corrupted on the way (the outer UDP checksum of flannel's
+IPv4 packets is 0: nothing else checks it) would otherwise reach the pod as good data.  A segment
+whose IPv4 header checksum or TCP checksum (pseudo header included) fails is never merged: it
+ends the open run and goes to the TUN on its own, as it came, with a virtio-net header that
+claims nothing (flags 0), so the pod's stack checks it, drops it and counts it
+(TcpInCsumErrors); ``csum_errors`` counts it here.
+
 The open run lives in one staging buffer laid out exactly as the TUN write wants it (virtio-net
 header, the first segment's headers, then the payloads back to back), so a flush is one
 ``write`` and a run can go on across receive calls.  Packets arrive either one by one
@@ -19,6 +28,7 @@ headers at once and copied with one strided copy per run.
 from __future__ import annotations
 
 import struct
+import sys
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -55,6 +65,62 @@ def tcp_family(v) -> int:
     if b >> 4 == 6 and v[6] == IPPROTO_TCP:
         return 40
     return 0
+
+
+# RFC 1071 §2(B): the sum is the same in either byte order, up to a byte swap, and a swap is a
+# multiplication by 256 modulo 0xFFFF (2**16 = 1 there).  So sums of native-order words verify
+# where they are 0 mod 0xFFFF (what folds to 0xFFFF, every sum here being non-zero), once the
+# big-endian values added to them (protocol, TCP length) are multiplied by _BE, and a trailing
+# odd byte (the high byte of a big-endian word padded with zero) by _ODD.
+_BE, _ODD = (256, 1) if sys.byteorder == "little" else (1, 256)
+_IPV4_PARTS = np.array([0, 6, 10], np.intp)  # in words: bytes 0-11, 12-19 (the addresses), 20-
+
+
+def csum_ok(v, ihl: int) -> bool:
+    """Do the checksums of the TCP packet ``v`` (exactly the packet; IP header length ``ihl``:
+    20 for IPv4, 40 for IPv6) verify: IPv4's header checksum, and the TCP checksum over the
+    pseudo header and the segment (RFC 9293 §3.1; RFC 8200 §8.1)?  The pseudo header's
+    addresses are the bytes just before the TCP header (IPv4 12..20, IPv6 8..40), so one sum
+    from there covers them and the segment; the protocol and the TCP length are added."""
+    n = len(v)
+    w = np.frombuffer(v, np.uint16, n >> 1)
+    if ihl == 20:
+        head, addrs, rest = np.add.reduceat(w, _IPV4_PARTS, dtype=np.uint32).tolist()
+        if (head + addrs) % 0xFFFF:
+            return False
+        tcp = addrs + rest
+    else:
+        tcp = int(np.add.reduce(w[4:], dtype=np.uint32))
+    if n & 1:
+        tcp += v[n - 1] * _ODD
+    return (tcp + (n - ihl + IPPROTO_TCP) * _BE) % 0xFFFF == 0
+
+
+def batch_csum_failures(arr: np.ndarray, offs: np.ndarray, lens: np.ndarray, ihl: int,
+                        idx: np.ndarray) -> np.ndarray:
+    """:func:`csum_ok` for the packets at ``arr[offs[i]:][:lens[i]]`` (increasing even offsets,
+    all read as TCP over IPv4 or IPv6 as ``ihl`` says): non-zero where a packet fails.  One
+    ``np.add.reduceat`` over native 16-bit words sums, per packet, the IPv4 header's two halves
+    (bytes 0-11 and 12-19, the addresses, which belong to the pseudo header too) and the rest,
+    then the gap to the next packet (ignored).  ``idx``: scratch of ``len(offs)`` * 4 (IPv4) or
+    * 2 (IPv6) word indices, the starts already in place (:class:`_BatchViews`)."""
+    ends = offs + lens
+    np.right_shift(ends, 1, out=idx[3::4] if ihl == 20 else idx[1::2])
+    top = int(idx[-1])
+    # Each part's sum fits 32 bits (at most 32 K words); the last part (no gap) ends the view.
+    s = np.add.reduceat(arr[: 2 * top].view(np.uint16), idx[:-1], dtype=np.uint32)
+    if ihl == 20:
+        tcp = s[1::4] + s[2::4]
+    else:
+        tcp = s[0::2]
+    tcp = tcp + (lens + (IPPROTO_TCP - ihl)) * _BE
+    odd = lens & 1
+    if odd.any():
+        tcp += arr[ends - 1] * odd * _ODD
+    bad = tcp % 0xFFFF
+    if ihl == 20:
+        bad |= (s[0::4] + s[1::4]) % 0xFFFF
+    return bad
 
 
 def _ip_length(h, ihl: int) -> int:
@@ -98,7 +164,7 @@ class _BatchViews:
     """numpy views and scratch arrays for one batch geometry (made once: making a view costs
     about as much as using it)."""
 
-    __slots__ = ("hl", "ihl", "base", "grid", "h_next", "h_prev", "flags_head", "tot", "tot_head", "seq_next",
+    __slots__ = ("hl", "ihl", "base", "offs", "csum_idx", "grid", "h_next", "h_prev", "flags_head", "tot", "tot_head", "seq_next",
                  "seq_prev", "diff", "headers", "run_mask", "masked", "expect", "expect_seq", "expect_tot")
 
     def __init__(self, arr: np.ndarray, base: int, stride: int, k: int, hl: int, ihl: int = 20) -> None:
@@ -108,6 +174,17 @@ class _BatchViews:
         # payload length (``tot`` + ``base`` is the packet length either way).
         self.base = 0 if ihl == 20 else 40
         length = slice(2, 4) if ihl == 20 else slice(4, 6)
+        self.offs = base + stride * np.arange(k, dtype=np.intp)   # where each packet starts in arr
+        # batch_csum_failures' word indices, where they do not depend on the lengths; None where
+        # an offset is odd (no word view: packet by packet).
+        self.csum_idx = None
+        if not (base | stride) & 1:
+            w = self.offs >> 1
+            self.csum_idx = idx = np.empty(k * (4 if ihl == 20 else 2), np.intp)
+            if ihl == 20:
+                idx[0::4], idx[1::4], idx[2::4] = w, w + 6, w + 10
+            else:
+                idx[0::2] = w + 4
         self.grid = grid = arr[base : base + k * stride].reshape(k, stride)
         # One run, checked in one go: every header equals the first but for the IPv4 ID,
         # checksums and PSH on the last packet, with the length and sequence number predicted.
@@ -159,6 +236,7 @@ class Coalescer:
         self.merged = 0      # segments that went out inside a super-packet
         self.written = 0     # TUN writes issued
         self.batches = 0     # batches taken whole by the vectorized path
+        self.csum_errors = 0  # segments whose checksums failed: written alone, flags 0
         self._views: dict[tuple, _BatchViews] = {}
         self._steps: dict[int, np.ndarray] = {}
 
@@ -177,6 +255,9 @@ class Coalescer:
         if _ip_length(v, ihl) != n or plen <= 0 or (fl & ~TCP_PSH) != TCP_ACK or hl < ihl + 20 \
                 or ihl == 20 and ((v[6] & 0x3F) or v[7]):
             self._single(v)
+            return
+        if not csum_ok(v, ihl):
+            self._bad(v)
             return
         seq = _unpack_I(v, ihl + 4)[0]
         if self._open and seq == self._next_seq and hl == self._hl and ihl == self._ihl and plen <= self._mss \
@@ -218,6 +299,11 @@ class Coalescer:
         self.written += 1
         self.write([VNET_HDR_NONE, v])
 
+    def _bad(self, v) -> None:
+        """A segment whose checksums fail: as it came, after the open run, claiming nothing."""
+        self.csum_errors += 1
+        self._single(v)
+
     # -- a batch of equally spaced packets ------------------------------------------------------
 
     def add_segments(self, arr: np.ndarray, base: int, seg: int, n: int) -> bool:
@@ -243,14 +329,18 @@ class Coalescer:
             vw.expect_seq[...] = steps[:k] + np.uint32(_unpack_I(h0, ihl + 4)[0])
             vw.expect_tot[k - 1] = last - base
             if not np.count_nonzero(np.bitwise_xor(masked, expect, out=expect)):
-                self._cut(vw, mss, [], lens)
+                bad = self._csum_failures(arr, vw, np.array(lens))
+                if not len(bad):
+                    self._cut(vw, mss, [], lens)
+                    return True
+                self._cut(vw, mss, _around(bad, k), lens, bad)
                 return True
         if mss <= 0 or last <= hl or int(vw.tot[k - 1]) + base != last or np.count_nonzero(vw.tot_head != seg - base):
             return False          # an IP length that is not the packet length, pure ACKs, ...
         starts = self._header_changes(vw)
         starts |= (vw.seq_next - vw.seq_prev) != mss
         starts |= vw.flags_head & TCP_PSH
-        self._cut(vw, mss, starts.nonzero()[0].tolist(), lens)
+        self._cut_checked(arr, vw, mss, starts, lens, np.array(lens))
         return True
 
     def add_batch(self, arr: np.ndarray, base: int, stride: int, lens: np.ndarray) -> bool:
@@ -277,7 +367,7 @@ class Coalescer:
         starts |= (vw.seq_next - vw.seq_prev) != plens[:-1]
         starts |= vw.flags_head & TCP_PSH
         starts |= plens[:-1] < mss
-        self._cut(vw, mss, starts.nonzero()[0].tolist(), lens.tolist())
+        self._cut_checked(arr, vw, mss, starts, lens.tolist(), lens)
         return True
 
     def _batch_views(self, arr: np.ndarray, base: int, stride: int, k: int) -> _BatchViews | None:
@@ -307,13 +397,39 @@ class Coalescer:
         np.bitwise_and(diff, _mask(vw.hl, vw.ihl), out=diff)
         return np.bitwise_or.reduce(diff, axis=1)
 
-    def _cut(self, vw: _BatchViews, mss: int, cuts: list[int], lens: list[int]) -> None:
+    @staticmethod
+    def _csum_failures(arr: np.ndarray, vw: _BatchViews, lens: np.ndarray) -> list[int]:
+        """The rows whose checksums do not verify as TCP of the batch's family (corrupted
+        segments; also any packet that is not such TCP: :meth:`add` sorts those out)."""
+        if vw.csum_idx is None:  # odd offsets (an odd GRO segment size): row by row
+            grid, ihl = vw.grid, vw.ihl
+            return [i for i in range(len(lens)) if not csum_ok(memoryview(grid[i, : lens[i]]), ihl)]
+        bad = batch_csum_failures(arr, vw.offs, lens, vw.ihl, vw.csum_idx)
+        return bad.nonzero()[0].tolist() if bad.any() else []
+
+    def _cut_checked(self, arr: np.ndarray, vw: _BatchViews, mss: int, starts: np.ndarray, lens: list[int],
+                     lens_np: np.ndarray) -> None:
+        """:meth:`_cut` at ``starts`` (per packet after the first: does it start a run?) and
+        around every row whose checksums fail."""
+        bad = self._csum_failures(arr, vw, lens_np)
+        cuts = starts.nonzero()[0].tolist()
+        if bad:
+            cuts = sorted(set(cuts).union(_around(bad, len(lens))))
+        self._cut(vw, mss, cuts, lens, bad)
+
+    def _cut(self, vw: _BatchViews, mss: int, cuts: list[int], lens: list[int],
+             bad: list[int] | None = None) -> None:
         """Add the runs the batch falls into: a run ends at each cut (the next packet must
-        start a run) and at the last packet."""
+        start a run) and at the last packet.  A row in ``bad`` (cut on both sides: alone) goes
+        through :meth:`add`, which checks it again and writes it on its own."""
         self.batches += 1
         grid, hl, ihl = vw.grid, vw.hl, vw.ihl
         a = 0
         for e in cuts + [len(lens) - 1]:
+            if bad and a == e and a in bad:
+                self.add(memoryview(grid[a, : lens[a]]))
+                a = e + 1
+                continue
             # A run that ended (PSH, a short segment) must not go on, even with the same flow.
             ended = bool(grid[e, ihl + 13] & TCP_PSH) or lens[e] - hl < mss
             self._add_run(grid, hl, ihl, mss, a, e + 1, ended, lens)
@@ -416,6 +532,17 @@ class Coalescer:
         _VNET.pack_into(stage, 0, VIRTIO_NET_HDR_F_NEEDS_CSUM, gso_type, hl, self._mss, ihl, 16)
         self.merged += n
         self.write([self._stage_mv[:end]])
+
+
+def _around(rows: list[int], k: int) -> list[int]:
+    """The cuts (a run ends after this row) that leave each of ``rows`` alone among ``k``."""
+    cuts = set()
+    for r in rows:
+        if r > 0:
+            cuts.add(r - 1)
+        if r < k - 1:
+            cuts.add(r)
+    return sorted(cuts)
 
 
 def coalesce_packets(packets: Iterable[bytes], max_segments: int = 64,

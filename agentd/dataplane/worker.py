@@ -257,7 +257,8 @@ class Worker:
 
     def stats(self) -> dict:
         c = {**self.c, "coalesced_segments": getattr(self.coalescer, "merged", 0),
-             "coalesced_batches": getattr(self.coalescer, "batches", 0)}
+             "coalesced_batches": getattr(self.coalescer, "batches", 0),
+             "rx_csum_errors": getattr(self.coalescer, "csum_errors", 0)}
         drops = dict(self.drops)
         offloads = dict(self.offloads, **self.transport.offloads)
         fallbacks = dict(self.fallbacks, **self.transport.fallbacks)

@@ -217,6 +217,8 @@ async def test_pods_reach_each_other_and_the_wire_carries_the_inner_packets(netn
         if kind == "ipip":
             assert s1["offloads"]["sendmmsg"] and s2["offloads"]["recvmmsg"]
         assert s1["drops"]["malformed"] == s2["drops"]["malformed"] == 0
+        # Every segment a worker sent verifies where it is received (none taken for corrupted).
+        assert s1["rx_csum_errors"] == s2["rx_csum_errors"] == 0
     finally:
         await pair.stop()
 
@@ -253,6 +255,7 @@ async def test_concurrent_flows_both_ways_arrive_intact(netns_factory, tmp_path,
         assert " 0% packet loss" in pinged, pinged
         s1, s2 = await pair.clients[1].stats(), await pair.clients[2].stats()
         assert s1["drops"]["malformed"] == s2["drops"]["malformed"] == 0
+        assert s1["rx_csum_errors"] == s2["rx_csum_errors"] == 0
         assert s2["coalesced_batches"] > 0 and s1["tso_batches"] > 0
     finally:
         await pair.stop()
@@ -292,6 +295,53 @@ async def test_outsiders_are_dropped_and_counted(netns_factory, tmp_path, kind, 
             accepted = await stats_when(lambda st: st["rx_packets"] - after["rx_packets"] >= 5)
             assert accepted["rx_packets"] - after["rx_packets"] == 5
             assert accepted["drops"]["non_member"] == after["drops"]["non_member"]
+    finally:
+        await pair.stop()
+
+
+def tcp_mib(ns, field: str) -> int:
+    """A field of the Tcp line of ``ns``'s /proc/net/snmp (IPv4 and IPv6 count there alike)."""
+    names, values = (line.split() for line in ns.exec("cat", "/proc/net/snmp").splitlines()
+                     if line.startswith("Tcp:"))
+    return int(values[names.index(field)])
+
+
+@pytest.mark.parametrize("extra", [(), PYTHON_PATH], ids=["c", "python"])
+async def test_a_segment_corrupted_on_the_way_is_not_merged_and_the_pod_drops_it(netns_factory, tmp_path, extra):
+    """flannel's outer IPv4 UDP checksum may be 0: nothing checks a segment corrupted on the way
+    but the receiver.  A run of eight TCP segments (IPv4, then IPv6), the fourth with one
+    payload byte changed, arrives as one UDP GSO message (one GRO read): the worker merges the
+    three before it and the four after it, writes it on its own without claiming a valid
+    checksum and counts it, and the pod's TCP finds it bad and drops it (InCsumErrors), where a
+    merged super-packet with a checksum made afresh would have passed as good data."""
+    pair = await start_pair(netns_factory, tmp_path, "udp", extra=extra, ipv6=True)
+    t = pair.topo
+    try:
+        await pair.clients[2].set_members([H1_UNDERLAY, X_UNDERLAY])
+        with t.x.entered():
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind((X_UNDERLAY, 8285))
+        with s:
+            before = await pair.clients[2].stats()
+            errors = tcp_mib(t.p2, "InCsumErrors")
+            for make, src, dst in ((P.tcp_packet, P1, P2), (P.tcp6_packet, P1_6, P2_6)):
+                segs = [bytes(make(src, dst, P.TcpHeader(40000, 9, 1 + i * 1000, 1, P.TCP_ACK, 1000), bytes([i]) * 1000))
+                        for i in range(8)]
+                bad = bytearray(segs[3])
+                bad[-5] ^= 0x40
+                segs[3] = bytes(bad)
+                s.setsockopt(17, 103, len(segs[0]))  # SOL_UDP, UDP_SEGMENT: one datagram per segment
+                s.sendto(b"".join(segs), (H2_UNDERLAY, 8285))
+
+            async def received():
+                st = await pair.clients[2].stats()
+                return st["rx_packets"] - before["rx_packets"] >= 16 and st
+
+            after = await auntil(received, what="the worker to receive both runs")
+            assert after["rx_csum_errors"] - before["rx_csum_errors"] == 2
+            assert after["coalesced_segments"] - before["coalesced_segments"] == 14
+            await auntil(lambda: tcp_mib(t.p2, "InCsumErrors") - errors >= 2, what="the pod's TCP to drop both")
+            assert tcp_mib(t.p2, "InCsumErrors") - errors == 2
     finally:
         await pair.stop()
 

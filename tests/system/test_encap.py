@@ -672,6 +672,7 @@ async def test_mixed_bpf_and_userspace_pair(lab_factory, tmp_path, backend):
         w = await auntil(lambda node=node: carried(node), in_thread=True, interval=0.2,
                          what=lambda node=node: f"{node.name}'s worker to count both transfers: {worker(node)['counters']}")
         assert w["drops"]["malformed"] == 0
+        assert w["counters"]["rx_csum_errors"] == 0  # what the other side sent verifies here
 
     # node2's worker dies: its TUN and the routes through it stay, so the agent must notice
     # (its next refresh), start another and give it its table.

@@ -315,7 +315,7 @@ def segment_streams6(draw):
     n = draw(st.integers(1, 120))
     seq = draw(st.integers(0, 0xFFFFFFFF))
     events = draw(st.lists(st.sampled_from(["full"] * 30 + ["short", "psh", "gap", "flow", "fin", "hops", "label",
-                                                           "v4", "icmp6"]), min_size=n, max_size=n))
+                                                           "v4", "icmp6", "corrupt"]), min_size=n, max_size=n))
     packets = []
     for ev in events:
         if ev == "icmp6":
@@ -334,6 +334,8 @@ def segment_streams6(draw):
             seq = (seq + 1) & 0xFFFFFFFF
         make = seg4 if ev == "v4" else seg6
         packets.append(make(seq, data=bytes([len(packets) & 0xFF]) * ln, flags=flags, **kw))
+        if ev == "corrupt":  # a payload byte changed in flight: the TCP checksum fails
+            packets[-1] = packets[-1][:-1] + bytes([packets[-1][-1] ^ 0x20])
         seq = (seq + ln) & 0xFFFFFFFF
     chunks = draw(st.lists(st.integers(1, 70), min_size=1, max_size=10))
     return packets, chunks

@@ -393,7 +393,8 @@ def segment_streams(draw):
     mss = draw(st.sampled_from([1000, 1420, 300]))
     n = draw(st.integers(1, 120))
     seq = draw(st.integers(0, 0xFFFFFFFF))
-    events = draw(st.lists(st.sampled_from(["full"] * 30 + ["short", "psh", "gap", "flow", "fin", "ttl", "icmp"]),
+    events = draw(st.lists(st.sampled_from(["full"] * 30 + ["short", "psh", "gap", "flow", "fin", "ttl", "icmp",
+                                                              "corrupt"]),
                            min_size=n, max_size=n))
     packets = []
     for ev in events:
@@ -411,6 +412,8 @@ def segment_streams(draw):
         if ev == "gap":
             seq = (seq + 1) & 0xFFFFFFFF
         packets.append(seg(seq, data=bytes([len(packets) & 0xFF]) * ln, flags=flags, **kw))
+        if ev == "corrupt":  # a payload byte changed in flight: the TCP checksum fails
+            packets[-1] = packets[-1][:-1] + bytes([packets[-1][-1] ^ 0x20])
         seq = (seq + ln) & 0xFFFFFFFF
     chunks = draw(st.lists(st.integers(1, 70), min_size=1, max_size=10))
     return packets, chunks

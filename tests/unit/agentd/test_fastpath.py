@@ -11,12 +11,14 @@ skip, where it is not.
 import contextlib
 import socket
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentd.dataplane import _fast
 from agentd.dataplane._forward import complete_checksum, segment_tcp
-from agentd.dataplane._gro import coalesce_packets
+from agentd.dataplane._gro import Coalescer, _BatchViews, coalesce_packets, csum_ok
 from proto import packet as P
 
 SRC, DST = "10.244.1.2", "10.244.2.2"
@@ -407,7 +409,7 @@ def dual_streams(draw):
     seq = draw(st.integers(0, 0xFFFFFFFF))
     packets = []
     for ev in draw(st.lists(st.sampled_from(["v6"] * 20 + ["v4"] * 5 + ["short", "psh", "gap", "flow", "label",
-                                                                          "hops", "tclass", "icmp6"]),
+                                                                          "hops", "tclass", "icmp6", "corrupt"]),
                             min_size=1, max_size=100)):
         if ev == "icmp6":
             packets.append(P.ipv6_packet(P.IPv6Header(src=SRC6, dst=DST6, next_header=58), bytes(64)))
@@ -420,6 +422,8 @@ def dual_streams(draw):
         flags = P.TCP_ACK | (P.TCP_PSH if ev == "psh" else 0)
         data = bytes([len(packets) & 0xFF]) * ln
         packets.append(seg(seq, data, flags=flags) if ev == "v4" else seg6(seq, data, flags=flags, **kw))
+        if ev == "corrupt":  # a payload byte changed in flight: the TCP checksum fails
+            packets[-1] = packets[-1][:-1] + bytes([packets[-1][-1] ^ 0x20])
         seq = (seq + ln) & 0xFFFFFFFF
     return packets
 
@@ -467,3 +471,130 @@ def test_c_segment_then_merge_round_trips_to_the_super_packet(payload, mss, seq,
         full = bytearray(merged)
         complete_checksum(full, 0, len(full), ihl, 16)
         assert P.transport_checksum_ok(full)
+
+
+# -- checksums are validated before merging, as tcp4_gro_receive / tcp6_gro_receive do -------------
+
+
+def naive_csum_ok(p: bytes) -> bool:
+    """RFC 1071's word-by-word reference: IPv4's header checksum and the TCP checksum."""
+    if p[0] >> 4 == 4:
+        pseudo = P.pseudo_header_sum(p[12:16], p[16:20], P.IPPROTO_TCP, len(p) - 20)
+        return P.checksum_naive(p[:20]) == 0 and P.checksum_naive(p[20:], pseudo) == 0
+    return P.checksum_naive(p[40:], P.pseudo_header_sum(p[8:24], p[24:40], P.IPPROTO_TCP, len(p) - 40)) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(1, 1460), min_size=1, max_size=24), v6=st.booleans(),
+       flips=st.lists(st.tuples(st.integers(0, 23), st.integers(0, 1 << 20), st.integers(0, 7)), max_size=6))
+def test_the_checksum_checks_agree_with_rfc_1071s_reference(sizes, v6, flips):
+    """The per-packet check and the batch check (one np.add.reduceat over 2 KB slots) say what
+    the word-by-word reference says, for odd and even lengths, with bits flipped anywhere a
+    checksum covers (IPv4 from its checksum field on; IPv6 from its addresses on)."""
+    make = seg6 if v6 else seg
+    packets = [bytearray(make(1 + i, bytes([i * 7 & 0xFF]) * n)) for i, n in enumerate(sizes)]
+    first = 8 if v6 else 10
+    for i, at, bit in flips:
+        if i < len(packets):
+            p = packets[i]
+            p[first + at % (len(p) - first)] ^= 1 << bit
+    want = [naive_csum_ok(bytes(p)) for p in packets]
+    ihl = 40 if v6 else 20
+    assert [csum_ok(memoryview(bytes(p)), ihl) for p in packets] == want
+    buf = bytearray(2048 * len(packets))
+    for j, p in enumerate(packets):
+        buf[j * 2048 : j * 2048 + len(p)] = p
+    arr = np.frombuffer(buf, np.uint8)
+    vw = _BatchViews(arr, 0, 2048, len(packets), ihl + 32, ihl)
+    bad = Coalescer._csum_failures(arr, vw, np.array([len(p) for p in packets]))
+    assert bad == [i for i, ok in enumerate(want) if not ok]
+
+
+def python_writes(packets, how: str):
+    """The Coalescer's writes and checksum-failure count for ``packets`` fed packet by packet
+    ("add"), as a recvmmsg batch in 2 KB slots ("batch") or as one UDP GRO read of equal-sized
+    datagrams back to back ("gro"); the batch forms must be taken whole."""
+    writes = []
+
+    def write(parts):
+        blob = b"".join(bytes(p) for p in parts)
+        writes.append((P.VirtioNetHdr.decode(blob), blob[10:]))
+
+    c = Coalescer(write)
+    if how == "add":
+        for p in packets:
+            c.add(memoryview(p))
+    elif how == "batch":
+        buf = bytearray(2048 * len(packets))
+        for j, p in enumerate(packets):
+            buf[j * 2048 : j * 2048 + len(p)] = p
+        assert c.add_batch(np.frombuffer(buf, np.uint8), 0, 2048, np.array([len(p) for p in packets]))
+    else:
+        blob = b"".join(packets)
+        assert c.add_segments(np.frombuffer(blob + bytes(2048), np.uint8), 0, len(packets[0]), len(blob))
+    c.flush()
+    return writes, c.csum_errors
+
+
+def corrupt(pkt: bytes, what: str) -> bytes:
+    """``pkt`` with one thing wrong in flight: a payload byte, the TCP checksum, the IPv4 header
+    checksum, or a pseudo-header byte (the last destination address byte, the IPv4 header
+    checksum made right again, so that only the TCP checksum catches it)."""
+    b = bytearray(pkt)
+    ihl = 20 if b[0] >> 4 == 4 else 40
+    if what == "payload":
+        b[-7] ^= 0x5A
+    elif what == "tcp checksum":
+        b[ihl + 16] ^= 0x01
+    elif what == "ip header checksum":
+        b[10] ^= 0x01
+    else:
+        b[ihl - 1] ^= 0x04
+        if ihl == 20:
+            b[10:12] = b"\0\0"
+            b[10:12] = P.checksum(bytes(b[:20])).to_bytes(2, "big")
+    return bytes(b)
+
+
+CORRUPTIONS = [(v6, what, at) for v6 in (False, True)
+               for what in ("payload", "tcp checksum", "ip header checksum", "pseudo header")
+               for at in (0, 5, 11) if not (v6 and what == "ip header checksum")]
+
+
+@pytest.mark.parametrize(("v6", "what", "at"), CORRUPTIONS)
+@pytest.mark.parametrize("size", [1000, 999])
+def test_a_segment_whose_checksum_fails_goes_alone_and_the_rest_still_merge(v6, what, at, size):
+    """Twelve segments of one flow, one corrupted in flight: it goes to the TUN on its own, as it
+    came, claiming no valid checksum (flags 0, no GSO: the pod's stack checks it and drops it),
+    counted; the good ones merge around it.  C and the Python paths (packet by packet, a
+    recvmmsg batch, a UDP GRO read, odd segment sizes too) write the same bytes."""
+    make = seg6 if v6 else seg
+    good = [make(1 + i * size, bytes([i]) * size) for i in range(12)]
+    packets = list(good)
+    packets[at] = bad = corrupt(good[at], what)
+    assert bad != good[at]
+    before, after = coalesce_packets(good[:at]), coalesce_packets(good[at + 1 :])
+    assert [v.gso_type != 0 for v, _ in before + after] == [True] * (at > 0) + [True] * (at < 11)
+    want = before + [(P.VirtioNetHdr(), bad)] + after
+    assert want[len(before)][0].flags == 0
+    for how in ("add", "batch", "gro"):
+        assert python_writes(packets, how) == (want, 1), how
+    with c_writer6() as (fp, writes):
+        assert fp.write_packets(packets) == 12
+        assert writes() == want
+        assert fp.counters()["rx_csum_errors"] == 1
+
+
+def test_good_segments_are_not_counted_and_non_tcp_is_not_checked_as_tcp():
+    """A clean run merges whole with no failure counted; an ICMP packet among the segments (its
+    bytes are no TCP checksum) goes alone as before, not counted as a checksum failure."""
+    packets = [seg(1 + i * 1000) for i in range(8)]
+    packets.insert(4, bytes(P.ipv4_packet(P.IPv4Header(src=SRC, dst=DST, protocol=P.IPPROTO_ICMP),
+                                          P.icmp_message(8, 0, 1, bytes(1024)))))
+    want = coalesce_packets(packets)
+    assert [v.gso_type for v, _ in want] == [1, 0, 1]
+    for how in ("add", "batch"):
+        assert python_writes(packets, how) == (want, 0), how
+    with c_writer6() as (fp, writes):
+        fp.write_packets(packets)
+        assert writes() == want and fp.counters()["rx_csum_errors"] == 0
