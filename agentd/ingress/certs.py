@@ -3,7 +3,12 @@ ingress-nginx's "Kubernetes Ingress Controller Fake Certificate").  Made with ``
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import ssl
+import tempfile
+from pathlib import Path
 
 DAYS = 3650
 
@@ -33,3 +38,21 @@ def self_signed(common_name: str, hosts: tuple[str, ...] = ()) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
+
+
+def refused(pem: bytes, directory: Path) -> str | None:
+    """Why the TLS library will not load this certificate chain and key (``pem``, as the
+    crt-list gets it) -- a key too small or a signature too weak for the system's security
+    level, as HAProxy's OpenSSL judges it --, or None.  ``directory``: where the key may be
+    written for the moment (the certificates' own, private)."""
+    fd, name = tempfile.mkstemp(dir=directory, suffix=".check.pem")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(name)
+        return None
+    except ssl.SSLError as err:
+        return err.reason or str(err)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(name)

@@ -85,6 +85,7 @@ class IngressController:
         self.error: str | None = None
         self.settings_error: str | None = None
         self.tls_errors: dict[str, str] = {}
+        self._loadable: dict[bytes, str | None] = {}  # PEM digest -> why the TLS library refuses it (None: it loads)
         self.worker: Any = None  # proxy.Worker
         self.stats: list[dict[str, str]] = []
         self.info: dict[str, str] = {}
@@ -316,12 +317,29 @@ class IngressController:
                 data = secret.get("data", {})
                 crt = base64.b64decode(data[TLS_CERT_KEY])
                 key = base64.b64decode(data[TLS_PRIVATE_KEY_KEY])
-                out[t.secret] = crt.rstrip(b"\n") + b"\n" + key.rstrip(b"\n") + b"\n"
+                pem = crt.rstrip(b"\n") + b"\n" + key.rstrip(b"\n") + b"\n"
+                refused = self._refused(pem)
+                if refused is not None:
+                    # One such certificate in the crt-list and HAProxy refuses the whole
+                    # configuration: every Ingress would be down, not only this host.
+                    errors[where] = f"the TLS library refuses it ({refused}): {served}"
+                else:
+                    out[t.secret] = pem
         for where, why in errors.items():
             if self.tls_errors.get(where) != why:
                 log.warning("ingress: TLS Secret %s: %s", where, why)
         self.tls_errors = errors
         return out
+
+    def _refused(self, pem: bytes) -> str | None:
+        """Why OpenSSL (HAProxy's and ours, with the system's security level) will not load
+        this certificate and key -- a 1024-bit RSA key, a SHA-1 signature --, or None."""
+        digest = hashlib.sha256(pem).digest()
+        if digest not in self._loadable:
+            if len(self._loadable) > 4096:
+                self._loadable.clear()
+            self._loadable[digest] = certs.refused(pem, self.paths.certs)
+        return self._loadable[digest]
 
     async def _render(self) -> tuple[dict[str, bytes], str]:
         """Every file of the proxy (config, maps, certificates) and its structure: all of it
@@ -375,13 +393,15 @@ class IngressController:
         files, structure = await self._render()
         want = self._want_servers()
         if structure != self._structure:
-            await self._reload(files, structure, want)
             how = "reload"
+            if not await self._reload(files, structure, want):
+                # The proxy runs on with what it had: its backends still follow their endpoints.
+                changed = await self._runtime({b: s for b, s in want.items() if b in self.servers})
+                how = "runtime" if changed else "none"
         else:
             changed = await self._runtime(want)
             if changed is None:  # the runtime API refused something: load it all
-                await self._reload(files, structure, want)
-                how = "reload"
+                how = "reload" if await self._reload(files, structure, want) else "none"
             else:
                 how = "runtime" if changed else "none"
         self.applied_revision = max(self.applied_revision, revision)
@@ -389,7 +409,9 @@ class IngressController:
             self.last_change = {"how": how, "seconds": round(time.perf_counter() - start, 6), "at": time.time(),
                                 "revision": revision}  # fmt: skip
 
-    async def _reload(self, files: Mapping[str, bytes], structure: str, want: dict[str, set[Server]]) -> None:
+    async def _reload(self, files: Mapping[str, bytes], structure: str, want: dict[str, set[Server]]) -> bool:
+        """Load the configuration; False when the check or the reload failed (the proxy runs
+        on with what it had)."""
         await asyncio.to_thread(self._write_files, files)
         try:
             await self._check_or_fall_back()
@@ -399,7 +421,7 @@ class IngressController:
         except ProxyError as err:
             self.error = f"reload failed: {err}"
             log.error("ingress: %s", self.error)
-            return
+            return False
         self.servers = {name: set(s) for name, s in want.items()}
         self.draining = {}
         self._structure = structure
@@ -408,6 +430,7 @@ class IngressController:
         log.info("ingress: reloaded (worker %d): %d Ingresses, %d backends%s", self.worker.pid if self.worker else 0,
                  len(self.table.ingresses), len(self.table.backends),
                  f"; conflicts: {'; '.join(self.table.conflicts)}" if self.table.conflicts else "")  # fmt: skip
+        return True
 
     async def _runtime(self, want: dict[str, set[Server]]) -> int | None:
         """Endpoint changes through the runtime API; the number of servers changed, None when

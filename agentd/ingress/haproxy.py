@@ -208,7 +208,8 @@ def render(
         f"    timeout connect {s.connect_timeout}s",
         f"    timeout client {s.send_timeout}s",
         f"    timeout server {s.read_timeout}s",
-        f"    timeout http-keep-alive {s.keep_alive}s" if s.keep_alive else "    option http-server-close",
+        # keep-alive 0 (ingress-nginx: "disables keep-alive client connections"): each side closes after a response.
+        f"    timeout http-keep-alive {s.keep_alive}s" if s.keep_alive else "    option httpclose",
         "    timeout http-request 60s",
         f"    timeout tunnel {s.websocket_timeout}s",
         "    timeout client-fin 30s",
@@ -228,10 +229,11 @@ def render(
     # (a host no rule names matches no key: every key starts with a rule's host), so the key
     # is built in one step; the hosts.map lookup is only needed for the other cases.
     by_map = wildcards or ANY_HOST in table.vhosts
-    host = "req.hdr(host),field(1,:),lower"
-    if by_map or redirects:
-        out.append(f"    http-request set-var(txn.host) {host}")
-        host = "var(txn.host)"
+    # routing.normalise_host: lower case, no port, no final dot ("shop.example." is
+    # "shop.example", as nginx takes it).  Single-quoted: the regular expression's empty
+    # replacement must reach the converter as an argument.
+    out.append("""    http-request set-var(txn.host) 'req.hdr(host),field(1,:),lower,regsub("[.](?!.)","")'""")
+    host = "var(txn.host)"
     vhost = host
     if table.vhosts and by_map:
         out += [

@@ -45,6 +45,7 @@ access_log = logging.getLogger("agentd.ingress.access")
 
 SOCKET_TIMEOUT = 5.0
 OUTPUT_LIMIT = 1 << 20  # haproxy.log (the launcher's output) is started anew past this size
+PROXY_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}  # HAProxy's whole environment
 
 
 MDWE_DROP_IN = """[Service]
@@ -209,8 +210,9 @@ class Proxy:
             offset = os.fstat(fd).st_size
             argv = [self.binary, "-W", "-D", "-S", f"{self.paths.master_socket},mode,600", "-f", str(self.paths.config)]
             try:
+                # Not the agent's environment (AGENTD_* may hold its BGP password): HAProxy needs none.
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, close_fds=True,
-                                        cwd=self.paths.dir)  # fmt: skip
+                                        cwd=self.paths.dir, env=PROXY_ENV)  # fmt: skip
             except OSError as err:
                 return 127, f"[ALERT] cannot run {self.binary}: {err}"
             try:

@@ -171,10 +171,12 @@ class RouteTable:
 
 
 def normalise_host(host: str) -> str:
-    """The Host header as matched: lower case, without a port."""
+    """The Host header as matched: lower case, without a port, without the final dot of a
+    fully qualified name (``shop.example.`` is ``shop.example``, as nginx takes it)."""
     if host.startswith("["):  # an IPv6 literal: no rule can name it
         return host.lower()
-    return host.partition(":")[0].lower()
+    host = host.partition(":")[0].lower()
+    return host[:-1] if host.endswith(".") else host
 
 
 # The request path's normalisation, as nginx does it before it matches a ``location``

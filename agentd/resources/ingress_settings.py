@@ -38,7 +38,10 @@ SNIPPET_DIRECTIVES = (
     ("http-response", "set-header"), ("http-response", "add-header"), ("http-response", "del-header"),
 )  # fmt: skip
 _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
-_UNSAFE = re.compile(r"[\x00-\x1f\x7f]|lua|\bfile\b|/etc/|/proc/")
+# Control characters, Lua, files, and the process environment (HAProxy expands "${VAR}" and
+# has an env() fetch: a header could carry the agent's secrets to clients, ingress-nginx's
+# CVE-2021-25742 class).
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f]|lua|\bfile\b|/etc/|/proc/|\benv\s*\(|\$")
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ def snippet(text: str, where: str) -> tuple[str, ...]:
             allowed = ", ".join(" ".join(d) for d in SNIPPET_DIRECTIVES)
             raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: only header rules are allowed ({allowed})")
         if _UNSAFE.search(line):
-            raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: control characters, Lua and file paths are not allowed")
+            raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: control characters, Lua, file paths and "
+                                 "environment variables ($, env()) are not allowed")
         lines.append(line)
     return tuple(lines)
 

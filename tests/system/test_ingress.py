@@ -172,14 +172,16 @@ def make_ca(tmp: Path) -> tuple[Any, Any]:
     return cert, key
 
 
-def tls_secret(name: str, hosts: list[str], ca: tuple[Any, Any], *, wrong_key: bool = False) -> dict[str, Any]:
+def tls_secret(name: str, hosts: list[str], ca: tuple[Any, Any], *, wrong_key: bool = False,
+               weak: bool = False) -> dict[str, Any]:
+    """``weak``: a 1024-bit RSA key, which parses and matches but OpenSSL's security level refuses."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
     from cryptography.x509.oid import NameOID
 
     ca_cert, ca_key = ca
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024) if weak else ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -232,10 +234,13 @@ async def test_host_rules_and_tls_with_sni_and_redirect(world: World):
     `agentd status`."""
     await world.apply(
         tls_secret("foo-tls", ["foo.bar.com"], world.ca_pair), tls_secret("shop-tls", ["shop.example"], world.ca_pair),
+        tls_secret("weak-tls", ["weak.example"], world.ca_pair, weak=True),
         ingress("hosts", [rule("*.foo.com", path("/", "Prefix", "web")), rule("foo.bar.com", path("/", "Prefix", "foo")),
-                          rule("shop.example", path("/", "Prefix", "bar")), rule("nosecret.example", path("/", "Prefix", "foo"))],
+                          rule("shop.example", path("/", "Prefix", "bar")), rule("nosecret.example", path("/", "Prefix", "foo")),
+                          rule("weak.example", path("/", "Prefix", "foo"))],
                 tls=[{"hosts": ["foo.bar.com"], "secretName": "foo-tls"}, {"hosts": ["shop.example"], "secretName": "shop-tls"},
-                     {"hosts": ["nosecret.example"], "secretName": "missing-tls"}]),
+                     {"hosts": ["nosecret.example"], "secretName": "missing-tls"},
+                     {"hosts": ["weak.example"], "secretName": "weak-tls"}]),
     )  # fmt: skip
     try:
         for node in range(3):  # served on every node
@@ -248,6 +253,7 @@ async def test_host_rules_and_tls_with_sni_and_redirect(world: World):
         assert await world.served_by("http://baz.bar.foo.com/") == 404  # one label only
         assert await world.served_by("http://foo.com/") == 404
         assert await world.served_by("http://BAR.foo.com:80/") in WEBS  # case and port of Host ignored
+        assert await world.served_by("http://bar.foo.com./") in WEBS  # and the final dot of a fully qualified name
         # A host without a Secret gets the default certificate: the client refuses it.
         rc, _, err = await world.lab.underlay.aexec("curl", "-sS", "--cacert", str(world.ca), "--resolve",
                                                     f"bar.foo.com:443:{world.node_ips[0]}", "https://bar.foo.com/", check=False)  # fmt: skip
@@ -266,6 +272,12 @@ async def test_host_rules_and_tls_with_sni_and_redirect(world: World):
         assert why.startswith("no such Secret") and "nosecret.example" in why, world.proxy()["tls_errors"]
         rc, out, _ = await world.lab.nodes[0].ns.aexec(binary("agentd"), "status", check=False)
         assert rc == 0 and f"TLS Secret {NS}/missing-tls: no such Secret" in out.decode(), out
+        # A Secret whose key OpenSSL refuses (1024-bit RSA) would make HAProxy refuse the whole
+        # configuration: its host is served with the default certificate, every other as ever.
+        why = world.proxy()["tls_errors"].get(f"{NS}/weak-tls", "")
+        assert why.startswith("the TLS library refuses it") and "weak.example" in why, world.proxy()["tls_errors"]
+        assert await world.served_by("https://weak.example/", args=("-k",)) == "foo-1"
+        assert world.proxy()["error"] is None
         # Switched off for one Ingress: plain HTTP is served.
         off = ingress("hosts", [rule("foo.bar.com", path("/", "Prefix", "foo"))],
                       tls=[{"hosts": ["foo.bar.com"], "secretName": "foo-tls"}])

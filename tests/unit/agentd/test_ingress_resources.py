@@ -114,7 +114,10 @@ def test_the_controllers_configmap_is_checked_on_apply():
     assert parse(cm["data"]) == Settings(read_timeout=30, body_size=8 << 20, http2=False, snippet=("http-response set-header X-A b",))
     for data, want in (({"proxy-read-timeout": "soon"}, "proxy-read-timeout"), ({"use-http2": "yes"}, "use-http2"),
                        ({"frontend-snippet": "use_backend x"}, "only header rules"),
-                       ({"frontend-snippet": "http-request set-header X %[lua.x]"}, "Lua")):  # fmt: skip
+                       ({"frontend-snippet": "http-request set-header X %[lua.x]"}, "Lua"),
+                       # The agent's environment (its BGP password may be there) is nothing a header may carry.
+                       ({"frontend-snippet": "http-response set-header X-Leak %[env(AGENTD_BGP_PASSWORD)]"}, "environment"),
+                       ({"frontend-snippet": 'http-response set-header X "${AGENTD_BGP_PASSWORD}"'}, "environment")):  # fmt: skip
         doc = {**cm, "data": data}
         with pytest.raises(manifests.ManifestError, match=want):
             manifests.validate_all([manifests.Document("document 1", doc)], "f.yaml")

@@ -292,3 +292,52 @@ def test_a_tls_host_is_redirected_whatever_its_secret():
     assert files["redirect.lst"].split() == ["gone.example", "ok.example", "unnamed.example"]
     assert files["crt-list"] == "/run/x/certs/default.ok.pem ok.example\n"  # the others: the default certificate
     assert all(table.redirects(h) for h in ("ok.example", "gone.example", "unnamed.example"))
+
+
+def test_a_host_with_a_final_dot_is_the_same_host():
+    """`Host: shop.example.` (a fully qualified name) routes as `shop.example`, as nginx
+    takes it; the rendered lookup strips that dot the same way."""
+    table = routing.build([HOST_RULES])
+    for (host, path), want in HOST_CASES.items():
+        if host and not host.startswith("["):
+            assert svc_of(table, table.route(host + ".", path)) == want, (host, path)
+    files = haproxy.render(table, {}, Settings(), haproxy.Listen(("192.0.2.1",)), haproxy.Paths(Path("/run/x")), {})
+    assert """set-var(txn.host) 'req.hdr(host),field(1,:),lower,regsub("[.](?!.)","")'""" in files["haproxy.cfg"]
+
+
+def test_keep_alive_0_closes_client_connections_after_each_response():
+    files = haproxy.render(routing.build([HOST_RULES]), {}, Settings(keep_alive=0), haproxy.Listen(("192.0.2.1",)),
+                           haproxy.Paths(Path("/run/x")), {})  # fmt: skip
+    defaults = files["haproxy.cfg"].split("frontend")[0]
+    # The last of HAProxy's three connection modes declared wins: httpclose, after http-keep-alive.
+    assert defaults.index("    option httpclose") > defaults.index("    option http-keep-alive")
+    assert "timeout http-keep-alive" not in defaults
+
+
+def test_a_certificate_the_tls_library_refuses_is_named(tmp_path):
+    """A 1024-bit RSA key passes a parse-and-match check but OpenSSL's security level refuses
+    it, and HAProxy with it: the controller leaves it out (its hosts get the default
+    certificate) instead of a crt-list HAProxy will not load."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    from agentd.ingress import certs
+
+    def pem(bits: int) -> bytes:
+        key = rsa.generate_private_key(public_exponent=65537, key_size=bits)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "shop.example")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+                .sign(key, hashes.SHA256()))
+        return cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+    assert certs.refused(pem(2048), tmp_path) is None
+    assert certs.refused(pem(1024), tmp_path) is not None
+    assert certs.refused(certs.self_signed("x"), tmp_path) is None
+    assert list(tmp_path.iterdir()) == []  # nothing left of the check
