@@ -182,9 +182,12 @@ def attachment(result: Mapping[str, Any], bridge: str) -> tuple[list[str], str, 
 
 def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:
     directory = endpoints_dir(data_dir)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.makedirs(directory, mode=0o755, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{ep.container_id}.")
     try:
+        # Readable by the agent when it runs as a user of its own (docs/operations.md): the
+        # plugin runs as root under the container runtime.  Nothing secret in it.
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(ep.to_json())
         os.replace(tmp, os.path.join(directory, ep.container_id + SUFFIX))
@@ -219,7 +222,7 @@ def wait_programmed(data_dir: str | os.PathLike[str], container_id: str, timeout
 def acknowledge(data_dir: str | os.PathLike[str], programmed: set[str], before: set[str]) -> set[str]:
     """The agent's side: mark ``programmed`` container IDs (unmark the others of ``before``)."""
     directory = os.path.join(endpoints_dir(data_dir), PROGRAMMED)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.makedirs(directory, mode=0o755, exist_ok=True)
     for cid in programmed - before:
         with open(os.path.join(directory, cid), "w"):
             pass
@@ -280,7 +283,7 @@ class DirectoryWatch:
         self._fd: int | None = None
 
     def start(self) -> bool:
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        os.makedirs(self.directory, mode=0o755, exist_ok=True)
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)

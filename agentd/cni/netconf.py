@@ -308,6 +308,9 @@ def conflist(
         "plugins": [
             plugin,
             {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
+            # The pod's kubernetes.io/ingress-bandwidth and egress-bandwidth annotations, which
+            # the runtime passes only to a plugin declaring the capability (as Calico chains it).
+            {"type": "bandwidth", "capabilities": {"bandwidth": True}},
         ],
     }
 

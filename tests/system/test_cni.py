@@ -313,18 +313,33 @@ def test_conflist_chain_runs_like_a_runtime_runs_it(node, netns_factory):
 
     pod = netns_factory("pa")
     count = len(node.conflist["plugins"])
+    # The pod's bandwidth annotations, as the runtime hands them to the plugin declaring the
+    # capability (bits per second; bursts in bits).
+    limits = {"ingressRate": 10_000_000, "ingressBurst": 1_000_000, "egressRate": 20_000_000, "egressBurst": 1_000_000}
     prev = None
     for index in range(count):
         conf = node.plugin_conf(index, **({"prevResult": prev} if prev else {}))
+        if conf["type"] == "bandwidth":
+            conf["runtimeConfig"] = {"bandwidth": limits}
         code, prev, err = node.cni("ADD", "pod-a", pod, conf, plugin=exe(conf))
         assert code == 0, (prev, err)
     assert IPv4Interface(prev["ips"][0]["address"]).network == SUBNET
+    assert "bandwidth" in [p["type"] for p in node.conflist["plugins"]]
+    (veth,) = [i["name"] for i in prev["interfaces"] if i["name"].startswith("veth") and "sandbox" not in i]
+    qdiscs = node.ns.exec("tc", "qdisc", "show", "dev", veth)
+    assert "qdisc tbf" in qdiscs, qdiscs  # the pod's ingress limit, on the host side of its veth
+    # The egress limit: an ifb device the plugin adds (and names in the result), gone with DEL.
+    (ifb,) = [i["name"] for i in prev["interfaces"] if i["name"].startswith("bwp")]
+    assert ifb in _links(node.ns)
     for command in ("CHECK", "DEL"):
         for index in reversed(range(count)):
             conf = node.plugin_conf(index, prevResult=prev)
+            if conf["type"] == "bandwidth":  # libcni hands the capability to every command
+                conf["runtimeConfig"] = {"bandwidth": limits}
             code, out, err = node.cni(command, "pod-a", pod, conf, plugin=exe(conf))
             assert (code, out) == (0, None), (command, conf["type"], err)
     assert "eth0" not in _links(pod)
+    assert ifb not in _links(node.ns)
     assert not (node.state_dir / "pod-a").exists()
 
 

@@ -521,6 +521,7 @@ def test_conflist_is_written_with_per_node_dirs(tmp_path):
                 },
             },
             {"type": "portmap", "capabilities": {"portMappings": True}, "snat": True},
+            {"type": "bandwidth", "capabilities": {"bandwidth": True}},
         ],
     }
 
@@ -629,3 +630,17 @@ def test_missing_netns_path_is_invalid_environment_and_nothing_is_stored(tmp_pat
 
 def test_del_with_missing_netns_path_is_still_accepted(tmp_path):
     assert _run(_env("DEL", CNI_NETNS=str(tmp_path / "gone")), _conf(tmp_path)) == (0, None)
+
+
+def test_endpoint_files_are_readable_by_an_agent_of_its_own_user(tmp_path):
+    """The plugin runs as root under the runtime; the agent may run as a user of its own
+    (docs/operations.md): the endpoint files and their directory are readable by it."""
+    import stat as stat_mod
+
+    from agentd.cni import endpoints as eps
+
+    ep = eps.Endpoint("c1", "default", "web-0", {"app": "web"}, [], ["10.244.1.5"], "veth1234", "aa:bb:cc:dd:ee:ff", "cni0")
+    eps.write(tmp_path, ep)
+    directory = pathlib.Path(eps.endpoints_dir(tmp_path))
+    assert stat_mod.S_IMODE(directory.stat().st_mode) == 0o755
+    assert stat_mod.S_IMODE((directory / ("c1" + eps.SUFFIX)).stat().st_mode) == 0o644
