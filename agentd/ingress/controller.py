@@ -314,10 +314,7 @@ class IngressController:
             elif secret.get("type") != TLS_TYPE:
                 errors[where] = f"type is {secret.get('type')}, not {TLS_TYPE}: {served}"
             else:
-                data = secret.get("data", {})
-                crt = base64.b64decode(data[TLS_CERT_KEY])
-                key = base64.b64decode(data[TLS_PRIVATE_KEY_KEY])
-                pem = crt.rstrip(b"\n") + b"\n" + key.rstrip(b"\n") + b"\n"
+                pem = _pem(secret)
                 refused = self._refused(pem)
                 if refused is not None:
                     # One such certificate in the crt-list and HAProxy refuses the whole
@@ -330,6 +327,12 @@ class IngressController:
                 log.warning("ingress: TLS Secret %s: %s", where, why)
         self.tls_errors = errors
         return out
+
+    def _usable(self, key: tuple[str, str]) -> bool:
+        """Whether Secret ``key`` can serve TLS (routing.build: a host's unusable Secret does
+        not keep another Ingress's usable one from it)."""
+        secret = self.objects["Secret"].get(key)
+        return secret is not None and secret.get("type") == TLS_TYPE and self._refused(_pem(secret)) is None
 
     def _refused(self, pem: bytes) -> str | None:
         """Why OpenSSL (HAProxy's and ours, with the system's security level) will not load
@@ -345,7 +348,7 @@ class IngressController:
         """Every file of the proxy (config, maps, certificates) and its structure: all of it
         but the servers (what decides reload vs. runtime change)."""
         self.settings = self._parse_settings()
-        self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect)
+        self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect, usable=self._usable)
         pems = self._cert_files()
         cert_paths = {k: self.paths.certs / f"{k[0]}.{k[1]}.pem" for k in pems}
         files = {name: text.encode() for name, text in
@@ -575,3 +578,11 @@ def remove_ingress_proxy(state_dir: Path) -> bool:
     remove_files(paths)
     log.info("removed the ingress proxy's files (%s)", paths.dir)
     return True
+
+
+def _pem(secret: Mapping[str, Any]) -> bytes:
+    """A kubernetes.io/tls Secret as HAProxy's crt-list takes it: the chain, then the key."""
+    data = secret.get("data", {})
+    crt = base64.b64decode(data[TLS_CERT_KEY])
+    key = base64.b64decode(data[TLS_PRIVATE_KEY_KEY])
+    return crt.rstrip(b"\n") + b"\n" + key.rstrip(b"\n") + b"\n"

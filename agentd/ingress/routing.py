@@ -45,7 +45,7 @@ from __future__ import annotations
 import calendar
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,11 +230,14 @@ def _backend(ns: str, name: str, spec: Obj) -> Backend:
     return Backend(ns, name, svc["name"], port.get("number") or port.get("name"))
 
 
-def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True) -> RouteTable:
-    """The routing table of ``ingresses`` (those this controller serves)."""
+def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
+          usable: Callable[[tuple[str, str]], bool] = lambda secret: True) -> RouteTable:
+    """The routing table of ``ingresses`` (those this controller serves).  ``usable(secret)``:
+    whether a TLS Secret can serve (it exists, is kubernetes.io/tls, loads): a host's older
+    Ingress whose Secret cannot does not keep a newer one's usable Secret from it."""
     table = RouteTable()
     seen: dict[tuple[str, bool, str], tuple[str, str]] = {}
-    tls_seen: dict[str, tuple[str, str]] = {}
+    tls_seen: dict[str, tuple[int, tuple[str, str], bool]] = {}  # host -> (its entry in table.tls, whose, usable)
     default_of: dict[str, tuple[str, str]] = {}
     for ing in sorted(ingresses, key=age_key):
         ns, name = ing["metadata"]["namespace"], ing["metadata"]["name"]
@@ -275,12 +278,23 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True) -> RouteTable:
             # Without a secretName the hosts are still TLS hosts, served with the default
             # certificate and redirected, as ingress-nginx does.
             secret = (ns, t["secretName"]) if t.get("secretName") else None
+            ok = secret is not None and usable(secret)
             for host in t.get("hosts") or ([""] if secret else []):
                 if host in tls_seen and host:
-                    if tls_seen[host] != me:
-                        table.conflicts.append(f"{ns}/{name}: tls for {host}: already given by {tls_seen[host][0]}/{tls_seen[host][1]}")
+                    index, owner, owner_ok = tls_seen[host]
+                    if owner_ok or not ok:
+                        if owner != me:
+                            table.conflicts.append(f"{ns}/{name}: tls for {host}: already given by {owner[0]}/{owner[1]}")
+                        continue
+                    # The older Ingress's Secret cannot serve: this one's does (as ingress-nginx
+                    # skips an unusable Secret and takes the next Ingress's for the host).
+                    table.conflicts.append(f"{owner[0]}/{owner[1]}: tls for {host}: its Secret cannot serve; "
+                                           f"{ns}/{name}'s does")
+                    table.tls[index] = TlsHost(host, secret, me, table.tls[index].redirect)
+                    tls_seen[host] = (index, me, True)
                     continue
-                tls_seen[host] = me
+                if host:
+                    tls_seen[host] = (len(table.tls), me, ok)
                 table.tls.append(TlsHost(host, secret, me, redirect))
     for vhost in table.vhosts.values():
         vhost.rules.sort(key=lambda r: r.rank)

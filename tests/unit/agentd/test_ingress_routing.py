@@ -341,3 +341,20 @@ def test_a_certificate_the_tls_library_refuses_is_named(tmp_path):
     assert certs.refused(pem(1024), tmp_path) is not None
     assert certs.refused(certs.self_signed("x"), tmp_path) is None
     assert list(tmp_path.iterdir()) == []  # nothing left of the check
+
+
+def test_an_older_ingresses_unusable_secret_does_not_keep_a_newer_usable_one_from_the_host():
+    old = ing("old", [{"host": "shop.example", "http": {"paths": [p("/", "Prefix", "web")]}}],
+              tls=[{"hosts": ["shop.example"], "secretName": "old-tls"}])
+    new = ing("new", [{"host": "shop.example", "http": {"paths": [p("/a", "Prefix", "web")]}}],
+              created="2024-02-01T00:00:00Z", tls=[{"hosts": ["shop.example"], "secretName": "shop-tls"}])
+    usable = {("default", "shop-tls")}
+    table = routing.build([old, new], usable=usable.__contains__)
+    assert [(t.host, t.secret, t.ingress) for t in table.tls] == [("shop.example", ("default", "shop-tls"), ("default", "new"))]
+    assert any("its Secret cannot serve" in c for c in table.conflicts)
+    # Both usable: the older one keeps the host, as before.
+    table = routing.build([old, new], usable=lambda s: True)
+    assert [t.secret for t in table.tls] == [("default", "old-tls")]
+    # Neither: the older one's (served with the default certificate).
+    table = routing.build([old, new], usable=lambda s: False)
+    assert [t.secret for t in table.tls] == [("default", "old-tls")]
