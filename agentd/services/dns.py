@@ -96,14 +96,18 @@ def names(ports: Iterable[ServicePort], domain: str) -> Names:
         for hosts in by_family.values():  # the name exists for both types, if empty for one
             hosts.setdefault(host, set())
         addrs = by_family[sp.family][host]
+        # A headless Service's records are its ready endpoints only (the Kubernetes DNS
+        # specification, as CoreDNS gives them), not the terminating ones a connection may
+        # still be sent to when none is ready.
+        ready = [e for e in sp.endpoints if e.ready] if sp.cluster_ip is None else []
         if sp.cluster_ip is not None:
             addrs.add(sp.cluster_ip)
         else:
-            addrs.update(e.ip for e in sp.usable())
+            addrs.update(e.ip for e in ready)
         if sp.port_name:
             # A headless Service is not translated: its SRV records give each endpoint's own
             # port (the Kubernetes DNS specification, 2.4.1), a cluster IP's the Service's.
-            ports = {sp.port} if sp.cluster_ip is not None else {e.port for e in sp.usable()}
+            ports = {sp.port} if sp.cluster_ip is not None else {e.port for e in ready}
             srv.setdefault(f"_{sp.port_name}._{sp.l4}.{host}", set()).update((port, host) for port in ports)
     a, aaaa = ({k: tuple(sorted(v)) for k, v in by_family[version].items()} for version in (4, 6))
     table = Names(domain, a, {k: tuple(sorted(v)) for k, v in srv.items()}, aaaa)
@@ -129,6 +133,7 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
     known = qname in table.a or qname in table.srv or _is_branch(table, qname)  # a holds every host, aaaa too
     if not known:
         response.set_rcode(dns.rcode.NXDOMAIN)
+        response.authority.append(_soa(table.domain))  # RFC 2308: how long a cache may keep the "no"
         return response
     for rdtype, records in ((dns.rdatatype.A, table.a), (dns.rdatatype.AAAA, table.aaaa)):
         if q.rdtype in (rdtype, dns.rdatatype.ANY) and records.get(qname):
@@ -140,7 +145,16 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
             for rdtype, records in ((dns.rdatatype.A, table.a), (dns.rdatatype.AAAA, table.aaaa)):
                 if records.get(target):
                     response.additional.append(dns.rrset.from_text_list(target, TTL, "IN", rdtype, list(records[target])))
+    if not response.answer:  # NODATA: the name exists, without records of that type
+        response.authority.append(_soa(table.domain))
     return response
+
+
+def _soa(domain: str) -> dns.rrset.RRset:
+    """The cluster domain's SOA, as CoreDNS's kubernetes plugin gives it, for negative answers
+    (its minimum: the records' TTL)."""
+    return dns.rrset.from_text(f"{domain}.", TTL, "IN", "SOA",
+                               f"ns.dns.{domain}. hostmaster.{domain}. 1 7200 1800 86400 {TTL}")
 
 
 def _is_branch(table: Names, qname: str) -> bool:

@@ -281,3 +281,21 @@ endpoints: [{addresses: [10.244.2.8], conditions: {ready: true}}]
     table = sdns.names(model.build([svc], [eps], []), "cluster.local")
     r = sdns.resolve(table, dns.message.make_query("peers.shop.svc.cluster.local", "A"))
     assert lines(r.answer) == ["peers.shop.svc.cluster.local. 5 IN A 10.244.2.8"]
+
+
+def test_negative_answers_carry_the_domains_soa():
+    """RFC 2308: an NXDOMAIN or a NODATA answer carries the zone's SOA, whose minimum tells
+    caches how long to keep the "no" (CoreDNS's kubernetes plugin does the same)."""
+    for name, rdtype, rcode in (("nope.shop.svc.cluster.local", "A", dns.rcode.NXDOMAIN),
+                                ("web.shop.svc.cluster.local", "AAAA", dns.rcode.NOERROR)):
+        r = ask(name, rdtype)
+        assert r.rcode() == rcode and r.answer == []
+        assert lines(r.authority) == ["cluster.local. 5 IN SOA ns.dns.cluster.local. hostmaster.cluster.local. 1 7200 1800 86400 5"]
+    assert ask("web.shop.svc.cluster.local").authority == []
+
+
+def test_a_headless_service_with_only_terminating_endpoints_has_no_records():
+    table = sdns.names([sp("h", "http", "TCP", 80, None, [Endpoint("10.244.1.5", 8080, ready=False, terminating=True)])],
+                       "cluster.local")
+    r = sdns.resolve(table, dns.message.make_query("h.shop.svc.cluster.local", "A"))
+    assert r.rcode() == dns.rcode.NOERROR and r.answer == []
