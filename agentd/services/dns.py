@@ -150,6 +150,25 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
     return response
 
 
+def _truncated(query: dns.message.Message, response: dns.message.Message, limit: int) -> bytes:
+    """``response`` cut to ``limit`` octets, TC set: as many of its answer records as fit, in
+    order, nothing of the other sections."""
+    cut = dns.message.make_response(query)
+    cut.flags = response.flags | dns.flags.TC
+    cut.set_rcode(response.rcode())
+    wire = cut.to_wire(max_size=limit, prefer_truncation=True)
+    for rrset in response.answer:
+        kept = dns.rrset.RRset(rrset.name, rrset.rdclass, rrset.rdtype)
+        cut.answer.append(kept)
+        for rdata in rrset:
+            kept.add(rdata, rrset.ttl)
+            try:
+                wire = cut.to_wire(max_size=limit)
+            except dns.exception.TooBig:
+                return wire  # the last that fitted
+    return wire
+
+
 def _soa(domain: str) -> dns.rrset.RRset:
     """The cluster domain's SOA, as CoreDNS's kubernetes plugin gives it, for negative answers
     (its minimum: the records' TTL)."""
@@ -247,11 +266,14 @@ class DnsServer:
             response = await self._forward(query, tcp)
         # Over UDP an answer must fit the requestor's buffer: 512 octets (RFC 1035 4.2.1), or
         # the payload size its EDNS OPT record offers (RFC 6891 6.2.5, never less than 512).
-        # What does not fit is cut at an RRset and marked TC (RFC 2181 9): the client asks
-        # again over TCP, where up to 65535 octets go (a headless Service's 40 endpoints need
-        # 700; glibc's stub resolver asks without EDNS, and retries over TCP on TC).
+        # What does not fit is cut and marked TC (RFC 2181 9): the client asks again over TCP,
+        # where up to 65535 octets go (a headless Service's 40 endpoints need 700; glibc's stub
+        # resolver asks without EDNS, and retries over TCP on TC).  The cut keeps as many
+        # answer records as fit, as CoreDNS does: a resolver that never retries over TCP (musl
+        # before 1.2.4, Alpine's) still gets addresses.
         limit = 65535 if tcp else min(65535, max(512, query.payload if query.edns >= 0 else 512))
-        return response.to_wire(max_size=limit, prefer_truncation=True)
+        wire = response.to_wire(max_size=65535, prefer_truncation=True)
+        return wire if len(wire) <= limit else _truncated(query, response, limit)
 
     async def _forward(self, query: dns.message.Message, tcp: bool) -> Any:
         self.forwarded += 1
