@@ -151,7 +151,9 @@ def test_a_dns_answer_too_big_for_udp_comes_truncated_and_whole_over_tcp(cli_lab
         return answer if answer["tcp"][0] == BIG else None
 
     answer = until(answered, 60, what=f"{name} to have {BIG} records over TCP", interval=0.5, ignore=(AssertionError,))
-    assert answer == {"udp": [0, True], "tcp": [BIG, False], "edns": [BIG, False]}, answer
+    # Over UDP without EDNS: as many records as 512 octets hold, TC set (as CoreDNS cuts it).
+    assert 0 < answer["udp"][0] < BIG and answer["udp"][1] is True, answer
+    assert answer["tcp"] == [BIG, False] and answer["edns"] == [BIG, False], answer
     # glibc's stub resolver (no EDNS): TC over UDP, then the whole answer over TCP.
     r = cli_lab.exec("node1-pod1", "getent", "ahostsv4", name, timeout=60)
     assert r.returncode == 0, (r.returncode, r.stderr)

@@ -408,7 +408,9 @@ async def test_node_changes_backend_by_config_and_restart(lab_factory):
     await lab.ready.reachable(60)
     await auntil(lambda: b"agentd.vxlan" not in node1.ns.ip("-o", "link").stdout, in_thread=True, timeout=60,
                  what="node1's unused VXLAN device to go")
-    assert "removed what a previous run left of backends no peer uses now: agentd.vxlan" in node1.log_path.read_text()
+    # (logged once the removal has returned: a moment after the device is gone)
+    await auntil(lambda: "removed what a previous run left of backends no peer uses now: agentd.vxlan"
+                 in node1.log_path.read_text(), in_thread=True, timeout=10, what="node1 to log the removal")
     # node1 changes to the user-space data path: its previous run's BPF programs (member list
     # and flags as they were then) leave the underlay, and pods still reach each other.
     assert "agentd_ingress" in tc_filters(node1)
