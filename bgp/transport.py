@@ -306,6 +306,7 @@ class SpeakerService:
         self.bfd = bfd
         self._bfd_peers: dict[str, tuple[str | None, BfdSettings]] = {}
         self.clock = clock
+        self._wall: WallClock | None = None
         self.on_change = on_change
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -659,7 +660,29 @@ class SpeakerService:
 
     def wall_time(self, monotonic: float) -> float:
         """Convert one of the speaker's clock readings to a UNIX timestamp."""
-        return time.time() - (self.clock() - monotonic)
+        if self._wall is None:
+            self._wall = WallClock(self.clock)
+        return self._wall(monotonic)
+
+
+class WallClock:
+    """Monotonic readings as UNIX times through one offset, kept while the wall clock runs steady:
+    the same reading always gives the same time, so a session's ``since`` reads the same twice
+    (recomputing ``time() - (clock() - reading)`` on each read made it jitter by a millisecond).
+    A wall-clock step larger than ``STEP`` seconds (NTP, an operator) moves the offset."""
+
+    STEP = 1.0
+
+    def __init__(self, clock: Callable[[], float], wall: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.wall = wall
+        self.offset: float | None = None
+
+    def __call__(self, monotonic: float) -> float:
+        offset = self.wall() - self.clock()
+        if self.offset is None or abs(offset - self.offset) > self.STEP:
+            self.offset = offset
+        return monotonic + self.offset
 
 
 class _NegativeIds:
