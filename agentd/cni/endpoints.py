@@ -197,6 +197,15 @@ def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:
         raise
 
 
+def read(data_dir: str | os.PathLike[str], container_id: str) -> Endpoint | None:
+    """The container's endpoint file; None if it is not there or not readable as one."""
+    try:
+        with open(os.path.join(endpoints_dir(data_dir), container_id + SUFFIX), encoding="utf-8") as f:
+            return Endpoint.from_json(f.read())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def remove(data_dir: str | os.PathLike[str], container_id: str) -> None:
     for path in (os.path.join(endpoints_dir(data_dir), container_id + SUFFIX), _programmed(data_dir, container_id)):
         with contextlib.suppress(FileNotFoundError):

@@ -7,7 +7,10 @@ config for the reference ``bridge`` plugin with ``host-local`` IPAM
 environment, and passes its result through.
 
 * ADD stores the delegate config in ``<dataDir>/<CNI_CONTAINERID>`` *before* running the
-  delegate, so the runtime's clean-up DEL after a failed ADD still knows what to undo.
+  delegate, so the runtime's clean-up DEL after a failed ADD still knows what to undo, with the
+  ``CNI_IFNAME`` it was for (key ``agentdIfname``, never passed on).  A container has one
+  agentd interface: an ADD for a second ``CNI_IFNAME`` (Multus attaching agentd twice) is
+  refused, and its clean-up DEL leaves the first attachment alone.
 * DEL runs the delegate with exactly the stored config (the subnet file may have changed since),
   then removes it.  DEL is idempotent: with no stored config it falls back to a config built from
   the current subnet file (so host-local still releases the address), and with no subnet file
@@ -15,7 +18,10 @@ environment, and passes its result through.
   bridge plugin (it releases the address and succeeds).  If the delegate rejects the stored
   config (an ADD with a broken config), DEL retries with the current config, so fixing the
   config ends the runtime's DEL retries.
-* CHECK runs the delegate with the stored config plus the runtime's ``prevResult``.
+* CHECK runs the delegate with the stored config plus the runtime's ``prevResult``, then checks
+  what the delegate cannot know: the pod's addresses are inside the node's subnets as the
+  subnet file gives them now (a node that lost its lease has another), and the pod's endpoint
+  file -- what the agent programs its network policy from -- is there with those addresses.
 * VERSION prints the supported spec versions.
 
 Plugin config keys (besides ``cniVersion``, ``name``, ``type``): ``subnetFile`` (default
@@ -41,6 +47,7 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address, ip_address, ip_interface
 from typing import Any
 
 # Pod identity for NetworkPolicy: the endpoint file the agent picks up.
@@ -337,7 +344,15 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
     sf = load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE))
     conf = delegate_config(netconf, sf)
     pod = _pod_identity(env, netconf)  # checked before anything is set up
-    save_state(_data_dir(netconf), args.container_id, conf)
+    data_dir = _data_dir(netconf)
+    attached = stored_ifname(data_dir, args.container_id)
+    if attached is not None and attached != args.ifname:
+        raise CniError(
+            INVALID_NETWORK_CONFIG,
+            f"container {args.container_id} already has an agentd interface ({attached}); "
+            f"agentd attaches a container once, not again as {args.ifname}",
+        )
+    save_state(data_dir, args.container_id, conf, args.ifname)
     result = invoke_delegate(conf, args, env, timeout=netconf.get("delegateTimeout", DELEGATE_TIMEOUT))
     if result is None:
         raise CniError(INTERNAL, f"delegate {conf['type']} printed no result for ADD")
@@ -385,6 +400,12 @@ def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any
 def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> None:
     data_dir = _data_dir(netconf)
     timeout = netconf.get("delegateTimeout", DELEGATE_TIMEOUT)
+    attached = stored_ifname(data_dir, args.container_id)
+    if attached is not None and attached != args.ifname:
+        # The clean-up DEL of a refused second attachment: the first one is not this DEL's.
+        print(f"agentd-cni: container {args.container_id} has its agentd interface as {attached}, "
+              f"not {args.ifname}: nothing to undo", file=sys.stderr)
+        return
     stored = load_state(data_dir, args.container_id)
     current = _current_delegate_config(netconf)
     if stored is None:
@@ -433,13 +454,65 @@ def cmd_check(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) ->
         )
     if "prevResult" not in netconf:
         raise CniError(INVALID_NETWORK_CONFIG, "CHECK needs 'prevResult' (the result of ADD) in the config")
-    stored = load_state(_data_dir(netconf), args.container_id)
-    if stored is None:
+    data_dir = _data_dir(netconf)
+    stored = load_state(data_dir, args.container_id)
+    attached = stored_ifname(data_dir, args.container_id)
+    if stored is None or (attached is not None and attached != args.ifname):
         raise CniError(
-            UNKNOWN_CONTAINER, f"no delegate config stored for container {args.container_id}", "was it added?"
+            UNKNOWN_CONTAINER,
+            f"no delegate config stored for container {args.container_id} interface {args.ifname}",
+            "was it added?",
         )
     conf = dict(stored, cniVersion=netconf["cniVersion"], prevResult=netconf["prevResult"])
     invoke_delegate(conf, args, env, timeout=netconf.get("delegateTimeout", DELEGATE_TIMEOUT))
+    ips = _result_addresses(netconf["prevResult"])
+    _check_in_subnets(ips, load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE)))
+    if _pod_identity(env, netconf) is not None:
+        _check_endpoint(data_dir, args.container_id, ips)
+
+
+def _result_addresses(result: Any) -> list[IPv4Address | IPv6Address]:
+    """The pod addresses of a result (``prevResult``), checked as addresses."""
+    entries = result.get("ips") if isinstance(result, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise CniError(INVALID_NETWORK_CONFIG, "CHECK: prevResult names no address ('ips')")
+    out = []
+    for entry in entries:
+        text = entry.get("address") if isinstance(entry, dict) else None
+        try:
+            out.append(ip_interface(str(text)).ip)
+        except ValueError:
+            raise CniError(INVALID_NETWORK_CONFIG, f"CHECK: prevResult address {_short(text)} is not an address") from None
+    return out
+
+
+def _check_in_subnets(ips: list[IPv4Address | IPv6Address], sf: SubnetFile) -> None:
+    """Each address inside this node's pod subnet of its family, as the subnet file says now."""
+    for ip in ips:
+        subnet = sf.subnet if ip.version == 4 else sf.subnet_v6
+        if subnet is None or ip not in subnet:
+            raise CniError(
+                INTERNAL,
+                f"pod address {ip} is outside this node's IPv{ip.version} pod subnet ({subnet or 'none'})",
+                "the node's subnet changed since the pod was added (a lost lease); the pod must be added again",
+            )
+
+
+def _check_endpoint(data_dir: str, container_id: str, ips: list[IPv4Address | IPv6Address]) -> None:
+    """The endpoint file the agent programs the pod's network policy from: there, with these
+    addresses."""
+    ep = pod_endpoints.read(data_dir, container_id)
+    if ep is None:
+        raise CniError(
+            INTERNAL, f"the endpoint file of container {container_id} is missing or unreadable",
+            "the agent cannot program network policy for the pod; the pod must be added again",
+        )
+    if {ip_address(a) for a in ep.ips} != set(ips):
+        raise CniError(
+            INTERNAL,
+            f"the endpoint file of container {container_id} names {', '.join(ep.ips)}, "
+            f"not the pod's {', '.join(map(str, ips))}",
+        )
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -468,8 +541,13 @@ def state_path(data_dir: str, container_id: str) -> str:
     return os.path.join(data_dir, container_id)
 
 
-def save_state(data_dir: str, container_id: str, conf: dict[str, Any]) -> None:
+IFNAME_KEY = "agentdIfname"  # in the stored config: the CNI_IFNAME it was stored for
+
+
+def save_state(data_dir: str, container_id: str, conf: dict[str, Any], ifname: str | None = None) -> None:
     path = state_path(data_dir, container_id)
+    if ifname is not None:
+        conf = dict(conf, **{IFNAME_KEY: ifname})
     tmp = None
     try:
         os.makedirs(data_dir, mode=0o700, exist_ok=True)
@@ -501,7 +579,20 @@ def load_state(data_dir: str, container_id: str) -> dict[str, Any] | None:
     if not isinstance(conf, dict) or not isinstance(conf.get("type"), str):
         print(f"agentd-cni: ignoring corrupt stored delegate config {path}", file=sys.stderr)
         return None
+    conf.pop(IFNAME_KEY, None)
     return conf
+
+
+def stored_ifname(data_dir: str, container_id: str) -> str | None:
+    """The ``CNI_IFNAME`` the container's stored config is for; None without one (nothing
+    stored, or stored by a plugin before it kept the name)."""
+    try:
+        with open(state_path(data_dir, container_id), encoding="utf-8") as f:
+            conf = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    ifname = conf.get(IFNAME_KEY) if isinstance(conf, dict) else None
+    return ifname if isinstance(ifname, str) else None
 
 
 def remove_state(data_dir: str, container_id: str) -> None:

@@ -67,14 +67,18 @@ class Node:
         plugin: str = AGENTD_CNI,
         cni_path: str = CNI_PATH,
         netns_path: str | None = None,
+        ifname: str = "eth0",
+        cni_args: str | None = None,
     ) -> tuple[int, dict | None, str]:
         env = {
             "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
             "CNI_COMMAND": command,
             "CNI_CONTAINERID": container_id,
-            "CNI_IFNAME": "eth0",
+            "CNI_IFNAME": ifname,
             "CNI_PATH": cni_path,
         }
+        if cni_args is not None:
+            env["CNI_ARGS"] = cni_args
         if netns_path or pod is not None:
             env["CNI_NETNS"] = netns_path or pod.path
         stdin = json.dumps(conf if conf is not None else self.plugin_conf()).encode()
@@ -170,6 +174,53 @@ def test_check_fails_when_the_pod_lost_its_route(node, netns_factory):
     pod.ip("route", "del", str(NETWORK))
     code, out, _ = node.cni("CHECK", "pod-a", pod, node.plugin_conf(prevResult=res))
     assert code != 0 and out["code"] == 999 and "10.244.0.0" in out["msg"]
+
+
+def test_check_fails_once_the_nodes_subnet_moved_away_from_the_pod(node, netns_factory):
+    # The bridge plugin's own CHECK looks at the pod alone: it passes.  The node lost its lease
+    # and has another subnet now, so the pod's address is routed elsewhere: CHECK says so.
+    pod = netns_factory("pa")
+    res = node.add("pod-a", pod)
+    cni_config.write_subnet_file(str(node.subnet_file), SubnetFile(network=NETWORK, subnet=IPv4Network("10.244.7.0/24"), mtu=MTU))
+    code, out, err = node.cni("CHECK", "pod-a", pod, node.plugin_conf(prevResult=res))
+    assert code != 0 and out["code"] == 999, (out, err)
+    assert "outside this node's IPv4 pod subnet (10.244.7.0/24)" in out["msg"]
+    assert res["ips"][0]["address"].split("/")[0] in out["msg"]
+
+
+K8S_ARGS = "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0"
+
+
+def test_check_fails_when_the_pods_endpoint_file_is_gone(node, netns_factory):
+    # The endpoint file is what the agent programs the pod's network policy from.
+    pod = netns_factory("pa")
+    conf = node.plugin_conf(policyTimeout=0)
+    code, res, err = node.cni("ADD", "pod-a", pod, conf, cni_args=K8S_ARGS)
+    assert code == 0, (res, err)
+    endpoint = node.state_dir / "endpoints" / "pod-a.json"
+    assert json.loads(endpoint.read_text())["name"] == "web-0"
+    check = node.plugin_conf(policyTimeout=0, prevResult=res)
+    assert node.cni("CHECK", "pod-a", pod, check, cni_args=K8S_ARGS)[:2] == (0, None)
+    endpoint.unlink()
+    code, out, err = node.cni("CHECK", "pod-a", pod, check, cni_args=K8S_ARGS)
+    assert code != 0 and out["code"] == 999 and "endpoint file" in out["msg"], (out, err)
+
+
+def test_a_second_agentd_interface_is_refused_and_its_clean_up_leaves_the_first(node, netns_factory):
+    # Multus attaching agentd to one container twice (CNI_IFNAME net1): refused in one line,
+    # and the runtime's clean-up DEL for net1 must not undo eth0.
+    pod = netns_factory("pa")
+    res = node.add("pod-a", pod)
+    ip = res["ips"][0]["address"].split("/")[0]
+    code, out, err = node.cni("ADD", "pod-a", pod, ifname="net1")
+    assert code != 0 and out["code"] == 7 and "already has an agentd interface (eth0)" in out["msg"], (out, err)
+    assert "net1" not in _links(pod)
+    assert node.cni("DEL", "pod-a", pod, ifname="net1")[:2] == (0, None)
+    assert (node.state_dir / "pod-a").exists() and (node.leases / ip).exists()
+    assert node.cni("CHECK", "pod-a", pod, node.plugin_conf(prevResult=res))[:2] == (0, None)
+    _ping(node.ns, ip)
+    code, out, _ = node.cni("CHECK", "pod-a", pod, node.plugin_conf(prevResult=res), ifname="net1")
+    assert code != 0 and out["code"] == 3
 
 
 def test_del_removes_veth_address_and_stored_config_and_is_idempotent(node, netns_factory):

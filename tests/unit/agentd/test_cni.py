@@ -6,6 +6,7 @@ no root, no network.  The real plugins are exercised in tests/system/test_cni.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -217,7 +218,70 @@ def test_add_stores_delegate_config_before_running_delegate(tmp_path):
     conf = _conf(tmp_path)
     _assert_error(_run(_env(CNI_PATH=str(tmp_path / "empty")), conf), 999, "'bridge'", "not found")
     stored = json.loads((tmp_path / "state" / "c0ffee01").read_text())
-    assert stored == cni_config.delegate_config(conf, SF)
+    assert stored == dict(cni_config.delegate_config(conf, SF), agentdIfname="eth0")
+    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == cni_config.delegate_config(conf, SF)
+
+
+def test_a_second_agentd_interface_is_refused_and_its_del_leaves_the_first(tmp_path):
+    # Multus attaching agentd twice: the state is the container's, so the second ADD is refused
+    # (before the delegate would run) and the runtime's clean-up DEL for it undoes nothing.
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path)
+    state = tmp_path / "state" / "c0ffee01"
+    cni.save_state(str(tmp_path / "state"), "c0ffee01", cni_config.delegate_config(conf, SF), "eth0")
+    before = state.read_text()
+    _assert_error(_run(_env(CNI_IFNAME="net1"), conf), 7, "already has an agentd interface (eth0)", "net1")
+    assert _run(_env("DEL", CNI_IFNAME="net1"), conf) == (0, None)
+    assert state.read_text() == before
+    prev = {"cniVersion": "1.0.0", "ips": [{"address": "10.244.3.7/24"}]}
+    _assert_error(_run(_env("CHECK", CNI_IFNAME="net1"), _conf(tmp_path, prevResult=prev)), 3, "net1")
+
+
+def test_a_config_stored_before_the_ifname_was_kept_still_serves(tmp_path):
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "c0ffee01").write_text(json.dumps(cni_config.delegate_config(conf, SF)))
+    assert cni.stored_ifname(str(tmp_path / "state"), "c0ffee01") is None
+    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == cni_config.delegate_config(conf, SF)
+
+
+@pytest.mark.parametrize(
+    ("address", "ok"),
+    [("10.244.3.7/24", True), ("10.244.9.7/24", False), ("fd00::7/64", False)],
+)
+def test_check_wants_the_pods_addresses_inside_the_nodes_subnets_now(address, ok):
+    ips = cni._result_addresses({"ips": [{"address": address}]})
+    if ok:
+        cni._check_in_subnets(ips, SF)
+        return
+    with pytest.raises(cni.CniError) as err:
+        cni._check_in_subnets(ips, SF)
+    assert "outside this node's" in err.value.msg and str(ips[0]) in err.value.msg
+
+
+@pytest.mark.parametrize("result", [{}, {"ips": []}, {"ips": [{"address": "nonsense"}]}, {"ips": "10.0.0.1"}, []])
+def test_check_refuses_a_prev_result_without_addresses(result):
+    with pytest.raises(cni.CniError) as err:
+        cni._result_addresses(result)
+    assert err.value.code == 7 and "prevResult" in err.value.msg
+
+
+def test_check_wants_the_endpoint_file_with_the_pods_addresses(tmp_path):
+    from ipaddress import ip_address
+
+    from agentd.cni import endpoints
+
+    ips = [ip_address("10.244.3.7")]
+    with pytest.raises(cni.CniError, match="missing or unreadable"):
+        cni._check_endpoint(str(tmp_path), "c0ffee01", ips)
+    ep = endpoints.Endpoint(container_id="c0ffee01", namespace="ns", name="web", labels={}, ports=[],
+                            ips=["10.244.3.8"], interface="veth1", mac="aa:bb:cc:dd:ee:ff", bridge="cni0")
+    endpoints.write(str(tmp_path), ep)
+    with pytest.raises(cni.CniError, match="names 10.244.3.8, not the pod's 10.244.3.7"):
+        cni._check_endpoint(str(tmp_path), "c0ffee01", ips)
+    endpoints.write(str(tmp_path), dataclasses.replace(ep, ips=["10.244.3.7"]))
+    cni._check_endpoint(str(tmp_path), "c0ffee01", ips)
 
 
 # --- CHECK -----------------------------------------------------------------------------------
