@@ -324,9 +324,11 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if cmd == "docker-opts":
         from agentd.cni import docker_opts
 
+        masq = None
         if args.subnet_file is None:  # the configuration's: [cni] subnet_file (no host facts needed)
-            args.subnet_file = str(_load(args, parser, host=None)[2].cni.subnet_file)
-        return docker_opts.run(args)
+            cfg = _load(args, parser, host=None)[2]
+            args.subnet_file, masq = str(cfg.cni.subnet_file), cfg.network.ip_masq
+        return docker_opts.run(args, agent_masquerades=masq)
     plugin = getattr(args, "plugin_command", None)
     if plugin is not None:
         return plugin.run(args)

@@ -18,7 +18,8 @@ node's pod subnet, so the containers get cluster addresses that every other node
 * ``--ip-masq``: AGENTD_IPMASQ -- whether the bridge should masquerade.  agentd writes false:
   a bridge's masquerading covers everything that leaves the node's subnet, containers on other
   nodes included; with ``[network] ip_masq = true`` the agent masquerades only what leaves the
-  pod network itself (agentd.nft.masquerade).
+  pod network itself (agentd.nft.masquerade).  With ``ip_masq`` off nothing does, and the
+  command warns (when it read the configuration, i.e. without ``--subnet-file``).
 """
 
 from __future__ import annotations
@@ -65,8 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", help="write to this file (atomically) instead of standard output")
 
 
-def run(args: argparse.Namespace) -> int:
-    """``args.subnet_file``: the flag's, or the configuration's (the CLI puts it there)."""
+IP_MASQ_OFF = ("agentd docker-opts: warning: [network] ip_masq is off and Docker's masquerading is switched off "
+               "(--ip-masq=false): containers cannot reach addresses outside the cluster; set ip_masq = true")
+
+
+def run(args: argparse.Namespace, agent_masquerades: bool | None = None) -> int:
+    """``args.subnet_file``: the flag's, or the configuration's (the CLI puts it there, with
+    ``agent_masquerades``, its ``[network] ip_masq``: False warns that nothing masquerades)."""
     try:
         sf = read_subnet_file(args.subnet_file)
     except FileNotFoundError:
@@ -79,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.key.isidentifier():
         print(f"agentd docker-opts: --key {args.key!r} is not a variable name", file=sys.stderr)
         return 2
+    if agent_masquerades is False:
+        print(IP_MASQ_OFF, file=sys.stderr)
     text = render(docker_options(sf), args.format, args.key)
     if args.output:
         try:

@@ -56,6 +56,7 @@ from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinne
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
 from agentd.flows.recorder import restore_sysctls
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
+from agentd.kernel import sysctl
 from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy
 from agentd.nft import masquerade
@@ -242,7 +243,12 @@ class Agent:
             self.leases[version] = lease
             log.info("node %s holds subnet %s%s", self.name, lease.subnet,
                      " (kept from before)" if lease.subnet == previous.get(version) else "")
+            if previous.get(version) is not None and lease.subnet != previous[version]:
+                log.warning("this node's subnet changed from %s to %s: pods and containers on the old subnet "
+                            "must be created again; a Docker host runs `agentd docker-opts` and restarts Docker",
+                            previous[version], lease.subnet)
         self.lease = next(iter(self.leases.values()))
+        await self._forwarding()
         # NetworkPolicy: adopt the policy tables as they are; they change only once
         # the resources in etcd have been read (the "policy" task).  Until its first sync says
         # no pod here is isolated, the BPF data path hands no packet to a pod past netfilter.
@@ -314,6 +320,24 @@ class Agent:
         self.service.set_originated([Origination((AFI[version], SAFI_UNICAST), network_to_prefix(lease.subnet))
                                      for version, lease in sorted(self.leases.items())])
         self.routes.bgp_started(float(cfg.bgp.restart_time))
+
+    async def _forwarding(self) -> None:
+        """IP forwarding on for each pod family (agentd.kernel.sysctl): before the subnet file
+        is written, so a Docker daemon started after the agent finds it on."""
+        try:
+            changed = await asyncio.to_thread(sysctl.enable_forwarding, self.leases)
+        except OSError as err:
+            log.error("IP forwarding could not be turned on: pods of other hosts cannot be reached: %s", err)
+            self._problems.append(f"IP forwarding not on: {err}")
+            return
+        if changed:
+            log.info("turned on %s: this host routes the pods' traffic", " and ".join(changed))
+        if "net.ipv6.conf.all.forwarding" in changed:
+            ignoring = await asyncio.to_thread(sysctl.ra_ignored)
+            if ignoring:
+                log.warning("with IPv6 forwarding on, %s ignore router advertisements (accept_ra = 1); "
+                            "set net.ipv6.conf.IFACE.accept_ra = 2 where the host learns its IPv6 routes from them",
+                            ", ".join(ignoring))
 
     async def _masquerade(self) -> None:
         """[network] ip_masq: the masquerading tables for the node's pod subnets, one per family

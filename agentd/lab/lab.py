@@ -362,7 +362,8 @@ class Lab:
         )
         self.etcd_ns = self.etcd.members[0].netns  # member 1 (the only one by default)
         self.network = Underlay(spec.name, spec.subnets, self.etcd,
-                                ip_family="ipv6" if not spec.underlay_v4 else "dual" if spec.underlay_v6 else "ipv4")
+                                ip_family="ipv6" if not spec.underlay_v4 else "dual" if spec.underlay_v6 else "ipv4",
+                                host_forwarding=not spec.docker)  # Docker hosts: the agents turn it on
         self.underlay = self.network.ns
         self.router = self.network.router
         self.ready = Readiness(self)  # the waits of each stage: lab.ready.routes(timeout), ...

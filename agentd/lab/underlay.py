@@ -61,13 +61,17 @@ class _Member:
 
 
 class Underlay:
-    def __init__(self, name: str, segments: int, etcd: EtcdCluster, *, ip_family: str = "ipv4") -> None:
+    def __init__(self, name: str, segments: int, etcd: EtcdCluster, *, ip_family: str = "ipv4",
+                 host_forwarding: bool = True) -> None:
         self.ns = Netns(f"ad-{name}-ul")
         self.router = Netns(f"ad-{name}-rt")
         self.segments = segments
         self.etcd = etcd
         self.v4 = ip_family != "ipv6"  # IPv4 on the underlay
         self.v6 = ip_family != "ipv4"  # IPv6 on the underlay
+        # The hosts' IP forwarding as the lab makes them; off: as a fresh host has it, for the
+        # agent to turn on (a Docker daemon that finds it off drops what it forwards).
+        self.host_forwarding = host_forwarding
 
     def _create(self, name: str) -> Netns:
         ns = Netns.create(name)
@@ -152,10 +156,11 @@ class Underlay:
 
     def _link(self, h: Host) -> None:
         ns = self._create(h.ns.name)
+        forward = int(self.host_forwarding)
         for key in ("net.ipv4.ip_forward", "net.ipv4.conf.all.rp_filter", "net.ipv4.conf.default.rp_filter"):
-            ns.sysctl(key, 1 if key.endswith("forward") else 0)
+            ns.sysctl(key, forward if key.endswith("forward") else 0)
         if self.v6:
-            ns.sysctl("net.ipv6.conf.all.forwarding", 1)
+            ns.sysctl("net.ipv6.conf.all.forwarding", forward)
         veth(ns, "eth0", self.ns, f"n{h.index}")
         self.ns.ip("link", "set", f"n{h.index}", "master", f"br{h.segment}")
         if h.address is not None:

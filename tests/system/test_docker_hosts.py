@@ -6,6 +6,8 @@ and one container per node started with plain ``docker run`` (no CNI):
 
 * docker0 holds the node's subnet (``--bip``) with the pod MTU (``--mtu``), and Docker's own
   masquerading is off (``--ip-masq=false``);
+* the hosts start with IP forwarding off, as fresh hosts do: the agent turns it on before
+  dockerd starts, so Docker leaves iptables' FORWARD policy at ACCEPT;
 * the containers reach each other across the hosts: ICMP (the lab's matrix) and TCP, and the
   receiving container sees the sender's own address (container-to-container traffic is never
   masqueraded);
@@ -82,6 +84,12 @@ async def test_plain_docker_containers_reach_each_other_across_hosts(lab_factory
         pod = next(p for p in lab.pods if p.node is node)
         assert IPv4Network(f"{pod.ip}/32").subnet_of(sf.subnet)
         assert sf.backend == backend and sf.ipmasq is False
+        # The host had forwarding off (as a fresh host has): the agent turned it on before the
+        # subnet file was there, so dockerd found it on and left iptables' FORWARD policy alone
+        # (a dockerd that turns it on itself sets the policy to DROP, which drops what other
+        # hosts' containers open to this host's).
+        assert node.ns.exec("sysctl", "-n", "net.ipv4.ip_forward").strip() == "1"
+        assert "-P FORWARD ACCEPT" in node.ns.exec("iptables", "-S", "FORWARD").splitlines()
 
     # ICMP: every container answers every other (lab.up waited for it; once more, to assert it).
     matrix = await lab.ready.reachability()

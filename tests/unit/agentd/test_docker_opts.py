@@ -60,10 +60,19 @@ def test_the_subnet_file_is_the_configurations_by_default(tmp_path, capsys, monk
     config = tmp_path / "agentd.toml"
     config.write_text(f'[cni]\nsubnet_file = "{path}"\n')
     assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
-    assert capsys.readouterr().out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
+    out, err = capsys.readouterr()
+    assert out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
+    # [network] ip_masq is off (the default): nothing would masquerade what the containers send
+    # out of the cluster, and the command says so, on stderr only.
+    assert err.count("\n") == 1 and "ip_masq is off" in err
     monkeypatch.setenv("AGENTD_CONFIG", str(config))
     assert main(["docker-opts", "--format", "args"]) == 0
     assert capsys.readouterr().out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
+    # The configuration read has [network] ip_masq off (the default): nothing would masquerade
+    # the containers' traffic leaving the cluster, and the command says so (stderr only).
+    config.write_text(f'[cni]\nsubnet_file = "{path}"\n[network]\nip_masq = true\n')
+    assert main(["docker-opts", "--format", "args"]) == 0
+    assert capsys.readouterr() == ("--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n", "")
     monkeypatch.setenv("AGENTD_CNI_SUBNET_FILE", str(tmp_path / "elsewhere.env"))
     assert main(["docker-opts"]) == 1
     assert f"no subnet file at {tmp_path / 'elsewhere.env'}" in capsys.readouterr().err
