@@ -247,12 +247,16 @@ def _config_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> t
     return DEFAULT_CONFIG_PATH, False
 
 
-def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, host: HostFacts | None):
+def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, host: HostFacts | None,
+          check_files: bool = True):
+    """The configuration a command reads; ``check_files`` False for the commands that open none
+    of the agent's own files (etcd's TLS files): their users need not be able to read them."""
     path, named = _config_path(args, parser)
     overrides = _overrides(args.set, parser)
     if getattr(args, "log_level", None):
         overrides["log.level"] = args.log_level
-    return path, overrides, load_config(path, overrides=overrides, require_file=named, host=host)
+    return path, overrides, load_config(path, overrides=overrides, require_file=named, host=host,
+                                        check_files=check_files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,8 +315,9 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
-    if cmd in ("flows", "ui"):  # [api] listen and token_file only: no host facts are needed
-        _path, _overrides_, cfg = _load(args, parser, host=None)
+    if cmd in ("flows", "ui"):  # [api] listen and token_file only: no host facts, no etcd (its TLS files
+        # are root's: a token_group member, or anyone reading flows, runs these)
+        _path, _overrides_, cfg = _load(args, parser, host=None, check_files=False)
         return flows_command(args, cfg.api.token_file) if cmd == "flows" else ui_command(cfg)
     if cmd in ("apply", "get", "delete", "label"):  # resources: agentd/resources/cli.py
         from agentd.resources import cli as resource_cli
@@ -326,7 +331,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         masq = None
         if args.subnet_file is None:  # the configuration's: [cni] subnet_file (no host facts needed)
-            cfg = _load(args, parser, host=None)[2]
+            cfg = _load(args, parser, host=None, check_files=False)[2]
             args.subnet_file, masq = str(cfg.cni.subnet_file), cfg.network.ip_masq
         return docker_opts.run(args, agent_masquerades=masq)
     plugin = getattr(args, "plugin_command", None)
@@ -437,7 +442,7 @@ def add_flow_arguments(sp: argparse.ArgumentParser) -> None:
         flags = [f"--{name}"] + (["-n"] if name == "namespace" else ["-l"] if name == "label" else [])
         sp.add_argument(*flags, action="append", default=[], dest=f"filter_{name.replace('-', '_')}",
                         metavar={"label": "KEY[=VALUE]", "pod": "NS/NAME", "from-pod": "NS/NAME",
-                                 "to-pod": "NS/NAME"}.get(name, name.upper()),
+                                 "to-pod": "NS/NAME", "service": "NS/NAME"}.get(name, name.upper()),
                         help=f"only records whose {name} matches (repeat for any of several)")
 
 
@@ -525,9 +530,9 @@ def ui_command(cfg: Any) -> int:
     except TokenFileError as err:
         sys.stderr.write(f"agentd ui: {err}\n")
         return 1
-    host = str(cfg.api.listen.host)
-    if host in ("0.0.0.0", "::"):
-        host = "127.0.0.1"
+    # A wildcard listen address is reached at the loopback address of its family: the API on
+    # [::] takes IPv6 alone (asyncio sets IPV6_V6ONLY), so 127.0.0.1 would be refused there.
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(str(cfg.api.listen.host), str(cfg.api.listen.host))
     print(f"http://{'[' + host + ']' if ':' in host else host}:{cfg.api.listen.port}/ui/?key={ui_key(token)}")
     return 0
 

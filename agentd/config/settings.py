@@ -110,6 +110,7 @@ from agentd.config.values import (
     suggest,
     text_json,
     text_list,
+    parse_file_name,
     parse_tls_file,
     type_name,
 )
@@ -174,7 +175,7 @@ _KEYS = (
     _Key("bgp", "router_id", string_kind(parse_ipv4), None),
     _Key("bgp", "asn", ASN, None),
     _Key("bgp", "hold_time", HOLD_TIME, 90),
-    _Key("bgp", "keepalive_time", int_kind(0, 21845), None),
+    _Key("bgp", "keepalive_time", int_kind(0, 65535), None),  # below hold_time (RFC 4271 §4.4): _build checks
     _Key("bgp", "connect_retry", float_kind(1, 3600), 5.0),
     _Key("bgp", "password", PASSWORD, None, secret=True),
     _Key("bgp", "graceful_restart", BOOL, True),
@@ -226,6 +227,10 @@ _KEYS = (
     _Key("agent", "bpf_dir", PATH, AgentConfig.bpf_dir),
 )
 _BY_PATH = {k.path: k for k in _KEYS}
+# The keys naming files that are opened by the agent alone (TLS files, the read token): a
+# command that opens none of them loads with check_files=False and takes their paths as written.
+_FILE_KINDS = {k.path: Kind(k.kind.types, k.kind.what, k.kind.text, parse_file_name)
+               for k in _KEYS if k.kind.check is parse_tls_file}
 _SECTIONS = SECTIONS  # [section] names, in the file's order (checked against _KEYS by the unit tests)
 CONFIG_KEYS: tuple[str, ...] = tuple(_BY_PATH)
 
@@ -265,6 +270,19 @@ SUBNET_FILE_NAMES = frozenset(("AGENTD_NETWORK", "AGENTD_SUBNET", "AGENTD_IPV6_N
                                "AGENTD_MTU", "AGENTD_IPMASQ", "AGENTD_BACKEND", "AGENTD_DNS", "AGENTD_DNS_V6",
                                "AGENTD_CLUSTER_DOMAIN"))
 
+# The AGENTD_* variables of the project's tools and scripts, not of the configuration; an agent
+# a lab starts inherits them (agentd/lab, compose.yaml, docker/, scripts/dev, the dataplane's
+# profiler, the CLI's).  A unit test holds this equal to the names the repository reads.
+TOOL_ENV_NAMES = frozenset((
+    "AGENTD_CONFIG", "AGENTD_STATUS_URL",  # the CLI's
+    "AGENTD_BASE_IMAGE", "AGENTD_PIP_OFFLINE", "AGENTD_IMAGE", "AGENTD_IMAGE_CACHE", "AGENTD_LOCAL_BASE",
+    "AGENTD_LAB_ROOT", "AGENTD_COMPOSE", "AGENTD_COMPOSE_STATE", "AGENTD_DOCKER_CLIENT", "AGENTD_DOCKER_DATA",
+    "AGENTD_DOCKER_RUN",  # the lab's
+    "AGENTD_DATAPLANE_PROFILE", "AGENTD_DATAPLANE_PROFILE_CLOCK",  # the user-space data path's profiler
+    "AGENTD_TEST_WORKERS", "AGENTD_UI_SCREENSHOTS",  # scripts/dev's and the tests'
+))
+_ENV_KEYS = tuple(k.replace(".", "_") for k in CONFIG_KEYS)  # "bgp_hold_time": AGENTD_BGP_HOLD_TIME
+
 _TABLE_LISTS = {
     "bgp.peers": (_PEER_KINDS, ("address", "asn")),
     "bgp.listen_ranges": (_RANGE_KINDS, ("prefix", "asn")),
@@ -302,7 +320,8 @@ class _Loader:
     """Collects values with their origins (file < environment < --set) and every problem; the
     checks across keys and the Config are :func:`_build`'s."""
 
-    def __init__(self) -> None:
+    def __init__(self, check_files: bool = True) -> None:
+        self.check_files = check_files
         self.values: dict[str, Any] = {k.path: k.default for k in _KEYS}
         self.origins: dict[str, _Origin] = {k.path: _DEFAULT for k in _KEYS}
         # Per array of tables (bgp.peers, bgp.listen_ranges): (index in the source, origins) per table.
@@ -334,7 +353,8 @@ class _Loader:
             if from_text and key.default is None and not raw.strip():
                 value = None  # an empty environment or --set value: an optional key not set
             else:
-                value = key.kind.from_text(raw, base) if from_text else key.kind.from_value(raw, base)
+                kind = key.kind if self.check_files else _FILE_KINDS.get(key.path, key.kind)
+                value = kind.from_text(raw, base) if from_text else kind.from_value(raw, base)
         except BadValue as e:
             self.bad.add(key.path)
             if key.path in _TABLE_LISTS:  # the tables that were replaced are not the ones to check
@@ -424,8 +444,9 @@ class _Loader:
         except (ValueError, RecursionError) as e:  # TOMLDecodeError, or a 5000-digit integer
             self.file_failed = True
             m = re.fullmatch(r"(.*) \(at line (\d+), column (\d+)\)", str(e))
-            where = f"line {m[2]}, column {m[3]}" if m else None
-            reason = m[1] if m else shorten(str(e))
+            end = re.fullmatch(r"(.*) \(at end of document\)", str(e))
+            where = f"line {m[2]}, column {m[3]}" if m else "end of file" if end else None
+            reason = m[1] if m else end[1] if end else shorten(str(e))
             self.problem(f"TOML syntax error: {reason}", _Origin(1, path), where=where)
             return
         self.source, self.lines, self._lines_index = path, text.splitlines(), None
@@ -493,12 +514,14 @@ class _Loader:
             if not var.upper().startswith(ENV_PREFIX):
                 continue
             sec, _, name = var[len(ENV_PREFIX):].lower().partition("_")
-            if not name or var in SUBNET_FILE_NAMES:  # the subnet file's names (a shell that sourced it)
-                continue
+            if not name or var.upper() in SUBNET_FILE_NAMES or var.upper() in TOOL_ENV_NAMES:
+                continue  # the subnet file's names (a shell that sourced it), the tools' own
             if sec not in _SECTIONS:
-                # AGENTD_CONFIG and the like belong to the command line; a near miss is a typo.
-                if difflib.get_close_matches(sec, _SECTIONS, n=1, cutoff=0.6):
-                    hint = suggest(sec, _SECTIONS, lambda s: f"{ENV_PREFIX}{s.upper()}_{name.upper()}")
+                # AGENTD_CONFIG and the like belong to the command line or the tools; only a near
+                # miss of a whole AGENTD_SECTION_KEY is a typo (AGENTD_PIP_OFFLINE is no [api] key).
+                close = difflib.get_close_matches(f"{sec}_{name}", _ENV_KEYS, n=1, cutoff=0.8)
+                if close:
+                    hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)"
                     self.problem(f"unknown section [{sec}]{hint}", _Origin(2, var), sec)
                 continue
             key = _BY_PATH.get(f"{sec}.{name}")
@@ -550,10 +573,12 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
         ld.key_problem(ld.blame("network.subnet_len", "network.cidr"),
                          f"node subnets /{sublen} must be longer than the cidr's /{cidr.prefixlen} "
                          "and at most /30")
-    if (ok("network.cidr", "network.service_cidr") and v["network.service_cidr"] != NetworkConfig.service_cidr
-            and v["network.service_cidr"].overlaps(cidr)):  # the default is not held against an older cidr
+    service = v["network.service_cidr"]
+    if ok("network.cidr", "network.service_cidr") and service.overlaps(cidr):
+        # The default range too: cluster IPs inside the pod network would be routed to pods.
         ld.key_problem(ld.blame("network.service_cidr", "network.cidr"),
-                         f"the service range {v['network.service_cidr']} overlaps the pod network {cidr}")
+                       f"the service range {service} overlaps the pod network {cidr}: "
+                       "set [network] service_cidr to a range outside cidr")
     _check_families(ld)
     if ok("network.encap", "network.backend") and (v["network.encap"], v["network.backend"]) == (
         "cross-subnet", "host-gw"
@@ -592,7 +617,9 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
         ld.key_problem(ld.blame("api.cluster_port", "api.listen"),
                        f"the cluster listener would take [api] listen's port {cport} on the node's address")
     if ok("api.cluster_port", "bgp.listen") and cport and bgp_at and cport == bgp_at.port:
-        ld.key_problem(ld.blame("api.cluster_port", "bgp.listen"), f"[bgp] listen uses port {cport}")
+        ld.key_problem(ld.blame("api.cluster_port", "bgp.listen"),
+                       f"[api] cluster_port and [bgp] listen use the same port {cport}")
+    _check_ingress_ports(ld)
     _check_peers(ld)
 
     if ld.problems:
@@ -607,6 +634,54 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
     ranges = tuple(ListenRangeConfig(**{"hold_time": hold, **r}) for r in v["bgp.listen_ranges"])
     sections["bgp"] = dataclasses.replace(sections["bgp"], peers=peers, listen_ranges=ranges)
     return Config(**sections, source=ld.source)
+
+
+_NODE = "this node's address"  # an address the configuration leaves to the host, not read (host=None)
+
+
+def _same_place(a: Any, b: Any) -> bool:
+    """Two listen addresses that would take the same port: equal, or either the wildcard
+    (0.0.0.0 or ::, of either family: "[::]" may take IPv4 too, as BGP's does)."""
+    if _NODE in (a, b):
+        return a == b or ip_address(str(b if a == _NODE else a)).is_unspecified
+    a, b = ip_address(str(a)), ip_address(str(b))
+    return a == b or a.is_unspecified or b.is_unspecified
+
+
+def _check_ingress_ports(ld: _Loader) -> None:
+    """With [ingress] enabled, its two ports differ from each other and from every other
+    listener of the agent on the addresses the proxy takes (one line naming both keys)."""
+    v, ok = ld.values, (lambda *paths: not ld.bad.intersection(paths))
+    if not v["ingress.enabled"] or not ok("ingress.enabled"):
+        return
+    http, https = v["ingress.http_port"], v["ingress.https_port"]
+    if ok("ingress.http_port", "ingress.https_port") and http == https:
+        ld.key_problem(ld.blame("ingress.https_port", "ingress.http_port"),
+                       f"[ingress] http_port and [ingress] https_port are both {http}")
+    if not ok("ingress.addresses", "node.address", "node.address_v6", "network.ip_family"):
+        return
+    family = v["network.ip_family"]
+    node_v4 = v["node.address"] or (_NODE if family != "ipv6" else None)
+    node_v6 = v["node.address_v6"] or (_NODE if family == "ipv6" else None)
+    # Where the agent puts them (agentd/daemon/agent.py): the listed addresses, else the node's
+    # underlay addresses; the cluster listener on the node's address.
+    proxy_at = list(v["ingress.addresses"]) or [
+        a for a in (node_v4, node_v6 if family != "ipv4" else None) if a is not None]
+    cluster_at = node_v4 or node_v6
+    api_at, bgp_at, cport = v["api.listen"], v["bgp.listen"], v["api.cluster_port"]
+    others = (
+        ("api.listen", "[api] listen", api_at.port if api_at else 0, [api_at.host] if api_at else []),
+        ("api.cluster_port", "[api] cluster_port", cport, [cluster_at] if cluster_at is not None else []),
+        ("bgp.listen", "[bgp] listen", bgp_at.port if bgp_at else 0, [bgp_at.host] if bgp_at else []),
+    )
+    for name, port in (("http_port", http), ("https_port", https)):
+        for other, shown, their_port, their_hosts in others:
+            if ok(f"ingress.{name}", other) and port == their_port and any(
+                _same_place(a, b) for a in proxy_at for b in their_hosts
+            ):
+                ld.key_problem(ld.blame(f"ingress.{name}", other),
+                               f"[ingress] {name} and {shown} use the same port {port}")
+
 
 def _node_addresses(ld: _Loader, host: HostFacts | None) -> None:
     """The underlay addresses the families need, from the host where not set: IPv4 (ipv4, dual:
@@ -735,8 +810,8 @@ def _check_ranges(ld: _Loader) -> None:
 
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
              overrides: Mapping[str, str] | None, require_file: bool,
-             host: HostFacts | None) -> tuple[Config | None, list[ConfigError]]:
-    loader = _Loader()
+             host: HostFacts | None, check_files: bool = True) -> tuple[Config | None, list[ConfigError]]:
+    loader = _Loader(check_files)
     if path is not None:
         loader.read_file(os.fspath(path), require_file)
     loader.read_env(os.environ if env is None else env)
@@ -749,16 +824,20 @@ def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
 
 def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
                 overrides: Mapping[str, str] | None = None, require_file: bool = False,
-                host: HostFacts | None = None) -> Config:
+                host: HostFacts | None = None, check_files: bool = True) -> Config:
     """Read, merge (file < env < overrides) and validate the configuration.
 
     ``path`` None (or a missing file unless ``require_file``) means defaults, env and overrides
     only. ``env`` defaults to os.environ. ``host`` supplies the hostname and default route for
     the defaults computed from them (the daemon and CLI pass
     :class:`agentd.kernel.netinfo.LocalHost`); None reads nothing from the system: node.name and
-    node.address stay None unless configured. Raises the first ConfigError; ``.problems`` has them all.
+    node.address stay None unless configured. ``check_files`` False takes the paths of the files
+    only the agent opens ([etcd] ca, cert and key, [api] read_token_file) as written, without
+    looking whether they exist and are readable: for the commands that never open them (``agentd
+    flows``, ``agentd ui``), which users other than root run. Raises the first ConfigError;
+    ``.problems`` has them all.
     """
-    config, problems = _collect(path, env, overrides, require_file, host)
+    config, problems = _collect(path, env, overrides, require_file, host, check_files)
     if problems:
         first = problems[0]
         first.problems = list(problems)
@@ -769,6 +848,6 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
 
 def check_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
                  overrides: Mapping[str, str] | None = None, require_file: bool = False,
-                 host: HostFacts | None = None) -> list[ConfigError]:
+                 host: HostFacts | None = None, check_files: bool = True) -> list[ConfigError]:
     """Every problem load_config would find, in file, env, override order; [] when valid."""
-    return _collect(path, env, overrides, require_file, host)[1]
+    return _collect(path, env, overrides, require_file, host, check_files)[1]

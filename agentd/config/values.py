@@ -473,6 +473,12 @@ def parse_path(s: str, base: Path) -> Path:
     return Path(os.path.normpath(base / s.strip()))  # absolute as given, else relative to base
 
 
+def parse_file_name(s: str, base: Path) -> Path | None:
+    """A file's path, not looked at: what parse_tls_file checks is the reader's (commands that
+    never open the file, run by users who may not read it)."""
+    return parse_path(s, base) if s.strip() else None
+
+
 def parse_tls_file(s: str, base: Path) -> Path | None:
     if not s.strip():
         return None

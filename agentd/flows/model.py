@@ -222,7 +222,7 @@ def _labels_match(labels: Mapping[str, str], wanted: tuple[tuple[str, str | None
 
 
 def _value(key: str, value: str) -> Any:
-    if key in ("pod", "from_pod", "to_pod"):
+    if key in ("pod", "from_pod", "to_pod", "service"):  # records name them "ns/name"
         ns, sep, name = value.partition("/")
         if not sep or not ns or not name:
             raise FilterError(f"filter {key.replace('_', '-')}: expected NAMESPACE/NAME, got {value!r}")

@@ -100,3 +100,31 @@ def test_get_takes_kubectls_all_namespaces_flag(capsys):
         parser.parse_args(["get", "pods", "-A", "-n", "shop"])
     assert exc.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["flows", "ui", "docker-opts"])
+def test_commands_that_never_open_etcds_files_run_without_reading_them(monkeypatch, tmp_path, capsys, command):
+    """`agentd flows` (which needs no credential) and `agentd ui` (a token_group member) are run
+    by users who cannot read etcd's TLS key, mode 0600: they do not look at it."""
+    from agentd.config import values
+
+    (tmp_path / "ca.pem").write_text("PEM")
+    (tmp_path / "etcd-key.pem").write_text("PEM")
+    token = tmp_path / "api-token"
+    token.write_text("t0ken\n")
+    conf = tmp_path / "agentd.toml"
+    conf.write_text("[etcd]\nendpoints = ['https://192.0.2.7:2379']\nca = 'ca.pem'\ncert = 'ca.pem'\n"
+                    f"key = 'etcd-key.pem'\n[api]\ntoken_file = '{token}'\n[cni]\nsubnet_file = '{tmp_path}/subnet.env'\n")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    monkeypatch.setattr(values.os, "access", lambda p, mode: not str(p).endswith("etcd-key.pem"))
+    ran = []
+    monkeypatch.setattr(cli, "flows_command", lambda args, token_file: ran.append(token_file) or 0)
+    from agentd.cni import docker_opts
+
+    monkeypatch.setattr(docker_opts, "run", lambda args: ran.append(args.subnet_file) or 0)
+    assert cli.main([command, "--config", str(conf)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert ran or "/ui/?key=" in out
+    # A command that talks to etcd still says the key cannot be read.
+    assert cli.main(["get", "pods", "--config", str(conf)]) == 1
+    assert "etcd-key.pem is not readable" in capsys.readouterr().err

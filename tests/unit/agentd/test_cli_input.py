@@ -245,3 +245,28 @@ def test_lab_pod_host_ports_name_a_port(capsys, args, status, message):
     before the lab is even looked for."""
     code, _, err = run(capsys, "lab", "pod", "add", "--name", "nolab", "node1", "shop/web", *args)
     assert code == status and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("listen, url", [
+    ("[::]:9099", "http://[::1]:9099/ui/"),  # the API on [::] takes IPv6 alone (IPV6_V6ONLY): not 127.0.0.1
+    ("0.0.0.0:9099", "http://127.0.0.1:9099/ui/"),
+    ("127.0.0.1:9100", "http://127.0.0.1:9100/ui/"),
+    ("[2001:db8::7]:9099", "http://[2001:db8::7]:9099/ui/"),
+    ("[::1]:9099", "http://[::1]:9099/ui/"),
+])  # fmt: skip
+def test_ui_prints_an_address_the_api_answers_at(capsys, monkeypatch, tmp_path, listen, url):
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    (tmp_path / "token").write_text("t0ken\n")
+    conf = tmp_path / "agentd.toml"
+    conf.write_text(f"[api]\nlisten = '{listen}'\ntoken_file = '{tmp_path / 'token'}'\n")
+    code, out, err = run(capsys, "ui", "--config", str(conf))
+    assert code == 0 and out.startswith(url + "?key="), out + err
+
+
+@pytest.mark.parametrize("value", ["web", "shop/", "/web"])
+def test_flows_service_filter_is_namespace_slash_name(capsys, monkeypatch, value):
+    """Records name a Service "ns/name": `--service web` could never match."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": None})})())
+    code, _, err = run(capsys, "flows", "--service", value)
+    assert code == 2 and err == f"agentd flows: filter service: expected NAMESPACE/NAME, got {value!r}\n"

@@ -331,7 +331,7 @@ def test_env_sets_every_kind_of_value():
         "AGENTD_NODE_ADDRESS": "10.1.0.5",
         "AGENTD_NETWORK_BACKEND": "vxlan",
         "AGENTD_NETWORK_MTU": "1450",
-        "AGENTD_NETWORK_CIDR": "10.0.0.0/8",
+        "AGENTD_NETWORK_CIDR": "10.128.0.0/9",  # outside the default service range 10.96.0.0/12
         "AGENTD_NODE_CLUSTER_ID": "7",
         "AGENTD_ETCD_ENDPOINTS": "http://a:2379, http://b:2379",
         "AGENTD_BGP_HOLD_TIME": "30",
@@ -347,7 +347,7 @@ def test_env_sets_every_kind_of_value():
     cfg = pure(env=env)
     assert cfg.node.address == IPv4Address("10.1.0.5")
     assert (cfg.network.backend, cfg.network.mtu) == ("vxlan", 1450)
-    assert cfg.network.cidr == IPv4Network("10.0.0.0/8")
+    assert cfg.network.cidr == IPv4Network("10.128.0.0/9")
     assert cfg.node.cluster_id == IPv4Address("0.0.0.7")
     assert cfg.etcd.endpoints == ("http://a:2379", "http://b:2379")
     assert (cfg.bgp.hold_time, cfg.bgp.keepalive_time, cfg.bgp.connect_retry) == (30, 10, 1.5)
@@ -922,3 +922,121 @@ colour = "red"
     assert any("unknown key [[bgp.listen_ranges]] #2 colour" in x for x in lines), lines
     assert any("[[bgp.listen_ranges]] #2 prefix" in x and "listen is empty" in x for x in lines), lines
     assert all("\n" not in x for x in lines)
+
+
+# -- checks across keys a review found missing ---------------------------------------------------
+
+
+def test_a_pod_network_over_the_default_service_range_is_refused():
+    """docs/services.md: service_cidr must not overlap cidr, the default range included (it once
+    passed unchecked: cluster IPs inside the pod network)."""
+    (err,) = problems(overrides={"network.cidr": "10.0.0.0/8"})
+    assert err.key == "network.cidr"
+    assert str(err) == ("--set network.cidr=10.0.0.0/8: [network] cidr: the service range 10.96.0.0/12 overlaps "
+                        "the pod network 10.0.0.0/8: set [network] service_cidr to a range outside cidr")
+    (err,) = problems(env={"AGENTD_NETWORK_SERVICE_CIDR": "10.244.128.0/20"})
+    assert err.key == "network.service_cidr" and "outside cidr" in str(err)
+    cfg = pure(overrides={"network.cidr": "10.0.0.0/8", "network.service_cidr": "172.30.0.0/16"})
+    assert cfg.network.service_cidr == IPv4Network("172.30.0.0/16")
+
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _env_names_read_by_the_project() -> set[str]:
+    """The AGENTD_* names the project's code, scripts and images read from the environment."""
+    found: set[str] = set()
+    read = re.compile(r"""(?:environ(?:\.get)?\(|environ\[|getenv\(|setdefault\()\s*["'](AGENTD_\w+)["']""")
+    for path in [*ROOT.joinpath("agentd").rglob("*.py"), *ROOT.joinpath("bench").rglob("*.py"),
+                 *ROOT.joinpath("tests").rglob("*.py")]:
+        found |= set(read.findall(path.read_text()))
+    shell = re.compile(r"\$\{?(AGENTD_\w+)|^\s*ARG (AGENTD_\w+)", re.MULTILINE)
+    for path in [ROOT / "compose.yaml", ROOT / "scripts" / "dev", ROOT / ".ci" / "run",
+                 *ROOT.joinpath("docker").rglob("*")]:
+        if path.is_file():
+            found |= {a or b for a, b in shell.findall(path.read_text())}
+    return found
+
+
+def test_the_projects_own_variables_are_not_configuration_typos():
+    """AGENTD_PIP_OFFLINE, AGENTD_IMAGE_CACHE...: the lab's, the scripts', the CLI's. A lab's
+    agents inherit them; they were once "unknown section [pip] (did you mean AGENTD_API_...)"."""
+    from agentd.config.settings import SUBNET_FILE_NAMES, TOOL_ENV_NAMES
+
+    read = _env_names_read_by_the_project()
+    assert {"AGENTD_PIP_OFFLINE", "AGENTD_IMAGE_CACHE", "AGENTD_LAB_ROOT", "AGENTD_STATUS_URL"} <= read
+    config_names = {"AGENTD_" + k.replace(".", "_").upper() for k in CONFIG_KEYS}
+    unknown = sorted(read - config_names - SUBNET_FILE_NAMES - TOOL_ENV_NAMES)
+    assert unknown == [], "add these to agentd.config.settings.TOOL_ENV_NAMES"
+    for name in sorted(TOOL_ENV_NAMES | {"AGENTD_PIP_OFFLINE", "AGENTD_IMAGE_CACHE"}):
+        assert problems(env={name: "1", "AGENTD_NODE_NAME": "n1"}) == [], name
+    # Typos of real variables are still caught, by the whole name.
+    (err,) = problems(env={"AGENTD_BPG_HOLD_TIME": "30"})
+    assert "unknown section [bpg] (did you mean AGENTD_BGP_HOLD_TIME?)" in str(err)
+    (err,) = problems(env={"AGENTD_APII_LISTEN": "127.0.0.1:1"})
+    assert "did you mean AGENTD_API_LISTEN?" in str(err)
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    ({"ingress.https_port": "80"}, "ingress.https_port", "[ingress] http_port and [ingress] https_port are both 80"),
+    ({"ingress.http_port": "443"}, "ingress.http_port", "are both 443"),
+    ({"api.listen": "0.0.0.0:443"}, "api.listen", "[ingress] https_port and [api] listen use the same port 443"),
+    ({"api.listen": "192.0.2.1:8080", "ingress.http_port": "8080"}, "ingress.http_port",
+     "[ingress] http_port and [api] listen use the same port 8080"),
+    ({"ingress.http_port": "9098"}, "ingress.http_port", "[ingress] http_port and [api] cluster_port use the same port 9098"),
+    ({"ingress.https_port": "179"}, "ingress.https_port", "[ingress] https_port and [bgp] listen use the same port 179"),
+    ({"ingress.addresses": "::", "bgp.listen": "192.0.2.1:8443", "ingress.https_port": "8443"}, "ingress.https_port",
+     "[bgp] listen use the same port 8443"),
+])  # fmt: skip
+def test_ingress_ports_clash_with_nothing(overrides, key, message):
+    base = {"node.name": "n1", "node.address": "192.0.2.1", "ingress.enabled": "true"}
+    (err,) = problems(overrides={**base, **overrides})
+    assert err.key == key and message in str(err), str(err)
+    assert problems(overrides=overrides) == []  # with [ingress] off
+
+
+def test_ingress_ports_may_meet_other_listeners_elsewhere():
+    base = {"node.name": "n1", "node.address": "192.0.2.1", "ingress.enabled": "true"}
+    # The API on loopback and the proxy on the node's address do not meet; nor do disabled ports.
+    assert problems(overrides={**base, "api.listen": "127.0.0.1:8080", "ingress.http_port": "8080"}) == []
+    assert problems(overrides={**base, "ingress.addresses": "127.0.0.2", "ingress.https_port": "9098"}) == []
+    assert problems(overrides={**base, "api.cluster_port": "0", "ingress.https_port": "9098"}) == []
+    assert problems(overrides={"ingress.http_port": "443"}) == []  # [ingress] is off
+
+
+def test_cluster_port_on_bgps_port_names_both_keys():
+    (err,) = problems(overrides={"bgp.listen": "0.0.0.0:9098"})
+    assert str(err) == ('--set bgp.listen=0.0.0.0:9098: [bgp] listen: [api] cluster_port and [bgp] listen use '
+                        'the same port 9098')
+
+
+def test_toml_error_at_the_end_of_the_file_is_not_cut(tmp_path):
+    path = write(tmp_path, "[network]\n[x")
+    (err,) = problems(path)
+    assert str(err) == f"{path}: end of file: TOML syntax error: Expected ']' at the end of a table declaration"
+
+
+def test_keepalive_time_is_anything_below_the_hold_time():
+    """RFC 4271 §4.4/§10: KEEPALIVEs below the hold time (a third of it is only the suggestion);
+    etc/agentd.toml says 1..hold_time-1."""
+    cfg = pure(overrides={"bgp.hold_time": "65535", "bgp.keepalive_time": "65534"})
+    assert cfg.bgp.keepalive_time == 65534
+    (err,) = problems(overrides={"bgp.hold_time": "65535", "bgp.keepalive_time": "65535"})
+    assert err.key == "bgp.keepalive_time" and "must be 1..65534 (less than hold_time 65535)" in str(err)
+
+
+def test_commands_that_open_no_tls_file_load_without_reading_them(tmp_path, monkeypatch):
+    """`agentd flows` and `agentd ui` run as users who cannot read etcd's key (mode 0600): the
+    paths are taken as written, everything else is still checked."""
+    from agentd.config import values
+
+    for name in ("ca.pem", "c.pem", "k.pem"):
+        (tmp_path / name).write_text("PEM")
+    path = write(tmp_path, "[etcd]\nendpoints = ['https://e:2379']\nca = 'ca.pem'\ncert = 'c.pem'\nkey = 'k.pem'\n"
+                           "[api]\nread_token_file = '/nonexistent/read-token'\n")
+    monkeypatch.setattr(values.os, "access", lambda p, mode: not str(p).endswith("k.pem"))
+    assert sorted(e.key for e in problems(path)) == ["api.read_token_file", "etcd.key"]
+    cfg = pure(path, check_files=False)
+    assert (cfg.etcd.key, cfg.api.read_token_file) == (tmp_path / "k.pem", Path("/nonexistent/read-token"))
+    (err,) = problems(path, check_files=False, overrides={"api.listen": "127.0.0.1:0"})
+    assert err.key == "api.listen"  # the rest is still checked

@@ -347,7 +347,8 @@ def test_filters(pairs, matches):
 
 
 @pytest.mark.parametrize("pairs, message", [
-    ([("pod", "web")], "NAMESPACE/NAME"), ([("verdict", "maybe")], "verdict"), ([("port", "99999")], "out of range"),
+    ([("pod", "web")], "NAMESPACE/NAME"), ([("service", "web")], "filter service: expected NAMESPACE/NAME"),
+    ([("verdict", "maybe")], "verdict"), ([("port", "99999")], "out of range"),
     ([("protocol", "gre")], "protocol"), ([("colour", "red")], "unknown filter"), ([("pod", " ")], "empty"),
     ([("label", "app!=web")], "label syntax"), ([("label", "app==web")], "label syntax"), ([("label", "app=web,")], "label syntax"),
     ([("label", "=web")], "label syntax"), ([("label", "Example.com/app=web")], "label syntax"),
