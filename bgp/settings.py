@@ -31,12 +31,15 @@ class LocalSettings:
     cluster_id: IPv4Address | None = None
     graceful_restart: bool = True
     restart_time: int = 120
-    # Advertise "Restart State" (R bit): we are coming back from a restart and kept forwarding
-    # state (RFC 4724 §3); set by the agent when it adopted its kernel routes.
+    # We are coming back from a restart and kept forwarding state (RFC 4724 §3); set by the
+    # agent when it adopted its kernel routes.  The speaker then defers route selection
+    # (§4.1) and its OPENs carry "Restart State" (the R bit) until that is over -- not for
+    # the life of the process (see RestartState).
     restarting: bool = False
     # Advertise the Forwarding State bit for every family (RFC 4724 §3): our forwarding state
     # survived the restart, so peers keep our routes until our End-of-RIB.  None: same as
-    # ``restarting``.  Without it a peer must flush our stale routes the moment we return.
+    # ``restarting`` (what was preserved at start; it does not follow the R bit's clearing).
+    # Without it a peer must flush our stale routes the moment we return.
     forwarding_preserved: bool | None = None
     # How long a GR peer's stale routes are kept after it comes back without sending End-of-RIB.
     stale_time: float = 360.0
@@ -57,6 +60,24 @@ class LocalSettings:
     @property
     def is_route_reflector(self) -> bool:
         return self.cluster_id is not None
+
+
+class RestartState:
+    """Whether our OPENs carry Restart State, the R bit (RFC 4724 §3: "the BGP speaker has
+    restarted", so a peer must not wait for our End-of-RIB before sending us its routes, and
+    does not wait for ours in its own selection deferral).  One per speaker, shared by its
+    peers' sessions (LocalSettings is frozen, and may be shared between speakers): set at
+    start from ``LocalSettings.restarting``, cleared once the restart is complete -- route
+    selection no longer deferred, End-of-RIB sent to every peer (§4.1) -- so a session that
+    comes up later, or a peer that restarts hours later, is told we have not just restarted."""
+
+    __slots__ = ("restarting",)
+
+    def __init__(self, restarting: bool = False) -> None:
+        self.restarting = restarting
+
+    def __repr__(self) -> str:
+        return f"<RestartState restarting={self.restarting}>"
 
 
 @dataclass(frozen=True)
