@@ -46,6 +46,11 @@ class LocalSettings:
     families: tuple[Family, ...] = (IPV4_UNICAST, IPV6_UNICAST)
     # Our next hop for IPv6 routes sent over IPv4 sessions (None: the IPv4-mapped address).
     next_hop_v6: IPv6Address | None = None
+    # Our next hop for IPv4 routes sent over IPv6 sessions (the node's IPv4 address).  None:
+    # such routes -- ours, and eBGP-learned ones toward iBGP peers -- are not sent over an
+    # IPv6 session (an IPv6 address is no IPv4 next hop without RFC 8950), and a peer that
+    # negotiates IPv4 unicast over one is told so in the log when it comes up.
+    next_hop_v4: IPv4Address | None = None
     # A peer whose socket takes nothing for this long is reset with Cease/Out of Resources
     # (RFC 4486 §4): what we owe it is then not held for ever.
     send_timeout: float = 60.0
