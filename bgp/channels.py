@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from ipaddress import ip_address
+from ipaddress import IPv6Address, ip_address
 
 from proto.errors import CeaseSubcode, ErrorCode
 from proto.messages import Notification, Update
+from proto.nlri import IPV4_UNICAST
 
 from .graceful import GracefulRestarts
 from .importer import Importer
@@ -54,6 +55,7 @@ class Channels:
         self.graceful = graceful
         self.output = output
         self.counters = counters
+        self.limiter = limiter
         self.importer = Importer(rib, local, limiter, counters)
         self.refresh = RefreshPacer(timers, local.refresh_interval, counters)
         self._negotiated: dict[str, Negotiated] = {}
@@ -90,7 +92,14 @@ class Channels:
             rr_client=s.rr_client,
             local_address=local_address,
             next_hop_v6=self.local.next_hop_v6,
+            next_hop_v4=self.local.next_hop_v4,
         )
+        if isinstance(local_address, IPv6Address) and IPV4_UNICAST in neg.families and self.local.next_hop_v4 is None:
+            self.limiter.log(
+                logging.WARNING, "no-ipv4-next-hop", key, now,
+                "peer %s: IPv4 unicast negotiated over an IPv6 session, but we have no IPv4 next hop "
+                "(next_hop_v4): routes with us as their next hop are not sent to it", key,
+            )  # fmt: skip
         self.output.join(peer, neg, target, now)
 
     def down(self, peer: Peer, ev: PeerDown, now: float, *, quiet: bool = False) -> None:

@@ -401,10 +401,13 @@ class UpdateGroup:
             self.deferred.add(family)
 
     def _count(self, out: OutRoute, n: int) -> None:
-        self._by_source[out.source] += n
+        # A key that reaches 0 goes: a reflector's long-lived client group sees listen-range
+        # clients (sources, originators) come and go, and must not keep one entry per client
+        # it ever had.  (Reading a missing key gives 0 and adds nothing: sent_count.)
+        _add(self._by_source, out.source, n)
         if out.originator is not None:
-            self._by_originator[out.originator] += n
-            self._by_both[(out.source, out.originator)] += n
+            _add(self._by_originator, out.originator, n)
+            _add(self._by_both, (out.source, out.originator), n)
 
     def _append(self, entry: _Entry) -> None:
         for m in self._detached.values():
@@ -579,6 +582,14 @@ class UpdateGroup:
                         d.update(dict.fromkeys(e.prefixes))
                     self._detach(m)
             self._trim()
+
+
+def _add(counter: Counter, key: object, n: int) -> None:
+    v = counter[key] + n
+    if v:
+        counter[key] = v
+    else:
+        del counter[key]
 
 
 def _kind(t: ExportTarget) -> str:

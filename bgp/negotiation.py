@@ -59,19 +59,22 @@ def local_families(local: LocalSettings, peer: PeerSettings) -> tuple[Family, ..
     return peer.families if peer.families is not None else local.families
 
 
-def our_open(local: LocalSettings, peer: PeerSettings) -> Open:
-    """The OPEN we send ``peer``."""
+def our_open(local: LocalSettings, peer: PeerSettings, *, restarting: bool | None = None) -> Open:
+    """The OPEN we send ``peer``.  ``restarting``: the R bit now (the speaker's RestartState);
+    None: ``local.restarting``."""
     families = local_families(local, peer)
     caps: list = [MultiProtocol(afi, safi) for afi, safi in families]
     caps.append(RouteRefreshCapability())
     if local.graceful_restart:
-        # RFC 4724 §3: R bit after our own restart; F bit where forwarding state survived it.
+        # RFC 4724 §3: R bit while we are back from a restart (until route selection is no
+        # longer deferred); F bit where forwarding state survived it (a fact about the restart,
+        # so it stays when R is cleared).
         forwarding = local.forwarding_preserved
         if forwarding is None:
             forwarding = local.restarting
         caps.append(
             GracefulRestart(
-                restart_state=local.restarting,
+                restart_state=local.restarting if restarting is None else restarting,
                 restart_time=local.restart_time,
                 families=tuple(GracefulRestartFamily(afi, safi, forwarding_state=forwarding) for afi, safi in families),
             )

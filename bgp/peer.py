@@ -37,7 +37,7 @@ from .session import (
     SessionDown,
     UpdateReceived,
 )
-from .settings import LocalSettings, PeerSettings
+from .settings import LocalSettings, PeerSettings, RestartState
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,15 @@ class Peer:
         conn_ids: Iterator[int],
         now: float,
         rng: random.Random | None = None,
+        restart: RestartState | None = None,
     ) -> None:
         self.local = local
         self.settings = settings
         self._conn_ids = conn_ids
         self._rng = rng or random.Random()
-        self.session = Session(local, settings, conn_ids=conn_ids, now=now)
+        # The speaker's Restart State (the R bit of every session's OPEN; see RestartState).
+        self.restart = restart if restart is not None else RestartState(local.restarting)
+        self.session = Session(local, settings, conn_ids=conn_ids, now=now, restart=self.restart)
         self.collisions: list[Session] = []
         self.enabled = False
         self._restart_at: float | None = None
@@ -206,7 +209,7 @@ class Peer:
                 f"an {'outbound' if victim.outbound else 'inbound'} connection on which it had sent "
                 f"nothing for {now - victim.since:.0f}s"
             )
-            fresh = Session(self.local, self.settings, conn_ids=self._conn_ids, now=now)
+            fresh = Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart)
             if victim is main:
                 self.session = main = fresh
             else:
@@ -226,7 +229,7 @@ class Peer:
             main.connection_made(conn, now, outbound=False)
         else:
             if not self.collisions:
-                self.collisions.append(Session(self.local, self.settings, conn_ids=self._conn_ids, now=now))
+                self.collisions.append(Session(self.local, self.settings, conn_ids=self._conn_ids, now=now, restart=self.restart))
             s = self.collisions[0]  # new, or the fresh one in a displaced connection's place
             assert s.state is State.IDLE and s.conn is None, s
             s.start(now, passive=True)

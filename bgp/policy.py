@@ -77,6 +77,7 @@ class ExportTarget:
     rr_client: bool
     local_address: Address | None  # our end of the TCP session: the next hop when we are "self"
     next_hop_v6: IPv6Address | None = None  # our IPv6 next hop for IPv6 routes over an IPv4 session
+    next_hop_v4: IPv4Address | None = None  # our IPv4 next hop for IPv4 routes over an IPv6 session
     key: str | None = None
     router_id: IPv4Address | None = None
 
@@ -186,7 +187,11 @@ def _self(afi: int, to: ExportTarget) -> Address | None:
     """Our own address as next hop toward ``to`` for this address family."""
     la = to.local_address
     if afi == Afi.IPV4:
-        return la if isinstance(la, IPv4Address) else None
+        if isinstance(la, IPv4Address):
+            return la
+        # Over an IPv6 session: our IPv4 address if we have one (None: not sent; bgp.channels
+        # logs it when such a peer comes up).
+        return to.next_hop_v4
     if isinstance(la, IPv6Address):
         return la
     if to.next_hop_v6 is not None:

@@ -225,11 +225,15 @@ class Rib:
                 if cur.source.key == key:
                     loc[prefix] = path
                 else:
-                    loc[prefix] = _ordered((cur, path))
+                    loc[prefix] = new = _ordered((cur, path))
+                    promoted.add(new[0])
             else:
                 if prefix not in changes:
                     changes[prefix] = cur[0]
-                loc[prefix] = _ordered([c for c in cur if c.source.key != key] + [path])
+                # An implicit withdraw (RFC 4271 §3.1) can make another source's path the best:
+                # that path is a new best of this batch too (Output.flush looks at promoted).
+                loc[prefix] = new = _ordered([c for c in cur if c.source.key != key] + [path])
+                promoted.add(new[0])
 
     def _remember_fresh(self, family: Family, prefixes: list[bytes] | tuple[bytes, ...], fresh: dict) -> None:
         # The list itself, unless it named a prefix twice (then the deduplicated keys).

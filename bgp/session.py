@@ -35,7 +35,7 @@ from proto.messages import (
 
 from .fsm import Event, State, fsm_error_subcode, transition
 from .negotiation import Negotiated, negotiate, our_open
-from .settings import LocalSettings, PeerSettings
+from .settings import LocalSettings, PeerSettings, RestartState
 
 # RFC 4271 §8.2.2: "the HoldTimer to a large value ... A HoldTimer value of 4 minutes is suggested"
 OPEN_HOLD_TIME = 240.0
@@ -132,10 +132,13 @@ class Session:
         *,
         conn_ids: Iterator[int],
         now: float,
+        restart: RestartState | None = None,
     ) -> None:
         self.local = local
         self.peer = peer
         self._conn_ids = conn_ids
+        # The speaker's, read at each OPEN (the R bit); a session of its own: local.restarting.
+        self.restart = restart if restart is not None else RestartState(local.restarting)
         self.state = State.IDLE
         self.since = now
         self.conn: int | None = None  # the TCP connection this FSM uses, if any
@@ -437,7 +440,7 @@ class Session:
         )
 
     def _send_open(self, now: float) -> None:
-        self.open_sent = our_open(self.local, self.peer)
+        self.open_sent = our_open(self.local, self.peer, restarting=self.restart.restarting)
         self._send(self.open_sent.encode(self.ctx))
         self._hold_time = OPEN_HOLD_TIME
         self._hold_at = now + OPEN_HOLD_TIME

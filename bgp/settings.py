@@ -31,18 +31,26 @@ class LocalSettings:
     cluster_id: IPv4Address | None = None
     graceful_restart: bool = True
     restart_time: int = 120
-    # Advertise "Restart State" (R bit): we are coming back from a restart and kept forwarding
-    # state (RFC 4724 §3); set by the agent when it adopted its kernel routes.
+    # We are coming back from a restart and kept forwarding state (RFC 4724 §3); set by the
+    # agent when it adopted its kernel routes.  The speaker then defers route selection
+    # (§4.1) and its OPENs carry "Restart State" (the R bit) until that is over -- not for
+    # the life of the process (see RestartState).
     restarting: bool = False
     # Advertise the Forwarding State bit for every family (RFC 4724 §3): our forwarding state
     # survived the restart, so peers keep our routes until our End-of-RIB.  None: same as
-    # ``restarting``.  Without it a peer must flush our stale routes the moment we return.
+    # ``restarting`` (what was preserved at start; it does not follow the R bit's clearing).
+    # Without it a peer must flush our stale routes the moment we return.
     forwarding_preserved: bool | None = None
     # How long a GR peer's stale routes are kept after it comes back without sending End-of-RIB.
     stale_time: float = 360.0
     families: tuple[Family, ...] = (IPV4_UNICAST, IPV6_UNICAST)
     # Our next hop for IPv6 routes sent over IPv4 sessions (None: the IPv4-mapped address).
     next_hop_v6: IPv6Address | None = None
+    # Our next hop for IPv4 routes sent over IPv6 sessions (the node's IPv4 address).  None:
+    # such routes -- ours, and eBGP-learned ones toward iBGP peers -- are not sent over an
+    # IPv6 session (an IPv6 address is no IPv4 next hop without RFC 8950), and a peer that
+    # negotiates IPv4 unicast over one is told so in the log when it comes up.
+    next_hop_v4: IPv4Address | None = None
     # A peer whose socket takes nothing for this long is reset with Cease/Out of Resources
     # (RFC 4486 §4): what we owe it is then not held for ever.
     send_timeout: float = 60.0
@@ -57,6 +65,24 @@ class LocalSettings:
     @property
     def is_route_reflector(self) -> bool:
         return self.cluster_id is not None
+
+
+class RestartState:
+    """Whether our OPENs carry Restart State, the R bit (RFC 4724 §3: "the BGP speaker has
+    restarted", so a peer must not wait for our End-of-RIB before sending us its routes, and
+    does not wait for ours in its own selection deferral).  One per speaker, shared by its
+    peers' sessions (LocalSettings is frozen, and may be shared between speakers): set at
+    start from ``LocalSettings.restarting``, cleared once the restart is complete -- route
+    selection no longer deferred, End-of-RIB sent to every peer (§4.1) -- so a session that
+    comes up later, or a peer that restarts hours later, is told we have not just restarted."""
+
+    __slots__ = ("restarting",)
+
+    def __init__(self, restarting: bool = False) -> None:
+        self.restarting = restarting
+
+    def __repr__(self) -> str:
+        return f"<RestartState restarting={self.restarting}>"
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from .peer import Admission, Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRef
 from .refresh import RefreshPacer
 from .rib import BestPathChange, Rib, Source
 from .session import Action, Close, Connect
-from .settings import Family, ListenRange, LocalSettings, PeerSettings
+from .settings import Family, ListenRange, LocalSettings, PeerSettings, RestartState
 from .timers import TimerHeap
 
 log = logging.getLogger("bgp.speaker")
@@ -108,6 +108,9 @@ class Speaker:
         # have it flush the routes of every client that is not back yet.
         self.deferring = bool(local.restarting and local.graceful_restart)
         self.output.hold_eor = self.deferring
+        # The R bit of our OPENs (RFC 4724 §3): set while the restart is under way, cleared
+        # when the deferral ends (End-of-RIB to every peer: the restart is complete, §4.1).
+        self.restart = RestartState(self.deferring)
         self._deferral_changed = True  # a peer came, went or sent End-of-RIB since the last look
 
     # ------------------------------------------------------------ configuration (desired state)
@@ -164,7 +167,7 @@ class Speaker:
     def add_peer(self, settings: PeerSettings, now: float) -> Peer:
         if settings.key in self.peers:
             raise ValueError(f"peer {settings.key} already configured")
-        peer = Peer(self.local, settings, conn_ids=self._conn_ids, now=now, rng=self._rng)
+        peer = Peer(self.local, settings, conn_ids=self._conn_ids, now=now, rng=self._rng, restart=self.restart)
         self.peers[settings.key] = peer
         if self.started:
             with self._isolated(peer, now, "starting the session"):
@@ -468,6 +471,9 @@ class Speaker:
 
     def _end_deferral(self, now: float, why: str) -> None:
         self.deferring = False
+        # The restart is complete: later OPENs no longer say we have just restarted (a peer
+        # that restarts later must wait for our End-of-RIB in its own deferral, RFC 4724 §4.1).
+        self.restart.restarting = False
         self._timers.set(DEFERRAL_KEY, None)
         log.info("route selection no longer deferred (%s): End-of-RIB to every peer", why)
         self.output.release_eor(now)

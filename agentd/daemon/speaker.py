@@ -53,6 +53,9 @@ def local_settings(
         restarting=restarting,
         forwarding_preserved=forwarding_preserved,
         next_hop_v6=getattr(bgp, "next_hop_v6", None),
+        # IPv4 routes over an IPv6 session (an external peer at an IPv6 address in a dual-stack
+        # cluster): the node's IPv4 address.  An IPv6-only node has none, and offers no IPv4.
+        next_hop_v4=cfg.node.address if cfg.network.ip_family != "ipv6" else None,
         # An IPv6-only cluster's sessions carry IPv6 alone; the others offer both families
         # (a dual-stack cluster's IPv6 routes ride the IPv4 sessions).
         families=(IPV6_UNICAST,) if cfg.network.ip_family == "ipv6" else (IPV4_UNICAST, IPV6_UNICAST),

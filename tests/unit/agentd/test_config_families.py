@@ -55,6 +55,18 @@ def test_dual_takes_both_addresses_from_the_host_and_gives_ipv6_routes_its_next_
     assert cfg.bgp.next_hop_v6 == IPv6Address("2001:db8::99")
 
 
+def test_the_speakers_ipv4_next_hop_over_ipv6_sessions_is_the_nodes_ipv4_address():
+    # An external peer at an IPv6 address gets the node's IPv4 routes with the node's IPv4
+    # address as next hop; an IPv6-only node has none (and offers no IPv4 unicast).
+    from agentd.daemon.speaker import local_settings
+
+    dual = local_settings(load_config(env={"AGENTD_NETWORK_IP_FAMILY": "dual"}, host=Host()))
+    assert dual.next_hop_v4 == IPv4Address("192.0.2.10") and dual.next_hop_v6 == IPv6Address("2001:db8::10")
+    v6 = local_settings(load_config(env={"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "vxlan"},
+                                    host=Host()))
+    assert v6.next_hop_v4 is None and v6.families == ((2, 1),)
+
+
 def test_ipv6_only_has_no_ipv4_address_and_a_router_id_from_the_node_name():
     env = {"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "vxlan"}
     cfg = load_config(env=env, host=Host())

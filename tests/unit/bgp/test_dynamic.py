@@ -93,3 +93,27 @@ def test_a_range_removed_resets_its_peers():
     sp.set_listen_ranges([], h.now)
     h.pump()
     assert c.closed and "10.1.0.5" not in sp.peers
+
+
+def test_a_long_lived_client_group_keeps_no_count_for_clients_gone():
+    # The group's per-source and per-originator counts (for each member's count of routes
+    # sent) drop a client's entries once its routes are gone: a reflector whose listen-range
+    # clients come and go for months does not keep an entry per client it ever had.
+    sp, h = reflector()
+    stay = RawPeer("10.1.0.2", 65000, conn=-2)
+    assert h.connect(stay)
+    announce(h, stay, "10.244.2.0/26")
+    for i in range(3, 23):
+        c = RawPeer(f"10.1.0.{i}", 65000, conn=-i)
+        assert h.connect(c)
+        announce(h, c, f"10.244.{i}.0/26")
+        h.send(c, b"\xff" * 16 + b"\x00\x15\x03\x06\x02")  # Cease: it leaves, its route goes
+        assert c.address not in sp.peers
+    (group,) = sp.output.groups.values()
+    assert dict(group._by_source) == {"10.1.0.2": 1}
+    assert dict(group._by_originator) == {IPv4Address("10.1.0.2"): 1}
+    assert dict(group._by_both) == {("10.1.0.2", IPv4Address("10.1.0.2")): 1}
+    assert sp.adj_out_count(stay.address) == 0  # its own route only, which it is never sent
+    late = RawPeer("10.1.0.99", 65000, conn=-99)
+    assert h.connect(late)
+    assert held(late) == {"10.244.2.0/26"} and sp.adj_out_count(late.address) == 1

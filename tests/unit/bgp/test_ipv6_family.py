@@ -62,6 +62,41 @@ def test_ipv6_sessions_between_ipv6_addresses_carry_ipv6_only():
     assert table(a, IPV4_UNICAST) == {}  # not negotiated (a offers IPv6 alone)
 
 
+def v6_session_both_families(**kw):
+    """A dual-stack node (2001:db8::1) and an external peer at an IPv6 address, one IPv6
+    session offering both families; ``kw`` goes to the node's LocalSettings."""
+    net = MemoryNetwork()
+    a = net.add("2001:db8::1", make_speaker("2001:db8::1", 65000, [("2001:db8::2", 65001)], router_id="0.0.0.1", **kw))
+    b = net.add("2001:db8::2", make_speaker("2001:db8::2", 65001, [("2001:db8::1", 65000)], router_id="0.0.0.2"))
+    a.start(0.0)
+    b.start(0.0)
+    net.run(duration=1)
+    assert a.peers["2001:db8::2"].state is State.ESTABLISHED
+    assert a.channels.negotiated("2001:db8::2").families == {IPV4_UNICAST, IPV6_UNICAST}
+    a.set_originated(origin("10.244.1.0/24", "fd00:10:244:1::/64"), net.now)
+    net.run(duration=1)
+    return a, b
+
+
+def test_ipv4_routes_ride_an_ipv6_session_with_the_nodes_ipv4_next_hop():
+    """A dual-stack node's IPv4 pod subnet reaches an external peer at an IPv6 address: its
+    next hop is the node's IPv4 address (next_hop_v4), the IPv6 subnet's our end of the session."""
+    _, b = v6_session_both_families(next_hop_v4=IPv4Address("192.0.2.1"))
+    assert table(b, IPV4_UNICAST) == {"10.244.1.0/24": "192.0.2.1"}
+    assert table(b) == {"fd00:10:244:1::/64": "2001:db8::1"}
+
+
+def test_ipv4_routes_without_an_ipv4_next_hop_are_not_sent_over_an_ipv6_session_and_it_is_logged(caplog):
+    with caplog.at_level("WARNING", logger="bgp"):
+        _, b = v6_session_both_families()
+    assert table(b, IPV4_UNICAST) == {}
+    assert table(b) == {"fd00:10:244:1::/64": "2001:db8::1"}
+    # (b, without next_hop_v4 either, says the same of its peer.)
+    expected = ("peer 2001:db8::2: IPv4 unicast negotiated over an IPv6 session, but we have no IPv4 next hop "
+                "(next_hop_v4): routes with us as their next hop are not sent to it")
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("peer 2001:db8::2:")] == [expected]
+
+
 def test_graceful_restart_keeps_ipv6_routes_stale_until_the_ipv6_end_of_rib():
     net, a, b = v4_pair_with_v6_next_hops()
     b.set_originated(origin("10.244.2.0/24", "fd00:10:244:2::/64", "fd00:10:244:22::/64"), net.now)

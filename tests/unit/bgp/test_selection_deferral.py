@@ -10,14 +10,14 @@ import struct
 from ipaddress import IPv4Address
 
 from bgp import PeerSettings
-from bgp.testing import RawHarness, RawPeer, make_speaker
+from bgp.testing import MemoryNetwork, RawHarness, RawPeer, make_speaker
 from proto.capabilities import (
     GracefulRestart,
     GracefulRestartFamily,
     MultiProtocol,
     RouteRefresh,
 )
-from proto.messages import Open
+from proto.messages import MessageType, Open
 from proto.nlri import IPV4_UNICAST, IPV6_UNICAST
 
 RR, C1, C2, C3 = "10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"
@@ -115,3 +115,52 @@ def test_a_peer_removed_while_awaited_is_not_waited_for():
     sp.remove_peer(C2, h.now)
     h.advance(1.0)
     assert c1.end_of_ribs() == BOTH and not sp.deferring
+
+
+def our_gr(c: RawPeer) -> GracefulRestart:
+    """The Graceful Restart capability of the OPEN the speaker sent ``c``."""
+    (body,) = [b for t, b in c.inbox if t == MessageType.OPEN]
+    gr = Open.decode(body).capability(GracefulRestart)
+    assert gr is not None
+    return gr
+
+
+def test_the_restart_state_bit_is_cleared_once_the_deferral_is_over():
+    # RFC 4724 §3: R=1 says "I have just restarted".  Sessions opened while the restart is
+    # under way carry it; once route selection is no longer deferred (End-of-RIB sent to every
+    # peer) the restart is complete, and a session that comes up later says R=0 -- else a
+    # peer that restarts later skips us in its own deferral and flushes what it has from us.
+    sp, h, c1 = first_client_back()
+    assert our_gr(c1).restart_state
+    h.advance(121.0)  # the restart time is up: c2 is not waited for any longer
+    assert not sp.deferring
+    c2 = Client(C2, -2, restarting=True)  # c2 restarts, hours later
+    h.advance(3600.0)
+    assert h.connect(c2)
+    gr = our_gr(c2)
+    assert not gr.restart_state
+    # F still says what our restart preserved (it does not follow R).
+    assert all(f.forwarding_state for f in gr.families)
+    assert sp.deferral_pending() == []
+
+
+def test_a_peer_that_reconnects_long_after_our_restart_is_told_we_did_not_just_restart():
+    # The reviewer's sequence: A restarts, B is up; A's deferral ends with B's End-of-RIB;
+    # B restarts an hour later and must see A's OPEN without the R bit.
+    net = MemoryNetwork()
+    a = net.add("10.0.0.1", make_speaker("10.0.0.1", 65000, [("10.0.0.2", 65000)], restarting=True))
+    b = net.add("10.0.0.2", make_speaker("10.0.0.2", 65000, [("10.0.0.1", 65000)]))
+    a.start(0.0)
+    b.start(0.0)
+    net.run(duration=10)
+    assert not a.deferring
+    assert b.negotiated("10.0.0.1").peer_graceful_restart.restart_state  # opened during A's restart
+    net.crash("10.0.0.2")
+    net.run(duration=1)
+    b2 = make_speaker("10.0.0.2", 65000, [("10.0.0.1", 65000)], now=net.now)
+    net.replace("10.0.0.2", b2)
+    b2.start(net.now)
+    net.run(duration=3600)
+    gr = b2.negotiated("10.0.0.1").peer_graceful_restart
+    assert gr is not None and not gr.restart_state
+    assert all(f.forwarding_state for f in gr.families)
