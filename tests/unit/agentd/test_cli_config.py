@@ -121,7 +121,7 @@ def test_commands_that_never_open_etcds_files_run_without_reading_them(monkeypat
     monkeypatch.setattr(cli, "flows_command", lambda args, token_file: ran.append(token_file) or 0)
     from agentd.cni import docker_opts
 
-    monkeypatch.setattr(docker_opts, "run", lambda args: ran.append(args.subnet_file) or 0)
+    monkeypatch.setattr(docker_opts, "run", lambda args, **_: ran.append(args.subnet_file) or 0)
     assert cli.main([command, "--config", str(conf)]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert ran or "/ui/?key=" in out

@@ -949,12 +949,12 @@ def _env_names_read_by_the_project() -> set[str]:
     read = re.compile(r"""(?:environ(?:\.get)?\(|environ\[|getenv\(|setdefault\()\s*["'](AGENTD_\w+)["']""")
     for path in [*ROOT.joinpath("agentd").rglob("*.py"), *ROOT.joinpath("bench").rglob("*.py"),
                  *ROOT.joinpath("tests").rglob("*.py")]:
-        found |= set(read.findall(path.read_text()))
+        found |= set(read.findall(path.read_text(errors="replace")))
     shell = re.compile(r"\$\{?(AGENTD_\w+)|^\s*ARG (AGENTD_\w+)", re.MULTILINE)
     for path in [ROOT / "compose.yaml", ROOT / "scripts" / "dev", ROOT / ".ci" / "run",
                  *ROOT.joinpath("docker").rglob("*")]:
         if path.is_file():
-            found |= {a or b for a, b in shell.findall(path.read_text())}
+            found |= {a or b for a, b in shell.findall(path.read_text(errors="replace"))}
     return found
 
 
