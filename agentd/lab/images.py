@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -92,19 +93,31 @@ def base_tarball(progress: Callable[[str], None] = lambda line: None) -> Path:
     """The base root file system, made by mmdebstrap once and cached."""
     tar = IMAGE_CACHE / f"base-{BASE_DIGEST}.tar"
     with _locked(tar):
-        if tar.exists():
+        if tar.is_file():
             return tar
+        _remove(tar)  # a directory an earlier mmdebstrap made of it (below): not a tarball
         progress(f"making the base image from Debian {SUITE} packages (mmdebstrap, about a minute)")
         tmp = tar.with_suffix(".tar.part")
+        _remove(tmp)
+        # --format=tar: mmdebstrap takes the format from the target's name otherwise, and makes
+        # a directory of a name it does not know (".part").
         proc = subprocess.run(
-            ["mmdebstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES), SUITE, str(tmp)],
+            ["mmdebstrap", "--variant=minbase", "--format=tar", "--include=" + ",".join(BASE_PACKAGES), SUITE,
+             str(tmp)],
             capture_output=True, text=True, timeout=1800,
         )  # fmt: skip
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise LabError(f"mmdebstrap failed: {proc.stderr.strip()[-2000:]}")
+        if proc.returncode != 0 or not tmp.is_file():
+            _remove(tmp)
+            raise LabError(f"mmdebstrap failed: {proc.stderr.strip()[-2000:] or 'it made no tarball'}")
         tmp.rename(tar)
     return tar
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def busybox_tarball() -> Path:
