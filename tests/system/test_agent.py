@@ -2,14 +2,17 @@
 peers, metrics, MTU, off-link host-gw peers, bad configuration, and the lab CLI."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+from ipaddress import ip_network
 from pathlib import Path
 
 
+from agentd.cni.netconf import read_subnet_file, write_subnet_file
 from agentd.lab.bird import Bird
 from agentd.lab.lab import ETCD_ADDRESS
 from agentd.lab.netns import Netns, list_names, veth
@@ -40,9 +43,17 @@ async def test_sigterm_with_graceful_restart_keeps_routes_everywhere(lab_factory
     assert sorted(node2.kernel_routes()) == before2
     assert has_route(node1, subnets["node2"])
     assert rib and rib[0]["stale"]
+    # The subnet file says node2 had node1's subnet before (as after a lease lost to node1):
+    # node2 cannot have it back, keeps the one it holds, and warns that whatever was on the
+    # file's subnet must be created again.
+    sf = read_subnet_file(node2.dir / "subnet.env")
+    other = ip_network(subnets["node1"])
+    write_subnet_file(str(node2.dir / "subnet.env"), dataclasses.replace(sf, subnet=other))
     node2.start_agent()
     await lab.ready.established(30)
     await wait_for(lambda: not [r for r in node1.api("/rib") if r["stale"]], 15, "stale routes refreshed")
+    assert lab.subnets()["node2"] == subnets["node2"]
+    assert f"this node's subnet changed from {other} to {sf.subnet}" in node2.log_path.read_text()
 
 
 async def test_sigterm_without_graceful_restart_withdraws(lab_factory):
