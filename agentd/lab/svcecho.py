@@ -34,6 +34,9 @@ from typing import Any
 
 from agentd.lab.probe import udp_server, wildcards
 
+# How long :class:`Echo`'s tcp/udp/hold/ask wait for an answer unless told otherwise.
+ANSWER_TIMEOUT = 5.0
+
 
 async def _serve(name: str, ports: list[tuple[str, int]]) -> None:
     loop = asyncio.get_running_loop()
@@ -234,17 +237,19 @@ class Echo:
             await self.proc.stdin.drain()
             return json.loads(await asyncio.wait_for(self.proc.stdout.readline(), timeout))
 
-    async def tcp(self, ip: str, port: int, count: int = 1, timeout: float = 2.0) -> dict[str, Any]:
+    # The default timeouts are for exchanges that must succeed: long enough for a loaded
+    # machine (each exchange is tried once).  Where a drop is expected, pass a short one.
+    async def tcp(self, ip: str, port: int, count: int = 1, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
         return await self.call({"tcp": [ip, port], "count": count, "timeout": timeout})
 
-    async def udp(self, ip: str, port: int, sport: int, count: int = 1, timeout: float = 1.0) -> list[str | None]:
+    async def udp(self, ip: str, port: int, sport: int, count: int = 1, timeout: float = ANSWER_TIMEOUT) -> list[str | None]:
         return (await self.call({"udp": [ip, port], "count": count, "sport": sport, "timeout": timeout}))["names"]
 
-    async def hold(self, ident: str, ip: str, port: int) -> str | None:
-        return (await self.call({"hold": [ip, port], "id": ident}))["name"]
+    async def hold(self, ident: str, ip: str, port: int, timeout: float = ANSWER_TIMEOUT) -> str | None:
+        return (await self.call({"hold": [ip, port], "id": ident, "timeout": timeout}))["name"]
 
-    async def ask(self, ident: str) -> str | None:
-        return (await self.call({"ask": ident}))["name"]
+    async def ask(self, ident: str, timeout: float = ANSWER_TIMEOUT) -> str | None:
+        return (await self.call({"ask": ident, "timeout": timeout}))["name"]
 
     async def crr(self, ip: str, port: int, seconds: float, parallel: int = 4) -> dict[str, Any]:
         return await self.call({"crr": [ip, port], "seconds": seconds, "parallel": parallel}, timeout=seconds + 60)
