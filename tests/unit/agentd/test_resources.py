@@ -152,6 +152,9 @@ BAD = [
     (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fd00::/8", "except": ["fd00::/8"]}), "must be a strict subset of `cidr`"),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "fd00::/129"), 'ipBlock.cidr: Invalid value: "fd00::/129": must be a valid CIDR'),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "fd00::1"), "must be a valid CIDR"),
+    # a zone: Python's ip_network takes one, the API server's ParseCIDR and nftables do not
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "fe80::%eth0/64"), 'ipBlock.cidr: Invalid value: "fe80::%eth0/64": must be a valid CIDR'),
+    (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fe80::/10", "except": ["fe80::%1/64"]}), 'ipBlock.except[0]: Invalid value: "fe80::%1/64": must be a valid CIDR'),
     (mutate("spec.ingress.0.from.1.podSelector", {}), "spec.ingress[0].from[1]: Forbidden: may not specify both ipBlock and another peer"),
     (mutate("spec.ingress.0.from.1", {}), "spec.ingress[0].from[1]: Required value: must specify a peer"),
     (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0.operator", "in"), 'operator: Invalid value: "in": not a valid selector operator'),
