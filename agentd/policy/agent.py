@@ -124,6 +124,7 @@ class PolicyAgent:
         self._have_snapshot = False
         self._full_compare = True
         self._acked: set[str] = set()
+        self._conflicts: set[tuple[Any, ...]] = set()  # address conflicts logged already
         self._wake = asyncio.Event()
         # This node's endpoint files and their records in etcd (agentd/policy/publisher.py).
         self.publisher = PodPublisher(node, self.data_dir, datastore, self.store, self.records, self.record_leases)
@@ -278,7 +279,7 @@ class PolicyAgent:
                 log.warning("endpoint file of pod %s/%s unusable: %s", *key, err)
                 self.engine.remove_pod(key)
                 return
-            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge))
+            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge, ep.written))
         elif record is not None and record["spec"].get("nodeName") != self.node:
             try:
                 self.engine.upsert_pod(Pod.parse(record))
@@ -307,6 +308,7 @@ class PolicyAgent:
             containers = set(self.publisher.endpoints)  # the pods this build includes
             desired = self.engine.build()
             keys = self.engine.touched()
+            self._report_conflicts()
             isolating = self.isolated()["any"] > 0
             try:
                 if isolating and self.on_isolation is not None:
@@ -344,6 +346,15 @@ class PolicyAgent:
                          size["chains"], size["rules"], size["elements"], result.commands)
             self._applied(revision)
 
+    def _report_conflicts(self) -> None:
+        """Log each address two local pods claim once (PolicyEngine.conflicts)."""
+        now = {(str(ip), owner, tuple(others)) for ip, (owner, others) in self.engine.conflicts().items()}
+        for ip, owner, others in sorted(now - self._conflicts):
+            log.warning("address %s is claimed by local pods %s and %s: %s/%s has it (the newer endpoint file); "
+                        "the other's endpoint file is probably stale", ip, "/".join(owner),
+                        ", ".join("/".join(k) for k in others), *owner)  # fmt: skip
+        self._conflicts = now
+
     async def route_services(self, on: bool, timeout: float = 5.0) -> None:
         """Services start (``on``) or stop translating on this node: every local pod's traffic
         goes up through the IP stack while they do (PolicyEngine.route_services).  Returns once
@@ -369,7 +380,9 @@ class PolicyAgent:
         at the veth of a pod that had it before."""
         if self.fast_path is None:
             return
-        wanted = {ip: ep.interface for ep in self.publisher.endpoints.values() for ip in ep.ips}  # both families
+        # both families; of two pods with one address, the one the tables give it to
+        wanted = {ip: ep.interface for ep in sorted(self.publisher.endpoints.values(), key=lambda e: (e.written, e.key))
+                  for ip in ep.ips}  # fmt: skip
         if wanted == self._fast_pods:
             return
         try:
