@@ -37,7 +37,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from agentd.resources import pod as podres
@@ -69,20 +69,25 @@ class Endpoint:
     ifname: str = "eth0"
     netns: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # The file's mtime (ns), as read_all found it; not in the file, not compared.  ADD writes
+    # the file, so of two files with one address the newer is the pod host-local gave it to last.
+    written: int = field(default=0, compare=False)
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.namespace, self.name)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        out = asdict(self)
+        del out["written"]
+        return json.dumps(out, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Endpoint:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("not an object")
-        known = {f: raw[f] for f in cls.__dataclass_fields__ if f in raw}
+        known = {f: raw[f] for f in cls.__dataclass_fields__ if f in raw and f != "written"}
         ep = cls(**known)
         for f in ("container_id", "namespace", "name", "interface", "mac", "bridge"):
             if not isinstance(getattr(ep, f), str) or not getattr(ep, f):
@@ -258,7 +263,7 @@ def read_all(data_dir: str | os.PathLike[str], reported: set[str] | None = None)
         path = os.path.join(directory, name)
         try:
             with open(path, encoding="utf-8") as f:
-                ep = Endpoint.from_json(f.read())
+                ep = replace(Endpoint.from_json(f.read()), written=os.fstat(f.fileno()).st_mtime_ns)
         except FileNotFoundError:
             continue
         except (OSError, ValueError, TypeError) as err:
@@ -273,8 +278,12 @@ def read_all(data_dir: str | os.PathLike[str], reported: set[str] | None = None)
 
 def relabel(data_dir: str | os.PathLike[str], ep: Endpoint, labels: dict[str, str]) -> Endpoint:
     """Keep labels set later (``agentd label pod``) in the file, so they outlive the record."""
-    new = Endpoint(**{**asdict(ep), "labels": dict(labels)})
+    new = replace(ep, labels=dict(labels))
     write(data_dir, new)
+    if ep.written:  # the file keeps the time its pod was attached (see Endpoint.written)
+        with contextlib.suppress(OSError):
+            path = os.path.join(endpoints_dir(data_dir), ep.container_id + SUFFIX)
+            os.utime(path, ns=(ep.written, ep.written))
     return new
 
 

@@ -432,6 +432,10 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
         except CniError:
             raise stored_failed from None
     remove_state(data_dir, args.container_id)
+    # Only now: the file gone takes the pod out of the policy tables (open), and a DEL that
+    # failed above leaves the pod as it was until the runtime retries.  A DEL stopped between
+    # the delegate (address released) and here leaves a stale file; the agent gives the address
+    # to the newer of two files claiming it (PolicyEngine.conflicts).
     pod_endpoints.remove(data_dir, args.container_id)
 
 

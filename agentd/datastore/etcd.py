@@ -22,6 +22,8 @@ import aetcd
 import grpc
 from aetcd import rpc, watcher
 
+from .records import HistoryCompacted
+
 log = logging.getLogger("agentd.datastore")
 
 DEFAULT_PORT = 2379
@@ -128,6 +130,22 @@ class EtcdClient(aetcd.Client):
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
         self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
         self._connected.set()
+
+
+    async def get_at(self, key: bytes, revision: int) -> aetcd.Get | None:
+        """``key`` as it was at ``revision`` (aetcd's get cannot ask for a revision); None if
+        it did not exist then; HistoryCompacted if etcd has compacted that revision away."""
+        await self.connect()
+        request = rpc.RangeRequest(key=key, revision=revision)
+        try:
+            response = await self.kvstub.Range(request, timeout=self._timeout, metadata=self.metadata)
+        except rpc.AioRpcError as err:
+            if err.code() == grpc.StatusCode.OUT_OF_RANGE and "compacted" in (err.details() or ""):
+                raise HistoryCompacted(f"etcd revision {revision} is compacted") from None
+            raise  # the connection's retries judge it (is_transient reads its gRPC code)
+        if response.count < 1:
+            return None
+        return aetcd.Get(response.header, response.kvs[-1])
 
 
 def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:

@@ -51,6 +51,10 @@ class SubnetExhausted(DatastoreError):
     """Every subnet of the cluster network is leased."""
 
 
+class HistoryCompacted(DatastoreError):
+    """etcd no longer keeps the revision asked for (compacted away)."""
+
+
 # -- field checks (one line each, naming the record and the field) ---------------
 
 

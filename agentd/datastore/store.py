@@ -70,6 +70,7 @@ from agentd.datastore.records import (
     ClusterConfig,
     DatastoreError,
     DatastoreUnavailable,
+    HistoryCompacted,
     NodeEvent,
     NodeRecord,
     RecordError,
@@ -88,6 +89,7 @@ __all__ = [
     "Datastore",
     "DatastoreError",
     "DatastoreUnavailable",
+    "HistoryCompacted",
     "KeyValue",
     "NodeEvent",
     "NodeRecord",
@@ -112,8 +114,8 @@ class Datastore:
     ``watches``       watch_nodes, watch_prefix
     ``keeper``        the etcd lease and its keepalive (``lease_id``, ``node``, ``subnet_lease``,
                       ``lease_renewals``)
-    ``connection``    the client, retries and failover (``connect``, ``request``, ``close``,
-                      ``connected``, ``endpoint``)
+    ``connection``    the client, retries and failover (``connect``, ``request``, ``get_at``,
+                      ``close``, ``connected``, ``endpoint``)
     """
 
     def __init__(
@@ -221,6 +223,12 @@ class Datastore:
         (for stores built on this one, e.g. agentd.resources); DatastoreUnavailable after
         ``timeout`` seconds."""
         return await self.connection.call(what, op, self.connection.deadline(timeout))
+
+    async def get_at(self, key: bytes, revision: int, *, timeout: float | None = None) -> KeyValue | None:
+        """``key`` as it was at ``revision`` (etcd keeps old revisions until it compacts them);
+        None if it did not exist then; HistoryCompacted if that revision is compacted away."""
+        got = await self.request("read history", lambda c: c.get_at(key, revision), timeout=timeout)
+        return None if got is None else KeyValue(key, got.value, got.mod_revision, got.lease)
 
     # -- registration --------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from typing import NamedTuple
 # --- netlink.h -------------------------------------------------------------------------
 
 NETLINK_ROUTE = 0
-NETLINK_NETFILTER = 12  # nfnetlink: nf_tables, ctnetlink (agentd.nft.nfnetlink, agentd.services.conntrack)
+NETLINK_NETFILTER = 12  # nfnetlink: nf_tables, ctnetlink (agentd.nft.nfnetlink, agentd.services.conntrack, agentd.policy.conntrack)
 NFNETLINK_V0 = 0  # nfgenmsg.version
 SOL_NETLINK = 270
 NETLINK_ADD_MEMBERSHIP = 1

@@ -2,7 +2,7 @@
 
 What the agent says to conntrack and hears from it, framed with the one netlink codec
 (:mod:`agentd.kernel.netlink`: header, attribute packer and parser): dumps and deletes of
-entries (Services' stale UDP flows, ``agentd.services.conntrack``) and the events conntrack
+entries (Services' stale UDP flows, ``agentd.services.conntrack``; removed pods' addresses, ``agentd.policy.conntrack``) and the events conntrack
 multicasts when an entry is confirmed (NEW) and when it goes (DESTROY), which are the
 connection records of flow visibility (``agentd.flows``).
 

@@ -40,7 +40,7 @@ from agentd.nft.expr import SUPPRESSED, DropLog
 from agentd.nft.libnftables import Nft, NftError
 from agentd.nft.programmer import NftProgrammer
 
-from . import compiler
+from . import compiler, conntrack
 from .engine import PolicyEngine
 from .model import LocalPort, Pod, PodKey, Policy
 from .publisher import PodPublisher, container_of, record_for
@@ -124,6 +124,12 @@ class PolicyAgent:
         self._have_snapshot = False
         self._full_compare = True
         self._acked: set[str] = set()
+        self._conflicts: set[tuple[Any, ...]] = set()  # address conflicts logged already
+        # Local pods' addresses -> the container that has each (agentd/policy/conntrack.py), and
+        # the addresses whose conntrack entries go after the next sync.
+        self._owners: dict[str, str] = {}
+        self._released: set[str] = set()
+        self.conntrack_flushed = 0  # entries deleted
         self._wake = asyncio.Event()
         # This node's endpoint files and their records in etcd (agentd/policy/publisher.py).
         self.publisher = PodPublisher(node, self.data_dir, datastore, self.store, self.records, self.record_leases)
@@ -260,6 +266,9 @@ class PolicyAgent:
         changed = self.publisher.rescan()
         if changed is None:
             return
+        owners = conntrack.owners(self.publisher.endpoints.values())
+        self._released |= conntrack.released(self._owners, owners)
+        self._owners = owners
         for key in changed:
             self._feed_pod(key)
         self._wake.set()
@@ -278,7 +287,7 @@ class PolicyAgent:
                 log.warning("endpoint file of pod %s/%s unusable: %s", *key, err)
                 self.engine.remove_pod(key)
                 return
-            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge))
+            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge, ep.written))
         elif record is not None and record["spec"].get("nodeName") != self.node:
             try:
                 self.engine.upsert_pod(Pod.parse(record))
@@ -300,6 +309,7 @@ class PolicyAgent:
             if not (self._have_snapshot and self.publisher.have_local):
                 continue  # keep what the kernel has until we know the whole picture
             if not self.engine.dirty and self.programmer.current is not None and self.applied_at is not None:
+                await self._flush_released()
                 self._applied(self.revision)
                 continue
             revision = self.revision
@@ -307,6 +317,7 @@ class PolicyAgent:
             containers = set(self.publisher.endpoints)  # the pods this build includes
             desired = self.engine.build()
             keys = self.engine.touched()
+            self._report_conflicts()
             isolating = self.isolated()["any"] > 0
             try:
                 if isolating and self.on_isolation is not None:
@@ -334,6 +345,7 @@ class PolicyAgent:
             self.last_sync = {"commands": result.commands, "seconds": round(seconds, 6),
                               "nft_seconds": round(result.seconds, 6), "full": result.full}
             await self._update_fast_path()
+            await self._flush_released()  # before the new pod is acknowledged: its address's old flows gone
             try:  # tell agentd-cni, waiting in ADD, that its pod is in the tables now
                 self._acked = endpoints.acknowledge(self.data_dir, containers, self._acked)
             except OSError as err:
@@ -343,6 +355,32 @@ class PolicyAgent:
                 log.info("policy tables programmed: %d chains, %d rules, %d set elements (%d commands)",
                          size["chains"], size["rules"], size["elements"], result.commands)
             self._applied(revision)
+
+    async def _flush_released(self) -> None:
+        """Delete the conntrack entries of addresses local pods no longer have (after the sync
+        that took them out of the tables: the next packet is judged as a new connection by
+        the tables as they are now).  Errors are logged: the entries then live until they
+        time out, as before."""
+        if not self._released:
+            return
+        gone, self._released = sorted(self._released), set()
+        try:
+            deleted = await asyncio.to_thread(conntrack.flush_addresses, gone)
+        except (OSError, ValueError) as err:
+            log.warning("conntrack entries of the former pod addresses %s not deleted: %s", ", ".join(gone), err)
+            return
+        self.conntrack_flushed += deleted
+        if deleted:
+            log.info("deleted %d conntrack entries of former pod addresses %s", deleted, ", ".join(gone))
+
+    def _report_conflicts(self) -> None:
+        """Log each address two local pods claim once (PolicyEngine.conflicts)."""
+        now = {(str(ip), owner, tuple(others)) for ip, (owner, others) in self.engine.conflicts().items()}
+        for ip, owner, others in sorted(now - self._conflicts):
+            log.warning("address %s is claimed by local pods %s and %s: %s/%s has it (the newer endpoint file); "
+                        "the other's endpoint file is probably stale", ip, "/".join(owner),
+                        ", ".join("/".join(k) for k in others), *owner)  # fmt: skip
+        self._conflicts = now
 
     async def route_services(self, on: bool, timeout: float = 5.0) -> None:
         """Services start (``on``) or stop translating on this node: every local pod's traffic
@@ -369,7 +407,9 @@ class PolicyAgent:
         at the veth of a pod that had it before."""
         if self.fast_path is None:
             return
-        wanted = {ip: ep.interface for ep in self.publisher.endpoints.values() for ip in ep.ips}  # both families
+        # both families; of two pods with one address, the one the tables give it to
+        wanted = {ip: ep.interface for ep in sorted(self.publisher.endpoints.values(), key=lambda e: (e.written, e.key))
+                  for ip in ep.ips}  # fmt: skip
         if wanted == self._fast_pods:
             return
         try:

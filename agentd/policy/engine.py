@@ -18,6 +18,12 @@ Kubernetes semantics (networking.k8s.io/v1):
 * a pod has an address of each family the cluster runs (``families``): a selector that
   matches it matches both, an ipBlock only those of its own family.
 
+One address, one local pod: when two local pods claim an address (a stale endpoint file whose
+pod's address host-local has handed to a new pod), the newer endpoint file's pod has it
+(``LocalPort.since``, then the pod's name: the same for any order the pods came in) and the
+other is as if it had not that address (:meth:`PolicyEngine.conflicts`).  Two elements with
+one key in the address maps would make the kernel refuse every transaction.
+
 Incremental: the members of each distinct peer selector are kept as pods come, go and
 change; a change marks the policies whose members changed (and local pods whose selecting
 policies changed) dirty, and only those are compiled again.  Only policies selecting a
@@ -63,6 +69,8 @@ class PolicyEngine:
         self.namespaces: dict[str, dict[str, str]] = {}  # labels of Namespace objects
         self.policies: dict[PolicyKey, Policy] = {}
         self.bridges: set[str] = set()
+        self._claims: dict[Address, set[PodKey]] = {}  # local pods' addresses: who claims each
+        self._lost: dict[PodKey, frozenset[Address]] = {}  # addresses a newer local pod has
 
         self._ns_pods: dict[str, set[PodKey]] = defaultdict(set)
         self._ns_policies: dict[str, set[PolicyKey]] = defaultdict(set)
@@ -119,6 +127,7 @@ class PolicyEngine:
             self.bridges.add(local.bridge)
         else:
             self.local.pop(key, None)
+        self._claim(key, old.ips if old is not None and old_local is not None else (), pod.ips if local else ())
         if old != pod:
             changed = old is None or old.ips != pod.ips or old.ports != pod.ports
             labels = self.ns_labels(pod.namespace)
@@ -137,6 +146,7 @@ class PolicyEngine:
         self.pods_version += 1
         self._unindex(pod)
         self._ns_pods[pod.namespace].discard(key)
+        self._claim(key, pod.ips if key in self.local else (), ())
         for sel, members in self._members.items():
             if key in members:
                 members.discard(key)
@@ -144,6 +154,51 @@ class PolicyEngine:
         self._dirty_policies |= self._all_pods_refs
         if self.local.pop(key, None) is not None or key in self._pod_policies:
             self._reselect(key)
+
+    def _claim(self, key: PodKey, before: tuple[Address, ...], after: tuple[Address, ...]) -> None:
+        """Local pod ``key`` claims ``after`` now, ``before`` until now: which local pods lose
+        an address to another (see the module's doc)."""
+        for ip in before:
+            claims = self._claims.get(ip)
+            if claims is not None:
+                claims.discard(key)
+                if not claims:
+                    del self._claims[ip]
+        for ip in after:
+            self._claims.setdefault(ip, set()).add(key)
+        affected = {key}
+        for ip in (*before, *after):
+            affected |= self._claims.get(ip, set())
+            owner = self._owner(ip)
+            if owner is not None:
+                self.by_ip[str(ip)] = owner
+        for k in sorted(affected):
+            pod, port = self.pods.get(k), self.local.get(k)
+            mine = pod.ips if pod is not None and port is not None else ()
+            lost = frozenset(ip for ip in mine if self._owner(ip) != k)
+            if lost == self._lost.get(k, frozenset()):
+                continue
+            if lost:
+                self._lost[k] = lost
+            else:
+                self._lost.pop(k, None)
+            # Its addresses as the tables see them changed: as if its record had.
+            for sel, members in self._members.items():
+                if k in members:
+                    self._dirty_policies |= self._sel_refs[sel]
+            self._dirty_policies |= self._all_pods_refs
+            self._reselect(k)
+
+    def _owner(self, ip: Address) -> PodKey | None:
+        claims = self._claims.get(ip)
+        if not claims:
+            return None
+        return max(claims, key=lambda k: (self.local[k].since, k))
+
+    def conflicts(self) -> dict[Address, tuple[PodKey, list[PodKey]]]:
+        """Addresses more than one local pod claims: the pod that has it, the others."""
+        return {ip: (owner, sorted(claims - {owner}))
+                for ip, claims in self._claims.items() if len(claims) > 1 and (owner := self._owner(ip)) is not None}
 
     def _unindex(self, pod: Pod) -> None:
         for ip in pod.ips:
@@ -261,8 +316,10 @@ class PolicyEngine:
         return out
 
     def addresses(self, pod: Pod) -> tuple[Address, ...]:
-        """The addresses of ``pod`` this node's tables hold: those of the cluster's families."""
-        return tuple(ip for ip in pod.ips if ip.version in self.families)
+        """The addresses of ``pod`` this node's tables hold: those of the cluster's families
+        (not those a newer local pod has, see the module's doc)."""
+        lost = self._lost.get(pod.key)
+        return tuple(ip for ip in pod.ips if ip.version in self.families and not (lost and ip in lost))
 
     def rule_members(self, policy: Policy, direction: str, rule: Rule) -> compiler.RuleMembers:
         pods = self.members(policy, rule)
@@ -366,9 +423,11 @@ class PolicyEngine:
         elements: dict[str, set[Any]] = defaultdict(set)
         for key, port in self.local.items():
             pod = self.pods.get(key)
-            addresses = [(FAMILIES[ip.version], str(ip)) for ip in self.addresses(pod)] if pod else []
-            if not addresses:
+            if pod is None or not any(ip.version in self.families for ip in pod.ips):
                 continue
+            # Without the addresses a newer pod has: a stale pod's port stays a pod port (its
+            # packets with them are spoofed ones) but is no way to them.
+            addresses = [(FAMILIES[ip.version], str(ip)) for ip in self.addresses(pod)]
             ingress, egress = self.isolation(key)
             elements["pod-ports"].add(port.interface)
             elements["port-macs"].add((port.interface, port.mac))

@@ -277,6 +277,9 @@ class LocalPort:
     interface: str  # host-side veth
     mac: str  # its MAC: an address the bridge delivers to the host (a local FDB entry)
     bridge: str
+    # When agentd-cni attached it (its endpoint file's mtime, ns): of two local pods with one
+    # address the newer has it (PolicyEngine.conflicts)
+    since: int = 0
 
 
 def namespace_labels(name: str, labels: Labels | None) -> dict[str, str]:

@@ -66,11 +66,10 @@ class PodPublisher:
         return old_keys | {ep.key for ep in found.values()}
 
     def local(self, key: PodKey) -> endpoints.Endpoint | None:
-        """The endpoint file of pod ``key`` if it is on this node."""
-        for ep in self.endpoints.values():
-            if ep.key == key:
-                return ep
-        return None
+        """The endpoint file of pod ``key`` if it is on this node (of two, a stale one and
+        the pod's new one, the newer)."""
+        mine = [ep for ep in self.endpoints.values() if ep.key == key]
+        return max(mine, key=lambda ep: (ep.written, ep.container_id)) if mine else None
 
     # ------------------------------------------------------------------ the records
 

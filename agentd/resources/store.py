@@ -15,8 +15,10 @@ key's etcd ``mod_revision``, added when an object is read.
 Writes are transactions that compare the ``mod_revision`` read before (so two applies, or an
 agent and ``agentd label``, never overwrite each other's change unseen; the loser reads again).
 Every agent follows the whole ``<prefix>/resources/`` prefix with one watch, so the objects
-it sees are one consistent revision of etcd.  A record that does not validate is logged once
-and skipped (to a watcher it is gone), never a crash.
+it sees are one consistent revision of etcd.  A record that does not validate is logged once,
+never a crash; a watcher keeps the object's last readable version (from its own watch, or
+from etcd's history when it starts: :meth:`ResourceStore.watch`), and without one the object
+is left out.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 from aetcd import transactions as tx
 
 from agentd.datastore.records import DEFAULT_SERVICE_CIDR
-from agentd.datastore.store import Datastore, KeyValue
+from agentd.datastore.store import Datastore, DatastoreError, HistoryCompacted, KeyValue
 
 from . import allocation, ipfamilies, kinds
 from .ingress import INGRESS_NODES
@@ -170,6 +172,7 @@ class ResourceStore:
         self.service_families = service_families
         self.rng = rng or random.Random()
         self._reported: set[tuple[bytes, int]] = set()
+        self.left_out: set[Key] = set()  # unreadable records with no readable version known (watch)
 
     # ------------------------------------------------------------------ reads
 
@@ -216,6 +219,41 @@ class ResourceStore:
                 self._reported.add((kv.key, kv.mod_revision))
                 log.warning("skipping malformed record at %s: %s", kv.key.decode(errors="replace"), err)
             return None
+
+    async def _last_readable(self, kv: KeyValue) -> dict[str, Any] | None:
+        """The newest readable earlier version of the unreadable record ``kv``, from etcd's
+        history: the key at ``mod_revision - 1`` is its previous version (etcd keeps them until
+        it compacts), and so on back past a few unreadable ones.  None, logged once, if there
+        is none: compacted away, the key's creation (or a delete) reached, or etcd not
+        answering."""
+        where = kv.key.decode(errors="replace")
+        revision = kv.mod_revision
+        why = f"no version of it was readable in its last {HISTORY_STEPS}"
+        for _ in range(HISTORY_STEPS):
+            try:
+                old = await self.ds.get_at(kv.key, revision - 1, timeout=self.timeout) if revision > 1 else None
+            except HistoryCompacted:
+                why = "its earlier versions are compacted away"
+                break
+            except DatastoreError as err:
+                why = f"its history could not be read ({err})"
+                break
+            if old is None:
+                why = "it was never readable since it was created"
+                break
+            try:
+                obj = decode(self.prefix, old)
+            except (Invalid, ValueError):
+                revision = old.mod_revision
+                continue
+            log.warning("record at %s is unreadable: using its last readable version (revision %d) until it "
+                        "is readable or deleted", where, old.mod_revision)  # fmt: skip
+            obj["metadata"]["resourceVersion"] = str(kv.mod_revision)
+            return obj
+        if (kv.key, -kv.mod_revision) not in self._reported:
+            self._reported.add((kv.key, -kv.mod_revision))
+            log.warning("record at %s is unreadable and left out: %s", where, why)
+        return None
 
     # ------------------------------------------------------------------ writes by people
 
@@ -464,7 +502,10 @@ class ResourceStore:
 
         A record that cannot be read (a bad put by hand, a field a newer agentd writes that this
         one does not know) is logged and leaves the watcher with the object's last good version:
-        only a delete in etcd removes an object (bad input loses nothing already working)."""
+        only a delete in etcd removes an object (bad input loses nothing already working).  A
+        watch that starts with such a record (a restarted agent, a new node) looks for that
+        version in etcd's history (:meth:`_last_readable`); if etcd has compacted it away, or
+        the record was never readable, the object is left out (logged, ``left_out``)."""
         good: dict[Key, tuple[dict[str, Any], int]] = {}  # the last readable version of each object, its lease
         async for ev in self.ds.watch_prefix(resources_prefix(self.prefix), "resource watch"):
             if ev.kind == "snapshot":
@@ -480,9 +521,16 @@ class ResourceStore:
                         kind, namespace, name = parse_key(self.prefix, kv.key)
                     except ValueError:
                         continue
-                    if (kind.kind, namespace, name) in good:
-                        objects[kind.kind, namespace, name], leases[kind.kind, namespace, name] = good[kind.kind, namespace, name]
+                    key = (kind.kind, namespace, name)
+                    if key in good:
+                        objects[key], leases[key] = good[key]
+                    elif (old := await self._last_readable(kv)) is not None:
+                        objects[key], leases[key] = old, kv.lease
+                        self.left_out.discard(key)
+                    else:
+                        self.left_out.add(key)
                 good = {key: (obj, leases[key]) for key, obj in objects.items()}
+                self.left_out -= set(objects)
                 yield ResourceEvent("snapshot", ev.revision, objects=objects, leases=leases)
                 continue
             kv = ev.kvs[0]
@@ -492,14 +540,19 @@ class ResourceStore:
                 continue
             key = (kind.kind, namespace, name)
             if ev.kind != "put":
+                self.left_out.discard(key)
                 if good.pop(key, None) is not None:
                     yield ResourceEvent("delete", ev.revision, key=key)
                 continue
             obj = self._decode(kv)
             if obj is None:
                 continue  # unreadable (logged): the last good version stays
+            self.left_out.discard(key)
             good[key] = (obj, kv.lease)
             yield ResourceEvent("put", ev.revision, key=key, obj=obj, lease=kv.lease)
+
+
+HISTORY_STEPS = 5  # unreadable versions of a record looked past in etcd's history, at most
 
 
 def _cluster_ips_asked(spec: Mapping[str, Any]) -> int:

@@ -314,7 +314,9 @@ PROTOCOLS = ("TCP", "UDP", "SCTP")
 def cidr(value: Any, path: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     """A CIDR as the API server's ParseCIDRSloppy takes it (host bits may be set)."""
     text = string(value, path)
-    if "/" not in text:
+    # a zone (fe80::%eth0/64): Python's ip_network takes one, the API server's ParseCIDR and
+    # nftables do not (it would reach the compiled rule and fail the node's policy sync)
+    if "/" not in text or "%" in text:
         raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)")
     try:
         return ipaddress.ip_network(text, strict=False)

@@ -185,6 +185,57 @@ async def test_a_new_pod_on_another_node_is_allowed_and_its_delete_removes_it(gr
         await grid.res.delete("NetworkPolicy", "x", "p")
 
 
+def _ct_entries(node: Any, address: str) -> list[Any]:
+    """node's conntrack entries with ``address`` at an end (a ctnetlink dump in its namespace)."""
+    import socket
+
+    from agentd.kernel import netlink as nl
+    from agentd.kernel.netlink_ct import decode_event
+    from agentd.kernel.netlink_socket import NetlinkSocket
+    from agentd.policy.conntrack import encode_dump, touches
+
+    with node.ns.entered():
+        sock = NetlinkSocket(protocol=nl.NETLINK_NETFILTER)
+    try:
+        answers = sock.request(encode_dump(1, socket.AF_INET), what="listing conntrack entries", dump=True)
+    finally:
+        sock.close()
+    events = [decode_event(t, b, s, e) for t, b, s, e in answers]
+    return [ev for ev in events if ev is not None and touches(ev, {address})]
+
+
+async def test_a_removed_pods_conntrack_entries_go_with_its_endpoint_file(grid: Grid):
+    """A UDP flow to a pod (isolated, so its traffic goes through conntrack; allowed) leaves an
+    established entry in its node; when the pod goes (CNI DEL removes its endpoint file) the
+    agent deletes it, so a sender that keeps sending is judged anew by whoever has the address
+    next instead of passing as established."""
+    node1 = grid.lab.nodes[0]
+    victim = await grid.lab.add_pod(node1, "y", "victim", labels={"app": "victim"})
+    server = await Prober.start(victim, [("udp", 80)])
+    closed = False
+    try:
+        policy = np("victim", "y", {"podSelector": {"matchLabels": {"app": "victim"}}, "ingress": [{}]})
+        await converged(grid.lab, await grid.res.apply(policy))
+        assert await grid.probers["x/a"].probe([(victim.ip, "udp", 80)], 2.0) == [True]  # x/a: node1 too
+        entries = await asyncio.to_thread(_ct_entries, node1, victim.ip)
+        assert any(e.orig.proto == 17 and e.orig.dport == 80 for e in entries), entries
+        await server.close()
+        closed = True
+        await grid.lab.remove_pod(victim)
+        await auntil(lambda: _no_entries(node1, victim.ip), 10, interval=0.2,
+                     what="the removed pod's conntrack entries to be deleted")
+    finally:
+        if not closed:
+            await server.close()
+        if victim in grid.lab.pods:
+            await grid.lab.remove_pod(victim)
+        await grid.res.delete("NetworkPolicy", "y", "victim")
+
+
+async def _no_entries(node: Any, address: str) -> bool:
+    return not await asyncio.to_thread(_ct_entries, node, address)
+
+
 async def _is_none(value) -> bool:
     return await value is None
 

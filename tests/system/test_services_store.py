@@ -264,3 +264,39 @@ async def test_a_large_dual_stack_apply_stays_within_etcds_operations_per_transa
     applied = await store.apply([service(f"dual-{i}", node_port=True, policy="PreferDualStack") for i in range(70)])
     assert len(applied) == 70 and {a.outcome for a in applied} == {"created"}
     assert len({ip for a in applied for ip in a.obj["spec"]["clusterIPs"]}) == 140
+
+
+async def _first_snapshot(store: ResourceStore) -> dict:
+    watch = store.watch()
+    try:
+        ev = await asyncio.wait_for(anext(watch), 10)
+    finally:
+        await watch.aclose()
+    assert ev.kind == "snapshot"
+    return ev.objects
+
+
+async def test_a_fresh_watch_keeps_a_policy_whose_record_became_unreadable(etcd_server, stores):
+    """A default-deny policy whose record a newer agentd rewrote with a field this one does not
+    know: a restarted agent (a fresh watch, no good version of its own) takes the last readable
+    version from etcd's history rather than leaving the policy out (failing open).  Once etcd
+    compacted that version away the policy is left out, as before."""
+    store = await stores()
+    policy = kinds.validate({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                             "metadata": {"name": "deny", "namespace": "shop"}, "spec": {"podSelector": {}}})  # fmt: skip
+    await store.apply([policy])
+    key = b"/agentd/resources/networkpolicies/shop/deny"
+    async with aetcd.Client(etcd_server.host, etcd_server.client_port, timeout=5) as client:
+        stored = json.loads((await client.get(key)).value)
+        for extra in ({"newField": 1}, {"newerField": 2}):  # two unreadable versions in a row
+            newer = dict(stored, spec={**stored["spec"], **extra})
+            put = await client.put(key, json.dumps(newer).encode())
+        objects = await _first_snapshot(await stores())
+        assert list(objects) == [("NetworkPolicy", "shop", "deny")]
+        assert objects["NetworkPolicy", "shop", "deny"]["spec"] == policy["spec"]
+        assert objects["NetworkPolicy", "shop", "deny"]["metadata"]["resourceVersion"] == str(put.header.revision)
+        # Compacted up to the last put: no readable version is left.
+        await client.compact(put.header.revision, physical=True)
+        fresh = await stores()
+        assert await _first_snapshot(fresh) == {}
+        assert fresh.left_out == {("NetworkPolicy", "shop", "deny")}

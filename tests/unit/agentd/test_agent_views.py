@@ -138,6 +138,25 @@ def test_publisher_reports_the_pods_whose_files_came_changed_or_went(tmp_path):
     assert pub.local(("x", "a")) is None
 
 
+def test_endpoint_files_carry_their_time_and_the_newer_of_two_is_the_pods(tmp_path):
+    """A stale file (its DEL stopped after the delegate released the address) and the pod's new
+    one: the newer is the pod's; relabelling keeps a file's time (it is the attach time)."""
+    import os
+
+    pub = publisher(tmp_path)
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    endpoints.write(tmp_path, endpoint("c2", "a"))
+    directory = endpoints.endpoints_dir(tmp_path)
+    os.utime(os.path.join(directory, "c1.json"), ns=(2_000, 2_000))
+    os.utime(os.path.join(directory, "c2.json"), ns=(1_000, 1_000))
+    pub.rescan()
+    assert pub.endpoints["c1"].written == 2_000 and pub.local(("x", "a")).container_id == "c1"
+    endpoints.relabel(tmp_path, pub.endpoints["c2"], {"app": "b"})
+    assert os.stat(os.path.join(directory, "c2.json")).st_mtime_ns == 1_000
+    with open(os.path.join(directory, "c2.json")) as f:
+        assert "written" not in f.read()
+
+
 def test_a_pod_record_is_made_from_its_endpoint_file():
     record = record_for(endpoint("c1", "a"), NODE, {"app": "a", "tier": "web"})
     assert record["kind"] == "Pod" and record["spec"]["nodeName"] == NODE

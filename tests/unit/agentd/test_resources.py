@@ -152,6 +152,9 @@ BAD = [
     (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fd00::/8", "except": ["fd00::/8"]}), "must be a strict subset of `cidr`"),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "fd00::/129"), 'ipBlock.cidr: Invalid value: "fd00::/129": must be a valid CIDR'),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", "fd00::1"), "must be a valid CIDR"),
+    # a zone: Python's ip_network takes one, the API server's ParseCIDR and nftables do not
+    (mutate("spec.ingress.0.from.1.ipBlock.cidr", "fe80::%eth0/64"), 'ipBlock.cidr: Invalid value: "fe80::%eth0/64": must be a valid CIDR'),
+    (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fe80::/10", "except": ["fe80::%1/64"]}), 'ipBlock.except[0]: Invalid value: "fe80::%1/64": must be a valid CIDR'),
     (mutate("spec.ingress.0.from.1.podSelector", {}), "spec.ingress[0].from[1]: Forbidden: may not specify both ipBlock and another peer"),
     (mutate("spec.ingress.0.from.1", {}), "spec.ingress[0].from[1]: Required value: must specify a peer"),
     (mutate("spec.ingress.0.from.0.podSelector.matchExpressions.0.operator", "in"), 'operator: Invalid value: "in": not a valid selector operator'),
@@ -374,21 +377,32 @@ def test_cni_policy_timeout_is_checked(value):
         cni.parse_netconf(json.dumps(conf).encode())
 
 
-def _watched(events):
-    """What ResourceStore.watch makes of these etcd watch events (a datastore stand-in)."""
+def _watched(events, history=None, compacted=0, store=None):
+    """What ResourceStore.watch makes of these etcd watch events (a datastore stand-in);
+    ``history``: the key-values etcd keeps (revision -> KeyValue or None: deleted then),
+    ``compacted``: the revision below which it keeps none."""
     import asyncio
 
+    from agentd.datastore.store import HistoryCompacted
     from agentd.resources.store import ResourceStore
 
     class Datastore:
         prefix = "/agentd"
+        asked: list[int] = []
 
         async def watch_prefix(self, prefix, what):
             for ev in events:
                 yield ev
 
+        async def get_at(self, key, revision, *, timeout=None):
+            self.asked.append(revision)
+            if revision < compacted:
+                raise HistoryCompacted(f"etcd revision {revision} is compacted")
+            found = [r for r in (history or {}) if r <= revision]
+            return history[max(found)] if found else None
+
     async def main():
-        return [ev async for ev in ResourceStore(Datastore()).watch()]
+        return [ev async for ev in (store or ResourceStore(Datastore())).watch()]
 
     return asyncio.run(main())
 
@@ -417,4 +431,52 @@ def test_an_unreadable_put_keeps_the_objects_last_good_version():
     ])
     assert [ev.kind for ev in events] == ["snapshot", "snapshot", "delete"]
     assert list(events[0].objects) == list(events[1].objects) == [("NetworkPolicy", "prod", "allow-web")]
+    assert events[1].objects == events[0].objects
+
+
+def test_a_watch_starting_on_an_unreadable_record_takes_its_last_readable_version_from_history():
+    """A restarted agent or a new node: the record is unreadable already (a field a newer
+    agentd writes), so no watch of its own has its good version.  Left out, a default-deny
+    policy would stop isolating (fail open): its previous versions in etcd's history are
+    read back, past unreadable ones."""
+    from agentd.datastore.watches import PrefixEvent
+    from agentd.resources.store import encode
+
+    good = encode(validate_text(POLICY)[0])
+    history = {3: _policy_kv(good, 3), 6: _policy_kv(b"{not json", 6), 9: _policy_kv(b'{"newer": 1}', 9)}
+    (snap,) = _watched([PrefixEvent("snapshot", 10, [_policy_kv(b'{"newer": 1}', 9)])], history)
+    assert list(snap.objects) == [("NetworkPolicy", "prod", "allow-web")]
+    obj = snap.objects[("NetworkPolicy", "prod", "allow-web")]
+    assert obj["spec"] == validate_text(POLICY)[0]["spec"] and obj["metadata"]["resourceVersion"] == "9"
+
+
+def test_an_unreadable_record_without_a_readable_past_is_left_out(caplog):
+    from agentd.datastore.watches import PrefixEvent
+    from agentd.resources.store import encode
+
+    good = encode(validate_text(POLICY)[0])
+    snapshot = [PrefixEvent("snapshot", 10, [_policy_kv(b"{not json", 9)])]
+    # Compacted at revision 9: etcd answers no read before it (at 8 it would still have had
+    # the version of revision 3, live then).
+    (snap,) = _watched(snapshot, {3: _policy_kv(good, 3), 9: _policy_kv(b"{not json", 9)}, compacted=9)
+    assert snap.objects == {} and "compacted" in caplog.text
+    # Never readable: the key's creation (nothing before it) is reached.
+    (snap,) = _watched(snapshot, {5: _policy_kv(b"{bad", 5), 9: _policy_kv(b"{not json", 9)})
+    assert snap.objects == {} and "never readable" in caplog.text
+    # Deleted and created again unreadable: the deleted incarnation does not come back.
+    (snap,) = _watched(snapshot, {3: _policy_kv(good, 3), 6: None, 9: _policy_kv(b"{not json", 9)})
+    assert snap.objects == {}
+    # Only a few unreadable versions are looked past.
+    history = {r: _policy_kv(b"{bad" if r > 1 else good, r) for r in range(1, 10)}
+    (snap,) = _watched(snapshot, history)
+    assert snap.objects == {} and "no version of it was readable" in caplog.text
+
+
+def test_a_watch_knowing_the_good_version_does_not_read_history():
+    from agentd.datastore.watches import PrefixEvent
+    from agentd.resources.store import encode
+
+    good = encode(validate_text(POLICY)[0])
+    events = _watched([PrefixEvent("snapshot", 5, [_policy_kv(good, 5)]),
+                       PrefixEvent("snapshot", 8, [_policy_kv(b"{not json", 7)])], history={})  # fmt: skip
     assert events[1].objects == events[0].objects
