@@ -63,6 +63,8 @@ class KernelRoutes:
         self._bests: dict[tuple[int, bytes], Any] = {}
         self._adopted: list[Route] = []
         self._handle: asyncio.Handle | None = None
+        self._tick: asyncio.TimerHandle | None = None  # the initial sync's re-check, one at a time
+        self.loop: asyncio.AbstractEventLoop | None = None  # None: the running loop (tests give a fake)
 
     def adopt(self, programmer: RouteProgrammer) -> None:
         """Start from what the (started) programmer found in the kernel: kept until BGP has
@@ -89,10 +91,17 @@ class KernelRoutes:
                 self._bests[key] = ch.new
         self.schedule()
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self.loop if self.loop is not None else asyncio.get_running_loop()
+
     def schedule(self) -> None:
         """Recompute at the next loop turn (once, however often this is called before)."""
         if self._handle is None:
-            self._handle = asyncio.get_running_loop().call_soon(self._recompute)
+            self._handle = self._loop().call_soon(self._recompute)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self.schedule()
 
     def _recompute(self) -> None:
         """Desired kernel routes from the Loc-RIB bests, the node registry and the backends."""
@@ -124,7 +133,13 @@ class KernelRoutes:
             # Keep what a previous run left until BGP has re-learned it (or given up waiting).
             wanted = {r.dst for r in routes}
             routes += [r for r in self._adopted if r.dst not in wanted]
-            asyncio.get_running_loop().call_later(0.5, self.schedule)
+            # Re-check every 0.5 s until the sync is complete: one timer, however many
+            # recomputes (each best-path change) happen meanwhile.
+            if self._tick is None:
+                self._tick = self._loop().call_later(0.5, self._on_tick)
+        elif self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
         self.programmer.set_desired(routes)
 
     def _initial_sync_complete(self) -> bool:
