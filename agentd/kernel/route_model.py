@@ -87,6 +87,12 @@ def canonical_dst(dst: str) -> str:
     return parse_prefix(dst)[1]
 
 
+def _link_local(text: str) -> bool:
+    """Is this canonical IPv6 address in fe80::/10?"""
+    head = text.split(":", 1)[0]
+    return len(head) == 4 and head[:3] in ("fe8", "fe9", "fea", "feb")
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """One kernel route as agentd wants it.  Equality is "the same route" when reconciling.
@@ -127,6 +133,9 @@ class Route:
                 raise InvalidRoute(f"unicast route {dst} needs a gateway or a dev")
             if self.onlink and (self.gateway is None or dev is None):
                 raise InvalidRoute(f"onlink route {dst} needs both gateway and dev")
+            if dev is None and family == AF_INET6 and self.gateway is not None and _link_local(self.gateway):
+                # Linux refuses it: "Egress device not specified" (EINVAL).
+                raise InvalidRoute(f"route {dst} via link-local {self.gateway} needs a dev")
         elif kind not in ROUTE_KINDS:
             raise InvalidRoute(f"route kind must be one of {sorted(ROUTE_KINDS)}, got {kind!r}")
         elif self.gateway is not None or dev is not None or self.onlink:
