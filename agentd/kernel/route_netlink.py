@@ -184,11 +184,15 @@ class RouteNetlink:
             if mtype == nl.RTM_NEWLINK:
                 self.learn_link(nl.decode_link(buf, start, end))
 
+        names = dict(self.ifname)
         self.ifindex.clear()
         self.ifname.clear()
+        self.ifup.clear()
         self._templates.clear()
         seq = self.next_seq()
         await self.req.dump(nl.encode_getlink_dump(seq), seq, handle, what="link dump")
+        if self.ifname != names:
+            self._seen = {}  # its Routes hold interface names
 
     def learn_link(self, link: nl.LinkMessage) -> None:
         old = self.ifname.get(link.index)

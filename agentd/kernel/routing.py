@@ -102,9 +102,12 @@ class RouteProgrammer:
         self.failures: dict[str, str] = self.state.failures
         self.netlink = RouteNetlink(table=table, protocol=protocol, netns=netns, counters=self.counters,
                                     sockets=sockets)
-        self.netlink.on_resync = self._resync_now
+        # Lost events (a monitor overrun) or lost acks: links may have changed unseen too (a
+        # device deleted and re-created has a new ifindex): the full resync re-reads them first.
+        self.netlink.on_resync = self._resync_links_now
         monitor = self.netlink.monitor
-        monitor.on_event, monitor.on_resync, monitor.on_drained = self._on_event, self._resync_now, self._wake_if_work
+        monitor.on_event, monitor.on_resync, monitor.on_drained = self._on_event, self._resync_links_now, self._wake_if_work
+        self._links_stale = False
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -211,6 +214,10 @@ class RouteProgrammer:
         self.state.full_pending = True
         self._wake.set()
 
+    def _resync_links_now(self) -> None:
+        self._links_stale = True
+        self._resync_now()
+
     def _wake_if_work(self) -> None:
         if self.state.dirty or self.state.full_pending:
             self._wake.set()
@@ -230,7 +237,7 @@ class RouteProgrammer:
             started = time.perf_counter()
             full = state.needs_full(full)
             if full:
-                await self._dump_own()
+                await self._dump_own(links=self._links_stale)
                 self.counters.full_resyncs += 1
             work = state.take_work(full)
             plan = state.plan(work.dsts, work.full, work.retry)
@@ -294,14 +301,18 @@ class RouteProgrammer:
         report = outcome.added if code == ADD else outcome.replaced
         return await self.netlink.execute(code, targets, lambda done: state.installed(done, report))
 
-    async def _dump_own(self) -> None:
-        """Re-read every route of ours (our protocol, our table) and adopt them as the kernel state.
+    async def _dump_own(self, links: bool = False) -> None:
+        """Re-read every route of ours (our protocol, our table) and adopt them as the kernel
+        state; with ``links``, the links first (after lost events).
 
         The monitor is paused meanwhile: an event about a route the dump already passed would
         otherwise be applied to the old state and then lost when the new one replaces it.
         Paused, events wait in the socket and are applied on top of the new state."""
         paused = self.netlink.monitor.pause()
         try:
+            if links:
+                self._links_stale = False
+                await self.netlink.dump_links()
             found = await self.netlink.dump_own()
             self.state.kernel, self.state.strays = adopt(found, self.state.desired)
         finally:

@@ -152,6 +152,9 @@ class FakeKernel:
     def request(self, mtype: int, flags: int, buf: bytes, start: int, end: int) -> int:
         msg = nl.decode_route(buf, start, end)
         assert msg.family in (AF4, AF6), msg
+        if mtype == nl.RTM_NEWROUTE and msg.oif and msg.oif not in LINKS:
+            self.requests.append(("add", msg, errno.ENODEV))  # fib_check_nh/ip6_route_info_create
+            return errno.ENODEV
         if mtype == nl.RTM_NEWROUTE:
             entry = self._entry_of(msg)
             if flags & nl.NLM_F_REPLACE:
@@ -796,3 +799,26 @@ def test_bug4d_upsert_of_the_route_filed_as_a_stray():
         m.deliver_events()  # the monitor files it as a stray, to be deleted
         m.upsert(wanted)
         m.sync(False)  # d) gap: the stray's delete took the route now wanted
+
+
+# --- after lost monitor events ------------------------------------------------------------------
+
+
+def test_overrun_re_reads_links_a_device_recreated_meanwhile(monkeypatch):
+    # eth1 is deleted (its routes with it) and created again while the monitor's buffer
+    # overflowed: it has a new ifindex, and no route of ours names the old one any more.
+    # The full resync must re-read the links, or every add of the route fails ENODEV.
+    want = Route(X, dev="eth1")
+    with scenario() as m:
+        m.set_desired([want])
+        m.sync(False)
+        for key, entry in list(m.kernel.routes.items()):
+            if entry.oif == 3:
+                del m.kernel.routes[key]
+        monkeypatch.delitem(LINKS, 3)
+        monkeypatch.setitem(LINKS, 4, "eth1")
+        monkeypatch.setitem(IFINDEX, "eth1", 4)
+        m.kernel.overrun()
+        m.sync(False)  # a) the desired route is in the kernel
+        assert m.kernel.routes[key_of(want, nl.RT_TABLE_MAIN)].oif == 4
+        assert m.p.failures == {}
