@@ -201,7 +201,8 @@ def same_route(want: Route, have: Route) -> bool:
 
 class Stray(NamedTuple):
     """A route of ours the Route model does not hold as the one route for its destination
-    (a second metric, multipath, TOS...): always deleted, by exactly these fields."""
+    (a second metric, multipath, TOS, an IPv6 source prefix...): always deleted, by exactly
+    these fields.  ``text`` is its destination."""
 
     family: int
     dst: bytes
@@ -209,6 +210,8 @@ class Stray(NamedTuple):
     tos: int
     priority: int | None
     text: str
+    src_len: int = 0  # IPv6 source-specific ("from") routes: a key of their own beside (dst, metric)
+    src: bytes | None = None
 
 
 def stray_of(route: Route) -> Stray:
@@ -221,7 +224,9 @@ def stray_of(route: Route) -> Stray:
 def stray_of_message(msg: nl.RouteMessage) -> Stray:
     family = msg.family  # IPv4 or IPv6: callers filter the rest out
     dst = msg.dst or ZERO_ADDRESS[family]
-    return Stray(family, dst, msg.dst_len, msg.tos, msg.priority, f"{socket.inet_ntop(family, dst)}/{msg.dst_len}")
+    src = (msg.src or ZERO_ADDRESS[family]) if msg.src_len else None
+    return Stray(family, dst, msg.dst_len, msg.tos, msg.priority, f"{socket.inet_ntop(family, dst)}/{msg.dst_len}",
+                 msg.src_len, src)
 
 
 @dataclass(frozen=True, slots=True)

@@ -416,10 +416,12 @@ class RouteNetlink:
     def encode_delete(self, target: Route | Stray, seq: int, flags: int) -> bytes:
         if type(target) is Route:
             target = stray_of(target)
-        family, raw, plen, tos, priority, _text = target
-        key = (family, tos, priority)
+        family, raw, plen, tos, priority, _text, src_len, src = target
+        key = (family, tos, priority, src_len, src)
         template = self._templates.get(key)
         if template is None:
+            # A source-specific route is deleted by its source prefix too: without it the
+            # kernel would delete our route for (dst, metric) with no source prefix.
             template = self._templates[key] = nl.delroute_template(
-                family, table=self.table, protocol=self.protocol, tos=tos, priority=priority)
-        return nl.encode_route(nl.RTM_DELROUTE, seq, flags, raw, plen, template)
+                family, table=self.table, protocol=self.protocol, tos=tos, priority=priority, src=src)
+        return nl.encode_route(nl.RTM_DELROUTE, seq, flags, raw, plen, template, src_len)

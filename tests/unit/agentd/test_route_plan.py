@@ -220,3 +220,22 @@ def test_requests_decode_to_the_route_they_were_encoded_from():
     assert (msg.table, msg.protocol, msg.oif, msg.mtu, msg.scope) == (100, RTPROT_AGENTD, 2, 1400, nl.RT_SCOPE_LINK)
     delete = nl.decode_route(netlink.encode_delete(A_METRIC5, 8, REQUEST_FLAGS[DELETE]), nl.NLMSG_HDRLEN)
     assert (delete.table, delete.protocol, delete.priority, delete.dst_len) == (100, RTPROT_AGENTD, 5, 24)
+
+
+def test_a_source_specific_route_of_ours_is_deleted_by_its_source_prefix_too():
+    # An IPv6 route of ours with a source prefix ("from 2001:db8:1::/56") is a stray beside
+    # our route for the destination; its delete must name the source prefix, or the kernel
+    # deletes the route without one -- the desired route.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.ifname[2] = "eth0"
+    want = Route("2001:db8:7::/64", gateway="2001:db8::2")
+    source = socket.inet_pton(socket.AF_INET6, "2001:db8:1::")
+    request = netlink.encode_route(want, 1, REQUEST_FLAGS[ADD])
+    found = nl.decode_route(request, nl.NLMSG_HDRLEN)._replace(src_len=56, src=source, oif=2)
+    stray = netlink.found_of(found)
+    assert (stray.text, stray.src_len, stray.src) == (want.dst, 56, source)
+    assert stray != stray_of(want)
+    delete = nl.decode_route(netlink.encode_delete(stray, 9, REQUEST_FLAGS[DELETE]), nl.NLMSG_HDRLEN)
+    assert (delete.dst_len, delete.src_len, delete.src, delete.protocol) == (64, 56, source, RTPROT_AGENTD)
+    plain = nl.decode_route(netlink.encode_delete(want, 10, REQUEST_FLAGS[DELETE]), nl.NLMSG_HDRLEN)
+    assert (plain.src_len, plain.src) == (0, None)
