@@ -227,7 +227,7 @@ class RouteProgrammer:
         self._resync_now()
 
     def _wake_if_work(self) -> None:
-        if self.state.dirty or self.state.full_pending:
+        if self.state.dirty or self.state.full_pending or self.state.links_gone:
             self._wake.set()
 
     # --- reconcile ---------------------------------------------------------------------------
@@ -236,7 +236,7 @@ class RouteProgrammer:
         """Apply the difference between desired and kernel state now.
 
         ``full`` re-reads our routes from the kernel first (what the periodic resync does);
-        it also happens when the monitor lost events or a link went away.
+        it also happens when the monitor lost events or a link one of our routes uses went away.
         """
         if not self.netlink.is_open:
             raise RuntimeError("RouteProgrammer is not started")
@@ -357,12 +357,14 @@ class RouteProgrammer:
             link = nl.decode_link(buf, start, end)
             was_up = netlink.ifup.get(link.index)
             if mtype == nl.RTM_DELLINK:
+                name = netlink.ifname.get(link.index)
                 netlink.forget_link(link)
-                state.full_pending = True  # IPv4 flushes the routes of a dead link silently
+                state.link_gone(link.index, name, link.name)  # IPv4 flushes the routes of a dead link silently
             else:
+                name = netlink.ifname.get(link.index)
                 netlink.learn_link(link)
                 if was_up and not link.up:
-                    state.full_pending = True
+                    state.link_gone(link.index, name, link.name)
                 state.retry_failures()  # a device may have appeared: retry
         elif mtype == nl.RTM_NEWADDR:
             state.retry_failures()  # a gateway may have become reachable

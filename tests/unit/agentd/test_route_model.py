@@ -851,3 +851,16 @@ def test_another_protocols_route_with_a_lower_metric_is_reported_as_a_conflict()
         assert list(m.p.shadowed) == [X] and "proto bird" in m.p.shadowed[X]
         m.set_desired([Route(X, dev="eth0", metric=10)])
         assert m.p.shadowed == {}
+
+
+def test_a_link_none_of_our_routes_uses_does_not_re_read_the_kernel():
+    with scenario() as m:
+        m.set_desired([Route(X, dev="eth0")])
+        m.sync(False)
+        m.kernel.notify(link_message(nl.RTM_DELLINK, 0, 0, 3, False))  # eth1: none of ours on it
+        m.deliver_events()
+        assert not m.run(m.p.reconcile()).full
+        m.kernel.flap(2)  # eth0: ours flushed silently, put back after a re-read
+        m.deliver_events()
+        result = m.run(m.p.reconcile())
+        assert result.full and result.added == (X,)
