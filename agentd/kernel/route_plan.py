@@ -256,8 +256,12 @@ class RouteState:
     def own_route_added(self, found: Route | Stray) -> None:
         """Someone else (or the kernel) added a route with our protocol."""
         if type(found) is Route:
+            dst = found.dst
             file_route(found, self.kernel, self.strays, self.desired)
-            self.dirty.add(found.dst)
+            self.dirty.add(dst)
+            want = self.desired.get(dst)
+            if dst in self.conflicts and want is not None and kernel_metric(want) == kernel_metric(found):
+                del self.conflicts[dst]  # ours holds the key now: nobody else's route is in the way
         else:
             self.strays.add(found)
             self.dirty.add(found.text)

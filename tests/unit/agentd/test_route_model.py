@@ -34,7 +34,8 @@ d) no gap: a desired destination that has a route of ours when a sync (or a star
 
 The full model found four bugs, and three more around bug 4 (4b-4d: two routes of ours for
 one destination; 4b and 4c turned up in the model once bug 4's xfail was lifted); all are
-fixed and their minimal scenarios at the end are regression tests.
+fixed and their minimal scenarios at the end are regression tests; the random run later found
+bug 5 (a conflict kept after our own-protocol route took the key back).
 """
 
 from __future__ import annotations
@@ -799,6 +800,23 @@ def test_bug4d_upsert_of_the_route_filed_as_a_stray():
         m.deliver_events()  # the monitor files it as a stray, to be deleted
         m.upsert(wanted)
         m.sync(False)  # d) gap: the stray's delete took the route now wanted
+
+
+
+def test_bug5_conflict_kept_after_someone_puts_our_route_in_its_place():
+    # Another protocol's route held our key (a conflict); someone replaced it with a route
+    # of our protocol that is the desired one: the conflict stayed reported forever (a).
+    # Found by test_route_programmer_model_random.
+    want = Route(X, dev="eth0")
+    with scenario() as m:
+        m.upsert(want)
+        m.sync(False)
+        m.others_replace_ours(0, nl.RTPROT_BOOT, None)
+        m.upsert(want)
+        m.sync(False)  # a conflict, reported: right
+        m.others_add(entry_of_route(want, table=nl.RT_TABLE_MAIN, protocol=OURS), True)
+        m.upsert(want)
+        m.sync(False)  # a) installed but reported as a conflict
 
 
 # --- after lost monitor events ------------------------------------------------------------------
