@@ -26,7 +26,7 @@ from agentd.dataplane.backends import Tunnels
 from agentd.datastore.store import SubnetLease
 from agentd.kernel.forwarding import PeerPlan, desired_routes
 from agentd.kernel.netinfo import Underlay
-from agentd.kernel.route_model import Route
+from agentd.kernel.route_model import InvalidRoute, Route, canonical_dst, same_route
 from agentd.kernel.routing import RouteProgrammer
 
 log = logging.getLogger("agentd")
@@ -61,8 +61,11 @@ class KernelRoutes:
         self.initial_sync_done = False
         self.initial_sync_deadline = 0.0
         self._bests: dict[tuple[int, bytes], Any] = {}
+        self._wanted: dict[str, Route] = {}  # the routes of ``rows``, by dst
         self._adopted: list[Route] = []
         self._handle: asyncio.Handle | None = None
+        self._tick: asyncio.TimerHandle | None = None  # the initial sync's re-check, one at a time
+        self.loop: asyncio.AbstractEventLoop | None = None  # None: the running loop (tests give a fake)
 
     def adopt(self, programmer: RouteProgrammer) -> None:
         """Start from what the (started) programmer found in the kernel: kept until BGP has
@@ -89,10 +92,17 @@ class KernelRoutes:
                 self._bests[key] = ch.new
         self.schedule()
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self.loop if self.loop is not None else asyncio.get_running_loop()
+
     def schedule(self) -> None:
         """Recompute at the next loop turn (once, however often this is called before)."""
         if self._handle is None:
-            self._handle = asyncio.get_running_loop().call_soon(self._recompute)
+            self._handle = self._loop().call_soon(self._recompute)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self.schedule()
 
     def _recompute(self) -> None:
         """Desired kernel routes from the Loc-RIB bests, the node registry and the backends."""
@@ -112,6 +122,7 @@ class KernelRoutes:
         self.plans = plan.plans
         self.plans_v6 = plan.plans_v6
         self.rows = plan.rows
+        self._wanted = {r.dst: r for r in routes}
         if not self.initial_sync_done and self._initial_sync_complete():
             self.initial_sync_done = True
             if self.restarting:
@@ -124,7 +135,13 @@ class KernelRoutes:
             # Keep what a previous run left until BGP has re-learned it (or given up waiting).
             wanted = {r.dst for r in routes}
             routes += [r for r in self._adopted if r.dst not in wanted]
-            asyncio.get_running_loop().call_later(0.5, self.schedule)
+            # Re-check every 0.5 s until the sync is complete: one timer, however many
+            # recomputes (each best-path change) happen meanwhile.
+            if self._tick is None:
+                self._tick = self._loop().call_later(0.5, self._on_tick)
+        elif self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
         self.programmer.set_desired(routes)
 
     def _initial_sync_complete(self) -> bool:
@@ -142,6 +159,23 @@ class KernelRoutes:
         return not i.speaker.initial_sync_pending()
 
     def installed(self) -> list[dict[str, Any]]:
-        """GET /routes: every wanted route, and whether the kernel has it."""
-        programmed = {r.dst for r in self.programmer.programmed()} if self.programmer else set()
-        return [dict(row, installed=row["dst"] in programmed) for row in self.rows]
+        """GET /routes: every wanted route, and whether the kernel has it: our route for its
+        destination is the wanted one (gateway, device, metric...) and the last attempt to
+        install it did not fail (a refused replace leaves the old route in place)."""
+        prog = self.programmer
+        if prog is None:
+            return [dict(row, installed=False) for row in self.rows]
+        kernel = {r.dst: r for r in prog.programmed()}
+        failures = prog.failures
+        rows = []
+        for row in self.rows:
+            want = self._wanted.get(row["dst"])
+            if want is None:
+                try:
+                    want = self._wanted.get(canonical_dst(row["dst"]))
+                except InvalidRoute:
+                    pass
+            have = kernel.get(want.dst) if want is not None else None
+            ok = have is not None and same_route(want, have) and want.dst not in failures
+            rows.append(dict(row, installed=ok))
+        return rows

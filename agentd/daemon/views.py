@@ -113,7 +113,9 @@ class AgentViews:
             "routes": {
                 "programmed": len(prog.programmed()) if prog else 0,
                 "last_sync": prog.last_sync if prog else None,
-                "conflicts": dict(prog.conflicts) if prog else {},
+                # Another program's route for a prefix: with our metric (ours not installed)
+                # or a lower one (the kernel uses theirs).
+                "conflicts": {**prog.shadowed, **prog.conflicts} if prog else {},
             },
             "datastore": {
                 "connected": bool(a.datastore and a.datastore.connected),

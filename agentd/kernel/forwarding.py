@@ -207,6 +207,10 @@ def plan_external(next_hop: str, underlay: Underlay) -> PeerPlan:
     a = ip_address(next_hop)
     if isinstance(a, IPv6Address) and a.ipv4_mapped is not None:
         return PeerPlan(next_hop, "none", "IPv4-mapped IPv6 next hop cannot be routed", version=6)
+    if isinstance(a, IPv6Address) and a.is_link_local:
+        # fe80::/10 is on-link on the interface it was learned on (the peer session's: the
+        # underlay); Linux refuses such a gateway without a device (EINVAL).
+        return PeerPlan(next_hop, HOST_GW, f"external link-local next hop on-link via {underlay.ifname}", version=6)
     if underlay.on_link(a):
         return PeerPlan(next_hop, HOST_GW, f"external next hop on-link via {underlay.ifname}", version=a.version)
     return PeerPlan(next_hop, EXTERNAL, "external next hop resolved by the kernel", version=a.version)

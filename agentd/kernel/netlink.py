@@ -351,6 +351,7 @@ class RouteMessage(NamedTuple):
     multipath: bytes | None = None  # raw RTA_MULTIPATH, not interpreted here
     via: bytes | None = None  # raw RTA_VIA (IPv4 route through an IPv6 next hop)
     nh_id: int | None = None  # nexthop object id (RTA_NH_ID)
+    src: bytes | None = None  # RTA_SRC: the source prefix of an IPv6 source-specific route (src_len > 0)
 
 
 class RouteTemplate(NamedTuple):
@@ -382,8 +383,11 @@ def route_template(
     priority: int | None = None,
     prefsrc: bytes | None = None,
     mtu: int | None = None,
+    src: bytes | None = None,
 ) -> RouteTemplate:
     parts = []
+    if src is not None:
+        parts.append(attr(RTA_SRC, src))
     if gateway is not None:
         parts.append(attr(RTA_GATEWAY, gateway))
     if oif:
@@ -403,19 +407,21 @@ def route_template(
 _NLMSG_RTMSG_DST = struct.Struct("=IHHIIBBBBBBBBIHH")  # nlmsghdr + rtmsg + RTA_DST header
 
 
-def encode_route(msg_type: int, seq: int, flags: int, dst: bytes, dst_len: int, template: RouteTemplate) -> bytes:
+def encode_route(msg_type: int, seq: int, flags: int, dst: bytes, dst_len: int, template: RouteTemplate,
+                 src_len: int = 0) -> bytes:
     """One RTM_NEWROUTE / RTM_DELROUTE / RTM_GETROUTE request: ``dst`` (raw address bytes,
-    ignored when ``dst_len`` is 0) plus everything in ``template``."""
+    ignored when ``dst_len`` is 0) plus everything in ``template``; ``src_len`` is rtm_src_len
+    (the template then carries RTA_SRC)."""
     family, table, protocol, scope, rtype, rtm_flags, tos, attributes = template
     if dst_len:
         n = len(dst)
         return _NLMSG_RTMSG_DST.pack(
             32 + n + len(attributes), msg_type, flags, seq, 0,
-            family, dst_len, 0, tos, table, protocol, scope, rtype, rtm_flags, 4 + n, RTA_DST,
+            family, dst_len, src_len, tos, table, protocol, scope, rtype, rtm_flags, 4 + n, RTA_DST,
         ) + dst + attributes
     return _NLMSG_RTMSG.pack(
         28 + len(attributes), msg_type, flags, seq, 0,
-        family, 0, 0, tos, table, protocol, scope, rtype, rtm_flags,
+        family, 0, src_len, tos, table, protocol, scope, rtype, rtm_flags,
     ) + attributes
 
 
@@ -447,13 +453,13 @@ def encode_newroute(
 
 
 def delroute_template(family: int, *, table: int = RT_TABLE_MAIN, protocol: int = RTPROT_UNSPEC,
-                      tos: int = 0, priority: int | None = None) -> RouteTemplate:
+                      tos: int = 0, priority: int | None = None, src: bytes | None = None) -> RouteTemplate:
     """What an RTM_DELROUTE names besides the destination.  A non-zero ``protocol`` makes the
     kernel delete only a route of that protocol (fib_table_delete / ip6_route_del compare
     it), which keeps a route programmer's deletes off everybody else's routes.  Type UNSPEC
     and scope NOWHERE mean "any type", "any scope"."""
     return route_template(family, table=table, protocol=protocol, scope=RT_SCOPE_NOWHERE, rtype=RTN_UNSPEC,
-                          tos=tos, priority=priority)
+                          tos=tos, priority=priority, src=src)
 
 
 def encode_delroute(
@@ -505,7 +511,7 @@ def decode_route(buf: bytes, start: int = 0, end: int | None = None) -> RouteMes
     if alen is not None and (dst_len > alen * 8 or src_len > alen * 8):
         raise NetlinkDecodeError(f"route prefix length {dst_len} too long for family {family}")
     dst = b""
-    gateway = prefsrc = multipath = via = None
+    gateway = prefsrc = multipath = via = src = None
     oif = 0
     priority = mtu = nh_id = None
     unpack_rta = _RTA.unpack_from
@@ -527,6 +533,8 @@ def decode_route(buf: bytes, start: int = 0, end: int | None = None) -> RouteMes
                     dst = buf[vs:vend]
                 else:
                     gateway = buf[vs:vend]
+            elif atype == RTA_SRC:
+                src = read_address(buf, vs, vend, family, "RTA_SRC")
             elif atype == RTA_OIF or atype == RTA_PRIORITY or atype == RTA_TABLE:
                 if length != 8:
                     raise NetlinkDecodeError(f"route attribute {atype} must carry 4 bytes, got {length - 4}")
@@ -554,6 +562,7 @@ def decode_route(buf: bytes, start: int = 0, end: int | None = None) -> RouteMes
         family, dst_len, table, protocol, scope, rtype, rflags, tos, src_len, bytes(dst),
         None if gateway is None else bytes(gateway), oif, priority, prefsrc, mtu,
         None if multipath is None else bytes(multipath), None if via is None else bytes(via), nh_id,
+        None if src is None else bytes(src),
     )
 
 

@@ -87,6 +87,12 @@ def canonical_dst(dst: str) -> str:
     return parse_prefix(dst)[1]
 
 
+def _link_local(text: str) -> bool:
+    """Is this canonical IPv6 address in fe80::/10?"""
+    head = text.split(":", 1)[0]
+    return len(head) == 4 and head[:3] in ("fe8", "fe9", "fea", "feb")
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """One kernel route as agentd wants it.  Equality is "the same route" when reconciling.
@@ -127,6 +133,9 @@ class Route:
                 raise InvalidRoute(f"unicast route {dst} needs a gateway or a dev")
             if self.onlink and (self.gateway is None or dev is None):
                 raise InvalidRoute(f"onlink route {dst} needs both gateway and dev")
+            if dev is None and family == AF_INET6 and self.gateway is not None and _link_local(self.gateway):
+                # Linux refuses it: "Egress device not specified" (EINVAL).
+                raise InvalidRoute(f"route {dst} via link-local {self.gateway} needs a dev")
         elif kind not in ROUTE_KINDS:
             raise InvalidRoute(f"route kind must be one of {sorted(ROUTE_KINDS)}, got {kind!r}")
         elif self.gateway is not None or dev is not None or self.onlink:
@@ -192,7 +201,8 @@ def same_route(want: Route, have: Route) -> bool:
 
 class Stray(NamedTuple):
     """A route of ours the Route model does not hold as the one route for its destination
-    (a second metric, multipath, TOS...): always deleted, by exactly these fields."""
+    (a second metric, multipath, TOS, an IPv6 source prefix...): always deleted, by exactly
+    these fields.  ``text`` is its destination."""
 
     family: int
     dst: bytes
@@ -200,6 +210,8 @@ class Stray(NamedTuple):
     tos: int
     priority: int | None
     text: str
+    src_len: int = 0  # IPv6 source-specific ("from") routes: a key of their own beside (dst, metric)
+    src: bytes | None = None
 
 
 def stray_of(route: Route) -> Stray:
@@ -212,7 +224,9 @@ def stray_of(route: Route) -> Stray:
 def stray_of_message(msg: nl.RouteMessage) -> Stray:
     family = msg.family  # IPv4 or IPv6: callers filter the rest out
     dst = msg.dst or ZERO_ADDRESS[family]
-    return Stray(family, dst, msg.dst_len, msg.tos, msg.priority, f"{socket.inet_ntop(family, dst)}/{msg.dst_len}")
+    src = (msg.src or ZERO_ADDRESS[family]) if msg.src_len else None
+    return Stray(family, dst, msg.dst_len, msg.tos, msg.priority, f"{socket.inet_ntop(family, dst)}/{msg.dst_len}",
+                 msg.src_len, src)
 
 
 @dataclass(frozen=True, slots=True)

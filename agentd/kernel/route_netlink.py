@@ -150,6 +150,10 @@ class RouteNetlink:
         self._seq = 0
         self._templates: dict[tuple, nl.RouteTemplate] = {}
         self._seen: dict[bytes, Route] = {}  # message bytes of the last dump -> Route
+        # Other protocols' routes in our table, as the last dump (and the monitor) saw them:
+        # dst -> {metric: protocol}.  Only plain ones (no TOS, no source prefix): those that
+        # compete with ours for a destination.
+        self.others: dict[str, dict[int, int]] = {}
 
     # --- sockets -------------------------------------------------------------------------------
 
@@ -184,11 +188,15 @@ class RouteNetlink:
             if mtype == nl.RTM_NEWLINK:
                 self.learn_link(nl.decode_link(buf, start, end))
 
+        names = dict(self.ifname)
         self.ifindex.clear()
         self.ifname.clear()
+        self.ifup.clear()
         self._templates.clear()
         seq = self.next_seq()
         await self.req.dump(nl.encode_getlink_dump(seq), seq, handle, what="link dump")
+        if self.ifname != names:
+            self._seen = {}  # its Routes hold interface names
 
     def learn_link(self, link: nl.LinkMessage) -> None:
         old = self.ifname.get(link.index)
@@ -255,14 +263,22 @@ class RouteNetlink:
         again: the periodic resync of 100k unchanged routes then costs a dict lookup each,
         not a parse (the price is the bytes kept, ~80-130 per route)."""
         protocol, table = self.protocol, self.table
+        others: dict[str, dict[int, int]] = {}
         for _attempt in range(3):
             known: list[Route] = []
             fresh: list[tuple[bytes, nl.RouteMessage]] = []
             previous, seen = self._seen, {}
+            others.clear()
 
             def handle(mtype: int, buf: bytes, start: int, end: int) -> None:
-                if mtype != nl.RTM_NEWROUTE or end - start < nl.RTMSG_LEN or buf[start + 5] != protocol:
-                    return  # rtmsg byte 5 is rtm_protocol: skip others' routes unparsed
+                if mtype != nl.RTM_NEWROUTE or end - start < nl.RTMSG_LEN:
+                    return
+                if buf[start + 5] != protocol:  # rtmsg byte 5 is rtm_protocol: another's route
+                    try:
+                        self.note_other(nl.decode_route(buf, start, end), others)
+                    except nl.NetlinkDecodeError:
+                        pass
+                    return
                 body = buf[start:end]
                 route = previous.get(body)
                 if route is not None:
@@ -280,10 +296,12 @@ class RouteNetlink:
             consistent = True
             for family in (AF_INET, AF_INET6):
                 seq = self.next_seq()
-                request = nl.encode_getroute_dump(seq, family, table=table, protocol=protocol)
+                # Every protocol's routes: the others' are noted (dst, metric) for conflicts.
+                request = nl.encode_getroute_dump(seq, family, table=table)
                 consistent &= await self.req.dump(request, seq, handle, what="route dump")
             if consistent:
                 break
+        self.others = others
         if any(msg.oif and msg.oif not in self.ifname for _body, msg in fresh):
             await self.dump_links()
         found: list[Route | Stray] = list(known)
@@ -298,6 +316,26 @@ class RouteNetlink:
                 await asyncio.sleep(0)  # parsing 100k routes takes a while: let the loop run
         self._seen = seen
         return found
+
+    def note_other(self, msg: nl.RouteMessage, others: dict[str, dict[int, int]] | None = None,
+                   removed: bool = False) -> None:
+        """Another protocol's route (from a dump, or the monitor: ``removed`` for RTM_DELROUTE)
+        into ``others`` (default: ``self.others``)."""
+        family = msg.family
+        if (msg.table != self.table or msg.tos or msg.src_len or msg.flags & RTM_F_CLONED
+                or family not in ZERO_ADDRESS or msg.protocol == self.protocol):
+            return
+        others = self.others if others is None else others
+        dst = f"{socket.inet_ntop(family, msg.dst or ZERO_ADDRESS[family])}/{msg.dst_len}"
+        metric = msg.priority or DEFAULT_METRIC[family]  # IPv6 files metric 0 as 1024
+        if removed:
+            held = others.get(dst)
+            if held is not None:
+                held.pop(metric, None)
+                if not held:
+                    del others[dst]
+        else:
+            others.setdefault(dst, {})[metric] = msg.protocol
 
     async def dump_table(self, families: set[int]) -> list[nl.RouteMessage]:
         """Every route in our table, whoever's, of the given families."""
@@ -412,10 +450,12 @@ class RouteNetlink:
     def encode_delete(self, target: Route | Stray, seq: int, flags: int) -> bytes:
         if type(target) is Route:
             target = stray_of(target)
-        family, raw, plen, tos, priority, _text = target
-        key = (family, tos, priority)
+        family, raw, plen, tos, priority, _text, src_len, src = target
+        key = (family, tos, priority, src_len, src)
         template = self._templates.get(key)
         if template is None:
+            # A source-specific route is deleted by its source prefix too: without it the
+            # kernel would delete our route for (dst, metric) with no source prefix.
             template = self._templates[key] = nl.delroute_template(
-                family, table=self.table, protocol=self.protocol, tos=tos, priority=priority)
-        return nl.encode_route(nl.RTM_DELROUTE, seq, flags, raw, plen, template)
+                family, table=self.table, protocol=self.protocol, tos=tos, priority=priority, src=src)
+        return nl.encode_route(nl.RTM_DELROUTE, seq, flags, raw, plen, template, src_len)

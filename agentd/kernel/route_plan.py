@@ -64,6 +64,7 @@ class RouteState:
         self.retry: set[str] = set()  # conflicted dsts whose desired route changed: try again
         self.dirty_all = False
         self.full_pending = False
+        self.links_gone: set[str] = set()  # links deleted or gone down since the last reconcile
         self.restoring: set[str] = set()  # own desired routes someone removed
         self.conflicts: dict[str, str] = {}  # dst -> reason
         self.failures: dict[str, str] = {}  # dst -> reason
@@ -107,13 +108,35 @@ class RouteState:
     # --- one reconcile ---------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.dirty or self.dirty_all or self.full_pending)
+        return bool(self.dirty or self.dirty_all or self.full_pending or self.links_gone)
 
     def needs_full(self, full: bool) -> bool:
-        """Start a reconcile: does it re-read the kernel first (asked, or pending)?"""
-        if full or self.full_pending:
+        """Start a reconcile: does it re-read the kernel first (asked, pending, or a link that
+        one of our routes uses went away)?"""
+        gone, self.links_gone = self.links_gone, set()
+        if full or self.full_pending or (gone and self.uses_links(gone)):
             self.full_pending = False
             return True
+        if gone:
+            # Another's IPv4 route in our way may have gone with the link, silently too.
+            self.dirty.update(dst for dst in self.conflicts if ":" not in dst)
+        return False
+
+    def link_gone(self, index: int, *names: str | None) -> None:
+        """A link was deleted or went down: IPv4 flushes its routes without a notification.
+        Only a link one of our routes uses makes the next reconcile re-read the kernel (a pod's
+        veth going away must not re-read 100k routes)."""
+        self.links_gone.add(f"if#{index}")  # how a route on a link of unknown name says it
+        self.links_gone.update(name for name in names if name)
+
+    def uses_links(self, names: Set[str]) -> bool:
+        """May one of our routes in the kernel go out of one of these links?  A gateway route
+        we installed without a device went out of whichever the kernel chose: unknown until
+        the next re-read (which files it with its device), so it may."""
+        for route in self.kernel.values():
+            dev = route.dev
+            if dev in names or (dev is None and route.kind == "unicast"):
+                return True
         return False
 
     def take_work(self, full: bool) -> Work:
@@ -233,8 +256,12 @@ class RouteState:
     def own_route_added(self, found: Route | Stray) -> None:
         """Someone else (or the kernel) added a route with our protocol."""
         if type(found) is Route:
+            dst = found.dst
             file_route(found, self.kernel, self.strays, self.desired)
-            self.dirty.add(found.dst)
+            self.dirty.add(dst)
+            want = self.desired.get(dst)
+            if dst in self.conflicts and want is not None and kernel_metric(want) == kernel_metric(found):
+                del self.conflicts[dst]  # ours holds the key now: nobody else's route is in the way
         else:
             self.strays.add(found)
             self.dirty.add(found.text)

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from agentd.kernel import netlink as nl
-from agentd.kernel.route_adopt import adopt, classify_existing
+from agentd.kernel.route_adopt import adopt, classify_existing, shadowing
 from agentd.kernel.route_model import (
     ADD,
     DELETE,
@@ -102,9 +102,13 @@ class RouteProgrammer:
         self.failures: dict[str, str] = self.state.failures
         self.netlink = RouteNetlink(table=table, protocol=protocol, netns=netns, counters=self.counters,
                                     sockets=sockets)
-        self.netlink.on_resync = self._resync_now
+        # Lost events (a monitor overrun) or lost acks: links may have changed unseen too (a
+        # device deleted and re-created has a new ifindex): the full resync re-reads them first.
+        self.netlink.on_resync = self._resync_links_now
         monitor = self.netlink.monitor
-        monitor.on_event, monitor.on_resync, monitor.on_drained = self._on_event, self._resync_now, self._wake_if_work
+        monitor.on_event, monitor.on_resync, monitor.on_drained = self._on_event, self._resync_links_now, self._wake_if_work
+        self._links_stale = False
+        self._shadowed_logged: dict[str, str] = {}
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -126,6 +130,13 @@ class RouteProgrammer:
 
     def desired(self) -> list[Route]:
         return list(self.state.desired.values())
+
+    @property
+    def shadowed(self) -> dict[str, str]:
+        """dst -> reason: desired destinations where another protocol's route in our table has
+        a lower metric, so the kernel forwards by that one (as of the last full resync and the
+        monitor's events since)."""
+        return shadowing(self.state.desired, self.netlink.others, self.table)
 
     def programmed(self) -> list[Route]:
         """Our routes in the kernel now, as far as the last reconcile and the monitor know."""
@@ -211,8 +222,12 @@ class RouteProgrammer:
         self.state.full_pending = True
         self._wake.set()
 
+    def _resync_links_now(self) -> None:
+        self._links_stale = True
+        self._resync_now()
+
     def _wake_if_work(self) -> None:
-        if self.state.dirty or self.state.full_pending:
+        if self.state.dirty or self.state.full_pending or self.state.links_gone:
             self._wake.set()
 
     # --- reconcile ---------------------------------------------------------------------------
@@ -221,7 +236,7 @@ class RouteProgrammer:
         """Apply the difference between desired and kernel state now.
 
         ``full`` re-reads our routes from the kernel first (what the periodic resync does);
-        it also happens when the monitor lost events or a link went away.
+        it also happens when the monitor lost events or a link one of our routes uses went away.
         """
         if not self.netlink.is_open:
             raise RuntimeError("RouteProgrammer is not started")
@@ -230,7 +245,7 @@ class RouteProgrammer:
             started = time.perf_counter()
             full = state.needs_full(full)
             if full:
-                await self._dump_own()
+                await self._dump_own(links=self._links_stale)
                 self.counters.full_resyncs += 1
             work = state.take_work(full)
             plan = state.plan(work.dsts, work.full, work.retry)
@@ -243,6 +258,12 @@ class RouteProgrammer:
             self.last_sync_seconds = seconds
             if state.has_work():
                 self._wake.set()
+        if full:
+            shadowed = self.shadowed
+            for dst, reason in shadowed.items():
+                if self._shadowed_logged.get(dst) != reason:
+                    log.warning("route conflict: %s", reason)
+            self._shadowed_logged = shadowed
         if self.on_sync is not None:
             try:
                 self.on_sync(result)
@@ -294,14 +315,18 @@ class RouteProgrammer:
         report = outcome.added if code == ADD else outcome.replaced
         return await self.netlink.execute(code, targets, lambda done: state.installed(done, report))
 
-    async def _dump_own(self) -> None:
-        """Re-read every route of ours (our protocol, our table) and adopt them as the kernel state.
+    async def _dump_own(self, links: bool = False) -> None:
+        """Re-read every route of ours (our protocol, our table) and adopt them as the kernel
+        state; with ``links``, the links first (after lost events).
 
         The monitor is paused meanwhile: an event about a route the dump already passed would
         otherwise be applied to the old state and then lost when the new one replaces it.
         Paused, events wait in the socket and are applied on top of the new state."""
         paused = self.netlink.monitor.pause()
         try:
+            if links:
+                self._links_stale = False
+                await self.netlink.dump_links()
             found = await self.netlink.dump_own()
             self.state.kernel, self.state.strays = adopt(found, self.state.desired)
         finally:
@@ -323,6 +348,7 @@ class RouteProgrammer:
                     state.own_route_removed(netlink.found_of(msg))
                 return
             dst = f"{socket.inet_ntop(msg.family, msg.dst or ZERO_ADDRESS[msg.family])}/{msg.dst_len}"
+            netlink.note_other(msg, removed=mtype == nl.RTM_DELROUTE)
             if mtype == nl.RTM_NEWROUTE and mflags & nl.NLM_F_REPLACE:
                 state.other_route_replaced(dst, msg.priority or 0)
             elif mtype == nl.RTM_DELROUTE:
@@ -331,12 +357,14 @@ class RouteProgrammer:
             link = nl.decode_link(buf, start, end)
             was_up = netlink.ifup.get(link.index)
             if mtype == nl.RTM_DELLINK:
+                name = netlink.ifname.get(link.index)
                 netlink.forget_link(link)
-                state.full_pending = True  # IPv4 flushes the routes of a dead link silently
+                state.link_gone(link.index, name, link.name)  # IPv4 flushes the routes of a dead link silently
             else:
+                name = netlink.ifname.get(link.index)
                 netlink.learn_link(link)
                 if was_up and not link.up:
-                    state.full_pending = True
+                    state.link_gone(link.index, name, link.name)
                 state.retry_failures()  # a device may have appeared: retry
         elif mtype == nl.RTM_NEWADDR:
             state.retry_failures()  # a gateway may have become reachable

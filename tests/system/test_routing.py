@@ -372,6 +372,25 @@ async def _shows_in(lab: Lab, family: str, line: str) -> bool:
     return line in await lab.own(family)
 
 
+async def test_another_programs_route_with_a_lower_metric_is_reported(lab, start):
+    # IPv6 routes default to metric 1024: a route added by hand at 256 wins the lookup.
+    programmer = await start()
+    programmer.set_desired([Route("2001:db8:60::/64", gateway=GW6), Route("10.60.0.0/24", gateway=GW4, metric=100)])
+    await programmer.reconcile()
+    await lab.ip("-6", "route", "add", "2001:db8:60::/64", "via", GW6, "metric", "256")
+    await lab.ip("route", "add", "10.60.0.0/24", "via", GW4, "metric", "200")  # higher: ours wins
+    await programmer.reconcile(full=True)
+    assert list(programmer.shadowed) == ["2001:db8:60::/64"]
+    assert "proto boot" in programmer.shadowed["2001:db8:60::/64"]
+    assert await _shows_in(lab, "-6", "2001:db8:60::/64 via 2001:db8::2 dev v0 metric 1024 pref medium")
+    await lab.ip("-6", "route", "del", "2001:db8:60::/64", "via", GW6, "metric", "256")
+    await eventually(lambda: _shadowed_is(programmer, {}), what="the monitor saw the route go")
+
+
+async def _shadowed_is(programmer: RouteProgrammer, shadowed: dict) -> bool:
+    return programmer.shadowed == shadowed
+
+
 async def test_programmer_in_another_table_leaves_main_alone(lab, start):
     lab.r.ip("route", "add", "10.51.0.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))  # main: not ours here
     programmer = await start(table=100)
@@ -418,8 +437,24 @@ async def test_own_protocol_route_nobody_wants_is_removed(lab, start):
     assert programmer.counters.routes_removed >= 2 and programmer.counters.routes_replaced >= 1
 
 
-async def _own_is(lab: Lab, lines: list[str]) -> bool:
-    return await lab.own("-4") == lines
+async def _own_is(lab: Lab, lines: list[str], family: str = "-4") -> bool:
+    return await lab.own(family) == lines
+
+
+async def test_own_source_specific_route_goes_without_taking_the_desired_one(lab, start):
+    # An IPv6 route of ours with a source prefix is a stray beside our route for its
+    # destination: deleted by its source prefix too, or the kernel deletes the desired route
+    # (no source prefix) instead, every reconcile.
+    programmer = await start()
+    programmer.set_desired([Route("2001:db8:50::/64", gateway=GW6)])
+    await programmer.reconcile()
+    await lab.ip("-6", "route", "add", "2001:db8:50::/64", "from", "2001:db8:1::/56", "via", GW6,
+                 "proto", str(RTPROT_AGENTD))
+    want = ["2001:db8:50::/64 via 2001:db8::2 dev v0 metric 1024 pref medium"]
+    await eventually(lambda: _own_is(lab, want, "-6"), 10, what="the source-specific stray removed")
+    result = await programmer.reconcile(full=True)
+    assert (result.added, result.removed, result.failed) == ((), (), ())
+    assert await lab.own("-6") == want
 
 
 async def test_route_on_a_missing_device_is_installed_when_it_appears(lab, start):

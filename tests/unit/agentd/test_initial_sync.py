@@ -59,3 +59,92 @@ def test_the_deadline_ends_the_wait():
     r, inputs = routes(Speaker())
     r.initial_sync_deadline = 0.0
     assert r._initial_sync_complete()
+
+
+# --- the re-check timer while the initial sync is pending -------------------------------------
+
+
+class FakeLoop:
+    """call_soon/call_later on a clock the test moves (``advance``)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.timers = []  # [when, seq, callback, handle]
+        self.seq = 0
+
+    def _add(self, when, callback):
+        handle = SimpleNamespace(cancelled=False)
+        handle.cancel = lambda: setattr(handle, "cancelled", True)
+        self.seq += 1
+        self.timers.append([when, self.seq, callback, handle])
+        return handle
+
+    def call_soon(self, callback):
+        return self._add(self.now, callback)
+
+    def call_later(self, delay, callback):
+        return self._add(self.now + delay, callback)
+
+    def pending(self):
+        return [t for t in self.timers if not t[3].cancelled]
+
+    def advance(self, seconds):
+        end = self.now + seconds
+        while True:
+            due = sorted(t for t in self.pending() if t[0] <= end)
+            if not due:
+                break
+            when, _seq, callback, _handle = due[0]
+            self.timers.remove(due[0])
+            self.now = max(self.now, when)
+            callback()
+        self.now = end
+
+
+def recomputing(monkeypatch):
+    """KernelRoutes on a fake loop with the route computation counted, BGP not synced."""
+    import agentd.daemon.routes as R
+
+    calls = []
+
+    def fake_desired(*args, **kwargs):
+        calls.append(1)
+        return SimpleNamespace(routes=[], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={})
+
+    monkeypatch.setattr(R, "desired_routes", fake_desired)
+    tunnels = SimpleNamespace(paths=lambda: None, available=None, apply=lambda *a, **k: None)
+    inputs = SimpleNamespace(
+        cfg=SimpleNamespace(network=SimpleNamespace(backend="vxlan", encap="always")), name="n1",
+        peering=SimpleNamespace(nodes={}, known=False), underlay=object(), lease=object(), leases={},
+        tunnels=tunnels, speaker=Speaker(), started_bgp=True, stopping=False)
+    r = KernelRoutes(inputs)
+    r.loop = FakeLoop()
+    r.initial_sync_deadline = float("inf")
+    r.adopt(SimpleNamespace(set_desired=lambda routes: None, programmed=list))
+    return r, inputs, calls
+
+
+def test_best_path_changes_during_the_initial_sync_share_one_recheck_timer(monkeypatch):
+    r, _inputs, calls = recomputing(monkeypatch)
+    for _ in range(20):  # a peer's updates, 50 ms apart
+        r.on_best_paths([])
+        r.loop.advance(0.05)
+    calls.clear()
+    r.loop.advance(2.0)
+    assert len(calls) == 4  # one re-check per 0.5 s, not one chain per change
+    assert len(r.loop.pending()) == 1
+
+
+def test_the_recheck_timer_is_cancelled_once_the_initial_sync_is_done(monkeypatch):
+    r, inputs, calls = recomputing(monkeypatch)
+    r.schedule()
+    r.loop.advance(0.0)
+    assert len(r.loop.pending()) == 1
+    inputs.peering.known = True  # a lone node, its registry read: done
+    r.on_best_paths([])
+    r.loop.advance(0.0)
+    assert r.initial_sync_done
+    assert r.loop.pending() == []
+    calls.clear()
+    r.loop.advance(5.0)
+    assert calls == []

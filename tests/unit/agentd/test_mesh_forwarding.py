@@ -5,7 +5,14 @@ from ipaddress import IPv4Address, IPv4Interface, IPv4Network, IPv6Address, IPv6
 import pytest
 
 from agentd.datastore.store import NodeRecord
-from agentd.kernel.forwarding import LocalPaths, peer_in_userspace, plan_external, plan_peer, route_for
+from agentd.kernel.forwarding import (
+    LocalPaths,
+    desired_routes,
+    peer_in_userspace,
+    plan_external,
+    plan_peer,
+    route_for,
+)
 from agentd.daemon.mesh import desired_peers
 from agentd.kernel.netinfo import Underlay
 from bgp import PeerSettings
@@ -133,6 +140,25 @@ def test_external_next_hops():
     assert plan_external("10.0.0.254", UNDERLAY).backend == "host-gw"
     assert plan_external("192.0.2.1", UNDERLAY).backend == "kernel"
     assert not plan_external("::ffff:10.0.0.9", UNDERLAY).routable
+
+
+def test_an_external_link_local_next_hop_is_routed_through_the_underlay():
+    # An external IPv6 peer (BGP unnumbered, or a router giving its link-local next hop):
+    # fe80::/10 is not in the underlay's prefixes, but on-link there; Linux refuses a
+    # link-local gateway without a device.
+    plan = plan_external("fe80::2", UNDERLAY)
+    assert (plan.backend, plan.version) == ("host-gw", 6)
+    r = route_for("2001:db8:99::/48", plan, UNDERLAY, LocalPaths())
+    assert (r.gateway, r.dev) == ("fe80::2", "eth0")
+    underlay = Underlay("eth0", 2, IPv4Interface("10.0.0.1/24"), 1500,
+                        (IPv4Network("10.0.0.0/24"), IPv6Network("2001:db8::/64")),
+                        interface_v6=IPv6Interface("2001:db8::1/64"), link_local=IPv6Address("fe80::1"))
+    plan = desired_routes([("2001:db8:99::/48", IPv6Address("fe80::2"), False)], [], underlay, LocalPaths(),
+                          own_subnets=["10.244.0.0/24"], blackhole_metric=4000, own_backend="vxlan",
+                          encap="always", versions=(4, 6))
+    assert [(r.dst, r.gateway, r.dev) for r in plan.routes if r.kind == "unicast"] == [
+        ("2001:db8:99::/48", "fe80::2", "eth0")]
+    assert plan_external("2001:db8:ff::1", underlay).backend == "kernel"  # off-link: resolved by the kernel
 
 
 def test_desired_routes_for_best_paths():

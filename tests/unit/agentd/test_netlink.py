@@ -355,6 +355,8 @@ def test_route_canonicalises_addresses_and_defaults():
         (dict(dst="10.1.0.0/16", dev="v0", mtu="1500"), "mtu"),
         (dict(dst="10.1.0.0/16", dev="v0", onlink=1), "bool"),
         (dict(dst="10.1.0.0/16", dev="v0", src="2001:db8::1"), "family"),
+        ({"dst": "2001:db8:1::/64", "gateway": "fe80::2"}, "link-local fe80::2 needs a dev"),
+        ({"dst": "2001:db8:1::/64", "gateway": "FEBF::2"}, "link-local febf::2 needs a dev"),
     ],
 )
 def test_bad_routes_raise_one_clear_error(kwargs, what):

@@ -34,7 +34,8 @@ d) no gap: a desired destination that has a route of ours when a sync (or a star
 
 The full model found four bugs, and three more around bug 4 (4b-4d: two routes of ours for
 one destination; 4b and 4c turned up in the model once bug 4's xfail was lifted); all are
-fixed and their minimal scenarios at the end are regression tests.
+fixed and their minimal scenarios at the end are regression tests; the random run later found
+bug 5 (a conflict kept after our own-protocol route took the key back).
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ class FakeKernel:
     def request(self, mtype: int, flags: int, buf: bytes, start: int, end: int) -> int:
         msg = nl.decode_route(buf, start, end)
         assert msg.family in (AF4, AF6), msg
+        if mtype == nl.RTM_NEWROUTE and msg.oif and msg.oif not in LINKS:
+            self.requests.append(("add", msg, errno.ENODEV))  # fib_check_nh/ip6_route_info_create
+            return errno.ENODEV
         if mtype == nl.RTM_NEWROUTE:
             entry = self._entry_of(msg)
             if flags & nl.NLM_F_REPLACE:
@@ -796,3 +800,85 @@ def test_bug4d_upsert_of_the_route_filed_as_a_stray():
         m.deliver_events()  # the monitor files it as a stray, to be deleted
         m.upsert(wanted)
         m.sync(False)  # d) gap: the stray's delete took the route now wanted
+
+
+
+def test_bug5_conflict_kept_after_someone_puts_our_route_in_its_place():
+    # Another protocol's route held our key (a conflict); someone replaced it with a route
+    # of our protocol that is the desired one: the conflict stayed reported forever (a).
+    # Found by test_route_programmer_model_random.
+    want = Route(X, dev="eth0")
+    with scenario() as m:
+        m.upsert(want)
+        m.sync(False)
+        m.others_replace_ours(0, nl.RTPROT_BOOT, None)
+        m.upsert(want)
+        m.sync(False)  # a conflict, reported: right
+        m.others_add(entry_of_route(want, table=nl.RT_TABLE_MAIN, protocol=OURS), True)
+        m.upsert(want)
+        m.sync(False)  # a) installed but reported as a conflict
+
+
+# --- after lost monitor events ------------------------------------------------------------------
+
+
+def test_overrun_re_reads_links_a_device_recreated_meanwhile(monkeypatch):
+    # eth1 is deleted (its routes with it) and created again while the monitor's buffer
+    # overflowed: it has a new ifindex, and no route of ours names the old one any more.
+    # The full resync must re-read the links, or every add of the route fails ENODEV.
+    want = Route(X, dev="eth1")
+    with scenario() as m:
+        m.set_desired([want])
+        m.sync(False)
+        for key, entry in list(m.kernel.routes.items()):
+            if entry.oif == 3:
+                del m.kernel.routes[key]
+        monkeypatch.delitem(LINKS, 3)
+        monkeypatch.setitem(LINKS, 4, "eth1")
+        monkeypatch.setitem(IFINDEX, "eth1", 4)
+        m.kernel.overrun()
+        m.sync(False)  # a) the desired route is in the kernel
+        assert m.kernel.routes[key_of(want, nl.RT_TABLE_MAIN)].oif == 4
+        assert m.p.failures == {}
+
+
+# --- other programs' routes with a lower metric ----------------------------------------------------
+
+X6 = "2001:db8::/64"
+
+
+def test_another_protocols_route_with_a_lower_metric_is_reported_as_a_conflict():
+    # IPv6: ours at the default 1024, a static route at 256 wins the lookup; a full resync
+    # (which dumps the whole table) reports it, as conflicts of the same metric are.
+    theirs = entry_of_route(Route(X6, gateway="2001:db8:ff::3", metric=256), table=nl.RT_TABLE_MAIN,
+                            protocol=nl.RTPROT_STATIC)
+    higher = entry_of_route(Route(X, dev="eth1", metric=500), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BOOT)
+    other_table = entry_of_route(Route("10.0.1.0/24", dev="eth1", metric=1), table=100, protocol=nl.RTPROT_STATIC)
+    with scenario(others=[theirs, higher, other_table]) as m:
+        m.set_desired([Route(X6, gateway="2001:db8:ff::2"), Route(X, dev="eth0", metric=100),
+                       Route("10.0.1.0/24", dev="eth0", metric=100)])
+        m.sync(True)  # ours are installed all the same (a): the kernel keeps both keys
+        assert list(m.p.shadowed) == [X6]
+        assert "proto static" in m.p.shadowed[X6] and "(256, ours 1024)" in m.p.shadowed[X6]
+        assert m.p.conflicts == {}
+        # The monitor: the static route goes, one with a lower metric for X comes.
+        m.kernel.others_delete(theirs)
+        lower = entry_of_route(Route(X, dev="eth1", metric=50), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD)
+        m.kernel.others_add(lower, False)
+        m.deliver_events()
+        assert list(m.p.shadowed) == [X] and "proto bird" in m.p.shadowed[X]
+        m.set_desired([Route(X, dev="eth0", metric=10)])
+        assert m.p.shadowed == {}
+
+
+def test_a_link_none_of_our_routes_uses_does_not_re_read_the_kernel():
+    with scenario() as m:
+        m.set_desired([Route(X, dev="eth0")])
+        m.sync(False)
+        m.kernel.notify(link_message(nl.RTM_DELLINK, 0, 0, 3, False))  # eth1: none of ours on it
+        m.deliver_events()
+        assert not m.run(m.p.reconcile()).full
+        m.kernel.flap(2)  # eth0: ours flushed silently, put back after a re-read
+        m.deliver_events()
+        result = m.run(m.p.reconcile())
+        assert result.full and result.added == (X,)

@@ -220,3 +220,50 @@ def test_requests_decode_to_the_route_they_were_encoded_from():
     assert (msg.table, msg.protocol, msg.oif, msg.mtu, msg.scope) == (100, RTPROT_AGENTD, 2, 1400, nl.RT_SCOPE_LINK)
     delete = nl.decode_route(netlink.encode_delete(A_METRIC5, 8, REQUEST_FLAGS[DELETE]), nl.NLMSG_HDRLEN)
     assert (delete.table, delete.protocol, delete.priority, delete.dst_len) == (100, RTPROT_AGENTD, 5, 24)
+
+
+def test_a_source_specific_route_of_ours_is_deleted_by_its_source_prefix_too():
+    # An IPv6 route of ours with a source prefix ("from 2001:db8:1::/56") is a stray beside
+    # our route for the destination; its delete must name the source prefix, or the kernel
+    # deletes the route without one -- the desired route.
+    netlink = RouteNetlink(table=nl.RT_TABLE_MAIN, protocol=RTPROT_AGENTD)
+    netlink.ifname[2] = "eth0"
+    want = Route("2001:db8:7::/64", gateway="2001:db8::2")
+    source = socket.inet_pton(socket.AF_INET6, "2001:db8:1::")
+    request = netlink.encode_route(want, 1, REQUEST_FLAGS[ADD])
+    found = nl.decode_route(request, nl.NLMSG_HDRLEN)._replace(src_len=56, src=source, oif=2)
+    stray = netlink.found_of(found)
+    assert (stray.text, stray.src_len, stray.src) == (want.dst, 56, source)
+    assert stray != stray_of(want)
+    delete = nl.decode_route(netlink.encode_delete(stray, 9, REQUEST_FLAGS[DELETE]), nl.NLMSG_HDRLEN)
+    assert (delete.dst_len, delete.src_len, delete.src, delete.protocol) == (64, 56, source, RTPROT_AGENTD)
+    plain = nl.decode_route(netlink.encode_delete(want, 10, REQUEST_FLAGS[DELETE]), nl.NLMSG_HDRLEN)
+    assert (plain.src_len, plain.src) == (0, None)
+
+
+def test_only_a_link_our_routes_use_makes_the_kernel_be_re_read():
+    # IPv4 flushes a dead link's routes silently: a link one of ours goes out of must re-read
+    # the kernel; a pod's veth going away (pod churn) must not re-read every route.
+    state = adopted(Route(A.dst, gateway="192.0.2.2", dev="eth0"), B, C)
+    state.link_gone(17, "veth1a2b")
+    assert state.has_work()
+    assert not state.needs_full(False)
+    assert not state.has_work()  # looked at once
+    state.link_gone(2, None, "eth0")
+    assert state.needs_full(False)
+    state.link_gone(9)  # a link we knew no name of: routes on it say "if#9"
+    assert not state.needs_full(False)
+    state.kernel["10.0.9.0/24"] = Route("10.0.9.0/24", dev="if#9")
+    state.link_gone(9)
+    assert state.needs_full(False)
+    # A gateway route we installed without a device: the kernel chose one, which we learn
+    # at the next re-read; until then any link may be its.
+    state.installed([Route("10.0.8.0/24", gateway="192.0.2.2")], [])
+    state.link_gone(18, "veth3c4d")
+    assert state.needs_full(False)
+    # Another's IPv4 route in our way may have been flushed with its link: retried.
+    state = adopted(B)
+    state.record([], [("10.0.3.0/24", "in the way"), ("2001:db8:3::/64", "in the way")])
+    state.link_gone(19, "veth5e6f")
+    assert not state.needs_full(False)
+    assert state.take_work(False).dsts == {"10.0.3.0/24"}

@@ -1,0 +1,67 @@
+"""GET /routes: "installed" is true only when the kernel holds the wanted route itself."""
+
+from types import SimpleNamespace
+
+import pytest
+
+import agentd.daemon.routes as R
+from agentd.daemon.routes import KernelRoutes
+from agentd.kernel.route_model import Route
+
+WANT = Route("10.244.7.0/24", gateway="10.0.0.7", dev="eth0")
+WANT6 = Route("2001:db8:7::/64", gateway="fe80::7", dev="eth0")
+
+
+class Programmer:
+    """What KernelRoutes reads of the route programmer."""
+
+    def __init__(self, kernel=(), failures=None):
+        self.kernel = list(kernel)
+        self.failures = dict(failures or {})
+
+    def set_desired(self, routes):
+        pass
+
+    def programmed(self):
+        return list(self.kernel)
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    def fake_desired(*args, **kwargs):
+        rows = [{"dst": r.dst, "via": r.gateway, "dev": r.dev, "backend": "host-gw", "peer": r.gateway}
+                for r in (WANT, WANT6)]
+        return SimpleNamespace(routes=[WANT, WANT6], plans={}, plans_v6={}, rows=rows, next_hops={}, next_hops_v6={})
+
+    monkeypatch.setattr(R, "desired_routes", fake_desired)
+    tunnels = SimpleNamespace(paths=lambda: None, available=None, apply=lambda *a, **k: None)
+    inputs = SimpleNamespace(
+        cfg=SimpleNamespace(network=SimpleNamespace(backend="host-gw", encap="always")), name="n1",
+        peering=SimpleNamespace(nodes={}, known=True), underlay=object(), lease=object(), leases={},
+        tunnels=tunnels, speaker=None, started_bgp=False, stopping=False)
+
+    def make(programmer):
+        r = KernelRoutes(inputs)
+        r.adopt(programmer)
+        r.initial_sync_done = True
+        r._recompute()
+        return {row["dst"]: row["installed"] for row in r.installed()}
+
+    return make
+
+
+def test_the_wanted_routes_in_the_kernel_are_installed(routes):
+    assert routes(Programmer([WANT, WANT6])) == {WANT.dst: True, WANT6.dst: True}
+
+
+def test_an_older_route_for_the_destination_is_not_the_wanted_one(routes):
+    # The replace by the new route was refused: the kernel still has the previous one.
+    old = Route(WANT.dst, gateway="10.0.0.9", dev="eth0")
+    old6 = Route(WANT6.dst, gateway="fe80::7", dev="eth0", metric=50)
+    assert routes(Programmer([old, old6])) == {WANT.dst: False, WANT6.dst: False}
+
+
+def test_a_refused_route_is_not_installed(routes):
+    failures = {WANT.dst: "ENETUNREACH: Network is unreachable"}
+    assert routes(Programmer([WANT, WANT6], failures)) == {WANT.dst: False, WANT6.dst: True}
+    assert routes(Programmer([WANT6])) == {WANT.dst: False, WANT6.dst: True}
