@@ -282,6 +282,25 @@ def validate_slice(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_LINK_LOCAL_MULTICAST = (ipaddress.ip_network("224.0.0.0/24"), ipaddress.ip_network("ff02::/16"))
+
+
+def special_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why an endpoint may not have this address, as the API server's ValidateEndpointIP says
+    (None: it may).  Such an endpoint would be the node itself: a Service or an Ingress
+    backend on 127.0.0.1 or 169.254.169.254 hands outsiders the node's loopback services
+    (its API, etcd) or the cloud's metadata service."""
+    if addr.is_unspecified:
+        return "may not be unspecified (0.0.0.0, ::)"
+    if addr.is_loopback:
+        return "may not be in the loopback range (127.0.0.0/8, ::1/128)"
+    if addr.is_link_local:
+        return "may not be in the link-local range (169.254.0.0/16, fe80::/10)"
+    if any(addr in net for net in _LINK_LOCAL_MULTICAST if net.version == addr.version):
+        return "may not be in the link-local multicast range (224.0.0.0/24, ff02::/16)"
+    return None
+
+
 def _endpoint(raw: Any, path: str, address_type: str) -> dict[str, Any]:
     e = obj(raw, path, ("addresses", "conditions", "nodeName", "targetRef", "zone", "hostname", "hints", "deprecatedTopology"))
     addrs = array(e.get("addresses"), f"{path}.addresses")
@@ -295,6 +314,9 @@ def _endpoint(raw: Any, path: str, address_type: str) -> dict[str, Any]:
         addr = (ipaddress.IPv4Address if address_type == "IPv4" else ipaddress.IPv6Address)(text)
     except ValueError:
         raise invalid(f"{path}.addresses[0]", text, f"must be a valid {address_type} address") from None
+    special = special_address(addr)
+    if special:
+        raise invalid(f"{path}.addresses[0]", text, special)
     out: dict[str, Any] = {"addresses": [str(addr)]}
     cond = obj(e.get("conditions"), f"{path}.conditions", ("ready", "serving", "terminating"))
     conditions = {}

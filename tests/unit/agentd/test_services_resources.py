@@ -223,6 +223,20 @@ def test_endpointslice_validates_at_the_top_level():
         assert message.startswith("f.yaml: document 1 (EndpointSlice shop/web-1): ") and expected in message, message
 
 
+@pytest.mark.parametrize(("family", "address", "why"), [
+    ("IPv4", "127.0.0.1", "loopback"), ("IPv4", "127.3.2.1", "loopback"), ("IPv4", "0.0.0.0", "unspecified"),
+    ("IPv4", "169.254.169.254", "link-local range"), ("IPv4", "224.0.0.5", "link-local multicast"),
+    ("IPv6", "::1", "loopback"), ("IPv6", "::", "unspecified"), ("IPv6", "fe80::1", "link-local range"),
+    ("IPv6", "ff02::2", "link-local multicast"),
+])
+def test_an_endpoint_on_the_nodes_own_or_link_local_addresses_is_refused(family, address, why):
+    # The API server's ValidateEndpointIP: such a Service (or Ingress backend) would hand the
+    # node's loopback services (its API, etcd) or the cloud metadata service to its clients.
+    text = mutate(mutate(SLICE, "addressType", family), "endpoints", [{"addresses": [address]}])
+    message = error_of(text)
+    assert f'endpoints[0].addresses[0]: Invalid value: "{address}": may not be' in message and why in message, message
+
+
 def test_an_ipv6_slice_holds_ipv6_addresses():
     text = mutate(mutate(SLICE, "addressType", "IPv6"), "endpoints", [{"addresses": ["FD00:10:244:1::0002"]}])
     obj = one(text)
