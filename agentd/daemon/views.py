@@ -113,9 +113,7 @@ class AgentViews:
             "routes": {
                 "programmed": len(prog.programmed()) if prog else 0,
                 "last_sync": prog.last_sync if prog else None,
-                # Another program's route for a prefix: with our metric (ours not installed)
-                # or a lower one (the kernel uses theirs).
-                "conflicts": {**prog.shadowed, **prog.conflicts} if prog else {},
+                "conflicts": dict(prog.conflicts) if prog else {},
             },
             "datastore": {
                 "connected": bool(a.datastore and a.datastore.connected),

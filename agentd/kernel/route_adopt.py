@@ -8,9 +8,7 @@ filing runs after every full re-read of the kernel.
 An add that meets EEXIST means a route holds the key (dst, metric) in our table that we
 had not heard of: ``classify_existing`` looks at the table's routes with that key and
 says whose it is: ours (adopt it, then replace it if it differs) or another protocol's
-(a conflict: left alone and reported).  ``shadowing`` finds the other conflict: another
-protocol's route for a desired destination with a lower metric, which the kernel prefers
-(reported, left alone).  agentd.kernel.routing does the reading.
+(a conflict: left alone and reported).  agentd.kernel.routing does the reading.
 """
 
 from __future__ import annotations
@@ -109,22 +107,3 @@ def classify_existing(
             result.conflicts.append((route.dst, f"{route.dst}: table {table} already has a proto {name} route "
                                                 "with this destination and metric; left alone"))
     return result
-
-
-def shadowing(desired: dict[str, Route], others: dict[str, dict[int, int]], table: int) -> dict[str, str]:
-    """The desired destinations for which another protocol's route in our table has a lower
-    metric than ours: the kernel uses that one, ours (installed or not) is left unused.
-    ``others``: dst -> {metric: protocol} (agentd.kernel.route_netlink)."""
-    found: dict[str, str] = {}
-    for dst, held in others.items():
-        want = desired.get(dst)
-        if want is None:
-            continue
-        mine = kernel_metric(want)
-        lower = [(metric, protocol) for metric, protocol in held.items() if metric < mine]
-        if lower:
-            metric, protocol = min(lower)
-            name = PROTOCOL_NAMES.get(protocol, str(protocol))
-            found[dst] = (f"{dst}: table {table} has a proto {name} route with this destination and a lower "
-                          f"metric ({metric}, ours {mine}): the kernel uses that one; left alone")
-    return found

@@ -150,10 +150,6 @@ class RouteNetlink:
         self._seq = 0
         self._templates: dict[tuple, nl.RouteTemplate] = {}
         self._seen: dict[bytes, Route] = {}  # message bytes of the last dump -> Route
-        # Other protocols' routes in our table, as the last dump (and the monitor) saw them:
-        # dst -> {metric: protocol}.  Only plain ones (no TOS, no source prefix): those that
-        # compete with ours for a destination.
-        self.others: dict[str, dict[int, int]] = {}
 
     # --- sockets -------------------------------------------------------------------------------
 
@@ -263,22 +259,14 @@ class RouteNetlink:
         again: the periodic resync of 100k unchanged routes then costs a dict lookup each,
         not a parse (the price is the bytes kept, ~80-130 per route)."""
         protocol, table = self.protocol, self.table
-        others: dict[str, dict[int, int]] = {}
         for _attempt in range(3):
             known: list[Route] = []
             fresh: list[tuple[bytes, nl.RouteMessage]] = []
             previous, seen = self._seen, {}
-            others.clear()
 
             def handle(mtype: int, buf: bytes, start: int, end: int) -> None:
-                if mtype != nl.RTM_NEWROUTE or end - start < nl.RTMSG_LEN:
-                    return
-                if buf[start + 5] != protocol:  # rtmsg byte 5 is rtm_protocol: another's route
-                    try:
-                        self.note_other(nl.decode_route(buf, start, end), others)
-                    except nl.NetlinkDecodeError:
-                        pass
-                    return
+                if mtype != nl.RTM_NEWROUTE or end - start < nl.RTMSG_LEN or buf[start + 5] != protocol:
+                    return  # rtmsg byte 5 is rtm_protocol: skip others' routes unparsed
                 body = buf[start:end]
                 route = previous.get(body)
                 if route is not None:
@@ -296,12 +284,10 @@ class RouteNetlink:
             consistent = True
             for family in (AF_INET, AF_INET6):
                 seq = self.next_seq()
-                # Every protocol's routes: the others' are noted (dst, metric) for conflicts.
-                request = nl.encode_getroute_dump(seq, family, table=table)
+                request = nl.encode_getroute_dump(seq, family, table=table, protocol=protocol)
                 consistent &= await self.req.dump(request, seq, handle, what="route dump")
             if consistent:
                 break
-        self.others = others
         if any(msg.oif and msg.oif not in self.ifname for _body, msg in fresh):
             await self.dump_links()
         found: list[Route | Stray] = list(known)
@@ -316,26 +302,6 @@ class RouteNetlink:
                 await asyncio.sleep(0)  # parsing 100k routes takes a while: let the loop run
         self._seen = seen
         return found
-
-    def note_other(self, msg: nl.RouteMessage, others: dict[str, dict[int, int]] | None = None,
-                   removed: bool = False) -> None:
-        """Another protocol's route (from a dump, or the monitor: ``removed`` for RTM_DELROUTE)
-        into ``others`` (default: ``self.others``)."""
-        family = msg.family
-        if (msg.table != self.table or msg.tos or msg.src_len or msg.flags & RTM_F_CLONED
-                or family not in ZERO_ADDRESS or msg.protocol == self.protocol):
-            return
-        others = self.others if others is None else others
-        dst = f"{socket.inet_ntop(family, msg.dst or ZERO_ADDRESS[family])}/{msg.dst_len}"
-        metric = msg.priority or DEFAULT_METRIC[family]  # IPv6 files metric 0 as 1024
-        if removed:
-            held = others.get(dst)
-            if held is not None:
-                held.pop(metric, None)
-                if not held:
-                    del others[dst]
-        else:
-            others.setdefault(dst, {})[metric] = msg.protocol
 
     async def dump_table(self, families: set[int]) -> list[nl.RouteMessage]:
         """Every route in our table, whoever's, of the given families."""

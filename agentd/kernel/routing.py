@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from agentd.kernel import netlink as nl
-from agentd.kernel.route_adopt import adopt, classify_existing, shadowing
+from agentd.kernel.route_adopt import adopt, classify_existing
 from agentd.kernel.route_model import (
     ADD,
     DELETE,
@@ -108,7 +108,6 @@ class RouteProgrammer:
         monitor = self.netlink.monitor
         monitor.on_event, monitor.on_resync, monitor.on_drained = self._on_event, self._resync_links_now, self._wake_if_work
         self._links_stale = False
-        self._shadowed_logged: dict[str, str] = {}
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -130,13 +129,6 @@ class RouteProgrammer:
 
     def desired(self) -> list[Route]:
         return list(self.state.desired.values())
-
-    @property
-    def shadowed(self) -> dict[str, str]:
-        """dst -> reason: desired destinations where another protocol's route in our table has
-        a lower metric, so the kernel forwards by that one (as of the last full resync and the
-        monitor's events since)."""
-        return shadowing(self.state.desired, self.netlink.others, self.table)
 
     def programmed(self) -> list[Route]:
         """Our routes in the kernel now, as far as the last reconcile and the monitor know."""
@@ -258,12 +250,6 @@ class RouteProgrammer:
             self.last_sync_seconds = seconds
             if state.has_work():
                 self._wake.set()
-        if full:
-            shadowed = self.shadowed
-            for dst, reason in shadowed.items():
-                if self._shadowed_logged.get(dst) != reason:
-                    log.warning("route conflict: %s", reason)
-            self._shadowed_logged = shadowed
         if self.on_sync is not None:
             try:
                 self.on_sync(result)
@@ -348,7 +334,6 @@ class RouteProgrammer:
                     state.own_route_removed(netlink.found_of(msg))
                 return
             dst = f"{socket.inet_ntop(msg.family, msg.dst or ZERO_ADDRESS[msg.family])}/{msg.dst_len}"
-            netlink.note_other(msg, removed=mtype == nl.RTM_DELROUTE)
             if mtype == nl.RTM_NEWROUTE and mflags & nl.NLM_F_REPLACE:
                 state.other_route_replaced(dst, msg.priority or 0)
             elif mtype == nl.RTM_DELROUTE:

@@ -372,25 +372,6 @@ async def _shows_in(lab: Lab, family: str, line: str) -> bool:
     return line in await lab.own(family)
 
 
-async def test_another_programs_route_with_a_lower_metric_is_reported(lab, start):
-    # IPv6 routes default to metric 1024: a route added by hand at 256 wins the lookup.
-    programmer = await start()
-    programmer.set_desired([Route("2001:db8:60::/64", gateway=GW6), Route("10.60.0.0/24", gateway=GW4, metric=100)])
-    await programmer.reconcile()
-    await lab.ip("-6", "route", "add", "2001:db8:60::/64", "via", GW6, "metric", "256")
-    await lab.ip("route", "add", "10.60.0.0/24", "via", GW4, "metric", "200")  # higher: ours wins
-    await programmer.reconcile(full=True)
-    assert list(programmer.shadowed) == ["2001:db8:60::/64"]
-    assert "proto boot" in programmer.shadowed["2001:db8:60::/64"]
-    assert await _shows_in(lab, "-6", "2001:db8:60::/64 via 2001:db8::2 dev v0 metric 1024 pref medium")
-    await lab.ip("-6", "route", "del", "2001:db8:60::/64", "via", GW6, "metric", "256")
-    await eventually(lambda: _shadowed_is(programmer, {}), what="the monitor saw the route go")
-
-
-async def _shadowed_is(programmer: RouteProgrammer, shadowed: dict) -> bool:
-    return programmer.shadowed == shadowed
-
-
 async def test_programmer_in_another_table_leaves_main_alone(lab, start):
     lab.r.ip("route", "add", "10.51.0.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))  # main: not ours here
     programmer = await start(table=100)

@@ -842,35 +842,6 @@ def test_overrun_re_reads_links_a_device_recreated_meanwhile(monkeypatch):
         assert m.p.failures == {}
 
 
-# --- other programs' routes with a lower metric ----------------------------------------------------
-
-X6 = "2001:db8::/64"
-
-
-def test_another_protocols_route_with_a_lower_metric_is_reported_as_a_conflict():
-    # IPv6: ours at the default 1024, a static route at 256 wins the lookup; a full resync
-    # (which dumps the whole table) reports it, as conflicts of the same metric are.
-    theirs = entry_of_route(Route(X6, gateway="2001:db8:ff::3", metric=256), table=nl.RT_TABLE_MAIN,
-                            protocol=nl.RTPROT_STATIC)
-    higher = entry_of_route(Route(X, dev="eth1", metric=500), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BOOT)
-    other_table = entry_of_route(Route("10.0.1.0/24", dev="eth1", metric=1), table=100, protocol=nl.RTPROT_STATIC)
-    with scenario(others=[theirs, higher, other_table]) as m:
-        m.set_desired([Route(X6, gateway="2001:db8:ff::2"), Route(X, dev="eth0", metric=100),
-                       Route("10.0.1.0/24", dev="eth0", metric=100)])
-        m.sync(True)  # ours are installed all the same (a): the kernel keeps both keys
-        assert list(m.p.shadowed) == [X6]
-        assert "proto static" in m.p.shadowed[X6] and "(256, ours 1024)" in m.p.shadowed[X6]
-        assert m.p.conflicts == {}
-        # The monitor: the static route goes, one with a lower metric for X comes.
-        m.kernel.others_delete(theirs)
-        lower = entry_of_route(Route(X, dev="eth1", metric=50), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD)
-        m.kernel.others_add(lower, False)
-        m.deliver_events()
-        assert list(m.p.shadowed) == [X] and "proto bird" in m.p.shadowed[X]
-        m.set_desired([Route(X, dev="eth0", metric=10)])
-        assert m.p.shadowed == {}
-
-
 def test_a_link_none_of_our_routes_uses_does_not_re_read_the_kernel():
     with scenario() as m:
         m.set_desired([Route(X, dev="eth0")])
