@@ -309,12 +309,16 @@ class PolicyAgent:
             if not (self._have_snapshot and self.publisher.have_local):
                 continue  # keep what the kernel has until we know the whole picture
             if not self.engine.dirty and self.programmer.current is not None and self.applied_at is not None:
-                await self._flush_released()
+                released, self._released = self._released, set()
+                await self._flush_released(released)
                 self._applied(self.revision)
                 continue
             revision = self.revision
             start = time.perf_counter()
             containers = set(self.publisher.endpoints)  # the pods this build includes
+            # The addresses this build takes from their pods; any released while the sync runs
+            # wait for the next build (flushed now, their old tables could still accept anew).
+            released, self._released = self._released, set()
             desired = self.engine.build()
             keys = self.engine.touched()
             self._report_conflicts()
@@ -327,6 +331,7 @@ class PolicyAgent:
                 if not isolating and self.on_isolation is not None:
                     await self.on_isolation(False)
             except (NftError, OSError) as err:
+                self._released |= released  # flushed after the sync that takes them out
                 self._full_compare = True  # what changed since is not known exactly any more
                 self.error = str(err)
                 self.sync_errors += 1
@@ -345,7 +350,7 @@ class PolicyAgent:
             self.last_sync = {"commands": result.commands, "seconds": round(seconds, 6),
                               "nft_seconds": round(result.seconds, 6), "full": result.full}
             await self._update_fast_path()
-            await self._flush_released()  # before the new pod is acknowledged: its address's old flows gone
+            await self._flush_released(released)  # before the new pod is acknowledged: its address's old flows gone
             try:  # tell agentd-cni, waiting in ADD, that its pod is in the tables now
                 self._acked = endpoints.acknowledge(self.data_dir, containers, self._acked)
             except OSError as err:
@@ -356,14 +361,14 @@ class PolicyAgent:
                          size["chains"], size["rules"], size["elements"], result.commands)
             self._applied(revision)
 
-    async def _flush_released(self) -> None:
+    async def _flush_released(self, released: set[str]) -> None:
         """Delete the conntrack entries of addresses local pods no longer have (after the sync
         that took them out of the tables: the next packet is judged as a new connection by
         the tables as they are now).  Errors are logged: the entries then live until they
         time out, as before."""
-        if not self._released:
+        if not released:
             return
-        gone, self._released = sorted(self._released), set()
+        gone = sorted(released)
         try:
             deleted = await asyncio.to_thread(conntrack.flush_addresses, gone)
         except (OSError, ValueError) as err:

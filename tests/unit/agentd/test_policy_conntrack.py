@@ -114,7 +114,10 @@ async def test_the_agent_flushes_a_removed_pods_addresses_after_the_sync(tmp_pat
         endpoints.write(tmp_path, ep("c2", "b", "10.244.1.6"))
         agent._rescan()
         await synced()
-        assert flushed == []  # first sight of the files: nothing was anyone's before
+        async with asyncio.timeout(5):  # the sync's last step (after any flush): both pods acknowledged
+            while not {"c1", "c2"} <= agent._acked:
+                await asyncio.sleep(0)
+        assert flushed == [] and agent.conntrack_flushed == 0  # first sight of the files: nothing was anyone's
         os.unlink(os.path.join(endpoints.endpoints_dir(tmp_path), "c1.json"))
         agent._rescan()
         await synced()
@@ -133,6 +136,48 @@ async def test_a_failed_flush_is_logged_not_raised(tmp_path, monkeypatch, caplog
 
     monkeypatch.setattr(policy_agent.conntrack, "flush_addresses", broken)
     agent = PolicyAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"), str(tmp_path))
-    agent._released = {"10.244.1.5"}
-    await agent._flush_released()
-    assert "not deleted" in caplog.text and agent._released == set()
+    await agent._flush_released({"10.244.1.5"})
+    assert "not deleted" in caplog.text and "10.244.1.5" in caplog.text
+
+
+class SlowProgrammer(Programmer):
+    """A sync that waits until the test lets it finish."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def sync(self, rs, keys):
+        self.entered.set()
+        await self.release.wait()
+        self.release.clear()  # one sync per release
+        return await super().sync(rs, keys)
+
+
+async def test_an_address_released_while_a_sync_runs_waits_for_the_sync_that_takes_it_out(tmp_path, monkeypatch):
+    # The file goes while the previous build is being applied: that build still gives the
+    # address to the old pod, so its flows are flushed only after the next sync.
+    flushed: list[list[str]] = []
+    monkeypatch.setattr(policy_agent.conntrack, "flush_addresses", lambda gone: flushed.append(list(gone)) or 1)
+    agent = PolicyAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"), str(tmp_path))
+    agent.programmer = programmer = SlowProgrammer()  # type: ignore[assignment]
+    agent._have_snapshot = True
+    endpoints.write(tmp_path, ep("c1", "a", "10.244.1.5"))
+    endpoints.write(tmp_path, ep("c2", "b", "10.244.1.6"))
+    agent._rescan()
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        async with asyncio.timeout(5):
+            await programmer.entered.wait()  # the first build (both pods) is being applied
+            programmer.entered.clear()
+            os.unlink(os.path.join(endpoints.endpoints_dir(tmp_path), "c1.json"))
+            agent._rescan()  # released now, mid-sync
+            programmer.release.set()
+            await programmer.entered.wait()  # the next build (without c1) waits to be applied
+            assert agent.syncs == 1 and flushed == []  # nothing flushed after the build that still had c1
+            programmer.release.set()
+            while agent.conntrack_flushed == 0:
+                await asyncio.sleep(0)
+        assert flushed == [["10.244.1.5"]] and agent.syncs == 2
+    finally:
+        task.cancel()
