@@ -574,8 +574,10 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
                          f"node subnets /{sublen} must be longer than the cidr's /{cidr.prefixlen} "
                          "and at most /30")
     service = v["network.service_cidr"]
-    if ok("network.cidr", "network.service_cidr") and service.overlaps(cidr):
-        # The default range too: cluster IPs inside the pod network would be routed to pods.
+    if ok("network.cidr", "network.service_cidr") and service.overlaps(cidr) and service != NetworkConfig.service_cidr:
+        # The default range is not refused here: a cluster made before it was checked has it in
+        # its etcd record (first writer wins), and refusing would stop its agents after an
+        # upgrade; the agent warns at start instead (agentd.daemon.agent.check_cluster).
         ld.key_problem(ld.blame("network.service_cidr", "network.cidr"),
                        f"the service range {service} overlaps the pod network {cidr}: "
                        "set [network] service_cidr to a range outside cidr")

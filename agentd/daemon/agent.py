@@ -605,6 +605,10 @@ def wanted_cluster(cfg: Config) -> ClusterConfig:
 
 
 def check_cluster(cfg: Config, cluster: ClusterConfig) -> None:
+    if cluster.cidr is not None and cluster.service_cidr.overlaps(cluster.cidr):
+        log.warning("the cluster's service range %s overlaps its pod network %s (both from etcd): cluster IPs "
+                    "inside a node's pod subnet are routed to that node's pods; a new cluster sets [network] "
+                    "service_cidr outside cidr before its first agent starts", cluster.service_cidr, cluster.cidr)
     """The stored cluster config wins; say where it differs from ours, and stop where this node
     cannot follow it (pods of a family it has no underlay address for)."""
     net = cfg.network

@@ -148,3 +148,17 @@ def test_the_stored_cluster_config_decides_and_a_node_that_cannot_follow_it_stop
     with pytest.raises(AgentError, match="configured dual: set \\[network\\] ip_family = ipv6"):
         check_cluster(dual, wanted_cluster(v6))
     check_cluster(v6, wanted_cluster(v6))
+
+
+def test_a_cluster_whose_service_range_overlaps_its_pod_network_is_named_at_start(caplog):
+    # The configuration lets the default service range over cidr pass (a cluster made so has
+    # it in etcd); the agent says so at start, from the cluster's record.
+    from agentd.daemon.agent import check_cluster, wanted_cluster
+
+    wide = load_config(env={"AGENTD_NETWORK_CIDR": "10.0.0.0/8"}, host=Host())
+    check_cluster(wide, wanted_cluster(wide))
+    assert "service range 10.96.0.0/12 overlaps its pod network 10.0.0.0/8" in caplog.text
+    caplog.clear()
+    v4 = load_config(env={}, host=Host())
+    check_cluster(v4, wanted_cluster(v4))
+    assert "overlaps" not in caplog.text
