@@ -46,7 +46,7 @@ def policy_agent() -> PolicyAgent:
     eng.upsert_policy(Policy.parse(kinds.validate(manifest)))
     agent.policy_count = len(eng.policies)
     eng.build()
-    agent.dropped = {("x/a", "ingress"): 7}
+    agent.dropped = {(("x", "a"), "ingress"): 7}
     agent.spoofed = 2
     agent.applied_revision = 42
     return agent
@@ -163,3 +163,27 @@ def test_a_pod_record_is_made_from_its_endpoint_file():
     assert record["metadata"]["labels"] == {"app": "a", "tier": "web"}
     assert record["status"]["podIP"] == "10.244.1.5"
     assert container_of(record) == "c1"
+
+
+def test_policy_drop_counters_of_a_pod_whose_chain_name_is_hashed():
+    """A pod chain named past 200 characters is hashed (pod-in/#<sha1>): its counter was read
+    as namespace "#<sha1>", pod "" (the text after the first '/', split), and the pod showed 0.
+    The engine says whose chain it is."""
+    from agentd.policy import compiler as pcompiler
+
+    ns, pod = "team-payments-production", "a" * 63 + "." + "b" * 63 + "." + "c" * 60
+    agent = policy_agent()
+    agent.engine.upsert_pod(Pod(ns, pod, NODE, (IPv4Address("10.244.1.9"),), {}, ()),
+                            LocalPort("veth9", "02:00:00:00:00:09", "cni0"))  # fmt: skip
+    chain = pcompiler.pod_chain("in", ns, pod)
+    assert chain.startswith("pod-in/#")
+    agent.take_counters({(pcompiler.INET, chain): 5, (pcompiler.INET, pcompiler.pod_chain("out", "x", "a")): 3,
+                         (pcompiler.INET, pcompiler.pod_chain("in", "x", "gone")): 9,  # not a local pod (now)
+                         (pcompiler.BRIDGE, pcompiler.SPOOFED): 4})  # fmt: skip
+    got = metric_values(agent.views)
+    dropped = {labels: v for (name, labels), v in got.items() if name == "agentd_policy_dropped_packets_total"}
+    assert dropped == {(ns, pod, "ingress"): 5, ("x", "a", "egress"): 3}
+    assert got[("agentd_policy_spoofed_packets_total", ())] == 4
+    (row,) = agent.views.view(f"{ns}/{pod}")["pods"]
+    assert row["dropped"] == {"ingress": 5, "egress": 0}
+    assert agent.views.view("x/a")["pods"][0]["dropped"] == {"ingress": 0, "egress": 3}
