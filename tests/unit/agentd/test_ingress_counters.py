@@ -37,7 +37,6 @@ class FakeProxy:
         self.count = 0  # the new worker counts from zero
         if self.during_reload is not None:
             await self.during_reload()
-        return None
 
 
 def test_a_failed_reload_does_not_count_the_old_workers_requests_twice(tmp_path):
