@@ -187,3 +187,29 @@ def test_policy_drop_counters_of_a_pod_whose_chain_name_is_hashed():
     (row,) = agent.views.view(f"{ns}/{pod}")["pods"]
     assert row["dropped"] == {"ingress": 5, "egress": 0}
     assert agent.views.view("x/a")["pods"][0]["dropped"] == {"ingress": 0, "egress": 3}
+
+
+def test_service_connection_counters_never_go_down():
+    """agentd_service_connections_total adds up the ip and ip6 tables' counters of a Service:
+    a dual-stack Service made single-stack lost one family's counter and the sum went down
+    (a counter reset to Prometheus).  What a gone (or re-created) counter had counted is kept."""
+    agent = service_agent()
+    name = compiler.counter_name("x", "web")
+    other = compiler.counter_name("x", "db")
+    v4, v6 = ("ip", "agentd-services"), ("ip6", "agentd-services")
+
+    def total() -> int:
+        return metric_values(agent.views)[("agentd_service_connections_total", ("x", "web"))]
+
+    agent.take_counters({(*v4, name): 10, (*v6, name): 4, (*v4, other): 1})
+    assert total() == 14
+    agent.take_counters({(*v4, name): 12, (*v4, other): 1})  # made IPv4-only: the ip6 counter is gone
+    assert total() == 16 and agent.counters[other] == 1
+    agent.take_counters({(*v4, name): 3, (*v4, other): 2})  # the ip counter re-created: from zero
+    assert total() == 19
+    agent.take_counters({(*v4, name): 5, (*v6, name): 1, (*v4, other): 2})  # dual-stack again
+    assert total() == 22
+    agent.take_counters({(*v4, other): 2})  # the Service gone: forgotten
+    assert name not in agent.counters and agent._counted_before == {}
+    agent.take_counters({(*v4, name): 1, (*v4, other): 2})
+    assert agent.counters[name] == 1
