@@ -661,7 +661,9 @@ def render_status(status: dict[str, Any]) -> str:
     ds = status.get("datastore") or {}
     out = []
     state = "ready" if status.get("ready") else "not ready"
-    out.append(f"agentd is running ({state}).")
+    problems = [p for p in status.get("problems") or [] if p]
+    out.append(f"agentd is running ({state}{', DEGRADED' if problems else ''}).")
+    out += [f"PROBLEM: {_cell(p)}" for p in problems]  # start-up failures it runs without (not retried)
     out.append(
         f"Node {node.get('name')}  address {node.get('address')}"
         f"{'  ' + _cell(node['address_v6']) if node.get('address_v6') and node['address_v6'] != node.get('address') else ''}"

@@ -132,7 +132,11 @@ class Agent:
         self._stop = asyncio.Event()
         self.stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
         self._leaving = False
+        # What runs degraded, never retried (no libnftables, ip_masq, IP forwarding): shown in
+        # /status "problems" and systemd's STATUS=, not a reason to be unready (DESIGN: ready
+        # once the lease is held, BGP started and routes reconciled).
         self._problems: list[str] = []
+        self._fatal: str | None = None  # why the agent stops itself: not ready
         self.exit_status = 0  # 1 when the agent stops itself (its subnet lost)
         self.pod_mtu = 1500
 
@@ -533,13 +537,16 @@ class Agent:
     # ================================================================ readiness & datastore
 
     async def _readiness_loop(self) -> None:
-        ready_sent = False
+        ready_sent, shown = False, None
         while True:
-            ok, reasons = self.readiness()
+            ok, line = self.status_line()
             if ok and not ready_sent:
-                self.notifier.ready(f"ready: subnet {self.lease.subnet if self.lease else '-'}")
-                ready_sent = True
-                log.info("ready")
+                self.notifier.ready(line)
+                ready_sent, shown = True, line
+                log.info("%s", line)
+            elif line != shown and not self.stopping:  # systemctl status shows why it is not ready, or degraded
+                self.notifier.status(line)
+                shown = line
             if self.tunnels is not None:
                 await self.tunnels.refresh()
             await asyncio.sleep(0.5 if not ready_sent else 2.0)
@@ -552,6 +559,7 @@ class Agent:
         log.error("%s: stopping, to start again with another subnet; this node's pods keep addresses of %s, which "
                   "that node hands out now: re-create them", msg, lease.subnet)
         self._problems.append(msg)
+        self._fatal = msg
         self.exit_status = 1
         self._stop.set()
 
@@ -560,8 +568,14 @@ class Agent:
     def health(self) -> tuple[bool, list[str]]:
         return self.supervisor.health()
 
+    def problems(self) -> list[str]:
+        """What this agent runs without (start-up failures it does not retry)."""
+        return list(self._problems)
+
     def readiness(self) -> tuple[bool, list[str]]:
-        reasons = list(self._problems)
+        """/readyz: the lease held, BGP started, routes reconciled; ``problems()`` are not
+        reasons (the agent runs degraded), but a subnet lost (the agent stops) is."""
+        reasons = [self._fatal] if self._fatal else []
         if self.lease is None:
             reasons.append("no subnet lease yet")
         if not self.started_bgp:
@@ -571,6 +585,16 @@ class Agent:
         elif not self.routes.initial_sync_done:
             reasons.append("waiting for peers' End-of-RIB")
         return not reasons, reasons
+
+    def status_line(self) -> tuple[bool, str]:
+        """Ready, and systemd's STATUS=: "ready: subnet S" (with "; degraded: ..." after it
+        while ``problems()``), else "not ready: REASONS"."""
+        ok, reasons = self.readiness()
+        if not ok:
+            return False, f"not ready: {'; '.join(reasons)}"
+        problems = self.problems()
+        return True, f"ready: subnet {self.lease.subnet if self.lease else '-'}" + (
+            f"; degraded: {'; '.join(problems)}" if problems else "")
 
 
 class _AgentMetrics:

@@ -61,6 +61,8 @@ class AgentState(Protocol):
 
     def readiness(self) -> tuple[bool, list[str]]: ...
 
+    def problems(self) -> list[str]: ...
+
     def request_leave(self) -> None: ...
 
 
@@ -126,6 +128,7 @@ class AgentViews:
             "ingress": a.ingress.views.status() if a.ingress else None,
             "tasks": a.supervisor.summary(),
             "ready": a.readiness()[0],
+            "problems": a.problems(),  # what runs degraded (not retried): ready all the same
         }
 
     def peers(self) -> list[dict[str, Any]]:

@@ -91,6 +91,7 @@ class IngressController:
         self.info: dict[str, str] = {}
         self.counter_base: dict[tuple[str, str], int] = {}  # (backend, counter) of proxies gone
         self._last_counts: dict[tuple[str, str], int] = {}
+        self._reloading = False
         self._published: tuple[int | None, str] | None = None
         self._have_snapshot = False
         self._wake = asyncio.Event()
@@ -418,13 +419,17 @@ class IngressController:
         await asyncio.to_thread(self._write_files, files)
         try:
             await self._check_or_fall_back()
-            await self.refresh_stats()  # what the old worker counted until now
-            self._fold_counters()
-            self.worker = await self.proxy.reload()
-        except ProxyError as err:
+            await self.refresh_stats()  # what the old worker counted until now: folded once a new one runs
+            self._reloading = True  # no stats read meanwhile (the new worker's would replace the old's)
+            try:
+                self.worker = await self.proxy.reload()
+            finally:
+                self._reloading = False
+        except ProxyError as err:  # the old worker runs on and counts on: nothing folded
             self.error = f"reload failed: {err}"
             log.error("ingress: %s", self.error)
             return False
+        self._fold_counters()
         self.servers = {name: set(s) for name, s in want.items()}
         self.draining = {}
         self._structure = structure
@@ -512,7 +517,7 @@ class IngressController:
             await self.refresh_stats()
 
     async def refresh_stats(self) -> None:
-        if not self.proxy.running:
+        if not self.proxy.running or self._reloading:
             return
         with contextlib.suppress(ProxyError):
             self.stats = await self.proxy.stats()

@@ -92,14 +92,14 @@ class IngressViews:
         except ValueError:
             conns.add_metric([], 0.0)
         yield conns
-        reqs = CounterMetricFamily("agentd_ingress_requests", "HTTP requests per Ingress, Service and status class",
-                                   labels=["namespace", "ingress", "service", "code"])  # fmt: skip
+        reqs = CounterMetricFamily("agentd_ingress_requests", "HTTP requests per Ingress, Service port and status class",
+                                   labels=["namespace", "ingress", "service", "port", "code"])  # fmt: skip
         ready = GaugeMetricFamily("agentd_ingress_upstreams", "ready endpoints of an Ingress's Service port",
                                   labels=["namespace", "ingress", "service", "port"])  # fmt: skip
         for name, b in sorted(c.table.backends.items()):
-            svc = b.service or "-"
-            for code in CODES:
-                reqs.add_metric([b.namespace, b.ingress, svc, code], float(c.counter(name, f"hrsp_{code}")))
-            ready.add_metric([b.namespace, b.ingress, svc, str(b.port)], float(len(c.servers.get(name, ()))))
+            svc, port = b.service or "-", "-" if b.port is None else str(b.port)  # "-": a resource backend
+            for code in CODES:  # per port: two ports of one Service are two backends
+                reqs.add_metric([b.namespace, b.ingress, svc, port, code], float(c.counter(name, f"hrsp_{code}")))
+            ready.add_metric([b.namespace, b.ingress, svc, port], float(len(c.servers.get(name, ()))))
         yield reqs
         yield ready

@@ -113,7 +113,7 @@ class PolicyAgent:
         self.applied_revision = 0
         self.applied_at: float | None = None
         self.history: deque[tuple[int, float]] = deque(maxlen=HISTORY)
-        self.dropped: dict[tuple[str, str], int] = {}
+        self.dropped: dict[tuple[PodKey, str], int] = {}  # packets, by (local pod, "ingress"/"egress")
         self.spoofed = 0
         self.log_suppressed = 0  # drops the log rules' limit kept from the flow records
         self.error: str | None = None
@@ -445,18 +445,27 @@ class PolicyAgent:
                 counts = await self.programmer.counters()
             except NftError:
                 continue
-            dropped = {}
-            suppressed = 0
-            for (family, name), packets in counts.items():
-                if name == SUPPRESSED:
-                    suppressed += packets
-                if family == compiler.INET and name.startswith("pod-"):
-                    direction, _, rest = name.partition("/")
-                    dropped[(rest, "ingress" if direction == "pod-in" else "egress")] = packets
-                elif family == compiler.BRIDGE and name == compiler.SPOOFED:
-                    self.spoofed = packets
-            self.dropped = dropped
-            self.log_suppressed = suppressed
+            self.take_counters(counts)
+
+    def take_counters(self, counts: dict[tuple[str, str], int]) -> None:
+        """The nft counters read (by (family, name)): drops per local pod and direction,
+        spoofed packets, drops kept from the log.  A pod chain's counter is mapped to its pod
+        by the engine (the name the pod's chain got), not by reading the name: a long one is
+        a hash."""
+        dropped: dict[tuple[PodKey, str], int] = {}
+        suppressed = 0
+        for (family, name), packets in counts.items():
+            if name == SUPPRESSED:
+                suppressed += packets
+            if family == compiler.INET and name.startswith("pod-"):
+                origin = self.engine.chain_origin(name)
+                if origin is not None:  # else a pod gone since the read
+                    direction, key = origin
+                    dropped[(key, "ingress" if direction == "in" else "egress")] = packets
+            elif family == compiler.BRIDGE and name == compiler.SPOOFED:
+                self.spoofed = packets
+        self.dropped = dropped
+        self.log_suppressed = suppressed
 
     # ------------------------------------------------------------------ state read by the views
 

@@ -64,6 +64,7 @@ class PolicyEngine:
         self.by_ip: dict[str, PodKey] = {}  # every pod's addresses (flow records name pods by them)
         self.pods_version = 0  # changes with any pod's record (flow records remember names until then)
         self._prefixes: dict[str, tuple[str, PodKey]] | None = None
+        self._chains: dict[str, tuple[str, PodKey]] | None = None
         self.pods: dict[PodKey, Pod] = {}
         self.local: dict[PodKey, LocalPort] = {}
         self.namespaces: dict[str, dict[str, str]] = {}  # labels of Namespace objects
@@ -236,7 +237,7 @@ class PolicyEngine:
         self._dirty_pods.add(key)
         self._dirty_policies |= before | after
         self._local_dirty = True
-        self._prefixes = None
+        self._prefixes = self._chains = None
 
     # ------------------------------------------------------------------ policies
 
@@ -298,6 +299,13 @@ class PolicyEngine:
                 compiler.drop_prefix(compiler.pod_chain(d, *key)): (d, key) for key in self.local for d in ("in", "out")
             }
         return self._prefixes.get(prefix)
+
+    def chain_origin(self, chain: str) -> tuple[str, PodKey] | None:
+        """Which local pod, in which direction ("in", "out"), a pod chain (and its counter)
+        belongs to: by the name each local pod's chain gets (a long one is a hash)."""
+        if self._chains is None:
+            self._chains = {compiler.pod_chain(d, *key): (d, key) for key in self.local for d in ("in", "out")}
+        return self._chains.get(chain)
 
     def denying(self, key: PodKey, direction: str) -> tuple[list[str], bool]:
         """The policies isolating local pod ``key`` in ``direction`` ("in", "out") -- a drop

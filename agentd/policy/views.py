@@ -94,8 +94,8 @@ class PolicyViews:
                 continue
             v = pod_view(a.engine, key)
             v["dropped"] = {
-                "ingress": a.dropped.get((name, "ingress"), 0),
-                "egress": a.dropped.get((name, "egress"), 0),
+                "ingress": a.dropped.get((key, "ingress"), 0),
+                "egress": a.dropped.get((key, "egress"), 0),
             }
             pods.append(v)
         return {
@@ -113,8 +113,7 @@ class PolicyViews:
             "agentd_policy_dropped_packets", "packets dropped by network policy, per local pod",
             labels=["namespace", "pod", "direction"],
         )  # fmt: skip
-        for (name, direction), packets in sorted(a.dropped.items()):
-            ns, _, pod = name.partition("/")
+        for ((ns, pod), direction), packets in sorted(a.dropped.items()):
             dropped.add_metric([ns, pod, direction], float(packets))
         spoofed = CounterMetricFamily("agentd_policy_spoofed_packets", "pod packets dropped for a foreign source address")
         spoofed.add_metric([], float(a.spoofed))

@@ -77,7 +77,9 @@ class ServiceAgent:
         self.flushed = 0  # UDP conntrack entries deleted
         self.last_sync: dict[str, Any] | None = None
         self.error: str | None = None
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, int] = {}  # per Service counter: new connections, never going down
+        self._counts: dict[tuple[str, str, str], int] = {}  # (family, table, counter) -> packets, as last read
+        self._counted_before: dict[str, int] = {}  # per counter: what tables no longer hold (see take_counters)
         self._have_snapshot = False
         self._wake = asyncio.Event()
         self._slices: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (ns, service) -> its slices
@@ -342,11 +344,29 @@ class ServiceAgent:
     async def refresh_counters(self) -> None:
         """Each Service's new connections: its counters of every family's table, added up."""
         assert self.nft is not None
-        counters: dict[str, int] = {}
+        counts: dict[tuple[str, str, str], int] = {}
         for family, table in sorted(compiler.tables(self.families)):
             for name, (packets, _bytes) in (await self.nft.acounters(family, table)).items():
-                counters[name] = counters.get(name, 0) + packets
-        self.counters = counters
+                counts[(family, table, name)] = packets
+        self.take_counters(counts)
+
+    def take_counters(self, counts: dict[tuple[str, str, str], int]) -> None:
+        """``counters``: per counter (Service), the sum over the families' tables, plus what a
+        table's counter had counted before it went (a dual-stack Service made single-stack) or
+        started again from zero (re-created): the total never goes down while the agent runs.
+        A counter no table holds any more (the Service gone) is forgotten."""
+        before = self._counted_before
+        for key, packets in self._counts.items():
+            now = counts.get(key)
+            if now is None or now < packets:
+                before[key[2]] = before.get(key[2], 0) + packets
+        self._counts = counts
+        names = {name for _, _, name in counts}
+        self._counted_before = {name: n for name, n in before.items() if name in names}
+        totals = dict(self._counted_before)
+        for (_, _, name), packets in counts.items():
+            totals[name] = totals.get(name, 0) + packets
+        self.counters = totals
 
 def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
     """UDP endpoints that took new connections before and do not now (their flows are to be flushed)."""

@@ -53,6 +53,7 @@ log = logging.getLogger("agentd.services.dns")
 TTL = 5  # seconds, as CoreDNS's kubernetes plugin
 DEVICE = "agentd-dns"
 FORWARD_TIMEOUT = 2.0
+OUTCOMES = ("answered", "forwarded", "servfail")  # agentd_dns_queries_total{outcome}
 
 
 @dataclass(frozen=True)
@@ -224,9 +225,12 @@ class DnsServer:
         self.port = port
         self.table = table
         self.upstreams = upstreams
-        self.queries = 0
-        self.forwarded = 0
-        self.failed = 0
+        self.queries = 0  # received
+        self.forwarded = 0  # sent upstream (in flight or done)
+        # Monotonic, each query counted once when its reply is made: ``answered`` (from the
+        # table), ``forwarded`` (an upstream answered), ``servfail`` (no upstream answered, or
+        # no answer could be rendered).  A datagram that is not DNS is counted in none.
+        self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self._udp: list[asyncio.DatagramTransport] = []
         self._tcp: list[asyncio.base_events.Server] = []
 
@@ -261,9 +265,12 @@ class DnsServer:
             query = dns.message.from_wire(wire)
         except dns.exception.DNSException:
             return None  # not DNS: no answer (as servers do with garbage)
-        response = resolve(self.table(), query)
+        response, outcome = resolve(self.table(), query), "answered"
         if response is None:
-            response = await self._forward(query, tcp)
+            response, outcome = await self._forward(query, tcp), "forwarded"
+            if response is None:
+                response, outcome = dns.message.make_response(query), "servfail"
+                response.set_rcode(dns.rcode.SERVFAIL)
         # Over UDP an answer must fit the requestor's buffer: 512 octets (RFC 1035 4.2.1), or
         # the payload size its EDNS OPT record offers (RFC 6891 6.2.5, never less than 512).
         # What does not fit is cut and marked TC (RFC 2181 9): the client asks again over TCP,
@@ -273,9 +280,16 @@ class DnsServer:
         # before 1.2.4, Alpine's) still gets addresses.
         limit = 65535 if tcp else min(65535, max(512, query.payload if query.edns >= 0 else 512))
         wire = response.to_wire(max_size=65535, prefer_truncation=True)
-        return wire if len(wire) <= limit else _truncated(query, response, limit)
+        wire = wire if len(wire) <= limit else _truncated(query, response, limit)
+        self.outcomes[outcome] += 1
+        return wire
+
+    @property
+    def failed(self) -> int:
+        return self.outcomes["servfail"]
 
     async def _forward(self, query: dns.message.Message, tcp: bool) -> Any:
+        """The first upstream's reply; None when none answers."""
         self.forwarded += 1
         for host, port in self.upstreams:
             try:
@@ -288,16 +302,13 @@ class DnsServer:
                 return reply
             except (dns.exception.DNSException, OSError, EOFError, ValueError) as err:  # EOFError: TCP closed unanswered
                 log.debug("upstream %s:%d failed: %s", host, port, err)
-        self.failed += 1
-        response = dns.message.make_response(query)
-        response.set_rcode(dns.rcode.SERVFAIL)
-        return response
+        return None
 
     async def _udp_query(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> None:
         try:
             out = await self.answer(data)
         except Exception as err:  # an answer we cannot render: no reply, never a dead task
-            self.failed += 1
+            self.outcomes["servfail"] += 1
             log.warning("no answer to a query from %s:%d: %s", addr[0], addr[1], err)
             return
         if out is not None and not transport.is_closing():
@@ -318,7 +329,7 @@ class DnsServer:
         except (asyncio.IncompleteReadError, TimeoutError, OSError, dns.exception.DNSException):
             pass
         except Exception as err:  # an answer we cannot render: the connection ends, the server goes on
-            self.failed += 1
+            self.outcomes["servfail"] += 1
             log.warning("no answer to a query over TCP: %s", err)
         finally:
             writer.close()

@@ -108,7 +108,6 @@ class ServiceViews:
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
         if a.dns_server is not None:
             q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
-            q.add_metric(["answered"], a.dns_server.queries - a.dns_server.forwarded)
-            q.add_metric(["forwarded"], a.dns_server.forwarded - a.dns_server.failed)
-            q.add_metric(["servfail"], a.dns_server.failed)
+            for outcome, n in a.dns_server.outcomes.items():  # monotonic: a query in flight is in none
+                q.add_metric([outcome], n)
             yield q

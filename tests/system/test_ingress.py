@@ -634,7 +634,7 @@ async def test_status_metrics_and_get_ingress(world: World):
 
         def counted() -> bool:
             text = node1.ns.http_get(API_URL + "/metrics")[1].decode()
-            m = re.search(r'agentd_ingress_requests_total\{code="2xx",ingress="shown",namespace="shop",service="bar"\} (\S+)', text)
+            m = re.search(r'agentd_ingress_requests_total\{code="2xx",ingress="shown",namespace="shop",port="[^"]*",service="bar"\} (\S+)', text)
             return m is not None and float(m.group(1)) >= 5
 
         await auntil(counted, 20, what="node1's request counter of shop/shown")

@@ -34,3 +34,68 @@ def test_a_reload_applies_the_log_format_too(tmp_path):
 
     asyncio.run(main())
     assert applied == [("debug", "json")]
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str]] = []
+
+    def ready(self, status: str = "") -> None:
+        self.sent.append(("READY=1", status))
+
+    def status(self, status: str) -> None:
+        self.sent.append(("STATUS", status))
+
+
+def test_start_up_problems_leave_the_agent_ready_but_degraded(monkeypatch):
+    """No libnftables, ip_masq not applied, IP forwarding not on: the agent runs on without
+    them (never retried).  They made /readyz 503 for ever, so READY=1 never went to systemd
+    (Type=notify, TimeoutStartSec: killed and restarted every 5 minutes) and STATUS= stayed
+    "connecting to etcd".  Now: ready once lease, BGP and routes are, the problems in /status
+    and STATUS=; while not ready STATUS= says why."""
+    from types import SimpleNamespace
+
+    from agentd.cli import render_status
+    from agentd.daemon.views import AgentViews
+
+    steps: asyncio.Queue = asyncio.Queue()
+    real_sleep = asyncio.sleep
+
+    async def step(_seconds):  # the loop's pause: the test says when it goes on
+        await steps.get()
+
+    async def settle():  # the loop runs until it pauses again
+        for _ in range(10):
+            await real_sleep(0)
+
+    async def main():
+        agent = Agent(CFG)
+        agent.notifier = _Recorder()
+        agent._problems += ["network policy not enforced: no libnftables", "ip_masq not applied: no libnftables"]
+        monkeypatch.setattr(asyncio, "sleep", step)
+        loop = asyncio.get_running_loop().create_task(agent._readiness_loop())
+        await settle()
+        await steps.put(None)  # a second round, the same: not sent again
+        await settle()
+        assert agent.readiness() == (False, ["no subnet lease yet", "BGP not started", "routes not reconciled yet"])
+        assert agent.notifier.sent == [("STATUS", "not ready: no subnet lease yet; BGP not started; routes not reconciled yet")]
+        agent.lease = SubnetLease(IPv4Network("10.244.7.0/24"), "n1", IPv4Address("10.1.1.1"), "host-gw")
+        agent.leases = {4: agent.lease}
+        agent.started_bgp = True
+        agent.programmer = SimpleNamespace(last_sync=1.0, programmed=list, shadowed={}, conflicts={})
+        agent.routes.initial_sync_done = True
+        assert agent.readiness() == (True, [])
+        await steps.put(None)
+        await settle()
+        loop.cancel()
+        degraded = ("ready: subnet 10.244.7.0/24; degraded: network policy not enforced: no libnftables; "
+                    "ip_masq not applied: no libnftables")
+        assert agent.notifier.sent[1:] == [("READY=1", degraded)]
+        status = AgentViews(agent).status()
+        assert status["ready"] and status["problems"] == agent._problems
+        assert render_status(status).splitlines()[:3] == [
+            "agentd is running (ready, DEGRADED).",
+            "PROBLEM: network policy not enforced: no libnftables",
+            "PROBLEM: ip_masq not applied: no libnftables"]
+
+    asyncio.run(main())

@@ -46,7 +46,7 @@ def policy_agent() -> PolicyAgent:
     eng.upsert_policy(Policy.parse(kinds.validate(manifest)))
     agent.policy_count = len(eng.policies)
     eng.build()
-    agent.dropped = {("x/a", "ingress"): 7}
+    agent.dropped = {(("x", "a"), "ingress"): 7}
     agent.spoofed = 2
     agent.applied_revision = 42
     return agent
@@ -163,3 +163,53 @@ def test_a_pod_record_is_made_from_its_endpoint_file():
     assert record["metadata"]["labels"] == {"app": "a", "tier": "web"}
     assert record["status"]["podIP"] == "10.244.1.5"
     assert container_of(record) == "c1"
+
+
+def test_policy_drop_counters_of_a_pod_whose_chain_name_is_hashed():
+    """A pod chain named past 200 characters is hashed (pod-in/#<sha1>): its counter was read
+    as namespace "#<sha1>", pod "" (the text after the first '/', split), and the pod showed 0.
+    The engine says whose chain it is."""
+    from agentd.policy import compiler as pcompiler
+
+    ns, pod = "team-payments-production", "a" * 63 + "." + "b" * 63 + "." + "c" * 60
+    agent = policy_agent()
+    agent.engine.upsert_pod(Pod(ns, pod, NODE, (IPv4Address("10.244.1.9"),), {}, ()),
+                            LocalPort("veth9", "02:00:00:00:00:09", "cni0"))  # fmt: skip
+    chain = pcompiler.pod_chain("in", ns, pod)
+    assert chain.startswith("pod-in/#")
+    agent.take_counters({(pcompiler.INET, chain): 5, (pcompiler.INET, pcompiler.pod_chain("out", "x", "a")): 3,
+                         (pcompiler.INET, pcompiler.pod_chain("in", "x", "gone")): 9,  # not a local pod (now)
+                         (pcompiler.BRIDGE, pcompiler.SPOOFED): 4})  # fmt: skip
+    got = metric_values(agent.views)
+    dropped = {labels: v for (name, labels), v in got.items() if name == "agentd_policy_dropped_packets_total"}
+    assert dropped == {(ns, pod, "ingress"): 5, ("x", "a", "egress"): 3}
+    assert got[("agentd_policy_spoofed_packets_total", ())] == 4
+    (row,) = agent.views.view(f"{ns}/{pod}")["pods"]
+    assert row["dropped"] == {"ingress": 5, "egress": 0}
+    assert agent.views.view("x/a")["pods"][0]["dropped"] == {"ingress": 0, "egress": 3}
+
+
+def test_service_connection_counters_never_go_down():
+    """agentd_service_connections_total adds up the ip and ip6 tables' counters of a Service:
+    a dual-stack Service made single-stack lost one family's counter and the sum went down
+    (a counter reset to Prometheus).  What a gone (or re-created) counter had counted is kept."""
+    agent = service_agent()
+    name = compiler.counter_name("x", "web")
+    other = compiler.counter_name("x", "db")
+    v4, v6 = ("ip", "agentd-services"), ("ip6", "agentd-services")
+
+    def total() -> int:
+        return metric_values(agent.views)[("agentd_service_connections_total", ("x", "web"))]
+
+    agent.take_counters({(*v4, name): 10, (*v6, name): 4, (*v4, other): 1})
+    assert total() == 14
+    agent.take_counters({(*v4, name): 12, (*v4, other): 1})  # made IPv4-only: the ip6 counter is gone
+    assert total() == 16 and agent.counters[other] == 1
+    agent.take_counters({(*v4, name): 3, (*v4, other): 2})  # the ip counter re-created: from zero
+    assert total() == 19
+    agent.take_counters({(*v4, name): 5, (*v6, name): 1, (*v4, other): 2})  # dual-stack again
+    assert total() == 22
+    agent.take_counters({(*v4, other): 2})  # the Service gone: forgotten
+    assert name not in agent.counters and agent._counted_before == {}
+    agent.take_counters({(*v4, name): 1, (*v4, other): 2})
+    assert agent.counters[name] == 1

@@ -303,3 +303,56 @@ def test_a_headless_service_with_only_terminating_endpoints_has_no_records():
                        "cluster.local")
     r = sdns.resolve(table, dns.message.make_query("h.shop.svc.cluster.local", "A"))
     assert r.rcode() == dns.rcode.NOERROR and r.answer == []
+
+
+async def test_query_outcomes_are_monotonic_counters_counted_once_when_the_reply_is_made(monkeypatch):
+    """agentd_dns_queries_total{outcome}: a query forwarded to a slow upstream is in no outcome
+    until the upstream answers or fails; then it is in one.  No series ever goes down (it was
+    forwarded - failed, which fell below zero while an upstream was slow: Prometheus saw a
+    counter reset)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import dns.asyncquery
+    import dns.exception
+    from prometheus_client import CollectorRegistry
+
+    from agentd.services.views import ServiceViews
+
+    release = asyncio.Event()
+    answer_next = []
+
+    async def udp(query, host, **kw):
+        await release.wait()
+        if answer_next.pop(0):
+            return dns.message.make_response(query)
+        raise dns.exception.Timeout()
+
+    monkeypatch.setattr(dns.asyncquery, "udp", udp)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53)])
+
+    state = SimpleNamespace(node="n1", applied_revision=1, error=None, error_dns=None, syncs=1, last_sync=None, flushed=0,
+                            counters={}, ports=[], port_count=0, dns_server=server)  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(ServiceViews(state))  # type: ignore[arg-type]
+    seen: list[dict[str, float]] = []
+
+    def scrape() -> dict[str, float]:
+        now = {o: registry.get_sample_value("agentd_dns_queries_total", {"outcome": o}) for o in ("answered", "forwarded", "servfail")}
+        for before in seen:
+            assert all(now[o] >= before[o] for o in now), (before, now)
+        seen.append(now)
+        return now
+
+    query = dns.message.make_query("www.example.org", "A").to_wire()
+    assert await server.answer(dns.message.make_query("web.shop.svc.cluster.local", "A").to_wire()) is not None
+    assert await server.answer(b"\x00\x01garbage") is None
+    answer_next[:] = [False, True]
+    slow = [asyncio.create_task(server.answer(query)) for _ in range(2)]
+    await asyncio.sleep(0)  # both reach the upstream
+    assert scrape() == {"answered": 1, "forwarded": 0, "servfail": 0}  # in flight: in none
+    release.set()
+    replies = [dns.message.from_wire(await t) for t in slow]
+    assert [r.rcode() for r in replies] == [dns.rcode.SERVFAIL, dns.rcode.NOERROR]
+    assert scrape() == {"answered": 1, "forwarded": 1, "servfail": 1}
+    assert (server.queries, server.forwarded, server.failed) == (4, 2, 1)

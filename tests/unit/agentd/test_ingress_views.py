@@ -1,0 +1,30 @@
+"""/metrics of the ingress: one series per Ingress backend (an Ingress -> Service *port*)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from agentd.ingress.routing import Backend
+from agentd.ingress.views import IngressViews
+
+
+def test_request_counters_have_a_series_per_service_port():
+    """Two ports of one Service behind one Ingress are two backends: without a port label
+    their agentd_ingress_requests_total were two samples of one series (Prometheus keeps one)."""
+    b80, b8080, res = Backend("shop", "web", "api", 80), Backend("shop", "web", "api", 8080), Backend("shop", "web", None, None)
+    counts = {(b80.name, "hrsp_2xx"): 100, (b8080.name, "hrsp_2xx"): 7}
+    controller = SimpleNamespace(proxy=SimpleNamespace(running=True, reloads=0), restarts=0, runtime_changes=0, info={},
+                                 table=SimpleNamespace(backends={b.name: b for b in (b80, b8080, res)}), servers={},
+                                 counter=lambda name, key: counts.get((name, key), 0))  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(IngressViews(controller))  # type: ignore[arg-type]
+    samples = [s for m in registry.collect() if m.name == "agentd_ingress_requests" for s in m.samples
+               if s.name.endswith("_total") and s.labels["code"] == "2xx"]  # fmt: skip
+    keys = [(s.labels["service"], s.labels["port"]) for s in samples]
+    assert len(keys) == len(set(keys)) == 3
+    got = {(s.labels["service"], s.labels["port"]): s.value for s in samples}
+    assert got == {("api", "80"): 100, ("api", "8080"): 7, ("-", "-"): 0}
+    upstreams = registry.get_sample_value("agentd_ingress_upstreams", {"namespace": "shop", "ingress": "web", "service": "-", "port": "-"})
+    assert upstreams == 0
