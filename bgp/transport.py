@@ -305,6 +305,8 @@ class SpeakerService:
         # BFD sessions for the peers that ask for one (PeerSettings.bfd); made on first need.
         self.bfd = bfd
         self._bfd_peers: dict[str, tuple[str | None, BfdSettings]] = {}
+        self._bfd_version = -1  # the speaker's peers_version the BFD sessions were last synced with
+        self._stopping = False
         self.clock = clock
         self._wall: WallClock | None = None
         self.on_change = on_change
@@ -352,6 +354,7 @@ class SpeakerService:
         self._pump()
 
     async def stop(self, *, graceful: bool) -> None:
+        self._stopping = True
         self.speaker.stop(self.clock(), graceful=graceful)
         self._pump()
         if self._timer is not None:
@@ -388,7 +391,12 @@ class SpeakerService:
             self._sync_bfd()
 
     def _sync_bfd(self) -> None:
-        """One BFD session per peer with ``bfd`` set, from our session's local address."""
+        """One BFD session per peer with ``bfd`` set, from our session's local address.
+        Called at start, on new peers or listen ranges, and from :meth:`_pump` whenever the
+        speaker added or removed a peer (a client accepted from a listen range, or forgotten)."""
+        if self._stopping:
+            return
+        self._bfd_version = self.speaker.peers_version
         wanted: dict[str, tuple[str | None, BfdSettings]] = {}
         for key, peer in self.speaker.peers.items():
             s = peer.settings
@@ -481,6 +489,8 @@ class SpeakerService:
         self.speaker.set_listen_ranges(list(ranges), self.clock())
         self._sync_listener()
         self._pump()
+        if self._loop is not None:
+            self._sync_bfd()
 
     # ------------------------------------------------------------ events from sockets
 
@@ -555,6 +565,8 @@ class SpeakerService:
             self._carry_out(self.speaker.take_actions())
         finally:
             self._pumping = False
+        if self._bfd_version != self.speaker.peers_version and self._loop is not None and not self._stopping:
+            self._sync_bfd()  # peers came or went (listen ranges): their BFD sessions too
         self._schedule()
         if self._work_handle is None and self.speaker.has_work():
             assert self._loop is not None
