@@ -39,7 +39,7 @@ import random
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from ipaddress import IPv6Address, ip_address
 
@@ -110,7 +110,7 @@ class BfdService:
         self.rng = rng if rng is not None else random.Random()
         self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._rx: list[socket.socket] = []
+        self._rx: dict[str, socket.socket] = {}  # receive sockets by the address they are bound to
         self._by_address: dict[str, _Neighbour] = {}
         self._by_discr: dict[int, _Neighbour] = {}
         self._draining: dict[str, _Neighbour] = {}  # removed, still sending AdminDown
@@ -129,17 +129,57 @@ class BfdService:
     def started(self) -> bool:
         return self._loop is not None
 
-    def open(self) -> None:
-        """:meth:`start` for callers already running on the loop."""
-        self._loop = asyncio.get_running_loop()
-        if self.listen in (None, "", "0.0.0.0", "::"):
-            self._rx.append(self._open_rx("0.0.0.0"))
+    def open(self, addresses: Iterable[str] | None = None) -> None:
+        """:meth:`start` for callers already running on the loop: receive sockets on
+        ``addresses`` (default: the listen address, or 0.0.0.0 and :: when that is unspecified).
+        Raises OSError when one cannot be bound (port 3784 taken by another BFD daemon): then
+        nothing stays open and :attr:`started` stays False, so a later call can try again."""
+        loop = asyncio.get_running_loop()
+        optional: set[str] = set()
+        if addresses is None:
+            if self.listen in (None, "", "0.0.0.0", "::"):
+                addresses, optional = ["0.0.0.0", "::"], {"::"}  # a host without IPv6 still serves IPv4
+            else:
+                addresses = [self.listen]
+        bound: dict[str, socket.socket] = {}
+        try:
+            for host in addresses:
+                if host in bound:
+                    continue
+                try:
+                    bound[host] = self._open_rx(host)
+                except OSError as err:
+                    if host not in optional:
+                        raise
+                    log.warning("BFD: no IPv6 listener on [::]:%d: %s", self.port, err)
+        except OSError:
+            for sock in bound.values():
+                sock.close()
+            raise
+        self._loop = loop
+        for host, sock in bound.items():
+            self._watch_rx(host, sock)
+
+    def set_listen(self, addresses: Iterable[str]) -> None:
+        """Receive on exactly ``addresses`` from now on (after :meth:`open`): sockets no longer
+        wanted are closed first (a wildcard cannot be bound beside a specific address of ours),
+        then the new ones are opened.  Raises OSError for the first that cannot be bound, after
+        trying the others; the caller may try again later."""
+        wanted = list(dict.fromkeys(addresses))
+        for host in [h for h in self._rx if h not in wanted]:
+            sock = self._rx.pop(host)
+            self._unwatch(sock)
+            sock.close()
+        error: OSError | None = None
+        for host in wanted:
+            if host in self._rx:
+                continue
             try:
-                self._rx.append(self._open_rx("::"))
-            except OSError as err:  # a host without IPv6
-                log.warning("BFD: no IPv6 listener on [::]:%d: %s", self.port, err)
-        else:
-            self._rx.append(self._open_rx(self.listen))
+                self._watch_rx(host, self._open_rx(host))
+            except OSError as err:
+                error = error or err
+        if error is not None:
+            raise error
 
     async def stop(self) -> None:
         """Tell every neighbour AdminDown (once) and close all sockets."""
@@ -148,14 +188,14 @@ class BfdService:
                 nb.removing = True
                 self._admin_down(nb)
             self._close(nb)
-        for sock in self._rx:
+        for sock in self._rx.values():
             self._unwatch(sock)
             sock.close()
         self._rx.clear()
 
     @property
     def listen_addresses(self) -> list[tuple[str, int]]:
-        return [s.getsockname()[:2] for s in self._rx]
+        return [s.getsockname()[:2] for s in self._rx.values()]
 
     # ------------------------------------------------------------ sessions
 
@@ -247,9 +287,12 @@ class BfdService:
         except OSError as err:
             sock.close()
             raise OSError(err.errno, f"BFD: cannot listen on {host} port {self.port}: {err.strerror}") from None
+        return sock
+
+    def _watch_rx(self, host: str, sock: socket.socket) -> None:
         assert self._loop is not None
         self._loop.add_reader(sock.fileno(), self._readable, sock)
-        return sock
+        self._rx[host] = sock
 
     def _open_tx(self, peer: str, local: str | None) -> socket.socket:
         v6 = isinstance(ip_address(peer), IPv6Address)

@@ -307,6 +307,7 @@ class SpeakerService:
         self._bfd_peers: dict[str, tuple[str | None, BfdSettings]] = {}
         self._bfd_version = -1  # the speaker's peers_version the BFD sessions were last synced with
         self._stopping = False
+        self._bfd_error: str | None = None  # the last failure to open BFD's sockets, logged once
         self.clock = clock
         self._wall: WallClock | None = None
         self.on_change = on_change
@@ -407,13 +408,20 @@ class SpeakerService:
             if local in ("0.0.0.0", "::"):
                 local = None
             wanted[key] = (local, BfdSettings(desired_min_tx=interval, required_min_rx=interval, detect_mult=mult))
-        if not wanted and self.bfd is None:
+        if not wanted and (self.bfd is None or not self.bfd.started):
             return
         if self.bfd is None:
             host = self.listen[0] if self.listen and self.listen[0] not in ("0.0.0.0", "::") else None
             self.bfd = BfdService(listen=host, on_change=self._bfd_changed, clock=self.clock)
         if not self.bfd.started:
-            self.bfd.open()
+            try:
+                self.bfd.open()
+            except OSError as err:
+                # Port 3784 taken (BIRD, another agent): BGP goes on without BFD; the next
+                # change of peers tries again.
+                self._bfd_failed(err)
+                return
+        self._bfd_error = None
         for key in [k for k in self._bfd_peers if k not in wanted]:
             self.bfd.remove(key)
             del self._bfd_peers[key]
@@ -425,6 +433,12 @@ class SpeakerService:
                     log.error("peer %s: cannot start BFD: %s", key, err.strerror or err)
                     continue
                 self._bfd_peers[key] = (local, settings)
+
+    def _bfd_failed(self, err: OSError) -> None:
+        why = str(err.strerror or err)
+        if why != self._bfd_error:  # one line per distinct failure, not one per sync
+            log.error("%s; BGP runs without BFD until the next change of peers tries again", why)
+            self._bfd_error = why
 
     def _bfd_changed(self, peer: str, change: BfdStateChanged) -> None:
         if change.failure:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 from ipaddress import IPv4Address, ip_network
 
 import pytest
@@ -124,3 +125,48 @@ def test_a_listen_range_that_stops_asking_for_bfd_ends_its_clients_sessions(loop
     assert "10.1.0.7" in bfd.sessions
     svc.set_listen_ranges([client_range(bfd=None)])
     assert bfd.sessions == {}
+
+
+def test_bfd_sockets_that_cannot_be_opened_cost_one_log_line_not_the_caller_and_are_tried_again(loop, caplog):
+    taken = OSError(98, "BFD: cannot listen on 10.1.0.1 port 3784: Address already in use")
+    bfd = FakeBfd(fail_open=taken)
+    svc = service(loop, bfd)
+    peer = PeerSettings(IPv4Address("10.1.0.9"), 65000, passive=True, bfd=BFD)
+    with caplog.at_level("ERROR", logger="bgp.transport"):
+        svc.set_peers([peer])  # (before: the OSError escaped into the agent's node-watch task)
+        svc.set_peers([peer, PeerSettings(IPv4Address("10.1.0.10"), 65000, passive=True, bfd=BFD)])
+    assert not bfd.started and bfd.sessions == {} and bfd.opens >= 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "bgp.transport"]
+    assert len(lines) == 1 and "Address already in use" in lines[0] and "Traceback" not in caplog.text
+    assert "10.1.0.9" in svc.speaker.peers  # BGP goes on without BFD
+    # The port is free again: the next change of peers opens the sockets and starts the sessions.
+    bfd.fail_open = None
+    svc.set_peers([peer])
+    assert bfd.started and set(bfd.sessions) == {"10.1.0.9"}
+
+
+def test_a_bfd_service_whose_port_is_taken_raises_and_stays_unstarted():
+    from bgp.bfd_transport import BfdService
+
+    async def run() -> None:
+        blocker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        blocker.bind(("127.0.0.2", 0))
+        port = blocker.getsockname()[1]
+        try:
+            bfd = BfdService(listen="127.0.0.2", port=port)
+            with pytest.raises(OSError, match="cannot listen on 127.0.0.2"):
+                bfd.open()
+            assert not bfd.started and bfd.listen_addresses == []
+            # One of two addresses taken: the one already bound is closed again.
+            with pytest.raises(OSError):
+                bfd.open(["127.0.0.1", "127.0.0.2"])
+            assert not bfd.started
+            probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            probe.bind(("127.0.0.1", port))  # free: open() closed it
+            probe.close()
+            with pytest.raises(RuntimeError):
+                bfd.add("127.0.0.3")
+        finally:
+            blocker.close()
+
+    asyncio.run(run())
