@@ -2,11 +2,12 @@
 
 Single-hop BFD over UDP, RFC 5881:
 
-* Control packets arrive on UDP port 3784 (§4), IPv4 and IPv6, on the speaker's BGP listen
-  address, or on 0.0.0.0 and :: when that is unspecified.
-* Each session sends from its own socket, bound to the BGP session's local address and a
-  source port in 49152-65535 that stays the same for the session's lifetime (§4), with a
-  TTL / Hop Limit of 255 (§5).
+* Control packets arrive on UDP port 3784 (§4), IPv4 and IPv6, on the addresses the caller
+  gives (:meth:`BfdService.open`, :meth:`BfdService.set_listen`; the BGP speaker uses the
+  wildcard of each address family in use, see :func:`bgp.transport.bfd_listen_addresses`).
+* Each session sends from its own socket, bound to the BGP session's local address (or to
+  none, the kernel choosing, until that is known) and a source port in 49152-65535 that stays
+  the same for the session's lifetime (§4), with a TTL / Hop Limit of 255 (§5).
 * A received packet whose TTL / Hop Limit is not 255 is discarded (§5), read through
   IP_RECVTTL / IPV6_RECVHOPLIMIT ancillary data; so is every packet
   :meth:`proto.bfd.ControlPacket.decode` refuses.
@@ -201,7 +202,8 @@ class BfdService:
 
     def add(self, peer: str, local_address: str | None = None, settings: BfdSettings = BfdSettings()) -> None:
         """Watch ``peer`` (idempotent).  New settings for a watched peer go through a Poll
-        Sequence; a new local address starts a new session.  Raises OSError when the
+        Sequence; a new local address starts a new session, except that a session without one
+        (the kernel chose its source) keeps going from the new address.  Raises OSError when the
         session's socket cannot be bound (e.g. ``local_address`` is not on this host)."""
         if self._loop is None:
             raise RuntimeError("BfdService.add() before start()")
@@ -211,6 +213,11 @@ class BfdService:
             self._close(old)  # two sessions to one neighbour would make it flap between them
         nb = self._by_address.get(key)
         if nb is not None:
+            if nb.local_address is None and local is not None:
+                # The kernel was choosing the source; now it is known (the BGP connection's
+                # local address): the same session moves to a socket bound to it, on the same
+                # source port when free (RFC 5881 §4), without going down.
+                self._move(nb, local)
             if nb.local_address == local:
                 if nb.session.settings != settings:
                     nb.session.set_settings(settings, self.clock())
@@ -294,7 +301,7 @@ class BfdService:
         self._loop.add_reader(sock.fileno(), self._readable, sock)
         self._rx[host] = sock
 
-    def _open_tx(self, peer: str, local: str | None) -> socket.socket:
+    def _open_tx(self, peer: str, local: str | None, port: int | None = None) -> socket.socket:
         v6 = isinstance(ip_address(peer), IPv6Address)
         sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
         try:
@@ -309,7 +316,7 @@ class BfdService:
             low, high = SOURCE_PORTS
             for attempt in range(_BIND_ATTEMPTS):
                 try:
-                    sock.bind((host, self.rng.randint(low, high)))
+                    sock.bind((host, port if attempt == 0 and port else self.rng.randint(low, high)))
                     break
                 except OSError as err:
                     if err.errno != errno.EADDRINUSE or attempt == _BIND_ATTEMPTS - 1:
@@ -318,6 +325,28 @@ class BfdService:
             sock.close()
             raise OSError(err.errno, f"BFD: cannot open a socket to {peer} from {local or 'any'}: {err.strerror}") from None
         return sock
+
+    def _move(self, nb: _Neighbour, local: str) -> None:
+        # The old socket (bound to the wildcard) goes first: the new one wants its port.
+        assert self._loop is not None
+        port = nb.source_port
+        self._unwatch(nb.sock)
+        nb.sock.close()
+        try:
+            sock = self._open_tx(nb.address, local, port=port)
+        except OSError:
+            try:
+                sock = self._open_tx(nb.address, nb.local_address, port=port)
+            except OSError:
+                self._close(nb)  # the caller's next add() starts a new session
+                raise
+            self._loop.add_reader(sock.fileno(), self._drain, sock)
+            nb.sock = sock
+            raise
+        nb.sock = sock
+        nb.local_address = local
+        self._loop.add_reader(sock.fileno(), self._drain, sock)
+        log.info("BFD session to %s: now from %s, port %d", nb.address, local, nb.source_port)
 
     def _unwatch(self, sock: socket.socket) -> None:
         if self._loop is not None and sock.fileno() >= 0:

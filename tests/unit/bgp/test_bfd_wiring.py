@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
-from ipaddress import IPv4Address, ip_network
+from ipaddress import IPv4Address, IPv6Address, ip_network
 
 import pytest
 
@@ -168,5 +168,81 @@ def test_a_bfd_service_whose_port_is_taken_raises_and_stays_unstarted():
                 bfd.add("127.0.0.3")
         finally:
             blocker.close()
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------ source and receive addresses
+
+
+def test_the_bfd_source_is_the_configured_local_address_else_the_bgp_connections_else_the_kernels():
+    from bgp.transport import bfd_source
+
+    assert bfd_source("10.0.0.1", "10.0.0.9") == "10.0.0.1"  # local_address: as before
+    assert bfd_source(None, "10.0.0.9") == "10.0.0.9"
+    assert bfd_source(None, None) is None  # never [bgp] listen's host (was: an IPv4 source for IPv6 peers)
+    assert bfd_source("0.0.0.0", None) is None and bfd_source("::", "fd00::1") == "fd00::1"
+
+
+def test_bfd_receives_on_the_wildcard_of_each_family_in_use_unless_every_peer_names_its_address():
+    from bgp.transport import bfd_listen_addresses
+
+    assert bfd_listen_addresses([]) == []
+    assert bfd_listen_addresses([("10.0.0.2", None)]) == ["0.0.0.0"]
+    assert bfd_listen_addresses([("10.0.0.2", None), ("fd00::2", None)]) == ["0.0.0.0", "::"]
+    # Every IPv4 peer names its local address: just those (as with local_address before).
+    assert bfd_listen_addresses([("10.0.0.2", "10.0.0.1"), ("10.0.1.2", "10.0.1.1"), ("fd00::2", None)]) == [
+        "10.0.0.1", "10.0.1.1", "::",
+    ]
+    assert bfd_listen_addresses([("10.0.0.2", "10.0.0.1"), ("10.0.0.3", None)]) == ["0.0.0.0"]
+
+
+def test_an_ipv6_peer_gets_no_ipv4_source_from_an_ipv4_listen_address(loop):
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("10.1.0.1", 179))
+    svc.set_peers([PeerSettings(IPv6Address("fd00::2"), 65000, passive=True, bfd=BFD),
+                   PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, bfd=BFD)])
+    assert bfd.sessions == {"fd00::2": None, "10.1.0.2": None}  # the kernel chooses until BGP connects
+    assert bfd.listen == {"0.0.0.0", "::"}
+    # The BGP connection comes in on another address of ours: BFD sends from that one.
+    inbound(svc, "10.1.0.2", local="10.1.0.77")
+    assert bfd.sessions["10.1.0.2"] == "10.1.0.77"
+
+
+def test_a_configured_local_address_is_the_source_and_the_receive_address(loop):
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("0.0.0.0", 179))
+    svc.set_peers([PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, local_address=IPv4Address("10.1.0.1"),
+                                bfd=BFD)])
+    assert bfd.sessions == {"10.1.0.2": "10.1.0.1"} and bfd.listen == {"10.1.0.1"}
+    inbound(svc, "10.1.0.2", local="10.1.0.1")
+    assert bfd.sessions == {"10.1.0.2": "10.1.0.1"}
+
+
+def test_a_dynamic_client_gets_the_address_it_connected_to_as_source(loop):
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("10.1.0.1", 179))
+    svc.set_listen_ranges([client_range()])
+    inbound(svc, "10.1.0.7", local="10.1.0.1")
+    assert bfd.sessions == {"10.1.0.7": "10.1.0.1"} and bfd.listen == {"0.0.0.0"}
+
+
+def test_a_session_whose_source_becomes_known_moves_to_it_without_going_down():
+    from bgp.bfd import BfdSettings
+    from bgp.bfd_transport import BfdService
+
+    async def run() -> None:
+        bfd = BfdService(port=0)
+        bfd.open(["127.0.0.1"])
+        try:
+            bfd.add("127.0.0.2", settings=BfdSettings(0.1, 0.1, 3))
+            session, port = bfd.session("127.0.0.2"), bfd.status()[0]["source_port"]
+            assert bfd.status()[0]["local_address"] is None
+            bfd.add("127.0.0.2", local_address="127.0.0.1", settings=BfdSettings(0.1, 0.1, 3))
+            row = bfd.status()[0]
+            assert bfd.session("127.0.0.2") is session  # same discriminator, same state
+            assert row["local_address"] == "127.0.0.1" and row["source_port"] == port
+        finally:
+            await bfd.stop()
 
     asyncio.run(run())
