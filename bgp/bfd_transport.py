@@ -2,11 +2,12 @@
 
 Single-hop BFD over UDP, RFC 5881:
 
-* Control packets arrive on UDP port 3784 (§4), IPv4 and IPv6, on the speaker's BGP listen
-  address, or on 0.0.0.0 and :: when that is unspecified.
-* Each session sends from its own socket, bound to the BGP session's local address and a
-  source port in 49152-65535 that stays the same for the session's lifetime (§4), with a
-  TTL / Hop Limit of 255 (§5).
+* Control packets arrive on UDP port 3784 (§4), IPv4 and IPv6, on the addresses the caller
+  gives (:meth:`BfdService.open`, :meth:`BfdService.set_listen`; the BGP speaker uses the
+  wildcard of each address family in use, see :func:`bgp.transport.bfd_listen_addresses`).
+* Each session sends from its own socket, bound to the BGP session's local address (or to
+  none, the kernel choosing, until that is known) and a source port in 49152-65535 that stays
+  the same for the session's lifetime (§4), with a TTL / Hop Limit of 255 (§5).
 * A received packet whose TTL / Hop Limit is not 255 is discarded (§5), read through
   IP_RECVTTL / IPV6_RECVHOPLIMIT ancillary data; so is every packet
   :meth:`proto.bfd.ControlPacket.decode` refuses.
@@ -39,7 +40,7 @@ import random
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from ipaddress import IPv6Address, ip_address
 
@@ -110,7 +111,7 @@ class BfdService:
         self.rng = rng if rng is not None else random.Random()
         self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._rx: list[socket.socket] = []
+        self._rx: dict[str, socket.socket] = {}  # receive sockets by the address they are bound to
         self._by_address: dict[str, _Neighbour] = {}
         self._by_discr: dict[int, _Neighbour] = {}
         self._draining: dict[str, _Neighbour] = {}  # removed, still sending AdminDown
@@ -129,17 +130,57 @@ class BfdService:
     def started(self) -> bool:
         return self._loop is not None
 
-    def open(self) -> None:
-        """:meth:`start` for callers already running on the loop."""
-        self._loop = asyncio.get_running_loop()
-        if self.listen in (None, "", "0.0.0.0", "::"):
-            self._rx.append(self._open_rx("0.0.0.0"))
+    def open(self, addresses: Iterable[str] | None = None) -> None:
+        """:meth:`start` for callers already running on the loop: receive sockets on
+        ``addresses`` (default: the listen address, or 0.0.0.0 and :: when that is unspecified).
+        Raises OSError when one cannot be bound (port 3784 taken by another BFD daemon): then
+        nothing stays open and :attr:`started` stays False, so a later call can try again."""
+        loop = asyncio.get_running_loop()
+        optional: set[str] = set()
+        if addresses is None:
+            if self.listen in (None, "", "0.0.0.0", "::"):
+                addresses, optional = ["0.0.0.0", "::"], {"::"}  # a host without IPv6 still serves IPv4
+            else:
+                addresses = [self.listen]
+        bound: dict[str, socket.socket] = {}
+        try:
+            for host in addresses:
+                if host in bound:
+                    continue
+                try:
+                    bound[host] = self._open_rx(host)
+                except OSError as err:
+                    if host not in optional:
+                        raise
+                    log.warning("BFD: no IPv6 listener on [::]:%d: %s", self.port, err)
+        except OSError:
+            for sock in bound.values():
+                sock.close()
+            raise
+        self._loop = loop
+        for host, sock in bound.items():
+            self._watch_rx(host, sock)
+
+    def set_listen(self, addresses: Iterable[str]) -> None:
+        """Receive on exactly ``addresses`` from now on (after :meth:`open`): sockets no longer
+        wanted are closed first (a wildcard cannot be bound beside a specific address of ours),
+        then the new ones are opened.  Raises OSError for the first that cannot be bound, after
+        trying the others; the caller may try again later."""
+        wanted = list(dict.fromkeys(addresses))
+        for host in [h for h in self._rx if h not in wanted]:
+            sock = self._rx.pop(host)
+            self._unwatch(sock)
+            sock.close()
+        error: OSError | None = None
+        for host in wanted:
+            if host in self._rx:
+                continue
             try:
-                self._rx.append(self._open_rx("::"))
-            except OSError as err:  # a host without IPv6
-                log.warning("BFD: no IPv6 listener on [::]:%d: %s", self.port, err)
-        else:
-            self._rx.append(self._open_rx(self.listen))
+                self._watch_rx(host, self._open_rx(host))
+            except OSError as err:
+                error = error or err
+        if error is not None:
+            raise error
 
     async def stop(self) -> None:
         """Tell every neighbour AdminDown (once) and close all sockets."""
@@ -148,20 +189,21 @@ class BfdService:
                 nb.removing = True
                 self._admin_down(nb)
             self._close(nb)
-        for sock in self._rx:
+        for sock in self._rx.values():
             self._unwatch(sock)
             sock.close()
         self._rx.clear()
 
     @property
     def listen_addresses(self) -> list[tuple[str, int]]:
-        return [s.getsockname()[:2] for s in self._rx]
+        return [s.getsockname()[:2] for s in self._rx.values()]
 
     # ------------------------------------------------------------ sessions
 
     def add(self, peer: str, local_address: str | None = None, settings: BfdSettings = BfdSettings()) -> None:
         """Watch ``peer`` (idempotent).  New settings for a watched peer go through a Poll
-        Sequence; a new local address starts a new session.  Raises OSError when the
+        Sequence; a new local address starts a new session, except that a session without one
+        (the kernel chose its source) keeps going from the new address.  Raises OSError when the
         session's socket cannot be bound (e.g. ``local_address`` is not on this host)."""
         if self._loop is None:
             raise RuntimeError("BfdService.add() before start()")
@@ -171,6 +213,11 @@ class BfdService:
             self._close(old)  # two sessions to one neighbour would make it flap between them
         nb = self._by_address.get(key)
         if nb is not None:
+            if nb.local_address is None and local is not None:
+                # The kernel was choosing the source; now it is known (the BGP connection's
+                # local address): the same session moves to a socket bound to it, on the same
+                # source port when free (RFC 5881 §4), without going down.
+                self._move(nb, local)
             if nb.local_address == local:
                 if nb.session.settings != settings:
                     nb.session.set_settings(settings, self.clock())
@@ -247,11 +294,14 @@ class BfdService:
         except OSError as err:
             sock.close()
             raise OSError(err.errno, f"BFD: cannot listen on {host} port {self.port}: {err.strerror}") from None
-        assert self._loop is not None
-        self._loop.add_reader(sock.fileno(), self._readable, sock)
         return sock
 
-    def _open_tx(self, peer: str, local: str | None) -> socket.socket:
+    def _watch_rx(self, host: str, sock: socket.socket) -> None:
+        assert self._loop is not None
+        self._loop.add_reader(sock.fileno(), self._readable, sock)
+        self._rx[host] = sock
+
+    def _open_tx(self, peer: str, local: str | None, port: int | None = None) -> socket.socket:
         v6 = isinstance(ip_address(peer), IPv6Address)
         sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM)
         try:
@@ -266,7 +316,7 @@ class BfdService:
             low, high = SOURCE_PORTS
             for attempt in range(_BIND_ATTEMPTS):
                 try:
-                    sock.bind((host, self.rng.randint(low, high)))
+                    sock.bind((host, port if attempt == 0 and port else self.rng.randint(low, high)))
                     break
                 except OSError as err:
                     if err.errno != errno.EADDRINUSE or attempt == _BIND_ATTEMPTS - 1:
@@ -275,6 +325,28 @@ class BfdService:
             sock.close()
             raise OSError(err.errno, f"BFD: cannot open a socket to {peer} from {local or 'any'}: {err.strerror}") from None
         return sock
+
+    def _move(self, nb: _Neighbour, local: str) -> None:
+        # The old socket (bound to the wildcard) goes first: the new one wants its port.
+        assert self._loop is not None
+        port = nb.source_port
+        self._unwatch(nb.sock)
+        nb.sock.close()
+        try:
+            sock = self._open_tx(nb.address, local, port=port)
+        except OSError:
+            try:
+                sock = self._open_tx(nb.address, nb.local_address, port=port)
+            except OSError:
+                self._close(nb)  # the caller's next add() starts a new session
+                raise
+            self._loop.add_reader(sock.fileno(), self._drain, sock)
+            nb.sock = sock
+            raise
+        nb.sock = sock
+        nb.local_address = local
+        self._loop.add_reader(sock.fileno(), self._drain, sock)
+        log.info("BFD session to %s: now from %s, port %d", nb.address, local, nb.source_port)
 
     def _unwatch(self, sock: socket.socket) -> None:
         if self._loop is not None and sock.fileno() >= 0:

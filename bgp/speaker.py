@@ -91,6 +91,9 @@ class Speaker:
         # Peers called since the last take_actions (only they can have actions): dicts keep order.
         self._touched: dict[int, Peer] = {}
         self.dynamic = DynamicPeers()  # listen ranges, and the peers accepted from one
+        #: Goes up whenever a peer is added or removed (dynamic ones included): the transport
+        #: keeps its BFD sessions in step with it.
+        self.peers_version = 0
         self._timers = TimerHeap()
         self.limiter = LogLimiter(log)
         #: Totals for metrics: "internal errors", "route refreshes deferred", "max-prefix resets", ...
@@ -169,6 +172,7 @@ class Speaker:
             raise ValueError(f"peer {settings.key} already configured")
         peer = Peer(self.local, settings, conn_ids=self._conn_ids, now=now, rng=self._rng, restart=self.restart)
         self.peers[settings.key] = peer
+        self.peers_version += 1
         if self.started:
             with self._isolated(peer, now, "starting the session"):
                 peer.start(now)
@@ -185,6 +189,7 @@ class Speaker:
         self._drain(peer, now)
         self._orphan_actions.extend(peer.take_actions())
         del self.peers[key]
+        self.peers_version += 1
         for conn in [c for c, p in self._conn_owner.items() if p is peer]:
             del self._conn_owner[conn]
         self.channels.forget(key)

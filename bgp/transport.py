@@ -305,6 +305,10 @@ class SpeakerService:
         # BFD sessions for the peers that ask for one (PeerSettings.bfd); made on first need.
         self.bfd = bfd
         self._bfd_peers: dict[str, tuple[str | None, BfdSettings]] = {}
+        self._bfd_version = -1  # the speaker's peers_version the BFD sessions were last synced with
+        self._stopping = False
+        self._bfd_error: str | None = None  # the last failure to open BFD's sockets, logged once
+        self._bfd_learned: dict[str, tuple[object, str]] = {}  # peer -> (its Peer, its BGP session's local address)
         self.clock = clock
         self._wall: WallClock | None = None
         self.on_change = on_change
@@ -352,6 +356,7 @@ class SpeakerService:
         self._pump()
 
     async def stop(self, *, graceful: bool) -> None:
+        self._stopping = True
         self.speaker.stop(self.clock(), graceful=graceful)
         self._pump()
         if self._timer is not None:
@@ -388,24 +393,50 @@ class SpeakerService:
             self._sync_bfd()
 
     def _sync_bfd(self) -> None:
-        """One BFD session per peer with ``bfd`` set, from our session's local address."""
+        """One BFD session per peer with ``bfd`` set, from our session's local address.
+        Called at start, on new peers or listen ranges, and from :meth:`_pump` whenever the
+        speaker added or removed a peer (a client accepted from a listen range, or forgotten)."""
+        if self._stopping:
+            return
+        self._bfd_version = self.speaker.peers_version
         wanted: dict[str, tuple[str | None, BfdSettings]] = {}
+        configured: list[tuple[str, str | None]] = []
         for key, peer in self.speaker.peers.items():
             s = peer.settings
             if s.bfd is None:
                 continue
             interval, mult = s.bfd
-            local = str(s.local_address) if s.local_address else (self.listen[0] if self.listen else None)
-            if local in ("0.0.0.0", "::"):
-                local = None
-            wanted[key] = (local, BfdSettings(desired_min_tx=interval, required_min_rx=interval, detect_mult=mult))
-        if not wanted and self.bfd is None:
+            explicit = str(s.local_address) if s.local_address else None
+            learned = peer.local_address()
+            if learned:
+                self._bfd_learned[key] = (peer, learned)
+            elif (seen := self._bfd_learned.get(key)) is not None and seen[0] is peer:
+                learned = seen[1]  # the connection went: its address stays the session's source
+            configured.append((key, explicit))
+            wanted[key] = (
+                bfd_source(explicit, learned),
+                BfdSettings(desired_min_tx=interval, required_min_rx=interval, detect_mult=mult),
+            )
+        for key in [k for k in self._bfd_learned if k not in wanted]:
+            del self._bfd_learned[key]
+        if not wanted and (self.bfd is None or not self.bfd.started):
             return
         if self.bfd is None:
-            host = self.listen[0] if self.listen and self.listen[0] not in ("0.0.0.0", "::") else None
-            self.bfd = BfdService(listen=host, on_change=self._bfd_changed, clock=self.clock)
-        if not self.bfd.started:
-            self.bfd.open()
+            self.bfd = BfdService(on_change=self._bfd_changed, clock=self.clock)
+        addresses = bfd_listen_addresses(configured)
+        try:
+            if not self.bfd.started:
+                self.bfd.open(addresses)
+            else:
+                self.bfd.set_listen(addresses)
+        except OSError as err:
+            # Port 3784 taken (BIRD, another agent): BGP goes on without BFD (or without
+            # that receive address); the next change of peers tries again.
+            self._bfd_failed(err)
+            if not self.bfd.started:
+                return
+        else:
+            self._bfd_error = None
         for key in [k for k in self._bfd_peers if k not in wanted]:
             self.bfd.remove(key)
             del self._bfd_peers[key]
@@ -417,6 +448,19 @@ class SpeakerService:
                     log.error("peer %s: cannot start BFD: %s", key, err.strerror or err)
                     continue
                 self._bfd_peers[key] = (local, settings)
+
+    def _bfd_local_known(self, remote: str) -> None:
+        """A connection to ``remote`` has a local address now: a BFD session that was sending
+        from whatever address the kernel chose moves to it."""
+        cur = self._bfd_peers.get(remote)
+        if cur is not None and cur[0] is None:
+            self._sync_bfd()
+
+    def _bfd_failed(self, err: OSError) -> None:
+        why = str(err.strerror or err)
+        if why != self._bfd_error:  # one line per distinct failure, not one per sync
+            log.error("%s; BGP runs without BFD until the next change of peers tries again", why)
+            self._bfd_error = why
 
     def _bfd_changed(self, peer: str, change: BfdStateChanged) -> None:
         if change.failure:
@@ -481,6 +525,8 @@ class SpeakerService:
         self.speaker.set_listen_ranges(list(ranges), self.clock())
         self._sync_listener()
         self._pump()
+        if self._loop is not None:
+            self._sync_bfd()
 
     # ------------------------------------------------------------ events from sockets
 
@@ -513,6 +559,8 @@ class SpeakerService:
             admission = self.speaker.accept(conn, remote, now, local)
             if not admission:
                 why = admission.reason
+            elif self._loop is not None:
+                self._bfd_local_known(remote)
         if why is not None:
             self.speaker.counters["connections refused"] += 1
             self.speaker.limiter.log(
@@ -555,6 +603,8 @@ class SpeakerService:
             self._carry_out(self.speaker.take_actions())
         finally:
             self._pumping = False
+        if self._bfd_version != self.speaker.peers_version and self._loop is not None and not self._stopping:
+            self._sync_bfd()  # peers came or went (listen ranges): their BFD sessions too
         self._schedule()
         if self._work_handle is None and self.speaker.has_work():
             assert self._loop is not None
@@ -629,6 +679,7 @@ class SpeakerService:
         self._protocols[action.conn] = proto
         local = _unmap(transport.get_extra_info("sockname")[0])
         self.speaker.connection_made(action.conn, self.clock(), local)
+        self._bfd_local_known(_unmap(action.address))
         self._pump()
         proto.activate()
 
@@ -663,6 +714,39 @@ class SpeakerService:
         if self._wall is None:
             self._wall = WallClock(self.clock)
         return self._wall(monotonic)
+
+
+def bfd_source(configured: str | None, learned: str | None) -> str | None:
+    """The address a BFD session sends from: the peer's ``local_address`` when set (outbound
+    BGP binds to it too), else the local address of its BGP connection once there is one, else
+    None (the kernel chooses, as for an outbound connection without ``local_address``)."""
+    for address in (configured, learned):
+        if address and address not in ("0.0.0.0", "::"):
+            return address
+    return None
+
+
+def bfd_listen_addresses(peers: Iterable[tuple[str, str | None]]) -> list[str]:
+    """The addresses BFD receives on (UDP 3784), for ``(peer address, its local_address or
+    None)`` pairs: per address family in use, the wildcard (0.0.0.0, ::) as soon as one peer of
+    that family has no explicit local address -- its packets may come to any of ours; RFC 5881
+    single hop checks TTL 255, so a wildcard takes nothing from afar -- else exactly the
+    local addresses those peers name."""
+    specific: dict[int, set[str]] = {}
+    wildcard: set[int] = set()
+    for peer, local in peers:
+        family = ip_address(peer).version
+        if local and local not in ("0.0.0.0", "::"):
+            specific.setdefault(family, set()).add(str(ip_address(local)))
+        else:
+            wildcard.add(family)
+    out: list[str] = []
+    for family, any_address in ((4, "0.0.0.0"), (6, "::")):
+        if family in wildcard:
+            out.append(any_address)
+        else:
+            out.extend(sorted(specific.get(family, ())))
+    return out
 
 
 class WallClock:

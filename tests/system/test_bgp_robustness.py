@@ -422,6 +422,34 @@ def test_bfd_takes_a_frozen_bird_down_before_its_hold_timer(routers):
     eventually(lambda: "10.96.0.0/24" in spk.best_routes(), timeout=20, what="route back")
 
 
+def test_bfd_watches_a_client_accepted_from_a_listen_range(routers):
+    """A reflector with [bgp] bfd and a listen range (no [[bgp.peers]] entry): the client it
+    accepts gets a BFD session, and a frozen client is dropped by BFD, not at hold time."""
+    r1, r2 = routers.lan(2)
+    bird = routers.bird(r2, bird_config(
+        BIRD, bird_bgp("reflector", BIRD, ASN, SPK, ASN, options="bfd on;"),
+        'protocol bfd { interface "eth0" { min rx interval 100 ms; min tx interval 100 ms; multiplier 3; }; }\n',
+        static4=["10.95.0.0/24"]))
+    spk = routers.speaker(r1, speaker_config("spk", SPK, bfd=True, bfd_interval=0.1, bfd_multiplier=3,
+                                             listen_ranges=[{"prefix": "10.0.0.0/24", "asn": ASN}]))
+    def client(field: str):
+        row = next((p for p in spk.peers() if p["address"] == BIRD), None)  # none until BIRD connects
+        return row[field] if row is not None else None
+
+    eventually(lambda: client("state") == "Established", timeout=ESTABLISH_TIMEOUT, what="BIRD accepted")
+    eventually(lambda: client("bfd") == "Up", timeout=20, what="BFD Up for the dynamic client")
+    eventually(lambda: "10.95.0.0/24" in spk.best_routes(), what="BIRD's route")
+    bird.freeze()
+    try:
+        frozen_at = time.monotonic()
+        eventually(lambda: "10.95.0.0/24" not in spk.best_routes(), timeout=HOLD, interval=0.02, what="withdrawn")
+        took = time.monotonic() - frozen_at
+        assert took < HOLD - HOLD / 3, f"routes withdrawn {took:.3f}s after the freeze"
+    finally:
+        bird.thaw()
+    eventually(lambda: "10.95.0.0/24" in spk.best_routes(), timeout=30, what="route back")
+
+
 def _updates(got: list[tuple[int, bytes]]) -> list[Update]:
     return [Update.decode(body, CodecContext(external=True)) for t, body in got if t == MessageType.UPDATE]
 

@@ -1,0 +1,248 @@
+"""How the speaker's transport (bgp.transport.SpeakerService) wires BFD in: which peers get a
+session, from which source address, and what happens when the BFD sockets cannot be opened.
+
+No sockets here: the BFD service is a recording fake, the BGP connections are fake transports,
+and the event loop is never run (its timers are only scheduled)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from ipaddress import IPv4Address, IPv6Address, ip_network
+
+import pytest
+
+from bgp import ListenRange, PeerSettings, Speaker
+from bgp.settings import LocalSettings
+from bgp.transport import SpeakerService, _Protocol
+
+RR = "10.1.0.1"
+BFD = (0.1, 3)
+
+
+class FakeBfd:
+    """What SpeakerService calls on a BfdService, recorded."""
+
+    def __init__(self, fail_open: OSError | None = None) -> None:
+        self.started = False
+        self.fail_open = fail_open
+        self.opens = 0
+        self.listen: set[str] = set()
+        self.sessions: dict[str, str | None] = {}  # peer -> local address
+
+    def open(self, addresses=None) -> None:
+        self.opens += 1
+        if self.fail_open is not None:
+            raise self.fail_open
+        self.started = True
+        self.listen = set(addresses or ())
+
+    def set_listen(self, addresses) -> None:
+        self.listen = set(addresses)
+
+    def add(self, peer, local_address=None, settings=None) -> None:
+        self.sessions[peer] = local_address
+
+    def remove(self, peer, *, drain=True) -> None:
+        self.sessions.pop(peer, None)
+
+    async def stop(self) -> None:
+        self.started = False
+
+
+class FakeTransport:
+    def __init__(self, peer: str, local: str) -> None:
+        self.peer = peer
+        self.local = local
+        self.closing = False
+        self.written: list = []
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": (self.peer, 40000), "sockname": (self.local, 179)}.get(name, default)
+
+    def writelines(self, chunks) -> None:
+        self.written.extend(chunks)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closing = True
+
+    abort = close
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def service(loop, bfd: FakeBfd, *, listen=None) -> SpeakerService:
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address(RR), cluster_id=IPv4Address(RR)), now=0.0,
+                 rng=random.Random(1))
+    svc = SpeakerService(sp, listen=None, clock=lambda: 0.0, bfd=bfd)  # type: ignore[arg-type]
+    loop.run_until_complete(svc.start())  # (no BGP listener: start() binds nothing without one)
+    svc.listen = listen  # what [bgp] listen says, for the choice of BFD addresses
+    return svc
+
+
+def inbound(svc: SpeakerService, peer: str, local: str = RR) -> _Protocol:
+    proto = _Protocol(svc, None)
+    proto.transport = FakeTransport(peer, local)  # type: ignore[assignment]
+    svc._inbound(proto)
+    return proto
+
+
+def client_range(bfd=BFD) -> ListenRange:
+    return ListenRange(ip_network("10.1.0.0/16"), PeerSettings(IPv4Address("10.1.0.0"), 65000, rr_client=True, bfd=bfd))
+
+
+def test_a_client_accepted_from_a_listen_range_gets_a_bfd_session_and_loses_it_when_forgotten(loop):
+    bfd = FakeBfd()
+    svc = service(loop, bfd)
+    svc.set_listen_ranges([client_range()])
+    assert bfd.sessions == {}
+    proto = inbound(svc, "10.1.0.7")
+    assert proto.conn is not None and "10.1.0.7" in svc.speaker.dynamic
+    assert "10.1.0.7" in bfd.sessions
+    # Its connection goes: the speaker forgets the client, and its BFD session goes too.
+    svc._lost(proto.conn)
+    assert "10.1.0.7" not in svc.speaker.peers
+    assert bfd.sessions == {}
+
+
+def test_a_listen_range_that_stops_asking_for_bfd_ends_its_clients_sessions(loop):
+    bfd = FakeBfd()
+    svc = service(loop, bfd)
+    svc.set_listen_ranges([client_range()])
+    inbound(svc, "10.1.0.7")
+    assert "10.1.0.7" in bfd.sessions
+    svc.set_listen_ranges([client_range(bfd=None)])
+    assert bfd.sessions == {}
+
+
+def test_bfd_sockets_that_cannot_be_opened_cost_one_log_line_not_the_caller_and_are_tried_again(loop, caplog):
+    taken = OSError(98, "BFD: cannot listen on 10.1.0.1 port 3784: Address already in use")
+    bfd = FakeBfd(fail_open=taken)
+    svc = service(loop, bfd)
+    peer = PeerSettings(IPv4Address("10.1.0.9"), 65000, passive=True, bfd=BFD)
+    with caplog.at_level("ERROR", logger="bgp.transport"):
+        svc.set_peers([peer])  # (before: the OSError escaped into the agent's node-watch task)
+        svc.set_peers([peer, PeerSettings(IPv4Address("10.1.0.10"), 65000, passive=True, bfd=BFD)])
+    assert not bfd.started and bfd.sessions == {} and bfd.opens >= 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "bgp.transport"]
+    assert len(lines) == 1 and "Address already in use" in lines[0] and "Traceback" not in caplog.text
+    assert "10.1.0.9" in svc.speaker.peers  # BGP goes on without BFD
+    # The port is free again: the next change of peers opens the sockets and starts the sessions.
+    bfd.fail_open = None
+    svc.set_peers([peer])
+    assert bfd.started and set(bfd.sessions) == {"10.1.0.9"}
+
+
+def test_a_bfd_service_whose_port_is_taken_raises_and_stays_unstarted():
+    from bgp.bfd_transport import BfdService
+
+    async def run() -> None:
+        blocker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        blocker.bind(("127.0.0.2", 0))
+        port = blocker.getsockname()[1]
+        try:
+            bfd = BfdService(listen="127.0.0.2", port=port)
+            with pytest.raises(OSError, match="cannot listen on 127.0.0.2"):
+                bfd.open()
+            assert not bfd.started and bfd.listen_addresses == []
+            # One of two addresses taken: the one already bound is closed again.
+            with pytest.raises(OSError):
+                bfd.open(["127.0.0.1", "127.0.0.2"])
+            assert not bfd.started
+            probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            probe.bind(("127.0.0.1", port))  # free: open() closed it
+            probe.close()
+            with pytest.raises(RuntimeError):
+                bfd.add("127.0.0.3")
+        finally:
+            blocker.close()
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------ source and receive addresses
+
+
+def test_the_bfd_source_is_the_configured_local_address_else_the_bgp_connections_else_the_kernels():
+    from bgp.transport import bfd_source
+
+    assert bfd_source("10.0.0.1", "10.0.0.9") == "10.0.0.1"  # local_address: as before
+    assert bfd_source(None, "10.0.0.9") == "10.0.0.9"
+    assert bfd_source(None, None) is None  # never [bgp] listen's host (was: an IPv4 source for IPv6 peers)
+    assert bfd_source("0.0.0.0", None) is None and bfd_source("::", "fd00::1") == "fd00::1"
+
+
+def test_bfd_receives_on_the_wildcard_of_each_family_in_use_unless_every_peer_names_its_address():
+    from bgp.transport import bfd_listen_addresses
+
+    assert bfd_listen_addresses([]) == []
+    assert bfd_listen_addresses([("10.0.0.2", None)]) == ["0.0.0.0"]
+    assert bfd_listen_addresses([("10.0.0.2", None), ("fd00::2", None)]) == ["0.0.0.0", "::"]
+    # Every IPv4 peer names its local address: just those (as with local_address before).
+    assert bfd_listen_addresses([("10.0.0.2", "10.0.0.1"), ("10.0.1.2", "10.0.1.1"), ("fd00::2", None)]) == [
+        "10.0.0.1", "10.0.1.1", "::",
+    ]
+    assert bfd_listen_addresses([("10.0.0.2", "10.0.0.1"), ("10.0.0.3", None)]) == ["0.0.0.0"]
+
+
+def test_an_ipv6_peer_gets_no_ipv4_source_from_an_ipv4_listen_address(loop):
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("10.1.0.1", 179))
+    svc.set_peers([PeerSettings(IPv6Address("fd00::2"), 65000, passive=True, bfd=BFD),
+                   PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, bfd=BFD)])
+    assert bfd.sessions == {"fd00::2": None, "10.1.0.2": None}  # the kernel chooses until BGP connects
+    assert bfd.listen == {"0.0.0.0", "::"}
+    # The BGP connection comes in on another address of ours: BFD sends from that one.
+    inbound(svc, "10.1.0.2", local="10.1.0.77")
+    assert bfd.sessions["10.1.0.2"] == "10.1.0.77"
+
+
+def test_a_configured_local_address_is_the_source_and_the_receive_address(loop):
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("0.0.0.0", 179))
+    svc.set_peers([PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, local_address=IPv4Address("10.1.0.1"),
+                                bfd=BFD)])
+    assert bfd.sessions == {"10.1.0.2": "10.1.0.1"} and bfd.listen == {"10.1.0.1"}
+    inbound(svc, "10.1.0.2", local="10.1.0.1")
+    assert bfd.sessions == {"10.1.0.2": "10.1.0.1"}
+
+
+def test_a_dynamic_client_gets_the_address_it_connected_to_as_source(loop):
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("10.1.0.1", 179))
+    svc.set_listen_ranges([client_range()])
+    inbound(svc, "10.1.0.7", local="10.1.0.1")
+    assert bfd.sessions == {"10.1.0.7": "10.1.0.1"} and bfd.listen == {"0.0.0.0"}
+
+
+def test_a_session_whose_source_becomes_known_moves_to_it_without_going_down():
+    from bgp.bfd import BfdSettings
+    from bgp.bfd_transport import BfdService
+
+    async def run() -> None:
+        bfd = BfdService(port=0)
+        bfd.open(["127.0.0.1"])
+        try:
+            bfd.add("127.0.0.2", settings=BfdSettings(0.1, 0.1, 3))
+            session, port = bfd.session("127.0.0.2"), bfd.status()[0]["source_port"]
+            assert bfd.status()[0]["local_address"] is None
+            bfd.add("127.0.0.2", local_address="127.0.0.1", settings=BfdSettings(0.1, 0.1, 3))
+            row = bfd.status()[0]
+            assert bfd.session("127.0.0.2") is session  # same discriminator, same state
+            assert row["local_address"] == "127.0.0.1" and row["source_port"] == port
+        finally:
+            await bfd.stop()
+
+    asyncio.run(run())
