@@ -13,7 +13,8 @@ The wire format is dnspython's.
 * Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
   exists with another type), authoritative, TTL :data:`TTL`.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
-  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.
+  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  At most
+  :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.
 
 The names come from the Service agent's view after every sync (:func:`names`), so an
 answer changes as soon as the node's table does.  :func:`resolve` is pure.
@@ -53,6 +54,12 @@ log = logging.getLogger("agentd.services.dns")
 TTL = 5  # seconds, as CoreDNS's kubernetes plugin
 DEVICE = "agentd-dns"
 FORWARD_TIMEOUT = 2.0
+# Forwarded queries in flight at most (CoreDNS forward's max_concurrent; its value in
+# NodeLocal DNSCache's and many clusters' Corefiles).  Each holds a socket for up to
+# FORWARD_TIMEOUT per upstream: without a bound a pod flooding names an upstream never
+# answers would take the agent to its LimitNOFILE, and etcd, BGP and netlink would fail
+# (EMFILE).  Over it a query is answered SERVFAIL at once, without a socket, as CoreDNS does.
+MAX_FORWARDED = 1000
 
 
 @dataclass(frozen=True)
@@ -226,7 +233,10 @@ class DnsServer:
         self.upstreams = upstreams
         self.queries = 0
         self.forwarded = 0
-        self.failed = 0
+        self.failed = 0  # forwarded, and no upstream answered: SERVFAIL
+        self.rejected = 0  # not forwarded, MAX_FORWARDED in flight already: SERVFAIL at once
+        self.max_forwarded = MAX_FORWARDED
+        self.in_flight = 0  # forwarded queries waiting for an upstream
         self._udp: list[asyncio.DatagramTransport] = []
         self._tcp: list[asyncio.base_events.Server] = []
 
@@ -276,7 +286,19 @@ class DnsServer:
         return wire if len(wire) <= limit else _truncated(query, response, limit)
 
     async def _forward(self, query: dns.message.Message, tcp: bool) -> Any:
+        if self.in_flight >= self.max_forwarded:
+            self.rejected += 1
+            response = dns.message.make_response(query)
+            response.set_rcode(dns.rcode.SERVFAIL)
+            return response
         self.forwarded += 1
+        self.in_flight += 1
+        try:
+            return await self._ask_upstreams(query, tcp)
+        finally:
+            self.in_flight -= 1
+
+    async def _ask_upstreams(self, query: dns.message.Message, tcp: bool) -> Any:
         for host, port in self.upstreams:
             try:
                 if tcp:

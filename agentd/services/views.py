@@ -79,7 +79,8 @@ class ServiceViews:
             "last_sync": a.last_sync, "udp_flushed": a.flushed,
             "dns": None if a.dns_server is None else {
                 "address": a.dns_server.address, "addresses": a.dns_server.addresses, "queries": a.dns_server.queries,
-                "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed},
+                "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed,
+                "rejected": a.dns_server.rejected},
             "dns_error": a.error_dns, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
         }  # fmt: skip
 
@@ -108,7 +109,8 @@ class ServiceViews:
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
         if a.dns_server is not None:
             q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
-            q.add_metric(["answered"], a.dns_server.queries - a.dns_server.forwarded)
+            q.add_metric(["answered"], a.dns_server.queries - a.dns_server.forwarded - a.dns_server.rejected)
             q.add_metric(["forwarded"], a.dns_server.forwarded - a.dns_server.failed)
             q.add_metric(["servfail"], a.dns_server.failed)
+            q.add_metric(["rejected"], a.dns_server.rejected)  # over MAX_FORWARDED in flight: SERVFAIL at once
             yield q
