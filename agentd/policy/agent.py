@@ -125,6 +125,7 @@ class PolicyAgent:
         self._full_compare = True
         self._acked: set[str] = set()
         self._conflicts: set[tuple[Any, ...]] = set()  # address conflicts logged already
+        self._too_large: dict[tuple[str, str], str] = {}  # policies too large to program, logged already
         # Local pods' addresses -> the container that has each (agentd/policy/conntrack.py), and
         # the addresses whose conntrack entries go after the next sync.
         self._owners: dict[str, str] = {}
@@ -322,6 +323,7 @@ class PolicyAgent:
             desired = self.engine.build()
             keys = self.engine.touched()
             self._report_conflicts()
+            self._report_too_large()
             isolating = self.isolated()["any"] > 0
             try:
                 if isolating and self.on_isolation is not None:
@@ -386,6 +388,14 @@ class PolicyAgent:
                         "the other's endpoint file is probably stale", ip, "/".join(owner),
                         ", ".join("/".join(k) for k in others), *owner)  # fmt: skip
         self._conflicts = now
+
+    def _report_too_large(self) -> None:
+        """Log each policy too large to program once (PolicyEngine.too_large), as an error."""
+        now = dict(self.engine.too_large)
+        for key in sorted(now):
+            if self._too_large.get(key) != now[key]:
+                log.error("%s", now[key])
+        self._too_large = now
 
     async def route_services(self, on: bool, timeout: float = 5.0) -> None:
         """Services start (``on``) or stop translating on this node: every local pod's traffic

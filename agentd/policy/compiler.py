@@ -231,6 +231,19 @@ def version_of(address: str) -> int:
     return 6 if ":" in address else 4
 
 
+# The most rules one policy chain may have.  Its ipBlocks are prefix matches, one rule per
+# prefix per port match: a wide IPv6 block with excepts can ask for tens of thousands, whose
+# compiling and programming would hold the agent's event loop (BGP hold timers, etcd leases)
+# and the kernel's table for minutes.  A policy over it is compiled to an empty chain: it
+# still isolates the pods it selects, and allows nothing (see docs/policy.md, Limits).
+MAX_POLICY_RULES = 10_000
+RAW_PREFIXES_MAX = 4 * MAX_POLICY_RULES  # a rule's ipBlock prefixes before collapsing (duplicates merge)
+
+
+class PolicyTooLarge(ValueError):
+    """A policy's chain would have more than MAX_POLICY_RULES rules."""
+
+
 Alternative = tuple[int | None, list[dict[str, Any]]]  # (the IP version it is bound to, None: any; its matches)
 
 
@@ -268,7 +281,13 @@ def compile_policy(
             # ipBlocks: one prefix match per range (cidr minus its excepts), no set: named
             # interval sets would make libnftables dump all their elements before every change.
             for f in fams:
-                for net in _collapse(r for p in rule.peers if p.block is not None for r in p.block.ranges(f.version)):
+                raw: list[Network] = []
+                for p in rule.peers:
+                    if p.block is not None:
+                        raw += p.block.ranges(f.version)
+                        if len(raw) > RAW_PREFIXES_MAX:  # stop before collapsing (and compiling) more
+                            raise _too_large(policy, direction, index, f"{len(raw)} ipBlock prefixes or more")
+                for net in _collapse(raw):
                     peers.append((f.version, [match(payload(f.proto, peer_field), prefix(net))]))
         port_matches, named = _port_matches(rule.ports)
         ports: list[Alternative] = [(None, m) for m in port_matches]
@@ -285,12 +304,37 @@ def compile_policy(
                 else:
                     # Egress named ports resolve on the peers themselves: the set holds only peers.
                     chain_rules.append(rule_text([*named_match, ACCEPT]))
+        count = len(chain_rules) + sum(
+            1 for pv, _ in peers for qv, _ in ports if pv is None or qv is None or pv == qv
+        )
+        if count > MAX_POLICY_RULES:
+            raise _too_large(policy, direction, index, f"{count} rules")
         for peer_version, peer in peers:
             for port_version, port in ports:
                 if peer_version is None or port_version is None or peer_version == port_version:
                     chain_rules.append(rule_text([*peer, *port, ACCEPT]))
     objects.append(NftChain(INET, TABLE, chain_name, tuple(chain_rules)))
     return objects
+
+
+def refused_policy(policy: Policy) -> list[Any]:
+    """What a policy too large to program (PolicyTooLarge) is compiled to: its chains, empty.
+    The pods' chains jump to them, so the policy still isolates the pods it selects, and
+    allows nothing."""
+    return [
+        NftChain(INET, TABLE, policy_chain(d, policy), ())
+        for d, rules in (("in", policy.ingress), ("out", policy.egress))
+        if rules is not None
+    ]
+
+
+def _too_large(policy: Policy, direction: str, index: int, what: str) -> PolicyTooLarge:
+    rules = "ingress" if direction == "in" else "egress"
+    return PolicyTooLarge(
+        f"policy {policy.namespace}/{policy.name} not programmed: its {rules} rules need more than "
+        f"{MAX_POLICY_RULES} nftables rules ({what} at {rules}[{index}]: a rule per ipBlock prefix per "
+        "port); it allows nothing until fewer ipBlock excepts, peers or ports make it smaller"
+    )
 
 
 def _collapse(nets: Iterable[Network]) -> list[Network]:

@@ -84,6 +84,8 @@ class PolicyEngine:
         self._objects: dict[Any, Any] = {}  # the ruleset, kept up to date by build()
         self._touched: set[Any] = set()
         self._compiled: dict[PolicyKey, list[Any]] = {}
+        # Policies compiled to empty chains, too large to program (compiler.MAX_POLICY_RULES): why.
+        self.too_large: dict[PolicyKey, str] = {}
         self._pod_objects: dict[PodKey, list[Any]] = {}
         self._dirty_policies: set[PolicyKey] = set()
         self._dirty_pods: set[PodKey] = set()
@@ -380,12 +382,19 @@ class PolicyEngine:
         for key in self._dirty_policies:
             policy = self.policies.get(key)
             objects: list[Any] = []
+            self.too_large.pop(key, None)
             if policy is not None and self._selected.get(key):
-                for direction, rules in (("in", policy.ingress), ("out", policy.egress)):
-                    if rules is None:
-                        continue
-                    members = [self.rule_members(policy, direction, r) for r in rules]
-                    objects += compiler.compile_policy(policy, direction, rules, members, self.families)
+                try:
+                    for direction, rules in (("in", policy.ingress), ("out", policy.egress)):
+                        if rules is None:
+                            continue
+                        members = [self.rule_members(policy, direction, r) for r in rules]
+                        objects += compiler.compile_policy(policy, direction, rules, members, self.families)
+                except compiler.PolicyTooLarge as err:
+                    # Empty chains (the pods' chains jump to them): the policy still isolates
+                    # the pods it selects and allows nothing; the other policies are as ever.
+                    self.too_large[key] = str(err)
+                    objects = compiler.refused_policy(policy)
             self._replace(self._compiled.pop(key, []), objects)
             if objects:
                 self._compiled[key] = objects

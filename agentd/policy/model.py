@@ -7,6 +7,7 @@ it is hashable, so that the engine can keep one membership per distinct selector
 
 from __future__ import annotations
 
+import bisect
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -112,14 +113,28 @@ class IPBlock:
     excepts: tuple[Network, ...] = ()
 
     def ranges(self, version: int = 4) -> list[Network]:
-        """The networks of IP ``version`` the block covers (cidr minus its excepts), non-overlapping."""
+        """The networks of IP ``version`` the block covers (cidr minus its excepts): the fewest
+        non-overlapping prefixes, in address order.
+
+        The excepts are collapsed, then the cidr is halved only where an except lies below:
+        the work is about (number of excepts) x (prefix length), whatever their number (an
+        except per piece, as before, was pieces x excepts: minutes for thousands of them)."""
         if self.cidr.version != version:
             return []
-        nets: list[Network] = [self.cidr]
+        cidr = self.cidr
+        inside: list[Network] = []
         for exc in self.excepts:
-            if exc.version == version:
-                nets = [piece for n in nets for piece in _minus(n, exc)]
-        return nets
+            if exc.version != version or not cidr.overlaps(exc):  # type: ignore[arg-type]
+                continue
+            if cidr.subnet_of(exc):  # type: ignore[arg-type]
+                return []
+            inside.append(exc)
+        bits = cidr.max_prefixlen
+        holes = [(int(e.network_address), e.prefixlen) for e in ipaddress.collapse_addresses(inside)]  # type: ignore[arg-type]
+        out: list[tuple[int, int]] = []
+        _complement(int(cidr.network_address), cidr.prefixlen, bits, holes, 0, len(holes), out)
+        make = ipaddress.IPv4Network if version == 4 else ipaddress.IPv6Network
+        return [make((address, length)) for address, length in out]
 
     def contains(self, ip: Address) -> bool:
         if ip.version != self.cidr.version:
@@ -127,12 +142,20 @@ class IPBlock:
         return ip in self.cidr and not any(ip in e for e in self.excepts if e.version == ip.version)
 
 
-def _minus(net: Network, exc: Network) -> list[Network]:
-    if not net.overlaps(exc):  # type: ignore[arg-type]
-        return [net]
-    if net.subnet_of(exc):  # type: ignore[arg-type]
-        return []
-    return list(net.address_exclude(exc))  # type: ignore[arg-type]
+def _complement(
+    address: int, length: int, bits: int, holes: list[tuple[int, int]], lo: int, hi: int, out: list[tuple[int, int]]
+) -> None:
+    """Append to ``out`` the prefix (``address``/``length``) minus ``holes[lo:hi]``: sorted,
+    disjoint prefixes, each inside it, as the fewest prefixes, in address order."""
+    if lo == hi:
+        out.append((address, length))
+        return
+    if holes[lo][1] == length:  # the hole is the whole prefix (the only one: they are disjoint)
+        return
+    upper = address | (1 << (bits - length - 1))  # the upper half's first address
+    mid = bisect.bisect_left(holes, (upper, 0), lo, hi)
+    _complement(address, length + 1, bits, holes, lo, mid, out)
+    _complement(upper, length + 1, bits, holes, mid, hi, out)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,13 @@ from .validation import (
 
 POLICY_TYPES = ("Ingress", "Egress")
 
+# The API server takes any number of excepts in an ipBlock; agentd refuses more than this.
+# A block is programmed as prefixes (its cidr minus its excepts), and one except costs up to
+# (its prefix length - the cidr's) of them: a /128 except in ::/0 is 128 prefixes, each a
+# rule per port match of the rule.  64 excepts keep one block within ~8,000 prefixes;
+# thousands would stall the agent's event loop and the kernel's table for minutes.
+IPBLOCK_EXCEPT_MAX = 64
+
 
 def validate_spec(raw: Any) -> dict[str, Any]:
     spec = obj(raw, "spec", ("podSelector", "ingress", "egress", "policyTypes"))
@@ -106,7 +113,10 @@ def _ip_block(raw: Any, path: str) -> dict[str, Any]:
     net = cidr(block["cidr"], f"{path}.cidr")
     out: dict[str, Any] = {"cidr": block["cidr"]}
     excepts = []
-    for i, item in enumerate(array(block.get("except"), f"{path}.except")):
+    items = array(block.get("except"), f"{path}.except")
+    if len(items) > IPBLOCK_EXCEPT_MAX:
+        raise Invalid(f"{path}.except", f"Too many: {len(items)}: must have at most {IPBLOCK_EXCEPT_MAX} items (an agentd limit)")
+    for i, item in enumerate(items):
         where = f"{path}.except[{i}]"
         exc = cidr(item, where)
         if exc.version != net.version or exc.prefixlen <= net.prefixlen or not exc.subnet_of(net):  # type: ignore[arg-type]

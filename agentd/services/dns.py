@@ -13,7 +13,8 @@ The wire format is dnspython's.
 * Other names under the cluster domain: NXDOMAIN (or NOERROR without answers when the name
   exists with another type), authoritative, TTL :data:`TTL`.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
-  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.
+  /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  At most
+  :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.
 
 The names come from the Service agent's view after every sync (:func:`names`), so an
 answer changes as soon as the node's table does.  :func:`resolve` is pure.
@@ -53,7 +54,13 @@ log = logging.getLogger("agentd.services.dns")
 TTL = 5  # seconds, as CoreDNS's kubernetes plugin
 DEVICE = "agentd-dns"
 FORWARD_TIMEOUT = 2.0
-OUTCOMES = ("answered", "forwarded", "servfail")  # agentd_dns_queries_total{outcome}
+OUTCOMES = ("answered", "forwarded", "servfail", "rejected")  # agentd_dns_queries_total{outcome}
+# Forwarded queries in flight at most (CoreDNS forward's max_concurrent; its value in
+# NodeLocal DNSCache's and many clusters' Corefiles).  Each holds a socket for up to
+# FORWARD_TIMEOUT per upstream: without a bound a pod flooding names an upstream never
+# answers would take the agent to its LimitNOFILE, and etcd, BGP and netlink would fail
+# (EMFILE).  Over it a query is answered SERVFAIL at once, without a socket, as CoreDNS does.
+MAX_FORWARDED = 1000
 
 
 @dataclass(frozen=True)
@@ -230,7 +237,10 @@ class DnsServer:
         # Monotonic, each query counted once when its reply is made: ``answered`` (from the
         # table), ``forwarded`` (an upstream answered), ``servfail`` (no upstream answered, or
         # no answer could be rendered).  A datagram that is not DNS is counted in none.
+        # ``rejected``: not forwarded, MAX_FORWARDED were in flight already (SERVFAIL at once).
         self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
+        self.max_forwarded = MAX_FORWARDED
+        self.in_flight = 0  # forwarded queries waiting for an upstream
         self._udp: list[asyncio.DatagramTransport] = []
         self._tcp: list[asyncio.base_events.Server] = []
 
@@ -266,7 +276,10 @@ class DnsServer:
         except dns.exception.DNSException:
             return None  # not DNS: no answer (as servers do with garbage)
         response, outcome = resolve(self.table(), query), "answered"
-        if response is None:
+        if response is None and self.in_flight >= self.max_forwarded:
+            response, outcome = dns.message.make_response(query), "rejected"
+            response.set_rcode(dns.rcode.SERVFAIL)
+        elif response is None:
             response, outcome = await self._forward(query, tcp), "forwarded"
             if response is None:
                 response, outcome = dns.message.make_response(query), "servfail"
@@ -288,9 +301,20 @@ class DnsServer:
     def failed(self) -> int:
         return self.outcomes["servfail"]
 
+    @property
+    def rejected(self) -> int:
+        return self.outcomes["rejected"]
+
     async def _forward(self, query: dns.message.Message, tcp: bool) -> Any:
         """The first upstream's reply; None when none answers."""
         self.forwarded += 1
+        self.in_flight += 1
+        try:
+            return await self._ask_upstreams(query, tcp)
+        finally:
+            self.in_flight -= 1
+
+    async def _ask_upstreams(self, query: dns.message.Message, tcp: bool) -> Any:
         for host, port in self.upstreams:
             try:
                 if tcp:

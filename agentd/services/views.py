@@ -79,7 +79,8 @@ class ServiceViews:
             "last_sync": a.last_sync, "udp_flushed": a.flushed,
             "dns": None if a.dns_server is None else {
                 "address": a.dns_server.address, "addresses": a.dns_server.addresses, "queries": a.dns_server.queries,
-                "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed},
+                "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed,
+                "rejected": a.dns_server.rejected},
             "dns_error": a.error_dns, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
         }  # fmt: skip
 
@@ -108,6 +109,6 @@ class ServiceViews:
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
         if a.dns_server is not None:
             q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
-            for outcome, n in a.dns_server.outcomes.items():  # monotonic: a query in flight is in none
+            for outcome, n in a.dns_server.outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once
                 q.add_metric([outcome], n)
             yield q

@@ -583,3 +583,59 @@ def test_incremental_builds_equal_a_fresh_engine_with_address_conflicts(steps):
         got.pop(bridges, None), want.pop(bridges, None)
         assert got == want
         assert eng.conflicts() == fresh.conflicts()
+
+
+# ------------------------------------------------------------------ a policy too large to program
+
+
+def test_a_policy_too_large_to_program_allows_nothing_and_the_others_stay():
+    # ::/0 minus 64 /128s (as many excepts as validation takes) is ~7,800 prefixes; on two
+    # port matches (TCP and UDP) that is more rules than compiler.MAX_POLICY_RULES.
+    wide = {"cidr": "::/0", "except": [f"2001:{i:x}::1/128" for i in range(64)]}
+    big = np("big", "x", {"podSelector": {}, "ingress": [{"from": [{"ipBlock": wide}],
+                                                          "ports": [{"port": 80}, {"port": 81, "protocol": "UDP"}]}]})
+    small = np("small", "x", {"podSelector": {}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}]}]})
+    cluster = grid()
+    cluster.policies = [big, small]
+    a, b, ya = cluster.pods[0], cluster.pods[1], cluster.pods[3]  # x/a, x/b, y/a
+    eng = engine_for(cluster, [a.key], families=(4, 6))
+    rs = eng.build()
+    assert list(eng.too_large) == [("x", "big")]
+    assert eng.too_large[("x", "big")].startswith(
+        f"policy x/big not programmed: its ingress rules need more than {compiler.MAX_POLICY_RULES} nftables rules"
+    )
+    assert rs.objects[(compiler.INET, compiler.TABLE, "chain", "np-in/x/big")].rules == ()  # type: ignore[union-attr]
+    tcp = compiler.l4proto("TCP")
+    assert forwarded(rs, Packet(b.addr(6), a.addr(6), tcp, 80))  # the other policy is programmed
+    assert not forwarded(rs, Packet(ya.addr(6), a.addr(6), tcp, 80))  # big would allow it: isolated, nothing allowed
+    # Made smaller, it is programmed (and forgotten as too large).
+    eng.upsert_policy(Policy.parse(kinds.validate(np("big", "x", {**big["spec"], "ingress": [
+        {"from": [{"ipBlock": {**wide, "except": wide["except"][:8]}}], "ports": [{"port": 80}]}]}))))
+    rs = eng.build()
+    assert eng.too_large == {}
+    assert forwarded(rs, Packet(ya.addr(6), a.addr(6), tcp, 80))
+    assert not forwarded(rs, Packet(ya.addr(6), a.addr(6), compiler.l4proto("UDP"), 81))
+
+
+def test_many_ipblocks_are_refused_before_collapsing_them_all(monkeypatch):
+    monkeypatch.setattr(compiler, "RAW_PREFIXES_MAX", 100)
+    blocks = [{"ipBlock": {"cidr": "10.0.0.0/8", "except": [f"10.{i}.0.1/32"]}} for i in range(10)]  # 24 prefixes each
+    cluster = grid()
+    cluster.policies = [np("many", "x", {"podSelector": {}, "ingress": [{"from": blocks}]})]
+    eng = engine_for(cluster, [cluster.pods[0].key])
+    eng.build()
+    assert "(120 ipBlock prefixes or more at ingress[0]" in eng.too_large[("x", "many")]
+
+
+def test_the_agent_logs_a_policy_too_large_once(caplog):
+    from types import SimpleNamespace
+
+    from agentd.policy.agent import PolicyAgent
+
+    agent = PolicyAgent.__new__(PolicyAgent)  # only the reporting: no etcd, no nftables
+    agent.engine = SimpleNamespace(too_large={("x", "big"): "policy x/big not programmed: ..."})  # type: ignore[assignment]
+    agent._too_large = {}
+    with caplog.at_level("ERROR", logger="agentd.policy"):
+        agent._report_too_large()
+        agent._report_too_large()
+    assert [r.getMessage() for r in caplog.records] == ["policy x/big not programmed: ..."]

@@ -11,7 +11,7 @@ import yaml
 
 from agentd import cli
 from agentd.cni import endpoints
-from agentd.resources import kinds, manifests
+from agentd.resources import kinds, manifests, networkpolicy
 from agentd.resources.store import object_key, parse_key
 
 POLICY = """\
@@ -105,6 +105,9 @@ def test_ipv6_blocks_are_taken_as_written():
     assert obj["spec"]["ingress"][0]["from"][1]["ipBlock"] == block
     (obj,) = validate_text(mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fd00:10:244::1/48"}))  # host bits: as given
     assert obj["spec"]["ingress"][0]["from"][1]["ipBlock"] == {"cidr": "fd00:10:244::1/48"}
+    block = {"cidr": "::/0", "except": [f"2001:{i:x}::1/128" for i in range(networkpolicy.IPBLOCK_EXCEPT_MAX)]}
+    (obj,) = validate_text(mutate("spec.ingress.0.from.1.ipBlock", block))  # as many excepts as agentd takes
+    assert obj["spec"]["ingress"][0]["from"][1]["ipBlock"] == block
 
 
 def test_server_fields_round_trip_and_namespace_defaults():
@@ -145,6 +148,9 @@ BAD = [
     (mutate("spec.ingress.0.from.1.ipBlock.except", ["11.0.0.0/16"]), "spec.ingress[0].from[1].ipBlock.except[0]: Invalid value: \"11.0.0.0/16\": must be a strict subset of `cidr`"),
     (mutate("spec.ingress.0.from.1.ipBlock.except", ["10.0.0.0/8"]), "must be a strict subset"),
     (mutate("spec.ingress.0.from.1.ipBlock.cidr", None), "spec.ingress[0].from[1].ipBlock.cidr: Required value"),
+    # agentd's own bound (the API server has none): each except costs up to 128 prefixes
+    (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "::/0", "except": [f"2001:{i:x}::1/128" for i in range(65)]}),
+     "spec.ingress[0].from[1].ipBlock.except: Too many: 65: must have at most 64 items (an agentd limit)"),
     # IPv6 blocks: one family per block, excepts strictly inside
     (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "fd00::/8", "except": ["10.1.0.0/16"]}), 'ipBlock.except[0]: Invalid value: "10.1.0.0/16": must be a strict subset of `cidr`'),
     (mutate("spec.ingress.0.from.1.ipBlock", {"cidr": "10.0.0.0/8", "except": ["::ffff:10.1.0.0/112"]}), "must be a strict subset of `cidr`"),

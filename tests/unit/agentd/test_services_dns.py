@@ -356,3 +356,41 @@ async def test_query_outcomes_are_monotonic_counters_counted_once_when_the_reply
     assert [r.rcode() for r in replies] == [dns.rcode.SERVFAIL, dns.rcode.NOERROR]
     assert scrape() == {"answered": 1, "forwarded": 1, "servfail": 1}
     assert (server.queries, server.forwarded, server.failed) == (4, 2, 1)
+
+
+async def test_forwarded_queries_in_flight_are_bounded_and_the_rest_servfail_at_once(monkeypatch):
+    """An upstream that never answers: MAX_FORWARDED queries wait on it (a socket each in
+    real life), the next is SERVFAIL at once without asking any upstream (as CoreDNS
+    forward's max_concurrent), counted as rejected; once answers come, forwarding goes on."""
+    import asyncio
+
+    import dns.asyncquery
+
+    asked = 0
+    answer_now = asyncio.Event()
+    waiting = asyncio.Event()
+
+    async def udp(query, host, **kw):  # the upstream: holds every query until told to answer
+        nonlocal asked
+        asked += 1
+        if asked == sdns.MAX_FORWARDED:
+            waiting.set()
+        await answer_now.wait()
+        return dns.message.make_response(query)
+
+    monkeypatch.setattr(dns.asyncquery, "udp", udp)
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [("192.0.2.1", 53), ("192.0.2.2", 53)])
+    query = dns.message.make_query("example.com", "A").to_wire()
+    async with asyncio.timeout(10):
+        held = [asyncio.create_task(server.answer(query)) for _ in range(sdns.MAX_FORWARDED)]
+        await waiting.wait()
+        assert server.in_flight == sdns.MAX_FORWARDED == 1000
+        out = dns.message.from_wire(await server.answer(query))  # at once: the upstream never answers yet
+        assert out.rcode() == dns.rcode.SERVFAIL
+        assert asked == sdns.MAX_FORWARDED and server.rejected == 1 and server.failed == 0
+        answer_now.set()
+        replies = await asyncio.gather(*held)
+        assert all(dns.message.from_wire(r).rcode() == dns.rcode.NOERROR for r in replies)
+        assert server.in_flight == 0
+        assert dns.message.from_wire(await server.answer(query)).rcode() == dns.rcode.NOERROR
+    assert (server.queries, server.forwarded, server.rejected) == (sdns.MAX_FORWARDED + 2, sdns.MAX_FORWARDED + 1, 1)
