@@ -523,7 +523,7 @@ class Agent:
 
     def _apply_peers(self) -> None:
         if self.service is not None:
-            self.service.set_peers(self.peering.peers(self.cfg))
+            self.service.set_peers(self.peering.peers(self.cfg, self.cluster))
             self.service.set_listen_ranges(listen_ranges(self.cfg))
 
     # ================================================================ route programmer

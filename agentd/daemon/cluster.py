@@ -18,6 +18,10 @@ never reaches the browser, and mutating endpoints stay on loopback (and behind t
 credential).  A node that does not answer a gathered GET within ``TIMEOUT`` (a followed
 stream: ``FOLLOW_IDLE`` without a byte, keep-alives included) is shown as unreachable with
 the reason; nothing is cached, so every answer is the nodes' own data at that moment.
+The token goes only to the address a node registered on the underlay (its record's
+``address``, IPv6 in an IPv6-only cluster): never to a loopback, link-local, unspecified,
+multicast or reserved address (:func:`unsafe_address`) -- a node record naming one is shown as
+unreachable with that reason, and nothing is sent.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from ipaddress import IPv6Address, ip_address
 from typing import Any
 
 import aiohttp
@@ -39,6 +44,23 @@ RELAY_MAX = 64 << 20  # bytes of one node's answer a gathering node holds (a lar
 KEEPALIVE = 10.0  # seconds between empty lines on a quiet followed stream (proxies close idle ones)
 FOLLOW_IDLE = 2.5 * KEEPALIVE  # seconds without a byte after which a followed node counts as gone
 RELAYED = ("status", "peers", "routes", "policy", "services", "flows", "rib", "metrics", "healthz", "readyz")
+
+
+def unsafe_address(address: str) -> str | None:
+    """Why the read token must not be sent to ``address`` (a node record's), or None: it is
+    no underlay address of another host (loopback, link-local, unspecified, multicast
+    or reserved (240.0.0.0/4, the broadcast address among them); an IPv4-mapped IPv6 address is judged as its IPv4 one) or no IP
+    address at all."""
+    try:
+        a = ip_address(address)
+    except ValueError:
+        return f"{address!r} is not an IP address"
+    if isinstance(a, IPv6Address) and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    for kind in ("loopback", "link_local", "unspecified", "multicast", "reserved"):
+        if getattr(a, f"is_{kind}"):
+            return f"its address {address} is {kind.replace('_', '-')}"
+    return None
 
 
 class NodeAnswered(OSError):
@@ -82,6 +104,9 @@ class ClusterView:
         address = self.nodes().get(node)
         if address is None:
             raise KeyError(node)
+        why = unsafe_address(address)
+        if why is not None:  # a node record's word: the token is not sent there
+            raise OSError(f"{node} not asked: {why}, not a node's underlay address")
         host = f"[{address}]" if ":" in address else address
         return f"http://{host}:{self.port}{path}"
 
@@ -95,8 +120,9 @@ class ClusterView:
         ``TIMEOUT`` to connect and between two reads, ``GATHER_TOTAL`` in all."""
         self._check()
         timeout = aiohttp.ClientTimeout(total=GATHER_TOTAL, sock_connect=TIMEOUT, sock_read=TIMEOUT)
+        url = self.url(node, path)  # first: an address the token must not go to raises before any connection
         try:
-            async with self._client().get(self.url(node, path), headers=self._headers(), timeout=timeout) as resp:
+            async with self._client().get(url, headers=self._headers(), timeout=timeout) as resp:
                 body = bytearray()
                 async for chunk in resp.content.iter_chunked(1 << 16):
                     body += chunk
@@ -122,8 +148,9 @@ class ClusterView:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT, sock_read=self.follow_idle)
         else:
             timeout = aiohttp.ClientTimeout(total=GATHER_TOTAL, sock_connect=TIMEOUT, sock_read=TIMEOUT)
+        url = self.url(node, path)
         try:
-            async with self._client().get(self.url(node, path), headers=self._headers(), timeout=timeout) as resp:
+            async with self._client().get(url, headers=self._headers(), timeout=timeout) as resp:
                 if resp.status != 200:
                     raise NodeAnswered(node, resp.status, await resp.read())
                 async for line in resp.content:

@@ -5,6 +5,13 @@
 with each other as ordinary iBGP peers and with every other node as RR clients
 (RFC 4456); the other nodes peer only with the reflectors.  Configured external
 peers (a top-of-rack router) are added in both modes.
+
+Sessions to nodes have a prefix limit (RFC 4486 Cease/1, :func:`node_max_prefixes`): a node
+announces its pod subnets, a reflector (or, while a cluster moves to reflectors, a node a
+reflector still serves) every node's, and any node passes on what its own external peers
+announce (eBGP-learned routes go to iBGP peers); so the bound is every subnet the pod network
+holds plus ``RELAYED_PREFIXES`` -- it stops a broken or hostile node from pushing millions of
+routes into every agent without cutting a legitimate one.
 """
 
 from __future__ import annotations
@@ -15,12 +22,26 @@ from bgp import PeerSettings
 
 from agentd.config.settings import Config
 from agentd.daemon.speaker import bfd_timers, peer_settings
-from agentd.datastore.store import NodeEvent, NodeRecord
+from agentd.datastore.store import ClusterConfig, NodeEvent, NodeRecord
 
 MESH = "node-to-node mesh"
 REFLECTOR = "route reflector"
 RR_CLIENT = "rr client"
 EXTERNAL = "external"
+
+RELAYED_PREFIXES = 1024  # what a node may pass on from its external peers, beyond the pod subnets
+MAX_NODES = 1 << 16  # no cluster has more nodes: the pod subnets counted at most this many
+NODE_RESTART = 60  # seconds until a node session reset for its prefix limit is tried again
+
+
+def node_max_prefixes(cluster: ClusterConfig | None) -> int | None:
+    """The prefix limit of a session to another node (per family): as many prefixes as the pod
+    network of the cluster's larger family has subnets (at most MAX_NODES), plus
+    RELAYED_PREFIXES; None (no limit) while the cluster record is not known."""
+    if cluster is None:
+        return None
+    count = max(1 << (subnet_len - net.prefixlen) for net, subnet_len in map(cluster.pool, cluster.versions))
+    return min(count, MAX_NODES) + RELAYED_PREFIXES
 
 
 def desired_peers(
@@ -34,10 +55,13 @@ def desired_peers(
     bfd: tuple[float, int] | None = None,
     external: Iterable[PeerSettings] = (),
     session_version: int = 4,
+    max_prefixes: int | None = None,
 ) -> list[PeerSettings]:
     """The peer set for node ``me``.  Sessions are IPv4 (``session_version`` 4: they carry the
     IPv6 routes of a dual-stack cluster too, as BIRD's multi-channel sessions do) or IPv6 (an
-    IPv6-only cluster); nodes without an address of that family are skipped, and so is ``me``."""
+    IPv6-only cluster); nodes without an address of that family are skipped, and so is ``me``.
+    ``max_prefixes``: the limit of each session to a node (:func:`node_max_prefixes`), which is
+    tried again NODE_RESTART seconds after it resets one."""
     out: dict[str, PeerSettings] = {}
     for name, node in sorted(nodes.items()):
         address = node.address if session_version == 4 else node.address_v6
@@ -59,6 +83,8 @@ def desired_peers(
             hold_time=hold_time,
             description=kind,
             bfd=bfd,
+            max_prefixes=max_prefixes,
+            max_prefixes_restart=float(NODE_RESTART) if max_prefixes is not None else None,
         )
         out[ps.key] = ps
     for ps in external:
@@ -85,7 +111,7 @@ class Peering:
         elif ev.kind == "delete" and ev.name:
             self.nodes.pop(ev.name, None)
 
-    def peers(self, cfg: Config) -> list[PeerSettings]:
+    def peers(self, cfg: Config, cluster: ClusterConfig | None = None) -> list[PeerSettings]:
         return desired_peers(
             self.me,
             self.nodes,
@@ -96,4 +122,5 @@ class Peering:
             bfd=bfd_timers(cfg),
             external=[peer_settings(p, cfg, description=EXTERNAL) for p in cfg.bgp.peers],
             session_version=6 if cfg.network.ip_family == "ipv6" else 4,
+            max_prefixes=node_max_prefixes(cluster),
         )

@@ -23,7 +23,7 @@ from proto.nlri import prefix_to_str
 from agentd.config.settings import Config
 from agentd.daemon.mesh import Peering
 from agentd.dataplane.backends import Tunnels
-from agentd.datastore.store import SubnetLease
+from agentd.datastore.store import ClusterConfig, SubnetLease
 from agentd.kernel.forwarding import PeerPlan, desired_routes
 from agentd.kernel.netinfo import Underlay
 from agentd.kernel.route_model import InvalidRoute, Route, canonical_dst, same_route
@@ -44,6 +44,7 @@ class RouteInputs(Protocol):
     underlay: Underlay | None
     lease: SubnetLease | None
     leases: dict[int, SubnetLease]  # by IP version: both in a dual-stack cluster
+    cluster: ClusterConfig | None  # the cluster record in etcd: its pod networks bound what nodes may route
     tunnels: Tunnels | None
     speaker: Speaker | None
     started_bgp: bool
@@ -57,6 +58,8 @@ class KernelRoutes:
         self.plans: dict[str, PeerPlan] = {}  # per peer: how its routes are carried (GET /peers)
         self.plans_v6: dict[str, PeerPlan] = {}  # dual-stack: how its IPv6 pods are reached
         self.rows: list[dict[str, Any]] = []  # GET /routes
+        self.refused: list[dict[str, Any]] = []  # GET /routes too: best paths not installed, and why
+        self._logged_refusals: set[tuple[str, str, str]] = set()  # (dst, peer, reason) logged while refused
         self.restarting = False  # routes of a previous run were adopted
         self.initial_sync_done = False
         self.initial_sync_deadline = 0.0
@@ -112,16 +115,19 @@ class KernelRoutes:
             return
         others = [n for n in i.peering.nodes.values() if n.name != i.name]
         bests = ((prefix_to_str(afi, prefix), path.next_hop, path.source.local) for (afi, prefix), path in self._bests.items())
+        cluster = i.cluster
         plan = desired_routes(
             bests, others, i.underlay, i.tunnels.paths(),
             own_subnets=[str(lease.subnet) for _v, lease in sorted(i.leases.items())],
             blackhole_metric=BLACKHOLE_METRIC, own_backend=i.cfg.network.backend, encap=i.cfg.network.encap,
             available=i.tunnels.available, versions=tuple(sorted(i.leases)),
+            pod_networks=None if cluster is None else [cluster.pool(v)[0] for v in cluster.versions],
         )  # fmt: skip
         routes = plan.routes
         self.plans = plan.plans
         self.plans_v6 = plan.plans_v6
         self.rows = plan.rows
+        self._log_refusals(plan.refused)
         self._wanted = {r.dst: r for r in routes}
         if not self.initial_sync_done and self._initial_sync_complete():
             self.initial_sync_done = True
@@ -144,6 +150,15 @@ class KernelRoutes:
             self._tick = None
         self.programmer.set_desired(routes)
 
+    def _log_refusals(self, refused: list[dict[str, Any]]) -> None:
+        """Each refused best path logged once while it stays refused (a peer may re-send it at
+        every recompute); one that comes back after being dropped is logged again."""
+        self.refused = refused
+        now = {(r["dst"], r["peer"], r["reason"]) for r in refused}
+        for dst, peer, reason in sorted(now - self._logged_refusals):
+            log.warning("route to %s via %s not installed: %s", dst, peer, reason)
+        self._logged_refusals = now
+
     def _initial_sync_complete(self) -> bool:
         """RFC 4724 §4.1: every peer Established with End-of-RIB received, or the deadline passed."""
         i = self.inputs
@@ -164,7 +179,7 @@ class KernelRoutes:
         install it did not fail (a refused replace leaves the old route in place)."""
         prog = self.programmer
         if prog is None:
-            return [dict(row, installed=False) for row in self.rows]
+            return [dict(row, installed=False) for row in [*self.rows, *self.refused]]
         kernel = {r.dst: r for r in prog.programmed()}
         failures = prog.failures
         rows = []
@@ -178,4 +193,4 @@ class KernelRoutes:
             have = kernel.get(want.dst) if want is not None else None
             ok = have is not None and same_route(want, have) and want.dst not in failures
             rows.append(dict(row, installed=ok))
-        return rows
+        return rows + [dict(row, installed=False) for row in self.refused]

@@ -26,7 +26,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv6Address, ip_address
+from ipaddress import (
+    IPv4Address,
+    IPv4Network,
+    IPv6Address,
+    IPv6Network,
+    ip_address,
+    ip_network,
+)
 from typing import Any
 
 from agentd.backend_table import BACKENDS, DATAPATHS, ENCAPSULATING
@@ -282,6 +289,43 @@ class RoutePlan:
     next_hops: dict[str, list[str]]  # per peer address: the destinations routed by those plans
     plans_v6: dict[str, PeerPlan] = field(default_factory=dict)  # dual-stack: the IPv6 plans
     next_hops_v6: dict[str, list[str]] = field(default_factory=dict)  # dual-stack: routed by plans_v6
+    # Best paths not installed because of where they lead (:func:`refusal`): a row each, as
+    # ``rows`` has, with ``backend`` "refused" and the ``reason``.
+    refused: list[dict[str, Any]] = field(default_factory=list)
+
+
+Network = IPv4Network | IPv6Network
+
+
+def refusal(
+    dst: Network,
+    node: NodeRecord | None,
+    *,
+    own: Iterable[Network],
+    pod_networks: Iterable[Network] | None,
+    held: Mapping[Network, str],
+) -> str | None:
+    """Why the best path to ``dst`` through ``node`` (None: a next hop outside the cluster)
+    must not be installed, or None.  A cluster node originates its pod subnets and nothing
+    else (agentd announces only its leases), so what a node's next hop carries must lie in the
+    cluster's pod network of its family and must not be another node's subnet (``held``:
+    subnet -> node, from the node records); and no next hop, external ones included, may take
+    a part of this node's own subnets (``own``) -- a shorter prefix holding them, such as a
+    top-of-rack router's default route, is left alone: the node's own subnet is longer."""
+    for mine in own:
+        if mine.version == dst.version and dst.subnet_of(mine):  # type: ignore[arg-type]
+            return f"{dst} is part of this node's own pod subnet {mine}"
+    if node is None:
+        return None
+    if pod_networks is not None:
+        pools = [n for n in pod_networks if n.version == dst.version]
+        if not any(dst.subnet_of(n) for n in pools):  # type: ignore[arg-type]
+            where = " or ".join(map(str, pools)) or f"no IPv{dst.version} pod network"
+            return f"node {node.name} announced {dst}, outside the cluster's pod network ({where})"
+    for subnet, holder in held.items():
+        if holder != node.name and subnet.version == dst.version and dst.overlaps(subnet):  # type: ignore[arg-type]
+            return f"node {node.name} announced {dst}, which overlaps node {holder}'s subnet {subnet}"
+    return None
 
 
 def next_hop_forms(node: NodeRecord) -> list[str]:
@@ -306,12 +350,21 @@ def desired_routes(
     encap: str,
     available: Callable[[str], str | None] = lambda b: None,
     versions: tuple[int, ...] = (4,),
+    pod_networks: Iterable[str | Network] | None = None,
 ) -> RoutePlan:
     """The routes for ``bests`` (destination, next hop, originated here) through the peers of
     ``nodes`` (other nodes; any other next hop is an external router on the underlay), plus
-    the blackholes of this node's own subnets.  ``versions``: the cluster's pod families.
-    Pure: the agent applies the result."""
+    the blackholes of this node's own subnets.  ``versions``: the cluster's pod families;
+    ``pod_networks``: the cluster's pod network of each family, which a route through a node
+    must lie in (None: not checked).  A best path :func:`refusal` refuses is left out, with a
+    row in ``refused``.  Pure: the agent applies the result."""
     nodes = list(nodes)
+    own_subnets = list(own_subnets)
+    own_nets = [ip_network(s, strict=False) for s in own_subnets]
+    pools = None if pod_networks is None else [ip_network(n, strict=False) for n in pod_networks]
+    held = {net: n.name for n in nodes for net in (n.subnet, n.subnet_v6) if net is not None}
+    by_key = {str(n.peer_address): n for n in nodes}
+    refused: list[dict[str, Any]] = []
     plans_by = {v: {str(n.peer_address): plan_peer(n, underlay, own_backend=own_backend, encap=encap,
                                                     available=available, version=v, paths=paths) for n in nodes}
                 for v in versions}  # fmt: skip
@@ -331,6 +384,14 @@ def desired_routes(
         nh = str(next_hop)
         version = 6 if ":" in dst else 4
         key = owner.get(nh)
+        try:
+            why = refusal(ip_network(dst, strict=False), by_key.get(key) if key is not None else None,
+                          own=own_nets, pod_networks=pools, held=held)
+        except ValueError:  # not a prefix (the speaker gives only prefixes)
+            why = f"{dst!r} is not an IP prefix"
+        if why is not None:
+            refused.append({"dst": dst, "via": None, "dev": None, "backend": "refused", "peer": nh, "reason": why})
+            continue
         plan = plans_by[version].get(key) if key is not None and version in plans_by else None
         if plan is None:
             plan = external.get(nh)
@@ -351,4 +412,5 @@ def desired_routes(
                      "datapath": paths.label(plan)})  # fmt: skip
     plans = {**plans_by.get(primary, {}), **external}
     dual = primary == 4 and 6 in plans_by
-    return RoutePlan(routes, rows, plans, next_hops, plans_by[6] if dual else {}, next_hops_v6 if dual else {})
+    return RoutePlan(routes, rows, plans, next_hops, plans_by[6] if dual else {}, next_hops_v6 if dual else {},
+                     refused)

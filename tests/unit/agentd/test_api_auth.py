@@ -127,3 +127,30 @@ async def test_a_credential_that_is_not_utf8_is_just_wrong():
 
     assert (await auth.guard(lambda: token)(presenting("POST", "127.0.0.1"), _handled)).status == 401
     assert (await auth.read_guard(lambda: token)(presenting("GET", "192.0.2.7"), _handled)).status == 401
+
+
+# -- the cluster view sends its read token only to a node's underlay address ---------------------
+
+async def test_the_cluster_view_never_sends_the_token_to_a_loopback_or_link_local_node():
+    from agentd.daemon.cluster import ClusterView, unsafe_address
+
+    for bad in ("127.0.0.1", "::1", "169.254.169.254", "fe80::1", "0.0.0.0", "::", "224.0.0.1", "ff02::1",
+                "255.255.255.255", "::ffff:127.0.0.1", "not-an-address"):
+        assert unsafe_address(bad) is not None, bad
+    for good in ("10.0.0.2", "172.30.0.11", "2001:db8::2", "fd00::2"):
+        assert unsafe_address(good) is None, good
+    addresses = {"n1": "10.0.0.1", "evil": "127.0.0.1", "meta": "169.254.169.254"}
+    view = ClusterView("n1", lambda: addresses, 9098)
+    view.token = "secret"
+    answers = await view.gather("/status", lambda: {"me": True})
+    assert answers["n1"] == {"me": True}
+    assert answers["evil"] == {"error": "evil not asked: its address 127.0.0.1 is loopback, "
+                                        "not a node's underlay address"}
+    assert "link-local" in answers["meta"]["error"]
+    assert view._session is None  # no connection was even prepared
+    try:
+        async for _ in view.lines("evil", "/flows", follow=True):
+            raise AssertionError("nothing is read")
+    except OSError as err:
+        assert "loopback" in str(err)
+    assert view._session is None

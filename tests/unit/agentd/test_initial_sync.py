@@ -109,14 +109,14 @@ def recomputing(monkeypatch):
 
     def fake_desired(*args, **kwargs):
         calls.append(1)
-        return SimpleNamespace(routes=[], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={})
+        return SimpleNamespace(routes=[], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[])
 
     monkeypatch.setattr(R, "desired_routes", fake_desired)
     tunnels = SimpleNamespace(paths=lambda: None, available=None, apply=lambda *a, **k: None)
     inputs = SimpleNamespace(
         cfg=SimpleNamespace(network=SimpleNamespace(backend="vxlan", encap="always")), name="n1",
         peering=SimpleNamespace(nodes={}, known=False), underlay=object(), lease=object(), leases={},
-        tunnels=tunnels, speaker=Speaker(), started_bgp=True, stopping=False)
+        tunnels=tunnels, speaker=Speaker(), started_bgp=True, stopping=False, cluster=None)
     r = KernelRoutes(inputs)
     r.loop = FakeLoop()
     r.initial_sync_deadline = float("inf")

@@ -360,3 +360,90 @@ def test_a_dual_stack_peer_reached_over_vxlan_for_ipv6_only_gets_its_vtep_entrie
     vtep._sync = _sync
     asyncio.run(vtep.sync({"10.0.0.9": v4}, {}, prune=True))
     assert wanted == {"10.0.0.9": (("10.244.9.0", "fd00:10:244:9::"), "aa:bb:cc:dd:ee:ff")}
+
+
+# -- what a node may route: its pod subnets, never ours (security review) -----------------------
+
+POD_NET = ["10.244.0.0/16"]
+
+
+def _hostile_b_plan(pod_networks=POD_NET, nodes=None):
+    b = node("b", "10.0.0.2", subnet="10.244.2.0/24")
+    c = node("c", "10.0.0.4", subnet="10.244.5.0/24")
+    bests = [("10.244.2.0/24", IPv4Address("10.0.0.2"), False),  # b's own: fine
+             ("0.0.0.0/0", IPv4Address("10.0.0.2"), False),
+             ("10.244.1.0/25", IPv4Address("10.0.0.2"), False),  # part of our own pods' /24
+             ("10.0.0.9/32", IPv4Address("10.0.0.2"), False),  # etcd on the underlay
+             ("10.244.5.0/24", IPv4Address("10.0.0.2"), False),  # node c's subnet
+             ("10.244.9.0/24", IPv4Address("10.0.0.2"), False)]  # in the pod network, nobody's
+    return desired_routes(bests, nodes if nodes is not None else [b, c], UNDERLAY, LocalPaths(),
+                          own_subnets=["10.244.1.0/24"], blackhole_metric=4000, own_backend="host-gw",
+                          encap="always", pod_networks=pod_networks)
+
+
+def test_a_node_routes_only_pod_subnets_that_are_neither_ours_nor_another_nodes():
+    plan = _hostile_b_plan()
+    assert [(r.dst, r.kind) for r in plan.routes] == [
+        ("10.244.1.0/24", "blackhole"), ("10.244.2.0/24", "unicast"), ("10.244.9.0/24", "unicast")]
+    assert [r["dst"] for r in plan.rows] == ["10.244.1.0/24", "10.244.2.0/24", "10.244.9.0/24"]
+    assert plan.next_hops == {"10.0.0.2": ["10.244.2.0/24", "10.244.9.0/24"]}
+    why = {r["dst"]: r["reason"] for r in plan.refused}
+    assert set(why) == {"0.0.0.0/0", "10.244.1.0/25", "10.0.0.9/32", "10.244.5.0/24"}
+    assert all(r["backend"] == "refused" and r["peer"] == "10.0.0.2" for r in plan.refused)
+    assert why["0.0.0.0/0"] == "node b announced 0.0.0.0/0, outside the cluster's pod network (10.244.0.0/16)"
+    assert why["10.0.0.9/32"].startswith("node b announced 10.0.0.9/32, outside")
+    assert why["10.244.1.0/25"] == "10.244.1.0/25 is part of this node's own pod subnet 10.244.1.0/24"
+    assert why["10.244.5.0/24"] == "node b announced 10.244.5.0/24, which overlaps node c's subnet 10.244.5.0/24"
+
+
+def test_without_the_pod_network_a_node_still_cannot_take_ours_or_anothers():
+    plan = _hostile_b_plan(pod_networks=None)
+    why = {r["dst"]: r["reason"] for r in plan.refused}
+    assert set(why) == {"10.244.1.0/25", "10.244.5.0/24", "0.0.0.0/0"}  # the default route holds c's subnet
+    assert why["0.0.0.0/0"] == "node b announced 0.0.0.0/0, which overlaps node c's subnet 10.244.5.0/24"
+
+
+def test_an_external_peer_cannot_take_our_pods_but_keeps_its_other_routes():
+    bests = [("10.244.1.0/24", IPv4Address("10.0.0.1"), False),  # our pod subnet, from the ToR
+             ("10.244.1.128/25", IPv4Address("192.0.2.1"), False),
+             ("0.0.0.0/0", IPv4Address("10.0.0.1"), False),  # a default route holds ours: kept
+             ("198.51.100.0/24", IPv4Address("10.0.0.1"), False)]
+    plan = desired_routes(bests, [], UNDERLAY, LocalPaths(), own_subnets=["10.244.1.0/24"], blackhole_metric=4000,
+                          own_backend="host-gw", encap="always", pod_networks=POD_NET)
+    assert [(r.dst, r.gateway) for r in plan.routes if r.kind == "unicast"] == [
+        ("0.0.0.0/0", "10.0.0.1"), ("198.51.100.0/24", "10.0.0.1")]
+    assert [r["dst"] for r in plan.refused] == ["10.244.1.0/24", "10.244.1.128/25"]
+
+
+def test_ipv6_routes_of_a_node_are_held_to_the_ipv6_pod_network():
+    b = NodeRecord("b", IPv4Address("10.0.0.2"), 64512, IPv4Network("10.244.2.0/24"), False, None, {},
+                   subnet_v6=IPv6Network("fd00:10:244:2::/64"), link_local_v6=IPv6Address("fe80::2"))
+    mapped = IPv6Address("::ffff:10.0.0.2")
+    bests = [("fd00:10:244:2::/64", mapped, False), ("::/0", mapped, False),
+             ("fd00:10:244:3::/80", mapped, False)]
+    plan = desired_routes(bests, [b], UNDERLAY, LocalPaths(), own_subnets=["10.244.1.0/24", "fd00:10:244:3::/64"],
+                          blackhole_metric=4000, own_backend="host-gw", encap="always", versions=(4, 6),
+                          pod_networks=["10.244.0.0/16", "fd00:10:244::/56"])
+    assert {r["dst"] for r in plan.refused} == {"::/0", "fd00:10:244:3::/80"}
+    assert [r.dst for r in plan.routes if r.kind == "unicast"] == ["fd00:10:244:2::/64"]
+
+
+def test_sessions_to_nodes_are_bounded_by_the_pod_networks_subnets():
+    from agentd.daemon.mesh import RELAYED_PREFIXES, node_max_prefixes
+    from agentd.datastore.store import ClusterConfig
+
+    v4 = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+    assert node_max_prefixes(v4) == 256 + RELAYED_PREFIXES
+    dual = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", ip_family="dual",
+                         cidr_v6=IPv6Network("fd00:10:244::/48"), subnet_len_v6=64)
+    assert node_max_prefixes(dual) == 65536 + RELAYED_PREFIXES
+    huge = ClusterConfig(IPv4Network("10.0.0.0/8"), 28, "vxlan", "always")  # 2^20 subnets: at most 65536 nodes
+    assert node_max_prefixes(huge) == 65536 + RELAYED_PREFIXES
+    assert node_max_prefixes(None) is None
+    for mode, me, reflector in (("mesh", "n3", False), ("route-reflector", "n1", True),
+                                ("route-reflector", "n4", False)):
+        peers = desired_peers(me, NODES, mode=mode, i_am_reflector=reflector, max_prefixes=node_max_prefixes(v4),
+                              external=[PeerSettings("192.0.2.1", 65100, description="external")])
+        limits = {p.key: (p.max_prefixes, p.max_prefixes_restart) for p in peers}
+        assert limits.pop("192.0.2.1") == (None, None)  # an external peer's limit is its own configuration
+        assert limits and set(limits.values()) == {(256 + RELAYED_PREFIXES, 60.0)}

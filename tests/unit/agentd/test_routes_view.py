@@ -31,14 +31,15 @@ def routes(monkeypatch):
     def fake_desired(*args, **kwargs):
         rows = [{"dst": r.dst, "via": r.gateway, "dev": r.dev, "backend": "host-gw", "peer": r.gateway}
                 for r in (WANT, WANT6)]
-        return SimpleNamespace(routes=[WANT, WANT6], plans={}, plans_v6={}, rows=rows, next_hops={}, next_hops_v6={})
+        return SimpleNamespace(routes=[WANT, WANT6], plans={}, plans_v6={}, rows=rows, next_hops={}, next_hops_v6={},
+                               refused=[])
 
     monkeypatch.setattr(R, "desired_routes", fake_desired)
     tunnels = SimpleNamespace(paths=lambda: None, available=None, apply=lambda *a, **k: None)
     inputs = SimpleNamespace(
         cfg=SimpleNamespace(network=SimpleNamespace(backend="host-gw", encap="always")), name="n1",
         peering=SimpleNamespace(nodes={}, known=True), underlay=object(), lease=object(), leases={},
-        tunnels=tunnels, speaker=None, started_bgp=False, stopping=False)
+        tunnels=tunnels, speaker=None, started_bgp=False, stopping=False, cluster=None)
 
     def make(programmer):
         r = KernelRoutes(inputs)
@@ -65,3 +66,40 @@ def test_a_refused_route_is_not_installed(routes):
     failures = {WANT.dst: "ENETUNREACH: Network is unreachable"}
     assert routes(Programmer([WANT, WANT6], failures)) == {WANT.dst: False, WANT6.dst: True}
     assert routes(Programmer([WANT6])) == {WANT.dst: False, WANT6.dst: True}
+
+
+def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once(monkeypatch, caplog):
+    from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+
+    from agentd.datastore.store import ClusterConfig, NodeRecord
+    from agentd.kernel.forwarding import LocalPaths
+    from agentd.kernel.netinfo import Underlay
+
+    b = NodeRecord("b", IPv4Address("10.0.0.2"), 64512, IPv4Network("10.244.2.0/24"), False, None, {})
+    underlay = Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"),))
+    tunnels = SimpleNamespace(paths=LocalPaths, available=lambda b: None, apply=lambda *a, **k: None)
+    inputs = SimpleNamespace(
+        cfg=SimpleNamespace(network=SimpleNamespace(backend="host-gw", encap="always")), name="n1",
+        peering=SimpleNamespace(nodes={"b": b}, known=True), underlay=underlay, lease=object(),
+        leases={4: SimpleNamespace(subnet=IPv4Network("10.244.1.0/24"))}, tunnels=tunnels, speaker=None,
+        started_bgp=False, stopping=False, cluster=ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "host-gw", "always"))
+    r = KernelRoutes(inputs)
+    r.adopt(Programmer())
+    r.initial_sync_done = True
+    nh = SimpleNamespace(next_hop=IPv4Address("10.0.0.2"), source=SimpleNamespace(local=False))
+    r._bests = {(1, b"default"): nh, (1, b"b"): nh}
+    monkeypatch.setattr(R, "prefix_to_str", lambda afi, p: {b"default": "0.0.0.0/0", b"b": "10.244.2.0/24"}[p])
+    for _ in range(3):
+        r._recompute()
+    rows = {row["dst"]: row for row in r.installed()}
+    assert rows["0.0.0.0/0"]["installed"] is False and rows["0.0.0.0/0"]["backend"] == "refused"
+    assert "outside the cluster's pod network (10.244.0.0/16)" in rows["0.0.0.0/0"]["reason"]
+    assert rows["10.244.2.0/24"]["backend"] == "host-gw"
+    logged = [m for m in caplog.messages if "not installed" in m]
+    assert logged == [("route to 0.0.0.0/0 via 10.0.0.2 not installed: node b announced 0.0.0.0/0, outside the "
+                       "cluster's pod network (10.244.0.0/16)")]
+    del r._bests[(1, b"default")]
+    r._recompute()
+    r._bests[(1, b"default")] = nh
+    r._recompute()  # gone and back: logged again
+    assert len([m for m in caplog.messages if "not installed" in m]) == 2
