@@ -29,7 +29,7 @@ REFLECTOR = "route reflector"
 RR_CLIENT = "rr client"
 EXTERNAL = "external"
 
-RELAYED_PREFIXES = 1024  # what a node may pass on from its external peers, beyond the pod subnets
+RELAYED_PREFIXES = 16384  # what a node may pass on from its external peers, beyond the pod subnets
 MAX_NODES = 1 << 16  # no cluster has more nodes: the pod subnets counted at most this many
 NODE_RESTART = 60  # seconds until a node session reset for its prefix limit is tried again
 
