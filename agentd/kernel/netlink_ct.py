@@ -28,10 +28,12 @@ text (``str``), so IPv4 and IPv6 entries are the same values.
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 import sys
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from agentd.kernel import netlink as nl
 
@@ -125,6 +127,21 @@ class CtEvent(NamedTuple):
 
 def message(mtype: int, seq: int, flags: int, body: bytes, family: int = nl.AF_INET) -> bytes:
     return nl.encode_nfgen(NFNL_SUBSYS_CTNETLINK << 8 | mtype, flags, seq, family, body)
+
+
+def delete_entries(sock: Any, requests: Iterable[tuple[bytes, str]]) -> int:
+    """Send each IPCTNL_MSG_CT_DELETE request (its message and what it deletes) on ``sock``
+    (an agentd.kernel.netlink_socket.NetlinkSocket); how many entries went.  One gone
+    meanwhile (ENOENT) is not counted; any other error is raised."""
+    deleted = 0
+    for request, what in requests:
+        try:
+            sock.request(request, what=f"deleting conntrack entry {what}", dump=False)
+            deleted += 1
+        except nl.NetlinkError as err:
+            if err.errno != errno.ENOENT:
+                raise
+    return deleted
 
 
 def encode_tuple(kind: int, t: CtTuple) -> bytes:

@@ -20,7 +20,6 @@ the whole table: one is always sent.
 
 from __future__ import annotations
 
-import errno
 import ipaddress
 import socket
 from collections.abc import Iterable, Mapping
@@ -35,6 +34,7 @@ from agentd.kernel.netlink_ct import (
     MSG_NEW,
     CtEvent,
     decode_event,
+    delete_entries,
     message,
 )
 from agentd.kernel.netlink_socket import NetlinkSocket
@@ -93,7 +93,6 @@ def flush_addresses(addresses: Iterable[str]) -> int:
     wanted = {str(ipaddress.ip_address(a)) for a in addresses}
     if not wanted:
         return 0
-    deleted = 0
     # An entry's addresses are in its message as the packed bytes: one without any of them is
     # passed over without being decoded (a busy node's table is large; few entries match).
     packed = [socket.inet_pton(socket.AF_INET6 if ":" in a else socket.AF_INET, a) for a in wanted]
@@ -111,15 +110,9 @@ def flush_addresses(addresses: Iterable[str]) -> int:
                     body = delete_body(buf, start, end)
                     if body is not None:
                         doomed.append((event.family, body, event))
-        for family, body, event in doomed:
-            seq += 1
-            request = message(IPCTNL_MSG_CT_DELETE, seq, nl.NLM_F_REQUEST, body, family)
-            try:
-                sock.request(request, what=f"deleting conntrack entry {event.orig}", dump=False)
-                deleted += 1
-            except nl.NetlinkError as err:
-                if err.errno != errno.ENOENT:  # gone meanwhile
-                    raise
+        deleted = delete_entries(sock, ((message(IPCTNL_MSG_CT_DELETE, seq, nl.NLM_F_REQUEST, body, family),
+                                         str(event.orig))
+                                        for seq, (family, body, event) in enumerate(doomed, start=seq + 1)))
     finally:
         sock.close()
     return deleted

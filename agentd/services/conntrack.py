@@ -30,7 +30,6 @@ Blocking (netlink): the agent calls :func:`flush_udp` in a thread, in its own na
 
 from __future__ import annotations
 
-import errno
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from agentd.kernel.netlink_ct import (
     CtEntry,
     CtTuple,
     decode_event,
+    delete_entries,
     encode_tuple,
 )
 from agentd.kernel.netlink_ct import message as _message
@@ -106,7 +106,6 @@ def flush_udp(stale: Iterable[Stale]) -> int:
     wanted = list(stale)
     if not wanted:
         return 0
-    deleted = 0
     sock = NetlinkSocket(rcvbuf=4 << 20, sndbuf=1 << 20, protocol=nl.NETLINK_NETFILTER)
     try:
         seq = 0
@@ -116,14 +115,8 @@ def flush_udp(stale: Iterable[Stale]) -> int:
             answers = sock.request(encode_dump(seq, family), what="listing conntrack entries", dump=True)
             entries += [e for t, buf, s, end in answers
                         if t == NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW and (e := decode_entry(buf, s, end))]
-        for entry in entries_to_delete(entries, wanted):
-            seq += 1
-            try:
-                sock.request(encode_delete(seq, entry.orig), what=f"deleting conntrack entry {entry.orig}", dump=False)
-                deleted += 1
-            except nl.NetlinkError as err:
-                if err.errno != errno.ENOENT:  # gone meanwhile
-                    raise
+        deleted = delete_entries(sock, ((encode_delete(seq, entry.orig), str(entry.orig))
+                                        for seq, entry in enumerate(entries_to_delete(entries, wanted), start=seq + 1)))
     finally:
         sock.close()
     return deleted
