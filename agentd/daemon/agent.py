@@ -55,6 +55,7 @@ from agentd.dataplane.bpf.datapath import BpfUnavailable
 from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
 from agentd.flows.recorder import restore_sysctls
+from agentd.nft.flowmask import remove_quietly as unmask
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel import sysctl
 from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
@@ -711,6 +712,7 @@ async def leave(cfg: Config) -> int:
         restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))
+        await asyncio.to_thread(unmask)  # the table masking conntrack's events of what the pod programs recorded
         if await masquerade.remove():
             log.info("removed the masquerading table")
         await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir)  # Ingress

@@ -24,6 +24,7 @@ from agentd.datastore.store import Datastore
 from agentd.flows.recorder import CarriedCounts, FlowRecorder, restore_sysctls
 from agentd.flows.views import FlowViews
 from agentd.nft.expr import DropLog
+from agentd.nft.flowmask import FlowMask, remove_quietly
 from agentd.policy.agent import PolicyAgent
 from agentd.services.agent import ServiceAgent
 
@@ -55,6 +56,7 @@ class Observability:
         cfg = self.cfg
         if not cfg.flows.enabled:
             gone = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)
+            await asyncio.to_thread(remove_quietly)  # nothing masks conntrack's events then
             if gone:
                 log.info("flow records switched off: put back %s", ", ".join(gone))
             return
@@ -66,7 +68,9 @@ class Observability:
                                 services=[cfg.network.service_cidr,
                                           *([cfg.network.service_cidr_v6] if 6 in cfg.network.families else [])],
                                 carried=carried,
-                                connections=cfg.flows.connections)
+                                connections=cfg.flows.connections,
+                                # every packet from other nodes' pods passes the wire program
+                                record_remote=cfg.network.backend == "host-gw", mask=FlowMask())
         try:
             await asyncio.to_thread(recorder.open)
         except OSError as err:

@@ -81,6 +81,12 @@ CT_INTERVAL = 0.05  # conntrack events are read at most this often: one wake-up 
 CT_BUDGET = 2048  # datagrams read per turn; more are read at the next turn of the loop
 RESTARTS_MAX = 4096  # carried counts waiting for their connection's end (tuples reused meanwhile)
 NAMES_MAX = 65536  # addresses whose identity is remembered between changes of the pods
+SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
+SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
+CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
+IDLE_NS = 10 * 10**9  # idle this long: ended if conntrack no longer holds it
+REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py (enum podconn_kind; GONE: the sweep's)
+CONN_SYN, CONN_OPEN, CONN_CLOSING = 1, 2, 3  # enum podconn_state
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
 _UNKNOWN = object()  # an address not named yet
 TCP = 6
@@ -192,6 +198,84 @@ class PendingConnection(Deferred):
         return self._flow
 
 
+class Mask(Protocol):
+    """The table masking conntrack's events of the connections the pod programs mark
+    (agentd.nft.flowmask.FlowMask); both blocking, ``install`` raises OSError or RuntimeError."""
+
+    def install(self) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+class Recording(Protocol):
+    """The pod programs recording pods' IPv4 TCP connections themselves
+    (:class:`agentd.dataplane.bpf.podpath.PodFastPath`): starts and ends through a ring
+    buffer, what they hold in a map.  A connection's value: (packets sent by the lower end,
+    by the other, bytes sent by the lower end, by the other, CLOCK_TAI ns of its SYN, of its
+    last packet, state, the client's side, FIN bits)."""
+
+    recording: bool
+
+    def set_recording(self, on: bool, remote: bool = False) -> None: ...
+
+    def recorded(self) -> list[tuple[bytes, int, tuple[int, ...]]]: ...
+
+    def recorded_open(self) -> list[tuple[bytes, tuple[int, ...]]]: ...
+
+    def take_recorded(self, key: bytes) -> tuple[int, ...] | None: ...
+
+
+class PendingRecorded(Deferred):
+    """A start or end of a connection the pod programs recorded (the ring's bytes, unpacked),
+    its ends named when it came; the record is made when it is first read."""
+
+    __slots__ = ("_flow", "item", "names", "node", "offset", "received")
+
+    def __init__(self, node: str, item: tuple[bytes, int, tuple[int, ...]],
+                 names: tuple[Identity | None, Identity | None], offset: int, received: float) -> None:
+        self.node = node
+        self.item: tuple[bytes, int, tuple[int, ...]] | None = item
+        self.names = names  # (client, server)
+        self.offset = offset  # CLOCK_TAI - CLOCK_REALTIME, ns
+        self.received = received
+        self._flow: Flow | None = None
+
+    def flow(self) -> Flow:
+        if self._flow is None:
+            assert self.item is not None
+            self._flow = recorded_flow(self.node, self.item, self.names, self.offset, self.received)
+            self._flow.seq = self.seq
+            self.item = self.names = None  # type: ignore[assignment]
+        return self._flow
+
+
+def recorded_flow(node: str, item: tuple[bytes, int, tuple[int, ...]], names: tuple[Identity | None, Identity | None],
+                  offset: int, received: float) -> Flow:
+    """A record of a connection the pod programs recorded: ``item`` is (podflow key, kind,
+    podconn value), ``names`` its client and server as named when it came, ``offset`` CLOCK_TAI
+    - CLOCK_REALTIME in ns.  The client is the end that sent the SYN; a start is ``new`` (when
+    the SYN passed), anything else ``end`` (when its last packet passed; one the agent found
+    gone from conntrack, when it found it)."""
+    key, kind, v = item
+    p_lo, p_hi, b_lo, b_hi, first, last, _state, client = v[:8]
+    lo, hi = (key[0:4], int.from_bytes(key[8:10], "big")), (key[4:8], int.from_bytes(key[10:12], "big"))
+    (c, cport), (s, sport) = (hi, lo) if client else (lo, hi)
+    src = Peer(socket.inet_ntoa(c), cport, names[0])
+    dst = Peer(socket.inet_ntoa(s), sport, names[1])
+    direction = direction_of(names[0], names[1])
+    if kind == REC_START:
+        return Flow(time=(first - offset) / 1e9, node=node, event="new", protocol="TCP", src=src, dst=dst,
+                    direction=direction)
+    when = received if kind == REC_GONE else (last - offset) / 1e9
+    flow = Flow(time=when, node=node, event="end", protocol="TCP", src=src, dst=dst, direction=direction)
+    if client:
+        flow.packets_sent, flow.bytes_sent, flow.packets_received, flow.bytes_received = p_hi, b_hi, p_lo, b_lo
+    else:
+        flow.packets_sent, flow.bytes_sent, flow.packets_received, flow.bytes_received = p_lo, b_lo, p_hi, b_hi
+    flow.duration = max(0.0, (last - first) / 1e9)
+    return flow
+
+
 def _tuples_only(mtype: int, data: bytes) -> ct.CtEvent | None:
     """An event whose attributes after its tuples are malformed: what its tuples say (no
     counters, no stamps, no status)."""
@@ -220,12 +304,19 @@ class FlowRecorder:
         carried: CarriedCounts | None = None,
         tai_offset: Callable[[], int] = tai_offset_ns,
         connections: bool = True,
+        record_remote: bool = False,
+        mask: Mask | None = None,
     ) -> None:
         """``pods``, ``services``: the pod networks and the Services' ranges (either family); a
         conntrack event of a connection with neither end in them, nor named, is the node's own
         (its IPv4 ones are not even read: the kernel's filter).  ``carried``: the pod fast path's counts.
         ``connections`` False: drops only -- no conntrack events are asked for (nor the
-        sysctls set), so connections cost nothing more than with flows off."""
+        sysctls set), so connections cost nothing more than with flows off.  Where ``carried``
+        can record connections itself (:class:`Recording`), it records pods' IPv4 TCP
+        connections and conntrack's events of those are masked (``mask``);
+        ``record_remote``: those with other nodes' pods too (every packet from them passes the
+        wire program: host-gw); ``mask``: the table masking conntrack's events of what they
+        mark (agentd.nft.flowmask), without which they do not record."""
         self.node = node
         self.directory = directory
         self.state_dir = Path(state_dir)
@@ -250,6 +341,11 @@ class FlowRecorder:
         self.tai_offset = tai_offset
         self._tai_offset = 0
         self._restarts: dict[bytes, deque[Counts]] = {}
+        self.record_remote = record_remote
+        self.mask = mask
+        self.recording: Recording | None = None  # the pod programs, once they record connections
+        self._get_sock: NetlinkSocket | None = None  # the sweep's conntrack look-ups
+        self.swept = 0  # recorded connections the sweep ended
         self._names: dict[bytes, Identity | None] = {}
         self._names_version: int | None = None
         self._log_seq: int | None = None
@@ -266,7 +362,9 @@ class FlowRecorder:
         the last (and the sysctls an earlier run turned on put back).  Raises OSError (one line)."""
         if self.connections:
             self._open_conntrack()
-        else:
+            self._open_recording()
+        elif self.mask is not None:
+            self.mask.remove()
             gone = restore_sysctls(self.state_dir)
             if gone:
                 log.info("flows: connection records off: put back %s", ", ".join(gone))
@@ -307,11 +405,32 @@ class FlowRecorder:
         self.ct_sock = sock
         self._ct_lost_before = self.lost["conntrack"]  # a new socket's drop count starts at 0
 
+    def _open_recording(self) -> None:
+        """The pod programs record pods' IPv4 TCP connections, where they can: conntrack's
+        events of what they mark masked first (the table), then the programs told.  Where
+        either cannot be done, conntrack's events tell of every connection (no table)."""
+        rec = self.carried
+        if self.mask is None:
+            return
+        if rec is None or not hasattr(rec, "set_recording"):
+            self.mask.remove()
+            return
+        try:
+            self.mask.install()
+            rec.set_recording(True, self.record_remote)  # type: ignore[attr-defined]
+        except (OSError, RuntimeError) as err:  # RuntimeError: agentd.nft's NftError
+            log.warning("flows: the pod programs do not record connections, conntrack's events tell of all: %s", err)
+            with contextlib.suppress(OSError):
+                rec.set_recording(False)  # type: ignore[attr-defined]
+            self.mask.remove()
+            return
+        self.recording = rec  # type: ignore[assignment]
+
     def close(self) -> None:
-        for sock in (self.ct_sock, self.log_sock):
+        for sock in (self.ct_sock, self.log_sock, self._get_sock):
             if sock is not None:
                 sock.close()
-        self.ct_sock = self.log_sock = None
+        self.ct_sock = self.log_sock = self._get_sock = None
 
     async def run(self) -> None:
         """The supervised task: read both sockets (the log's alone with ``connections`` False)
@@ -324,14 +443,92 @@ class FlowRecorder:
         if ct_fd is not None:
             loop.add_reader(ct_fd, self._ct_ready)
         loop.add_reader(self.log_sock.fileno(), self._read, self.log_sock, self._on_log, "log")
+        sweeper = None
+        if self.recording is not None:
+            loop.call_later(CT_INTERVAL, self._drain_recorded)
+            sweeper = asyncio.ensure_future(self._sweep_loop())
         try:
             await asyncio.Event().wait()
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
             self._loop = None
             if ct_fd is not None:
                 loop.remove_reader(ct_fd)
             if self.log_sock is not None:
                 loop.remove_reader(self.log_sock.fileno())
+
+    # ------------------------------------------------------------------ connections the pod programs record
+
+    def _drain_recorded(self) -> None:
+        """Starts and ends the programs wrote since the last look (every ``CT_INTERVAL``)."""
+        loop, rec = self._loop, self.recording
+        if loop is None or rec is None:
+            return
+        try:
+            items = rec.recorded()
+            if items:
+                self._on_recorded(items, self.clock())
+        finally:
+            loop.call_later(CT_INTERVAL, self._drain_recorded)
+
+    def _on_recorded(self, items: list[tuple[bytes, int, tuple[int, ...]]], now: float) -> None:
+        self._begin_names()
+        offset, name, node = self.tai_offset(), self._name, self.node
+        entries: list[Entry] = []
+        for item in items:
+            key, _kind, v = item
+            lo, hi = name(key[0:4]), name(key[4:8])
+            entries.append(PendingRecorded(node, item, (hi, lo) if v[7] else (lo, hi), offset, now))
+        self._extend(entries)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL)
+            try:
+                ended = await asyncio.to_thread(self.sweep)
+            except (OSError, nl.NetlinkError) as err:
+                log.warning("flows: looking over the recorded connections: %s", err)
+                continue
+            if ended:
+                self._on_recorded(ended, self.clock())
+
+    def sweep(self, now_tai: int | None = None) -> list[tuple[bytes, int, tuple[int, ...]]]:
+        """Connections the programs hold that ended without telling (blocking): an unanswered
+        SYN after ``SYN_TIMEOUT_NS`` goes without a record (no start was recorded: it was
+        never forwarded, or denied on the way); both FINs seen and nothing for
+        ``CLOSING_TIMEOUT_NS`` (the last ACK went another way, or was lost): ended; idle for
+        ``IDLE_NS`` and no longer held by conntrack (timed out, flushed: a pod deleted): ended,
+        when found so.  Returns the ends, as the ring gives them."""
+        rec = self.recording
+        if rec is None:
+            return []
+        now = time.clock_gettime_ns(time.CLOCK_TAI) if now_tai is None else now_tai
+        out = []
+        for key, v in rec.recorded_open():
+            state, idle = v[6], now - v[5]
+            if state == CONN_SYN:
+                if idle > SYN_TIMEOUT_NS:
+                    rec.take_recorded(key)
+                continue
+            if state == CONN_CLOSING and idle > CLOSING_TIMEOUT_NS:
+                kind = REC_FIN
+            elif idle > IDLE_NS and not self._held(key):
+                kind = REC_GONE
+            else:
+                continue
+            taken = rec.take_recorded(key)
+            if taken is not None:
+                out.append((key, kind, taken))
+                self.swept += 1
+        return out
+
+    def _held(self, key: bytes) -> bool:
+        if self._get_sock is None:
+            self._get_sock = NetlinkSocket(rcvbuf=1 << 16, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
+        t = ct.CtTuple(socket.inet_ntoa(key[0:4]), socket.inet_ntoa(key[4:8]), TCP,
+                       int.from_bytes(key[8:10], "big"), int.from_bytes(key[10:12], "big"))
+        return ct.holds(self._get_sock, t)
 
     # ------------------------------------------------------------------ reading conntrack events
 

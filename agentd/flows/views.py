@@ -63,6 +63,10 @@ class FlowViews:
             "lost": dict(r.lost),
             "followers": len(r.ring.followers),
             "log_group": r.group,
+            # Pods' IPv4 TCP connections recorded by the pod programs (conntrack's events of
+            # them masked): with other nodes' pods too (remote), ended by the agent's sweep.
+            "programs": {"recording": r.recording is not None, "remote": r.recording is not None and r.record_remote,
+                         "swept": r.swept},
         }
 
     def collect(self):

@@ -415,6 +415,133 @@ async def test_same_node_pods_are_seen(shop):
     assert drops[-1]["dst"]["pod"] == "shop/web" and drops[-1]["policies"] == ["shop/default-deny", "shop/web-from-clients"]
 
 
+# Conntrack's NEW and DESTROY events in a node's namespace, as any listener gets them: one line
+# per event (protocol, source, source port, destination, destination port, new/end) until killed.
+CT_EVENTS = """
+import socket, sys
+from agentd.kernel import netlink as nl, netlink_ct as ct
+from agentd.kernel.netlink_socket import NetlinkSocket
+sock = NetlinkSocket(rcvbuf=4 << 20, protocol=nl.NETLINK_NETFILTER)
+for group in (ct.NFNLGRP_CONNTRACK_NEW, ct.NFNLGRP_CONNTRACK_DESTROY):
+    sock.sock.setsockopt(nl.SOL_NETLINK, nl.NETLINK_ADD_MEMBERSHIP, group)
+print("ready", flush=True)
+while True:
+    data = sock.sock.recv(1 << 16)
+    for mtype, _f, _s, _p, start, end in nl.iter_messages(data):
+        ev = ct.decode_event(mtype, data, start, end)
+        if ev is not None:
+            o = ev.orig
+            print(o.proto, o.src, o.sport, o.dst, o.dport, "end" if ev.destroyed else "new", flush=True)
+"""
+
+
+class CtEvents:
+    """Conntrack's events in ``node``'s namespace while the block runs: ``lines`` after it."""
+
+    def __init__(self, node) -> None:
+        self.node, self.lines = node, []
+
+    async def __aenter__(self):
+        self.proc = self.node.ns.popen([sys.executable, "-c", CT_EVENTS], stdout=subprocess.PIPE, text=True)
+        assert (await asyncio.to_thread(self.proc.stdout.readline)).strip() == "ready"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.sleep(0.5)  # what the kernel sent last is read
+        self.proc.kill()
+        out, _ = await asyncio.to_thread(self.proc.communicate, timeout=30)
+        self.lines = [line.split() for line in out.splitlines() if line.strip()]
+
+    def of_port(self, port: int) -> list[list[str]]:
+        return [x for x in self.lines if str(port) in (x[2], x[4])]
+
+
+async def test_pods_tcp_is_recorded_by_the_pod_programs_not_conntrack(shop):
+    """Pods' IPv4 TCP connections are recorded by the pod programs (their start when the answer
+    passes, their end with the last ACK, every packet counted) and conntrack's events of them
+    are masked; conntrack still tells of the rest (UDP here).  Across nodes each node has one
+    start and one end of the connection; on one node, one of each, not two."""
+    node1, node2 = shop.lab.nodes
+    client, web, a, b = (shop.pods[n] for n in ("client", "web", "a", "b"))
+    assert node1.api("/status")["flows"]["programs"]["recording"] is True
+    async with CtEvents(node1) as ev1, CtEvents(node2) as ev2:
+        await send_sizes(client, web, 5006, 41201, [200_000])
+        await send_sizes(a, b, 5006, 41202, [100_000])
+        await shop.echo["a"].udp(b.ip, 5007, 41203, timeout=0.3)
+        for node, port, size in ((node1, 41201, 200_000), (node2, 41201, 200_000), (node2, 41202, 100_000)):
+            got = await records(node, "--port", str(port),
+                                want=lambda r: [x["event"] for x in r] == ["new", "end"],
+                                what=f"{node.name}'s start and end of port {port}")
+            new, end = got
+            assert new["verdict"] == end["verdict"] == "forwarded" and new["protocol"] == "TCP"
+            assert (end["src"]["port"], end["dst"]["port"]) == (port, 5006), shown(end)
+            assert sent(end, size) and end["packets_received"] >= 2 and 0 <= end["duration"] < 30, shown(end)
+            assert end["direction"] == {node1: "egress", node2: "ingress" if port == 41201 else "local"}[node], shown(end)
+    assert not ev1.of_port(41201) and not ev2.of_port(41201) and not ev2.of_port(41202), (ev1.lines, ev2.lines)
+    assert any(x[0] == "17" for x in ev2.of_port(41203)), ev2.lines  # UDP: conntrack's, as ever
+    assert node1.ns.exec("nft", "list", "table", "ip", "agentd-flows").count("ct event set 0x0") == 1
+
+
+async def test_a_denied_syn_is_never_a_forwarded_connection(shop):
+    """other's SYN to web passes node1 (egress is allowed) and is dropped at web's ingress on
+    node2.  node2 records the drop; node1, whose conntrack confirmed the SYN, records no
+    forwarded connection: the pod programs record a start only when the answer comes."""
+    node1, node2 = shop.lab.nodes
+    since = node1.api("/status")["flows"]["seq"]
+    assert (await shop.echo["other"].tcp(shop.pods["web"].ip, 80, timeout=0.5))["failed"] == 1
+    await records(node2, "--verdict", "dropped", "--from-pod", "shop/other", "--to-pod", "shop/web",
+                  want=lambda r: r, what="node2's drop record of other -> web")
+    await asyncio.sleep(1.0)  # conntrack's NEW would have been read within 50 ms
+    mine = [x for x in await agentd_flows(node1, "--from-pod", "shop/other", "--to-pod", "shop/web", "--last", "1000")
+            if x["seq"] > since]
+    assert not [x for x in mine if x["verdict"] == "forwarded"], mine
+
+
+HOLD_OPEN = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+if sys.argv[1] == "listen":
+    s.bind(("0.0.0.0", int(sys.argv[2]))); s.listen(1)
+    print("ready", flush=True)
+    c, _ = s.accept(); c.recv(65536)
+else:
+    s.bind(("0.0.0.0", int(sys.argv[4]))); s.connect((sys.argv[2], int(sys.argv[3]))); s.sendall(b"x" * 1000)
+    print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+async def test_a_connection_conntrack_forgets_gets_its_end(shop):
+    """A connection that ends without FIN or RST (idle until conntrack times it out, or its
+    entry flushed -- here deleted, as `conntrack -D` does): the agent's sweep finds conntrack no
+    longer holds it and records its end, with what was counted, on both nodes."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    server = web.ns.popen(["python3", "-c", HOLD_OPEN, "listen", "5008"], stdout=subprocess.PIPE, text=True)
+    talker = None
+    try:
+        assert (await asyncio.to_thread(server.stdout.readline)).strip() == "ready"
+        talker = client.ns.popen(["python3", "-c", HOLD_OPEN, "connect", web.ip, "5008", "41204"],
+                                 stdout=subprocess.PIPE, text=True)
+        assert (await asyncio.to_thread(talker.stdout.readline)).strip() == "ready"
+        for node in (node1, node2):
+            await records(node, "--port", "41204", "--event", "new", want=lambda r: r, what=f"{node.name}'s start")
+        await asyncio.sleep(1.0)
+        for node in (node1, node2):
+            await forget(node, 41204)
+        for node in (node1, node2):
+            (end,) = await records(node, "--port", "41204", "--event", "end", want=lambda r: r, timeout=40,
+                                   what=f"{node.name}'s end of the forgotten connection")
+            assert end["bytes_sent"] >= 1000 and end["packets_sent"] >= 2, shown(end)
+            assert node.api("/status")["flows"]["programs"]["swept"] >= 1
+    finally:
+        for proc in (server, talker):
+            if proc is not None:
+                proc.kill()
+                proc.communicate()
+
+
 SEND_FROM = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -800,6 +927,9 @@ async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(sho
     try:
         assert node2.api("/status")["flows"]["on"] is True
         assert sysctls() == ("0", "0") and not fast_path_counts()
+        # Nothing masks conntrack's events and the programs record nothing.
+        assert node2.ns.exec("nft", "list", "tables").count("agentd-flows") == 0
+        assert node2.api("/status")["flows"]["programs"]["recording"] is False
         # The isolated pods only, as with flows off -- but all four while Services translate here
         # (an endpoint's reply to a client on its node must meet the un-DNAT: test_services_bridged).
         await auntil(lambda: routed_ports() == (4 if translating() else 2), 10, in_thread=True,

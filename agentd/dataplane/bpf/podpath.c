@@ -163,6 +163,20 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_podends SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__type(key, struct podflow_key);
+	__type(value, struct podconn_value);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podconns SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1024 * 1024);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podrecs SEC(".maps");
+
 /* kfuncs are for GPL-compatible programs: dual-licensed as datapath.c is. */
 char _license[] SEC("license") = "Dual BSD/GPL";
 
@@ -252,6 +266,137 @@ static __always_inline void podflow_restart(struct iphdr *ip, struct tcphdr *tcp
 	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), 0);
 }
 
+/* ------------------------------------------------------------ connections recorded here (podconns) */
+
+static __always_inline void podconn_emit(struct podflow_key *key, struct podconn_value *v, __u32 kind)
+{
+	struct podconn_record rec = {};
+
+	rec.key = *key;
+	rec.kind = kind;
+	rec.value = *v;
+	bpf_ringbuf_output(&agentd_podrecs, &rec, sizeof(rec), 0);
+}
+
+static __always_inline void podconn_count(struct podconn_value *v, __u32 side, __u64 len, __u64 now)
+{
+	if (side) {
+		__sync_fetch_and_add(&v->packets[1], 1);
+		__sync_fetch_and_add(&v->bytes[1], len);
+	} else {
+		__sync_fetch_and_add(&v->packets[0], 1);
+		__sync_fetch_and_add(&v->bytes[0], len);
+	}
+	v->last_tai = now;
+}
+
+/* Whether conntrack holds the connection of ``tuple`` confirmed and untranslated: its first
+ * packet passed every hook of this node, policy included, and the agent's table masked its
+ * events (the table leaves a translated connection's alone). */
+static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_tuple *tuple)
+{
+	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
+	unsigned long status;
+	struct nf_conn *ct;
+
+	ct = bpf_skb_ct_lookup(skb, tuple, sizeof(tuple->ipv4), &opts, sizeof(opts));
+	if (!ct)
+		return 0;
+	status = ct->status;
+	bpf_ct_release(ct);
+	return !(status & (IPS_SRC_NAT | IPS_DST_NAT));
+}
+
+/* An IPv4 TCP packet of a pod's connection that passes a program while the programs record
+ * connections (POD_CFG_RECORD).  ``may_start``: a SYN may open a record here (the answer will
+ * pass a program of this node).  Returns 1 if the connection is recorded here (the packet is
+ * counted in podconns, not podflows), else 0 (conntrack's events tell of it).
+ *
+ * SYN: a new entry (PODCONN_SYN), the packet marked (POD_RECORD_MARK: the agent's nft table
+ * masks conntrack's events of the connection).  The answer -- SYN-ACK or RST from the other
+ * end -- while conntrack holds the entry confirmed (its SYN passed policy): the start goes to
+ * the agent (podrecs).  RST: the end.  FIN from both ends, then the next packet without FIN
+ * (the last ACK): the end.  A new SYN on the tuple ends the one before.  What never ends so
+ * (idle, a pod gone) the agent's sweep ends when conntrack no longer holds it. */
+static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, int may_start)
+{
+	struct podconn_value *v, fresh = {};
+	struct podflow_key key = {};
+	struct bpf_sock_tuple tuple = {};
+	__u32 side = podflow_key(ip, tcp, &key);
+	__u64 len = skb->len - ETH_HLEN, now;
+	int syn = tcp->syn, ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
+
+	tuple.ipv4.saddr = ip->saddr;
+	tuple.ipv4.daddr = ip->daddr;
+	tuple.ipv4.sport = tcp->source;
+	tuple.ipv4.dport = tcp->dest;
+	v = bpf_map_lookup_elem(&agentd_podconns, &key);
+	now = bpf_ktime_get_tai_ns();
+	if (syn && !ack && !fin && !rst) {
+		if (v && v->state == PODCONN_SYN && v->client == side) { /* sent again */
+			podconn_count(v, side, len, now);
+			skb->mark |= POD_RECORD_MARK;
+			return 1;
+		}
+		if (v) {
+			if (v->state != PODCONN_SYN)
+				podconn_emit(&key, v, PODREC_REUSED);
+			bpf_map_delete_elem(&agentd_podconns, &key);
+		}
+		if (!may_start)
+			return 0;
+		fresh.state = PODCONN_SYN;
+		fresh.client = side;
+		fresh.first_tai = now;
+		fresh.last_tai = now;
+		if (side) {
+			fresh.packets[1] = 1;
+			fresh.bytes[1] = len;
+		} else {
+			fresh.packets[0] = 1;
+			fresh.bytes[0] = len;
+		}
+		if (bpf_map_update_elem(&agentd_podconns, &key, &fresh, BPF_ANY))
+			return 0;
+		skb->mark |= POD_RECORD_MARK;
+		return 1;
+	}
+	if (!v)
+		return 0;
+	if (v->state == PODCONN_SYN) {
+		if (side == v->client || (!(syn && ack) && !rst)) {
+			podconn_count(v, side, len, now);
+			return 1;
+		}
+		if (!podconn_plain(skb, &tuple)) { /* translated, or not accepted: conntrack's */
+			bpf_map_delete_elem(&agentd_podconns, &key);
+			return 0;
+		}
+		podconn_count(v, side, len, now);
+		v->state = PODCONN_OPEN;
+		podconn_emit(&key, v, PODREC_START);
+		if (rst) {
+			podconn_emit(&key, v, PODREC_RST);
+			bpf_map_delete_elem(&agentd_podconns, &key);
+		}
+		return 1;
+	}
+	podconn_count(v, side, len, now);
+	if (rst) {
+		podconn_emit(&key, v, PODREC_RST);
+		bpf_map_delete_elem(&agentd_podconns, &key);
+	} else if (fin) {
+		v->fins |= side ? 2 : 1;
+		if (v->fins == 3)
+			v->state = PODCONN_CLOSING;
+	} else if (v->state == PODCONN_CLOSING) {
+		podconn_emit(&key, v, PODREC_FIN);
+		bpf_map_delete_elem(&agentd_podconns, &key);
+	}
+	return 1;
+}
+
 /* The config, if the packet is a candidate at all and the config has every flag of ``need``:
  * IPv4 TCP, no options, no fragment, no SYN, FIN or RST -- but for a SYN (or SYN-ACK) while
  * the programs count per connection, which is returned with ``*opening`` set (never carried,
@@ -275,8 +420,11 @@ static __always_inline struct pod_config *candidate(struct __sk_buff *skb, __u32
 	if (!cfg || (cfg->flags & need) != need)
 		return NULL;
 	*opening = tcp->syn && !tcp->fin && !tcp->rst && (cfg->flags & POD_CFG_COUNT);
-	if ((tcp->syn || tcp->fin || tcp->rst) && !*opening)
-		return NULL;
+	if ((tcp->syn || tcp->fin || tcp->rst) && !*opening) {
+		if (!(cfg->flags & POD_CFG_RECORD))
+			return NULL;
+		*opening = 2; /* a FIN or RST: seen by podconn_see, never carried */
+	}
 	*ipp = ip;
 	*tcpp = tcp;
 	return cfg;
@@ -552,7 +700,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
 	__u32 verdict, ifindex, side;
-	int opening = 0;
+	int opening = 0, recorded = 0;
 	__u8 ttl;
 
 	cfg = candidate(skb, POD_CFG_ON, &ip, &tcp, &opening);
@@ -561,17 +709,21 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	src = bpf_map_lookup_elem(&agentd_podips, &ip->saddr);
 	if (!src || src->ifindex != skb->ifindex)
 		return PASS; /* not this veth's pod: the normal path's spoofing check judges it */
+	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
+	if (cfg->flags & POD_CFG_RECORD)
+		recorded = podconn_see(skb, ip, tcp, dst || ((cfg->flags & POD_CFG_RECORD_REMOTE) &&
+							     in_cluster(cfg, ip->daddr)));
 	if (opening) {
-		podflow_restart(ip, tcp);
+		if (opening == 1)
+			podflow_restart(ip, tcp);
 		return PASS;
 	}
-	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (dst) { /* a pod of this node */
 		ifindex = dst->ifindex;
 		verdict = accepted(skb, ip, tcp, cfg);
 		if (verdict != POD_CARRIED)
 			return count(verdict, skb, PASS);
-		if (cfg->flags & POD_CFG_COUNT) {
+		if ((cfg->flags & POD_CFG_COUNT) && !recorded) {
 			side = podflow_key(ip, tcp, &key);
 			podflow_count(&key, side, skb->len - ETH_HLEN);
 		}
@@ -598,7 +750,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP) || bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
 	    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
 		return count(POD_NO_ROUTE, skb, PASS);
-	if (cfg->flags & POD_CFG_COUNT)
+	if ((cfg->flags & POD_CFG_COUNT) && !recorded)
 		podflow_count(&key, side, skb->len - ETH_HLEN);
 	return count(POD_CARRIED, skb, bpf_redirect(fib.ifindex, 0));
 }
@@ -612,7 +764,7 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
 	__u32 verdict, ifindex, side;
-	int opening = 0;
+	int opening = 0, recorded = 0;
 	__u8 ttl;
 
 	cfg = candidate(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp, &opening);
@@ -623,8 +775,11 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (!dst)
 		return PASS; /* not a pod of this node */
+	if (cfg->flags & POD_CFG_RECORD)
+		recorded = podconn_see(skb, ip, tcp, 1);
 	if (opening) {
-		podflow_restart(ip, tcp);
+		if (opening == 1)
+			podflow_restart(ip, tcp);
 		return PASS;
 	}
 	ifindex = dst->ifindex;
@@ -635,7 +790,7 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	side = podflow_key(ip, tcp, &key); /* the packet pointers die with the store below */
 	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP))
 		return count(POD_NO_ROUTE, skb, PASS);
-	if (cfg->flags & POD_CFG_COUNT)
+	if ((cfg->flags & POD_CFG_COUNT) && !recorded)
 		podflow_count(&key, side, skb->len - ETH_HLEN);
 	return count(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 }

@@ -7,6 +7,7 @@ Pins, next to the data path's in this namespace's directory (see datapath.py)::
         agentd_podips  agentd_podstat  agentd_podcfg      the maps (IPv4)
         agentd_podips6  agentd_podstat6  agentd_podcfg6   the maps (IPv6)
         agentd_podflows  agentd_podflow6  agentd_podends  per-connection counts (flow records)
+        agentd_podconns  agentd_podrecs                   connections the programs record (flow records)
         agentd_pod_fast  agentd_pod_wire                  the programs
         links/agentd_pod_fast-<ifindex>  links/agentd_pod_wire-<ifindex>    the tcx links (tc.py)
 
@@ -57,7 +58,8 @@ OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
 FLOWS, FLOWS6, ENDS = "agentd_podflows", "agentd_podflow6", "agentd_podends"  # per-connection counts (flow records)
-MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS)
+CONNS, RECS = "agentd_podconns", "agentd_podrecs"  # connections recorded by the programs (flow records)
+MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS, CONNS, RECS)
 PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
@@ -66,13 +68,20 @@ CONFIG_VALUE = struct.Struct("<III4s4sI")
 CONFIG6_VALUE = struct.Struct("<16s16s")  # struct pod_config6: cluster_net, cluster_mask
 U32 = struct.Struct("<I")
 VERDICTS = ("carried", "no_conntrack", "not_established", "nat", "no_route")  # enum pod_verdict, in order
-CFG_ON, CFG_ROUTE, CFG_COUNT = 1, 2, 4
+CFG_ON, CFG_ROUTE, CFG_COUNT, CFG_RECORD, CFG_RECORD_REMOTE = 1, 2, 4, 8, 16
 FLOW_KEY = struct.Struct("<4s4s2s2s")  # struct podflow_key: the two ends, the lower (address, port) first
 # struct podflow_value: packets sent by each end, bytes sent by each end, CLOCK_TAI ns of the first
 FLOW_VALUE = struct.Struct("<QQQQQ")
 FLOW_END = struct.Struct("<12s4x40s")  # struct podflow_end: key, value
 FLOW6_KEY = struct.Struct("<16s16s2s2s")  # struct podflow6_key: as FLOW_KEY, IPv6 addresses
 FLOW6_END = struct.Struct("<36s4x40s")  # struct podflow6_end: key, value (the ring tells it by its size)
+# struct podconn_value: packets sent by each end, bytes sent by each end, CLOCK_TAI ns of the SYN
+# and of the last packet, state, the client's side, FIN bits
+CONN_VALUE = struct.Struct("<QQQQQQIBB2x")
+CONN_RECORD = struct.Struct("<12sI56s")  # struct podconn_record: key, kind, value
+CONN_SYN, CONN_OPEN, CONN_CLOSING = 1, 2, 3  # enum podconn_state
+REC_START, REC_FIN, REC_RST, REC_REUSED = 1, 2, 3, 4  # enum podconn_kind
+REC_GONE = 5  # not the programs': the agent's sweep found conntrack no longer holds it
 EXPECTED = {
     IPS: (lb.MAP_TYPE_HASH, 4, POD_VALUE.size),
     STATS: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
@@ -83,6 +92,8 @@ EXPECTED = {
     FLOWS: (lb.MAP_TYPE_LRU_HASH, FLOW_KEY.size, FLOW_VALUE.size),
     FLOWS6: (lb.MAP_TYPE_LRU_HASH, FLOW6_KEY.size, FLOW_VALUE.size),
     ENDS: (lb.MAP_TYPE_RINGBUF, 0, 0),
+    CONNS: (lb.MAP_TYPE_LRU_HASH, FLOW_KEY.size, CONN_VALUE.size),
+    RECS: (lb.MAP_TYPE_RINGBUF, 0, 0),
 }
 CAP_SYS_ADMIN, CAP_PERFMON = 21, 38
 NEEDS_PERFMON = ("the pod fast path needs CAP_PERFMON, which this agent lacks: it reads conntrack's struct nf_conn, "
@@ -164,6 +175,9 @@ class PodFastPath:
         self.wire_id: int | None = None
         self.counting = False  # per-connection counts of what is carried (flow records)
         self.ends: lb.RingBuffer | None = None
+        self.recording = False  # the programs record pods' IPv4 TCP connections (flow records)
+        self.recording_remote = False  # ... with other nodes' pods too
+        self.recs: lb.RingBuffer | None = None
         self.pods: dict[str, int] = {}  # pod address (IPv4 or IPv6) -> ifindex of its veth's host side, as in the maps
         self.attached: set[int] = set()  # veths our program is on (this run)
         self.adopted = False
@@ -268,7 +282,9 @@ class PodFastPath:
         net6 = self.cluster_v6 or IPv6Network(f"{'ffff:' * 7}ffff/128")  # matches no pod either
         lb.map_update(self.maps[CONFIG6], key, CONFIG6_VALUE.pack(net6.network_address.packed, net6.netmask.packed))
         lb.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(
-            CFG_ON | (CFG_ROUTE if route else 0) | (CFG_COUNT if self.counting else 0), established_ms, before,
+            CFG_ON | (CFG_ROUTE if route else 0) | (CFG_COUNT if self.counting else 0)
+            | (CFG_COUNT | CFG_RECORD if self.recording else 0)
+            | (CFG_RECORD_REMOTE if self.recording and self.recording_remote and route else 0), established_ms, before,
             net.network_address.packed, net.netmask.packed, self.wire_ifindex or 0))
 
     def set_counting(self, on: bool) -> None:
@@ -278,6 +294,48 @@ class PodFastPath:
             self.ends = lb.RingBuffer(self.maps[ENDS])
         self.counting = on
         self._configure()
+
+    def set_recording(self, on: bool, remote: bool = False) -> None:
+        """Record pods' IPv4 TCP connections in the programs (podconns, their starts and ends
+        through the ring ``agentd_podrecs``), or stop.  ``remote``: connections with other
+        nodes' pods too -- only where every packet from them passes the wire program.  The
+        caller masks conntrack's events of what the programs mark first (agentd.flows.mask)."""
+        if on and self.recs is None:
+            self.recs = lb.RingBuffer(self.maps[RECS])
+        self.recording, self.recording_remote = on, remote
+        self._configure()
+
+    def recorded(self) -> list[tuple[bytes, int, tuple[int, ...]]]:
+        """Starts and ends of recorded connections since the last call, oldest first: (podflow
+        key, kind -- REC_START, REC_FIN, REC_RST, REC_REUSED --, the podconn value unpacked)."""
+        if self.recs is None:
+            return []
+        out = []
+        for raw in self.recs.drain():
+            if len(raw) == CONN_RECORD.size:
+                key, kind, value = CONN_RECORD.unpack(raw)
+                out.append((key, kind, CONN_VALUE.unpack(value)))
+        return out
+
+    def recorded_open(self) -> list[tuple[bytes, tuple[int, ...]]]:
+        """Every connection the programs hold (podconns): (key, value unpacked)."""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return []
+        out = []
+        for key in lb.map_keys(fd, FLOW_KEY.size):
+            raw = lb.map_lookup(fd, key, CONN_VALUE.size)
+            if raw is not None:
+                out.append((key, CONN_VALUE.unpack(raw)))
+        return out
+
+    def take_recorded(self, key: bytes) -> tuple[int, ...] | None:
+        """A recorded connection out of podconns in one step (its value), None if gone."""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return None
+        raw = lb.map_take(fd, key, CONN_VALUE.size)
+        return CONN_VALUE.unpack(raw) if raw else None
 
     def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int, int]]]:
         """What the programs carried of connections whose tuple a new connection took since the
@@ -308,6 +366,9 @@ class PodFastPath:
         if self.ends is not None:
             self.ends.close()
             self.ends = None
+        if self.recs is not None:
+            self.recs.close()
+            self.recs = None
         if self.obj is not None:
             self.obj.close()
             self.obj = None
