@@ -87,6 +87,10 @@ CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
 IDLE_NS = 10 * 10**9  # idle this long: ended if conntrack no longer holds it
 REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py (enum podconn_kind; GONE: the sweep's)
 CONN_SYN, CONN_OPEN, CONN_CLOSING = 1, 2, 3  # enum podconn_state
+# struct podconn_value: packets sent by the key's lower end, by the other, bytes alike, CLOCK_TAI
+# ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
+CONN_VALUE = struct.Struct("<QQQQQQIBB2x")
+CONN_RECORD = struct.Struct("<12sI56s")  # struct podconn_record: key, kind, value
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
 _UNKNOWN = object()  # an address not named yet
 TCP = 6
@@ -210,59 +214,58 @@ class Mask(Protocol):
 class Recording(Protocol):
     """The pod programs recording pods' IPv4 TCP connections themselves
     (:class:`agentd.dataplane.bpf.podpath.PodFastPath`): starts and ends through a ring
-    buffer, what they hold in a map.  A connection's value: (packets sent by the lower end,
-    by the other, bytes sent by the lower end, by the other, CLOCK_TAI ns of its SYN, of its
-    last packet, state, the client's side, FIN bits)."""
+    buffer, what they hold in a map, as the kernel lays them out (podpath.h: struct
+    podconn_record, struct podconn_value; :data:`CONN_RECORD`, :data:`CONN_VALUE`)."""
 
     recording: bool
 
     def set_recording(self, on: bool, remote: bool = False) -> None: ...
 
-    def recorded(self) -> list[tuple[bytes, int, tuple[int, ...]]]: ...
+    def recorded(self) -> list[bytes]: ...  # struct podconn_record each (CONN_RECORD)
 
-    def recorded_open(self) -> list[tuple[bytes, tuple[int, ...]]]: ...
+    def recorded_open(self) -> list[tuple[bytes, bytes]]: ...  # (key, struct podconn_value)
 
-    def take_recorded(self, key: bytes) -> tuple[int, ...] | None: ...
+    def take_recorded(self, key: bytes) -> bytes | None: ...
 
 
 class PendingRecorded(Deferred):
-    """A start or end of a connection the pod programs recorded (the ring's bytes, unpacked),
-    its ends named when it came; the record is made when it is first read."""
+    """A start or end of a connection the pod programs recorded, as the ring gave it, its two
+    ends (the key's lower and higher) named when it came; the record is made when it is first
+    read."""
 
-    __slots__ = ("_flow", "item", "names", "node", "offset", "received")
+    __slots__ = ("_flow", "hi", "lo", "node", "offset", "raw", "received")
 
-    def __init__(self, node: str, item: tuple[bytes, int, tuple[int, ...]],
-                 names: tuple[Identity | None, Identity | None], offset: int, received: float) -> None:
+    def __init__(self, node: str, raw: bytes, lo: Identity | None, hi: Identity | None, offset: int,
+                 received: float) -> None:
         self.node = node
-        self.item: tuple[bytes, int, tuple[int, ...]] | None = item
-        self.names = names  # (client, server)
+        self.raw: bytes | None = raw
+        self.lo, self.hi = lo, hi
         self.offset = offset  # CLOCK_TAI - CLOCK_REALTIME, ns
         self.received = received
         self._flow: Flow | None = None
 
     def flow(self) -> Flow:
         if self._flow is None:
-            assert self.item is not None
-            self._flow = recorded_flow(self.node, self.item, self.names, self.offset, self.received)
+            assert self.raw is not None
+            self._flow = recorded_flow(self.node, self.raw, self.lo, self.hi, self.offset, self.received)
             self._flow.seq = self.seq
-            self.item = self.names = None  # type: ignore[assignment]
+            self.raw = self.lo = self.hi = None
         return self._flow
 
 
-def recorded_flow(node: str, item: tuple[bytes, int, tuple[int, ...]], names: tuple[Identity | None, Identity | None],
-                  offset: int, received: float) -> Flow:
-    """A record of a connection the pod programs recorded: ``item`` is (podflow key, kind,
-    podconn value), ``names`` its client and server as named when it came, ``offset`` CLOCK_TAI
-    - CLOCK_REALTIME in ns.  The client is the end that sent the SYN; a start is ``new`` (when
-    the SYN passed), anything else ``end`` (when its last packet passed; one the agent found
-    gone from conntrack, when it found it)."""
-    key, kind, v = item
-    p_lo, p_hi, b_lo, b_hi, first, last, _state, client = v[:8]
-    lo, hi = (key[0:4], int.from_bytes(key[8:10], "big")), (key[4:8], int.from_bytes(key[10:12], "big"))
-    (c, cport), (s, sport) = (hi, lo) if client else (lo, hi)
-    src = Peer(socket.inet_ntoa(c), cport, names[0])
-    dst = Peer(socket.inet_ntoa(s), sport, names[1])
-    direction = direction_of(names[0], names[1])
+def recorded_flow(node: str, raw: bytes, lo_id: Identity | None, hi_id: Identity | None, offset: int,
+                  received: float) -> Flow:
+    """A record of a connection the pod programs recorded: ``raw`` is a struct podconn_record,
+    ``lo_id`` and ``hi_id`` its key's lower and higher end as named when it came, ``offset``
+    CLOCK_TAI - CLOCK_REALTIME in ns.  The client is the end that sent the SYN; a start is
+    ``new`` (when the SYN passed), anything else ``end`` (when its last packet passed; one the
+    agent found gone from conntrack, when it found it)."""
+    key, kind, value = CONN_RECORD.unpack(raw)
+    p_lo, p_hi, b_lo, b_hi, first, last, _state, client, _fins = CONN_VALUE.unpack(value)
+    lo = Peer(socket.inet_ntoa(key[0:4]), int.from_bytes(key[8:10], "big"), lo_id)
+    hi = Peer(socket.inet_ntoa(key[4:8]), int.from_bytes(key[10:12], "big"), hi_id)
+    src, dst = (hi, lo) if client else (lo, hi)
+    direction = direction_of(src.identity, dst.identity)
     if kind == REC_START:
         return Flow(time=(first - offset) / 1e9, node=node, event="new", protocol="TCP", src=src, dst=dst,
                     direction=direction)
@@ -472,14 +475,23 @@ class FlowRecorder:
         finally:
             loop.call_later(CT_INTERVAL, self._drain_recorded)
 
-    def _on_recorded(self, items: list[tuple[bytes, int, tuple[int, ...]]], now: float) -> None:
+    def _on_recorded(self, raws: list[bytes], now: float) -> None:
+        """Records as the ring gave them, into the ring as they came, their ends named now."""
         self._begin_names()
-        offset, name, node = self.tai_offset(), self._name, self.node
+        offset, names, name, node, unknown = self.tai_offset(), self._names, self._name, self.node, _UNKNOWN
         entries: list[Entry] = []
-        for item in items:
-            key, _kind, v = item
-            lo, hi = name(key[0:4]), name(key[4:8])
-            entries.append(PendingRecorded(node, item, (hi, lo) if v[7] else (lo, hi), offset, now))
+        size = CONN_RECORD.size
+        for raw in raws:
+            if len(raw) != size:  # not the programs' (an older object's ring): counted, left out
+                self.malformed += 1
+                continue
+            a, b = raw[0:4], raw[4:8]
+            lo, hi = names.get(a, unknown), names.get(b, unknown)
+            if lo is unknown:
+                lo = name(a)
+            if hi is unknown:
+                hi = name(b)
+            entries.append(PendingRecorded(node, raw, lo, hi, offset, now))  # type: ignore[arg-type]
         self._extend(entries)
 
     async def _sweep_loop(self) -> None:
@@ -493,19 +505,20 @@ class FlowRecorder:
             if ended:
                 self._on_recorded(ended, self.clock())
 
-    def sweep(self, now_tai: int | None = None) -> list[tuple[bytes, int, tuple[int, ...]]]:
+    def sweep(self, now_tai: int | None = None) -> list[bytes]:
         """Connections the programs hold that ended without telling (blocking): an unanswered
         SYN after ``SYN_TIMEOUT_NS`` goes without a record (no start was recorded: it was
         never forwarded, or denied on the way); both FINs seen and nothing for
         ``CLOSING_TIMEOUT_NS`` (the last ACK went another way, or was lost): ended; idle for
         ``IDLE_NS`` and no longer held by conntrack (timed out, flushed: a pod deleted): ended,
-        when found so.  Returns the ends, as the ring gives them."""
+        when found so.  Returns the ends, laid out as the ring gives them."""
         rec = self.recording
         if rec is None:
             return []
         now = time.clock_gettime_ns(time.CLOCK_TAI) if now_tai is None else now_tai
         out = []
-        for key, v in rec.recorded_open():
+        for key, raw in rec.recorded_open():
+            v = CONN_VALUE.unpack(raw)
             state, idle = v[6], now - v[5]
             if state == CONN_SYN:
                 if idle > SYN_TIMEOUT_NS:
@@ -519,7 +532,7 @@ class FlowRecorder:
                 continue
             taken = rec.take_recorded(key)
             if taken is not None:
-                out.append((key, kind, taken))
+                out.append(CONN_RECORD.pack(key, kind, taken))
                 self.swept += 1
         return out
 

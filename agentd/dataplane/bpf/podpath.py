@@ -305,20 +305,13 @@ class PodFastPath:
         self.recording, self.recording_remote = on, remote
         self._configure()
 
-    def recorded(self) -> list[tuple[bytes, int, tuple[int, ...]]]:
-        """Starts and ends of recorded connections since the last call, oldest first: (podflow
-        key, kind -- REC_START, REC_FIN, REC_RST, REC_REUSED --, the podconn value unpacked)."""
-        if self.recs is None:
-            return []
-        out = []
-        for raw in self.recs.drain():
-            if len(raw) == CONN_RECORD.size:
-                key, kind, value = CONN_RECORD.unpack(raw)
-                out.append((key, kind, CONN_VALUE.unpack(value)))
-        return out
+    def recorded(self) -> list[bytes]:
+        """Starts and ends of recorded connections since the last call, oldest first, as the
+        ring holds them (struct podconn_record, CONN_RECORD: read when a record is made)."""
+        return self.recs.drain() if self.recs is not None else []
 
-    def recorded_open(self) -> list[tuple[bytes, tuple[int, ...]]]:
-        """Every connection the programs hold (podconns): (key, value unpacked)."""
+    def recorded_open(self) -> list[tuple[bytes, bytes]]:
+        """Every connection the programs hold (podconns): (key, value as the map holds it)."""
         fd = self.maps.get(CONNS)
         if fd is None:
             return []
@@ -326,16 +319,15 @@ class PodFastPath:
         for key in lb.map_keys(fd, FLOW_KEY.size):
             raw = lb.map_lookup(fd, key, CONN_VALUE.size)
             if raw is not None:
-                out.append((key, CONN_VALUE.unpack(raw)))
+                out.append((key, raw))
         return out
 
-    def take_recorded(self, key: bytes) -> tuple[int, ...] | None:
+    def take_recorded(self, key: bytes) -> bytes | None:
         """A recorded connection out of podconns in one step (its value), None if gone."""
         fd = self.maps.get(CONNS)
         if fd is None:
             return None
-        raw = lb.map_take(fd, key, CONN_VALUE.size)
-        return CONN_VALUE.unpack(raw) if raw else None
+        return lb.map_take(fd, key, CONN_VALUE.size)
 
     def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int, int]]]:
         """What the programs carried of connections whose tuple a new connection took since the

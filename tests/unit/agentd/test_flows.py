@@ -197,6 +197,9 @@ class Directory:
     def identity(self, ip):
         return self.ids.get(ip)
 
+    def version(self):
+        return 1
+
     def __init__(self):
         self.vips = {("10.96.0.10", 6, 80): "shop/web"}
 
@@ -588,3 +591,77 @@ def test_a_spoofed_drop_names_the_pod_whose_veth_sent_it():
     assert j["sender"] == {"interface": "vethgone"} and "(sent by vethgone)" in line(j)
     j = r.dropped(_decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, devices=(3, 7)))).json()  # type: ignore[union-attr]
     assert "sender" not in j
+
+
+# ------------------------------------------------------------------ connections the pod programs record
+
+
+def _conn(client_hi: bool, state: int, first: int, last: int, kind: int | None = None) -> tuple[bytes, bytes]:
+    """podpath.h's struct podconn_value (and key) of client 10.244.1.2:40000 -> web
+    10.244.2.3:80: the client is the key's lower end (client_hi False) as addresses go."""
+    from agentd.flows.recorder import CONN_VALUE
+
+    key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + (40000).to_bytes(2, "big") + (80).to_bytes(2, "big")
+    value = CONN_VALUE.pack(6, 5, 1400, 900, first, last, state, int(client_hi), 3)
+    return key, value
+
+
+class Programs:
+    """What agentd.dataplane.bpf.podpath.PodFastPath gives the recorder (recording)."""
+
+    recording = True
+
+    def __init__(self, held: dict[bytes, bytes]) -> None:
+        self.held, self.rings = held, []
+
+    def recorded(self):
+        out, self.rings = self.rings, []
+        return out
+
+    def recorded_open(self):
+        return list(self.held.items())
+
+    def take_recorded(self, key):
+        return self.held.pop(key, None)
+
+
+def test_a_recorded_start_and_end_are_records_like_conntracks():
+    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
+
+    r = recorder()
+    key, value = _conn(False, 2, 5_000_000_000, 5_250_000_000)
+    r.tai_offset = lambda: 1_000_000_000
+    r._on_recorded([CONN_RECORD.pack(key, REC_START, value), CONN_RECORD.pack(key, REC_FIN, value), b"short"], 1000.0)
+    assert r.malformed == 1
+    new, end = (f.json() for f in r.ring.last(FlowFilter(), 10))
+    assert (new["event"], new["time"], new["verdict"], new["protocol"], new["direction"]) == ("new", 4.0, "forwarded", "TCP", "ingress")
+    assert (new["src"]["pod"], new["src"]["port"], new["dst"]["pod"], new["dst"]["port"]) == ("shop/client", 40000, "shop/web", 80)
+    assert (end["event"], end["time"], end["duration"]) == ("end", 4.25, 0.25)
+    assert (end["packets_sent"], end["bytes_sent"], end["packets_received"], end["bytes_received"]) == (6, 1400, 5, 900)
+
+
+def test_a_recorded_connection_whose_client_is_the_higher_end_is_turned_round():
+    from agentd.flows.recorder import CONN_RECORD, REC_RST, recorded_flow
+
+    key, value = _conn(True, 2, 1, 2)
+    j = recorded_flow("node2", CONN_RECORD.pack(key, REC_RST, value), CLIENT, WEB, 0, 1000.0).json()
+    assert (j["src"]["ip"], j["src"]["port"], j["dst"]["ip"], j["dst"]["port"]) == ("10.244.2.3", 80, "10.244.1.2", 40000)
+    assert (j["bytes_sent"], j["bytes_received"], j["direction"]) == (900, 1400, "egress")
+
+
+def test_the_sweep_ends_what_ended_silently_and_drops_unanswered_syns():
+    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_GONE, SYN_TIMEOUT_NS
+
+    now = 1_000 * 10**9
+    k_syn, v_syn = _conn(False, 1, 0, now - SYN_TIMEOUT_NS - 1)
+    k_closing, v_closing = _conn(False, 3, 0, now - 3 * 10**9)
+    k_idle, v_idle = _conn(False, 2, 0, now - 60 * 10**9)
+    k_busy, v_busy = _conn(False, 2, 0, now - 10**9)
+    keys = [k[:8] + bytes([i, i]) + k[10:] for i, k in enumerate((k_syn, k_closing, k_idle, k_busy))]
+    r = recorder()
+    r.recording = programs = Programs(dict(zip(keys, (v_syn, v_closing, v_idle, v_busy))))
+    held = []
+    r._held = lambda key: held.append(key) or False  # conntrack no longer holds it
+    ended = [CONN_RECORD.unpack(x)[:2] for x in r.sweep(now)]
+    assert ended == [(keys[1], REC_FIN), (keys[2], REC_GONE)] and held == [keys[2]]
+    assert list(programs.held) == [keys[3]] and r.swept == 2  # the SYN went without a record
