@@ -422,6 +422,7 @@ import socket, sys
 from agentd.kernel import netlink as nl, netlink_ct as ct
 from agentd.kernel.netlink_socket import NetlinkSocket
 sock = NetlinkSocket(rcvbuf=4 << 20, protocol=nl.NETLINK_NETFILTER)
+sock.sock.setblocking(True)
 for group in (ct.NFNLGRP_CONNTRACK_NEW, ct.NFNLGRP_CONNTRACK_DESTROY):
     sock.sock.setsockopt(nl.SOL_NETLINK, nl.NETLINK_ADD_MEMBERSHIP, group)
 print("ready", flush=True)
