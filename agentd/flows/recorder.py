@@ -223,6 +223,8 @@ class Recording(Protocol):
 
     def recorded(self) -> list[bytes]: ...  # struct podconn_record each (CONN_RECORD)
 
+    def recorded_lost(self) -> int: ...  # records the ring could not take, ever
+
     def recorded_open(self) -> list[tuple[bytes, bytes]]: ...  # (key, struct podconn_value)
 
     def take_recorded(self, key: bytes) -> bytes | None: ...
@@ -504,6 +506,8 @@ class FlowRecorder:
                 continue
             if ended:
                 self._on_recorded(ended, self.clock())
+            with contextlib.suppress(OSError):
+                self.lost["programs"] = self.recording.recorded_lost() if self.recording is not None else 0
 
     def sweep(self, now_tai: int | None = None) -> list[bytes]:
         """Connections the programs hold that ended without telling (blocking): an unanswered

@@ -84,9 +84,10 @@ class FlowViews:
                                          "log limit, or folded by the agent's limit", labels=["where"])
         suppressed.add_metric(["kernel"], float(self.kernel_suppressed()))
         suppressed.add_metric(["agent"], float(r.limiter.suppressed))
-        lost = CounterMetricFamily("agentd_flow_events_lost", "conntrack events and logged packets the kernel "
-                                   "could not queue for the agent", labels=["source"])
-        for source in ("conntrack", "log"):
+        lost = CounterMetricFamily("agentd_flow_events_lost", "conntrack events, logged packets and the pod "
+                                   "programs' connection records the kernel could not queue for the agent",
+                                   labels=["source"])
+        for source in ("conntrack", "log", "programs"):
             lost.add_metric([source], float(r.lost.get(source, 0)))
         ring = GaugeMetricFamily("agentd_flow_ring_records", "flow records held in the node's ring")
         ring.add_metric([], float(len(r.ring)))

@@ -177,6 +177,14 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_podrecs SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podlost SEC(".maps");
+
 /* kfuncs are for GPL-compatible programs: dual-licensed as datapath.c is. */
 char _license[] SEC("license") = "Dual BSD/GPL";
 
@@ -275,7 +283,13 @@ static __always_inline void podconn_emit(struct podflow_key *key, struct podconn
 	rec.key = *key;
 	rec.kind = kind;
 	rec.value = *v;
-	bpf_ringbuf_output(&agentd_podrecs, &rec, sizeof(rec), 0);
+	if (bpf_ringbuf_output(&agentd_podrecs, &rec, sizeof(rec), 0)) { /* full: the agent is behind or gone */
+		__u32 zero = 0;
+		__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
+
+		if (lost)
+			*lost += 1;
+	}
 }
 
 static __always_inline void podconn_count(struct podconn_value *v, __u32 side, __u64 len, __u64 now)

@@ -91,7 +91,8 @@ struct podconn_value {
 	__u8 pad[2];
 };
 
-/* podrecs: ring buffer of these: a recorded connection's start and end. */
+/* podrecs: ring buffer of these: a recorded connection's start and end (podlost: per-CPU
+ * array of one __u64, the records the ring could not take). */
 enum podconn_kind {
 	PODREC_START = 1, /* answered: forwarded */
 	PODREC_FIN = 2,   /* ended: both FINs and the last ACK */

@@ -7,7 +7,7 @@ Pins, next to the data path's in this namespace's directory (see datapath.py)::
         agentd_podips  agentd_podstat  agentd_podcfg      the maps (IPv4)
         agentd_podips6  agentd_podstat6  agentd_podcfg6   the maps (IPv6)
         agentd_podflows  agentd_podflow6  agentd_podends  per-connection counts (flow records)
-        agentd_podconns  agentd_podrecs                   connections the programs record (flow records)
+        agentd_podconns  agentd_podrecs  agentd_podlost   connections the programs record (flow records)
         agentd_pod_fast  agentd_pod_wire                  the programs
         links/agentd_pod_fast-<ifindex>  links/agentd_pod_wire-<ifindex>    the tcx links (tc.py)
 
@@ -58,8 +58,8 @@ OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
 FLOWS, FLOWS6, ENDS = "agentd_podflows", "agentd_podflow6", "agentd_podends"  # per-connection counts (flow records)
-CONNS, RECS = "agentd_podconns", "agentd_podrecs"  # connections recorded by the programs (flow records)
-MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS, CONNS, RECS)
+CONNS, RECS, LOST = "agentd_podconns", "agentd_podrecs", "agentd_podlost"  # connections the programs record
+MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS, CONNS, RECS, LOST)
 PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
@@ -94,6 +94,7 @@ EXPECTED = {
     ENDS: (lb.MAP_TYPE_RINGBUF, 0, 0),
     CONNS: (lb.MAP_TYPE_LRU_HASH, FLOW_KEY.size, CONN_VALUE.size),
     RECS: (lb.MAP_TYPE_RINGBUF, 0, 0),
+    LOST: (lb.MAP_TYPE_PERCPU_ARRAY, 4, 8),
 }
 CAP_SYS_ADMIN, CAP_PERFMON = 21, 38
 NEEDS_PERFMON = ("the pod fast path needs CAP_PERFMON, which this agent lacks: it reads conntrack's struct nf_conn, "
@@ -309,6 +310,14 @@ class PodFastPath:
         """Starts and ends of recorded connections since the last call, oldest first, as the
         ring holds them (struct podconn_record, CONN_RECORD: read when a record is made)."""
         return self.recs.drain() if self.recs is not None else []
+
+    def recorded_lost(self) -> int:
+        """Starts and ends the ring could not take (full) since the map was made."""
+        fd = self.maps.get(LOST)
+        if fd is None:
+            return 0
+        raw = lb.map_lookup(fd, U32.pack(0), 8 * self.ncpus)
+        return sum(struct.unpack(f"<{self.ncpus}Q", raw)) if raw else 0
 
     def recorded_open(self) -> list[tuple[bytes, bytes]]:
         """Every connection the programs hold (podconns): (key, value as the map holds it)."""
