@@ -11,6 +11,11 @@ Where the records come from (the kernel, never guessed):
   puts them back.  A Service's connection is translated (DNAT): its original destination is
   the virtual IP (or node port), its reply source the endpoint chosen.  Connections the pod
   fast path carries keep their entry (it is conntrack's judgement the fast path relies on).
+* **pods' IPv4 TCP connections**, where the pod fast path's programs run: the programs
+  record them (podpath.c podconn_see: the start when the answer passes, the end with the last
+  ACK or a RST, every packet counted) into a ring buffer (:class:`Recording`), and conntrack's
+  events of exactly those are masked by one nft rule (agentd.nft.flowmask, handed in as
+  ``mask``); what ends without telling, the agent's sweep ends (:meth:`FlowRecorder.sweep`).
 * **drops**: the drop rules of the policy and services tables log to one NFLOG group
   (``agentd.kernel.netlink_log``) with a prefix that names the rule; the
   :class:`Directory` says what the prefix means (the pod chain and direction -> the
