@@ -587,8 +587,8 @@ async def test_restart_outsiders_leave_and_down(lab_factory, backend, hook):
         for p in pingers:
             p.close()
     for p, (sent, missing) in zip(pingers, results):
-        # The echo sent just before SIGINT may still be on its way when ping stops counting
-        # (Pinger.stop leaves it out); every earlier one must have been answered.
+        # Echoes sent after the last answer may still be on their way when ping stops counting
+        # (Pinger.stop leaves them out); every earlier one must have been answered.
         assert sent > 0 and not missing, (p.dst_ip, sent, sorted(missing)[:20], p.lines[-3:])
     if before is not None:
         # The new agent adopted the pinned maps and swapped in programs of its own.
