@@ -28,6 +28,7 @@ from agentd.lab.wait import aholds, apause, auntil
 
 CLUSTER = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "host-gw", "always")
 TTL = 3
+WRITER_TTL = 60  # the other writers' leases: they only make events for the watch
 LOG = "agentd.datastore"
 
 
@@ -111,9 +112,13 @@ async def test_datastore_rides_through_every_member_loss_and_a_quorum_loss(tmp_p
             if was_leader:
                 await cluster.wait_leader(other_than=member)
             name = f"n{i}"
-            await make().register_node(record(name, None), timeout=20)  # an event while the member is down
+            # An event while the member is down, from a writer whose lease outlives the test (at
+            # TTL, its keep-alives failing over on a loaded machine could let its record expire
+            # and add a delete the watch rightly reports).
+            await make(lease_ttl=WRITER_TTL).register_node(record(name, None), timeout=20)
             expected.append(("put", name))
-            await until(lambda: watch.kinds() == expected, 20, f"the event for {name} with member {i + 1} down")
+            await until(lambda: watch.kinds() == expected, 20,
+                        lambda: f"the event for {name} with member {i + 1} down (have {watch.kinds()})")
             await until(lambda: agent.lease_renewals >= renewals + 2, 20, "two lease keep-alives")
             # The agent's own lease was kept alive: same lease, keys still on it.
             other = await agent.acquire_subnet(
@@ -143,9 +148,10 @@ async def test_datastore_rides_through_every_member_loss_and_a_quorum_loss(tmp_p
         await restart
         await until(lambda: agent.connected, 30, "the datastore to reconnect")
         reconnect = time.monotonic() - t_back
-        await make().register_node(record("after", None), timeout=20)
+        await make(lease_ttl=WRITER_TTL).register_node(record("after", None), timeout=20)
         expected.append(("put", "after"))
-        await until(lambda: watch.kinds() == expected, 20, "the event written after quorum came back")
+        await until(lambda: watch.kinds() == expected, 20,
+                    lambda: f"the event written after quorum came back (have {watch.kinds()})")
         renewals = agent.lease_renewals
         await until(lambda: agent.lease_renewals >= renewals + 2, 20, "two lease keep-alives after quorum")
         stored = await raw_keys(cluster)
