@@ -64,6 +64,7 @@ WRITE_HIGH = 1024 * 1024  # a socket buffer above this pauses the peer's output 
 WRITE_LOW = 256 * 1024  # ... until it drains below this
 CLOSE_LINGER = 5.0  # seconds a closing connection may spend flushing before it is aborted
 STALL_CHECK = 1.0  # seconds between looks at connections whose peer has not taken all we sent
+BFD_RETRY = 30.0  # seconds between tries to open BFD's sockets (or start a session) after one failed
 TCP_INFO_BYTES_ACKED = 120  # linux/tcp.h struct tcp_info: __u64 tcpi_bytes_acked (Linux >= 4.1)
 DEFAULT_BACKLOG = 4096
 
@@ -308,6 +309,7 @@ class SpeakerService:
         self._bfd_version = -1  # the speaker's peers_version the BFD sessions were last synced with
         self._stopping = False
         self._bfd_error: str | None = None  # the last failure to open BFD's sockets, logged once
+        self._bfd_retry: asyncio.TimerHandle | None = None  # the next try after a failure
         self._bfd_learned: dict[str, tuple[object, str]] = {}  # peer -> (its Peer, its BGP session's local address)
         self.clock = clock
         self._wall: WallClock | None = None
@@ -365,6 +367,9 @@ class SpeakerService:
         if self._work_handle is not None:
             self._work_handle.cancel()
             self._work_handle = None
+        if self._bfd_retry is not None:
+            self._bfd_retry.cancel()
+            self._bfd_retry = None
         if self._stalls is not None:
             self._stalls.close()
         for task in list(self._connecting.values()):
@@ -431,7 +436,7 @@ class SpeakerService:
                 self.bfd.set_listen(addresses)
         except OSError as err:
             # Port 3784 taken (BIRD, another agent): BGP goes on without BFD (or without
-            # that receive address); the next change of peers tries again.
+            # that receive address); tried again in BFD_RETRY s and at the next change of peers.
             self._bfd_failed(err)
             if not self.bfd.started:
                 return
@@ -446,6 +451,7 @@ class SpeakerService:
                     self.bfd.add(key, local_address=local, settings=settings)
                 except OSError as err:
                     log.error("peer %s: cannot start BFD: %s", key, err.strerror or err)
+                    self._retry_bfd_later()
                     continue
                 self._bfd_peers[key] = (local, settings)
 
@@ -459,8 +465,19 @@ class SpeakerService:
     def _bfd_failed(self, err: OSError) -> None:
         why = str(err.strerror or err)
         if why != self._bfd_error:  # one line per distinct failure, not one per sync
-            log.error("%s; BGP runs without BFD until the next change of peers tries again", why)
+            log.error("%s; BGP runs without BFD until it can be opened (tried again every %g s "
+                      "and at each change of peers)", why, BFD_RETRY)
             self._bfd_error = why
+        self._retry_bfd_later()
+
+    def _retry_bfd_later(self) -> None:
+        if self._loop is not None and self._bfd_retry is None and not self._stopping:
+            self._bfd_retry = self._loop.call_later(BFD_RETRY, self._retry_bfd)
+
+    def _retry_bfd(self) -> None:
+        self._bfd_retry = None
+        if not self._stopping:
+            self._sync_bfd()
 
     def _bfd_changed(self, peer: str, change: BfdStateChanged) -> None:
         if change.failure:

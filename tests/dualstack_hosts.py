@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import struct
 import subprocess
 import sys
@@ -209,14 +208,6 @@ def iperf6(client, server, dst: str, *extra: str) -> dict:
     result = json.loads(out or "{}")
     assert "error" not in result, result.get("error")
     return result
-
-
-def stop_pinger(pinger) -> tuple[int, str]:
-    pinger.send_signal(2)
-    out, _ = pinger.communicate(timeout=10)
-    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
-    assert m, out
-    return int(m.group(1)) - int(m.group(2)), out[-300:]
 
 
 async def restart_under_ping(lab, node, pairs) -> tuple[list, list[str]]:

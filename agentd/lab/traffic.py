@@ -2,7 +2,11 @@
 
 ``Pinger`` runs ``ping -i INTERVAL`` inside a namespace and records every ``icmp_seq`` that
 was answered, so a test can wait for replies (instead of sleeping while pings go out) and
-count losses by sequence number (a reply still on its way when ping stops is not a loss)::
+count losses by sequence number.  A request is missing only if one sent after it was
+answered: with the round trip longer than the interval, several requests may still be on
+their way when ping stops, and they are not losses.  So a test waits for fresh replies after
+the disruption before stopping (every request sent during it is then below the highest
+answered, and checked)::
 
     pinger = Pinger(pod.ns, other_pod_ip)
     try:
@@ -27,6 +31,13 @@ from agentd.lab.wait import DEFAULT_TIMEOUT, until
 
 _REPLY = re.compile(r"icmp_seq=(\d+) ttl=")
 _SUMMARY = re.compile(r"(\d+) packets transmitted, (\d+) received")
+
+
+def unanswered(sent: int, answered: set[int]) -> set[int]:
+    """The icmp_seq numbers (from 1) lost out of ``sent`` requests of which ``answered`` came
+    back: those below the highest answered that never were.  Any after it may still have
+    been on their way when ping stopped; with nothing answered, every one sent is lost."""
+    return set(range(1, max(answered, default=sent + 1))) - answered
 
 
 class Pinger:
@@ -59,9 +70,10 @@ class Pinger:
               abort=lambda: self.proc.poll() is not None and f"ping exited {self.proc.returncode}: {self.lines[-5:]}")
 
     def stop(self) -> tuple[int, set[int]]:
-        """SIGINT, then ``(echo requests sent, icmp_seq numbers never answered)``.  The request
-        sent just before SIGINT may still be on its way when ping stops counting: it is not
-        in the missing set; every earlier one is, if its reply never came."""
+        """SIGINT, then ``(echo requests sent, icmp_seq numbers never answered)``.  Only the
+        numbers below the highest one answered count: those after it may still have been on
+        their way when ping stopped (one or more, as the round trip is shorter or longer than
+        the interval).  Nothing answered at all: every request sent is missing."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         self.proc.wait(10)
@@ -70,7 +82,7 @@ class Pinger:
         m = _SUMMARY.search(out)
         assert m, out[-500:]
         sent = int(m.group(1))
-        return sent, set(range(1, sent)) - self.answered
+        return sent, unanswered(sent, self.answered)
 
     def close(self) -> None:
         """Kill and reap ping if it still runs; idempotent (for ``finally`` blocks)."""

@@ -144,6 +144,17 @@ def pick_ip(service_cidr: Range, taken: set[str], rng: random.Random) -> str:
             return ip
 
 
+def fill_node_ports(ports: list[dict[str, Any]], held: set[str], rng: random.Random) -> None:
+    """Give each of a Service's ``ports`` without a ``nodePort`` one picked at random: not one
+    ``held`` (by any Service), nor one this Service gives another of its ports, nor one just
+    picked for it."""
+    taken = set(held) | {str(p["nodePort"]) for p in ports if p.get("nodePort")}
+    for p in ports:
+        if not p.get("nodePort"):
+            p["nodePort"] = pick_port(taken, rng)
+            taken.add(str(p["nodePort"]))
+
+
 def pick_port(taken: set[str], rng: random.Random) -> int:
     low, high = NODE_PORT_RANGE
     free = [p for p in range(low, high + 1) if str(p) not in taken]

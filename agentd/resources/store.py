@@ -363,10 +363,7 @@ class ResourceStore:
                 ips.append(allocation.pick_ip(ranges[fam], {v for w, v in taken if w == allocation.SERVICE_IPS}, self.rng))
             spec["clusterIPs"], spec["clusterIP"] = ips, ips[0]
         if spec["type"] == "NodePort":
-            for i, p in enumerate(spec["ports"]):
-                if not p.get("nodePort"):
-                    ports = {v for w, v in taken if w == allocation.NODE_PORTS}
-                    p["nodePort"] = allocation.pick_port(ports, self.rng)
+            allocation.fill_node_ports(spec["ports"], {v for w, v in taken if w == allocation.NODE_PORTS}, self.rng)
         want = allocation.held(new)
         have = allocation.held(old)
         compare: list[Any] = []

@@ -16,7 +16,7 @@ from agentd.cni.netconf import read_subnet_file, write_subnet_file
 from agentd.lab.bird import Bird
 from agentd.lab.lab import ETCD_ADDRESS
 from agentd.lab.netns import Netns, list_names, veth
-from agentd.lab.wait import DEFAULT_TIMEOUT, auntil
+from agentd.lab.wait import DEFAULT_TIMEOUT, auntil, until
 
 AGENTD = str(Path(sys.executable).parent / "agentd")
 
@@ -216,12 +216,21 @@ def test_lab_cli_up_status_exec_down_leaves_nothing(tmp_path):
         assert up.returncode == 0, up.stdout + up.stderr
         for stage in ("etcd up", "agents started", "peers established", "pods attached", "all pods reachable"):
             assert stage in up.stdout, (stage, up.stdout)
-        status = subprocess.run([AGENTD, "lab", "status", "--name", name], capture_output=True, text=True, env=env, timeout=60)
-        assert status.returncode == 0 and "Established" in status.stdout
+        seen = []
+
+        def one_leader():  # one `lab status` may fall in an election (no leader yet): asked again
+            status = subprocess.run([AGENTD, "lab", "status", "--name", name], capture_output=True, text=True, env=env,
+                                    timeout=60)
+            seen[:] = [status.stdout + status.stderr]
+            members = [line for line in status.stdout.splitlines() if f"lab-{name}-" in line]
+            # (an agent whose call fell in the election shows DISCONNECTED until it reconnects)
+            return (status.returncode == 0 and len(members) == 3 and sum("leader" in line for line in members) == 1
+                    and status.stdout.count("etcd connected (http://172.30.0.") == 2 and status)
+
         # Three etcd members, one of them the leader; every agent connected to one of them.
-        members = [line for line in status.stdout.splitlines() if f"lab-{name}-" in line]
-        assert len(members) == 3 and sum("leader" in line for line in members) == 1, status.stdout
-        assert status.stdout.count("etcd connected (http://172.30.0.") == 2, status.stdout
+        status = until(one_leader, 30, interval=0.5,
+                       what=lambda: f"three etcd members, one the leader, both agents connected: {seen}")
+        assert "Established" in status.stdout
         out = subprocess.run([AGENTD, "lab", "exec", "--name", name, "node1", "--", "agentd", "status"], capture_output=True, text=True, env=env, timeout=60)
         assert out.returncode == 0 and "node-to-node mesh" in out.stdout, out.stdout + out.stderr
     finally:

@@ -349,9 +349,11 @@ def test_hold_timer_bird_frozen(routers):
     try:
         took = _frozen_drop(lambda: spk.peer("10.0.0.2")["state"] == "Established")
         row = spk.peer("10.0.0.2")
-        # The hold timer is the behaviour: never early; late only by the (generous) slack a
-        # loaded machine needs to run the timer and answer the poll.
-        assert HOLD - 1 <= took <= HOLD + 5, (took, row)
+        # The hold timer is the behaviour: never early -- less the keepalive interval (1 s, the
+        # last one came up to then before the freeze) and as much again for BIRD sending it
+        # late on a loaded machine; late only by the (generous) slack a loaded machine needs
+        # to run the timer and answer the poll.
+        assert HOLD - 2 <= took <= HOLD + 5, (took, row)
         assert "hold" in (row["info"] or "").lower(), row
         # Hold timer expiry sends a NOTIFICATION: not a graceful restart (which would keep the
         # route for its 120 s restart time), the route goes at once.
@@ -375,8 +377,9 @@ def test_hold_timer_agentd_frozen(routers):
     try:
         took = _frozen_drop(lambda: bird.protocol_state("spk") == "Established")
         # BIRD jitters its hold timer too (bgp_start_timer() takes up to 25% off every timer),
-        # and the last keepalive (1 s interval) came up to 1 s before the freeze.
-        assert 0.75 * HOLD - 1 <= took <= HOLD + 5, (took, bird.protocol_info("spk"))
+        # and the last keepalive (1 s interval) came up to 1 s before the freeze -- 2 s if a
+        # loaded machine held our keepalive back.
+        assert 0.75 * HOLD - 2 <= took <= HOLD + 5, (took, bird.protocol_info("spk"))
         assert "Hold timer expired" in bird.protocol_info("spk")
         eventually(lambda: "10.99.1.0/24" not in bird.routes(), what="agentd's route withdrawn at BIRD")
     finally:
@@ -474,8 +477,10 @@ def test_graceful_restart_agentd_killed(routers):
     # have removed the prefix (not even for the instant between the new OPEN and the UPDATE).
     removed = [line for line in log.splitlines() if "spk.ipv4 > removed" in line and "10.99.1.0/24" in line]
     assert not removed, "BIRD removed agentd's route during the restart:\n" + log
-    # Refreshed: BIRD's graceful restart state for the peer is over.
-    assert "Neighbor graceful restart active" not in bird.protocol_info("spk")
+    # Refreshed: BIRD's graceful restart state for the peer ends (at agentd's End-of-RIB, sent
+    # after its own selection deferral and update window: waited for, not read once).
+    eventually(lambda: "Neighbor graceful restart active" not in bird.protocol_info("spk"),
+               what="BIRD's graceful restart over (agentd's End-of-RIB)")
 
 
 # ---------------------------------------------------------------- unknown peers

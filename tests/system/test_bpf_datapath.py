@@ -41,6 +41,7 @@ from agentd.lab.twohosts import (
     build_two_hosts,
     wait_for,
 )
+from agentd.lab.traffic import Pinger
 from agentd.lab.wait import until
 from proto import packet as P
 
@@ -320,15 +321,6 @@ def _filters(ns, dev):
         return [f for f in tc.filters(int(ns.exec("cat", f"/sys/class/net/{dev}/ifindex")))]
 
 
-def _stop_pinger(pinger) -> tuple[int, str]:
-    """SIGINT to a ``ping`` started with stdout piped: (echoes never answered, the end of its output)."""
-    pinger.send_signal(2)
-    out, _ = pinger.communicate(timeout=10)
-    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
-    assert m, out
-    return int(m.group(1)) - int(m.group(2)), out[-300:]
-
-
 def _bpftool(*args):
     return json.loads(subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True).stdout)
 
@@ -341,8 +333,7 @@ def test_reopen_adopts_the_pins_without_losing_a_packet_and_remove_leaves_nothin
     t = pair.t
     old = pair.dp[1]
     ids = {"progs": set(old.prog_ids.values()), "maps": {map_id(fd) for fd in old.maps.values()}}
-    pinger = t.p1.popen(["ping", "-n", "-i", "0.02", "-W", "1", P2], stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True)
+    pinger = Pinger(t.p1, P2, interval=0.02)
     try:
         assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= 20, 10)
         # The agent dies (its file descriptors go); everything keeps running in the kernel.
@@ -356,9 +347,12 @@ def test_reopen_adopts_the_pins_without_losing_a_packet_and_remove_leaves_nothin
         assert set(new.prog_ids.values()).isdisjoint(ids["progs"])
         before = pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
         assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= before + 20, 10)
+        pinger.wait_replies(20, more=True)  # answers after the swap: every echo before is checked
+        sent, missing = pinger.stop()
     finally:
-        unanswered = _stop_pinger(pinger)
-    assert unanswered[0] <= 1, unanswered[1]  # every echo answered (the last may still be in flight)
+        pinger.close()
+    # Every echo answered (those after the last answer may still have been on their way).
+    assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.lines[-3:])
     # The old programs are gone once replaced; the pinned maps are the same objects.
     live_progs = {p["id"] for p in _bpftool("prog", "show")}
     assert ids["progs"].isdisjoint(live_progs)
@@ -539,8 +533,7 @@ def test_restarts_on_a_busy_device_lose_nothing(pair_factory, hook):
                 libbpf.tcx_attach(u2, libbpf.TCX_INGRESS, pair.dp[2].progs[layout.INGRESS])
     qdiscs_before = t.h2.exec("tc", "qdisc", "show")
     drops_before = {dev: _tx_dropped(t.h2, dev) for dev in ("vp2", "u2")}
-    pinger = t.p1.popen(["ping", "-n", "-i", "0.005", "-W", "1", P2], stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True)
+    pinger = Pinger(t.p1, P2, interval=0.005)
     try:
         assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= 20, 10)
         for _ in range(5):  # an agent restarting on a busy node: new programs in place of the old
@@ -550,9 +543,12 @@ def test_restarts_on_a_busy_device_lose_nothing(pair_factory, hook):
                 tc.attach(vp2, "ingress", dp.progs[layout.INGRESS], name, hook, dp.pins)  # the pods' bridge guarded
         before = pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"]
         assert wait_for(lambda: pair.counters(2)["peers"][H1_UNDERLAY]["rx_packets"] >= before + 20, 10)
+        pinger.wait_replies(20, more=True)  # answers after the restarts: every echo before is checked
+        sent, missing = pinger.stop()
     finally:
-        unanswered = _stop_pinger(pinger)
-    assert unanswered[0] <= 1, unanswered[1]  # every echo answered (the last may still be in flight)
+        pinger.close()
+    # Every echo answered (at 5 ms apart, several after the last answer may still have been on their way).
+    assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.lines[-3:])
     assert {dev: _tx_dropped(t.h2, dev) for dev in ("vp2", "u2")} == drops_before
     assert t.h2.exec("tc", "qdisc", "show") == qdiscs_before  # no qdisc came or went
     # Ours is on each hook once, by the hook asked for; the other kind's is gone.

@@ -1,7 +1,10 @@
 """The datastore against a real etcd 3.4 (EtcdServer on 127.0.0.1, its own ports per test).
 
-No namespaces are needed: etcd listens on loopback only.  TTLs are short (2 s) so
-that liveness and recovery can be seen within seconds.
+No namespaces are needed: etcd listens on loopback only.  Lease TTLs are 5 s: short
+enough that recovery past an expired lease is seen within seconds, long enough that one
+slow keepalive on a loaded machine does not let a lease expire by itself (they come every
+ttl/3: at 2 s every 0.67 s, each with a 1 s timeout).  2 s only where the lease running
+out is what is tested.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from agentd.lab.etcd import EtcdServer
 from agentd.lab.wait import apause, auntil
 
 CLUSTER = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
-TTL = 2
+TTL = 5  # every client's lease unless a test gives another
+SHORT_TTL = 2  # where the lease running out is the point
 LOG = "agentd.datastore"
 
 
@@ -206,7 +210,7 @@ async def test_node_without_keepalive_disappears_after_ttl(etcd_server, stores):
     watcher = Collector(stores())
     try:
         await eventually(lambda: watcher.kinds() == [("snapshot", None)], what="initial snapshot")
-        node = stores()
+        node = stores(lease_ttl=SHORT_TTL)
         lease = await acquire(node, "epsilon")
         await node.register_node(node_record("epsilon", lease.subnet))
         await eventually(lambda: ("put", "epsilon") in watcher.kinds(), what="put event")
@@ -218,8 +222,8 @@ async def test_node_without_keepalive_disappears_after_ttl(etcd_server, stores):
 
         stopped = time.monotonic()
         await node.close()  # no more keepalives, nothing revoked: the lease must run out
-        await eventually(lambda: ("delete", "epsilon") in watcher.kinds(), timeout=TTL + 30, what="delete event")
-        print(f"node key gone {time.monotonic() - stopped:.1f}s after its keepalive stopped (ttl {TTL}s)")
+        await eventually(lambda: ("delete", "epsilon") in watcher.kinds(), timeout=SHORT_TTL + 30, what="delete event")
+        print(f"node key gone {time.monotonic() - stopped:.1f}s after its keepalive stopped (ttl {SHORT_TTL}s)")
         async with raw(etcd_server) as client:
             assert await keys(client) == {}
     finally:

@@ -469,12 +469,14 @@ def _inner_ping(src: str, dst: str) -> bytes:
     return _ipv4_header(src, dst, 1, icmp)
 
 
-def _forged(backend: str, inner: bytes, address: str) -> str:
-    """Python that sends 5 of ``inner`` to ``address`` encapsulated as ``backend``."""
+def _forged(backend: str, inner: bytes, address: str, vtep_mac: str = "ff:ff:ff:ff:ff:ff") -> str:
+    """Python that sends 5 of ``inner`` to ``address`` encapsulated as ``backend`` (VXLAN: in a
+    frame to ``vtep_mac``; the kernel forwards only a frame addressed to its VTEP, never a
+    broadcast one)."""
     if backend == "udp":
         return f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor _ in range(5): s.sendto({inner!r}, ('{address}', 8285))"
     if backend == "vxlan":
-        vx = struct.pack("!II", 0x08000000, 1 << 8) + b"\xff" * 6 + b"\x02" * 6 + b"\x08\x00" + inner
+        vx = struct.pack("!II", 0x08000000, 1 << 8) + bytes.fromhex(vtep_mac.replace(":", "")) + b"\x02" * 6 + b"\x08\x00" + inner
         return f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor _ in range(5): s.sendto({vx!r}, ('{address}', 4789))"
     return f"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_RAW, 4)\nfor _ in range(5): s.sendto({inner!r}, ('{address}', 0))"
 
@@ -487,6 +489,11 @@ def non_member_drops(node, backend: str) -> int:
     return (st.get("drops") or {}).get(f"non_member_{backend}", 0)
 
 
+# The forged pings' inner sources: outside the lab's pod network (a node's random /24 of it
+# could be 10.244.250.0/24, and then its pod's own address matched the capture).
+FORGED_FROM_OUTSIDER, FORGED_FROM_POD = "192.0.2.1", "192.0.2.2"
+
+
 async def _forged_seen(lab, backend: str, target, sender: Netns, inner_src: str, drops: int) -> list[str]:
     """``sender`` sends 5 pings from ``inner_src`` to ``target``'s pod, encapsulated as
     ``backend`` and addressed to ``target``; returns tcpdump's records of those that reached
@@ -494,7 +501,8 @@ async def _forged_seen(lab, backend: str, target, sender: Netns, inner_src: str,
     capture ends once ``target`` counts ``drops`` non-member drops in all: it is done with the
     five by then (the sentinel closes the capture behind anything they caused)."""
     pod = pods_by_node(lab)[target.name][0]
-    code = _forged(backend, _inner_ping(inner_src, pod.ip), target.address)
+    vtep = json.loads(target.ns.ip("-j", "link", "show", "agentd.vxlan").stdout)[0]["address"] if backend == "vxlan" else ""
+    code = _forged(backend, _inner_ping(inner_src, pod.ip), target.address, vtep)
 
     async def send():
         await sender.aexec("python3", "-c", code)
@@ -502,7 +510,8 @@ async def _forged_seen(lab, backend: str, target, sender: Netns, inner_src: str,
                      what=lambda: f"{target.name} to count {drops} non_member_{backend} drops "
                                   f"(has {non_member_drops(target, backend)})")
 
-    return await capture(pod.ns, "eth0", f"icmp and src host {inner_src}", send, (target.ns, pod.ip))
+    return await capture(pod.ns, "eth0", f"icmp[icmptype] == icmp-echo and src host {inner_src} and dst host {pod.ip}",
+                         send, (target.ns, pod.ip))
 
 
 async def _forge_from_pod(lab, backend: str, target, drops: int) -> list[str]:
@@ -510,7 +519,7 @@ async def _forge_from_pod(lab, backend: str, target, drops: int) -> list[str]:
     bridge, not the underlay); returns tcpdump's records of those that came back out to that
     pod."""
     pod = pods_by_node(lab)[target.name][0]
-    return await _forged_seen(lab, backend, target, pod.ns, "10.244.250.2", drops)
+    return await _forged_seen(lab, backend, target, pod.ns, FORGED_FROM_POD, drops)
 
 
 async def _forge_from_outsider(lab, backend: str, target, drops: int) -> list[str]:
@@ -522,7 +531,7 @@ async def _forge_from_outsider(lab, backend: str, target, drops: int) -> list[st
         veth(outsider, "eth0", lab.underlay, "out0")
         lab.underlay.ip("link", "set", "out0", "master", "br0")
         outsider.ip("addr", "add", "172.30.0.99/24", "dev", "eth0")
-    return await _forged_seen(lab, backend, target, outsider, "10.244.250.1", drops)
+    return await _forged_seen(lab, backend, target, outsider, FORGED_FROM_OUTSIDER, drops)
 
 
 # ------------------------------------------------------------------ the life of a node, per backend
@@ -578,8 +587,8 @@ async def test_restart_outsiders_leave_and_down(lab_factory, backend, hook):
         for p in pingers:
             p.close()
     for p, (sent, missing) in zip(pingers, results):
-        # The echo sent just before SIGINT may still be on its way when ping stops counting
-        # (Pinger.stop leaves it out); every earlier one must have been answered.
+        # Echoes sent after the last answer may still be on their way when ping stops counting
+        # (Pinger.stop leaves them out); every earlier one must have been answered.
         assert sent > 0 and not missing, (p.dst_ip, sent, sorted(missing)[:20], p.lines[-3:])
     if before is not None:
         # The new agent adopted the pinned maps and swapped in programs of its own.

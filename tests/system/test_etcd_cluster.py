@@ -23,10 +23,12 @@ import pytest
 from agentd.datastore.store import ClusterConfig, Datastore, DatastoreUnavailable, NodeEvent, NodeRecord
 from agentd.lab.etcd import EtcdCluster, etcd_cluster
 from agentd.lab.interop import Watch
+from agentd.lab.traffic import Pinger
 from agentd.lab.wait import aholds, apause, auntil
 
 CLUSTER = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "host-gw", "always")
 TTL = 3
+WRITER_TTL = 60  # the other writers' leases: they only make events for the watch
 LOG = "agentd.datastore"
 
 
@@ -104,15 +106,19 @@ async def test_datastore_rides_through_every_member_loss_and_a_quorum_loss(tmp_p
         # keep-alives and watch must move to the members that are left, whichever they use.
         expected = [("snapshot", None)]
         for i, member in enumerate(cluster.members):
-            was_leader = member is await cluster.leader()
+            was_leader = member is await cluster.wait_leader()  # not None during an election
             renewals = agent.lease_renewals
             await member.kill()
             if was_leader:
                 await cluster.wait_leader(other_than=member)
             name = f"n{i}"
-            await make().register_node(record(name, None), timeout=20)  # an event while the member is down
+            # An event while the member is down, from a writer whose lease outlives the test (at
+            # TTL, its keep-alives failing over on a loaded machine could let its record expire
+            # and add a delete the watch rightly reports).
+            await make(lease_ttl=WRITER_TTL).register_node(record(name, None), timeout=20)
             expected.append(("put", name))
-            await until(lambda: watch.kinds() == expected, 20, f"the event for {name} with member {i + 1} down")
+            await until(lambda: watch.kinds() == expected, 20,
+                        lambda: f"the event for {name} with member {i + 1} down (have {watch.kinds()})")
             await until(lambda: agent.lease_renewals >= renewals + 2, 20, "two lease keep-alives")
             # The agent's own lease was kept alive: same lease, keys still on it.
             other = await agent.acquire_subnet(
@@ -142,9 +148,10 @@ async def test_datastore_rides_through_every_member_loss_and_a_quorum_loss(tmp_p
         await restart
         await until(lambda: agent.connected, 30, "the datastore to reconnect")
         reconnect = time.monotonic() - t_back
-        await make().register_node(record("after", None), timeout=20)
+        await make(lease_ttl=WRITER_TTL).register_node(record("after", None), timeout=20)
         expected.append(("put", "after"))
-        await until(lambda: watch.kinds() == expected, 20, "the event written after quorum came back")
+        await until(lambda: watch.kinds() == expected, 20,
+                    lambda: f"the event written after quorum came back (have {watch.kinds()})")
         renewals = agent.lease_renewals
         await until(lambda: agent.lease_renewals >= renewals + 2, 20, "two lease keep-alives after quorum")
         stored = await raw_keys(cluster)
@@ -206,23 +213,6 @@ def http_status(node, path: str) -> int:
     return node.ns.http_get(f"http://127.0.0.1:9099{path}")[0]
 
 
-class Pinger:
-    """``ping -i interval`` from one pod to another until stopped; (sent, received)."""
-
-    def __init__(self, src, dst_ip: str, interval: float = 0.2) -> None:
-        self.proc = src.ns.popen(
-            ["ping", "-n", "-i", str(interval), "-W", "1", dst_ip], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-
-    def stop(self) -> tuple[int, int]:
-        self.proc.send_signal(2)  # SIGINT: ping prints its summary
-        out, _ = self.proc.communicate(timeout=10)
-        summary = next((line for line in out.splitlines() if "packets transmitted" in line), "")
-        assert summary, out
-        sent, received = (int(part.split()[0]) for part in summary.split(", ")[:2])
-        return sent, received
-
-
 def probe(lab):
     """What the background poller records for every node: its proto-143 routes and whether its
     datastore says etcd is connected (None if the API does not answer)."""
@@ -276,7 +266,7 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
     timings: dict[str, float] = {}
 
     pods = lab.pods
-    pingers = [Pinger(a, b.ip) for a, b in zip(pods, pods[1:] + pods[:1])]
+    pingers = [Pinger(a.ns, b.ip, interval=0.2) for a, b in zip(pods, pods[1:] + pods[:1])]
     monitors = [
         subprocess.Popen(["ip", "-n", n.ns.name, "monitor", "route"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         for n in lab.nodes
@@ -285,8 +275,7 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
         with Watch(probe(lab), interval=0.15) as kernel:
             # 1. The leader crashes: a new one is elected, the agents on it move on.
             before = {n.name: renewals(n) for n in lab.nodes}
-            leader = await lab.etcd.leader()
-            assert leader is not None
+            leader = await lab.etcd.wait_leader()  # not None by chance: an election may be going on
             t = t0 = time.monotonic()
             await leader.kill()
             second = await lab.etcd.wait_leader(other_than=leader)
@@ -329,12 +318,12 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
             await every_agent(lab, lambda n: renewals(n) >= before[n.name] + 2, 30, "two lease keep-alives after quorum")
             timings["quorum back -> every agent renewed its lease twice"] = time.monotonic() - t_back
             await every_agent(lab, lambda n: http_status(n, "/readyz") == 200, 30, "/readyz 200")
+        for p in pingers:  # answers after quorum is back: every echo sent before is checked
+            await asyncio.to_thread(p.wait_replies, 5, more=True)
         results = [p.stop() for p in pingers]
     finally:
         for p in pingers:
-            if p.proc.poll() is None:
-                p.proc.kill()
-            p.proc.communicate()  # reaped, and its pipe closed
+            p.close()
         deleted = []
         for m in monitors:
             m.terminate()
@@ -351,8 +340,8 @@ async def test_lab_loses_no_route_through_leader_loss_and_quorum_loss(lab_factor
     ]
     assert not changed, changed[:3]
     assert not deleted, deleted
-    for sent, received in results:
-        assert sent > 50 and received == sent, results
+    for sent, missing in results:  # echoes after the last answer may still have been on their way
+        assert sent > 50 and not missing, results
     # 0 subnets renumbered; the same node keys and subnet keys on the same leases, refreshed.
     assert lab.subnets() == subnets
     keys = await lab_keys(lab)

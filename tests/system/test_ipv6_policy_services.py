@@ -154,8 +154,10 @@ async def test_a_dual_stack_service_over_ipv6_cluster_ip_node_port_and_dns(world
         r = await world.echo["client"].tcp(v6, 80, count=60)
         assert r["failed"] == 0 and set(r["names"]) == WEBS, r
         names = []
-        for sport in range(21000, 21024):
+        for sport in range(21000, 21100):  # new flows until every endpoint answered (24 missed one 1 in 5,000)
             names += await world.echo["client"].udp(v6, 53, sport)
+            if set(names) >= WEBS:
+                break
         assert set(names) == WEBS, names
         # What a node shows of it: both cluster IPs, a port per family.
         (svc,) = [s for s in world.lab.nodes[0].api("/services")["services"] if s["name"] == "web"]

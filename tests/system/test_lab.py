@@ -213,6 +213,8 @@ async def test_etcd_down_for_30s_changes_nothing_and_agents_recover(lab_factory,
         await lab.etcd.start()
         await auntil(lambda: all(n.api("/status")["datastore"]["connected"] for n in lab.nodes), 60,
                      what="agents reconnected to etcd", in_thread=True)
+        for p in pingers:  # answers after etcd is back: every echo sent while it was down is checked
+            await asyncio.to_thread(p.wait_replies, 5, more=True)
         results = [p.stop() for p in pingers]
     finally:
         close_all(*pingers)

@@ -49,6 +49,7 @@ from agentd.dataplane.bpf import tc
 from agentd.lab.etcd import EtcdServer
 from agentd.lab.lab import Lab, LabSpec, render_toml
 from agentd.lab.netns import unique_tag, veth
+from agentd.lab.traffic import Pinger
 from agentd.lab.wait import auntil
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -703,15 +704,6 @@ def takeover(node, hook: str, fast: bool, pods: int = 2) -> str | None:
     return None if got == want else f"programs placed {placed}"
 
 
-def stop_pinger(pinger: subprocess.Popen) -> tuple[int, str]:
-    """SIGINT to a ``ping`` started with stdout piped: (echoes never answered, the end of its output)."""
-    pinger.send_signal(signal.SIGINT)
-    out, _ = pinger.communicate(timeout=10)
-    m = re.search(r"(\d+) packets transmitted, (\d+) received", out)
-    assert m, out
-    return int(m.group(1)) - int(m.group(2)), out[-300:]
-
-
 def stop_stream(client: subprocess.Popen) -> list[float]:
     """SIGINT to an ``iperf3 -c`` started with stdout piped; the bytes of each interval it
     reported, but the last (cut short by the signal)."""
@@ -770,8 +762,7 @@ async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path,
         far = next(p for p in lab.pods if p.node is node1)
         # Pod traffic for the whole test: across the nodes (udp in BPF one way, VXLAN through
         # the member filter the other), and a TCP stream between node2's pods (the fast path).
-        pinger = far.ns.popen(["ping", "-n", "-i", "0.05", "-W", "1", here.ip], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+        pinger = Pinger(far.ns, here.ip, interval=0.05)
         server = here.ns.popen(["iperf3", "-s", "-p", "5201"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await auntil(lambda: here.ns.exec("ss", "-Hltn", "sport = :5201").strip(), 10, in_thread=True,
                      what="iperf3 listening")
@@ -808,8 +799,10 @@ async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path,
             assert sandboxed_caps(node.agent_pid()) == sum(1 << c for c in json.loads(unit.read_text())["keep_caps"])
         intervals = stop_stream(client)
         assert min(intervals) > 0, f"the stream stalled: {intervals}"
-        unanswered = stop_pinger(pinger)
-        assert unanswered[0] <= 1, unanswered[1]  # the last may still be in flight
+        answered = pinger.replies()  # answers after the last restart: every echo before is checked
+        await auntil(lambda: pinger.replies() >= answered + 20, what=lambda: f"pings answered: {pinger.lines[-3:]}")
+        sent, missing = pinger.stop()  # those after the last answer may still have been on their way
+        assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.lines[-3:])
         for node in lab.nodes:
             text = node.log_path.read_text()
             for bad in ("Operation not permitted", "not its first data path", "no member filter"):
@@ -828,7 +821,9 @@ async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path,
         text = node1.log_path.read_text()
         assert "pod fast path off: removed the pod fast path from 2 veths" in text and "Traceback" not in text, text[-3000:]
     finally:
-        for proc in (pinger, client, server):
+        if pinger is not None:
+            pinger.close()
+        for proc in (client, server):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()

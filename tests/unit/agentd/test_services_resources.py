@@ -269,6 +269,19 @@ def test_allocator_choices_are_free_and_in_range():
     assert allocation.pick_port(ports, rng) == 32767
 
 
+def test_picked_node_ports_never_repeat_the_services_own_given_or_picked_ones():
+    # Two ports free in the whole range: one given to this Service's first port, so its
+    # other two ports must get the last free one and then find the range full -- never 30000
+    # again, and never the same pick twice.
+    held = {str(p) for p in range(30000, 32768)} - {"30000", "30001", "30002"}
+    ports = [{"port": 80, "nodePort": 30000}, {"port": 81}, {"port": 82}]
+    allocation.fill_node_ports(ports, held, random.Random(0))
+    assert sorted(p["nodePort"] for p in ports) == [30000, 30001, 30002]
+    with pytest.raises(allocation.Exhausted, match="range 30000-32767 is full"):
+        allocation.fill_node_ports([{"port": 80, "nodePort": 30000}, {"port": 81}], held | {"30001", "30002"},
+                                   random.Random(0))
+
+
 def test_carry_over_keeps_ip_and_node_ports_and_refuses_changes():
     old = one(SERVICE)
     old["spec"]["clusterIP"] = "10.96.0.10"

@@ -15,7 +15,7 @@ import pytest
 
 from bgp import ListenRange, PeerSettings, Speaker
 from bgp.settings import LocalSettings
-from bgp.transport import SpeakerService, _Protocol
+from bgp.transport import BFD_RETRY, SpeakerService, _Protocol
 
 RR = "10.1.0.1"
 BFD = (0.1, 3)
@@ -143,6 +143,24 @@ def test_bfd_sockets_that_cannot_be_opened_cost_one_log_line_not_the_caller_and_
     bfd.fail_open = None
     svc.set_peers([peer])
     assert bfd.started and set(bfd.sessions) == {"10.1.0.9"}
+
+
+def test_bfd_sockets_that_cannot_be_opened_are_tried_again_on_a_timer_with_no_change_of_peers(loop, caplog):
+    bfd = FakeBfd(fail_open=OSError(98, "BFD: cannot listen on 0.0.0.0 port 3784: Address already in use"))
+    svc = service(loop, bfd)
+    peer = PeerSettings(IPv4Address("10.1.0.9"), 65000, passive=True, bfd=BFD)
+    with caplog.at_level("ERROR", logger="bgp.transport"):
+        svc.set_peers([peer])
+        retry, opens = svc._bfd_retry, bfd.opens
+        assert retry is not None and retry.when() - loop.time() == pytest.approx(BFD_RETRY, abs=1)
+        retry._run()  # the timer fires: still taken, one more try later, no second log line
+        assert bfd.opens == opens + 1 and not bfd.started and svc._bfd_retry not in (None, retry)
+        bfd.fail_open = None  # the other BFD daemon went
+        svc._bfd_retry._run()
+    assert bfd.started and set(bfd.sessions) == {"10.1.0.9"}
+    assert len([r for r in caplog.records if r.name == "bgp.transport"]) == 1
+    assert svc._bfd_retry is None  # nothing more to try
+    loop.run_until_complete(svc.stop(graceful=False))
 
 
 def test_a_bfd_service_whose_port_is_taken_raises_and_stays_unstarted():
