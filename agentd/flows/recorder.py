@@ -273,11 +273,14 @@ def recorded_flow(node: str, raw: bytes, lo_id: Identity | None, hi_id: Identity
     hi = Peer(socket.inet_ntoa(key[4:8]), int.from_bytes(key[10:12], "big"), hi_id)
     src, dst = (hi, lo) if client else (lo, hi)
     direction = direction_of(src.identity, dst.identity)
+    # ``received`` kept: the ring is in the order records came, which their times are not (a start
+    # keeps its first SYN's, however late the answer; a tuple's reuse ends the connection before).
     if kind == REC_START:
         return Flow(time=(first - offset) / 1e9, node=node, event="new", protocol="TCP", src=src, dst=dst,
-                    direction=direction)
+                    direction=direction, received=received)
     when = received if kind == REC_GONE else (last - offset) / 1e9
-    flow = Flow(time=when, node=node, event="end", protocol="TCP", src=src, dst=dst, direction=direction)
+    flow = Flow(time=when, node=node, event="end", protocol="TCP", src=src, dst=dst, direction=direction,
+                received=received)
     if client:
         flow.packets_sent, flow.bytes_sent, flow.packets_received, flow.bytes_received = p_hi, b_hi, p_lo, b_lo
     else:
@@ -897,7 +900,7 @@ class FlowRecorder:
         flow = Flow(
             time=when, node=self.node, event="end" if ev.destroyed else "new", protocol=protocol_name(orig.proto),
             src=Peer(orig.src, orig.sport, src_id), dst=dst, direction=direction_of(src_id, dst.identity),
-            service=service,
+            service=service, received=received,
         )  # fmt: skip
         if ev.status & ct.IPS_DST_NAT:
             flow.service_ip, flow.service_port = orig.dst, orig.dport

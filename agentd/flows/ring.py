@@ -37,8 +37,11 @@ class Deferred:
 
 
 Entry = Flow | Deferred
-# Records are in the ring in the order the agent heard of them, which is their kernel time's
-# order to within the recorder's read interval: ``since`` looks this far behind it.
+# Records are in the ring in the order the agent heard of them (``Flow.received`` where it is
+# kept, else ``Flow.time``: drops and conntrack's events are taken in within the recorder's read
+# interval of their kernel time): ``since`` stops at the first record taken in this far before
+# it.  A record's ``time`` alone does not order the ring: a start the pod programs recorded
+# keeps its first SYN's time, up to the SYN's timeout before its answer let it be recorded.
 SINCE_SLACK = 1.0
 
 
@@ -86,7 +89,7 @@ class LastSearch:
         for i in range(self.index - 1, stop - 1, -1):
             flow = record(self.records[i])
             if since is not None and flow.time < since:
-                if flow.time < since - SINCE_SLACK:
+                if (flow.time if flow.received is None else flow.received) < since - SINCE_SLACK:
                     self.done = True
                     break
                 continue

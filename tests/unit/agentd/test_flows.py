@@ -665,3 +665,33 @@ def test_the_sweep_ends_what_ended_silently_and_drops_unanswered_syns():
     ended = [CONN_RECORD.unpack(x)[:2] for x in r.sweep(now)]
     assert ended == [(keys[1], REC_FIN), (keys[2], REC_GONE)] and held == [keys[2]]
     assert list(programs.held) == [keys[3]] and r.swept == 2  # the SYN went without a record
+
+
+def test_since_finds_what_came_after_a_start_whose_syn_was_retransmitted():
+    """A recorded start keeps its first SYN's time, which may be long before its answer let it
+    be recorded: ``since`` must not stop at it (the ring is in the order records came)."""
+    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_REUSED, REC_START
+
+    s = 10**9
+    r = recorder()
+    r.tai_offset = lambda: 0
+
+    def rec(kind, port, first, last):
+        key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + port.to_bytes(2, "big") + (80).to_bytes(2, "big")
+        return CONN_RECORD.pack(key, kind, CONN_VALUE.pack(1, 1, 60, 60, first, last, 2, 0, 0))
+
+    r._on_recorded([rec(REC_START, 40001, 1000 * s, 1000 * s)], 1000.0)
+    r._on_recorded([rec(REC_START, 40002, 940 * s, 1001 * s)], 1001.0)  # SYN at 940, answered at 1001
+    r._on_recorded([rec(REC_REUSED, 40004, 900 * s, 910 * s)], 1001.5)  # its last packet at 910
+    r._on_recorded([rec(REC_START, 40003, 1002 * s, 1002 * s)], 1002.0)
+    got = [(f.time, f.src.port) for f in r.ring.last(FlowFilter(), 10, since=995.0)]
+    assert got == [(1000.0, 40001), (1002.0, 40003)]  # the late start keeps its SYN's time
+    assert [f.time for f in r.ring.last(FlowFilter(), 10)] == [1000.0, 940.0, 910.0, 1002.0]
+    # What came well before ``since`` still ends the search.
+    ring = FlowRing(10)
+    for when in (1.0, 2.0, 50.0, 51.0):
+        f = flow()
+        f.time = when
+        ring.add(f)
+    search = ring.search(FlowFilter(), 10, since=50.0)
+    assert search.step(3) and [f.time for f in search.result()] == [50.0, 51.0] and search.index == 1
