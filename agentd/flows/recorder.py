@@ -90,6 +90,7 @@ SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this 
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
 IDLE_NS = 10 * 10**9  # idle this long: ended if conntrack no longer holds it
+HELD_RECHECK_NS = 60 * 10**9  # conntrack found holding an idle one: not asked again for this long
 REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py (enum podconn_kind; GONE: the sweep's)
 CONN_SYN, CONN_OPEN, CONN_CLOSING = 1, 2, 3  # enum podconn_state
 # struct podconn_value: packets sent by the key's lower end, by the other, bytes alike, CLOCK_TAI
@@ -234,6 +235,8 @@ class Recording(Protocol):
 
     def take_recorded(self, key: bytes) -> bytes | None: ...
 
+    def put_recorded(self, key: bytes, value: bytes) -> bool: ...  # back, unless the programs made one since
+
 
 class PendingRecorded(Deferred):
     """A start or end of a connection the pod programs recorded, as the ring gave it, its two
@@ -359,6 +362,9 @@ class FlowRecorder:
         self.recording: Recording | None = None  # the pod programs, once they record connections
         self._get_sock: NetlinkSocket | None = None  # the sweep's conntrack look-ups
         self.swept = 0  # recorded connections the sweep ended
+        # Idle recorded connections conntrack was last found holding: key -> (their SYN's time,
+        # when found), CLOCK_TAI ns; only keys the programs still hold are kept.
+        self._held_at: dict[bytes, tuple[int, int]] = {}
         self._names: dict[bytes, Identity | None] = {}
         self._names_version: int | None = None
         self._log_seq: int | None = None
@@ -523,30 +529,65 @@ class FlowRecorder:
         never forwarded, or denied on the way); both FINs seen and nothing for
         ``CLOSING_TIMEOUT_NS`` (the last ACK went another way, or was lost): ended; idle for
         ``IDLE_NS`` and no longer held by conntrack (timed out, flushed: a pod deleted): ended,
-        when found so.  Returns the ends, laid out as the ring gives them."""
+        when found so -- one that conntrack was found holding is asked about again
+        ``HELD_RECHECK_NS`` later, not at every sweep.  An entry is taken only if it is still
+        the one judged (the tuple may have been reused meanwhile: a new SYN's entry is put
+        back).  Returns the ends, laid out as the ring gives them."""
         rec = self.recording
         if rec is None:
             return []
         now = time.clock_gettime_ns(time.CLOCK_TAI) if now_tai is None else now_tai
         out = []
-        for key, raw in rec.recorded_open():
+        held_at = self._held_at
+        conns = rec.recorded_open()
+        for key, raw in conns:
             v = CONN_VALUE.unpack(raw)
             state, idle = v[6], now - v[5]
             if state == CONN_SYN:
                 if idle > SYN_TIMEOUT_NS:
-                    rec.take_recorded(key)
+                    self._take(rec, key, v)
                 continue
             if state == CONN_CLOSING and idle > CLOSING_TIMEOUT_NS:
                 kind = REC_FIN
-            elif idle > IDLE_NS and not self._held(key):
+            elif idle > IDLE_NS and not self._still_held(key, v[4], now):
                 kind = REC_GONE
             else:
                 continue
-            taken = rec.take_recorded(key)
+            taken = self._take(rec, key, v)
             if taken is not None:
+                held_at.pop(key, None)
                 out.append(CONN_RECORD.pack(key, kind, taken))
                 self.swept += 1
+        if held_at:  # those the programs no longer hold are forgotten
+            keys = {key for key, _raw in conns}
+            self._held_at = {key: seen for key, seen in held_at.items() if key in keys}
         return out
+
+    def _take(self, rec: Recording, key: bytes, judged: tuple[int, ...]) -> bytes | None:
+        """``key``'s entry out of the programs' map if it is still the one the sweep judged
+        (``judged``: its value then, unpacked) -- the same SYN's, in the same state, with the same
+        last packet --, else None and it is put back (unless the programs made one since)."""
+        taken = rec.take_recorded(key)
+        if taken is None:
+            return None
+        v = CONN_VALUE.unpack(taken)
+        if v[4:7] != judged[4:7]:
+            with contextlib.suppress(OSError):
+                rec.put_recorded(key, taken)
+            return None
+        return taken
+
+    def _still_held(self, key: bytes, first: int, now: int) -> bool:
+        """Whether conntrack holds an idle recorded connection (``first``: its SYN's time): asked
+        once every ``HELD_RECHECK_NS`` while it does."""
+        seen = self._held_at.get(key)
+        if seen is not None and seen[0] == first and now - seen[1] < HELD_RECHECK_NS:
+            return True
+        if self._held(key):
+            self._held_at[key] = (first, now)
+            return True
+        self._held_at.pop(key, None)
+        return False
 
     def _held(self, key: bytes) -> bool:
         if self._get_sock is None:

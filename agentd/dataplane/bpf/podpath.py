@@ -338,6 +338,20 @@ class PodFastPath:
             return None
         return lb.map_take(fd, key, CONN_VALUE.size)
 
+    def put_recorded(self, key: bytes, value: bytes) -> bool:
+        """A connection :meth:`take_recorded` took put back into podconns, unless the programs
+        made an entry of that tuple since (which stays); whether it was put back."""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return False
+        try:
+            lb.map_update(fd, key, value, lb.BPF_NOEXIST)
+        except OSError as err:
+            if err.errno != errno.EEXIST:
+                raise
+            return False
+        return True
+
     def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int, int]]]:
         """What the programs carried of connections whose tuple a new connection took since the
         last call (the ring ``agentd_podends``), oldest first: (podflow key -- 12 bytes for

@@ -624,6 +624,9 @@ class Programs:
     def take_recorded(self, key):
         return self.held.pop(key, None)
 
+    def put_recorded(self, key, value):
+        return self.held.setdefault(key, value) is value
+
 
 def test_a_recorded_start_and_end_are_records_like_conntracks():
     from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
@@ -695,3 +698,78 @@ def test_since_finds_what_came_after_a_start_whose_syn_was_retransmitted():
         ring.add(f)
     search = ring.search(FlowFilter(), 10, since=50.0)
     assert search.step(3) and [f.time for f in search.result()] == [50.0, 51.0] and search.index == 1
+
+
+def test_the_sweep_takes_only_the_entries_it_judged():
+    """A tuple reused between the sweep's look and its take: the program ended the old
+    connection itself (REUSED) and made the new SYN's entry, which the sweep puts back rather
+    than end as the old one; an unanswered SYN answered meanwhile stays too."""
+    from agentd.flows.recorder import (
+        CONN_RECORD,
+        CONN_VALUE,
+        REC_REUSED,
+        SYN_TIMEOUT_NS,
+    )
+
+    now = 1_000 * 10**9
+    key, old = _conn(False, 2, 0, now - 60 * 10**9)  # open, idle 60 s
+    fresh = CONN_VALUE.pack(1, 0, 60, 0, now, now, 1, 0, 0)
+    r = recorder()
+    r.recording = programs = Programs({key: old})
+
+    def held(k):  # meanwhile the client opens a new connection on the same tuple
+        programs.rings.append(CONN_RECORD.pack(k, REC_REUSED, programs.held[k]))
+        programs.held[k] = fresh
+        return False
+
+    r._held = held
+    assert r.sweep(now) == [] and r.swept == 0
+    assert programs.held == {key: fresh}  # the new connection's, for the programs to record
+    # An unanswered SYN, answered between the look and the take: not dropped.
+    syn_key, syn = _conn(False, 1, now - SYN_TIMEOUT_NS - 2, now - SYN_TIMEOUT_NS - 1)
+    answered = CONN_VALUE.pack(*CONN_VALUE.unpack(syn)[:5], now, 2, 0, 0)
+    programs.held = {syn_key: syn}
+    take = programs.take_recorded
+
+    def answer_first(k):
+        programs.held[k] = answered
+        return take(k)
+
+    programs.take_recorded = answer_first
+    assert r.sweep(now) == [] and programs.held == {syn_key: answered}
+
+
+def test_the_sweep_asks_conntrack_about_an_idle_connection_once_a_minute():
+    from agentd.flows.recorder import (
+        CONN_RECORD,
+        CONN_VALUE,
+        HELD_RECHECK_NS,
+        REC_GONE,
+        SWEEP_INTERVAL,
+    )
+
+    s = 10**9
+    now = 1_000 * s
+    key, idle = _conn(False, 2, 5, now - 60 * s)
+    other = key[:8] + bytes([1, 1]) + key[10:]
+    r = recorder()
+    r.recording = programs = Programs({key: idle, other: idle})
+    asked, holds = [], {key, other}
+    r._held = lambda k: asked.append(k) or k in holds
+    step = int(SWEEP_INTERVAL * s)
+    for i in range(HELD_RECHECK_NS // step):  # a minute of sweeps: each asked once
+        assert r.sweep(now + i * step) == []
+    assert sorted(asked) == sorted([key, other])
+    del programs.held[other]  # ended by the programs: forgotten here too
+    holds.discard(key)  # conntrack let it go: found at the next question
+    assert r.sweep(now + HELD_RECHECK_NS - 1) == [] and list(r._held_at) == [key]
+    (end,) = r.sweep(now + HELD_RECHECK_NS)
+    assert CONN_RECORD.unpack(end)[:2] == (key, REC_GONE) and asked[2:] == [key] and r._held_at == {}
+    # The tuple's next connection (another SYN) is asked about as a new one.
+    _k, again = _conn(False, 2, 7, now)
+    programs.held[key], holds = again, {key}
+    r.sweep(now + HELD_RECHECK_NS + 11 * s)
+    programs.held[key] = CONN_VALUE.pack(*CONN_VALUE.unpack(again)[:4], 9, *CONN_VALUE.unpack(again)[5:])
+    r.sweep(now + HELD_RECHECK_NS + 12 * s)
+    assert asked[3:] == [key, key]
+
