@@ -55,6 +55,11 @@ class Observability:
         """``carried``: the pod fast path, which counts what it carries past conntrack."""
         cfg = self.cfg
         if not cfg.flows.enabled:
+            if hasattr(carried, "set_recording"):  # an earlier agent may have told the programs to record
+                try:
+                    await asyncio.to_thread(carried.set_recording, False)  # type: ignore[union-attr]
+                except OSError as err:
+                    log.warning("the pod programs may go on recording connections: %s", err)
             gone = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)
             await asyncio.to_thread(remove_quietly)  # nothing masks conntrack's events then
             if gone:

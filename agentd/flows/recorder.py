@@ -354,6 +354,9 @@ class FlowRecorder:
         self.networks = tuple(ip_network(n) for n in (*pods, *services))  # both families: the long way
         self.connections = connections
         self.carried = carried if connections else None
+        # The pod programs, which may record (an earlier agent's told them to): told to stop
+        # wherever this recorder does not record (:meth:`_stop_recording`).
+        self.programs: Recording | None = carried if hasattr(carried, "set_recording") else None  # type: ignore[assignment]
         self.tai_offset = tai_offset
         self._tai_offset = 0
         self._restarts: dict[bytes, deque[Counts]] = {}
@@ -378,15 +381,24 @@ class FlowRecorder:
     def open(self) -> None:
         """Turn on conntrack's accounting and timestamps (noting what was there), join the
         conntrack event groups and bind the drop log group; with ``connections`` False only
-        the last (and the sysctls an earlier run turned on put back).  Raises OSError (one line)."""
-        if self.connections:
-            self._open_conntrack()
-            self._open_recording()
-        elif self.mask is not None:
-            self.mask.remove()
-            gone = restore_sysctls(self.state_dir)
-            if gone:
-                log.info("flows: connection records off: put back %s", ", ".join(gone))
+        the last (and the sysctls an earlier run turned on put back).  Raises OSError (one line);
+        the programs then do not record (nor is anything masked): this recorder is off."""
+        try:
+            if self.connections:
+                self._open_conntrack()
+                self._open_recording()
+            elif self.mask is not None:
+                self._stop_recording()
+                gone = restore_sysctls(self.state_dir)
+                if gone:
+                    log.info("flows: connection records off: put back %s", ", ".join(gone))
+            self.log_sock = self._bind_log()
+        except OSError:
+            self._stop_recording()
+            self.close()
+            raise
+
+    def _bind_log(self) -> NetlinkSocket:
         sock = NetlinkSocket(rcvbuf=4 << 20, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
         try:
             try:
@@ -402,9 +414,8 @@ class FlowRecorder:
                                                qthresh=LOG_QTHRESH), what="configuring NFLOG", dump=False)
         except OSError:
             sock.close()
-            self.close()
             raise
-        self.log_sock = sock
+        return sock
 
     def _open_conntrack(self) -> None:
         enable_sysctls(self.state_dir)
@@ -428,22 +439,29 @@ class FlowRecorder:
         """The pod programs record pods' IPv4 TCP connections, where they can: conntrack's
         events of what they mark masked first (the table), then the programs told.  Where
         either cannot be done, conntrack's events tell of every connection (no table)."""
-        rec = self.carried
-        if self.mask is None:
-            return
-        if rec is None or not hasattr(rec, "set_recording"):
-            self.mask.remove()
+        rec = self.programs
+        if rec is None or self.mask is None:
+            self._stop_recording()
             return
         try:
             self.mask.install()
-            rec.set_recording(True, self.record_remote)  # type: ignore[attr-defined]
+            rec.set_recording(True, self.record_remote)
         except (OSError, RuntimeError) as err:  # RuntimeError: agentd.nft's NftError
             log.warning("flows: the pod programs do not record connections, conntrack's events tell of all: %s", err)
-            with contextlib.suppress(OSError):
-                rec.set_recording(False)  # type: ignore[attr-defined]
-            self.mask.remove()
+            self._stop_recording()
             return
-        self.recording = rec  # type: ignore[assignment]
+        self.recording = rec
+
+    def _stop_recording(self) -> None:
+        """The programs told not to record (an earlier agent may have told them to), then the
+        mask removed: nothing is masked that no program records."""
+        self.recording = None
+        if self.programs is not None:
+            with contextlib.suppress(OSError):
+                self.programs.set_recording(False)
+        if self.mask is not None:
+            with contextlib.suppress(OSError, RuntimeError):
+                self.mask.remove()
 
     def close(self) -> None:
         for sock in (self.ct_sock, self.log_sock, self._get_sock):

@@ -137,6 +137,19 @@ def _may_read_kernel_structs() -> bool:
 _END_OF_SIZE = {FLOW_END.size: FLOW_END, FLOW6_END.size: FLOW6_END}
 
 
+def config_flags(found: int, *, route: bool, counting: bool, recording: tuple[bool, bool] | None) -> int:
+    """The programs' flags (struct pod_config): ``found`` those the pinned config holds,
+    ``recording`` (on, with other nodes' pods too) as the flow recorder said, None before it
+    said: the programs then record as an earlier agent told them (their records wait in the
+    ring for this agent, conntrack's events of them masked by the table it left) -- turned off
+    until the recorder opens, a handshake they marked would be recorded by nobody."""
+    if recording is None:
+        recording = (bool(found & CFG_RECORD), bool(found & CFG_RECORD_REMOTE))
+    on, remote = recording
+    return (CFG_ON | (CFG_ROUTE if route else 0) | (CFG_COUNT if counting or on else 0) | (CFG_RECORD if on else 0)
+            | (CFG_RECORD_REMOTE if on and remote and route else 0))
+
+
 def _read_int(path: Path) -> int:
     return int(path.read_text().split()[0])
 
@@ -178,6 +191,7 @@ class PodFastPath:
         self.ends: lb.RingBuffer | None = None
         self.recording = False  # the programs record pods' IPv4 TCP connections (flow records)
         self.recording_remote = False  # ... with other nodes' pods too
+        self.recording_told = False  # set_recording was called: till then an earlier agent's word stands
         self.recs: lb.RingBuffer | None = None
         self.pods: dict[str, int] = {}  # pod address (IPv4 or IPv6) -> ifindex of its veth's host side, as in the maps
         self.attached: set[int] = set()  # veths our program is on (this run)
@@ -283,10 +297,9 @@ class PodFastPath:
         net6 = self.cluster_v6 or IPv6Network(f"{'ffff:' * 7}ffff/128")  # matches no pod either
         lb.map_update(self.maps[CONFIG6], key, CONFIG6_VALUE.pack(net6.network_address.packed, net6.netmask.packed))
         lb.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(
-            CFG_ON | (CFG_ROUTE if route else 0) | (CFG_COUNT if self.counting else 0)
-            | (CFG_COUNT | CFG_RECORD if self.recording else 0)
-            | (CFG_RECORD_REMOTE if self.recording and self.recording_remote and route else 0), established_ms, before,
-            net.network_address.packed, net.netmask.packed, self.wire_ifindex or 0))
+            config_flags(flags, route=route, counting=self.counting,
+                         recording=(self.recording, self.recording_remote) if self.recording_told else None),
+            established_ms, before, net.network_address.packed, net.netmask.packed, self.wire_ifindex or 0))
 
     def set_counting(self, on: bool) -> None:
         """Count what the programs carry per connection (``agentd_podflows``, IPv6's in
@@ -303,7 +316,7 @@ class PodFastPath:
         caller masks conntrack's events of what the programs mark first (agentd.flows.mask)."""
         if on and self.recs is None:
             self.recs = lb.RingBuffer(self.maps[RECS])
-        self.recording, self.recording_remote = on, remote
+        self.recording, self.recording_remote, self.recording_told = on, remote, True
         self._configure()
 
     def recorded(self) -> list[bytes]:

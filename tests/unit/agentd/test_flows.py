@@ -8,7 +8,7 @@ import asyncio
 import json
 import socket
 import struct
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, ip_network
 
 import pytest
 from hypothesis import given
@@ -773,3 +773,86 @@ def test_the_sweep_asks_conntrack_about_an_idle_connection_once_a_minute():
     r.sweep(now + HELD_RECHECK_NS + 12 * s)
     assert asked[3:] == [key, key]
 
+
+
+class Told:
+    """The pod programs as the recorder tells them (set_recording) and the mask table, in one
+    list of what was done, in order."""
+
+    def __init__(self) -> None:
+        self.done: list[str] = []
+        self.recording = False
+
+    def set_recording(self, on, remote=False):
+        self.recording = on
+        self.done.append(f"record {on}")
+
+    def install(self):
+        self.done.append("mask")
+
+    def remove(self):
+        self.done.append("unmask")
+
+
+def test_a_recorder_that_cannot_open_leaves_the_programs_not_recording(monkeypatch):
+    """The NFLOG group is bound by someone else (EBUSY) after the programs were told to record:
+    they are told to stop, then the mask goes -- /status says flows are off, and so they are."""
+    import errno
+
+    from agentd.flows import recorder as rec_mod
+
+    class Sock:
+        busy = True  # the NFLOG group
+
+        def __init__(self, **_kw):
+            self.sock = self
+
+        def attach_filter(self, _f):
+            pass
+
+        def setsockopt(self, *_a):
+            pass
+
+        def request(self, _msg, what="", dump=False):
+            if what.startswith("binding NFLOG") and self.busy:
+                raise nl.NetlinkError(errno.EBUSY, what=what)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(rec_mod, "NetlinkSocket", Sock)
+    monkeypatch.setattr(rec_mod, "enable_sysctls", lambda _d: None)
+    told = Told()
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, pods=[ip_network("10.244.0.0/16")],
+                     carried=told, mask=told)
+    with pytest.raises(OSError, match="NFLOG group 143 is bound by another process"):
+        r.open()
+    assert told.done == ["mask", "record True", "record False", "unmask"] and not told.recording
+    assert r.recording is None and r.ct_sock is None and r.log_sock is None
+    # Connections off: programs an earlier agent told to record are told to stop, then unmasked.
+    monkeypatch.setattr(rec_mod, "restore_sysctls", lambda _d: [])
+    Sock.busy = False
+    told = Told()
+    told.recording = True
+    off = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=told, mask=told, connections=False)
+    off.open()
+    assert told.done == ["record False", "unmask"] and off.log_sock is not None
+
+
+def test_the_programs_record_as_an_earlier_agent_told_them_until_the_recorder_says():
+    from agentd.dataplane.bpf.podpath import (
+        CFG_COUNT,
+        CFG_ON,
+        CFG_RECORD,
+        CFG_RECORD_REMOTE,
+        CFG_ROUTE,
+        config_flags,
+    )
+
+    earlier = CFG_ON | CFG_ROUTE | CFG_COUNT | CFG_RECORD | CFG_RECORD_REMOTE
+    assert config_flags(earlier, route=True, counting=False, recording=None) == earlier
+    assert config_flags(earlier, route=False, counting=False, recording=None) == CFG_ON | CFG_COUNT | CFG_RECORD
+    assert config_flags(CFG_ON | CFG_COUNT, route=True, counting=True, recording=None) == CFG_ON | CFG_ROUTE | CFG_COUNT
+    assert config_flags(0, route=False, counting=False, recording=None) == CFG_ON  # a new map
+    assert config_flags(earlier, route=True, counting=True, recording=(False, False)) == CFG_ON | CFG_ROUTE | CFG_COUNT
+    assert config_flags(0, route=True, counting=False, recording=(True, True)) == earlier
