@@ -460,6 +460,8 @@ class Agent:
         restored = await asyncio.to_thread(restore_sysctls, self.cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))
+        # The table masking conntrack's events of what the pod programs recorded (gone with policy.leave).
+        await asyncio.to_thread(unmask)
         with contextlib.suppress(NftError):
             await masquerade.remove()
         if self.ingress is not None:  # Ingress: the proxy and its files
