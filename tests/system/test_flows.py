@@ -469,6 +469,7 @@ async def test_pods_tcp_is_recorded_by_the_pod_programs_not_conntrack(shop):
         await send_sizes(client, web, 5006, 41201, [200_000])
         await send_sizes(a, b, 5006, 41202, [100_000])
         await shop.echo["a"].udp(b.ip, 5007, 41203, timeout=0.3)
+        await shop.echo["client"].udp(web.ip, 5007, 41205, timeout=0.3)  # what node1's listener must hear
         for node, port, size in ((node1, 41201, 200_000), (node2, 41201, 200_000), (node2, 41202, 100_000)):
             got = await records(node, "--port", str(port),
                                 want=lambda r: [x["event"] for x in r] == ["new", "end"],
@@ -480,6 +481,7 @@ async def test_pods_tcp_is_recorded_by_the_pod_programs_not_conntrack(shop):
             assert end["direction"] == {node1: "egress", node2: "ingress" if port == 41201 else "local"}[node], shown(end)
     assert not ev1.of_port(41201) and not ev2.of_port(41201) and not ev2.of_port(41202), (ev1.lines, ev2.lines)
     assert any(x[0] == "17" for x in ev2.of_port(41203)), ev2.lines  # UDP: conntrack's, as ever
+    assert any(x[0] == "17" for x in ev1.of_port(41205)), ev1.lines  # node1's listener heard what it could
     assert node1.ns.exec("nft", "list", "table", "ip", "agentd-flows").count("ct event set 0x0") == 1
 
 
@@ -954,14 +956,21 @@ async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(sho
 
 
 async def test_leave_restores_conntrack_settings(shop):
+    """``agentd leave`` with the agent running puts conntrack's settings back and removes the
+    table masking conntrack's events of what the pod programs recorded."""
     node2 = shop.lab.nodes[1]
 
     def sysctl(name: str) -> str:
         return node2.ns.exec("cat", f"/proc/sys/net/netfilter/{name}").strip()
 
+    def tables() -> str:
+        return node2.ns.exec("nft", "list", "tables")
+
     assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("1", "1")
+    assert node2.api("/status")["flows"]["programs"]["recording"] is True and "agentd-flows" in tables()
     await node2.leave()
     assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("0", "0")  # a new namespace's
+    assert "agentd-flows" not in tables()
     assert not (node2.dir / "state" / "flows-sysctl.json").exists()
     shutil.rmtree(node2.dir / "state", ignore_errors=True)
 
