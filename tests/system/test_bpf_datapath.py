@@ -732,3 +732,54 @@ def test_a_pod_fast_path_that_fails_part_way_is_off_and_gone_from_every_hook(net
         link.mkdir()
         assert open_fails() == f"device {dev['pb0']} ingress: cannot attach {tc.POD_FAST_PATH}: opening pinned " \
                                f"{link}: Permission denied"
+
+
+def test_a_reopened_pod_fast_path_records_as_the_last_agent_said_until_told(netns_factory, bpffs):
+    """A restarted agent's pod fast path keeps recording connections as the previous agent told
+    it (POD_CFG_RECORD in the pinned config) until its flow recorder says otherwise; a recorded
+    connection the sweep took is put back only where the programs made no entry since."""
+    from agentd.dataplane.bpf.podpath import (
+        CFG_RECORD,
+        CFG_RECORD_REMOTE,
+        CONFIG,
+        CONFIG_VALUE,
+        CONN_VALUE,
+        U32,
+        PodFastPath,
+    )
+
+    ns = netns_factory("r")
+    dev = _veths(ns, "u0")
+    both = CFG_RECORD | CFG_RECORD_REMOTE
+
+    def opened() -> PodFastPath:
+        fast = PodFastPath(bpffs, cluster=IPv4Network("10.244.0.0/16"), wire_ifindex=dev["u0"])
+        fast.open()
+        return fast
+
+    def recording(fast: PodFastPath) -> int:
+        raw = libbpf.map_lookup(fast.maps[CONFIG], U32.pack(0), CONFIG_VALUE.size)
+        return CONFIG_VALUE.unpack(raw)[0] & both
+
+    with ns.entered():
+        fast = opened()
+        try:
+            assert recording(fast) == 0
+            fast.set_recording(True, True)
+            assert recording(fast) == both
+            key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + bytes([156, 64, 0, 80])
+            taken, fresh = (CONN_VALUE.pack(1, 1, 60, 60, first, first, 2, 0, 0) for first in (5, 7))
+            assert fast.put_recorded(key, taken) and fast.take_recorded(key) == taken
+            assert fast.put_recorded(key, fresh) and not fast.put_recorded(key, taken)  # the programs' stays
+            assert fast.take_recorded(key) == fresh
+        finally:
+            fast.close()
+        again = opened()
+        try:
+            assert recording(again) == both  # the earlier agent's word stands ...
+            again.set_counting(True)
+            assert recording(again) == both
+            again.set_recording(False)  # ... until the recorder's
+            assert recording(again) == 0
+        finally:
+            again.remove()
