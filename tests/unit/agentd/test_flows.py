@@ -665,3 +665,17 @@ def test_the_sweep_ends_what_ended_silently_and_drops_unanswered_syns():
     ended = [CONN_RECORD.unpack(x)[:2] for x in r.sweep(now)]
     assert ended == [(keys[1], REC_FIN), (keys[2], REC_GONE)] and held == [keys[2]]
     assert list(programs.held) == [keys[3]] and r.swept == 2  # the SYN went without a record
+
+
+def test_flow_mask_is_a_nat_chain_asked_once_per_connection():
+    """The mask of recorded connections' events is a nat chain after source NAT: the kernel
+    asks nat chains only for a connection's first packet (a filter chain would run for every
+    forwarded packet), and one whose source a chain before it translated never reaches it."""
+    from agentd.nft import flowmask
+
+    cmds = flowmask.commands()
+    chains = [c["add"]["chain"] for c in cmds if "chain" in c.get("add", {})]
+    assert [(c["type"], c["hook"], c["prio"]) for c in chains] == [("nat", "postrouting", 101)]
+    (rule,) = [c["add"]["rule"]["expr"] for c in cmds if "rule" in c.get("add", {})]
+    assert rule[0]["match"]["left"] == {"&": [{"meta": {"key": "mark"}}, flowmask.MARK]}  # the cheapest test first
+    assert rule[-1] == {"mangle": {"key": {"ct": {"key": "event"}}, "value": 0}}
