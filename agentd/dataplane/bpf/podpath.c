@@ -718,7 +718,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	struct bpf_fib_lookup fib = {};
 	struct podflow_key key = {};
 	struct pod_config *cfg;
-	struct pod_value *src, *dst;
+	struct pod_value *src, *dst = NULL;
 	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
 	__u32 verdict, ifindex, side;
@@ -731,7 +731,10 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	src = bpf_map_lookup_elem(&agentd_podips, &ip->saddr);
 	if (!src || src->ifindex != skb->ifindex)
 		return PASS; /* not this veth's pod: the normal path's spoofing check judges it */
-	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
+	/* Where it goes matters to a packet that may be carried and to a SYN that may start a
+	 * record, not to a SYN-ACK, FIN or RST (never carried here). */
+	if (!opening || (tcp->syn && !tcp->ack && !tcp->fin && !tcp->rst))
+		dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (cfg->flags & POD_CFG_RECORD)
 		recorded = podconn_see(skb, ip, tcp, dst || ((cfg->flags & POD_CFG_RECORD_REMOTE) &&
 							     in_cluster(cfg, ip->daddr)));
