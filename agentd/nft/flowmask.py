@@ -6,14 +6,18 @@ While the pod fast path's programs record pods' IPv4 TCP connections themselves
 
     table ip agentd-flows {
         chain record {
-            type filter hook postrouting priority srcnat + 1; policy accept;
+            type nat hook postrouting priority srcnat + 1; policy accept;
             meta mark & 0x00800000 == 0x00800000 ct state new ct status & (snat|dnat) == 0 ct event set 0x0
         }
     }
 
 The rule runs on the connection's first packet before conntrack confirms its entry (confirm
 is the last thing postrouting does), after source NAT: a translated connection keeps its events
-(the programs then leave it to conntrack too: podconn_plain in podpath.c).  Conntrack then builds no NEW
+(the programs then leave it to conntrack too: podconn_plain in podpath.c).  The chain is of
+type nat, so that the kernel runs it only for a connection's first packet (nat chains are asked
+until a connection's source translation is settled, then never again; one that a chain before
+it translated -- the Services' masquerade at srcnat -- never reaches it), where a filter chain
+would evaluate the rule for every packet the node forwards.  Conntrack then builds no NEW
 and no DESTROY event for it, which is what recording cost the data path (docs/observability.md).
 Every other connection keeps its events.
 
@@ -49,7 +53,7 @@ def commands() -> list[dict[str, Any]]:
     ]
     return [
         {"add": _table()}, {"delete": _table()}, {"add": _table()},
-        {"add": {"chain": {"family": FAMILY, "table": TABLE, "name": CHAIN, "type": "filter",
+        {"add": {"chain": {"family": FAMILY, "table": TABLE, "name": CHAIN, "type": "nat",
                            "hook": "postrouting", "prio": PRIORITY, "policy": "accept"}}},
         {"add": {"rule": {"family": FAMILY, "table": TABLE, "chain": CHAIN, "expr": rule}}},
     ]

@@ -163,8 +163,13 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_podends SEC(".maps");
 
+/* A preallocated hash, not an LRU one: an LRU map's insert and delete take its shared lists'
+ * locks and touch a cold element each time, which cost the client's core of a short
+ * connection more than all the rest of what the programs do for it.  Entries go explicitly
+ * (at the end, and by the agent's sweep); when the map is full, a new connection is simply not
+ * recorded here (not marked: conntrack's events tell of it). */
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, struct podflow_key);
 	__type(value, struct podconn_value);
 	__uint(max_entries, 65536);
@@ -271,7 +276,7 @@ static __always_inline void podflow_restart(struct iphdr *ip, struct tcphdr *tcp
 		return;
 	end.value = *v;
 	bpf_map_delete_elem(&agentd_podflows, &end.key);
-	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), 0);
+	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), BPF_RB_NO_WAKEUP);
 }
 
 /* ------------------------------------------------------------ connections recorded here (podconns) */
@@ -283,7 +288,8 @@ static __always_inline void podconn_emit(struct podflow_key *key, struct podconn
 	rec.key = *key;
 	rec.kind = kind;
 	rec.value = *v;
-	if (bpf_ringbuf_output(&agentd_podrecs, &rec, sizeof(rec), 0)) { /* full: the agent is behind or gone */
+	/* No wake-up: the agent reads the ring on a timer, never waits on it. */
+	if (bpf_ringbuf_output(&agentd_podrecs, &rec, sizeof(rec), BPF_RB_NO_WAKEUP)) { /* full: the agent is behind or gone */
 		__u32 zero = 0;
 		__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
 
@@ -346,6 +352,8 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	tuple.ipv4.sport = tcp->source;
 	tuple.ipv4.dport = tcp->dest;
 	v = bpf_map_lookup_elem(&agentd_podconns, &key);
+	if (!v && !(syn && !ack && !fin && !rst))
+		return 0; /* not recorded here: conntrack's events tell of it */
 	now = bpf_ktime_get_tai_ns();
 	if (syn && !ack && !fin && !rst) {
 		if (v && v->state == PODCONN_SYN && v->client == side) { /* sent again */
@@ -597,7 +605,7 @@ static __always_inline void podflow6_restart(struct flow6 *f)
 		return;
 	end.value = *v;
 	bpf_map_delete_elem(&agentd_podflow6, &end.key);
-	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), 0);
+	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), BPF_RB_NO_WAKEUP);
 }
 
 static __always_inline int in_cluster6(struct pod6_key *addr)
@@ -710,7 +718,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	struct bpf_fib_lookup fib = {};
 	struct podflow_key key = {};
 	struct pod_config *cfg;
-	struct pod_value *src, *dst;
+	struct pod_value *src, *dst = NULL;
 	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
 	__u32 verdict, ifindex, side;
@@ -723,12 +731,15 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	src = bpf_map_lookup_elem(&agentd_podips, &ip->saddr);
 	if (!src || src->ifindex != skb->ifindex)
 		return PASS; /* not this veth's pod: the normal path's spoofing check judges it */
-	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
+	/* Where it goes matters to a packet that may be carried and to a SYN that may start a
+	 * record, not to a SYN-ACK, FIN or RST (never carried here). */
+	if (!opening || (tcp->syn && !tcp->ack && !tcp->fin && !tcp->rst))
+		dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (cfg->flags & POD_CFG_RECORD)
 		recorded = podconn_see(skb, ip, tcp, dst || ((cfg->flags & POD_CFG_RECORD_REMOTE) &&
 							     in_cluster(cfg, ip->daddr)));
 	if (opening) {
-		if (opening == 1)
+		if (opening == 1 && !recorded) /* a recorded connection counts in podconns, not podflows */
 			podflow_restart(ip, tcp);
 		return PASS;
 	}
@@ -792,7 +803,7 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	if (cfg->flags & POD_CFG_RECORD)
 		recorded = podconn_see(skb, ip, tcp, 1);
 	if (opening) {
-		if (opening == 1)
+		if (opening == 1 && !recorded) /* a recorded connection counts in podconns, not podflows */
 			podflow_restart(ip, tcp);
 		return PASS;
 	}

@@ -71,7 +71,8 @@ struct podflow_end {
 	struct podflow_value value;
 };
 
-/* podconns: LRU hash, an IPv4 TCP connection between pods the programs record themselves
+/* podconns: hash (preallocated; full: a new connection is not recorded here), an IPv4 TCP
+ * connection between pods the programs record themselves
  * (POD_CFG_RECORD) -> what they saw of it: every packet of it that passed a program of this
  * node, carried or handed to the stack (the key and the sides as podflows'). */
 enum podconn_state {

@@ -856,3 +856,17 @@ def test_the_programs_record_as_an_earlier_agent_told_them_until_the_recorder_sa
     assert config_flags(0, route=False, counting=False, recording=None) == CFG_ON  # a new map
     assert config_flags(earlier, route=True, counting=True, recording=(False, False)) == CFG_ON | CFG_ROUTE | CFG_COUNT
     assert config_flags(0, route=True, counting=False, recording=(True, True)) == earlier
+
+
+def test_flow_mask_is_a_nat_chain_asked_once_per_connection():
+    """The mask of recorded connections' events is a nat chain after source NAT: the kernel
+    asks nat chains only for a connection's first packet (a filter chain would run for every
+    forwarded packet), and one whose source a chain before it translated never reaches it."""
+    from agentd.nft import flowmask
+
+    cmds = flowmask.commands()
+    chains = [c["add"]["chain"] for c in cmds if "chain" in c.get("add", {})]
+    assert [(c["type"], c["hook"], c["prio"]) for c in chains] == [("nat", "postrouting", 101)]
+    (rule,) = [c["add"]["rule"]["expr"] for c in cmds if "rule" in c.get("add", {})]
+    assert rule[0]["match"]["left"] == {"&": [{"meta": {"key": "mark"}}, flowmask.MARK]}  # the cheapest test first
+    assert rule[-1] == {"mangle": {"key": {"ct": {"key": "event"}}, "value": 0}}
