@@ -914,6 +914,7 @@ class FlowRecorder:
             self.events += 1
             flow = self.connection(event, carried=self._carried_of(event))
             if flow is not None:
+                flow.received = self.clock()  # when taken in: what ``since`` orders the ring by
                 self.ring.add(flow)
 
     def _on_log(self, mtype: int, buf: bytes, start: int, end: int) -> None:
@@ -929,6 +930,7 @@ class FlowRecorder:
             self._log_seq = packet.seq
         flow = self.dropped(packet)
         if flow is not None:
+            flow.received = self.clock()  # when taken in (its time is the kernel's: read late, older)
             self.ring.add(flow)
 
     # ------------------------------------------------------------------ records (pure given the directory)

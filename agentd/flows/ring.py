@@ -37,11 +37,12 @@ class Deferred:
 
 
 Entry = Flow | Deferred
-# Records are in the ring in the order the agent heard of them (``Flow.received`` where it is
-# kept, else ``Flow.time``: drops and conntrack's events are taken in within the recorder's read
-# interval of their kernel time): ``since`` stops at the first record taken in this far before
-# it.  A record's ``time`` alone does not order the ring: a start the pod programs recorded
-# keeps its first SYN's time, up to the SYN's timeout before its answer let it be recorded.
+# Records are in the ring in the order the agent took them in (``Flow.received``: the recorder
+# sets it on every record it takes in -- drops, conntrack's events, the programs' records --;
+# ``Flow.time`` stands in for it where it is not set): ``since`` stops at the first record
+# taken in this far before it.  A record's ``time`` alone does not order the ring: a start the
+# pod programs recorded keeps its first SYN's time, up to the SYN's timeout before its answer
+# let it be recorded, and a drop its kernel time, however late a busy agent read it.
 SINCE_SLACK = 1.0
 
 

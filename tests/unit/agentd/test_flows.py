@@ -870,3 +870,34 @@ def test_flow_mask_is_a_nat_chain_asked_once_per_connection():
     (rule,) = [c["add"]["rule"]["expr"] for c in cmds if "rule" in c.get("add", {})]
     assert rule[0]["match"]["left"] == {"&": [{"meta": {"key": "mark"}}, flowmask.MARK]}  # the cheapest test first
     assert rule[-1] == {"mangle": {"key": {"ct": {"key": "event"}}, "value": 0}}
+
+
+def _logged(r: FlowRecorder, msg: bytes) -> None:
+    for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):
+        r._on_log(mtype, msg, start, end)
+
+
+def test_since_goes_past_a_drop_or_a_conntrack_event_read_late():
+    """A drop the kernel logged a while before a busy agent read it, and a conntrack event read
+    the long way, are in the ring after what was taken in before them: ``since`` goes by when
+    they were taken in, not by their kernel time, and does not stop at them."""
+    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_START
+
+    s = 10**9
+    now = [1005.0]
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: now[0])
+    r.tai_offset = lambda: 0
+    key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + (40001).to_bytes(2, "big") + (80).to_bytes(2, "big")
+    r._on_recorded([CONN_RECORD.pack(key, REC_START, CONN_VALUE.pack(1, 1, 60, 60, 1004_900_000_000, 1005 * s, 2, 0, 0))],
+                   1005.0)
+    now[0] = 1005.5
+    _logged(r, logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40002, 80, when=(1001, 0)))
+    got = r.ring.last(FlowFilter(), 10, since=1004.0)
+    assert [(f.event, f.src.port) for f in got] == [("new", 40001)]
+    assert list(r.ring)[-1].received == 1005.5
+    msg = destroy_event()  # stopped at 1000.25
+    for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):
+        r._on_conntrack(mtype, msg, start, end)
+    got = r.ring.last(FlowFilter(), 10, since=1004.0)
+    assert [(f.event, f.src.port) for f in got] == [("new", 40001)]
+    assert list(r.ring)[-1].received == 1005.5 and list(r.ring)[-1].time == 1000.25
