@@ -58,7 +58,7 @@ class Observability:
             if hasattr(carried, "set_recording"):  # an earlier agent may have told the programs to record
                 try:
                     await asyncio.to_thread(carried.set_recording, False)  # type: ignore[union-attr]
-                except OSError as err:
+                except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls)
                     log.warning("the pod programs may go on recording connections: %s", err)
             gone = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)
             await asyncio.to_thread(remove_quietly)  # nothing masks conntrack's events then
@@ -78,7 +78,7 @@ class Observability:
                                 record_remote=cfg.network.backend == "host-gw", mask=FlowMask())
         try:
             await asyncio.to_thread(recorder.open)
-        except OSError as err:
+        except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls)
             self.error = f"flow records off: {err}"
             log.warning("%s", self.error)
             return

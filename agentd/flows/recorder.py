@@ -457,8 +457,10 @@ class FlowRecorder:
         mask removed: nothing is masked that no program records."""
         self.recording = None
         if self.programs is not None:
-            with contextlib.suppress(OSError):
+            try:
                 self.programs.set_recording(False)
+            except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls unreadable)
+                log.warning("flows: the pod programs may go on recording connections: %s", err)
         if self.mask is not None:
             with contextlib.suppress(OSError, RuntimeError):
                 self.mask.remove()

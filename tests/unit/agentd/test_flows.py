@@ -901,3 +901,111 @@ def test_since_goes_past_a_drop_or_a_conntrack_event_read_late():
     got = r.ring.last(FlowFilter(), 10, since=1004.0)
     assert [(f.event, f.src.port) for f in got] == [("new", 40001)]
     assert list(r.ring)[-1].received == 1005.5 and list(r.ring)[-1].time == 1000.25
+
+
+class _QuietSock:
+    """A netlink socket that takes every request (the recorder's open, without a kernel)."""
+
+    def __init__(self, **_kw):
+        self.sock = self
+
+    def attach_filter(self, _f):
+        pass
+
+    def setsockopt(self, *_a):
+        pass
+
+    def request(self, _msg, what="", dump=False):
+        pass
+
+    def close(self):
+        pass
+
+
+class Unconfigurable(Told):
+    """Programs whose config cannot be written: conntrack's settings unreadable (BpfUnavailable,
+    a RuntimeError, from podpath's _configure)."""
+
+    def set_recording(self, on, remote=False):
+        from agentd.dataplane.bpf.datapath import BpfUnavailable
+
+        self.done.append(f"record {on}")
+        raise BpfUnavailable("conntrack settings: [Errno 13] Permission denied")
+
+
+def test_a_recorder_whose_programs_cannot_be_told_opens_without_them(monkeypatch, caplog):
+    """BpfUnavailable from telling the programs (to record, or to stop) is one line: the
+    recorder opens with conntrack's events telling of every connection (connections on), or
+    drops only (off) -- it does not abort the agent's start."""
+    from agentd.flows import recorder as rec_mod
+
+    monkeypatch.setattr(rec_mod, "NetlinkSocket", _QuietSock)
+    monkeypatch.setattr(rec_mod, "enable_sysctls", lambda _d: None)
+    monkeypatch.setattr(rec_mod, "restore_sysctls", lambda _d: [])
+    told = Unconfigurable()
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=told, mask=told)
+    r.open()
+    assert r.recording is None and r.ct_sock is not None and r.log_sock is not None
+    assert told.done == ["mask", "record True", "record False", "unmask"]
+    assert "the pod programs may go on recording connections: conntrack settings" in caplog.text
+    told = Unconfigurable()
+    off = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=told, mask=told, connections=False)
+    off.open()
+    assert off.log_sock is not None and told.done == ["record False", "unmask"]
+
+
+def _observability(monkeypatch, tmp_path, **env):
+    from agentd.config.settings import load_config
+    from agentd.daemon import observe
+
+    class Host:
+        def hostname(self):
+            return "node2"
+
+        def default_address(self):
+            return IPv4Address("192.0.2.10")
+
+        def default_address_v6(self):
+            return None
+
+    cfg = load_config(env={"AGENTD_AGENT_STATE_DIR": str(tmp_path), **env}, host=Host())
+    monkeypatch.setattr(observe, "restore_sysctls", lambda _d: [])
+    monkeypatch.setattr(observe, "remove_quietly", lambda: None)
+    return observe, observe.Observability(cfg, "node2", dict)
+
+
+class FastPath(Told):
+    """The pod fast path as the agent holds it: counting per connection (set_counting), told
+    to record (set_recording)."""
+
+    def __init__(self, fail_recording=False) -> None:
+        super().__init__()
+        self.fail_recording = fail_recording
+        self.counting = True  # the agent turned it on before the recorder opened
+
+    def set_counting(self, on):
+        self.counting = on
+        self.done.append(f"count {on}")
+
+    def set_recording(self, on, remote=False):
+        super().set_recording(on, remote)
+        if self.fail_recording:
+            from agentd.dataplane.bpf.datapath import BpfUnavailable
+
+            raise BpfUnavailable("conntrack settings: [Errno 13] Permission denied")
+
+    def carried_restarts(self):
+        return []
+
+    def take_carried(self, key):
+        return None
+
+
+def test_flows_off_with_programs_that_cannot_be_told_is_one_line(monkeypatch, tmp_path, caplog):
+    from prometheus_client import CollectorRegistry
+
+    _observe, obs = _observability(monkeypatch, tmp_path, AGENTD_FLOWS_ENABLED="false")
+    fast = FastPath(fail_recording=True)
+    asyncio.run(obs.open_flows(None, None, CollectorRegistry(), carried=fast))
+    assert fast.done == ["record False"] and obs.recorder is None
+    assert "the pod programs may go on recording connections: conntrack settings" in caplog.text
