@@ -295,6 +295,12 @@ class Agent:
             self._problems.append(f"services not translated: {err}")
             self.services = None
         await self.observe.open_flows(self.policy, self.services, self.registry, carried=fast_path)
+        if cfg.flows.enabled and cfg.flows.connections and self.observe.recorder is None:
+            # The recorder could not open: nothing needs conntrack to see every connection.
+            # Before the policy agent's first sync (its task starts after start-up): as with flows off.
+            if self.policy is not None:
+                self.policy.engine.route_all = False
+            await self.tunnels.bpf.hold_redirect(False, who="flows")
         if cfg.ingress.enabled:  # Ingress: the proxy starts once the resources are read
             # Default: the node's underlay addresses, both families on a dual-stack node.
             v6 = cfg.node.address_v6 if cfg.network.ip_family != "ipv4" else None

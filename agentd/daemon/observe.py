@@ -81,6 +81,11 @@ class Observability:
         except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls)
             self.error = f"flow records off: {err}"
             log.warning("%s", self.error)
+            if hasattr(carried, "set_counting") and cfg.flows.connections:  # nobody reads what it would count
+                try:
+                    await asyncio.to_thread(carried.set_counting, False)  # type: ignore[union-attr]
+                except (OSError, RuntimeError) as err2:
+                    log.warning("the pod fast path may go on counting connections: %s", err2)
             return
 
         def kernel_suppressed() -> int:

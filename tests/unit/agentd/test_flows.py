@@ -1001,6 +1001,27 @@ class FastPath(Told):
         return None
 
 
+def test_a_recorder_that_fails_to_open_leaves_the_fast_path_not_counting(monkeypatch, tmp_path):
+    """Flow records off because the recorder cannot open (OSError, or a RuntimeError such as
+    BpfUnavailable): the fast path's per-connection counts, turned on for it, are turned off --
+    nobody would read them -- and the agent's start goes on."""
+    from prometheus_client import CollectorRegistry
+
+    from agentd.dataplane.bpf.datapath import BpfUnavailable
+
+    for err in (OSError(16, "NFLOG group 143 is bound by another process"), BpfUnavailable("conntrack settings: no")):
+        observe, obs = _observability(monkeypatch, tmp_path)
+
+        def fail(self, err=err):
+            raise err
+
+        monkeypatch.setattr(observe.FlowRecorder, "open", fail)
+        fast = FastPath()
+        asyncio.run(obs.open_flows(None, None, CollectorRegistry(), carried=fast))
+        assert obs.recorder is None and obs.error == f"flow records off: {err}"
+        assert fast.done == ["count False"] and not fast.counting
+
+
 def test_flows_off_with_programs_that_cannot_be_told_is_one_line(monkeypatch, tmp_path, caplog):
     from prometheus_client import CollectorRegistry
 
