@@ -235,6 +235,8 @@ class Recording(Protocol):
 
     def take_recorded(self, key: bytes) -> bytes | None: ...
 
+    def recorded_entry(self, key: bytes) -> bytes | None: ...  # struct podconn_value, now
+
     def put_recorded(self, key: bytes, value: bytes) -> bool: ...  # back, unless the programs made one since
 
 
@@ -551,8 +553,8 @@ class FlowRecorder:
         ``IDLE_NS`` and no longer held by conntrack (timed out, flushed: a pod deleted): ended,
         when found so -- one that conntrack was found holding is asked about again
         ``HELD_RECHECK_NS`` later, not at every sweep.  An entry is taken only if it is still
-        the one judged (the tuple may have been reused meanwhile: a new SYN's entry is put
-        back).  Returns the ends, laid out as the ring gives them."""
+        the one judged (the tuple may have been reused meanwhile: a new SYN's entry is left
+        where it is).  Returns the ends, laid out as the ring gives them."""
         rec = self.recording
         if rec is None:
             return []
@@ -586,7 +588,13 @@ class FlowRecorder:
     def _take(self, rec: Recording, key: bytes, judged: tuple[int, ...]) -> bytes | None:
         """``key``'s entry out of the programs' map if it is still the one the sweep judged
         (``judged``: its value then, unpacked) -- the same SYN's, in the same state, with the same
-        last packet --, else None and it is put back (unless the programs made one since)."""
+        last packet --, else None.  It is looked at first and taken only if it still is (a
+        reused tuple's new SYN taken out even for a moment would miss its answer, and its
+        connection -- conntrack's events masked at its SYN -- be recorded by nobody); one that
+        changed between that look and the take is put back (unless the programs made one since)."""
+        now_raw = rec.recorded_entry(key)
+        if now_raw is None or CONN_VALUE.unpack(now_raw)[4:7] != judged[4:7]:
+            return None
         taken = rec.take_recorded(key)
         if taken is None:
             return None

@@ -344,6 +344,13 @@ class PodFastPath:
                 out.append((key, raw))
         return out
 
+    def recorded_entry(self, key: bytes) -> bytes | None:
+        """A recorded connection's value as podconns holds it now, None if it has none."""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return None
+        return lb.map_lookup(fd, key, CONN_VALUE.size)
+
     def take_recorded(self, key: bytes) -> bytes | None:
         """A recorded connection out of podconns in one step (its value), None if gone."""
         fd = self.maps.get(CONNS)

@@ -621,6 +621,9 @@ class Programs:
     def recorded_open(self):
         return list(self.held.items())
 
+    def recorded_entry(self, key):
+        return self.held.get(key)
+
     def take_recorded(self, key):
         return self.held.pop(key, None)
 
@@ -901,6 +904,30 @@ def test_since_goes_past_a_drop_or_a_conntrack_event_read_late():
     got = r.ring.last(FlowFilter(), 10, since=1004.0)
     assert [(f.event, f.src.port) for f in got] == [("new", 40001)]
     assert list(r.ring)[-1].received == 1005.5 and list(r.ring)[-1].time == 1000.25
+
+
+def test_the_sweep_never_takes_a_reused_tuples_new_syn_out_of_the_map():
+    """The tuple of an idle connection reused while the sweep asks conntrack about it: the new
+    SYN's entry is looked at, not taken out (its answer, coming while it was out, would find
+    none: the connection, its conntrack events masked at its SYN, recorded by nobody)."""
+    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_REUSED
+
+    now = 1_000 * 10**9
+    key, old = _conn(False, 2, 0, now - 60 * 10**9)
+    fresh = CONN_VALUE.pack(1, 0, 60, 0, now, now, 1, 0, 0)
+    r = recorder()
+    r.recording = programs = Programs({key: old})
+    took = []
+    take = programs.take_recorded
+    programs.take_recorded = lambda k: took.append(k) or take(k)
+
+    def held(k):
+        programs.rings.append(CONN_RECORD.pack(k, REC_REUSED, programs.held[k]))
+        programs.held[k] = fresh
+        return False
+
+    r._held = held
+    assert r.sweep(now) == [] and took == [] and programs.held == {key: fresh}
 
 
 class _QuietSock:
