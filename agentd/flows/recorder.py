@@ -554,32 +554,42 @@ class FlowRecorder:
         when found so -- one that conntrack was found holding is asked about again
         ``HELD_RECHECK_NS`` later, not at every sweep.  An entry is taken only if it is still
         the one judged (the tuple may have been reused meanwhile: a new SYN's entry is left
-        where it is).  Returns the ends, laid out as the ring gives them."""
+        where it is).  A key whose look-up fails is left for the next sweep.  Returns the
+        ends, laid out as the ring gives them."""
         rec = self.recording
         if rec is None:
             return []
         now = time.clock_gettime_ns(time.CLOCK_TAI) if now_tai is None else now_tai
-        out = []
+        out: list[bytes] = []
         held_at = self._held_at
         conns = rec.recorded_open()
+        failed: OSError | None = None
         for key, raw in conns:
-            v = CONN_VALUE.unpack(raw)
-            state, idle = v[6], now - v[5]
-            if state == CONN_SYN:
-                if idle > SYN_TIMEOUT_NS:
-                    self._take(rec, key, v)
+            # One key's trouble (a conntrack look-up or a map operation failing) skips that key
+            # alone: what was taken before it is returned all the same (it is out of the map).
+            try:
+                v = CONN_VALUE.unpack(raw)
+                state, idle = v[6], now - v[5]
+                if state == CONN_SYN:
+                    if idle > SYN_TIMEOUT_NS:
+                        self._take(rec, key, v)
+                    continue
+                if state == CONN_CLOSING and idle > CLOSING_TIMEOUT_NS:
+                    kind = REC_FIN
+                elif idle > IDLE_NS and not self._still_held(key, v[4], now):
+                    kind = REC_GONE
+                else:
+                    continue
+                taken = self._take(rec, key, v)
+            except (OSError, nl.NetlinkError) as err:
+                failed = err
                 continue
-            if state == CONN_CLOSING and idle > CLOSING_TIMEOUT_NS:
-                kind = REC_FIN
-            elif idle > IDLE_NS and not self._still_held(key, v[4], now):
-                kind = REC_GONE
-            else:
-                continue
-            taken = self._take(rec, key, v)
             if taken is not None:
                 held_at.pop(key, None)
                 out.append(CONN_RECORD.pack(key, kind, taken))
                 self.swept += 1
+        if failed is not None:  # once a sweep: the next one tries those keys again
+            log.warning("flows: looking over the recorded connections, some were left for the next look: %s", failed)
         if held_at:  # those the programs no longer hold are forgotten
             keys = {key for key, _raw in conns}
             self._held_at = {key: seen for key, seen in held_at.items() if key in keys}

@@ -930,6 +930,38 @@ def test_the_sweep_never_takes_a_reused_tuples_new_syn_out_of_the_map():
     assert r.sweep(now) == [] and took == [] and programs.held == {key: fresh}
 
 
+def test_a_sweep_that_fails_at_one_key_returns_what_it_took():
+    """A conntrack look-up failing (not ENOENT) or a map operation failing at one key skips that
+    key: the ends of those taken out of the map before and after it are returned, not lost."""
+    import errno
+
+    from agentd.flows.recorder import CONN_RECORD, REC_GONE
+
+    now = 1_000 * 10**9
+    key, idle = _conn(False, 2, 0, now - 60 * 10**9)
+    keys = [key[:8] + bytes([i, i]) + key[10:] for i in range(4)]
+    r = recorder()
+    r.recording = programs = Programs(dict.fromkeys(keys, idle))
+
+    def held(k):
+        if k == keys[1]:
+            raise nl.NetlinkError(errno.EPERM, what="looking up a conntrack entry")
+        return False
+
+    r._held = held
+    take = programs.take_recorded
+
+    def take_failing(k):
+        if k == keys[2]:
+            raise OSError(errno.EINVAL, "map lookup and delete")
+        return take(k)
+
+    programs.take_recorded = take_failing
+    ended = [CONN_RECORD.unpack(x)[:2] for x in r.sweep(now)]
+    assert ended == [(keys[0], REC_GONE), (keys[3], REC_GONE)] and r.swept == 2
+    assert sorted(programs.held) == sorted([keys[1], keys[2]])  # left for the next sweep
+
+
 class _QuietSock:
     """A netlink socket that takes every request (the recorder's open, without a kernel)."""
 
