@@ -237,7 +237,8 @@ class Recording(Protocol):
 
     def recorded_entry(self, key: bytes) -> bytes | None: ...  # struct podconn_value, now
 
-    def put_recorded(self, key: bytes, value: bytes) -> bool: ...  # back, unless the programs made one since
+    # Back, unless the programs made one since (False); OSError where it cannot (E2BIG: full).
+    def put_recorded(self, key: bytes, value: bytes) -> bool: ...
 
 
 class PendingRecorded(Deferred):
@@ -367,6 +368,9 @@ class FlowRecorder:
         self.recording: Recording | None = None  # the pod programs, once they record connections
         self._get_sock: NetlinkSocket | None = None  # the sweep's conntrack look-ups
         self.swept = 0  # recorded connections the sweep ended
+        # Connections the sweep took that were not the one judged and could not be put back:
+        # "ended" there (past their SYN), "lost" (unanswered SYNs: recorded by nobody).
+        self.not_put_back: Counter[str] = Counter()
         # Idle recorded connections conntrack was last found holding: key -> (their SYN's time,
         # when found), CLOCK_TAI ns; only keys the programs still hold are kept.
         self._held_at: dict[bytes, tuple[int, int]] = {}
@@ -572,7 +576,7 @@ class FlowRecorder:
                 state, idle = v[6], now - v[5]
                 if state == CONN_SYN:
                     if idle > SYN_TIMEOUT_NS:
-                        self._take(rec, key, v)
+                        self._take(rec, key, v, out)
                     continue
                 if state == CONN_CLOSING and idle > CLOSING_TIMEOUT_NS:
                     kind = REC_FIN
@@ -580,7 +584,7 @@ class FlowRecorder:
                     kind = REC_GONE
                 else:
                     continue
-                taken = self._take(rec, key, v)
+                taken = self._take(rec, key, v, out)
             except (OSError, nl.NetlinkError) as err:
                 failed = err
                 continue
@@ -595,13 +599,13 @@ class FlowRecorder:
             self._held_at = {key: seen for key, seen in held_at.items() if key in keys}
         return out
 
-    def _take(self, rec: Recording, key: bytes, judged: tuple[int, ...]) -> bytes | None:
+    def _take(self, rec: Recording, key: bytes, judged: tuple[int, ...], out: list[bytes]) -> bytes | None:
         """``key``'s entry out of the programs' map if it is still the one the sweep judged
         (``judged``: its value then, unpacked) -- the same SYN's, in the same state, with the same
         last packet --, else None.  It is looked at first and taken only if it still is (a
         reused tuple's new SYN taken out even for a moment would miss its answer, and its
         connection -- conntrack's events masked at its SYN -- be recorded by nobody); one that
-        changed between that look and the take is put back (unless the programs made one since)."""
+        changed between that look and the take is put back (:meth:`_put_back`)."""
         now_raw = rec.recorded_entry(key)
         if now_raw is None or CONN_VALUE.unpack(now_raw)[4:7] != judged[4:7]:
             return None
@@ -610,10 +614,33 @@ class FlowRecorder:
             return None
         v = CONN_VALUE.unpack(taken)
         if v[4:7] != judged[4:7]:
-            with contextlib.suppress(OSError):
-                rec.put_recorded(key, taken)
+            self._put_back(rec, key, taken, v, out)
             return None
         return taken
+
+    def _put_back(self, rec: Recording, key: bytes, taken: bytes, v: tuple[int, ...], out: list[bytes]) -> None:
+        """A connection taken that was not the one judged, back into the programs' map.  Where
+        it cannot go back -- the programs made a new SYN's entry of the tuple since (which
+        stays), or the map is full (the programs took the freed slot) -- it is ended here
+        rather than lost silently: a connection past its SYN gets its end (REUSED: ended by the
+        new SYN, at its last packet; GONE: when found), an unanswered SYN is counted as lost
+        (its connection is recorded by nobody)."""
+        try:
+            if rec.put_recorded(key, taken):
+                return
+            kind, why = REC_REUSED, "its tuple was reused meanwhile"
+        except OSError as err:
+            kind, why = REC_GONE, str(err)
+        self._held_at.pop(key, None)
+        peer = f"{socket.inet_ntoa(key[0:4])}:{int.from_bytes(key[8:10], 'big')} " \
+               f"{socket.inet_ntoa(key[4:8])}:{int.from_bytes(key[10:12], 'big')}"
+        if v[6] == CONN_SYN:
+            self.not_put_back["lost"] += 1
+            log.warning("flows: the recorded connection %s could not be put back (%s): not recorded", peer, why)
+            return
+        self.not_put_back["ended"] += 1
+        log.warning("flows: the recorded connection %s could not be put back (%s): ended now", peer, why)
+        out.append(CONN_RECORD.pack(key, kind, taken))
 
     def _still_held(self, key: bytes, first: int, now: int) -> bool:
         """Whether conntrack holds an idle recorded connection (``first``: its SYN's time): asked

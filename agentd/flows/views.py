@@ -64,9 +64,11 @@ class FlowViews:
             "followers": len(r.ring.followers),
             "log_group": r.group,
             # Pods' IPv4 TCP connections recorded by the pod programs (conntrack's events of
-            # them masked): with other nodes' pods too (remote), ended by the agent's sweep.
+            # them masked): with other nodes' pods too (remote), ended by the agent's sweep;
+            # taken by it and not put back (the map full, or the tuple reused): ended then, or
+            # unanswered SYNs lost.
             "programs": {"recording": r.recording is not None, "remote": r.recording is not None and r.record_remote,
-                         "swept": r.swept},
+                         "swept": r.swept, "not_put_back": {k: r.not_put_back.get(k, 0) for k in ("ended", "lost")}},
         }
 
     def collect(self):

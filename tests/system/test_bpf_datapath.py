@@ -12,6 +12,7 @@ the hooks (the pod fast path: none of an earlier agent's either)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -744,6 +745,7 @@ def test_a_reopened_pod_fast_path_records_as_the_last_agent_said_until_told(netn
         CONFIG,
         CONFIG_VALUE,
         CONN_VALUE,
+        CONNS,
         U32,
         PodFastPath,
     )
@@ -772,6 +774,14 @@ def test_a_reopened_pod_fast_path_records_as_the_last_agent_said_until_told(netn
             assert fast.put_recorded(key, taken) and fast.take_recorded(key) == taken
             assert fast.put_recorded(key, fresh) and not fast.put_recorded(key, taken)  # the programs' stays
             assert fast.take_recorded(key) == fresh
+            # podconns full (a preallocated hash: the programs took the slot a take freed): it
+            # cannot go back, and says so rather than returning as if the programs' had stayed.
+            conns = fast.maps[CONNS]
+            for i in range(libbpf.map_info(conns)["max_entries"]):
+                libbpf.map_update(conns, key[:8] + i.to_bytes(4, "big"), fresh, libbpf.BPF_NOEXIST)
+            with pytest.raises(OSError, match="agentd_podconns is full") as err:
+                fast.put_recorded(socket.inet_aton("10.244.9.9") + key[4:], taken)
+            assert err.value.errno == errno.E2BIG
         finally:
             fast.close()
         again = opened()

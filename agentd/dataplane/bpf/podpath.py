@@ -360,16 +360,20 @@ class PodFastPath:
 
     def put_recorded(self, key: bytes, value: bytes) -> bool:
         """A connection :meth:`take_recorded` took put back into podconns, unless the programs
-        made an entry of that tuple since (which stays); whether it was put back."""
+        made an entry of that tuple since (which stays: False).  Raises OSError where it
+        cannot be put back at all -- E2BIG: podconns, a preallocated hash, is full (the
+        programs took the freed slot meanwhile) -- and the caller must say what became of it."""
         fd = self.maps.get(CONNS)
         if fd is None:
-            return False
+            raise OSError(errno.ENOENT, "the pod programs' map agentd_podconns is not open")
         try:
             lb.map_update(fd, key, value, lb.BPF_NOEXIST)
         except OSError as err:
-            if err.errno != errno.EEXIST:
-                raise
-            return False
+            if err.errno == errno.EEXIST:
+                return False
+            if err.errno == errno.E2BIG:
+                raise OSError(err.errno, "agentd_podconns is full") from None
+            raise
         return True
 
     def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int, int]]]:

@@ -930,6 +930,48 @@ def test_the_sweep_never_takes_a_reused_tuples_new_syn_out_of_the_map():
     assert r.sweep(now) == [] and took == [] and programs.held == {key: fresh}
 
 
+def test_a_taken_connection_that_cannot_go_back_is_ended_not_lost():
+    """Between the sweep's look and its take the tuple's connection changed; putting it back
+    fails: the map is full (E2BIG: the programs took the freed slot), or the programs made a
+    new SYN's entry since.  One past its SYN is ended (GONE, REUSED), an unanswered SYN counted
+    as lost -- none vanishes silently."""
+    import errno
+
+    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_GONE, REC_REUSED
+
+    now = 1_000 * 10**9
+    key, old = _conn(False, 2, 0, now - 60 * 10**9)  # idle, conntrack no longer holds it
+    newer = CONN_VALUE.pack(3, 2, 180, 120, now - 5 * 10**9, now - 10**8, 2, 0, 0)  # reused, answered
+    syn = CONN_VALUE.pack(1, 0, 60, 0, now - 10**8, now - 10**8, 1, 0, 0)  # reused, unanswered yet
+
+    def sweep_with(meanwhile: bytes, put) -> tuple[list[tuple[bytes, int, bytes]], FlowRecorder]:
+        r = recorder()
+        r.recording = programs = Programs({key: old})
+        take = programs.take_recorded
+
+        def reused_first(k):  # the tuple reused between the look and the take
+            programs.held[k] = meanwhile
+            return take(k)
+
+        programs.take_recorded = reused_first
+        programs.put_recorded = put
+        r._held = lambda k: False
+        return [CONN_RECORD.unpack(x) for x in r.sweep(now)], r
+
+    def full(k, v):
+        raise OSError(errno.E2BIG, "agentd_podconns is full")
+
+    ended, r = sweep_with(newer, full)
+    assert ended == [(key, REC_GONE, newer)] and r.not_put_back == {"ended": 1} and r.swept == 0
+    ended, r = sweep_with(syn, full)
+    assert ended == [] and r.not_put_back == {"lost": 1}
+    ended, r = sweep_with(newer, lambda k, v: False)  # a new SYN's entry since: it stays
+    assert ended == [(key, REC_REUSED, newer)] and r.not_put_back == {"ended": 1}
+    from agentd.flows.views import FlowViews
+
+    assert FlowViews(r, lambda: 0).status()["programs"]["not_put_back"] == {"ended": 1, "lost": 0}
+
+
 def test_a_sweep_that_fails_at_one_key_returns_what_it_took():
     """A conntrack look-up failing (not ENOENT) or a map operation failing at one key skips that
     key: the ends of those taken out of the map before and after it are returned, not lost."""
