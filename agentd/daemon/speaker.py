@@ -240,6 +240,7 @@ class SpeakerRuntime:
         self.service.set_peers(peer_settings(p, self.cfg) for p in self.cfg.bgp.peers)
         self.service.set_listen_ranges(listen_ranges(self.cfg))
         self.service.set_originated(originations(self.cfg))
+        self.service.peers_configured()  # its peers are those of its configuration
         await self.api.start()
         self._started = True
         log.info(
