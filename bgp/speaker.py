@@ -4,8 +4,9 @@ The transport (bgp.transport) feeds connection events, bytes, socket back-pressu
 the time, carries out the :class:`~bgp.session.Connect` / ``Send`` / ``Close`` actions it
 collects from :meth:`Speaker.take_actions`, and calls :meth:`Speaker.work` while
 :meth:`Speaker.has_work` says output is waiting.  The agent configures peers and the
-prefixes to originate as *desired state* (``set_peers``, ``set_originated``) and subscribes
-to Loc-RIB best-path changes (``add_listener``).
+prefixes to originate as *desired state* (``set_peers``, ``set_originated``), says once its
+peer set is whole (``peers_configured``: a restart's selection deferral waits for that), and
+subscribes to Loc-RIB best-path changes (``add_listener``).
 
 Everything a peer should have is computed, not remembered as instructions: after each
 batch of input the speaker takes the Loc-RIB changes and hands them to its output side
