@@ -525,6 +525,10 @@ class Agent:
         if self.service is not None:
             self.service.set_peers(self.peering.peers(self.cfg, self.cluster))
             self.service.set_listen_ranges(listen_ranges(self.cfg))
+            if self.peering.known:
+                # The registry has been read: the peer set is whole, and a selection deferral
+                # (RFC 4724 §4.1) may end once they all sent End-of-RIB, not only by restart_time.
+                self.service.peers_configured()
 
     # ================================================================ route programmer
 
