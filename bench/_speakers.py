@@ -136,6 +136,8 @@ asn = {FEEDER_AS}
 passive = true
 [api]
 listen = "127.0.0.1:{AGENTD_API_PORT}"
+[agent]
+state_dir = "{self.workdir / 'state'}"
 [log]
 level = "warning"
 """

@@ -1,7 +1,8 @@
 """Pod-to-pod TCP throughput through the agent, every data path side by side.
 
     python bench/dataplane.py [--seconds 6] [--rounds 5] [--only "udp bpf,ipip bpf,..."] [--routed]
-                              [--no-pod-fast-path] [--flows on|off|both] [--no-pin] [--quick] [--json FILE]
+                              [--no-pod-fast-path] [--flows on|off|both] [--no-pin] [--node-cpus] [--quick]
+                              [--json FILE]
 
 Defaults: 6 s per iperf3 run, 5 rounds, every row below; ``--quick``: 2 s, 1 round.
 
@@ -53,7 +54,14 @@ two runs a few seconds apart, and the spread of the ratios is printed under the 
 iperf3 client runs on CPU 0 and its server on CPU 1 (taskset; ``--no-pin``: where the
 scheduler puts them): on a 2-core machine the scheduler otherwise moves them, and the
 softirq work that follows the sender, between the cores, which moves a single stream's
-throughput by several per cent from run to run and hides a 5 % question. "CPU/Gbit" is the machine's busy CPU time during
+throughput by several per cent from run to run and hides a 5 % question.  Even pinned, a
+veth's receive work runs on the CPU that sent, so CPU 0 does the client's sending, both
+nodes' forwarding and the server pod's receiving -- two hosts' work of the stream on one
+core, which the family that costs more per packet (IPv6) feels first; ``--node-cpus`` steers
+what each node receives on its underlay device to its own CPU (RPS; node 1 beside the client
+on CPU 0, node 2 beside the server on CPU 1), as on two hosts: every row's rate is then
+bounded by the receiving core, lower than with one core doing everything, and in-order (no
+retransmissions).  "CPU/Gbit" is the machine's busy CPU time during
 the transfer (all cores, /proc/stat: iperf3 x2, softirq, workers, everything else running)
 per second and per Gbit/s moved: cores per Gbit/s, lower is cheaper. On a shared machine
 other jobs inflate it; the load line says how busy the machine was. A failed iperf3 run is
@@ -183,6 +191,7 @@ class KernelVtep:
         self.tag = tag
         self.namespaces: list[Netns] = []
         self.pods: list[Netns] = []
+        self.nodes: list[Netns] = []
 
     def _ns(self, suffix: str) -> Netns:
         ns = Netns.create(f"ad-{self.tag}-{suffix}")
@@ -193,7 +202,7 @@ class KernelVtep:
         ul = self._ns("ul")
         ul.ip("link", "add", "br0", "type", "bridge")
         ul.ip("link", "set", "br0", "up")
-        nodes = [self._ns(f"n{i + 1}") for i in range(2)]
+        nodes = self.nodes = [self._ns(f"n{i + 1}") for i in range(2)]
         for i, node in enumerate(nodes):
             veth(node, "eth0", ul, f"n{i + 1}")
             ul.ip("link", "set", f"n{i + 1}", "master", "br0")
@@ -227,6 +236,17 @@ class KernelVtep:
         for ns in reversed(self.namespaces):
             with contextlib.suppress(Exception):
                 ns.delete()
+
+
+def steer(ns: Netns, cpu: int) -> None:
+    """--node-cpus: what ``ns`` (a node) receives on its underlay device is processed on ``cpu``
+    (RPS on every receive queue of its eth0).  A veth's receive work otherwise runs on the CPU
+    that sent, so the client's CPU did both nodes' forwarding and the server pod's receiving
+    too: two hosts' work of the stream on one core, which no two real hosts share."""
+    ns.exec("sh", "-c", f"for q in /sys/class/net/eth0/queues/rx-*; do echo {1 << cpu:x} > $q/rps_cpus; done")
+    got = ns.exec("sh", "-c", "cat /sys/class/net/eth0/queues/rx-*/rps_cpus").split()
+    if not got or any(int(x, 16) != 1 << cpu for x in got):
+        raise BenchError(f"{ns.name}: RPS of eth0 reads {got}, not CPU {cpu}")
 
 
 async def ping_avg(ns: Netns, dst: str, count: int = 20) -> float:
@@ -289,6 +309,9 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
                 vtep = KernelVtep(f"{tag}k")
                 labs[name] = vtep
                 vtep.up()
+                if args.node_cpus:
+                    for cpu, node in enumerate(vtep.nodes):
+                        steer(node, cpu)
                 continue
             key = (backend, datapath, segments, flows)
             if key not in specs:  # raw veth and host-gw share a lab
@@ -303,6 +326,9 @@ async def bench(args, names: list[str]) -> dict[str, list[Round]]:
                 print(f"  lab for {backend} ({datapath}, {family}, flows {'on' if flows else 'off'}) ...",
                       file=sys.stderr, flush=True)
                 await lab.up(timeout=120)
+                if args.node_cpus:
+                    for cpu, node in enumerate(lab.nodes[:2]):
+                        steer(node.ns, cpu)
             labs[name] = specs[key]
             check_datapath(name, specs[key])
         for r in range(args.rounds):
@@ -367,7 +393,9 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     print(f"\nagentd data plane: iperf3 TCP, 1 stream, {args.seconds} s; median of {args.rounds} interleaved rounds "
           "(pod to pod, but raw veth: node to node); pod fast path "
           + ("off" if args.no_pod_fast_path else "on") + "; iperf3 "
-          + ("client on CPU 0, server on CPU 1 (taskset)" if args.pin else "not pinned (--no-pin)"))
+          + ("client on CPU 0, server on CPU 1 (taskset)" if args.pin else "not pinned (--no-pin)")
+          + ("; each node's received packets on its own CPU (--node-cpus: node 1 CPU 0, node 2 CPU 1)"
+             if args.node_cpus else ""))
     after = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, busy {background * 100:.0f}% before the run (other jobs); load average "
           f"{load[0]:.2f} before, {after[0]:.2f} after" + ("  <- rows are skewed by other load" if background > 0.1 else "")
@@ -416,11 +444,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave iperf3's client and server where the scheduler puts them (default: CPU 0 and 1)")
     ap.add_argument("--flows", choices=FLOWS, default="on",
                     help="the agents' flow records: on (the default config), off, or both (each agentd row twice)")
+    ap.add_argument("--node-cpus", action="store_true",
+                    help="each node's received packets on its own CPU (RPS on its underlay device: node 1 and "
+                         "the client CPU 0, node 2 and the server CPU 1), as on two hosts")
     args = parse_bench_args(ap, argv, name="dataplane", quick={"seconds": 2, "rounds": 1})
     if args.rounds < 1 or args.seconds < 1:
         ap.error("--rounds and --seconds must be at least 1")
     if args.pin and (os.cpu_count() or 1) < 2:
         ap.error("pinning iperf3's client and server to CPUs 0 and 1 needs 2 CPUs: add --no-pin")
+    if args.node_cpus and (not args.pin or (os.cpu_count() or 1) < 2):
+        ap.error("--node-cpus puts each node beside its iperf3 end: it needs the pinning (2 CPUs, no --no-pin)")
     if os.geteuid() != 0:
         print("bench/dataplane.py: needs root (network namespaces)", file=sys.stderr)
         return 1
@@ -438,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     runs = asyncio.run(bench(args, names))
     write_json(args.json, {"seconds": args.seconds, "rounds": args.rounds, "flows": args.flows, "pinned": args.pin,
+                           "node_cpus": args.node_cpus,
                            "x_ipv4_per_round": ipv4_ratios(runs),
                            "background_busy": background,
                            "load_before": load[0], "load_after": os.getloadavg()[0],

@@ -4,8 +4,9 @@ The transport (bgp.transport) feeds connection events, bytes, socket back-pressu
 the time, carries out the :class:`~bgp.session.Connect` / ``Send`` / ``Close`` actions it
 collects from :meth:`Speaker.take_actions`, and calls :meth:`Speaker.work` while
 :meth:`Speaker.has_work` says output is waiting.  The agent configures peers and the
-prefixes to originate as *desired state* (``set_peers``, ``set_originated``) and subscribes
-to Loc-RIB best-path changes (``add_listener``).
+prefixes to originate as *desired state* (``set_peers``, ``set_originated``), says once its
+peer set is whole (``peers_configured``: a restart's selection deferral waits for that), and
+subscribes to Loc-RIB best-path changes (``add_listener``).
 
 Everything a peer should have is computed, not remembered as instructions: after each
 batch of input the speaker takes the Loc-RIB changes and hands them to its output side
@@ -115,6 +116,11 @@ class Speaker:
         # when the deferral ends (End-of-RIB to every peer: the restart is complete, §4.1).
         self.restart = RestartState(self.deferring)
         self._deferral_changed = True  # a peer came, went or sent End-of-RIB since the last look
+        #: The owner has said its configured peer set is known (:meth:`peers_configured`).
+        #: Until then "every peer sent End-of-RIB" cannot end the deferral: an agent learns its
+        #: peers from etcd after the speaker started, and with none configured yet there would
+        #: be nobody to wait for -- only restart_time ends it.
+        self.peers_known = False
 
     # ------------------------------------------------------------ configuration (desired state)
 
@@ -156,6 +162,18 @@ class Speaker:
             if cur is not None:
                 self.remove_peer(key, now, CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
             self.add_peer(settings, now)
+
+    def peers_configured(self, now: float) -> None:
+        """The owner's word that its configured peers are all added (the agent after its first
+        read of the node registry, ``agentd speaker`` after those of its configuration): from
+        now on a selection deferral (RFC 4724 §4.1) also ends once every peer it waits for has
+        sent End-of-RIB (:meth:`deferral_pending`), not by restart_time alone.  Idempotent."""
+        self.now = now
+        if self.peers_known:
+            return
+        self.peers_known = True
+        self._deferral_changed = True
+        self._flush(now)
 
     def set_listen_ranges(self, ranges: Iterable[ListenRange], now: float) -> None:
         """Accept peers from these prefixes without configuring each (most specific first).
@@ -456,22 +474,28 @@ class Speaker:
 
     def deferral_pending(self) -> list[str]:
         """While route selection is deferred: the peers it waits for -- every configured,
-        enabled peer that is not Established yet, and every Established one that offered
-        graceful restart without the Restart State bit and has not sent End-of-RIB for all
-        its families (RFC 4724 §4.1: those without graceful restart, and those restarting
-        too, are not waited for)."""
+        enabled peer that is not Established yet, and every Established one (configured or
+        from a listen range) that offered graceful restart without the Restart State bit and
+        has not sent End-of-RIB for all its families (RFC 4724 §4.1: those without graceful
+        restart, and those restarting too, are not waited for).  The peers of a listen range
+        that are not back yet cannot be known -- which were there before the restart, which
+        will come back -- so while there are listen ranges each is listed too (as its prefix),
+        and only restart_time ends the deferral.  Until :meth:`peers_configured` the deferral
+        waits for restart_time whatever this says."""
         syncing = set(self.channels.sync_pending())
         out = []
         for key, peer in self.peers.items():
-            if key in self.dynamic or not peer.enabled:
+            if not peer.enabled:
                 continue
             if peer.state is not State.ESTABLISHED:
-                out.append(key)
+                if key not in self.dynamic:
+                    out.append(key)
                 continue
             neg = self.channels.negotiated(key)
             gr = neg.peer_graceful_restart if neg is not None else None
             if gr is not None and not gr.restart_state and key in syncing:
                 out.append(key)
+        out.extend(str(r.prefix) for r in self.dynamic.ranges)
         return out
 
     def _end_deferral(self, now: float, why: str) -> None:
@@ -485,7 +509,7 @@ class Speaker:
 
     def _flush(self, now: float) -> None:
         """Hand this batch's Loc-RIB changes to the listeners and to the output side."""
-        if self.deferring and self.started and self._deferral_changed:
+        if self.deferring and self.started and self.peers_known and self._deferral_changed:
             self._deferral_changed = False
             if not self.deferral_pending():
                 self._end_deferral(now, "every peer sent End-of-RIB")

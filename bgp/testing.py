@@ -184,10 +184,12 @@ def make_speaker(
     now: float = 0.0,
     router_id: str | None = None,
     seed: int = 1,
+    peers_known: bool = True,
     **local_settings,
 ) -> Speaker:
     """A speaker at ``address`` (router id = address unless given) with ``peers``: (address, asn)
-    pairs or PeerSettings.  Keyword arguments go to LocalSettings."""
+    pairs or PeerSettings, which are then its whole configured peer set (``peers_known``:
+    :meth:`Speaker.peers_configured` is called).  Other keyword arguments go to LocalSettings."""
     import random
     from ipaddress import IPv4Address
 
@@ -197,6 +199,8 @@ def make_speaker(
     sp = Speaker(local, now=now, rng=random.Random(seed))
     for p in peers:
         sp.add_peer(p if isinstance(p, PeerSettings) else PeerSettings(address=p[0], asn=p[1]), now)
+    if peers_known:
+        sp.peers_configured(now)
     return sp
 
 

@@ -484,6 +484,11 @@ class SpeakerService:
             self.speaker.bfd_down(peer, diag_label(change.diag), self.clock())
             self._pump()
 
+    def peers_configured(self) -> None:
+        """Every configured peer has been added (see :meth:`Speaker.peers_configured`)."""
+        self.speaker.peers_configured(self.clock())
+        self._pump()
+
     def set_originated(self, origins: Iterable[Origination]) -> None:
         self.speaker.set_originated(origins, self.clock())
         self._pump()

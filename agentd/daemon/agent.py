@@ -270,6 +270,7 @@ class Agent:
             self.tunnels.bpf.holders.add("flows")
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
                                   on_isolation=self.tunnels.bpf.hold_redirect, fast_path=fast_path,
+                                  before_ack=self.tunnels.bpf.guard_bridges,
                                   fast_path_error=fast_path_error, drop_log=drop_log(cfg),
                                   route_all=cfg.flows.enabled and cfg.flows.connections,
                                   families=self.cluster.versions)  # the cluster's pod families (its record wins)
@@ -534,6 +535,10 @@ class Agent:
         if self.service is not None:
             self.service.set_peers(self.peering.peers(self.cfg, self.cluster))
             self.service.set_listen_ranges(listen_ranges(self.cfg))
+            if self.peering.known:
+                # The registry has been read: the peer set is whole, and a selection deferral
+                # (RFC 4724 §4.1) may end once they all sent End-of-RIB, not only by restart_time.
+                self.service.peers_configured()
 
     # ================================================================ route programmer
 

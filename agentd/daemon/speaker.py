@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
 from ipaddress import IPv4Address
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -174,6 +176,44 @@ def peer_rows(service: SpeakerService) -> list[dict[str, Any]]:
     return [dict(peer_row(v, service.wall_time), bfd=bfd.get(v.address)) for v in peer_views(service.speaker)]
 
 
+RUNNING_FILE = "speaker.running"  # in [agent] state_dir
+
+
+class RunMarker:
+    """How ``agentd speaker`` knows it is restarting, as the agent knows it from the kernel
+    routes a previous run left: a file in ``[agent] state_dir`` that says a speaker with
+    graceful restart ran here and did not withdraw its routes (RFC 4724).  Written once the
+    speaker is up, kept by a graceful stop and by a crash, removed by a stop that withdraws
+    (Cease to every peer: nobody keeps our routes) or a start without graceful restart.
+    Found at start: the peers may hold our routes as stale, so the OPENs carry Restart State
+    and route selection is deferred (§4.1).  A failure to read or write it is logged; the
+    speaker then starts as if fresh."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / RUNNING_FILE
+
+    def found(self) -> bool:
+        try:
+            return self.path.exists()
+        except OSError as err:
+            log.warning("cannot read %s (%s): starting as if no speaker ran before", self.path, err.strerror or err)
+            return False
+
+    def write(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(f"{os.getpid()}\n")
+        except OSError as err:
+            log.warning("cannot write %s (%s): a restart after a crash will not be known as one", self.path,
+                        err.strerror or err)
+
+    def remove(self) -> None:
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("cannot remove %s (%s): the next start will say it restarted", self.path, err.strerror or err)
+
+
 class SpeakerRuntime:
     """The status provider and lifecycle of ``agentd speaker``."""
 
@@ -181,9 +221,15 @@ class SpeakerRuntime:
         self.cfg = cfg
         self.set_logging: Callable[[str, str], None] | None = None
         self.registry = CollectorRegistry()
+        self.marker = RunMarker(cfg.agent.state_dir)
+        restarting = cfg.bgp.graceful_restart and self.marker.found()
+        if restarting:
+            log.info("%s is there: a previous speaker did not withdraw its routes, restarting gracefully "
+                     "(Restart State, route selection deferred)", self.marker.path)
         # The speaker's routes come from its configuration, so they survive any restart: tell
         # GR peers to keep them until our End-of-RIB (RFC 4724 §4.2, the F bit).
-        self.speaker = Speaker(local_settings(cfg, forwarding_preserved=True), now=time.monotonic())
+        self.speaker = Speaker(local_settings(cfg, restarting=restarting, forwarding_preserved=True),
+                               now=time.monotonic())
         self.registry.register(SpeakerMetrics(lambda: self.service))
         listen = (cfg.bgp.listen.host, cfg.bgp.listen.port) if cfg.bgp.listen else None
         self.service = SpeakerService(self.speaker, listen=listen, backlog=cfg.bgp.listen_backlog)
@@ -237,9 +283,14 @@ class SpeakerRuntime:
         self.set_logging = set_logging  # how a reload applies [log] (the CLI's set-up)
         loop = asyncio.get_running_loop()
         await self.service.start()
+        if self.cfg.bgp.graceful_restart:
+            self.marker.write()
+        else:
+            self.marker.remove()
         self.service.set_peers(peer_settings(p, self.cfg) for p in self.cfg.bgp.peers)
         self.service.set_listen_ranges(listen_ranges(self.cfg))
         self.service.set_originated(originations(self.cfg))
+        self.service.peers_configured()  # its peers are those of its configuration
         await self.api.start()
         self._started = True
         log.info(
@@ -261,6 +312,8 @@ class SpeakerRuntime:
             graceful = self.cfg.bgp.graceful_restart
             log.info("stopping (%s)", "graceful restart: peers keep our routes" if graceful else "withdrawing")
             await self.service.stop(graceful=graceful)
+            if not graceful:
+                self.marker.remove()  # the peers dropped our routes: the next start is a fresh one
             await self.api.stop()
         return 0
 

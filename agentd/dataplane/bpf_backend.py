@@ -130,7 +130,8 @@ class BpfPath:
         if not prune:
             routes = {**dp.routes, **routes}
             members = None if members is None else members | dp.members
-        await asyncio.to_thread(self._sync, dp, dict(routes), members, dict(peer_flags), not prune)
+        async with self._lock:  # hold_redirect's config write is not undone by this one's
+            await asyncio.to_thread(self._sync, dp, dict(routes), members, dict(peer_flags), not prune)
 
     async def hold_redirect(self, hold: bool, who: str = "policy") -> None:
         """Stop (``hold``) or resume handing decapsulated packets straight to pods, for ``who``.
@@ -193,7 +194,18 @@ class BpfPath:
 
     async def refresh(self) -> None:
         if self.dp is not None:
-            self.counters = await asyncio.to_thread(self._refresh, self.dp)
+            async with self._lock:
+                self.counters = await asyncio.to_thread(self._refresh, self.dp)
+
+    async def guard_bridges(self) -> None:
+        """Guard the pods' bridges now rather than at the next refresh: called before a new pod
+        is acknowledged to agentd-cni, so that the clsact qdisc a bridge the first pod's ADD made
+        needs (``bpf_attach = "clsact"``) is added before that bridge carries traffic -- adding
+        a qdisc stops the device's transmit queues for a moment, and a restarted agent doing it
+        to a bridge in use dropped a packet."""
+        if self.dp is not None:
+            async with self._lock:
+                await asyncio.to_thread(self.dp.guard_bridges)
 
     def _refresh(self, dp: BpfDatapath) -> dict[str, Any]:
         dp.guard_bridges()  # a new pods' bridge gets the member filter within 2 s

@@ -16,8 +16,9 @@ in the work directory (agentd.lab.process runs it), and its REST API is queried 
     spk.reload({... "originate": []})  # rewrite the file + SIGHUP
     spk.stop()                         # SIGTERM
 
-``[api] listen`` defaults to 127.0.0.1:9099 and ``[log] level`` to "debug" when the dict
-does not set them (each speaker has its own namespace, so the port never clashes).
+``[api] listen`` defaults to 127.0.0.1:9099, ``[log] level`` to "debug" and ``[agent]
+state_dir`` to a directory in the work directory when the dict does not set them (each
+speaker has its own namespace, so the port never clashes).
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ class SpeakerProcess(LabProcess):
         cfg = copy.deepcopy(dict(config))
         cfg.setdefault("api", {}).setdefault("listen", DEFAULT_API)
         cfg.setdefault("log", {}).setdefault("level", "debug")
+        # Its own state (the file that tells a restart, agentd.daemon.speaker.RunMarker), not the host's.
+        cfg.setdefault("agent", {}).setdefault("state_dir", str(self.workdir / "state"))
         self.config = cfg
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(render_toml(cfg))

@@ -434,6 +434,12 @@ def test_graceful_restart_bird_restarts(routers):
     assert spk.peer("10.0.0.2")["stale"] == 0
 
 
+def neighbor_caps(info: str) -> str:
+    """The "Neighbor capabilities" part of BIRD's ``show protocols all``: what the peer's OPEN
+    offered ("Restart recovery": its Restart State bit, RFC 4724 §3)."""
+    return info.partition("Neighbor capabilities")[2].partition("Session:")[0]
+
+
 def test_graceful_restart_agentd_killed(routers):
     r1, r2 = routers.pair()
     # BIRD logs every route change of the session ("spk.ipv4 > removed ..."), so a withdrawal
@@ -447,6 +453,8 @@ def test_graceful_restart_agentd_killed(routers):
     spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
     bird.wait_established("spk")
     eventually(lambda: "10.99.1.0/24" in bird.routes(), what="agentd's route at BIRD")
+    first_caps = neighbor_caps(bird.protocol_info("spk"))
+    assert "Graceful restart" in first_caps and "Restart recovery" not in first_caps, first_caps  # a fresh start
 
     def probe() -> tuple[bool, str]:
         return ("10.99.1.0/24" in bird.routes(), bird.protocol_state("spk"))
@@ -457,6 +465,7 @@ def test_graceful_restart_agentd_killed(routers):
         spk.kill()
         eventually(lambda: bird.protocol_state("spk") != "Established", what="BIRD to notice the crash")
         pause(2.0, "agentd stays down a while: BIRD must keep its route as stale meanwhile")
+        spk_log_start = spk.log_path.stat().st_size
         spk.start()
         spk.wait_ready()
         spk.wait_peer_state("10.0.0.2", "Established", ESTABLISH_TIMEOUT)
@@ -481,6 +490,15 @@ def test_graceful_restart_agentd_killed(routers):
     # after its own selection deferral and update window: waited for, not read once).
     eventually(lambda: "Neighbor graceful restart active" not in bird.protocol_info("spk"),
                what="BIRD's graceful restart over (agentd's End-of-RIB)")
+    # The restarted speaker knew it restarted (the file the killed one left in its state_dir):
+    # its OPEN said so (RFC 4724 §3), and it deferred its End-of-RIB until BIRD's (§4.1).
+    caps = neighbor_caps(bird.protocol_info("spk"))
+    assert "Restart recovery" in caps, caps
+    with open(spk.log_path, errors="replace") as f:
+        f.seek(spk_log_start)
+        spk_log = f.read()
+    assert "restarting gracefully" in spk_log, spk_log
+    assert "route selection no longer deferred (every peer sent End-of-RIB)" in spk_log, spk_log
 
 
 # ---------------------------------------------------------------- unknown peers

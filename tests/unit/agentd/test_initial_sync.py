@@ -148,3 +148,32 @@ def test_the_recheck_timer_is_cancelled_once_the_initial_sync_is_done(monkeypatc
     calls.clear()
     r.loop.advance(5.0)
     assert calls == []
+
+
+def test_the_speakers_selection_deferral_ends_by_end_of_rib_only_once_the_registry_is_read():
+    # RFC 4724 §4.1 on the speaker's side: the agent starts its speaker before it has read its
+    # peers from etcd; with none configured yet "every peer sent End-of-RIB" is no reason to
+    # end the deferral.  The agent says when the peer set is known: the registry read.
+    from agentd.daemon.agent import Agent
+    from bgp.testing import make_speaker
+
+    sp = make_speaker("10.0.0.1", 64512, restarting=True, peers_known=False)
+    sp.start(0.0)
+
+    class Service:
+        def set_peers(self, peers):
+            sp.set_peers(list(peers), 1.0)
+
+        def set_listen_ranges(self, ranges):
+            sp.set_listen_ranges(list(ranges), 1.0)
+
+        def peers_configured(self):
+            sp.peers_configured(1.0)
+
+    agent = SimpleNamespace(service=Service(), peering=SimpleNamespace(known=False, peers=lambda cfg, cluster: []),
+                            cfg=SimpleNamespace(bgp=SimpleNamespace(listen_ranges=[])), cluster=None)
+    Agent._apply_peers(agent)  # a reload before the registry was read: external peers only
+    assert sp.deferring
+    agent.peering.known = True  # the snapshot: no other node, nobody to wait for
+    Agent._apply_peers(agent)
+    assert not sp.deferring

@@ -8,6 +8,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -55,3 +57,12 @@ def test_x_ipv4_is_the_median_of_per_round_ratios_not_a_ratio_of_medians():
     assert round(statistics.median(ratios["host-gw v6"]), 3) == 0.96
     of_medians = statistics.median(x.gbps for x in v6) / statistics.median(x.gbps for x in v4)
     assert round(of_medians, 2) == 0.89  # what the column showed before: the slow spell counted against IPv6
+
+
+def test_node_cpus_needs_the_pinning(capsys):
+    """--node-cpus puts each node beside its pinned iperf3 end: without the pinning it is refused
+    with one line, before anything is built."""
+    with pytest.raises(SystemExit) as exc:
+        dataplane.main(["--node-cpus", "--no-pin"])
+    assert exc.value.code == 2
+    assert "--node-cpus" in capsys.readouterr().err

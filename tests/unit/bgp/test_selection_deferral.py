@@ -7,9 +7,9 @@ client flush the routes of every client not back yet.  Sans-IO, float clock."""
 from __future__ import annotations
 
 import struct
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, ip_network
 
-from bgp import PeerSettings
+from bgp import ListenRange, PeerSettings
 from bgp.testing import MemoryNetwork, RawHarness, RawPeer, make_speaker
 from proto.capabilities import (
     GracefulRestart,
@@ -164,3 +164,88 @@ def test_a_peer_that_reconnects_long_after_our_restart_is_told_we_did_not_just_r
     gr = b2.negotiated("10.0.0.1").peer_graceful_restart
     assert gr is not None and not gr.restart_state
     assert all(f.forwarding_state for f in gr.families)
+
+
+# ---------------------------------------------------------------- the peer set not known yet
+
+
+def test_the_deferral_does_not_end_before_the_owner_knows_its_peers():
+    # The agent starts its speaker, then learns its peers from etcd.  With no peer configured
+    # yet nobody is left to wait for -- which must not end the deferral: C1 (an external peer
+    # of the configuration) is back with its End-of-RIB before the node registry adds C2.
+    sp = make_speaker(RR, 65000, [PeerSettings(C1, 65000, passive=True, rr_client=True)],
+                      cluster_id=IPv4Address(RR), restarting=True, peers_known=False)
+    sp.start(0.0)
+    h = RawHarness(sp, RR)
+    c1 = Client(C1, -1)
+    assert h.connect(c1)
+    h.send(c1, end_of_rib())
+    h.advance(5.0)
+    assert sp.deferring and c1.end_of_ribs() == set()
+    sp.set_peers([PeerSettings(c, 65000, passive=True, rr_client=True) for c in (C1, C2)], h.now)
+    h.advance(1.0)
+    assert sp.deferring and c1.end_of_ribs() == set()
+    sp.peers_configured(h.now)  # the registry has been read: C2 is the one still awaited
+    assert sp.deferring and sp.deferral_pending() == [C2]
+    c2 = Client(C2, -2)
+    assert h.connect(c2)
+    h.send(c2, end_of_rib())
+    h.advance(1.0)
+    assert c1.end_of_ribs() == BOTH and c2.end_of_ribs() == BOTH and not sp.deferring
+
+
+def test_a_speaker_started_with_no_peers_defers_until_told_or_its_time_is_up():
+    sp = make_speaker(RR, 65000, cluster_id=IPv4Address(RR), restarting=True, peers_known=False)
+    sp.start(0.0)
+    h = RawHarness(sp, RR)
+    h.advance(1.0)
+    assert sp.deferring and sp.restart.restarting  # nobody to wait for is not "everybody sent End-of-RIB"
+    h.advance(120.0)
+    assert not sp.deferring and not sp.restart.restarting
+    told = make_speaker(RR, 65000, cluster_id=IPv4Address(RR), restarting=True, peers_known=False)
+    told.start(0.0)
+    told.peers_configured(1.0)  # no peers after all: nothing to wait for
+    assert not told.deferring
+
+
+# ---------------------------------------------------------------- peers from listen ranges
+
+
+RANGE = "10.0.0.0/24"
+
+
+def dynamic_reflector() -> tuple:
+    """A restarted reflector whose clients come from RANGE, its configuration applied."""
+    sp = make_speaker(RR, 65000, cluster_id=IPv4Address(RR), restarting=True, peers_known=False)
+    sp.start(0.0)
+    template = PeerSettings(IPv4Address("10.0.0.0"), 65000, passive=True, rr_client=True)
+    sp.set_listen_ranges([ListenRange(ip_network(RANGE), template)], 0.0)
+    sp.peers_configured(0.0)
+    return sp, RawHarness(sp, RR)
+
+
+def test_a_reflector_with_listen_ranges_defers_until_its_time_is_up():
+    # Which clients of a range were there before the restart, and which will come back, cannot
+    # be known: the first one back must not get End-of-RIB with the others' routes missing.
+    sp, h = dynamic_reflector()
+    assert sp.deferring and sp.deferral_pending() == [RANGE]
+    c1 = Client(C1, -1)
+    assert h.connect(c1)
+    h.send(c1, end_of_rib())
+    h.advance(60.0)
+    assert sp.deferring and c1.end_of_ribs() == set()
+    h.advance(61.0)
+    assert not sp.deferring and c1.end_of_ribs() == BOTH
+
+
+def test_established_clients_from_a_listen_range_are_waited_for_like_configured_ones():
+    sp, h = dynamic_reflector()
+    c1, c2 = Client(C1, -1), Client(C2, -2)
+    assert h.connect(c1) and h.connect(c2)
+    assert set(sp.dynamic) == {C1, C2}
+    h.send(c1, end_of_rib())  # C1 is whole; C2, back too, has not sent its table yet
+    h.advance(1.0)
+    assert sp.deferral_pending() == [C2, RANGE]
+    h.send(c2, end_of_rib())
+    h.advance(1.0)
+    assert sp.deferral_pending() == [RANGE]
