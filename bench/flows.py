@@ -1,6 +1,7 @@
 """What flow records cost: recording on vs. off, side by side, and a drop storm.
 
-    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--drops 20] [--quick] [--json FILE]
+    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--drops 20] [--node-cpus]
+                                         [--quick] [--json FILE]
 
 One 2-node lab (host-gw): a client pod on node1, a server pod and a second client on node2.
 Both agents run alternately with ``[flows] enabled = false``, with drops only (``enabled =
@@ -15,7 +16,12 @@ off; ...) so that a drift of the machine's load falls on all alike; each run mea
 
 Clients run on CPU 0 and the servers on CPU 1 (``taskset``, as bench/policy.py does; the
 agents go where the scheduler puts them: their CPU is what is measured), which halves the
-spread between runs of one mode on 2 cores.  The ratio on/off is the median of each round's
+spread between runs of one mode on 2 cores.  Even so, a veth's receive work runs on the CPU
+that sent, so across nodes the client's CPU also does both nodes' forwarding and the server
+pod's receiving: two hosts' work on one core.  ``--node-cpus`` steers what each node receives
+on its underlay device to its own CPU (RPS, as bench/dataplane.py --node-cpus: node 1 beside
+the client on CPU 0, node 2 beside the server on CPU 1), as on two hosts; traffic on one node
+crosses no underlay device and is not steered.  The ratio on/off is the median of each round's
 own ratio (its runs a minute or two apart at most), with the lowest and highest beside it;
 drops only beside them, as its own median ratio to off.
 
@@ -61,6 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import _iperf  # noqa: E402
 from bench._common import (BenchError, parse_bench_args, print_notes, print_table, require_root,  # noqa: E402
                            run_main, write_json)
+from bench.dataplane import steer
 
 from agentd.flows.model import Flow, Identity, Peer  # noqa: E402
 from agentd.flows.recorder import FlowRecorder, PendingConnection  # noqa: E402
@@ -91,6 +98,15 @@ def rss_mb(pid: int | None) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def node_cpus_error(cpus: set[int]) -> str | None:
+    """--node-cpus puts node 1 beside the clients (CPU 0) and node 2 beside the servers (CPU 1):
+    refused (the reason) unless this process may run on both (``cpus``: its affinity)."""
+    if not {0, 1} <= cpus:
+        return (f"--node-cpus puts each node beside the clients' CPU 0 and the servers' CPU 1, but this process may run "
+                f"on CPUs {','.join(map(str, sorted(cpus)))} only")
+    return None
 
 
 async def restart(lab: Lab, flows: bool, connections: bool = True) -> None:
@@ -360,6 +376,9 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     echo: dict[str, Echo] = {}
     try:
         await lab.up(timeout=120)
+        if args.node_cpus:
+            for cpu, node in enumerate(lab.nodes[:2]):
+                steer(node.ns, cpu)
         pods = {"client": await lab.add_pod(lab.nodes[0], NS, "client", labels={"app": "client"}),
                 "server": await lab.add_pod(lab.nodes[1], NS, "server", labels={"app": "server"}),
                 "local": await lab.add_pod(lab.nodes[1], NS, "local", labels={"app": "local"})}
@@ -380,6 +399,11 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     runs[mode].append(got)
                     print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
                 loads.append(os.getloadavg()[0])
+            if args.node_cpus:  # the agents' restarts left the steering as it was
+                for cpu, node in enumerate(lab.nodes[:2]):
+                    rps = node.ns.exec("sh", "-c", "cat /sys/class/net/eth0/queues/rx-*/rps_cpus").split()
+                    if not rps or any(int(x, 16) != 1 << cpu for x in rps):
+                        raise BenchError(f"{node.name}: RPS of eth0 reads {rps} after the rounds, not CPU {cpu}")
             if mode != "on":  # what follows needs recording on, connections and all
                 await restart(lab, True)
         res = await lab.resources()
@@ -413,11 +437,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
     ap.add_argument("--storm-seconds", type=float, default=5.0, help="length of the storm (default 5)")
     ap.add_argument("--drops", type=int, default=20, help="denied connections timed to the followed streams (default 20)")
+    ap.add_argument("--node-cpus", action="store_true",
+                    help="each node's received packets on its own CPU (RPS on its underlay device: node 1 and the "
+                         "clients CPU 0, node 2 and the servers CPU 1), as on two hosts")
     args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "storm_seconds": 3.0, "drops": 5})
     if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1 or args.drops < 1:
         ap.error("--seconds, --rounds, --storm-pps and --drops must be at least 1")
+    if args.node_cpus and (err := node_cpus_error(os.sched_getaffinity(0))):
+        ap.error(err)
     require_root("bench/flows.py")
     r = asyncio.run(amain(args))
+    r["node_cpus"] = args.node_cpus
     write_json(args.json, r)
     report(args, r)
     return 0
@@ -451,7 +481,9 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     load_note = f"load average {min(loads):.2f}-{max(loads):.2f} over the rounds" if loads else load()
     print_table(f"Flow recording off vs on: 2-node lab, host-gw, {args.rounds} round(s) of {args.seconds:.0f} s per mode, "
                 f"order off,drops,on / on,drops,off by turns, clients on CPU 0 and servers on CPU 1; medians, on/off the "
-                f"median of the rounds' own ratios; 'drops only': [flows] connections = false ({load_note})",
+                f"median of the rounds' own ratios; 'drops only': [flows] connections = false"
+                + ("; each node's received packets on its own CPU (--node-cpus: node 1 CPU 0, node 2 CPU 1)"
+                   if args.node_cpus else "") + f" ({load_note})",
                 ["what", "off", "on", "on/off", "rounds' range", "goal", "", "drops only", "drops/off"], rows)
     lat = r["drop_latency"]
     print_table(f"Drop -> followed GET /flows: {len(lat['node'])} denied connections from node2's client pod "
