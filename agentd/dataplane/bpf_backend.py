@@ -197,16 +197,6 @@ class BpfPath:
             async with self._lock:
                 self.counters = await asyncio.to_thread(self._refresh, self.dp)
 
-    async def guard_bridges(self) -> None:
-        """Guard the pods' bridges now rather than at the next refresh: called before a new pod
-        is acknowledged to agentd-cni, so that the clsact qdisc a bridge the first pod's ADD made
-        needs (``bpf_attach = "clsact"``) is added before that bridge carries traffic -- adding
-        a qdisc stops the device's transmit queues for a moment, and a restarted agent doing it
-        to a bridge in use dropped a packet."""
-        if self.dp is not None:
-            async with self._lock:
-                await asyncio.to_thread(self.dp.guard_bridges)
-
     def _refresh(self, dp: BpfDatapath) -> dict[str, Any]:
         dp.guard_bridges()  # a new pods' bridge gets the member filter within 2 s
         if self.redirecting and self.carried:
