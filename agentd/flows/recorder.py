@@ -71,7 +71,7 @@ from agentd.kernel import netlink_log as nflog
 from agentd.kernel.netlink_socket import NetlinkSocket
 
 from .model import Flow, Identity, Peer, direction_of, protocol_name
-from .ring import Deferred, DropLimiter, Entry, FlowRing
+from .ring import Batch, Deferred, DropLimiter, Entry, FlowRing
 
 log = logging.getLogger("agentd.flows")
 
@@ -83,6 +83,7 @@ COPY_RANGE = 128  # bytes of each logged packet: its IP and transport headers
 LOG_TIMEOUT_CS = 10  # the kernel sends logged packets within 0.1 s ...
 LOG_QTHRESH = 64  # ... or once this many are queued
 CT_INTERVAL = 0.05  # conntrack events are read at most this often: one wake-up for many
+RECORDED_INTERVAL = 0.2  # the programs' ring is read this often (it holds about 13,000 records)
 CT_BUDGET = 2048  # datagrams read per turn; more are read at the next turn of the loop
 RESTARTS_MAX = 4096  # carried counts waiting for their connection's end (tuples reused meanwhile)
 NAMES_MAX = 65536  # addresses whose identity is remembered between changes of the pods
@@ -241,29 +242,27 @@ class Recording(Protocol):
     def put_recorded(self, key: bytes, value: bytes) -> bool: ...
 
 
-class PendingRecorded(Deferred):
-    """A start or end of a connection the pod programs recorded, as the ring gave it, its two
-    ends (the key's lower and higher) named when it came; the record is made when it is first
-    read."""
+class RecordedBatch(Batch):
+    """Starts and ends of connections the pod programs recorded, as one read of their ring gave
+    them (struct podconn_record each, side by side), the addresses they hold named when they
+    came; a record is made when it is first read."""
 
-    __slots__ = ("_flow", "hi", "lo", "node", "offset", "raw", "received")
+    __slots__ = ("blob", "names", "node", "offset", "received")
 
-    def __init__(self, node: str, raw: bytes, lo: Identity | None, hi: Identity | None, offset: int,
+    def __init__(self, node: str, blob: bytes, count: int, names: dict[bytes, Identity | None], offset: int,
                  received: float) -> None:
+        super().__init__(count)
         self.node = node
-        self.raw: bytes | None = raw
-        self.lo, self.hi = lo, hi
+        self.blob = blob
+        self.names = names
         self.offset = offset  # CLOCK_TAI - CLOCK_REALTIME, ns
         self.received = received
-        self._flow: Flow | None = None
 
-    def flow(self) -> Flow:
-        if self._flow is None:
-            assert self.raw is not None
-            self._flow = recorded_flow(self.node, self.raw, self.lo, self.hi, self.offset, self.received)
-            self._flow.seq = self.seq
-            self.raw = self.lo = self.hi = None
-        return self._flow
+    def make(self, index: int) -> Flow:
+        size = CONN_RECORD.size
+        raw = self.blob[index * size : (index + 1) * size]
+        names = self.names
+        return recorded_flow(self.node, raw, names.get(raw[0:4]), names.get(raw[4:8]), self.offset, self.received)
 
 
 def recorded_flow(node: str, raw: bytes, lo_id: Identity | None, hi_id: Identity | None, offset: int,
@@ -342,6 +341,7 @@ class FlowRecorder:
         self.group = group
         self.clock = clock
         self.ring = FlowRing(ring_size, self._count)
+        self.ring.on_batch = self._count_batch
         self.limiter = DropLimiter(agent_rate, agent_burst)
         self.ct_sock: NetlinkSocket | None = None
         self.log_sock: NetlinkSocket | None = None
@@ -490,7 +490,7 @@ class FlowRecorder:
         loop.add_reader(self.log_sock.fileno(), self._read, self.log_sock, self._on_log, "log")
         sweeper = None
         if self.recording is not None:
-            loop.call_later(CT_INTERVAL, self._drain_recorded)
+            loop.call_later(RECORDED_INTERVAL, self._drain_recorded)
             sweeper = asyncio.ensure_future(self._sweep_loop())
         try:
             await asyncio.Event().wait()
@@ -506,35 +506,43 @@ class FlowRecorder:
     # ------------------------------------------------------------------ connections the pod programs record
 
     def _drain_recorded(self) -> None:
-        """Starts and ends the programs wrote since the last look (every ``CT_INTERVAL``)."""
+        """Starts and ends the programs wrote since the last look (every ``RECORDED_INTERVAL``)."""
         loop, rec = self._loop, self.recording
         if loop is None or rec is None:
             return
         try:
-            items = rec.recorded()
-            if items:
-                self._on_recorded(items, self.clock())
+            take = getattr(rec, "recorded_batch", None)
+            if take is None:  # one that gives a list of records
+                items = rec.recorded()
+                if items:
+                    self._on_recorded(items, self.clock())
+            else:
+                blob, count, others, addresses = take()
+                self.malformed += others  # not the programs' (an older object's ring): counted, left out
+                if count:
+                    self._take_batch(blob, count, addresses, self.clock())
         finally:
-            loop.call_later(CT_INTERVAL, self._drain_recorded)
+            loop.call_later(RECORDED_INTERVAL, self._drain_recorded)
 
     def _on_recorded(self, raws: list[bytes], now: float) -> None:
-        """Records as the ring gave them, into the ring as they came, their ends named now."""
-        self._begin_names()
-        offset, names, name, node, unknown = self.tai_offset(), self._names, self._name, self.node, _UNKNOWN
-        entries: list[Entry] = []
+        """Records as the ring gives them, one each (the sweep's ends, a ring read the long way)."""
         size = CONN_RECORD.size
-        for raw in raws:
-            if len(raw) != size:  # not the programs' (an older object's ring): counted, left out
-                self.malformed += 1
-                continue
-            a, b = raw[0:4], raw[4:8]
-            lo, hi = names.get(a, unknown), names.get(b, unknown)
-            if lo is unknown:
-                lo = name(a)
-            if hi is unknown:
-                hi = name(b)
-            entries.append(PendingRecorded(node, raw, lo, hi, offset, now))  # type: ignore[arg-type]
-        self._extend(entries)
+        good = [raw for raw in raws if len(raw) == size]
+        self.malformed += len(raws) - len(good)  # not the programs' (an older object's ring): counted, left out
+        if good:
+            self._take_batch(b"".join(good), len(good), {raw[i : i + 4] for raw in good for i in (0, 4)}, now)
+
+    def _take_batch(self, blob: bytes, count: int, addresses: set[bytes], now: float) -> None:
+        """``count`` records side by side in ``blob``, into the ring as they came, as one
+        :class:`RecordedBatch`: what their keys' ``addresses`` are named now."""
+        self._begin_names()
+        names, name, unknown = self._names, self._name, _UNKNOWN
+        named: dict[bytes, Identity | None] = {}
+        for a in addresses:
+            ident = names.get(a, unknown)
+            named[a] = name(a) if ident is unknown else ident  # type: ignore[assignment]
+        self.events += count
+        self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now))
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -1068,6 +1076,9 @@ class FlowRecorder:
             if on is not None:
                 flow.sender_interface, flow.sender = on
         return flow
+
+    def _count_batch(self, batch: Batch) -> None:
+        self.flows["forwarded"] += batch.count
 
     def _count(self, entries: list[Entry]) -> None:
         made = [e for e in entries if type(e) is Flow]  # the rest: connections not read yet

@@ -36,7 +36,36 @@ class Deferred:
         raise NotImplementedError
 
 
-Entry = Flow | Deferred
+class Batch:
+    """Records the kernel laid out side by side, kept as its bytes until someone reads one (the
+    pod programs' records of connections: thousands a second, most never read before the ring
+    drops them).  The ring holds the batch once in each of its records' slots -- at C speed,
+    no object per record -- and knows each slot's number; :meth:`flow_at` makes the record of
+    number ``seq``, once.  ``first``: the number of its first record, set by the ring."""
+
+    __slots__ = ("_made", "count", "first")
+    verdict = "forwarded"
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.first = 0
+        self._made: dict[int, Flow] | None = None
+
+    def flow_at(self, seq: int) -> Flow:
+        made = self._made
+        if made is None:
+            made = self._made = {}
+        flow = made.get(seq)
+        if flow is None:
+            flow = made[seq] = self.make(seq - self.first)
+            flow.seq = seq
+        return flow
+
+    def make(self, index: int) -> Flow:
+        raise NotImplementedError
+
+
+Entry = Flow | Deferred | Batch
 # Records are in the ring in the order the agent took them in (``Flow.received``: the recorder
 # sets it on every record it takes in -- drops, conntrack's events, the programs' records --;
 # ``Flow.time`` stands in for it where it is not set): ``since`` stops at the first record
@@ -46,8 +75,13 @@ Entry = Flow | Deferred
 SINCE_SLACK = 1.0
 
 
-def record(entry: Entry) -> Flow:
-    return entry if type(entry) is Flow else entry.flow()  # type: ignore[union-attr]
+def record(entry: Entry, seq: int = 0) -> Flow:
+    """The record an entry stands for; ``seq``: its number (read only for a :class:`Batch`)."""
+    if type(entry) is Flow:
+        return entry
+    if isinstance(entry, Batch):
+        return entry.flow_at(seq)
+    return entry.flow()  # type: ignore[union-attr]
 
 
 class Follower:
@@ -72,8 +106,9 @@ class LastSearch:
     records at a time: a large ring (``[flows] ring_size`` up to a million) is searched with
     the event loop free in between, and what the ring takes in meanwhile is not in it."""
 
-    def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None) -> None:
+    def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None, last_seq: int = 0) -> None:
         self.records = records  # a copy: the ring moves on while this searches
+        self.first_seq = last_seq - len(records) + 1  # records[i] is number first_seq + i
         self.filter = flt
         self.n = n
         self.since = since
@@ -86,9 +121,9 @@ class LastSearch:
         if self.done:  # the last 0 (a follower's start) is none: no record is looked at
             return True
         stop = max(0, self.index - k)
-        flt, since, found = self.filter, self.since, self.found
+        flt, since, found, first = self.filter, self.since, self.found, self.first_seq
         for i in range(self.index - 1, stop - 1, -1):
-            flow = record(self.records[i])
+            flow = record(self.records[i], first + i)
             if since is not None and flow.time < since:
                 if (flow.time if flow.received is None else flow.received) < since - SINCE_SLACK:
                     self.done = True
@@ -127,6 +162,7 @@ class FlowRing:
         self.seq = 0
         self.followers: set[Follower] = set()
         self.on_records = on_records
+        self.on_batch: Callable[[Batch], None] | None = None  # told of a batch :meth:`extend_batch` took in whole
 
     def add(self, entry: Entry) -> None:
         """A record, or a :class:`Deferred` one (made when it is first read: by a follower
@@ -170,9 +206,36 @@ class FlowRing:
         entry = self._slots[slot]
         if type(entry) is Flow:
             return entry
-        flow = entry.flow()  # type: ignore[union-attr]
+        flow = record(entry, self._seq_of(slot))  # type: ignore[arg-type]
         self._slots[slot] = flow
         return flow
+
+    def extend_batch(self, batch: Batch) -> None:
+        """A :class:`Batch`'s records in the order they lie: its ``count`` slots hold it (a
+        follower gets each record made at once, as :meth:`add` gives it)."""
+        n = batch.count
+        if n <= 0:
+            return
+        batch.first = self.seq + 1
+        if self.followers or n > self.size:
+            for i in range(n):
+                self.add(batch.make(i))  # told on_records of each
+            return
+        slots, size, slot = self._slots, self.size, self._next
+        end = slot + n
+        if end <= size:
+            slots[slot:end] = [batch] * n
+        else:
+            slots[slot:] = [batch] * (size - slot)
+            slots[: end - size] = [batch] * (end - size)
+        self.seq += n
+        self._next = end % size
+        self._count = min(self._count + n, size)
+        if self.on_batch is not None:
+            self.on_batch(batch)
+
+    def _seq_of(self, slot: int) -> int:
+        return self.seq - (self._next - 1 - slot) % self.size
 
     @property
     def records(self) -> list[Entry]:
@@ -192,7 +255,7 @@ class FlowRing:
 
     def search(self, flt: FlowFilter, n: int, *, since: float | None = None) -> LastSearch:
         """The same, a step at a time (:class:`LastSearch`) over the ring as it is now."""
-        return LastSearch(self.records if n > 0 else [], flt, n, since)
+        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq)
 
     def follow(self, flt: FlowFilter, limit: int = 10_000) -> Follower:
         """A new :class:`Follower` of what comes; :class:`TooManyFollowers` past

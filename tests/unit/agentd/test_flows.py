@@ -1131,3 +1131,84 @@ def test_flows_off_with_programs_that_cannot_be_told_is_one_line(monkeypatch, tm
     asyncio.run(obs.open_flows(None, None, CollectorRegistry(), carried=fast))
     assert fast.done == ["record False"] and obs.recorder is None
     assert "the pod programs may go on recording connections: conntrack settings" in caplog.text
+
+
+# ------------------------------------------------------------------ the programs' records in batches
+
+
+def _records(ports, kind=None):
+    from agentd.flows.recorder import CONN_RECORD, REC_START
+
+    out = []
+    for port in ports:
+        key, value = _conn(False, 2, 5_000_000_000, 5_250_000_000)
+        out.append(CONN_RECORD.pack(key[:8] + port.to_bytes(2, "big") + key[10:], REC_START if kind is None else kind, value))
+    return out
+
+
+def test_a_batch_of_recorded_starts_is_numbered_and_read_like_single_records():
+    from agentd.flows.ring import Batch
+
+    r = recorder()
+    r.ring = FlowRing(5, r._count)
+    r.ring.on_batch = r._count_batch
+    r.ring.add(flow(port=1))  # number 1
+    r._on_recorded(_records([40001, 40002, 40003]), 1000.0)  # numbers 2-4
+    assert sum(isinstance(e, Batch) for e in r.ring.records) == 3 and len({id(e) for e in r.ring.records}) == 2
+    r._on_recorded(_records([40004, 40005, 40006]), 1001.0)  # 5-7: the ring (5) wraps, 1 and 2 are gone
+    assert r.ring.seq == 7 and len(r.ring) == 5 and r.flows["forwarded"] == 7 and r.events == 6
+    got = r.ring.last(FlowFilter(), 10)
+    assert [f.seq for f in got] == [3, 4, 5, 6, 7]
+    assert [f.src.port for f in got] == [40002, 40003, 40004, 40005, 40006]
+    assert [f.received for f in got] == [1000.0, 1000.0, 1001.0, 1001.0, 1001.0]
+    assert got[0].src.identity == CLIENT and got[0].dst.identity == WEB  # named when they came
+    assert [f.src.port for f in r.ring.last(FlowFilter.parse([("port", "40005")]), 10)] == [40005]
+    assert r.ring.last(FlowFilter(), 10)[0] is got[0]  # made once
+    assert [f.seq for f in r.ring] == [3, 4, 5, 6, 7]  # the slots' own numbers
+    assert all(type(e) is Flow for e in r.ring.records)  # and each slot now holds its record
+
+
+def test_a_batch_followed_is_made_at_once_and_counted_once():
+    r = recorder()
+    follower = r.ring.follow(FlowFilter())
+    r._on_recorded(_records([40001, 40002]) + [b"short"], 1000.0)
+    assert r.malformed == 1 and r.flows["forwarded"] == 2 and follower.queue.qsize() == 2
+    assert [follower.queue.get_nowait().seq for _ in range(2)] == [1, 2]
+    assert all(type(e) is Flow for e in r.ring.records)
+
+
+def test_a_batch_larger_than_the_ring_keeps_its_last_records():
+    r = recorder()
+    r.ring = FlowRing(3, r._count)
+    r.ring.on_batch = r._count_batch
+    r._on_recorded(_records(range(40001, 40006)), 1000.0)
+    assert [f.src.port for f in r.ring.last(FlowFilter(), 10)] == [40003, 40004, 40005]
+    assert r.ring.seq == 5 and r.flows["forwarded"] == 5
+
+
+def test_the_programs_ring_read_as_one_object_in_c_and_in_python():
+    """agentd/kernel/_ctevents.c's ring_take_fixed (fed through its record function, as libbpf
+    calls it) gives what libbpf.fixed_records gives: the records of the size asked, side by
+    side; the others counted; the keys' addresses once each."""
+    import ctypes
+
+    from agentd.dataplane.bpf.libbpf import fixed_records
+    from agentd.kernel import _ctevents
+
+    records = _records([40001, 40002]) + [b"x" * 10] + _records([40003])
+    records.append(bytes(range(72)))  # other addresses
+    sample = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t)(
+        ctypes.cast(ctypes.CDLL(_ctevents.__file__).agentd_ring_sample, ctypes.c_void_p).value)
+    sink = _ctevents.ring_sink()
+    try:
+        for rec in records:
+            assert sample(sink, rec, len(rec)) == 0
+        got = _ctevents.ring_take_fixed(sink, 72)
+        assert _ctevents.ring_take_fixed(sink, 72) == (b"", 0, 0, set())  # emptied
+    finally:
+        _ctevents.ring_sink_free(sink)
+    want = fixed_records(records, 72)
+    assert got == want
+    blob, count, others, addresses = got
+    assert count == 4 and others == 1 and blob[72 * 3 :] == bytes(range(72))
+    assert addresses == {socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3"), bytes(range(4)), bytes(range(4, 8))}
