@@ -70,7 +70,7 @@ from bench._common import (BenchError, parse_bench_args, print_notes, print_tabl
 from bench.dataplane import steer
 
 from agentd.flows.model import Flow, Identity, Peer  # noqa: E402
-from agentd.flows.recorder import FlowRecorder, PendingConnection  # noqa: E402
+from agentd.flows.recorder import CONN_RECORD, FlowRecorder, PendingConnection, RecordedBatch  # noqa: E402
 from agentd.flows.ring import FlowRing  # noqa: E402
 from agentd.kernel import netlink as nl  # noqa: E402
 from agentd.kernel import netlink_ct as ct  # noqa: E402
@@ -167,16 +167,28 @@ async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds
     return out
 
 
-def ring_memory(size: int = 10_000, pods: int = 50, *, deferred: bool = False) -> float:
+def ring_memory(size: int = 10_000, pods: int = 50, *, deferred: bool = False, recorded: bool = False) -> float:
     """Bytes per node of a full ring of ``size`` records over ``pods`` pods (tracemalloc):
     records made (read), or ``deferred``: conntrack end events as the recorder keeps them
-    until read (the kernel's bytes, laid out as Linux 6.18 sends a DESTROY, and the names)."""
+    until read (the kernel's bytes, laid out as Linux 6.18 sends a DESTROY, and the names), or
+    ``recorded``: the pod programs' records as the recorder keeps them until read (reads of
+    500 records, each read one object: the records' bytes side by side and the names)."""
     ids = [Identity(f"ns{i % 5}/pod-{i}", f"node{i % 3}", {"app": f"a{i}", "tier": "web"}, i % 2 == 0)
            for i in range(pods)]
     recorder = FlowRecorder("node1", None, "/nonexistent", group=0)  # type: ignore[arg-type]
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     ring = FlowRing(size)
+    if recorded:
+        addresses = [socket.inet_aton(f"10.244.{i % 5}.{10 + i}") for i in range(pods)]  # pod i's
+        for k in range(0, size * 2, 500):  # twice round
+            ends = [(j % pods, (j * 7 + 1) % pods) for j in range(k, k + 500)]
+            raws = [CONN_RECORD.pack(addresses[a] + addresses[b] + (30000 + j % 30000).to_bytes(2, "big")
+                                     + (8080).to_bytes(2, "big"), 2, bytes(CONN_RECORD.size - 16))
+                    for j, (a, b) in zip(range(k, k + 500), ends)]
+            names = {addresses[i]: ids[i] for pair in ends for i in pair}
+            ring.extend_batch(RecordedBatch("node1", b"".join(raws), len(raws), names, 0, time.time()))
+        size = 0  # nothing more
     for k in range(size * 2):  # twice round: what stays is one full ring
         a, b = ids[k % pods], ids[(k * 7 + 1) % pods]
         src, dst = f"10.244.{k % 250}.{k % 200}", f"10.244.7.{k % 200}"
@@ -414,7 +426,8 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
         ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]
         return {"runs": runs, "loads": loads, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
-                "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True)}
+                "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True),
+                "ring_bytes_recorded": ring_memory(ring_size, recorded=True)}
     finally:
         for e in echo.values():
             await e.close()
@@ -505,7 +518,10 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         f"ring memory per node: {r['ring_bytes'] / 1e6:.1f} MB for {r['ring_size']:,} records read "
         f"({r['ring_bytes'] / r['ring_size']:.0f} bytes each, tracemalloc, 50 pods); "
         f"{r['ring_bytes_deferred'] / 1e6:.1f} MB unread ({r['ring_bytes_deferred'] / r['ring_size']:.0f} bytes each: "
-        "conntrack events kept as the kernel sent them)",
+        "conntrack events kept as the kernel sent them)"
+        + (f"; {r['ring_bytes_recorded'] / 1e6:.1f} MB unread from the pod programs "
+           f"({r['ring_bytes_recorded'] / r['ring_size']:.0f} bytes each: their records side by side, one object a read)"
+           if "ring_bytes_recorded" in r else ""),
         "the machine is shared (2 cores): other helpers' work runs beside this bench",
     ])
 
