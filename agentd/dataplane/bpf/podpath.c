@@ -409,8 +409,9 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		podconn_emit(&key, v, PODREC_RST);
 		bpf_map_delete_elem(&agentd_podconns, &key);
 	} else if (fin) {
-		v->fins |= side ? 2 : 1;
-		if (v->fins == 3)
+		__u32 bit = side ? 2 : 1;
+
+		if ((__sync_fetch_and_or(&v->fins, bit) | bit) == 3)
 			v->state = PODCONN_CLOSING;
 	} else if (v->state == PODCONN_CLOSING) {
 		podconn_emit(&key, v, PODREC_FIN);

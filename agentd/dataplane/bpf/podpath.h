@@ -88,8 +88,10 @@ struct podconn_value {
 	__u64 last_tai;  /* of its last packet */
 	__u32 state;     /* enum podconn_state */
 	__u8 client;     /* the side that sent the SYN */
-	__u8 fins;       /* bit per side: FIN seen */
-	__u8 pad[2];
+	__u8 pad[3];
+	__u32 fins;      /* bit per side: FIN seen (set with an atomic or: both ends' FINs may pass
+			  * programs on two CPUs at once) */
+	__u32 pad2;
 };
 
 /* podrecs: ring buffer of these: a recorded connection's start and end (podlost: per-CPU
