@@ -95,7 +95,7 @@ REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py 
 CONN_SYN, CONN_OPEN, CONN_CLOSING = 1, 2, 3  # enum podconn_state
 # struct podconn_value: packets sent by the key's lower end, by the other, bytes alike, CLOCK_TAI
 # ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
-CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")
+CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
 CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
 _UNKNOWN = object()  # an address not named yet

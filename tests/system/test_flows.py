@@ -500,6 +500,31 @@ async def test_a_denied_syn_is_never_a_forwarded_connection(shop):
     assert not [x for x in mine if x["verdict"] == "forwarded"], mine
 
 
+async def test_a_syn_sent_again_after_its_lost_answer_is_one_connection(shop):
+    """client's first SYN-ACK is dropped in client's own namespace (nft: the first one only),
+    after it passed the programs of both nodes: client sends its SYN again a second later and
+    the programs find the connection answered already.  That SYN is the same connection's:
+    each node records one start and one end of it, not an end by reuse and a second start."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    table = "agentd-test-synack"
+    client.ns.exec("nft", "add", "table", "ip", table)
+    try:
+        client.ns.exec("nft", "add chain ip " + table + " in { type filter hook input priority 0; }")
+        client.ns.exec("nft", "add rule ip " + table + " in tcp sport 5009 tcp dport 41206 "
+                       "tcp flags & (syn | ack) == syn | ack limit rate 1/hour burst 1 packets counter drop")
+        await send_sizes(client, web, 5009, 41206, [50_000])
+        assert "packets 1 " in client.ns.exec("nft", "list", "table", "ip", table)  # one answer was lost
+    finally:
+        client.ns.exec("nft", "delete", "table", "ip", table, check=False)
+    for node in (node1, node2):
+        got = await records(node, "--port", "41206", want=lambda r: any(x["event"] == "end" and sent(x, 50_000) for x in r),
+                            what=f"{node.name}'s end of port 41206")
+        await asyncio.sleep(0.5)  # anything the ring held after it is read too
+        got = await agentd_flows(node, "--port", "41206")
+        assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+
+
 HOLD_OPEN = """
 import socket, sys, time
 s = socket.socket()

@@ -336,7 +336,8 @@ static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_
  * masks conntrack's events of the connection).  The answer -- SYN-ACK or RST from the other
  * end -- while conntrack holds the entry confirmed (its SYN passed policy): the start goes to
  * the agent (podrecs).  RST: the end.  FIN from both ends, then the next packet without FIN
- * (the last ACK): the end.  A new SYN on the tuple ends the one before.  What never ends so
+ * (the last ACK): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
+ * the client, with the sequence number of its first) is counted and marked, in any state.  What never ends so
  * (idle, a pod gone) the agent's sweep ends when conntrack no longer holds it. */
 static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, int may_start)
 {
@@ -356,7 +357,9 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		return 0; /* not recorded here: conntrack's events tell of it */
 	now = bpf_ktime_get_tai_ns();
 	if (syn && !ack && !fin && !rst) {
-		if (v && v->state == PODCONN_SYN && v->client == side) { /* sent again */
+		/* Sent again: unanswered yet, or its answer lost on the way (the entry is OPEN then,
+		 * and must not end as REUSED nor start again when the server answers once more). */
+		if (v && v->client == side && v->client_seq == tcp->seq) {
 			podconn_count(v, side, len, now);
 			skb->mark |= POD_RECORD_MARK;
 			return 1;
@@ -370,6 +373,7 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 			return 0;
 		fresh.state = PODCONN_SYN;
 		fresh.client = side;
+		fresh.client_seq = tcp->seq;
 		fresh.first_tai = now;
 		fresh.last_tai = now;
 		if (side) {

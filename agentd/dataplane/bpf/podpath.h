@@ -91,7 +91,8 @@ struct podconn_value {
 	__u8 pad[3];
 	__u32 fins;      /* bit per side: FIN seen (set with an atomic or: both ends' FINs may pass
 			  * programs on two CPUs at once) */
-	__u32 pad2;
+	__u32 client_seq; /* the SYN's sequence number (as on the wire): a SYN of the client with
+			   * the same is that SYN sent again (its answer lost), in any state */
 };
 
 /* podrecs: ring buffer of these: a recorded connection's start and end (podlost: per-CPU
