@@ -313,11 +313,34 @@ class PodFastPath:
         """Record pods' IPv4 TCP connections in the programs (podconns, their starts and ends
         through the ring ``agentd_podrecs``), or stop.  ``remote``: connections with other
         nodes' pods too -- only where every packet from them passes the wire program.  The
-        caller masks conntrack's events of what the programs mark first (agentd.flows.mask)."""
+        caller masks conntrack's events of what the programs mark first (agentd.flows.mask).
+        Off: once the programs are told, what they recorded is dropped (:meth:`_drop_recorded`)."""
         if on and self.recs is None:
             self.recs = lb.RingBuffer(self.maps[RECS])
         self.recording, self.recording_remote, self.recording_told = on, remote, True
         self._configure()
+        if not on:
+            self._drop_recorded()
+
+    def _drop_recorded(self) -> None:
+        """Every entry of podconns deleted and every record in podrecs read and dropped: nobody
+        reads them while the programs do not record, and whoever records next (a later agent,
+        flows switched on again) would take stale starts and ends from the ring for new ones,
+        end stale entries by its sweep as GONE at the time it finds them, and count a later
+        connection of a tuple with a stale entry there (its conntrack events not masked: two
+        ends).  (A program that read the flags just before they changed may still make one in
+        that moment.)"""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return
+        for key in lb.map_keys(fd, FLOW_KEY.size):
+            lb.map_delete(fd, key)
+        ring = self.recs if self.recs is not None else lb.RingBuffer(self.maps[RECS])
+        try:
+            ring.drain()
+        finally:
+            if ring is not self.recs:
+                ring.close()
 
     def recorded(self) -> list[bytes]:
         """Starts and ends of recorded connections since the last call, oldest first, as the
