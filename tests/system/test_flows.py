@@ -20,13 +20,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
 from dualstack_hosts import SIZES_SINK, SIZES_SOURCE
 
 from agentd.lab.lab import Lab, LabSpec
-from agentd.lab.netns import unique_tag
+from agentd.lab.netns import Netns, unique_tag
 from agentd.lab.runtime import binary
 from agentd.lab.svcecho import Echo
 from agentd.lab.wait import auntil
@@ -500,6 +501,12 @@ async def test_a_denied_syn_is_never_a_forwarded_connection(shop):
     assert not [x for x in mine if x["verdict"] == "forwarded"], mine
 
 
+async def recording(node) -> None:
+    """Once ``node``'s pod programs record connections (its recorder told them)."""
+    await auntil(lambda: node.api("/status")["flows"]["programs"]["recording"], 30,
+                 what=f"{node.name}'s pod programs recording")
+
+
 async def test_a_syn_sent_again_after_its_lost_answer_is_one_connection(shop):
     """client's first SYN-ACK is dropped in client's own namespace (nft: the first one only),
     after it passed the programs of both nodes: client sends its SYN again a second later and
@@ -508,6 +515,8 @@ async def test_a_syn_sent_again_after_its_lost_answer_is_one_connection(shop):
     node1, node2 = shop.lab.nodes
     client, web = shop.pods["client"], shop.pods["web"]
     table = "agentd-test-synack"
+    for node in (node1, node2):
+        await recording(node)
     client.ns.exec("nft", "add", "table", "ip", table)
     try:
         client.ns.exec("nft", "add chain ip " + table + " in { type filter hook input priority 0; }")
@@ -523,6 +532,30 @@ async def test_a_syn_sent_again_after_its_lost_answer_is_one_connection(shop):
         await asyncio.sleep(0.5)  # anything the ring held after it is read too
         got = await agentd_flows(node, "--port", "41206")
         assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+
+
+async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
+    """client connects to an address of its own node's pod subnet that is no pod the programs
+    know (here a namespace on node1's bridge whose veth has no program): the answer passes no
+    program, so the programs must not start a record of it nor mark its SYN (whose conntrack
+    events the mask would drop, bridged through postrouting): conntrack's events tell of it."""
+    node1 = shop.lab.nodes[0]
+    client = shop.pods["client"]
+    gateway = client.ns.exec("ip", "-4", "route", "show", "default").split()[2]
+    await recording(node1)
+    stray = Netns.create("ad-" + unique_tag("st"))
+    try:
+        node1.ns.exec("ip", "link", "add", "strayv", "type", "veth", "peer", "name", "eth0", "netns", stray.name)
+        node1.ns.exec("ip", "link", "set", "strayv", "master", "cni0", "up")
+        address = gateway.rsplit(".", 1)[0] + ".250"
+        stray.exec("ip", "addr", "add", f"{address}/24", "dev", "eth0")
+        stray.exec("ip", "link", "set", "eth0", "up")
+        await send_sizes(client, SimpleNamespace(ns=stray, ip=address), 5010, 41207, [20_000])
+        await records(node1, "--port", "41207", "--event", "new", want=lambda r: r,
+                      what="node1's start of client -> an address of its node's subnet")
+    finally:
+        node1.ns.exec("ip", "link", "del", "strayv", check=False)
+        stray.delete()
 
 
 HOLD_OPEN = """

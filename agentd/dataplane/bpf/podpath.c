@@ -327,10 +327,38 @@ static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_
 	return !(status & (IPS_SRC_NAT | IPS_DST_NAT));
 }
 
+/* Whether a pod's SYN to an address of the cluster's pod network that is not a pod of this
+ * node leaves by the underlay device (``wire``), whose program sees the answer: with host-gw
+ * another node's pod does; an address of this node's own pod subnet (the bridge's, a pod whose
+ * veth has no program) does not, nor one behind a tunnel device.  Asked at the SYN only. */
+static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, __u32 wire)
+{
+	struct bpf_fib_lookup fib = {};
+	long ret;
+
+	if (!wire)
+		return 0;
+	fib.family = AF_INET_;
+	fib.tos = ip->tos;
+	fib.l4_protocol = IPPROTO_TCP;
+	fib.sport = tcp->source;
+	fib.dport = tcp->dest;
+	fib.ipv4_src = ip->saddr;
+	fib.ipv4_dst = ip->daddr;
+	fib.ifindex = skb->ingress_ifindex;
+	ret = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	/* No neighbour yet (the SYN resolves it): the device is known all the same. */
+	return (ret == BPF_FIB_LKUP_RET_SUCCESS || ret == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex == wire;
+}
+
+#define PODCONN_START 1        /* a SYN may open a record here: to a pod of this node, or on the wire */
+#define PODCONN_START_WIRED 2  /* ... if it leaves by the underlay device (podconn_wired) */
+
 /* An IPv4 TCP packet of a pod's connection that passes a program while the programs record
- * connections (POD_CFG_RECORD).  ``may_start``: a SYN may open a record here (the answer will
- * pass a program of this node).  Returns 1 if the connection is recorded here (the packet is
- * counted in podconns, not podflows), else 0 (conntrack's events tell of it).
+ * connections (POD_CFG_RECORD).  ``may_start``: whether a SYN may open a record here (the
+ * answer will pass a program of this node): 0, PODCONN_START or PODCONN_START_WIRED.  Returns
+ * 1 if the connection is recorded here (the packet is counted in podconns, not podflows), else
+ * 0 (conntrack's events tell of it).
  *
  * SYN: a new entry (PODCONN_SYN), the packet marked (POD_RECORD_MARK: the agent's nft table
  * masks conntrack's events of the connection).  The answer -- SYN-ACK or RST from the other
@@ -339,7 +367,8 @@ static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_
  * (the last ACK): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
  * the client, with the sequence number of its first) is counted and marked, in any state.  What never ends so
  * (idle, a pod gone) the agent's sweep ends when conntrack no longer holds it. */
-static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, int may_start)
+static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, int may_start,
+					struct pod_config *cfg)
 {
 	struct podconn_value *v, fresh = {};
 	struct podflow_key key = {};
@@ -369,7 +398,7 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 				podconn_emit(&key, v, PODREC_REUSED);
 			bpf_map_delete_elem(&agentd_podconns, &key);
 		}
-		if (!may_start)
+		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
 			return 0;
 		fresh.state = PODCONN_SYN;
 		fresh.client = side;
@@ -741,8 +770,8 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	if (!opening || (tcp->syn && !tcp->ack && !tcp->fin && !tcp->rst))
 		dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (cfg->flags & POD_CFG_RECORD)
-		recorded = podconn_see(skb, ip, tcp, dst || ((cfg->flags & POD_CFG_RECORD_REMOTE) &&
-							     in_cluster(cfg, ip->daddr)));
+		recorded = podconn_see(skb, ip, tcp, dst ? PODCONN_START : ((cfg->flags & POD_CFG_RECORD_REMOTE) &&
+									  in_cluster(cfg, ip->daddr)) ? PODCONN_START_WIRED : 0, cfg);
 	if (opening) {
 		if (opening == 1 && !recorded) /* a recorded connection counts in podconns, not podflows */
 			podflow_restart(ip, tcp);
@@ -806,7 +835,7 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	if (!dst)
 		return PASS; /* not a pod of this node */
 	if (cfg->flags & POD_CFG_RECORD)
-		recorded = podconn_see(skb, ip, tcp, 1);
+		recorded = podconn_see(skb, ip, tcp, PODCONN_START, cfg);
 	if (opening) {
 		if (opening == 1 && !recorded) /* a recorded connection counts in podconns, not podflows */
 			podflow_restart(ip, tcp);

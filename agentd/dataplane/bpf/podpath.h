@@ -117,7 +117,7 @@ struct pod_config {
 			       * nf_conntrack_tcp_be_liberal was before it set it (put back on leave) */
 	__be32 cluster_net;   /* the cluster's pod network: only pods' traffic between nodes is carried */
 	__be32 cluster_mask;
-	__u32 wire_ifindex;   /* not read by the programs: the underlay device agentd_pod_wire is on */
+	__u32 wire_ifindex;   /* the underlay device agentd_pod_wire is on (read at a SYN to another node's pod) */
 };
 
 /* IPv6 has maps of its own beside these (so that theirs keep their shapes, and an upgraded
