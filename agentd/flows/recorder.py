@@ -240,6 +240,10 @@ class Recording(Protocol):
     # Back, unless the programs made one since (False); OSError where it cannot (E2BIG: full).
     def put_recorded(self, key: bytes, value: bytes) -> bool: ...
 
+    # Whether the programs record connections with other nodes' pods too, as they are set now
+    # (not what they were asked: without the wire program they do not).
+    def records_remote(self) -> bool: ...
+
 
 class PendingRecorded(Deferred):
     """A start or end of a connection the pod programs recorded, as the ring gave it, its two

@@ -342,6 +342,18 @@ class PodFastPath:
             if ring is not self.recs:
                 ring.close()
 
+    def records_remote(self) -> bool:
+        """Whether the programs record connections with other nodes' pods too, as their config
+        says (set_recording's ``remote`` is dropped where the wire program is not on)."""
+        fd = self.maps.get(CONFIG)
+        if fd is None:
+            return False
+        try:
+            raw = lb.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
+        except OSError:
+            return False
+        return bool(raw) and CONFIG_VALUE.unpack(raw)[0] & (CFG_RECORD | CFG_RECORD_REMOTE) == CFG_RECORD | CFG_RECORD_REMOTE
+
     def recorded(self) -> list[bytes]:
         """Starts and ends of recorded connections since the last call, oldest first, as the
         ring holds them (struct podconn_record, CONN_RECORD: read when a record is made)."""

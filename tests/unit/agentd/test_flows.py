@@ -630,6 +630,25 @@ class Programs:
     def put_recorded(self, key, value):
         return self.held.setdefault(key, value) is value
 
+    def records_remote(self):
+        return self.remote
+
+    remote = False
+
+
+def test_status_says_whether_the_programs_record_remote_connections_not_what_was_asked():
+    """/status flows.programs.remote: what the programs do -- the agent asks for other nodes'
+    pods' connections too (host-gw), but without the wire program (its attach failed) the
+    programs' config has no RECORD_REMOTE."""
+    from agentd.flows.views import FlowViews
+
+    r = recorder()
+    r.record_remote = True
+    r.recording = programs = Programs({})
+    assert FlowViews(r, lambda: 0).status()["programs"]["remote"] is False
+    programs.remote = True
+    assert FlowViews(r, lambda: 0).status()["programs"]["remote"] is True
+
 
 def test_a_recorded_start_and_end_are_records_like_conntracks():
     from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
