@@ -562,7 +562,8 @@ class FlowRecorder:
         when found so -- one that conntrack was found holding is asked about again
         ``HELD_RECHECK_NS`` later, not at every sweep.  An entry is taken only if it is still
         the one judged (the tuple may have been reused meanwhile: a new SYN's entry is left
-        where it is).  A key whose look-up fails is left for the next sweep.  Returns the
+        where it is -- but for one made between that look and the take, which is taken out
+        for that moment and put back: :meth:`_take`).  A key whose look-up fails is left for the next sweep.  Returns the
         ends, laid out as the ring gives them."""
         rec = self.recording
         if rec is None:
