@@ -558,6 +558,92 @@ async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
         stray.delete()
 
 
+# SIZES_SOURCE's one connection of 2 x 100,000 bytes, and between the halves a RST of its tuple
+# that the server's TCP ignores: its sequence number far out of the window (sent on a raw socket).
+RESET_OUT_OF_WINDOW = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
+time.sleep(0.3)
+src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
+seq = 0x12345678  # out of the window but for a chance of about 1 in 1,000
+
+def tcp(check):
+    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x04, 0, check, 0)
+
+words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
+total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
+while total >> 16:
+    total = (total & 0xffff) + (total >> 16)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
+raw.sendto(tcp(~total & 0xffff), (ip, 0))
+time.sleep(0.3)
+c.sendall(b"y" * 100000)
+while c.recv(65536): pass
+c.close()
+"""
+
+
+async def test_a_reset_its_receiver_ignores_does_not_end_the_connection(shop):
+    """A RST of a connection's tuple far out of the window (a raw socket in the client's
+    namespace) passes the programs of both nodes; the server's TCP ignores it and the
+    connection goes on.  Each node records one start and one end of it, the end with every
+    byte -- not an end at the RST, the rest recorded by nobody (conntrack's events masked)."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    sink = web.ns.popen(["python3", "-c", SIZES_SINK, "0.0.0.0", "5012", "200000"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        await client.ns.aexec("python3", "-c", RESET_OUT_OF_WINDOW, web.ip, "5012", "41209", timeout=60)
+        got, _ = await asyncio.to_thread(sink.communicate, timeout=30)
+        assert got.split() == ["200000"]  # the connection went on past the RST
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", "41209", "--event", "end", want=lambda r: r, what=f"{node.name}'s end of port 41209")
+        await asyncio.sleep(0.5)
+        got = await agentd_flows(node, "--port", "41209")
+        assert [x["event"] for x in got] == ["new", "end"] and sent(got[1], 200_000), [shown(x) for x in got]
+
+
+RESET_AFTER = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
+time.sleep(0.3)
+c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+c.close()
+"""
+
+
+async def test_a_reset_connection_ends_as_reset(shop):
+    """A connection the client resets (SO_LINGER 0): the programs keep it a moment (its end
+    silent but for RST), then the sweep ends it -- one start and one end on each node, at the
+    RST, with the bytes sent before it."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    sink = web.ns.popen(["python3", "-c", SIZES_SINK, "0.0.0.0", "5013", "200000"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        await client.ns.aexec("python3", "-c", RESET_AFTER, web.ip, "5013", "41210", timeout=60)
+    finally:
+        sink.kill()
+        sink.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", "41210", "--event", "end", want=lambda r: r, what=f"{node.name}'s end of port 41210")
+        got = await agentd_flows(node, "--port", "41210")
+        assert [x["event"] for x in got] == ["new", "end"] and sent(got[1], 100_000), [shown(x) for x in got]
+        assert 0.2 < got[1]["duration"] < 2, shown(got[1])  # till the RST, not till the sweep found it
+
+
 HOLD_OPEN = """
 import socket, sys, time
 s = socket.socket()

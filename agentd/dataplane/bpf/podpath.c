@@ -363,7 +363,8 @@ static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip
  * SYN: a new entry (PODCONN_SYN), the packet marked (POD_RECORD_MARK: the agent's nft table
  * masks conntrack's events of the connection).  The answer -- SYN-ACK or RST from the other
  * end -- while conntrack holds the entry confirmed (its SYN passed policy): the start goes to
- * the agent (podrecs).  RST: the end.  FIN from both ends, then the next packet without FIN
+ * the agent (podrecs).  RST past the answer: the end, made by the agent's sweep a moment later
+ * unless the end that sent it sends again without RST (below).  FIN from both ends, then the next packet without FIN
  * (the last ACK): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
  * the client, with the sequence number of its first) is counted and marked, in any state.  What never ends so
  * (idle, a pod gone) the agent's sweep ends when conntrack no longer holds it. */
@@ -394,7 +395,9 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 			return 1;
 		}
 		if (v) {
-			if (v->state != PODCONN_SYN)
+			if (v->state == PODCONN_RESET_LO || v->state == PODCONN_RESET_HI)
+				podconn_emit(&key, v, PODREC_RST); /* reset, and the tuple taken since */
+			else if (v->state != PODCONN_SYN)
 				podconn_emit(&key, v, PODREC_REUSED);
 			bpf_map_delete_elem(&agentd_podconns, &key);
 		}
@@ -439,16 +442,23 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	}
 	podconn_count(v, side, len, now);
 	if (rst) {
-		podconn_emit(&key, v, PODREC_RST);
-		bpf_map_delete_elem(&agentd_podconns, &key);
+		/* Not ended here: a RST the receiver's TCP finds out of its window it ignores, and the
+		 * connection goes on (conntrack, liberal about windows, cannot tell either).  A packet
+		 * without RST from the same end afterwards shows that end alive (OPEN again); else the
+		 * agent's sweep ends the connection as reset, at its last packet. */
+		v->state = side ? PODCONN_RESET_HI : PODCONN_RESET_LO;
 	} else if (fin) {
 		__u32 bit = side ? 2 : 1;
 
 		if ((__sync_fetch_and_or(&v->fins, bit) | bit) == 3)
 			v->state = PODCONN_CLOSING;
-	} else if (v->state == PODCONN_CLOSING) {
-		podconn_emit(&key, v, PODREC_FIN);
-		bpf_map_delete_elem(&agentd_podconns, &key);
+	} else if (v->state != PODCONN_OPEN) { /* one compare on an open connection's packets */
+		if (v->state == PODCONN_CLOSING) {
+			podconn_emit(&key, v, PODREC_FIN);
+			bpf_map_delete_elem(&agentd_podconns, &key);
+		} else if (v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO)) {
+			v->state = PODCONN_OPEN;
+		}
 	}
 	return 1;
 }

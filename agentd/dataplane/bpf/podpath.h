@@ -79,6 +79,8 @@ enum podconn_state {
 	PODCONN_SYN = 1,     /* its SYN passed (marked: conntrack tells nobody of it); no answer yet */
 	PODCONN_OPEN = 2,    /* answered (SYN-ACK): its start went to the agent */
 	PODCONN_CLOSING = 3, /* both ends sent FIN: the next packet without FIN ends it */
+	PODCONN_RESET_LO = 4, /* the lower end sent RST: ended by the agent's sweep unless that end */
+	PODCONN_RESET_HI = 5, /* ... sends again without RST (back to OPEN: its TCP ignored it) */
 };
 
 struct podconn_value {

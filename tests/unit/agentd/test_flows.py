@@ -674,6 +674,29 @@ def test_a_recorded_connection_whose_client_is_the_higher_end_is_turned_round():
     assert (j["bytes_sent"], j["bytes_received"], j["direction"]) == (900, 1400, "egress")
 
 
+def test_the_sweep_ends_a_reset_connection_once_its_end_stays_silent():
+    """The programs keep a connection a RST passed (its TCP may have ignored it, out of window):
+    the sweep ends it as reset once nothing but RST came from that end for RESET_TIMEOUT_NS
+    (the end at its last packet); one reset a moment ago is left for the next look."""
+    from agentd.flows.recorder import (
+        CONN_RECORD,
+        CONN_RESET_HI,
+        CONN_RESET_LO,
+        REC_RST,
+        RESET_TIMEOUT_NS,
+    )
+
+    now = 1_000 * 10**9
+    k_old, v_old = _conn(False, CONN_RESET_LO, 0, now - RESET_TIMEOUT_NS - 1)
+    k_new, v_new = _conn(False, CONN_RESET_HI, 0, now - RESET_TIMEOUT_NS // 2)
+    k_new = k_new[:8] + bytes([1, 1]) + k_new[10:]
+    r = recorder()
+    r.recording = Programs({k_old: v_old, k_new: v_new})
+    r._held = lambda key: True  # conntrack holds both (it keeps a reset connection a while)
+    assert [CONN_RECORD.unpack(x) for x in r.sweep(now)] == [(k_old, REC_RST, v_old)]
+    assert r.recording.held == {k_new: v_new}
+
+
 def test_the_sweep_ends_what_ended_silently_and_drops_unanswered_syns():
     from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_GONE, SYN_TIMEOUT_NS
 
