@@ -90,14 +90,15 @@ NAMES_MAX = 65536  # addresses whose identity is remembered between changes of t
 SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
+RESET_TIMEOUT_NS = 2 * 10**9  # a RST seen, nothing but RST from its end since: ended (reset)
 IDLE_NS = 10 * 10**9  # idle this long: ended if conntrack no longer holds it
 HELD_RECHECK_NS = 60 * 10**9  # conntrack found holding an idle one: not asked again for this long
 REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py (enum podconn_kind; GONE: the sweep's)
-CONN_SYN, CONN_OPEN, CONN_CLOSING = 1, 2, 3  # enum podconn_state
+CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
 # struct podconn_value: packets sent by the key's lower end, by the other, bytes alike, CLOCK_TAI
 # ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
-CONN_VALUE = struct.Struct("<QQQQQQIBB2x")
-CONN_RECORD = struct.Struct("<12sI56s")  # struct podconn_record: key, kind, value
+CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
+CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
 _UNKNOWN = object()  # an address not named yet
 TCP = 6
@@ -240,6 +241,10 @@ class Recording(Protocol):
 
     # Back, unless the programs made one since (False); OSError where it cannot (E2BIG: full).
     def put_recorded(self, key: bytes, value: bytes) -> bool: ...
+
+    # Whether the programs record connections with other nodes' pods too, as they are set now
+    # (not what they were asked: without the wire program they do not).
+    def records_remote(self) -> bool: ...
 
 
 class RecordedBatch(Batch):
@@ -561,12 +566,15 @@ class FlowRecorder:
         """Connections the programs hold that ended without telling (blocking): an unanswered
         SYN after ``SYN_TIMEOUT_NS`` goes without a record (no start was recorded: it was
         never forwarded, or denied on the way); both FINs seen and nothing for
-        ``CLOSING_TIMEOUT_NS`` (the last ACK went another way, or was lost): ended; idle for
+        ``CLOSING_TIMEOUT_NS`` (the last ACK went another way, or was lost): ended; a RST
+        seen and its end silent since (podpath.c keeps the entry: a RST out of the receiver's
+        window does not end the connection) for ``RESET_TIMEOUT_NS``: ended, reset; idle for
         ``IDLE_NS`` and no longer held by conntrack (timed out, flushed: a pod deleted): ended,
         when found so -- one that conntrack was found holding is asked about again
         ``HELD_RECHECK_NS`` later, not at every sweep.  An entry is taken only if it is still
         the one judged (the tuple may have been reused meanwhile: a new SYN's entry is left
-        where it is).  A key whose look-up fails is left for the next sweep.  Returns the
+        where it is -- but for one made between that look and the take, which is taken out
+        for that moment and put back: :meth:`_take`).  A key whose look-up fails is left for the next sweep.  Returns the
         ends, laid out as the ring gives them."""
         rec = self.recording
         if rec is None:
@@ -588,6 +596,8 @@ class FlowRecorder:
                     continue
                 if state == CONN_CLOSING and idle > CLOSING_TIMEOUT_NS:
                     kind = REC_FIN
+                elif state in (CONN_RESET_LO, CONN_RESET_HI) and idle > RESET_TIMEOUT_NS:
+                    kind = REC_RST
                 elif idle > IDLE_NS and not self._still_held(key, v[4], now):
                     kind = REC_GONE
                 else:

@@ -67,7 +67,9 @@ class FlowViews:
             # them masked): with other nodes' pods too (remote), ended by the agent's sweep;
             # taken by it and not put back (the map full, or the tuple reused): ended then, or
             # unanswered SYNs lost.
-            "programs": {"recording": r.recording is not None, "remote": r.recording is not None and r.record_remote,
+            # remote: as the programs are set (no wire program: not), not as the agent asked.
+            "programs": {"recording": r.recording is not None,
+                         "remote": r.recording is not None and r.recording.records_remote(),
                          "swept": r.swept, "not_put_back": {k: r.not_put_back.get(k, 0) for k in ("ended", "lost")}},
         }
 

@@ -737,8 +737,9 @@ def test_a_pod_fast_path_that_fails_part_way_is_off_and_gone_from_every_hook(net
 
 def test_a_reopened_pod_fast_path_records_as_the_last_agent_said_until_told(netns_factory, bpffs):
     """A restarted agent's pod fast path keeps recording connections as the previous agent told
-    it (POD_CFG_RECORD in the pinned config) until its flow recorder says otherwise; a recorded
-    connection the sweep took is put back only where the programs made no entry since."""
+    it (POD_CFG_RECORD in the pinned config) until its flow recorder says otherwise, and then
+    drops what they recorded; a recorded connection the sweep took is put back only where the
+    programs made no entry since."""
     from agentd.dataplane.bpf.podpath import (
         CFG_RECORD,
         CFG_RECORD_REMOTE,
@@ -768,7 +769,7 @@ def test_a_reopened_pod_fast_path_records_as_the_last_agent_said_until_told(netn
         try:
             assert recording(fast) == 0
             fast.set_recording(True, True)
-            assert recording(fast) == both
+            assert recording(fast) == both and fast.records_remote()
             key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + bytes([156, 64, 0, 80])
             taken, fresh = (CONN_VALUE.pack(1, 1, 60, 60, first, first, 2, 0, 0) for first in (5, 7))
             assert fast.put_recorded(key, taken) and fast.take_recorded(key) == taken
@@ -789,7 +790,9 @@ def test_a_reopened_pod_fast_path_records_as_the_last_agent_said_until_told(netn
             assert recording(again) == both  # the earlier agent's word stands ...
             again.set_counting(True)
             assert recording(again) == both
+            assert len(again.recorded_open()) == libbpf.map_info(again.maps[CONNS])["max_entries"]
             again.set_recording(False)  # ... until the recorder's
-            assert recording(again) == 0
+            assert recording(again) == 0 and not again.records_remote()
+            assert again.recorded_open() == [] and again.recorded() == []  # nobody records them now
         finally:
             again.remove()

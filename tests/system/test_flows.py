@@ -20,13 +20,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
 from dualstack_hosts import SIZES_SINK, SIZES_SOURCE
 
 from agentd.lab.lab import Lab, LabSpec
-from agentd.lab.netns import unique_tag
+from agentd.lab.netns import Netns, unique_tag
 from agentd.lab.runtime import binary
 from agentd.lab.svcecho import Echo
 from agentd.lab.wait import auntil
@@ -498,6 +499,149 @@ async def test_a_denied_syn_is_never_a_forwarded_connection(shop):
     mine = [x for x in await agentd_flows(node1, "--from-pod", "shop/other", "--to-pod", "shop/web", "--last", "1000")
             if x["seq"] > since]
     assert not [x for x in mine if x["verdict"] == "forwarded"], mine
+
+
+async def recording(node) -> None:
+    """Once ``node``'s pod programs record connections (its recorder told them)."""
+    await auntil(lambda: node.api("/status")["flows"]["programs"]["recording"], 30,
+                 what=f"{node.name}'s pod programs recording")
+
+
+async def test_a_syn_sent_again_after_its_lost_answer_is_one_connection(shop):
+    """client's first SYN-ACK is dropped in client's own namespace (nft: the first one only),
+    after it passed the programs of both nodes: client sends its SYN again a second later and
+    the programs find the connection answered already.  That SYN is the same connection's:
+    each node records one start and one end of it, not an end by reuse and a second start."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    table = "agentd-test-synack"
+    for node in (node1, node2):
+        await recording(node)
+    client.ns.exec("nft", "add", "table", "ip", table)
+    try:
+        client.ns.exec("nft", "add chain ip " + table + " in { type filter hook input priority 0; }")
+        client.ns.exec("nft", "add rule ip " + table + " in tcp sport 5009 tcp dport 41206 "
+                       "tcp flags & (syn | ack) == syn | ack limit rate 1/hour burst 1 packets counter drop")
+        await send_sizes(client, web, 5009, 41206, [50_000])
+        assert "packets 1 " in client.ns.exec("nft", "list", "table", "ip", table)  # one answer was lost
+    finally:
+        client.ns.exec("nft", "delete", "table", "ip", table, check=False)
+    for node in (node1, node2):
+        got = await records(node, "--port", "41206", want=lambda r: any(x["event"] == "end" and sent(x, 50_000) for x in r),
+                            what=f"{node.name}'s end of port 41206")
+        await asyncio.sleep(0.5)  # anything the ring held after it is read too
+        got = await agentd_flows(node, "--port", "41206")
+        assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+
+
+async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
+    """client connects to an address of its own node's pod subnet that is no pod the programs
+    know (here a namespace on node1's bridge whose veth has no program): the answer passes no
+    program, so the programs must not start a record of it nor mark its SYN (whose conntrack
+    events the mask would drop, bridged through postrouting): conntrack's events tell of it."""
+    node1 = shop.lab.nodes[0]
+    client = shop.pods["client"]
+    gateway = client.ns.exec("ip", "-4", "route", "show", "default").split()[2]
+    await recording(node1)
+    stray = Netns.create("ad-" + unique_tag("st"))
+    try:
+        node1.ns.exec("ip", "link", "add", "strayv", "type", "veth", "peer", "name", "eth0", "netns", stray.name)
+        node1.ns.exec("ip", "link", "set", "strayv", "master", "cni0", "up")
+        address = gateway.rsplit(".", 1)[0] + ".250"
+        stray.exec("ip", "addr", "add", f"{address}/24", "dev", "eth0")
+        stray.exec("ip", "link", "set", "eth0", "up")
+        await send_sizes(client, SimpleNamespace(ns=stray, ip=address), 5010, 41207, [20_000])
+        await records(node1, "--port", "41207", "--event", "new", want=lambda r: r,
+                      what="node1's start of client -> an address of its node's subnet")
+    finally:
+        node1.ns.exec("ip", "link", "del", "strayv", check=False)
+        stray.delete()
+
+
+# SIZES_SOURCE's one connection of 2 x 100,000 bytes, and between the halves a RST of its tuple
+# that the server's TCP ignores: its sequence number far out of the window (sent on a raw socket).
+RESET_OUT_OF_WINDOW = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
+time.sleep(0.3)
+src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
+seq = 0x12345678  # out of the window but for a chance of about 1 in 1,000
+
+def tcp(check):
+    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x04, 0, check, 0)
+
+words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
+total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
+while total >> 16:
+    total = (total & 0xffff) + (total >> 16)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
+raw.sendto(tcp(~total & 0xffff), (ip, 0))
+time.sleep(0.3)
+c.sendall(b"y" * 100000)
+while c.recv(65536): pass
+c.close()
+"""
+
+
+async def test_a_reset_its_receiver_ignores_does_not_end_the_connection(shop):
+    """A RST of a connection's tuple far out of the window (a raw socket in the client's
+    namespace) passes the programs of both nodes; the server's TCP ignores it and the
+    connection goes on.  Each node records one start and one end of it, the end with every
+    byte -- not an end at the RST, the rest recorded by nobody (conntrack's events masked)."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    sink = web.ns.popen(["python3", "-c", SIZES_SINK, "0.0.0.0", "5012", "200000"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        await client.ns.aexec("python3", "-c", RESET_OUT_OF_WINDOW, web.ip, "5012", "41209", timeout=60)
+        got, _ = await asyncio.to_thread(sink.communicate, timeout=30)
+        assert got.split() == ["200000"]  # the connection went on past the RST
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", "41209", "--event", "end", want=lambda r: r, what=f"{node.name}'s end of port 41209")
+        await asyncio.sleep(0.5)
+        got = await agentd_flows(node, "--port", "41209")
+        assert [x["event"] for x in got] == ["new", "end"] and sent(got[1], 200_000), [shown(x) for x in got]
+
+
+RESET_AFTER = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
+time.sleep(0.3)
+c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+c.close()
+"""
+
+
+async def test_a_reset_connection_ends_as_reset(shop):
+    """A connection the client resets (SO_LINGER 0): the programs keep it a moment (its end
+    silent but for RST), then the sweep ends it -- one start and one end on each node, at the
+    RST, with the bytes sent before it."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    sink = web.ns.popen(["python3", "-c", SIZES_SINK, "0.0.0.0", "5013", "200000"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        await client.ns.aexec("python3", "-c", RESET_AFTER, web.ip, "5013", "41210", timeout=60)
+    finally:
+        sink.kill()
+        sink.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", "41210", "--event", "end", want=lambda r: r, what=f"{node.name}'s end of port 41210")
+        got = await agentd_flows(node, "--port", "41210")
+        assert [x["event"] for x in got] == ["new", "end"] and sent(got[1], 100_000), [shown(x) for x in got]
+        assert 0.2 < got[1]["duration"] < 2, shown(got[1])  # till the RST, not till the sweep found it
 
 
 HOLD_OPEN = """

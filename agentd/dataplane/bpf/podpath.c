@@ -327,18 +327,49 @@ static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_
 	return !(status & (IPS_SRC_NAT | IPS_DST_NAT));
 }
 
+/* Whether a pod's SYN to an address of the cluster's pod network that is not a pod of this
+ * node leaves by the underlay device (``wire``), whose program sees the answer: with host-gw
+ * another node's pod does; an address of this node's own pod subnet (the bridge's, a pod whose
+ * veth has no program) does not, nor one behind a tunnel device.  Asked at the SYN only. */
+static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, __u32 wire)
+{
+	struct bpf_fib_lookup fib = {};
+	long ret;
+
+	if (!wire)
+		return 0;
+	fib.family = AF_INET_;
+	fib.tos = ip->tos;
+	fib.l4_protocol = IPPROTO_TCP;
+	fib.sport = tcp->source;
+	fib.dport = tcp->dest;
+	fib.ipv4_src = ip->saddr;
+	fib.ipv4_dst = ip->daddr;
+	fib.ifindex = skb->ingress_ifindex;
+	ret = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	/* No neighbour yet (the SYN resolves it): the device is known all the same. */
+	return (ret == BPF_FIB_LKUP_RET_SUCCESS || ret == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex == wire;
+}
+
+#define PODCONN_START 1        /* a SYN may open a record here: to a pod of this node, or on the wire */
+#define PODCONN_START_WIRED 2  /* ... if it leaves by the underlay device (podconn_wired) */
+
 /* An IPv4 TCP packet of a pod's connection that passes a program while the programs record
- * connections (POD_CFG_RECORD).  ``may_start``: a SYN may open a record here (the answer will
- * pass a program of this node).  Returns 1 if the connection is recorded here (the packet is
- * counted in podconns, not podflows), else 0 (conntrack's events tell of it).
+ * connections (POD_CFG_RECORD).  ``may_start``: whether a SYN may open a record here (the
+ * answer will pass a program of this node): 0, PODCONN_START or PODCONN_START_WIRED.  Returns
+ * 1 if the connection is recorded here (the packet is counted in podconns, not podflows), else
+ * 0 (conntrack's events tell of it).
  *
  * SYN: a new entry (PODCONN_SYN), the packet marked (POD_RECORD_MARK: the agent's nft table
  * masks conntrack's events of the connection).  The answer -- SYN-ACK or RST from the other
  * end -- while conntrack holds the entry confirmed (its SYN passed policy): the start goes to
- * the agent (podrecs).  RST: the end.  FIN from both ends, then the next packet without FIN
- * (the last ACK): the end.  A new SYN on the tuple ends the one before.  What never ends so
+ * the agent (podrecs).  RST past the answer: the end, made by the agent's sweep a moment later
+ * unless the end that sent it sends again without RST (below).  FIN from both ends, then the next packet without FIN
+ * (the last ACK): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
+ * the client, with the sequence number of its first) is counted and marked, in any state.  What never ends so
  * (idle, a pod gone) the agent's sweep ends when conntrack no longer holds it. */
-static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, int may_start)
+static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, int may_start,
+					struct pod_config *cfg)
 {
 	struct podconn_value *v, fresh = {};
 	struct podflow_key key = {};
@@ -356,20 +387,25 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		return 0; /* not recorded here: conntrack's events tell of it */
 	now = bpf_ktime_get_tai_ns();
 	if (syn && !ack && !fin && !rst) {
-		if (v && v->state == PODCONN_SYN && v->client == side) { /* sent again */
+		/* Sent again: unanswered yet, or its answer lost on the way (the entry is OPEN then,
+		 * and must not end as REUSED nor start again when the server answers once more). */
+		if (v && v->client == side && v->client_seq == tcp->seq) {
 			podconn_count(v, side, len, now);
 			skb->mark |= POD_RECORD_MARK;
 			return 1;
 		}
 		if (v) {
-			if (v->state != PODCONN_SYN)
+			if (v->state == PODCONN_RESET_LO || v->state == PODCONN_RESET_HI)
+				podconn_emit(&key, v, PODREC_RST); /* reset, and the tuple taken since */
+			else if (v->state != PODCONN_SYN)
 				podconn_emit(&key, v, PODREC_REUSED);
 			bpf_map_delete_elem(&agentd_podconns, &key);
 		}
-		if (!may_start)
+		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
 			return 0;
 		fresh.state = PODCONN_SYN;
 		fresh.client = side;
+		fresh.client_seq = tcp->seq;
 		fresh.first_tai = now;
 		fresh.last_tai = now;
 		if (side) {
@@ -406,15 +442,23 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	}
 	podconn_count(v, side, len, now);
 	if (rst) {
-		podconn_emit(&key, v, PODREC_RST);
-		bpf_map_delete_elem(&agentd_podconns, &key);
+		/* Not ended here: a RST the receiver's TCP finds out of its window it ignores, and the
+		 * connection goes on (conntrack, liberal about windows, cannot tell either).  A packet
+		 * without RST from the same end afterwards shows that end alive (OPEN again); else the
+		 * agent's sweep ends the connection as reset, at its last packet. */
+		v->state = side ? PODCONN_RESET_HI : PODCONN_RESET_LO;
 	} else if (fin) {
-		v->fins |= side ? 2 : 1;
-		if (v->fins == 3)
+		__u32 bit = side ? 2 : 1;
+
+		if ((__sync_fetch_and_or(&v->fins, bit) | bit) == 3)
 			v->state = PODCONN_CLOSING;
-	} else if (v->state == PODCONN_CLOSING) {
-		podconn_emit(&key, v, PODREC_FIN);
-		bpf_map_delete_elem(&agentd_podconns, &key);
+	} else if (v->state != PODCONN_OPEN) { /* one compare on an open connection's packets */
+		if (v->state == PODCONN_CLOSING) {
+			podconn_emit(&key, v, PODREC_FIN);
+			bpf_map_delete_elem(&agentd_podconns, &key);
+		} else if (v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO)) {
+			v->state = PODCONN_OPEN;
+		}
 	}
 	return 1;
 }
@@ -736,8 +780,8 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	if (!opening || (tcp->syn && !tcp->ack && !tcp->fin && !tcp->rst))
 		dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (cfg->flags & POD_CFG_RECORD)
-		recorded = podconn_see(skb, ip, tcp, dst || ((cfg->flags & POD_CFG_RECORD_REMOTE) &&
-							     in_cluster(cfg, ip->daddr)));
+		recorded = podconn_see(skb, ip, tcp, dst ? PODCONN_START : ((cfg->flags & POD_CFG_RECORD_REMOTE) &&
+									  in_cluster(cfg, ip->daddr)) ? PODCONN_START_WIRED : 0, cfg);
 	if (opening) {
 		if (opening == 1 && !recorded) /* a recorded connection counts in podconns, not podflows */
 			podflow_restart(ip, tcp);
@@ -801,7 +845,7 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	if (!dst)
 		return PASS; /* not a pod of this node */
 	if (cfg->flags & POD_CFG_RECORD)
-		recorded = podconn_see(skb, ip, tcp, 1);
+		recorded = podconn_see(skb, ip, tcp, PODCONN_START, cfg);
 	if (opening) {
 		if (opening == 1 && !recorded) /* a recorded connection counts in podconns, not podflows */
 			podflow_restart(ip, tcp);

@@ -79,6 +79,8 @@ enum podconn_state {
 	PODCONN_SYN = 1,     /* its SYN passed (marked: conntrack tells nobody of it); no answer yet */
 	PODCONN_OPEN = 2,    /* answered (SYN-ACK): its start went to the agent */
 	PODCONN_CLOSING = 3, /* both ends sent FIN: the next packet without FIN ends it */
+	PODCONN_RESET_LO = 4, /* the lower end sent RST: ended by the agent's sweep unless that end */
+	PODCONN_RESET_HI = 5, /* ... sends again without RST (back to OPEN: its TCP ignored it) */
 };
 
 struct podconn_value {
@@ -88,8 +90,11 @@ struct podconn_value {
 	__u64 last_tai;  /* of its last packet */
 	__u32 state;     /* enum podconn_state */
 	__u8 client;     /* the side that sent the SYN */
-	__u8 fins;       /* bit per side: FIN seen */
-	__u8 pad[2];
+	__u8 pad[3];
+	__u32 fins;      /* bit per side: FIN seen (set with an atomic or: both ends' FINs may pass
+			  * programs on two CPUs at once) */
+	__u32 client_seq; /* the SYN's sequence number (as on the wire): a SYN of the client with
+			   * the same is that SYN sent again (its answer lost), in any state */
 };
 
 /* podrecs: ring buffer of these: a recorded connection's start and end (podlost: per-CPU
@@ -114,7 +119,7 @@ struct pod_config {
 			       * nf_conntrack_tcp_be_liberal was before it set it (put back on leave) */
 	__be32 cluster_net;   /* the cluster's pod network: only pods' traffic between nodes is carried */
 	__be32 cluster_mask;
-	__u32 wire_ifindex;   /* not read by the programs: the underlay device agentd_pod_wire is on */
+	__u32 wire_ifindex;   /* the underlay device agentd_pod_wire is on (read at a SYN to another node's pod) */
 };
 
 /* IPv6 has maps of its own beside these (so that theirs keep their shapes, and an upgraded

@@ -77,9 +77,9 @@ FLOW6_KEY = struct.Struct("<16s16s2s2s")  # struct podflow6_key: as FLOW_KEY, IP
 FLOW6_END = struct.Struct("<36s4x40s")  # struct podflow6_end: key, value (the ring tells it by its size)
 # struct podconn_value: packets sent by each end, bytes sent by each end, CLOCK_TAI ns of the SYN
 # and of the last packet, state, the client's side, FIN bits
-CONN_VALUE = struct.Struct("<QQQQQQIBB2x")
-CONN_RECORD = struct.Struct("<12sI56s")  # struct podconn_record: key, kind, value
-CONN_SYN, CONN_OPEN, CONN_CLOSING = 1, 2, 3  # enum podconn_state
+CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
+CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
+CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
 REC_START, REC_FIN, REC_RST, REC_REUSED = 1, 2, 3, 4  # enum podconn_kind
 REC_GONE = 5  # not the programs': the agent's sweep found conntrack no longer holds it
 EXPECTED = {
@@ -313,11 +313,46 @@ class PodFastPath:
         """Record pods' IPv4 TCP connections in the programs (podconns, their starts and ends
         through the ring ``agentd_podrecs``), or stop.  ``remote``: connections with other
         nodes' pods too -- only where every packet from them passes the wire program.  The
-        caller masks conntrack's events of what the programs mark first (agentd.flows.mask)."""
+        caller masks conntrack's events of what the programs mark first (agentd.flows.mask).
+        Off: once the programs are told, what they recorded is dropped (:meth:`_drop_recorded`)."""
         if on and self.recs is None:
             self.recs = lb.RingBuffer(self.maps[RECS])
         self.recording, self.recording_remote, self.recording_told = on, remote, True
         self._configure()
+        if not on:
+            self._drop_recorded()
+
+    def _drop_recorded(self) -> None:
+        """Every entry of podconns deleted and every record in podrecs read and dropped: nobody
+        reads them while the programs do not record, and whoever records next (a later agent,
+        flows switched on again) would take stale starts and ends from the ring for new ones,
+        end stale entries by its sweep as GONE at the time it finds them, and count a later
+        connection of a tuple with a stale entry there (its conntrack events not masked: two
+        ends).  (A program that read the flags just before they changed may still make one in
+        that moment.)"""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return
+        for key in lb.map_keys(fd, FLOW_KEY.size):
+            lb.map_delete(fd, key)
+        ring = self.recs if self.recs is not None else lb.RingBuffer(self.maps[RECS])
+        try:
+            ring.drain()
+        finally:
+            if ring is not self.recs:
+                ring.close()
+
+    def records_remote(self) -> bool:
+        """Whether the programs record connections with other nodes' pods too, as their config
+        says (set_recording's ``remote`` is dropped where the wire program is not on)."""
+        fd = self.maps.get(CONFIG)
+        if fd is None:
+            return False
+        try:
+            raw = lb.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
+        except OSError:
+            return False
+        return bool(raw) and CONFIG_VALUE.unpack(raw)[0] & (CFG_RECORD | CFG_RECORD_REMOTE) == CFG_RECORD | CFG_RECORD_REMOTE
 
     def recorded(self) -> list[bytes]:
         """Starts and ends of recorded connections since the last call, oldest first, as the

@@ -630,6 +630,25 @@ class Programs:
     def put_recorded(self, key, value):
         return self.held.setdefault(key, value) is value
 
+    def records_remote(self):
+        return self.remote
+
+    remote = False
+
+
+def test_status_says_whether_the_programs_record_remote_connections_not_what_was_asked():
+    """/status flows.programs.remote: what the programs do -- the agent asks for other nodes'
+    pods' connections too (host-gw), but without the wire program (its attach failed) the
+    programs' config has no RECORD_REMOTE."""
+    from agentd.flows.views import FlowViews
+
+    r = recorder()
+    r.record_remote = True
+    r.recording = programs = Programs({})
+    assert FlowViews(r, lambda: 0).status()["programs"]["remote"] is False
+    programs.remote = True
+    assert FlowViews(r, lambda: 0).status()["programs"]["remote"] is True
+
 
 def test_a_recorded_start_and_end_are_records_like_conntracks():
     from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
@@ -653,6 +672,29 @@ def test_a_recorded_connection_whose_client_is_the_higher_end_is_turned_round():
     j = recorded_flow("node2", CONN_RECORD.pack(key, REC_RST, value), CLIENT, WEB, 0, 1000.0).json()
     assert (j["src"]["ip"], j["src"]["port"], j["dst"]["ip"], j["dst"]["port"]) == ("10.244.2.3", 80, "10.244.1.2", 40000)
     assert (j["bytes_sent"], j["bytes_received"], j["direction"]) == (900, 1400, "egress")
+
+
+def test_the_sweep_ends_a_reset_connection_once_its_end_stays_silent():
+    """The programs keep a connection a RST passed (its TCP may have ignored it, out of window):
+    the sweep ends it as reset once nothing but RST came from that end for RESET_TIMEOUT_NS
+    (the end at its last packet); one reset a moment ago is left for the next look."""
+    from agentd.flows.recorder import (
+        CONN_RECORD,
+        CONN_RESET_HI,
+        CONN_RESET_LO,
+        REC_RST,
+        RESET_TIMEOUT_NS,
+    )
+
+    now = 1_000 * 10**9
+    k_old, v_old = _conn(False, CONN_RESET_LO, 0, now - RESET_TIMEOUT_NS - 1)
+    k_new, v_new = _conn(False, CONN_RESET_HI, 0, now - RESET_TIMEOUT_NS // 2)
+    k_new = k_new[:8] + bytes([1, 1]) + k_new[10:]
+    r = recorder()
+    r.recording = Programs({k_old: v_old, k_new: v_new})
+    r._held = lambda key: True  # conntrack holds both (it keeps a reset connection a while)
+    assert [CONN_RECORD.unpack(x) for x in r.sweep(now)] == [(k_old, REC_RST, v_old)]
+    assert r.recording.held == {k_new: v_new}
 
 
 def test_the_sweep_ends_what_ended_silently_and_drops_unanswered_syns():
