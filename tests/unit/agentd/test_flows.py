@@ -1235,22 +1235,25 @@ def test_the_programs_ring_read_as_one_object_in_c_and_in_python():
     import ctypes
 
     from agentd.dataplane.bpf.libbpf import fixed_records
+    from agentd.flows.recorder import CONN_RECORD
     from agentd.kernel import _ctevents
 
+    size = CONN_RECORD.size
+
     records = _records([40001, 40002]) + [b"x" * 10] + _records([40003])
-    records.append(bytes(range(72)))  # other addresses
+    records.append(bytes(range(size)))  # other addresses
     sample = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t)(
         ctypes.cast(ctypes.CDLL(_ctevents.__file__).agentd_ring_sample, ctypes.c_void_p).value)
     sink = _ctevents.ring_sink()
     try:
         for rec in records:
             assert sample(sink, rec, len(rec)) == 0
-        got = _ctevents.ring_take_fixed(sink, 72)
-        assert _ctevents.ring_take_fixed(sink, 72) == (b"", 0, 0, set())  # emptied
+        got = _ctevents.ring_take_fixed(sink, size)
+        assert _ctevents.ring_take_fixed(sink, size) == (b"", 0, 0, set())  # emptied
     finally:
         _ctevents.ring_sink_free(sink)
-    want = fixed_records(records, 72)
+    want = fixed_records(records, size)
     assert got == want
     blob, count, others, addresses = got
-    assert count == 4 and others == 1 and blob[72 * 3 :] == bytes(range(72))
+    assert count == 4 and others == 1 and blob[size * 3 :] == bytes(range(size))
     assert addresses == {socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3"), bytes(range(4)), bytes(range(4, 8))}
