@@ -41,24 +41,20 @@ class Batch:
     pod programs' records of connections: thousands a second, most never read before the ring
     drops them).  The ring holds the batch once in each of its records' slots -- at C speed,
     no object per record -- and knows each slot's number; :meth:`flow_at` makes the record of
-    number ``seq``, once.  ``first``: the number of its first record, set by the ring."""
+    number ``seq`` (the ring then keeps it in the slot, where the batch was: a batch holds
+    nothing made, so a record the ring has dropped is not kept by one).  ``first``: the number
+    of its first record, set by the ring."""
 
-    __slots__ = ("_made", "count", "first")
+    __slots__ = ("count", "first")
     verdict = "forwarded"
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.first = 0
-        self._made: dict[int, Flow] | None = None
 
     def flow_at(self, seq: int) -> Flow:
-        made = self._made
-        if made is None:
-            made = self._made = {}
-        flow = made.get(seq)
-        if flow is None:
-            flow = made[seq] = self.make(seq - self.first)
-            flow.seq = seq
+        flow = self.make(seq - self.first)
+        flow.seq = seq
         return flow
 
     def make(self, index: int) -> Flow:
@@ -106,9 +102,13 @@ class LastSearch:
     records at a time: a large ring (``[flows] ring_size`` up to a million) is searched with
     the event loop free in between, and what the ring takes in meanwhile is not in it."""
 
-    def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None, last_seq: int = 0) -> None:
+    def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None, last_seq: int = 0,
+                 keep: Callable[[int, Entry, Flow], None] | None = None) -> None:
+        """``keep(seq, entry, flow)``: told of each record made from a :class:`Batch` (the ring
+        keeps it in its slot if the slot still holds the batch)."""
         self.records = records  # a copy: the ring moves on while this searches
         self.first_seq = last_seq - len(records) + 1  # records[i] is number first_seq + i
+        self.keep = keep
         self.filter = flt
         self.n = n
         self.since = since
@@ -121,9 +121,12 @@ class LastSearch:
         if self.done:  # the last 0 (a follower's start) is none: no record is looked at
             return True
         stop = max(0, self.index - k)
-        flt, since, found, first = self.filter, self.since, self.found, self.first_seq
+        flt, since, found, first, keep = self.filter, self.since, self.found, self.first_seq, self.keep
         for i in range(self.index - 1, stop - 1, -1):
-            flow = record(self.records[i], first + i)
+            entry = self.records[i]
+            flow = record(entry, first + i)
+            if keep is not None and isinstance(entry, Batch):
+                keep(first + i, entry, flow)
             if since is not None and flow.time < since:
                 if (flow.time if flow.received is None else flow.received) < since - SINCE_SLACK:
                     self.done = True
@@ -255,7 +258,14 @@ class FlowRing:
 
     def search(self, flt: FlowFilter, n: int, *, since: float | None = None) -> LastSearch:
         """The same, a step at a time (:class:`LastSearch`) over the ring as it is now."""
-        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq)
+        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq, self._keep)
+
+    def _keep(self, seq: int, entry: Entry, flow: Flow) -> None:
+        """A record made from ``entry`` by a search, into its slot if the slot still holds it."""
+        if seq > self.seq - self._count:  # still in the ring: record ``seq`` is in slot (seq - 1) % size
+            slot = (seq - 1) % self.size
+            if self._slots[slot] is entry:
+                self._slots[slot] = flow
 
     def follow(self, flt: FlowFilter, limit: int = 10_000) -> Follower:
         """A new :class:`Follower` of what comes; :class:`TooManyFollowers` past

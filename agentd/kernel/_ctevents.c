@@ -477,6 +477,7 @@ static PyObject *ring_take_fixed(PyObject *self, PyObject *args)
 	uint32_t *seen = NULL;
 	uint8_t *used = NULL;
 	size_t pos = 0, cap = 16;
+	unsigned bits = 4;
 	struct sink *s;
 	char *dst;
 
@@ -496,8 +497,10 @@ static PyObject *ring_take_fixed(PyObject *self, PyObject *args)
 			others++;
 		pos += 4 + n;
 	}
+	if (count > (1 << 26))
+		return PyErr_Format(PyExc_OverflowError, "%zd records in one read", count);
 	while (cap < (size_t)count * 4)
-		cap *= 2;
+		cap *= 2, bits++;
 	if (!(blob = PyBytes_FromStringAndSize(NULL, count * size)) || !(addrs = PySet_New(NULL)))
 		goto done;
 	seen = malloc(cap * sizeof(*seen));
@@ -518,7 +521,10 @@ static PyObject *ring_take_fixed(PyObject *self, PyObject *args)
 				uint32_t a;
 				size_t h;
 				memcpy(&a, rec + 4 * side, 4);
-				h = (a * 2654435761u) & (cap - 1);
+				/* The product's high bits (Fibonacci hashing): its low ones depend only on
+				 * the address's low bits, the first two octets in network order, which one
+				 * pod network shares. */
+				h = (uint32_t)(a * 2654435761u) >> (32 - bits);
 				while (used[h] && seen[h] != a)
 					h = (h + 1) & (cap - 1);
 				if (!used[h]) {

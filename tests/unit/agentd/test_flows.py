@@ -1257,3 +1257,26 @@ def test_the_programs_ring_read_as_one_object_in_c_and_in_python():
     blob, count, others, addresses = got
     assert count == 4 and others == 1 and blob[size * 3 :] == bytes(range(size))
     assert addresses == {socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3"), bytes(range(4)), bytes(range(4, 8))}
+
+
+def test_a_search_keeps_what_it_made_in_the_ring_and_nothing_the_ring_dropped():
+    """A record made from a batch by a search goes into its slot, where the batch was, so a
+    batch holds nothing made (a made record the ring has dropped is not kept alive by a batch
+    still in other slots); a slot the ring has given to a newer record meanwhile keeps that."""
+    from agentd.flows.ring import Batch
+
+    r = recorder()
+    r.ring = FlowRing(10, r._count)
+    r.ring.on_batch = r._count_batch
+    r._on_recorded(_records(range(40001, 40010)), 1000.0)  # numbers 1-9
+    search = r.ring.search(FlowFilter(), 100)  # over a copy of 1-9
+    r._on_recorded(_records(range(40010, 40019)), 1001.0)  # 10-18: the free slot and those of 1-8
+    assert search.step(100)
+    assert [f.src.port for f in search.result()] == list(range(40001, 40010))  # the copy's
+    entries = r.ring.records  # 9-18
+    assert r.ring.seq == 18 and type(entries[0]) is Flow and entries[0].seq == 9 and entries[0].src.port == 40009
+    assert all(isinstance(e, Batch) for e in entries[1:])  # made records of 1-8 were not put over 11-18
+    assert not hasattr(entries[1], "_made")
+    got = r.ring.last(FlowFilter(), 100)
+    assert [f.seq for f in got] == list(range(9, 19)) and [f.src.port for f in got] == list(range(40009, 40019))
+    assert all(type(e) is Flow for e in r.ring.records)
