@@ -1,6 +1,7 @@
 """What flow records cost: recording on vs. off, side by side, and a drop storm.
 
-    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--drops 20] [--quick] [--json FILE]
+    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--drops 20] [--node-cpus]
+                                         [--quick] [--json FILE]
 
 One 2-node lab (host-gw): a client pod on node1, a server pod and a second client on node2.
 Both agents run alternately with ``[flows] enabled = false``, with drops only (``enabled =
@@ -15,7 +16,12 @@ off; ...) so that a drift of the machine's load falls on all alike; each run mea
 
 Clients run on CPU 0 and the servers on CPU 1 (``taskset``, as bench/policy.py does; the
 agents go where the scheduler puts them: their CPU is what is measured), which halves the
-spread between runs of one mode on 2 cores.  The ratio on/off is the median of each round's
+spread between runs of one mode on 2 cores.  Even so, a veth's receive work runs on the CPU
+that sent, so across nodes the client's CPU also does both nodes' forwarding and the server
+pod's receiving: two hosts' work on one core.  ``--node-cpus`` steers what each node receives
+on its underlay device to its own CPU (RPS, as bench/dataplane.py --node-cpus: node 1 beside
+the client on CPU 0, node 2 beside the server on CPU 1), as on two hosts; traffic on one node
+crosses no underlay device and is not steered.  The ratio on/off is the median of each round's
 own ratio (its runs a minute or two apart at most), with the lowest and highest beside it;
 drops only beside them, as its own median ratio to off.
 
@@ -61,9 +67,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import _iperf  # noqa: E402
 from bench._common import (BenchError, parse_bench_args, print_notes, print_table, require_root,  # noqa: E402
                            run_main, write_json)
+from bench.dataplane import steer
 
 from agentd.flows.model import Flow, Identity, Peer  # noqa: E402
-from agentd.flows.recorder import FlowRecorder, PendingConnection  # noqa: E402
+from agentd.flows.recorder import CONN_RECORD, FlowRecorder, PendingConnection, RecordedBatch  # noqa: E402
 from agentd.flows.ring import FlowRing  # noqa: E402
 from agentd.kernel import netlink as nl  # noqa: E402
 from agentd.kernel import netlink_ct as ct  # noqa: E402
@@ -91,6 +98,15 @@ def rss_mb(pid: int | None) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def node_cpus_error(cpus: set[int]) -> str | None:
+    """--node-cpus puts node 1 beside the clients (CPU 0) and node 2 beside the servers (CPU 1):
+    refused (the reason) unless this process may run on both (``cpus``: its affinity)."""
+    if not {0, 1} <= cpus:
+        return (f"--node-cpus puts each node beside the clients' CPU 0 and the servers' CPU 1, but this process may run "
+                f"on CPUs {','.join(map(str, sorted(cpus)))} only")
+    return None
 
 
 async def restart(lab: Lab, flows: bool, connections: bool = True) -> None:
@@ -151,16 +167,28 @@ async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds
     return out
 
 
-def ring_memory(size: int = 10_000, pods: int = 50, *, deferred: bool = False) -> float:
+def ring_memory(size: int = 10_000, pods: int = 50, *, deferred: bool = False, recorded: bool = False) -> float:
     """Bytes per node of a full ring of ``size`` records over ``pods`` pods (tracemalloc):
     records made (read), or ``deferred``: conntrack end events as the recorder keeps them
-    until read (the kernel's bytes, laid out as Linux 6.18 sends a DESTROY, and the names)."""
+    until read (the kernel's bytes, laid out as Linux 6.18 sends a DESTROY, and the names), or
+    ``recorded``: the pod programs' records as the recorder keeps them until read (reads of
+    500 records, each read one object: the records' bytes side by side and the names)."""
     ids = [Identity(f"ns{i % 5}/pod-{i}", f"node{i % 3}", {"app": f"a{i}", "tier": "web"}, i % 2 == 0)
            for i in range(pods)]
     recorder = FlowRecorder("node1", None, "/nonexistent", group=0)  # type: ignore[arg-type]
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     ring = FlowRing(size)
+    if recorded:
+        addresses = [socket.inet_aton(f"10.244.{i % 5}.{10 + i}") for i in range(pods)]  # pod i's
+        for k in range(0, size * 2, 500):  # twice round
+            ends = [(j % pods, (j * 7 + 1) % pods) for j in range(k, k + 500)]
+            raws = [CONN_RECORD.pack(addresses[a] + addresses[b] + (30000 + j % 30000).to_bytes(2, "big")
+                                     + (8080).to_bytes(2, "big"), 2, bytes(CONN_RECORD.size - 16))
+                    for j, (a, b) in zip(range(k, k + 500), ends)]
+            names = {addresses[i]: ids[i] for pair in ends for i in pair}
+            ring.extend_batch(RecordedBatch("node1", b"".join(raws), len(raws), names, 0, time.time()))
+        size = 0  # nothing more
     for k in range(size * 2):  # twice round: what stays is one full ring
         a, b = ids[k % pods], ids[(k * 7 + 1) % pods]
         src, dst = f"10.244.{k % 250}.{k % 200}", f"10.244.7.{k % 200}"
@@ -360,6 +388,9 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     echo: dict[str, Echo] = {}
     try:
         await lab.up(timeout=120)
+        if args.node_cpus:
+            for cpu, node in enumerate(lab.nodes[:2]):
+                steer(node.ns, cpu)
         pods = {"client": await lab.add_pod(lab.nodes[0], NS, "client", labels={"app": "client"}),
                 "server": await lab.add_pod(lab.nodes[1], NS, "server", labels={"app": "server"}),
                 "local": await lab.add_pod(lab.nodes[1], NS, "local", labels={"app": "local"})}
@@ -380,6 +411,11 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     runs[mode].append(got)
                     print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
                 loads.append(os.getloadavg()[0])
+            if args.node_cpus:  # the agents' restarts left the steering as it was
+                for cpu, node in enumerate(lab.nodes[:2]):
+                    rps = node.ns.exec("sh", "-c", "cat /sys/class/net/eth0/queues/rx-*/rps_cpus").split()
+                    if not rps or any(int(x, 16) != 1 << cpu for x in rps):
+                        raise BenchError(f"{node.name}: RPS of eth0 reads {rps} after the rounds, not CPU {cpu}")
             if mode != "on":  # what follows needs recording on, connections and all
                 await restart(lab, True)
         res = await lab.resources()
@@ -390,7 +426,8 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
         ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]
         return {"runs": runs, "loads": loads, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
-                "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True)}
+                "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True),
+                "ring_bytes_recorded": ring_memory(ring_size, recorded=True)}
     finally:
         for e in echo.values():
             await e.close()
@@ -413,11 +450,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
     ap.add_argument("--storm-seconds", type=float, default=5.0, help="length of the storm (default 5)")
     ap.add_argument("--drops", type=int, default=20, help="denied connections timed to the followed streams (default 20)")
+    ap.add_argument("--node-cpus", action="store_true",
+                    help="each node's received packets on its own CPU (RPS on its underlay device: node 1 and the "
+                         "clients CPU 0, node 2 and the servers CPU 1), as on two hosts")
     args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "storm_seconds": 3.0, "drops": 5})
     if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1 or args.drops < 1:
         ap.error("--seconds, --rounds, --storm-pps and --drops must be at least 1")
+    if args.node_cpus and (err := node_cpus_error(os.sched_getaffinity(0))):
+        ap.error(err)
     require_root("bench/flows.py")
     r = asyncio.run(amain(args))
+    r["node_cpus"] = args.node_cpus
     write_json(args.json, r)
     report(args, r)
     return 0
@@ -451,7 +494,9 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     load_note = f"load average {min(loads):.2f}-{max(loads):.2f} over the rounds" if loads else load()
     print_table(f"Flow recording off vs on: 2-node lab, host-gw, {args.rounds} round(s) of {args.seconds:.0f} s per mode, "
                 f"order off,drops,on / on,drops,off by turns, clients on CPU 0 and servers on CPU 1; medians, on/off the "
-                f"median of the rounds' own ratios; 'drops only': [flows] connections = false ({load_note})",
+                f"median of the rounds' own ratios; 'drops only': [flows] connections = false"
+                + ("; each node's received packets on its own CPU (--node-cpus: node 1 CPU 0, node 2 CPU 1)"
+                   if args.node_cpus else "") + f" ({load_note})",
                 ["what", "off", "on", "on/off", "rounds' range", "goal", "", "drops only", "drops/off"], rows)
     lat = r["drop_latency"]
     print_table(f"Drop -> followed GET /flows: {len(lat['node'])} denied connections from node2's client pod "
@@ -473,7 +518,10 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         f"ring memory per node: {r['ring_bytes'] / 1e6:.1f} MB for {r['ring_size']:,} records read "
         f"({r['ring_bytes'] / r['ring_size']:.0f} bytes each, tracemalloc, 50 pods); "
         f"{r['ring_bytes_deferred'] / 1e6:.1f} MB unread ({r['ring_bytes_deferred'] / r['ring_size']:.0f} bytes each: "
-        "conntrack events kept as the kernel sent them)",
+        "conntrack events kept as the kernel sent them)"
+        + (f"; {r['ring_bytes_recorded'] / 1e6:.1f} MB unread from the pod programs "
+           f"({r['ring_bytes_recorded'] / r['ring_size']:.0f} bytes each: their records side by side, one object a read)"
+           if "ring_bytes_recorded" in r else ""),
         "the machine is shared (2 cores): other helpers' work runs beside this bench",
     ])
 

@@ -55,6 +55,7 @@ from agentd.dataplane.bpf.datapath import BpfUnavailable
 from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
 from agentd.flows.recorder import restore_sysctls
+from agentd.nft.flowmask import remove_quietly as unmask
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel import sysctl
 from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
@@ -294,6 +295,12 @@ class Agent:
             self._problems.append(f"services not translated: {err}")
             self.services = None
         await self.observe.open_flows(self.policy, self.services, self.registry, carried=fast_path)
+        if cfg.flows.enabled and cfg.flows.connections and self.observe.recorder is None:
+            # The recorder could not open: nothing needs conntrack to see every connection.
+            # Before the policy agent's first sync (its task starts after start-up): as with flows off.
+            if self.policy is not None:
+                self.policy.engine.route_all = False
+            await self.tunnels.bpf.hold_redirect(False, who="flows")
         if cfg.ingress.enabled:  # Ingress: the proxy starts once the resources are read
             # Default: the node's underlay addresses, both families on a dual-stack node.
             v6 = cfg.node.address_v6 if cfg.network.ip_family != "ipv4" else None
@@ -459,6 +466,8 @@ class Agent:
         restored = await asyncio.to_thread(restore_sysctls, self.cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))
+        # The table masking conntrack's events of what the pod programs recorded (gone with policy.leave).
+        await asyncio.to_thread(unmask)
         with contextlib.suppress(NftError):
             await masquerade.remove()
         if self.ingress is not None:  # Ingress: the proxy and its files
@@ -715,6 +724,7 @@ async def leave(cfg: Config) -> int:
         restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))
+        await asyncio.to_thread(unmask)  # the table masking conntrack's events of what the pod programs recorded
         if await masquerade.remove():
             log.info("removed the masquerading table")
         await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir)  # Ingress

@@ -24,6 +24,7 @@ from agentd.datastore.store import Datastore
 from agentd.flows.recorder import CarriedCounts, FlowRecorder, restore_sysctls
 from agentd.flows.views import FlowViews
 from agentd.nft.expr import DropLog
+from agentd.nft.flowmask import FlowMask, remove_quietly
 from agentd.policy.agent import PolicyAgent
 from agentd.services.agent import ServiceAgent
 
@@ -54,7 +55,13 @@ class Observability:
         """``carried``: the pod fast path, which counts what it carries past conntrack."""
         cfg = self.cfg
         if not cfg.flows.enabled:
+            if hasattr(carried, "set_recording"):  # an earlier agent may have told the programs to record
+                try:
+                    await asyncio.to_thread(carried.set_recording, False)  # type: ignore[union-attr]
+                except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls)
+                    log.warning("the pod programs may go on recording connections: %s", err)
             gone = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)
+            await asyncio.to_thread(remove_quietly)  # nothing masks conntrack's events then
             if gone:
                 log.info("flow records switched off: put back %s", ", ".join(gone))
             return
@@ -66,12 +73,19 @@ class Observability:
                                 services=[cfg.network.service_cidr,
                                           *([cfg.network.service_cidr_v6] if 6 in cfg.network.families else [])],
                                 carried=carried,
-                                connections=cfg.flows.connections)
+                                connections=cfg.flows.connections,
+                                # every packet from other nodes' pods passes the wire program
+                                record_remote=cfg.network.backend == "host-gw", mask=FlowMask())
         try:
             await asyncio.to_thread(recorder.open)
-        except OSError as err:
+        except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls)
             self.error = f"flow records off: {err}"
             log.warning("%s", self.error)
+            if hasattr(carried, "set_counting") and cfg.flows.connections:  # nobody reads what it would count
+                try:
+                    await asyncio.to_thread(carried.set_counting, False)  # type: ignore[union-attr]
+                except (OSError, RuntimeError) as err2:
+                    log.warning("the pod fast path may go on counting connections: %s", err2)
             return
 
         def kernel_suppressed() -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 EVENTS = ("new", "end", "drop")
@@ -91,6 +91,9 @@ class Flow:
     sender: Identity | None = None  # spoofed: the pod whose veth it came in on (src names whom it pretends to be)
     sender_interface: str | None = None  # spoofed: that veth (the node's side)
     seq: int = 0  # the ring's number for it
+    # When the agent took it in, where that says more than ``time`` of where it is in the ring
+    # (a recorded start keeps its SYN's time however late its answer came): not shown.
+    received: float | None = field(default=None, compare=False, repr=False)
 
     def json(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -11,6 +11,11 @@ Where the records come from (the kernel, never guessed):
   puts them back.  A Service's connection is translated (DNAT): its original destination is
   the virtual IP (or node port), its reply source the endpoint chosen.  Connections the pod
   fast path carries keep their entry (it is conntrack's judgement the fast path relies on).
+* **pods' IPv4 TCP connections**, where the pod fast path's programs run: the programs
+  record them (podpath.c podconn_see: the start when the answer passes, the end with the last
+  ACK or a RST, every packet counted) into a ring buffer (:class:`Recording`), and conntrack's
+  events of exactly those are masked by one nft rule (agentd.nft.flowmask, handed in as
+  ``mask``); what ends without telling, the agent's sweep ends (:meth:`FlowRecorder.sweep`).
 * **drops**: the drop rules of the policy and services tables log to one NFLOG group
   (``agentd.kernel.netlink_log``) with a prefix that names the rule; the
   :class:`Directory` says what the prefix means (the pod chain and direction -> the
@@ -66,7 +71,7 @@ from agentd.kernel import netlink_log as nflog
 from agentd.kernel.netlink_socket import NetlinkSocket
 
 from .model import Flow, Identity, Peer, direction_of, protocol_name
-from .ring import Deferred, DropLimiter, Entry, FlowRing
+from .ring import Batch, Deferred, DropLimiter, Entry, FlowRing
 
 log = logging.getLogger("agentd.flows")
 
@@ -78,9 +83,22 @@ COPY_RANGE = 128  # bytes of each logged packet: its IP and transport headers
 LOG_TIMEOUT_CS = 10  # the kernel sends logged packets within 0.1 s ...
 LOG_QTHRESH = 64  # ... or once this many are queued
 CT_INTERVAL = 0.05  # conntrack events are read at most this often: one wake-up for many
+RECORDED_INTERVAL = 0.2  # the programs' ring is read this often (it holds about 11,900 records)
 CT_BUDGET = 2048  # datagrams read per turn; more are read at the next turn of the loop
 RESTARTS_MAX = 4096  # carried counts waiting for their connection's end (tuples reused meanwhile)
 NAMES_MAX = 65536  # addresses whose identity is remembered between changes of the pods
+SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
+SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
+CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
+RESET_TIMEOUT_NS = 2 * 10**9  # a RST seen, nothing but RST from its end since: ended (reset)
+IDLE_NS = 10 * 10**9  # idle this long: ended if conntrack no longer holds it
+HELD_RECHECK_NS = 60 * 10**9  # conntrack found holding an idle one: not asked again for this long
+REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py (enum podconn_kind; GONE: the sweep's)
+CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
+# struct podconn_value: packets sent by the key's lower end, by the other, bytes alike, CLOCK_TAI
+# ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
+CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
+CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
 _UNKNOWN = object()  # an address not named yet
 TCP = 6
@@ -192,6 +210,95 @@ class PendingConnection(Deferred):
         return self._flow
 
 
+class Mask(Protocol):
+    """The table masking conntrack's events of the connections the pod programs mark
+    (agentd.nft.flowmask.FlowMask); both blocking, ``install`` raises OSError or RuntimeError."""
+
+    def install(self) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+class Recording(Protocol):
+    """The pod programs recording pods' IPv4 TCP connections themselves
+    (:class:`agentd.dataplane.bpf.podpath.PodFastPath`): starts and ends through a ring
+    buffer, what they hold in a map, as the kernel lays them out (podpath.h: struct
+    podconn_record, struct podconn_value; :data:`CONN_RECORD`, :data:`CONN_VALUE`)."""
+
+    recording: bool
+
+    def set_recording(self, on: bool, remote: bool = False) -> None: ...
+
+    def recorded(self) -> list[bytes]: ...  # struct podconn_record each (CONN_RECORD)
+
+    def recorded_lost(self) -> int: ...  # records the ring could not take, ever
+
+    def recorded_open(self) -> list[tuple[bytes, bytes]]: ...  # (key, struct podconn_value)
+
+    def take_recorded(self, key: bytes) -> bytes | None: ...
+
+    def recorded_entry(self, key: bytes) -> bytes | None: ...  # struct podconn_value, now
+
+    # Back, unless the programs made one since (False); OSError where it cannot (E2BIG: full).
+    def put_recorded(self, key: bytes, value: bytes) -> bool: ...
+
+    # Whether the programs record connections with other nodes' pods too, as they are set now
+    # (not what they were asked: without the wire program they do not).
+    def records_remote(self) -> bool: ...
+
+
+class RecordedBatch(Batch):
+    """Starts and ends of connections the pod programs recorded, as one read of their ring gave
+    them (struct podconn_record each, side by side), the addresses they hold named when they
+    came; a record is made when it is first read."""
+
+    __slots__ = ("blob", "names", "node", "offset", "received")
+
+    def __init__(self, node: str, blob: bytes, count: int, names: dict[bytes, Identity | None], offset: int,
+                 received: float) -> None:
+        super().__init__(count)
+        self.node = node
+        self.blob = blob
+        self.names = names
+        self.offset = offset  # CLOCK_TAI - CLOCK_REALTIME, ns
+        self.received = received
+
+    def make(self, index: int) -> Flow:
+        size = CONN_RECORD.size
+        raw = self.blob[index * size : (index + 1) * size]
+        names = self.names
+        return recorded_flow(self.node, raw, names.get(raw[0:4]), names.get(raw[4:8]), self.offset, self.received)
+
+
+def recorded_flow(node: str, raw: bytes, lo_id: Identity | None, hi_id: Identity | None, offset: int,
+                  received: float) -> Flow:
+    """A record of a connection the pod programs recorded: ``raw`` is a struct podconn_record,
+    ``lo_id`` and ``hi_id`` its key's lower and higher end as named when it came, ``offset``
+    CLOCK_TAI - CLOCK_REALTIME in ns.  The client is the end that sent the SYN; a start is
+    ``new`` (when the SYN passed), anything else ``end`` (when its last packet passed; one the
+    agent found gone from conntrack, when it found it)."""
+    key, kind, value = CONN_RECORD.unpack(raw)
+    p_lo, p_hi, b_lo, b_hi, first, last, _state, client, _fins = CONN_VALUE.unpack(value)
+    lo = Peer(socket.inet_ntoa(key[0:4]), int.from_bytes(key[8:10], "big"), lo_id)
+    hi = Peer(socket.inet_ntoa(key[4:8]), int.from_bytes(key[10:12], "big"), hi_id)
+    src, dst = (hi, lo) if client else (lo, hi)
+    direction = direction_of(src.identity, dst.identity)
+    # ``received`` kept: the ring is in the order records came, which their times are not (a start
+    # keeps its first SYN's, however late the answer; a tuple's reuse ends the connection before).
+    if kind == REC_START:
+        return Flow(time=(first - offset) / 1e9, node=node, event="new", protocol="TCP", src=src, dst=dst,
+                    direction=direction, received=received)
+    when = received if kind == REC_GONE else (last - offset) / 1e9
+    flow = Flow(time=when, node=node, event="end", protocol="TCP", src=src, dst=dst, direction=direction,
+                received=received)
+    if client:
+        flow.packets_sent, flow.bytes_sent, flow.packets_received, flow.bytes_received = p_hi, b_hi, p_lo, b_lo
+    else:
+        flow.packets_sent, flow.bytes_sent, flow.packets_received, flow.bytes_received = p_lo, b_lo, p_hi, b_hi
+    flow.duration = max(0.0, (last - first) / 1e9)
+    return flow
+
+
 def _tuples_only(mtype: int, data: bytes) -> ct.CtEvent | None:
     """An event whose attributes after its tuples are malformed: what its tuples say (no
     counters, no stamps, no status)."""
@@ -220,18 +327,26 @@ class FlowRecorder:
         carried: CarriedCounts | None = None,
         tai_offset: Callable[[], int] = tai_offset_ns,
         connections: bool = True,
+        record_remote: bool = False,
+        mask: Mask | None = None,
     ) -> None:
         """``pods``, ``services``: the pod networks and the Services' ranges (either family); a
         conntrack event of a connection with neither end in them, nor named, is the node's own
         (its IPv4 ones are not even read: the kernel's filter).  ``carried``: the pod fast path's counts.
         ``connections`` False: drops only -- no conntrack events are asked for (nor the
-        sysctls set), so connections cost nothing more than with flows off."""
+        sysctls set), so connections cost nothing more than with flows off.  Where ``carried``
+        can record connections itself (:class:`Recording`), it records pods' IPv4 TCP
+        connections and conntrack's events of those are masked (``mask``);
+        ``record_remote``: those with other nodes' pods too (every packet from them passes the
+        wire program: host-gw); ``mask``: the table masking conntrack's events of what they
+        mark (agentd.nft.flowmask), without which they do not record."""
         self.node = node
         self.directory = directory
         self.state_dir = Path(state_dir)
         self.group = group
         self.clock = clock
         self.ring = FlowRing(ring_size, self._count)
+        self.ring.on_batch = self._count_batch
         self.limiter = DropLimiter(agent_rate, agent_burst)
         self.ct_sock: NetlinkSocket | None = None
         self.log_sock: NetlinkSocket | None = None
@@ -247,9 +362,23 @@ class FlowRecorder:
         self.networks = tuple(ip_network(n) for n in (*pods, *services))  # both families: the long way
         self.connections = connections
         self.carried = carried if connections else None
+        # The pod programs, which may record (an earlier agent's told them to): told to stop
+        # wherever this recorder does not record (:meth:`_stop_recording`).
+        self.programs: Recording | None = carried if hasattr(carried, "set_recording") else None  # type: ignore[assignment]
         self.tai_offset = tai_offset
         self._tai_offset = 0
         self._restarts: dict[bytes, deque[Counts]] = {}
+        self.record_remote = record_remote
+        self.mask = mask
+        self.recording: Recording | None = None  # the pod programs, once they record connections
+        self._get_sock: NetlinkSocket | None = None  # the sweep's conntrack look-ups
+        self.swept = 0  # recorded connections the sweep ended
+        # Connections the sweep took that were not the one judged and could not be put back:
+        # "ended" there (past their SYN), "lost" (unanswered SYNs: recorded by nobody).
+        self.not_put_back: Counter[str] = Counter()
+        # Idle recorded connections conntrack was last found holding: key -> (their SYN's time,
+        # when found), CLOCK_TAI ns; only keys the programs still hold are kept.
+        self._held_at: dict[bytes, tuple[int, int]] = {}
         self._names: dict[bytes, Identity | None] = {}
         self._names_version: int | None = None
         self._log_seq: int | None = None
@@ -263,13 +392,24 @@ class FlowRecorder:
     def open(self) -> None:
         """Turn on conntrack's accounting and timestamps (noting what was there), join the
         conntrack event groups and bind the drop log group; with ``connections`` False only
-        the last (and the sysctls an earlier run turned on put back).  Raises OSError (one line)."""
-        if self.connections:
-            self._open_conntrack()
-        else:
-            gone = restore_sysctls(self.state_dir)
-            if gone:
-                log.info("flows: connection records off: put back %s", ", ".join(gone))
+        the last (and the sysctls an earlier run turned on put back).  Raises OSError (one line);
+        the programs then do not record (nor is anything masked): this recorder is off."""
+        try:
+            if self.connections:
+                self._open_conntrack()
+                self._open_recording()
+            elif self.mask is not None:
+                self._stop_recording()
+                gone = restore_sysctls(self.state_dir)
+                if gone:
+                    log.info("flows: connection records off: put back %s", ", ".join(gone))
+            self.log_sock = self._bind_log()
+        except OSError:
+            self._stop_recording()
+            self.close()
+            raise
+
+    def _bind_log(self) -> NetlinkSocket:
         sock = NetlinkSocket(rcvbuf=4 << 20, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
         try:
             try:
@@ -285,9 +425,8 @@ class FlowRecorder:
                                                qthresh=LOG_QTHRESH), what="configuring NFLOG", dump=False)
         except OSError:
             sock.close()
-            self.close()
             raise
-        self.log_sock = sock
+        return sock
 
     def _open_conntrack(self) -> None:
         enable_sysctls(self.state_dir)
@@ -307,11 +446,41 @@ class FlowRecorder:
         self.ct_sock = sock
         self._ct_lost_before = self.lost["conntrack"]  # a new socket's drop count starts at 0
 
+    def _open_recording(self) -> None:
+        """The pod programs record pods' IPv4 TCP connections, where they can: conntrack's
+        events of what they mark masked first (the table), then the programs told.  Where
+        either cannot be done, conntrack's events tell of every connection (no table)."""
+        rec = self.programs
+        if rec is None or self.mask is None:
+            self._stop_recording()
+            return
+        try:
+            self.mask.install()
+            rec.set_recording(True, self.record_remote)
+        except (OSError, RuntimeError) as err:  # RuntimeError: agentd.nft's NftError
+            log.warning("flows: the pod programs do not record connections, conntrack's events tell of all: %s", err)
+            self._stop_recording()
+            return
+        self.recording = rec
+
+    def _stop_recording(self) -> None:
+        """The programs told not to record (an earlier agent may have told them to), then the
+        mask removed: nothing is masked that no program records."""
+        self.recording = None
+        if self.programs is not None:
+            try:
+                self.programs.set_recording(False)
+            except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls unreadable)
+                log.warning("flows: the pod programs may go on recording connections: %s", err)
+        if self.mask is not None:
+            with contextlib.suppress(OSError, RuntimeError):
+                self.mask.remove()
+
     def close(self) -> None:
-        for sock in (self.ct_sock, self.log_sock):
+        for sock in (self.ct_sock, self.log_sock, self._get_sock):
             if sock is not None:
                 sock.close()
-        self.ct_sock = self.log_sock = None
+        self.ct_sock = self.log_sock = self._get_sock = None
 
     async def run(self) -> None:
         """The supervised task: read both sockets (the log's alone with ``connections`` False)
@@ -324,14 +493,191 @@ class FlowRecorder:
         if ct_fd is not None:
             loop.add_reader(ct_fd, self._ct_ready)
         loop.add_reader(self.log_sock.fileno(), self._read, self.log_sock, self._on_log, "log")
+        sweeper = None
+        if self.recording is not None:
+            loop.call_later(RECORDED_INTERVAL, self._drain_recorded)
+            sweeper = asyncio.ensure_future(self._sweep_loop())
         try:
             await asyncio.Event().wait()
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
             self._loop = None
             if ct_fd is not None:
                 loop.remove_reader(ct_fd)
             if self.log_sock is not None:
                 loop.remove_reader(self.log_sock.fileno())
+
+    # ------------------------------------------------------------------ connections the pod programs record
+
+    def _drain_recorded(self) -> None:
+        """Starts and ends the programs wrote since the last look (every ``RECORDED_INTERVAL``)."""
+        loop, rec = self._loop, self.recording
+        if loop is None or rec is None:
+            return
+        try:
+            take = getattr(rec, "recorded_batch", None)
+            if take is None:  # one that gives a list of records
+                items = rec.recorded()
+                if items:
+                    self._on_recorded(items, self.clock())
+            else:
+                blob, count, others, addresses = take()
+                self.malformed += others  # not the programs' (an older object's ring): counted, left out
+                if count:
+                    self._take_batch(blob, count, addresses, self.clock())
+        finally:
+            loop.call_later(RECORDED_INTERVAL, self._drain_recorded)
+
+    def _on_recorded(self, raws: list[bytes], now: float) -> None:
+        """Records as the ring gives them, one each (the sweep's ends, a ring read the long way)."""
+        size = CONN_RECORD.size
+        good = [raw for raw in raws if len(raw) == size]
+        self.malformed += len(raws) - len(good)  # not the programs' (an older object's ring): counted, left out
+        if good:
+            self._take_batch(b"".join(good), len(good), {raw[i : i + 4] for raw in good for i in (0, 4)}, now)
+
+    def _take_batch(self, blob: bytes, count: int, addresses: set[bytes], now: float) -> None:
+        """``count`` records side by side in ``blob``, into the ring as they came, as one
+        :class:`RecordedBatch`: what their keys' ``addresses`` are named now."""
+        self._begin_names()
+        names, name, unknown = self._names, self._name, _UNKNOWN
+        named: dict[bytes, Identity | None] = {}
+        for a in addresses:
+            ident = names.get(a, unknown)
+            named[a] = name(a) if ident is unknown else ident  # type: ignore[assignment]
+        self.events += count
+        self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now))
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL)
+            try:
+                ended = await asyncio.to_thread(self.sweep)
+            except (OSError, nl.NetlinkError) as err:
+                log.warning("flows: looking over the recorded connections: %s", err)
+                continue
+            if ended:
+                self._on_recorded(ended, self.clock())
+            with contextlib.suppress(OSError):
+                self.lost["programs"] = self.recording.recorded_lost() if self.recording is not None else 0
+
+    def sweep(self, now_tai: int | None = None) -> list[bytes]:
+        """Connections the programs hold that ended without telling (blocking): an unanswered
+        SYN after ``SYN_TIMEOUT_NS`` goes without a record (no start was recorded: it was
+        never forwarded, or denied on the way); both FINs seen and nothing for
+        ``CLOSING_TIMEOUT_NS`` (the last ACK went another way, or was lost): ended; a RST
+        seen and its end silent since (podpath.c keeps the entry: a RST out of the receiver's
+        window does not end the connection) for ``RESET_TIMEOUT_NS``: ended, reset; idle for
+        ``IDLE_NS`` and no longer held by conntrack (timed out, flushed: a pod deleted): ended,
+        when found so -- one that conntrack was found holding is asked about again
+        ``HELD_RECHECK_NS`` later, not at every sweep.  An entry is taken only if it is still
+        the one judged (the tuple may have been reused meanwhile: a new SYN's entry is left
+        where it is -- but for one made between that look and the take, which is taken out
+        for that moment and put back: :meth:`_take`).  A key whose look-up fails is left for the next sweep.  Returns the
+        ends, laid out as the ring gives them."""
+        rec = self.recording
+        if rec is None:
+            return []
+        now = time.clock_gettime_ns(time.CLOCK_TAI) if now_tai is None else now_tai
+        out: list[bytes] = []
+        held_at = self._held_at
+        conns = rec.recorded_open()
+        failed: OSError | None = None
+        for key, raw in conns:
+            # One key's trouble (a conntrack look-up or a map operation failing) skips that key
+            # alone: what was taken before it is returned all the same (it is out of the map).
+            try:
+                v = CONN_VALUE.unpack(raw)
+                state, idle = v[6], now - v[5]
+                if state == CONN_SYN:
+                    if idle > SYN_TIMEOUT_NS:
+                        self._take(rec, key, v, out)
+                    continue
+                if state == CONN_CLOSING and idle > CLOSING_TIMEOUT_NS:
+                    kind = REC_FIN
+                elif state in (CONN_RESET_LO, CONN_RESET_HI) and idle > RESET_TIMEOUT_NS:
+                    kind = REC_RST
+                elif idle > IDLE_NS and not self._still_held(key, v[4], now):
+                    kind = REC_GONE
+                else:
+                    continue
+                taken = self._take(rec, key, v, out)
+            except (OSError, nl.NetlinkError) as err:
+                failed = err
+                continue
+            if taken is not None:
+                held_at.pop(key, None)
+                out.append(CONN_RECORD.pack(key, kind, taken))
+                self.swept += 1
+        if failed is not None:  # once a sweep: the next one tries those keys again
+            log.warning("flows: looking over the recorded connections, some were left for the next look: %s", failed)
+        if held_at:  # those the programs no longer hold are forgotten
+            keys = {key for key, _raw in conns}
+            self._held_at = {key: seen for key, seen in held_at.items() if key in keys}
+        return out
+
+    def _take(self, rec: Recording, key: bytes, judged: tuple[int, ...], out: list[bytes]) -> bytes | None:
+        """``key``'s entry out of the programs' map if it is still the one the sweep judged
+        (``judged``: its value then, unpacked) -- the same SYN's, in the same state, with the same
+        last packet --, else None.  It is looked at first and taken only if it still is (a
+        reused tuple's new SYN taken out even for a moment would miss its answer, and its
+        connection -- conntrack's events masked at its SYN -- be recorded by nobody); one that
+        changed between that look and the take is put back (:meth:`_put_back`)."""
+        now_raw = rec.recorded_entry(key)
+        if now_raw is None or CONN_VALUE.unpack(now_raw)[4:7] != judged[4:7]:
+            return None
+        taken = rec.take_recorded(key)
+        if taken is None:
+            return None
+        v = CONN_VALUE.unpack(taken)
+        if v[4:7] != judged[4:7]:
+            self._put_back(rec, key, taken, v, out)
+            return None
+        return taken
+
+    def _put_back(self, rec: Recording, key: bytes, taken: bytes, v: tuple[int, ...], out: list[bytes]) -> None:
+        """A connection taken that was not the one judged, back into the programs' map.  Where
+        it cannot go back -- the programs made a new SYN's entry of the tuple since (which
+        stays), or the map is full (the programs took the freed slot) -- it is ended here
+        rather than lost silently: a connection past its SYN gets its end (REUSED: ended by the
+        new SYN, at its last packet; GONE: when found), an unanswered SYN is counted as lost
+        (its connection is recorded by nobody)."""
+        try:
+            if rec.put_recorded(key, taken):
+                return
+            kind, why = REC_REUSED, "its tuple was reused meanwhile"
+        except OSError as err:
+            kind, why = REC_GONE, str(err)
+        self._held_at.pop(key, None)
+        peer = f"{socket.inet_ntoa(key[0:4])}:{int.from_bytes(key[8:10], 'big')} " \
+               f"{socket.inet_ntoa(key[4:8])}:{int.from_bytes(key[10:12], 'big')}"
+        if v[6] == CONN_SYN:
+            self.not_put_back["lost"] += 1
+            log.warning("flows: the recorded connection %s could not be put back (%s): not recorded", peer, why)
+            return
+        self.not_put_back["ended"] += 1
+        log.warning("flows: the recorded connection %s could not be put back (%s): ended now", peer, why)
+        out.append(CONN_RECORD.pack(key, kind, taken))
+
+    def _still_held(self, key: bytes, first: int, now: int) -> bool:
+        """Whether conntrack holds an idle recorded connection (``first``: its SYN's time): asked
+        once every ``HELD_RECHECK_NS`` while it does."""
+        seen = self._held_at.get(key)
+        if seen is not None and seen[0] == first and now - seen[1] < HELD_RECHECK_NS:
+            return True
+        if self._held(key):
+            self._held_at[key] = (first, now)
+            return True
+        self._held_at.pop(key, None)
+        return False
+
+    def _held(self, key: bytes) -> bool:
+        if self._get_sock is None:
+            self._get_sock = NetlinkSocket(rcvbuf=1 << 16, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
+        t = ct.CtTuple(socket.inet_ntoa(key[0:4]), socket.inet_ntoa(key[4:8]), TCP,
+                       int.from_bytes(key[8:10], "big"), int.from_bytes(key[10:12], "big"))
+        return ct.holds(self._get_sock, t)
 
     # ------------------------------------------------------------------ reading conntrack events
 
@@ -633,6 +979,7 @@ class FlowRecorder:
             self.events += 1
             flow = self.connection(event, carried=self._carried_of(event))
             if flow is not None:
+                flow.received = self.clock()  # when taken in: what ``since`` orders the ring by
                 self.ring.add(flow)
 
     def _on_log(self, mtype: int, buf: bytes, start: int, end: int) -> None:
@@ -648,6 +995,7 @@ class FlowRecorder:
             self._log_seq = packet.seq
         flow = self.dropped(packet)
         if flow is not None:
+            flow.received = self.clock()  # when taken in (its time is the kernel's: read late, older)
             self.ring.add(flow)
 
     # ------------------------------------------------------------------ records (pure given the directory)
@@ -678,7 +1026,7 @@ class FlowRecorder:
         flow = Flow(
             time=when, node=self.node, event="end" if ev.destroyed else "new", protocol=protocol_name(orig.proto),
             src=Peer(orig.src, orig.sport, src_id), dst=dst, direction=direction_of(src_id, dst.identity),
-            service=service,
+            service=service, received=received,
         )  # fmt: skip
         if ev.status & ct.IPS_DST_NAT:
             flow.service_ip, flow.service_port = orig.dst, orig.dport
@@ -738,6 +1086,9 @@ class FlowRecorder:
             if on is not None:
                 flow.sender_interface, flow.sender = on
         return flow
+
+    def _count_batch(self, batch: Batch) -> None:
+        self.flows["forwarded"] += batch.count
 
     def _count(self, entries: list[Entry]) -> None:
         made = [e for e in entries if type(e) is Flow]  # the rest: connections not read yet

@@ -36,14 +36,48 @@ class Deferred:
         raise NotImplementedError
 
 
-Entry = Flow | Deferred
-# Records are in the ring in the order the agent heard of them, which is their kernel time's
-# order to within the recorder's read interval: ``since`` looks this far behind it.
+class Batch:
+    """Records the kernel laid out side by side, kept as its bytes until someone reads one (the
+    pod programs' records of connections: thousands a second, most never read before the ring
+    drops them).  The ring holds the batch once in each of its records' slots -- at C speed,
+    no object per record -- and knows each slot's number; :meth:`flow_at` makes the record of
+    number ``seq`` (the ring then keeps it in the slot, where the batch was: a batch holds
+    nothing made, so a record the ring has dropped is not kept by one).  ``first``: the number
+    of its first record, set by the ring."""
+
+    __slots__ = ("count", "first")
+    verdict = "forwarded"
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.first = 0
+
+    def flow_at(self, seq: int) -> Flow:
+        flow = self.make(seq - self.first)
+        flow.seq = seq
+        return flow
+
+    def make(self, index: int) -> Flow:
+        raise NotImplementedError
+
+
+Entry = Flow | Deferred | Batch
+# Records are in the ring in the order the agent took them in (``Flow.received``: the recorder
+# sets it on every record it takes in -- drops, conntrack's events, the programs' records --;
+# ``Flow.time`` stands in for it where it is not set): ``since`` stops at the first record
+# taken in this far before it.  A record's ``time`` alone does not order the ring: a start the
+# pod programs recorded keeps its first SYN's time, up to the SYN's timeout before its answer
+# let it be recorded, and a drop its kernel time, however late a busy agent read it.
 SINCE_SLACK = 1.0
 
 
-def record(entry: Entry) -> Flow:
-    return entry if type(entry) is Flow else entry.flow()  # type: ignore[union-attr]
+def record(entry: Entry, seq: int = 0) -> Flow:
+    """The record an entry stands for; ``seq``: its number (read only for a :class:`Batch`)."""
+    if type(entry) is Flow:
+        return entry
+    if isinstance(entry, Batch):
+        return entry.flow_at(seq)
+    return entry.flow()  # type: ignore[union-attr]
 
 
 class Follower:
@@ -68,8 +102,13 @@ class LastSearch:
     records at a time: a large ring (``[flows] ring_size`` up to a million) is searched with
     the event loop free in between, and what the ring takes in meanwhile is not in it."""
 
-    def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None) -> None:
+    def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None, last_seq: int = 0,
+                 keep: Callable[[int, Entry, Flow], None] | None = None) -> None:
+        """``keep(seq, entry, flow)``: told of each record made from a :class:`Batch` (the ring
+        keeps it in its slot if the slot still holds the batch)."""
         self.records = records  # a copy: the ring moves on while this searches
+        self.first_seq = last_seq - len(records) + 1  # records[i] is number first_seq + i
+        self.keep = keep
         self.filter = flt
         self.n = n
         self.since = since
@@ -82,11 +121,14 @@ class LastSearch:
         if self.done:  # the last 0 (a follower's start) is none: no record is looked at
             return True
         stop = max(0, self.index - k)
-        flt, since, found = self.filter, self.since, self.found
+        flt, since, found, first, keep = self.filter, self.since, self.found, self.first_seq, self.keep
         for i in range(self.index - 1, stop - 1, -1):
-            flow = record(self.records[i])
+            entry = self.records[i]
+            flow = record(entry, first + i)
+            if keep is not None and isinstance(entry, Batch):
+                keep(first + i, entry, flow)
             if since is not None and flow.time < since:
-                if flow.time < since - SINCE_SLACK:
+                if (flow.time if flow.received is None else flow.received) < since - SINCE_SLACK:
                     self.done = True
                     break
                 continue
@@ -123,6 +165,7 @@ class FlowRing:
         self.seq = 0
         self.followers: set[Follower] = set()
         self.on_records = on_records
+        self.on_batch: Callable[[Batch], None] | None = None  # told of a batch :meth:`extend_batch` took in whole
 
     def add(self, entry: Entry) -> None:
         """A record, or a :class:`Deferred` one (made when it is first read: by a follower
@@ -166,9 +209,36 @@ class FlowRing:
         entry = self._slots[slot]
         if type(entry) is Flow:
             return entry
-        flow = entry.flow()  # type: ignore[union-attr]
+        flow = record(entry, self._seq_of(slot))  # type: ignore[arg-type]
         self._slots[slot] = flow
         return flow
+
+    def extend_batch(self, batch: Batch) -> None:
+        """A :class:`Batch`'s records in the order they lie: its ``count`` slots hold it (a
+        follower gets each record made at once, as :meth:`add` gives it)."""
+        n = batch.count
+        if n <= 0:
+            return
+        batch.first = self.seq + 1
+        if self.followers or n > self.size:
+            for i in range(n):
+                self.add(batch.make(i))  # told on_records of each
+            return
+        slots, size, slot = self._slots, self.size, self._next
+        end = slot + n
+        if end <= size:
+            slots[slot:end] = [batch] * n
+        else:
+            slots[slot:] = [batch] * (size - slot)
+            slots[: end - size] = [batch] * (end - size)
+        self.seq += n
+        self._next = end % size
+        self._count = min(self._count + n, size)
+        if self.on_batch is not None:
+            self.on_batch(batch)
+
+    def _seq_of(self, slot: int) -> int:
+        return self.seq - (self._next - 1 - slot) % self.size
 
     @property
     def records(self) -> list[Entry]:
@@ -188,7 +258,14 @@ class FlowRing:
 
     def search(self, flt: FlowFilter, n: int, *, since: float | None = None) -> LastSearch:
         """The same, a step at a time (:class:`LastSearch`) over the ring as it is now."""
-        return LastSearch(self.records if n > 0 else [], flt, n, since)
+        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq, self._keep)
+
+    def _keep(self, seq: int, entry: Entry, flow: Flow) -> None:
+        """A record made from ``entry`` by a search, into its slot if the slot still holds it."""
+        if seq > self.seq - self._count:  # still in the ring: record ``seq`` is in slot (seq - 1) % size
+            slot = (seq - 1) % self.size
+            if self._slots[slot] is entry:
+                self._slots[slot] = flow
 
     def follow(self, flt: FlowFilter, limit: int = 10_000) -> Follower:
         """A new :class:`Follower` of what comes; :class:`TooManyFollowers` past

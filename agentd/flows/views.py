@@ -63,6 +63,14 @@ class FlowViews:
             "lost": dict(r.lost),
             "followers": len(r.ring.followers),
             "log_group": r.group,
+            # Pods' IPv4 TCP connections recorded by the pod programs (conntrack's events of
+            # them masked): with other nodes' pods too (remote), ended by the agent's sweep;
+            # taken by it and not put back (the map full, or the tuple reused): ended then, or
+            # unanswered SYNs lost.
+            # remote: as the programs are set (no wire program: not), not as the agent asked.
+            "programs": {"recording": r.recording is not None,
+                         "remote": r.recording is not None and r.recording.records_remote(),
+                         "swept": r.swept, "not_put_back": {k: r.not_put_back.get(k, 0) for k in ("ended", "lost")}},
         }
 
     def collect(self):
@@ -80,9 +88,10 @@ class FlowViews:
                                          "log limit, or folded by the agent's limit", labels=["where"])
         suppressed.add_metric(["kernel"], float(self.kernel_suppressed()))
         suppressed.add_metric(["agent"], float(r.limiter.suppressed))
-        lost = CounterMetricFamily("agentd_flow_events_lost", "conntrack events and logged packets the kernel "
-                                   "could not queue for the agent", labels=["source"])
-        for source in ("conntrack", "log"):
+        lost = CounterMetricFamily("agentd_flow_events_lost", "conntrack events, logged packets and the pod "
+                                   "programs' connection records the kernel could not queue for the agent",
+                                   labels=["source"])
+        for source in ("conntrack", "log", "programs"):
             lost.add_metric([source], float(r.lost.get(source, 0)))
         ring = GaugeMetricFamily("agentd_flow_ring_records", "flow records held in the node's ring")
         ring.add_metric([], float(len(r.ring)))

@@ -461,6 +461,95 @@ static PyObject *ring_take(PyObject *self, PyObject *arg)
 	return out;
 }
 
+PyDoc_STRVAR(ring_take_fixed_doc,
+	     "ring_take_fixed(sink, size) -> (records, count, others, addresses)\n\n"
+	     "The records the sink holds that are ``size`` bytes long, side by side in one bytes object, oldest\n"
+	     "first; how many; how many of another length (left out); the distinct 4-byte values at offsets 0\n"
+	     "and 4 of those records (a set of bytes).  The sink is emptied.");
+
+/* Fixed-size records (a pod program's struct podconn_record: its key's two IPv4 addresses
+ * first) handed to Python as one object, with the addresses they name, each once: the agent
+ * makes no object per record (agentd/flows/recorder.py, RecordedBatch). */
+static PyObject *ring_take_fixed(PyObject *self, PyObject *args)
+{
+	PyObject *sink_addr, *blob = NULL, *addrs = NULL, *out = NULL;
+	Py_ssize_t size, count = 0, others = 0, k = 0;
+	uint32_t *seen = NULL;
+	uint8_t *used = NULL;
+	size_t pos = 0, cap = 16;
+	unsigned bits = 4;
+	struct sink *s;
+	char *dst;
+
+	if (!PyArg_ParseTuple(args, "On", &sink_addr, &size))
+		return NULL;
+	s = PyLong_AsVoidPtr(sink_addr);
+	if (!s)
+		return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "no sink");
+	if (size < 8)
+		return PyErr_Format(PyExc_ValueError, "records of %zd bytes hold no two addresses", size);
+	while (pos + 4 <= s->len) {
+		uint32_t n;
+		memcpy(&n, s->buf + pos, 4);
+		if ((Py_ssize_t)n == size)
+			count++;
+		else
+			others++;
+		pos += 4 + n;
+	}
+	if (count > (1 << 26))
+		return PyErr_Format(PyExc_OverflowError, "%zd records in one read", count);
+	while (cap < (size_t)count * 4)
+		cap *= 2, bits++;
+	if (!(blob = PyBytes_FromStringAndSize(NULL, count * size)) || !(addrs = PySet_New(NULL)))
+		goto done;
+	seen = malloc(cap * sizeof(*seen));
+	used = calloc(cap, 1);
+	if (!seen || !used) {
+		PyErr_NoMemory();
+		goto done;
+	}
+	dst = PyBytes_AS_STRING(blob);
+	for (pos = 0; pos + 4 <= s->len;) {
+		uint32_t n;
+		memcpy(&n, s->buf + pos, 4);
+		if ((Py_ssize_t)n == size) {
+			const uint8_t *rec = s->buf + pos + 4;
+			memcpy(dst + k * size, rec, size);
+			k++;
+			for (int side = 0; side < 2; side++) {
+				uint32_t a;
+				size_t h;
+				memcpy(&a, rec + 4 * side, 4);
+				/* The product's high bits (Fibonacci hashing): its low ones depend only on
+				 * the address's low bits, the first two octets in network order, which one
+				 * pod network shares. */
+				h = (uint32_t)(a * 2654435761u) >> (32 - bits);
+				while (used[h] && seen[h] != a)
+					h = (h + 1) & (cap - 1);
+				if (!used[h]) {
+					PyObject *b = PyBytes_FromStringAndSize((const char *)rec + 4 * side, 4);
+					used[h] = 1, seen[h] = a;
+					if (!b || PySet_Add(addrs, b) < 0) {
+						Py_XDECREF(b);
+						goto done;
+					}
+					Py_DECREF(b);
+				}
+			}
+		}
+		pos += 4 + n;
+	}
+	s->len = 0;
+	out = Py_BuildValue("(OnnO)", blob, count, others, addrs);
+done:
+	free(seen);
+	free(used);
+	Py_XDECREF(blob);
+	Py_XDECREF(addrs);
+	return out;
+}
+
 PyDoc_STRVAR(ring_sink_free_doc, "ring_sink_free(sink)\n\nLet go of a sink (after its ring).");
 
 static PyObject *ring_sink_free(PyObject *self, PyObject *arg)
@@ -479,6 +568,7 @@ static PyObject *ring_sink_free(PyObject *self, PyObject *arg)
 static PyMethodDef methods[] = {
 	{"ring_sink", ring_sink, METH_NOARGS, ring_sink_doc},
 	{"ring_take", ring_take, METH_O, ring_take_doc},
+	{"ring_take_fixed", ring_take_fixed, METH_VARARGS, ring_take_fixed_doc},
 	{"ring_sink_free", ring_sink_free, METH_O, ring_sink_free_doc},
 	{"configure", configure, METH_VARARGS, configure_doc},
 	{"decode", decode, METH_VARARGS, decode_doc},

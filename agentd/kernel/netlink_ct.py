@@ -144,6 +144,20 @@ def delete_entries(sock: Any, requests: Iterable[tuple[bytes, str]]) -> int:
     return deleted
 
 
+def holds(sock: Any, t: CtTuple, seq: int = 0) -> bool:
+    """Whether conntrack holds an entry with tuple ``t`` in either direction
+    (IPCTNL_MSG_CT_GET on ``sock``, a NetlinkSocket of NETLINK_NETFILTER); blocking."""
+    family = socket.AF_INET6 if ":" in t.src else socket.AF_INET
+    request = message(IPCTNL_MSG_CT_GET, seq, nl.NLM_F_REQUEST, encode_tuple(CTA_TUPLE_ORIG, t), family)
+    try:
+        sock.request(request, what="looking up a conntrack entry", dump=False)
+    except nl.NetlinkError as err:
+        if err.errno == errno.ENOENT:
+            return False
+        raise
+    return True
+
+
 def encode_tuple(kind: int, t: CtTuple) -> bytes:
     """CTA_TUPLE_ORIG or CTA_TUPLE_REPLY with ``t`` (addresses and ports in network byte order)."""
     if ":" in t.src:

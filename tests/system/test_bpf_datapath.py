@@ -12,6 +12,7 @@ the hooks (the pod fast path: none of an earlier agent's either)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -732,3 +733,66 @@ def test_a_pod_fast_path_that_fails_part_way_is_off_and_gone_from_every_hook(net
         link.mkdir()
         assert open_fails() == f"device {dev['pb0']} ingress: cannot attach {tc.POD_FAST_PATH}: opening pinned " \
                                f"{link}: Permission denied"
+
+
+def test_a_reopened_pod_fast_path_records_as_the_last_agent_said_until_told(netns_factory, bpffs):
+    """A restarted agent's pod fast path keeps recording connections as the previous agent told
+    it (POD_CFG_RECORD in the pinned config) until its flow recorder says otherwise, and then
+    drops what they recorded; a recorded connection the sweep took is put back only where the
+    programs made no entry since."""
+    from agentd.dataplane.bpf.podpath import (
+        CFG_RECORD,
+        CFG_RECORD_REMOTE,
+        CONFIG,
+        CONFIG_VALUE,
+        CONN_VALUE,
+        CONNS,
+        U32,
+        PodFastPath,
+    )
+
+    ns = netns_factory("r")
+    dev = _veths(ns, "u0")
+    both = CFG_RECORD | CFG_RECORD_REMOTE
+
+    def opened() -> PodFastPath:
+        fast = PodFastPath(bpffs, cluster=IPv4Network("10.244.0.0/16"), wire_ifindex=dev["u0"])
+        fast.open()
+        return fast
+
+    def recording(fast: PodFastPath) -> int:
+        raw = libbpf.map_lookup(fast.maps[CONFIG], U32.pack(0), CONFIG_VALUE.size)
+        return CONFIG_VALUE.unpack(raw)[0] & both
+
+    with ns.entered():
+        fast = opened()
+        try:
+            assert recording(fast) == 0
+            fast.set_recording(True, True)
+            assert recording(fast) == both and fast.records_remote()
+            key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + bytes([156, 64, 0, 80])
+            taken, fresh = (CONN_VALUE.pack(1, 1, 60, 60, first, first, 2, 0, 0) for first in (5, 7))
+            assert fast.put_recorded(key, taken) and fast.take_recorded(key) == taken
+            assert fast.put_recorded(key, fresh) and not fast.put_recorded(key, taken)  # the programs' stays
+            assert fast.take_recorded(key) == fresh
+            # podconns full (a preallocated hash: the programs took the slot a take freed): it
+            # cannot go back, and says so rather than returning as if the programs' had stayed.
+            conns = fast.maps[CONNS]
+            for i in range(libbpf.map_info(conns)["max_entries"]):
+                libbpf.map_update(conns, key[:8] + i.to_bytes(4, "big"), fresh, libbpf.BPF_NOEXIST)
+            with pytest.raises(OSError, match="agentd_podconns is full") as err:
+                fast.put_recorded(socket.inet_aton("10.244.9.9") + key[4:], taken)
+            assert err.value.errno == errno.E2BIG
+        finally:
+            fast.close()
+        again = opened()
+        try:
+            assert recording(again) == both  # the earlier agent's word stands ...
+            again.set_counting(True)
+            assert recording(again) == both
+            assert len(again.recorded_open()) == libbpf.map_info(again.maps[CONNS])["max_entries"]
+            again.set_recording(False)  # ... until the recorder's
+            assert recording(again) == 0 and not again.records_remote()
+            assert again.recorded_open() == [] and again.recorded() == []  # nobody records them now
+        finally:
+            again.remove()

@@ -20,13 +20,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
 from dualstack_hosts import SIZES_SINK, SIZES_SOURCE
 
 from agentd.lab.lab import Lab, LabSpec
-from agentd.lab.netns import unique_tag
+from agentd.lab.netns import Netns, unique_tag
 from agentd.lab.runtime import binary
 from agentd.lab.svcecho import Echo
 from agentd.lab.wait import auntil
@@ -415,6 +416,279 @@ async def test_same_node_pods_are_seen(shop):
     assert drops[-1]["dst"]["pod"] == "shop/web" and drops[-1]["policies"] == ["shop/default-deny", "shop/web-from-clients"]
 
 
+# Conntrack's NEW and DESTROY events in a node's namespace, as any listener gets them: one line
+# per event (protocol, source, source port, destination, destination port, new/end) until killed.
+CT_EVENTS = """
+import socket, sys
+from agentd.kernel import netlink as nl, netlink_ct as ct
+from agentd.kernel.netlink_socket import NetlinkSocket
+sock = NetlinkSocket(rcvbuf=4 << 20, protocol=nl.NETLINK_NETFILTER)
+sock.sock.setblocking(True)
+for group in (ct.NFNLGRP_CONNTRACK_NEW, ct.NFNLGRP_CONNTRACK_DESTROY):
+    sock.sock.setsockopt(nl.SOL_NETLINK, nl.NETLINK_ADD_MEMBERSHIP, group)
+print("ready", flush=True)
+while True:
+    data = sock.sock.recv(1 << 16)
+    for mtype, _f, _s, _p, start, end in nl.iter_messages(data):
+        ev = ct.decode_event(mtype, data, start, end)
+        if ev is not None:
+            o = ev.orig
+            print(o.proto, o.src, o.sport, o.dst, o.dport, "end" if ev.destroyed else "new", flush=True)
+"""
+
+
+class CtEvents:
+    """Conntrack's events in ``node``'s namespace while the block runs: ``lines`` after it."""
+
+    def __init__(self, node) -> None:
+        self.node, self.lines = node, []
+
+    async def __aenter__(self):
+        self.proc = self.node.ns.popen([sys.executable, "-c", CT_EVENTS], stdout=subprocess.PIPE, text=True)
+        assert (await asyncio.to_thread(self.proc.stdout.readline)).strip() == "ready"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.sleep(0.5)  # what the kernel sent last is read
+        self.proc.kill()
+        out, _ = await asyncio.to_thread(self.proc.communicate, timeout=30)
+        self.lines = [line.split() for line in out.splitlines() if line.strip()]
+
+    def of_port(self, port: int) -> list[list[str]]:
+        return [x for x in self.lines if str(port) in (x[2], x[4])]
+
+
+async def test_pods_tcp_is_recorded_by_the_pod_programs_not_conntrack(shop):
+    """Pods' IPv4 TCP connections are recorded by the pod programs (their start when the answer
+    passes, their end with the last ACK, every packet counted) and conntrack's events of them
+    are masked; conntrack still tells of the rest (UDP here).  Across nodes each node has one
+    start and one end of the connection; on one node, one of each, not two."""
+    node1, node2 = shop.lab.nodes
+    client, web, a, b = (shop.pods[n] for n in ("client", "web", "a", "b"))
+    assert node1.api("/status")["flows"]["programs"]["recording"] is True
+    async with CtEvents(node1) as ev1, CtEvents(node2) as ev2:
+        await send_sizes(client, web, 5006, 41201, [200_000])
+        await send_sizes(a, b, 5006, 41202, [100_000])
+        await shop.echo["a"].udp(b.ip, 5007, 41203, timeout=0.3)
+        await shop.echo["client"].udp(web.ip, 5007, 41205, timeout=0.3)  # what node1's listener must hear
+        for node, port, size in ((node1, 41201, 200_000), (node2, 41201, 200_000), (node2, 41202, 100_000)):
+            got = await records(node, "--port", str(port),
+                                want=lambda r: [x["event"] for x in r] == ["new", "end"],
+                                what=f"{node.name}'s start and end of port {port}")
+            new, end = got
+            assert new["verdict"] == end["verdict"] == "forwarded" and new["protocol"] == "TCP"
+            assert (end["src"]["port"], end["dst"]["port"]) == (port, 5006), shown(end)
+            assert sent(end, size) and end["packets_received"] >= 2 and 0 <= end["duration"] < 30, shown(end)
+            assert end["direction"] == {node1: "egress", node2: "ingress" if port == 41201 else "local"}[node], shown(end)
+    assert not ev1.of_port(41201) and not ev2.of_port(41201) and not ev2.of_port(41202), (ev1.lines, ev2.lines)
+    assert any(x[0] == "17" for x in ev2.of_port(41203)), ev2.lines  # UDP: conntrack's, as ever
+    assert any(x[0] == "17" for x in ev1.of_port(41205)), ev1.lines  # node1's listener heard what it could
+    assert node1.ns.exec("nft", "list", "table", "ip", "agentd-flows").count("ct event set 0x0") == 1
+
+
+async def test_a_denied_syn_is_never_a_forwarded_connection(shop):
+    """other's SYN to web passes node1 (egress is allowed) and is dropped at web's ingress on
+    node2.  node2 records the drop; node1, whose conntrack confirmed the SYN, records no
+    forwarded connection: the pod programs record a start only when the answer comes."""
+    node1, node2 = shop.lab.nodes
+    since = node1.api("/status")["flows"]["seq"]
+    assert (await shop.echo["other"].tcp(shop.pods["web"].ip, 80, timeout=0.5))["failed"] == 1
+    await records(node2, "--verdict", "dropped", "--from-pod", "shop/other", "--to-pod", "shop/web",
+                  want=lambda r: r, what="node2's drop record of other -> web")
+    await asyncio.sleep(1.0)  # conntrack's NEW would have been read within 50 ms
+    mine = [x for x in await agentd_flows(node1, "--from-pod", "shop/other", "--to-pod", "shop/web", "--last", "1000")
+            if x["seq"] > since]
+    assert not [x for x in mine if x["verdict"] == "forwarded"], mine
+
+
+async def recording(node) -> None:
+    """Once ``node``'s pod programs record connections (its recorder told them)."""
+    await auntil(lambda: node.api("/status")["flows"]["programs"]["recording"], 30,
+                 what=f"{node.name}'s pod programs recording")
+
+
+async def test_a_syn_sent_again_after_its_lost_answer_is_one_connection(shop):
+    """client's first SYN-ACK is dropped in client's own namespace (nft: the first one only),
+    after it passed the programs of both nodes: client sends its SYN again a second later and
+    the programs find the connection answered already.  That SYN is the same connection's:
+    each node records one start and one end of it, not an end by reuse and a second start."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    table = "agentd-test-synack"
+    for node in (node1, node2):
+        await recording(node)
+    client.ns.exec("nft", "add", "table", "ip", table)
+    try:
+        client.ns.exec("nft", "add chain ip " + table + " in { type filter hook input priority 0; }")
+        client.ns.exec("nft", "add rule ip " + table + " in tcp sport 5009 tcp dport 41206 "
+                       "tcp flags & (syn | ack) == syn | ack limit rate 1/hour burst 1 packets counter drop")
+        await send_sizes(client, web, 5009, 41206, [50_000])
+        assert "packets 1 " in client.ns.exec("nft", "list", "table", "ip", table)  # one answer was lost
+    finally:
+        client.ns.exec("nft", "delete", "table", "ip", table, check=False)
+    for node in (node1, node2):
+        got = await records(node, "--port", "41206", want=lambda r: any(x["event"] == "end" and sent(x, 50_000) for x in r),
+                            what=f"{node.name}'s end of port 41206")
+        await asyncio.sleep(0.5)  # anything the ring held after it is read too
+        got = await agentd_flows(node, "--port", "41206")
+        assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+
+
+async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
+    """client connects to an address of its own node's pod subnet that is no pod the programs
+    know (here a namespace on node1's bridge whose veth has no program): the answer passes no
+    program, so the programs must not start a record of it nor mark its SYN (whose conntrack
+    events the mask would drop, bridged through postrouting): conntrack's events tell of it."""
+    node1 = shop.lab.nodes[0]
+    client = shop.pods["client"]
+    gateway = client.ns.exec("ip", "-4", "route", "show", "default").split()[2]
+    await recording(node1)
+    stray = Netns.create("ad-" + unique_tag("st"))
+    try:
+        node1.ns.exec("ip", "link", "add", "strayv", "type", "veth", "peer", "name", "eth0", "netns", stray.name)
+        node1.ns.exec("ip", "link", "set", "strayv", "master", "cni0", "up")
+        address = gateway.rsplit(".", 1)[0] + ".250"
+        stray.exec("ip", "addr", "add", f"{address}/24", "dev", "eth0")
+        stray.exec("ip", "link", "set", "eth0", "up")
+        await send_sizes(client, SimpleNamespace(ns=stray, ip=address), 5010, 41207, [20_000])
+        await records(node1, "--port", "41207", "--event", "new", want=lambda r: r,
+                      what="node1's start of client -> an address of its node's subnet")
+    finally:
+        node1.ns.exec("ip", "link", "del", "strayv", check=False)
+        stray.delete()
+
+
+# SIZES_SOURCE's one connection of 2 x 100,000 bytes, and between the halves a RST of its tuple
+# that the server's TCP ignores: its sequence number far out of the window (sent on a raw socket).
+RESET_OUT_OF_WINDOW = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
+time.sleep(0.3)
+src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
+seq = 0x12345678  # out of the window but for a chance of about 1 in 1,000
+
+def tcp(check):
+    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x04, 0, check, 0)
+
+words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
+total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
+while total >> 16:
+    total = (total & 0xffff) + (total >> 16)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
+raw.sendto(tcp(~total & 0xffff), (ip, 0))
+time.sleep(0.3)
+c.sendall(b"y" * 100000)
+while c.recv(65536): pass
+c.close()
+"""
+
+
+async def test_a_reset_its_receiver_ignores_does_not_end_the_connection(shop):
+    """A RST of a connection's tuple far out of the window (a raw socket in the client's
+    namespace) passes the programs of both nodes; the server's TCP ignores it and the
+    connection goes on.  Each node records one start and one end of it, the end with every
+    byte -- not an end at the RST, the rest recorded by nobody (conntrack's events masked)."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    sink = web.ns.popen(["python3", "-c", SIZES_SINK, "0.0.0.0", "5012", "200000"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        await client.ns.aexec("python3", "-c", RESET_OUT_OF_WINDOW, web.ip, "5012", "41209", timeout=60)
+        got, _ = await asyncio.to_thread(sink.communicate, timeout=30)
+        assert got.split() == ["200000"]  # the connection went on past the RST
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", "41209", "--event", "end", want=lambda r: r, what=f"{node.name}'s end of port 41209")
+        await asyncio.sleep(0.5)
+        got = await agentd_flows(node, "--port", "41209")
+        assert [x["event"] for x in got] == ["new", "end"] and sent(got[1], 200_000), [shown(x) for x in got]
+
+
+RESET_AFTER = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
+time.sleep(0.3)
+c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+c.close()
+"""
+
+
+async def test_a_reset_connection_ends_as_reset(shop):
+    """A connection the client resets (SO_LINGER 0): the programs keep it a moment (its end
+    silent but for RST), then the sweep ends it -- one start and one end on each node, at the
+    RST, with the bytes sent before it."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    sink = web.ns.popen(["python3", "-c", SIZES_SINK, "0.0.0.0", "5013", "200000"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        await client.ns.aexec("python3", "-c", RESET_AFTER, web.ip, "5013", "41210", timeout=60)
+    finally:
+        sink.kill()
+        sink.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", "41210", "--event", "end", want=lambda r: r, what=f"{node.name}'s end of port 41210")
+        got = await agentd_flows(node, "--port", "41210")
+        assert [x["event"] for x in got] == ["new", "end"] and sent(got[1], 100_000), [shown(x) for x in got]
+        assert 0.2 < got[1]["duration"] < 2, shown(got[1])  # till the RST, not till the sweep found it
+
+
+HOLD_OPEN = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+if sys.argv[1] == "listen":
+    s.bind(("0.0.0.0", int(sys.argv[2]))); s.listen(1)
+    print("ready", flush=True)
+    c, _ = s.accept(); c.recv(65536)
+else:
+    s.bind(("0.0.0.0", int(sys.argv[4]))); s.connect((sys.argv[2], int(sys.argv[3]))); s.sendall(b"x" * 1000)
+    print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+async def test_a_connection_conntrack_forgets_gets_its_end(shop):
+    """A connection that ends without FIN or RST (idle until conntrack times it out, or its
+    entry flushed -- here deleted, as `conntrack -D` does): the agent's sweep finds conntrack no
+    longer holds it and records its end, with what was counted, on both nodes."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    server = web.ns.popen(["python3", "-c", HOLD_OPEN, "listen", "5008"], stdout=subprocess.PIPE, text=True)
+    talker = None
+    try:
+        assert (await asyncio.to_thread(server.stdout.readline)).strip() == "ready"
+        talker = client.ns.popen(["python3", "-c", HOLD_OPEN, "connect", web.ip, "5008", "41204"],
+                                 stdout=subprocess.PIPE, text=True)
+        assert (await asyncio.to_thread(talker.stdout.readline)).strip() == "ready"
+        for node in (node1, node2):
+            await records(node, "--port", "41204", "--event", "new", want=lambda r: r, what=f"{node.name}'s start")
+        await asyncio.sleep(1.0)
+        for node in (node1, node2):
+            await forget(node, 41204)
+        for node in (node1, node2):
+            (end,) = await records(node, "--port", "41204", "--event", "end", want=lambda r: r, timeout=40,
+                                   what=f"{node.name}'s end of the forgotten connection")
+            assert end["bytes_sent"] >= 1000 and end["packets_sent"] >= 2, shown(end)
+            assert node.api("/status")["flows"]["programs"]["swept"] >= 1
+    finally:
+        for proc in (server, talker):
+            if proc is not None:
+                proc.kill()
+                proc.communicate()
+
+
 SEND_FROM = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -800,6 +1074,9 @@ async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(sho
     try:
         assert node2.api("/status")["flows"]["on"] is True
         assert sysctls() == ("0", "0") and not fast_path_counts()
+        # Nothing masks conntrack's events and the programs record nothing.
+        assert node2.ns.exec("nft", "list", "tables").count("agentd-flows") == 0
+        assert node2.api("/status")["flows"]["programs"]["recording"] is False
         # The isolated pods only, as with flows off -- but all four while Services translate here
         # (an endpoint's reply to a client on its node must meet the un-DNAT: test_services_bridged).
         await auntil(lambda: routed_ports() == (4 if translating() else 2), 10, in_thread=True,
@@ -823,14 +1100,21 @@ async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(sho
 
 
 async def test_leave_restores_conntrack_settings(shop):
+    """``agentd leave`` with the agent running puts conntrack's settings back and removes the
+    table masking conntrack's events of what the pod programs recorded."""
     node2 = shop.lab.nodes[1]
 
     def sysctl(name: str) -> str:
         return node2.ns.exec("cat", f"/proc/sys/net/netfilter/{name}").strip()
 
+    def tables() -> str:
+        return node2.ns.exec("nft", "list", "tables")
+
     assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("1", "1")
+    assert node2.api("/status")["flows"]["programs"]["recording"] is True and "agentd-flows" in tables()
     await node2.leave()
     assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("0", "0")  # a new namespace's
+    assert "agentd-flows" not in tables()
     assert not (node2.dir / "state" / "flows-sysctl.json").exists()
     shutil.rmtree(node2.dir / "state", ignore_errors=True)
 

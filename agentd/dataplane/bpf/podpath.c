@@ -163,6 +163,33 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_podends SEC(".maps");
 
+/* A preallocated hash, not an LRU one: an LRU map's insert and delete take its shared lists'
+ * locks and touch a cold element each time, which cost the client's core of a short
+ * connection more than all the rest of what the programs do for it.  Entries go explicitly
+ * (at the end, and by the agent's sweep); when the map is full, a new connection is simply not
+ * recorded here (not marked: conntrack's events tell of it). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct podflow_key);
+	__type(value, struct podconn_value);
+	__uint(max_entries, 65536);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podconns SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1024 * 1024);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podrecs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, 1);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podlost SEC(".maps");
+
 /* kfuncs are for GPL-compatible programs: dual-licensed as datapath.c is. */
 char _license[] SEC("license") = "Dual BSD/GPL";
 
@@ -249,7 +276,191 @@ static __always_inline void podflow_restart(struct iphdr *ip, struct tcphdr *tcp
 		return;
 	end.value = *v;
 	bpf_map_delete_elem(&agentd_podflows, &end.key);
-	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), 0);
+	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), BPF_RB_NO_WAKEUP);
+}
+
+/* ------------------------------------------------------------ connections recorded here (podconns) */
+
+static __always_inline void podconn_emit(struct podflow_key *key, struct podconn_value *v, __u32 kind)
+{
+	struct podconn_record rec = {};
+
+	rec.key = *key;
+	rec.kind = kind;
+	rec.value = *v;
+	/* No wake-up: the agent reads the ring on a timer, never waits on it. */
+	if (bpf_ringbuf_output(&agentd_podrecs, &rec, sizeof(rec), BPF_RB_NO_WAKEUP)) { /* full: the agent is behind or gone */
+		__u32 zero = 0;
+		__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
+
+		if (lost)
+			*lost += 1;
+	}
+}
+
+static __always_inline void podconn_count(struct podconn_value *v, __u32 side, __u64 len, __u64 now)
+{
+	if (side) {
+		__sync_fetch_and_add(&v->packets[1], 1);
+		__sync_fetch_and_add(&v->bytes[1], len);
+	} else {
+		__sync_fetch_and_add(&v->packets[0], 1);
+		__sync_fetch_and_add(&v->bytes[0], len);
+	}
+	v->last_tai = now;
+}
+
+/* Whether conntrack holds the connection of ``tuple`` confirmed and untranslated: its first
+ * packet passed every hook of this node, policy included, and the agent's table masked its
+ * events (the table leaves a translated connection's alone). */
+static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_tuple *tuple)
+{
+	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
+	unsigned long status;
+	struct nf_conn *ct;
+
+	ct = bpf_skb_ct_lookup(skb, tuple, sizeof(tuple->ipv4), &opts, sizeof(opts));
+	if (!ct)
+		return 0;
+	status = ct->status;
+	bpf_ct_release(ct);
+	return !(status & (IPS_SRC_NAT | IPS_DST_NAT));
+}
+
+/* Whether a pod's SYN to an address of the cluster's pod network that is not a pod of this
+ * node leaves by the underlay device (``wire``), whose program sees the answer: with host-gw
+ * another node's pod does; an address of this node's own pod subnet (the bridge's, a pod whose
+ * veth has no program) does not, nor one behind a tunnel device.  Asked at the SYN only. */
+static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, __u32 wire)
+{
+	struct bpf_fib_lookup fib = {};
+	long ret;
+
+	if (!wire)
+		return 0;
+	fib.family = AF_INET_;
+	fib.tos = ip->tos;
+	fib.l4_protocol = IPPROTO_TCP;
+	fib.sport = tcp->source;
+	fib.dport = tcp->dest;
+	fib.ipv4_src = ip->saddr;
+	fib.ipv4_dst = ip->daddr;
+	fib.ifindex = skb->ingress_ifindex;
+	ret = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	/* No neighbour yet (the SYN resolves it): the device is known all the same. */
+	return (ret == BPF_FIB_LKUP_RET_SUCCESS || ret == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex == wire;
+}
+
+#define PODCONN_START 1        /* a SYN may open a record here: to a pod of this node, or on the wire */
+#define PODCONN_START_WIRED 2  /* ... if it leaves by the underlay device (podconn_wired) */
+
+/* An IPv4 TCP packet of a pod's connection that passes a program while the programs record
+ * connections (POD_CFG_RECORD).  ``may_start``: whether a SYN may open a record here (the
+ * answer will pass a program of this node): 0, PODCONN_START or PODCONN_START_WIRED.  Returns
+ * 1 if the connection is recorded here (the packet is counted in podconns, not podflows), else
+ * 0 (conntrack's events tell of it).
+ *
+ * SYN: a new entry (PODCONN_SYN), the packet marked (POD_RECORD_MARK: the agent's nft table
+ * masks conntrack's events of the connection).  The answer -- SYN-ACK or RST from the other
+ * end -- while conntrack holds the entry confirmed (its SYN passed policy): the start goes to
+ * the agent (podrecs).  RST past the answer: the end, made by the agent's sweep a moment later
+ * unless the end that sent it sends again without RST (below).  FIN from both ends, then the next packet without FIN
+ * (the last ACK): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
+ * the client, with the sequence number of its first) is counted and marked, in any state.  What never ends so
+ * (idle, a pod gone) the agent's sweep ends when conntrack no longer holds it. */
+static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, int may_start,
+					struct pod_config *cfg)
+{
+	struct podconn_value *v, fresh = {};
+	struct podflow_key key = {};
+	struct bpf_sock_tuple tuple = {};
+	__u32 side = podflow_key(ip, tcp, &key);
+	__u64 len = skb->len - ETH_HLEN, now;
+	int syn = tcp->syn, ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
+
+	tuple.ipv4.saddr = ip->saddr;
+	tuple.ipv4.daddr = ip->daddr;
+	tuple.ipv4.sport = tcp->source;
+	tuple.ipv4.dport = tcp->dest;
+	v = bpf_map_lookup_elem(&agentd_podconns, &key);
+	if (!v && !(syn && !ack && !fin && !rst))
+		return 0; /* not recorded here: conntrack's events tell of it */
+	now = bpf_ktime_get_tai_ns();
+	if (syn && !ack && !fin && !rst) {
+		/* Sent again: unanswered yet, or its answer lost on the way (the entry is OPEN then,
+		 * and must not end as REUSED nor start again when the server answers once more). */
+		if (v && v->client == side && v->client_seq == tcp->seq) {
+			podconn_count(v, side, len, now);
+			skb->mark |= POD_RECORD_MARK;
+			return 1;
+		}
+		if (v) {
+			if (v->state == PODCONN_RESET_LO || v->state == PODCONN_RESET_HI)
+				podconn_emit(&key, v, PODREC_RST); /* reset, and the tuple taken since */
+			else if (v->state != PODCONN_SYN)
+				podconn_emit(&key, v, PODREC_REUSED);
+			bpf_map_delete_elem(&agentd_podconns, &key);
+		}
+		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
+			return 0;
+		fresh.state = PODCONN_SYN;
+		fresh.client = side;
+		fresh.client_seq = tcp->seq;
+		fresh.first_tai = now;
+		fresh.last_tai = now;
+		if (side) {
+			fresh.packets[1] = 1;
+			fresh.bytes[1] = len;
+		} else {
+			fresh.packets[0] = 1;
+			fresh.bytes[0] = len;
+		}
+		if (bpf_map_update_elem(&agentd_podconns, &key, &fresh, BPF_ANY))
+			return 0;
+		skb->mark |= POD_RECORD_MARK;
+		return 1;
+	}
+	if (!v)
+		return 0;
+	if (v->state == PODCONN_SYN) {
+		if (side == v->client || (!(syn && ack) && !rst)) {
+			podconn_count(v, side, len, now);
+			return 1;
+		}
+		if (!podconn_plain(skb, &tuple)) { /* translated, or not accepted: conntrack's */
+			bpf_map_delete_elem(&agentd_podconns, &key);
+			return 0;
+		}
+		podconn_count(v, side, len, now);
+		v->state = PODCONN_OPEN;
+		podconn_emit(&key, v, PODREC_START);
+		if (rst) {
+			podconn_emit(&key, v, PODREC_RST);
+			bpf_map_delete_elem(&agentd_podconns, &key);
+		}
+		return 1;
+	}
+	podconn_count(v, side, len, now);
+	if (rst) {
+		/* Not ended here: a RST the receiver's TCP finds out of its window it ignores, and the
+		 * connection goes on (conntrack, liberal about windows, cannot tell either).  A packet
+		 * without RST from the same end afterwards shows that end alive (OPEN again); else the
+		 * agent's sweep ends the connection as reset, at its last packet. */
+		v->state = side ? PODCONN_RESET_HI : PODCONN_RESET_LO;
+	} else if (fin) {
+		__u32 bit = side ? 2 : 1;
+
+		if ((__sync_fetch_and_or(&v->fins, bit) | bit) == 3)
+			v->state = PODCONN_CLOSING;
+	} else if (v->state != PODCONN_OPEN) { /* one compare on an open connection's packets */
+		if (v->state == PODCONN_CLOSING) {
+			podconn_emit(&key, v, PODREC_FIN);
+			bpf_map_delete_elem(&agentd_podconns, &key);
+		} else if (v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO)) {
+			v->state = PODCONN_OPEN;
+		}
+	}
+	return 1;
 }
 
 /* The config, if the packet is a candidate at all and the config has every flag of ``need``:
@@ -275,8 +486,11 @@ static __always_inline struct pod_config *candidate(struct __sk_buff *skb, __u32
 	if (!cfg || (cfg->flags & need) != need)
 		return NULL;
 	*opening = tcp->syn && !tcp->fin && !tcp->rst && (cfg->flags & POD_CFG_COUNT);
-	if ((tcp->syn || tcp->fin || tcp->rst) && !*opening)
-		return NULL;
+	if ((tcp->syn || tcp->fin || tcp->rst) && !*opening) {
+		if (!(cfg->flags & POD_CFG_RECORD))
+			return NULL;
+		*opening = 2; /* a FIN or RST: seen by podconn_see, never carried */
+	}
 	*ipp = ip;
 	*tcpp = tcp;
 	return cfg;
@@ -435,7 +649,7 @@ static __always_inline void podflow6_restart(struct flow6 *f)
 		return;
 	end.value = *v;
 	bpf_map_delete_elem(&agentd_podflow6, &end.key);
-	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), 0);
+	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), BPF_RB_NO_WAKEUP);
 }
 
 static __always_inline int in_cluster6(struct pod6_key *addr)
@@ -548,11 +762,11 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	struct bpf_fib_lookup fib = {};
 	struct podflow_key key = {};
 	struct pod_config *cfg;
-	struct pod_value *src, *dst;
+	struct pod_value *src, *dst = NULL;
 	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
 	__u32 verdict, ifindex, side;
-	int opening = 0;
+	int opening = 0, recorded = 0;
 	__u8 ttl;
 
 	cfg = candidate(skb, POD_CFG_ON, &ip, &tcp, &opening);
@@ -561,17 +775,24 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	src = bpf_map_lookup_elem(&agentd_podips, &ip->saddr);
 	if (!src || src->ifindex != skb->ifindex)
 		return PASS; /* not this veth's pod: the normal path's spoofing check judges it */
+	/* Where it goes matters to a packet that may be carried and to a SYN that may start a
+	 * record, not to a SYN-ACK, FIN or RST (never carried here). */
+	if (!opening || (tcp->syn && !tcp->ack && !tcp->fin && !tcp->rst))
+		dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
+	if (cfg->flags & POD_CFG_RECORD)
+		recorded = podconn_see(skb, ip, tcp, dst ? PODCONN_START : ((cfg->flags & POD_CFG_RECORD_REMOTE) &&
+									  in_cluster(cfg, ip->daddr)) ? PODCONN_START_WIRED : 0, cfg);
 	if (opening) {
-		podflow_restart(ip, tcp);
+		if (opening == 1 && !recorded) /* a recorded connection counts in podconns, not podflows */
+			podflow_restart(ip, tcp);
 		return PASS;
 	}
-	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (dst) { /* a pod of this node */
 		ifindex = dst->ifindex;
 		verdict = accepted(skb, ip, tcp, cfg);
 		if (verdict != POD_CARRIED)
 			return count(verdict, skb, PASS);
-		if (cfg->flags & POD_CFG_COUNT) {
+		if ((cfg->flags & POD_CFG_COUNT) && !recorded) {
 			side = podflow_key(ip, tcp, &key);
 			podflow_count(&key, side, skb->len - ETH_HLEN);
 		}
@@ -598,7 +819,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP) || bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
 	    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
 		return count(POD_NO_ROUTE, skb, PASS);
-	if (cfg->flags & POD_CFG_COUNT)
+	if ((cfg->flags & POD_CFG_COUNT) && !recorded)
 		podflow_count(&key, side, skb->len - ETH_HLEN);
 	return count(POD_CARRIED, skb, bpf_redirect(fib.ifindex, 0));
 }
@@ -612,7 +833,7 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	struct tcphdr *tcp = NULL;
 	struct iphdr *ip = NULL;
 	__u32 verdict, ifindex, side;
-	int opening = 0;
+	int opening = 0, recorded = 0;
 	__u8 ttl;
 
 	cfg = candidate(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp, &opening);
@@ -623,8 +844,11 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	dst = bpf_map_lookup_elem(&agentd_podips, &ip->daddr);
 	if (!dst)
 		return PASS; /* not a pod of this node */
+	if (cfg->flags & POD_CFG_RECORD)
+		recorded = podconn_see(skb, ip, tcp, PODCONN_START, cfg);
 	if (opening) {
-		podflow_restart(ip, tcp);
+		if (opening == 1 && !recorded) /* a recorded connection counts in podconns, not podflows */
+			podflow_restart(ip, tcp);
 		return PASS;
 	}
 	ifindex = dst->ifindex;
@@ -635,7 +859,7 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	side = podflow_key(ip, tcp, &key); /* the packet pointers die with the store below */
 	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP))
 		return count(POD_NO_ROUTE, skb, PASS);
-	if (cfg->flags & POD_CFG_COUNT)
+	if ((cfg->flags & POD_CFG_COUNT) && !recorded)
 		podflow_count(&key, side, skb->len - ETH_HLEN);
 	return count(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 }

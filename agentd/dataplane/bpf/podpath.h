@@ -35,7 +35,14 @@ enum pod_config_flag {
 	POD_CFG_ON = 1 << 0,    /* carry between pods of this node */
 	POD_CFG_ROUTE = 1 << 1, /* carry between pods of this node and pods of other nodes too */
 	POD_CFG_COUNT = 1 << 2, /* count what is carried per connection (flow records: podflows) */
+	POD_CFG_RECORD = 1 << 3, /* record pods' IPv4 TCP connections (podconns, podrecs); needs POD_CFG_COUNT */
+	POD_CFG_RECORD_REMOTE = 1 << 4, /* ... to other nodes' pods too: every packet from them passes agentd_pod_wire */
 };
+
+/* The packet mark bit a program sets on the SYN of a connection it records: the agent's table
+ * ``ip agentd-flows`` masks conntrack's events for exactly those (nft ``ct event set 0x0`` on
+ * the connection's first packet, before its entry is confirmed, when no NAT applies). */
+#define POD_RECORD_MARK 0x00800000
 
 /* podflows: LRU hash, a connection the programs carried packets of -> how many, each way
  * (conntrack does not count what it does not see; the agent adds these to the connection's
@@ -64,6 +71,47 @@ struct podflow_end {
 	struct podflow_value value;
 };
 
+/* podconns: hash (preallocated; full: a new connection is not recorded here), an IPv4 TCP
+ * connection between pods the programs record themselves
+ * (POD_CFG_RECORD) -> what they saw of it: every packet of it that passed a program of this
+ * node, carried or handed to the stack (the key and the sides as podflows'). */
+enum podconn_state {
+	PODCONN_SYN = 1,     /* its SYN passed (marked: conntrack tells nobody of it); no answer yet */
+	PODCONN_OPEN = 2,    /* answered (SYN-ACK): its start went to the agent */
+	PODCONN_CLOSING = 3, /* both ends sent FIN: the next packet without FIN ends it */
+	PODCONN_RESET_LO = 4, /* the lower end sent RST: ended by the agent's sweep unless that end */
+	PODCONN_RESET_HI = 5, /* ... sends again without RST (back to OPEN: its TCP ignored it) */
+};
+
+struct podconn_value {
+	__u64 packets[2];
+	__u64 bytes[2];
+	__u64 first_tai; /* CLOCK_TAI ns of its SYN */
+	__u64 last_tai;  /* of its last packet */
+	__u32 state;     /* enum podconn_state */
+	__u8 client;     /* the side that sent the SYN */
+	__u8 pad[3];
+	__u32 fins;      /* bit per side: FIN seen (set with an atomic or: both ends' FINs may pass
+			  * programs on two CPUs at once) */
+	__u32 client_seq; /* the SYN's sequence number (as on the wire): a SYN of the client with
+			   * the same is that SYN sent again (its answer lost), in any state */
+};
+
+/* podrecs: ring buffer of these: a recorded connection's start and end (podlost: per-CPU
+ * array of one __u64, the records the ring could not take). */
+enum podconn_kind {
+	PODREC_START = 1, /* answered: forwarded */
+	PODREC_FIN = 2,   /* ended: both FINs and the last ACK */
+	PODREC_RST = 3,   /* ended: reset */
+	PODREC_REUSED = 4, /* ended: a new SYN took its tuple */
+};
+
+struct podconn_record {
+	struct podflow_key key;
+	__u32 kind; /* enum podconn_kind */
+	struct podconn_value value;
+};
+
 struct pod_config {
 	__u32 flags;          /* enum pod_config_flag */
 	__u32 established_ms; /* nf_conntrack_tcp_timeout_established, renewed on carried packets */
@@ -71,7 +119,7 @@ struct pod_config {
 			       * nf_conntrack_tcp_be_liberal was before it set it (put back on leave) */
 	__be32 cluster_net;   /* the cluster's pod network: only pods' traffic between nodes is carried */
 	__be32 cluster_mask;
-	__u32 wire_ifindex;   /* not read by the programs: the underlay device agentd_pod_wire is on */
+	__u32 wire_ifindex;   /* the underlay device agentd_pod_wire is on (read at a SYN to another node's pod) */
 };
 
 /* IPv6 has maps of its own beside these (so that theirs keep their shapes, and an upgraded

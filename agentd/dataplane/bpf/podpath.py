@@ -7,6 +7,7 @@ Pins, next to the data path's in this namespace's directory (see datapath.py)::
         agentd_podips  agentd_podstat  agentd_podcfg      the maps (IPv4)
         agentd_podips6  agentd_podstat6  agentd_podcfg6   the maps (IPv6)
         agentd_podflows  agentd_podflow6  agentd_podends  per-connection counts (flow records)
+        agentd_podconns  agentd_podrecs  agentd_podlost   connections the programs record (flow records)
         agentd_pod_fast  agentd_pod_wire                  the programs
         links/agentd_pod_fast-<ifindex>  links/agentd_pod_wire-<ifindex>    the tcx links (tc.py)
 
@@ -57,7 +58,8 @@ OBJECT = Path(__file__).with_name("podpath.bpf.o")
 IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
 FLOWS, FLOWS6, ENDS = "agentd_podflows", "agentd_podflow6", "agentd_podends"  # per-connection counts (flow records)
-MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS)
+CONNS, RECS, LOST = "agentd_podconns", "agentd_podrecs", "agentd_podlost"  # connections the programs record
+MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS, CONNS, RECS, LOST)
 PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
@@ -66,13 +68,20 @@ CONFIG_VALUE = struct.Struct("<III4s4sI")
 CONFIG6_VALUE = struct.Struct("<16s16s")  # struct pod_config6: cluster_net, cluster_mask
 U32 = struct.Struct("<I")
 VERDICTS = ("carried", "no_conntrack", "not_established", "nat", "no_route")  # enum pod_verdict, in order
-CFG_ON, CFG_ROUTE, CFG_COUNT = 1, 2, 4
+CFG_ON, CFG_ROUTE, CFG_COUNT, CFG_RECORD, CFG_RECORD_REMOTE = 1, 2, 4, 8, 16
 FLOW_KEY = struct.Struct("<4s4s2s2s")  # struct podflow_key: the two ends, the lower (address, port) first
 # struct podflow_value: packets sent by each end, bytes sent by each end, CLOCK_TAI ns of the first
 FLOW_VALUE = struct.Struct("<QQQQQ")
 FLOW_END = struct.Struct("<12s4x40s")  # struct podflow_end: key, value
 FLOW6_KEY = struct.Struct("<16s16s2s2s")  # struct podflow6_key: as FLOW_KEY, IPv6 addresses
 FLOW6_END = struct.Struct("<36s4x40s")  # struct podflow6_end: key, value (the ring tells it by its size)
+# struct podconn_value: packets sent by each end, bytes sent by each end, CLOCK_TAI ns of the SYN
+# and of the last packet, state, the client's side, FIN bits
+CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
+CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
+CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
+REC_START, REC_FIN, REC_RST, REC_REUSED = 1, 2, 3, 4  # enum podconn_kind
+REC_GONE = 5  # not the programs': the agent's sweep found conntrack no longer holds it
 EXPECTED = {
     IPS: (lb.MAP_TYPE_HASH, 4, POD_VALUE.size),
     STATS: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
@@ -83,6 +92,9 @@ EXPECTED = {
     FLOWS: (lb.MAP_TYPE_LRU_HASH, FLOW_KEY.size, FLOW_VALUE.size),
     FLOWS6: (lb.MAP_TYPE_LRU_HASH, FLOW6_KEY.size, FLOW_VALUE.size),
     ENDS: (lb.MAP_TYPE_RINGBUF, 0, 0),
+    CONNS: (lb.MAP_TYPE_HASH, FLOW_KEY.size, CONN_VALUE.size),
+    RECS: (lb.MAP_TYPE_RINGBUF, 0, 0),
+    LOST: (lb.MAP_TYPE_PERCPU_ARRAY, 4, 8),
 }
 CAP_SYS_ADMIN, CAP_PERFMON = 21, 38
 NEEDS_PERFMON = ("the pod fast path needs CAP_PERFMON, which this agent lacks: it reads conntrack's struct nf_conn, "
@@ -125,6 +137,19 @@ def _may_read_kernel_structs() -> bool:
 _END_OF_SIZE = {FLOW_END.size: FLOW_END, FLOW6_END.size: FLOW6_END}
 
 
+def config_flags(found: int, *, route: bool, counting: bool, recording: tuple[bool, bool] | None) -> int:
+    """The programs' flags (struct pod_config): ``found`` those the pinned config holds,
+    ``recording`` (on, with other nodes' pods too) as the flow recorder said, None before it
+    said: the programs then record as an earlier agent told them (their records wait in the
+    ring for this agent, conntrack's events of them masked by the table it left) -- turned off
+    until the recorder opens, a handshake they marked would be recorded by nobody."""
+    if recording is None:
+        recording = (bool(found & CFG_RECORD), bool(found & CFG_RECORD_REMOTE))
+    on, remote = recording
+    return (CFG_ON | (CFG_ROUTE if route else 0) | (CFG_COUNT if counting or on else 0) | (CFG_RECORD if on else 0)
+            | (CFG_RECORD_REMOTE if on and remote and route else 0))
+
+
 def _read_int(path: Path) -> int:
     return int(path.read_text().split()[0])
 
@@ -164,6 +189,10 @@ class PodFastPath:
         self.wire_id: int | None = None
         self.counting = False  # per-connection counts of what is carried (flow records)
         self.ends: lb.RingBuffer | None = None
+        self.recording = False  # the programs record pods' IPv4 TCP connections (flow records)
+        self.recording_remote = False  # ... with other nodes' pods too
+        self.recording_told = False  # set_recording was called: till then an earlier agent's word stands
+        self.recs: lb.RingBuffer | None = None
         self.pods: dict[str, int] = {}  # pod address (IPv4 or IPv6) -> ifindex of its veth's host side, as in the maps
         self.attached: set[int] = set()  # veths our program is on (this run)
         self.adopted = False
@@ -268,8 +297,9 @@ class PodFastPath:
         net6 = self.cluster_v6 or IPv6Network(f"{'ffff:' * 7}ffff/128")  # matches no pod either
         lb.map_update(self.maps[CONFIG6], key, CONFIG6_VALUE.pack(net6.network_address.packed, net6.netmask.packed))
         lb.map_update(self.maps[CONFIG], key, CONFIG_VALUE.pack(
-            CFG_ON | (CFG_ROUTE if route else 0) | (CFG_COUNT if self.counting else 0), established_ms, before,
-            net.network_address.packed, net.netmask.packed, self.wire_ifindex or 0))
+            config_flags(flags, route=route, counting=self.counting,
+                         recording=(self.recording, self.recording_remote) if self.recording_told else None),
+            established_ms, before, net.network_address.packed, net.netmask.packed, self.wire_ifindex or 0))
 
     def set_counting(self, on: bool) -> None:
         """Count what the programs carry per connection (``agentd_podflows``, IPv6's in
@@ -278,6 +308,116 @@ class PodFastPath:
             self.ends = lb.RingBuffer(self.maps[ENDS])
         self.counting = on
         self._configure()
+
+    def set_recording(self, on: bool, remote: bool = False) -> None:
+        """Record pods' IPv4 TCP connections in the programs (podconns, their starts and ends
+        through the ring ``agentd_podrecs``), or stop.  ``remote``: connections with other
+        nodes' pods too -- only where every packet from them passes the wire program.  The
+        caller masks conntrack's events of what the programs mark first (agentd.flows.mask).
+        Off: once the programs are told, what they recorded is dropped (:meth:`_drop_recorded`)."""
+        if on and self.recs is None:
+            self.recs = lb.RingBuffer(self.maps[RECS])
+        self.recording, self.recording_remote, self.recording_told = on, remote, True
+        self._configure()
+        if not on:
+            self._drop_recorded()
+
+    def _drop_recorded(self) -> None:
+        """Every entry of podconns deleted and every record in podrecs read and dropped: nobody
+        reads them while the programs do not record, and whoever records next (a later agent,
+        flows switched on again) would take stale starts and ends from the ring for new ones,
+        end stale entries by its sweep as GONE at the time it finds them, and count a later
+        connection of a tuple with a stale entry there (its conntrack events not masked: two
+        ends).  (A program that read the flags just before they changed may still make one in
+        that moment.)"""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return
+        for key in lb.map_keys(fd, FLOW_KEY.size):
+            lb.map_delete(fd, key)
+        ring = self.recs if self.recs is not None else lb.RingBuffer(self.maps[RECS])
+        try:
+            ring.drain()
+        finally:
+            if ring is not self.recs:
+                ring.close()
+
+    def records_remote(self) -> bool:
+        """Whether the programs record connections with other nodes' pods too, as their config
+        says (set_recording's ``remote`` is dropped where the wire program is not on)."""
+        fd = self.maps.get(CONFIG)
+        if fd is None:
+            return False
+        try:
+            raw = lb.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
+        except OSError:
+            return False
+        return bool(raw) and CONFIG_VALUE.unpack(raw)[0] & (CFG_RECORD | CFG_RECORD_REMOTE) == CFG_RECORD | CFG_RECORD_REMOTE
+
+    def recorded(self) -> list[bytes]:
+        """Starts and ends of recorded connections since the last call, oldest first, as the
+        ring holds them (struct podconn_record, CONN_RECORD: read when a record is made)."""
+        return self.recs.drain() if self.recs is not None else []
+
+    def recorded_batch(self) -> tuple[bytes, int, int, set[bytes]]:
+        """:meth:`recorded` in one object: the records side by side, how many, how many were
+        not a struct podconn_record (left out), the addresses their keys hold, each once
+        (agentd.dataplane.bpf.libbpf.RingBuffer.drain_fixed)."""
+        if self.recs is None:
+            return b"", 0, 0, set()
+        return self.recs.drain_fixed(CONN_RECORD.size)
+
+    def recorded_lost(self) -> int:
+        """Starts and ends the ring could not take (full) since the map was made."""
+        fd = self.maps.get(LOST)
+        if fd is None:
+            return 0
+        raw = lb.map_lookup(fd, U32.pack(0), 8 * self.ncpus)
+        return sum(struct.unpack(f"<{self.ncpus}Q", raw)) if raw else 0
+
+    def recorded_open(self) -> list[tuple[bytes, bytes]]:
+        """Every connection the programs hold (podconns): (key, value as the map holds it)."""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return []
+        out = []
+        for key in lb.map_keys(fd, FLOW_KEY.size):
+            raw = lb.map_lookup(fd, key, CONN_VALUE.size)
+            if raw is not None:
+                out.append((key, raw))
+        return out
+
+    def recorded_entry(self, key: bytes) -> bytes | None:
+        """A recorded connection's value as podconns holds it now, None if it has none."""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return None
+        return lb.map_lookup(fd, key, CONN_VALUE.size)
+
+    def take_recorded(self, key: bytes) -> bytes | None:
+        """A recorded connection out of podconns in one step (its value), None if gone."""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            return None
+        return lb.map_take(fd, key, CONN_VALUE.size)
+
+    def put_recorded(self, key: bytes, value: bytes) -> bool:
+        """A connection :meth:`take_recorded` took put back into podconns, unless the programs
+        made an entry of that tuple since (which stays: False).  Raises OSError where it
+        cannot be put back at all -- E2BIG: podconns, a preallocated hash, is full (the
+        programs took the freed slot meanwhile) -- and the caller must say what became of it."""
+        fd = self.maps.get(CONNS)
+        if fd is None:
+            raise OSError(errno.ENOENT, "the pod programs' map agentd_podconns is not open")
+        try:
+            lb.map_update(fd, key, value, lb.BPF_NOEXIST)
+        except OSError as err:
+            if err.errno == errno.EEXIST:
+                return False
+            if err.errno == errno.E2BIG:
+                raise OSError(err.errno, "agentd_podconns is full") from None
+            raise
+        return True
 
     def carried_restarts(self) -> list[tuple[bytes, tuple[int, int, int, int, int]]]:
         """What the programs carried of connections whose tuple a new connection took since the
@@ -308,6 +448,9 @@ class PodFastPath:
         if self.ends is not None:
             self.ends.close()
             self.ends = None
+        if self.recs is not None:
+            self.recs.close()
+            self.recs = None
         if self.obj is not None:
             self.obj.close()
             self.obj = None

@@ -8,7 +8,7 @@ import asyncio
 import json
 import socket
 import struct
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, ip_network
 
 import pytest
 from hypothesis import given
@@ -196,6 +196,9 @@ class Directory:
 
     def identity(self, ip):
         return self.ids.get(ip)
+
+    def version(self):
+        return 1
 
     def __init__(self):
         self.vips = {("10.96.0.10", 6, 80): "shop/web"}
@@ -588,3 +591,692 @@ def test_a_spoofed_drop_names_the_pod_whose_veth_sent_it():
     assert j["sender"] == {"interface": "vethgone"} and "(sent by vethgone)" in line(j)
     j = r.dropped(_decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, devices=(3, 7)))).json()  # type: ignore[union-attr]
     assert "sender" not in j
+
+
+# ------------------------------------------------------------------ connections the pod programs record
+
+
+def _conn(client_hi: bool, state: int, first: int, last: int, kind: int | None = None) -> tuple[bytes, bytes]:
+    """podpath.h's struct podconn_value (and key) of client 10.244.1.2:40000 -> web
+    10.244.2.3:80: the client is the key's lower end (client_hi False) as addresses go."""
+    from agentd.flows.recorder import CONN_VALUE
+
+    key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + (40000).to_bytes(2, "big") + (80).to_bytes(2, "big")
+    value = CONN_VALUE.pack(6, 5, 1400, 900, first, last, state, int(client_hi), 3)
+    return key, value
+
+
+class Programs:
+    """What agentd.dataplane.bpf.podpath.PodFastPath gives the recorder (recording)."""
+
+    recording = True
+
+    def __init__(self, held: dict[bytes, bytes]) -> None:
+        self.held, self.rings = held, []
+
+    def recorded(self):
+        out, self.rings = self.rings, []
+        return out
+
+    def recorded_open(self):
+        return list(self.held.items())
+
+    def recorded_entry(self, key):
+        return self.held.get(key)
+
+    def take_recorded(self, key):
+        return self.held.pop(key, None)
+
+    def put_recorded(self, key, value):
+        return self.held.setdefault(key, value) is value
+
+    def records_remote(self):
+        return self.remote
+
+    remote = False
+
+
+def test_status_says_whether_the_programs_record_remote_connections_not_what_was_asked():
+    """/status flows.programs.remote: what the programs do -- the agent asks for other nodes'
+    pods' connections too (host-gw), but without the wire program (its attach failed) the
+    programs' config has no RECORD_REMOTE."""
+    from agentd.flows.views import FlowViews
+
+    r = recorder()
+    r.record_remote = True
+    r.recording = programs = Programs({})
+    assert FlowViews(r, lambda: 0).status()["programs"]["remote"] is False
+    programs.remote = True
+    assert FlowViews(r, lambda: 0).status()["programs"]["remote"] is True
+
+
+def test_a_recorded_start_and_end_are_records_like_conntracks():
+    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
+
+    r = recorder()
+    key, value = _conn(False, 2, 5_000_000_000, 5_250_000_000)
+    r.tai_offset = lambda: 1_000_000_000
+    r._on_recorded([CONN_RECORD.pack(key, REC_START, value), CONN_RECORD.pack(key, REC_FIN, value), b"short"], 1000.0)
+    assert r.malformed == 1
+    new, end = (f.json() for f in r.ring.last(FlowFilter(), 10))
+    assert (new["event"], new["time"], new["verdict"], new["protocol"], new["direction"]) == ("new", 4.0, "forwarded", "TCP", "ingress")
+    assert (new["src"]["pod"], new["src"]["port"], new["dst"]["pod"], new["dst"]["port"]) == ("shop/client", 40000, "shop/web", 80)
+    assert (end["event"], end["time"], end["duration"]) == ("end", 4.25, 0.25)
+    assert (end["packets_sent"], end["bytes_sent"], end["packets_received"], end["bytes_received"]) == (6, 1400, 5, 900)
+
+
+def test_a_recorded_connection_whose_client_is_the_higher_end_is_turned_round():
+    from agentd.flows.recorder import CONN_RECORD, REC_RST, recorded_flow
+
+    key, value = _conn(True, 2, 1, 2)
+    j = recorded_flow("node2", CONN_RECORD.pack(key, REC_RST, value), CLIENT, WEB, 0, 1000.0).json()
+    assert (j["src"]["ip"], j["src"]["port"], j["dst"]["ip"], j["dst"]["port"]) == ("10.244.2.3", 80, "10.244.1.2", 40000)
+    assert (j["bytes_sent"], j["bytes_received"], j["direction"]) == (900, 1400, "egress")
+
+
+def test_the_sweep_ends_a_reset_connection_once_its_end_stays_silent():
+    """The programs keep a connection a RST passed (its TCP may have ignored it, out of window):
+    the sweep ends it as reset once nothing but RST came from that end for RESET_TIMEOUT_NS
+    (the end at its last packet); one reset a moment ago is left for the next look."""
+    from agentd.flows.recorder import (
+        CONN_RECORD,
+        CONN_RESET_HI,
+        CONN_RESET_LO,
+        REC_RST,
+        RESET_TIMEOUT_NS,
+    )
+
+    now = 1_000 * 10**9
+    k_old, v_old = _conn(False, CONN_RESET_LO, 0, now - RESET_TIMEOUT_NS - 1)
+    k_new, v_new = _conn(False, CONN_RESET_HI, 0, now - RESET_TIMEOUT_NS // 2)
+    k_new = k_new[:8] + bytes([1, 1]) + k_new[10:]
+    r = recorder()
+    r.recording = Programs({k_old: v_old, k_new: v_new})
+    r._held = lambda key: True  # conntrack holds both (it keeps a reset connection a while)
+    assert [CONN_RECORD.unpack(x) for x in r.sweep(now)] == [(k_old, REC_RST, v_old)]
+    assert r.recording.held == {k_new: v_new}
+
+
+def test_the_sweep_ends_what_ended_silently_and_drops_unanswered_syns():
+    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_GONE, SYN_TIMEOUT_NS
+
+    now = 1_000 * 10**9
+    k_syn, v_syn = _conn(False, 1, 0, now - SYN_TIMEOUT_NS - 1)
+    k_closing, v_closing = _conn(False, 3, 0, now - 3 * 10**9)
+    k_idle, v_idle = _conn(False, 2, 0, now - 60 * 10**9)
+    k_busy, v_busy = _conn(False, 2, 0, now - 10**9)
+    keys = [k[:8] + bytes([i, i]) + k[10:] for i, k in enumerate((k_syn, k_closing, k_idle, k_busy))]
+    r = recorder()
+    r.recording = programs = Programs(dict(zip(keys, (v_syn, v_closing, v_idle, v_busy))))
+    held = []
+    r._held = lambda key: held.append(key) or False  # conntrack no longer holds it
+    ended = [CONN_RECORD.unpack(x)[:2] for x in r.sweep(now)]
+    assert ended == [(keys[1], REC_FIN), (keys[2], REC_GONE)] and held == [keys[2]]
+    assert list(programs.held) == [keys[3]] and r.swept == 2  # the SYN went without a record
+
+
+def test_since_finds_what_came_after_a_start_whose_syn_was_retransmitted():
+    """A recorded start keeps its first SYN's time, which may be long before its answer let it
+    be recorded: ``since`` must not stop at it (the ring is in the order records came)."""
+    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_REUSED, REC_START
+
+    s = 10**9
+    r = recorder()
+    r.tai_offset = lambda: 0
+
+    def rec(kind, port, first, last):
+        key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + port.to_bytes(2, "big") + (80).to_bytes(2, "big")
+        return CONN_RECORD.pack(key, kind, CONN_VALUE.pack(1, 1, 60, 60, first, last, 2, 0, 0))
+
+    r._on_recorded([rec(REC_START, 40001, 1000 * s, 1000 * s)], 1000.0)
+    r._on_recorded([rec(REC_START, 40002, 940 * s, 1001 * s)], 1001.0)  # SYN at 940, answered at 1001
+    r._on_recorded([rec(REC_REUSED, 40004, 900 * s, 910 * s)], 1001.5)  # its last packet at 910
+    r._on_recorded([rec(REC_START, 40003, 1002 * s, 1002 * s)], 1002.0)
+    got = [(f.time, f.src.port) for f in r.ring.last(FlowFilter(), 10, since=995.0)]
+    assert got == [(1000.0, 40001), (1002.0, 40003)]  # the late start keeps its SYN's time
+    assert [f.time for f in r.ring.last(FlowFilter(), 10)] == [1000.0, 940.0, 910.0, 1002.0]
+    # What came well before ``since`` still ends the search.
+    ring = FlowRing(10)
+    for when in (1.0, 2.0, 50.0, 51.0):
+        f = flow()
+        f.time = when
+        ring.add(f)
+    search = ring.search(FlowFilter(), 10, since=50.0)
+    assert search.step(3) and [f.time for f in search.result()] == [50.0, 51.0] and search.index == 1
+
+
+def test_the_sweep_takes_only_the_entries_it_judged():
+    """A tuple reused between the sweep's look and its take: the program ended the old
+    connection itself (REUSED) and made the new SYN's entry, which the sweep puts back rather
+    than end as the old one; an unanswered SYN answered meanwhile stays too."""
+    from agentd.flows.recorder import (
+        CONN_RECORD,
+        CONN_VALUE,
+        REC_REUSED,
+        SYN_TIMEOUT_NS,
+    )
+
+    now = 1_000 * 10**9
+    key, old = _conn(False, 2, 0, now - 60 * 10**9)  # open, idle 60 s
+    fresh = CONN_VALUE.pack(1, 0, 60, 0, now, now, 1, 0, 0)
+    r = recorder()
+    r.recording = programs = Programs({key: old})
+
+    def held(k):  # meanwhile the client opens a new connection on the same tuple
+        programs.rings.append(CONN_RECORD.pack(k, REC_REUSED, programs.held[k]))
+        programs.held[k] = fresh
+        return False
+
+    r._held = held
+    assert r.sweep(now) == [] and r.swept == 0
+    assert programs.held == {key: fresh}  # the new connection's, for the programs to record
+    # An unanswered SYN, answered between the look and the take: not dropped.
+    syn_key, syn = _conn(False, 1, now - SYN_TIMEOUT_NS - 2, now - SYN_TIMEOUT_NS - 1)
+    answered = CONN_VALUE.pack(*CONN_VALUE.unpack(syn)[:5], now, 2, 0, 0)
+    programs.held = {syn_key: syn}
+    take = programs.take_recorded
+
+    def answer_first(k):
+        programs.held[k] = answered
+        return take(k)
+
+    programs.take_recorded = answer_first
+    assert r.sweep(now) == [] and programs.held == {syn_key: answered}
+
+
+def test_the_sweep_asks_conntrack_about_an_idle_connection_once_a_minute():
+    from agentd.flows.recorder import (
+        CONN_RECORD,
+        CONN_VALUE,
+        HELD_RECHECK_NS,
+        REC_GONE,
+        SWEEP_INTERVAL,
+    )
+
+    s = 10**9
+    now = 1_000 * s
+    key, idle = _conn(False, 2, 5, now - 60 * s)
+    other = key[:8] + bytes([1, 1]) + key[10:]
+    r = recorder()
+    r.recording = programs = Programs({key: idle, other: idle})
+    asked, holds = [], {key, other}
+    r._held = lambda k: asked.append(k) or k in holds
+    step = int(SWEEP_INTERVAL * s)
+    for i in range(HELD_RECHECK_NS // step):  # a minute of sweeps: each asked once
+        assert r.sweep(now + i * step) == []
+    assert sorted(asked) == sorted([key, other])
+    del programs.held[other]  # ended by the programs: forgotten here too
+    holds.discard(key)  # conntrack let it go: found at the next question
+    assert r.sweep(now + HELD_RECHECK_NS - 1) == [] and list(r._held_at) == [key]
+    (end,) = r.sweep(now + HELD_RECHECK_NS)
+    assert CONN_RECORD.unpack(end)[:2] == (key, REC_GONE) and asked[2:] == [key] and r._held_at == {}
+    # The tuple's next connection (another SYN) is asked about as a new one.
+    _k, again = _conn(False, 2, 7, now)
+    programs.held[key], holds = again, {key}
+    r.sweep(now + HELD_RECHECK_NS + 11 * s)
+    programs.held[key] = CONN_VALUE.pack(*CONN_VALUE.unpack(again)[:4], 9, *CONN_VALUE.unpack(again)[5:])
+    r.sweep(now + HELD_RECHECK_NS + 12 * s)
+    assert asked[3:] == [key, key]
+
+
+
+class Told:
+    """The pod programs as the recorder tells them (set_recording) and the mask table, in one
+    list of what was done, in order."""
+
+    def __init__(self) -> None:
+        self.done: list[str] = []
+        self.recording = False
+
+    def set_recording(self, on, remote=False):
+        self.recording = on
+        self.done.append(f"record {on}")
+
+    def install(self):
+        self.done.append("mask")
+
+    def remove(self):
+        self.done.append("unmask")
+
+
+def test_a_recorder_that_cannot_open_leaves_the_programs_not_recording(monkeypatch):
+    """The NFLOG group is bound by someone else (EBUSY) after the programs were told to record:
+    they are told to stop, then the mask goes -- /status says flows are off, and so they are."""
+    import errno
+
+    from agentd.flows import recorder as rec_mod
+
+    class Sock:
+        busy = True  # the NFLOG group
+
+        def __init__(self, **_kw):
+            self.sock = self
+
+        def attach_filter(self, _f):
+            pass
+
+        def setsockopt(self, *_a):
+            pass
+
+        def request(self, _msg, what="", dump=False):
+            if what.startswith("binding NFLOG") and self.busy:
+                raise nl.NetlinkError(errno.EBUSY, what=what)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(rec_mod, "NetlinkSocket", Sock)
+    monkeypatch.setattr(rec_mod, "enable_sysctls", lambda _d: None)
+    told = Told()
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, pods=[ip_network("10.244.0.0/16")],
+                     carried=told, mask=told)
+    with pytest.raises(OSError, match="NFLOG group 143 is bound by another process"):
+        r.open()
+    assert told.done == ["mask", "record True", "record False", "unmask"] and not told.recording
+    assert r.recording is None and r.ct_sock is None and r.log_sock is None
+    # Connections off: programs an earlier agent told to record are told to stop, then unmasked.
+    monkeypatch.setattr(rec_mod, "restore_sysctls", lambda _d: [])
+    Sock.busy = False
+    told = Told()
+    told.recording = True
+    off = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=told, mask=told, connections=False)
+    off.open()
+    assert told.done == ["record False", "unmask"] and off.log_sock is not None
+
+
+def test_the_programs_record_as_an_earlier_agent_told_them_until_the_recorder_says():
+    from agentd.dataplane.bpf.podpath import (
+        CFG_COUNT,
+        CFG_ON,
+        CFG_RECORD,
+        CFG_RECORD_REMOTE,
+        CFG_ROUTE,
+        config_flags,
+    )
+
+    earlier = CFG_ON | CFG_ROUTE | CFG_COUNT | CFG_RECORD | CFG_RECORD_REMOTE
+    assert config_flags(earlier, route=True, counting=False, recording=None) == earlier
+    assert config_flags(earlier, route=False, counting=False, recording=None) == CFG_ON | CFG_COUNT | CFG_RECORD
+    assert config_flags(CFG_ON | CFG_COUNT, route=True, counting=True, recording=None) == CFG_ON | CFG_ROUTE | CFG_COUNT
+    assert config_flags(0, route=False, counting=False, recording=None) == CFG_ON  # a new map
+    assert config_flags(earlier, route=True, counting=True, recording=(False, False)) == CFG_ON | CFG_ROUTE | CFG_COUNT
+    assert config_flags(0, route=True, counting=False, recording=(True, True)) == earlier
+
+
+def test_flow_mask_is_a_nat_chain_asked_once_per_connection():
+    """The mask of recorded connections' events is a nat chain after source NAT: the kernel
+    asks nat chains only for a connection's first packet (a filter chain would run for every
+    forwarded packet), and one whose source a chain before it translated never reaches it."""
+    from agentd.nft import flowmask
+
+    cmds = flowmask.commands()
+    chains = [c["add"]["chain"] for c in cmds if "chain" in c.get("add", {})]
+    assert [(c["type"], c["hook"], c["prio"]) for c in chains] == [("nat", "postrouting", 101)]
+    (rule,) = [c["add"]["rule"]["expr"] for c in cmds if "rule" in c.get("add", {})]
+    assert rule[0]["match"]["left"] == {"&": [{"meta": {"key": "mark"}}, flowmask.MARK]}  # the cheapest test first
+    assert rule[-1] == {"mangle": {"key": {"ct": {"key": "event"}}, "value": 0}}
+
+
+def _logged(r: FlowRecorder, msg: bytes) -> None:
+    for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):
+        r._on_log(mtype, msg, start, end)
+
+
+def test_since_goes_past_a_drop_or_a_conntrack_event_read_late():
+    """A drop the kernel logged a while before a busy agent read it, and a conntrack event read
+    the long way, are in the ring after what was taken in before them: ``since`` goes by when
+    they were taken in, not by their kernel time, and does not stop at them."""
+    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_START
+
+    s = 10**9
+    now = [1005.0]
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: now[0])
+    r.tai_offset = lambda: 0
+    key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + (40001).to_bytes(2, "big") + (80).to_bytes(2, "big")
+    r._on_recorded([CONN_RECORD.pack(key, REC_START, CONN_VALUE.pack(1, 1, 60, 60, 1004_900_000_000, 1005 * s, 2, 0, 0))],
+                   1005.0)
+    now[0] = 1005.5
+    _logged(r, logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40002, 80, when=(1001, 0)))
+    got = r.ring.last(FlowFilter(), 10, since=1004.0)
+    assert [(f.event, f.src.port) for f in got] == [("new", 40001)]
+    assert list(r.ring)[-1].received == 1005.5
+    msg = destroy_event()  # stopped at 1000.25
+    for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):
+        r._on_conntrack(mtype, msg, start, end)
+    got = r.ring.last(FlowFilter(), 10, since=1004.0)
+    assert [(f.event, f.src.port) for f in got] == [("new", 40001)]
+    assert list(r.ring)[-1].received == 1005.5 and list(r.ring)[-1].time == 1000.25
+
+
+def test_the_sweep_never_takes_a_reused_tuples_new_syn_out_of_the_map():
+    """The tuple of an idle connection reused while the sweep asks conntrack about it: the new
+    SYN's entry is looked at, not taken out (its answer, coming while it was out, would find
+    none: the connection, its conntrack events masked at its SYN, recorded by nobody)."""
+    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_REUSED
+
+    now = 1_000 * 10**9
+    key, old = _conn(False, 2, 0, now - 60 * 10**9)
+    fresh = CONN_VALUE.pack(1, 0, 60, 0, now, now, 1, 0, 0)
+    r = recorder()
+    r.recording = programs = Programs({key: old})
+    took = []
+    take = programs.take_recorded
+    programs.take_recorded = lambda k: took.append(k) or take(k)
+
+    def held(k):
+        programs.rings.append(CONN_RECORD.pack(k, REC_REUSED, programs.held[k]))
+        programs.held[k] = fresh
+        return False
+
+    r._held = held
+    assert r.sweep(now) == [] and took == [] and programs.held == {key: fresh}
+
+
+def test_a_taken_connection_that_cannot_go_back_is_ended_not_lost():
+    """Between the sweep's look and its take the tuple's connection changed; putting it back
+    fails: the map is full (E2BIG: the programs took the freed slot), or the programs made a
+    new SYN's entry since.  One past its SYN is ended (GONE, REUSED), an unanswered SYN counted
+    as lost -- none vanishes silently."""
+    import errno
+
+    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_GONE, REC_REUSED
+
+    now = 1_000 * 10**9
+    key, old = _conn(False, 2, 0, now - 60 * 10**9)  # idle, conntrack no longer holds it
+    newer = CONN_VALUE.pack(3, 2, 180, 120, now - 5 * 10**9, now - 10**8, 2, 0, 0)  # reused, answered
+    syn = CONN_VALUE.pack(1, 0, 60, 0, now - 10**8, now - 10**8, 1, 0, 0)  # reused, unanswered yet
+
+    def sweep_with(meanwhile: bytes, put) -> tuple[list[tuple[bytes, int, bytes]], FlowRecorder]:
+        r = recorder()
+        r.recording = programs = Programs({key: old})
+        take = programs.take_recorded
+
+        def reused_first(k):  # the tuple reused between the look and the take
+            programs.held[k] = meanwhile
+            return take(k)
+
+        programs.take_recorded = reused_first
+        programs.put_recorded = put
+        r._held = lambda k: False
+        return [CONN_RECORD.unpack(x) for x in r.sweep(now)], r
+
+    def full(k, v):
+        raise OSError(errno.E2BIG, "agentd_podconns is full")
+
+    ended, r = sweep_with(newer, full)
+    assert ended == [(key, REC_GONE, newer)] and r.not_put_back == {"ended": 1} and r.swept == 0
+    ended, r = sweep_with(syn, full)
+    assert ended == [] and r.not_put_back == {"lost": 1}
+    ended, r = sweep_with(newer, lambda k, v: False)  # a new SYN's entry since: it stays
+    assert ended == [(key, REC_REUSED, newer)] and r.not_put_back == {"ended": 1}
+    from agentd.flows.views import FlowViews
+
+    assert FlowViews(r, lambda: 0).status()["programs"]["not_put_back"] == {"ended": 1, "lost": 0}
+
+
+def test_a_sweep_that_fails_at_one_key_returns_what_it_took():
+    """A conntrack look-up failing (not ENOENT) or a map operation failing at one key skips that
+    key: the ends of those taken out of the map before and after it are returned, not lost."""
+    import errno
+
+    from agentd.flows.recorder import CONN_RECORD, REC_GONE
+
+    now = 1_000 * 10**9
+    key, idle = _conn(False, 2, 0, now - 60 * 10**9)
+    keys = [key[:8] + bytes([i, i]) + key[10:] for i in range(4)]
+    r = recorder()
+    r.recording = programs = Programs(dict.fromkeys(keys, idle))
+
+    def held(k):
+        if k == keys[1]:
+            raise nl.NetlinkError(errno.EPERM, what="looking up a conntrack entry")
+        return False
+
+    r._held = held
+    take = programs.take_recorded
+
+    def take_failing(k):
+        if k == keys[2]:
+            raise OSError(errno.EINVAL, "map lookup and delete")
+        return take(k)
+
+    programs.take_recorded = take_failing
+    ended = [CONN_RECORD.unpack(x)[:2] for x in r.sweep(now)]
+    assert ended == [(keys[0], REC_GONE), (keys[3], REC_GONE)] and r.swept == 2
+    assert sorted(programs.held) == sorted([keys[1], keys[2]])  # left for the next sweep
+
+
+class _QuietSock:
+    """A netlink socket that takes every request (the recorder's open, without a kernel)."""
+
+    def __init__(self, **_kw):
+        self.sock = self
+
+    def attach_filter(self, _f):
+        pass
+
+    def setsockopt(self, *_a):
+        pass
+
+    def request(self, _msg, what="", dump=False):
+        pass
+
+    def close(self):
+        pass
+
+
+class Unconfigurable(Told):
+    """Programs whose config cannot be written: conntrack's settings unreadable (BpfUnavailable,
+    a RuntimeError, from podpath's _configure)."""
+
+    def set_recording(self, on, remote=False):
+        from agentd.dataplane.bpf.datapath import BpfUnavailable
+
+        self.done.append(f"record {on}")
+        raise BpfUnavailable("conntrack settings: [Errno 13] Permission denied")
+
+
+def test_a_recorder_whose_programs_cannot_be_told_opens_without_them(monkeypatch, caplog):
+    """BpfUnavailable from telling the programs (to record, or to stop) is one line: the
+    recorder opens with conntrack's events telling of every connection (connections on), or
+    drops only (off) -- it does not abort the agent's start."""
+    from agentd.flows import recorder as rec_mod
+
+    monkeypatch.setattr(rec_mod, "NetlinkSocket", _QuietSock)
+    monkeypatch.setattr(rec_mod, "enable_sysctls", lambda _d: None)
+    monkeypatch.setattr(rec_mod, "restore_sysctls", lambda _d: [])
+    told = Unconfigurable()
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=told, mask=told)
+    r.open()
+    assert r.recording is None and r.ct_sock is not None and r.log_sock is not None
+    assert told.done == ["mask", "record True", "record False", "unmask"]
+    assert "the pod programs may go on recording connections: conntrack settings" in caplog.text
+    told = Unconfigurable()
+    off = FlowRecorder("node2", Directory(), "/nonexistent", group=143, carried=told, mask=told, connections=False)
+    off.open()
+    assert off.log_sock is not None and told.done == ["record False", "unmask"]
+
+
+def _observability(monkeypatch, tmp_path, **env):
+    from agentd.config.settings import load_config
+    from agentd.daemon import observe
+
+    class Host:
+        def hostname(self):
+            return "node2"
+
+        def default_address(self):
+            return IPv4Address("192.0.2.10")
+
+        def default_address_v6(self):
+            return None
+
+    cfg = load_config(env={"AGENTD_AGENT_STATE_DIR": str(tmp_path), **env}, host=Host())
+    monkeypatch.setattr(observe, "restore_sysctls", lambda _d: [])
+    monkeypatch.setattr(observe, "remove_quietly", lambda: None)
+    return observe, observe.Observability(cfg, "node2", dict)
+
+
+class FastPath(Told):
+    """The pod fast path as the agent holds it: counting per connection (set_counting), told
+    to record (set_recording)."""
+
+    def __init__(self, fail_recording=False) -> None:
+        super().__init__()
+        self.fail_recording = fail_recording
+        self.counting = True  # the agent turned it on before the recorder opened
+
+    def set_counting(self, on):
+        self.counting = on
+        self.done.append(f"count {on}")
+
+    def set_recording(self, on, remote=False):
+        super().set_recording(on, remote)
+        if self.fail_recording:
+            from agentd.dataplane.bpf.datapath import BpfUnavailable
+
+            raise BpfUnavailable("conntrack settings: [Errno 13] Permission denied")
+
+    def carried_restarts(self):
+        return []
+
+    def take_carried(self, key):
+        return None
+
+
+def test_a_recorder_that_fails_to_open_leaves_the_fast_path_not_counting(monkeypatch, tmp_path):
+    """Flow records off because the recorder cannot open (OSError, or a RuntimeError such as
+    BpfUnavailable): the fast path's per-connection counts, turned on for it, are turned off --
+    nobody would read them -- and the agent's start goes on."""
+    from prometheus_client import CollectorRegistry
+
+    from agentd.dataplane.bpf.datapath import BpfUnavailable
+
+    for err in (OSError(16, "NFLOG group 143 is bound by another process"), BpfUnavailable("conntrack settings: no")):
+        observe, obs = _observability(monkeypatch, tmp_path)
+
+        def fail(self, err=err):
+            raise err
+
+        monkeypatch.setattr(observe.FlowRecorder, "open", fail)
+        fast = FastPath()
+        asyncio.run(obs.open_flows(None, None, CollectorRegistry(), carried=fast))
+        assert obs.recorder is None and obs.error == f"flow records off: {err}"
+        assert fast.done == ["count False"] and not fast.counting
+
+
+def test_flows_off_with_programs_that_cannot_be_told_is_one_line(monkeypatch, tmp_path, caplog):
+    from prometheus_client import CollectorRegistry
+
+    _observe, obs = _observability(monkeypatch, tmp_path, AGENTD_FLOWS_ENABLED="false")
+    fast = FastPath(fail_recording=True)
+    asyncio.run(obs.open_flows(None, None, CollectorRegistry(), carried=fast))
+    assert fast.done == ["record False"] and obs.recorder is None
+    assert "the pod programs may go on recording connections: conntrack settings" in caplog.text
+
+
+# ------------------------------------------------------------------ the programs' records in batches
+
+
+def _records(ports, kind=None):
+    from agentd.flows.recorder import CONN_RECORD, REC_START
+
+    out = []
+    for port in ports:
+        key, value = _conn(False, 2, 5_000_000_000, 5_250_000_000)
+        out.append(CONN_RECORD.pack(key[:8] + port.to_bytes(2, "big") + key[10:], REC_START if kind is None else kind, value))
+    return out
+
+
+def test_a_batch_of_recorded_starts_is_numbered_and_read_like_single_records():
+    from agentd.flows.ring import Batch
+
+    r = recorder()
+    r.ring = FlowRing(5, r._count)
+    r.ring.on_batch = r._count_batch
+    r.ring.add(flow(port=1))  # number 1
+    r._on_recorded(_records([40001, 40002, 40003]), 1000.0)  # numbers 2-4
+    assert sum(isinstance(e, Batch) for e in r.ring.records) == 3 and len({id(e) for e in r.ring.records}) == 2
+    r._on_recorded(_records([40004, 40005, 40006]), 1001.0)  # 5-7: the ring (5) wraps, 1 and 2 are gone
+    assert r.ring.seq == 7 and len(r.ring) == 5 and r.flows["forwarded"] == 7 and r.events == 6
+    got = r.ring.last(FlowFilter(), 10)
+    assert [f.seq for f in got] == [3, 4, 5, 6, 7]
+    assert [f.src.port for f in got] == [40002, 40003, 40004, 40005, 40006]
+    assert [f.received for f in got] == [1000.0, 1000.0, 1001.0, 1001.0, 1001.0]
+    assert got[0].src.identity == CLIENT and got[0].dst.identity == WEB  # named when they came
+    assert [f.src.port for f in r.ring.last(FlowFilter.parse([("port", "40005")]), 10)] == [40005]
+    assert r.ring.last(FlowFilter(), 10)[0] is got[0]  # made once
+    assert [f.seq for f in r.ring] == [3, 4, 5, 6, 7]  # the slots' own numbers
+    assert all(type(e) is Flow for e in r.ring.records)  # and each slot now holds its record
+
+
+def test_a_batch_followed_is_made_at_once_and_counted_once():
+    r = recorder()
+    follower = r.ring.follow(FlowFilter())
+    r._on_recorded(_records([40001, 40002]) + [b"short"], 1000.0)
+    assert r.malformed == 1 and r.flows["forwarded"] == 2 and follower.queue.qsize() == 2
+    assert [follower.queue.get_nowait().seq for _ in range(2)] == [1, 2]
+    assert all(type(e) is Flow for e in r.ring.records)
+
+
+def test_a_batch_larger_than_the_ring_keeps_its_last_records():
+    r = recorder()
+    r.ring = FlowRing(3, r._count)
+    r.ring.on_batch = r._count_batch
+    r._on_recorded(_records(range(40001, 40006)), 1000.0)
+    assert [f.src.port for f in r.ring.last(FlowFilter(), 10)] == [40003, 40004, 40005]
+    assert r.ring.seq == 5 and r.flows["forwarded"] == 5
+
+
+def test_the_programs_ring_read_as_one_object_in_c_and_in_python():
+    """agentd/kernel/_ctevents.c's ring_take_fixed (fed through its record function, as libbpf
+    calls it) gives what libbpf.fixed_records gives: the records of the size asked, side by
+    side; the others counted; the keys' addresses once each."""
+    import ctypes
+
+    from agentd.dataplane.bpf.libbpf import fixed_records
+    from agentd.flows.recorder import CONN_RECORD
+    from agentd.kernel import _ctevents
+
+    size = CONN_RECORD.size
+
+    records = _records([40001, 40002]) + [b"x" * 10] + _records([40003])
+    records.append(bytes(range(size)))  # other addresses
+    sample = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t)(
+        ctypes.cast(ctypes.CDLL(_ctevents.__file__).agentd_ring_sample, ctypes.c_void_p).value)
+    sink = _ctevents.ring_sink()
+    try:
+        for rec in records:
+            assert sample(sink, rec, len(rec)) == 0
+        got = _ctevents.ring_take_fixed(sink, size)
+        assert _ctevents.ring_take_fixed(sink, size) == (b"", 0, 0, set())  # emptied
+    finally:
+        _ctevents.ring_sink_free(sink)
+    want = fixed_records(records, size)
+    assert got == want
+    blob, count, others, addresses = got
+    assert count == 4 and others == 1 and blob[size * 3 :] == bytes(range(size))
+    assert addresses == {socket.inet_aton("10.244.1.2"), socket.inet_aton("10.244.2.3"), bytes(range(4)), bytes(range(4, 8))}
+
+
+def test_a_search_keeps_what_it_made_in_the_ring_and_nothing_the_ring_dropped():
+    """A record made from a batch by a search goes into its slot, where the batch was, so a
+    batch holds nothing made (a made record the ring has dropped is not kept alive by a batch
+    still in other slots); a slot the ring has given to a newer record meanwhile keeps that."""
+    from agentd.flows.ring import Batch
+
+    r = recorder()
+    r.ring = FlowRing(10, r._count)
+    r.ring.on_batch = r._count_batch
+    r._on_recorded(_records(range(40001, 40010)), 1000.0)  # numbers 1-9
+    search = r.ring.search(FlowFilter(), 100)  # over a copy of 1-9
+    r._on_recorded(_records(range(40010, 40019)), 1001.0)  # 10-18: the free slot and those of 1-8
+    assert search.step(100)
+    assert [f.src.port for f in search.result()] == list(range(40001, 40010))  # the copy's
+    entries = r.ring.records  # 9-18
+    assert r.ring.seq == 18 and type(entries[0]) is Flow and entries[0].seq == 9 and entries[0].src.port == 40009
+    assert all(isinstance(e, Batch) for e in entries[1:])  # made records of 1-8 were not put over 11-18
+    assert not hasattr(entries[1], "_made")
+    got = r.ring.last(FlowFilter(), 100)
+    assert [f.seq for f in got] == list(range(9, 19)) and [f.src.port for f in got] == list(range(40009, 40019))
+    assert all(type(e) is Flow for e in r.ring.records)
