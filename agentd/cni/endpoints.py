@@ -246,6 +246,12 @@ def acknowledge(data_dir: str | os.PathLike[str], programmed: set[str], before: 
     return set(programmed)
 
 
+def unacknowledged(data_dir: str | os.PathLike[str], containers: set[str]) -> set[str]:
+    """Those of ``containers`` no agent has marked programmed (their ADD may be waiting)."""
+    directory = os.path.join(endpoints_dir(data_dir), PROGRAMMED)
+    return {cid for cid in containers if not os.path.exists(os.path.join(directory, cid))}
+
+
 # ------------------------------------------------------------------ the agent's side
 
 

@@ -270,6 +270,7 @@ class Agent:
             self.tunnels.bpf.holders.add("flows")
         self.policy = PolicyAgent(self.name, self.datastore, str(cfg.cni.data_dir), registry=self.registry,
                                   on_isolation=self.tunnels.bpf.hold_redirect, fast_path=fast_path,
+                                  before_ack=self.tunnels.bpf.guard_bridges,
                                   fast_path_error=fast_path_error, drop_log=drop_log(cfg),
                                   route_all=cfg.flows.enabled and cfg.flows.connections,
                                   families=self.cluster.versions)  # the cluster's pod families (its record wins)

@@ -197,6 +197,18 @@ class BpfPath:
             async with self._lock:
                 self.counters = await asyncio.to_thread(self._refresh, self.dp)
 
+    async def guard_bridges(self) -> None:
+        """Under ``bpf_attach = "clsact"``, guard the pods' bridges now rather than at the next
+        refresh: called before a pod no agent has acknowledged yet is acknowledged to
+        agentd-cni (its ADD then returns), so that the clsact qdisc a bridge the first pod's
+        ADD made needs is added before that bridge carries traffic -- adding a qdisc stops the
+        device's transmit queues for a moment, and an agent killed before its next refresh left
+        that to the next agent, whose first refresh did it to a bridge in use (a ping lost).
+        Under tcx (no qdisc, nothing stopped) it does nothing: the refresh attaches."""
+        if self.dp is not None and self.dp.hook == "clsact":
+            async with self._lock:
+                await asyncio.to_thread(self.dp.guard_bridges)
+
     def _refresh(self, dp: BpfDatapath) -> dict[str, Any]:
         dp.guard_bridges()  # a new pods' bridge gets the member filter within 2 s
         if self.redirecting and self.carried:

@@ -77,6 +77,7 @@ class PolicyAgent:
         registry: Any = None,
         nft: Nft | None = None,
         on_isolation: Callable[[bool], Awaitable[None]] | None = None,
+        before_ack: Callable[[], Awaitable[None]] | None = None,
         fast_path: FastPath | None = None,
         fast_path_error: str | None = None,
         drop_log: DropLog | None = None,
@@ -99,6 +100,8 @@ class PolicyAgent:
         # after one that leaves none: the BPF data path must not hand packets to isolated pods
         # past netfilter (BpfPath.hold_redirect).
         self.on_isolation = on_isolation
+        # Awaited before pods new to agentd-cni are acknowledged (their ADD then returns).
+        self.before_ack = before_ack
         self.programmer: NftProgrammer | None = None
         # Pods' accepted TCP connections carried in the kernel past the stack; None where it is
         # off or cannot run here (``fast_path_error`` says which).
@@ -353,6 +356,12 @@ class PolicyAgent:
                               "nft_seconds": round(result.seconds, 6), "full": result.full}
             await self._update_fast_path()
             await self._flush_released(released)  # before the new pod is acknowledged: its address's old flows gone
+            if self.before_ack is not None and endpoints.unacknowledged(self.data_dir, containers - self._acked):
+                # Only for an ADD waiting (no agent acknowledged the pod yet), not at a restart.
+                try:  # e.g. the BPF data path guards a pods' bridge the first pod's CNI ADD just made
+                    await self.before_ack()
+                except Exception as err:  # noqa: BLE001 -- the pod is programmed: acknowledge it anyway
+                    log.warning("before acknowledging pods: %s", err)
             try:  # tell agentd-cni, waiting in ADD, that its pod is in the tables now
                 self._acked = endpoints.acknowledge(self.data_dir, containers, self._acked)
             except OSError as err:

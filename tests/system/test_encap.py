@@ -534,6 +534,24 @@ async def _forge_from_outsider(lab, backend: str, target, drops: int) -> list[st
     return await _forged_seen(lab, backend, target, outsider, FORGED_FROM_OUTSIDER, drops)
 
 
+async def test_a_new_pods_bridge_is_guarded_before_its_first_pod_is_acknowledged(lab_factory):
+    """With ``bpf_attach = "clsact"``, the pods' bridge that the first pod's CNI ADD makes has
+    the member filter, and so its clsact qdisc, by the time ADD returns -- not only at the
+    agent's next refresh, up to 2 s later.  Adding a qdisc stops a device's transmit queues for
+    a moment: an agent killed before that refresh left it to the next agent, whose first
+    refresh then added it to a bridge in use, and a ping across the restart was lost."""
+    lab = await lab_factory(nodes=2, pods=0, backend="udp",
+                            extra={f"node{i}": {"network": {"bpf_attach": "clsact"}} for i in (1, 2)})
+    node1 = lab.nodes[0]
+    assert not re.findall(r"^\d+: ([^:@]+)", node1.ns.exec("ip", "-o", "link", "show", "type", "bridge"), re.MULTILINE)
+    await lab.add_pod(node1, "default", "first")
+    bridges = re.findall(r"^\d+: ([^:@]+)", node1.ns.exec("ip", "-o", "link", "show", "type", "bridge"), re.MULTILINE)
+    assert bridges
+    for bridge in bridges:
+        shown = node1.ns.exec("tc", "filter", "show", "dev", bridge, "ingress", check=False)
+        assert "agentd_ingress" in shown, (bridge, shown)
+
+
 # ------------------------------------------------------------------ the life of a node, per backend
 
 

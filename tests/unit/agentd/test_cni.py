@@ -708,3 +708,35 @@ def test_endpoint_files_are_readable_by_an_agent_of_its_own_user(tmp_path):
     directory = pathlib.Path(eps.endpoints_dir(tmp_path))
     assert stat_mod.S_IMODE(directory.stat().st_mode) == 0o755
     assert stat_mod.S_IMODE((directory / ("c1" + eps.SUFFIX)).stat().st_mode) == 0o644
+
+
+def test_unacknowledged_are_the_containers_no_agent_marked_programmed(tmp_path):
+    """The policy agent guards a new pods' bridge before acknowledging only pods whose ADD may
+    be waiting: none an agent marked programmed before (a restarted agent re-acknowledging)."""
+    from agentd.cni import endpoints
+
+    assert endpoints.unacknowledged(tmp_path, {"a", "b"}) == {"a", "b"}  # nothing marked yet
+    endpoints.acknowledge(tmp_path, {"a"}, set())
+    assert endpoints.unacknowledged(tmp_path, {"a", "b"}) == {"b"}
+    assert endpoints.unacknowledged(tmp_path, set()) == set()
+
+
+def test_the_bridge_guard_before_an_ack_is_clsacts_alone():
+    """BpfPath.guard_bridges guards now under clsact (the qdisc's graft must come before the
+    bridge carries traffic) and leaves tcx to the refresh."""
+    import asyncio
+
+    from agentd.dataplane.bpf_backend import BpfPath
+
+    class Datapath:
+        def __init__(self, hook):
+            self.hook, self.calls = hook, 0
+
+        def guard_bridges(self):
+            self.calls += 1
+
+    for hook, calls in (("clsact", 1), ("tcx", 0)):
+        path = BpfPath.__new__(BpfPath)
+        path.dp, path._lock = Datapath(hook), asyncio.Lock()
+        asyncio.run(path.guard_bridges())
+        assert path.dp.calls == calls, hook
