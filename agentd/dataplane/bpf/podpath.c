@@ -327,6 +327,20 @@ static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_
 	return !(status & (IPS_SRC_NAT | IPS_DST_NAT));
 }
 
+/* The FIB lookup's question for an IPv4 TCP packet, as the stack would route it. */
+static __always_inline void fib_of(struct bpf_fib_lookup *fib, struct __sk_buff *skb, struct iphdr *ip,
+				   struct tcphdr *tcp)
+{
+	fib->family = AF_INET_;
+	fib->tos = ip->tos;
+	fib->l4_protocol = IPPROTO_TCP;
+	fib->sport = tcp->source;
+	fib->dport = tcp->dest;
+	fib->ipv4_src = ip->saddr;
+	fib->ipv4_dst = ip->daddr;
+	fib->ifindex = skb->ingress_ifindex;
+}
+
 /* Whether a pod's SYN to an address of the cluster's pod network that is not a pod of this
  * node leaves by the underlay device (``wire``), whose program sees the answer: with host-gw
  * another node's pod does; an address of this node's own pod subnet (the bridge's, a pod whose
@@ -338,14 +352,7 @@ static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip
 
 	if (!wire)
 		return 0;
-	fib.family = AF_INET_;
-	fib.tos = ip->tos;
-	fib.l4_protocol = IPPROTO_TCP;
-	fib.sport = tcp->source;
-	fib.dport = tcp->dest;
-	fib.ipv4_src = ip->saddr;
-	fib.ipv4_dst = ip->daddr;
-	fib.ifindex = skb->ingress_ifindex;
+	fib_of(&fib, skb, ip, tcp);
 	ret = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 	/* No neighbour yet (the SYN resolves it): the device is known all the same. */
 	return (ret == BPF_FIB_LKUP_RET_SUCCESS || ret == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex == wire;
@@ -802,14 +809,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	if (!(cfg->flags & POD_CFG_ROUTE) || !in_cluster(cfg, ip->daddr) || ip->ttl <= 1)
 		return PASS;
 	ttl = ip->ttl;
-	fib.family = AF_INET_;
-	fib.tos = ip->tos;
-	fib.l4_protocol = IPPROTO_TCP;
-	fib.sport = tcp->source;
-	fib.dport = tcp->dest;
-	fib.ipv4_src = ip->saddr;
-	fib.ipv4_dst = ip->daddr;
-	fib.ifindex = skb->ingress_ifindex;
+	fib_of(&fib, skb, ip, tcp);
 	verdict = accepted(skb, ip, tcp, cfg);
 	if (verdict != POD_CARRIED)
 		return count(verdict, skb, PASS);

@@ -846,17 +846,8 @@ def test_a_recorder_that_cannot_open_leaves_the_programs_not_recording(monkeypat
 
     from agentd.flows import recorder as rec_mod
 
-    class Sock:
+    class Sock(_QuietSock):
         busy = True  # the NFLOG group
-
-        def __init__(self, **_kw):
-            self.sock = self
-
-        def attach_filter(self, _f):
-            pass
-
-        def setsockopt(self, *_a):
-            pass
 
         def request(self, _msg, what="", dump=False):
             if what.startswith("binding NFLOG") and self.busy:
