@@ -41,13 +41,14 @@ def unanswered(sent: int, answered: set[int]) -> set[int]:
 
 
 class Pinger:
-    """``ping -n -i interval -W 1 dst`` in ``ns``; its output is read by a thread as it comes."""
+    """``ping -D -n -i interval -W 1 dst`` in ``ns``; its output is read by a thread as it
+    comes (``-D``: each line with its time, to set beside the agents' logs)."""
 
     def __init__(self, ns: Netns, dst_ip: str, interval: float = 0.05) -> None:
         self.dst_ip = dst_ip
         self.answered: set[int] = set()
         self.lines: list[str] = []
-        self.proc = ns.popen(["ping", "-n", "-i", str(interval), "-W", "1", dst_ip],
+        self.proc = ns.popen(["ping", "-D", "-n", "-i", str(interval), "-W", "1", dst_ip],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, name=f"ping {dst_ip}", daemon=True)
         self._reader.start()
@@ -58,6 +59,14 @@ class Pinger:
             self.lines.append(line)
             if m := _REPLY.search(line):
                 self.answered.add(int(m.group(1)))
+
+    def trouble(self, limit: int = 10) -> list[str]:
+        """The first ``limit`` lines of ping's output that are not an echo reply, its header or
+        its summary: an ICMP error ("From 10.244.1.1 icmp_seq=12 Destination Net Unreachable"),
+        a reply's duplicate or a word of ping's own -- what a lost echo's assertion should show."""
+        return [line.strip() for line in self.lines
+                if not _REPLY.search(line) and not line.startswith(("PING ", "---", "rtt "))
+                and "packets transmitted" not in line and line.strip()][:limit]
 
     def replies(self) -> int:
         return len(self.answered)

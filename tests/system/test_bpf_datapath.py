@@ -353,7 +353,7 @@ def test_reopen_adopts_the_pins_without_losing_a_packet_and_remove_leaves_nothin
     finally:
         pinger.close()
     # Every echo answered (those after the last answer may still have been on their way).
-    assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.lines[-3:])
+    assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.trouble(), pinger.lines[-3:])
     # The old programs are gone once replaced; the pinned maps are the same objects.
     live_progs = {p["id"] for p in _bpftool("prog", "show")}
     assert ids["progs"].isdisjoint(live_progs)
@@ -549,7 +549,7 @@ def test_restarts_on_a_busy_device_lose_nothing(pair_factory, hook):
     finally:
         pinger.close()
     # Every echo answered (at 5 ms apart, several after the last answer may still have been on their way).
-    assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.lines[-3:])
+    assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.trouble(), pinger.lines[-3:])
     assert {dev: _tx_dropped(t.h2, dev) for dev in ("vp2", "u2")} == drops_before
     assert t.h2.exec("tc", "qdisc", "show") == qdiscs_before  # no qdisc came or went
     # Ours is on each hook once, by the hook asked for; the other kind's is gone.

@@ -147,7 +147,7 @@ def test_ipv6_reopen_adopts_routes_and_gateways_without_losing_an_echo(pair6, bp
     finally:
         pinger.close()
     # Every echo answered (those after the last answer may still have been on their way).
-    assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.lines[-3:])
+    assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.trouble(), pinger.lines[-3:])
     # remove(): the neighbour entry goes with the programs and pins.
     with t.h1.entered():
         d = pin_dir(bpffs)

@@ -607,7 +607,7 @@ async def test_restart_outsiders_leave_and_down(lab_factory, backend, hook):
     for p, (sent, missing) in zip(pingers, results):
         # Echoes sent after the last answer may still be on their way when ping stops counting
         # (Pinger.stop leaves them out); every earlier one must have been answered.
-        assert sent > 0 and not missing, (p.dst_ip, sent, sorted(missing)[:20], p.lines[-3:])
+        assert sent > 0 and not missing, (p.dst_ip, sent, sorted(missing)[:20], p.trouble(), p.lines[-3:])
     if before is not None:
         # The new agent adopted the pinned maps and swapped in programs of its own.
         after = bpf_object_ids(node2)

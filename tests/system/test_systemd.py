@@ -802,7 +802,7 @@ async def test_restarts_under_the_units_sandbox_take_the_programs_over(tmp_path,
         answered = pinger.replies()  # answers after the last restart: every echo before is checked
         await auntil(lambda: pinger.replies() >= answered + 20, what=lambda: f"pings answered: {pinger.lines[-3:]}")
         sent, missing = pinger.stop()  # those after the last answer may still have been on their way
-        assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.lines[-3:])
+        assert sent > 0 and not missing, (sent, sorted(missing)[:20], pinger.trouble(), pinger.lines[-3:])
         for node in lab.nodes:
             text = node.log_path.read_text()
             for bad in ("Operation not permitted", "not its first data path", "no member filter"):
