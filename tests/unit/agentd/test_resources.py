@@ -486,3 +486,36 @@ def test_a_watch_knowing_the_good_version_does_not_read_history():
     events = _watched([PrefixEvent("snapshot", 5, [_policy_kv(good, 5)]),
                        PrefixEvent("snapshot", 8, [_policy_kv(b"{not json", 7)])], history={})  # fmt: skip
     assert events[1].objects == events[0].objects
+
+
+def test_a_record_the_validator_cannot_take_is_a_bad_record_not_a_dead_watch(caplog):
+    """A ConfigMap record whose data is a number once made the validator raise TypeError out
+    of decode and the watch: every follower of the resources restarted on it and crashed again."""
+    from agentd.datastore.watches import KeyValue, PrefixEvent
+    from agentd.resources import store
+
+    key = b"/agentd/resources/configmaps/default/c"
+    value = b'{"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":"c","namespace":"default"},"data":5}'
+    with pytest.raises(kinds.Invalid, match="^data: Invalid value: 5: must be an object"):
+        store.decode("/agentd", KeyValue(key, value, 5, 0))
+    good = value.replace(b'"data":5', b'"data":{"a":"b"}')
+    events = _watched([PrefixEvent("snapshot", 4, [KeyValue(key, good, 4, 0)]),
+                       PrefixEvent("put", 5, [KeyValue(key, value, 5, 0)]),
+                       PrefixEvent("snapshot", 6, [KeyValue(key, value, 5, 0)])])  # fmt: skip
+    assert [ev.kind for ev in events] == ["snapshot", "snapshot"]
+    assert events[1].objects == events[0].objects and events[0].objects[("ConfigMap", "default", "c")]["data"] == {"a": "b"}
+    assert "skipping malformed record at /agentd/resources/configmaps/default/c: data: Invalid value" in caplog.text
+
+
+def test_decode_turns_any_validator_failure_into_one_bad_record(monkeypatch):
+    """The backstop: whatever a validator raises on a stored record, decode says Invalid."""
+    from agentd.datastore.watches import KeyValue
+    from agentd.resources import store
+
+    def broken(raw, **kw):
+        raise TypeError("'int' object is not iterable")
+
+    monkeypatch.setattr(store.kinds, "validate", broken)
+    key = b"/agentd/resources/configmaps/default/c"
+    with pytest.raises(kinds.Invalid, match="cannot be validated \\(TypeError: 'int' object is not iterable\\)"):
+        store.decode("/agentd", KeyValue(key, b"{}", 5, 0))
