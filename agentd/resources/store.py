@@ -206,7 +206,7 @@ class ResourceStore:
         for kv in got:
             try:
                 record = json.loads(kv.value)
-            except (UnicodeDecodeError, ValueError):
+            except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested too deep
                 continue
             if isinstance(record, dict) and isinstance(record.get("addresses"), list):
                 out.append(record)

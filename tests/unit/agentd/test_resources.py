@@ -519,3 +519,21 @@ def test_decode_turns_any_validator_failure_into_one_bad_record(monkeypatch):
     key = b"/agentd/resources/configmaps/default/c"
     with pytest.raises(kinds.Invalid, match="cannot be validated \\(TypeError: 'int' object is not iterable\\)"):
         store.decode("/agentd", KeyValue(key, b"{}", 5, 0))
+
+
+def test_ingress_nodes_skip_a_record_nested_too_deep():
+    import asyncio
+    from types import SimpleNamespace
+
+    from agentd.resources.store import ResourceStore
+
+    kvs = [SimpleNamespace(value=b'{"addresses": ["192.0.2.1"]}'), SimpleNamespace(value=b"[" * 100_000),
+           SimpleNamespace(value=b"{not json")]  # fmt: skip
+
+    class Datastore:
+        prefix = "/agentd"
+
+        async def request(self, what, call, *, timeout=None):
+            return call(SimpleNamespace(get_prefix=lambda head: kvs))
+
+    assert asyncio.run(ResourceStore(Datastore()).ingress_nodes()) == [{"addresses": ["192.0.2.1"]}]
