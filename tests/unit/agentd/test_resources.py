@@ -272,6 +272,20 @@ def test_cli_apply_rejects_a_bad_manifest_from_a_file(tmp_path, capsys, monkeypa
                    'Unsupported value: "tcp": supported values: "TCP", "UDP", "SCTP"\n')  # fmt: skip
 
 
+def test_cli_apply_names_a_manifest_that_is_not_utf8(tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://127.0.0.1:1")  # never reached: the error comes first
+    path = tmp_path / "x.yaml"
+    path.write_bytes(b"kind: \xff\xfe")
+    assert cli.main(["apply", "-f", str(path)]) == 1
+    assert capsys.readouterr().err == f"agentd apply: {path}: not valid UTF-8 (byte 6)\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff"), encoding="utf-8", errors="surrogateescape"))
+    assert cli.main(["apply", "-f", "-"]) == 1
+    assert capsys.readouterr().err == "agentd apply: stdin: not valid UTF-8 (byte 0)\n"
+
+
 # ------------------------------------------------------------------ pod identity from the runtime
 
 
