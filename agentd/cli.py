@@ -79,6 +79,27 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class _TopParser(_Parser):
+    """``agentd`` itself: with no command given, a mistyped option (``agentd --verison``) is
+    named rather than lost behind "COMMAND is required" (argparse checks that first)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):
+            unknown = [a for a in getattr(self, "_given", ()) if a.startswith("-") and a != "-" and not self._known(a)]
+            if unknown:
+                message = f"unrecognized arguments: {' '.join(unknown)}"
+        super().error(message)
+
+    def _known(self, arg: str) -> bool:
+        name = arg.split("=", 1)[0]
+        options = self._option_string_actions
+        return name in options or (name.startswith("--") and any(o.startswith(name) for o in options))
+
+
 def _overrides(pairs: list[str] | None, parser: argparse.ArgumentParser) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in pairs or []:
@@ -121,7 +142,7 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
     By default that is decided from ``argv`` (``sys.argv[1:]`` when None)."""
     if full is None:
         full = _named_command(argv) not in CORE_COMMANDS
-    p = _Parser(prog="agentd", description="Pod-network agent: etcd subnet leases, BGP, routes, tunnels.")
+    p = _TopParser(prog="agentd", description="Pod-network agent: etcd subnet leases, BGP, routes, tunnels.")
     p.add_argument("--version", action=_Version, help="show the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True

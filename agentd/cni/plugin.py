@@ -24,7 +24,7 @@ environment, and passes its result through.
   file -- what the agent programs its network policy from -- is there with those addresses.
 * VERSION prints the supported spec versions.
 
-Plugin config keys (besides ``cniVersion``, ``name``, ``type``): ``subnetFile`` (default
+Plugin config keys (besides ``cniVersion``, ``name``, ``type``; paths are absolute): ``subnetFile`` (default
 ``/run/agentd/subnet.env``), ``dataDir`` (default ``/var/lib/agentd/cni``), ``binDir`` (more
 directories to find the delegates in after ``CNI_PATH``: the agent's ``[cni] bin_dir``), ``ipam`` (merged
 into the delegate's ipam, e.g. host-local's ``dataDir``), ``delegate`` (overrides for the
@@ -265,8 +265,11 @@ def parse_netconf(stdin: bytes) -> dict[str, Any]:
     for key in ("type", "subnetFile", "dataDir"):
         if key in conf and (not isinstance(conf[key], str) or not conf[key]):
             raise CniError(INVALID_NETWORK_CONFIG, f"'{key}' must be a non-empty string")
+    for key in ("subnetFile", "dataDir"):  # a NUL would fail at the first open(), as "internal error"
+        if key in conf and (not os.path.isabs(conf[key]) or "\x00" in conf[key]):
+            raise CniError(INVALID_NETWORK_CONFIG, f"'{key}' must be an absolute path, not {conf[key]!r}")
     bin_dir = conf.get("binDir", [])
-    if not isinstance(bin_dir, list) or not all(isinstance(d, str) and os.path.isabs(d) for d in bin_dir):
+    if not isinstance(bin_dir, list) or not all(isinstance(d, str) and os.path.isabs(d) and "\x00" not in d for d in bin_dir):
         raise CniError(INVALID_NETWORK_CONFIG, "'binDir' must be an array of absolute directory paths")
 
     delegate = conf.get("delegate", {})

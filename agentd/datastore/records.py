@@ -61,8 +61,9 @@ class HistoryCompacted(DatastoreError):
 def _load(kind: str, data: bytes | str) -> dict[str, Any]:
     try:
         obj = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise RecordError(f"{kind}: not valid JSON ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise RecordError(f"{kind}: not valid JSON ({type(e).__name__}: {e})" if isinstance(e, RecursionError)
+                          else f"{kind}: not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise RecordError(f"{kind}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -431,7 +432,7 @@ def parse_read_token(key: bytes, raw: bytes) -> str:
     """``{"token": "..."}``, the token; RecordError saying what to do otherwise."""
     try:
         stored = json.loads(raw)["token"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         stored = None
     if not isinstance(stored, str) or not stored.strip():
         raise RecordError(f'{key.decode()} is not {{"token": "..."}}: delete it and an agent stores a new one')

@@ -85,8 +85,8 @@ def _prepare(args: argparse.Namespace) -> Any:
     if args.command == "apply":
         objs = []
         for path in args.filename:
-            text = sys.stdin.read() if path == "-" else _read(path)
             source = "stdin" if path == "-" else path
+            text = _read(path, source)
             docs = manifests.read(text, source)
             objs += manifests.validate_all(docs, source, namespace=args.namespace, ingress_configmap=args.ingress_configmap)
         return objs
@@ -100,9 +100,22 @@ def _prepare(args: argparse.Namespace) -> Any:
     return kind, target, changes
 
 
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+def _read(path: str, source: str) -> str:
+    """The manifest at ``path`` (``-``: stdin) as text; ManifestError unless it is UTF-8.
+    Bytes, decoded here: stdin's own decoding depends on the locale (and lets bad bytes
+    through as surrogates that fail later, unnamed)."""
+    if path == "-":
+        stdin = getattr(sys.stdin, "buffer", None)
+        if stdin is None:  # already text (a test's or an embedder's stdin)
+            return sys.stdin.read()
+        data = stdin.read()
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise manifests.ManifestError(f"{source}: not valid UTF-8 (byte {e.start})") from None
 
 
 def _target(kind: Kind, text: str, namespace: str | None) -> tuple[str, str]:

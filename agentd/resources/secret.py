@@ -36,12 +36,18 @@ def config_key(key: Any, path: str) -> str:
     return key
 
 
+def _keys(value: Any) -> tuple[str, ...]:
+    """The field names ``value`` may have (all of them: they are config keys, checked one by
+    one); none unless it is an object, so that obj() says what else it is."""
+    return tuple(k for k in value if isinstance(k, str)) if isinstance(value, dict) else ()
+
+
 def validate_secret(doc: dict[str, Any]) -> dict[str, Any]:
     kind = string(doc.get("type", OPAQUE), "type")
     if kind not in SECRET_TYPES:
         raise unsupported("type", kind, SECRET_TYPES)
     data: dict[str, str] = {}
-    raw = obj(doc.get("data"), "data", tuple(k for k in (doc.get("data") or {}) if isinstance(k, str)))
+    raw = obj(doc.get("data"), "data", _keys(doc.get("data")))
     for key, value in raw.items():
         config_key(key, "data")
         text = string(value, f"data[{key}]")
@@ -50,7 +56,7 @@ def validate_secret(doc: dict[str, Any]) -> dict[str, Any]:
         except (binascii.Error, ValueError):
             raise Invalid(f"data[{key}]", "Invalid value: must be base64 encoded") from None
         data[key] = text
-    plain = obj(doc.get("stringData"), "stringData", tuple(k for k in (doc.get("stringData") or {}) if isinstance(k, str)))
+    plain = obj(doc.get("stringData"), "stringData", _keys(doc.get("stringData")))
     for key, value in plain.items():
         config_key(key, "stringData")
         data[key] = base64.b64encode(string(value, f"stringData[{key}]").encode()).decode()
@@ -94,10 +100,10 @@ def _first_line(err: BaseException) -> str:
 
 def validate_configmap(doc: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    data = obj(doc.get("data"), "data", tuple(k for k in (doc.get("data") or {}) if isinstance(k, str)))
+    data = obj(doc.get("data"), "data", _keys(doc.get("data")))
     if data:
         out["data"] = {config_key(k, "data"): string(v, f"data[{k}]") for k, v in data.items()}
-    binary = obj(doc.get("binaryData"), "binaryData", tuple(k for k in (doc.get("binaryData") or {}) if isinstance(k, str)))
+    binary = obj(doc.get("binaryData"), "binaryData", _keys(doc.get("binaryData")))
     for key, value in binary.items():
         config_key(key, "binaryData")
         if key in out.get("data", {}):

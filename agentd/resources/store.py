@@ -108,7 +108,12 @@ def decode(prefix: str, kv: KeyValue) -> dict[str, Any]:
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: nested too deep
         raise Invalid("", f"not valid JSON ({type(err).__name__}: {err})" if isinstance(err, RecursionError)
                       else f"not valid JSON ({err})") from None
-    obj = kinds.validate(raw, default_namespace=namespace or kinds.DEFAULT_NAMESPACE)
+    try:
+        obj = kinds.validate(raw, default_namespace=namespace or kinds.DEFAULT_NAMESPACE)
+    except (Invalid, ValueError):
+        raise
+    except Exception as err:  # noqa: BLE001 - a validator's slip on a shape no manifest passes: one bad record, not a dead watch
+        raise Invalid("", f"cannot be validated ({type(err).__name__}: {err})") from None
     if (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]) != (kind.kind, namespace, name):
         raise Invalid("metadata", "the object's kind, namespace or name does not match its key")
     meta = raw.get("metadata") or {}
@@ -201,7 +206,7 @@ class ResourceStore:
         for kv in got:
             try:
                 record = json.loads(kv.value)
-            except (UnicodeDecodeError, ValueError):
+            except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested too deep
                 continue
             if isinstance(record, dict) and isinstance(record.get("addresses"), list):
                 out.append(record)

@@ -43,6 +43,17 @@ def test_bad_arguments_give_one_line(capsys, monkeypatch, argv, message):
     assert code not in (0, None) and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (("--verison",), "agentd: unrecognized arguments: --verison (see agentd --help)\n"),
+    (("--bogus", "-x"), "agentd: unrecognized arguments: --bogus -x (see agentd --help)\n"),
+    (("--bogus=1",), "agentd: unrecognized arguments: --bogus=1 (see agentd --help)\n"),
+    ((), "agentd: the following arguments are required: COMMAND (see agentd --help)\n"),
+])
+def test_a_mistyped_top_level_option_is_named(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (2, "", message)
+
+
 def test_fifo_config_is_refused_not_waited_on(capsys, tmp_path):
     fifo = tmp_path / "agentd.toml"
     os.mkfifo(fifo)

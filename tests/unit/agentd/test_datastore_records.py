@@ -24,6 +24,7 @@ from agentd.datastore.records import (
     normalize_prefix,
     parse_node,
     parse_node_key,
+    parse_read_token,
     parse_subnet_key,
     pick_free_subnet,
     subnet_at,
@@ -95,6 +96,24 @@ def test_bad_json_is_one_clear_line():
         with pytest.raises(RecordError) as excinfo:
             ClusterConfig.from_json(data)
         assert "not valid JSON" in one_line_error(excinfo)
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # past the JSON parser's recursion limit
+
+
+def test_json_nested_too_deep_is_a_record_error_not_a_recursion_error():
+    """The node watch, the subnet and lease code catch RecordError only: a ~2 KB node record
+    nested too deep once crash-looped the node watch with RecursionError."""
+    with pytest.raises(RecordError) as excinfo:
+        ClusterConfig.from_json(DEEP)
+    assert "not valid JSON (RecursionError" in one_line_error(excinfo)
+    deep_node = (b'{"name":"n2","address":"10.0.0.2","asn":64512,"subnet":null,"route_reflector":false,"backend":{"x":'
+                 + b"[" * 1000 + b"]" * 1000 + b"}}")  # fmt: skip
+    with pytest.raises(RecordError) as excinfo:
+        parse_node("/agentd", b"/agentd/nodes/n2", deep_node)
+    assert "not valid JSON (RecursionError" in one_line_error(excinfo)
+    with pytest.raises(RecordError, match="delete it and an agent stores a new one"):
+        parse_read_token(b"/agentd/cluster/read-token", b'{"token":' + DEEP + b"}")
 
 
 # -- NodeRecord ---------------------------------------------------------------------------

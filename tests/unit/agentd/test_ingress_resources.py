@@ -107,6 +107,16 @@ def test_tls_secrets_are_checked():
     assert kinds.validate(plain)["data"] == {"a": base64.b64encode(b"b").decode()}
 
 
+@pytest.mark.parametrize("kind, field, value", [
+    ("Secret", "data", 5), ("Secret", "stringData", True), ("Secret", "data", "abc"),
+    ("ConfigMap", "data", 5), ("ConfigMap", "binaryData", 1.5), ("ConfigMap", "binaryData", [1]),
+])
+def test_secret_and_configmap_data_that_is_no_object_is_named(kind, field, value):
+    doc = {"apiVersion": "v1", "kind": kind, "metadata": {"name": "c", "namespace": "shop"}, field: value}
+    with pytest.raises(Invalid, match=rf"^{field}: Invalid value: .*must be an object"):
+        kinds.validate(doc)
+
+
 def test_the_controllers_configmap_is_checked_on_apply():
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
           "data": {"proxy-read-timeout": "30", "proxy-body-size": "8m", "use-http2": "false",

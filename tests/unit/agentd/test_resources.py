@@ -272,6 +272,20 @@ def test_cli_apply_rejects_a_bad_manifest_from_a_file(tmp_path, capsys, monkeypa
                    'Unsupported value: "tcp": supported values: "TCP", "UDP", "SCTP"\n')  # fmt: skip
 
 
+def test_cli_apply_names_a_manifest_that_is_not_utf8(tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://127.0.0.1:1")  # never reached: the error comes first
+    path = tmp_path / "x.yaml"
+    path.write_bytes(b"kind: \xff\xfe")
+    assert cli.main(["apply", "-f", str(path)]) == 1
+    assert capsys.readouterr().err == f"agentd apply: {path}: not valid UTF-8 (byte 6)\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff"), encoding="utf-8", errors="surrogateescape"))
+    assert cli.main(["apply", "-f", "-"]) == 1
+    assert capsys.readouterr().err == "agentd apply: stdin: not valid UTF-8 (byte 0)\n"
+
+
 # ------------------------------------------------------------------ pod identity from the runtime
 
 
@@ -486,3 +500,54 @@ def test_a_watch_knowing_the_good_version_does_not_read_history():
     events = _watched([PrefixEvent("snapshot", 5, [_policy_kv(good, 5)]),
                        PrefixEvent("snapshot", 8, [_policy_kv(b"{not json", 7)])], history={})  # fmt: skip
     assert events[1].objects == events[0].objects
+
+
+def test_a_record_the_validator_cannot_take_is_a_bad_record_not_a_dead_watch(caplog):
+    """A ConfigMap record whose data is a number once made the validator raise TypeError out
+    of decode and the watch: every follower of the resources restarted on it and crashed again."""
+    from agentd.datastore.watches import KeyValue, PrefixEvent
+    from agentd.resources import store
+
+    key = b"/agentd/resources/configmaps/default/c"
+    value = b'{"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":"c","namespace":"default"},"data":5}'
+    with pytest.raises(kinds.Invalid, match="^data: Invalid value: 5: must be an object"):
+        store.decode("/agentd", KeyValue(key, value, 5, 0))
+    good = value.replace(b'"data":5', b'"data":{"a":"b"}')
+    events = _watched([PrefixEvent("snapshot", 4, [KeyValue(key, good, 4, 0)]),
+                       PrefixEvent("put", 5, [KeyValue(key, value, 5, 0)]),
+                       PrefixEvent("snapshot", 6, [KeyValue(key, value, 5, 0)])])  # fmt: skip
+    assert [ev.kind for ev in events] == ["snapshot", "snapshot"]
+    assert events[1].objects == events[0].objects and events[0].objects[("ConfigMap", "default", "c")]["data"] == {"a": "b"}
+    assert "skipping malformed record at /agentd/resources/configmaps/default/c: data: Invalid value" in caplog.text
+
+
+def test_decode_turns_any_validator_failure_into_one_bad_record(monkeypatch):
+    """The backstop: whatever a validator raises on a stored record, decode says Invalid."""
+    from agentd.datastore.watches import KeyValue
+    from agentd.resources import store
+
+    def broken(raw, **kw):
+        raise TypeError("'int' object is not iterable")
+
+    monkeypatch.setattr(store.kinds, "validate", broken)
+    key = b"/agentd/resources/configmaps/default/c"
+    with pytest.raises(kinds.Invalid, match="cannot be validated \\(TypeError: 'int' object is not iterable\\)"):
+        store.decode("/agentd", KeyValue(key, b"{}", 5, 0))
+
+
+def test_ingress_nodes_skip_a_record_nested_too_deep():
+    import asyncio
+    from types import SimpleNamespace
+
+    from agentd.resources.store import ResourceStore
+
+    kvs = [SimpleNamespace(value=b'{"addresses": ["192.0.2.1"]}'), SimpleNamespace(value=b"[" * 100_000),
+           SimpleNamespace(value=b"{not json")]  # fmt: skip
+
+    class Datastore:
+        prefix = "/agentd"
+
+        async def request(self, what, call, *, timeout=None):
+            return call(SimpleNamespace(get_prefix=lambda head: kvs))
+
+    assert asyncio.run(ResourceStore(Datastore()).ingress_nodes()) == [{"addresses": ["192.0.2.1"]}]
