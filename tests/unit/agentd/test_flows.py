@@ -370,6 +370,18 @@ def test_every_protocol_can_be_named_in_any_case():
     assert not FlowFilter.parse([("protocol", "icmp")]).matches(v6)
 
 
+def test_a_port_filter_never_matches_icmp_type_or_code():
+    # ICMP's ends hold its type (source) and code (destination): an echo request is not port 8 or 0.
+    ping = Flow(1.0, "node2", "new", "ICMP", Peer("10.244.1.2", 8, CLIENT), Peer("10.244.2.3", 0, WEB), "ingress")
+    unreachable = Flow(1.0, "node2", "new", "ICMPv6", Peer("fd00::1", 1), Peer("fd00::2", 3), "egress")
+    for port in ("8", "0", "1", "3"):
+        flt = FlowFilter.parse([("port", port)])
+        assert not flt.matches(ping) and not flt.matches(unreachable), port
+    for protocol in ("UDP", "SCTP"):
+        f = Flow(1.0, "node2", "new", protocol, Peer("10.244.1.2", 8), Peer("10.244.2.3", 53), "egress")
+        assert FlowFilter.parse([("port", "53")]).matches(f), protocol
+
+
 def test_filter_round_trips_through_pairs():
     f = FlowFilter.parse([("pod", "shop/web"), ("label", "app=web"), ("label", "tier"), ("port", "80")])
     assert FlowFilter.parse(f.pairs()) == f
