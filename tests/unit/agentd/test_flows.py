@@ -382,6 +382,15 @@ def test_a_port_filter_never_matches_icmp_type_or_code():
         assert FlowFilter.parse([("port", "53")]).matches(f), protocol
 
 
+def test_a_service_without_endpoints_drop_is_found_by_service_not_by_to_pod():
+    # docs/troubleshooting.md "Start here": the drop's destination is the virtual IP (no pod).
+    drop = Flow(1.0, "node1", "drop", "TCP", Peer("10.244.1.2", 40000, CLIENT), Peer("10.96.0.10", 80), "egress",
+                verdict="dropped", reason="no-endpoints", service="shop/web", service_ip="10.96.0.10", service_port=80)
+    assert FlowFilter.parse([("from-pod", "shop/client"), ("service", "shop/web")]).matches(drop)
+    assert FlowFilter.parse([("from-pod", "shop/client"), ("reason", "no-endpoints")]).matches(drop)
+    assert not FlowFilter.parse([("from-pod", "shop/client"), ("to-pod", "shop/web")]).matches(drop)
+
+
 def test_filter_round_trips_through_pairs():
     f = FlowFilter.parse([("pod", "shop/web"), ("label", "app=web"), ("label", "tier"), ("port", "80")])
     assert FlowFilter.parse(f.pairs()) == f
