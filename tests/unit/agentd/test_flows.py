@@ -593,6 +593,61 @@ async def test_a_followed_node_that_refuses_is_given_up_and_a_broken_one_asked_l
     assert said[1] == b'{"time": 1}\n' and b"ended the stream" in said[2] and b"reset" in said[3]
 
 
+class _Registry:
+    """A ClusterView whose registry can grow: each node's followed stream sends one record, then
+    stays open until cancelled (``closed`` says whose were)."""
+
+    def __init__(self, names):
+        self.addresses = {name: "192.0.2.1" for name in names}
+        self.asked: list[tuple[str, str]] = []
+        self.closed: set[str] = set()
+
+    def nodes(self):
+        return dict(self.addresses)
+
+    async def lines(self, node, path, *, follow=False):
+        self.asked.append((node, path))
+        try:
+            yield json.dumps({"time": 1.0, "node": node}).encode() + b"\n"
+            await asyncio.Event().wait()
+        finally:
+            self.closed.add(node)
+
+
+class _Stream:
+    def __init__(self):
+        self.lines: list[bytes] = []
+
+    async def write(self, data):
+        self.lines.append(data)
+
+
+async def test_a_followed_cluster_takes_in_a_node_that_joined_after_it_began(monkeypatch):
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    monkeypatch.setattr(observe_api, "KEEPALIVE", 0)  # a keep-alive tick at every quiet turn of the loop
+    for pairs, joined_followed in (([], True), ([("node", "node2")], False)):
+        registry = _Registry(["node1", "node2"])
+        agent = SimpleNamespace(cluster_view=lambda r=registry: r, flows_view=lambda: None, node_name=lambda: "node1")
+        handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+        resp = _Stream()
+        task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse(pairs), 0, None, True))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        registry.addresses["node3"] = "192.0.2.3"  # registered after the stream began
+        for _ in range(20):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        nodes = {json.loads(line)["node"] for line in resp.lines if line.strip()}
+        followed = {"node2", "node3"} if joined_followed else {"node2"}
+        assert nodes == followed and {n for n, _ in registry.asked} == followed, pairs
+        assert registry.closed == followed  # every node's stream ended with the reader's
+
+
 def test_a_spoofed_drop_names_the_pod_whose_veth_sent_it():
     # A bridged packet: NFLOG's INDEV is the bridge (3), PHYSINDEV the pod's port (7).  The
     # source address is web's: whom it pretends to be; the port says client sent it.
