@@ -13,8 +13,9 @@ listener only ``/flows`` is served, and only this node's records: nothing is rel
 ``last=N`` (default 100: the last N matching records, oldest first), ``since=UNIX-TIME``,
 ``follow=1`` (then every new matching record as it comes, until the client goes), and
 ``cluster=1`` (every node's records, gathered, followed ones too of a node that joins meanwhile;
-a ``node`` filter alone also asks those nodes, each for its own records).  One JSON record per line; a node that cannot be asked is a line
-``{"node": ..., "error": ...}``, records a slow reader missed a line ``{"lost": N}``.
+a ``node`` filter alone also asks those nodes, each for its own records).  One JSON record per
+line; a node that cannot be asked is a line ``{"node": ..., "error": ...}``, records a slow
+reader missed a line ``{"lost": N}``.
 """
 
 from __future__ import annotations
