@@ -28,7 +28,7 @@ REASONS = {
     "spoofed": "source address is not the pod's own",
     "no-endpoints": "Service has no endpoints (refused)",
     "no-local-endpoints": "Service has no endpoints on this node (traffic policy Local)",
-    "no-route": "no route to the destination",
+    "unknown": "a drop rule the agent does not know (its log prefix)",  # the recorder's word for the rest
 }
 PROTOCOLS = {1: "ICMP", 6: "TCP", 17: "UDP", 58: "ICMPv6", 132: "SCTP"}
 # Those whose records' ends hold ports (ICMP's hold its type and code: no port filter matches them).

@@ -391,6 +391,17 @@ def test_a_service_without_endpoints_drop_is_found_by_service_not_by_to_pod():
     assert not FlowFilter.parse([("from-pod", "shop/client"), ("to-pod", "shop/web")]).matches(drop)
 
 
+def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
+    # An unrecognised log prefix is recorded (and counted) as "unknown": selectable like the rest.
+    drop = recorder().dropped(nflog.Packet("someone-elses-rule", socket.AF_INET, 1.0, 3, 4, 1, "10.244.1.2",
+                                           "10.244.2.3", 6, 40000, 80))
+    assert drop is not None and drop.reason == "unknown"
+    assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
+    assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
+    with pytest.raises(FilterError, match="'no-route' is not one of policy, spoofed, no-endpoints, no-local-endpoints, unknown"):
+        FlowFilter.parse([("reason", "no-route")])  # nothing records it
+
+
 def test_filter_round_trips_through_pairs():
     f = FlowFilter.parse([("pod", "shop/web"), ("label", "app=web"), ("label", "tier"), ("port", "80")])
     assert FlowFilter.parse(f.pairs()) == f
