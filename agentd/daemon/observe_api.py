@@ -25,6 +25,7 @@ import contextlib
 import heapq
 import json
 import logging
+import math
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -106,11 +107,9 @@ class _Handlers:
         q = request.query
         try:
             flt = FlowFilter.parse((k, v) for k, v in q.items() if k not in CONTROL)
-            last = int(q.get("last", "100"))
-            if not 0 <= last <= MAX_LAST:
-                raise FilterError(f"last: {last} is out of range 0..{MAX_LAST}")
-            since = float(q["since"]) if "since" in q else None
-        except (FilterError, ValueError) as err:
+            last = _last(q.get("last", "100"))
+            since = _since(q["since"]) if "since" in q else None
+        except FilterError as err:
             return web.json_response({"error": str(err)}, status=400)
         follow = q.get("follow", "") in ("1", "true", "yes")
         me = self.agent.node_name()
@@ -326,6 +325,26 @@ async def _local_flows(resp: web.StreamResponse, view: FlowViews, flt: FlowFilte
     finally:
         if follower is not None:
             view.unfollow(follower)
+
+
+def _last(value: str) -> int:
+    try:
+        last = int(value)
+    except ValueError:
+        raise FilterError(f"last: {value!r} is not a whole number") from None
+    if not 0 <= last <= MAX_LAST:
+        raise FilterError(f"last: {last} is out of range 0..{MAX_LAST}")
+    return last
+
+
+def _since(value: str) -> float:
+    try:
+        since = float(value)
+    except ValueError:
+        since = math.nan
+    if not math.isfinite(since):  # nan or inf: no record, and no word of why
+        raise FilterError(f"since: {value!r} is not a UNIX time")
+    return since
 
 
 def _node_params(flt: FlowFilter, node: str, since: float | None) -> list[tuple[str, str]]:

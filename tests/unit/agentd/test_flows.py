@@ -659,6 +659,25 @@ async def test_a_followed_cluster_takes_in_a_node_that_joined_after_it_began(mon
         assert registry.closed == followed  # every node's stream ended with the reader's
 
 
+@pytest.mark.parametrize("query, message", [
+    ("last=abc", "last: 'abc' is not a whole number"), ("last=1e3", "last: '1e3' is not a whole number"),
+    ("last=", "last: '' is not a whole number"), ("last=-1", "last: -1 is out of range 0..100000"),
+    ("since=abc", "since: 'abc' is not a UNIX time"), ("since=nan", "since: 'nan' is not a UNIX time"),
+    ("since=inf", "since: 'inf' is not a UNIX time"), ("since=-Infinity", "since: '-Infinity' is not a UNIX time"),
+])  # fmt: skip
+async def test_bad_last_or_since_is_a_400_naming_it(query, message):
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from agentd.daemon import observe_api
+
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = await handlers.flows(make_mocked_request("GET", "/flows?" + query))
+    assert resp.status == 400 and json.loads(resp.body) == {"error": message}
+
+
 def test_a_spoofed_drop_names_the_pod_whose_veth_sent_it():
     # A bridged packet: NFLOG's INDEV is the bridge (3), PHYSINDEV the pod's port (7).  The
     # source address is web's: whom it pretends to be; the port says client sent it.
