@@ -443,7 +443,9 @@ def add_flow_arguments(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(*flags, action="append", default=[], dest=f"filter_{name.replace('-', '_')}",
                         metavar={"label": "KEY[=VALUE]", "pod": "NS/NAME", "from-pod": "NS/NAME",
                                  "to-pod": "NS/NAME", "service": "NS/NAME"}.get(name, name.upper()),
-                        help=f"only records whose {name} matches (repeat for any of several)")
+                        help="only records with these labels, all on one end (KEY or KEY=VALUE, comma-separated "
+                             "or repeated: every one must hold)" if name == "label" else
+                             f"only records whose {name} matches (repeat for any of several)")
 
 
 def flows_command(args: argparse.Namespace, token_file: Path) -> int:

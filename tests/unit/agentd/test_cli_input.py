@@ -298,3 +298,12 @@ def test_flows_sends_the_read_only_key_not_the_api_token(capsys, monkeypatch, tm
     sent = req.get_header("Authorization")
     assert sent == f"Bearer {auth.ui_key('t0ken')}" and "t0ken" not in sent
     assert auth.may_read_cluster(sent, "t0ken")  # what the agent asks of a cluster read
+
+
+def test_flows_help_says_labels_are_all_of_and_other_filters_any_of(capsys):
+    """Repeated -l are one selector on one end (FlowFilter.label), not any of several."""
+    code, out, _ = run(capsys, "flows", "--help")
+    text = " ".join(out.split())  # as argparse wrapped it
+    label = text[text.index("-l KEY[=VALUE] ") :].split(" --", 1)[0]
+    assert code == 0 and "any of" not in label and "all on one end" in label and "every one must hold" in label
+    assert "--pod NS/NAME only records whose pod matches (repeat for any of several)" in text
