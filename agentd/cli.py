@@ -464,19 +464,26 @@ def add_flow_arguments(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(*flags, action="append", default=[], dest=f"filter_{name.replace('-', '_')}",
                         metavar={"label": "KEY[=VALUE]", "pod": "NS/NAME", "from-pod": "NS/NAME",
                                  "to-pod": "NS/NAME", "service": "NS/NAME"}.get(name, name.upper()),
-                        help=f"only records whose {name} matches (repeat for any of several)")
+                        help="only records with these labels, all on one end (KEY or KEY=VALUE, comma-separated "
+                             "or repeated: every one must hold)" if name == "label" else
+                             f"only records whose {name} matches (repeat for any of several)")
 
 
 def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     """``agentd flows``: GET /flows, streamed; each record printed as it arrives.  What the
-    agent gathers from other nodes (``-A``, ``--node``) needs the API token: sent when this
-    user can read ``token_file`` (root, ``[api] token_group``)."""
+    agent gathers from other nodes (``-A``, ``--node``) needs the API token: its read-only key
+    sent when this user can read ``token_file`` (root, ``[api] token_group``)."""
     import http.client
     import urllib.error
     import urllib.parse
     import urllib.request
 
-    from agentd.daemon.auth import TokenFileError, bearer_header, read_token_file
+    from agentd.daemon.auth import (
+        TokenFileError,
+        bearer_header,
+        read_token_file,
+        ui_key,
+    )
     from agentd.flows.model import FilterError, FlowFilter
     from agentd.flows.render import line
 
@@ -495,7 +502,8 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
         query.append(("cluster", "1"))
     url = args.api.rstrip("/") + "/flows?" + urllib.parse.urlencode(query)
     try:
-        headers, unreadable = bearer_header(read_token_file(token_file)), None
+        # The token's read-only key (agentd/daemon/auth.py): all a reader needs, and it cannot POST.
+        headers, unreadable = bearer_header(ui_key(read_token_file(token_file))), None
     except TokenFileError as err:  # needed only to gather from other nodes
         headers, unreadable = {}, err
     try:

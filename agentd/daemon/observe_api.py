@@ -12,9 +12,10 @@ listener only ``/flows`` is served, and only this node's records: nothing is rel
 ``port``, ``node``, ``ip``, ``event``, ``reason``, ``service``; repeat one for "any of"), and
 ``last=N`` (default 100: the last N matching records, oldest first), ``since=UNIX-TIME``,
 ``follow=1`` (then every new matching record as it comes, until the client goes), and
-``cluster=1`` (every node's records, gathered; a ``node`` filter alone also asks those nodes,
-each for its own records).  One JSON record per line; a node that cannot be asked is a line
-``{"node": ..., "error": ...}``, records a slow reader missed a line ``{"lost": N}``.
+``cluster=1`` (every node's records, gathered, followed ones too of a node that joins meanwhile;
+a ``node`` filter alone also asks those nodes, each for its own records).  One JSON record per
+line; a node that cannot be asked is a line ``{"node": ..., "error": ...}``, records a slow
+reader missed a line ``{"lost": N}``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import contextlib
 import heapq
 import json
 import logging
+import math
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -105,11 +107,9 @@ class _Handlers:
         q = request.query
         try:
             flt = FlowFilter.parse((k, v) for k, v in q.items() if k not in CONTROL)
-            last = int(q.get("last", "100"))
-            if not 0 <= last <= MAX_LAST:
-                raise FilterError(f"last: {last} is out of range 0..{MAX_LAST}")
-            since = float(q["since"]) if "since" in q else None
-        except (FilterError, ValueError) as err:
+            last = _last(q.get("last", "100"))
+            since = _since(q["since"]) if "since" in q else None
+        except FilterError as err:
             return web.json_response({"error": str(err)}, status=400)
         follow = q.get("follow", "") in ("1", "true", "yes")
         me = self.agent.node_name()
@@ -149,14 +149,20 @@ class _Handlers:
         # Following starts before the last N are asked for: a record made meanwhile may come
         # twice (in the last N and followed), but none falls between the two.
         tasks = []
-        if follow:
-            for name in names:
+        followed: set[str] = set()
+
+        def follow_nodes(new: list[str]) -> None:
+            for name in new:
+                followed.add(name)
                 if name == me:
                     if view is not None:
                         tasks.append(asyncio.create_task(_pump_local(view, flt, merge, me)))
                 elif cluster is not None:
                     path = "/flows?" + urlencode([*_node_params(flt, name, None), ("last", "0"), ("follow", "1")])
                     tasks.append(asyncio.create_task(_pump_remote(cluster, name, path, merge)))
+
+        if follow:
+            follow_nodes(names)
         try:
             if last:
                 records, errors = await self._gather_last(names, flt, last, since)
@@ -167,12 +173,19 @@ class _Handlers:
             if not follow:
                 return
             told = 0
+            loop = asyncio.get_running_loop()
+            looked = loop.time()
             while True:
                 try:
                     async with asyncio.timeout(KEEPALIVE):  # not wait_for: the stream's cancel must end it
                         line = await merge.queue.get()
                 except TimeoutError:
                     line = b"\n"
+                # A node that joined since is followed from now on: the registry looked at once
+                # per keep-alive interval, however busy the stream.
+                if not flt.node and cluster is not None and loop.time() - looked >= KEEPALIVE:
+                    looked = loop.time()
+                    follow_nodes(sorted(set(cluster.nodes()) - followed))
                 if merge.lost != told:  # what the merged stream could not hold, said before the next line
                     await resp.write(_line({"lost": merge.lost - told}))
                     told = merge.lost
@@ -312,6 +325,26 @@ async def _local_flows(resp: web.StreamResponse, view: FlowViews, flt: FlowFilte
     finally:
         if follower is not None:
             view.unfollow(follower)
+
+
+def _last(value: str) -> int:
+    try:
+        last = int(value)
+    except ValueError:
+        raise FilterError(f"last: {value!r} is not a whole number") from None
+    if not 0 <= last <= MAX_LAST:
+        raise FilterError(f"last: {last} is out of range 0..{MAX_LAST}")
+    return last
+
+
+def _since(value: str) -> float:
+    try:
+        since = float(value)
+    except ValueError:
+        since = math.nan
+    if not math.isfinite(since):  # nan or inf: no record, and no word of why
+        raise FilterError(f"since: {value!r} is not a UNIX time")
+    return since
 
 
 def _node_params(flt: FlowFilter, node: str, since: float | None) -> list[tuple[str, str]]:

@@ -28,9 +28,11 @@ REASONS = {
     "spoofed": "source address is not the pod's own",
     "no-endpoints": "Service has no endpoints (refused)",
     "no-local-endpoints": "Service has no endpoints on this node (traffic policy Local)",
-    "no-route": "no route to the destination",
+    "unknown": "a drop rule the agent does not know (its log prefix)",  # the recorder's word for the rest
 }
 PROTOCOLS = {1: "ICMP", 6: "TCP", 17: "UDP", 58: "ICMPv6", 132: "SCTP"}
+# Those whose records' ends hold ports (ICMP's hold its type and code: no port filter matches them).
+PORTED = frozenset({"TCP", "UDP", "SCTP"})
 
 
 def protocol_name(number: int) -> str:
@@ -151,7 +153,7 @@ class FlowFilter:
     label: tuple[tuple[str, str | None], ...] = ()  # every one on the same end; (key, None): key exists
     verdict: tuple[str, ...] = ()
     protocol: tuple[str, ...] = ()  # upper case
-    port: tuple[int, ...] = ()  # either end's port, or the Service's
+    port: tuple[int, ...] = ()  # either end's port (TCP, UDP, SCTP), or the Service's
     node: tuple[str, ...] = ()
     ip: tuple[str, ...] = ()  # either end, or the Service's address
     event: tuple[str, ...] = ()
@@ -212,7 +214,7 @@ class FlowFilter:
             return False
         if self.label and not any(e.identity and _labels_match(e.identity.labels, self.label) for e in ends):
             return False
-        if self.port and not (f.src.port in self.port or f.dst.port in self.port
+        if self.port and not ((f.protocol in PORTED and (f.src.port in self.port or f.dst.port in self.port))
                               or (f.service is not None and f.service_port in self.port)):  # fmt: skip
             return False
         if self.ip and not (f.src.ip in self.ip or f.dst.ip in self.ip or f.service_ip in self.ip):

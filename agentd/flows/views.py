@@ -1,7 +1,7 @@
 """What ``GET /flows``, ``/status`` and /metrics show of the flow recorder.  Reads only.
 
-Metrics have bounded label sets: verdicts (2), drop reasons (:data:`agentd.flows.model.REASONS`
-and ``unknown``) by direction (4), where records were suppressed (kernel, agent) and where
+Metrics have bounded label sets: verdicts (2), drop reasons (:data:`agentd.flows.model.REASONS`,
+``unknown`` among them) by direction (4), where records were suppressed (kernel, agent) and where
 events were lost (conntrack, log).
 """
 

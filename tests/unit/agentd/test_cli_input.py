@@ -281,3 +281,40 @@ def test_flows_service_filter_is_namespace_slash_name(capsys, monkeypatch, value
     monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": None})})())
     code, _, err = run(capsys, "flows", "--service", value)
     assert code == 2 and err == f"agentd flows: filter service: expected NAMESPACE/NAME, got {value!r}\n"
+
+
+@pytest.mark.parametrize("extra", [(), ("-A",), ("--node", "node2")])
+def test_flows_sends_the_read_only_key_not_the_api_token(capsys, monkeypatch, tmp_path, extra):
+    """What `agentd flows` gathers needs only the token's browser key, which cannot POST /leave."""
+    import io
+    import urllib.request
+
+    from agentd.daemon import auth
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    token = tmp_path / "api-token"
+    token.write_text("t0ken\n")
+    monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": token})})())
+    asked = []
+
+    def urlopen(req, timeout=None):
+        asked.append(req)
+        return io.BytesIO(b'{"time": 1.0, "node": "node2", "event": "new", "protocol": "TCP", "verdict": "forwarded", '
+                          b'"direction": "ingress", "src": {"ip": "10.244.1.2", "port": 1}, "dst": {"ip": "10.244.2.3", "port": 80}}\n')
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    code, out, err = run(capsys, "flows", "-o", "json", *extra)
+    assert code == 0 and json.loads(out)["node"] == "node2", err
+    (req,) = asked
+    sent = req.get_header("Authorization")
+    assert sent == f"Bearer {auth.ui_key('t0ken')}" and "t0ken" not in sent
+    assert auth.may_read_cluster(sent, "t0ken")  # what the agent asks of a cluster read
+
+
+def test_flows_help_says_labels_are_all_of_and_other_filters_any_of(capsys):
+    """Repeated -l are one selector on one end (FlowFilter.label), not any of several."""
+    code, out, _ = run(capsys, "flows", "--help")
+    text = " ".join(out.split())  # as argparse wrapped it
+    label = text[text.index("-l KEY[=VALUE] ") :].split(" --", 1)[0]
+    assert code == 0 and "any of" not in label and "all on one end" in label and "every one must hold" in label
+    assert "--pod NS/NAME only records whose pod matches (repeat for any of several)" in text

@@ -370,6 +370,38 @@ def test_every_protocol_can_be_named_in_any_case():
     assert not FlowFilter.parse([("protocol", "icmp")]).matches(v6)
 
 
+def test_a_port_filter_never_matches_icmp_type_or_code():
+    # ICMP's ends hold its type (source) and code (destination): an echo request is not port 8 or 0.
+    ping = Flow(1.0, "node2", "new", "ICMP", Peer("10.244.1.2", 8, CLIENT), Peer("10.244.2.3", 0, WEB), "ingress")
+    unreachable = Flow(1.0, "node2", "new", "ICMPv6", Peer("fd00::1", 1), Peer("fd00::2", 3), "egress")
+    for port in ("8", "0", "1", "3"):
+        flt = FlowFilter.parse([("port", port)])
+        assert not flt.matches(ping) and not flt.matches(unreachable), port
+    for protocol in ("UDP", "SCTP"):
+        f = Flow(1.0, "node2", "new", protocol, Peer("10.244.1.2", 8), Peer("10.244.2.3", 53), "egress")
+        assert FlowFilter.parse([("port", "53")]).matches(f), protocol
+
+
+def test_a_service_without_endpoints_drop_is_found_by_service_not_by_to_pod():
+    # docs/troubleshooting.md "Start here": the drop's destination is the virtual IP (no pod).
+    drop = Flow(1.0, "node1", "drop", "TCP", Peer("10.244.1.2", 40000, CLIENT), Peer("10.96.0.10", 80), "egress",
+                verdict="dropped", reason="no-endpoints", service="shop/web", service_ip="10.96.0.10", service_port=80)
+    assert FlowFilter.parse([("from-pod", "shop/client"), ("service", "shop/web")]).matches(drop)
+    assert FlowFilter.parse([("from-pod", "shop/client"), ("reason", "no-endpoints")]).matches(drop)
+    assert not FlowFilter.parse([("from-pod", "shop/client"), ("to-pod", "shop/web")]).matches(drop)
+
+
+def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
+    # An unrecognised log prefix is recorded (and counted) as "unknown": selectable like the rest.
+    drop = recorder().dropped(nflog.Packet("someone-elses-rule", socket.AF_INET, 1.0, 3, 4, 1, "10.244.1.2",
+                                           "10.244.2.3", 6, 40000, 80))
+    assert drop is not None and drop.reason == "unknown"
+    assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
+    assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
+    with pytest.raises(FilterError, match="'no-route' is not one of policy, spoofed, no-endpoints, no-local-endpoints, unknown"):
+        FlowFilter.parse([("reason", "no-route")])  # nothing records it
+
+
 def test_filter_round_trips_through_pairs():
     f = FlowFilter.parse([("pod", "shop/web"), ("label", "app=web"), ("label", "tier"), ("port", "80")])
     assert FlowFilter.parse(f.pairs()) == f
@@ -570,6 +602,80 @@ async def test_a_followed_node_that_refuses_is_given_up_and_a_broken_one_asked_l
     # The refusal said once for the outage, the record passed on, each new reason said.
     assert [b"401" in line for line in said] == [True, False, False, False]
     assert said[1] == b'{"time": 1}\n' and b"ended the stream" in said[2] and b"reset" in said[3]
+
+
+class _Registry:
+    """A ClusterView whose registry can grow: each node's followed stream sends one record, then
+    stays open until cancelled (``closed`` says whose were)."""
+
+    def __init__(self, names):
+        self.addresses = {name: "192.0.2.1" for name in names}
+        self.asked: list[tuple[str, str]] = []
+        self.closed: set[str] = set()
+
+    def nodes(self):
+        return dict(self.addresses)
+
+    async def lines(self, node, path, *, follow=False):
+        self.asked.append((node, path))
+        try:
+            yield json.dumps({"time": 1.0, "node": node}).encode() + b"\n"
+            await asyncio.Event().wait()
+        finally:
+            self.closed.add(node)
+
+
+class _Stream:
+    def __init__(self):
+        self.lines: list[bytes] = []
+
+    async def write(self, data):
+        self.lines.append(data)
+
+
+async def test_a_followed_cluster_takes_in_a_node_that_joined_after_it_began(monkeypatch):
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    monkeypatch.setattr(observe_api, "KEEPALIVE", 0)  # a keep-alive tick at every quiet turn of the loop
+    for pairs, joined_followed in (([], True), ([("node", "node2")], False)):
+        registry = _Registry(["node1", "node2"])
+        agent = SimpleNamespace(cluster_view=lambda r=registry: r, flows_view=lambda: None, node_name=lambda: "node1")
+        handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+        resp = _Stream()
+        task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse(pairs), 0, None, True))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        registry.addresses["node3"] = "192.0.2.3"  # registered after the stream began
+        for _ in range(20):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        nodes = {json.loads(line)["node"] for line in resp.lines if line.strip()}
+        followed = {"node2", "node3"} if joined_followed else {"node2"}
+        assert nodes == followed and {n for n, _ in registry.asked} == followed, pairs
+        assert registry.closed == followed  # every node's stream ended with the reader's
+
+
+@pytest.mark.parametrize("query, message", [
+    ("last=abc", "last: 'abc' is not a whole number"), ("last=1e3", "last: '1e3' is not a whole number"),
+    ("last=", "last: '' is not a whole number"), ("last=-1", "last: -1 is out of range 0..100000"),
+    ("since=abc", "since: 'abc' is not a UNIX time"), ("since=nan", "since: 'nan' is not a UNIX time"),
+    ("since=inf", "since: 'inf' is not a UNIX time"), ("since=-Infinity", "since: '-Infinity' is not a UNIX time"),
+])  # fmt: skip
+async def test_bad_last_or_since_is_a_400_naming_it(query, message):
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from agentd.daemon import observe_api
+
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = await handlers.flows(make_mocked_request("GET", "/flows?" + query))
+    assert resp.status == 400 and json.loads(resp.body) == {"error": message}
 
 
 def test_a_spoofed_drop_names_the_pod_whose_veth_sent_it():
