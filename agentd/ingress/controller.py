@@ -84,6 +84,9 @@ class IngressController:
         self.last_change: dict[str, Any] | None = None
         self.error: str | None = None
         self.settings_error: str | None = None
+        # Settings HAProxy refused and why: while the ConfigMap holds them the defaults are used
+        # and the error stays (a later sync parses them without complaint).
+        self._refused_settings: tuple[settings.Settings, str] | None = None
         self.tls_errors: dict[str, str] = {}
         self._loadable: dict[bytes, str | None] = {}  # PEM digest -> why the TLS library refuses it (None: it loads)
         self.worker: Any = None  # proxy.Worker
@@ -170,7 +173,7 @@ class IngressController:
     async def _start_proxy(self) -> None:
         files, structure = await self._render()
         await asyncio.to_thread(self._write_files, files)
-        await self._check_or_fall_back()
+        structure = await self._check_or_fall_back(structure)
         await self.proxy.start()
         self.servers = {name: set(s) for name, s in self._want_servers().items()}
         self.draining = {}
@@ -269,6 +272,11 @@ class IngressController:
                 log.error("ingress: %s; keeping the settings in use", err)
             self.settings_error = str(err)
             return self.settings
+        if self._refused_settings is not None:
+            if parsed == self._refused_settings[0]:
+                self.settings_error = self._refused_settings[1]
+                return settings.Settings()
+            self._refused_settings = None  # other settings: HAProxy checks them
         self.settings_error = None
         return parsed
 
@@ -369,25 +377,23 @@ class IngressController:
             if path.name not in keep:
                 path.unlink(missing_ok=True)
 
-    async def _check_or_fall_back(self) -> None:
-        """Check the configuration on disk; a bad one (a snippet or log format HAProxy refuses)
-        is replaced by the same one with the default settings."""
+    async def _check_or_fall_back(self, structure: str) -> str:
+        """Check the configuration on disk (of ``structure``); a bad one (a snippet or log
+        format HAProxy refuses) is replaced by the same one with the default settings, kept
+        while the ConfigMap holds the refused settings.  The structure of what was checked."""
         try:
             await self.proxy.check(self.paths.config)
-            return
+            return structure
         except ProxyError as err:
             if self.settings == settings.Settings():
                 raise
             self.settings_error = f"ConfigMap {self.cfg.configmap}: HAProxy refused the settings: {err}"
+            self._refused_settings = (self.settings, self.settings_error)
             log.error("ingress: %s; using the default settings", self.settings_error)
-        self.settings = settings.Settings()
-        cert_paths = {t.secret: self.paths.certs / f"{t.secret[0]}.{t.secret[1]}.pem"
-                      for t in self.table.tls
-                      if t.secret is not None and (self.paths.certs / f"{t.secret[0]}.{t.secret[1]}.pem").exists()}  # fmt: skip
-        files = haproxy.render(self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths)
-        await asyncio.to_thread(self._write_files, {**{k: v.encode() for k, v in files.items()},
-                                                    **{f"certs/{p.name}": p.read_bytes() for p in cert_paths.values()}})  # fmt: skip
+        files, structure = await self._render()  # with the defaults now
+        await asyncio.to_thread(self._write_files, files)
         await self.proxy.check(self.paths.config)
+        return structure
 
     # ------------------------------------------------------------------ applying
 
@@ -418,7 +424,7 @@ class IngressController:
         on with what it had)."""
         await asyncio.to_thread(self._write_files, files)
         try:
-            await self._check_or_fall_back()
+            structure = await self._check_or_fall_back(structure)
             await self.refresh_stats()  # what the old worker counted until now: folded once a new one runs
             self._reloading = True  # no stats read meanwhile (the new worker's would replace the old's)
             try:
