@@ -1,5 +1,6 @@
 """The ingress controller's sync (agentd/ingress/controller.py) with a fake proxy: settings
-HAProxy refuses stay refused (and in /status) on later syncs."""
+HAProxy refuses stay refused (and in /status) on later syncs; a failed reload is not reported
+as applied and is tried again, with a backoff."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class FakeProxy:
     def __init__(self) -> None:
         self.checks: list[str] = []
         self.reloads = 0
+        self.fail_reloads = 0  # so many reloads fail (the master socket timing out)
 
     async def check(self, path: Path) -> None:
         text = Path(path).read_text()
@@ -31,6 +33,9 @@ class FakeProxy:
             raise ProxyError("unknown fetch method 'bogus'")
 
     async def reload(self) -> None:
+        if self.fail_reloads:
+            self.fail_reloads -= 1
+            raise ProxyError("timeout on the master socket")
         self.reloads += 1
 
     async def stats(self) -> list:
@@ -68,5 +73,24 @@ def test_refused_settings_stay_refused_and_in_status_on_later_syncs(tmp_path):
         await ctl._sync()
         assert ctl.settings_error is None and ctl.settings.body_size == 100 << 20
         assert proxy.reloads == 2 and "bogus" not in proxy.checks[-1]
+
+    asyncio.run(main())
+
+
+def test_a_failed_reload_is_not_applied_and_is_tried_again_with_a_backoff(tmp_path):
+    ctl, proxy = controller(tmp_path)
+    ctl.revision = 7
+    proxy.fail_reloads = 2
+
+    async def main():
+        await ctl._sync()
+        assert ctl.applied_revision == 0 and ctl.error is not None and proxy.reloads == 0
+        first = ctl._retry_at
+        assert first is not None and not ctl._retry_due(first - 0.01) and ctl._retry_due(first)
+        await ctl._sync()  # the retry, when due: fails again, the next one waits longer
+        assert ctl.applied_revision == 0 and ctl._retry_delay == 4.0
+        await ctl._sync()
+        assert ctl.applied_revision == 7 and proxy.reloads == 1 and ctl.error is None
+        assert ctl._retry_at is None and not ctl._retry_due(float("inf"))
 
     asyncio.run(main())
