@@ -23,6 +23,22 @@ def test_options_follow_the_subnet_file():
     assert json.loads(render(docker_options(SF), "json")) == {"bip": "10.244.3.1/24", "ip-masq": False, "mtu": 1450}
 
 
+def test_allow_direct_routing_only_when_asked(tmp_path, capsys):
+    """Docker 28 drops packets for a container's address from outside the host without it;
+    dockerd 20.10 refuses it as unknown: given only with --allow-direct-routing."""
+    assert "allow-direct-routing" not in docker_options(SF)
+    opts = docker_options(SF, allow_direct_routing=True)
+    assert render(opts, "args") == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450 --allow-direct-routing=true\n"
+    assert json.loads(render(opts, "json"))["allow-direct-routing"] is True
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    assert main(["docker-opts", "--subnet-file", str(path), "--allow-direct-routing"]) == 0
+    assert capsys.readouterr().out == (
+        'DOCKER_OPTS="--bip=10.244.3.1/24 --ip-masq=false --mtu=1450 --allow-direct-routing=true"\n')
+    assert main(["docker-opts", "--subnet-file", str(path), "--format", "json"]) == 0
+    assert "allow-direct-routing" not in capsys.readouterr().out
+
+
 def test_dual_stack_and_ipv6_only_nodes_give_docker_their_ipv6_subnet(tmp_path, capsys):
     v6 = {"network_v6": IPv6Network("fd00:10:244::/48"), "subnet_v6": IPv6Network("fd00:10:244:3::/64")}
     dual = SubnetFile(network=SF.network, subnet=SF.subnet, mtu=1450, **v6)
