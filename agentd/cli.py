@@ -350,11 +350,11 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if cmd == "docker-opts":
         from agentd.cni import docker_opts
 
-        masq = None
+        masq = cni = None
         if args.subnet_file is None:  # the configuration's: [cni] subnet_file (no host facts needed)
             cfg = _load(args, parser, host=None, check_files=False)[2]
-            args.subnet_file, masq = str(cfg.cni.subnet_file), cfg.network.ip_masq
-        return docker_opts.run(args, agent_masquerades=masq)
+            args.subnet_file, masq, cni = str(cfg.cni.subnet_file), cfg.network.ip_masq, cfg.cni
+        return docker_opts.run(args, agent_masquerades=masq, cni=cni)
     plugin = getattr(args, "plugin_command", None)
     if plugin is not None:
         return plugin.run(args)

@@ -20,31 +20,48 @@ node's pod subnet, so the containers get cluster addresses that every other node
   nodes included; with ``[network] ip_masq = true`` the agent masquerades only what leaves the
   pod network itself (agentd.nft.masquerade).  With ``ip_masq`` off nothing does, and the
   command warns (when it read the configuration, i.e. without ``--subnet-file``).
+* ``--allow-direct-routing`` (only with the flag of that name): Docker 28 drops packets from
+  outside the host addressed straight to a container's address -- every connection a
+  container on another node opens to one here -- unless this daemon option (Docker 28.2+;
+  ``"allow-direct-routing": true`` in daemon.json) is set.  Older daemons (20.10) refuse the
+  unknown option, so it is never given unasked.
+
+One or the other: Docker's bridge and agentd-cni's ``cni0`` would both take the node's whole
+subnet, both hold its gateway and both hand out its addresses.  Where the command reads the
+configuration (no ``--subnet-file``) it refuses, in one line, a node whose configuration writes
+agentd-cni's conflist (``[cni] write_conflist``, on by default) or that has CNI pods attached
+(endpoint files in ``[cni] data_dir``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
+from agentd.cni.endpoints import SUFFIX, endpoints_dir
 from agentd.cni.netconf import SubnetFile, SubnetFileError, atomic_write, read_subnet_file
 
 FORMATS = ("env", "args", "json")
 
 
-def docker_options(sf: SubnetFile) -> dict[str, Any]:
+def docker_options(sf: SubnetFile, allow_direct_routing: bool = False) -> dict[str, Any]:
     """The daemon's options, as daemon.json names them: ``bip`` for the node's IPv4 subnet,
     ``ipv6`` and ``fixed-cidr-v6`` for its IPv6 one (dual-stack and IPv6-only nodes; Docker
-    gives the bridge the subnet's first address, as agentd's CNI does)."""
+    gives the bridge the subnet's first address, as agentd's CNI does); with
+    ``allow_direct_routing``, Docker 28.2's ``allow-direct-routing``."""
     out: dict[str, Any] = {}
     if sf.subnet is not None:
         out["bip"] = f"{sf.gateway}/{sf.subnet.prefixlen}"
     if sf.subnet_v6 is not None:
         out["ipv6"] = True
         out["fixed-cidr-v6"] = str(sf.subnet_v6)
-    return {**out, "ip-masq": sf.ipmasq, "mtu": sf.mtu}
+    out.update({"ip-masq": sf.ipmasq, "mtu": sf.mtu})
+    if allow_direct_routing:
+        out["allow-direct-routing"] = True
+    return out
 
 
 def render(options: dict[str, Any], fmt: str, key: str = "DOCKER_OPTS") -> str:
@@ -64,15 +81,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="env: KEY=\"--bip=...\" (default); args: the options alone; json: a daemon.json fragment")
     p.add_argument("--key", default="DOCKER_OPTS", help="the variable's name with --format env")
     p.add_argument("--output", "-o", help="write to this file (atomically) instead of standard output")
+    p.add_argument("--allow-direct-routing", action="store_true",
+                   help="add Docker 28.2's allow-direct-routing (needed from Docker 28 on for containers on other "
+                        "nodes to reach this node's; Docker before 28.2 refuses it)")  # fmt: skip
 
+
+def cni_in_use(write_conflist: bool, data_dir: str | os.PathLike[str]) -> str | None:
+    """Why agentd-cni hands out this node's subnet already -- the configuration writes its
+    conflist, or pods are attached (their endpoint files) --, or None."""
+    if write_conflist:
+        return "the configuration writes agentd-cni's conflist ([cni] write_conflist = true)"
+    directory = endpoints_dir(data_dir)
+    try:
+        pods = [n for n in os.listdir(directory) if n.endswith(SUFFIX) and not n.startswith(".")]
+    except OSError:  # none yet, or not ours to read
+        return None
+    return f"{len(pods)} CNI pod(s) are attached ({directory})" if pods else None
+
+
+SHARED = ("agentd docker-opts: {why}: Docker and agentd-cni cannot share a node's subnet (two bridges would hold "
+          "its gateway and both would hand out its addresses); on a Docker host set [cni] write_conflist = false "
+          "and run no CNI pods, or leave Docker off the subnet (docs/docker.md)")
 
 IP_MASQ_OFF = ("agentd docker-opts: warning: [network] ip_masq is off and Docker's masquerading is switched off "
                "(--ip-masq=false): containers cannot reach addresses outside the cluster; set ip_masq = true")
 
 
-def run(args: argparse.Namespace, agent_masquerades: bool | None = None) -> int:
+def run(args: argparse.Namespace, agent_masquerades: bool | None = None, cni: Any = None) -> int:
     """``args.subnet_file``: the flag's, or the configuration's (the CLI puts it there, with
-    ``agent_masquerades``, its ``[network] ip_masq``: False warns that nothing masquerades)."""
+    ``agent_masquerades``, its ``[network] ip_masq``: False warns that nothing masquerades,
+    and ``cni``, its ``[cni]`` section: a node of agentd-cni's is refused)."""
+    if cni is not None and (why := cni_in_use(cni.write_conflist, cni.data_dir)) is not None:
+        print(SHARED.format(why=why), file=sys.stderr)
+        return 1
     try:
         sf = read_subnet_file(args.subnet_file)
     except FileNotFoundError:
@@ -87,7 +128,7 @@ def run(args: argparse.Namespace, agent_masquerades: bool | None = None) -> int:
         return 2
     if agent_masquerades is False:
         print(IP_MASQ_OFF, file=sys.stderr)
-    text = render(docker_options(sf), args.format, args.key)
+    text = render(docker_options(sf, args.allow_direct_routing), args.format, args.key)
     if args.output:
         try:
             atomic_write(args.output, text, mode=0o644)

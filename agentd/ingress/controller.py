@@ -59,6 +59,7 @@ KINDS = ("Ingress", "IngressClass", "Secret", "ConfigMap", "Service", "EndpointS
 TICK = 1.0  # servers waiting for their connections to end are retried this often
 STATS_INTERVAL = 2.0
 RESTART_BACKOFF = (0.2, 1.0, 2.0, 5.0)
+RETRY_FIRST, RETRY_MAX = 1.0, 30.0  # a failed reload is tried again after 1 s, doubling to 30 s
 
 
 class IngressController:
@@ -84,6 +85,9 @@ class IngressController:
         self.last_change: dict[str, Any] | None = None
         self.error: str | None = None
         self.settings_error: str | None = None
+        # Settings HAProxy refused and why: while the ConfigMap holds them the defaults are used
+        # and the error stays (a later sync parses them without complaint).
+        self._refused_settings: tuple[settings.Settings, str] | None = None
         self.tls_errors: dict[str, str] = {}
         self._loadable: dict[bytes, str | None] = {}  # PEM digest -> why the TLS library refuses it (None: it loads)
         self.worker: Any = None  # proxy.Worker
@@ -92,6 +96,8 @@ class IngressController:
         self.counter_base: dict[tuple[str, str], int] = {}  # (backend, counter) of proxies gone
         self._last_counts: dict[tuple[str, str], int] = {}
         self._reloading = False
+        self._retry_at: float | None = None  # time.monotonic() of the next try of a failed reload
+        self._retry_delay = RETRY_FIRST
         self._published: tuple[int | None, str] | None = None
         self._have_snapshot = False
         self._wake = asyncio.Event()
@@ -149,13 +155,14 @@ class IngressController:
                     woke.cancel()
                     if exited.done():
                         break
-                    if self._wake.is_set() or any(self.draining.values()):  # else a tick with nothing to do
+                    if self._wake.is_set() or any(self.draining.values()) or self._retry_due(time.monotonic()):
                         self._wake.clear()
                         try:
                             await self._sync()
-                        except (ProxyError, OSError) as err:  # the proxy is checked again at the next tick
+                        except (ProxyError, OSError) as err:  # tried again after a while
                             self.error = f"applying the configuration failed: {err}"
                             log.error("ingress: %s", self.error)
+                            self._retry_later()
                     await self._publish()  # again when etcd gave us a new lease
             finally:
                 if not exited.done():
@@ -170,7 +177,7 @@ class IngressController:
     async def _start_proxy(self) -> None:
         files, structure = await self._render()
         await asyncio.to_thread(self._write_files, files)
-        await self._check_or_fall_back()
+        structure = await self._check_or_fall_back(structure)
         await self.proxy.start()
         self.servers = {name: set(s) for name, s in self._want_servers().items()}
         self.draining = {}
@@ -179,6 +186,7 @@ class IngressController:
         self.worker = await self.proxy.worker()
         self.error = None
         self.applied_revision = self.revision
+        self._retry_at, self._retry_delay = None, RETRY_FIRST
         log.info("ingress: HAProxy %d serving %d Ingresses on %s (http %d, https %d)", self.proxy.pid or 0,
                  len(self.table.ingresses), ", ".join(self.listen.addresses), self.listen.http_port,
                  self.listen.https_port)  # fmt: skip
@@ -269,6 +277,11 @@ class IngressController:
                 log.error("ingress: %s; keeping the settings in use", err)
             self.settings_error = str(err)
             return self.settings
+        if self._refused_settings is not None:
+            if parsed == self._refused_settings[0]:
+                self.settings_error = self._refused_settings[1]
+                return settings.Settings()
+            self._refused_settings = None  # other settings: HAProxy checks them
         self.settings_error = None
         return parsed
 
@@ -369,25 +382,23 @@ class IngressController:
             if path.name not in keep:
                 path.unlink(missing_ok=True)
 
-    async def _check_or_fall_back(self) -> None:
-        """Check the configuration on disk; a bad one (a snippet or log format HAProxy refuses)
-        is replaced by the same one with the default settings."""
+    async def _check_or_fall_back(self, structure: str) -> str:
+        """Check the configuration on disk (of ``structure``); a bad one (a snippet or log
+        format HAProxy refuses) is replaced by the same one with the default settings, kept
+        while the ConfigMap holds the refused settings.  The structure of what was checked."""
         try:
             await self.proxy.check(self.paths.config)
-            return
+            return structure
         except ProxyError as err:
             if self.settings == settings.Settings():
                 raise
             self.settings_error = f"ConfigMap {self.cfg.configmap}: HAProxy refused the settings: {err}"
+            self._refused_settings = (self.settings, self.settings_error)
             log.error("ingress: %s; using the default settings", self.settings_error)
-        self.settings = settings.Settings()
-        cert_paths = {t.secret: self.paths.certs / f"{t.secret[0]}.{t.secret[1]}.pem"
-                      for t in self.table.tls
-                      if t.secret is not None and (self.paths.certs / f"{t.secret[0]}.{t.secret[1]}.pem").exists()}  # fmt: skip
-        files = haproxy.render(self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths)
-        await asyncio.to_thread(self._write_files, {**{k: v.encode() for k, v in files.items()},
-                                                    **{f"certs/{p.name}": p.read_bytes() for p in cert_paths.values()}})  # fmt: skip
+        files, structure = await self._render()  # with the defaults now
+        await asyncio.to_thread(self._write_files, files)
         await self.proxy.check(self.paths.config)
+        return structure
 
     # ------------------------------------------------------------------ applying
 
@@ -396,19 +407,26 @@ class IngressController:
         start = time.perf_counter()
         files, structure = await self._render()
         want = self._want_servers()
+        failed = False  # a reload failed: this revision is not applied, tried again later
         if structure != self._structure:
             how = "reload"
             if not await self._reload(files, structure, want):
+                failed = True
                 # The proxy runs on with what it had: its backends still follow their endpoints.
                 changed = await self._runtime({b: s for b, s in want.items() if b in self.servers})
                 how = "runtime" if changed else "none"
         else:
             changed = await self._runtime(want)
             if changed is None:  # the runtime API refused something: load it all
-                how = "reload" if await self._reload(files, structure, want) else "none"
+                failed = not await self._reload(files, structure, want)
+                how = "none" if failed else "reload"
             else:
                 how = "runtime" if changed else "none"
-        self.applied_revision = max(self.applied_revision, revision)
+        if failed:
+            self._retry_later()
+        else:
+            self._retry_at, self._retry_delay = None, RETRY_FIRST
+            self.applied_revision = max(self.applied_revision, revision)
         if how != "none":
             self.last_change = {"how": how, "seconds": round(time.perf_counter() - start, 6), "at": time.time(),
                                 "revision": revision}  # fmt: skip
@@ -416,16 +434,16 @@ class IngressController:
     async def _reload(self, files: Mapping[str, bytes], structure: str, want: dict[str, set[Server]]) -> bool:
         """Load the configuration; False when the check or the reload failed (the proxy runs
         on with what it had)."""
-        await asyncio.to_thread(self._write_files, files)
         try:
-            await self._check_or_fall_back()
+            await asyncio.to_thread(self._write_files, files)
+            structure = await self._check_or_fall_back(structure)
             await self.refresh_stats()  # what the old worker counted until now: folded once a new one runs
             self._reloading = True  # no stats read meanwhile (the new worker's would replace the old's)
             try:
                 self.worker = await self.proxy.reload()
             finally:
                 self._reloading = False
-        except ProxyError as err:  # the old worker runs on and counts on: nothing folded
+        except (ProxyError, OSError) as err:  # the old worker runs on and counts on: nothing folded
             self.error = f"reload failed: {err}"
             log.error("ingress: %s", self.error)
             return False
@@ -439,6 +457,15 @@ class IngressController:
                  len(self.table.ingresses), len(self.table.backends),
                  f"; conflicts: {'; '.join(self.table.conflicts)}" if self.table.conflicts else "")  # fmt: skip
         return True
+
+    def _retry_later(self) -> None:
+        """A failed reload (a master socket timing out, ``haproxy -c`` not started) is tried
+        again even if nothing else changes: after 1 s, then 2, 4, ... up to 30 s."""
+        self._retry_at = time.monotonic() + self._retry_delay
+        self._retry_delay = min(self._retry_delay * 2, RETRY_MAX)
+
+    def _retry_due(self, now: float) -> bool:
+        return self._retry_at is not None and now >= self._retry_at
 
     async def _runtime(self, want: dict[str, set[Server]]) -> int | None:
         """Endpoint changes through the runtime API; the number of servers changed, None when

@@ -20,7 +20,7 @@ whose regular expressions the frontend runs), and a decoded path may hold any by
 space, a tab or a newline would split a map line into a key and a value of the sender's
 choosing; in hex each rule is one line whatever its path, and a byte prefix is a hex prefix.
 
-:mod:`agentd.ingress.routing` is the reference; tests/unit/agentd/test_ingress_haproxy.py runs
+:mod:`agentd.ingress.routing` is the reference; tests/unit/agentd/test_ingress_routing.py runs
 both on the same tables.
 
 Backends list their endpoints as ``server <ip>:<port> <ip>:<port>``: the server's name is

@@ -9,7 +9,8 @@ the node starts a dockerd of its own in its network namespace (agentd.lab.docker
 options; the lab's pods are then containers (a 2 MB busybox image, agentd.lab.images) started
 with ``docker run`` on ``docker0`` -- no CNI.  Each container's network namespace is named
 ``ad-<lab>-<node>-podJ`` (``ip netns attach``), so the reachability matrix, ``lab exec`` and
-``lab down`` treat them like any pod.  The nodes run with ``[network] ip_masq = true``:
+``lab down`` treat them like any pod.  The nodes run with ``[cni] write_conflist = false`` (the
+subnet is dockerd's, not agentd-cni's) and ``[network] ip_masq = true``:
 containers reaching outside the pod network are masqueraded by the agent, container-to-container
 traffic never (Docker's own masquerading is off: ``--ip-masq=false``).
 """

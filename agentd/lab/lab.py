@@ -176,6 +176,8 @@ class LabNode:
                 "subnet_file": str(self.dir / "subnet.env"),
                 "data_dir": str(self.dir / "cni"),
                 "ipam_data_dir": str(self.dir / "ipam"),
+                # Docker hosts: the subnet is dockerd's, not agentd-cni's (docs/docker.md).
+                "write_conflist": False if spec.docker else None,
             },
             "agent": {"state_dir": str(self.dir / "state"), "bpf_dir": str(self.lab.bpffs)},
             "log": {"level": spec.log_level},

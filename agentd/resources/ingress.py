@@ -15,8 +15,8 @@ The checks follow ``ValidateIngressSpec`` / ``ValidateIngressClass``
 * an IngressClass names its ``controller`` (a domain-prefixed path, at most 250
   characters).
 
-What the API server stores it stores: the spec as given, with ``path`` defaulted to ``/``
-for Exact/Prefix paths that name none (the API server's own default).
+What the API server stores it stores: the spec as given, nothing defaulted (an Exact or
+Prefix path that names no ``path`` is refused as not absolute, as the API server refuses it).
 """
 
 from __future__ import annotations

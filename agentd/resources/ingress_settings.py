@@ -22,7 +22,11 @@ frontend-snippet            (none)     extra frontend lines, only header rules (
 ``frontend-snippet`` takes lines of the forms ``http-request set-header|add-header|del-header
 ...`` and ``http-response set-header|add-header|del-header ...`` only: they change headers,
 nothing else (no ACL-less deny, no Lua, no file paths), so a snippet cannot break routing
-or read the node's files.  HAProxy then checks the whole configuration before it is used.
+or read the node's files.  Routing is a few variables (``txn.key``, ``txn.backend``) the
+frontend sets around the snippet, and HAProxy's ``set-var()`` converter inside a header value
+would overwrite them: ``set-var``/``unset-var`` are refused, as are maps and files named by
+path (``map*()``, ``-f``, ``-M``, ``jwt_verify()``).  HAProxy then checks the whole
+configuration before it is used.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 # has an env() fetch: a header could carry the agent's secrets to clients, ingress-nginx's
 # CVE-2021-25742 class).
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f]|lua|\bfile\b|/etc/|/proc/|\benv\s*\(|\$")
+# Variables (a converter in a header value can overwrite txn.key or txn.backend, which route the
+# request), and maps or files read by path: map(), map_str(), ..., ACL -f/-M, jwt_verify().
+_REROUTES = re.compile(r"\b(?:un)?set-var(?:-fmt)?\s*\(|\bmap(?:_\w+)?\s*\(|(?<!\S)-[fM](?!\S)|\bjwt_verify\s*\(")
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,9 @@ def snippet(text: str, where: str) -> tuple[str, ...]:
         if _UNSAFE.search(line):
             raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: control characters, Lua, file paths and "
                                  "environment variables ($, env()) are not allowed")
+        if _REROUTES.search(line):
+            raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: variables (set-var, unset-var: they could "
+                                 "re-route requests), maps and files by path (map*, -f, -M, jwt_verify) are not allowed")
         lines.append(line)
     return tuple(lines)
 

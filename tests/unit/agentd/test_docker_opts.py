@@ -23,6 +23,22 @@ def test_options_follow_the_subnet_file():
     assert json.loads(render(docker_options(SF), "json")) == {"bip": "10.244.3.1/24", "ip-masq": False, "mtu": 1450}
 
 
+def test_allow_direct_routing_only_when_asked(tmp_path, capsys):
+    """Docker 28 drops packets for a container's address from outside the host without it;
+    dockerd 20.10 refuses it as unknown: given only with --allow-direct-routing."""
+    assert "allow-direct-routing" not in docker_options(SF)
+    opts = docker_options(SF, allow_direct_routing=True)
+    assert render(opts, "args") == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450 --allow-direct-routing=true\n"
+    assert json.loads(render(opts, "json"))["allow-direct-routing"] is True
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    assert main(["docker-opts", "--subnet-file", str(path), "--allow-direct-routing"]) == 0
+    assert capsys.readouterr().out == (
+        'DOCKER_OPTS="--bip=10.244.3.1/24 --ip-masq=false --mtu=1450 --allow-direct-routing=true"\n')
+    assert main(["docker-opts", "--subnet-file", str(path), "--format", "json"]) == 0
+    assert "allow-direct-routing" not in capsys.readouterr().out
+
+
 def test_dual_stack_and_ipv6_only_nodes_give_docker_their_ipv6_subnet(tmp_path, capsys):
     v6 = {"network_v6": IPv6Network("fd00:10:244::/48"), "subnet_v6": IPv6Network("fd00:10:244:3::/64")}
     dual = SubnetFile(network=SF.network, subnet=SF.subnet, mtu=1450, **v6)
@@ -58,7 +74,7 @@ def test_the_subnet_file_is_the_configurations_by_default(tmp_path, capsys, monk
     path = tmp_path / "subnet.env"
     path.write_text(render_subnet_file(SF))
     config = tmp_path / "agentd.toml"
-    config.write_text(f'[cni]\nsubnet_file = "{path}"\n')
+    config.write_text(f'[cni]\nsubnet_file = "{path}"\nwrite_conflist = false\n')  # a Docker host
     assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
     out, err = capsys.readouterr()
     assert out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
@@ -70,12 +86,38 @@ def test_the_subnet_file_is_the_configurations_by_default(tmp_path, capsys, monk
     assert capsys.readouterr().out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
     # The configuration read has [network] ip_masq off (the default): nothing would masquerade
     # the containers' traffic leaving the cluster, and the command says so (stderr only).
-    config.write_text(f'[cni]\nsubnet_file = "{path}"\n[network]\nip_masq = true\n')
+    config.write_text(f'[cni]\nsubnet_file = "{path}"\nwrite_conflist = false\n[network]\nip_masq = true\n')
     assert main(["docker-opts", "--format", "args"]) == 0
     assert capsys.readouterr() == ("--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n", "")
     monkeypatch.setenv("AGENTD_CNI_SUBNET_FILE", str(tmp_path / "elsewhere.env"))
     assert main(["docker-opts"]) == 1
     assert f"no subnet file at {tmp_path / 'elsewhere.env'}" in capsys.readouterr().err
+
+
+def test_a_node_of_agentd_cni_is_refused(tmp_path, capsys, monkeypatch):
+    """Docker's bridge and agentd-cni's would both take the node's whole subnet (the gateway
+    on two bridges, two allocators handing out the same addresses): one or the other."""
+    for name in [k for k in os.environ if k.startswith("AGENTD_")]:
+        monkeypatch.delenv(name)
+    path = tmp_path / "subnet.env"
+    path.write_text(render_subnet_file(SF))
+    data = tmp_path / "cni"
+    config = tmp_path / "agentd.toml"
+    config.write_text(f'[cni]\nsubnet_file = "{path}"\ndata_dir = "{data}"\n')  # write_conflist: on by default
+    assert main(["docker-opts", "--config", str(config)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "[cni] write_conflist = true" in err and "cannot share a node's subnet" in err
+    assert "write_conflist = false" in err
+    # The conflist no longer written, but pods agentd-cni attached are still there.
+    config.write_text(f'[cni]\nsubnet_file = "{path}"\ndata_dir = "{data}"\nwrite_conflist = false\n')
+    (data / "endpoints").mkdir(parents=True)
+    (data / "endpoints" / "c0ffee.json").write_text("{}")
+    assert main(["docker-opts", "--config", str(config)]) == 1
+    assert "1 CNI pod(s) are attached" in capsys.readouterr().err
+    (data / "endpoints" / "c0ffee.json").unlink()
+    assert main(["docker-opts", "--config", str(config), "--format", "args"]) == 0
+    assert capsys.readouterr().out == "--bip=10.244.3.1/24 --ip-masq=false --mtu=1450\n"
 
 
 def test_masquerading_never_touches_pod_to_pod_traffic():

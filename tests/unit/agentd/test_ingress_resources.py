@@ -133,3 +133,31 @@ def test_the_controllers_configmap_is_checked_on_apply():
             manifests.validate_all([manifests.Document("document 1", doc)], "f.yaml")
         # Another ConfigMap is just data.
         manifests.validate_all([manifests.Document("document 1", {**doc, "metadata": {"name": "other"}})], "f.yaml")
+
+
+@pytest.mark.parametrize("line", [
+    # set-var() inside a header value overwrites what routes the request: every request re-routed.
+    "http-request set-header X-B %[str(_/2F),set-var(txn.key)]",
+    "http-request set-header X-B %[str(x),set-var(txn.backend)]",
+    "http-response add-header X-B %[str(x),unset-var(txn.vhost)]",
+    # maps and files named by path
+    "http-request set-header X-C %[req.hdr(host),map_str(/var/lib/agentd/ingress/exact.map)]",
+    "http-request set-header X-C %[src,map(/tmp/m,x)]",
+    "http-request del-header X-C if { req.hdr(a) -f /tmp/list }",
+    "http-request set-header X-C 1 if { req.hdr(a) -M /tmp/list }",
+    "http-request set-header X-C %[req.hdr(a),jwt_verify(RS256,/tmp/k.pem)]",
+])
+def test_a_snippet_that_could_re_route_or_read_files_is_refused(line):
+    with pytest.raises(Invalid, match=r"^data\[frontend-snippet\]: Invalid value: line 1 .*set-var.*not allowed"):
+        parse({"frontend-snippet": line})
+
+
+@pytest.mark.parametrize("line", [
+    "http-request set-header X-Sitemap yes",
+    "http-request set-header X-Key %[var(txn.key)]",
+    "http-request set-header X-Opt -foo",
+    "http-request set-header X-Host %[req.hdr(host),lower] if { req.hdr(x) -m str y }",
+    "http-response set-header Strict-Transport-Security max-age=31536000",
+])
+def test_header_rules_that_read_variables_or_match_inline_are_accepted(line):
+    assert parse({"frontend-snippet": line}).snippet == (line,)

@@ -1,0 +1,96 @@
+"""The ingress controller's sync (agentd/ingress/controller.py) with a fake proxy: settings
+HAProxy refuses stay refused (and in /status) on later syncs; a failed reload is not reported
+as applied and is tried again, with a backoff."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from agentd.config.settings import load_config
+from agentd.datastore.store import Datastore
+from agentd.ingress.controller import IngressController
+from agentd.ingress.proxy import ProxyError
+from agentd.resources.ingress_settings import Settings
+
+CONFIGMAP = ("kube-system", "agentd-ingress")
+
+
+class FakeProxy:
+    """Its check refuses a configuration that holds ``bogus``, as HAProxy an unknown fetch."""
+
+    running, pid = True, 1
+
+    def __init__(self) -> None:
+        self.checks: list[str] = []
+        self.reloads = 0
+        self.fail_reloads = 0  # so many reloads fail (the master socket timing out)
+
+    async def check(self, path: Path) -> None:
+        text = Path(path).read_text()
+        self.checks.append(text)
+        if "bogus" in text:
+            raise ProxyError("unknown fetch method 'bogus'")
+
+    async def reload(self) -> None:
+        if self.fail_reloads:
+            self.fail_reloads -= 1
+            raise ProxyError("timeout on the master socket")
+        self.reloads += 1
+
+    async def stats(self) -> list:
+        return []
+
+    async def info(self) -> dict:
+        return {}
+
+    async def command(self, command: str) -> str:
+        return "New server registered" if command.startswith("add server") else ""
+
+
+def controller(tmp_path: Path) -> tuple[IngressController, FakeProxy]:
+    cfg = load_config(None, env={}, overrides={"node.address": "10.1.1.1", "node.name": "n1"})
+    ctl = IngressController("n1", Datastore(["http://127.0.0.1:2379"], "/agentd"), cfg.ingress, ["10.1.1.1"], tmp_path)
+    ctl.paths.certs.mkdir(parents=True)
+    proxy = ctl.proxy = FakeProxy()  # type: ignore[assignment]
+    return ctl, proxy
+
+
+def test_refused_settings_stay_refused_and_in_status_on_later_syncs(tmp_path):
+    ctl, proxy = controller(tmp_path)
+    ctl.objects["ConfigMap"][CONFIGMAP] = {"data": {"proxy-body-size": "100m",
+                                                    "frontend-snippet": "http-request set-header X-A %[bogus]"}}  # fmt: skip
+
+    async def main():
+        await ctl._sync()
+        error = ctl.settings_error
+        assert error is not None and "bogus" in error
+        assert ctl.settings == Settings() and proxy.reloads == 1
+        await ctl._sync()  # an endpoint change: the same ConfigMap, parsed without complaint
+        assert ctl.settings_error == error and ctl.settings == Settings()
+        assert proxy.reloads == 1  # what runs is what was loaded: no reload
+        ctl.objects["ConfigMap"][CONFIGMAP] = {"data": {"proxy-body-size": "100m"}}  # fixed
+        await ctl._sync()
+        assert ctl.settings_error is None and ctl.settings.body_size == 100 << 20
+        assert proxy.reloads == 2 and "bogus" not in proxy.checks[-1]
+
+    asyncio.run(main())
+
+
+def test_a_failed_reload_is_not_applied_and_is_tried_again_with_a_backoff(tmp_path):
+    ctl, proxy = controller(tmp_path)
+    ctl.revision = 7
+    proxy.fail_reloads = 2
+
+    async def main():
+        await ctl._sync()
+        assert ctl.applied_revision == 0 and ctl.error is not None and proxy.reloads == 0
+        first = ctl._retry_at
+        assert first is not None and not ctl._retry_due(first - 0.01) and ctl._retry_due(first)
+        await ctl._sync()  # the retry, when due: fails again, the next one waits longer
+        assert ctl.applied_revision == 0 and ctl._retry_delay == 4.0
+        await ctl._sync()
+        assert ctl.applied_revision == 7 and proxy.reloads == 1 and ctl.error is None
+        assert ctl._retry_at is None and not ctl._retry_due(float("inf"))
+
+    asyncio.run(main())
