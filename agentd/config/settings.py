@@ -313,7 +313,7 @@ class HostFacts(Protocol):
 
     def default_address(self) -> IPv4Address | None: ...
 
-    def default_address_v6(self) -> IPv6Address | None: ...
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None: ...
 
 
 class _Loader:
@@ -706,7 +706,9 @@ def _node_addresses(ld: _Loader, host: HostFacts | None) -> None:
         if host is None or v[path] is not None or not ok(path):
             continue
         try:
-            v[path] = getattr(host, method)()
+            # IPv6 beside IPv4 (dual): only an address on the IPv4 address's interface.
+            beside = (v["node.address"] if ok("node.address") else None,) if path == "node.address_v6" else ()
+            v[path] = getattr(host, method)(*beside)
             reason = f"this host has no {name} default route to take it from"
         except Exception as e:  # netlink refused: say so in one line rather than a traceback
             reason = f"reading the {name} default route failed ({e})"

@@ -66,7 +66,7 @@ class StaticHost:
     def default_address(self) -> IPv4Address | None:
         return self.address
 
-    def default_address_v6(self) -> IPv6Address | None:
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
         return self.address_v6
 
 
