@@ -23,7 +23,13 @@ from ipaddress import (
 )
 
 from . import netlink as nl
-from .netlink_links import AddrMessage
+from .netlink_links import (
+    IFA_F_DADFAILED,
+    IFA_F_DEPRECATED,
+    IFA_F_TEMPORARY,
+    IFA_F_TENTATIVE,
+    AddrMessage,
+)
 from .rtnl import Rtnl
 
 log = logging.getLogger("agentd")
@@ -169,7 +175,7 @@ def default_address_v6_of(
     ifname: Callable[[int], str] = lambda i: f"device {i}",
 ) -> tuple[IPv6Address | None, str | None]:
     """The node's IPv6 underlay address as the IPv6 default route gives it -- its preferred
-    source ``prefsrc``, else the first global or unique-local address of its device ``oif`` --
+    source ``prefsrc``, else the first stable global or unique-local address of its device ``oif`` --
     from the host's IPv6 (``v6``) and IPv4 (``v4``) addresses; and, when it is declined, why.
     With ``beside`` (the node's IPv4 address, dual-stack) it must be on the device that holds
     ``beside``: :func:`underlay_for` wants both on the underlay interface, and address_v6 is
@@ -192,7 +198,13 @@ def default_address_v6_of(
                   f"next hop (set address_v6 to an address on {ifname(holders[0])} to use one)")
 
 
+# Addresses not to take as the node's: one that goes away (an RFC 8981 temporary address is
+# replaced every day or so and then removed; a deprecated one is past its preferred lifetime)
+# or is not usable (duplicate address detection running, or failed).
+_NOT_FOR_THE_NODE = IFA_F_TEMPORARY | IFA_F_DEPRECATED | IFA_F_TENTATIVE | IFA_F_DADFAILED
+
+
 def _usable_v6(a: AddrMessage) -> bool:
-    """A global or unique-local address: one other hosts can reach this node at."""
+    """A stable global or unique-local address: one other hosts can reach this node at."""
     addr = _address_of(a)
-    return not (addr.is_link_local or addr.is_loopback or addr.is_unspecified)
+    return not (addr.is_link_local or addr.is_loopback or addr.is_unspecified or a.flags & _NOT_FOR_THE_NODE)

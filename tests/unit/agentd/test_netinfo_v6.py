@@ -70,3 +70,30 @@ def test_the_configuration_asks_for_an_address_beside_the_ipv4_one_in_dual_stack
     assert cfg.node.address_v6 is None and cfg.bgp.next_hop_v6 is None  # the node starts, IPv4-mapped next hop
     load_config(env={"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "vxlan"}, host=Recording())
     assert asked == [IPv4Address("192.0.2.10"), None]
+
+
+def test_temporary_deprecated_tentative_and_dadfailed_addresses_are_not_taken():
+    """An RFC 8981 privacy address disappears within days, a deprecated one is on its way out,
+    a tentative or dadfailed one is not usable: the node's address is the stable one."""
+    from agentd.kernel import netlink_links as links
+
+    for flag in (links.IFA_F_TEMPORARY, links.IFA_F_DEPRECATED, links.IFA_F_TENTATIVE, links.IFA_F_DADFAILED):
+        addrs = [v6(2, "fe80::1"), v6(2, "2001:db8::7a3:1")._replace(flags=flag), v6(2, "2001:db8::1")]
+        assert default_address_v6_of(None, 2, addrs, V4, NODE) == (IPv6Address("2001:db8::1"), None), hex(flag)
+        assert default_address_v6_of(None, 2, addrs[:2], V4, NODE) == (None, None), hex(flag)
+    stable = v6(2, "2001:db8::1")._replace(flags=links.IFA_F_PERMANENT | 0x800)  # (0x800: stable-privacy)
+    assert default_address_v6_of(None, 2, [stable], V4, NODE) == (IPv6Address("2001:db8::1"), None)
+
+
+def test_address_flags_come_from_ifa_flags_else_from_the_header():
+    import struct
+
+    from agentd.kernel import netlink_links as links
+
+    ip = IPv6Address("2001:db8::5").packed
+    head = struct.Struct("=BBBBI")
+    attrs = nl.attr(links.IFA_ADDRESS, ip)
+    body = head.pack(nl.AF_INET6, 64, links.IFA_F_TEMPORARY, 0, 2) + attrs
+    assert links.decode_addr(body).flags == links.IFA_F_TEMPORARY
+    body = head.pack(nl.AF_INET6, 64, 0, 0, 2) + attrs + nl.attr_u32(links.IFA_FLAGS, 0x900 | links.IFA_F_DEPRECATED)
+    assert links.decode_addr(body).flags == 0x920  # the u32 attribute: all of them
