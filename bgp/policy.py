@@ -160,6 +160,10 @@ def export_route(path: Path, family_afi: int, to: ExportTarget, local: LocalSett
             if attrs.local_pref is None:
                 attrs = attrs.replace(LocalPref(DEFAULT_LOCAL_PREF))
             next_hop = path.next_hop if path.next_hop is not None else _self(family_afi, to)
+        if isinstance(next_hop, IPv6Address) and next_hop.is_link_local:
+            # RFC 2545 §3: a link-local next hop means something only on the link it was learned
+            # on; the other nodes cannot reach it, so we stand in as the next hop.
+            next_hop = _self(family_afi, to)
         if next_hop is None:
             return None
         return OutRoute(attrs.without(NextHop.code), next_hop, src.key, originator)

@@ -95,7 +95,6 @@ from agentd.config.values import (
     float_kind,
     int_kind,
     parse_ipv4,
-    parse_ipv6_or_none,
     listen_kind,
     parse_mtu,
     parse_network,
@@ -181,7 +180,7 @@ _KEYS = (
     _Key("bgp", "graceful_restart", BOOL, True),
     _Key("bgp", "restart_time", int_kind(1, 4095), 120),  # 12-bit field, RFC 4724 §3
     _Key("bgp", "originate", Kind((list,), "an array", text_list, parse_originate), ()),
-    _Key("bgp", "next_hop_v6", string_kind(parse_ipv6_or_none), None),
+    _Key("bgp", "next_hop_v6", string_kind(parse_node_address_v6), None),
     _Key("bgp", "send_timeout", float_kind(1, 3600), 60.0),
     _Key("bgp", "batch_delay", float_kind(0, 1), 0.01),
     _Key("bgp", "listen_backlog", int_kind(16, 65535), 4096),
@@ -313,7 +312,7 @@ class HostFacts(Protocol):
 
     def default_address(self) -> IPv4Address | None: ...
 
-    def default_address_v6(self) -> IPv6Address | None: ...
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None: ...
 
 
 class _Loader:
@@ -699,6 +698,19 @@ def _node_addresses(ld: _Loader, host: HostFacts | None) -> None:
     if family == "ipv4" and v["node.address_v6"] is not None and ok("node.address_v6"):
         ld.key_problem(ld.blame("node.address_v6", "network.ip_family"),
                        "is used only with [network] ip_family = dual or ipv6 (pods get IPv4 addresses alone)")
+    nh = v["bgp.next_hop_v6"]
+    if family != "ipv4" and nh is not None and ok("bgp.next_hop_v6", "node.address_v6"):
+        # The other nodes map an IPv6 next hop to a node only through its record's addresses
+        # (agentd.kernel.forwarding.next_hop_forms): another one would make this node's IPv6
+        # routes an external router's to them.  So a next hop set alone is the node's IPv6
+        # address as well (published as its address_v6).
+        if v["node.address_v6"] is None:
+            v["node.address_v6"] = nh
+        elif nh != v["node.address_v6"]:
+            ld.key_problem(ld.blame("bgp.next_hop_v6", "node.address_v6"),
+                           f"{nh} is not [node] address_v6 {v['node.address_v6']}: the other nodes know this "
+                           "node by address_v6 (its node record) and would take its IPv6 routes for an external "
+                           "router's; leave next_hop_v6 unset (it defaults to address_v6)")
     wanted = [("node.address", "default_address", "IPv4", True)] if family != "ipv6" else []
     if family != "ipv4":
         wanted.append(("node.address_v6", "default_address_v6", "IPv6", family == "ipv6"))
@@ -706,7 +718,9 @@ def _node_addresses(ld: _Loader, host: HostFacts | None) -> None:
         if host is None or v[path] is not None or not ok(path):
             continue
         try:
-            v[path] = getattr(host, method)()
+            # IPv6 beside IPv4 (dual): only an address on the IPv4 address's interface.
+            beside = (v["node.address"] if ok("node.address") else None,) if path == "node.address_v6" else ()
+            v[path] = getattr(host, method)(*beside)
             reason = f"this host has no {name} default route to take it from"
         except Exception as e:  # netlink refused: say so in one line rather than a traceback
             reason = f"reading the {name} default route failed ({e})"

@@ -317,8 +317,11 @@ def parse_any_ip(s: str) -> IPAddress:
     except ValueError:
         raise BadValue("must be an IPv4 or IPv6 address") from None
     if isinstance(addr, IPv6Address):
-        if addr.scope_id:
-            raise BadValue("must not carry a %zone: link-local peers are not supported, use a global address")
+        if addr.scope_id or addr.is_link_local:
+            # A link-local address means nothing without its interface (RFC 4007 §6), and the
+            # transport names none: such a peer would never connect.
+            raise BadValue("must not be link-local (fe80::/10) or carry a %zone: link-local peers are not "
+                           "supported, use a global address")
         if addr.ipv4_mapped is not None:
             addr = addr.ipv4_mapped  # one peer, one spelling: ::ffff:192.0.2.1 is 192.0.2.1
     if addr.is_unspecified or addr.is_multicast or addr == IPv4Address("255.255.255.255"):

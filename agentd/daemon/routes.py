@@ -114,7 +114,8 @@ class KernelRoutes:
         if i.stopping or self.programmer is None or i.underlay is None or i.tunnels is None or i.lease is None:
             return
         others = [n for n in i.peering.nodes.values() if n.name != i.name]
-        bests = ((prefix_to_str(afi, prefix), path.next_hop, path.source.local) for (afi, prefix), path in self._bests.items())
+        bests = ((prefix_to_str(afi, prefix), path.next_hop, path.source.local, path.source.ibgp)
+                 for (afi, prefix), path in self._bests.items())
         cluster = i.cluster
         plan = desired_routes(
             bests, others, i.underlay, i.tunnels.paths(),

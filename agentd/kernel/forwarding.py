@@ -339,7 +339,7 @@ def next_hop_forms(node: NodeRecord) -> list[str]:
 
 
 def desired_routes(
-    bests: Iterable[tuple[str, IPv4Address | IPv6Address | None, bool]],
+    bests: Iterable[tuple[str, IPv4Address | IPv6Address | None, bool] | tuple[str, IPv4Address | IPv6Address | None, bool, bool]],
     nodes: Iterable[NodeRecord],
     underlay: Underlay,
     paths: LocalPaths,
@@ -352,12 +352,13 @@ def desired_routes(
     versions: tuple[int, ...] = (4,),
     pod_networks: Iterable[str | Network] | None = None,
 ) -> RoutePlan:
-    """The routes for ``bests`` (destination, next hop, originated here) through the peers of
+    """The routes for ``bests`` (destination, next hop, originated here[, learned over iBGP]) through the peers of
     ``nodes`` (other nodes; any other next hop is an external router on the underlay), plus
     the blackholes of this node's own subnets.  ``versions``: the cluster's pod families;
     ``pod_networks``: the cluster's pod network of each family, which a route through a node
     must lie in (None: not checked).  A best path :func:`refusal` refuses is left out, with a
-    row in ``refused``.  Pure: the agent applies the result."""
+    row in ``refused``; so is a link-local next hop learned over iBGP (RFC 2545 §3: it is
+    on-link only where an external peer sent it).  Pure: the agent applies the result."""
     nodes = list(nodes)
     own_subnets = list(own_subnets)
     own_nets = [ip_network(s, strict=False) for s in own_subnets]
@@ -378,7 +379,7 @@ def desired_routes(
     next_hops: dict[str, list[str]] = {}
     next_hops_v6: dict[str, list[str]] = {}
     external: dict[str, PeerPlan] = {}
-    for dst, next_hop, local in bests:
+    for dst, next_hop, local, *internal in bests:
         if local or next_hop is None:
             continue
         nh = str(next_hop)
@@ -389,6 +390,8 @@ def desired_routes(
                           own=own_nets, pod_networks=pools, held=held)
         except ValueError:  # not a prefix (the speaker gives only prefixes)
             why = f"{dst!r} is not an IP prefix"
+        if why is None and internal and internal[0] and isinstance(next_hop, IPv6Address) and next_hop.is_link_local:
+            why = f"link-local next hop {nh} learned over iBGP: it is on-link only at the node its external peer sent it to"
         if why is not None:
             refused.append({"dst": dst, "via": None, "dev": None, "backend": "refused", "peer": nh, "reason": why})
             continue

@@ -6,8 +6,10 @@ its on-link prefixes, its MTU.  Used to decide "is this peer on my L2 segment?"
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from ipaddress import (
     IPv4Address,
@@ -21,7 +23,16 @@ from ipaddress import (
 )
 
 from . import netlink as nl
+from .netlink_links import (
+    IFA_F_DADFAILED,
+    IFA_F_DEPRECATED,
+    IFA_F_TEMPORARY,
+    IFA_F_TENTATIVE,
+    AddrMessage,
+)
 from .rtnl import Rtnl
+
+log = logging.getLogger("agentd")
 
 
 class NetInfoError(RuntimeError):
@@ -122,20 +133,78 @@ class LocalHost:
                 src = addrs[0].address if addrs else None
         return IPv4Address(src) if src else None
 
-    def default_address_v6(self) -> IPv6Address | None:
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
         """A global (or unique-local) address of the interface the best IPv6 default route
-        leaves by: its preferred source where it names one."""
+        leaves by, its preferred source where it names one; with ``beside`` (the node's IPv4
+        address, dual-stack) only if that address's interface holds it too, else None, logged
+        (:func:`default_address_v6_of`)."""
         with Rtnl() as rt:
             defaults = [r for r in rt.routes(nl.AF_INET6, nl.RT_TABLE_MAIN) if r.dst_len == 0 and r.type == nl.RTN_UNICAST]
             if not defaults:
                 return None
             best = min(defaults, key=lambda r: r.priority or 0)
-            if best.prefsrc is not None:
-                return IPv6Address(best.prefsrc)
-            if not best.oif:
+            prefsrc = IPv6Address(best.prefsrc) if best.prefsrc is not None else None
+            if prefsrc is None and not best.oif:
                 return None
-            for a in rt.addresses(best.oif, nl.AF_INET6):
-                addr = IPv6Address(a.local or a.address or bytes(16))
-                if not (addr.is_link_local or addr.is_loopback or addr.is_unspecified):
-                    return addr
-        return None
+            v6 = rt.addresses(0, nl.AF_INET6)
+            v4 = rt.addresses(0, nl.AF_INET) if beside is not None else []
+        address, declined = default_address_v6_of(prefsrc, best.oif, v6, v4, beside, _ifname)
+        if declined is not None:
+            log.info("%s", declined)
+        return address
+
+
+def _ifname(index: int) -> str:
+    try:
+        return socket.if_indextoname(index)
+    except OSError:
+        return f"device {index}"
+
+
+def _address_of(a: AddrMessage) -> IPv4Address | IPv6Address:
+    packed = a.local or a.address or bytes(16 if a.family == nl.AF_INET6 else 4)
+    return IPv6Address(packed) if len(packed) == 16 else IPv4Address(packed)
+
+
+def default_address_v6_of(
+    prefsrc: IPv6Address | None,
+    oif: int | None,
+    v6: Sequence[AddrMessage],
+    v4: Sequence[AddrMessage],
+    beside: IPv4Address | None,
+    ifname: Callable[[int], str] = lambda i: f"device {i}",
+) -> tuple[IPv6Address | None, str | None]:
+    """The node's IPv6 underlay address as the IPv6 default route gives it -- its preferred
+    source ``prefsrc``, else the first stable global or unique-local address of its device ``oif`` --
+    from the host's IPv6 (``v6``) and IPv4 (``v4``) addresses; and, when it is declined, why.
+    With ``beside`` (the node's IPv4 address, dual-stack) it must be on the device that holds
+    ``beside``: :func:`underlay_for` wants both on the underlay interface, and address_v6 is
+    optional with dual-stack, so a default route by another device leaves it unset (rather
+    than stopping the node at start) with a line saying so.  Pure."""
+    if prefsrc is not None:
+        index = next((a.index for a in v6 if _address_of(a) == prefsrc), oif)
+        chosen = prefsrc
+    else:
+        usable = [a for a in v6 if a.index == oif and _usable_v6(a)]
+        if not usable:
+            return None, None
+        chosen, index = _address_of(usable[0]), oif
+    holders = sorted({a.index for a in v4 if _address_of(a) == beside}) if beside is not None else []
+    if not holders or index in holders:
+        return chosen, None  # (an address held nowhere is underlay_for's to report)
+    where = f"{ifname(index)}" if index else "no interface here"
+    return None, (f"[node] address_v6 not set: the IPv6 default route's address {chosen} is on {where}, not on "
+                  f"{ifname(holders[0])}, which holds the node address {beside}; IPv6 routes carry the IPv4-mapped "
+                  f"next hop (set address_v6 to an address on {ifname(holders[0])} to use one)")
+
+
+# Addresses not to take as the node's: one that goes away (an RFC 8981 temporary address is
+# replaced every day or so and then removed; a deprecated one is past its preferred lifetime)
+# or is not usable (duplicate address detection running, or failed).
+_NOT_FOR_THE_NODE = IFA_F_TEMPORARY | IFA_F_DEPRECATED | IFA_F_TENTATIVE | IFA_F_DADFAILED
+
+
+def _usable_v6(a: AddrMessage) -> bool:
+    """A stable global or unique-local address: one other hosts can reach this node at."""
+    addr = _address_of(a)
+    return not (addr.is_link_local or addr.is_loopback or addr.is_unspecified or a.flags & _NOT_FOR_THE_NODE)

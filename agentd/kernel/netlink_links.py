@@ -35,7 +35,13 @@ IFLA_VXLAN_LOCAL6 = 17  # the local address of a VTEP on an IPv6 underlay
 IFA_ADDRESS = 1
 IFA_LOCAL = 2
 IFA_LABEL = 3  # NUL-terminated; "dev" or "dev:suffix" (an alias name ``ip addr`` shows)
+IFA_FLAGS = 8  # u32: every flag (the ifaddrmsg's ifa_flags has room for the low 8 only)
+IFA_F_TEMPORARY = 0x01  # an RFC 8981 temporary (privacy) address: replaced, then removed
 IFA_F_NODAD = 0x02  # an IPv6 address usable at once: no duplicate address detection (RFC 4862 §5.4)
+IFA_F_DADFAILED = 0x08  # duplicate address detection found it in use elsewhere: never usable
+IFA_F_DEPRECATED = 0x20  # past its preferred lifetime (RFC 4862 §5.5.4): on its way out
+IFA_F_TENTATIVE = 0x40  # duplicate address detection still running: not usable yet
+IFA_F_PERMANENT = 0x80  # configured, not learned (SLAAC, DHCPv6): no lifetimes
 
 _IFINFOMSG = struct.Struct("=BxHiII")
 _IFADDRMSG = struct.Struct("=BBBBI")
@@ -146,6 +152,7 @@ class AddrMessage(NamedTuple):
     address: bytes | None = None
     local: bytes | None = None
     label: str | None = None  # IFA_LABEL (IPv4 only)
+    flags: int = 0  # IFA_F_*: IFA_FLAGS where the kernel sends it, else the header's ifa_flags
 
 
 def encode_addr(mtype: int, seq: int, index: int, address: bytes, prefixlen: int, label: str | None = None) -> bytes:
@@ -172,7 +179,7 @@ def decode_addr(buf: bytes, start: int = 0, end: int | None = None) -> AddrMessa
         end = len(buf)
     if end > len(buf) or end - start < _IFADDRMSG.size:
         raise nl.NetlinkDecodeError(f"address message body is {end - start} bytes, ifaddrmsg needs {_IFADDRMSG.size}")
-    family, prefixlen, _flags, _scope, index = _IFADDRMSG.unpack_from(buf, start)
+    family, prefixlen, flags, _scope, index = _IFADDRMSG.unpack_from(buf, start)
     address = local = label = None
     for atype, vs, ve in nl.iter_attrs(buf, start + _IFADDRMSG.size, end):
         if atype == IFA_ADDRESS:
@@ -181,4 +188,6 @@ def decode_addr(buf: bytes, start: int = 0, end: int | None = None) -> AddrMessa
             local = nl.read_address(buf, vs, ve, family, "IFA_LOCAL")
         elif atype == IFA_LABEL:
             label = nl.read_string(buf, vs, ve)
-    return AddrMessage(family, prefixlen, index, address, local, label)
+        elif atype == IFA_FLAGS:
+            flags = nl.read_u32(buf, vs, ve, "IFA_FLAGS")
+    return AddrMessage(family, prefixlen, index, address, local, label, flags)

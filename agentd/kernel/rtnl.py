@@ -79,11 +79,12 @@ class Rtnl:
     # ------------------------------------------------------------------ addresses
 
     def addresses(self, index: int, family: int = nl.AF_INET) -> list[links.AddrMessage]:
-        """The addresses on device ``index``."""
+        """The addresses on device ``index`` (0: on every device)."""
         answers = self.request(links.encode_getaddr_dump(self.next_seq(), family, index),
-                               f"listing the addresses of device {index}")
+                               f"listing the addresses of device {index}" if index else "listing the addresses")
         found = [links.decode_addr(b, s, e) for t, b, s, e in answers if t == nl.RTM_NEWADDR]
-        return [a for a in found if a.index == index and a.family == family]  # older kernels do not filter
+        # (older kernels do not filter)
+        return [a for a in found if (a.index == index or not index) and a.family == family]
 
     def add_address(self, index: int, address: str, prefixlen: int, label: str | None = None) -> None:
         """``address`` (IPv4 or IPv6 text) /``prefixlen`` on device ``index``."""

@@ -66,7 +66,7 @@ class StaticHost:
     def default_address(self) -> IPv4Address | None:
         return self.address
 
-    def default_address_v6(self) -> IPv6Address | None:
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
         return self.address_v6
 
 
@@ -536,6 +536,10 @@ BAD = [
      "[[bgp.peers]]\naddress = '10.0.0.1'\nasn = 2\n", "bgp.peers[1].address",
      "duplicate of [[bgp.peers]] #1"),
     ("peer-missing-asn", "file", "[[bgp.peers]]\naddress = '10.0.0.1'\n", "bgp.peers[0].asn", "is required"),
+    ("peer-link-local", "file", "[[bgp.peers]]\naddress = 'fe80::1'\nasn = 1\n", "bgp.peers[0].address",
+     "must not be link-local (fe80::/10) or carry a %zone: link-local peers are not supported"),
+    ("peer-zoned", "file", "[[bgp.peers]]\naddress = 'fe80::1%eth0'\nasn = 1\n", "bgp.peers[0].address",
+     "link-local peers are not supported, use a global address"),
     ("peer-unknown-key", "file", "[[bgp.peers]]\nadress = '10.0.0.1'\naddress = '10.0.0.2'\nasn = 1\n",
      "bgp.peers[0].adress", "unknown key [[bgp.peers]] #1 adress (did you mean address?)"),
     ("peer-bad-address", "env", {"AGENTD_BGP_PEERS": '[{"address": "x", "asn": 1}]'}, "bgp.peers[0].address",

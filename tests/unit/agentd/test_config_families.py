@@ -24,7 +24,7 @@ class Host:
     def default_address(self) -> IPv4Address | None:
         return self.address
 
-    def default_address_v6(self) -> IPv6Address | None:
+    def default_address_v6(self, beside: IPv4Address | None = None) -> IPv6Address | None:
         return self.address_v6
 
 
@@ -49,10 +49,13 @@ def test_dual_takes_both_addresses_from_the_host_and_gives_ipv6_routes_its_next_
     # A dual-stack host without IPv6 default route is fine: IPv6 routes carry the mapped next hop.
     cfg = load_config(env={"AGENTD_NETWORK_IP_FAMILY": "dual"}, host=Host(address_v6=None))
     assert cfg.node.address_v6 is None and cfg.bgp.next_hop_v6 is None
-    # An explicit next hop wins.
-    cfg = load_config(env={"AGENTD_NETWORK_IP_FAMILY": "dual", "AGENTD_BGP_NEXT_HOP_V6": "2001:db8::99"},
-                      host=Host())
-    assert cfg.bgp.next_hop_v6 == IPv6Address("2001:db8::99")
+    # A next hop set without address_v6 is the node's IPv6 address too (its node record's
+    # address_v6, through which the other nodes map the next hop to this node), in place of
+    # the host's.
+    for host in (Host(), Host(address_v6=None)):
+        cfg = load_config(env={"AGENTD_NETWORK_IP_FAMILY": "dual", "AGENTD_BGP_NEXT_HOP_V6": "2001:db8::99"},
+                          host=host)
+        assert cfg.bgp.next_hop_v6 == cfg.node.address_v6 == IPv6Address("2001:db8::99")
 
 
 def test_the_speakers_ipv4_next_hop_over_ipv6_sessions_is_the_nodes_ipv4_address():
@@ -108,6 +111,14 @@ def test_ipv6_only_has_no_ipv4_address_and_a_router_id_from_the_node_name():
         ({"AGENTD_NETWORK_CIDR_V6": "fd00::1/48"}, None, "has host bits set (did you mean fd00::/48?)"),
         ({"AGENTD_NETWORK_IP_FAMILY": "dual", "AGENTD_NODE_ADDRESS_V6": "fe80::1"}, None,
          "must be a global or unique-local address, not link-local"),
+        ({"AGENTD_NETWORK_IP_FAMILY": "dual", "AGENTD_BGP_NEXT_HOP_V6": "fe80::10"}, None,
+         "AGENTD_BGP_NEXT_HOP_V6=fe80::10: [bgp] next_hop_v6: must be a global or unique-local address, not "
+         "link-local or IPv4-mapped"),
+        ({"AGENTD_BGP_NEXT_HOP_V6": "::ffff:192.0.2.10"}, None, "not link-local or IPv4-mapped"),
+        ({"AGENTD_NETWORK_IP_FAMILY": "dual", "AGENTD_NODE_ADDRESS_V6": "2001:db8::1",
+          "AGENTD_BGP_NEXT_HOP_V6": "2001:db8::99"}, None,
+         "AGENTD_BGP_NEXT_HOP_V6=2001:db8::99: [bgp] next_hop_v6: 2001:db8::99 is not [node] address_v6 "
+         "2001:db8::1: the other nodes know this node by address_v6 (its node record)"),
         ({"AGENTD_NETWORK_IP_FAMILY": "both"}, None, "[network] ip_family: must be one of ipv4, dual, ipv6"),
     ],
 )

@@ -1205,7 +1205,7 @@ def _observability(monkeypatch, tmp_path, **env):
         def default_address(self):
             return IPv4Address("192.0.2.10")
 
-        def default_address_v6(self):
+        def default_address_v6(self, beside=None):
             return None
 
     cfg = load_config(env={"AGENTD_AGENT_STATE_DIR": str(tmp_path), **env}, host=Host())

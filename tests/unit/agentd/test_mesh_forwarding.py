@@ -161,6 +161,22 @@ def test_an_external_link_local_next_hop_is_routed_through_the_underlay():
     assert plan_external("2001:db8:ff::1", underlay).backend == "kernel"  # off-link: resolved by the kernel
 
 
+def test_a_link_local_next_hop_learned_over_ibgp_is_refused():
+    # RFC 2545 §3: fe80::2 is on-link at the node whose external peer sent it, not here; a
+    # node passing it on unchanged (an agent without next-hop-self for it) must not make this
+    # node route into its own segment.  From our own external peer (not iBGP) it is installed.
+    bests = [("2001:db8:99::/48", IPv6Address("fe80::2"), False, True),
+             ("2001:db8:98::/48", IPv6Address("fe80::3"), False, False),
+             ("2001:db8:97::/48", IPv6Address("2001:db8::9"), False, True)]
+    plan = desired_routes(bests, [], UNDERLAY, LocalPaths(), own_subnets=["10.244.0.0/24"], blackhole_metric=4000,
+                          own_backend="vxlan", encap="always", versions=(4, 6))
+    assert [(r.dst, r.gateway) for r in plan.routes if r.kind == "unicast"] == [
+        ("2001:db8:98::/48", "fe80::3"), ("2001:db8:97::/48", "2001:db8::9")]
+    assert [(r["dst"], r["peer"], r["backend"], r["reason"]) for r in plan.refused] == [
+        ("2001:db8:99::/48", "fe80::2", "refused",
+         "link-local next hop fe80::2 learned over iBGP: it is on-link only at the node its external peer sent it to")]
+
+
 def test_desired_routes_for_best_paths():
     """Best paths -> the kernel routes: the own subnet's blackhole first, one route per learned
     prefix through its peer's plan, nothing for our own prefix or an unroutable peer, and an

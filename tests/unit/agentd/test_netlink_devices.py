@@ -145,7 +145,8 @@ def test_addr_decode_from_the_kernel():
     [(mtype, _f, _seq, _p, start, end)] = nl.iter_messages(wire)
     assert mtype == nl.RTM_NEWADDR
     ip = socket.inet_aton("192.0.2.1")
-    assert links.decode_addr(wire, start, end) == links.AddrMessage(nl.AF_INET, 24, 3, ip, ip, "d0")
+    assert links.decode_addr(wire, start, end) == links.AddrMessage(nl.AF_INET, 24, 3, ip, ip, "d0",
+                                                                    links.IFA_F_PERMANENT)  # IFA_FLAGS
     with pytest.raises(nl.NetlinkDecodeError):
         links.decode_addr(wire, start, start + 6)
 

@@ -86,7 +86,7 @@ def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once(monkeypat
     r = KernelRoutes(inputs)
     r.adopt(Programmer())
     r.initial_sync_done = True
-    nh = SimpleNamespace(next_hop=IPv4Address("10.0.0.2"), source=SimpleNamespace(local=False))
+    nh = SimpleNamespace(next_hop=IPv4Address("10.0.0.2"), source=SimpleNamespace(local=False, ibgp=True))
     r._bests = {(1, b"default"): nh, (1, b"b"): nh}
     monkeypatch.setattr(R, "prefix_to_str", lambda afi, p: {b"default": "0.0.0.0/0", b"b": "10.244.2.0/24"}[p])
     for _ in range(3):

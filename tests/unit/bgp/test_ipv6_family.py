@@ -182,3 +182,49 @@ def test_max_prefixes_counts_ipv6_prefixes_and_resets_with_cease_1_naming_afi_2(
     assert (n.code, n.subcode, n.data) == (ErrorCode.CEASE, CeaseSubcode.MAXIMUM_PREFIXES_REACHED,
                                            b"\x00\x02\x01" + (3).to_bytes(4, "big"))
     assert table(sp) == {}
+
+
+def _v6_update_via(prefixes: list[str], next_hop: str, asn: int = 65001) -> bytes:
+    as_path = b"\x40\x02\x06\x02\x01" + asn.to_bytes(4, "big") if asn != 65000 else b"\x40\x02\x00"
+    attrs = b"\x40\x01\x01\x00" + as_path + _mp_reach_v6(prefixes, next_hop)
+    if asn == 65000:
+        attrs += b"\x40\x05\x04" + (100).to_bytes(4, "big")  # LOCAL_PREF
+    body = struct.pack("!H", 0) + struct.pack("!H", len(attrs)) + attrs
+    return b"\xff" * 16 + struct.pack("!HB", 19 + len(body), 2) + body
+
+
+def _next_hops_sent(peer: RawPeer) -> dict[str, list[str]]:
+    return {prefix_to_str(2, p): [str(a) for a in u.mp_reach.next_hop] for u in peer.updates() if u.mp_reach
+            for p in u.mp_reach.nlri}
+
+
+def test_a_link_local_next_hop_is_replaced_by_ours_toward_ibgp_peers_and_clients():
+    """RFC 2545 §3: a link-local next hop is only good on the link it was learned on.  A route
+    from an external peer (or a reflector's client) with next hop fe80::2 reaches the other
+    nodes with our IPv6 next hop instead; a global next hop is passed on as it is."""
+    import random
+
+    from bgp import Speaker
+    from bgp.settings import LocalSettings
+
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1"), next_hop_v6=IPv6Address("2001:db8::1"),
+                               cluster_id=IPv4Address("10.0.0.1")), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings("10.0.0.9", 65001, passive=True), 0.0)
+    sp.add_peer(PeerSettings("10.0.0.2", 65000, passive=True, rr_client=True), 0.0)
+    sp.add_peer(PeerSettings("10.0.0.3", 65000, passive=True, rr_client=True), 0.0)
+    sp.start(0.0)
+    h = RawHarness(sp, "10.0.0.1")
+    ext = RawPeer("10.0.0.9", 65001, conn=-1)
+    client = RawPeer("10.0.0.2", 65000, conn=-2)
+    other = RawPeer("10.0.0.3", 65000, conn=-3)
+    for p in (ext, client, other):
+        assert h.connect(p)
+    h.send(ext, _v6_update_via(["2001:db8:99::/48"], "fe80::2"))
+    h.send(ext, _v6_update_via(["2001:db8:98::/48"], "2001:db8::9"))
+    h.send(client, _v6_update_via(["fd00:10:244:2::/64"], "fe80::22", asn=65000))
+    h.advance(5)
+    assert _next_hops_sent(other) == {
+        "2001:db8:99::/48": ["2001:db8::1"],
+        "2001:db8:98::/48": ["2001:db8::9"],
+        "fd00:10:244:2::/64": ["2001:db8::1"],
+    }
