@@ -98,6 +98,8 @@ def negotiate(sent: Open, received: Open, local: LocalSettings, peer: PeerSettin
     peer_mp = {(c.afi, c.safi) for c in received.capabilities_of(MultiProtocol)}
     if not peer_mp:
         peer_mp = {IPV4_UNICAST}  # RFC 4760 §8: no MP capability means IPv4 unicast only
+    # RFC 4724 §3: of several Graceful Restart capabilities the receiver uses the last.
+    peer_gr = received.capabilities_of(GracefulRestart)
     hold = min(sent.hold_time, received.hold_time)  # RFC 4271 §4.2: the smaller of the two
     if hold:
         keepalive = local.keepalive_time or hold / 3.0
@@ -112,7 +114,7 @@ def negotiate(sent: Open, received: Open, local: LocalSettings, peer: PeerSettin
         families=frozenset(set(local_families(local, peer)) & peer_mp),
         route_refresh=received.capability(RouteRefreshCapability) is not None,
         ctx=CodecContext(four_octet_as=four_octet, external=not ibgp),
-        peer_graceful_restart=received.capability(GracefulRestart),
+        peer_graceful_restart=peer_gr[-1] if peer_gr else None,
         local_graceful_restart=local.graceful_restart,
         ibgp=ibgp,
     )

@@ -68,9 +68,10 @@ class PathAttribute:
     name: ClassVar[str] = "attribute"
 
     #: The Partial bit as received on a recognized optional transitive attribute: once set
-    #: by some AS it must stay set when the attribute is passed on (RFC 4271 §5).  Not part
-    #: of equality: it says how the attribute travelled, not what it means.
-    partial: bool = field(default=False, kw_only=True, repr=False, compare=False)
+    #: by some AS it must stay set when the attribute is passed on (RFC 4271 §5).  Part of
+    #: equality and the hash: sets that differ only in it must not share one interned or
+    #: cached object, or a route passed on would carry another's Partial bit.
+    partial: bool = field(default=False, kw_only=True, repr=False)
 
     def encode_value(self, ctx: CodecContext) -> bytes:
         raise NotImplementedError

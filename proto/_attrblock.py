@@ -21,10 +21,12 @@ from proto.attributes import (
     As4Aggregator,
     As4Path,
     AsPath,
+    ClusterList,
     LocalPref,
     MpReachNlri,
     MpUnreachNlri,
     NextHop,
+    OriginatorId,
     PathAttribute,
     PathAttributes,
     UnknownAttribute,
@@ -38,6 +40,8 @@ DISCARD = ErrorAction.ATTRIBUTE_DISCARD
 _MP_CODES = (MpReachNlri.code, MpUnreachNlri.code)
 _NEXT_HOP_CODE = NextHop.code  # bound once: tested for every attribute decoded
 _AS4_CODES = (As4Path.code, As4Aggregator.code)
+# Attributes an external neighbour must not send (RFC 4271 §5.1.5, RFC 4456 §8).
+_INTERNAL_ONLY = (LocalPref.code, OriginatorId.code, ClusterList.code)
 _SEEN_BIT = {1: 1, 2: 2, 3: 4}  # ORIGIN, AS_PATH, NEXT_HOP: the well-known mandatory ones
 
 # (flags, type code, value start, value end, attribute start) in the UPDATE body.
@@ -258,16 +262,20 @@ def decode_shared(
                 )
             )
             continue
-        if code == LocalPref.code and ctx.external:
-            # RFC 7606 §7.5: LOCAL_PREF from an external neighbour is attribute-discarded,
-            # well-formed or not (RFC 4271 §5.1.5: it must not have been sent).
+        if code in _INTERNAL_ONLY and ctx.external:
+            # RFC 7606 §7.5, §7.9, §7.10: LOCAL_PREF, ORIGINATOR_ID and CLUSTER_LIST from an
+            # external neighbour are attribute-discarded, well-formed or not, whatever their
+            # flags (RFC 4271 §5.1.5, RFC 4456 §8: they must not have been sent); only from
+            # an internal one does a bad length withdraw the routes.
+            length = vend - vstart
+            well_formed = length and not length % 4 if code == ClusterList.code else length == 4
             errors.append(
                 UpdateError(
                     DISCARD,
                     ErrorCode.UPDATE_MESSAGE,
-                    UpdateSubcode.ATTRIBUTE_LENGTH_ERROR if vend - vstart != 4 else UpdateSubcode.MALFORMED_ATTRIBUTE_LIST,
+                    UpdateSubcode.MALFORMED_ATTRIBUTE_LIST if well_formed else UpdateSubcode.ATTRIBUTE_LENGTH_ERROR,
                     body[astart:vend],
-                    "LOCAL_PREF from an external peer is discarded",
+                    f"{cls.name} from an external peer is discarded",
                     code,
                 )
             )
@@ -371,7 +379,7 @@ def decode_plain(body: bytes, start: int, end: int, ctx: CodecContext, interned:
             or (flags ^ cls.flags) & (OPTIONAL | TRANSITIVE)
             or flags & PARTIAL
             or code in _AS4_CODES
-            or (code == LocalPref.code and ctx.external)
+            or (code in _INTERNAL_ONLY and ctx.external)
         ):
             return None
         try:

@@ -8,7 +8,13 @@ import pytest
 
 from bgp.negotiation import negotiate, our_open
 from bgp.settings import LocalSettings, PeerSettings
-from proto.capabilities import FourOctetAs, GracefulRestart, MultiProtocol, RouteRefresh
+from proto.capabilities import (
+    FourOctetAs,
+    GracefulRestart,
+    GracefulRestartFamily,
+    MultiProtocol,
+    RouteRefresh,
+)
 from proto.errors import DecodeError, ErrorCode
 from proto.messages import Open
 from proto.nlri import IPV4_UNICAST, IPV6_UNICAST
@@ -83,3 +89,12 @@ def test_our_own_identifier_inside_one_as_is_bad_bgp_identifier():
     assert (err.value.code, err.value.subcode) == (ErrorCode.OPEN_MESSAGE, 3)
     # Across ASes the same identifier is allowed (RFC 6286 §2.2 is per AS).
     assert negotiate(our_open(LOCAL, PEER), peer_open(router_id="10.0.0.1"), LOCAL, PEER).peer_asn == 65001
+
+
+def test_of_two_graceful_restart_capabilities_the_last_counts():
+    # RFC 4724 §3: the receiver MUST ignore all but the last instance.
+    first = GracefulRestart(False, 120, (GracefulRestartFamily(*IPV4_UNICAST, True),))
+    last = GracefulRestart(False, 0, ())
+    received = Open.decode(peer_open(caps=(MultiProtocol(*IPV4_UNICAST), first, last)).encode()[19:])
+    neg = negotiate(our_open(LOCAL, PEER), received, LOCAL, PEER)
+    assert neg.peer_graceful_restart == last
