@@ -3,8 +3,9 @@
 The lease is granted on first use and refreshed every ttl/3 by a background task (as etcd's
 clientv3 does).  If it expires or is revoked, the task grants a new one, puts the node record
 again and re-acquires THE SAME subnet if it is still free; if another node took it meanwhile,
-``on_subnet_lost(lease)`` is called.  Each round also puts back our keys if someone deleted
-them.  The task never exits and never raises.
+``on_subnet_lost(lease)`` is called and the node record (put again if gone) no longer names
+it.  Each round also puts back our keys if someone deleted them.  The task never exits and
+never raises.
 
 ``LeaseKeeper`` holds what we keep alive (``node``, ``subnets`` by IP version) and the ``lock`` every change
 of our keys takes: agentd.datastore.registration and agentd.datastore.leases change them.
@@ -199,10 +200,18 @@ class LeaseKeeper:
         keys += [subnet_key(self.prefix, lease.subnet) for _v, lease in held]
         _, found = await client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[])
         node_kvs = found[0] if node else []
+        lost = []
         for (_v, lease), kvs in zip(held, found[1 if node else 0:]):
             if self.lease_id != lease_id:
                 return  # the lease went while restoring: the next round starts again
-            await self._restore_subnet(client, lease, kvs, lease_id)
+            if not await self._restore_subnet(client, lease, kvs, lease_id):
+                lost.append(lease.subnet)
+        if node is not None and lost:
+            # Our record must not name a subnet another node holds now: other nodes would
+            # take it for ours and refuse the holder's route to it (agentd.kernel.forwarding).
+            node = self.node = dataclasses.replace(
+                node, subnet=None if node.subnet in lost else node.subnet,
+                subnet_v6=None if node.subnet_v6 in lost else node.subnet_v6)
         if node is not None and self.lease_id == lease_id:
             if not node_kvs:
                 try:
@@ -216,22 +225,23 @@ class LeaseKeeper:
             elif node_kvs[0][1].lease != lease_id:
                 self._report_conflict(keys[0], node_kvs[0][1].mod_revision, "node record")
 
-    async def _restore_subnet(self, client: EtcdClient, subnet: SubnetLease, kvs: list, lease_id: int) -> None:
+    async def _restore_subnet(self, client: EtcdClient, subnet: SubnetLease, kvs: list, lease_id: int) -> bool:
+        """Re-take ``subnet`` if its key is gone; False if another node holds it now (lost)."""
         if not kvs:
             outcome = await subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id)
             if outcome is Claim.WON:
                 self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
                 log.info("re-acquired subnet %s for node %s under lease %x", subnet.subnet, subnet.node, lease_id)
-                return
+                return True
             if outcome is Claim.LEASE_GONE:
                 self.lease_gone(lease_id)
-                return
+                return True
             if outcome is Claim.RETRY:
-                return
+                return True
             kvs = await client.get(subnet_key(self.prefix, subnet.subnet))
             kvs = [(kvs.value, kvs)] if kvs is not None else []
             if not kvs:
-                return
+                return True
         value, kv = kvs[0]
         try:
             holder = SubnetLease.from_json(value, subnet.subnet, kv.lease).node
@@ -240,11 +250,12 @@ class LeaseKeeper:
         if holder == subnet.node:
             if kv.lease != lease_id:
                 self._report_conflict(kv.key, kv.mod_revision, "subnet key")
-            return
+            return True
         self.subnets.pop(subnet.subnet.version, None)
         log.error("subnet %s of node %s was taken by %s while our etcd lease was gone; it is lost",
                   subnet.subnet, subnet.node, holder)
         self.connection.notify("on_subnet_lost", self.subnet_lost_callback(), subnet)
+        return False
 
     def _report_conflict(self, key: bytes, mod_revision: int, what: str) -> None:
         if (key, mod_revision) in self._reported_conflicts:

@@ -1,0 +1,181 @@
+"""The datastore's etcd transactions and the lease keeper's restoring of our keys against an
+in-memory etcd (FakeEtcd below: keys with versions, revisions and leases; compares of
+Version, Value and Mod; a reply that can be lost after the write committed, as a request
+timing out does).  Against a real etcd: tests/system/test_datastore.py."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from ipaddress import IPv4Network
+from types import SimpleNamespace
+
+import aetcd
+import grpc
+from aetcd import transactions as tx
+
+from agentd.datastore.connection import EtcdConnection
+from agentd.datastore.etcd import parse_endpoint
+from agentd.datastore.liveness import LeaseKeeper
+from agentd.datastore.records import NodeRecord, SubnetLease, node_key, subnet_key
+
+PREFIX = "/agentd"
+X = IPv4Network("10.244.1.0/24")
+
+
+@dataclass
+class KV:
+    key: bytes
+    value: bytes
+    lease: int
+    mod_revision: int
+    version: int
+
+
+def lease_not_found() -> Exception:
+    return grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details="etcdserver: requested lease not found")
+
+
+class FakeEtcd:
+    """What the datastore asks of aetcd, in memory.  ``lose_reply``: names of calls whose next
+    reply is lost after the change was made (a transient error instead)."""
+
+    def __init__(self) -> None:
+        self.kvs: dict[bytes, KV] = {}
+        self.revision = 1
+        self.leases: set[int] = set()
+        self.next_lease = 0x100
+        self.lose_reply: set[str] = set()
+        self.calls: list[str] = []
+
+    def _reply(self, what: str, result):
+        self.calls.append(what)
+        if what in self.lose_reply:
+            self.lose_reply.discard(what)
+            raise aetcd.ConnectionTimeoutError("request timed out")
+        return result
+
+    def _put(self, key: bytes, value: bytes, lease: int | None) -> None:
+        if lease and lease not in self.leases:
+            raise lease_not_found()
+        self.revision += 1
+        old = self.kvs.get(key)
+        self.kvs[key] = KV(key, value, lease or 0, self.revision, (old.version if old else 0) + 1)
+
+    def _delete(self, key: bytes) -> bool:
+        if key not in self.kvs:
+            return False
+        self.revision += 1
+        del self.kvs[key]
+        return True
+
+    def _get(self, key: bytes, range_end: bytes | None = None) -> list:
+        if range_end is None:
+            return [(kv.value, kv) for kv in [self.kvs.get(key)] if kv is not None]
+        return [(kv.value, kv) for k, kv in sorted(self.kvs.items()) if key <= k < range_end]
+
+    def _holds(self, compare) -> bool:
+        kv = self.kvs.get(compare.key)
+        actual = {
+            tx.Version: kv.version if kv else 0,
+            tx.Value: kv.value if kv else None,
+            tx.Mod: kv.mod_revision if kv else 0,
+        }[type(compare)]
+        assert compare.op == aetcd.rpc.Compare.EQUAL
+        return actual == compare.value
+
+    def _op(self, op):
+        if isinstance(op, tx.Get):
+            return self._get(op.key, op.range_end)
+        if isinstance(op, tx.Put):
+            return self._put(op.key, op.value, op.lease)
+        return self._delete(op.key)
+
+    # -- the client's calls --------------------------------------------------------------
+
+    async def lease(self, ttl: int):
+        self.next_lease += 1
+        self.leases.add(self.next_lease)
+        return self._reply("lease", SimpleNamespace(id=self.next_lease, ttl=ttl))
+
+    async def refresh_lease(self, lease_id: int):
+        return self._reply("refresh_lease", SimpleNamespace(TTL=30 if lease_id in self.leases else 0))
+
+    async def revoke_lease(self, lease_id: int):
+        if lease_id not in self.leases:
+            raise lease_not_found()
+        self.leases.discard(lease_id)
+        for key in [k for k, kv in self.kvs.items() if kv.lease == lease_id]:
+            self._delete(key)
+        return self._reply("revoke_lease", None)
+
+    def expire(self, lease_id: int) -> None:
+        """etcd expires the lease: its keys go."""
+        self.leases.discard(lease_id)
+        for key in [k for k, kv in self.kvs.items() if kv.lease == lease_id]:
+            self._delete(key)
+
+    async def get(self, key: bytes):
+        return self._reply("get", self.kvs.get(key))
+
+    async def put(self, key: bytes, value: bytes, lease: int | None = None):
+        self._put(key, value, lease)
+        return self._reply("put", None)
+
+    async def delete(self, key: bytes):
+        return self._reply("delete", True if self._delete(key) else None)
+
+    async def transaction(self, compare, success=None, failure=None):
+        ok = all(self._holds(c) for c in compare)
+        responses = [self._op(o) for o in ((success if ok else failure) or [])]
+        return self._reply("transaction", (ok, responses))
+
+
+def connection(client: FakeEtcd) -> EtcdConnection:
+    conn = EtcdConnection([parse_endpoint("http://127.0.0.1:2379")], clock=lambda: 0.0, request_timeout=5.0,
+                          rng=random.Random(7))
+    conn._current = client  # type: ignore[assignment]  # every request goes to the fake
+    return conn
+
+
+def node(name: str, subnet: IPv4Network | None = X) -> NodeRecord:
+    return NodeRecord(name=name, address="192.0.2.1", asn=64512, subnet=subnet, route_reflector=False,
+                      cluster_id=None)
+
+
+def lease_of(name: str, lease_id: int | None = None, **backend) -> SubnetLease:
+    return SubnetLease(subnet=X, node=name, public_ip="192.0.2.1", backend_type="vxlan",
+                       backend_data=dict(backend), lease_id=lease_id)
+
+
+# --- the keeper restoring our keys ----------------------------------------------------------
+
+
+async def test_a_node_that_lost_its_subnet_does_not_put_its_record_back_with_it():
+    """A cut off longer than lease_ttl: its lease expired (node record and subnet key gone),
+    B took the subnet.  Back, A's keeper grants a new lease and finds the subnet B's; the
+    node record it puts back must not name the subnet, or other nodes refuse B's route to it."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    old = 0x11
+    etcd.leases.add(old)
+    keeper.node, keeper.subnet = node("A"), lease_of("A", old)
+    etcd._put(node_key(PREFIX, "A"), keeper.node.to_json(), old)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), old)
+    etcd.expire(old)
+    etcd.leases.add(0x99)
+    etcd._put(subnet_key(PREFIX, X), lease_of("B").to_json(), 0x99)
+
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+
+    assert [lease.subnet for lease in lost] == [X] and keeper.subnets == {}
+    stored = NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value)
+    assert stored.subnet is None and keeper.node is not None and keeper.node.subnet is None
+    assert etcd.kvs[node_key(PREFIX, "A")].lease == keeper.lease_id != old
+    async with keeper.lock:  # and the next round leaves it so
+        await keeper._restore_keys(etcd)
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet is None
