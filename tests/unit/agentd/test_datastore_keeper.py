@@ -6,8 +6,9 @@ timing out does).  Against a real etcd: tests/system/test_datastore.py."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Network
 from types import SimpleNamespace
 
 import aetcd
@@ -17,7 +18,8 @@ from aetcd import transactions as tx
 from agentd.datastore.connection import EtcdConnection
 from agentd.datastore.etcd import parse_endpoint
 from agentd.datastore.liveness import LeaseKeeper
-from agentd.datastore.records import NodeRecord, SubnetLease, node_key, subnet_key
+from agentd.datastore.records import ClusterConfig, NodeRecord, SubnetLease, config_key, node_key, subnet_key
+from agentd.datastore.registration import Registration
 
 PREFIX = "/agentd"
 X = IPv4Network("10.244.1.0/24")
@@ -48,6 +50,7 @@ class FakeEtcd:
         self.next_lease = 0x100
         self.lose_reply: set[str] = set()
         self.calls: list[str] = []
+        self.before_transaction: list[Callable[[], None]] = []  # another client's change, one per transaction
 
     def _reply(self, what: str, result):
         self.calls.append(what)
@@ -127,6 +130,8 @@ class FakeEtcd:
         return self._reply("delete", True if self._delete(key) else None)
 
     async def transaction(self, compare, success=None, failure=None):
+        if self.before_transaction:
+            self.before_transaction.pop(0)()
         ok = all(self._holds(c) for c in compare)
         responses = [self._op(o) for o in ((success if ok else failure) or [])]
         return self._reply("transaction", (ok, responses))
@@ -179,3 +184,23 @@ async def test_a_node_that_lost_its_subnet_does_not_put_its_record_back_with_it(
     async with keeper.lock:  # and the next round leaves it so
         await keeper._restore_keys(etcd)
     assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet is None
+
+
+# --- the cluster config ------------------------------------------------------------------
+
+
+async def test_a_config_deleted_during_the_dual_stack_upgrade_is_stored_anew():
+    """The IPv4 config read, then deleted before the compare-and-swap: the swap's failure
+    read finds nothing (it was an IndexError: "cannot start: list index out of range")."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    registration = Registration(conn, LeaseKeeper(conn, PREFIX, 30), PREFIX)
+    ipv4 = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+    dual = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", ip_family="dual",
+                         cidr_v6=IPv6Network("fd00:10:244::/56"), subnet_len_v6=64)
+    key = config_key(PREFIX)
+    etcd._put(key, ipv4.to_json(), None)
+    etcd.before_transaction += [lambda: None, lambda: etcd._delete(key)]
+
+    assert await registration.ensure_cluster_config(dual) == dual
+    assert ClusterConfig.from_json(etcd.kvs[key].value) == dual
