@@ -18,7 +18,14 @@ from aetcd import transactions as tx
 from agentd.datastore.connection import EtcdConnection
 from agentd.datastore.etcd import parse_endpoint
 from agentd.datastore.liveness import LeaseKeeper
-from agentd.datastore.records import ClusterConfig, NodeRecord, SubnetLease, config_key, node_key, subnet_key
+from agentd.datastore.records import (
+    ClusterConfig,
+    NodeRecord,
+    SubnetLease,
+    config_key,
+    node_key,
+    subnet_key,
+)
 from agentd.datastore.registration import Registration
 
 PREFIX = "/agentd"
