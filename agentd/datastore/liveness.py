@@ -250,6 +250,8 @@ class LeaseKeeper:
         if holder == subnet.node:
             if kv.lease != lease_id:
                 self._report_conflict(kv.key, kv.mod_revision, "subnet key")
+            elif subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost
+                self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
             return True
         self.subnets.pop(subnet.subnet.version, None)
         log.error("subnet %s of node %s was taken by %s while our etcd lease was gone; it is lost",

@@ -13,10 +13,12 @@ from types import SimpleNamespace
 
 import aetcd
 import grpc
+import pytest
 from aetcd import transactions as tx
 
 from agentd.datastore.connection import EtcdConnection
 from agentd.datastore.etcd import parse_endpoint
+from agentd.datastore.leases import SubnetLeases
 from agentd.datastore.liveness import LeaseKeeper
 from agentd.datastore.records import (
     ClusterConfig,
@@ -192,6 +194,50 @@ async def test_a_node_that_lost_its_subnet_does_not_put_its_record_back_with_it(
         await keeper._restore_keys(etcd)
     assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet is None
 
+
+
+async def test_a_subnet_re_taken_by_a_claim_whose_reply_was_lost_gets_its_backend_data_published():
+    """The keepalive re-takes our subnet under the new lease, the reply is lost; the next
+    round finds the key ours under that lease.  The subnet must then carry that lease's ID,
+    or the rewrite of its backend data puts under the expired lease ("lease not found")."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    keeper.subnet = lease_of("A", 0x11)  # 0x11 expired: the subnet key went with it
+    etcd.before_transaction += [lambda: None, lambda: etcd.lose_reply.add("transaction")]  # the read, the claim
+    async with keeper.lock:
+        with pytest.raises(aetcd.ConnectionTimeoutError):
+            await keeper._restore_keys(etcd)
+        await keeper._restore_keys(etcd)  # the next round
+
+    leases = SubnetLeases(conn, keeper, PREFIX, random.Random(1))
+    assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:01"})
+    stored = SubnetLease.from_json(etcd.kvs[subnet_key(PREFIX, X)].value, X, 0)
+    assert stored.backend_data == {"vtep_mac": "02:00:00:00:00:01"}
+    assert etcd.kvs[subnet_key(PREFIX, X)].lease == keeper.lease_id == keeper.subnet.lease_id
+
+
+async def test_backend_data_not_written_is_written_by_the_next_call():
+    """A rewrite that failed left the new data in the keeper as if published: the next call
+    with the same data did nothing."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.subnet = lease_of("A", 0x11)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x11)
+    leases = SubnetLeases(conn, keeper, PREFIX, random.Random(1))
+
+    def refuse() -> None:
+        raise aetcd.PreconditionFailedError("refused")
+
+    etcd.before_transaction.append(refuse)
+    with pytest.raises(aetcd.PreconditionFailedError):
+        await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:01"})
+    assert keeper.subnet.backend_data == {}
+    assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:01"})
+    stored = SubnetLease.from_json(etcd.kvs[subnet_key(PREFIX, X)].value, X, 0)
+    assert stored.backend_data == keeper.subnet.backend_data == {"vtep_mac": "02:00:00:00:00:01"}
 
 # --- the cluster config ------------------------------------------------------------------
 
