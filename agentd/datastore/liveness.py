@@ -158,15 +158,19 @@ class LeaseKeeper:
                 self.connection.failover(client)  # the next round asks the next member
             raise
 
+    async def _bounded(self, request: Awaitable[T]) -> T:
+        """One etcd request of the keepalive.  A member that went silent (cut off: no reset, no
+        answer) must not hold it much past the next refresh is due: the lease (TTL = 3
+        intervals) is refreshed elsewhere in time.  At least 1 s, or a merely busy member
+        would count as lost."""
+        timeout = min(self.connection.request_timeout, max(1.0, self.interval))
+        return await cancel_kept(asyncio.wait_for(request, timeout))
+
     async def _refresh(self, client: EtcdClient) -> None:
         lease_id = self.lease_id
         if lease_id is None:
             return
-        # A member that went silent (cut off: no reset, no answer) must not hold the refresh
-        # much past the next one is due: the lease (TTL = 3 intervals) is refreshed elsewhere
-        # in time.  At least 1 s, or a merely busy member would count as lost.
-        timeout = min(self.connection.request_timeout, max(1.0, self.interval))
-        reply = await cancel_kept(asyncio.wait_for(client.refresh_lease(lease_id), timeout))
+        reply = await self._bounded(client.refresh_lease(lease_id))
         if reply is None:  # no answer about the lease: never take that for "expired"
             raise aetcd.ConnectionFailedError("lease keep-alive stream ended without a reply")
         self.connection.set_connected(True)
@@ -192,13 +196,13 @@ class LeaseKeeper:
         if node is None and not held:
             return
         if self.lease_id is None:
-            lease = await client.lease(self.lease_ttl)
+            lease = await self._bounded(client.lease(self.lease_ttl))
             self.lease_id = lease.id
             log.info("granted new etcd lease %x (ttl %ss)", lease.id, lease.ttl)
         lease_id = self.lease_id
         keys = [node_key(self.prefix, node.name)] if node else []
         keys += [subnet_key(self.prefix, lease.subnet) for _v, lease in held]
-        _, found = await client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[])
+        _, found = await self._bounded(client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[]))
         node_kvs = found[0] if node else []
         lost = []
         for (_v, lease), kvs in zip(held, found[1 if node else 0:]):
@@ -215,7 +219,7 @@ class LeaseKeeper:
         if node is not None and self.lease_id == lease_id:
             if not node_kvs:
                 try:
-                    await client.put(keys[0], node.to_json(), lease=lease_id)
+                    await self._bounded(client.put(keys[0], node.to_json(), lease=lease_id))
                 except Exception as exc:
                     if not is_lease_not_found(exc):
                         raise
@@ -228,7 +232,7 @@ class LeaseKeeper:
     async def _restore_subnet(self, client: EtcdClient, subnet: SubnetLease, kvs: list, lease_id: int) -> bool:
         """Re-take ``subnet`` if its key is gone; False if another node holds it now (lost)."""
         if not kvs:
-            outcome = await subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id)
+            outcome = await self._bounded(subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id))
             if outcome is Claim.WON:
                 self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
                 log.info("re-acquired subnet %s for node %s under lease %x", subnet.subnet, subnet.node, lease_id)
@@ -238,7 +242,7 @@ class LeaseKeeper:
                 return True
             if outcome is Claim.RETRY:
                 return True
-            kvs = await client.get(subnet_key(self.prefix, subnet.subnet))
+            kvs = await self._bounded(client.get(subnet_key(self.prefix, subnet.subnet)))
             kvs = [(kvs.value, kvs)] if kvs is not None else []
             if not kvs:
                 return True

@@ -5,6 +5,7 @@ timing out does).  Against a real etcd: tests/system/test_datastore.py."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,11 @@ class FakeEtcd:
         self.lose_reply: set[str] = set()
         self.calls: list[str] = []
         self.before_transaction: list[Callable[[], None]] = []  # another client's change, one per transaction
+        self.silent = False  # a member cut off: requests get no answer
+
+    async def _answer(self) -> None:
+        if self.silent:
+            await asyncio.get_running_loop().create_future()  # never answered
 
     def _reply(self, what: str, result):
         self.calls.append(what)
@@ -139,6 +145,7 @@ class FakeEtcd:
         return self._reply("delete", True if self._delete(key) else None)
 
     async def transaction(self, compare, success=None, failure=None):
+        await self._answer()
         if self.before_transaction:
             self.before_transaction.pop(0)()
         ok = all(self._holds(c) for c in compare)
@@ -146,8 +153,8 @@ class FakeEtcd:
         return self._reply("transaction", (ok, responses))
 
 
-def connection(client: FakeEtcd) -> EtcdConnection:
-    conn = EtcdConnection([parse_endpoint("http://127.0.0.1:2379")], clock=lambda: 0.0, request_timeout=5.0,
+def connection(client: FakeEtcd, request_timeout: float = 5.0) -> EtcdConnection:
+    conn = EtcdConnection([parse_endpoint("http://127.0.0.1:2379")], clock=lambda: 0.0, request_timeout=request_timeout,
                           rng=random.Random(7))
     conn._current = client  # type: ignore[assignment]  # every request goes to the fake
     return conn
@@ -238,6 +245,21 @@ async def test_backend_data_not_written_is_written_by_the_next_call():
     assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:01"})
     stored = SubnetLease.from_json(etcd.kvs[subnet_key(PREFIX, X)].value, X, 0)
     assert stored.backend_data == keeper.subnet.backend_data == {"vtep_mac": "02:00:00:00:00:01"}
+
+
+async def test_a_silent_member_holds_the_keys_restore_no_longer_than_the_refresh():
+    """Only the refresh had the keepalive's short timeout: with lease_ttl = 2 a read of the
+    restore that got no answer outlived the lease.  (request_timeout is 50 ms here, to keep
+    the test short: the bound is min(request_timeout, max(1 s, lease_ttl/3)).)"""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd, request_timeout=0.05), PREFIX, 2)
+    keeper.node = node("A")  # its lease expired: the round grants one and reads our keys
+    etcd.silent = True
+    restore = asyncio.ensure_future(keeper._restore_keys(etcd))
+    done, _ = await asyncio.wait([restore], timeout=2.0)
+    if not done:
+        restore.cancel()
+    assert done and isinstance(restore.exception(), asyncio.TimeoutError)
 
 # --- the cluster config ------------------------------------------------------------------
 
