@@ -146,10 +146,18 @@ class Registration:
         async with keeper.lock:
             if keeper.node is not None and keeper.node.name == name:
                 keeper.node = None  # or the keepalive would put it back
-            deleted = await self.connection.call("remove node", lambda c: c.delete(key),
-                                                 self.connection.deadline(timeout))
+            attempts = 0
+
+            def delete(client: Any) -> Any:
+                nonlocal attempts
+                attempts += 1
+                return client.delete(key)
+
+            deleted = await self.connection.call("remove node", delete, self.connection.deadline(timeout)) is not None
+            # Not found on a retry: the attempt whose reply was lost deleted it.
+            deleted = deleted or attempts > 1
         log.info("removed node %s%s", name, "" if deleted else " (it was not registered)")
-        return deleted is not None
+        return deleted
 
     # -- everyone's node records ------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from agentd.datastore.etcd import parse_endpoint
 from agentd.datastore.leases import SubnetLeases
 from agentd.datastore.liveness import LeaseKeeper
 from agentd.datastore.records import (
+    Backoff,
     ClusterConfig,
     NodeRecord,
     SubnetLease,
@@ -157,6 +158,7 @@ def connection(client: FakeEtcd, request_timeout: float = 5.0) -> EtcdConnection
     conn = EtcdConnection([parse_endpoint("http://127.0.0.1:2379")], clock=lambda: 0.0, request_timeout=request_timeout,
                           rng=random.Random(7))
     conn._current = client  # type: ignore[assignment]  # every request goes to the fake
+    conn.backoff = lambda cap=5.0: Backoff(initial=1e-6, cap=1e-6, rng=random.Random(1))  # retries at once
     return conn
 
 
@@ -279,3 +281,48 @@ async def test_a_config_deleted_during_the_dual_stack_upgrade_is_stored_anew():
 
     assert await registration.ensure_cluster_config(dual) == dual
     assert ClusterConfig.from_json(etcd.kvs[key].value) == dual
+
+
+
+# --- requests retried after their reply was lost -------------------------------------------
+
+
+def lose_the_reply_of_transaction(etcd: FakeEtcd, n: int) -> None:
+    etcd.before_transaction += [lambda: None] * (n - 1) + [lambda: etcd.lose_reply.add("transaction")]
+
+
+async def test_a_release_whose_reply_was_lost_reports_what_it_released():
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.lease_id, keeper.subnet = 0x11, lease_of("A", 0x11)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x11)
+    lose_the_reply_of_transaction(etcd, 2)  # the read, the delete
+
+    assert await SubnetLeases(conn, keeper, PREFIX, random.Random(1)).release("A") == [X]
+    assert etcd.kvs == {} and etcd.calls.count("transaction") >= 3
+
+
+async def test_a_rewrite_whose_reply_was_lost_reports_it_written():
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.subnet = lease_of("A", 0x11)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x11)
+    lose_the_reply_of_transaction(etcd, 1)
+
+    assert await SubnetLeases(conn, keeper, PREFIX, random.Random(1)).set_subnet_backend_data({"port": 8472})
+    assert keeper.subnet.backend_data == {"port": 8472}
+
+
+async def test_a_node_removal_whose_reply_was_lost_reports_it_removed():
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    registration = Registration(conn, LeaseKeeper(conn, PREFIX, 30), PREFIX)
+    etcd._put(node_key(PREFIX, "A"), node("A").to_json(), None)
+    etcd.lose_reply.add("delete")
+
+    assert await registration.remove_node("A") is True
+    assert etcd.kvs == {} and etcd.calls == ["delete", "delete"]
