@@ -204,18 +204,11 @@ class LeaseKeeper:
         keys += [subnet_key(self.prefix, lease.subnet) for _v, lease in held]
         _, found = await self._bounded(client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[]))
         node_kvs = found[0] if node else []
-        lost = []
         for (_v, lease), kvs in zip(held, found[1 if node else 0:]):
             if self.lease_id != lease_id:
                 return  # the lease went while restoring: the next round starts again
-            if not await self._restore_subnet(client, lease, kvs, lease_id):
-                lost.append(lease.subnet)
-        if node is not None and lost:
-            # Our record must not name a subnet another node holds now: other nodes would
-            # take it for ours and refuse the holder's route to it (agentd.kernel.forwarding).
-            node = self.node = dataclasses.replace(
-                node, subnet=None if node.subnet in lost else node.subnet,
-                subnet_v6=None if node.subnet_v6 in lost else node.subnet_v6)
+            await self._restore_subnet(client, lease, kvs, lease_id)
+        node = self.node  # without a subnet lost meanwhile
         if node is not None and self.lease_id == lease_id:
             if not node_kvs:
                 try:
@@ -229,23 +222,22 @@ class LeaseKeeper:
             elif node_kvs[0][1].lease != lease_id:
                 self._report_conflict(keys[0], node_kvs[0][1].mod_revision, "node record")
 
-    async def _restore_subnet(self, client: EtcdClient, subnet: SubnetLease, kvs: list, lease_id: int) -> bool:
-        """Re-take ``subnet`` if its key is gone; False if another node holds it now (lost)."""
+    async def _restore_subnet(self, client: EtcdClient, subnet: SubnetLease, kvs: list, lease_id: int) -> None:
         if not kvs:
             outcome = await self._bounded(subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id))
             if outcome is Claim.WON:
                 self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
                 log.info("re-acquired subnet %s for node %s under lease %x", subnet.subnet, subnet.node, lease_id)
-                return True
+                return
             if outcome is Claim.LEASE_GONE:
                 self.lease_gone(lease_id)
-                return True
+                return
             if outcome is Claim.RETRY:
-                return True
+                return
             kvs = await self._bounded(client.get(subnet_key(self.prefix, subnet.subnet)))
             kvs = [(kvs.value, kvs)] if kvs is not None else []
             if not kvs:
-                return True
+                return
         value, kv = kvs[0]
         try:
             holder = SubnetLease.from_json(value, subnet.subnet, kv.lease).node
@@ -256,12 +248,17 @@ class LeaseKeeper:
                 self._report_conflict(kv.key, kv.mod_revision, "subnet key")
             elif subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost
                 self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
-            return True
+            return
         self.subnets.pop(subnet.subnet.version, None)
+        node = self.node
+        if node is not None and subnet.subnet in (node.subnet, node.subnet_v6):
+            # Our record must not name it any more: other nodes would take it for ours and
+            # refuse its holder's route to it (agentd.kernel.forwarding).
+            self.node = dataclasses.replace(node, subnet=None if node.subnet == subnet.subnet else node.subnet,
+                                            subnet_v6=None if node.subnet_v6 == subnet.subnet else node.subnet_v6)
         log.error("subnet %s of node %s was taken by %s while our etcd lease was gone; it is lost",
                   subnet.subnet, subnet.node, holder)
         self.connection.notify("on_subnet_lost", self.subnet_lost_callback(), subnet)
-        return False
 
     def _report_conflict(self, key: bytes, mod_revision: int, what: str) -> None:
         if (key, mod_revision) in self._reported_conflicts:
