@@ -138,6 +138,7 @@ class Agent:
         # once the lease is held, BGP started and routes reconciled).
         self._problems: list[str] = []
         self._fatal: str | None = None  # why the agent stops itself: not ready
+        self._subnet_taken = False  # our subnet was lost: _shutdown removes our node record
         self.exit_status = 0  # 1 when the agent stops itself (its subnet lost)
         self.pod_mtu = 1500
 
@@ -409,6 +410,13 @@ class Agent:
         if self.read_api is not None:
             await self.read_api.stop()
         if self.datastore is not None:
+            if self._subnet_taken:
+                # Our node record (under our lease, which close() keeps) must not outlive us:
+                # it may still name the subnet another node holds now.
+                try:
+                    await self.datastore.remove_node(self.name, timeout=5)
+                except Exception as err:  # noqa: BLE001 - etcd unreachable: the lease expiry removes it
+                    log.warning("could not remove node %s from etcd (%s); it goes with its lease", self.name, err)
             with contextlib.suppress(Exception):
                 await self.datastore.close()
         await self.api.stop()
@@ -574,6 +582,7 @@ class Agent:
                   "that node hands out now: re-create them", msg, lease.subnet)
         self._problems.append(msg)
         self._fatal = msg
+        self._subnet_taken = True
         self.exit_status = 1
         self._stop.set()
 

@@ -105,13 +105,14 @@ class SubnetLeases:
                 if lease.lease_id is None or lease.backend_data == backend_data:
                     continue
                 new = dataclasses.replace(lease, backend_data=dict(backend_data))
-                keeper.subnets[version] = new  # a re-claim after an etcd outage writes the new data too
                 ok = await self.connection.call(
                     "publish subnet backend data",
                     lambda c, lease=lease, new=new: subnets.rewrite(c, self.prefix, lease, new),
                     self.connection.deadline(timeout),
                 )
-                if not ok:
+                if ok:  # only then: a failed rewrite is tried again by the next call
+                    keeper.subnets[version] = new
+                else:
                     log.warning("subnet %s: its record changed meanwhile; backend data not published", lease.subnet)
                 written |= ok
         return written

@@ -3,8 +3,9 @@
 The lease is granted on first use and refreshed every ttl/3 by a background task (as etcd's
 clientv3 does).  If it expires or is revoked, the task grants a new one, puts the node record
 again and re-acquires THE SAME subnet if it is still free; if another node took it meanwhile,
-``on_subnet_lost(lease)`` is called.  Each round also puts back our keys if someone deleted
-them.  The task never exits and never raises.
+``on_subnet_lost(lease)`` is called and the node record (put again if gone) no longer names
+it.  Each round also puts back our keys if someone deleted them.  The task never exits and
+never raises.
 
 ``LeaseKeeper`` holds what we keep alive (``node``, ``subnets`` by IP version) and the ``lock`` every change
 of our keys takes: agentd.datastore.registration and agentd.datastore.leases change them.
@@ -157,15 +158,19 @@ class LeaseKeeper:
                 self.connection.failover(client)  # the next round asks the next member
             raise
 
+    async def _bounded(self, request: Awaitable[T]) -> T:
+        """One etcd request of the keepalive.  A member that went silent (cut off: no reset, no
+        answer) must not hold it much past the next refresh is due: the lease (TTL = 3
+        intervals) is refreshed elsewhere in time.  At least 1 s, or a merely busy member
+        would count as lost."""
+        timeout = min(self.connection.request_timeout, max(1.0, self.interval))
+        return await cancel_kept(asyncio.wait_for(request, timeout))
+
     async def _refresh(self, client: EtcdClient) -> None:
         lease_id = self.lease_id
         if lease_id is None:
             return
-        # A member that went silent (cut off: no reset, no answer) must not hold the refresh
-        # much past the next one is due: the lease (TTL = 3 intervals) is refreshed elsewhere
-        # in time.  At least 1 s, or a merely busy member would count as lost.
-        timeout = min(self.connection.request_timeout, max(1.0, self.interval))
-        reply = await cancel_kept(asyncio.wait_for(client.refresh_lease(lease_id), timeout))
+        reply = await self._bounded(client.refresh_lease(lease_id))
         if reply is None:  # no answer about the lease: never take that for "expired"
             raise aetcd.ConnectionFailedError("lease keep-alive stream ended without a reply")
         self.connection.set_connected(True)
@@ -191,22 +196,23 @@ class LeaseKeeper:
         if node is None and not held:
             return
         if self.lease_id is None:
-            lease = await client.lease(self.lease_ttl)
+            lease = await self._bounded(client.lease(self.lease_ttl))
             self.lease_id = lease.id
             log.info("granted new etcd lease %x (ttl %ss)", lease.id, lease.ttl)
         lease_id = self.lease_id
         keys = [node_key(self.prefix, node.name)] if node else []
         keys += [subnet_key(self.prefix, lease.subnet) for _v, lease in held]
-        _, found = await client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[])
+        _, found = await self._bounded(client.transaction(compare=[], success=[tx.Get(k) for k in keys], failure=[]))
         node_kvs = found[0] if node else []
         for (_v, lease), kvs in zip(held, found[1 if node else 0:]):
             if self.lease_id != lease_id:
                 return  # the lease went while restoring: the next round starts again
             await self._restore_subnet(client, lease, kvs, lease_id)
+        node = self.node  # without a subnet lost meanwhile
         if node is not None and self.lease_id == lease_id:
             if not node_kvs:
                 try:
-                    await client.put(keys[0], node.to_json(), lease=lease_id)
+                    await self._bounded(client.put(keys[0], node.to_json(), lease=lease_id))
                 except Exception as exc:
                     if not is_lease_not_found(exc):
                         raise
@@ -218,7 +224,7 @@ class LeaseKeeper:
 
     async def _restore_subnet(self, client: EtcdClient, subnet: SubnetLease, kvs: list, lease_id: int) -> None:
         if not kvs:
-            outcome = await subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id)
+            outcome = await self._bounded(subnets.claim(client, self.prefix, subnet, subnet.subnet, None, {}, lease_id))
             if outcome is Claim.WON:
                 self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
                 log.info("re-acquired subnet %s for node %s under lease %x", subnet.subnet, subnet.node, lease_id)
@@ -228,7 +234,7 @@ class LeaseKeeper:
                 return
             if outcome is Claim.RETRY:
                 return
-            kvs = await client.get(subnet_key(self.prefix, subnet.subnet))
+            kvs = await self._bounded(client.get(subnet_key(self.prefix, subnet.subnet)))
             kvs = [(kvs.value, kvs)] if kvs is not None else []
             if not kvs:
                 return
@@ -240,8 +246,16 @@ class LeaseKeeper:
         if holder == subnet.node:
             if kv.lease != lease_id:
                 self._report_conflict(kv.key, kv.mod_revision, "subnet key")
+            elif subnet.lease_id != lease_id:  # re-taken by a claim whose reply was lost
+                self.subnets[subnet.subnet.version] = dataclasses.replace(subnet, lease_id=lease_id)
             return
         self.subnets.pop(subnet.subnet.version, None)
+        node = self.node
+        if node is not None and subnet.subnet in (node.subnet, node.subnet_v6):
+            # Our record must not name it any more: other nodes would take it for ours and
+            # refuse its holder's route to it (agentd.kernel.forwarding).
+            self.node = dataclasses.replace(node, subnet=None if node.subnet == subnet.subnet else node.subnet,
+                                            subnet_v6=None if node.subnet_v6 == subnet.subnet else node.subnet_v6)
         log.error("subnet %s of node %s was taken by %s while our etcd lease was gone; it is lost",
                   subnet.subnet, subnet.node, holder)
         self.connection.notify("on_subnet_lost", self.subnet_lost_callback(), subnet)

@@ -54,35 +54,40 @@ class Registration:
         restart with ip_family = "dual" one at a time."""
         key = config_key(self.prefix)
         deadline = self.connection.deadline(timeout)
-        ok, responses = await self.connection.call(
-            "store cluster config",
-            lambda c: c.transaction(
-                compare=[tx.Version(key) == 0], success=[tx.Put(key, wanted.to_json())], failure=[tx.Get(key)]
-            ),
-            deadline,
-        )
-        if ok:
-            log.info("stored cluster config at %s: %s", key.decode(), wanted.to_json().decode())
-            return wanted
-        raw = responses[0][0][0]
         while True:
-            stored = parse_config(key, raw)
-            if not (stored.ip_family == "ipv4" and stored.cidr_v6 is None and wanted.ip_family == "dual"):
-                return stored
-            upgraded = dataclasses.replace(stored, ip_family="dual", cidr_v6=wanted.cidr_v6,
-                                           subnet_len_v6=wanted.subnet_len_v6, service_cidr_v6=wanted.service_cidr_v6)
             ok, responses = await self.connection.call(
-                "make the cluster dual-stack",
-                lambda c, raw=raw, upgraded=upgraded: c.transaction(
-                    compare=[tx.Value(key) == raw], success=[tx.Put(key, upgraded.to_json())], failure=[tx.Get(key)]
+                "store cluster config",
+                lambda c: c.transaction(
+                    compare=[tx.Version(key) == 0], success=[tx.Put(key, wanted.to_json())], failure=[tx.Get(key)]
                 ),
                 deadline,
             )
             if ok:
-                log.info("the cluster is dual-stack from now on: IPv6 pods in %s, a /%d per node (%s)",
-                         upgraded.cidr_v6, upgraded.subnet_len_v6, key.decode())
-                return upgraded
-            raw = responses[0][0][0]  # changed meanwhile: judge the new value
+                log.info("stored cluster config at %s: %s", key.decode(), wanted.to_json().decode())
+                return wanted
+            current = responses[0]
+            while current:
+                raw = current[0][0]
+                stored = parse_config(key, raw)
+                if not (stored.ip_family == "ipv4" and stored.cidr_v6 is None and wanted.ip_family == "dual"):
+                    return stored
+                upgraded = dataclasses.replace(stored, ip_family="dual", cidr_v6=wanted.cidr_v6,
+                                               subnet_len_v6=wanted.subnet_len_v6,
+                                               service_cidr_v6=wanted.service_cidr_v6)
+                ok, responses = await self.connection.call(
+                    "make the cluster dual-stack",
+                    lambda c, raw=raw, upgraded=upgraded: c.transaction(
+                        compare=[tx.Value(key) == raw], success=[tx.Put(key, upgraded.to_json())],
+                        failure=[tx.Get(key)]
+                    ),
+                    deadline,
+                )
+                if ok:
+                    log.info("the cluster is dual-stack from now on: IPv6 pods in %s, a /%d per node (%s)",
+                             upgraded.cidr_v6, upgraded.subnet_len_v6, key.decode())
+                    return upgraded
+                current = responses[0]  # changed meanwhile: judge the new value
+            # deleted meanwhile: store ours, as if we were the first node
 
     async def get_cluster_config(self, *, timeout: float | None = None) -> ClusterConfig | None:
         key = config_key(self.prefix)
@@ -141,10 +146,18 @@ class Registration:
         async with keeper.lock:
             if keeper.node is not None and keeper.node.name == name:
                 keeper.node = None  # or the keepalive would put it back
-            deleted = await self.connection.call("remove node", lambda c: c.delete(key),
-                                                 self.connection.deadline(timeout))
+            attempts = 0
+
+            def delete(client: Any) -> Any:
+                nonlocal attempts
+                attempts += 1
+                return client.delete(key)
+
+            deleted = await self.connection.call("remove node", delete, self.connection.deadline(timeout)) is not None
+            # Not found on a retry: the attempt whose reply was lost deleted it.
+            deleted = deleted or attempts > 1
         log.info("removed node %s%s", name, "" if deleted else " (it was not registered)")
-        return deleted is not None
+        return deleted
 
     # -- everyone's node records ------------------------------------------------------------
 

@@ -132,20 +132,26 @@ async def claim(
 async def rewrite(client: EtcdClient, prefix: str, old: SubnetLease, new: SubnetLease) -> bool:
     """Replace our subnet record ``old`` by ``new`` (same subnet, same lease) if it is unchanged."""
     key = subnet_key(prefix, old.subnet)
-    ok, _ = await client.transaction(
+    value = new.to_json()
+    ok, responses = await client.transaction(
         compare=[tx.Value(key) == old.to_json()],
-        success=[tx.Put(key, new.to_json(), lease=new.lease_id)],
-        failure=[],
+        success=[tx.Put(key, value, lease=new.lease_id)],
+        failure=[tx.Get(key)],
     )
-    return ok
+    if ok:
+        return True
+    current = responses[0]
+    # An earlier attempt whose reply was lost (the request is retried) did write it.
+    return bool(current) and current[0][0] == value and current[0][1].lease == new.lease_id
 
 
 async def release(client: EtcdClient, prefix: str, held: dict[Network, Entry]) -> bool:
     """Delete the given subnet keys if none changed since we read them."""
     keys = {subnet_key(prefix, s): e.mod_revision for s, e in held.items()}
-    ok, _ = await client.transaction(
+    ok, responses = await client.transaction(
         compare=[tx.Mod(k) == rev for k, rev in keys.items()],
         success=[tx.Delete(k) for k in keys],
-        failure=[],
+        failure=[tx.Get(k) for k in keys],
     )
-    return ok
+    # All gone: an earlier attempt whose reply was lost (the request is retried) deleted them.
+    return ok or not any(responses)

@@ -99,3 +99,28 @@ def test_start_up_problems_leave_the_agent_ready_but_degraded(monkeypatch):
             "PROBLEM: ip_masq not applied: no libnftables"]
 
     asyncio.run(main())
+
+
+def test_an_agent_stopping_for_a_lost_subnet_removes_its_node_record():
+    """close() keeps the lease (a restart finds its keys): after a lost subnet the node record
+    must not stay behind it, naming the subnet another node holds now."""
+
+    class Datastore:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        async def remove_node(self, name, timeout=None):
+            self.calls.append(("remove_node", name))
+            return True
+
+        async def close(self):
+            self.calls.append(("close",))
+
+    async def main():
+        agent = Agent(CFG)
+        agent.datastore = ds = Datastore()
+        agent._subnet_lost(SubnetLease(IPv4Network("10.244.7.0/24"), "n1", IPv4Address("10.1.1.1"), "host-gw"))
+        await agent._shutdown()
+        return ds.calls
+
+    assert asyncio.run(main()) == [("remove_node", "n1"), ("close",)]

@@ -1,0 +1,328 @@
+"""The datastore's etcd transactions and the lease keeper's restoring of our keys against an
+in-memory etcd (FakeEtcd below: keys with versions, revisions and leases; compares of
+Version, Value and Mod; a reply that can be lost after the write committed, as a request
+timing out does).  Against a real etcd: tests/system/test_datastore.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network
+from types import SimpleNamespace
+
+import aetcd
+import grpc
+import pytest
+from aetcd import transactions as tx
+
+from agentd.datastore.connection import EtcdConnection
+from agentd.datastore.etcd import parse_endpoint
+from agentd.datastore.leases import SubnetLeases
+from agentd.datastore.liveness import LeaseKeeper
+from agentd.datastore.records import (
+    Backoff,
+    ClusterConfig,
+    NodeRecord,
+    SubnetLease,
+    config_key,
+    node_key,
+    subnet_key,
+)
+from agentd.datastore.registration import Registration
+
+PREFIX = "/agentd"
+X = IPv4Network("10.244.1.0/24")
+
+
+@dataclass
+class KV:
+    key: bytes
+    value: bytes
+    lease: int
+    mod_revision: int
+    version: int
+
+
+def lease_not_found() -> Exception:
+    return grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details="etcdserver: requested lease not found")
+
+
+class FakeEtcd:
+    """What the datastore asks of aetcd, in memory.  ``lose_reply``: names of calls whose next
+    reply is lost after the change was made (a transient error instead)."""
+
+    def __init__(self) -> None:
+        self.kvs: dict[bytes, KV] = {}
+        self.revision = 1
+        self.leases: set[int] = set()
+        self.next_lease = 0x100
+        self.lose_reply: set[str] = set()
+        self.calls: list[str] = []
+        self.before_transaction: list[Callable[[], None]] = []  # another client's change, one per transaction
+        self.silent = False  # a member cut off: requests get no answer
+
+    async def _answer(self) -> None:
+        if self.silent:
+            await asyncio.get_running_loop().create_future()  # never answered
+
+    def _reply(self, what: str, result):
+        self.calls.append(what)
+        if what in self.lose_reply:
+            self.lose_reply.discard(what)
+            raise aetcd.ConnectionTimeoutError("request timed out")
+        return result
+
+    def _put(self, key: bytes, value: bytes, lease: int | None) -> None:
+        if lease and lease not in self.leases:
+            raise lease_not_found()
+        self.revision += 1
+        old = self.kvs.get(key)
+        self.kvs[key] = KV(key, value, lease or 0, self.revision, (old.version if old else 0) + 1)
+
+    def _delete(self, key: bytes) -> bool:
+        if key not in self.kvs:
+            return False
+        self.revision += 1
+        del self.kvs[key]
+        return True
+
+    def _get(self, key: bytes, range_end: bytes | None = None) -> list:
+        if range_end is None:
+            return [(kv.value, kv) for kv in [self.kvs.get(key)] if kv is not None]
+        return [(kv.value, kv) for k, kv in sorted(self.kvs.items()) if key <= k < range_end]
+
+    def _holds(self, compare) -> bool:
+        kv = self.kvs.get(compare.key)
+        actual = {
+            tx.Version: kv.version if kv else 0,
+            tx.Value: kv.value if kv else None,
+            tx.Mod: kv.mod_revision if kv else 0,
+        }[type(compare)]
+        assert compare.op == aetcd.rpc.Compare.EQUAL
+        return actual == compare.value
+
+    def _op(self, op):
+        if isinstance(op, tx.Get):
+            return self._get(op.key, op.range_end)
+        if isinstance(op, tx.Put):
+            return self._put(op.key, op.value, op.lease)
+        return self._delete(op.key)
+
+    # -- the client's calls --------------------------------------------------------------
+
+    async def lease(self, ttl: int):
+        self.next_lease += 1
+        self.leases.add(self.next_lease)
+        return self._reply("lease", SimpleNamespace(id=self.next_lease, ttl=ttl))
+
+    async def refresh_lease(self, lease_id: int):
+        return self._reply("refresh_lease", SimpleNamespace(TTL=30 if lease_id in self.leases else 0))
+
+    async def revoke_lease(self, lease_id: int):
+        if lease_id not in self.leases:
+            raise lease_not_found()
+        self.leases.discard(lease_id)
+        for key in [k for k, kv in self.kvs.items() if kv.lease == lease_id]:
+            self._delete(key)
+        return self._reply("revoke_lease", None)
+
+    def expire(self, lease_id: int) -> None:
+        """etcd expires the lease: its keys go."""
+        self.leases.discard(lease_id)
+        for key in [k for k, kv in self.kvs.items() if kv.lease == lease_id]:
+            self._delete(key)
+
+    async def get(self, key: bytes):
+        return self._reply("get", self.kvs.get(key))
+
+    async def put(self, key: bytes, value: bytes, lease: int | None = None):
+        self._put(key, value, lease)
+        return self._reply("put", None)
+
+    async def delete(self, key: bytes):
+        return self._reply("delete", True if self._delete(key) else None)
+
+    async def transaction(self, compare, success=None, failure=None):
+        await self._answer()
+        if self.before_transaction:
+            self.before_transaction.pop(0)()
+        ok = all(self._holds(c) for c in compare)
+        responses = [self._op(o) for o in ((success if ok else failure) or [])]
+        return self._reply("transaction", (ok, responses))
+
+
+def connection(client: FakeEtcd, request_timeout: float = 5.0) -> EtcdConnection:
+    conn = EtcdConnection([parse_endpoint("http://127.0.0.1:2379")], clock=lambda: 0.0, request_timeout=request_timeout,
+                          rng=random.Random(7))
+    conn._current = client  # type: ignore[assignment]  # every request goes to the fake
+    conn.backoff = lambda cap=5.0: Backoff(initial=1e-6, cap=1e-6, rng=random.Random(1))  # retries at once
+    return conn
+
+
+def node(name: str, subnet: IPv4Network | None = X) -> NodeRecord:
+    return NodeRecord(name=name, address="192.0.2.1", asn=64512, subnet=subnet, route_reflector=False,
+                      cluster_id=None)
+
+
+def lease_of(name: str, lease_id: int | None = None, **backend) -> SubnetLease:
+    return SubnetLease(subnet=X, node=name, public_ip="192.0.2.1", backend_type="vxlan",
+                       backend_data=dict(backend), lease_id=lease_id)
+
+
+# --- the keeper restoring our keys ----------------------------------------------------------
+
+
+async def test_a_node_that_lost_its_subnet_does_not_put_its_record_back_with_it():
+    """A cut off longer than lease_ttl: its lease expired (node record and subnet key gone),
+    B took the subnet.  Back, A's keeper grants a new lease and finds the subnet B's; the
+    node record it puts back must not name the subnet, or other nodes refuse B's route to it."""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lost: list[SubnetLease] = []
+    keeper.subnet_lost_callback = lambda: lost.append
+    old = 0x11
+    etcd.leases.add(old)
+    keeper.node, keeper.subnet = node("A"), lease_of("A", old)
+    etcd._put(node_key(PREFIX, "A"), keeper.node.to_json(), old)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), old)
+    etcd.expire(old)
+    etcd.leases.add(0x99)
+    etcd._put(subnet_key(PREFIX, X), lease_of("B").to_json(), 0x99)
+
+    async with keeper.lock:
+        await keeper._restore_keys(etcd)
+
+    assert [lease.subnet for lease in lost] == [X] and keeper.subnets == {}
+    stored = NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value)
+    assert stored.subnet is None and keeper.node is not None and keeper.node.subnet is None
+    assert etcd.kvs[node_key(PREFIX, "A")].lease == keeper.lease_id != old
+    async with keeper.lock:  # and the next round leaves it so
+        await keeper._restore_keys(etcd)
+    assert NodeRecord.from_json(etcd.kvs[node_key(PREFIX, "A")].value).subnet is None
+
+
+
+async def test_a_subnet_re_taken_by_a_claim_whose_reply_was_lost_gets_its_backend_data_published():
+    """The keepalive re-takes our subnet under the new lease, the reply is lost; the next
+    round finds the key ours under that lease.  The subnet must then carry that lease's ID,
+    or the rewrite of its backend data puts under the expired lease ("lease not found")."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    keeper.subnet = lease_of("A", 0x11)  # 0x11 expired: the subnet key went with it
+    etcd.before_transaction += [lambda: None, lambda: etcd.lose_reply.add("transaction")]  # the read, the claim
+    async with keeper.lock:
+        with pytest.raises(aetcd.ConnectionTimeoutError):
+            await keeper._restore_keys(etcd)
+        await keeper._restore_keys(etcd)  # the next round
+
+    leases = SubnetLeases(conn, keeper, PREFIX, random.Random(1))
+    assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:01"})
+    stored = SubnetLease.from_json(etcd.kvs[subnet_key(PREFIX, X)].value, X, 0)
+    assert stored.backend_data == {"vtep_mac": "02:00:00:00:00:01"}
+    assert etcd.kvs[subnet_key(PREFIX, X)].lease == keeper.lease_id == keeper.subnet.lease_id
+
+
+async def test_backend_data_not_written_is_written_by_the_next_call():
+    """A rewrite that failed left the new data in the keeper as if published: the next call
+    with the same data did nothing."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.subnet = lease_of("A", 0x11)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x11)
+    leases = SubnetLeases(conn, keeper, PREFIX, random.Random(1))
+
+    def refuse() -> None:
+        raise aetcd.PreconditionFailedError("refused")
+
+    etcd.before_transaction.append(refuse)
+    with pytest.raises(aetcd.PreconditionFailedError):
+        await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:01"})
+    assert keeper.subnet.backend_data == {}
+    assert await leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:01"})
+    stored = SubnetLease.from_json(etcd.kvs[subnet_key(PREFIX, X)].value, X, 0)
+    assert stored.backend_data == keeper.subnet.backend_data == {"vtep_mac": "02:00:00:00:00:01"}
+
+
+async def test_a_silent_member_holds_the_keys_restore_no_longer_than_the_refresh():
+    """Only the refresh had the keepalive's short timeout: with lease_ttl = 2 a read of the
+    restore that got no answer outlived the lease.  (request_timeout is 50 ms here, to keep
+    the test short: the bound is min(request_timeout, max(1 s, lease_ttl/3)).)"""
+    etcd = FakeEtcd()
+    keeper = LeaseKeeper(connection(etcd, request_timeout=0.05), PREFIX, 2)
+    keeper.node = node("A")  # its lease expired: the round grants one and reads our keys
+    etcd.silent = True
+    restore = asyncio.ensure_future(keeper._restore_keys(etcd))
+    done, _ = await asyncio.wait([restore], timeout=2.0)
+    if not done:
+        restore.cancel()
+    assert done and isinstance(restore.exception(), asyncio.TimeoutError)
+
+# --- the cluster config ------------------------------------------------------------------
+
+
+async def test_a_config_deleted_during_the_dual_stack_upgrade_is_stored_anew():
+    """The IPv4 config read, then deleted before the compare-and-swap: the swap's failure
+    read finds nothing (it was an IndexError: "cannot start: list index out of range")."""
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    registration = Registration(conn, LeaseKeeper(conn, PREFIX, 30), PREFIX)
+    ipv4 = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always")
+    dual = ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "vxlan", "always", ip_family="dual",
+                         cidr_v6=IPv6Network("fd00:10:244::/56"), subnet_len_v6=64)
+    key = config_key(PREFIX)
+    etcd._put(key, ipv4.to_json(), None)
+    etcd.before_transaction += [lambda: None, lambda: etcd._delete(key)]
+
+    assert await registration.ensure_cluster_config(dual) == dual
+    assert ClusterConfig.from_json(etcd.kvs[key].value) == dual
+
+
+
+# --- requests retried after their reply was lost -------------------------------------------
+
+
+def lose_the_reply_of_transaction(etcd: FakeEtcd, n: int) -> None:
+    etcd.before_transaction += [lambda: None] * (n - 1) + [lambda: etcd.lose_reply.add("transaction")]
+
+
+async def test_a_release_whose_reply_was_lost_reports_what_it_released():
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.lease_id, keeper.subnet = 0x11, lease_of("A", 0x11)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x11)
+    lose_the_reply_of_transaction(etcd, 2)  # the read, the delete
+
+    assert await SubnetLeases(conn, keeper, PREFIX, random.Random(1)).release("A") == [X]
+    assert etcd.kvs == {} and etcd.calls.count("transaction") >= 3
+
+
+async def test_a_rewrite_whose_reply_was_lost_reports_it_written():
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.subnet = lease_of("A", 0x11)
+    etcd._put(subnet_key(PREFIX, X), lease_of("A").to_json(), 0x11)
+    lose_the_reply_of_transaction(etcd, 1)
+
+    assert await SubnetLeases(conn, keeper, PREFIX, random.Random(1)).set_subnet_backend_data({"port": 8472})
+    assert keeper.subnet.backend_data == {"port": 8472}
+
+
+async def test_a_node_removal_whose_reply_was_lost_reports_it_removed():
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    registration = Registration(conn, LeaseKeeper(conn, PREFIX, 30), PREFIX)
+    etcd._put(node_key(PREFIX, "A"), node("A").to_json(), None)
+    etcd.lose_reply.add("delete")
+
+    assert await registration.remove_node("A") is True
+    assert etcd.kvs == {} and etcd.calls == ["delete", "delete"]
