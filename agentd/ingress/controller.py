@@ -85,9 +85,11 @@ class IngressController:
         self.last_change: dict[str, Any] | None = None
         self.error: str | None = None
         self.settings_error: str | None = None
-        # Settings HAProxy refused and why: while the ConfigMap holds them the defaults are used
-        # and the error stays (a later sync parses them without complaint).
+        # Settings HAProxy refused and why: while the ConfigMap holds them the last settings it
+        # accepted are used and the error stays (a later sync parses them without complaint).
         self._refused_settings: tuple[settings.Settings, str] | None = None
+        self._good_settings = settings.Settings()  # the last settings HAProxy's check accepted
+        self._fallback = settings.Settings()  # what runs instead of the refused settings
         self.tls_errors: dict[str, str] = {}
         self._loadable: dict[bytes, str | None] = {}  # PEM digest -> why the TLS library refuses it (None: it loads)
         self.worker: Any = None  # proxy.Worker
@@ -280,7 +282,7 @@ class IngressController:
         if self._refused_settings is not None:
             if parsed == self._refused_settings[0]:
                 self.settings_error = self._refused_settings[1]
-                return settings.Settings()
+                return self._fallback
             self._refused_settings = None  # other settings: HAProxy checks them
         self.settings_error = None
         return parsed
@@ -384,20 +386,30 @@ class IngressController:
 
     async def _check_or_fall_back(self, structure: str) -> str:
         """Check the configuration on disk (of ``structure``); a bad one (a snippet or log
-        format HAProxy refuses) is replaced by the same one with the default settings, kept
-        while the ConfigMap holds the refused settings.  The structure of what was checked."""
+        format HAProxy refuses) is replaced by the same one with the last settings HAProxy
+        accepted (or, should those fail too, the defaults), kept while the ConfigMap holds the
+        refused settings.  The structure of what was checked."""
         try:
             await self.proxy.check(self.paths.config)
-            return structure
         except ProxyError as err:
             if self.settings == settings.Settings():
                 raise
-            self.settings_error = f"ConfigMap {self.cfg.configmap}: HAProxy refused the settings: {err}"
-            self._refused_settings = (self.settings, self.settings_error)
-            log.error("ingress: %s; using the default settings", self.settings_error)
-        files, structure = await self._render()  # with the defaults now
-        await asyncio.to_thread(self._write_files, files)
-        await self.proxy.check(self.paths.config)
+            if self._refused_settings is not None and self.settings == self._fallback:
+                # What it accepted before, refused now (with the Ingresses of this sync)
+                self._fallback = settings.Settings()
+                log.error("ingress: HAProxy refused the last settings it accepted too (%s); "
+                          "using the default settings", err)  # fmt: skip
+            else:
+                self.settings_error = f"ConfigMap {self.cfg.configmap}: HAProxy refused the settings: {err}"
+                self._refused_settings = (self.settings, self.settings_error)
+                good = self._good_settings != self.settings
+                self._fallback = self._good_settings if good else settings.Settings()
+                log.error("ingress: %s; using %s", self.settings_error,
+                          "the last settings it accepted" if good else "the default settings")  # fmt: skip
+            files, structure = await self._render()  # with the fallback now
+            await asyncio.to_thread(self._write_files, files)
+            return await self._check_or_fall_back(structure)
+        self._good_settings = self.settings
         return structure
 
     # ------------------------------------------------------------------ applying

@@ -694,6 +694,14 @@ async def test_settings_from_the_configmap(world: World):
                        for ln in log_path.read_text(errors="replace").splitlines())  # fmt: skip
 
         await auntil(logged, 20, what="the access log line of POST /logged in node1's agent log")
+        # Settings HAProxy refuses (a fetch it does not know): the last ones it accepted stay.
+        await world.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
+                           "data": {"proxy-body-size": "1k", "frontend-snippet": "http-response set-header X-Served-By %[nosuchfetch]"}})  # fmt: skip
+        assert "HAProxy refused the settings" in (world.proxy()["settings_error"] or ""), world.proxy()
+        status, _, headers = await world.curl("http://cfg.example/", args=("--data-binary", "x" * 2048))
+        assert status == 413
+        status, body, headers = await world.curl("http://cfg.example/", args=("--data-binary", "x" * 100))
+        assert status == 200 and headers["x-served-by"] == "agentd"
     finally:
         await world.delete("ConfigMap", "agentd-ingress", ns="kube-system")
         await world.delete("Ingress", "cfg")

@@ -22,6 +22,7 @@ class FakeProxy:
     running, pid = True, 1
 
     def __init__(self) -> None:
+        self.refuse = ["bogus"]  # a configuration holding any of these is refused
         self.checks: list[str] = []
         self.reloads = 0
         self.fail_reloads = 0  # so many reloads fail (the master socket timing out)
@@ -29,8 +30,9 @@ class FakeProxy:
     async def check(self, path: Path) -> None:
         text = Path(path).read_text()
         self.checks.append(text)
-        if "bogus" in text:
-            raise ProxyError("unknown fetch method 'bogus'")
+        for word in self.refuse:
+            if word in text:
+                raise ProxyError(f"unknown fetch method '{word}'")
 
     async def reload(self) -> None:
         if self.fail_reloads:
@@ -73,6 +75,30 @@ def test_refused_settings_stay_refused_and_in_status_on_later_syncs(tmp_path):
         await ctl._sync()
         assert ctl.settings_error is None and ctl.settings.body_size == 100 << 20
         assert proxy.reloads == 2 and "bogus" not in proxy.checks[-1]
+
+    asyncio.run(main())
+
+
+def test_refused_settings_fall_back_to_the_last_settings_accepted(tmp_path):
+    ctl, proxy = controller(tmp_path)
+    good = {"proxy-body-size": "100m", "frontend-snippet": "http-request set-header X-A good"}
+    ctl.objects["ConfigMap"][CONFIGMAP] = {"data": good}
+
+    async def main():
+        await ctl._sync()
+        assert ctl.settings_error is None and ctl.settings.body_size == 100 << 20
+        accepted = ctl.settings
+        ctl.objects["ConfigMap"][CONFIGMAP] = {"data": {**good, "frontend-snippet": "http-request set-header X-A %[bogus]"}}
+        await ctl._sync()
+        assert ctl.settings_error is not None and "bogus" in ctl.settings_error
+        assert ctl.settings == accepted and "X-A good" in proxy.checks[-1]  # not the defaults
+        await ctl._sync()  # a later sync: still the last accepted, the error kept
+        assert ctl.settings == accepted and "bogus" in ctl.settings_error
+        proxy.refuse.append("X-A good")  # what was accepted is refused now as well: the defaults
+        ctl._structure = None  # as after an Ingress change: checked and loaded again
+        await ctl._sync()
+        assert ctl.settings == Settings() and "bogus" in ctl.settings_error
+        assert "X-A" not in proxy.checks[-1]
 
     asyncio.run(main())
 
