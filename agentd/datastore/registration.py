@@ -146,6 +146,8 @@ class Registration:
         async with keeper.lock:
             if keeper.node is not None and keeper.node.name == name:
                 keeper.node = None  # or the keepalive would put it back
+            deadline = self.connection.deadline(timeout)
+            existed = await self.connection.call("read node", lambda c: c.get(key), deadline) is not None
             attempts = 0
 
             def delete(client: Any) -> Any:
@@ -153,9 +155,10 @@ class Registration:
                 attempts += 1
                 return client.delete(key)
 
-            deleted = await self.connection.call("remove node", delete, self.connection.deadline(timeout)) is not None
-            # Not found on a retry: the attempt whose reply was lost deleted it.
-            deleted = deleted or attempts > 1
+            deleted = await self.connection.call("remove node", delete, deadline) is not None
+            # Not found on a retry of a record that was there: the attempt whose reply was lost
+            # deleted it.
+            deleted = deleted or (attempts > 1 and existed)
         log.info("removed node %s%s", name, "" if deleted else " (it was not registered)")
         return deleted
 

@@ -325,4 +325,14 @@ async def test_a_node_removal_whose_reply_was_lost_reports_it_removed():
     etcd.lose_reply.add("delete")
 
     assert await registration.remove_node("A") is True
-    assert etcd.kvs == {} and etcd.calls == ["delete", "delete"]
+    assert etcd.kvs == {} and etcd.calls == ["get", "delete", "delete"]
+
+
+async def test_a_retried_removal_of_a_node_never_registered_reports_it_not_found():
+    etcd = FakeEtcd()
+    conn = connection(etcd)
+    registration = Registration(conn, LeaseKeeper(conn, PREFIX, 30), PREFIX)
+    etcd.lose_reply.add("delete")  # lost: the retry tells nothing of what the first one did
+
+    assert await registration.remove_node("A") is False
+    assert etcd.calls == ["get", "delete", "delete"]
