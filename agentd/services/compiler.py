@@ -52,8 +52,10 @@ Service.  "From this node" is ``fib saddr type local``; "one of its pods" is a s
 node's pod subnet of the family (kube-proxy's ``--detect-local-mode=NodeCIDR``).
 
 Services with ClientIP affinity keep a chain of their own, one chain per endpoint and a
-timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/...``): the affinity
-sets are per endpoint, so changing their endpoints rewrites rules (through libnftables).
+timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/.../TIMEOUT``): the affinity
+sets are per endpoint, so changing their endpoints rewrites rules (through libnftables); a
+changed timeout is a new set (its name holds the timeout), the old one deleted after the
+chains that used it are rewritten.
 
 IPv6 (dual-stack and IPv6-only clusters) has a table of its own, ``ip6 agentd-services``, the
 same objects with IPv6 addresses: one table per family, as kube-proxy runs one proxier per
@@ -122,7 +124,10 @@ def ep_chain(sp: ServicePort, e: Endpoint) -> str:
 
 
 def affinity_set(sp: ServicePort, e: Endpoint) -> str:
-    return object_name("aff", sp.namespace, sp.service, sp.l4, sp.port, e.ip, e.port)
+    """The endpoint's timeout set; its timeout is part of its name, so that a changed timeout
+    is a new set the chains are rewritten to use, the old one deleted after them (a set
+    still used by a rule cannot be deleted, and a set's timeout cannot be changed in place)."""
+    return object_name("aff", sp.namespace, sp.service, sp.l4, sp.port, e.ip, e.port, sp.affinity_timeout)
 
 
 def counter_name(namespace: str, service: str) -> str:

@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 
 from agentd.nft import expr
-from agentd.nft.ruleset import NftChain, NftSet, Ruleset, plan
+from agentd.nft.ruleset import NftChain, NftSet, Ruleset, applied, plan
 from agentd.resources import kinds
 from agentd.services import compiler, model
 from agentd.services.agent import stale_udp
@@ -215,9 +215,9 @@ def test_affinity_keeps_a_chain_per_endpoint():
     assert ext[-1][-1] == {"goto": {"target": "ep/shop/web/tcp/80/10.244.1.2/8080"}}
     hairpin, update, dnat = _chain(rs, "ep/shop/web/tcp/80/10.244.1.2/8080")  # affinity: a chain per endpoint
     assert hairpin[1] == compiler.MARK_MASQ and dnat[-1] == {"dnat": {"addr": "10.244.1.2", "port": 8080}}
-    aff = rs.objects[(compiler.FAMILY, compiler.TABLE, "set", "aff/shop/web/tcp/80/10.244.1.2/8080")]
+    aff = rs.objects[(compiler.FAMILY, compiler.TABLE, "set", "aff/shop/web/tcp/80/10.244.1.2/8080/10800")]
     assert isinstance(aff, NftSet) and aff.timeout == 10800 and aff.dynamic
-    assert update == [{"set": {"op": "update", "elem": compiler.SADDR, "set": "@aff/shop/web/tcp/80/10.244.1.2/8080"}}]
+    assert update == [{"set": {"op": "update", "elem": compiler.SADDR, "set": "@aff/shop/web/tcp/80/10.244.1.2/8080/10800"}}]
     rs3 = compiler.compile_services(model.build([s], [], PODS), "n3")
     assert _map(rs3, compiler.SERVICE_IPS) == frozenset() and _map(rs3, compiler.NODE_PORTS) == frozenset()
     # From n3 itself or its pods: short-circuited to every endpoint (the cluster IP's chain has
@@ -232,6 +232,33 @@ def test_affinity_keeps_a_chain_per_endpoint():
     s2 = svc("web", {**s["spec"], "internalTrafficPolicy": "Cluster"})
     rs3 = compiler.compile_services(model.build([s2], [], PODS), "n3")
     assert _chain(rs3, "short-circuit/shop/web/tcp/80")[1:] == [[{"goto": {"target": "svc/shop/web/tcp/80"}}]]
+
+
+def test_a_changed_affinity_timeout_is_a_new_set_the_old_one_deleted_after_the_chains_leave_it():
+    # A set's timeout cannot change in place, and a set a rule still uses cannot be deleted:
+    # the new timeout is a new set, the chains rewritten to it, the old set deleted after them.
+    def spec(timeout: int) -> dict:
+        return {"selector": {"app": "web"}, "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": timeout}},
+                "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}  # fmt: skip
+
+    table = compiler.Table("n1")
+    table.update(("shop", "web"), model.build([svc("web", spec(10800))], [], PODS))
+    current = applied(table.rs)
+    keys = table.update(("shop", "web"), model.build([svc("web", spec(60))], [], PODS))
+    cmds = plan(current, table.rs, keys)
+    eps = ("10.244.1.2/8080", "10.244.2.2/8080")
+    sets = [(verb, body["set"]["name"]) for c in cmds for verb, body in c.items() if "set" in body]
+    assert sets == [("add", f"aff/shop/web/tcp/80/{e}/60") for e in eps] + [
+        ("delete", f"aff/shop/web/tcp/80/{e}/10800") for e in eps], sets  # never flushed, deleted while in use
+    assert table.rs.objects[(compiler.FAMILY, compiler.TABLE, "set", "aff/shop/web/tcp/80/10.244.1.2/8080/60")].timeout == 60
+    # The chains using the sets are rewritten to the new ones before the old ones go.
+    rules = [i for i, c in enumerate(cmds) if "add" in c and "rule" in c["add"] and "@aff/" in json.dumps(c)]
+    assert rules and all("/60" in json.dumps(cmds[i]) and "/10800" not in json.dumps(cmds[i]) for i in rules)
+    first_delete = min(i for i, c in enumerate(cmds) if "delete" in c and "set" in c["delete"])
+    assert max(rules) < first_delete
+    chains = [o for o in table.rs.objects.values() if isinstance(o, NftChain)]
+    assert not any("/10800" in r for o in chains for r in o.rules)
 
 
 def test_an_endpoint_change_is_element_commands_only():
@@ -410,9 +437,9 @@ def test_ipv6_affinity_and_local_policies():
     hairpin, update, dnat = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", chain)].rules]
     saddr6 = {"payload": {"protocol": "ip6", "field": "saddr"}}
     assert hairpin[0]["match"] == {"op": "==", "left": saddr6, "right": "fd00:10:244:2::3"}
-    assert update == [{"set": {"op": "update", "elem": saddr6, "set": "@aff/shop/web/tcp/80/fd00:10:244:2::3/8080"}}]
+    assert update == [{"set": {"op": "update", "elem": saddr6, "set": "@aff/shop/web/tcp/80/fd00:10:244:2::3/8080/10800"}}]
     assert dnat[-1] == {"dnat": {"addr": "fd00:10:244:2::3", "port": 8080}}
-    aff = rs.objects[("ip6", compiler.TABLE, "set", "aff/shop/web/tcp/80/fd00:10:244:2::3/8080")]
+    aff = rs.objects[("ip6", compiler.TABLE, "set", "aff/shop/web/tcp/80/fd00:10:244:2::3/8080/10800")]
     assert isinstance(aff, NftSet) and aff.type == ("ipv6_addr",) and aff.timeout == 10800
     ext = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", "ext/shop/web/tcp/80")].rules]
     targets = {stmt["goto"]["target"] for rule in ext for stmt in rule if "goto" in stmt}
