@@ -309,6 +309,11 @@ class ServiceAgent:
         """How many service ports were last programmed (without listing them)."""
         return self._table.port_count if self._table is not None else 0
 
+    @property
+    def conflicts(self) -> dict[tuple[str, str], list[str]]:
+        """Per Service, the cluster IP ports and node ports another (older) Service holds: not translated to it."""
+        return self._table.conflicts if self._table is not None else {}
+
     def _rename(self, dirty: set[tuple[str, str]], full: bool) -> None:
         """The DNS names of the ``dirty`` Services (all of them: ``full``), changed in place:
         a Service's names are its own (its host name is unique to it), so one change costs

@@ -66,8 +66,10 @@ node ports too, reached on the node's IPv6 addresses (``fib daddr type local``, 
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from agentd.nft.expr import (
@@ -76,6 +78,8 @@ from agentd.nft.expr import (
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, Ruleset, rule_text
 
 from .model import Endpoint, ServicePort
+
+log = logging.getLogger("agentd.services")
 
 FAMILY = "ip"  # the IPv4 table's family (the IPv6 table's: "ip6")
 TABLE = "agentd-services"
@@ -435,6 +439,22 @@ def _endpoint(sp: ServicePort, fam: AddressFamily, e: Endpoint, chain: str) -> l
 
 
 ServiceKey = tuple[str, str]  # (namespace, name)
+Claim = tuple[Any, ...]  # (family, "vip", VIP, proto, port) or (family, "node-port", proto, node port)
+
+
+def _claims(sp: ServicePort) -> list[Claim]:
+    """The keys a service port takes in the shared maps: its VIP's, then its node port's."""
+    out: list[Claim] = []
+    if sp.cluster_ip is not None:
+        out.append((sp.family, "vip", sp.cluster_ip, sp.l4, sp.port))
+    if sp.node_port is not None:
+        out.append((sp.family, "node-port", sp.l4, sp.node_port))
+    return out
+
+
+def _owner(holders: Mapping[ServiceKey, tuple[Any, ...]]) -> ServiceKey:
+    """The oldest claimant (creationTimestamp, then namespace/name)."""
+    return min(holders, key=lambda k: holders[k])
 
 
 class Table:
@@ -469,13 +489,80 @@ class Table:
         self.elements: dict[MapKey, set[Any]] = {}  # (family, map or set name) -> every service's elements
         self.sizes: Counter[int] = Counter()
         self.port_count = 0
+        self._wanted: dict[ServiceKey, tuple[ServicePort, ...]] = {}  # per service: its ports as asked
+        self._compiled: dict[ServiceKey, tuple[ServicePort, ...]] = {}  # and as compiled (less what others hold)
+        self._claims: dict[Claim, dict[ServiceKey, tuple[Any, ...]]] = {}  # VIP or node port -> who wants it (their age)
+        self.conflicts: dict[ServiceKey, list[str]] = {}  # per service: what it was refused, one line each
 
     def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
         """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys.
-        Ports of a family this node does not serve are left out."""
+        Ports of a family this node does not serve are left out.
+
+        A cluster IP . protocol . port or a protocol . node port is one Service's: where two
+        claim one (records that allocation did not check: a hand-written put, a restore), the
+        older Service has it (creationTimestamp, then namespace/name, as kube-proxy keeps the
+        first), the other's port is compiled without it and the conflict is in
+        :attr:`conflicts` (two map elements of one key would make the kernel refuse the
+        whole transaction).  A change to either recompiles both."""
         ports = tuple(sorted((p for p in ports if p.family in self._versions), key=lambda p: p.key))
+        old_wanted = self._wanted.get(key, ())
+        if old_wanted == ports:
+            return set()
+        affected = {key}
+        for sp in old_wanted:
+            for claim in _claims(sp):
+                holders = self._claims.get(claim, {})
+                holders.pop(key, None)
+                affected |= holders.keys()
+                if not holders:
+                    self._claims.pop(claim, None)
+        for sp in ports:
+            for claim in _claims(sp):
+                holders = self._claims.setdefault(claim, {})
+                affected |= holders.keys()
+                holders[key] = (sp.created, *key)
+        if ports:
+            self._wanted[key] = ports
+        else:
+            self._wanted.pop(key, None)
+        touched: set[Any] = set()
+        for k in sorted(affected):
+            touched |= self._compile(k)
+        return touched
+
+    def _held(self, key: ServiceKey) -> tuple[tuple[ServicePort, ...], list[str]]:
+        """Service ``key``'s ports without the VIPs and node ports an older Service holds; the conflicts."""
+        out, conflicts = [], []
+        for sp in self._wanted.get(key, ()):
+            held = sp
+            for claim in _claims(sp):
+                owner = _owner(self._claims[claim])
+                if owner == key:
+                    continue
+                if claim[1] == "vip":
+                    conflicts.append(f"cluster IP {sp.cluster_ip} {sp.l4}/{sp.port} is {owner[0]}/{owner[1]}'s: left out")
+                    held = replace(held, cluster_ip=None)
+                else:
+                    conflicts.append(f"node port {sp.l4}/{sp.node_port} (IPv{sp.family}) is {owner[0]}/{owner[1]}'s: left out")
+                    held = replace(held, node_port=None)
+            out.append(held)
+        return tuple(out), conflicts
+
+    def _compile(self, key: ServiceKey) -> set[Any]:
+        """Compile Service ``key`` as it is wanted, less what other Services hold; the changed object keys."""
+        wanted = self._wanted.get(key, ())
+        ports, conflicts = self._held(key)
+        if conflicts != self.conflicts.get(key, []):
+            for line in conflicts:
+                log.warning("service %s/%s: %s", key[0], key[1], line)
+            if conflicts:
+                self.conflicts[key] = conflicts
+            else:
+                self.conflicts.pop(key, None)
         old = self.services.get(key)
-        if old is not None and old[0] == ports:
+        if old is not None and self._compiled.get(key) == ports:
+            if old[0] != wanted:
+                self.services[key] = (wanted, *old[1:])
             return set()
         old_objs, old_elems, old_sizes = (old[1], old[2], old[3]) if old is not None else ({}, {}, [])
         objs: dict[Any, Any] = {}
@@ -498,9 +585,11 @@ class Table:
                 touched.add(k)
         self.port_count += len(ports) - (len(old[0]) if old is not None else 0)
         if ports:
-            self.services[key] = (ports, objs, elems, sizes)
+            self.services[key] = (wanted, objs, elems, sizes)
+            self._compiled[key] = ports
         else:
             self.services.pop(key, None)
+            self._compiled.pop(key, None)
         self.sizes.subtract(old_sizes)
         self.sizes.update(sizes)
         touched |= self._resize()
