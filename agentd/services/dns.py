@@ -146,7 +146,7 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
     for rdtype, records in ((dns.rdatatype.A, table.a), (dns.rdatatype.AAAA, table.aaaa)):
         if q.rdtype in (rdtype, dns.rdatatype.ANY) and records.get(qname):
             response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", rdtype, list(records[qname])))
-    if q.rdtype in (dns.rdatatype.SRV, dns.rdatatype.ANY) and qname in table.srv:
+    if q.rdtype in (dns.rdatatype.SRV, dns.rdatatype.ANY) and table.srv.get(qname):  # none: NODATA, not an empty RRset
         srv = [f"0 100 {port} {target}" for port, target in table.srv[qname]]
         response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "SRV", srv))
         for _, target in table.srv[qname]:

@@ -305,6 +305,16 @@ def test_a_headless_service_with_only_terminating_endpoints_has_no_records():
     assert r.rcode() == dns.rcode.NOERROR and r.answer == []
 
 
+def test_a_headless_services_srv_name_without_ready_endpoints_is_nodata_that_clients_can_read():
+    table = sdns.names([sp("h", "pg", "TCP", 5432, None, [Endpoint("10.244.1.5", 5432, ready=False, terminating=True)])],
+                       "cluster.local")
+    for rdtype in ("SRV", "ANY"):
+        r = sdns.resolve(table, dns.message.make_query("_pg._tcp.h.shop.svc.cluster.local", rdtype))
+        parsed = dns.message.from_wire(r.to_wire())  # an empty SRV record would be FORMERR here
+        assert parsed.rcode() == dns.rcode.NOERROR and parsed.answer == [], rdtype
+        assert lines(parsed.authority)[0].startswith("cluster.local. 5 IN SOA")
+
+
 async def test_query_outcomes_are_monotonic_counters_counted_once_when_the_reply_is_made(monkeypatch):
     """agentd_dns_queries_total{outcome}: a query forwarded to a slow upstream is in no outcome
     until the upstream answers or fails; then it is in one.  No series ever goes down (it was
