@@ -651,8 +651,10 @@ class Table:
         return touched
 
     def translating(self) -> bool:
-        """Whether any VIP or node port is translated here."""
-        return any(self.elements.get((f.proto, m)) for f in self.families for m in (SERVICE_IPS, NODE_PORTS))
+        """Whether any VIP or node port is translated here (a Local node port short-circuited
+        for this node and its pods only counts: those are DNATed without SNAT)."""
+        maps = (SERVICE_IPS, NODE_PORTS, NP_SHORT_CIRCUIT)
+        return any(self.elements.get((f.proto, m)) for f in self.families for m in maps)
 
     def ports(self) -> list[ServicePort]:
         return [sp for ports, *_ in self.services.values() for sp in ports]

@@ -297,6 +297,23 @@ def test_two_services_claiming_one_vip_or_node_port_the_older_has_it():
     assert _map(table.rs, compiler.NODE_PORTS) == {(("udp", 30001), ("goto", "np-pick/1"))}
 
 
+def test_a_node_port_only_short_circuited_here_counts_as_translating():
+    # Local node port whose endpoints are all on other nodes: this node's pods reaching it are
+    # DNATed (short-circuit) without SNAT, so replies must pass conntrack (on_translating(True)).
+    for affinity in ("None", "ClientIP"):
+        s = svc("web", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
+                        "internalTrafficPolicy": "Local", "sessionAffinity": affinity,
+                        "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
+        table = compiler.Table("n3", pod_subnets={4: "10.244.3.0/24"})
+        table.update(("shop", "web"), model.build([s], [], PODS))
+        assert not table.elements.get((compiler.FAMILY, compiler.SERVICE_IPS))
+        assert not table.elements.get((compiler.FAMILY, compiler.NODE_PORTS))
+        assert table.elements.get((compiler.FAMILY, compiler.NP_SHORT_CIRCUIT))
+        assert table.translating(), affinity
+        table.update(("shop", "web"), [])
+        assert not table.translating()
+
+
 def test_an_endpoint_change_is_element_commands_only():
     s = svc("web", {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]})
     before = compiler.compile_services(model.build([s], [], PODS), "n1")
