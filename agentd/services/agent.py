@@ -374,14 +374,16 @@ class ServiceAgent:
         self.counters = totals
 
 def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
-    """UDP endpoints that took new connections before and do not now (their flows are to be flushed)."""
-    now = {sp.key: set(sp.usable()) for sp in after}
+    """UDP endpoints that took new connections before and do not now (their flows are to be
+    flushed); an endpoint is its address and port, whatever its conditions (one that went from
+    ready to serving and terminating may still be used)."""
+    now = {sp.key: {(e.ip, e.port) for e in sp.usable()} for sp in after}
     out = []
     for sp in before:
         if sp.protocol != "UDP":
             continue
-        for e in set(sp.usable()) - now.get(sp.key, set()):
-            out.append(conntrack.Stale(e.ip, e.port, sp.cluster_ip, sp.port, sp.node_port))
+        for ip, port in {(e.ip, e.port) for e in sp.usable()} - now.get(sp.key, set()):
+            out.append(conntrack.Stale(ip, port, sp.cluster_ip, sp.port, sp.node_port))
     return sorted(set(out))
 
 

@@ -348,6 +348,23 @@ def test_stale_udp_endpoints_are_those_no_longer_usable():
 
 
 
+def test_an_endpoint_still_used_after_turning_terminating_keeps_its_udp_flows():
+    # The only endpoint going from ready to serving+terminating is still used (KEP-1669): its flows stay.
+    s = svc("stats", {"ports": [{"name": "", "port": 8125, "protocol": "UDP"}]})
+
+    def built(conditions: dict) -> list:
+        sl = eps_slice("stats-1", "stats", [{"addresses": ["10.244.1.2"], "conditions": conditions}],
+                       [{"name": "", "port": 8125, "protocol": "UDP"}])  # fmt: skip
+        return model.build([s], [sl], [])
+
+    ready, terminating = built({"ready": True}), built({"ready": False, "serving": True, "terminating": True})
+    assert [(e.ip, e.port) for e in terminating[0].usable()] == [("10.244.1.2", 8125)]
+    assert stale_udp(ready, terminating) == []
+    assert stale_udp(terminating, ready) == []
+    gone = built({"ready": False, "serving": False, "terminating": True})
+    assert stale_udp(terminating, gone) == [Stale("10.244.1.2", 8125, "10.96.0.10", 8125, None)]
+
+
 def test_one_change_touches_that_service_and_the_maps_it_is_in():
     services = [svc(f"s{i}", {"type": "NodePort", "ports": [{"name": "http", "port": 80, "nodePort": 30000 + i}]}) for i in range(20)]
     for i, s in enumerate(services):
