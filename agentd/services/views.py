@@ -114,6 +114,6 @@ class ServiceViews:
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
         if a.dns_server is not None:
             q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
-            for outcome, n in a.dns_server.outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once
+            for outcome, n in a.dns_server.outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once, or a TCP connection over MAX_TCP_CLIENTS
                 q.add_metric([outcome], n)
             yield q
