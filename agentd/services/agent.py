@@ -9,7 +9,9 @@ One :class:`ServiceAgent` per ``agentd run``.  It
    and sends the difference to the kernel in ONE transaction (the policy programmer, on its
    own table);
 4. flushes the UDP conntrack entries of endpoints that stopped being usable (a UDP "flow"
-   has no end, so without this it would keep going to an endpoint that is gone);
+   has no end, so without this it would keep going to an endpoint that is gone), and, on the
+   first sync after start and for a port that goes from no usable endpoint to some, those of
+   its flows that do not go to a usable endpoint;
 5. keeps what ``GET /services`` and /metrics show (:class:`agentd.services.views.ServiceViews`).
 
 Until the first etcd snapshot nothing is changed in the kernel.
@@ -88,7 +90,8 @@ class ServiceAgent:
         # Each Service's ports as last programmed, kept across rebuilds of the table: the UDP
         # endpoints a change takes away are judged against it, and flushes that failed wait here.
         self._applied: dict[tuple[str, str], list[model.ServicePort]] = {}
-        self._unflushed: list[conntrack.Stale] = []
+        self._unflushed: list[conntrack.Flush] = []
+        self._fresh = True  # no sync yet since start: every UDP port's flows are checked against its endpoints
         self.views = ServiceViews(self)  # GET /services and /metrics (agentd/services/views.py)
 
     # ------------------------------------------------------------------ lifecycle
@@ -256,7 +259,7 @@ class ServiceAgent:
                 keys = None
             else:
                 keys = set()
-            gone: list[conntrack.Stale] = list(self._unflushed)
+            gone: list[conntrack.Flush] = list(self._unflushed)
             built: dict[tuple[str, str], list[model.ServicePort]] = {}
             for key in sorted(dirty):
                 after = built[key] = self._build(key)
@@ -264,6 +267,7 @@ class ServiceAgent:
                 if keys is not None:
                     keys |= touched
                 gone += stale_udp(self._applied.get(key, []), after)
+                gone += unusable_udp(self._applied.get(key, []), after, first=self._fresh)
             translating = self._table.translating()
             try:
                 if translating and self.on_translating is not None:
@@ -287,12 +291,13 @@ class ServiceAgent:
                 else:
                     self._applied.pop(key, None)
             self._unflushed = []
+            self._fresh = False
             if gone:  # before the revision counts as applied: the change includes the flows' move
                 try:
-                    self.flushed += await asyncio.to_thread(conntrack.flush_udp, sorted(set(gone)))
+                    self.flushed += await asyncio.to_thread(conntrack.flush_udp, list(dict.fromkeys(gone)))
                 except OSError as err:
                     log.warning("flushing UDP conntrack entries failed (tried again at the next change): %s", err)
-                    self._unflushed = sorted(set(gone))
+                    self._unflushed = list(dict.fromkeys(gone))
             self.error = None
             self.syncs += 1
             self.applied_revision = max(self.applied_revision, revision)
@@ -308,6 +313,11 @@ class ServiceAgent:
     def port_count(self) -> int:
         """How many service ports were last programmed (without listing them)."""
         return self._table.port_count if self._table is not None else 0
+
+    @property
+    def conflicts(self) -> dict[tuple[str, str], list[str]]:
+        """Per Service, the cluster IP ports and node ports another (older) Service holds: not translated to it."""
+        return self._table.conflicts if self._table is not None else {}
 
     def _rename(self, dirty: set[tuple[str, str]], full: bool) -> None:
         """The DNS names of the ``dirty`` Services (all of them: ``full``), changed in place:
@@ -369,15 +379,28 @@ class ServiceAgent:
         self.counters = totals
 
 def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
-    """UDP endpoints that took new connections before and do not now (their flows are to be flushed)."""
-    now = {sp.key: set(sp.usable()) for sp in after}
+    """UDP endpoints that took new connections before and do not now (their flows are to be
+    flushed); an endpoint is its address and port, whatever its conditions (one that went from
+    ready to serving and terminating may still be used)."""
+    now = {sp.key: {(e.ip, e.port) for e in sp.usable()} for sp in after}
     out = []
     for sp in before:
         if sp.protocol != "UDP":
             continue
-        for e in set(sp.usable()) - now.get(sp.key, set()):
-            out.append(conntrack.Stale(e.ip, e.port, sp.cluster_ip, sp.port, sp.node_port))
+        for ip, port in {(e.ip, e.port) for e in sp.usable()} - now.get(sp.key, set()):
+            out.append(conntrack.Stale(ip, port, sp.cluster_ip, sp.port, sp.node_port))
     return sorted(set(out))
+
+
+def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort], *, first: bool = False) -> list[conntrack.Unusable]:
+    """UDP ports whose flows not going to one of their usable endpoints are to be flushed:
+    every one on the ``first`` sync after start (endpoints may have gone while the agent was
+    down), else those going from no usable endpoint (or none at all) to some (a flow sent
+    before this node translated the port is not translated, and would stay so)."""
+    had = {sp.key for sp in before if sp.usable()}
+    return [conntrack.Unusable(sp.cluster_ip, sp.port, sp.node_port, sp.family, frozenset((e.ip, e.port) for e in sp.usable()))
+            for sp in after if sp.protocol == "UDP" and (sp.cluster_ip is not None or sp.node_port is not None)
+            and (first or (sp.usable() and sp.key not in had))]  # fmt: skip
 
 
 async def remove_services_table(dns_address_v6: str | None = None) -> None:

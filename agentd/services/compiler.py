@@ -52,8 +52,10 @@ Service.  "From this node" is ``fib saddr type local``; "one of its pods" is a s
 node's pod subnet of the family (kube-proxy's ``--detect-local-mode=NodeCIDR``).
 
 Services with ClientIP affinity keep a chain of their own, one chain per endpoint and a
-timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/...``): the affinity
-sets are per endpoint, so changing their endpoints rewrites rules (through libnftables).
+timeout set per endpoint (``svc/...``, ``ext/...``, ``ep/...``, ``aff/.../TIMEOUT``): the affinity
+sets are per endpoint, so changing their endpoints rewrites rules (through libnftables); a
+changed timeout is a new set (its name holds the timeout), the old one deleted after the
+chains that used it are rewritten.
 
 IPv6 (dual-stack and IPv6-only clusters) has a table of its own, ``ip6 agentd-services``, the
 same objects with IPv6 addresses: one table per family, as kube-proxy runs one proxier per
@@ -64,8 +66,10 @@ node ports too, reached on the node's IPv6 addresses (``fib daddr type local``, 
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from agentd.nft.expr import (
@@ -74,6 +78,8 @@ from agentd.nft.expr import (
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, Ruleset, rule_text
 
 from .model import Endpoint, ServicePort
+
+log = logging.getLogger("agentd.services")
 
 FAMILY = "ip"  # the IPv4 table's family (the IPv6 table's: "ip6")
 TABLE = "agentd-services"
@@ -122,7 +128,10 @@ def ep_chain(sp: ServicePort, e: Endpoint) -> str:
 
 
 def affinity_set(sp: ServicePort, e: Endpoint) -> str:
-    return object_name("aff", sp.namespace, sp.service, sp.l4, sp.port, e.ip, e.port)
+    """The endpoint's timeout set; its timeout is part of its name, so that a changed timeout
+    is a new set the chains are rewritten to use, the old one deleted after them (a set
+    still used by a rule cannot be deleted, and a set's timeout cannot be changed in place)."""
+    return object_name("aff", sp.namespace, sp.service, sp.l4, sp.port, e.ip, e.port, sp.affinity_timeout)
 
 
 def counter_name(namespace: str, service: str) -> str:
@@ -430,6 +439,22 @@ def _endpoint(sp: ServicePort, fam: AddressFamily, e: Endpoint, chain: str) -> l
 
 
 ServiceKey = tuple[str, str]  # (namespace, name)
+Claim = tuple[Any, ...]  # (family, "vip", VIP, proto, port) or (family, "node-port", proto, node port)
+
+
+def _claims(sp: ServicePort) -> list[Claim]:
+    """The keys a service port takes in the shared maps: its VIP's, then its node port's."""
+    out: list[Claim] = []
+    if sp.cluster_ip is not None:
+        out.append((sp.family, "vip", sp.cluster_ip, sp.l4, sp.port))
+    if sp.node_port is not None:
+        out.append((sp.family, "node-port", sp.l4, sp.node_port))
+    return out
+
+
+def _owner(holders: Mapping[ServiceKey, tuple[Any, ...]]) -> ServiceKey:
+    """The oldest claimant (creationTimestamp, then namespace/name)."""
+    return min(holders, key=lambda k: holders[k])
 
 
 class Table:
@@ -464,13 +489,80 @@ class Table:
         self.elements: dict[MapKey, set[Any]] = {}  # (family, map or set name) -> every service's elements
         self.sizes: Counter[int] = Counter()
         self.port_count = 0
+        self._wanted: dict[ServiceKey, tuple[ServicePort, ...]] = {}  # per service: its ports as asked
+        self._compiled: dict[ServiceKey, tuple[ServicePort, ...]] = {}  # and as compiled (less what others hold)
+        self._claims: dict[Claim, dict[ServiceKey, tuple[Any, ...]]] = {}  # VIP or node port -> who wants it (their age)
+        self.conflicts: dict[ServiceKey, list[str]] = {}  # per service: what it was refused, one line each
 
     def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
         """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys.
-        Ports of a family this node does not serve are left out."""
+        Ports of a family this node does not serve are left out.
+
+        A cluster IP . protocol . port or a protocol . node port is one Service's: where two
+        claim one (records that allocation did not check: a hand-written put, a restore), the
+        older Service has it (creationTimestamp, then namespace/name, as kube-proxy keeps the
+        first), the other's port is compiled without it and the conflict is in
+        :attr:`conflicts` (two map elements of one key would make the kernel refuse the
+        whole transaction).  A change to either recompiles both."""
         ports = tuple(sorted((p for p in ports if p.family in self._versions), key=lambda p: p.key))
+        old_wanted = self._wanted.get(key, ())
+        if old_wanted == ports:
+            return set()
+        affected = {key}
+        for sp in old_wanted:
+            for claim in _claims(sp):
+                holders = self._claims.get(claim, {})
+                holders.pop(key, None)
+                affected |= holders.keys()
+                if not holders:
+                    self._claims.pop(claim, None)
+        for sp in ports:
+            for claim in _claims(sp):
+                holders = self._claims.setdefault(claim, {})
+                affected |= holders.keys()
+                holders[key] = (sp.created, *key)
+        if ports:
+            self._wanted[key] = ports
+        else:
+            self._wanted.pop(key, None)
+        touched: set[Any] = set()
+        for k in sorted(affected):
+            touched |= self._compile(k)
+        return touched
+
+    def _held(self, key: ServiceKey) -> tuple[tuple[ServicePort, ...], list[str]]:
+        """Service ``key``'s ports without the VIPs and node ports an older Service holds; the conflicts."""
+        out, conflicts = [], []
+        for sp in self._wanted.get(key, ()):
+            held = sp
+            for claim in _claims(sp):
+                owner = _owner(self._claims[claim])
+                if owner == key:
+                    continue
+                if claim[1] == "vip":
+                    conflicts.append(f"cluster IP {sp.cluster_ip} {sp.l4}/{sp.port} is {owner[0]}/{owner[1]}'s: left out")
+                    held = replace(held, cluster_ip=None)
+                else:
+                    conflicts.append(f"node port {sp.l4}/{sp.node_port} (IPv{sp.family}) is {owner[0]}/{owner[1]}'s: left out")
+                    held = replace(held, node_port=None)
+            out.append(held)
+        return tuple(out), conflicts
+
+    def _compile(self, key: ServiceKey) -> set[Any]:
+        """Compile Service ``key`` as it is wanted, less what other Services hold; the changed object keys."""
+        wanted = self._wanted.get(key, ())
+        ports, conflicts = self._held(key)
+        if conflicts != self.conflicts.get(key, []):
+            for line in conflicts:
+                log.warning("service %s/%s: %s", key[0], key[1], line)
+            if conflicts:
+                self.conflicts[key] = conflicts
+            else:
+                self.conflicts.pop(key, None)
         old = self.services.get(key)
-        if old is not None and old[0] == ports:
+        if old is not None and self._compiled.get(key) == ports:
+            if old[0] != wanted:
+                self.services[key] = (wanted, *old[1:])
             return set()
         old_objs, old_elems, old_sizes = (old[1], old[2], old[3]) if old is not None else ({}, {}, [])
         objs: dict[Any, Any] = {}
@@ -493,9 +585,11 @@ class Table:
                 touched.add(k)
         self.port_count += len(ports) - (len(old[0]) if old is not None else 0)
         if ports:
-            self.services[key] = (ports, objs, elems, sizes)
+            self.services[key] = (wanted, objs, elems, sizes)
+            self._compiled[key] = ports
         else:
             self.services.pop(key, None)
+            self._compiled.pop(key, None)
         self.sizes.subtract(old_sizes)
         self.sizes.update(sizes)
         touched |= self._resize()
@@ -557,8 +651,10 @@ class Table:
         return touched
 
     def translating(self) -> bool:
-        """Whether any VIP or node port is translated here."""
-        return any(self.elements.get((f.proto, m)) for f in self.families for m in (SERVICE_IPS, NODE_PORTS))
+        """Whether any VIP or node port is translated here (a Local node port short-circuited
+        for this node and its pods only counts: those are DNATed without SNAT)."""
+        maps = (SERVICE_IPS, NODE_PORTS, NP_SHORT_CIRCUIT)
+        return any(self.elements.get((f.proto, m)) for f in self.families for m in maps)
 
     def ports(self) -> list[ServicePort]:
         return [sp for ports, *_ in self.services.values() for sp in ports]

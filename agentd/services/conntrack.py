@@ -9,6 +9,14 @@ port; reply source the endpoint) is deleted, and the next datagram is a new conn
 the rules send to a live endpoint.  TCP entries stay: a terminating endpoint keeps its
 established connections.
 
+A flow may also predate what this node translates: an endpoint removed while the agent was
+down, or datagrams sent to a cluster IP before this node translated it (the entry untranslated,
+its reply source the VIP itself).  So on the agent's first sync after it starts, and for a
+service port that goes from no usable endpoint to some, every UDP entry to its VIP and port or
+its node port whose reply source is not one of its usable endpoints is deleted too
+(:class:`Unusable`; kube-proxy clears a Service's entries when it goes from 0 endpoints to
+some, and checks every UDP entry against the current endpoints since 1.30).
+
 The messages (include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h), encoded and
 decoded by the ctnetlink codec of the agent's one netlink stack (agentd.kernel.netlink_ct)::
 
@@ -85,6 +93,10 @@ class Stale:
     service_port: int
     node_port: int | None = None
 
+    @property
+    def af(self) -> int:
+        return _family(self.ip)
+
     def matches(self, orig_daddr: str, orig_dport: int, reply_saddr: str, reply_sport: int) -> bool:
         if (reply_saddr, reply_sport) != (self.ip, self.port):
             return False
@@ -93,16 +105,56 @@ class Stale:
         )
 
 
-def entries_to_delete(entries: Iterable[CtEntry], stale: Iterable[Stale]) -> list[CtEntry]:
+@dataclass(frozen=True)
+class Unusable:
+    """A UDP service port whose flows go to its ``usable`` endpoints only: an entry to its VIP
+    and port, or to its node port (of the same IP family), whose reply source is anything
+    else is deleted (an endpoint gone while the agent was down, a flow not translated yet)."""
+
+    vip: str | None
+    service_port: int
+    node_port: int | None
+    family: int  # 4 or 6
+    usable: frozenset[tuple[str, int]] = frozenset()  # (address, port) of each usable endpoint
+
+    @property
+    def af(self) -> int:
+        return socket.AF_INET6 if self.family == 6 else nl.AF_INET
+
+
+Flush = Stale | Unusable
+
+
+def entries_to_delete(entries: Iterable[CtEntry], stale: Iterable[Flush]) -> list[CtEntry]:
     """The UDP entries translated to a ``stale`` endpoint (reply source the endpoint, original
-    destination its service's VIP and port or its node port)."""
-    wanted = list(stale)
-    return [e for e in entries if e.orig.proto == socket.IPPROTO_UDP
-            and any(s.matches(e.orig.dst, e.orig.dport, e.reply.src, e.reply.sport) for s in wanted)]
+    destination its service's VIP and port or its node port), and those of an
+    :class:`Unusable` port not translated to one of its usable endpoints."""
+    wanted = [s for s in stale if isinstance(s, Stale)]
+    by_vip: dict[tuple[str, int], set[tuple[str, int]]] = {}
+    by_node_port: dict[tuple[bool, int], set[tuple[str, int]]] = {}
+    for u in stale:
+        if isinstance(u, Unusable):
+            if u.vip is not None:
+                by_vip.setdefault((u.vip, u.service_port), set()).update(u.usable)
+            if u.node_port is not None:
+                by_node_port.setdefault((u.family == 6, u.node_port), set()).update(u.usable)
+
+    def unusable(e: CtEntry) -> bool:
+        source = (e.reply.src, e.reply.sport)
+        usable = by_vip.get((e.orig.dst, e.orig.dport))
+        if usable is not None and source not in usable:
+            return True
+        usable = by_node_port.get((":" in e.orig.dst, e.orig.dport))
+        return usable is not None and source not in usable
+
+    return [e for e in entries if e.orig.proto == socket.IPPROTO_UDP and (
+        (by_vip or by_node_port) and unusable(e)
+        or any(s.matches(e.orig.dst, e.orig.dport, e.reply.src, e.reply.sport) for s in wanted))]  # fmt: skip
 
 
-def flush_udp(stale: Iterable[Stale]) -> int:
-    """Delete the UDP entries of ``stale`` endpoints; returns how many were deleted."""
+def flush_udp(stale: Iterable[Flush]) -> int:
+    """Delete the UDP entries of ``stale`` endpoints (and of :class:`Unusable` ports not going
+    to a usable endpoint); returns how many were deleted."""
     wanted = list(stale)
     if not wanted:
         return 0
@@ -110,7 +162,7 @@ def flush_udp(stale: Iterable[Stale]) -> int:
     try:
         seq = 0
         entries: list[CtEntry] = []
-        for family in sorted({_family(s.ip) for s in wanted}):  # the families of the stale endpoints
+        for family in sorted({s.af for s in wanted}):  # the families of the stale endpoints
             seq += 1
             answers = sock.request(encode_dump(seq, family), what="listing conntrack entries", dump=True)
             entries += [e for t, buf, s, end in answers

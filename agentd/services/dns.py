@@ -14,7 +14,8 @@ The wire format is dnspython's.
   exists with another type), authoritative, TTL :data:`TTL`.
 * Everything else is forwarded to the upstream servers (``[dns] upstream``, else the host's
   /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  At most
-  :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.
+  :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.  At most
+  :data:`MAX_TCP_CLIENTS` TCP connections are open at once; more are closed at once.
 
 The names come from the Service agent's view after every sync (:func:`names`), so an
 answer changes as soon as the node's table does.  :func:`resolve` is pure.
@@ -61,6 +62,10 @@ OUTCOMES = ("answered", "forwarded", "servfail", "rejected")  # agentd_dns_queri
 # answers would take the agent to its LimitNOFILE, and etcd, BGP and netlink would fail
 # (EMFILE).  Over it a query is answered SERVFAIL at once, without a socket, as CoreDNS does.
 MAX_FORWARDED = 1000
+# TCP client connections open at once, at most (each a socket for up to 10 s idle): over it a
+# new connection is closed at once, counted as rejected, so that connections cannot take the
+# agent to its LimitNOFILE either.
+MAX_TCP_CLIENTS = 1000
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,7 @@ def resolve(table: Names, query: dns.message.Message) -> dns.message.Message | N
     for rdtype, records in ((dns.rdatatype.A, table.a), (dns.rdatatype.AAAA, table.aaaa)):
         if q.rdtype in (rdtype, dns.rdatatype.ANY) and records.get(qname):
             response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", rdtype, list(records[qname])))
-    if q.rdtype in (dns.rdatatype.SRV, dns.rdatatype.ANY) and qname in table.srv:
+    if q.rdtype in (dns.rdatatype.SRV, dns.rdatatype.ANY) and table.srv.get(qname):  # none: NODATA, not an empty RRset
         srv = [f"0 100 {port} {target}" for port, target in table.srv[qname]]
         response.answer.append(dns.rrset.from_text_list(q.name, TTL, "IN", "SRV", srv))
         for _, target in table.srv[qname]:
@@ -241,6 +246,8 @@ class DnsServer:
         self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.max_forwarded = MAX_FORWARDED
         self.in_flight = 0  # forwarded queries waiting for an upstream
+        self.max_tcp_clients = MAX_TCP_CLIENTS
+        self.tcp_clients = 0  # TCP connections open
         self._udp: list[asyncio.DatagramTransport] = []
         self._tcp: list[asyncio.base_events.Server] = []
 
@@ -339,6 +346,11 @@ class DnsServer:
             transport.sendto(out, addr)
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.tcp_clients >= self.max_tcp_clients:
+            self.outcomes["rejected"] += 1
+            writer.close()
+            return
+        self.tcp_clients += 1
         try:
             while True:
                 async with asyncio.timeout(10):  # not wait_for: a cancel (the server closing) must end the loop
@@ -356,6 +368,7 @@ class DnsServer:
             self.outcomes["servfail"] += 1
             log.warning("no answer to a query over TCP: %s", err)
         finally:
+            self.tcp_clients -= 1
             writer.close()
 
 

@@ -20,6 +20,8 @@ endpoints" fallback, KEP-1669), so a rolling update does not black-hole a servic
 
 from __future__ import annotations
 
+import calendar
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,7 @@ class ServicePort:
     endpoints: tuple[Endpoint, ...]
     family: int = 4  # the IP version of its cluster IP and endpoints
     primary: bool = True  # of the Service's primary family (spec.ipFamilies[0]: its clusterIP's)
+    created: float = float("inf")  # the Service's creationTimestamp (seconds; none: inf): the older of two claiming one VIP or node port wins
 
     @property
     def key(self) -> tuple[str, str, str, int, int]:
@@ -96,6 +99,7 @@ def build(services: Iterable[Obj], slices: Iterable[Obj], pods: Iterable[Obj]) -
         selector = spec.get("selector") or {}
         timeout = (spec.get("sessionAffinityConfig") or {}).get("clientIP", {}).get("timeoutSeconds")
         vips = ipfamilies.cluster_ips(spec)
+        created = _created(meta)
         for index, family in enumerate(ipfamilies.families_of(spec)):
             version = ipfamilies.VERSION[family]
             cluster_ip = None
@@ -116,10 +120,17 @@ def build(services: Iterable[Obj], slices: Iterable[Obj], pods: Iterable[Obj]) -
                         affinity_timeout=timeout if spec.get("sessionAffinity") == "ClientIP" else None,
                         internal_local=spec.get("internalTrafficPolicy") == "Local",
                         external_local=spec.get("externalTrafficPolicy") == "Local",
-                        endpoints=tuple(sorted(set(endpoints))), family=version, primary=index == 0,
+                        endpoints=tuple(sorted(set(endpoints))), family=version, primary=index == 0, created=created,
                     )
                 )  # fmt: skip
     return out
+
+
+def _created(meta: Obj) -> float:
+    try:
+        return float(calendar.timegm(time.strptime(meta.get("creationTimestamp") or "", "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return float("inf")
 
 
 def matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:

@@ -33,6 +33,9 @@ class ServiceState(Protocol):
     @property
     def port_count(self) -> int: ...
 
+    @property
+    def conflicts(self) -> dict[tuple[str, str], list[str]]: ...
+
 
 class ServiceViews:
     def __init__(self, agent: ServiceState) -> None:
@@ -46,11 +49,13 @@ class ServiceViews:
             return {"node": a.node, "revision": a.applied_revision, "error": a.error, "syncs": a.syncs,
                     "last_sync": a.last_sync, "service_ports": a.port_count}  # fmt: skip
         services: dict[str, dict[str, Any]] = {}
+        conflicts = a.conflicts
         for sp in a.ports:
             key = f"{sp.namespace}/{sp.service}"
             svc = services.setdefault(key, {
                 "namespace": sp.namespace, "name": sp.service, "clusterIP": sp.cluster_ip or "None", "clusterIPs": [],
                 "ports": [], "connections": a.counters.get(compiler.counter_name(sp.namespace, sp.service), 0),
+                "errors": conflicts.get((sp.namespace, sp.service), []),
             })  # fmt: skip
             if sp.cluster_ip is not None and sp.cluster_ip not in svc["clusterIPs"]:
                 # The ports come ordered by family, not by the Service's: its primary
@@ -109,6 +114,6 @@ class ServiceViews:
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
         if a.dns_server is not None:
             q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
-            for outcome, n in a.dns_server.outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once
+            for outcome, n in a.dns_server.outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once, or a TCP connection over MAX_TCP_CLIENTS
                 q.add_metric([outcome], n)
             yield q

@@ -109,3 +109,19 @@ def test_entries_to_delete_match_what_kube_proxy_matches():
     entries = [via_vip, via_node_port, other_endpoint, tcp, other_service]
     assert ct.entries_to_delete(entries, [stale]) == [via_vip, via_node_port]
     assert ct.entries_to_delete(entries, []) == []
+
+
+def test_entries_not_going_to_a_usable_endpoint_of_an_unusable_port():
+    """An Unusable port: its UDP entries (VIP and port, or node port of its family) whose reply
+    source is not a usable endpoint; TCP, other services and the other family's node port stay."""
+    port = ct.Unusable("10.96.0.10", 53, 30053, 4, frozenset({("10.244.3.3", 5353)}))
+    to_usable = codec.CtEntry(ORIG, REPLY._replace(src="10.244.3.3"))
+    to_other = codec.CtEntry(ORIG, REPLY)  # 10.244.2.7: not usable
+    untranslated = codec.CtEntry(ORIG, REPLY._replace(src="10.96.0.10", sport=53))
+    via_node_port = codec.CtEntry(codec.CtTuple("192.0.2.9", "192.0.2.50", 17, 41000, 30053), REPLY._replace(dst="192.0.2.9"))
+    node_port6 = ct.CtEntry(ORIG6._replace(dport=30053), REPLY6)
+    tcp = codec.CtEntry(ORIG._replace(proto=socket.IPPROTO_TCP), REPLY._replace(proto=socket.IPPROTO_TCP))
+    other_service = codec.CtEntry(ORIG._replace(dst="10.96.0.11"), REPLY)
+    entries = [to_usable, to_other, untranslated, via_node_port, node_port6, tcp, other_service]
+    assert ct.entries_to_delete(entries, [port]) == [to_other, untranslated, via_node_port]
+    assert port.af == socket.AF_INET and ct.Unusable(None, 53, 30053, 6).af == socket.AF_INET6

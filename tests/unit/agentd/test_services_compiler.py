@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 
 from agentd.nft import expr
-from agentd.nft.ruleset import NftChain, NftSet, Ruleset, plan
+from agentd.nft.ruleset import NftChain, NftSet, Ruleset, applied, plan
 from agentd.resources import kinds
 from agentd.services import compiler, model
 from agentd.services.agent import stale_udp
@@ -215,9 +215,9 @@ def test_affinity_keeps_a_chain_per_endpoint():
     assert ext[-1][-1] == {"goto": {"target": "ep/shop/web/tcp/80/10.244.1.2/8080"}}
     hairpin, update, dnat = _chain(rs, "ep/shop/web/tcp/80/10.244.1.2/8080")  # affinity: a chain per endpoint
     assert hairpin[1] == compiler.MARK_MASQ and dnat[-1] == {"dnat": {"addr": "10.244.1.2", "port": 8080}}
-    aff = rs.objects[(compiler.FAMILY, compiler.TABLE, "set", "aff/shop/web/tcp/80/10.244.1.2/8080")]
+    aff = rs.objects[(compiler.FAMILY, compiler.TABLE, "set", "aff/shop/web/tcp/80/10.244.1.2/8080/10800")]
     assert isinstance(aff, NftSet) and aff.timeout == 10800 and aff.dynamic
-    assert update == [{"set": {"op": "update", "elem": compiler.SADDR, "set": "@aff/shop/web/tcp/80/10.244.1.2/8080"}}]
+    assert update == [{"set": {"op": "update", "elem": compiler.SADDR, "set": "@aff/shop/web/tcp/80/10.244.1.2/8080/10800"}}]
     rs3 = compiler.compile_services(model.build([s], [], PODS), "n3")
     assert _map(rs3, compiler.SERVICE_IPS) == frozenset() and _map(rs3, compiler.NODE_PORTS) == frozenset()
     # From n3 itself or its pods: short-circuited to every endpoint (the cluster IP's chain has
@@ -232,6 +232,86 @@ def test_affinity_keeps_a_chain_per_endpoint():
     s2 = svc("web", {**s["spec"], "internalTrafficPolicy": "Cluster"})
     rs3 = compiler.compile_services(model.build([s2], [], PODS), "n3")
     assert _chain(rs3, "short-circuit/shop/web/tcp/80")[1:] == [[{"goto": {"target": "svc/shop/web/tcp/80"}}]]
+
+
+def test_a_changed_affinity_timeout_is_a_new_set_the_old_one_deleted_after_the_chains_leave_it():
+    # A set's timeout cannot change in place, and a set a rule still uses cannot be deleted:
+    # the new timeout is a new set, the chains rewritten to it, the old set deleted after them.
+    def spec(timeout: int) -> dict:
+        return {"selector": {"app": "web"}, "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": timeout}},
+                "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}  # fmt: skip
+
+    table = compiler.Table("n1")
+    table.update(("shop", "web"), model.build([svc("web", spec(10800))], [], PODS))
+    current = applied(table.rs)
+    keys = table.update(("shop", "web"), model.build([svc("web", spec(60))], [], PODS))
+    cmds = plan(current, table.rs, keys)
+    eps = ("10.244.1.2/8080", "10.244.2.2/8080")
+    sets = [(verb, body["set"]["name"]) for c in cmds for verb, body in c.items() if "set" in body]
+    assert sets == [("add", f"aff/shop/web/tcp/80/{e}/60") for e in eps] + [
+        ("delete", f"aff/shop/web/tcp/80/{e}/10800") for e in eps], sets  # never flushed, deleted while in use
+    assert table.rs.objects[(compiler.FAMILY, compiler.TABLE, "set", "aff/shop/web/tcp/80/10.244.1.2/8080/60")].timeout == 60
+    # The chains using the sets are rewritten to the new ones before the old ones go.
+    rules = [i for i, c in enumerate(cmds) if "add" in c and "rule" in c["add"] and "@aff/" in json.dumps(c)]
+    assert rules and all("/60" in json.dumps(cmds[i]) and "/10800" not in json.dumps(cmds[i]) for i in rules)
+    first_delete = min(i for i, c in enumerate(cmds) if "delete" in c and "set" in c["delete"])
+    assert max(rules) < first_delete
+    chains = [o for o in table.rs.objects.values() if isinstance(o, NftChain)]
+    assert not any("/10800" in r for o in chains for r in o.rules)
+
+
+def test_two_services_claiming_one_vip_or_node_port_the_older_has_it():
+    # Records allocation did not check (a hand-written put, a restore): two elements of one key
+    # would make the kernel refuse the whole transaction, so the younger Service is left out.
+    def claimant(name: str, created: str, node_port: int) -> dict:
+        s = svc(name, {"type": "NodePort", "clusterIP": "10.96.0.10", "selector": {"app": name},
+                       "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 53, "nodePort": node_port}]})  # fmt: skip
+        s["metadata"]["creationTimestamp"] = created
+        return s
+
+    pods = [pod("x1", "n1", "10.244.1.5", {"app": "x"}), pod("y1", "n1", "10.244.1.6", {"app": "y"}),
+            pod("y2", "n1", "10.244.1.7", {"app": "y"})]  # fmt: skip
+    x, y = claimant("x", "2024-05-01T00:00:00Z", 30001), claimant("y", "2024-01-01T00:00:00Z", 30001)
+    y_only_vip = claimant("y", "2024-01-01T00:00:00Z", 30002)
+    dns_vip = ("10.96.0.10", "udp", 53)
+    key = (dns_vip, ("goto", "pick/2"))
+    for order in ([x, y], [y, x]):  # the older (y) has them whichever comes first
+        table = compiler.Table("n1")
+        for s in order:
+            table.update(("shop", s["metadata"]["name"]), model.build([s], [], pods))
+        rs = table.rs
+        assert _map(rs, compiler.SERVICE_IPS) == {key}
+        assert _map(rs, compiler.NODE_PORTS) == {(("udp", 30001), ("goto", "np-pick/2"))}
+        assert {k for k, _ in _map(rs, "addr/0")} == {dns_vip}
+        assert table.conflicts == {("shop", "x"): ["cluster IP 10.96.0.10 udp/53 is shop/y's: left out",
+                                                  "node port udp/30001 (IPv4) is shop/y's: left out"]}  # fmt: skip
+        assert [sp.cluster_ip for sp in table.ports() if sp.service == "x"] == ["10.96.0.10"]  # as asked (DNS, /services)
+    # y's node port changes: x keeps only the node port; y goes: x has its VIP back.
+    table.update(("shop", "y"), model.build([y_only_vip], [], pods))
+    assert table.conflicts == {("shop", "x"): ["cluster IP 10.96.0.10 udp/53 is shop/y's: left out"]}
+    assert _map(table.rs, compiler.NODE_PORTS) == {(("udp", 30001), ("goto", "np-pick/1")), (("udp", 30002), ("goto", "np-pick/2"))}
+    table.update(("shop", "y"), [])
+    assert table.conflicts == {}
+    assert _map(table.rs, compiler.SERVICE_IPS) == {(dns_vip, ("goto", "pick/1"))}
+    assert _map(table.rs, compiler.NODE_PORTS) == {(("udp", 30001), ("goto", "np-pick/1"))}
+
+
+def test_a_node_port_only_short_circuited_here_counts_as_translating():
+    # Local node port whose endpoints are all on other nodes: this node's pods reaching it are
+    # DNATed (short-circuit) without SNAT, so replies must pass conntrack (on_translating(True)).
+    for affinity in ("None", "ClientIP"):
+        s = svc("web", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
+                        "internalTrafficPolicy": "Local", "sessionAffinity": affinity,
+                        "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
+        table = compiler.Table("n3", pod_subnets={4: "10.244.3.0/24"})
+        table.update(("shop", "web"), model.build([s], [], PODS))
+        assert not table.elements.get((compiler.FAMILY, compiler.SERVICE_IPS))
+        assert not table.elements.get((compiler.FAMILY, compiler.NODE_PORTS))
+        assert table.elements.get((compiler.FAMILY, compiler.NP_SHORT_CIRCUIT))
+        assert table.translating(), affinity
+        table.update(("shop", "web"), [])
+        assert not table.translating()
 
 
 def test_an_endpoint_change_is_element_commands_only():
@@ -266,6 +346,23 @@ def test_stale_udp_endpoints_are_those_no_longer_usable():
     assert not stale.matches("10.96.0.11", 53, "192.0.2.2", 5353) and not stale.matches("10.96.0.10", 53, "192.0.2.1", 5353)
     assert stale_udp(after, after) == [] and stale_udp(before, []) != []
 
+
+
+def test_an_endpoint_still_used_after_turning_terminating_keeps_its_udp_flows():
+    # The only endpoint going from ready to serving+terminating is still used (KEP-1669): its flows stay.
+    s = svc("stats", {"ports": [{"name": "", "port": 8125, "protocol": "UDP"}]})
+
+    def built(conditions: dict) -> list:
+        sl = eps_slice("stats-1", "stats", [{"addresses": ["10.244.1.2"], "conditions": conditions}],
+                       [{"name": "", "port": 8125, "protocol": "UDP"}])  # fmt: skip
+        return model.build([s], [sl], [])
+
+    ready, terminating = built({"ready": True}), built({"ready": False, "serving": True, "terminating": True})
+    assert [(e.ip, e.port) for e in terminating[0].usable()] == [("10.244.1.2", 8125)]
+    assert stale_udp(ready, terminating) == []
+    assert stale_udp(terminating, ready) == []
+    gone = built({"ready": False, "serving": False, "terminating": True})
+    assert stale_udp(terminating, gone) == [Stale("10.244.1.2", 8125, "10.96.0.10", 8125, None)]
 
 
 def test_one_change_touches_that_service_and_the_maps_it_is_in():
@@ -410,9 +507,9 @@ def test_ipv6_affinity_and_local_policies():
     hairpin, update, dnat = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", chain)].rules]
     saddr6 = {"payload": {"protocol": "ip6", "field": "saddr"}}
     assert hairpin[0]["match"] == {"op": "==", "left": saddr6, "right": "fd00:10:244:2::3"}
-    assert update == [{"set": {"op": "update", "elem": saddr6, "set": "@aff/shop/web/tcp/80/fd00:10:244:2::3/8080"}}]
+    assert update == [{"set": {"op": "update", "elem": saddr6, "set": "@aff/shop/web/tcp/80/fd00:10:244:2::3/8080/10800"}}]
     assert dnat[-1] == {"dnat": {"addr": "fd00:10:244:2::3", "port": 8080}}
-    aff = rs.objects[("ip6", compiler.TABLE, "set", "aff/shop/web/tcp/80/fd00:10:244:2::3/8080")]
+    aff = rs.objects[("ip6", compiler.TABLE, "set", "aff/shop/web/tcp/80/fd00:10:244:2::3/8080/10800")]
     assert isinstance(aff, NftSet) and aff.type == ("ipv6_addr",) and aff.timeout == 10800
     ext = [json.loads(r) for r in rs.objects[("ip6", compiler.TABLE, "chain", "ext/shop/web/tcp/80")].rules]
     targets = {stmt["goto"]["target"] for rule in ext for stmt in rule if "goto" in stmt}

@@ -305,6 +305,16 @@ def test_a_headless_service_with_only_terminating_endpoints_has_no_records():
     assert r.rcode() == dns.rcode.NOERROR and r.answer == []
 
 
+def test_a_headless_services_srv_name_without_ready_endpoints_is_nodata_that_clients_can_read():
+    table = sdns.names([sp("h", "pg", "TCP", 5432, None, [Endpoint("10.244.1.5", 5432, ready=False, terminating=True)])],
+                       "cluster.local")
+    for rdtype in ("SRV", "ANY"):
+        r = sdns.resolve(table, dns.message.make_query("_pg._tcp.h.shop.svc.cluster.local", rdtype))
+        parsed = dns.message.from_wire(r.to_wire())  # an empty SRV record would be FORMERR here
+        assert parsed.rcode() == dns.rcode.NOERROR and parsed.answer == [], rdtype
+        assert lines(parsed.authority)[0].startswith("cluster.local. 5 IN SOA")
+
+
 async def test_query_outcomes_are_monotonic_counters_counted_once_when_the_reply_is_made(monkeypatch):
     """agentd_dns_queries_total{outcome}: a query forwarded to a slow upstream is in no outcome
     until the upstream answers or fails; then it is in one.  No series ever goes down (it was
@@ -394,3 +404,53 @@ async def test_forwarded_queries_in_flight_are_bounded_and_the_rest_servfail_at_
         assert server.in_flight == 0
         assert dns.message.from_wire(await server.answer(query)).rcode() == dns.rcode.NOERROR
     assert (server.queries, server.forwarded, server.rejected) == (sdns.MAX_FORWARDED + 2, sdns.MAX_FORWARDED + 1, 1)
+
+
+async def test_tcp_clients_open_at_once_are_bounded_and_the_rest_closed_at_once():
+    """Each TCP client holds a socket (up to 10 s idle): MAX_TCP_CLIENTS may be open at once; a
+    connection over that is closed at once without being read, counted as rejected."""
+    import asyncio
+
+    class Reader:
+        def __init__(self, data: bytes = b"", hold: bool = True) -> None:
+            self.data, self.hold = data, hold
+
+        async def readexactly(self, n: int) -> bytes:
+            if self.data:
+                out, self.data = self.data[:n], self.data[n:]
+                return out
+            if self.hold:
+                await asyncio.Event().wait()  # an idle client: until cancelled
+            raise asyncio.IncompleteReadError(b"", n)
+
+    class Writer:
+        def __init__(self) -> None:
+            self.closed, self.sent = False, b""
+
+        def write(self, data: bytes) -> None:
+            self.sent += data
+
+        async def drain(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    server = sdns.DnsServer("127.0.0.1", 53, lambda: TABLE, [])
+    limit = 1000  # sdns.MAX_TCP_CLIENTS
+    writers = [Writer() for _ in range(limit)]
+    held = [asyncio.create_task(server._tcp_client(Reader(), w)) for w in writers]  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    assert not any(w.closed for w in writers)
+    query = dns.message.make_query("web.shop.svc.cluster.local", "A").to_wire()
+    extra = Writer()
+    await server._tcp_client(Reader(len(query).to_bytes(2, "big") + query, hold=False), extra)  # type: ignore[arg-type]
+    assert extra.closed and extra.sent == b"" and server.rejected == 1 and server.queries == 0
+    for t in held:
+        t.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    assert server.tcp_clients == 0 and all(w.closed for w in writers)
+    served = Writer()
+    await server._tcp_client(Reader(len(query).to_bytes(2, "big") + query, hold=False), served)  # type: ignore[arg-type]
+    assert served.closed and dns.message.from_wire(served.sent[2:]).rcode() == dns.rcode.NOERROR
+    assert server.rejected == 1 and sdns.MAX_TCP_CLIENTS == limit

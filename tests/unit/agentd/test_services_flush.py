@@ -12,6 +12,13 @@ from agentd.resources import kinds, manifests
 from agentd.resources.store import ResourceEvent
 from agentd.services import agent as services_agent
 from agentd.services.agent import ServiceAgent
+from agentd.services.conntrack import (
+    CtEntry,
+    CtTuple,
+    Stale,
+    Unusable,
+    entries_to_delete,
+)
 
 SERVICE = """\
 apiVersion: v1
@@ -64,4 +71,51 @@ async def test_an_endpoint_gone_in_a_snapshot_has_its_udp_flows_flushed(monkeypa
     finally:
         task.cancel()
     # The second snapshot rebuilt the table: 10.244.2.2's flows are flushed all the same.
-    assert [(s.ip, s.port, s.vip, s.service_port) for s in flushed] == [("10.244.2.2", 8125, "10.96.0.20", 8125)]
+    stale = [s for s in flushed if isinstance(s, Stale)]
+    assert [(s.ip, s.port, s.vip, s.service_port) for s in stale] == [("10.244.2.2", 8125, "10.96.0.20", 8125)]
+
+
+UDP = 17
+
+
+def entry(src: str, sport: int, dst: str, dport: int, reply_src: str, reply_sport: int) -> CtEntry:
+    return CtEntry(CtTuple(src, dst, UDP, sport, dport), CtTuple(reply_src, src, UDP, reply_sport, sport))
+
+
+async def _sync(agent: ServiceAgent, revision: int, objs: dict) -> None:
+    syncs = agent.syncs
+    agent._on_resource(ResourceEvent("snapshot", revision, objects=objs, leases={}))
+    agent._wake.set()
+    while agent.syncs == syncs:
+        await asyncio.sleep(0)
+
+
+async def test_flows_older_than_the_agent_or_the_translation_go_unless_to_a_usable_endpoint(monkeypatch):
+    """The first sync after start checks every UDP flow of a service port against its usable
+    endpoints (one removed while the agent was down still has flows); so does a port going
+    from no endpoint to some (a flow sent before this node translated it stays untranslated)."""
+    flushed: list = []
+    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: flushed.extend(gone) or len(gone))
+    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"))
+    agent.programmer = Programmer()
+    vip = "10.96.0.20"
+    to_live = entry("10.244.3.9", 40000, vip, 8125, "10.244.1.2", 8125)
+    to_gone = entry("10.244.3.9", 40001, vip, 8125, "10.244.2.2", 8125)  # removed while the agent was down
+    untranslated = entry("10.244.3.9", 40002, vip, 8125, vip, 8125)
+    elsewhere = entry("10.244.3.9", 40003, "10.96.0.30", 8125, "10.96.0.30", 8125)
+    entries = [to_live, to_gone, untranslated, elsewhere]
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        await _sync(agent, 5, objects("10.244.1.2"))  # the first sync after start
+        assert [u for u in flushed if isinstance(u, Unusable)] == [Unusable(vip, 8125, None, 4, frozenset({("10.244.1.2", 8125)}))]
+        assert entries_to_delete(entries, flushed) == [to_gone, untranslated]
+        flushed.clear()
+        await _sync(agent, 6, objects("10.244.1.2"))  # nothing changed: nothing checked
+        assert flushed == []
+        await _sync(agent, 7, objects())  # no endpoint: its removed one's flows go (Stale)
+        assert [(s.ip, s.port) for s in flushed] == [("10.244.1.2", 8125)]
+        flushed.clear()
+        await _sync(agent, 8, objects("10.244.2.2"))  # from none to some: every other flow goes
+        assert entries_to_delete(entries, flushed) == [to_live, untranslated]
+    finally:
+        task.cancel()

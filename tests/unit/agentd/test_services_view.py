@@ -20,6 +20,7 @@ class _State:
             table.update((sp.namespace, sp.service), [p for p in ports if p.service == sp.service])
         self.ports = table.ports()  # as the agent lists them: ordered by family, not by the Service
         self.port_count = len(self.ports)
+        self.conflicts = table.conflicts
 
 
 def _service(name: str, ips: list[str], families: list[str]) -> dict[str, Any]:
@@ -37,3 +38,11 @@ def test_an_ipv6_primary_dual_stack_service_lists_its_ipv6_address_first():
     shown = {s["name"]: (s["clusterIP"], s["clusterIPs"]) for s in view.view()["services"]}
     assert shown == {"v6first": ("fd00:10:96::8c74", ["fd00:10:96::8c74", "10.96.44.88"]),
                      "v4first": ("10.96.1.2", ["10.96.1.2", "fd00:10:96::2"])}
+
+
+def test_a_service_refused_a_cluster_ip_another_holds_shows_it_in_errors():
+    old, young = _service("old", ["10.96.1.2"], ["IPv4"]), _service("young", ["10.96.1.2"], ["IPv4"])
+    old["metadata"]["creationTimestamp"], young["metadata"]["creationTimestamp"] = "2024-01-01T00:00:00Z", "2025-01-01T00:00:00Z"
+    view = ServiceViews(_State(model.build([young, old], [], [])))  # type: ignore[arg-type]
+    shown = {s["name"]: s["errors"] for s in view.view()["services"]}
+    assert shown == {"old": [], "young": ["cluster IP 10.96.1.2 tcp/80 is shop/old's: left out"]}
