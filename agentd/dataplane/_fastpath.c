@@ -996,6 +996,10 @@ static int rx_udp(struct fp_state *st, int budget)
             st->counters[D_NON_MEMBER] += (uint64_t)count;
             continue;
         }
+        if (n == 0) {                  /* an empty datagram carries no packet */
+            st->counters[D_MALFORMED]++;
+            continue;
+        }
         if ((msg.msg_flags & MSG_TRUNC) || count > MAX_GRO_SEGMENTS) {
             st->counters[D_MALFORMED] += (uint64_t)count;
             continue;

@@ -319,6 +319,9 @@ class UdpTransport:
             if addr[0] not in members:
                 drops["non_member"] += -(-n // seg) if seg else 1
                 continue
+            if n == 0:  # an empty datagram carries no packet
+                drops["malformed"] += 1
+                continue
             if n >= VECTOR_MIN * seg and add_segments(arr, 0, seg, n):
                 # One GRO read of equal-sized datagrams: checked and merged in one go.
                 c["rx_packets"] += -(-n // seg)
