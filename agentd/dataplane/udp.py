@@ -94,7 +94,10 @@ class UdpTransport:
         self.members: frozenset[str] = frozenset()
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # SO_REUSEPORT, not SO_REUSEADDR: a replacing worker may bind while the old one
+            # still exits, but the kernel lets only a socket of the same user join the port
+            # (with SO_REUSEADDR any local user could bind it too and take the peers' packets).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
             enlarge_buffers(sock, buffer_bytes, self.fallbacks)
             sock.bind((local_ip, port))
