@@ -342,7 +342,9 @@ class _Worker:
             self.base = {}
         else:
             table = {**self.base, **table}
-        members = frozenset(self.t.members)
+        # Not our own underlay address (it is a member for BPF): a node never encapsulates to
+        # itself, and the worker would take any local process's datagram from it.
+        members = frozenset(self.t.members) - {str(self.t.underlay.interface.ip)}
         if self.pushed == (table, members):
             return
         try:

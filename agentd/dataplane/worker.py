@@ -214,7 +214,7 @@ class Worker:
     def _apply_members(self, members, save: bool = True) -> None:
         if not isinstance(members, list):
             raise ValueError("members must be a list of underlay addresses")
-        self.members = parse_members(members)
+        self.members = parse_members(members, own=self.cfg.local_ip)
         self.transport.set_members(self.members)
         if self.fast is not None:
             self.fast.set_members(self.members)
