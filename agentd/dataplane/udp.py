@@ -84,7 +84,8 @@ class UdpTransport:
     holds_tx_buffer = True  # queued messages point into the staging buffer until flush()
 
     def __init__(self, local_ip: str, port: int, *, offload: bool, counters: dict, drops: dict,
-                 buffer_bytes: int = 8 << 20) -> None:
+                 buffer_bytes: int = 8 << 20, mtu: int = 1472) -> None:
+        # ``mtu`` (the TUN's) is the ipip transport's concern: a UDP GRO read takes up to 64 KB.
         self.local_ip = local_ip
         self.port = port
         self.c = counters
