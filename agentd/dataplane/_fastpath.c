@@ -491,12 +491,12 @@ static void add_msg(struct fp_state *st, uint32_t peer, uint8_t *base, int bytes
     st->meta[i] = (struct fp_msg_meta){peer, segments, bytes, seglen, gso};
 }
 
-static void send_plain(struct fp_state *st, int i)
+static int send_plain(struct fp_state *st, int i)
 {
-    /* One datagram per segment: UDP GSO was refused. */
+    /* One datagram per segment: UDP GSO was refused.  Returns how many went out. */
     struct fp_msg_meta *m = &st->meta[i];
     uint8_t *p = st->iovs[i].iov_base;
-    int left = m->bytes;
+    int left = m->bytes, sent = 0;
     while (left > 0) {
         int len = left < m->seglen ? left : m->seglen;
         st->counters[C_TX_SYSCALLS]++;
@@ -505,10 +505,12 @@ static void send_plain(struct fp_state *st, int i)
         } else {
             st->counters[C_TX_PACKETS]++;
             st->counters[C_TX_BYTES] += (uint64_t)len;
+            sent++;
         }
         p += len;
         left -= len;
     }
+    return sent;
 }
 
 static void flush(struct fp_state *st)
@@ -523,9 +525,19 @@ static void flush(struct fp_state *st)
                 continue;
             struct fp_msg_meta *m = &st->meta[start];
             if (m->gso && (err == EIO || err == EINVAL || err == ENOPROTOOPT || err == EOPNOTSUPP)) {
+                /* The message goes again one datagram per segment.  EINVAL is also what kernels
+                 * before the upstream "return -EMSGSIZE" change give segments longer than the
+                 * path MTU (a lower MTU to one peer): GSO stays on then unless a plain send
+                 * goes out (the kernel refused GSO itself); send_plain counts the drops (mtu).
+                 * As udp.py's UdpTransport._gso_refused. */
+                int went = send_plain(st, start);
+                if (err == EINVAL && !went) {
+                    start++;
+                    continue;
+                }
                 st->udp_gso = 0;
                 st->gso_failed_errno = err;
-                for (int i = start; i < n; i++)
+                for (int i = start + 1; i < n; i++)
                     send_plain(st, i);
                 break;
             }
