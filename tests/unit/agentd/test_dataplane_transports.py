@@ -148,7 +148,7 @@ async def test_a_previous_runs_worker_goes_when_no_worker_runs_its_backend_now(m
         return []
 
     monkeypatch.setattr(backends, "remove_worker_leftovers", leftovers)
-    monkeypatch.setattr(backends, "remove_vxlan_leftover", lambda: [])
+    monkeypatch.setattr(backends, "remove_vxlan_leftover", list)
     fake = types.SimpleNamespace(
         active={b: types.SimpleNamespace(datapath=dp) for b, dp in active.items()},
         helpers=dict.fromkeys(helpers, object()),
