@@ -673,7 +673,7 @@ class Tunnels:
         if "vxlan" not in used:
             gone += await asyncio.to_thread(remove_vxlan_leftover)
         if gone:
-            log.info("removed what a previous run left of backends no peer uses now (or no worker runs now): %s", ", ".join(gone))
+            log.info("removed what a previous run left of backends no peer uses now: %s", ", ".join(gone))
 
     def resync(self) -> None:
         """Bring every backend's state in line again (a worker was started again)."""
