@@ -73,7 +73,7 @@
 #define MAX_GSO_BYTES 65507
 #define RX_UDP_SIZE (65536 + 4096)
 #define RX_SLOTS 64
-#define RX_SLOT 2048
+#define RX_SLOT 2048                /* an ipip receive slot at least (rx_slot) */
 #define RX_AREA (1 << 19)
 #define MAX_GRO_SEGMENTS 64         /* UDP_GRO_CNT_MAX */
 #define MAX_PENDING 1024
@@ -491,12 +491,12 @@ static void add_msg(struct fp_state *st, uint32_t peer, uint8_t *base, int bytes
     st->meta[i] = (struct fp_msg_meta){peer, segments, bytes, seglen, gso};
 }
 
-static void send_plain(struct fp_state *st, int i)
+static int send_plain(struct fp_state *st, int i)
 {
-    /* One datagram per segment: UDP GSO was refused. */
+    /* One datagram per segment: UDP GSO was refused.  Returns how many went out. */
     struct fp_msg_meta *m = &st->meta[i];
     uint8_t *p = st->iovs[i].iov_base;
-    int left = m->bytes;
+    int left = m->bytes, sent = 0;
     while (left > 0) {
         int len = left < m->seglen ? left : m->seglen;
         st->counters[C_TX_SYSCALLS]++;
@@ -505,10 +505,12 @@ static void send_plain(struct fp_state *st, int i)
         } else {
             st->counters[C_TX_PACKETS]++;
             st->counters[C_TX_BYTES] += (uint64_t)len;
+            sent++;
         }
         p += len;
         left -= len;
     }
+    return sent;
 }
 
 static void flush(struct fp_state *st)
@@ -523,9 +525,19 @@ static void flush(struct fp_state *st)
                 continue;
             struct fp_msg_meta *m = &st->meta[start];
             if (m->gso && (err == EIO || err == EINVAL || err == ENOPROTOOPT || err == EOPNOTSUPP)) {
+                /* The message goes again one datagram per segment.  EINVAL is also what kernels
+                 * before the upstream "return -EMSGSIZE" change give segments longer than the
+                 * path MTU (a lower MTU to one peer): GSO stays on then unless a plain send
+                 * goes out (the kernel refused GSO itself); send_plain counts the drops (mtu).
+                 * As udp.py's UdpTransport._gso_refused. */
+                int went = send_plain(st, start);
+                if (err == EINVAL && !went) {
+                    start++;
+                    continue;
+                }
                 st->udp_gso = 0;
                 st->gso_failed_errno = err;
-                for (int i = start; i < n; i++)
+                for (int i = start + 1; i < n; i++)
                     send_plain(st, i);
                 break;
             }
@@ -996,6 +1008,10 @@ static int rx_udp(struct fp_state *st, int budget)
             st->counters[D_NON_MEMBER] += (uint64_t)count;
             continue;
         }
+        if (n == 0) {                  /* an empty datagram carries no packet */
+            st->counters[D_MALFORMED]++;
+            continue;
+        }
         if ((msg.msg_flags & MSG_TRUNC) || count > MAX_GRO_SEGMENTS) {
             st->counters[D_MALFORMED] += (uint64_t)count;
             continue;
@@ -1020,18 +1036,29 @@ static int rx_udp(struct fp_state *st, int budget)
     return rc;
 }
 
+/* One ipip receive slot: an underlay packet of the TUN's MTU with the largest outer header (60
+ * bytes) and then some, at least RX_SLOT -- a jumbo-frame underlay's packets are not cut.  As
+ * ipip.py's rx_slot. */
+static int rx_slot(int mtu)
+{
+    int slot = (mtu + 60 + 64) & ~63;
+    return slot < RX_SLOT ? RX_SLOT : slot;
+}
+
 static int rx_ipip(struct fp_state *st, int budget)
 {
     struct pending pd = {.k = 0, .used = 0};
     int rc = 0;
+    const int slot = rx_slot(st->mtu);
+    const int slots = RX_AREA / slot < RX_SLOTS ? RX_AREA / slot : RX_SLOTS;
     for (int k = 0; k < budget; k++) {
-        if (pd.used + RX_SLOTS * RX_SLOT > RX_AREA || pd.k + RX_SLOTS > MAX_PENDING)
+        if (pd.used + (size_t)slots * slot > RX_AREA || pd.k + slots > MAX_PENDING)
             write_pending(st, &pd);
         uint8_t *base = st->rx + pd.used;
-        for (int i = 0; i < RX_SLOTS; i++) {
+        for (int i = 0; i < slots; i++) {
             struct msghdr *h = &st->rmsgs[i].msg_hdr;
-            st->riovs[i].iov_base = base + i * RX_SLOT;
-            st->riovs[i].iov_len = RX_SLOT;
+            st->riovs[i].iov_base = base + i * slot;
+            st->riovs[i].iov_len = (size_t)slot;
             h->msg_name = &st->rnames[i];
             h->msg_namelen = sizeof(struct sockaddr_in);
             h->msg_iov = &st->riovs[i];
@@ -1040,7 +1067,7 @@ static int rx_ipip(struct fp_state *st, int budget)
             h->msg_controllen = 0;
             h->msg_flags = 0;
         }
-        int got = recvmmsg(st->sock_fd, st->rmsgs, RX_SLOTS, MSG_DONTWAIT, NULL);
+        int got = recvmmsg(st->sock_fd, st->rmsgs, (unsigned)slots, MSG_DONTWAIT, NULL);
         if (got < 0) {
             if (errno == EINTR) {
                 k--;
@@ -1053,7 +1080,7 @@ static int rx_ipip(struct fp_state *st, int budget)
         st->counters[C_RX_SYSCALLS]++;
         int good = 0;
         for (int i = 0; i < got; i++) {
-            uint8_t *o = base + i * RX_SLOT;
+            uint8_t *o = base + i * slot;
             int n = (int)st->rmsgs[i].msg_len;
             if (n < 20 || (st->rmsgs[i].msg_hdr.msg_flags & MSG_TRUNC)) {
                 st->counters[D_MALFORMED]++;
@@ -1075,9 +1102,9 @@ static int rx_ipip(struct fp_state *st, int budget)
             st->counters[C_RX_BYTES] += (uint64_t)(n - ihl);
             good++;
         }
-        pd.used += (size_t)got * RX_SLOT;
+        pd.used += (size_t)got * slot;
         st->counters[C_RX_PACKETS] += (uint64_t)good;
-        if (got < RX_SLOTS)
+        if (got < slots)
             break;
     }
     write_pending(st, &pd);

@@ -84,8 +84,10 @@ class NextHopTable:
         return None
 
 
-def parse_members(members: Iterable[str]) -> frozenset[str]:
-    """Validate underlay member addresses; returns canonical dotted strings."""
+def parse_members(members: Iterable[str], own: str | None = None) -> frozenset[str]:
+    """Validate underlay member addresses; returns canonical dotted strings.  ``own`` (the
+    worker's own underlay address) is left out: a node never encapsulates to itself, so a
+    packet from it is a local process's, which must not put forged pod packets into the TUN."""
     if isinstance(members, (str, bytes)):
         raise ValueError("members must be a collection of IPv4 addresses, not a single string")
     out = set()
@@ -94,6 +96,8 @@ def parse_members(members: Iterable[str]) -> frozenset[str]:
             out.add(str(ipaddress.IPv4Address(m)))
         except (ValueError, TypeError):
             raise ValueError(f"bad member address {m!r}") from None
+    if own is not None:
+        out.discard(str(ipaddress.IPv4Address(own)))
     return frozenset(out)
 
 

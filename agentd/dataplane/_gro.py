@@ -310,6 +310,8 @@ class Coalescer:
         """A UDP GRO read: ``n`` bytes at ``arr[base:]`` holding packets of ``seg`` bytes each
         (the last may be shorter).  As :meth:`add_batch`; a read is mostly one run (one UDP GSO
         send of one TSO super-packet), which is checked with half a dozen numpy calls."""
+        if seg <= 0 or n <= 0:
+            return False  # nothing to take (an empty datagram): the caller counts it
         k = -(-n // seg)
         vw = self._batch_views(arr, base, seg, k)
         if vw is None:

@@ -342,7 +342,9 @@ class _Worker:
             self.base = {}
         else:
             table = {**self.base, **table}
-        members = frozenset(self.t.members)
+        # Not our own underlay address (it is a member for BPF): a node never encapsulates to
+        # itself, and the worker would take any local process's datagram from it.
+        members = frozenset(self.t.members) - {str(self.t.underlay.interface.ip)}
         if self.pushed == (table, members):
             return
         try:
@@ -663,9 +665,11 @@ class Tunnels:
     async def _remove_unused(self) -> None:
         """Once BGP has re-learned every route after a start: what a previous run left of a
         backend no peer uses now ([network] backend changed) goes -- a VXLAN device would take
-        VXLAN from anyone, a worker would keep forwarding."""
+        VXLAN from anyone, a worker would keep forwarding.  So does the worker of a backend that
+        now runs in BPF (a previous run's datapath = "userspace") with no worker beside it."""
         used = {*self.active, *self.helpers}
-        gone = await remove_worker_leftovers(Path(self.cfg.agent.state_dir), [k for k in ("udp", "ipip") if k not in used])
+        in_worker = {*self.helpers, *(b for b, impl in self.active.items() if impl.datapath == "userspace")}
+        gone = await remove_worker_leftovers(Path(self.cfg.agent.state_dir), [k for k in ("udp", "ipip") if k not in in_worker])
         if "vxlan" not in used:
             gone += await asyncio.to_thread(remove_vxlan_leftover)
         if gone:

@@ -45,7 +45,16 @@ from agentd.dataplane._sockopt import (
 )
 from proto.packet import IPPROTO_IPIP
 
-RX_SLOT = 2048  # one underlay packet (<= 1500 on our underlays; longer ones are truncated and counted)
+RX_SLOT = 2048  # the smallest receive slot (one underlay packet of a 1500-byte underlay, with room)
+
+
+def rx_slot(mtu: int) -> int:
+    """The receive slot for a TUN of ``mtu``: one underlay packet (``mtu`` plus the largest outer
+    header, 60 bytes) and then some, so that a packet that fills its slot was cut (a jumbo-frame
+    underlay's packets are not); at least :data:`RX_SLOT`.  As _fastpath.c's rx_slot."""
+    return max(RX_SLOT, (mtu + 60 + 64) & ~63)
+
+
 # Outer header bytes that must be equal for a whole recvmmsg batch to be taken in one go:
 # everything but total length, ID and checksum (same source, protocol 4, no options, ...).
 _OUTER_MASK = np.full(20, 0xFF, np.uint8)
@@ -58,8 +67,9 @@ class IpipTransport:
     holds_tx_buffer = True  # queued iovecs point into the staging buffer until flush()
 
     def __init__(self, local_ip: str, port: int = 0, *, offload: bool, counters: dict, drops: dict,
-                 buffer_bytes: int = 8 << 20, batch: int = 256, ttl: int = 64) -> None:
+                 buffer_bytes: int = 8 << 20, batch: int = 256, ttl: int = 64, mtu: int = 1480) -> None:
         self.local_ip = local_ip
+        self.slot = rx_slot(mtu)
         self.c = counters
         self.drops = drops
         self.offloads: dict[str, bool] = {"sendmmsg": False, "recvmmsg": False}
@@ -210,16 +220,18 @@ class IpipTransport:
         if self._rxbuf is not rxbuf:
             # Point iovec i at slot i of the receive buffer once.
             base = buffer_address(rxbuf)
-            for i in range(min(rx.vlen, len(rxbuf) // RX_SLOT)):
-                rx.set_iov(i, base + i * RX_SLOT, RX_SLOT)
+            slot = self.slot
+            for i in range(min(rx.vlen, len(rxbuf) // slot)):
+                rx.set_iov(i, base + i * slot, slot)
             self._rxbuf = rxbuf
-            self._rx_slots = min(rx.vlen, len(rxbuf) // RX_SLOT)
+            self._rx_slots = min(rx.vlen, len(rxbuf) // slot)
             self._rx_np = np.frombuffer(rxbuf, np.uint8)
             self._rx_outer: dict[int, np.ndarray] = {}
         view = rx.msgs_view
         arr = self._rx_np
         msg = self._rx_msg
         add_batch = coalescer.add_batch
+        slot = self.slot
         for _ in range(budget):
             got = rx.recvmmsg(self.fd, rx.msgs_addr, self._rx_slots, MSG_DONTWAIT, None)
             if got <= 0:
@@ -235,7 +247,7 @@ class IpipTransport:
                     drops["mtu"] += 1
                     continue
                 n = int.from_bytes(view[m + MSG_LEN_OFFSET : m + MSG_LEN_OFFSET + 4], "little")
-                self._one(mv, i * RX_SLOT, n, members, add, c, drops)
+                self._one(mv, i * slot, n, members, add, c, drops)
             if got < self._rx_slots:
                 break
         # The open run goes out once the socket is drained (it may go on across reads).
@@ -245,22 +257,23 @@ class IpipTransport:
         """A whole recvmmsg batch from one member, none truncated, all IPIP without outer
         options: the inner packets go to the coalescer in one call (which may still refuse)."""
         lens = self._rx_lens[:got]
+        slot = self.slot
         # A packet that filled its slot may have been cut (MSG_TRUNC): per packet, which counts it.
-        if np.minimum.reduce(lens) < 40 or np.maximum.reduce(lens) >= RX_SLOT:
+        if np.minimum.reduce(lens) < 40 or np.maximum.reduce(lens) >= slot:
             return False
         outer = self._rx_outer.get(got)
         if outer is None:
-            outer = self._rx_outer[got] = arr[: got * RX_SLOT].reshape(got, RX_SLOT)[:, :20]
+            outer = self._rx_outer[got] = arr[: got * slot].reshape(got, slot)[:, :20]
         first = outer[0].tobytes()
         if first[0] != 0x45 or first[9] != IPPROTO_IPIP or first[12:16] not in members:
             return False
         if np.count_nonzero((outer ^ outer[0]) & _OUTER_MASK):
             return False
         # IPv4 inside only (RFC 2003); the coalescer would take IPv6 too (udp carries it).
-        if np.count_nonzero(arr[20 : got * RX_SLOT : RX_SLOT] >> 4 != 4):
+        if np.count_nonzero(arr[20 : got * slot : slot] >> 4 != 4):
             return False
         inner = np.subtract(lens, 20, dtype=np.int64)
-        if not add_batch(arr, 20, RX_SLOT, inner):
+        if not add_batch(arr, 20, slot, inner):
             return False
         self.c["rx_packets"] += got
         self.c["rx_bytes"] += int(np.add.reduce(inner))

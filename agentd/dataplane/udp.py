@@ -47,6 +47,9 @@ _SEG_DATA = socket.CMSG_LEN(0)             # where its 16-bit gso_size sits
 _CMSG_HDR = struct.Struct("@NiiH")         # cmsg_len, cmsg_level, cmsg_type, gso_size
 _IOV = struct.Struct("@PN")
 _TX_QUEUE = 128
+# What a UDP_SEGMENT send fails with when the device or kernel refuses GSO (EINVAL: see
+# UdpTransport._gso_refused).
+_GSO_REFUSED = (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
 
 
 def inner_packet_ok(v, n: int) -> bool:
@@ -84,7 +87,8 @@ class UdpTransport:
     holds_tx_buffer = True  # queued messages point into the staging buffer until flush()
 
     def __init__(self, local_ip: str, port: int, *, offload: bool, counters: dict, drops: dict,
-                 buffer_bytes: int = 8 << 20) -> None:
+                 buffer_bytes: int = 8 << 20, mtu: int = 1472) -> None:
+        # ``mtu`` (the TUN's) is the ipip transport's concern: a UDP GRO read takes up to 64 KB.
         self.local_ip = local_ip
         self.port = port
         self.c = counters
@@ -94,7 +98,10 @@ class UdpTransport:
         self.members: frozenset[str] = frozenset()
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # SO_REUSEPORT, not SO_REUSEADDR: a replacing worker may bind while the old one
+            # still exits, but the kernel lets only a socket of the same user join the port
+            # (with SO_REUSEADDR any local user could bind it too and take the peers' packets).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
             enlarge_buffers(sock, buffer_bytes, self.fallbacks)
             sock.bind((local_ip, port))
@@ -208,13 +215,13 @@ class UdpTransport:
                 if err == errno.EINTR:
                     continue
                 off, n, seglen, peer = meta[start]
-                if err in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP):
-                    # The device or kernel refused GSO: per datagram from now on.
-                    self.offloads["udp_gso"] = False
-                    self.fallbacks["udp_gso"] = f"UDP_SEGMENT send failed: {os.strerror(err)}"
-                    for off, n, seglen, peer in meta[start:]:
-                        self._send_now(self._tx_buf, off, seglen, -(-n // seglen), n, peer)
-                    return
+                if err in _GSO_REFUSED:
+                    if self._gso_refused(err, self._tx_buf, off, n, seglen, peer):
+                        for off, n, seglen, peer in meta[start + 1 :]:
+                            self._send_plain(self._tx_buf, off, seglen, n, peer)
+                        return
+                    start += 1
+                    continue
                 self._send_failed(OSError(err, os.strerror(err)), -(-n // seglen))
                 start += 1
                 continue
@@ -228,21 +235,7 @@ class UdpTransport:
         addr = self.peer_address(peer)
         c = self.c
         if count == 1 or not self.offloads["udp_gso"]:
-            sendto = self.sock.sendto
-            end = off + total
-            sent = 0
-            while off < end:
-                n = min(seglen, end - off)
-                try:
-                    sendto(buf[off : off + n], addr)
-                except OSError as exc:
-                    self._send_failed(exc, 1)
-                else:
-                    sent += 1
-                    c["tx_bytes"] += n
-                off += n
-            c["tx_packets"] += sent
-            c["tx_syscalls"] += count
+            self._send_plain(buf, off, seglen, total, peer)
             return
         per_send = min(MAX_GSO_SEGMENTS, MAX_GSO_BYTES // seglen)
         chunk = per_send * seglen
@@ -254,18 +247,54 @@ class UdpTransport:
             try:
                 sendmsg([buf[off : off + n]], anc, 0, addr)
             except OSError as exc:
-                if exc.errno in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP):
-                    # The device or kernel refused GSO: per-datagram from now on.
-                    self.offloads["udp_gso"] = False
-                    self.fallbacks["udp_gso"] = f"UDP_SEGMENT send failed: {exc.strerror}"
-                    self._send_now(buf, off, seglen, -(-(end - off) // seglen), end - off, peer)
-                    return
+                if exc.errno in _GSO_REFUSED:
+                    if self._gso_refused(exc.errno, buf, off, n, seglen, peer):
+                        if end > off + n:
+                            self._send_plain(buf, off + n, seglen, end - off - n, peer)
+                        return
+                    off += n
+                    continue
                 self._send_failed(exc, -(-n // seglen))
             else:
                 c["tx_packets"] += -(-n // seglen)
                 c["tx_bytes"] += n
                 c["tx_syscalls"] += 1
             off += n
+
+    def _send_plain(self, buf: memoryview, off: int, seglen: int, total: int, peer: str) -> int:
+        """One sendto per packet of ``total`` bytes at ``off``; returns how many went out."""
+        addr = self.peer_address(peer)
+        c = self.c
+        sendto = self.sock.sendto
+        end = off + total
+        sent = 0
+        while off < end:
+            n = min(seglen, end - off)
+            try:
+                sendto(buf[off : off + n], addr)
+            except OSError as exc:
+                self._send_failed(exc, 1)
+            else:
+                sent += 1
+                c["tx_bytes"] += n
+            off += n
+        c["tx_packets"] += sent
+        c["tx_syscalls"] += -(-total // seglen)
+        return sent
+
+    def _gso_refused(self, err: int, buf: memoryview, off: int, n: int, seglen: int, peer: str) -> bool:
+        """A GSO send of the ``n`` bytes at ``off`` failed with ``err``: they go again one
+        datagram per packet.  EINVAL is also what kernels before the upstream "return
+        -EMSGSIZE" change give a message whose segments exceed the path MTU (a lower MTU to one
+        peer): GSO stays on then unless a plain send of the same segments goes out (the
+        kernel refused GSO itself); the packets the plain sends could not send are counted
+        by them (mtu).  Other errors turn GSO off.  Returns whether GSO is off now."""
+        sent = self._send_plain(buf, off, seglen, n, peer)
+        if err == errno.EINVAL and not sent:
+            return False
+        self.offloads["udp_gso"] = False
+        self.fallbacks["udp_gso"] = f"UDP_SEGMENT send failed: {os.strerror(err)}"
+        return True
 
     def _send_failed(self, exc: OSError, packets: int) -> None:
         reason = "mtu" if exc.errno == errno.EMSGSIZE else "send_error"
@@ -318,6 +347,9 @@ class UdpTransport:
                     seg = int.from_bytes(data, "little") if len(data) != 2 else struct.unpack("=H", data)[0]
             if addr[0] not in members:
                 drops["non_member"] += -(-n // seg) if seg else 1
+                continue
+            if n == 0:  # an empty datagram carries no packet
+                drops["malformed"] += 1
                 continue
             if n >= VECTOR_MIN * seg and add_segments(arr, 0, seg, n):
                 # One GRO read of equal-sized datagrams: checked and merged in one go.

@@ -75,7 +75,8 @@ DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "n
 COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
             "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "icmp_sent")
 
-_RX_BUF = (1 << 19) + 4096  # 256 IPIP slots of 2 KB (+ slack for numpy row views), or a 64 KB GRO read
+_RX_BUF = (1 << 19) + 4096  # 256 IPIP slots of 2 KB (fewer, larger ones on a jumbo-frame underlay; + slack
+# for numpy row views), or a 64 KB GRO read
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class Worker:
                             else "segmentation left to the kernel (--segmentation kernel)")
         try:
             self.transport = TRANSPORTS[cfg.kind](cfg.local_ip, cfg.port, offload=cfg.offload,
-                                                  counters=self.c, drops=self.drops)
+                                                  counters=self.c, drops=self.drops, mtu=cfg.mtu)
         except OSError as exc:
             if self.tun.created:  # leave nothing behind that we made
                 self.tun.set_persist(False)
@@ -214,7 +215,7 @@ class Worker:
     def _apply_members(self, members, save: bool = True) -> None:
         if not isinstance(members, list):
             raise ValueError("members must be a list of underlay addresses")
-        self.members = parse_members(members)
+        self.members = parse_members(members, own=self.cfg.local_ip)
         self.transport.set_members(self.members)
         if self.fast is not None:
             self.fast.set_members(self.members)

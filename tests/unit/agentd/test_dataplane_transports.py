@@ -1,0 +1,394 @@
+"""The user-space workers' sockets on loopback (agentd/dataplane/udp.py, ipip.py and the C fast
+path's receive and send loops): who may share the udp port, empty datagrams, jumbo-frame ipip
+packets, what a refused UDP GSO send turns off; and the agent's side of the workers
+(agentd/dataplane/backends.py): their member lists, what a previous run's worker leaves.
+
+No root, no devices: the "TUN" of the C loops is a SOCK_SEQPACKET socket, the ipip transport's
+raw socket a UDP socket whose payload is what the raw socket would read (outer header first).
+"""
+
+import contextlib
+import errno
+import select
+import socket
+import types
+from pathlib import Path
+
+import pytest
+
+from agentd.dataplane import _fast, backends
+from agentd.dataplane import ipip as ipip_mod
+from agentd.dataplane._forward import NextHopTable, parse_members
+from agentd.dataplane._gro import Coalescer
+from agentd.dataplane.udp import UDP_GRO, UdpTransport
+from agentd.dataplane.worker import _RX_BUF, COUNTERS, DROP_REASONS
+from proto import packet as P
+
+SO_NO_CHECK = 11  # a UDP socket without checksums: the kernel refuses UDP GSO on it (EINVAL)
+LOCAL = "127.0.0.1"
+
+
+def counters():
+    return dict.fromkeys(COUNTERS, 0), dict.fromkeys(DROP_REASONS, 0)
+
+
+def tcp(payload: bytes, src="10.244.1.2", dst="10.244.2.2") -> bytes:
+    return bytes(P.tcp_packet(src, dst, P.TcpHeader(40000, 5201, 1000, 777, P.TCP_ACK, 502), payload))
+
+
+@contextlib.contextmanager
+def udp_transport(**kw):
+    c, d = counters()
+    t = UdpTransport(LOCAL, 0, counters=c, drops=d, **kw)
+    try:
+        yield t, c, d
+    finally:
+        t.close()
+
+
+class Collect:
+    """A coalescer that keeps what it is handed, packet by packet."""
+
+    def __init__(self):
+        self.packets = []
+
+    def add(self, v):
+        self.packets.append(bytes(v))
+
+    def add_batch(self, *_a):
+        return False
+
+    def add_segments(self, *_a):
+        return False
+
+    def flush(self):
+        pass
+
+
+def _ready(sock):
+    assert select.select([sock], [], [], 2)[0], "nothing arrived"
+
+
+# -- the udp port -------------------------------------------------------------------------------
+
+
+def test_no_other_socket_can_join_the_udp_workers_port_with_so_reuseaddr():
+    """With SO_REUSEADDR on the worker's socket any local user could bind the port too (the
+    kernel checks no UID for it) and would get the peers' packets; SO_REUSEPORT, which a
+    replacing worker uses, is for sockets of the same user only."""
+    with udp_transport(offload=False) as (t, _c, _d):
+        port = t.sock.getsockname()[1]
+        thief = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError) as exc:
+                thief.bind((LOCAL, port))
+            assert exc.value.errno == errno.EADDRINUSE
+        finally:
+            thief.close()
+        # A successor worker (same user) may still bind while this one exits.
+        c2, d2 = counters()
+        successor = UdpTransport(LOCAL, port, offload=False, counters=c2, drops=d2)
+        successor.close()
+
+
+# -- members ------------------------------------------------------------------------------------
+
+
+def test_a_worker_leaves_its_own_address_out_of_its_members():
+    """A node never encapsulates to itself: a datagram from its own underlay address is a local
+    process's, which must not put forged pod packets into the TUN."""
+    assert parse_members(["192.168.50.1", "192.168.50.2"], own="192.168.50.1") == {"192.168.50.2"}
+    assert parse_members(["192.168.50.2"], own="192.168.50.1") == {"192.168.50.2"}
+
+
+class _FakeClient:
+    def __init__(self):
+        self.members = None
+        self.next_hops = None
+
+    async def set_next_hops(self, table):
+        self.next_hops = table
+
+    async def set_members(self, members):
+        self.members = set(members)
+
+
+async def test_the_agent_gives_its_workers_the_members_but_its_own_address():
+    own = "192.168.50.1"
+    t = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(agent=types.SimpleNamespace(state_dir="/nonexistent")),
+        underlay=types.SimpleNamespace(interface=types.SimpleNamespace(ip=own)),
+        members={own, "192.168.50.2", "192.168.50.3"},
+        plans_v6={}, next_hops_v6={},
+        paths=lambda: None,
+    )
+    worker = backends._Worker(t, "udp")
+    worker.client = _FakeClient()
+    await worker.sync({}, {}, prune=True)
+    assert worker.client.members == {"192.168.50.2", "192.168.50.3"}
+
+
+# -- a previous run's worker --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("active", "helpers", "removed"), [
+    ({"udp": "bpf"}, (), ["udp", "ipip"]),             # udp moved from the worker into BPF
+    ({"udp": "bpf"}, ("udp",), ["ipip"]),              # ... with a worker beside it: kept
+    ({"udp": "userspace"}, (), ["ipip"]),
+    ({"ipip": "bpf", "vxlan": "vxlan-device"}, (), ["udp", "ipip"]),
+])
+async def test_a_previous_runs_worker_goes_when_no_worker_runs_its_backend_now(monkeypatch, active, helpers, removed):
+    """A previous run with datapath = "userspace" left its udp worker running (graceful stop);
+    this run carries udp in BPF: the old worker (and its TUN) must go, not linger."""
+    asked = []
+
+    async def leftovers(state_dir, kinds):
+        asked.append(list(kinds))
+        return []
+
+    monkeypatch.setattr(backends, "remove_worker_leftovers", leftovers)
+    monkeypatch.setattr(backends, "remove_vxlan_leftover", list)
+    fake = types.SimpleNamespace(
+        active={b: types.SimpleNamespace(datapath=dp) for b, dp in active.items()},
+        helpers=dict.fromkeys(helpers, object()),
+        cfg=types.SimpleNamespace(agent=types.SimpleNamespace(state_dir=Path("/nonexistent"))),
+    )
+    await backends.Tunnels._remove_unused(fake)
+    assert asked == [removed]
+
+
+# -- empty datagrams ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_an_empty_datagram_is_counted_malformed_not_a_crash(offload):
+    with udp_transport(offload=offload) as (t, c, d):
+        t.set_members(frozenset({LOCAL}))
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.sendto(b"", t.sock.getsockname())
+            _ready(t.sock)
+            t.receive(bytearray(1 << 20), Coalescer(lambda parts: None), 64)
+        finally:
+            s.close()
+        assert d["malformed"] == 1 and c["rx_packets"] == 0
+
+
+@contextlib.contextmanager
+def c_path(kind: str, sock: socket.socket, *, mtu: int, udp_gso=False, udp_gro=False, port=0):
+    """A FastPath on ``sock``, its TUN a SOCK_SEQPACKET socket; yields (fastpath, writes)."""
+    lib, why = _fast.load()
+    assert lib is not None, why
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    b.setblocking(False)
+    a.setblocking(False)
+    fp = _fast.FastPath(lib, kind, tun_fd=a.fileno(), sock_fd=sock.fileno(), mtu=mtu, ttl_decrement=True,
+                        port=port, udp_gso=udp_gso, udp_gro=udp_gro)
+
+    def writes():
+        out = []
+        while True:
+            try:
+                out.append(b.recv(1 << 17)[10:])  # after the virtio-net header
+            except BlockingIOError:
+                return out
+
+    try:
+        yield fp, writes, b
+    finally:
+        fp.close()
+        a.close()
+        b.close()
+
+
+def test_the_c_udp_loop_counts_an_empty_datagram_malformed_as_python_does():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((LOCAL, 0))
+        sock.setsockopt(17, UDP_GRO, 1)
+        with c_path("udp", sock, mtu=1472, udp_gro=True) as (fp, writes, _tun):
+            fp.set_members({LOCAL})
+            s.sendto(b"", sock.getsockname())
+            _ready(sock)
+            assert fp.run((), 0) == 0
+            assert writes() == []
+            assert fp.counters()["drop:malformed"] == 1
+    finally:
+        sock.close()
+        s.close()
+
+
+# -- ipip on a jumbo-frame underlay -------------------------------------------------------------
+
+
+JUMBO_MTU = 8980  # a 9000-byte underlay
+
+
+def test_the_ipip_receive_slot_holds_an_underlay_packet_of_the_mtu():
+    assert ipip_mod.rx_slot(1480) == ipip_mod.RX_SLOT
+    assert ipip_mod.rx_slot(JUMBO_MTU) > JUMBO_MTU + 60 and ipip_mod.rx_slot(JUMBO_MTU) % 64 == 0
+    assert ipip_mod.rx_slot(65000) > 65060
+
+
+def _udp_as_raw(monkeypatch):
+    """The ipip transport on a UDP socket (a raw one needs root): its payload is what the raw
+    socket would read."""
+    shim = types.SimpleNamespace(**{k: getattr(socket, k) for k in dir(socket) if not k.startswith("__")})
+    shim.socket = lambda family, _type, _proto: socket.socket(family, socket.SOCK_DGRAM, 0)
+    monkeypatch.setattr(ipip_mod, "socket", shim)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_the_ipip_worker_takes_packets_of_a_jumbo_frame_mtu(monkeypatch, offload):
+    _udp_as_raw(monkeypatch)
+    c, d = counters()
+    t = ipip_mod.IpipTransport(LOCAL, offload=offload, counters=c, drops=d, mtu=JUMBO_MTU)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        t.set_members(frozenset({LOCAL}))
+        inner = tcp(b"j" * (JUMBO_MTU - 40))
+        s.sendto(P.ipip_encapsulate(inner, LOCAL, LOCAL), t.sock.getsockname())
+        _ready(t.sock)
+        got = Collect()
+        t.receive(bytearray(_RX_BUF), got, 64)
+        assert got.packets == [inner], d
+        assert c["rx_packets"] == 1 and d["mtu"] == 0 and d["malformed"] == 0
+    finally:
+        t.close()
+        s.close()
+
+
+def test_the_c_ipip_loop_takes_packets_of_a_jumbo_frame_mtu():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((LOCAL, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        with c_path("ipip", sock, mtu=JUMBO_MTU) as (fp, writes, tun):
+            tun.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            fp.set_members({LOCAL})
+            inner = [tcp(bytes([i]) * (JUMBO_MTU - 40 - i)) for i in range(3)]
+            for pkt in inner:
+                s.sendto(P.ipip_encapsulate(pkt, LOCAL, LOCAL), sock.getsockname())
+            _ready(sock)
+            assert fp.run((), 0) == 0
+            assert writes() == inner
+            counters_ = fp.counters()
+            assert counters_["drop:malformed"] == 0 and counters_["rx_packets"] == 3
+    finally:
+        sock.close()
+        s.close()
+
+
+# -- a refused UDP GSO send ---------------------------------------------------------------------
+
+
+class _PlainTooBig:
+    """The worker's socket with a path MTU below the segments: plain sends fail EMSGSIZE."""
+
+    def __init__(self, sock):
+        self._sock = sock
+
+    def sendto(self, *_a):
+        raise OSError(errno.EMSGSIZE, "Message too long")
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def _gso_sender(t, rx, queued: bool):
+    """Send 3 segments of 1000 bytes to ``rx`` as one GSO run (queued and flushed, or sent now)."""
+    t.port = rx.getsockname()[1]
+    buf = bytearray(1 << 16)
+    t.bind_tx_buffer(buf)
+    view = memoryview(buf) if queued else memoryview(bytearray(buf))
+    t.queue_run(view, 0, 1000, 3, 3000, LOCAL)
+    t.flush()
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_an_einval_gso_send_whose_plain_sends_fail_too_leaves_gso_on(queued):
+    """Kernels before the upstream "return -EMSGSIZE" change refuse a GSO send whose segments
+    exceed the path MTU (a lower MTU to one peer) with EINVAL: that message's packets are
+    dropped (mtu), GSO stays on for every other peer."""
+    with udp_transport(offload=True) as (t, c, d):
+        assert t.offloads["udp_gso"]
+        t.sock.setsockopt(socket.SOL_SOCKET, SO_NO_CHECK, 1)  # the kernel answers the GSO send EINVAL
+        t.sock = _PlainTooBig(t.sock)
+        rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            rx.bind((LOCAL, 0))
+            _gso_sender(t, rx, queued)
+        finally:
+            rx.close()
+        assert t.offloads["udp_gso"] and "udp_gso" not in t.fallbacks
+        assert d["mtu"] == 3 and c["tx_packets"] == 0
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_an_einval_gso_send_whose_plain_sends_go_turns_gso_off(queued):
+    with udp_transport(offload=True) as (t, c, d):
+        t.sock.setsockopt(socket.SOL_SOCKET, SO_NO_CHECK, 1)  # GSO refused, plain sends fine
+        rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            rx.bind((LOCAL, 0))
+            _gso_sender(t, rx, queued)
+            _ready(rx)
+            rx.setblocking(False)
+            got = []
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    got.append(len(rx.recv(1 << 16)))
+        finally:
+            rx.close()
+        assert not t.offloads["udp_gso"] and "Invalid argument" in t.fallbacks["udp_gso"]
+        assert got == [1000, 1000, 1000] and c["tx_packets"] == 3 and d["mtu"] == 0
+
+
+@contextlib.contextmanager
+def c_gso_sender(sock):
+    with c_path("udp", sock, mtu=1472, udp_gso=True, port=8285) as (fp, _writes, tun):
+        fp.set_routes(NextHopTable({"10.244.0.0/16": LOCAL}))
+        yield fp, tun
+
+
+def _tso_frame(mss=1000, segments=3):
+    sp = tcp(b"s" * (mss * segments))
+    hl = 40
+    return P.VirtioNetHdr(flags=1, gso_type=1, hdr_len=hl, gso_size=mss, csum_start=20, csum_offset=16).encode() + sp
+
+
+def test_the_c_loop_leaves_gso_on_when_the_plain_sends_of_an_einval_message_fail_too():
+    """As the Python path: EINVAL turns GSO off only if the same segments go out one by one.
+    (An AF_UNIX socket answers both sends EINVAL: an IPv4 address is none of its.)"""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        with c_gso_sender(sock) as (fp, tun):
+            tun.send(_tso_frame())
+            assert fp.run((), 0) == 0
+            got = fp.counters()
+            assert fp.udp_gso and fp.gso_failed_errno == 0
+            assert got["drop:send_error"] == 3 and got["tx_packets"] == 0
+    finally:
+        sock.close()
+
+
+def test_the_c_loop_turns_gso_off_when_the_kernel_refuses_it():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((LOCAL, 0))
+        sock.setsockopt(socket.SOL_SOCKET, SO_NO_CHECK, 1)
+        rx.bind((LOCAL, 0))
+        with c_path("udp", sock, mtu=1472, udp_gso=True, port=rx.getsockname()[1]) as (fp, _w, tun):
+            fp.set_routes(NextHopTable({"10.244.0.0/16": LOCAL}))
+            tun.send(_tso_frame())
+            assert fp.run((), 0) == 0
+            assert not fp.udp_gso and fp.gso_failed_errno == errno.EINVAL
+            assert fp.counters()["tx_packets"] == 3
+    finally:
+        sock.close()
+        rx.close()
+
