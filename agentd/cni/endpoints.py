@@ -30,13 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
+import fcntl
 import ipaddress
 import json
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -185,9 +187,51 @@ def attachment(result: Mapping[str, Any], bridge: str) -> tuple[list[str], str, 
     return ips, str(host[0]["name"]), str(host[0].get("mac", ""))
 
 
-def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:
-    directory = endpoints_dir(data_dir)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
+LOCK = ".lock"  # flock(2)ed: the plugin's changes (shared) against the agent's checks (exclusive)
+
+
+@contextlib.contextmanager
+def _locked(data_dir: str | os.PathLike[str], exclusive: bool) -> Iterator[None]:
+    """Hold ``endpoints/.lock``: agentd-cni shared while it writes or removes a container's files
+    (plugins for different containers do not wait for each other), the agent exclusive while
+    it checks that a file is still the one it read and acts on it (relabel, acknowledge).
+    Without the directory there is nothing to guard; a lock file that cannot be opened (a
+    directory this process cannot write) is gone without."""
+    path = os.path.join(endpoints_dir(data_dir), LOCK)
+    fd = None
+    try:  # read-only: closing a file opened for writing would wake the agent's inotify watch
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            os.fchmod(fd, 0o644)  # the other side may run as another user: not the umask's mode
+    except OSError:
+        pass
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _make_dir(directory: str) -> None:
+    """The endpoints directory, 0755 whatever the umask: the agent may run as a user of its own."""
+    try:
+        os.mkdir(directory, 0o755)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        try:
+            os.mkdir(directory, 0o755)
+        except FileExistsError:
+            return
+    os.chmod(directory, 0o755)  # mkdir's mode is masked by the umask
+
+
+def _replace(directory: str, ep: Endpoint) -> None:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{ep.container_id}.")
     try:
         # Readable by the agent when it runs as a user of its own (docs/operations.md): the
@@ -202,6 +246,18 @@ def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:
         raise
 
 
+def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:
+    """ADD's side: the container's endpoint file, new.  An acknowledgement left for the same
+    container ID (a DEL that never came, or one that came and an agent acknowledged the old
+    file since) goes first: ADD waits for the agent to acknowledge this file."""
+    directory = endpoints_dir(data_dir)
+    _make_dir(directory)
+    with _locked(data_dir, exclusive=False):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_programmed(data_dir, ep.container_id))
+        _replace(directory, ep)
+
+
 def read(data_dir: str | os.PathLike[str], container_id: str) -> Endpoint | None:
     """The container's endpoint file; None if it is not there or not readable as one."""
     try:
@@ -212,9 +268,16 @@ def read(data_dir: str | os.PathLike[str], container_id: str) -> Endpoint | None
 
 
 def remove(data_dir: str | os.PathLike[str], container_id: str) -> None:
-    for path in (os.path.join(endpoints_dir(data_dir), container_id + SUFFIX), _programmed(data_dir, container_id)):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    """DEL's side: the container's endpoint file and its acknowledgement go (none: nothing to do)."""
+    with _locked(data_dir, exclusive=False):
+        for path in (os.path.join(endpoints_dir(data_dir), container_id + SUFFIX), _programmed(data_dir, container_id)):
+            try:
+                os.unlink(path)
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            except OSError as err:
+                if err.errno != errno.ENAMETOOLONG:  # no such file can exist
+                    raise
 
 
 def _programmed(data_dir: str | os.PathLike[str], container_id: str) -> str:
@@ -233,17 +296,39 @@ def wait_programmed(data_dir: str | os.PathLike[str], container_id: str, timeout
         time.sleep(0.005)
 
 
-def acknowledge(data_dir: str | os.PathLike[str], programmed: set[str], before: set[str]) -> set[str]:
-    """The agent's side: mark ``programmed`` container IDs (unmark the others of ``before``)."""
+def acknowledge(
+    data_dir: str | os.PathLike[str], programmed: set[tuple[str, int]], before: set[tuple[str, int]]
+) -> set[tuple[str, int]]:
+    """The agent's side: mark the ``programmed`` attachments -- (container ID, the file's
+    ``written``) -- and unmark the containers of ``before`` that are not among them.  An
+    attachment is marked only while its file is still the one the agent programmed: a DEL and
+    ADD with the same container ID since then (a new file) waits for a build that has it.
+    Returns the attachments marked (``before``'s still programmed and the new ones)."""
     directory = os.path.join(endpoints_dir(data_dir), PROGRAMMED)
     os.makedirs(directory, mode=0o755, exist_ok=True)
-    for cid in programmed - before:
-        with open(os.path.join(directory, cid), "w"):
-            pass
-    for cid in before - programmed:
+    marked = programmed & before
+    new = programmed - before
+    if new:
+        with _locked(data_dir, exclusive=True):  # ADD unlinks and writes under the shared lock
+            for cid, written in sorted(new):
+                if _written(data_dir, cid) != written:
+                    continue  # gone, or replaced by a new attachment of the same container ID
+                with open(os.path.join(directory, cid), "w"):
+                    pass
+                marked.add((cid, written))
+    keep = {cid for cid, _ in programmed}
+    for cid in {cid for cid, _ in before} - keep:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, cid))
-    return set(programmed)
+    return marked
+
+
+def _written(data_dir: str | os.PathLike[str], container_id: str) -> int | None:
+    """The container's endpoint file's mtime (Endpoint.written); None without the file."""
+    try:
+        return os.stat(os.path.join(endpoints_dir(data_dir), container_id + SUFFIX)).st_mtime_ns
+    except OSError:
+        return None
 
 
 def unacknowledged(data_dir: str | os.PathLike[str], containers: set[str]) -> set[str]:
@@ -282,14 +367,22 @@ def read_all(data_dir: str | os.PathLike[str], reported: set[str] | None = None)
     return out
 
 
-def relabel(data_dir: str | os.PathLike[str], ep: Endpoint, labels: dict[str, str]) -> Endpoint:
-    """Keep labels set later (``agentd label pod``) in the file, so they outlive the record."""
+def relabel(data_dir: str | os.PathLike[str], ep: Endpoint, labels: dict[str, str]) -> Endpoint | None:
+    """Keep labels set later (``agentd label pod``) in the file, so they outlive the record.
+
+    Only while the file is still the one ``ep`` was read from: None (and nothing written) if
+    the pod's DEL removed it meanwhile -- rewriting it would bring the pod back for good --
+    or a new ADD of the same container ID replaced it."""
     new = replace(ep, labels=dict(labels))
-    write(data_dir, new)
-    if ep.written:  # the file keeps the time its pod was attached (see Endpoint.written)
-        with contextlib.suppress(OSError):
-            path = os.path.join(endpoints_dir(data_dir), ep.container_id + SUFFIX)
-            os.utime(path, ns=(ep.written, ep.written))
+    path = os.path.join(endpoints_dir(data_dir), ep.container_id + SUFFIX)
+    with _locked(data_dir, exclusive=True):  # DEL removes, ADD writes, under the shared lock
+        now = _written(data_dir, ep.container_id)
+        if now is None or (ep.written and now != ep.written):
+            return None
+        _replace(endpoints_dir(data_dir), new)
+        if ep.written:  # the file keeps the time its pod was attached (see Endpoint.written)
+            with contextlib.suppress(OSError):
+                os.utime(path, ns=(ep.written, ep.written))
     return new
 
 

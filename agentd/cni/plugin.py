@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -81,6 +82,12 @@ INTERNAL = 999
 # Container IDs and network names: libcni's utils.ValidateContainerID / ValidateNetworkName.
 # The container ID also names the state file, so this keeps it inside dataDir.
 _ID_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$")
+# ... but a file name has a limit (255 bytes; the temp files add a prefix and a suffix), and
+# names dataDir holds for other things are not a container's (an ID "endpoints" would take the
+# endpoint files' directory).  ADD and CHECK refuse such IDs; DEL takes them (nothing to undo
+# but what an older plugin may have stored).
+MAX_ID_BYTES = 200
+RESERVED_IDS = frozenset({pod_endpoints.SUBDIR})
 IFNAMSIZ = 16
 
 
@@ -190,6 +197,19 @@ def parse_env(command: str, env: Mapping[str, str]) -> CmdArgs:
             f"invalid characters in CNI_CONTAINERID {container_id!r}",
             "must match ^[a-zA-Z0-9][a-zA-Z0-9_.-]*$",
         )
+    if command != "DEL":
+        if len(container_id) > MAX_ID_BYTES:
+            raise CniError(
+                INVALID_ENVIRONMENT_VARIABLES,
+                f"CNI_CONTAINERID {_short(container_id)} is longer than {MAX_ID_BYTES} bytes",
+                "it names this plugin's state file",
+            )
+        if container_id in RESERVED_IDS:
+            raise CniError(
+                INVALID_ENVIRONMENT_VARIABLES,
+                f"CNI_CONTAINERID {container_id!r} is reserved",
+                "it names a directory of this plugin's dataDir",
+            )
     netns = env.get("CNI_NETNS", "")
     if not netns and command != "DEL":  # DEL may come after the namespace is gone
         raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_NETNS is not set")
@@ -575,9 +595,11 @@ def load_state(data_dir: str, container_id: str) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None  # a directory: an ID that names one (only DEL takes such IDs)
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:  # no file can have this name: nothing was stored
+            return None
         raise CniError(IO_FAILURE, f"cannot read stored delegate config {path}: {e.strerror or e}") from None
     try:
         conf = json.loads(text)

@@ -126,7 +126,7 @@ class PolicyAgent:
         self.sync_errors = 0
         self._have_snapshot = False
         self._full_compare = True
-        self._acked: set[str] = set()
+        self._acked: set[tuple[str, int]] = set()  # (container, Endpoint.written) acknowledged
         self._conflicts: set[tuple[Any, ...]] = set()  # address conflicts logged already
         self._too_large: dict[tuple[str, str], str] = {}  # policies too large to program, logged already
         # Local pods' addresses -> the container that has each (agentd/policy/conntrack.py), and
@@ -319,7 +319,9 @@ class PolicyAgent:
                 continue
             revision = self.revision
             start = time.perf_counter()
-            containers = set(self.publisher.endpoints)  # the pods this build includes
+            # The attachments this build includes: (container, its file's mtime), so that a DEL
+            # and ADD with the same container ID (a new file) is acknowledged again.
+            containers = {(cid, ep.written) for cid, ep in self.publisher.endpoints.items()}
             # The addresses this build takes from their pods; any released while the sync runs
             # wait for the next build (flushed now, their old tables could still accept anew).
             released, self._released = self._released, set()
@@ -356,7 +358,9 @@ class PolicyAgent:
                               "nft_seconds": round(result.seconds, 6), "full": result.full}
             await self._update_fast_path()
             await self._flush_released(released)  # before the new pod is acknowledged: its address's old flows gone
-            if self.before_ack is not None and endpoints.unacknowledged(self.data_dir, containers - self._acked):
+            if self.before_ack is not None and endpoints.unacknowledged(
+                self.data_dir, {cid for cid, _ in containers - self._acked}
+            ):
                 # Only for an ADD waiting (no agent acknowledged the pod yet), not at a restart.
                 try:  # e.g. the BPF data path guards a pods' bridge the first pod's CNI ADD just made
                     await self.before_ack()

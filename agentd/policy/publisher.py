@@ -57,7 +57,9 @@ class PodPublisher:
         """Read the endpoint files again; the pods whose file appeared, changed or went (None:
         nothing changed)."""
         found = endpoints.read_all(self.data_dir, self._reported)
-        if found == self.endpoints and self.have_local:
+        if found == self.endpoints and self.have_local and all(
+            ep.written == self.endpoints[cid].written for cid, ep in found.items()
+        ):  # (written is not compared: a new file of the same container with the same content)
             return None
         old_keys = {ep.key for ep in self.endpoints.values()}
         self.endpoints = found
@@ -99,8 +101,12 @@ class PodPublisher:
         lease = self.ds.lease_id
         if lease is None:
             return
-        wanted = {ep.key: ep for ep in self.endpoints.values()}
+        # Of two files of one pod (a sandbox recreated after a DEL that never came), the newer,
+        # as in the tables (local()).
+        wanted = {key: ep for key in {ep.key for ep in self.endpoints.values()} if (ep := self.local(key))}
         for key, ep in wanted.items():
+            if self.endpoints.get(ep.container_id) != ep:
+                continue  # changed or gone while this round awaited etcd: the rescan woke the next round
             record = self.records.get(key)
             if record is not None and record["spec"].get("nodeName") != self.node:
                 self._report(f"conflict:{key}", "pod %s/%s is recorded for node %s; not overwriting it",
@@ -113,7 +119,10 @@ class PodPublisher:
                 if container_of(record) == ep.container_id:
                     labels = record["metadata"].get("labels") or {}
                     if labels != ep.labels:  # set by `agentd label pod`: keep it in the file
-                        self.endpoints[ep.container_id] = endpoints.relabel(self.data_dir, ep, labels)
+                        relabelled = endpoints.relabel(self.data_dir, ep, labels)
+                        if relabelled is None:  # DEL removed the file (or ADD replaced it) meanwhile:
+                            continue  # the rescan that sees it wakes the next round
+                        self.endpoints[ep.container_id] = relabelled
             new = record_for(ep, self.node, labels)
             if record is not None:
                 same = _comparable(record) == _comparable(new)

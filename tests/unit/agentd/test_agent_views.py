@@ -213,3 +213,133 @@ def test_service_connection_counters_never_go_down():
     assert name not in agent.counters and agent._counted_before == {}
     agent.take_counters({(*v4, name): 1, (*v4, other): 2})
     assert agent.counters[name] == 1
+
+
+class FakeStore:
+    """ResourceStore's writes, recorded; ``during_put`` runs while a write awaits etcd."""
+
+    def __init__(self, during_put=None) -> None:
+        self.puts: list[dict] = []
+        self.during_put = during_put
+
+    async def put_owned(self, obj, *, lease, expect):
+        self.puts.append(obj)
+        if self.during_put is not None:
+            self.during_put(obj)
+        return True
+
+    async def delete_owned(self, kind, namespace, name, *, expect):
+        return True
+
+
+def publishing(tmp_path, store, records=None) -> PodPublisher:
+    class Leased:
+        lease_id = 7  # publish() needs the node's lease, nothing else of the datastore
+
+    return PodPublisher(NODE, str(tmp_path), Leased(), store, records if records is not None else {}, {})  # type: ignore[arg-type]
+
+
+def test_of_two_files_of_one_pod_etcd_gets_the_newer_as_the_tables_do(tmp_path):
+    """A sandbox recreated on this node after a DEL that never came: two files for one pod.
+    The record in etcd (what other nodes enforce against) is the newer one's, as local() is,
+    whichever order the directory lists them in."""
+    import asyncio
+    import dataclasses
+
+    store = FakeStore()
+    pub = publishing(tmp_path, store)
+    new = dataclasses.replace(endpoint("c-new", "a"), ips=["10.244.1.9"], written=2_000)
+    old = dataclasses.replace(endpoint("c-old", "a"), written=1_000)
+    pub.endpoints = {"c-new": new, "c-old": old}  # the stale file listed last
+    pub.have_local = True
+    assert pub.local(("x", "a")) is new
+    asyncio.run(pub.publish())
+    (record,) = store.puts
+    assert container_of(record) == "c-new" and record["status"]["podIP"] == "10.244.1.9"
+
+
+def test_relabelling_does_not_bring_back_the_file_of_a_pod_deleted_meanwhile(tmp_path):
+    """publish() awaits etcd pod by pod; the DEL of a later pod in that round removes its file
+    meanwhile: writing labels set with `agentd label pod` back must not write the file again
+    (no second DEL would ever remove it) nor publish the pod."""
+    import asyncio
+    import os
+
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    endpoints.write(tmp_path, endpoint("c2", "b"))
+    records = {}
+    for cid, name in (("c1", "a"), ("c2", "b")):
+        rec = record_for(endpoint(cid, name), NODE, {"app": name, "set": "later"})
+        rec["metadata"]["resourceVersion"] = "5"
+        records[("x", name)] = rec
+
+    def delete_the_other(obj):
+        other = "c2" if obj["metadata"]["name"] == "a" else "c1"
+        endpoints.remove(tmp_path, other)
+
+    store = FakeStore(delete_the_other)
+    pub = publishing(tmp_path, store, records)
+    pub.rescan()
+    asyncio.run(pub.publish())
+    assert len(store.puts) == 1  # the first pod's; the other is gone
+    left = sorted(os.listdir(endpoints.endpoints_dir(tmp_path)))
+    assert [n for n in left if n.endswith(endpoints.SUFFIX)] == [f"{container_of(store.puts[0])}.json"]
+    assert pub.rescan() is not None and len(pub.endpoints) == 1
+
+
+def test_relabel_writes_only_the_file_it_read(tmp_path):
+    import dataclasses
+    import os
+
+    directory = endpoints.endpoints_dir(tmp_path)
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    os.utime(os.path.join(directory, "c1.json"), ns=(1_000, 1_000))
+    (read,) = endpoints.read_all(tmp_path).values()
+    relabelled = endpoints.relabel(tmp_path, read, {"app": "z"})
+    assert relabelled is not None and endpoints.read(tmp_path, "c1").labels == {"app": "z"}
+    # a DEL and ADD of the same container since it was read: the new attachment's file stays
+    endpoints.write(tmp_path, dataclasses.replace(endpoint("c1", "a"), ips=["10.244.1.9"]))
+    os.utime(os.path.join(directory, "c1.json"), ns=(2_000, 2_000))
+    assert endpoints.relabel(tmp_path, read, {"app": "y"}) is None
+    assert endpoints.read(tmp_path, "c1").ips == ["10.244.1.9"] and endpoints.read(tmp_path, "c1").labels == {"app": "a"}
+    endpoints.remove(tmp_path, "c1")  # the pod's DEL: relabelling writes nothing
+    assert endpoints.relabel(tmp_path, read, {"app": "y"}) is None
+    assert endpoints.read_all(tmp_path) == {}
+
+
+def test_the_agents_checks_exclude_the_plugins_changes(tmp_path):
+    """relabel and acknowledge check a file and act on it under endpoints/.lock, exclusive;
+    the plugin writes and removes under it, shared (plugins do not wait for each other)."""
+    import fcntl
+    import os
+
+    import pytest
+
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    path = os.path.join(endpoints.endpoints_dir(tmp_path), endpoints.LOCK)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with endpoints._locked(tmp_path, exclusive=True), pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        with endpoints._locked(tmp_path, exclusive=False):
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # another plugin's
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    assert endpoints.read_all(tmp_path).keys() == {"c1"}  # the lock file is no endpoint file
+
+
+def test_a_new_file_of_the_same_container_with_the_same_content_is_a_change(tmp_path):
+    """A DEL and ADD of one container ID that wrote the same content: the file is new (its time),
+    so the tables and the acknowledgement (keyed by the time) must hear of it."""
+    import os
+
+    pub = publisher(tmp_path)
+    path = os.path.join(endpoints.endpoints_dir(tmp_path), "c1.json")
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    os.utime(path, ns=(1_000, 1_000))
+    pub.rescan()
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    os.utime(path, ns=(2_000, 2_000))
+    assert pub.rescan() == {("x", "a")} and pub.endpoints["c1"].written == 2_000
+    assert pub.rescan() is None

@@ -704,16 +704,93 @@ def test_del_with_missing_netns_path_is_still_accepted(tmp_path):
 
 def test_endpoint_files_are_readable_by_an_agent_of_its_own_user(tmp_path):
     """The plugin runs as root under the runtime; the agent may run as a user of its own
-    (docs/operations.md): the endpoint files and their directory are readable by it."""
+    (docs/operations.md): the endpoint files and their directory are readable by it, whatever
+    the umask the plugin runs with."""
     import stat as stat_mod
 
     from agentd.cni import endpoints as eps
 
     ep = eps.Endpoint("c1", "default", "web-0", {"app": "web"}, [], ["10.244.1.5"], "veth1234", "aa:bb:cc:dd:ee:ff", "cni0")
-    eps.write(tmp_path, ep)
+    umask = os.umask(0o077)
+    try:
+        eps.write(tmp_path, ep)
+    finally:
+        os.umask(umask)
     directory = pathlib.Path(eps.endpoints_dir(tmp_path))
     assert stat_mod.S_IMODE(directory.stat().st_mode) == 0o755
     assert stat_mod.S_IMODE((directory / ("c1" + eps.SUFFIX)).stat().st_mode) == 0o644
+    assert stat_mod.S_IMODE((directory / eps.LOCK).stat().st_mode) == 0o644
+
+
+def _fake_delegate(monkeypatch, calls):
+    def invoke(conf, args, env, timeout):
+        calls.append((args.command, args.container_id))
+        if args.command == "ADD":
+            return {"cniVersion": "1.0.0", "interfaces": [{"name": "cni0"}, {"name": "veth1", "mac": "bb"},
+                                                          {"name": "eth0", "sandbox": args.netns}],
+                    "ips": [{"address": "10.244.3.7/24", "interface": 2}]}  # fmt: skip
+        return None
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+
+
+@pytest.mark.parametrize("command", ["ADD", "CHECK"])
+@pytest.mark.parametrize("container_id", ["a" * 201, "endpoints"])
+def test_container_ids_that_cannot_name_a_state_file_are_refused(tmp_path, monkeypatch, command, container_id):
+    """The ID names the state file in dataDir: one too long for a file name, or the name of the
+    endpoint files' directory (whose state file would keep every other pod's file out), is
+    refused before anything is stored."""
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, prevResult={"cniVersion": "1.0.0"}) if command == "CHECK" else _conf(tmp_path)
+    _assert_error(_run(_env(command, CNI_CONTAINERID=container_id), conf), 4, "CNI_CONTAINERID")
+    assert calls == [] and not (tmp_path / "state").exists()
+
+
+def test_the_longest_container_id_is_added_and_deleted(tmp_path, monkeypatch):
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    cid = "a" * cni.MAX_ID_BYTES
+    args = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"
+    conf = _conf(tmp_path, policyTimeout=0)
+    assert _run(_env(CNI_CONTAINERID=cid, CNI_ARGS=args), conf)[0] == 0
+    assert (tmp_path / "state" / "endpoints" / (cid + ".json")).exists()
+    assert _run(_env("DEL", CNI_CONTAINERID=cid), conf) == (0, None)
+    assert calls == [("ADD", cid), ("DEL", cid)] and sorted(os.listdir(tmp_path / "state")) == ["endpoints"]
+
+
+@pytest.mark.parametrize("container_id", ["a" * 300, "endpoints"])
+def test_del_of_an_id_no_state_file_can_have_succeeds(tmp_path, monkeypatch, container_id):
+    """The runtime retries a failed DEL for ever: an ID ADD refuses (or one whose name is the
+    endpoint directory's) is a DEL with nothing stored, not "File name too long" or "Is a
+    directory"."""
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    args = "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"
+    assert _run(_env(CNI_ARGS=args), conf)[0] == 0  # another pod: the endpoint directory is there
+    assert _run(_env("DEL", CNI_CONTAINERID=container_id), conf) == (0, None)
+    assert calls[-1] == ("DEL", container_id)  # the delegate releases what it may have, as for any unknown ID
+    assert cni.load_state(str(tmp_path / "state"), container_id) is None
+    assert cni.stored_ifname(str(tmp_path / "state"), container_id) is None
+    assert (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()
+
+
+def test_del_of_a_state_file_named_endpoints_lets_the_endpoint_directory_be_made(tmp_path, monkeypatch):
+    """An older plugin stored the config of a container named "endpoints" before the endpoint
+    directory existed: its DEL removes it, and pods' endpoint files can be written again."""
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    cni.save_state(str(tmp_path / "state"), "endpoints", cni_config.delegate_config(conf, SF), "eth0")
+    assert _run(_env("DEL", CNI_CONTAINERID="endpoints"), conf) == (0, None)
+    assert not (tmp_path / "state" / "endpoints").exists()
+    assert _run(_env(CNI_ARGS="K8S_POD_NAMESPACE=default;K8S_POD_NAME=web"), conf)[0] == 0
+    assert (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()
 
 
 def test_unacknowledged_are_the_containers_no_agent_marked_programmed(tmp_path):
@@ -721,10 +798,38 @@ def test_unacknowledged_are_the_containers_no_agent_marked_programmed(tmp_path):
     be waiting: none an agent marked programmed before (a restarted agent re-acknowledging)."""
     from agentd.cni import endpoints
 
+    ep = endpoints.Endpoint("a", "default", "web-0", {}, [], ["10.244.1.5"], "veth1", "aa:bb:cc:dd:ee:ff", "cni0")
+    endpoints.write(tmp_path, ep)
+    (written,) = (e.written for e in endpoints.read_all(tmp_path).values())
     assert endpoints.unacknowledged(tmp_path, {"a", "b"}) == {"a", "b"}  # nothing marked yet
-    endpoints.acknowledge(tmp_path, {"a"}, set())
+    assert endpoints.acknowledge(tmp_path, {("a", written)}, set()) == {("a", written)}
     assert endpoints.unacknowledged(tmp_path, {"a", "b"}) == {"b"}
     assert endpoints.unacknowledged(tmp_path, set()) == set()
+
+
+def test_a_new_attachment_with_the_same_container_id_is_acknowledged_again(tmp_path):
+    """DEL then ADD with one container ID (podman restart, the compose lab's entrypoint), the
+    agent not having built without the container in between: the new ADD is acknowledged once
+    a build has its file -- not by the old acknowledgement, nor by a build of the old file."""
+    from agentd.cni import endpoints
+
+    ep = endpoints.Endpoint("a", "default", "web-0", {}, [], ["10.244.1.5"], "veth1", "aa:bb:cc:dd:ee:ff", "cni0")
+    path = os.path.join(endpoints.endpoints_dir(tmp_path), "a.json")
+    endpoints.write(tmp_path, ep)
+    os.utime(path, ns=(1_000, 1_000))
+    acked = endpoints.acknowledge(tmp_path, {("a", 1_000)}, set())
+    endpoints.write(tmp_path, dataclasses.replace(ep, ips=["10.244.1.6"], interface="veth2"))  # no DEL came
+    os.utime(path, ns=(2_000, 2_000))
+    assert endpoints.unacknowledged(tmp_path, {"a"}) == {"a"}  # ADD waits for the agent again
+    # a restarted agent's first build still had the old file: that is no acknowledgement of this one
+    assert endpoints.acknowledge(tmp_path, {("a", 1_000)}, set()) == set()
+    assert endpoints.acknowledge(tmp_path, {("a", 1_000)}, acked) == {("a", 1_000)}
+    assert endpoints.unacknowledged(tmp_path, {"a"}) == {"a"}
+    # the build with the new file acknowledges it, though the container ID was acknowledged before
+    acked = endpoints.acknowledge(tmp_path, {("a", 2_000)}, acked)
+    assert acked == {("a", 2_000)} and endpoints.unacknowledged(tmp_path, {"a"}) == set()
+    endpoints.remove(tmp_path, "a")
+    assert endpoints.acknowledge(tmp_path, set(), acked) == set()
 
 
 def test_the_bridge_guard_before_an_ack_is_clsacts_alone():

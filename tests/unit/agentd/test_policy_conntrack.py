@@ -115,7 +115,7 @@ async def test_the_agent_flushes_a_removed_pods_addresses_after_the_sync(tmp_pat
         agent._rescan()
         await synced()
         async with asyncio.timeout(5):  # the sync's last step (after any flush): both pods acknowledged
-            while not {"c1", "c2"} <= agent._acked:
+            while not {"c1", "c2"} <= {cid for cid, _ in agent._acked}:
                 await asyncio.sleep(0)
         assert flushed == [] and agent.conntrack_flushed == 0  # first sight of the files: nothing was anyone's
         os.unlink(os.path.join(endpoints.endpoints_dir(tmp_path), "c1.json"))
