@@ -48,6 +48,7 @@ import struct
 from collections import deque
 from typing import NamedTuple
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -853,3 +854,26 @@ def test_a_link_none_of_our_routes_uses_does_not_re_read_the_kernel():
         m.deliver_events()
         result = m.run(m.p.reconcile())
         assert result.full and result.added == (X,)
+
+
+@pytest.mark.parametrize("family, dst, gateway", [(AF4, "10.244.1.0/24", "192.0.2.2"),
+                                                  (AF6, "2001:db8:1::/64", "2001:db8:ff::2")])
+def test_an_own_route_the_model_cannot_say_holding_the_desired_key_is_replaced(family, dst, gateway):
+    """An own-protocol route the Route model cannot represent (a stand-in for multipath, a
+    nexthop object, RTA_VIA: no gateway, no device) holds the key of a desired route: it is
+    replaced in place.  It used to meet the add with EEXIST, then be deleted as a stray, and the
+    table read found nothing: the destination stayed without a route until the next resync."""
+    addr, _, plen = dst.partition("/")
+    odd = Entry(family, nl.RT_TABLE_MAIN, socket.inet_pton(family, addr), int(plen), 0,
+                kernel_priority(family, None), OURS, 0, nl.RTN_UNICAST, 0, None, 0, None, None)
+    with scenario(others=[odd]) as m:
+        assert m.p.state.kernel == {} and len(m.p.state.strays) == 1
+        want = Route(dst, gateway=gateway, dev="eth0")
+        m.set_desired([want])
+        result = m.run(m.p.reconcile())
+        assert (result.replaced, result.failed, result.conflicts) == ((dst,), (), ())
+        [entry] = m.kernel.routes.values()
+        assert satisfies(entry, want) and entry.protocol == OURS
+        assert m.p.state.strays == set() and m.p.programmed() == [want]
+        assert m.run(m.p.reconcile(full=True)).failed == ()  # a re-read finds the desired route, nothing else
+        assert list(m.kernel.routes.values()) == [entry]
