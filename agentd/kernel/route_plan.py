@@ -129,6 +129,14 @@ class RouteState:
         self.links_gone.add(f"if#{index}")  # how a route on a link of unknown name says it
         self.links_gone.update(name for name in names if name)
 
+    def address_gone(self, address: str, *devices: str | None) -> None:
+        """An address was removed (``devices``: the names of its device, for an IPv4 one):
+        re-read the kernel at the next reconcile only if one of our routes has that source
+        address or may go out of one of those devices (IPv4 flushes such routes silently)."""
+        names = {name for name in devices if name}
+        if any(route.src == address for route in self.kernel.values()) or (names and self.uses_links(names)):
+            self.full_pending = True
+
     def uses_links(self, names: Set[str]) -> bool:
         """May one of our routes in the kernel go out of one of these links?  A gateway route
         we installed without a device went out of whichever the kernel chose: unknown until

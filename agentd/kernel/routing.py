@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from agentd.kernel import netlink as nl
+from agentd.kernel import netlink_links as links
 from agentd.kernel.route_adopt import adopt, classify_existing
 from agentd.kernel.route_model import (
     ADD,
@@ -354,4 +355,14 @@ class RouteProgrammer:
         elif mtype == nl.RTM_NEWADDR:
             state.retry_failures()  # a gateway may have become reachable
         elif mtype == nl.RTM_DELADDR:
-            state.full_pending = True  # routes with that source address were flushed
+            addr = links.decode_addr(buf, start, end)
+            raw = addr.local or addr.address
+            if addr.family not in ZERO_ADDRESS or raw is None:
+                return
+            # IPv4 flushes the routes with that source address, and a device's routes with its
+            # last address, silently; IPv6 flushes none (it drops the source from routes using
+            # it).  So only an address one of our routes uses, or for IPv4 its device, makes
+            # the next reconcile re-read the kernel: a pod's veth going away (its fe80::
+            # address) must not re-read 100k routes.
+            device = (f"if#{addr.index}", netlink.ifname.get(addr.index)) if addr.family == socket.AF_INET else ()
+            state.address_gone(socket.inet_ntop(addr.family, raw), *device)

@@ -877,3 +877,27 @@ def test_an_own_route_the_model_cannot_say_holding_the_desired_key_is_replaced(f
         assert m.p.state.strays == set() and m.p.programmed() == [want]
         assert m.run(m.p.reconcile(full=True)).failed == ()  # a re-read finds the desired route, nothing else
         assert list(m.kernel.routes.values()) == [entry]
+
+
+def test_an_address_none_of_our_routes_uses_going_away_does_not_re_read_the_kernel():
+    """A pod's host-side veth going away: the kernel says its fe80:: address went (and an IPv4
+    address on a device none of our routes uses).  IPv6 flushes no route with its addresses,
+    IPv4 only routes with that source address or on that device: only those re-read the
+    kernel (each pod deletion used to re-read every own route)."""
+    from agentd.kernel import netlink_links as links
+
+    def gone(index, family, address):
+        m.kernel.notify(links.encode_addr(nl.RTM_DELADDR, 0, index, socket.inet_pton(family, address), 64))
+        m.deliver_events()
+        return m.run(m.p.reconcile()).full
+
+    with scenario() as m:
+        m.set_desired([Route(X, dev="eth0"), Route("10.0.9.0/24", gateway="192.0.2.2", dev="eth1", src="192.0.2.1"),
+                       Route("2001:db8::/64", dev="eth0", src="2001:db8:ff::1")])
+        m.sync(False)
+        assert not gone(99, AF6, "fe80::1")  # a veth's link-local address
+        assert not gone(2, AF6, "2001:db8:ff::7")  # an IPv6 address on eth0, which ours use
+        assert not gone(99, AF4, "198.51.100.1")  # an IPv4 address on a device of none of ours
+        assert gone(2, AF4, "198.51.100.2")  # on eth0: its last address may have taken our route
+        assert gone(99, AF4, "192.0.2.1")  # the source address of one of ours
+        assert gone(99, AF6, "2001:db8:ff::1")  # the same for IPv6 (the kernel drops it from our route)
