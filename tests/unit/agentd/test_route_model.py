@@ -901,3 +901,72 @@ def test_an_address_none_of_our_routes_uses_going_away_does_not_re_read_the_kern
         assert gone(2, AF4, "198.51.100.2")  # on eth0: its last address may have taken our route
         assert gone(99, AF4, "192.0.2.1")  # the source address of one of ours
         assert gone(99, AF6, "2001:db8:ff::1")  # the same for IPv6 (the kernel drops it from our route)
+
+
+def test_routes_of_an_earlier_route_protocol_in_the_pod_network_are_removed(tmp_path):
+    """[network] route_protocol changed (143 -> 150) across a graceful restart: the new agent
+    removes the old protocol's routes inside the pod network, so its own adds meet no EEXIST
+    (each was a permanent conflict, and the old routes kept forwarding).  Another protocol's
+    routes, and the old protocol's outside the pod network, are left alone."""
+    from ipaddress import ip_network
+
+    from agentd.daemon.routes import drop_previous_protocol
+    from agentd.kernel.routing import remove_routes_of
+
+    kernel = FakeKernel(strict_dumps=True)
+    old = [Route("10.244.1.0/24", gateway="192.0.2.2", dev="eth0"), Route("10.244.0.0/24", kind="blackhole", metric=4000),
+           Route("fd00:10:244:1::/64", gateway="2001:db8:ff::2", dev="eth0"), Route("0.0.0.0/0", gateway="192.0.2.9")]
+    kept = [entry_of_route(old[3], table=nl.RT_TABLE_MAIN, protocol=OURS),
+            entry_of_route(Route("10.244.7.0/24", dev="eth1"), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD)]
+    for entry in [entry_of_route(r, table=nl.RT_TABLE_MAIN, protocol=OURS) for r in old[:3]] + kept:
+        kernel.routes[entry.key] = entry
+    (tmp_path / "route-protocol").write_text("143\n")
+    pools = [ip_network("10.244.0.0/16"), ip_network("fd00:10:244::/48")]
+
+    def sockets():
+        return FakeRequestSocket(kernel), FakeMonitorSocket(kernel)
+
+    async def main():
+        await drop_previous_protocol(tmp_path, 150, pools, remove=lambda p, n: remove_routes_of(p, n, sockets=sockets))
+        assert sorted(kernel.routes.values()) == sorted(kept)
+        assert (tmp_path / "route-protocol").read_text() == "150\n"
+        new = StandInProgrammer(kernel, protocol=150)
+        await new.start()
+        for task in new._tasks:
+            task.cancel()
+        new.set_desired([Route("10.244.1.0/24", gateway="192.0.2.3", dev="eth0")])
+        result = await new.reconcile()
+        assert (result.added, result.conflicts, result.failed) == (("10.244.1.0/24",), (), ())
+        await new.stop()
+
+    asyncio.run(main())
+
+
+def test_the_route_protocol_is_remembered_and_an_old_one_looked_for_only_when_it_changed(tmp_path, caplog):
+    from ipaddress import ip_network
+
+    from agentd.daemon.routes import drop_previous_protocol
+
+    calls = []
+    failed: list[str] = []
+
+    async def remove(protocol, networks):
+        calls.append((protocol, networks))
+        return ["10.244.1.0/24"], list(failed)
+
+    pools = [ip_network("10.244.0.0/16")]
+    path = tmp_path / "state" / "route-protocol"
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 143, pools, remove))  # first run: nothing to look for
+    assert calls == [] and path.read_text() == "143\n"
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 143, pools, remove))  # unchanged
+    assert calls == []
+    failed.append("10.244.2.0/24: EPERM")
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 150, pools, remove))  # changed, one delete failed
+    assert calls == [(143, pools)] and path.read_text() == "143\n"  # the next start tries again
+    failed.clear()
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 150, pools, remove))
+    assert calls[1:] == [(143, pools)] and path.read_text() == "150\n"
+    assert "route_protocol changed from 143 to 150: removed 1 proto 143 routes" in caplog.text
+    path.write_text("bogus")
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 150, pools, remove))
+    assert len(calls) == 2 and path.read_text() == "150\n" and "not a route protocol" in caplog.text
