@@ -42,7 +42,7 @@ from proto.nlri import network_to_prefix
 from agentd.daemon import auth, mesh, node_files
 from agentd.daemon.api import ApiServer
 from agentd.daemon.observe import Observability, drop_log
-from agentd.daemon.routes import KernelRoutes
+from agentd.daemon.routes import KernelRoutes, drop_previous_protocol
 from agentd.daemon.views import AgentViews
 from agentd.dataplane.backends import (
     Tunnels,
@@ -235,6 +235,10 @@ class Agent:
         await self.datastore.connect()
         self.cluster = await self.datastore.ensure_cluster_config(wanted_cluster(cfg))
         check_cluster(cfg, self.cluster)
+        # A previous run under another [network] route_protocol: its routes go (their keys
+        # would make every add a conflict), before this run installs any.
+        await drop_previous_protocol(Path(cfg.agent.state_dir), cfg.network.route_protocol,
+                                     [self.cluster.pool(v)[0] for v in self.cluster.versions])
         if 6 in self.cluster.versions and self.pod_mtu < IPV6_MIN_MTU:  # pods get IPv6 as the cluster says
             raise AgentError(f"the cluster in etcd is {self.cluster.ip_family}: pods get IPv6, but the pod MTU would be "
                              f"{self.pod_mtu}, below {IPV6_MIN_MTU}, the least every IPv6 link must carry (RFC 8200 §5)")

@@ -15,6 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterable
+from ipaddress import IPv4Network, IPv6Network
+from pathlib import Path
 from typing import Any, Protocol
 
 from bgp import BestPathChange, Speaker, State
@@ -27,12 +30,59 @@ from agentd.datastore.store import ClusterConfig, SubnetLease
 from agentd.kernel.forwarding import PeerPlan, desired_routes
 from agentd.kernel.netinfo import Underlay
 from agentd.kernel.route_model import InvalidRoute, Route, canonical_dst, same_route
-from agentd.kernel.routing import RouteProgrammer
+from agentd.kernel.routing import RouteProgrammer, remove_routes_of
 
 log = logging.getLogger("agentd")
 
 BLACKHOLE_METRIC = 4000  # above the connected route of the CNI bridge, which must win
 INITIAL_SYNC_MAX = 60.0  # never wait longer than this for peers' End-of-RIB after a restart
+PROTOCOL_FILE = "route-protocol"  # in [agent] state_dir: the route protocol the agent last used
+
+
+async def drop_previous_protocol(
+    state_dir: Path,
+    protocol: int,
+    pod_networks: Iterable[IPv4Network | IPv6Network],
+    remove: Callable[..., Awaitable[tuple[list[str], list[str]]]] = remove_routes_of,
+) -> None:
+    """``[network] route_protocol`` changed since the last run (``state_dir``/route-protocol
+    says which it was): the routes of the old protocol inside the cluster's pod networks are
+    removed (they would keep forwarding and hold every key the new routes need, each add a
+    conflict); then the file names ``protocol``.  A route of the old protocol elsewhere (an
+    external next hop's) is left alone, with a warning to flush it by hand.  Without the
+    file (a first run) nothing is removed."""
+    path = state_dir / PROTOCOL_FILE
+    previous: int | None = None
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        text = None
+    except OSError as err:
+        log.warning("cannot read %s (%s): routes of an earlier route_protocol are not looked for", path, err)
+        text = None
+    if text is not None:
+        if text.isdigit() and 5 <= int(text) <= 255:
+            previous = int(text)
+        else:
+            log.warning("%s holds %r, not a route protocol: ignored", path, text[:40])
+    if previous is not None and previous != protocol:
+        networks = list(pod_networks)
+        removed, failed = await remove(previous, networks)
+        log.warning("[network] route_protocol changed from %d to %d: removed %d proto %d routes of a previous run "
+                    "in the pod network (%s); routes of proto %d elsewhere are left: `ip route flush proto %d` "
+                    "removes them", previous, protocol, len(removed), previous, ", ".join(map(str, networks)),
+                    previous, previous)  # fmt: skip
+        if failed:
+            for reason in failed:
+                log.warning("could not remove a proto %d route: %s", previous, reason)
+            return  # the next start tries again
+    if previous != protocol:
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{protocol}\n")
+        except OSError as err:
+            log.warning("cannot write %s (%s): a later change of route_protocol will not remove this run's routes",
+                        path, err)
 
 
 class RouteInputs(Protocol):

@@ -39,7 +39,7 @@ from typing import Any
 from agentd.backend_table import BACKENDS, DATAPATHS, ENCAPSULATING
 from agentd.datastore.store import NodeRecord
 from agentd.kernel.netinfo import Underlay
-from agentd.kernel.route_model import Route
+from agentd.kernel.route_model import InvalidRoute, Route
 
 HOST_GW = "host-gw"
 ENCAP_BACKENDS = ENCAPSULATING
@@ -249,7 +249,12 @@ def _bpf(dst: str, plan: PeerPlan, underlay: Underlay, paths: LocalPaths) -> Rou
     the right one; the MTU leaves room for the outer headers (the program keeps gso_size).
     An IPv6 pod subnet goes via the peer's IPv4-mapped address, onlink (Linux routes IPv6
     through IPv6 next hops only; agentd.dataplane.bpf keeps that address's neighbour entry,
-    and the program gives the outer packet the real next hop's MACs)."""
+    and the program gives the outer packet the real next hop's MACs).  The outer packets are
+    IPv4: a peer whose record gives no IPv4 address (only an ``address_v6``) gets no route
+    (InvalidRoute, which :func:`desired_routes` files as a refusal with this reason)."""
+    if ip_address(plan.address).version != 4:
+        raise InvalidRoute(f"peer {plan.address} has no IPv4 underlay address, which {plan.backend} in the "
+                           "BPF data path carries its packets over")
     mtu = underlay.mtu - BACKENDS[plan.backend].overhead
     if plan.version == 6:
         return Route(dst=dst, gateway=f"::ffff:{plan.address}", dev=underlay.ifname, onlink=True, mtu=mtu)
@@ -403,7 +408,13 @@ def desired_routes(
             key = nh
         if not plan.routable:
             continue
-        route = route_for(dst, plan, underlay, paths)
+        try:
+            route = route_for(dst, plan, underlay, paths)
+        except InvalidRoute as e:
+            # A route the kernel could not take (a peer record's word made it): refused, with
+            # the reason, rather than stopping the routes of every other peer.
+            refused.append({"dst": dst, "via": None, "dev": None, "backend": "refused", "peer": nh, "reason": str(e)})
+            continue
         if route is None:
             continue
         routes.append(route)

@@ -129,6 +129,14 @@ class RouteState:
         self.links_gone.add(f"if#{index}")  # how a route on a link of unknown name says it
         self.links_gone.update(name for name in names if name)
 
+    def address_gone(self, address: str, *devices: str | None) -> None:
+        """An address was removed (``devices``: the names of its device, for an IPv4 one):
+        re-read the kernel at the next reconcile only if one of our routes has that source
+        address or may go out of one of those devices (IPv4 flushes such routes silently)."""
+        names = {name for name in devices if name}
+        if any(route.src == address for route in self.kernel.values()) or (names and self.uses_links(names)):
+            self.full_pending = True
+
     def uses_links(self, names: Set[str]) -> bool:
         """May one of our routes in the kernel go out of one of these links?  A gateway route
         we installed without a device went out of whichever the kernel chose: unknown until
@@ -198,7 +206,40 @@ class RouteState:
             # or discarded is complete already: our other routes for it go, as change() and
             # the discard above delete the one filed as its route.
             deletes.extend(s for s in self.strays if s.text in desired or s.text in discarded)
+        if adds and self.strays:
+            self._replace_keyed_strays(adds, replaces, deletes)
         return RoutePlan(adds, replaces, deletes, stale)
+
+    def _replace_keyed_strays(self, adds: list[Route], replaces: list[Route], deletes: list[Route | Stray]) -> None:
+        """A stray of ours holding the very key (dst, tos 0, no source prefix, metric) of a route
+        being added (one the Route model cannot say: multipath, a nexthop object, RTA_VIA) would
+        make the add meet EEXIST and then be deleted, leaving the destination without a route:
+        the desired route replaces it in place instead, and the stray's delete is dropped
+        (``installed`` forgets the stray once the replace is acknowledged)."""
+        keyed = {(s.text, s.priority or 0): s for s in self.strays if not s.tos and not s.src_len}
+        if not keyed:
+            return
+        taken: set[Stray] = set()
+        kept: list[Route] = []
+        for want in adds:
+            stray = keyed.get((want.dst, kernel_metric(want)))
+            if stray is None or stray in taken:
+                kept.append(want)
+            else:
+                taken.add(stray)
+                replaces.append(want)
+        if taken:
+            adds[:] = kept
+            deletes[:] = [d for d in deletes if d not in taken]
+
+    def _forget_replaced_strays(self, routes: list[Route]) -> None:
+        """Strays holding the key of routes just installed are gone: a replace took their place."""
+        keyed = {(s.text, s.priority or 0): s for s in self.strays if not s.tos and not s.src_len}
+        if keyed:
+            for route in routes:
+                stray = keyed.get((route.dst, kernel_metric(route)))
+                if stray is not None:
+                    self.strays.discard(stray)
 
     def forget(self, stale: Iterable[str]) -> None:
         for dst in stale:
@@ -220,6 +261,8 @@ class RouteState:
 
     def installed(self, routes: list[Route], report: list[str]) -> None:
         kernel, strays = self.kernel, self.strays
+        if strays:
+            self._forget_replaced_strays(routes)
         for route in routes:
             dst = route.dst
             previous = kernel.get(dst)

@@ -32,8 +32,10 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterable
+from ipaddress import IPv4Network, IPv6Network, ip_network
 
 from agentd.kernel import netlink as nl
+from agentd.kernel import netlink_links as links
 from agentd.kernel.route_adopt import adopt, classify_existing
 from agentd.kernel.route_model import (
     ADD,
@@ -354,4 +356,47 @@ class RouteProgrammer:
         elif mtype == nl.RTM_NEWADDR:
             state.retry_failures()  # a gateway may have become reachable
         elif mtype == nl.RTM_DELADDR:
-            state.full_pending = True  # routes with that source address were flushed
+            addr = links.decode_addr(buf, start, end)
+            raw = addr.local or addr.address
+            if addr.family not in ZERO_ADDRESS or raw is None:
+                return
+            # IPv4 flushes the routes with that source address, and a device's routes with its
+            # last address, silently; IPv6 flushes none (it drops the source from routes using
+            # it).  So only an address one of our routes uses, or for IPv4 its device, makes
+            # the next reconcile re-read the kernel: a pod's veth going away (its fe80::
+            # address) must not re-read 100k routes.
+            device = (f"if#{addr.index}", netlink.ifname.get(addr.index)) if addr.family == socket.AF_INET else ()
+            state.address_gone(socket.inet_ntop(addr.family, raw), *device)
+
+
+async def remove_routes_of(
+    protocol: int,
+    networks: Iterable[IPv4Network | IPv6Network],
+    *,
+    table: int = nl.RT_TABLE_MAIN,
+    netns: str | None = None,
+    sockets: Callable[[], tuple[object, object]] = open_netlink_sockets,
+) -> tuple[list[str], list[str]]:
+    """Delete the routes of ``protocol`` in ``table`` whose destination lies inside one of
+    ``networks`` (the routes a previous run left under another ``[network] route_protocol``;
+    another protocol's routes, and that protocol's routes elsewhere, are left alone).
+    Returns (the destinations removed, a reason per route that could not be)."""
+    networks = list(networks)
+
+    def inside(dst: str) -> bool:
+        net = ip_network(dst, strict=False)
+        return any(net.version == n.version and net.subnet_of(n) for n in networks)  # type: ignore[arg-type]
+
+    prog = RouteProgrammer(protocol=protocol, table=table, netns=netns, sockets=sockets)
+    prog.netlink.open()
+    try:
+        await prog.netlink.dump_links()
+        async with prog._lock:
+            await prog._dump_own()
+            state = prog.state
+            victims = [t for t in (*state.kernel.values(), *state.strays) if inside(dst_of(t))]
+            outcome = Outcome()
+            errors = await prog._execute(DELETE, victims, outcome)
+    finally:
+        prog.netlink.close()
+    return outcome.removed, [f"{dst_of(t)}: {nl.describe_error(err, message)}" for t, err, message in errors]

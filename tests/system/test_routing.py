@@ -524,3 +524,81 @@ async def test_addresses_are_compared_canonically(lab, start):
     assert [r.dst for r in programmer.programmed()] == [str(ipaddress.ip_network("2001:db8:69::/64"))]
     again = await programmer.reconcile(full=True)
     assert (again.added, again.replaced, again.removed) == ((), (), ())
+
+
+# --- from a review of route programming -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, dst, nexthops, want", [
+    ("-4", "10.55.0.0/24", ["192.0.2.2", "192.0.2.3"], "10.55.0.0/24 via 192.0.2.2 dev v0"),
+    ("-6", "2001:db8:55::/64", ["2001:db8::2", "2001:db8::3"], "2001:db8:55::/64 via 2001:db8::2 dev v0 metric 1024 pref medium"),
+])
+async def test_an_own_multipath_route_holding_the_desired_key_is_replaced(lab, start, family, dst, nexthops, want):
+    # A multipath route of ours (the Route model cannot say it: adopted as a stray) for a
+    # destination also desired: the desired route replaces it.  The add used to meet EEXIST,
+    # the stray's delete then took the multipath route, and the destination stayed without a
+    # route until the next resync.
+    hops = [arg for gw in nexthops for arg in ("nexthop", "via", gw, "dev", "v0")]
+    await lab.ip(family, "route", "add", dst, "proto", str(RTPROT_AGENTD), *hops)
+    programmer = await start(resync_interval=3600)
+    assert programmer.programmed() == [] and len(programmer.state.strays) == 1
+    programmer.set_desired([Route(dst, gateway=nexthops[0], dev="v0")])
+    result = await programmer.reconcile()
+    assert (result.replaced, result.failed, result.conflicts) == ((dst,), (), ())
+    assert await lab.own(family) == [want]
+    result = await programmer.reconcile(full=True)
+    assert (result.added, result.replaced, result.removed, result.failed) == ((), (), (), ())
+    assert await lab.own(family) == [want]
+
+
+async def test_a_pods_veth_going_away_does_not_re_read_our_routes(lab, start):
+    # A pod's host-side veth is deleted: the kernel says its addresses went (RTM_DELADDR, its
+    # fe80:: one at least).  None of our routes uses the device or its addresses, so no full
+    # re-read of every own route follows; an address one of ours uses as source does.
+    netns.veth(lab.r, "v7", lab.p, "v6")
+    lab.r.ip("link", "set", "v7", "up")
+    lab.r.ip("-6", "addr", "add", "fe80::77/64", "dev", "v7", "nodad")
+    lab.r.ip("addr", "add", "198.51.100.1/24", "dev", "v7")
+    lab.r.ip("addr", "add", "192.0.2.9/24", "dev", "v0")
+    programmer = await start(resync_interval=3600)
+    programmer.set_desired([Route("10.56.0.0/24", gateway=GW4, dev="v0", src="192.0.2.9"),
+                            Route("2001:db8:56::/64", gateway=GW6, dev="v0")])
+    await programmer.reconcile()
+    full = programmer.counters.full_resyncs
+    await lab.ip("link", "del", "v7")
+    await eventually(lambda: _link_forgotten(programmer, "v7"), what="v7's removal seen")
+    result = await programmer.reconcile()
+    assert not result.full and programmer.counters.full_resyncs == full
+    await lab.ip("addr", "del", "192.0.2.9/24", "dev", "v0")  # our 10.56.0.0/24's source: flushed with it
+    await eventually(lambda: _own_is(lab, [], "-4"), what="the route flushed with its source address")
+    await eventually(lambda: _counted_full(programmer, full), what="a re-read after the source address went")
+
+
+async def _link_forgotten(programmer: RouteProgrammer, name: str) -> bool:
+    return name not in programmer.netlink.ifname.values()
+
+
+async def _counted_full(programmer: RouteProgrammer, before: int) -> bool:
+    return programmer.counters.full_resyncs > before
+
+
+async def test_routes_of_an_earlier_route_protocol_are_removed_in_the_pod_network_only(lab, start):
+    # [network] route_protocol changed from 143 to 150: the agent removes proto 143 routes
+    # inside the pod networks (remove_routes_of), and the new protocol's adds meet no EEXIST.
+    from agentd.kernel.routing import remove_routes_of
+
+    await lab.ip("route", "add", "10.244.1.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))
+    await lab.ip("route", "add", "blackhole", "10.244.0.0/24", "metric", "4000", "proto", str(RTPROT_AGENTD))
+    await lab.ip("-6", "route", "add", "fd00:10:244:1::/64", "via", GW6, "proto", str(RTPROT_AGENTD))
+    await lab.ip("route", "add", "198.51.100.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))  # outside: stays
+    await lab.ip("route", "add", "10.244.9.0/24", "via", GW4, "proto", "static")  # another's: stays
+    removed, failed = await remove_routes_of(
+        RTPROT_AGENTD, [ipaddress.ip_network("10.244.0.0/16"), ipaddress.ip_network("fd00:10:244::/48")],
+        netns=lab.r.name)
+    assert sorted(removed) == ["10.244.0.0/24", "10.244.1.0/24", "fd00:10:244:1::/64"] and failed == []
+    assert await lab.own("-4") == ["198.51.100.0/24 via 192.0.2.2 dev v0"] and await lab.own("-6") == []
+    assert "10.244.9.0/24 via 192.0.2.2 dev v0 proto static" in await lab.ip("route", "show")
+    programmer = await start(protocol=150)
+    programmer.set_desired([Route("10.244.1.0/24", gateway=GW4, dev="v0")])
+    result = await programmer.reconcile()
+    assert (result.added, result.conflicts) == (("10.244.1.0/24",), ())

@@ -463,3 +463,42 @@ def test_sessions_to_nodes_are_bounded_by_the_pod_networks_subnets():
         limits = {p.key: (p.max_prefixes, p.max_prefixes_restart) for p in peers}
         assert limits.pop("192.0.2.1") == (None, None)  # an external peer's limit is its own configuration
         assert limits and set(limits.values()) == {(256 + RELAYED_PREFIXES, 60.0)}
+
+
+def test_a_bpf_peer_record_without_an_ipv4_address_is_refused_not_the_rest():
+    """A dual-stack node record with ``address`` null beside an ``address_v6``, running udp in BPF: the programs encapsulate over IPv4, so its IPv6 subnet gets no route -- a
+    refusal with the reason -- and the best paths through every other peer are still routed
+    (the route used to be ``via ::ffff:fd00::2``, which raised and stopped all route updates)."""
+    u = Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"), IPv6Network("fd00::/64")),
+                 IPv6Interface("fd00::3/64"))
+    backend, data = "udp", {"type": "udp", "datapath": "bpf"}
+    bad = NodeRecord("n2", None, 64512, None, False, None, data, address_v6=IPv6Address("fd00::2"),
+                     subnet_v6=IPv6Network("fd00:10:244:1::/64"))
+    good = node("n3", "10.0.0.4", backend=data, subnet="10.244.2.0/24")
+    bests = [("fd00:10:244:1::/64", IPv6Address("fd00::2"), False, True),
+             ("10.244.2.0/24", IPv4Address("10.0.0.4"), False, True)]
+    plan = desired_routes(bests, [bad, good], u, LocalPaths({backend: "bpf"}), own_subnets=["10.244.0.0/24"],
+                          blackhole_metric=4000, own_backend=backend, encap="always", versions=(4, 6))
+    assert [(r.dst, r.gateway) for r in plan.routes if r.kind == "unicast"] == [("10.244.2.0/24", "10.0.0.4")]
+    [row] = plan.refused
+    assert (row["dst"], row["peer"], row["backend"]) == ("fd00:10:244:1::/64", "fd00::2", "refused")
+    assert "no IPv4 underlay address" in row["reason"]
+
+
+def test_any_route_the_kernel_could_not_take_is_refused_not_raised(monkeypatch):
+    """Whatever route shape a peer's record makes impossible (InvalidRoute) is a refusal of that
+    best path, not an exception that stops every other route."""
+    import agentd.kernel.forwarding as fwd
+    from agentd.kernel.route_model import Route
+
+    def shape(dst, plan, underlay, paths):
+        return Route(dst=dst, gateway="not-an-address", dev=underlay.ifname)
+
+    monkeypatch.setitem(fwd.ROUTE_SHAPES, "route", shape)
+    peers = [node("n1", "10.0.0.1", backend={"type": "host-gw"})]
+    bests = [("10.244.1.0/24", IPv4Address("10.0.0.1"), False), ("10.244.7.0/24", IPv4Address("192.0.2.1"), False)]
+    plan = desired_routes(bests, peers, UNDERLAY, LocalPaths(), own_subnets=[], blackhole_metric=4000,
+                          own_backend="host-gw", encap="always")
+    assert [r.dst for r in plan.routes] == ["10.244.7.0/24"]  # the external next hop's route
+    assert [(r["dst"], r["backend"]) for r in plan.refused] == [("10.244.1.0/24", "refused")]
+    assert "not an IP address" in plan.refused[0]["reason"]

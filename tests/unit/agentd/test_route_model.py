@@ -48,6 +48,7 @@ import struct
 from collections import deque
 from typing import NamedTuple
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -853,3 +854,119 @@ def test_a_link_none_of_our_routes_uses_does_not_re_read_the_kernel():
         m.deliver_events()
         result = m.run(m.p.reconcile())
         assert result.full and result.added == (X,)
+
+
+@pytest.mark.parametrize("family, dst, gateway", [(AF4, "10.244.1.0/24", "192.0.2.2"),
+                                                  (AF6, "2001:db8:1::/64", "2001:db8:ff::2")])
+def test_an_own_route_the_model_cannot_say_holding_the_desired_key_is_replaced(family, dst, gateway):
+    """An own-protocol route the Route model cannot represent (a stand-in for multipath, a
+    nexthop object, RTA_VIA: no gateway, no device) holds the key of a desired route: it is
+    replaced in place.  It used to meet the add with EEXIST, then be deleted as a stray, and the
+    table read found nothing: the destination stayed without a route until the next resync."""
+    addr, _, plen = dst.partition("/")
+    odd = Entry(family, nl.RT_TABLE_MAIN, socket.inet_pton(family, addr), int(plen), 0,
+                kernel_priority(family, None), OURS, 0, nl.RTN_UNICAST, 0, None, 0, None, None)
+    with scenario(others=[odd]) as m:
+        assert m.p.state.kernel == {} and len(m.p.state.strays) == 1
+        want = Route(dst, gateway=gateway, dev="eth0")
+        m.set_desired([want])
+        result = m.run(m.p.reconcile())
+        assert (result.replaced, result.failed, result.conflicts) == ((dst,), (), ())
+        [entry] = m.kernel.routes.values()
+        assert satisfies(entry, want) and entry.protocol == OURS
+        assert m.p.state.strays == set() and m.p.programmed() == [want]
+        assert m.run(m.p.reconcile(full=True)).failed == ()  # a re-read finds the desired route, nothing else
+        assert list(m.kernel.routes.values()) == [entry]
+
+
+def test_an_address_none_of_our_routes_uses_going_away_does_not_re_read_the_kernel():
+    """A pod's host-side veth going away: the kernel says its fe80:: address went (and an IPv4
+    address on a device none of our routes uses).  IPv6 flushes no route with its addresses,
+    IPv4 only routes with that source address or on that device: only those re-read the
+    kernel (each pod deletion used to re-read every own route)."""
+    from agentd.kernel import netlink_links as links
+
+    def gone(index, family, address):
+        m.kernel.notify(links.encode_addr(nl.RTM_DELADDR, 0, index, socket.inet_pton(family, address), 64))
+        m.deliver_events()
+        return m.run(m.p.reconcile()).full
+
+    with scenario() as m:
+        m.set_desired([Route(X, dev="eth0"), Route("10.0.9.0/24", gateway="192.0.2.2", dev="eth1", src="192.0.2.1"),
+                       Route("2001:db8::/64", dev="eth0", src="2001:db8:ff::1")])
+        m.sync(False)
+        assert not gone(99, AF6, "fe80::1")  # a veth's link-local address
+        assert not gone(2, AF6, "2001:db8:ff::7")  # an IPv6 address on eth0, which ours use
+        assert not gone(99, AF4, "198.51.100.1")  # an IPv4 address on a device of none of ours
+        assert gone(2, AF4, "198.51.100.2")  # on eth0: its last address may have taken our route
+        assert gone(99, AF4, "192.0.2.1")  # the source address of one of ours
+        assert gone(99, AF6, "2001:db8:ff::1")  # the same for IPv6 (the kernel drops it from our route)
+
+
+def test_routes_of_an_earlier_route_protocol_in_the_pod_network_are_removed(tmp_path):
+    """[network] route_protocol changed (143 -> 150) across a graceful restart: the new agent
+    removes the old protocol's routes inside the pod network, so its own adds meet no EEXIST
+    (each was a permanent conflict, and the old routes kept forwarding).  Another protocol's
+    routes, and the old protocol's outside the pod network, are left alone."""
+    from ipaddress import ip_network
+
+    from agentd.daemon.routes import drop_previous_protocol
+    from agentd.kernel.routing import remove_routes_of
+
+    kernel = FakeKernel(strict_dumps=True)
+    old = [Route("10.244.1.0/24", gateway="192.0.2.2", dev="eth0"), Route("10.244.0.0/24", kind="blackhole", metric=4000),
+           Route("fd00:10:244:1::/64", gateway="2001:db8:ff::2", dev="eth0"), Route("0.0.0.0/0", gateway="192.0.2.9")]
+    kept = [entry_of_route(old[3], table=nl.RT_TABLE_MAIN, protocol=OURS),
+            entry_of_route(Route("10.244.7.0/24", dev="eth1"), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD)]
+    for entry in [entry_of_route(r, table=nl.RT_TABLE_MAIN, protocol=OURS) for r in old[:3]] + kept:
+        kernel.routes[entry.key] = entry
+    (tmp_path / "route-protocol").write_text("143\n")
+    pools = [ip_network("10.244.0.0/16"), ip_network("fd00:10:244::/48")]
+
+    def sockets():
+        return FakeRequestSocket(kernel), FakeMonitorSocket(kernel)
+
+    async def main():
+        await drop_previous_protocol(tmp_path, 150, pools, remove=lambda p, n: remove_routes_of(p, n, sockets=sockets))
+        assert sorted(kernel.routes.values()) == sorted(kept)
+        assert (tmp_path / "route-protocol").read_text() == "150\n"
+        new = StandInProgrammer(kernel, protocol=150)
+        await new.start()
+        for task in new._tasks:
+            task.cancel()
+        new.set_desired([Route("10.244.1.0/24", gateway="192.0.2.3", dev="eth0")])
+        result = await new.reconcile()
+        assert (result.added, result.conflicts, result.failed) == (("10.244.1.0/24",), (), ())
+        await new.stop()
+
+    asyncio.run(main())
+
+
+def test_the_route_protocol_is_remembered_and_an_old_one_looked_for_only_when_it_changed(tmp_path, caplog):
+    from ipaddress import ip_network
+
+    from agentd.daemon.routes import drop_previous_protocol
+
+    calls = []
+    failed: list[str] = []
+
+    async def remove(protocol, networks):
+        calls.append((protocol, networks))
+        return ["10.244.1.0/24"], list(failed)
+
+    pools = [ip_network("10.244.0.0/16")]
+    path = tmp_path / "state" / "route-protocol"
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 143, pools, remove))  # first run: nothing to look for
+    assert calls == [] and path.read_text() == "143\n"
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 143, pools, remove))  # unchanged
+    assert calls == []
+    failed.append("10.244.2.0/24: EPERM")
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 150, pools, remove))  # changed, one delete failed
+    assert calls == [(143, pools)] and path.read_text() == "143\n"  # the next start tries again
+    failed.clear()
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 150, pools, remove))
+    assert calls[1:] == [(143, pools)] and path.read_text() == "150\n"
+    assert "route_protocol changed from 143 to 150: removed 1 proto 143 routes" in caplog.text
+    path.write_text("bogus")
+    asyncio.run(drop_previous_protocol(tmp_path / "state", 150, pools, remove))
+    assert len(calls) == 2 and path.read_text() == "150\n" and "not a route protocol" in caplog.text
