@@ -464,6 +464,15 @@ class BfdService:
     def _on_timer(self, nb: _Neighbour) -> None:
         nb.timer = None
         nb.timer_at = None
+        detect_at = nb.session.detect_at
+        if detect_at is not None and self.clock() >= detect_at:
+            # The Detection Time ran out -- or the loop was busy: uvloop runs due timers before
+            # it reads sockets that became readable during a long callback, so the neighbour's
+            # packets may be waiting unread.  Read them first; only silence is a failure.
+            for sock in list(self._rx.values()):
+                self._readable(sock)
+            if nb.sock.fileno() < 0:
+                return  # closed meanwhile (a removed session's AdminDown time ended)
         try:
             nb.session.handle_timer(self.clock())
         except Exception:
