@@ -115,3 +115,32 @@ def test_a_busy_loop_that_runs_the_detection_timer_before_reading_the_neighbours
             nbr.close()
 
     asyncio.run(run())
+
+
+def test_a_new_source_address_replaces_the_session_with_one_admin_down_not_a_drain_beside_the_new_one():
+    # Two sessions to one neighbour make it flap between them (it keys its one session by our
+    # address): the old one says AdminDown once and is gone before the new one starts.
+    async def run() -> None:
+        clock, changes = Clock(), []
+        bfd, nbr = service(clock, changes)
+        try:
+            bring_up(bfd, nbr, local_address=OURS)
+            changes.clear()
+            old = bfd._by_address[THEIRS]
+            old_port = old.source_port
+            nbr.received()
+            clock.t += 0.05
+            bfd.add(THEIRS, local_address="127.0.0.3", settings=FAST)
+            new = bfd._by_address[THEIRS]
+            assert new is not old and new.local_address == "127.0.0.3"
+            wire = nbr.received()
+            from_old = [p for port, p in wire if port == old_port]
+            assert [(p.state, p.diag) for p in from_old] == [(State.ADMIN_DOWN, Diag.ADMINISTRATIVELY_DOWN)]
+            assert old.sock.fileno() < 0 and old.timer is None  # closed: nothing more from it
+            assert bfd._draining == {} and bfd.peers() == [THEIRS]
+            assert changes == []  # a replaced session's AdminDown is no failure of ours
+        finally:
+            await bfd.stop()
+            nbr.close()
+
+    asyncio.run(run())
