@@ -292,6 +292,12 @@ class BfdSession:
             return None
         return self._tx_base + interval * self._tx_factor
 
+    @property
+    def detect_at(self) -> float | None:
+        """When the Detection Time runs out (§6.8.4) unless a packet comes first; None while
+        no packet has been received."""
+        return self._detect_at()
+
     def _detect_at(self) -> float | None:
         detection = self.detection_time
         if self._last_rx is None or detection is None:

@@ -202,8 +202,9 @@ class BfdService:
 
     def add(self, peer: str, local_address: str | None = None, settings: BfdSettings = BfdSettings()) -> None:
         """Watch ``peer`` (idempotent).  New settings for a watched peer go through a Poll
-        Sequence; a new local address starts a new session, except that a session without one
-        (the kernel chose its source) keeps going from the new address.  Raises OSError when the
+        Sequence; a new local address starts a new session (the old one sends AdminDown once and
+        closes, with no drain beside the new one), except that a session without one (the kernel
+        chose its source) keeps going from the new address.  Raises OSError when the
         session's socket cannot be bound (e.g. ``local_address`` is not on this host)."""
         if self._loop is None:
             raise RuntimeError("BfdService.add() before start()")
@@ -223,7 +224,7 @@ class BfdService:
                     nb.session.set_settings(settings, self.clock())
                     self._pump(nb)
                 return
-            self.remove(key)
+            self.remove(key, drain=False)  # (a drain would run beside the new session)
         sock = self._open_tx(key, local)
         session = BfdSession(settings, local_discriminator=self._new_discriminator(), now=self.clock(), rng=self.rng)
         nb = _Neighbour(key, local, session, sock)
@@ -464,6 +465,15 @@ class BfdService:
     def _on_timer(self, nb: _Neighbour) -> None:
         nb.timer = None
         nb.timer_at = None
+        detect_at = nb.session.detect_at
+        if detect_at is not None and self.clock() >= detect_at:
+            # The Detection Time ran out -- or the loop was busy: uvloop runs due timers before
+            # it reads sockets that became readable during a long callback, so the neighbour's
+            # packets may be waiting unread.  Read them first; only silence is a failure.
+            for sock in list(self._rx.values()):
+                self._readable(sock)
+            if nb.sock.fileno() < 0:
+                return  # closed meanwhile (a removed session's AdminDown time ended)
         try:
             nb.session.handle_timer(self.clock())
         except Exception:

@@ -310,7 +310,9 @@ class SpeakerService:
         self._stopping = False
         self._bfd_error: str | None = None  # the last failure to open BFD's sockets, logged once
         self._bfd_retry: asyncio.TimerHandle | None = None  # the next try after a failure
-        self._bfd_learned: dict[str, tuple[object, str]] = {}  # peer -> (its Peer, its BGP session's local address)
+        # peer -> the local address of its last BGP connection; kept while the peer wants BFD,
+        # also when Speaker.set_peers replaces its Peer object (any change of its settings)
+        self._bfd_learned: dict[str, str] = {}
         self.clock = clock
         self._wall: WallClock | None = None
         self.on_change = on_change
@@ -414,9 +416,11 @@ class SpeakerService:
             explicit = str(s.local_address) if s.local_address else None
             learned = peer.local_address()
             if learned:
-                self._bfd_learned[key] = (peer, learned)
-            elif (seen := self._bfd_learned.get(key)) is not None and seen[0] is peer:
-                learned = seen[1]  # the connection went: its address stays the session's source
+                self._bfd_learned[key] = learned
+            else:
+                # The connection went (or the Peer was replaced with new settings): its address
+                # stays the session's source, so the session is not replaced (RFC 5881 §3).
+                learned = self._bfd_learned.get(key)
             configured.append((key, explicit))
             wanted[key] = (
                 bfd_source(explicit, learned),
@@ -455,11 +459,12 @@ class SpeakerService:
                     continue
                 self._bfd_peers[key] = (local, settings)
 
-    def _bfd_local_known(self, remote: str) -> None:
+    def _bfd_local_known(self, remote: str, local: str | None) -> None:
         """A connection to ``remote`` has a local address now: a BFD session that was sending
-        from whatever address the kernel chose moves to it."""
+        from whatever address the kernel chose moves to it; one that was sending from another
+        address learned earlier (not a configured ``local_address``) is replaced by one from it."""
         cur = self._bfd_peers.get(remote)
-        if cur is not None and cur[0] is None:
+        if cur is not None and local and cur[0] != local:
             self._sync_bfd()
 
     def _bfd_failed(self, err: OSError) -> None:
@@ -582,7 +587,7 @@ class SpeakerService:
             if not admission:
                 why = admission.reason
             elif self._loop is not None:
-                self._bfd_local_known(remote)
+                self._bfd_local_known(remote, local)
         if why is not None:
             self.speaker.counters["connections refused"] += 1
             self.speaker.limiter.log(
@@ -701,7 +706,7 @@ class SpeakerService:
         self._protocols[action.conn] = proto
         local = _unmap(transport.get_extra_info("sockname")[0])
         self.speaker.connection_made(action.conn, self.clock(), local)
-        self._bfd_local_known(_unmap(action.address))
+        self._bfd_local_known(_unmap(action.address), local)
         self._pump()
         proto.activate()
 

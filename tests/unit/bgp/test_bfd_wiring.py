@@ -30,6 +30,7 @@ class FakeBfd:
         self.opens = 0
         self.listen: set[str] = set()
         self.sessions: dict[str, str | None] = {}  # peer -> local address
+        self.adds: list[tuple[str, str | None]] = []
 
     def open(self, addresses=None) -> None:
         self.opens += 1
@@ -43,6 +44,7 @@ class FakeBfd:
 
     def add(self, peer, local_address=None, settings=None) -> None:
         self.sessions[peer] = local_address
+        self.adds.append((peer, local_address))
 
     def remove(self, peer, *, drain=True) -> None:
         self.sessions.pop(peer, None)
@@ -225,6 +227,31 @@ def test_an_ipv6_peer_gets_no_ipv4_source_from_an_ipv4_listen_address(loop):
     # The BGP connection comes in on another address of ours: BFD sends from that one.
     inbound(svc, "10.1.0.2", local="10.1.0.77")
     assert bfd.sessions["10.1.0.2"] == "10.1.0.77"
+
+
+def test_a_change_of_a_peers_other_settings_keeps_its_bfd_session_and_the_learned_source(loop):
+    # Speaker.set_peers replaces the Peer object on any change (a description too): the BFD
+    # session keeps the source its BGP connection taught it, so it is not replaced (which goes
+    # AdminDown and resets the neighbour's BGP session once more).
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("0.0.0.0", 179))
+    peer = PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, bfd=BFD, description="one")
+    svc.set_peers([peer])
+    inbound(svc, "10.1.0.2", local="10.1.0.77")
+    assert bfd.sessions == {"10.1.0.2": "10.1.0.77"}
+    adds = len(bfd.adds)
+    before = svc.speaker.peers["10.1.0.2"]
+    svc.set_peers([PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, bfd=BFD, description="two")])
+    assert svc.speaker.peers["10.1.0.2"] is not before
+    assert bfd.sessions == {"10.1.0.2": "10.1.0.77"} and len(bfd.adds) == adds
+    # A new connection from another address of ours: BFD follows it.
+    inbound(svc, "10.1.0.2", local="10.1.0.78")
+    assert bfd.sessions == {"10.1.0.2": "10.1.0.78"}
+    # Without BFD the learned source is forgotten: BFD again later starts from the kernel's choice.
+    svc.set_peers([PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True)])
+    assert bfd.sessions == {}
+    svc.set_peers([PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, bfd=BFD)])
+    assert bfd.sessions == {"10.1.0.2": None}
 
 
 def test_a_configured_local_address_is_the_source_and_the_receive_address(loop):
