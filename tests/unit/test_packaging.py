@@ -157,6 +157,18 @@ def test_the_example_configuration_is_valid(capsys):
     assert out.endswith("configuration OK\n")
 
 
+def test_the_example_configuration_works_for_an_ipv6_only_node(capsys):
+    """The sample sets no host-dependent listen address: an IPv6-only node started from it
+    listens for BGP on IPv6 (an IPv4 socket would refuse every peer)."""
+    example = ROOT / "etc" / "agentd.toml"
+    code, out, err = run_cli(
+        capsys, "check-config", "--config", str(example), "--set", "node.name=n1", "--set", "network.ip_family=ipv6",
+        "--set", "node.address_v6=2001:db8::10", "--set", "network.backend=vxlan", "--show",
+    )
+    assert code == 0, err
+    assert json.loads(out)["bgp"]["listen"] == "[::]:179"
+
+
 # ------------------------------------------------------------------ unit file, Dockerfile, docs
 
 
