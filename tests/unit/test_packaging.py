@@ -191,6 +191,13 @@ def test_the_unit_lets_the_agent_write_where_the_defaults_say():
     assert exec_start == f"/usr/local/bin/agentd run --config {DEFAULT_CONFIG_PATH}"
 
 
+def test_the_unit_lets_bpf_maps_be_made_on_kernels_that_charge_them_to_memlock():
+    """Before Linux 5.11 BPF maps count against RLIMIT_MEMLOCK (64 KiB under systemd < 253),
+    and the unit allows neither CAP_SYS_RESOURCE nor setrlimit() to raise it."""
+    assert unit_values("LimitMEMLOCK") == ["infinity"]
+    assert "CAP_SYS_RESOURCE" not in unit_values("CapabilityBoundingSet")[0]
+
+
 def test_dockerfile_copies_what_exists_and_matches_the_unit():
     dockerfile = (ROOT / "Dockerfile").read_text()
     sources = [
