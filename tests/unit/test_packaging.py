@@ -198,6 +198,17 @@ def test_the_unit_lets_bpf_maps_be_made_on_kernels_that_charge_them_to_memlock()
     assert "CAP_SYS_RESOURCE" not in unit_values("CapabilityBoundingSet")[0]
 
 
+def test_the_status_lines_documented_are_the_ones_sent():
+    """docs/operations.md's Type=notify table: each start-up step's STATUS= in the order the
+    agent sends them, then the readiness loop's."""
+    from agentd.daemon.agent import START_STEPS
+
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    documented = re.findall(r"^\| `STATUS=([^`<]*?)(?: <[a-z]+>)?` \|", doc, re.MULTILINE)
+    assert documented == [*START_STEPS, "not ready:"], documented
+    assert "`READY=1` + `STATUS=ready: subnet <subnet>`" in doc
+
+
 def test_dockerfile_copies_what_exists_and_matches_the_unit():
     dockerfile = (ROOT / "Dockerfile").read_text()
     sources = [
