@@ -2,25 +2,13 @@
 applies the whole [log] section."""
 
 import asyncio
-import os
 from ipaddress import IPv4Address, IPv4Network
-
-import pytest
 
 from agentd.config.settings import load_config
 from agentd.daemon.agent import Agent
 from agentd.datastore.store import SubnetLease
 
 CFG = load_config(None, env={}, overrides={"node.address": "10.1.1.1", "node.name": "n1"})
-
-
-@pytest.fixture(autouse=True)
-def _no_agentd_environment(monkeypatch):
-    # A reload reads the configuration as `agentd run` does, the environment's AGENTD_*
-    # variables included: keep the caller's out of these tests.
-    for key in list(os.environ):
-        if key.startswith("AGENTD_"):
-            monkeypatch.delenv(key)
 
 
 def test_a_subnet_taken_by_another_node_stops_the_agent_with_status_1():
