@@ -359,16 +359,19 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if plugin is not None:
         return plugin.run(args)
     if cmd == "leave":
-        path, overrides, cfg = _load(args, parser, host=LocalHost())
+        # Ask the running agent first: that needs [api] listen and the API token only, not the
+        # agent's own files (etcd's TLS files, [api] read_token_file are root's; a token_group
+        # member runs this) nor host facts. The daemon (and its imports), etcd's files and the
+        # host's name and address are only needed to clean etcd up directly when no agent runs.
+        cfg = _load(args, parser, host=None, check_files=False)[2]
         setup_logging(cfg.log.level, cfg.log.format)
-        # Ask the running agent first; the daemon (and its imports) is only needed to clean
-        # etcd up directly when no agent runs.
         try:
             if leave_running_agent(cfg.api.listen.host, cfg.api.listen.port, cfg.api.token_file):
                 return 0
         except LeaveRefused as err:
             sys.stderr.write(f"agentd leave: {err}\n")
             return 1
+        cfg = _load(args, parser, host=LocalHost())[2]
         import uvloop
 
         from agentd.daemon.agent import leave

@@ -773,6 +773,13 @@ def _check_families(ld: _Loader) -> None:
         v["bgp.next_hop_v6"] = v["node.address_v6"]
     if family == "ipv6" and ld.origins["bgp.listen"].rank == 0:
         v["bgp.listen"] = HostPort("::", BgpConfig.listen.port)  # the sessions are IPv6
+    elif family == "ipv6" and ok("bgp.listen") and (at := v["bgp.listen"]) is not None:
+        host = ip_address(at.host)
+        if host.version == 4 or host.ipv4_mapped is not None:
+            # An IPv4 socket: every peer's (IPv6) connection to this node would be refused.
+            ld.key_problem(ld.blame("bgp.listen", "network.ip_family"),
+                           f"{at} is an IPv4 address, but with ip_family = ipv6 the BGP sessions are IPv6: "
+                           f"listen on an IPv6 address, e.g. [::]:{at.port}")
 
 
 def _check_peers(ld: _Loader) -> None:

@@ -77,6 +77,16 @@ log = logging.getLogger("agentd")
 
 AFI = {4: 1, 6: 2}  # IANA address family numbers: IPv4, IPv6 (RFC 4760 §3)
 SAFI_UNICAST = 1
+# systemd's STATUS= through start-up, in order (docs/operations.md, "Type=notify"); then the
+# readiness loop's "not ready: ..." or READY=1 with "ready: ...".
+START_STEPS = (
+    "connecting to etcd",  # and reading (or writing) the cluster's configuration there
+    "acquiring a subnet lease",
+    "programming policy and services",  # the pod fast path, NetworkPolicy, Services, flow records, Ingress
+    "setting up the tunnels",  # the backends, the CNI files, masquerading
+    "registering the node in etcd",
+    "starting BGP",
+)
 
 
 
@@ -231,7 +241,7 @@ class Agent:
 
         self.datastore = datastore_for(cfg)
         self.datastore.on_subnet_lost = self._subnet_lost
-        self.notifier.status("connecting to etcd")
+        self._starting("connecting to etcd")
         await self.datastore.connect()
         self.cluster = await self.datastore.ensure_cluster_config(wanted_cluster(cfg))
         check_cluster(cfg, self.cluster)
@@ -245,6 +255,7 @@ class Agent:
         previous = node_files.previous_subnets(cfg)
         self.tunnels = Tunnels(cfg, self.underlay, self.name, on_node_data=self._node_data_changed,
                                on_paths=self.routes.schedule)
+        self._starting("acquiring a subnet lease")
         for version in self.cluster.versions:
             lease = await self.datastore.acquire_subnet(
                 self.name, self.address, cfg.network.backend, {}, cluster=self.cluster, previous=previous.get(version),
@@ -262,6 +273,7 @@ class Agent:
         # NetworkPolicy: adopt the policy tables as they are; they change only once
         # the resources in etcd have been read (the "policy" task).  Until its first sync says
         # no pod here is isolated, the BPF data path hands no packet to a pod past netfilter.
+        self._starting("programming policy and services")
         fast_path, fast_path_error = await self._open_fast_path()
         if fast_path is not None:
             if fast_path.routed and fast_path.wire is None:
@@ -317,16 +329,19 @@ class Agent:
             self.registry.register(self.ingress.views)
         elif await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir):  # switched off: a previous run's goes
             log.info("[ingress] is off: stopped the proxy a previous agent left and removed its files")
+        self._starting("setting up the tunnels")
         try:
             await self.tunnels.start({v: lease.subnet for v, lease in self.leases.items()})
         except RuntimeError as err:
             raise AgentError(str(err)) from None
         node_files.write_cni_files(cfg, self.cluster, self.leases, self.pod_mtu)
         await self._masquerade()
+        self._starting("registering the node in etcd")
         await self.datastore.register_node(self._node_record())
         await self.datastore.set_subnet_backend_data(self.tunnels.node_data())
 
         # BGP.
+        self._starting("starting BGP")
         self.speaker = Speaker(local_settings(cfg, restarting=self.routes.restarting), now=time.monotonic())
         self.speaker.add_listener(self.routes.on_best_paths)
         listen = (cfg.bgp.listen.host, cfg.bgp.listen.port) if cfg.bgp.listen else None
@@ -337,6 +352,12 @@ class Agent:
         self.service.set_originated([Origination((AFI[version], SAFI_UNICAST), network_to_prefix(lease.subnet))
                                      for version, lease in sorted(self.leases.items())])
         self.routes.bgp_started(float(cfg.bgp.restart_time))
+
+    def _starting(self, step: str) -> None:
+        """systemd's STATUS= while start-up is at ``step`` (one of START_STEPS, as
+        docs/operations.md lists them): `systemctl status` shows where a slow start waits."""
+        assert step in START_STEPS, step
+        self.notifier.status(step)
 
     async def _forwarding(self) -> None:
         """IP forwarding on for each pod family (agentd.kernel.sysctl): before the subnet file

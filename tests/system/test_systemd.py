@@ -354,6 +354,11 @@ async def test_notify_ready_watchdog_stopping(netns_factory, tmp_path):
         assert order[0] == "STATUS" and order[-1] == "STOPPING", order
         assert order.count("READY") == 1 and order.count("STOPPING") == 1
         assert order.index("READY") < order.index("STOPPING")
+        # Start-up named each of its steps, in order, before anything else (docs/operations.md).
+        from agentd.daemon.agent import START_STEPS
+
+        statuses = [line.removeprefix("STATUS=") for _, line in sink.lines() if line.startswith("STATUS=")]
+        assert statuses[: len(START_STEPS)] == list(START_STEPS), statuses
     finally:
         poller.close()
         if agent.poll() is None:

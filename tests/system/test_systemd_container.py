@@ -31,7 +31,10 @@ could not keep them:
   and /run/agentd/subnet.env;
 * docs/operations.md's drop-in that takes CAP_PERFMON away, installed as ``systemctl edit``
   would: the agent starts without it (bounding and ambient sets) and the pod fast path is
-  off, saying why.
+  off, saying why;
+* docs/operations.md's drop-in for a dedicated user in its place: the agent runs as that user
+  below a root-owned, mode 0700 bpffs (as systemd mounts /sys/fs/bpf), and the BPF data path
+  (taking over the root agents' pins), the member filter and the pod fast path are on.
 """
 
 from __future__ import annotations
@@ -91,11 +94,16 @@ s.close()
 '''
 
 
-def perfmon_drop_in() -> str:
-    """docs/operations.md's drop-in that takes CAP_PERFMON away, exactly as the page shows it."""
+def drop_in(marker: str) -> str:
+    """The docs/operations.md drop-in that holds ``marker``, exactly as the page shows it."""
     blocks = re.findall(r"    # systemctl edit agentd\n((?:    [^\n]*\n)+)", (ROOT / "docs" / "operations.md").read_text())
-    (block,) = [b for b in blocks if "~CAP_PERFMON" in b]
+    (block,) = [b for b in blocks if marker in b]
     return "".join(line[4:] + "\n" for line in block.splitlines())
+
+
+def perfmon_drop_in() -> str:
+    """docs/operations.md's drop-in that takes CAP_PERFMON away."""
+    return drop_in("~CAP_PERFMON")
 
 
 class SystemdNode:
@@ -336,3 +344,24 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     assert (int(status["CapBnd"], 16), int(status["CapAmb"], 16)) == (without, without), status
     fast = sd1.api("/status")[1]["policy"]["fast_path"]
     assert not fast["on"] and fast["error"].startswith("the pod fast path needs CAP_PERFMON, which this agent lacks"), fast
+
+    # -- docs/operations.md's drop-in for a dedicated user, in place of that one: the agent runs
+    #    as the user, and the BPF parts stay on (the bpffs is root's, mode 0700, as systemd
+    #    mounts it), taking over the pins the root agents left
+    sd1.sh("systemctl", "stop", "agentd")
+    sd1.sh("useradd", "--system", "--user-group", "--no-create-home", "agentd")
+    sd1.engine.docker("exec", "-i", sd1.container, "sh", "-c",
+                      "cat > /etc/systemd/system/agentd.service.d/override.conf", input=drop_in("User=agentd"))  # fmt: skip
+    sd1.sh("systemctl", "daemon-reload")
+    sd1.sh("systemctl", "start", "agentd")
+    assert sd1.sh("stat", "-c", "%U %a", "/sys/fs/bpf").split() == ["root", "1700"]
+    status = dict(line.split(":\t", 1) for line in sd1.sh("cat", f"/proc/{sd1.main_pid()}/status").splitlines()
+                  if ":\t" in line)  # fmt: skip
+    assert status["Uid"].split()[1] == sd1.sh("id", "-u", "agentd").strip(), status["Uid"]
+    state = sd1.api("/status")[1]
+    backends, fast = state["backends"], state["policy"]["fast_path"]
+    assert backends["bpf"]["active"] and backends["member_filter"]["bpf"] == ["vxlan"], (backends, sd1.journal()[-3000:])
+    assert fast["on"] and fast["pods"] == 2, fast  # (the agent before had none: no CAP_PERFMON)
+    opened = [line for line in sd1.journal().splitlines() if "BPF data path on" in line]
+    assert "adopted the pinned maps" in opened[-1], opened
+    assert sd1.api("/readyz")[0] == 200

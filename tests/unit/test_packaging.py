@@ -157,6 +157,18 @@ def test_the_example_configuration_is_valid(capsys):
     assert out.endswith("configuration OK\n")
 
 
+def test_the_example_configuration_works_for_an_ipv6_only_node(capsys):
+    """The sample sets no host-dependent listen address: an IPv6-only node started from it
+    listens for BGP on IPv6 (an IPv4 socket would refuse every peer)."""
+    example = ROOT / "etc" / "agentd.toml"
+    code, out, err = run_cli(
+        capsys, "check-config", "--config", str(example), "--set", "node.name=n1", "--set", "network.ip_family=ipv6",
+        "--set", "node.address_v6=2001:db8::10", "--set", "network.backend=vxlan", "--show",
+    )
+    assert code == 0, err
+    assert json.loads(out)["bgp"]["listen"] == "[::]:179"
+
+
 # ------------------------------------------------------------------ unit file, Dockerfile, docs
 
 
@@ -177,6 +189,24 @@ def test_the_unit_lets_the_agent_write_where_the_defaults_say():
     # The command the unit runs is where pip (and the Dockerfile) put it, with the default config.
     (exec_start,) = unit_values("ExecStart")
     assert exec_start == f"/usr/local/bin/agentd run --config {DEFAULT_CONFIG_PATH}"
+
+
+def test_the_unit_lets_bpf_maps_be_made_on_kernels_that_charge_them_to_memlock():
+    """Before Linux 5.11 BPF maps count against RLIMIT_MEMLOCK (64 KiB under systemd < 253),
+    and the unit allows neither CAP_SYS_RESOURCE nor setrlimit() to raise it."""
+    assert unit_values("LimitMEMLOCK") == ["infinity"]
+    assert "CAP_SYS_RESOURCE" not in unit_values("CapabilityBoundingSet")[0]
+
+
+def test_the_status_lines_documented_are_the_ones_sent():
+    """docs/operations.md's Type=notify table: each start-up step's STATUS= in the order the
+    agent sends them, then the readiness loop's."""
+    from agentd.daemon.agent import START_STEPS
+
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    documented = re.findall(r"^\| `STATUS=([^`<]*?)(?: <[a-z]+>)?` \|", doc, re.MULTILINE)
+    assert documented == [*START_STEPS, "not ready:"], documented
+    assert "`READY=1` + `STATUS=ready: subnet <subnet>`" in doc
 
 
 def test_dockerfile_copies_what_exists_and_matches_the_unit():

@@ -437,16 +437,34 @@ def adopt_pins(obj: lb.BpfObject, directory: str | os.PathLike) -> list[str]:
 def ensure_dir(bpf_dir: Path, directory: Path) -> None:
     """Make ``directory`` (a namespace's pin directory under ``bpf_dir``), which must be on a
     BPF file system; :class:`BpfUnavailable` says why not."""
-    probe = bpf_dir
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not lb.is_bpffs(str(probe)):
-        raise BpfUnavailable(f"no BPF file system at {bpf_dir} ([agent] bpf_dir): pins need one "
-                             "(systemd mounts /sys/fs/bpf at boot; else `mount -t bpf bpf /sys/fs/bpf`)")
     try:
+        probe = bpf_dir
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not lb.is_bpffs(str(probe)):
+            raise BpfUnavailable(f"no BPF file system at {bpf_dir} ([agent] bpf_dir): pins need one "
+                                 "(systemd mounts /sys/fs/bpf at boot; else `mount -t bpf bpf /sys/fs/bpf`)")
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except PermissionError as err:
+        raise BpfUnavailable(_denied(bpf_dir, directory, err)) from None
     except OSError as err:
         raise BpfUnavailable(f"cannot make {directory}: {err.strerror}") from None
+
+
+def _denied(bpf_dir: Path, directory: Path, err: OSError) -> str:
+    """Why an agent that is not root (or lacks CAP_DAC_OVERRIDE) cannot reach or make its pin
+    directory: the deepest directory on the way that it can see, whose owner and mode stop it
+    (systemd mounts /sys/fs/bpf root's, mode 0700)."""
+    blocker, st = None, None
+    for p in reversed((directory, *directory.parents)):  # "/" first
+        try:
+            st, blocker = p.stat(), p
+        except OSError:
+            break
+    where = "" if blocker is None else f": {blocker} is uid {st.st_uid}'s, mode {st.st_mode & 0o7777:04o}"
+    return (f"cannot make {directory} ([agent] bpf_dir {bpf_dir}): {err.strerror} for uid {os.geteuid()}{where}; "
+            f"an agent that is not root needs {bpf_dir} made its own and reachable before it starts "
+            "(docs/operations.md, the drop-in for a dedicated user)")
 
 
 def pin(directory: Path, fd: int, name: str) -> None:

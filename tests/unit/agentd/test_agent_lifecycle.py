@@ -124,3 +124,71 @@ def test_an_agent_stopping_for_a_lost_subnet_removes_its_node_record():
         return ds.calls
 
     assert asyncio.run(main()) == [("remove_node", "n1"), ("close",)]
+
+
+def test_status_names_each_start_up_step_while_it_waits(monkeypatch):
+    """`systemctl status` during start-up: STATUS= names the step the agent is at -- it once
+    said "connecting to etcd" until the node was started, through a subnet acquisition or a
+    policy start that hung.  Each step is held here until the test lets it go on."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import agent as agent_module
+    from agentd.daemon.agent import START_STEPS
+
+    gate: asyncio.Queue = asyncio.Queue()
+
+    class Programmer:
+        def __init__(self, **_):
+            self.on_sync = None
+
+        async def start(self):
+            pass
+
+    class Store:
+        on_subnet_lost = None
+
+        async def connect(self):
+            await gate.get()
+
+        async def ensure_cluster_config(self, wanted):
+            return wanted
+
+        async def acquire_subnet(self, name, address, backend, data, **_):
+            await gate.get()
+            return SubnetLease(IPv4Network("10.244.7.0/24"), name, address, backend)
+
+    async def no_forwarding(self):
+        pass
+
+    async def fast_path(self):  # the step after the lease: held for good
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(agent_module, "RouteProgrammer", Programmer)
+    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
+    monkeypatch.setattr(agent_module, "Tunnels", lambda *a, **kw: SimpleNamespace())
+    monkeypatch.setattr(agent_module.node_files, "previous_subnets", lambda cfg: {})
+    monkeypatch.setattr(Agent, "_forwarding", no_forwarding)
+    monkeypatch.setattr(Agent, "_open_fast_path", fast_path)
+
+    async def settle():
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    async def main():
+        agent = Agent(CFG)
+        agent.notifier = _Recorder()
+        agent.underlay = SimpleNamespace()
+        agent.routes.adopt = lambda programmer: None  # the kernel's routes: none here
+        start = asyncio.get_running_loop().create_task(agent._start())
+        seen = []
+        for _ in range(3):
+            await settle()
+            seen.append(agent.notifier.sent[-1])
+            await gate.put(None)
+        start.cancel()
+        return seen, agent.notifier.sent
+
+    seen, sent = asyncio.run(main())
+    assert seen == [("STATUS", "connecting to etcd"), ("STATUS", "acquiring a subnet lease"),
+                    ("STATUS", "programming policy and services")]
+    assert [s for _, s in sent] == list(START_STEPS[:3])

@@ -210,3 +210,45 @@ def test_link_pins_are_named_by_program_and_device(tmp_path):
     assert {p.name: v for p, v in pins.links().items()} == {
         "agentd_pod_fast-17": ("agentd_pod_fast", 17), "agentd_egress-2": ("agentd_egress", 2),
         "agentd_pod_wire-2": ("agentd_pod_wire", 2)}
+
+
+def test_a_pin_directory_the_agent_may_not_make_is_one_clear_reason(tmp_path, monkeypatch):
+    """An agent that is not root under systemd: /sys/fs/bpf is root's, mode 0700, so neither
+    looking into it nor making [agent] bpf_dir there works. The reason names the directory in
+    the way, its owner and mode, and where the docs show the fix; never a bare OSError."""
+    from pathlib import Path
+
+    from agentd.dataplane.bpf import datapath
+
+    bpffs = tmp_path / "bpf"
+    bpffs.mkdir(mode=0o700)
+    bpf_dir = bpffs / "agentd"
+    real_stat = Path.stat
+
+    def stat(self, **kw):  # what a user other than the owner meets below a 0700 directory
+        if self.is_relative_to(bpffs) and self != bpffs:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_stat(self, **kw)
+
+    def mkdir(self, *a, **kw):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(libbpf, "is_bpffs", lambda path: True)
+    monkeypatch.setattr(Path, "stat", stat)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(BpfUnavailable) as err:
+        datapath.ensure_dir(bpf_dir, datapath.pin_dir(bpf_dir))
+    reason = str(err.value)
+    assert f"{bpffs} is uid {bpffs.stat().st_uid}'s, mode 0700" in reason, reason
+    assert "Permission denied" in reason and "docs/operations.md" in reason and str(bpf_dir) in reason
+
+
+def test_a_pin_directory_made_before_the_agent_starts_is_used(tmp_path, monkeypatch):
+    """The dedicated user's drop-in makes [agent] bpf_dir before the agent starts."""
+    from agentd.dataplane.bpf import datapath
+
+    bpf_dir = tmp_path / "agentd"
+    bpf_dir.mkdir(mode=0o700)
+    monkeypatch.setattr(libbpf, "is_bpffs", lambda path: True)
+    datapath.ensure_dir(bpf_dir, datapath.pin_dir(bpf_dir))
+    assert datapath.pin_dir(bpf_dir).is_dir() and datapath.pin_dir(bpf_dir).parent == bpf_dir

@@ -318,3 +318,38 @@ def test_flows_help_says_labels_are_all_of_and_other_filters_any_of(capsys):
     label = text[text.index("-l KEY[=VALUE] ") :].split(" --", 1)[0]
     assert code == 0 and "any of" not in label and "all on one end" in label and "every one must hold" in label
     assert "--pod NS/NAME only records whose pod matches (repeat for any of several)" in text
+
+
+def test_leave_asks_the_running_agent_without_reading_etcds_files(capsys, monkeypatch, tmp_path):
+    """A token_group member cannot read root's [etcd] TLS files: POST /leave needs only the
+    token, so `agentd leave` asks the agent before it looks at them; only with no agent
+    answering does it need them (to clean etcd up itself) and then says which one it lacks."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    conf = tmp_path / "agentd.toml"
+    conf.write_text(f"""[node]
+name = "n1"
+address = "192.0.2.10"
+[etcd]
+endpoints = ["https://192.0.2.2:2379"]
+ca = "{tmp_path}/ca.pem"
+cert = "{tmp_path}/cert.pem"
+key = "{tmp_path}/key.pem"
+[api]
+listen = "127.0.0.1:9123"
+token_file = "{tmp_path}/api-token"
+""")
+    asked = []
+
+    def agent(host, port, token_file, answers=True):
+        asked.append((host, port, str(token_file)))
+        return answers
+
+    monkeypatch.setattr(cli, "leave_running_agent", agent)
+    code, _, err = run(capsys, "leave", "--config", str(conf))
+    assert (code, err) == (0, ""), err
+    assert asked == [("127.0.0.1", 9123, f"{tmp_path}/api-token")]
+    # No agent answers: the direct path needs etcd's files, and names the missing one.
+    monkeypatch.setattr(cli, "leave_running_agent", lambda *a: agent(*a, answers=False))
+    code, _, err = run(capsys, "leave", "--config", str(conf))
+    assert code == 1 and len(err.splitlines()) == 1 and "ca.pem" in err, err
+    assert len(asked) == 2

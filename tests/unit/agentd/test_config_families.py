@@ -173,3 +173,15 @@ def test_a_cluster_whose_service_range_overlaps_its_pod_network_is_named_at_star
     v4 = load_config(env={}, host=Host())
     check_cluster(v4, wanted_cluster(v4))
     assert "overlaps" not in caplog.text
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:179", "192.0.2.10:1179", "[::ffff:192.0.2.10]:179"])
+def test_ipv6_only_refuses_an_ipv4_bgp_listen_address(listen):
+    # An IPv4 socket in an IPv6-only cluster: every peer's connection would be refused.
+    env = {"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "vxlan", "AGENTD_BGP_LISTEN": listen}
+    (line,) = lines(env)
+    assert line.startswith(f"AGENTD_BGP_LISTEN={listen}: [bgp] listen: ") and "ip_family = ipv6" in line
+    assert "[::]:" in line
+    # IPv6 and dual keep whatever IPv4 or IPv6 listen address is set.
+    assert lines({**env, "AGENTD_BGP_LISTEN": "[::]:179"}) == []
+    assert lines({**env, "AGENTD_NETWORK_IP_FAMILY": "dual"}) == []
