@@ -82,6 +82,7 @@ PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
 
 _L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 ND_TYPES = ["nd-router-solicit", "nd-router-advert", "nd-neighbor-solicit", "nd-neighbor-advert"]
+OTHER_FAMILY_ND = ["nd-router-solicit", "nd-neighbor-solicit", "nd-neighbor-advert"]  # what a pod may send of IPv6 where it has none
 
 
 def pod_chain(direction: str, namespace: str, name: str) -> str:
@@ -121,7 +122,11 @@ def base_objects(
     # Neighbour discovery is never routed, but where br_netfilter hands bridged frames to the
     # IP hooks (bridge-nf-call-ip6tables, which kubelet hosts and Docker turn on) it crosses
     # the forward hook too: isolation must not take it away.
-    nd = (rule_text([match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT]),) if 6 in families else ()
+    # Only with hop limit 255, which no routed packet has (the node decrements it before the
+    # forward hook) and every neighbour discovery message must have (RFC 4861): routed ICMPv6
+    # of these types is judged like any other packet.
+    nd = (rule_text([match(payload("icmpv6", "type"), {"set": ND_TYPES}), match(payload("ip6", "hoplimit"), 255), ACCEPT]),
+          ) if 6 in families else ()  # fmt: skip
 
     inet: list[Any] = [
         *(NftSet(INET, TABLE, f.name(m), (f.addr,), map="verdict") for f in fams for m in (EGRESS_MAP, INGRESS_MAP)),
@@ -149,7 +154,19 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     to_host = {"mangle": {"key": meta("pkttype"), "value": "host"}}
     unicast_other = match(meta("pkttype"), "other")  # not for the bridge, not broadcast/multicast
     from_pod = match(meta("iifname"), ref("pod-ports"))
-    prerouting: list[list[dict[str, Any]]] = []
+    prerouting: list[list[dict[str, Any]]] = [
+        # A VLAN tag hides the frame's type from every ``ether type`` match below (the kernel
+        # reads the tag's type, 802.1Q), while the receiving pod treats VID 0 as untagged:
+        # pods send no tagged frames.
+        [from_pod, match(payload("ether", "type"), {"set": ["8021q", "8021ad"]}), *_spoofed(log)],
+    ]
+    versions = {f.version for f in fams}
+    if 4 not in versions:  # an IPv6-only cluster: no IPv4 (nor ARP) leaves a pod, to be routed unjudged
+        prerouting.append([from_pod, match(payload("ether", "type"), {"set": ["ip", "arp"]}), *_spoofed(log)])
+    if 6 not in versions:  # an IPv4-only cluster: no IPv6 but neighbour discovery (RA guard included)
+        ip6 = match(payload("ether", "type"), "ip6")
+        prerouting += [[from_pod, ip6, match(meta("l4proto"), "ipv6-icmp", "!="), *_spoofed(log)],
+                       [from_pod, ip6, match(payload("icmpv6", "type"), {"set": OTHER_FAMILY_ND}, "!="), *_spoofed(log)]]
     routed_up: list[list[dict[str, Any]]] = []
     for f in fams:
         ether = match(payload("ether", "type"), f.proto)
@@ -173,6 +190,12 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         else:
             # A pod's IPv4 packets carry its own address, or are dropped (and logged: flow records).
             prerouting.append([ether, from_pod, own, *_spoofed(log)])
+            # So do its ARP packets (the sender address, which every receiver's neighbour cache
+            # takes: "B's address is at my MAC" would draw B's traffic to this pod), but for
+            # address probes, which come from 0.0.0.0 (RFC 5227) and update no cache.
+            prerouting.append([match(payload("ether", "type"), "arp"), from_pod, match(payload("arp", "saddr ip"), "0.0.0.0", "!="),
+                               match({"concat": [meta("iifname"), payload("arp", "saddr ip")]}, ref(f.name("pod-addrs")), "!="),
+                               *_spoofed(log)])  # fmt: skip
         routed_up += [
             # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
             # pod's own host-side MAC, a local FDB entry of the bridge).
@@ -183,7 +206,9 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
              {"mangle": {"key": payload("ether", "daddr"), "value": {"map": {"key": f.daddr(), "data": ref(f.name("addr-macs"))}}}}],
         ]  # fmt: skip
     prerouting += routed_up
-    both = match(payload("ether", "type"), {"set": ["ip", "ip6"]})
+    # Tagged frames to or from an isolated pod too (from a port that is not a pod's: no
+    # prerouting rule dropped them).
+    both = match(payload("ether", "type"), {"set": ["ip", "ip6", "8021q", "8021ad"]})
     forward = [
         [match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
         [both, match(meta("oifname"), ref("isolated-in-ports")), {"counter": None}, DROP],
