@@ -21,9 +21,11 @@ Where packets are judged (see docs/policy.md for the picture):
   (``meta pkttype set host`` and a destination MAC the bridge delivers locally: the host side
   of a pod's own veth), so they are routed back out of the bridge, through conntrack and the
   inet chains like any other traffic.  It also drops frames whose source address is not the
-  pod's own (a pod must not borrow another's identity), and what still crosses the bridge
-  to or from an isolated pod without being routed (IPv4 broadcast and multicast, IPv6 other
-  than neighbour discovery).
+  pod's own (a pod must not borrow another's identity; ARP's sender address too), VLAN-tagged
+  frames from pods (the tag hides the frame's type from every ``ether type`` match), the
+  family a single-family cluster has not (nothing would judge it once routed), and what
+  still crosses the bridge to or from an isolated pod without being routed (IPv4 broadcast
+  and multicast, IPv6 other than neighbour discovery).
 
 Drop records (flow visibility, ``agentd.flows``): with a :class:`DropLog`, each pod chain's
 drop is preceded by a rate-limited ``log group N prefix "<the chain's name>"`` rule (NFLOG:
@@ -112,7 +114,7 @@ def base_objects(
     ``stateful``: some local pod is isolated.  Only then do the base chains look at conntrack
     (a ct expression makes the kernel track every packet of the namespace): a node without
     isolated pods pays no connection tracking for policy.  ``families``: the IP versions
-    pods have addresses of (an IPv4-only node's tables hold nothing of IPv6)."""
+    pods have addresses of (an IPv4-only node's tables hold no IPv6 set or address match)."""
     fams = rows(families)
     established = (rule_text([ESTABLISHED, ACCEPT]),) if stateful else ()
 
