@@ -41,8 +41,10 @@ every object that holds addresses has an IPv6 twin beside it, named with a ``6``
 the ``ip`` one, and a pod is in the sets of both families with both its addresses.  The
 bridge table checks IPv6 sources as it checks IPv4 ones (link-local sources and the
 unspecified source of duplicate address detection aside), drops router advertisements and
-redirects from pods (they are no routers), and lets neighbour discovery pass untouched, to
-and from isolated pods alike: it is never routed up, so isolation never breaks it.
+redirects from pods (they are no routers), drops their neighbour advertisements for
+addresses not their own (``na/<port>`` chains, :func:`compile_na_chain`), and lets neighbour
+discovery pass otherwise untouched, to and from isolated pods alike: it is never routed up,
+so isolation never breaks it.
 
 Selector members are set elements: each rule has a set of its peer pods' addresses
 (``np-in/<ns>/<policy>/<rule>/pods``) and, with named ports, a set of (address, protocol,
@@ -57,8 +59,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from agentd.nft.expr import (
-    ACCEPT, DROP, ESTABLISHED, SUPPRESSED, AddressFamily, DropLog, families as rows, jump, match, meta, object_name,
-    payload, prefix, ref,
+    ACCEPT, DROP, ESTABLISHED, RETURN, SUPPRESSED, AddressFamily, DropLog, families as rows, jump, match, meta,
+    object_name, payload, prefix, ref,
 )  # fmt: skip
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, rule_text
 
@@ -79,6 +81,8 @@ INGRESS_MAP = "ingress-pods"
 BRIDGES = "bridges"
 SPOOFED = "spoofed"
 
+NA_PORTS = "na-ports"  # pod port -> its chain of the targets its neighbour advertisements may have
+
 SPOOFED_PREFIX = "spoofed"
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
 
@@ -93,6 +97,25 @@ def pod_chain(direction: str, namespace: str, name: str) -> str:
 
 def policy_chain(direction: str, policy: Policy) -> str:
     return object_name(f"np-{direction}", policy.namespace, policy.name)
+
+
+def na_chain(interface: str) -> str:
+    return f"na/{interface}"
+
+
+# A neighbour advertisement's target address: 8 bytes into the ICMPv6 header (nftables 1.0.6
+# has no name for it, so it is a raw payload, compared with numbers).
+_NA_TARGET = {"payload": {"base": "th", "offset": 64, "len": 128}}
+_NA_TARGET_NOT_LINK_LOCAL = match({"&": [{"payload": {"base": "th", "offset": 64, "len": 16}}, 0xFFC0]}, 0xFE80, "!=")
+
+
+def compile_na_chain(interface: str, addresses: Iterable[str], log: DropLog | None = None) -> NftChain:
+    """``na/<interface>``: the pod port's neighbour advertisements (with a target that is not
+    link-local) go on only for the pod's own IPv6 addresses; the others are spoofed."""
+    from ipaddress import IPv6Address
+
+    rules = [rule_text([match(_NA_TARGET, f"0x{int(IPv6Address(a)):032x}"), RETURN]) for a in sorted(addresses)]
+    return NftChain(BRIDGE, TABLE, na_chain(interface), (*rules, rule_text(_spoofed(log))))
 
 
 def drop_prefix(chain: str) -> str:
@@ -181,6 +204,10 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
                 # Pods are no routers: their router advertisements and redirects would move
                 # the other pods' routes (RFC 6105's RA guard, on every pod port).
                 [ether, from_pod, match(payload(f.icmp, "type"), {"set": ["nd-router-advert", f.redirect]}), *_spoofed(log)],
+                # Its neighbour advertisements claim only its own addresses ("B is at my MAC"
+                # would draw B's traffic to this pod): each pod port's chain (compile_na_chain).
+                [ether, from_pod, match(payload(f.icmp, "type"), "nd-neighbor-advert"), _NA_TARGET_NOT_LINK_LOCAL,
+                 {"vmap": {"key": meta("iifname"), "data": ref(NA_PORTS)}}],
                 # Duplicate address detection (and MLD before it) comes from the unspecified address.
                 [ether, match(f.saddr(), "::"), match(meta("l4proto"), "ipv6-icmp"), ACCEPT],
                 # A pod's IPv6 packets carry its own address or a link-local one, or are dropped.
@@ -230,6 +257,7 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         *(NftSet(BRIDGE, TABLE, f.name("isolated-addrs"), (f.addr,)) for f in fams),
         NftSet(BRIDGE, TABLE, "port-macs", ("ifname",), map="ether_addr"),
         *(NftSet(BRIDGE, TABLE, f.name("addr-macs"), (f.addr,), map="ether_addr") for f in fams),
+        *([NftSet(BRIDGE, TABLE, NA_PORTS, ("ifname",), map="verdict")] if any(f.version == 6 for f in fams) else []),
         NftCounter(BRIDGE, TABLE, SPOOFED),
         NftChain(BRIDGE, TABLE, "prerouting", tuple(rule_text(r) for r in prerouting),
                  hook=("filter", "prerouting", BRIDGE_PRIORITY, "accept")),

@@ -28,6 +28,15 @@ class Missing(Exception):
 
 
 def _value(expr: Any, frame: dict[Any, Any]) -> Any:
+    if "payload" in expr and "base" in expr["payload"]:  # raw: the only one is a NA's target (or its first bits)
+        raw = expr["payload"]
+        assert (raw["base"], raw["offset"]) == ("th", 64), raw
+        if ("na", "target") not in frame:
+            raise Missing(raw)
+        return int(ipaddress.IPv6Address(frame[("na", "target")])) >> (128 - raw["len"])
+    if "&" in expr:
+        left, mask = expr["&"]
+        return _value(left, frame) & mask
     if "payload" in expr:
         key: tuple[str, ...] = ("payload", expr["payload"]["protocol"], expr["payload"]["field"])
     elif "meta" in expr:
@@ -49,6 +58,8 @@ def _literal(right: Any, value: Any) -> bool:
     if isinstance(right, dict) and "prefix" in right:
         net = ipaddress.ip_network(f"{right['prefix']['addr']}/{right['prefix']['len']}")
         return ipaddress.ip_address(value) in net
+    if isinstance(right, str) and right.startswith("0x"):
+        return value == int(right, 16)
     if isinstance(right, str) and ":" in right and isinstance(value, str) and ":" in value:
         return ipaddress.ip_address(right) == ipaddress.ip_address(value)
     return value == right
@@ -93,7 +104,23 @@ def run(rs: Ruleset, family: str, chain: str, frame: dict[Any, Any]) -> tuple[st
             elif "mangle" in stmt:
                 return "up", counted  # handed up to the node's IP stack (the rest of the rule only mangles)
             elif "vmap" in stmt:
-                break  # the inet dispatch: a pod's chain (not what these tests look at)
+                if family == "inet":
+                    break  # the inet dispatch: a pod's chain (not what these tests look at)
+                try:
+                    key = str(_value(stmt["vmap"]["key"], frame))
+                except Missing:
+                    break
+                m = rs.objects[(family, compiler.TABLE, "set", stmt["vmap"]["data"][1:])]
+                target = dict(m.elements).get(key)  # type: ignore[union-attr]
+                if target is None:
+                    break
+                verdict, more = run(rs, family, target[1], frame)
+                counted += more
+                if verdict is not None:
+                    return verdict, counted
+                break
+            elif "return" in stmt:
+                return None, counted
             else:
                 raise AssertionError(f"unexpected statement {stmt}")
     return None, counted
@@ -182,3 +209,23 @@ def test_arp_from_a_pod_claims_only_its_own_address():
         assert run(rs, "bridge", "prerouting", arp("veth0", A4))[0] is None
         assert run(rs, "bridge", "prerouting", arp("veth0", "0.0.0.0"))[0] is None  # an address probe (RFC 5227)
         assert run(rs, "bridge", "prerouting", arp("eth9", B4))[0] is None  # not a pod port: not checked (docs/policy.md, Pods)
+
+
+def na(iif: str, source: str, target: str) -> dict[Any, Any]:
+    return {**ip_frame(iif, source, "ff02::1", extra={("meta", "l4proto"): "ipv6-icmp"}),
+            ("payload", "icmpv6", "type"): "nd-neighbor-advert", ("na", "target"): target}  # fmt: skip
+
+
+def test_a_neighbour_advertisement_from_a_pod_claims_only_its_own_address():
+    """The IPv6 twin of ARP's check, on the advertisement's target (what a neighbour cache
+    takes), whatever the source: the unspecified one included (accepted further down for
+    duplicate address detection)."""
+    for families in ((6,), (4, 6)):
+        rs = engine(families)
+        for source in (A6, "fe80::1", "::"):
+            assert run(rs, "bridge", "prerouting", na("veth0", source, B6)) == ("drop", ["spoofed"]), source
+            assert run(rs, "bridge", "prerouting", na("veth0", source, "fd00:10:244:1::1"))[0] == "drop"  # nor the gateway's
+        assert run(rs, "bridge", "prerouting", na("veth0", A6, A6))[0] == "accept"  # its own: neighbour discovery as ever
+        assert run(rs, "bridge", "prerouting", na("veth0", "fe80::1", "fe80::1"))[0] == "accept"  # link-local: not checked
+        assert run(rs, "bridge", "prerouting", na("veth1", B6, B6))[0] == "accept"
+        assert run(rs, "bridge", "prerouting", na("eth9", "fe80::1", B6))[0] == "accept"  # not a pod port
