@@ -186,12 +186,14 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         [from_pod, match(payload("ether", "type"), {"set": ["8021q", "8021ad"]}), *_spoofed(log)],
     ]
     versions = {f.version for f in fams}
-    if 4 not in versions:  # an IPv6-only cluster: no IPv4 (nor ARP) leaves a pod, to be routed unjudged
-        prerouting.append([from_pod, match(payload("ether", "type"), {"set": ["ip", "arp"]}), *_spoofed(log)])
+    # The family the cluster has not leaves no pod, to be routed unjudged: dropped, not counted
+    # as spoofed (a pod's kernel sends some of it unasked, such as MLD reports at link up).
+    if 4 not in versions:  # an IPv6-only cluster: no IPv4, nor ARP
+        prerouting.append([from_pod, match(payload("ether", "type"), {"set": ["ip", "arp"]}), DROP])
     if 6 not in versions:  # an IPv4-only cluster: no IPv6 but neighbour discovery (RA guard included)
         ip6 = match(payload("ether", "type"), "ip6")
-        prerouting += [[from_pod, ip6, match(meta("l4proto"), "ipv6-icmp", "!="), *_spoofed(log)],
-                       [from_pod, ip6, match(payload("icmpv6", "type"), {"set": OTHER_FAMILY_ND}, "!="), *_spoofed(log)]]
+        prerouting += [[from_pod, ip6, match(meta("l4proto"), "ipv6-icmp", "!="), DROP],
+                       [from_pod, ip6, match(payload("icmpv6", "type"), {"set": OTHER_FAMILY_ND}, "!="), DROP]]
     routed_up: list[list[dict[str, Any]]] = []
     for f in fams:
         ether = match(payload("ether", "type"), f.proto)
