@@ -461,9 +461,9 @@ print(",".join(seen), flush=True)
 SEND_ND_TYPES = """
 import socket, sys
 s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)  # the kernel fills in the checksum
-target = socket.inet_pton(socket.AF_INET6, sys.argv[1])
+target = socket.inet_pton(socket.AF_INET6, sys.argv[2])  # the sender's own (what the bridge table lets an advertisement claim)
 for kind in (135, 136):  # a neighbour solicitation and advertisement in form, routed (hop limit 64), any payload
-    s.sendto(bytes([kind, 0, 0, 0]) + bytes(4) + target + sys.argv[2].encode(), (sys.argv[1], 0))
+    s.sendto(bytes([kind, 0, 0, 0]) + bytes(4) + target + sys.argv[3].encode(), (sys.argv[1], 0))
 """
 
 MARK = """
@@ -485,7 +485,7 @@ async def test_routed_icmpv6_of_neighbour_discovery_types_is_judged(node: Node):
             assert listener.stdout is not None
             assert (await asyncio.to_thread(listener.stdout.readline)).strip() == "ready"
             for name in ("a", "b"):  # b is not isolated: its copy arrives (the control)
-                await asyncio.to_thread(node.pods[name].exec, sys.executable, "-c", SEND_ND_TYPES, r6, f"from-{name}")
+                await asyncio.to_thread(node.pods[name].exec, sys.executable, "-c", SEND_ND_TYPES, r6, PODS[name][2], f"from-{name}")
             await asyncio.to_thread(node.ns.exec, sys.executable, "-c", MARK, r6)
             seen = (await asyncio.to_thread(listener.stdout.readline)).strip().split(",")
         finally:
@@ -533,3 +533,39 @@ async def test_arp_from_a_pod_cannot_claim_another_pods_address(node: Node):
     finally:
         for ns, dev in ((node.ns, "cni0"), (a, "eth0")):
             ns.ip("neigh", "flush", "dev", dev, check=False)
+
+
+SEND_NA = """
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 255)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, socket.if_nametoindex("eth0"))
+# An unsolicited advertisement with the override flag, from the link-local address, to every
+# node of the link: "<target> is at <MAC>" (its target link-layer address option).
+na = bytes([136, 0, 0, 0, 0x20, 0, 0, 0]) + socket.inet_pton(socket.AF_INET6, sys.argv[1]) + bytes([2, 1]) + bytes.fromhex(sys.argv[2])
+for _ in range(3):
+    s.sendto(na, ("ff02::1", 0))
+"""
+
+
+async def test_a_neighbour_advertisement_from_a_pod_cannot_claim_another_pods_address(node: Node):
+    """Pod c advertises "b's IPv6 address is at my MAC": the node's and pod a's neighbour
+    entries for b keep b's MAC."""
+    a, b, c = node.pods["a"], node.pods["b"], node.pods["c"]
+    b6, c6 = PODS["b"][2], PODS["c"][2]
+    b_mac, c_mac = mac_of(b, "eth0"), mac_of(c, "eth0")
+    try:
+        before = await asyncio.to_thread(node.spoofed)
+        await asyncio.to_thread(node.ns.exec, "ping", "-c", "1", "-W", "2", b6)
+        await asyncio.to_thread(a.exec, "ping", "-c", "1", "-W", "2", b6)
+        assert lladdr(node.ns, b6, "cni0") == lladdr(a, b6, "eth0") == b_mac.hex(":")
+        await asyncio.to_thread(c.exec, sys.executable, "-c", SEND_NA, b6, c_mac.hex())
+        assert (lladdr(node.ns, b6, "cni0"), lladdr(a, b6, "eth0")) == (b_mac.hex(":"), b_mac.hex(":"))
+        assert await asyncio.to_thread(node.spoofed) >= before + 3
+        # c's own address it may advertise (the control: the advertisement is a good one).
+        await asyncio.to_thread(node.ns.exec, "ping", "-c", "1", "-W", "2", c6)
+        await asyncio.to_thread(c.exec, sys.executable, "-c", SEND_NA, c6, "020000000099")
+        assert lladdr(node.ns, c6, "cni0") == "02:00:00:00:00:99"
+    finally:
+        for ns, dev in ((node.ns, "cni0"), (a, "eth0")):
+            ns.ip("-6", "neigh", "flush", "dev", dev, check=False)
