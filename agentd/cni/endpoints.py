@@ -340,8 +340,12 @@ def unacknowledged(data_dir: str | os.PathLike[str], containers: set[str]) -> se
 # ------------------------------------------------------------------ the agent's side
 
 
-def read_all(data_dir: str | os.PathLike[str], reported: set[str] | None = None) -> dict[str, Endpoint]:
-    """Every endpoint file, by container ID; unreadable ones are logged once and skipped."""
+def read_all(
+    data_dir: str | os.PathLike[str], reported: set[str] | None = None, unreadable: set[str] | None = None
+) -> dict[str, Endpoint]:
+    """Every endpoint file, by container ID; unreadable ones are logged once and skipped (their
+    container IDs, the files' names, added to ``unreadable``: such a file is still there).
+    A file that is gone as it is read is just gone."""
     directory = endpoints_dir(data_dir)
     out: dict[str, Endpoint] = {}
     try:
@@ -359,9 +363,11 @@ def read_all(data_dir: str | os.PathLike[str], reported: set[str] | None = None)
             continue
         except (OSError, ValueError, TypeError) as err:
             if reported is None or path not in reported:
-                log.warning("ignoring endpoint file %s: %s", path, err)
+                log.warning("cannot read endpoint file %s: %s", path, err)
                 if reported is not None:
                     reported.add(path)
+            if unreadable is not None:
+                unreadable.add(name[: -len(SUFFIX)])
             continue
         out[ep.container_id] = ep
     return out

@@ -248,6 +248,7 @@ def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = Non
     element_dels: list[dict[str, Any]] = []
     flushes: list[dict[str, Any]] = []
     deletes: list[dict[str, Any]] = []
+    verdict_maps: list[dict[str, Any]] = []
 
     for table in sorted(desired.tables - current.tables):
         adds.append({"add": {"table": {"family": table[0], "name": table[1]}}})
@@ -309,11 +310,16 @@ def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = Non
         if isinstance(have, NftChain):
             flushes.append({"flush": {"chain": _obj_ref(have)["chain"]}})
             deletes.append({"delete": {"chain": _obj_ref(have)["chain"]}})
+        elif isinstance(have, NftSet) and have.map == "verdict":
+            verdict_maps.append({"delete": _obj_ref(have)})  # its elements may jump to chains going too
         else:
             deletes.append({"delete": _obj_ref(have)})
     # Deleting a chain needs its jumps gone first (rules flushed above, vmap elements
-    # deleted above); sets, maps and counters go after every chain that used them.
+    # deleted above, verdict maps that go with the chains deleted before them: the rules
+    # that used them are flushed above); sets, maps and counters go after every chain that
+    # used them.
     deletes.sort(key=lambda c: 0 if "chain" in c["delete"] else 1)
+    deletes = verdict_maps + deletes
 
     gone_tables = sorted(current.tables - desired.tables)
     if gone_tables:

@@ -264,6 +264,8 @@ class PolicyAgent:
     async def _rescan_loop(self) -> None:
         while True:
             self._rescan()
+            if self.fast_path is not None and self.fast_path_error is not None:
+                self._wake.set()  # a failed fast-path update: retried (below) without waiting for a change
             await asyncio.sleep(RESCAN_INTERVAL)
 
     def _rescan(self) -> None:
@@ -313,6 +315,8 @@ class PolicyAgent:
             if not (self._have_snapshot and self.publisher.have_local):
                 continue  # keep what the kernel has until we know the whole picture
             if not self.engine.dirty and self.programmer.current is not None and self.applied_at is not None:
+                if self.fast_path_error is not None:  # its last update failed: the map may point at a gone veth
+                    await self._update_fast_path()
                 released, self._released = self._released, set()
                 await self._flush_released(released)
                 self._applied(self.revision)

@@ -21,9 +21,11 @@ Where packets are judged (see docs/policy.md for the picture):
   (``meta pkttype set host`` and a destination MAC the bridge delivers locally: the host side
   of a pod's own veth), so they are routed back out of the bridge, through conntrack and the
   inet chains like any other traffic.  It also drops frames whose source address is not the
-  pod's own (a pod must not borrow another's identity), and what still crosses the bridge
-  to or from an isolated pod without being routed (IPv4 broadcast and multicast, IPv6 other
-  than neighbour discovery).
+  pod's own (a pod must not borrow another's identity; ARP's sender address too), VLAN-tagged
+  frames from pods (the tag hides the frame's type from every ``ether type`` match), the
+  family a single-family cluster has not (nothing would judge it once routed), and what
+  still crosses the bridge to or from an isolated pod without being routed (IPv4 broadcast
+  and multicast, IPv6 other than neighbour discovery).
 
 Drop records (flow visibility, ``agentd.flows``): with a :class:`DropLog`, each pod chain's
 drop is preceded by a rate-limited ``log group N prefix "<the chain's name>"`` rule (NFLOG:
@@ -39,8 +41,10 @@ every object that holds addresses has an IPv6 twin beside it, named with a ``6``
 the ``ip`` one, and a pod is in the sets of both families with both its addresses.  The
 bridge table checks IPv6 sources as it checks IPv4 ones (link-local sources and the
 unspecified source of duplicate address detection aside), drops router advertisements and
-redirects from pods (they are no routers), and lets neighbour discovery pass untouched, to
-and from isolated pods alike: it is never routed up, so isolation never breaks it.
+redirects from pods (they are no routers), drops their neighbour advertisements for
+addresses not their own (``na/<port>`` chains, :func:`compile_na_chain`), and lets neighbour
+discovery pass otherwise untouched, to and from isolated pods alike: it is never routed up,
+so isolation never breaks it.
 
 Selector members are set elements: each rule has a set of its peer pods' addresses
 (``np-in/<ns>/<policy>/<rule>/pods``) and, with named ports, a set of (address, protocol,
@@ -55,8 +59,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from agentd.nft.expr import (
-    ACCEPT, DROP, ESTABLISHED, SUPPRESSED, AddressFamily, DropLog, families as rows, jump, match, meta, object_name,
-    payload, prefix, ref,
+    ACCEPT, DROP, ESTABLISHED, RETURN, SUPPRESSED, AddressFamily, DropLog, families as rows, jump, match, meta,
+    object_name, payload, prefix, ref,
 )  # fmt: skip
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, rule_text
 
@@ -77,11 +81,14 @@ INGRESS_MAP = "ingress-pods"
 BRIDGES = "bridges"
 SPOOFED = "spoofed"
 
+NA_PORTS = "na-ports"  # pod port -> its chain of the targets its neighbour advertisements may have
+
 SPOOFED_PREFIX = "spoofed"
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
 
 _L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
 ND_TYPES = ["nd-router-solicit", "nd-router-advert", "nd-neighbor-solicit", "nd-neighbor-advert"]
+OTHER_FAMILY_ND = ["nd-router-solicit", "nd-neighbor-solicit", "nd-neighbor-advert"]  # what a pod may send of IPv6 where it has none
 
 
 def pod_chain(direction: str, namespace: str, name: str) -> str:
@@ -90,6 +97,25 @@ def pod_chain(direction: str, namespace: str, name: str) -> str:
 
 def policy_chain(direction: str, policy: Policy) -> str:
     return object_name(f"np-{direction}", policy.namespace, policy.name)
+
+
+def na_chain(interface: str) -> str:
+    return f"na/{interface}"
+
+
+# A neighbour advertisement's target address: 8 bytes into the ICMPv6 header (nftables 1.0.6
+# has no name for it, so it is a raw payload, compared with numbers).
+_NA_TARGET = {"payload": {"base": "th", "offset": 64, "len": 128}}
+_NA_TARGET_NOT_LINK_LOCAL = match({"&": [{"payload": {"base": "th", "offset": 64, "len": 16}}, 0xFFC0]}, 0xFE80, "!=")
+
+
+def compile_na_chain(interface: str, addresses: Iterable[str], log: DropLog | None = None) -> NftChain:
+    """``na/<interface>``: the pod port's neighbour advertisements (with a target that is not
+    link-local) go on only for the pod's own IPv6 addresses; the others are spoofed."""
+    from ipaddress import IPv6Address
+
+    rules = [rule_text([match(_NA_TARGET, f"0x{int(IPv6Address(a)):032x}"), RETURN]) for a in sorted(addresses)]
+    return NftChain(BRIDGE, TABLE, na_chain(interface), (*rules, rule_text(_spoofed(log))))
 
 
 def drop_prefix(chain: str) -> str:
@@ -111,7 +137,7 @@ def base_objects(
     ``stateful``: some local pod is isolated.  Only then do the base chains look at conntrack
     (a ct expression makes the kernel track every packet of the namespace): a node without
     isolated pods pays no connection tracking for policy.  ``families``: the IP versions
-    pods have addresses of (an IPv4-only node's tables hold nothing of IPv6)."""
+    pods have addresses of (an IPv4-only node's tables hold no IPv6 set or address match)."""
     fams = rows(families)
     established = (rule_text([ESTABLISHED, ACCEPT]),) if stateful else ()
 
@@ -121,7 +147,11 @@ def base_objects(
     # Neighbour discovery is never routed, but where br_netfilter hands bridged frames to the
     # IP hooks (bridge-nf-call-ip6tables, which kubelet hosts and Docker turn on) it crosses
     # the forward hook too: isolation must not take it away.
-    nd = (rule_text([match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT]),) if 6 in families else ()
+    # Only with hop limit 255, which no routed packet has (the node decrements it before the
+    # forward hook) and every neighbour discovery message must have (RFC 4861): routed ICMPv6
+    # of these types is judged like any other packet.
+    nd = (rule_text([match(payload("icmpv6", "type"), {"set": ND_TYPES}), match(payload("ip6", "hoplimit"), 255), ACCEPT]),
+          ) if 6 in families else ()  # fmt: skip
 
     inet: list[Any] = [
         *(NftSet(INET, TABLE, f.name(m), (f.addr,), map="verdict") for f in fams for m in (EGRESS_MAP, INGRESS_MAP)),
@@ -149,7 +179,21 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     to_host = {"mangle": {"key": meta("pkttype"), "value": "host"}}
     unicast_other = match(meta("pkttype"), "other")  # not for the bridge, not broadcast/multicast
     from_pod = match(meta("iifname"), ref("pod-ports"))
-    prerouting: list[list[dict[str, Any]]] = []
+    prerouting: list[list[dict[str, Any]]] = [
+        # A VLAN tag hides the frame's type from every ``ether type`` match below (the kernel
+        # reads the tag's type, 802.1Q), while the receiving pod treats VID 0 as untagged:
+        # pods send no tagged frames.
+        [from_pod, match(payload("ether", "type"), {"set": ["8021q", "8021ad"]}), *_spoofed(log)],
+    ]
+    versions = {f.version for f in fams}
+    # The family the cluster has not leaves no pod, to be routed unjudged: dropped, not counted
+    # as spoofed (a pod's kernel sends some of it unasked, such as MLD reports at link up).
+    if 4 not in versions:  # an IPv6-only cluster: no IPv4, nor ARP
+        prerouting.append([from_pod, match(payload("ether", "type"), {"set": ["ip", "arp"]}), DROP])
+    if 6 not in versions:  # an IPv4-only cluster: no IPv6 but neighbour discovery (RA guard included)
+        ip6 = match(payload("ether", "type"), "ip6")
+        prerouting += [[from_pod, ip6, match(meta("l4proto"), "ipv6-icmp", "!="), DROP],
+                       [from_pod, ip6, match(payload("icmpv6", "type"), {"set": OTHER_FAMILY_ND}, "!="), DROP]]
     routed_up: list[list[dict[str, Any]]] = []
     for f in fams:
         ether = match(payload("ether", "type"), f.proto)
@@ -162,6 +206,10 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
                 # Pods are no routers: their router advertisements and redirects would move
                 # the other pods' routes (RFC 6105's RA guard, on every pod port).
                 [ether, from_pod, match(payload(f.icmp, "type"), {"set": ["nd-router-advert", f.redirect]}), *_spoofed(log)],
+                # Its neighbour advertisements claim only its own addresses ("B is at my MAC"
+                # would draw B's traffic to this pod): each pod port's chain (compile_na_chain).
+                [ether, from_pod, match(payload(f.icmp, "type"), "nd-neighbor-advert"), _NA_TARGET_NOT_LINK_LOCAL,
+                 {"vmap": {"key": meta("iifname"), "data": ref(NA_PORTS)}}],
                 # Duplicate address detection (and MLD before it) comes from the unspecified address.
                 [ether, match(f.saddr(), "::"), match(meta("l4proto"), "ipv6-icmp"), ACCEPT],
                 # A pod's IPv6 packets carry its own address or a link-local one, or are dropped.
@@ -173,6 +221,12 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         else:
             # A pod's IPv4 packets carry its own address, or are dropped (and logged: flow records).
             prerouting.append([ether, from_pod, own, *_spoofed(log)])
+            # So do its ARP packets (the sender address, which every receiver's neighbour cache
+            # takes: "B's address is at my MAC" would draw B's traffic to this pod), but for
+            # address probes, which come from 0.0.0.0 (RFC 5227) and update no cache.
+            prerouting.append([match(payload("ether", "type"), "arp"), from_pod, match(payload("arp", "saddr ip"), "0.0.0.0", "!="),
+                               match({"concat": [meta("iifname"), payload("arp", "saddr ip")]}, ref(f.name("pod-addrs")), "!="),
+                               *_spoofed(log)])  # fmt: skip
         routed_up += [
             # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
             # pod's own host-side MAC, a local FDB entry of the bridge).
@@ -183,7 +237,9 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
              {"mangle": {"key": payload("ether", "daddr"), "value": {"map": {"key": f.daddr(), "data": ref(f.name("addr-macs"))}}}}],
         ]  # fmt: skip
     prerouting += routed_up
-    both = match(payload("ether", "type"), {"set": ["ip", "ip6"]})
+    # Tagged frames to or from an isolated pod too (from a port that is not a pod's: no
+    # prerouting rule dropped them).
+    both = match(payload("ether", "type"), {"set": ["ip", "ip6", "8021q", "8021ad"]})
     forward = [
         [match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
         [both, match(meta("oifname"), ref("isolated-in-ports")), {"counter": None}, DROP],
@@ -203,6 +259,7 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         *(NftSet(BRIDGE, TABLE, f.name("isolated-addrs"), (f.addr,)) for f in fams),
         NftSet(BRIDGE, TABLE, "port-macs", ("ifname",), map="ether_addr"),
         *(NftSet(BRIDGE, TABLE, f.name("addr-macs"), (f.addr,), map="ether_addr") for f in fams),
+        *([NftSet(BRIDGE, TABLE, NA_PORTS, ("ifname",), map="verdict")] if any(f.version == 6 for f in fams) else []),
         NftCounter(BRIDGE, TABLE, SPOOFED),
         NftChain(BRIDGE, TABLE, "prerouting", tuple(rule_text(r) for r in prerouting),
                  hook=("filter", "prerouting", BRIDGE_PRIORITY, "accept")),

@@ -438,6 +438,7 @@ class PolicyEngine:
         from dataclasses import replace
 
         elements: dict[str, set[Any]] = defaultdict(set)
+        na_targets: dict[str, set[str]] = {}  # a pod port's IPv6 addresses (of every pod with the port: one)
         for key, port in self.local.items():
             pod = self.pods.get(key)
             if pod is None or not any(ip.version in self.families for ip in pod.ips):
@@ -455,6 +456,9 @@ class PolicyEngine:
                 elements["isolated-in-ports"].add(port.interface)
             if egress:
                 elements["isolated-out-ports"].add(port.interface)
+            if 6 in self.families:  # every pod port, with IPv6 addresses or none
+                elements[compiler.NA_PORTS].add((port.interface, ("jump", compiler.na_chain(port.interface))))
+                na_targets.setdefault(port.interface, set()).update(ip for f, ip in addresses if f.version == 6)
             for f, ip in addresses:
                 elements[f.name("pod-addrs")].add((port.interface, ip))
                 elements[f.name("addr-macs")].add((ip, port.mac))
@@ -470,7 +474,7 @@ class PolicyEngine:
             if obj.kind == "set" and obj.name in elements:
                 obj = replace(obj, elements=frozenset(elements[obj.name]))
             out.append(obj)
-        return out
+        return out + [compiler.compile_na_chain(port, ips, self.drop_log) for port, ips in sorted(na_targets.items())]
 
 
 def _peer_selectors(policy: Policy) -> set[PeerSelector]:

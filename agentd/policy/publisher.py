@@ -56,7 +56,16 @@ class PodPublisher:
     def rescan(self) -> set[PodKey] | None:
         """Read the endpoint files again; the pods whose file appeared, changed or went (None:
         nothing changed)."""
-        found = endpoints.read_all(self.data_dir, self._reported)
+        unreadable: set[str] = set()
+        try:
+            found = endpoints.read_all(self.data_dir, self._reported, unreadable)
+        except OSError as err:  # the directory itself (EMFILE, EIO): no pod is known to be gone
+            self._report(f"endpoints:{err.errno}", "cannot read the endpoint files: %s; keeping this node's pods as they were", err)
+            return None
+        # A file still there that cannot be read now (EMFILE, EIO, a half-written copy) is no
+        # pod gone: it keeps what it was, in the tables and in etcd (fail closed, not open).
+        for cid in unreadable & self.endpoints.keys():
+            found[cid] = self.endpoints[cid]
         if found == self.endpoints and self.have_local and all(
             ep.written == self.endpoints[cid].written for cid, ep in found.items()
         ):  # (written is not compared: a new file of the same container with the same content)

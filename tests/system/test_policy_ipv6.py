@@ -8,7 +8,9 @@ scenario's probe matrix (TCP and UDP, over IPv4 and over IPv6, every pod to ever
 must equal what tests/netpol_model.py - the independent model - says.  Then the IPv6 parts
 only the bridge table has: a pod's foreign IPv6 source is dropped and counted, a router
 advertisement from a pod reaches no other pod, and neighbour discovery works to and from an
-isolated pod (caches flushed, the allowed peer still gets through).
+isolated pod (caches flushed, the allowed peer still gets through).  Last, crafted frames a pod
+with a raw socket can send: VLAN-tagged ones, the other family of a single-family cluster,
+routed ICMPv6 of neighbour discovery's types, ARP claiming another pod's address.
 """
 
 from __future__ import annotations
@@ -310,3 +312,260 @@ async def test_neighbour_discovery_works_for_an_isolated_pod(node: Node, br_netf
 
 def has_br_netfilter(ns: Netns) -> bool:
     return "bridge-nf-call-ip6tables" in ns.exec("ls", "/proc/sys/net/bridge", check=False)
+
+
+# ------------------------------------------------------------------ crafted frames from a pod (raw sockets)
+# What a pod with CAP_NET_RAW can send past the kernel's own stack: tagged frames, the other
+# family of a single-family cluster, routed ICMPv6 of neighbour discovery's types, ARP that
+# claims another pod's address.
+
+SEND_FRAMES = """
+import socket, sys
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+for frame in sys.argv[1:]:
+    for _ in range(3):
+        s.send(bytes.fromhex(frame))
+"""
+
+UDP_LISTEN = """
+import socket, sys
+s = socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.settimeout(10)
+print("ready", flush=True)
+seen = []
+while True:
+    data = s.recv(2048).decode()
+    seen.append(data)
+    if data == "mark":  # sent after everything else: what came before it has arrived
+        break
+print(",".join(seen), flush=True)
+"""
+
+SEND_UDP = """
+import socket, sys
+s = socket.socket(socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET, socket.SOCK_DGRAM)
+s.sendto(sys.argv[3].encode(), (sys.argv[1], int(sys.argv[2])))
+"""
+
+
+def mac_of(ns: Netns, dev: str) -> bytes:
+    (link,) = json.loads(ns.exec("ip", "-j", "link", "show", "dev", dev))
+    return bytes.fromhex(link["address"].replace(":", ""))
+
+
+def _checksum(data: bytes) -> int:
+    total = sum(int.from_bytes(data[i:i + 2], "big") for i in range(0, len(data) - 1, 2)) + (data[-1] << 8 if len(data) % 2 else 0)
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def ether(dst: bytes, src: bytes, ether_type: int, body: bytes, vid: int | None = None) -> str:
+    tag = b"" if vid is None else (0x8100).to_bytes(2, "big") + vid.to_bytes(2, "big")
+    return (dst + src + tag + ether_type.to_bytes(2, "big") + body).hex()
+
+
+def udp4(src: str, dst: str, dport: int, payload: bytes) -> bytes:
+    import socket
+
+    udp = (40000).to_bytes(2, "big") + dport.to_bytes(2, "big") + (8 + len(payload)).to_bytes(2, "big") + b"\0\0" + payload
+    header = bytearray(b"\x45\x00" + (20 + len(udp)).to_bytes(2, "big") + b"\0\0\0\0\x40\x11\0\0"
+                       + socket.inet_aton(src) + socket.inet_aton(dst))  # fmt: skip
+    header[10:12] = _checksum(bytes(header)).to_bytes(2, "big")
+    return bytes(header) + udp
+
+
+async def _udp_seen(receiver: Netns, address: str, port: int, send: Any) -> list[str]:
+    """What ``receiver`` gets on ``address``:``port`` of what ``send()`` makes pods send, up to
+    a marker the node sends after it (the node's own traffic to a pod is never judged)."""
+    listener = receiver.popen([sys.executable, "-c", UDP_LISTEN, address, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout is not None
+        assert (await asyncio.to_thread(listener.stdout.readline)).strip() == "ready"
+        await send()
+        return (await asyncio.to_thread(listener.stdout.readline)).strip().split(",")
+    finally:
+        listener.kill()
+        listener.wait()
+        listener.stdout.close()  # type: ignore[union-attr]
+
+
+async def test_a_vlan_tagged_frame_reaches_no_isolated_pod(node: Node):
+    """Pod a isolated (ingress: nothing allowed); pod c sends it UDP in a frame with a VID 0
+    tag, which a's kernel takes as untagged: the bridge table must drop it (and count it) as it
+    drops the untagged frame, which it hands up to be judged."""
+    a, b, c = node.pods["a"], node.pods["b"], node.pods["c"]
+    try:
+        await node.apply(np("deny", {"podSelector": {"matchLabels": {"pod": "a"}}}))
+        before = await asyncio.to_thread(node.spoofed)
+        src = mac_of(c, "eth0")
+
+        async def send() -> None:
+            frames = [ether(mac_of(a, "eth0"), src, 0x0800, udp4("10.244.1.4", "10.244.1.2", 9999, b"tagged"), vid=0),
+                      ether(mac_of(a, "eth0"), src, 0x0800, udp4("10.244.1.4", "10.244.1.2", 9999, b"untagged"))]  # fmt: skip
+            await asyncio.to_thread(c.exec, sys.executable, "-c", SEND_FRAMES, *frames)
+            await asyncio.to_thread(node.ns.exec, sys.executable, "-c", SEND_UDP, "10.244.1.2", "9999", "mark")
+
+        assert await _udp_seen(a, "10.244.1.2", 9999, send) == ["mark"]
+
+        async def send_b() -> None:
+            await asyncio.to_thread(c.exec, sys.executable, "-c", SEND_FRAMES,
+                                    ether(mac_of(b, "eth0"), src, 0x0800, udp4("10.244.1.4", "10.244.1.3", 9999, b"to-b")))  # fmt: skip
+            await asyncio.to_thread(node.ns.exec, sys.executable, "-c", SEND_UDP, "10.244.1.3", "9999", "mark")
+
+        # b is not isolated: the same crafted frame, untagged, reaches it (the control).
+        assert await _udp_seen(b, "10.244.1.3", 9999, send_b) == ["to-b"] * 3 + ["mark"]
+        assert await asyncio.to_thread(node.spoofed) >= before + 3
+    finally:
+        await node.clear()
+
+
+@pytest.mark.parametrize("family", [4, 6])
+async def test_the_family_a_single_family_cluster_has_not_leaves_no_pod(node: Node, family: int):
+    """The node's tables as a single-family cluster's agent writes them (the family ``family``
+    only), pod a isolated for egress: the other family, which no chain would judge once the
+    node routed it, does not get from a to r (another node's pod) either."""
+    engine = PolicyEngine("node1", families=(family,))
+    for key, pod in node.engine.pods.items():
+        engine.upsert_pod(pod, node.engine.local.get(key))
+    engine.upsert_policy(Policy.parse(kinds.validate(
+        np("deny", {"podSelector": {"matchLabels": {"pod": "a"}}, "policyTypes": ["Egress"]}))))  # fmt: skip
+    own, other = (PODS["r"][1], PODS["r"][2]) if family == 4 else (PODS["r"][2], PODS["r"][1])
+    try:
+        await node.programmer.sync(engine.build(), None)
+        assert await node.probers["a"].probe([(own, "udp", 81), (other, "udp", 81), (other, "tcp", 80)], 1.0) == [False] * 3
+        if family == 6:  # neighbour discovery is IPv6's: b still gets through (nothing isolates it)
+            node.pods["b"].ip("-6", "neigh", "flush", "all")
+            assert await node.probers["b"].probe([(own, "tcp", 80)], 3.0) == [True]
+    finally:
+        await node.programmer.sync(node.engine.build(), None)
+
+
+ND_LISTEN = """
+import socket
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+s.settimeout(10)
+print("ready", flush=True)
+seen = []
+while True:
+    data = s.recv(2048)
+    if data[0] == 128 and data[4:8] == b"mark":  # the node's echo request, sent after the rest
+        break
+    if data[0] in (135, 136) and data[24:29] == b"from-":
+        seen.append(f"{data[0]}:{data[24:30].decode()}")
+print(",".join(seen), flush=True)
+"""
+
+SEND_ND_TYPES = """
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)  # the kernel fills in the checksum
+target = socket.inet_pton(socket.AF_INET6, sys.argv[2])  # the sender's own (what the bridge table lets an advertisement claim)
+for kind in (135, 136):  # a neighbour solicitation and advertisement in form, routed (hop limit 64), any payload
+    s.sendto(bytes([kind, 0, 0, 0]) + bytes(4) + target + sys.argv[3].encode(), (sys.argv[1], 0))
+"""
+
+MARK = """
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+s.sendto(bytes([128, 0, 0, 0]) + b"mark", (sys.argv[1], 0))
+"""
+
+
+async def test_routed_icmpv6_of_neighbour_discovery_types_is_judged(node: Node):
+    """Pod a isolated for egress sends ICMPv6 of types 135/136 to r, another node's pod: the
+    node routes it (neighbour discovery never is: hop limit 255), so a's policy judges it."""
+    r = node.pods["r"]
+    r6 = PODS["r"][2]
+    try:
+        await node.apply(np("deny", {"podSelector": {"matchLabels": {"pod": "a"}}, "policyTypes": ["Egress"]}))
+        listener = r.popen([sys.executable, "-c", ND_LISTEN], stdout=subprocess.PIPE, text=True)
+        try:
+            assert listener.stdout is not None
+            assert (await asyncio.to_thread(listener.stdout.readline)).strip() == "ready"
+            for name in ("a", "b"):  # b is not isolated: its copy arrives (the control)
+                await asyncio.to_thread(node.pods[name].exec, sys.executable, "-c", SEND_ND_TYPES, r6, PODS[name][2], f"from-{name}")
+            await asyncio.to_thread(node.ns.exec, sys.executable, "-c", MARK, r6)
+            seen = (await asyncio.to_thread(listener.stdout.readline)).strip().split(",")
+        finally:
+            listener.kill()
+            listener.wait()
+            listener.stdout.close()  # type: ignore[union-attr]
+        assert sorted(seen) == ["135:from-b", "136:from-b"], seen
+    finally:
+        await node.clear()
+
+
+def arp(op: int, sender_mac: bytes, sender_ip: str, target_ip: str) -> bytes:
+    import socket
+
+    return (b"\x00\x01\x08\x00\x06\x04" + op.to_bytes(2, "big") + sender_mac + socket.inet_aton(sender_ip)
+            + bytes(6) + socket.inet_aton(target_ip))  # fmt: skip
+
+
+def lladdr(ns: Netns, address: str, dev: str) -> str | None:
+    entries = json.loads(ns.exec("ip", "-j", "neigh", "show", address, "dev", dev) or "[]")
+    return entries[0].get("lladdr") if entries else None
+
+
+async def test_arp_from_a_pod_cannot_claim_another_pods_address(node: Node):
+    """Pod c announces "b's address is at my MAC" (gratuitous ARP, request and reply): the
+    node's and pod a's neighbour entries for b must keep b's MAC, or traffic for b would go
+    to c.  Nothing isolates anyone: the check is identity, not policy."""
+    a, b, c = node.pods["a"], node.pods["b"], node.pods["c"]
+    b4 = PODS["b"][1]
+    b_mac, c_mac = mac_of(b, "eth0"), mac_of(c, "eth0")
+    try:
+        before = await asyncio.to_thread(node.spoofed)
+        await asyncio.to_thread(node.ns.exec, "ping", "-c", "1", "-W", "2", b4)
+        await asyncio.to_thread(a.exec, "ping", "-c", "1", "-W", "2", b4)
+        assert lladdr(node.ns, b4, "cni0") == lladdr(a, b4, "eth0") == b_mac.hex(":")
+        frames = [ether(b"\xff" * 6, c_mac, 0x0806, arp(op, c_mac, b4, b4)) for op in (1, 2)]
+        await asyncio.to_thread(c.exec, sys.executable, "-c", SEND_FRAMES, *frames)
+        assert (lladdr(node.ns, b4, "cni0"), lladdr(a, b4, "eth0")) == (b_mac.hex(":"), b_mac.hex(":"))
+        assert await asyncio.to_thread(node.spoofed) >= before + 6
+        # c's own address it may announce (the control: the frames are good ARP).
+        await asyncio.to_thread(node.ns.exec, "ping", "-c", "1", "-W", "2", PODS["c"][1])
+        await asyncio.to_thread(c.exec, sys.executable, "-c", SEND_FRAMES,
+                                ether(b"\xff" * 6, c_mac, 0x0806, arp(1, b"\x02\x00\x00\x00\x00\x99", PODS["c"][1], PODS["c"][1])))  # fmt: skip
+        assert lladdr(node.ns, PODS["c"][1], "cni0") == "02:00:00:00:00:99"
+    finally:
+        for ns, dev in ((node.ns, "cni0"), (a, "eth0")):
+            ns.ip("neigh", "flush", "dev", dev, check=False)
+
+
+SEND_NA = """
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 255)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, socket.if_nametoindex("eth0"))
+# An unsolicited advertisement with the override flag, from the link-local address, to every
+# node of the link: "<target> is at <MAC>" (its target link-layer address option).
+na = bytes([136, 0, 0, 0, 0x20, 0, 0, 0]) + socket.inet_pton(socket.AF_INET6, sys.argv[1]) + bytes([2, 1]) + bytes.fromhex(sys.argv[2])
+for _ in range(3):
+    s.sendto(na, ("ff02::1", 0))
+"""
+
+
+async def test_a_neighbour_advertisement_from_a_pod_cannot_claim_another_pods_address(node: Node):
+    """Pod c advertises "b's IPv6 address is at my MAC": the node's and pod a's neighbour
+    entries for b keep b's MAC."""
+    a, b, c = node.pods["a"], node.pods["b"], node.pods["c"]
+    b6, c6 = PODS["b"][2], PODS["c"][2]
+    b_mac, c_mac = mac_of(b, "eth0"), mac_of(c, "eth0")
+    try:
+        before = await asyncio.to_thread(node.spoofed)
+        await asyncio.to_thread(node.ns.exec, "ping", "-c", "1", "-W", "2", b6)
+        await asyncio.to_thread(a.exec, "ping", "-c", "1", "-W", "2", b6)
+        assert lladdr(node.ns, b6, "cni0") == lladdr(a, b6, "eth0") == b_mac.hex(":")
+        await asyncio.to_thread(c.exec, sys.executable, "-c", SEND_NA, b6, c_mac.hex())
+        assert (lladdr(node.ns, b6, "cni0"), lladdr(a, b6, "eth0")) == (b_mac.hex(":"), b_mac.hex(":"))
+        assert await asyncio.to_thread(node.spoofed) >= before + 3
+        # c's own address it may advertise (the control: the advertisement is a good one).
+        await asyncio.to_thread(node.ns.exec, "ping", "-c", "1", "-W", "2", c6)
+        await asyncio.to_thread(c.exec, sys.executable, "-c", SEND_NA, c6, "020000000099")
+        assert lladdr(node.ns, c6, "cni0") == "02:00:00:00:00:99"
+    finally:
+        for ns, dev in ((node.ns, "cni0"), (a, "eth0")):
+            ns.ip("-6", "neigh", "flush", "dev", dev, check=False)

@@ -138,6 +138,39 @@ def test_publisher_reports_the_pods_whose_files_came_changed_or_went(tmp_path):
     assert pub.local(("x", "a")) is None
 
 
+def test_an_endpoint_file_that_cannot_be_read_keeps_its_pod(tmp_path, monkeypatch):
+    """A read error (EMFILE, EIO) or a damaged file is no pod gone: taking it out of policy
+    would open an isolated pod.  Only the file gone is."""
+    import builtins
+    import errno
+    import os
+
+    pub = publisher(tmp_path)
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    endpoints.write(tmp_path, endpoint("c2", "b"))
+    assert pub.rescan() == {("x", "a"), ("x", "b")}
+    real_open = builtins.open
+
+    def failing(path, *args, **kwargs):
+        if str(path).endswith("c1.json"):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(endpoints, "open", failing, raising=False)
+    assert pub.rescan() is None and pub.local(("x", "a")) == endpoint("c1", "a")
+    monkeypatch.undo()
+    path = os.path.join(endpoints.endpoints_dir(tmp_path), "c2.json")
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert pub.rescan() is None and pub.local(("x", "b")) == endpoint("c2", "b")
+    monkeypatch.setattr(endpoints.os, "listdir", lambda _: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    assert pub.rescan() is None and set(pub.endpoints) == {"c1", "c2"}  # the directory unreadable: the same
+    monkeypatch.undo()
+    os.unlink(path)
+    assert pub.rescan() == {("x", "a"), ("x", "b")} and pub.local(("x", "b")) is None  # gone is gone
+    assert pub.local(("x", "a")) == endpoint("c1", "a")
+
+
 def test_endpoint_files_carry_their_time_and_the_newer_of_two_is_the_pods(tmp_path):
     """A stale file (its DEL stopped after the delegate released the address) and the pod's new
     one: the newer is the pod's; relabelling keeps a file's time (it is the attach time)."""

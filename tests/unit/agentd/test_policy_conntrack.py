@@ -181,3 +181,41 @@ async def test_an_address_released_while_a_sync_runs_waits_for_the_sync_that_tak
         assert flushed == [["10.244.1.5"]] and agent.syncs == 2
     finally:
         task.cancel()
+
+
+async def test_a_failed_fast_path_update_is_retried_without_another_change(tmp_path):
+    """set_pods failing (a tc attach error) as a new pod takes an address left the map
+    pointing at the old pod's veth until some unrelated change: the rescan retries it."""
+
+    class FastPath:
+        def __init__(self) -> None:
+            self.calls: list[dict[str, str]] = []
+            self.fail = True
+
+        def set_pods(self, pods: dict[str, str]) -> None:
+            self.calls.append(dict(pods))
+            if self.fail:
+                raise OSError("attaching agentd_pod_fast to veth-c1: No such device")
+
+    fast = FastPath()
+    agent = PolicyAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"), str(tmp_path), fast_path=fast)  # type: ignore[arg-type]
+    agent.programmer = Programmer()  # type: ignore[assignment]
+    agent._have_snapshot = True
+    tasks = [asyncio.get_running_loop().create_task(agent._sync_loop())]
+    try:
+        endpoints.write(tmp_path, ep("c1", "a", "10.244.1.5"))
+        agent._rescan()
+        agent._wake.set()
+        async with asyncio.timeout(5):
+            while agent.fast_path_error is None:
+                await asyncio.sleep(0)
+        assert fast.calls == [{"10.244.1.5": "veth-c1"}]
+        fast.fail = False
+        tasks.append(asyncio.get_running_loop().create_task(agent._rescan_loop()))  # nothing changed: only the retry
+        async with asyncio.timeout(5):
+            while agent.fast_path_error is not None:
+                await asyncio.sleep(0)
+        assert fast.calls[-1] == {"10.244.1.5": "veth-c1"} and agent.syncs == 1
+    finally:
+        for t in tasks:
+            t.cancel()

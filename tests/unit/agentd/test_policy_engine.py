@@ -399,6 +399,18 @@ def test_plan_deletes_chains_after_their_jumps_and_sets_last():
     assert all(k[0] == "delete" for k in rest)
 
 
+def test_plan_deletes_a_verdict_map_before_the_chains_its_elements_jump_to():
+    """A dual-stack node's tables rewritten for IPv4 only (an agent restarted with another
+    ``ip_family`` adopts them): the map ``na-ports`` and the ``na/<port>`` chains its elements
+    jump to both go; the kernel refuses (EBUSY) a chain an element still jumps to."""
+    cluster = grid()
+    before = engine_for(cluster, ["x/a"], (4, 6)).build()
+    commands = plan(Ruleset(before.tables, dict(before.objects)), engine_for(cluster, ["x/a"], (4,)).build())
+    deleted = [next(iter(c["delete"].values()))["name"] for c in commands if "delete" in c and "element" not in c["delete"]]
+    assert "na-ports" in deleted and "na/veth0" in deleted
+    assert deleted.index("na-ports") < deleted.index("na/veth0"), deleted
+
+
 def test_leave_plan_deletes_the_tables():
     cluster = grid()
     cluster.policies = [CASES["deny all ingress"]]
