@@ -90,6 +90,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank[pathlib.Path(str(item.path))])
 
 
+# The first test to ask for ``docker_engine`` pays for it in its setup: a dockerd started, the
+# images built from Debian packages, compose.yaml up, the systemd image -- on a clean machine
+# more than the 300 s pyproject.toml gives a test.  Whichever test that is (test_compose_lab's
+# first in a whole run; another where -k or a file chooses), it gets this long.
+ENGINE_TIMEOUT = 900
+
+
+def pytest_collection_finish(session):
+    """After selection (-k, -m, node ids): the first test using ``docker_engine``, as its
+    worker runs them (a SHARED unit's files are one worker's, in this order), has
+    :data:`ENGINE_TIMEOUT` unless its own timeout is longer."""
+    first = next((item for item in session.items if "docker_engine" in getattr(item, "fixturenames", ())), None)
+    if first is None:
+        return
+    mark = first.get_closest_marker("timeout")
+    given = mark.args[0] if mark is not None and mark.args else mark.kwargs.get("timeout") if mark is not None else None
+    if given is None or given < ENGINE_TIMEOUT:
+        first.add_marker(pytest.mark.timeout(ENGINE_TIMEOUT), append=False)
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile, with the files of one SHARED unit as one."""

@@ -13,9 +13,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from ipaddress import IPv4Network, IPv6Network
 
-from agentd.dataplane.bpf import BpfDatapath, Config, layout, tc
+import pytest
+
+from agentd.dataplane.bpf import BpfDatapath, BpfUnavailable, Config, layout, tc
 from agentd.dataplane.bpf.datapath import gateway6
 from agentd.lab.twohosts import (
     H1_UNDERLAY,
@@ -37,7 +40,19 @@ HOOKS = ["tcx", "clsact"]
 
 
 def usable(hook: str) -> bool:
+    """Whether ``hook`` can run on this kernel (tcx: Linux 6.6); where it cannot, the tests of
+    that hook check that asking for it is refused, saying why (:func:`refused`).  That tcx is
+    there where it should be is test_bpf_datapath's test_tcx_is_available_from_linux_6_6."""
     return hook != "tcx" or tc.tcx_available()
+
+
+TCX_REFUSED = r'^\[network\] bpf_attach = "tcx": this kernel has no tcx hooks \(Linux 6\.6 '
+
+
+def refused(make: Callable[[], object]) -> None:
+    """``make()`` (which asks for tcx on a kernel without it) fails with the reason."""
+    with pytest.raises(BpfUnavailable, match=TCX_REFUSED):
+        make()
 
 
 class Pair6:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from dualstack_hosts import csum_errors, transfer
+from dualstack_hosts import TCX_REFUSED, csum_errors, transfer
 
 from agentd.dataplane.bpf import BpfDatapath, BpfUnavailable, Config, layout, libbpf, pin_dir, tc
 from agentd.lab.twohosts import (
@@ -183,13 +183,41 @@ def _read_pcap(path: str) -> list[Packet]:
 
 def usable(hook: str) -> bool:
     """Whether ``hook`` can run on this kernel (tcx: Linux 6.6); where it cannot, the tests of
-    that hook check that asking for it is refused, saying why."""
+    that hook check that asking for it is refused, saying why (and
+    test_tcx_is_available_from_linux_6_6 that it is there where it should be)."""
     return hook != "tcx" or tc.tcx_available()
 
 
 def refused(pair_factory, hook: str) -> None:
-    with pytest.raises(BpfUnavailable, match=r'bpf_attach = "tcx": this kernel has no tcx hooks'):
+    with pytest.raises(BpfUnavailable, match=TCX_REFUSED):
         pair_factory("udp", hook=hook)
+
+
+def _kernel_config(option: str) -> str | None:
+    """``option``'s value in this kernel's configuration ("y", "m", "" when not set); None
+    where the configuration cannot be read."""
+    import gzip
+
+    release = os.uname().release
+    for path, opener in (("/proc/config.gz", gzip.open), (f"/boot/config-{release}", open)):
+        try:
+            with opener(path, "rt") as f:
+                text = f.read()
+        except OSError:
+            continue
+        m = re.search(rf"^{option}=(\w+)$", text, re.MULTILINE)
+        return m.group(1) if m else ""
+    return None
+
+
+def test_tcx_is_available_from_linux_6_6():
+    """The [tcx] cases above and elsewhere only check the refusal where tc.tcx_available()
+    says no: it must say yes on every kernel that has tcx (6.6 and later, CONFIG_NET_XGRESS),
+    else a fault in how it asks would pass them all without running anything by tcx."""
+    release = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    xgress = _kernel_config("CONFIG_NET_XGRESS")
+    expected = release >= (6, 6) and xgress != ""  # (None: the configuration cannot be read)
+    assert tc.tcx_available() is expected, (os.uname().release, xgress)
 
 
 @pytest.mark.parametrize("hook", ["tcx", "clsact"])
@@ -614,7 +642,8 @@ class OneDevice:
 
 @pytest.mark.parametrize("hook", ["tcx", "clsact"])
 def test_pins_that_cannot_be_made_or_replaced_fail_the_data_path_with_a_reason(netns_factory, bpffs, hook):
-    if not usable(hook):  # asking for tcx is refused, saying why (refused())
+    if not usable(hook):  # asking for tcx is refused, saying why
+        assert re.match(TCX_REFUSED, OneDevice(netns_factory, bpffs, hook).open_fails())
         return
     dev = OneDevice(netns_factory, bpffs, hook)
     d = dev.dir
@@ -663,7 +692,8 @@ def test_an_ingress_hook_that_cannot_be_had_takes_the_egress_program_off_again(n
     """Egress is attached first: the data path fails with the ingress hook's reason and leaves
     neither on the device.  The hook is taken by someone's filter at our cls_bpf place; by
     tcx, by something that is not our link where the link's pin goes."""
-    if not usable(hook):  # asking for tcx is refused, saying why (refused())
+    if not usable(hook):  # asking for tcx is refused, saying why
+        assert re.match(TCX_REFUSED, OneDevice(netns_factory, bpffs, hook).open_fails())
         return
     dev = OneDevice(netns_factory, bpffs, hook)
     if hook == "clsact":
@@ -687,14 +717,17 @@ def test_a_pod_fast_path_that_fails_part_way_is_off_and_gone_from_every_hook(net
     map of pods no agent keeps any more)."""
     from agentd.dataplane.bpf.podpath import PodFastPath
 
-    if not usable(hook):
-        return
     ns = netns_factory("h")
     dev = _veths(ns, "u0", "pa0", "pb0")
     pods = {"10.244.1.2": "pa0", "10.244.1.3": "pb0"}
 
     def opened() -> PodFastPath:
         return PodFastPath(bpffs, cluster=IPv4Network("10.244.0.0/16"), wire_ifindex=dev["u0"], attach=hook)
+
+    if not usable(hook):  # asking for tcx is refused, saying why
+        with ns.entered(), pytest.raises(BpfUnavailable, match=TCX_REFUSED):
+            opened().open()
+        return
 
     def running() -> None:
         """The fast path as an agent left it: on both pods' veths and the underlay."""

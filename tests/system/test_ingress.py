@@ -452,11 +452,22 @@ async def test_endpoint_changes_without_reload_and_ingress_change_with_graceful_
               "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}  # fmt: skip
     await world.apply(manual, slice_of({"web-1": True, "web-2": False}),
                       ingress("load", [rule("load.example", path("/", "Prefix", "manual"))]))
+    def requests() -> int:  # node 1's proxy's count of the backend's requests (read from HAProxy every 2 s)
+        (b,) = [b for b in world.proxy()["backends"] if b["service"] == "manual"]
+        return b["requests"]
+
+    async def loaded(load: asyncio.Future) -> None:
+        """Once wrk's requests reach the proxy: what follows happens under load."""
+        count = requests()
+        await auntil(lambda: requests() > count or load.done(), 15, in_thread=True, what="wrk's requests at the proxy")
+        assert not load.done(), load.result()
+
     try:
         before = [world.proxy(i) for i in range(3)]
         assert all(b["running"] for b in before)
         url = f"http://{world.node_ips[0]}/"
-        load = asyncio.ensure_future(wrk(world, url, "load.example", seconds=8))
+        load = asyncio.ensure_future(wrk(world, url, "load.example", seconds=15))
+        await loaded(load)
         steps = [{"web-1": True, "web-2": True}, {"web-1": False, "web-2": True}, {"web-2": True, "web-3": True},
                  {"web-1": True, "web-3": True}]  # fmt: skip
         for ready in steps:
@@ -464,6 +475,7 @@ async def test_endpoint_changes_without_reload_and_ingress_change_with_graceful_
             want = {f"{pods[n]}:8080" for n, r in ready.items() if r}
             (b,) = [b for b in world.proxy()["backends"] if b["service"] == "manual"]
             assert set(b["servers"]) == want, (b, want)
+        assert not load.done(), "wrk was over before the endpoints had all changed"
         served = {await world.served_by("http://load.example/", node=1) for _ in range(12)}
         assert served == {"web-1", "web-3"}, served
         result = await load
@@ -473,11 +485,11 @@ async def test_endpoint_changes_without_reload_and_ingress_change_with_graceful_
             assert (a["pid"], a["worker"], a["reloads"]) == (b["pid"], b["worker"], b["reloads"]), (b, a)
             assert a["runtime_changes"] > b["runtime_changes"]
         # An Ingress change: a graceful reload, nothing dropped.
-        load = asyncio.ensure_future(wrk(world, url, "load.example", seconds=6))
-        await asyncio.sleep(0)  # let wrk start before the change (it runs for its whole window)
-        await auntil(lambda: world.lab.underlay.pids(), 10, what="wrk to start")
+        load = asyncio.ensure_future(wrk(world, url, "load.example", seconds=12))
+        await loaded(load)
         await world.apply(ingress("load", [rule("load.example", path("/", "Prefix", "manual"), path("/new", "Exact", "foo"))]))
         assert await world.served_by("http://load.example/new") == "foo-1"
+        assert not load.done(), "wrk was over before the reload was done"
         result = await load
         assert result["requests"] > 0 and result["errors"] == 0 and result["non2xx"] == 0, result
         reloaded = [world.proxy(i) for i in range(3)]

@@ -289,7 +289,7 @@ async def test_neighbour_discovery_works_for_an_isolated_pod(node: Node, br_netf
     reaches a over IPv6 (b -> node, node -> a, a -> node resolved anew) and c does not.  With
     br_netfilter handing bridged frames to the IP hooks as well (kubelet hosts, Docker)."""
     if br_netfilter and not has_br_netfilter(node.ns):
-        pytest.skip("br_netfilter is not loaded in this kernel: bridged frames never reach the IP hooks")
+        pytest.fail("br_netfilter is not loaded (scripts/dev setup loads it: modprobe br_netfilter)")
     policies = [np("p", {"podSelector": {"matchLabels": {"pod": "a"}}, "policyTypes": ["Ingress", "Egress"],
                          "ingress": [{"from": [{"podSelector": {"matchLabels": {"pod": "b"}}}]}]})]  # fmt: skip
     try:
