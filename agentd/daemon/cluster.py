@@ -43,6 +43,7 @@ GATHER_TOTAL = 60.0  # seconds a gathered answer may take in all (the last 100,0
 RELAY_MAX = 64 << 20  # bytes of one node's answer a gathering node holds (a large /rib: ask that node itself)
 KEEPALIVE = 10.0  # seconds between empty lines on a quiet followed stream (proxies close idle ones)
 FOLLOW_IDLE = 2.5 * KEEPALIVE  # seconds without a byte after which a followed node counts as gone
+IDLE_KEPT = 10.0  # seconds an idle connection to another node is kept for the next GET
 RELAYED = ("status", "peers", "routes", "policy", "services", "flows", "rib", "metrics", "healthz", "readyz")
 
 
@@ -89,7 +90,9 @@ class ClusterView:
             # No pool limit: followed streams hold a connection per node each (at most
             # MAX_FOLLOWERS of them), and a gathered GET must never wait behind them -- its
             # deadlines are the connection's and the reads', not the pool's.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # An idle connection is closed here before the other node's listener closes it (15 s,
+            # agentd/daemon/api.py), so a GET never goes out on one being closed under it.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_KEPT))
         return self._session
 
     def _headers(self) -> dict[str, str]:
