@@ -423,7 +423,7 @@ def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/leave"
     try:
         req = urllib.request.Request(url, method="POST", data=b"", headers=bearer_header(token) if token else {})
-        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (our own loopback API)
+        with api_open(req, timeout=10) as resp:
             json.load(resp)
     except urllib.error.HTTPError as err:
         if unreadable is not None:
@@ -439,7 +439,7 @@ def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
     deadline = time.monotonic() + LEAVE_WAIT
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(health, timeout=1) as resp:  # noqa: S310 (our own loopback API)
+            with api_open(health, timeout=1) as resp:
                 resp.read()
         except urllib.error.HTTPError:
             pass  # it answers (not healthy while stopping): still there
@@ -511,7 +511,7 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
         headers, unreadable = {}, err
     try:
         req = urllib.request.Request(url, headers=headers)
-        resp = urllib.request.urlopen(req, timeout=None if args.follow else 30)  # noqa: S310 (operator-given URL)
+        resp = api_open(req, timeout=None if args.follow else 30)
     except urllib.error.HTTPError as err:
         body = err.read().decode(errors="replace")
         try:
@@ -580,10 +580,24 @@ def _api_error(err: Any) -> str:
 # ---------------------------------------------------------------- agentd status
 
 
-def fetch_json(url: str, timeout: float = 5.0) -> Any:
+def api_open(req: Any, timeout: float | None) -> Any:
+    """``urlopen`` for an agent's API: straight to the address given, never through
+    ``http_proxy`` (the API token must not go to a proxy), and no redirect followed (urllib
+    would send the Authorization header on to wherever it points): a 3xx is an HTTPError."""
+    import urllib.error
     import urllib.request
 
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (operator-given URL)
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+            raise urllib.error.HTTPError(req.full_url, code, f"a redirect to {newurl}, not followed "
+                                         "(an agent's API does not redirect)", headers, fp)
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), NoRedirect())
+    return opener.open(req, timeout=timeout)
+
+
+def fetch_json(url: str, timeout: float = 5.0) -> Any:
+    with api_open(url, timeout=timeout) as resp:
         return json.load(resp)
 
 

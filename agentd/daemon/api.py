@@ -27,6 +27,15 @@ log = logging.getLogger("agentd.api")
 # Seconds a request in flight has to finish when the API stops (then it is cancelled): a
 # followed GET /flows never ends by itself, and the agent must not wait aiohttp's 60 s for it.
 SHUTDOWN_GRACE = 2.0
+# Seconds a connection may stay idle between two requests, and may take to send its first
+# request's head (aiohttp's default keeps an idle connection for an hour): the read-only
+# listener is open to the underlay, and a connection that sends nothing must not hold a
+# file descriptor for long.
+KEEPALIVE_TIMEOUT = 15.0
+# Connections open at once on one listener; more are closed as they come (as the DNS
+# server's TCP clients are, agentd/services/dns.py): the agent's descriptors stay for etcd,
+# netlink and BGP whoever opens connections.
+MAX_CONNECTIONS = 1000
 
 
 class StatusProvider(Protocol):
@@ -43,6 +52,71 @@ class StatusProvider(Protocol):
     def bgp_speaker(self) -> Speaker | None: ...
 
     def routes(self) -> list[dict[str, Any]]: ...
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: auth.Handler) -> web.StreamResponse:
+    """Every error answer is JSON, aiohttp's own too (404 of no route, 405 with its Allow):
+    ``{"error": reason}``; a redirect stays one."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return web.json_response({"error": exc.reason}, status=exc.status, headers=headers)
+
+
+class _Connections:
+    """The protocol factory of one listener: aiohttp's server, with at most ``limit``
+    connections open at once (one past it is closed as it comes) and each connection's first
+    request head read within ``head_timeout`` seconds (later ones: aiohttp's keep-alive)."""
+
+    def __init__(self, server: web.Server, limit: int, head_timeout: float) -> None:
+        self._server = server
+        self.limit = limit
+        self.head_timeout = head_timeout
+        self.refused = 0
+        # Connections whose first request head has not come yet (held until its time is up:
+        # aiohttp's handlers take no weak references).
+        self.waiting: set[Any] = set()
+
+    def __getattr__(self, name: str) -> Any:  # the rest is aiohttp's server's (shutdown, connections)
+        return getattr(self._server, name)
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if len(self._server.connections) >= self.limit:
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                log.warning("API: %d connections open, more closed as they come (%d so far)", self.limit, self.refused)
+            return _Refused()
+        handler = self._server()
+        self.waiting.add(handler)
+        asyncio.get_running_loop().call_later(self.head_timeout, self._head_due, handler)
+        return handler
+
+    def head_came(self, handler: Any) -> None:
+        self.waiting.discard(handler)
+
+    def _head_due(self, handler: Any) -> None:
+        if handler in self.waiting:
+            self.waiting.discard(handler)
+            if handler.transport is not None:
+                handler.force_close()  # nothing, or half a head, in all this time
+
+
+class _Refused(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class _Runner(web.AppRunner):
+    def __init__(self, app: web.Application, connections: Callable[[web.Server], _Connections], **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._connections = connections
+
+    async def _make_server(self) -> web.Server:
+        return self._connections(await super()._make_server())  # type: ignore[return-value]
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -77,12 +151,15 @@ class ApiServer:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self.token = token
+        self.connections: _Connections | None = None
+        self.max_connections = MAX_CONNECTIONS
+        self.keepalive_timeout = KEEPALIVE_TIMEOUT
         read_only = read_token is not None
         if read_token is not None:
             middlewares = [auth.read_guard(read_token)]
         else:  # loopback's: DNS rebinding, then changes
             middlewares = [auth.host_guard(host), auth.guard(lambda: self.token)]
-        app = web.Application(middlewares=middlewares)
+        app = web.Application(middlewares=[self._head_seen, _json_errors, *middlewares])
         app.add_routes(
             [
                 web.get("/healthz", self._healthz),
@@ -100,11 +177,24 @@ class ApiServer:
         )
         if hasattr(provider, "flows_view"):  # flows, the cluster view, /ui/ (agentd/daemon/observe_api.py)
             observe_api.add_routes(app, provider, read_only=read_only,  # type: ignore[arg-type]
-                                   token_of=lambda: self.token)
+                                   token_of=lambda: self.token,
+                                   own={"rib": self._rib, "metrics": self._metrics, "healthz": self._healthz,
+                                        "readyz": self._readyz})
         self.app = app
 
+    @web.middleware
+    async def _head_seen(self, request: web.Request, handler: auth.Handler) -> web.StreamResponse:
+        if self.connections is not None:
+            self.connections.head_came(request.protocol)
+        return await handler(request)
+
+    def _capped(self, server: web.Server) -> _Connections:
+        self.connections = _Connections(server, self.max_connections, self.keepalive_timeout)
+        return self.connections
+
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE)
+        self._runner = _Runner(self.app, self._capped, access_log=None, handle_signals=False,
+                               shutdown_timeout=SHUTDOWN_GRACE, keepalive_timeout=self.keepalive_timeout)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         try:

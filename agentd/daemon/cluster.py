@@ -43,6 +43,7 @@ GATHER_TOTAL = 60.0  # seconds a gathered answer may take in all (the last 100,0
 RELAY_MAX = 64 << 20  # bytes of one node's answer a gathering node holds (a large /rib: ask that node itself)
 KEEPALIVE = 10.0  # seconds between empty lines on a quiet followed stream (proxies close idle ones)
 FOLLOW_IDLE = 2.5 * KEEPALIVE  # seconds without a byte after which a followed node counts as gone
+IDLE_KEPT = 10.0  # seconds an idle connection to another node is kept for the next GET
 RELAYED = ("status", "peers", "routes", "policy", "services", "flows", "rib", "metrics", "healthz", "readyz")
 
 
@@ -89,7 +90,9 @@ class ClusterView:
             # No pool limit: followed streams hold a connection per node each (at most
             # MAX_FOLLOWERS of them), and a gathered GET must never wait behind them -- its
             # deadlines are the connection's and the reads', not the pool's.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # An idle connection is closed here before the other node's listener closes it (15 s,
+            # agentd/daemon/api.py), so a GET never goes out on one being closed under it.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_KEPT))
         return self._session
 
     def _headers(self) -> dict[str, str]:
@@ -116,13 +119,17 @@ class ClusterView:
 
     async def get(self, node: str, path: str) -> tuple[int, str, bytes]:
         """One node's answer to ``GET path`` as it is: (status, content type, body); raises
-        OSError (unreachable, too slow, more than RELAY_MAX bytes) or KeyError (no such node).
+        OSError (unreachable, too slow, more than RELAY_MAX bytes; a redirect, never followed:
+        :class:`NodeAnswered`) or KeyError (no such node).
         ``TIMEOUT`` to connect and between two reads, ``GATHER_TOTAL`` in all."""
         self._check()
         timeout = aiohttp.ClientTimeout(total=GATHER_TOTAL, sock_connect=TIMEOUT, sock_read=TIMEOUT)
         url = self.url(node, path)  # first: an address the token must not go to raises before any connection
         try:
-            async with self._client().get(url, headers=self._headers(), timeout=timeout) as resp:
+            async with self._client().get(url, headers=self._headers(), timeout=timeout,
+                                          allow_redirects=False) as resp:
+                if 300 <= resp.status < 400:  # followed, it would relay another host's answer as this node's
+                    raise NodeAnswered(node, resp.status, _redirect(resp))
                 body = bytearray()
                 async for chunk in resp.content.iter_chunked(1 << 16):
                     body += chunk
@@ -150,7 +157,10 @@ class ClusterView:
             timeout = aiohttp.ClientTimeout(total=GATHER_TOTAL, sock_connect=TIMEOUT, sock_read=TIMEOUT)
         url = self.url(node, path)
         try:
-            async with self._client().get(url, headers=self._headers(), timeout=timeout) as resp:
+            async with self._client().get(url, headers=self._headers(), timeout=timeout,
+                                          allow_redirects=False) as resp:
+                if 300 <= resp.status < 400:
+                    raise NodeAnswered(node, resp.status, _redirect(resp))
                 if resp.status != 200:
                     raise NodeAnswered(node, resp.status, await resp.read())
                 async for line in resp.content:
@@ -174,8 +184,15 @@ class ClusterView:
             if name == self.me:
                 return name, local()
             try:
-                return name, await self.get_json(name, path)
+                answer = await self.get_json(name, path)
+                if not isinstance(answer, dict):  # every gathered endpoint answers an object
+                    return name, {"error": f"{name} did not answer with a JSON object"}
+                return name, answer
             except (OSError, ValueError, KeyError) as err:
                 return name, {"error": str(err) if not isinstance(err, KeyError) else f"no node {name} in etcd"}
 
         return dict(await asyncio.gather(*(one(n) for n in names)))
+
+
+def _redirect(resp: aiohttp.ClientResponse) -> bytes:
+    return f"a redirect to {resp.headers.get('Location')!r}, not followed".encode()

@@ -27,7 +27,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
@@ -76,12 +76,17 @@ class ObservedAgent(Protocol):
     def services_view(self, summary: bool = False) -> dict[str, Any] | None: ...
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
 def add_routes(app: web.Application, agent: ObservedAgent, *, read_only: bool,
-               token_of: Callable[[], str | None] = lambda: None) -> None:
+               token_of: Callable[[], str | None] = lambda: None, own: dict[str, Handler] | None = None) -> None:
     """``/flows`` on both listeners (on the read-only one: this node's records only); the
     cluster gathering and ``/ui/`` only on loopback's, where what is gathered from other
-    nodes needs the API token ``token_of()`` gives, or its browser key (agentd/daemon/auth.py)."""
-    handlers = _Handlers(agent, read_only=read_only, token_of=token_of)
+    nodes needs the API token ``token_of()`` gives, or its browser key (agentd/daemon/auth.py).
+    ``own``: the API's handlers of what ``/nodes/<this node>/WHAT`` answers as ``/WHAT`` does
+    (rib, metrics, healthz, readyz)."""
+    handlers = _Handlers(agent, read_only=read_only, token_of=token_of, own=own)
     app.router.add_get("/flows", handlers.flows)
     if read_only:
         return
@@ -93,8 +98,10 @@ def add_routes(app: web.Application, agent: ObservedAgent, *, read_only: bool,
 
 
 class _Handlers:
-    def __init__(self, agent: ObservedAgent, *, read_only: bool, token_of: Callable[[], str | None]) -> None:
+    def __init__(self, agent: ObservedAgent, *, read_only: bool, token_of: Callable[[], str | None],
+                 own: dict[str, Handler] | None = None) -> None:
         self.agent = agent
+        self.own = own or {}
         self.read_only = read_only  # the cluster listener: never relays
         self.token_of = token_of
 
@@ -122,9 +129,12 @@ class _Handlers:
         view = self.agent.flows_view()
         if view is None and not cluster:
             return web.json_response({"error": "flow records are off on this node ([flows] enabled = false)"}, status=404)
-        if follow and view is not None and view.followers() >= MAX_FOLLOWERS:
-            return web.json_response({"error": f"{view.followers()} streams already follow this node's flow records "
-                                               f"(at most {MAX_FOLLOWERS}); try again later"}, status=503)
+        # Other nodes' gatherers (the read token) and readers with the API token or browser key
+        # have places of their own: local readers without one cannot take them all.
+        pool = "trusted" if self.read_only or self._may_gather(request) else "open"
+        if follow and view is not None and view.followers(pool) >= MAX_FOLLOWERS:
+            return web.json_response({"error": f"{view.followers(pool)} streams already follow this node's flow "
+                                               f"records (at most {MAX_FOLLOWERS}); try again later"}, status=503)
         resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
@@ -132,7 +142,7 @@ class _Handlers:
                 await self._cluster_flows(resp, flt, last, since, follow)
             else:
                 assert view is not None
-                await _local_flows(resp, view, flt, last, since, follow, me)
+                await _local_flows(resp, view, flt, last, since, follow, me, pool)
         except ConnectionResetError:  # the reader went: a followed stream ends so
             return resp
         with contextlib.suppress(ConnectionResetError):
@@ -246,11 +256,11 @@ class _Handlers:
                                      dumps=_dumps)
         statuses = await cluster.gather("/status", self.agent.status)
         addresses = cluster.nodes()
-        nodes = {name: {"address": addresses.get(name), **({"error": s["error"]} if "error" in s else {"status": s})}
+        nodes = {name: {"address": addresses.get(name), **({"error": str(s["error"])} if "error" in s else {"status": s})}
                  for name, s in statuses.items()}
         return web.json_response({"node": me, "nodes": nodes}, dumps=_dumps)
 
-    async def node(self, request: web.Request) -> web.Response:
+    async def node(self, request: web.Request) -> web.StreamResponse:
         """One node's GET endpoint, answered here for this node and relayed for another."""
         name, what = request.match_info["node"], request.match_info["what"]
         if what not in RELAYED or what == "flows":
@@ -261,8 +271,11 @@ class _Handlers:
             pod, summary = request.query.get("pod"), request.query.get("view") == "summary"
             local = {"status": a.status, "peers": a.peers, "routes": a.routes,
                      "policy": lambda: a.policy_view(pod, summary), "services": lambda: a.services_view(summary)}
-            if what not in local:
-                raise web.HTTPFound(f"/{what}?{request.query_string}" if request.query_string else f"/{what}")
+            if what not in local:  # answered here as /WHAT answers, query and status alike
+                own = self.own.get(what)
+                if own is None:
+                    return web.json_response({"error": f"{what} is not served by this process"}, status=404)
+                return await own(request)
             data = local[what]()
             if data is None:
                 return web.json_response({"error": f"{what} is not running here"}, status=503)
@@ -296,11 +309,11 @@ class _Handlers:
 
 
 async def _local_flows(resp: web.StreamResponse, view: FlowViews, flt: FlowFilter, last: int,
-                       since: float | None, follow: bool, me: str) -> None:
+                       since: float | None, follow: bool, me: str, pool: str = "open") -> None:
     # Following starts with the same ring the last N are searched in (no await in between):
     # no record falls between them, and none is written twice.
     try:
-        follower = view.follow(flt) if follow else None
+        follower = view.follow(flt, pool) if follow else None
     except TooManyFollowers as err:  # more came since the handler looked
         await resp.write(_line({"node": me, "error": str(err)}))
         return
@@ -392,7 +405,7 @@ class _Merge:
 
 async def _pump_local(view: FlowViews, flt: FlowFilter, merge: _Merge, me: str) -> None:
     try:
-        follower = view.follow(flt)
+        follower = view.follow(flt, "trusted")  # the cluster's stream: its reader has a credential
     except TooManyFollowers as err:
         merge.put(_line({"node": me, "error": str(err)}))
         return

@@ -83,8 +83,9 @@ def record(entry: Entry, seq: int = 0) -> Flow:
 class Follower:
     """One ``--follow`` reader: new records that match its filter, in a bounded queue."""
 
-    def __init__(self, flt: FlowFilter, limit: int) -> None:
+    def __init__(self, flt: FlowFilter, limit: int, pool: str = "open") -> None:
         self.filter = flt
+        self.pool = pool
         self.queue: asyncio.Queue[Flow] = asyncio.Queue(limit)
         self.lost = 0
 
@@ -147,7 +148,11 @@ class LastSearch:
         return self.found[::-1]
 
 
-MAX_FOLLOWERS = 64  # followed streams of one node's records at once (local readers and other nodes' gatherers)
+MAX_FOLLOWERS = 64  # followed streams of one node's records at once, in each pool (FOLLOWER_POOLS)
+# A follower with a credential (another node's gatherer with the cluster read token, a local
+# reader with the API token or the browser key) never waits for a place that readers without
+# one hold: each pool has its own MAX_FOLLOWERS.
+FOLLOWER_POOLS = ("open", "trusted")
 
 
 class TooManyFollowers(Exception):
@@ -267,15 +272,21 @@ class FlowRing:
             if self._slots[slot] is entry:
                 self._slots[slot] = flow
 
-    def follow(self, flt: FlowFilter, limit: int = 10_000) -> Follower:
+    def follow(self, flt: FlowFilter, limit: int = 10_000, pool: str = "open") -> Follower:
         """A new :class:`Follower` of what comes; :class:`TooManyFollowers` past
-        ``MAX_FOLLOWERS`` (each one costs every record a filter match and a decode)."""
-        if len(self.followers) >= MAX_FOLLOWERS:
-            raise TooManyFollowers(f"{len(self.followers)} streams already follow this node's flow records "
+        ``MAX_FOLLOWERS`` in its ``pool`` (each one costs every record a filter match and a decode)."""
+        assert pool in FOLLOWER_POOLS, pool
+        held = self.following(pool)
+        if held >= MAX_FOLLOWERS:
+            raise TooManyFollowers(f"{held} streams already follow this node's flow records "
                                    f"(at most {MAX_FOLLOWERS})")
-        follower = Follower(flt, limit)
+        follower = Follower(flt, limit, pool)
         self.followers.add(follower)
         return follower
+
+    def following(self, pool: str) -> int:
+        """The followers of ``pool``."""
+        return sum(1 for f in self.followers if f.pool == pool)
 
     def unfollow(self, follower: Follower) -> None:
         self.followers.discard(follower)

@@ -41,14 +41,16 @@ class FlowViews:
             await asyncio.sleep(0)
         return search.result()
 
-    def follow(self, flt: FlowFilter) -> Follower:
-        return self.recorder.ring.follow(flt)
+    def follow(self, flt: FlowFilter, pool: str = "open") -> Follower:
+        """``pool``: "trusted" for a reader with a credential (agentd/flows/ring.py)."""
+        return self.recorder.ring.follow(flt, pool=pool)
 
     def unfollow(self, follower: Follower) -> None:
         self.recorder.ring.unfollow(follower)
 
-    def followers(self) -> int:
-        return len(self.recorder.ring.followers)
+    def followers(self, pool: str | None = None) -> int:
+        ring = self.recorder.ring
+        return len(ring.followers) if pool is None else ring.following(pool)
 
     def status(self) -> dict[str, Any]:
         r = self.recorder

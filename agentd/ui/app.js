@@ -6,15 +6,23 @@ const view = document.getElementById("view");
 let stopStream = null; // the live flow stream of the page shown, if any
 
 // The browser view's key (`agentd ui` prints the address with it): what this agent gathers
-// from the other nodes needs it.  Taken from the address once, kept for this origin, and
-// taken out of the address bar (and so of the history it would otherwise stay in).
+// from the other nodes needs it.  Taken from the address once, kept for this origin once this
+// agent takes it (a GET /cluster with it succeeds: any web page can send the browser here
+// with a ?key= of its own, which must not replace the one kept), and taken out of the address
+// bar (and so of the history it would otherwise stay in).
 const KEY = "agentd-ui-key";
-(() => {
+const keyTaken = (async () => {
   const q = new URLSearchParams(location.search);
   if (!q.has("key")) return;
-  localStorage.setItem(KEY, q.get("key"));
+  const key = q.get("key");
   q.delete("key");
   history.replaceState(null, "", location.pathname + (q.size ? "?" + q : "") + location.hash);
+  try {
+    const resp = await fetch("/cluster", { headers: { Accept: "application/json", Authorization: "Bearer " + key } });
+    if (resp.ok) localStorage.setItem(KEY, key);
+  } catch (err) {
+    // not reached: the key kept stays
+  }
 })();
 
 function withKey(headers) {
@@ -343,4 +351,4 @@ function route() {
 }
 
 window.addEventListener("hashchange", route);
-route();
+keyTaken.then(route);

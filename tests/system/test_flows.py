@@ -843,6 +843,15 @@ async def test_cluster_listener_is_read_only_and_authenticated(shop):
     for path in ("/cluster", "/nodes/node2/routes", "/flows?cluster=1&last=1", "/flows?node=node2&last=1"):
         assert node1.ns.http_get(local + path, 5)[0] == 401, path
     assert node1.ns.http_get(local + "/nodes/node1/routes", 5)[0] == 200  # its own: open as /routes
+    # Its own /healthz, /readyz, /metrics and /rib answered here too, not redirected; errors JSON.
+    code, body = node1.ns.http_get(local + "/nodes/node1/readyz", 5)
+    assert code == 200 and json.loads(body)["ready"] is True
+    code, body = node1.ns.http_get(local + "/nodes/node1/metrics", 5)
+    assert code == 200 and b"agentd_flow_ring_records " in body
+    code, body = node1.ns.http_get(local + "/nope", 5)
+    assert code == 404 and json.loads(body) == {"error": "Not Found"}
+    code, body = node1.ns.http_get(url + "/nope", 5, bearer)
+    assert code == 404 and json.loads(body) == {"error": "Not Found"}
     view = node1.api("/cluster", token=True)
     assert view["nodes"]["node2"]["status"]["node"]["name"] == "node2"
     assert node1.api("/nodes/node2/routes", token=True) == node2.api("/routes")
@@ -964,6 +973,16 @@ async def test_browser_view(shop, tmp_path):
             assert await sessions.first.get_attribute("data-state") == "up"
             assert await page.locator("[data-node-row]").count() == 2
             await page.screenshot(path=str(shots / "ui-cluster.png"), full_page=True)
+
+            # Any web page can send the browser here with a ?key= of its own: the agent refuses
+            # it, so the key kept stays, and the cluster still shows.
+            kept = await page.evaluate("localStorage.getItem('agentd-ui-key')")
+            assert kept and kept in address
+            await page.goto(base + "?key=not-the-key#/cluster")
+            await page.wait_for_selector("[data-graph-node=node2]")
+            assert "key=" not in page.url
+            assert await page.evaluate("localStorage.getItem('agentd-ui-key')") == kept
+            errors[:] = [e for e in errors if "401" not in e]  # the browser's own line of that refusal
 
             # A node: peers, routes, pods.
             await page.goto(base + "#/node/node2")

@@ -287,7 +287,6 @@ def test_flows_service_filter_is_namespace_slash_name(capsys, monkeypatch, value
 def test_flows_sends_the_read_only_key_not_the_api_token(capsys, monkeypatch, tmp_path, extra):
     """What `agentd flows` gathers needs only the token's browser key, which cannot POST /leave."""
     import io
-    import urllib.request
 
     from agentd.daemon import auth
 
@@ -302,7 +301,7 @@ def test_flows_sends_the_read_only_key_not_the_api_token(capsys, monkeypatch, tm
         return io.BytesIO(b'{"time": 1.0, "node": "node2", "event": "new", "protocol": "TCP", "verdict": "forwarded", '
                           b'"direction": "ingress", "src": {"ip": "10.244.1.2", "port": 1}, "dst": {"ip": "10.244.2.3", "port": 80}}\n')
 
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(cli, "api_open", urlopen)  # the CLI's one way to an agent's API
     code, out, err = run(capsys, "flows", "-o", "json", *extra)
     assert code == 0 and json.loads(out)["node"] == "node2", err
     (req,) = asked

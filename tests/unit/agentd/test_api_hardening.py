@@ -1,0 +1,351 @@
+"""The REST API against what its callers and the underlay can do to it: connections that send
+nothing, errors as JSON, this node's /nodes/ answers, the cluster view against odd or
+redirecting nodes, followers without a credential, and the CLI against proxies and redirects.
+Servers in process on 127.0.0.1 with ephemeral ports; no sleeps."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.server
+import json
+import threading
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+from prometheus_client import CollectorRegistry
+
+from agentd import cli
+from agentd.daemon import api, auth, cluster, observe_api
+from agentd.daemon.cluster import ClusterView, NodeAnswered
+from agentd.flows.model import FlowFilter
+from agentd.flows.ring import MAX_FOLLOWERS, FlowRing
+from agentd.flows.views import FlowViews
+
+TOKEN = "api-token"
+
+
+class Provider:
+    """What the API reads: a node ``node1`` with flow records, not ready, no BGP speaker."""
+
+    def __init__(self, flows: FlowViews | None = None, cluster_view: ClusterView | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self._flows = flows
+        self._cluster = cluster_view
+
+    def health(self):
+        return True, []
+
+    def readiness(self):
+        return False, ["routes not reconciled yet"]
+
+    def status(self):
+        return {"node": {"name": "node1"}}
+
+    def peers(self):
+        return []
+
+    def routes(self):
+        return []
+
+    def bgp_speaker(self):
+        return None
+
+    def flows_view(self):
+        return self._flows
+
+    def cluster_view(self):
+        return self._cluster
+
+    def node_name(self):
+        return "node1"
+
+
+async def _started(server: api.ApiServer) -> api.ApiServer:
+    await server.start()
+    return server
+
+
+# ------------------------------------------------------------------ connections
+
+
+def test_the_api_keeps_an_idle_connection_seconds_not_an_hour():
+    server = api.ApiServer(Provider(), "127.0.0.1", 0, token=TOKEN)
+    assert server.keepalive_timeout == api.KEEPALIVE_TIMEOUT == 15.0
+    assert server.max_connections == api.MAX_CONNECTIONS == 1000
+    # Another node's gatherer lets an idle connection go first: no GET on one being closed.
+    assert cluster.IDLE_KEPT < api.KEEPALIVE_TIMEOUT
+
+
+async def test_connections_that_send_nothing_are_closed_and_at_most_the_cap_are_open():
+    server = api.ApiServer(Provider(), "127.0.0.1", 0, token=TOKEN)
+    server.keepalive_timeout = 0.2  # seconds here, so that the test waits for no more
+    server.max_connections = 3
+    await _started(server)
+    held = []
+    try:
+        for _ in range(3):
+            held.append(await asyncio.open_connection("127.0.0.1", server.port))
+        held[1][1].write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # half a head, never finished
+        await held[1][1].drain()
+        # One past the cap is closed as it comes.
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        assert await asyncio.wait_for(reader.read(), 5) == b"" and server.connections.refused == 1
+        writer.close()
+        # Nothing, or half a head: closed once the keep-alive time has passed, not an hour later.
+        for reader, _ in held:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        # The places are free again: a request is answered.
+        for _ in range(100):
+            if not server.connections.connections:
+                break
+            await asyncio.sleep(0)
+        async with aiohttp.ClientSession() as session, session.get(server.url + "/healthz") as resp:
+            assert resp.status == 200
+        assert not server.connections.waiting  # what came in time is not held
+    finally:
+        for _, writer in held:
+            writer.close()
+        await server.stop()
+
+
+# ------------------------------------------------------------------ errors are JSON
+
+
+async def test_every_error_is_json_aiohttps_own_too():
+    server = await _started(api.ApiServer(Provider(flows=FlowViews(SimpleNamespace(ring=FlowRing(16)))),
+                                          "127.0.0.1", 0, token=TOKEN))
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.url + "/nope") as resp:
+                assert resp.status == 404 and resp.content_type == "application/json"
+                assert await resp.json() == {"error": "Not Found"}
+            async with session.delete(server.url + "/status", headers=auth.bearer_header(TOKEN)) as resp:
+                assert resp.status == 405 and resp.content_type == "application/json"
+                assert await resp.json() == {"error": "Method Not Allowed"}
+                assert "GET" in resp.headers["Allow"]  # aiohttp's header kept
+            async with session.get(server.url + "/ui", allow_redirects=False) as resp:
+                assert resp.status == 302 and resp.headers["Location"] == "/ui/"  # a redirect stays one
+    finally:
+        await server.stop()
+
+
+# ------------------------------------------------------------------ /nodes/<this node>/...
+
+
+async def test_this_nodes_rib_metrics_healthz_readyz_are_answered_not_redirected():
+    server = await _started(api.ApiServer(Provider(flows=FlowViews(SimpleNamespace(ring=FlowRing(16)))),
+                                          "127.0.0.1", 0, token=TOKEN))
+    try:
+        async with aiohttp.ClientSession() as session:
+            for what, status, body in (("healthz", 200, {"healthy": True, "problems": []}),
+                                       ("readyz", 503, {"ready": False, "reasons": ["routes not reconciled yet"]}),
+                                       ("rib?prefix=10.0.0.0/24", 200, [])):
+                async with session.get(f"{server.url}/nodes/node1/{what}", allow_redirects=False) as resp:
+                    assert (resp.status, await resp.json()) == (status, body), what
+            async with session.get(f"{server.url}/nodes/node1/rib?prefix=nonsense", allow_redirects=False) as resp:
+                assert resp.status == 400  # the query is /rib's, as /rib reads it
+            async with session.get(f"{server.url}/nodes/node1/metrics", allow_redirects=False) as resp:
+                assert resp.status == 200 and resp.content_type == "text/plain"
+    finally:
+        await server.stop()
+
+
+# ------------------------------------------------------------------ the cluster view
+
+
+async def test_a_node_answering_no_json_object_is_that_nodes_error_not_a_500():
+    for answer in (5, None, [1], "some text", True):
+        view = ClusterView("node1", lambda: {"node1": "192.0.2.1", "node2": "192.0.2.2"}, 9098)
+        view.token = "read-token"
+
+        async def get_json(node, path, a=answer):
+            return a
+
+        view.get_json = get_json  # type: ignore[method-assign]
+        agent = SimpleNamespace(cluster_view=lambda v=view: v, flows_view=lambda: None, node_name=lambda: "node1",
+                                status=lambda: {"node": {"name": "node1"}})
+        handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: TOKEN)
+        resp = await handlers.cluster(make_mocked_request("GET", "/cluster", headers=auth.bearer_header(TOKEN)))
+        nodes = json.loads(resp.text)["nodes"]
+        assert resp.status == 200 and nodes["node1"]["status"] == {"node": {"name": "node1"}}, answer
+        assert nodes["node2"] == {"address": "192.0.2.2", "error": "node2 did not answer with a JSON object"}, answer
+
+
+async def test_a_node_that_redirects_is_not_followed(monkeypatch):
+    asked: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"secret": True})
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound(f"http://127.0.0.1:{other_port}/latest/meta-data")
+
+    other = web.Application()
+    other.router.add_get("/{tail:.*}", elsewhere)
+    node = web.Application()
+    node.router.add_get("/{tail:.*}", redirect)
+    runners = []
+    ports = []
+    for app in (other, node):
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        ports.append(site._server.sockets[0].getsockname()[1])
+    other_port, node_port = ports
+    monkeypatch.setattr(cluster, "unsafe_address", lambda address: None)  # the test's node is on loopback
+    view = ClusterView("node1", lambda: {"node2": "127.0.0.1"}, node_port)
+    view.token = "read-token"
+    try:
+        with pytest.raises(NodeAnswered, match="node2 answered 302: a redirect to .*not followed") as err:
+            await view.get("node2", "/status")
+        assert err.value.status == 302
+        with pytest.raises(NodeAnswered, match="answered 302"):
+            async for _ in view.lines("node2", "/flows?last=1"):
+                pass
+        gathered = await view.gather("/status", lambda: {"me": 1})
+        assert "answered 302" in gathered["node2"]["error"]
+        assert asked == []  # the token went nowhere else
+    finally:
+        await view.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+# ------------------------------------------------------------------ followers
+
+
+async def test_local_readers_without_a_credential_cannot_take_the_clusters_places():
+    views = FlowViews(SimpleNamespace(ring=FlowRing(16)))
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: views, node_name=lambda: "node1")
+    loopback = observe_api._Handlers(agent, read_only=False, token_of=lambda: TOKEN)
+    listener = observe_api._Handlers(agent, read_only=True, token_of=lambda: None)
+
+    async def follow(handlers, headers=None):
+        request = make_mocked_request("GET", "/flows?follow=1&last=0", headers=headers or {})
+        task = asyncio.create_task(handlers.flows(request))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return task
+
+    open_ones = [await follow(loopback) for _ in range(MAX_FOLLOWERS)]  # a local user's curls
+    refused = await follow(loopback)
+    assert refused.done() and refused.result().status == 503
+    # Another node's gatherer (the read-only listener) and a reader here with the key still follow.
+    trusted = [await follow(listener), await follow(loopback, auth.bearer_header(auth.ui_key(TOKEN)))]
+    assert not any(t.done() for t in trusted) and views.followers("trusted") == 2
+    assert views.followers("open") == MAX_FOLLOWERS and views.followers() == MAX_FOLLOWERS + 2
+    for task in open_ones + trusted:
+        task.cancel()
+    await asyncio.gather(*open_ones, *trusted, return_exceptions=True)
+    assert views.followers() == 0
+
+
+def test_the_ring_counts_each_pool_on_its_own():
+    ring = FlowRing(16)
+    for _ in range(MAX_FOLLOWERS):
+        ring.follow(FlowFilter())
+    follower = ring.follow(FlowFilter(), pool="trusted")
+    assert ring.following("open") == MAX_FOLLOWERS and ring.following("trusted") == 1
+    ring.unfollow(follower)
+    assert ring.following("trusted") == 0
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """Records each request (method, path, Authorization) in ``server.seen``; answers with
+    ``server.answer(handler)``."""
+
+    def _any(self) -> None:
+        self.server.seen.append((self.command, self.path, self.headers.get("Authorization")))  # type: ignore[attr-defined]
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        self.server.answer(self)  # type: ignore[attr-defined]
+
+    do_GET = do_POST = _any
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve(answer):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    server.seen = []  # type: ignore[attr-defined]
+    server.answer = answer  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _reply(handler, status, body=b"{}", headers=()):
+    handler.send_response(status)
+    for k, v in headers:
+        handler.send_header(k, v)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def _agent(handler):
+    if handler.command == "POST":
+        _reply(handler, 202, b'{"leaving": true}')
+    elif handler.path == "/healthz":  # stopping: the connection closed unanswered, so leave returns
+        handler.close_connection = True
+    else:
+        _reply(handler, 200, b'{"node": {"name": "node1"}}')
+
+
+@pytest.fixture
+def servers(monkeypatch):
+    import urllib.request
+
+    made = []
+
+    def make(answer):
+        made.append(_serve(answer))
+        return made[-1]
+
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's opener made anew, from this environment
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    yield make
+    for server in made:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_cli_never_sends_the_token_through_a_proxy(servers, monkeypatch, tmp_path):
+    agent = servers(_agent)
+    proxy = servers(lambda h: _reply(h, 502, b"bad gateway"))
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.server_address[1]}")
+    token_file = tmp_path / "api.token"
+    token_file.write_text(TOKEN + "\n")
+    assert cli.leave_running_agent("127.0.0.1", agent.server_address[1], token_file) is True
+    assert cli.fetch_json(f"http://127.0.0.1:{agent.server_address[1]}/status") == {"node": {"name": "node1"}}
+    assert proxy.seen == []
+    assert agent.seen[0] == ("POST", "/leave", f"Bearer {TOKEN}")
+
+
+def test_the_cli_follows_no_redirect_with_the_key(servers, tmp_path, capsys):
+    elsewhere = servers(lambda h: _reply(h, 200, b'{"time": 1}\n'))
+    redirecting = servers(lambda h: _reply(h, 302, b"", [("Location", f"http://127.0.0.1:{elsewhere.server_address[1]}/x")]))
+    token_file = tmp_path / "api.token"
+    token_file.write_text(TOKEN + "\n")
+    parser = argparse.ArgumentParser()
+    cli.add_flow_arguments(parser)
+    args = parser.parse_args(["--api", f"http://127.0.0.1:{redirecting.server_address[1]}"])
+    assert cli.flows_command(args, token_file) == 1
+    assert "302" in capsys.readouterr().err
+    with pytest.raises(Exception, match="not followed"):
+        cli.fetch_json(f"http://127.0.0.1:{redirecting.server_address[1]}/status")
+    assert elsewhere.seen == []  # neither the key nor anything else went there
+    assert redirecting.seen[0][2] == f"Bearer {auth.ui_key(TOKEN)}"
