@@ -120,7 +120,7 @@ def test_the_last_settings_accepted_outlive_an_agent_restart(tmp_path):
         await ctl._sync()
         assert ctl.settings == accepted and "bogus" in ctl.settings_error
         # systemctl restart agentd: a new controller adopts the same proxy (its master pid)
-        new, proxy2 = controller(tmp_path / "again")
+        new, _ = controller(tmp_path / "again")
         new.paths, new.proxy = ctl.paths, proxy  # type: ignore[assignment]
         new.objects["ConfigMap"][CONFIGMAP] = {"data": bad}
         await new._take_over()
