@@ -225,11 +225,12 @@ def _open_lock(directory: str) -> int | None:
             _reported.add(path)
             log.warning("cannot open %s (%s): going on without it", path, err.strerror or err)
         return None
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # (without CAP_CHOWN: it stays whose it is)
         st, owner = os.fstat(fd), os.stat(directory)
         if os.geteuid() == 0 and (st.st_uid, st.st_gid) != (owner.st_uid, owner.st_gid):
             os.fchown(fd, owner.st_uid, owner.st_gid)
-        if stat.S_IMODE(st.st_mode) != LOCK_MODE:  # one an earlier version made 0644
+    with contextlib.suppress(OSError):  # (not its owner: it stays as it is)
+        if stat.S_IMODE(os.fstat(fd).st_mode) != LOCK_MODE:  # one an earlier version made 0644
             os.fchmod(fd, LOCK_MODE)
     return fd
 
