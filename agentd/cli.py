@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, HostFacts, check_config, load_config
+from agentd.config.settings import DEFAULT_CONFIG_PATH, ConfigError, HostFacts, check_config, config_warnings, load_config
 from agentd.kernel.netinfo import LocalHost
 from agentd.tables import render_table
 
@@ -327,6 +327,8 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(p, file=sys.stderr)
         if problems:
             return 1
+        for line in config_warnings(load_config(path, overrides=overrides, host=LocalHost())):
+            print(f"warning: {line}", file=sys.stderr)
         if args.show:
             print(json.dumps(load_config(path, overrides=overrides, host=LocalHost()).to_dict(), indent=2))
         elif os.path.exists(path):
@@ -381,6 +383,8 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         path, overrides, cfg = _load(args, parser, host=LocalHost())
         named = _config_path(args, parser)[1]  # a named file must still be there at a reload (SIGHUP)
         setup_logging(cfg.log.level, cfg.log.format)
+        for line in config_warnings(cfg):
+            logging.getLogger("agentd").warning("%s", line)
         import uvloop
 
         if cmd == "speaker":

@@ -36,6 +36,7 @@ import ipaddress
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -188,6 +189,50 @@ def attachment(result: Mapping[str, Any], bridge: str) -> tuple[list[str], str, 
 
 
 LOCK = ".lock"  # flock(2)ed: the plugin's changes (shared) against the agent's checks (exclusive)
+LOCK_MODE = 0o600  # only its owner (the agent's user) and root open it: no one else can hold it
+PLUGIN_LOCK_WAIT = 1.0  # the plugin waits this long for the lock, then goes on without it
+AGENT_LOCK_TRIES = 5  # the agent tries this often, AGENT_LOCK_PAUSE apart, then skips the round
+AGENT_LOCK_PAUSE = 0.01
+
+
+class Busy(Exception):
+    """``endpoints/.lock`` is held by someone else: the agent does not wait for it (it runs
+    again at the next round)."""
+
+
+_reported: set[str] = set()  # lock files this process could not open, logged once
+
+
+def _open_lock(directory: str) -> int | None:
+    """A read-only fd of ``directory/.lock``, created (LOCK_MODE) if missing; None without it.
+
+    Read-only: closing a file opened for writing would wake the agent's inotify watch.  The
+    file is LOCK_MODE and, when root makes or finds it (the plugin under the runtime), owned by
+    the directory's owner -- the agent's user when the agent runs as one of its own -- so that
+    whichever of the two makes it first, both can open it and no one else can (flock needs
+    only a read-only fd: a file others can read is one they can hold)."""
+    path = os.path.join(directory, LOCK)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            fd = os.open(path, flags | os.O_CREAT, LOCK_MODE)
+    except FileNotFoundError:
+        return None  # no directory: nothing to guard
+    except OSError as err:
+        if path not in _reported:
+            _reported.add(path)
+            log.warning("cannot open %s (%s): going on without it", path, err.strerror or err)
+        return None
+    with contextlib.suppress(OSError):  # (without CAP_CHOWN: it stays whose it is)
+        st, owner = os.fstat(fd), os.stat(directory)
+        if os.geteuid() == 0 and (st.st_uid, st.st_gid) != (owner.st_uid, owner.st_gid):
+            os.fchown(fd, owner.st_uid, owner.st_gid)
+    with contextlib.suppress(OSError):  # (not its owner: it stays as it is)
+        if stat.S_IMODE(os.fstat(fd).st_mode) != LOCK_MODE:  # one an earlier version made 0644
+            os.fchmod(fd, LOCK_MODE)
+    return fd
 
 
 @contextlib.contextmanager
@@ -195,21 +240,35 @@ def _locked(data_dir: str | os.PathLike[str], exclusive: bool) -> Iterator[None]
     """Hold ``endpoints/.lock``: agentd-cni shared while it writes or removes a container's files
     (plugins for different containers do not wait for each other), the agent exclusive while
     it checks that a file is still the one it read and acts on it (relabel, acknowledge).
-    Without the directory there is nothing to guard; a lock file that cannot be opened (a
-    directory this process cannot write) is gone without."""
-    path = os.path.join(endpoints_dir(data_dir), LOCK)
-    fd = None
-    try:  # read-only: closing a file opened for writing would wake the agent's inotify watch
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            os.fchmod(fd, 0o644)  # the other side may run as another user: not the umask's mode
-    except OSError:
-        pass
+
+    Neither waits for long: the agent tries AGENT_LOCK_TRIES times and raises Busy (the caller
+    skips this round); the plugin waits up to PLUGIN_LOCK_WAIT, then goes on without it,
+    logged.  Without the directory there is nothing to guard; a lock file that cannot be opened
+    is gone without (logged once)."""
+    fd = _open_lock(endpoints_dir(data_dir))
     try:
         if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            if exclusive:
+                for attempt in range(AGENT_LOCK_TRIES):
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if attempt + 1 == AGENT_LOCK_TRIES:
+                            raise Busy(f"{os.path.join(endpoints_dir(data_dir), LOCK)} is held by another process") from None
+                        time.sleep(AGENT_LOCK_PAUSE)
+            else:
+                deadline = time.monotonic() + PLUGIN_LOCK_WAIT
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            log.warning("%s is held by another process for more than %.1f s: going on without it",
+                                        os.path.join(endpoints_dir(data_dir), LOCK), PLUGIN_LOCK_WAIT)
+                            break
+                        time.sleep(0.005)
         yield
     finally:
         if fd is not None:
@@ -303,7 +362,8 @@ def acknowledge(
     ``written``) -- and unmark the containers of ``before`` that are not among them.  An
     attachment is marked only while its file is still the one the agent programmed: a DEL and
     ADD with the same container ID since then (a new file) waits for a build that has it.
-    Returns the attachments marked (``before``'s still programmed and the new ones)."""
+    Returns the attachments marked (``before``'s still programmed and the new ones).  Raises
+    Busy, having changed nothing, if another process holds the lock (the agent tries again)."""
     directory = os.path.join(endpoints_dir(data_dir), PROGRAMMED)
     os.makedirs(directory, mode=0o755, exist_ok=True)
     marked = programmed & before
@@ -378,7 +438,8 @@ def relabel(data_dir: str | os.PathLike[str], ep: Endpoint, labels: dict[str, st
 
     Only while the file is still the one ``ep`` was read from: None (and nothing written) if
     the pod's DEL removed it meanwhile -- rewriting it would bring the pod back for good --
-    or a new ADD of the same container ID replaced it."""
+    or a new ADD of the same container ID replaced it.  Raises Busy, having written nothing,
+    if another process holds the lock."""
     new = replace(ep, labels=dict(labels))
     path = os.path.join(endpoints_dir(data_dir), ep.container_id + SUFFIX)
     with _locked(data_dir, exclusive=True):  # DEL removes, ADD writes, under the shared lock

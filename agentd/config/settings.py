@@ -773,13 +773,8 @@ def _check_families(ld: _Loader) -> None:
         v["bgp.next_hop_v6"] = v["node.address_v6"]
     if family == "ipv6" and ld.origins["bgp.listen"].rank == 0:
         v["bgp.listen"] = HostPort("::", BgpConfig.listen.port)  # the sessions are IPv6
-    elif family == "ipv6" and ok("bgp.listen") and (at := v["bgp.listen"]) is not None:
-        host = ip_address(at.host)
-        if host.version == 4 or host.ipv4_mapped is not None:
-            # An IPv4 socket: every peer's (IPv6) connection to this node would be refused.
-            ld.key_problem(ld.blame("bgp.listen", "network.ip_family"),
-                           f"{at} is an IPv4 address, but with ip_family = ipv6 the BGP sessions are IPv6: "
-                           f"listen on an IPv6 address, e.g. [::]:{at.port}")
+    # An explicit IPv4 listen address with ip_family = ipv6 is no problem but a warning
+    # (config_warnings): earlier versions took it, and sessions this node opens work with it.
 
 
 def _check_peers(ld: _Loader) -> None:
@@ -867,6 +862,24 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
         raise first
     assert config is not None
     return config
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What a valid configuration may not do as meant, one line each: ``agentd run`` logs
+    them at start, ``agentd check-config`` prints them (neither refuses the configuration)."""
+    out = []
+    at = cfg.bgp.listen
+    if cfg.network.ip_family == "ipv6" and at is not None:
+        host = ip_address(at.host)
+        if host.version == 4 or host.ipv4_mapped is not None:
+            # An IPv4 socket: every peer's (IPv6) connection to this node is refused.  Earlier
+            # versions took it (the sample config had 0.0.0.0:179): sessions this node opens
+            # (to external route reflectors) work, so it is not refused.
+            out.append(f"[bgp] listen = {at}: an IPv4 address, but with ip_family = ipv6 the BGP sessions are "
+                       "IPv6: peers cannot connect to this node (mesh peers, passive peers, listen ranges); "
+                       "only sessions it opens itself come up. Listen on an IPv6 address: "
+                       f"[bgp] listen = \"[::]:{at.port}\" (or remove the line)")
+    return out
 
 
 def check_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,

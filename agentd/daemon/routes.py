@@ -29,6 +29,7 @@ from agentd.dataplane.backends import Tunnels
 from agentd.datastore.store import ClusterConfig, SubnetLease
 from agentd.kernel.forwarding import PeerPlan, desired_routes
 from agentd.kernel.netinfo import Underlay
+from agentd.kernel.netlink import NetlinkDecodeError
 from agentd.kernel.route_model import InvalidRoute, Route, canonical_dst, same_route
 from agentd.kernel.routing import RouteProgrammer, remove_routes_of
 
@@ -67,7 +68,12 @@ async def drop_previous_protocol(
             log.warning("%s holds %r, not a route protocol: ignored", path, text[:40])
     if previous is not None and previous != protocol:
         networks = list(pod_networks)
-        removed, failed = await remove(previous, networks)
+        try:
+            removed, failed = await remove(previous, networks)
+        except (OSError, NetlinkDecodeError) as err:  # the dump itself (a socket, a reply it cannot read)
+            log.warning("[network] route_protocol changed from %d to %d: the proto %d routes of a previous run "
+                        "could not be looked for (%s); the next start tries again", previous, protocol, previous, err)
+            return
         log.warning("[network] route_protocol changed from %d to %d: removed %d proto %d routes of a previous run "
                     "in the pod network (%s); routes of proto %d elsewhere are left: `ip route flush proto %d` "
                     "removes them", previous, protocol, len(removed), previous, ", ".join(map(str, networks)),

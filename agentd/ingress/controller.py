@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -203,6 +204,11 @@ class IngressController:
         loaded = await asyncio.to_thread(_read_json, self.paths.loaded)
         if loaded.get("master") == self.proxy.pid:
             self._structure = loaded.get("structure")
+            # The settings its check accepted: the fallback should the ConfigMap hold settings
+            # it refuses (a loaded.json of an older agent has none: the defaults, as before).
+            accepted = _settings_from(loaded.get("settings"))
+            if accepted is not None:
+                self._good_settings = self._fallback = accepted
         self.servers, self.draining = {}, {}
         try:
             rows = await self.proxy.stats()
@@ -221,7 +227,8 @@ class IngressController:
         self._wake.set()
 
     def _save_loaded(self, structure: str) -> None:
-        _write(self.paths.loaded, json.dumps({"master": self.proxy.pid, "structure": structure}).encode())
+        _write(self.paths.loaded, json.dumps({"master": self.proxy.pid, "structure": structure,
+                                              "settings": dataclasses.asdict(self._good_settings)}).encode())
 
     async def stop(self) -> None:
         """The agent stops: the proxy goes on serving (the next agent adopts it)."""
@@ -630,3 +637,23 @@ def _pem(secret: Mapping[str, Any]) -> bytes:
     crt = base64.b64decode(data[TLS_CERT_KEY])
     key = base64.b64decode(data[TLS_PRIVATE_KEY_KEY])
     return crt.rstrip(b"\n") + b"\n" + key.rstrip(b"\n") + b"\n"
+
+
+def _settings_from(raw: Any) -> settings.Settings | None:
+    """Settings as ``_save_loaded`` wrote them (dataclasses.asdict); None for anything else
+    (none written, an older agent's file, a field of the wrong type)."""
+    if not isinstance(raw, dict):
+        return None
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(settings.Settings):
+        if f.name not in raw:
+            continue
+        value, default = raw[f.name], getattr(settings.Settings(), f.name)
+        if isinstance(default, tuple):
+            if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+                return None
+            value = tuple(value)
+        elif type(value) is not type(default):
+            return None
+        out[f.name] = value
+    return settings.Settings(**out)

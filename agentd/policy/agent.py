@@ -48,6 +48,7 @@ from .views import PolicyViews
 
 log = logging.getLogger("agentd.policy")
 
+ACK_RETRY = 0.5  # endpoints/.lock held by another process: acknowledging is tried again this often
 RESCAN_INTERVAL = 10.0  # endpoint files are read again this often even without inotify events
 COUNTERS_INTERVAL = 2.0
 HISTORY = 64
@@ -127,6 +128,7 @@ class PolicyAgent:
         self._have_snapshot = False
         self._full_compare = True
         self._acked: set[tuple[str, int]] = set()  # (container, Endpoint.written) acknowledged
+        self._ack_pending: set[tuple[str, int]] | None = None  # a build's attachments not acknowledged (lock held)
         self._conflicts: set[tuple[Any, ...]] = set()  # address conflicts logged already
         self._too_large: dict[tuple[str, str], str] = {}  # policies too large to program, logged already
         # Local pods' addresses -> the container that has each (agentd/policy/conntrack.py), and
@@ -319,6 +321,8 @@ class PolicyAgent:
                     await self._update_fast_path()
                 released, self._released = self._released, set()
                 await self._flush_released(released)
+                if self._ack_pending is not None:  # the last build's acknowledgement found the lock held
+                    await self._acknowledge(self._ack_pending)
                 self._applied(self.revision)
                 continue
             revision = self.revision
@@ -370,15 +374,30 @@ class PolicyAgent:
                     await self.before_ack()
                 except Exception as err:  # noqa: BLE001 -- the pod is programmed: acknowledge it anyway
                     log.warning("before acknowledging pods: %s", err)
-            try:  # tell agentd-cni, waiting in ADD, that its pod is in the tables now
-                self._acked = endpoints.acknowledge(self.data_dir, containers, self._acked)
-            except OSError as err:
-                log.warning("cannot acknowledge programmed pods: %s", err)
+            await self._acknowledge(containers)  # tell agentd-cni, waiting in ADD, that its pod is in the tables now
             if result.full:
                 size = desired.size()
                 log.info("policy tables programmed: %d chains, %d rules, %d set elements (%d commands)",
                          size["chains"], size["rules"], size["elements"], result.commands)
             self._applied(revision)
+
+    async def _acknowledge(self, containers: set[tuple[str, int]]) -> None:
+        """Mark the attachments the tables have now (endpoints.acknowledge, in a thread: file
+        I/O).  The agent never waits for endpoints/.lock: held by another process, this round
+        is skipped and the loop is woken again after ACK_RETRY (every ACK_RETRY while it is held)."""
+        try:
+            self._acked = await asyncio.to_thread(endpoints.acknowledge, self.data_dir, containers, self._acked)
+        except endpoints.Busy as err:
+            if self._ack_pending is None:
+                log.warning("pods not acknowledged to agentd-cni yet: %s; trying again every %.1f s", err, ACK_RETRY)
+            self._ack_pending = containers
+            asyncio.get_running_loop().call_later(ACK_RETRY, self._wake.set)
+            return
+        except OSError as err:
+            log.warning("cannot acknowledge programmed pods: %s", err)
+        if self._ack_pending is not None:
+            log.info("pods acknowledged to agentd-cni again")
+        self._ack_pending = None
 
     async def _flush_released(self, released: set[str]) -> None:
         """Delete the conntrack entries of addresses local pods no longer have (after the sync

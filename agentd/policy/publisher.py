@@ -128,10 +128,15 @@ class PodPublisher:
                 if container_of(record) == ep.container_id:
                     labels = record["metadata"].get("labels") or {}
                     if labels != ep.labels:  # set by `agentd label pod`: keep it in the file
-                        relabelled = endpoints.relabel(self.data_dir, ep, labels)
+                        try:  # in a thread: file I/O under endpoints/.lock, which it never waits for
+                            relabelled = await asyncio.to_thread(endpoints.relabel, self.data_dir, ep, labels)
+                        except endpoints.Busy as err:  # the record is right; the file waits for the next round
+                            log.warning("labels of pod %s/%s not written to its endpoint file yet: %s", *key, err)
+                            continue
                         if relabelled is None:  # DEL removed the file (or ADD replaced it) meanwhile:
                             continue  # the rescan that sees it wakes the next round
-                        self.endpoints[ep.container_id] = relabelled
+                        if self.endpoints.get(ep.container_id) == ep:  # (not read again meanwhile)
+                            self.endpoints[ep.container_id] = relabelled
             new = record_for(ep, self.node, labels)
             if record is not None:
                 same = _comparable(record) == _comparable(new)

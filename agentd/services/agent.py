@@ -89,7 +89,7 @@ class ServiceAgent:
         self._table: compiler.Table | None = None
         # Each Service's ports as last programmed, kept across rebuilds of the table: the UDP
         # endpoints a change takes away are judged against it, and flushes that failed wait here.
-        self._applied: dict[tuple[str, str], list[model.ServicePort]] = {}
+        self._applied: dict[tuple[str, str], list[model.ServicePort]] = {}  # per Service, its ports as compiled
         self._unflushed: list[conntrack.Flush] = []
         self._fresh = True  # no sync yet since start: every UDP port's flows are checked against its endpoints
         self.views = ServiceViews(self)  # GET /services and /metrics (agentd/services/views.py)
@@ -260,12 +260,16 @@ class ServiceAgent:
             else:
                 keys = set()
             gone: list[conntrack.Flush] = list(self._unflushed)
-            built: dict[tuple[str, str], list[model.ServicePort]] = {}
             for key in sorted(dirty):
-                after = built[key] = self._build(key)
-                touched = self._table.update(key, after)
+                touched = self._table.update(key, self._build(key))
                 if keys is not None:
                     keys |= touched
+            # The flows to flush follow the ports as compiled, not as asked: a cluster IP or
+            # node port an older Service holds is not this one's (its endpoints coming or going
+            # say nothing of the holder's flows), and one a Service gains or loses by a conflict
+            # changing is compiled anew without an update of its own.
+            built = {key: list(self._table.compiled(key)) for key in self._table.take_recompiled() | dirty}
+            for key, after in sorted(built.items()):
                 gone += stale_udp(self._applied.get(key, []), after)
                 gone += unusable_udp(self._applied.get(key, []), after, first=self._fresh)
             translating = self._table.translating()
@@ -395,12 +399,15 @@ def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -
 def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort], *, first: bool = False) -> list[conntrack.Unusable]:
     """UDP ports whose flows not going to one of their usable endpoints are to be flushed:
     every one on the ``first`` sync after start (endpoints may have gone while the agent was
-    down), else those going from no usable endpoint (or none at all) to some (a flow sent
-    before this node translated the port is not translated, and would stay so)."""
-    had = {sp.key for sp in before if sp.usable()}
+    down), else those going from no usable endpoint (or none at all) to some, or with some
+    gaining a cluster IP or node port (another Service held it): a flow sent before this node
+    translated the port is not translated, and would stay so.  ``before`` and ``after`` are
+    the ports as compiled (a cluster IP or node port another Service holds is None): one
+    not translated to this Service's endpoints has flows that are not its own."""
+    had = {(sp.key, sp.cluster_ip, sp.node_port) for sp in before if sp.usable()}
     return [conntrack.Unusable(sp.cluster_ip, sp.port, sp.node_port, sp.family, frozenset((e.ip, e.port) for e in sp.usable()))
             for sp in after if sp.protocol == "UDP" and (sp.cluster_ip is not None or sp.node_port is not None)
-            and (first or (sp.usable() and sp.key not in had))]  # fmt: skip
+            and (first or (sp.usable() and (sp.key, sp.cluster_ip, sp.node_port) not in had))]  # fmt: skip
 
 
 async def remove_services_table(dns_address_v6: str | None = None) -> None:

@@ -493,6 +493,7 @@ class Table:
         self._compiled: dict[ServiceKey, tuple[ServicePort, ...]] = {}  # and as compiled (less what others hold)
         self._claims: dict[Claim, dict[ServiceKey, tuple[Any, ...]]] = {}  # VIP or node port -> who wants it (their age)
         self.conflicts: dict[ServiceKey, list[str]] = {}  # per service: what it was refused, one line each
+        self._recompiled: set[ServiceKey] = set()  # services compiled anew since take_recompiled()
 
     def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
         """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys.
@@ -529,6 +530,18 @@ class Table:
         for k in sorted(affected):
             touched |= self._compile(k)
         return touched
+
+    def compiled(self, key: ServiceKey) -> tuple[ServicePort, ...]:
+        """Service ``key``'s ports as compiled: without the cluster IPs (None) and node ports
+        (None) an older Service holds; none for a Service not here.  What this node translates
+        to its endpoints -- unlike the ports asked for, the ones whose flows are its."""
+        return self._compiled.get(key, ())
+
+    def take_recompiled(self) -> set[ServiceKey]:
+        """The Services compiled anew (their ports as compiled changed, :meth:`compiled`) since
+        the last call: those :meth:`update` was called for and those a conflict's change moved."""
+        out, self._recompiled = self._recompiled, set()
+        return out
 
     def _held(self, key: ServiceKey) -> tuple[tuple[ServicePort, ...], list[str]]:
         """Service ``key``'s ports without the VIPs and node ports an older Service holds; the conflicts."""
@@ -584,6 +597,7 @@ class Table:
                 self._rs.objects[k] = o
                 touched.add(k)
         self.port_count += len(ports) - (len(old[0]) if old is not None else 0)
+        self._recompiled.add(key)
         if ports:
             self.services[key] = (wanted, objs, elems, sizes)
             self._compiled[key] = ports

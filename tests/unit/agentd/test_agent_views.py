@@ -362,6 +362,106 @@ def test_the_agents_checks_exclude_the_plugins_changes(tmp_path):
     assert endpoints.read_all(tmp_path).keys() == {"c1"}  # the lock file is no endpoint file
 
 
+def _holding_the_lock(tmp_path, mode):
+    """Another process's hold of endpoints/.lock (flock locks are per open file: this fd's
+    lock excludes the module's own); released after 5 s so a blocking caller fails, not hangs."""
+    import fcntl
+    import os
+    import threading
+
+    fd = os.open(os.path.join(endpoints.endpoints_dir(tmp_path), endpoints.LOCK), os.O_RDONLY)
+    fcntl.flock(fd, mode)
+    timer = threading.Timer(5.0, fcntl.flock, (fd, fcntl.LOCK_UN))
+    timer.start()
+    return fd, timer
+
+
+def _returns_within(seconds, fn, *args):
+    import threading
+
+    out: list = []
+
+    def run():
+        try:
+            out.append(("ok", fn(*args)))
+        except Exception as err:  # noqa: BLE001
+            out.append(("raised", err))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return out[0] if out else None
+
+
+def test_the_agent_never_waits_for_a_lock_someone_else_holds(tmp_path, monkeypatch):
+    """A process holding endpoints/.lock (even shared) must not stop the agent: acknowledge
+    and relabel try a few times and raise Busy, having changed nothing."""
+    import fcntl
+    import os
+
+    monkeypatch.setattr(endpoints, "AGENT_LOCK_PAUSE", 0.0, raising=False)
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    (read,) = endpoints.read_all(tmp_path).values()
+    fd, timer = _holding_the_lock(tmp_path, fcntl.LOCK_SH)
+    try:
+        got = _returns_within(2.0, endpoints.acknowledge, tmp_path, {("c1", read.written)}, set())
+        assert got is not None, "acknowledge waited for the lock"
+        assert got[0] == "raised" and isinstance(got[1], endpoints.Busy)
+        assert endpoints.unacknowledged(tmp_path, {"c1"}) == {"c1"}
+        got = _returns_within(2.0, endpoints.relabel, tmp_path, read, {"app": "z"})
+        assert got is not None, "relabel waited for the lock"
+        assert got[0] == "raised" and isinstance(got[1], endpoints.Busy)
+        assert endpoints.read(tmp_path, "c1").labels == {"app": "a"}
+    finally:
+        timer.cancel()
+        os.close(fd)
+    assert endpoints.acknowledge(tmp_path, {("c1", read.written)}, set()) == {("c1", read.written)}
+
+
+def test_the_plugin_goes_on_without_a_lock_held_too_long(tmp_path, monkeypatch, caplog):
+    import fcntl
+    import os
+
+    monkeypatch.setattr(endpoints, "PLUGIN_LOCK_WAIT", 0.0, raising=False)
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    fd, timer = _holding_the_lock(tmp_path, fcntl.LOCK_EX)
+    try:
+        got = _returns_within(2.0, endpoints.write, tmp_path, endpoint("c2", "b"))
+        assert got == ("ok", None), "ADD waited for the lock"
+        assert _returns_within(2.0, endpoints.remove, tmp_path, "c1") == ("ok", None), "DEL waited for the lock"
+    finally:
+        timer.cancel()
+        os.close(fd)
+    assert endpoints.read_all(tmp_path).keys() == {"c2"}
+    assert "going on without it" in caplog.text
+
+
+def test_only_the_agents_user_and_root_can_open_the_lock(tmp_path):
+    """0600, whoever makes it first; one an earlier version left 0644 is made 0600.  Root (the
+    plugin under the runtime) gives it to the directory's owner: the agent of its own user."""
+    import os
+    import stat as stat_mod
+
+    import pytest
+
+    directory = endpoints.endpoints_dir(tmp_path)
+    lock = os.path.join(directory, endpoints.LOCK)
+    endpoints.write(tmp_path, endpoint("c1", "a"))  # the plugin first
+    assert stat_mod.S_IMODE(os.stat(lock).st_mode) == 0o600
+    os.chmod(lock, 0o644)
+    endpoints.acknowledge(tmp_path, {("c1", endpoints._written(tmp_path, "c1"))}, set())  # the agent, later
+    assert stat_mod.S_IMODE(os.stat(lock).st_mode) == 0o600
+    os.unlink(lock)
+    endpoints.relabel(tmp_path, endpoints.read_all(tmp_path)["c1"], {"app": "z"})  # the agent first
+    assert stat_mod.S_IMODE(os.stat(lock).st_mode) == 0o600
+    if os.geteuid() != 0:
+        pytest.skip("giving the lock to the agent's user needs root")
+    os.chown(directory, 4242, 4243)  # the agent's own user has the directory
+    endpoints.remove(tmp_path, "c1")  # root's plugin
+    st = os.stat(lock)
+    assert (st.st_uid, st.st_gid, stat_mod.S_IMODE(st.st_mode)) == (4242, 4243, 0o600)
+
+
 def test_a_new_file_of_the_same_container_with_the_same_content_is_a_change(tmp_path):
     """A DEL and ADD of one container ID that wrote the same content: the file is new (its time),
     so the tables and the acknowledgement (keyed by the time) must hear of it."""

@@ -719,7 +719,7 @@ def test_endpoint_files_are_readable_by_an_agent_of_its_own_user(tmp_path):
     directory = pathlib.Path(eps.endpoints_dir(tmp_path))
     assert stat_mod.S_IMODE(directory.stat().st_mode) == 0o755
     assert stat_mod.S_IMODE((directory / ("c1" + eps.SUFFIX)).stat().st_mode) == 0o644
-    assert stat_mod.S_IMODE((directory / eps.LOCK).stat().st_mode) == 0o644
+    assert stat_mod.S_IMODE((directory / eps.LOCK).stat().st_mode) == 0o600  # not others': see test_agent_views
 
 
 def _fake_delegate(monkeypatch, calls):

@@ -4,12 +4,13 @@ are given by the test)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from ipaddress import IPv4Address, IPv6Address, IPv6Network
 
 import pytest
 
 from agentd.backend_table import mtu_overhead
-from agentd.config.settings import HostPort, NetworkConfig, check_config, load_config
+from agentd.config.settings import HostPort, NetworkConfig, check_config, config_warnings, load_config
 
 
 @dataclasses.dataclass
@@ -176,12 +177,26 @@ def test_a_cluster_whose_service_range_overlaps_its_pod_network_is_named_at_star
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0:179", "192.0.2.10:1179", "[::ffff:192.0.2.10]:179"])
-def test_ipv6_only_refuses_an_ipv4_bgp_listen_address(listen):
-    # An IPv4 socket in an IPv6-only cluster: every peer's connection would be refused.
+def test_ipv6_only_with_an_ipv4_bgp_listen_address_starts_with_a_warning(listen, monkeypatch, capsys, tmp_path):
+    """An IPv4 socket in an IPv6-only cluster: peers' connections to this node are refused,
+    but sessions it opens (to external route reflectors) work, and earlier versions (and
+    their sample config, listen = "0.0.0.0:179") took it: a warning, not a refusal."""
+    from agentd import cli
+
     env = {"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "vxlan", "AGENTD_BGP_LISTEN": listen}
-    (line,) = lines(env)
-    assert line.startswith(f"AGENTD_BGP_LISTEN={listen}: [bgp] listen: ") and "ip_family = ipv6" in line
-    assert "[::]:" in line
-    # IPv6 and dual keep whatever IPv4 or IPv6 listen address is set.
-    assert lines({**env, "AGENTD_BGP_LISTEN": "[::]:179"}) == []
-    assert lines({**env, "AGENTD_NETWORK_IP_FAMILY": "dual"}) == []
+    assert lines(env) == []
+    cfg = load_config(env=env, host=Host())
+    (warning,) = config_warnings(cfg)
+    assert warning.startswith("[bgp] listen = ") and "an IPv4 address" in warning and "ip_family = ipv6" in warning
+    assert "cannot connect to this node" in warning and "[::]:" in warning
+    # IPv6 and dual keep whatever IPv4 or IPv6 listen address is set, without a warning.
+    assert config_warnings(load_config(env={**env, "AGENTD_BGP_LISTEN": "[::]:179"}, host=Host())) == []
+    assert config_warnings(load_config(env={**env, "AGENTD_NETWORK_IP_FAMILY": "dual"}, host=Host())) == []
+    assert config_warnings(load_config(env={"AGENTD_NETWORK_IP_FAMILY": "ipv6", "AGENTD_NETWORK_BACKEND": "vxlan"},
+                                       host=Host())) == []  # the default: [::]:179
+    # `agentd check-config` prints it and still says the configuration is valid
+    monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}, **env})
+    monkeypatch.setattr(cli, "LocalHost", Host)
+    (tmp_path / "agentd.toml").write_text(f"[cni]\nsubnet_file = '{tmp_path}/subnet.env'\n")
+    assert cli.main(["check-config", "--config", str(tmp_path / "agentd.toml")]) == 0, capsys.readouterr().err
+    assert f"warning: {warning}" in capsys.readouterr().err

@@ -103,6 +103,47 @@ def test_refused_settings_fall_back_to_the_last_settings_accepted(tmp_path):
     asyncio.run(main())
 
 
+def test_the_last_settings_accepted_outlive_an_agent_restart(tmp_path):
+    """HAProxy outlives the agent: a new agent adopting it with refused settings in the
+    ConfigMap falls back to what that proxy accepted (loaded.json), not to the defaults."""
+    import json
+
+    ctl, proxy = controller(tmp_path)
+    good = {"proxy-body-size": "100m", "ssl-redirect": "false", "frontend-snippet": "http-request set-header X-A good"}
+    bad = {**good, "frontend-snippet": "http-request set-header X-A %[bogus]"}
+    ctl.objects["ConfigMap"][CONFIGMAP] = {"data": good}
+
+    async def main():
+        await ctl._sync()
+        accepted = ctl.settings
+        ctl.objects["ConfigMap"][CONFIGMAP] = {"data": bad}
+        await ctl._sync()
+        assert ctl.settings == accepted and "bogus" in ctl.settings_error
+        # systemctl restart agentd: a new controller adopts the same proxy (its master pid)
+        new, _ = controller(tmp_path / "again")
+        new.paths, new.proxy = ctl.paths, proxy  # type: ignore[assignment]
+        new.objects["ConfigMap"][CONFIGMAP] = {"data": bad}
+        await new._take_over()
+        await new._sync()
+        assert new.settings == accepted and "bogus" in new.settings_error
+        assert "X-A good" in proxy.checks[-1] and "bogus" not in proxy.checks[-1]
+        # a loaded.json an older agent wrote (no settings) or one with a bad field: the defaults
+        for saved in (None, {"body_size": "big"}):
+            loaded = json.loads(ctl.paths.loaded.read_text())
+            loaded.pop("settings")
+            if saved is not None:
+                loaded["settings"] = saved
+            ctl.paths.loaded.write_text(json.dumps(loaded))
+            older, _ = controller(tmp_path / f"older{saved is None}")
+            older.paths, older.proxy = ctl.paths, proxy  # type: ignore[assignment]
+            older.objects["ConfigMap"][CONFIGMAP] = {"data": bad}
+            await older._take_over()
+            await older._sync()
+            assert older.settings == Settings() and "bogus" in older.settings_error
+
+    asyncio.run(main())
+
+
 def test_a_failed_reload_is_not_applied_and_is_tried_again_with_a_backoff(tmp_path):
     ctl, proxy = controller(tmp_path)
     ctl.revision = 7

@@ -219,3 +219,40 @@ async def test_a_failed_fast_path_update_is_retried_without_another_change(tmp_p
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def test_a_held_endpoints_lock_skips_the_acknowledgement_not_the_agent(tmp_path, monkeypatch):
+    """Anyone holding endpoints/.lock must not stop the event loop: the build goes on, its
+    pods are acknowledged once the lock is free again (the loop woken after ACK_RETRY)."""
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(endpoints, "AGENT_LOCK_PAUSE", 0.0, raising=False)
+    monkeypatch.setattr(policy_agent, "ACK_RETRY", 0.0, raising=False)
+    agent = PolicyAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"), str(tmp_path))
+    agent.programmer = Programmer()  # type: ignore[assignment]
+    agent._have_snapshot = True
+    endpoints.write(tmp_path, ep("c1", "a", "10.244.1.5"))
+    fd = os.open(os.path.join(endpoints.endpoints_dir(tmp_path), endpoints.LOCK), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    timer = threading.Timer(5.0, fcntl.flock, (fd, fcntl.LOCK_UN))  # a blocking agent fails, not hangs
+    timer.start()
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        agent._rescan()
+        agent._wake.set()
+        async with asyncio.timeout(5):
+            while agent._ack_pending is None:
+                await asyncio.sleep(0)
+        assert agent.syncs == 1 and agent._acked == set()
+        assert endpoints.unacknowledged(str(tmp_path), {"c1"}) == {"c1"}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        async with asyncio.timeout(5):
+            while agent._ack_pending is not None:
+                await asyncio.sleep(0)
+        assert {cid for cid, _ in agent._acked} == {"c1"} and agent.syncs == 1  # no second build
+        assert endpoints.unacknowledged(str(tmp_path), {"c1"}) == set()
+    finally:
+        timer.cancel()
+        os.close(fd)
+        task.cancel()

@@ -970,3 +970,23 @@ def test_the_route_protocol_is_remembered_and_an_old_one_looked_for_only_when_it
     path.write_text("bogus")
     asyncio.run(drop_previous_protocol(tmp_path / "state", 150, pools, remove))
     assert len(calls) == 2 and path.read_text() == "150\n" and "not a route protocol" in caplog.text
+
+
+def test_a_failure_to_look_for_the_old_protocols_routes_does_not_stop_the_start(tmp_path, caplog):
+    """remove_routes_of failing as a whole (the netlink socket, a dump it cannot decode) is
+    logged; the file keeps the old protocol, so the next start tries again."""
+    from ipaddress import ip_network
+
+    from agentd.daemon.routes import drop_previous_protocol
+    from agentd.kernel.netlink import NetlinkDecodeError, NetlinkError
+
+    pools = [ip_network("10.244.0.0/16")]
+    path = tmp_path / "route-protocol"
+    path.write_text("143\n")
+    for err in (OSError(24, "Too many open files"), NetlinkError(1, None, "dumping routes"), NetlinkDecodeError("truncated attribute")):
+        async def remove(protocol, networks, err=err):
+            raise err
+
+        asyncio.run(drop_previous_protocol(tmp_path, 150, pools, remove))
+        assert path.read_text() == "143\n" and "could not be looked for" in caplog.text
+

@@ -119,3 +119,48 @@ async def test_flows_older_than_the_agent_or_the_translation_go_unless_to_a_usab
         assert entries_to_delete(entries, flushed) == [to_live, untranslated]
     finally:
         task.cancel()
+
+
+def two_services(a_ips: tuple[str, ...], b_ips: tuple[str, ...]) -> dict:
+    """Services a (older) and b asking for one cluster IP and UDP port (a record allocation did
+    not check): a has it, b is compiled without it."""
+    out = {}
+    for name, ips in (("a", a_ips), ("b", b_ips)):
+        endpoints = "\n".join(f"- addresses: [{ip}]\n  conditions: {{ready: true}}" for ip in ips)
+        service = SERVICE.replace("name: stats,", f"name: {name},").replace(
+            "namespace: shop}", f"namespace: shop, creationTimestamp: '2026-01-0{1 if name == 'a' else 2}T00:00:00Z'}}")
+        eps = SLICE.replace("stats-1", f"{name}-1").replace("service-name: stats", f"service-name: {name}") % endpoints
+        for text in (service, eps):
+            (obj,) = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
+            out[kinds.identity(obj)] = obj
+    return out
+
+
+async def test_a_refused_service_getting_endpoints_leaves_the_vip_owners_flows(monkeypatch):
+    """b's endpoints coming (0 -> some) or going say nothing of the flows to the VIP: a has it.
+    b's Unusable and Stale follow b's ports as compiled (no VIP), not as asked."""
+    flushed: list = []
+    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: flushed.extend(gone) or len(gone))
+    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"))
+    agent.programmer = Programmer()
+    vip = "10.96.0.20"
+    a_flow = entry("10.244.3.9", 40000, vip, 8125, "10.244.1.2", 8125)
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        await _sync(agent, 5, two_services(("10.244.1.2",), ()))
+        assert agent.conflicts.keys() == {("shop", "b")}
+        flushed.clear()
+        await _sync(agent, 6, two_services(("10.244.1.2",), ("10.244.2.9",)))  # b: 0 -> some endpoints
+        assert entries_to_delete([a_flow], flushed) == []
+        await _sync(agent, 7, two_services(("10.244.1.2",), ()))  # and some -> 0
+        assert entries_to_delete([a_flow], flushed) == []
+        flushed.clear()
+        await _sync(agent, 8, two_services(("10.244.1.2",), ("10.244.2.9",)))
+        # a goes: b has the VIP now (compiled anew without an update of its own), with an
+        # endpoint: a's flows go (Stale) and every flow not to b's endpoint (Unusable)
+        objs = {k: v for k, v in two_services((), ("10.244.2.9",)).items() if k[2] != "a" and k[2] != "a-1"}
+        await _sync(agent, 9, objs)
+        assert Unusable(vip, 8125, None, 4, frozenset({("10.244.2.9", 8125)})) in flushed
+        assert entries_to_delete([a_flow], flushed) == [a_flow]
+    finally:
+        task.cancel()
