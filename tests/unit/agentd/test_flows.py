@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import struct
+import ipaddress
 from ipaddress import IPv4Address, ip_network
 
 import pytest
@@ -1377,3 +1378,22 @@ def test_a_search_keeps_what_it_made_in_the_ring_and_nothing_the_ring_dropped():
     got = r.ring.last(FlowFilter(), 100)
     assert [f.seq for f in got] == list(range(9, 19)) and [f.src.port for f in got] == list(range(40009, 40019))
     assert all(type(e) is Flow for e in r.ring.records)
+
+
+def test_a_node_port_is_named_on_either_of_the_nodes_addresses():
+    """A node port is reached on any of the node's addresses, IPv6 too (the services compiler:
+    fib daddr type local): the directory names the Service on [node] address and address_v6;
+    an IPv6-only node (no IPv4 address) names it on its IPv6 one."""
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    ports = [NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="10.96.0.10", node_port=30080),
+             NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="fd00:96::10", node_port=30080)]
+    services = NS(syncs=1, ports=ports)
+    dual = FlowDirectory(None, services, (IPv4Address("192.168.1.10"), ipaddress.IPv6Address("fd00::10")))
+    assert dual.service("192.168.1.10", 6, 30080) == "shop/web"
+    assert dual.service("fd00::10", 6, 30080) == "shop/web"
+    assert dual.service("10.0.0.5", 6, 30080) is None  # not the node's
+    v6only = FlowDirectory(None, services, (None, ipaddress.IPv6Address("fd00::10")))
+    assert v6only.service("fd00::10", 6, 30080) == "shop/web" and v6only.service("None", 6, 30080) is None
