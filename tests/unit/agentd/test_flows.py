@@ -8,8 +8,7 @@ import asyncio
 import json
 import socket
 import struct
-import ipaddress
-from ipaddress import IPv4Address, ip_network
+from ipaddress import IPv4Address, IPv6Address, ip_network
 
 import pytest
 from hypothesis import given
@@ -1391,9 +1390,9 @@ def test_a_node_port_is_named_on_either_of_the_nodes_addresses():
     ports = [NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="10.96.0.10", node_port=30080),
              NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="fd00:96::10", node_port=30080)]
     services = NS(syncs=1, ports=ports)
-    dual = FlowDirectory(None, services, (IPv4Address("192.168.1.10"), ipaddress.IPv6Address("fd00::10")))
+    dual = FlowDirectory(None, services, (IPv4Address("192.168.1.10"), IPv6Address("fd00::10")))
     assert dual.service("192.168.1.10", 6, 30080) == "shop/web"
     assert dual.service("fd00::10", 6, 30080) == "shop/web"
     assert dual.service("10.0.0.5", 6, 30080) is None  # not the node's
-    v6only = FlowDirectory(None, services, (None, ipaddress.IPv6Address("fd00::10")))
+    v6only = FlowDirectory(None, services, (None, IPv6Address("fd00::10")))
     assert v6only.service("fd00::10", 6, 30080) == "shop/web" and v6only.service("None", 6, 30080) is None
