@@ -87,6 +87,7 @@ RECORDED_INTERVAL = 0.2  # the programs' ring is read this often (it holds about
 CT_BUDGET = 2048  # datagrams read per turn; more are read at the next turn of the loop
 RESTARTS_MAX = 4096  # carried counts waiting for their connection's end (tuples reused meanwhile)
 NAMES_MAX = 65536  # addresses whose identity is remembered between changes of the pods
+STARTED_MAX = 65536  # recorded connections' ends as their starts named them (podpath.h: agentd_podconns' size)
 SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
@@ -252,22 +253,26 @@ class RecordedBatch(Batch):
     them (struct podconn_record each, side by side), the addresses they hold named when they
     came; a record is made when it is first read."""
 
-    __slots__ = ("blob", "names", "node", "offset", "received")
+    __slots__ = ("blob", "ends", "names", "node", "offset", "received")
 
     def __init__(self, node: str, blob: bytes, count: int, names: dict[bytes, Identity | None], offset: int,
-                 received: float) -> None:
+                 received: float, ends: dict[int, tuple[Identity | None, Identity | None]] | None = None) -> None:
         super().__init__(count)
         self.node = node
         self.blob = blob
         self.names = names
         self.offset = offset  # CLOCK_TAI - CLOCK_REALTIME, ns
         self.received = received
+        self.ends = ends  # index -> (lower, higher end) as its connection's start named them
 
     def make(self, index: int) -> Flow:
         size = CONN_RECORD.size
         raw = self.blob[index * size : (index + 1) * size]
-        names = self.names
-        return recorded_flow(self.node, raw, names.get(raw[0:4]), names.get(raw[4:8]), self.offset, self.received)
+        named = self.ends.get(index) if self.ends else None
+        if named is None:
+            names = self.names
+            named = (names.get(raw[0:4]), names.get(raw[4:8]))
+        return recorded_flow(self.node, raw, named[0], named[1], self.offset, self.received)
 
 
 def recorded_flow(node: str, raw: bytes, lo_id: Identity | None, hi_id: Identity | None, offset: int,
@@ -380,6 +385,9 @@ class FlowRecorder:
         # when found), CLOCK_TAI ns; only keys the programs still hold are kept.
         self._held_at: dict[bytes, tuple[int, int]] = {}
         self._names: dict[bytes, Identity | None] = {}
+        # Recorded connections started and not ended yet: key -> their (lower, higher) end as
+        # named when the start came, which their end names too (:meth:`_take_batch`).
+        self._started: dict[bytes, tuple[Identity | None, Identity | None]] = {}
         self._names_version: int | None = None
         self._log_seq: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -539,15 +547,33 @@ class FlowRecorder:
 
     def _take_batch(self, blob: bytes, count: int, addresses: set[bytes], now: float) -> None:
         """``count`` records side by side in ``blob``, into the ring as they came, as one
-        :class:`RecordedBatch`: what their keys' ``addresses`` are named now."""
+        :class:`RecordedBatch`: a start names its ends as their keys' ``addresses`` are named
+        now, and is remembered by its key; an end names its ends as its start did -- it may
+        come long after (the sweep ends an idle or flushed connection 10 to 65 s after its last
+        packet), when its pod is deleted or its address another pod's --, and only one whose
+        start was not seen (recording turned on meanwhile, a start the ring lost) as they are
+        named now."""
         self._begin_names()
         names, name, unknown = self._names, self._name, _UNKNOWN
         named: dict[bytes, Identity | None] = {}
         for a in addresses:
             ident = names.get(a, unknown)
             named[a] = name(a) if ident is unknown else ident  # type: ignore[assignment]
+        started, size = self._started, CONN_RECORD.size
+        ends: dict[int, tuple[Identity | None, Identity | None]] = {}
+        for i in range(count):
+            off = i * size
+            key = blob[off : off + 12]
+            if blob[off + 12] == REC_START:  # its kind, a little-endian u32
+                if key not in started and len(started) >= STARTED_MAX:
+                    del started[next(iter(started))]  # the oldest: its end went by unseen
+                started[key] = (named.get(key[0:4]), named.get(key[4:8]))
+            else:
+                ids = started.pop(key, None)
+                if ids is not None:
+                    ends[i] = ids
         self.events += count
-        self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now))
+        self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now, ends or None))
 
     async def _sweep_loop(self) -> None:
         while True:

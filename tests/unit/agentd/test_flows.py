@@ -1396,3 +1396,29 @@ def test_a_node_port_is_named_on_either_of_the_nodes_addresses():
     assert dual.service("10.0.0.5", 6, 30080) is None  # not the node's
     v6only = FlowDirectory(None, services, (None, IPv6Address("fd00::10")))
     assert v6only.service("fd00::10", 6, 30080) == "shop/web" and v6only.service("None", 6, 30080) is None
+
+
+def test_an_end_names_the_pods_its_start_named_not_who_has_the_address_now():
+    """The sweep ends an idle or flushed connection long after its last packet (a pod deleted
+    without closing its sockets): by then its address may be another pod's, or nobody's.  The
+    end names whom its start named; an end whose start was not seen, whom the addresses are now."""
+    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
+
+    now = 1000 * 10**9
+    key, v = _conn(False, 2, now - 100 * 10**9, now - 60 * 10**9)
+    other = key[:8] + bytes([1, 1]) + key[10:]  # another connection of the same pods, its start not seen
+    r = recorder()
+    r.tai_offset = lambda: 0
+    version = [1]
+    r.directory.version = lambda: version[0]
+    r._on_recorded([CONN_RECORD.pack(key, REC_START, v)], 1000.0)
+    r.directory.ids = {"10.244.2.3": WEB, "10.244.1.2": Identity("other/newpod", "node1", {}, False)}  # the client pod deleted, its address reused
+    version[0] = 2
+    r.recording = Programs({key: v})
+    r._held = lambda k: False  # flushed from conntrack with the pod
+    r._on_recorded([*r.sweep(now), CONN_RECORD.pack(other, REC_FIN, v)], 1060.0)
+    new, end, unseen = r.ring.last(FlowFilter(), 10)
+    assert (new.event, new.src.identity, new.dst.identity) == ("new", CLIENT, WEB)
+    assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
+    assert unseen.src.identity.pod == "other/newpod"  # no start seen: named now
+    assert r._started == {}  # an end forgets its start
