@@ -88,6 +88,7 @@ CT_BUDGET = 2048  # datagrams read per turn; more are read at the next turn of t
 RESTARTS_MAX = 4096  # carried counts waiting for their connection's end (tuples reused meanwhile)
 NAMES_MAX = 65536  # addresses whose identity is remembered between changes of the pods
 STARTED_MAX = 65536  # recorded connections' ends as their starts named them (podpath.h: agentd_podconns' size)
+CT_STARTED_MAX = 65536  # conntrack's entries' ends as their NEW events named them
 SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
@@ -101,6 +102,8 @@ CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5 
 CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
 CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
+_NLA_LEN = struct.Struct("=H")  # an attribute's length (host order)
+_ORIG_AT = nl.NLMSG_HDRLEN + nl.NFGENMSG_LEN  # an event's first attribute: its original tuple
 _UNKNOWN = object()  # an address not named yet
 TCP = 6
 
@@ -388,6 +391,10 @@ class FlowRecorder:
         # Recorded connections started and not ended yet: key -> their (lower, higher) end as
         # named when the start came, which their end names too (:meth:`_take_batch`).
         self._started: dict[bytes, tuple[Identity | None, Identity | None]] = {}
+        # Conntrack's entries seen made and not ended yet: their original tuple (the attribute's
+        # bytes as the kernel wrote them; a decoded one for those read the long way) -> their
+        # original source, destination and reply source as named at NEW, which DESTROY names too.
+        self._ct_started: dict[object, tuple[Identity | None, Identity | None, Identity | None]] = {}
         self._names_version: int | None = None
         self._log_seq: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -851,6 +858,7 @@ class FlowRecorder:
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
+        started, delete = self._ct_started, ct.MSG_DELETE
         for item in items:
             if type(item) is bytes:
                 if entries:
@@ -858,11 +866,34 @@ class FlowRecorder:
                     entries = []
                 self._on_conntrack_long(item)
                 continue
+            data = item[0]  # type: ignore[index]
+            key = data[_ORIG_AT : _ORIG_AT + _NLA_LEN.unpack_from(data, _ORIG_AT)[0]]
+            if item[1] == delete:  # type: ignore[index]
+                names = started.pop(key, None)
+                if names is not None and names != item[2:5]:  # type: ignore[index]
+                    item = self._named_at_start(item, names)  # type: ignore[arg-type]
+            else:
+                if key not in started and len(started) >= CT_STARTED_MAX:
+                    del started[next(iter(started))]
+                started[key] = item[2:5]  # type: ignore[index,assignment]
             carry = item[5]  # type: ignore[index]
             entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now,  # type: ignore[arg-type]
                                              services))
         if entries:
             self._extend(entries)
+
+    def _named_at_start(self, item: Event, names: tuple[Identity | None, Identity | None, Identity | None]) -> Event:
+        """A DESTROY read at fixed offsets (:meth:`_decode`) with its ends named as its NEW
+        named them, and what the fast path carried asked for if those are two pods (its ends
+        may have gone unnamed since)."""
+        data, mtype, _s, _d, _r, carry = item
+        if carry is None and self.carried is not None and names[0] and names[1]:
+            fields = ct.ipv4_tuples(mtype, data, nl.NLMSG_HDRLEN, len(data))
+            if fields is not None and fields[2] == TCP:
+                src, dst, _proto, sport, dport = fields[:5]
+                with contextlib.suppress(nl.NetlinkDecodeError):
+                    carry = (*carried_key(src, sport, dst, dport), *ct.lifetime(data, nl.NLMSG_HDRLEN, len(data)))
+        return (data, mtype, *names, carry)
 
     def _extend(self, entries: list[Entry]) -> None:
         self.events += len(entries)
@@ -915,14 +946,34 @@ class FlowRecorder:
             waiting = self._restarts[key] = deque()
         waiting.append((*counts, whole))
 
-    def _carried_of(self, ev: ct.CtEvent) -> tuple[int, int, int, int] | None:
+    def _ct_names(self, ev: ct.CtEvent) -> tuple[Identity | None, Identity | None, Identity | None]:
+        """A decoded event's original source, destination and reply source named: a NEW's as
+        they are now (kept for its DESTROY), a DESTROY's as its NEW named them -- as they are
+        now if its NEW was not seen."""
+        key = ("decoded", ev.orig)
+        if ev.destroyed:
+            names = self._ct_started.pop(key, None)
+            if names is not None:
+                return names
+        d = self.directory
+        names = (d.identity(ev.orig.src), d.identity(ev.orig.dst), d.identity(ev.reply.src))
+        if not ev.destroyed and (names != (None, None, None) or self._ours(ev.orig.src, ev.orig.dst, ev.reply.src)):
+            started = self._ct_started
+            if key not in started and len(started) >= CT_STARTED_MAX:
+                del started[next(iter(started))]
+            started[key] = names
+        return names
+
+    def _carried_of(self, ev: ct.CtEvent, names: tuple[Identity | None, ...] | None = None) -> tuple[int, int, int, int] | None:
         """:meth:`_carried` of a decoded event (IPv6's: the fast path counts them in a map of
-        their own, keyed alike with 16-byte addresses) if it ended a TCP connection between pods."""
+        their own, keyed alike with 16-byte addresses) if it ended a TCP connection between pods
+        (``names``: its ends as named, else as they are now)."""
         o = ev.orig
         if not ev.destroyed or o.proto != TCP or self.carried is None:
             return None
         d = self.directory
-        if d.identity(o.src) is None or d.identity(o.dst) is None:
+        src_id, dst_id = (names[0], names[1]) if names is not None else (d.identity(o.src), d.identity(o.dst))
+        if src_id is None or dst_id is None:
             return None
         family = socket.AF_INET6 if ":" in o.src else socket.AF_INET
         src, dst = socket.inet_pton(family, o.src), socket.inet_pton(family, o.dst)
@@ -1003,7 +1054,8 @@ class FlowRecorder:
         event = ct.decode_event(mtype, buf, start, end)
         if event is not None:
             self.events += 1
-            flow = self.connection(event, carried=self._carried_of(event))
+            names = self._ct_names(event)
+            flow = self.connection(event, names=names, carried=self._carried_of(event, names))
             if flow is not None:
                 flow.received = self.clock()  # when taken in: what ``since`` orders the ring by
                 self.ring.add(flow)

@@ -596,3 +596,23 @@ def test_every_cut_and_bent_byte_of_an_event_is_read_or_counted():
     assert r.malformed > 0 and r.events > 0
     for entry in r.ring.records:  # and the records of what was read can be made
         assert ring_record(entry).node == "node2"
+
+
+@pytest.mark.parametrize("client", ["10.244.1.2", CLIENT6])
+def test_an_end_after_its_pod_went_names_it_and_adds_what_the_fast_path_carried(client):
+    """The client pod deleted (its entries flushed) before its connection's DESTROY is read:
+    the end names the pods its NEW named, and so is a connection between pods whose carried
+    counts are looked up and added."""
+    src = socket.inet_pton(socket.AF_INET6 if ":" in client else socket.AF_INET, client)
+    web = WEB6 if ":" in client else "10.244.2.3"
+    dst = socket.inet_pton(socket.AF_INET6 if ":" in client else socket.AF_INET, web)
+    key, _ = carried_key(src, 40000, dst, 80)
+    carried = Carried({key: (10, 5, 10_000, 500, 0)})
+    r = recorder(carried)
+    feed(r, tcp(client, web, 40000, 80))
+    r.directory.ids[client] = None
+    r.directory.changes += 1
+    feed(r, tcp(client, web, 40000, 80, destroyed=True, counters=(1, 60, 1, 60)))
+    _new, end = r.ring.last(FlowFilter(), 10)
+    assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
+    assert (end.packets_sent, end.bytes_sent, end.bytes_received) == (11, 10_060, 560) and carried.table == {}

@@ -1422,3 +1422,43 @@ def test_an_end_names_the_pods_its_start_named_not_who_has_the_address_now():
     assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
     assert unseen.src.identity.pod == "other/newpod"  # no start seen: named now
     assert r._started == {}  # an end forgets its start
+
+
+def _entry_event(mtype: int, src: str, dst: str, family: int = socket.AF_INET, counters: bool = True) -> bytes:
+    """A conntrack NEW or DESTROY of ``src``:40000 -> ``dst``:80 (TCP), as the kernel lays it out."""
+    body = (_tuple(ct.CTA_TUPLE_ORIG, src, dst, 6, 40000, 80) + _tuple(ct.CTA_TUPLE_REPLY, dst, src, 6, 80, 40000)
+            + nl.attr(ct.CTA_STATUS, struct.pack("!I", 8)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7)))
+    if mtype == ct.MSG_DELETE:
+        if counters:
+            body += _counters(ct.CTA_COUNTERS_ORIG, 5, 400) + _counters(ct.CTA_COUNTERS_REPLY, 4, 900)
+        body += nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", 1_000_000_000_000)),
+                          nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", 1_000_250_000_000)))
+    return nl.encode_nfgen(mtype, 0, 0, family, body)
+
+
+@pytest.mark.parametrize("way", ["c", "python", "ipv6"])
+def test_a_conntrack_end_names_the_pods_its_new_event_named(way):
+    """A conntrack entry's DESTROY comes after its timeout (TCP's TIME_WAIT: 2 minutes), or when
+    a deleted pod's entries are flushed: its pods are named as its NEW named them, not as the
+    addresses are named then (the client deleted, its address another pod's); a DESTROY whose
+    NEW was not seen, as they are named then.  Read at fixed offsets (in C, in Python) and the
+    long way (IPv6)."""
+    if way == "c" and ct.fast_events is None:
+        pytest.skip("agentd/kernel/_ctevents.c not built")
+    client, web = ("fd00:244:1::2", "fd00:244:2::3") if way == "ipv6" else ("10.244.1.2", "10.244.2.3")
+    family = socket.AF_INET6 if way == "ipv6" else socket.AF_INET
+    r = recorder()
+    r.fast = way == "c"
+    version = [1]
+    r.directory.version = lambda: version[0]
+    r.directory.ids = {client: CLIENT, web: WEB}
+    r._on_conntrack_datagrams([_entry_event(ct.MSG_NEW, client, web, family)], 1000.0)
+    r.directory.ids = {client: Identity("other/newpod", "node1", {}, False), web: WEB}
+    version[0] = 2
+    r._begin_names()  # as each read does: the pods changed
+    r._on_conntrack_datagrams([_entry_event(ct.MSG_DELETE, client, web, family)] * 2, 1120.0)
+    new, end, unseen = list(r.ring)
+    assert (new.event, new.src.identity, new.dst.identity) == ("new", CLIENT, WEB)
+    assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
+    assert (unseen.event, unseen.src.identity.pod) == ("end", "other/newpod")  # its NEW not seen
+    assert r._ct_started == {}
