@@ -493,6 +493,27 @@ def test_limiter_refills_and_keeps_few_keys():
     assert len(lim.buckets) == 3
 
 
+def test_a_key_the_limiter_forgets_keeps_its_folds_unless_every_key_folds():
+    """Past ``max_keys`` a new key evicts one that folds nothing -- the folded drops of another
+    stay for its next record, and its budget is not reset --; where every key folds, the
+    evicted one's folds are counted (``evicted``, /status suppressed.agent_evicted)."""
+    from agentd.flows.views import FlowViews
+
+    lim = DropLimiter(rate=1.0, burst=1, max_keys=2)
+    assert (lim.allow("A", 0.0), lim.allow("A", 0.1)) == (0, None)  # A folds one
+    assert (lim.allow("B", 0.2), lim.allow("C", 0.3)) == (0, 0)  # C evicts B, not A
+    assert lim.allow("A", 0.4) is None  # no fresh burst: still over its limit
+    assert lim.allow("A", 5.0) == 2 and lim.evicted == 0  # its next record shows both
+    assert lim.allow("C", 5.1) == 0 and lim.allow("C", 5.2) is None  # A and C fold, both
+    assert lim.allow("A", 5.3) is None
+    assert lim.allow("D", 5.4) == 0 and lim.evicted == 1  # the oldest goes, its fold counted
+    r = recorder()
+    r.limiter = lim
+    assert FlowViews(r, lambda: 0).status()["suppressed"] == {"kernel": 0, "agent": 4, "agent_evicted": 1}
+    metrics = {m.name: [x.value for x in m.samples] for m in FlowViews(r, lambda: 0).collect()}
+    assert metrics["agentd_flow_drops_suppressed_evicted"] == [1]
+
+
 def test_limiter_takes_drops_a_little_out_of_order_without_losing_tokens():
     lim = DropLimiter(rate=10, burst=2)
     assert lim.allow("k", 5.0) == 0
