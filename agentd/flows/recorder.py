@@ -1109,9 +1109,14 @@ class FlowRecorder:
         if ev.status & ct.IPS_DST_NAT:
             flow.service_ip, flow.service_port = orig.dst, orig.dport
         if ev.destroyed:
+            # A direction conntrack did not count (the entry made before accounting was turned
+            # on) is unknown, whatever the fast path carried of it.
             op, ob, rp, rb = ev.orig_packets, ev.orig_bytes, ev.reply_packets, ev.reply_bytes
             if carried is not None:
-                op, ob, rp, rb = op + carried[0], ob + carried[1], rp + carried[2], rb + carried[3]
+                if op is not None and ob is not None:
+                    op, ob = op + carried[0], ob + carried[1]
+                if rp is not None and rb is not None:
+                    rp, rb = rp + carried[2], rb + carried[3]
             flow.bytes_sent, flow.bytes_received = ob, rb
             flow.packets_sent, flow.packets_received = op, rp
             if ev.start_ns and ev.stop_ns:

@@ -1483,3 +1483,22 @@ def test_a_conntrack_end_names_the_pods_its_new_event_named(way):
     assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
     assert (unseen.event, unseen.src.identity.pod) == ("end", "other/newpod")  # its NEW not seen
     assert r._ct_started == {}
+
+
+@pytest.mark.parametrize("carried", [None, (7, 700, 3, 300)])
+def test_an_end_conntrack_did_not_count_says_unknown_not_zero(carried):
+    """A connection already open when flow records were turned on has no counters
+    (nf_conntrack_acct counts only entries made after): its end says unknown (None, null,
+    ``-``), not 0 bytes -- nor only what the fast path carried of it."""
+    msg = _entry_event(ct.MSG_DELETE, "10.244.1.2", "10.244.2.3", counters=False)
+    ((mtype, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    ev = ct.decode_event(mtype, msg, start, end)
+    assert (ev.orig_packets, ev.orig_bytes, ev.reply_packets, ev.reply_bytes) == (None, None, None, None)
+    flow = recorder().connection(ev, carried=carried)
+    j = flow.json()
+    assert (j["bytes_sent"], j["bytes_received"], j["packets_sent"], j["packets_received"]) == (None, None, None, None)
+    assert j["duration"] == 0.25
+    assert "end  sent - received -  0.250s" in line(json.loads(json.dumps(j)))
+    r = recorder()
+    r._on_conntrack_datagrams([msg], 1000.0)  # read at fixed offsets, made when read
+    assert next(iter(r.ring)).bytes_sent is None
