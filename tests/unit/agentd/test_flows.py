@@ -228,6 +228,10 @@ def test_service_connection_end_record():
     ((mtype, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
     flow = recorder().connection(ct.decode_event(mtype, msg, start, end))
     assert flow is not None
+    assert flow.service == "shop/web" and (flow.service_ip, flow.service_port) == ("10.96.0.10", 80)
+    assert (flow.src.ip, flow.src.port, flow.src.identity) == ("10.244.1.2", 40000, CLIENT)
+    assert (flow.dst.ip, flow.dst.port, flow.dst.identity) == ("10.244.2.3", 8080, WEB)  # the endpoint
+    assert (flow.bytes_sent, flow.bytes_received, flow.packets_sent, flow.packets_received) == (400, 900, 5, 4)
     j = flow.json()
     assert j["event"] == "end" and j["direction"] == "ingress"
     assert j["service"] == {"name": "shop/web", "ip": "10.96.0.10", "port": 80}
