@@ -986,9 +986,10 @@ class FlowRecorder:
         original direction, then of its reply direction.
 
         Its counts are those whose first packet was carried while it lived: a SYN that reused
-        the tuple moved them to the ring (read by :meth:`_begin` before this end is looked at:
-        then they are all there is, and the map is not asked -- a system call saved per
-        connection of a client that reuses its ports), or they are still in the map.  Counts
+        the tuple moved them to the ring (read by :meth:`_begin` before this end is looked at),
+        or they are still in the map -- or both: a retransmitted SYN-ACK (the client's packets
+        lost a while) moves them to the ring too, in the middle of the connection, and what is
+        carried after it is in the map; so the map is asked whatever the ring gave.  Counts
         first carried after its stop are a later connection's -- a short one before it,
         answered and reset, may end with the next one's counts already in the map -- and wait
         in the agent for that one's end (taken in one step, the map then holds what is carried
@@ -1006,20 +1007,17 @@ class FlowRecorder:
         else:
             lo, hi = born + self._tai_offset, died + self._tai_offset  # as CLOCK_TAI
             mine: list[tuple[int, ...]] = []
-            whole = False
             if waiting:
                 for c in waiting:
                     if c[4] >= hi:
                         self._wait(key, c[:5], c[5])  # type: ignore[arg-type]
                     elif c[4] >= lo:
                         mine.append(c)
-                        whole = whole or c[5]
-            if not whole:
-                taken = self.carried.take_carried(key)
-                if taken is not None and taken[4] >= hi:  # the tuple's next connection's
-                    self._wait(key, taken, False)
-                elif taken is not None and taken[4] >= lo:
-                    mine.append(taken)
+            taken = self.carried.take_carried(key)
+            if taken is not None and taken[4] >= hi:  # the tuple's next connection's
+                self._wait(key, taken, False)
+            elif taken is not None and taken[4] >= lo:
+                mine.append(taken)
             if len(mine) == 1:  # the common case: one connection's counts, moved or taken
                 counts = list(mine[0][:4])
             elif mine:
