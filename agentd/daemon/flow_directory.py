@@ -71,6 +71,8 @@ class FlowDirectory:
         and address_v6; None, a family the node has not, left out)."""
         self.policy = policy
         self.services = services
+        if isinstance(node_addresses, str):  # one address
+            node_addresses = (node_addresses,)
         self.node_addresses = frozenset(str(a) for a in node_addresses if a is not None)
         self._ids: dict[tuple[str, str], tuple[Any, Identity]] = {}  # pod key -> (its Pod, identity)
         self._names: Callable[[str, int, int], str | None] = _no_service
