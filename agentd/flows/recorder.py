@@ -101,6 +101,7 @@ CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5 
 # ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
 CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
 CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
+_KEY_KIND = struct.Struct("<12sI64x")  # a record's key and kind alone
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
 _NLA_LEN = struct.Struct("=H")  # an attribute's length (host order)
 _ORIG_AT = nl.NLMSG_HDRLEN + nl.NFGENMSG_LEN  # an event's first attribute: its original tuple
@@ -566,19 +567,19 @@ class FlowRecorder:
         for a in addresses:
             ident = names.get(a, unknown)
             named[a] = name(a) if ident is unknown else ident  # type: ignore[assignment]
-        started, size = self._started, CONN_RECORD.size
+        started, get, forget = self._started, named.get, self._started.pop
         ends: dict[int, tuple[Identity | None, Identity | None]] = {}
-        for i in range(count):
-            off = i * size
-            key = blob[off : off + 12]
-            if blob[off + 12] == REC_START:  # its kind, a little-endian u32
-                if key not in started and len(started) >= STARTED_MAX:
+        i = 0
+        for key, kind in _KEY_KIND.iter_unpack(blob[: count * CONN_RECORD.size]):
+            if kind == REC_START:
+                if len(started) >= STARTED_MAX and key not in started:
                     del started[next(iter(started))]  # the oldest: its end went by unseen
-                started[key] = (named.get(key[0:4]), named.get(key[4:8]))
+                started[key] = (get(key[0:4]), get(key[4:8]))
             else:
-                ids = started.pop(key, None)
+                ids = forget(key, None)
                 if ids is not None:
                     ends[i] = ids
+            i += 1
         self.events += count
         self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now, ends or None))
 
