@@ -569,8 +569,7 @@ class FlowRecorder:
             named[a] = name(a) if ident is unknown else ident  # type: ignore[assignment]
         started, get, forget = self._started, named.get, self._started.pop
         ends: dict[int, tuple[Identity | None, Identity | None]] = {}
-        i = 0
-        for key, kind in _KEY_KIND.iter_unpack(blob[: count * CONN_RECORD.size]):
+        for i, (key, kind) in enumerate(_KEY_KIND.iter_unpack(blob[: count * CONN_RECORD.size])):
             if kind == REC_START:
                 if len(started) >= STARTED_MAX and key not in started:
                     del started[next(iter(started))]  # the oldest: its end went by unseen
@@ -579,7 +578,6 @@ class FlowRecorder:
                 ids = forget(key, None)
                 if ids is not None:
                     ends[i] = ids
-            i += 1
         self.events += count
         self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now, ends or None))
 
