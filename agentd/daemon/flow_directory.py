@@ -4,8 +4,8 @@ services agents already know, never a second copy.
 * a pod anywhere in the cluster, by address: the policy engine's pods (from every node's pod
   records in etcd), with its labels and node; the :class:`Identity` objects are cached per
   pod record so every record of a pod shares one;
-* a Service, by virtual IP (or this node's address) and port: the services agent's ports as
-  last programmed;
+* a Service, by virtual IP (or one of this node's addresses, IPv4 or IPv6: a node port) and
+  port: the services agent's ports as last programmed;
 * a drop prefix: a pod chain's (``pod-in/...``, ``pod-out/...``: the pod, the direction and
   the policies isolating it, :meth:`agentd.policy.agent.PolicyAgent.explain_drop`),
   ``spoofed``, or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``);
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from agentd.flows.model import Identity
@@ -46,29 +46,34 @@ def _no_service(ip: str, proto: int, port: int) -> str | None:
 
 class _ServiceNames:
     """A Service's name by the address, protocol and port a client used (its cluster IP, or
-    a node port of this node's address), as the Services were at one sync."""
+    a node port of one of this node's addresses), as the Services were at one sync."""
 
-    __slots__ = ("node_address", "nodeports", "vips")
+    __slots__ = ("node_addresses", "nodeports", "vips")
 
     def __init__(self, vips: dict[tuple[str, str, int], str], nodeports: dict[tuple[str, int], str],
-                 node_address: str) -> None:
-        self.vips, self.nodeports, self.node_address = vips, nodeports, node_address
+                 node_addresses: frozenset[str]) -> None:
+        self.vips, self.nodeports, self.node_addresses = vips, nodeports, node_addresses
 
     def name(self, ip: str, proto: int, port: int) -> str | None:
         protocol = _PROTO.get(proto)
         if protocol is None:
             return None
         name = self.vips.get((ip, protocol, port))
-        if name is None and ip == self.node_address:
+        if name is None and ip in self.node_addresses:
             name = self.nodeports.get((protocol, port))
         return name
 
 
 class FlowDirectory:
-    def __init__(self, policy: PolicyAgent | None, services: ServiceAgent | None, node_address: str) -> None:
+    def __init__(self, policy: PolicyAgent | None, services: ServiceAgent | None,
+                 node_addresses: Iterable[object | None]) -> None:
+        """``node_addresses``: the node's addresses a node port is reached on ([node] address
+        and address_v6; None, a family the node has not, left out)."""
         self.policy = policy
         self.services = services
-        self.node_address = node_address
+        if isinstance(node_addresses, str):  # one address
+            node_addresses = (node_addresses,)
+        self.node_addresses = frozenset(str(a) for a in node_addresses if a is not None)
         self._ids: dict[tuple[str, str], tuple[Any, Identity]] = {}  # pod key -> (its Pod, identity)
         self._names: Callable[[str, int, int], str | None] = _no_service
         self._services_seen = -1
@@ -130,7 +135,7 @@ class FlowDirectory:
                     vips[(sp.cluster_ip, sp.protocol, sp.port)] = name
                 if sp.node_port is not None:
                     nodeports[(sp.protocol, sp.node_port)] = name
-            self._names = _ServiceNames(vips, nodeports, self.node_address).name
+            self._names = _ServiceNames(vips, nodeports, self.node_addresses).name
             self._services_seen = self.services.syncs
         return self._names
 

@@ -65,7 +65,7 @@ class Observability:
             if gone:
                 log.info("flow records switched off: put back %s", ", ".join(gone))
             return
-        directory = FlowDirectory(policy, services, str(cfg.node.address))
+        directory = FlowDirectory(policy, services, (cfg.node.address, cfg.node.address_v6))
         recorder = FlowRecorder(self.name, directory, cfg.agent.state_dir, group=cfg.flows.log_group,
                                 ring_size=cfg.flows.ring_size, agent_rate=cfg.flows.record_rate,
                                 agent_burst=max(1, int(cfg.flows.record_rate * 2)),

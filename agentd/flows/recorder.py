@@ -87,6 +87,8 @@ RECORDED_INTERVAL = 0.2  # the programs' ring is read this often (it holds about
 CT_BUDGET = 2048  # datagrams read per turn; more are read at the next turn of the loop
 RESTARTS_MAX = 4096  # carried counts waiting for their connection's end (tuples reused meanwhile)
 NAMES_MAX = 65536  # addresses whose identity is remembered between changes of the pods
+STARTED_MAX = 65536  # recorded connections' ends as their starts named them (podpath.h: agentd_podconns' size)
+CT_STARTED_MAX = 65536  # conntrack's entries' ends as their NEW events named them
 SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
@@ -99,7 +101,10 @@ CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5 
 # ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
 CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
 CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
+_KEY_KIND = struct.Struct("<12sI64x")  # a record's key and kind alone
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
+_NLA_LEN = struct.Struct("=H")  # an attribute's length (host order)
+_ORIG_AT = nl.NLMSG_HDRLEN + nl.NFGENMSG_LEN  # an event's first attribute: its original tuple
 _UNKNOWN = object()  # an address not named yet
 TCP = 6
 
@@ -252,22 +257,26 @@ class RecordedBatch(Batch):
     them (struct podconn_record each, side by side), the addresses they hold named when they
     came; a record is made when it is first read."""
 
-    __slots__ = ("blob", "names", "node", "offset", "received")
+    __slots__ = ("blob", "ends", "names", "node", "offset", "received")
 
     def __init__(self, node: str, blob: bytes, count: int, names: dict[bytes, Identity | None], offset: int,
-                 received: float) -> None:
+                 received: float, ends: dict[int, tuple[Identity | None, Identity | None]] | None = None) -> None:
         super().__init__(count)
         self.node = node
         self.blob = blob
         self.names = names
         self.offset = offset  # CLOCK_TAI - CLOCK_REALTIME, ns
         self.received = received
+        self.ends = ends  # index -> (lower, higher end) as its connection's start named them
 
     def make(self, index: int) -> Flow:
         size = CONN_RECORD.size
         raw = self.blob[index * size : (index + 1) * size]
-        names = self.names
-        return recorded_flow(self.node, raw, names.get(raw[0:4]), names.get(raw[4:8]), self.offset, self.received)
+        named = self.ends.get(index) if self.ends else None
+        if named is None:
+            names = self.names
+            named = (names.get(raw[0:4]), names.get(raw[4:8]))
+        return recorded_flow(self.node, raw, named[0], named[1], self.offset, self.received)
 
 
 def recorded_flow(node: str, raw: bytes, lo_id: Identity | None, hi_id: Identity | None, offset: int,
@@ -380,6 +389,13 @@ class FlowRecorder:
         # when found), CLOCK_TAI ns; only keys the programs still hold are kept.
         self._held_at: dict[bytes, tuple[int, int]] = {}
         self._names: dict[bytes, Identity | None] = {}
+        # Recorded connections started and not ended yet: key -> their (lower, higher) end as
+        # named when the start came, which their end names too (:meth:`_take_batch`).
+        self._started: dict[bytes, tuple[Identity | None, Identity | None]] = {}
+        # Conntrack's entries seen made and not ended yet: their original tuple (the attribute's
+        # bytes as the kernel wrote them; a decoded one for those read the long way) -> their
+        # original source, destination and reply source as named at NEW, which DESTROY names too.
+        self._ct_started: dict[object, tuple[Identity | None, Identity | None, Identity | None]] = {}
         self._names_version: int | None = None
         self._log_seq: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -539,15 +555,31 @@ class FlowRecorder:
 
     def _take_batch(self, blob: bytes, count: int, addresses: set[bytes], now: float) -> None:
         """``count`` records side by side in ``blob``, into the ring as they came, as one
-        :class:`RecordedBatch`: what their keys' ``addresses`` are named now."""
+        :class:`RecordedBatch`: a start names its ends as their keys' ``addresses`` are named
+        now, and is remembered by its key; an end names its ends as its start did -- it may
+        come long after (the sweep ends an idle or flushed connection 10 to 65 s after its last
+        packet), when its pod is deleted or its address another pod's --, and only one whose
+        start was not seen (recording turned on meanwhile, a start the ring lost) as they are
+        named now."""
         self._begin_names()
         names, name, unknown = self._names, self._name, _UNKNOWN
         named: dict[bytes, Identity | None] = {}
         for a in addresses:
             ident = names.get(a, unknown)
             named[a] = name(a) if ident is unknown else ident  # type: ignore[assignment]
+        started, get, forget = self._started, named.get, self._started.pop
+        ends: dict[int, tuple[Identity | None, Identity | None]] = {}
+        for i, (key, kind) in enumerate(_KEY_KIND.iter_unpack(blob[: count * CONN_RECORD.size])):
+            if kind == REC_START:
+                if len(started) >= STARTED_MAX and key not in started:
+                    del started[next(iter(started))]  # the oldest: its end went by unseen
+                started[key] = (get(key[0:4]), get(key[4:8]))
+            else:
+                ids = forget(key, None)
+                if ids is not None:
+                    ends[i] = ids
         self.events += count
-        self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now))
+        self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now, ends or None))
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -825,6 +857,7 @@ class FlowRecorder:
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
+        started, delete = self._ct_started, ct.MSG_DELETE
         for item in items:
             if type(item) is bytes:
                 if entries:
@@ -832,11 +865,34 @@ class FlowRecorder:
                     entries = []
                 self._on_conntrack_long(item)
                 continue
+            data = item[0]  # type: ignore[index]
+            key = data[_ORIG_AT : _ORIG_AT + _NLA_LEN.unpack_from(data, _ORIG_AT)[0]]
+            if item[1] == delete:  # type: ignore[index]
+                names = started.pop(key, None)
+                if names is not None and names != item[2:5]:  # type: ignore[index]
+                    item = self._named_at_start(item, names)  # type: ignore[arg-type]
+            else:
+                if key not in started and len(started) >= CT_STARTED_MAX:
+                    del started[next(iter(started))]
+                started[key] = item[2:5]  # type: ignore[index,assignment]
             carry = item[5]  # type: ignore[index]
             entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now,  # type: ignore[arg-type]
                                              services))
         if entries:
             self._extend(entries)
+
+    def _named_at_start(self, item: Event, names: tuple[Identity | None, Identity | None, Identity | None]) -> Event:
+        """A DESTROY read at fixed offsets (:meth:`_decode`) with its ends named as its NEW
+        named them, and what the fast path carried asked for if those are two pods (its ends
+        may have gone unnamed since)."""
+        data, mtype, _s, _d, _r, carry = item
+        if carry is None and self.carried is not None and names[0] and names[1]:
+            fields = ct.ipv4_tuples(mtype, data, nl.NLMSG_HDRLEN, len(data))
+            if fields is not None and fields[2] == TCP:
+                src, dst, _proto, sport, dport = fields[:5]
+                with contextlib.suppress(nl.NetlinkDecodeError):
+                    carry = (*carried_key(src, sport, dst, dport), *ct.lifetime(data, nl.NLMSG_HDRLEN, len(data)))
+        return (data, mtype, *names, carry)
 
     def _extend(self, entries: list[Entry]) -> None:
         self.events += len(entries)
@@ -889,14 +945,34 @@ class FlowRecorder:
             waiting = self._restarts[key] = deque()
         waiting.append((*counts, whole))
 
-    def _carried_of(self, ev: ct.CtEvent) -> tuple[int, int, int, int] | None:
+    def _ct_names(self, ev: ct.CtEvent) -> tuple[Identity | None, Identity | None, Identity | None]:
+        """A decoded event's original source, destination and reply source named: a NEW's as
+        they are now (kept for its DESTROY), a DESTROY's as its NEW named them -- as they are
+        now if its NEW was not seen."""
+        key = ("decoded", ev.orig)
+        if ev.destroyed:
+            names = self._ct_started.pop(key, None)
+            if names is not None:
+                return names
+        d = self.directory
+        names = (d.identity(ev.orig.src), d.identity(ev.orig.dst), d.identity(ev.reply.src))
+        if not ev.destroyed and (names != (None, None, None) or self._ours(ev.orig.src, ev.orig.dst, ev.reply.src)):
+            started = self._ct_started
+            if key not in started and len(started) >= CT_STARTED_MAX:
+                del started[next(iter(started))]
+            started[key] = names
+        return names
+
+    def _carried_of(self, ev: ct.CtEvent, names: tuple[Identity | None, ...] | None = None) -> tuple[int, int, int, int] | None:
         """:meth:`_carried` of a decoded event (IPv6's: the fast path counts them in a map of
-        their own, keyed alike with 16-byte addresses) if it ended a TCP connection between pods."""
+        their own, keyed alike with 16-byte addresses) if it ended a TCP connection between pods
+        (``names``: its ends as named, else as they are now)."""
         o = ev.orig
         if not ev.destroyed or o.proto != TCP or self.carried is None:
             return None
         d = self.directory
-        if d.identity(o.src) is None or d.identity(o.dst) is None:
+        src_id, dst_id = (names[0], names[1]) if names is not None else (d.identity(o.src), d.identity(o.dst))
+        if src_id is None or dst_id is None:
             return None
         family = socket.AF_INET6 if ":" in o.src else socket.AF_INET
         src, dst = socket.inet_pton(family, o.src), socket.inet_pton(family, o.dst)
@@ -909,9 +985,10 @@ class FlowRecorder:
         original direction, then of its reply direction.
 
         Its counts are those whose first packet was carried while it lived: a SYN that reused
-        the tuple moved them to the ring (read by :meth:`_begin` before this end is looked at:
-        then they are all there is, and the map is not asked -- a system call saved per
-        connection of a client that reuses its ports), or they are still in the map.  Counts
+        the tuple moved them to the ring (read by :meth:`_begin` before this end is looked at),
+        or they are still in the map -- or both: a retransmitted SYN-ACK (the client's packets
+        lost a while) moves them to the ring too, in the middle of the connection, and what is
+        carried after it is in the map; so the map is asked whatever the ring gave.  Counts
         first carried after its stop are a later connection's -- a short one before it,
         answered and reset, may end with the next one's counts already in the map -- and wait
         in the agent for that one's end (taken in one step, the map then holds what is carried
@@ -929,20 +1006,17 @@ class FlowRecorder:
         else:
             lo, hi = born + self._tai_offset, died + self._tai_offset  # as CLOCK_TAI
             mine: list[tuple[int, ...]] = []
-            whole = False
             if waiting:
                 for c in waiting:
                     if c[4] >= hi:
                         self._wait(key, c[:5], c[5])  # type: ignore[arg-type]
                     elif c[4] >= lo:
                         mine.append(c)
-                        whole = whole or c[5]
-            if not whole:
-                taken = self.carried.take_carried(key)
-                if taken is not None and taken[4] >= hi:  # the tuple's next connection's
-                    self._wait(key, taken, False)
-                elif taken is not None and taken[4] >= lo:
-                    mine.append(taken)
+            taken = self.carried.take_carried(key)
+            if taken is not None and taken[4] >= hi:  # the tuple's next connection's
+                self._wait(key, taken, False)
+            elif taken is not None and taken[4] >= lo:
+                mine.append(taken)
             if len(mine) == 1:  # the common case: one connection's counts, moved or taken
                 counts = list(mine[0][:4])
             elif mine:
@@ -977,7 +1051,8 @@ class FlowRecorder:
         event = ct.decode_event(mtype, buf, start, end)
         if event is not None:
             self.events += 1
-            flow = self.connection(event, carried=self._carried_of(event))
+            names = self._ct_names(event)
+            flow = self.connection(event, names=names, carried=self._carried_of(event, names))
             if flow is not None:
                 flow.received = self.clock()  # when taken in: what ``since`` orders the ring by
                 self.ring.add(flow)
@@ -1031,9 +1106,14 @@ class FlowRecorder:
         if ev.status & ct.IPS_DST_NAT:
             flow.service_ip, flow.service_port = orig.dst, orig.dport
         if ev.destroyed:
+            # A direction conntrack did not count (the entry made before accounting was turned
+            # on) is unknown, whatever the fast path carried of it.
             op, ob, rp, rb = ev.orig_packets, ev.orig_bytes, ev.reply_packets, ev.reply_bytes
             if carried is not None:
-                op, ob, rp, rb = op + carried[0], ob + carried[1], rp + carried[2], rb + carried[3]
+                if op is not None and ob is not None:
+                    op, ob = op + carried[0], ob + carried[1]
+                if rp is not None and rb is not None:
+                    rp, rb = rp + carried[2], rb + carried[3]
             flow.bytes_sent, flow.bytes_received = ob, rb
             flow.packets_sent, flow.packets_received = op, rp
             if ev.start_ns and ev.stop_ns:

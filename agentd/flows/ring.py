@@ -304,7 +304,14 @@ class DropLimiter:
 
     ``now`` is the drop's own time.  Drops logged on different CPUs may reach the agent a little
     out of order: an earlier time than the bucket's last one refills nothing (and does not move
-    the bucket back), rather than taking tokens away."""
+    the bucket back), rather than taking tokens away.
+
+    At ``max_keys`` a new key evicts a bucket: among the ``EVICT_SCAN`` least recently seen,
+    the first that folds nothing and has refilled (forgetting it changes nothing), else the
+    first that folds nothing (it comes back with a full burst), else the least recently seen,
+    whose folded drops no record will show: they are counted in ``evicted``."""
+
+    EVICT_SCAN = 32  # buckets looked at for one eviction: bounded work per new key in a storm
 
     def __init__(self, rate: float, burst: int, max_keys: int = 4096) -> None:
         self.rate = rate
@@ -312,12 +319,31 @@ class DropLimiter:
         self.max_keys = max_keys
         self.buckets: OrderedDict[Any, list[float]] = OrderedDict()  # key -> [tokens, last, folded]
         self.suppressed = 0  # over the limit, since start
+        self.evicted = 0  # of those, folded into a bucket evicted before its next record: in no record
+
+    def _evict(self, now: float) -> None:
+        buckets, burst, rate = self.buckets, float(self.burst), self.rate
+        empty = None
+        for n, (key, bucket) in enumerate(buckets.items()):
+            if n >= self.EVICT_SCAN:
+                break
+            if bucket[2] == 0.0:
+                if bucket[0] + max(0.0, now - bucket[1]) * rate >= burst:
+                    del buckets[key]
+                    return
+                if empty is None:
+                    empty = key
+        if empty is not None:
+            del buckets[empty]
+            return
+        _key, bucket = buckets.popitem(last=False)  # every one looked at folds drops
+        self.evicted += int(bucket[2])
 
     def allow(self, key: Any, now: float) -> int | None:
         bucket = self.buckets.get(key)
         if bucket is None:
             if len(self.buckets) >= self.max_keys:
-                self.buckets.popitem(last=False)  # the least recently seen key
+                self._evict(now)
             bucket = self.buckets[key] = [float(self.burst), now, 0.0]
         else:
             self.buckets.move_to_end(key)

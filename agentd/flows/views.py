@@ -61,7 +61,10 @@ class FlowViews:
             "ring_size": r.ring.size,
             "seq": r.ring.seq,
             "flows": {v: r.flows.get(v, 0) for v in VERDICTS},
-            "suppressed": {"kernel": self.kernel_suppressed(), "agent": r.limiter.suppressed},
+            # agent_evicted: of agent's, folded into a key the limiter forgot before its next
+            # record (a storm of more than its 4,096 keys): shown by no record's suppressed
+            "suppressed": {"kernel": self.kernel_suppressed(), "agent": r.limiter.suppressed,
+                           "agent_evicted": r.limiter.evicted},
             "lost": dict(r.lost),
             "followers": len(r.ring.followers),
             "log_group": r.group,
@@ -90,6 +93,10 @@ class FlowViews:
                                          "log limit, or folded by the agent's limit", labels=["where"])
         suppressed.add_metric(["kernel"], float(self.kernel_suppressed()))
         suppressed.add_metric(["agent"], float(r.limiter.suppressed))
+        evicted = CounterMetricFamily("agentd_flow_drops_suppressed_evicted", "of the drops the agent's limit "
+                                      "folded, those whose key it forgot before their next record (no record "
+                                      "shows them)")
+        evicted.add_metric([], float(r.limiter.evicted))
         lost = CounterMetricFamily("agentd_flow_events_lost", "conntrack events, logged packets and the pod "
                                    "programs' connection records the kernel could not queue for the agent",
                                    labels=["source"])
@@ -97,4 +104,4 @@ class FlowViews:
             lost.add_metric([source], float(r.lost.get(source, 0)))
         ring = GaugeMetricFamily("agentd_flow_ring_records", "flow records held in the node's ring")
         ring.add_metric([], float(len(r.ring)))
-        yield from (flows, drops, suppressed, lost, ring)
+        yield from (flows, drops, suppressed, evicted, lost, ring)

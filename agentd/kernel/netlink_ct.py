@@ -112,10 +112,12 @@ class CtEvent(NamedTuple):
     reply: CtTuple
     status: int = 0
     id: int = 0
-    orig_packets: int = 0
-    orig_bytes: int = 0
-    reply_packets: int = 0
-    reply_bytes: int = 0
+    # Each direction's counters; None where the entry has none (made before nf_conntrack_acct
+    # was turned on: conntrack counts only entries made after): unknown, not 0.
+    orig_packets: int | None = None
+    orig_bytes: int | None = None
+    reply_packets: int | None = None
+    reply_bytes: int | None = None
     start_ns: int = 0  # CLOCK_REALTIME nanoseconds (nf_conntrack_timestamp), 0: not kept
     stop_ns: int = 0
     event_ns: int = 0  # when the event happened (CTA_TIMESTAMP_EVENT), 0: not said
@@ -227,7 +229,9 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
         raise nl.NetlinkDecodeError(f"conntrack message body is {end - start} bytes, nfgenmsg needs {nl.NFGENMSG_LEN}")
     family = buf[start]
     orig = reply = None
-    status = ident = op = ob = rp = rb = t0 = t1 = te = 0
+    status = ident = t0 = t1 = te = 0
+    op: int | None = None  # no CTA_COUNTERS_*: not counted (unknown)
+    ob = rp = rb = op
     for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
         if atype == CTA_TUPLE_ORIG:
             orig = decode_tuple(buf, vs, ve)

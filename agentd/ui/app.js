@@ -284,7 +284,8 @@ function flowRow(r) {
     if (r.sender) info += ` (sent by ${r.sender.pod ? r.sender.pod + " on " : ""}${r.sender.interface})`;
     if (r.suppressed) info += ` (+${r.suppressed} like it)`;
   } else if (r.event === "end") {
-    info = `end · sent ${r.bytes_sent} B · received ${r.bytes_received} B${r.duration !== null && r.duration !== undefined ? " · " + r.duration.toFixed(3) + " s" : ""}`;
+    const size = (n) => (n === null || n === undefined ? "unknown" : `${n} B`);
+    info = `end · sent ${size(r.bytes_sent)} · received ${size(r.bytes_received)}${r.duration !== null && r.duration !== undefined ? " · " + r.duration.toFixed(3) + " s" : ""}`;
   }
   const dst = r.service ? el("span", {}, pill(`svc ${r.service.name} ${r.service.ip}:${r.service.port}`), " → ", end(r.dst)) : end(r.dst);
   return el("tr", { class: `verdict-${r.verdict}`, "data-verdict": r.verdict, "data-reason": r.reason || null, "data-node": r.node },

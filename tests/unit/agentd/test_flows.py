@@ -8,7 +8,7 @@ import asyncio
 import json
 import socket
 import struct
-from ipaddress import IPv4Address, ip_network
+from ipaddress import IPv4Address, IPv6Address, ip_network
 
 import pytest
 from hypothesis import given
@@ -228,6 +228,10 @@ def test_service_connection_end_record():
     ((mtype, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
     flow = recorder().connection(ct.decode_event(mtype, msg, start, end))
     assert flow is not None
+    assert flow.service == "shop/web" and (flow.service_ip, flow.service_port) == ("10.96.0.10", 80)
+    assert (flow.src.ip, flow.src.port, flow.src.identity) == ("10.244.1.2", 40000, CLIENT)
+    assert (flow.dst.ip, flow.dst.port, flow.dst.identity) == ("10.244.2.3", 8080, WEB)  # the endpoint
+    assert (flow.bytes_sent, flow.bytes_received, flow.packets_sent, flow.packets_received) == (400, 900, 5, 4)
     j = flow.json()
     assert j["event"] == "end" and j["direction"] == "ingress"
     assert j["service"] == {"name": "shop/web", "ip": "10.96.0.10", "port": 80}
@@ -491,6 +495,27 @@ def test_limiter_refills_and_keeps_few_keys():
     for k in range(10):
         lim.allow(("spoofed", k), 0.2)
     assert len(lim.buckets) == 3
+
+
+def test_a_key_the_limiter_forgets_keeps_its_folds_unless_every_key_folds():
+    """Past ``max_keys`` a new key evicts one that folds nothing -- the folded drops of another
+    stay for its next record, and its budget is not reset --; where every key folds, the
+    evicted one's folds are counted (``evicted``, /status suppressed.agent_evicted)."""
+    from agentd.flows.views import FlowViews
+
+    lim = DropLimiter(rate=1.0, burst=1, max_keys=2)
+    assert (lim.allow("A", 0.0), lim.allow("A", 0.1)) == (0, None)  # A folds one
+    assert (lim.allow("B", 0.2), lim.allow("C", 0.3)) == (0, 0)  # C evicts B, not A
+    assert lim.allow("A", 0.4) is None  # no fresh burst: still over its limit
+    assert lim.allow("A", 5.0) == 2 and lim.evicted == 0  # its next record shows both
+    assert lim.allow("C", 5.1) == 0 and lim.allow("C", 5.2) is None  # A and C fold, both
+    assert lim.allow("A", 5.3) is None
+    assert lim.allow("D", 5.4) == 0 and lim.evicted == 1  # the oldest goes, its fold counted
+    r = recorder()
+    r.limiter = lim
+    assert FlowViews(r, lambda: 0).status()["suppressed"] == {"kernel": 0, "agent": 4, "agent_evicted": 1}
+    metrics = {m.name: [x.value for x in m.samples] for m in FlowViews(r, lambda: 0).collect()}
+    assert metrics["agentd_flow_drops_suppressed_evicted"] == [1]
 
 
 def test_limiter_takes_drops_a_little_out_of_order_without_losing_tokens():
@@ -1377,3 +1402,107 @@ def test_a_search_keeps_what_it_made_in_the_ring_and_nothing_the_ring_dropped():
     got = r.ring.last(FlowFilter(), 100)
     assert [f.seq for f in got] == list(range(9, 19)) and [f.src.port for f in got] == list(range(40009, 40019))
     assert all(type(e) is Flow for e in r.ring.records)
+
+
+def test_a_node_port_is_named_on_either_of_the_nodes_addresses():
+    """A node port is reached on any of the node's addresses, IPv6 too (the services compiler:
+    fib daddr type local): the directory names the Service on [node] address and address_v6;
+    an IPv6-only node (no IPv4 address) names it on its IPv6 one."""
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    ports = [NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="10.96.0.10", node_port=30080),
+             NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="fd00:96::10", node_port=30080)]
+    services = NS(syncs=1, ports=ports)
+    dual = FlowDirectory(None, services, (IPv4Address("192.168.1.10"), IPv6Address("fd00::10")))
+    assert dual.service("192.168.1.10", 6, 30080) == "shop/web"
+    assert dual.service("fd00::10", 6, 30080) == "shop/web"
+    assert dual.service("10.0.0.5", 6, 30080) is None  # not the node's
+    v6only = FlowDirectory(None, services, (None, IPv6Address("fd00::10")))
+    assert v6only.service("fd00::10", 6, 30080) == "shop/web" and v6only.service("None", 6, 30080) is None
+
+
+def test_an_end_names_the_pods_its_start_named_not_who_has_the_address_now():
+    """The sweep ends an idle or flushed connection long after its last packet (a pod deleted
+    without closing its sockets): by then its address may be another pod's, or nobody's.  The
+    end names whom its start named; an end whose start was not seen, whom the addresses are now."""
+    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
+
+    now = 1000 * 10**9
+    key, v = _conn(False, 2, now - 100 * 10**9, now - 60 * 10**9)
+    other = key[:8] + bytes([1, 1]) + key[10:]  # another connection of the same pods, its start not seen
+    r = recorder()
+    r.tai_offset = lambda: 0
+    version = [1]
+    r.directory.version = lambda: version[0]
+    r._on_recorded([CONN_RECORD.pack(key, REC_START, v)], 1000.0)
+    r.directory.ids = {"10.244.2.3": WEB, "10.244.1.2": Identity("other/newpod", "node1", {}, False)}  # the client pod deleted, its address reused
+    version[0] = 2
+    r.recording = Programs({key: v})
+    r._held = lambda k: False  # flushed from conntrack with the pod
+    r._on_recorded([*r.sweep(now), CONN_RECORD.pack(other, REC_FIN, v)], 1060.0)
+    new, end, unseen = r.ring.last(FlowFilter(), 10)
+    assert (new.event, new.src.identity, new.dst.identity) == ("new", CLIENT, WEB)
+    assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
+    assert unseen.src.identity.pod == "other/newpod"  # no start seen: named now
+    assert r._started == {}  # an end forgets its start
+
+
+def _entry_event(mtype: int, src: str, dst: str, family: int = socket.AF_INET, counters: bool = True) -> bytes:
+    """A conntrack NEW or DESTROY of ``src``:40000 -> ``dst``:80 (TCP), as the kernel lays it out."""
+    body = (_tuple(ct.CTA_TUPLE_ORIG, src, dst, 6, 40000, 80) + _tuple(ct.CTA_TUPLE_REPLY, dst, src, 6, 80, 40000)
+            + nl.attr(ct.CTA_STATUS, struct.pack("!I", 8)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7)))
+    if mtype == ct.MSG_DELETE:
+        if counters:
+            body += _counters(ct.CTA_COUNTERS_ORIG, 5, 400) + _counters(ct.CTA_COUNTERS_REPLY, 4, 900)
+        body += nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", 1_000_000_000_000)),
+                          nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", 1_000_250_000_000)))
+    return nl.encode_nfgen(mtype, 0, 0, family, body)
+
+
+@pytest.mark.parametrize("way", ["c", "python", "ipv6"])
+def test_a_conntrack_end_names_the_pods_its_new_event_named(way):
+    """A conntrack entry's DESTROY comes after its timeout (TCP's TIME_WAIT: 2 minutes), or when
+    a deleted pod's entries are flushed: its pods are named as its NEW named them, not as the
+    addresses are named then (the client deleted, its address another pod's); a DESTROY whose
+    NEW was not seen, as they are named then.  Read at fixed offsets (in C, in Python) and the
+    long way (IPv6)."""
+    if way == "c" and ct.fast_events is None:
+        pytest.skip("agentd/kernel/_ctevents.c not built")
+    client, web = ("fd00:244:1::2", "fd00:244:2::3") if way == "ipv6" else ("10.244.1.2", "10.244.2.3")
+    family = socket.AF_INET6 if way == "ipv6" else socket.AF_INET
+    r = recorder()
+    r.fast = way == "c"
+    version = [1]
+    r.directory.version = lambda: version[0]
+    r.directory.ids = {client: CLIENT, web: WEB}
+    r._on_conntrack_datagrams([_entry_event(ct.MSG_NEW, client, web, family)], 1000.0)
+    r.directory.ids = {client: Identity("other/newpod", "node1", {}, False), web: WEB}
+    version[0] = 2
+    r._begin_names()  # as each read does: the pods changed
+    r._on_conntrack_datagrams([_entry_event(ct.MSG_DELETE, client, web, family)] * 2, 1120.0)
+    new, end, unseen = list(r.ring)
+    assert (new.event, new.src.identity, new.dst.identity) == ("new", CLIENT, WEB)
+    assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
+    assert (unseen.event, unseen.src.identity.pod) == ("end", "other/newpod")  # its NEW not seen
+    assert r._ct_started == {}
+
+
+@pytest.mark.parametrize("carried", [None, (7, 700, 3, 300)])
+def test_an_end_conntrack_did_not_count_says_unknown_not_zero(carried):
+    """A connection already open when flow records were turned on has no counters
+    (nf_conntrack_acct counts only entries made after): its end says unknown (None, null,
+    ``-``), not 0 bytes -- nor only what the fast path carried of it."""
+    msg = _entry_event(ct.MSG_DELETE, "10.244.1.2", "10.244.2.3", counters=False)
+    ((mtype, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    ev = ct.decode_event(mtype, msg, start, end)
+    assert (ev.orig_packets, ev.orig_bytes, ev.reply_packets, ev.reply_bytes) == (None, None, None, None)
+    flow = recorder().connection(ev, carried=carried)
+    j = flow.json()
+    assert (j["bytes_sent"], j["bytes_received"], j["packets_sent"], j["packets_received"]) == (None, None, None, None)
+    assert j["duration"] == 0.25
+    assert "end  sent - received -  0.250s" in line(json.loads(json.dumps(j)))
+    r = recorder()
+    r._on_conntrack_datagrams([msg], 1000.0)  # read at fixed offsets, made when read
+    assert next(iter(r.ring)).bytes_sent is None
