@@ -150,3 +150,46 @@ def test_a_restarting_peers_connection_that_ended_at_once_leaves_the_established
     assert closes(p.take_actions()) == [-1]
     assert events(p) == []
     assert p.session.conn == connect.conn and p.session.state is State.ESTABLISHED
+
+
+# ---------------------------------------------------------------- an active peer keeps connecting out
+
+
+def test_an_active_peer_connects_out_again_after_an_inbound_connection_dies_in_open_sent():
+    p = peer()
+    (connect,) = p.take_actions()
+    p.connect_failed(connect.conn, 1.0)  # Idle, in backoff
+    assert p.session.state is State.IDLE and p.get_timer() is not None
+    assert p.accept(-1, 1.2)  # the peer reaches us meanwhile: the session takes it (passive start)
+    p.take_actions()
+    p.connection_lost(-1, 2.0)  # ... and that connection dies in OpenSent: Active
+    assert p.session.state is State.ACTIVE
+    retry = p.get_timer()
+    assert retry is not None  # ConnectRetry: an active peer does not only listen from now on
+    p.handle_timer(retry)
+    assert [a for a in p.take_actions() if isinstance(a, Connect)]
+    assert p.session.state is State.CONNECT
+
+
+def test_a_passive_peer_only_listens_after_an_inbound_connection_dies():
+    p = peer(passive=True)
+    assert p.take_actions() == []
+    assert p.accept(-1, 1.0)
+    p.take_actions()
+    p.connection_lost(-1, 2.0)
+    assert p.session.state is State.ACTIVE
+    assert p.get_timer() is None  # nothing to retry: it waits for the peer
+    assert p.take_actions() == []
+
+
+def test_a_collision_session_that_loses_its_connection_is_still_forgotten():
+    p = peer()
+    (connect,) = p.take_actions()
+    p.connection_made(connect.conn, 0.1)
+    assert p.accept(-1, 0.2)
+    assert len(p.collisions) == 1
+    p.take_actions()
+    p.connection_lost(-1, 0.3)  # the second connection dies in OpenSent
+    assert p.collisions == []
+    assert p.session.conn == connect.conn and p.session.state is State.OPEN_SENT
+    assert p.take_actions() == []  # no connect-out of its own either
