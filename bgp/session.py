@@ -226,8 +226,13 @@ class Session:
         if self.state is State.IDLE:
             return
         was_established = self.state is State.ESTABLISHED
+        # A NOTIFICATION goes out only on a connection that carries BGP (OpenSent or later);
+        # in Connect or Active there is none to send it on, and the session's end says none
+        # was sent (no "session failed" for a peer removed or reconfigured while down).
         if notification is not None and self.state >= State.OPEN_SENT:
             self._send(notification.encode(self.ctx))
+        else:
+            notification = None
         self._drop_connection()
         self._go(Event.MANUAL_STOP if reason is None else Event.AUTOMATIC_STOP, now)
         if reason is None:

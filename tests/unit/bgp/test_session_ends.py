@@ -9,14 +9,15 @@ ids: ours count up from 1, theirs are negative.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from ipaddress import IPv4Address
 
 import pytest
 
 from bgp import PeerSettings, Speaker, State
-from bgp.peer import Peer
-from bgp.session import Close, Connect, Send
+from bgp.peer import Peer, PeerFailed
+from bgp.session import Close, Connect, Send, Session, SessionDown
 from bgp.settings import LocalSettings
 from proto.capabilities import GracefulRestart, GracefulRestartFamily
 from proto.errors import CeaseSubcode, ErrorCode
@@ -193,3 +194,51 @@ def test_a_collision_session_that_loses_its_connection_is_still_forgotten():
     assert p.collisions == []
     assert p.session.conn == connect.conn and p.session.state is State.OPEN_SENT
     assert p.take_actions() == []  # no connect-out of its own either
+
+
+# ---------------------------------------------------------------- stopped while down
+
+
+@pytest.mark.parametrize("started_passive", [False, True])  # Connect, Active
+def test_stopping_a_session_without_a_connection_records_no_notification(started_passive):
+    s = Session(local(), PeerSettings(REMOTE, 65000), conn_ids=itertools.count(1), now=0.0)
+    s.start(0.0, passive=started_passive)
+    assert s.state is (State.ACTIVE if started_passive else State.CONNECT)
+    s.take_actions()
+    s.stop(1.0, Notification.cease(CeaseSubcode.PEER_DECONFIGURED))
+    (down,) = [e for e in iter(s.next_event, None)]
+    assert isinstance(down, SessionDown)
+    assert down.notification is None and down.reason == "stopped"
+    assert notifications(s.take_actions()) == []
+
+
+def test_stopping_a_session_in_open_sent_still_sends_and_records_its_notification():
+    s = Session(local(), PeerSettings(REMOTE, 65000), conn_ids=itertools.count(1), now=0.0)
+    s.start(0.0)
+    (connect,) = s.take_actions()
+    s.connection_made(connect.conn, 0.1, outbound=True)
+    s.take_actions()
+    s.stop(1.0, Notification.cease(CeaseSubcode.PEER_DECONFIGURED))
+    (down,) = [e for e in iter(s.next_event, None)]
+    assert down.notification == Notification.cease(CeaseSubcode.PEER_DECONFIGURED) and down.sent
+    assert [(c, (n.code, n.subcode)) for c, n in notifications(s.take_actions())] == [
+        (connect.conn, (ErrorCode.CEASE, CeaseSubcode.PEER_DECONFIGURED))
+    ]
+
+
+def test_removing_a_peer_that_is_down_logs_no_failed_session(caplog):
+    sp = Speaker(local(), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings(REMOTE, 65000), 0.0)
+    sp.start(0.0)
+    sp.take_actions()  # Connect: nothing on the wire yet
+    with caplog.at_level(logging.INFO, logger="bgp"):
+        sp.remove_peer(REMOTE, 1.0)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert closes(sp.take_actions()) == [1]
+
+
+def test_a_peer_stopped_while_connecting_reports_no_failure():
+    p = peer()
+    p.take_actions()
+    p.stop(1.0, Notification.cease(CeaseSubcode.ADMINISTRATIVE_SHUTDOWN))
+    assert [e for e in events(p) if isinstance(e, PeerFailed)] == []
