@@ -102,10 +102,12 @@ def set_md5(sock: socket.socket, peer: str, password: str | None) -> None:
 
 
 def set_md5_prefix(sock: socket.socket, network: str, prefixlen: int, password: str | None) -> None:
-    """A TCP MD5 key for every peer in ``network/prefixlen`` (dynamic neighbours)."""
+    """A TCP MD5 key for every peer in ``network/prefixlen`` (dynamic neighbours).
+
+    An IPv4 network on an IPv6 (dual-stack) socket is given IPv4-mapped with its IPv4 prefix
+    length: Linux keeps the key as an IPv4 one (tcp_v6_parse_md5_keys) and refuses a length
+    over 32 for a mapped address (EINVAL)."""
     addr = _md5_peer_address(sock, network)
-    if sock.family == socket.AF_INET6 and ":" not in network:
-        prefixlen += 96  # IPv4-mapped on an IPv6 socket
     sock.setsockopt(
         socket.IPPROTO_TCP, TCP_MD5SIG_EXT, md5sig_option(addr, password.encode() if password else None, prefixlen)
     )
