@@ -98,3 +98,66 @@ def test_a_listen_range_with_a_password_on_a_dual_stack_listener_starts(caplog):
     with caplog.at_level(logging.WARNING, logger="bgp"):
         asyncio.run(run())
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+# ---------------------------------------------------------------- IPv6 keys on an IPv4 listener, refused keys
+
+
+def ipv4_service() -> SpeakerService:
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1")), now=0.0, rng=random.Random(1))
+    return SpeakerService(sp, listen=("127.0.0.1", 0), clock=lambda: 0.0)
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_ipv6_peer_with_a_password_on_an_ipv4_listener_is_skipped_and_said_once(caplog):
+    svc = ipv4_service()
+    # Passive peers: the test connects nowhere.
+    v4 = PeerSettings("127.0.0.2", 65001, passive=True, password=PASSWORD)
+    v6 = PeerSettings("fd00::2", 65001, passive=True, password=PASSWORD)
+    v6_range = ListenRange("fd00:1::/64", PeerSettings("fd00:1::", 65001, password=PASSWORD))
+
+    async def run() -> None:
+        await svc.start()
+        try:
+            with caplog.at_level(logging.WARNING, logger="bgp"):
+                svc.set_peers([v4, v6])  # raised EINVAL (an AF_INET6 key on an AF_INET socket)
+                svc.set_listen_ranges([v6_range])
+            assert set(svc.speaker.peers) == {"127.0.0.2", "fd00::2"}
+            assert svc._md5_keys == {"127.0.0.2": PASSWORD}
+            said = warnings(caplog)
+            assert len(said) == 2 and all("the BGP listener 127.0.0.1:0 is IPv4" in m for m in said), said
+            assert any("fd00::2" in m for m in said) and any("fd00:1::/64" in m for m in said)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="bgp"):
+                svc.set_peers([v4, v6])  # nothing new to say
+            assert warnings(caplog) == []
+            assert svc._md5_keys == {"127.0.0.2": PASSWORD}
+        finally:
+            await svc.stop(graceful=False)
+
+    asyncio.run(run())
+
+
+def test_a_key_the_listener_refuses_is_logged_and_the_others_still_set(caplog):
+    svc = ipv4_service()
+    bad = PeerSettings("127.0.0.3", 65001, passive=True, password="x" * 81)  # over TCP_MD5SIG_MAXKEYLEN
+    good = PeerSettings("127.0.0.2", 65001, passive=True, password=PASSWORD)
+
+    async def run() -> None:
+        await svc.start()
+        try:
+            with caplog.at_level(logging.WARNING, logger="bgp"):
+                svc.set_peers([bad, good])
+            assert svc._md5_keys == {"127.0.0.2": PASSWORD}  # only what the listener has
+            (said,) = warnings(caplog)
+            assert "could not set the TCP MD5 key for 127.0.0.3" in said
+            # Corrected, it is set at the next sync.
+            svc.set_peers([PeerSettings("127.0.0.3", 65001, passive=True, password="short"), good])
+            assert svc._md5_keys == {"127.0.0.2": PASSWORD, "127.0.0.3": "short"}
+        finally:
+            await svc.stop(graceful=False)
+
+    asyncio.run(run())
