@@ -391,9 +391,16 @@ class Peer:
                 self._events.append(PeerDown(ev.reason, graceful, gr))
 
     def _resolve_collision(self, s: Session, ev: OpenReceived, now: float) -> None:
-        """RFC 4271 §6.8, run when ``s`` has just received the peer's OPEN."""
+        """RFC 4271 §6.8, run when ``s`` has just received the peer's OPEN.
+
+        The check runs on the queued OpenReceived, after the whole read: by then ``s`` may have
+        ended already (its OPEN and a NOTIFICATION or a bad message came together).  Only live
+        connections take part: a dead one is neither dumped (no transition from Idle) nor wins
+        (the good connection must not be closed for it)."""
+        if not self._alive(s):
+            return
         for other in self.sessions():
-            if other is s or other.conn is None:
+            if other is s or not self._alive(other):
                 continue
             if other.state is State.ESTABLISHED:
                 if ev.open.capability(GracefulRestart) is not None:
@@ -425,6 +432,11 @@ class Peer:
                 if loser is self.session:
                     self._promote(s)
                 return
+
+    @staticmethod
+    def _alive(s: Session) -> bool:
+        """``s`` still has its connection and has received the peer's OPEN."""
+        return s.conn is not None and s.state in (State.OPEN_CONFIRM, State.ESTABLISHED)
 
     def _promote(self, s: Session) -> None:
         if s is self.session:

@@ -149,7 +149,6 @@ class Session:
         self._actions: list[Action] = []
         self._events: collections.deque[SessionEvent] = collections.deque()
         self._connect_retry_at: float | None = None
-        self._passive = False  # started passive: this session never connects out
         self._hold_at: float | None = None
         self._keepalive_at: float | None = None
         self._blocked_at: float | None = None  # the send timeout, while the socket takes nothing
@@ -216,7 +215,6 @@ class Session:
     def start(self, now: float, *, passive: bool | None = None) -> None:
         """ManualStart (outbound) or ManualStart_with_PassiveTcpEstablishment."""
         passive = self.peer.passive if passive is None else passive
-        self._passive = passive
         self._go(Event.MANUAL_START_PASSIVE if passive else Event.MANUAL_START, now)
         if self.state is State.CONNECT:
             self._begin_connect(now)
@@ -228,8 +226,13 @@ class Session:
         if self.state is State.IDLE:
             return
         was_established = self.state is State.ESTABLISHED
+        # A NOTIFICATION goes out only on a connection that carries BGP (OpenSent or later);
+        # in Connect or Active there is none to send it on, and the session's end says none
+        # was sent (no "session failed" for a peer removed or reconfigured while down).
         if notification is not None and self.state >= State.OPEN_SENT:
             self._send(notification.encode(self.ctx))
+        else:
+            notification = None
         self._drop_connection()
         self._go(Event.MANUAL_STOP if reason is None else Event.AUTOMATIC_STOP, now)
         if reason is None:
@@ -283,9 +286,13 @@ class Session:
         self._reset_connection_state()
         self.last_error = "connection closed by peer" if self.state >= State.OPEN_SENT else "connection lost"
         self._go(Event.TCP_CONNECTION_FAILS, now)
-        if self.state is State.ACTIVE and not self._passive:
+        if self.state is State.ACTIVE and not self.peer.passive:
             # OpenSent + TcpConnectionFails -> Active: keep listening, retry after ConnectRetryTime
-            # (a passive session only listens: it never connects out, RFC 4271 §8.1.1 option 5).
+            # (a passive peer only listens: it never connects out, RFC 4271 §8.1.1 option 5).
+            # The peer's setting, not how this session was started: an active peer's session
+            # that took an inbound connection (started passive, Peer.accept) must go on
+            # connecting out once that connection is gone, or nothing would ever restart it.
+            # A collision session (passive-started too) is stopped and forgotten by Peer._process.
             self._connect_retry_at = now + self.local.connect_retry_time
         self._events.append(SessionDown(self.last_error, was_established, graceful=True))
 

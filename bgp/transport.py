@@ -102,10 +102,12 @@ def set_md5(sock: socket.socket, peer: str, password: str | None) -> None:
 
 
 def set_md5_prefix(sock: socket.socket, network: str, prefixlen: int, password: str | None) -> None:
-    """A TCP MD5 key for every peer in ``network/prefixlen`` (dynamic neighbours)."""
+    """A TCP MD5 key for every peer in ``network/prefixlen`` (dynamic neighbours).
+
+    An IPv4 network on an IPv6 (dual-stack) socket is given IPv4-mapped with its IPv4 prefix
+    length: Linux keeps the key as an IPv4 one (tcp_v6_parse_md5_keys) and refuses a length
+    over 32 for a mapped address (EINVAL)."""
     addr = _md5_peer_address(sock, network)
-    if sock.family == socket.AF_INET6 and ":" not in network:
-        prefixlen += 96  # IPv4-mapped on an IPv6 socket
     sock.setsockopt(
         socket.IPPROTO_TCP, TCP_MD5SIG_EXT, md5sig_option(addr, password.encode() if password else None, prefixlen)
     )
@@ -324,7 +326,8 @@ class SpeakerService:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._inbound_ids = _NegativeIds()
-        self._md5_keys: dict[str, str] = {}
+        self._md5_keys: dict[str, str] = {}  # the keys the listener has (peer or prefix -> password)
+        self._md5_unfit: set[str] = set()  # wanted keys the listener's family cannot carry (logged)
         self._listener_gtsm = False  # the listener sends with TTL 255 (some peer has GTSM)
         self._work_handle: asyncio.Handle | None = None
         self._stalls: _StallWatch | None = None
@@ -521,13 +524,38 @@ class SpeakerService:
         for r in self.speaker.listen_ranges:
             if r.template.password:
                 wanted[str(r.prefix)] = r.template.password
+        if self._listen_sock is not None and self._listen_sock.family == socket.AF_INET:
+            # An IPv4 listener cannot carry a key for an IPv6 address (EINVAL), and no IPv6
+            # peer can reach it anyway: skip those keys, said once per key.
+            unfit = {k for k in wanted if ip_address(k.partition("/")[0]).version == 6}
+            host, port = self.listen or ("0.0.0.0", 179)
+            for key in sorted(unfit - self._md5_unfit):
+                log.warning(
+                    "no TCP MD5 key for %s: the BGP listener %s:%s is IPv4, no IPv6 peer can connect to it",
+                    key, host, port,
+                )  # fmt: skip
+            self._md5_unfit = unfit
+            for key in unfit:
+                del wanted[key]
+        applied: dict[str, str] = {}
         for key in set(self._md5_keys) - set(wanted):
-            with contextlib.suppress(OSError):
+            try:
                 self._set_md5(key, None)
+            except OSError as err:
+                log.warning("could not remove the TCP MD5 key for %s from the BGP listener: %s", key, err.strerror or err)
         for key, pw in wanted.items():
-            if self._md5_keys.get(key) != pw:
+            if self._md5_keys.get(key) == pw:
+                applied[key] = pw
+                continue
+            try:
                 self._set_md5(key, pw)
-        self._md5_keys = wanted
+            except (OSError, ValueError) as err:
+                log.warning("could not set the TCP MD5 key for %s on the BGP listener: %s", key, getattr(err, "strerror", None) or err)
+                if key in self._md5_keys:
+                    applied[key] = self._md5_keys[key]  # the kernel still has the old one
+            else:
+                applied[key] = pw
+        self._md5_keys = applied  # only what the listener has: the rest is tried again at the next sync
 
     def _sync_listener_ttl(self) -> None:
         """TTL 255 on the listener while a peer or listen range has GTSM (see the module's
