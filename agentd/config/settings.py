@@ -631,8 +631,10 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
                      ("ingress", IngressConfig), ("log", LogConfig),
                      ("agent", AgentConfig)):
         sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
-    peers = tuple(BgpPeerConfig(**{"hold_time": hold, **p}) for p in v["bgp.peers"])
-    ranges = tuple(ListenRangeConfig(**{"hold_time": hold, **r}) for r in v["bgp.listen_ranges"])
+    # A peer's or range's hold_time left out stays None ([bgp] hold_time, resolved from the running
+    # configuration when the sessions are made): a reload then changes it only with a restart.
+    peers = tuple(BgpPeerConfig(**p) for p in v["bgp.peers"])
+    ranges = tuple(ListenRangeConfig(**r) for r in v["bgp.listen_ranges"])
     sections["bgp"] = dataclasses.replace(sections["bgp"], peers=peers, listen_ranges=ranges)
     return Config(**sections, source=ld.source)
 

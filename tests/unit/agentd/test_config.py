@@ -268,7 +268,7 @@ def test_every_key_from_the_file(tmp_path):
     assert cfg.bgp.peers == (
         BgpPeerConfig(IPv4Address("192.0.2.1"), 65001, "tor", True, False, 1179, 0, "top of rack",
                       IPv4Address("192.0.2.20")),
-        BgpPeerConfig(IPv6Address("2001:db8::2"), 4200000000, None, False, True, 179, 30, "", None),
+        BgpPeerConfig(IPv6Address("2001:db8::2"), 4200000000, None, False, True, 179, None, "", None),
     )
     assert cfg.api.listen == HostPort("0.0.0.0", 19099)
     # Relative paths in the file are relative to the file's directory.
@@ -354,7 +354,7 @@ def test_env_sets_every_kind_of_value():
     assert cfg.bgp.listen is None
     assert cfg.bgp.originate == (IPv4Network("10.9.0.0/16"), IPv6Network("fd00::/8"))
     assert cfg.bgp.peers == (
-        BgpPeerConfig(IPv4Address("10.1.0.1"), 65001, port=1790, hold_time=30),
+        BgpPeerConfig(IPv4Address("10.1.0.1"), 65001, port=1790),  # hold_time: [bgp] hold_time's (None)
         BgpPeerConfig(IPv4Address("10.1.0.2"), 64512, hold_time=9),
     )
     assert cfg.cni.bin_dir == (Path("/a"), Path("/b"))
@@ -875,6 +875,30 @@ def test_sighup_applies_only_peers_and_log_settings(tmp_path):
     assert not any("peers" in k or "[log]" in k for k in pending)
 
 
+def test_sighup_with_only_bgp_hold_time_changed_leaves_the_external_sessions_alone():
+    """[bgp] hold_time waits for a restart: the peers and ranges that inherit it keep offering
+    the running one after a reload, so the speaker sees no changed settings and resets no session
+    (bgp/speaker.py set_peers: Cease/Other Configuration Change)."""
+    from agentd.config.settings import reloaded
+    from agentd.daemon.speaker import listen_ranges, peer_settings
+
+    peers = json.dumps([{"address": "192.0.2.1", "asn": 64513}, {"address": "192.0.2.2", "asn": 64513, "hold_time": 9}])
+    ranges = json.dumps([{"prefix": "10.1.0.0/16", "asn": 64513}])
+    env = {"AGENTD_NODE_ADDRESS": "10.0.0.1", "AGENTD_BGP_PEERS": peers, "AGENTD_BGP_LISTEN_RANGES": ranges}
+    running = pure(env=env)
+    live, pending = reloaded(running, pure(env={**env, "AGENTD_BGP_HOLD_TIME": "30"}))
+    assert live.bgp.hold_time == 90
+    assert [peer_settings(p, live) for p in live.bgp.peers] == [peer_settings(p, running) for p in running.bgp.peers]
+    assert [peer_settings(p, live).hold_time for p in live.bgp.peers] == [90, 9]
+    assert [r.template for r in listen_ranges(live)] == [r.template for r in listen_ranges(running)]
+    assert [r.template.hold_time for r in listen_ranges(live)] == [90]
+    assert pending == ["[bgp] hold_time", "[bgp] keepalive_time"]
+    # A restart (the new file read afresh) gives them the new one.
+    fresh = pure(env={**env, "AGENTD_BGP_HOLD_TIME": "30"})
+    assert [peer_settings(p, fresh).hold_time for p in fresh.bgp.peers] == [30, 9]
+    assert [r.template.hold_time for r in listen_ranges(fresh)] == [30]
+
+
 def test_empty_environment_values_unset_optional_keys():
     cfg = pure(env={"AGENTD_BGP_ASN": "", "AGENTD_BGP_KEEPALIVE_TIME": " ", "AGENTD_BGP_ROUTER_ID": "",
                     "AGENTD_NETWORK_MTU": ""})
@@ -903,8 +927,11 @@ max_prefixes = 5
 """)
     cfg = pure(path)
     (r,) = cfg.bgp.listen_ranges
-    assert (str(r.prefix), r.asn, r.rr_client, r.hold_time, r.max_prefixes) == ("10.1.0.0/16", 64512, True, 30, 5)
+    assert (str(r.prefix), r.asn, r.rr_client, r.hold_time, r.max_prefixes) == ("10.1.0.0/16", 64512, True, None, 5)
     assert cfg.to_dict()["bgp"]["listen_ranges"][0]["password"] != "s3cret"
+    assert cfg.to_dict()["bgp"]["listen_ranges"][0]["hold_time"] == 30  # the effective one: [bgp] hold_time
+    from agentd.daemon.speaker import listen_ranges
+    assert [lr.template.hold_time for lr in listen_ranges(cfg)] == [30]
 
 
 def test_listen_range_problems_name_the_table_and_key(tmp_path):
