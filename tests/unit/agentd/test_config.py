@@ -524,6 +524,11 @@ BAD = [
     ("connect-retry", "env", {"AGENTD_BGP_CONNECT_RETRY": "fast"}, "bgp.connect_retry", "must be a number"),
     ("connect-retry-zero", "file", "[bgp]\nconnect_retry = 0\n", "bgp.connect_retry", "1..3600"),
     ("route-resync-nan", "file", "[agent]\nroute_resync = nan\n", "agent.route_resync", "0.1..3600"),
+    # An integer too large for a float: one line, not math.isfinite's OverflowError.
+    ("connect-retry-huge", "file", "[bgp]\nconnect_retry = " + "9" * 400 + "\n", "bgp.connect_retry", "1..3600"),
+    ("record-rate-huge-negative", "file", "[flows]\nrecord_rate = -" + "9" * 400 + "\n", "flows.record_rate",
+     "0.1..100000"),
+    ("connect-retry-huge-env", "env", {"AGENTD_BGP_CONNECT_RETRY": "9" * 400}, "bgp.connect_retry", "1..3600"),
     ("originate-host-bits", "file", "[bgp]\noriginate = ['10.1.2.3/16']\n", "bgp.originate",
      "has host bits set (did you mean 10.1.0.0/16?)"),
     ("originate-twice", "env", {"AGENTD_BGP_ORIGINATE": "10.0.0.0/8,10.0.0.0/8"},
