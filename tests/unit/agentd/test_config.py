@@ -1078,3 +1078,22 @@ def test_commands_that_open_no_tls_file_load_without_reading_them(tmp_path, monk
     assert (cfg.etcd.key, cfg.api.read_token_file) == (tmp_path / "k.pem", Path("/nonexistent/read-token"))
     (err,) = problems(path, check_files=False, overrides={"api.listen": "127.0.0.1:0"})
     assert err.key == "api.listen"  # the rest is still checked
+
+
+def test_the_environment_examples_in_the_docs_load():
+    """Every AGENTD_<SECTION>_<KEY>=value the docs show is a value the loader takes (an array in
+    the environment is comma-separated, not JSON: docs/operations.md showed '["http://…",…]')."""
+    root = EXAMPLE.parents[1]
+    found = {}
+    for doc in [root / "README.md", EXAMPLE, *sorted((root / "docs").glob("*.md"))]:
+        for m in re.finditer(r"\bAGENTD_([A-Z0-9_]+)=('[^']*'|\"[^\"]*\"|[^\s`]+)", doc.read_text()):
+            name, value = m[1].lower(), m[2]
+            if value[0] in "'\"":
+                value = value[1:-1]  # the shell's quotes
+            else:
+                value = value.rstrip(".,;)")  # the sentence's
+            if name.replace("_", ".", 1) in CONFIG_KEYS:
+                found[f"{doc.name}: AGENTD_{m[1]}={value}"] = (f"AGENTD_{m[1]}", value)
+    assert any("ETCD_ENDPOINTS" in k for k in found) and len(found) >= 4, found
+    for where, (var, value) in found.items():
+        assert problems(env={var: value}) == [], where
