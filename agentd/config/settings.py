@@ -580,6 +580,20 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
         ld.key_problem(ld.blame("network.service_cidr", "network.cidr"),
                        f"the service range {service} overlaps the pod network {cidr}: "
                        "set [network] service_cidr to a range outside cidr")
+    dns = v["dns.address"]
+    if v["dns.enabled"] and ok("dns.enabled") and v["network.ip_family"] != "ipv6":  # ipv6: no IPv4 pods ask it
+        for key, net, what in (("network.cidr", cidr, "pod network"), ("network.service_cidr", service, "service range")):
+            if ok("dns.address", key, "network.ip_family") and dns in net:
+                ld.key_problem(ld.blame("dns.address", key), f"the node-local DNS address {dns} is inside the {what} {net}")
+    if v["dns.enabled"] and ok("dns.enabled", "dns.upstream"):
+        # The agent answers on both at port 53 (agentd/services/agent.py): forwarding there is
+        # forwarding to itself, each query again and again.
+        for key, own in (("dns.address", f"{v['dns.address']}:53"), ("dns.address_v6", f"[{v['dns.address_v6']}]:53")):
+            if ok(key) and own in v["dns.upstream"]:
+                ld.key_problem(ld.blame("dns.upstream", key),
+                               f"{own} is the node-local DNS address ([{key.replace('.', '] ')}) itself: the agent "
+                               "would forward the queries it cannot answer to itself; name the DNS servers it "
+                               "should ask, or leave upstream empty (/etc/resolv.conf's)")
     _check_families(ld)
     if ok("network.encap", "network.backend") and (v["network.encap"], v["network.backend"]) == (
         "cross-subnet", "host-gw"
