@@ -626,8 +626,12 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
         ld.key_problem(ld.blame("api.listen", "bgp.listen"),
                          "[api] listen and [bgp] listen use the same port")
     cport = v["api.cluster_port"]
+    # The agent puts the cluster listener on the node's address: IPv4, or IPv6 in an IPv6-only
+    # cluster (agentd/daemon/agent.py, Agent.address), on that one alone.
+    cluster_at = v["node.address"] or v["node.address_v6"]
     if ok("api.cluster_port", "api.listen") and cport and cport == api_at.port and (
-        ip_address(api_at.host).is_unspecified or str(api_at.host) == str(v["node.address"])
+        ip_address(api_at.host).is_unspecified
+        or (cluster_at is not None and ip_address(api_at.host) == cluster_at)
     ):
         ld.key_problem(ld.blame("api.cluster_port", "api.listen"),
                        f"the cluster listener would take [api] listen's port {cport} on the node's address")

@@ -1048,6 +1048,23 @@ def test_cluster_port_on_bgps_port_names_both_keys():
                         'the same port 9098')
 
 
+@pytest.mark.parametrize(("node", "listen"), [
+    ({"node.address": "192.0.2.10"}, "192.0.2.10:9098"),
+    # IPv6-only: the cluster listener is on address_v6 (the agent's address has no IPv4 one)
+    ({"node.address_v6": "2001:db8::10", "network.ip_family": "ipv6", "network.backend": "vxlan"}, "[2001:db8::10]:9098"),
+    ({"node.address_v6": "2001:db8::10", "network.ip_family": "ipv6", "network.backend": "vxlan"}, "[2001:db8:0::10]:9098"),
+    ({"node.address_v6": "2001:db8::10", "network.ip_family": "ipv6", "network.backend": "vxlan"}, "[::]:9098"),
+])
+def test_cluster_port_on_api_listens_port_and_address_is_refused(node, listen):
+    (err,) = problems(overrides={"node.name": "n1", **node, "api.listen": listen})
+    assert err.key == "api.listen" and "the cluster listener would take [api] listen's port 9098" in str(err)
+    # Another port, or (dual stack: the listener is on the IPv4 address alone) the other address: no clash.
+    assert problems(overrides={"node.name": "n1", **node, "api.listen": listen.replace("9098", "9097")}) == []
+    dual = {"node.name": "n1", "node.address": "192.0.2.10", "node.address_v6": "2001:db8::10",
+            "network.ip_family": "dual", "network.backend": "vxlan"}
+    assert problems(overrides={**dual, "api.listen": "[2001:db8::10]:9098"}) == []
+
+
 def test_toml_error_at_the_end_of_the_file_is_not_cut(tmp_path):
     path = write(tmp_path, "[network]\n[x")
     (err,) = problems(path)
