@@ -899,7 +899,39 @@ def config_warnings(cfg: Config) -> list[str]:
                        "IPv6: peers cannot connect to this node (mesh peers, passive peers, listen ranges); "
                        "only sessions it opens itself come up. Listen on an IPv6 address: "
                        f"[bgp] listen = \"[::]:{at.port}\" (or remove the line)")
+    elif at is not None:
+        out += _listen_family_warnings(cfg, at)
+    service, cidr = cfg.network.service_cidr, cfg.network.cidr
+    if service.overlaps(cidr):
+        # The default service range is taken (a cluster made before the check has it in etcd);
+        # another is refused (_build). The agent's words at start (agentd.daemon.agent.check_cluster).
+        out.append(f"the service range {service} ([network] service_cidr) overlaps the pod network {cidr} ([network] "
+                   "cidr): cluster IPs inside a node's pod subnet are routed to that node's pods; a new cluster sets "
+                   "[network] service_cidr outside cidr before its first agent starts")
     return out
+
+
+def _listen_family_warnings(cfg: Config, at: HostPort) -> list[str]:
+    """Passive peers and listen ranges of a family the BGP listening socket cannot take: an
+    IPv4 address takes IPv4 alone, an IPv6 one IPv6 alone; only [::] takes both (bgp/transport.py
+    clears IPV6_V6ONLY).  Such peers' connections are refused: a warning, not a refusal (such a
+    configuration ran before, and its other sessions work)."""
+    host = ip_address(at.host)
+    if host.version == 6 and host.is_unspecified:
+        return []
+    v4_socket = host.version == 4 or host.ipv4_mapped is not None
+    wanted = 6 if v4_socket else 4  # the family this socket never takes
+    them = [f"[[bgp.peers]] #{i + 1} {p.address} (passive)" for i, p in enumerate(cfg.bgp.peers)
+            if p.passive and p.address.version == wanted]
+    them += [f"[[bgp.listen_ranges]] #{i + 1} {r.prefix}" for i, r in enumerate(cfg.bgp.listen_ranges)
+             if r.prefix.version == wanted]
+    if not them:
+        return []
+    shown = ", ".join(them[:3]) + (f" and {len(them) - 3} more" if len(them) > 3 else "")
+    has, lacks = ("IPv4", "IPv6") if v4_socket else ("IPv6", "IPv4")
+    return [f"[bgp] listen = {at}: an {has} address, which takes no {lacks} connection: {lacks} peers that "
+            f"must connect to this node cannot: {shown}. Listen on [bgp] listen = \"[::]:{at.port}\", "
+            "which takes both families"]
 
 
 def check_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
