@@ -929,9 +929,10 @@ def _listen_family_warnings(cfg: Config, at: HostPort) -> list[str]:
         return []
     shown = ", ".join(them[:3]) + (f" and {len(them) - 3} more" if len(them) > 3 else "")
     has, lacks = ("IPv4", "IPv6") if v4_socket else ("IPv6", "IPv4")
-    return [f"[bgp] listen = {at}: an {has} address, which takes no {lacks} connection: {lacks} peers that "
+    line = (f"[bgp] listen = {at}: an {has} address, which takes no {lacks} connection: {lacks} peers that "
             f"must connect to this node cannot: {shown}. Listen on [bgp] listen = \"[::]:{at.port}\", "
-            "which takes both families"]
+            "which takes both families")
+    return [line]
 
 
 def check_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
