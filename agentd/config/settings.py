@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import grp
 import os
 import re
 import stat
@@ -848,7 +849,8 @@ def _check_ranges(ld: _Loader) -> None:
 
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
              overrides: Mapping[str, str] | None, require_file: bool,
-             host: HostFacts | None, check_files: bool = True) -> tuple[Config | None, list[ConfigError]]:
+             host: HostFacts | None, check_files: bool = True,
+             check_group: bool = False) -> tuple[Config | None, list[ConfigError]]:
     loader = _Loader(check_files)
     if path is not None:
         loader.read_file(os.fspath(path), require_file)
@@ -857,6 +859,15 @@ def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
     if loader.file_failed:  # without the file every check across keys would mislead
         return None, loader.problems
     config = _build(loader, host)
+    group = loader.values["api.token_group"]
+    if check_group and group is not None and "api.token_group" not in loader.bad:
+        # What `agentd run` refuses at start (agentd.daemon.auth), looked up as it does
+        # (grp.getgrnam); only check-config asks: a reload never applies token_group.
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            loader.key_problem("api.token_group", f"no group named {group!r} on this host")
+            config = None
     return config, loader.problems
 
 
@@ -938,5 +949,6 @@ def _listen_family_warnings(cfg: Config, at: HostPort) -> list[str]:
 def check_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
                  overrides: Mapping[str, str] | None = None, require_file: bool = False,
                  host: HostFacts | None = None, check_files: bool = True) -> list[ConfigError]:
-    """Every problem load_config would find, in file, env, override order; [] when valid."""
-    return _collect(path, env, overrides, require_file, host, check_files)[1]
+    """Every problem load_config would find, in file, env, override order, and an [api]
+    token_group this host has no group of (which ``agentd run`` refuses at start); [] when valid."""
+    return _collect(path, env, overrides, require_file, host, check_files, check_group=True)[1]

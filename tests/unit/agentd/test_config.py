@@ -1114,3 +1114,25 @@ def test_the_environment_examples_in_the_docs_load():
     assert any("ETCD_ENDPOINTS" in k for k in found) and len(found) >= 4, found
     for where, (var, value) in found.items():
         assert problems(env={var: value}) == [], where
+
+
+def test_check_config_refuses_a_token_group_this_host_has_not(monkeypatch, tmp_path):
+    """`agentd run` refuses [api] token_group naming no group of the host at start
+    (agentd.daemon.auth); check-config says so too, looking it up as run does (grp.getgrnam).
+    load_config (run, reloads) keeps its behaviour: the group is looked up only when the token
+    is written."""
+    import grp
+
+    groups = {"agentd-readers": grp.struct_group(("agentd-readers", "x", 1234, []))}
+
+    def getgrnam(name):
+        return groups[name]
+
+    monkeypatch.setattr(grp, "getgrnam", getgrnam)
+    path = write(tmp_path, '[api]\ntoken_group = "nosuchgroup"\n')
+    (err,) = problems(path)
+    assert str(err) == f"{path}:2: [api] token_group = \"nosuchgroup\": no group named 'nosuchgroup' on this host"
+    assert err.key == "api.token_group"
+    assert pure(path).api.token_group == "nosuchgroup"  # run's own check stays at the token's writing
+    assert problems(env={"AGENTD_API_TOKEN_GROUP": "agentd-readers"}) == []
+    assert problems(env={"AGENTD_API_TOKEN_GROUP": ""}) == []  # none
