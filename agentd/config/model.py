@@ -128,7 +128,10 @@ class BgpPeerConfig:
     passive: bool = False
     rr_client: bool = False
     port: int = 179
-    hold_time: int = 90  # [bgp] hold_time unless set
+    # None: [bgp] hold_time, taken when the session is made from the running configuration
+    # (agentd.daemon.speaker.peer_settings), so a reload that changes only [bgp] hold_time (applied by
+    # a restart) leaves the sessions alone.
+    hold_time: int | None = None
     description: str = ""
     local_address: IPAddress | None = None
     max_prefixes: int | None = None  # RFC 4486 Cease/1 beyond this many prefixes of a family
@@ -146,7 +149,7 @@ class ListenRangeConfig:
     asn: int
     rr_client: bool = False
     password: str | None = None
-    hold_time: int = 90  # [bgp] hold_time unless set
+    hold_time: int | None = None  # None: [bgp] hold_time (as for BgpPeerConfig)
     description: str = ""
     max_prefixes: int | None = None
     max_prefixes_warning: int = 75
@@ -281,6 +284,9 @@ class Config:
         out["cni"]["bin_dir"] = ":".join(str(p) for p in self.cni.bin_dir)
         for d in [out["bgp"], *out["bgp"]["peers"], *out["bgp"]["listen_ranges"]]:
             d["password"] = _SECRET_MASK if d["password"] else None
+        for d in [*out["bgp"]["peers"], *out["bgp"]["listen_ranges"]]:
+            if d["hold_time"] is None:  # the hold time the session offers: [bgp] hold_time
+                d["hold_time"] = self.bgp.hold_time
         return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import grp
 import os
 import re
 import stat
@@ -580,6 +581,20 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
         ld.key_problem(ld.blame("network.service_cidr", "network.cidr"),
                        f"the service range {service} overlaps the pod network {cidr}: "
                        "set [network] service_cidr to a range outside cidr")
+    dns = v["dns.address"]
+    if v["dns.enabled"] and ok("dns.enabled") and v["network.ip_family"] != "ipv6":  # ipv6: no IPv4 pods ask it
+        for key, net, what in (("network.cidr", cidr, "pod network"), ("network.service_cidr", service, "service range")):
+            if ok("dns.address", key, "network.ip_family") and dns in net:
+                ld.key_problem(ld.blame("dns.address", key), f"the node-local DNS address {dns} is inside the {what} {net}")
+    if v["dns.enabled"] and ok("dns.enabled", "dns.upstream"):
+        # The agent answers on both at port 53 (agentd/services/agent.py): forwarding there is
+        # forwarding to itself, each query again and again.
+        for key, own in (("dns.address", f"{v['dns.address']}:53"), ("dns.address_v6", f"[{v['dns.address_v6']}]:53")):
+            if ok(key) and own in v["dns.upstream"]:
+                ld.key_problem(ld.blame("dns.upstream", key),
+                               f"{own} is the node-local DNS address ([{key.replace('.', '] ')}) itself: the agent "
+                               "would forward the queries it cannot answer to itself; name the DNS servers it "
+                               "should ask, or leave upstream empty (/etc/resolv.conf's)")
     _check_families(ld)
     if ok("network.encap", "network.backend") and (v["network.encap"], v["network.backend"]) == (
         "cross-subnet", "host-gw"
@@ -612,8 +627,12 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
         ld.key_problem(ld.blame("api.listen", "bgp.listen"),
                          "[api] listen and [bgp] listen use the same port")
     cport = v["api.cluster_port"]
+    # The agent puts the cluster listener on the node's address: IPv4, or IPv6 in an IPv6-only
+    # cluster (agentd/daemon/agent.py, Agent.address), on that one alone.
+    cluster_at = v["node.address"] or v["node.address_v6"]
     if ok("api.cluster_port", "api.listen") and cport and cport == api_at.port and (
-        ip_address(api_at.host).is_unspecified or str(api_at.host) == str(v["node.address"])
+        ip_address(api_at.host).is_unspecified
+        or (cluster_at is not None and ip_address(api_at.host) == cluster_at)
     ):
         ld.key_problem(ld.blame("api.cluster_port", "api.listen"),
                        f"the cluster listener would take [api] listen's port {cport} on the node's address")
@@ -631,8 +650,10 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
                      ("ingress", IngressConfig), ("log", LogConfig),
                      ("agent", AgentConfig)):
         sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
-    peers = tuple(BgpPeerConfig(**{"hold_time": hold, **p}) for p in v["bgp.peers"])
-    ranges = tuple(ListenRangeConfig(**{"hold_time": hold, **r}) for r in v["bgp.listen_ranges"])
+    # A peer's or range's hold_time left out stays None ([bgp] hold_time, resolved from the running
+    # configuration when the sessions are made): a reload then changes it only with a restart.
+    peers = tuple(BgpPeerConfig(**p) for p in v["bgp.peers"])
+    ranges = tuple(ListenRangeConfig(**r) for r in v["bgp.listen_ranges"])
     sections["bgp"] = dataclasses.replace(sections["bgp"], peers=peers, listen_ranges=ranges)
     return Config(**sections, source=ld.source)
 
@@ -828,7 +849,8 @@ def _check_ranges(ld: _Loader) -> None:
 
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
              overrides: Mapping[str, str] | None, require_file: bool,
-             host: HostFacts | None, check_files: bool = True) -> tuple[Config | None, list[ConfigError]]:
+             host: HostFacts | None, check_files: bool = True,
+             check_group: bool = False) -> tuple[Config | None, list[ConfigError]]:
     loader = _Loader(check_files)
     if path is not None:
         loader.read_file(os.fspath(path), require_file)
@@ -837,6 +859,15 @@ def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
     if loader.file_failed:  # without the file every check across keys would mislead
         return None, loader.problems
     config = _build(loader, host)
+    group = loader.values["api.token_group"]
+    if check_group and group is not None and "api.token_group" not in loader.bad:
+        # What `agentd run` refuses at start (agentd.daemon.auth), looked up as it does
+        # (grp.getgrnam); only check-config asks: a reload never applies token_group.
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            loader.key_problem("api.token_group", f"no group named {group!r} on this host")
+            config = None
     return config, loader.problems
 
 
@@ -879,11 +910,45 @@ def config_warnings(cfg: Config) -> list[str]:
                        "IPv6: peers cannot connect to this node (mesh peers, passive peers, listen ranges); "
                        "only sessions it opens itself come up. Listen on an IPv6 address: "
                        f"[bgp] listen = \"[::]:{at.port}\" (or remove the line)")
+    elif at is not None:
+        out += _listen_family_warnings(cfg, at)
+    service, cidr = cfg.network.service_cidr, cfg.network.cidr
+    if service.overlaps(cidr):
+        # The default service range is taken (a cluster made before the check has it in etcd);
+        # another is refused (_build). The agent's words at start (agentd.daemon.agent.check_cluster).
+        out.append(f"the service range {service} ([network] service_cidr) overlaps the pod network {cidr} ([network] "
+                   "cidr): cluster IPs inside a node's pod subnet are routed to that node's pods; a new cluster sets "
+                   "[network] service_cidr outside cidr before its first agent starts")
     return out
+
+
+def _listen_family_warnings(cfg: Config, at: HostPort) -> list[str]:
+    """Passive peers and listen ranges of a family the BGP listening socket cannot take: an
+    IPv4 address takes IPv4 alone, an IPv6 one IPv6 alone; only [::] takes both (bgp/transport.py
+    clears IPV6_V6ONLY).  Such peers' connections are refused: a warning, not a refusal (such a
+    configuration ran before, and its other sessions work)."""
+    host = ip_address(at.host)
+    if host.version == 6 and host.is_unspecified:
+        return []
+    v4_socket = host.version == 4 or host.ipv4_mapped is not None
+    wanted = 6 if v4_socket else 4  # the family this socket never takes
+    them = [f"[[bgp.peers]] #{i + 1} {p.address} (passive)" for i, p in enumerate(cfg.bgp.peers)
+            if p.passive and p.address.version == wanted]
+    them += [f"[[bgp.listen_ranges]] #{i + 1} {r.prefix}" for i, r in enumerate(cfg.bgp.listen_ranges)
+             if r.prefix.version == wanted]
+    if not them:
+        return []
+    shown = ", ".join(them[:3]) + (f" and {len(them) - 3} more" if len(them) > 3 else "")
+    has, lacks = ("IPv4", "IPv6") if v4_socket else ("IPv6", "IPv4")
+    line = (f"[bgp] listen = {at}: an {has} address, which takes no {lacks} connection: {lacks} peers that "
+            f"must connect to this node cannot: {shown}. Listen on [bgp] listen = \"[::]:{at.port}\", "
+            "which takes both families")
+    return [line]
 
 
 def check_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
                  overrides: Mapping[str, str] | None = None, require_file: bool = False,
                  host: HostFacts | None = None, check_files: bool = True) -> list[ConfigError]:
-    """Every problem load_config would find, in file, env, override order; [] when valid."""
-    return _collect(path, env, overrides, require_file, host, check_files)[1]
+    """Every problem load_config would find, in file, env, override order, and an [api]
+    token_group this host has no group of (which ``agentd run`` refuses at start); [] when valid."""
+    return _collect(path, env, overrides, require_file, host, check_files, check_group=True)[1]

@@ -131,7 +131,9 @@ def int_kind(lo: int, hi: int, extra: Callable[[int], None] | None = None) -> Ki
 
 def float_kind(lo: float, hi: float, unit: str = "seconds") -> Kind:
     def check(x: float, _base: Path) -> float:
-        if not math.isfinite(x) or not lo <= x <= hi:
+        # The range first: an integer too large for a float (400 digits) compares exactly but
+        # makes math.isfinite raise OverflowError.
+        if not lo <= x <= hi or not math.isfinite(x):
             raise BadValue(f"must be a number of {unit}, {lo:g}..{hi:g}")
         return float(x)
     return Kind((int, float), "a number", text_float, check)

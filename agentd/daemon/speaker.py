@@ -80,7 +80,7 @@ def peer_settings(p: BgpPeerConfig, cfg: Config, *, description: str = "") -> Pe
         passive=p.passive,
         rr_client=p.rr_client,
         password=p.password,  # its own key only: [bgp] password is for the node-to-node sessions
-        hold_time=p.hold_time,
+        hold_time=cfg.bgp.hold_time if p.hold_time is None else p.hold_time,
         local_address=p.local_address,
         description=p.description or description,
         max_prefixes=p.max_prefixes,
@@ -101,7 +101,7 @@ def listen_ranges(cfg: Config) -> list[ListenRange]:
             passive=True,
             rr_client=r.rr_client,
             password=r.password,
-            hold_time=r.hold_time,
+            hold_time=cfg.bgp.hold_time if r.hold_time is None else r.hold_time,
             description=r.description or "dynamic",
             max_prefixes=r.max_prefixes,
             max_prefixes_warning=r.max_prefixes_warning / 100,

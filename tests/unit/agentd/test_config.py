@@ -268,7 +268,7 @@ def test_every_key_from_the_file(tmp_path):
     assert cfg.bgp.peers == (
         BgpPeerConfig(IPv4Address("192.0.2.1"), 65001, "tor", True, False, 1179, 0, "top of rack",
                       IPv4Address("192.0.2.20")),
-        BgpPeerConfig(IPv6Address("2001:db8::2"), 4200000000, None, False, True, 179, 30, "", None),
+        BgpPeerConfig(IPv6Address("2001:db8::2"), 4200000000, None, False, True, 179, None, "", None),
     )
     assert cfg.api.listen == HostPort("0.0.0.0", 19099)
     # Relative paths in the file are relative to the file's directory.
@@ -354,7 +354,7 @@ def test_env_sets_every_kind_of_value():
     assert cfg.bgp.listen is None
     assert cfg.bgp.originate == (IPv4Network("10.9.0.0/16"), IPv6Network("fd00::/8"))
     assert cfg.bgp.peers == (
-        BgpPeerConfig(IPv4Address("10.1.0.1"), 65001, port=1790, hold_time=30),
+        BgpPeerConfig(IPv4Address("10.1.0.1"), 65001, port=1790),  # hold_time: [bgp] hold_time's (None)
         BgpPeerConfig(IPv4Address("10.1.0.2"), 64512, hold_time=9),
     )
     assert cfg.cni.bin_dir == (Path("/a"), Path("/b"))
@@ -524,6 +524,11 @@ BAD = [
     ("connect-retry", "env", {"AGENTD_BGP_CONNECT_RETRY": "fast"}, "bgp.connect_retry", "must be a number"),
     ("connect-retry-zero", "file", "[bgp]\nconnect_retry = 0\n", "bgp.connect_retry", "1..3600"),
     ("route-resync-nan", "file", "[agent]\nroute_resync = nan\n", "agent.route_resync", "0.1..3600"),
+    # An integer too large for a float: one line, not math.isfinite's OverflowError.
+    ("connect-retry-huge", "file", "[bgp]\nconnect_retry = " + "9" * 400 + "\n", "bgp.connect_retry", "1..3600"),
+    ("record-rate-huge-negative", "file", "[flows]\nrecord_rate = -" + "9" * 400 + "\n", "flows.record_rate",
+     "0.1..100000"),
+    ("connect-retry-huge-env", "env", {"AGENTD_BGP_CONNECT_RETRY": "9" * 400}, "bgp.connect_retry", "1..3600"),
     ("originate-host-bits", "file", "[bgp]\noriginate = ['10.1.2.3/16']\n", "bgp.originate",
      "has host bits set (did you mean 10.1.0.0/16?)"),
     ("originate-twice", "env", {"AGENTD_BGP_ORIGINATE": "10.0.0.0/8,10.0.0.0/8"},
@@ -875,6 +880,30 @@ def test_sighup_applies_only_peers_and_log_settings(tmp_path):
     assert not any("peers" in k or "[log]" in k for k in pending)
 
 
+def test_sighup_with_only_bgp_hold_time_changed_leaves_the_external_sessions_alone():
+    """[bgp] hold_time waits for a restart: the peers and ranges that inherit it keep offering
+    the running one after a reload, so the speaker sees no changed settings and resets no session
+    (bgp/speaker.py set_peers: Cease/Other Configuration Change)."""
+    from agentd.config.settings import reloaded
+    from agentd.daemon.speaker import listen_ranges, peer_settings
+
+    peers = json.dumps([{"address": "192.0.2.1", "asn": 64513}, {"address": "192.0.2.2", "asn": 64513, "hold_time": 9}])
+    ranges = json.dumps([{"prefix": "10.1.0.0/16", "asn": 64513}])
+    env = {"AGENTD_NODE_ADDRESS": "10.0.0.1", "AGENTD_BGP_PEERS": peers, "AGENTD_BGP_LISTEN_RANGES": ranges}
+    running = pure(env=env)
+    live, pending = reloaded(running, pure(env={**env, "AGENTD_BGP_HOLD_TIME": "30"}))
+    assert live.bgp.hold_time == 90
+    assert [peer_settings(p, live) for p in live.bgp.peers] == [peer_settings(p, running) for p in running.bgp.peers]
+    assert [peer_settings(p, live).hold_time for p in live.bgp.peers] == [90, 9]
+    assert [r.template for r in listen_ranges(live)] == [r.template for r in listen_ranges(running)]
+    assert [r.template.hold_time for r in listen_ranges(live)] == [90]
+    assert pending == ["[bgp] hold_time", "[bgp] keepalive_time"]
+    # A restart (the new file read afresh) gives them the new one.
+    fresh = pure(env={**env, "AGENTD_BGP_HOLD_TIME": "30"})
+    assert [peer_settings(p, fresh).hold_time for p in fresh.bgp.peers] == [30, 9]
+    assert [r.template.hold_time for r in listen_ranges(fresh)] == [30]
+
+
 def test_empty_environment_values_unset_optional_keys():
     cfg = pure(env={"AGENTD_BGP_ASN": "", "AGENTD_BGP_KEEPALIVE_TIME": " ", "AGENTD_BGP_ROUTER_ID": "",
                     "AGENTD_NETWORK_MTU": ""})
@@ -903,8 +932,11 @@ max_prefixes = 5
 """)
     cfg = pure(path)
     (r,) = cfg.bgp.listen_ranges
-    assert (str(r.prefix), r.asn, r.rr_client, r.hold_time, r.max_prefixes) == ("10.1.0.0/16", 64512, True, 30, 5)
+    assert (str(r.prefix), r.asn, r.rr_client, r.hold_time, r.max_prefixes) == ("10.1.0.0/16", 64512, True, None, 5)
     assert cfg.to_dict()["bgp"]["listen_ranges"][0]["password"] != "s3cret"
+    assert cfg.to_dict()["bgp"]["listen_ranges"][0]["hold_time"] == 30  # the effective one: [bgp] hold_time
+    from agentd.daemon.speaker import listen_ranges
+    assert [lr.template.hold_time for lr in listen_ranges(cfg)] == [30]
 
 
 def test_listen_range_problems_name_the_table_and_key(tmp_path):
@@ -1016,6 +1048,23 @@ def test_cluster_port_on_bgps_port_names_both_keys():
                         'the same port 9098')
 
 
+@pytest.mark.parametrize(("node", "listen"), [
+    ({"node.address": "192.0.2.10"}, "192.0.2.10:9098"),
+    # IPv6-only: the cluster listener is on address_v6 (the agent's address has no IPv4 one)
+    ({"node.address_v6": "2001:db8::10", "network.ip_family": "ipv6", "network.backend": "vxlan"}, "[2001:db8::10]:9098"),
+    ({"node.address_v6": "2001:db8::10", "network.ip_family": "ipv6", "network.backend": "vxlan"}, "[2001:db8:0::10]:9098"),
+    ({"node.address_v6": "2001:db8::10", "network.ip_family": "ipv6", "network.backend": "vxlan"}, "[::]:9098"),
+])
+def test_cluster_port_on_api_listens_port_and_address_is_refused(node, listen):
+    (err,) = problems(overrides={"node.name": "n1", **node, "api.listen": listen})
+    assert err.key == "api.listen" and "the cluster listener would take [api] listen's port 9098" in str(err)
+    # Another port, or (dual stack: the listener is on the IPv4 address alone) the other address: no clash.
+    assert problems(overrides={"node.name": "n1", **node, "api.listen": listen.replace("9098", "9097")}) == []
+    dual = {"node.name": "n1", "node.address": "192.0.2.10", "node.address_v6": "2001:db8::10",
+            "network.ip_family": "dual", "network.backend": "vxlan"}
+    assert problems(overrides={**dual, "api.listen": "[2001:db8::10]:9098"}) == []
+
+
 def test_toml_error_at_the_end_of_the_file_is_not_cut(tmp_path):
     path = write(tmp_path, "[network]\n[x")
     (err,) = problems(path)
@@ -1046,3 +1095,44 @@ def test_commands_that_open_no_tls_file_load_without_reading_them(tmp_path, monk
     assert (cfg.etcd.key, cfg.api.read_token_file) == (tmp_path / "k.pem", Path("/nonexistent/read-token"))
     (err,) = problems(path, check_files=False, overrides={"api.listen": "127.0.0.1:0"})
     assert err.key == "api.listen"  # the rest is still checked
+
+
+def test_the_environment_examples_in_the_docs_load():
+    """Every AGENTD_<SECTION>_<KEY>=value the docs show is a value the loader takes (an array in
+    the environment is comma-separated, not JSON: docs/operations.md showed '["http://…",…]')."""
+    root = EXAMPLE.parents[1]
+    found = {}
+    for doc in [root / "README.md", EXAMPLE, *sorted((root / "docs").glob("*.md"))]:
+        for m in re.finditer(r"\bAGENTD_([A-Z0-9_]+)=('[^']*'|\"[^\"]*\"|[^\s`]+)", doc.read_text()):
+            name, value = m[1].lower(), m[2]
+            if value[0] in "'\"":
+                value = value[1:-1]  # the shell's quotes
+            else:
+                value = value.rstrip(".,;)")  # the sentence's
+            if name.replace("_", ".", 1) in CONFIG_KEYS:
+                found[f"{doc.name}: AGENTD_{m[1]}={value}"] = (f"AGENTD_{m[1]}", value)
+    assert any("ETCD_ENDPOINTS" in k for k in found) and len(found) >= 4, found
+    for where, (var, value) in found.items():
+        assert problems(env={var: value}) == [], where
+
+
+def test_check_config_refuses_a_token_group_this_host_has_not(monkeypatch, tmp_path):
+    """`agentd run` refuses [api] token_group naming no group of the host at start
+    (agentd.daemon.auth); check-config says so too, looking it up as run does (grp.getgrnam).
+    load_config (run, reloads) keeps its behaviour: the group is looked up only when the token
+    is written."""
+    import grp
+
+    groups = {"agentd-readers": grp.struct_group(("agentd-readers", "x", 1234, []))}
+
+    def getgrnam(name):
+        return groups[name]
+
+    monkeypatch.setattr(grp, "getgrnam", getgrnam)
+    path = write(tmp_path, '[api]\ntoken_group = "nosuchgroup"\n')
+    (err,) = problems(path)
+    assert str(err) == f"{path}:2: [api] token_group = \"nosuchgroup\": no group named 'nosuchgroup' on this host"
+    assert err.key == "api.token_group"
+    assert pure(path).api.token_group == "nosuchgroup"  # run's own check stays at the token's writing
+    assert problems(env={"AGENTD_API_TOKEN_GROUP": "agentd-readers"}) == []
+    assert problems(env={"AGENTD_API_TOKEN_GROUP": ""}) == []  # none

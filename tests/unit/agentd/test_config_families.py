@@ -200,3 +200,56 @@ def test_ipv6_only_with_an_ipv4_bgp_listen_address_starts_with_a_warning(listen,
     (tmp_path / "agentd.toml").write_text(f"[cni]\nsubnet_file = '{tmp_path}/subnet.env'\n")
     assert cli.main(["check-config", "--config", str(tmp_path / "agentd.toml")]) == 0, capsys.readouterr().err
     assert f"warning: {warning}" in capsys.readouterr().err
+
+
+PASSIVE6 = '[{"address": "2001:db8::1", "asn": 64513, "passive": true}, {"address": "2001:db8::2", "asn": 64513}]'
+RANGE6 = '[{"prefix": "2001:db8:1::/48", "asn": 64514}]'
+RANGE4 = '[{"prefix": "10.0.0.0/16", "asn": 64514}]'
+
+
+def test_passive_peers_and_ranges_of_a_family_the_bgp_listen_socket_refuses_are_a_warning(monkeypatch, capsys, tmp_path):
+    """An IPv4 listen address takes no IPv6 connection (and an IPv6 one other than [::] no IPv4
+    one): IPv6 passive peers and ranges there never come up. A warning, not a refusal: such a
+    configuration ran before, and its other sessions work."""
+    from agentd import cli
+
+    env = {"AGENTD_BGP_PEERS": PASSIVE6, "AGENTD_BGP_LISTEN_RANGES": RANGE6}
+    assert lines(env) == []
+    (warning,) = config_warnings(load_config(env=env, host=Host()))
+    assert warning.startswith("[bgp] listen = 0.0.0.0:179: an IPv4 address, which takes no IPv6 connection")
+    assert "[[bgp.peers]] #1 2001:db8::1 (passive), [[bgp.listen_ranges]] #1 2001:db8:1::/48." in warning
+    assert "#2" not in warning and '[bgp] listen = "[::]:179"' in warning  # it connects out itself
+    for listen in ("10.0.0.1:179", "[::ffff:192.0.2.10]:179"):
+        assert "takes no IPv6 connection" in config_warnings(load_config(env={**env, "AGENTD_BGP_LISTEN": listen}, host=Host()))[0]
+    # [::] takes both; an IPv6 address takes these; no listener: refused already (check_config).
+    for listen in ("[::]:179", "[2001:db8::10]:179"):
+        assert config_warnings(load_config(env={**env, "AGENTD_BGP_LISTEN": listen}, host=Host())) == []
+    # The reverse: IPv4 peers and ranges with an IPv6 address other than [::].
+    env4 = {"AGENTD_BGP_LISTEN": "[2001:db8::10]:179", "AGENTD_BGP_LISTEN_RANGES": RANGE4,
+            "AGENTD_BGP_PEERS": '[{"address": "192.0.2.1", "asn": 64513, "passive": true}]'}
+    (warning,) = config_warnings(load_config(env=env4, host=Host()))
+    assert warning.startswith("[bgp] listen = [2001:db8::10]:179: an IPv6 address, which takes no IPv4 connection")
+    assert "[[bgp.peers]] #1 192.0.2.1 (passive), [[bgp.listen_ranges]] #1 10.0.0.0/16." in warning
+    assert config_warnings(load_config(env={**env4, "AGENTD_BGP_LISTEN": "[::]:179"}, host=Host())) == []
+    # `agentd check-config` prints it and says the configuration is valid.
+    monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}, **env})
+    monkeypatch.setattr(cli, "LocalHost", Host)
+    (tmp_path / "agentd.toml").write_text(f"[cni]\nsubnet_file = '{tmp_path}/subnet.env'\n")
+    assert cli.main(["check-config", "--config", str(tmp_path / "agentd.toml")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: [bgp] listen = 0.0.0.0:179: an IPv4 address" in err
+
+
+@pytest.mark.parametrize("cidr", ["10.96.0.0/16", "10.0.0.0/8"])
+def test_a_pod_network_overlapping_the_default_service_range_is_a_warning(cidr, caplog):
+    """The default service range overlapping the pod network is taken (clusters made before the
+    check have it in etcd) but said, in the agent's words at start (check_cluster)."""
+    from agentd.daemon.agent import check_cluster, wanted_cluster
+
+    cfg = load_config(env={"AGENTD_NETWORK_CIDR": cidr}, host=Host())
+    (warning,) = config_warnings(cfg)
+    assert warning.startswith(f"the service range 10.96.0.0/12 ([network] service_cidr) overlaps the pod network {cidr} "
+                              "([network] cidr): ")
+    check_cluster(cfg, wanted_cluster(cfg))
+    assert warning.split(": ", 1)[1] in caplog.text  # the same consequence and advice as the agent's
+    assert config_warnings(load_config(env={}, host=Host())) == []

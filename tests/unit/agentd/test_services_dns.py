@@ -155,9 +155,23 @@ def test_dns_config_keys():
     for key, bad, why in (("dns.address", "127.0.0.2", "loopback"), ("dns.cluster_domain", "a..b", "domain name"),
                           ("dns.upstream", "x", "IPv4, IPv4:PORT, IPv6"), ("dns.upstream", "192.0.2.1:0", "1..65535"),
                           ("dns.upstream", "[fe80::1%eth0]:53", "IPv6"), ("dns.upstream", "[2001:db8::1]:x", "IPv6"),
-                          ("dns.upstream", "0.0.0.0", "unicast"), ("dns.upstream", "2001:db8::1:53:", "IPv6")):  # fmt: skip
+                          ("dns.upstream", "0.0.0.0", "unicast"), ("dns.upstream", "2001:db8::1:53:", "IPv6"),
+                          # inside the pod network or the service range, as for address_v6: pods' queries
+                          # to it would be routed to a pod or a Service, not to their node
+                          ("dns.address", "10.244.0.10", "node-local DNS address 10.244.0.10 is inside the pod network 10.244.0.0/16"),
+                          ("dns.address", "10.96.0.10", "node-local DNS address 10.96.0.10 is inside the service range 10.96.0.0/12"),
+                          # the node-local address itself: the agent would forward to itself
+                          ("dns.upstream", "169.254.20.10", r"169.254.20.10:53 is the node-local DNS address \(\[dns\] address\) itself"),
+                          ("dns.upstream", "192.0.2.53, [fd00:169:254:20::10]:53", r"\[dns\] address_v6\) itself")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             load_config(None, env={}, overrides={**base, key: bad})
+    # Another port of the address, or DNS off: no loop.
+    for more in ({"dns.upstream": "169.254.20.10:5353"}, {"dns.upstream": "169.254.20.10", "dns.enabled": "false"},
+                 {"dns.address": "10.244.0.10", "dns.enabled": "false"}):
+        load_config(None, env={}, overrides={**base, **more})
+    # IPv6-only: no IPv4 pod asks [dns] address.
+    load_config(None, env={}, overrides={"node.name": "n1", "node.address_v6": "2001:db8::1", "network.ip_family": "ipv6",
+                                         "network.backend": "vxlan", "dns.address": "10.244.0.10"})  # fmt: skip
 
 
 def test_subnet_file_and_cni_result_carry_the_pods_dns():
