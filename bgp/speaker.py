@@ -412,11 +412,14 @@ class Speaker:
         try:
             peer.shutdown(now, Notification.cease(CeaseSubcode.ADMINISTRATIVE_RESET, reason[:200]), reason)
         except Exception:
-            # The peer object itself is broken: replace it with a fresh one (same settings).
-            log.exception("peer %s could not be reset; recreating it", peer.key)
+            # The peer object itself is broken: replace it with a fresh one (same settings) --
+            # a listen range's client is only forgotten: its next connection makes it again.
+            dynamic = peer.key in self.dynamic
+            log.exception("peer %s could not be reset; %s", peer.key, "forgetting it" if dynamic else "recreating it")
             self._orphan_actions.extend(Close(s.conn) for s in peer.sessions() if s.conn is not None)
             self.remove_peer(peer.key, now)
-            self.add_peer(peer.settings, now)
+            if not dynamic:
+                self.add_peer(peer.settings, now)
             return
         self._drain(peer, now)
 

@@ -117,3 +117,24 @@ def test_a_long_lived_client_group_keeps_no_count_for_clients_gone():
     late = RawPeer("10.1.0.99", 65000, conn=-99)
     assert h.connect(late)
     assert held(late) == {"10.244.2.0/26"} and sp.adj_out_count(late.address) == 1
+
+
+def test_a_dynamic_peer_that_cannot_be_reset_is_forgotten_not_made_a_configured_one():
+    """A peer whose reset itself fails (an internal error) is recreated from its settings --
+    but a listen range's client is only forgotten: its next connection makes it again from the
+    range, and it never turns into a configured peer that deferral waits for."""
+    sp, h = reflector()
+    client = RawPeer("10.1.0.5", 65000, conn=-5)
+    assert h.connect(client)
+    peer = sp.peers["10.1.0.5"]
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise RuntimeError("broken peer")
+
+    peer.shutdown = broken  # type: ignore[method-assign]
+    sp._reset(peer, h.now, "test")
+    h.pump()
+    assert "10.1.0.5" not in sp.peers and "10.1.0.5" not in sp.dynamic
+    assert "10.1.0.5" not in str(sp.deferral_pending())
+    again = RawPeer("10.1.0.5", 65000, conn=-6)
+    assert h.connect(again) and "10.1.0.5" in sp.dynamic
