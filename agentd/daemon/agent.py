@@ -585,6 +585,7 @@ class Agent:
 
     async def _readiness_loop(self) -> None:
         ready_sent, shown = False, None
+        failing, logged_at = None, 0.0  # the data paths' refresh: its error, logged once a minute
         while True:
             ok, line = self.status_line()
             if ok and not ready_sent:
@@ -595,7 +596,14 @@ class Agent:
                 self.notifier.status(line)
                 shown = line
             if self.tunnels is not None:
-                await self.tunnels.refresh()
+                try:
+                    await self.tunnels.refresh()
+                    failing = None
+                except Exception as err:  # readiness (and READY=1) must not go with it: logged, tried again
+                    now = time.monotonic()
+                    if repr(err) != failing or now - logged_at >= 60:
+                        log.error("refreshing the data paths failed: %s; trying again", err, exc_info=err)
+                        failing, logged_at = repr(err), now
             await asyncio.sleep(0.5 if not ready_sent else 2.0)
 
     def _subnet_lost(self, lease: SubnetLease) -> None:
@@ -614,7 +622,9 @@ class Agent:
     # ================================================================ health (AgentViews shows the rest)
 
     def health(self) -> tuple[bool, list[str]]:
-        return self.supervisor.health()
+        _, problems = self.supervisor.health()
+        problems += self.tunnels.problems() if self.tunnels is not None else []  # a dead data-plane worker
+        return not problems, problems
 
     def problems(self) -> list[str]:
         """What this agent runs without (start-up failures it does not retry)."""
@@ -632,6 +642,8 @@ class Agent:
             reasons.append("routes not reconciled yet")
         elif not self.routes.initial_sync_done:
             reasons.append("waiting for peers' End-of-RIB")
+        elif not self.routes.reconciled():  # what BGP learned: in the kernel (READY=1 says routable)
+            reasons.append("routes not reconciled yet")
         return not reasons, reasons
 
     def status_line(self) -> tuple[bool, str]:

@@ -119,6 +119,7 @@ class KernelRoutes:
         self.restarting = False  # routes of a previous run were adopted
         self.initial_sync_done = False
         self.initial_sync_deadline = 0.0
+        self.synced_after = 0  # the programmer's reconciles begun when the initial sync was done
         self._bests: dict[tuple[int, bytes], Any] = {}
         self._wanted: dict[str, Route] = {}  # the routes of ``rows``, by dst
         self._adopted: list[Route] = []
@@ -135,6 +136,13 @@ class KernelRoutes:
         if self.restarting:
             log.info("adopted %d routes from a previous run: restarting gracefully", len(self._adopted))
         programmer.set_desired(self._adopted)
+
+    def reconciled(self) -> bool:
+        """The routes BGP learned are in the kernel: the initial sync is done and a reconcile
+        begun after it (with what it computed) has completed -- not one that ran before etcd or
+        BGP was there (the adopted routes), nor one that keeps failing."""
+        return (self.initial_sync_done and self.programmer is not None
+                and self.programmer.reconciled_upto > self.synced_after)
 
     def bgp_started(self, restart_time: float) -> None:
         """BGP is up: End-of-RIB is awaited from now for at most ``restart_time`` seconds."""
@@ -188,6 +196,7 @@ class KernelRoutes:
         self._wanted = {r.dst: r for r in routes}
         if not self.initial_sync_done and self._initial_sync_complete():
             self.initial_sync_done = True
+            self.synced_after = self.programmer.reconciles_begun  # the routes set below: in the next one
             if self.restarting:
                 log.info("initial BGP sync complete: routes from the previous run no longer pinned")
         i.tunnels.apply(

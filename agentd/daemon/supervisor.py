@@ -100,6 +100,9 @@ class Supervisor:
         return [
             {
                 "name": c.name,
+                # done: it returned, as it should (the watchdog without WATCHDOG_USEC, the
+                # cluster token once read): not restarted, and not a problem as "down" is.
+                "state": "done" if c.done else "down" if c.down else "running",
                 "running": not c.down and not c.done,
                 "restarts": c.restarts,
                 "last_error": c.last_error or None,

@@ -262,7 +262,12 @@ class _Worker:
         self.client: DataplaneClient | None = None
         self.pushed: tuple[dict, frozenset] | None = None
         self.base: dict[str, str] = {}  # a re-attached worker's table, kept until routes are re-learned
-        self.last_stats: dict[str, Any] = {}
+        self.last_stats: dict[str, Any] = {}  # the running worker's, as last read; {} while none runs
+        self.error: str | None = None  # why no worker runs: it died and could not be started again
+        # agentd_dataplane_drops_total is a counter: what the workers before the one last read
+        # dropped, by reason, and (pid, drops) of the one last read (kept after it died).
+        self.drops_before: dict[str, int] = {}
+        self._counted: tuple[Any, dict[str, int]] = (None, {})
 
     async def up(self, subnet: IPv4Network) -> None:
         Path(self.control_path).parent.mkdir(parents=True, exist_ok=True)
@@ -370,23 +375,53 @@ class _Worker:
         try:
             if self.client is None:
                 raise DataplaneError("not connected")
-            self.last_stats = await self.client.stats()
+            stats = await self.client.stats()
+            self._count(stats)
+            self.last_stats = stats
             return
         except DataplaneError as err:
-            log.warning("%s data-plane worker not answering (%s): starting it again", self.name, err)
+            if self.error is None:  # (one that stays down is not news every 2 s)
+                log.warning("%s data-plane worker not answering (%s): starting it again", self.name, err)
         self.pushed = None
+        self.last_stats = {}  # a dead worker's, or one that does not answer: not what runs
         try:
             await self._reconnect()
         except (OSError, DataplaneError, RuntimeError) as err:
             self.client = None
-            log.error("%s data-plane worker could not be started again: %s", self.name, err)
+            self.process = None
+            error = f"could not be started again: {err}"
+            (log.error if error != self.error else log.debug)("%s data-plane worker %s", self.name, error)
+            self.error = error
+        else:
+            if self.error is not None:
+                log.info("%s data-plane worker running again", self.name)
+            self.error = None
         self.t.resync()
+
+    def _count(self, stats: Mapping[str, Any]) -> None:
+        """Another worker (a new pid) counts from 0: what the previous one counted is kept."""
+        pid = (stats.get("config") or {}).get("pid")
+        drops = {k: int(v) for k, v in (stats.get("drops") or {}).items()}
+        before_pid, before = self._counted
+        if pid != before_pid:
+            for reason, n in before.items():
+                self.drops_before[reason] = self.drops_before.get(reason, 0) + n
+        self._counted = (pid, drops)
+
+    def drops(self) -> dict[str, int]:
+        """Packets dropped by reason since the agent started, by every worker it ran (never down)."""
+        out = dict(self.drops_before)
+        for reason, n in self._counted[1].items():
+            out[reason] = out.get(reason, 0) + n
+        return out
 
     def status(self) -> dict[str, Any]:
         s = self.last_stats
         return {
             "datapath": self.datapath,
             "device": self.device,
+            "running": self.client is not None,
+            "error": self.error,
             "worker_pid": self.process.pid if self.process else s.get("config", {}).get("pid"),
             "offloads": s.get("offloads"),
             "fallbacks": s.get("fallbacks"),
@@ -760,6 +795,14 @@ class Tunnels:
             "userspace_peers_worker_failed": dict(self.helper_failed),
         }
 
+    def problems(self) -> list[str]:
+        """User-space workers that died and could not be started again (tried every 2 s): the
+        traffic of their peers goes nowhere meanwhile (/healthz says so)."""
+        workers = [(b, w, "") for b, w in self.active.items()] + [
+            (b, w, " for peers that receive in user space") for b, w in self.helpers.items()]
+        return [f"the {b} data-plane worker{what} is down: {w.error}; trying again"
+                for b, w, what in workers if isinstance(w, _Worker) and w.error]
+
     async def stop(self, *, remove: bool) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -814,7 +857,7 @@ def dataplane_metrics(t: Tunnels):
         drops.add_metric(["bpf", "", reason], float(c["packets"]))
     for backend, impl in [*t.active.items(), *t.helpers.items()]:
         if isinstance(impl, _Worker):
-            for reason, n in (impl.last_stats.get("drops") or {}).items():
+            for reason, n in impl.drops().items():
                 drops.add_metric(["userspace", backend, reason], float(n))
     return [packets, nbytes, drops]
 

@@ -173,6 +173,7 @@ class IngressController:
             self.restarts += 1
             self._structure = None
             self._fold_counters()
+            self._forget_proxy()
             self.error = f"the proxy (pid {self.proxy.pid}) exited; started again"
             log.error("ingress: HAProxy (pid %s) exited; starting it again with the current configuration", self.proxy.pid)
             await self.proxy.stop()
@@ -563,7 +564,11 @@ class IngressController:
             await self.refresh_stats()
 
     async def refresh_stats(self) -> None:
-        if not self.proxy.running or self._reloading:
+        if self._reloading:
+            return
+        if not self.proxy.running:  # what it showed last is not what runs now: nothing does
+            self._fold_counters()
+            self._forget_proxy()
             return
         with contextlib.suppress(ProxyError):
             self.stats = await self.proxy.stats()
@@ -574,6 +579,12 @@ class IngressController:
                     for counter in ("req_tot", "hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "hrsp_other"):
                         with contextlib.suppress(ValueError):
                             self._last_counts[(row["pxname"], counter)] = int(row.get(counter) or 0)
+
+    def _forget_proxy(self) -> None:
+        """The proxy is gone: its connections and servers' states with it (the counters stay,
+        folded)."""
+        self.stats = []
+        self.info = {}
 
     def _fold_counters(self) -> None:
         """A reload or restart starts the proxy's counters from zero: keep what was counted."""

@@ -61,7 +61,8 @@ class RouteProgrammer:
     Public surface: ``start()``, ``stop(remove_routes=False)``, ``set_desired(routes)``,
     ``upsert(route)``, ``discard(dst)``, ``reconcile(full=False) -> SyncResult``,
     ``programmed()``, ``desired()``, and for REST/metrics ``last_sync`` (time.time() of the
-    last completed reconcile), ``last_sync_seconds``, ``conflicts`` and ``failures``
+    last completed reconcile), ``reconciles_begun`` and ``reconciled_upto`` (the number of the
+    last completed one), ``last_sync_seconds``, ``conflicts`` and ``failures``
     (dst -> reason), ``counters`` and the ``on_sync`` callback.
 
     It is the asyncio shell around three parts: ``state`` (agentd.kernel.route_plan: what
@@ -98,6 +99,10 @@ class RouteProgrammer:
         self.on_sync: Callable[[SyncResult], None] | None = None
         self.last_sync: float | None = None
         self.last_sync_seconds: float | None = None
+        # Reconciles numbered as they begin; the number of the last one completed: one begun
+        # after a change to the desired routes has that change in the kernel once it completes.
+        self.reconciles_begun = 0
+        self.reconciled_upto = 0
         self.counters = RouteCounters()
         self.state = RouteState(self.counters)
         self.conflicts: dict[str, str] = self.state.conflicts
@@ -237,6 +242,8 @@ class RouteProgrammer:
         state = self.state
         async with self._lock:
             started = time.perf_counter()
+            self.reconciles_begun += 1
+            number = self.reconciles_begun
             full = state.needs_full(full)
             if full:
                 await self._dump_own(links=self._links_stale)
@@ -250,6 +257,7 @@ class RouteProgrammer:
             self.counters.reconciles += 1
             self.last_sync = time.time()
             self.last_sync_seconds = seconds
+            self.reconciled_upto = number
             if state.has_work():
                 self._wake.set()
         if self.on_sync is not None:

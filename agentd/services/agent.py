@@ -65,6 +65,7 @@ class ServiceAgent:
         self.on_translating = on_translating
         self.dns_config = dns_config  # agentd.config.settings.DnsConfig; None or not enabled: no DNS
         self.dns_server: dns.DnsServer | None = None
+        self.dns_counted: dict[str, int] = {}  # queries by outcome of the DNS servers this agent ran before
         self.error_dns: str | None = None
         self.names = dns.Names(dns_config.cluster_domain if dns_config is not None else "cluster.local", ready=False)
         self.store = ResourceStore(datastore)
@@ -114,7 +115,19 @@ class ServiceAgent:
         finally:
             if self.dns_server is not None:
                 await self.dns_server.stop()
+                for outcome, n in self.dns_server.outcomes.items():  # the next server counts from 0
+                    self.dns_counted[outcome] = self.dns_counted.get(outcome, 0) + n
                 self.dns_server = None
+
+    def dns_outcomes(self) -> dict[str, int] | None:
+        """DNS queries by outcome since the agent started, across restarts of the services task
+        (agentd_dns_queries_total: never going down); None while no server ever ran."""
+        if self.dns_server is None and not self.dns_counted:
+            return None
+        out = dict(self.dns_counted)
+        for outcome, n in (self.dns_server.outcomes.items() if self.dns_server is not None else ()):
+            out[outcome] = out.get(outcome, 0) + n
+        return out
 
     async def _start_dns(self) -> None:
         cfg = self.dns_config

@@ -27,6 +27,8 @@ class ServiceState(Protocol):
     counters: dict[str, int]
     dns_server: dns.DnsServer | None
 
+    def dns_outcomes(self) -> dict[str, int] | None: ...
+
     @property
     def ports(self) -> list[model.ServicePort]: ...
 
@@ -112,8 +114,9 @@ class ServiceViews:
             eps.add_metric(list(labels), n)
         yield eps
         yield GaugeMetricFamily("agentd_services_syncs", "services table transactions", value=a.syncs)
-        if a.dns_server is not None:
+        outcomes = a.dns_outcomes()  # those of the servers before too: a restarted task's counts from 0
+        if outcomes is not None:
             q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
-            for outcome, n in a.dns_server.outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once, or a TCP connection over MAX_TCP_CLIENTS
+            for outcome, n in outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once, or a TCP connection over MAX_TCP_CLIENTS
                 q.add_metric([outcome], n)
             yield q

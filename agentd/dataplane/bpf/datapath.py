@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import logging
 import os
 import socket
 import struct
@@ -50,6 +51,8 @@ from agentd.kernel.rtnl import Rtnl
 
 from . import layout, tc
 from . import libbpf as lb
+
+log = logging.getLogger("agentd.bpf")
 
 OBJECT = Path(__file__).with_name("datapath.bpf.o")
 DEFAULT_BPF_DIR = "/sys/fs/bpf/agentd"
@@ -96,6 +99,7 @@ class BpfDatapath:
         self.members: set[str] = set()
         self.peer_flags: dict[str, int] = {}
         self.guarded: set[int] = set()  # bridges the ingress filter is attached to as well
+        self.unguarded: dict[int, str] = {}  # bridges it could not be attached to, and why
         self.config: layout.Config | None = None
         self.ncpus = 0
         self.prog_ids: dict[str, int] = {}
@@ -322,12 +326,19 @@ class BpfDatapath:
         fd = self.progs.get(layout.INGRESS)
         if fd is None or self.hook is None:
             return set()
+        failed = {}
         for ifindex in sorted(bridges - self.guarded):
-            self._note(tc.attach(ifindex, "ingress", fd, layout.INGRESS, self.hook, self.pins))
+            try:
+                self._note(tc.attach(ifindex, "ingress", fd, layout.INGRESS, self.hook, self.pins))
+            except tc.TcError as err:  # gone since listed, or someone else's filter where ours goes
+                failed[ifindex] = str(err)
+                if self.unguarded.get(ifindex) != str(err):  # logged once, tried again at every refresh
+                    log.warning("bridge %d not guarded by the member filter: %s; trying again", ifindex, err)
         if self.guarded - bridges:  # a bridge that went took its filter along; its link's pin stays
             tc.sweep(self.pins)
-        self.guarded = bridges
-        return bridges
+        self.guarded = bridges - set(failed)
+        self.unguarded = failed
+        return self.guarded
 
     def sync_ports(self) -> int:
         """Mirror the bridges' learned MACs into the ports map (deliver_local in datapath.c);
@@ -371,6 +382,7 @@ class BpfDatapath:
             "members": len(self.members),
             "bridge_ports": len(self.ports),
             "guarded_bridges": len(self.guarded),
+            "unguarded_bridges": {str(i): why for i, why in sorted(self.unguarded.items())},
             # Programs on our tcx hooks we could not tell ours or anyone's (tc.py): they stay.
             "unidentified_programs": sorted(self.unidentified),
         }

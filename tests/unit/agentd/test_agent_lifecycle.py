@@ -82,7 +82,8 @@ def test_start_up_problems_leave_the_agent_ready_but_degraded(monkeypatch):
         agent.lease = SubnetLease(IPv4Network("10.244.7.0/24"), "n1", IPv4Address("10.1.1.1"), "host-gw")
         agent.leases = {4: agent.lease}
         agent.started_bgp = True
-        agent.programmer = SimpleNamespace(last_sync=1.0, programmed=list, shadowed={}, conflicts={})
+        agent.programmer = SimpleNamespace(last_sync=1.0, programmed=list, shadowed={}, conflicts={}, reconciled_upto=1)
+        agent.routes.programmer = agent.programmer  # one reconcile since the initial sync
         agent.routes.initial_sync_done = True
         assert agent.readiness() == (True, [])
         await steps.put(None)

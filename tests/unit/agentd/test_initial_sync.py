@@ -120,7 +120,7 @@ def recomputing(monkeypatch):
     r = KernelRoutes(inputs)
     r.loop = FakeLoop()
     r.initial_sync_deadline = float("inf")
-    r.adopt(SimpleNamespace(set_desired=lambda routes: None, programmed=list))
+    r.adopt(SimpleNamespace(set_desired=lambda routes: None, programmed=list, reconciles_begun=0))
     return r, inputs, calls
 
 

@@ -14,6 +14,9 @@ class _State:
     counters: dict[str, int] = {}
     dns_server = None
 
+    def dns_outcomes(self) -> None:
+        return None
+
     def __init__(self, ports: list[model.ServicePort]) -> None:
         table = compiler.Table("n1", families=(4, 6))
         for sp in ports:
