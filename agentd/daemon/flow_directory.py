@@ -82,6 +82,27 @@ class FlowDirectory:
         """Changes whenever a pod's record does: an address may be someone else since."""
         return self.policy.engine.pods_version if self.policy is not None else 0
 
+    def named_before(self, count: int | None) -> tuple[int, list[tuple[str, Identity]] | None]:
+        """Addresses that may name someone else since the ``count`` th change (None: from
+        now on), each with whom it named before, oldest first, and the count now; None for
+        the list if some of those changes are no longer known."""
+        if self.policy is None:
+            return 0, []
+        engine = self.policy.engine
+        now = engine.named_before_count
+        if count is None:
+            return now, []
+        got = engine.named_before_since(count)
+        if got is None:
+            return now, None
+        return now, [(ip, self._identity_then(pod, local)) for ip, pod, local in got]
+
+    def _identity_then(self, pod: Any, local: bool) -> Identity:
+        cached = self._ids.get(pod.key)
+        if cached is not None and cached[0] is pod and cached[1].local == local:
+            return cached[1]
+        return Identity(f"{pod.namespace}/{pod.name}", pod.node, dict(pod.labels), local)
+
     def identity(self, ip: str) -> Identity | None:
         if self.policy is None:
             return None

@@ -87,8 +87,11 @@ RECORDED_INTERVAL = 0.2  # the programs' ring is read this often (it holds about
 CT_BUDGET = 2048  # datagrams read per turn; more are read at the next turn of the loop
 RESTARTS_MAX = 4096  # carried counts waiting for their connection's end (tuples reused meanwhile)
 NAMES_MAX = 65536  # addresses whose identity is remembered between changes of the pods
-STARTED_MAX = 65536  # recorded connections' ends as their starts named them (podpath.h: agentd_podconns' size)
-CT_STARTED_MAX = 65536  # conntrack's entries' ends as their NEW events named them
+# Whom an address named before it became someone else's (or nobody's): an end names its
+# connection's ends as they were named when it started (:meth:`FlowRecorder._named_then`).
+HISTORY_MAX = 65536  # addresses
+HISTORY_PER_ADDRESS = 4  # changes of one address (the oldest forgotten first)
+HISTORY_AGE_NS = 900 * 10**9  # a change is forgotten 15 minutes after it
 SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this often
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
@@ -101,10 +104,8 @@ CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5 
 # ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
 CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
 CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
-_KEY_KIND = struct.Struct("<12sI64x")  # a record's key and kind alone
+_KEY_KIND_FIRST = struct.Struct("<12sI32xQ24x")  # a record's key, kind and its connection's SYN's time
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type
-_NLA_LEN = struct.Struct("=H")  # an attribute's length (host order)
-_ORIG_AT = nl.NLMSG_HDRLEN + nl.NFGENMSG_LEN  # an event's first attribute: its original tuple
 _UNKNOWN = object()  # an address not named yet
 TCP = 6
 
@@ -122,6 +123,10 @@ class Directory(Protocol):
     """Who an address is and what a drop prefix means (the daemon's policy and services agents)."""
 
     def version(self) -> int: ...  # changes whenever an address may have become someone else
+
+    # (count now, [(address, whom it named before it may have become someone else)] since the
+    # ``count`` th such change, oldest first; None if some are no longer known).
+    def named_before(self, count: int | None) -> tuple[int, list[tuple[str, Identity]] | None]: ...
 
     def identity(self, ip: str) -> Identity | None: ...
 
@@ -389,13 +394,12 @@ class FlowRecorder:
         # when found), CLOCK_TAI ns; only keys the programs still hold are kept.
         self._held_at: dict[bytes, tuple[int, int]] = {}
         self._names: dict[bytes, Identity | None] = {}
-        # Recorded connections started and not ended yet: key -> their (lower, higher) end as
-        # named when the start came, which their end names too (:meth:`_take_batch`).
-        self._started: dict[bytes, tuple[Identity | None, Identity | None]] = {}
-        # Conntrack's entries seen made and not ended yet: their original tuple (the attribute's
-        # bytes as the kernel wrote them; a decoded one for those read the long way) -> their
-        # original source, destination and reply source as named at NEW, which DESTROY names too.
-        self._ct_started: dict[object, tuple[Identity | None, Identity | None, Identity | None]] = {}
+        # Addresses (packed: 4 or 16 bytes) that became someone else's or nobody's while
+        # recording: [(when, CLOCK_TAI ns; whom it named until then)], oldest first -- an end
+        # names its connection's ends as they were named when it started (:meth:`_named_then`).
+        self._history: dict[bytes, list[tuple[int, Identity]]] = {}
+        self._named_seen: int | None = None  # the directory's count of changes read
+        self._history_pruned = 0  # CLOCK_TAI ns
         self._names_version: int | None = None
         self._log_seq: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -555,31 +559,38 @@ class FlowRecorder:
 
     def _take_batch(self, blob: bytes, count: int, addresses: set[bytes], now: float) -> None:
         """``count`` records side by side in ``blob``, into the ring as they came, as one
-        :class:`RecordedBatch`: a start names its ends as their keys' ``addresses`` are named
-        now, and is remembered by its key; an end names its ends as its start did -- it may
-        come long after (the sweep ends an idle or flushed connection 10 to 65 s after its last
-        packet), when its pod is deleted or its address another pod's --, and only one whose
-        start was not seen (recording turned on meanwhile, a start the ring lost) as they are
-        named now."""
+        :class:`RecordedBatch`: their keys' ``addresses`` named as they are now -- but an end's
+        as they were when its connection started (:meth:`_ends_named_then`): it may come long
+        after (the sweep ends an idle or flushed connection 10 to 65 s after its last packet),
+        when its pod is deleted or its address another pod's.  Looked at one by one only where
+        one of ``addresses`` changed hands while recording, else taken in whole."""
         self._begin_names()
         names, name, unknown = self._names, self._name, _UNKNOWN
         named: dict[bytes, Identity | None] = {}
         for a in addresses:
             ident = names.get(a, unknown)
             named[a] = name(a) if ident is unknown else ident  # type: ignore[assignment]
-        started, get, forget = self._started, named.get, self._started.pop
-        ends: dict[int, tuple[Identity | None, Identity | None]] = {}
-        for i, (key, kind) in enumerate(_KEY_KIND.iter_unpack(blob[: count * CONN_RECORD.size])):
-            if kind == REC_START:
-                if len(started) >= STARTED_MAX and key not in started:
-                    del started[next(iter(started))]  # the oldest: its end went by unseen
-                started[key] = (get(key[0:4]), get(key[4:8]))
-            else:
-                ids = forget(key, None)
-                if ids is not None:
-                    ends[i] = ids
+        history = self._history
+        ends = self._ends_named_then(blob, count, named) if history and not history.keys().isdisjoint(addresses) else None
         self.events += count
-        self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now, ends or None))
+        self.ring.extend_batch(RecordedBatch(self.node, blob, count, named, self.tai_offset(), now, ends))
+
+    def _ends_named_then(self, blob: bytes, count: int,
+                         named: dict[bytes, Identity | None]) -> dict[int, tuple[Identity | None, Identity | None]] | None:
+        """The ends among ``count`` records whose ends were named otherwise when their
+        connection started (its SYN's time, CLOCK_TAI ns, in every record), by index."""
+        history, then, get = self._history, self._named_then, named.get
+        ends: dict[int, tuple[Identity | None, Identity | None]] = {}
+        for i, (key, kind, first) in enumerate(_KEY_KIND_FIRST.iter_unpack(blob[: count * CONN_RECORD.size])):
+            if kind == REC_START:
+                continue
+            lo, hi = key[0:4], key[4:8]
+            if lo in history or hi in history:
+                now = (get(lo), get(hi))
+                ids = (then(lo, first, now[0]), then(hi, first, now[1]))
+                if ids != now:
+                    ends[i] = ids
+        return ends or None
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -801,8 +812,60 @@ class FlowRecorder:
         else now)."""
         version = self.directory.version()
         if version != self._names_version or len(self._names) > NAMES_MAX:
+            if version != self._names_version:
+                self._note_named_before()
             self._names.clear()
             self._names_version = version
+
+    def _note_named_before(self) -> None:
+        """The addresses that became someone else's or nobody's since the last look, with whom
+        they named until now (:attr:`_history`); changes older than HISTORY_AGE_NS forgotten."""
+        count, got = self.directory.named_before(self._named_seen)
+        first = self._named_seen is None
+        self._named_seen = count
+        now = int(self.clock() * 1e9) + self.tai_offset()
+        history = self._history
+        if history and now - self._history_pruned > HISTORY_AGE_NS // 10:
+            self._history_pruned = now
+            for address in [a for a, changes in history.items() if now - changes[-1][0] > HISTORY_AGE_NS]:
+                del history[address]
+            for changes in history.values():
+                while now - changes[0][0] > HISTORY_AGE_NS:
+                    del changes[0]
+        if first or not got:
+            if got is None:
+                log.warning("flows: more pods changed between two reads than the policy engine keeps; "
+                            "ends of connections started before may name who has an address now")
+            return
+        before: dict[str, Identity] = {}
+        for ip, ident in got:
+            before.setdefault(ip, ident)  # the first: whom it named before all of these
+        identity = self.directory.identity
+        for ip, ident in before.items():
+            if ident == identity(ip):
+                continue  # named as before (a change of something else, or back again)
+            try:
+                address = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+            except OSError:
+                continue
+            changes = history.get(address)
+            if changes is None:
+                if len(history) >= HISTORY_MAX:
+                    del history[next(iter(history))]
+                changes = history[address] = []
+            elif len(changes) >= HISTORY_PER_ADDRESS:
+                del changes[0]
+            changes.append((now, ident))
+
+    def _named_then(self, address: bytes, started: int, named: Identity | None) -> Identity | None:
+        """Whom ``address`` named when a connection started at ``started`` (CLOCK_TAI ns),
+        ``named`` as it is named now: who had it until the first change after the start.  An
+        address nobody had at the start is named as now (a new pod's first connections may
+        come before its record)."""
+        for at, ident in self._history.get(address, ()):
+            if started < at:
+                return ident
+        return named
 
     def _decode(self, batch: list[bytes]) -> list[Event | bytes]:
         """A read's datagrams as :data:`Event` s, in C where it is built, else
@@ -857,7 +920,7 @@ class FlowRecorder:
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
-        started, delete = self._ct_started, ct.MSG_DELETE
+        history, delete = self._history, ct.MSG_DELETE
         for item in items:
             if type(item) is bytes:
                 if entries:
@@ -865,26 +928,40 @@ class FlowRecorder:
                     entries = []
                 self._on_conntrack_long(item)
                 continue
-            data = item[0]  # type: ignore[index]
-            key = data[_ORIG_AT : _ORIG_AT + _NLA_LEN.unpack_from(data, _ORIG_AT)[0]]
-            if item[1] == delete:  # type: ignore[index]
-                names = started.pop(key, None)
-                if names is not None and names != item[2:5]:  # type: ignore[index]
-                    item = self._named_at_start(item, names)  # type: ignore[arg-type]
-            else:
-                if key not in started and len(started) >= CT_STARTED_MAX:
-                    del started[next(iter(started))]
-                started[key] = item[2:5]  # type: ignore[index,assignment]
+            if history and item[1] == delete:  # type: ignore[index]
+                item = self._ct_named_then(item)  # type: ignore[arg-type]
             carry = item[5]  # type: ignore[index]
             entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now,  # type: ignore[arg-type]
                                              services))
         if entries:
             self._extend(entries)
 
+    def _ct_named_then(self, item: Event) -> Event:
+        """A DESTROY read at fixed offsets (:meth:`_decode`), its ends named as they were when
+        its entry was made (CTA_TIMESTAMP_START; an entry made before timestamps were on is
+        named as now) if one of its addresses changed hands while recording."""
+        data, mtype = item[0], item[1]
+        fields = ct.ipv4_tuples(mtype, data, nl.NLMSG_HDRLEN, len(data))
+        if fields is None:
+            return item
+        src, dst, reply_src, history = fields[0], fields[1], fields[5], self._history
+        if src not in history and dst not in history and reply_src not in history:
+            return item
+        try:
+            start = ct.lifetime(data, nl.NLMSG_HDRLEN, len(data))[0]
+        except nl.NetlinkDecodeError:
+            return item
+        if not start:
+            return item
+        start += self.tai_offset()
+        then = self._named_then
+        names = (then(src, start, item[2]), then(dst, start, item[3]), then(reply_src, start, item[4]))  # type: ignore[misc]
+        return item if names == item[2:5] else self._named_at_start(item, names)  # type: ignore[arg-type]
+
     def _named_at_start(self, item: Event, names: tuple[Identity | None, Identity | None, Identity | None]) -> Event:
-        """A DESTROY read at fixed offsets (:meth:`_decode`) with its ends named as its NEW
-        named them, and what the fast path carried asked for if those are two pods (its ends
-        may have gone unnamed since)."""
+        """A DESTROY read at fixed offsets (:meth:`_decode`) with its ends named as they were
+        when its entry was made, and what the fast path carried asked for if those are two
+        pods (its ends may have gone unnamed since)."""
         data, mtype, _s, _d, _r, carry = item
         if carry is None and self.carried is not None and names[0] and names[1]:
             fields = ct.ipv4_tuples(mtype, data, nl.NLMSG_HDRLEN, len(data))
@@ -946,22 +1023,18 @@ class FlowRecorder:
         waiting.append((*counts, whole))
 
     def _ct_names(self, ev: ct.CtEvent) -> tuple[Identity | None, Identity | None, Identity | None]:
-        """A decoded event's original source, destination and reply source named: a NEW's as
-        they are now (kept for its DESTROY), a DESTROY's as its NEW named them -- as they are
-        now if its NEW was not seen."""
-        key = ("decoded", ev.orig)
-        if ev.destroyed:
-            names = self._ct_started.pop(key, None)
-            if names is not None:
-                return names
+        """A decoded event's original source, destination and reply source named as they are
+        now -- a DESTROY's as they were when its entry was made (:meth:`_named_then`), where
+        its start is known."""
         d = self.directory
-        names = (d.identity(ev.orig.src), d.identity(ev.orig.dst), d.identity(ev.reply.src))
-        if not ev.destroyed and (names != (None, None, None) or self._ours(ev.orig.src, ev.orig.dst, ev.reply.src)):
-            started = self._ct_started
-            if key not in started and len(started) >= CT_STARTED_MAX:
-                del started[next(iter(started))]
-            started[key] = names
-        return names
+        o, r = ev.orig, ev.reply
+        names = (d.identity(o.src), d.identity(o.dst), d.identity(r.src))
+        history = self._history
+        if not (ev.destroyed and history and ev.start_ns):
+            return names
+        start, then = ev.start_ns + self.tai_offset(), self._named_then
+        packed = [socket.inet_pton(socket.AF_INET6 if ":" in a else socket.AF_INET, a) for a in (o.src, o.dst, r.src)]
+        return (then(packed[0], start, names[0]), then(packed[1], start, names[1]), then(packed[2], start, names[2]))
 
     def _carried_of(self, ev: ct.CtEvent, names: tuple[Identity | None, ...] | None = None) -> tuple[int, int, int, int] | None:
         """:meth:`_carried` of a decoded event (IPv6's: the fast path counts them in a map of

@@ -32,14 +32,17 @@ pod of this node are compiled at all.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping
+import itertools
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import compiler
 from .model import Address, LocalPort, PeerSelector, Pod, PodKey, Policy, Rule, namespace_labels
 from agentd.nft.expr import FAMILIES, DropLog
 from agentd.nft.ruleset import Ruleset
+
+NAMED_BEFORE_MAX = 8192  # addresses' former owners kept for the flow recorder (read every 0.2 s)
 
 
 PolicyKey = tuple[str, str]
@@ -63,6 +66,12 @@ class PolicyEngine:
         self.families = tuple(sorted(set(families)))
         self.by_ip: dict[str, PodKey] = {}  # every pod's addresses (flow records name pods by them)
         self.pods_version = 0  # changes with any pod's record (flow records remember names until then)
+        # Whom an address named before a change that may have given it to another (or to
+        # nobody): (address, the pod it named, whether a pod of this node), the latest last,
+        # at most NAMED_BEFORE_MAX; ``named_before_count`` counts every one ever kept (the flow
+        # recorder names a connection's end as its start named it: :meth:`named_before_since`).
+        self.named_before: deque[tuple[str, Pod, bool]] = deque(maxlen=NAMED_BEFORE_MAX)
+        self.named_before_count = 0
         self._prefixes: dict[str, tuple[str, PodKey]] | None = None
         self._chains: dict[str, tuple[str, PodKey]] | None = None
         self.pods: dict[PodKey, Pod] = {}
@@ -115,10 +124,31 @@ class PolicyEngine:
 
     # ------------------------------------------------------------------ pods
 
+    def _note_named(self, ips: Iterable[Address]) -> None:
+        """Whom ``ips`` name now, before a change that may give them to another."""
+        for ip in ips:
+            owner = self.by_ip.get(str(ip))
+            pod = self.pods.get(owner) if owner is not None else None
+            if pod is not None:
+                self.named_before.append((str(ip), pod, owner in self.local))
+                self.named_before_count += 1
+
+    def named_before_since(self, count: int) -> list[tuple[str, Pod, bool]] | None:
+        """What :attr:`named_before` kept after its first ``count``, oldest first; None if
+        some of those are gone (more than NAMED_BEFORE_MAX since)."""
+        new = self.named_before_count - count
+        if new <= 0:
+            return []
+        if new > len(self.named_before):
+            return None
+        return list(itertools.islice(self.named_before, len(self.named_before) - new, None))
+
     def upsert_pod(self, pod: Pod, local: LocalPort | None = None) -> None:
         key = pod.key
         old = self.pods.get(key)
         old_local = self.local.get(key)
+        if old != pod or old_local != local:
+            self._note_named(dict.fromkeys((*old.ips, *pod.ips)) if old is not None else pod.ips)
         self.pods[key] = pod
         if old is not None and old.ips != pod.ips:
             self._unindex(old)
@@ -143,9 +173,11 @@ class PolicyEngine:
             self._reselect(key)
 
     def remove_pod(self, key: PodKey) -> None:
-        pod = self.pods.pop(key, None)
+        pod = self.pods.get(key)
         if pod is None:
             return
+        self._note_named(pod.ips)
+        del self.pods[key]
         self.pods_version += 1
         self._unindex(pod)
         self._ns_pods[pod.namespace].discard(key)

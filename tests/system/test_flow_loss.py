@@ -20,6 +20,9 @@ class _Nobody:
     def version(self) -> int:
         return 0
 
+    def named_before(self, count):
+        return 0, []
+
     def identity(self, ip):
         return None
 

@@ -201,6 +201,13 @@ class Directory:
     def version(self):
         return self.changes
 
+    def named_before(self, count):
+        """The engine's log, told from what ``ids`` held when last asked."""
+        snap, self._snap = getattr(self, "_snap", None), dict(self.ids)
+        got = [(ip, was) for ip, was in (snap or {}).items() if was is not None and self.ids.get(ip) != was]
+        self._told = getattr(self, "_told", 0) + len(got)
+        return self._told, got
+
     def identity(self, ip):
         self.asked += 1
         return self.ids.get(ip)
@@ -613,18 +620,19 @@ def test_every_cut_and_bent_byte_of_an_event_is_read_or_counted():
 @pytest.mark.parametrize("client", ["10.244.1.2", CLIENT6])
 def test_an_end_after_its_pod_went_names_it_and_adds_what_the_fast_path_carried(client):
     """The client pod deleted (its entries flushed) before its connection's DESTROY is read:
-    the end names the pods its NEW named, and so is a connection between pods whose carried
-    counts are looked up and added."""
+    the end names the pods as they were when the entry was made, and so is a connection
+    between pods whose carried counts are looked up and added."""
     src = socket.inet_pton(socket.AF_INET6 if ":" in client else socket.AF_INET, client)
     web = WEB6 if ":" in client else "10.244.2.3"
     dst = socket.inet_pton(socket.AF_INET6 if ":" in client else socket.AF_INET, web)
     key, _ = carried_key(src, 40000, dst, 80)
-    carried = Carried({key: (10, 5, 10_000, 500, 0)})
+    carried = Carried({key: (10, 5, 10_000, 500, 950 * 10**9)})
     r = recorder(carried)
+    r.tai_offset = lambda: 0
     feed(r, tcp(client, web, 40000, 80))
-    r.directory.ids[client] = None
+    r.directory.ids[client] = None  # at 1000 s, the recorder's clock
     r.directory.changes += 1
-    feed(r, tcp(client, web, 40000, 80, destroyed=True, counters=(1, 60, 1, 60)))
+    feed(r, tcp(client, web, 40000, 80, destroyed=True, counters=(1, 60, 1, 60), lived=(900 * 10**9, 999 * 10**9)))
     _new, end = r.ring.last(FlowFilter(), 10)
     assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
     assert (end.packets_sent, end.bytes_sent, end.bytes_received) == (11, 10_060, 560) and carried.table == {}

@@ -200,6 +200,13 @@ class Directory:
     def version(self):
         return 1
 
+    def named_before(self, count):
+        """The engine's log, told from what ``ids`` held when last asked."""
+        snap, self._snap = getattr(self, "_snap", None), dict(self.ids)
+        got = [(ip, was) for ip, was in (snap or {}).items() if was is not None and self.ids.get(ip) != was]
+        self._told = getattr(self, "_told", 0) + len(got)
+        return self._told, got
+
     def __init__(self):
         self.vips = {("10.96.0.10", 6, 80): "shop/web"}
 
@@ -1426,12 +1433,16 @@ def test_a_node_port_is_named_on_either_of_the_nodes_addresses():
 def test_an_end_names_the_pods_its_start_named_not_who_has_the_address_now():
     """The sweep ends an idle or flushed connection long after its last packet (a pod deleted
     without closing its sockets): by then its address may be another pod's, or nobody's.  The
-    end names whom its start named; an end whose start was not seen, whom the addresses are now."""
-    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
+    end names whom its addresses named when its connection started (its SYN's time, in every
+    record) -- whether its start was seen or not --; one started after the change, whom they
+    name now."""
+    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_FIN, REC_START
 
     now = 1000 * 10**9
     key, v = _conn(False, 2, now - 100 * 10**9, now - 60 * 10**9)
     other = key[:8] + bytes([1, 1]) + key[10:]  # another connection of the same pods, its start not seen
+    later = key[:8] + bytes([2, 2]) + key[10:]  # one the new pod started after the change
+    v_later = CONN_VALUE.pack(6, 5, 1400, 900, now + 5 * 10**9, now + 6 * 10**9, 2, 0, 3)
     r = recorder()
     r.tai_offset = lambda: 0
     version = [1]
@@ -1441,52 +1452,109 @@ def test_an_end_names_the_pods_its_start_named_not_who_has_the_address_now():
     version[0] = 2
     r.recording = Programs({key: v})
     r._held = lambda k: False  # flushed from conntrack with the pod
-    r._on_recorded([*r.sweep(now), CONN_RECORD.pack(other, REC_FIN, v)], 1060.0)
-    new, end, unseen = r.ring.last(FlowFilter(), 10)
+    r._on_recorded([*r.sweep(now), CONN_RECORD.pack(other, REC_FIN, v), CONN_RECORD.pack(later, REC_FIN, v_later)], 1060.0)
+    new, end, unseen, after = r.ring.last(FlowFilter(), 10)
     assert (new.event, new.src.identity, new.dst.identity) == ("new", CLIENT, WEB)
     assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
-    assert unseen.src.identity.pod == "other/newpod"  # no start seen: named now
-    assert r._started == {}  # an end forgets its start
+    assert (unseen.event, unseen.src.identity, unseen.dst.identity) == ("end", CLIENT, WEB)  # started before too
+    assert (after.event, after.src.identity.pod, after.dst.identity) == ("end", "other/newpod", WEB)
+    assert list(r._history) == [socket.inet_aton("10.244.1.2")]  # what changed hands, and only that
 
 
-def _entry_event(mtype: int, src: str, dst: str, family: int = socket.AF_INET, counters: bool = True) -> bytes:
+def test_ends_are_taken_in_whole_while_no_address_of_theirs_changed_hands():
+    """Naming an end as its start did costs nothing while none of a batch's addresses changed
+    hands: the records are not looked at one by one (and a change of some other pod's address,
+    or of something else of a pod, leaves no trace)."""
+    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
+
+    now = 1000 * 10**9
+    key, v = _conn(False, 2, now - 100 * 10**9, now - 60 * 10**9)
+    r = recorder()
+    r.tai_offset = lambda: 0
+    version = [1]
+    r.directory.version = lambda: version[0]
+    r._on_recorded([CONN_RECORD.pack(key, REC_START, v)], 1000.0)
+    r.directory.ids = {**r.directory.ids, "10.244.3.9": WEB}  # a pod elsewhere came
+    version[0] = 2
+    looked: list[int] = []
+    r._ends_named_then = lambda *a: looked.append(1)  # type: ignore[method-assign]
+    r._on_recorded([CONN_RECORD.pack(key, REC_FIN, v)], 1060.0)
+    assert r._history == {} and looked == []
+    assert [(f.event, f.src.identity) for f in r.ring.last(FlowFilter(), 10)] == [("new", CLIENT), ("end", CLIENT)]
+
+
+def test_changes_of_hands_are_forgotten_after_fifteen_minutes_and_bounded():
+    from agentd.flows import recorder as rec
+
+    clock = [1000.0]
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: clock[0])
+    r.tai_offset = lambda: 0
+    version = [1]
+    r.directory.version = lambda: version[0]
+    r._begin_names()
+    r.directory.ids = {"10.244.2.3": WEB}  # the client pod deleted
+    version[0] = 2
+    r._begin_names()
+    assert list(r._history) == [socket.inet_aton("10.244.1.2")]
+    assert r._named_then(socket.inet_aton("10.244.1.2"), 999 * 10**9, None) == CLIENT
+    assert r._named_then(socket.inet_aton("10.244.1.2"), 1001 * 10**9, None) is None
+    clock[0] += rec.HISTORY_AGE_NS / 1e9 + 100
+    r.directory.ids = {}  # web deleted too, 15 minutes later
+    version[0] = 3
+    r._begin_names()
+    assert list(r._history) == [socket.inet_aton("10.244.2.3")]
+    for k in range(rec.HISTORY_PER_ADDRESS + 3):  # an address passed from pod to pod
+        r.directory.ids = {"10.244.2.3": Identity(f"shop/p{k}", "node2", {}, True)}
+        version[0] += 1
+        r._begin_names()
+    assert len(r._history[socket.inet_aton("10.244.2.3")]) == rec.HISTORY_PER_ADDRESS
+
+
+def _entry_event(mtype: int, src: str, dst: str, family: int = socket.AF_INET, counters: bool = True,
+                 started: int = 1_000_000_000_000) -> bytes:
     """A conntrack NEW or DESTROY of ``src``:40000 -> ``dst``:80 (TCP), as the kernel lays it out."""
     body = (_tuple(ct.CTA_TUPLE_ORIG, src, dst, 6, 40000, 80) + _tuple(ct.CTA_TUPLE_REPLY, dst, src, 6, 80, 40000)
             + nl.attr(ct.CTA_STATUS, struct.pack("!I", 8)) + nl.attr(ct.CTA_ID, struct.pack("!I", 7)))
     if mtype == ct.MSG_DELETE:
         if counters:
             body += _counters(ct.CTA_COUNTERS_ORIG, 5, 400) + _counters(ct.CTA_COUNTERS_REPLY, 4, 900)
-        body += nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", 1_000_000_000_000)),
-                          nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", 1_000_250_000_000)))
+        body += nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", started)),
+                          nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", started + 250_000_000)))
     return nl.encode_nfgen(mtype, 0, 0, family, body)
 
 
 @pytest.mark.parametrize("way", ["c", "python", "ipv6"])
 def test_a_conntrack_end_names_the_pods_its_new_event_named(way):
     """A conntrack entry's DESTROY comes after its timeout (TCP's TIME_WAIT: 2 minutes), or when
-    a deleted pod's entries are flushed: its pods are named as its NEW named them, not as the
-    addresses are named then (the client deleted, its address another pod's); a DESTROY whose
-    NEW was not seen, as they are named then.  Read at fixed offsets (in C, in Python) and the
-    long way (IPv6)."""
+    a deleted pod's entries are flushed: its pods are named as they were when the entry was
+    made (CTA_TIMESTAMP_START), not as the addresses are named then (the client deleted, its
+    address another pod's) -- whether its NEW was seen or not --; an entry made after the
+    change, as they are named then.  Read at fixed offsets (in C, in Python) and the long way
+    (IPv6)."""
     if way == "c" and ct.fast_events is None:
         pytest.skip("agentd/kernel/_ctevents.c not built")
     client, web = ("fd00:244:1::2", "fd00:244:2::3") if way == "ipv6" else ("10.244.1.2", "10.244.2.3")
     family = socket.AF_INET6 if way == "ipv6" else socket.AF_INET
-    r = recorder()
+    clock = [1000.0]
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: clock[0])
+    r.tai_offset = lambda: 0
     r.fast = way == "c"
     version = [1]
     r.directory.version = lambda: version[0]
     r.directory.ids = {client: CLIENT, web: WEB}
+    r._begin_names()  # as each read does
     r._on_conntrack_datagrams([_entry_event(ct.MSG_NEW, client, web, family)], 1000.0)
+    clock[0] = 1100.0  # the client pod deleted, its address another pod's
     r.directory.ids = {client: Identity("other/newpod", "node1", {}, False), web: WEB}
     version[0] = 2
     r._begin_names()  # as each read does: the pods changed
-    r._on_conntrack_datagrams([_entry_event(ct.MSG_DELETE, client, web, family)] * 2, 1120.0)
-    new, end, unseen = list(r.ring)
+    made_later = _entry_event(ct.MSG_DELETE, client, web, family, started=1_200_000_000_000)
+    r._on_conntrack_datagrams([_entry_event(ct.MSG_DELETE, client, web, family)] * 2 + [made_later], 1220.0)
+    new, end, unseen, later = list(r.ring)
     assert (new.event, new.src.identity, new.dst.identity) == ("new", CLIENT, WEB)
     assert (end.event, end.src.identity, end.dst.identity) == ("end", CLIENT, WEB)
-    assert (unseen.event, unseen.src.identity.pod) == ("end", "other/newpod")  # its NEW not seen
-    assert r._ct_started == {}
+    assert (unseen.event, unseen.src.identity, unseen.dst.identity) == ("end", CLIENT, WEB)  # made before too
+    assert (later.event, later.src.identity.pod, later.dst.identity) == ("end", "other/newpod", WEB)
 
 
 @pytest.mark.parametrize("carried", [None, (7, 700, 3, 300)])
@@ -1506,3 +1574,40 @@ def test_an_end_conntrack_did_not_count_says_unknown_not_zero(carried):
     r = recorder()
     r._on_conntrack_datagrams([msg], 1000.0)  # read at fixed offsets, made when read
     assert next(iter(r.ring)).bytes_sent is None
+
+
+def test_the_directory_tells_whom_an_address_named_before_it_changed_hands():
+    """The policy engine keeps whom an address named before each change of a pod's record
+    that may give it to another (deleted, its address taken, relabelled, moved): the
+    directory hands those out as identities, since a count, oldest first."""
+    from ipaddress import ip_address
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.policy import engine as eng_mod
+    from agentd.policy.engine import PolicyEngine
+    from agentd.policy.model import Pod
+
+    eng = PolicyEngine("node2")
+    d = FlowDirectory(NS(engine=eng), None, ())
+    a, b = ip_address("10.244.1.2"), ip_address("10.244.1.3")
+    client = Pod("shop", "client", "node1", (a,), {"app": "client"})
+    count, got = d.named_before(None)
+    assert got == []
+    eng.upsert_pod(client)
+    eng.upsert_pod(client)  # the same record again: no change
+    assert d.named_before(count) == (count, [])
+    eng.upsert_pod(Pod("shop", "client", "node1", (a,), {"app": "client", "v": "2"}))  # relabelled
+    eng.remove_pod(("shop", "client"))
+    eng.upsert_pod(Pod("other", "newpod", "node1", (a, b), {}))  # takes the address
+    eng.upsert_pod(Pod("other", "newpod", "node1", (b,), {}))  # gives it back
+    count2, got = d.named_before(count)
+    assert [(ip, i.pod, dict(i.labels)) for ip, i in got] == [
+        ("10.244.1.2", "shop/client", {"app": "client"}),
+        ("10.244.1.2", "shop/client", {"app": "client", "v": "2"}),
+        ("10.244.1.2", "other/newpod", {}), ("10.244.1.3", "other/newpod", {})]
+    assert d.named_before(count2) == (count2, [])
+    assert d.identity("10.244.1.2") is None and d.identity("10.244.1.3").pod == "other/newpod"
+    for k in range(eng_mod.NAMED_BEFORE_MAX + 1):  # more than the engine keeps between two looks
+        eng.upsert_pod(Pod("other", "newpod", "node1", (b,), {"k": str(k)}))
+    assert d.named_before(count2)[1] is None
