@@ -370,7 +370,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             if leave_running_agent(cfg.api.listen.host, cfg.api.listen.port, cfg.api.token_file):
                 return 0
-        except LeaveRefused as err:
+        except (LeaveRefused, LeaveIncomplete) as err:
             sys.stderr.write(f"agentd leave: {err}\n")
             return 1
         cfg = _load(args, parser, host=LocalHost())[2]
@@ -412,9 +412,14 @@ class LeaveRefused(Exception):
     """The running agent did not take ``agentd leave``'s request; the message says why."""
 
 
+class LeaveIncomplete(Exception):
+    """The running agent left this host but could not remove the node from etcd."""
+
+
 def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
     """POST /leave, with the API token of ``token_file``, to the agent on this host; False
-    if none answers, :class:`LeaveRefused` if it answers no."""
+    if none answers, :class:`LeaveRefused` if it answers no, :class:`LeaveIncomplete` (once the
+    agent has stopped) if it could not remove the node from etcd."""
     import urllib.error
     import urllib.request
 
@@ -427,14 +432,19 @@ def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/leave"
     try:
         req = urllib.request.Request(url, method="POST", data=b"", headers=bearer_header(token) if token else {})
-        with api_open(req, timeout=10) as resp:
-            json.load(resp)
+        # The agent answers once the node has left etcd (or could not): its releases and
+        # removals wait up to 10 s each while etcd is unreachable.
+        with api_open(req, timeout=LEAVE_WAIT) as resp:
+            answer = json.load(resp)
     except urllib.error.HTTPError as err:
         if unreadable is not None:
             raise LeaveRefused(f"an agent runs at {url}, but {unreadable}") from None
         raise LeaveRefused(f"the agent at {url} refused: {_api_error(err)}") from None
+    except TimeoutError:  # connected, asked, no answer (a connect timeout is a URLError: no agent)
+        raise LeaveRefused(f"the agent at {url} did not answer within {LEAVE_WAIT} s") from None
     except (urllib.error.URLError, OSError, ValueError):
         return False
+    etcd_error = answer.get("etcd_error") if isinstance(answer, dict) else None
     log = logging.getLogger("agentd")
     log.info("the running agent is leaving the cluster")
     # The agent answers once it has left etcd; it then removes its tables, routes and BPF data
@@ -448,9 +458,13 @@ def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
         except urllib.error.HTTPError:
             pass  # it answers (not healthy while stopping): still there
         except (urllib.error.URLError, OSError, ValueError):
-            return True
+            break
         time.sleep(0.1)
-    log.warning("the agent was still running %d s after it left the cluster", LEAVE_WAIT)
+    else:
+        log.warning("the agent was still running %d s after it left the cluster", LEAVE_WAIT)
+    if etcd_error:
+        raise LeaveIncomplete(f"this host is cleaned up, but the node could not be removed from etcd ({etcd_error}): "
+                              "its lease expires in time, or run `agentd leave` again once etcd is reachable")
     return True
 
 

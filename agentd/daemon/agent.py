@@ -26,7 +26,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,7 +40,7 @@ from proto.nlri import network_to_prefix
 
 
 from agentd.daemon import auth, mesh, node_files
-from agentd.daemon.api import ApiServer
+from agentd.daemon.api import ApiServer, Conflict
 from agentd.daemon.observe import Observability, drop_log
 from agentd.daemon.routes import KernelRoutes, drop_previous_protocol
 from agentd.daemon.views import AgentViews
@@ -143,6 +143,8 @@ class Agent:
         self._stop = asyncio.Event()
         self.stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
         self._leaving = False
+        # `agentd leave`'s answer: None once the node has left etcd, else why it has not.
+        self._left: asyncio.Future[str | None] | None = None
         # What runs degraded, never retried (no libnftables, ip_masq, IP forwarding): shown in
         # /status "problems" and systemd's STATUS=, not a reason to be unready (DESIGN: ready
         # once the lease is held, BGP started and routes reconciled).
@@ -197,37 +199,55 @@ class Agent:
                 start.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await start
-                return self.exit_status
-            stop.cancel()
-            try:
-                start.result()
-            except (AgentError, asyncio.CancelledError):
-                raise
-            except Exception as err:  # a bad record in etcd, a full pool, etcd refusing us, a file not written
-                log.debug("start-up failed", exc_info=True)
-                raise AgentError(f"cannot start: {str(err) or type(err).__name__}") from err
-            self.supervisor.start("node-watch", self._watch_nodes)
-            if self.policy is not None:
-                self.supervisor.start("policy", self.policy.run)
-            if self.services is not None:
-                self.supervisor.start("services", self.services.run)
-            if self.observe.recorder is not None:
-                self.supervisor.start("flows", self.observe.recorder.run)
-            if self.datastore is not None:  # the read token; then the read-only listener
-                self.supervisor.start("cluster-token",
-                                      lambda: self.observe.keep_read_token(self.datastore, self._start_read_api))
-            if self.ingress is not None:
-                self.supervisor.start("ingress", self.ingress.run)
-            self.supervisor.start("readiness", self._readiness_loop)
-            await self._stop.wait()
+            else:
+                stop.cancel()
+                await self._run_started(start)
         except AgentError as err:
             log.error("%s", err)
-            return 1
+            self.exit_status = 1
+        finally:
+            status = await self._stop_and_say(loop)  # the status the stop settles (a leave's etcd step)
+        return status
+
+    async def _run_started(self, start: asyncio.Future) -> None:
+        """Start-up ended: its error, or the supervised tasks until the agent is told to stop."""
+        try:
+            start.result()
+        except (AgentError, asyncio.CancelledError):
+            raise
+        except Exception as err:  # a bad record in etcd, a full pool, etcd refusing us, a file not written
+            log.debug("start-up failed", exc_info=True)
+            raise AgentError(f"cannot start: {str(err) or type(err).__name__}") from err
+        self.supervisor.start("node-watch", self._watch_nodes)
+        if self.policy is not None:
+            self.supervisor.start("policy", self.policy.run)
+        if self.services is not None:
+            self.supervisor.start("services", self.services.run)
+        if self.observe.recorder is not None:
+            self.supervisor.start("flows", self.observe.recorder.run)
+        if self.datastore is not None:  # the read token; then the read-only listener
+            self.supervisor.start("cluster-token",
+                                  lambda: self.observe.keep_read_token(self.datastore, self._start_read_api))
+        if self.ingress is not None:
+            self.supervisor.start("ingress", self.ingress.run)
+        self.supervisor.start("readiness", self._readiness_loop)
+        await self._stop.wait()
+
+    async def _stop_and_say(self, loop: asyncio.AbstractEventLoop) -> int:
+        """``_shutdown``, then the exit status.  A second Ctrl-C, SIGTERM or SIGHUP must not
+        abort the stop midway (the default handlers would): said, and ignored, until it is done."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._already_stopping, sig)
+        try:
+            await self._shutdown()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
-            await self._shutdown()
         return self.exit_status
+
+    @staticmethod
+    def _already_stopping(sig: signal.Signals) -> None:
+        log.warning("%s: already stopping", signal.Signals(sig).name)
 
     async def _start(self) -> None:
         cfg = self.cfg
@@ -299,6 +319,10 @@ class Agent:
             log.error("network policy is not enforced on this node: %s", err)
             self._problems.append(f"network policy not enforced: {err}")
             self.policy = None
+            if fast_path is not None:  # nothing would keep its pods up to date: it goes
+                await self._remove_fast_path(fast_path)
+                self.tunnels.bpf.gate = None
+                fast_path = None
         # Services: adopt the services table as it is; it changes once etcd is read.
         self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns, drop_log=drop_log(cfg),
                                      on_translating=self._services_translating,
@@ -408,32 +432,57 @@ class Agent:
 
     async def _shutdown(self) -> None:
         graceful = self.cfg.bgp.graceful_restart and not self._leaving
+        # A start that stops before BGP started (SIGTERM while etcd is unreachable, a failed
+        # start) leaves the kernel as it found it: the routes adopted from the previous run
+        # and the devices stay, whatever graceful_restart says (docs/operations.md).
+        remove = not graceful and (self.started_bgp or self._leaving)
         self.stopping = True
         self.notifier.stopping()
         log.info(
             "shutting down: %s",
             "graceful restart (routes stay in the kernel and at the peers)"
             if graceful
-            else "withdrawing routes (Cease to every peer)",
+            else "withdrawing routes (Cease to every peer)" if remove
+            else "start-up did not finish: routes and devices stay as they are",
         )
+        failed: list[str] = []
+
+        async def step(what: str, job: Callable[[], object]) -> None:
+            """One step of the stop: a failure is one line, and the steps after it still run."""
+            try:
+                result = job()
+                if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+                    await result
+            except Exception as err:  # every later step must still run
+                log.error("stopping: %s failed: %s", what, str(err) or type(err).__name__)
+                log.debug("stopping: %s failed", what, exc_info=True)
+                failed.append(what)
+
         if self.service is not None:
-            await self.service.stop(graceful=graceful)
-        await self.supervisor.stop()
+            await step("stopping BGP", lambda: self.service.stop(graceful=graceful))
+        await step("stopping the tasks", self.supervisor.stop)
         if self.ingress is not None and not self._leaving:  # the proxy goes on serving; the next agent adopts it
-            await self.ingress.stop()
+            await step("stopping the ingress controller", self.ingress.stop)
         if self._leaving:
-            await self._leave_cleanup()
+            await self._leave_cleanup(step)
         if self.programmer is not None:
-            await self.programmer.stop(remove_routes=not graceful)
+            await step("stopping the route programmer", lambda: self.programmer.stop(remove_routes=remove))
         if self.tunnels is not None:
-            await self.tunnels.stop(remove=not graceful)
+            await step("stopping the tunnels", lambda: self.tunnels.stop(remove=remove))
+        if self._leaving:  # what this run had not built (or not yet started) of the host's state
+            await step("cleaning up the host", self._leave_leftovers)
         if self.policy is not None:  # the policy tables stay in force unless the node leaves
-            self.policy.close()
+            await step("closing network policy", self.policy.close)
         if self.services is not None:  # so does the services table
-            self.services.close()
-        await self.observe.close()
+            await step("closing services", self.services.close)
+        await step("closing flow records", self.observe.close)
         if self.read_api is not None:
-            await self.read_api.stop()
+            await step("stopping the cluster listener", self.read_api.stop)
+        if self._subnet_taken:
+            # The subnet file must not name the subnet another node holds now: agentd-cni hands
+            # out its addresses from it (until the next run writes the new one, ADD says the
+            # agent is not running).
+            await step("removing the subnet file", self._remove_subnet_file)
         if self.datastore is not None:
             if self._subnet_taken:
                 # Our node record (under our lease, which close() keeps) must not outlive us:
@@ -444,10 +493,21 @@ class Agent:
                     log.warning("could not remove node %s from etcd (%s); it goes with its lease", self.name, err)
             with contextlib.suppress(Exception):
                 await self.datastore.close()
-        await self.api.stop()
+        await step("stopping the API", self.api.stop)
         if self.api.token is not None:
-            auth.remove_token_file(self.cfg.api.token_file, self.api.token)
+            await step("removing the API token file",
+                       lambda: auth.remove_token_file(self.cfg.api.token_file, self.api.token))
+        if self._left is not None and not self._left.done():  # never reached the etcd step
+            self._left.set_result("the agent stopped before it reached etcd")
         self.notifier.close()
+        if failed:
+            log.error("stopped, but not cleanly: %s failed (above)", ", ".join(failed))
+            self.exit_status = 1
+
+    def _remove_subnet_file(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.cfg.cni.subnet_file)
+            log.info("removed %s", self.cfg.cni.subnet_file)
 
     async def _start_read_api(self) -> None:
         """The read-only listener other nodes gather from, once there is a read token."""
@@ -465,10 +525,19 @@ class Agent:
         out[self.name] = str(self.address)
         return out
 
-    def request_leave(self) -> None:
-        """``agentd leave`` against a running agent: withdraw, release, remove, exit."""
+    def request_leave(self) -> asyncio.Future[str | None]:
+        """``agentd leave`` against a running agent: withdraw, release, remove, exit.  The
+        future says how the etcd step went (None: left; else why not); POST /leave answers
+        with it.  Refused (:class:`api.Conflict`) once the agent is stopping: a stop under
+        way (graceful restart) keeps the routes and devices a leave must take away."""
+        if self.stopping and not self._leaving:
+            raise Conflict("the agent is already stopping: run `agentd leave` again once it has stopped "
+                           "(it then cleans etcd and this host up itself)")
+        if self._left is None:
+            self._left = asyncio.get_running_loop().create_future()
         self._leaving = True
         self._stop.set()
+        return self._left
 
     async def _services_translating(self, on: bool) -> None:
         """Services start (``on``, before their first translation) or stop translating: the BPF
@@ -480,32 +549,83 @@ class Agent:
         if self.policy is not None:
             await self.policy.route_services(on)
 
-    async def _leave_cleanup(self) -> None:
-        if self.datastore is None:  # asked to leave before etcd was reached: nothing was taken
-            log.info("left before joining: no subnet or node record to release")
-            return
-        try:
-            released = await self.datastore.release(self.name, timeout=10)
-            await self.datastore.remove_node(self.name, timeout=10)
-            log.info("left the cluster: released %s, removed node %s", ", ".join(map(str, released)) or "-", self.name)
-        except Exception as err:  # etcd down: the lease expiry removes us later
-            log.error("could not remove this node from etcd (%s); its lease will expire", err)
-        for path in (self.cfg.cni.subnet_file,):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    async def _leave_cleanup(self, step: Callable[[str, Callable[[], object]], Awaitable[None]]) -> None:
+        """The node leaves: etcd first (``agentd leave`` is answered with how that went), then
+        what this host keeps for it; each ``step`` on its own (one failing skips none after it)."""
+        await step("leaving etcd", self._leave_etcd_and_say)
+        await step("removing the subnet file", self._remove_subnet_file)
         if self.policy is not None:  # NetworkPolicy; pod records went with the lease
-            await self.policy.leave()
+            await step("removing the policy tables", self.policy.leave)
         if self.services is not None:  # Services
-            await self.services.leave()
+            await step("removing the services table", self.services.leave)
+        await step("putting back the flow records' sysctls", self._restore_sysctls)
+        # The table masking conntrack's events of what the pod programs recorded (gone with policy.leave).
+        await step("removing the flow mask table", lambda: asyncio.to_thread(unmask))
+        await step("removing the masquerading tables", self._unmasquerade)
+        if self.ingress is not None:  # Ingress: the proxy and its files
+            await step("stopping the ingress proxy", self.ingress.leave)
+
+    async def _leave_etcd_and_say(self) -> None:
+        error = None
+        try:
+            released = await self._leave_etcd()
+            log.info("left the cluster: released %s, removed node %s", ", ".join(map(str, released)) or "-", self.name)
+        except Exception as err:  # noqa: BLE001 - etcd down: the lease expiry removes us later
+            error = str(err) or type(err).__name__
+            log.error("could not remove this node from etcd (%s); its lease will expire", error)
+            self.exit_status = 1
+        finally:
+            if self._left is not None and not self._left.done():
+                self._left.set_result(error)
+
+    async def _restore_sysctls(self) -> None:
         restored = await asyncio.to_thread(restore_sysctls, self.cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))
-        # The table masking conntrack's events of what the pod programs recorded (gone with policy.leave).
-        await asyncio.to_thread(unmask)
+
+    @staticmethod
+    async def _unmasquerade() -> None:
         with contextlib.suppress(NftError):
             await masquerade.remove()
-        if self.ingress is not None:  # Ingress: the proxy and its files
-            await self.ingress.leave()
+
+    async def _leave_etcd(self) -> list:
+        """Release the node's subnets and remove its record; asked before this run reached
+        etcd, with a connection of its own (a previous run's keys go all the same)."""
+        if self.datastore is not None:
+            released = await self.datastore.release(self.name, timeout=10)
+            await self.datastore.remove_node(self.name, timeout=10)
+            return released
+        ds = datastore_for(self.cfg)
+        try:
+            await ds.connect(timeout=10)
+            released = await ds.release(self.name, timeout=10)
+            await ds.remove_node(self.name, timeout=10)
+            return released
+        finally:
+            with contextlib.suppress(Exception):
+                await ds.close()
+
+    async def _leave_leftovers(self) -> None:
+        """What the standalone ``agentd leave`` removes, for each part this run had not built
+        (a leave during start-up): the BPF data path, the pod fast path and the tunnel workers
+        and devices (always: idempotent, after the tunnels' own stop), the policy and services
+        tables, the ingress proxy."""
+        failed = await remove_host_state(self.cfg, data_path=True, policy=self.policy is None,
+                                         services=self.services is None, ingress=self.ingress is None)
+        if failed:
+            raise RuntimeError(f"could not remove {', '.join(failed)}")
+
+    async def _remove_fast_path(self, fast_path: PodFastPath) -> None:
+        """Off the veths and the underlay device, unpinned, conntrack's setting put back: with
+        no policy agent to update it, it would steer by pods that may have gone, their
+        addresses reused (podpath.PodFastPath.open)."""
+        try:
+            gone = await asyncio.to_thread(fast_path.remove)
+        except OSError as err:
+            log.error("could not remove the pod fast path: %s", err)
+            return
+        log.warning("pod fast path off (network policy is not running to keep its pods): removed %s",
+                    ", ".join(gone) or "-")
 
     async def _open_fast_path(self) -> tuple[PodFastPath | None, str | None]:
         """The pod fast path ([network] bpf_pod_fast_path), or None and why not; switched off,
@@ -757,7 +877,27 @@ async def leave(cfg: Config) -> int:
     finally:
         with contextlib.suppress(Exception):
             await ds.close()
+    failed = await remove_host_state(cfg, data_path=True, policy=True, services=True, ingress=True)
     try:
+        restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
+        if restored:
+            log.info("put back %s", ", ".join(restored))
+        await asyncio.to_thread(unmask)  # the table masking conntrack's events of what the pod programs recorded
+        if await masquerade.remove():
+            log.info("removed the masquerading table")
+    except Exception as err:
+        log.error("cannot leave: %s", err)
+        return 1
+    return 1 if failed else status
+
+
+async def remove_host_state(cfg: Config, *, data_path: bool, policy: bool, services: bool, ingress: bool) -> list[str]:
+    """What an agent leaves on the host, removed without it (``agentd leave`` with no agent
+    running, or for the parts a leaving agent had not built): each part named, on its own (one
+    failing is logged, the others still go).  Returns the parts that could not be removed."""
+    failed = []
+
+    async def data_path_state() -> None:
         # What a killed agent left in the kernel: the BPF programs, filters and pins.
         gone = await asyncio.to_thread(remove_bpf_leftovers, cfg)
         if gone:
@@ -766,16 +906,20 @@ async def leave(cfg: Config) -> int:
         gone += await asyncio.to_thread(remove_vxlan_leftover)  # the kernel VXLAN device
         if gone:
             log.info("removed the tunnel devices and workers a previous agent left: %s", ", ".join(gone))
-        await remove_policy_tables()  # NetworkPolicy
-        await remove_services_table(str(cfg.dns.address_v6))  # Services
-        restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
-        if restored:
-            log.info("put back %s", ", ".join(restored))
-        await asyncio.to_thread(unmask)  # the table masking conntrack's events of what the pod programs recorded
-        if await masquerade.remove():
-            log.info("removed the masquerading table")
-        await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir)  # Ingress
-    except Exception as err:
-        log.error("cannot leave: %s", err)
-        return 1
-    return status
+
+    async def ingress_proxy() -> None:
+        await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir)
+
+    parts = (("the BPF data path and tunnels", data_path, data_path_state),
+             ("the policy tables", policy, remove_policy_tables),  # NetworkPolicy
+             ("the services table", services, lambda: remove_services_table(str(cfg.dns.address_v6))),  # Services
+             ("the ingress proxy", ingress, ingress_proxy))  # Ingress
+    for what, wanted, job in parts:
+        if not wanted:
+            continue
+        try:
+            await job()
+        except Exception as err:  # noqa: BLE001 - the other parts still go
+            log.error("cannot remove %s: %s", what, str(err) or type(err).__name__)
+            failed.append(what)
+    return failed

@@ -38,6 +38,10 @@ KEEPALIVE_TIMEOUT = 15.0
 MAX_CONNECTIONS = 1000
 
 
+class Conflict(Exception):
+    """A request the provider refuses in its present state (409, the message its error)."""
+
+
 class StatusProvider(Protocol):
     registry: CollectorRegistry
 
@@ -302,8 +306,13 @@ class ApiServer:
         leave = getattr(self.provider, "request_leave", None)
         if leave is None:
             return _json({"error": "this process does not manage a node"}, 404)
-        leave()
-        return _json({"leaving": True}, 202)
+        try:
+            left = leave()
+        except Conflict as err:  # e.g. already stopping
+            return _json({"error": str(err)}, 409)
+        # Answered once the node has left etcd (or could not): `agentd leave` says which.
+        error = await asyncio.shield(left) if asyncio.isfuture(left) else None
+        return _json({"leaving": True, "etcd_error": error}, 202)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.provider.registry)

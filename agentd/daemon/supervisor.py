@@ -1,6 +1,7 @@
 """A small supervision tree for the agent's long-running tasks.
 
-Each child is a named coroutine *factory*.  If the coroutine raises, the supervisor
+Each child is a named coroutine *factory*.  If the coroutine raises (CancelledError too,
+when nobody cancelled it: a library raising it), the supervisor
 logs it with the traceback, marks the child down (``/healthz`` reports it) and starts
 it again after an exponentially growing delay, reset once the child has run
 ``stable_after`` seconds.  A child that returns normally is done and not restarted.
@@ -68,26 +69,32 @@ class Supervisor:
             child.task = asyncio.get_running_loop().create_task(child.factory(), name=child.name)
             try:
                 await child.task
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as cancelled:
                 if self._closing:
                     return
-                raise
-            except Exception as err:  # a crash: log, mark down, restart later
-                ran = self._clock() - child.started_at
-                if ran >= self._stable_after:
-                    child._failures = 0
-                delay = min(self._backoff_max, self._backoff_initial * (2**child._failures))
-                delay *= 0.75 + 0.25 * random.random()
-                child._failures += 1
-                child.restarts += 1
-                child.down = True
-                child.last_crash = time.time()
-                child.last_error = f"{type(err).__name__}: {err}"
-                log.error("task %s crashed (%s); restarting in %.1fs", child.name, child.last_error, delay, exc_info=err)
-                await asyncio.sleep(delay)
-                continue
-            child.done = True
-            return
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():  # this runner itself was cancelled
+                    raise
+                # The child ended cancelled though nobody cancelled it (a library raising
+                # CancelledError, e.g. grpc.aio on a channel closed under it): a crash.
+                err: BaseException = cancelled
+            except Exception as crash:  # noqa: BLE001 - a crash: log, mark down, restart later
+                err = crash
+            else:
+                child.done = True
+                return
+            ran = self._clock() - child.started_at
+            if ran >= self._stable_after:
+                child._failures = 0
+            delay = min(self._backoff_max, self._backoff_initial * (2**child._failures))
+            delay *= 0.75 + 0.25 * random.random()
+            child._failures += 1
+            child.restarts += 1
+            child.down = True
+            child.last_crash = time.time()
+            child.last_error = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            log.error("task %s crashed (%s); restarting in %.1fs", child.name, child.last_error, delay, exc_info=err)
+            await asyncio.sleep(delay)
 
     def health(self) -> tuple[bool, list[str]]:
         problems = []

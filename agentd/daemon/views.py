@@ -63,7 +63,7 @@ class AgentState(Protocol):
 
     def problems(self) -> list[str]: ...
 
-    def request_leave(self) -> None: ...
+    def request_leave(self) -> Any: ...
 
 
 class AgentViews:
@@ -83,8 +83,9 @@ class AgentViews:
     def readiness(self) -> tuple[bool, list[str]]:
         return self.agent.readiness()
 
-    def request_leave(self) -> None:
-        self.agent.request_leave()
+    def request_leave(self) -> Any:
+        """The agent's answer to wait for (api.Conflict if it refuses)."""
+        return self.agent.request_leave()
 
     def status(self) -> dict[str, Any]:
         a = self.agent

@@ -286,3 +286,37 @@ async def test_a_bad_record_in_etcd_at_start_is_one_line_and_leave_cleans_up_wit
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "cannot remove the node from etcd" in proc.stderr, proc.stderr
     assert b"agentd.vxlan" not in ns.ip("-o", "link").stdout
+
+
+async def test_a_leave_while_the_agent_waits_for_etcd_cleans_the_host_and_says_etcd_was_not_left(netns_factory, tmp_path):
+    """`agentd leave` while the agent waits for an unreachable etcd at start: the parts it had
+    not built were skipped (here a VXLAN device a previous run left stayed), and the agent and
+    `agentd leave` exited 0.  Now the host is cleaned up and both exit 1, saying etcd failed."""
+    ns, other = netns_factory("leavestart"), netns_factory("leavestart-peer")
+    veth(ns, "eth0", other, "eth0")
+    ns.ip("addr", "add", "10.1.1.1/24", "dev", "eth0")
+    ns.ip("link", "add", "agentd.vxlan", "type", "vxlan", "id", "1", "dstport", "4789", "dev", "eth0")
+    conf = tmp_path / "agentd.toml"
+    conf.write_text(
+        f'[node]\nname = "n1"\naddress = "10.1.1.1"\n'
+        f'[etcd]\nendpoints = ["http://127.0.0.1:9"]\n'  # nothing listens: start-up waits for it
+        f'[api]\nlisten = "127.0.0.1:9099"\ntoken_file = "{tmp_path}/token"\n'
+        f'[cni]\nsubnet_file = "{tmp_path}/subnet.env"\nconf_dir = "{tmp_path}/net.d"\n'
+        f'[agent]\nstate_dir = "{tmp_path}/state"\nbpf_dir = "{tmp_path}/bpf"\n'
+    )
+    agent = await asyncio.create_subprocess_exec("ip", "netns", "exec", ns.name, AGENTD, "run", "--config", str(conf),
+                                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        await auntil(lambda: (tmp_path / "token").exists(), 30, what="the agent's API token")
+        proc = await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns.name, AGENTD, "leave", "--config",
+                                                        str(conf)], capture_output=True, text=True, timeout=90)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "could not be removed from etcd" in proc.stderr.splitlines()[-1], proc.stderr
+        _, err = await asyncio.wait_for(agent.communicate(), 30)
+        assert agent.returncode == 1 and b"Traceback" not in err, err.decode()
+        assert b"agentd.vxlan" not in ns.ip("-o", "link").stdout
+        assert not (tmp_path / "token").exists()
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()

@@ -11,6 +11,14 @@ from agentd.datastore.store import SubnetLease
 CFG = load_config(None, env={}, overrides={"node.address": "10.1.1.1", "node.name": "n1"})
 
 
+def _cfg(tmp_path, **overrides):
+    """CFG with its files in ``tmp_path`` (a stop removes some)."""
+    return load_config(None, env={}, overrides={
+        "node.address": "10.1.1.1", "node.name": "n1", "cni.subnet_file": str(tmp_path / "subnet.env"),
+        "api.token_file": str(tmp_path / "api.token"), "agent.state_dir": str(tmp_path / "state"),
+        "agent.bpf_dir": str(tmp_path / "bpf"), **overrides})
+
+
 def test_a_subnet_taken_by_another_node_stops_the_agent_with_status_1():
     async def main():
         agent = Agent(CFG)
@@ -102,9 +110,13 @@ def test_start_up_problems_leave_the_agent_ready_but_degraded(monkeypatch):
     asyncio.run(main())
 
 
-def test_an_agent_stopping_for_a_lost_subnet_removes_its_node_record():
+def test_an_agent_stopping_for_a_lost_subnet_removes_its_node_record_and_subnet_file(tmp_path):
     """close() keeps the lease (a restart finds its keys): after a lost subnet the node record
-    must not stay behind it, naming the subnet another node holds now."""
+    must not stay behind it, naming the subnet another node holds now.  Nor the subnet file:
+    agentd-cni hands out addresses from it, which the subnet's new holder hands out too."""
+    subnet_file = tmp_path / "subnet.env"
+    subnet_file.write_text("AGENTD_SUBNET=10.244.7.1/24\n")
+    cfg = _cfg(tmp_path)
 
     class Datastore:
         def __init__(self) -> None:
@@ -118,13 +130,14 @@ def test_an_agent_stopping_for_a_lost_subnet_removes_its_node_record():
             self.calls.append(("close",))
 
     async def main():
-        agent = Agent(CFG)
+        agent = Agent(cfg)
         agent.datastore = ds = Datastore()
         agent._subnet_lost(SubnetLease(IPv4Network("10.244.7.0/24"), "n1", IPv4Address("10.1.1.1"), "host-gw"))
         await agent._shutdown()
         return ds.calls
 
     assert asyncio.run(main()) == [("remove_node", "n1"), ("close",)]
+    assert not subnet_file.exists()
 
 
 def test_status_names_each_start_up_step_while_it_waits(monkeypatch):

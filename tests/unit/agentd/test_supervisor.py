@@ -88,3 +88,36 @@ async def test_stop_cancels_again_a_task_that_lost_its_cancel():
     done, _ = await asyncio.wait({stopping}, timeout=5)  # not wait_for: it would wait for stop() to end
     assert done, "stop() waits for ever for a task that lost its cancel"
     assert lost == [1, 1] and all(c.task is not None and c.task.cancelled() for c in children)
+
+
+async def test_a_task_ending_cancelled_when_nobody_cancelled_it_is_a_crash_and_restarted():
+    """A library that raises CancelledError (grpc.aio on a channel closed under it): the
+    runner re-raised it and ended -- the task dead for good, /healthz 200, "running"."""
+    others: list[asyncio.Future] = []
+
+    async def child():
+        others.append(asyncio.get_running_loop().create_future())
+        await others[-1]  # a future someone else cancels
+
+    sup = Supervisor(backoff_initial=0.0, backoff_max=0.0)
+    c = sup.start("c", child)
+    await turns_until(lambda: len(others) == 1)
+    others[0].cancel()
+    await turns_until(lambda: len(others) == 2)  # started again
+    assert c.restarts == 1 and c.last_error == "CancelledError"
+    assert not sup._runners["c"].done()
+    await sup.stop()
+    assert sup._runners["c"].done()
+
+
+async def test_a_cancelled_runner_still_ends():
+    async def child():
+        await asyncio.Event().wait()
+
+    sup = Supervisor(backoff_initial=0.0, backoff_max=0.0)
+    c = sup.start("c", child)
+    await turns_until(lambda: c.task is not None)
+    sup._runners["c"].cancel()
+    await turns_until(lambda: sup._runners["c"].done())
+    assert sup._runners["c"].cancelled() and c.restarts == 0
+    await sup.stop()
