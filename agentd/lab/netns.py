@@ -189,6 +189,10 @@ class Netns:
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
         raw = b"".join(chunks)
+        # An empty or foreign reply (the agent's API closes a connection at once when it is over
+        # its connection limit or shutting down) is a ValueError, as a garbled one is.
+        if not raw.startswith(b"HTTP/"):
+            raise ValueError(f"GET {url}: not an HTTP reply ({len(raw)} bytes: {raw[:40]!r})")
         head, _, body = raw.partition(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
         return status, body
