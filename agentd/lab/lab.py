@@ -54,7 +54,7 @@ from agentd.lab import bpffs
 from agentd.lab.errors import LabError
 from agentd.lab.etcd import EtcdCluster
 from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names
-from agentd.lab.readiness import Readiness
+from agentd.lab.readiness import Readiness, subnets_of
 from agentd.lab.runtime import CNI_PLUGIN_DIR, binary, cni, write_resolv_conf
 from agentd.lab.speaker_proc import render_toml
 from agentd.lab.underlay import UNDERLAY_PREFIX, Underlay, quiet_dad, v6_address
@@ -507,11 +507,7 @@ class Lab:
 
     def all_subnets(self) -> dict[str, list[str]]:
         """Each node's pod subnets as its /status says: IPv4 and IPv6 in a dual-stack lab."""
-        out = {}
-        for n in self.nodes:
-            node = (n.api_or_none("/status") or {}).get("node") or {}
-            out[n.name] = list(dict.fromkeys(s for s in (node.get("subnet"), node.get("subnet_v6")) if s))
-        return out
+        return {n.name: subnets_of(n.api_or_none("/status")) for n in self.nodes}
 
     # ------------------------------------------------------------ pods
 
