@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from agentd.lab.cli import _seconds  # `agentd lab`'s: a finite number in 1..3600
 from agentd.lab.dockerd import DockerEngine, compose, ensure_netns
 from agentd.lab.errors import LabError
 from agentd.lab.images import AGENT_IMAGE, LOCAL_BASE, ROOT, Images, build_images, has_image
@@ -386,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="engine, images, docker-compose up, wait, the reachability matrix")
     up.add_argument("--backend", choices=["host-gw", "vxlan", "udp", "ipip"], default="host-gw")
     up.add_argument("--private", action="store_true", help="a private engine even where one runs")
-    up.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for the pods (default 240)")
+    up.add_argument("--timeout", type=_seconds, default=240.0,
+                    help="seconds to wait for the pods, 1..3600 (default 240)")
     down = sub.add_parser("down", help="remove everything up made")
     down.add_argument("--images", action="store_true", help="the images it built too")
     i = 0  # the first word that is not --name or its value: the command
