@@ -49,13 +49,31 @@ LONG_FIRST = (
 )
 
 
+def pytest_configure(config):
+    """In the controller and in every xdist worker: SIGTERM ends the run with its teardown (a
+    KeyboardInterrupt, as Ctrl-C), and the daemons a test starts die with this process even
+    when it is SIGKILLed (PR_SET_PDEATHSIG: agentd.lab.netns.tie_children_to_this_process)."""
+    from agentd.lab.fixtures import end_run_on_sigterm
+    from agentd.lab.netns import tie_children_to_this_process
+
+    end_run_on_sigterm()
+    tie_children_to_this_process()
+
+
 def pytest_sessionstart(session):
-    """Before the run (once, not in each xdist worker): unmount the BPF file systems of labs an
+    """Before the run (once, not in each xdist worker): delete the network namespaces an earlier
+    run left when it was killed (agentd.lab.netns.sweep_dead_owners: only those a test run
+    recorded as its own, whose process is gone), then unmount the BPF file systems of labs an
     earlier run left behind when it was killed (agentd.lab.bpffs.sweep_dead) -- their pins keep
     programs and maps alive, and pytest cannot remove their directories."""
     if os.geteuid() != 0 or hasattr(session.config, "workerinput"):
         return
-    from agentd.lab import bpffs
+    from agentd.lab import bpffs, netns
+
+    # First the namespaces (and the daemons in them) such a run made: a lab's bpffs is left
+    # mounted while its namespaces exist.
+    for name in netns.sweep_dead_owners():
+        print(f"agentd: deleted network namespace {name}, left by a run that was killed")
 
     tmp = pathlib.Path(tempfile.gettempdir())
     try:  # pytest's base temp, and the short lab roots some tests make beside it (ad-sb-*)

@@ -1,12 +1,14 @@
 """The compose lab (compose.yaml) brought up for real: ``scripts/dev compose up|down|...``.
 
-    python -m agentd.lab.compose up [--backend B] [--name NAME] [--private] [--timeout S]
+    python -m agentd.lab.compose up [--backend B] [--name NAME] [--user-engine] [--timeout S]
     python -m agentd.lab.compose down [--name NAME] [--images]
     python -m agentd.lab.compose status|ps|logs|exec ... [--name NAME]   docker-compose, pointed at the lab
 
-``up`` uses the Docker engine the user runs (``DOCKER_HOST``, else the default socket) if one
-answers, else (or with ``--private``) starts one of its own in a network namespace
-(agentd.lab.dockerd: ``ad-compose_<name>-docker``, its docker0 and iptables rules in there),
+``up`` starts a Docker engine of its own in a network namespace (agentd.lab.dockerd:
+``ad-compose_<name>-docker``, its docker0 and iptables rules in there: nothing of the lab in
+the root network namespace); only with ``--user-engine`` does it use the engine the user runs
+(``DOCKER_HOST``, else the default socket), whose networks are bridges, addresses, routes and
+iptables rules in the root namespace.  ``--private``, the default, is still accepted.  It
 builds the images (agentd.lab.images: from the registry's slim Python image, or, without a
 registry, from Debian packages), runs ``docker-compose up -d``, waits until every node has
 attached its pod, and prints the pod reachability matrix: one ICMP echo per ordered pod pair,
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from agentd.lab.cli import _seconds  # `agentd lab`'s: a finite number in 1..3600
 from agentd.lab.dockerd import DockerEngine, compose, ensure_netns
 from agentd.lab.errors import LabError
 from agentd.lab.images import AGENT_IMAGE, LOCAL_BASE, ROOT, Images, build_images, has_image
@@ -285,17 +288,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     if ComposeState.load(args.name) is not None:
         raise LabError(f"compose lab {args.name} is up already (`scripts/dev compose down` removes it)")
     t0 = time.monotonic()
-    engine = None if args.private else user_engine()
+    engine = user_engine() if args.user_engine else None
+    if args.user_engine and engine is None:
+        raise LabError("--user-engine: no Docker engine answers (DOCKER_HOST, else /var/run/docker.sock); "
+                       "without --user-engine, up starts one of its own")
     if engine is not None:
         # compose.yaml's underlay network and addresses are fixed: two projects on one engine collide.
         others = [s.name for s in ComposeState.all() if s.name != args.name and not s.private and s.host == engine.host]
         if others:
             raise LabError(f"compose lab {others[0]} is up on your Docker engine already, and two cannot share it "
-                           f"(compose.yaml's underlay network is fixed): take it down first, or use --private")
+                           f"(compose.yaml's underlay network is fixed): take it down first, or leave out --user-engine")
     private = engine is None
     if private:
         engine = private_engine(args.name)
-        say(f"no Docker engine answers: starting one of our own in network namespace {engine.netns.name}")
+        say(f"starting a Docker engine of our own in network namespace {engine.netns.name}")
         ensure_netns(engine.netns.name)
     state = ComposeState(
         name=args.name, project=f"agentd{args.name}", host=engine.host, private=private,
@@ -385,8 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True, metavar="up|down|<docker-compose command>")
     up = sub.add_parser("up", help="engine, images, docker-compose up, wait, the reachability matrix")
     up.add_argument("--backend", choices=["host-gw", "vxlan", "udp", "ipip"], default="host-gw")
-    up.add_argument("--private", action="store_true", help="a private engine even where one runs")
-    up.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for the pods (default 240)")
+    which = up.add_mutually_exclusive_group()
+    which.add_argument("--user-engine", action="store_true",
+                       help="use the Docker engine you run (DOCKER_HOST, else the default socket): its networks "
+                            "change the root network namespace (bridge, address, route, iptables rules)")
+    which.add_argument("--private", action="store_true",
+                       help="an engine of its own in a network namespace (the default; kept for old scripts)")
+    up.add_argument("--timeout", type=_seconds, default=240.0,
+                    help="seconds to wait for the pods, 1..3600 (default 240)")
     down = sub.add_parser("down", help="remove everything up made")
     down.add_argument("--images", action="store_true", help="the images it built too")
     i = 0  # the first word that is not --name or its value: the command

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agentd.lab.errors import LabError
-from agentd.lab.netns import Netns
+from agentd.lab.netns import Netns, tied
 from agentd.lab.wait import until
 
 DOCKER = os.environ.get("AGENTD_DOCKER_CLIENT", "/usr/bin/docker")
@@ -148,7 +148,8 @@ class DockerEngine:
         return pid if cmdline and cmdline[0].endswith(b"dockerd") and str(self.socket).encode() in b" ".join(cmdline) else None
 
     def start(self, timeout: float = 60.0) -> None:
-        """Start dockerd (detached: it outlives this process until :meth:`stop`) and wait until
+        """Start dockerd (detached: it outlives this process until :meth:`stop`; in a test run,
+        started from the main thread, it dies with the run: agentd.lab.netns.tied) and wait until
         it answers.  A no-op for the user's engine, or when this engine already runs."""
         if not self.owned or self.running_pid() is not None:
             self._wait(timeout)
@@ -170,8 +171,9 @@ class DockerEngine:
             *self.daemon_args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
+            # tied(): in a test run, and started from the main thread, it dies with the run.
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                argv, **tied({"stdin": subprocess.DEVNULL, "stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True})
             )
         try:
             self._wait(timeout)

@@ -15,6 +15,30 @@ import pytest
 
 from agentd.lab.netns import Netns, delete_matching, unique_tag
 
+_terminating = False
+
+
+def on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a CI timeout, ``kill``): end the run as Ctrl-C does -- a KeyboardInterrupt, so
+    pytest runs every fixture's finalizer (labs down, namespaces deleted, daemons stopped)
+    instead of dying at once.  Only the first: a second SIGTERM must not cut the teardown
+    short (SIGKILL still ends it; the daemons then die with the run, agentd.lab.netns.tied)."""
+    global _terminating
+    if _terminating:
+        print("agentd: SIGTERM again: still tearing down", flush=True)
+        return
+    _terminating = True
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def end_run_on_sigterm() -> None:
+    """Install :func:`on_sigterm` (from the main thread: pytest's, or an xdist worker's)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+
 
 @pytest.fixture
 def netns_factory() -> Iterator[Callable[[str], Netns]]:

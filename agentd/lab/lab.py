@@ -54,11 +54,12 @@ from agentd.lab import bpffs
 from agentd.lab.errors import LabError
 from agentd.lab.etcd import EtcdCluster
 from agentd.lab.netns import Netns, NetnsError, delete_matching, list_names
-from agentd.lab.readiness import Readiness
+from agentd.lab.readiness import Readiness, subnets_of
 from agentd.lab.runtime import CNI_PLUGIN_DIR, binary, cni, write_resolv_conf
 from agentd.lab.speaker_proc import render_toml
 from agentd.lab.underlay import UNDERLAY_PREFIX, Underlay, quiet_dad, v6_address
 from agentd.lab.wait import auntil
+from agentd.resources.validation import Invalid, dns1123_label, dns1123_subdomain
 
 LAB_ROOT = Path(os.environ.get("AGENTD_LAB_ROOT", "/run/agentd-lab"))
 ETCD_ADDRESS = f"{UNDERLAY_PREFIX}.0.2"  # member 1; member M is at .(1+M)
@@ -295,7 +296,10 @@ class LabPod:
         else:
             self.namespace, self.k8s_name = namespace, name
             self.name = f"{namespace}/{name}"
-            slug = _slug(f"p-{namespace}-{name}")
+            # "_" is in neither a namespace (a DNS-1123 label) nor a name (a subdomain), so two
+            # pods never share a slug ("a-b/c" is p-a-b_c, "a/b-c" is p-a_b-c); nor a node's pod
+            # (node1-pod1: no "p-" in front).
+            slug = _slug(f"p-{namespace}_{name}")
         self.labels = dict(labels or {})
         self.ports = list(ports or [])
         # hostPort mappings (CNI runtimeConfig portMappings: hostPort, containerPort, protocol),
@@ -325,12 +329,14 @@ class LabPod:
 
 
 def _slug(text: str) -> str:
-    """A namespace/container name part: short enough for a file name, else hashed."""
+    """A namespace/container name part: ``text`` up to 60 characters, else its first 48 and a
+    hash (65 characters: longer than any unhashed slug, so the two kinds never meet; a network
+    namespace name is a file name, and a CNI container ID may have 200)."""
     if len(text) <= 60:
         return text
     import hashlib
 
-    return f"{text[:40]}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+    return f"{text[:48]}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 
 
 class Lab:
@@ -507,11 +513,7 @@ class Lab:
 
     def all_subnets(self) -> dict[str, list[str]]:
         """Each node's pod subnets as its /status says: IPv4 and IPv6 in a dual-stack lab."""
-        out = {}
-        for n in self.nodes:
-            node = (n.api_or_none("/status") or {}).get("node") or {}
-            out[n.name] = list(dict.fromkeys(s for s in (node.get("subnet"), node.get("subnet_v6")) if s))
-        return out
+        return {n.name: subnets_of(n.api_or_none("/status")) for n in self.nodes}
 
     # ------------------------------------------------------------ pods
 
@@ -560,11 +562,20 @@ class Lab:
         """Attach one more pod, ``namespace/name`` with ``labels`` and named ``ports``
         (``[{"name": "http", "containerPort": 80, "protocol": "TCP"}]``), to ``node``."""
         node = self.node(node) if isinstance(node, str) else node
+        try:
+            dns1123_label(namespace, "namespace")
+            dns1123_subdomain(name, "name")
+        except Invalid as err:
+            raise LabError(f"pod {namespace}/{name}: {err}") from None
         if self.docker is not None:
             raise LabError(f"lab {self.spec.name} runs Docker hosts: its pods are containers (`docker run`), not CNI pods")
         if any(p.name == f"{namespace}/{name}" for p in self.pods):
             raise LabError(f"lab {self.spec.name} already has a pod {namespace}/{name}")
         pod = LabPod(node, namespace=namespace, name=name, labels=labels, ports=ports, host_ports=host_ports)
+        # Never attach into a namespace (or as a container) that is another's: the clean-up of a
+        # failed attach below would delete it.
+        if pod.ns.exists() or any(p.container_id == pod.container_id for p in self.pods):
+            raise LabError(f"lab {self.spec.name}: pod {pod.name}'s network namespace {pod.ns.name} exists already")
         self.pods.append(pod)
         try:
             await self.attach_pod(pod)

@@ -8,6 +8,8 @@ Rules kept here so callers cannot forget them:
 * Every namespace this module makes is named ``ad-<tag>-<role>`` so a lab or test
   run can find and remove exactly its own (``delete_matching``).
 * Deleting a namespace first kills every process still running inside it.
+* In a test run (:func:`tie_children_to_this_process`, which tests/conftest.py calls), the
+  long-running processes started here die with the run, even a SIGKILLed one.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from agentd.kernel.netns import NETNS_DIR, entered
 from agentd.lab.wait import until
@@ -31,6 +35,112 @@ NAME_PREFIX = "ad-"
 # Per-namespace files: `ip netns exec NAME` bind-mounts /etc/netns/NAME/<file> over /etc/<file>
 # (a pod's resolv.conf); they go with the namespace.
 ETC_NETNS = "/etc/netns"
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_tie_children = False
+
+
+def tie_children_to_this_process(on: bool = True) -> None:
+    """From now on, daemons this process starts (:meth:`Netns.popen`, :func:`tied`) get
+    PR_SET_PDEATHSIG SIGKILL: when the test run ends in any way -- a SIGKILL after a CI
+    timeout included, when no finalizer runs -- the kernel kills them, instead of leaving
+    etcd, the agents, BIRD or a dockerd running in namespaces nobody removes.
+
+    Off unless asked for: ``agentd lab up`` and ``scripts/dev compose up`` start daemons that
+    must outlive the command.  The signal is sent when the *thread* that started the child
+    ends, so only children started from the main thread get it (it lives as long as the
+    process; pytest and its xdist workers run tests there, and so does their event loop); one
+    started from a worker thread (asyncio.to_thread, an executor: the Docker hosts' dockerds)
+    would be killed when that thread is retired, and is left without (the namespace it runs
+    in goes with the lab's teardown).  Also cleared by the kernel when the child executes a
+    binary with file capabilities or set-user-ID."""
+    global _tie_children
+    _tie_children = on
+
+
+# In a test run, each namespace made names the process that made it here (``PID STARTTIME``),
+# so the next run can remove those of a run that was killed (:func:`sweep_dead_owners`).
+OWNERS_DIR = "/run/agentd-netns-owners"
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (when it started, in clock ticks since boot): a PID and its
+    start time name one process, even after the PID is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _record_owner(name: str) -> None:
+    if not _tie_children:
+        return
+    pid = os.getpid()
+    with contextlib.suppress(OSError):  # a tidy-up aid: the namespace works without it
+        os.makedirs(OWNERS_DIR, exist_ok=True)
+        with open(os.path.join(OWNERS_DIR, name), "w") as f:
+            f.write(f"{pid} {_start_time(pid)}\n")
+
+
+def _forget_owner(name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(OWNERS_DIR, name))
+
+
+def sweep_dead_owners() -> list[str]:
+    """Delete the namespaces (and what runs in them) that test runs made and left when they
+    were killed: those recorded in :data:`OWNERS_DIR` whose process is gone.  Namespaces of
+    runs still going, of ``agentd lab up`` (never recorded) and names not ours are left alone.
+    Returns the names deleted."""
+    try:
+        names = sorted(os.listdir(OWNERS_DIR))
+    except FileNotFoundError:
+        return []
+    deleted = []
+    for name in names:
+        if not name.startswith(NAME_PREFIX) or "/" in name:
+            continue
+        try:
+            with open(os.path.join(OWNERS_DIR, name)) as f:
+                pid_text, _, start = f.read().strip().partition(" ")
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if _start_time(pid) == start:  # its run is still going (here, or beside us)
+            continue
+        ns = Netns(name)
+        if ns.exists():
+            try:
+                ns.delete()
+            except (OSError, subprocess.SubprocessError, NetnsError):
+                continue  # tried again by the next run
+            deleted.append(name)
+        _forget_owner(name)
+    return deleted
+
+
+def tied(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``subprocess.Popen`` keyword arguments with the parent-death signal added when
+    :func:`tie_children_to_this_process` is on and this is the main thread (else as given)."""
+    if not _tie_children or "preexec_fn" in kwargs or threading.current_thread() is not threading.main_thread():
+        return kwargs
+    return {**kwargs, "preexec_fn": _die_with(os.getpid())}
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+
+    def child() -> None:  # after fork, before exec: nothing that takes a lock
+        if prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != parent:  # the parent died before the prctl: no signal will come
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return child
 
 
 class NetnsError(RuntimeError):
@@ -109,6 +219,7 @@ class Netns:
         if not name.startswith(NAME_PREFIX):
             raise ValueError(f"namespace names must start with {NAME_PREFIX!r}: {name!r}")
         run(["ip", "netns", "add", name])
+        _record_owner(name)
         ns = cls(name)
         ns.ip("link", "set", "lo", "up")
         return ns
@@ -125,8 +236,9 @@ class Netns:
         return run(args, ns=self.name, check=check, timeout=timeout, input=input).stdout.decode()
 
     def popen(self, args: Sequence[str], **kwargs) -> subprocess.Popen:
-        """Start a long-running process inside the namespace."""
-        return subprocess.Popen(_in_ns(args, self.name), **kwargs)
+        """Start a long-running process inside the namespace (tied to this process in a test
+        run: :func:`tie_children_to_this_process`)."""
+        return subprocess.Popen(_in_ns(args, self.name), **tied(kwargs))
 
     async def aexec(self, *args: str, check: bool = True, timeout: float = 60) -> tuple[int, bytes, bytes]:
         return await arun(args, ns=self.name, check=check, timeout=timeout)
@@ -162,6 +274,7 @@ class Netns:
             run(["ip", "netns", "del", self.name], check=False)
         if self.name.startswith(NAME_PREFIX):
             shutil.rmtree(self.etc, ignore_errors=True)
+        _forget_owner(self.name)
 
     def connect(self, host: str, port: int, timeout: float = 5.0) -> socket.socket:
         """A TCP connection made from inside this namespace (usable from the calling process)."""
@@ -189,6 +302,10 @@ class Netns:
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
         raw = b"".join(chunks)
+        # An empty or foreign reply (the agent's API closes a connection at once when it is over
+        # its connection limit or shutting down) is a ValueError, as a garbled one is.
+        if not raw.startswith(b"HTTP/"):
+            raise ValueError(f"GET {url}: not an HTTP reply ({len(raw)} bytes: {raw[:40]!r})")
         head, _, body = raw.partition(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
         return status, body

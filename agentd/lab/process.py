@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from agentd.lab.netns import Netns, stop_process
+from agentd.lab.netns import Netns, stop_process, tied
 from agentd.lab.wait import until
 
 STOP_GRACE = 10.0
@@ -76,7 +76,9 @@ class LabProcess:
         self._log.flush()
         kwargs: dict[str, Any] = dict(stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)  # fmt: skip
-        self._proc = self.ns.popen(list(argv), **kwargs) if self.ns is not None else subprocess.Popen(argv, **kwargs)
+        # In a test run, tied to it (agentd.lab.netns.tie_children_to_this_process): it dies with
+        # the run even when the run is SIGKILLed and stops nothing.
+        self._proc = self.ns.popen(list(argv), **kwargs) if self.ns is not None else subprocess.Popen(argv, **tied(kwargs))
 
     def stop(self, timeout: float = STOP_GRACE) -> int | None:
         """SIGCONT, SIGTERM and wait; SIGKILL after ``timeout``.  Returns the exit status."""

@@ -25,7 +25,11 @@ class LabView(Protocol):
     nodes: list[Any]  # LabNode: .name, .reflector, .log_path, agent_pid(), api_or_none(), kernel_routes()
     pods: list[Any]  # LabPod: .name, .ips, .ns.path
 
-    def all_subnets(self) -> dict[str, list[str]]: ...
+
+def subnets_of(status: Any) -> list[str]:
+    """A node's pod subnets as its /status says: IPv4, then IPv6 in a dual-stack lab."""
+    node = (status or {}).get("node") or {}
+    return list(dict.fromkeys(s for s in (node.get("subnet"), node.get("subnet_v6")) if s))
 
 
 class Readiness:
@@ -68,14 +72,21 @@ class Readiness:
         await self._wait("every BGP session Established", check, timeout)
 
     async def routes(self, timeout: float, nodes: list[Any] | None = None) -> None:
-        """Every running node (of ``nodes``) with a kernel route to every other node's subnets
-        (both families in a dual-stack lab)."""
+        """Every node (of ``nodes``) with a kernel route to every other node's subnets (both
+        families in a dual-stack lab).  A node whose agent has exited ends the wait at once
+        (as in :meth:`agents_started`); one whose /status does not answer is "not yet": its
+        subnets are unknown, so no other node's routes can be judged complete without it."""
 
         def check() -> tuple[bool, str]:
-            subnets = self.lab.all_subnets()
-            for n in nodes or self.lab.nodes:
+            subnets: dict[str, list[str]] = {}
+            for n in self.lab.nodes:
                 if n.agent_pid() is None:
-                    continue
+                    raise LabError(f"{n.name}: agent exited; log {n.log_path} ends:\n{_tail(n.log_path)}")
+                status = n.api_or_none("/status")
+                if status is None:
+                    return False, f"{n.name} not answering"
+                subnets[n.name] = subnets_of(status)
+            for n in nodes or self.lab.nodes:
                 have = {line.split()[0] for line in n.kernel_routes() if not line.startswith("blackhole")}
                 want = {s for name, mine in subnets.items() if name != n.name for s in mine}
                 missing = want - have

@@ -10,6 +10,7 @@ plugin after the first given the previous result, DEL goes up it with the ADD re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 from agentd.lab.errors import LabError
 
 CNI_PLUGIN_DIR = "/usr/lib/cni"
+PLUGIN_TIMEOUT = 60.0  # seconds a plugin may take (a runtime gives up on one as well)
 
 
 class Pod(Protocol):
@@ -101,8 +103,14 @@ async def _plugin(pod: Pod, plugin: str, netconf: dict[str, Any], command: str) 
         "ip", "netns", "exec", pod.node.ns.name, exe,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(json.dumps(netconf).encode()), 60)
+    name = os.path.basename(plugin)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(json.dumps(netconf).encode()), PLUGIN_TIMEOUT)
+    except TimeoutError:  # a hung plugin: killed and reaped, and one line saying so
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise LabError(f"{name} {command} for {pod.name} timed out after {PLUGIN_TIMEOUT:.0f}s") from None
     if proc.returncode != 0:
-        name = os.path.basename(plugin)
         raise LabError(f"{name} {command} for {pod.name} failed: {out.decode().strip()} {err.decode().strip()}")
     return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,13 @@ What = str | Callable[[], str]
 
 def _text(what: What) -> str:
     return what() if callable(what) else what
+
+
+def _check_timeout(timeout: float) -> None:
+    """A deadline must be a finite number of seconds, 0 or more: ``nan`` compares false with
+    everything, so a wait with it would never end (and ``inf`` would not either)."""
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout >= 0):
+        raise ValueError(f"timeout must be a finite number of seconds, 0 or more, not {timeout!r}")
 
 
 def _timed_out(error: type[Exception], timeout: float, what: What, last: BaseException | None) -> Exception:
@@ -62,6 +70,7 @@ def until(
     predicate is always tried once more after the deadline), ``error`` is raised with
     ``what`` (a string, or a function giving one, evaluated only then).
     """
+    _check_timeout(timeout)
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while True:
@@ -92,6 +101,7 @@ async def auntil(
     """:func:`until` for a running event loop.  ``predicate`` may return an awaitable (an
     ``async def`` function); ``in_thread`` runs a blocking one in a worker thread so the
     loop (and whatever it serves, e.g. an agent's API in the same process) keeps running."""
+    _check_timeout(timeout)
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while True:

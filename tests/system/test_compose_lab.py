@@ -51,14 +51,14 @@ def test_the_documented_command_brings_the_lab_up(docker_engine):
 
 
 def test_up_uses_the_engine_the_user_runs(docker_engine):
-    """With DOCKER_HOST set (here: the run's engine standing in for the user's), `up` starts no
-    engine of its own and `down` takes only its project away, never the engine."""
+    """With --user-engine and DOCKER_HOST set (here: the run's engine standing in for the
+    user's), `up` starts no engine of its own and `down` takes only its project away, never the engine."""
     name = unique_tag("c")
     engine = docker_engine.engine
-    up = cli(name, "up", "--backend", "host-gw", env={"DOCKER_HOST": engine.host})
+    up = cli(name, "up", "--user-engine", "--backend", "host-gw", env={"DOCKER_HOST": engine.host})
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        assert "starting one of our own" not in up.stdout and f"engine {engine.host} answers" in up.stdout
+        assert "of our own" not in up.stdout and f"engine {engine.host} answers" in up.stdout
         assert "FAIL" not in up.stdout and up.stdout.count(" ok") == 6, up.stdout
     finally:
         down = cli(name, "down", env={"DOCKER_HOST": engine.host})

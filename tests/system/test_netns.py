@@ -148,3 +148,50 @@ def _pinned_map(path: pathlib.Path) -> int:
     assert fd >= 0, f"bpf_map_create: {fd}"
     lb.obj_pin(fd, str(path))
     return fd
+
+
+def test_a_killed_run_leaves_no_daemon_and_the_next_run_deletes_its_namespace(tmp_path):
+    """A test run SIGKILLed (no finalizer runs): the daemon it started in a namespace dies with
+    it (PR_SET_PDEATHSIG), and the next run's session start deletes the namespace it left
+    (recorded with its process in netns.OWNERS_DIR); a live run's namespaces stay."""
+    import sys
+    import textwrap
+
+    name = f"ad-{netns.unique_tag()}-k"
+    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+        def pytest_configure(config):
+            from agentd.lab.netns import tie_children_to_this_process
+            tie_children_to_this_process()
+    """))
+    (tmp_path / "test_killed.py").write_text(textwrap.dedent("""
+        import os, pathlib, signal, subprocess
+        from agentd.lab.netns import Netns
+
+        def test_killed():
+            ns = Netns.create(os.environ["NS_NAME"])
+            proc = ns.popen(["sleep", "600"], stdout=subprocess.DEVNULL, start_new_session=True)
+            pathlib.Path(os.environ["PID_FILE"]).write_text(str(proc.pid))
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    pid_file = tmp_path / "pid"
+    try:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                              str(tmp_path / "test_killed.py")], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, check=False,
+                             env={**os.environ, "NS_NAME": name, "PID_FILE": str(pid_file)})  # fmt: skip
+        assert run.returncode == -9, run.stdout + run.stderr
+        pid = int(pid_file.read_text())
+
+        def gone() -> bool:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rpartition(")")[2].split()[0] == "Z"  # dead, not yet reaped by init
+            except FileNotFoundError:
+                return True
+
+        until(gone, 10, what=f"sleep (pid {pid}) to die with the killed run")
+        assert netns.Netns(name).exists()
+        assert name in netns.sweep_dead_owners()
+        assert not netns.Netns(name).exists() and not os.path.exists(os.path.join(netns.OWNERS_DIR, name))
+    finally:
+        netns.Netns(name).delete()
