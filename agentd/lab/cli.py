@@ -72,8 +72,9 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
                     help="run the Ingress controller on every node; the underlay namespace gets a client address")
     up.add_argument("--timeout", type=_seconds, default=None,
                     help="seconds to wait for each stage (default 90, or 3 per node above 30 nodes)")
-    for name in ("down", "status"):
-        sp = sub.add_parser(name)
+    for name, text in (("down", "stop the lab's agents and etcd and remove its namespaces and files"),
+                       ("status", "the lab's etcd members, and each node's subnet, routes and BGP peers")):
+        sp = sub.add_parser(name, help=text)
         sp.add_argument("--name", type=_lab_name, default="lab")
     rs = sub.add_parser("restart", help="stop one node's agent and start it again (graceful, or --kill for a crash)")
     rs.add_argument("--name", type=_lab_name, default="lab")

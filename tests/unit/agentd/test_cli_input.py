@@ -319,6 +319,14 @@ def test_flows_help_says_labels_are_all_of_and_other_filters_any_of(capsys):
     assert "--pod NS/NAME only records whose pod matches (repeat for any of several)" in text
 
 
+def test_lab_help_describes_every_subcommand(capsys):
+    """`agentd lab --help` says what each of its subcommands does (down and status too)."""
+    code, out, _ = run(capsys, "lab", "--help")
+    rows = [line.split() for line in out.splitlines() if line.startswith("    ") and line[4] != " "]
+    assert code == 0 and [row[0] for row in rows] == ["up", "down", "status", "restart", "exec", "pod"], out
+    assert all(len(row) > 1 for row in rows), out  # a help text beside each name
+
+
 def test_leave_asks_the_running_agent_without_reading_etcds_files(capsys, monkeypatch, tmp_path):
     """A token_group member cannot read root's [etcd] TLS files: POST /leave needs only the
     token, so `agentd leave` asks the agent before it looks at them; only with no agent
