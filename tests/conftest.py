@@ -1,6 +1,7 @@
 import getpass
 import os
 import pathlib
+import signal
 import tempfile
 
 import pytest
@@ -147,3 +148,15 @@ def pytest_xdist_make_scheduler(config, log):
 def _system_tests_need_root(request):
     if request.node.get_closest_marker("system") and os.geteuid() != 0:
         pytest.fail("system tests need root (network namespaces); run them via scripts/dev test")
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept():
+    """SIGTERM, SIGINT and SIGHUP as the run has them after every test: a test that runs an
+    event loop's signal handlers (Agent.run) leaves them at SIG_DFL when the loop removes its
+    own, which would lose the run's SIGTERM teardown (pytest_configure)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)

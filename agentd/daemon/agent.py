@@ -502,7 +502,11 @@ class Agent:
         self.notifier.close()
         if failed:
             log.error("stopped, but not cleanly: %s failed (above)", ", ".join(failed))
-            self.exit_status = 1
+            # A leave exits 0 all the same: 1 would have Restart=on-failure start the agent
+            # again, which would join the cluster it was asked to leave (`agentd leave` says
+            # what failed of the etcd step; the rest is in this log).
+            if not self._leaving:
+                self.exit_status = 1
 
     def _remove_subnet_file(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -573,7 +577,6 @@ class Agent:
         except Exception as err:  # noqa: BLE001 - etcd down: the lease expiry removes us later
             error = str(err) or type(err).__name__
             log.error("could not remove this node from etcd (%s); its lease will expire", error)
-            self.exit_status = 1
         finally:
             if self._left is not None and not self._left.done():
                 self._left.set_result(error)

@@ -82,10 +82,11 @@ class FlowDirectory:
         """Changes whenever a pod's record does: an address may be someone else since."""
         return self.policy.engine.pods_version if self.policy is not None else 0
 
-    def named_before(self, count: int | None) -> tuple[int, list[tuple[str, Identity]] | None]:
+    def named_before(self, count: int | None) -> tuple[int, list[tuple[str, Identity, float | None]] | None]:
         """Addresses that may name someone else since the ``count`` th change (None: from
-        now on), each with whom it named before, oldest first, and the count now; None for
-        the list if some of those changes are no longer known."""
+        now on), each with whom it named before and when it changed (CLOCK_REALTIME s),
+        oldest first, and the count now; None for the list if some of those changes are no
+        longer known."""
         if self.policy is None:
             return 0, []
         engine = self.policy.engine
@@ -95,7 +96,7 @@ class FlowDirectory:
         got = engine.named_before_since(count)
         if got is None:
             return now, None
-        return now, [(ip, self._identity_then(pod, local)) for ip, pod, local in got]
+        return now, [(ip, self._identity_then(pod, local), when) for ip, pod, local, when in got]
 
     def _identity_then(self, pod: Any, local: bool) -> Identity:
         cached = self._ids.get(pod.key)

@@ -124,9 +124,10 @@ class Directory(Protocol):
 
     def version(self) -> int: ...  # changes whenever an address may have become someone else
 
-    # (count now, [(address, whom it named before it may have become someone else)] since the
-    # ``count`` th such change, oldest first; None if some are no longer known).
-    def named_before(self, count: int | None) -> tuple[int, list[tuple[str, Identity]] | None]: ...
+    # (count now, [(address, whom it named before it may have become someone else, when:
+    # CLOCK_REALTIME s, None if not known)] since the ``count`` th such change, oldest first;
+    # None if some are no longer known).
+    def named_before(self, count: int | None) -> tuple[int, list[tuple[str, Identity, float | None]] | None]: ...
 
     def identity(self, ip: str) -> Identity | None: ...
 
@@ -546,6 +547,8 @@ class FlowRecorder:
                 self.malformed += others  # not the programs' (an older object's ring): counted, left out
                 if count:
                     self._take_batch(blob, count, addresses, self.clock())
+                else:  # the pods' changes read as they come, not only when records do
+                    self._begin_names()
         finally:
             loop.call_later(RECORDED_INTERVAL, self._drain_recorded)
 
@@ -819,11 +822,13 @@ class FlowRecorder:
 
     def _note_named_before(self) -> None:
         """The addresses that became someone else's or nobody's since the last look, with whom
-        they named until now (:attr:`_history`); changes older than HISTORY_AGE_NS forgotten."""
+        they named until each change, and when (:attr:`_history`: the policy engine's time of
+        the change, else this look's); changes older than HISTORY_AGE_NS forgotten."""
         count, got = self.directory.named_before(self._named_seen)
         first = self._named_seen is None
         self._named_seen = count
-        now = int(self.clock() * 1e9) + self.tai_offset()
+        offset = self.tai_offset()
+        now = int(self.clock() * 1e9) + offset
         history = self._history
         if history and now - self._history_pruned > HISTORY_AGE_NS // 10:
             self._history_pruned = now
@@ -837,13 +842,18 @@ class FlowRecorder:
                 log.warning("flows: more pods changed between two reads than the policy engine keeps; "
                             "ends of connections started before may name who has an address now")
             return
-        before: dict[str, Identity] = {}
-        for ip, ident in got:
-            before.setdefault(ip, ident)  # the first: whom it named before all of these
+        by_ip: dict[str, list[tuple[int, Identity]]] = {}
+        for ip, ident, when in got:
+            by_ip.setdefault(ip, []).append((now if when is None else int(when * 1e9) + offset, ident))
         identity = self.directory.identity
-        for ip, ident in before.items():
-            if ident == identity(ip):
-                continue  # named as before (a change of something else, or back again)
+        for ip, seen in by_ip.items():
+            # Each change kept whose ``before`` differs from what the address named after it
+            # (the next change's ``before``, or whom it names now): not a change of something
+            # else of the pod, nor one undone.
+            after = [s[1] for s in seen[1:]] + [identity(ip)]
+            kept = [s for s, then in zip(seen, after) if s[1] != then]
+            if not kept:
+                continue
             try:
                 address = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
             except OSError:
@@ -853,9 +863,8 @@ class FlowRecorder:
                 if len(history) >= HISTORY_MAX:
                     del history[next(iter(history))]
                 changes = history[address] = []
-            elif len(changes) >= HISTORY_PER_ADDRESS:
-                del changes[0]
-            changes.append((now, ident))
+            changes.extend(kept)
+            del changes[:-HISTORY_PER_ADDRESS]
 
     def _named_then(self, address: bytes, started: int, named: Identity | None) -> Identity | None:
         """Whom ``address`` named when a connection started at ``started`` (CLOCK_TAI ns),

@@ -33,8 +33,9 @@ pod of this node are compiled at all.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import compiler
@@ -67,11 +68,13 @@ class PolicyEngine:
         self.by_ip: dict[str, PodKey] = {}  # every pod's addresses (flow records name pods by them)
         self.pods_version = 0  # changes with any pod's record (flow records remember names until then)
         # Whom an address named before a change that may have given it to another (or to
-        # nobody): (address, the pod it named, whether a pod of this node), the latest last,
-        # at most NAMED_BEFORE_MAX; ``named_before_count`` counts every one ever kept (the flow
-        # recorder names a connection's end as its start named it: :meth:`named_before_since`).
-        self.named_before: deque[tuple[str, Pod, bool]] = deque(maxlen=NAMED_BEFORE_MAX)
+        # nobody): (address, the pod it named, whether a pod of this node, when: ``clock``),
+        # the latest last, at most NAMED_BEFORE_MAX; ``named_before_count`` counts every one
+        # ever kept (the flow recorder names a connection's end as its start named it:
+        # :meth:`named_before_since`).
+        self.named_before: deque[tuple[str, Pod, bool, float]] = deque(maxlen=NAMED_BEFORE_MAX)
         self.named_before_count = 0
+        self.clock: Callable[[], float] = time.time  # when a change is noted (CLOCK_REALTIME s)
         self._prefixes: dict[str, tuple[str, PodKey]] | None = None
         self._chains: dict[str, tuple[str, PodKey]] | None = None
         self.pods: dict[PodKey, Pod] = {}
@@ -126,14 +129,16 @@ class PolicyEngine:
 
     def _note_named(self, ips: Iterable[Address]) -> None:
         """Whom ``ips`` name now, before a change that may give them to another."""
+        when = None
         for ip in ips:
             owner = self.by_ip.get(str(ip))
             pod = self.pods.get(owner) if owner is not None else None
             if pod is not None:
-                self.named_before.append((str(ip), pod, owner in self.local))
+                when = self.clock() if when is None else when
+                self.named_before.append((str(ip), pod, owner in self.local, when))
                 self.named_before_count += 1
 
-    def named_before_since(self, count: int) -> list[tuple[str, Pod, bool]] | None:
+    def named_before_since(self, count: int) -> list[tuple[str, Pod, bool, float]] | None:
         """What :attr:`named_before` kept after its first ``count``, oldest first; None if
         some of those are gone (more than NAMED_BEFORE_MAX since)."""
         new = self.named_before_count - count

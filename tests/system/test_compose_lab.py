@@ -39,7 +39,7 @@ def test_the_documented_command_brings_the_lab_up(docker_engine):
     """What `scripts/dev compose up` printed and `compose exec` showed (agentd.lab.fixtures'
     ``docker_engine`` ran them); ``down --images`` runs, and is checked, at the end of the run."""
     up, status = docker_engine.up, docker_engine.status
-    assert "starting one of our own in network namespace" in up.stdout, up.stdout
+    assert "of our own in network namespace" in up.stdout, up.stdout
     assert "building agentd:latest from" in up.stdout
     matrix = up.stdout.split("pod reachability (ICMP echo):", 1)[1].split("\n\n", 1)[0]
     rows = [line.split() for line in matrix.strip().splitlines()[1:]]

@@ -204,7 +204,7 @@ class Directory:
     def named_before(self, count):
         """The engine's log, told from what ``ids`` held when last asked."""
         snap, self._snap = getattr(self, "_snap", None), dict(self.ids)
-        got = [(ip, was) for ip, was in (snap or {}).items() if was is not None and self.ids.get(ip) != was]
+        got = [(ip, was, None) for ip, was in (snap or {}).items() if was is not None and self.ids.get(ip) != was]
         self._told = getattr(self, "_told", 0) + len(got)
         return self._told, got
 

@@ -203,7 +203,7 @@ class Directory:
     def named_before(self, count):
         """The engine's log, told from what ``ids`` held when last asked."""
         snap, self._snap = getattr(self, "_snap", None), dict(self.ids)
-        got = [(ip, was) for ip, was in (snap or {}).items() if was is not None and self.ids.get(ip) != was]
+        got = [(ip, was, None) for ip, was in (snap or {}).items() if was is not None and self.ids.get(ip) != was]
         self._told = getattr(self, "_told", 0) + len(got)
         return self._told, got
 
@@ -1602,7 +1602,7 @@ def test_the_directory_tells_whom_an_address_named_before_it_changed_hands():
     eng.upsert_pod(Pod("other", "newpod", "node1", (a, b), {}))  # takes the address
     eng.upsert_pod(Pod("other", "newpod", "node1", (b,), {}))  # gives it back
     count2, got = d.named_before(count)
-    assert [(ip, i.pod, dict(i.labels)) for ip, i in got] == [
+    assert [(ip, i.pod, dict(i.labels)) for ip, i, _when in got] == [
         ("10.244.1.2", "shop/client", {"app": "client"}),
         ("10.244.1.2", "shop/client", {"app": "client", "v": "2"}),
         ("10.244.1.2", "other/newpod", {}), ("10.244.1.3", "other/newpod", {})]
@@ -1611,3 +1611,40 @@ def test_the_directory_tells_whom_an_address_named_before_it_changed_hands():
     for k in range(eng_mod.NAMED_BEFORE_MAX + 1):  # more than the engine keeps between two looks
         eng.upsert_pod(Pod("other", "newpod", "node1", (b,), {"k": str(k)}))
     assert d.named_before(count2)[1] is None
+
+
+def test_a_change_of_hands_counts_from_when_the_engine_saw_it_not_when_the_recorder_read_it():
+    """The client pod deleted at 1010 and its address another pod's; the recorder reads the
+    change only at 1030 (no record came in between): a connection the new pod started at 1029
+    is the new pod's at its end.  Several changes between two reads keep each one's time (the
+    address passed on twice: a connection started in between names the middle owner)."""
+    from ipaddress import ip_address
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.policy.engine import PolicyEngine
+    from agentd.policy.model import Pod
+
+    a = ip_address("10.244.1.2")
+    at = socket.inet_aton("10.244.1.2")
+    eng = PolicyEngine("node2")
+    clock = [1000.0]
+    eng.clock = lambda: clock[0]
+    eng.upsert_pod(Pod("shop", "client", "node1", (a,), {"app": "client"}))
+    r = FlowRecorder("node2", FlowDirectory(NS(engine=eng), None, ()), "/nonexistent", group=143,
+                     clock=lambda: clock[0])
+    r.tai_offset = lambda: 0
+    r._begin_names()  # a read at 1000
+    clock[0] = 1010.0
+    eng.remove_pod(("shop", "client"))
+    eng.upsert_pod(Pod("other", "newpod", "node1", (a,), {}))
+    clock[0] = 1020.0
+    eng.remove_pod(("other", "newpod"))
+    eng.upsert_pod(Pod("other", "third", "node1", (a,), {}))
+    clock[0] = 1030.0
+    r._begin_names()  # the next read
+    named = r.directory.identity("10.244.1.2")
+    assert named.pod == "other/third"
+    assert r._named_then(at, 1005 * 10**9, named).pod == "shop/client"
+    assert r._named_then(at, 1015 * 10**9, named).pod == "other/newpod"
+    assert r._named_then(at, 1025 * 10**9, named).pod == "other/third"
