@@ -327,7 +327,8 @@ class Agent:
         self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns, drop_log=drop_log(cfg),
                                      on_translating=self._services_translating,
                                      families=self.cluster.versions,
-                                     pod_subnets={v: str(lease.subnet) for v, lease in self.leases.items()})
+                                     pod_subnets={v: str(lease.subnet) for v, lease in self.leases.items()},
+                                     pod_networks=[str(self.cluster.pool(v)[0]) for v in self.cluster.versions])
         try:
             await self.services.start()
             self.registry.register(self.services.views)
