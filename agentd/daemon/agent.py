@@ -131,6 +131,7 @@ class Agent:
         self.speaker: Speaker | None = None
         self.service: SpeakerService | None = None
         self.tunnels: Tunnels | None = None
+        self.masq: masquerade.Masquerade | None = None  # [network] ip_masq's tables; their member set follows the nodes
         self.cluster: ClusterConfig | None = None
         self.policy: PolicyAgent | None = None  # NetworkPolicy
         self.services: ServiceAgent | None = None  # Services
@@ -409,7 +410,13 @@ class Agent:
         cluster = {4: self.cluster.cidr, 6: self.cluster.cidr_v6}
         try:
             if self.cfg.network.ip_masq:
-                await masquerade.program({v: (cluster[v], lease.subnet) for v, lease in self.leases.items()})
+                net = self.cfg.network
+                bgp_port = self.cfg.bgp.listen.port if self.cfg.bgp.listen is not None else 179
+                self.masq = masquerade.Masquerade({v: (cluster[v], lease.subnet) for v, lease in self.leases.items()},
+                                                  masquerade.Guarded(bgp_port, net.udp_port, net.vxlan_port))
+                if self.peering.known:
+                    self.masq.members = masquerade.member_addresses(self.peering.nodes.values())
+                await self.masq.program()
             elif await masquerade.remove():
                 log.info("masquerading switched off: removed the tables %s", masquerade.TABLE)
         except NftError as err:
@@ -476,6 +483,8 @@ class Agent:
             await step("closing network policy", self.policy.close)
         if self.services is not None:  # so does the services table
             await step("closing services", self.services.close)
+        if self.masq is not None:  # and the masquerading tables
+            await step("closing masquerading", self.masq.close)
         await step("closing flow records", self.observe.close)
         if self.read_api is not None:
             await step("stopping the cluster listener", self.read_api.stop)
