@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -178,7 +179,8 @@ class Agent:
         try:
             await self.api.start()
         except OSError as err:  # the port is taken, the address is not ours
-            log.error("cannot serve the API on %s ([api] listen): %s", self.cfg.api.listen, err.strerror or err)
+            log.error("cannot serve the API on %s ([api] listen): %s%s", self.cfg.api.listen, err.strerror or err,
+                      api_port_holder(self.cfg.api.listen.host, self.cfg.api.listen.port) if err.errno == errno.EADDRINUSE else "")
             return 1
         try:  # a new API token for this run: POST /leave needs it (agentd/daemon/auth.py)
             self.api.token = await asyncio.to_thread(auth.write_token_file, self.cfg.api.token_file, self.cfg.api.token_group)
@@ -807,6 +809,18 @@ class _AgentMetrics:
         yield from (routes, up, renew, ready, restarts)
         if a.tunnels is not None:
             yield from dataplane_metrics(a.tunnels)
+
+
+def api_port_holder(host: object, port: int) -> str:
+    """"; held by <uid>, ..." when what listens on the API's address is neither root's nor this
+    agent's user's (a local user took the unprivileged port while no agent ran), else ""."""
+    from agentd.daemon.listeners import untrusted_owner, user_name
+
+    uid = untrusted_owner(str(host), port, os.geteuid())
+    if uid is None:
+        return ""
+    return (f"; a process of {user_name(uid)} listens there, neither root nor this agent's user: another user "
+            "took the agent's port (end that process; `agentd leave` refuses to send it the API token)")
 
 
 def wanted_cluster(cfg: Config) -> ClusterConfig:
