@@ -424,12 +424,16 @@ def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
     import urllib.request
 
     from agentd.daemon.auth import TokenFileError, bearer_header, read_token_file
+    from agentd.daemon.listeners import squatter
 
     try:
         token, unreadable = read_token_file(token_file), None
     except TokenFileError as err:  # maybe no agent runs: asking tells
         token, unreadable = None, err
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/leave"
+    why = squatter(str(host), port, token_file) if token else None
+    if why is not None:
+        raise LeaveRefused(why)
     try:
         req = urllib.request.Request(url, method="POST", data=b"", headers=bearer_header(token) if token else {})
         # The agent answers once the node has left etcd (or could not): its releases and
@@ -505,6 +509,7 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
         read_token_file,
         ui_key,
     )
+    from agentd.daemon.listeners import squatter
     from agentd.flows.model import FilterError, FlowFilter
     from agentd.flows.render import line
 
@@ -527,6 +532,14 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
         headers, unreadable = bearer_header(ui_key(read_token_file(token_file))), None
     except TokenFileError as err:  # needed only to gather from other nodes
         headers, unreadable = {}, err
+    parsed = urllib.parse.urlsplit(args.api)
+    try:
+        why = squatter(parsed.hostname, parsed.port or 80, token_file) if headers and parsed.hostname else None
+    except ValueError:  # a bad port: the request below says so
+        why = None
+    if why is not None:
+        sys.stderr.write(f"agentd flows: {why}\n")
+        return 1
     try:
         req = urllib.request.Request(url, headers=headers)
         resp = api_open(req, timeout=None if args.follow else 30)

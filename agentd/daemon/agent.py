@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -131,6 +132,7 @@ class Agent:
         self.speaker: Speaker | None = None
         self.service: SpeakerService | None = None
         self.tunnels: Tunnels | None = None
+        self.masq: masquerade.Masquerade | None = None  # [network] ip_masq's tables; their member set follows the nodes
         self.cluster: ClusterConfig | None = None
         self.policy: PolicyAgent | None = None  # NetworkPolicy
         self.services: ServiceAgent | None = None  # Services
@@ -177,7 +179,8 @@ class Agent:
         try:
             await self.api.start()
         except OSError as err:  # the port is taken, the address is not ours
-            log.error("cannot serve the API on %s ([api] listen): %s", self.cfg.api.listen, err.strerror or err)
+            log.error("cannot serve the API on %s ([api] listen): %s%s", self.cfg.api.listen, err.strerror or err,
+                      api_port_holder(self.cfg.api.listen.host, self.cfg.api.listen.port) if err.errno == errno.EADDRINUSE else "")
             return 1
         try:  # a new API token for this run: POST /leave needs it (agentd/daemon/auth.py)
             self.api.token = await asyncio.to_thread(auth.write_token_file, self.cfg.api.token_file, self.cfg.api.token_group)
@@ -327,7 +330,8 @@ class Agent:
         self.services = ServiceAgent(self.name, self.datastore, dns_config=cfg.dns, drop_log=drop_log(cfg),
                                      on_translating=self._services_translating,
                                      families=self.cluster.versions,
-                                     pod_subnets={v: str(lease.subnet) for v, lease in self.leases.items()})
+                                     pod_subnets={v: str(lease.subnet) for v, lease in self.leases.items()},
+                                     pod_networks=[str(self.cluster.pool(v)[0]) for v in self.cluster.versions])
         try:
             await self.services.start()
             self.registry.register(self.services.views)
@@ -408,7 +412,13 @@ class Agent:
         cluster = {4: self.cluster.cidr, 6: self.cluster.cidr_v6}
         try:
             if self.cfg.network.ip_masq:
-                await masquerade.program({v: (cluster[v], lease.subnet) for v, lease in self.leases.items()})
+                net = self.cfg.network
+                bgp_port = self.cfg.bgp.listen.port if self.cfg.bgp.listen is not None else 179
+                self.masq = masquerade.Masquerade({v: (cluster[v], lease.subnet) for v, lease in self.leases.items()},
+                                                  masquerade.Guarded(bgp_port, net.udp_port, net.vxlan_port))
+                if self.peering.known:
+                    self.masq.members = masquerade.member_addresses(self.peering.nodes.values())
+                await self.masq.program()
             elif await masquerade.remove():
                 log.info("masquerading switched off: removed the tables %s", masquerade.TABLE)
         except NftError as err:
@@ -475,6 +485,8 @@ class Agent:
             await step("closing network policy", self.policy.close)
         if self.services is not None:  # so does the services table
             await step("closing services", self.services.close)
+        if self.masq is not None:  # and the masquerading tables
+            await step("closing masquerading", self.masq.close)
         await step("closing flow records", self.observe.close)
         if self.read_api is not None:
             await step("stopping the cluster listener", self.read_api.stop)
@@ -800,6 +812,18 @@ class _AgentMetrics:
         yield from (routes, up, renew, ready, restarts)
         if a.tunnels is not None:
             yield from dataplane_metrics(a.tunnels)
+
+
+def api_port_holder(host: object, port: int) -> str:
+    """"; held by <uid>, ..." when what listens on the API's address is neither root's nor this
+    agent's user's (a local user took the unprivileged port while no agent ran), else ""."""
+    from agentd.daemon.listeners import untrusted_owner, user_name
+
+    uid = untrusted_owner(str(host), port, os.geteuid())
+    if uid is None:
+        return ""
+    return (f"; a process of {user_name(uid)} listens there, neither root nor this agent's user: another user "
+            "took the agent's port (end that process; `agentd leave` refuses to send it the API token)")
 
 
 def wanted_cluster(cfg: Config) -> ClusterConfig:

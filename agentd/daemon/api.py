@@ -8,6 +8,7 @@ Metrics come from the provider's prometheus-client registry.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 from collections.abc import Callable
@@ -36,6 +37,10 @@ KEEPALIVE_TIMEOUT = 15.0
 # server's TCP clients are, agentd/services/dns.py): the agent's descriptors stay for etcd,
 # netlink and BGP whoever opens connections.
 MAX_CONNECTIONS = 1000
+# Connections open at once from one remote address on the read-only cluster listener (loopback
+# not counted): without the read token one host could otherwise fill MAX_CONNECTIONS and the
+# other nodes could no longer gather from this one.  A node's gatherer keeps a few.
+MAX_PER_ADDRESS = 64
 
 
 class Conflict(Exception):
@@ -76,11 +81,14 @@ class _Connections:
     connections open at once (one past it is closed as it comes) and each connection's first
     request head read within ``head_timeout`` seconds (later ones: aiohttp's keep-alive)."""
 
-    def __init__(self, server: web.Server, limit: int, head_timeout: float) -> None:
+    def __init__(self, server: web.Server, limit: int, head_timeout: float, per_address: int | None = None) -> None:
         self._server = server
         self.limit = limit
         self.head_timeout = head_timeout
+        self.per_address = per_address  # None: no limit per remote address
+        self.by_address: dict[str, int] = {}  # remote address -> its connections open (per_address only)
         self.refused = 0
+        self.refused_address = 0  # closed as they came: their address had per_address open
         # Connections whose first request head has not come yet (held until its time is up:
         # aiohttp's handlers take no weak references).
         self.waiting: set[Any] = set()
@@ -97,7 +105,32 @@ class _Connections:
         handler = self._server()
         self.waiting.add(handler)
         asyncio.get_running_loop().call_later(self.head_timeout, self._head_due, handler)
-        return handler
+        return handler if self.per_address is None else _PerAddress(self, handler)
+
+    def admit(self, peer: Any) -> str | None:
+        """The key ``peer`` is counted under, or None when its address has ``per_address``
+        connections open already; "" for what is not counted (loopback, a peer without address)."""
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        try:
+            if not address or ipaddress.ip_address(address.split("%", 1)[0]).is_loopback:
+                return ""
+        except ValueError:
+            return ""
+        n = self.by_address.get(address, 0)
+        if self.per_address is not None and n >= self.per_address:
+            self.refused_address += 1
+            if self.refused_address == 1 or self.refused_address % 1000 == 0:
+                log.warning("API: %s has %d connections open, more from it closed as they come (%d so far)",
+                            address, n, self.refused_address)  # fmt: skip
+            return None
+        self.by_address[address] = n + 1
+        return address
+
+    def release(self, address: str) -> None:
+        if address:
+            n = self.by_address.pop(address, 0) - 1
+            if n > 0:
+                self.by_address[address] = n
 
     def head_came(self, handler: Any) -> None:
         self.waiting.discard(handler)
@@ -107,6 +140,43 @@ class _Connections:
             self.waiting.discard(handler)
             if handler.transport is not None:
                 handler.force_close()  # nothing, or half a head, in all this time
+
+
+class _PerAddress(asyncio.Protocol):
+    """aiohttp's handler behind a check of the remote address's connections (``admit``): one
+    past the limit is closed before aiohttp sees it."""
+
+    def __init__(self, connections: _Connections, handler: Any) -> None:
+        self.connections = connections
+        self.handler = handler
+        self.address: str | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.address = self.connections.admit(transport.get_extra_info("peername"))
+        if self.address is None:
+            self.connections.waiting.discard(self.handler)
+            transport.abort()
+            return
+        self.handler.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.address is None:
+            return
+        self.connections.release(self.address)
+        self.address = None
+        self.handler.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received()  # type: ignore[no-any-return]
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
 
 
 class _Refused(asyncio.Protocol):
@@ -157,6 +227,7 @@ class ApiServer:
         self.token = token
         self.connections: _Connections | None = None
         self.max_connections = MAX_CONNECTIONS
+        self.max_per_address = MAX_PER_ADDRESS if read_token is not None else None  # the cluster listener's
         self.keepalive_timeout = KEEPALIVE_TIMEOUT
         read_only = read_token is not None
         if read_token is not None:
@@ -193,7 +264,7 @@ class ApiServer:
         return await handler(request)
 
     def _capped(self, server: web.Server) -> _Connections:
-        self.connections = _Connections(server, self.max_connections, self.keepalive_timeout)
+        self.connections = _Connections(server, self.max_connections, self.keepalive_timeout, self.max_per_address)
         return self.connections
 
     async def start(self) -> None:

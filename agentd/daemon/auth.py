@@ -272,18 +272,22 @@ def host_guard(listen_host: str) -> Any:
 def read_guard(token_of: Callable[[], str | None]) -> Any:
     """An aiohttp middleware for the read-only cluster listener: GET and HEAD only (405
     otherwise), each with the cluster read token ``token_of()`` gives (401 without it; None:
-    not known yet, so nobody is let in)."""
+    not known yet, so nobody is let in).  A refused request's connection is closed after the
+    answer: a client without the token holds no connection of the listener's."""
     from aiohttp import web
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
-            return web.json_response({"error": "this listener is read-only"}, status=405)
-        token = token_of()
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if token is None or scheme.lower() != "bearer" or not hmac.compare_digest(_octets(given), token.encode()):
-            return _refuse(401, "the cluster read token is required", realm=CLUSTER_REALM)
-        return await handler(request)
+            refused = web.json_response({"error": "this listener is read-only"}, status=405)
+        else:
+            token = token_of()
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if token is not None and scheme.lower() == "bearer" and hmac.compare_digest(_octets(given), token.encode()):
+                return await handler(request)
+            refused = _refuse(401, "the cluster read token is required", realm=CLUSTER_REALM)
+        refused.force_close()  # Connection: close, then closed
+        return refused
 
     return middleware
 

@@ -32,6 +32,7 @@ from agentd.kernel.netinfo import Underlay
 from agentd.kernel.netlink import NetlinkDecodeError
 from agentd.kernel.route_model import InvalidRoute, Route, canonical_dst, same_route
 from agentd.kernel.routing import RouteProgrammer, remove_routes_of
+from agentd.nft.masquerade import Masquerade, member_addresses
 
 log = logging.getLogger("agentd")
 
@@ -102,6 +103,7 @@ class RouteInputs(Protocol):
     leases: dict[int, SubnetLease]  # by IP version: both in a dual-stack cluster
     cluster: ClusterConfig | None  # the cluster record in etcd: its pod networks bound what nodes may route
     tunnels: Tunnels | None
+    masq: Masquerade | None  # [network] ip_masq: its member set follows the node registry
     speaker: Speaker | None
     started_bgp: bool
     stopping: bool  # no more route changes: a graceful stop leaves the kernel as it is
@@ -203,6 +205,9 @@ class KernelRoutes:
             plan.plans, plan.next_hops, i.peering.nodes, members_known=i.peering.known, prune=self.initial_sync_done,
             plans_v6=plan.plans_v6, next_hops_v6=plan.next_hops_v6,
         )
+        masq = getattr(i, "masq", None)
+        if masq is not None and i.peering.known:
+            masq.set_members(member_addresses(i.peering.nodes.values()))
         if not self.initial_sync_done:
             # Keep what a previous run left until BGP has re-learned it (or given up waiting).
             wanted = {r.dst for r in routes}

@@ -1004,7 +1004,9 @@ static int rx_udp(struct fp_state *st, int budget)
         if (seg <= 0)
             seg = 1;
         int count = n ? (int)((n + seg - 1) / seg) : 1;
-        if (!is_member(st, from.sin_addr.s_addr)) {
+        /* A member's worker sends from udp_port, which no other user of that node can bind
+         * while the worker holds it: another source port is another process (udp.py). */
+        if (from.sin_port != st->port || !is_member(st, from.sin_addr.s_addr)) {
             st->counters[D_NON_MEMBER] += (uint64_t)count;
             continue;
         }

@@ -308,6 +308,10 @@ class UdpTransport:
         c = self.c
         drops = self.drops
         members = self.members
+        # A member's worker sends from the cluster's udp_port, which only root can hold while
+        # the worker does (SO_REUSEPORT takes a socket of the same user only): a datagram
+        # from another port of a member is any process of that node, not its worker.
+        port = self.port
         add = coalescer.add
         if not self.offloads["udp_gro"]:
             recvfrom_into = self.sock.recvfrom_into
@@ -317,7 +321,7 @@ class UdpTransport:
                 except BlockingIOError:
                     break
                 c["rx_syscalls"] += 1
-                if addr[0] not in members:
+                if addr[1] != port or addr[0] not in members:
                     drops["non_member"] += 1
                     continue
                 v = mv[:n]
@@ -345,7 +349,7 @@ class UdpTransport:
             for level, kind, data in anc:
                 if level == SOL_UDP and kind == UDP_GRO:
                     seg = int.from_bytes(data, "little") if len(data) != 2 else struct.unpack("=H", data)[0]
-            if addr[0] not in members:
+            if addr[1] != port or addr[0] not in members:
                 drops["non_member"] += -(-n // seg) if seg else 1
                 continue
             if n == 0:  # an empty datagram carries no packet

@@ -145,6 +145,7 @@ class Proxy:
         proc = await asyncio.create_subprocess_exec(
             self.binary, "-c", "-f", str(config),  # (not -q: that silences the ALERT lines too)
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env=PROXY_ENV,  # not the agent's (its BGP password may be there): the ALERTs become settings_error
         )  # fmt: skip
         out, _ = await proc.communicate()
         if proc.returncode != 0:

@@ -15,6 +15,25 @@ both), each with flannel's four rules (flannel's ``pkg/ip/iptables.go`` / ``Masq
 
 and the same with ``ip6`` and the IPv6 cluster network, subnet and multicast (ff00::/8,
 RFC 4291 §2.7).  So traffic between pods or containers is never masqueraded, on any backend.
+
+Masqueraded, a pod's packet to another node's underlay address comes from this node's address:
+the other node's BGP listener, udp worker, VXLAN device and IPIP tunnel take a cluster member by
+its address, so a pod could pose as its node (inject pod packets with any inner source, open a
+BGP session in its name).  Each table therefore also has a filter chain on the forward hook
+that drops what pods send to a member (the set ``members``: every node's underlay addresses of
+the family, kept up to date as nodes come and go) on the agent's own ports -- TCP to the BGP
+port, UDP to ``udp_port`` and ``vxlan_port``, and IP protocol 4 (IPIP)::
+
+    ip saddr CIDR  ip daddr @members  tcp dport BGP                        drop
+    ip saddr CIDR  ip daddr @members  udp dport { UDP_PORT, VXLAN_PORT }   drop
+    ip saddr CIDR  ip daddr @members  meta l4proto 4                       drop
+
+Everything else pods send to nodes (their host services, node ports) is masqueraded as
+before.  (Not masquerading pod traffic to members instead would keep the pod's source, but
+send packets from pod addresses onto the underlay, which an overlay's receiver drops by
+reverse-path filtering and a cloud network by its source check: a pod could no longer reach
+another node's host services on vxlan, udp or ipip.)  BFD needs TTL 255 (RFC 5881), which no
+forwarded packet has.
 That is why the bridge's own masquerading stays off (the subnet file's ``AGENTD_IPMASQ=false``,
 Docker's ``--ip-masq=false`` from ``agentd docker-opts``): both masquerade everything leaving
 the node's subnet, pod-to-pod traffic to other nodes included.
@@ -29,14 +48,17 @@ is switched off and by ``agentd leave``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Mapping
-from ipaddress import IPv4Network, IPv6Network
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network, ip_address
+from typing import Any
 
-from .expr import RETURN, match, payload, prefix
+from .expr import DROP, RETURN, match, meta, payload, prefix, ref
 from .libnftables import Nft, NftError
 from .programmer import NftProgrammer
-from .ruleset import NftChain, Ruleset, rule_text
+from .ruleset import NftChain, NftSet, Ruleset, rule_text
 
 log = logging.getLogger("agentd.masquerade")
 
@@ -46,14 +68,34 @@ TABLES = frozenset((family, TABLE) for family in FAMILIES.values())
 MULTICAST = {4: IPv4Network("224.0.0.0/4"), 6: IPv6Network("ff00::/8")}
 MASQUERADE = {"masquerade": {"flags": ["fully-random"]}}
 SRCNAT = ("nat", "postrouting", 100, "accept")  # type, hook, priority (srcnat), policy
+GUARD_CHAIN, MEMBERS = "forward", "members"
+FORWARD = ("filter", "forward", 0, "accept")
+IPPROTO_IPIP = 4
 
 Network = IPv4Network | IPv6Network
 
 
-def ruleset(networks: Mapping[int, tuple[Network, Network]]) -> Ruleset:
+@dataclass(frozen=True)
+class Guarded:
+    """The agent's ports a pod may not reach on a member (see above)."""
+
+    bgp_port: int = 179
+    udp_port: int = 8285
+    vxlan_port: int = 4789
+
+
+def member_addresses(nodes: Iterable[Any]) -> frozenset[str]:
+    """The underlay addresses (IPv4 and IPv6) of ``nodes`` (NodeRecords)."""
+    return frozenset(str(a) for n in nodes for a in (n.address, n.address_v6) if a is not None)
+
+
+def ruleset(networks: Mapping[int, tuple[Network, Network]], members: Iterable[str] = (),
+            guarded: Guarded = Guarded()) -> Ruleset:  # fmt: skip
     """The tables for ``networks``: IP version -> (cluster network, this node's subnet); one
-    table per version, one chain, the four rules above."""
-    objects = {}
+    table per version, the four masquerading rules above and the forward chain that keeps pods
+    from the agent's ports on ``members`` (the nodes' underlay addresses; those of the version
+    go in its table's set)."""
+    objects: dict[Any, Any] = {}
     for version, (cluster, subnet) in sorted(networks.items()):
         family = FAMILIES[version]
         saddr, daddr = payload(family, "saddr"), payload(family, "daddr")
@@ -65,20 +107,90 @@ def ruleset(networks: Mapping[int, tuple[Network, Network]]) -> Ruleset:
         ]
         chain = NftChain(family, TABLE, CHAIN, tuple(rule_text(r) for r in rules), hook=SRCNAT)
         objects[chain.key] = chain
+        own = frozenset(a for a in members if ip_address(a).version == version)
+        members_set = NftSet(family, TABLE, MEMBERS, ("ipv4_addr" if version == 4 else "ipv6_addr",), elements=own)
+        objects[members_set.key] = members_set
+        to_member = [match(saddr, prefix(cluster)), match(daddr, ref(MEMBERS))]
+        guard = [
+            [*to_member, match(payload("tcp", "dport"), guarded.bgp_port), DROP],
+            [*to_member, match(payload("udp", "dport"), {"set": sorted({guarded.udp_port, guarded.vxlan_port})}), DROP],
+            [*to_member, match(meta("l4proto"), IPPROTO_IPIP), DROP],
+        ]
+        forward = NftChain(family, TABLE, GUARD_CHAIN, tuple(rule_text(r) for r in guard), hook=FORWARD)
+        objects[forward.key] = forward
     return Ruleset(frozenset((FAMILIES[v], TABLE) for v in networks), objects)
 
 
-async def program(networks: Mapping[int, tuple[Network, Network]]) -> None:
-    """Install the tables in this network namespace, or bring a previous run's to these rules
-    (adopted and rewritten in one transaction: NftProgrammer); a family not in ``networks``
-    loses its table."""
-    nft = await asyncio.to_thread(Nft)
+class Masquerade:
+    """The tables of one agent: :meth:`program` at start, :meth:`set_members` as nodes come
+    and go (in the background, coalesced, one transaction each)."""
+
+    def __init__(self, networks: Mapping[int, tuple[Network, Network]], guarded: Guarded = Guarded()) -> None:
+        self.networks = dict(networks)
+        self.guarded = guarded
+        self.members: frozenset[str] = frozenset()
+        self.error: str | None = None
+        self._programmer: NftProgrammer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._again = False
+
+    def ruleset(self) -> Ruleset:
+        return ruleset(self.networks, self.members, self.guarded)
+
+    async def program(self) -> None:
+        """Install the tables in this network namespace, or bring a previous run's to these
+        rules (adopted and rewritten in one transaction: NftProgrammer); a family not in
+        ``networks`` loses its table."""
+        await self._sync()
+        for version, (cluster, _subnet) in sorted(self.networks.items()):
+            log.info("masquerading traffic from %s to outside it (nftables table %s %s)", cluster, FAMILIES[version], TABLE)
+
+    def set_members(self, members: Iterable[str]) -> None:
+        members = frozenset(members)
+        if members == self.members or self._programmer is None:  # not programmed (off, or failed): nothing to keep
+            self.members = members
+            return
+        self.members = members
+        if self._task is not None and not self._task.done():
+            self._again = True
+            return
+        self._task = asyncio.get_running_loop().create_task(self._resync())
+
+    async def _resync(self) -> None:
+        while True:
+            self._again = False
+            try:
+                await self._sync()
+                self.error = None
+            except NftError as err:
+                self.error = str(err)
+                log.error("cannot update the cluster members in the masquerading tables: %s", err)
+            if not self._again:
+                return
+
+    async def _sync(self) -> None:
+        if self._programmer is None:
+            self._programmer = NftProgrammer(await asyncio.to_thread(Nft), TABLES, "masquerading")
+        await self._programmer.sync(self.ruleset())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._programmer is not None:
+            await asyncio.to_thread(self._programmer.nft.close)
+            self._programmer = None
+
+
+async def program(networks: Mapping[int, tuple[Network, Network]], members: Iterable[str] = ()) -> None:
+    """A :class:`Masquerade`'s tables, once (tests, tools)."""
+    m = Masquerade(networks)
+    m.members = frozenset(members)
     try:
-        await NftProgrammer(nft, TABLES, "masquerading").sync(ruleset(networks))
+        await m.program()
     finally:
-        await asyncio.to_thread(nft.close)
-    for version, (cluster, _subnet) in sorted(networks.items()):
-        log.info("masquerading traffic from %s to outside it (nftables table %s %s)", cluster, FAMILIES[version], TABLE)
+        await m.close()
 
 
 async def remove() -> bool:

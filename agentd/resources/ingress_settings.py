@@ -45,6 +45,7 @@ _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 # Control characters, Lua, files, and the process environment (HAProxy expands "${VAR}" and
 # has an env() fetch: a header could carry the agent's secrets to clients, ingress-nginx's
 # CVE-2021-25742 class).
+_ENV = re.compile(r"\benv\s*\(|\$")
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f]|lua|\bfile\b|/etc/|/proc/|\benv\s*\(|\$")
 # Variables (a converter in a header value can overwrite txn.key or txn.backend, which route the
 # request), and maps or files read by path: map(), map_str(), ..., ACL -f/-M, jwt_verify().
@@ -87,6 +88,8 @@ def parse(data: Mapping[str, str] | None, where: str = "data") -> Settings:
         text = data["log-format"]
         if "\n" in text or not text.isprintable():
             raise Invalid(f"{where}[log-format]", "Invalid value: must be one line of printable text")
+        if _ENV.search(text):
+            raise Invalid(f"{where}[log-format]", "Invalid value: environment variables ($, env()) are not allowed")
         out["log_format"] = text
     if "frontend-snippet" in data:
         out["snippet"] = snippet(data["frontend-snippet"], f"{where}[frontend-snippet]")

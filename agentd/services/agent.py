@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from agentd.datastore.store import Datastore
@@ -54,8 +54,10 @@ class ServiceAgent:
         drop_log: DropLog | None = None,
         families: tuple[int, ...] = (4,),
         pod_subnets: dict[int, str] | None = None,
+        pod_networks: Sequence[str] = (),
     ) -> None:
         self.node = node
+        self.pod_networks = tuple(pod_networks)  # the cluster's pod networks: who, with the node itself, may ask its DNS
         self.pod_subnets = dict(pod_subnets or {})  # IP version -> this node's pod subnet (Local node ports short-circuit it)
         self.drop_log = drop_log  # refusals logged for flow records (agentd.flows)
         self.families = tuple(sorted(set(families)))  # the IP versions Services have here (one table each)
@@ -147,7 +149,8 @@ class ServiceAgent:
             upstreams = dns.upstream_pairs(cfg.upstream)
         else:
             upstreams = dns.host_resolvers(exclude=addresses)
-        server = dns.DnsServer(address, 53, lambda: self.names, upstreams, more=addresses[1:])
+        server = dns.DnsServer(address, 53, lambda: self.names, upstreams, more=addresses[1:],
+                               clients=dns.Clients([*self.pod_networks, *addresses]))
         try:
             await server.start()
         except OSError as err:

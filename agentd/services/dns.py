@@ -16,6 +16,10 @@ The wire format is dnspython's.
   /etc/resolv.conf), UDP then TCP when truncated; no answer: SERVFAIL.  At most
   :data:`MAX_FORWARDED` forwarded queries wait at once; more are SERVFAIL at once.  At most
   :data:`MAX_TCP_CLIENTS` TCP connections are open at once; more are closed at once.
+* Only the node's pods (the pod networks), the node itself (its own addresses) and loopback
+  are answered: a query from anywhere else (the underlay segment) is dropped unanswered and
+  counted (``foreign``), on UDP and TCP alike -- no open resolver, no reflection, no Service
+  names for strangers.
 
 The names come from the Service agent's view after every sync (:func:`names`), so an
 answer changes as soon as the node's table does.  :func:`resolve` is pure.
@@ -55,7 +59,7 @@ log = logging.getLogger("agentd.services.dns")
 TTL = 5  # seconds, as CoreDNS's kubernetes plugin
 DEVICE = "agentd-dns"
 FORWARD_TIMEOUT = 2.0
-OUTCOMES = ("answered", "forwarded", "servfail", "rejected")  # agentd_dns_queries_total{outcome}
+OUTCOMES = ("answered", "forwarded", "servfail", "rejected", "foreign")  # agentd_dns_queries_total{outcome}
 # Forwarded queries in flight at most (CoreDNS forward's max_concurrent; its value in
 # NodeLocal DNSCache's and many clusters' Corefiles).  Each holds a socket for up to
 # FORWARD_TIMEOUT per upstream: without a bound a pod flooding names an upstream never
@@ -66,6 +70,55 @@ MAX_FORWARDED = 1000
 # new connection is closed at once, counted as rejected, so that connections cannot take the
 # agent to its LimitNOFILE either.
 MAX_TCP_CLIENTS = 1000
+# How often, at most, the node's own addresses are listed again when a query comes from an
+# address neither a pod network's, loopback, nor among the node's addresses as last listed
+# (one netlink dump: a flood of foreign queries costs one per interval, not one each).
+LOCAL_REFRESH = 5.0  # seconds
+
+
+def local_addresses() -> set[Any]:
+    """The addresses on this namespace's devices, IPv4 and IPv6 (``ip address``)."""
+    out: set[Any] = set()
+    with Rtnl() as rt:
+        for family in (socket.AF_INET, socket.AF_INET6):
+            for a in rt.addresses(0, family):
+                raw = a.local or a.address
+                if raw is not None:
+                    out.add(ipaddress.ip_address(raw))
+    return out
+
+
+class Clients:
+    """Who may ask: ``networks`` (the pod networks), loopback, and the node's own addresses
+    (``local()``, listed again at most every :data:`LOCAL_REFRESH` seconds, when a source is
+    none of them)."""
+
+    def __init__(self, networks: Iterable[str], local: Callable[[], set[Any]] = local_addresses,
+                 clock: Callable[[], float] | None = None) -> None:  # fmt: skip
+        self.networks = [ipaddress.ip_network(n, strict=False) for n in networks]
+        self.local = local
+        self.clock = clock or (lambda: asyncio.get_running_loop().time())
+        self.known: set[Any] = set()
+        self.listed_at: float | None = None
+
+    def allowed(self, source: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(source.split("%", 1)[0])
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if ip.is_loopback or ip in self.known or any(ip in n for n in self.networks):
+            return True
+        now = self.clock()
+        if self.listed_at is None or now - self.listed_at >= LOCAL_REFRESH:
+            self.listed_at = now
+            try:
+                self.known = self.local()
+            except OSError as err:
+                log.warning("cannot list the node's addresses: %s", err)
+            return ip in self.known
+        return False
 
 
 @dataclass(frozen=True)
@@ -231,8 +284,9 @@ class DnsServer:
     IPv6); answers from ``table()``, forwards the rest to ``upstreams``."""
 
     def __init__(self, address: str, port: int, table: Callable[[], Names], upstreams: list[tuple[str, int]],
-                 more: Sequence[str] = ()) -> None:  # fmt: skip
+                 more: Sequence[str] = (), clients: Clients | None = None) -> None:  # fmt: skip
         self.address = address
+        self.clients = clients  # None: anyone (tests)
         self.addresses = [address, *more]
         self.port = port
         self.table = table
@@ -243,6 +297,8 @@ class DnsServer:
         # table), ``forwarded`` (an upstream answered), ``servfail`` (no upstream answered, or
         # no answer could be rendered).  A datagram that is not DNS is counted in none.
         # ``rejected``: not forwarded, MAX_FORWARDED were in flight already (SERVFAIL at once).
+        # ``foreign``: from a source that is not ``clients`` (a datagram, or a TCP connection),
+        # dropped unanswered (and not in ``queries``).
         self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.max_forwarded = MAX_FORWARDED
         self.in_flight = 0  # forwarded queries waiting for an upstream
@@ -260,7 +316,7 @@ class DnsServer:
                 self.transport = transport
 
             def datagram_received(self, data: bytes, addr: Any) -> None:
-                loop.create_task(server._udp_query(self.transport, data, addr))
+                server._datagram(self.transport, data, addr)
 
         for address in self.addresses:
             udp, _ = await loop.create_datagram_endpoint(Udp, local_addr=(address, self.port))
@@ -335,6 +391,13 @@ class DnsServer:
                 log.debug("upstream %s:%d failed: %s", host, port, err)
         return None
 
+    def _datagram(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> asyncio.Task[None] | None:
+        """A datagram from ``addr``: answered, unless it comes from a source that may not ask."""
+        if self.clients is not None and not self.clients.allowed(addr[0]):
+            self.outcomes["foreign"] += 1
+            return None
+        return asyncio.get_running_loop().create_task(self._udp_query(transport, data, addr))
+
     async def _udp_query(self, transport: asyncio.DatagramTransport, data: bytes, addr: Any) -> None:
         try:
             out = await self.answer(data)
@@ -346,6 +409,12 @@ class DnsServer:
             transport.sendto(out, addr)
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.clients is not None:
+            peer = writer.get_extra_info("peername")
+            if not (peer and self.clients.allowed(peer[0])):
+                self.outcomes["foreign"] += 1
+                writer.transport.abort()  # unanswered, no FIN handshake kept waiting
+                return
         if self.tcp_clients >= self.max_tcp_clients:
             self.outcomes["rejected"] += 1
             writer.close()

@@ -87,7 +87,7 @@ class ServiceViews:
             "dns": None if a.dns_server is None else {
                 "address": a.dns_server.address, "addresses": a.dns_server.addresses, "queries": a.dns_server.queries,
                 "forwarded": a.dns_server.forwarded, "servfail": a.dns_server.failed,
-                "rejected": a.dns_server.rejected},
+                "rejected": a.dns_server.rejected, "foreign": a.dns_server.outcomes["foreign"]},
             "dns_error": a.error_dns, "services": sorted(services.values(), key=lambda s: (s["namespace"], s["name"])),
         }  # fmt: skip
 
@@ -117,6 +117,6 @@ class ServiceViews:
         outcomes = a.dns_outcomes()  # those of the servers before too: a restarted task's counts from 0
         if outcomes is not None:
             q = CounterMetricFamily("agentd_dns_queries", "DNS queries to the node-local address", labels=["outcome"])
-            for outcome, n in outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once, or a TCP connection over MAX_TCP_CLIENTS
+            for outcome, n in outcomes.items():  # monotonic: a query in flight is in none; rejected: over MAX_FORWARDED, SERVFAIL at once, or a TCP connection over MAX_TCP_CLIENTS; foreign: from outside the pods and the node, dropped
                 q.add_metric([outcome], n)
             yield q

@@ -349,3 +349,91 @@ def test_the_cli_follows_no_redirect_with_the_key(servers, tmp_path, capsys):
         cli.fetch_json(f"http://127.0.0.1:{redirecting.server_address[1]}/status")
     assert elsewhere.seen == []  # neither the key nor anything else went there
     assert redirecting.seen[0][2] == f"Bearer {auth.ui_key(TOKEN)}"
+
+
+# ------------------------------------------------------------------ the cluster listener without the token
+
+
+async def test_a_request_the_cluster_listener_refuses_closes_its_connection():
+    """Without the read token a client holds no connection: the 401 (no token) and the 405 (a
+    change) come with Connection: close, and the connection is closed after them."""
+    server = await _started(api.ApiServer(Provider(), "127.0.0.1", 0, read_token=lambda: "read-token"))
+    try:
+        for head in (b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n", b"POST /leave HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+                     b"GET /status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n\r\n"):  # fmt: skip
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(head)
+            answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: the server closed
+            status, _, rest = answer.partition(b"\r\n")
+            assert status.split()[1] in (b"401", b"405") and b"connection: close" in rest.lower(), answer
+            writer.close()
+        # With the token the connection is kept for the next request.
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer read-token\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)).split()[1] == b"200"
+        writer.close()
+    finally:
+        await server.stop()
+
+
+async def test_the_cluster_listener_holds_at_most_so_many_connections_of_one_address():
+    """One host cannot fill the cluster listener's MAX_CONNECTIONS (other nodes could no longer
+    gather from this one): one past MAX_PER_ADDRESS of its connections is closed as it comes,
+    before aiohttp sees it; another address, and loopback, are not counted with it."""
+    assert api.MAX_PER_ADDRESS == 64
+    assert api.ApiServer(Provider(), "127.0.0.1", 0, token=TOKEN).max_per_address is None  # the loopback API's
+    cluster_listener = api.ApiServer(Provider(), "127.0.0.1", 0, read_token=lambda: "t")
+    assert cluster_listener.max_per_address == api.MAX_PER_ADDRESS
+
+    class Handler(asyncio.Protocol):
+        def __init__(self, server) -> None:
+            self.server, self.made, self.lost = server, False, False
+
+        def connection_made(self, transport) -> None:
+            self.made, self.transport = True, transport
+            self.server.connections.append(self)
+
+        def connection_lost(self, exc) -> None:
+            self.lost = True
+            self.server.connections.remove(self)
+
+    class Server:
+        def __init__(self) -> None:
+            self.connections: list = []
+
+        def __call__(self) -> Handler:
+            return Handler(self)
+
+    class Transport:
+        def __init__(self, peer) -> None:
+            self.peer, self.aborted = peer, False
+
+        def get_extra_info(self, name):
+            return self.peer if name == "peername" else None
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    cluster_listener.max_per_address = 2
+    conns = cluster_listener._capped(Server())  # type: ignore[arg-type]
+
+    def connect(address: str):
+        protocol, transport = conns(), Transport((address, 40000))
+        protocol.connection_made(transport)  # type: ignore[arg-type]
+        return protocol, transport
+
+    a1, a2 = connect("192.0.2.7"), connect("192.0.2.7")
+    a3 = connect("192.0.2.7")
+    assert a3[1].aborted and not a3[0].handler.made and conns.refused_address == 1
+    assert not any(t.aborted for _, t in (a1, a2)) and a1[0].handler.made
+    b = connect("192.0.2.8")
+    lo = [connect("127.0.0.1") for _ in range(3)]
+    assert not b[1].aborted and not any(t.aborted for _, t in lo)
+    assert len(conns.connections) == 6 and conns.by_address == {"192.0.2.7": 2, "192.0.2.8": 1}
+    a3[0].connection_lost(None)  # the refused one's end changes nothing
+    a1[0].connection_lost(None)
+    assert a1[0].handler.lost and conns.by_address["192.0.2.7"] == 1
+    assert not connect("192.0.2.7")[1].aborted  # a place is free again
+    for p, _ in lo:
+        p.connection_lost(None)
+    assert conns.by_address == {"192.0.2.7": 2, "192.0.2.8": 1}

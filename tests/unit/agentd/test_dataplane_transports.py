@@ -167,6 +167,8 @@ def test_an_empty_datagram_is_counted_malformed_not_a_crash(offload):
         t.set_members(frozenset({LOCAL}))
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
+            s.bind((LOCAL, 0))
+            t.port = s.getsockname()[1]  # a member's worker: from the cluster's udp_port
             s.sendto(b"", t.sock.getsockname())
             _ready(t.sock)
             t.receive(bytearray(1 << 20), Coalescer(lambda parts: None), 64)
@@ -207,8 +209,9 @@ def test_the_c_udp_loop_counts_an_empty_datagram_malformed_as_python_does():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.bind((LOCAL, 0))
+        s.bind((LOCAL, 0))
         sock.setsockopt(17, UDP_GRO, 1)
-        with c_path("udp", sock, mtu=1472, udp_gro=True) as (fp, writes, _tun):
+        with c_path("udp", sock, mtu=1472, udp_gro=True, port=s.getsockname()[1]) as (fp, writes, _tun):
             fp.set_members({LOCAL})
             s.sendto(b"", sock.getsockname())
             _ready(sock)
@@ -218,6 +221,59 @@ def test_the_c_udp_loop_counts_an_empty_datagram_malformed_as_python_does():
     finally:
         sock.close()
         s.close()
+
+
+# -- a member's other processes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_a_members_datagram_from_another_port_than_udp_port_is_dropped(offload):
+    """A member's worker sends from the cluster's udp_port, which no unprivileged process of
+    that node can bind while the worker holds it: from any other port of a member address a
+    datagram is another process (forged inner packets), dropped as non_member."""
+    with udp_transport(offload=offload) as (t, c, d):
+        t.set_members(frozenset({LOCAL}))
+        worker, other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            worker.bind((LOCAL, 0))
+            t.port = worker.getsockname()[1]  # (on a node: both ends' udp_port; one port on loopback)
+            forged, real = tcp(b"forged", src="10.244.9.9"), tcp(b"real")
+            other.sendto(forged, t.sock.getsockname())
+            worker.sendto(real, t.sock.getsockname())
+            got = Collect()
+            for _ in range(2):
+                _ready(t.sock)
+                t.receive(bytearray(1 << 20), got, 64)
+                if got.packets:
+                    break
+            assert got.packets == [real] and d["non_member"] == 1 and c["rx_packets"] == 1
+        finally:
+            worker.close()
+            other.close()
+
+
+def test_the_c_udp_loop_drops_a_members_datagram_from_another_port_too():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    worker, other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((LOCAL, 0))
+        worker.bind((LOCAL, 0))
+        with c_path("udp", sock, mtu=1472, port=worker.getsockname()[1]) as (fp, writes, _tun):
+            fp.set_members({LOCAL})
+            forged, real = tcp(b"forged", src="10.244.9.9"), tcp(b"real")
+            other.sendto(forged, sock.getsockname())
+            worker.sendto(real, sock.getsockname())
+            got = []
+            for _ in range(2):
+                _ready(sock)
+                assert fp.run((), 0) == 0
+                got += writes()
+                if got:
+                    break
+            assert got == [real] and fp.counters()["drop:non_member"] == 1
+    finally:
+        for s in (sock, worker, other):
+            s.close()
 
 
 # -- ipip on a jumbo-frame underlay -------------------------------------------------------------

@@ -127,7 +127,10 @@ def test_the_controllers_configmap_is_checked_on_apply():
                        ({"frontend-snippet": "http-request set-header X %[lua.x]"}, "Lua"),
                        # The agent's environment (its BGP password may be there) is nothing a header may carry.
                        ({"frontend-snippet": "http-response set-header X-Leak %[env(AGENTD_BGP_PASSWORD)]"}, "environment"),
-                       ({"frontend-snippet": 'http-response set-header X "${AGENTD_BGP_PASSWORD}"'}, "environment")):  # fmt: skip
+                       ({"frontend-snippet": 'http-response set-header X "${AGENTD_BGP_PASSWORD}"'}, "environment"),
+                       # haproxy -c prints an unknown fetch in an ALERT: settings_error in /ingress and the log.
+                       ({"log-format": "%[${AGENTD_BGP_PASSWORD}]"}, r"log-format\]: Invalid value: environment"),
+                       ({"log-format": "%ci %[env(AGENTD_BGP_PASSWORD)]"}, r"log-format\]: Invalid value: environment")):  # fmt: skip
         doc = {**cm, "data": data}
         with pytest.raises(manifests.ManifestError, match=want):
             manifests.validate_all([manifests.Document("document 1", doc)], "f.yaml")

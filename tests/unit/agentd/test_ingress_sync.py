@@ -161,3 +161,21 @@ def test_a_failed_reload_is_not_applied_and_is_tried_again_with_a_backoff(tmp_pa
         assert ctl._retry_at is None and not ctl._retry_due(float("inf"))
 
     asyncio.run(main())
+
+
+def test_haproxy_check_runs_without_the_agents_environment(tmp_path, monkeypatch):
+    """HAProxy -c expands ${VAR} and prints the value in an ALERT, which becomes settings_error:
+    the check must see HAProxy's own environment, never the agent's (its BGP password)."""
+    from agentd.ingress.proxy import Proxy
+
+    fake = tmp_path / "haproxy"
+    fake.write_text('#!/bin/sh\necho "[ALERT] parsing: unknown fetch \'${AGENTD_BGP_PASSWORD:-unset}\'"\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("AGENTD_BGP_PASSWORD", "s3cret")
+    proxy = Proxy(None, binary=str(fake))  # type: ignore[arg-type]
+    try:
+        asyncio.run(proxy.check(tmp_path / "haproxy.cfg"))
+    except ProxyError as e:
+        assert "s3cret" not in str(e) and "unset" in str(e)
+    else:
+        raise AssertionError("the check did not fail")

@@ -469,3 +469,83 @@ async def test_tcp_clients_open_at_once_are_bounded_and_the_rest_closed_at_once(
     await server._tcp_client(Reader(len(query).to_bytes(2, "big") + query, hold=False), served)  # type: ignore[arg-type]
     assert served.closed and dns.message.from_wire(served.sent[2:]).rcode() == dns.rcode.NOERROR
     assert server.rejected == 1 and sdns.MAX_TCP_CLIENTS == limit
+
+
+def test_only_pods_the_node_and_loopback_may_ask():
+    """Not an open resolver on the underlay segment: the pod networks (both families), the
+    node's own addresses and loopback are answered, anyone else is not; the node's addresses
+    are listed again at most every LOCAL_REFRESH seconds for an unknown source."""
+    now, listings = [0.0], []
+
+    def local() -> set:
+        listings.append(now[0])
+        return {IPv4Address("192.0.2.10"), sdns.ipaddress.ip_address("2001:db8::10")}
+
+    clients = sdns.Clients(["10.244.0.0/16", "fd00:10:244::/48", "169.254.20.10"], local=local, clock=lambda: now[0])
+    for source in ("10.244.3.7", "fd00:10:244:3::7", "127.0.0.1", "::1", "169.254.20.10", "::ffff:10.244.1.2"):
+        assert clients.allowed(source), source
+    assert listings == []  # none of those needed the node's addresses
+    assert clients.allowed("192.0.2.10") and clients.allowed("2001:db8::10") and listings == [0.0]
+    for source in ("192.0.2.99", "10.245.0.1", "2001:db8::99", "fe80::1%eth0", "garbage"):
+        assert not clients.allowed(source), source
+    assert listings == [0.0]  # a flood of strangers: no listing per datagram
+    now[0] = sdns.LOCAL_REFRESH
+    assert not clients.allowed("192.0.2.99") and listings == [0.0, sdns.LOCAL_REFRESH]
+
+
+async def test_queries_from_elsewhere_are_dropped_unanswered_and_counted_udp_and_tcp():
+    import asyncio
+
+    class Transport:
+        def __init__(self) -> None:
+            self.sent: list = []
+            self.aborted = False
+
+        def sendto(self, data: bytes, addr) -> None:
+            self.sent.append((data, addr))
+
+        def is_closing(self) -> bool:
+            return False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    class Reader:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+        async def readexactly(self, n: int) -> bytes:
+            if not self.data:
+                raise asyncio.IncompleteReadError(b"", n)
+            out, self.data = self.data[:n], self.data[n:]
+            return out
+
+    class Writer:
+        def __init__(self, peer) -> None:
+            self.peer, self.transport, self.sent, self.closed = peer, Transport(), b"", False
+
+        def get_extra_info(self, name: str):
+            return self.peer if name == "peername" else None
+
+        def write(self, data: bytes) -> None:
+            self.sent += data
+
+        async def drain(self) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    clients = sdns.Clients(["10.244.0.0/16"], local=lambda: {IPv4Address("192.0.2.10")}, clock=lambda: 0.0)
+    server = sdns.DnsServer("169.254.20.10", 53, lambda: TABLE, [], clients=clients)
+    query = dns.message.make_query("web.shop.svc.cluster.local", "A").to_wire()
+    udp = Transport()
+    assert server._datagram(udp, query, ("192.0.2.99", 4444)) is None  # type: ignore[arg-type]
+    await server._datagram(udp, query, ("10.244.3.7", 5555))  # type: ignore[arg-type]
+    assert [addr for _, addr in udp.sent] == [("10.244.3.7", 5555)]
+    stranger, pod = Writer(("192.0.2.99", 4444)), Writer(("10.244.3.7", 5555))
+    await server._tcp_client(Reader(len(query).to_bytes(2, "big") + query), stranger)  # type: ignore[arg-type]
+    await server._tcp_client(Reader(len(query).to_bytes(2, "big") + query), pod)  # type: ignore[arg-type]
+    assert stranger.transport.aborted and stranger.sent == b""
+    assert dns.message.from_wire(pod.sent[2:]).rcode() == dns.rcode.NOERROR
+    assert server.outcomes["foreign"] == 2 and server.outcomes["answered"] == 2 and server.queries == 2

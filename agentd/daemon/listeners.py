@@ -1,0 +1,130 @@
+"""Who holds a TCP listening port here: the owner uid of a LISTEN socket, from
+/proc/net/tcp and /proc/net/tcp6 (their ``uid`` column: the uid of the process that made the
+socket; readable by anyone, for this network namespace).
+
+The API's port is an unprivileged one (127.0.0.1:9099): while no agent runs, any local user
+can bind it.  The agent names such a squatter when it cannot bind (EADDRINUSE), and the CLI
+does not send the API token to a listener owned by someone other than root or the agent's
+user (:func:`untrusted_owner`)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import pwd
+import socket
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+LISTEN = "0A"  # TCP_LISTEN, as the st column gives it
+PROC_NET = Path("/proc/net")  # (tests give fixtures)
+
+
+def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """/proc/net/tcp{,6}'s address: 32-bit words in host byte order, in hex."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(int.from_bytes(raw[i : i + 4], "big").to_bytes(4, sys.byteorder) for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
+
+
+def parse_listeners(text: str) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, int]]:
+    """(local address, port, owner uid) of each LISTEN socket in a /proc/net/tcp{,6} text."""
+    out = []
+    for line in text.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 8 or f[3] != LISTEN or ":" not in f[1]:
+            continue
+        addr, _, port = f[1].rpartition(":")
+        try:
+            out.append((_address(addr), int(port, 16), int(f[7])))
+        except ValueError:
+            continue
+    return out
+
+
+def owners(listeners: Iterable[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, int]], host: str,
+           port: int, *, wildcards: bool = True) -> set[int]:  # fmt: skip
+    """The uids of the listeners a connection to ``host:port`` may reach: those bound to that
+    address (the kernel prefers them), else (``wildcards``: ``host`` is known to be this
+    host's) the wildcard ones of its family (an IPv6 wildcard takes IPv4 too, unless v6only)."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return set()
+    exact, wild = set(), set()
+    for addr, p, uid in listeners:
+        if p != port:
+            continue
+        if addr == ip or (isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped == ip):
+            exact.add(uid)
+        elif wildcards and addr.is_unspecified and (addr.version == ip.version or addr.version == 6):
+            wild.add(uid)
+    return exact or wild
+
+
+def listener_owners(host: str, port: int, proc: Path | None = None, *, wildcards: bool = True) -> set[int] | None:
+    """The owner uids of what listens on ``host:port`` in this network namespace; None when
+    that cannot be told (no /proc, nothing found there: an agent in another namespace)."""
+    found: list = []
+    proc = PROC_NET if proc is None else proc
+    for name in ("tcp", "tcp6"):
+        try:
+            found += parse_listeners((proc / name).read_text(errors="replace"))
+        except OSError:
+            continue
+    return owners(found, host, port, wildcards=wildcards) or None
+
+
+def user_name(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def untrusted_owner(host: str, port: int, agent_uid: int | None, proc: Path | None = None, *,
+                    wildcards: bool = True) -> int | None:  # fmt: skip
+    """A uid other than root's and ``agent_uid`` that listens on ``host:port``; None when every
+    listener there is root's or the agent's, or the owners cannot be told."""
+    uids = listener_owners(host, port, proc, wildcards=wildcards)
+    if not uids:
+        return None
+    others = sorted(uids - {0, agent_uid})
+    return others[0] if others else None
+
+
+def squatter(host: str, port: int, token_file: Path, proc: Path | None = None) -> str | None:
+    """Why the CLI must not send the API token to ``host:port``: one line naming the listener's
+    owner when it is neither root nor the agent's user (the token file's owner: the agent
+    writes it); None when it may (or when that cannot be told: as before)."""
+    address = resolve(host)
+    try:
+        local = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return None
+    uid = untrusted_owner(address, port, file_owner(token_file), proc, wildcards=local)
+    if uid is None:
+        return None
+    return (f"{host}:{port} is served by a process of {user_name(uid)}, neither root nor the agent's user "
+            f"(the owner of {token_file}): not sending it the API token (another user took the agent's port "
+            "while no agent ran?)")
+
+
+def file_owner(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_uid
+    except OSError:
+        return None
+
+
+def resolve(host: str) -> str:
+    """``host`` as an address (localhost's first), for :func:`owners`."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return host.strip("[]")
+    except ValueError:
+        try:
+            return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        except (OSError, IndexError):
+            return host

@@ -1,0 +1,118 @@
+"""Who holds the API's port (agentd/daemon/listeners.py), from /proc/net/tcp{,6} fixture text:
+the agent names a squatter on EADDRINUSE, and the CLI sends the API token to no listener owned
+by anyone but root or the agent's user (the token file's owner)."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import threading
+from ipaddress import ip_address
+
+import pytest
+
+from agentd import cli
+from agentd.daemon import agent as agent_module
+from agentd.daemon import listeners
+
+# 127.0.0.1:9099 LISTEN by uid 1000; 0.0.0.0:179 LISTEN by root; an established one by uid 1000 on 9098.
+TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:238B 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1 0000000000000000 100 0 0 10 0
+   1: 00000000:00B3 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 17 1 0000000000000000 100 0 0 10 0
+   2: 0100007F:238A 0100007F:D431 01 00000000:00000000 00:00000000 00000000  1000        0 99 1 0000000000000000 20 4 30 10 -1
+"""
+# [::1]:9099 LISTEN by uid 1001; [::]:8080 LISTEN by uid 33.
+TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:238B 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1001        0 555 1 0000000000000000 100 0 0 10 0
+   1: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000    33        0 556 1 0000000000000000 100 0 0 10 0
+"""
+
+
+@pytest.fixture
+def proc(tmp_path, monkeypatch):
+    (tmp_path / "tcp").write_text(TCP)
+    (tmp_path / "tcp6").write_text(TCP6)
+    monkeypatch.setattr(listeners, "PROC_NET", tmp_path)
+    return tmp_path
+
+
+def test_listening_sockets_and_their_owners_are_read_from_proc_net_tcp():
+    assert listeners.parse_listeners(TCP) == [(ip_address("127.0.0.1"), 9099, 1000), (ip_address("0.0.0.0"), 179, 0)]
+    assert listeners.parse_listeners(TCP6) == [(ip_address("::1"), 9099, 1001), (ip_address("::"), 8080, 33)]
+    assert listeners.parse_listeners("header only\n") == [] and listeners.parse_listeners("h\n garbage 0A x\n") == []
+
+
+def test_the_owners_of_an_address_and_port(proc):
+    assert listeners.listener_owners("127.0.0.1", 9099) == {1000}
+    assert listeners.listener_owners("::1", 9099) == {1001}
+    assert listeners.listener_owners("127.0.0.1", 9098) is None  # established, not listening
+    assert listeners.listener_owners("10.0.0.5", 179) == {0}  # the wildcard takes it
+    assert listeners.listener_owners("10.0.0.5", 179, wildcards=False) is None
+    assert listeners.listener_owners("127.0.0.1", 8080) == {33}  # an IPv6 wildcard takes IPv4 too
+    assert listeners.listener_owners("127.0.0.1", 9099, proc / "missing") is None  # no /proc: cannot tell
+    assert listeners.untrusted_owner("127.0.0.1", 9099, agent_uid=0) == 1000
+    assert listeners.untrusted_owner("127.0.0.1", 9099, agent_uid=1000) is None  # the agent's own user
+    assert listeners.untrusted_owner("10.0.0.5", 179, agent_uid=999) is None  # root's
+
+
+def test_the_agent_names_who_holds_its_api_port(proc):
+    assert "uid 1000" in agent_module.api_port_holder("127.0.0.1", 9099)
+    assert agent_module.api_port_holder("127.0.0.1", 9100) == ""  # nothing known there
+    assert agent_module.api_port_holder("10.0.0.5", 179) == ""  # root's: another agent, said as before
+
+
+def test_agentd_leave_sends_the_token_to_no_other_users_listener(tmp_path, monkeypatch):
+    """After a crash the token file is still there; a local user bound 127.0.0.1:PORT meanwhile:
+    root's `agentd leave` refuses (one line naming the uid) instead of sending it the token."""
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(202)
+            self.end_headers()
+            self.wfile.write(b'{"leaving": true}')
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    net = tmp_path / "net"
+    net.mkdir()
+    (net / "tcp").write_text(TCP.replace(":238B ", f":{port:04X} "))  # the squatter, uid 1000, on that port
+    monkeypatch.setattr(listeners, "PROC_NET", net)
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 0)  # the agent runs as root
+    try:
+        with pytest.raises(cli.LeaveRefused, match=rf"^127.0.0.1:{port} is served by a process of uid 1000.*not sending it the API token"):
+            cli.leave_running_agent("127.0.0.1", port, token_file)
+        assert seen == []
+        monkeypatch.setattr(listeners, "file_owner", lambda path: 1000)  # an agent run as that user (User=): it is its own
+        server.timeout = 5
+        monkeypatch.setattr(cli, "LEAVE_WAIT", 1.0)
+        try:
+            cli.leave_running_agent("127.0.0.1", port, token_file)
+        except cli.LeaveRefused:
+            pass
+        assert seen == ["Bearer t0ken"]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert os.path.exists(token_file)
+
+
+def test_agentd_flows_sends_the_tokens_key_to_no_other_users_listener(proc, tmp_path, monkeypatch, capsys):
+    import argparse
+
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    monkeypatch.setattr(listeners, "file_owner", lambda path: 0)
+    args = argparse.Namespace(api="http://127.0.0.1:9099", last=5, follow=False, cluster=True, output="text",
+                              **{f"filter_{n.replace('-', '_')}": [] for n in cli.FLOW_FILTERS})  # fmt: skip
+    assert cli.flows_command(args, token_file) == 1
+    assert "127.0.0.1:9099 is served by a process of uid 1000" in capsys.readouterr().err

@@ -1,0 +1,77 @@
+"""[network] ip_masq's tables (agentd/nft/masquerade.py), pure: masqueraded, a pod's packet to
+another node comes from its node's address, which the other node's BGP listener, udp worker,
+VXLAN device and IPIP tunnel take as a member's; pods' packets to the members' BGP, udp and
+VXLAN ports and IPIP are dropped in forward, everything else to nodes is masqueraded as before;
+the member set follows the node registry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from ipaddress import IPv4Address, IPv6Address, ip_network
+from types import SimpleNamespace
+
+from agentd.nft import masquerade as m
+
+NETWORKS = {4: (ip_network("10.244.0.0/16"), ip_network("10.244.1.0/24")),
+            6: (ip_network("fd00:10:244::/48"), ip_network("fd00:10:244:1::/64"))}  # fmt: skip
+GUARDED = m.Guarded(bgp_port=1179, udp_port=8285, vxlan_port=4789)
+
+
+def rules(rs, family: str, chain: str) -> list[list[dict]]:
+    return [json.loads(r) for r in rs.objects[(family, m.TABLE, "chain", chain)].rules]
+
+
+def test_pods_cannot_reach_the_members_agent_ports_as_their_node():
+    rs = m.ruleset(NETWORKS, ["192.0.2.1", "192.0.2.2", "2001:db8::2"], GUARDED)
+    assert rs.objects[("ip", m.TABLE, "set", "members")].elements == {"192.0.2.1", "192.0.2.2"}
+    assert rs.objects[("ip6", m.TABLE, "set", "members")].elements == {"2001:db8::2"}
+    for family, cluster in (("ip", "10.244.0.0"), ("ip6", "fd00:10:244::")):
+        chain = rs.objects[(family, m.TABLE, "chain", "forward")]
+        assert chain.hook == ("filter", "forward", 0, "accept")
+        guard = rules(rs, family, "forward")
+        assert len(guard) == 3 and all(r[-1] == {"drop": None} for r in guard)
+        for r in guard:  # from the pod network to a member
+            assert r[0]["match"]["left"] == {"payload": {"protocol": family, "field": "saddr"}}
+            assert r[0]["match"]["right"]["prefix"]["addr"] == cluster and r[0]["match"]["op"] == "=="
+            assert r[1]["match"] == {"op": "==", "left": {"payload": {"protocol": family, "field": "daddr"}}, "right": "@members"}
+        assert guard[0][2]["match"] == {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}}, "right": 1179}
+        assert guard[1][2]["match"] == {"op": "==", "left": {"payload": {"protocol": "udp", "field": "dport"}},
+                                        "right": {"set": [4789, 8285]}}  # fmt: skip
+        assert guard[2][2]["match"] == {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": 4}
+        # Masquerading itself is flannel's four rules, unchanged: pods still reach nodes' host services.
+        assert len(rules(rs, family, m.CHAIN)) == 4
+
+
+def test_member_addresses_are_every_nodes_underlay_addresses():
+    nodes = [SimpleNamespace(address=IPv4Address("192.0.2.1"), address_v6=None),
+             SimpleNamespace(address=IPv4Address("192.0.2.2"), address_v6=IPv6Address("2001:db8::2")),
+             SimpleNamespace(address=None, address_v6=IPv6Address("2001:db8::3"))]  # fmt: skip
+    assert m.member_addresses(nodes) == {"192.0.2.1", "192.0.2.2", "2001:db8::2", "2001:db8::3"}
+
+
+async def test_the_member_set_follows_the_nodes_one_transaction_at_a_time(monkeypatch):
+    synced: list[frozenset] = []
+    gate = asyncio.Event()
+
+    class Programmer:
+        async def sync(self, rs) -> None:
+            synced.append(rs.objects[("ip", m.TABLE, "set", "members")].elements)
+            await gate.wait()
+
+    masq = m.Masquerade({4: NETWORKS[4]}, GUARDED)
+    masq.set_members(["192.0.2.1"])  # before the tables are made: kept for them
+    masq._programmer = Programmer()  # type: ignore[assignment]
+    gate.set()
+    await masq.program()
+    assert synced == [{"192.0.2.1"}]
+    gate.clear()
+    masq.set_members(["192.0.2.1", "192.0.2.2"])
+    await asyncio.sleep(0)
+    masq.set_members(["192.0.2.1", "192.0.2.2", "192.0.2.3"])  # while one is in flight: one more after it
+    masq.set_members(["192.0.2.1", "192.0.2.3"])
+    gate.set()
+    await masq._task
+    assert synced == [{"192.0.2.1"}, {"192.0.2.1", "192.0.2.2"}, {"192.0.2.1", "192.0.2.3"}]
+    masq.set_members(["192.0.2.3", "192.0.2.1"])  # no change: no transaction
+    assert masq._task.done() and len(synced) == 3
