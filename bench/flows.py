@@ -11,7 +11,9 @@ off; ...) so that a drift of the machine's load falls on all alike; each run mea
 
 * ``conn/s``: many short TCP connections (connect, one request and answer, close; 4 loops for
   ``--seconds``, svcecho's TCP_CRR), client pod to server pod across nodes and on one node;
-  with the CPU seconds both agents used meanwhile (/proc/PID/stat), per 1000 connections;
+  with the CPU seconds both agents used meanwhile (/proc/PID/stat), per 1000 connections; the
+  rate counts the connections answered, and a run in which more than 1% failed (or none
+  succeeded) stops the bench; the failed ones are counted under the table;
 * ``Gbit/s``: one iperf3 stream for ``--seconds``, across nodes and on one node.
 
 Clients run on CPU 0 and the servers on CPU 1 (``taskset``, as bench/policy.py does; the
@@ -150,14 +152,30 @@ def busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
+# The share of a run's connections that may fail (svcecho's crr counts a connect that failed
+# or took over 2 s, and a request not answered within 2 s) before the run is a BenchError: a
+# rate counts the successes only, so a run that lost many would read as merely slower.
+CRR_FAILED_SHARE = 0.01
+
+
+def crr_checked(r: dict[str, Any], what: str) -> dict[str, Any]:
+    """svcecho's crr answer ``r``, unless no connection succeeded or more than
+    CRR_FAILED_SHARE of them failed: then a BenchError naming ``what``."""
+    done, failed = r["connections"], r["failed"]
+    if done == 0 or failed > CRR_FAILED_SHARE * (done + failed):
+        raise BenchError(f"{what}: {failed:,} of {done + failed:,} connections failed "
+                         f"(more than {CRR_FAILED_SHARE:.0%}): the connection rate would not be the path's")
+    return r
+
+
 async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds: float) -> dict[str, float]:
     server = pods["server"]
     out: dict[str, float] = {}
     for where, client in (("across", "client"), ("same", "local")):
         pids = [n.agent_pid() for n in lab.nodes]
         agents, busy = [cpu_seconds(p) for p in pids], busy_seconds()
-        r = await echo[client].crr(server.ip, 8080, seconds)
-        per_k = 1000 / max(1, r["connections"])
+        r = crr_checked(await echo[client].crr(server.ip, 8080, seconds), f"connections {where}")
+        per_k = 1000 / r["connections"]
         out[f"crr_{where}"] = r["connections"] / r["seconds"]
         out[f"crr_failed_{where}"] = r["failed"]
         out[f"agent_ms_{where}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
@@ -473,7 +491,10 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     drops = med.get("drops")
 
     def ratios_of(mode: str, key: str) -> list[float]:
-        return sorted(b[key] / a[key] for a, b in zip(runs["off"], runs.get(mode) or []) if a[key])
+        pairs = list(zip(runs["off"], runs.get(mode) or []))
+        if any(not a[key] for a, _ in pairs):  # measure() lets no such run through: never a round left out
+            raise BenchError(f"a run with flows off measured no {key}: no ratio to it")
+        return sorted(b[key] / a[key] for a, b in pairs)
 
     rows = []
     for label, key, fmt in (("conn/s across nodes", "crr_across", "{:,.0f}"), ("conn/s same node", "crr_same", "{:,.0f}"),
@@ -512,7 +533,11 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
                  ["GET /status worst of 20 (ms)", f"{q['api_max_ms']:.1f}", f"{d['api_max_ms']:.1f}", f"{d['api_max_ms'] / q['api_max_ms']:.2f}x"],
                  ["policy change -> kernel (ms)", f"{q['policy_ms']:.0f}", f"{d['policy_ms']:.0f}", f"{d['policy_ms'] / q['policy_ms']:.2f}x"],
                  ["RSS (MB)", f"{q['rss_mb']:.1f}", f"{s['rss_after_mb']:.1f} (after)", f"{s['rss_after_mb'] / q['rss_mb']:.2f}x"]])  # fmt: skip
+    failed = {mode: sum(x.get(f"crr_failed_{where}", 0) for x in rs for where in ("across", "same"))
+              for mode, rs in runs.items()}
     print_notes("Notes", [
+        f"failed connections (a connect or answer over 2 s; all rounds, across and same node; a run with more than "
+        f"{CRR_FAILED_SHARE:.0%} failed stops the bench): " + ", ".join(f"{mode} {n:,}" for mode, n in failed.items()),
         f"drop records kept {s['records']:,}; suppressed in the kernel (nft limit) {s['suppressed_kernel']:,}, by the agent "
         f"{s['suppressed_agent']:,}; lost {s['lost'] or 0}; ring now {s['ring']:,} records",
         f"ring memory per node: {r['ring_bytes'] / 1e6:.1f} MB for {r['ring_size']:,} records read "
