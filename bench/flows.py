@@ -180,7 +180,7 @@ async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds
         out[f"crr_failed_{where}"] = r["failed"]
         out[f"agent_ms_{where}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
         out[f"busy_ms_{where}"] = (busy_seconds() - busy) * 1000 * per_k
-        run = await _iperf.client(pods[client].ns, server.ip, seconds, what=f"iperf3 {where}")
+        run = await _iperf.client(pods[client].ns, server.ip, seconds, prefix=CLIENT_CPU, what=f"iperf3 {where}")
         out[f"gbps_{where}"] = run.gbps
     return out
 
