@@ -1,6 +1,7 @@
 """What flow records cost: recording on vs. off, side by side, and a drop storm.
 
-    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--drops 20] [--node-cpus]
+    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--storm-seconds 5] [--drops 20]
+                                         [--node-cpus]
                                          [--quick] [--json FILE]
 
 One 2-node lab (host-gw): a client pod on node1, a server pod and a second client on node2.
@@ -30,10 +31,12 @@ drops only beside them, as its own median ratio to off.
 Goals: connection rate >= 0.95x and throughput >= 0.98x of recording off (recording on).
 
 Then, with recording on, a drop storm: a NetworkPolicy isolates the server, and a pod it
-denies sends it UDP at ``--storm-pps`` for ``--storm-seconds`` (paced, bounded).  Beside a
-quiet baseline it measures node2's agent: API latency (GET /status, median and worst of 20),
-policy change latency (apply one NetworkPolicy -> node2 has it in the kernel), RSS before and
-after, and what was recorded and suppressed.  Goal: neither slower nor bigger.
+denies sends it UDP at ``--storm-pps`` for ``--storm-seconds`` (paced, bounded; at least 5,
+also under --quick).  Beside a quiet baseline it measures node2's agent from 1 s into the
+storm: API latency (GET /status, median and worst of 20, 0.1 s apart), policy change latency
+(apply one NetworkPolicy -> node2 has it in the kernel), RSS before and after, and what was
+recorded and suppressed; a storm that ends before these readings do stops the bench.  Goal:
+neither slower nor bigger.
 
 ``drop -> followed stream``: with recording on and the server isolated, the client on node2
 that the policy denies connects to a new port of the server ``--drops`` times; for each, the
@@ -365,6 +368,12 @@ async def drop_latency(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], sa
     return out
 
 
+# The storm's readings are taken STORM_START seconds into it and take at least 2 s (20 GET
+# /status 0.1 s apart) and then a policy change: a storm shorter than STORM_MIN_SECONDS would
+# end before they do (and one that still does is a BenchError).
+STORM_START, STORM_MIN_SECONDS = 1.0, 5.0
+
+
 async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: float) -> dict[str, Any]:
     await isolate_server(lab, res)
     quiet = await agent_probe(lab, res, 0)
@@ -373,8 +382,11 @@ async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: flo
         "ip", "netns", "exec", pods["local"].ns.name, sys.executable, "-c", STORM, pods["server"].ip, str(pps), str(seconds),
         stdout=asyncio.subprocess.PIPE)  # fmt: skip
     try:
-        await asyncio.sleep(min(1.0, seconds / 4))
+        await asyncio.sleep(STORM_START)
         during = await agent_probe(lab, res, 1)
+        if proc.returncode is not None:  # then some of "during" was measured after the storm
+            raise BenchError(f"the storm ended (the sender exited {proc.returncode}) before node2's agent was "
+                             "measured during it: give a longer --storm-seconds")
         limit = seconds + 30  # the sender stops itself after ``seconds``
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), limit)
@@ -466,14 +478,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds per measurement (default 5)")
     ap.add_argument("--rounds", type=int, default=6, help="rounds of off, drops only and on, interleaved (default 6)")
     ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
-    ap.add_argument("--storm-seconds", type=float, default=5.0, help="length of the storm (default 5)")
+    ap.add_argument("--storm-seconds", type=float, default=5.0,
+                    help=f"length of the storm, at least {STORM_MIN_SECONDS:.0f} (default 5)")
     ap.add_argument("--drops", type=int, default=20, help="denied connections timed to the followed streams (default 20)")
     ap.add_argument("--node-cpus", action="store_true",
                     help="each node's received packets on its own CPU (RPS on its underlay device: node 1 and the "
                          "clients CPU 0, node 2 and the servers CPU 1), as on two hosts")
-    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "storm_seconds": 3.0, "drops": 5})
+    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "drops": 5})
     if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1 or args.drops < 1:
         ap.error("--seconds, --rounds, --storm-pps and --drops must be at least 1")
+    if not args.storm_seconds >= STORM_MIN_SECONDS:
+        ap.error(f"--storm-seconds must be at least {STORM_MIN_SECONDS:.0f}: the readings during the storm begin "
+                 f"{STORM_START:.0f} s into it and take over 2 s, then a policy change")
     if args.node_cpus and (err := node_cpus_error(os.sched_getaffinity(0))):
         ap.error(err)
     require_root("bench/flows.py")

@@ -97,3 +97,76 @@ def test_the_failed_connections_are_in_the_report(capsys):
     flows.report(ARGS, _result(_run([1000, 1000, 1000], [990] * 3, failed_off=[0, 3, 4])))
     note = next(line for line in capsys.readouterr().out.splitlines() if "failed connections" in line)
     assert "off 14" in note and "on 0" in note  # 3 + 4, across and same node each
+
+
+class _Sender:
+    """The storm's sender: exited before the readings during the storm were done, or not."""
+
+    def __init__(self, exited: bool) -> None:
+        self.returncode = 0 if exited else None
+
+    async def communicate(self):
+        self.returncode = 0
+        return b"500000 5.0\n", b""
+
+    async def wait(self):
+        return self.returncode
+
+    def kill(self):
+        pass
+
+
+def _storm(monkeypatch, exited: bool) -> dict:
+    async def noop(*_, **__):
+        return None
+
+    async def probe(lab, res, k):
+        return {"api_median_ms": 1.0, "api_max_ms": 2.0, "policy_ms": 10.0, "rss_mb": 50.0}
+
+    async def spawn(*_, **__):
+        return _Sender(exited)
+
+    status = {"flows": {"flows": {"dropped": 0}, "suppressed": {"kernel": 0, "agent": 0}, "lost": 0, "records": 0}}
+    monkeypatch.setattr(flows, "isolate_server", noop)
+    monkeypatch.setattr(flows, "agent_probe", probe)
+    monkeypatch.setattr(flows.asyncio, "create_subprocess_exec", spawn)
+    monkeypatch.setattr(flows.asyncio, "sleep", noop)  # no waiting in a unit test
+    node = SimpleNamespace(api=lambda path: status, agent_pid=lambda: None)
+    lab = SimpleNamespace(nodes=[node, node])
+    pods = {"local": SimpleNamespace(ns=SimpleNamespace(name="pod-local")), "server": SimpleNamespace(ip="10.244.1.2")}
+    return asyncio.run(flows.storm(lab, pods, None, 100_000, 5.0))
+
+
+def test_readings_taken_after_the_storm_stop_the_bench(monkeypatch):
+    with pytest.raises(BenchError, match="storm ended"):
+        _storm(monkeypatch, exited=True)
+
+
+def test_readings_taken_during_the_storm_are_kept(monkeypatch):
+    got = _storm(monkeypatch, exited=False)
+    assert got["sent"] == 500_000 and got["during"]["policy_ms"] == 10.0
+
+
+@pytest.mark.parametrize("seconds", ["0", "3", "4.9", "nan"])
+def test_a_storm_too_short_for_its_readings_is_refused_with_one_line(monkeypatch, capsys, seconds):
+    def reached(*_):
+        raise AssertionError("the bench would start")
+
+    monkeypatch.setattr(flows, "require_root", reached)
+    with pytest.raises(SystemExit) as exc:
+        flows.main(["--storm-seconds", seconds])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "error: --storm-seconds must be at least 5" in err[-1]
+
+
+def test_quick_runs_a_storm_long_enough(monkeypatch):
+    class Reached(Exception):
+        pass
+
+    def reached(*_):
+        raise Reached
+
+    monkeypatch.setattr(flows, "require_root", reached)
+    with pytest.raises(Reached):
+        flows.main(["--quick"])
