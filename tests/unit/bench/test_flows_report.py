@@ -170,3 +170,10 @@ def test_quick_runs_a_storm_long_enough(monkeypatch):
     monkeypatch.setattr(flows, "require_root", reached)
     with pytest.raises(Reached):
         flows.main(["--quick"])
+
+
+def test_the_ratio_printed_is_the_ratio_judged(capsys):
+    # 0.946 printed with 2 decimals read "0.95x ... NOT met" beside a goal of 0.95x.
+    flows.report(ARGS, _result(_run([1000] * 3, [946] * 3)))
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("conn/s across nodes"))
+    assert "0.946x" in row and "0.946-0.946" in row and "NOT met" in row
