@@ -18,7 +18,9 @@ def _wrk(rps: float, failed: int = 0) -> dict:
 
 
 def _out(anchor: dict, ours: dict) -> dict:
-    return {"load": (0.5, 0.5, 0.5), "rows": [],
+    rows = [{"row": row, "mode": m, **run, "proxy_cpu_us": None} for m in ("keep-alive", "new connection")
+            for row, run in (("proxy alone (anchor)", anchor), ("agentd ingress", ours))]
+    return {"load": (0.5, 0.5, 0.5), "rows": rows,
             "both": [{"mode": m, "anchor": anchor, "ingress": ours} for m in ("keep-alive", "new connection")]}
 
 
