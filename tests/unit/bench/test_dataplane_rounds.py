@@ -5,9 +5,9 @@ ratios, so that a slow spell of the machine between rounds does not pass for a f
 from __future__ import annotations
 
 import statistics
-from types import SimpleNamespace
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
