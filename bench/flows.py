@@ -165,7 +165,9 @@ def crr_checked(r: dict[str, Any], what: str) -> dict[str, Any]:
     """svcecho's crr answer ``r``, unless no connection succeeded or more than
     CRR_FAILED_SHARE of them failed: then a BenchError naming ``what``."""
     done, failed = r["connections"], r["failed"]
-    if done == 0 or failed > CRR_FAILED_SHARE * (done + failed):
+    if not done > 0:
+        raise BenchError(f"{what}: no connection succeeded ({failed:,} failed)")
+    if failed > CRR_FAILED_SHARE * (done + failed):
         raise BenchError(f"{what}: {failed:,} of {done + failed:,} connections failed "
                          f"(more than {CRR_FAILED_SHARE:.0%}): the connection rate would not be the path's")
     return r
@@ -181,6 +183,7 @@ async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds
         per_k = 1000 / r["connections"]
         out[f"crr_{where}"] = r["connections"] / r["seconds"]
         out[f"crr_failed_{where}"] = r["failed"]
+        out[f"crr_connections_{where}"] = r["connections"]
         out[f"agent_ms_{where}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
         out[f"busy_ms_{where}"] = (busy_seconds() - busy) * 1000 * per_k
         run = await _iperf.client(pods[client].ns, server.ip, seconds, prefix=CLIENT_CPU, what=f"iperf3 {where}")
@@ -505,6 +508,13 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     med = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in runs.items()}
     off, on = med["off"], med["on"]
     drops = med.get("drops")
+
+    for mode, rs in runs.items():  # what measure() checked, again for results read back from --json
+        for k, x in enumerate(rs):
+            for where in ("across", "same"):
+                done = x.get(f"crr_connections_{where}", x[f"crr_{where}"] * args.seconds)  # older results: the rate's
+                crr_checked({"connections": done, "failed": x.get(f"crr_failed_{where}", 0)},
+                            f"{mode}, round {k + 1}, connections {where}")
 
     def ratios_of(mode: str, key: str) -> list[float]:
         pairs = list(zip(runs["off"], runs.get(mode) or []))
