@@ -426,7 +426,7 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     for name, base, want in GOALS:
         if name in by and base in by:
             got = x_ipv4[name] if ipv4_row(name) == base and name in x_ipv4 else by[name] / by[base]
-            print(f"  {name:<17} >= {want:.2f}x {base:<12}: {got:.2f}x  {'met' if got >= want else 'NOT met'}")
+            print(f"  {name:<17} >= {want:.2f}x {base:<12}: {got:.3f}x  {'met' if got >= want else 'NOT met'}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """What flow records cost: recording on vs. off, side by side, and a drop storm.
 
-    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--drops 20] [--node-cpus]
+    sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--storm-seconds 5] [--drops 20]
+                                         [--node-cpus]
                                          [--quick] [--json FILE]
 
 One 2-node lab (host-gw): a client pod on node1, a server pod and a second client on node2.
@@ -11,7 +12,9 @@ off; ...) so that a drift of the machine's load falls on all alike; each run mea
 
 * ``conn/s``: many short TCP connections (connect, one request and answer, close; 4 loops for
   ``--seconds``, svcecho's TCP_CRR), client pod to server pod across nodes and on one node;
-  with the CPU seconds both agents used meanwhile (/proc/PID/stat), per 1000 connections;
+  with the CPU seconds both agents used meanwhile (/proc/PID/stat), per 1000 connections; the
+  rate counts the connections answered, and a run in which more than 1% failed (or none
+  succeeded) stops the bench; the failed ones are counted under the table;
 * ``Gbit/s``: one iperf3 stream for ``--seconds``, across nodes and on one node.
 
 Clients run on CPU 0 and the servers on CPU 1 (``taskset``, as bench/policy.py does; the
@@ -28,10 +31,12 @@ drops only beside them, as its own median ratio to off.
 Goals: connection rate >= 0.95x and throughput >= 0.98x of recording off (recording on).
 
 Then, with recording on, a drop storm: a NetworkPolicy isolates the server, and a pod it
-denies sends it UDP at ``--storm-pps`` for ``--storm-seconds`` (paced, bounded).  Beside a
-quiet baseline it measures node2's agent: API latency (GET /status, median and worst of 20),
-policy change latency (apply one NetworkPolicy -> node2 has it in the kernel), RSS before and
-after, and what was recorded and suppressed.  Goal: neither slower nor bigger.
+denies sends it UDP at ``--storm-pps`` for ``--storm-seconds`` (paced, bounded; at least 5,
+also under --quick).  Beside a quiet baseline it measures node2's agent from 1 s into the
+storm: API latency (GET /status, median and worst of 20, 0.1 s apart), policy change latency
+(apply one NetworkPolicy -> node2 has it in the kernel), RSS before and after, and what was
+recorded and suppressed; a storm that ends before these readings do stops the bench.  Goal:
+neither slower nor bigger.
 
 ``drop -> followed stream``: with recording on and the server isolated, the client on node2
 that the policy denies connects to a new port of the server ``--drops`` times; for each, the
@@ -150,19 +155,38 @@ def busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
+# The share of a run's connections that may fail (svcecho's crr counts a connect that failed
+# or took over 2 s, and a request not answered within 2 s) before the run is a BenchError: a
+# rate counts the successes only, so a run that lost many would read as merely slower.
+CRR_FAILED_SHARE = 0.01
+
+
+def crr_checked(r: dict[str, Any], what: str) -> dict[str, Any]:
+    """svcecho's crr answer ``r``, unless no connection succeeded or more than
+    CRR_FAILED_SHARE of them failed: then a BenchError naming ``what``."""
+    done, failed = r["connections"], r["failed"]
+    if not done > 0:
+        raise BenchError(f"{what}: no connection succeeded ({failed:,} failed)")
+    if failed > CRR_FAILED_SHARE * (done + failed):
+        raise BenchError(f"{what}: {failed:,} of {done + failed:,} connections failed "
+                         f"(more than {CRR_FAILED_SHARE:.0%}): the connection rate would not be the path's")
+    return r
+
+
 async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds: float) -> dict[str, float]:
     server = pods["server"]
     out: dict[str, float] = {}
     for where, client in (("across", "client"), ("same", "local")):
         pids = [n.agent_pid() for n in lab.nodes]
         agents, busy = [cpu_seconds(p) for p in pids], busy_seconds()
-        r = await echo[client].crr(server.ip, 8080, seconds)
-        per_k = 1000 / max(1, r["connections"])
+        r = crr_checked(await echo[client].crr(server.ip, 8080, seconds), f"connections {where}")
+        per_k = 1000 / r["connections"]
         out[f"crr_{where}"] = r["connections"] / r["seconds"]
         out[f"crr_failed_{where}"] = r["failed"]
+        out[f"crr_connections_{where}"] = r["connections"]
         out[f"agent_ms_{where}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
         out[f"busy_ms_{where}"] = (busy_seconds() - busy) * 1000 * per_k
-        run = await _iperf.client(pods[client].ns, server.ip, seconds, what=f"iperf3 {where}")
+        run = await _iperf.client(pods[client].ns, server.ip, seconds, prefix=CLIENT_CPU, what=f"iperf3 {where}")
         out[f"gbps_{where}"] = run.gbps
     return out
 
@@ -347,6 +371,12 @@ async def drop_latency(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], sa
     return out
 
 
+# The storm's readings are taken STORM_START seconds into it and take at least 2 s (20 GET
+# /status 0.1 s apart) and then a policy change: a storm shorter than STORM_MIN_SECONDS would
+# end before they do (and one that still does is a BenchError).
+STORM_START, STORM_MIN_SECONDS = 1.0, 5.0
+
+
 async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: float) -> dict[str, Any]:
     await isolate_server(lab, res)
     quiet = await agent_probe(lab, res, 0)
@@ -355,8 +385,11 @@ async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: flo
         "ip", "netns", "exec", pods["local"].ns.name, sys.executable, "-c", STORM, pods["server"].ip, str(pps), str(seconds),
         stdout=asyncio.subprocess.PIPE)  # fmt: skip
     try:
-        await asyncio.sleep(min(1.0, seconds / 4))
+        await asyncio.sleep(STORM_START)
         during = await agent_probe(lab, res, 1)
+        if proc.returncode is not None:  # then some of "during" was measured after the storm
+            raise BenchError(f"the storm ended (the sender exited {proc.returncode}) before node2's agent was "
+                             "measured during it: give a longer --storm-seconds")
         limit = seconds + 30  # the sender stops itself after ``seconds``
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), limit)
@@ -448,14 +481,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds per measurement (default 5)")
     ap.add_argument("--rounds", type=int, default=6, help="rounds of off, drops only and on, interleaved (default 6)")
     ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
-    ap.add_argument("--storm-seconds", type=float, default=5.0, help="length of the storm (default 5)")
+    ap.add_argument("--storm-seconds", type=float, default=5.0,
+                    help=f"length of the storm, at least {STORM_MIN_SECONDS:.0f} (default 5)")
     ap.add_argument("--drops", type=int, default=20, help="denied connections timed to the followed streams (default 20)")
     ap.add_argument("--node-cpus", action="store_true",
                     help="each node's received packets on its own CPU (RPS on its underlay device: node 1 and the "
                          "clients CPU 0, node 2 and the servers CPU 1), as on two hosts")
-    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "storm_seconds": 3.0, "drops": 5})
+    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "drops": 5})
     if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1 or args.drops < 1:
         ap.error("--seconds, --rounds, --storm-pps and --drops must be at least 1")
+    if not args.storm_seconds >= STORM_MIN_SECONDS:
+        ap.error(f"--storm-seconds must be at least {STORM_MIN_SECONDS:.0f}: the readings during the storm begin "
+                 f"{STORM_START:.0f} s into it and take over 2 s, then a policy change")
     if args.node_cpus and (err := node_cpus_error(os.sched_getaffinity(0))):
         ap.error(err)
     require_root("bench/flows.py")
@@ -472,8 +509,18 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     off, on = med["off"], med["on"]
     drops = med.get("drops")
 
+    for mode, rs in runs.items():  # what measure() checked, again for results read back from --json
+        for k, x in enumerate(rs):
+            for where in ("across", "same"):
+                done = x.get(f"crr_connections_{where}", x[f"crr_{where}"] * args.seconds)  # older results: the rate's
+                crr_checked({"connections": done, "failed": x.get(f"crr_failed_{where}", 0)},
+                            f"{mode}, round {k + 1}, connections {where}")
+
     def ratios_of(mode: str, key: str) -> list[float]:
-        return sorted(b[key] / a[key] for a, b in zip(runs["off"], runs.get(mode) or []) if a[key])
+        pairs = list(zip(runs["off"], runs.get(mode) or []))
+        if any(not a[key] for a, _ in pairs):  # measure() lets no such run through: never a round left out
+            raise BenchError(f"a run with flows off measured no {key}: no ratio to it")
+        return sorted(b[key] / a[key] for a, b in pairs)
 
     rows = []
     for label, key, fmt in (("conn/s across nodes", "crr_across", "{:,.0f}"), ("conn/s same node", "crr_same", "{:,.0f}"),
@@ -482,9 +529,9 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         ratios = ratios_of("on", key)
         ratio = statistics.median(ratios) if ratios else float("nan")
         d = ratios_of("drops", key)
-        rows.append([label, fmt.format(off[key]), fmt.format(on[key]), f"{ratio:.2f}x",
-                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "", f">= {goal}x", "met" if ratio >= goal else "NOT met",
-                     fmt.format(drops[key]) if drops else "", f"{statistics.median(d):.2f}x" if d else ""])
+        rows.append([label, fmt.format(off[key]), fmt.format(on[key]), f"{ratio:.3f}x",  # 3 decimals: 0.946 is not 0.95
+                     f"{ratios[0]:.3f}-{ratios[-1]:.3f}" if ratios else "", f">= {goal}x", "met" if ratio >= goal else "NOT met",
+                     fmt.format(drops[key]) if drops else "", f"{statistics.median(d):.3f}x" if d else ""])
     for label, key in (("agents' CPU ms / 1000 conn, across", "agent_ms_across"),
                        ("agents' CPU ms / 1000 conn, same node", "agent_ms_same")):
         if key in off:
@@ -512,7 +559,11 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
                  ["GET /status worst of 20 (ms)", f"{q['api_max_ms']:.1f}", f"{d['api_max_ms']:.1f}", f"{d['api_max_ms'] / q['api_max_ms']:.2f}x"],
                  ["policy change -> kernel (ms)", f"{q['policy_ms']:.0f}", f"{d['policy_ms']:.0f}", f"{d['policy_ms'] / q['policy_ms']:.2f}x"],
                  ["RSS (MB)", f"{q['rss_mb']:.1f}", f"{s['rss_after_mb']:.1f} (after)", f"{s['rss_after_mb'] / q['rss_mb']:.2f}x"]])  # fmt: skip
+    failed = {mode: sum(x.get(f"crr_failed_{where}", 0) for x in rs for where in ("across", "same"))
+              for mode, rs in runs.items()}
     print_notes("Notes", [
+        f"failed connections (a connect or answer over 2 s; all rounds, across and same node; a run with more than "
+        f"{CRR_FAILED_SHARE:.0%} failed stops the bench): " + ", ".join(f"{mode} {n:,}" for mode, n in failed.items()),
         f"drop records kept {s['records']:,}; suppressed in the kernel (nft limit) {s['suppressed_kernel']:,}, by the agent "
         f"{s['suppressed_agent']:,}; lost {s['lost'] or 0}; ring now {s['ring']:,} records",
         f"ring memory per node: {r['ring_bytes'] / 1e6:.1f} MB for {r['ring_size']:,} records read "

@@ -620,7 +620,7 @@ def goals(r: dict[str, Any]) -> list[str]:
         for path, values in t.get(label, {}).items():
             ratio = statistics.median(values) / statistics.median(t["no tables"][path])
             lines.append(f"throughput with {r['policies']:,} policies >= {GOAL_THROUGHPUT}x no tables, {path}, {how}: "
-                         f"{ratio:.2f}x, {'met' if ratio >= GOAL_THROUGHPUT else 'NOT met'}")
+                         f"{ratio:.3f}x, {'met' if ratio >= GOAL_THROUGHPUT else 'NOT met'}")
     return lines
 
 

@@ -28,8 +28,9 @@ Measured, per N:
   order turned round each round, the client pinned to CPU 0 and the server to CPU 1; the
   ratio is the median of the rounds' own ratios
   (asyncio client: the client's own cost dominates, the ratio is the figure);
-* throughput through the VIP vs. direct (iperf3, --seconds, one stream, 2 alternating rounds,
-  medians; the client starts once the server listens, and a failed run stops the bench).
+* throughput through the VIP vs. direct (iperf3, --seconds, one stream, 2 rounds of a pair,
+  the pair's order turned round each round, the client pinned to CPU 0 and the server to
+  CPU 1, medians; the client starts once the server listens, and a failed run stops the bench).
 
 There is no kube-proxy here (no API server for it to watch), so the anchors are what its
 syncs send to the kernel, rebuilt and timed in a scratch namespace of the same machine; its
@@ -136,6 +137,26 @@ def pin(pid: int, cpu: int) -> None:
         os.sched_setaffinity(int(tid), {cpu})
 
 
+BW_ROUNDS = 2  # throughput rounds, each a direct run and a VIP run
+CLIENT_CPU, SERVER_CPU = ("taskset", "-c", "0"), ("taskset", "-c", "1")
+
+
+async def throughput_rounds(client_ns: Netns, server_ns: Netns, direct: str, vip: str, seconds: float) -> dict[str, list[float]]:
+    """Gbit/s of one iperf3 stream to the server pod ``direct`` and through the ``vip``,
+    BW_ROUNDS rounds of a pair, the pair's order turned round every round (a drift of the
+    machine falls on both alike), the client on CPU 0 and the server on CPU 1 as the
+    connection rate runs."""
+    bw: dict[str, list[float]] = {"direct": [], "vip": []}
+    pair = [("direct", direct), ("vip", vip)]
+    async with _iperf.server(server_ns, prefix=SERVER_CPU, what="the iperf3 server in the server pod"):
+        for k in range(BW_ROUNDS):
+            for what, dst in pair if k % 2 == 0 else pair[::-1]:
+                run = await _iperf.client(client_ns, dst, seconds, prefix=CLIENT_CPU,
+                                          what=f"iperf3 {what} ({dst}), round {k + 1}")
+                bw[what].append(run.gbps)
+    return bw
+
+
 async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: Path) -> dict[str, Any]:
     lab = Lab(LabSpec(name="bs" + unique_tag("")[:6], nodes=3, pods=0, log_level="warning"), root=root)
     echoes: list[Echo] = []
@@ -201,12 +222,7 @@ async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: P
         ratios = [v / d for v, d in zip(crr["vip"], crr["direct"], strict=True)]
         print(f"[{n} services] conn/s {crr}; VIP/direct by round {', '.join(f'{x:.2f}' for x in ratios)}",
               file=sys.stderr, flush=True)
-        bw: dict[str, list[float]] = {"direct": [], "vip": []}
-        async with _iperf.server(server.ns, what="the iperf3 server in the server pod"):
-            for k in range(2):
-                for what, dst in (("direct", server.ip), ("vip", vip)):
-                    run = await _iperf.client(client.ns, dst, seconds, what=f"iperf3 {what} ({dst}), round {k + 1}")
-                    bw[what].append(run.gbps)
+        bw = await throughput_rounds(client.ns, server.ns, server.ip, vip, seconds)
         sizes = lab.nodes[0].api("/services?view=summary")
         chains = await asyncio.to_thread(lab.nodes[0].ns.exec, "nft", "list", "chains", "ip", timeout=300)
         return {

@@ -30,8 +30,9 @@ import asyncio
 import json
 import socket
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
+from agentd.lab.errors import LabError
 from agentd.lab.probe import udp_server, wildcards
 
 # How long :class:`Echo`'s tcp/udp/hold/ask wait for an answer unless told otherwise.
@@ -209,11 +210,16 @@ async def _main(name: str, ports: list[tuple[str, int]]) -> None:
 
 
 class Echo:
-    """One svcecho process in a namespace (``where``: anything with ``.ns``)."""
+    """One svcecho process in a namespace (``where``: anything with ``.ns``).  A request it
+    does not answer in time, or a helper that is gone, is a :class:`LabError` (one line in a
+    bench, never a traceback); the helper is stopped then, so that its late answer is never
+    read as the answer to the next request."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, label: str = "svcecho") -> None:
         self.proc = proc
+        self.label = label
         self._lock = asyncio.Lock()
+        self._stopped: str | None = None  # why the helper was stopped, once it was
 
     @classmethod
     async def start(cls, where: Any, name: str, ports: list[tuple[str, int]] = ()) -> Echo:  # type: ignore[assignment]
@@ -222,20 +228,40 @@ class Echo:
             "ip", "netns", "exec", where.ns.name, sys.executable, "-m", "agentd.lab.svcecho", name, spec,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
-        self = cls(proc)
+        self = cls(proc, f"svcecho {name} in {where.ns.name}")
         assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        except TimeoutError:
+            line = b""
         if json.loads(line or b'""') != "ready":
             await self.close()
-            raise RuntimeError(f"svcecho in {where.ns.name} did not start")
+            raise LabError(f"{self.label} did not start")
         return self
 
     async def call(self, req: dict[str, Any], timeout: float = 120.0) -> Any:
         async with self._lock:
             assert self.proc.stdin is not None and self.proc.stdout is not None
-            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
-            await self.proc.stdin.drain()
-            return json.loads(await asyncio.wait_for(self.proc.stdout.readline(), timeout))
+            what = next(iter(req), "request")
+            if self._stopped:
+                raise LabError(f"{self.label}: no {what} request: the helper was stopped ({self._stopped})")
+            try:
+                self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+                await self.proc.stdin.drain()
+                line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+            except TimeoutError:
+                await self._stop(f"no answer to a {what} request within {timeout:g} s")
+            except OSError as err:  # a helper that is gone: its pipe is broken
+                await self._stop(f"it is gone ({err.strerror or err})")
+            if not line:
+                await self._stop(f"it exited without answering a {what} request")
+            return json.loads(line)
+
+    async def _stop(self, why: str) -> NoReturn:
+        """Stop the helper (its late answer would be read by the next request) and raise."""
+        self._stopped = why
+        await self.close()
+        raise LabError(f"{self.label}: {why}; the helper is stopped")
 
     # The default timeouts are for exchanges that must succeed: long enough for a loaded
     # machine (each exchange is tried once).  Where a drop is expected, pass a short one.

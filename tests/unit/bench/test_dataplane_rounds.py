@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -66,3 +67,11 @@ def test_node_cpus_needs_the_pinning(capsys):
         dataplane.main(["--node-cpus", "--no-pin"])
     assert exc.value.code == 2
     assert "--node-cpus" in capsys.readouterr().err
+
+
+def test_a_goal_prints_the_ratio_it_judges(capsys):
+    # 0.946 printed with 2 decimals read "0.95x  NOT met" beside ">= 0.95x".
+    args = SimpleNamespace(seconds=6, rounds=1, no_pod_fast_path=False, pin=True, node_cpus=False)
+    dataplane.report(args, {"raw veth": [r(10.0)], "host-gw": [r(9.46)]}, (0.5, 0.5, 0.5), 0.0)
+    goal = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("host-gw") and "met" in line)
+    assert "0.946x" in goal and "NOT met" in goal
