@@ -671,7 +671,13 @@ class Table:
         return any(self.elements.get((f.proto, m)) for f in self.families for m in maps)
 
     def ports(self) -> list[ServicePort]:
+        """Every Service's ports as asked (a cluster IP or node port an older Service holds included)."""
         return [sp for ports, *_ in self.services.values() for sp in ports]
+
+    def compiled_ports(self) -> list[ServicePort]:
+        """Every Service's ports as compiled (:meth:`compiled`): a cluster IP or node port is
+        named only by the Service it is translated to."""
+        return [sp for ports in self._compiled.values() for sp in ports]
 
 
 def compile_services(

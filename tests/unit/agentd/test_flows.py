@@ -1421,13 +1421,37 @@ def test_a_node_port_is_named_on_either_of_the_nodes_addresses():
 
     ports = [NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="10.96.0.10", node_port=30080),
              NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="fd00:96::10", node_port=30080)]
-    services = NS(syncs=1, ports=ports)
+    services = NS(syncs=1, ports=ports, compiled_ports=ports)
     dual = FlowDirectory(None, services, (IPv4Address("192.168.1.10"), IPv6Address("fd00::10")))
     assert dual.service("192.168.1.10", 6, 30080) == "shop/web"
     assert dual.service("fd00::10", 6, 30080) == "shop/web"
     assert dual.service("10.0.0.5", 6, 30080) is None  # not the node's
     v6only = FlowDirectory(None, services, (None, IPv6Address("fd00::10")))
     assert v6only.service("fd00::10", 6, 30080) == "shop/web" and v6only.service("None", 6, 30080) is None
+
+
+def test_a_contested_cluster_ip_and_node_port_are_named_after_the_service_that_holds_them():
+    """Two Services claiming one cluster IP port and one node port (a hand-written put): the
+    older holds both (the services compiler), so flows to them are its -- the directory names
+    it, from the ports as compiled, not the younger one listed after it in the ports as asked."""
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.services.compiler import Table
+    from agentd.services.model import Endpoint, ServicePort
+
+    def sp(ns, name, created, ep):
+        return ServicePort(ns, name, "", "TCP", 80, "10.96.0.10", 30080, None, False, False,
+                           (Endpoint(ep, 8080, "node1"),), created=created)
+
+    t = Table("node1")
+    t.update(("a", "old"), [sp("a", "old", 1.0, "10.244.1.2")])
+    t.update(("z", "new"), [sp("z", "new", 2.0, "10.244.1.3")])
+    assert t.compiled(("z", "new"))[0].cluster_ip is None and t.compiled(("z", "new"))[0].node_port is None
+    d = FlowDirectory(None, NS(syncs=1, ports=t.ports(), compiled_ports=t.compiled_ports()),
+                      (IPv4Address("192.168.1.10"), None))
+    assert d.service("10.96.0.10", 6, 80) == "a/old"
+    assert d.service("192.168.1.10", 6, 30080) == "a/old"
 
 
 def test_an_end_names_the_pods_its_start_named_not_who_has_the_address_now():
