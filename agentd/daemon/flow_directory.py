@@ -151,7 +151,9 @@ class FlowDirectory:
         if self._services_seen != self.services.syncs:
             vips: dict[tuple[str, str, int], str] = {}
             nodeports: dict[tuple[str, int], str] = {}
-            for sp in self.services.ports:
+            # As compiled, not as asked: a cluster IP or node port two Services claim is named
+            # after the one it is translated to (the older), not whichever was listed last.
+            for sp in self.services.compiled_ports:
                 name = f"{sp.namespace}/{sp.service}"
                 if sp.cluster_ip is not None:
                     vips[(sp.cluster_ip, sp.protocol, sp.port)] = name

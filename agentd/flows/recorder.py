@@ -442,8 +442,31 @@ class FlowRecorder:
                 # else has it.
                 raise OSError(err.errno, f"NFLOG group {self.group} is bound by another process "
                                          "([flows] log_group picks another)") from None
-            sock.request(nflog.encode_settings(self.group, 2, copy_range=COPY_RANGE, timeout_cs=LOG_TIMEOUT_CS,
-                                               qthresh=LOG_QTHRESH), what="configuring NFLOG", dump=False)
+            # With each packet its conntrack entry: a Service's connection dropped at its
+            # endpoint (NetworkPolicy) names the Service by the entry's original destination.
+            # The kernel refuses that (EOPNOTSUPP) without its conntrack glue: built without
+            # CONFIG_NETFILTER_NETLINK_GLUE_CT, or nf_conntrack_netlink (which registers it) not
+            # loaded yet -- a ctnetlink request loads that, then once more; refused again,
+            # the drops come without entries.
+            def settings(seq: int, conntrack: bool) -> None:
+                sock.request(nflog.encode_settings(self.group, seq, copy_range=COPY_RANGE, timeout_cs=LOG_TIMEOUT_CS,
+                                                   qthresh=LOG_QTHRESH, conntrack=conntrack), what="configuring NFLOG", dump=False)
+
+            try:
+                try:
+                    settings(2, True)
+                except nl.NetlinkError as err:
+                    if err.errno != errno.EOPNOTSUPP:
+                        raise
+                    with contextlib.suppress(OSError):
+                        ct.holds(sock, ct.CtTuple("127.0.0.1", "127.0.0.1", socket.IPPROTO_TCP, 1, 1), seq=3)
+                    settings(4, True)
+            except nl.NetlinkError as err:
+                if err.errno != errno.EOPNOTSUPP:
+                    raise
+                log.info("flows: NFLOG gives no conntrack entries here (%s): a policy drop of a Service's "
+                         "connection names the endpoint, not the Service", err)
+                settings(5, False)
         except OSError:
             sock.close()
             raise
@@ -1146,6 +1169,8 @@ class FlowRecorder:
         if packet is None:
             return
         self.events += 1
+        if packet.ct_malformed:  # recorded all the same, without the Service its conntrack entry would name
+            self.malformed += 1
         if packet.seq is not None:
             if self._log_seq is not None and packet.seq > self._log_seq + 1:
                 self.lost["log"] += packet.seq - self._log_seq - 1
@@ -1231,14 +1256,20 @@ class FlowRecorder:
         if folded is None:  # counted now, as a recorded one is when it is taken in (_count)
             self.drops[(reason, direction)] += 1
             return None
-        service = d.service(p.dst, p.proto, p.dport) if reason in ("no-endpoints", "no-local-endpoints") else None
+        # The Service: refused, the packet's own destination; dropped after it was translated
+        # (NetworkPolicy at the endpoint), its conntrack entry's original one.
+        if reason in ("no-endpoints", "no-local-endpoints"):
+            service_at: tuple[str, int] | None = (p.dst, p.dport)
+        else:
+            service_at = p.orig_dst
+        service = d.service(service_at[0], p.proto, service_at[1]) if service_at is not None else None
         flow = Flow(
             time=now, node=self.node, event="drop", protocol=protocol_name(p.proto),
             src=Peer(p.src, p.sport, src_id), dst=Peer(p.dst, p.dport, dst_id), direction=direction,
             verdict="dropped", reason=reason, suppressed=folded, service=service,
         )  # fmt: skip
-        if service is not None:
-            flow.service_ip, flow.service_port = p.dst, p.dport
+        if service is not None and service_at is not None:
+            flow.service_ip, flow.service_port = service_at
         if meaning is not None:
             flow.policies, flow.default_deny = tuple(meaning.policies), meaning.default_deny
         if reason == "spoofed" and p.port:

@@ -19,7 +19,13 @@ codec (:mod:`agentd.kernel.netlink`)::
             packet's bridge port, where INDEV is the bridge: nfnetlink_log.c with
             CONFIG_BRIDGE_NETFILTER), NFULA_TIMESTAMP { __be64 sec; __be64 usec },
             NFULA_SEQ __be32 (with NFULNL_CFG_F_SEQ), NFULA_PAYLOAD (the packet from its
-            network header, up to copy_range bytes)
+            network header, up to copy_range bytes), NFULA_CT (with NFULNL_CFG_F_CONNTRACK:
+            the packet's conntrack entry, nested as ctnetlink's CTA_* attributes:
+            CTA_TUPLE_ORIG, CTA_STATUS, ...)
+
+A packet DNATed before it was dropped (a Service's connection that NetworkPolicy denies at
+the endpoint) no longer carries the Service's address; its conntrack entry's original tuple
+does: with IPS_DST_NAT set, :attr:`Packet.orig_dst` is that destination.
 
 The kernel queues packets per instance and sends them when ``qthresh`` are queued or
 ``timeout`` passed, many to a datagram: the agent sets both (a drop must show within a
@@ -32,6 +38,7 @@ import struct
 from typing import NamedTuple
 
 from agentd.kernel import netlink as nl
+from agentd.kernel import netlink_ct as ct
 from proto import packet as P
 
 NFNL_SUBSYS_ULOG = 4
@@ -50,6 +57,7 @@ NFULNL_CFG_CMD_BIND = 1
 NFULNL_CFG_CMD_UNBIND = 2
 NFULNL_COPY_PACKET = 2
 NFULNL_CFG_F_SEQ = 0x0001
+NFULNL_CFG_F_CONNTRACK = 0x0004  # NFULA_CT with each packet (needs nf_conntrack_netlink: EOPNOTSUPP without)
 
 NFULA_PACKET_HDR = 1
 NFULA_TIMESTAMP = 3
@@ -59,6 +67,7 @@ NFULA_IFINDEX_PHYSINDEV = 6
 NFULA_PAYLOAD = 9
 NFULA_PREFIX = 10
 NFULA_SEQ = 12
+NFULA_CT = 18
 
 _BE16 = struct.Struct("!H")
 _BE32 = struct.Struct("!I")
@@ -80,14 +89,15 @@ def encode_unbind(group: int, seq: int) -> bytes:
 
 
 def encode_settings(group: int, seq: int, *, copy_range: int, timeout_cs: int, qthresh: int,
-                    bufsize: int = 0) -> bytes:
+                    bufsize: int = 0, conntrack: bool = False) -> bytes:
     """Copy ``copy_range`` bytes of each packet, send when ``qthresh`` packets are queued or
     ``timeout_cs`` hundredths of a second passed, number the packets (NFULA_SEQ: lost ones
-    show as gaps)."""
+    show as gaps); with ``conntrack``, each packet's conntrack entry too (NFULA_CT)."""
+    flags = NFULNL_CFG_F_SEQ | (NFULNL_CFG_F_CONNTRACK if conntrack else 0)
     body = (nl.attr(NFULA_CFG_MODE, _MODE.pack(copy_range, NFULNL_COPY_PACKET))
             + nl.attr(NFULA_CFG_TIMEOUT, _BE32.pack(timeout_cs))
             + nl.attr(NFULA_CFG_QTHRESH, _BE32.pack(qthresh))
-            + nl.attr(NFULA_CFG_FLAGS, _BE16.pack(NFULNL_CFG_F_SEQ) + b"\0\0"))
+            + nl.attr(NFULA_CFG_FLAGS, _BE16.pack(flags) + b"\0\0"))
     if bufsize:
         body += nl.attr(NFULA_CFG_NLBUFSIZ, _BE32.pack(bufsize))
     return _config(group, seq, body)
@@ -108,6 +118,8 @@ class Packet(NamedTuple):
     sport: int  # ports, or ICMP type and code
     dport: int
     physindev: int = 0  # the bridge port it came in on (a bridge family hook's packet), 0: none
+    orig_dst: tuple[str, int] | None = None  # a DNATed packet's destination before (address, port): its conntrack entry's
+    ct_malformed: bool = False  # NFULA_CT was there but could not be read (the rest of the packet could)
 
     @property
     def port(self) -> int:
@@ -126,6 +138,7 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
     indev = outdev = physindev = 0
     seq = None
     payload = None
+    conntrack = None
     for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
         if atype == NFULA_PREFIX:
             prefix = nl.read_string(buf, vs, ve)
@@ -139,6 +152,8 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
             physindev = _be32(buf, vs, ve, "NFULA_IFINDEX_PHYSINDEV")
         elif atype == NFULA_SEQ:
             seq = _be32(buf, vs, ve, "NFULA_SEQ")
+        elif atype == NFULA_CT:
+            conntrack = (vs, ve)
         elif atype == NFULA_TIMESTAMP:
             if ve - vs != _TIMESTAMP.size:
                 raise nl.NetlinkDecodeError(f"NFULA_TIMESTAMP must be {_TIMESTAMP.size} bytes, got {ve - vs}")
@@ -149,7 +164,30 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
     headers = ip_summary(buf, *payload)
     if headers is None:
         return None
-    return Packet(prefix, family, when, indev, outdev, seq, *headers, physindev=physindev)
+    orig_dst, ct_malformed = None, False
+    if conntrack is not None:
+        try:
+            orig_dst = dnat_origin(buf, *conntrack)
+        except nl.NetlinkDecodeError:
+            ct_malformed = True
+    return Packet(prefix, family, when, indev, outdev, seq, *headers, physindev=physindev, orig_dst=orig_dst,
+                  ct_malformed=ct_malformed)
+
+
+def dnat_origin(buf: bytes, start: int, end: int) -> tuple[str, int] | None:
+    """The original destination (address, port) of the conntrack entry in NFULA_CT's
+    ``buf[start:end]`` (ctnetlink's attributes) if the entry is DNATed (IPS_DST_NAT), else
+    None; :class:`~agentd.kernel.netlink.NetlinkDecodeError` if it is malformed."""
+    orig = None
+    status = 0
+    for atype, vs, ve in nl.iter_attrs(buf, start, end):
+        if atype == ct.CTA_TUPLE_ORIG:
+            orig = ct.decode_tuple(buf, vs, ve)
+        elif atype == ct.CTA_STATUS:
+            status = _be32(buf, vs, ve, "CTA_STATUS")
+    if orig is None or not status & ct.IPS_DST_NAT:
+        return None
+    return orig.dst, orig.dport
 
 
 def _be32(buf: bytes, start: int, end: int, what: str) -> int:

@@ -330,6 +330,12 @@ class ServiceAgent:
         return self._table.ports() if self._table is not None else []
 
     @property
+    def compiled_ports(self) -> list[model.ServicePort]:
+        """Every service port as last compiled: without the cluster IPs and node ports an older
+        Service holds (None), so each VIP and node port is in the one Service it is translated to."""
+        return self._table.compiled_ports() if self._table is not None else []
+
+    @property
     def port_count(self) -> int:
         """How many service ports were last programmed (without listing them)."""
         return self._table.port_count if self._table is not None else 0

@@ -12,10 +12,12 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     chain nodeports    { ip saddr <this node's pod subnet> meta l4proto . th dport vmap @nodeport-short-circuit
                          fib saddr type local meta l4proto . th dport vmap @nodeport-short-circuit
                          meta l4proto . th dport vmap @service-nodeports }
-    chain postrouting  { type nat hook postrouting priority srcnat; meta mark & 0x4000 == 0x4000 masquerade }
+    set hairpin-self   { ipv4_addr . ipv4_addr }                                this node's endpoints E, as E . E
+    chain postrouting  { type nat hook postrouting priority srcnat;
+                         ct status dnat ip saddr . ip daddr @hairpin-self masquerade
+                         meta mark & 0x4000 == 0x4000 masquerade }
 
     chain pick/N       (one per endpoint count N, shared by every service with N endpoints)
-                       ip saddr . ip daddr . meta l4proto . th dport @service-hairpin  mark for masquerade
                        counter name ip daddr . meta l4proto . th dport map @service-counters
                        numgen random mod N vmap { 0 : goto slot/0, ..., N-1 : goto slot/N-1 }
     chain slot/i       dnat to ip daddr . meta l4proto . th dport map @addr/i : ... map @port/i
@@ -35,11 +37,15 @@ count in use passes the prepared slots (``SLOTS_MIN``), or for ClientIP affinity
 
 A connection picks an endpoint at random once (NAT rules see only a connection's first
 packet; conntrack does the rest, which is also why a terminating endpoint keeps its
-established connections).  SNAT happens only where the reply would not come back through
-this node otherwise: a pod reaching itself or a sibling endpoint through its service
-(hairpin; kube-proxy marks only the endpoint reaching itself), node ports with
-externalTrafficPolicy Cluster (the endpoint may be on another node), and a node's own
-connections to its Local node ports.  A port without usable endpoints is not translated but
+established connections).  SNAT happens only where it is needed: a pod reaching itself
+through its service (hairpin: decided after the endpoint is chosen, in postrouting, by the
+translated connection's source and destination being one of this node's endpoints, as
+kube-proxy marks only the endpoint reaching itself -- a pod reaching a sibling endpoint
+keeps its address, on this node or another, whose reply comes back through this node
+anyway: it is routed to the client's node, where conntrack undoes the DNAT), node ports
+with externalTrafficPolicy Cluster (the endpoint may be on another node, whose reply would
+not come back through this node otherwise), and a node's own connections to its Local node
+ports (their source, the node port's address, is the node's).  A port without usable endpoints is not translated but
 refused (ICMP port unreachable, as kube-proxy does), or dropped where a Local traffic policy
 keeps it off other nodes' endpoints.
 
@@ -86,8 +92,8 @@ TABLE = "agentd-services"
 TABLES = frozenset({(FAMILY, TABLE), ("ip6", TABLE)})  # what the programmer owns; a node has those of its families
 SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
-HAIRPIN = "service-hairpin"  # endpoint address . VIP . proto . port
-NP_HAIRPIN = "nodeport-hairpin"  # endpoint address . proto . node port (Local node ports)
+HAIRPIN = "hairpin-self"  # address . address: this node's endpoints E as E . E (a DNATed flow from E to E: masqueraded)
+SHARED = frozenset({HAIRPIN})  # sets whose elements several Services may hold (the others' keys are one Service's)
 NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every endpoint (Local node ports)
 SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
 NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
@@ -202,17 +208,14 @@ def pick_objects(n: int, fam: AddressFamily = IPV4) -> list[Any]:
     """The chains choosing one of ``n`` endpoints: for VIPs, Cluster node ports, Local node ports
     (the node's own traffic reaches those short-circuited only, masqueraded as by kube-proxy:
     the node port's address, one of the node's, is its source)."""
-    saddr = payload(fam.proto, "saddr")
-    hairpin = match({"concat": [saddr, payload(fam.proto, "daddr"), meta("l4proto"), payload("th", "dport")]}, "@" + HAIRPIN)
-    np_hairpin = match({"concat": [saddr, meta("l4proto"), payload("th", "dport")]}, "@" + NP_HAIRPIN)
     count = rule_text([{"counter": {"map": {"key": vip_key(fam), "data": "@" + SVC_COUNTERS}}}])
     np_count = rule_text([{"counter": {"map": {"key": NP_KEY, "data": "@" + NP_COUNTERS}}}])
     t = fam.proto
     return [
-        NftChain(t, TABLE, pick_chain(n), (rule_text([hairpin, MARK_MASQ]), count, _numgen(n, "slot"))),
+        NftChain(t, TABLE, pick_chain(n), (count, _numgen(n, "slot"))),
         NftChain(t, TABLE, np_pick_chain(n, False), (rule_text([MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
         NftChain(t, TABLE, np_pick_chain(n, True), (
-            rule_text([FROM_NODE, MARK_MASQ]), rule_text([np_hairpin, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
+            rule_text([FROM_NODE, MARK_MASQ]), np_count, _numgen(n, "np-slot"))),
     ]
 
 
@@ -226,14 +229,17 @@ def base_objects(
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = match(payload(fam.proto, "daddr"), prefix(fam.loopback), "!=")
     masq = match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK)
+    # Hairpin, decided after the endpoint is chosen: a translated connection from one of this
+    # node's endpoints to itself (its reply would not leave the pod otherwise).
+    hairpin = [match({"ct": {"key": "status"}}, "dnat", "in"),
+               match({"concat": [payload(fam.proto, "saddr"), payload(fam.proto, "daddr")]}, "@" + HAIRPIN)]
     short_circuit = {"vmap": {"key": NP_KEY, "data": "@" + NP_SHORT_CIRCUIT}}
     t, key, key_type = fam.proto, vip_key(fam), vip_type(fam)
     out: list[Any] = [
         NftSet(t, TABLE, SERVICE_IPS, key_type, map="verdict"),
         NftSet(t, TABLE, NODE_PORTS, NP_TYPE, map="verdict"),
         NftSet(t, TABLE, NP_SHORT_CIRCUIT, NP_TYPE, map="verdict"),
-        NftSet(t, TABLE, HAIRPIN, (fam.addr, *key_type)),
-        NftSet(t, TABLE, NP_HAIRPIN, (fam.addr, *NP_TYPE)),
+        NftSet(t, TABLE, HAIRPIN, (fam.addr, fam.addr)),
         NftSet(t, TABLE, SVC_COUNTERS, key_type, map="counter"),
         NftSet(t, TABLE, NP_COUNTERS, NP_TYPE, map="counter"),
         NftChain(t, TABLE, "services", (
@@ -252,7 +258,7 @@ def base_objects(
                  hook=("nat", "prerouting", DSTNAT, "accept")),
         NftChain(t, TABLE, "output", (rule_text([{"jump": {"target": "services"}}]),),
                  hook=("nat", "output", DSTNAT, "accept")),
-        NftChain(t, TABLE, "postrouting", (rule_text([masq, {"masquerade": None}]),),
+        NftChain(t, TABLE, "postrouting", (rule_text([*hairpin, {"masquerade": None}]), rule_text([masq, {"masquerade": None}])),
                  hook=("nat", "postrouting", SRCNAT, "accept")),
         # A port without usable endpoints is refused, as kube-proxy does: no endpoint at all,
         # ICMP port unreachable (a TCP client sees "connection refused" at once instead of a
@@ -324,8 +330,6 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
             for i, e in enumerate(chosen):
                 put(f"addr/{i}", (key, e.ip))
                 put(f"port/{i}", (key, e.port))
-            for addr in {e.ip for e in chosen}:
-                put(HAIRPIN, (addr, *key))
             size = len(chosen)
         else:
             put(UNAVAILABLE, ((sp.cluster_ip, sp.l4, sp.port), _unavailable(every)))
@@ -352,8 +356,12 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
             put(NP_UNAVAILABLE, (key, _unavailable(every)))
         if sp.external_local and chosen:
             put(NP_SHORT_CIRCUIT, (key, ("goto", np_pick_chain(len(chosen), True))))
-            for addr in {e.ip for e in local}:
-                put(NP_HAIRPIN, (addr, *key))
+    # This node's endpoints (and those of no known node: maybe this one's) among the chosen:
+    # one reaching itself through the Service is masqueraded in postrouting.  An element only
+    # matches on the endpoint's own node (the client is the endpoint), others are left out.
+    translated = sp.cluster_ip is not None or sp.node_port is not None
+    for addr in {e.ip for e in (*every, *local) if e.node in (node, None)} if translated else ():
+        put(HAIRPIN, (addr, addr))
     return Compiled(objs, elements, size)
 
 
@@ -494,6 +502,8 @@ class Table:
         self._claims: dict[Claim, dict[ServiceKey, tuple[Any, ...]]] = {}  # VIP or node port -> who wants it (their age)
         self.conflicts: dict[ServiceKey, list[str]] = {}  # per service: what it was refused, one line each
         self._recompiled: set[ServiceKey] = set()  # services compiled anew since take_recompiled()
+        # Elements several Services may put in one set (an endpoint of two Services): how many do.
+        self._uses: Counter[tuple[MapKey, Any]] = Counter()
 
     def update(self, key: ServiceKey, ports: Iterable[ServicePort]) -> set[Any]:
         """Make service ``key`` compile to ``ports`` (none: it is gone); the changed object keys.
@@ -616,6 +626,8 @@ class Table:
                 continue
             have = self.elements.setdefault(name, set())
             gone, new = before - after, after - before
+            if name[1] in SHARED:  # in the set while any Service has it
+                gone, new = self._unshared(name, gone, new)
             have -= gone
             have |= new
             # The net difference since rs was last read: what came and went in between cancels.
@@ -626,6 +638,22 @@ class Table:
             removed -= new
             touched.add(obj_key)
         return touched
+
+    def _unshared(self, name: MapKey, gone: set[Any], new: set[Any]) -> tuple[set[Any], set[Any]]:
+        """Of one Service's elements of a shared set gone and new, those the set loses (no
+        other Service has them) and gains (no other Service had them)."""
+        really_new = set()
+        for e in new:
+            self._uses[(name, e)] += 1
+            if self._uses[(name, e)] == 1:
+                really_new.add(e)
+        really_gone = set()
+        for e in gone:
+            self._uses[(name, e)] -= 1
+            if self._uses[(name, e)] <= 0:
+                del self._uses[(name, e)]
+                really_gone.add(e)
+        return really_gone, really_new
 
     @property
     def rs(self) -> Ruleset:
@@ -671,7 +699,13 @@ class Table:
         return any(self.elements.get((f.proto, m)) for f in self.families for m in maps)
 
     def ports(self) -> list[ServicePort]:
+        """Every Service's ports as asked (a cluster IP or node port an older Service holds included)."""
         return [sp for ports, *_ in self.services.values() for sp in ports]
+
+    def compiled_ports(self) -> list[ServicePort]:
+        """Every Service's ports as compiled (:meth:`compiled`): a cluster IP or node port is
+        named only by the Service it is translated to."""
+        return [sp for ports in self._compiled.values() for sp in ports]
 
 
 def compile_services(

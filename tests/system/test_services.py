@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from netpol_lab import converged as policy_converged
+from netpol_lab import np
 
 from agentd.lab.lab import API_URL, Lab, LabSpec
 from agentd.lab.netns import unique_tag
@@ -347,6 +349,29 @@ async def test_hairpin_a_pod_reaches_itself_through_its_service(world: World):
         assert await world.echo["web-2"].udp(vip, 53, sport=23000, count=2) == ["web-2", "web-2"]
     finally:
         await world.delete("Service", "self")
+
+
+async def test_a_pod_reaching_its_service_on_a_sibling_keeps_its_address_for_policy(world: World):
+    """An endpoint reaching its own Service and sent to a sibling endpoint on another node is
+    not masqueraded (kube-proxy SNATs only the endpoint reaching itself): a policy on web-2
+    and web-3 admitting ingress from app=web only lets web-1 reach them through the cluster
+    IP (masqueraded, they would see node1's address and drop it), and web-1 still reaches
+    itself (hairpin, masqueraded)."""
+    await world.apply(service("peers", {"selector": {"app": "web"}, "ports": WEB_PORTS}))
+    siblings = {"matchExpressions": [{"key": "pod", "operator": "In", "values": ["web-2", "web-3"]}]}
+    rev = await world.res.apply([np("peers-only", "svc", {"podSelector": siblings,
+                                                          "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "web"}}}]}]})])  # fmt: skip
+    try:
+        await policy_converged(world.lab, rev)
+        vip = await world.vip("peers")
+        r = await world.echo["web-1"].tcp(vip, 80, count=30, timeout=2.0)
+        assert r["failed"] == 0 and set(r["names"]) == WEBS, r
+        # ... and the policy holds: a pod without app=web is kept out.
+        r = await world.echo["client-1"].tcp(world.pods["web-2"].ip, 8080, count=1, timeout=1.0)
+        assert r == {"names": {}, "failed": 1}, r
+    finally:
+        await policy_converged(world.lab, await world.res.delete("NetworkPolicy", "svc", "peers-only"))
+        await world.delete("Service", "peers")
 
 
 async def test_host_port_through_the_portmap_plugin_and_gone_on_del(world: World):

@@ -95,7 +95,8 @@ def test_bind_and_settings_bytes():
 
 
 def logged_packet(prefix: str, src: str, dst: str, proto: int, sport: int, dport: int, seq: int = 1,
-                  when: tuple[int, int] | None = (1700000000, 250000), devices: tuple[int, int] | None = None) -> bytes:
+                  when: tuple[int, int] | None = (1700000000, 250000), devices: tuple[int, int] | None = None,
+                  conntrack: bytes | None = None) -> bytes:
     """An NFULNL_MSG_PACKET as the kernel sends one; ``when``: NFULA_TIMESTAMP (seconds,
     microseconds), None for none (the kernel sends it only for packets it stamped); ``devices``:
     (NFULA_IFINDEX_INDEV, NFULA_IFINDEX_PHYSINDEV), as for a bridge hook's packet."""
@@ -109,6 +110,8 @@ def logged_packet(prefix: str, src: str, dst: str, proto: int, sport: int, dport
     if devices is not None:
         body += nl.attr(nflog.NFULA_IFINDEX_INDEV, struct.pack("!I", devices[0]))
         body += nl.attr(nflog.NFULA_IFINDEX_PHYSINDEV, struct.pack("!I", devices[1]))
+    if conntrack is not None:
+        body += nl.attr(nflog.NFULA_CT, conntrack)
     return nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
 
 
@@ -119,6 +122,40 @@ def test_logged_packet_decodes_prefix_addresses_and_ports():
     assert p is not None
     assert (p.prefix, p.src, p.dst, p.proto, p.sport, p.dport, p.seq) == ("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, 9)
     assert p.time == pytest.approx(1700000000.25)
+
+
+def test_a_policy_drop_of_a_services_connection_names_the_service_from_its_conntrack_entry():
+    """NetworkPolicy drops a Service's connection at the endpoint, after DNAT: the packet
+    carries the endpoint's address, its conntrack entry (NFULA_CT, asked for with
+    NFULNL_CFG_F_CONNTRACK) the cluster IP it was sent to.  The drop record names the Service
+    and that address; an entry not DNATed names none; an unreadable one is counted, the drop
+    still recorded."""
+    msg = nflog.encode_settings(143, 2, copy_range=128, timeout_cs=10, qthresh=64, conntrack=True)
+    ((_t, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    attrs = {t: msg[s:e] for t, s, e in nl.iter_attrs(msg, start + 4, end)}
+    assert attrs[nflog.NFULA_CFG_FLAGS][:2] == struct.pack("!H", nflog.NFULNL_CFG_F_SEQ | nflog.NFULNL_CFG_F_CONNTRACK)
+
+    def entry(status: int) -> bytes:
+        return (_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", "10.96.0.10", 6, 40000, 80)
+                + _tuple(ct.CTA_TUPLE_REPLY, "10.244.2.3", "10.244.1.2", 6, 8080, 40000)
+                + nl.attr(ct.CTA_STATUS, struct.pack("!I", status)))
+
+    def drop(conntrack: bytes | None) -> tuple[FlowRecorder, Flow | None]:
+        r = recorder()
+        msg = logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 8080, conntrack=conntrack)
+        r._on_log(*next((t, msg, s, e) for t, _f, _q, _p, s, e in nl.iter_messages(msg)))
+        return r, r.ring.records[-1] if r.ring.records else None
+
+    r, flow = drop(entry(ct.IPS_DST_NAT | ct.IPS_CONFIRMED))
+    assert flow is not None and flow.reason == "policy" and (flow.dst.ip, flow.dst.port) == ("10.244.2.3", 8080)
+    assert (flow.service, flow.service_ip, flow.service_port) == ("shop/web", "10.96.0.10", 80)
+    assert r.malformed == 0
+    _r, flow = drop(entry(ct.IPS_CONFIRMED))  # not translated: no Service
+    assert flow is not None and flow.service is None and flow.service_ip is None
+    _r, flow = drop(None)  # the kernel sent no entry
+    assert flow is not None and flow.service is None
+    r, flow = drop(_tuple(ct.CTA_TUPLE_ORIG, "10.244.1.2", "10.96.0.10", 6, 40000, 80) + nl.attr(ct.CTA_STATUS, b"\x00\x20"))
+    assert flow is not None and flow.service is None and r.malformed == 1  # CTA_STATUS of 2 bytes: counted, not raised
 
 
 # Packets as Linux 6.18 sent them on a namespace's loopback (tcpdump; lo's MTU 1280 so that
@@ -1421,13 +1458,37 @@ def test_a_node_port_is_named_on_either_of_the_nodes_addresses():
 
     ports = [NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="10.96.0.10", node_port=30080),
              NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="fd00:96::10", node_port=30080)]
-    services = NS(syncs=1, ports=ports)
+    services = NS(syncs=1, ports=ports, compiled_ports=ports)
     dual = FlowDirectory(None, services, (IPv4Address("192.168.1.10"), IPv6Address("fd00::10")))
     assert dual.service("192.168.1.10", 6, 30080) == "shop/web"
     assert dual.service("fd00::10", 6, 30080) == "shop/web"
     assert dual.service("10.0.0.5", 6, 30080) is None  # not the node's
     v6only = FlowDirectory(None, services, (None, IPv6Address("fd00::10")))
     assert v6only.service("fd00::10", 6, 30080) == "shop/web" and v6only.service("None", 6, 30080) is None
+
+
+def test_a_contested_cluster_ip_and_node_port_are_named_after_the_service_that_holds_them():
+    """Two Services claiming one cluster IP port and one node port (a hand-written put): the
+    older holds both (the services compiler), so flows to them are its -- the directory names
+    it, from the ports as compiled, not the younger one listed after it in the ports as asked."""
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.services.compiler import Table
+    from agentd.services.model import Endpoint, ServicePort
+
+    def sp(ns, name, created, ep):
+        return ServicePort(ns, name, "", "TCP", 80, "10.96.0.10", 30080, None, False, False,
+                           (Endpoint(ep, 8080, "node1"),), created=created)
+
+    t = Table("node1")
+    t.update(("a", "old"), [sp("a", "old", 1.0, "10.244.1.2")])
+    t.update(("z", "new"), [sp("z", "new", 2.0, "10.244.1.3")])
+    assert t.compiled(("z", "new"))[0].cluster_ip is None and t.compiled(("z", "new"))[0].node_port is None
+    d = FlowDirectory(None, NS(syncs=1, ports=t.ports(), compiled_ports=t.compiled_ports()),
+                      (IPv4Address("192.168.1.10"), None))
+    assert d.service("10.96.0.10", 6, 80) == "a/old"
+    assert d.service("192.168.1.10", 6, 30080) == "a/old"
 
 
 def test_an_end_names_the_pods_its_start_named_not_who_has_the_address_now():

@@ -100,11 +100,11 @@ def test_the_table_one_map_lookup_per_service_and_endpoints_as_map_elements():
     assert _map(rs, "np-addr/1") == {(("tcp", 30080), "10.244.2.2")}
     assert _map(rs, compiler.SVC_COUNTERS) == {(VIP, "svc/shop/web")}
     assert _map(rs, compiler.NP_COUNTERS) == {(("tcp", 30080), "svc/shop/web")}
-    # Hairpin: an endpoint reaching the service is SNATed (itself or a sibling).
-    assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", *VIP), ("10.244.2.2", *VIP)}
-    assert _map(rs, compiler.NP_HAIRPIN) == frozenset()
-    hairpin, count, choose = _chain(rs, "pick/2")
-    assert hairpin[-1] == compiler.MARK_MASQ and hairpin[0]["match"]["right"] == "@" + compiler.HAIRPIN
+    # Hairpin: decided after the endpoint is chosen -- only an endpoint of this node (n1)
+    # that the choice sent back to itself is SNATed (kube-proxy's); one that reaches a
+    # sibling, here or on n2, keeps its address (the sibling's NetworkPolicy sees the pod).
+    assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}
+    count, choose = _chain(rs, "pick/2")
     assert count == [{"counter": {"map": {"key": compiler.VIP_KEY, "data": "@" + compiler.SVC_COUNTERS}}}]
     vmap = choose[0]["vmap"]
     assert vmap["key"] == {"numgen": {"mode": "random", "mod": 2, "offset": 0}}
@@ -122,6 +122,42 @@ def test_the_table_one_map_lookup_per_service_and_endpoints_as_map_elements():
     assert _chain(rs1, "pick/1")[-1] == [{"goto": {"target": "slot/0"}}]
 
 
+def test_hairpin_snat_is_decided_after_the_choice_for_an_endpoint_reaching_itself_only():
+    """A pod reaching its own Service is masqueraded only when the choice sent it back to
+    itself (kube-proxy's): not when it lands on a sibling endpoint, here or on another node,
+    whose NetworkPolicy must see the pod's address.  So nothing marks before the choice;
+    postrouting masquerades a translated connection whose source and destination are one of
+    this node's endpoints (an element E . E), kept while any Service has that endpoint."""
+    from agentd.services.model import Endpoint, ServicePort
+
+    def port(name: str, vip: str, *eps: tuple[str, str], node_port: int | None = None, local: bool = False) -> ServicePort:
+        return ServicePort("db", name, "", "TCP", 5432, vip, node_port, None, False, local,
+                           tuple(Endpoint(ip, 5432, node) for ip, node in eps))
+
+    table = compiler.Table("node1")
+    table.update(("db", "db"), [port("db", "10.96.0.20", ("10.244.1.2", "node1"), ("10.244.2.2", "node2"))])
+    rs = table.rs
+    postrouting = _chain(rs, "postrouting")
+    assert postrouting[0] == [
+        {"match": {"op": "in", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
+        {"match": {"op": "==", "left": {"concat": [compiler.SADDR, expr.payload("ip", "daddr")]}, "right": "@" + compiler.HAIRPIN}},
+        {"masquerade": None}]  # fmt: skip
+    assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}  # node2's endpoint is node2's to match
+    for n in (1, 2):  # no mark before the choice
+        assert not [r for r in _chain(rs, f"pick/{n}") if compiler.MARK_MASQ in r]
+        assert [r for r in _chain(rs, f"np-local/{n}") if compiler.MARK_MASQ in r] == [[compiler.FROM_NODE, compiler.MARK_MASQ]]
+    # Another Service with the same endpoint (a Local node port too): one element, which stays
+    # while either has the endpoint.
+    table.update(("db", "ro"), [port("ro", "10.96.0.21", ("10.244.1.2", "node1"), node_port=30432, local=True)])
+    assert _map(table.rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}
+    table.update(("db", "db"), [])
+    assert _map(table.rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}
+    table.update(("db", "ro"), [port("ro", "10.96.0.21", ("10.244.2.2", "node2"), node_port=30432, local=True)])
+    assert _map(table.rs, compiler.HAIRPIN) == frozenset()
+    assert table.rs.objects == compiler.compile_services(
+        [port("ro", "10.96.0.21", ("10.244.2.2", "node2"), node_port=30432, local=True)], "node1").objects
+
+
 def test_local_traffic_policies():
     s = svc("web", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
                     "internalTrafficPolicy": "Local",
@@ -131,9 +167,8 @@ def test_local_traffic_policies():
     # From outside: only n1's endpoint, and the node port keeps the client address (no SNAT mark).
     assert _map(rs, compiler.SERVICE_IPS) == {(VIP, ("goto", "pick/1"))}
     assert _map(rs, compiler.NODE_PORTS) == {(np, ("goto", "np-local/1"))}
-    assert _map(rs, compiler.NP_HAIRPIN) == {("10.244.1.2", "tcp", 30080)}
-    from_node, hairpin, _count, _choose = _chain(rs, "np-local/1")
-    assert hairpin[0]["match"]["right"] == "@" + compiler.NP_HAIRPIN and hairpin[-1] == compiler.MARK_MASQ
+    assert _map(rs, compiler.HAIRPIN) == {("10.244.1.2", "10.244.1.2")}  # reaching itself: SNAT in postrouting
+    from_node, _count, _choose = _chain(rs, "np-local/1")
     # The node's own traffic (reaching np-local only short-circuited) is masqueraded, as kube-proxy does.
     assert from_node == [compiler.FROM_NODE, compiler.MARK_MASQ]
     assert compiler.FROM_NODE == {"match": {"op": "==", "left": {"fib": {"result": "type", "flags": ["saddr"]}}, "right": "local"}}
@@ -153,7 +188,7 @@ def test_local_traffic_policies():
     # ... but its own traffic and its pods' goes to every endpoint (no hairpin: no endpoint of its own).
     assert _map(rs3, compiler.NP_SHORT_CIRCUIT) == {(np, ("goto", "np-local/2"))}
     assert {a for i in (0, 1) for _, a in _map(rs3, f"np-addr/{i}")} == {"10.244.1.2", "10.244.2.2"}
-    assert _map(rs3, compiler.NP_HAIRPIN) == frozenset()
+    assert _map(rs3, compiler.HAIRPIN) == frozenset()
     # externalTrafficPolicy Cluster: nothing to short-circuit, every client gets every endpoint.
     cluster = compiler.compile_services(model.build([svc("web", {**s["spec"], "externalTrafficPolicy": "Cluster"})], [], PODS), "n3")
     assert _map(cluster, compiler.NP_SHORT_CIRCUIT) == frozenset()
@@ -483,7 +518,7 @@ def test_the_ipv6_table_is_the_ipv4_one_with_ipv6_addresses():
     assert _map6(rs, compiler.SERVICE_IPS) == {(VIP6, ("goto", "pick/3"))}
     assert _map6(rs, "addr/2") == {(VIP6, "fd00:10:244:2::3")} and _map6(rs, "port/2") == {(VIP6, 8080)}
     assert _map6(rs, compiler.NODE_PORTS) == {(("tcp", 30080), ("goto", "np-pick/3"))}
-    assert ("fd00:10:244:1::2", *VIP6) in _map6(rs, compiler.HAIRPIN)
+    assert _map6(rs, compiler.HAIRPIN) == {("fd00:10:244:1::2", "fd00:10:244:1::2")}  # n1's endpoint only
     sets = {k[3]: o for k, o in rs.objects.items() if k[0] == "ip6" and isinstance(o, NftSet)}
     assert sets[compiler.SERVICE_IPS].type == ("ipv6_addr", "inet_proto", "inet_service")
     assert sets["addr/0"].map == "ipv6_addr" and sets[compiler.HAIRPIN].type[:2] == ("ipv6_addr", "ipv6_addr")
