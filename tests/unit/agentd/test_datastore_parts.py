@@ -162,3 +162,123 @@ def test_the_facade_exposes_its_parts_and_their_calls():
     lost: list = []
     ds.on_subnet_lost = lost.append
     assert ds.keeper.subnet_lost_callback() == lost.append
+
+
+# --- watches -------------------------------------------------------------------------------
+
+
+class _Head:
+    revision = 100
+
+
+class _Got(list):
+    header = _Head()
+
+
+class _WatchClient:
+    """A client whose watch is created fine, then runs ``stream(clock)`` (its events) and fails."""
+
+    def __init__(self, endpoint, created: list, stream) -> None:
+        self.endpoint = endpoint
+        self.created = created
+        self.stream = stream
+
+    async def get_prefix(self, prefix, keys_only=False):
+        return _Got()
+
+    async def watch_prefix(self, prefix, start_revision):
+        self.created.append(start_revision)
+        stream = self.stream
+
+        class Watch:
+            def __aiter__(self):
+                return stream()
+
+        return Watch()
+
+    async def close(self):
+        pass
+
+
+async def _watch_delays(monkeypatch, stream, clock: Clock, attempts: int = 8) -> list[float]:
+    """The delays watch_prefix sleeps between ``attempts`` re-creations of a failing watch
+    (asyncio.sleep stood in for: it advances the clock instead of waiting)."""
+    import asyncio
+
+    from agentd.datastore.watches import Watches
+
+    conn = connection("http://10.0.0.1:2379", "http://10.0.0.2:2379", clock=clock)
+    created: list[int] = []
+    conn.new_client = lambda i: _WatchClient(conn.targets[i % 2], created, stream)
+    delays: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def fake_sleep(delay, result=None):
+        delays.append(delay)
+        clock.now += delay
+        await real_sleep(0)
+
+    async def consume():
+        async for _ in Watches(conn, None, PREFIX).watch_prefix(b"/agentd/resources/", "resource watch"):
+            pass
+
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+    task = asyncio.ensure_future(consume())
+    try:
+        for _ in range(10000):
+            if len(created) >= attempts or task.done():
+                break
+            await real_sleep(0)
+        assert len(created) >= attempts, task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        monkeypatch.undo()
+    return delays
+
+
+async def test_a_watch_that_fails_as_soon_as_it_is_made_backs_off(monkeypatch, caplog):
+    """Created, then failing at once: before, the backoff restarted at every creation (~10
+    re-creations a second, four log lines each).  Now it grows to its cap, and the error is
+    logged once."""
+    import aetcd
+
+    clock = Clock()
+
+    async def fails_at_once():
+        raise aetcd.ConnectionFailedError("stream reset")
+        yield
+
+    caplog.set_level(logging.INFO, logger="agentd.datastore")
+    delays = await _watch_delays(monkeypatch, fails_at_once, clock)
+    assert delays[-1] > 3.0 and sum(delays) > 10.0
+    assert sum("interrupted" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_watch_that_stayed_up_or_delivered_starts_its_backoff_again(monkeypatch):
+    import aetcd
+
+    from agentd.datastore import watches
+
+    clock = Clock()
+
+    async def stays_up_then_fails():
+        clock.now += watches.STABLE_AFTER
+        raise aetcd.ConnectionFailedError("stream reset")
+        yield
+
+    assert max(await _watch_delays(monkeypatch, stays_up_then_fails, clock)) < 0.2
+
+    class Event:
+        kind = aetcd.EventKind.PUT
+        kv = aetcd.KeyValue.__new__(aetcd.KeyValue)
+
+    async def delivers_then_fails():
+        yield Event()
+        raise aetcd.ConnectionFailedError("stream reset")
+
+    class KV:
+        key, value, mod_revision, lease = b"/agentd/resources/x", b"{}", 101, 0
+
+    Event.kv = KV()
+    assert max(await _watch_delays(monkeypatch, delivers_then_fails, clock)) < 0.2
