@@ -14,8 +14,10 @@ key's etcd ``mod_revision``, added when an object is read.
 
 Writes are transactions that compare the ``mod_revision`` read before (so two applies, or an
 agent and ``agentd label``, never overwrite each other's change unseen; the loser reads again).
-Every agent follows the whole ``<prefix>/resources/`` prefix with one watch, so the objects
-it sees are one consistent revision of etcd.  A record that does not validate is logged once,
+Each watcher (in an agent: the policy engine, the Services agent and the Ingress controller,
+each a ResourceStore of its own, with its own etcd connection and snapshots) follows the whole
+``<prefix>/resources/`` prefix with one watch, so the objects it sees are one consistent
+revision of etcd.  A record that does not validate is logged once,
 never a crash; a watcher keeps the object's last readable version (from its own watch, or
 from etcd's history when it starts: :meth:`ResourceStore.watch`), and without one the object
 is left out.
