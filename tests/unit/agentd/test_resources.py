@@ -576,8 +576,10 @@ def test_a_record_the_validator_cannot_take_is_a_bad_record_not_a_dead_watch(cap
     events = _watched([PrefixEvent("snapshot", 4, [KeyValue(key, good, 4, 0)]),
                        PrefixEvent("put", 5, [KeyValue(key, value, 5, 0)]),
                        PrefixEvent("snapshot", 6, [KeyValue(key, value, 5, 0)])])  # fmt: skip
-    assert [ev.kind for ev in events] == ["snapshot", "snapshot"]
-    assert events[1].objects == events[0].objects and events[0].objects[("ConfigMap", "default", "c")]["data"] == {"a": "b"}
+    assert [ev.kind for ev in events] == ["snapshot", "put", "snapshot"]  # the last good one, as of revision 5
+    first, kept = events[0].objects[("ConfigMap", "default", "c")], events[2].objects[("ConfigMap", "default", "c")]
+    assert first["data"] == kept["data"] == events[1].obj["data"] == {"a": "b"}
+    assert kept["metadata"]["resourceVersion"] == events[1].obj["metadata"]["resourceVersion"] == "5"
     assert "skipping malformed record at /agentd/resources/configmaps/default/c: data: Invalid value" in caplog.text
 
 
