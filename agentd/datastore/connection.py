@@ -13,9 +13,10 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import os
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentd.datastore.etcd import (
     Endpoint,
@@ -25,6 +26,9 @@ from agentd.datastore.etcd import (
     tls_credentials,
 )
 from agentd.datastore.records import Backoff, DatastoreError, DatastoreUnavailable
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger("agentd.datastore")
 
@@ -60,6 +64,10 @@ class EtcdConnection:
         tls = any(e.tls for e in self.targets)
         if (ca or cert or key) and not tls:
             raise ValueError("etcd TLS: ca/cert/key are set but no endpoint is https://")
+        # Read at start (a bad file is one line then) and again by new_client when one of the
+        # files changed since (a certificate renewed in place): every reconnect uses the newest.
+        self._tls_files = (ca, cert, key) if tls else None
+        self._tls_stamp = self._tls_stat()
         self._credentials = tls_credentials(ca, cert, key) if tls else None
         self.clock = clock
         self.rng = rng
@@ -92,14 +100,46 @@ class EtcdConnection:
 
     def new_client(self, index: int) -> EtcdClient:
         endpoint = self.targets[index % len(self.targets)]
-        credentials = self._credentials if endpoint.tls else None
+        credentials = self._tls_current() if endpoint.tls else None
         return EtcdClient(endpoint, timeout=self.request_timeout, credentials=credentials)
 
+    def _tls_stat(self) -> tuple[tuple[int, int, int] | None, ...] | None:
+        """What tells a TLS file changed (its mtime, size, inode; None: not readable now)."""
+        if self._tls_files is None:
+            return None
+        out = []
+        for path in self._tls_files:
+            try:
+                st = os.stat(path) if path is not None else None
+            except OSError:
+                st = None
+            out.append(None if st is None else (st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def _tls_current(self) -> grpc.ChannelCredentials | None:
+        """The TLS credentials, read again if a file changed since they were read.  A file that
+        cannot be read now (mid-renewal) keeps the ones loaded (logged once per change)."""
+        stamp = self._tls_stat()
+        if stamp != self._tls_stamp and self._tls_files is not None:
+            self._tls_stamp = stamp
+            try:
+                self._credentials = tls_credentials(*self._tls_files)
+            except ValueError as err:
+                log.warning("etcd TLS files changed but cannot be read: %s; keeping the ones read before", err)
+            else:
+                log.info("etcd TLS files changed: read again (used from the next connection)")
+        return self._credentials
+
     def failover(self, client: EtcdClient) -> None:
-        """After a transient failure, move to the next endpoint (if there is one)."""
-        if len(self.targets) < 2 or self._current is not client:
+        """After a transient failure, move to the next endpoint (if there is one).  With one, a
+        new client all the same if the TLS files changed (a renewed certificate: the old
+        client's channel would reconnect with the expired one for ever)."""
+        if self._current is not client:
             return
-        self.index += 1
+        if len(self.targets) >= 2:
+            self.index += 1
+        elif self._tls_files is None or self._tls_stat() == self._tls_stamp:
+            return
         self._current = None
         # Other coroutines may still be using the old client: close it a little later.
         task = asyncio.get_running_loop().create_task(self._close_later(client))

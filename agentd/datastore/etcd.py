@@ -33,7 +33,12 @@ DEFAULT_PORT = 2379
 # own retry cap so the agent notices a returned etcd within seconds.  Keepalive
 # pings find a dead peer behind a silent network (no RST) on long-lived watch
 # streams; etcd accepts pings no more often than every 5 s (--grpc-keepalive-min-time).
+# gRPC refuses a reply over 4 MiB by default; a snapshot of <prefix>/resources/ is one
+# Range, so a few large objects would make it fail for ever.  No limit on what we receive,
+# as clientv3 (math.MaxInt32): etcd limits only what it receives (--max-request-bytes,
+# 1.5 MiB a write by default) and sends replies up to math.MaxInt32 bytes.
 CHANNEL_OPTIONS = {
+    "grpc.max_receive_message_length": -1,
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 2000,
@@ -155,8 +160,16 @@ def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:
     return None
 
 
+def _too_large(exc: BaseException) -> bool:
+    """gRPC's own "Received/Sent message larger than max" (RESOURCE_EXHAUSTED, as etcd's
+    "too many requests" and "database space exceeded" are): retrying sends the same again."""
+    return any("larger than max" in str(e) for e in (exc, exc.__cause__) if e is not None)
+
+
 def is_transient(exc: BaseException) -> bool:
     """True if exc means etcd is unreachable or briefly unable to serve (retry later)."""
+    if _too_large(exc):
+        return False
     if isinstance(
         exc,
         (

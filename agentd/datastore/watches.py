@@ -23,6 +23,10 @@ from agentd.datastore.registration import Registration
 
 log = logging.getLogger("agentd.datastore")
 
+# A watch that stays up this long (seconds, by the connection's clock) without failing has
+# recovered, as has one that delivers an event: the backoff before the next attempt starts again.
+STABLE_AFTER = 5.0
+
 
 @dataclasses.dataclass(frozen=True)
 class KeyValue:
@@ -101,6 +105,7 @@ class Watches:
             # and a fresh client per attempt starts from a clean watcher state.
             client = conn.new_client(index)
             conn.watch_clients.add(client)
+            up_since: float | None = None  # when this attempt's watch was created (conn.clock)
             try:
                 if revision is not None and interrupted:
                     # Resuming: etcd accepts a watch from a revision it has not reached and sends
@@ -124,9 +129,13 @@ class Watches:
                 conn.set_connected(True)
                 if interrupted:
                     log.info("%s resumed at revision %d on %s", what, revision + 1, client.endpoint.url)
-                interrupted = False
-                backoff.reset()
+                # Recovered only once the stream delivers an event or stays up STABLE_AFTER s: a
+                # watch created and then failing at once would otherwise be re-made ~10 times a second.
+                up_since = conn.clock()
                 async for event in watch:
+                    if interrupted or up_since is not None:
+                        interrupted, up_since = False, None
+                        backoff.reset()
                     # aetcd queues all events of a watch response before any error, so a
                     # revision is never split across an interruption.
                     revision = max(revision, event.kv.mod_revision)
@@ -143,6 +152,9 @@ class Watches:
             except Exception as exc:
                 if conn.closed:
                     return
+                if up_since is not None and conn.clock() - up_since >= STABLE_AFTER:
+                    interrupted = False  # it stayed up: a new interruption, logged, from the first delay
+                    backoff.reset()
                 compacted = isinstance(exc, aetcd.RevisionCompactedError)
                 if is_transient(exc):
                     conn.set_connected(False, f"{what}: {describe(exc)}")

@@ -252,14 +252,18 @@ class IngressController:
                 self._wake.set()
 
     def _on_resource(self, ev: ResourceEvent) -> bool:
-        self.revision = max(self.revision, ev.revision)
+        # A snapshot is etcd as it is now: after a restore its revision may be below ours, and
+        # what is programmed (from before it) is no revision's state: nothing above it is applied.
         if ev.kind == "snapshot":
+            self.revision = ev.revision
+            self.applied_revision = min(self.applied_revision, ev.revision)
             self.objects = {k: {} for k in KINDS}
             for (kind, ns, name), obj in ev.objects.items():
                 if kind in self.objects:
                     self.objects[kind][(ns, name)] = obj
             self._have_snapshot = True
             return True
+        self.revision = max(self.revision, ev.revision)
         kind, ns, name = ev.key if ev.key is not None else ("", "", "")
         if kind not in self.objects:
             self._wake.set()  # the revision counts as applied too
@@ -446,7 +450,8 @@ class IngressController:
             self._retry_later()
         else:
             self._retry_at, self._retry_delay = None, RETRY_FIRST
-            self.applied_revision = max(self.applied_revision, revision)
+            if revision <= self.revision:  # else a snapshot from a restore came meanwhile: the next sync counts
+                self.applied_revision = revision
         if how != "none":
             self.last_change = {"how": how, "seconds": round(time.perf_counter() - start, 6), "at": time.time(),
                                 "revision": revision}  # fmt: skip

@@ -209,7 +209,13 @@ class PolicyAgent:
             self._wake.set()
 
     def _on_resource(self, ev: ResourceEvent) -> None:
-        self.revision = max(self.revision, ev.revision)
+        # A snapshot is etcd as it is now: after a restore its revision may be below ours, and
+        # what is programmed (from before it) is no revision's state: nothing above it is applied.
+        if ev.kind == "snapshot":
+            self.revision = ev.revision
+            self.applied_revision = min(self.applied_revision, ev.revision)
+        else:
+            self.revision = max(self.revision, ev.revision)
         if ev.kind == "snapshot":
             seen = set(ev.objects)
             for key in list(self._known_keys()):
@@ -473,6 +479,8 @@ class PolicyAgent:
         self.fast_path_error = None
 
     def _applied(self, revision: int) -> None:
+        if revision > self.revision:  # a snapshot from a restore came during the build: the next one counts
+            return
         now = time.time()
         if revision != self.applied_revision or self.applied_at is None:
             self.history.append((revision, now))

@@ -28,6 +28,10 @@ from .model import PodKey
 log = logging.getLogger("agentd.policy")
 
 PUBLISH_INTERVAL = 5.0  # own pod records are checked against etcd this often (lease changes)
+# After a put whose compare failed (the record changed meanwhile), the next round comes when the
+# watch brings the change (it wakes the publisher) or after this long: never at once, which
+# spun hundreds of transactions a second while the watch had nothing new to bring.
+CONFLICT_RETRY = 1.0
 
 
 class PodPublisher:
@@ -50,6 +54,7 @@ class PodPublisher:
         self.have_local = False  # the files were read at least once
         self.wake = asyncio.Event()  # something changed: publish now rather than at the interval
         self._reported: set[str] = set()
+        self._retry: asyncio.TimerHandle | None = None  # the wake after a failed compare
 
     # ------------------------------------------------------------------ the files
 
@@ -146,11 +151,15 @@ class PodPublisher:
                     if field in record["metadata"]:
                         new["metadata"][field] = record["metadata"][field]
             if not await self.store.put_owned(new, lease=lease, expect=expect):
-                self.wake.set()  # changed meanwhile: the watch brings it, try again
+                self._retry_later()  # changed meanwhile: the watch brings it, try again
         for key, record in list(self.records.items()):
             if record["spec"].get("nodeName") == self.node and key not in wanted:
                 log.info("removing the record of pod %s/%s: no such pod on this node any more", *key)
                 await self.store.delete_owned(kinds.POD, *key, expect=int(record["metadata"]["resourceVersion"]))
+
+    def _retry_later(self) -> None:
+        if self._retry is None or self._retry.cancelled() or self._retry.when() <= asyncio.get_running_loop().time():
+            self._retry = asyncio.get_running_loop().call_later(CONFLICT_RETRY, self.wake.set)
 
     def _report(self, tag: str, msg: str, *args: Any) -> None:
         if tag not in self._reported:

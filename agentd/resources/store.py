@@ -14,8 +14,10 @@ key's etcd ``mod_revision``, added when an object is read.
 
 Writes are transactions that compare the ``mod_revision`` read before (so two applies, or an
 agent and ``agentd label``, never overwrite each other's change unseen; the loser reads again).
-Every agent follows the whole ``<prefix>/resources/`` prefix with one watch, so the objects
-it sees are one consistent revision of etcd.  A record that does not validate is logged once,
+Each watcher (in an agent: the policy engine, the Services agent and the Ingress controller,
+each a ResourceStore of its own, with its own etcd connection and snapshots) follows the whole
+``<prefix>/resources/`` prefix with one watch, so the objects it sees are one consistent
+revision of etcd.  A record that does not validate is logged once,
 never a crash; a watcher keeps the object's last readable version (from its own watch, or
 from etcd's history when it starts: :meth:`ResourceStore.watch`), and without one the object
 is left out.
@@ -525,7 +527,7 @@ class ResourceStore:
                         continue
                     key = (kind.kind, namespace, name)
                     if key in good:
-                        objects[key], leases[key] = good[key]
+                        objects[key], leases[key] = _as_of(good[key][0], kv), kv.lease
                     elif (old := await self._last_readable(kv)) is not None:
                         objects[key], leases[key] = old, kv.lease
                         self.left_out.discard(key)
@@ -547,11 +549,23 @@ class ResourceStore:
                     yield ResourceEvent("delete", ev.revision, key=key)
                 continue
             obj = self._decode(kv)
-            if obj is None:
-                continue  # unreadable (logged): the last good version stays
+            if obj is None:  # unreadable (logged): the last good version stays, ...
+                if key not in good:
+                    continue
+                # ... as of the record's revision now: a writer comparing it (an agent's own
+                # pod record) must compare what etcd holds, or it fails for ever.
+                obj = _as_of(good[key][0], kv)
             self.left_out.discard(key)
             good[key] = (obj, kv.lease)
             yield ResourceEvent("put", ev.revision, key=key, obj=obj, lease=kv.lease)
+
+
+def _as_of(obj: dict[str, Any], kv: KeyValue) -> dict[str, Any]:
+    """A copy of ``obj`` (the last readable version of the record ``kv``) with ``kv``'s
+    resourceVersion: the revision a compare-and-put must name to replace what etcd holds."""
+    kept = copy.deepcopy(obj)
+    kept["metadata"]["resourceVersion"] = str(kv.mod_revision)
+    return kept
 
 
 HISTORY_STEPS = 5  # unreadable versions of a record looked past in etcd's history, at most

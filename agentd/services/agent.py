@@ -190,8 +190,11 @@ class ServiceAgent:
 
     def _on_resource(self, ev: ResourceEvent) -> bool:
         """Take one event in, marking the Services it may change; True if it may change the table."""
-        self.revision = max(self.revision, ev.revision)
+        # A snapshot is etcd as it is now: after a restore its revision may be below ours, and
+        # what is programmed (from before it) is no revision's state: nothing above it is applied.
         if ev.kind == "snapshot":
+            self.revision = ev.revision
+            self.applied_revision = min(self.applied_revision, ev.revision)
             self.objects = {k: {} for k in KINDS}
             self._slices = {}
             for (kind, ns, name), obj in ev.objects.items():
@@ -200,6 +203,7 @@ class ServiceAgent:
             self._dirty = None  # everything
             self._have_snapshot = True
             return True
+        self.revision = max(self.revision, ev.revision)
         kind, ns, name = ev.key if ev.key is not None else ("", "", "")
         if kind not in self.objects:
             self._wake.set()  # nothing to change, but the revision is applied
@@ -320,7 +324,8 @@ class ServiceAgent:
                     self._unflushed = list(dict.fromkeys(gone))
             self.error = None
             self.syncs += 1
-            self.applied_revision = max(self.applied_revision, revision)
+            if revision <= self.revision:  # else a snapshot from a restore came meanwhile: the next sync counts
+                self.applied_revision = revision
             self.last_sync = {"commands": result.commands, "seconds": round(time.perf_counter() - start, 6),
                               "full": result.full, "services": len(dirty)}  # fmt: skip
 

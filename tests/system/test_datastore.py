@@ -716,3 +716,30 @@ async def test_dual_stack_leases_restarts_revocation_and_release(etcd_server, st
         stored = await keys(client)
     assert key6 not in stored and f"/agentd/subnets/{v4.subnet.network_address}-24".encode() not in stored
     assert [sl.node for sl in (await second.list_subnets()).values()] == ["beta"]
+
+
+async def test_resources_over_grpcs_4_mib_default_load_as_one_snapshot(etcd_server, stores):
+    """Five ConfigMaps of ~1 MB each (every write under etcd's 1.5 MiB --max-request-bytes):
+    the watch's snapshot of <prefix>/resources/ and a list are one Range reply of > 4 MiB,
+    gRPC's default receive limit; before, both failed for ever as "etcd unreachable"."""
+    from agentd.resources import kinds
+    from agentd.resources.store import ResourceStore
+
+    ds = stores()
+    await ds.connect(timeout=10)
+    rs = ResourceStore(ds, timeout=10)
+    big = "x" * 1_000_000
+    for i in range(5):
+        await rs.apply([kinds.validate({"apiVersion": "v1", "kind": "ConfigMap",
+                                        "metadata": {"name": f"cm{i}", "namespace": "default"}, "data": {"k": big}})])
+    listed = await asyncio.wait_for(rs.list(kinds.CONFIG_MAP), 20)
+    assert sorted(o["metadata"]["name"] for o in listed) == [f"cm{i}" for i in range(5)]
+
+    async def first_event():
+        async for ev in rs.watch():
+            return ev
+
+    ev = await asyncio.wait_for(first_event(), 20)
+    assert ev.kind == "snapshot"
+    assert sorted(k[2] for k in ev.objects if k[0] == "ConfigMap") == [f"cm{i}" for i in range(5)]
+    assert all(o["data"]["k"] == big for o in ev.objects.values())

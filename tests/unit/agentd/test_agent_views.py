@@ -476,3 +476,25 @@ def test_a_new_file_of_the_same_container_with_the_same_content_is_a_change(tmp_
     os.utime(path, ns=(2_000, 2_000))
     assert pub.rescan() == {("x", "a")} and pub.endpoints["c1"].written == 2_000
     assert pub.rescan() is None
+
+
+def test_after_an_etcd_restore_the_policy_revision_follows_etcd_back():
+    """etcd restored from a backup (revision 1000 -> 900), a new policy at 901: GET /policy's
+    revision is what was applied after the restore, not the old 1000 (a waiter for >= 901
+    passed before the policy was enforced); a build begun before the restore does not count."""
+    from agentd.resources.store import ResourceEvent
+
+    agent = PolicyAgent(NODE, datastore(), "/nonexistent")
+    agent._on_resource(ResourceEvent("snapshot", 1000))
+    agent._applied(agent.revision)
+    assert agent.views.status()["revision"] == 1000
+    agent._on_resource(ResourceEvent("snapshot", 900))
+    assert agent.revision == 900 and agent.views.status()["revision"] <= 900
+    agent._applied(1000)  # a build that took its revision before the snapshot came
+    assert agent.applied_revision <= 900
+    manifest = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "deny", "namespace": "x"},
+                "spec": {"podSelector": {}}}  # fmt: skip
+    agent._on_resource(ResourceEvent("put", 901, key=("NetworkPolicy", "x", "deny"), obj=kinds.validate(manifest)))
+    assert agent.revision == 901
+    agent._applied(agent.revision)
+    assert agent.views.status()["revision"] == 901 and [r for r, _ in agent.history] == [1000, 901]

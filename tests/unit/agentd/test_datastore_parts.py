@@ -162,3 +162,187 @@ def test_the_facade_exposes_its_parts_and_their_calls():
     lost: list = []
     ds.on_subnet_lost = lost.append
     assert ds.keeper.subnet_lost_callback() == lost.append
+
+
+# --- watches -------------------------------------------------------------------------------
+
+
+class _Head:
+    revision = 100
+
+
+class _Got(list):
+    header = _Head()
+
+
+class _WatchClient:
+    """A client whose watch is created fine, then runs ``stream(clock)`` (its events) and fails."""
+
+    def __init__(self, endpoint, created: list, stream) -> None:
+        self.endpoint = endpoint
+        self.created = created
+        self.stream = stream
+
+    async def get_prefix(self, prefix, keys_only=False):
+        return _Got()
+
+    async def watch_prefix(self, prefix, start_revision):
+        self.created.append(start_revision)
+        stream = self.stream
+
+        class Watch:
+            def __aiter__(self):
+                return stream()
+
+        return Watch()
+
+    async def close(self):
+        pass
+
+
+async def _watch_delays(monkeypatch, stream, clock: Clock, attempts: int = 8) -> list[float]:
+    """The delays watch_prefix sleeps between ``attempts`` re-creations of a failing watch
+    (asyncio.sleep stood in for: it advances the clock instead of waiting)."""
+    import asyncio
+
+    from agentd.datastore.watches import Watches
+
+    conn = connection("http://10.0.0.1:2379", "http://10.0.0.2:2379", clock=clock)
+    created: list[int] = []
+    conn.new_client = lambda i: _WatchClient(conn.targets[i % 2], created, stream)
+    delays: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def fake_sleep(delay, result=None):
+        delays.append(delay)
+        clock.now += delay
+        await real_sleep(0)
+
+    async def consume():
+        async for _ in Watches(conn, None, PREFIX).watch_prefix(b"/agentd/resources/", "resource watch"):
+            pass
+
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+    task = asyncio.ensure_future(consume())
+    try:
+        for _ in range(10000):
+            if len(created) >= attempts or task.done():
+                break
+            await real_sleep(0)
+        assert len(created) >= attempts, task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        monkeypatch.undo()
+    return delays
+
+
+async def test_a_watch_that_fails_as_soon_as_it_is_made_backs_off(monkeypatch, caplog):
+    """Created, then failing at once: before, the backoff restarted at every creation (~10
+    re-creations a second, four log lines each).  Now it grows to its cap, and the error is
+    logged once."""
+    import aetcd
+
+    clock = Clock()
+
+    async def fails_at_once():
+        raise aetcd.ConnectionFailedError("stream reset")
+        yield
+
+    caplog.set_level(logging.INFO, logger="agentd.datastore")
+    delays = await _watch_delays(monkeypatch, fails_at_once, clock)
+    assert delays[-1] > 3.0 and sum(delays) > 10.0
+    assert sum("interrupted" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_watch_that_stayed_up_or_delivered_starts_its_backoff_again(monkeypatch):
+    import aetcd
+
+    from agentd.datastore import watches
+
+    clock = Clock()
+
+    async def stays_up_then_fails():
+        clock.now += watches.STABLE_AFTER
+        raise aetcd.ConnectionFailedError("stream reset")
+        yield
+
+    assert max(await _watch_delays(monkeypatch, stays_up_then_fails, clock)) < 0.2
+
+    class Event:
+        kind = aetcd.EventKind.PUT
+        kv = aetcd.KeyValue.__new__(aetcd.KeyValue)
+
+    async def delivers_then_fails():
+        yield Event()
+        raise aetcd.ConnectionFailedError("stream reset")
+
+    class KV:
+        key, value, mod_revision, lease = b"/agentd/resources/x", b"{}", 101, 0
+
+    Event.kv = KV()
+    assert max(await _watch_delays(monkeypatch, delivers_then_fails, clock)) < 0.2
+
+
+def test_tls_files_renewed_in_place_are_read_again_for_the_next_connection(tmp_path, monkeypatch, caplog):
+    """A client certificate renewed in place: before, the files read at start served every
+    reconnect, and once the old certificate expired every handshake failed (the lease ran out).
+    new_client reads them again when one changed (a stat per new client, nothing more)."""
+    import os
+    from pathlib import Path
+
+    from agentd.datastore import connection as conn_mod
+
+    read: list[tuple[bytes, ...]] = []
+
+    def credentials(ca, cert, key):
+        if not os.path.exists(cert):
+            raise ValueError(f"etcd TLS cert file {cert!r}: No such file or directory")
+        got = tuple(Path(p).read_bytes() for p in (ca, cert, key))
+        read.append(got)
+        return got
+
+    monkeypatch.setattr(conn_mod, "tls_credentials", credentials)
+    files = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key")}
+    for name, path in files.items():
+        path.write_bytes(f"{name} 1".encode())
+        os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    conn = EtcdConnection([parse_endpoint("https://127.0.0.1:2379")], ca=str(files["ca"]), cert=str(files["cert"]),
+                          key=str(files["key"]), clock=Clock(), request_timeout=5.0, rng=random.Random(7))  # fmt: skip
+    assert conn.new_client(0)._credentials == (b"ca 1", b"cert 1", b"key 1")
+    assert conn.new_client(0)._credentials == (b"ca 1", b"cert 1", b"key 1") and len(read) == 1  # unchanged: not read
+    files["cert"].write_bytes(b"cert 2")
+    files["key"].write_bytes(b"key 2")
+    assert conn.new_client(0)._credentials == (b"ca 1", b"cert 2", b"key 2") and len(read) == 2
+    caplog.set_level(logging.WARNING, logger="agentd.datastore")
+    files["cert"].unlink()  # mid-renewal: what was read stays
+    assert conn.new_client(0)._credentials == (b"ca 1", b"cert 2", b"key 2")
+    assert conn.new_client(0)._credentials == (b"ca 1", b"cert 2", b"key 2")
+    assert caplog.text.count("cannot be read") == 1
+    files["cert"].write_bytes(b"cert 3")
+    assert conn.new_client(0)._credentials == (b"ca 1", b"cert 3", b"key 2")
+
+
+async def test_with_one_endpoint_a_failure_after_a_tls_renewal_makes_a_new_client(tmp_path, monkeypatch):
+    """One endpoint: a transient failure keeps the client (its channel reconnects by itself),
+    unless the TLS files changed: then the next request gets a client with the new ones."""
+    import os
+
+    from agentd.datastore import connection as conn_mod
+
+    monkeypatch.setattr(conn_mod, "tls_credentials", lambda ca, cert, key: os.stat(cert).st_mtime_ns)
+    cert = tmp_path / "cert.pem"
+    for path in (cert, tmp_path / "key.pem"):
+        path.write_bytes(b"1")
+        os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    conn = EtcdConnection([parse_endpoint("https://127.0.0.1:2379")], cert=str(cert), key=str(tmp_path / "key.pem"),
+                          clock=Clock(), request_timeout=5.0, rng=random.Random(7))  # fmt: skip
+    first = conn.client()
+    conn.failover(first)
+    assert conn.client() is first  # nothing changed: the same client
+    os.utime(cert, ns=(2_000_000_000, 2_000_000_000))
+    conn.failover(first)
+    renewed = conn.client()
+    assert renewed is not first and renewed._credentials == 2_000_000_000
+    conn.closed = True
+    await conn.shut()

@@ -431,3 +431,28 @@ def test_ipv6_subnet_arithmetic_and_picks():
 def test_ipv6_etcd_endpoints():
     ep = parse_endpoint("http://[fd00:ad::2]:2379")
     assert (ep.host, ep.port) == ("fd00:ad::2", 2379)
+
+
+def test_a_reply_over_grpcs_default_4_mib_is_received_and_a_too_large_one_is_no_outage():
+    """A snapshot of <prefix>/resources/ is one Range: over gRPC's default 4 MiB receive limit
+    it failed for ever, retried as "etcd unreachable".  The channel takes replies of any size
+    (as clientv3), and "larger than max" is an error of its own, not a transient one."""
+    import aetcd
+    import grpc
+
+    from agentd.datastore.etcd import EtcdClient
+
+    client = EtcdClient(parse_endpoint("http://127.0.0.1:2379"), timeout=1.0)
+    assert client._options.get("grpc.max_receive_message_length") == -1
+
+    def rpc_error(code, details):
+        empty = grpc.aio.Metadata()
+        return grpc.aio.AioRpcError(code, empty, empty, details=details)
+
+    too_large = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5000286 vs. 4194304)")
+    assert not is_transient(too_large)
+    wrapped = aetcd.ClientError("Stream removed (CLIENT: Received message larger than max (5000286 vs. 4194304))")
+    wrapped.__cause__ = too_large
+    assert not is_transient(wrapped)
+    # etcd's own RESOURCE_EXHAUSTED ("too many requests") passes: retried.
+    assert is_transient(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: too many requests"))

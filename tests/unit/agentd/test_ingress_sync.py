@@ -179,3 +179,24 @@ def test_haproxy_check_runs_without_the_agents_environment(tmp_path, monkeypatch
         assert "s3cret" not in str(e) and "unset" in str(e)
     else:
         raise AssertionError("the check did not fail")
+
+
+def test_after_an_etcd_restore_the_applied_revision_follows_etcd_back(tmp_path):
+    """etcd restored from a backup (revision 1000 -> 900), then a change at 901: the revision
+    applied says 901 once that is served, not 1000 (a waiter for >= 901 passed before)."""
+    from agentd.resources.store import ResourceEvent
+
+    ctl, _ = controller(tmp_path)
+
+    async def main():
+        ctl._on_resource(ResourceEvent("snapshot", 1000))
+        await ctl._sync()
+        assert ctl.applied_revision == 1000
+        ctl._on_resource(ResourceEvent("snapshot", 900))
+        assert ctl.revision == 900 and ctl.applied_revision <= 900
+        ctl._on_resource(ResourceEvent("put", 901, key=("Namespace", "", "x"), obj={}))
+        assert ctl.revision == 901 and ctl.applied_revision <= 900
+        await ctl._sync()
+        assert ctl.applied_revision == 901
+
+    asyncio.run(main())

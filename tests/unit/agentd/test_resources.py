@@ -449,9 +449,16 @@ def test_an_unreadable_put_keeps_the_objects_last_good_version():
         PrefixEvent("snapshot", 8, [_policy_kv(b"{not json", 7)]),  # a re-sync: still the last good one
         PrefixEvent("delete", 9, [_policy_kv(b"", 9)]),
     ])
-    assert [ev.kind for ev in events] == ["snapshot", "snapshot", "delete"]
-    assert list(events[0].objects) == list(events[1].objects) == [("NetworkPolicy", "prod", "allow-web")]
-    assert events[1].objects == events[0].objects
+    # Kept as of the record's revision in etcd (a writer comparing it compares what etcd holds).
+    assert [ev.kind for ev in events] == ["snapshot", "put", "put", "snapshot", "delete"]
+    key = ("NetworkPolicy", "prod", "allow-web")
+    assert list(events[0].objects) == list(events[3].objects) == [key]
+    kept = [events[1].obj, events[2].obj, events[3].objects[key]]
+    first = events[0].objects[key]
+    assert [o["metadata"].pop("resourceVersion") for o in kept] == ["6", "7", "7"]
+    assert first["metadata"]["resourceVersion"] == "5"  # (the snapshot's own object is not changed)
+    first["metadata"].pop("resourceVersion")
+    assert all(o == first for o in kept)
 
 
 def test_a_watch_starting_on_an_unreadable_record_takes_its_last_readable_version_from_history():
@@ -499,7 +506,60 @@ def test_a_watch_knowing_the_good_version_does_not_read_history():
     good = encode(validate_text(POLICY)[0])
     events = _watched([PrefixEvent("snapshot", 5, [_policy_kv(good, 5)]),
                        PrefixEvent("snapshot", 8, [_policy_kv(b"{not json", 7)])], history={})  # fmt: skip
-    assert events[1].objects == events[0].objects
+    (kept,), (first,) = events[1].objects.values(), events[0].objects.values()
+    assert kept["metadata"]["resourceVersion"] == "7" and kept["spec"] == first["spec"]
+
+
+def test_an_unreadable_own_pod_record_is_replaced_not_retried_for_ever():
+    """A pod record of this node made unreadable (revision 200), the pod then re-created
+    (a new container): the watch hands the kept version over as of revision 200, so the
+    publisher's compare-and-put names what etcd holds and succeeds; a compare that fails
+    anyway waits (for the watch, or CONFLICT_RETRY) instead of re-trying at once."""
+    import asyncio
+
+    from agentd.datastore.watches import KeyValue, PrefixEvent
+    from agentd.policy import publisher as pub_mod
+    from agentd.policy.publisher import PodPublisher, record_for
+    from agentd.resources.store import encode
+
+    ep_old = endpoints.Endpoint("c1", "default", "web", {"app": "web"}, [], ["10.244.1.5"], "veth1",
+                                "aa:bb:cc:dd:ee:01", "cni0")
+    ep_new = endpoints.Endpoint("c2", "default", "web", {"app": "web"}, [], ["10.244.1.9"], "veth2",
+                                "aa:bb:cc:dd:ee:02", "cni0")
+    key = object_key("/agentd", kinds.POD, "default", "web")
+    good = encode(kinds.validate(record_for(ep_old, "n1", ep_old.labels)))
+    bad = b'{"apiVersion":"v1","kind":"Pod","metadata":{"name":"web"},"spec":{"nodeName":7}}'
+    events = _watched([PrefixEvent("snapshot", 100, [KeyValue(key, good, 100, 7)]),
+                       PrefixEvent("put", 200, [KeyValue(key, bad, 200, 7)])])  # fmt: skip
+    assert [ev.kind for ev in events] == ["snapshot", "put"]
+    record = events[1].obj
+    assert record["metadata"]["resourceVersion"] == "200" and events[1].lease == 7
+
+    class Store:
+        def __init__(self, at: int) -> None:
+            self.at, self.expects = at, []
+
+        async def put_owned(self, obj, *, lease, expect):
+            self.expects.append(expect)
+            return expect == self.at  # etcd's compare
+
+    class Leased:
+        lease_id = 7
+
+    async def publish(store):
+        pub = PodPublisher("n1", "/nonexistent", Leased(), store, {("default", "web"): record},
+                           {("default", "web"): 7})  # type: ignore[arg-type]
+        pub.endpoints, pub.have_local = {"c2": ep_new}, True
+        await pub.publish()
+        handle = pub._retry
+        woke_at_once = pub.wake.is_set()
+        return woke_at_once, handle and handle.when() - asyncio.get_running_loop().time()
+
+    store = Store(200)
+    assert asyncio.run(publish(store)) == (False, None) and store.expects == [200]
+    store = Store(300)  # changed again meanwhile: no wake at once, one a while later
+    woke_at_once, retry_in = asyncio.run(publish(store))
+    assert not woke_at_once and 0.5 * pub_mod.CONFLICT_RETRY < retry_in <= pub_mod.CONFLICT_RETRY
 
 
 def test_a_record_the_validator_cannot_take_is_a_bad_record_not_a_dead_watch(caplog):
@@ -516,8 +576,10 @@ def test_a_record_the_validator_cannot_take_is_a_bad_record_not_a_dead_watch(cap
     events = _watched([PrefixEvent("snapshot", 4, [KeyValue(key, good, 4, 0)]),
                        PrefixEvent("put", 5, [KeyValue(key, value, 5, 0)]),
                        PrefixEvent("snapshot", 6, [KeyValue(key, value, 5, 0)])])  # fmt: skip
-    assert [ev.kind for ev in events] == ["snapshot", "snapshot"]
-    assert events[1].objects == events[0].objects and events[0].objects[("ConfigMap", "default", "c")]["data"] == {"a": "b"}
+    assert [ev.kind for ev in events] == ["snapshot", "put", "snapshot"]  # the last good one, as of revision 5
+    first, kept = events[0].objects[("ConfigMap", "default", "c")], events[2].objects[("ConfigMap", "default", "c")]
+    assert first["data"] == kept["data"] == events[1].obj["data"] == {"a": "b"}
+    assert kept["metadata"]["resourceVersion"] == events[1].obj["metadata"]["resourceVersion"] == "5"
     assert "skipping malformed record at /agentd/resources/configmaps/default/c: data: Invalid value" in caplog.text
 
 

@@ -164,3 +164,23 @@ async def test_a_refused_service_getting_endpoints_leaves_the_vip_owners_flows(m
         assert entries_to_delete([a_flow], flushed) == [a_flow]
     finally:
         task.cancel()
+
+
+async def test_after_an_etcd_restore_the_applied_revision_follows_etcd_back(monkeypatch):
+    """etcd restored from a backup (revision 1000 -> 900): the snapshot's revision is taken,
+    not kept below the old one; a sync that began before it does not count as applying it."""
+    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: len(gone))
+    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"))
+    agent.programmer = Programmer()
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        await _sync(agent, 1000, objects("10.244.1.2"))
+        assert agent.applied_revision == 1000
+        agent._on_resource(ResourceEvent("snapshot", 900, objects=objects("10.244.1.2"), leases={}))
+        assert agent.revision == 900 and agent.applied_revision <= 900
+        await _sync(agent, 900, objects("10.244.1.2"))
+        assert agent.applied_revision == 900
+        agent._on_resource(ResourceEvent("put", 901, key=("Namespace", "", "x"), obj={}))
+        assert agent.revision == 901
+    finally:
+        task.cancel()
