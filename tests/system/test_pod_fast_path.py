@@ -215,6 +215,9 @@ async def test_a_connection_keeps_flowing_through_an_agent_restart(lab: Lab):
     result = await running
     intervals = [i["sum"]["bits_per_second"] for i in result["intervals"]]
     assert min(intervals) > 0, f"the connection stalled around the restart: {intervals}"
+    # The API answers before the policy agent is up again: /status has no "policy" until then.
+    await auntil(lambda: (node1.api("/status").get("policy") or {}).get("fast_path", {}).get("on"), 30,
+                 interval=0.3, in_thread=True, what="the restarted policy agent's fast path in /status")
     view = await asyncio.to_thread(fast_path, node1)
     assert view["on"] and view["adopted_maps"] and view["pods"] == 3, view
     assert await carried_after(node1, before) > before  # the counters too were adopted
