@@ -44,7 +44,17 @@ from .graceful import GracefulRestarts
 from .loglimit import LogLimiter
 from .negotiation import Negotiated
 from .output import SEND_KEY, TURN_BUDGET, Output
-from .peer import Admission, Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
+from .peer import (
+    Admission,
+    Peer,
+    PeerCollisionClosed,
+    PeerDown,
+    PeerEvent,
+    PeerFailed,
+    PeerRouteRefresh,
+    PeerUp,
+    PeerUpdate,
+)
 from .refresh import RefreshPacer
 from .rib import BestPathChange, Rib, Source
 from .session import Action, Close, Connect
@@ -472,6 +482,10 @@ class Speaker:
             self.channels.route_refresh(peer, (ev.afi, ev.safi), now)
         elif isinstance(ev, PeerFailed):
             self.limiter.log(logging.WARNING, "session-failed", peer.key, now, "peer %s: %s", peer.key, ev.reason)
+        elif isinstance(ev, PeerCollisionClosed):
+            # RFC 4271 §6.8 decided on the peer's side; our own decisions are not logged either.
+            log.debug("peer %s: it closed one of two connections (connection collision, RFC 4271 §6.8): %s",
+                      peer.key, ev.reason)
 
     # ------------------------------------------------------------ export
 
