@@ -391,8 +391,11 @@ class Peer:
             if ev.reason and ev.reason != "stopped":
                 self.last_error = ev.reason
             note = ev.notification
-            if ev.was_established or note is None:
-                pass  # an Established one's end is PeerDown, below; one without NOTIFICATION is no event
+            if ev.was_established or note is None or ev.manual:
+                # An Established one's end is PeerDown, below; one without NOTIFICATION is no
+                # event; nor is our own ManualStop's Cease (a peer removed or reconfigured, the
+                # speaker stopping): no failure (Speaker.remove_peer logs a removal).
+                pass
             elif not ev.sent and (note.code, note.subcode) == COLLISION_CEASE:
                 # The peer resolved a §6.8 collision and keeps the other connection (the one it
                 # opened, or ours): a resolved collision, whichever of our sessions it closed.

@@ -213,7 +213,13 @@ class Speaker:
         if peer is None:
             return
         self.dynamic.discard(key)
-        peer.stop(now, Notification.cease(subcode))
+        state = peer.state
+        note = Notification.cease(subcode)
+        peer.stop(now, note)
+        if self.started and State.OPEN_SENT <= state < State.ESTABLISHED:
+            # The removal, not a failed session (the Cease is ours); an Established one's end is
+            # logged as it goes down (Channels.down), one without a BGP connection is not.
+            log.info("peer %s removed in %s: sent %s", key, state.label, note)
         self._drain(peer, now)
         self._orphan_actions.extend(peer.take_actions())
         del self.peers[key]

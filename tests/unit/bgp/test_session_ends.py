@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv4Network
 
 import pytest
 
@@ -285,3 +285,51 @@ def test_another_cease_before_the_session_came_up_is_still_a_failed_session(capl
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warning.startswith(f"peer {REMOTE}: received NOTIFICATION Cease")
     assert sp.limiter.counts[("session-failed", REMOTE)] == 1
+
+
+@pytest.mark.parametrize("state", [State.OPEN_SENT, State.OPEN_CONFIRM])
+@pytest.mark.parametrize("how", ["removed", "reconfigured", "range gone"])
+def test_a_peer_we_remove_before_its_session_is_up_is_logged_as_removed(caplog, state, how):
+    # Our own Cease (Peer De-configured, Other Configuration Change) on a session in OpenSent or
+    # OpenConfirm: the removal, at info, not a failed session.
+    from bgp import ListenRange
+
+    sp = Speaker(local("10.0.0.1"), now=0.0, rng=random.Random(1))
+    template = PeerSettings("10.0.0.0", 65000, passive=True)
+    if how == "range gone":
+        sp.set_listen_ranges([ListenRange(IPv4Network("10.0.0.0/24"), template)], 0.0)
+    else:
+        sp.add_peer(PeerSettings(REMOTE, 65000, passive=True), 0.0)
+    sp.start(0.0)
+    assert sp.accept(-5, REMOTE, 0.1, "10.0.0.1")
+    if state is State.OPEN_CONFIRM:
+        sp.data_received(-5, open_(), 0.2)
+    assert sp.peers[REMOTE].state is state
+    sp.take_actions()
+    with caplog.at_level(logging.INFO, logger="bgp"):
+        if how == "removed":
+            sp.set_peers([], 1.0)
+        elif how == "reconfigured":
+            sp.set_peers([PeerSettings(REMOTE, 65000, passive=True, hold_time=9)], 1.0)
+        else:
+            sp.set_listen_ranges([], 1.0)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not any(kind == "session-failed" for kind, _ in sp.limiter.counts)
+    subcode = "Peer De-configured" if how == "removed" else "Other Configuration Change"
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert line.startswith(f"peer {REMOTE} removed in {state.label}") and subcode in line, line
+    assert [n.subcode for _, n in notifications(sp.take_actions())] == [
+        CeaseSubcode.PEER_DECONFIGURED if how == "removed" else CeaseSubcode.OTHER_CONFIGURATION_CHANGE
+    ]
+
+
+def test_stopping_the_speaker_logs_no_failed_session(caplog):
+    sp = Speaker(local("10.0.0.1"), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings(REMOTE, 65000, passive=True), 0.0)
+    sp.start(0.0)
+    assert sp.accept(-5, REMOTE, 0.1, "10.0.0.1")
+    sp.take_actions()
+    with caplog.at_level(logging.INFO, logger="bgp"):
+        sp.stop(1.0, graceful=False)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not any(kind == "session-failed" for kind, _ in sp.limiter.counts)
