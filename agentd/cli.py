@@ -383,7 +383,7 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         path, overrides, cfg = _load(args, parser, host=LocalHost())
         named = _config_path(args, parser)[1]  # a named file must still be there at a reload (SIGHUP)
         setup_logging(cfg.log.level, cfg.log.format)
-        for line in config_warnings(cfg):
+        for line in config_warnings(cfg, nodes=cmd == "run"):  # the speaker has no sessions to nodes
             logging.getLogger("agentd").warning("%s", line)
         import uvloop
 

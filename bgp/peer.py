@@ -39,6 +39,8 @@ from .session import (
 )
 from .settings import LocalSettings, PeerSettings, RestartState
 
+COLLISION_CEASE = (ErrorCode.CEASE, CeaseSubcode.CONNECTION_COLLISION_RESOLUTION)
+
 
 @dataclass(frozen=True)
 class PeerUp:
@@ -73,7 +75,15 @@ class PeerFailed:
     reason: str
 
 
-PeerEvent = PeerUp | PeerUpdate | PeerRouteRefresh | PeerDown | PeerFailed
+@dataclass(frozen=True)
+class PeerCollisionClosed:
+    """The peer closed one of our connections with Cease/Connection Collision Resolution: it
+    resolved an RFC 4271 §6.8 collision (the other connection goes on), which is no failure."""
+
+    reason: str
+
+
+PeerEvent = PeerUp | PeerUpdate | PeerRouteRefresh | PeerDown | PeerFailed | PeerCollisionClosed
 
 
 @dataclass(frozen=True)
@@ -380,7 +390,17 @@ class Peer:
         elif isinstance(ev, SessionDown):
             if ev.reason and ev.reason != "stopped":
                 self.last_error = ev.reason
-            if not ev.was_established and ev.notification is not None and s is self.session:
+            note = ev.notification
+            if ev.was_established or note is None or ev.manual:
+                # An Established one's end is PeerDown, below; one without NOTIFICATION is no
+                # event; nor is our own ManualStop's Cease (a peer removed or reconfigured, the
+                # speaker stopping): no failure (Speaker.remove_peer logs a removal).
+                pass
+            elif not ev.sent and (note.code, note.subcode) == COLLISION_CEASE:
+                # The peer resolved a §6.8 collision and keeps the other connection (the one it
+                # opened, or ours): a resolved collision, whichever of our sessions it closed.
+                self._events.append(PeerCollisionClosed(ev.reason))
+            elif s is self.session:
                 self._events.append(PeerFailed(ev.reason))
             if ev.was_established and s is self._up:
                 # (A session that reached Established only to lose a collision was never up.)

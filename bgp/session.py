@@ -117,6 +117,9 @@ class SessionDown:
     graceful: bool
     notification: Notification | None = None
     sent: bool = False  # True: we sent the NOTIFICATION; False: we received it
+    # ManualStop (Session.stop without a reason): the owner ended it -- the peer removed or
+    # reconfigured, the speaker stopping -- which is no failure of the session.
+    manual: bool = False
 
 
 SessionEvent = OpenReceived | Established | UpdateReceived | RouteRefreshReceived | SessionDown
@@ -234,13 +237,15 @@ class Session:
         else:
             notification = None
         self._drop_connection()
-        self._go(Event.MANUAL_STOP if reason is None else Event.AUTOMATIC_STOP, now)
-        if reason is None:
+        manual = reason is None
+        self._go(Event.MANUAL_STOP if manual else Event.AUTOMATIC_STOP, now)
+        if manual:
             reason = f"stopped: {notification}" if notification else "stopped"
         else:
             self.last_error = reason
         self._events.append(
-            SessionDown(reason, was_established, graceful=notification is None, notification=notification, sent=True)
+            SessionDown(reason, was_established, graceful=notification is None, notification=notification, sent=True,
+                        manual=manual)
         )
 
     def set_writable(self, writable: bool, now: float) -> None:

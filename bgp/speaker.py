@@ -44,7 +44,17 @@ from .graceful import GracefulRestarts
 from .loglimit import LogLimiter
 from .negotiation import Negotiated
 from .output import SEND_KEY, TURN_BUDGET, Output
-from .peer import Admission, Peer, PeerDown, PeerEvent, PeerFailed, PeerRouteRefresh, PeerUp, PeerUpdate
+from .peer import (
+    Admission,
+    Peer,
+    PeerCollisionClosed,
+    PeerDown,
+    PeerEvent,
+    PeerFailed,
+    PeerRouteRefresh,
+    PeerUp,
+    PeerUpdate,
+)
 from .refresh import RefreshPacer
 from .rib import BestPathChange, Rib, Source
 from .session import Action, Close, Connect
@@ -203,7 +213,13 @@ class Speaker:
         if peer is None:
             return
         self.dynamic.discard(key)
-        peer.stop(now, Notification.cease(subcode))
+        state = peer.state
+        note = Notification.cease(subcode)
+        peer.stop(now, note)
+        if self.started and State.OPEN_SENT <= state < State.ESTABLISHED:
+            # The removal, not a failed session (the Cease is ours); an Established one's end is
+            # logged as it goes down (Channels.down), one without a BGP connection is not.
+            log.info("peer %s removed in %s: sent %s", key, state.label, note)
         self._drain(peer, now)
         self._orphan_actions.extend(peer.take_actions())
         del self.peers[key]
@@ -472,6 +488,10 @@ class Speaker:
             self.channels.route_refresh(peer, (ev.afi, ev.safi), now)
         elif isinstance(ev, PeerFailed):
             self.limiter.log(logging.WARNING, "session-failed", peer.key, now, "peer %s: %s", peer.key, ev.reason)
+        elif isinstance(ev, PeerCollisionClosed):
+            # RFC 4271 §6.8 decided on the peer's side; our own decisions are not logged either.
+            log.debug("peer %s: it closed one of two connections (connection collision, RFC 4271 §6.8): %s",
+                      peer.key, ev.reason)
 
     # ------------------------------------------------------------ export
 

@@ -290,11 +290,14 @@ class Config:
         return out
 
 
-def reloaded(running: Config, read: Config) -> tuple[Config, list[str]]:
+def reloaded(running: Config, read: Config, *, also: tuple[str, ...] = ()) -> tuple[Config, list[str]]:
     """What a SIGHUP applies: the external peers, the listen ranges and the log settings of
-    ``read``; everything else stays as ``running`` has it.  Returns that configuration and the
-    keys whose new value waits for a restart (``[bgp] hold_time``...), for the log."""
-    bgp = dataclasses.replace(running.bgp, peers=read.bgp.peers, listen_ranges=read.bgp.listen_ranges)
+    ``read``, and the ``[bgp]`` keys named in ``also`` (``agentd speaker``: ``originate``);
+    everything else stays as ``running`` has it.  Returns that configuration and the keys whose
+    new value waits for a restart (``[bgp] hold_time``...), for the log.  The agent's reload and
+    ``agentd speaker``'s both go through here."""
+    bgp = dataclasses.replace(running.bgp, peers=read.bgp.peers, listen_ranges=read.bgp.listen_ranges,
+                              **{key: getattr(read.bgp, key) for key in also})
     live = dataclasses.replace(running, bgp=bgp, log=read.log)
     pending = []
     for section in SECTIONS:

@@ -895,9 +895,11 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     return config
 
 
-def config_warnings(cfg: Config) -> list[str]:
+def config_warnings(cfg: Config, *, nodes: bool = True) -> list[str]:
     """What a valid configuration may not do as meant, one line each: ``agentd run`` logs
-    them at start, ``agentd check-config`` prints them (neither refuses the configuration)."""
+    them at start, ``agentd check-config`` prints them (neither refuses the configuration).
+    ``nodes`` False: for ``agentd speaker``, which has no sessions to the cluster's nodes but
+    those configured."""
     out = []
     at = cfg.bgp.listen
     if cfg.network.ip_family == "ipv6" and at is not None:
@@ -911,7 +913,7 @@ def config_warnings(cfg: Config) -> list[str]:
                        "only sessions it opens itself come up. Listen on an IPv6 address: "
                        f"[bgp] listen = \"[::]:{at.port}\" (or remove the line)")
     elif at is not None:
-        out += _listen_family_warnings(cfg, at)
+        out += _listen_family_warnings(cfg, at, nodes=nodes)
     service, cidr = cfg.network.service_cidr, cfg.network.cidr
     if service.overlaps(cidr):
         # The default service range is taken (a cluster made before the check has it in etcd);
@@ -922,18 +924,23 @@ def config_warnings(cfg: Config) -> list[str]:
     return out
 
 
-def _listen_family_warnings(cfg: Config, at: HostPort) -> list[str]:
-    """Passive peers and listen ranges of a family the BGP listening socket cannot take: an
-    IPv4 address takes IPv4 alone, an IPv6 one IPv6 alone; only [::] takes both (bgp/transport.py
-    clears IPV6_V6ONLY).  Such peers' connections are refused: a warning, not a refusal (such a
-    configuration ran before, and its other sessions work)."""
+def _listen_family_warnings(cfg: Config, at: HostPort, *, nodes: bool = True) -> list[str]:
+    """The other nodes (an IPv4 or dual-stack cluster's sessions between nodes are IPv4), passive
+    peers and listen ranges of a family the BGP listening socket cannot take: an IPv4 address
+    takes IPv4 alone, an IPv6 one IPv6 alone; only [::] takes both (bgp/transport.py clears
+    IPV6_V6ONLY).  Their connections are refused: a warning, not a refusal (such a configuration
+    ran before, and the sessions this node opens work).  (ip_family = ipv6 with an IPv4 address:
+    config_warnings' own warning.)"""
     host = ip_address(at.host)
     if host.version == 6 and host.is_unspecified:
         return []
     v4_socket = host.version == 4 or host.ipv4_mapped is not None
     wanted = 6 if v4_socket else 4  # the family this socket never takes
-    them = [f"[[bgp.peers]] #{i + 1} {p.address} (passive)" for i, p in enumerate(cfg.bgp.peers)
-            if p.passive and p.address.version == wanted]
+    them = []
+    if wanted == 4 and nodes:  # ip_family ipv4 or dual here: the nodes peer over IPv4 (agentd.daemon.mesh)
+        them.append(f"the other nodes (with ip_family = {cfg.network.ip_family} their sessions are IPv4)")
+    them += [f"[[bgp.peers]] #{i + 1} {p.address} (passive)" for i, p in enumerate(cfg.bgp.peers)
+             if p.passive and p.address.version == wanted]
     them += [f"[[bgp.listen_ranges]] #{i + 1} {r.prefix}" for i, r in enumerate(cfg.bgp.listen_ranges)
              if r.prefix.version == wanted]
     if not them:

@@ -26,7 +26,7 @@ from proto.nlri import IPV4_UNICAST, IPV6_UNICAST, prefix_from_str
 
 from agentd.daemon.api import ApiServer
 from agentd.daemon.bgp_json import peer_row
-from agentd.config.settings import BgpPeerConfig, Config, ConfigError
+from agentd.config.settings import BgpPeerConfig, Config, ConfigError, reloaded
 
 log = logging.getLogger("agentd.speaker")
 
@@ -321,12 +321,16 @@ class SpeakerRuntime:
         self._stop.set()
 
     def _reload(self, reload: Callable[[], Config]) -> None:
-        """SIGHUP: re-read the configuration; peers and originated prefixes change live."""
+        """SIGHUP: re-read the configuration; the peers, listen ranges, originated prefixes and
+        [log] change live, everything else (``[bgp] hold_time``...) waits for a restart, as in
+        the agent's reload (agentd.config.model.reloaded): a peer without a hold_time of its own
+        keeps offering the running [bgp] hold_time, so its session is left alone."""
         try:
-            cfg = reload()
+            read = reload()
         except ConfigError as err:
             log.error("reload failed, keeping the running configuration: %s", err)
             return
+        cfg, pending = reloaded(self.cfg, read, also=("originate",))
         self.cfg = cfg
         if self.set_logging is not None:
             self.set_logging(cfg.log.level, cfg.log.format)
@@ -336,3 +340,5 @@ class SpeakerRuntime:
         self.service.set_listen_ranges(listen_ranges(cfg))
         self.service.set_originated(originations(cfg))
         log.info("configuration reloaded: %d peers, %d prefixes originated", len(cfg.bgp.peers), len(cfg.bgp.originate))
+        if pending:
+            log.warning("changed but applied only by a restart: %s", ", ".join(pending))

@@ -221,15 +221,18 @@ def test_passive_peers_and_ranges_of_a_family_the_bgp_listen_socket_refuses_are_
     assert "#2" not in warning and '[bgp] listen = "[::]:179"' in warning  # it connects out itself
     for listen in ("10.0.0.1:179", "[::ffff:192.0.2.10]:179"):
         assert "takes no IPv6 connection" in config_warnings(load_config(env={**env, "AGENTD_BGP_LISTEN": listen}, host=Host()))[0]
-    # [::] takes both; an IPv6 address takes these; no listener: refused already (check_config).
-    for listen in ("[::]:179", "[2001:db8::10]:179"):
-        assert config_warnings(load_config(env={**env, "AGENTD_BGP_LISTEN": listen}, host=Host())) == []
+    # [::] takes both; an IPv6 address takes these (but not the other nodes': see the next test);
+    # no listener: refused already (check_config).
+    assert config_warnings(load_config(env={**env, "AGENTD_BGP_LISTEN": "[::]:179"}, host=Host())) == []
+    assert config_warnings(load_config(env={**env, "AGENTD_BGP_LISTEN": "[2001:db8::10]:179"}, host=Host()),
+                           nodes=False) == []
     # The reverse: IPv4 peers and ranges with an IPv6 address other than [::].
     env4 = {"AGENTD_BGP_LISTEN": "[2001:db8::10]:179", "AGENTD_BGP_LISTEN_RANGES": RANGE4,
             "AGENTD_BGP_PEERS": '[{"address": "192.0.2.1", "asn": 64513, "passive": true}]'}
     (warning,) = config_warnings(load_config(env=env4, host=Host()))
     assert warning.startswith("[bgp] listen = [2001:db8::10]:179: an IPv6 address, which takes no IPv4 connection")
-    assert "[[bgp.peers]] #1 192.0.2.1 (passive), [[bgp.listen_ranges]] #1 10.0.0.0/16." in warning
+    assert "cannot: the other nodes (with ip_family = ipv4 their sessions are IPv4), [[bgp.peers]] #1 192.0.2.1 (passive), " \
+           "[[bgp.listen_ranges]] #1 10.0.0.0/16." in warning
     assert config_warnings(load_config(env={**env4, "AGENTD_BGP_LISTEN": "[::]:179"}, host=Host())) == []
     # `agentd check-config` prints it and says the configuration is valid.
     monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}, **env})
@@ -253,3 +256,54 @@ def test_a_pod_network_overlapping_the_default_service_range_is_a_warning(cidr, 
     check_cluster(cfg, wanted_cluster(cfg))
     assert warning.split(": ", 1)[1] in caplog.text  # the same consequence and advice as the agent's
     assert config_warnings(load_config(env={}, host=Host())) == []
+
+
+@pytest.mark.parametrize("family", ["ipv4", "dual"])
+def test_an_ipv6_bgp_listen_address_in_a_cluster_whose_nodes_peer_over_ipv4_is_a_warning(family, monkeypatch, capsys,
+                                                                                         caplog, tmp_path):
+    """With ip_family ipv4 or dual the sessions between nodes are IPv4 (agentd.daemon.mesh): an
+    IPv6 listen address other than [::] refuses the other nodes' connections. `agentd
+    check-config` prints the warning, `agentd run` logs it, in the same words; `agentd speaker`
+    has no sessions to nodes and does not name them."""
+    from agentd import cli
+
+    env = {"AGENTD_NETWORK_IP_FAMILY": family, "AGENTD_BGP_LISTEN": "[2001:db8::10]:179"}
+    assert lines(env) == []
+    (warning,) = config_warnings(load_config(env=env, host=Host()))
+    assert warning == (f"[bgp] listen = [2001:db8::10]:179: an IPv6 address, which takes no IPv4 connection: IPv4 peers "
+                       f"that must connect to this node cannot: the other nodes (with ip_family = {family} their "
+                       "sessions are IPv4). Listen on [bgp] listen = \"[::]:179\", which takes both families")
+    # [::] and IPv4 addresses take the nodes' connections; an IPv4-mapped address is an IPv4 socket.
+    for listen in ("[::]:179", "0.0.0.0:179", "192.0.2.10:1179", "[::ffff:192.0.2.10]:179"):
+        assert config_warnings(load_config(env={**env, "AGENTD_BGP_LISTEN": listen}, host=Host())) == []
+    assert config_warnings(load_config(env=env, host=Host()), nodes=False) == []
+    # check-config prints it; run logs it (the agent itself not started); the speaker does not.
+    monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}, **env})
+    monkeypatch.setattr(cli, "LocalHost", Host)
+    (tmp_path / "agentd.toml").write_text(f"[cni]\nsubnet_file = '{tmp_path}/subnet.env'\n")
+    config = ["--config", str(tmp_path / "agentd.toml")]
+    assert cli.main(["check-config", *config]) == 0
+    assert f"warning: {warning}\n" in capsys.readouterr().err
+
+    async def agent(cfg, **_kw):
+        return 0
+
+    class Speaker:
+        def __init__(self, cfg):
+            pass
+
+        async def run(self, **_kw):
+            return 0
+
+    import agentd.daemon.agent
+    import agentd.daemon.speaker
+
+    monkeypatch.setattr(agentd.daemon.agent, "run_agent", agent)
+    monkeypatch.setattr(agentd.daemon.speaker, "SpeakerRuntime", Speaker)
+    for name in ("setup_logging", "tune_gc", "limit_malloc_arenas"):
+        monkeypatch.setattr(cli, name, lambda *a, **k: None)
+    assert cli.main(["run", *config]) == 0
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [warning]
+    caplog.clear()
+    assert cli.main(["speaker", *config]) == 0
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, IPv4Network
 
 import pytest
 
@@ -242,3 +242,94 @@ def test_a_peer_stopped_while_connecting_reports_no_failure():
     p.take_actions()
     p.stop(1.0, Notification.cease(CeaseSubcode.ADMINISTRATIVE_SHUTDOWN))
     assert [e for e in events(p) if isinstance(e, PeerFailed)] == []
+
+
+# ---------------------------------------------------------------- ends that are no failure
+
+
+def _colliding_speaker() -> tuple[Speaker, int]:
+    """Our connection (the main session) and theirs (a collision session) both in OpenSent."""
+    sp = Speaker(local("10.0.0.1"), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings(REMOTE, 65000), 0.0)
+    sp.start(0.0)
+    (connect,) = [a for a in sp.take_actions() if isinstance(a, Connect)]
+    sp.connection_made(connect.conn, 0.1, "10.0.0.1")
+    assert sp.accept(-5, REMOTE, 0.2, "10.0.0.1")
+    sp.take_actions()
+    return sp, connect.conn
+
+
+@pytest.mark.parametrize("with_open", [False, True])
+def test_a_collision_the_peer_resolves_is_no_failed_session(caplog, with_open):
+    # RFC 4271 §6.8 decided by the peer (the higher identifier keeps the connection it opened):
+    # it closes ours, our main session, with Cease/7.  That is a resolved collision, logged at
+    # debug, not a failed session (a warning, counted as session-failed).
+    sp, ours = _colliding_speaker()
+    sp.data_received(-5, open_(), 0.3)  # theirs: OpenConfirm
+    sp.take_actions()
+    with caplog.at_level(logging.DEBUG, logger="bgp"):
+        data = (open_() if with_open else b"") + cease(CeaseSubcode.CONNECTION_COLLISION_RESOLUTION)
+        sp.data_received(ours, data, 0.4)
+        sp.data_received(-5, Keepalive().encode(), 0.5)
+    assert sp.peers[REMOTE].state is State.ESTABLISHED
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not any(kind == "session-failed" for kind, _ in sp.limiter.counts)
+    assert any("connection collision" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+
+
+def test_another_cease_before_the_session_came_up_is_still_a_failed_session(caplog):
+    sp, ours = _colliding_speaker()
+    sp.take_actions()
+    with caplog.at_level(logging.INFO, logger="bgp"):
+        sp.data_received(ours, cease(CeaseSubcode.OTHER_CONFIGURATION_CHANGE), 0.4)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.startswith(f"peer {REMOTE}: received NOTIFICATION Cease")
+    assert sp.limiter.counts[("session-failed", REMOTE)] == 1
+
+
+@pytest.mark.parametrize("state", [State.OPEN_SENT, State.OPEN_CONFIRM])
+@pytest.mark.parametrize("how", ["removed", "reconfigured", "range gone"])
+def test_a_peer_we_remove_before_its_session_is_up_is_logged_as_removed(caplog, state, how):
+    # Our own Cease (Peer De-configured, Other Configuration Change) on a session in OpenSent or
+    # OpenConfirm: the removal, at info, not a failed session.
+    from bgp import ListenRange
+
+    sp = Speaker(local("10.0.0.1"), now=0.0, rng=random.Random(1))
+    template = PeerSettings("10.0.0.0", 65000, passive=True)
+    if how == "range gone":
+        sp.set_listen_ranges([ListenRange(IPv4Network("10.0.0.0/24"), template)], 0.0)
+    else:
+        sp.add_peer(PeerSettings(REMOTE, 65000, passive=True), 0.0)
+    sp.start(0.0)
+    assert sp.accept(-5, REMOTE, 0.1, "10.0.0.1")
+    if state is State.OPEN_CONFIRM:
+        sp.data_received(-5, open_(), 0.2)
+    assert sp.peers[REMOTE].state is state
+    sp.take_actions()
+    with caplog.at_level(logging.INFO, logger="bgp"):
+        if how == "removed":
+            sp.set_peers([], 1.0)
+        elif how == "reconfigured":
+            sp.set_peers([PeerSettings(REMOTE, 65000, passive=True, hold_time=9)], 1.0)
+        else:
+            sp.set_listen_ranges([], 1.0)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not any(kind == "session-failed" for kind, _ in sp.limiter.counts)
+    subcode = "Peer De-configured" if how == "removed" else "Other Configuration Change"
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert line.startswith(f"peer {REMOTE} removed in {state.label}") and subcode in line, line
+    assert [n.subcode for _, n in notifications(sp.take_actions())] == [
+        CeaseSubcode.PEER_DECONFIGURED if how == "removed" else CeaseSubcode.OTHER_CONFIGURATION_CHANGE
+    ]
+
+
+def test_stopping_the_speaker_logs_no_failed_session(caplog):
+    sp = Speaker(local("10.0.0.1"), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings(REMOTE, 65000, passive=True), 0.0)
+    sp.start(0.0)
+    assert sp.accept(-5, REMOTE, 0.1, "10.0.0.1")
+    sp.take_actions()
+    with caplog.at_level(logging.INFO, logger="bgp"):
+        sp.stop(1.0, graceful=False)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not any(kind == "session-failed" for kind, _ in sp.limiter.counts)

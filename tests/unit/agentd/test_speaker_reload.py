@@ -1,0 +1,60 @@
+"""``agentd speaker``'s reload (SIGHUP) applies what the agent's does (agentd.config.model.reloaded):
+the peers, listen ranges and [log] live, and its originated prefixes; the rest waits for a
+restart, so a reload that changes only [bgp] hold_time resets no session of a peer that inherits
+it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from agentd.config.settings import load_config
+from agentd.daemon.speaker import SpeakerRuntime, listen_ranges, peer_settings
+
+PEERS = [{"address": "192.0.2.2", "asn": 64513}, {"address": "192.0.2.3", "asn": 64513, "hold_time": 9}]
+RANGES = [{"prefix": "10.1.0.0/16", "asn": 64513}]
+
+
+def config(tmp_path, **env):
+    base = {"AGENTD_NODE_NAME": "rr", "AGENTD_NODE_ADDRESS": "192.0.2.1", "AGENTD_AGENT_STATE_DIR": str(tmp_path),
+            "AGENTD_BGP_LISTEN": "127.0.0.1:1179", "AGENTD_BGP_PEERS": json.dumps(PEERS),
+            "AGENTD_BGP_LISTEN_RANGES": json.dumps(RANGES)}
+    return load_config(None, env={**base, **env})
+
+
+def test_a_reload_that_changes_only_bgp_hold_time_resets_no_session(tmp_path, caplog):
+    running = config(tmp_path)
+    rt = SpeakerRuntime(running)
+
+    async def main():
+        # The service's loop, neither its listener (never bound here) nor the speaker started:
+        # what the reload does to the peer set is all this looks at.
+        rt.service._loop = asyncio.get_running_loop()
+        rt.service.set_peers(peer_settings(p, running) for p in running.bgp.peers)
+        rt.service.set_listen_ranges(listen_ranges(running))
+        before = dict(rt.speaker.peers)
+        ranges = list(rt.speaker.listen_ranges)
+        with caplog.at_level(logging.INFO, logger="agentd.speaker"):
+            rt._reload(lambda: config(tmp_path, AGENTD_BGP_HOLD_TIME="30"))
+        # The same Peer objects (set_peers replaces a peer whose settings changed: Cease/Other
+        # Configuration Change), still offering the running [bgp] hold_time.
+        assert {k: id(p) for k, p in rt.speaker.peers.items()} == {k: id(p) for k, p in before.items()}
+        assert [p.settings.hold_time for p in rt.speaker.peers.values()] == [90, 9]
+        assert rt.speaker.listen_ranges == ranges and ranges[0].template.hold_time == 90
+        assert rt.cfg.bgp.hold_time == 90
+        assert "changed but applied only by a restart: [bgp] hold_time, [bgp] keepalive_time" in caplog.text
+        # What changes live does: a peer, a range's own hold_time, the originated prefixes.
+        caplog.clear()
+        peers = json.dumps([*PEERS, {"address": "192.0.2.4", "asn": 64513}])
+        rt._reload(lambda: config(tmp_path, AGENTD_BGP_HOLD_TIME="30", AGENTD_BGP_PEERS=peers,
+                                  AGENTD_BGP_ORIGINATE="10.99.0.0/24",
+                                  AGENTD_BGP_LISTEN_RANGES=json.dumps([{**RANGES[0], "hold_time": 30}])))
+        assert sorted(rt.speaker.peers) == ["192.0.2.2", "192.0.2.3", "192.0.2.4"]
+        assert rt.speaker.peers["192.0.2.2"] is before["192.0.2.2"]
+        assert rt.speaker.peers["192.0.2.4"].settings.hold_time == 90
+        assert rt.speaker.listen_ranges[0].template.hold_time == 30
+        assert [str(p) for p in rt.cfg.bgp.originate] == ["10.99.0.0/24"] and rt.speaker.rib.count() == 1
+        assert "[bgp] originate" not in caplog.text
+
+    asyncio.run(main())
