@@ -145,6 +145,7 @@ class Agent:
         self._stop = asyncio.Event()
         self.stopping = False  # no more route changes: a graceful stop leaves the kernel as it is
         self._leaving = False
+        self._publishing: set[asyncio.Task] = set()  # node data being published (_node_data_changed)
         # `agentd leave`'s answer: None once the node has left etcd, else why it has not.
         self._left: asyncio.Future[str | None] | None = None
         # What runs degraded, never retried (no libnftables, ip_masq, IP forwarding): shown in
@@ -438,7 +439,21 @@ class Agent:
         loop = asyncio.get_running_loop()
         for job in (self.datastore.update_node(record), self.datastore.set_subnet_backend_data(record.backend)):
             task = loop.create_task(job)
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors are logged by the datastore
+            self._publishing.add(task)  # cancelled by a stop or leave: they retry while etcd is unreachable
+            task.add_done_callback(self._published)
+
+    def _published(self, task: asyncio.Task) -> None:
+        self._publishing.discard(task)
+        if not task.cancelled():
+            task.exception()  # errors are logged by the datastore
+
+    async def _cancel_publishing(self) -> None:
+        """Stop the node data's publications still retrying (they hold the datastore's lease
+        lock, which the leave's release and node removal wait for)."""
+        tasks = list(self._publishing)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _shutdown(self) -> None:
         graceful = self.cfg.bgp.graceful_restart and not self._leaving
@@ -496,6 +511,7 @@ class Agent:
             # agent is not running).
             await step("removing the subnet file", self._remove_subnet_file)
         if self.datastore is not None:
+            await self._cancel_publishing()
             if self._subnet_taken:
                 # Our node record (under our lease, which close() keeps) must not outlive us:
                 # it may still name the subnet another node holds now.
@@ -606,6 +622,7 @@ class Agent:
     async def _leave_etcd(self) -> list:
         """Release the node's subnets and remove its record; asked before this run reached
         etcd, with a connection of its own (a previous run's keys go all the same)."""
+        await self._cancel_publishing()
         if self.datastore is not None:
             released = await self.datastore.release(self.name, timeout=10)
             await self.datastore.remove_node(self.name, timeout=10)

@@ -755,7 +755,12 @@ class Tunnels:
         routes it (RTM_GETROUTE), re-read every ``every`` seconds; a change recomputes routes."""
         peers = sorted(a for a, p in plans.items() if p.backend in self.bpf.carried and not self.underlay.on_link(a))
         now = time.monotonic()
-        if not peers or (set(peers) <= set(self.gateways) | set(self.unreachable) and now - self._gateways_at < every):
+        if not peers:
+            # Nothing to re-read; noted as read all the same, or the readiness loop would ask
+            # for a whole tunnel pass every 2 s instead of every GATEWAY_REFRESH (refresh()).
+            self._gateways_at = now
+            return
+        if set(peers) <= set(self.gateways) | set(self.unreachable) and now - self._gateways_at < every:
             return
         self._gateways_at = now
         gateways, unreachable = await asyncio.to_thread(_underlay_next_hops, peers, self.underlay.ifindex)

@@ -61,6 +61,9 @@ class BpfPath:
         # (held, every decapsulated packet takes the stack's path); else its program's name.
         self.gate: str | None = None
         self.gated = False  # it is there, after ours (checked when the data path comes up)
+        # redirect_held as hold_redirect (or the data path's first config) last wrote it: a
+        # write that failed or was cancelled leaves it, so that the next call writes again.
+        self._written_held: bool | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -100,12 +103,13 @@ class BpfPath:
                 if self.error is not None:
                     raise BpfUnavailable(self.error)
                 dp = BpfDatapath(self.underlay.ifindex, self.cfg.agent.bpf_dir, attach=self.cfg.network.bpf_attach)
+                held = self.redirect_held
                 try:
                     await asyncio.to_thread(dp.open, self.config([n for n in (carry, filter) if n]), clear=self._cleared())
                 except BpfUnavailable as err:
                     self.error = str(err)
                     raise
-                self.dp = dp
+                self.dp, self._written_held = dp, held
                 await self._check_gate()
                 how = f"adopted the pinned maps ({len(dp.routes)} routes, {len(dp.members)} members)" \
                     if dp.adopted else "loaded"
@@ -139,17 +143,18 @@ class BpfPath:
         its netfilter chains from then on) and after the last isolation is gone, Services before
         the first translation and after the last: no window either way.  The redirect resumes
         when no one holds it."""
-        before = self.redirect_held
         if hold:
             self.holders.add(who)
         else:
             self.holders.discard(who)
-        if self.redirect_held == before:
-            return
         async with self._lock:
-            if self.dp is None:
+            held = self.redirect_held
+            # Judged against what was last written, not against the holders before this call:
+            # a write that failed (the caller retries) or was cancelled is made by the next call.
+            if self.dp is None or held == self._written_held:
                 return
             await asyncio.to_thread(self.dp.set_config, self.config(), keep=True, clear=self._cleared())
+            self._written_held = held
         if self.carried and self.cfg.network.bpf_pod_redirect:  # else there is no redirect to speak of
             how = "TCP that conntrack accepted straight to the pods, the rest by" if self.delivery == "gated" \
                 else "by"

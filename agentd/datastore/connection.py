@@ -198,6 +198,24 @@ class EtcdConnection:
     def deadline(self, timeout: float | None) -> float | None:
         return None if timeout is None else self.clock() + timeout
 
+    @contextlib.asynccontextmanager
+    async def locked(self, lock: asyncio.Lock, deadline: float | None, what: str):
+        """``lock`` held, waited for no longer than ``deadline`` (another write holding it --
+        one retrying while etcd is unreachable -- must not keep a leave waiting for ever)."""
+        if deadline is None:
+            async with lock:
+                yield
+            return
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self.clock())):
+                await lock.acquire()
+        except TimeoutError:
+            raise DatastoreUnavailable(f"{what}: another etcd write held on past the deadline") from None
+        try:
+            yield
+        finally:
+            lock.release()
+
     def backoff(self, cap: float = 5.0) -> Backoff:
         return Backoff(cap=cap, rng=self.rng)
 

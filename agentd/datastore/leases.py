@@ -212,7 +212,8 @@ class SubnetLeases:
         check_node_name(node, "release", "node")
         call, keeper = self.connection.call, self.keeper
         deadline = self.connection.deadline(timeout)
-        async with keeper.lock:  # the keepalive does not restore keys while we hold it
+        # The keepalive does not restore keys while we hold the lock.
+        async with self.connection.locked(keeper.lock, deadline, "release subnets"):
             released: list[Network] = []
             while True:
                 view = await call("read subnets", lambda c: self._read_subnets(c, node), deadline)

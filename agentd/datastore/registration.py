@@ -143,10 +143,10 @@ class Registration:
         """Delete ``<prefix>/nodes/<name>``; True if it existed."""
         key = node_key(self.prefix, name)
         keeper = self.keeper
-        async with keeper.lock:
+        deadline = self.connection.deadline(timeout)
+        async with self.connection.locked(keeper.lock, deadline, "remove node"):
             if keeper.node is not None and keeper.node.name == name:
                 keeper.node = None  # or the keepalive would put it back
-            deadline = self.connection.deadline(timeout)
             existed = await self.connection.call("read node", lambda c: c.get(key), deadline) is not None
             attempts = 0
 

@@ -122,6 +122,10 @@ class PolicyAgent:
         self.log_suppressed = 0  # drops the log rules' limit kept from the flow records
         self.error: str | None = None
         self.syncs = 0
+        # Builds begun and the last one programmed, numbered: route_services waits for a build
+        # begun after its change (a sync already under way when it came was built without it).
+        self.builds = 0
+        self.synced_build = 0
         self._synced = asyncio.Event()  # set after each sync (route_services waits for one)
         self.last_sync: dict[str, Any] | None = None  # the last transaction: commands, seconds
         self.sync_errors = 0
@@ -339,6 +343,8 @@ class PolicyAgent:
             # The addresses this build takes from their pods; any released while the sync runs
             # wait for the next build (flushed now, their old tables could still accept anew).
             released, self._released = self._released, set()
+            self.builds += 1
+            build = self.builds
             desired = self.engine.build()
             keys = self.engine.touched()
             self._report_conflicts()
@@ -364,6 +370,7 @@ class PolicyAgent:
             backoff = 0.2
             self.error = None
             self.syncs += 1
+            self.synced_build = build
             self._synced.set()
             seconds = time.perf_counter() - start
             if self.sync_seconds is not None:
@@ -443,16 +450,17 @@ class PolicyAgent:
         """Services start (``on``) or stop translating on this node: every local pod's traffic
         goes up through the IP stack while they do (PolicyEngine.route_services).  Returns once
         a sync has programmed it -- the services agent calls this before its first translation
-        and after its last -- or at once before the first sync (which takes it in anyway)."""
+        and after its last -- or at once before the first build (which takes it in anyway).  A
+        sync already under way was built before the change: the one after it is waited for."""
         if not self.engine.set_route_services(on):
             return
-        done = self.syncs
+        begun = self.builds
         self._wake.set()
-        if done == 0:
+        if begun == 0:
             return
         try:
             async with asyncio.timeout(timeout):
-                while self.syncs <= done:
+                while self.synced_build <= begun:
                     self._synced.clear()
                     await self._synced.wait()
         except TimeoutError:

@@ -358,3 +358,30 @@ def test_a_leave_during_start_up_exits_with_the_status_the_stop_settles(tmp_path
         return await agent.run()
 
     assert asyncio.run(main()) == 1
+
+
+def test_a_leave_cancels_the_node_data_publications_first(tmp_path):
+    """A publication of node data (started when a backend came up) retries without a deadline
+    while etcd is unreachable, holding the datastore's lease lock: the leave's release waited
+    for it for ever.  The leave cancels it before it releases."""
+    async def main():
+        agent = Agent(_cfg(tmp_path))
+        calls: list = []
+        publication = asyncio.ensure_future(asyncio.get_running_loop().create_future())  # never done
+        agent._publishing.add(publication)
+        publication.add_done_callback(agent._published)
+
+        class Store:
+            async def release(self, name, timeout):
+                calls.append(("release", publication.cancelled()))
+                return []
+
+            async def remove_node(self, name, timeout):
+                calls.append(("remove_node", publication.cancelled()))
+
+        agent.datastore = Store()
+        await agent._leave_etcd()
+        return calls, agent._publishing
+
+    calls, publishing = asyncio.run(main())
+    assert calls == [("release", True), ("remove_node", True)] and not publishing

@@ -336,3 +336,34 @@ async def test_a_retried_removal_of_a_node_never_registered_reports_it_not_found
 
     assert await registration.remove_node("A") is False
     assert etcd.calls == ["get", "delete", "delete"]
+
+
+# --- a leave's writes wait for another write's lock no longer than their deadline ------------
+
+
+async def test_a_release_and_node_removal_wait_no_longer_than_their_deadline_for_a_stuck_publication():
+    """A publication of node data retrying without a deadline while etcd does not answer held
+    the keeper's lock, and the leave's release and node removal waited for it for ever."""
+    from agentd.datastore.records import DatastoreUnavailable
+
+    etcd = FakeEtcd()
+    conn = connection(etcd, request_timeout=0.05)
+    keeper = LeaseKeeper(conn, PREFIX, 30)
+    etcd.leases.add(0x11)
+    keeper.lease_id, keeper.subnet = 0x11, lease_of("A", 0x11)
+    leases = SubnetLeases(conn, keeper, PREFIX, random.Random(1))
+    registration = Registration(conn, keeper, PREFIX)
+    etcd.silent = True  # nothing is answered: the publication retries, holding the lock
+    stuck = asyncio.ensure_future(leases.set_subnet_backend_data({"vtep_mac": "02:00:00:00:00:01"}))
+    await asyncio.sleep(0)
+    assert keeper.lock.locked()
+    try:
+        for leave in (lambda: leases.release("A", timeout=0.05), lambda: registration.remove_node("A", timeout=0.05)):
+            done, _ = await asyncio.wait([asyncio.ensure_future(leave())], timeout=2.0)
+            assert done, "waited past its deadline for the publication's lock"
+            err = next(iter(done)).exception()
+            assert isinstance(err, DatastoreUnavailable) and "past the deadline" in str(err), err
+    finally:
+        stuck.cancel()
+        await asyncio.gather(stuck, return_exceptions=True)
+    assert not keeper.lock.locked()

@@ -1,0 +1,97 @@
+"""How often the tunnels' sync loop makes a whole pass, and the BPF redirect's hold written
+again after a write that failed or was cancelled (no kernel: the data path's writes stubbed)."""
+
+import asyncio
+from ipaddress import IPv4Interface, IPv4Network
+from types import SimpleNamespace
+
+import pytest
+
+from agentd.config.settings import load_config
+from agentd.dataplane import backends as backends_mod
+from agentd.dataplane.backends import GATEWAY_REFRESH, Tunnels
+from agentd.dataplane.bpf_backend import BpfPath
+from agentd.kernel.forwarding import PeerPlan
+from agentd.kernel.netinfo import Underlay
+
+CFG = load_config(None, env={}, overrides={"node.address": "10.0.0.3", "node.name": "n3"})
+UNDERLAY = Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"),))
+
+
+def _on_link_plans() -> dict:
+    return {a: PeerPlan(a, "udp", "test", node=n) for a, n in (("10.0.0.4", "n4"), ("10.0.0.5", "n5"))}
+
+
+def test_a_cluster_on_one_segment_gets_a_whole_tunnel_pass_every_gateway_refresh_not_every_refresh(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(backends_mod.time, "monotonic", lambda: clock[0])
+
+    async def main():
+        t = Tunnels(CFG, UNDERLAY, "n3")
+        t.bpf.carried.add("udp")
+        t._plans = plans = _on_link_plans()  # every peer on this segment: no next hop to re-read
+        await t._resolve_gateways(plans)  # what the sync loop's pass does
+        t._dirty.clear()
+        for _ in range(5):  # the readiness loop, every 2 s
+            clock[0] += 2.0
+            await t.refresh()
+            assert not t._dirty.is_set(), "a whole tunnel pass asked for at a readiness tick"
+        clock[0] += GATEWAY_REFRESH
+        await t.refresh()
+        assert t._dirty.is_set()  # the periodic pass is still made, every GATEWAY_REFRESH
+
+    asyncio.run(main())
+
+
+class _Failing(Exception):
+    pass
+
+
+def _bpf_with_stub_datapath(writes: list, fail: list) -> BpfPath:
+    bpf = BpfPath(CFG, UNDERLAY)
+
+    def set_config(config, *, keep, clear):
+        if fail:
+            raise fail.pop()
+        writes.append(bpf.redirect_held)
+
+    bpf.dp = SimpleNamespace(set_config=set_config)
+    bpf._written_held = False  # as the data path's first config wrote it (nobody holding)
+    return bpf
+
+
+def test_a_failed_hold_write_is_made_by_the_retry():
+    writes: list = []
+
+    async def main():
+        bpf = _bpf_with_stub_datapath(writes, [_Failing("map update failed")])
+        with pytest.raises(_Failing):
+            await bpf.hold_redirect(True, "policy")
+        assert writes == []
+        await bpf.hold_redirect(True, "policy")  # the policy agent's retry
+        assert writes == [True]
+        await bpf.hold_redirect(True, "policy")  # nothing new: no write
+        assert writes == [True]
+
+    asyncio.run(main())
+
+
+def test_a_hold_cancelled_while_waiting_for_the_lock_is_written_by_the_next_call():
+    writes: list = []
+
+    async def main():
+        bpf = _bpf_with_stub_datapath(writes, [])
+        await bpf._lock.acquire()  # a tunnel pass writing meanwhile
+        waiting = asyncio.ensure_future(bpf.hold_redirect(True, "services"))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        bpf._lock.release()
+        assert writes == [] and bpf.redirect_held
+        await bpf.hold_redirect(True, "services")
+        assert writes == [True]
+        await bpf.hold_redirect(False, "services")
+        assert writes == [True, False]
+
+    asyncio.run(main())
