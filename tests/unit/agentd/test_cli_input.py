@@ -232,6 +232,20 @@ def test_status_says_what_flow_records_keep(capsys, monkeypatch, flows, line):
     assert code == 0 and line in out.splitlines(), out
 
 
+def test_status_shows_a_user_space_worker_that_is_down_with_its_error(capsys, monkeypatch):
+    down = {"datapath": "userspace", "running": False, "worker_pid": None,
+            "error": "could not be started again: [Errno 98] Address already in use"}
+    reply = {"node": {"name": "n1"}, "bgp": {"peers": []},
+             "backends": {"active": {"udp": down, "vxlan": {"datapath": "kernel"}, "ipip": {**down, "running": True, "error": None}},
+                          "userspace_peers_worker": {"ipip": {**down, "error": None}}}}
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
+    code, out, _ = run(capsys, "status")
+    lines = [line for line in out.splitlines() if "worker" in line]
+    assert code == 0 and lines == [
+        "Data-plane worker udp DOWN: could not be started again: [Errno 98] Address already in use",
+        "Data-plane worker ipip for peers that receive in user space DOWN: not running"], out
+
+
 def test_status_names_a_program_on_our_hooks_it_could_not_take_over(capsys, monkeypatch):
     line = "eth0 ingress (tcx): program 77, attached without a link, is not agentd's by any pin"
     reply = {"node": {"name": "n1"}, "bgp": {"peers": []}, "backends": {"bpf": {"unidentified_programs": [line]}},
