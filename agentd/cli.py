@@ -814,4 +814,9 @@ def render_status(status: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m agentd.cli``: this file runs as ``__main__``, a second copy of the module beside
+    # the ``agentd.cli`` that plugged-in commands import (``agentd lab``'s Command would not be
+    # this copy's Command).  Run the one ``agentd.cli``, as the installed ``agentd`` does.
+    from agentd.entry import agentd as _agentd
+
+    sys.exit(_agentd())

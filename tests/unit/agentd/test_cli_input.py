@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -374,3 +377,13 @@ token_file = "{tmp_path}/api-token"
     code, _, err = run(capsys, "leave", "--config", str(conf))
     assert code == 1 and len(err.splitlines()) == 1 and "ca.pem" in err, err
     assert len(asked) == 2
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "agentd.cli"], [str(Path(sys.executable).parent / "agentd")]],
+                         ids=["python -m agentd.cli", "installed agentd"])
+def test_lab_help_works_both_as_installed_and_as_python_m(command):
+    """``python -m agentd.cli`` runs the file as ``__main__``: the lab's plugged-in Command (it
+    imports agentd.cli) used to be refused as not agentd.cli's Command (a TypeError)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    proc = subprocess.run([*command, "lab", "--help"], capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: agentd lab ") and not proc.stderr, proc.stderr
