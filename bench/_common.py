@@ -181,6 +181,25 @@ class Stopwatch:
         self.timing = Timing(wall, usage.ru_utime - self._usage.ru_utime, usage.ru_stime - self._usage.ru_stime)
 
 
+# The share of a run's connections that may fail (svcecho's crr counts a connect that failed
+# or took over 2 s, and a request not answered within 2 s) before the run is a BenchError: a
+# rate counts the successes only, so a run that lost many would read as merely slower.
+CRR_FAILED_SHARE = 0.01
+
+
+def crr_checked(r: dict[str, Any], what: str) -> dict[str, Any]:
+    """svcecho's crr answer ``r`` (``connections`` answered, ``failed``), unless no connection
+    succeeded or more than CRR_FAILED_SHARE of them failed: then a BenchError naming ``what``
+    (bench/flows.py and bench/services.py judge each run so)."""
+    done, failed = r["connections"], r["failed"]
+    if not done > 0:
+        raise BenchError(f"{what}: no connection succeeded ({failed:,} failed)")
+    if failed > CRR_FAILED_SHARE * (done + failed):
+        raise BenchError(f"{what}: {failed:,} of {done + failed:,} connections failed "
+                         f"(more than {CRR_FAILED_SHARE:.0%}): the connection rate would not be the path's")
+    return r
+
+
 def rate(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else float("inf")
 
