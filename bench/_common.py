@@ -212,6 +212,23 @@ def fmt_ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "n/a"
 
 
+def judged(value: float, goal: float, *, at_least: bool = True, decimals: int = 3, unit: str = "x") -> tuple[str, str]:
+    """``value`` against its ``goal`` (at least it, or with ``at_least`` False at most it):
+    the value as printed and the verdict, "met" or "NOT met".  The value gets more decimals
+    than ``decimals`` where fewer would print it on the other side of the goal or as the goal
+    itself: 0.9496 against >= 0.95 prints 0.9496, not 0.950 beside "NOT met"."""
+    def meets(x: float) -> bool:
+        return x >= goal if at_least else x <= goal
+
+    met = meets(value)
+    d = decimals
+    text = f"{value:.{d}f}"
+    while d < 15 and meets(float(text)) != met:  # (printed as the goal itself: it would meet it)
+        d += 1
+        text = f"{value:.{d}f}"
+    return text + unit, "met" if met else "NOT met"
+
+
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 
