@@ -817,6 +817,6 @@ if __name__ == "__main__":
     # ``python -m agentd.cli``: this file runs as ``__main__``, a second copy of the module beside
     # the ``agentd.cli`` that plugged-in commands import (``agentd lab``'s Command would not be
     # this copy's Command).  Run the one ``agentd.cli``, as the installed ``agentd`` does.
-    from agentd.entry import agentd as _agentd
+    from agentd.cli import main as _main
 
-    sys.exit(_agentd())
+    sys.exit(_main())
