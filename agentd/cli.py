@@ -731,6 +731,15 @@ def _ingress_line(ing: dict[str, Any]) -> str:
             f"{'  ERROR ' + _cell(error) if error else ''}{tls}")
 
 
+def _worker_lines(backends: dict[str, Any]) -> list[str]:
+    """User-space data-plane workers that are down (died and could not be started again; the
+    agent tries every 2 s): one line each, with the error /status gives."""
+    workers = [(b, w, "") for b, w in (backends.get("active") or {}).items()] + [
+        (b, w, " for peers that receive in user space") for b, w in (backends.get("userspace_peers_worker") or {}).items()]
+    return [f"Data-plane worker {_cell(b)}{what} DOWN: {_cell(w.get('error') or 'not running')}"
+            for b, w, what in workers if isinstance(w, dict) and w.get("running") is False]
+
+
 def render_status(status: dict[str, Any]) -> str:
     node = status.get("node") or {}
     bgp = status.get("bgp") or {}
@@ -741,6 +750,7 @@ def render_status(status: dict[str, Any]) -> str:
     problems = [p for p in status.get("problems") or [] if p]
     out.append(f"agentd is running ({state}{', DEGRADED' if problems else ''}).")
     out += [f"PROBLEM: {_cell(p)}" for p in problems]  # start-up failures it runs without (not retried)
+    out += _worker_lines(status.get("backends") or {})  # a dead worker not started again (/healthz 503)
     out.append(
         f"Node {node.get('name')}  address {node.get('address')}"
         f"{'  ' + _cell(node['address_v6']) if node.get('address_v6') and node['address_v6'] != node.get('address') else ''}"
@@ -804,4 +814,9 @@ def render_status(status: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m agentd.cli``: this file runs as ``__main__``, a second copy of the module beside
+    # the ``agentd.cli`` that plugged-in commands import (``agentd lab``'s Command would not be
+    # this copy's Command).  Run the one ``agentd.cli``, as the installed ``agentd`` does.
+    from agentd.cli import main as _main
+
+    sys.exit(_main())

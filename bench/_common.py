@@ -181,6 +181,25 @@ class Stopwatch:
         self.timing = Timing(wall, usage.ru_utime - self._usage.ru_utime, usage.ru_stime - self._usage.ru_stime)
 
 
+# The share of a run's connections that may fail (svcecho's crr counts a connect that failed
+# or took over 2 s, and a request not answered within 2 s) before the run is a BenchError: a
+# rate counts the successes only, so a run that lost many would read as merely slower.
+CRR_FAILED_SHARE = 0.01
+
+
+def crr_checked(r: dict[str, Any], what: str) -> dict[str, Any]:
+    """svcecho's crr answer ``r`` (``connections`` answered, ``failed``), unless no connection
+    succeeded or more than CRR_FAILED_SHARE of them failed: then a BenchError naming ``what``
+    (bench/flows.py and bench/services.py judge each run so)."""
+    done, failed = r["connections"], r["failed"]
+    if not done > 0:
+        raise BenchError(f"{what}: no connection succeeded ({failed:,} failed)")
+    if failed > CRR_FAILED_SHARE * (done + failed):
+        raise BenchError(f"{what}: {failed:,} of {done + failed:,} connections failed "
+                         f"(more than {CRR_FAILED_SHARE:.0%}): the connection rate would not be the path's")
+    return r
+
+
 def rate(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else float("inf")
 
@@ -191,6 +210,23 @@ def fmt_rate(per_second: float) -> str:
 
 def fmt_ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "n/a"
+
+
+def judged(value: float, goal: float, *, at_least: bool = True, decimals: int = 3, unit: str = "x") -> tuple[str, str]:
+    """``value`` against its ``goal`` (at least it, or with ``at_least`` False at most it):
+    the value as printed and the verdict, "met" or "NOT met".  The value gets more decimals
+    than ``decimals`` where fewer would print it on the other side of the goal or as the goal
+    itself: 0.9496 against >= 0.95 prints 0.9496, not 0.950 beside "NOT met"."""
+    def meets(x: float) -> bool:
+        return x >= goal if at_least else x <= goal
+
+    met = meets(value)
+    d = decimals
+    text = f"{value:.{d}f}"
+    while d < 15 and meets(float(text)) != met:  # (printed as the goal itself: it would meet it)
+        d += 1
+        text = f"{value:.{d}f}"
+    return text + unit, "met" if met else "NOT met"
 
 
 def median(values: Iterable[float]) -> float:

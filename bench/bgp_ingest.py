@@ -74,7 +74,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentd.lab.netns import Netns, NetnsError, unique_tag, veth
-from bench._common import int_list, parse_bench_args, print_notes, print_table, require_root
+from bench._common import int_list, judged, parse_bench_args, print_notes, print_table, require_root
 from bench._feeder import Feeder, FeederError, FeedStream, build_stream
 from bench._speakers import (
     DRIVERS,
@@ -459,15 +459,10 @@ def report(
                 if other not in keys:
                     continue
                 ratio = _ratio(best.get((regime, n, "agentd")), best.get((regime, n, other)), metric)
-                if ratio is None:
-                    verdict = "n/a"
-                elif metric == "rate":
-                    verdict = "met" if ratio >= bound else "NOT met"
-                else:
-                    verdict = "met" if ratio <= bound else "NOT met"
+                got, verdict = ("no result", "n/a") if ratio is None else \
+                    judged(ratio, bound, at_least=metric == "rate", decimals=2)
                 what = "prefixes/s >=" if metric == "rate" else "peak RSS <="
                 stretch = " (stretch)" if (regime, metric, other) in STRETCH else ""
-                got = "no result" if ratio is None else f"{ratio:.2f}x"
                 lines.append(f"{regime} N={n}: agentd {what} {bound:g}x {LABELS[other]}{stretch}: {got}  {verdict}")
         if lines:
             print_notes("goals (BGP at pod-network scale)", lines)

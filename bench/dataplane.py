@@ -84,7 +84,7 @@ from typing import NamedTuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import _iperf  # noqa: E402
-from bench._common import BenchError, parse_bench_args, run_main, write_json  # noqa: E402
+from bench._common import BenchError, judged, parse_bench_args, run_main, write_json  # noqa: E402
 
 from agentd.lab.lab import Lab, LabError, LabSpec  # noqa: E402
 from agentd.lab.netns import Netns, unique_tag, veth  # noqa: E402
@@ -426,7 +426,7 @@ def report(args, runs: dict[str, list[Round]], load: tuple, background: float) -
     for name, base, want in GOALS:
         if name in by and base in by:
             got = x_ipv4[name] if ipv4_row(name) == base and name in x_ipv4 else by[name] / by[base]
-            print(f"  {name:<17} >= {want:.2f}x {base:<12}: {got:.3f}x  {'met' if got >= want else 'NOT met'}")
+            print(f"  {name:<17} >= {want:.2f}x {base:<12}: {'  '.join(judged(got, want))}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,7 +76,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import BenchError, parse_bench_args, print_notes, print_table, require_root, run_main, write_json  # noqa: E402
+from bench._common import (BenchError, judged, parse_bench_args, print_notes, print_table, require_root,  # noqa: E402
+                           run_main, write_json)
 
 from agentd.ingress.haproxy import BACKEND_DEFAULTS, FORWARDED  # noqa: E402
 from agentd.lab.errors import LabError  # noqa: E402
@@ -374,8 +375,8 @@ def report(out: dict[str, Any]) -> None:
                 rows.append([label, mode, f"{statistics.median(b[key]['rps'] for b in both):,.0f}/s",
                              f"{statistics.median(b[key]['p99_ms'] for b in both):.2f}", str(sum(b[key]["failed"] for b in both)),
                              f"{ratio:.2f}x" if key == "ingress" else "1.00x"])  # fmt: skip
-            goals.append(f"throughput through the ingress >= 0.9x the proxy alone ({mode}, both at once): {ratio:.3f}x: "
-                         f"{'met' if ratio >= 0.9 else 'NOT met'}")  # fmt: skip
+            goals.append(f"throughput through the ingress >= 0.9x the proxy alone ({mode}, both at once): "
+                         f"{': '.join(judged(ratio, 0.9))}")  # fmt: skip
         print_table(f"Both proxies at once (two wrk -t1 -c8, one per proxy; medians of {len(out['both']) // 2} rounds, "
                     "ratio: the median of the rounds' ratios)",
                     ["path", "connections", "requests/s", "p99 ms", "failed", "vs proxy alone"], rows)  # fmt: skip

@@ -68,7 +68,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import _felix, _iperf  # noqa: E402
-from bench._common import BenchError, parse_bench_args, print_notes, print_table, require_root, run_main, write_json  # noqa: E402
+from bench._common import (BenchError, judged, parse_bench_args, print_notes, print_table, require_root,  # noqa: E402
+                           run_main, write_json)
 
 from agentd.lab.lab import Lab, LabError, LabSpec  # noqa: E402
 from agentd.lab.netns import Netns, NetnsError, unique_tag  # noqa: E402
@@ -620,7 +621,7 @@ def goals(r: dict[str, Any]) -> list[str]:
         for path, values in t.get(label, {}).items():
             ratio = statistics.median(values) / statistics.median(t["no tables"][path])
             lines.append(f"throughput with {r['policies']:,} policies >= {GOAL_THROUGHPUT}x no tables, {path}, {how}: "
-                         f"{ratio:.3f}x, {'met' if ratio >= GOAL_THROUGHPUT else 'NOT met'}")
+                         f"{', '.join(judged(ratio, GOAL_THROUGHPUT))}")
     return lines
 
 

@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentd.lab.netns import Netns, NetnsError, unique_tag, veth
 from bench import _rrscan
-from bench._common import int_list, parse_bench_args, print_notes, print_table, require_root
+from bench._common import int_list, judged, parse_bench_args, print_notes, print_table, require_root
 from bench._rr_speakers import (
     REFLECTORS,
     RR_ADDR,
@@ -513,11 +513,10 @@ def report(best: dict[tuple[int, str], RunResult], ns: list[int], keys: list[str
                 if n not in ns or other not in keys:
                     continue
                 got = ratio(best, n, "agentd", other, name)
-                verdict = "n/a" if got is None else ("met" if got <= limit else "NOT met")
+                shown, verdict = ("no result", "n/a") if got is None else judged(got, limit, at_least=False, decimals=2)
                 failed = [k for k in ("agentd", other) if best[(n, k)].status != "ok"]
                 if got is not None and failed:
                     verdict = f"NOT met ({' and '.join(LABELS[k] for k in failed)} run failed later)"
-                shown = "no result" if got is None else f"{got:.2f}x"
                 lines.append(f"N={n}: agentd {name} <= {limit:.1f}x {LABELS[other]}: {shown}  {verdict}")
         if lines:
             print_notes("goals (BGP at pod-network scale)", lines)

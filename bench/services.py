@@ -27,7 +27,9 @@ Measured, per N:
   connect + one request/response + close for --seconds, 6 rounds of a pair, the pair's
   order turned round each round, the client pinned to CPU 0 and the server to CPU 1; the
   ratio is the median of the rounds' own ratios
-  (asyncio client: the client's own cost dominates, the ratio is the figure);
+  (asyncio client: the client's own cost dominates, the ratio is the figure); a run in which
+  no connection succeeded or more than 1% failed (a connect or an answer over 2 s) stops the
+  bench, as in bench/flows.py, and the failed ones of all rounds are counted in the table;
 * throughput through the VIP vs. direct (iperf3, --seconds, one stream, 2 rounds of a pair,
   the pair's order turned round each round, the client pinned to CPU 0 and the server to
   CPU 1, medians; the client starts once the server listens, and a failed run stops the bench).
@@ -77,7 +79,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import _iperf  # noqa: E402
 from bench._scratch import timed  # noqa: E402
 from bench._common import (  # noqa: E402
+    CRR_FAILED_SHARE,
     BenchError,
+    crr_checked,
     int_list,
     parse_bench_args,
     print_notes,
@@ -157,6 +161,24 @@ async def throughput_rounds(client_ns: Netns, server_ns: Netns, direct: str, vip
     return bw
 
 
+async def crr_rounds(echo: Echo, direct: str, vip: str, seconds: float) -> tuple[dict[str, list[float]], int]:
+    """Connections per second to the server pod ``direct`` (port 8080) and through the
+    ``vip`` (port 80), CRR_ROUNDS rounds of a pair, the pair's order turned round every round;
+    and the connections that failed.  Each run is judged as bench/flows.py judges its own
+    (bench._common.crr_checked): one in which none succeeded, or more than CRR_FAILED_SHARE
+    failed, stops the bench (a rate counts the answered connections only, so a lossy path
+    would read as merely slower)."""
+    crr: dict[str, list[float]] = {"direct": [], "vip": []}
+    failed = 0
+    pair = [("direct", direct, 8080), ("vip", vip, 80)]
+    for k in range(CRR_ROUNDS):
+        for what, ip, port in pair if k % 2 == 0 else pair[::-1]:
+            r = crr_checked(await echo.crr(ip, port, seconds), f"connections {what} ({ip}:{port}), round {k + 1}")
+            crr[what].append(r["connections"] / r["seconds"])
+            failed += r["failed"]
+    return crr, failed
+
+
 async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: Path) -> dict[str, Any]:
     lab = Lab(LabSpec(name="bs" + unique_tag("")[:6], nodes=3, pods=0, log_level="warning"), root=root)
     echoes: list[Echo] = []
@@ -209,16 +231,7 @@ async def run_size(n: int, endpoints: int, changes: int, seconds: float, root: P
         # Rounds of a pair each, the pair's order turned round every round (direct first, then
         # the VIP first); the ratio is the median of the rounds' own ratios: a shared 2-core
         # machine drifts between rounds more than the difference between the two.
-        crr: dict[str, list[float]] = {"direct": [], "vip": []}
-        failed = 0
-        pair = [("direct", server.ip, 8080), ("vip", vip, 80)]
-        for k in range(CRR_ROUNDS):
-            for what, ip, port in pair if k % 2 == 0 else pair[::-1]:
-                r = await c.crr(ip, port, seconds)
-                if not r["connections"]:
-                    raise BenchError(f"connections {what} ({ip}:{port}): none succeeded ({r['failed']} failed)")
-                crr[what].append(r["connections"] / r["seconds"])
-                failed += r["failed"]
+        crr, failed = await crr_rounds(c, server.ip, vip, seconds)
         ratios = [v / d for v, d in zip(crr["vip"], crr["direct"], strict=True)]
         print(f"[{n} services] conn/s {crr}; VIP/direct by round {', '.join(f'{x:.2f}' for x in ratios)}",
               file=sys.stderr, flush=True)
@@ -479,7 +492,9 @@ def report(rows: list[dict[str, Any]]) -> None:
     )  # fmt: skip
     print_table(
         f"Data path: client pod (node1, CPU 0) -> server pod (node2, CPU 1), through the VIP vs. direct; conn/s "
-        f"medians of {CRR_ROUNDS} rounds, VIP/direct the median of the rounds' own ratios (their range beside it)",
+        f"medians of {CRR_ROUNDS} rounds, VIP/direct the median of the rounds' own ratios (their range beside it); "
+        f"failed: connections of all rounds that failed (a run with more than {CRR_FAILED_SHARE:.0%} failed stops "
+        f"the bench)",
         ["services", "conn/s direct", "conn/s VIP", "VIP/direct", "rounds' range", "Gbit/s direct", "Gbit/s VIP",
          "failed"],
         [[r["services"], f"{r['crr_direct']:.0f}", f"{r['crr_vip']:.0f}", f"{r['crr_ratio']:.2f}",

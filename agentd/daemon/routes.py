@@ -118,6 +118,8 @@ class KernelRoutes:
         self.rows: list[dict[str, Any]] = []  # GET /routes
         self.refused: list[dict[str, Any]] = []  # GET /routes too: best paths not installed, and why
         self._logged_refusals: set[tuple[str, str, str]] = set()  # (dst, peer, reason) logged while refused
+        self._logged_bad_bests: set[tuple[int, bytes]] = set()  # best paths not a prefix, logged while so
+        self._failing: str | None = None  # the last recompute's error (logged when it changes)
         self.restarting = False  # routes of a previous run were adopted
         self.initial_sync_done = False
         self.initial_sync_deadline = 0.0
@@ -174,14 +176,48 @@ class KernelRoutes:
         self.schedule()
 
     def _recompute(self) -> None:
-        """Desired kernel routes from the Loc-RIB bests, the node registry and the backends."""
+        """Desired kernel routes from the Loc-RIB bests, the node registry and the backends.
+        A best path or a peer's record that cannot be routed is refused on its own (in
+        :func:`desired_routes`); should anything else fail, the routes programmed stay as they
+        are and the error is one log line (again only when it changes), not a traceback at
+        every recompute."""
         self._handle = None
         i = self.inputs
         if i.stopping or self.programmer is None or i.underlay is None or i.tunnels is None or i.lease is None:
             return
+        try:
+            self._program(i)
+        except Exception as err:
+            if repr(err) != self._failing:
+                log.error("routes not recomputed (%s: %s): the routes programmed stay as they are until the next "
+                          "change", type(err).__name__, err)
+                log.debug("the failed route recompute", exc_info=err)
+                self._failing = repr(err)
+        else:
+            if self._failing is not None:
+                log.info("routes recomputed again")
+            self._failing = None
+
+    def _bests_as_text(self) -> list[tuple[str, Any, bool, bool]]:
+        """The Loc-RIB bests as (prefix, next hop, local, iBGP); one the speaker gave in a form
+        that is not a prefix is left out (logged once while it stays)."""
+        out, bad = [], set()
+        for (afi, prefix), path in self._bests.items():
+            try:
+                dst = prefix_to_str(afi, prefix)
+            except ValueError as err:
+                bad.add((afi, prefix))
+                if (afi, prefix) not in self._logged_bad_bests:
+                    log.warning("best path %s (AFI %s) not routed: %s", prefix.hex(), afi, err)
+                continue
+            out.append((dst, path.next_hop, path.source.local, path.source.ibgp))
+        self._logged_bad_bests = bad
+        return out
+
+    def _program(self, i: RouteInputs) -> None:
+        assert self.programmer is not None and i.underlay is not None and i.tunnels is not None
         others = [n for n in i.peering.nodes.values() if n.name != i.name]
-        bests = ((prefix_to_str(afi, prefix), path.next_hop, path.source.local, path.source.ibgp)
-                 for (afi, prefix), path in self._bests.items())
+        bests = self._bests_as_text()
         cluster = i.cluster
         plan = desired_routes(
             bests, others, i.underlay, i.tunnels.paths(),

@@ -544,6 +544,7 @@ class Tunnels:
         self.next_hops_v6: Mapping[str, list[str]] = {}
         self._prune = True
         self._leftovers_removed = False
+        self._refresh_failing: dict[str, str] = {}  # part -> its refresh's last error (logged when new)
         self._dirty = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -772,10 +773,26 @@ class Tunnels:
                 self.on_paths()
 
     async def refresh(self) -> None:
-        for impl in [*self.active.values(), *self.helpers.values()]:  # _ensure may add one meanwhile
-            if isinstance(impl, _Worker):
-                await impl.refresh_stats()
-        await self.bpf.refresh()
+        """Each part on its own: one that fails (an unexpected stats record, a netlink error)
+        leaves the others refreshed; its error is logged when it starts or changes, not every
+        2 s, and that it works again is logged too."""
+        parts: list[tuple[str, Callable[[], Any]]] = [  # _ensure may add one meanwhile: a copy
+            *((f"the {b} data-plane worker", impl.refresh_stats) for b, impl in list(self.active.items())
+              if isinstance(impl, _Worker)),
+            *((f"the {b} data-plane worker for peers that receive in user space", w.refresh_stats)
+              for b, w in list(self.helpers.items()) if isinstance(w, _Worker)),
+            ("the BPF data path", self.bpf.refresh),
+        ]
+        for name, refresh in parts:
+            try:
+                await refresh()
+            except Exception as err:  # the other parts are refreshed regardless
+                if self._refresh_failing.get(name) != repr(err):
+                    log.error("refreshing %s failed: %s; trying again every 2 s", name, err, exc_info=err)
+                self._refresh_failing[name] = repr(err)
+            else:
+                if self._refresh_failing.pop(name, None) is not None:
+                    log.info("refreshing %s works again", name)
         if self._plans and time.monotonic() - self._gateways_at >= GATEWAY_REFRESH:
             self._dirty.set()  # the sync loop re-reads the underlay next hops
 

@@ -343,6 +343,16 @@ def next_hop_forms(node: NodeRecord) -> list[str]:
     return forms
 
 
+def _plan_or_none(node: NodeRecord, underlay: Underlay, **kwargs: Any) -> PeerPlan:
+    """:func:`plan_peer`, or -- should the peer's record make it fail -- no route to that peer
+    (saying why), so that one record cannot stop the routes through every other peer."""
+    try:
+        return plan_peer(node, underlay, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- whatever the record made fail: that peer only
+        return PeerPlan(str(node.peer_address), "none", f"peer's record: cannot plan a route ({type(e).__name__}: {e})",
+                        node.name, {}, kwargs.get("version", 4))
+
+
 def desired_routes(
     bests: Iterable[tuple[str, IPv4Address | IPv6Address | None, bool] | tuple[str, IPv4Address | IPv6Address | None, bool, bool]],
     nodes: Iterable[NodeRecord],
@@ -371,8 +381,8 @@ def desired_routes(
     held = {net: n.name for n in nodes for net in (n.subnet, n.subnet_v6) if net is not None}
     by_key = {str(n.peer_address): n for n in nodes}
     refused: list[dict[str, Any]] = []
-    plans_by = {v: {str(n.peer_address): plan_peer(n, underlay, own_backend=own_backend, encap=encap,
-                                                    available=available, version=v, paths=paths) for n in nodes}
+    plans_by = {v: {str(n.peer_address): _plan_or_none(n, underlay, own_backend=own_backend, encap=encap,
+                                                        available=available, version=v, paths=paths) for n in nodes}
                 for v in versions}  # fmt: skip
     primary = versions[0]
     owner = {form: str(n.peer_address) for n in nodes for form in next_hop_forms(n)}
@@ -414,6 +424,10 @@ def desired_routes(
             # A route the kernel could not take (a peer record's word made it): refused, with
             # the reason, rather than stopping the routes of every other peer.
             refused.append({"dst": dst, "via": None, "dev": None, "backend": "refused", "peer": nh, "reason": str(e)})
+            continue
+        except Exception as e:  # noqa: BLE001 -- anything else (a record no shape expected): this best path only
+            refused.append({"dst": dst, "via": None, "dev": None, "backend": "refused", "peer": nh,
+                            "reason": f"cannot be routed ({type(e).__name__}: {e})"})
             continue
         if route is None:
             continue

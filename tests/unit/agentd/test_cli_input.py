@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -232,6 +235,20 @@ def test_status_says_what_flow_records_keep(capsys, monkeypatch, flows, line):
     assert code == 0 and line in out.splitlines(), out
 
 
+def test_status_shows_a_user_space_worker_that_is_down_with_its_error(capsys, monkeypatch):
+    down = {"datapath": "userspace", "running": False, "worker_pid": None,
+            "error": "could not be started again: [Errno 98] Address already in use"}
+    reply = {"node": {"name": "n1"}, "bgp": {"peers": []},
+             "backends": {"active": {"udp": down, "vxlan": {"datapath": "kernel"}, "ipip": {**down, "running": True, "error": None}},
+                          "userspace_peers_worker": {"ipip": {**down, "error": None}}}}
+    monkeypatch.setattr(cli, "fetch_json", lambda url, timeout=5.0: reply)
+    code, out, _ = run(capsys, "status")
+    lines = [line for line in out.splitlines() if "worker" in line]
+    assert code == 0 and lines == [
+        "Data-plane worker udp DOWN: could not be started again: [Errno 98] Address already in use",
+        "Data-plane worker ipip for peers that receive in user space DOWN: not running"], out
+
+
 def test_status_names_a_program_on_our_hooks_it_could_not_take_over(capsys, monkeypatch):
     line = "eth0 ingress (tcx): program 77, attached without a link, is not agentd's by any pin"
     reply = {"node": {"name": "n1"}, "bgp": {"peers": []}, "backends": {"bpf": {"unidentified_programs": [line]}},
@@ -360,3 +377,13 @@ token_file = "{tmp_path}/api-token"
     code, _, err = run(capsys, "leave", "--config", str(conf))
     assert code == 1 and len(err.splitlines()) == 1 and "ca.pem" in err, err
     assert len(asked) == 2
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "agentd.cli"], [str(Path(sys.executable).parent / "agentd")]],
+                         ids=["python -m agentd.cli", "installed agentd"])
+def test_lab_help_works_both_as_installed_and_as_python_m(command):
+    """``python -m agentd.cli`` runs the file as ``__main__``: the lab's plugged-in Command (it
+    imports agentd.cli) used to be refused as not agentd.cli's Command (a TypeError)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    proc = subprocess.run([*command, "lab", "--help"], capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: agentd lab ") and not proc.stderr, proc.stderr

@@ -92,6 +92,33 @@ async def test_a_dead_worker_that_cannot_be_started_again_is_down_in_status_and_
     assert _userspace_drops(tunnels) == {"no_route": 9}
 
 
+async def test_one_failing_part_of_the_data_path_refresh_leaves_the_others_refreshed_and_is_logged_once(caplog):
+    t = SimpleNamespace(cfg=SimpleNamespace(agent=SimpleNamespace(state_dir="/nonexistent")), resync=lambda: None)
+    bad, helper = backends._Worker(t, "udp"), backends._Worker(t, "udp")
+    bad.client = _WorkerClient(1, {"no_route": 1})
+    bad.client.drops = {"no_route": "many"}  # an unexpected stats record: not a DataplaneError
+    helper.client = _WorkerClient(2, {"no_route": 3})
+    bpf_refreshes = []
+
+    async def bpf_refresh() -> None:
+        bpf_refreshes.append(1)
+
+    tunnels = backends.Tunnels.__new__(backends.Tunnels)
+    tunnels.active, tunnels.helpers = {"udp": bad}, {"ipip": helper}
+    tunnels.bpf, tunnels._plans, tunnels._refresh_failing = SimpleNamespace(refresh=bpf_refresh), {}, {}
+    with caplog.at_level(logging.INFO, logger="agentd.backends"):
+        for _ in range(3):
+            await tunnels.refresh()
+        assert helper.last_stats["drops"] == {"no_route": 3} and len(bpf_refreshes) == 3  # the later parts too
+        failed = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(failed) == 1 and "refreshing the udp data-plane worker failed" in failed[0].getMessage()
+        bad.client.drops = {"no_route": 4}  # it works again: said once
+        await tunnels.refresh()
+        await tunnels.refresh()
+    assert bad.last_stats["drops"] == {"no_route": 4}
+    assert [r.getMessage() for r in caplog.records].count("refreshing the udp data-plane worker works again") == 1
+
+
 # --- a bridge the member filter cannot be put on -----------------------------------------------
 
 

@@ -502,3 +502,37 @@ def test_any_route_the_kernel_could_not_take_is_refused_not_raised(monkeypatch):
     assert [r.dst for r in plan.routes] == ["10.244.7.0/24"]  # the external next hop's route
     assert [(r["dst"], r["backend"]) for r in plan.refused] == [("10.244.1.0/24", "refused")]
     assert "not an IP address" in plan.refused[0]["reason"]
+
+
+def test_an_unexpected_failure_of_one_route_or_one_peers_plan_is_refused_not_raised(monkeypatch):
+    """Not only InvalidRoute: whatever one best path's route shape or one peer's record makes
+    fail (an unexpected record) is that best path's refusal, or that peer's "none" plan, with
+    the reason; the routes through every other peer are still computed."""
+    import agentd.kernel.forwarding as fwd
+
+    real_shape, real_bad = fwd.ROUTE_SHAPES["route"], fwd._bad_vxlan_data
+
+    def shape(dst, plan, underlay, paths):
+        if dst == "10.244.1.0/24":
+            raise KeyError("gateway")
+        return real_shape(dst, plan, underlay, paths)
+
+    def bad_vxlan_data(data):
+        if data.get("vtep_ip") == "10.244.3.0":
+            raise TypeError("unhashable type: 'list'")
+        return real_bad(data)
+
+    monkeypatch.setitem(fwd.ROUTE_SHAPES, "route", shape)
+    monkeypatch.setattr(fwd, "_bad_vxlan_data", bad_vxlan_data)
+    vx = {"type": "vxlan", "vtep_mac": "aa:bb:cc:dd:ee:03"}
+    peers = [node("n1", "10.0.0.1", backend={"type": "host-gw"}), node("n2", "10.0.0.2", backend={"type": "host-gw"}),
+             node("n3", "10.9.0.3", backend={**vx, "vtep_ip": "10.244.3.0"}),
+             node("n4", "10.9.0.4", backend={**vx, "vtep_ip": "10.244.4.0"})]
+    bests = [(f"10.244.{i}.0/24", IPv4Address(a), False) for i, a in
+             ((1, "10.0.0.1"), (2, "10.0.0.2"), (3, "10.9.0.3"), (4, "10.9.0.4"))]
+    plan = desired_routes(bests, peers, UNDERLAY, LocalPaths({"vxlan": "vxlan-device"}), own_subnets=[],
+                          blackhole_metric=4000, own_backend="vxlan", encap="always")
+    assert [r.dst for r in plan.routes] == ["10.244.2.0/24", "10.244.4.0/24"]
+    assert [(r["dst"], r["reason"]) for r in plan.refused] == [("10.244.1.0/24", "cannot be routed (KeyError: 'gateway')")]
+    n3 = plan.plans["10.9.0.3"]
+    assert not n3.routable and n3.reason == "peer's record: cannot plan a route (TypeError: unhashable type: 'list')"

@@ -103,3 +103,58 @@ def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once(monkeypat
     r._bests[(1, b"default")] = nh
     r._recompute()  # gone and back: logged again
     assert len([m for m in caplog.messages if "not installed" in m]) == 2
+
+
+def test_a_recompute_that_fails_keeps_the_routes_and_is_one_log_line_until_it_changes(monkeypatch, caplog):
+    """Should computing the routes fail for a reason no best path or record is refused for,
+    _recompute (a loop callback) raises nothing: the programmed routes stay, one error line is
+    logged (not one per recompute), and one line when it works again.  A best path the speaker
+    gave in a form that is not a prefix is left out (logged once); the others are routed."""
+    import logging
+    from ipaddress import IPv4Address
+
+    caplog.set_level(logging.INFO, logger="agentd")
+    calls = []
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no route shape for datapath 'x'")
+
+    monkeypatch.setattr(R, "desired_routes", failing)
+    programmer = Programmer()
+    programmer.set_desired = calls.append
+    tunnels = SimpleNamespace(paths=lambda: None, available=None, apply=lambda *a, **k: None)
+    inputs = SimpleNamespace(
+        cfg=SimpleNamespace(network=SimpleNamespace(backend="host-gw", encap="always")), name="n1",
+        peering=SimpleNamespace(nodes={}, known=True), underlay=object(), lease=object(), leases={},
+        tunnels=tunnels, speaker=None, started_bgp=False, stopping=False, cluster=None)
+    r = KernelRoutes(inputs)
+    r.adopt(programmer)
+    r.initial_sync_done = True
+    calls.clear()
+    for _ in range(3):
+        r._recompute()
+    assert calls == []  # the routes programmed stay
+    errors = [m for m in caplog.messages if "routes not recomputed" in m]
+    assert errors == [("routes not recomputed (RuntimeError: no route shape for datapath 'x'): the routes programmed "
+                       "stay as they are until the next change")]
+
+    seen = []
+
+    def fake_desired(bests, *args, **kwargs):
+        seen.append(list(bests))
+        return SimpleNamespace(routes=[WANT], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[])
+
+    def to_str(afi, prefix):
+        if prefix == b"bad":
+            raise ValueError("malformed wire prefix 626164 for AFI 1")
+        return "10.244.7.0/24"
+
+    monkeypatch.setattr(R, "desired_routes", fake_desired)
+    monkeypatch.setattr(R, "prefix_to_str", to_str)
+    nh = SimpleNamespace(next_hop=IPv4Address("10.0.0.7"), source=SimpleNamespace(local=False, ibgp=True))
+    r._bests = {(1, b"bad"): nh, (1, b"good"): nh}
+    r._recompute()
+    r._recompute()
+    assert calls == [[WANT], [WANT]] and seen[-1] == [("10.244.7.0/24", nh.next_hop, False, True)]
+    assert caplog.messages.count("routes recomputed again") == 1
+    assert len([m for m in caplog.messages if "not routed: malformed wire prefix" in m]) == 1

@@ -20,6 +20,7 @@ from bench._common import (
     int_list,
     iperf3_result,
     json_target,
+    judged,
     parse_bench_args,
     run_main,
     write_json,
@@ -160,3 +161,18 @@ def test_run_main_ends_quietly_on_a_closed_pipe_as_agentd_does():
     finally:
         os.close(write)
     assert (r.returncode, r.stderr) == (141, ""), r
+
+
+@pytest.mark.parametrize("value, goal, at_least, decimals, shown", [
+    (0.9496, 0.95, True, 3, ("0.9496x", "NOT met")),  # 0.950x beside NOT met before
+    (0.94996, 0.95, True, 3, ("0.94996x", "NOT met")),
+    (0.946, 0.95, True, 3, ("0.946x", "NOT met")),
+    (0.95, 0.95, True, 3, ("0.950x", "met")),
+    (0.95004, 0.95, True, 3, ("0.950x", "met")),  # met: the goal itself may be what it prints
+    (0.9496, 0.9498, True, 3, ("0.9496x", "NOT met")),  # 0.950x would read as above the goal
+    (1.004, 1.0, False, 2, ("1.004x", "NOT met")),  # an at-most goal (RSS): 1.00x before
+    (0.996, 1.0, False, 2, ("1.00x", "met")),
+    (2.5, 1.0, False, 2, ("2.50x", "NOT met")),
+])  # fmt: skip
+def test_a_value_that_misses_its_goal_never_prints_as_the_goal(value, goal, at_least, decimals, shown):
+    assert judged(value, goal, at_least=at_least, decimals=decimals) == shown
