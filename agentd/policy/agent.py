@@ -127,8 +127,8 @@ class PolicyAgent:
         self.sync_errors = 0
         self._have_snapshot = False
         self._full_compare = True
-        self._acked: set[tuple[str, int]] = set()  # (container, Endpoint.written) acknowledged
-        self._ack_pending: set[tuple[str, int]] | None = None  # a build's attachments not acknowledged (lock held)
+        self._acked: set[tuple[str, str]] = set()  # (container, Endpoint.ident) acknowledged
+        self._ack_pending: set[tuple[str, str]] | None = None  # a build's attachments not acknowledged (lock held)
         self._conflicts: set[tuple[Any, ...]] = set()  # address conflicts logged already
         self._too_large: dict[tuple[str, str], str] = {}  # policies too large to program, logged already
         # Local pods' addresses -> the container that has each (agentd/policy/conntrack.py), and
@@ -333,9 +333,9 @@ class PolicyAgent:
                 continue
             revision = self.revision
             start = time.perf_counter()
-            # The attachments this build includes: (container, its file's mtime), so that a DEL
-            # and ADD with the same container ID (a new file) is acknowledged again.
-            containers = {(cid, ep.written) for cid, ep in self.publisher.endpoints.items()}
+            # The attachments this build includes: (container, which write of its file), so that
+            # a DEL and ADD with the same container ID (a new file) is acknowledged again.
+            containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items()}
             # The addresses this build takes from their pods; any released while the sync runs
             # wait for the next build (flushed now, their old tables could still accept anew).
             released, self._released = self._released, set()
@@ -387,7 +387,7 @@ class PolicyAgent:
                          size["chains"], size["rules"], size["elements"], result.commands)
             self._applied(revision)
 
-    async def _acknowledge(self, containers: set[tuple[str, int]]) -> None:
+    async def _acknowledge(self, containers: set[tuple[str, str]]) -> None:
         """Mark the attachments the tables have now (endpoints.acknowledge, in a thread: file
         I/O).  The agent never waits for endpoints/.lock: held by another process, this round
         is skipped and the loop is woken again after ACK_RETRY (every ACK_RETRY while it is held)."""
