@@ -36,6 +36,7 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
 import stat
 import tempfile
 import time
@@ -75,6 +76,13 @@ class Endpoint:
     # The file's mtime (ns), as read_all found it; not in the file, not compared.  ADD writes
     # the file, so of two files with one address the newer is the pod host-local gave it to last.
     written: int = field(default=0, compare=False)
+    # A token ADD (write()) makes new for each file it writes; relabelling keeps it.  In the
+    # file, not compared (a re-ADD's file with the same content is the same pod).
+    generation: str = field(default="", compare=False)
+    # Which write of the file this is (see file_ident()), as read_all found it; not in the file,
+    # not compared.  A DEL and ADD of one container ID within one mtime tick leave a file
+    # with the same mtime (and maybe the same content): this still tells them apart.
+    ident: str = field(default="", compare=False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -82,7 +90,9 @@ class Endpoint:
 
     def to_json(self) -> str:
         out = asdict(self)
-        del out["written"]
+        del out["written"], out["ident"]
+        if not out["generation"]:
+            del out["generation"]
         return json.dumps(out, indent=1)
 
     @classmethod
@@ -90,8 +100,10 @@ class Endpoint:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("not an object")
-        known = {f: raw[f] for f in cls.__dataclass_fields__ if f in raw and f != "written"}
+        known = {f: raw[f] for f in cls.__dataclass_fields__ if f in raw and f not in ("written", "ident")}
         ep = cls(**known)
+        if not isinstance(ep.generation, str):
+            raise TypeError("field 'generation' is not a string")
         for f in ("container_id", "namespace", "name", "interface", "mac", "bridge"):
             if not isinstance(getattr(ep, f), str) or not getattr(ep, f):
                 raise ValueError(f"field {f!r} missing or not a string")
@@ -306,15 +318,25 @@ def _replace(directory: str, ep: Endpoint) -> None:
 
 
 def write(data_dir: str | os.PathLike[str], ep: Endpoint) -> None:
-    """ADD's side: the container's endpoint file, new.  An acknowledgement left for the same
-    container ID (a DEL that never came, or one that came and an agent acknowledged the old
-    file since) goes first: ADD waits for the agent to acknowledge this file."""
+    """ADD's side: the container's endpoint file, new (with a generation of its own: see
+    file_ident()).  An acknowledgement left for the same container ID (a DEL that never came, or
+    one that came and an agent acknowledged the old file since) goes first: ADD waits for the
+    agent to acknowledge this file."""
     directory = endpoints_dir(data_dir)
     _make_dir(directory)
+    ep = replace(ep, generation=secrets.token_hex(8))
     with _locked(data_dir, exclusive=False):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_programmed(data_dir, ep.container_id))
         _replace(directory, ep)
+
+
+def file_ident(generation: str, st: os.stat_result) -> str:
+    """Which write of an endpoint file this is: its generation (new at every ADD), or for a
+    file an older agentd-cni wrote without one, inode number, mtime (ns) and size -- never the
+    mtime alone, which a DEL and ADD within one clock tick (the file system's timestamps are
+    coarse) leave the same."""
+    return f"g:{generation}" if generation else f"s:{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
 
 
 def read(data_dir: str | os.PathLike[str], container_id: str) -> Endpoint | None:
@@ -356,10 +378,10 @@ def wait_programmed(data_dir: str | os.PathLike[str], container_id: str, timeout
 
 
 def acknowledge(
-    data_dir: str | os.PathLike[str], programmed: set[tuple[str, int]], before: set[tuple[str, int]]
-) -> set[tuple[str, int]]:
+    data_dir: str | os.PathLike[str], programmed: set[tuple[str, str]], before: set[tuple[str, str]]
+) -> set[tuple[str, str]]:
     """The agent's side: mark the ``programmed`` attachments -- (container ID, the file's
-    ``written``) -- and unmark the containers of ``before`` that are not among them.  An
+    ``ident``) -- and unmark the containers of ``before`` that are not among them.  An
     attachment is marked only while its file is still the one the agent programmed: a DEL and
     ADD with the same container ID since then (a new file) waits for a build that has it.
     Returns the attachments marked (``before``'s still programmed and the new ones).  Raises
@@ -370,12 +392,12 @@ def acknowledge(
     new = programmed - before
     if new:
         with _locked(data_dir, exclusive=True):  # ADD unlinks and writes under the shared lock
-            for cid, written in sorted(new):
-                if _written(data_dir, cid) != written:
+            for cid, which in sorted(new):
+                if _ident(data_dir, cid) != which:
                     continue  # gone, or replaced by a new attachment of the same container ID
                 with open(os.path.join(directory, cid), "w"):
                     pass
-                marked.add((cid, written))
+                marked.add((cid, which))
     keep = {cid for cid, _ in programmed}
     for cid in {cid for cid, _ in before} - keep:
         with contextlib.suppress(FileNotFoundError):
@@ -383,11 +405,14 @@ def acknowledge(
     return marked
 
 
-def _written(data_dir: str | os.PathLike[str], container_id: str) -> int | None:
-    """The container's endpoint file's mtime (Endpoint.written); None without the file."""
+def _ident(data_dir: str | os.PathLike[str], container_id: str) -> str | None:
+    """The container's endpoint file's ident (Endpoint.ident); None without the file (or
+    unreadable: it is then no file the agent read)."""
     try:
-        return os.stat(os.path.join(endpoints_dir(data_dir), container_id + SUFFIX)).st_mtime_ns
-    except OSError:
+        with open(os.path.join(endpoints_dir(data_dir), container_id + SUFFIX), encoding="utf-8") as f:
+            st = os.fstat(f.fileno())
+            return file_ident(Endpoint.from_json(f.read()).generation, st)
+    except (OSError, ValueError, TypeError):
         return None
 
 
@@ -418,7 +443,9 @@ def read_all(
         path = os.path.join(directory, name)
         try:
             with open(path, encoding="utf-8") as f:
-                ep = replace(Endpoint.from_json(f.read()), written=os.fstat(f.fileno()).st_mtime_ns)
+                st = os.fstat(f.fileno())
+                ep = Endpoint.from_json(f.read())
+                ep = replace(ep, written=st.st_mtime_ns, ident=file_ident(ep.generation, st))
         except FileNotFoundError:
             continue
         except (OSError, ValueError, TypeError) as err:
@@ -436,20 +463,23 @@ def read_all(
 def relabel(data_dir: str | os.PathLike[str], ep: Endpoint, labels: dict[str, str]) -> Endpoint | None:
     """Keep labels set later (``agentd label pod``) in the file, so they outlive the record.
 
-    Only while the file is still the one ``ep`` was read from: None (and nothing written) if
-    the pod's DEL removed it meanwhile -- rewriting it would bring the pod back for good --
-    or a new ADD of the same container ID replaced it.  Raises Busy, having written nothing,
-    if another process holds the lock."""
+    Only while the file is still the one ``ep`` was read from (its ident): None (and nothing
+    written) if the pod's DEL removed it meanwhile -- rewriting it would bring the pod back for
+    good -- or a new ADD of the same container ID replaced it.  The file keeps its generation
+    (the same attachment).  Raises Busy, having written nothing, if another process holds the
+    lock."""
     new = replace(ep, labels=dict(labels))
     path = os.path.join(endpoints_dir(data_dir), ep.container_id + SUFFIX)
     with _locked(data_dir, exclusive=True):  # DEL removes, ADD writes, under the shared lock
-        now = _written(data_dir, ep.container_id)
-        if now is None or (ep.written and now != ep.written):
+        now = _ident(data_dir, ep.container_id)
+        if now is None or (ep.ident and now != ep.ident):
             return None
         _replace(endpoints_dir(data_dir), new)
         if ep.written:  # the file keeps the time its pod was attached (see Endpoint.written)
             with contextlib.suppress(OSError):
                 os.utime(path, ns=(ep.written, ep.written))
+        with contextlib.suppress(OSError):  # a file without a generation: its ident is the new inode's
+            new = replace(new, ident=file_ident(new.generation, os.stat(path)))
     return new
 
 

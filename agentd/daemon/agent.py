@@ -66,7 +66,7 @@ from agentd.nft.libnftables import NftError
 from agentd.services.agent import ServiceAgent, remove_services_table  # Services
 from agentd.ingress import remove_ingress_proxy  # Ingress (the controller is imported when enabled)
 from agentd.kernel.route_model import SyncResult
-from agentd.kernel.routing import RouteProgrammer
+from agentd.kernel.routing import RouteProgrammer, remove_routes_of
 from agentd.daemon.sdnotify import Notifier
 from agentd.daemon.speaker import SpeakerMetrics, listen_ranges, local_settings
 from agentd.daemon.supervisor import Supervisor
@@ -641,9 +641,10 @@ class Agent:
         """What the standalone ``agentd leave`` removes, for each part this run had not built
         (a leave during start-up): the BPF data path, the pod fast path and the tunnel workers
         and devices (always: idempotent, after the tunnels' own stop), the policy and services
-        tables, the ingress proxy."""
+        tables, the ingress proxy, the routes of our protocol (without a route programmer)."""
         failed = await remove_host_state(self.cfg, data_path=True, policy=self.policy is None,
-                                         services=self.services is None, ingress=self.ingress is None)
+                                         services=self.services is None, ingress=self.ingress is None,
+                                         routes=self.programmer is None)  # (else its stop removed them)
         if failed:
             raise RuntimeError(f"could not remove {', '.join(failed)}")
 
@@ -921,7 +922,7 @@ async def leave(cfg: Config) -> int:
     finally:
         with contextlib.suppress(Exception):
             await ds.close()
-    failed = await remove_host_state(cfg, data_path=True, policy=True, services=True, ingress=True)
+    failed = await remove_host_state(cfg, data_path=True, policy=True, services=True, ingress=True, routes=True)
     try:
         restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
         if restored:
@@ -935,11 +936,25 @@ async def leave(cfg: Config) -> int:
     return 1 if failed else status
 
 
-async def remove_host_state(cfg: Config, *, data_path: bool, policy: bool, services: bool, ingress: bool) -> list[str]:
+async def remove_host_state(
+    cfg: Config, *, data_path: bool, policy: bool, services: bool, ingress: bool, routes: bool
+) -> list[str]:
     """What an agent leaves on the host, removed without it (``agentd leave`` with no agent
     running, or for the parts a leaving agent had not built): each part named, on its own (one
-    failing is logged, the others still go).  Returns the parts that could not be removed."""
+    failing is logged, the others still go).  Returns the parts that could not be removed.
+    ``routes``: the kernel routes of ``[network] route_protocol`` in the main table (ours: the
+    agent changes no other protocol's), as the agent's own stop with removal deletes them."""
     failed = []
+
+    async def own_routes() -> None:
+        protocol = cfg.network.route_protocol
+        removed, errors = await remove_routes_of(protocol, None)
+        if removed:
+            log.info("removed %d routes of proto %d the agent left", len(removed), protocol)
+        if errors:
+            for reason in errors:
+                log.warning("could not remove a proto %d route: %s", protocol, reason)
+            raise RuntimeError(f"{len(errors)} of proto {protocol}'s routes stay")
 
     async def data_path_state() -> None:
         # What a killed agent left in the kernel: the BPF programs, filters and pins.
@@ -957,7 +972,8 @@ async def remove_host_state(cfg: Config, *, data_path: bool, policy: bool, servi
     parts = (("the BPF data path and tunnels", data_path, data_path_state),
              ("the policy tables", policy, remove_policy_tables),  # NetworkPolicy
              ("the services table", services, lambda: remove_services_table(str(cfg.dns.address_v6))),  # Services
-             ("the ingress proxy", ingress, ingress_proxy))  # Ingress
+             ("the ingress proxy", ingress, ingress_proxy),  # Ingress
+             (f"the routes of proto {cfg.network.route_protocol}", routes, own_routes))
     for what, wanted, job in parts:
         if not wanted:
             continue

@@ -30,7 +30,7 @@ from agentd.datastore.store import ClusterConfig, SubnetLease
 from agentd.kernel.forwarding import PeerPlan, desired_routes
 from agentd.kernel.netinfo import Underlay
 from agentd.kernel.netlink import NetlinkDecodeError
-from agentd.kernel.route_model import InvalidRoute, Route, canonical_dst, same_route
+from agentd.kernel.route_model import RTPROT_AGENTD, InvalidRoute, Route, canonical_dst, same_route
 from agentd.kernel.routing import RouteProgrammer, remove_routes_of
 from agentd.nft.masquerade import Masquerade, member_addresses
 
@@ -51,14 +51,23 @@ async def drop_previous_protocol(
     says which it was): the routes of the old protocol inside the cluster's pod networks are
     removed (they would keep forwarding and hold every key the new routes need, each add a
     conflict); then the file names ``protocol``.  A route of the old protocol elsewhere (an
-    external next hop's) is left alone, with a warning to flush it by hand.  Without the
-    file (a first run) nothing is removed."""
+    external next hop's) is left alone, with a warning to flush it by hand.
+
+    Without the file (a first run, an upgrade from an agentd that did not write it, a state
+    directory removed) the previous protocol is not known: with ``protocol`` the default
+    (RTPROT_AGENTD), nothing is removed -- the previous run's routes, if it had the default too,
+    are this run's to adopt; with another ``protocol``, the default's routes inside the pod
+    networks are taken for a previous run's (what an agentd that wrote no file used unless
+    told otherwise; inside the cluster's pod networks no one else's route belongs, and one
+    there would make this run's add of that destination a conflict all the same)."""
     path = state_dir / PROTOCOL_FILE
     previous: int | None = None
+    missing = False
     try:
         text = path.read_text().strip()
     except FileNotFoundError:
         text = None
+        missing = True
     except OSError as err:
         log.warning("cannot read %s (%s): routes of an earlier route_protocol are not looked for", path, err)
         text = None
@@ -67,6 +76,10 @@ async def drop_previous_protocol(
             previous = int(text)
         else:
             log.warning("%s holds %r, not a route protocol: ignored", path, text[:40])
+    if missing and protocol != RTPROT_AGENTD:
+        log.info("%s not found (a first run, or an agentd that did not write it): routes of the default "
+                 "route_protocol %d in the pod network are taken for a previous run's", path, RTPROT_AGENTD)
+        previous = RTPROT_AGENTD
     if previous is not None and previous != protocol:
         networks = list(pod_networks)
         try:

@@ -379,7 +379,7 @@ class RouteProgrammer:
 
 async def remove_routes_of(
     protocol: int,
-    networks: Iterable[IPv4Network | IPv6Network],
+    networks: Iterable[IPv4Network | IPv6Network] | None,
     *,
     table: int = nl.RT_TABLE_MAIN,
     netns: str | None = None,
@@ -387,13 +387,17 @@ async def remove_routes_of(
 ) -> tuple[list[str], list[str]]:
     """Delete the routes of ``protocol`` in ``table`` whose destination lies inside one of
     ``networks`` (the routes a previous run left under another ``[network] route_protocol``;
-    another protocol's routes, and that protocol's routes elsewhere, are left alone).
+    another protocol's routes, and that protocol's routes elsewhere, are left alone); with
+    ``networks`` None, every route of ``protocol`` in ``table`` (``agentd leave`` with no agent
+    running: what ``RouteProgrammer.stop(remove_routes=True)`` removes).
     Returns (the destinations removed, a reason per route that could not be)."""
-    networks = list(networks)
+    wanted = None if networks is None else list(networks)
 
     def inside(dst: str) -> bool:
+        if wanted is None:
+            return True
         net = ip_network(dst, strict=False)
-        return any(net.version == n.version and net.subnet_of(n) for n in networks)  # type: ignore[arg-type]
+        return any(net.version == n.version and net.subnet_of(n) for n in wanted)  # type: ignore[arg-type]
 
     prog = RouteProgrammer(protocol=protocol, table=table, netns=netns, sockets=sockets)
     prog.netlink.open()

@@ -131,8 +131,9 @@ class PolicyAgent:
         self.sync_errors = 0
         self._have_snapshot = False
         self._full_compare = True
-        self._acked: set[tuple[str, int]] = set()  # (container, Endpoint.written) acknowledged
-        self._ack_pending: set[tuple[str, int]] | None = None  # a build's attachments not acknowledged (lock held)
+        self._acked: set[tuple[str, str]] = set()  # (container, Endpoint.ident) acknowledged
+        self._ack_pending: set[tuple[str, str]] | None = None  # a build's attachments not acknowledged (lock held)
+        self._ack_tried: set[tuple[str, str]] = set()  # the attachments last acknowledged (some may not be marked)
         self._conflicts: set[tuple[Any, ...]] = set()  # address conflicts logged already
         self._too_large: dict[tuple[str, str], str] = {}  # policies too large to program, logged already
         # Local pods' addresses -> the container that has each (agentd/policy/conntrack.py), and
@@ -327,19 +328,27 @@ class PolicyAgent:
             if not (self._have_snapshot and self.publisher.have_local):
                 continue  # keep what the kernel has until we know the whole picture
             if not self.engine.dirty and self.programmer.current is not None and self.applied_at is not None:
-                if self.fast_path_error is not None:  # its last update failed: the map may point at a gone veth
+                # The attachments now: a new file of a container that says what the old one did
+                # (a DEL and ADD of one pod) changes nothing in the tables, but its ADD waits
+                # for an acknowledgement of that file (endpoints.write removed the old one's).
+                containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items()}
+                new = (self.error is None  # (the last sync programmed them)
+                       and bool(containers - self._acked) and containers != self._ack_tried)
+                if self.fast_path_error is not None or new:  # a failed update: the map may point at a gone veth
                     await self._update_fast_path()
                 released, self._released = self._released, set()
                 await self._flush_released(released)
-                if self._ack_pending is not None:  # the last build's acknowledgement found the lock held
+                if new:
+                    await self._acknowledge_build(containers)
+                elif self._ack_pending is not None:  # the last build's acknowledgement found the lock held
                     await self._acknowledge(self._ack_pending)
                 self._applied(self.revision)
                 continue
             revision = self.revision
             start = time.perf_counter()
-            # The attachments this build includes: (container, its file's mtime), so that a DEL
-            # and ADD with the same container ID (a new file) is acknowledged again.
-            containers = {(cid, ep.written) for cid, ep in self.publisher.endpoints.items()}
+            # The attachments this build includes: (container, which write of its file), so that
+            # a DEL and ADD with the same container ID (a new file) is acknowledged again.
+            containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items()}
             # The addresses this build takes from their pods; any released while the sync runs
             # wait for the next build (flushed now, their old tables could still accept anew).
             released, self._released = self._released, set()
@@ -379,22 +388,28 @@ class PolicyAgent:
                               "nft_seconds": round(result.seconds, 6), "full": result.full}
             await self._update_fast_path()
             await self._flush_released(released)  # before the new pod is acknowledged: its address's old flows gone
-            if self.before_ack is not None and endpoints.unacknowledged(
-                self.data_dir, {cid for cid, _ in containers - self._acked}
-            ):
-                # Only for an ADD waiting (no agent acknowledged the pod yet), not at a restart.
-                try:  # e.g. the BPF data path guards a pods' bridge the first pod's CNI ADD just made
-                    await self.before_ack()
-                except Exception as err:  # noqa: BLE001 -- the pod is programmed: acknowledge it anyway
-                    log.warning("before acknowledging pods: %s", err)
-            await self._acknowledge(containers)  # tell agentd-cni, waiting in ADD, that its pod is in the tables now
+            await self._acknowledge_build(containers)  # tell agentd-cni, waiting in ADD, that its pod is in the tables now
             if result.full:
                 size = desired.size()
                 log.info("policy tables programmed: %d chains, %d rules, %d set elements (%d commands)",
                          size["chains"], size["rules"], size["elements"], result.commands)
             self._applied(revision)
 
-    async def _acknowledge(self, containers: set[tuple[str, int]]) -> None:
+    async def _acknowledge_build(self, containers: set[tuple[str, str]]) -> None:
+        """Acknowledge the attachments of a build the kernel has now, ``before_ack`` first when
+        one of them may have an ADD waiting."""
+        if self.before_ack is not None and endpoints.unacknowledged(
+            self.data_dir, {cid for cid, _ in containers - self._acked}
+        ):
+            # Only for an ADD waiting (no agent acknowledged the pod yet), not at a restart.
+            try:  # e.g. the BPF data path guards a pods' bridge the first pod's CNI ADD just made
+                await self.before_ack()
+            except Exception as err:  # noqa: BLE001 -- the pod is programmed: acknowledge it anyway
+                log.warning("before acknowledging pods: %s", err)
+        self._ack_tried = containers
+        await self._acknowledge(containers)
+
+    async def _acknowledge(self, containers: set[tuple[str, str]]) -> None:
         """Mark the attachments the tables have now (endpoints.acknowledge, in a thread: file
         I/O).  The agent never waits for endpoints/.lock: held by another process, this round
         is skipped and the loop is woken again after ACK_RETRY (every ACK_RETRY while it is held)."""

@@ -72,8 +72,9 @@ class PodPublisher:
         for cid in unreadable & self.endpoints.keys():
             found[cid] = self.endpoints[cid]
         if found == self.endpoints and self.have_local and all(
-            ep.written == self.endpoints[cid].written for cid, ep in found.items()
-        ):  # (written is not compared: a new file of the same container with the same content)
+            (ep.written, ep.ident) == (self.endpoints[cid].written, self.endpoints[cid].ident) for cid, ep in found.items()
+        ):  # (written and ident are not compared: a new file of the same container with the same
+            # content, written within the same mtime tick as the one it replaced, differs by ident)
             return None
         old_keys = {ep.key for ep in self.endpoints.values()}
         self.endpoints = found

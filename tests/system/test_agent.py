@@ -288,6 +288,41 @@ async def test_a_bad_record_in_etcd_at_start_is_one_line_and_leave_cleans_up_wit
     assert b"agentd.vxlan" not in ns.ip("-o", "link").stdout
 
 
+async def test_a_leave_with_no_agent_removes_the_routes_of_our_protocol_and_no_other(netns_factory, tmp_path):
+    """`agentd leave` with no agent running (here after it was killed) removed devices, tables
+    and pins, but the kernel routes of [network] route_protocol stayed, forwarding to nodes of
+    a cluster this host has left.  Now they go -- every route of that protocol in the main
+    table, both families, as the agent's own stop removes them -- and no other protocol's."""
+    ns, other = netns_factory("leaveroutes"), netns_factory("leaveroutes-peer")
+    veth(ns, "eth0", other, "eth0")
+    ns.ip("addr", "add", "10.1.1.1/24", "dev", "eth0")
+    ns.ip("-6", "addr", "add", "2001:db8::1/64", "dev", "eth0", "nodad")
+    ours = [("10.244.1.0/24", "via", "10.1.1.2"), ("198.51.100.0/24", "via", "10.1.1.2"),
+            ("blackhole", "10.244.0.0/24", "metric", "4000")]
+    for route in ours:
+        ns.ip("route", "add", *route, "proto", "150")
+    ns.ip("-6", "route", "add", "fd00:10:244:1::/64", "via", "2001:db8::2", "proto", "150")
+    ns.ip("route", "add", "10.244.2.0/24", "via", "10.1.1.2", "proto", "143")  # the default number: not ours here
+    ns.ip("route", "add", "10.244.3.0/24", "via", "10.1.1.2", "proto", "static")
+    conf = tmp_path / "agentd.toml"
+    conf.write_text(
+        f'[node]\nname = "n1"\naddress = "10.1.1.1"\n'
+        f'[network]\nroute_protocol = 150\n'
+        f'[etcd]\nendpoints = ["http://127.0.0.1:9"]\n'  # etcd gone: the host is cleaned up all the same
+        f'[api]\nlisten = "127.0.0.1:9099"\ntoken_file = "{tmp_path}/token"\n'
+        f'[cni]\nsubnet_file = "{tmp_path}/subnet.env"\nconf_dir = "{tmp_path}/net.d"\n'
+        f'[agent]\nstate_dir = "{tmp_path}/state"\nbpf_dir = "{tmp_path}/bpf"\n'
+    )
+    proc = await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns.name, AGENTD, "leave", "--config", str(conf)],
+                                   capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr  # 1: etcd could not be left
+    assert "removed 4 routes of proto 150" in proc.stderr, proc.stderr
+    assert ns.ip("route", "show", "proto", "150").stdout.strip() == b""
+    assert ns.ip("-6", "route", "show", "proto", "150").stdout.strip() == b""
+    left = ns.ip("route", "show").stdout.decode()
+    assert "10.244.2.0/24 via 10.1.1.2 dev eth0 proto 143" in left and "10.244.3.0/24 via 10.1.1.2 dev eth0 proto static" in left
+
+
 async def test_a_leave_while_the_agent_waits_for_etcd_cleans_the_host_and_says_etcd_was_not_left(netns_factory, tmp_path):
     """`agentd leave` while the agent waits for an unreachable etcd at start: the parts it had
     not built were skipped (here a VXLAN device a previous run left stayed), and the agent and

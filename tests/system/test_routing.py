@@ -602,3 +602,27 @@ async def test_routes_of_an_earlier_route_protocol_are_removed_in_the_pod_networ
     programmer.set_desired([Route("10.244.1.0/24", gateway=GW4, dev="v0")])
     result = await programmer.reconcile()
     assert (result.added, result.conflicts) == (("10.244.1.0/24",), ())
+
+
+async def test_without_the_protocol_file_a_changed_protocol_removes_the_defaults_routes_in_the_pod_network(lab, start, tmp_path):
+    # An upgrade from an agentd that wrote no state_dir/route-protocol, now with route_protocol
+    # 150: the default protocol's routes inside the pod networks are the previous run's and go
+    # (they stayed for ever, each a conflict for the new protocol's add); outside, and other
+    # protocols', they stay.
+    from agentd.daemon.routes import drop_previous_protocol
+    from agentd.kernel.routing import remove_routes_of
+
+    await lab.ip("route", "add", "10.244.1.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))
+    await lab.ip("-6", "route", "add", "fd00:10:244:1::/64", "via", GW6, "proto", str(RTPROT_AGENTD))
+    await lab.ip("route", "add", "198.51.100.0/24", "via", GW4, "proto", str(RTPROT_AGENTD))  # outside: stays
+    await lab.ip("route", "add", "10.244.9.0/24", "via", GW4, "proto", "static")  # another's: stays
+    pools = [ipaddress.ip_network("10.244.0.0/16"), ipaddress.ip_network("fd00:10:244::/48")]
+    await drop_previous_protocol(tmp_path / "state", 150, pools,
+                                 remove=lambda p, n: remove_routes_of(p, n, netns=lab.r.name))
+    assert (tmp_path / "state" / "route-protocol").read_text() == "150\n"
+    assert await lab.own("-4") == ["198.51.100.0/24 via 192.0.2.2 dev v0"] and await lab.own("-6") == []
+    assert "10.244.9.0/24 via 192.0.2.2 dev v0 proto static" in await lab.ip("route", "show")
+    programmer = await start(protocol=150)
+    programmer.set_desired([Route("10.244.1.0/24", gateway=GW4, dev="v0"), Route("fd00:10:244:1::/64", gateway=GW6, dev="v0")])
+    result = await programmer.reconcile()
+    assert sorted(result.added) == ["10.244.1.0/24", "fd00:10:244:1::/64"] and result.conflicts == ()

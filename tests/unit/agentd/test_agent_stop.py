@@ -59,6 +59,11 @@ def host(monkeypatch):
                        ("remove_policy_tables", 1), ("remove_services_table", 1)):
         monkeypatch.setattr(agent_module, name, record(name)[kind])
     monkeypatch.setattr(agent_module.masquerade, "remove", record("masquerade.remove")[1])
+
+    async def remove_routes_of(protocol, networks):
+        done.append(("remove_routes_of", protocol, networks))
+        return ["10.244.1.0/24"], []
+    monkeypatch.setattr(agent_module, "remove_routes_of", remove_routes_of)
     return done
 
 
@@ -116,6 +121,28 @@ def test_a_leave_before_etcd_was_reached_releases_a_previous_runs_keys(tmp_path,
     agent, etcd_error = asyncio.run(main())
     assert store.calls == ["release", "close"] and etcd_error and agent.exit_status == 0
     assert "remove_bpf_leftovers" in host
+
+
+def test_a_leave_with_no_agent_removes_the_routes_of_our_protocol_only(tmp_path, host, monkeypatch):
+    """`agentd leave` with no agent running: the kernel routes of [network] route_protocol
+    (every one in the main table, as the agent's own stop removes them) go with the rest of
+    the host's state; a leave whose agent built its route programmer leaves that to its stop."""
+    store = Unreachable()
+    store.connect = lambda timeout=None: asyncio.sleep(0)
+    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: store)
+    status = asyncio.run(agent_module.leave(_cfg(tmp_path, **{"network.route_protocol": 150})))
+    assert ("remove_routes_of", 150, None) in host and status == 1  # (etcd could not be left)
+    host.clear()
+
+    async def main():
+        agent = Agent(_cfg(tmp_path))
+        agent.programmer = Part([], "programmer")
+        agent.datastore = Unreachable()
+        agent.request_leave()
+        await agent._shutdown()
+
+    asyncio.run(main())
+    assert "remove_bpf_leftovers" in host and not [d for d in host if d[0] == "remove_routes_of"]
 
 
 def test_the_cli_says_when_the_agent_could_not_leave_etcd(monkeypatch):

@@ -171,6 +171,27 @@ def test_an_endpoint_file_that_cannot_be_read_keeps_its_pod(tmp_path, monkeypatc
     assert pub.local(("x", "a")) == endpoint("c1", "a")
 
 
+def test_a_del_and_add_within_one_mtime_tick_is_a_change_to_the_rescan(tmp_path):
+    """DEL then ADD of one container ID within one tick of the file system's clock: the new
+    file has the old one's mtime (and here its content).  The rescan judged by content and
+    mtime and saw nothing; the new file's ident differs."""
+    import os
+
+    pub = publisher(tmp_path)
+    path = os.path.join(endpoints.endpoints_dir(tmp_path), "c1.json")
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    os.utime(path, ns=(1_000, 1_000))
+    assert pub.rescan() == {("x", "a")}
+    first = pub.endpoints["c1"]
+    assert pub.rescan() is None
+    endpoints.remove(tmp_path, "c1")
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    os.utime(path, ns=(1_000, 1_000))
+    assert pub.rescan() == {("x", "a")}
+    assert pub.endpoints["c1"].ident != first.ident and pub.endpoints["c1"].written == first.written
+    assert pub.rescan() is None
+
+
 def test_endpoint_files_carry_their_time_and_the_newer_of_two_is_the_pods(tmp_path):
     """A stale file (its DEL stopped after the delegate released the address) and the pod's new
     one: the newer is the pod's; relabelling keeps a file's time (it is the attach time)."""
@@ -404,7 +425,7 @@ def test_the_agent_never_waits_for_a_lock_someone_else_holds(tmp_path, monkeypat
     (read,) = endpoints.read_all(tmp_path).values()
     fd, timer = _holding_the_lock(tmp_path, fcntl.LOCK_SH)
     try:
-        got = _returns_within(2.0, endpoints.acknowledge, tmp_path, {("c1", read.written)}, set())
+        got = _returns_within(2.0, endpoints.acknowledge, tmp_path, {("c1", read.ident)}, set())
         assert got is not None, "acknowledge waited for the lock"
         assert got[0] == "raised" and isinstance(got[1], endpoints.Busy)
         assert endpoints.unacknowledged(tmp_path, {"c1"}) == {"c1"}
@@ -415,7 +436,7 @@ def test_the_agent_never_waits_for_a_lock_someone_else_holds(tmp_path, monkeypat
     finally:
         timer.cancel()
         os.close(fd)
-    assert endpoints.acknowledge(tmp_path, {("c1", read.written)}, set()) == {("c1", read.written)}
+    assert endpoints.acknowledge(tmp_path, {("c1", read.ident)}, set()) == {("c1", read.ident)}
 
 
 def test_the_plugin_goes_on_without_a_lock_held_too_long(tmp_path, monkeypatch, caplog):
@@ -449,7 +470,7 @@ def test_only_the_agents_user_and_root_can_open_the_lock(tmp_path):
     endpoints.write(tmp_path, endpoint("c1", "a"))  # the plugin first
     assert stat_mod.S_IMODE(os.stat(lock).st_mode) == 0o600
     os.chmod(lock, 0o644)
-    endpoints.acknowledge(tmp_path, {("c1", endpoints._written(tmp_path, "c1"))}, set())  # the agent, later
+    endpoints.acknowledge(tmp_path, {("c1", endpoints._ident(tmp_path, "c1"))}, set())  # the agent, later
     assert stat_mod.S_IMODE(os.stat(lock).st_mode) == 0o600
     os.unlink(lock)
     endpoints.relabel(tmp_path, endpoints.read_all(tmp_path)["c1"], {"app": "z"})  # the agent first
@@ -464,7 +485,7 @@ def test_only_the_agents_user_and_root_can_open_the_lock(tmp_path):
 
 def test_a_new_file_of_the_same_container_with_the_same_content_is_a_change(tmp_path):
     """A DEL and ADD of one container ID that wrote the same content: the file is new (its time),
-    so the tables and the acknowledgement (keyed by the time) must hear of it."""
+    so the tables and the acknowledgement (keyed by the file's ident) must hear of it."""
     import os
 
     pub = publisher(tmp_path)

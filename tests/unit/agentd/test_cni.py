@@ -800,9 +800,9 @@ def test_unacknowledged_are_the_containers_no_agent_marked_programmed(tmp_path):
 
     ep = endpoints.Endpoint("a", "default", "web-0", {}, [], ["10.244.1.5"], "veth1", "aa:bb:cc:dd:ee:ff", "cni0")
     endpoints.write(tmp_path, ep)
-    (written,) = (e.written for e in endpoints.read_all(tmp_path).values())
+    (which,) = (e.ident for e in endpoints.read_all(tmp_path).values())
     assert endpoints.unacknowledged(tmp_path, {"a", "b"}) == {"a", "b"}  # nothing marked yet
-    assert endpoints.acknowledge(tmp_path, {("a", written)}, set()) == {("a", written)}
+    assert endpoints.acknowledge(tmp_path, {("a", which)}, set()) == {("a", which)}
     assert endpoints.unacknowledged(tmp_path, {"a", "b"}) == {"b"}
     assert endpoints.unacknowledged(tmp_path, set()) == set()
 
@@ -814,22 +814,71 @@ def test_a_new_attachment_with_the_same_container_id_is_acknowledged_again(tmp_p
     from agentd.cni import endpoints
 
     ep = endpoints.Endpoint("a", "default", "web-0", {}, [], ["10.244.1.5"], "veth1", "aa:bb:cc:dd:ee:ff", "cni0")
+    endpoints.write(tmp_path, ep)
+    (old,) = (e.ident for e in endpoints.read_all(tmp_path).values())
+    acked = endpoints.acknowledge(tmp_path, {("a", old)}, set())
+    endpoints.write(tmp_path, dataclasses.replace(ep, ips=["10.244.1.6"], interface="veth2"))  # no DEL came
+    (new,) = (e.ident for e in endpoints.read_all(tmp_path).values())
+    assert new != old
+    assert endpoints.unacknowledged(tmp_path, {"a"}) == {"a"}  # ADD waits for the agent again
+    # a restarted agent's first build still had the old file: that is no acknowledgement of this one
+    assert endpoints.acknowledge(tmp_path, {("a", old)}, set()) == set()
+    assert endpoints.acknowledge(tmp_path, {("a", old)}, acked) == {("a", old)}
+    assert endpoints.unacknowledged(tmp_path, {"a"}) == {"a"}
+    # the build with the new file acknowledges it, though the container ID was acknowledged before
+    acked = endpoints.acknowledge(tmp_path, {("a", new)}, acked)
+    assert acked == {("a", new)} and endpoints.unacknowledged(tmp_path, {"a"}) == set()
+    endpoints.remove(tmp_path, "a")
+    assert endpoints.acknowledge(tmp_path, set(), acked) == set()
+
+
+def test_a_del_and_add_within_one_mtime_tick_is_a_new_file_to_the_agent(tmp_path):
+    """The file system's timestamps are coarse (a clock tick): a DEL and ADD of one container
+    ID in quick succession leave a file with the very same mtime.  Its ident still differs, so
+    a build of the old file acknowledges nothing and relabelling the old file writes nothing,
+    even when the new file says the same as the old one."""
+    from agentd.cni import endpoints
+
+    ep = endpoints.Endpoint("a", "default", "web-0", {"app": "web"}, [], ["10.244.1.5"], "veth1", "aa:bb:cc:dd:ee:ff", "cni0")
     path = os.path.join(endpoints.endpoints_dir(tmp_path), "a.json")
     endpoints.write(tmp_path, ep)
     os.utime(path, ns=(1_000, 1_000))
-    acked = endpoints.acknowledge(tmp_path, {("a", 1_000)}, set())
-    endpoints.write(tmp_path, dataclasses.replace(ep, ips=["10.244.1.6"], interface="veth2"))  # no DEL came
-    os.utime(path, ns=(2_000, 2_000))
-    assert endpoints.unacknowledged(tmp_path, {"a"}) == {"a"}  # ADD waits for the agent again
-    # a restarted agent's first build still had the old file: that is no acknowledgement of this one
-    assert endpoints.acknowledge(tmp_path, {("a", 1_000)}, set()) == set()
-    assert endpoints.acknowledge(tmp_path, {("a", 1_000)}, acked) == {("a", 1_000)}
-    assert endpoints.unacknowledged(tmp_path, {"a"}) == {"a"}
-    # the build with the new file acknowledges it, though the container ID was acknowledged before
-    acked = endpoints.acknowledge(tmp_path, {("a", 2_000)}, acked)
-    assert acked == {("a", 2_000)} and endpoints.unacknowledged(tmp_path, {"a"}) == set()
-    endpoints.remove(tmp_path, "a")
-    assert endpoints.acknowledge(tmp_path, set(), acked) == set()
+    (old,) = endpoints.read_all(tmp_path).values()
+    for again in (dataclasses.replace(ep, labels={"app": "other"}), ep):  # new content, then the same content
+        endpoints.remove(tmp_path, "a")
+        endpoints.write(tmp_path, again)
+        os.utime(path, ns=(1_000, 1_000))  # the same tick
+        (new,) = endpoints.read_all(tmp_path).values()
+        assert new.written == old.written and new.ident != old.ident
+        assert endpoints.acknowledge(tmp_path, {("a", old.ident)}, set()) == set()
+        assert endpoints.unacknowledged(tmp_path, {"a"}) == {"a"}
+        assert endpoints.relabel(tmp_path, old, {"app": "z"}) is None
+        assert endpoints.read(tmp_path, "a").labels == again.labels
+        assert endpoints.acknowledge(tmp_path, {("a", new.ident)}, set()) == {("a", new.ident)}
+        old = new
+
+
+def test_a_file_of_an_older_plugin_without_a_generation_is_told_apart_by_inode_and_size(tmp_path):
+    """An endpoint file an agentd-cni from before generations wrote: its ident is inode, mtime
+    and size; relabelling it hands back the ident of the file it wrote."""
+    import json
+
+    from agentd.cni import endpoints
+
+    ep = endpoints.Endpoint("a", "default", "web-0", {}, [], ["10.244.1.5"], "veth1", "aa:bb:cc:dd:ee:ff", "cni0")
+    directory = endpoints.endpoints_dir(tmp_path)
+    os.makedirs(directory)
+    path = os.path.join(directory, "a.json")
+    with open(path, "w") as f:
+        f.write(ep.to_json())
+    with open(path) as f:
+        assert "generation" not in json.loads(f.read())
+    (read,) = endpoints.read_all(tmp_path).values()
+    st = os.stat(path)
+    assert read.generation == "" and read.ident == f"s:{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+    relabelled = endpoints.relabel(tmp_path, read, {"app": "z"})
+    assert relabelled is not None and relabelled.ident == endpoints.read_all(tmp_path)["a"].ident
+    assert endpoints.acknowledge(tmp_path, {("a", relabelled.ident)}, set()) == {("a", relabelled.ident)}
 
 
 def test_the_bridge_guard_before_an_ack_is_clsacts_alone():

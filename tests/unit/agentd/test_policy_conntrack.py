@@ -256,3 +256,35 @@ async def test_a_held_endpoints_lock_skips_the_acknowledgement_not_the_agent(tmp
         timer.cancel()
         os.close(fd)
         task.cancel()
+
+
+async def test_a_new_file_with_the_same_content_is_acknowledged_without_a_build(tmp_path):
+    """DEL and ADD of one container ID, the new file saying what the old one did (within one
+    mtime tick, too): the tables need no change, so no build comes -- but the ADD waits for
+    its file's acknowledgement (write() removed the old one's) and must get it at once, not
+    after its policyTimeout."""
+    agent = PolicyAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"), str(tmp_path))
+    agent.programmer = Programmer()  # type: ignore[assignment]
+    agent._have_snapshot = True
+    path = os.path.join(endpoints.endpoints_dir(tmp_path), "c1.json")
+    endpoints.write(tmp_path, ep("c1", "a", "10.244.1.5"))
+    os.utime(path, ns=(1_000, 1_000))
+    agent._rescan()
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        async with asyncio.timeout(5):
+            while endpoints.unacknowledged(str(tmp_path), {"c1"}):
+                await asyncio.sleep(0)
+        assert agent.syncs == 1
+        for mtime in (1_000, 2_000):  # the same tick, and a later one
+            endpoints.remove(tmp_path, "c1")
+            endpoints.write(tmp_path, ep("c1", "a", "10.244.1.5"))
+            os.utime(path, ns=(mtime, mtime))
+            assert endpoints.unacknowledged(str(tmp_path), {"c1"}) == {"c1"}  # ADD waits
+            agent._rescan()
+            async with asyncio.timeout(5):
+                while endpoints.unacknowledged(str(tmp_path), {"c1"}):
+                    await asyncio.sleep(0)
+            assert {cid for cid, _ in agent._acked} == {"c1"}
+    finally:
+        task.cancel()

@@ -972,6 +972,36 @@ def test_the_route_protocol_is_remembered_and_an_old_one_looked_for_only_when_it
     assert len(calls) == 2 and path.read_text() == "150\n" and "not a route protocol" in caplog.text
 
 
+def test_without_the_protocol_file_the_default_protocols_routes_in_the_pod_network_go(tmp_path, caplog):
+    """No state_dir/route-protocol (an upgrade from an agentd that did not write it, a state
+    directory removed) and route_protocol set to other than the default: the default's routes
+    inside the pod networks are a previous run's and go (they stayed for ever); the default's
+    elsewhere and other protocols' stay.  With the default configured, nothing is looked for."""
+    from ipaddress import ip_network
+
+    from agentd.daemon.routes import drop_previous_protocol
+    from agentd.kernel.routing import remove_routes_of
+
+    kernel = FakeKernel(strict_dumps=True)
+    gone = [Route("10.244.1.0/24", gateway="192.0.2.2", dev="eth0"), Route("10.244.0.0/24", kind="blackhole", metric=4000)]
+    kept = [entry_of_route(Route("0.0.0.0/0", gateway="192.0.2.9"), table=nl.RT_TABLE_MAIN, protocol=OURS),
+            entry_of_route(Route("10.244.7.0/24", dev="eth1"), table=nl.RT_TABLE_MAIN, protocol=nl.RTPROT_BIRD)]
+    for entry in [entry_of_route(r, table=nl.RT_TABLE_MAIN, protocol=OURS) for r in gone] + kept:
+        kernel.routes[entry.key] = entry
+    pools = [ip_network("10.244.0.0/16")]
+    path = tmp_path / "route-protocol"
+
+    def remove(p, n):
+        return remove_routes_of(p, n, sockets=lambda: (FakeRequestSocket(kernel), FakeMonitorSocket(kernel)))
+
+    asyncio.run(drop_previous_protocol(tmp_path, OURS, pools, remove))  # the default: the routes are its own
+    assert len(kernel.routes) == 4 and path.read_text() == f"{OURS}\n"
+    path.unlink()
+    asyncio.run(drop_previous_protocol(tmp_path, 150, pools, remove))
+    assert sorted(kernel.routes.values()) == sorted(kept) and path.read_text() == "150\n"
+    assert f"route_protocol changed from {OURS} to 150: removed 2 proto {OURS} routes" in caplog.text
+
+
 def test_a_failure_to_look_for_the_old_protocols_routes_does_not_stop_the_start(tmp_path, caplog):
     """remove_routes_of failing as a whole (the netlink socket, a dump it cannot decode) is
     logged; the file keeps the old protocol, so the next start tries again."""
