@@ -39,7 +39,9 @@ KEEPALIVE_TIMEOUT = 15.0
 MAX_CONNECTIONS = 1000
 # Connections open at once from one remote address on the read-only cluster listener (loopback
 # not counted): without the read token one host could otherwise fill MAX_CONNECTIONS and the
-# other nodes could no longer gather from this one.  A node's gatherer keeps a few.
+# other nodes could no longer gather from this one.  A node's gatherer keeps a few.  An IPv6
+# address is counted with the rest of its /64 (a host may use any address of its /64, as
+# rate limiters assume), an IPv4 one (also as ::ffff:a.b.c.d) on its own.
 MAX_PER_ADDRESS = 64
 
 
@@ -86,7 +88,7 @@ class _Connections:
         self.limit = limit
         self.head_timeout = head_timeout
         self.per_address = per_address  # None: no limit per remote address
-        self.by_address: dict[str, int] = {}  # remote address -> its connections open (per_address only)
+        self.by_address: dict[str, int] = {}  # IPv4 address or IPv6 /64 -> its connections open (per_address only)
         self.refused = 0
         self.refused_address = 0  # closed as they came: their address had per_address open
         # Connections whose first request head has not come yet (held until its time is up:
@@ -112,10 +114,15 @@ class _Connections:
         connections open already; "" for what is not counted (loopback, a peer without address)."""
         address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         try:
-            if not address or ipaddress.ip_address(address.split("%", 1)[0]).is_loopback:
-                return ""
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
         except ValueError:
             return ""
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # a dual-stack socket's IPv4 client
+            ip = ip.ipv4_mapped
+        if ip.is_loopback:
+            return ""
+        # An IPv6 host is given a /64 and may use any address of it: counted per /64.
+        address = str(ip) if ip.version == 4 else str(ipaddress.IPv6Network((ip, 64), strict=False))
         n = self.by_address.get(address, 0)
         if self.per_address is not None and n >= self.per_address:
             self.refused_address += 1

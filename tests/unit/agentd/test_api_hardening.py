@@ -437,3 +437,13 @@ async def test_the_cluster_listener_holds_at_most_so_many_connections_of_one_add
     for p, _ in lo:
         p.connection_lost(None)
     assert conns.by_address == {"192.0.2.7": 2, "192.0.2.8": 1}
+    # An IPv6 host may use any address of its /64: they are counted together, per /64.
+    v6 = [connect(f"2001:db8:1:2::{i:x}") for i in (1, 0xbeef, 0xffff)] + [connect("2001:db8:1:2:dead::1")]
+    assert [t.aborted for _, t in v6] == [False, False, True, True], v6
+    assert not connect("2001:db8:1:3::1")[1].aborted  # the next /64 is another host's
+    assert [connect(a)[1].aborted for a in ("fe80::1%eth0", "fe80::2%eth1", "fe80::3")] == [False, False, True]
+    # An IPv4 client of a dual-stack socket (::ffff:a.b.c.d) is its IPv4 address.
+    assert [connect("::ffff:192.0.2.8")[1].aborted for _ in range(2)] == [False, True]
+    assert conns.by_address == {"192.0.2.7": 2, "192.0.2.8": 2, "2001:db8:1:2::/64": 2, "2001:db8:1:3::/64": 1,
+                                "fe80::/64": 2}  # fmt: skip
+    assert not connect("::ffff:127.0.0.1")[1].aborted and conns.by_address["192.0.2.8"] == 2  # loopback
