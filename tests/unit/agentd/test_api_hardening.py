@@ -112,6 +112,50 @@ async def test_connections_that_send_nothing_are_closed_and_at_most_the_cap_are_
         await server.stop()
 
 
+@pytest.mark.parametrize("run", ["asyncio", "uvloop"])  # the agent runs on uvloop
+def test_a_burst_of_connections_does_not_pass_the_cap(run):
+    """asyncio (and uvloop, libuv) accept what the listen backlog holds at a time and make every
+    one's protocol before any is told of its transport: counted as they are accepted, no burst
+    passes the cap."""
+    if run == "uvloop":
+        import uvloop
+
+        uvloop.run(_burst())
+    else:
+        asyncio.run(_burst())
+
+
+async def _burst() -> None:
+    server = api.ApiServer(Provider(), "127.0.0.1", 0, token=TOKEN)
+    server.max_connections = 5
+    await _started(server)
+    held: list = []
+    try:
+        held = list(await asyncio.gather(*(asyncio.open_connection("127.0.0.1", server.port) for _ in range(40))))
+        for _ in range(100):  # the accepted ones told of their transports
+            await asyncio.sleep(0)
+        assert (len(server.connections.connections), server.connections.refused) == (5, 35)
+        assert server.connections.open == 5
+        kept = {h.transport.get_extra_info("peername")[1] for h in server.connections.connections}
+        refused = [r for r, w in held if w.get_extra_info("sockname")[1] not in kept]
+        assert len(refused) == 35
+        closed = await asyncio.gather(*(asyncio.wait_for(r.read(), 5) for r in refused), return_exceptions=True)
+        assert all(c == b"" or isinstance(c, ConnectionResetError) for c in closed), closed
+        for _, writer in held:
+            writer.close()
+        for _ in range(200):
+            if not server.connections.open:
+                break
+            await asyncio.sleep(0.01)
+        assert server.connections.open == 0 and not server.connections.connections
+        async with aiohttp.ClientSession() as session, session.get(server.url + "/healthz") as resp:
+            assert resp.status == 200
+    finally:
+        for _, writer in held:
+            writer.close()
+        await server.stop()
+
+
 # ------------------------------------------------------------------ errors are JSON
 
 
