@@ -39,7 +39,9 @@ KEEPALIVE_TIMEOUT = 15.0
 MAX_CONNECTIONS = 1000
 # Connections open at once from one remote address on the read-only cluster listener (loopback
 # not counted): without the read token one host could otherwise fill MAX_CONNECTIONS and the
-# other nodes could no longer gather from this one.  A node's gatherer keeps a few.
+# other nodes could no longer gather from this one.  A node's gatherer keeps a few.  An IPv6
+# address is counted with the rest of its /64 (a host may use any address of its /64, as
+# rate limiters assume), an IPv4 one (also as ::ffff:a.b.c.d) on its own.
 MAX_PER_ADDRESS = 64
 
 
@@ -86,7 +88,8 @@ class _Connections:
         self.limit = limit
         self.head_timeout = head_timeout
         self.per_address = per_address  # None: no limit per remote address
-        self.by_address: dict[str, int] = {}  # remote address -> its connections open (per_address only)
+        self.by_address: dict[str, int] = {}  # IPv4 address or IPv6 /64 -> its connections open (per_address only)
+        self.open = 0  # connections accepted and not yet lost (those closed as they came aside)
         self.refused = 0
         self.refused_address = 0  # closed as they came: their address had per_address open
         # Connections whose first request head has not come yet (held until its time is up:
@@ -97,25 +100,36 @@ class _Connections:
         return getattr(self._server, name)
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if len(self._server.connections) >= self.limit:
+        # Counted here, as it is accepted, not by aiohttp's server (which counts a connection
+        # once its connection_made has run): asyncio's loop accepts up to the listen backlog
+        # (aiohttp's 128) at a time and makes all their protocols before any is told of its
+        # transport, so a burst passed the limit by up to that many.  (uvloop, which agentd run
+        # uses, was seen to tell each before it made the next: exact there already.)
+        if self.open >= self.limit:
             self.refused += 1
             if self.refused == 1 or self.refused % 1000 == 0:
                 log.warning("API: %d connections open, more closed as they come (%d so far)", self.limit, self.refused)
             return _Refused()
+        self.open += 1
         handler = self._server()
         self.waiting.add(handler)
         asyncio.get_running_loop().call_later(self.head_timeout, self._head_due, handler)
-        return handler if self.per_address is None else _PerAddress(self, handler)
+        return _Counted(self, handler)
 
     def admit(self, peer: Any) -> str | None:
         """The key ``peer`` is counted under, or None when its address has ``per_address``
         connections open already; "" for what is not counted (loopback, a peer without address)."""
         address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         try:
-            if not address or ipaddress.ip_address(address.split("%", 1)[0]).is_loopback:
-                return ""
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
         except ValueError:
             return ""
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # a dual-stack socket's IPv4 client
+            ip = ip.ipv4_mapped
+        if ip.is_loopback:
+            return ""
+        # An IPv6 host is given a /64 and may use any address of it: counted per /64.
+        address = str(ip) if ip.version == 4 else str(ipaddress.IPv6Network((ip, 64), strict=False))
         n = self.by_address.get(address, 0)
         if self.per_address is not None and n >= self.per_address:
             self.refused_address += 1
@@ -142,17 +156,22 @@ class _Connections:
                 handler.force_close()  # nothing, or half a head, in all this time
 
 
-class _PerAddress(asyncio.Protocol):
-    """aiohttp's handler behind a check of the remote address's connections (``admit``): one
-    past the limit is closed before aiohttp sees it."""
+class _Counted(asyncio.Protocol):
+    """aiohttp's handler, counted in ``open`` from its accept to its end, behind a check of
+    the remote address's connections (``admit``, with ``per_address``): one past that limit is
+    closed before aiohttp sees it."""
 
     def __init__(self, connections: _Connections, handler: Any) -> None:
         self.connections = connections
         self.handler = handler
-        self.address: str | None = None
+        self.counted = True  # in connections.open until connection_lost
+        self.address: str | None = None  # what it is counted under per address; None: aiohttp has it not
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.address = self.connections.admit(transport.get_extra_info("peername"))
+        if self.connections.per_address is None:
+            self.address = ""
+        else:
+            self.address = self.connections.admit(transport.get_extra_info("peername"))
         if self.address is None:
             self.connections.waiting.discard(self.handler)
             transport.abort()
@@ -160,6 +179,9 @@ class _PerAddress(asyncio.Protocol):
         self.handler.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.counted:
+            self.counted = False
+            self.connections.open -= 1
         if self.address is None:
             return
         self.connections.release(self.address)

@@ -432,14 +432,19 @@ class IngressController:
         files, structure = await self._render()
         want = self._want_servers()
         failed = False  # a reload failed: this revision is not applied, tried again later
-        if structure != self._structure:
+        reload = structure != self._structure
+        if reload:
             how = "reload"
-            if not await self._reload(files, structure, want):
+            loaded = await self._reload(files, structure, want, unless_running=True)
+            if loaded is None:  # settings HAProxy refuses fell back to the configuration it runs
+                reload = False
+                files, structure = await self._render()  # that configuration (should the runtime API refuse)
+            elif not loaded:
                 failed = True
                 # The proxy runs on with what it had: its backends still follow their endpoints.
                 changed = await self._runtime({b: s for b, s in want.items() if b in self.servers})
                 how = "runtime" if changed else "none"
-        else:
+        if not reload:
             changed = await self._runtime(want)
             if changed is None:  # the runtime API refused something: load it all
                 failed = not await self._reload(files, structure, want)
@@ -456,12 +461,18 @@ class IngressController:
             self.last_change = {"how": how, "seconds": round(time.perf_counter() - start, 6), "at": time.time(),
                                 "revision": revision}  # fmt: skip
 
-    async def _reload(self, files: Mapping[str, bytes], structure: str, want: dict[str, set[Server]]) -> bool:
+    async def _reload(self, files: Mapping[str, bytes], structure: str, want: dict[str, set[Server]], *,
+                      unless_running: bool = False) -> bool | None:
         """Load the configuration; False when the check or the reload failed (the proxy runs
-        on with what it had)."""
+        on with what it had).  ``unless_running``: None, and no reload, when what passed the
+        check is the configuration the proxy runs (settings HAProxy refuses fell back to the
+        ones it runs with, say after an agent restart: the files on disk are that configuration
+        again, servers aside, which the runtime API sets)."""
         try:
             await asyncio.to_thread(self._write_files, files)
             structure = await self._check_or_fall_back(structure)
+            if unless_running and structure == self._structure:
+                return None
             await self.refresh_stats()  # what the old worker counted until now: folded once a new one runs
             self._reloading = True  # no stats read meanwhile (the new worker's would replace the old's)
             try:

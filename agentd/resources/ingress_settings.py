@@ -25,7 +25,8 @@ nothing else (no ACL-less deny, no Lua, no file paths), so a snippet cannot brea
 or read the node's files.  Routing is a few variables (``txn.key``, ``txn.backend``) the
 frontend sets around the snippet, and HAProxy's ``set-var()`` converter inside a header value
 would overwrite them: ``set-var``/``unset-var`` are refused, as are maps and files named by
-path (``map*()``, ``-f``, ``-M``, ``jwt_verify()``).  HAProxy then checks the whole
+path (``map*()``, ``-f``, ``-M``, ``jwt_verify()``).  ``log-format`` refuses the same reads
+(``$``, ``env()``, ``map*()``, ``jwt_verify()``, ``lua.*``).  HAProxy then checks the whole
 configuration before it is used.
 """
 
@@ -50,6 +51,11 @@ _UNSAFE = re.compile(r"[\x00-\x1f\x7f]|lua|\bfile\b|/etc/|/proc/|\benv\s*\(|\$")
 # Variables (a converter in a header value can overwrite txn.key or txn.backend, which route the
 # request), and maps or files read by path: map(), map_str(), ..., ACL -f/-M, jwt_verify().
 _REROUTES = re.compile(r"\b(?:un)?set-var(?:-fmt)?\s*\(|\bmap(?:_\w+)?\s*\(|(?<!\S)-[fM](?!\S)|\bjwt_verify\s*\(")
+# What in a log-format reads a file or runs code: map(), map_*() and jwt_verify() take a path
+# (haproxy -c reads the file, and its ALERT on a bad line quotes the line: a map_ip() of
+# /etc/shadow would show its first line in settings_error), lua.* calls Lua.  A log line is
+# written after the request is routed, so set-var() there re-routes nothing.
+_LOG_READS = re.compile(r"\bmap(?:_\w+)?\s*\(|\bjwt_verify\s*\(|\blua\.")
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,9 @@ def parse(data: Mapping[str, str] | None, where: str = "data") -> Settings:
             raise Invalid(f"{where}[log-format]", "Invalid value: must be one line of printable text")
         if _ENV.search(text):
             raise Invalid(f"{where}[log-format]", "Invalid value: environment variables ($, env()) are not allowed")
+        if _LOG_READS.search(text):
+            raise Invalid(f"{where}[log-format]", "Invalid value: maps and files by path (map*, jwt_verify) and Lua "
+                                                  "(lua.*) are not allowed")
         out["log_format"] = text
     if "frontend-snippet" in data:
         out["snippet"] = snippet(data["frontend-snippet"], f"{where}[frontend-snippet]")

@@ -706,7 +706,9 @@ async def test_settings_from_the_configmap(world: World):
                        for ln in log_path.read_text(errors="replace").splitlines())  # fmt: skip
 
         await auntil(logged, 20, what="the access log line of POST /logged in node1's agent log")
-        # Settings HAProxy refuses (a fetch it does not know): the last ones it accepted stay.
+        # Settings HAProxy refuses (a fetch it does not know): the last ones it accepted stay,
+        # and as that is the configuration the proxy runs, it is not reloaded.
+        before = world.proxy(1)
         await world.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
                            "data": {"proxy-body-size": "1k", "frontend-snippet": "http-response set-header X-Served-By %[nosuchfetch]"}})  # fmt: skip
         assert "HAProxy refused the settings" in (world.proxy()["settings_error"] or ""), world.proxy()
@@ -714,6 +716,30 @@ async def test_settings_from_the_configmap(world: World):
         assert status == 413
         status, body, headers = await world.curl("http://cfg.example/", args=("--data-binary", "x" * 100))
         assert status == 200 and headers["x-served-by"] == "agentd"
+        await auntil(lambda: "HAProxy refused the settings" in (world.proxy(1)["settings_error"] or ""), 20,
+                     what="node2 to refuse the settings")  # fmt: skip
+        now = world.proxy(1)
+        assert (now["pid"], now["worker"], now["reloads"]) == (before["pid"], before["worker"], before["reloads"]), (before, now)
+        # An agent restarted meanwhile finds the refused settings again, falls back to those the
+        # proxy runs with (loaded.json) and adopts the proxy without a reload.
+        node = world.lab.nodes[1]
+        try:
+            await node.stop_agent(signal.SIGTERM)
+            node.start_agent()
+            await auntil(lambda: (node.api_or_none("/ingress") or {}).get("running"), 60, what="node2's agent to adopt its proxy")
+
+            def synced() -> bool:  # its first sync done (the revision is set at its end)
+                p = world.proxy(1)
+                return "HAProxy refused the settings" in (p["settings_error"] or "") and p["revision"] >= now["revision"]
+
+            await auntil(synced, 30, what="node2's new agent to refuse the settings and apply the revision")
+            adopted = world.proxy(1)
+            assert adopted["adopted"], adopted
+            assert (adopted["pid"], adopted["worker"], adopted["reloads"]) == (now["pid"], now["worker"], now["reloads"]), (now, adopted)
+            status, body, headers = await world.curl("http://cfg.example/", node=1, args=("--data-binary", "x" * 100))
+            assert status == 200 and headers["x-served-by"] == "agentd"
+        finally:
+            await ingress_back_on(world, node)
     finally:
         await world.delete("ConfigMap", "agentd-ingress", ns="kube-system")
         await world.delete("Ingress", "cfg")

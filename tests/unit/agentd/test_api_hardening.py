@@ -112,6 +112,50 @@ async def test_connections_that_send_nothing_are_closed_and_at_most_the_cap_are_
         await server.stop()
 
 
+@pytest.mark.parametrize("run", ["asyncio", "uvloop"])  # the agent runs on uvloop
+def test_a_burst_of_connections_does_not_pass_the_cap(run):
+    """asyncio (and uvloop, libuv) accept what the listen backlog holds at a time and make every
+    one's protocol before any is told of its transport: counted as they are accepted, no burst
+    passes the cap."""
+    if run == "uvloop":
+        import uvloop
+
+        uvloop.run(_burst())
+    else:
+        asyncio.run(_burst())
+
+
+async def _burst() -> None:
+    server = api.ApiServer(Provider(), "127.0.0.1", 0, token=TOKEN)
+    server.max_connections = 5
+    await _started(server)
+    held: list = []
+    try:
+        held = list(await asyncio.gather(*(asyncio.open_connection("127.0.0.1", server.port) for _ in range(40))))
+        for _ in range(100):  # the accepted ones told of their transports
+            await asyncio.sleep(0)
+        assert (len(server.connections.connections), server.connections.refused) == (5, 35)
+        assert server.connections.open == 5
+        kept = {h.transport.get_extra_info("peername")[1] for h in server.connections.connections}
+        refused = [r for r, w in held if w.get_extra_info("sockname")[1] not in kept]
+        assert len(refused) == 35
+        closed = await asyncio.gather(*(asyncio.wait_for(r.read(), 5) for r in refused), return_exceptions=True)
+        assert all(c == b"" or isinstance(c, ConnectionResetError) for c in closed), closed
+        for _, writer in held:
+            writer.close()
+        for _ in range(200):
+            if not server.connections.open:
+                break
+            await asyncio.sleep(0.01)
+        assert server.connections.open == 0 and not server.connections.connections
+        async with aiohttp.ClientSession() as session, session.get(server.url + "/healthz") as resp:
+            assert resp.status == 200
+    finally:
+        for _, writer in held:
+            writer.close()
+        await server.stop()
+
+
 # ------------------------------------------------------------------ errors are JSON
 
 
@@ -437,3 +481,13 @@ async def test_the_cluster_listener_holds_at_most_so_many_connections_of_one_add
     for p, _ in lo:
         p.connection_lost(None)
     assert conns.by_address == {"192.0.2.7": 2, "192.0.2.8": 1}
+    # An IPv6 host may use any address of its /64: they are counted together, per /64.
+    v6 = [connect(f"2001:db8:1:2::{i:x}") for i in (1, 0xbeef, 0xffff)] + [connect("2001:db8:1:2:dead::1")]
+    assert [t.aborted for _, t in v6] == [False, False, True, True], v6
+    assert not connect("2001:db8:1:3::1")[1].aborted  # the next /64 is another host's
+    assert [connect(a)[1].aborted for a in ("fe80::1%eth0", "fe80::2%eth1", "fe80::3")] == [False, False, True]
+    # An IPv4 client of a dual-stack socket (::ffff:a.b.c.d) is its IPv4 address.
+    assert [connect("::ffff:192.0.2.8")[1].aborted for _ in range(2)] == [False, True]
+    assert conns.by_address == {"192.0.2.7": 2, "192.0.2.8": 2, "2001:db8:1:2::/64": 2, "2001:db8:1:3::/64": 1,
+                                "fe80::/64": 2}  # fmt: skip
+    assert not connect("::ffff:127.0.0.1")[1].aborted and conns.by_address["192.0.2.8"] == 2  # loopback

@@ -122,6 +122,9 @@ def test_the_controllers_configmap_is_checked_on_apply():
           "data": {"proxy-read-timeout": "30", "proxy-body-size": "8m", "use-http2": "false",
                    "frontend-snippet": "http-response set-header X-A b"}}  # fmt: skip
     assert parse(cm["data"]) == Settings(read_timeout=30, body_size=8 << 20, http2=False, snippet=("http-response set-header X-A b",))
+    # Fetches and converters that read no file pass (the word "evaluate" holds "lua", "bitmap" "map").
+    fmt = "%ci:%cp %ST %B %{+Q}r %[src,ipmask(24)] %[ssl_fc,bool] evaluate bitmap(x) file=%f"
+    assert parse({"log-format": fmt}) == Settings(log_format=fmt)
     for data, want in (({"proxy-read-timeout": "soon"}, "proxy-read-timeout"), ({"use-http2": "yes"}, "use-http2"),
                        ({"frontend-snippet": "use_backend x"}, "only header rules"),
                        ({"frontend-snippet": "http-request set-header X %[lua.x]"}, "Lua"),
@@ -130,7 +133,14 @@ def test_the_controllers_configmap_is_checked_on_apply():
                        ({"frontend-snippet": 'http-response set-header X "${AGENTD_BGP_PASSWORD}"'}, "environment"),
                        # haproxy -c prints an unknown fetch in an ALERT: settings_error in /ingress and the log.
                        ({"log-format": "%[${AGENTD_BGP_PASSWORD}]"}, r"log-format\]: Invalid value: environment"),
-                       ({"log-format": "%ci %[env(AGENTD_BGP_PASSWORD)]"}, r"log-format\]: Invalid value: environment")):  # fmt: skip
+                       ({"log-format": "%ci %[env(AGENTD_BGP_PASSWORD)]"}, r"log-format\]: Invalid value: environment"),
+                       # haproxy -c reads a map's file, and its ALERT quotes a bad line: map_ip() of a file
+                       # that holds no addresses shows the file's first line in settings_error.
+                       ({"log-format": "%ci %[src,map_ip(/etc/shadow,x)]"}, r"log-format\]: Invalid value: maps and files"),
+                       ({"log-format": "%[str(root),map_str(/etc/passwd)]"}, r"log-format\]: Invalid value: maps and files"),
+                       ({"log-format": "%[str(a),map (/var/lib/x.map)]"}, r"log-format\]: Invalid value: maps and files"),
+                       ({"log-format": "%[str(a),jwt_verify(RS256,/etc/ssl/private/k.pem)]"}, r"log-format\]: .*jwt_verify"),
+                       ({"log-format": "%ci %[src,lua.leak]"}, r"log-format\]: .*Lua")):  # fmt: skip
         doc = {**cm, "data": data}
         with pytest.raises(manifests.ManifestError, match=want):
             manifests.validate_all([manifests.Document("document 1", doc)], "f.yaml")
