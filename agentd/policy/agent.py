@@ -327,7 +327,9 @@ class PolicyAgent:
             self._wake.clear()
             if not (self._have_snapshot and self.publisher.have_local):
                 continue  # keep what the kernel has until we know the whole picture
-            if not self.engine.dirty and self.programmer.current is not None and self.applied_at is not None:
+            # (Not after a failed sync: the engine built it, the kernel does not have it.)
+            if (not self.engine.dirty and self.error is None and self.programmer.current is not None
+                    and self.applied_at is not None):
                 # The attachments now: a new file of a container that says what the old one did
                 # (a DEL and ADD of one pod) changes nothing in the tables, but its ADD waits
                 # for an acknowledgement of that file (endpoints.write removed the old one's).

@@ -2,6 +2,7 @@
 built without it (the Services agent would translate while local pods are still bridged)."""
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 
 from agentd.policy.agent import PolicyAgent
@@ -64,3 +65,49 @@ def test_route_services_before_the_first_build_returns_at_once(tmp_path):
         assert agent.engine.route_services
 
     asyncio.run(main())
+
+
+def test_a_failed_sync_is_retried_though_nothing_changed_since(tmp_path, monkeypatch):
+    """The engine counts a change as built once it built it: after a sync that failed (nft
+    refused, a netlink error) the loop took "nothing changed" and marked the revision applied,
+    and the kernel kept the old tables until some other change."""
+    from agentd.nft.libnftables import NftError
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(asyncio, "sleep", lambda delay, *a, **k: real_sleep(0, *a, **k))  # the retry's backoff
+
+    class Programmer:
+        current = None
+        calls = 0
+
+        async def sync(self, desired, keys):
+            self.calls += 1
+            if self.calls == 2:
+                raise NftError("refused")
+            self.current = desired
+            return SimpleNamespace(commands=1, seconds=0.0, full=True)
+
+    async def main():
+        agent = PolicyAgent("n1", SimpleNamespace(prefix="/x"), str(tmp_path))
+        agent.programmer = prog = Programmer()
+        agent._have_snapshot = agent.publisher.have_local = True
+        loop = asyncio.create_task(agent._sync_loop())
+        try:
+
+            async def until(done):  # the loop hands file work to threads: polled, bounded
+                async with asyncio.timeout(5):
+                    while not done():
+                        await real_sleep(0.001)
+
+            agent._wake.set()
+            await until(lambda: agent.syncs >= 1)
+            agent.engine.set_route_services(True)  # a change: its sync fails once
+            agent._wake.set()
+            with contextlib.suppress(TimeoutError):
+                await until(lambda: agent.syncs >= 2)
+            return prog.calls, agent.syncs, agent.error
+        finally:
+            loop.cancel()
+
+    calls, syncs, error = asyncio.run(main())
+    assert (calls, syncs, error) == (3, 2, None), "the failed sync was not retried"
