@@ -213,6 +213,11 @@ async def test_a_second_service_on_a_taken_cluster_ip_and_node_port_is_left_out(
         assert view["first"]["errors"] == []
         assert view["second"]["errors"] == [f"cluster IP {vip} tcp/80 is svc/first's: left out",
                                             "node port tcp/30082 (IPv4) is svc/first's: left out"]  # fmt: skip
+        # Each port as compiled (what the kernel translates), and as asked.
+        (port,) = view["second"]["ports"]
+        assert (port["clusterIP"], port["nodePort"]) == (None, None), port
+        assert port["asked"] == {"clusterIP": vip, "nodePort": 30082}, port
+        assert [(p["clusterIP"], p["nodePort"]) for p in view["first"]["ports"]] == [(vip, 30082)]
     finally:
         for name in ("after", "second", "first"):
             with contextlib.suppress(Exception):
