@@ -11,7 +11,9 @@ Where packets are judged (see docs/policy.md for the picture):
   same by destination for ingress-isolated pods.  A pod's chain jumps to the chain of every
   policy selecting it (``accept`` there ends that base chain: the packet is allowed in that
   direction, and the next base chain judges the other) and ends in a counted drop.  Replies
-  pass through ``ct state established,related accept`` first.  Traffic between a pod and its
+  pass through ``ct state established,related accept`` first, and a pod sent back to itself
+  through a Service (``ct status dnat``, from a pod bridge, ``self-pods``) is accepted next:
+  NetworkPolicy cannot keep a pod from itself.  Traffic between a pod and its
   own node is never judged (the input and output hooks are not used), as in Kubernetes.
 * ``table bridge agentd-policy`` exists because two pods of one node talk through the CNI
   bridge, at layer 2, where the inet hooks do not see them unless br_netfilter is built in
@@ -79,6 +81,8 @@ BRIDGE_PRIORITY = -200  # the bridge family's "filter" priority
 EGRESS_MAP = "egress-pods"
 INGRESS_MAP = "ingress-pods"
 BRIDGES = "bridges"
+SELF = "self-pods"  # address . address: each isolated local pod's P as P . P (a pod reaching itself through a Service)
+SELF_PORTS = "self-ports"  # the bridge's: port . address . address, P's port . P . P
 SPOOFED = "spoofed"
 
 NA_PORTS = "na-ports"  # pod port -> its chain of the targets its neighbour advertisements may have
@@ -140,6 +144,14 @@ def base_objects(
     pods have addresses of (an IPv4-only node's tables hold no IPv6 set or address match)."""
     fams = rows(families)
     established = (rule_text([ESTABLISHED, ACCEPT]),) if stateful else ()
+    # A pod sent back to itself through a Service (hairpin: the Service chose the pod as its
+    # endpoint, so the connection is DNATed from P to P) is never judged: NetworkPolicy cannot
+    # keep a pod from itself (as kube-proxy with Calico or Cilium).  Only a translated
+    # connection (``ct status dnat``) that came in from a pod bridge and goes from an isolated
+    # pod of this node to itself: a sibling endpoint's traffic is still judged.
+    hairpin = tuple(rule_text([match(meta("iifname"), ref(BRIDGES)), match({"ct": {"key": "status"}}, "dnat", "in"),
+                               match({"concat": [f.saddr(), f.daddr()]}, ref(f.name(SELF))), ACCEPT])
+                    for f in fams) if stateful else ()  # fmt: skip
 
     def dispatch(field: str, base: str) -> tuple[str, ...]:
         return tuple(rule_text([{"vmap": {"key": payload(f.proto, field), "data": ref(f.name(base))}}]) for f in fams)
@@ -156,10 +168,11 @@ def base_objects(
     inet: list[Any] = [
         *(NftSet(INET, TABLE, f.name(m), (f.addr,), map="verdict") for f in fams for m in (EGRESS_MAP, INGRESS_MAP)),
         NftSet(INET, TABLE, BRIDGES, ("ifname",), elements=frozenset(bridges)),
+        *(NftSet(INET, TABLE, f.name(SELF), (f.addr, f.addr)) for f in fams),
         *([NftCounter(INET, TABLE, SUPPRESSED)] if log is not None else []),
-        NftChain(INET, TABLE, "egress", (*established, *nd, *dispatch("saddr", EGRESS_MAP)),
+        NftChain(INET, TABLE, "egress", (*established, *nd, *hairpin, *dispatch("saddr", EGRESS_MAP)),
                  hook=("filter", "forward", EGRESS_PRIORITY, "accept")),
-        NftChain(INET, TABLE, "ingress", (*established, *nd, *dispatch("daddr", INGRESS_MAP)),
+        NftChain(INET, TABLE, "ingress", (*established, *nd, *hairpin, *dispatch("daddr", INGRESS_MAP)),
                  hook=("filter", "forward", INGRESS_PRIORITY, "accept")),
         # Same-node pod traffic is routed back out of the bridge it came in on; the node
         # would tell the pod so with ICMP redirects ("send it directly"), which is not the point.
@@ -240,8 +253,17 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     # Tagged frames to or from an isolated pod too (from a port that is not a pod's: no
     # prerouting rule dropped them).
     both = match(payload("ether", "type"), {"set": ["ip", "ip6", "8021q", "8021ad"]})
+    # A pod sent back to itself through a Service where br_netfilter hands bridged frames to
+    # the IP hooks (bridge-nf-call-iptables, on for kubelet hosts and Docker): the DNATed frame
+    # is bridged back out of the pod's own port (hairpin mode) rather than routed, and would
+    # meet the isolation drops below.  Never judged (NetworkPolicy cannot keep a pod from
+    # itself): a frame to the pod's port from its address to its address is the pod's own
+    # (no other pod port sends with that address).  No ``ct`` match here: in the bridge
+    # family it needs nf_conntrack_bridge, which not every kernel has.
+    hairpin = [[match({"concat": [meta("oifname"), f.saddr(), f.daddr()]}, ref(f.name(SELF_PORTS))), ACCEPT] for f in fams]
     forward = [
         [match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
+        *hairpin,
         [both, match(meta("oifname"), ref("isolated-in-ports")), {"counter": None}, DROP],
         [both, match(meta("iifname"), ref("isolated-out-ports")), {"counter": None}, DROP],
     ]
@@ -257,6 +279,7 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         NftSet(BRIDGE, TABLE, "isolated-in-ports", ("ifname",)),
         NftSet(BRIDGE, TABLE, "isolated-out-ports", ("ifname",)),
         *(NftSet(BRIDGE, TABLE, f.name("isolated-addrs"), (f.addr,)) for f in fams),
+        *(NftSet(BRIDGE, TABLE, f.name(SELF_PORTS), ("ifname", f.addr, f.addr)) for f in fams),
         NftSet(BRIDGE, TABLE, "port-macs", ("ifname",), map="ether_addr"),
         *(NftSet(BRIDGE, TABLE, f.name("addr-macs"), (f.addr,), map="ether_addr") for f in fams),
         *([NftSet(BRIDGE, TABLE, NA_PORTS, ("ifname",), map="verdict")] if any(f.version == 6 for f in fams) else []),

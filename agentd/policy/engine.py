@@ -501,6 +501,9 @@ class PolicyEngine:
                 elements[f.name("addr-macs")].add((ip, port.mac))
                 if routed:
                     elements[f.name("isolated-addrs")].add(ip)
+                if ingress or egress:  # reaching itself through a Service: never judged
+                    elements[f.name(compiler.SELF)].add((ip, ip))
+                    elements[f.name(compiler.SELF_PORTS)].add((port.interface, ip, ip))
                 if ingress:
                     elements[f.name(compiler.INGRESS_MAP)].add((ip, ("jump", compiler.pod_chain("in", *key))))
                 if egress:

@@ -33,6 +33,9 @@ class ServiceState(Protocol):
     def ports(self) -> list[model.ServicePort]: ...
 
     @property
+    def compiled_ports(self) -> list[model.ServicePort]: ...
+
+    @property
     def port_count(self) -> int: ...
 
     @property
@@ -52,7 +55,11 @@ class ServiceViews:
                     "last_sync": a.last_sync, "service_ports": a.port_count}  # fmt: skip
         services: dict[str, dict[str, Any]] = {}
         conflicts = a.conflicts
+        # What the kernel carries of each port: its cluster IP and node port unless an older
+        # Service holds them (the port as asked keeps them, under "asked").
+        compiled = {sp.key: sp for sp in a.compiled_ports}
         for sp in a.ports:
+            held = compiled.get(sp.key, sp)
             key = f"{sp.namespace}/{sp.service}"
             svc = services.setdefault(key, {
                 "namespace": sp.namespace, "name": sp.service, "clusterIP": sp.cluster_ip or "None", "clusterIPs": [],
@@ -67,18 +74,19 @@ class ServiceViews:
                     svc["clusterIPs"].insert(0, sp.cluster_ip)
                 else:
                     svc["clusterIPs"].append(sp.cluster_ip)
-            usable = set(sp.usable())
-            local = set(sp.usable(a.node))
+            usable = set(held.usable())
+            local = set(held.usable(a.node))
             svc["ports"].append({
-                "name": sp.port_name, "protocol": sp.protocol, "port": sp.port, "nodePort": sp.node_port,
-                "family": f"IPv{sp.family}", "clusterIP": sp.cluster_ip,
+                "name": sp.port_name, "protocol": sp.protocol, "port": sp.port, "nodePort": held.node_port,
+                "family": f"IPv{sp.family}", "clusterIP": held.cluster_ip,
+                "asked": {"clusterIP": sp.cluster_ip, "nodePort": sp.node_port},
                 "affinityTimeout": sp.affinity_timeout,
                 "internalTrafficPolicy": "Local" if sp.internal_local else "Cluster",
                 "externalTrafficPolicy": "Local" if sp.external_local else "Cluster",
                 "endpoints": [
                     {"ip": e.ip, "port": e.port, "node": e.node, "ready": e.ready, "serving": e.serving,
                      "terminating": e.terminating, "used": e in usable, "local": e in local}
-                    for e in sp.endpoints
+                    for e in held.endpoints
                 ],
             })  # fmt: skip
         return {

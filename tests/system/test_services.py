@@ -213,6 +213,11 @@ async def test_a_second_service_on_a_taken_cluster_ip_and_node_port_is_left_out(
         assert view["first"]["errors"] == []
         assert view["second"]["errors"] == [f"cluster IP {vip} tcp/80 is svc/first's: left out",
                                             "node port tcp/30082 (IPv4) is svc/first's: left out"]  # fmt: skip
+        # Each port as compiled (what the kernel translates), and as asked.
+        (port,) = view["second"]["ports"]
+        assert (port["clusterIP"], port["nodePort"]) == (None, None), port
+        assert port["asked"] == {"clusterIP": vip, "nodePort": 30082}, port
+        assert [(p["clusterIP"], p["nodePort"]) for p in view["first"]["ports"]] == [(vip, 30082)]
     finally:
         for name in ("after", "second", "first"):
             with contextlib.suppress(Exception):
@@ -372,6 +377,33 @@ async def test_a_pod_reaching_its_service_on_a_sibling_keeps_its_address_for_pol
     finally:
         await policy_converged(world.lab, await world.res.delete("NetworkPolicy", "svc", "peers-only"))
         await world.delete("Service", "peers")
+
+
+async def test_an_isolated_pod_still_reaches_itself_through_its_service(world: World):
+    """NetworkPolicy cannot keep a pod from itself: web-2, isolated both ways by a policy that
+    allows nothing, reaches itself through its Service (hairpin: DNATed to itself, TCP and
+    UDP), while client-2 (its node) and client-1 (another node) are kept out through the same
+    cluster IP, and web-2 cannot reach a sibling endpoint (egress denied)."""
+    await world.apply(service("alone", {"selector": {"pod": "web-2"}, "ports": WEB_PORTS}),
+                      service("pair", {"selector": {"app": "web"}, "ports": WEB_PORTS}))
+    rev = await world.res.apply([np("nothing", "svc", {"podSelector": {"matchLabels": {"pod": "web-2"}},
+                                                       "policyTypes": ["Ingress", "Egress"]})])  # fmt: skip
+    try:
+        await policy_converged(world.lab, rev)
+        vip = await world.vip("alone")
+        r = await world.echo["web-2"].tcp(vip, 80, count=5, timeout=2.0)
+        assert r == {"names": {"web-2": 5}, "failed": 0}, r
+        assert await world.echo["web-2"].udp(vip, 53, sport=23100, count=2, timeout=2.0) == ["web-2", "web-2"]
+        for client in ("client-2", "client-1"):
+            r = await world.echo[client].tcp(vip, 80, count=1, timeout=1.0)
+            assert r == {"names": {}, "failed": 1}, (client, r)
+        # Through a Service of the three webs, web-2 lands on itself only (its egress to the others is denied).
+        r = await world.echo["web-2"].tcp(await world.vip("pair"), 80, count=12, timeout=1.0)
+        assert set(r["names"]) <= {"web-2"} and r["failed"] > 0 and r["names"].get("web-2", 0) + r["failed"] == 12, r
+    finally:
+        await policy_converged(world.lab, await world.res.delete("NetworkPolicy", "svc", "nothing"))
+        await world.delete("Service", "alone")
+        await world.delete("Service", "pair")
 
 
 async def test_host_port_through_the_portmap_plugin_and_gone_on_del(world: World):

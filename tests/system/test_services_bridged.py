@@ -3,13 +3,16 @@ and br_netfilter not handing bridged frames to the IP hooks (bridge-nf-call-ipta
 a host without the module): the endpoint's reply goes to the client over the bridge, at layer 2,
 and must still be translated back (source the VIP, not the endpoint) -- so while Services
 translate, every local pod's traffic goes up through the node's IP stack, as it does with flow
-records on.  (kube-proxy on a bridge needs br_netfilter for this; agentd does not.)"""
+records on.  (kube-proxy on a bridge needs br_netfilter for this; agentd does not.)  Isolated
+by a policy allowing nothing, the endpoint still reaches itself through its Service (routed
+here: the inet chains' hairpin acceptance; test_services.py has the bridged one)."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+from netpol_lab import converged as policy_converged
 
 from agentd.lab.lab import Lab, LabSpec
 from agentd.lab.netns import unique_tag
@@ -41,7 +44,7 @@ async def test_a_same_node_endpoint_answers_through_its_service_without_br_netfi
         web = await lab.add_pod(node, "svc", "web", labels={"app": "web"},
                                 ports=[{"name": "http", "containerPort": 8080, "protocol": "TCP"}])
         client = await lab.add_pod(node, "svc", "client", labels={"app": "client"})
-        echo.append(await Echo.start(web, "web", [("tcp", 8080)]))
+        echo.append(w := await Echo.start(web, "web", [("tcp", 8080)]))
         echo.append(c := await Echo.start(client, "client"))
         res = await lab.resources()
         rev = await res.apply([{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "svc"},
@@ -57,6 +60,14 @@ async def test_a_same_node_endpoint_answers_through_its_service_without_br_netfi
         start = time.monotonic()
         got = await c.tcp(vip, 80, count=10)
         assert got == {"names": {"web": 10}, "failed": 0}, (got, time.monotonic() - start)
+        # Isolated by a policy allowing nothing, web still reaches itself through its Service
+        # (here routed, not bridged: the inet chains' hairpin acceptance), the client does not.
+        rev = await res.apply([{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                                "metadata": {"name": "nothing", "namespace": "svc"},
+                                "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress", "Egress"]}}])
+        await policy_converged(lab, rev)
+        assert (await w.tcp(vip, 80, count=3, timeout=2.0)) == {"names": {"web": 3}, "failed": 0}
+        assert (await c.tcp(vip, 80, count=1, timeout=1.0)) == {"names": {}, "failed": 1}
     finally:
         for e in echo:
             await e.close()

@@ -5,6 +5,8 @@ loop behind them -- and the pod publisher's endpoint-file side (agentd/policy/pu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ipaddress import IPv4Address
 
 from agentd.datastore.store import Datastore
@@ -104,6 +106,27 @@ def test_services_view_and_summary():
     assert used == {("10.244.1.2", True, True), ("10.244.2.2", False, False)}
     summary = views.view(summary=True)
     assert summary["revision"] == 9 and summary["service_ports"] == 1 and "services" not in summary
+
+
+def test_services_view_shows_each_port_as_compiled_and_as_asked():
+    """A cluster IP port and node port two Services claim are the older one's: the younger's
+    port shows none (the kernel translates neither to it), and what it asked under "asked"."""
+    agent = service_agent()
+    port = ServicePort(
+        "x", "copy", "http", "TCP", 80, "10.96.0.10", node_port=30080, affinity_timeout=None,
+        internal_local=False, external_local=False, endpoints=(Endpoint("10.244.1.3", 8080, NODE),),
+    )  # fmt: skip
+    older = replace(port, service="web", created=1.0, endpoints=(Endpoint("10.244.1.2", 8080, NODE),))
+    agent._table.update(("x", "web"), [older])
+    agent._table.update(("x", "copy"), [port])
+    view = {s["name"]: s for s in agent.views.view()["services"]}
+    (copy,) = view["copy"]["ports"]
+    assert (copy["clusterIP"], copy["nodePort"]) == (None, None)
+    (web,) = view["web"]["ports"]
+    assert (web["clusterIP"], web["nodePort"]) == ("10.96.0.10", 30080) and web["asked"] == {"clusterIP": "10.96.0.10", "nodePort": 30080}
+    assert copy["asked"] == {"clusterIP": "10.96.0.10", "nodePort": 30080}
+    assert view["copy"]["clusterIP"] == "10.96.0.10" and len(view["copy"]["errors"]) == 2  # the Service's address, refused
+    assert [(e["ip"], e["port"], e["used"]) for e in copy["endpoints"]] == [("10.244.1.3", 8080, True)]
 
 
 def test_services_metrics():

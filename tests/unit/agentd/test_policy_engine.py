@@ -33,13 +33,16 @@ NODE = "node1"
 
 
 class Packet:
-    def __init__(self, saddr: str, daddr: str, proto: str, dport: int) -> None:
+    def __init__(self, saddr: str, daddr: str, proto: str, dport: int, iif: str = "cni0", dnat: bool = False) -> None:
         family = "ip6" if ":" in saddr else "ip"
         self.fields = {
             ("payload", family, "saddr"): saddr,
             ("payload", family, "daddr"): daddr,
             ("meta", "l4proto"): proto,
             ("payload", "th", "dport"): dport,
+            ("meta", "iifname"): iif,  # routed up from a pod bridge (or in from elsewhere)
+            ("ct", "state"): "new",  # the first packet of a connection
+            ("ct", "status"): "dnat" if dnat else None,  # translated (a Service's) or not
         }
 
 
@@ -58,7 +61,7 @@ def _value(expr: Any, pkt: Packet) -> Any:
     if "concat" in expr:
         return tuple(_value(e, pkt) for e in expr["concat"])
     if "ct" in expr:
-        return "new"  # the first packet of a connection
+        return pkt.fields[("ct", expr["ct"]["key"])]
     raise AssertionError(f"unexpected expression {expr}")
 
 
@@ -254,6 +257,32 @@ def test_each_case_matches_the_model():
             raise AssertionError(f"case {label!r}: {err}") from None
 
 
+def test_a_pod_reaching_itself_through_a_service_is_never_judged():
+    """Hairpin: an isolated pod DNATed back to itself by its Service passes both base chains
+    (NetworkPolicy cannot keep a pod from itself); a sibling's translated connection to it,
+    an untranslated one, or one that did not come from a pod bridge is judged as ever."""
+    cluster = grid()
+    cluster.policies = [np("deny", "x", {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]})]
+    a, b = cluster.pods[0], cluster.pods[1]  # x/a, x/b: both isolated both ways, both local
+    rs = engine_for(cluster, [a.key, b.key], (4, 6)).build()
+    for family in (4, 6):
+        ip_a, ip_b = a.addr(family), b.addr(family)
+        assert forwarded(rs, Packet(ip_a, ip_a, "tcp", 80, dnat=True)), family
+        assert not forwarded(rs, Packet(ip_b, ip_a, "tcp", 80, dnat=True)), family  # a sibling endpoint: judged
+        assert not forwarded(rs, Packet(ip_a, ip_b, "tcp", 80, dnat=True)), family
+        assert not forwarded(rs, Packet(ip_a, ip_a, "tcp", 80)), family  # not translated: not a Service's
+        assert not forwarded(rs, Packet(ip_a, ip_a, "tcp", 80, iif="eth0", dnat=True)), family  # not from a pod bridge
+    # Only isolated local pods are in the set (one of another node is its node's business).
+    assert rs.objects[(compiler.INET, compiler.TABLE, "set", compiler.SELF)].elements == {(a.ip, a.ip), (b.ip, b.ip)}
+    # Bridged back out of its own port (br_netfilter's DNAT path): let through before the isolation drops.
+    assert rs.objects[(compiler.BRIDGE, compiler.TABLE, "set", compiler.SELF_PORTS)].elements == {
+        ("veth0", a.ip, a.ip), ("veth1", b.ip, b.ip)}
+    forward = rs.objects[(compiler.BRIDGE, compiler.TABLE, "chain", "forward")].rules
+    hairpin = [i for i, r in enumerate(forward) if "@" + compiler.SELF_PORTS in r or "@" + compiler.SELF_PORTS + "6" in r]
+    drops = [i for i, r in enumerate(forward) if '"drop"' in r]
+    assert len(hairpin) == 2 and max(hairpin) < min(drops), forward  # one per family
+
+
 def test_policies_are_a_union():
     cluster = grid()
     cluster.policies = [CASES["pod selector in own ns"], np("q", "x", {"podSelector": {}, "ingress": [{"ports": [{"port": 81}]}]}),
@@ -447,7 +476,7 @@ def test_conntrack_only_while_a_local_pod_is_isolated():
     eng = engine_for(cluster, [p.key for p in cluster.pods[:3]])
     assert ct_rules(eng.build()) == []  # nothing isolated: the kernel tracks nothing for policy
     eng.upsert_policy(Policy.parse(kinds.validate(CASES["deny all ingress"])))
-    assert len(ct_rules(eng.build())) == 2  # egress and ingress base chains
+    assert len(ct_rules(eng.build())) == 4  # egress and ingress base chains: established, and hairpin to self
     eng.remove_policy(("x", "deny"))
     assert ct_rules(eng.build()) == []
 

@@ -22,6 +22,7 @@ class _State:
         for sp in ports:
             table.update((sp.namespace, sp.service), [p for p in ports if p.service == sp.service])
         self.ports = table.ports()  # as the agent lists them: ordered by family, not by the Service
+        self.compiled_ports = table.compiled_ports()
         self.port_count = len(self.ports)
         self.conflicts = table.conflicts
 
