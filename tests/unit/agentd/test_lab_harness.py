@@ -292,3 +292,37 @@ def test_compose_user_engine_and_private_exclude_each_other(capsys):
     with pytest.raises(SystemExit):
         compose.main(["up", "--user-engine", "--private"])
     assert "not allowed with" in capsys.readouterr().err
+
+
+def test_a_lab_saved_before_the_injective_slugs_finds_its_added_pods(tmp_path, monkeypatch):
+    """A lab made by an older agentd (added pods under p-NS-NAME, no slug in lab.json): its
+    pods are found under the name their namespace has; the next save records it."""
+    import dataclasses
+    import hashlib
+    import json
+
+    lab = Lab(LabSpec(name="t", nodes=1, pods=0), root=tmp_path)
+    lab.dir.mkdir(parents=True, exist_ok=True)
+    long_name = "m" * 70
+    state = {"spec": dataclasses.asdict(lab.spec), "pods": {}, "pod_ips": {},
+             "added_pods": [{"node": "node1", "namespace": ns, "name": name, "labels": {}, "ports": [], "host_ports": [],
+                             "result": None} for ns, name in (("a", "b-c"), ("a", long_name), ("x", "y"))]}  # fmt: skip
+    (lab.dir / "lab.json").write_text(json.dumps(state))
+    old_long = f"p-a-{long_name}"
+    old_long = f"{old_long[:40]}-{hashlib.sha1(old_long.encode()).hexdigest()[:12]}"
+    existing = {"ad-t-p-a-b-c", f"ad-t-{old_long}"}  # x/y: no namespace under either name
+    monkeypatch.setattr(netns.Netns, "exists", lambda self: self.name in existing)
+    loaded = Lab.load("t", root=tmp_path)
+    assert [(p.name, p.ns.name, p.container_id) for p in loaded.pods] == [
+        ("a/b-c", "ad-t-p-a-b-c", "t-p-a-b-c"),
+        (f"a/{long_name}", f"ad-t-{old_long}", f"t-{old_long}"),
+        ("x/y", "ad-t-p-x_y", "t-p-x_y"),
+    ]
+    loaded._save()
+    monkeypatch.setattr(netns.Netns, "exists", lambda self: False)  # saved: no looking any more
+    assert [p.ns.name for p in Lab.load("t", root=tmp_path).pods] == ["ad-t-p-a-b-c", f"ad-t-{old_long}", "ad-t-p-x_y"]
+    # A pod whose new-scheme namespace exists keeps it, even when an old one is there too.
+    (lab.dir / "lab.json").write_text(json.dumps(state))
+    existing = {"ad-t-p-a_b-c", "ad-t-p-a-b-c"}
+    monkeypatch.setattr(netns.Netns, "exists", lambda self: self.name in existing)
+    assert Lab.load("t", root=tmp_path).pods[0].ns.name == "ad-t-p-a_b-c"
