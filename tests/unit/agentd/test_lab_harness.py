@@ -100,6 +100,60 @@ def test_the_next_run_deletes_only_the_namespaces_of_runs_that_died(tmp_path, mo
     assert not (tmp_path / "ad-cli-node1").exists()
 
 
+def test_a_dead_runs_docker_engine_is_stopped_before_its_namespace_goes(tmp_path, monkeypatch):
+    """A killed run's recorded namespace with a Docker engine in it (the compose lab's, a
+    Docker-host node's): the engine is stopped first (its containers live in namespaces of
+    their own, which killing the namespace's processes would leave); a failing stop does not
+    keep the namespace."""
+    from agentd.lab import dockerd, fixtures
+
+    monkeypatch.setattr(netns, "OWNERS_DIR", str(tmp_path / "owners"))
+    monkeypatch.setattr(dockerd, "RUN_ROOT", tmp_path / "run")
+    (tmp_path / "owners").mkdir()
+    (tmp_path / "run" / "lab-t1-node2").mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=60).stdout.strip()  # fmt: skip
+    for name in ("ad-compose_c1-docker", "ad-t1-node2", "ad-t1-node1"):
+        (tmp_path / "owners" / name).write_text(f"{dead} 12345\n")
+    engine = fixtures.engine_of_namespace("ad-compose_c1-docker")
+    assert engine.name == "compose-c1" and engine.netns.name == "ad-compose_c1-docker"
+    engine = fixtures.engine_of_namespace("ad-t1-node2")
+    assert engine.name == "lab-t1-node2" and engine.run_root == tmp_path / "run" / "lab-t1-node2" and engine.shared_netns
+    assert fixtures.engine_of_namespace("ad-t1-node1") is None  # no engine ran there
+    assert fixtures.engine_of_namespace("ad-t1-node2-pod1") is None
+    events = []
+
+    def stop(self, **kwargs):
+        events.append(("stop", self.name))
+        if self.name == "compose-c1":
+            raise OSError("dockerd is gone")
+
+    monkeypatch.setattr(dockerd.DockerEngine, "stop", stop)
+    monkeypatch.setattr(netns.Netns, "exists", lambda self: True)
+    monkeypatch.setattr(netns.Netns, "delete", lambda self: events.append(("delete", self.name)))
+    assert netns.sweep_dead_owners(before_delete=fixtures.stop_engine_in) == [
+        "ad-compose_c1-docker", "ad-t1-node1", "ad-t1-node2"]
+    assert events == [("stop", "compose-c1"), ("delete", "ad-compose_c1-docker"), ("delete", "ad-t1-node1"),
+                      ("stop", "lab-t1-node2"), ("delete", "ad-t1-node2")]  # fmt: skip
+
+
+def test_the_shared_compose_engine_namespace_is_recorded_as_the_runs(tmp_path, monkeypatch):
+    """The test run's compose engine is made by the ``compose up`` command (which records
+    nothing: its engine outlives it); the run records its namespace as its own first."""
+    monkeypatch.setattr(netns, "OWNERS_DIR", str(tmp_path))
+    monkeypatch.setattr(netns, "_tie_children", True)
+
+    def cli(name, *args, **kwargs):
+        assert (tmp_path / "ad-compose_c2-docker").exists()  # recorded before up makes it
+        return SimpleNamespace(returncode=1, stdout="", stderr="no")
+
+    monkeypatch.setattr(compose, "cli", cli)
+    monkeypatch.setattr(compose, "leftovers", lambda engine: [])
+    with pytest.raises(LabError, match="compose up failed"), compose.shared_engine("c2"):
+        pass
+    assert (tmp_path / "ad-compose_c2-docker").read_text().split()[0] == str(os.getpid())
+
+
 # ------------------------------------------------------------------ pods
 
 
