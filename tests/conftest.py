@@ -70,10 +70,11 @@ def pytest_sessionstart(session):
     if os.geteuid() != 0 or hasattr(session.config, "workerinput"):
         return
     from agentd.lab import bpffs, netns
+    from agentd.lab.fixtures import stop_engine_in
 
-    # First the namespaces (and the daemons in them) such a run made: a lab's bpffs is left
-    # mounted while its namespaces exist.
-    for name in netns.sweep_dead_owners():
+    # First the namespaces (and the daemons in them, a Docker engine's containers too) such a
+    # run made: a lab's bpffs is left mounted while its namespaces exist.
+    for name in netns.sweep_dead_owners(before_delete=stop_engine_in):
         print(f"agentd: deleted network namespace {name}, left by a run that was killed")
 
     tmp = pathlib.Path(tempfile.gettempdir())

@@ -52,7 +52,7 @@ from agentd.dataplane.backends import (
     remove_vxlan_leftover,
     remove_worker_leftovers,
 )
-from agentd.dataplane.bpf.datapath import BpfUnavailable
+from agentd.dataplane.bpf.datapath import BpfUnavailable, for_log
 from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
 from agentd.flows.recorder import restore_sysctls
@@ -677,7 +677,7 @@ class Agent:
         try:
             await asyncio.to_thread(fast_path.open)
         except BpfUnavailable as err:
-            log.warning("pod fast path off (pod traffic takes the stack's path): %s", err)
+            log.warning("pod fast path off (pod traffic takes the stack's path): %s", for_log(str(err)))
             return None, str(err)
         log.info("pod fast path on: accepted TCP between pods of this node goes pod to pod%s (%d pods adopted)",
                  "" if fast_path.wire else ", and between them and other nodes' pods too", len(fast_path.pods))

@@ -44,7 +44,7 @@ from agentd.backend_table import BACKENDS, DATAPATHS, mtu_overhead
 from agentd.dataplane.bpf_backend import BpfPath, InBpf
 from agentd.config.settings import Config
 from agentd.dataplane import DataplaneClient, DataplaneError, DataplaneProcess
-from agentd.dataplane.bpf import BpfUnavailable, layout, remove_pinned
+from agentd.dataplane.bpf import BpfUnavailable, for_log, layout, remove_pinned
 from agentd.datastore.store import NodeRecord
 from agentd.kernel import netlink as nl
 from agentd.kernel.netlink_links import Vxlan, decode_vxlan
@@ -560,7 +560,7 @@ class Tunnels:
             try:
                 await self.bpf.up()
             except BpfUnavailable as err:
-                log.warning("the BPF data path cannot run here: %s; udp and ipip use the user-space worker", err)
+                log.warning("the BPF data path cannot run here: %s; udp and ipip use the user-space worker", for_log(str(err)))
         else:
             # A previous run's BPF programs would stay on the underlay with the member list and
             # flags they had then (dropping a later node's packets as a non-member's).
@@ -600,13 +600,13 @@ class Tunnels:
             break
         if backend not in self.active:
             self.failed[backend] = f"cannot bring up {backend}: {'; '.join(reasons)}"
-            log.error("%s", self.failed[backend])
+            log.error("%s", for_log(self.failed[backend]))
             return
         impl = self.active[backend]
         if reasons:
             self.fallbacks[backend] = "; ".join(reasons)
             log.warning("backend %s runs in %s, not its first data path: %s", backend,
-                        DATAPATHS[impl.datapath].label, self.fallbacks[backend])
+                        DATAPATHS[impl.datapath].label, for_log(self.fallbacks[backend]))
         else:
             log.info("backend %s up (%s)", backend, DATAPATHS[impl.datapath].label)
         if BACKENDS[backend].member_filter and impl.datapath == "vxlan-device":
@@ -615,7 +615,8 @@ class Tunnels:
                 await self.bpf.up(filter=backend)
             except BpfUnavailable as err:
                 self.unfiltered[backend] = str(err)
-                log.error("backend %s has no member filter (packets from non-members are accepted): %s", backend, err)
+                log.error("backend %s has no member filter (packets from non-members are accepted): %s", backend,
+                          for_log(str(err)))
         if self.on_node_data is not None:
             self.on_node_data()
 

@@ -39,7 +39,7 @@ from agentd.lab.cli import _seconds  # `agentd lab`'s: a finite number in 1..360
 from agentd.lab.dockerd import DockerEngine, compose, ensure_netns
 from agentd.lab.errors import LabError
 from agentd.lab.images import AGENT_IMAGE, LOCAL_BASE, ROOT, Images, build_images, has_image
-from agentd.lab.netns import Netns
+from agentd.lab.netns import Netns, record_owner
 from agentd.lab.sweep import Source, sweep
 from agentd.lab.wait import until
 
@@ -261,6 +261,11 @@ def shared_engine(name: str):
     from agentd.lab.images import SYSTEMD_IMAGE, build_systemd_image
 
     engine = private_engine(name)
+    # The command makes the engine's namespace, never recorded (its engine outlives it): this
+    # run records it as its own, so that the next run stops the engine and deletes it if this
+    # one is killed (agentd.lab.netns.sweep_dead_owners, agentd.lab.fixtures.stop_engine_in).
+    assert engine.netns is not None
+    record_owner(engine.netns.name)
     try:
         up = cli(name, "up", "--private")
         if up.returncode != 0:

@@ -28,7 +28,7 @@ from agentd.cni.netconf import read_subnet_file
 from agentd.lab.dockerd import DATA_ROOT, RUN_ROOT, DockerEngine
 from agentd.lab.errors import LabError
 from agentd.lab.images import busybox_image
-from agentd.lab.netns import Netns
+from agentd.lab.netns import Netns, NetnsError
 
 
 def engine_for(lab_name: str, node: Any) -> DockerEngine:
@@ -74,10 +74,10 @@ class DockerHosts:
             info = engine.inspect(pod.name)[0]
             if pod.ns.exists():
                 pod.ns.delete()
-            attach = subprocess.run(["ip", "netns", "attach", pod.ns.name, str(info["State"]["Pid"])],
-                                    capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
-            if attach.returncode != 0:
-                raise LabError(f"{pod.name}: ip netns attach failed: {attach.stderr.strip()}")
+            try:  # recorded as a made namespace is: a killed test run's is swept by the next
+                Netns.attach(pod.ns.name, info["State"]["Pid"])
+            except NetnsError as err:
+                raise LabError(f"{pod.name}: ip netns attach failed: {err}") from None
             settings = info["NetworkSettings"]
             family = self.lab.spec.ip_family
             addresses = [a for a, wanted in ((settings.get("IPAddress"), family != "ipv6"),

@@ -31,6 +31,34 @@ def on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
+def engine_of_namespace(name: str):
+    """The private Docker engine that runs in the lab namespace ``name``, if one does: the
+    compose lab's (``ad-compose_<name>-docker``) or a Docker-host node's (``ad-<lab>-nodeK``,
+    whose run directory is there); else None."""
+    from agentd.lab.dockerd import DATA_ROOT, RUN_ROOT, DockerEngine
+
+    if name.startswith("ad-compose_") and name.endswith("-docker"):
+        from agentd.lab.compose import private_engine
+
+        return private_engine(name[len("ad-compose_"):-len("-docker")])
+    lab, _, node = name[len("ad-"):].rpartition("-")
+    engine = f"lab-{lab}-{node}"
+    if name.startswith("ad-") and lab and node.startswith("node") and (RUN_ROOT / engine).is_dir():
+        return DockerEngine(engine, netns=Netns(name), run_root=RUN_ROOT / engine, data_root=DATA_ROOT / engine,
+                            shared_netns=True)  # fmt: skip
+    return None
+
+
+def stop_engine_in(name: str) -> None:
+    """Before a killed run's namespace ``name`` is deleted (agentd.lab.netns.sweep_dead_owners):
+    stop the Docker engine in it, if any -- its containers (each in a namespace of its own,
+    which killing the namespace's processes leaves running), the namespaces it keeps mounted
+    under its run directory, its files."""
+    engine = engine_of_namespace(name)
+    if engine is not None:
+        engine.stop()
+
+
 def end_run_on_sigterm() -> None:
     """Install :func:`on_sigterm` (from the main thread: pytest's, or an xdist worker's)."""
     import signal

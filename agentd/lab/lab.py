@@ -286,6 +286,7 @@ class LabPod:
         labels: dict[str, str] | None = None,
         ports: list[dict[str, Any]] | None = None,
         host_ports: list[dict[str, Any]] | None = None,
+        slug: str | None = None,
     ) -> None:
         self.node = node
         self.added = name is not None
@@ -299,7 +300,9 @@ class LabPod:
             # "_" is in neither a namespace (a DNS-1123 label) nor a name (a subdomain), so two
             # pods never share a slug ("a-b/c" is p-a-b_c, "a/b-c" is p-a_b-c); nor a node's pod
             # (node1-pod1: no "p-" in front).
-            slug = _slug(f"p-{namespace}_{name}")
+            # (``slug``: the one a saved lab recorded, which may be an older scheme's.)
+            slug = slug or _slug(f"p-{namespace}_{name}")
+        self.slug = slug
         self.labels = dict(labels or {})
         self.ports = list(ports or [])
         # hostPort mappings (CNI runtimeConfig portMappings: hostPort, containerPort, protocol),
@@ -337,6 +340,17 @@ def _slug(text: str) -> str:
     import hashlib
 
     return f"{text[:48]}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+
+
+def _old_slug(namespace: str, name: str) -> str:
+    """An added pod's slug before the scheme above (``p-NS-NAME``, hashed past 60 characters to
+    its first 40 and 12 hex digits): what a lab made then still has its pods under."""
+    text = f"p-{namespace}-{name}"
+    if len(text) <= 60:
+        return text
+    import hashlib
+
+    return f"{text[:40]}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
 class Lab:
@@ -662,7 +676,7 @@ class Lab:
     def _save(self) -> None:
         added = [
             {"node": p.node.name, "namespace": p.namespace, "name": p.k8s_name, "labels": p.labels, "ports": p.ports,
-             "host_ports": p.host_ports, "result": p.result}
+             "host_ports": p.host_ports, "result": p.result, "slug": p.slug}
             for p in self.pods if p.added
         ]  # fmt: skip
         state = {"spec": asdict(self.spec), "pods": {p.name: p.ip for p in self.pods},
@@ -680,11 +694,20 @@ class Lab:
         try:
             lab = cls(LabSpec(**state["spec"]), root=root)
             for extra in state.get("added_pods", []):
-                lab.pods.append(
-                    LabPod(lab.node(extra["node"]), namespace=extra["namespace"], name=extra["name"],
-                           labels=extra.get("labels"), ports=extra.get("ports"), host_ports=extra.get("host_ports"))
-                )  # fmt: skip
-                lab.pods[-1].result = extra.get("result")
+                pod = LabPod(lab.node(extra["node"]), namespace=extra["namespace"], name=extra["name"],
+                             labels=extra.get("labels"), ports=extra.get("ports"), host_ports=extra.get("host_ports"),
+                             slug=extra.get("slug"))  # fmt: skip
+                if "slug" not in extra and not pod.ns.exists():
+                    # Saved before the slug was (an older agentd): its pod may be under the old
+                    # scheme's name (p-NS-NAME), which is the one its namespace and CNI
+                    # container ID have.
+                    old = LabPod(pod.node, namespace=pod.namespace, name=pod.k8s_name, labels=pod.labels,
+                                 ports=pod.ports, host_ports=pod.host_ports,
+                                 slug=_old_slug(pod.namespace, pod.k8s_name))  # fmt: skip
+                    if old.ns.exists():
+                        pod = old
+                pod.result = extra.get("result")
+                lab.pods.append(pod)
             for p in lab.pods:
                 p.ip = state.get("pods", {}).get(p.name)
                 p.ips = list(state.get("pod_ips", {}).get(p.name) or ([p.ip] if p.ip else []))

@@ -89,11 +89,20 @@ def _forget_owner(name: str) -> None:
         os.unlink(os.path.join(OWNERS_DIR, name))
 
 
-def sweep_dead_owners() -> list[str]:
+def record_owner(name: str) -> None:
+    """Record namespace ``name`` as this test run's (when :func:`tie_children_to_this_process`
+    is on), for one that another process makes for it: the compose lab's engine namespace,
+    made by the ``compose up`` command a test runs."""
+    _record_owner(name)
+
+
+def sweep_dead_owners(before_delete: Callable[[str], None] | None = None) -> list[str]:
     """Delete the namespaces (and what runs in them) that test runs made and left when they
     were killed: those recorded in :data:`OWNERS_DIR` whose process is gone.  Namespaces of
     runs still going, of ``agentd lab up`` (never recorded) and names not ours are left alone.
-    Returns the names deleted."""
+    ``before_delete(name)`` is called first for each (stopping what keeps more than the
+    namespace's processes: a Docker engine's containers, agentd.lab.fixtures); its errors are
+    ignored.  Returns the names deleted."""
     try:
         names = sorted(os.listdir(OWNERS_DIR))
     except FileNotFoundError:
@@ -112,6 +121,9 @@ def sweep_dead_owners() -> list[str]:
             continue
         ns = Netns(name)
         if ns.exists():
+            if before_delete is not None:
+                with contextlib.suppress(Exception):  # a tidy-up aid: deleting goes on regardless
+                    before_delete(name)
             try:
                 ns.delete()
             except (OSError, subprocess.SubprocessError, NetnsError):
@@ -223,6 +235,17 @@ class Netns:
         ns = cls(name)
         ns.ip("link", "set", "lo", "up")
         return ns
+
+    @classmethod
+    def attach(cls, name: str, pid: int) -> Netns:
+        """Name the network namespace process ``pid`` is in (``ip netns attach``: a container's,
+        made by its runtime), recorded as :meth:`create` records one: the name keeps the
+        namespace alive after the process is gone, so a killed run's must be swept too."""
+        if not name.startswith(NAME_PREFIX):
+            raise ValueError(f"namespace names must start with {NAME_PREFIX!r}: {name!r}")
+        run(["ip", "netns", "attach", name, str(pid)])
+        _record_owner(name)
+        return cls(name)
 
     def exists(self) -> bool:
         return os.path.exists(self.path)

@@ -153,7 +153,8 @@ def _pinned_map(path: pathlib.Path) -> int:
 def test_a_killed_run_leaves_no_daemon_and_the_next_run_deletes_its_namespace(tmp_path):
     """A test run SIGKILLed (no finalizer runs): the daemon it started in a namespace dies with
     it (PR_SET_PDEATHSIG), and the next run's session start deletes the namespace it left
-    (recorded with its process in netns.OWNERS_DIR); a live run's namespaces stay."""
+    (recorded with its process in netns.OWNERS_DIR), the one it named with ``ip netns attach``
+    too (Netns.attach: a Docker-host pod's); a live run's namespaces stay."""
     import sys
     import textwrap
 
@@ -164,13 +165,22 @@ def test_a_killed_run_leaves_no_daemon_and_the_next_run_deletes_its_namespace(tm
             tie_children_to_this_process()
     """))
     (tmp_path / "test_killed.py").write_text(textwrap.dedent("""
-        import os, pathlib, signal, subprocess
+        import os, pathlib, signal, subprocess, time
         from agentd.lab.netns import Netns
 
         def test_killed():
             ns = Netns.create(os.environ["NS_NAME"])
             proc = ns.popen(["sleep", "600"], stdout=subprocess.DEVNULL, start_new_session=True)
             pathlib.Path(os.environ["PID_FILE"]).write_text(str(proc.pid))
+            # A namespace named as a Docker-host pod's is (ip netns attach): the name keeps it
+            # alive after its process is gone.
+            holder = subprocess.Popen(["unshare", "--net", "sleep", "600"], stdout=subprocess.DEVNULL)
+            for _ in range(100):
+                if os.readlink(f"/proc/{holder.pid}/ns/net") != os.readlink("/proc/self/ns/net"):
+                    break
+                time.sleep(0.05)
+            Netns.attach(os.environ["NS_NAME"] + "a", holder.pid)
+            holder.kill()
             os.kill(os.getpid(), signal.SIGKILL)
     """))
     pid_file = tmp_path / "pid"
@@ -190,8 +200,11 @@ def test_a_killed_run_leaves_no_daemon_and_the_next_run_deletes_its_namespace(tm
                 return True
 
         until(gone, 10, what=f"sleep (pid {pid}) to die with the killed run")
-        assert netns.Netns(name).exists()
-        assert name in netns.sweep_dead_owners()
-        assert not netns.Netns(name).exists() and not os.path.exists(os.path.join(netns.OWNERS_DIR, name))
+        assert netns.Netns(name).exists() and netns.Netns(name + "a").exists()
+        swept = netns.sweep_dead_owners()
+        assert name in swept and name + "a" in swept, swept
+        for n in (name, name + "a"):
+            assert not netns.Netns(n).exists() and not os.path.exists(os.path.join(netns.OWNERS_DIR, n))
     finally:
         netns.Netns(name).delete()
+        netns.Netns(name + "a").delete()

@@ -128,7 +128,7 @@ def test_unit_hardening_keys():
     assert service("ProtectSystem") == "strict"
     assert service("StateDirectory") == "agentd"
     assert service("RuntimeDirectory") == "agentd"
-    assert "/etc/cni/net.d" in service("ReadWritePaths").split()
+    assert "-/etc/cni/net.d" in service("ReadWritePaths").split()  # made by ExecStartPre=+ (test_packaging)
     assert set(service("RestrictAddressFamilies").split()) == {"AF_UNIX", "AF_NETLINK", "AF_INET", "AF_INET6", "AF_PACKET"}
     assert UNIT_KEYS["Service.SystemCallFilter"][0] == "@system-service"
     for key, value in {

@@ -34,7 +34,8 @@ could not keep them:
   off, saying why;
 * docs/operations.md's drop-in for a dedicated user in its place: the agent runs as that user
   below a root-owned, mode 0700 bpffs (as systemd mounts /sys/fs/bpf), and the BPF data path
-  (taking over the root agents' pins), the member filter and the pod fast path are on.
+  (taking over the root agents' pins), the member filter and the pod fast path are on; and
+  /etc/cni/net.d, removed before that start, is made again by the unit, root's (not the user's).
 """
 
 from __future__ import annotations
@@ -350,11 +351,16 @@ def test_the_unit_under_systemd(systemd_nodes, tmp_path):
     #    mounts it), taking over the pins the root agents left
     sd1.sh("systemctl", "stop", "agentd")
     sd1.sh("useradd", "--system", "--user-group", "--no-create-home", "agentd")
+    # A node whose CNI directory is not there yet (the agent started before the runtime made
+    # it): the unit makes it, and root's, not the agent user's (ConfigurationDirectory= would
+    # chown a directory it makes to User=, handing every CNI network's configuration to it).
+    sd1.sh("rm", "-rf", "/etc/cni/net.d")
     sd1.engine.docker("exec", "-i", sd1.container, "sh", "-c",
                       "cat > /etc/systemd/system/agentd.service.d/override.conf", input=drop_in("User=agentd"))  # fmt: skip
     sd1.sh("systemctl", "daemon-reload")
     sd1.sh("systemctl", "start", "agentd")
     assert sd1.sh("stat", "-c", "%U %a", "/sys/fs/bpf").split() == ["root", "1700"]
+    assert sd1.sh("stat", "-c", "%U %G %a", "/etc/cni/net.d").split() == ["root", "root", "755"]
     status = dict(line.split(":\t", 1) for line in sd1.sh("cat", f"/proc/{sd1.main_pid()}/status").splitlines()
                   if ":\t" in line)  # fmt: skip
     assert status["Uid"].split()[1] == sd1.sh("id", "-u", "agentd").strip(), status["Uid"]

@@ -185,7 +185,10 @@ def test_the_unit_lets_the_agent_write_where_the_defaults_say():
     cni, agent = CniConfig(), AgentConfig()
     for path in (cni.conf_dir, cni.subnet_file.parent, agent.state_dir):
         assert any(Path(path).is_relative_to(w) for w in writable), path
-    assert "/etc/cni/net.d" in {"/etc/" + d for d in unit_values("ConfigurationDirectory")}
+    # The CNI directory is made by root, not by ConfigurationDirectory= (which systemd would make
+    # the user's of a drop-in's User=): it stays root's, shared with the container runtime.
+    assert not any("cni" in d for line in unit_values("ConfigurationDirectory") for d in line.split())
+    assert "+/bin/mkdir -p /etc/cni/net.d" in unit_values("ExecStartPre")
     # The command the unit runs is where pip (and the Dockerfile) put it, with the default config.
     (exec_start,) = unit_values("ExecStart")
     assert exec_start == f"/usr/local/bin/agentd run --config {DEFAULT_CONFIG_PATH}"

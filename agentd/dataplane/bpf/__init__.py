@@ -10,10 +10,11 @@ from .datapath import (
     OBJECT,
     BpfDatapath,
     BpfUnavailable,
+    for_log,
     pin_dir,
     remove_pinned,
 )
 from .layout import Config
 
-__all__ = ["DEFAULT_BPF_DIR", "OBJECT", "BpfDatapath", "BpfUnavailable", "Config", "layout", "libbpf", "pin_dir",
-           "remove_pinned"]
+__all__ = ["DEFAULT_BPF_DIR", "OBJECT", "BpfDatapath", "BpfUnavailable", "Config", "for_log", "layout", "libbpf",
+           "pin_dir", "remove_pinned"]

@@ -63,6 +63,28 @@ class BpfUnavailable(RuntimeError):
     """The in-kernel data path cannot run here; ``str()`` is the reason (for /status and the log)."""
 
 
+# Why the pin directory cannot be made (ensure_dir's reasons), and which of them the log has
+# given in full: one cause that stops every BPF part of the agent (the data path, the member
+# filter, the pod fast path) is logged in full once per run (this process), the other parts'
+# lines refer to it.  /status keeps the full reason for each part.
+_PIN_DIR_REASONS: set[str] = set()
+_PIN_DIR_LOGGED: set[str] = set()
+PIN_DIR_LOGGED_ABOVE = "its BPF pin directory cannot be made (the reason is logged above)"
+
+
+def for_log(reason: str) -> str:
+    """``reason`` (a BPF part's, as /status has it) as a log line gives it: a pin directory
+    that cannot be made in full the first time this run logs it, and as
+    :data:`PIN_DIR_LOGGED_ABOVE` after that."""
+    for cause in _PIN_DIR_REASONS:
+        if cause in reason:
+            if cause in _PIN_DIR_LOGGED:
+                reason = reason.replace(cause, PIN_DIR_LOGGED_ABOVE)
+            else:
+                _PIN_DIR_LOGGED.add(cause)
+    return reason
+
+
 def pin_dir(bpf_dir: str | os.PathLike) -> Path:
     """Where this network namespace's agent pins its maps and programs."""
     return Path(bpf_dir) / f"netns-{os.stat('/proc/self/ns/net').st_ino}"
@@ -454,13 +476,17 @@ def ensure_dir(bpf_dir: Path, directory: Path) -> None:
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         if not lb.is_bpffs(str(probe)):
-            raise BpfUnavailable(f"no BPF file system at {bpf_dir} ([agent] bpf_dir): pins need one "
-                                 "(systemd mounts /sys/fs/bpf at boot; else `mount -t bpf bpf /sys/fs/bpf`)")
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            reason = (f"no BPF file system at {bpf_dir} ([agent] bpf_dir): pins need one "
+                      "(systemd mounts /sys/fs/bpf at boot; else `mount -t bpf bpf /sys/fs/bpf`)")
+        else:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return
     except PermissionError as err:
-        raise BpfUnavailable(_denied(bpf_dir, directory, err)) from None
+        reason = _denied(bpf_dir, directory, err)
     except OSError as err:
-        raise BpfUnavailable(f"cannot make {directory}: {err.strerror}") from None
+        reason = f"cannot make {directory}: {err.strerror}"
+    _PIN_DIR_REASONS.add(reason)
+    raise BpfUnavailable(reason)
 
 
 def _denied(bpf_dir: Path, directory: Path, err: OSError) -> str:

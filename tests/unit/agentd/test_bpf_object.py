@@ -252,3 +252,27 @@ def test_a_pin_directory_made_before_the_agent_starts_is_used(tmp_path, monkeypa
     monkeypatch.setattr(libbpf, "is_bpffs", lambda path: True)
     datapath.ensure_dir(bpf_dir, datapath.pin_dir(bpf_dir))
     assert datapath.pin_dir(bpf_dir).is_dir() and datapath.pin_dir(bpf_dir).parent == bpf_dir
+
+
+def test_a_pin_directory_that_cannot_be_made_is_logged_once_per_run(tmp_path):
+    """One cause (no bpffs at [agent] bpf_dir) stops every BPF part: the data path, each
+    member filter, the pod fast path.  /status keeps the reason for each; the log gives it in
+    full once, the other parts' lines refer to it."""
+    from agentd.dataplane.bpf.datapath import PIN_DIR_LOGGED_ABOVE, ensure_dir, for_log
+
+    bpf_dir = tmp_path / "not-a-bpffs"
+    reasons = []
+    for _part in ("data path", "pod fast path"):
+        with pytest.raises(BpfUnavailable) as err:
+            ensure_dir(bpf_dir, bpf_dir / "netns-1")
+        reasons.append(str(err.value))
+    assert reasons[0] == reasons[1] and reasons[0].startswith(f"no BPF file system at {bpf_dir}")
+    assert for_log(reasons[0]) == reasons[0]
+    assert for_log(f"BPF: {reasons[1]}") == f"BPF: {PIN_DIR_LOGGED_ABOVE}"
+    assert for_log(reasons[0]) == PIN_DIR_LOGGED_ABOVE
+    # Other reasons, and another bpf_dir's, are logged as they are.
+    assert for_log("the kernel cannot run the pod fast path: EINVAL") == "the kernel cannot run the pod fast path: EINVAL"
+    other = tmp_path / "another"
+    with pytest.raises(BpfUnavailable) as err:
+        ensure_dir(other, other / "netns-1")
+    assert for_log(str(err.value)) == str(err.value)

@@ -100,6 +100,60 @@ def test_the_next_run_deletes_only_the_namespaces_of_runs_that_died(tmp_path, mo
     assert not (tmp_path / "ad-cli-node1").exists()
 
 
+def test_a_dead_runs_docker_engine_is_stopped_before_its_namespace_goes(tmp_path, monkeypatch):
+    """A killed run's recorded namespace with a Docker engine in it (the compose lab's, a
+    Docker-host node's): the engine is stopped first (its containers live in namespaces of
+    their own, which killing the namespace's processes would leave); a failing stop does not
+    keep the namespace."""
+    from agentd.lab import dockerd, fixtures
+
+    monkeypatch.setattr(netns, "OWNERS_DIR", str(tmp_path / "owners"))
+    monkeypatch.setattr(dockerd, "RUN_ROOT", tmp_path / "run")
+    (tmp_path / "owners").mkdir()
+    (tmp_path / "run" / "lab-t1-node2").mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=60).stdout.strip()  # fmt: skip
+    for name in ("ad-compose_c1-docker", "ad-t1-node2", "ad-t1-node1"):
+        (tmp_path / "owners" / name).write_text(f"{dead} 12345\n")
+    engine = fixtures.engine_of_namespace("ad-compose_c1-docker")
+    assert engine.name == "compose-c1" and engine.netns.name == "ad-compose_c1-docker"
+    engine = fixtures.engine_of_namespace("ad-t1-node2")
+    assert engine.name == "lab-t1-node2" and engine.run_root == tmp_path / "run" / "lab-t1-node2" and engine.shared_netns
+    assert fixtures.engine_of_namespace("ad-t1-node1") is None  # no engine ran there
+    assert fixtures.engine_of_namespace("ad-t1-node2-pod1") is None
+    events = []
+
+    def stop(self, **kwargs):
+        events.append(("stop", self.name))
+        if self.name == "compose-c1":
+            raise OSError("dockerd is gone")
+
+    monkeypatch.setattr(dockerd.DockerEngine, "stop", stop)
+    monkeypatch.setattr(netns.Netns, "exists", lambda self: True)
+    monkeypatch.setattr(netns.Netns, "delete", lambda self: events.append(("delete", self.name)))
+    assert netns.sweep_dead_owners(before_delete=fixtures.stop_engine_in) == [
+        "ad-compose_c1-docker", "ad-t1-node1", "ad-t1-node2"]
+    assert events == [("stop", "compose-c1"), ("delete", "ad-compose_c1-docker"), ("delete", "ad-t1-node1"),
+                      ("stop", "lab-t1-node2"), ("delete", "ad-t1-node2")]  # fmt: skip
+
+
+def test_the_shared_compose_engine_namespace_is_recorded_as_the_runs(tmp_path, monkeypatch):
+    """The test run's compose engine is made by the ``compose up`` command (which records
+    nothing: its engine outlives it); the run records its namespace as its own first."""
+    monkeypatch.setattr(netns, "OWNERS_DIR", str(tmp_path))
+    monkeypatch.setattr(netns, "_tie_children", True)
+
+    def cli(name, *args, **kwargs):
+        assert (tmp_path / "ad-compose_c2-docker").exists()  # recorded before up makes it
+        return SimpleNamespace(returncode=1, stdout="", stderr="no")
+
+    monkeypatch.setattr(compose, "cli", cli)
+    monkeypatch.setattr(compose, "leftovers", lambda engine: [])
+    with pytest.raises(LabError, match="compose up failed"), compose.shared_engine("c2"):
+        pass
+    assert (tmp_path / "ad-compose_c2-docker").read_text().split()[0] == str(os.getpid())
+
+
 # ------------------------------------------------------------------ pods
 
 
@@ -292,3 +346,37 @@ def test_compose_user_engine_and_private_exclude_each_other(capsys):
     with pytest.raises(SystemExit):
         compose.main(["up", "--user-engine", "--private"])
     assert "not allowed with" in capsys.readouterr().err
+
+
+def test_a_lab_saved_before_the_injective_slugs_finds_its_added_pods(tmp_path, monkeypatch):
+    """A lab made by an older agentd (added pods under p-NS-NAME, no slug in lab.json): its
+    pods are found under the name their namespace has; the next save records it."""
+    import dataclasses
+    import hashlib
+    import json
+
+    lab = Lab(LabSpec(name="t", nodes=1, pods=0), root=tmp_path)
+    lab.dir.mkdir(parents=True, exist_ok=True)
+    long_name = "m" * 70
+    state = {"spec": dataclasses.asdict(lab.spec), "pods": {}, "pod_ips": {},
+             "added_pods": [{"node": "node1", "namespace": ns, "name": name, "labels": {}, "ports": [], "host_ports": [],
+                             "result": None} for ns, name in (("a", "b-c"), ("a", long_name), ("x", "y"))]}  # fmt: skip
+    (lab.dir / "lab.json").write_text(json.dumps(state))
+    old_long = f"p-a-{long_name}"
+    old_long = f"{old_long[:40]}-{hashlib.sha1(old_long.encode()).hexdigest()[:12]}"
+    existing = {"ad-t-p-a-b-c", f"ad-t-{old_long}"}  # x/y: no namespace under either name
+    monkeypatch.setattr(netns.Netns, "exists", lambda self: self.name in existing)
+    loaded = Lab.load("t", root=tmp_path)
+    assert [(p.name, p.ns.name, p.container_id) for p in loaded.pods] == [
+        ("a/b-c", "ad-t-p-a-b-c", "t-p-a-b-c"),
+        (f"a/{long_name}", f"ad-t-{old_long}", f"t-{old_long}"),
+        ("x/y", "ad-t-p-x_y", "t-p-x_y"),
+    ]
+    loaded._save()
+    monkeypatch.setattr(netns.Netns, "exists", lambda self: False)  # saved: no looking any more
+    assert [p.ns.name for p in Lab.load("t", root=tmp_path).pods] == ["ad-t-p-a-b-c", f"ad-t-{old_long}", "ad-t-p-x_y"]
+    # A pod whose new-scheme namespace exists keeps it, even when an old one is there too.
+    (lab.dir / "lab.json").write_text(json.dumps(state))
+    existing = {"ad-t-p-a_b-c", "ad-t-p-a-b-c"}
+    monkeypatch.setattr(netns.Netns, "exists", lambda self: self.name in existing)
+    assert Lab.load("t", root=tmp_path).pods[0].ns.name == "ad-t-p-a_b-c"
