@@ -301,7 +301,7 @@ class PolicyAgent:
                 log.warning("endpoint file of pod %s/%s unusable: %s", *key, err)
                 self.engine.remove_pod(key)
                 return
-            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge, ep.written))
+            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, ep.pod_mac))
         elif record is not None and record["spec"].get("nodeName") != self.node:
             try:
                 self.engine.upsert_pod(Pod.parse(record))

@@ -446,7 +446,7 @@ def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
     assert drop is not None and drop.reason == "unknown"
     assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
     assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
-    with pytest.raises(FilterError, match="'no-route' is not one of policy, spoofed, no-endpoints, no-local-endpoints, unknown"):
+    with pytest.raises(FilterError, match="'no-route' is not one of policy, spoofed, spoofed-mac, no-endpoints, no-local-endpoints, unknown"):
         FlowFilter.parse([("reason", "no-route")])  # nothing records it
 
 
