@@ -33,7 +33,7 @@ Drop records (flow visibility, ``agentd.flows``): with a :class:`DropLog`, each 
 drop is preceded by a rate-limited ``log group N prefix "<the chain's name>"`` rule (NFLOG:
 the agent hears the packet and maps the prefix back to the pod, the direction and the
 policies that isolate it), what the limit holds back is counted in the ``flow-log-suppressed``
-counter, and the spoofing drop logs with prefix ``spoofed``.  With ``route_all`` the bridge
+counter, and the spoofing drops log with prefix ``spoofed`` (``spoofed-mac``, ``spoofed-arp``).  With ``route_all`` the bridge
 table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
 conntrack sees every connection of the node's pods (the flows' connection records).
 
@@ -89,6 +89,7 @@ SPOOFED_PREFIX = "spoofed"
 # Frames from a pod port whose source MAC is not the pod's own: their own drop chain and log
 # prefix (the flow record's reason), counted in the one spoofed counter.
 SPOOFED_MAC = "spoofed-mac"
+SPOOFED_ARP = "spoofed-arp"  # ARP from a pod port claiming an address not the pod's own
 POD_MACS = "pod-macs"  # port . the MAC of the pod behind it
 MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known (the others are not checked)
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
@@ -239,7 +240,7 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
             # address probes, which come from 0.0.0.0 (RFC 5227) and update no cache.
             prerouting.append([match(payload("ether", "type"), "arp"), from_pod, match(payload("arp", "saddr ip"), "0.0.0.0", "!="),
                                match({"concat": [meta("iifname"), payload("arp", "saddr ip")]}, ref(f.name("pod-addrs")), "!="),
-                               *_spoofed(log)])  # fmt: skip
+                               *_spoofed(log, SPOOFED_ARP)])  # fmt: skip
         routed_up += [
             # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
             # pod's own host-side MAC, a local FDB entry of the bridge).
@@ -262,7 +263,7 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     if log is not None:
         logged = [NftCounter(BRIDGE, TABLE, SUPPRESSED),
                   *(NftChain(BRIDGE, TABLE, name, log.chain_rules(name, [{"counter": SPOOFED}, DROP]))
-                    for name in (SPOOFED_PREFIX, SPOOFED_MAC))]
+                    for name in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP))]
     return [
         *logged,
         NftSet(BRIDGE, TABLE, "pod-ports", ("ifname",)),

@@ -811,6 +811,22 @@ async def test_a_frame_with_another_pods_mac_is_dropped_before_the_bridge_learns
     assert mac_a != mac_b
 
 
+async def test_a_spoofed_arp_reply_is_dropped_and_recorded(shop):
+    """lobby/a answers ARP for b's address with its own MAC ("b is at a's MAC"): dropped at
+    a's bridge port, as ever, and now a flow record (reason spoofed-arp, protocol ARP) naming
+    the address claimed and a as the sender; the node's neighbour entry for b is not a's MAC."""
+    a, b, node2 = shop.pods["a"], shop.pods["b"], shop.lab.nodes[1]
+    mac_a = pod_mac(a)
+    gateway = a.ip.rsplit(".", 1)[0] + ".1"
+    await a.ns.aexec(sys.executable, "-c", SEND_FRAME, "arp", mac_a, "ff:ff:ff:ff:ff:ff", b.ip, gateway, timeout=30)
+    got = await records(node2, "--reason", "spoofed-arp", "--from-pod", "lobby/a", "--ip", b.ip,
+                        want=lambda r: r, what="node2's spoofed-arp drop naming lobby/a")  # fmt: skip
+    d = got[-1]
+    assert (d["protocol"], d["src"]["ip"], d["dst"]["ip"]) == ("ARP", b.ip, gateway), d
+    assert d["sender"]["pod"] == "lobby/a" and d["src"]["pod"] == "lobby/b", d
+    assert mac_a not in node2.ns.exec("ip", "neigh", "show", b.ip)
+
+
 async def test_services_show_vip_endpoint_and_refusals(shop):
     web, node1 = shop.pods["web"], shop.lab.nodes[0]
     assert (await shop.echo["client"].tcp(shop.vip["web"], 80))["names"] == {"web": 1}
