@@ -801,6 +801,7 @@ async def test_a_frame_with_another_pods_mac_is_dropped_before_the_bridge_learns
     b_port = fdb_port(node2, mac_b)
     assert b_port, "b's MAC not in cni0's forwarding database"
     await a.ns.aexec(sys.executable, "-c", SEND_FRAME, "udp", mac_b, "ff:ff:ff:ff:ff:ff", a.ip, b.ip, timeout=30)
+    assert fdb_port(node2, mac_b) == b_port, "a's frames moved b's MAC to a's port"
     got = await records(node2, "--reason", "spoofed-mac", "--from-pod", "lobby/a",
                         want=lambda r: r, what="node2's spoofed-mac drop naming lobby/a")  # fmt: skip
     d = got[-1]
