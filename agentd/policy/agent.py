@@ -533,6 +533,11 @@ class PolicyAgent:
         policies, default_deny = self.engine.denying(key, direction)
         return ("ingress" if direction == "in" else "egress"), key, policies, default_deny
 
+    @property
+    def unknown_endpoints(self) -> list[str]:
+        """Container IDs of this node's endpoint files never read: pods unknown to policy."""
+        return sorted(self.publisher.unknown)
+
     def local_pods(self) -> list[PodKey]:
         return sorted(k for k in self.engine.local if k in self.engine.pods)
 
