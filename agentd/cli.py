@@ -695,6 +695,13 @@ def _backend(peer: dict[str, Any]) -> str:
     return label
 
 
+def _unknown_endpoints(unknown: Any) -> str:
+    """The status line's warning of endpoint files never read (their pods unknown to policy)."""
+    if not isinstance(unknown, list) or not unknown:
+        return ""
+    return f"  UNKNOWN PODS {len(unknown)} (endpoint files never read: {_cell(', '.join(map(str, unknown[:3])))}{' ...' if len(unknown) > 3 else ''})"
+
+
 def _fast_path_line(fast: dict[str, Any]) -> str:
     """The pod fast path (docs/policy.md): on where, and what it carried; or why it is off."""
     if not fast.get("on"):
@@ -770,6 +777,7 @@ def render_status(status: dict[str, Any]) -> str:
             f"Policy {policy.get('policies', 0)} policies  local pods {policy.get('local_pods', 0)}"
             f"  isolated {iso.get('any', 0)} (ingress {iso.get('ingress', 0)}, egress {iso.get('egress', 0)})"
             f"{'  ERROR ' + _cell(policy['error']) if policy.get('error') else ''}"
+            f"{_unknown_endpoints(policy.get('unknown_endpoints'))}"
         )
         fast = policy.get("fast_path")
         if isinstance(fast, dict):

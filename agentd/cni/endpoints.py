@@ -70,6 +70,11 @@ class Endpoint:
     interface: str  # host side of the pod's veth
     mac: str  # its MAC
     bridge: str
+    # The MAC of the pod's own interface (the veth's other end, in the sandbox), as the
+    # delegate's result names it: the only source MAC the bridge takes from the pod's port.
+    # "" where the delegate named none (or a file of an older plugin): that port's source
+    # MAC is not checked.
+    pod_mac: str = ""
     ifname: str = "eth0"
     netns: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +112,8 @@ class Endpoint:
         for f in ("container_id", "namespace", "name", "interface", "mac", "bridge"):
             if not isinstance(getattr(ep, f), str) or not getattr(ep, f):
                 raise ValueError(f"field {f!r} missing or not a string")
+        if not isinstance(ep.pod_mac, str):
+            raise ValueError("field 'pod_mac' is not a string")
         if not isinstance(ep.labels, dict) or not isinstance(ep.ips, list) or not isinstance(ep.ports, list):
             raise ValueError("labels, ips or ports have the wrong type")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in ep.labels.items()):
@@ -198,6 +205,18 @@ def attachment(result: Mapping[str, Any], bridge: str) -> tuple[list[str], str, 
     if not ips or not host:
         raise EndpointError("the delegate's result names no address or no host-side interface")
     return ips, str(host[0]["name"]), str(host[0].get("mac", ""))
+
+
+def pod_mac(result: Mapping[str, Any], ifname: str) -> str:
+    """The MAC of the pod's interface ``ifname`` (in its sandbox) in the delegate's ADD result,
+    normalised (lower case); "" if the result names none."""
+    for i in result.get("interfaces") or []:
+        if isinstance(i, dict) and i.get("sandbox") and i.get("name") == ifname:
+            mac = str(i.get("mac", "")).lower()
+            parts = mac.split(":")
+            if len(parts) == 6 and all(len(p) == 2 and all(c in "0123456789abcdef" for c in p) for p in parts):
+                return mac
+    return ""
 
 
 LOCK = ".lock"  # flock(2)ed: the plugin's changes (shared) against the agent's checks (exclusive)

@@ -407,7 +407,7 @@ def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any
             pod_endpoints.Endpoint(
                 container_id=args.container_id, namespace=namespace, name=name, labels=labels, ports=ports,
                 ips=ips, interface=interface, mac=mac, bridge=conf.get("bridge", "cni0"),
-                ifname=args.ifname, netns=args.netns,
+                ifname=args.ifname, netns=args.netns, pod_mac=pod_endpoints.pod_mac(result, args.ifname),
             ),
         )  # fmt: skip
     except pod_endpoints.EndpointError as e:

@@ -8,7 +8,7 @@ services agents already know, never a second copy.
   port: the services agent's ports as last programmed;
 * a drop prefix: a pod chain's (``pod-in/...``, ``pod-out/...``: the pod, the direction and
   the policies isolating it, :meth:`agentd.policy.agent.PolicyAgent.explain_drop`),
-  ``spoofed``, or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``);
+  ``spoofed`` (``spoofed-mac``, ``spoofed-arp``), or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``);
 * the pod on an interface (a spoofed packet's sender): the node's side of each local pod's
   veth, as agentd-cni's endpoint files name it (the policy agent's publisher).
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 from agentd.flows.model import Identity
 from agentd.policy.agent import PolicyAgent
-from agentd.policy.compiler import SPOOFED_PREFIX
+from agentd.policy.compiler import SPOOFED_ARP, SPOOFED_MAC, SPOOFED_PREFIX
 from agentd.services import compiler as services_compiler
 from agentd.services.agent import ServiceAgent
 
@@ -164,8 +164,8 @@ class FlowDirectory:
         return self._names
 
     def drop(self, prefix: str) -> DropMeaning | None:
-        if prefix == SPOOFED_PREFIX:
-            return DropMeaning("spoofed", "egress")
+        if prefix in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP):  # the bridge's spoofing drops: their prefix is the reason
+            return DropMeaning(prefix, "egress")
         reason = SERVICE_REFUSALS.get(prefix)
         if reason is not None:
             return DropMeaning(reason)

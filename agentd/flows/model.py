@@ -26,11 +26,14 @@ VERDICTS = ("forwarded", "dropped")
 REASONS = {
     "policy": "denied by NetworkPolicy",
     "spoofed": "source address is not the pod's own",
+    "spoofed-mac": "source MAC is not the pod's own",
+    "spoofed-arp": "ARP sender address is not the pod's own",
     "no-endpoints": "Service has no endpoints (refused)",
     "no-local-endpoints": "Service has no endpoints on this node (traffic policy Local)",
     "unknown": "a drop rule the agent does not know (its log prefix)",  # the recorder's word for the rest
 }
-PROTOCOLS = {1: "ICMP", 6: "TCP", 17: "UDP", 58: "ICMPv6", 132: "SCTP"}
+ARP = 0x0806  # not an IP protocol: its ether type, for the ARP packets the bridge drops (spoofed-arp)
+PROTOCOLS = {1: "ICMP", 6: "TCP", 17: "UDP", 58: "ICMPv6", 132: "SCTP", ARP: "ARP"}
 # Those whose records' ends hold ports (ICMP's hold its type and code: no port filter matches them).
 PORTED = frozenset({"TCP", "UDP", "SCTP"})
 
@@ -90,7 +93,7 @@ class Flow:
     packets_received: int | None = None
     duration: float | None = None
     suppressed: int = 0  # drops like this one the agent folded since the last record of them
-    sender: Identity | None = None  # spoofed: the pod whose veth it came in on (src names whom it pretends to be)
+    sender: Identity | None = None  # spoofed (any spoofed-* too): the pod whose veth it came in on (src names whom it pretends to be)
     sender_interface: str | None = None  # spoofed: that veth (the node's side)
     seq: int = 0  # the ring's number for it
     # When the agent took it in, where that says more than ``time`` of where it is in the ring

@@ -1272,7 +1272,7 @@ class FlowRecorder:
             flow.service_ip, flow.service_port = service_at
         if meaning is not None:
             flow.policies, flow.default_deny = tuple(meaning.policies), meaning.default_deny
-        if reason == "spoofed" and p.port:
+        if reason.startswith("spoofed") and p.port:
             # The source address names whom the packet pretends to be; the veth it came in
             # on names who sent it.
             on = d.pod_on(p.port)

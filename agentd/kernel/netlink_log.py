@@ -129,7 +129,8 @@ class Packet(NamedTuple):
 
 def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
     """An NFULNL_MSG_PACKET body (nfgenmsg + attributes); None if its payload is no IPv4 or
-    IPv6 packet the agent can read (too short, another protocol)."""
+    IPv6 packet, nor an ARP one (its hardware protocol, NFULA_PACKET_HDR, ETH_P_ARP: the
+    bridge table's spoofed-arp drops), that the agent can read (too short, another protocol)."""
     if end > len(buf) or end - start < nl.NFGENMSG_LEN:
         raise nl.NetlinkDecodeError(f"log message body is {end - start} bytes, nfgenmsg needs {nl.NFGENMSG_LEN}")
     family = buf[start]
@@ -139,8 +140,11 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
     seq = None
     payload = None
     conntrack = None
+    hw_protocol = 0
     for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
-        if atype == NFULA_PREFIX:
+        if atype == NFULA_PACKET_HDR and ve - vs >= 2:
+            hw_protocol = _BE16.unpack_from(buf, vs)[0]
+        elif atype == NFULA_PREFIX:
             prefix = nl.read_string(buf, vs, ve)
         elif atype == NFULA_PAYLOAD:
             payload = (vs, ve)
@@ -161,7 +165,7 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
             when = sec + usec / 1e6
     if payload is None:
         return None
-    headers = ip_summary(buf, *payload)
+    headers = arp_summary(buf, *payload) if hw_protocol == ETH_P_ARP else ip_summary(buf, *payload)
     if headers is None:
         return None
     orig_dst, ct_malformed = None, False
@@ -194,6 +198,23 @@ def _be32(buf: bytes, start: int, end: int, what: str) -> int:
     if end - start != 4:
         raise nl.NetlinkDecodeError(f"{what} must be 4 bytes, got {end - start}")
     return _BE32.unpack_from(buf, start)[0]
+
+
+ETH_P_ARP = 0x0806
+_ARP_IPV4 = struct.Struct("!HHBBH6s4s6s4s")
+
+
+def arp_summary(buf: bytes, start: int, end: int) -> tuple[str, str, int, int, int] | None:
+    """An ARP packet (Ethernet, IPv4) as :func:`ip_summary` gives an IP one: (sender address,
+    target address, ETH_P_ARP as the protocol, the operation, 0); None if it is not one."""
+    if end - start < _ARP_IPV4.size:
+        return None
+    htype, ptype, hlen, plen, op, _sha, spa, _tha, tpa = _ARP_IPV4.unpack_from(buf, start)
+    if (htype, ptype, hlen, plen) != (1, 0x0800, 6, 4):
+        return None
+    import socket
+
+    return socket.inet_ntoa(spa), socket.inet_ntoa(tpa), ETH_P_ARP, op, 0
 
 
 def ip_summary(buf: bytes, start: int, end: int) -> tuple[str, str, int, int, int] | None:

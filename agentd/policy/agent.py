@@ -306,7 +306,7 @@ class PolicyAgent:
                 log.warning("endpoint file of pod %s/%s unusable: %s", *key, err)
                 self.engine.remove_pod(key)
                 return
-            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge, ep.written))
+            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, ep.pod_mac))
         elif record is not None and record["spec"].get("nodeName") != self.node:
             try:
                 self.engine.upsert_pod(Pod.parse(record))
@@ -557,6 +557,11 @@ class PolicyAgent:
         direction, key = origin
         policies, default_deny = self.engine.denying(key, direction)
         return ("ingress" if direction == "in" else "egress"), key, policies, default_deny
+
+    @property
+    def unknown_endpoints(self) -> list[str]:
+        """Container IDs of this node's endpoint files never read: pods unknown to policy."""
+        return sorted(self.publisher.unknown)
 
     def local_pods(self) -> list[PodKey]:
         return sorted(k for k in self.engine.local if k in self.engine.pods)

@@ -23,7 +23,9 @@ Where packets are judged (see docs/policy.md for the picture):
   (``meta pkttype set host`` and a destination MAC the bridge delivers locally: the host side
   of a pod's own veth), so they are routed back out of the bridge, through conntrack and the
   inet chains like any other traffic.  It also drops frames whose source address is not the
-  pod's own (a pod must not borrow another's identity; ARP's sender address too), VLAN-tagged
+  pod's own (a pod must not borrow another's identity; ARP's sender address too) or whose
+  source MAC is not its interface's (``spoofed-mac``: another pod's MAC would move the
+  bridge's forwarding entry for it to this port), VLAN-tagged
   frames from pods (the tag hides the frame's type from every ``ether type`` match), the
   family a single-family cluster has not (nothing would judge it once routed), and what
   still crosses the bridge to or from an isolated pod without being routed (IPv4 broadcast
@@ -33,7 +35,7 @@ Drop records (flow visibility, ``agentd.flows``): with a :class:`DropLog`, each 
 drop is preceded by a rate-limited ``log group N prefix "<the chain's name>"`` rule (NFLOG:
 the agent hears the packet and maps the prefix back to the pod, the direction and the
 policies that isolate it), what the limit holds back is counted in the ``flow-log-suppressed``
-counter, and the spoofing drop logs with prefix ``spoofed``.  With ``route_all`` the bridge
+counter, and the spoofing drops log with prefix ``spoofed`` (``spoofed-mac``, ``spoofed-arp``).  With ``route_all`` the bridge
 table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
 conntrack sees every connection of the node's pods (the flows' connection records).
 
@@ -88,6 +90,12 @@ SPOOFED = "spoofed"
 NA_PORTS = "na-ports"  # pod port -> its chain of the targets its neighbour advertisements may have
 
 SPOOFED_PREFIX = "spoofed"
+# Frames from a pod port whose source MAC is not the pod's own: their own drop chain and log
+# prefix (the flow record's reason), counted in the one spoofed counter.
+SPOOFED_MAC = "spoofed-mac"
+SPOOFED_ARP = "spoofed-arp"  # ARP from a pod port claiming an address not the pod's own
+POD_MACS = "pod-macs"  # port . the MAC of the pod behind it
+MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known (the others are not checked)
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
 
 _L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
@@ -183,9 +191,10 @@ def base_objects(
     return inet + _bridge_base(fams, log)
 
 
-def _spoofed(log: DropLog | None) -> list[dict[str, Any]]:
-    """What happens to a pod's packet with a source that is not its own (logged: flow records)."""
-    return [jump(SPOOFED)] if log is not None else [{"counter": SPOOFED}, DROP]
+def _spoofed(log: DropLog | None, chain: str = SPOOFED) -> list[dict[str, Any]]:
+    """What happens to a pod's packet with a source that is not its own (logged: flow records,
+    each kind through its own chain, whose name is its log prefix)."""
+    return [jump(chain)] if log is not None else [{"counter": SPOOFED}, DROP]
 
 
 def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[Any]:
@@ -193,6 +202,11 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     unicast_other = match(meta("pkttype"), "other")  # not for the bridge, not broadcast/multicast
     from_pod = match(meta("iifname"), ref("pod-ports"))
     prerouting: list[list[dict[str, Any]]] = [
+        # A pod sends with its own interface's MAC only: another's would move the bridge's
+        # forwarding entry for that MAC to this port (frames for that pod would come here).
+        # Checked before the bridge learns the source (br_handle_frame runs this hook first).
+        [match(meta("iifname"), ref(MAC_PORTS)),
+         match({"concat": [meta("iifname"), payload("ether", "saddr")]}, ref(POD_MACS), "!="), *_spoofed(log, SPOOFED_MAC)],
         # A VLAN tag hides the frame's type from every ``ether type`` match below (the kernel
         # reads the tag's type, 802.1Q), while the receiving pod treats VID 0 as untagged:
         # pods send no tagged frames.
@@ -239,7 +253,7 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
             # address probes, which come from 0.0.0.0 (RFC 5227) and update no cache.
             prerouting.append([match(payload("ether", "type"), "arp"), from_pod, match(payload("arp", "saddr ip"), "0.0.0.0", "!="),
                                match({"concat": [meta("iifname"), payload("arp", "saddr ip")]}, ref(f.name("pod-addrs")), "!="),
-                               *_spoofed(log)])  # fmt: skip
+                               *_spoofed(log, SPOOFED_ARP)])  # fmt: skip
         routed_up += [
             # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
             # pod's own host-side MAC, a local FDB entry of the bridge).
@@ -270,10 +284,13 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     logged: list[Any] = []
     if log is not None:
         logged = [NftCounter(BRIDGE, TABLE, SUPPRESSED),
-                  NftChain(BRIDGE, TABLE, SPOOFED, log.chain_rules(SPOOFED_PREFIX, [{"counter": SPOOFED}, DROP]))]
+                  *(NftChain(BRIDGE, TABLE, name, log.chain_rules(name, [{"counter": SPOOFED}, DROP]))
+                    for name in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP))]
     return [
         *logged,
         NftSet(BRIDGE, TABLE, "pod-ports", ("ifname",)),
+        NftSet(BRIDGE, TABLE, MAC_PORTS, ("ifname",)),
+        NftSet(BRIDGE, TABLE, POD_MACS, ("ifname", "ether_addr")),
         *(NftSet(BRIDGE, TABLE, f.name("pod-addrs"), ("ifname", f.addr)) for f in fams),
         NftSet(BRIDGE, TABLE, "isolated-ports", ("ifname",)),
         NftSet(BRIDGE, TABLE, "isolated-in-ports", ("ifname",)),

@@ -486,6 +486,9 @@ class PolicyEngine:
             ingress, egress = self.isolation(key)
             elements["pod-ports"].add(port.interface)
             elements["port-macs"].add((port.interface, port.mac))
+            if port.pod_mac:
+                elements[compiler.MAC_PORTS].add(port.interface)
+                elements[compiler.POD_MACS].add((port.interface, port.pod_mac))
             routed = ingress or egress or self.route_all or self.route_services  # its unicast goes up to the IP stack
             if routed:
                 elements["isolated-ports"].add(port.interface)

@@ -303,6 +303,9 @@ class LocalPort:
     # When agentd-cni attached it (its endpoint file's mtime, ns): of two local pods with one
     # address the newer has it (PolicyEngine.conflicts)
     since: int = 0
+    # The MAC of the pod's own interface: the only source MAC taken from this port ("":
+    # unknown, not checked)
+    pod_mac: str = ""
 
 
 def namespace_labels(name: str, labels: Labels | None) -> dict[str, str]:

@@ -54,6 +54,10 @@ class PodPublisher:
         self.have_local = False  # the files were read at least once
         self.wake = asyncio.Event()  # something changed: publish now rather than at the interval
         self._reported: set[str] = set()
+        # Container IDs whose endpoint file is there but has never been read (bad permissions,
+        # damaged from its first write): their pods are unknown to policy -- no isolation and
+        # no source check on their bridge ports, which cannot even be named without the file.
+        self.unknown: set[str] = set()
         self._retry: asyncio.TimerHandle | None = None  # the wake after a failed compare
 
     # ------------------------------------------------------------------ the files
@@ -71,6 +75,11 @@ class PodPublisher:
         # pod gone: it keeps what it was, in the tables and in etcd (fail closed, not open).
         for cid in unreadable & self.endpoints.keys():
             found[cid] = self.endpoints[cid]
+        unknown = unreadable - found.keys()
+        for cid in sorted(unknown - self.unknown):
+            log.warning("endpoint file of container %s has never been readable: its pod is unknown to policy "
+                        "(not isolated, its bridge port not checked) until the file can be read", cid)
+        self.unknown = unknown
         if found == self.endpoints and self.have_local and all(
             (ep.written, ep.ident) == (self.endpoints[cid].written, self.endpoints[cid].ident) for cid, ep in found.items()
         ):  # (written and ident are not compared: a new file of the same container with the same

@@ -39,6 +39,9 @@ class PolicyState(Protocol):
     fast_path_error: str | None
     fast_path_counters: dict[str, dict[str, dict[str, int]]]  # family ("ipv4", "ipv6") -> verdict -> counts
 
+    @property
+    def unknown_endpoints(self) -> list[str]: ...  # endpoint files never read: pods policy does not know
+
     def local_pods(self) -> list[PodKey]: ...
 
     def isolated(self) -> dict[str, int]: ...
@@ -61,6 +64,9 @@ class PolicyViews:
             "last_sync": a.last_sync,
             "ruleset": size,
             "error": a.error,
+            # Endpoint files of this node never read (container IDs): their pods are neither
+            # isolated nor source-checked, and their bridge ports cannot be named.
+            "unknown_endpoints": a.unknown_endpoints,
             "fast_path": self.fast_path(),
         }
 
@@ -126,7 +132,10 @@ class PolicyViews:
         policies.add_metric([], float(a.policy_count))
         errors = CounterMetricFamily("agentd_policy_sync_errors", "policy changes nftables refused")
         errors.add_metric([], float(a.sync_errors))
-        yield from (dropped, spoofed, isolated, local, policies, errors)
+        unknown = GaugeMetricFamily("agentd_policy_unknown_endpoint_files",
+                                    "endpoint files of this node never read: pods unknown to policy")
+        unknown.add_metric([], float(len(a.unknown_endpoints)))
+        yield from (dropped, spoofed, isolated, local, policies, errors, unknown)
         if a.fast_path_counters:
             packets = CounterMetricFamily(
                 "agentd_pod_fast_path_packets", "pod TCP packets by what the pod fast path did with them (carried: "

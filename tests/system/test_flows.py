@@ -760,6 +760,74 @@ async def test_a_spoofed_source_names_the_pod_that_sent_it(shop):
     assert rc == 0 and f"sent by lobby/a on {sender['interface']}" in out.decode(), out
 
 
+SEND_FRAME = """
+import socket, struct, sys
+kind, src_mac, dst_mac, sender_ip, target_ip = sys.argv[1:6]
+mac = lambda m: bytes.fromhex(m.replace(":", ""))
+if kind == "arp":  # a reply: "sender_ip is at src_mac"
+    body = struct.pack("!HHBBH", 1, 0x0800, 6, 4, 2) + mac(src_mac) + socket.inet_aton(sender_ip) + mac(dst_mac) + socket.inet_aton(target_ip)
+    ether_type = 0x0806
+else:  # UDP from sender_ip (the pod's own) to target_ip
+    udp = struct.pack("!HHHH", 40000, 9, 9, 0) + b"x"
+    hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0, socket.inet_aton(sender_ip), socket.inet_aton(target_ip))
+    words = sum(struct.unpack("!10H", hdr))
+    words = (words & 0xFFFF) + (words >> 16)
+    hdr = hdr[:10] + struct.pack("!H", ~((words & 0xFFFF) + (words >> 16)) & 0xFFFF) + hdr[12:]
+    body, ether_type = hdr + udp, 0x0800
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+for _ in range(3):
+    s.send(mac(dst_mac) + mac(src_mac) + struct.pack("!H", ether_type) + body)
+"""
+
+
+def pod_mac(pod) -> str:
+    return pod.ns.exec("cat", "/sys/class/net/eth0/address").strip()
+
+
+def fdb_port(node, mac: str) -> list[str]:
+    """The bridge ports cni0's forwarding database has ``mac`` on."""
+    return [e.get("ifname", "") for e in json.loads(node.ns.exec("bridge", "-j", "fdb", "show", "br", "cni0"))
+            if e.get("mac") == mac]
+
+
+async def test_a_frame_with_another_pods_mac_is_dropped_before_the_bridge_learns_it(shop):
+    """lobby/a sends frames with b's MAC as their source (its own address inside): the bridge
+    must not learn b's MAC on a's port (frames for b would go to a). Dropped, recorded as
+    spoofed-mac naming a as the sender, and a's and b's own traffic goes on."""
+    a, b, node2 = shop.pods["a"], shop.pods["b"], shop.lab.nodes[1]
+    mac_a, mac_b = pod_mac(a), pod_mac(b)
+    assert (await shop.echo["a"].tcp(b.ip, 80))["names"] == {"b": 1}  # b's MAC learnt on b's port
+    b_port = fdb_port(node2, mac_b)
+    assert b_port, "b's MAC not in cni0's forwarding database"
+    await a.ns.aexec(sys.executable, "-c", SEND_FRAME, "udp", mac_b, "ff:ff:ff:ff:ff:ff", a.ip, b.ip, timeout=30)
+    assert fdb_port(node2, mac_b) == b_port, "a's frames moved b's MAC to a's port"
+    got = await records(node2, "--reason", "spoofed-mac", "--from-pod", "lobby/a",
+                        want=lambda r: r, what="node2's spoofed-mac drop naming lobby/a")  # fmt: skip
+    d = got[-1]
+    assert d["src"]["ip"] == a.ip and d["sender"]["pod"] == "lobby/a", d
+    assert fdb_port(node2, mac_b) == b_port, "a's frames moved b's MAC to a's port"
+    assert d["sender"]["interface"] not in b_port
+    assert (await shop.echo["a"].tcp(b.ip, 80))["names"] == {"b": 1}
+    assert mac_a != mac_b
+
+
+async def test_a_spoofed_arp_reply_is_dropped_and_recorded(shop):
+    """lobby/a answers ARP for b's address with its own MAC ("b is at a's MAC"): dropped at
+    a's bridge port, as ever, and now a flow record (reason spoofed-arp, protocol ARP) naming
+    the address claimed and a as the sender; the node's neighbour entry for b is not a's MAC."""
+    a, b, node2 = shop.pods["a"], shop.pods["b"], shop.lab.nodes[1]
+    mac_a = pod_mac(a)
+    gateway = a.ip.rsplit(".", 1)[0] + ".1"
+    await a.ns.aexec(sys.executable, "-c", SEND_FRAME, "arp", mac_a, "ff:ff:ff:ff:ff:ff", b.ip, gateway, timeout=30)
+    got = await records(node2, "--reason", "spoofed-arp", "--from-pod", "lobby/a", "--ip", b.ip,
+                        want=lambda r: r, what="node2's spoofed-arp drop naming lobby/a")  # fmt: skip
+    d = got[-1]
+    assert (d["protocol"], d["src"]["ip"], d["dst"]["ip"]) == ("ARP", b.ip, gateway), d
+    assert d["sender"]["pod"] == "lobby/a" and d["src"]["pod"] == "lobby/b", d
+    assert mac_a not in node2.ns.exec("ip", "neigh", "show", b.ip)
+
+
 async def test_services_show_vip_endpoint_and_refusals(shop):
     web, node1 = shop.pods["web"], shop.lab.nodes[0]
     assert (await shop.echo["client"].tcp(shop.vip["web"], 80))["names"] == {"web": 1}

@@ -542,3 +542,37 @@ def test_after_an_etcd_restore_the_policy_revision_follows_etcd_back():
     assert agent.revision == 901
     agent._applied(agent.revision)
     assert agent.views.status()["revision"] == 901 and [r for r, _ in agent.history] == [1000, 901]
+
+
+def test_an_endpoint_file_never_read_is_said_in_status_metrics_and_the_log(tmp_path, caplog):
+    """A file whose pod policy cannot know (never readable: permissions, damaged from its first
+    write) names neither the pod nor its bridge port, so nothing can be isolated for it: the
+    agent says so -- one log line, /status ``unknown_endpoints``, a gauge, `agentd status` --
+    until the file can be read. A file read before and unreadable now keeps its pod (not unknown)."""
+    import os
+
+    from agentd.cli import _unknown_endpoints
+
+    agent = PolicyAgent(NODE, datastore(), str(tmp_path))
+    pub = agent.publisher
+    endpoints.write(tmp_path, endpoint("c1", "a"))
+    os.makedirs(endpoints.endpoints_dir(tmp_path), exist_ok=True)
+    bad = os.path.join(endpoints.endpoints_dir(tmp_path), "c9.json")
+    with open(bad, "w") as f:
+        f.write("{damaged")
+    with caplog.at_level("WARNING"):
+        pub.rescan()
+        pub.rescan()
+    assert sum("c9 has never been readable" in r.getMessage() for r in caplog.records) == 1
+    assert agent.views.status()["unknown_endpoints"] == ["c9"]
+    assert metric_values(agent.views)[("agentd_policy_unknown_endpoint_files", ())] == 1
+    assert "UNKNOWN PODS 1 (endpoint files never read: c9)" in _unknown_endpoints(["c9"])
+    endpoints.write(tmp_path, endpoint("c9", "z"))  # readable now: a pod like any other
+    pub.rescan()
+    assert agent.views.status()["unknown_endpoints"] == [] and pub.local(("x", "z")) is not None
+    assert metric_values(agent.views)[("agentd_policy_unknown_endpoint_files", ())] == 0
+    with open(os.path.join(endpoints.endpoints_dir(tmp_path), "c1.json"), "w") as f:
+        f.write("{damaged later")
+    pub.rescan()
+    assert agent.views.status()["unknown_endpoints"] == [] and pub.local(("x", "a")) is not None
+    assert _unknown_endpoints([]) == ""

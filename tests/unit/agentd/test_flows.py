@@ -255,8 +255,8 @@ class Directory:
         return lambda ip, proto, port: vips.get((ip, proto, port))
 
     def drop(self, prefix):
-        if prefix == "spoofed":
-            return Meaning("spoofed", "egress")
+        if prefix in ("spoofed", "spoofed-mac", "spoofed-arp"):  # as agentd.daemon.flow_directory says
+            return Meaning(prefix, "egress")
         return Meaning("policy", "ingress", ("shop/default-deny",), True) if prefix == "pod-in/shop/web" else None
 
     def pod_on(self, ifindex):
@@ -446,7 +446,7 @@ def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
     assert drop is not None and drop.reason == "unknown"
     assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
     assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
-    with pytest.raises(FilterError, match="'no-route' is not one of policy, spoofed, no-endpoints, no-local-endpoints, unknown"):
+    with pytest.raises(FilterError, match="'no-route' is not one of policy, spoofed, spoofed-mac, spoofed-arp, no-endpoints, no-local-endpoints, unknown"):
         FlowFilter.parse([("reason", "no-route")])  # nothing records it
 
 
@@ -1709,3 +1709,48 @@ def test_a_change_of_hands_counts_from_when_the_engine_saw_it_not_when_the_recor
     assert r._named_then(at, 1005 * 10**9, named).pod == "shop/client"
     assert r._named_then(at, 1015 * 10**9, named).pod == "other/newpod"
     assert r._named_then(at, 1025 * 10**9, named).pod == "other/third"
+
+
+def test_a_spoofed_arp_drop_is_a_flow_record_naming_the_pod_that_sent_it():
+    """The bridge drops ARP from client's port claiming web's address; NFLOG hands the ARP
+    packet (hardware protocol ETH_P_ARP), which is a record: reason spoofed-arp, protocol ARP,
+    the claimed address as source, client as the sender."""
+    arp = (struct.pack("!HHBBH", 1, 0x0800, 6, 4, 2) + bytes.fromhex("0a580af40102") + socket.inet_aton("10.244.2.3")
+           + bytes(6) + socket.inet_aton("10.244.2.1"))  # fmt: skip
+    body = (nl.attr(nflog.NFULA_PACKET_HDR, struct.pack("!HBx", 0x0806, 0))
+            + nl.attr(nflog.NFULA_PREFIX, b"spoofed-arp\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 1))
+            + nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", 1700000000, 0)) + nl.attr(nflog.NFULA_PAYLOAD, arp)
+            + nl.attr(nflog.NFULA_IFINDEX_INDEV, struct.pack("!I", 3)) + nl.attr(nflog.NFULA_IFINDEX_PHYSINDEV, struct.pack("!I", 7)))
+    msg = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, 7, body, res_id=143)
+    flow = recorder().dropped(_decoded(msg))
+    assert flow is not None
+    j = flow.json()
+    assert (j["reason"], j["protocol"], j["src"]["ip"], j["dst"]["ip"]) == ("spoofed-arp", "ARP", "10.244.2.3", "10.244.2.1")
+    assert j["sender"]["pod"] == "shop/client" and j["reason_text"] == "ARP sender address is not the pod's own"
+    assert FlowFilter.parse([("reason", "spoofed-arp"), ("from-pod", "shop/client")]).matches(flow)
+    # Not ARP for IPv4 over Ethernet (or cut short): no record, as for any packet it cannot read.
+    assert nflog.arp_summary(arp[:20], 0, 20) is None
+    ipv6_arp = arp[:2] + struct.pack("!H", 0x86DD) + arp[4:]
+    assert nflog.arp_summary(ipv6_arp, 0, len(ipv6_arp)) is None
+
+
+def test_spoofed_arp_drops_log_through_their_own_rate_limited_chain():
+    eng = PolicyEngine("node1", families=(4,), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", "node1", (IPv4Address("10.244.1.2"),), {}), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    rs = eng.build()
+    pre = rs.objects[("bridge", policy_compiler.TABLE, "chain", "prerouting")]
+    arp_rules = [json.loads(r) for r in pre.rules if '"arp"' in r and "saddr ip" in r]  # type: ignore[union-attr]
+    assert [r[-1] for r in arp_rules] == [{"jump": {"target": "spoofed-arp"}}]
+    logged = json.loads(rs.objects[("bridge", policy_compiler.TABLE, "chain", "spoofed-arp")].rules[0])  # type: ignore[union-attr]
+    assert {"log": {"prefix": "spoofed-arp", "group": 5}} in logged and {"counter": "spoofed"} in logged
+    assert any("limit" in stmt for stmt in logged)
+
+
+def test_the_directory_gives_each_spoofing_drop_its_reason():
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.flows.model import REASONS
+
+    d = FlowDirectory(None, None, (None, None))
+    for prefix in ("spoofed", "spoofed-mac", "spoofed-arp"):
+        meaning = d.drop(prefix)
+        assert meaning is not None and (meaning.reason, meaning.direction) == (prefix, "egress") and prefix in REASONS

@@ -356,6 +356,16 @@ def test_attachment_from_the_bridge_plugins_result():
     assert endpoints.attachment(result, "cni0") == (["10.244.1.5"], "veth1234", "02:00:00:00:00:02")
     with pytest.raises(endpoints.EndpointError):
         endpoints.attachment({"interfaces": [], "ips": []}, "cni0")
+    # The pod's own MAC: the sandbox interface's of that name (checked as the port's source MAC).
+    assert endpoints.pod_mac(result, "eth0") == "02:00:00:00:00:03"
+    assert endpoints.pod_mac(result, "net1") == ""
+    assert endpoints.pod_mac({"interfaces": [{"name": "eth0", "mac": "junk", "sandbox": "x"}]}, "eth0") == ""
+    ep = endpoints.Endpoint("c1", "p", "w", {}, [], ["10.244.1.5"], "veth1234", "02:00:00:00:00:02", "cni0",
+                            pod_mac="02:00:00:00:00:03")
+    assert endpoints.Endpoint.from_json(ep.to_json()).pod_mac == "02:00:00:00:00:03"
+    older = json.loads(ep.to_json())
+    del older["pod_mac"]  # an older plugin's file: no MAC, not checked
+    assert endpoints.Endpoint.from_json(json.dumps(older)).pod_mac == ""
 
 
 def test_a_dual_stack_pod_is_recorded_and_known_to_policy_with_both_addresses():
