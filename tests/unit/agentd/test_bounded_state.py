@@ -1,0 +1,75 @@
+"""State that must stay bounded: maps, dictionaries and tasks that grew with whatever was
+ever seen (a MAC flood, namespaces, refused connections, departed pods and nodes)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from ipaddress import IPv4Interface, IPv4Network
+
+from agentd.config.settings import load_config
+from agentd.dataplane.bpf import datapath, layout
+from agentd.dataplane.bpf_backend import BpfPath
+from agentd.kernel.netinfo import Underlay
+
+# ------------------------------------------------------------------ the BPF ports map
+
+
+class _FullMap:
+    """A BPF hash map of ``size`` entries: a new key beyond that is E2BIG, as the kernel's."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: dict[bytes, bytes] = {}
+
+    def update(self, fd, key, value, flags=0):
+        if key not in self.entries and len(self.entries) >= self.size:
+            raise OSError(errno.E2BIG, "map update: Argument list too long")
+        self.entries[key] = value
+
+    def delete(self, fd, key):
+        return self.entries.pop(key, None) is not None
+
+
+def _mac(i: int) -> bytes:
+    return i.to_bytes(6, "big")
+
+
+def test_a_mac_flood_that_filled_the_ports_map_does_not_stop_its_sync_for_good(monkeypatch, caplog):
+    kmap = _FullMap(64)
+    monkeypatch.setattr(datapath.lb, "map_update", kmap.update)
+    monkeypatch.setattr(datapath.lb, "map_delete", kmap.delete)
+    dp = datapath.BpfDatapath(1, "/nonexistent")
+    dp.maps = {layout.PORTS: 3}
+    flood = {(7, _mac(0x020000000000 + i)): 11 for i in range(100)}
+    with caplog.at_level(logging.WARNING, "agentd.bpf"):
+        dp.set_ports(flood)
+        dp.set_ports(flood)  # still full: not logged again
+    assert len(kmap.entries) == 64 and dp.status()["bridge_ports_refused"] == 36
+    assert len([r for r in caplog.records if "ports map is full" in r.getMessage()]) == 1
+    # The flood's MACs age out of the bridge; a new pod comes: its entry gets in.
+    pod = {(7, _mac(0x0A0000000001)): 12}
+    dp.set_ports(pod)
+    assert dp.ports == pod and len(kmap.entries) == 1
+    assert dp.status()["bridge_ports_refused"] == 0
+
+
+def test_the_bpf_counters_are_read_when_the_ports_sync_fails(caplog):
+    class Dp:
+        def guard_bridges(self):
+            return set()
+
+        def sync_ports(self):
+            raise OSError(errno.EPERM, "map update: Operation not permitted")
+
+        def counters(self):
+            return {"drops": {"martian": {"packets": 3, "bytes": 300}}}
+
+    bpf = BpfPath(load_config(None, env={}, overrides={"node.address": "10.0.0.3", "node.name": "n3"}),
+                  Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"),)))
+    bpf.carried = {"udp"}
+    assert bpf.redirecting
+    with caplog.at_level(logging.WARNING, "agentd.backends"):
+        assert bpf._refresh(Dp())["drops"]["martian"]["packets"] == 3
+        assert bpf._refresh(Dp())["drops"]["martian"]["packets"] == 3
+    assert len([r for r in caplog.records if "ports map not synced" in r.getMessage()]) == 1
