@@ -4,6 +4,7 @@ ever seen (a MAC flood, namespaces, refused connections, departed pods and nodes
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 from ipaddress import IPv4Interface, IPv4Network
 
@@ -11,6 +12,9 @@ from agentd.config.settings import load_config
 from agentd.dataplane.bpf import datapath, layout
 from agentd.dataplane.bpf_backend import BpfPath
 from agentd.kernel.netinfo import Underlay
+from agentd.policy.engine import PolicyEngine
+from agentd.policy.model import LocalPort, Pod, Policy
+from agentd.resources import kinds
 
 # ------------------------------------------------------------------ the BPF ports map
 
@@ -73,3 +77,24 @@ def test_the_bpf_counters_are_read_when_the_ports_sync_fails(caplog):
         assert bpf._refresh(Dp())["drops"]["martian"]["packets"] == 3
         assert bpf._refresh(Dp())["drops"]["martian"]["packets"] == 3
     assert len([r for r in caplog.records if "ports map not synced" in r.getMessage()]) == 1
+
+
+# ------------------------------------------------------------------ the policy engine's indexes
+
+
+def test_the_policy_engine_keeps_nothing_of_a_namespace_gone():
+    eng = PolicyEngine("node1")
+    for i in range(20):
+        ns = f"ci-{i}"
+        pod = Pod(ns, "p", "node1", (ipaddress.ip_address(f"10.0.0.{i + 1}"),), {"app": "x"}, ())
+        eng.upsert_pod(pod, LocalPort(f"veth{i}", "02:00:00:00:00:01", "cni0", i))
+        eng.upsert_policy(Policy.parse(kinds.validate({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "deny", "namespace": ns},
+            "spec": {"podSelector": {}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"run": str(i)}}}]}]}})))
+        eng.build()
+        assert eng._selected[(ns, "deny")] == {(ns, "p")}
+        eng.remove_policy((ns, "deny"))
+        eng.remove_pod((ns, "p"))
+        eng.build()
+    assert (len(eng._ns_pods), len(eng._ns_policies), len(eng._selected), len(eng._sel_refs)) == (0, 0, 0, 0)
