@@ -6,7 +6,8 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
-from ipaddress import IPv4Interface, IPv4Network
+import random
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 
 from agentd.config.settings import load_config
 from agentd.dataplane.bpf import datapath, layout
@@ -15,6 +16,8 @@ from agentd.kernel.netinfo import Underlay
 from agentd.policy.engine import PolicyEngine
 from agentd.policy.model import LocalPort, Pod, Policy
 from agentd.resources import kinds
+from bgp import PeerSettings, Speaker, loglimit
+from bgp.settings import LocalSettings
 
 # ------------------------------------------------------------------ the BPF ports map
 
@@ -98,3 +101,31 @@ def test_the_policy_engine_keeps_nothing_of_a_namespace_gone():
         eng.remove_pod((ns, "p"))
         eng.build()
     assert (len(eng._ns_pods), len(eng._ns_policies), len(eng._selected), len(eng._sel_refs)) == (0, 0, 0, 0)
+
+
+# ------------------------------------------------------------------ the BGP log limiter
+
+
+def test_a_port_179_scan_neither_merges_nor_silences_a_configured_peers_problems(caplog):
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1")), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings("10.0.0.9", 65001, passive=True), 0.0)
+    lim = sp.limiter
+    scan = 1500  # more addresses than the limiter keeps
+    forget_after = getattr(loglimit, "FORGET_AFTER", 3600.0)
+    with caplog.at_level(logging.INFO, "bgp"):
+        for i in range(scan):  # a scanner: each address refused once
+            lim.log(logging.INFO, "refused", f"198.51.{i // 256}.{i % 256}", 1.0, "refused BGP connection from %s", i)
+        assert lim.log(logging.WARNING, "session-failed", "10.0.0.9", 2.0, "peer %s: hold timer expired", "10.0.0.9")
+        assert lim.log(logging.INFO, "refused", "203.0.113.5", 2.0, "refused BGP connection from %s", "203.0.113.5")
+        for i in range(scan):  # more scanning: the peer's key stays
+            lim.log(logging.INFO, "refused", f"198.52.{i // 256}.{i % 256}", 3.0, "refused BGP connection from %s", i)
+    assert lim.counts[("session-failed", "10.0.0.9")] == 1
+    assert ("refused", "*") not in lim.counts and ("session-failed", "*") not in lim.counts
+    assert len(lim.counts) <= scan  # the least recently seen outsiders went
+    # The scan over, its counts (the metric's series) go after a while; the peer's stay.
+    sp.handle_timer(3.0 + forget_after)
+    assert dict(lim.counts) == {("session-failed", "10.0.0.9"): 1}
+    # A removed peer's count becomes an outsider's: it goes after a while too.
+    sp.remove_peer("10.0.0.9", 10.0 + forget_after)
+    sp.handle_timer(10.0 + 2 * forget_after)
+    assert not lim.counts
