@@ -8,8 +8,10 @@ import ipaddress
 import logging
 import random
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from types import SimpleNamespace
 
 from agentd.config.settings import load_config
+from agentd.daemon.flow_directory import FlowDirectory
 from agentd.dataplane.bpf import datapath, layout
 from agentd.dataplane.bpf_backend import BpfPath
 from agentd.kernel.netinfo import Underlay
@@ -129,3 +131,29 @@ def test_a_port_179_scan_neither_merges_nor_silences_a_configured_peers_problems
     sp.remove_peer("10.0.0.9", 10.0 + forget_after)
     sp.handle_timer(10.0 + 2 * forget_after)
     assert not lim.counts
+
+
+# ------------------------------------------------------------------ the flow directory's identities
+
+
+def test_the_flow_directory_forgets_departed_pods_but_still_names_them_as_they_were():
+    policy = SimpleNamespace(engine=PolicyEngine("node1"))
+    d = FlowDirectory(policy, None, ("192.0.2.1",))  # type: ignore[arg-type]
+    engine = policy.engine
+    keep = Pod("default", "db", "node2", (ipaddress.ip_address("10.245.9.9"),), {"app": "db"}, ())
+    engine.upsert_pod(keep)
+    db = d.identity("10.245.9.9")
+    count, _ = d.named_before(None)
+    for i in range(3000):
+        ip = f"10.244.{i // 250}.{i % 250 + 1}"
+        key = ("default", f"web-{i:05x}")
+        engine.upsert_pod(Pod(key[0], key[1], "node2", (ipaddress.ip_address(ip),), {"app": "web"}, ()))
+        assert d.identity(ip).pod == f"default/web-{i:05x}"
+        engine.remove_pod(key)
+    assert len(d._ids) <= 2 * len(engine.pods) + 65
+    assert d.identity("10.245.9.9") is db  # a live pod's identity still shared
+    # The recorder names the ends of connections started before a change as they were then.
+    _, before = d.named_before(count)
+    assert before is not None and len(before) == 3000
+    ip, then, _when = before[-1]
+    assert (ip, then.pod, then.labels) == ("10.244.11.250", "default/web-00bb7", {"app": "web"})
