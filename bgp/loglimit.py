@@ -8,23 +8,40 @@ and says how many it held back the next time that kind is logged (at most once p
 ``interval`` seconds).  Every occurrence is counted in :attr:`LogLimiter.counts` so the
 agent can export the totals as metrics.
 
+Subjects the limiter is told are its own (``pinned``: the configured peers) always keep their
+own keys.  Any other subject (an outsider's address, a connection refused from it) is one an
+outsider can vary: at most :data:`MAX_OTHERS` such keys are kept, the least recently seen
+evicted first, and a key with no occurrence for :data:`FORGET_AFTER` seconds is dropped --
+its count and its pacing with it (:attr:`LogLimiter.evicted` counts them).
+
 Sans-IO like the rest of bgp/: the time is passed in.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 DEFAULT_INTERVAL = 60.0
-#: Kinds remembered at once: keys include peer addresses, which an outsider can vary.
-MAX_KEYS = 1024
+#: Keys of subjects that are not pinned (outsiders' addresses) remembered at once.
+MAX_OTHERS = 1024
+#: Seconds after its last occurrence that a key of a subject not pinned is dropped.
+FORGET_AFTER = 3600.0
 
 
 class LogLimiter:
-    def __init__(self, logger: logging.Logger, interval: float = DEFAULT_INTERVAL) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval: float = DEFAULT_INTERVAL, pinned: Callable[[str], bool] | None = None
+    ) -> None:
         self.logger = logger
         self.interval = interval
+        #: Whether a subject keeps its keys for good (a configured peer's address).
+        self.pinned: Callable[[str], bool] = pinned or (lambda subject: False)
+        #: Keys of subjects not pinned -> their last occurrence, the least recent first.
+        self._others: OrderedDict[tuple[str, str], float] = OrderedDict()
+        #: Keys of subjects not pinned dropped (evicted for room, or not seen for FORGET_AFTER).
+        self.evicted = 0
         #: Every occurrence, by ``(kind, subject)`` where subject is usually a peer.
         self.counts: Counter[tuple[str, str]] = Counter()
         self._next: dict[tuple[str, str], float] = {}  # key -> earliest time to log again
@@ -36,8 +53,14 @@ class LogLimiter:
         """Count one occurrence; log it unless this kind was logged less than ``interval`` ago.
         Returns whether it was logged."""
         key = (kind, subject)
-        if key not in self.counts and len(self.counts) >= MAX_KEYS:
-            key = (kind, "*")  # too many subjects: fold the rest into one
+        self.expire(now)
+        if not self.pinned(subject):
+            self._others[key] = now
+            self._others.move_to_end(key)
+            while len(self._others) > MAX_OTHERS:
+                self._drop(next(iter(self._others)))
+        else:
+            self._others.pop(key, None)  # became a peer: its key is kept from now on
         self.counts[key] += 1
         due = self._next.get(key)
         if due is not None and now < due:
@@ -51,8 +74,29 @@ class LogLimiter:
         self.logger.log(level, message, *args, exc_info=exc_info)
         return True
 
-    def forget(self, subject: str) -> None:
-        """Drop the pacing state of a subject (a deconfigured peer); its counts stay."""
+    def forget(self, subject: str, now: float | None = None) -> None:
+        """Drop the pacing state of a subject (a deconfigured peer); its counts stay, from
+        ``now`` on as those of a subject not pinned (dropped after FORGET_AFTER)."""
         for key in [k for k in self._next if k[1] == subject]:
             del self._next[key]
             self._held.pop(key, None)
+        if now is not None:
+            for key in [k for k in self.counts if k[1] == subject and k not in self._others]:
+                self._others[key] = now
+            while len(self._others) > MAX_OTHERS:
+                self._drop(next(iter(self._others)))
+
+    def expire(self, now: float) -> None:
+        """Drop the keys of subjects not pinned that had no occurrence for FORGET_AFTER."""
+        while self._others:
+            key, seen = next(iter(self._others.items()))
+            if now - seen < FORGET_AFTER:
+                return
+            self._drop(key)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        del self._others[key]
+        self.counts.pop(key, None)
+        self._next.pop(key, None)
+        self._held.pop(key, None)
+        self.evicted += 1

@@ -106,7 +106,8 @@ class Speaker:
         #: keeps its BFD sessions in step with it.
         self.peers_version = 0
         self._timers = TimerHeap()
-        self.limiter = LogLimiter(log)
+        # Configured peers keep their problems' keys; outsiders' (refused addresses) are bounded.
+        self.limiter = LogLimiter(log, pinned=lambda subject: subject in self.peers)
         #: Totals for metrics: "internal errors", "route refreshes deferred", "max-prefix resets", ...
         self.counters: Counter[str] = Counter()
         self.graceful = GracefulRestarts(self.rib, self._timers, local.stale_time)
@@ -231,7 +232,7 @@ class Speaker:
         self._deferral_changed = True  # one fewer peer to wait for
         self.graceful.forget(key)
         self._timers.set(key, None)
-        self.limiter.forget(key)
+        self.limiter.forget(key, now)
         self._flush(now)
 
     def set_originated(self, origins: Iterable[Origination], now: float) -> None:
@@ -353,6 +354,7 @@ class Speaker:
 
     def handle_timer(self, now: float) -> None:
         self.now = now
+        self.limiter.expire(now)  # outsiders' problem counts not seen for an hour go
         for key in self._timers.pop_due(now):
             if (gr := GracefulRestarts.peer_of(key)) is not None:
                 self.graceful.timer(gr, now)

@@ -16,8 +16,8 @@ services agents already know, never a second copy.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from agentd.flows.model import Identity
@@ -122,6 +122,11 @@ class FlowDirectory:
         if cached is not None and cached[0] is pod:
             return cached[1]
         ident = Identity(f"{pod.namespace}/{pod.name}", pod.node, dict(pod.labels), key in engine.local)
+        if len(self._ids) > 2 * len(engine.pods) + 64:
+            # Pods gone or changed since: their entries go (amortised: at most half are live).
+            # A recorded flow keeps the Identity it was named with, and named_before names a
+            # departed pod from the policy engine's own record of it (_identity_then).
+            self._ids = {k: v for k, v in self._ids.items() if engine.pods.get(k) is v[0]}
         if len(self._ids) > 100_000:
             self._ids.clear()
         self._ids[key] = (pod, ident)

@@ -158,7 +158,7 @@ class _Handlers:
         merge = _Merge()
         # Following starts before the last N are asked for: a record made meanwhile may come
         # twice (in the last N and followed), but none falls between the two.
-        tasks = []
+        tasks: dict[str, asyncio.Task] = {}
         followed: set[str] = set()
 
         def follow_nodes(new: list[str]) -> None:
@@ -166,10 +166,18 @@ class _Handlers:
                 followed.add(name)
                 if name == me:
                     if view is not None:
-                        tasks.append(asyncio.create_task(_pump_local(view, flt, merge, me)))
+                        tasks[name] = asyncio.create_task(_pump_local(view, flt, merge, me))
                 elif cluster is not None:
                     path = "/flows?" + urlencode([*_node_params(flt, name, None), ("last", "0"), ("follow", "1")])
-                    tasks.append(asyncio.create_task(_pump_remote(cluster, name, path, merge)))
+                    # The whole cluster followed: a node that leaves it is let go (and followed
+                    # again if it comes back); one the reader named is asked for until it is back.
+                    tasks[name] = asyncio.create_task(_pump_remote(cluster, name, path, merge, leaves=not flt.node))
+
+        def let_go_of_departed() -> None:
+            for name, t in list(tasks.items()):
+                if t.done() and not t.cancelled() and t.exception() is None and t.result():
+                    del tasks[name]
+                    followed.discard(name)
 
         if follow:
             follow_nodes(names)
@@ -195,15 +203,16 @@ class _Handlers:
                 # per keep-alive interval, however busy the stream.
                 if not flt.node and cluster is not None and loop.time() - looked >= KEEPALIVE:
                     looked = loop.time()
+                    let_go_of_departed()
                     follow_nodes(sorted(set(cluster.nodes()) - followed))
                 if merge.lost != told:  # what the merged stream could not hold, said before the next line
                     await resp.write(_line({"lost": merge.lost - told}))
                     told = merge.lost
                 await resp.write(line)
         finally:
-            for t in tasks:
+            for t in tasks.values():
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def _gather_last(self, names: list[str], flt: FlowFilter, last: int,
                            since: float | None) -> tuple[list[bytes], dict[str, str]]:
@@ -426,9 +435,10 @@ RETRY_MAX = 60.0
 GIVE_UP = (400, 404)  # that node will not follow this (a filter it does not know, flow records off there)
 
 
-async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge) -> None:
+async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge, *, leaves: bool = False) -> bool:
     """One node's followed stream into ``merge``; asked again after a pause when it breaks
-    (longer each time while it stays broken), given up on when the node says it cannot."""
+    (longer each time while it stays broken), given up on when the node says it cannot.
+    ``leaves``: given up on as well when the node is no longer in the cluster (then True)."""
     loop = asyncio.get_running_loop()
     delay, said = RETRY_FIRST, None
     while True:
@@ -440,12 +450,15 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
         except NodeAnswered as err:
             if err.status in GIVE_UP:
                 merge.put(_line({"node": node, "error": str(err)}))
-                return
+                return False
             message = str(err)
         except OSError as err:
             message = str(err)
         except KeyError:
             message = f"no node {node} in etcd"
+            if leaves:
+                merge.put(_line({"node": node, "error": f"{message}: it left the cluster, no longer followed"}))
+                return True
         if loop.time() - started > RETRY_MAX:  # it ran a good while: a new outage, not the same one
             delay, said = RETRY_FIRST, None
         if message != said:  # said once per outage, not at every retry

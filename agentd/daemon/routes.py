@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bgp import BestPathChange, Speaker, State
+from bgp.loglimit import LogLimiter
 from proto.nlri import prefix_to_str
 
 from agentd.config.settings import Config
@@ -131,6 +132,10 @@ class KernelRoutes:
         self.rows: list[dict[str, Any]] = []  # GET /routes
         self.refused: list[dict[str, Any]] = []  # GET /routes too: best paths not installed, and why
         self._logged_refusals: set[tuple[str, str, str]] = set()  # (dst, peer, reason) logged while refused
+        # A refused route that comes back (a flapping external router) is logged at most once a
+        # minute per peer, with the number held back meanwhile.
+        self._refusal_log = LogLimiter(log)
+        self.clock: Callable[[], float] = time.monotonic
         self._logged_bad_bests: set[tuple[int, bytes]] = set()  # best paths not a prefix, logged while so
         self._failing: str | None = None  # the last recompute's error (logged when it changes)
         self.restarting = False  # routes of a previous run were adopted
@@ -271,12 +276,16 @@ class KernelRoutes:
         self.programmer.set_desired(routes)
 
     def _log_refusals(self, refused: list[dict[str, Any]]) -> None:
-        """Each refused best path logged once while it stays refused (a peer may re-send it at
-        every recompute); one that comes back after being dropped is logged again."""
+        """Each refused best path noted once while it stays refused (a peer may re-send it at
+        every recompute); one that comes back after being dropped is noted again.  A note is a
+        warning at most once a minute per peer, with the number of those held back (a
+        flapping router's routes would be one each per flap)."""
         self.refused = refused
         now = {(r["dst"], r["peer"], r["reason"]) for r in refused}
+        at = self.clock()
         for dst, peer, reason in sorted(now - self._logged_refusals):
-            log.warning("route to %s via %s not installed: %s", dst, peer, reason)
+            self._refusal_log.log(logging.WARNING, "route-refused", str(peer), at,
+                                  "route to %s via %s not installed: %s", dst, peer, reason)
         self._logged_refusals = now
 
     def _initial_sync_complete(self) -> bool:

@@ -64,6 +64,7 @@ class BpfPath:
         # redirect_held as hold_redirect (or the data path's first config) last wrote it: a
         # write that failed or was cancelled leaves it, so that the next call writes again.
         self._written_held: bool | None = None
+        self._ports_error = ""  # the last bridge ports sync's failure, logged once
         self._lock = asyncio.Lock()
 
     @property
@@ -217,7 +218,14 @@ class BpfPath:
     def _refresh(self, dp: BpfDatapath) -> dict[str, Any]:
         dp.guard_bridges()  # a new pods' bridge gets the member filter within 2 s
         if self.redirecting and self.carried:
-            dp.sync_ports()  # the bridges' learned MACs: a new pod is on the direct path within 2 s
+            try:
+                dp.sync_ports()  # the bridges' learned MACs: a new pod is on the direct path within 2 s
+            except Exception as err:  # noqa: BLE001 -- the counters are read all the same
+                if str(err) != self._ports_error:
+                    log.warning("BPF: the bridge ports map not synced: %s; trying again", err)
+                self._ports_error = str(err)
+            else:
+                self._ports_error = ""
         return dp.counters()
 
     def peer_counters(self, address: str) -> dict[str, int] | None:

@@ -603,9 +603,14 @@ class IngressController:
         self.info = {}
 
     def _fold_counters(self) -> None:
-        """A reload or restart starts the proxy's counters from zero: keep what was counted."""
+        """A reload or restart starts the proxy's counters from zero: keep what was counted,
+        of the backends there are (a backend gone takes its counts along: its metric series
+        went with it, views.py lists self.table.backends)."""
+        backends = self.table.backends
         for key, value in self._last_counts.items():
-            self.counter_base[key] = self.counter_base.get(key, 0) + value
+            if key[0] in backends:
+                self.counter_base[key] = self.counter_base.get(key, 0) + value
+        self.counter_base = {k: v for k, v in self.counter_base.items() if k[0] in backends}
         self._last_counts = {}
 
     def counter(self, backend: str, counter: str) -> int:

@@ -38,10 +38,20 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from . import compiler
-from .model import Address, LocalPort, PeerSelector, Pod, PodKey, Policy, Rule, namespace_labels
 from agentd.nft.expr import FAMILIES, DropLog
 from agentd.nft.ruleset import Ruleset
+
+from . import compiler
+from .model import (
+    Address,
+    LocalPort,
+    PeerSelector,
+    Pod,
+    PodKey,
+    Policy,
+    Rule,
+    namespace_labels,
+)
 
 NAMED_BEFORE_MAX = 8192  # addresses' former owners kept for the flow recorder (read every 0.2 s)
 
@@ -185,7 +195,7 @@ class PolicyEngine:
         del self.pods[key]
         self.pods_version += 1
         self._unindex(pod)
-        self._ns_pods[pod.namespace].discard(key)
+        _discard(self._ns_pods, pod.namespace, key)
         self._claim(key, pod.ips if key in self.local else (), ())
         for sel, members in self._members.items():
             if key in members:
@@ -263,8 +273,8 @@ class PolicyEngine:
         after: set[PolicyKey] = set()
         if pod is not None and key in self.local:
             after = {p for p in self._ns_policies.get(pod.namespace, ()) if self.policies[p].selects(pod)}
-        for p in before - after:
-            self._selected[p].discard(key)
+        for p in before - after:  # (a policy removed is no longer in _selected: not put back)
+            _discard(self._selected, p, key)
         for p in after:
             self._selected[p].add(key)
         if after:
@@ -310,7 +320,7 @@ class PolicyEngine:
 
     def _forget_policy(self, key: PolicyKey) -> None:
         policy = self.policies.pop(key)
-        self._ns_policies[policy.namespace].discard(key)
+        _discard(self._ns_policies, policy.namespace, key)
         for sel in _peer_selectors(policy):
             refs = self._sel_refs[sel]
             refs.discard(key)
@@ -537,3 +547,13 @@ def _needs_all_pods(policy: Policy) -> bool:
             if rule.peers is None or any(p.block is not None for p in rule.peers):
                 return True
     return False
+
+
+def _discard(index: dict[Any, set[Any]], key: Any, member: Any) -> None:
+    """``member`` out of ``index[key]``, and the key out of ``index`` when its set is empty
+    (namespaces and policies come and go: the indexes hold only those that have members)."""
+    members = index.get(key)
+    if members is not None:
+        members.discard(member)
+        if not members:
+            del index[key]

@@ -429,6 +429,22 @@ def programs(netns_factory, bpffs):
         dp.close()
 
 
+def test_a_full_ports_map_takes_what_fits_and_recovers_once_the_flood_is_gone(programs):
+    """A pod flooding its bridge with source MACs fills agentd_ports (the kernel says E2BIG for
+    a new key): what fits is written, the rest counted, and once the flood's MACs are gone
+    from the bridge the next sync removes theirs and writes the new pod's."""
+    size = libbpf.map_info(programs.maps[layout.PORTS])["max_entries"]
+    flood = {(7, (0x020000000000 + i).to_bytes(6, "big")): 11 for i in range(size + 100)}
+    programs.set_ports(flood)
+    keys = libbpf.map_keys(programs.maps[layout.PORTS], layout.PORT_KEY.size)
+    assert len(keys) == size and programs.status()["bridge_ports_refused"] == 100
+    pod = {(7, bytes.fromhex("0a0000000001")): 12}
+    programs.set_ports(pod)
+    keys = libbpf.map_keys(programs.maps[layout.PORTS], layout.PORT_KEY.size)
+    assert keys == [layout.PORT_KEY.pack(7, bytes.fromhex("0a0000000001"))]
+    assert programs.status()["bridge_ports_refused"] == 0 and programs.status()["bridge_ports"] == 1
+
+
 def run(dp, program: str, packet: bytes) -> tuple[int, bytes]:
     ret, out = libbpf.prog_test_run(dp.progs[program], ETH + packet)
     return (ret - (1 << 32) if ret >= 1 << 31 else ret), out[14:]

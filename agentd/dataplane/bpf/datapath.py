@@ -118,6 +118,7 @@ class BpfDatapath:
         self.routes: dict[IPv4Network | IPv6Network, tuple[str, str]] = {}  # as in the two routes maps
         self.gateways6: set[str] = set()  # peers with a neighbour entry for gateway6(peer)
         self.ports: dict[tuple[int, bytes], int] = {}  # as in the map
+        self.ports_refused = 0  # learned MACs the full ports map refused at the last sync
         self.members: set[str] = set()
         self.peer_flags: dict[str, int] = {}
         self.guarded: set[int] = set()  # bridges the ingress filter is attached to as well
@@ -321,15 +322,33 @@ class BpfDatapath:
             self.peer_flags.pop(addr, None)
 
     def set_ports(self, ports: Mapping[tuple[int, bytes], int]) -> None:
-        """Make the ports map exactly ``ports`` ((bridge ifindex, MAC) -> port ifindex)."""
+        """Make the ports map ``ports`` ((bridge ifindex, MAC) -> port ifindex), as far as it
+        fits: stale entries go first, and an entry the full map refuses (E2BIG: a pod flooding
+        its bridge with source MACs can fill it) is counted (``bridge_ports_refused`` in the
+        status), logged once while it lasts, and left out -- the rest is written, and once the
+        flood's MACs age out of the bridge their entries go and the refused ones get in."""
         fd = self.maps[layout.PORTS]
-        for (bridge, mac), port in ports.items():
-            if self.ports.get((bridge, mac)) != port:
-                lb.map_update(fd, layout.PORT_KEY.pack(bridge, mac), layout.PORT_VALUE.pack(port))
-                self.ports[(bridge, mac)] = port
         for key in [k for k in self.ports if k not in ports]:
             lb.map_delete(fd, layout.PORT_KEY.pack(*key))
             del self.ports[key]
+        refused = 0
+        for (bridge, mac), port in ports.items():
+            if self.ports.get((bridge, mac)) != port:
+                try:
+                    lb.map_update(fd, layout.PORT_KEY.pack(bridge, mac), layout.PORT_VALUE.pack(port))
+                except OSError as err:
+                    if err.errno != errno.E2BIG:
+                        raise
+                    refused += 1
+                    continue
+                self.ports[(bridge, mac)] = port
+        if refused and not self.ports_refused:
+            log.warning("BPF: the bridge ports map is full (%d entries): %d learned MACs are not on the "
+                        "direct path (delivered by the stack) until the bridges forget some",
+                        len(self.ports), refused)
+        elif self.ports_refused and not refused:
+            log.info("BPF: every learned MAC is in the bridge ports map again")
+        self.ports_refused = refused
 
     def gated(self, wire: str) -> bool:
         """Whether program ``wire`` (the pod fast path's) runs after our ingress program on the
@@ -403,6 +422,7 @@ class BpfDatapath:
             "routes_v6": sum(1 for d in self.routes if d.version == 6),  # IPv6 pod subnets (udp)
             "members": len(self.members),
             "bridge_ports": len(self.ports),
+            "bridge_ports_refused": self.ports_refused,  # learned MACs left out: the map was full
             "guarded_bridges": len(self.guarded),
             "unguarded_bridges": {str(i): why for i, why in sorted(self.unguarded.items())},
             # Programs on our tcx hooks we could not tell ours or anyone's (tc.py): they stay.

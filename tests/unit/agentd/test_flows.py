@@ -728,6 +728,55 @@ async def test_a_followed_cluster_takes_in_a_node_that_joined_after_it_began(mon
         assert registry.closed == followed  # every node's stream ended with the reader's
 
 
+class _Leaving(_Registry):
+    """A registry whose nodes can leave: a node's stream ends when it leaves, and asking for
+    one not registered is a KeyError (as ClusterView.url's)."""
+
+    def __init__(self, names):
+        super().__init__(names)
+        self.left: dict[str, asyncio.Event] = {}
+
+    async def lines(self, node, path, *, follow=False):
+        self.asked.append((node, path))
+        if node not in self.addresses:
+            raise KeyError(node)
+        left = self.left.setdefault(node, asyncio.Event())
+        yield json.dumps({"time": 1.0, "node": node}).encode() + b"\n"
+        await left.wait()
+
+
+async def test_a_followed_cluster_lets_go_of_a_node_that_left_and_takes_it_in_again(monkeypatch):
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    monkeypatch.setattr(observe_api, "KEEPALIVE", 0)
+    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)  # a broken stream asked again at once
+    registry = _Leaving(["node1", "node2", "node3"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = _Stream()
+    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([]), 0, None, True))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    del registry.addresses["node3"]  # it leaves: its stream ends, it is no longer in etcd
+    registry.left.pop("node3").set()
+    for _ in range(50):
+        await asyncio.sleep(0)
+    asked_while_gone = sum(1 for n, _ in registry.asked if n == "node3")
+    assert asked_while_gone == 2  # the first stream, and the one asking that found it gone: no retries
+    said = [json.loads(line) for line in resp.lines if line.strip()]
+    assert {"node": "node3", "error": "no node node3 in etcd: it left the cluster, no longer followed"} in said
+    registry.addresses["node3"] = "192.0.2.3"  # back
+    for _ in range(20):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sum(1 for n, _ in registry.asked if n == "node3") == 3  # followed again
+    assert [json.loads(line)["node"] for line in resp.lines if line.strip()].count("node3") >= 3
+
+
 @pytest.mark.parametrize("query, message", [
     ("last=abc", "last: 'abc' is not a whole number"), ("last=1e3", "last: '1e3' is not a whole number"),
     ("last=", "last: '' is not a whole number"), ("last=-1", "last: -1 is out of range 0..100000"),

@@ -255,6 +255,7 @@ async def test_readiness_waits_for_a_reconcile_after_the_initial_sync(monkeypatc
 
 async def test_a_proxy_that_is_gone_shows_no_connections_nor_server_states():
     from agentd.ingress.controller import IngressController
+    from agentd.ingress.routing import Backend
     from agentd.ingress.views import IngressViews
 
     c = IngressController.__new__(IngressController)
@@ -264,7 +265,8 @@ async def test_a_proxy_that_is_gone_shows_no_connections_nor_server_states():
                {"pxname": "be", "svname": "BACKEND", "status": "UP", "req_tot": "40"}]
     c.info = {"CurrConns": "250"}  # as last read while it ran
     c.restarts, c.runtime_changes = 1, 0
-    c.table = SimpleNamespace(backends={})
+    c.table = SimpleNamespace(backends={"be": Backend("shop", "web", "api", 80)})  # its counts are kept
+    c.servers = {}
     c.counter_base, c._last_counts = {}, {("be", "req_tot"): 40}
     await c.refresh_stats()  # the stats loop
     samples = {s.name: s.value for fam in IngressViews(c).collect() for s in fam.samples}
@@ -278,6 +280,7 @@ def test_the_proxy_exit_path_forgets_what_the_proxy_showed():
 
     c = IngressController.__new__(IngressController)
     c.stats, c.info = [{"pxname": "be", "svname": "srv1", "status": "UP"}], {"CurrConns": "250"}
+    c.table = SimpleNamespace(backends={"be": None})
     c.counter_base, c._last_counts = {}, {("be", "req_tot"): 3}
     c._fold_counters()
     c._forget_proxy()

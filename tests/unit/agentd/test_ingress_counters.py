@@ -10,6 +10,7 @@ from agentd.config.settings import load_config
 from agentd.datastore.store import Datastore
 from agentd.ingress.controller import IngressController
 from agentd.ingress.proxy import ProxyError
+from agentd.ingress.routing import Backend
 
 BACKEND = "ing.shop.web.api.80"
 
@@ -44,6 +45,7 @@ def test_a_failed_reload_does_not_count_the_old_workers_requests_twice(tmp_path)
     ctl = IngressController("n1", Datastore(["http://127.0.0.1:2379"], "/agentd"), cfg.ingress, ["10.1.1.1"], tmp_path)
     ctl.paths.certs.mkdir(parents=True)
     proxy = ctl.proxy = FakeProxy()  # type: ignore[assignment]
+    ctl.table.backends[BACKEND] = Backend("shop", "web", "api", 80)
 
     def total() -> int:
         return ctl.counter(BACKEND, "hrsp_2xx")
@@ -67,3 +69,19 @@ def test_a_failed_reload_does_not_count_the_old_workers_requests_twice(tmp_path)
         assert total() == 115
 
     asyncio.run(main())
+
+
+def test_the_counts_of_a_backend_gone_are_not_kept():
+    cfg = load_config(None, env={}, overrides={"node.address": "10.1.1.1", "node.name": "n1"})
+    ctl = IngressController("n1", Datastore(["http://127.0.0.1:2379"], "/agentd"), cfg.ingress, ["10.1.1.1"], "/nonexistent")
+    kept = Backend("shop", "web", "api", 80)
+    assert kept.name == BACKEND
+    ctl.table.backends[BACKEND] = kept
+    for pr in range(50):  # per-PR Ingresses: each a backend for a while
+        gone = Backend("ci", f"pr-{pr}", "app", 80)
+        ctl.table.backends[gone.name] = gone
+        ctl._last_counts = {(BACKEND, "hrsp_2xx"): 1, (gone.name, "hrsp_2xx"): 1, (gone.name, "req_tot"): 1}
+        ctl._fold_counters()  # a reload: its Ingress still there
+        del ctl.table.backends[gone.name]  # the PR closed
+        ctl._fold_counters()  # the next reload
+    assert ctl.counter_base == {(BACKEND, "hrsp_2xx"): 50}

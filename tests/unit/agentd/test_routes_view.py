@@ -68,7 +68,7 @@ def test_a_refused_route_is_not_installed(routes):
     assert routes(Programmer([WANT6])) == {WANT.dst: False, WANT6.dst: True}
 
 
-def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once(monkeypatch, caplog):
+def test_a_refused_best_path_is_listed_with_its_reason_and_logged_at_most_once_a_minute_per_peer(monkeypatch, caplog):
     from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 
     from agentd.datastore.store import ClusterConfig, NodeRecord
@@ -84,6 +84,8 @@ def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once(monkeypat
         leases={4: SimpleNamespace(subnet=IPv4Network("10.244.1.0/24"))}, tunnels=tunnels, speaker=None,
         started_bgp=False, stopping=False, cluster=ClusterConfig(IPv4Network("10.244.0.0/16"), 24, "host-gw", "always"))
     r = KernelRoutes(inputs)
+    clock = [1000.0]
+    r.clock = lambda: clock[0]
     r.adopt(Programmer())
     r.initial_sync_done = True
     nh = SimpleNamespace(next_hop=IPv4Address("10.0.0.2"), source=SimpleNamespace(local=False, ibgp=True))
@@ -98,11 +100,19 @@ def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once(monkeypat
     logged = [m for m in caplog.messages if "not installed" in m]
     assert logged == [("route to 0.0.0.0/0 via 10.0.0.2 not installed: node b announced 0.0.0.0/0, outside the "
                        "cluster's pod network (10.244.0.0/16)")]
+    for _ in range(10):  # a flapping router: gone and back, again and again
+        del r._bests[(1, b"default")]
+        r._recompute()
+        r._bests[(1, b"default")] = nh
+        r._recompute()
+    assert len([m for m in caplog.messages if "not installed" in m]) == 1  # at most once a minute per peer
+    clock[0] += 60.0
     del r._bests[(1, b"default")]
     r._recompute()
     r._bests[(1, b"default")] = nh
-    r._recompute()  # gone and back: logged again
-    assert len([m for m in caplog.messages if "not installed" in m]) == 2
+    r._recompute()  # gone and back a minute later: logged again, with those held back
+    logged = [m for m in caplog.messages if "not installed" in m]
+    assert len(logged) == 2 and logged[1].endswith("(10 similar suppressed in the last 60s)"), logged
 
 
 def test_a_recompute_that_fails_keeps_the_routes_and_is_one_log_line_until_it_changes(monkeypatch, caplog):

@@ -1,0 +1,159 @@
+"""State that must stay bounded: maps, dictionaries and tasks that grew with whatever was
+ever seen (a MAC flood, namespaces, refused connections, departed pods and nodes)."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import random
+from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+from types import SimpleNamespace
+
+from agentd.config.settings import load_config
+from agentd.daemon.flow_directory import FlowDirectory
+from agentd.dataplane.bpf import datapath, layout
+from agentd.dataplane.bpf_backend import BpfPath
+from agentd.kernel.netinfo import Underlay
+from agentd.policy.engine import PolicyEngine
+from agentd.policy.model import LocalPort, Pod, Policy
+from agentd.resources import kinds
+from bgp import PeerSettings, Speaker, loglimit
+from bgp.settings import LocalSettings
+
+# ------------------------------------------------------------------ the BPF ports map
+
+
+class _FullMap:
+    """A BPF hash map of ``size`` entries: a new key beyond that is E2BIG, as the kernel's."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: dict[bytes, bytes] = {}
+
+    def update(self, fd, key, value, flags=0):
+        if key not in self.entries and len(self.entries) >= self.size:
+            raise OSError(errno.E2BIG, "map update: Argument list too long")
+        self.entries[key] = value
+
+    def delete(self, fd, key):
+        return self.entries.pop(key, None) is not None
+
+
+def _mac(i: int) -> bytes:
+    return i.to_bytes(6, "big")
+
+
+def test_a_mac_flood_that_filled_the_ports_map_does_not_stop_its_sync_for_good(monkeypatch, caplog):
+    kmap = _FullMap(64)
+    monkeypatch.setattr(datapath.lb, "map_update", kmap.update)
+    monkeypatch.setattr(datapath.lb, "map_delete", kmap.delete)
+    dp = datapath.BpfDatapath(1, "/nonexistent")
+    dp.maps = {layout.PORTS: 3}
+    flood = {(7, _mac(0x020000000000 + i)): 11 for i in range(100)}
+    with caplog.at_level(logging.WARNING, "agentd.bpf"):
+        dp.set_ports(flood)
+        dp.set_ports(flood)  # still full: not logged again
+    assert len(kmap.entries) == 64 and dp.status()["bridge_ports_refused"] == 36
+    assert len([r for r in caplog.records if "ports map is full" in r.getMessage()]) == 1
+    # The flood's MACs age out of the bridge; a new pod comes: its entry gets in.
+    pod = {(7, _mac(0x0A0000000001)): 12}
+    dp.set_ports(pod)
+    assert dp.ports == pod and len(kmap.entries) == 1
+    assert dp.status()["bridge_ports_refused"] == 0
+
+
+def test_the_bpf_counters_are_read_when_the_ports_sync_fails(caplog):
+    class Dp:
+        def guard_bridges(self):
+            return set()
+
+        def sync_ports(self):
+            raise OSError(errno.EPERM, "map update: Operation not permitted")
+
+        def counters(self):
+            return {"drops": {"martian": {"packets": 3, "bytes": 300}}}
+
+    bpf = BpfPath(load_config(None, env={}, overrides={"node.address": "10.0.0.3", "node.name": "n3"}),
+                  Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"),)))
+    bpf.carried = {"udp"}
+    assert bpf.redirecting
+    with caplog.at_level(logging.WARNING, "agentd.backends"):
+        assert bpf._refresh(Dp())["drops"]["martian"]["packets"] == 3
+        assert bpf._refresh(Dp())["drops"]["martian"]["packets"] == 3
+    assert len([r for r in caplog.records if "ports map not synced" in r.getMessage()]) == 1
+
+
+# ------------------------------------------------------------------ the policy engine's indexes
+
+
+def test_the_policy_engine_keeps_nothing_of_a_namespace_gone():
+    eng = PolicyEngine("node1")
+    for i in range(20):
+        ns = f"ci-{i}"
+        pod = Pod(ns, "p", "node1", (ipaddress.ip_address(f"10.0.0.{i + 1}"),), {"app": "x"}, ())
+        eng.upsert_pod(pod, LocalPort(f"veth{i}", "02:00:00:00:00:01", "cni0", i))
+        eng.upsert_policy(Policy.parse(kinds.validate({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "deny", "namespace": ns},
+            "spec": {"podSelector": {}, "ingress": [{"from": [{"podSelector": {"matchLabels": {"run": str(i)}}}]}]}})))
+        eng.build()
+        assert eng._selected[(ns, "deny")] == {(ns, "p")}
+        eng.remove_policy((ns, "deny"))
+        eng.remove_pod((ns, "p"))
+        eng.build()
+    assert (len(eng._ns_pods), len(eng._ns_policies), len(eng._selected), len(eng._sel_refs)) == (0, 0, 0, 0)
+
+
+# ------------------------------------------------------------------ the BGP log limiter
+
+
+def test_a_port_179_scan_neither_merges_nor_silences_a_configured_peers_problems(caplog):
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1")), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings("10.0.0.9", 65001, passive=True), 0.0)
+    lim = sp.limiter
+    scan = 1500  # more addresses than the limiter keeps
+    forget_after = getattr(loglimit, "FORGET_AFTER", 3600.0)
+    with caplog.at_level(logging.INFO, "bgp"):
+        for i in range(scan):  # a scanner: each address refused once
+            lim.log(logging.INFO, "refused", f"198.51.{i // 256}.{i % 256}", 1.0, "refused BGP connection from %s", i)
+        assert lim.log(logging.WARNING, "session-failed", "10.0.0.9", 2.0, "peer %s: hold timer expired", "10.0.0.9")
+        assert lim.log(logging.INFO, "refused", "203.0.113.5", 2.0, "refused BGP connection from %s", "203.0.113.5")
+        for i in range(scan):  # more scanning: the peer's key stays
+            lim.log(logging.INFO, "refused", f"198.52.{i // 256}.{i % 256}", 3.0, "refused BGP connection from %s", i)
+    assert lim.counts[("session-failed", "10.0.0.9")] == 1
+    assert ("refused", "*") not in lim.counts and ("session-failed", "*") not in lim.counts
+    assert len(lim.counts) <= scan  # the least recently seen outsiders went
+    # The scan over, its counts (the metric's series) go after a while; the peer's stay.
+    sp.handle_timer(3.0 + forget_after)
+    assert dict(lim.counts) == {("session-failed", "10.0.0.9"): 1}
+    # A removed peer's count becomes an outsider's: it goes after a while too.
+    sp.remove_peer("10.0.0.9", 10.0 + forget_after)
+    sp.handle_timer(10.0 + 2 * forget_after)
+    assert not lim.counts
+
+
+# ------------------------------------------------------------------ the flow directory's identities
+
+
+def test_the_flow_directory_forgets_departed_pods_but_still_names_them_as_they_were():
+    policy = SimpleNamespace(engine=PolicyEngine("node1"))
+    d = FlowDirectory(policy, None, ("192.0.2.1",))  # type: ignore[arg-type]
+    engine = policy.engine
+    keep = Pod("default", "db", "node2", (ipaddress.ip_address("10.245.9.9"),), {"app": "db"}, ())
+    engine.upsert_pod(keep)
+    db = d.identity("10.245.9.9")
+    count, _ = d.named_before(None)
+    for i in range(3000):
+        ip = f"10.244.{i // 250}.{i % 250 + 1}"
+        key = ("default", f"web-{i:05x}")
+        engine.upsert_pod(Pod(key[0], key[1], "node2", (ipaddress.ip_address(ip),), {"app": "web"}, ()))
+        assert d.identity(ip).pod == f"default/web-{i:05x}"
+        engine.remove_pod(key)
+    assert len(d._ids) <= 2 * len(engine.pods) + 65
+    assert d.identity("10.245.9.9") is db  # a live pod's identity still shared
+    # The recorder names the ends of connections started before a change as they were then.
+    _, before = d.named_before(count)
+    assert before is not None and len(before) == 3000
+    ip, then, _when = before[-1]
+    assert (ip, then.pod, then.labels) == ("10.244.11.250", "default/web-00bb7", {"app": "web"})
