@@ -74,6 +74,9 @@ function when(ts) {
   return d.toLocaleTimeString([], { hour12: false }) + "." + String(d.getMilliseconds()).padStart(3, "0");
 }
 
+// ip:port, an IPv6 address in brackets ([fd00:10:96::a]:80): never ambiguous.
+function hostPort(ip, port) { return String(ip).includes(":") ? `[${ip}]:${port}` : `${ip}:${port}`; }
+
 function pill(text, cls) { return el("span", { class: "pill " + (cls || "") }, text); }
 
 function labels(obj) { return Object.entries(obj || {}).map(([k, v]) => pill(`${k}=${v}`)); }
@@ -240,7 +243,7 @@ async function showServices() {
   for (const s of data.services || []) {
     for (const port of s.ports) {
       rows.push([`${s.namespace}/${s.name}`, port.clusterIP || s.clusterIP, `${port.port}/${port.protocol}${port.nodePort ? " (node port " + port.nodePort + ")" : ""}`,
-        el("span", {}, port.endpoints.length ? port.endpoints.map((e) => pill(`${e.ip}:${e.port}${e.node ? " @" + e.node : ""} ${e.ready ? "ready" : e.terminating ? "terminating" : "not ready"}${e.used ? "" : " (unused)"}`, e.used ? "ok" : "warn")) : el("span", { class: "bad" }, "no endpoints")),
+        el("span", {}, port.endpoints.length ? port.endpoints.map((e) => pill(`${hostPort(e.ip, e.port)}${e.node ? " @" + e.node : ""} ${e.ready ? "ready" : e.terminating ? "terminating" : "not ready"}${e.used ? "" : " (unused)"}`, e.used ? "ok" : "warn")) : el("span", { class: "bad" }, "no endpoints")),
         s.connections]);
     }
   }
@@ -277,7 +280,7 @@ function showFlows(params) {
 }
 
 function flowRow(r) {
-  const end = (e) => el("span", {}, e.pod ? el("a", { href: e.node ? `#/pod/${encodeURIComponent(e.node)}/${e.pod}` : null }, e.pod) : "", " ", el("code", {}, `${e.ip}:${e.port}`));
+  const end = (e) => el("span", {}, e.pod ? el("a", { href: e.node ? `#/pod/${encodeURIComponent(e.node)}/${e.pod}` : null }, e.pod) : "", " ", el("code", {}, hostPort(e.ip, e.port)));
   let info = r.event;
   if (r.event === "drop") {
     info = r.reason === "policy" ? `policy ${r.direction}: ${(r.policies || []).join(", ")}${r.default_deny ? " (default deny)" : ""}` : (r.reason_text || r.reason);
@@ -287,7 +290,7 @@ function flowRow(r) {
     const size = (n) => (n === null || n === undefined ? "unknown" : `${n} B`);
     info = `end · sent ${size(r.bytes_sent)} · received ${size(r.bytes_received)}${r.duration !== null && r.duration !== undefined ? " · " + r.duration.toFixed(3) + " s" : ""}`;
   }
-  const dst = r.service ? el("span", {}, pill(`svc ${r.service.name} ${r.service.ip}:${r.service.port}`), " → ", end(r.dst)) : end(r.dst);
+  const dst = r.service ? el("span", {}, pill(`svc ${r.service.name} ${hostPort(r.service.ip, r.service.port)}`), " → ", end(r.dst)) : end(r.dst);
   return el("tr", { class: `verdict-${r.verdict}`, "data-verdict": r.verdict, "data-reason": r.reason || null, "data-node": r.node },
     el("td", { class: "mono" }, when(r.time)), el("td", {}, r.node), el("td", {}, end(r.src)), el("td", {}, dst),
     el("td", {}, r.protocol), el("td", { class: "verdict" }, r.verdict), el("td", { class: "info" }, info));

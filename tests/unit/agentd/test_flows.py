@@ -1803,3 +1803,12 @@ def test_the_directory_gives_each_spoofing_drop_its_reason():
     for prefix in ("spoofed", "spoofed-mac", "spoofed-arp"):
         meaning = d.drop(prefix)
         assert meaning is not None and (meaning.reason, meaning.direction) == (prefix, "egress") and prefix in REASONS
+
+
+def test_an_ipv6_address_and_port_are_printed_in_brackets():
+    record = {"time": 1.0, "node": "node1", "protocol": "TCP", "verdict": "forwarded", "event": "new",
+              "src": {"ip": "fd00:10:244:1::2", "port": 40112, "pod": "shop/client"},
+              "dst": {"ip": "10.244.2.3", "port": 8080},
+              "service": {"name": "shop/web", "ip": "fd00:10:96::a", "port": 80}}
+    text = line(record)
+    assert "shop/client [fd00:10:244:1::2]:40112 -> svc shop/web [fd00:10:96::a]:80 => 10.244.2.3:8080" in text
