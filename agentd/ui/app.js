@@ -258,22 +258,31 @@ const FILTERS = ["pod", "namespace", "label", "verdict", "protocol", "port", "no
 // Filters the form has no field for, but GET /flows and the CLI take: kept from the URL on Apply.
 const MORE_FILTERS = ["from-pod", "to-pod", "ip", "event", "reason", "service"];
 
+// GET /flows takes a verdict or protocol in any case (tcp, icmpv6): so does the form.
+function same(a, b) { return (a || "").toLowerCase() === b.toLowerCase(); }
+
 function showFlows(params) {
   const form = el("form", { class: "filters", id: "flow-filters" },
     FILTERS.map((f) => el("label", {}, f,
-      f === "verdict" ? el("select", { name: f }, ["", "forwarded", "dropped"].map((v) => el("option", { value: v, selected: params.get(f) === v ? "" : null }, v || "any")))
-        : f === "protocol" ? el("select", { name: f }, ["", "TCP", "UDP", "ICMP", "ICMPv6", "SCTP"].map((v) => el("option", { value: v, selected: params.get(f) === v ? "" : null }, v || "any")))
+      f === "verdict" ? el("select", { name: f }, ["", "forwarded", "dropped"].map((v) => el("option", { value: v, selected: same(params.get(f), v) ? "" : null }, v || "any")))
+        : f === "protocol" ? el("select", { name: f }, ["", "TCP", "UDP", "ICMP", "ICMPv6", "SCTP", "ARP"].map((v) => el("option", { value: v, selected: same(params.get(f), v) ? "" : null }, v || "any")))
           : el("input", { name: f, value: params.get(f) || "", placeholder: { pod: "ns/name", label: "key=value" }[f] || "" }))),
     el("button", { type: "submit" }, "Apply"));
   const out = el("div", {});
   form.addEventListener("submit", (ev) => {
     ev.preventDefault();
     const q = new URLSearchParams();
-    for (const f of FILTERS) { const v = form.elements[f].value.trim(); if (v) q.set(f, v); }
+    // A filter repeated in the address means any of its values (as GET /flows and the CLI take
+    // it): the form shows the first, the others are kept.
+    for (const f of FILTERS) {
+      const v = form.elements[f].value.trim();
+      if (v) { q.set(f, v); for (const more of params.getAll(f).slice(1)) q.append(f, more); }
+    }
     for (const f of MORE_FILTERS) for (const v of params.getAll(f)) q.append(f, v);
     location.hash = "#/flows" + (q.toString() ? "?" + q : "");
   });
-  const kept = MORE_FILTERS.flatMap((f) => params.getAll(f).map((v) => `${f}=${v}`));
+  const kept = [...FILTERS.flatMap((f) => params.getAll(f).slice(1).map((v) => `${f}=${v}`)),
+    ...MORE_FILTERS.flatMap((f) => params.getAll(f).map((v) => `${f}=${v}`))];
   page("Flows", el("p", { class: "muted" }, "Every node's flow records, live (GET /flows?cluster=1&follow=1)."), form,
     kept.length ? el("p", { class: "muted", id: "flow-more-filters" }, `also filtered by ${kept.join(", ")} (from the address)`) : null, out);
   flowTable(out, params, true);
