@@ -4,6 +4,9 @@
 
 const view = document.getElementById("view");
 let stopStream = null; // the live flow stream of the page shown, if any
+// Counts the pages asked for: a page whose answers come after the reader went on to another
+// (a slow node) shows nothing, and leaves that page's live stream alone.
+let shown = 0;
 
 // The browser view's key (`agentd ui` prints the address with it): what this agent gathers
 // from the other nodes needs it.  Taken from the address once, kept for this origin once this
@@ -90,9 +93,11 @@ function page(title, ...content) {
 // ------------------------------------------------------------------ the cluster
 
 async function showCluster() {
+  const me = shown;
   page("Cluster", el("p", { class: "muted" }, "Asking every node…"));
   let data;
-  try { data = await getJSON("/cluster"); } catch (err) { page("Cluster", failure(err)); return; }
+  try { data = await getJSON("/cluster"); } catch (err) { if (me === shown) page("Cluster", failure(err)); return; }
+  if (me !== shown) return;
   document.getElementById("where").textContent = `asked through ${data.node}`;
   const names = Object.keys(data.nodes).sort();
   const rows = names.map((name) => {
@@ -178,13 +183,15 @@ function sessionGraph(data, names) {
 // ------------------------------------------------------------------ a node
 
 async function showNode(name) {
+  const me = shown;
   page(`Node ${name}`, el("p", { class: "muted" }, "Loading…"));
   const base = `/nodes/${encodeURIComponent(name)}`;
   let status, routes, policy;
   try {
     [status, routes, policy] = await Promise.all([getJSON(`${base}/status`), getJSON(`${base}/routes`),
       getJSON(`${base}/policy`).catch((err) => ({ error: err.message, pods: [] }))]);
-  } catch (err) { page(`Node ${name}`, failure(err)); return; }
+  } catch (err) { if (me === shown) page(`Node ${name}`, failure(err)); return; }
+  if (me !== shown) return;
   const node = status.node || {};
   const peers = (status.bgp || {}).peers || [];
   const pods = policy.pods || [];
@@ -210,10 +217,12 @@ async function showNode(name) {
 // ------------------------------------------------------------------ a pod
 
 async function showPod(node, pod) {
+  const me = shown;
   page(`Pod ${pod}`, el("p", { class: "muted" }, "Loading…"));
   let policy;
   try { policy = await getJSON(`/nodes/${encodeURIComponent(node)}/policy?pod=${encodeURIComponent(pod)}`); }
-  catch (err) { page(`Pod ${pod}`, failure(err)); return; }
+  catch (err) { if (me === shown) page(`Pod ${pod}`, failure(err)); return; }
+  if (me !== shown) return;
   const p = (policy.pods || [])[0];
   if (!p) { page(`Pod ${pod}`, failure(new Error(`${node} has no pod ${pod}`))); return; }
   const allow = (rules) => rules === null ? el("p", { class: "muted" }, "not isolated: everything is allowed") :
@@ -236,9 +245,11 @@ async function showPod(node, pod) {
 // ------------------------------------------------------------------ services
 
 async function showServices() {
+  const me = shown;
   page("Services", el("p", { class: "muted" }, "Loading…"));
   let data;
-  try { data = await getJSON("/services"); } catch (err) { page("Services", failure(err)); return; }
+  try { data = await getJSON("/services"); } catch (err) { if (me === shown) page("Services", failure(err)); return; }
+  if (me !== shown) return;
   const rows = [];
   for (const s of data.services || []) {
     for (const port of s.ports) {
@@ -352,6 +363,7 @@ function flowTable(container, params, follow) {
 // ------------------------------------------------------------------ routing
 
 function route() {
+  shown++;
   if (stopStream) { stopStream(); stopStream = null; }
   const [path, query] = (location.hash.slice(1) || "/cluster").split("?");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);

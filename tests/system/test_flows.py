@@ -1057,6 +1057,22 @@ async def test_browser_view(shop, tmp_path):
             await page.wait_for_selector("[data-pod-link='shop/web']")
             await page.screenshot(path=str(shots / "ui-node.png"), full_page=True)
 
+            # A page whose answers come after the reader went on is not shown: node2's answers
+            # held back 1.5 s, the reader on the Flows page meanwhile keeps it, and its live stream.
+            async def slow(route):
+                await asyncio.sleep(1.5)
+                await route.continue_()
+
+            await page.route("**/nodes/node2/**", slow)
+            for late in ("#/node/node2", "#/pod/node2/shop/web"):
+                await page.goto(base + late)
+                await page.evaluate("location.hash = '#/flows'")
+                await page.wait_for_selector("#flow-status:text('live')")
+                await asyncio.sleep(2.0)
+                assert await page.locator("h1").inner_text() == "Flows", late
+                assert page.url.endswith("#/flows") and await page.locator("#flow-status").inner_text() == "live", late
+            await page.unroute("**/nodes/node2/**", slow)
+
             # A pod: labels, its policies, its flows (one made now, whatever ran before).
             assert (await shop.echo["client"].tcp(shop.pods["web"].ip, 80))["names"] == {"web": 1}
             await page.goto(base + "#/pod/node2/shop/web")
