@@ -1116,6 +1116,15 @@ async def test_browser_view(shop, tmp_path):
             await page.click("#flow-filters button")
             await page.wait_for_function("location.hash.includes('verdict=dropped')")
             assert "event=drop" in page.url
+            # A protocol in any case (as GET /flows takes it) is the form's; ARP is one; a filter
+            # repeated (any of) keeps its other values on Apply.
+            await page.goto(base + "#/flows?protocol=arp&pod=shop/other&pod=shop/client")
+            await page.wait_for_selector("#flow-more-filters:text('pod=shop/client')")
+            assert await page.input_value("select[name=protocol]") == "ARP"
+            await page.select_option("select[name=protocol]", "TCP")
+            await page.click("#flow-filters button")
+            await page.wait_for_function("location.hash.includes('protocol=TCP')")
+            assert "pod=shop%2Fother&pod=shop%2Fclient" in page.url, page.url
             assert not errors, errors
         finally:
             await ctx.close()
