@@ -1065,7 +1065,10 @@ async def test_browser_view(shop, tmp_path):
 
             await page.route("**/nodes/node2/**", slow)
             for late in ("#/node/node2", "#/pod/node2/shop/web"):
-                await page.goto(base + late)
+                await page.goto(base + "#/services")
+                await page.wait_for_selector("text=shop/web")
+                await page.evaluate(f"location.hash = '{late}'")
+                await page.wait_for_selector("text=Loading…")
                 await page.evaluate("location.hash = '#/flows'")
                 await page.wait_for_selector("#flow-status:text('live')")
                 await asyncio.sleep(2.0)
