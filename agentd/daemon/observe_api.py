@@ -26,6 +26,7 @@ import heapq
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -180,7 +181,7 @@ class _Handlers:
         followed: set[str] = set()
         firsts: dict[str, _Snapshot] = {}
 
-        def follow_nodes(new: list[str]) -> None:
+        def follow_nodes(new: list[str], joined_since: float | None = None) -> None:
             for name in new:
                 followed.add(name)
                 if name == me:
@@ -189,7 +190,10 @@ class _Handlers:
                 elif cluster is not None:
                     again = "/flows?" + urlencode([*_node_params(flt, name, None), ("last", "0"), ("follow", "1")])
                     path, first = again, None
-                    if last:
+                    if joined_since is not None:  # a node that joined: what it recorded since it could have been seen
+                        path = "/flows?" + urlencode([*_node_params(flt, name, joined_since), ("last", str(MAX_LAST)),
+                                                      ("follow", "1")])
+                    elif last:
                         first = firsts[name] = _Snapshot()
                         path = "/flows?" + urlencode([*_node_params(flt, name, since), ("last", str(last)), ("follow", "1")])
                     # The whole cluster followed: a node that leaves it is let go (and followed
@@ -216,19 +220,24 @@ class _Handlers:
                 return
             told = 0
             loop = asyncio.get_running_loop()
-            looked = loop.time()
+            looked, looked_at = loop.time(), time.time()
+            watch = not flt.node and cluster is not None
             while True:
+                # A node that joined since is followed from then on: the registry looked at once
+                # per keep-alive interval, however busy or quiet the stream, and the node asked
+                # for what it recorded since the look before (its records in between not lost).
+                wait = max(0.0, looked + KEEPALIVE - loop.time()) if watch else KEEPALIVE
                 try:
-                    async with asyncio.timeout(KEEPALIVE):  # not wait_for: the stream's cancel must end it
+                    async with asyncio.timeout(wait):  # not wait_for: the stream's cancel must end it
                         line = await merge.queue.get()
                 except TimeoutError:
                     line = b"\n"
-                # A node that joined since is followed from now on: the registry looked at once
-                # per keep-alive interval, however busy the stream.
-                if not flt.node and cluster is not None and loop.time() - looked >= KEEPALIVE:
-                    looked = loop.time()
+                if watch and loop.time() - looked >= KEEPALIVE:
+                    assert cluster is not None
+                    before = looked_at
+                    looked, looked_at = loop.time(), time.time()
                     let_go_of_departed()
-                    follow_nodes(sorted(set(cluster.nodes()) - followed))
+                    follow_nodes(sorted(set(cluster.nodes()) - followed), joined_since=before)
                 if merge.lost != told:  # what the merged stream could not hold, said before the next line
                     await resp.write(_line({"lost": merge.lost - told}))
                     told = merge.lost

@@ -1949,3 +1949,63 @@ async def test_a_node_that_stalls_before_its_last_records_is_said_unreachable_an
     said = [json.loads(line) for line in resp.lines if line.strip()]
     assert said == [{"node": "node2", "error": "node2 unreachable: nothing for 0s"}, {"time": 3.0, "node": "node2", "n": 3}]
 
+
+async def test_a_quiet_followed_cluster_looks_for_new_nodes_every_keepalive_and_asks_them_since(monkeypatch):
+    """The registry is looked at KEEPALIVE after the last look, however the stream's lines come
+    (not KEEPALIVE after the last line), and a node that joined is asked for what it recorded
+    since the look before."""
+    from types import SimpleNamespace
+    from urllib.parse import parse_qs, urlsplit
+
+    from agentd.daemon import observe_api
+
+    clock = [0.0]
+    asked_waits: list[tuple[float, float]] = []
+    timeouts: list[asyncio.Timeout] = []
+
+    def timeout(delay):  # the waits asked for, on the test's clock; fired by the test
+        asked_waits.append((clock[0], delay))
+        timeouts.append(asyncio.timeout(None))
+        return timeouts[-1]
+
+    fake = SimpleNamespace(get_running_loop=lambda: SimpleNamespace(time=lambda: clock[0]), timeout=timeout,
+                           create_task=asyncio.create_task, gather=asyncio.gather, sleep=asyncio.sleep,
+                           Event=asyncio.Event, Queue=asyncio.Queue, QueueFull=asyncio.QueueFull)
+    monkeypatch.setattr(observe_api, "asyncio", fake)
+    monkeypatch.setattr(observe_api, "time", SimpleNamespace(time=lambda: 1000.0 + clock[0]), raising=False)
+
+    class Quiet(_Registry):
+        def __init__(self, names):
+            super().__init__(names)
+            self.say = asyncio.Event()
+
+        async def lines(self, node, path, *, follow=False, blanks=False):
+            self.asked.append((node, path))
+            if node == "node2":
+                await self.say.wait()
+                yield b'{"time": 1.0, "node": "node2"}\n'
+            await asyncio.Event().wait()
+
+    registry = Quiet(["node1", "node2"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = _Stream()
+    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([]), 0, None, True))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    clock[0] = 9.0
+    registry.say.set()  # a line 9 s in: the next look is due 1 s later, not 10
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert asked_waits == [(0.0, observe_api.KEEPALIVE), (9.0, 1.0)]
+    registry.addresses["node3"] = "192.0.2.3"
+    clock[0] = 10.0
+    timeouts[-1].reschedule(asyncio.get_running_loop().time())  # the wait of 1 s is over
+    for _ in range(20):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    [path] = [p for n, p in registry.asked if n == "node3"]
+    query = parse_qs(urlsplit(path).query)
+    assert query["since"] == ["1000.0"] and query["follow"] == ["1"], query  # since the look at the start
