@@ -1097,6 +1097,7 @@ async def test_browser_view(shop, tmp_path):
             await shop.echo["other"].tcp(web.ip, 82, timeout=0.3)
             await row.first.wait_for(timeout=10_000)
             shown = time.monotonic() - attempt
+            print(f"the denied connection's row came {shown:.3f}s after the attempt")
             assert shown <= 1.0, f"the denied connection's row came {shown:.3f}s after the attempt"
             assert "shop/default-deny" in await row.first.inner_text()
             await page.screenshot(path=str(shots / "ui-flows.png"), full_page=True)
