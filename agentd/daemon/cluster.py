@@ -146,10 +146,11 @@ class ClusterView:
             raise NodeAnswered(node, status, body)
         return json.loads(body)
 
-    async def lines(self, node: str, path: str, *, follow: bool = False) -> AsyncIterator[bytes]:
+    async def lines(self, node: str, path: str, *, follow: bool = False, blanks: bool = False) -> AsyncIterator[bytes]:
         """The NDJSON lines of one node's streamed answer (``GET /flows``).  A gathered answer
         must keep coming (``TIMEOUT`` between reads, ``GATHER_TOTAL`` in all); a followed one
-        (``follow``) may be quiet, but not for ``follow_idle`` (its keep-alives count)."""
+        (``follow``) may be quiet, but not for ``follow_idle`` (its keep-alives count).  Empty
+        lines (keep-alives, the end of a followed stream's last N) only with ``blanks``."""
         self._check()
         if follow:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT, sock_read=self.follow_idle)
@@ -164,7 +165,7 @@ class ClusterView:
                 if resp.status != 200:
                     raise NodeAnswered(node, resp.status, await resp.read())
                 async for line in resp.content:
-                    if line.strip():
+                    if blanks or line.strip():
                         yield line
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             what = f"nothing for {self.follow_idle:g}s" if follow and isinstance(err, asyncio.TimeoutError) else \

@@ -26,17 +26,18 @@ import heapq
 import json
 import logging
 import math
+import time
 from pathlib import Path
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from aiohttp import web
 
 from agentd.daemon import auth
-from agentd.daemon.cluster import KEEPALIVE, RELAYED, ClusterView, NodeAnswered
+from agentd.daemon.cluster import GATHER_TOTAL, KEEPALIVE, RELAYED, TIMEOUT, ClusterView, NodeAnswered
 from agentd.flows.model import FilterError, FlowFilter
-from agentd.flows.ring import MAX_FOLLOWERS, TooManyFollowers
+from agentd.flows.ring import MAX_FOLLOWERS, Follower, LastSearch, TooManyFollowers
 from agentd.flows.views import FlowViews
 
 log = logging.getLogger("agentd.api")
@@ -135,16 +136,31 @@ class _Handlers:
         if follow and view is not None and view.followers(pool) >= MAX_FOLLOWERS:
             return web.json_response({"error": f"{view.followers(pool)} streams already follow this node's flow "
                                                f"records (at most {MAX_FOLLOWERS}); try again later"}, status=503)
+        follower: Follower | None = None
+        search: LastSearch | None = None
+        if not cluster:
+            assert view is not None
+            # Following starts with the same ring the last N are searched in, before anything
+            # is awaited (the answer's headers included): no record falls between them, none
+            # comes twice, and none made once the request came is missed.
+            try:
+                follower = view.follow(flt, pool) if follow else None
+            except TooManyFollowers as err:  # more came since the handler looked
+                return web.json_response({"error": str(err)}, status=503)
+            search = view.search(flt, last, since)
         resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
             if cluster:
                 await self._cluster_flows(resp, flt, last, since, follow)
             else:
-                assert view is not None
-                await _local_flows(resp, view, flt, last, since, follow, me, pool)
+                assert view is not None and search is not None
+                await _local_flows(resp, view, search, follower)
         except ConnectionResetError:  # the reader went: a followed stream ends so
             return resp
+        finally:
+            if follower is not None:
+                view.unfollow(follower)  # type: ignore[union-attr]  # view is there when follower is
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()
         return resp
@@ -156,22 +172,34 @@ class _Handlers:
         names = sorted(set(flt.node) if flt.node else {me, *(cluster.nodes() if cluster else {})})
         view = self.agent.flows_view()
         merge = _Merge()
-        # Following starts before the last N are asked for: a record made meanwhile may come
-        # twice (in the last N and followed), but none falls between the two.
+        # This node's follower starts before its last N are looked up: a record made meanwhile
+        # may come twice (in the last N and followed), but none falls between the two.  Another
+        # node is asked once for both (last=N&follow=1): it takes its last N and starts following
+        # at once, so none falls between them there either; its last N (up to the empty line
+        # that ends them) go to the gathering, what follows to the merged stream.
         tasks: dict[str, asyncio.Task] = {}
         followed: set[str] = set()
+        firsts: dict[str, _Snapshot] = {}
 
-        def follow_nodes(new: list[str]) -> None:
+        def follow_nodes(new: list[str], joined_since: float | None = None) -> None:
             for name in new:
                 followed.add(name)
                 if name == me:
                     if view is not None:
                         tasks[name] = asyncio.create_task(_pump_local(view, flt, merge, me))
                 elif cluster is not None:
-                    path = "/flows?" + urlencode([*_node_params(flt, name, None), ("last", "0"), ("follow", "1")])
+                    again = "/flows?" + urlencode([*_node_params(flt, name, None), ("last", "0"), ("follow", "1")])
+                    path, first = again, None
+                    if joined_since is not None:  # a node that joined: what it recorded since it could have been seen
+                        path = "/flows?" + urlencode([*_node_params(flt, name, joined_since), ("last", str(MAX_LAST)),
+                                                      ("follow", "1")])
+                    elif last:
+                        first = firsts[name] = _Snapshot()
+                        path = "/flows?" + urlencode([*_node_params(flt, name, since), ("last", str(last)), ("follow", "1")])
                     # The whole cluster followed: a node that leaves it is let go (and followed
                     # again if it comes back); one the reader named is asked for until it is back.
-                    tasks[name] = asyncio.create_task(_pump_remote(cluster, name, path, merge, leaves=not flt.node))
+                    tasks[name] = asyncio.create_task(_pump_remote(cluster, name, path, merge, leaves=not flt.node,
+                                                                   first=first, again=again))
 
         def let_go_of_departed() -> None:
             for name, t in list(tasks.items()):
@@ -183,7 +211,7 @@ class _Handlers:
             follow_nodes(names)
         try:
             if last:
-                records, errors = await self._gather_last(names, flt, last, since)
+                records, errors = await self._gather_last(names, flt, last, since, firsts)
                 for name, error in sorted(errors.items()):
                     await resp.write(_line({"node": name, "error": error}))
                 for line in records:
@@ -192,19 +220,24 @@ class _Handlers:
                 return
             told = 0
             loop = asyncio.get_running_loop()
-            looked = loop.time()
+            looked, looked_at = loop.time(), time.time()
+            watch = not flt.node and cluster is not None
             while True:
+                # A node that joined since is followed from then on: the registry looked at once
+                # per keep-alive interval, however busy or quiet the stream, and the node asked
+                # for what it recorded since the look before (its records in between not lost).
+                wait = max(0.0, looked + KEEPALIVE - loop.time()) if watch else KEEPALIVE
                 try:
-                    async with asyncio.timeout(KEEPALIVE):  # not wait_for: the stream's cancel must end it
+                    async with asyncio.timeout(wait):  # not wait_for: the stream's cancel must end it
                         line = await merge.queue.get()
                 except TimeoutError:
                     line = b"\n"
-                # A node that joined since is followed from now on: the registry looked at once
-                # per keep-alive interval, however busy the stream.
-                if not flt.node and cluster is not None and loop.time() - looked >= KEEPALIVE:
-                    looked = loop.time()
+                if watch and loop.time() - looked >= KEEPALIVE:
+                    assert cluster is not None
+                    before = looked_at
+                    looked, looked_at = loop.time(), time.time()
                     let_go_of_departed()
-                    follow_nodes(sorted(set(cluster.nodes()) - followed))
+                    follow_nodes(sorted(set(cluster.nodes()) - followed), joined_since=before)
                 if merge.lost != told:  # what the merged stream could not hold, said before the next line
                     await resp.write(_line({"lost": merge.lost - told}))
                     told = merge.lost
@@ -214,10 +247,11 @@ class _Handlers:
                 t.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
 
-    async def _gather_last(self, names: list[str], flt: FlowFilter, last: int,
-                           since: float | None) -> tuple[list[bytes], dict[str, str]]:
+    async def _gather_last(self, names: list[str], flt: FlowFilter, last: int, since: float | None,
+                           firsts: dict[str, _Snapshot] | None = None) -> tuple[list[bytes], dict[str, str]]:
         """The cluster's last ``last`` matching records (each node's last ``last``, merged by
-        time: at most ``last`` are held, however many nodes answer), and why a node has none."""
+        time: at most ``last`` are held, however many nodes answer), and why a node has none.
+        ``firsts``: the nodes whose last N come at the start of their followed streams."""
         cluster = self.agent.cluster_view()
         me = self.agent.node_name()
         view = self.agent.flows_view()
@@ -235,9 +269,18 @@ class _Handlers:
             if cluster is None:
                 errors[name] = "no cluster view here"
                 return
-            path = "/flows?" + urlencode([*_node_params(flt, name, since), ("last", str(last))])
+            first = (firsts or {}).get(name)
+            if first is not None:
+                await first.wait(name)
+                if first.error is not None:
+                    errors[name] = first.error
+                    return
+                answer: Any = _aiter(first.lines)
+            else:
+                path = "/flows?" + urlencode([*_node_params(flt, name, since), ("last", str(last))])
+                answer = cluster.lines(name, path)
             try:
-                async for line in cluster.lines(name, path):
+                async for line in answer:
                     record = json.loads(line)
                     if "error" in record:
                         errors[name] = str(record["error"])
@@ -317,36 +360,27 @@ class _Handlers:
         return web.FileResponse(path, headers={**UI_HEADERS, "Content-Type": UI_TYPES[path.suffix]})
 
 
-async def _local_flows(resp: web.StreamResponse, view: FlowViews, flt: FlowFilter, last: int,
-                       since: float | None, follow: bool, me: str, pool: str = "open") -> None:
-    # Following starts with the same ring the last N are searched in (no await in between):
-    # no record falls between them, and none is written twice.
-    try:
-        follower = view.follow(flt, pool) if follow else None
-    except TooManyFollowers as err:  # more came since the handler looked
-        await resp.write(_line({"node": me, "error": str(err)}))
+async def _local_flows(resp: web.StreamResponse, view: FlowViews, search: LastSearch, follower: Follower | None) -> None:
+    """The last N records ``search`` finds, then (``follower``) each new one.  A followed
+    stream's last N end with an empty line (a keep-alive to any reader): what came before it
+    is the last N, what comes after was followed (a gathering agent tells them apart so)."""
+    for flow in await view.finish(search):
+        await resp.write(_line(flow.json()))
+    if follower is None:
         return
-    search = view.search(flt, last, since)
-    try:
-        for flow in await view.finish(search):
-            await resp.write(_line(flow.json()))
-        if follower is None:
-            return
-        lost = 0
-        while True:
-            try:
-                async with asyncio.timeout(KEEPALIVE):  # not wait_for: the stream's cancel must end it
-                    flow = await follower.queue.get()
-            except TimeoutError:
-                await resp.write(b"\n")
-                continue
-            if follower.lost != lost:
-                await resp.write(_line({"lost": follower.lost - lost}))
-                lost = follower.lost
-            await resp.write(_line(flow.json()))
-    finally:
-        if follower is not None:
-            view.unfollow(follower)
+    await resp.write(b"\n")
+    lost = 0
+    while True:
+        try:
+            async with asyncio.timeout(KEEPALIVE):  # not wait_for: the stream's cancel must end it
+                flow = await follower.queue.get()
+        except TimeoutError:
+            await resp.write(b"\n")
+            continue
+        if follower.lost != lost:
+            await resp.write(_line({"lost": follower.lost - lost}))
+            lost = follower.lost
+        await resp.write(_line(flow.json()))
 
 
 def _last(value: str) -> int:
@@ -397,6 +431,48 @@ class _Newest:
         return [line for _, _, line in sorted(self.heap)]
 
 
+class _Snapshot:
+    """One node's last N, the start of its followed stream (up to the empty line that ends
+    them), handed to the gathering; ``error``: why they did not all come."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self.error: str | None = None
+        self.done = asyncio.Event()
+        self.moved = asyncio.Event()  # a line came, or the end
+
+    def add(self, line: bytes) -> None:
+        self.lines.append(line)
+        self.moved.set()
+
+    def end(self, error: str | None = None) -> None:
+        """Handed over (what came after goes to the merged stream)."""
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+            self.moved.set()
+
+    async def wait(self, node: str) -> None:
+        """Until they came, as long as a gathered answer is waited for: ``TIMEOUT`` between
+        two lines, ``GATHER_TOTAL`` in all (then said unreachable, and what comes after is
+        followed)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GATHER_TOTAL
+        while not self.done.is_set():
+            self.moved.clear()
+            try:
+                async with asyncio.timeout(min(TIMEOUT, max(0.0, deadline - loop.time()))):
+                    await self.moved.wait()
+            except TimeoutError:
+                took = f"nothing for {TIMEOUT:g}s" if loop.time() < deadline else f"more than {GATHER_TOTAL:g}s"
+                self.end(f"{node} unreachable: {took}")
+
+
+async def _aiter(lines: list[bytes]) -> AsyncIterator[bytes]:
+    for line in lines:
+        yield line
+
+
 class _Merge:
     """The followed streams of several nodes as one, in a bounded queue: what does not fit
     (a reader slower than the cluster) is counted, and the reader is told how much."""
@@ -435,21 +511,40 @@ RETRY_MAX = 60.0
 GIVE_UP = (400, 404)  # that node will not follow this (a filter it does not know, flow records off there)
 
 
-async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge, *, leaves: bool = False) -> bool:
-    """One node's followed stream into ``merge``; asked again after a pause when it breaks
-    (longer each time while it stays broken), given up on when the node says it cannot.
-    ``leaves``: given up on as well when the node is no longer in the cluster (then True)."""
+async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge, *, leaves: bool = False,
+                       first: _Snapshot | None = None, again: str | None = None) -> bool:
+    """One node's followed stream into ``merge``; asked again (``again``, else ``path``) after a
+    pause when it breaks (longer each time while it stays broken), given up on when the node
+    says it cannot.  ``leaves``: given up on as well when the node is no longer in the cluster
+    (then True).  ``first``: where the last N the stream starts with go (up to an empty line);
+    why they did not come is said there, not in ``merge``."""
     loop = asyncio.get_running_loop()
     delay, said = RETRY_FIRST, None
+
+    def say(message: str) -> None:
+        if first is not None and not first.done.is_set():
+            first.end(message)
+        else:
+            merge.put(_line({"node": node, "error": message}))
+
     while True:
         started = loop.time()
         try:
-            async for line in cluster.lines(node, path, follow=True):
-                merge.put(line if line.endswith(b"\n") else line + b"\n")
+            if first is None:
+                async for line in cluster.lines(node, path, follow=True):
+                    merge.put(line if line.endswith(b"\n") else line + b"\n")
+            else:
+                async for line in cluster.lines(node, path, follow=True, blanks=True):
+                    if not line.strip():  # the end of the last N, or a keep-alive
+                        first.end()
+                    elif not first.done.is_set():
+                        first.add(line)
+                    else:
+                        merge.put(line if line.endswith(b"\n") else line + b"\n")
             message = f"{node} ended the stream"
         except NodeAnswered as err:
             if err.status in GIVE_UP:
-                merge.put(_line({"node": node, "error": str(err)}))
+                say(str(err))
                 return False
             message = str(err)
         except OSError as err:
@@ -457,13 +552,17 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
         except KeyError:
             message = f"no node {node} in etcd"
             if leaves:
-                merge.put(_line({"node": node, "error": f"{message}: it left the cluster, no longer followed"}))
+                say(f"{message}: it left the cluster, no longer followed")
                 return True
         if loop.time() - started > RETRY_MAX:  # it ran a good while: a new outage, not the same one
             delay, said = RETRY_FIRST, None
         if message != said:  # said once per outage, not at every retry
-            merge.put(_line({"node": node, "error": message}))
+            say(message)
             said = message
+        if first is not None:
+            first.end()  # asked again for what comes from now on only
+            first = None
+        path = again or path
         await asyncio.sleep(delay)
         delay = min(RETRY_MAX, delay * 2)
 

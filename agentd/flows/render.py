@@ -13,8 +13,13 @@ import time
 from typing import Any
 
 
+def _where(ip: Any, port: Any) -> str:
+    """``ip:port``, an IPv6 address in brackets (``[fd00:10:96::a]:80``): never ambiguous."""
+    return f"[{ip}]:{port}" if ":" in str(ip) else f"{ip}:{port}"
+
+
 def _end(peer: dict[str, Any]) -> str:
-    where = f"{peer.get('ip')}:{peer.get('port', 0)}"
+    where = _where(peer.get("ip"), peer.get("port", 0))
     pod = peer.get("pod")
     return f"{_clean(pod)} {where}" if pod else where
 
@@ -69,7 +74,7 @@ def line(r: dict[str, Any]) -> str:
     svc = r.get("service")
     target = _end(dst)
     if svc:
-        target = f"svc {_clean(svc.get('name'))} {svc.get('ip')}:{svc.get('port')} => {target}"
+        target = f"svc {_clean(svc.get('name'))} {_where(svc.get('ip'), svc.get('port'))} => {target}"
     verdict = str(r.get("verdict", "-")).upper()
     return (f"{stamp}  {_clean(r.get('node'))}  {_end(src)} -> {target}  {_clean(r.get('protocol'))}  "
             f"{verdict}  {info(r)}")

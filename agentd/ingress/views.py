@@ -12,6 +12,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from agentd.ingress.haproxy import address
+
 CODES = ("1xx", "2xx", "3xx", "4xx", "5xx", "other")
 
 
@@ -56,7 +58,7 @@ class IngressViews:
         for name, b in sorted(c.table.backends.items()):
             backends.append({
                 "name": name, "namespace": b.namespace, "ingress": b.ingress, "service": b.service, "port": b.port,
-                "servers": sorted(f"{ip}:{port}" for ip, port in c.servers.get(name, set())),
+                "servers": sorted(address(ip, port) for ip, port in c.servers.get(name, set())),
                 "requests": c.counter(name, "req_tot"),
             })  # fmt: skip
         vhosts = []

@@ -4,6 +4,9 @@
 
 const view = document.getElementById("view");
 let stopStream = null; // the live flow stream of the page shown, if any
+// Counts the pages asked for: a page whose answers come after the reader went on to another
+// (a slow node) shows nothing, and leaves that page's live stream alone.
+let shown = 0;
 
 // The browser view's key (`agentd ui` prints the address with it): what this agent gathers
 // from the other nodes needs it.  Taken from the address once, kept for this origin once this
@@ -74,6 +77,9 @@ function when(ts) {
   return d.toLocaleTimeString([], { hour12: false }) + "." + String(d.getMilliseconds()).padStart(3, "0");
 }
 
+// ip:port, an IPv6 address in brackets ([fd00:10:96::a]:80): never ambiguous.
+function hostPort(ip, port) { return String(ip).includes(":") ? `[${ip}]:${port}` : `${ip}:${port}`; }
+
 function pill(text, cls) { return el("span", { class: "pill " + (cls || "") }, text); }
 
 function labels(obj) { return Object.entries(obj || {}).map(([k, v]) => pill(`${k}=${v}`)); }
@@ -87,9 +93,11 @@ function page(title, ...content) {
 // ------------------------------------------------------------------ the cluster
 
 async function showCluster() {
+  const me = shown;
   page("Cluster", el("p", { class: "muted" }, "Asking every node…"));
   let data;
-  try { data = await getJSON("/cluster"); } catch (err) { page("Cluster", failure(err)); return; }
+  try { data = await getJSON("/cluster"); } catch (err) { if (me === shown) page("Cluster", failure(err)); return; }
+  if (me !== shown) return;
   document.getElementById("where").textContent = `asked through ${data.node}`;
   const names = Object.keys(data.nodes).sort();
   const rows = names.map((name) => {
@@ -175,13 +183,15 @@ function sessionGraph(data, names) {
 // ------------------------------------------------------------------ a node
 
 async function showNode(name) {
+  const me = shown;
   page(`Node ${name}`, el("p", { class: "muted" }, "Loading…"));
   const base = `/nodes/${encodeURIComponent(name)}`;
   let status, routes, policy;
   try {
     [status, routes, policy] = await Promise.all([getJSON(`${base}/status`), getJSON(`${base}/routes`),
       getJSON(`${base}/policy`).catch((err) => ({ error: err.message, pods: [] }))]);
-  } catch (err) { page(`Node ${name}`, failure(err)); return; }
+  } catch (err) { if (me === shown) page(`Node ${name}`, failure(err)); return; }
+  if (me !== shown) return;
   const node = status.node || {};
   const peers = (status.bgp || {}).peers || [];
   const pods = policy.pods || [];
@@ -207,10 +217,12 @@ async function showNode(name) {
 // ------------------------------------------------------------------ a pod
 
 async function showPod(node, pod) {
+  const me = shown;
   page(`Pod ${pod}`, el("p", { class: "muted" }, "Loading…"));
   let policy;
   try { policy = await getJSON(`/nodes/${encodeURIComponent(node)}/policy?pod=${encodeURIComponent(pod)}`); }
-  catch (err) { page(`Pod ${pod}`, failure(err)); return; }
+  catch (err) { if (me === shown) page(`Pod ${pod}`, failure(err)); return; }
+  if (me !== shown) return;
   const p = (policy.pods || [])[0];
   if (!p) { page(`Pod ${pod}`, failure(new Error(`${node} has no pod ${pod}`))); return; }
   const allow = (rules) => rules === null ? el("p", { class: "muted" }, "not isolated: everything is allowed") :
@@ -233,14 +245,16 @@ async function showPod(node, pod) {
 // ------------------------------------------------------------------ services
 
 async function showServices() {
+  const me = shown;
   page("Services", el("p", { class: "muted" }, "Loading…"));
   let data;
-  try { data = await getJSON("/services"); } catch (err) { page("Services", failure(err)); return; }
+  try { data = await getJSON("/services"); } catch (err) { if (me === shown) page("Services", failure(err)); return; }
+  if (me !== shown) return;
   const rows = [];
   for (const s of data.services || []) {
     for (const port of s.ports) {
       rows.push([`${s.namespace}/${s.name}`, port.clusterIP || s.clusterIP, `${port.port}/${port.protocol}${port.nodePort ? " (node port " + port.nodePort + ")" : ""}`,
-        el("span", {}, port.endpoints.length ? port.endpoints.map((e) => pill(`${e.ip}:${e.port}${e.node ? " @" + e.node : ""} ${e.ready ? "ready" : e.terminating ? "terminating" : "not ready"}${e.used ? "" : " (unused)"}`, e.used ? "ok" : "warn")) : el("span", { class: "bad" }, "no endpoints")),
+        el("span", {}, port.endpoints.length ? port.endpoints.map((e) => pill(`${hostPort(e.ip, e.port)}${e.node ? " @" + e.node : ""} ${e.ready ? "ready" : e.terminating ? "terminating" : "not ready"}${e.used ? "" : " (unused)"}`, e.used ? "ok" : "warn")) : el("span", { class: "bad" }, "no endpoints")),
         s.connections]);
     }
   }
@@ -255,29 +269,38 @@ const FILTERS = ["pod", "namespace", "label", "verdict", "protocol", "port", "no
 // Filters the form has no field for, but GET /flows and the CLI take: kept from the URL on Apply.
 const MORE_FILTERS = ["from-pod", "to-pod", "ip", "event", "reason", "service"];
 
+// GET /flows takes a verdict or protocol in any case (tcp, icmpv6): so does the form.
+function same(a, b) { return (a || "").toLowerCase() === b.toLowerCase(); }
+
 function showFlows(params) {
   const form = el("form", { class: "filters", id: "flow-filters" },
     FILTERS.map((f) => el("label", {}, f,
-      f === "verdict" ? el("select", { name: f }, ["", "forwarded", "dropped"].map((v) => el("option", { value: v, selected: params.get(f) === v ? "" : null }, v || "any")))
-        : f === "protocol" ? el("select", { name: f }, ["", "TCP", "UDP", "ICMP", "ICMPv6", "SCTP"].map((v) => el("option", { value: v, selected: params.get(f) === v ? "" : null }, v || "any")))
+      f === "verdict" ? el("select", { name: f }, ["", "forwarded", "dropped"].map((v) => el("option", { value: v, selected: same(params.get(f), v) ? "" : null }, v || "any")))
+        : f === "protocol" ? el("select", { name: f }, ["", "TCP", "UDP", "ICMP", "ICMPv6", "SCTP", "ARP"].map((v) => el("option", { value: v, selected: same(params.get(f), v) ? "" : null }, v || "any")))
           : el("input", { name: f, value: params.get(f) || "", placeholder: { pod: "ns/name", label: "key=value" }[f] || "" }))),
     el("button", { type: "submit" }, "Apply"));
   const out = el("div", {});
   form.addEventListener("submit", (ev) => {
     ev.preventDefault();
     const q = new URLSearchParams();
-    for (const f of FILTERS) { const v = form.elements[f].value.trim(); if (v) q.set(f, v); }
+    // A filter repeated in the address means any of its values (as GET /flows and the CLI take
+    // it): the form shows the first, the others are kept.
+    for (const f of FILTERS) {
+      const v = form.elements[f].value.trim();
+      if (v) { q.set(f, v); for (const more of params.getAll(f).slice(1)) q.append(f, more); }
+    }
     for (const f of MORE_FILTERS) for (const v of params.getAll(f)) q.append(f, v);
     location.hash = "#/flows" + (q.toString() ? "?" + q : "");
   });
-  const kept = MORE_FILTERS.flatMap((f) => params.getAll(f).map((v) => `${f}=${v}`));
+  const kept = [...FILTERS.flatMap((f) => params.getAll(f).slice(1).map((v) => `${f}=${v}`)),
+    ...MORE_FILTERS.flatMap((f) => params.getAll(f).map((v) => `${f}=${v}`))];
   page("Flows", el("p", { class: "muted" }, "Every node's flow records, live (GET /flows?cluster=1&follow=1)."), form,
     kept.length ? el("p", { class: "muted", id: "flow-more-filters" }, `also filtered by ${kept.join(", ")} (from the address)`) : null, out);
   flowTable(out, params, true);
 }
 
 function flowRow(r) {
-  const end = (e) => el("span", {}, e.pod ? el("a", { href: e.node ? `#/pod/${encodeURIComponent(e.node)}/${e.pod}` : null }, e.pod) : "", " ", el("code", {}, `${e.ip}:${e.port}`));
+  const end = (e) => el("span", {}, e.pod ? el("a", { href: e.node ? `#/pod/${encodeURIComponent(e.node)}/${e.pod}` : null }, e.pod) : "", " ", el("code", {}, hostPort(e.ip, e.port)));
   let info = r.event;
   if (r.event === "drop") {
     info = r.reason === "policy" ? `policy ${r.direction}: ${(r.policies || []).join(", ")}${r.default_deny ? " (default deny)" : ""}` : (r.reason_text || r.reason);
@@ -287,7 +310,7 @@ function flowRow(r) {
     const size = (n) => (n === null || n === undefined ? "unknown" : `${n} B`);
     info = `end · sent ${size(r.bytes_sent)} · received ${size(r.bytes_received)}${r.duration !== null && r.duration !== undefined ? " · " + r.duration.toFixed(3) + " s" : ""}`;
   }
-  const dst = r.service ? el("span", {}, pill(`svc ${r.service.name} ${r.service.ip}:${r.service.port}`), " → ", end(r.dst)) : end(r.dst);
+  const dst = r.service ? el("span", {}, pill(`svc ${r.service.name} ${hostPort(r.service.ip, r.service.port)}`), " → ", end(r.dst)) : end(r.dst);
   return el("tr", { class: `verdict-${r.verdict}`, "data-verdict": r.verdict, "data-reason": r.reason || null, "data-node": r.node },
     el("td", { class: "mono" }, when(r.time)), el("td", {}, r.node), el("td", {}, end(r.src)), el("td", {}, dst),
     el("td", {}, r.protocol), el("td", { class: "verdict" }, r.verdict), el("td", { class: "info" }, info));
@@ -340,6 +363,7 @@ function flowTable(container, params, follow) {
 // ------------------------------------------------------------------ routing
 
 function route() {
+  shown++;
   if (stopStream) { stopStream(); stopStream = null; }
   const [path, query] = (location.hash.slice(1) || "/cluster").split("?");
   const parts = path.split("/").filter(Boolean).map(decodeURIComponent);

@@ -1803,3 +1803,209 @@ def test_the_directory_gives_each_spoofing_drop_its_reason():
     for prefix in ("spoofed", "spoofed-mac", "spoofed-arp"):
         meaning = d.drop(prefix)
         assert meaning is not None and (meaning.reason, meaning.direction) == (prefix, "egress") and prefix in REASONS
+
+
+def test_an_ipv6_address_and_port_are_printed_in_brackets():
+    record = {"time": 1.0, "node": "node1", "protocol": "TCP", "verdict": "forwarded", "event": "new",
+              "src": {"ip": "fd00:10:244:1::2", "port": 40112, "pod": "shop/client"},
+              "dst": {"ip": "10.244.2.3", "port": 8080},
+              "service": {"name": "shop/web", "ip": "fd00:10:96::a", "port": 80}}
+    text = line(record)
+    assert "shop/client [fd00:10:244:1::2]:40112 -> svc shop/web [fd00:10:96::a]:80 => 10.244.2.3:8080" in text
+
+
+class _Once(_Registry):
+    """A registry whose node2 answers a followed stream that asks for its last N with them, the
+    empty line that ends them, then (once ``more`` is set) a record it made later."""
+
+    def __init__(self, names):
+        super().__init__(names)
+        self.more = asyncio.Event()
+
+    async def lines(self, node, path, *, follow=False, blanks=False):
+        self.asked.append((node, path))
+        if "last=0" not in path:
+            yield b'{"time": 1.0, "node": "node2", "n": 1}\n'
+            yield b'{"time": 2.0, "node": "node2", "n": 2}\n'
+        if follow:
+            if blanks:
+                yield b"\n"
+            await self.more.wait()
+            yield b'{"time": 3.0, "node": "node2", "n": 3}\n'
+            await asyncio.Event().wait()
+
+
+async def test_a_followed_cluster_asks_another_node_once_for_its_last_records_and_what_follows():
+    """The last N and the followed records of a node in one request (last=N&follow=1): there
+    it takes the one and starts the other at once, so no record it makes falls between them."""
+    from types import SimpleNamespace
+    from urllib.parse import parse_qs, urlsplit
+
+    from agentd.daemon import observe_api
+
+    registry = _Once(["node1", "node2"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = _Stream()
+    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([("node", "node2")]), 5, None, True))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    registry.more.set()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(registry.asked) == 1, registry.asked
+    query = parse_qs(urlsplit(registry.asked[0][1]).query)
+    assert query["last"] == ["5"] and query["follow"] == ["1"] and query["node"] == ["node2"]
+    assert [json.loads(line)["n"] for line in resp.lines if line.strip()] == [1, 2, 3]
+
+
+class _Ring:
+    """A node's flow records with nothing in them, saying in ``did`` what was asked when."""
+
+    def __init__(self, did):
+        self.did = did
+
+    def followers(self, pool=None):
+        return 0
+
+    def follow(self, flt, pool="open"):
+        self.did.append("follow")
+
+        class Gone:  # the reader went: its stream ends at the first record waited for
+            async def get(self):
+                raise ConnectionResetError
+
+        from types import SimpleNamespace
+
+        return SimpleNamespace(queue=Gone(), lost=0)
+
+    def search(self, flt, n, since=None):
+        self.did.append("search")
+        return object()
+
+    async def finish(self, search):
+        self.did.append("finish")
+        return []
+
+    def unfollow(self, follower):
+        self.did.append("unfollow")
+
+
+async def test_a_node_follows_before_it_answers_and_ends_its_last_records_with_an_empty_line(monkeypatch):
+    from types import SimpleNamespace
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from agentd.daemon import observe_api
+
+    did: list[str] = []
+    written: list[bytes] = []
+
+    async def prepare(self, request):
+        did.append("prepare")
+
+    async def write(self, data):
+        written.append(data)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", prepare)
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: _Ring(did), node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=True, token_of=lambda: None)
+    await handlers.flows(make_mocked_request("GET", "/flows?last=5&follow=1"))
+    assert did == ["follow", "search", "prepare", "finish", "unfollow"]
+    assert written == [b"\n"]  # no record in the last 5: the empty line that ends them
+
+
+async def test_a_node_that_stalls_before_its_last_records_is_said_unreachable_and_still_followed(monkeypatch):
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    class Stalled(_Once):
+        async def lines(self, node, path, *, follow=False, blanks=False):
+            self.asked.append((node, path))
+            await self.more.wait()  # nothing until then, not even its last N
+            yield b'{"time": 3.0, "node": "node2", "n": 3}\n'
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(observe_api, "TIMEOUT", 0)
+    registry = Stalled(["node1", "node2"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = _Stream()
+    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([("node", "node2")]), 5, None, True))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    registry.more.set()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    said = [json.loads(line) for line in resp.lines if line.strip()]
+    assert said == [{"node": "node2", "error": "node2 unreachable: nothing for 0s"}, {"time": 3.0, "node": "node2", "n": 3}]
+
+
+async def test_a_quiet_followed_cluster_looks_for_new_nodes_every_keepalive_and_asks_them_since(monkeypatch):
+    """The registry is looked at KEEPALIVE after the last look, however the stream's lines come
+    (not KEEPALIVE after the last line), and a node that joined is asked for what it recorded
+    since the look before."""
+    from types import SimpleNamespace
+    from urllib.parse import parse_qs, urlsplit
+
+    from agentd.daemon import observe_api
+
+    clock = [0.0]
+    asked_waits: list[tuple[float, float]] = []
+    timeouts: list[asyncio.Timeout] = []
+
+    def timeout(delay):  # the waits asked for, on the test's clock; fired by the test
+        asked_waits.append((clock[0], delay))
+        timeouts.append(asyncio.timeout(None))
+        return timeouts[-1]
+
+    fake = SimpleNamespace(get_running_loop=lambda: SimpleNamespace(time=lambda: clock[0]), timeout=timeout,
+                           create_task=asyncio.create_task, gather=asyncio.gather, sleep=asyncio.sleep,
+                           Event=asyncio.Event, Queue=asyncio.Queue, QueueFull=asyncio.QueueFull)
+    monkeypatch.setattr(observe_api, "asyncio", fake)
+    monkeypatch.setattr(observe_api, "time", SimpleNamespace(time=lambda: 1000.0 + clock[0]), raising=False)
+
+    class Quiet(_Registry):
+        def __init__(self, names):
+            super().__init__(names)
+            self.say = asyncio.Event()
+
+        async def lines(self, node, path, *, follow=False, blanks=False):
+            self.asked.append((node, path))
+            if node == "node2":
+                await self.say.wait()
+                yield b'{"time": 1.0, "node": "node2"}\n'
+            await asyncio.Event().wait()
+
+    registry = Quiet(["node1", "node2"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = _Stream()
+    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([]), 0, None, True))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    clock[0] = 9.0
+    registry.say.set()  # a line 9 s in: the next look is due 1 s later, not 10
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert asked_waits == [(0.0, observe_api.KEEPALIVE), (9.0, 1.0)]
+    registry.addresses["node3"] = "192.0.2.3"
+    clock[0] = 10.0
+    timeouts[-1].reschedule(asyncio.get_running_loop().time())  # the wait of 1 s is over
+    for _ in range(20):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    [path] = [p for n, p in registry.asked if n == "node3"]
+    query = parse_qs(urlsplit(path).query)
+    assert query["since"] == ["1000.0"] and query["follow"] == ["1"], query  # since the look at the start

@@ -28,3 +28,16 @@ def test_request_counters_have_a_series_per_service_port():
     assert got == {("api", "80"): 100, ("api", "8080"): 7, ("-", "-"): 0}
     upstreams = registry.get_sample_value("agentd_ingress_upstreams", {"namespace": "shop", "ingress": "web", "service": "-", "port": "-"})
     assert upstreams == 0
+
+
+def test_an_ipv6_server_is_named_in_brackets():
+    b = Backend("shop", "web", "api", 80)
+    controller = SimpleNamespace(proxy=SimpleNamespace(running=True, reloads=0), restarts=0, runtime_changes=0, info={},
+                                 table=SimpleNamespace(backends={b.name: b}, vhosts={}, default=None, tls=[], conflicts=[]),
+                                 servers={b.name: {("fd00:10:244:1::5", 8080), ("10.244.1.5", 8080)}}, stats=[],
+                                 applied_revision=1, last_change=None, error=None, settings_error=None, tls_errors={},
+                                 counter=lambda name, key: 0)  # fmt: skip
+    views = IngressViews(controller)  # type: ignore[arg-type]
+    views.status = dict  # type: ignore[method-assign]  # the proxy's state: not what is asked here
+    view = views.view()
+    assert view["backends"][0]["servers"] == ["10.244.1.5:8080", "[fd00:10:244:1::5]:8080"]
