@@ -14,7 +14,9 @@ from it) is one an outsider can vary: its occurrences are counted under its own 
 paced by one key per kind shared by all such subjects, ``(kind, "*")`` -- so a scan from 5,000
 addresses is one line a minute, not 5,000.  At most :data:`MAX_OTHERS` such keys are kept, the
 least recently seen evicted first, and a key with no occurrence for :data:`FORGET_AFTER` seconds
-is dropped with its count (:attr:`LogLimiter.evicted` counts them).
+is dropped with its count (:attr:`LogLimiter.evicted` counts them).  A key listed so whose
+subject is pinned again by then (a peer removed and added back: a reconfiguration) is only
+unlisted, its count kept.
 
 Sans-IO like the rest of bgp/: the time is passed in.
 """
@@ -90,6 +92,12 @@ class LogLimiter:
                 self._others[key] = now
             self._evict()
 
+    def keep(self, subject: str) -> None:
+        """``subject`` is pinned (again: a peer removed and added back): unlist its keys, so
+        its counts are neither evicted nor expired."""
+        for key in [k for k in self._others if k[1] == subject]:
+            del self._others[key]
+
     def expire(self, now: float) -> None:
         """Drop the keys of subjects not pinned that had no occurrence for FORGET_AFTER."""
         while self._others:
@@ -104,6 +112,8 @@ class LogLimiter:
 
     def _drop(self, key: tuple[str, str]) -> None:
         del self._others[key]
+        if self.pinned(key[1]):
+            return  # pinned again since it was listed (a reconfigured peer): its count stays
         self.counts.pop(key, None)
         self._next.pop(key, None)
         self._held.pop(key, None)

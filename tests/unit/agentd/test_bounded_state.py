@@ -157,6 +157,25 @@ def test_connections_from_ever_new_addresses_are_logged_once_a_minute_not_once_e
     assert not any(subject == "*" for _, subject in lim.counts)
 
 
+def test_a_reconfigured_peer_keeps_its_problem_counts():
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1")), now=0.0, rng=random.Random(1))
+    sp.set_peers([PeerSettings("10.0.0.9", 65001, passive=True)], 0.0)
+    sp.limiter.log(logging.WARNING, "session-failed", "10.0.0.9", 1.0, "peer %s: hold timer expired", "10.0.0.9")
+    # SIGHUP with a setting of the same peer changed: removed and added back.
+    sp.set_peers([PeerSettings("10.0.0.9", 65001, passive=True, hold_time=30)], 5.0)
+    assert "10.0.0.9" in sp.peers
+    for i in range(loglimit.MAX_OTHERS + 5):  # outsiders enough to evict the least recent
+        sp.limiter.log(logging.INFO, "refused", f"198.51.{i // 256}.{i % 256}", 6.0, "refused %s", i)
+    sp.handle_timer(5.0 + loglimit.FORGET_AFTER + 10.0)
+    assert dict(sp.limiter.counts) == {("session-failed", "10.0.0.9"): 1}
+    # Also if it was listed as an outsider's when its subject was pinned again.
+    lim = loglimit.LogLimiter(logging.getLogger("bgp.test"), pinned=lambda subject: subject == "192.0.2.1")
+    lim.log(logging.WARNING, "session-failed", "192.0.2.1", 1.0, "x")
+    lim.forget("192.0.2.1", 2.0)
+    lim.expire(2.0 + loglimit.FORGET_AFTER)
+    assert dict(lim.counts) == {("session-failed", "192.0.2.1"): 1}
+
+
 # ------------------------------------------------------------------ the flow directory's identities
 
 
