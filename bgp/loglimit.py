@@ -53,11 +53,20 @@ class LogLimiter:
         self._held: Counter[tuple[str, str]] = Counter()
 
     def log(
-        self, level: int, kind: str, subject: str, now: float, message: str, *args: object, exc_info: bool = False
+        self,
+        level: int,
+        kind: str,
+        subject: str,
+        now: float,
+        message: str,
+        *args: object,
+        exc_info: bool = False,
+        force: bool = False,
     ) -> bool:
         """Count one occurrence; log it unless this kind was logged less than ``interval`` ago
-        (for this subject if it is pinned, for any subject not pinned otherwise).  Returns
-        whether it was logged."""
+        (for this subject if it is pinned, for any subject not pinned otherwise) -- or
+        ``force``: logged all the same (with the number held back), the interval restarting.
+        Returns whether it was logged."""
         key = (kind, subject)
         self.expire(now)
         if not self.pinned(subject):
@@ -70,7 +79,7 @@ class LogLimiter:
             pace = key
         self.counts[key] += 1
         due = self._next.get(pace)
-        if due is not None and now < due:
+        if not force and due is not None and now < due:
             self._held[pace] += 1
             return False
         held = self._held.pop(pace, 0)
