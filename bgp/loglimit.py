@@ -9,10 +9,14 @@ and says how many it held back the next time that kind is logged (at most once p
 agent can export the totals as metrics.
 
 Subjects the limiter is told are its own (``pinned``: the configured peers) always keep their
-own keys.  Any other subject (an outsider's address, a connection refused from it) is one an
-outsider can vary: at most :data:`MAX_OTHERS` such keys are kept, the least recently seen
-evicted first, and a key with no occurrence for :data:`FORGET_AFTER` seconds is dropped --
-its count and its pacing with it (:attr:`LogLimiter.evicted` counts them).
+own keys and their own pacing.  Any other subject (an outsider's address, a connection refused
+from it) is one an outsider can vary: its occurrences are counted under its own key, but logged
+paced by one key per kind shared by all such subjects, ``(kind, "*")`` -- so a scan from 5,000
+addresses is one line a minute, not 5,000.  At most :data:`MAX_OTHERS` such keys are kept, the
+least recently seen evicted first, and a key with no occurrence for :data:`FORGET_AFTER` seconds
+is dropped with its count (:attr:`LogLimiter.evicted` counts them).  A key listed so whose
+subject is pinned again by then (a peer removed and added back: a reconfiguration) is only
+unlisted, its count kept.
 
 Sans-IO like the rest of bgp/: the time is passed in.
 """
@@ -44,33 +48,45 @@ class LogLimiter:
         self.evicted = 0
         #: Every occurrence, by ``(kind, subject)`` where subject is usually a peer.
         self.counts: Counter[tuple[str, str]] = Counter()
-        self._next: dict[tuple[str, str], float] = {}  # key -> earliest time to log again
+        # Pacing key (a pinned subject's key, or (kind, "*")) -> earliest time to log again.
+        self._next: dict[tuple[str, str], float] = {}
         self._held: Counter[tuple[str, str]] = Counter()
 
     def log(
-        self, level: int, kind: str, subject: str, now: float, message: str, *args: object, exc_info: bool = False
+        self,
+        level: int,
+        kind: str,
+        subject: str,
+        now: float,
+        message: str,
+        *args: object,
+        exc_info: bool = False,
+        force: bool = False,
     ) -> bool:
-        """Count one occurrence; log it unless this kind was logged less than ``interval`` ago.
+        """Count one occurrence; log it unless this kind was logged less than ``interval`` ago
+        (for this subject if it is pinned, for any subject not pinned otherwise) -- or
+        ``force``: logged all the same (with the number held back), the interval restarting.
         Returns whether it was logged."""
         key = (kind, subject)
         self.expire(now)
         if not self.pinned(subject):
             self._others[key] = now
             self._others.move_to_end(key)
-            while len(self._others) > MAX_OTHERS:
-                self._drop(next(iter(self._others)))
+            self._evict()
+            pace = (kind, "*")
         else:
             self._others.pop(key, None)  # became a peer: its key is kept from now on
+            pace = key
         self.counts[key] += 1
-        due = self._next.get(key)
-        if due is not None and now < due:
-            self._held[key] += 1
+        due = self._next.get(pace)
+        if not force and due is not None and now < due:
+            self._held[pace] += 1
             return False
-        held = self._held.pop(key, 0)
+        held = self._held.pop(pace, 0)
         if held:
             message += " (%d similar suppressed in the last %.0fs)"
             args = (*args, held, self.interval)
-        self._next[key] = now + self.interval
+        self._next[pace] = now + self.interval
         self.logger.log(level, message, *args, exc_info=exc_info)
         return True
 
@@ -83,8 +99,13 @@ class LogLimiter:
         if now is not None:
             for key in [k for k in self.counts if k[1] == subject and k not in self._others]:
                 self._others[key] = now
-            while len(self._others) > MAX_OTHERS:
-                self._drop(next(iter(self._others)))
+            self._evict()
+
+    def keep(self, subject: str) -> None:
+        """``subject`` is pinned (again: a peer removed and added back): unlist its keys, so
+        its counts are neither evicted nor expired."""
+        for key in [k for k in self._others if k[1] == subject]:
+            del self._others[key]
 
     def expire(self, now: float) -> None:
         """Drop the keys of subjects not pinned that had no occurrence for FORGET_AFTER."""
@@ -94,8 +115,14 @@ class LogLimiter:
                 return
             self._drop(key)
 
+    def _evict(self) -> None:
+        while len(self._others) > MAX_OTHERS:
+            self._drop(next(iter(self._others)))
+
     def _drop(self, key: tuple[str, str]) -> None:
         del self._others[key]
+        if self.pinned(key[1]):
+            return  # pinned again since it was listed (a reconfigured peer): its count stays
         self.counts.pop(key, None)
         self._next.pop(key, None)
         self._held.pop(key, None)

@@ -396,9 +396,12 @@ class Peer:
                 # event; nor is our own ManualStop's Cease (a peer removed or reconfigured, the
                 # speaker stopping): no failure (Speaker.remove_peer logs a removal).
                 pass
-            elif not ev.sent and (note.code, note.subcode) == COLLISION_CEASE:
+            elif not ev.sent and (note.code, note.subcode) == COLLISION_CEASE and self._another_open(s):
                 # The peer resolved a §6.8 collision and keeps the other connection (the one it
                 # opened, or ours): a resolved collision, whichever of our sessions it closed.
+                # With no other connection left it is a failure like any: a peer that kept a
+                # stale Established session (we restarted without graceful restart) answers
+                # each of our OPENs so until its hold timer expires -- never, at hold time 0.
                 self._events.append(PeerCollisionClosed(ev.reason))
             elif s is self.session:
                 self._events.append(PeerFailed(ev.reason))
@@ -452,6 +455,13 @@ class Peer:
                 if loser is self.session:
                     self._promote(s)
                 return
+
+    def _another_open(self, s: Session) -> bool:
+        """Another session than ``s`` has its connection and has sent or received an OPEN."""
+        return any(
+            o is not s and o.conn is not None and o.state in (State.OPEN_SENT, State.OPEN_CONFIRM, State.ESTABLISHED)
+            for o in self.sessions()
+        )
 
     @staticmethod
     def _alive(s: Session) -> bool:

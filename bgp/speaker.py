@@ -202,6 +202,7 @@ class Speaker:
         peer = Peer(self.local, settings, conn_ids=self._conn_ids, now=now, rng=self._rng, restart=self.restart)
         self.peers[settings.key] = peer
         self.peers_version += 1
+        self.limiter.keep(settings.key)  # added back (a reconfiguration): its counts are a peer's again
         if self.started:
             with self._isolated(peer, now, "starting the session"):
                 peer.start(now)

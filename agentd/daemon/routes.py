@@ -39,6 +39,7 @@ log = logging.getLogger("agentd")
 
 BLACKHOLE_METRIC = 4000  # above the connected route of the CNI bridge, which must win
 INITIAL_SYNC_MAX = 60.0  # never wait longer than this for peers' End-of-RIB after a restart
+REFUSAL_MEMORY = 3600.0  # a refused route back within this is a flap: its lines paced per peer
 PROTOCOL_FILE = "route-protocol"  # in [agent] state_dir: the route protocol the agent last used
 
 
@@ -132,9 +133,12 @@ class KernelRoutes:
         self.rows: list[dict[str, Any]] = []  # GET /routes
         self.refused: list[dict[str, Any]] = []  # GET /routes too: best paths not installed, and why
         self._logged_refusals: set[tuple[str, str, str]] = set()  # (dst, peer, reason) logged while refused
-        # A refused route that comes back (a flapping external router) is logged at most once a
-        # minute per peer, with the number held back meanwhile.
-        self._refusal_log = LogLimiter(log)
+        # (dst, peer) -> when last seen refused; entries older than REFUSAL_MEMORY are pruned.
+        self._refused_at: dict[tuple[str, str], float] = {}
+        self._refusing_peers: set[str] = set()  # the peers of _refused_at
+        # A refused route that comes back within REFUSAL_MEMORY (a flapping external router) is
+        # logged at most once a minute per peer, with the number held back meanwhile.
+        self._refusal_log = LogLimiter(log, pinned=lambda peer: peer in self._refusing_peers)
         self.clock: Callable[[], float] = time.monotonic
         self._logged_bad_bests: set[tuple[int, bytes]] = set()  # best paths not a prefix, logged while so
         self._failing: str | None = None  # the last recompute's error (logged when it changes)
@@ -276,17 +280,27 @@ class KernelRoutes:
         self.programmer.set_desired(routes)
 
     def _log_refusals(self, refused: list[dict[str, Any]]) -> None:
-        """Each refused best path noted once while it stays refused (a peer may re-send it at
-        every recompute); one that comes back after being dropped is noted again.  A note is a
-        warning at most once a minute per peer, with the number of those held back (a
-        flapping router's routes would be one each per flap)."""
+        """Each refused best path logged once while it stays refused (a peer may re-send it at
+        every recompute).  One that comes back after being dropped is logged again: at once if
+        it was not refused within REFUSAL_MEMORY, else (a flapping router's route, one line
+        each per flap) at most once a minute per peer, with the number of those held back."""
         self.refused = refused
         now = {(r["dst"], r["peer"], r["reason"]) for r in refused}
         at = self.clock()
+        self._refused_at = {k: t for k, t in self._refused_at.items() if at - t < REFUSAL_MEMORY}
         for dst, peer, reason in sorted(now - self._logged_refusals):
+            again = (dst, str(peer)) in self._refused_at
+            self._refusing_peers.add(str(peer))  # paced per peer, not with every peer
             self._refusal_log.log(logging.WARNING, "route-refused", str(peer), at,
-                                  "route to %s via %s not installed: %s", dst, peer, reason)
+                                  "route to %s via %s not installed: %s", dst, peer, reason, force=not again)
+        for dst, peer, _reason in now:
+            self._refused_at[(dst, str(peer))] = at
         self._logged_refusals = now
+        peers = {peer for _dst, peer in self._refused_at}
+        for peer in self._refusing_peers - peers:  # nothing refused for an hour: its count goes in one
+            self._refusing_peers.discard(peer)
+            self._refusal_log.forget(peer, at)
+        self._refusal_log.expire(at)
 
     def _initial_sync_complete(self) -> bool:
         """RFC 4724 §4.1: every peer Established with End-of-RIB received, or the deadline passed."""

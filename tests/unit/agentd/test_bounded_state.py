@@ -117,20 +117,63 @@ def test_a_port_179_scan_neither_merges_nor_silences_a_configured_peers_problems
     with caplog.at_level(logging.INFO, "bgp"):
         for i in range(scan):  # a scanner: each address refused once
             lim.log(logging.INFO, "refused", f"198.51.{i // 256}.{i % 256}", 1.0, "refused BGP connection from %s", i)
+        # The configured peer's problem is logged (its own pacing, not the scan's) ...
         assert lim.log(logging.WARNING, "session-failed", "10.0.0.9", 2.0, "peer %s: hold timer expired", "10.0.0.9")
-        assert lim.log(logging.INFO, "refused", "203.0.113.5", 2.0, "refused BGP connection from %s", "203.0.113.5")
+        # ... and so is one of its refused connections, however many outsiders' were.
+        assert lim.log(logging.INFO, "refused", "10.0.0.9", 2.0, "refused BGP connection from %s", "10.0.0.9")
         for i in range(scan):  # more scanning: the peer's key stays
             lim.log(logging.INFO, "refused", f"198.52.{i // 256}.{i % 256}", 3.0, "refused BGP connection from %s", i)
-    assert lim.counts[("session-failed", "10.0.0.9")] == 1
+        assert lim.log(logging.WARNING, "session-failed", "10.0.0.9", 62.0, "peer %s: hold timer expired", "10.0.0.9")
+    assert lim.counts[("session-failed", "10.0.0.9")] == 2
+    assert lim.counts[("refused", "10.0.0.9")] == 1
     assert ("refused", "*") not in lim.counts and ("session-failed", "*") not in lim.counts
     assert len(lim.counts) <= scan  # the least recently seen outsiders went
     # The scan over, its counts (the metric's series) go after a while; the peer's stay.
-    sp.handle_timer(3.0 + forget_after)
-    assert dict(lim.counts) == {("session-failed", "10.0.0.9"): 1}
+    sp.handle_timer(62.0 + forget_after)
+    assert dict(lim.counts) == {("session-failed", "10.0.0.9"): 2, ("refused", "10.0.0.9"): 1}
     # A removed peer's count becomes an outsider's: it goes after a while too.
     sp.remove_peer("10.0.0.9", 10.0 + forget_after)
     sp.handle_timer(10.0 + 2 * forget_after)
     assert not lim.counts
+
+
+def test_connections_from_ever_new_addresses_are_logged_once_a_minute_not_once_each(caplog):
+    lim = loglimit.LogLimiter(logging.getLogger("bgp.test"), pinned=lambda subject: subject == "10.0.0.9")
+    with caplog.at_level(logging.INFO, "bgp.test"):
+        for i in range(5000):  # 5,000 addresses in 50 s, each one new
+            lim.log(logging.INFO, "refused", f"2001:db8::{i:x}", 100.0 + i * 0.01, "refused BGP connection from %s", i)
+        for i in range(3 * (loglimit.MAX_OTHERS + 1)):  # addresses cycled past the keys kept
+            a = f"2001:db8:1::{i % (loglimit.MAX_OTHERS + 1):x}"
+            lim.log(logging.INFO, "refused", a, 151.0 + i * 0.001, "refused BGP connection from %s", a)
+        assert lim.log(logging.INFO, "refused", "10.0.0.9", 155.0, "refused BGP connection from %s", "10.0.0.9")
+        assert lim.log(logging.INFO, "refused", "2001:db8:2::1", 160.0, "refused BGP connection from %s", "2001:db8:2::1")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "refused BGP connection from 0",
+        "refused BGP connection from 10.0.0.9",  # a configured peer: its own pacing
+        f"refused BGP connection from 2001:db8:2::1 ({4999 + 3 * (loglimit.MAX_OTHERS + 1)} similar suppressed in the last 60s)",
+    ]
+    assert lim.counts[("refused", "2001:db8:2::1")] == 1  # each address still counted on its own
+    assert not any(subject == "*" for _, subject in lim.counts)
+
+
+def test_a_reconfigured_peer_keeps_its_problem_counts():
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1")), now=0.0, rng=random.Random(1))
+    sp.set_peers([PeerSettings("10.0.0.9", 65001, passive=True)], 0.0)
+    sp.limiter.log(logging.WARNING, "session-failed", "10.0.0.9", 1.0, "peer %s: hold timer expired", "10.0.0.9")
+    # SIGHUP with a setting of the same peer changed: removed and added back.
+    sp.set_peers([PeerSettings("10.0.0.9", 65001, passive=True, hold_time=30)], 5.0)
+    assert "10.0.0.9" in sp.peers
+    for i in range(loglimit.MAX_OTHERS + 5):  # outsiders enough to evict the least recent
+        sp.limiter.log(logging.INFO, "refused", f"198.51.{i // 256}.{i % 256}", 6.0, "refused %s", i)
+    sp.handle_timer(5.0 + loglimit.FORGET_AFTER + 10.0)
+    assert dict(sp.limiter.counts) == {("session-failed", "10.0.0.9"): 1}
+    # Also if it was listed as an outsider's when its subject was pinned again.
+    lim = loglimit.LogLimiter(logging.getLogger("bgp.test"), pinned=lambda subject: subject == "192.0.2.1")
+    lim.log(logging.WARNING, "session-failed", "192.0.2.1", 1.0, "x")
+    lim.forget("192.0.2.1", 2.0)
+    lim.expire(2.0 + loglimit.FORGET_AFTER)
+    assert dict(lim.counts) == {("session-failed", "192.0.2.1"): 1}
 
 
 # ------------------------------------------------------------------ the flow directory's identities

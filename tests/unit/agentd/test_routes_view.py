@@ -68,7 +68,9 @@ def test_a_refused_route_is_not_installed(routes):
     assert routes(Programmer([WANT6])) == {WANT.dst: False, WANT6.dst: True}
 
 
-def test_a_refused_best_path_is_listed_with_its_reason_and_logged_at_most_once_a_minute_per_peer(monkeypatch, caplog):
+def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once_and_flaps_at_most_once_a_minute_per_peer(
+    monkeypatch, caplog
+):
     from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 
     from agentd.datastore.store import ClusterConfig, NodeRecord
@@ -90,7 +92,8 @@ def test_a_refused_best_path_is_listed_with_its_reason_and_logged_at_most_once_a
     r.initial_sync_done = True
     nh = SimpleNamespace(next_hop=IPv4Address("10.0.0.2"), source=SimpleNamespace(local=False, ibgp=True))
     r._bests = {(1, b"default"): nh, (1, b"b"): nh}
-    monkeypatch.setattr(R, "prefix_to_str", lambda afi, p: {b"default": "0.0.0.0/0", b"b": "10.244.2.0/24"}[p])
+    names = {b"default": "0.0.0.0/0", b"b": "10.244.2.0/24"} | {b"x%d" % i: f"192.168.{i}.0/24" for i in range(5)}
+    monkeypatch.setattr(R, "prefix_to_str", lambda afi, p: names[p])
     for _ in range(3):
         r._recompute()
     rows = {row["dst"]: row for row in r.installed()}
@@ -113,6 +116,21 @@ def test_a_refused_best_path_is_listed_with_its_reason_and_logged_at_most_once_a
     r._recompute()  # gone and back a minute later: logged again, with those held back
     logged = [m for m in caplog.messages if "not installed" in m]
     assert len(logged) == 2 and logged[1].endswith("(10 similar suppressed in the last 60s)"), logged
+    # Routes newly refused are each logged at once, however many in one recompute, and though
+    # that peer's flap was logged just now.
+    for i in range(5):
+        r._bests[(1, b"x%d" % i)] = nh
+    r._recompute()
+    logged = [m for m in caplog.messages if "not installed" in m][2:]
+    assert logged == [f"route to 192.168.{i}.0/24 via 10.0.0.2 not installed: node b announced 192.168.{i}.0/24, "
+                      "outside the cluster's pod network (10.244.0.0/16)" for i in range(5)], logged
+    # What it remembers of refusals past goes an hour after they ended.
+    for key in [k for k in r._bests if k != (1, b"b")]:
+        del r._bests[key]
+    r._recompute()
+    clock[0] += 3600.0
+    r._recompute()
+    assert r._refused_at == {} and r._refusing_peers == set()
 
 
 def test_a_recompute_that_fails_keeps_the_routes_and_is_one_log_line_until_it_changes(monkeypatch, caplog):

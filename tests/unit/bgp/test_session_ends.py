@@ -333,3 +333,36 @@ def test_stopping_the_speaker_logs_no_failed_session(caplog):
         sp.stop(1.0, graceful=False)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert not any(kind == "session-failed" for kind, _ in sp.limiter.counts)
+
+
+@pytest.mark.parametrize("with_open", [False, True])
+def test_a_collision_cease_with_no_other_connection_is_a_failed_session(caplog, with_open):
+    # After a crash without graceful restart the peer keeps its stale Established session and
+    # answers each OPEN of ours with Cease/7 (until its hold timer expires; never at hold time
+    # 0).  We have no other connection to it: the peer stays down, and that is a warning and a
+    # session-failed count, not a debug line.
+    sp = Speaker(local("10.0.0.1"), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings(REMOTE, 65000), 0.0)
+    sp.start(0.0)
+    (connect,) = [a for a in sp.take_actions() if isinstance(a, Connect)]
+    sp.connection_made(connect.conn, 0.1, "10.0.0.1")
+    sp.take_actions()
+    with caplog.at_level(logging.DEBUG, logger="bgp"):
+        data = (open_() if with_open else b"") + cease(CeaseSubcode.CONNECTION_COLLISION_RESOLUTION)
+        sp.data_received(connect.conn, data, 0.4)
+    assert sp.peers[REMOTE].state < State.OPEN_SENT
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warning.startswith(f"peer {REMOTE}: received NOTIFICATION Cease")
+    assert sp.limiter.counts[("session-failed", REMOTE)] == 1
+    assert not any("connection collision, RFC 4271" in r.getMessage() for r in caplog.records)
+
+
+def test_a_collision_cease_while_the_other_connection_is_in_open_sent_is_no_failed_session(caplog):
+    # The other connection (theirs) has not had the peer's OPEN yet: it is still the one the
+    # peer keeps.
+    sp, ours = _colliding_speaker()
+    with caplog.at_level(logging.DEBUG, logger="bgp"):
+        sp.data_received(ours, cease(CeaseSubcode.CONNECTION_COLLISION_RESOLUTION), 0.4)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not any(kind == "session-failed" for kind, _ in sp.limiter.counts)
+    assert any("connection collision" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
