@@ -1803,3 +1803,29 @@ def test_the_directory_gives_each_spoofing_drop_its_reason():
     for prefix in ("spoofed", "spoofed-mac", "spoofed-arp"):
         meaning = d.drop(prefix)
         assert meaning is not None and (meaning.reason, meaning.direction) == (prefix, "egress") and prefix in REASONS
+
+
+def test_flow_records_follow_the_cluster_record_not_this_nodes_network_settings(monkeypatch, tmp_path):
+    """The agent follows the cluster record in etcd where this node's [network] differs: a
+    node configured ipv4 with another pod network and Service range, in a dual cluster.  Its
+    recorder's pods and Services (the kernel's conntrack filter, IPv4, and the long way, both
+    families) are the record's, and a node port is named on the node's own IPv6 address."""
+    from ipaddress import IPv6Address, ip_network
+
+    from prometheus_client import CollectorRegistry
+
+    from agentd.datastore.store import ClusterConfig
+
+    observe, obs = _observability(monkeypatch, tmp_path, AGENTD_NETWORK_CIDR="10.50.0.0/16",
+                                  AGENTD_NETWORK_SERVICE_CIDR="10.60.0.0/16")
+    monkeypatch.setattr(observe.FlowRecorder, "open", lambda self: None)
+    cluster = ClusterConfig("10.244.0.0/16", 24, "vxlan", "always", "10.96.0.0/12", ip_family="dual",
+                            cidr_v6="fd00:244::/56", subnet_len_v6=64, service_cidr_v6="fd00:96::/112")
+    asyncio.run(obs.open_flows(None, None, CollectorRegistry(), cluster=cluster, address_v6=IPv6Address("2001:db8::10")))
+    rec = obs.recorder
+    assert set(rec.networks) == {ip_network("10.244.0.0/16"), ip_network("10.96.0.0/12"),
+                                 ip_network("fd00:244::/56"), ip_network("fd00:96::/112")}
+    assert sorted(rec.prefixes) == sorted((int(n.network_address), int(n.netmask))
+                                          for n in (ip_network("10.244.0.0/16"), ip_network("10.96.0.0/12")))
+    assert rec._ours("fd00:244::5", "2001:db8::99") and not rec._ours("10.50.0.5", "10.60.0.1")
+    assert "2001:db8::10" in rec.directory.node_addresses
