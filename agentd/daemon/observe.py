@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from agentd.config.settings import Config
 from agentd.daemon.auth import new_token, read_line_token
 from agentd.daemon.cluster import ClusterView
-from agentd.daemon.flow_directory import FlowDirectory
+from agentd.daemon.flow_directory import FlowDirectory, kernel_local_networks
 from agentd.datastore.store import ClusterConfig, Datastore
 from agentd.flows.recorder import CarriedCounts, FlowRecorder, restore_sysctls
 from agentd.flows.views import FlowViews
@@ -77,7 +77,8 @@ class Observability:
             six = 6 in cfg.network.families
             pods = [cfg.network.cidr, *([cfg.network.cidr_v6] if six else [])]
             ranges = [cfg.network.service_cidr, *([cfg.network.service_cidr_v6] if six else [])]
-        directory = FlowDirectory(policy, services, (cfg.node.address, address_v6 or cfg.node.address_v6))
+        directory = FlowDirectory(policy, services, (cfg.node.address, address_v6 or cfg.node.address_v6),
+                                  local_networks=kernel_local_networks)
         recorder = FlowRecorder(self.name, directory, cfg.agent.state_dir, group=cfg.flows.log_group,
                                 ring_size=cfg.flows.ring_size, agent_rate=cfg.flows.record_rate,
                                 agent_burst=max(1, int(cfg.flows.record_rate * 2)),

@@ -1516,6 +1516,50 @@ def test_a_node_port_is_named_on_either_of_the_nodes_addresses():
     assert v6only.service("fd00::10", 6, 30080) == "shop/web" and v6only.service("None", 6, 30080) is None
 
 
+def test_a_node_port_is_named_on_every_address_the_kernel_holds_as_local():
+    """The services table translates (and refuses) a node port on every local address of the
+    node but loopback (fib daddr type local), not only [node] address: a client reaching it on
+    another address of the node -- a second interface's, an address added since -- gets
+    records naming the Service, so ``--service`` and ``--port`` find them, and so does a
+    refused one (no endpoints: the packet's own destination).  Addresses the kernel does not
+    hold stay unnamed; its local table is read again at most every LOCAL_REREAD seconds."""
+    from ipaddress import ip_network
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import LOCAL_REREAD, DropMeaning, FlowDirectory
+    from agentd.flows.recorder import FlowRecorder
+    from agentd.kernel.netlink_log import Packet
+
+    ports = [NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="10.96.0.10", node_port=30080)]
+    services = NS(syncs=1, ports=ports, compiled_ports=ports)
+    local = [ip_network("127.0.0.0/8"), ip_network("192.168.1.10/32"), ip_network("172.16.5.1/32"),
+             ip_network("2001:db8:5::1/128"), ip_network("198.51.100.0/28")]  # the last: an AnyIP prefix
+    reads, now = [], [100.0]
+
+    def read():
+        reads.append(now[0])
+        return list(local)
+
+    d = FlowDirectory(None, services, (IPv4Address("192.168.1.10"), None), local_networks=read, clock=lambda: now[0])
+    assert d.service("192.168.1.10", 6, 30080) == "shop/web" and reads == []  # [node] address: no read
+    assert d.service("172.16.5.1", 6, 30080) == "shop/web"
+    assert d.service("2001:db8:5::1", 6, 30080) == "shop/web" and d.service("198.51.100.7", 6, 30080) == "shop/web"
+    assert reads == [100.0]
+    assert d.service("127.0.0.1", 6, 30080) is None  # loopback: not translated (the table's not_loopback)
+    assert d.service("10.0.0.5", 6, 30080) is None and d.service("172.16.5.1", 17, 30080) is None
+    assert d.service("172.16.5.1", 6, 30081) is None
+    assert reads == [100.0]  # a miss within LOCAL_REREAD reads nothing
+    local.append(ip_network("10.0.0.5/32"))  # an address added since
+    now[0] += LOCAL_REREAD
+    assert d.service("10.0.0.5", 6, 30080) == "shop/web" and reads == [100.0, 100.0 + LOCAL_REREAD]
+
+    # A refused node port on the second address: the drop record names the Service.
+    d.drop = lambda prefix: DropMeaning("no-endpoints")  # type: ignore[method-assign]
+    r = FlowRecorder("node1", d, "/nonexistent", group=143, clock=lambda: 1.0)
+    flow = r.dropped(Packet("no-endpoints", 2, 1.0, 0, 0, 1, "192.0.2.7", "172.16.5.1", 6, 40000, 30080))
+    assert flow is not None and flow.service == "shop/web" and flow.service_port == 30080
+
+
 def test_a_contested_cluster_ip_and_node_port_are_named_after_the_service_that_holds_them():
     """Two Services claiming one cluster IP port and one node port (a hand-written put): the
     older holds both (the services compiler), so flows to them are its -- the directory names
