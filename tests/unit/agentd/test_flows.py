@@ -446,8 +446,9 @@ def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
     assert drop is not None and drop.reason == "unknown"
     assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
     assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
-    with pytest.raises(FilterError, match="'no-route' is not one of policy, spoofed, spoofed-mac, spoofed-arp, no-endpoints, no-local-endpoints, unknown"):
-        FlowFilter.parse([("reason", "no-route")])  # nothing records it
+    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, no-endpoints, "
+                                          "no-local-endpoints, no-route, unknown"):
+        FlowFilter.parse([("reason", "no-such")])  # nothing records it
 
 
 def test_filter_round_trips_through_pairs():
@@ -1847,6 +1848,47 @@ def test_the_directory_gives_each_spoofing_drop_its_reason():
     for prefix in ("spoofed", "spoofed-mac", "spoofed-arp"):
         meaning = d.drop(prefix)
         assert meaning is not None and (meaning.reason, meaning.direction) == (prefix, "egress") and prefix in REASONS
+
+
+def test_a_pods_packet_with_no_route_is_logged_by_a_rate_limited_rule_for_new_connections_only():
+    """The kernel drops a routed packet it has no route for before any forward hook: the inet
+    table's prerouting chain (after the Services' translation) logs it, with prefix no-route,
+    for a pod's packets (in on a pod bridge) of new connections (ct state new) whose
+    destination is not the node's own, broadcast or multicast and has no output interface
+    (fib daddr oif missing); it only logs (the kernel drops), under the kernel's limit.  No
+    such chain without flow records.  The record: reason no-route, egress, selectable."""
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.flows.model import REASONS
+
+    eng = PolicyEngine("node1", families=(4, 6), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", "node1", (IPv4Address("10.244.1.2"),), {}), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    rs = eng.build()
+    pre = rs.objects[("inet", policy_compiler.TABLE, "chain", "prerouting")]
+    assert pre.hook == ("filter", "prerouting", 0, "accept")  # type: ignore[union-attr]
+    [rule] = [json.loads(r) for r in pre.rules]  # type: ignore[union-attr]
+    assert rule[0] == {"match": {"op": "==", "left": {"meta": {"key": "iifname"}}, "right": "@bridges"}}
+    assert rule[1] == {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}
+    assert rule[2]["match"]["op"] == "!=" and rule[2]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
+    assert rule[3] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
+    assert rule[4] == {"jump": {"target": "no-route"}}
+    logged = [json.loads(r) for r in rs.objects[("inet", policy_compiler.TABLE, "chain", "no-route")].rules]  # type: ignore[union-attr]
+    assert logged[0] == [{"limit": {"rate": 100, "per": "second", "burst": 100}}, {"log": {"prefix": "no-route", "group": 5}},
+                         {"return": None}]
+    assert logged[1] == [{"counter": SUPPRESSED}]  # over the limit: counted, not logged, never dropped here
+    assert not any('"drop"' in r for r in pre.rules)  # type: ignore[union-attr]
+    quiet = PolicyEngine("node1", families=(4,)).build()
+    assert ("inet", policy_compiler.TABLE, "chain", "prerouting") not in quiet.objects
+
+    d = FlowDirectory(None, None, (None, None))
+    meaning = d.drop("no-route")
+    assert meaning is not None and (meaning.reason, meaning.direction) == ("no-route", "egress") and "no-route" in REASONS
+    r = FlowRecorder("node1", d, "/nonexistent", group=5, clock=lambda: 1.0)
+    flow = r.dropped(nflog.Packet("no-route", socket.AF_INET, 1.0, 3, 0, 1, "10.244.1.2", "10.244.200.9", 17, 40000, 9))
+    assert flow is not None and flow.reason == "no-route" and flow.verdict == "dropped" and flow.service is None
+    assert flow.json()["reason_text"] == REASONS["no-route"]
+    assert FlowFilter.parse([("reason", "no-route")]).matches(flow)
+    r.ring.add(flow)  # counted when taken in: agentd_flow_drops{reason="no-route"}
+    assert r.drops[("no-route", "egress")] == 1
 
 
 def test_flow_records_follow_the_cluster_record_not_this_nodes_network_settings(monkeypatch, tmp_path):
