@@ -5,10 +5,15 @@ services agents already know, never a second copy.
   records in etcd), with its labels and node; the :class:`Identity` objects are cached per
   pod record so every record of a pod shares one;
 * a Service, by virtual IP (or one of this node's addresses, IPv4 or IPv6: a node port) and
-  port: the services agent's ports as last programmed;
+  port: the services agent's ports as last programmed.  The services table translates a node
+  port on every address the kernel holds as local (``fib daddr type local``), so a node port
+  is named on [node] address / address_v6 and on every address of the kernel's local routing
+  table (read again, at most every few seconds, when a node port's port comes on an address
+  not known to be local: an address added since);
 * a drop prefix: a pod chain's (``pod-in/...``, ``pod-out/...``: the pod, the direction and
   the policies isolating it, :meth:`agentd.policy.agent.PolicyAgent.explain_drop`),
-  ``spoofed`` (``spoofed-mac``, ``spoofed-arp``), or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``);
+  ``spoofed`` (``spoofed-mac``, ``spoofed-arp``), ``no-route`` (a pod's packet the kernel
+  has no route for), or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``);
 * the pod on an interface (a spoofed packet's sender): the node's side of each local pod's
   veth, as agentd-cni's endpoint files name it (the policy agent's publisher).
 """
@@ -16,13 +21,16 @@ services agents already know, never a second copy.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from typing import Any
 
 from agentd.flows.model import Identity
+from agentd.kernel import netlink as nl
 from agentd.policy.agent import PolicyAgent
-from agentd.policy.compiler import SPOOFED_ARP, SPOOFED_MAC, SPOOFED_PREFIX
+from agentd.policy.compiler import NO_ROUTE, SPOOFED_ARP, SPOOFED_MAC, SPOOFED_PREFIX
 from agentd.services import compiler as services_compiler
 from agentd.services.agent import ServiceAgent
 
@@ -44,36 +52,67 @@ def _no_service(ip: str, proto: int, port: int) -> str | None:
     return None
 
 
+LOCAL_REREAD = 5.0  # seconds: the kernel's local addresses are read again at most this often
+
+
+def kernel_local_networks() -> list[IPv4Network | IPv6Network]:
+    """What the kernel holds as this node's own addresses, both families: the ``local``
+    routes of its local table (``ip route show table local type local``), which is what the
+    services table's ``fib daddr type local`` asks (an address, or a prefix routed as local)."""
+    from agentd.kernel.rtnl import Rtnl
+
+    out: list[IPv4Network | IPv6Network] = []
+    with Rtnl() as rt:
+        for family, size in ((nl.AF_INET, 4), (nl.AF_INET6, 16)):
+            for r in rt.routes(family, nl.RT_TABLE_LOCAL):
+                if r.type == nl.RTN_LOCAL:
+                    out.append(ip_network((ip_address(r.dst or bytes(size)), r.dst_len), strict=False))
+    return out
+
+
 class _ServiceNames:
     """A Service's name by the address, protocol and port a client used (its cluster IP, or
     a node port of one of this node's addresses), as the Services were at one sync."""
 
-    __slots__ = ("node_addresses", "nodeports", "vips")
+    __slots__ = ("local", "nodeports", "vips")
 
     def __init__(self, vips: dict[tuple[str, str, int], str], nodeports: dict[tuple[str, int], str],
-                 node_addresses: frozenset[str]) -> None:
-        self.vips, self.nodeports, self.node_addresses = vips, nodeports, node_addresses
+                 local: Callable[[str], bool]) -> None:
+        self.vips, self.nodeports, self.local = vips, nodeports, local
 
     def name(self, ip: str, proto: int, port: int) -> str | None:
         protocol = _PROTO.get(proto)
         if protocol is None:
             return None
         name = self.vips.get((ip, protocol, port))
-        if name is None and ip in self.node_addresses:
+        if name is None:
+            # Not a cluster IP: a node port, where the address is the node's own (the services
+            # table translates and refuses node ports on every local address but loopback).
             name = self.nodeports.get((protocol, port))
+            if name is not None and not self.local(ip):
+                name = None
         return name
 
 
 class FlowDirectory:
     def __init__(self, policy: PolicyAgent | None, services: ServiceAgent | None,
-                 node_addresses: Iterable[object | None]) -> None:
+                 node_addresses: Iterable[object | None],
+                 local_networks: Callable[[], Iterable[IPv4Network | IPv6Network]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``node_addresses``: the node's addresses a node port is reached on ([node] address
-        and address_v6; None, a family the node has not, left out)."""
+        and address_v6; None, a family the node has not, left out).  ``local_networks``: reads
+        every address the kernel holds as local (:func:`kernel_local_networks`), on which a
+        node port is reached too; None: only ``node_addresses``."""
         self.policy = policy
         self.services = services
         if isinstance(node_addresses, str):  # one address
             node_addresses = (node_addresses,)
         self.node_addresses = frozenset(str(a) for a in node_addresses if a is not None)
+        self._read_local = local_networks
+        self._clock = clock
+        self._local_hosts: frozenset[str] = frozenset()
+        self._local_nets: tuple[IPv4Network | IPv6Network, ...] = ()
+        self._local_read_at: float | None = None
         self._ids: dict[tuple[str, str], tuple[Any, Identity]] = {}  # pod key -> (its Pod, identity)
         self._names: Callable[[str, int, int], str | None] = _no_service
         self._services_seen = -1
@@ -144,6 +183,34 @@ class FlowDirectory:
                 return name, self._identity_of(ep.key)
         return name, None
 
+    def is_local(self, ip: str) -> bool:
+        """Whether ``ip`` is one of the node's own addresses but loopback (where the services
+        table translates node ports): [node] address / address_v6, or an address the kernel
+        holds as local, read again on a miss at most every LOCAL_REREAD seconds."""
+        if ip in self.node_addresses or ip in self._local_hosts:
+            return True
+        try:
+            address = ip_address(ip)
+        except ValueError:
+            return False
+        if address.is_loopback:
+            return False
+        if any(address in n for n in self._local_nets):
+            return True
+        if self._read_local is None:
+            return False
+        now = self._clock()
+        if self._local_read_at is not None and now - self._local_read_at < LOCAL_REREAD:
+            return False
+        self._local_read_at = now
+        try:
+            nets = list(self._read_local())
+        except (OSError, ValueError):  # the routing table unreadable: what was read stays
+            return False
+        self._local_hosts = frozenset(str(n.network_address) for n in nets if n.prefixlen == n.max_prefixlen)
+        self._local_nets = tuple(n for n in nets if n.prefixlen != n.max_prefixlen and not n.network_address.is_loopback)
+        return ip in self._local_hosts or any(address in n for n in self._local_nets)
+
     def service(self, ip: str, proto: int, port: int) -> str | None:
         return self.service_names()(ip, proto, port)
 
@@ -164,13 +231,15 @@ class FlowDirectory:
                     vips[(sp.cluster_ip, sp.protocol, sp.port)] = name
                 if sp.node_port is not None:
                     nodeports[(sp.protocol, sp.node_port)] = name
-            self._names = _ServiceNames(vips, nodeports, self.node_addresses).name
+            self._names = _ServiceNames(vips, nodeports, self.is_local).name
             self._services_seen = self.services.syncs
         return self._names
 
     def drop(self, prefix: str) -> DropMeaning | None:
         if prefix in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP):  # the bridge's spoofing drops: their prefix is the reason
             return DropMeaning(prefix, "egress")
+        if prefix == NO_ROUTE:  # a pod's packet the kernel drops for want of a route: always on its way out
+            return DropMeaning(NO_ROUTE, "egress")
         reason = SERVICE_REFUSALS.get(prefix)
         if reason is not None:
             return DropMeaning(reason)

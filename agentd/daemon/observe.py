@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from agentd.config.settings import Config
 from agentd.daemon.auth import new_token, read_line_token
 from agentd.daemon.cluster import ClusterView
-from agentd.daemon.flow_directory import FlowDirectory
-from agentd.datastore.store import Datastore
+from agentd.daemon.flow_directory import FlowDirectory, kernel_local_networks
+from agentd.datastore.store import ClusterConfig, Datastore
 from agentd.flows.recorder import CarriedCounts, FlowRecorder, restore_sysctls
 from agentd.flows.views import FlowViews
 from agentd.nft.expr import DropLog
@@ -51,8 +51,13 @@ class Observability:
         self.cluster = ClusterView(name, nodes, cfg.api.cluster_port)
 
     async def open_flows(self, policy: PolicyAgent | None, services: ServiceAgent | None,
-                         registry: CollectorRegistry, carried: CarriedCounts | None = None) -> None:
-        """``carried``: the pod fast path, which counts what it carries past conntrack."""
+                         registry: CollectorRegistry, carried: CarriedCounts | None = None, *,
+                         cluster: ClusterConfig | None = None, address_v6: object | None = None) -> None:
+        """``carried``: the pod fast path, which counts what it carries past conntrack.
+        ``cluster``: the cluster record the agent follows (etcd's: it wins over this node's
+        [network] settings), whose pod networks and Service ranges of its families say which
+        connections are pods'; None: this node's own settings.  ``address_v6``: the node's
+        IPv6 address where it knows one ([node] address_v6 else)."""
         cfg = self.cfg
         if not cfg.flows.enabled:
             if hasattr(carried, "set_recording"):  # an earlier agent may have told the programs to record
@@ -65,13 +70,19 @@ class Observability:
             if gone:
                 log.info("flow records switched off: put back %s", ", ".join(gone))
             return
-        directory = FlowDirectory(policy, services, (cfg.node.address, cfg.node.address_v6))
+        if cluster is not None:
+            pods = [cluster.pool(v)[0] for v in cluster.versions]
+            ranges = list(cluster.service_ranges().values())
+        else:
+            six = 6 in cfg.network.families
+            pods = [cfg.network.cidr, *([cfg.network.cidr_v6] if six else [])]
+            ranges = [cfg.network.service_cidr, *([cfg.network.service_cidr_v6] if six else [])]
+        directory = FlowDirectory(policy, services, (cfg.node.address, address_v6 or cfg.node.address_v6),
+                                  local_networks=kernel_local_networks)
         recorder = FlowRecorder(self.name, directory, cfg.agent.state_dir, group=cfg.flows.log_group,
                                 ring_size=cfg.flows.ring_size, agent_rate=cfg.flows.record_rate,
                                 agent_burst=max(1, int(cfg.flows.record_rate * 2)),
-                                pods=[cfg.network.cidr, *([cfg.network.cidr_v6] if 6 in cfg.network.families else [])],
-                                services=[cfg.network.service_cidr,
-                                          *([cfg.network.service_cidr_v6] if 6 in cfg.network.families else [])],
+                                pods=pods, services=ranges,
                                 carried=carried,
                                 connections=cfg.flows.connections,
                                 # every packet from other nodes' pods passes the wire program

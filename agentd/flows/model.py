@@ -30,6 +30,7 @@ REASONS = {
     "spoofed-arp": "ARP sender address is not the pod's own",
     "no-endpoints": "Service has no endpoints (refused)",
     "no-local-endpoints": "Service has no endpoints on this node (traffic policy Local)",
+    "no-route": "no route to the destination (the kernel drops it)",
     "unknown": "a drop rule the agent does not know (its log prefix)",  # the recorder's word for the rest
 }
 ARP = 0x0806  # not an IP protocol: its ether type, for the ARP packets the bridge drops (spoofed-arp)

@@ -94,6 +94,10 @@ SPOOFED_PREFIX = "spoofed"
 # prefix (the flow record's reason), counted in the one spoofed counter.
 SPOOFED_MAC = "spoofed-mac"
 SPOOFED_ARP = "spoofed-arp"  # ARP from a pod port claiming an address not the pod's own
+# A pod's new connection to an address the node has no route to (the kernel drops it when it
+# routes the packet, before any forward hook): logged only, its chain's name the log prefix.
+NO_ROUTE = "no-route"
+NO_ROUTE_PRIORITY = 0  # after conntrack (-200) and the Services' translation (dstnat, -100): a VIP is its endpoint by then
 POD_MACS = "pod-macs"  # port . the MAC of the pod behind it
 MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known (the others are not checked)
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
@@ -173,7 +177,28 @@ def base_objects(
     nd = (rule_text([match(payload("icmpv6", "type"), {"set": ND_TYPES}), match(payload("ip6", "hoplimit"), 255), ACCEPT]),
           ) if 6 in families else ()  # fmt: skip
 
+    # No route (flow records only): the kernel drops a routed packet it has no route for
+    # (ENETUNREACH: none at all, or a blackhole / unreachable / prohibit route) when it routes
+    # it, after prerouting and before the forward hook, so no forward chain ever sees it.  This
+    # chain asks the same question just before (fib daddr oif missing: no output interface),
+    # for a pod's packets only (in on a pod bridge) and for the first packet of a connection
+    # only (ct state new: retransmitted SYNs are new again, an established connection never
+    # pays the lookup); the node's own addresses (fib answers them with no interface too),
+    # broadcast and multicast are not asked.  It only logs: the kernel drops the packet.
+    no_route: list[Any] = []
+    if log is not None:
+        no_route = [
+            NftChain(INET, TABLE, NO_ROUTE, (rule_text([*log.statements(NO_ROUTE), RETURN]),
+                                             rule_text([{"counter": SUPPRESSED}]))),
+            NftChain(INET, TABLE, "prerouting", (rule_text([
+                match(meta("iifname"), ref(BRIDGES)),
+                match({"ct": {"key": "state"}}, "new", "in"),
+                match({"fib": {"result": "type", "flags": ["daddr"]}}, {"set": ["local", "broadcast", "multicast"]}, "!="),
+                match({"fib": {"result": "oif", "flags": ["daddr"]}}, False),
+                jump(NO_ROUTE)]),), hook=("filter", "prerouting", NO_ROUTE_PRIORITY, "accept")),
+        ]  # fmt: skip
     inet: list[Any] = [
+        *no_route,
         *(NftSet(INET, TABLE, f.name(m), (f.addr,), map="verdict") for f in fams for m in (EGRESS_MAP, INGRESS_MAP)),
         NftSet(INET, TABLE, BRIDGES, ("ifname",), elements=frozenset(bridges)),
         *(NftSet(INET, TABLE, f.name(SELF), (f.addr, f.addr)) for f in fams),

@@ -1280,3 +1280,50 @@ async def test_leave_restores_conntrack_settings(shop):
     assert not (node2.dir / "state" / "flows-sysctl.json").exists()
     shutil.rmtree(node2.dir / "state", ignore_errors=True)
 
+
+
+# ------------------------------------------------------------------ no route
+
+
+async def test_a_pods_packet_to_an_address_no_node_holds_is_a_no_route_drop(shop):
+    """shop/client (node1) sends to an address of the cluster's pod network that no node
+    holds (a /24 no node leased, as a departed node's would be): node1 has no route
+    to it and the kernel drops it; the drop is a record with reason ``no-route``, found by
+    ``--reason no-route``, and counted in ``agentd_flow_drops``.  Traffic with a route (to
+    another pod of node1, to node1's own address) makes none."""
+    from agentd.lab.lab import API_URL
+
+    node1, client = shop.lab.nodes[0], shop.pods["client"]
+    nowhere = None
+    for third in range(255, 0, -1):  # a /24 of the pod network no node holds (subnets are leased at random)
+        rc, _out, err = await node1.ns.aexec("ip", "route", "get", f"10.244.{third}.9", check=False)
+        if rc != 0 and b"unreachable" in err:  # what the kernel does with it: no route
+            nowhere = f"10.244.{third}.9"
+            break
+    assert nowhere is not None, node1.ns.exec("ip", "route")
+    await client.ns.aexec(sys.executable, "-c", SEND_FROM, client.ip, nowhere, timeout=30)
+    got = await records(node1, "--reason", "no-route", "--from-pod", "shop/client", "--ip", nowhere,
+                        want=lambda r: r, what="node1's no-route drop of shop/client's packet")  # fmt: skip
+    d = got[-1]
+    assert d["event"] == "drop" and d["verdict"] == "dropped" and d["reason"] == "no-route", d
+    assert d["src"]["pod"] == "shop/client" and d["dst"]["ip"] == nowhere and d["dst"]["port"] == 9, d
+    assert d["direction"] == "egress" and d["protocol"] == "UDP", d
+    rc, out, _ = await node1.ns.aexec(binary("agentd"), "flows", "--reason", "no-route", "--ip", nowhere, "--last", "1",
+                                      "--config", str(node1.config_path), check=False)  # fmt: skip
+    assert rc == 0 and "DROPPED  no route to the destination" in out.decode(), out
+    _code, metrics = node1.ns.http_get(API_URL + "/metrics", 5)
+    assert 'agentd_flow_drops_total{direction="egress",reason="no-route"}' in metrics.decode(), metrics.decode()[-2000:]
+    assert not d.get("service"), d
+
+    # Traffic with a route: to another pod of node1 (with flow records on it is handed up and
+    # routed), to node2's underlay address (routed out of node1's eth0), and to node1's own
+    # address (local: the lookup finds no output interface for it either, and must not count
+    # it): no such record.  (Not to node2's pods: this module's last tests may have had node2
+    # leave, and its subnet then has no route.)
+    targets = (shop.pods["other"].ip, str(shop.lab.nodes[1].address), str(node1.address))
+    for ip in targets:
+        await client.ns.aexec(sys.executable, "-c", SEND_FROM, client.ip, ip, timeout=30)
+    await asyncio.sleep(1.0)  # the log's delivery (its timeout: well under this)
+    others = [r for r in await agentd_flows(node1, "--reason", "no-route", "--last", "1000")
+              if r["dst"]["ip"] in targets]
+    assert others == [], others

@@ -346,7 +346,7 @@ def test_a_fast_path_with_no_policy_agent_to_keep_it_is_removed(tmp_path, monkey
         agent.underlay = SimpleNamespace(mtu=1500, family=4, ifname="eth0", ifindex=2)
         agent.routes.adopt = lambda programmer: None
 
-        async def opened(policy, services, registry, carried=None):
+        async def opened(policy, services, registry, carried=None, **_kw):
             calls.append(("open_flows", carried))
         agent.observe.open_flows = opened
         with pytest.raises(AgentError, match="stop here"):

@@ -446,8 +446,9 @@ def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
     assert drop is not None and drop.reason == "unknown"
     assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
     assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
-    with pytest.raises(FilterError, match="'no-route' is not one of policy, spoofed, spoofed-mac, spoofed-arp, no-endpoints, no-local-endpoints, unknown"):
-        FlowFilter.parse([("reason", "no-route")])  # nothing records it
+    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, no-endpoints, "
+                                          "no-local-endpoints, no-route, unknown"):
+        FlowFilter.parse([("reason", "no-such")])  # nothing records it
 
 
 def test_filter_round_trips_through_pairs():
@@ -1516,6 +1517,50 @@ def test_a_node_port_is_named_on_either_of_the_nodes_addresses():
     assert v6only.service("fd00::10", 6, 30080) == "shop/web" and v6only.service("None", 6, 30080) is None
 
 
+def test_a_node_port_is_named_on_every_address_the_kernel_holds_as_local():
+    """The services table translates (and refuses) a node port on every local address of the
+    node but loopback (fib daddr type local), not only [node] address: a client reaching it on
+    another address of the node -- a second interface's, an address added since -- gets
+    records naming the Service, so ``--service`` and ``--port`` find them, and so does a
+    refused one (no endpoints: the packet's own destination).  Addresses the kernel does not
+    hold stay unnamed; its local table is read again at most every LOCAL_REREAD seconds."""
+    from ipaddress import ip_network
+    from types import SimpleNamespace as NS
+
+    from agentd.daemon.flow_directory import LOCAL_REREAD, DropMeaning, FlowDirectory
+    from agentd.flows.recorder import FlowRecorder
+    from agentd.kernel.netlink_log import Packet
+
+    ports = [NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="10.96.0.10", node_port=30080)]
+    services = NS(syncs=1, ports=ports, compiled_ports=ports)
+    local = [ip_network("127.0.0.0/8"), ip_network("192.168.1.10/32"), ip_network("172.16.5.1/32"),
+             ip_network("2001:db8:5::1/128"), ip_network("198.51.100.0/28")]  # the last: an AnyIP prefix
+    reads, now = [], [100.0]
+
+    def read():
+        reads.append(now[0])
+        return list(local)
+
+    d = FlowDirectory(None, services, (IPv4Address("192.168.1.10"), None), local_networks=read, clock=lambda: now[0])
+    assert d.service("192.168.1.10", 6, 30080) == "shop/web" and reads == []  # [node] address: no read
+    assert d.service("172.16.5.1", 6, 30080) == "shop/web"
+    assert d.service("2001:db8:5::1", 6, 30080) == "shop/web" and d.service("198.51.100.7", 6, 30080) == "shop/web"
+    assert reads == [100.0]
+    assert d.service("127.0.0.1", 6, 30080) is None  # loopback: not translated (the table's not_loopback)
+    assert d.service("10.0.0.5", 6, 30080) is None and d.service("172.16.5.1", 17, 30080) is None
+    assert d.service("172.16.5.1", 6, 30081) is None
+    assert reads == [100.0]  # a miss within LOCAL_REREAD reads nothing
+    local.append(ip_network("10.0.0.5/32"))  # an address added since
+    now[0] += LOCAL_REREAD
+    assert d.service("10.0.0.5", 6, 30080) == "shop/web" and reads == [100.0, 100.0 + LOCAL_REREAD]
+
+    # A refused node port on the second address: the drop record names the Service.
+    d.drop = lambda prefix: DropMeaning("no-endpoints")  # type: ignore[method-assign]
+    r = FlowRecorder("node1", d, "/nonexistent", group=143, clock=lambda: 1.0)
+    flow = r.dropped(Packet("no-endpoints", 2, 1.0, 0, 0, 1, "192.0.2.7", "172.16.5.1", 6, 40000, 30080))
+    assert flow is not None and flow.service == "shop/web" and flow.service_port == 30080
+
+
 def test_a_contested_cluster_ip_and_node_port_are_named_after_the_service_that_holds_them():
     """Two Services claiming one cluster IP port and one node port (a hand-written put): the
     older holds both (the services compiler), so flows to them are its -- the directory names
@@ -2009,3 +2054,70 @@ async def test_a_quiet_followed_cluster_looks_for_new_nodes_every_keepalive_and_
     [path] = [p for n, p in registry.asked if n == "node3"]
     query = parse_qs(urlsplit(path).query)
     assert query["since"] == ["1000.0"] and query["follow"] == ["1"], query  # since the look at the start
+
+
+def test_a_pods_packet_with_no_route_is_logged_by_a_rate_limited_rule_for_new_connections_only():
+    """The kernel drops a routed packet it has no route for before any forward hook: the inet
+    table's prerouting chain (after the Services' translation) logs it, with prefix no-route,
+    for a pod's packets (in on a pod bridge) of new connections (ct state new) whose
+    destination is not the node's own, broadcast or multicast and has no output interface
+    (fib daddr oif missing); it only logs (the kernel drops), under the kernel's limit.  No
+    such chain without flow records.  The record: reason no-route, egress, selectable."""
+    from agentd.daemon.flow_directory import FlowDirectory
+    from agentd.flows.model import REASONS
+
+    eng = PolicyEngine("node1", families=(4, 6), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", "node1", (IPv4Address("10.244.1.2"),), {}), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    rs = eng.build()
+    pre = rs.objects[("inet", policy_compiler.TABLE, "chain", "prerouting")]
+    assert pre.hook == ("filter", "prerouting", 0, "accept")  # type: ignore[union-attr]
+    [rule] = [json.loads(r) for r in pre.rules]  # type: ignore[union-attr]
+    assert rule[0] == {"match": {"op": "==", "left": {"meta": {"key": "iifname"}}, "right": "@bridges"}}
+    assert rule[1] == {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}
+    assert rule[2]["match"]["op"] == "!=" and rule[2]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
+    assert rule[3] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
+    assert rule[4] == {"jump": {"target": "no-route"}}
+    logged = [json.loads(r) for r in rs.objects[("inet", policy_compiler.TABLE, "chain", "no-route")].rules]  # type: ignore[union-attr]
+    assert logged[0] == [{"limit": {"rate": 100, "per": "second", "burst": 100}}, {"log": {"prefix": "no-route", "group": 5}},
+                         {"return": None}]
+    assert logged[1] == [{"counter": SUPPRESSED}]  # over the limit: counted, not logged, never dropped here
+    assert not any('"drop"' in r for r in pre.rules)  # type: ignore[union-attr]
+    quiet = PolicyEngine("node1", families=(4,)).build()
+    assert ("inet", policy_compiler.TABLE, "chain", "prerouting") not in quiet.objects
+
+    d = FlowDirectory(None, None, (None, None))
+    meaning = d.drop("no-route")
+    assert meaning is not None and (meaning.reason, meaning.direction) == ("no-route", "egress") and "no-route" in REASONS
+    r = FlowRecorder("node1", d, "/nonexistent", group=5, clock=lambda: 1.0)
+    flow = r.dropped(nflog.Packet("no-route", socket.AF_INET, 1.0, 3, 0, 1, "10.244.1.2", "10.244.200.9", 17, 40000, 9))
+    assert flow is not None and flow.reason == "no-route" and flow.verdict == "dropped" and flow.service is None
+    assert flow.json()["reason_text"] == REASONS["no-route"]
+    assert FlowFilter.parse([("reason", "no-route")]).matches(flow)
+    r.ring.add(flow)  # counted when taken in: agentd_flow_drops{reason="no-route"}
+    assert r.drops[("no-route", "egress")] == 1
+
+
+def test_flow_records_follow_the_cluster_record_not_this_nodes_network_settings(monkeypatch, tmp_path):
+    """The agent follows the cluster record in etcd where this node's [network] differs: a
+    node configured ipv4 with another pod network and Service range, in a dual cluster.  Its
+    recorder's pods and Services (the kernel's conntrack filter, IPv4, and the long way, both
+    families) are the record's, and a node port is named on the node's own IPv6 address."""
+    from ipaddress import IPv6Address, ip_network
+
+    from prometheus_client import CollectorRegistry
+
+    from agentd.datastore.store import ClusterConfig
+
+    observe, obs = _observability(monkeypatch, tmp_path, AGENTD_NETWORK_CIDR="10.50.0.0/16",
+                                  AGENTD_NETWORK_SERVICE_CIDR="10.60.0.0/16")
+    monkeypatch.setattr(observe.FlowRecorder, "open", lambda self: None)
+    cluster = ClusterConfig("10.244.0.0/16", 24, "vxlan", "always", "10.96.0.0/12", ip_family="dual",
+                            cidr_v6="fd00:244::/56", subnet_len_v6=64, service_cidr_v6="fd00:96::/112")
+    asyncio.run(obs.open_flows(None, None, CollectorRegistry(), cluster=cluster, address_v6=IPv6Address("2001:db8::10")))
+    rec = obs.recorder
+    assert set(rec.networks) == {ip_network("10.244.0.0/16"), ip_network("10.96.0.0/12"),
+                                 ip_network("fd00:244::/56"), ip_network("fd00:96::/112")}
+    assert sorted(rec.prefixes) == sorted((int(n.network_address), int(n.netmask))
+                                          for n in (ip_network("10.244.0.0/16"), ip_network("10.96.0.0/12")))
+    assert rec._ours("fd00:244::5", "2001:db8::99") and not rec._ours("10.50.0.5", "10.60.0.1")
+    assert "2001:db8::10" in rec.directory.node_addresses
