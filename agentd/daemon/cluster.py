@@ -72,6 +72,15 @@ class NodeAnswered(OSError):
         self.status = status
 
 
+#: Header of a followed ``GET /flows`` answer whose last N end with an empty line (a node of
+#: an older agentd sends none: its last N and its followed records cannot be told apart).
+LAST_END = "X-Agentd-Last-End"
+
+
+class UnmarkedStream(OSError):
+    """A followed answer without :data:`LAST_END` (an older agentd): ask it the older way."""
+
+
 class ClusterView:
     """Gathers from the other nodes' read-only listeners (the local node answers itself)."""
 
@@ -150,7 +159,8 @@ class ClusterView:
         """The NDJSON lines of one node's streamed answer (``GET /flows``).  A gathered answer
         must keep coming (``TIMEOUT`` between reads, ``GATHER_TOTAL`` in all); a followed one
         (``follow``) may be quiet, but not for ``follow_idle`` (its keep-alives count).  Empty
-        lines (keep-alives, the end of a followed stream's last N) only with ``blanks``."""
+        lines (keep-alives, the end of a followed stream's last N) only with ``blanks``; a followed
+        answer asked so that does not say it ends its last N so raises :class:`UnmarkedStream`."""
         self._check()
         if follow:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT, sock_read=self.follow_idle)
@@ -164,6 +174,8 @@ class ClusterView:
                     raise NodeAnswered(node, resp.status, _redirect(resp))
                 if resp.status != 200:
                     raise NodeAnswered(node, resp.status, await resp.read())
+                if blanks and follow and resp.headers.get(LAST_END) != "empty-line":
+                    raise UnmarkedStream(f"{node} does not end its last records with an empty line")
                 async for line in resp.content:
                     if blanks or line.strip():
                         yield line

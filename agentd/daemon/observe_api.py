@@ -35,7 +35,16 @@ from urllib.parse import urlencode
 from aiohttp import web
 
 from agentd.daemon import auth
-from agentd.daemon.cluster import GATHER_TOTAL, KEEPALIVE, RELAYED, TIMEOUT, ClusterView, NodeAnswered
+from agentd.daemon.cluster import (
+    GATHER_TOTAL,
+    KEEPALIVE,
+    LAST_END,
+    RELAYED,
+    TIMEOUT,
+    ClusterView,
+    NodeAnswered,
+    UnmarkedStream,
+)
 from agentd.flows.model import FilterError, FlowFilter
 from agentd.flows.ring import MAX_FOLLOWERS, Follower, LastSearch, TooManyFollowers
 from agentd.flows.views import FlowViews
@@ -148,7 +157,10 @@ class _Handlers:
             except TooManyFollowers as err:  # more came since the handler looked
                 return web.json_response({"error": str(err)}, status=503)
             search = view.search(flt, last, since)
-        resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+        headers = {"Content-Type": NDJSON, "Cache-Control": "no-cache"}
+        if follower is not None:
+            headers[LAST_END] = "empty-line"  # a gathering node splits the last N from what follows there
+        resp = web.StreamResponse(headers=headers)
         try:
             await resp.prepare(request)
             if cluster:
@@ -272,6 +284,9 @@ class _Handlers:
             first = (firsts or {}).get(name)
             if first is not None:
                 await first.wait(name)
+                if first.unmarked:  # an older agentd: its last N asked apart, as it answers them
+                    first = None
+            if first is not None:
                 if first.error is not None:
                     errors[name] = first.error
                     return
@@ -440,6 +455,7 @@ class _Snapshot:
         self.error: str | None = None
         self.done = asyncio.Event()
         self.moved = asyncio.Event()  # a line came, or the end
+        self.unmarked = False  # the node is an older agentd: its last N are to be asked apart
 
     def add(self, line: bytes) -> None:
         self.lines.append(line)
@@ -542,6 +558,14 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
                     else:
                         merge.put(line if line.endswith(b"\n") else line + b"\n")
             message = f"{node} ended the stream"
+        except UnmarkedStream:
+            # An older agentd, which does not mark the end of its last N: they are asked apart
+            # (by the gathering), and this stream follows from now on only, asked at once.
+            assert first is not None
+            first.unmarked = True
+            first.end()
+            first, path = None, again or path
+            continue
         except NodeAnswered as err:
             if err.status in GIVE_UP:
                 say(str(err))

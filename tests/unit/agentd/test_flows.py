@@ -1907,6 +1907,57 @@ async def test_a_followed_cluster_asks_another_node_once_for_its_last_records_an
     assert [json.loads(line)["n"] for line in resp.lines if line.strip()] == [1, 2, 3]
 
 
+class _OlderNode(_Registry):
+    """node2 runs an older agentd: a followed stream asked for its last N does not say it ends
+    them with an empty line (it sends its last N and its followed records alike); asked
+    without follow, it answers its last N."""
+
+    def __init__(self, names):
+        super().__init__(names)
+        self.more = asyncio.Event()
+
+    async def lines(self, node, path, *, follow=False, blanks=False):
+        from agentd.daemon.cluster import UnmarkedStream
+
+        self.asked.append((node, path))
+        if follow and blanks:
+            raise UnmarkedStream(f"{node} does not end its last records with an empty line")
+        if "last=0" not in path:
+            yield b'{"time": 1.0, "node": "node2", "n": 1}\n'
+            yield b'{"time": 2.0, "node": "node2", "n": 2}\n'
+        if follow:
+            await self.more.wait()
+            yield b'{"time": 3.0, "node": "node2", "n": 3}\n'
+            await asyncio.Event().wait()
+
+
+async def test_a_followed_cluster_asks_an_older_node_its_last_records_apart():
+    """In a rolling upgrade a node of an older agentd is asked the older way (its last N, then
+    a followed stream from now on): not said unreachable, its last N not lost."""
+    from types import SimpleNamespace
+    from urllib.parse import parse_qs, urlsplit
+
+    from agentd.daemon import observe_api
+
+    registry = _OlderNode(["node1", "node2"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = _Stream()
+    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([("node", "node2")]), 5, None, True))
+    for _ in range(40):
+        await asyncio.sleep(0)
+    registry.more.set()
+    for _ in range(40):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    records = [json.loads(line) for line in resp.lines if line.strip()]
+    assert [r.get("n") for r in records] == [1, 2, 3], records
+    queries = [parse_qs(urlsplit(p).query) for _n, p in registry.asked]
+    assert sorted((q["last"][0], q.get("follow", ["0"])[0]) for q in queries) == [("0", "1"), ("5", "0"), ("5", "1")]
+
+
 class _Ring:
     """A node's flow records with nothing in them, saying in ``did`` what was asked when."""
 
@@ -1950,8 +2001,11 @@ async def test_a_node_follows_before_it_answers_and_ends_its_last_records_with_a
     did: list[str] = []
     written: list[bytes] = []
 
+    headers: list = []
+
     async def prepare(self, request):
         did.append("prepare")
+        headers.append(dict(self.headers))
 
     async def write(self, data):
         written.append(data)
@@ -1963,6 +2017,7 @@ async def test_a_node_follows_before_it_answers_and_ends_its_last_records_with_a
     await handlers.flows(make_mocked_request("GET", "/flows?last=5&follow=1"))
     assert did == ["follow", "search", "prepare", "finish", "unfollow"]
     assert written == [b"\n"]  # no record in the last 5: the empty line that ends them
+    assert headers[0].get("X-Agentd-Last-End") == "empty-line"  # says so, for a gathering node to rely on
 
 
 async def test_a_node_that_stalls_before_its_last_records_is_said_unreachable_and_still_followed(monkeypatch):
