@@ -126,10 +126,11 @@ def run(rs: Ruleset, family: str, chain: str, frame: dict[Any, Any]) -> tuple[st
     return None, counted
 
 
-def engine(families: tuple[int, ...], *policies: dict[str, Any], pod_macs: tuple[str, ...] = ("", "")) -> Ruleset:
+def engine(families: tuple[int, ...], *policies: dict[str, Any], pod_macs: tuple[str, ...] = ("", ""),
+           check_source_mac: bool = True) -> Ruleset:
     """Pods x/a (veth0) and x/b (veth1) on this node, with the families' addresses (and
     ``pod_macs``, their own interfaces' MACs, where known)."""
-    eng = PolicyEngine(NODE, families=families)
+    eng = PolicyEngine(NODE, families=families, check_source_mac=check_source_mac)
     for i, (name, v4, v6) in enumerate((("a", A4, A6), ("b", B4, B6))):
         ips = tuple(ipaddress.ip_address(ip) for ip, v in ((v4, 4), (v6, 6)) if v in families)
         eng.upsert_pod(Pod("x", name, NODE, ips, {"pod": name}),
@@ -258,6 +259,20 @@ def test_a_frame_from_a_pod_with_a_source_mac_not_its_own_is_dropped():
         assert run(rs, "bridge", "prerouting", {**arp("eth9", "10.9.9.9"), **mac})[0] is None
         unknown = engine(families)
         assert run(unknown, "bridge", "prerouting", ip_frame("veth0", A4, "192.0.2.1", extra=mac))[0] is None
+
+
+def test_with_check_source_mac_off_no_mac_is_checked():
+    """[policy] check_source_mac = false (pods whose MAC changes after agentd-cni's ADD): the
+    pods' MACs known or not, no port is in the MAC check's sets and any source MAC passes;
+    the address checks stay."""
+    for families in ((4,), (4, 6)):
+        rs = engine(families, pod_macs=(MAC_A, MAC_B), check_source_mac=False)
+        assert not _in_set(rs, "bridge", compiler.MAC_PORTS, "veth0") and not _in_set(rs, "bridge", compiler.MAC_PORTS, "veth1")
+        assert not _in_set(rs, "bridge", compiler.POD_MACS, ("veth0", MAC_A))
+        other = {("payload", "ether", "saddr"): "02:11:22:33:44:55"}
+        assert run(rs, "bridge", "prerouting", ip_frame("veth0", A4, "192.0.2.1", extra=other))[0] is None
+        assert run(rs, "bridge", "prerouting", {**arp("veth0", A4), **other})[0] is None
+        assert run(rs, "bridge", "prerouting", ip_frame("veth0", B4, "192.0.2.1", extra=other)) == ("drop", ["spoofed"])
 
 
 def test_the_mac_check_logs_as_its_own_reason():
