@@ -207,14 +207,31 @@ def attachment(result: Mapping[str, Any], bridge: str) -> tuple[list[str], str, 
     return ips, str(host[0]["name"]), str(host[0].get("mac", ""))
 
 
-def pod_mac(result: Mapping[str, Any], ifname: str) -> str:
-    """The MAC of the pod's interface ``ifname`` (in its sandbox) in the delegate's ADD result,
-    normalised (lower case); "" if the result names none."""
+def _mac(text: Any) -> str:
+    """``text`` as a MAC normalised (lower case), or "" if it is none."""
+    mac = str(text or "").strip().lower()
+    parts = mac.split(":")
+    if len(parts) == 6 and all(len(p) == 2 and all(c in "0123456789abcdef" for c in p) for p in parts):
+        return mac
+    return ""
+
+
+def pod_mac(result: Mapping[str, Any], ifname: str, env: Mapping[str, str] | None = None,
+            netconf: Mapping[str, Any] | None = None) -> str:
+    """The MAC the pod's interface ``ifname`` will have: the one the ADD asks for (CNI_ARGS
+    ``MAC=``, ``runtimeConfig.mac``: a plugin chained after agentd-cni, such as ``tuning``,
+    sets it after the delegate has run), else the delegate's ADD result's (in its sandbox);
+    normalised (lower case); "" if neither names one."""
+    asked = _mac(parse_cni_args((env or {}).get("CNI_ARGS", "")).get("MAC"))
+    runtime = (netconf or {}).get("runtimeConfig")
+    if not asked and isinstance(runtime, dict):
+        asked = _mac(runtime.get("mac"))
+    if asked:
+        return asked
     for i in result.get("interfaces") or []:
         if isinstance(i, dict) and i.get("sandbox") and i.get("name") == ifname:
-            mac = str(i.get("mac", "")).lower()
-            parts = mac.split(":")
-            if len(parts) == 6 and all(len(p) == 2 and all(c in "0123456789abcdef" for c in p) for p in parts):
+            mac = _mac(i.get("mac"))
+            if mac:
                 return mac
     return ""
 

@@ -380,7 +380,7 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
     if result is None:
         raise CniError(INTERNAL, f"delegate {conf['type']} printed no result for ADD")
     if pod is not None:
-        _record_endpoint(args, netconf, conf, pod, result)
+        _record_endpoint(args, netconf, conf, pod, result, env)
     dns = dns_config(sf, pod[0] if pod is not None else None)  # Services: the pod namespace
     if dns is not None and not result.get("dns", {}).get("nameservers"):
         result["dns"] = dns
@@ -397,7 +397,8 @@ def _pod_identity(env: Mapping[str, str], netconf: dict[str, Any]) -> Any:
         raise CniError(INVALID_NETWORK_CONFIG, f"pod identity: {e}") from None
 
 
-def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any], pod: Any, result: dict[str, Any]) -> None:
+def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any], pod: Any, result: dict[str, Any],
+                     env: Mapping[str, str]) -> None:
     """Leave the endpoint file for the agent (a failure fails ADD: the runtime then runs DEL)."""
     namespace, name, labels, ports = pod
     try:
@@ -407,7 +408,7 @@ def _record_endpoint(args: CmdArgs, netconf: dict[str, Any], conf: dict[str, Any
             pod_endpoints.Endpoint(
                 container_id=args.container_id, namespace=namespace, name=name, labels=labels, ports=ports,
                 ips=ips, interface=interface, mac=mac, bridge=conf.get("bridge", "cni0"),
-                ifname=args.ifname, netns=args.netns, pod_mac=pod_endpoints.pod_mac(result, args.ifname),
+                ifname=args.ifname, netns=args.netns, pod_mac=pod_endpoints.pod_mac(result, args.ifname, env, netconf),
             ),
         )  # fmt: skip
     except pod_endpoints.EndpointError as e:

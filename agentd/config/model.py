@@ -211,6 +211,16 @@ class FlowsConfig:
 
 
 @dataclass(frozen=True)
+class PolicyConfig:
+    """NetworkPolicy on the pod bridges (docs/policy.md)."""
+
+    # A pod port's frames must carry the pod's MAC as agentd-cni's delegate reported it (a pod
+    # sending another's MAC would move the bridge's forwarding entry for it to its own port).
+    # False: no source-MAC check, for pods whose MAC changes after agentd-cni's ADD.
+    check_source_mac: bool = True
+
+
+@dataclass(frozen=True)
 class CniConfig:
     conf_dir: Path = Path("/etc/cni/net.d")
     bin_dir: tuple[Path, ...] = (Path("/opt/cni/bin"), Path("/usr/lib/cni"))
@@ -271,6 +281,7 @@ class Config:
     cni: CniConfig = field(default_factory=CniConfig)
     dns: DnsConfig = field(default_factory=DnsConfig)
     flows: FlowsConfig = field(default_factory=FlowsConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     ingress: IngressConfig = field(default_factory=IngressConfig)
     log: LogConfig = field(default_factory=LogConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)

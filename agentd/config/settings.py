@@ -61,6 +61,7 @@ from agentd.config.model import (  # noqa: F401 - re-exported: settings is where
     LogConfig,
     NetworkConfig,
     NodeConfig,
+    PolicyConfig,
     reloaded,
 )
 from agentd.config.values import (
@@ -212,6 +213,7 @@ _KEYS = (
     _Key("flows", "log_group", int_kind(1, 65535), 143),
     _Key("flows", "log_rate", int_kind(1, 1_000_000), 100),
     _Key("flows", "record_rate", float_kind(0.1, 100_000, "records a second"), 10.0),
+    _Key("policy", "check_source_mac", BOOL, True),
     _Key("ingress", "enabled", BOOL, False),
     _Key("ingress", "http_port", PORT, 80),
     _Key("ingress", "https_port", PORT, 443),
@@ -647,7 +649,7 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
     sections = {}
     for sec, cls in (("node", NodeConfig), ("network", NetworkConfig), ("etcd", EtcdConfig),
                      ("bgp", BgpConfig), ("api", ApiConfig), ("cni", CniConfig), ("dns", DnsConfig), ("flows", FlowsConfig),
-                     ("ingress", IngressConfig), ("log", LogConfig),
+                     ("policy", PolicyConfig), ("ingress", IngressConfig), ("log", LogConfig),
                      ("agent", AgentConfig)):
         sections[sec] = cls(**{f.name: v[f"{sec}.{f.name}"] for f in dataclasses.fields(cls)})
     # A peer's or range's hold_time left out stays None ([bgp] hold_time, resolved from the running

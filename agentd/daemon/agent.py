@@ -125,7 +125,8 @@ class Agent:
         self.read_api: ApiServer | None = None
         if cfg.api.cluster_port:
             self.read_api = ApiServer(views, str(self.address), cfg.api.cluster_port,
-                                      read_token=lambda: self.observe.cluster.token)
+                                      read_token=lambda: self.observe.cluster.token,
+                                      nodes=self._registered_addresses)
         self.underlay: Underlay | None = None
         self.programmer: RouteProgrammer | None = None
         self.datastore: Datastore | None = None
@@ -314,7 +315,8 @@ class Agent:
                                   before_ack=self.tunnels.bpf.guard_bridges,
                                   fast_path_error=fast_path_error, drop_log=drop_log(cfg),
                                   route_all=cfg.flows.enabled and cfg.flows.connections,
-                                  families=self.cluster.versions)  # the cluster's pod families (its record wins)
+                                  families=self.cluster.versions,  # the cluster's pod families (its record wins)
+                                  check_source_mac=cfg.policy.check_source_mac)
         try:
             await self.policy.start()
             self.registry.register(self.policy.views)
@@ -558,6 +560,12 @@ class Agent:
         out = {name: str(rec.peer_address) for name, rec in self.peering.nodes.items()}  # IPv6 in an IPv6-only cluster
         out[self.name] = str(self.address)
         return out
+
+    def _registered_addresses(self) -> frozenset[str]:
+        """Every address of the nodes of the registry as this agent read it (the cluster
+        listener counts their connections per address, not per IPv6 /64): read at each accept."""
+        return frozenset(str(a) for rec in self.peering.nodes.values() for a in (rec.address, rec.address_v6)
+                         if a is not None)
 
     def request_leave(self) -> asyncio.Future[str | None]:
         """``agentd leave`` against a running agent: withdraw, release, remove, exit.  The

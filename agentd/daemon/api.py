@@ -11,7 +11,7 @@ import asyncio
 import ipaddress
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -41,7 +41,9 @@ MAX_CONNECTIONS = 1000
 # not counted): without the read token one host could otherwise fill MAX_CONNECTIONS and the
 # other nodes could no longer gather from this one.  A node's gatherer keeps a few.  An IPv6
 # address is counted with the rest of its /64 (a host may use any address of its /64, as
-# rate limiters assume), an IPv4 one (also as ::ffff:a.b.c.d) on its own.
+# rate limiters assume), an IPv4 one (also as ::ffff:a.b.c.d) on its own -- except the
+# cluster's registered nodes' addresses, each counted on its own: a datacenter's IPv6 subnet is
+# often one /64 that every node shares, and each of them holds connections (gathers, follows).
 MAX_PER_ADDRESS = 64
 
 
@@ -83,8 +85,12 @@ class _Connections:
     connections open at once (one past it is closed as it comes) and each connection's first
     request head read within ``head_timeout`` seconds (later ones: aiohttp's keep-alive)."""
 
-    def __init__(self, server: web.Server, limit: int, head_timeout: float, per_address: int | None = None) -> None:
+    def __init__(self, server: web.Server, limit: int, head_timeout: float, per_address: int | None = None,
+                 nodes: Callable[[], Container[str]] | None = None) -> None:
+        """``nodes``: the cluster's registered nodes' addresses (canonical text), each counted on
+        its own rather than with the rest of its IPv6 /64."""
         self._server = server
+        self.nodes = nodes
         self.limit = limit
         self.head_timeout = head_timeout
         self.per_address = per_address  # None: no limit per remote address
@@ -128,8 +134,11 @@ class _Connections:
             ip = ip.ipv4_mapped
         if ip.is_loopback:
             return ""
-        # An IPv6 host is given a /64 and may use any address of it: counted per /64.
-        address = str(ip) if ip.version == 4 else str(ipaddress.IPv6Network((ip, 64), strict=False))
+        # An IPv6 host is given a /64 and may use any address of it: counted per /64, but for a
+        # registered node's address (the nodes of one subnet often share its /64).
+        address = str(ip)
+        if ip.version == 6 and (self.nodes is None or address not in self.nodes()):
+            address = str(ipaddress.IPv6Network((ip, 64), strict=False))
         n = self.by_address.get(address, 0)
         if self.per_address is not None and n >= self.per_address:
             self.refused_address += 1
@@ -236,12 +245,15 @@ class ApiServer:
         *,
         token: str | None = None,
         read_token: Callable[[], str | None] | None = None,
+        nodes: Callable[[], Container[str]] | None = None,
     ) -> None:
         """``token``: what a request that changes something (POST /leave) must carry
         (agentd/daemon/auth.py); None: this API accepts no changes.  With ``read_token`` this is
         the read-only cluster listener (agentd/daemon/cluster.py): GET endpoints only, each
-        request with that token."""
+        request with that token; ``nodes``: the registered nodes' addresses, whose connections
+        count per address (not per IPv6 /64) against MAX_PER_ADDRESS."""
         self.provider = provider
+        self.nodes = nodes
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
@@ -286,7 +298,8 @@ class ApiServer:
         return await handler(request)
 
     def _capped(self, server: web.Server) -> _Connections:
-        self.connections = _Connections(server, self.max_connections, self.keepalive_timeout, self.max_per_address)
+        self.connections = _Connections(server, self.max_connections, self.keepalive_timeout, self.max_per_address,
+                                        self.nodes)
         return self.connections
 
     async def start(self) -> None:

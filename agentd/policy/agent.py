@@ -84,10 +84,12 @@ class PolicyAgent:
         drop_log: DropLog | None = None,
         families: tuple[int, ...] = (4,),
         route_all: bool | None = None,
+        check_source_mac: bool = True,
     ) -> None:
         """``drop_log``: flow records are kept (agentd.flows): drops are logged to its NFLOG
         group.  ``route_all``: every local pod's traffic is routed through conntrack, for
-        connection records (default: whenever ``drop_log`` is given)."""
+        connection records (default: whenever ``drop_log`` is given).  ``check_source_mac``: a pod
+        port's frames must carry its pod's MAC ([policy] check_source_mac)."""
         self.node = node
         self.ds = datastore
         self.store = ResourceStore(datastore)
@@ -95,7 +97,8 @@ class PolicyAgent:
         # families: the IP versions pods have addresses of
         if route_all is None:
             route_all = drop_log is not None
-        self.engine = PolicyEngine(node, drop_log=drop_log, route_all=route_all, families=families)
+        self.engine = PolicyEngine(node, drop_log=drop_log, route_all=route_all, families=families,
+                                   check_source_mac=check_source_mac)
         self.nft = nft
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods

@@ -86,6 +86,13 @@ BRIDGES = "bridges"
 SELF = "self-pods"  # address . address: each isolated local pod's P as P . P (a pod reaching itself through a Service)
 SELF_PORTS = "self-ports"  # the bridge's: port . address . address, P's port . P . P
 SPOOFED = "spoofed"
+# The packet mark bit the bridge's prerouting sets on an isolated pod's packet that came in
+# from that pod's own port with its own address (self-ports, port . P . P): the hairpin
+# accepts require it, so a packet with P's address from anywhere else (a container attached
+# without identity, whose source is not checked) is not taken for P's own.  Beside the
+# Services' masquerade bit (0x4000, kube-proxy's) and the fast path's record bit (0x00800000).
+SELF_MARK = 0x00400000
+FROM_SELF = match({"&": [meta("mark"), SELF_MARK]}, SELF_MARK)
 
 NA_PORTS = "na-ports"  # pod port -> its chain of the targets its neighbour advertisements may have
 
@@ -160,8 +167,10 @@ def base_objects(
     # endpoint, so the connection is DNATed from P to P) is never judged: NetworkPolicy cannot
     # keep a pod from itself (as kube-proxy with Calico or Cilium).  Only a translated
     # connection (``ct status dnat``) that came in from a pod bridge and goes from an isolated
-    # pod of this node to itself: a sibling endpoint's traffic is still judged.
-    hairpin = tuple(rule_text([match(meta("iifname"), ref(BRIDGES)), match({"ct": {"key": "status"}}, "dnat", "in"),
+    # pod of this node to itself, marked by the bridge as come from that pod's own port
+    # (SELF_MARK: its source address is P's, from P's port): a sibling endpoint's traffic, and
+    # a packet with P's address from a port without a checked source, is still judged.
+    hairpin = tuple(rule_text([match(meta("iifname"), ref(BRIDGES)), match({"ct": {"key": "status"}}, "dnat", "in"), FROM_SELF,
                                match({"concat": [f.saddr(), f.daddr()]}, ref(f.name(SELF))), ACCEPT])
                     for f in fams) if stateful else ()  # fmt: skip
 
@@ -279,6 +288,10 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
             prerouting.append([match(payload("ether", "type"), "arp"), from_pod, match(payload("arp", "saddr ip"), "0.0.0.0", "!="),
                                match({"concat": [meta("iifname"), payload("arp", "saddr ip")]}, ref(f.name("pod-addrs")), "!="),
                                *_spoofed(log, SPOOFED_ARP)])  # fmt: skip
+        # An isolated pod's packet from its own port with its own address: marked (SELF_MARK),
+        # for the hairpin accepts (the inet base chains', the forward chain's below).
+        prerouting.append([ether, match({"concat": [meta("iifname"), f.saddr(), f.saddr()]}, ref(f.name(SELF_PORTS))),
+                           {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), SELF_MARK]}}}])
         routed_up += [
             # Unicast from an isolated pod: up to the IP stack (delivered to the host through the
             # pod's own host-side MAC, a local FDB entry of the bridge).
@@ -296,10 +309,12 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     # the IP hooks (bridge-nf-call-iptables, on for kubelet hosts and Docker): the DNATed frame
     # is bridged back out of the pod's own port (hairpin mode) rather than routed, and would
     # meet the isolation drops below.  Never judged (NetworkPolicy cannot keep a pod from
-    # itself): a frame to the pod's port from its address to its address is the pod's own
-    # (no other pod port sends with that address).  No ``ct`` match here: in the bridge
-    # family it needs nf_conntrack_bridge, which not every kernel has.
-    hairpin = [[match({"concat": [meta("oifname"), f.saddr(), f.daddr()]}, ref(f.name(SELF_PORTS))), ACCEPT] for f in fams]
+    # itself): a frame to the pod's port from its address to its address, marked in
+    # prerouting as come in from that port (SELF_MARK: a container without identity could
+    # send with the pod's address, no other pod port can).  No ``ct`` match here: in the
+    # bridge family it needs nf_conntrack_bridge, which not every kernel has.
+    hairpin = [[match({"concat": [meta("oifname"), f.saddr(), f.daddr()]}, ref(f.name(SELF_PORTS))), FROM_SELF, ACCEPT]
+               for f in fams]
     forward = [
         [match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
         *hairpin,

@@ -61,13 +61,16 @@ PolicyKey = tuple[str, str]
 
 class PolicyEngine:
     def __init__(
-        self, node: str, *, drop_log: DropLog | None = None, route_all: bool = False, families: tuple[int, ...] = (4,)
+        self, node: str, *, drop_log: DropLog | None = None, route_all: bool = False, families: tuple[int, ...] = (4,),
+        check_source_mac: bool = True,
     ) -> None:
         """``drop_log``: drops are logged for flow records; ``route_all``: every local pod's
         traffic goes through the IP stack and conntrack, not only isolated pods' (flow records
         of connections between pods of this node); ``families``: the IP versions compiled (a
-        pod's addresses of other versions are ignored)."""
+        pod's addresses of other versions are ignored); ``check_source_mac``: a pod port's frames
+        must carry its pod's MAC ([policy] check_source_mac)."""
         self.node = node
+        self.check_source_mac = check_source_mac
         self.drop_log = drop_log
         self.route_all = route_all
         # Services translate on this node: every local pod's traffic is routed too, so that an
@@ -496,7 +499,7 @@ class PolicyEngine:
             ingress, egress = self.isolation(key)
             elements["pod-ports"].add(port.interface)
             elements["port-macs"].add((port.interface, port.mac))
-            if port.pod_mac:
+            if port.pod_mac and self.check_source_mac:
                 elements[compiler.MAC_PORTS].add(port.interface)
                 elements[compiler.POD_MACS].add((port.interface, port.pod_mac))
             routed = ingress or egress or self.route_all or self.route_services  # its unicast goes up to the IP stack

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.server
+import ipaddress
 import json
 import threading
 from types import SimpleNamespace
@@ -491,3 +492,39 @@ async def test_the_cluster_listener_holds_at_most_so_many_connections_of_one_add
     assert conns.by_address == {"192.0.2.7": 2, "192.0.2.8": 2, "2001:db8:1:2::/64": 2, "2001:db8:1:3::/64": 1,
                                 "fe80::/64": 2}  # fmt: skip
     assert not connect("::ffff:127.0.0.1")[1].aborted and conns.by_address["192.0.2.8"] == 2  # loopback
+
+
+async def test_registered_nodes_of_one_ipv6_64_are_each_counted_on_their_own():
+    """A datacenter's IPv6 subnet is often one /64 that every node shares, each node holding
+    connections to the cluster listener (gathers, follows): the registered nodes' addresses
+    are counted each on its own (70 nodes of one /64, two connections each: all admitted);
+    other clients of a /64 stay counted together (70 of them: MAX_PER_ADDRESS admitted)."""
+    nodes = frozenset(f"2001:db8:7::{i:x}" for i in range(1, 71))
+    cluster_listener = api.ApiServer(Provider(), "127.0.0.1", 0, read_token=lambda: "t", nodes=lambda: nodes)
+
+    class Transport:
+        def __init__(self, peer) -> None:
+            self.peer, self.aborted = peer, False
+
+        def get_extra_info(self, name):
+            return self.peer if name == "peername" else None
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    class Handler(asyncio.Protocol):
+        pass
+
+    conns = cluster_listener._capped(lambda: Handler())  # type: ignore[arg-type]
+
+    def admitted(address: str) -> bool:
+        protocol, transport = conns(), Transport((address, 40000))
+        protocol.connection_made(transport)  # type: ignore[arg-type]
+        return not transport.aborted
+
+    # The node addresses written otherwise than canonically by the peer (upper case, zeros).
+    assert all(admitted(ipaddress.ip_address(a).exploded.upper()) for a in sorted(nodes) for _ in range(2))
+    assert conns.by_address["2001:db8:7::1"] == 2 and "2001:db8:7::/64" not in conns.by_address
+    others = [admitted(f"2001:db8:7::1:{i:x}") for i in range(70)]
+    assert others.count(True) == api.MAX_PER_ADDRESS and others[: api.MAX_PER_ADDRESS] == [True] * api.MAX_PER_ADDRESS
+    assert conns.by_address["2001:db8:7::/64"] == api.MAX_PER_ADDRESS

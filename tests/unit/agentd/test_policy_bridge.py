@@ -37,10 +37,15 @@ def _value(expr: Any, frame: dict[Any, Any]) -> Any:
     if "&" in expr:
         left, mask = expr["&"]
         return _value(left, frame) & mask
+    if "|" in expr:
+        left, bits = expr["|"]
+        return _value(left, frame) | bits
     if "payload" in expr:
         key: tuple[str, ...] = ("payload", expr["payload"]["protocol"], expr["payload"]["field"])
     elif "meta" in expr:
         key = ("meta", expr["meta"]["key"])
+        if key == ("meta", "mark"):
+            return frame.get(key, 0)  # every packet has one (0: unmarked)
     elif "concat" in expr:
         return tuple(_value(e, frame) for e in expr["concat"])
     elif "ct" in expr:
@@ -101,6 +106,8 @@ def run(rs: Ruleset, family: str, chain: str, frame: dict[Any, Any]) -> tuple[st
                 return "drop", counted
             elif "accept" in stmt:
                 return "accept", counted
+            elif "mangle" in stmt and stmt["mangle"]["key"] == {"meta": {"key": "mark"}}:
+                frame[("meta", "mark")] = _value(stmt["mangle"]["value"], frame)  # marked, and on
             elif "mangle" in stmt:
                 return "up", counted  # handed up to the node's IP stack (the rest of the rule only mangles)
             elif "vmap" in stmt:
@@ -126,10 +133,11 @@ def run(rs: Ruleset, family: str, chain: str, frame: dict[Any, Any]) -> tuple[st
     return None, counted
 
 
-def engine(families: tuple[int, ...], *policies: dict[str, Any], pod_macs: tuple[str, ...] = ("", "")) -> Ruleset:
+def engine(families: tuple[int, ...], *policies: dict[str, Any], pod_macs: tuple[str, ...] = ("", ""),
+           check_source_mac: bool = True) -> Ruleset:
     """Pods x/a (veth0) and x/b (veth1) on this node, with the families' addresses (and
     ``pod_macs``, their own interfaces' MACs, where known)."""
-    eng = PolicyEngine(NODE, families=families)
+    eng = PolicyEngine(NODE, families=families, check_source_mac=check_source_mac)
     for i, (name, v4, v6) in enumerate((("a", A4, A6), ("b", B4, B6))):
         ips = tuple(ipaddress.ip_address(ip) for ip, v in ((v4, 4), (v6, 6)) if v in families)
         eng.upsert_pod(Pod("x", name, NODE, ips, {"pod": name}),
@@ -260,6 +268,20 @@ def test_a_frame_from_a_pod_with_a_source_mac_not_its_own_is_dropped():
         assert run(unknown, "bridge", "prerouting", ip_frame("veth0", A4, "192.0.2.1", extra=mac))[0] is None
 
 
+def test_with_check_source_mac_off_no_mac_is_checked():
+    """[policy] check_source_mac = false (pods whose MAC changes after agentd-cni's ADD): the
+    pods' MACs known or not, no port is in the MAC check's sets and any source MAC passes;
+    the address checks stay."""
+    for families in ((4,), (4, 6)):
+        rs = engine(families, pod_macs=(MAC_A, MAC_B), check_source_mac=False)
+        assert not _in_set(rs, "bridge", compiler.MAC_PORTS, "veth0") and not _in_set(rs, "bridge", compiler.MAC_PORTS, "veth1")
+        assert not _in_set(rs, "bridge", compiler.POD_MACS, ("veth0", MAC_A))
+        other = {("payload", "ether", "saddr"): "02:11:22:33:44:55"}
+        assert run(rs, "bridge", "prerouting", ip_frame("veth0", A4, "192.0.2.1", extra=other))[0] is None
+        assert run(rs, "bridge", "prerouting", {**arp("veth0", A4), **other})[0] is None
+        assert run(rs, "bridge", "prerouting", ip_frame("veth0", B4, "192.0.2.1", extra=other)) == ("drop", ["spoofed"])
+
+
 def test_the_mac_check_logs_as_its_own_reason():
     """With flow records, a MAC-spoofed frame goes through its own logged chain (prefix
     ``spoofed-mac``, the record's reason), counted in the one spoofed counter."""
@@ -275,3 +297,33 @@ def test_the_mac_check_logs_as_its_own_reason():
     assert {"log": {"prefix": "spoofed-mac", "group": 5}} in logged and {"counter": "spoofed"} in logged
     assert any("limit" in stmt for stmt in logged)
     assert _in_set(rs, "bridge", "pod-macs", ("veth0", MAC_A)) and _in_set(rs, "bridge", "mac-ports", "veth0")
+
+
+def test_only_a_pods_own_port_marks_its_hairpin_as_its_own():
+    """An isolated pod's packet from its own port with its own address is marked
+    (compiler.SELF_MARK) in prerouting; the same address from a port without a checked
+    source (a container attached without identity) is not, and its frame DNATed back to the
+    pod through the pod's Service (br_netfilter's path) meets the isolation drop in forward
+    rather than the hairpin accept.  A pod not isolated: nothing marked."""
+    for families in ((4,), (4, 6)):
+        rs = engine(families, DENY_ALL)
+        addrs = [(A4, "192.0.2.1")] + ([(A6, "fd00:96::1")] if 6 in families else [])
+        for a, vip in addrs:
+            own = ip_frame("veth0", a, vip)
+            assert run(rs, "bridge", "prerouting", own)[0] == "up"
+            assert own[("meta", "mark")] & compiler.SELF_MARK
+            stranger = ip_frame("eth9", a, vip)  # no pod port: its source is not checked
+            run(rs, "bridge", "prerouting", stranger)
+            assert not stranger.get(("meta", "mark"), 0) & compiler.SELF_MARK
+            # After DNAT to a, bridged back out of a's port.
+            back = {("meta", "oifname"): "veth0"}
+            assert run(rs, "bridge", "forward", {**own, ("payload", own_proto(a), "daddr"): a, **back})[0] == "accept"
+            assert run(rs, "bridge", "forward", {**stranger, ("payload", own_proto(a), "daddr"): a, **back}) == ("drop", [])
+        open_rs = engine(families)
+        frame = ip_frame("veth0", A4, "192.0.2.1")
+        run(open_rs, "bridge", "prerouting", frame)
+        assert not frame.get(("meta", "mark"), 0)
+
+
+def own_proto(address: str) -> str:
+    return "ip6" if ":" in address else "ip"

@@ -33,7 +33,8 @@ NODE = "node1"
 
 
 class Packet:
-    def __init__(self, saddr: str, daddr: str, proto: str, dport: int, iif: str = "cni0", dnat: bool = False) -> None:
+    def __init__(self, saddr: str, daddr: str, proto: str, dport: int, iif: str = "cni0", dnat: bool = False,
+                 mark: int = 0) -> None:
         family = "ip6" if ":" in saddr else "ip"
         self.fields = {
             ("payload", family, "saddr"): saddr,
@@ -43,6 +44,7 @@ class Packet:
             ("meta", "iifname"): iif,  # routed up from a pod bridge (or in from elsewhere)
             ("ct", "state"): "new",  # the first packet of a connection
             ("ct", "status"): "dnat" if dnat else None,  # translated (a Service's) or not
+            ("meta", "mark"): mark,  # the packet mark (the bridge's prerouting sets compiler.SELF_MARK)
         }
 
 
@@ -62,6 +64,9 @@ def _value(expr: Any, pkt: Packet) -> Any:
         return tuple(_value(e, pkt) for e in expr["concat"])
     if "ct" in expr:
         return pkt.fields[("ct", expr["ct"]["key"])]
+    if "&" in expr:
+        left, mask = expr["&"]
+        return _value(left, pkt) & mask
     raise AssertionError(f"unexpected expression {expr}")
 
 
@@ -260,18 +265,23 @@ def test_each_case_matches_the_model():
 def test_a_pod_reaching_itself_through_a_service_is_never_judged():
     """Hairpin: an isolated pod DNATed back to itself by its Service passes both base chains
     (NetworkPolicy cannot keep a pod from itself); a sibling's translated connection to it,
-    an untranslated one, or one that did not come from a pod bridge is judged as ever."""
+    an untranslated one, one that did not come from a pod bridge, or one the bridge did not
+    mark as come from the pod's own port (a container attached without identity sending with
+    the pod's address to its Service) is judged as ever."""
     cluster = grid()
     cluster.policies = [np("deny", "x", {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]})]
     a, b = cluster.pods[0], cluster.pods[1]  # x/a, x/b: both isolated both ways, both local
     rs = engine_for(cluster, [a.key, b.key], (4, 6)).build()
     for family in (4, 6):
         ip_a, ip_b = a.addr(family), b.addr(family)
-        assert forwarded(rs, Packet(ip_a, ip_a, "tcp", 80, dnat=True)), family
-        assert not forwarded(rs, Packet(ip_b, ip_a, "tcp", 80, dnat=True)), family  # a sibling endpoint: judged
-        assert not forwarded(rs, Packet(ip_a, ip_b, "tcp", 80, dnat=True)), family
-        assert not forwarded(rs, Packet(ip_a, ip_a, "tcp", 80)), family  # not translated: not a Service's
-        assert not forwarded(rs, Packet(ip_a, ip_a, "tcp", 80, iif="eth0", dnat=True)), family  # not from a pod bridge
+        own = compiler.SELF_MARK | 0x4000  # with the Services' masquerade bit beside it
+        assert forwarded(rs, Packet(ip_a, ip_a, "tcp", 80, dnat=True, mark=own)), family
+        assert not forwarded(rs, Packet(ip_a, ip_a, "tcp", 80, dnat=True)), family  # not from a's port: judged
+        assert not forwarded(rs, Packet(ip_a, ip_a, "tcp", 80, dnat=True, mark=0x4000)), family
+        assert not forwarded(rs, Packet(ip_b, ip_a, "tcp", 80, dnat=True, mark=own)), family  # a sibling endpoint: judged
+        assert not forwarded(rs, Packet(ip_a, ip_b, "tcp", 80, dnat=True, mark=own)), family
+        assert not forwarded(rs, Packet(ip_a, ip_a, "tcp", 80, mark=own)), family  # not translated: not a Service's
+        assert not forwarded(rs, Packet(ip_a, ip_a, "tcp", 80, iif="eth0", dnat=True, mark=own)), family  # not from a pod bridge
     # Only isolated local pods are in the set (one of another node is its node's business).
     assert rs.objects[(compiler.INET, compiler.TABLE, "set", compiler.SELF)].elements == {(a.ip, a.ip), (b.ip, b.ip)}
     # Bridged back out of its own port (br_netfilter's DNAT path): let through before the isolation drops.

@@ -360,6 +360,14 @@ def test_attachment_from_the_bridge_plugins_result():
     assert endpoints.pod_mac(result, "eth0") == "02:00:00:00:00:03"
     assert endpoints.pod_mac(result, "net1") == ""
     assert endpoints.pod_mac({"interfaces": [{"name": "eth0", "mac": "junk", "sandbox": "x"}]}, "eth0") == ""
+    # A MAC the ADD asks for (a plugin chained after agentd-cni, such as tuning, sets it
+    # after the delegate's result): CNI_ARGS MAC=, else runtimeConfig.mac; junk is no ask.
+    env = {"CNI_ARGS": "K8S_POD_NAMESPACE=p;MAC=0A:58:0A:F4:01:09;K8S_POD_NAME=w"}
+    assert endpoints.pod_mac(result, "eth0", env, {}) == "0a:58:0a:f4:01:09"
+    runtime = {"runtimeConfig": {"mac": "02:AA:00:00:00:07"}}
+    assert endpoints.pod_mac(result, "eth0", {}, runtime) == "02:aa:00:00:00:07"
+    assert endpoints.pod_mac(result, "eth0", env, runtime) == "0a:58:0a:f4:01:09"
+    assert endpoints.pod_mac(result, "eth0", {"CNI_ARGS": "MAC=nope"}, {"runtimeConfig": {"mac": 5}}) == "02:00:00:00:00:03"
     ep = endpoints.Endpoint("c1", "p", "w", {}, [], ["10.244.1.5"], "veth1234", "02:00:00:00:00:02", "cni0",
                             pod_mac="02:00:00:00:00:03")
     assert endpoints.Endpoint.from_json(ep.to_json()).pod_mac == "02:00:00:00:00:03"
