@@ -786,7 +786,7 @@ async def test_served_through_the_ingress_on_every_backend(backend_name, ip_fami
             assert await w.served_by("http://far.example/", node=node) == "far-1"
         if ip_family == "dual":
             (b,) = w.proxy(0)["backends"]
-            assert b["servers"] == [f"{pod.address(6)}:8080"], b
+            assert b["servers"] == [f"[{pod.address(6)}]:8080"], b
             for node in (0, 1):
                 status, body, _ = await w.curl("http://far.example/", node=node, family=6)
                 assert status == 200 and body["pod"] == "far-1", (status, body)
