@@ -281,6 +281,18 @@ static __always_inline void podflow_restart(struct iphdr *ip, struct tcphdr *tcp
 
 /* ------------------------------------------------------------ connections recorded here (podconns) */
 
+static __always_inline void podconn_output(struct podconn_record *rec)
+{
+	/* No wake-up: the agent reads the ring on a timer, never waits on it. */
+	if (bpf_ringbuf_output(&agentd_podrecs, rec, sizeof(*rec), BPF_RB_NO_WAKEUP)) { /* full: the agent is behind or gone */
+		__u32 zero = 0;
+		__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
+
+		if (lost)
+			*lost += 1;
+	}
+}
+
 static __always_inline void podconn_emit(struct podflow_key *key, struct podconn_value *v, __u32 kind)
 {
 	struct podconn_record rec = {};
@@ -288,14 +300,25 @@ static __always_inline void podconn_emit(struct podflow_key *key, struct podconn
 	rec.key = *key;
 	rec.kind = kind;
 	rec.value = *v;
-	/* No wake-up: the agent reads the ring on a timer, never waits on it. */
-	if (bpf_ringbuf_output(&agentd_podrecs, &rec, sizeof(rec), BPF_RB_NO_WAKEUP)) { /* full: the agent is behind or gone */
-		__u32 zero = 0;
-		__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
+	podconn_output(&rec);
+}
 
-		if (lost)
-			*lost += 1;
-	}
+/* The end of ``key``'s connection: its entry out of podconns, and its record -- only if this
+ * program's delete took the entry out.  The value is copied before the delete; a party that
+ * finds it gone (another CPU ended the same connection at the same time, as both ends' last
+ * packets of a close between local pods may, or the agent's sweep took the entry between this
+ * program's look-up and its delete) writes nothing: whoever took the entry out ends it, once
+ * (the sweep records only what its take removed, and puts back an entry that changed under it:
+ * that one is ended by a later sweep, never again by this program). */
+static __always_inline void podconn_end(struct podflow_key *key, struct podconn_value *v, __u32 kind)
+{
+	struct podconn_record rec = {};
+
+	rec.key = *key;
+	rec.kind = kind;
+	rec.value = *v;
+	if (!bpf_map_delete_elem(&agentd_podconns, key))
+		podconn_output(&rec);
 }
 
 static __always_inline void podconn_count(struct podconn_value *v, __u32 side, __u64 len, __u64 now)
@@ -403,10 +426,11 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		}
 		if (v) {
 			if (v->state == PODCONN_RESET_LO || v->state == PODCONN_RESET_HI)
-				podconn_emit(&key, v, PODREC_RST); /* reset, and the tuple taken since */
+				podconn_end(&key, v, PODREC_RST); /* reset, and the tuple taken since */
 			else if (v->state != PODCONN_SYN)
-				podconn_emit(&key, v, PODREC_REUSED);
-			bpf_map_delete_elem(&agentd_podconns, &key);
+				podconn_end(&key, v, PODREC_REUSED);
+			else
+				bpf_map_delete_elem(&agentd_podconns, &key);
 		}
 		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
 			return 0;
@@ -441,10 +465,8 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		podconn_count(v, side, len, now);
 		v->state = PODCONN_OPEN;
 		podconn_emit(&key, v, PODREC_START);
-		if (rst) {
-			podconn_emit(&key, v, PODREC_RST);
-			bpf_map_delete_elem(&agentd_podconns, &key);
-		}
+		if (rst)
+			podconn_end(&key, v, PODREC_RST);
 		return 1;
 	}
 	podconn_count(v, side, len, now);
@@ -461,8 +483,7 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 			v->state = PODCONN_CLOSING;
 	} else if (v->state != PODCONN_OPEN) { /* one compare on an open connection's packets */
 		if (v->state == PODCONN_CLOSING) {
-			podconn_emit(&key, v, PODREC_FIN);
-			bpf_map_delete_elem(&agentd_podconns, &key);
+			podconn_end(&key, v, PODREC_FIN);
 		} else if (v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO)) {
 			v->state = PODCONN_OPEN;
 		}
