@@ -58,6 +58,8 @@
 #define IP_MF_OFFSET 0x3fff
 #define CURRENT_NETNS -1
 #define TCP_CONNTRACK_ESTABLISHED 3 /* enum tcp_conntrack */
+#define TCP_CONNTRACK_TIME_WAIT 7
+#define TCP_CONNTRACK_CLOSE 8
 #define IPS_SRC_NAT (1UL << 4)
 #define IPS_DST_NAT (1UL << 5)
 #define AF_INET_ 2
@@ -350,6 +352,22 @@ static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_
 	return !(status & (IPS_SRC_NAT | IPS_DST_NAT));
 }
 
+/* Whether conntrack holds ``tuple``'s connection live, an entry that a SYN does not replace
+ * (one in TIME_WAIT or CLOSE it does: conntrack makes a new one, whose first packet the SYN is). */
+static __always_inline int podconn_held(struct __sk_buff *skb, struct bpf_sock_tuple *tuple)
+{
+	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
+	struct nf_conn *ct;
+	__u8 state;
+
+	ct = bpf_skb_ct_lookup(skb, tuple, sizeof(tuple->ipv4), &opts, sizeof(opts));
+	if (!ct)
+		return 0;
+	state = ct->proto.tcp.state;
+	bpf_ct_release(ct);
+	return state != TCP_CONNTRACK_TIME_WAIT && state != TCP_CONNTRACK_CLOSE;
+}
+
 /* The FIB lookup's question for an IPv4 TCP packet, as the stack would route it. */
 static __always_inline void fib_of(struct bpf_fib_lookup *fib, struct __sk_buff *skb, struct iphdr *ip,
 				   struct tcphdr *tcp)
@@ -407,6 +425,7 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	__u32 side = podflow_key(ip, tcp, &key);
 	__u64 len = skb->len - ETH_HLEN, now;
 	int syn = tcp->syn, ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
+	__u32 seq = tcp->seq;
 
 	tuple.ipv4.saddr = ip->saddr;
 	tuple.ipv4.daddr = ip->daddr;
@@ -419,7 +438,7 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	if (syn && !ack && !fin && !rst) {
 		/* Sent again: unanswered yet, or its answer lost on the way (the entry is OPEN then,
 		 * and must not end as REUSED nor start again when the server answers once more). */
-		if (v && v->client == side && v->client_seq == tcp->seq) {
+		if (v && v->client == side && v->client_seq == seq) {
 			podconn_count(v, side, len, now);
 			skb->mark |= POD_RECORD_MARK;
 			return 1;
@@ -434,9 +453,15 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		}
 		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
 			return 0;
+		/* No entry, yet conntrack holds the connection: a SYN sent again whose first was not
+		 * recorded (the map full, the sender not yet a pod the programs knew, recording not yet
+		 * on).  Conntrack's events of it were not masked (its NEW is out already, and the
+		 * masking rule runs at a connection's first packet only): it stays conntrack's. */
+		if (!v && podconn_held(skb, &tuple))
+			return 0;
 		fresh.state = PODCONN_SYN;
 		fresh.client = side;
-		fresh.client_seq = tcp->seq;
+		fresh.client_seq = seq;
 		fresh.first_tai = now;
 		fresh.last_tai = now;
 		if (side) {
