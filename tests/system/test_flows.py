@@ -684,6 +684,78 @@ async def test_a_reset_connection_ends_as_reset(shop):
         assert 0.2 < got[1]["duration"] <= elapsed + 0.5, (elapsed, shown(got[1]))
 
 
+# A connection whose client sends a RST far out of the window, then its FIN (shutdown: the
+# connection half open), and reads what the server sends 8.5 s later: past the time the
+# agent's sweep ends a connection whose resetting end was silent (2 s, and a sweep's 5 s).
+FIN_AFTER_IGNORED_RESET = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); c.sendall(b"x" * 1000)
+time.sleep(0.3)
+src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
+seq = 0x12345678
+
+def tcp(check):
+    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x04, 0, check, 0)
+
+words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
+total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
+while total >> 16:
+    total = (total & 0xffff) + (total >> 16)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
+raw.sendto(tcp(~total & 0xffff), (ip, 0))
+time.sleep(0.3)
+c.shutdown(socket.SHUT_WR)
+got = 0
+while True:
+    data = c.recv(65536)
+    if not data:
+        break
+    got += len(data)
+print(got)
+"""
+ANSWER_LATE = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+while c.recv(65536):
+    pass
+time.sleep(8.5)
+c.sendall(b"z" * 100000)
+c.close()
+"""
+
+
+async def test_a_fin_after_an_ignored_reset_is_no_reset(shop):
+    """The end that sent a RST the receiver ignored sends its FIN next (anything but RST shows
+    it alive, a FIN too): the connection is open again, half closed, and ends with the other
+    end's FIN 8.5 s later -- one start and one end on each node, with the server's bytes, not
+    an end as reset by the sweep and the rest recorded by nobody."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    server = web.ns.popen(["python3", "-c", ANSWER_LATE, "5015"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(server.stdout.readline)).strip() == "ready"
+        _, out, _ = await client.ns.aexec("python3", "-c", FIN_AFTER_IGNORED_RESET, web.ip, "5015", "41211", timeout=60)
+        assert out.split() == [b"100000"]
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", "41211", "--event", "end", want=lambda r: r, what=f"{node.name}'s end of port 41211")
+    await ring_marker(client, web, node1, node2)  # anything the programs wrote of it after that end is read too
+    for node in (node1, node2):
+        got = await agentd_flows(node, "--port", "41211")
+        assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+        assert got[1]["bytes_received"] >= 100_000 and got[1]["duration"] > 8, shown(got[1])
+
+
 HOLD_OPEN = """
 import socket, sys, time
 s = socket.socket()

@@ -504,6 +504,8 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	} else if (fin) {
 		__u32 bit = side ? 2 : 1;
 
+		if (v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO))
+			v->state = PODCONN_OPEN; /* that end is alive: its FIN is no RST */
 		if ((__sync_fetch_and_or(&v->fins, bit) | bit) == 3)
 			v->state = PODCONN_CLOSING;
 	} else if (v->state != PODCONN_OPEN) { /* one compare on an open connection's packets */
