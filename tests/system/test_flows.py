@@ -566,6 +566,46 @@ async def test_a_syn_sent_again_after_its_lost_answer_is_one_connection(shop):
         assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
 
 
+async def test_a_syn_sent_again_whose_first_was_not_recorded_stays_conntracks(shop):
+    """a's first SYN to b (two pods of node2) passes a's program while a is no pod the programs
+    know (its address out of agentd_podips a moment): not recorded, not marked, so conntrack's
+    events of the connection are not masked.  Its answer is dropped in a's namespace (the first
+    only), a is known again, and a sends its SYN again: the programs find conntrack holding the
+    connection and leave it to conntrack -- one start and one end on node2, not conntrack's
+    and the programs' both."""
+    from agentd.dataplane.bpf import libbpf as lb
+
+    node2 = shop.lab.nodes[1]
+    a, b = shop.pods["a"], shop.pods["b"]
+    await recording(node2)
+    table = "agentd-test-unrecorded"
+    fd = lb.obj_get(str(shop.lab.bpffs / f"netns-{os.stat(f'/run/netns/{node2.ns.name}').st_ino}" / "agentd_podips"))
+    key = socket.inet_aton(a.ip)
+    value = lb.map_lookup(fd, key, 4)
+    assert value is not None
+    a.ns.exec("nft", "add", "table", "ip", table)
+    try:
+        a.ns.exec("nft", "add chain ip " + table + " in { type filter hook input priority 0; }")
+        a.ns.exec("nft", "add rule ip " + table + " in tcp sport 5016 tcp dport 41212 "
+                  "tcp flags & (syn | ack) == syn | ack limit rate 1/hour burst 1 packets counter drop")
+        lb.map_delete(fd, key)
+        try:
+            sending = asyncio.create_task(send_sizes(a, b, 5016, 41212, [20_000]))
+            await auntil(lambda: "packets 1 " in a.ns.exec("nft", "list", "table", "ip", table), 10,
+                         what="a's first SYN-ACK dropped")
+        finally:
+            lb.map_update(fd, key, value)
+        await sending
+    finally:
+        os.close(fd)
+        a.ns.exec("nft", "delete", "table", "ip", table, check=False)
+    await records(node2, "--port", "41212", "--event", "end", want=lambda r: r, what="node2's end of port 41212")
+    await ring_marker(a, b, node2)  # anything the programs wrote of it is read too
+    await conntrack_marker(shop.echo["a"], b.ip, node2)  # and anything conntrack told of it
+    got = await agentd_flows(node2, "--port", "41212")
+    assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+
+
 async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
     """client connects to an address of its own node's pod subnet that is no pod the programs
     know (here a namespace on node1's bridge whose veth has no program): the answer passes no
