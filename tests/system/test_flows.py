@@ -566,6 +566,46 @@ async def test_a_syn_sent_again_after_its_lost_answer_is_one_connection(shop):
         assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
 
 
+async def test_a_syn_sent_again_whose_first_was_not_recorded_stays_conntracks(shop):
+    """a's first SYN to b (two pods of node2) passes a's program while a is no pod the programs
+    know (its address out of agentd_podips a moment): not recorded, not marked, so conntrack's
+    events of the connection are not masked.  Its answer is dropped in a's namespace (the first
+    only), a is known again, and a sends its SYN again: the programs find conntrack holding the
+    connection and leave it to conntrack -- one start and one end on node2, not conntrack's
+    and the programs' both."""
+    from agentd.dataplane.bpf import libbpf as lb
+
+    node2 = shop.lab.nodes[1]
+    a, b = shop.pods["a"], shop.pods["b"]
+    await recording(node2)
+    table = "agentd-test-unrecorded"
+    fd = lb.obj_get(str(shop.lab.bpffs / f"netns-{os.stat(f'/run/netns/{node2.ns.name}').st_ino}" / "agentd_podips"))
+    key = socket.inet_aton(a.ip)
+    value = lb.map_lookup(fd, key, 4)
+    assert value is not None
+    a.ns.exec("nft", "add", "table", "ip", table)
+    try:
+        a.ns.exec("nft", "add chain ip " + table + " in { type filter hook input priority 0; }")
+        a.ns.exec("nft", "add rule ip " + table + " in tcp sport 5016 tcp dport 41212 "
+                  "tcp flags & (syn | ack) == syn | ack limit rate 1/hour burst 1 packets counter drop")
+        lb.map_delete(fd, key)
+        try:
+            sending = asyncio.create_task(send_sizes(a, b, 5016, 41212, [20_000]))
+            await auntil(lambda: "packets 1 " in a.ns.exec("nft", "list", "table", "ip", table), 10,
+                         what="a's first SYN-ACK dropped")
+        finally:
+            lb.map_update(fd, key, value)
+        await sending
+    finally:
+        os.close(fd)
+        a.ns.exec("nft", "delete", "table", "ip", table, check=False)
+    await records(node2, "--port", "41212", "--event", "end", want=lambda r: r, what="node2's end of port 41212")
+    await ring_marker(a, b, node2)  # anything the programs wrote of it is read too
+    await conntrack_marker(shop.echo["a"], b.ip, node2)  # and anything conntrack told of it
+    got = await agentd_flows(node2, "--port", "41212")
+    assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+
+
 async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
     """client connects to an address of its own node's pod subnet that is no pod the programs
     know (here a namespace on node1's bridge whose veth has no program): the answer passes no
@@ -682,6 +722,78 @@ async def test_a_reset_connection_ends_as_reset(shop):
         # Till the RST, not till the sweep found it (RESET_TIMEOUT, 2 s, and up to a sweep's 5 s
         # more): no longer than the client took from its SYN to its RST, and a little.
         assert 0.2 < got[1]["duration"] <= elapsed + 0.5, (elapsed, shown(got[1]))
+
+
+# A connection whose client sends a RST far out of the window, then its FIN (shutdown: the
+# connection half open), and reads what the server sends 8.5 s later: past the time the
+# agent's sweep ends a connection whose resetting end was silent (2 s, and a sweep's 5 s).
+FIN_AFTER_IGNORED_RESET = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); c.sendall(b"x" * 1000)
+time.sleep(0.3)
+src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
+seq = 0x12345678
+
+def tcp(check):
+    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x04, 0, check, 0)
+
+words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
+total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
+while total >> 16:
+    total = (total & 0xffff) + (total >> 16)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
+raw.sendto(tcp(~total & 0xffff), (ip, 0))
+time.sleep(0.3)
+c.shutdown(socket.SHUT_WR)
+got = 0
+while True:
+    data = c.recv(65536)
+    if not data:
+        break
+    got += len(data)
+print(got)
+"""
+ANSWER_LATE = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+while c.recv(65536):
+    pass
+time.sleep(8.5)
+c.sendall(b"z" * 100000)
+c.close()
+"""
+
+
+async def test_a_fin_after_an_ignored_reset_is_no_reset(shop):
+    """The end that sent a RST the receiver ignored sends its FIN next (anything but RST shows
+    it alive, a FIN too): the connection is open again, half closed, and ends with the other
+    end's FIN 8.5 s later -- one start and one end on each node, with the server's bytes, not
+    an end as reset by the sweep and the rest recorded by nobody."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    server = web.ns.popen(["python3", "-c", ANSWER_LATE, "5015"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(server.stdout.readline)).strip() == "ready"
+        _, out, _ = await client.ns.aexec("python3", "-c", FIN_AFTER_IGNORED_RESET, web.ip, "5015", "41211", timeout=60)
+        assert out.split() == [b"100000"]
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", "41211", "--event", "end", want=lambda r: r, what=f"{node.name}'s end of port 41211")
+    await ring_marker(client, web, node1, node2)  # anything the programs wrote of it after that end is read too
+    for node in (node1, node2):
+        got = await agentd_flows(node, "--port", "41211")
+        assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+        assert got[1]["bytes_received"] >= 100_000 and got[1]["duration"] > 8, shown(got[1])
 
 
 HOLD_OPEN = """

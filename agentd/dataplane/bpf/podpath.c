@@ -58,6 +58,8 @@
 #define IP_MF_OFFSET 0x3fff
 #define CURRENT_NETNS -1
 #define TCP_CONNTRACK_ESTABLISHED 3 /* enum tcp_conntrack */
+#define TCP_CONNTRACK_TIME_WAIT 7
+#define TCP_CONNTRACK_CLOSE 8
 #define IPS_SRC_NAT (1UL << 4)
 #define IPS_DST_NAT (1UL << 5)
 #define AF_INET_ 2
@@ -281,6 +283,18 @@ static __always_inline void podflow_restart(struct iphdr *ip, struct tcphdr *tcp
 
 /* ------------------------------------------------------------ connections recorded here (podconns) */
 
+static __always_inline void podconn_output(struct podconn_record *rec)
+{
+	/* No wake-up: the agent reads the ring on a timer, never waits on it. */
+	if (bpf_ringbuf_output(&agentd_podrecs, rec, sizeof(*rec), BPF_RB_NO_WAKEUP)) { /* full: the agent is behind or gone */
+		__u32 zero = 0;
+		__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
+
+		if (lost)
+			*lost += 1;
+	}
+}
+
 static __always_inline void podconn_emit(struct podflow_key *key, struct podconn_value *v, __u32 kind)
 {
 	struct podconn_record rec = {};
@@ -288,14 +302,25 @@ static __always_inline void podconn_emit(struct podflow_key *key, struct podconn
 	rec.key = *key;
 	rec.kind = kind;
 	rec.value = *v;
-	/* No wake-up: the agent reads the ring on a timer, never waits on it. */
-	if (bpf_ringbuf_output(&agentd_podrecs, &rec, sizeof(rec), BPF_RB_NO_WAKEUP)) { /* full: the agent is behind or gone */
-		__u32 zero = 0;
-		__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
+	podconn_output(&rec);
+}
 
-		if (lost)
-			*lost += 1;
-	}
+/* The end of ``key``'s connection: its entry out of podconns, and its record -- only if this
+ * program's delete took the entry out.  The value is copied before the delete; a party that
+ * finds it gone (another CPU ended the same connection at the same time, as both ends' last
+ * packets of a close between local pods may, or the agent's sweep took the entry between this
+ * program's look-up and its delete) writes nothing: whoever took the entry out ends it, once
+ * (the sweep records only what its take removed, and puts back an entry that changed under it:
+ * that one is ended by a later sweep, never again by this program). */
+static __always_inline void podconn_end(struct podflow_key *key, struct podconn_value *v, __u32 kind)
+{
+	struct podconn_record rec = {};
+
+	rec.key = *key;
+	rec.kind = kind;
+	rec.value = *v;
+	if (!bpf_map_delete_elem(&agentd_podconns, key))
+		podconn_output(&rec);
 }
 
 static __always_inline void podconn_count(struct podconn_value *v, __u32 side, __u64 len, __u64 now)
@@ -325,6 +350,22 @@ static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_
 	status = ct->status;
 	bpf_ct_release(ct);
 	return !(status & (IPS_SRC_NAT | IPS_DST_NAT));
+}
+
+/* Whether conntrack holds ``tuple``'s connection live, an entry that a SYN does not replace
+ * (one in TIME_WAIT or CLOSE it does: conntrack makes a new one, whose first packet the SYN is). */
+static __always_inline int podconn_held(struct __sk_buff *skb, struct bpf_sock_tuple *tuple)
+{
+	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
+	struct nf_conn *ct;
+	__u8 state;
+
+	ct = bpf_skb_ct_lookup(skb, tuple, sizeof(tuple->ipv4), &opts, sizeof(opts));
+	if (!ct)
+		return 0;
+	state = ct->proto.tcp.state;
+	bpf_ct_release(ct);
+	return state != TCP_CONNTRACK_TIME_WAIT && state != TCP_CONNTRACK_CLOSE;
 }
 
 /* The FIB lookup's question for an IPv4 TCP packet, as the stack would route it. */
@@ -384,6 +425,7 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	__u32 side = podflow_key(ip, tcp, &key);
 	__u64 len = skb->len - ETH_HLEN, now;
 	int syn = tcp->syn, ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
+	__u32 seq = tcp->seq;
 
 	tuple.ipv4.saddr = ip->saddr;
 	tuple.ipv4.daddr = ip->daddr;
@@ -396,23 +438,30 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	if (syn && !ack && !fin && !rst) {
 		/* Sent again: unanswered yet, or its answer lost on the way (the entry is OPEN then,
 		 * and must not end as REUSED nor start again when the server answers once more). */
-		if (v && v->client == side && v->client_seq == tcp->seq) {
+		if (v && v->client == side && v->client_seq == seq) {
 			podconn_count(v, side, len, now);
 			skb->mark |= POD_RECORD_MARK;
 			return 1;
 		}
 		if (v) {
 			if (v->state == PODCONN_RESET_LO || v->state == PODCONN_RESET_HI)
-				podconn_emit(&key, v, PODREC_RST); /* reset, and the tuple taken since */
+				podconn_end(&key, v, PODREC_RST); /* reset, and the tuple taken since */
 			else if (v->state != PODCONN_SYN)
-				podconn_emit(&key, v, PODREC_REUSED);
-			bpf_map_delete_elem(&agentd_podconns, &key);
+				podconn_end(&key, v, PODREC_REUSED);
+			else
+				bpf_map_delete_elem(&agentd_podconns, &key);
 		}
 		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
 			return 0;
+		/* No entry, yet conntrack holds the connection: a SYN sent again whose first was not
+		 * recorded (the map full, the sender not yet a pod the programs knew, recording not yet
+		 * on).  Conntrack's events of it were not masked (its NEW is out already, and the
+		 * masking rule runs at a connection's first packet only): it stays conntrack's. */
+		if (!v && podconn_held(skb, &tuple))
+			return 0;
 		fresh.state = PODCONN_SYN;
 		fresh.client = side;
-		fresh.client_seq = tcp->seq;
+		fresh.client_seq = seq;
 		fresh.first_tai = now;
 		fresh.last_tai = now;
 		if (side) {
@@ -441,10 +490,8 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		podconn_count(v, side, len, now);
 		v->state = PODCONN_OPEN;
 		podconn_emit(&key, v, PODREC_START);
-		if (rst) {
-			podconn_emit(&key, v, PODREC_RST);
-			bpf_map_delete_elem(&agentd_podconns, &key);
-		}
+		if (rst)
+			podconn_end(&key, v, PODREC_RST);
 		return 1;
 	}
 	podconn_count(v, side, len, now);
@@ -457,12 +504,13 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	} else if (fin) {
 		__u32 bit = side ? 2 : 1;
 
+		if (v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO))
+			v->state = PODCONN_OPEN; /* that end is alive: its FIN is no RST */
 		if ((__sync_fetch_and_or(&v->fins, bit) | bit) == 3)
 			v->state = PODCONN_CLOSING;
 	} else if (v->state != PODCONN_OPEN) { /* one compare on an open connection's packets */
 		if (v->state == PODCONN_CLOSING) {
-			podconn_emit(&key, v, PODREC_FIN);
-			bpf_map_delete_elem(&agentd_podconns, &key);
+			podconn_end(&key, v, PODREC_FIN);
 		} else if (v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO)) {
 			v->state = PODCONN_OPEN;
 		}
