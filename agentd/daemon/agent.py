@@ -316,7 +316,8 @@ class Agent:
                                   fast_path_error=fast_path_error, drop_log=drop_log(cfg),
                                   route_all=cfg.flows.enabled and cfg.flows.connections,
                                   families=self.cluster.versions,  # the cluster's pod families (its record wins)
-                                  check_source_mac=cfg.policy.check_source_mac)
+                                  check_source_mac=cfg.policy.check_source_mac,
+                                  service_ranges=self.cluster.service_ranges().values())
         try:
             await self.policy.start()
             self.registry.register(self.policy.views)

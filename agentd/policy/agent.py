@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -84,12 +84,14 @@ class PolicyAgent:
         drop_log: DropLog | None = None,
         families: tuple[int, ...] = (4,),
         route_all: bool | None = None,
+        service_ranges: Iterable[Any] = (),
         check_source_mac: bool = True,
     ) -> None:
         """``drop_log``: flow records are kept (agentd.flows): drops are logged to its NFLOG
         group.  ``route_all``: every local pod's traffic is routed through conntrack, for
         connection records (default: whenever ``drop_log`` is given).  ``check_source_mac``: a pod
-        port's frames must carry its pod's MAC ([policy] check_source_mac)."""
+        port's frames must carry its pod's MAC ([policy] check_source_mac).  ``service_ranges``:
+        the cluster's Service ranges, which the no-route drop records leave out."""
         self.node = node
         self.ds = datastore
         self.store = ResourceStore(datastore)
@@ -98,7 +100,7 @@ class PolicyAgent:
         if route_all is None:
             route_all = drop_log is not None
         self.engine = PolicyEngine(node, drop_log=drop_log, route_all=route_all, families=families,
-                                   check_source_mac=check_source_mac)
+                                   check_source_mac=check_source_mac, service_ranges=tuple(service_ranges))
         self.nft = nft
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods

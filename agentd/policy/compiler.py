@@ -104,7 +104,10 @@ SPOOFED_ARP = "spoofed-arp"  # ARP from a pod port claiming an address not the p
 # A pod's new connection to an address the node has no route to (the kernel drops it when it
 # routes the packet, before any forward hook): logged only, its chain's name the log prefix.
 NO_ROUTE = "no-route"
-NO_ROUTE_PRIORITY = 0  # after conntrack (-200) and the Services' translation (dstnat, -100): a VIP is its endpoint by then
+# A nat chain just before the Services' translation (dstnat, -100): the kernel asks nat chains
+# for a connection's first packet only, and only until one binds (a DNAT), so after it a
+# translated connection would never be asked.
+NO_ROUTE_PRIORITY = -101
 POD_MACS = "pod-macs"  # port . the MAC of the pod behind it
 MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known (the others are not checked)
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
@@ -153,14 +156,17 @@ def drop_prefix(chain: str) -> str:
 
 
 def base_objects(
-    bridges: Iterable[str], stateful: bool = True, log: DropLog | None = None, families: Sequence[int] = (4,)
+    bridges: Iterable[str], stateful: bool = True, log: DropLog | None = None, families: Sequence[int] = (4,),
+    unrouted: Sequence[Any] = (),
 ) -> list[Any]:
     """Tables' fixed part: base chains, dispatch maps, the bridge table's sets.
 
     ``stateful``: some local pod is isolated.  Only then do the base chains look at conntrack
     (a ct expression makes the kernel track every packet of the namespace): a node without
     isolated pods pays no connection tracking for policy.  ``families``: the IP versions
-    pods have addresses of (an IPv4-only node's tables hold no IPv6 set or address match)."""
+    pods have addresses of (an IPv4-only node's tables hold no IPv6 set or address match).
+    ``unrouted``: destinations the no-route check leaves out (the Services' ranges: a virtual
+    IP has no route of its own, the Services translate it after the check)."""
     fams = rows(families)
     established = (rule_text([ESTABLISHED, ACCEPT]),) if stateful else ()
     # A pod sent back to itself through a Service (hairpin: the Service chose the pod as its
@@ -190,21 +196,31 @@ def base_objects(
     # (ENETUNREACH: none at all, or a blackhole / unreachable / prohibit route) when it routes
     # it, after prerouting and before the forward hook, so no forward chain ever sees it.  This
     # chain asks the same question just before (fib daddr oif missing: no output interface),
-    # for a pod's packets only (in on a pod bridge) and for the first packet of a connection
-    # only (ct state new: retransmitted SYNs are new again, an established connection never
-    # pays the lookup); the node's own addresses (fib answers them with no interface too),
-    # broadcast and multicast are not asked.  It only logs: the kernel drops the packet.
+    # for a pod's packets only (in on a pod bridge).  A nat chain: the kernel asks it for the
+    # first packet of a connection only (a SYN sent again after a drop is a new connection
+    # again: the dropped one was never confirmed), so no other packet pays for it -- a filter
+    # chain here cost every packet of the node a hook.  Being before the Services' translation,
+    # it leaves their ranges out (``unrouted``: a virtual IP has no route of its own); a
+    # Service whose endpoint has no route is not asked.  The node's own addresses (fib answers
+    # them with no interface too), broadcast and multicast are not asked.  It only logs: the
+    # kernel drops the packet.
     no_route: list[Any] = []
     if log is not None:
+        def asked(f: Any) -> list[Any]:  # the family's pods' packets, its Service ranges left out
+            skip = [{"prefix": {"addr": str(n.network_address), "len": n.prefixlen}} for n in unrouted
+                    if n.version == f.version]
+            return [match(meta("nfproto"), "ipv4" if f.version == 4 else "ipv6"),
+                    *([match(payload(f.proto, "daddr"), {"set": skip}, "!=")] if skip else [])]
+
         no_route = [
             NftChain(INET, TABLE, NO_ROUTE, (rule_text([*log.statements(NO_ROUTE), RETURN]),
                                              rule_text([{"counter": SUPPRESSED}]))),
-            NftChain(INET, TABLE, "prerouting", (rule_text([
+            NftChain(INET, TABLE, "prerouting", tuple(rule_text([
                 match(meta("iifname"), ref(BRIDGES)),
-                match({"ct": {"key": "state"}}, "new", "in"),
+                *asked(f),
                 match({"fib": {"result": "type", "flags": ["daddr"]}}, {"set": ["local", "broadcast", "multicast"]}, "!="),
                 match({"fib": {"result": "oif", "flags": ["daddr"]}}, False),
-                jump(NO_ROUTE)]),), hook=("filter", "prerouting", NO_ROUTE_PRIORITY, "accept")),
+                jump(NO_ROUTE)]) for f in fams), hook=("nat", "prerouting", NO_ROUTE_PRIORITY, "accept")),
         ]  # fmt: skip
     inet: list[Any] = [
         *no_route,

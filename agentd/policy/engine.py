@@ -62,7 +62,7 @@ PolicyKey = tuple[str, str]
 class PolicyEngine:
     def __init__(
         self, node: str, *, drop_log: DropLog | None = None, route_all: bool = False, families: tuple[int, ...] = (4,),
-        check_source_mac: bool = True,
+        check_source_mac: bool = True, service_ranges: tuple[Any, ...] = (),
     ) -> None:
         """``drop_log``: drops are logged for flow records; ``route_all``: every local pod's
         traffic goes through the IP stack and conntrack, not only isolated pods' (flow records
@@ -70,6 +70,7 @@ class PolicyEngine:
         pod's addresses of other versions are ignored); ``check_source_mac``: a pod port's frames
         must carry its pod's MAC ([policy] check_source_mac)."""
         self.node = node
+        self.service_ranges = service_ranges  # left out of the no-route check (compiler.base_objects)
         self.check_source_mac = check_source_mac
         self.drop_log = drop_log
         self.route_all = route_all
@@ -526,7 +527,8 @@ class PolicyEngine:
                     elements[f.name(compiler.EGRESS_MAP)].add((ip, ("jump", compiler.pod_chain("out", *key))))
         out = []
         stateful = bool(elements["isolated-ports"]) or self.route_all or self.route_services
-        for obj in compiler.base_objects(sorted(self.bridges), stateful, self.drop_log, self.families):
+        for obj in compiler.base_objects(sorted(self.bridges), stateful, self.drop_log, self.families,
+                                           self.service_ranges):
             if obj.kind == "set" and obj.name in elements:
                 obj = replace(obj, elements=frozenset(elements[obj.name]))
             out.append(obj)

@@ -8,7 +8,7 @@ import asyncio
 import json
 import socket
 import struct
-from ipaddress import IPv4Address, IPv6Address, ip_network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
 
 import pytest
 from hypothesis import given
@@ -2111,27 +2111,33 @@ async def test_a_quiet_followed_cluster_looks_for_new_nodes_every_keepalive_and_
     assert query["since"] == ["1000.0"] and query["follow"] == ["1"], query  # since the look at the start
 
 
-def test_a_pods_packet_with_no_route_is_logged_by_a_rate_limited_rule_for_new_connections_only():
+def test_a_pods_packet_with_no_route_is_logged_by_a_rate_limited_nat_rule_for_first_packets_only():
     """The kernel drops a routed packet it has no route for before any forward hook: the inet
-    table's prerouting chain (after the Services' translation) logs it, with prefix no-route,
-    for a pod's packets (in on a pod bridge) of new connections (ct state new) whose
+    table's prerouting nat chain (before the Services' translation) logs it, with prefix no-route,
+    for a pod's first packets (in on a pod bridge; the Service ranges left out) whose
     destination is not the node's own, broadcast or multicast and has no output interface
     (fib daddr oif missing); it only logs (the kernel drops), under the kernel's limit.  No
     such chain without flow records.  The record: reason no-route, egress, selectable."""
     from agentd.daemon.flow_directory import FlowDirectory
     from agentd.flows.model import REASONS
 
-    eng = PolicyEngine("node1", families=(4, 6), drop_log=DropLog(5))
+    eng = PolicyEngine("node1", families=(4, 6), drop_log=DropLog(5),
+                       service_ranges=(IPv4Network("10.96.0.0/12"), IPv6Network("fd00:10:96::/112")))
     eng.upsert_pod(Pod("x", "a", "node1", (IPv4Address("10.244.1.2"),), {}), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
     rs = eng.build()
     pre = rs.objects[("inet", policy_compiler.TABLE, "chain", "prerouting")]
-    assert pre.hook == ("filter", "prerouting", 0, "accept")  # type: ignore[union-attr]
-    [rule] = [json.loads(r) for r in pre.rules]  # type: ignore[union-attr]
-    assert rule[0] == {"match": {"op": "==", "left": {"meta": {"key": "iifname"}}, "right": "@bridges"}}
-    assert rule[1] == {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}
-    assert rule[2]["match"]["op"] == "!=" and rule[2]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
-    assert rule[3] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
-    assert rule[4] == {"jump": {"target": "no-route"}}
+    # A nat chain before the Services' DNAT (-100): asked for a connection's first packet only.
+    assert pre.hook == ("nat", "prerouting", -101, "accept")  # type: ignore[union-attr]
+    rules = [json.loads(r) for r in pre.rules]  # type: ignore[union-attr]
+    assert len(rules) == 2  # one per family
+    for rule, (nfproto, proto, rng) in zip(rules, [("ipv4", "ip", ("10.96.0.0", 12)), ("ipv6", "ip6", ("fd00:10:96::", 112))]):
+        assert rule[0] == {"match": {"op": "==", "left": {"meta": {"key": "iifname"}}, "right": "@bridges"}}
+        assert rule[1] == {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}}
+        assert rule[2] == {"match": {"op": "!=", "left": {"payload": {"protocol": proto, "field": "daddr"}},
+                                     "right": {"set": [{"prefix": {"addr": rng[0], "len": rng[1]}}]}}}  # a VIP has no route
+        assert rule[3]["match"]["op"] == "!=" and rule[3]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
+        assert rule[4] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
+        assert rule[5] == {"jump": {"target": "no-route"}}
     logged = [json.loads(r) for r in rs.objects[("inet", policy_compiler.TABLE, "chain", "no-route")].rules]  # type: ignore[union-attr]
     assert logged[0] == [{"limit": {"rate": 100, "per": "second", "burst": 100}}, {"log": {"prefix": "no-route", "group": 5}},
                          {"return": None}]
