@@ -488,7 +488,10 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 			return 0;
 		}
 		podconn_count(v, side, len, now);
-		v->state = PODCONN_OPEN;
+		/* One start: the answer and its retransmission may pass programs on two CPUs at once;
+		 * only the one that moves the entry out of PODCONN_SYN writes it (the other is counted). */
+		if (__sync_val_compare_and_swap(&v->state, PODCONN_SYN, PODCONN_OPEN) != PODCONN_SYN)
+			return 1;
 		podconn_emit(&key, v, PODREC_START);
 		if (rst)
 			podconn_end(&key, v, PODREC_RST);
