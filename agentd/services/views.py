@@ -80,8 +80,8 @@ class ServiceViews:
             # port from outside the node to them under externalTrafficPolicy: Local (from the
             # node itself it takes every one); none here: dropped, none anywhere: refused.
             paths = {
-                "clusterIP": (held.cluster_ip, local if sp.internal_local else usable),
-                "nodePort": (held.node_port, local if sp.external_local else usable),
+                "clusterIP": (held.cluster_ip, held.cluster_ip_endpoints(a.node)),
+                "nodePort": (held.node_port, held.node_port_endpoints(a.node)),
             }
             served = {
                 path: None if address is None else "translated" if chosen else "dropped" if usable else "refused"
