@@ -5,7 +5,9 @@ a LOCAL_PREF from an external peer) or an outsider for every connection it opens
 each one lets a single sender turn 1 MB of UPDATEs into 50 MB of log.  A
 :class:`LogLimiter` logs the first occurrence of each kind of problem, counts the rest,
 and says how many it held back the next time that kind is logged (at most once per
-``interval`` seconds).  Every occurrence is counted in :attr:`LogLimiter.counts` so the
+``interval`` seconds) -- or, if none came by the end of the interval, in a line of its own
+then (:meth:`LogLimiter.flush`, at :meth:`LogLimiter.next_flush`: a burst that ends is not
+left uncounted in the log).  Every occurrence is counted in :attr:`LogLimiter.counts` so the
 agent can export the totals as metrics.
 
 Subjects the limiter is told are its own (``pinned``: the configured peers) always keep their
@@ -51,6 +53,8 @@ class LogLimiter:
         # Pacing key (a pinned subject's key, or (kind, "*")) -> earliest time to log again.
         self._next: dict[tuple[str, str], float] = {}
         self._held: Counter[tuple[str, str]] = Counter()
+        # Pacing key -> the last occurrence held back (level, message, args), for flush().
+        self._last_held: dict[tuple[str, str], tuple[int, str, tuple[object, ...]]] = {}
 
     def log(
         self,
@@ -81,8 +85,10 @@ class LogLimiter:
         due = self._next.get(pace)
         if not force and due is not None and now < due:
             self._held[pace] += 1
+            self._last_held[pace] = (level, message, args)
             return False
         held = self._held.pop(pace, 0)
+        self._last_held.pop(pace, None)
         if held:
             message += " (%d similar suppressed in the last %.0fs)"
             args = (*args, held, self.interval)
@@ -90,12 +96,32 @@ class LogLimiter:
         self.logger.log(level, message, *args, exc_info=exc_info)
         return True
 
+    def next_flush(self) -> float | None:
+        """When :meth:`flush` has a count to log: the end of the earliest interval in which
+        occurrences were held back (None: none held)."""
+        return min((self._next[pace] for pace in self._held), default=None)
+
+    def flush(self, now: float) -> int:
+        """Log the count of occurrences held back in each interval that has ended, with the
+        last of them, in a line of its own (no occurrence came since to carry it); the next
+        interval starts then.  Returns how many lines it logged."""
+        lines = 0
+        for pace in [p for p in self._held if self._next[p] <= now]:
+            held = self._held.pop(pace)
+            level, message, args = self._last_held.pop(pace)
+            self._next[pace] = now + self.interval
+            self.logger.log(level, "%d similar suppressed in the last %.0fs, the last: " + message,
+                            held, self.interval, *args)  # fmt: skip
+            lines += 1
+        return lines
+
     def forget(self, subject: str, now: float | None = None) -> None:
         """Drop the pacing state of a subject (a deconfigured peer); its counts stay, from
         ``now`` on as those of a subject not pinned (dropped after FORGET_AFTER)."""
         for key in [k for k in self._next if k[1] == subject]:
             del self._next[key]
             self._held.pop(key, None)
+            self._last_held.pop(key, None)
         if now is not None:
             for key in [k for k in self.counts if k[1] == subject and k not in self._others]:
                 self._others[key] = now
@@ -126,4 +152,5 @@ class LogLimiter:
         self.counts.pop(key, None)
         self._next.pop(key, None)
         self._held.pop(key, None)
+        self._last_held.pop(key, None)
         self.evicted += 1

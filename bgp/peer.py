@@ -125,6 +125,9 @@ class Peer:
         # infinity: until it is reconfigured.
         self.held_until: float | None = None
         self._failures = 0
+        # The last session ended on the peer's Cease/Connection Collision Resolution: the next
+        # restart waits the current delay without growing it (see _on_session_event).
+        self._collision_ended = False
         self._actions: list[Action] = []
         self._events: collections.deque[PeerEvent] = collections.deque()
         self._local_addresses: dict[int, str] = {}
@@ -344,9 +347,10 @@ class Peer:
         if self.enabled and self.session.state is State.IDLE and self._restart_at is None:
             held = self.held_until
             if held is None or held <= now:
-                self._restart_at = now + self._backoff()
+                self._restart_at = now + self._backoff(grow=not self._collision_ended)
             elif held != math.inf:
                 self._restart_at = held
+        self._collision_ended = False
         for conn in [c for c in self._local_addresses if all(s.conn != c for s in self.sessions())]:
             del self._local_addresses[conn]
 
@@ -405,6 +409,14 @@ class Peer:
                 self._events.append(PeerCollisionClosed(ev.reason))
             elif s is self.session:
                 self._events.append(PeerFailed(ev.reason))
+                if not ev.sent and (note.code, note.subcode) == COLLISION_CEASE:
+                    # Still, the peer did not misbehave: it keeps (or believes it keeps) another
+                    # session with us.  Like BIRD, which grows its error delay only for a
+                    # received NOTIFICATION that is no Cease (bgp_rx_notification), and GoBGP,
+                    # whose IdleHoldTime does not grow at all, the restart waits the current
+                    # delay without doubling it: the stale session goes when the peer's hold
+                    # timer expires, and the reconnect then should not be minutes away.
+                    self._collision_ended = True
             if ev.was_established and s is self._up:
                 # (A session that reached Established only to lose a collision was never up.)
                 self._up = None
@@ -475,8 +487,9 @@ class Peer:
         self.collisions.append(self.session)
         self.session = s
 
-    def _backoff(self) -> float:
+    def _backoff(self, *, grow: bool = True) -> float:
         delay = min(self.local.backoff_max, self.local.backoff_initial * (2**self._failures))
-        self._failures = min(self._failures + 1, 16)
+        if grow:
+            self._failures = min(self._failures + 1, 16)
         return delay * (0.75 + 0.25 * self._rng.random())
 

@@ -351,11 +351,13 @@ class Speaker:
         self._after(peer, now)
 
     def get_timer(self) -> float | None:
-        return self._timers.next()
+        due = [t for t in (self._timers.next(), self.limiter.next_flush()) if t is not None]
+        return min(due) if due else None
 
     def handle_timer(self, now: float) -> None:
         self.now = now
         self.limiter.expire(now)  # outsiders' problem counts not seen for an hour go
+        self.limiter.flush(now)  # a burst of log lines held back that nothing followed: its count
         for key in self._timers.pop_due(now):
             if (gr := GracefulRestarts.peer_of(key)) is not None:
                 self.graceful.timer(gr, now)

@@ -151,6 +151,8 @@ class KernelRoutes:
         self._adopted: list[Route] = []
         self._handle: asyncio.Handle | None = None
         self._tick: asyncio.TimerHandle | None = None  # the initial sync's re-check, one at a time
+        # When the refusals held back in a minute are logged though no refusal followed.
+        self._refusal_flush: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # None: the running loop (tests give a fake)
 
     def adopt(self, programmer: RouteProgrammer) -> None:
@@ -301,6 +303,19 @@ class KernelRoutes:
             self._refusing_peers.discard(peer)
             self._refusal_log.forget(peer, at)
         self._refusal_log.expire(at)
+        self._schedule_refusal_flush()
+
+    def _schedule_refusal_flush(self) -> None:
+        """A timer for the end of the minute in which refusals were held back: their count is
+        logged then, also when no refusal comes after them to carry it."""
+        due = self._refusal_log.next_flush()
+        if due is not None and self._refusal_flush is None:
+            self._refusal_flush = self._loop().call_later(max(0.0, due - self.clock()), self._flush_refusals)
+
+    def _flush_refusals(self) -> None:
+        self._refusal_flush = None
+        self._refusal_log.flush(self.clock())
+        self._schedule_refusal_flush()
 
     def _initial_sync_complete(self) -> bool:
         """RFC 4724 §4.1: every peer Established with End-of-RIB received, or the deadline passed."""

@@ -186,6 +186,15 @@ async def _run(args: argparse.Namespace, cfg: Any, plan: Any) -> int:
 
         if isinstance(err, DatastoreError):
             raise StoreError(str(err)) from None
+        import aetcd
+        import grpc
+
+        if isinstance(err, (aetcd.ClientError, grpc.aio.AioRpcError)):
+            # Not transient (those the datastore retried until its deadline): etcd refused the
+            # request itself -- no permission on the prefix, a request it calls invalid.
+            from agentd.datastore.etcd import describe
+
+            raise StoreError(f"etcd refused the request: {describe(err)}") from None
         raise
     finally:
         await ds.close()

@@ -290,7 +290,7 @@ class ServiceAgent:
             # changing is compiled anew without an update of its own.
             built = {key: list(self._table.compiled(key)) for key in self._table.take_recompiled() | dirty}
             for key, after in sorted(built.items()):
-                gone += stale_udp(self._applied.get(key, []), after)
+                gone += stale_udp(self._applied.get(key, []), after, self.node)
                 gone += unusable_udp(self._applied.get(key, []), after, first=self._fresh)
             translating = self._table.translating()
             try:
@@ -409,18 +409,32 @@ class ServiceAgent:
             totals[name] = totals.get(name, 0) + packets
         self.counters = totals
 
-def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort]) -> list[conntrack.Stale]:
+def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort], node: str | None = None) -> list[conntrack.Stale]:
     """UDP endpoints that took new connections before and do not now (their flows are to be
     flushed); an endpoint is its address and port, whatever its conditions (one that went from
-    ready to serving and terminating may still be used)."""
-    now = {sp.key: {(e.ip, e.port) for e in sp.usable()} for sp in after}
+    ready to serving and terminating may still be used).  Each path on its own: on ``node``
+    a traffic policy turned Local keeps the cluster IP or the node port (from outside) off the
+    other nodes' endpoints, whose flows through it go then (as kube-proxy clears the stale
+    UDP entries of an endpoint a port stops using); a flow to the node port from the node
+    itself, which may still go to any endpoint, is chosen anew."""
+
+    def paths(sp: model.ServicePort) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+        return ({(e.ip, e.port) for e in sp.cluster_ip_endpoints(node)},
+                {(e.ip, e.port) for e in sp.node_port_endpoints(node)})  # fmt: skip
+
+    now = {sp.key: paths(sp) for sp in after}
     out = []
     for sp in before:
         if sp.protocol != "UDP":
             continue
-        for ip, port in {(e.ip, e.port) for e in sp.usable()} - now.get(sp.key, set()):
-            out.append(conntrack.Stale(ip, port, sp.cluster_ip, sp.port, sp.node_port))
-    return sorted(set(out))
+        (cluster, node_port), (cluster_now, node_port_now) = paths(sp), now.get(sp.key, (set(), set()))
+        for ip, port in cluster | node_port:
+            off_vip = (ip, port) in cluster and (ip, port) not in cluster_now
+            off_node_port = (ip, port) in node_port and (ip, port) not in node_port_now
+            if off_vip or off_node_port:
+                vip = sp.cluster_ip if off_vip else None
+                out.append(conntrack.Stale(ip, port, vip, sp.port, sp.node_port if off_node_port else None))
+    return sorted(set(out), key=lambda s: (s.ip, s.port, s.vip or "", s.service_port, s.node_port or 0))
 
 
 def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort], *, first: bool = False) -> list[conntrack.Unusable]:

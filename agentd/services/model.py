@@ -76,6 +76,15 @@ class ServicePort:
             return tuple(sorted(set(ready)))
         return tuple(sorted({e for e in mine if e.serving and e.terminating}))
 
+    def cluster_ip_endpoints(self, node: str | None) -> tuple[Endpoint, ...]:
+        """Those new connections to its cluster IP go to on ``node`` (internalTrafficPolicy)."""
+        return self.usable(node) if self.internal_local else self.usable()
+
+    def node_port_endpoints(self, node: str | None) -> tuple[Endpoint, ...]:
+        """Those new connections to its node port from outside ``node`` go to
+        (externalTrafficPolicy; from the node itself it takes every usable one)."""
+        return self.usable(node) if self.external_local else self.usable()
+
 
 # A headless Service without ports still has a DNS name, its endpoints' addresses (CoreDNS
 # gives it a port of its own for that, -1): this one, port 0, stands for "every address".

@@ -74,8 +74,25 @@ class ServiceViews:
                     svc["clusterIPs"].insert(0, sp.cluster_ip)
                 else:
                     svc["clusterIPs"].append(sp.cluster_ip)
-            usable = set(held.usable())
-            local = set(held.usable(a.node))
+            usable, local = held.usable(), held.usable(a.node)
+            # Where the kernel sends new connections on each path (compiler.compile_port): the
+            # cluster IP to this node's endpoints under internalTrafficPolicy: Local, the node
+            # port from outside the node to them under externalTrafficPolicy: Local (from the
+            # node itself it takes every one); none here: dropped, none anywhere: refused.
+            paths = {
+                "clusterIP": (held.cluster_ip, held.cluster_ip_endpoints(a.node)),
+                "nodePort": (held.node_port, held.node_port_endpoints(a.node)),
+            }
+            served = {
+                path: None if address is None else "translated" if chosen else "dropped" if usable else "refused"
+                for path, (address, chosen) in paths.items()
+            }
+            if sp.cluster_ip is None:
+                # Headless: nothing translated; DNS answers with its ready endpoints.
+                used_by = {e: ["dns"] for e in held.endpoints if e.ready}
+            else:
+                used_by = {e: [path for path, (address, chosen) in paths.items() if address is not None and e in chosen]
+                           for e in held.endpoints}  # fmt: skip
             svc["ports"].append({
                 "name": sp.port_name, "protocol": sp.protocol, "port": sp.port, "nodePort": held.node_port,
                 "family": f"IPv{sp.family}", "clusterIP": held.cluster_ip,
@@ -83,9 +100,11 @@ class ServiceViews:
                 "affinityTimeout": sp.affinity_timeout,
                 "internalTrafficPolicy": "Local" if sp.internal_local else "Cluster",
                 "externalTrafficPolicy": "Local" if sp.external_local else "Cluster",
+                "served": served,
                 "endpoints": [
                     {"ip": e.ip, "port": e.port, "node": e.node, "ready": e.ready, "serving": e.serving,
-                     "terminating": e.terminating, "used": e in usable, "local": e in local}
+                     "terminating": e.terminating, "used": bool(used_by.get(e)), "usedBy": used_by.get(e, []),
+                     "local": e in local}
                     for e in held.endpoints
                 ],
             })  # fmt: skip

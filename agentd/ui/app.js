@@ -253,7 +253,7 @@ async function showServices() {
   const rows = [];
   for (const s of data.services || []) {
     for (const port of s.ports) {
-      rows.push([`${s.namespace}/${s.name}`, port.clusterIP || s.clusterIP, `${port.port}/${port.protocol}${port.nodePort ? " (node port " + port.nodePort + ")" : ""}`,
+      rows.push([`${s.namespace}/${s.name}`, port.clusterIP || s.clusterIP, `${port.port}/${port.protocol}${port.nodePort ? " (node port " + port.nodePort + (port.served && port.served.nodePort !== "translated" ? ": " + port.served.nodePort + " here" : "") + ")" : ""}`,
         el("span", {}, port.endpoints.length ? port.endpoints.map((e) => pill(`${hostPort(e.ip, e.port)}${e.node ? " @" + e.node : ""} ${e.ready ? "ready" : e.terminating ? "terminating" : "not ready"}${e.used ? "" : " (unused)"}`, e.used ? "ok" : "warn")) : el("span", { class: "bad" }, "no endpoints")),
         s.connections]);
     }

@@ -345,6 +345,34 @@ async def test_removed_endpoint_moves_udp_flows_and_terminating_keeps_tcp(world:
         await world.delete("Service", "manual")
 
 
+async def test_a_node_port_turned_local_moves_its_udp_flows_off_the_other_nodes_endpoints(world: World):
+    """externalTrafficPolicy Cluster -> Local: a UDP flow from node3 to node1's node port that
+    went to web-2 (node2) keeps its conntrack entry as long as it sends; node1 flushes it, and
+    the same flow (same source port) goes to web-1, node1's endpoint, from then on."""
+    node1 = world.lab.nodes[0]
+
+    def spec(policy: str) -> dict[str, Any]:
+        return {"type": "NodePort", "externalTrafficPolicy": policy,
+                "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30054}]}  # fmt: skip
+
+    slice_ports = [{"name": "dns", "port": 5353, "protocol": "UDP"}]
+    await world.apply(service("turned", spec("Cluster")),
+                      endpoint_slice("turned-1", "turned", _eps(world, ["web-1", "web-2"]), slice_ports))
+    try:
+        for sport in range(22100, 22140):  # a flow the rules sent to node2's endpoint
+            first = await world.echo["node3"].udp(node1.address, 30054, sport=sport, count=2)
+            if first == ["web-2", "web-2"]:
+                break
+        else:
+            raise AssertionError("no flow went to web-2 in 40 tries")
+        await world.apply(service("turned", spec("Local")))
+        moved = await world.echo["node3"].udp(node1.address, 30054, sport=sport, count=3)
+        assert moved == ["web-1"] * 3, moved
+    finally:
+        await world.delete("EndpointSlice", "turned-1")
+        await world.delete("Service", "turned")
+
+
 async def test_hairpin_a_pod_reaches_itself_through_its_service(world: World):
     await world.apply(service("self", {"selector": {"pod": "web-2"}, "ports": WEB_PORTS}))
     try:

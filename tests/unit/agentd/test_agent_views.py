@@ -126,7 +126,9 @@ def test_services_view_shows_each_port_as_compiled_and_as_asked():
     assert (web["clusterIP"], web["nodePort"]) == ("10.96.0.10", 30080) and web["asked"] == {"clusterIP": "10.96.0.10", "nodePort": 30080}
     assert copy["asked"] == {"clusterIP": "10.96.0.10", "nodePort": 30080}
     assert view["copy"]["clusterIP"] == "10.96.0.10" and len(view["copy"]["errors"]) == 2  # the Service's address, refused
-    assert [(e["ip"], e["port"], e["used"]) for e in copy["endpoints"]] == [("10.244.1.3", 8080, True)]
+    # Its endpoint is usable, but neither address is translated to it here.
+    assert [(e["ip"], e["port"], e["used"]) for e in copy["endpoints"]] == [("10.244.1.3", 8080, False)]
+    assert copy["served"] == {"clusterIP": None, "nodePort": None}
 
 
 def test_services_metrics():
@@ -576,3 +578,50 @@ def test_an_endpoint_file_never_read_is_said_in_status_metrics_and_the_log(tmp_p
     pub.rescan()
     assert agent.views.status()["unknown_endpoints"] == [] and pub.local(("x", "a")) is not None
     assert _unknown_endpoints([]) == ""
+
+
+def test_services_view_says_a_local_node_port_without_an_endpoint_here_drops():
+    """externalTrafficPolicy: Local on a node without an endpoint of its own: the kernel drops
+    the node port's traffic from outside (the cluster IP still reaches the other node's), so the
+    node port is not shown as served and the endpoint as not used by it."""
+    agent = service_agent()
+    remote = Endpoint("10.244.2.3", 8080, "node2")
+    local_np = ServicePort(
+        "x", "edge", "http", "TCP", 80, "10.96.0.11", node_port=30081, affinity_timeout=None,
+        internal_local=False, external_local=True, endpoints=(remote,),
+    )  # fmt: skip
+    internal = replace(local_np, service="inner", cluster_ip="10.96.0.12", node_port=None, internal_local=True, external_local=False)
+    agent._table.update(("x", "edge"), [local_np])
+    agent._table.update(("x", "inner"), [internal])
+    view = {s["name"]: s for s in agent.views.view()["services"]}
+    (edge,) = view["edge"]["ports"]
+    assert edge["served"] == {"clusterIP": "translated", "nodePort": "dropped"}
+    ((ep),) = edge["endpoints"]
+    assert ep["used"] and ep["usedBy"] == ["clusterIP"]
+    (inner,) = view["inner"]["ports"]
+    assert inner["served"] == {"clusterIP": "dropped", "nodePort": None}
+    ((ep),) = inner["endpoints"]
+    assert not ep["used"] and ep["usedBy"] == []
+    here = Endpoint("10.244.1.4", 8080, NODE)
+    agent._table.update(("x", "edge"), [replace(local_np, endpoints=(remote, here))])
+    (edge,) = next(s for s in agent.views.view()["services"] if s["name"] == "edge")["ports"]
+    assert edge["served"] == {"clusterIP": "translated", "nodePort": "translated"}
+    assert {e["ip"]: e["usedBy"] for e in edge["endpoints"]} == {
+        "10.244.2.3": ["clusterIP"], "10.244.1.4": ["clusterIP", "nodePort"]
+    }
+    (web,) = view["web"]["ports"]  # Cluster policies, an endpoint here and one not ready elsewhere
+    assert web["served"] == {"clusterIP": "translated", "nodePort": None}
+    assert [(e["ip"], e["used"], e["usedBy"]) for e in web["endpoints"]] == [
+        ("10.244.1.2", True, ["clusterIP"]), ("10.244.2.2", False, [])
+    ]
+
+
+def test_services_view_says_a_port_without_any_endpoint_is_refused():
+    agent = service_agent()
+    none = ServicePort(
+        "x", "empty", "http", "TCP", 80, "10.96.0.13", node_port=30083, affinity_timeout=None,
+        internal_local=False, external_local=True, endpoints=(),
+    )  # fmt: skip
+    agent._table.update(("x", "empty"), [none])
+    view = {s["name"]: s for s in agent.views.view()["services"]}
+    assert view["empty"]["ports"][0]["served"] == {"clusterIP": "refused", "nodePort": "refused"}

@@ -387,3 +387,35 @@ def test_lab_help_works_both_as_installed_and_as_python_m(command):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
     proc = subprocess.run([*command, "lab", "--help"], capture_output=True, text=True, timeout=60, env=env, check=False)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: agentd lab ") and not proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["get", "pods"], ["get", "pod", "web-1", "-n", "shop"], ["delete", "service", "web", "-n", "shop"]])
+@pytest.mark.parametrize("error", ["permission", "bad request"])
+def test_etcd_refusing_a_resource_command_is_one_line_not_a_traceback(capsys, monkeypatch, tmp_path, argv, error):
+    """A non-transient aetcd ClientError (no retry helps: a user without the prefix's
+    permission, a request etcd calls invalid) is one error line and exit status 1."""
+    import aetcd
+
+    from agentd.datastore.store import Datastore
+    from agentd.resources.store import ResourceStore
+
+    conf = tmp_path / "agentd.toml"
+    conf.write_text("[etcd]\nendpoints = ['http://192.0.2.7:2379']\n")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    exc = (aetcd.ClientError("etcdserver: permission denied") if error == "permission"
+           else aetcd.InvalidArgumentError("etcdserver: request is too large"))  # fmt: skip
+
+    async def refused(*args, **kwargs):
+        raise exc
+
+    async def nothing(*args, **kwargs):
+        return None
+
+    monkeypatch.setattr(Datastore, "connect", nothing)
+    monkeypatch.setattr(Datastore, "close", nothing)
+    for method in ("get", "list", "delete"):
+        monkeypatch.setattr(ResourceStore, method, refused)
+    code, _, err = run(capsys, *argv, "--config", str(conf))
+    assert code == 1 and "Traceback" not in err, err
+    (line,) = err.splitlines()
+    assert line.startswith(f"agentd {argv[0]}: etcd refused the request") and str(exc) in line, line

@@ -68,9 +68,32 @@ def test_a_refused_route_is_not_installed(routes):
     assert routes(Programmer([WANT6])) == {WANT.dst: False, WANT6.dst: True}
 
 
-def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once_and_flaps_at_most_once_a_minute_per_peer(
-    monkeypatch, caplog
-):
+class TimerLoop:
+    """call_later on a clock the test moves (KernelRoutes.loop)."""
+
+    def __init__(self, clock):
+        self.clock, self.timers = clock, []
+
+    def call_soon(self, callback):
+        return self.call_later(0.0, callback)
+
+    def call_later(self, delay, callback):
+        handle = SimpleNamespace(cancelled=False)
+        handle.cancel = lambda: setattr(handle, "cancelled", True)
+        self.timers.append((self.clock[0] + delay, callback, handle))
+        return handle
+
+    def run_due(self):
+        due = [t for t in self.timers if t[0] <= self.clock[0]]
+        self.timers = [t for t in self.timers if t[0] > self.clock[0]]
+        for _, callback, handle in due:
+            if not handle.cancelled:
+                callback()
+
+
+def _refusing_routes(monkeypatch):
+    """KernelRoutes with node b's routes, one the default route (refused), on a clock and a
+    loop the test moves."""
     from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 
     from agentd.datastore.store import ClusterConfig, NodeRecord
@@ -94,6 +117,14 @@ def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once_and_flaps
     r._bests = {(1, b"default"): nh, (1, b"b"): nh}
     names = {b"default": "0.0.0.0/0", b"b": "10.244.2.0/24"} | {b"x%d" % i: f"192.168.{i}.0/24" for i in range(5)}
     monkeypatch.setattr(R, "prefix_to_str", lambda afi, p: names[p])
+    r.loop = TimerLoop(clock)
+    return r, clock, nh
+
+
+def test_a_refused_best_path_is_listed_with_its_reason_and_logged_once_and_flaps_at_most_once_a_minute_per_peer(
+    monkeypatch, caplog
+):
+    r, clock, nh = _refusing_routes(monkeypatch)
     for _ in range(3):
         r._recompute()
     rows = {row["dst"]: row for row in r.installed()}
@@ -186,3 +217,19 @@ def test_a_recompute_that_fails_keeps_the_routes_and_is_one_log_line_until_it_ch
     assert calls == [[WANT], [WANT]] and seen[-1] == [("10.244.7.0/24", nh.next_hop, False, True)]
     assert caplog.messages.count("routes recomputed again") == 1
     assert len([m for m in caplog.messages if "not routed: malformed wire prefix" in m]) == 1
+
+
+def test_the_count_of_refusals_held_back_is_logged_when_the_minute_ends_without_another(monkeypatch, caplog):
+    r, clock, nh = _refusing_routes(monkeypatch)
+    r._recompute()
+    for _ in range(4):  # a flapping router, then quiet: no refusal comes to carry the count
+        del r._bests[(1, b"default")]
+        r._recompute()
+        r._bests[(1, b"default")] = nh
+        r._recompute()
+    assert len([m for m in caplog.messages if "not installed" in m]) == 1
+    clock[0] += 60.0
+    r.loop.run_due()
+    assert [m for m in caplog.messages if "routes not recomputed" in m] == []
+    last = [m for m in caplog.messages if "not installed" in m][-1]
+    assert last.startswith("4 similar suppressed in the last 60s, the last: route to 0.0.0.0/0 via 10.0.0.2"), last

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
+
 from agentd.nft import expr
 from agentd.nft.ruleset import NftChain, NftSet, Ruleset, applied, plan
 from agentd.resources import kinds
@@ -588,3 +590,28 @@ def test_ingress_proxies_to_the_primary_familys_endpoints():
     v6_first = model.build([dual("web", spec, ["fd00:10:96::a", "10.96.0.10"], ["IPv6", "IPv4"])], [], DUAL_PODS)
     assert backend_servers(v6_first, "http") == {("fd00:10:244:1::2", 8080), ("fd00:10:244:2::2", 8080), ("fd00:10:244:2::3", 8080)}
     assert backend_servers(v4_first, 81) == set()
+
+
+@pytest.mark.parametrize("policy", ["externalTrafficPolicy", "internalTrafficPolicy"])
+def test_a_traffic_policy_turned_local_flushes_the_udp_flows_to_the_other_nodes_endpoints(policy):
+    # Cluster -> Local: the endpoints stay usable, but the node port (from outside) or the
+    # cluster IP of this node no longer goes to the other nodes' ones: their flows through
+    # that path are flushed (the other path's are not), this node's endpoint keeps its own.
+    def built(local: bool) -> list:
+        spec = {"type": "NodePort", "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]}
+        if local:
+            spec[policy] = "Local"
+        sl = eps_slice("dns-1", "dns", [{"addresses": ["192.0.2.1"], "nodeName": "n1"}, {"addresses": ["192.0.2.2"], "nodeName": "n2"}],
+                       [{"name": "dns", "port": 5353, "protocol": "UDP"}])  # fmt: skip
+        return model.build([svc("dns", spec)], [sl], [])
+
+    cluster, local = built(False), built(True)
+    (stale,) = stale_udp(cluster, local, "n1")
+    if policy == "externalTrafficPolicy":
+        assert stale == Stale("192.0.2.2", 5353, None, 53, 30053)
+        assert stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353) and not stale.matches("10.96.0.10", 53, "192.0.2.2", 5353)
+    else:
+        assert stale == Stale("192.0.2.2", 5353, "10.96.0.10", 53, None)
+        assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and not stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353)
+    assert stale_udp(local, cluster, "n1") == []  # Local -> Cluster: more endpoints, none lost
+    assert stale_udp(cluster, local, "n2") == [Stale("192.0.2.1", 5353, *((None, 53, 30053) if policy == "externalTrafficPolicy" else ("10.96.0.10", 53, None)))]

@@ -366,3 +366,36 @@ def test_a_collision_cease_while_the_other_connection_is_in_open_sent_is_no_fail
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert not any(kind == "session-failed" for kind, _ in sp.limiter.counts)
     assert any("connection collision" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+
+
+def _reconnect_gaps(subcode: int, rounds: int = 5) -> list[float]:
+    """The waits before each reconnect of a peer that answers every OPEN of ours with
+    Cease/``subcode`` on our only connection."""
+    p = Peer(local(), PeerSettings(REMOTE, 65000), conn_ids=itertools.count(1), now=0.0, rng=random.Random(3))
+    p.start(0.0)
+    now, gaps = 0.0, []
+    for _ in range(rounds):
+        (connect,) = [a for a in p.take_actions() if isinstance(a, Connect)]
+        p.connection_made(connect.conn, now + 0.1)
+        ended = now + 0.2
+        p.data_received(connect.conn, open_() + cease(subcode), ended)
+        assert p.session.state is State.IDLE
+        p.take_actions()
+        now = p.get_timer()
+        gaps.append(now - ended)
+        p.handle_timer(now)
+    return gaps
+
+
+def test_a_collision_cease_on_the_only_connection_does_not_grow_the_backoff():
+    # A peer holding a stale Established session answers each OPEN with Cease/7 until its hold
+    # timer expires.  That is a failed session (logged), but no misbehaviour: like BIRD (error
+    # delay grown only for a received NOTIFICATION other than Cease) and GoBGP (a fixed idle
+    # hold time), the retries stay backoff_initial apart, so the session comes up soon after.
+    gaps = _reconnect_gaps(CeaseSubcode.CONNECTION_COLLISION_RESOLUTION)
+    assert max(gaps) <= local().backoff_initial, gaps
+
+
+def test_another_failure_on_the_only_connection_still_grows_the_backoff():
+    gaps = _reconnect_gaps(CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
+    assert gaps[-1] > 4 * local().backoff_initial, gaps
