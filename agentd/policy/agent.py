@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from prometheus_client import Histogram
@@ -50,6 +51,8 @@ log = logging.getLogger("agentd.policy")
 
 ACK_RETRY = 0.5  # endpoints/.lock held by another process: acknowledging is tried again this often
 RESCAN_INTERVAL = 10.0  # endpoint files are read again this often even without inotify events
+BRIDGE_SYSCTLS = Path("/proc/sys/net/bridge")  # br_netfilter's, of the agent's own namespace
+BRIDGE_CALLS = {4: "bridge-nf-call-iptables", 6: "bridge-nf-call-ip6tables"}
 COUNTERS_INTERVAL = 2.0
 HISTORY = 64
 
@@ -161,6 +164,7 @@ class PolicyAgent:
 
     async def start(self) -> None:
         """Open nftables and adopt the tables a previous run left (no change to them)."""
+        self._check_bridged()
         if self.nft is None:
             self.nft = await asyncio.to_thread(Nft)
         self.programmer = NftProgrammer(self.nft, compiler.TABLES, "policy")
@@ -279,9 +283,19 @@ class PolicyAgent:
     def _local_changed(self) -> None:
         self._rescan()
 
+    def _check_bridged(self) -> None:
+        """Whether conntrack sees bridged pod traffic here (br_netfilter): a change rebuilds,
+        routing every pod up for the flow records' connections or no more (PolicyEngine.bridged_to_ip)."""
+        on = bridged_to_ip(self.engine.families)
+        if self.engine.set_bridged_to_ip(on):
+            log.info("policy: br_netfilter %s bridged pod traffic to conntrack: pods of this node are %s for flow records",
+                     "hands" if on else "no longer hands", "bridged, not routed up," if on else "routed up")
+            self._wake.set()
+
     async def _rescan_loop(self) -> None:
         while True:
             self._rescan()
+            self._check_bridged()
             if self.fast_path is not None and self.fast_path_error is not None:
                 self._wake.set()  # a failed fast-path update: retried (below) without waiting for a change
             await asyncio.sleep(RESCAN_INTERVAL)
@@ -579,6 +593,15 @@ class PolicyAgent:
             egr += e
             both += i or e
         return {"ingress": ing, "egress": egr, "any": both}
+
+
+def bridged_to_ip(families: Iterable[int], root: Path = BRIDGE_SYSCTLS) -> bool:
+    """Whether br_netfilter hands bridged frames of each of ``families`` to the IP hooks in
+    this namespace (its sysctls exist only while the module is loaded, and are per namespace)."""
+    try:
+        return all((root / BRIDGE_CALLS[v]).read_text().strip() == "1" for v in families)
+    except (OSError, KeyError, ValueError):
+        return False
 
 
 async def remove_policy_tables() -> None:

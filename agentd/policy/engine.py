@@ -74,6 +74,11 @@ class PolicyEngine:
         self.check_source_mac = check_source_mac
         self.drop_log = drop_log
         self.route_all = route_all
+        # br_netfilter hands this node's bridged frames of every pod family to the IP hooks
+        # (bridge-nf-call-iptables and -ip6tables on, as on kubelet and Docker hosts): conntrack
+        # sees connections between pods of this node without routing them up, so ``route_all``
+        # routes nobody then (:meth:`set_bridged_to_ip`, read by the policy agent).
+        self.bridged_to_ip = False
         # Services translate on this node: every local pod's traffic is routed too, so that an
         # endpoint's reply to a client on its own node (which the bridge would hand over at
         # layer 2, past the un-DNAT, where br_netfilter does not call the IP hooks) is translated.
@@ -421,6 +426,17 @@ class PolicyEngine:
         self._local_dirty = True
         return True
 
+    def set_bridged_to_ip(self, on: bool) -> bool:
+        """Whether br_netfilter hands bridged frames of every pod family to the IP hooks (see
+        ``bridged_to_ip``); whether that changed what is built."""
+        if on == self.bridged_to_ip:
+            return False
+        self.bridged_to_ip = on
+        if not self.route_all:
+            return False
+        self._local_dirty = True
+        return True
+
     @property
     def dirty(self) -> bool:
         return bool(self._dirty_policies or self._dirty_pods or self._local_dirty or self._base is None)
@@ -503,7 +519,8 @@ class PolicyEngine:
             if port.pod_mac and self.check_source_mac:
                 elements[compiler.MAC_PORTS].add(port.interface)
                 elements[compiler.POD_MACS].add((port.interface, port.pod_mac))
-            routed = ingress or egress or self.route_all or self.route_services  # its unicast goes up to the IP stack
+            # its unicast goes up to the IP stack (route_all: only where conntrack would not see it bridged)
+            routed = ingress or egress or (self.route_all and not self.bridged_to_ip) or self.route_services
             if routed:
                 elements["isolated-ports"].add(port.interface)
             if ingress:

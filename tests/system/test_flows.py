@@ -1445,3 +1445,58 @@ async def test_a_pods_packet_to_an_address_no_node_holds_is_a_no_route_drop(shop
     others = [r for r in await agentd_flows(node1, "--reason", "no-route", "--last", "1000")
               if r["dst"]["ip"] in targets]
     assert others == [], others
+
+
+# ------------------------------------------------------------------ br_netfilter or the route-up
+
+
+def bridge_set(node, name: str) -> set[str]:
+    out = json.loads(node.ns.exec("nft", "-j", "list", "set", "bridge", "agentd-policy", name))
+    return {e for item in out["nftables"] if "set" in item for e in item["set"].get("elem", [])}
+
+
+async def test_pods_of_one_node_routed_up_for_flow_records_only_without_br_netfilter(tmp_path):
+    """Two pods of one node, with br_netfilter handing bridged frames to the IP hooks
+    (bridge-nf-call-iptables = 1, as on kubelet and Docker hosts) and without (0, as on a host
+    without the module).  With it, conntrack sees the pods' connections on the bridge, so flow
+    records route no pod up through the node's IP stack (isolated pods are, for policy); without
+    it every pod of the node is routed up while connections are recorded.  Either way one start
+    and one end of a connection, with its bytes.  A lab of its own, without Services: while
+    Services translate, every pod is routed up for them anyway (the shop's lab)."""
+    lab = Lab(LabSpec(name="fb" + unique_tag("")[:6], nodes=1, pods=0), root=tmp_path / "labs")
+    call = "bridge-nf-call-iptables"
+    try:
+        await lab.up(timeout=90)
+        node = lab.nodes[0]
+        await auntil(lambda: bool((node.api_or_none("/status") or {}).get("ready"))
+                     and (node.dir / "net.d" / "10-agentd.conflist").exists(), 60, in_thread=True,
+                     what="node1's agent ready, its CNI conflist written")
+        if call not in node.ns.exec("ls", "/proc/sys/net/bridge", check=False).split():
+            pytest.fail("br_netfilter is not loaded (scripts/dev setup loads it: modprobe br_netfilter)")
+        node.ns.sysctl("net.netfilter.nf_conntrack_tcp_timeout_time_wait", 1)  # ends come quickly
+        a, b = [await lab.add_pod(node, "lobby", name, labels={"app": name}) for name in ("a", "b")]
+        ports = bridge_set(node, "pod-ports")
+        assert len(ports) == 2
+        for value, sport in ((1, 41401), (0, 41402)):
+            node.ns.sysctl(f"net.bridge.{call}", value)
+            routed = ports if value == 0 else set()
+            # The agent reads the sysctl at its start and every 10 s.
+            await auntil(lambda: bridge_set(node, "isolated-ports") == routed, 30,  # noqa: B023
+                         what=f"pods {'routed up' if value == 0 else 'bridged'} with {call} = {value}")
+            await send_sizes(a, b, 5040, sport, [30_000])
+
+            async def ended() -> list[dict]:
+                # conntrack's entry goes after TIME_WAIT (1 s here): a dump reaps it then, not
+                # at its garbage collector's next pass
+                await node.ns.aexec(sys.executable, "-c", REAP, timeout=30)
+                return await agentd_flows(node, "--port", str(sport), "--event", "end")  # noqa: B023
+
+            await auntil(ended, 60, what=f"the end record of a -> b from port {sport}")
+            await ring_marker(a, b, node)  # anything the pod programs wrote of it is read too
+            got = await agentd_flows(node, "--port", str(sport))
+            assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+            assert got[0]["src"]["pod"] == "lobby/a" and got[0]["dst"]["pod"] == "lobby/b", got[0]
+            assert sent(got[1], 30_000), shown(got[1])
+            assert bridge_set(node, "isolated-ports") == routed  # as it was throughout
+    finally:
+        await lab.down()

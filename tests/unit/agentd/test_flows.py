@@ -2182,3 +2182,38 @@ def test_flow_records_follow_the_cluster_record_not_this_nodes_network_settings(
                                           for n in (ip_network("10.244.0.0/16"), ip_network("10.96.0.0/12")))
     assert rec._ours("fd00:244::5", "2001:db8::99") and not rec._ours("10.50.0.5", "10.60.0.1")
     assert "2001:db8::10" in rec.directory.node_addresses
+
+
+def test_every_pod_is_routed_up_for_flow_records_only_where_conntrack_would_not_see_it_bridged(tmp_path):
+    """br_netfilter handing bridged frames to the IP hooks (kubelet and Docker hosts): conntrack
+    sees connections between pods of the node without routing them up -- only isolated pods
+    are; without it (or for one family without it) every pod is routed up, as before."""
+    from agentd.policy.agent import bridged_to_ip
+
+    engine = PolicyEngine("node2", drop_log=DropLog(143), route_all=True)
+    engine.upsert_pod(Pod("shop", "web", "node2", (IPv4Address("10.244.2.3"),), {"app": "web"}),
+                      LocalPort("veth1", "02:00:00:00:00:01", "cni0"))
+    engine.upsert_pod(Pod("lobby", "a", "node2", (IPv4Address("10.244.2.4"),), {}),
+                      LocalPort("veth2", "02:00:00:00:00:02", "cni0"))
+    engine.upsert_policy(Policy.parse({"metadata": {"namespace": "shop", "name": "deny"}, "spec": {"podSelector": {}}}))
+
+    def handed_up() -> set[str]:
+        return set(engine.build().objects[("bridge", "agentd-policy", "set", "isolated-ports")].elements)
+
+    assert handed_up() == {"veth1", "veth2"}
+    assert engine.set_bridged_to_ip(True) and engine.dirty
+    assert handed_up() == {"veth1"}  # shop/web is isolated: routed up all the same
+    assert not engine.set_bridged_to_ip(True)
+    assert engine.set_bridged_to_ip(False)
+    assert handed_up() == {"veth1", "veth2"}
+    quiet = PolicyEngine("node2", route_all=False)
+    assert not quiet.set_bridged_to_ip(True)  # flows off: nothing routed for them, nothing to change
+
+    assert not bridged_to_ip((4,), tmp_path)  # br_netfilter not loaded: no sysctls
+    (tmp_path / "bridge-nf-call-iptables").write_text("1\n")
+    assert bridged_to_ip((4,), tmp_path)
+    assert not bridged_to_ip((4, 6), tmp_path)  # IPv6 pods would pass unseen
+    (tmp_path / "bridge-nf-call-ip6tables").write_text("1\n")
+    assert bridged_to_ip((4, 6), tmp_path)
+    (tmp_path / "bridge-nf-call-iptables").write_text("0\n")
+    assert not bridged_to_ip((4, 6), tmp_path)
