@@ -141,6 +141,20 @@ async def restart(lab: Lab, flows: bool, connections: bool = True) -> None:
     await asyncio.sleep(1.0)  # the first sync's transaction is in; let the restart's CPU settle
 
 
+def bridged_frames(lab: Lab, *, off: bool) -> bool:
+    """Whether br_netfilter hands the nodes' bridged frames to the IP hooks (conntrack sees
+    connections between pods of one node without the agents routing them up: policy.md);
+    ``off``: made so that it does not (bridge-nf-call-iptables = 0 in each node's namespace,
+    as on a host without the module), before the agents' first restart reads it."""
+    key = "/proc/sys/net/bridge/bridge-nf-call-iptables"
+    values = []
+    for node in lab.nodes:
+        if off and node.ns.exec("sh", "-c", f"test -e {key} && echo yes", check=False).strip() == "yes":
+            node.ns.sysctl("net.bridge.bridge-nf-call-iptables", 0)
+        values.append(node.ns.exec("sh", "-c", f"cat {key} 2>/dev/null || echo 0", check=False).strip() == "1")
+    return all(values)
+
+
 def cpu_seconds(pid: int | None) -> float:
     """User and system CPU seconds a process has used (/proc/PID/stat utime + stime)."""
     if pid is None:
@@ -406,6 +420,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         if args.node_cpus:
             for cpu, node in enumerate(lab.nodes[:2]):
                 steer(node.ns, cpu)
+        bridge_nf = bridged_frames(lab, off=args.no_bridge_nf)
         pods = {"client": await lab.add_pod(lab.nodes[0], NS, "client", labels={"app": "client"}),
                 "server": await lab.add_pod(lab.nodes[1], NS, "server", labels={"app": "server"}),
                 "local": await lab.add_pod(lab.nodes[1], NS, "local", labels={"app": "local"})}
@@ -440,7 +455,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         storm_result = await storm(lab, pods, res, args.storm_pps, args.storm_seconds)
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
         ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]
-        return {"runs": runs, "loads": loads, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
+        return {"runs": runs, "loads": loads, "bridge_nf": bridge_nf, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
                 "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True),
                 "ring_bytes_recorded": ring_memory(ring_size, recorded=True)}
     finally:
@@ -466,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storm-seconds", type=float, default=5.0,
                     help=f"length of the storm, at least {STORM_MIN_SECONDS:.0f} (default 5)")
     ap.add_argument("--drops", type=int, default=20, help="denied connections timed to the followed streams (default 20)")
+    ap.add_argument("--no-bridge-nf", action="store_true",
+                    help="bridge-nf-call-iptables = 0 in the nodes' namespaces (as on a host without br_netfilter): flow "
+                         "records then route the pods of a node up through its IP stack to see their connections")
     ap.add_argument("--node-cpus", action="store_true",
                     help="each node's received packets on its own CPU (RPS on its underlay device: node 1 and the "
                          "clients CPU 0, node 2 and the servers CPU 1), as on two hosts")
@@ -526,7 +544,11 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
                 f"order off,drops,on / on,drops,off by turns, clients on CPU 0 and servers on CPU 1; medians, on/off the "
                 f"median of the rounds' own ratios; 'drops only': [flows] connections = false"
                 + ("; each node's received packets on its own CPU (--node-cpus: node 1 CPU 0, node 2 CPU 1)"
-                   if args.node_cpus else "") + f" ({load_note})",
+                   if args.node_cpus else "")
+                + ("; br_netfilter hands bridged frames to conntrack (bridge-nf-call-iptables = 1): pods of one node are "
+                   "not routed up for flow records" if r.get("bridge_nf") else
+                   "; no br_netfilter for bridged frames (bridge-nf-call-iptables = 0 or no module): flow records route "
+                   "the pods of a node up" if "bridge_nf" in r else "") + f" ({load_note})",
                 ["what", "off", "on", "on/off", "rounds' range", "goal", "", "drops only", "drops/off"], rows)
     lat = r["drop_latency"]
     print_table(f"Drop -> followed GET /flows: {len(lat['node'])} denied connections from node2's client pod "
