@@ -625,7 +625,7 @@ class _Node:
         self.answers = list(answers)
         self.asked = 0
 
-    async def lines(self, node, path, *, follow=False):
+    async def lines(self, node, path, *, follow=False, **_):
         self.asked += 1
         answer = self.answers.pop(0)
         if isinstance(answer, BaseException):
@@ -686,7 +686,7 @@ class _Registry:
     def nodes(self):
         return dict(self.addresses)
 
-    async def lines(self, node, path, *, follow=False):
+    async def lines(self, node, path, *, follow=False, **_):
         self.asked.append((node, path))
         try:
             yield json.dumps({"time": 1.0, "node": node}).encode() + b"\n"
@@ -737,7 +737,7 @@ class _Leaving(_Registry):
         super().__init__(names)
         self.left: dict[str, asyncio.Event] = {}
 
-    async def lines(self, node, path, *, follow=False):
+    async def lines(self, node, path, *, follow=False, **_):
         self.asked.append((node, path))
         if node not in self.addresses:
             raise KeyError(node)
@@ -1867,7 +1867,7 @@ class _Once(_Registry):
         super().__init__(names)
         self.more = asyncio.Event()
 
-    async def lines(self, node, path, *, follow=False, blanks=False):
+    async def lines(self, node, path, *, follow=False, blanks=False, **_):
         self.asked.append((node, path))
         if "last=0" not in path:
             yield b'{"time": 1.0, "node": "node2", "n": 1}\n'
@@ -1916,7 +1916,7 @@ class _OlderNode(_Registry):
         super().__init__(names)
         self.more = asyncio.Event()
 
-    async def lines(self, node, path, *, follow=False, blanks=False):
+    async def lines(self, node, path, *, follow=False, blanks=False, **_):
         from agentd.daemon.cluster import UnmarkedStream
 
         self.asked.append((node, path))
@@ -1978,9 +1978,12 @@ class _Ring:
 
         return SimpleNamespace(queue=Gone(), lost=0)
 
-    def search(self, flt, n, since=None):
+    def search(self, flt, n, since=None, after=None):
         self.did.append("search")
         return object()
+
+    def cursor(self):
+        return "r:0"
 
     async def finish(self, search):
         self.did.append("finish")
@@ -2026,7 +2029,7 @@ async def test_a_node_that_stalls_before_its_last_records_is_said_unreachable_an
     from agentd.daemon import observe_api
 
     class Stalled(_Once):
-        async def lines(self, node, path, *, follow=False, blanks=False):
+        async def lines(self, node, path, *, follow=False, blanks=False, **_):
             self.asked.append((node, path))
             await self.more.wait()  # nothing until then, not even its last N
             yield b'{"time": 3.0, "node": "node2", "n": 3}\n'
@@ -2079,7 +2082,7 @@ async def test_a_quiet_followed_cluster_looks_for_new_nodes_every_keepalive_and_
             super().__init__(names)
             self.say = asyncio.Event()
 
-        async def lines(self, node, path, *, follow=False, blanks=False):
+        async def lines(self, node, path, *, follow=False, blanks=False, **_):
             self.asked.append((node, path))
             if node == "node2":
                 await self.say.wait()
@@ -2182,3 +2185,102 @@ def test_flow_records_follow_the_cluster_record_not_this_nodes_network_settings(
                                           for n in (ip_network("10.244.0.0/16"), ip_network("10.96.0.0/12")))
     assert rec._ours("fd00:244::5", "2001:db8::99") and not rec._ours("10.50.0.5", "10.60.0.1")
     assert "2001:db8::10" in rec.directory.node_addresses
+
+
+# ------------------------------------------------------------------ a broken followed stream resumes after its cursor
+
+
+class _Resumable:
+    """A node whose followed answers carry the ring header: ``answers`` in turn, each a header
+    and the records (or an exception) it sends, then a break (``OSError``)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.paths: list[str] = []
+
+    async def lines(self, node, path, *, follow=False, blanks=False, seen=None):
+        from agentd.daemon.cluster import RING
+
+        self.paths.append(path)
+        header, records = self.answers.pop(0)
+        if seen is not None and header is not None:
+            seen[RING] = header
+        for seq in records:
+            yield json.dumps({"seq": seq, "time": float(seq), "node": node}, separators=(",", ":")).encode() + b"\n"
+        if not self.answers:
+            await asyncio.Event().wait()  # the last answer stays open
+        raise OSError(f"{node} unreachable: reset")
+
+
+async def test_a_broken_followed_stream_is_asked_again_after_the_last_record_it_sent(monkeypatch):
+    from urllib.parse import parse_qs, urlsplit
+
+    from agentd.daemon import observe_api
+
+    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
+    # Follow began after the node's record 10; 11 and 12 came, the stream broke, the node made
+    # 13 and 14 meanwhile: the stream asked again after 12 gets 13, 14 and what follows, each once.
+    # A stream broken before any record resumes after the header's number; a node that restarted
+    # (another ring) numbers from 1 again.
+    node = _Resumable([("r1:10", [11, 12]), ("r1:14", [13, 14]), ("r1:15", []), ("r2:0", [1, 2])])
+    merge = observe_api._Merge()
+
+    def resume(cursor):
+        return "/flows?" + observe_api.urlencode([("node", "node2"), ("after", cursor), ("last", "100000"), ("follow", "1")])
+
+    task = asyncio.create_task(observe_api._pump_remote(node, "node2", "/flows?node=node2&last=0&follow=1", merge,
+                                                        again="/flows?node=node2&last=0&follow=1", resume=resume))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    afters = [parse_qs(urlsplit(p).query).get("after", [None])[0] for p in node.paths]
+    assert afters == [None, "r1:12", "r1:14", "r1:15"]
+    seqs = [json.loads(line)["seq"] for line in (merge.queue.get_nowait() for _ in range(merge.queue.qsize()))
+            if b'"seq"' in line]
+    assert seqs == [11, 12, 13, 14, 1, 2]
+
+
+async def test_flows_after_a_cursor_are_the_records_made_after_it():
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from agentd.daemon import observe_api
+    from agentd.daemon.cluster import RING
+    from agentd.flows.views import FlowViews
+
+    ring = FlowRing(10)
+    for port in range(1, 6):
+        ring.add(flow(port=port))
+    views = FlowViews(SimpleNamespace(ring=ring))
+    assert views.cursor() == f"{ring.id}:5"
+    for after, ports in ((f"{ring.id}:3", [4, 5]), (f"{ring.id}:5", []), (f"{ring.id}:0", [1, 2, 3, 4, 5]),
+                         ("another:3", [1, 2, 3, 4, 5])):  # another ring's: this node restarted since
+        assert [f.dst.port for f in await views.last(FlowFilter(), 100, after=after)] == ports, after
+    for _ in range(15):  # wrapped: what the ring still holds after the cursor
+        ring.add(flow(port=9))
+    assert [f.seq for f in await views.last(FlowFilter(), 100, after=f"{ring.id}:17")] == [18, 19, 20]
+
+    class Resp:  # what a followed answer's headers say
+        headers: dict = {}
+
+        def __init__(self, headers):
+            Resp.headers = headers
+
+        async def prepare(self, request):
+            raise ConnectionResetError  # the reader went at once
+
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: views, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=True, token_of=lambda: None)
+    orig = observe_api.web.StreamResponse
+    try:
+        observe_api.web.StreamResponse = Resp
+        await handlers.flows(make_mocked_request("GET", "/flows?follow=1&last=0"))
+    finally:
+        observe_api.web.StreamResponse = orig
+    assert Resp.headers[RING] == f"{ring.id}:20"
+    for query, message in (("after=5", "after: '5' is not a cursor"), ("after=r:x", "after: 'r:x' is not a cursor")):
+        resp = await handlers.flows(make_mocked_request("GET", "/flows?" + query))
+        assert resp.status == 400 and json.loads(resp.body)["error"].startswith(message)
