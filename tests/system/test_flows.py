@@ -1445,3 +1445,131 @@ async def test_a_pods_packet_to_an_address_no_node_holds_is_a_no_route_drop(shop
     others = [r for r in await agentd_flows(node1, "--reason", "no-route", "--last", "1000")
               if r["dst"]["ip"] in targets]
     assert others == [], others
+
+
+# ------------------------------------------------------------------ SCTP
+
+# No SCTP sockets here (the kernel has no sctp module: socket(AF_INET, SOCK_STREAM, 132) is
+# EPROTONOSUPPORT), but conntrack has its SCTP tracker: an association is crafted on raw
+# sockets, chunk by chunk, with the verification tags and CRC32c conntrack checks.  A raw
+# socket of protocol 132 takes what comes (the kernel sends no protocol-unreachable then).
+SCTP_PEER = r"""
+import select, socket, struct, sys, time
+POLY = 0x82F63B78
+TABLE = []
+for i in range(256):
+    c = i
+    for _ in range(8):
+        c = (c >> 1) ^ POLY if c & 1 else c >> 1
+    TABLE.append(c)
+
+def crc32c(data):
+    c = 0xFFFFFFFF
+    for b in data:
+        c = TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+def packet(sport, dport, vtag, ctype, body=b"", flags=0):
+    chunk = struct.pack("!BBH", ctype, flags, 4 + len(body)) + body
+    chunk += b"\0" * (-len(chunk) % 4)
+    head = struct.pack("!HHII", sport, dport, vtag, 0)
+    return head[:8] + struct.pack("<I", crc32c(head + chunk)) + chunk
+
+def receive(s, peer, port, ctype, deadline):
+    while time.time() < deadline:
+        if not select.select([s], [], [], max(0.0, deadline - time.time()))[0]:
+            break
+        data, (src, _) = s.recvfrom(65535)
+        ihl = (data[0] & 0x0F) * 4
+        sport, dport, vtag = struct.unpack_from("!HHI", data, ihl)
+        if src == peer and dport == port and data[ihl + 12] == ctype:
+            return sport, vtag, data[ihl + 16 :]
+    sys.exit(f"no SCTP chunk {ctype} from {peer} to port {port}")
+
+INIT, INIT_ACK, ABORT, COOKIE_ECHO, COOKIE_ACK = 1, 2, 6, 10, 11
+role, me, peer, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, 132)
+s.bind((me, 0))
+deadline = time.time() + 10
+if role == "server":  # INIT -> INIT ACK (a cookie), COOKIE ECHO -> COOKIE ACK, then the client's ABORT
+    print("ready", flush=True)
+    cport, _, body = receive(s, peer, port, INIT, deadline)
+    ctag = struct.unpack_from("!I", body)[0]
+    stag, cookie = 0x5EA5EA5E, b"cookie!!"
+    s.sendto(packet(port, cport, ctag, INIT_ACK, struct.pack("!IIHHI", stag, 65536, 1, 1, 1000)
+                    + struct.pack("!HH", 7, 4 + len(cookie)) + cookie), (peer, 0))
+    receive(s, peer, port, COOKIE_ECHO, deadline)
+    s.sendto(packet(port, cport, ctag, COOKIE_ACK), (peer, 0))
+    receive(s, peer, port, ABORT, deadline)
+else:  # client from port ``sys.argv[5]``: INIT (only, with "init-only"), COOKIE ECHO, ABORT
+    cport, ctag = int(sys.argv[5]), 0xC11E4711
+    s.sendto(packet(cport, port, 0, INIT, struct.pack("!IIHHI", ctag, 65536, 1, 1, 5000)), (peer, 0))
+    if role == "client":
+        _, _, body = receive(s, peer, cport, INIT_ACK, deadline)
+        stag = struct.unpack_from("!I", body)[0]
+        cookie = body[20 + 4 :][: struct.unpack_from("!H", body, 22)[0] - 4]
+        s.sendto(packet(cport, port, stag, COOKIE_ECHO, cookie), (peer, 0))
+        receive(s, peer, cport, COOKIE_ACK, deadline)
+        time.sleep(0.2)
+        s.sendto(packet(cport, port, stag, ABORT), (peer, 0))
+"""
+
+
+async def test_an_sctp_association_is_new_and_end_records_and_a_denied_one_a_drop(shop):
+    """Two pods of node1 without policy (lobby/sctp-a, lobby/sctp-b) make an SCTP association
+    (crafted: see SCTP_PEER): a ``new`` and an ``end`` record, protocol SCTP, with the client's
+    and the server's ports.  shop/other's INIT to shop/client (isolated by default-deny) is a
+    ``dropped`` record naming the policy."""
+    node1 = shop.lab.nodes[0]
+    a = await shop.lab.add_pod(node1, "lobby", "sctp-a", labels={"app": "sctp-a"})
+    b = await shop.lab.add_pod(node1, "lobby", "sctp-b", labels={"app": "sctp-b"})
+    node1.ns.sysctl("net.netfilter.nf_conntrack_sctp_timeout_closed", 1)  # ended: out of conntrack soon
+
+    async def associate(client, server, sport: int, role: str = "client") -> None:
+        srv = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", server.ns.name, sys.executable, "-c", SCTP_PEER, "server", server.ip, client.ip, "9899",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+        try:
+            assert srv.stdout is not None and await asyncio.wait_for(srv.stdout.readline(), 10) == b"ready\n"
+            rc, _out, err = await client.ns.aexec(sys.executable, "-c", SCTP_PEER, role, client.ip, server.ip, "9899",
+                                                  str(sport), check=False, timeout=15)  # fmt: skip
+            assert rc == 0, err.decode()
+            if role == "client":
+                _out, err = await asyncio.wait_for(srv.communicate(), 15)
+                assert srv.returncode == 0, err.decode()
+        finally:
+            if srv.returncode is None:
+                srv.kill()
+                await srv.wait()
+
+    try:
+        await associate(a, b, 40132)
+
+        async def ended() -> list[dict]:
+            await node1.ns.aexec(sys.executable, "-c", REAP, timeout=30)  # the closed entry reaped once it timed out
+            return await agentd_flows(node1, "--protocol", "sctp", "--from-pod", "lobby/sctp-a", "--to-pod", "lobby/sctp-b")
+
+        got = await auntil(lambda: _both(ended), 30, what="the SCTP association's new and end records")
+        for r in got:
+            assert r["protocol"] == "SCTP" and r["verdict"] == "forwarded", r
+            assert (r["src"]["ip"], r["src"]["port"], r["dst"]["ip"], r["dst"]["port"]) == (a.ip, 40132, b.ip, 9899), r
+        end = next(r for r in got if r["event"] == "end")
+        assert end["packets_sent"] >= 3 and end["packets_received"] >= 2, end  # INIT, COOKIE ECHO, ABORT; INIT ACK, COOKIE ACK
+
+        # Denied: shop/other -> shop/client, which default-deny isolates (only its INIT is sent).
+        other, client = shop.pods["other"], shop.pods["client"]
+        await associate(other, client, 40133, role="init-only")
+        drops = await records(node1, "--verdict", "dropped", "--protocol", "SCTP", "--from-pod", "shop/other",
+                              "--to-pod", "shop/client", want=lambda r: r, what="node1's drop of other's SCTP INIT")
+        d = drops[-1]
+        assert d["event"] == "drop" and d["reason"] == "policy" and d["policies"] == ["shop/default-deny"], d
+        assert (d["protocol"], d["src"]["port"], d["dst"]["port"]) == ("SCTP", 40133, 9899), d
+    finally:
+        node1.ns.sysctl("net.netfilter.nf_conntrack_sctp_timeout_closed", 10)
+        for pod in (a, b):
+            await shop.lab.remove_pod(pod)
+
+
+async def _both(ask) -> list[dict]:
+    got = await ask()
+    return got if {"new", "end"} <= {r["event"] for r in got} else []
