@@ -1573,3 +1573,57 @@ async def test_an_sctp_association_is_new_and_end_records_and_a_denied_one_a_dro
 async def _both(ask) -> list[dict]:
     got = await ask()
     return got if {"new", "end"} <= {r["event"] for r in got} else []
+
+
+# ------------------------------------------------------------------ no route behind a Service
+
+
+async def test_a_service_whose_chosen_endpoint_has_no_route_is_a_no_route_drop(shop):
+    """shop/nowhere's one endpoint is an address of the pod network no node holds: shop/client's
+    packet to its ClusterIP is translated to it, and node1 has no route for it (the kernel drops
+    it).  The drop is a ``no-route`` record naming the Service and the endpoint chosen."""
+    node1, client = shop.lab.nodes[0], shop.pods["client"]
+    nowhere = None
+    for third in range(254, 0, -1):  # a /24 of the pod network no node holds
+        rc, _out, err = await node1.ns.aexec("ip", "route", "get", f"10.244.{third}.7", check=False)
+        if rc != 0 and b"unreachable" in err:
+            nowhere = f"10.244.{third}.7"
+            break
+    assert nowhere is not None, node1.ns.exec("ip", "route")
+    res = await shop.lab.resources()
+    revision = await res.apply([
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "nowhere", "namespace": "shop"},
+         "spec": {"ports": [{"name": "discard", "port": 9, "protocol": "UDP"}]}},
+        {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+         "metadata": {"name": "nowhere-1", "namespace": "shop", "labels": {"kubernetes.io/service-name": "nowhere"}},
+         "addressType": "IPv4", "ports": [{"name": "discard", "port": 9, "protocol": "UDP"}],
+         "endpoints": [{"addresses": [nowhere], "conditions": {"ready": True}}]},
+    ])  # fmt: skip
+    try:
+        await _converged(shop.lab, revision)
+        vip = (await res.get("Service", "shop", "nowhere"))["spec"]["clusterIP"]
+
+        async def sent_and_recorded() -> list[dict]:
+            # Sent again until recorded: the kernel sends its ICMP errors to one pod about once a
+            # second after a burst of a few (the test before may have had them).
+            await client.ns.aexec(sys.executable, "-c", SEND_FROM, client.ip, vip, timeout=30)
+            return await agentd_flows(node1, "--reason", "no-route", "--from-pod", "shop/client", "--ip", nowhere)
+
+        got = await auntil(sent_and_recorded, 30, interval=1.0,
+                           what="node1's no-route drop of shop/client's packet to shop/nowhere")
+        d = got[-1]
+        assert d["event"] == "drop" and d["verdict"] == "dropped" and d["reason"] == "no-route", d
+        assert (d["src"]["pod"], d["src"]["ip"], d["protocol"], d["direction"]) == ("shop/client", client.ip, "UDP", "egress"), d
+        assert (d["dst"]["ip"], d["dst"]["port"]) == (nowhere, 9), d  # the endpoint chosen
+        # The Service is named from the packet's conntrack entry, which NFLOG gives only with the
+        # kernel's conntrack glue (CONFIG_NETFILTER_NETLINK_GLUE_CT; the agent logs its absence).
+        glue = "NFLOG gives no conntrack entries" not in "".join(
+            p.read_text(errors="replace") for p in node1.dir.rglob("*.log"))
+        if glue:
+            assert d["service"] == {"name": "shop/nowhere", "ip": vip, "port": 9}, d
+        # One record per dropped packet: the ICMP error about it, not also its ICMP error's own
+        # drop (the error reaches the pod), nor a record of the ClusterIP.
+        assert all(r["protocol"] == "UDP" for r in got), got
+    finally:
+        await res.delete("EndpointSlice", "shop", "nowhere-1")
+        await res.delete("Service", "shop", "nowhere")

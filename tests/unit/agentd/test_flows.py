@@ -9,6 +9,7 @@ import json
 import socket
 import struct
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
+from typing import ClassVar
 
 import pytest
 from hypothesis import given
@@ -2264,7 +2265,7 @@ async def test_flows_after_a_cursor_are_the_records_made_after_it():
     assert [f.seq for f in await views.last(FlowFilter(), 100, after=f"{ring.id}:17")] == [18, 19, 20]
 
     class Resp:  # what a followed answer's headers say
-        headers: dict = {}
+        headers: ClassVar[dict] = {}
 
         def __init__(self, headers):
             Resp.headers = headers
@@ -2284,3 +2285,53 @@ async def test_flows_after_a_cursor_are_the_records_made_after_it():
     for query, message in (("after=5", "after: '5' is not a cursor"), ("after=r:x", "after: 'r:x' is not a cursor")):
         resp = await handlers.flows(make_mocked_request("GET", "/flows?" + query))
         assert resp.status == 400 and json.loads(resp.body)["error"].startswith(message)
+
+
+def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_the_node_sends():
+    """The Services translate after the no-route check; a translated first packet the kernel
+    has no route for gets its ICMP error (net/host unreachable, admin-prohibited; ICMPv6 no
+    route, admin-prohibited) carrying its conntrack entry, translated and never confirmed.  The
+    output chain (the node's own packets only: no rule on a forwarded packet's way) sends that
+    error, on its way to a pod bridge, through the no-route chain.  The record is the dropped
+    packet's: from its conntrack entry (the pod, the endpoint, the Service) or, without one,
+    as the error quotes it."""
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    eng = PolicyEngine("node1", families=(4, 6), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", "node1", (IPv4Address("10.244.1.2"),), {}), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    out = eng.build().objects[("inet", policy_compiler.TABLE, "chain", "output")]
+    assert out.hook == ("filter", "output", 0, "accept")  # type: ignore[union-attr]
+    rules = [json.loads(r) for r in out.rules if "no-route" in r]  # type: ignore[union-attr]
+    assert len(rules) == 2  # one per family
+    for rule, (icmp, codes) in zip(rules, [("icmp", ["net-unreachable", "host-unreachable", "admin-prohibited"]),
+                                           ("icmpv6", ["no-route", "admin-prohibited"])]):
+        assert rule[0] == {"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": "@bridges"}}
+        assert rule[1]["match"]["left"] == {"payload": {"protocol": icmp, "field": "type"}}
+        assert rule[2]["match"]["right"] == {"set": codes}
+        assert rule[3] == {"match": {"op": "==", "left": {"&": [{"ct": {"key": "status"}}, ["dnat", "confirmed"]]},
+                                     "right": "dnat"}}  # translated, never confirmed: it did not leave
+        assert rule[4] == {"jump": {"target": "no-route"}}
+    quiet = PolicyEngine("node1", families=(4,)).build().objects[("inet", policy_compiler.TABLE, "chain", "output")]
+    assert not any("no-route" in r for r in quiet.rules)  # type: ignore[union-attr]
+
+    d = FlowDirectory(None, None, (None, None))
+    d.service = lambda ip, proto, port: "shop/nowhere" if (ip, proto, port) == ("10.96.0.9", 17, 9) else None
+    r = FlowRecorder("node1", d, "/nonexistent", group=5, clock=lambda: 1.0)
+    error = ("no-route", socket.AF_INET, 0.0, 0, 3, 1, "10.244.1.1", "10.244.1.2", 1, 3, 0)
+    entry = (ct.CtTuple("10.244.1.2", "10.96.0.9", 17, 40000, 9), ct.CtTuple("10.244.200.7", "10.244.1.2", 17, 8080, 40000))
+    flow = r.dropped(nflog.Packet(*error, orig_dst=("10.96.0.9", 9), dnat=entry))
+    assert flow is not None and (flow.reason, flow.protocol, flow.direction) == ("no-route", "UDP", "egress")
+    assert (flow.src.ip, flow.src.port, flow.dst.ip, flow.dst.port) == ("10.244.1.2", 40000, "10.244.200.7", 8080)
+    assert (flow.service, flow.service_ip, flow.service_port) == ("shop/nowhere", "10.96.0.9", 9)
+    flow = r.dropped(nflog.Packet(*error[:6], "10.244.1.1", "10.244.1.2", 1, 3, 1,
+                                  quoted=("10.244.1.2", "10.244.200.7", 6, 40001, 8080)))
+    assert flow is not None and (flow.protocol, flow.src.port, flow.dst.ip, flow.dst.port) == ("TCP", 40001, "10.244.200.7", 8080)
+    # An error quoting the dropped packet, read from the log's bytes.
+    def ip4(src, dst, proto, payload):
+        return struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(payload), 1, 0, 64, proto, 0,
+                           socket.inet_aton(src), socket.inet_aton(dst)) + payload
+
+    inner = ip4("10.244.1.2", "10.244.200.7", 17, struct.pack("!HHHH", 40000, 8080, 9, 0) + b"x")
+    outer = ip4("10.244.1.1", "10.244.1.2", 1, bytes.fromhex("0300000000000000") + inner)
+    assert nflog.quoted_summary(outer, 0, len(outer)) == ("10.244.1.2", "10.244.200.7", 17, 40000, 8080)
+    assert nflog.quoted_summary(outer[:20] + b"\x08" + outer[21:], 0, len(outer)) is None  # an echo request quotes nothing
