@@ -1627,3 +1627,47 @@ async def test_a_service_whose_chosen_endpoint_has_no_route_is_a_no_route_drop(s
     finally:
         await res.delete("EndpointSlice", "shop", "nowhere-1")
         await res.delete("Service", "shop", "nowhere")
+
+
+# ------------------------------------------------------------------ a broken cluster follow
+
+
+async def test_a_broken_cluster_follow_is_asked_again_after_the_last_record_it_had(shop):
+    """`agentd flows -A --follow` on node1 follows node2 through node2's cluster listener.  That
+    connection is killed (ss -K), and node2 records a drop before it is asked again (2 s later):
+    asked again after the last record it sent, that drop comes, once, and none of before again."""
+    node1, node2 = shop.lab.nodes
+    if node2.api_or_none("/status") is None:
+        pytest.skip("node2 left the lab (test_leave_restores_conntrack_settings)")
+    web = shop.pods["web"]
+    proc = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", node1.ns.name, binary("agentd"), "flows", "-o", "json", "--config", str(node1.config_path),
+        "-A", "--follow", "--last", "0", "--node", "node2", "--port", "82", "--port", "83", "--port", "84",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+    seen: list[dict] = []
+
+    async def until_port(port: int) -> None:
+        assert proc.stdout is not None
+        async with asyncio.timeout(20):
+            while not any(r.get("dst", {}).get("port") == port for r in seen):
+                line = await proc.stdout.readline()
+                assert line, (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+                seen.append(json.loads(line))
+
+    try:
+        await auntil(lambda: node2.api("/status")["flows"]["followers"] > 0, 10, what="node1 following node2")
+        await shop.echo["other"].tcp(web.ip, 82, timeout=0.5)  # denied: a drop record on node2
+        await until_port(82)
+        rc, out, err = await node1.ns.aexec("ss", "-K", "-t", "dst", str(node2.address), "dport", "=", ":9098", check=False)
+        assert rc == 0 and str(node2.address) in out.decode(), (out + err).decode()  # the follow's connection, closed
+        await shop.echo["other"].tcp(web.ip, 83, timeout=0.5)  # while the stream is broken
+        await until_port(83)
+        await shop.echo["other"].tcp(web.ip, 84, timeout=0.5)
+        await until_port(84)
+    finally:
+        proc.kill()
+        await proc.wait()
+    records_ = [r for r in seen if "dst" in r]
+    ports = [r["dst"]["port"] for r in records_]
+    assert ports.count(83) >= 1 and ports.index(83) > max(i for i, p in enumerate(ports) if p == 82), ports
+    assert len({r["seq"] for r in records_}) == len(records_), records_  # none came twice
