@@ -75,6 +75,10 @@ class NodeAnswered(OSError):
 #: Header of a followed ``GET /flows`` answer whose last N end with an empty line (a node of
 #: an older agentd sends none: its last N and its followed records cannot be told apart).
 LAST_END = "X-Agentd-Last-End"
+#: Header of a followed ``GET /flows`` answer: ``ID:SEQ``, the node's ring and the number of its
+#: last record before the follow began.  A stream that breaks is asked again ``after`` the
+#: last record it sent (or this), so no record of the gap is lost or comes twice.
+RING = "X-Agentd-Ring"
 
 
 class UnmarkedStream(OSError):
@@ -155,12 +159,14 @@ class ClusterView:
             raise NodeAnswered(node, status, body)
         return json.loads(body)
 
-    async def lines(self, node: str, path: str, *, follow: bool = False, blanks: bool = False) -> AsyncIterator[bytes]:
+    async def lines(self, node: str, path: str, *, follow: bool = False, blanks: bool = False,
+                    seen: dict[str, str] | None = None) -> AsyncIterator[bytes]:
         """The NDJSON lines of one node's streamed answer (``GET /flows``).  A gathered answer
         must keep coming (``TIMEOUT`` between reads, ``GATHER_TOTAL`` in all); a followed one
         (``follow``) may be quiet, but not for ``follow_idle`` (its keep-alives count).  Empty
         lines (keep-alives, the end of a followed stream's last N) only with ``blanks``; a followed
-        answer asked so that does not say it ends its last N so raises :class:`UnmarkedStream`."""
+        answer asked so that does not say it ends its last N so raises :class:`UnmarkedStream`.
+        ``seen``: given the answer's :data:`RING` header, if it has one, before its first line."""
         self._check()
         if follow:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT, sock_read=self.follow_idle)
@@ -176,6 +182,8 @@ class ClusterView:
                     raise NodeAnswered(node, resp.status, await resp.read())
                 if blanks and follow and resp.headers.get(LAST_END) != "empty-line":
                     raise UnmarkedStream(f"{node} does not end its last records with an empty line")
+                if seen is not None and RING in resp.headers:
+                    seen[RING] = resp.headers[RING]
                 async for line in resp.content:
                     if blanks or line.strip():
                         yield line

@@ -11,7 +11,9 @@ listener only ``/flows`` is served, and only this node's records: nothing is rel
 (``pod``, ``from-pod``, ``to-pod``, ``namespace``, ``label``, ``verdict``, ``protocol``,
 ``port``, ``node``, ``ip``, ``event``, ``reason``, ``service``; repeat one for "any of"), and
 ``last=N`` (default 100: the last N matching records, oldest first), ``since=UNIX-TIME``,
-``follow=1`` (then every new matching record as it comes, until the client goes), and
+``after=CURSOR`` (only the records this node made after the one it numbered so: a followed
+answer's ``X-Agentd-Ring`` header, ``ID:SEQ``, where its follow began, with a record's ``seq``
+for SEQ; all it holds when ID is not its ring's, as after a restart), ``follow=1`` (then every new matching record as it comes, until the client goes), and
 ``cluster=1`` (every node's records, gathered, followed ones too of a node that joins meanwhile;
 a ``node`` filter alone also asks those nodes, each for its own records).  One JSON record per
 line; a node that cannot be asked is a line ``{"node": ..., "error": ...}``, records a slow
@@ -40,6 +42,7 @@ from agentd.daemon.cluster import (
     KEEPALIVE,
     LAST_END,
     RELAYED,
+    RING,
     TIMEOUT,
     ClusterView,
     NodeAnswered,
@@ -53,7 +56,7 @@ log = logging.getLogger("agentd.api")
 
 UI_DIR = Path(__file__).resolve().parent.parent / "ui"
 NDJSON = "application/x-ndjson"
-CONTROL = ("last", "since", "follow", "cluster")
+CONTROL = ("last", "since", "after", "follow", "cluster")
 MAX_LAST = 100_000
 # The browser view loads nothing from elsewhere: the page says so to the browser too.
 UI_HEADERS = {
@@ -126,6 +129,7 @@ class _Handlers:
             flt = FlowFilter.parse((k, v) for k, v in q.items() if k not in CONTROL)
             last = _last(q.get("last", "100"))
             since = _since(q["since"]) if "since" in q else None
+            after = _after(q["after"]) if "after" in q else None
         except FilterError as err:
             return web.json_response({"error": str(err)}, status=400)
         follow = q.get("follow", "") in ("1", "true", "yes")
@@ -136,6 +140,8 @@ class _Handlers:
                                           or bool(flt.node and set(flt.node) != {me}))
         if cluster and not self._may_gather(request):
             return auth.refuse_cluster_read()
+        if cluster and after is not None:
+            return web.json_response({"error": "after: a cursor of one node's records, not of a cluster's"}, status=400)
         view = self.agent.flows_view()
         if view is None and not cluster:
             return web.json_response({"error": "flow records are off on this node ([flows] enabled = false)"}, status=404)
@@ -147,6 +153,7 @@ class _Handlers:
                                                f"records (at most {MAX_FOLLOWERS}); try again later"}, status=503)
         follower: Follower | None = None
         search: LastSearch | None = None
+        cursor = ""
         if not cluster:
             assert view is not None
             # Following starts with the same ring the last N are searched in, before anything
@@ -156,10 +163,12 @@ class _Handlers:
                 follower = view.follow(flt, pool) if follow else None
             except TooManyFollowers as err:  # more came since the handler looked
                 return web.json_response({"error": str(err)}, status=503)
-            search = view.search(flt, last, since)
+            cursor = view.cursor()  # the last record before the follow: a reader broken off resumes after what it had
+            search = view.search(flt, last, since, after)
         headers = {"Content-Type": NDJSON, "Cache-Control": "no-cache"}
         if follower is not None:
             headers[LAST_END] = "empty-line"  # a gathering node splits the last N from what follows there
+            headers[RING] = cursor
         resp = web.StreamResponse(headers=headers)
         try:
             await resp.prepare(request)
@@ -201,6 +210,11 @@ class _Handlers:
                         tasks[name] = asyncio.create_task(_pump_local(view, flt, merge, me))
                 elif cluster is not None:
                     again = "/flows?" + urlencode([*_node_params(flt, name, None), ("last", "0"), ("follow", "1")])
+
+                    def resume(cursor: str, name: str = name) -> str:  # what it made since the last record it sent
+                        return "/flows?" + urlencode([*_node_params(flt, name, None), ("after", cursor),
+                                                      ("last", str(MAX_LAST)), ("follow", "1")])
+
                     path, first = again, None
                     if joined_since is not None:  # a node that joined: what it recorded since it could have been seen
                         path = "/flows?" + urlencode([*_node_params(flt, name, joined_since), ("last", str(MAX_LAST)),
@@ -211,7 +225,7 @@ class _Handlers:
                     # The whole cluster followed: a node that leaves it is let go (and followed
                     # again if it comes back); one the reader named is asked for until it is back.
                     tasks[name] = asyncio.create_task(_pump_remote(cluster, name, path, merge, leaves=not flt.node,
-                                                                   first=first, again=again))
+                                                                   first=first, again=again, resume=resume))
 
         def let_go_of_departed() -> None:
             for name, t in list(tasks.items()):
@@ -418,6 +432,13 @@ def _since(value: str) -> float:
     return since
 
 
+def _after(value: str) -> str:
+    ring, colon, seq = value.partition(":")
+    if not (ring and colon and seq.isascii() and seq.isdigit()):
+        raise FilterError(f"after: {value!r} is not a cursor (ID:SEQ, as a followed answer's {RING} header)")
+    return value
+
+
 def _node_params(flt: FlowFilter, node: str, since: float | None) -> list[tuple[str, str]]:
     """The query that asks ``node`` for its own matching records: the filter with ``node``
     naming that node alone (however many the reader named), so no node relays the question."""
@@ -528,14 +549,38 @@ GIVE_UP = (400, 404)  # that node will not follow this (a filter it does not kno
 
 
 async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge, *, leaves: bool = False,
-                       first: _Snapshot | None = None, again: str | None = None) -> bool:
+                       first: _Snapshot | None = None, again: str | None = None,
+                       resume: Callable[[str], str] | None = None) -> bool:
     """One node's followed stream into ``merge``; asked again (``again``, else ``path``) after a
     pause when it breaks (longer each time while it stays broken), given up on when the node
     says it cannot.  ``leaves``: given up on as well when the node is no longer in the cluster
     (then True).  ``first``: where the last N the stream starts with go (up to an empty line);
-    why they did not come is said there, not in ``merge``."""
+    why they did not come is said there, not in ``merge``.  ``resume(cursor)``: the path that
+    asks again for what the node made after the last record it sent (its answer's ``RING``
+    header, then each record's ``seq``): what it made while the stream was broken is neither
+    lost nor sent twice.  A node that sends no such header (an older agentd) is asked ``again``."""
     loop = asyncio.get_running_loop()
     delay, said = RETRY_FIRST, None
+    ring, seq = "", 0  # where the records sent so far end: the answers' RING, their records' seq
+    resumed = False  # the path asks after a cursor
+    seen: dict[str, str] = {}
+
+    def take() -> None:  # an answer's RING header (before its first line): another ring numbers anew
+        nonlocal ring, seq
+        header = seen.pop(RING, None)
+        if header is not None:
+            there, _, number = header.partition(":")
+            with contextlib.suppress(ValueError):
+                seq = max(seq, int(number)) if there == ring else int(number)
+                ring = there
+
+    def passed(line: bytes) -> bytes:
+        nonlocal seq
+        take()
+        if ring and line.startswith(b'{"seq":'):  # Flow.json: the number first
+            with contextlib.suppress(ValueError):
+                seq = max(seq, int(line[7 : line.find(b",")]))
+        return line if line.endswith(b"\n") else line + b"\n"
 
     def say(message: str) -> None:
         if first is not None and not first.done.is_set():
@@ -547,16 +592,17 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
         started = loop.time()
         try:
             if first is None:
-                async for line in cluster.lines(node, path, follow=True):
-                    merge.put(line if line.endswith(b"\n") else line + b"\n")
+                async for line in cluster.lines(node, path, follow=True, seen=seen):
+                    merge.put(passed(line))
             else:
-                async for line in cluster.lines(node, path, follow=True, blanks=True):
+                async for line in cluster.lines(node, path, follow=True, blanks=True, seen=seen):
+                    take()
                     if not line.strip():  # the end of the last N, or a keep-alive
                         first.end()
                     elif not first.done.is_set():
-                        first.add(line)
+                        first.add(passed(line))
                     else:
-                        merge.put(line if line.endswith(b"\n") else line + b"\n")
+                        merge.put(passed(line))
             message = f"{node} ended the stream"
         except UnmarkedStream:
             # An older agentd, which does not mark the end of its last N: they are asked apart
@@ -567,6 +613,9 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
             first, path = None, again or path
             continue
         except NodeAnswered as err:
+            if resumed and err.status == 400:  # an older agentd now, which takes no cursor: asked as before
+                ring, seq, resumed, path = "", 0, False, again or path
+                continue
             if err.status in GIVE_UP:
                 say(str(err))
                 return False
@@ -584,9 +633,11 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
             say(message)
             said = message
         if first is not None:
-            first.end()  # asked again for what comes from now on only
+            first.end()  # asked again for what comes from now on only (or after the last record sent)
             first = None
-        path = again or path
+        take()  # an answer that sent no line
+        resumed = bool(ring and resume is not None)
+        path = resume(f"{ring}:{seq}") if resumed else again or path  # type: ignore[misc]
         await asyncio.sleep(delay)
         delay = min(RETRY_MAX, delay * 2)
 

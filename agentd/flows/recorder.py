@@ -80,6 +80,7 @@ SYSCTLS = ("nf_conntrack_acct", "nf_conntrack_timestamp")
 SYSCTL_STATE = "flows-sysctl.json"
 BUDGET = 64  # datagrams read per socket per turn of the loop: the rest waits for the next turn
 COPY_RANGE = 128  # bytes of each logged packet: its IP and transport headers
+ICMP_ERRORS = (socket.IPPROTO_ICMP, socket.IPPROTO_ICMPV6)  # a no-route record from the error the node sent (dropped)
 LOG_TIMEOUT_CS = 10  # the kernel sends logged packets within 0.1 s ...
 LOG_QTHRESH = 64  # ... or once this many are queued
 CT_INTERVAL = 0.05  # conntrack events are read at most this often: one wake-up for many
@@ -1248,6 +1249,17 @@ class FlowRecorder:
         timestamp, the time the agent read it."""
         meaning = self.directory.drop(p.prefix)
         reason = meaning.reason if meaning is not None else "unknown"
+        if reason == "no-route" and p.proto in ICMP_ERRORS:
+            # The ICMP error the node sent for a Service's connection whose endpoint it has no
+            # route for (agentd/policy/compiler.py, base_objects): the record is of the dropped
+            # packet, as its conntrack entry tells it -- the pod, the endpoint, the Service --
+            # or, where NFLOG gives no entries, as the error quotes it (the endpoint, no Service).
+            if p.dnat is not None:
+                orig, reply = p.dnat
+                p = p._replace(src=orig.src, sport=orig.sport, dst=reply.src, dport=reply.sport, proto=orig.proto)
+            elif p.quoted is not None:
+                src, dst, proto, sport, dport = p.quoted
+                p = p._replace(src=src, sport=sport, dst=dst, dport=dport, proto=proto)
         now = p.time or self.clock()
         folded = self.limiter.allow((p.prefix, p.src, p.dst, p.proto, p.dport), now)
         d = self.directory

@@ -17,6 +17,7 @@ drops happened, not by when the agent got round to them.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -104,15 +105,18 @@ class LastSearch:
     the event loop free in between, and what the ring takes in meanwhile is not in it."""
 
     def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None, last_seq: int = 0,
-                 keep: Callable[[int, Entry, Flow], None] | None = None) -> None:
+                 keep: Callable[[int, Entry, Flow], None] | None = None, after: int | None = None) -> None:
         """``keep(seq, entry, flow)``: told of each record made from a :class:`Batch` (the ring
-        keeps it in its slot if the slot still holds the batch)."""
+        keeps it in its slot if the slot still holds the batch).  ``after``: only records
+        numbered after it (a reader that had the records up to it)."""
         self.records = records  # a copy: the ring moves on while this searches
         self.first_seq = last_seq - len(records) + 1  # records[i] is number first_seq + i
         self.keep = keep
         self.filter = flt
         self.n = n
         self.since = since
+        # records[i] for i < stop_at are numbered ``after`` or less
+        self.stop_at = 0 if after is None else min(len(records), max(0, after - self.first_seq + 1))
         self.found: list[Flow] = []
         self.index = len(records)  # records[index:] are searched
         self.done = n <= 0
@@ -121,7 +125,7 @@ class LastSearch:
         """Search the next ``k`` records (older ones); True once the search is over."""
         if self.done:  # the last 0 (a follower's start) is none: no record is looked at
             return True
-        stop = max(0, self.index - k)
+        stop = max(self.stop_at, self.index - k)
         flt, since, found, first, keep = self.filter, self.since, self.found, self.first_seq, self.keep
         for i in range(self.index - 1, stop - 1, -1):
             entry = self.records[i]
@@ -139,7 +143,7 @@ class LastSearch:
                     self.done = True
                     break
         self.index = stop
-        if stop == 0:
+        if stop == self.stop_at:
             self.done = True
         return self.done
 
@@ -168,6 +172,9 @@ class FlowRing:
         self._next = 0  # the slot the next record takes
         self._count = 0
         self.seq = 0
+        # Which ring numbers its records (a node's new one after a restart numbers from 1 again):
+        # a reader's ``after`` cursor holds it, and is not taken for this ring's if it is another's.
+        self.id = secrets.token_hex(6)
         self.followers: set[Follower] = set()
         self.on_records = on_records
         self.on_batch: Callable[[Batch], None] | None = None  # told of a batch :meth:`extend_batch` took in whole
@@ -261,9 +268,10 @@ class FlowRing:
             pass
         return search.result()
 
-    def search(self, flt: FlowFilter, n: int, *, since: float | None = None) -> LastSearch:
-        """The same, a step at a time (:class:`LastSearch`) over the ring as it is now."""
-        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq, self._keep)
+    def search(self, flt: FlowFilter, n: int, *, since: float | None = None, after: int | None = None) -> LastSearch:
+        """The same, a step at a time (:class:`LastSearch`) over the ring as it is now;
+        ``after``: only records numbered after it."""
+        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq, self._keep, after)
 
     def _keep(self, seq: int, entry: Entry, flow: Flow) -> None:
         """A record made from ``entry`` by a search, into its slot if the slot still holds it."""

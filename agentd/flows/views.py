@@ -27,12 +27,21 @@ class FlowViews:
         self.recorder = recorder
         self.kernel_suppressed = kernel_suppressed  # drops the log rules' nft limit held back
 
-    def search(self, flt: FlowFilter, n: int, since: float | None = None) -> LastSearch:
-        """The last ``n`` matching records of the ring as it is now, to be searched (:meth:`finish`)."""
-        return self.recorder.ring.search(flt, n, since=since)
+    def search(self, flt: FlowFilter, n: int, since: float | None = None, after: str | None = None) -> LastSearch:
+        """The last ``n`` matching records of the ring as it is now, to be searched (:meth:`finish`).
+        ``after``: a :meth:`cursor` -- only the records made after it (all, if it is another
+        ring's: this node restarted since)."""
+        ring = self.recorder.ring
+        ring_id, _, seq = (after or "").partition(":")
+        return ring.search(flt, n, since=since, after=int(seq) if after and ring_id == ring.id else None)
 
-    async def last(self, flt: FlowFilter, n: int, since: float | None = None) -> list[Flow]:
-        return await self.finish(self.search(flt, n, since))
+    def cursor(self) -> str:
+        """Where the ring is now (``ID:SEQ``: its last record's number): what ``after`` takes."""
+        ring = self.recorder.ring
+        return f"{ring.id}:{ring.seq}"
+
+    async def last(self, flt: FlowFilter, n: int, since: float | None = None, after: str | None = None) -> list[Flow]:
+        return await self.finish(self.search(flt, n, since, after))
 
     @staticmethod
     async def finish(search: LastSearch) -> list[Flow]:

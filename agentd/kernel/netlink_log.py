@@ -120,6 +120,12 @@ class Packet(NamedTuple):
     physindev: int = 0  # the bridge port it came in on (a bridge family hook's packet), 0: none
     orig_dst: tuple[str, int] | None = None  # a DNATed packet's destination before (address, port): its conntrack entry's
     ct_malformed: bool = False  # NFULA_CT was there but could not be read (the rest of the packet could)
+    # A DNATed packet's conntrack entry, (original, reply) direction: an ICMP error the node sends
+    # for a translated connection's dropped first packet carries it (the pod, the endpoint).
+    dnat: tuple[ct.CtTuple, ct.CtTuple] | None = None
+    # An ICMP or ICMPv6 destination-unreachable error's quoted packet, as :func:`ip_summary`
+    # gives it (the packet the error is about, where the kernel has no conntrack glue for NFLOG).
+    quoted: tuple[str, str, int, int, int] | None = None
 
     @property
     def port(self) -> int:
@@ -168,30 +174,43 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
     headers = arp_summary(buf, *payload) if hw_protocol == ETH_P_ARP else ip_summary(buf, *payload)
     if headers is None:
         return None
-    orig_dst, ct_malformed = None, False
+    orig_dst, ct_malformed, dnat = None, False, None
     if conntrack is not None:
         try:
-            orig_dst = dnat_origin(buf, *conntrack)
+            dnat = dnat_tuples(buf, *conntrack)
         except nl.NetlinkDecodeError:
             ct_malformed = True
+        if dnat is not None:
+            orig_dst = dnat[0].dst, dnat[0].dport
+    quoted = quoted_summary(buf, *payload) if headers[2] in (1, 58) and headers[3] in (3, 1) else None
     return Packet(prefix, family, when, indev, outdev, seq, *headers, physindev=physindev, orig_dst=orig_dst,
-                  ct_malformed=ct_malformed)
+                  ct_malformed=ct_malformed, dnat=dnat if dnat is not None and dnat[1] is not None else None,
+                  quoted=quoted)
 
 
 def dnat_origin(buf: bytes, start: int, end: int) -> tuple[str, int] | None:
     """The original destination (address, port) of the conntrack entry in NFULA_CT's
     ``buf[start:end]`` (ctnetlink's attributes) if the entry is DNATed (IPS_DST_NAT), else
     None; :class:`~agentd.kernel.netlink.NetlinkDecodeError` if it is malformed."""
-    orig = None
+    tuples = dnat_tuples(buf, start, end)
+    return None if tuples is None else (tuples[0].dst, tuples[0].dport)
+
+
+def dnat_tuples(buf: bytes, start: int, end: int) -> tuple[ct.CtTuple, ct.CtTuple | None] | None:
+    """The original and reply tuples (the reply's None if it has none) of the conntrack entry
+    in NFULA_CT if it is DNATed, else None (as :func:`dnat_origin`)."""
+    orig = reply = None
     status = 0
     for atype, vs, ve in nl.iter_attrs(buf, start, end):
         if atype == ct.CTA_TUPLE_ORIG:
             orig = ct.decode_tuple(buf, vs, ve)
+        elif atype == ct.CTA_TUPLE_REPLY:
+            reply = ct.decode_tuple(buf, vs, ve)
         elif atype == ct.CTA_STATUS:
             status = _be32(buf, vs, ve, "CTA_STATUS")
     if orig is None or not status & ct.IPS_DST_NAT:
         return None
-    return orig.dst, orig.dport
+    return orig, reply
 
 
 def _be32(buf: bytes, start: int, end: int, what: str) -> int:
@@ -215,6 +234,31 @@ def arp_summary(buf: bytes, start: int, end: int) -> tuple[str, str, int, int, i
     import socket
 
     return socket.inet_ntoa(spa), socket.inet_ntoa(tpa), ETH_P_ARP, op, 0
+
+
+def quoted_summary(buf: bytes, start: int, end: int) -> tuple[str, str, int, int, int] | None:
+    """The packet an ICMP destination-unreachable (or ICMPv6's) error in ``buf[start:end]``
+    quotes, as :func:`ip_summary` gives it; None if it is no such error or too short."""
+    packet = memoryview(buf)[start:end]
+    try:
+        if packet[:1] and packet[0] >> 4 == 4:
+            ip4 = P.IPv4Header.decode(packet)
+            if ip4.protocol != 1 or ip4.fragment_offset:
+                return None
+            l4, unreachable = ip4.header_length, 3
+        elif packet[:1] and packet[0] >> 4 == 6:
+            ip6 = P.IPv6Header.decode(packet)
+            upper = P.ipv6_upper_layer(packet, ip6.next_header)
+            if upper.protocol != 58:
+                return None
+            l4, unreachable = upper.offset, 1
+        else:
+            return None
+    except P.DecodeError:
+        return None
+    if len(packet) < l4 + 8 or packet[l4] != unreachable:
+        return None
+    return ip_summary(buf, start + l4 + 8, end)
 
 
 def ip_summary(buf: bytes, start: int, end: int) -> tuple[str, str, int, int, int] | None:

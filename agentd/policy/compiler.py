@@ -109,6 +109,9 @@ NO_ROUTE = "no-route"
 # for a connection's first packet only, and only until one binds (a DNAT), so after it a
 # translated connection would never be asked.
 NO_ROUTE_PRIORITY = -101
+# The ICMP errors the kernel sends for a packet it has no route for (ip_error, ip6_pkt_drop):
+# none, an unreachable route; a prohibit route.
+NO_ROUTE_CODES = {4: ("net-unreachable", "host-unreachable", "admin-prohibited"), 6: ("no-route", "admin-prohibited")}
 POD_MACS = "pod-macs"  # port . the MAC of the pod behind it
 MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known (the others are not checked)
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
@@ -223,6 +226,20 @@ def base_objects(
                 match({"fib": {"result": "oif", "flags": ["daddr"]}}, False),
                 jump(NO_ROUTE)]) for f in fams), hook=("nat", "prerouting", NO_ROUTE_PRIORITY, "accept")),
         ]  # fmt: skip
+    # A Service's connection is translated (-100) after that check, to an endpoint the node may
+    # have no route for either.  The kernel tells the pod so with an ICMP error (net or host
+    # unreachable, admin-prohibited for a prohibit route: not for a blackhole one, and no more
+    # than about one a second per pod, the kernel's own limits) that carries the dropped first
+    # packet's conntrack entry: translated, never confirmed (a packet that left the node was
+    # confirmed on its way out).  That error, on its way to a pod bridge, is logged through the
+    # same chain; the record is made from the entry (the pod, the endpoint, the Service).  Only
+    # the node's own packets pass the output hook: nothing is added to a forwarded packet's way.
+    unrouted_service = tuple(rule_text([
+        match(meta("oifname"), ref(BRIDGES)),
+        match(payload(f.icmp, "type"), "destination-unreachable"),
+        match(payload(f.icmp, "code"), {"set": list(NO_ROUTE_CODES[f.version])}),
+        match({"&": [{"ct": {"key": "status"}}, ["dnat", "confirmed"]]}, "dnat"),
+        jump(NO_ROUTE)]) for f in fams) if log is not None else ()  # fmt: skip
     inet: list[Any] = [
         *no_route,
         *(NftSet(INET, TABLE, f.name(m), (f.addr,), map="verdict") for f in fams for m in (EGRESS_MAP, INGRESS_MAP)),
@@ -235,9 +252,9 @@ def base_objects(
                  hook=("filter", "forward", INGRESS_PRIORITY, "accept")),
         # Same-node pod traffic is routed back out of the bridge it came in on; the node
         # would tell the pod so with ICMP redirects ("send it directly"), which is not the point.
-        NftChain(INET, TABLE, "output", tuple(
+        NftChain(INET, TABLE, "output", (*(
             rule_text([match(meta("oifname"), ref(BRIDGES)), match(payload(f.icmp, "type"), f.redirect), DROP])
-            for f in fams), hook=("filter", "output", 0, "accept")),
+            for f in fams), *unrouted_service), hook=("filter", "output", 0, "accept")),
     ]  # fmt: skip
     return inet + _bridge_base(fams, log)
 

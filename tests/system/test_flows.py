@@ -1297,109 +1297,6 @@ async def test_the_cluster_view_keeps_its_read_token(shop):
     await lab.ready.established(60)
 
 
-# ------------------------------------------------------------------ leave puts conntrack's settings back
-
-
-async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(shop):
-    """``[flows] connections = false`` on node2: its drops are still recorded with the policies
-    that denied them, but no connection is (no conntrack events read), the conntrack sysctls
-    are put back and the pod fast path counts nothing; node1, unchanged, records on.  Back to
-    connections on, all of that returns."""
-    lab = shop.lab
-    node1, node2 = lab.nodes
-    web = shop.pods["web"]
-
-    def sysctls() -> tuple[str, str]:
-        return tuple(node2.ns.exec("cat", f"/proc/sys/net/netfilter/{n}").strip()
-                     for n in ("nf_conntrack_acct", "nf_conntrack_timestamp"))  # type: ignore[return-value]
-
-    def fast_path_counts() -> bool:  # POD_CFG_COUNT in node2's agentd_podcfg (podpath.h)
-        from agentd.dataplane.bpf import libbpf as lb
-
-        inode = os.stat(f"/run/netns/{node2.ns.name}").st_ino
-        fd = lb.obj_get(str(lab.bpffs / f"netns-{inode}" / "agentd_podcfg"))
-        try:
-            flags = int.from_bytes(lb.map_lookup(fd, bytes(4), 24)[:4], "little")
-        finally:
-            os.close(fd)
-        return bool(flags & 4)
-
-    def routed_ports() -> int:  # local pods whose traffic the bridge hands up to conntrack
-        out = node2.ns.exec("nft", "-j", "list", "set", "bridge", "agentd-policy", "isolated-ports")
-        sets = [o["set"] for o in json.loads(out)["nftables"] if "set" in o]
-        return len(sets[0].get("elem", [])) if sets else 0
-
-    def held_for_flows() -> bool:  # decapsulated packets kept on the stack's path for conntrack
-        return "flows" in ((node2.api("/status").get("backends") or {}).get("bpf") or {}).get("held_by", [])
-
-    def translating() -> bool:  # Services translate on node2: every local pod is routed for them too
-        return "services" in ((node2.api("/status").get("backends") or {}).get("bpf") or {}).get("held_by", [])
-
-    async def restart(connections: bool) -> None:
-        lab.spec.extra.setdefault("node2", {})["flows"] = {"connections": connections}
-        await node2.stop_agent()
-        node2.start_agent()
-
-        def settled() -> bool:
-            st = node2.api_or_none("/status") or {}
-            p = node2.api_or_none("/policy?view=summary") or {}
-            return bool(st.get("ready")) and (st.get("flows") or {}).get("connections") is connections \
-                and p.get("applied_at") is not None
-
-        await auntil(settled, 60, what=f"node2 back with [flows] connections = {str(connections).lower()}")
-
-    # node2's pods: web and peer isolated (shop's default deny), lobby/a and lobby/b not.
-    assert sysctls() == ("1", "1") and fast_path_counts() and routed_ports() == 4 and held_for_flows()
-    await restart(False)
-    try:
-        assert node2.api("/status")["flows"]["on"] is True
-        assert sysctls() == ("0", "0") and not fast_path_counts()
-        # Nothing masks conntrack's events and the programs record nothing.
-        assert node2.ns.exec("nft", "list", "tables").count("agentd-flows") == 0
-        assert node2.api("/status")["flows"]["programs"]["recording"] is False
-        # The isolated pods only, as with flows off -- but all four while Services translate here
-        # (an endpoint's reply to a client on its node must meet the un-DNAT: test_services_bridged).
-        await auntil(lambda: routed_ports() == (4 if translating() else 2), 10, in_thread=True,
-                     what="node2's routed pods: the isolated ones, or all while Services translate")
-        assert not held_for_flows()
-        since, t0 = node2.api("/status")["flows"]["seq"], time.time()
-        assert (await shop.echo["client"].tcp(web.ip, 80))["names"] == {"web": 1}
-        assert (await shop.echo["other"].tcp(web.ip, 80, timeout=0.5))["failed"] == 1
-
-        drops = await records(node2, "--verdict", "dropped", "--from-pod", "shop/other", "--to-pod", "shop/web",
-                              want=lambda r: any(x["seq"] > since for x in r), what="node2's drop of other -> web")
-        assert drops[-1]["policies"] == ["shop/default-deny", "shop/web-from-clients"]
-        await records(node1, "--from-pod", "shop/client", "--to-pod", "shop/web", "--event", "new",
-                      want=lambda r: any(x["time"] >= t0 for x in r), what="node1's record of client -> web")
-        mine = [x for x in await agentd_flows(node2, "--last", "1000") if x["seq"] > since]
-        assert mine and all(x["verdict"] == "dropped" for x in mine), mine
-    finally:
-        await restart(True)
-        lab.spec.extra["node2"].pop("flows")
-    assert sysctls() == ("1", "1") and fast_path_counts() and routed_ports() == 4 and held_for_flows()
-
-
-async def test_leave_restores_conntrack_settings(shop):
-    """``agentd leave`` with the agent running puts conntrack's settings back and removes the
-    table masking conntrack's events of what the pod programs recorded."""
-    node2 = shop.lab.nodes[1]
-
-    def sysctl(name: str) -> str:
-        return node2.ns.exec("cat", f"/proc/sys/net/netfilter/{name}").strip()
-
-    def tables() -> str:
-        return node2.ns.exec("nft", "list", "tables")
-
-    assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("1", "1")
-    assert node2.api("/status")["flows"]["programs"]["recording"] is True and "agentd-flows" in tables()
-    await node2.leave()
-    assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("0", "0")  # a new namespace's
-    assert "agentd-flows" not in tables()
-    assert not (node2.dir / "state" / "flows-sysctl.json").exists()
-    shutil.rmtree(node2.dir / "state", ignore_errors=True)
-
-
-
 # ------------------------------------------------------------------ no route
 
 
@@ -1500,3 +1397,330 @@ async def test_pods_of_one_node_routed_up_for_flow_records_only_without_br_netfi
             assert bridge_set(node, "isolated-ports") == routed  # as it was throughout
     finally:
         await lab.down()
+
+
+# ------------------------------------------------------------------ SCTP
+
+# No SCTP sockets here (the kernel has no sctp module: socket(AF_INET, SOCK_STREAM, 132) is
+# EPROTONOSUPPORT), but conntrack has its SCTP tracker: an association is crafted on raw
+# sockets, chunk by chunk, with the verification tags and CRC32c conntrack checks.  A raw
+# socket of protocol 132 takes what comes (the kernel sends no protocol-unreachable then).
+SCTP_PEER = r"""
+import select, socket, struct, sys, time
+POLY = 0x82F63B78
+TABLE = []
+for i in range(256):
+    c = i
+    for _ in range(8):
+        c = (c >> 1) ^ POLY if c & 1 else c >> 1
+    TABLE.append(c)
+
+def crc32c(data):
+    c = 0xFFFFFFFF
+    for b in data:
+        c = TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+def packet(sport, dport, vtag, ctype, body=b"", flags=0):
+    chunk = struct.pack("!BBH", ctype, flags, 4 + len(body)) + body
+    chunk += b"\0" * (-len(chunk) % 4)
+    head = struct.pack("!HHII", sport, dport, vtag, 0)
+    return head[:8] + struct.pack("<I", crc32c(head + chunk)) + chunk
+
+def receive(s, peer, port, ctype, deadline):
+    while time.time() < deadline:
+        if not select.select([s], [], [], max(0.0, deadline - time.time()))[0]:
+            break
+        data, (src, _) = s.recvfrom(65535)
+        ihl = (data[0] & 0x0F) * 4
+        sport, dport, vtag = struct.unpack_from("!HHI", data, ihl)
+        if src == peer and dport == port and data[ihl + 12] == ctype:
+            return sport, vtag, data[ihl + 16 :]
+    sys.exit(f"no SCTP chunk {ctype} from {peer} to port {port}")
+
+INIT, INIT_ACK, ABORT, COOKIE_ECHO, COOKIE_ACK = 1, 2, 6, 10, 11
+role, me, peer, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, 132)
+s.bind((me, 0))
+deadline = time.time() + 10
+if role == "server":  # INIT -> INIT ACK (a cookie), COOKIE ECHO -> COOKIE ACK, then the client's ABORT
+    print("ready", flush=True)
+    cport, _, body = receive(s, peer, port, INIT, deadline)
+    ctag = struct.unpack_from("!I", body)[0]
+    stag, cookie = 0x5EA5EA5E, b"cookie!!"
+    s.sendto(packet(port, cport, ctag, INIT_ACK, struct.pack("!IIHHI", stag, 65536, 1, 1, 1000)
+                    + struct.pack("!HH", 7, 4 + len(cookie)) + cookie), (peer, 0))
+    receive(s, peer, port, COOKIE_ECHO, deadline)
+    s.sendto(packet(port, cport, ctag, COOKIE_ACK), (peer, 0))
+    receive(s, peer, port, ABORT, deadline)
+else:  # client from port ``sys.argv[5]``: INIT (only, with "init-only"), COOKIE ECHO, ABORT
+    cport, ctag = int(sys.argv[5]), 0xC11E4711
+    s.sendto(packet(cport, port, 0, INIT, struct.pack("!IIHHI", ctag, 65536, 1, 1, 5000)), (peer, 0))
+    if role == "client":
+        _, _, body = receive(s, peer, cport, INIT_ACK, deadline)
+        stag = struct.unpack_from("!I", body)[0]
+        cookie = body[20 + 4 :][: struct.unpack_from("!H", body, 22)[0] - 4]
+        s.sendto(packet(cport, port, stag, COOKIE_ECHO, cookie), (peer, 0))
+        receive(s, peer, cport, COOKIE_ACK, deadline)
+        time.sleep(0.2)
+        s.sendto(packet(cport, port, stag, ABORT), (peer, 0))
+"""
+
+
+async def test_an_sctp_association_is_new_and_end_records_and_a_denied_one_a_drop(shop):
+    """Two pods of node1 without policy (lobby/sctp-a, lobby/sctp-b) make an SCTP association
+    (crafted: see SCTP_PEER): a ``new`` and an ``end`` record, protocol SCTP, with the client's
+    and the server's ports.  shop/other's INIT to shop/client (isolated by default-deny) is a
+    ``dropped`` record naming the policy."""
+    node1 = shop.lab.nodes[0]
+    a = await shop.lab.add_pod(node1, "lobby", "sctp-a", labels={"app": "sctp-a"})
+    b = await shop.lab.add_pod(node1, "lobby", "sctp-b", labels={"app": "sctp-b"})
+    node1.ns.sysctl("net.netfilter.nf_conntrack_sctp_timeout_closed", 1)  # ended: out of conntrack soon
+
+    async def associate(client, server, sport: int, role: str = "client") -> None:
+        srv = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", server.ns.name, sys.executable, "-c", SCTP_PEER, "server", server.ip, client.ip, "9899",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+        try:
+            assert srv.stdout is not None and await asyncio.wait_for(srv.stdout.readline(), 10) == b"ready\n"
+            rc, _out, err = await client.ns.aexec(sys.executable, "-c", SCTP_PEER, role, client.ip, server.ip, "9899",
+                                                  str(sport), check=False, timeout=15)  # fmt: skip
+            assert rc == 0, err.decode()
+            if role == "client":
+                _out, err = await asyncio.wait_for(srv.communicate(), 15)
+                assert srv.returncode == 0, err.decode()
+        finally:
+            if srv.returncode is None:
+                srv.kill()
+                await srv.wait()
+
+    try:
+        await associate(a, b, 40132)
+
+        async def ended() -> list[dict]:
+            await node1.ns.aexec(sys.executable, "-c", REAP, timeout=30)  # the closed entry reaped once it timed out
+            return await agentd_flows(node1, "--protocol", "sctp", "--from-pod", "lobby/sctp-a", "--to-pod", "lobby/sctp-b")
+
+        got = await auntil(lambda: _both(ended), 30, what="the SCTP association's new and end records")
+        for r in got:
+            assert r["protocol"] == "SCTP" and r["verdict"] == "forwarded", r
+            assert (r["src"]["ip"], r["src"]["port"], r["dst"]["ip"], r["dst"]["port"]) == (a.ip, 40132, b.ip, 9899), r
+        end = next(r for r in got if r["event"] == "end")
+        assert end["packets_sent"] >= 3 and end["packets_received"] >= 2, end  # INIT, COOKIE ECHO, ABORT; INIT ACK, COOKIE ACK
+
+        # Denied: shop/other -> shop/client, which default-deny isolates (only its INIT is sent).
+        other, client = shop.pods["other"], shop.pods["client"]
+        await associate(other, client, 40133, role="init-only")
+        drops = await records(node1, "--verdict", "dropped", "--protocol", "SCTP", "--from-pod", "shop/other",
+                              "--to-pod", "shop/client", want=lambda r: r, what="node1's drop of other's SCTP INIT")
+        d = drops[-1]
+        assert d["event"] == "drop" and d["reason"] == "policy" and d["policies"] == ["shop/default-deny"], d
+        assert (d["protocol"], d["src"]["port"], d["dst"]["port"]) == ("SCTP", 40133, 9899), d
+    finally:
+        node1.ns.sysctl("net.netfilter.nf_conntrack_sctp_timeout_closed", 10)
+        for pod in (a, b):
+            await shop.lab.remove_pod(pod)
+
+
+async def _both(ask) -> list[dict]:
+    got = await ask()
+    return got if {"new", "end"} <= {r["event"] for r in got} else []
+
+
+# ------------------------------------------------------------------ no route behind a Service
+
+
+async def test_a_service_whose_chosen_endpoint_has_no_route_is_a_no_route_drop(shop):
+    """shop/nowhere's one endpoint is an address of the pod network no node holds: shop/client's
+    packet to its ClusterIP is translated to it, and node1 has no route for it (the kernel drops
+    it).  The drop is a ``no-route`` record naming the Service and the endpoint chosen."""
+    node1, client = shop.lab.nodes[0], shop.pods["client"]
+    nowhere = None
+    for third in range(254, 0, -1):  # a /24 of the pod network no node holds
+        rc, _out, err = await node1.ns.aexec("ip", "route", "get", f"10.244.{third}.7", check=False)
+        if rc != 0 and b"unreachable" in err:
+            nowhere = f"10.244.{third}.7"
+            break
+    assert nowhere is not None, node1.ns.exec("ip", "route")
+    res = await shop.lab.resources()
+    revision = await res.apply([
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "nowhere", "namespace": "shop"},
+         "spec": {"ports": [{"name": "discard", "port": 9, "protocol": "UDP"}]}},
+        {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+         "metadata": {"name": "nowhere-1", "namespace": "shop", "labels": {"kubernetes.io/service-name": "nowhere"}},
+         "addressType": "IPv4", "ports": [{"name": "discard", "port": 9, "protocol": "UDP"}],
+         "endpoints": [{"addresses": [nowhere], "conditions": {"ready": True}}]},
+    ])  # fmt: skip
+    try:
+        await _converged(shop.lab, revision)
+        vip = (await res.get("Service", "shop", "nowhere"))["spec"]["clusterIP"]
+
+        async def sent_and_recorded() -> list[dict]:
+            # Sent again until recorded: the kernel sends its ICMP errors to one pod about once a
+            # second after a burst of a few (the test before may have had them).
+            await client.ns.aexec(sys.executable, "-c", SEND_FROM, client.ip, vip, timeout=30)
+            return await agentd_flows(node1, "--reason", "no-route", "--from-pod", "shop/client", "--ip", nowhere)
+
+        got = await auntil(sent_and_recorded, 30, interval=1.0,
+                           what="node1's no-route drop of shop/client's packet to shop/nowhere")
+        d = got[-1]
+        assert d["event"] == "drop" and d["verdict"] == "dropped" and d["reason"] == "no-route", d
+        assert (d["src"]["pod"], d["src"]["ip"], d["protocol"], d["direction"]) == ("shop/client", client.ip, "UDP", "egress"), d
+        assert (d["dst"]["ip"], d["dst"]["port"]) == (nowhere, 9), d  # the endpoint chosen
+        # The Service is named from the packet's conntrack entry, which NFLOG gives only with the
+        # kernel's conntrack glue (CONFIG_NETFILTER_NETLINK_GLUE_CT; the agent logs its absence).
+        glue = "NFLOG gives no conntrack entries" not in "".join(
+            p.read_text(errors="replace") for p in node1.dir.rglob("*.log"))
+        if glue:
+            assert d["service"] == {"name": "shop/nowhere", "ip": vip, "port": 9}, d
+        # One record per dropped packet: the ICMP error about it, not also its ICMP error's own
+        # drop (the error reaches the pod), nor a record of the ClusterIP.
+        assert all(r["protocol"] == "UDP" for r in got), got
+    finally:
+        await res.delete("EndpointSlice", "shop", "nowhere-1")
+        await res.delete("Service", "shop", "nowhere")
+
+
+# ------------------------------------------------------------------ a broken cluster follow
+
+
+async def test_a_broken_cluster_follow_is_asked_again_after_the_last_record_it_had(shop):
+    """`agentd flows -A --follow` on node1 follows node2 through node2's cluster listener.  That
+    connection is killed (ss -K), and node2 records a drop before it is asked again (2 s later):
+    asked again after the last record it sent, that drop comes, once, and none of before again."""
+    node1, node2 = shop.lab.nodes
+    assert node2.api_or_none("/status") is not None, "node2's agent is gone (the leave test runs last)"
+    web = shop.pods["web"]
+    proc = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", node1.ns.name, binary("agentd"), "flows", "-o", "json", "--config", str(node1.config_path),
+        "-A", "--follow", "--last", "0", "--node", "node2", "--port", "82", "--port", "83", "--port", "84",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+    seen: list[dict] = []
+
+    async def until_port(port: int) -> None:
+        assert proc.stdout is not None
+        async with asyncio.timeout(20):
+            while not any(r.get("dst", {}).get("port") == port for r in seen):
+                line = await proc.stdout.readline()
+                assert line, (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+                seen.append(json.loads(line))
+
+    try:
+        await auntil(lambda: node2.api("/status")["flows"]["followers"] > 0, 10, what="node1 following node2")
+        await shop.echo["other"].tcp(web.ip, 82, timeout=0.5)  # denied: a drop record on node2
+        await until_port(82)
+        rc, out, err = await node1.ns.aexec("ss", "-K", "-t", "dst", str(node2.address), "dport", "=", ":9098", check=False)
+        assert rc == 0 and str(node2.address) in out.decode(), (out + err).decode()  # the follow's connection, closed
+        await shop.echo["other"].tcp(web.ip, 83, timeout=0.5)  # while the stream is broken
+        await until_port(83)
+        await shop.echo["other"].tcp(web.ip, 84, timeout=0.5)
+        await until_port(84)
+    finally:
+        proc.kill()
+        await proc.wait()
+    records_ = [r for r in seen if "dst" in r]
+    ports = [r["dst"]["port"] for r in records_]
+    assert ports.count(83) >= 1 and ports.index(83) > max(i for i, p in enumerate(ports) if p == 82), ports
+    assert len({r["seq"] for r in records_}) == len(records_), records_  # none came twice
+
+
+# ------------------------------------------------------------------ leave puts conntrack's settings back
+
+
+async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(shop):
+    """``[flows] connections = false`` on node2: its drops are still recorded with the policies
+    that denied them, but no connection is (no conntrack events read), the conntrack sysctls
+    are put back and the pod fast path counts nothing; node1, unchanged, records on.  Back to
+    connections on, all of that returns."""
+    lab = shop.lab
+    node1, node2 = lab.nodes
+    web = shop.pods["web"]
+
+    def sysctls() -> tuple[str, str]:
+        return tuple(node2.ns.exec("cat", f"/proc/sys/net/netfilter/{n}").strip()
+                     for n in ("nf_conntrack_acct", "nf_conntrack_timestamp"))  # type: ignore[return-value]
+
+    def fast_path_counts() -> bool:  # POD_CFG_COUNT in node2's agentd_podcfg (podpath.h)
+        from agentd.dataplane.bpf import libbpf as lb
+
+        inode = os.stat(f"/run/netns/{node2.ns.name}").st_ino
+        fd = lb.obj_get(str(lab.bpffs / f"netns-{inode}" / "agentd_podcfg"))
+        try:
+            flags = int.from_bytes(lb.map_lookup(fd, bytes(4), 24)[:4], "little")
+        finally:
+            os.close(fd)
+        return bool(flags & 4)
+
+    def routed_ports() -> int:  # local pods whose traffic the bridge hands up to conntrack
+        out = node2.ns.exec("nft", "-j", "list", "set", "bridge", "agentd-policy", "isolated-ports")
+        sets = [o["set"] for o in json.loads(out)["nftables"] if "set" in o]
+        return len(sets[0].get("elem", [])) if sets else 0
+
+    def held_for_flows() -> bool:  # decapsulated packets kept on the stack's path for conntrack
+        return "flows" in ((node2.api("/status").get("backends") or {}).get("bpf") or {}).get("held_by", [])
+
+    def translating() -> bool:  # Services translate on node2: every local pod is routed for them too
+        return "services" in ((node2.api("/status").get("backends") or {}).get("bpf") or {}).get("held_by", [])
+
+    async def restart(connections: bool) -> None:
+        lab.spec.extra.setdefault("node2", {})["flows"] = {"connections": connections}
+        await node2.stop_agent()
+        node2.start_agent()
+
+        def settled() -> bool:
+            st = node2.api_or_none("/status") or {}
+            p = node2.api_or_none("/policy?view=summary") or {}
+            return bool(st.get("ready")) and (st.get("flows") or {}).get("connections") is connections \
+                and p.get("applied_at") is not None
+
+        await auntil(settled, 60, what=f"node2 back with [flows] connections = {str(connections).lower()}")
+
+    # node2's pods: web and peer isolated (shop's default deny), lobby/a and lobby/b not.
+    assert sysctls() == ("1", "1") and fast_path_counts() and routed_ports() == 4 and held_for_flows()
+    await restart(False)
+    try:
+        assert node2.api("/status")["flows"]["on"] is True
+        assert sysctls() == ("0", "0") and not fast_path_counts()
+        # Nothing masks conntrack's events and the programs record nothing.
+        assert node2.ns.exec("nft", "list", "tables").count("agentd-flows") == 0
+        assert node2.api("/status")["flows"]["programs"]["recording"] is False
+        # The isolated pods only, as with flows off -- but all four while Services translate here
+        # (an endpoint's reply to a client on its node must meet the un-DNAT: test_services_bridged).
+        await auntil(lambda: routed_ports() == (4 if translating() else 2), 10, in_thread=True,
+                     what="node2's routed pods: the isolated ones, or all while Services translate")
+        assert not held_for_flows()
+        since, t0 = node2.api("/status")["flows"]["seq"], time.time()
+        assert (await shop.echo["client"].tcp(web.ip, 80))["names"] == {"web": 1}
+        assert (await shop.echo["other"].tcp(web.ip, 80, timeout=0.5))["failed"] == 1
+
+        drops = await records(node2, "--verdict", "dropped", "--from-pod", "shop/other", "--to-pod", "shop/web",
+                              want=lambda r: any(x["seq"] > since for x in r), what="node2's drop of other -> web")
+        assert drops[-1]["policies"] == ["shop/default-deny", "shop/web-from-clients"]
+        await records(node1, "--from-pod", "shop/client", "--to-pod", "shop/web", "--event", "new",
+                      want=lambda r: any(x["time"] >= t0 for x in r), what="node1's record of client -> web")
+        mine = [x for x in await agentd_flows(node2, "--last", "1000") if x["seq"] > since]
+        assert mine and all(x["verdict"] == "dropped" for x in mine), mine
+    finally:
+        await restart(True)
+        lab.spec.extra["node2"].pop("flows")
+    assert sysctls() == ("1", "1") and fast_path_counts() and routed_ports() == 4 and held_for_flows()
+
+
+async def test_leave_restores_conntrack_settings(shop):
+    """``agentd leave`` with the agent running puts conntrack's settings back and removes the
+    table masking conntrack's events of what the pod programs recorded."""
+    node2 = shop.lab.nodes[1]
+
+    def sysctl(name: str) -> str:
+        return node2.ns.exec("cat", f"/proc/sys/net/netfilter/{name}").strip()
+
+    def tables() -> str:
+        return node2.ns.exec("nft", "list", "tables")
+
+    assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("1", "1")
+    assert node2.api("/status")["flows"]["programs"]["recording"] is True and "agentd-flows" in tables()
+    await node2.leave()
+    assert (sysctl("nf_conntrack_acct"), sysctl("nf_conntrack_timestamp")) == ("0", "0")  # a new namespace's
+    assert "agentd-flows" not in tables()
+    assert not (node2.dir / "state" / "flows-sysctl.json").exists()
+    shutil.rmtree(node2.dir / "state", ignore_errors=True)

@@ -9,6 +9,7 @@ import json
 import socket
 import struct
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_network
+from typing import ClassVar
 
 import pytest
 from hypothesis import given
@@ -625,7 +626,7 @@ class _Node:
         self.answers = list(answers)
         self.asked = 0
 
-    async def lines(self, node, path, *, follow=False):
+    async def lines(self, node, path, *, follow=False, **_):
         self.asked += 1
         answer = self.answers.pop(0)
         if isinstance(answer, BaseException):
@@ -686,7 +687,7 @@ class _Registry:
     def nodes(self):
         return dict(self.addresses)
 
-    async def lines(self, node, path, *, follow=False):
+    async def lines(self, node, path, *, follow=False, **_):
         self.asked.append((node, path))
         try:
             yield json.dumps({"time": 1.0, "node": node}).encode() + b"\n"
@@ -737,7 +738,7 @@ class _Leaving(_Registry):
         super().__init__(names)
         self.left: dict[str, asyncio.Event] = {}
 
-    async def lines(self, node, path, *, follow=False):
+    async def lines(self, node, path, *, follow=False, **_):
         self.asked.append((node, path))
         if node not in self.addresses:
             raise KeyError(node)
@@ -1867,7 +1868,7 @@ class _Once(_Registry):
         super().__init__(names)
         self.more = asyncio.Event()
 
-    async def lines(self, node, path, *, follow=False, blanks=False):
+    async def lines(self, node, path, *, follow=False, blanks=False, **_):
         self.asked.append((node, path))
         if "last=0" not in path:
             yield b'{"time": 1.0, "node": "node2", "n": 1}\n'
@@ -1916,7 +1917,7 @@ class _OlderNode(_Registry):
         super().__init__(names)
         self.more = asyncio.Event()
 
-    async def lines(self, node, path, *, follow=False, blanks=False):
+    async def lines(self, node, path, *, follow=False, blanks=False, **_):
         from agentd.daemon.cluster import UnmarkedStream
 
         self.asked.append((node, path))
@@ -1978,9 +1979,12 @@ class _Ring:
 
         return SimpleNamespace(queue=Gone(), lost=0)
 
-    def search(self, flt, n, since=None):
+    def search(self, flt, n, since=None, after=None):
         self.did.append("search")
         return object()
+
+    def cursor(self):
+        return "r:0"
 
     async def finish(self, search):
         self.did.append("finish")
@@ -2026,7 +2030,7 @@ async def test_a_node_that_stalls_before_its_last_records_is_said_unreachable_an
     from agentd.daemon import observe_api
 
     class Stalled(_Once):
-        async def lines(self, node, path, *, follow=False, blanks=False):
+        async def lines(self, node, path, *, follow=False, blanks=False, **_):
             self.asked.append((node, path))
             await self.more.wait()  # nothing until then, not even its last N
             yield b'{"time": 3.0, "node": "node2", "n": 3}\n'
@@ -2079,7 +2083,7 @@ async def test_a_quiet_followed_cluster_looks_for_new_nodes_every_keepalive_and_
             super().__init__(names)
             self.say = asyncio.Event()
 
-        async def lines(self, node, path, *, follow=False, blanks=False):
+        async def lines(self, node, path, *, follow=False, blanks=False, **_):
             self.asked.append((node, path))
             if node == "node2":
                 await self.say.wait()
@@ -2217,3 +2221,152 @@ def test_every_pod_is_routed_up_for_flow_records_only_where_conntrack_would_not_
     assert bridged_to_ip((4, 6), tmp_path)
     (tmp_path / "bridge-nf-call-iptables").write_text("0\n")
     assert not bridged_to_ip((4, 6), tmp_path)
+
+
+# ------------------------------------------------------------------ a broken followed stream resumes after its cursor
+
+
+class _Resumable:
+    """A node whose followed answers carry the ring header: ``answers`` in turn, each a header
+    and the records (or an exception) it sends, then a break (``OSError``)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.paths: list[str] = []
+
+    async def lines(self, node, path, *, follow=False, blanks=False, seen=None):
+        from agentd.daemon.cluster import RING
+
+        self.paths.append(path)
+        header, records = self.answers.pop(0)
+        if seen is not None and header is not None:
+            seen[RING] = header
+        for seq in records:
+            yield json.dumps({"seq": seq, "time": float(seq), "node": node}, separators=(",", ":")).encode() + b"\n"
+        if not self.answers:
+            await asyncio.Event().wait()  # the last answer stays open
+        raise OSError(f"{node} unreachable: reset")
+
+
+async def test_a_broken_followed_stream_is_asked_again_after_the_last_record_it_sent(monkeypatch):
+    from urllib.parse import parse_qs, urlsplit
+
+    from agentd.daemon import observe_api
+
+    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
+    # Follow began after the node's record 10; 11 and 12 came, the stream broke, the node made
+    # 13 and 14 meanwhile: the stream asked again after 12 gets 13, 14 and what follows, each once.
+    # A stream broken before any record resumes after the header's number; a node that restarted
+    # (another ring) numbers from 1 again.
+    node = _Resumable([("r1:10", [11, 12]), ("r1:14", [13, 14]), ("r1:15", []), ("r2:0", [1, 2])])
+    merge = observe_api._Merge()
+
+    def resume(cursor):
+        return "/flows?" + observe_api.urlencode([("node", "node2"), ("after", cursor), ("last", "100000"), ("follow", "1")])
+
+    task = asyncio.create_task(observe_api._pump_remote(node, "node2", "/flows?node=node2&last=0&follow=1", merge,
+                                                        again="/flows?node=node2&last=0&follow=1", resume=resume))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    afters = [parse_qs(urlsplit(p).query).get("after", [None])[0] for p in node.paths]
+    assert afters == [None, "r1:12", "r1:14", "r1:15"]
+    seqs = [json.loads(line)["seq"] for line in (merge.queue.get_nowait() for _ in range(merge.queue.qsize()))
+            if b'"seq"' in line]
+    assert seqs == [11, 12, 13, 14, 1, 2]
+
+
+async def test_flows_after_a_cursor_are_the_records_made_after_it():
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from agentd.daemon import observe_api
+    from agentd.daemon.cluster import RING
+    from agentd.flows.views import FlowViews
+
+    ring = FlowRing(10)
+    for port in range(1, 6):
+        ring.add(flow(port=port))
+    views = FlowViews(SimpleNamespace(ring=ring))
+    assert views.cursor() == f"{ring.id}:5"
+    for after, ports in ((f"{ring.id}:3", [4, 5]), (f"{ring.id}:5", []), (f"{ring.id}:0", [1, 2, 3, 4, 5]),
+                         ("another:3", [1, 2, 3, 4, 5])):  # another ring's: this node restarted since
+        assert [f.dst.port for f in await views.last(FlowFilter(), 100, after=after)] == ports, after
+    for _ in range(15):  # wrapped: what the ring still holds after the cursor
+        ring.add(flow(port=9))
+    assert [f.seq for f in await views.last(FlowFilter(), 100, after=f"{ring.id}:17")] == [18, 19, 20]
+
+    class Resp:  # what a followed answer's headers say
+        headers: ClassVar[dict] = {}
+
+        def __init__(self, headers):
+            Resp.headers = headers
+
+        async def prepare(self, request):
+            raise ConnectionResetError  # the reader went at once
+
+    agent = SimpleNamespace(cluster_view=lambda: None, flows_view=lambda: views, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=True, token_of=lambda: None)
+    orig = observe_api.web.StreamResponse
+    try:
+        observe_api.web.StreamResponse = Resp
+        await handlers.flows(make_mocked_request("GET", "/flows?follow=1&last=0"))
+    finally:
+        observe_api.web.StreamResponse = orig
+    assert Resp.headers[RING] == f"{ring.id}:20"
+    for query, message in (("after=5", "after: '5' is not a cursor"), ("after=r:x", "after: 'r:x' is not a cursor")):
+        resp = await handlers.flows(make_mocked_request("GET", "/flows?" + query))
+        assert resp.status == 400 and json.loads(resp.body)["error"].startswith(message)
+
+
+def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_the_node_sends():
+    """The Services translate after the no-route check; a translated first packet the kernel
+    has no route for gets its ICMP error (net/host unreachable, admin-prohibited; ICMPv6 no
+    route, admin-prohibited) carrying its conntrack entry, translated and never confirmed.  The
+    output chain (the node's own packets only: no rule on a forwarded packet's way) sends that
+    error, on its way to a pod bridge, through the no-route chain.  The record is the dropped
+    packet's: from its conntrack entry (the pod, the endpoint, the Service) or, without one,
+    as the error quotes it."""
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    eng = PolicyEngine("node1", families=(4, 6), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", "node1", (IPv4Address("10.244.1.2"),), {}), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    out = eng.build().objects[("inet", policy_compiler.TABLE, "chain", "output")]
+    assert out.hook == ("filter", "output", 0, "accept")  # type: ignore[union-attr]
+    rules = [json.loads(r) for r in out.rules if "no-route" in r]  # type: ignore[union-attr]
+    assert len(rules) == 2  # one per family
+    for rule, (icmp, codes) in zip(rules, [("icmp", ["net-unreachable", "host-unreachable", "admin-prohibited"]),
+                                           ("icmpv6", ["no-route", "admin-prohibited"])]):
+        assert rule[0] == {"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": "@bridges"}}
+        assert rule[1]["match"]["left"] == {"payload": {"protocol": icmp, "field": "type"}}
+        assert rule[2]["match"]["right"] == {"set": codes}
+        assert rule[3] == {"match": {"op": "==", "left": {"&": [{"ct": {"key": "status"}}, ["dnat", "confirmed"]]},
+                                     "right": "dnat"}}  # translated, never confirmed: it did not leave
+        assert rule[4] == {"jump": {"target": "no-route"}}
+    quiet = PolicyEngine("node1", families=(4,)).build().objects[("inet", policy_compiler.TABLE, "chain", "output")]
+    assert not any("no-route" in r for r in quiet.rules)  # type: ignore[union-attr]
+
+    d = FlowDirectory(None, None, (None, None))
+    d.service = lambda ip, proto, port: "shop/nowhere" if (ip, proto, port) == ("10.96.0.9", 17, 9) else None
+    r = FlowRecorder("node1", d, "/nonexistent", group=5, clock=lambda: 1.0)
+    error = ("no-route", socket.AF_INET, 0.0, 0, 3, 1, "10.244.1.1", "10.244.1.2", 1, 3, 0)
+    entry = (ct.CtTuple("10.244.1.2", "10.96.0.9", 17, 40000, 9), ct.CtTuple("10.244.200.7", "10.244.1.2", 17, 8080, 40000))
+    flow = r.dropped(nflog.Packet(*error, orig_dst=("10.96.0.9", 9), dnat=entry))
+    assert flow is not None and (flow.reason, flow.protocol, flow.direction) == ("no-route", "UDP", "egress")
+    assert (flow.src.ip, flow.src.port, flow.dst.ip, flow.dst.port) == ("10.244.1.2", 40000, "10.244.200.7", 8080)
+    assert (flow.service, flow.service_ip, flow.service_port) == ("shop/nowhere", "10.96.0.9", 9)
+    flow = r.dropped(nflog.Packet(*error[:6], "10.244.1.1", "10.244.1.2", 1, 3, 1,
+                                  quoted=("10.244.1.2", "10.244.200.7", 6, 40001, 8080)))
+    assert flow is not None and (flow.protocol, flow.src.port, flow.dst.ip, flow.dst.port) == ("TCP", 40001, "10.244.200.7", 8080)
+    # An error quoting the dropped packet, read from the log's bytes.
+    def ip4(src, dst, proto, payload):
+        return struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(payload), 1, 0, 64, proto, 0,
+                           socket.inet_aton(src), socket.inet_aton(dst)) + payload
+
+    inner = ip4("10.244.1.2", "10.244.200.7", 17, struct.pack("!HHHH", 40000, 8080, 9, 0) + b"x")
+    outer = ip4("10.244.1.1", "10.244.1.2", 1, bytes.fromhex("0300000000000000") + inner)
+    assert nflog.quoted_summary(outer, 0, len(outer)) == ("10.244.1.2", "10.244.200.7", 17, 40000, 8080)
+    assert nflog.quoted_summary(outer[:20] + b"\x08" + outer[21:], 0, len(outer)) is None  # an echo request quotes nothing
