@@ -392,7 +392,12 @@ class _Handlers:
 async def _local_flows(resp: web.StreamResponse, view: FlowViews, search: LastSearch, follower: Follower | None) -> None:
     """The last N records ``search`` finds, then (``follower``) each new one.  A followed
     stream's last N end with an empty line (a keep-alive to any reader): what came before it
-    is the last N, what comes after was followed (a gathering agent tells them apart so)."""
+    is the last N, what comes after was followed (a gathering agent tells them apart so).  A
+    search after a cursor the ring has wrapped past starts with a ``{"lost": N, "why": ...}``
+    line: N records made after the cursor that this node no longer holds."""
+    if search.scrolled:
+        await resp.write(_line({"lost": search.scrolled, "why": "made after the reader's last record, since "
+                                "scrolled out of the node's ring"}))
     for flow in await view.finish(search):
         await resp.write(_line(flow.json()))
     if follower is None:

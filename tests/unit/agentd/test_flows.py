@@ -2327,6 +2327,21 @@ async def test_flows_after_a_cursor_are_the_records_made_after_it():
     for _ in range(15):  # wrapped: what the ring still holds after the cursor
         ring.add(flow(port=9))
     assert [f.seq for f in await views.last(FlowFilter(), 100, after=f"{ring.id}:17")] == [18, 19, 20]
+    assert views.search(FlowFilter(), 100, after=f"{ring.id}:17").scrolled == 0
+    wrapped = views.search(FlowFilter(), 100, after=f"{ring.id}:7")  # 8, 9 and 10 are gone: the ring holds 11-20
+    assert wrapped.scrolled == 3
+
+    class Written:
+        def __init__(self):
+            self.lines = []
+
+        async def write(self, data):
+            self.lines.append(json.loads(data))
+
+    out = Written()
+    await observe_api._local_flows(out, views, wrapped, None)  # type: ignore[arg-type]
+    assert out.lines[0] == {"lost": 3, "why": "made after the reader's last record, since scrolled out of the node's ring"}
+    assert [x["seq"] for x in out.lines[1:]] == list(range(11, 21))
 
     class Resp:  # what a followed answer's headers say
         headers: ClassVar[dict] = {}
@@ -2353,8 +2368,8 @@ async def test_flows_after_a_cursor_are_the_records_made_after_it():
 
 def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_the_node_sends():
     """The Services translate after the no-route check; a translated first packet the kernel
-    has no route for gets its ICMP error (net/host unreachable, admin-prohibited; ICMPv6 no
-    route, admin-prohibited) carrying its conntrack entry, translated and never confirmed.  The
+    has no route for gets its ICMP error (net/host unreachable; ICMPv6 no route; not
+    admin-prohibited, which firewalls' REJECT rules send too) carrying its conntrack entry, translated and never confirmed.  The
     output chain (the node's own packets only: no rule on a forwarded packet's way) sends that
     error, on its way to a pod bridge, through the no-route chain.  The record is the dropped
     packet's: from its conntrack entry (the pod, the endpoint, the Service) or, without one,
@@ -2367,8 +2382,8 @@ def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_t
     assert out.hook == ("filter", "output", 0, "accept")  # type: ignore[union-attr]
     rules = [json.loads(r) for r in out.rules if "no-route" in r]  # type: ignore[union-attr]
     assert len(rules) == 2  # one per family
-    for rule, (icmp, codes) in zip(rules, [("icmp", ["net-unreachable", "host-unreachable", "admin-prohibited"]),
-                                           ("icmpv6", ["no-route", "admin-prohibited"])]):
+    for rule, (icmp, codes) in zip(rules, [("icmp", ["net-unreachable", "host-unreachable"]),
+                                           ("icmpv6", ["no-route"])]):
         assert rule[0] == {"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": "@bridges"}}
         assert rule[1]["match"]["left"] == {"payload": {"protocol": icmp, "field": "type"}}
         assert rule[2]["match"]["right"] == {"set": codes}
@@ -2399,3 +2414,14 @@ def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_t
     outer = ip4("10.244.1.1", "10.244.1.2", 1, bytes.fromhex("0300000000000000") + inner)
     assert nflog.quoted_summary(outer, 0, len(outer)) == ("10.244.1.2", "10.244.200.7", 17, 40000, 8080)
     assert nflog.quoted_summary(outer[:20] + b"\x08" + outer[21:], 0, len(outer)) is None  # an echo request quotes nothing
+
+
+def test_an_icmpv6_error_whose_header_chain_is_cut_quotes_nothing():
+    """A logged IPv6 packet whose extension headers run past its end (or a later fragment) has
+    no upper layer to read: no quoted packet, never an exception (found by fuzzing)."""
+    from agentd.kernel.netlink_log import quoted_summary
+
+    for hexed in ("60122a0d75e53c0535bbdb56692ce107e898c6c01c1f84d99ddd10d08d912bcf7d77728c94bf29fc3ac1b6ceaf0682d9b3e630a8a0",
+                  "60b7502b0c248bccf9464a7a7cca968058604192202eb60a771919ddb207ae442023317d4c43aeae3adac8ee32fa841afb1602"):
+        packet = bytes.fromhex(hexed)
+        assert quoted_summary(packet, 0, len(packet)) is None
