@@ -1981,7 +1981,9 @@ class _Ring:
 
     def search(self, flt, n, since=None, after=None):
         self.did.append("search")
-        return object()
+        from types import SimpleNamespace
+
+        return SimpleNamespace(scrolled=0)  # a LastSearch, as far as the handler reads it
 
     def cursor(self):
         return "r:0"
