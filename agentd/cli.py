@@ -570,7 +570,7 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
                 if "error" in record or "lost" in record:
                     errors += "error" in record
                     what = f"node {record.get('node')}: {record['error']}" if "error" in record else \
-                        f"{record['lost']} records lost (this reader was too slow)"
+                        f"{record['lost']} records lost ({record.get('why') or 'this reader was too slow'})"
                     sys.stderr.write(f"agentd flows: {what}\n")
                     continue
                 print(json.dumps(record) if args.output == "json" else line(record), flush=args.follow)

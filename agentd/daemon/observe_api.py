@@ -392,7 +392,12 @@ class _Handlers:
 async def _local_flows(resp: web.StreamResponse, view: FlowViews, search: LastSearch, follower: Follower | None) -> None:
     """The last N records ``search`` finds, then (``follower``) each new one.  A followed
     stream's last N end with an empty line (a keep-alive to any reader): what came before it
-    is the last N, what comes after was followed (a gathering agent tells them apart so)."""
+    is the last N, what comes after was followed (a gathering agent tells them apart so).  A
+    search after a cursor the ring has wrapped past starts with a ``{"lost": N, "why": ...}``
+    line: N records made after the cursor that this node no longer holds."""
+    if search.scrolled:
+        await resp.write(_line({"lost": search.scrolled, "why": "made after the reader's last record, since "
+                                "scrolled out of the node's ring"}))
     for flow in await view.finish(search):
         await resp.write(_line(flow.json()))
     if follower is None:
@@ -563,23 +568,36 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
     delay, said = RETRY_FIRST, None
     ring, seq = "", 0  # where the records sent so far end: the answers' RING, their records' seq
     resumed = False  # the path asks after a cursor
+    answering = ""  # the ring the current answer's records are numbered in (its RING header)
     seen: dict[str, str] = {}
 
-    def take() -> None:  # an answer's RING header (before its first line): another ring numbers anew
-        nonlocal ring, seq
+    def take() -> None:
+        """An answer's RING header (before its first line): where its follow began.  An answer
+        that starts with what the reader asked as history (the last N, or nothing) moves the
+        cursor there at once: what follows is what counts.  One asked after the cursor (a
+        resume) starts with the gap itself, numbered up to the header: only its records move the
+        cursor, so a resume broken off in the middle of the gap is resumed after what came."""
+        nonlocal ring, seq, answering
         header = seen.pop(RING, None)
         if header is not None:
             there, _, number = header.partition(":")
             with contextlib.suppress(ValueError):
-                seq = max(seq, int(number)) if there == ring else int(number)
-                ring = there
+                began = int(number)
+                answering = there
+                if not resumed:
+                    seq = max(seq, began) if there == ring else began
+                    ring = there
 
     def passed(line: bytes) -> bytes:
-        nonlocal seq
+        nonlocal seq, ring
         take()
-        if ring and line.startswith(b'{"seq":'):  # Flow.json: the number first
+        if answering and line.startswith(b'{"seq":'):  # Flow.json: the number first
             with contextlib.suppress(ValueError):
-                seq = max(seq, int(line[7 : line.find(b",")]))
+                number = int(line[7 : line.find(b",")])
+                if answering != ring:  # the node's ring is another since (it restarted): numbered anew
+                    ring, seq = answering, number
+                else:
+                    seq = max(seq, number)
         return line if line.endswith(b"\n") else line + b"\n"
 
     def say(message: str) -> None:

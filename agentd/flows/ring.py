@@ -117,6 +117,9 @@ class LastSearch:
         self.since = since
         # records[i] for i < stop_at are numbered ``after`` or less
         self.stop_at = 0 if after is None else min(len(records), max(0, after - self.first_seq + 1))
+        # Records numbered after ``after`` that the ring no longer holds (it wrapped since): the
+        # reader is told how many (matching its filter or not), never left to think it has all.
+        self.scrolled = 0 if after is None else max(0, self.first_seq - after - 1)
         self.found: list[Flow] = []
         self.index = len(records)  # records[index:] are searched
         self.done = n <= 0

@@ -249,7 +249,7 @@ def quoted_summary(buf: bytes, start: int, end: int) -> tuple[str, str, int, int
         elif packet[:1] and packet[0] >> 4 == 6:
             ip6 = P.IPv6Header.decode(packet)
             upper = P.ipv6_upper_layer(packet, ip6.next_header)
-            if upper.protocol != 58:
+            if upper.protocol != 58 or upper.offset is None:  # a cut chain or a later fragment: no ICMPv6 here
                 return None
             l4, unreachable = upper.offset, 1
         else:

@@ -111,7 +111,7 @@ NO_ROUTE = "no-route"
 NO_ROUTE_PRIORITY = -101
 # The ICMP errors the kernel sends for a packet it has no route for (ip_error, ip6_pkt_drop):
 # none, an unreachable route; a prohibit route.
-NO_ROUTE_CODES = {4: ("net-unreachable", "host-unreachable", "admin-prohibited"), 6: ("no-route", "admin-prohibited")}
+NO_ROUTE_CODES = {4: ("net-unreachable", "host-unreachable"), 6: ("no-route",)}
 POD_MACS = "pod-macs"  # port . the MAC of the pod behind it
 MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known (the others are not checked)
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
@@ -228,8 +228,9 @@ def base_objects(
         ]  # fmt: skip
     # A Service's connection is translated (-100) after that check, to an endpoint the node may
     # have no route for either.  The kernel tells the pod so with an ICMP error (net or host
-    # unreachable, admin-prohibited for a prohibit route: not for a blackhole one, and no more
-    # than about one a second per pod, the kernel's own limits) that carries the dropped first
+    # unreachable: not for a blackhole route, and no more than about one a second per pod, the
+    # kernel's own limits; a prohibit route's admin-prohibited is left out, as firewalls' REJECT
+    # rules -- firewalld's forward chain ends in one -- send that code too) that carries the dropped first
     # packet's conntrack entry: translated, never confirmed (a packet that left the node was
     # confirmed on its way out).  That error, on its way to a pod bridge, is logged through the
     # same chain; the record is made from the entry (the pod, the endpoint, the Service).  Only

@@ -488,10 +488,15 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 			return 0;
 		}
 		podconn_count(v, side, len, now);
-		/* One start: the answer and its retransmission may pass programs on two CPUs at once;
-		 * only the one that moves the entry out of PODCONN_SYN writes it (the other is counted). */
-		if (__sync_val_compare_and_swap(&v->state, PODCONN_SYN, PODCONN_OPEN) != PODCONN_SYN)
+		/* One start: the answer and its retransmission (or a SYN-ACK and a RST) may pass
+		 * programs on two CPUs at once; only the one that moves the entry out of PODCONN_SYN
+		 * writes it.  The other is counted, and a RST that lost leaves the connection reset,
+		 * ended by the agent's sweep as the RST after an answer is (below). */
+		if (__sync_val_compare_and_swap(&v->state, PODCONN_SYN, PODCONN_OPEN) != PODCONN_SYN) {
+			if (rst)
+				v->state = side ? PODCONN_RESET_HI : PODCONN_RESET_LO;
 			return 1;
+		}
 		podconn_emit(&key, v, PODREC_START);
 		if (rst)
 			podconn_end(&key, v, PODREC_RST);

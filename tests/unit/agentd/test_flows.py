@@ -1981,7 +1981,9 @@ class _Ring:
 
     def search(self, flt, n, since=None, after=None):
         self.did.append("search")
-        return object()
+        from types import SimpleNamespace
+
+        return SimpleNamespace(scrolled=0)  # a LastSearch, as far as the handler reads it
 
     def cursor(self):
         return "r:0"
@@ -2256,8 +2258,9 @@ async def test_a_broken_followed_stream_is_asked_again_after_the_last_record_it_
     monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
     # Follow began after the node's record 10; 11 and 12 came, the stream broke, the node made
     # 13 and 14 meanwhile: the stream asked again after 12 gets 13, 14 and what follows, each once.
-    # A stream broken before any record resumes after the header's number; a node that restarted
-    # (another ring) numbers from 1 again.
+    # A resumed answer broken before any record is resumed after the same record again (its
+    # header counts the gap it had yet to send); a node that restarted (another ring) numbers
+    # from 1 again.
     node = _Resumable([("r1:10", [11, 12]), ("r1:14", [13, 14]), ("r1:15", []), ("r2:0", [1, 2])])
     merge = observe_api._Merge()
 
@@ -2272,10 +2275,38 @@ async def test_a_broken_followed_stream_is_asked_again_after_the_last_record_it_
     with pytest.raises(asyncio.CancelledError):
         await task
     afters = [parse_qs(urlsplit(p).query).get("after", [None])[0] for p in node.paths]
-    assert afters == [None, "r1:12", "r1:14", "r1:15"]
+    assert afters == [None, "r1:12", "r1:14", "r1:14"]
     seqs = [json.loads(line)["seq"] for line in (merge.queue.get_nowait() for _ in range(merge.queue.qsize()))
             if b'"seq"' in line]
     assert seqs == [11, 12, 13, 14, 1, 2]
+
+
+async def test_a_resume_broken_in_the_middle_of_its_gap_is_resumed_after_what_came(monkeypatch):
+    """The answer to a resume starts with the gap (the records after the cursor, up to where its
+    follow began: its header): broken off after part of it, the next resume asks after the last
+    record that came, not after the header's number (the rest of the gap was never sent)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from agentd.daemon import observe_api
+
+    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
+    node = _Resumable([("r1:10", [11]), ("r1:14", [12]), ("r1:14", [13, 14, 15])])
+    merge = observe_api._Merge()
+
+    def resume(cursor):
+        return "/flows?" + observe_api.urlencode([("node", "node2"), ("after", cursor), ("last", "100000"), ("follow", "1")])
+
+    task = asyncio.create_task(observe_api._pump_remote(node, "node2", "/flows?node=node2&last=0&follow=1", merge,
+                                                        again="/flows?node=node2&last=0&follow=1", resume=resume))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [parse_qs(urlsplit(p).query).get("after", [None])[0] for p in node.paths] == [None, "r1:11", "r1:12"]
+    seqs = [json.loads(line)["seq"] for line in (merge.queue.get_nowait() for _ in range(merge.queue.qsize()))
+            if b'"seq"' in line]
+    assert seqs == [11, 12, 13, 14, 15]
 
 
 async def test_flows_after_a_cursor_are_the_records_made_after_it():
@@ -2298,6 +2329,21 @@ async def test_flows_after_a_cursor_are_the_records_made_after_it():
     for _ in range(15):  # wrapped: what the ring still holds after the cursor
         ring.add(flow(port=9))
     assert [f.seq for f in await views.last(FlowFilter(), 100, after=f"{ring.id}:17")] == [18, 19, 20]
+    assert views.search(FlowFilter(), 100, after=f"{ring.id}:17").scrolled == 0
+    wrapped = views.search(FlowFilter(), 100, after=f"{ring.id}:7")  # 8, 9 and 10 are gone: the ring holds 11-20
+    assert wrapped.scrolled == 3
+
+    class Written:
+        def __init__(self):
+            self.lines = []
+
+        async def write(self, data):
+            self.lines.append(json.loads(data))
+
+    out = Written()
+    await observe_api._local_flows(out, views, wrapped, None)  # type: ignore[arg-type]
+    assert out.lines[0] == {"lost": 3, "why": "made after the reader's last record, since scrolled out of the node's ring"}
+    assert [x["seq"] for x in out.lines[1:]] == list(range(11, 21))
 
     class Resp:  # what a followed answer's headers say
         headers: ClassVar[dict] = {}
@@ -2324,8 +2370,8 @@ async def test_flows_after_a_cursor_are_the_records_made_after_it():
 
 def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_the_node_sends():
     """The Services translate after the no-route check; a translated first packet the kernel
-    has no route for gets its ICMP error (net/host unreachable, admin-prohibited; ICMPv6 no
-    route, admin-prohibited) carrying its conntrack entry, translated and never confirmed.  The
+    has no route for gets its ICMP error (net/host unreachable; ICMPv6 no route; not
+    admin-prohibited, which firewalls' REJECT rules send too) carrying its conntrack entry, translated and never confirmed.  The
     output chain (the node's own packets only: no rule on a forwarded packet's way) sends that
     error, on its way to a pod bridge, through the no-route chain.  The record is the dropped
     packet's: from its conntrack entry (the pod, the endpoint, the Service) or, without one,
@@ -2338,8 +2384,8 @@ def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_t
     assert out.hook == ("filter", "output", 0, "accept")  # type: ignore[union-attr]
     rules = [json.loads(r) for r in out.rules if "no-route" in r]  # type: ignore[union-attr]
     assert len(rules) == 2  # one per family
-    for rule, (icmp, codes) in zip(rules, [("icmp", ["net-unreachable", "host-unreachable", "admin-prohibited"]),
-                                           ("icmpv6", ["no-route", "admin-prohibited"])]):
+    for rule, (icmp, codes) in zip(rules, [("icmp", ["net-unreachable", "host-unreachable"]),
+                                           ("icmpv6", ["no-route"])]):
         assert rule[0] == {"match": {"op": "==", "left": {"meta": {"key": "oifname"}}, "right": "@bridges"}}
         assert rule[1]["match"]["left"] == {"payload": {"protocol": icmp, "field": "type"}}
         assert rule[2]["match"]["right"] == {"set": codes}
@@ -2370,3 +2416,14 @@ def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_t
     outer = ip4("10.244.1.1", "10.244.1.2", 1, bytes.fromhex("0300000000000000") + inner)
     assert nflog.quoted_summary(outer, 0, len(outer)) == ("10.244.1.2", "10.244.200.7", 17, 40000, 8080)
     assert nflog.quoted_summary(outer[:20] + b"\x08" + outer[21:], 0, len(outer)) is None  # an echo request quotes nothing
+
+
+def test_an_icmpv6_error_whose_header_chain_is_cut_quotes_nothing():
+    """A logged IPv6 packet whose extension headers run past its end (or a later fragment) has
+    no upper layer to read: no quoted packet, never an exception (found by fuzzing)."""
+    from agentd.kernel.netlink_log import quoted_summary
+
+    for hexed in ("60122a0d75e53c0535bbdb56692ce107e898c6c01c1f84d99ddd10d08d912bcf7d77728c94bf29fc3ac1b6ceaf0682d9b3e630a8a0",
+                  "60b7502b0c248bccf9464a7a7cca968058604192202eb60a771919ddb207ae442023317d4c43aeae3adac8ee32fa841afb1602"):
+        packet = bytes.fromhex(hexed)
+        assert quoted_summary(packet, 0, len(packet)) is None
