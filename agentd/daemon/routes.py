@@ -8,6 +8,8 @@ hands the backends their peer plans and the programmer its routes.
 Graceful restart (RFC 4724): the routes a previous run left are adopted at start and stay
 installed until every peer is Established with End-of-RIB received (or ``restart_time``,
 at most INITIAL_SYNC_MAX, passes), so a restart never removes a route that is still used.
+One re-learned by then whose data path is not up yet (a backend a peer needs, still being
+brought up) keeps the adopted route until this run can route it itself.
 """
 
 from __future__ import annotations
@@ -268,9 +270,19 @@ class KernelRoutes:
         masq = getattr(i, "masq", None)
         if masq is not None and i.peering.known:
             masq.set_members(member_addresses(i.peering.nodes.values()))
+        wanted = {r.dst for r in routes}
+        if self.initial_sync_done and self._adopted:
+            # Re-learned, but its data path not up here yet (a backend a peer needs is still
+            # being brought up when the sync completes, a BPF next hop not resolved yet): the
+            # previous run's route stays until this run has one to put in its place -- a
+            # destination without any route meanwhile has its packets answered "net
+            # unreachable".  Once this run routes it (or no longer has a best path for it) the
+            # adopted route is forgotten for good.
+            pending = set(plan.pending)
+            self._adopted = [r for r in self._adopted if r.dst in pending and r.dst not in wanted]
+            routes += self._adopted
         if not self.initial_sync_done:
             # Keep what a previous run left until BGP has re-learned it (or given up waiting).
-            wanted = {r.dst for r in routes}
             routes += [r for r in self._adopted if r.dst not in wanted]
             # Re-check every 0.5 s until the sync is complete: one timer, however many
             # recomputes (each best-path change) happen meanwhile.

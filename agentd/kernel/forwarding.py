@@ -297,6 +297,10 @@ class RoutePlan:
     # Best paths not installed because of where they lead (:func:`refusal`): a row each, as
     # ``rows`` has, with ``backend`` "refused" and the ``reason``.
     refused: list[dict[str, Any]] = field(default_factory=list)
+    # Best paths through a peer that can be routed, but not yet: the data path that carries
+    # them is not up here yet (a backend being brought up, a BPF next hop not resolved yet).
+    # Their destinations; the agent keeps a previous run's route for them meanwhile.
+    pending: list[str] = field(default_factory=list)
 
 
 Network = IPv4Network | IPv6Network
@@ -373,7 +377,9 @@ def desired_routes(
     ``pod_networks``: the cluster's pod network of each family, which a route through a node
     must lie in (None: not checked).  A best path :func:`refusal` refuses is left out, with a
     row in ``refused``; so is a link-local next hop learned over iBGP (RFC 2545 §3: it is
-    on-link only where an external peer sent it).  Pure: the agent applies the result."""
+    on-link only where an external peer sent it).  A best path whose route cannot be formed yet
+    (the data path that carries it is not up here yet) is left out too, its destination listed
+    in ``pending``.  Pure: the agent applies the result."""
     nodes = list(nodes)
     own_subnets = list(own_subnets)
     own_nets = [ip_network(s, strict=False) for s in own_subnets]
@@ -381,6 +387,7 @@ def desired_routes(
     held = {net: n.name for n in nodes for net in (n.subnet, n.subnet_v6) if net is not None}
     by_key = {str(n.peer_address): n for n in nodes}
     refused: list[dict[str, Any]] = []
+    pending: list[str] = []
     plans_by = {v: {str(n.peer_address): _plan_or_none(n, underlay, own_backend=own_backend, encap=encap,
                                                         available=available, version=v, paths=paths) for n in nodes}
                 for v in versions}  # fmt: skip
@@ -430,6 +437,7 @@ def desired_routes(
                             "reason": f"cannot be routed ({type(e).__name__}: {e})"})
             continue
         if route is None:
+            pending.append(dst)
             continue
         routes.append(route)
         if plan.version == primary or plan.node is None:
@@ -441,4 +449,4 @@ def desired_routes(
     plans = {**plans_by.get(primary, {}), **external}
     dual = primary == 4 and 6 in plans_by
     return RoutePlan(routes, rows, plans, next_hops, plans_by[6] if dual else {}, next_hops_v6 if dual else {},
-                     refused)
+                     refused, pending)

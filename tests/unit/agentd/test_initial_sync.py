@@ -177,3 +177,54 @@ def test_the_speakers_selection_deferral_ends_by_end_of_rib_only_once_the_regist
     agent.peering.known = True  # the snapshot: no other node, nobody to wait for
     Agent._apply_peers(agent)
     assert not sp.deferring
+
+
+# --- a route re-learned before the data path that carries it is up ---------------------------
+
+
+def test_a_previous_runs_route_stays_until_the_data_path_for_it_is_up():
+    # A restart under load: BGP re-learns the peer's subnet and completes the initial sync
+    # before the backend that peer needs (its VXLAN device here) is up again.  The route the
+    # previous run left stays meanwhile; without it the node has no route to the peer's pods
+    # and answers their packets "net unreachable" until the backend is up (CI: one ping lost
+    # across a restart).  Once this run routes the subnet itself, the adopted route is gone for good.
+    from ipaddress import IPv4Address, IPv4Interface, IPv4Network
+
+    from agentd.kernel.forwarding import LocalPaths
+    from agentd.kernel.netinfo import Underlay
+    from agentd.kernel.route_model import Route
+    from proto.nlri import network_to_prefix
+
+    subnet = "10.244.2.0/24"
+    peer = NodeRecord("n2", IPv4Address("10.0.0.2"), 64512, IPv4Network(subnet), False, None,
+                      {"type": "vxlan", "vtep_mac": "aa:bb:cc:dd:ee:02", "vtep_ip": "10.244.2.0"})
+    left = Route(dst=subnet, gateway="10.244.2.0", dev="agentd.vxlan", onlink=True)  # the previous run's
+    desired = []
+    paths = LocalPaths({"udp": "bpf"})  # our own backend is up; vxlan, which n2 needs, not yet
+    tunnels = SimpleNamespace(paths=lambda: paths, available=lambda backend: None, apply=lambda *a, **k: None)
+    inputs = SimpleNamespace(
+        cfg=SimpleNamespace(network=SimpleNamespace(backend="udp", encap="always")), name="n1",
+        peering=Peering("n1"), underlay=Underlay("eth0", 2, IPv4Interface("10.0.0.1/24"), 1500, (IPv4Network("10.0.0.0/24"),)),
+        lease=object(), leases={4: SimpleNamespace(subnet=IPv4Network("10.244.1.0/24"))}, cluster=None,
+        tunnels=tunnels, speaker=Speaker(), started_bgp=True, stopping=False)
+    r = KernelRoutes(inputs)
+    r.loop = FakeLoop()
+    r.initial_sync_deadline = float("inf")
+    r.adopt(SimpleNamespace(set_desired=desired.append, programmed=lambda: [left], reconciles_begun=0))
+    inputs.peering.apply(NodeEvent("snapshot", nodes={"n2": peer}))
+    inputs.speaker.peers["10.0.0.2"] = SimpleNamespace(state=State.ESTABLISHED)  # End-of-RIB in: synced
+    r._bests[(1, network_to_prefix(IPv4Network(subnet)))] = SimpleNamespace(
+        next_hop=IPv4Address("10.0.0.2"), source=SimpleNamespace(local=False, ibgp=True))
+
+    r._program(inputs)
+    assert r.initial_sync_done
+    assert {x.dst: x for x in desired[-1]}.get(subnet) == left  # kept: nothing routes it yet
+
+    paths = LocalPaths({"udp": "bpf", "vxlan": "vxlan-device"})  # the VXLAN device is up
+    r._program(inputs)
+    assert {x.dst: x for x in desired[-1]}[subnet] == Route(dst=subnet, gateway="10.244.2.0", dev="agentd.vxlan",
+                                                            onlink=True)
+    assert r._adopted == []
+    paths = LocalPaths({"udp": "bpf"})  # should the data path go again later: no stale route comes back
+    r._program(inputs)
+    assert subnet not in {x.dst for x in desired[-1]}

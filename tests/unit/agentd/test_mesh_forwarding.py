@@ -201,6 +201,20 @@ def test_desired_routes_for_best_paths():
     assert plan.next_hops == {"10.0.0.4": ["10.244.2.0/24"], "10.0.0.1": ["198.51.100.0/24"]}
     assert set(plan.plans) == {"10.0.0.4", "192.0.2.9", "10.0.0.1"} and not plan.plans["192.0.2.9"].routable
     assert [r["dst"] for r in plan.rows] == ["10.244.1.0/24", "10.244.2.0/24", "198.51.100.0/24"]
+    assert plan.pending == []  # the off-segment host-gw peer cannot be routed at all: not pending
+
+
+def test_a_best_path_whose_data_path_is_not_up_yet_is_pending():
+    # The peer needs VXLAN, which this node has not brought up yet (a restart, the backend
+    # being ensured): no route, and its destination listed as pending (the agent keeps a
+    # previous run's route for it meanwhile); once the device is up, the route.
+    peer = node("n2", "10.0.0.4", backend={"type": "vxlan", "vtep_mac": "aa:bb:cc:dd:ee:02", "vtep_ip": "10.244.2.0"})
+    bests = [("10.244.2.0/24", IPv4Address("10.0.0.4"), False)]
+    kwargs = {"own_subnets": ["10.244.1.0/24"], "blackhole_metric": 4000, "own_backend": "udp", "encap": "always"}
+    plan = desired_routes(bests, [peer], UNDERLAY, LocalPaths({"udp": "bpf"}), **kwargs)
+    assert [r.dst for r in plan.routes] == ["10.244.1.0/24"] and plan.pending == ["10.244.2.0/24"]
+    plan = desired_routes(bests, [peer], UNDERLAY, LocalPaths({"udp": "bpf", "vxlan": "vxlan-device"}), **kwargs)
+    assert [r.dst for r in plan.routes] == ["10.244.1.0/24", "10.244.2.0/24"] and plan.pending == []
 
 
 # -- dual-stack and IPv6-only ---------------------------------------------------------------------
