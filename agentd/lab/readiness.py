@@ -50,6 +50,20 @@ class Readiness:
 
         await self._wait("every agent holding a subnet", check, timeout)
 
+    async def agents_ready(self, timeout: float, nodes: list[Any] | None = None) -> None:
+        """Every agent (of ``nodes``) ready, its CNI conflist written (which CNI ADD reads): what
+        a one-node lab waits for, having no peer or route to wait for."""
+
+        def check() -> tuple[bool, str]:
+            for n in nodes or self.lab.nodes:
+                if not (n.api_or_none("/status") or {}).get("ready"):
+                    return False, f"{n.name}'s agent not ready (log: {n.log_path})"
+                if not (n.dir / "net.d" / "10-agentd.conflist").exists():
+                    return False, f"{n.name}'s CNI conflist not written"
+            return True, ""
+
+        await self._wait("every agent ready, its CNI conflist written", check, timeout)
+
     def expected_peers(self, node: Any) -> int:
         n = len(self.lab.nodes)
         if self.lab.spec.bgp == "mesh":

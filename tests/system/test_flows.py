@@ -1365,9 +1365,7 @@ async def test_pods_of_one_node_routed_up_for_flow_records_only_without_br_netfi
     try:
         await lab.up(timeout=90)
         node = lab.nodes[0]
-        await auntil(lambda: bool((node.api_or_none("/status") or {}).get("ready"))
-                     and (node.dir / "net.d" / "10-agentd.conflist").exists(), 60, in_thread=True,
-                     what="node1's agent ready, its CNI conflist written")
+        await lab.ready.agents_ready(60)  # one node: no peer or route for lab.up to wait for
         if call not in node.ns.exec("ls", "/proc/sys/net/bridge", check=False).split():
             pytest.fail("br_netfilter is not loaded (scripts/dev setup loads it: modprobe br_netfilter)")
         node.ns.sysctl("net.netfilter.nf_conntrack_tcp_timeout_time_wait", 1)  # ends come quickly

@@ -31,11 +31,7 @@ async def test_a_same_node_endpoint_answers_through_its_service_without_br_netfi
     try:
         await lab.up(timeout=90)
         node = lab.nodes[0]
-        # One node: lab.up has no peer or route to wait for, so wait for the agent itself (its
-        # conflist, which CNI ADD reads, is written as it becomes ready).
-        await auntil(lambda: bool((node.api_or_none("/status") or {}).get("ready"))
-                     and (node.dir / "net.d" / "10-agentd.conflist").exists(), 60, in_thread=True,
-                     what="node1's agent ready, its CNI conflist written")
+        await lab.ready.agents_ready(60)  # one node: no peer or route for lab.up to wait for
         # Off where br_netfilter is loaded (its sysctls are the namespace's); without it, off already.
         keys = node.ns.exec("ls", "/proc/sys/net/bridge", check=False).split()
         for key in ("bridge-nf-call-iptables", "bridge-nf-call-ip6tables"):
