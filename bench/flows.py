@@ -1,7 +1,7 @@
 """What flow records cost: recording on vs. off, side by side, and a drop storm.
 
     sudo .venv/bin/python bench/flows.py [--seconds 5] [--rounds 2] [--storm-pps 100000] [--storm-seconds 5] [--drops 20]
-                                         [--node-cpus]
+                                         [--placement both|split|one] [--node-cpus]
                                          [--quick] [--json FILE]
 
 One 2-node lab (host-gw): a client pod on node1, a server pod and a second client on node2.
@@ -17,9 +17,20 @@ off; ...) so that a drift of the machine's load falls on all alike; each run mea
   succeeded) stops the bench; the failed ones are counted under the table;
 * ``Gbit/s``: one iperf3 stream for ``--seconds``, across nodes and on one node.
 
-Clients run on CPU 0 and the servers on CPU 1 (``taskset``, as bench/policy.py does; the
-agents go where the scheduler puts them: their CPU is what is measured), which halves the
-spread between runs of one mode on 2 cores.  Even so, a veth's receive work runs on the CPU
+Each mode's run measures two placements of the processes (``--placement``, both by default):
+
+* ``split``: clients on CPU 0 and the servers on CPU 1 (``taskset``, as bench/policy.py does;
+  the agents go where the scheduler puts them: their CPU is what is measured), which halves
+  the spread between runs of one mode on 2 cores -- for the connection rate.  One stream's
+  throughput between two CPUs varies by a fifth from run to run in either mode, flows off
+  or on, the fast path on or off: the sender's segments leave from both CPUs (TCP small
+  queues send from the core that freed the last ones, the receiver's), each CPU's backlog
+  delivers its own, and the receiver sees them out of order (thousands of fast
+  retransmissions a run where the stream stays on one core: none);
+* ``one CPU``: the clients, the servers, iperf3's both ends and both agents (every thread)
+  on CPU 0: every cycle recording costs -- the programs, conntrack, the agents' reading --
+  is taken from the one core the traffic runs on, the strictest reading of its cost, and
+  the rounds agree within a few percent.  Even so, a veth's receive work runs on the CPU
 that sent, so across nodes the client's CPU also does both nodes' forwarding and the server
 pod's receiving: two hosts' work on one core.  ``--node-cpus`` steers what each node receives
 on its underlay device to its own CPU (RPS, as bench/dataplane.py --node-cpus: node 1 beside
@@ -34,9 +45,12 @@ Then, with recording on, a drop storm: a NetworkPolicy isolates the server, and 
 denies sends it UDP at ``--storm-pps`` for ``--storm-seconds`` (paced, bounded; at least 5,
 also under --quick).  Beside a quiet baseline it measures node2's agent from 1 s into the
 storm: API latency (GET /status, median and worst of 20, 0.1 s apart), policy change latency
-(apply one NetworkPolicy -> node2 has it in the kernel), RSS before and after, and what was
-recorded and suppressed; a storm that ends before these readings do stops the bench.  Goal:
-neither slower nor bigger.
+(5 NetworkPolicies applied one after another, each timed until node2 has it in the kernel:
+median and worst), RSS before and after, and what was recorded and suppressed; a storm that
+ends before these readings do stops the bench.  Then the agents restart with flows off and
+the same storm runs again, measured alike: 100,000 packets a second keep the 2 cores' softirq
+busy whatever records them, so "during the storm, recording on / flows off" is what
+recording the storm costs the agent's other work.  Goal: neither slower nor bigger.
 
 ``drop -> followed stream``: with recording on and the server isolated, the client on node2
 that the policy denies connects to a new port of the server ``--drops`` times; for each, the
@@ -88,12 +102,32 @@ from agentd.lab.wait import auntil  # noqa: E402
 NS = "bench"
 MODES = ("off", "drops", "on")  # flows off; [flows] connections = false (drops only); flows on
 CLIENT_CPU, SERVER_CPU = ("taskset", "-c", "0"), ("taskset", "-c", "1")
+# Where the servers run, and the agents (None: where the scheduler puts them), per placement;
+# the clients always on CPU 0.  Keys of measure() carry the placement's suffix.
+PLACEMENTS = {"split": {"server_cpu": 1, "agents_cpu": None, "suffix": "", "label": ""},
+              "one": {"server_cpu": 0, "agents_cpu": 0, "suffix": "_one", "label": ", all on CPU 0"}}
+IPERF_PORTS = {"split": _iperf.PORT, "one": _iperf.PORT + 1}  # one iperf3 server pinned per placement
 
 
-def pin(pid: int, cpu: int) -> None:
-    """Every thread of process ``pid`` (and so what it starts later) on ``cpu``."""
+def pin(pid: int, cpu: int | set[int]) -> None:
+    """Every thread of process ``pid`` (and so what it starts later) on ``cpu`` (or a set of CPUs)."""
+    cpus = {cpu} if isinstance(cpu, int) else cpu
     for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), {cpu})
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def place(lab: Lab, echo: dict[str, Echo], placement: str) -> None:
+    """Put the echo servers and clients, and both agents, where ``placement`` says."""
+    where = PLACEMENTS[placement]
+    for name, e in echo.items():
+        pin(e.proc.pid, where["server_cpu"] if name == "server" else 0)
+    anywhere = os.sched_getaffinity(0)
+    for node in lab.nodes:
+        pid = node.agent_pid()
+        if pid is None:
+            raise BenchError(f"{node.name}: no agent to place")
+        pin(pid, anywhere if where["agents_cpu"] is None else where["agents_cpu"])
 
 
 def rss_mb(pid: int | None) -> float:
@@ -103,6 +137,11 @@ def rss_mb(pid: int | None) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def placements_of(choice: str) -> list[str]:
+    """The placements ``--placement`` measures, in the order of a round."""
+    return list(PLACEMENTS) if choice == "both" else [choice]
 
 
 def node_cpus_error(cpus: set[int]) -> str | None:
@@ -169,21 +208,27 @@ def busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds: float) -> dict[str, float]:
+async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds: float,
+                  placement: str = "split") -> dict[str, float]:
+    """One mode's figures in one placement (the caller put the processes there: :func:`place`),
+    keyed with the placement's suffix."""
     server = pods["server"]
     out: dict[str, float] = {}
+    sfx = PLACEMENTS[placement]["suffix"]
     for where, client in (("across", "client"), ("same", "local")):
         pids = [n.agent_pid() for n in lab.nodes]
         agents, busy = [cpu_seconds(p) for p in pids], busy_seconds()
-        r = crr_checked(await echo[client].crr(server.ip, 8080, seconds), f"connections {where}")
+        what = f"{where}{PLACEMENTS[placement]['label']}"
+        r = crr_checked(await echo[client].crr(server.ip, 8080, seconds), f"connections {what}")
         per_k = 1000 / r["connections"]
-        out[f"crr_{where}"] = r["connections"] / r["seconds"]
-        out[f"crr_failed_{where}"] = r["failed"]
-        out[f"crr_connections_{where}"] = r["connections"]
-        out[f"agent_ms_{where}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
-        out[f"busy_ms_{where}"] = (busy_seconds() - busy) * 1000 * per_k
-        run = await _iperf.client(pods[client].ns, server.ip, seconds, prefix=CLIENT_CPU, what=f"iperf3 {where}")
-        out[f"gbps_{where}"] = run.gbps
+        out[f"crr_{where}{sfx}"] = r["connections"] / r["seconds"]
+        out[f"crr_failed_{where}{sfx}"] = r["failed"]
+        out[f"crr_connections_{where}{sfx}"] = r["connections"]
+        out[f"agent_ms_{where}{sfx}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
+        out[f"busy_ms_{where}{sfx}"] = (busy_seconds() - busy) * 1000 * per_k
+        run = await _iperf.client(pods[client].ns, server.ip, seconds, port=IPERF_PORTS[placement], prefix=CLIENT_CPU,
+                                  what=f"iperf3 {what}")
+        out[f"gbps_{where}{sfx}"] = run.gbps
     return out
 
 
@@ -243,7 +288,7 @@ def destroy_message(src: str, dst: str, sport: int, dport: int) -> bytes:
     return nl.encode_nfgen(ct.MSG_DELETE, 0, 0, 2, body)
 
 
-async def policy_latency(lab: Lab, res: Any, k: int) -> float:
+async def policy_latency(lab: Lab, res: Any, k: int | str) -> float:
     pol = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
            "metadata": {"name": f"probe-{k}", "namespace": NS},
            "spec": {"podSelector": {"matchLabels": {"app": "local"}}, "policyTypes": ["Egress"], "egress": [{}]}}
@@ -262,6 +307,9 @@ async def applied(node: Any, revision: int, what: str, *, timeout: float = 60, i
     await auntil(done, timeout, what=what, interval=interval, error=BenchError)
 
 
+POLICY_PROBES = 5  # policy changes a probe times, one after another (the median is its figure)
+
+
 async def agent_probe(lab: Lab, res: Any, k: int) -> dict[str, float]:
     node2 = lab.nodes[1]
     lat = []
@@ -270,8 +318,10 @@ async def agent_probe(lab: Lab, res: Any, k: int) -> dict[str, float]:
         node2.api("/status")
         lat.append(time.perf_counter() - t)
         await asyncio.sleep(0.1)
+    policy = [await policy_latency(lab, res, f"{k}-{i}") for i in range(POLICY_PROBES)]
     return {"api_median_ms": statistics.median(lat) * 1000, "api_max_ms": max(lat) * 1000,
-            "policy_ms": await policy_latency(lab, res, k) * 1000, "rss_mb": rss_mb(node2.agent_pid())}
+            "policy_ms": statistics.median(policy) * 1000, "policy_max_ms": max(policy) * 1000,
+            "rss_mb": rss_mb(node2.agent_pid())}
 
 
 STORM = """
@@ -373,16 +423,20 @@ async def drop_latency(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], sa
 STORM_START, STORM_MIN_SECONDS = 1.0, 5.0
 
 
-async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: float) -> dict[str, Any]:
+async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: float, *,
+                recording: bool = True) -> dict[str, Any]:
+    """The drop storm, node2's agent measured quiet and during it; ``recording`` False: with
+    flows off (the same storm's own load on the machine, nothing recorded)."""
+    k = 0 if recording else 2  # the probes' policy names: each change a new one
     await isolate_server(lab, res)
-    quiet = await agent_probe(lab, res, 0)
-    before = lab.nodes[1].api("/status")["flows"]
+    quiet = await agent_probe(lab, res, k)
+    before = lab.nodes[1].api("/status")["flows"] if recording else None
     proc = await asyncio.create_subprocess_exec(
         "ip", "netns", "exec", pods["local"].ns.name, sys.executable, "-c", STORM, pods["server"].ip, str(pps), str(seconds),
         stdout=asyncio.subprocess.PIPE)  # fmt: skip
     try:
         await asyncio.sleep(STORM_START)
-        during = await agent_probe(lab, res, 1)
+        during = await agent_probe(lab, res, k + 1)
         if proc.returncode is not None:  # then some of "during" was measured after the storm
             raise BenchError(f"the storm ended (the sender exited {proc.returncode}) before node2's agent was "
                              "measured during it: give a longer --storm-seconds")
@@ -401,10 +455,13 @@ async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: flo
     except ValueError:
         raise BenchError(f"the storm sender exited {proc.returncode} without its count: {out[-200:]!r}") from None
     await asyncio.sleep(1.5)  # the last logged drops reach the agent (the kernel sends within 0.1 s)
+    measured = {"quiet": quiet, "during": during, "rss_after_mb": rss_mb(lab.nodes[1].agent_pid()),
+                "sent": int(sent), "pps": int(sent) / float(took)}
+    if before is None:
+        return measured
     after = lab.nodes[1].api("/status")["flows"]
     return {
-        "quiet": quiet, "during": during, "rss_after_mb": rss_mb(lab.nodes[1].agent_pid()),
-        "sent": int(sent), "pps": int(sent) / float(took),
+        **measured,
         "records": after["flows"]["dropped"] - before["flows"]["dropped"],
         "suppressed_kernel": after["suppressed"]["kernel"] - before["suppressed"]["kernel"],
         "suppressed_agent": after["suppressed"]["agent"] - before["suppressed"]["agent"],
@@ -429,18 +486,25 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         echo["server"] = await Echo.start(pods["server"], "server", [("tcp", 8080)])
         for name in ("client", "local"):
             echo[name] = await Echo.start(pods[name], name)
-        for name, e in echo.items():
-            pin(e.proc.pid, 1 if name == "server" else 0)
         runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         loads = [os.getloadavg()[0]]
-        async with _iperf.server(pods["server"].ns, prefix=SERVER_CPU):
+        placements = placements_of(args.placement)
+        async with contextlib.AsyncExitStack() as servers:
+            for placement in placements:
+                await servers.enter_async_context(_iperf.server(
+                    pods["server"].ns, port=IPERF_PORTS[placement], what=f"iperf3 server ({placement})",
+                    prefix=("taskset", "-c", str(PLACEMENTS[placement]["server_cpu"]))))
             for k in range(args.rounds):
                 for mode in MODES if k % 2 == 0 else MODES[::-1]:
                     await restart(lab, mode != "off", connections=mode == "on")
-                    got = await measure(lab, pods, echo, args.seconds)
+                    got: dict[str, float] = {}
+                    for placement in placements if k % 2 == 0 else placements[::-1]:
+                        place(lab, echo, placement)
+                        got.update(await measure(lab, pods, echo, args.seconds, placement))
                     runs[mode].append(got)
                     print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
                 loads.append(os.getloadavg()[0])
+            place(lab, echo, placements[0])  # what follows measures the agents where the first placement puts them
             if args.node_cpus:  # the agents' restarts left the steering as it was
                 for cpu, node in enumerate(lab.nodes[:2]):
                     rps = node.ns.exec("sh", "-c", "cat /sys/class/net/eth0/queues/rx-*/rps_cpus").split()
@@ -454,6 +518,10 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         print(f"[drop latency] {latency}", file=sys.stderr, flush=True)
         storm_result = await storm(lab, pods, res, args.storm_pps, args.storm_seconds)
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
+        await restart(lab, False)  # the same storm with flows off: its own load, apart from recording's
+        storm_off = await storm(lab, pods, res, args.storm_pps, args.storm_seconds, recording=False)
+        print(f"[storm, flows off] {storm_off}", file=sys.stderr, flush=True)
+        storm_result["off"] = storm_off
         ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]
         return {"runs": runs, "loads": loads, "bridge_nf": bridge_nf, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
                 "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True),
@@ -487,7 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-cpus", action="store_true",
                     help="each node's received packets on its own CPU (RPS on its underlay device: node 1 and the "
                          "clients CPU 0, node 2 and the servers CPU 1), as on two hosts")
+    ap.add_argument("--placement", choices=("both", *PLACEMENTS), default="both",
+                    help="split: clients on CPU 0, servers on CPU 1, the agents where the scheduler puts them; one: "
+                         "clients, servers and both agents on CPU 0; both (default): each mode's run measures both")
     args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "drops": 5})
+    if args.node_cpus and args.placement != "split":
+        ap.error("--node-cpus steers node 2's received packets to CPU 1: it goes with --placement split only")
     if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1 or args.drops < 1:
         ap.error("--seconds, --rounds, --storm-pps and --drops must be at least 1")
     if not args.storm_seconds >= STORM_MIN_SECONDS:
@@ -503,18 +576,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def storm_rows(s: dict[str, Any]) -> list[list[str]]:
+    """The storm table's rows: recording on, quiet and during the storm; with flows off too
+    (results of older runs have neither it nor the worst policy change)."""
+    rows = []
+    off = s.get("off")
+    for label, key, fmt in (("GET /status median (ms)", "api_median_ms", "{:.1f}"),
+                            ("GET /status worst of 20 (ms)", "api_max_ms", "{:.1f}"),
+                            (f"policy change -> kernel, median of {POLICY_PROBES} (ms)", "policy_ms", "{:.0f}"),
+                            (f"policy change -> kernel, worst of {POLICY_PROBES} (ms)", "policy_max_ms", "{:.0f}")):
+        if key not in s["quiet"]:
+            continue
+        q, d = s["quiet"][key], s["during"][key]
+        row = [label, fmt.format(q), fmt.format(d), f"{d / q:.2f}x"]
+        if off and key in off["quiet"]:
+            oq, od = off["quiet"][key], off["during"][key]
+            row += [fmt.format(oq), fmt.format(od), f"{od / oq:.2f}x", f"{d / od:.2f}x"]
+        rows.append(row)
+    q, after = s["quiet"]["rss_mb"], s["rss_after_mb"]
+    row = ["RSS (MB)", f"{q:.1f}", f"{after:.1f} (after)", f"{after / q:.2f}x"]
+    if off:
+        row += [f"{off['quiet']['rss_mb']:.1f}", f"{off['rss_after_mb']:.1f} (after)",
+                f"{off['rss_after_mb'] / off['quiet']['rss_mb']:.2f}x", ""]
+    rows.append(row)
+    return rows
+
+
 def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     runs = r["runs"]
     med = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in runs.items()}
     off, on = med["off"], med["on"]
     drops = med.get("drops")
 
+    # The placements measured: those whose keys the runs hold (older results: split only).
+    placements = [p for p, w in PLACEMENTS.items() if f"crr_across{w['suffix']}" in runs["off"][0]]
     for mode, rs in runs.items():  # what measure() checked, again for results read back from --json
         for k, x in enumerate(rs):
-            for where in ("across", "same"):
-                done = x.get(f"crr_connections_{where}", x[f"crr_{where}"] * args.seconds)  # older results: the rate's
-                crr_checked({"connections": done, "failed": x.get(f"crr_failed_{where}", 0)},
-                            f"{mode}, round {k + 1}, connections {where}")
+            for placement in placements:
+                sfx, label = PLACEMENTS[placement]["suffix"], PLACEMENTS[placement]["label"]
+                for where in ("across", "same"):
+                    done = x.get(f"crr_connections_{where}{sfx}", x[f"crr_{where}{sfx}"] * args.seconds)  # older: the rate's
+                    crr_checked({"connections": done, "failed": x.get(f"crr_failed_{where}{sfx}", 0)},
+                                f"{mode}, round {k + 1}, connections {where}{label}")
 
     def ratios_of(mode: str, key: str) -> list[float]:
         pairs = list(zip(runs["off"], runs.get(mode) or []))
@@ -523,8 +626,12 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         return sorted(b[key] / a[key] for a, b in pairs)
 
     rows = []
-    for label, key, fmt in (("conn/s across nodes", "crr_across", "{:,.0f}"), ("conn/s same node", "crr_same", "{:,.0f}"),
-                            ("Gbit/s across nodes", "gbps_across", "{:.2f}"), ("Gbit/s same node", "gbps_same", "{:.2f}")):
+    measured = [(label + PLACEMENTS[p]["label"], key + PLACEMENTS[p]["suffix"], fmt) for p in placements
+                for label, key, fmt in (("conn/s across nodes", "crr_across", "{:,.0f}"),
+                                        ("conn/s same node", "crr_same", "{:,.0f}"),
+                                        ("Gbit/s across nodes", "gbps_across", "{:.2f}"),
+                                        ("Gbit/s same node", "gbps_same", "{:.2f}"))]
+    for label, key, fmt in measured:
         goal = 0.95 if key.startswith("crr") else 0.98
         ratios = ratios_of("on", key)
         ratio = statistics.median(ratios) if ratios else float("nan")
@@ -533,16 +640,18 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         rows.append([label, fmt.format(off[key]), fmt.format(on[key]), shown,
                      f"{ratios[0]:.3f}-{ratios[-1]:.3f}" if ratios else "", f">= {goal}x", verdict,
                      fmt.format(drops[key]) if drops else "", f"{statistics.median(d):.3f}x" if d else ""])
-    for label, key in (("agents' CPU ms / 1000 conn, across", "agent_ms_across"),
-                       ("agents' CPU ms / 1000 conn, same node", "agent_ms_same")):
+    for label, key in [(f"agents' CPU ms / 1000 conn, {where}{PLACEMENTS[p]['label']}", f"agent_ms_{k}{PLACEMENTS[p]['suffix']}")
+                       for p in placements for where, k in (("across", "across"), ("same node", "same"))]:
         if key in off:
             rows.append([label, f"{off[key]:.1f}", f"{on[key]:.1f}", "", "", "", "",
                          f"{drops[key]:.1f}" if drops else "", ""])
     loads = r.get("loads") or []
     load_note = f"load average {min(loads):.2f}-{max(loads):.2f} over the rounds" if loads else load()
+    where = {"split": "clients on CPU 0, servers on CPU 1, agents anywhere",
+             "one": "'all on CPU 0': clients, servers and both agents on CPU 0"}
     print_table(f"Flow recording off vs on: 2-node lab, host-gw, {args.rounds} round(s) of {args.seconds:.0f} s per mode, "
-                f"order off,drops,on / on,drops,off by turns, clients on CPU 0 and servers on CPU 1; medians, on/off the "
-                f"median of the rounds' own ratios; 'drops only': [flows] connections = false"
+                f"order off,drops,on / on,drops,off by turns; " + "; then ".join(where[p] for p in placements)
+                + "; medians, on/off the median of the rounds' own ratios; 'drops only': [flows] connections = false"
                 + ("; each node's received packets on its own CPU (--node-cpus: node 1 CPU 0, node 2 CPU 1)"
                    if args.node_cpus else "")
                 + ("; br_netfilter hands bridged frames to conntrack (bridge-nf-call-iptables = 1): pods of one node are "
@@ -557,13 +666,11 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
                   "met" if max(lat[key]) <= 1.0 else "NOT met"]
                  for label, key in (("node2's own", "node"), ("node1's, gathering every node", "cluster"))])  # fmt: skip
     s = r["storm"]
-    q, d = s["quiet"], s["during"]
-    print_table(f"Drop storm: {s['sent']:,} denied UDP packets at {s['pps']:,.0f}/s into node2's isolated server pod",
-                ["node2's agent", "quiet", "during the storm", "ratio"],
-                [["GET /status median (ms)", f"{q['api_median_ms']:.1f}", f"{d['api_median_ms']:.1f}", f"{d['api_median_ms'] / q['api_median_ms']:.2f}x"],
-                 ["GET /status worst of 20 (ms)", f"{q['api_max_ms']:.1f}", f"{d['api_max_ms']:.1f}", f"{d['api_max_ms'] / q['api_max_ms']:.2f}x"],
-                 ["policy change -> kernel (ms)", f"{q['policy_ms']:.0f}", f"{d['policy_ms']:.0f}", f"{d['policy_ms'] / q['policy_ms']:.2f}x"],
-                 ["RSS (MB)", f"{q['rss_mb']:.1f}", f"{s['rss_after_mb']:.1f} (after)", f"{s['rss_after_mb'] / q['rss_mb']:.2f}x"]])  # fmt: skip
+    print_table(f"Drop storm: {s['sent']:,} denied UDP packets at {s['pps']:,.0f}/s into node2's isolated server pod"
+                + (f"; then the same storm with flows off ({s['off']['sent']:,} at {s['off']['pps']:,.0f}/s): the storm's "
+                   "own load on the 2 cores, nothing recorded" if "off" in s else ""),
+                ["node2's agent", "quiet", "during the storm", "ratio",
+                 *(["flows off: quiet", "during", "ratio", "storm: on/off"] if "off" in s else [])], storm_rows(s))
     failed = {mode: sum(x.get(f"crr_failed_{where}", 0) for x in rs for where in ("across", "same"))
               for mode, rs in runs.items()}
     print_notes("Notes", [

@@ -31,8 +31,28 @@ def test_node_cpus_refused_with_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(flows, "require_root", reached)  # never a lab from a unit test, root or not
     with pytest.raises(SystemExit) as exc:
-        flows.main(["--node-cpus"])
+        flows.main(["--node-cpus", "--placement", "split"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if "error:" in line] == [err[-1]]
     assert "--node-cpus" in err[-1] and "CPUs 0 only" in err[-1]
+
+
+@pytest.mark.parametrize("placement", [[], ["--placement", "both"], ["--placement", "one"]])
+def test_node_cpus_goes_with_the_split_placement_only(monkeypatch, capsys, placement):
+    # RPS would put node 2's receive work on CPU 1: not "all on CPU 0".
+    monkeypatch.setattr(flows.os, "sched_getaffinity", lambda pid: {0, 1})
+
+    def reached(*_):
+        raise AssertionError("the bench would start")
+
+    monkeypatch.setattr(flows, "require_root", reached)
+    with pytest.raises(SystemExit) as exc:
+        flows.main(["--node-cpus", *placement])
+    assert exc.value.code == 2
+    assert "--node-cpus" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_both_placements_by_default_split_first():
+    assert flows.placements_of("both") == ["split", "one"]
+    assert flows.placements_of("one") == ["one"]

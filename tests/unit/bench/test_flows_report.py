@@ -28,7 +28,7 @@ class _Echo:
         return dict(self.answer)
 
 
-def _measure(monkeypatch, answer: dict) -> tuple[dict, list[dict]]:
+def _measure(monkeypatch, answer: dict, placement: str = "split") -> tuple[dict, list[dict]]:
     """measure() on a made-up lab whose crr answers ``answer``; what it returned and the
     keyword arguments of each iperf3 client it started."""
     iperf_calls: list[dict] = []
@@ -42,7 +42,7 @@ def _measure(monkeypatch, answer: dict) -> tuple[dict, list[dict]]:
     lab = SimpleNamespace(nodes=[SimpleNamespace(agent_pid=lambda: None)])
     pods = {name: SimpleNamespace(ns=name, ip="10.244.1.2") for name in ("server", "client", "local")}
     echo = {"client": _Echo(answer), "local": _Echo(answer)}
-    return asyncio.run(flows.measure(lab, pods, echo, 3.0)), iperf_calls
+    return asyncio.run(flows.measure(lab, pods, echo, 3.0, placement)), iperf_calls
 
 
 @pytest.mark.parametrize("answer", [{"connections": 0, "failed": 0, "seconds": 3.0},
@@ -64,11 +64,20 @@ def test_the_iperf3_client_runs_on_the_clients_cpu(monkeypatch):
     assert [c.get("prefix") for c in calls] == [flows.CLIENT_CPU, flows.CLIENT_CPU]
 
 
-def _run(crr_off, crr_on, failed_off=None, gbps=(10.0, 9.9)):
-    def d(crr, failed, g):
-        return {"crr_across": crr, "crr_failed_across": failed, "agent_ms_across": 1.0, "busy_ms_across": 1.0,
-                "gbps_across": g, "crr_same": crr, "crr_failed_same": failed, "agent_ms_same": 1.0,
-                "busy_ms_same": 1.0, "gbps_same": g}
+def _run(crr_off, crr_on, failed_off=None, gbps=(10.0, 9.9), one=None):
+    """Made-up runs of the split placement; ``one``: (conn/s off, on) of the one-CPU placement too."""
+    def d(crr, failed, g, crr_one=None):
+        x = {"crr_across": crr, "crr_failed_across": failed, "agent_ms_across": 1.0, "busy_ms_across": 1.0,
+             "gbps_across": g, "crr_same": crr, "crr_failed_same": failed, "agent_ms_same": 1.0,
+             "busy_ms_same": 1.0, "gbps_same": g}
+        if crr_one is not None:
+            x.update({f"{k}_one": v for k, v in x.items()})
+            x["crr_across_one"] = x["crr_same_one"] = crr_one
+        return x
+
+    if one:
+        return {"off": [d(c, 0, gbps[0], one[0]) for c in crr_off], "drops": [d(c, 0, gbps[0], one[0]) for c in crr_off],
+                "on": [d(c, 0, gbps[1], one[1]) for c in crr_on]}
 
     failed_off = failed_off or [0] * len(crr_off)
     return {"off": [d(c, f, gbps[0]) for c, f in zip(crr_off, failed_off)],
@@ -183,3 +192,47 @@ def test_a_report_with_a_round_whose_connections_failed_is_refused():
     # The review's case: off 800 conn/s in two rounds with 900 failed each made 940 on read 1.18x, met.
     with pytest.raises(BenchError, match="off, round 2, connections across"):
         flows.report(ARGS, _result(_run([1000, 800, 800], [940] * 3, failed_off=[0, 900, 900])))
+
+
+def test_the_one_cpu_placement_keys_its_figures_and_uses_its_own_iperf3_server(monkeypatch):
+    got, calls = _measure(monkeypatch, {"connections": 3000, "failed": 0, "seconds": 3.0}, "one")
+    assert got["crr_across_one"] == 1000 and got["gbps_same_one"] == 9.0 and "crr_across" not in got
+    assert [c.get("port") for c in calls] == [flows.IPERF_PORTS["one"]] * 2
+    assert [c.get("prefix") for c in calls] == [flows.CLIENT_CPU, flows.CLIENT_CPU]
+
+
+def test_each_placement_has_its_rows_and_verdicts(capsys):
+    flows.report(ARGS, _result(_run([1000] * 3, [900] * 3, one=(1000, 980))))
+    out = capsys.readouterr().out.splitlines()
+    split = next(line for line in out if line.startswith("conn/s across nodes  "))
+    one = next(line for line in out if line.startswith("conn/s across nodes, all on CPU 0"))
+    assert "0.900x" in split and "NOT met" in split
+    assert "0.980x" in one and "NOT met" not in one and "met" in one
+    assert any("clients, servers and both agents on CPU 0" in line for line in out)
+
+
+def test_a_failed_run_of_the_one_cpu_placement_is_refused():
+    runs = _run([1000] * 3, [990] * 3, one=(1000, 990))
+    runs["off"][1]["crr_connections_across_one"], runs["off"][1]["crr_failed_across_one"] = 800, 900
+    with pytest.raises(BenchError, match="off, round 2, connections across, all on CPU 0"):
+        flows.report(ARGS, _result(runs))
+
+
+def test_the_storm_with_flows_off_is_beside_the_storm_recorded():
+    # 100k packets/s load the cores whatever records them: recording's part is on/off during storms.
+    probe = {"api_median_ms": 2.0, "api_max_ms": 3.0, "policy_ms": 10.0, "policy_max_ms": 12.0, "rss_mb": 80.0}
+    slow = dict(probe, policy_ms=15.0)
+    s = {"quiet": probe, "during": slow, "rss_after_mb": 80.0,
+         "off": {"quiet": probe, "during": dict(probe, policy_ms=14.0), "rss_after_mb": 79.0}}
+    rows = {row[0]: row for row in flows.storm_rows(s)}
+    row = rows["policy change -> kernel, median of 5 (ms)"]
+    assert row[1:] == ["10", "15", "1.50x", "10", "14", "1.40x", "1.07x"]
+    assert rows["RSS (MB)"][1:4] == ["80.0", "80.0 (after)", "1.00x"]
+
+
+def test_an_older_storm_result_has_its_rows_without_flows_off():
+    probe = {"api_median_ms": 2.0, "api_max_ms": 3.0, "policy_ms": 10.0, "rss_mb": 80.0}
+    rows = flows.storm_rows({"quiet": probe, "during": probe, "rss_after_mb": 80.0})
+    assert [r[0] for r in rows] == ["GET /status median (ms)", "GET /status worst of 20 (ms)",
+                                    "policy change -> kernel, median of 5 (ms)", "RSS (MB)"]
+    assert all(len(r) == 4 for r in rows)
