@@ -518,11 +518,11 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         print(f"[drop latency] {latency}", file=sys.stderr, flush=True)
         storm_result = await storm(lab, pods, res, args.storm_pps, args.storm_seconds)
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
+        ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]  # while flows are on: off, /status has none
         await restart(lab, False)  # the same storm with flows off: its own load, apart from recording's
         storm_off = await storm(lab, pods, res, args.storm_pps, args.storm_seconds, recording=False)
         print(f"[storm, flows off] {storm_off}", file=sys.stderr, flush=True)
         storm_result["off"] = storm_off
-        ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]
         return {"runs": runs, "loads": loads, "bridge_nf": bridge_nf, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
                 "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True),
                 "ring_bytes_recorded": ring_memory(ring_size, recorded=True)}
