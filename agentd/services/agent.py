@@ -291,7 +291,7 @@ class ServiceAgent:
             built = {key: list(self._table.compiled(key)) for key in self._table.take_recompiled() | dirty}
             for key, after in sorted(built.items()):
                 gone += stale_udp(self._applied.get(key, []), after, self.node)
-                gone += unusable_udp(self._applied.get(key, []), after, first=self._fresh)
+                gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh)
             translating = self._table.translating()
             try:
                 if translating and self.on_translating is not None:
@@ -437,18 +437,33 @@ def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort], n
     return sorted(set(out), key=lambda s: (s.ip, s.port, s.vip or "", s.service_port, s.node_port or 0))
 
 
-def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort], *, first: bool = False) -> list[conntrack.Unusable]:
+def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort], node: str | None = None,
+                 *, first: bool = False) -> list[conntrack.Unusable]:
     """UDP ports whose flows not going to one of their usable endpoints are to be flushed:
     every one on the ``first`` sync after start (endpoints may have gone while the agent was
     down), else those going from no usable endpoint (or none at all) to some, or with some
     gaining a cluster IP or node port (another Service held it): a flow sent before this node
     translated the port is not translated, and would stay so.  ``before`` and ``after`` are
     the ports as compiled (a cluster IP or node port another Service holds is None): one
-    not translated to this Service's endpoints has flows that are not its own."""
+    not translated to this Service's endpoints has flows that are not its own.
+
+    Each path on its own (one :class:`conntrack.Unusable` each), as :func:`stale_udp`: on
+    ``node`` a traffic policy Local keeps the cluster IP or the node port (from outside) on
+    this node's endpoints, so a flow through it to another node's endpoint goes too (one made
+    before the policy turned Local while the agent was down); a flow to the node port from
+    the node itself, which may still go to any endpoint, is chosen anew."""
     had = {(sp.key, sp.cluster_ip, sp.node_port) for sp in before if sp.usable()}
-    return [conntrack.Unusable(sp.cluster_ip, sp.port, sp.node_port, sp.family, frozenset((e.ip, e.port) for e in sp.usable()))
-            for sp in after if sp.protocol == "UDP" and (sp.cluster_ip is not None or sp.node_port is not None)
-            and (first or (sp.usable() and (sp.key, sp.cluster_ip, sp.node_port) not in had))]  # fmt: skip
+    out = []
+    for sp in after:
+        if sp.protocol != "UDP" or not (first or (sp.usable() and (sp.key, sp.cluster_ip, sp.node_port) not in had)):
+            continue
+        if sp.cluster_ip is not None:
+            out.append(conntrack.Unusable(sp.cluster_ip, sp.port, None, sp.family,
+                                          frozenset((e.ip, e.port) for e in sp.cluster_ip_endpoints(node))))
+        if sp.node_port is not None:
+            out.append(conntrack.Unusable(None, sp.port, sp.node_port, sp.family,
+                                          frozenset((e.ip, e.port) for e in sp.node_port_endpoints(node))))
+    return out
 
 
 async def remove_services_table(dns_address_v6: str | None = None) -> None:

@@ -13,9 +13,10 @@ A flow may also predate what this node translates: an endpoint removed while the
 down, or datagrams sent to a cluster IP before this node translated it (the entry untranslated,
 its reply source the VIP itself).  So on the agent's first sync after it starts, and for a
 service port that goes from no usable endpoint to some, every UDP entry to its VIP and port or
-its node port whose reply source is not one of its usable endpoints is deleted too
-(:class:`Unusable`; kube-proxy clears a Service's entries when it goes from 0 endpoints to
-some, and checks every UDP entry against the current endpoints since 1.30).
+its node port whose reply source is not one of the endpoints that path may use (with its
+traffic policy Local, this node's) is deleted too (:class:`Unusable`; kube-proxy clears a
+Service's entries when it goes from 0 endpoints to some, and checks every UDP entry against
+the current endpoints since 1.30).
 
 The messages (include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h), encoded and
 decoded by the ctnetlink codec of the agent's one netlink stack (agentd.kernel.netlink_ct)::
@@ -109,7 +110,9 @@ class Stale:
 class Unusable:
     """A UDP service port whose flows go to its ``usable`` endpoints only: an entry to its VIP
     and port, or to its node port (of the same IP family), whose reply source is anything
-    else is deleted (an endpoint gone while the agent was down, a flow not translated yet)."""
+    else is deleted (an endpoint gone while the agent was down, a flow not translated yet).
+    The agent gives each path its own (``vip`` or ``node_port`` None), with the endpoints
+    that path may use: a traffic policy Local keeps one of them on this node's endpoints."""
 
     vip: str | None
     service_port: int

@@ -9,7 +9,8 @@ etcd revision of the write.  Each test asserts who answered: the distribution ov
 connections, affinity (and a changed affinity timeout), two Services claiming one cluster IP
 port and node port (the older keeps them), NodePort from another node's underlay address, traffic policy Local
 (and a Local node port reached from the node itself or its pod: short-circuited),
-a UDP flow moving when its endpoint goes, a held TCP connection surviving its endpoint's
+a UDP flow moving when its endpoint goes (or, after the agent restarts, when a policy turned Local
+while it was down keeps it off), a held TCP connection surviving its endpoint's
 terminating state, hairpin, a VIP from a node itself, refusal of a Service without endpoints,
 and the table's removal on leave.
 """
@@ -371,6 +372,88 @@ async def test_a_node_port_turned_local_moves_its_udp_flows_off_the_other_nodes_
     finally:
         await world.delete("EndpointSlice", "turned-1")
         await world.delete("Service", "turned")
+
+
+# node1's UDP conntrack entries whose original source port is one of those asked: a JSON list
+# of [source port, reply source address, entry id].
+UDP_ENTRIES = """
+import json, socket, sys
+from agentd.kernel import netlink as nl, netlink_ct as ct
+from agentd.kernel.netlink_socket import NetlinkSocket
+from agentd.services.conntrack import encode_dump
+ports = set(map(int, sys.argv[1:]))
+answers = NetlinkSocket(protocol=nl.NETLINK_NETFILTER).request(encode_dump(1), what="dump", dump=True)
+print(json.dumps([[ev.orig.sport, ev.reply.src, ev.id] for m, b, s, e in answers
+                  if (ev := ct.decode_event(m, b, s, e)) is not None
+                  and ev.orig.proto == socket.IPPROTO_UDP and ev.orig.sport in ports]))
+"""
+
+
+async def udp_entries(node: Any, *sports: int) -> dict[int, tuple[str, int]]:
+    _, out, _ = await node.ns.aexec(sys.executable, "-c", UDP_ENTRIES, *map(str, sports), timeout=30)
+    return {sport: (reply_src, ident) for sport, reply_src, ident in json.loads(out)}
+
+
+async def test_a_restarted_agent_flushes_the_udp_flows_a_local_policy_keeps_off(world: World):
+    """Both traffic policies turned Local while node1's agent is down: the UDP flows from node3
+    to node1's node port and from client-1 to the cluster IP that went to web-2 (node2) keep
+    their conntrack entries; the restarted agent's first sync flushes them (each path against
+    node1's endpoints only), and the same flows go to web-1 from then on.  The flows that
+    went to web-1 keep their entries."""
+    node1 = world.lab.nodes[0]
+    web1, web2 = world.pods["web-1"].ip, world.pods["web-2"].ip
+
+    def spec(policy: str) -> dict[str, Any]:
+        return {"type": "NodePort", "externalTrafficPolicy": policy, "internalTrafficPolicy": policy,
+                "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30055}]}  # fmt: skip
+
+    async def flows(client: str, ip: str, port: int, sports: range) -> dict[str, int]:
+        """A source port whose flow went to each of web-1 and web-2."""
+        found: dict[str, int] = {}
+        for sport in sports:
+            names = await world.echo[client].udp(ip, port, sport=sport, count=2)
+            if names[0] in ("web-1", "web-2") and names == [names[0]] * 2:
+                found.setdefault(names[0], sport)
+            if len(found) == 2:
+                return found
+        raise AssertionError(f"{client}: no flow to each of web-1 and web-2 in {len(sports)} tries: {found}")
+
+    # The entries must outlive the agent's restart (UDP's 30 s would do, but not on a busy host).
+    timeouts = {key: node1.ns.exec("sysctl", "-n", key).strip()
+                for key in ("net.netfilter.nf_conntrack_udp_timeout", "net.netfilter.nf_conntrack_udp_timeout_stream")}  # fmt: skip
+    slice_ports = [{"name": "dns", "port": 5353, "protocol": "UDP"}]
+    await world.apply(service("restarted", spec("Cluster")),
+                      endpoint_slice("restarted-1", "restarted", _eps(world, ["web-1", "web-2"]), slice_ports))
+    try:
+        for key in timeouts:
+            node1.ns.sysctl(key, 600)
+        vip = await world.vip("restarted")
+        np_flows = await flows("node3", node1.address, 30055, range(22200, 22260))
+        vip_flows = await flows("client-1", vip, 53, range(22300, 22360))
+        sports = [*np_flows.values(), *vip_flows.values()]
+        before = await udp_entries(node1, *sports)
+        assert {before[np_flows["web-1"]][0], before[vip_flows["web-1"]][0]} == {web1}, before
+        assert {before[np_flows["web-2"]][0], before[vip_flows["web-2"]][0]} == {web2}, before
+        await node1.stop_agent()
+        rev = await world.res.apply([service("restarted", spec("Local"))])
+        node1.start_agent()
+        await world.lab.ready.agents_started(60)
+        await world.converged(rev, timeout=60)
+        after = await udp_entries(node1, *sports)
+        # node1's endpoint keeps its entries (the same ones), node2's are gone
+        assert after == {np_flows["web-1"]: before[np_flows["web-1"]], vip_flows["web-1"]: before[vip_flows["web-1"]]}, (before, after)
+        moved = await world.echo["node3"].udp(node1.address, 30055, sport=np_flows["web-2"], count=3)
+        assert moved == ["web-1"] * 3, moved
+        moved = await world.echo["client-1"].udp(vip, 53, sport=vip_flows["web-2"], count=3)
+        assert moved == ["web-1"] * 3, moved
+    finally:
+        for key, value in timeouts.items():
+            node1.ns.sysctl(key, value)
+        if node1.agent_pid() is None:
+            node1.start_agent()
+            await world.lab.ready.agents_started(60)
+        await world.delete("EndpointSlice", "restarted-1")
+        await world.delete("Service", "restarted")
 
 
 async def test_hairpin_a_pod_reaches_itself_through_its_service(world: World):

@@ -13,8 +13,8 @@ from agentd.nft import expr
 from agentd.nft.ruleset import NftChain, NftSet, Ruleset, applied, plan
 from agentd.resources import kinds
 from agentd.services import compiler, model
-from agentd.services.agent import stale_udp
-from agentd.services.conntrack import Stale
+from agentd.services.agent import stale_udp, unusable_udp
+from agentd.services.conntrack import Stale, Unusable
 
 
 def svc(name: str, spec: dict, ns: str = "shop") -> dict:
@@ -615,3 +615,20 @@ def test_a_traffic_policy_turned_local_flushes_the_udp_flows_to_the_other_nodes_
         assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and not stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353)
     assert stale_udp(local, cluster, "n1") == []  # Local -> Cluster: more endpoints, none lost
     assert stale_udp(cluster, local, "n2") == [Stale("192.0.2.1", 5353, *((None, 53, 30053) if policy == "externalTrafficPolicy" else ("10.96.0.10", 53, None)))]
+
+
+@pytest.mark.parametrize("policy", ["externalTrafficPolicy", "internalTrafficPolicy"])
+def test_a_local_path_is_checked_against_this_nodes_endpoints_after_a_restart(policy):
+    # The first sync after start (nothing applied before): each path its own Unusable, a
+    # Local one with this node's endpoints only (the policy may have turned Local while the
+    # agent was down), the other with every usable one.
+    spec = {"type": "NodePort", "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}], policy: "Local"}
+    sl = eps_slice("dns-1", "dns", [{"addresses": ["192.0.2.1"], "nodeName": "n1"}, {"addresses": ["192.0.2.2"], "nodeName": "n2"}],
+                   [{"name": "dns", "port": 5353, "protocol": "UDP"}])  # fmt: skip
+    ports = model.build([svc("dns", spec)], [sl], [])
+    mine, every = frozenset({("192.0.2.1", 5353)}), frozenset({("192.0.2.1", 5353), ("192.0.2.2", 5353)})
+    local_vip, local_np = policy == "internalTrafficPolicy", policy == "externalTrafficPolicy"
+    assert unusable_udp([], ports, "n1", first=True) == [
+        Unusable("10.96.0.10", 53, None, 4, mine if local_vip else every),
+        Unusable(None, 53, 30053, 4, mine if local_np else every),
+    ]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from agentd.datastore.store import Datastore
 from agentd.resources import kinds, manifests
 from agentd.resources.store import ResourceEvent
@@ -119,6 +121,51 @@ async def test_flows_older_than_the_agent_or_the_translation_go_unless_to_a_usab
         assert entries_to_delete(entries, flushed) == [to_live, untranslated]
     finally:
         task.cancel()
+
+
+LOCAL_SERVICE = """\
+apiVersion: v1
+kind: Service
+metadata: {name: stats, namespace: shop}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.20
+  %s
+  ports:
+  - {name: statsd, port: 8125, protocol: UDP, targetPort: 8125, nodePort: 30125}
+"""
+
+
+@pytest.mark.parametrize("policies", [("externalTrafficPolicy",), ("internalTrafficPolicy",),
+                                      ("externalTrafficPolicy", "internalTrafficPolicy"), ()])  # fmt: skip
+async def test_the_first_sync_flushes_a_local_paths_flows_to_the_other_nodes_endpoints(monkeypatch, policies):
+    """A policy turned Local while the agent was down (or before it restarted): on its first
+    sync, node1 judges each path on its own, a Local one against node1's endpoints only.  The
+    flows to node2's endpoint through a Local node port (from outside) or cluster IP go, those
+    through a Cluster path and those to node1's endpoint stay; other ports' flows are left."""
+    flushed: list = []
+    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: flushed.extend(gone) or len(gone))
+    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"))
+    agent.programmer = Programmer()
+    vip, node1, mine, far = "10.96.0.20", "192.168.50.1", "10.244.1.2", "10.244.2.2"
+    objs = {}
+    endpoints = f"- addresses: [{mine}]\n  nodeName: node1\n- addresses: [{far}]\n  nodeName: node2"
+    service = LOCAL_SERVICE % "\n  ".join(f"{p}: Local" for p in policies)
+    for text in (service, SLICE % endpoints):
+        (obj,) = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
+        objs[kinds.identity(obj)] = obj
+    vip_mine = entry("10.244.1.9", 40000, vip, 8125, mine, 8125)
+    vip_far = entry("10.244.1.9", 40001, vip, 8125, far, 8125)
+    np_mine = entry("192.168.50.3", 40002, node1, 30125, mine, 8125)
+    np_far = entry("192.168.50.3", 40003, node1, 30125, far, 8125)
+    others = [entry("10.244.1.9", 40004, "10.96.0.30", 8125, far, 8125), entry("192.168.50.3", 40005, node1, 30126, far, 8125)]
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        await _sync(agent, 5, objs)  # the first sync after start
+    finally:
+        task.cancel()
+    expected = [vip_far] * ("internalTrafficPolicy" in policies) + [np_far] * ("externalTrafficPolicy" in policies)
+    assert entries_to_delete([vip_mine, vip_far, np_mine, np_far, *others], flushed) == expected
 
 
 def two_services(a_ips: tuple[str, ...], b_ips: tuple[str, ...]) -> dict:
