@@ -1674,7 +1674,7 @@ async def test_the_nodes_own_multicast_and_broadcast_from_its_bridge_is_no_pod_f
     assert any(x["src"].get("pod") == "shop/client" and x["dst"].get("pod") == "shop/web" for x in got), got
     own = [x for x in got if x["src"]["ip"] == gateway
            and (ipaddress.ip_address(x["dst"]["ip"]).is_multicast or x["dst"]["ip"] == broadcast)]
-    assert not own, own
+    assert not own, [(x["src"]["ip"], x["dst"]["ip"], x["protocol"], x["event"]) for x in own]
 
 
 # ------------------------------------------------------------------ leave puts conntrack's settings back
