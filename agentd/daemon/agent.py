@@ -346,7 +346,8 @@ class Agent:
             self.services = None
         v6_here = getattr(self.underlay, "interface_v6", None)
         await self.observe.open_flows(self.policy, self.services, self.registry, carried=fast_path, cluster=self.cluster,
-                                      address_v6=v6_here.ip if v6_here is not None else cfg.node.address_v6)
+                                      address_v6=v6_here.ip if v6_here is not None else cfg.node.address_v6,
+                                      subnets=[lease.subnet for lease in self.leases.values()])
         if cfg.flows.enabled and cfg.flows.connections and self.observe.recorder is None:
             # The recorder could not open: nothing needs conntrack to see every connection.
             # Before the policy agent's first sync (its task starts after start-up): as with flows off.

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -40,6 +41,19 @@ def drop_log(cfg: Config) -> DropLog | None:
     return DropLog(f.log_group, f.log_rate, f.log_rate) if f.enabled else None
 
 
+def own_addresses(subnets: Iterable[IPv4Network | IPv6Network]) -> list[IPv4Address | IPv6Address]:
+    """The node's own addresses in its pod subnets, which no pod has: the bridge's (the pods'
+    gateway, the subnet's first host: agentd.cni.netconf) and, IPv4, the subnet's broadcast
+    address.  What the node sends from them to no pod (its bridge's IGMP reports) is no pod's
+    connection."""
+    out: list[IPv4Address | IPv6Address] = []
+    for subnet in subnets:
+        out.append(subnet.network_address + 1)
+        if subnet.version == 4:
+            out.append(subnet.broadcast_address)
+    return out
+
+
 class Observability:
     def __init__(self, cfg: Config, name: str, nodes: Any) -> None:
         """``nodes()``: node name -> address, from the node registry the agent watches."""
@@ -52,12 +66,15 @@ class Observability:
 
     async def open_flows(self, policy: PolicyAgent | None, services: ServiceAgent | None,
                          registry: CollectorRegistry, carried: CarriedCounts | None = None, *,
-                         cluster: ClusterConfig | None = None, address_v6: object | None = None) -> None:
+                         cluster: ClusterConfig | None = None, address_v6: object | None = None,
+                         subnets: Iterable[IPv4Network | IPv6Network] = ()) -> None:
         """``carried``: the pod fast path, which counts what it carries past conntrack.
         ``cluster``: the cluster record the agent follows (etcd's: it wins over this node's
         [network] settings), whose pod networks and Service ranges of its families say which
         connections are pods'; None: this node's own settings.  ``address_v6``: the node's
-        IPv6 address where it knows one ([node] address_v6 else)."""
+        IPv6 address where it knows one ([node] address_v6 else).  ``subnets``: the node's pod
+        subnets (its leases), whose gateway -- the bridge's address -- and IPv4 broadcast address
+        are the node's own, no pod's (:func:`own_addresses`)."""
         cfg = self.cfg
         if not cfg.flows.enabled:
             if hasattr(carried, "set_recording"):  # an earlier agent may have told the programs to record
@@ -86,7 +103,8 @@ class Observability:
                                 carried=carried,
                                 connections=cfg.flows.connections,
                                 # every packet from other nodes' pods passes the wire program
-                                record_remote=cfg.network.backend == "host-gw", mask=FlowMask())
+                                record_remote=cfg.network.backend == "host-gw", mask=FlowMask(),
+                                own=own_addresses(subnets))
         try:
             await asyncio.to_thread(recorder.open)
         except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls)

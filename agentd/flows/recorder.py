@@ -23,7 +23,9 @@ Where the records come from (the kernel, never guessed):
 
 Cost: conntrack tells every listener of every connection, so the agent keeps that cheap.  A
 classic BPF filter on its socket (:func:`agentd.kernel.netlink_ct.event_filter`) lets only
-events of pods' connections through (an address in the pod network or the Services' range);
+events of pods' connections through (an address in the pod network or the Services' range
+that is not the node's own: its bridge's address, the pods' gateway, is in the pod network,
+but what the node sends from it to no pod -- IGMP reports, multicast, broadcast -- is no pod's);
 the socket is read at most every ``CT_INTERVAL`` (one wake-up for many events); a read and
 the reading of its events are one call into C (agentd/kernel/_ctevents.c: recvmmsg, up to 64
 datagrams a system call, each event's addresses read at fixed offsets and its ends named
@@ -61,7 +63,14 @@ import struct
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
+from ipaddress import (
+    IPv4Address,
+    IPv4Network,
+    IPv6Address,
+    IPv6Network,
+    ip_address,
+    ip_network,
+)
 from pathlib import Path
 from typing import Protocol
 
@@ -345,10 +354,14 @@ class FlowRecorder:
         connections: bool = True,
         record_remote: bool = False,
         mask: Mask | None = None,
+        own: Sequence[IPv4Address | IPv6Address] = (),
     ) -> None:
         """``pods``, ``services``: the pod networks and the Services' ranges (either family); a
         conntrack event of a connection with neither end in them, nor named, is the node's own
-        (its IPv4 ones are not even read: the kernel's filter).  ``carried``: the pod fast path's counts.
+        (its IPv4 ones are not even read: the kernel's filter).  ``own``: the node's own
+        addresses inside those (its bridges' addresses, the pods' gateways, and its IPv4 subnet's
+        broadcast address): no pod's, so an event whose only addresses in them are these is the
+        node's own too (its bridge's IGMP reports).  ``carried``: the pod fast path's counts.
         ``connections`` False: drops only -- no conntrack events are asked for (nor the
         sysctls set), so connections cost nothing more than with flows off.  Where ``carried``
         can record connections itself (:class:`Recording`), it records pods' IPv4 TCP
@@ -376,6 +389,8 @@ class FlowRecorder:
         v4 = [n for n in (*pods, *services) if n.version == 4]
         self.prefixes = [(int(n.network_address), int(n.netmask)) for n in v4]  # IPv4, for the kernel's filter and C
         self.networks = tuple(ip_network(n) for n in (*pods, *services))  # both families: the long way
+        self.own = frozenset(ip_address(a) for a in own)  # both families: the long way
+        self._own_packed = frozenset(a.packed for a in self.own if a.version == 4)  # IPv4: Python's loop
         self.connections = connections
         self.carried = carried if connections else None
         # The pod programs, which may record (an earlier agent's told them to): told to stop
@@ -479,7 +494,8 @@ class FlowRecorder:
         try:
             if self.prefixes:
                 try:
-                    sock.attach_filter(ct.event_filter(self.prefixes))
+                    own = sorted(int(a) for a in self.own if a.version == 4)
+                    sock.attach_filter(ct.event_filter(self.prefixes, own=own))
                     self.filtered = True
                 except OSError as err:  # every event is read and sorted here instead
                     log.warning("flows: conntrack events are not filtered in the kernel: %s", err)
@@ -797,6 +813,8 @@ class FlowRecorder:
             assert ct.fast_events is not None
             items, n, _overruns = ct.fast_events.drain(sock.fileno(), CT_BUDGET, self._names, self._name,
                                                        self.prefixes, self.carried is not None)
+            if self._own_packed and not self.filtered:  # the kernel's filter leaves these out
+                items = self._without_own(items)
             self._count_ct_drops()
             self._begin_carried()
             self._on_conntrack_items(items, self.clock())
@@ -904,8 +922,23 @@ class FlowRecorder:
         """A read's datagrams as :data:`Event` s, in C where it is built, else
         :meth:`_decode_here`."""
         if self.fast and ct.fast_events is not None:
-            return ct.fast_events.decode(batch, self._names, self._name, self.prefixes, self.carried is not None)
+            items = ct.fast_events.decode(batch, self._names, self._name, self.prefixes, self.carried is not None)
+            return self._without_own(items) if self._own_packed else items
         return self._decode_here(batch)
+
+    def _without_own(self, items: list[Event | bytes]) -> list[Event | bytes]:
+        """C's events but those whose only addresses in the ranges are the node's own
+        (:attr:`own`; C knows the ranges, not these): where the kernel's filter is not
+        attached, or events not read from the socket."""
+        out: list[Event | bytes] = []
+        for item in items:
+            if type(item) is not bytes and item[2] is None and item[3] is None and item[4] is None:  # type: ignore[index]
+                data, mtype = item[0], item[1]  # type: ignore[index]
+                fields = ct.ipv4_tuples(mtype, data, nl.NLMSG_HDRLEN, len(data))
+                if fields is not None and not self._in_ranges(fields[0], fields[1], fields[5]):
+                    continue
+            out.append(item)
+        return out
 
     def _decode_here(self, batch: list[bytes]) -> list[Event | bytes]:
         """What agentd/kernel/_ctevents.c does, in Python: each datagram of one IPv4 event laid
@@ -931,7 +964,7 @@ class FlowRecorder:
             if n_reply is _UNKNOWN:
                 n_reply = name(reply_src)
             if n_src is None and n_dst is None and n_reply is None and not self._in_ranges(src, dst, reply_src):
-                continue  # the node's own traffic (etcd, BGP)
+                continue  # the node's own traffic (etcd, BGP, its bridge's IGMP reports)
             carry = None
             if mtype == ct.MSG_DELETE and proto == TCP and counting and n_src and n_dst:
                 try:
@@ -1031,8 +1064,12 @@ class FlowRecorder:
             return ident
 
     def _in_ranges(self, *addresses: bytes) -> bool:
-        """Whether any of these IPv4 addresses is in the pods' or the Services' ranges."""
+        """Whether any of these IPv4 addresses is in the pods' or the Services' ranges and not
+        the node's own (:attr:`own`)."""
+        own = self._own_packed
         for address in addresses:
+            if address in own:
+                continue
             value = int.from_bytes(address, "big")
             if any(value & mask == net for net, mask in self.prefixes):
                 return True
@@ -1204,7 +1241,7 @@ class FlowRecorder:
             dst = Peer(orig.dst, orig.dport, names[1])
         if (src_id is None and dst.identity is None and service is None and received is None
                 and not self._ours(orig.src, orig.dst, reply.src)):  # fmt: skip
-            return None  # the node's own traffic (etcd, BGP): not a pod's
+            return None  # the node's own traffic (etcd, BGP, its bridge's IGMP reports): not a pod's
         when = (ev.stop_ns if ev.destroyed else ev.event_ns or ev.start_ns) / 1e9 or received or self.clock()
         flow = Flow(
             time=when, node=self.node, event="end" if ev.destroyed else "new", protocol=protocol_name(orig.proto),
@@ -1229,12 +1266,14 @@ class FlowRecorder:
         return flow
 
     def _ours(self, *addresses: str) -> bool:
-        """Whether any of these addresses is in the pods' or the Services' ranges (a pod's
-        connection, named or not yet)."""
+        """Whether any of these addresses is in the pods' or the Services' ranges and not the
+        node's own (:attr:`own`): a pod's connection, named or not yet."""
         for text in addresses:
             try:
                 address = ip_address(text)
             except ValueError:
+                continue
+            if address in self.own:
                 continue
             if any(address in n for n in self.networks):
                 return True

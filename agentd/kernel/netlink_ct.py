@@ -32,7 +32,7 @@ import errno
 import socket
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from agentd.kernel import netlink as nl
@@ -393,13 +393,16 @@ def _host_word(hi16: int, lo16: int, byteorder: str) -> int:
     return int.from_bytes(hi16.to_bytes(2, byteorder) + lo16.to_bytes(2, byteorder), "big")
 
 
-def event_filter(prefixes: list[tuple[int, int]], byteorder: str = sys.byteorder) -> list[tuple[int, int, int, int]]:
+def event_filter(prefixes: list[tuple[int, int]], byteorder: str = sys.byteorder,
+                 own: Sequence[int] = ()) -> list[tuple[int, int, int, int]]:
     """A classic BPF program (``(code, jt, jf, k)`` instructions) for a socket joined to the
     conntrack event groups: it passes an IPv4 event only when its original source or
     destination, or its reply's source, is in one of ``prefixes`` ((network, mask) as
-    integers); every event laid out otherwise (IPv6, unexpected attributes) passes, for
-    :func:`decode_event` to read.  So the connections of the node itself (etcd, BGP, the
-    host's own) cost the listener nothing."""
+    integers) and is none of ``own`` (the node's own addresses inside them, as integers: its
+    bridge's, the pods' gateway, and its subnet's broadcast address -- no pod's); every event
+    laid out otherwise (IPv6, unexpected attributes) passes, for :func:`decode_event` to read.
+    So the connections of the node itself (etcd, BGP, the host's own; its bridge's IGMP
+    reports, multicast and broadcast) cost the listener nothing."""
     b = _NLMSG_BODY + nl.NFGENMSG_LEN  # the original tuple's attribute
     ip_head = _host_word(20, CTA_TUPLE_IP | _NESTED, byteorder)
     src_head = _host_word(8, CTA_IP_V4_SRC, byteorder)
@@ -410,27 +413,36 @@ def event_filter(prefixes: list[tuple[int, int]], byteorder: str = sys.byteorder
     def op(code: int, k: int = 0, jt: object = 0, jf: object = 0, label: str = "") -> None:
         prog.append((label, code, jt, jf, k))
 
-    def in_prefixes(load: int, offset: int) -> None:
+    def in_prefixes(load: int, offset: int, then: str, label: str = "") -> None:
+        """Accept if the address at ``offset`` is in a prefix and none of ``own``, else go on
+        at ``then`` (``label``: this check's first instruction)."""
         for net, mask in prefixes:
-            op(load, offset)
+            op(load, offset, label=label)
+            label = ""
             op(_AND_K, mask)
-            op(_JEQ_K, net, "accept", 0)
+            if not own:
+                op(_JEQ_K, net, "accept", 0)
+                continue
+            op(_JEQ_K, net, 0, 1 + len(own))  # in it: the node's own, or a pod's
+            op(load, offset)
+            for i, address in enumerate(own):
+                op(_JEQ_K, address, then, "accept" if i == len(own) - 1 else 0)
 
     op(_LD_B_ABS, _NLMSG_BODY)  # nfgen_family
     op(_JEQ_K, socket.AF_INET, 0, "accept")
     for offset, want in ((b + 4, ip_head), (b + 8, src_head), (b + 16, dst_head)):
         op(_LD_W_ABS, offset)
         op(_JEQ_K, want, 0, "accept")
-    in_prefixes(_LD_W_ABS, b + 12)  # original source
-    in_prefixes(_LD_W_ABS, b + 20)  # original destination
-    op(_LD_B_ABS, len_hi)  # the original tuple's length (< 256 as the kernel writes it)
+    in_prefixes(_LD_W_ABS, b + 12, "dst")  # original source
+    in_prefixes(_LD_W_ABS, b + 20, "reply", label="dst")  # original destination
+    op(_LD_B_ABS, len_hi, label="reply")  # the original tuple's length (< 256 as the kernel writes it)
     op(_JEQ_K, 0, 0, "accept")
     op(_LD_B_ABS, len_lo)
     op(_TAX)
     for offset, want in ((b + 4, ip_head), (b + 8, src_head)):
         op(_LD_W_IND, offset)
         op(_JEQ_K, want, 0, "accept")
-    in_prefixes(_LD_W_IND, b + 12)  # the reply's source
+    in_prefixes(_LD_W_IND, b + 12, "drop")  # the reply's source
     op(_RET_K, 0, label="drop")
     op(_RET_K, 0xFFFFFFFF, label="accept")
     where = {label: i for i, (label, *_rest) in enumerate(prog) if label}

@@ -11,6 +11,7 @@ bytes and duration when they end) and the drop rules' NFLOG logs (the policy nam
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import shutil
@@ -1620,6 +1621,60 @@ async def test_a_broken_cluster_follow_is_asked_again_after_the_last_record_it_h
     ports = [r["dst"]["port"] for r in records_]
     assert ports.count(83) >= 1 and ports.index(83) > max(i for i, p in enumerate(ports) if p == 82), ports
     assert len({r["seq"] for r in records_}) == len(records_), records_  # none came twice
+
+
+# ------------------------------------------------------------------ the node's own traffic
+
+
+# From node1's namespace, the node's own packets from its bridge's address (the pods' gateway),
+# to multicast and broadcast addresses, as the node sends them unasked: an IGMP membership report
+# (IGMPv2 on the bridge for the while: sent to the group itself, a tuple conntrack has not seen;
+# IGMPv3's all go to 224.0.0.22, whose entry may be there from before), a UDP datagram to mDNS's
+# group and one to the subnet's broadcast address.
+NODE_MULTICAST = """
+import socket, sys, time
+gateway, broadcast, group, sport = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+j = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+j.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(group) + socket.inet_aton(gateway))
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+u.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(gateway))
+u.bind((gateway, sport))
+u.sendto(b"x", ("224.0.0.251", 5353))
+u.sendto(b"x", (broadcast, 5353))
+time.sleep(1.5)  # the report goes within a second of the join
+"""
+
+
+async def test_the_nodes_own_multicast_and_broadcast_from_its_bridge_is_no_pod_flow(shop):
+    """The bridge's address is in the pod network (the pods' gateway), but what the node sends
+    from it to no pod -- its IGMP reports, multicast, the subnet's broadcast -- is the node's
+    own: no record.  A pod's connection to the gateway and one between pods, made after, are."""
+    node1 = shop.lab.nodes[0]
+    web = shop.pods["web"]
+    addr = node1.ns.exec("ip", "-4", "-o", "addr", "show", "dev", "cni0").split()[3]  # e.g. 10.244.179.1/24
+    gateway, broadcast = addr.split("/")[0], str(ipaddress.ip_interface(addr).network.broadcast_address)
+    group = f"239.77.{os.getpid() % 250 + 1}.{int(time.time()) % 250 + 1}"
+    since = node1.api("/status")["flows"]["seq"]
+    sysctl = "net.ipv4.conf.cni0.force_igmp_version"
+    before = node1.ns.exec("sysctl", "-n", sysctl).strip()
+    node1.ns.sysctl(sysctl, 2)
+    try:
+        await node1.ns.aexec(sys.executable, "-c", NODE_MULTICAST, gateway, broadcast, group, "41399", timeout=30)
+    finally:
+        node1.ns.sysctl(sysctl, before)
+    # A pod's datagram to the gateway (the node's own address, asked by a pod): recorded.
+    await shop.echo["client"].udp(gateway, 5031, 41398, timeout=0.3)
+    await records(node1, "--port", "41398", "--event", "new", want=lambda r: r,
+                  what="node1's record of shop/client -> its gateway")
+    # Read past all of it: a connection between pods, through conntrack's events too.
+    await conntrack_marker(shop.echo["client"], web.ip, node1)
+    got = [x for x in await agentd_flows(node1, "--last", "1000") if x["seq"] > since]
+    assert any(x["src"].get("pod") == "shop/client" and x["dst"]["ip"] == gateway for x in got), got
+    assert any(x["src"].get("pod") == "shop/client" and x["dst"].get("pod") == "shop/web" for x in got), got
+    own = [x for x in got if x["src"]["ip"] == gateway
+           and (ipaddress.ip_address(x["dst"]["ip"]).is_multicast or x["dst"]["ip"] == broadcast)]
+    assert not own, [(x["src"]["ip"], x["dst"]["ip"], x["protocol"], x["event"]) for x in own]
 
 
 # ------------------------------------------------------------------ leave puts conntrack's settings back

@@ -570,6 +570,71 @@ def test_a_pods_connection_is_kept_before_its_pod_is_known():
     assert got == [("10.244.1.9", "8.8.8.8", None), ("8.8.8.8", "10.244.1.9", None), (CLIENT6, "2001:db8::1", None)]
 
 
+GATEWAY, BROADCAST, GATEWAY6 = "10.244.179.1", "10.244.179.255", "fd00:10:244:179::1"  # node2's bridge
+
+
+def generic(src: str, dst: str, proto: int = 2) -> bytes:
+    """A NEW of a protocol conntrack tracks without ports (IGMP's, 2): CTA_PROTO_NUM alone."""
+    def tup(kind: int, a: str, b: str) -> bytes:
+        family = socket.AF_INET6 if ":" in a else socket.AF_INET
+        v4 = family == socket.AF_INET
+        ip = (nl.attr(ct.CTA_IP_V4_SRC if v4 else ct.CTA_IP_V6_SRC, socket.inet_pton(family, a))
+              + nl.attr(ct.CTA_IP_V4_DST if v4 else ct.CTA_IP_V6_DST, socket.inet_pton(family, b)))
+        return nl.nested(kind, nl.nested(ct.CTA_TUPLE_IP, ip), nl.nested(ct.CTA_TUPLE_PROTO, nl.attr(ct.CTA_PROTO_NUM, bytes([proto]))))
+
+    family = socket.AF_INET6 if ":" in src else socket.AF_INET
+    return nl.encode_nfgen(ct.MSG_NEW, 0, 0, family, tup(ct.CTA_TUPLE_ORIG, src, dst) + tup(ct.CTA_TUPLE_REPLY, dst, src))
+
+
+def udp(src: str, dst: str, sport: int, dport: int) -> bytes:
+    return event(ct.MSG_NEW, ct.CtTuple(src, dst, 17, sport, dport), ct.CtTuple(dst, src, 17, dport, sport),
+                 socket.AF_INET6 if ":" in src else socket.AF_INET)
+
+
+# The node's own packets from its bridge's address (in the pod network: the pods' gateway) to no
+# pod -- an IGMP report, mDNS, the subnet's broadcast, the node to itself -- and what pods (named
+# or not yet) send to it or it to them, from it to a Service, from another node's pod.
+NODES_OWN = [generic(GATEWAY, "224.0.0.22"), generic(GATEWAY, "239.77.1.2"), udp(GATEWAY, "224.0.0.251", 5353, 5353),
+             udp(GATEWAY, BROADCAST, 5353, 5353), tcp(GATEWAY, GATEWAY, 40000, 53), tcp("172.30.0.11", GATEWAY, 1, 22)]
+PODS_OWN = [udp("10.244.179.5", GATEWAY, 40000, 53), tcp(GATEWAY, "10.244.179.5", 40001, 8080),
+            udp("10.244.179.5", "224.0.0.251", 5353, 5353), tcp(GATEWAY, "10.96.0.10", 40002, 80, reply_src="10.244.179.6"),
+            tcp("10.244.5.7", GATEWAY, 40003, 9100), tcp("10.244.179.250", "172.30.0.2", 40004, 80)]
+OWN = [ipaddress.ip_address(a) for a in (GATEWAY, BROADCAST, GATEWAY6)]
+
+
+def test_the_filter_leaves_out_the_nodes_own_addresses_in_the_pod_network():
+    own = sorted(int(a) for a in OWN if a.version == 4)
+    prog = ct.event_filter([PODS, SERVICES], own=own)
+    assert len(prog) < 128 and all(j < 256 for _c, jt, jf, _k in prog for j in (jt, jf))
+    assert [run_cbpf(prog, m) for m in NODES_OWN] == [0] * len(NODES_OWN)
+    assert [run_cbpf(prog, m) for m in PODS_OWN] == [0xFFFFFFFF] * len(PODS_OWN)
+    for msg in (TCP_NEW, UDP_NEW, ICMP_NEW, generic(GATEWAY6, "ff02::16", 58)):  # IPv6: the agent sorts it
+        assert run_cbpf(prog, msg) == 0xFFFFFFFF
+    assert run_cbpf(prog, LOOPBACK_NEW) == 0
+    plain = ct.event_filter([PODS, SERVICES])  # no own addresses: the gateway is the pod network's
+    assert run_cbpf(plain, NODES_OWN[0]) == 0xFFFFFFFF
+
+
+def test_the_nodes_own_traffic_from_its_bridge_is_no_record():
+    """What the node sends from its bridge's address to no pod is its own, in the C loop, the
+    Python loop and the long way (no ports: IGMP; IPv6) alike -- also where the kernel's
+    filter is not attached; what pods send to the gateway, or it to them, is recorded."""
+    r = FlowRecorder("node2", Nobody(), "/nonexistent", group=143, clock=lambda: 1000.0,
+                     pods=[ipaddress.IPv4Network("10.244.0.0/16"), ipaddress.IPv6Network("fd00:10:244::/48")],
+                     services=[ipaddress.IPv4Network("10.96.0.0/12")], own=OWN)
+    six_own = [generic(GATEWAY6, "ff02::16", 58), udp(GATEWAY6, "ff02::fb", 5353, 5353)]
+    six_pods = [udp("fd00:10:244:179::5", GATEWAY6, 40005, 53)]
+    feed(r, *NODES_OWN, *six_own, *PODS_OWN, *six_pods)
+    got = [(f.src.ip, f.dst.ip) for f in r.ring]
+    assert got == [("10.244.179.5", GATEWAY), (GATEWAY, "10.244.179.5"), ("10.244.179.5", "224.0.0.251"),
+                   (GATEWAY, "10.96.0.10"), ("10.244.5.7", GATEWAY), ("10.244.179.250", "172.30.0.2"),
+                   ("fd00:10:244:179::5", GATEWAY6)]
+    plain = FlowRecorder("node2", Nobody(), "/nonexistent", group=143, clock=lambda: 1000.0,
+                         pods=[ipaddress.IPv4Network("10.244.0.0/16")])
+    feed(plain, NODES_OWN[0], NODES_OWN[2])  # not told the node's own: the pod network's, as before
+    assert len(plain.ring) == 2
+
+
 def test_the_c_loop_reads_a_socket_in_batches():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with a, b:

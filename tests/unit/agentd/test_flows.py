@@ -2427,3 +2427,13 @@ def test_an_icmpv6_error_whose_header_chain_is_cut_quotes_nothing():
                   "60b7502b0c248bccf9464a7a7cca968058604192202eb60a771919ddb207ae442023317d4c43aeae3adac8ee32fa841afb1602"):
         packet = bytes.fromhex(hexed)
         assert quoted_summary(packet, 0, len(packet)) is None
+
+
+def test_the_nodes_own_addresses_in_its_pod_subnets_are_the_gateway_and_the_broadcast():
+    """What the recorder is told is the node's own, no pod's (agentd.cni.netconf: the bridge
+    takes the subnet's first host)."""
+    from agentd.daemon.observe import own_addresses
+
+    assert own_addresses([IPv4Network("10.244.179.0/24"), IPv6Network("fd00:10:244:179::/64")]) == [
+        IPv4Address("10.244.179.1"), IPv4Address("10.244.179.255"), IPv6Address("fd00:10:244:179::1")]
+    assert own_addresses([]) == []
