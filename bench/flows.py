@@ -418,8 +418,9 @@ async def drop_latency(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], sa
 
 
 # The storm's readings are taken STORM_START seconds into it and take at least 2 s (20 GET
-# /status 0.1 s apart) and then a policy change: a storm shorter than STORM_MIN_SECONDS would
-# end before they do (and one that still does is a BenchError).
+# /status 0.1 s apart) and then POLICY_PROBES policy changes (each some 10-20 ms here): a storm
+# shorter than STORM_MIN_SECONDS would end before they do (and one that still does is a
+# BenchError).
 STORM_START, STORM_MIN_SECONDS = 1.0, 5.0
 
 
@@ -504,7 +505,6 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     runs[mode].append(got)
                     print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
                 loads.append(os.getloadavg()[0])
-            place(lab, echo, placements[0])  # what follows measures the agents where the first placement puts them
             if args.node_cpus:  # the agents' restarts left the steering as it was
                 for cpu, node in enumerate(lab.nodes[:2]):
                     rps = node.ns.exec("sh", "-c", "cat /sys/class/net/eth0/queues/rx-*/rps_cpus").split()
@@ -512,6 +512,9 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                         raise BenchError(f"{node.name}: RPS of eth0 reads {rps} after the rounds, not CPU {cpu}")
             if mode != "on":  # what follows needs recording on, connections and all
                 await restart(lab, True)
+        # What follows (drops, the storms) with the processes where the first placement puts
+        # them -- after each restart: a new agent runs where the bench may, not where the last was.
+        place(lab, echo, placements[0])
         res = await lab.resources()
         await isolate_server(lab, res)
         latency = await drop_latency(lab, pods, echo, args.drops)
@@ -520,6 +523,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
         ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]  # while flows are on: off, /status has none
         await restart(lab, False)  # the same storm with flows off: its own load, apart from recording's
+        place(lab, echo, placements[0])
         storm_off = await storm(lab, pods, res, args.storm_pps, args.storm_seconds, recording=False)
         print(f"[storm, flows off] {storm_off}", file=sys.stderr, flush=True)
         storm_result["off"] = storm_off
@@ -565,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--seconds, --rounds, --storm-pps and --drops must be at least 1")
     if not args.storm_seconds >= STORM_MIN_SECONDS:
         ap.error(f"--storm-seconds must be at least {STORM_MIN_SECONDS:.0f}: the readings during the storm begin "
-                 f"{STORM_START:.0f} s into it and take over 2 s, then a policy change")
+                 f"{STORM_START:.0f} s into it and take over 2 s, then {POLICY_PROBES} policy changes")
     if args.node_cpus and (err := node_cpus_error(os.sched_getaffinity(0))):
         ap.error(err)
     require_root("bench/flows.py")
@@ -583,7 +587,8 @@ def storm_rows(s: dict[str, Any]) -> list[list[str]]:
     off = s.get("off")
     for label, key, fmt in (("GET /status median (ms)", "api_median_ms", "{:.1f}"),
                             ("GET /status worst of 20 (ms)", "api_max_ms", "{:.1f}"),
-                            (f"policy change -> kernel, median of {POLICY_PROBES} (ms)", "policy_ms", "{:.0f}"),
+                            (f"policy change -> kernel, median of {POLICY_PROBES} (ms)" if "policy_max_ms" in s["quiet"]
+                             else "policy change -> kernel (ms)", "policy_ms", "{:.0f}"),
                             (f"policy change -> kernel, worst of {POLICY_PROBES} (ms)", "policy_max_ms", "{:.0f}")):
         if key not in s["quiet"]:
             continue
@@ -671,10 +676,11 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
                    "own load on the 2 cores, nothing recorded" if "off" in s else ""),
                 ["node2's agent", "quiet", "during the storm", "ratio",
                  *(["flows off: quiet", "during", "ratio", "storm: on/off"] if "off" in s else [])], storm_rows(s))
-    failed = {mode: sum(x.get(f"crr_failed_{where}", 0) for x in rs for where in ("across", "same"))
+    failed = {mode: sum(x.get(f"crr_failed_{where}{PLACEMENTS[p]['suffix']}", 0)
+                        for x in rs for where in ("across", "same") for p in placements)
               for mode, rs in runs.items()}
     print_notes("Notes", [
-        f"failed connections (a connect or answer over 2 s; all rounds, across and same node; a run with more than "
+        f"failed connections (a connect or answer over 2 s; all rounds, across and same node, every placement; a run with more than "
         f"{CRR_FAILED_SHARE:.0%} failed stops the bench): " + ", ".join(f"{mode} {n:,}" for mode, n in failed.items()),
         f"drop records kept {s['records']:,}; suppressed in the kernel (nft limit) {s['suppressed_kernel']:,}, by the agent "
         f"{s['suppressed_agent']:,}; lost {s['lost'] or 0}; ring now {s['ring']:,} records",

@@ -234,5 +234,14 @@ def test_an_older_storm_result_has_its_rows_without_flows_off():
     probe = {"api_median_ms": 2.0, "api_max_ms": 3.0, "policy_ms": 10.0, "rss_mb": 80.0}
     rows = flows.storm_rows({"quiet": probe, "during": probe, "rss_after_mb": 80.0})
     assert [r[0] for r in rows] == ["GET /status median (ms)", "GET /status worst of 20 (ms)",
-                                    "policy change -> kernel, median of 5 (ms)", "RSS (MB)"]
+                                    "policy change -> kernel (ms)", "RSS (MB)"]  # one change then
     assert all(len(r) == 4 for r in rows)
+
+
+def test_the_one_cpu_placements_failed_connections_are_in_the_note(capsys):
+    # The review's case: 30 failed in the one-CPU placement printed "off 0".
+    runs = _run([1000] * 3, [990] * 3, one=(1000, 990))
+    runs["off"][1]["crr_failed_across_one"] = 30
+    flows.report(ARGS, _result(runs))
+    note = next(line for line in capsys.readouterr().out.splitlines() if "failed connections" in line)
+    assert "off 30" in note and "on 0" in note
