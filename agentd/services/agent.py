@@ -291,7 +291,8 @@ class ServiceAgent:
             built = {key: list(self._table.compiled(key)) for key in self._table.take_recompiled() | dirty}
             for key, after in sorted(built.items()):
                 gone += stale_udp(self._applied.get(key, []), after, self.node)
-                gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh)
+                gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh,
+                                     short_circuit=tuple(self.pod_subnets.values()))
             translating = self._table.translating()
             try:
                 if translating and self.on_translating is not None:
@@ -438,7 +439,7 @@ def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort], n
 
 
 def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort], node: str | None = None,
-                 *, first: bool = False) -> list[conntrack.Unusable]:
+                 *, first: bool = False, short_circuit: tuple[str, ...] = ()) -> list[conntrack.Unusable]:
     """UDP ports whose flows not going to one of their usable endpoints are to be flushed:
     every one on the ``first`` sync after start (endpoints may have gone while the agent was
     down), else those going from no usable endpoint (or none at all) to some, or with some
@@ -450,8 +451,10 @@ def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort]
     Each path on its own (one :class:`conntrack.Unusable` each), as :func:`stale_udp`: on
     ``node`` a traffic policy Local keeps the cluster IP or the node port (from outside) on
     this node's endpoints, so a flow through it to another node's endpoint goes too (one made
-    before the policy turned Local while the agent was down); a flow to the node port from
-    the node itself, which may still go to any endpoint, is chosen anew."""
+    before the policy turned Local while the agent was down).  A Local node port's flows from
+    ``short_circuit`` (this node's pod subnets), which the node translates to every usable
+    endpoint, keep any of them; one from the node's own address, which may too, is chosen
+    anew."""
     had = {(sp.key, sp.cluster_ip, sp.node_port) for sp in before if sp.usable()}
     out = []
     for sp in after:
@@ -461,8 +464,11 @@ def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort]
             out.append(conntrack.Unusable(sp.cluster_ip, sp.port, None, sp.family,
                                           frozenset((e.ip, e.port) for e in sp.cluster_ip_endpoints(node))))
         if sp.node_port is not None:
+            local = bool(sp.external_local and node is not None and short_circuit)
             out.append(conntrack.Unusable(None, sp.port, sp.node_port, sp.family,
-                                          frozenset((e.ip, e.port) for e in sp.node_port_endpoints(node))))
+                                          frozenset((e.ip, e.port) for e in sp.node_port_endpoints(node)),
+                                          short_circuit=short_circuit if local else (),
+                                          everywhere=frozenset((e.ip, e.port) for e in sp.usable()) if local else frozenset()))
     return out
 
 

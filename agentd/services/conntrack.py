@@ -42,6 +42,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
+from ipaddress import ip_address, ip_network
 
 from agentd.kernel import netlink as nl
 from agentd.kernel.netlink_ct import (
@@ -119,10 +120,28 @@ class Unusable:
     node_port: int | None
     family: int  # 4 or 6
     usable: frozenset[tuple[str, int]] = frozenset()  # (address, port) of each usable endpoint
+    # A node port's flows from these sources (this node's pod subnet) go to ``everywhere``
+    # instead: a Local node port takes every usable endpoint for this node's own pods
+    # (kube-proxy's short-circuit, agentd.services.compiler's ``nodeports`` chain).
+    short_circuit: tuple[str, ...] = ()
+    everywhere: frozenset[tuple[str, int]] = frozenset()
 
     @property
     def af(self) -> int:
         return socket.AF_INET6 if self.family == 6 else nl.AF_INET
+
+    def allowed(self, orig_src: str) -> frozenset[tuple[str, int]]:
+        """The endpoints a flow from ``orig_src`` may go to."""
+        if self.short_circuit and any(_within(orig_src, net) for net in self.short_circuit):
+            return self.everywhere
+        return self.usable
+
+
+def _within(address: str, network: str) -> bool:
+    try:
+        return ip_address(address) in ip_network(network, strict=False)
+    except ValueError:
+        return False
 
 
 Flush = Stale | Unusable
@@ -134,21 +153,21 @@ def entries_to_delete(entries: Iterable[CtEntry], stale: Iterable[Flush]) -> lis
     :class:`Unusable` port not translated to one of its usable endpoints."""
     wanted = [s for s in stale if isinstance(s, Stale)]
     by_vip: dict[tuple[str, int], set[tuple[str, int]]] = {}
-    by_node_port: dict[tuple[bool, int], set[tuple[str, int]]] = {}
+    by_node_port: dict[tuple[bool, int], list[Unusable]] = {}
     for u in stale:
         if isinstance(u, Unusable):
             if u.vip is not None:
                 by_vip.setdefault((u.vip, u.service_port), set()).update(u.usable)
             if u.node_port is not None:
-                by_node_port.setdefault((u.family == 6, u.node_port), set()).update(u.usable)
+                by_node_port.setdefault((u.family == 6, u.node_port), []).append(u)
 
     def unusable(e: CtEntry) -> bool:
         source = (e.reply.src, e.reply.sport)
         usable = by_vip.get((e.orig.dst, e.orig.dport))
         if usable is not None and source not in usable:
             return True
-        usable = by_node_port.get((":" in e.orig.dst, e.orig.dport))
-        return usable is not None and source not in usable
+        ports = by_node_port.get((":" in e.orig.dst, e.orig.dport))
+        return ports is not None and not any(source in u.allowed(e.orig.src) for u in ports)
 
     return [e for e in entries if e.orig.proto == socket.IPPROTO_UDP and (
         (by_vip or by_node_port) and unusable(e)

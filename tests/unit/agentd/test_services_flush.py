@@ -231,3 +231,30 @@ async def test_after_an_etcd_restore_the_applied_revision_follows_etcd_back(monk
         assert agent.revision == 901
     finally:
         task.cancel()
+
+
+async def test_the_first_sync_keeps_a_local_node_ports_flows_from_this_nodes_pods(monkeypatch):
+    """The review's case: a Local node port takes every usable endpoint for this node's own
+    pods (the short-circuit), so their flows to node2's endpoint are the node's own choice and
+    stay after a restart; the same through the node port from outside go."""
+    flushed: list = []
+    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: flushed.extend(gone) or len(gone))
+    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"), pod_subnets={4: "10.244.1.0/24"})
+    agent.programmer = Programmer()
+    node1, mine, far = "192.168.50.1", "10.244.1.2", "10.244.2.2"
+    objs = {}
+    endpoints = f"- addresses: [{mine}]\n  nodeName: node1\n- addresses: [{far}]\n  nodeName: node2"
+    for text in (LOCAL_SERVICE % "externalTrafficPolicy: Local", SLICE % endpoints):
+        (obj,) = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
+        objs[kinds.identity(obj)] = obj
+    from_pod_far = entry("10.244.1.9", 40010, node1, 30125, far, 8125)
+    from_pod_mine = entry("10.244.1.9", 40011, node1, 30125, mine, 8125)
+    from_outside_far = entry("192.168.50.3", 40012, node1, 30125, far, 8125)
+    from_pod_gone = entry("10.244.1.9", 40013, node1, 30125, "10.244.3.3", 8125)  # no endpoint now
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        await _sync(agent, 5, objs)  # the first sync after start
+    finally:
+        task.cancel()
+    got = entries_to_delete([from_pod_far, from_pod_mine, from_outside_far, from_pod_gone], flushed)
+    assert got == [from_outside_far, from_pod_gone]
