@@ -30,8 +30,9 @@ Each mode's run measures two placements of the processes (``--placement``, both 
 * ``one CPU``: the clients, the servers, iperf3's both ends and both agents (every thread)
   on CPU 0: every cycle recording costs -- the programs, conntrack, the agents' reading --
   is taken from the one core the traffic runs on, the strictest reading of its cost, and
-  the rounds agree more closely.  Even so, a veth's receive work runs on the CPU
-that sent, so across nodes the client's CPU also does both nodes' forwarding and the server
+  the rounds agree more closely.
+
+In the split placement, a veth's receive work runs on the CPU that sent, so across nodes the client's CPU also does both nodes' forwarding and the server
 pod's receiving: two hosts' work on one core.  ``--node-cpus`` steers what each node receives
 on its underlay device to its own CPU (RPS, as bench/dataplane.py --node-cpus: node 1 beside
 the client on CPU 0, node 2 beside the server on CPU 1), as on two hosts; traffic on one node
