@@ -136,6 +136,26 @@ spec:
 """
 
 
+async def _first_sync(monkeypatch, policies: tuple[str, ...], mine: str, far: str, **agent_kw) -> list:
+    """node1's first sync after start of LOCAL_SERVICE with ``policies`` Local and endpoints
+    ``mine`` (node1) and ``far`` (node2): what it asked to flush."""
+    flushed: list = []
+    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: flushed.extend(gone) or len(gone))
+    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"), **agent_kw)
+    agent.programmer = Programmer()
+    objs = {}
+    endpoints = f"- addresses: [{mine}]\n  nodeName: node1\n- addresses: [{far}]\n  nodeName: node2"
+    for text in (LOCAL_SERVICE % "\n  ".join(f"{p}: Local" for p in policies), SLICE % endpoints):
+        (obj,) = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
+        objs[kinds.identity(obj)] = obj
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        await _sync(agent, 5, objs)  # the first sync after start
+    finally:
+        task.cancel()
+    return flushed
+
+
 @pytest.mark.parametrize("policies", [("externalTrafficPolicy",), ("internalTrafficPolicy",),
                                       ("externalTrafficPolicy", "internalTrafficPolicy"), ()])  # fmt: skip
 async def test_the_first_sync_flushes_a_local_paths_flows_to_the_other_nodes_endpoints(monkeypatch, policies):
@@ -143,27 +163,13 @@ async def test_the_first_sync_flushes_a_local_paths_flows_to_the_other_nodes_end
     sync, node1 judges each path on its own, a Local one against node1's endpoints only.  The
     flows to node2's endpoint through a Local node port (from outside) or cluster IP go, those
     through a Cluster path and those to node1's endpoint stay; other ports' flows are left."""
-    flushed: list = []
-    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: flushed.extend(gone) or len(gone))
-    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"))
-    agent.programmer = Programmer()
     vip, node1, mine, far = "10.96.0.20", "192.168.50.1", "10.244.1.2", "10.244.2.2"
-    objs = {}
-    endpoints = f"- addresses: [{mine}]\n  nodeName: node1\n- addresses: [{far}]\n  nodeName: node2"
-    service = LOCAL_SERVICE % "\n  ".join(f"{p}: Local" for p in policies)
-    for text in (service, SLICE % endpoints):
-        (obj,) = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
-        objs[kinds.identity(obj)] = obj
+    flushed = await _first_sync(monkeypatch, policies, mine, far)
     vip_mine = entry("10.244.1.9", 40000, vip, 8125, mine, 8125)
     vip_far = entry("10.244.1.9", 40001, vip, 8125, far, 8125)
     np_mine = entry("192.168.50.3", 40002, node1, 30125, mine, 8125)
     np_far = entry("192.168.50.3", 40003, node1, 30125, far, 8125)
     others = [entry("10.244.1.9", 40004, "10.96.0.30", 8125, far, 8125), entry("192.168.50.3", 40005, node1, 30126, far, 8125)]
-    task = asyncio.get_running_loop().create_task(agent._sync_loop())
-    try:
-        await _sync(agent, 5, objs)  # the first sync after start
-    finally:
-        task.cancel()
     expected = [vip_far] * ("internalTrafficPolicy" in policies) + [np_far] * ("externalTrafficPolicy" in policies)
     assert entries_to_delete([vip_mine, vip_far, np_mine, np_far, *others], flushed) == expected
 
@@ -237,24 +243,11 @@ async def test_the_first_sync_keeps_a_local_node_ports_flows_from_this_nodes_pod
     """The review's case: a Local node port takes every usable endpoint for this node's own
     pods (the short-circuit), so their flows to node2's endpoint are the node's own choice and
     stay after a restart; the same through the node port from outside go."""
-    flushed: list = []
-    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: flushed.extend(gone) or len(gone))
-    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"), pod_subnets={4: "10.244.1.0/24"})
-    agent.programmer = Programmer()
     node1, mine, far = "192.168.50.1", "10.244.1.2", "10.244.2.2"
-    objs = {}
-    endpoints = f"- addresses: [{mine}]\n  nodeName: node1\n- addresses: [{far}]\n  nodeName: node2"
-    for text in (LOCAL_SERVICE % "externalTrafficPolicy: Local", SLICE % endpoints):
-        (obj,) = manifests.validate_all(manifests.read(text, "f.yaml"), "f.yaml")
-        objs[kinds.identity(obj)] = obj
+    flushed = await _first_sync(monkeypatch, ("externalTrafficPolicy",), mine, far, pod_subnets={4: "10.244.1.0/24"})
     from_pod_far = entry("10.244.1.9", 40010, node1, 30125, far, 8125)
     from_pod_mine = entry("10.244.1.9", 40011, node1, 30125, mine, 8125)
     from_outside_far = entry("192.168.50.3", 40012, node1, 30125, far, 8125)
     from_pod_gone = entry("10.244.1.9", 40013, node1, 30125, "10.244.3.3", 8125)  # no endpoint now
-    task = asyncio.get_running_loop().create_task(agent._sync_loop())
-    try:
-        await _sync(agent, 5, objs)  # the first sync after start
-    finally:
-        task.cancel()
     got = entries_to_delete([from_pod_far, from_pod_mine, from_outside_far, from_pod_gone], flushed)
     assert got == [from_outside_far, from_pod_gone]
