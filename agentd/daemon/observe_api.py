@@ -394,11 +394,16 @@ async def _local_flows(resp: web.StreamResponse, view: FlowViews, search: LastSe
     stream's last N end with an empty line (a keep-alive to any reader): what came before it
     is the last N, what comes after was followed (a gathering agent tells them apart so).  A
     search after a cursor the ring has wrapped past starts with a ``{"lost": N, "why": ...}``
-    line: N records made after the cursor that this node no longer holds."""
+    line: N records made after the cursor that this node no longer holds.  One after a cursor
+    more than N matching records behind (the last N asked, at most ``MAX_LAST``) says so the
+    same way before its records: N those left out, the oldest after the cursor."""
     if search.scrolled:
         await resp.write(_line({"lost": search.scrolled, "why": "made after the reader's last record, since "
                                 "scrolled out of the node's ring"}))
-    for flow in await view.finish(search):
+    found = await view.finish(search)
+    if search.left_out:
+        await resp.write(_line({"lost": search.left_out, "why": _left_out_why(search.n)}))
+    for flow in found:
         await resp.write(_line(flow.json()))
     if follower is None:
         return
@@ -415,6 +420,11 @@ async def _local_flows(resp: web.StreamResponse, view: FlowViews, search: LastSe
             await resp.write(_line({"lost": follower.lost - lost}))
             lost = follower.lost
         await resp.write(_line(flow.json()))
+
+
+def _left_out_why(n: int) -> str:
+    asked = "" if n == MAX_LAST else f" (this one asked for the last {n})"
+    return f"made after the reader's last record, left out: a resume returns at most the last {MAX_LAST}{asked}"
 
 
 def _last(value: str) -> int:
@@ -600,6 +610,21 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
                     seq = max(seq, number)
         return line if line.endswith(b"\n") else line + b"\n"
 
+    held: list[bytes] = []  # the current answer's {"lost": N} lines, before its next record
+
+    def forward(line: bytes) -> None:
+        """Into ``merge``; a ``{"lost": N}`` line held until the answer's next record comes.  An
+        answer broken before it is asked again after the same record: its new answer says anew
+        what is lost after it (left out, scrolled out, not kept up with), so the held line goes,
+        and no record lost is told twice."""
+        if line.startswith(b'{"lost":'):
+            held.append(line)
+            return
+        for lost in held:
+            merge.put(lost)
+        held.clear()
+        merge.put(line)
+
     def say(message: str) -> None:
         if first is not None and not first.done.is_set():
             first.end(message)
@@ -611,7 +636,7 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
         try:
             if first is None:
                 async for line in cluster.lines(node, path, follow=True, seen=seen):
-                    merge.put(passed(line))
+                    forward(passed(line))
             else:
                 async for line in cluster.lines(node, path, follow=True, blanks=True, seen=seen):
                     take()
@@ -620,7 +645,7 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
                     elif not first.done.is_set():
                         first.add(passed(line))
                     else:
-                        merge.put(passed(line))
+                        forward(passed(line))
             message = f"{node} ended the stream"
         except UnmarkedStream:
             # An older agentd, which does not mark the end of its last N: they are asked apart
@@ -655,6 +680,10 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
             first = None
         take()  # an answer that sent no line
         resumed = bool(ring and resume is not None)
+        if not resumed:  # asked for what follows only: what the held lines say is not said again
+            for lost in held:
+                merge.put(lost)
+        held.clear()
         path = resume(f"{ring}:{seq}") if resumed else again or path  # type: ignore[misc]
         await asyncio.sleep(delay)
         delay = min(RETRY_MAX, delay * 2)

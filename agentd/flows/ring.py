@@ -120,6 +120,10 @@ class LastSearch:
         # Records numbered after ``after`` that the ring no longer holds (it wrapped since): the
         # reader is told how many (matching its filter or not), never left to think it has all.
         self.scrolled = 0 if after is None else max(0, self.first_seq - after - 1)
+        # Matching records after ``after`` older than the last ``n`` (a reader more than ``n``
+        # behind): counted on down to the cursor, so the reader is told how many it does not get.
+        self.counting = after is not None
+        self.left_out = 0
         self.found: list[Flow] = []
         self.index = len(records)  # records[index:] are searched
         self.done = n <= 0
@@ -130,7 +134,11 @@ class LastSearch:
             return True
         stop = max(self.stop_at, self.index - k)
         flt, since, found, first, keep = self.filter, self.since, self.found, self.first_seq, self.keep
-        for i in range(self.index - 1, stop - 1, -1):
+        start = self.index
+        if len(found) >= self.n:  # the last n found after a cursor: the older ones only counted
+            self._count_left_out(start, stop)
+            start = stop
+        for i in range(start - 1, stop - 1, -1):
             entry = self.records[i]
             flow = record(entry, first + i)
             if keep is not None and isinstance(entry, Batch):
@@ -143,12 +151,30 @@ class LastSearch:
             if flt.matches(flow):
                 found.append(flow)
                 if len(found) >= self.n:
-                    self.done = True
+                    if self.counting:
+                        self._count_left_out(i, stop)
+                    else:
+                        self.done = True
                     break
         self.index = stop
         if stop == self.stop_at:
             self.done = True
         return self.done
+
+    def _count_left_out(self, start: int, stop: int) -> None:
+        """Count the matching records of ``records[stop:start]`` into ``left_out``, up to where
+        ``since`` ends the search (made to be matched, not kept made: a reader far behind would
+        otherwise fill the ring with made records)."""
+        flt, since, first = self.filter, self.since, self.first_seq
+        for i in range(start - 1, stop - 1, -1):
+            flow = record(self.records[i], first + i)
+            if since is not None and flow.time < since:
+                if (flow.time if flow.received is None else flow.received) < since - SINCE_SLACK:
+                    self.done = True
+                    return
+                continue
+            if flt.matches(flow):
+                self.left_out += 1
 
     def result(self) -> list[Flow]:
         """What was found, oldest first."""

@@ -1983,7 +1983,7 @@ class _Ring:
         self.did.append("search")
         from types import SimpleNamespace
 
-        return SimpleNamespace(scrolled=0)  # a LastSearch, as far as the handler reads it
+        return SimpleNamespace(scrolled=0, left_out=0)  # a LastSearch, as far as the handler reads it
 
     def cursor(self):
         return "r:0"
@@ -2243,8 +2243,9 @@ class _Resumable:
         header, records = self.answers.pop(0)
         if seen is not None and header is not None:
             seen[RING] = header
-        for seq in records:
-            yield json.dumps({"seq": seq, "time": float(seq), "node": node}, separators=(",", ":")).encode() + b"\n"
+        for seq in records:  # a record's number, or a line as it is ({"lost": N})
+            line = seq if isinstance(seq, dict) else {"seq": seq, "time": float(seq), "node": node}
+            yield json.dumps(line, separators=(",", ":")).encode() + b"\n"
         if not self.answers:
             await asyncio.Event().wait()  # the last answer stays open
         raise OSError(f"{node} unreachable: reset")
@@ -2366,6 +2367,95 @@ async def test_flows_after_a_cursor_are_the_records_made_after_it():
     for query, message in (("after=5", "after: '5' is not a cursor"), ("after=r:x", "after: 'r:x' is not a cursor")):
         resp = await handlers.flows(make_mocked_request("GET", "/flows?" + query))
         assert resp.status == 400 and json.loads(resp.body)["error"].startswith(message)
+
+
+async def test_a_resume_more_than_the_cap_behind_says_how_many_it_left_out(monkeypatch):
+    """A resume returns at most the last MAX_LAST records after the cursor: those older than
+    them that match are told as lost, before the records (N matching ones only), as the wrap's
+    are; at most the cap after the cursor, or no cursor, is no such line."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+    from agentd.flows.views import FlowViews
+
+    monkeypatch.setattr(observe_api, "MAX_LAST", 5)
+
+    class Written:
+        def __init__(self):
+            self.lines = []
+
+        async def write(self, data):
+            self.lines.append(json.loads(data))
+
+    async def answer(search):
+        out = Written()
+        await observe_api._local_flows(out, views, search, None)  # type: ignore[arg-type]
+        return out.lines
+
+    ring = FlowRing(100)
+    for seq in range(1, 31):  # the odd ones to port 80, the even ones to 81
+        ring.add(flow(port=80 + (seq + 1) % 2))
+    views = FlowViews(SimpleNamespace(ring=ring))
+    web = FlowFilter.parse([("port", "80")])
+    why = "made after the reader's last record, left out: a resume returns at most the last 5"
+    # After 10: 11, 13 ... 29 match (10 of them), the last 5 returned, 5 left out.
+    lines = await answer(views.search(web, observe_api.MAX_LAST, after=f"{ring.id}:10"))
+    assert lines[0] == {"lost": 5, "why": why}
+    assert [x["seq"] for x in lines[1:]] == [21, 23, 25, 27, 29]
+    lines = await answer(views.search(FlowFilter(), observe_api.MAX_LAST, after=f"{ring.id}:10"))
+    assert lines[0] == {"lost": 15, "why": why}  # every record matches: 20 after the cursor
+    assert [x["seq"] for x in lines[1:]] == [26, 27, 28, 29, 30]
+    for after in (20, 21, 28, 30):  # 5, 4, 1, 0 matching after it: all returned, nothing said
+        lines = await answer(views.search(web, observe_api.MAX_LAST, after=f"{ring.id}:{after}"))
+        assert [x["seq"] for x in lines] == list(range(after + 1 + after % 2, 30, 2)), after  # no lost line
+    lines = await answer(views.search(web, observe_api.MAX_LAST))  # the last N, no cursor: no gap to tell
+    assert [x["seq"] for x in lines] == [21, 23, 25, 27, 29]
+    lines = await answer(views.search(web, 2, after=f"{ring.id}:10"))  # a reader's own smaller last
+    assert lines[0] == {"lost": 8, "why": why + " (this one asked for the last 2)"}
+    # since still ends the search: only what was asked for is counted.
+    for f in ring:
+        f.time = float(f.seq)
+    lines = await answer(views.search(web, observe_api.MAX_LAST, since=15.0, after=f"{ring.id}:10"))
+    assert lines[0] == {"lost": 3, "why": why} and [x["seq"] for x in lines[1:]] == [21, 23, 25, 27, 29]
+    # Wrapped past the cursor as well: both told, the scrolled ones first.
+    for _ in range(80):
+        ring.add(flow(port=80))
+    lines = await answer(views.search(web, observe_api.MAX_LAST, after=f"{ring.id}:5"))
+    assert lines[0]["lost"] == 5 and "scrolled out" in lines[0]["why"]  # 6-10 are gone: the ring holds 11-110
+    assert lines[1] == {"lost": 10 + 75, "why": why}  # 11, 13 ... 29 and 31-105 left out
+    assert [x["seq"] for x in lines[2:]] == [106, 107, 108, 109, 110]
+
+
+async def test_a_gatherer_tells_a_resumes_lost_line_once_and_resumes_after_the_last_record_it_got(monkeypatch):
+    """A resume answer's {"lost": N} line (left out or scrolled out) is passed on before its
+    first record; broken off before that record, the stream is resumed after the same record,
+    whose new answer tells what is lost anew: the first line is not told as well.  The cursor
+    moves with the records that came, never past the ones left out."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from agentd.daemon import observe_api
+
+    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
+    why = "made after the reader's last record, left out: a resume returns at most the last 100000"
+    node = _Resumable([("r1:10", [11, 12]), ("r1:20", [{"lost": 3, "why": why}]),
+                       ("r1:22", [{"lost": 5, "why": why}, 18, 19, 20]), ("r1:22", [21, 22])])
+    merge = observe_api._Merge()
+
+    def resume(cursor):
+        return "/flows?" + observe_api.urlencode([("node", "node2"), ("after", cursor), ("last", "100000"), ("follow", "1")])
+
+    task = asyncio.create_task(observe_api._pump_remote(node, "node2", "/flows?node=node2&last=0&follow=1", merge,
+                                                        again="/flows?node=node2&last=0&follow=1", resume=resume))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [parse_qs(urlsplit(p).query).get("after", [None])[0] for p in node.paths] == [None, "r1:12", "r1:12", "r1:20"]
+    lines = [json.loads(line) for line in (merge.queue.get_nowait() for _ in range(merge.queue.qsize()))]
+    said = [x["seq"] if "seq" in x else x.get("lost", x.get("error")) for x in lines]
+    assert said == [11, 12, "node2 unreachable: reset", 5, 18, 19, 20, 21, 22]
+    assert lines[3] == {"lost": 5, "why": why}
 
 
 def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_the_node_sends():
