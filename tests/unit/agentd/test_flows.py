@@ -2251,18 +2251,15 @@ class _Resumable:
         raise OSError(f"{node} unreachable: reset")
 
 
-async def test_a_broken_followed_stream_is_asked_again_after_the_last_record_it_sent(monkeypatch):
+async def _pumped(monkeypatch, answers) -> tuple[list, list[dict]]:
+    """node2's followed stream pumped from a :class:`_Resumable` answering ``answers`` until
+    they run out: the ``after`` cursor of each request made, and the lines merged."""
     from urllib.parse import parse_qs, urlsplit
 
     from agentd.daemon import observe_api
 
     monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
-    # Follow began after the node's record 10; 11 and 12 came, the stream broke, the node made
-    # 13 and 14 meanwhile: the stream asked again after 12 gets 13, 14 and what follows, each once.
-    # A resumed answer broken before any record is resumed after the same record again (its
-    # header counts the gap it had yet to send); a node that restarted (another ring) numbers
-    # from 1 again.
-    node = _Resumable([("r1:10", [11, 12]), ("r1:14", [13, 14]), ("r1:15", []), ("r2:0", [1, 2])])
+    node = _Resumable(answers)
     merge = observe_api._Merge()
 
     def resume(cursor):
@@ -2276,38 +2273,27 @@ async def test_a_broken_followed_stream_is_asked_again_after_the_last_record_it_
     with pytest.raises(asyncio.CancelledError):
         await task
     afters = [parse_qs(urlsplit(p).query).get("after", [None])[0] for p in node.paths]
+    return afters, [json.loads(line) for line in (merge.queue.get_nowait() for _ in range(merge.queue.qsize()))]
+
+
+async def test_a_broken_followed_stream_is_asked_again_after_the_last_record_it_sent(monkeypatch):
+    # Follow began after the node's record 10; 11 and 12 came, the stream broke, the node made
+    # 13 and 14 meanwhile: the stream asked again after 12 gets 13, 14 and what follows, each once.
+    # A resumed answer broken before any record is resumed after the same record again (its
+    # header counts the gap it had yet to send); a node that restarted (another ring) numbers
+    # from 1 again.
+    afters, lines = await _pumped(monkeypatch, [("r1:10", [11, 12]), ("r1:14", [13, 14]), ("r1:15", []), ("r2:0", [1, 2])])
     assert afters == [None, "r1:12", "r1:14", "r1:14"]
-    seqs = [json.loads(line)["seq"] for line in (merge.queue.get_nowait() for _ in range(merge.queue.qsize()))
-            if b'"seq"' in line]
-    assert seqs == [11, 12, 13, 14, 1, 2]
+    assert [x["seq"] for x in lines if "seq" in x] == [11, 12, 13, 14, 1, 2]
 
 
 async def test_a_resume_broken_in_the_middle_of_its_gap_is_resumed_after_what_came(monkeypatch):
     """The answer to a resume starts with the gap (the records after the cursor, up to where its
     follow began: its header): broken off after part of it, the next resume asks after the last
     record that came, not after the header's number (the rest of the gap was never sent)."""
-    from urllib.parse import parse_qs, urlsplit
-
-    from agentd.daemon import observe_api
-
-    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
-    node = _Resumable([("r1:10", [11]), ("r1:14", [12]), ("r1:14", [13, 14, 15])])
-    merge = observe_api._Merge()
-
-    def resume(cursor):
-        return "/flows?" + observe_api.urlencode([("node", "node2"), ("after", cursor), ("last", "100000"), ("follow", "1")])
-
-    task = asyncio.create_task(observe_api._pump_remote(node, "node2", "/flows?node=node2&last=0&follow=1", merge,
-                                                        again="/flows?node=node2&last=0&follow=1", resume=resume))
-    for _ in range(50):
-        await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert [parse_qs(urlsplit(p).query).get("after", [None])[0] for p in node.paths] == [None, "r1:11", "r1:12"]
-    seqs = [json.loads(line)["seq"] for line in (merge.queue.get_nowait() for _ in range(merge.queue.qsize()))
-            if b'"seq"' in line]
-    assert seqs == [11, 12, 13, 14, 15]
+    afters, lines = await _pumped(monkeypatch, [("r1:10", [11]), ("r1:14", [12]), ("r1:14", [13, 14, 15])])
+    assert afters == [None, "r1:11", "r1:12"]
+    assert [x["seq"] for x in lines if "seq" in x] == [11, 12, 13, 14, 15]
 
 
 async def test_flows_after_a_cursor_are_the_records_made_after_it():
@@ -2431,28 +2417,10 @@ async def test_a_gatherer_tells_a_resumes_lost_line_once_and_resumes_after_the_l
     first record; broken off before that record, the stream is resumed after the same record,
     whose new answer tells what is lost anew: the first line is not told as well.  The cursor
     moves with the records that came, never past the ones left out."""
-    from urllib.parse import parse_qs, urlsplit
-
-    from agentd.daemon import observe_api
-
-    monkeypatch.setattr(observe_api, "RETRY_FIRST", 0.0)
     why = "made after the reader's last record, left out: a resume returns at most the last 100000"
-    node = _Resumable([("r1:10", [11, 12]), ("r1:20", [{"lost": 3, "why": why}]),
-                       ("r1:22", [{"lost": 5, "why": why}, 18, 19, 20]), ("r1:22", [21, 22])])
-    merge = observe_api._Merge()
-
-    def resume(cursor):
-        return "/flows?" + observe_api.urlencode([("node", "node2"), ("after", cursor), ("last", "100000"), ("follow", "1")])
-
-    task = asyncio.create_task(observe_api._pump_remote(node, "node2", "/flows?node=node2&last=0&follow=1", merge,
-                                                        again="/flows?node=node2&last=0&follow=1", resume=resume))
-    for _ in range(50):
-        await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert [parse_qs(urlsplit(p).query).get("after", [None])[0] for p in node.paths] == [None, "r1:12", "r1:12", "r1:20"]
-    lines = [json.loads(line) for line in (merge.queue.get_nowait() for _ in range(merge.queue.qsize()))]
+    afters, lines = await _pumped(monkeypatch, [("r1:10", [11, 12]), ("r1:20", [{"lost": 3, "why": why}]),
+                                                ("r1:22", [{"lost": 5, "why": why}, 18, 19, 20]), ("r1:22", [21, 22])])
+    assert afters == [None, "r1:12", "r1:12", "r1:20"]
     said = [x["seq"] if "seq" in x else x.get("lost", x.get("error")) for x in lines]
     assert said == [11, 12, "node2 unreachable: reset", 5, 18, 19, 20, 21, 22]
     assert lines[3] == {"lost": 5, "why": why}
