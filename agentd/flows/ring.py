@@ -144,7 +144,7 @@ class LastSearch:
             if keep is not None and isinstance(entry, Batch):
                 keep(first + i, entry, flow)
             if since is not None and flow.time < since:
-                if (flow.time if flow.received is None else flow.received) < since - SINCE_SLACK:
+                if self._past_since(flow):
                     self.done = True
                     break
                 continue
@@ -169,12 +169,18 @@ class LastSearch:
         for i in range(start - 1, stop - 1, -1):
             flow = record(self.records[i], first + i)
             if since is not None and flow.time < since:
-                if (flow.time if flow.received is None else flow.received) < since - SINCE_SLACK:
+                if self._past_since(flow):
                     self.done = True
                     return
                 continue
             if flt.matches(flow):
                 self.left_out += 1
+
+    def _past_since(self, flow: Flow) -> bool:
+        """Whether a record timed before ``since`` ends the search (``SINCE_SLACK``): it was
+        received more than the slack before ``since``; else it is only skipped."""
+        assert self.since is not None
+        return (flow.time if flow.received is None else flow.received) < self.since - SINCE_SLACK
 
     def result(self) -> list[Flow]:
         """What was found, oldest first."""
