@@ -51,7 +51,9 @@ median and worst), RSS before and after, and what was recorded and suppressed; a
 ends before these readings do stops the bench.  Then the agents restart with flows off and
 the same storm runs again, measured alike: 100,000 packets a second keep the 2 cores' softirq
 busy whatever records them, so "during the storm, recording on / flows off" is what
-recording the storm costs the agent's other work.  Goal: neither slower nor bigger.
+recording the storm costs the agent's other work.  ``--storms`` such pairs (3 by default, in
+the order on,off / off,on by turns), every sample of one mode pooled: one storm's 5 policy
+changes of 10-20 ms each cannot tell a slowdown of a fifth.  Goal: neither slower nor bigger.
 
 ``drop -> followed stream``: with recording on and the server isolated, the client on node2
 that the policy denies connects to a new port of the server ``--drops`` times; for each, the
@@ -311,7 +313,10 @@ async def applied(node: Any, revision: int, what: str, *, timeout: float = 60, i
 POLICY_PROBES = 5  # policy changes a probe times, one after another (the median is its figure)
 
 
-async def agent_probe(lab: Lab, res: Any, k: int) -> dict[str, float]:
+async def agent_probe(lab: Lab, res: Any, k: int | str) -> dict[str, Any]:
+    """node2's agent: 20 GET /status 0.1 s apart, then POLICY_PROBES policy changes (``k``
+    names them); medians and worst, and every sample (``api_ms``, ``policies_ms``: storms
+    repeated pool them)."""
     node2 = lab.nodes[1]
     lat = []
     for _ in range(20):
@@ -322,6 +327,7 @@ async def agent_probe(lab: Lab, res: Any, k: int) -> dict[str, float]:
     policy = [await policy_latency(lab, res, f"{k}-{i}") for i in range(POLICY_PROBES)]
     return {"api_median_ms": statistics.median(lat) * 1000, "api_max_ms": max(lat) * 1000,
             "policy_ms": statistics.median(policy) * 1000, "policy_max_ms": max(policy) * 1000,
+            "api_ms": [x * 1000 for x in lat], "policies_ms": [x * 1000 for x in policy],
             "rss_mb": rss_mb(node2.agent_pid())}
 
 
@@ -426,19 +432,20 @@ STORM_START, STORM_MIN_SECONDS = 1.0, 5.0
 
 
 async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: float, *,
-                recording: bool = True) -> dict[str, Any]:
+                recording: bool = True, name: str = "") -> dict[str, Any]:
     """The drop storm, node2's agent measured quiet and during it; ``recording`` False: with
-    flows off (the same storm's own load on the machine, nothing recorded)."""
-    k = 0 if recording else 2  # the probes' policy names: each change a new one
+    flows off (the same storm's own load on the machine, nothing recorded); ``name``: this
+    storm's among several (its policy changes' names: each change a new one)."""
+    k = f"{name}{'on' if recording else 'off'}"
     await isolate_server(lab, res)
-    quiet = await agent_probe(lab, res, k)
+    quiet = await agent_probe(lab, res, f"{k}-quiet")
     before = lab.nodes[1].api("/status")["flows"] if recording else None
     proc = await asyncio.create_subprocess_exec(
         "ip", "netns", "exec", pods["local"].ns.name, sys.executable, "-c", STORM, pods["server"].ip, str(pps), str(seconds),
         stdout=asyncio.subprocess.PIPE)  # fmt: skip
     try:
         await asyncio.sleep(STORM_START)
-        during = await agent_probe(lab, res, k + 1)
+        during = await agent_probe(lab, res, f"{k}-storm")
         if proc.returncode is not None:  # then some of "during" was measured after the storm
             raise BenchError(f"the storm ended (the sender exited {proc.returncode}) before node2's agent was "
                              "measured during it: give a longer --storm-seconds")
@@ -520,14 +527,20 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         await isolate_server(lab, res)
         latency = await drop_latency(lab, pods, echo, args.drops)
         print(f"[drop latency] {latency}", file=sys.stderr, flush=True)
-        storm_result = await storm(lab, pods, res, args.storm_pps, args.storm_seconds)
-        print(f"[storm] {storm_result}", file=sys.stderr, flush=True)
         ring_size = lab.nodes[0].api("/status")["flows"]["ring_size"]  # while flows are on: off, /status has none
-        await restart(lab, False)  # the same storm with flows off: its own load, apart from recording's
-        place(lab, echo, placements[0])
-        storm_off = await storm(lab, pods, res, args.storm_pps, args.storm_seconds, recording=False)
-        print(f"[storm, flows off] {storm_off}", file=sys.stderr, flush=True)
-        storm_result["off"] = storm_off
+        # The storm recorded, and the same storm with flows off (its own load, apart from
+        # recording's), --storms times each, in the order on,off / off,on by turns.
+        storms: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+        recording = True  # as the drop latency left the agents
+        for i, on in enumerate(storm_order(args.storms)):
+            if on != recording:
+                await restart(lab, on)
+                place(lab, echo, placements[0])
+                recording = on
+            got = await storm(lab, pods, res, args.storm_pps, args.storm_seconds, recording=on, name=f"s{i}-")
+            print(f"[storm {i + 1}, flows {'on' if on else 'off'}] {got}", file=sys.stderr, flush=True)
+            storms["on" if on else "off"].append(got)
+        storm_result = {**storms["on"][0], "off": storms["off"][0], "repeats": storms}
         return {"runs": runs, "loads": loads, "bridge_nf": bridge_nf, "storm": storm_result, "drop_latency": latency, "ring_bytes": ring_memory(ring_size),
                 "ring_size": ring_size, "ring_bytes_deferred": ring_memory(ring_size, deferred=True),
                 "ring_bytes_recorded": ring_memory(ring_size, recorded=True)}
@@ -553,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storm-pps", type=int, default=100_000, help="denied packets a second (default 100000)")
     ap.add_argument("--storm-seconds", type=float, default=5.0,
                     help=f"length of the storm, at least {STORM_MIN_SECONDS:.0f} (default 5)")
+    ap.add_argument("--storms", type=int, default=3,
+                    help="storm pairs, each a storm recorded and the same with flows off (default 3)")
     ap.add_argument("--drops", type=int, default=20, help="denied connections timed to the followed streams (default 20)")
     ap.add_argument("--no-bridge-nf", action="store_true",
                     help="bridge-nf-call-iptables = 0 in the nodes' namespaces (as on a host without br_netfilter): flow "
@@ -563,11 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placement", choices=("both", *PLACEMENTS), default="both",
                     help="split: clients on CPU 0, servers on CPU 1, the agents where the scheduler puts them; one: "
                          "clients, servers and both agents on CPU 0; both (default): each mode's run measures both")
-    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "drops": 5})
+    args = parse_bench_args(ap, argv, name="flows", quick={"seconds": 3.0, "rounds": 1, "drops": 5, "storms": 1})
     if args.node_cpus and args.placement != "split":
         ap.error("--node-cpus steers node 2's received packets to CPU 1: it goes with --placement split only")
-    if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1 or args.drops < 1:
-        ap.error("--seconds, --rounds, --storm-pps and --drops must be at least 1")
+    if args.seconds < 1 or args.rounds < 1 or args.storm_pps < 1 or args.drops < 1 or args.storms < 1:
+        ap.error("--seconds, --rounds, --storm-pps, --storms and --drops must be at least 1")
     if not args.storm_seconds >= STORM_MIN_SECONDS:
         ap.error(f"--storm-seconds must be at least {STORM_MIN_SECONDS:.0f}: the readings during the storm begin "
                  f"{STORM_START:.0f} s into it and take over 2 s, then {POLICY_PROBES} policy changes")
@@ -581,9 +596,57 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def storm_order(pairs: int) -> list[bool]:
+    """The storms' order, True recording: a pair each, on,off then off,on by turns (so that
+    neither mode always comes first, and a restart is saved between pairs)."""
+    return [on for k in range(pairs) for on in ((True, False) if k % 2 == 0 else (False, True))]
+
+
+def _pooled(storms: list[dict[str, Any]], phase: str, samples: str, worst: bool) -> float:
+    values = [x for st in storms for x in st[phase][samples]]
+    return max(values) if worst else statistics.median(values)
+
+
+def repeated_storm_rows(reps: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+    """storm_rows() of --storms pairs: every sample of the storms of one mode pooled (medians
+    and worst of them all); RSS at the first storm's start and after the last."""
+    on, off = reps["on"], reps["off"]
+    rows = []
+    for what, samples, fmt in (("GET /status", "api_ms", "{:.1f}"), ("policy change -> kernel", "policies_ms", "{:.0f}")):
+        n = sum(len(st["during"][samples]) for st in on)
+        for worst in (False, True):
+            q, d = _pooled(on, "quiet", samples, worst), _pooled(on, "during", samples, worst)
+            oq, od = _pooled(off, "quiet", samples, worst), _pooled(off, "during", samples, worst)
+            rows.append([f"{what}, {'worst' if worst else 'median'} of {n} (ms)", fmt.format(q), fmt.format(d),
+                         f"{d / q:.2f}x", fmt.format(oq), fmt.format(od), f"{od / oq:.2f}x", f"{d / od:.2f}x"])
+    first, last = on[0]["quiet"]["rss_mb"], on[-1]["rss_after_mb"]
+    ofirst, olast = off[0]["quiet"]["rss_mb"], off[-1]["rss_after_mb"]
+    rows.append(["RSS (MB), first storm's start and after the last", f"{first:.1f}", f"{last:.1f} (after)",
+                 f"{last / first:.2f}x", f"{ofirst:.1f}", f"{olast:.1f} (after)", f"{olast / ofirst:.2f}x", ""])
+    return rows
+
+
+def storm_pairs_note(reps: dict[str, list[dict[str, Any]]]) -> str:
+    """Each pair's own figure: the median policy change during the storm, recording on / flows off."""
+    pairs = [f"{a['during']['policy_ms'] / b['during']['policy_ms']:.2f}x" for a, b in zip(reps["on"], reps["off"])]
+    return (f"storms, {len(pairs)} pair(s): the median policy change during the storm, recording on / flows off, "
+            f"pair by pair: {', '.join(pairs)}")
+
+
+def lost_text(lost: Any) -> str:
+    """/status's flows ``lost``: a count, or one per source ({"programs": 0}); none: 0."""
+    if isinstance(lost, dict):
+        return ", ".join(f"{k} {v:,}" for k, v in lost.items()) or "0"
+    return f"{lost or 0:,}"
+
+
 def storm_rows(s: dict[str, Any]) -> list[list[str]]:
     """The storm table's rows: recording on, quiet and during the storm; with flows off too
-    (results of older runs have neither it nor the worst policy change)."""
+    (results of older runs have neither it nor the worst policy change); storms repeated
+    (--storms) pooled."""
+    reps = s.get("repeats")
+    if reps and reps["off"] and all("api_ms" in st["quiet"] for mode in reps.values() for st in mode):
+        return repeated_storm_rows(reps)
     rows = []
     off = s.get("off")
     for label, key, fmt in (("GET /status median (ms)", "api_median_ms", "{:.1f}"),
@@ -672,9 +735,17 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
                   "met" if max(lat[key]) <= 1.0 else "NOT met"]
                  for label, key in (("node2's own", "node"), ("node1's, gathering every node", "cluster"))])  # fmt: skip
     s = r["storm"]
-    print_table(f"Drop storm: {s['sent']:,} denied UDP packets at {s['pps']:,.0f}/s into node2's isolated server pod"
-                + (f"; then the same storm with flows off ({s['off']['sent']:,} at {s['off']['pps']:,.0f}/s): the storm's "
-                   "own load on the 2 cores, nothing recorded" if "off" in s else ""),
+    reps = s.get("repeats") or {"on": [s], "off": [s["off"]] if "off" in s else []}
+    sent, pps = sum(x["sent"] for x in reps["on"]), statistics.median(x["pps"] for x in reps["on"])
+    title = (f"Drop storm: {len(reps['on'])} storm(s) of {sent // len(reps['on']):,} denied UDP packets at {pps:,.0f}/s into "
+             "node2's isolated server pod" if len(reps["on"]) > 1 else
+             f"Drop storm: {s['sent']:,} denied UDP packets at {s['pps']:,.0f}/s into node2's isolated server pod")
+    if reps["off"]:
+        title += (f"; the same storm with flows off ({len(reps['off'])} time(s), "
+                  f"{statistics.median(x['pps'] for x in reps['off']):,.0f}/s): the storm's own load on the 2 cores, "
+                  "nothing recorded" + ("; in the order on,off / off,on by turns, every sample pooled"
+                                        if len(reps["on"]) > 1 else ""))
+    print_table(title,
                 ["node2's agent", "quiet", "during the storm", "ratio",
                  *(["flows off: quiet", "during", "ratio", "storm: on/off"] if "off" in s else [])], storm_rows(s))
     failed = {mode: sum(x.get(f"crr_failed_{where}{PLACEMENTS[p]['suffix']}", 0)
@@ -683,8 +754,11 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     print_notes("Notes", [
         f"failed connections (a connect or answer over 2 s; all rounds, across and same node, every placement; a run with more than "
         f"{CRR_FAILED_SHARE:.0%} failed stops the bench): " + ", ".join(f"{mode} {n:,}" for mode, n in failed.items()),
-        f"drop records kept {s['records']:,}; suppressed in the kernel (nft limit) {s['suppressed_kernel']:,}, by the agent "
-        f"{s['suppressed_agent']:,}; lost {s['lost'] or 0}; ring now {s['ring']:,} records",
+        (f"storms recorded, together: drop records kept {sum(x['records'] for x in reps['on']):,}; suppressed in the "
+         f"kernel (nft limit) {sum(x['suppressed_kernel'] for x in reps['on']):,}, by the agent "
+         f"{sum(x['suppressed_agent'] for x in reps['on']):,}; lost {lost_text(reps['on'][-1]['lost'])}; ring after the last "
+         f"{reps['on'][-1]['ring']:,} records"),
+        *([storm_pairs_note(reps)] if len(reps["on"]) > 1 and reps["off"] else []),
         f"ring memory per node: {r['ring_bytes'] / 1e6:.1f} MB for {r['ring_size']:,} records read "
         f"({r['ring_bytes'] / r['ring_size']:.0f} bytes each, tracemalloc, 50 pods); "
         f"{r['ring_bytes_deferred'] / 1e6:.1f} MB unread ({r['ring_bytes_deferred'] / r['ring_size']:.0f} bytes each: "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -245,3 +246,47 @@ def test_the_one_cpu_placements_failed_connections_are_in_the_note(capsys):
     flows.report(ARGS, _result(runs))
     note = next(line for line in capsys.readouterr().out.splitlines() if "failed connections" in line)
     assert "off 30" in note and "on 0" in note
+
+
+def test_storm_pairs_turn_their_order_round():
+    assert flows.storm_order(1) == [True, False]
+    assert flows.storm_order(3) == [True, False, False, True, True, False]
+
+
+def _probe(api, policies, rss=80.0):
+    return {"api_median_ms": statistics.median(api), "api_max_ms": max(api), "policy_ms": statistics.median(policies),
+            "policy_max_ms": max(policies), "api_ms": api, "policies_ms": policies, "rss_mb": rss}
+
+
+def test_repeated_storms_pool_every_sample_of_a_mode():
+    # One storm's 5 policy changes could not tell a fifth; pairs pool theirs, per mode.
+    on = [{"quiet": _probe([1.0, 1.0], [10.0] * 5, 80.0), "during": _probe([2.0, 2.0], [10.0, 11, 12, 13, 30]),
+           "rss_after_mb": 81.0},
+          {"quiet": _probe([1.0, 1.0], [10.0] * 5), "during": _probe([2.0, 4.0], [12.0] * 5), "rss_after_mb": 82.0}]
+    off = [{"quiet": _probe([1.0, 1.0], [10.0] * 5, 70.0), "during": _probe([2.0, 2.0], [10.0] * 5), "rss_after_mb": 70.0},
+           {"quiet": _probe([1.0, 1.0], [10.0] * 5), "during": _probe([2.0, 2.0], [11.0] * 5), "rss_after_mb": 71.0}]
+    rows = {row[0]: row for row in flows.storm_rows({"quiet": on[0]["quiet"], "during": on[0]["during"],
+                                                      "rss_after_mb": 81.0, "off": off[0],
+                                                      "repeats": {"on": on, "off": off}})}
+    # on during: 10,11,12,13,30,12x5 -> median 12; off during: 10x5, 11x5 -> median 10.5
+    assert rows["policy change -> kernel, median of 10 (ms)"][1:] == ["10", "12", "1.20x", "10", "10", "1.05x", "1.14x"]
+    assert rows["policy change -> kernel, worst of 10 (ms)"][2] == "30"
+    assert rows["GET /status, worst of 4 (ms)"][2] == "4.0"
+    assert rows["RSS (MB), first storm's start and after the last"][1:4] == ["80.0", "82.0 (after)", "1.02x"]
+    note = flows.storm_pairs_note({"on": on, "off": off})
+    assert "1.20x, 1.09x" in note  # pair 1: 12/10; pair 2: 12/11
+
+
+def test_the_report_of_repeated_storms_counts_every_storms_records(capsys):
+    result = _result(_run([1000] * 3, [990] * 3))
+    storm = dict(result["storm"], quiet=_probe([1.0], [10.0]), during=_probe([1.0], [10.0]))
+    off = {"quiet": _probe([1.0], [10.0]), "during": _probe([1.0], [10.0]), "rss_after_mb": 1, "sent": 1, "pps": 1}
+    result["storm"] = dict(storm, off=off, repeats={"on": [storm, dict(storm, records=4)], "off": [off, off]})
+    flows.report(ARGS, result)
+    out = capsys.readouterr().out
+    assert "drop records kept 5" in out and "2 storm(s)" in out and "pair by pair: 1.00x, 1.00x" in out
+
+
+def test_the_lost_records_read_as_counts():
+    assert flows.lost_text({"programs": 1200}) == "programs 1,200"
+    assert flows.lost_text(None) == "0" and flows.lost_text(3) == "3"
