@@ -212,12 +212,16 @@ def fmt_ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "n/a"
 
 
-def judged(value: float, goal: float, *, at_least: bool = True, decimals: int = 3, unit: str = "x") -> tuple[str, str]:
-    """``value`` against its ``goal`` (at least it, or with ``at_least`` False at most it):
-    the value as printed and the verdict, "met" or "NOT met".  The value gets more decimals
-    than ``decimals`` where fewer would print it on the other side of the goal or as the goal
-    itself: 0.9496 against >= 0.95 prints 0.9496, not 0.950 beside "NOT met"."""
+def judged(value: float, goal: float, *, at_least: bool = True, strict: bool = False, decimals: int = 3,
+           unit: str = "x") -> tuple[str, str]:
+    """``value`` against its ``goal`` (at least it, or with ``at_least`` False at most it;
+    ``strict``: above it, or below it): the value as printed and the verdict, "met" or "NOT
+    met".  The value gets more decimals than ``decimals`` where fewer would print it on the
+    other side of the goal or as the goal itself: 0.9496 against >= 0.95 prints 0.9496, not
+    0.950 beside "NOT met"; 999.6 ms against < 1000 prints 999.6, not 1000 beside "met"."""
     def meets(x: float) -> bool:
+        if strict:
+            return x > goal if at_least else x < goal
         return x >= goal if at_least else x <= goal
 
     met = meets(value)

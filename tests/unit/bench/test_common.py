@@ -176,3 +176,13 @@ def test_run_main_ends_quietly_on_a_closed_pipe_as_agentd_does():
 ])  # fmt: skip
 def test_a_value_that_misses_its_goal_never_prints_as_the_goal(value, goal, at_least, decimals, shown):
     assert judged(value, goal, at_least=at_least, decimals=decimals) == shown
+
+
+@pytest.mark.parametrize("value, goal, decimals, unit, shown", [
+    (999.6, 1000, 0, " ms", ("999.6 ms", "met")),  # 1000 ms beside "met" for a goal of < 1000 before
+    (1000.0, 1000, 0, " ms", ("1000 ms", "NOT met")),  # the goal itself misses a strict goal
+    (0.9996, 1, 3, " s", ("0.9996 s", "met")),
+    (1.0004, 1, 3, " s", ("1.000 s", "NOT met")),  # the goal itself misses it too
+])  # fmt: skip
+def test_a_strict_goal_below_a_value_is_judged_and_printed_apart_from_it(value, goal, decimals, unit, shown):
+    assert judged(value, goal, at_least=False, strict=True, decimals=decimals, unit=unit) == shown

@@ -290,3 +290,13 @@ def test_the_report_of_repeated_storms_counts_every_storms_records(capsys):
 def test_the_lost_records_read_as_counts():
     assert flows.lost_text({"programs": 1200}) == "programs 1,200"
     assert flows.lost_text(None) == "0" and flows.lost_text(3) == "3"
+
+
+def test_a_drop_latency_past_the_goal_never_prints_as_the_goal(capsys):
+    # 1000.4 ms printed "1000" beside "NOT met" before.
+    result = _result(_run([1000] * 3, [990] * 3))
+    result["drop_latency"] = {"node": [0.1, 1.0004], "cluster": [0.1, 0.9996]}
+    flows.report(ARGS, result)
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("node2's own") and "1000.4" in line and "NOT met" in line for line in out)
+    assert any(line.startswith("node1's") and " 1000 " in line and "NOT met" not in line for line in out)  # <= 1000
