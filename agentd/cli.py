@@ -511,7 +511,7 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
     )
     from agentd.daemon.listeners import squatter
     from agentd.flows.model import FilterError, FlowFilter
-    from agentd.flows.render import line
+    from agentd.flows.render import line, notice
 
     pairs = [(name, v) for name in FLOW_FILTERS for v in getattr(args, f"filter_{name.replace('-', '_')}")]
     try:
@@ -567,10 +567,9 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
                 except ValueError:
                     sys.stderr.write(f"agentd flows: {url} answered, but not with JSON lines: is that an agentd API?\n")
                     return 1
-                if "error" in record or "lost" in record:
+                what = notice(record) if isinstance(record, dict) else None
+                if what is not None:
                     errors += "error" in record
-                    what = f"node {record.get('node')}: {record['error']}" if "error" in record else \
-                        f"{record['lost']} records lost ({record.get('why') or 'this reader was too slow'})"
                     sys.stderr.write(f"agentd flows: {what}\n")
                     continue
                 print(json.dumps(record) if args.output == "json" else line(record), flush=args.follow)

@@ -17,7 +17,8 @@ for SEQ; all it holds when ID is not its ring's, as after a restart), ``follow=1
 ``cluster=1`` (every node's records, gathered, followed ones too of a node that joins meanwhile;
 a ``node`` filter alone also asks those nodes, each for its own records).  One JSON record per
 line; a node that cannot be asked is a line ``{"node": ..., "error": ...}``, records a slow
-reader missed a line ``{"lost": N}``.
+reader missed a line ``{"lost": N}`` -- gathered, one node's records lost (its answer said so, or
+this node's own follower fell behind) name it: ``{"lost": N, "why": ..., "node": ...}``.
 """
 
 from __future__ import annotations
@@ -533,11 +534,13 @@ class _Merge:
         self.queue: asyncio.Queue[bytes] = asyncio.Queue(limit)
         self.lost = 0
 
-    def put(self, line: bytes) -> None:
+    def put(self, line: bytes, records: int = 1) -> None:
+        """``line`` into the queue; ``records``: how many records it stands for, counted as
+        lost if it does not fit (a line saying N were lost: those N)."""
         try:
             self.queue.put_nowait(line)
         except asyncio.QueueFull:
-            self.lost += 1
+            self.lost += records
 
 
 async def _pump_local(view: FlowViews, flt: FlowFilter, merge: _Merge, me: str) -> None:
@@ -550,8 +553,8 @@ async def _pump_local(view: FlowViews, flt: FlowFilter, merge: _Merge, me: str) 
         lost = 0
         while True:
             flow = await follower.queue.get()
-            if follower.lost != lost:  # the follower's own queue overflowed
-                merge.lost += follower.lost - lost
+            if follower.lost != lost:  # the follower's own queue overflowed: this node's records lost
+                merge.put(_line({"lost": follower.lost - lost, "node": me}), follower.lost - lost)
                 lost = follower.lost
             merge.put(_line(flow.json()))
     finally:
@@ -610,18 +613,19 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
                     seq = max(seq, number)
         return line if line.endswith(b"\n") else line + b"\n"
 
-    held: list[bytes] = []  # the current answer's {"lost": N} lines, before its next record
+    held: list[tuple[bytes, int]] = []  # the current answer's {"lost": N} lines (and N), before its next record
 
     def forward(line: bytes) -> None:
-        """Into ``merge``; a ``{"lost": N}`` line held until the answer's next record comes.  An
-        answer broken before it is asked again after the same record: its new answer says anew
-        what is lost after it (left out, scrolled out, not kept up with), so the held line goes,
-        and no record lost is told twice."""
+        """Into ``merge``; a ``{"lost": N}`` line, named with the node (the merged stream is
+        many nodes'), held until the answer's next record comes.  An answer broken before it
+        is asked again after the same record: its new answer says anew what is lost after it
+        (left out, scrolled out, not kept up with), so the held line goes, and no record lost
+        is told twice."""
         if line.startswith(b'{"lost":'):
-            held.append(line)
+            held.append(_lost_at(node, line))
             return
-        for lost in held:
-            merge.put(lost)
+        for lost, n in held:
+            merge.put(lost, n)
         held.clear()
         merge.put(line)
 
@@ -681,12 +685,25 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
         take()  # an answer that sent no line
         resumed = bool(ring and resume is not None)
         if not resumed:  # asked for what follows only: what the held lines say is not said again
-            for lost in held:
-                merge.put(lost)
+            for lost, n in held:
+                merge.put(lost, n)
         held.clear()
         path = resume(f"{ring}:{seq}") if resumed else again or path  # type: ignore[misc]
         await asyncio.sleep(delay)
         delay = min(RETRY_MAX, delay * 2)
+
+
+def _lost_at(node: str, line: bytes) -> tuple[bytes, int]:
+    """A node's ``{"lost": N, ...}`` line as a gathered stream passes it on: with ``"node"``
+    naming the node whose records were lost (unless it names one already), and N."""
+    try:
+        record = json.loads(line)
+        n = max(1, int(record["lost"]))
+    except (ValueError, TypeError, KeyError):  # not what an agentd sends: passed on as it came
+        return line, 1
+    if "node" in record:
+        return line, n
+    return _line({**record, "node": node}), n
 
 
 def _line(record: dict[str, Any]) -> bytes:

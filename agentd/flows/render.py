@@ -78,3 +78,17 @@ def line(r: dict[str, Any]) -> str:
     verdict = str(r.get("verdict", "-")).upper()
     return (f"{stamp}  {_clean(r.get('node'))}  {_end(src)} -> {target}  {_clean(r.get('protocol'))}  "
             f"{verdict}  {info(r)}")
+
+
+def notice(r: dict[str, Any]) -> str | None:
+    """A line of the stream that is no record, as ``agentd flows`` says it (on stderr): a node
+    that could not be asked, or records lost -- a gathered stream names the node whose records
+    they were (``"node"``); unnamed, this reader missed them (too slow for the stream).  None
+    for a record."""
+    if "error" in r:
+        return f"node {_clean(r.get('node'))}: {_clean(r['error'])}"
+    if "lost" in r:
+        whose = f"node {_clean(r['node'])}: " if r.get("node") else ""
+        why = r.get("why") or ("not read fast enough from it" if whose else "this reader was too slow")
+        return f"{whose}{_clean(r['lost'])} records lost ({_clean(why)})"
+    return None

@@ -348,7 +348,11 @@ function flowTable(container, params, follow) {
           if (!text) continue;
           const r = JSON.parse(text);
           if (r.error) { status.textContent = `node ${r.node}: ${r.error}`; continue; }
-          if (r.lost) { status.textContent = `${r.lost} records lost (the browser was too slow)`; continue; }
+          if (r.lost) {  // gathered: a node's records lost name the node
+            const whose = r.node ? `node ${r.node}: ` : "";
+            status.textContent = `${whose}${r.lost} records lost (${r.why || (r.node ? "not read fast enough from it" : "the browser was too slow")})`;
+            continue;
+          }
           body.prepend(flowRow(r));
           if (++count > 500) body.lastChild.remove();
         }

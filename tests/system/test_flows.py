@@ -402,6 +402,64 @@ async def test_end_counts_what_the_pod_fast_path_carried_of_ipv6(dual):
         assert sent(first, 3_000_000) and sent(second, 1_000_000), shown(first, second)
 
 
+# From node1's namespace of a dual-stack lab, the node's own IPv6 multicast as its bridge sends it:
+# a group joined on the bridge (MLD reports from its link-local address -- MLDv1 for the while,
+# sent to the group itself; conntrack tracks no MLD, so these must stay no records whatever the
+# agent does) and UDP to mDNS's group and to the joined group, from the bridge's IPv6 gateway
+# address (in the pod network) and from its link-local address (outside it).
+NODE_MULTICAST6 = """
+import socket, struct, sys, time
+gateway, link_local, group, sport = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+index = socket.if_nametoindex("cni0")
+j = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+j.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP, socket.inet_pton(socket.AF_INET6, group) + struct.pack("@I", index))
+for source, port in ((gateway, sport), (link_local, sport + 1)):
+    u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    u.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, index)
+    u.bind((source, port, 0, index))
+    u.sendto(b"x", ("ff02::fb", 5353, 0, index))
+    u.sendto(b"x", (group, 5353, 0, index))
+time.sleep(1.5)  # the report goes within a second of the join
+"""
+POD_DATAGRAM6 = """
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s.bind(("::", int(sys.argv[2])))
+s.sendto(b"x", (sys.argv[1], 5031))
+"""
+
+
+async def test_the_nodes_own_ipv6_multicast_from_its_bridge_is_no_pod_flow(dual):
+    """Dual-stack: what the node's bridge sends to IPv6 multicast groups -- MLD reports from its
+    link-local address, UDP to ff02::fb and a joined group from its IPv6 gateway address (in the
+    pod network) or its link-local one -- is the node's own: no record.  A pod's datagram to the
+    IPv6 gateway, sent after, is recorded."""
+    lab, pods = dual
+    node1 = lab.nodes[0]
+    client = pods["client"]
+    assert client.address(6), client
+    gateway = node1.ns.exec("ip", "-6", "-o", "addr", "show", "dev", "cni0", "scope", "global").split()[3].split("/")[0]
+    link_local = node1.ns.exec("ip", "-6", "-o", "addr", "show", "dev", "cni0", "scope", "link").split()[3].split("/")[0]
+    group = f"ff02::77:{os.getpid() % 0xFFFF:x}:{int(time.time()) % 0xFFFF:x}"
+    since = node1.api("/status")["flows"]["seq"]
+    sysctl = "net.ipv6.conf.cni0.force_mld_version"
+    before = node1.ns.exec("sysctl", "-n", sysctl).strip()
+    node1.ns.sysctl(sysctl, 1)
+    try:
+        await node1.ns.aexec(sys.executable, "-c", NODE_MULTICAST6, gateway, link_local, group, "41497", timeout=30)
+    finally:
+        node1.ns.sysctl(sysctl, before)
+    # A pod's datagram to the IPv6 gateway (the node's own address, asked by a pod): recorded,
+    # and read after everything above (one socket, in order).
+    await client.ns.aexec("python3", "-c", POD_DATAGRAM6, gateway, "41496", timeout=30)
+    await records(node1, "--port", "41496", "--event", "new", want=lambda r: r,
+                  what="node1's record of six/client -> its IPv6 gateway")
+    got = [x for x in await agentd_flows(node1, "--last", "1000") if x["seq"] > since]
+    assert any(x["src"].get("pod") == "six/client" and x["dst"]["ip"] == gateway for x in got), got
+    own = [x for x in got if x["src"]["ip"] in (gateway, link_local) or ipaddress.ip_address(x["dst"]["ip"]).is_multicast]
+    assert not own, [(x["src"]["ip"], x["dst"]["ip"], x["protocol"], x["event"]) for x in own]
+
+
 async def test_same_node_pods_are_seen(shop):
     """Pods of one node: lobby/a and lobby/b (no policy selects them) would talk over the bridge
     alone; with flow records on, their connection goes through conntrack and is recorded.

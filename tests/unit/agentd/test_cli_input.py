@@ -327,6 +327,26 @@ def test_flows_sends_the_read_only_key_not_the_api_token(capsys, monkeypatch, tm
     assert auth.may_read_cluster(sent, "t0ken")  # what the agent asks of a cluster read
 
 
+def test_flows_says_whose_records_were_lost(capsys, monkeypatch, tmp_path):
+    """A gathered stream's lost line names the node whose records they were: `agentd flows`
+    says it; one naming no node (the reader itself too slow) is said as before."""
+    import io
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    token = tmp_path / "api-token"
+    token.write_text("t0ken\n")
+    monkeypatch.setattr(cli, "load_config", lambda *a, **kw: type("C", (), {"api": type("A", (), {"token_file": token})})())
+    stream = (b'{"lost": 5, "why": "made after the reader\'s last record, since scrolled out of the node\'s ring", '
+              b'"node": "node2"}\n{"lost": 3, "node": "node1"}\n{"lost": 2}\n')
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout=None: io.BytesIO(stream))
+    code, out, err = run(capsys, "flows", "-A", "-f")
+    assert code == 0 and out == ""
+    assert err.splitlines() == [
+        "agentd flows: node node2: 5 records lost (made after the reader's last record, since scrolled out of the node's ring)",
+        "agentd flows: node node1: 3 records lost (not read fast enough from it)",
+        "agentd flows: 2 records lost (this reader was too slow)"]
+
+
 def test_flows_help_says_labels_are_all_of_and_other_filters_any_of(capsys):
     """Repeated -l are one selector on one end (FlowFilter.label), not any of several."""
     code, out, _ = run(capsys, "flows", "--help")

@@ -2423,7 +2423,52 @@ async def test_a_gatherer_tells_a_resumes_lost_line_once_and_resumes_after_the_l
     assert afters == [None, "r1:12", "r1:12", "r1:20"]
     said = [x["seq"] if "seq" in x else x.get("lost", x.get("error")) for x in lines]
     assert said == [11, 12, "node2 unreachable: reset", 5, 18, 19, 20, 21, 22]
-    assert lines[3] == {"lost": 5, "why": why}
+    assert lines[3] == {"lost": 5, "why": why, "node": "node2"}  # the merged stream is many nodes': whose
+
+
+async def test_a_gatherer_names_the_node_whose_records_were_lost(monkeypatch):
+    """In a gathered stream a {"lost": N} line says whose records they were: a node's own line
+    (its follower fell behind the gatherer, no why) gets the node's name, one naming a node
+    already is passed on as it came; this node's follower falling behind the merged stream is
+    a line naming this node.  A lost line that does not fit the merged queue counts its N."""
+    from agentd.daemon import observe_api
+
+    _afters, lines = await _pumped(monkeypatch, [("r1:10", [11, {"lost": 7}, 12, {"lost": 2, "node": "node9"}, 13])])
+    assert [x for x in lines if "lost" in x] == [{"lost": 7, "node": "node2"}, {"lost": 2, "node": "node9"}]
+
+    ring = FlowRing(100)
+
+    class View:
+        def follow(self, flt, pool):
+            return ring.follow(flt, limit=2, pool=pool)
+
+        def unfollow(self, follower):
+            ring.unfollow(follower)
+
+    merge = observe_api._Merge()
+    task = asyncio.create_task(observe_api._pump_local(View(), FlowFilter(), merge, "node1"))
+    await asyncio.sleep(0)
+
+    def made(t):
+        ring.add(Flow(time=t, node="node1", event="new", protocol="UDP", src=Peer("10.244.1.2", 1),
+                      dst=Peer("10.244.2.3", 53), direction="egress"))
+
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):  # two fit the follower's queue, three are lost there
+        made(t)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    got = [json.loads(merge.queue.get_nowait()) for _ in range(merge.queue.qsize())]
+    assert [x["time"] for x in got if "time" in x] == [1.0, 2.0]
+    assert [x for x in got if "lost" in x] == [{"lost": 3, "node": "node1"}]
+    assert merge.lost == 0
+
+    full = observe_api._Merge(limit=1)
+    full.put(b"{}\n")
+    full.put(*observe_api._lost_at("node2", b'{"lost": 40, "why": "scrolled out"}'))
+    assert full.lost == 40
 
 
 def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_the_node_sends():
