@@ -701,6 +701,14 @@ def _unknown_endpoints(unknown: Any) -> str:
     return f"  UNKNOWN PODS {len(unknown)} (endpoint files never read: {_cell(', '.join(map(str, unknown[:3])))}{' ...' if len(unknown) > 3 else ''})"
 
 
+def _unchecked_macs(unchecked: Any) -> str:
+    """The status line's warning of local pods whose source MAC is not checked (not known)."""
+    if not isinstance(unchecked, dict) or not unchecked:
+        return ""
+    names = ", ".join(map(str, sorted(unchecked)[:3]))
+    return f"  MAC UNCHECKED {len(unchecked)} ({_cell(names)}{' ...' if len(unchecked) > 3 else ''})"
+
+
 def _fast_path_line(fast: dict[str, Any]) -> str:
     """The pod fast path (docs/policy.md): on where, and what it carried; or why it is off."""
     if not fast.get("on"):
@@ -777,6 +785,7 @@ def render_status(status: dict[str, Any]) -> str:
             f"  isolated {iso.get('any', 0)} (ingress {iso.get('ingress', 0)}, egress {iso.get('egress', 0)})"
             f"{'  ERROR ' + _cell(policy['error']) if policy.get('error') else ''}"
             f"{_unknown_endpoints(policy.get('unknown_endpoints'))}"
+            f"{_unchecked_macs(policy.get('unchecked_macs'))}"
         )
         fast = policy.get("fast_path")
         if isinstance(fast, dict):

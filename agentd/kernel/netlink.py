@@ -142,10 +142,13 @@ RTAX_MTU = 2  # inside RTA_METRICS
 IFLA_ADDRESS = 1
 IFLA_IFNAME = 3
 IFLA_MTU = 4
+IFLA_LINK = 5  # a veth's: the index of its other end (in the namespace IFLA_LINK_NETNSID names)
 IFLA_MASTER = 10
 IFLA_LINKINFO = 18
 IFLA_INFO_KIND = 1  # inside IFLA_LINKINFO
 IFLA_INFO_DATA = 2  # inside IFLA_LINKINFO: the kind's own attributes (agentd.kernel.netlink_links)
+IFLA_LINK_NETNSID = 37  # s32: the namespace IFLA_LINK is in, where that is not the device's own
+IFLA_TARGET_NETNSID = 46  # s32, in a request: answer for the namespace of this id (Linux 4.20)
 IFF_UP = 0x1
 
 NDA_DST = 1
@@ -581,6 +584,8 @@ class LinkMessage:
     kind: str | None = None  # IFLA_INFO_KIND: "veth", "vxlan", "bridge", ...
     master: int | None = None
     info_data: bytes | None = None  # raw IFLA_INFO_DATA (e.g. netlink_links.decode_vxlan)
+    link: int | None = None  # IFLA_LINK: a veth's other end (its index)
+    link_netnsid: int | None = None  # IFLA_LINK_NETNSID: that end's namespace, if not this one
 
     @property
     def up(self) -> bool:
@@ -600,7 +605,7 @@ def decode_link(buf: bytes, start: int = 0, end: int | None = None) -> LinkMessa
         raise NetlinkDecodeError(f"link message body is {end - start} bytes, ifinfomsg needs {IFINFOMSG_LEN}")
     _family, _type, index, flags, _change = _IFINFOMSG.unpack_from(buf, start)
     name = ""
-    mtu = address = kind = master = info_data = None
+    mtu = address = kind = master = info_data = link = link_netnsid = None
     for atype, vs, ve in iter_attrs(buf, start + IFINFOMSG_LEN, end):
         if atype == IFLA_IFNAME:
             name = read_string(buf, vs, ve)
@@ -610,13 +615,17 @@ def decode_link(buf: bytes, start: int = 0, end: int | None = None) -> LinkMessa
             address = bytes(buf[vs:ve])
         elif atype == IFLA_MASTER:
             master = read_u32(buf, vs, ve, "IFLA_MASTER")
+        elif atype == IFLA_LINK:
+            link = read_u32(buf, vs, ve, "IFLA_LINK")
+        elif atype == IFLA_LINK_NETNSID:
+            link_netnsid = _I32.unpack(_U32.pack(read_u32(buf, vs, ve, "IFLA_LINK_NETNSID")))[0]
         elif atype == IFLA_LINKINFO:
             for itype, is_, ie in iter_attrs(buf, vs, ve):
                 if itype == IFLA_INFO_KIND:
                     kind = read_string(buf, is_, ie)
                 elif itype == IFLA_INFO_DATA:
                     info_data = bytes(buf[is_:ie])
-    return LinkMessage(index, name, flags, mtu, address, kind, master, info_data)
+    return LinkMessage(index, name, flags, mtu, address, kind, master, info_data, link, link_netnsid)
 
 
 # --- neighbours and FDB entries -------------------------------------------------------------

@@ -131,11 +131,15 @@ def encode_dellink(seq: int, index: int) -> bytes:
     return _header(nl.RTM_DELLINK, seq, nl.NLM_F_REQUEST, _IFINFOMSG.pack(nl.AF_UNSPEC, 0, index, 0, 0))
 
 
-def encode_getlink(seq: int, *, index: int = 0, name: str | None = None) -> bytes:
-    """RTM_GETLINK for one device, by index or by name (ENODEV if there is none)."""
+def encode_getlink(seq: int, *, index: int = 0, name: str | None = None, netnsid: int | None = None) -> bytes:
+    """RTM_GETLINK for one device, by index or by name (ENODEV if there is none); with
+    ``netnsid``, the device of that index in the namespace of that id (IFLA_TARGET_NETNSID:
+    a veth's other end, as its IFLA_LINK and IFLA_LINK_NETNSID name it)."""
     body = _IFINFOMSG.pack(nl.AF_UNSPEC, 0, index, 0, 0)
     if name is not None:
         body += nl.attr(nl.IFLA_IFNAME, name.encode() + b"\0")
+    if netnsid is not None:
+        body += nl.attr(nl.IFLA_TARGET_NETNSID, struct.pack("=i", netnsid))
     return _header(nl.RTM_GETLINK, seq, nl.NLM_F_REQUEST, body)
 
 

@@ -57,6 +57,29 @@ class Rtnl:
                 return nl.decode_link(buf, start, end)
         return None
 
+    def peer_mac(self, name: str) -> str:
+        """The MAC of the other end of veth ``name`` (a pod's own interface, in the pod's
+        namespace), read through the id this namespace has for that one (IFLA_LINK_NETNSID,
+        IFLA_TARGET_NETNSID): no path to the pod's namespace is needed.  LookupError, one
+        line, where there is no such device or it has no other end."""
+        link = self.link(name)
+        if link is None:
+            raise LookupError(f"no device {name}")
+        if link.kind != "veth" or not link.link:
+            raise LookupError(f"{name} is no veth with another end ({link.kind or 'no kind'})")
+        try:
+            answers = self.request(links.encode_getlink(self.next_seq(), index=link.link, netnsid=link.link_netnsid),
+                                   f"looking up the other end of {name}")
+        except nl.NetlinkError as err:
+            raise LookupError(f"the other end of {name}: {err}") from None
+        for mtype, buf, start, end in answers:
+            if mtype == nl.RTM_NEWLINK:
+                peer = nl.decode_link(buf, start, end)
+                if peer.address is None or len(peer.address) != 6:
+                    break
+                return ":".join(f"{b:02x}" for b in peer.address)
+        raise LookupError(f"the other end of {name} has no Ethernet address")
+
     def create_vxlan(self, name: str, vxlan: links.Vxlan) -> None:
         self.request(links.encode_newlink_vxlan(self.next_seq(), name, vxlan), f"creating vxlan device {name}")
 

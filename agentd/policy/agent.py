@@ -89,12 +89,16 @@ class PolicyAgent:
         route_all: bool | None = None,
         service_ranges: Iterable[Any] = (),
         check_source_mac: bool = True,
+        peer_mac: Callable[[str], str] | None = None,
     ) -> None:
         """``drop_log``: flow records are kept (agentd.flows): drops are logged to its NFLOG
         group.  ``route_all``: every local pod's traffic is routed through conntrack, for
         connection records (default: whenever ``drop_log`` is given).  ``check_source_mac``: a pod
         port's frames must carry its pod's MAC ([policy] check_source_mac).  ``service_ranges``:
-        the cluster's Service ranges, which the no-route drop records leave out."""
+        the cluster's Service ranges, which the no-route drop records leave out.  ``peer_mac``:
+        the MAC of the other end of a host-side veth (LookupError or OSError where it cannot be
+        read; default: :meth:`agentd.kernel.rtnl.Rtnl.peer_mac`), for pods whose endpoint file
+        names none."""
         self.node = node
         self.ds = datastore
         self.store = ResourceStore(datastore)
@@ -105,6 +109,11 @@ class PolicyAgent:
         self.engine = PolicyEngine(node, drop_log=drop_log, route_all=route_all, families=families,
                                    check_source_mac=check_source_mac, service_ranges=tuple(service_ranges))
         self.nft = nft
+        self.peer_mac = peer_mac or _peer_mac
+        # Pods whose endpoint file names no MAC (an older agentd-cni's, a delegate that gave
+        # none): what was read of their own interface instead, per container, for the file's
+        # version (ident) -- (ident, MAC or "", why it could not be read or "").
+        self._read_macs: dict[str, tuple[str, str, str]] = {}
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods
         # past netfilter (BpfPath.hold_redirect).
@@ -304,6 +313,8 @@ class PolicyAgent:
         changed = self.publisher.rescan()
         if changed is None:
             return
+        for gone in self._read_macs.keys() - self.publisher.endpoints.keys():
+            del self._read_macs[gone]
         owners = conntrack.owners(self.publisher.endpoints.values())
         self._released |= conntrack.released(self._owners, owners)
         self._owners = owners
@@ -325,7 +336,7 @@ class PolicyAgent:
                 log.warning("endpoint file of pod %s/%s unusable: %s", *key, err)
                 self.engine.remove_pod(key)
                 return
-            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, ep.pod_mac))
+            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, ep.pod_mac or self._read_mac(ep)))
         elif record is not None and record["spec"].get("nodeName") != self.node:
             try:
                 self.engine.upsert_pod(Pod.parse(record))
@@ -335,6 +346,43 @@ class PolicyAgent:
         else:
             # Gone, or a stale record of ours without a file (the publisher removes it from etcd).
             self.engine.remove_pod(key)
+
+    def _read_mac(self, ep: endpoints.Endpoint) -> str:
+        """The MAC of the pod's own interface where its endpoint file names none: read from the
+        other end of its veth, once per version of the file.  Where that cannot be read its
+        port is not MAC-checked, said once in the log and in /status (``unchecked_macs``)."""
+        if not self.engine.check_source_mac:
+            return ""
+        known = self._read_macs.get(ep.container_id)
+        if known is not None and known[0] == ep.ident:
+            return known[1]
+        mac = why = ""
+        try:
+            mac = self.peer_mac(ep.interface)
+        except (LookupError, OSError, ValueError) as err:  # ValueError: an answer that could not be decoded
+            why = str(err) or type(err).__name__
+        self._read_macs[ep.container_id] = (ep.ident, mac, why)
+        if mac:
+            log.info("pod %s/%s: its endpoint file names no MAC; %s, read from the other end of %s, is checked",
+                     ep.namespace, ep.name, mac, ep.interface)
+        else:
+            log.warning("pod %s/%s: its endpoint file names no MAC and its interface's cannot be read (%s): "
+                        "source MACs from its port %s are not checked", ep.namespace, ep.name, why, ep.interface)
+        return mac
+
+    @property
+    def unchecked_macs(self) -> dict[str, str]:
+        """Local pods whose port's source MAC is not checked though the check is on: their MAC
+        is not known ("NS/NAME" -> why)."""
+        if not self.engine.check_source_mac:
+            return {}
+        out = {}
+        for cid, ep in self.publisher.endpoints.items():
+            port = self.engine.local.get(ep.key)
+            if port is not None and port.interface == ep.interface and not port.pod_mac:
+                read = self._read_macs.get(cid)
+                out[f"{ep.namespace}/{ep.name}"] = read[2] if read is not None and read[2] else "its MAC is not known"
+        return out
 
     # ------------------------------------------------------------------ syncing
 
@@ -618,3 +666,11 @@ async def remove_policy_tables() -> None:
         log.error("could not remove the policy tables: %s", err)
     finally:
         nft.close()
+
+
+def _peer_mac(interface: str) -> str:
+    """The MAC of the other end of veth ``interface`` (the pod's own interface)."""
+    from agentd.kernel.rtnl import Rtnl
+
+    with Rtnl() as rt:
+        return rt.peer_mac(interface)

@@ -25,7 +25,8 @@ Where packets are judged (see docs/policy.md for the picture):
   inet chains like any other traffic.  It also drops frames whose source address is not the
   pod's own (a pod must not borrow another's identity; ARP's sender address too) or whose
   source MAC is not its interface's (``spoofed-mac``: another pod's MAC would move the
-  bridge's forwarding entry for it to this port), VLAN-tagged
+  bridge's forwarding entry for it to this port; nor may its ARP packets' sender hardware
+  address, which neighbour caches take, be another MAC), VLAN-tagged
   frames from pods (the tag hides the frame's type from every ``ether type`` match), the
   family a single-family cluster has not (nothing would judge it once routed), and what
   still crosses the bridge to or from an isolated pod without being routed (IPv4 broadcast
@@ -276,6 +277,14 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         # Checked before the bridge learns the source (br_handle_frame runs this hook first).
         [match(meta("iifname"), ref(MAC_PORTS)),
          match({"concat": [meta("iifname"), payload("ether", "saddr")]}, ref(POD_MACS), "!="), *_spoofed(log, SPOOFED_MAC)],
+        # Nor any other MAC as its ARP packets' sender hardware address, which every receiver's
+        # neighbour cache takes rather than the frame's source: "my address is at the gateway's
+        # MAC" would send the other pods' (and the node's) traffic for this pod there.  The
+        # address probes of RFC 5227 carry the pod's own MAC too.  (The offsets of
+        # ``arp saddr ether`` are Ethernet's: ARP of other hardware or address lengths is
+        # refused by every receiving Linux kernel, arp_rcv.)
+        [match(payload("ether", "type"), "arp"), match(meta("iifname"), ref(MAC_PORTS)),
+         match({"concat": [meta("iifname"), payload("arp", "saddr ether")]}, ref(POD_MACS), "!="), *_spoofed(log, SPOOFED_MAC)],
         # A VLAN tag hides the frame's type from every ``ether type`` match below (the kernel
         # reads the tag's type, 802.1Q), while the receiving pod treats VID 0 as untagged:
         # pods send no tagged frames.

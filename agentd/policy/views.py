@@ -42,6 +42,9 @@ class PolicyState(Protocol):
     @property
     def unknown_endpoints(self) -> list[str]: ...  # endpoint files never read: pods policy does not know
 
+    @property
+    def unchecked_macs(self) -> dict[str, str]: ...  # local pods whose source MAC is not known: not checked
+
     def local_pods(self) -> list[PodKey]: ...
 
     def isolated(self) -> dict[str, int]: ...
@@ -67,6 +70,9 @@ class PolicyViews:
             # Endpoint files of this node never read (container IDs): their pods are neither
             # isolated nor source-checked, and their bridge ports cannot be named.
             "unknown_endpoints": a.unknown_endpoints,
+            # Local pods whose port's source MAC goes unchecked (the check on): their endpoint
+            # file names no MAC and their interface's could not be read ("NS/NAME": why).
+            "unchecked_macs": a.unchecked_macs,
             "fast_path": self.fast_path(),
         }
 

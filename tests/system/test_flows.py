@@ -1005,6 +1005,98 @@ async def test_a_spoofed_arp_reply_is_dropped_and_recorded(shop):
     assert mac_a not in node2.ns.exec("ip", "neigh", "show", b.ip)
 
 
+SEND_ARP = """
+import socket, struct, sys
+frame_src, sha, sender_ip, tha, target_ip = sys.argv[1:6]
+mac = lambda m: bytes.fromhex(m.replace(":", ""))
+body = struct.pack("!HHBBH", 1, 0x0800, 6, 4, 2) + mac(sha) + socket.inet_aton(sender_ip) + mac(tha) + socket.inet_aton(target_ip)
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+for _ in range(3):
+    s.send(b"\\xff" * 6 + mac(frame_src) + struct.pack("!H", 0x0806) + body)
+"""
+
+
+def neighbour(pod, ip: str) -> str:
+    return pod.ns.exec("ip", "neigh", "show", ip, "dev", "eth0")
+
+
+async def test_an_arp_reply_naming_another_mac_as_sender_is_dropped(shop):
+    """lobby/a sends a gratuitous ARP reply from its own MAC, for its own address, whose sender
+    hardware address is the gateway's: "a is at the gateway's MAC".  A neighbour cache takes the
+    ARP packet's address, not the frame's source, so b would send its traffic for a to the
+    node.  Dropped at a's port (b's entry for a keeps a's MAC), and recorded as spoofed-mac
+    (protocol ARP) naming a as the sender."""
+    a, b, node2 = shop.pods["a"], shop.pods["b"], shop.lab.nodes[1]
+    mac_a, gateway_mac = pod_mac(a), node2.ns.exec("cat", "/sys/class/net/cni0/address").strip()
+    # b knows a (stale: a gratuitous reply overrides it at once, RFC 5227's announcement).
+    b.ns.exec("ip", "neigh", "replace", a.ip, "lladdr", mac_a, "dev", "eth0", "nud", "stale")
+    try:
+        await a.ns.aexec(sys.executable, "-c", SEND_ARP, mac_a, gateway_mac, a.ip, gateway_mac, a.ip, timeout=30)
+        for _ in range(10):  # the frames are bridged to b at once, or never
+            assert gateway_mac not in neighbour(b, a.ip), "b took the gateway's MAC for a's address"
+            await asyncio.sleep(0.1)
+        assert mac_a in neighbour(b, a.ip)
+        got = await records(node2, "--reason", "spoofed-mac", "--from-pod", "lobby/a", "--ip", a.ip,
+                            want=lambda r: [x for x in r if x["protocol"] == "ARP"],
+                            what="node2's spoofed-mac drop of a's ARP naming lobby/a")  # fmt: skip
+        d = [x for x in got if x["protocol"] == "ARP"][-1]
+        assert d["src"]["ip"] == a.ip and d["sender"]["pod"] == "lobby/a", d
+        # Its own MAC as sender hardware address passes as ever (b's entry, set wrong, is corrected).
+        b.ns.exec("ip", "neigh", "replace", a.ip, "lladdr", "02:00:00:00:00:42", "dev", "eth0", "nud", "stale")
+        await a.ns.aexec(sys.executable, "-c", SEND_ARP, mac_a, mac_a, a.ip, mac_a, a.ip, timeout=30)
+        await auntil(lambda: mac_a in neighbour(b, a.ip), 5, what="b taking a's own announcement")
+    finally:
+        b.ns.exec("ip", "neigh", "del", a.ip, "dev", "eth0", check=False)
+
+
+def bridge_elements(node, name: str) -> set[tuple[str, ...]]:
+    """The elements of the bridge policy table's set ``name`` on ``node`` (concatenations as tuples)."""
+    out = json.loads(node.ns.exec("nft", "-j", "list", "set", "bridge", "agentd-policy", name))
+    elems = next(o["set"] for o in out["nftables"] if "set" in o).get("elem", [])
+    return {tuple(e["concat"]) if isinstance(e, dict) and "concat" in e else (e,) for e in elems}
+
+
+async def test_a_pod_whose_endpoint_file_names_no_mac_is_mac_checked(shop):
+    """An endpoint file without pod_mac (an older agentd-cni's, written before it existed):
+    the agent reads the pod's MAC from the other end of its veth and checks it all the same.
+    lobby/c's file is rewritten so: first with a wrong MAC (so that the agent is seen to take
+    the file), then with none; c's MAC comes back into the check, and c's frames with b's
+    MAC are dropped (recorded as spoofed-mac) before the bridge learns b's MAC on c's port."""
+    b, node2, lab = shop.pods["b"], shop.lab.nodes[1], shop.lab
+    c = await lab.add_pod(node2, "lobby", "c", labels={"app": "c"})
+    try:
+        mac_b, mac_c = pod_mac(b), pod_mac(c)
+        path = node2.dir / "cni" / "endpoints" / f"{c.container_id}.json"
+        written = json.loads(path.read_text())
+        veth = written["interface"]
+        assert written["pod_mac"] == mac_c
+
+        def rewrite(**fields) -> None:
+            data = {k: v for k, v in {**written, **fields}.items() if v is not None}
+            tmp = path.with_name(f".{c.container_id}.test")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, path)
+
+        wrong = "02:00:00:00:00:99"
+        rewrite(pod_mac=wrong)
+        await auntil(lambda: (veth, wrong) in bridge_elements(node2, "pod-macs"), 20, what="c's file with a wrong MAC taken")
+        rewrite(pod_mac=None)  # the file of an older agentd-cni
+        await auntil(lambda: (veth, mac_c) in bridge_elements(node2, "pod-macs"), 20,
+                     what="c's own MAC read and checked (its file names none)")
+        assert (veth,) in bridge_elements(node2, "mac-ports")
+        assert node2.api("/status")["policy"]["unchecked_macs"] == {}
+        assert (await shop.echo["a"].tcp(b.ip, 80))["names"] == {"b": 1}  # b's MAC learnt on b's port
+        b_port = fdb_port(node2, mac_b)
+        assert b_port and veth not in b_port
+        await c.ns.aexec(sys.executable, "-c", SEND_FRAME, "udp", mac_b, "ff:ff:ff:ff:ff:ff", c.ip, b.ip, timeout=30)
+        await records(node2, "--reason", "spoofed-mac", "--from-pod", "lobby/c",
+                      want=lambda r: r, what="node2's spoofed-mac drop naming lobby/c")  # fmt: skip
+        assert fdb_port(node2, mac_b) == b_port, "c's frames moved b's MAC to c's port"
+    finally:
+        await lab.remove_pod(c)
+
+
 async def test_services_show_vip_endpoint_and_refusals(shop):
     web, node1 = shop.pods["web"], shop.lab.nodes[0]
     assert (await shop.echo["client"].tcp(shop.vip["web"], 80))["names"] == {"web": 1}

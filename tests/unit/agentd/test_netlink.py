@@ -182,6 +182,25 @@ def test_link_decode():
     assert struct.unpack_from("=IHHI", dump) == (32, nl.RTM_GETLINK, nl.NLM_F_REQUEST | nl.NLM_F_DUMP, 8)
 
 
+def test_a_veths_other_end_is_read_from_its_link_attributes():
+    """A veth whose other end is in a pod's namespace names it by index (IFLA_LINK) and by
+    the id this namespace has for that one (IFLA_LINK_NETNSID, signed: -1 is none); a
+    request for it carries that id (IFLA_TARGET_NETNSID)."""
+    from agentd.kernel import netlink_links as links
+
+    info = nl.attr(nl.IFLA_LINKINFO, nl.attr(nl.IFLA_INFO_KIND, b"veth\0"))
+    body = (struct.pack("=BxHiII", 0, 1, 7, 0, 0) + nl.attr(nl.IFLA_IFNAME, b"veth1234\0") + nl.attr_u32(nl.IFLA_LINK, 2)
+            + nl.attr(nl.IFLA_LINK_NETNSID, struct.pack("=i", 3)) + info)  # fmt: skip
+    link = nl.decode_link(body)
+    assert (link.kind, link.link, link.link_netnsid) == ("veth", 2, 3)
+    same = nl.decode_link(struct.pack("=BxHiII", 0, 1, 7, 0, 0) + nl.attr(nl.IFLA_LINK_NETNSID, struct.pack("=i", -1)))
+    assert (same.link, same.link_netnsid) == (None, -1)
+    request = links.encode_getlink(5, index=2, netnsid=3)
+    attrs = {t: request[s:e] for t, s, e in nl.iter_attrs(request, 16 + 16, len(request))}
+    assert struct.unpack_from("=i", request, 16 + 4)[0] == 2 and attrs == {nl.IFLA_TARGET_NETNSID: struct.pack("=i", 3)}
+    assert links.encode_getlink(5, index=2) == links.encode_getlink(5, index=2, netnsid=None)
+
+
 def test_fdb_entry_round_trip():
     entry = nl.NeighMessage(nl.AF_BRIDGE, 5, nl.NUD_PERMANENT, nl.NTF_SELF,
                             dst=socket.inet_aton("192.0.2.7"), lladdr=bytes.fromhex("02005e000001"))

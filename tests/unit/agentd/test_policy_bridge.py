@@ -268,6 +268,30 @@ def test_a_frame_from_a_pod_with_a_source_mac_not_its_own_is_dropped():
         assert run(unknown, "bridge", "prerouting", ip_frame("veth0", A4, "192.0.2.1", extra=mac))[0] is None
 
 
+def test_arp_from_a_pod_names_only_its_own_mac_as_the_sender_hardware_address():
+    """A neighbour cache takes an ARP packet's sender hardware address, not the frame's
+    source: pod a saying "my address is at b's (or the gateway's) MAC" from its own MAC
+    would draw the traffic for a there.  Dropped as MAC-spoofed, requests, replies and
+    address probes alike; its own MAC in both places passes as before."""
+    gateway = "0a:58:0a:f4:01:01"
+    for families in ((4,), (4, 6)):
+        rs = engine(families, pod_macs=(MAC_A, MAC_B))
+        own = {("payload", "ether", "saddr"): MAC_A}
+        for sender in (A4, "0.0.0.0"):  # a reply or gratuitous ARP, an address probe (RFC 5227)
+            for sha in (MAC_B, gateway):
+                frame = {**arp("veth0", sender), **own, ("payload", "arp", "saddr ether"): sha}
+                assert run(rs, "bridge", "prerouting", frame) == ("drop", ["spoofed"]), (sender, sha)
+            ok = {**arp("veth0", sender), **own, ("payload", "arp", "saddr ether"): MAC_A}
+            assert run(rs, "bridge", "prerouting", ok)[0] is None, sender
+        theirs = {**arp("veth1", B4), ("payload", "ether", "saddr"): MAC_B, ("payload", "arp", "saddr ether"): MAC_B}
+        assert run(rs, "bridge", "prerouting", theirs)[0] is None  # b's own
+        # Not a pod port, a pod whose MAC is not known, the MAC check off: not checked.
+        assert run(rs, "bridge", "prerouting", {**arp("eth9", "10.9.9.9"), ("payload", "arp", "saddr ether"): MAC_B})[0] is None
+        forged = {**arp("veth0", A4), ("payload", "ether", "saddr"): MAC_A, ("payload", "arp", "saddr ether"): MAC_B}
+        assert run(engine(families), "bridge", "prerouting", dict(forged))[0] is None
+        assert run(engine(families, pod_macs=(MAC_A, MAC_B), check_source_mac=False), "bridge", "prerouting", dict(forged))[0] is None
+
+
 def test_with_check_source_mac_off_no_mac_is_checked():
     """[policy] check_source_mac = false (pods whose MAC changes after agentd-cni's ADD): the
     pods' MACs known or not, no port is in the MAC check's sets and any source MAC passes;
@@ -290,8 +314,12 @@ def test_the_mac_check_logs_as_its_own_reason():
     eng = PolicyEngine(NODE, families=(4,), drop_log=DropLog(5))
     eng.upsert_pod(Pod("x", "a", NODE, (ipaddress.ip_address(A4),), {}), LocalPort("veth0", "02:00:00:00:00:01", "cni0", pod_mac=MAC_A))
     rs = eng.build()
-    first = json.loads(rs.objects[("bridge", compiler.TABLE, "chain", "prerouting")].rules[0])  # type: ignore[union-attr]
+    prerouting = rs.objects[("bridge", compiler.TABLE, "chain", "prerouting")]
+    first, arp_sender = (json.loads(r) for r in prerouting.rules[:2])  # type: ignore[union-attr]
     assert first[-1] == {"jump": {"target": "spoofed-mac"}}
+    assert arp_sender[-1] == {"jump": {"target": "spoofed-mac"}}  # an ARP sender hardware address not its own
+    assert any(m.get("match", {}).get("left", {}).get("concat", [None, None])[1] == {"payload": {"protocol": "arp", "field": "saddr ether"}}
+               for m in arp_sender)
     chain = rs.objects[("bridge", compiler.TABLE, "chain", "spoofed-mac")]
     logged = json.loads(chain.rules[0])  # type: ignore[union-attr]
     assert {"log": {"prefix": "spoofed-mac", "group": 5}} in logged and {"counter": "spoofed"} in logged
