@@ -83,19 +83,21 @@ def test_a_new_file_is_made_owner_and_group_readable(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o640
 
 
-@pytest.mark.parametrize("how", ["renamed", "deleted"])
+@pytest.mark.parametrize("how", ["renamed", "deleted", "created"])
 def test_the_file_is_opened_again_once_logrotate_moved_it_away(tmp_path, how):
     path = tmp_path / "access.log"
     f = AccessFile(path)
     f.write(b"one\n", 10.0)
-    if how == "renamed":
-        path.rename(tmp_path / "access.log.1")
-    else:
+    if how == "deleted":
         path.unlink()
+    else:
+        path.rename(tmp_path / "access.log.1")
+        if how == "created":  # logrotate's "create": a new empty file at the path at once
+            path.touch()
     f.write(b"two\n", 10.0 + CHECK_EVERY / 2)  # not looked at within a second: the open file still
     f.write(b"three\n", 10.0 + CHECK_EVERY)
     assert path.read_bytes() == b"three\n"
-    if how == "renamed":
+    if how != "deleted":
         assert (tmp_path / "access.log.1").read_bytes() == b"one\ntwo\n"
     f.close()
 
@@ -165,17 +167,25 @@ def test_a_line_cut_by_a_failed_write_does_not_swallow_the_next(tmp_path, monkey
 
 
 def test_the_writer_thread_writes_in_order_and_reopens_on_request(tmp_path):
-    path = tmp_path / "access.log"
+    path, rotated = tmp_path / "access.log", tmp_path / "access.log.1"
     w = FileWriter(path)
-    w.start()
+    real = w.file.write
+
+    def write_then_rotate(data: bytes, now: float, lines: int | None = None) -> bool:
+        done = real(data, now, lines)
+        if data == b"one\ntwo\n":  # logrotate renames it; its postrotate sends SIGHUP
+            path.rename(rotated)
+        return done
+
+    w.file.write = write_then_rotate  # type: ignore[method-assign]
     w.put([b"one", b"two\n"])
-    w.reopen()  # SIGHUP after logrotate renamed it: closed now, a new file for the next line
-    w.stop()
-    assert path.read_bytes() == b"one\ntwo\n" and w.file.fd is None
-    path.rename(tmp_path / "access.log.1")
-    w.start()
-    w.put([b"three"])
     w.reopen()
+    w.put([b"three"])  # well within the second before the path is looked at: the reopen alone
+    w.start()
+    w.stop()
+    assert rotated.read_bytes() == b"one\ntwo\n" and path.read_bytes() == b"three\n"
+    assert w.file.fd is None
+    w.start()  # started again (the ingress task restarted)
     w.put([b"four"])
     w.stop()
     assert path.read_bytes() == b"three\nfour\n"
