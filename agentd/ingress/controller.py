@@ -245,6 +245,11 @@ class IngressController:
         self.proxy.detach()
         await self.access_log.aclose()
 
+    def access_log_state(self) -> dict[str, Any]:
+        """Where the access lines go, and (a file) why they are being dropped, if they are."""
+        w = self.access_log.writer
+        return {"to": self.log_to, "error": w.file.failing if w else None, "dropped": w.file.dropped_total if w else 0}
+
     def reopen_access_log(self) -> None:
         """SIGHUP: an access log file is closed and opened again (after logrotate moved it)."""
         self.access_log.reopen()

@@ -244,3 +244,17 @@ def test_off_tells_haproxy_not_to_log(tmp_path):
         assert ("    log global" in text) == logs and ("    no log" in text) != logs, (value, text)
         assert (str(ctl.paths.log_socket) in text) == logs
         assert (ctl.access_log.writer is not None) == value.startswith("/")
+
+
+def test_a_failing_file_is_in_status_and_agentd_status(tmp_path):
+    from agentd.cli import _ingress_line
+
+    path = tmp_path / "no-such-dir" / "access.log"
+    cfg = config(**{"ingress.access_log": str(path)})
+    ctl = IngressController("n1", Datastore(["http://127.0.0.1:2379"], "/agentd"), cfg.ingress, ["10.1.1.1"], tmp_path)
+    assert ctl.views.status()["access_log"] == {"to": str(path), "error": None, "dropped": 0}
+    ctl.access_log.writer.file.write(b"GET /a\nGET /b\n", 0.0)  # type: ignore[union-attr]
+    shown = ctl.views.status()["access_log"]
+    assert shown == {"to": str(path), "error": "cannot open it: No such file or directory", "dropped": 2}, shown
+    line = _ingress_line(ctl.views.status())
+    assert f"access log {path}: cannot open it: No such file or directory (2 lines dropped)" in line, line
