@@ -740,6 +740,9 @@ def _ingress_line(ing: dict[str, Any]) -> str:
     state = f"HAProxy pid {ing.get('pid')} worker {ing.get('worker')}" if ing.get("running") else "proxy NOT RUNNING"
     error = ing.get("error") or ing.get("settings_error")
     tls = "".join(f"\n  TLS Secret {_cell(secret)}: {_cell(why)}" for secret, why in sorted((ing.get("tls_errors") or {}).items()))
+    alog = ing.get("access_log") or {}
+    if alog.get("error"):
+        tls += f"\n  access log {_cell(alog.get('to'))}: {_cell(alog['error'])} ({alog.get('dropped', 0)} lines dropped)"
     return (f"Ingress on {where} (http {ing.get('http_port')}, https {ing.get('https_port')})  {state}"
             f"  ingresses {ing.get('ingresses', 0)}  reloads {ing.get('reloads', 0)}  restarts {ing.get('restarts', 0)}"
             f"{'  ERROR ' + _cell(error) if error else ''}{tls}")

@@ -256,6 +256,11 @@ class IngressConfig:
     configmap: str = "kube-system/agentd-ingress"
     watch_without_class: bool = False
     haproxy: str = "haproxy"
+    # Where HAProxy's access log lines go: "agent" (the agent's own log, as
+    # agentd.ingress.access), "off" (HAProxy logs nothing), or the absolute path of a file
+    # appended to (agentd.ingress.access_log).  Whether HAProxy logs requests at all is the
+    # ConfigMap's enable-access-log.
+    access_log: str = "agent"
 
 
 @dataclass(frozen=True)

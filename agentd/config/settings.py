@@ -65,6 +65,7 @@ from agentd.config.model import (  # noqa: F401 - re-exported: settings is where
     reloaded,
 )
 from agentd.config.values import (
+    parse_access_log,
     parse_controller_name,
     parse_listen_addresses,
     parse_object_ref,
@@ -222,6 +223,7 @@ _KEYS = (
     _Key("ingress", "configmap", string_kind(parse_object_ref), IngressConfig.configmap),
     _Key("ingress", "watch_without_class", BOOL, False),
     _Key("ingress", "haproxy", string_kind(lambda s: s.strip() or "haproxy"), "haproxy"),
+    _Key("ingress", "access_log", string_kind(parse_access_log), IngressConfig.access_log),
     _Key("log", "level", choice_kind("debug", "info", "warning", "error"), "info"),
     _Key("log", "format", choice_kind("text", "json"), "text"),
     _Key("agent", "state_dir", PATH, AgentConfig.state_dir),

@@ -478,6 +478,24 @@ def parse_path(s: str, base: Path) -> Path:
     return Path(os.path.normpath(base / s.strip()))  # absolute as given, else relative to base
 
 
+ACCESS_LOG_WORDS = ("agent", "off")
+
+
+def parse_access_log(s: str) -> str:
+    """``[ingress] access_log``: "agent", "off", or the absolute path of a file (appended to;
+    not looked at beyond refusing a directory: its directory may come later, and a file the
+    agent cannot write is a warning at run time, not a refused configuration)."""
+    text = s.strip()
+    if text in ACCESS_LOG_WORDS:
+        return text
+    if not text.startswith("/") or not text.isprintable() or text.endswith("/"):
+        raise BadValue('must be "agent", "off" or the absolute path of a file, e.g. /var/log/agentd/ingress-access.log')
+    path = os.path.normpath(text)
+    if os.path.isdir(path):  # (False for a name too long, a directory it may not search: said at run time)
+        raise BadValue(f"{path} is a directory, not a file")
+    return path
+
+
 def parse_file_name(s: str, base: Path) -> Path | None:
     """A file's path, not looked at: what parse_tls_file checks is the reader's (commands that
     never open the file, run by users who may not read it)."""

@@ -698,7 +698,10 @@ class Agent:
         return fast_path, None
 
     def _reload(self) -> None:
-        """SIGHUP: re-read the configuration; external peers and the log level change live."""
+        """SIGHUP: re-read the configuration; external peers and the log level change live.
+        An ingress access log file is opened again (logrotate's postrotate), whatever the file says."""
+        if self.ingress is not None:
+            self.ingress.reopen_access_log()
         if self.config_path is None:
             return
         try:  # a file named at start (flag, AGENTD_CONFIG) that is gone now is a failed reload, not the defaults

@@ -50,6 +50,7 @@ from agentd.services import model
 from agentd.resources import ingress_settings as settings
 
 from . import STATE_SUBDIR, certs, haproxy, routing
+from .access_log import FileWriter
 from .haproxy import Listen, Paths, Server
 from .proxy import AccessLog, Proxy, ProxyError, stop_stale
 from .views import IngressViews
@@ -71,7 +72,10 @@ class IngressController:
         self.listen = Listen(tuple(addresses), cfg.http_port, cfg.https_port)
         self.paths = Paths(Path(state_dir) / STATE_SUBDIR)
         self.proxy = Proxy(self.paths, cfg.haproxy)
-        self.access_log = AccessLog(self.paths.log_socket)
+        # [ingress] access_log: "agent" (the agent's log), "off" (HAProxy logs nothing), a file.
+        self.log_to = cfg.access_log
+        writer = FileWriter(cfg.access_log) if cfg.access_log not in ("agent", "off") else None
+        self.access_log = AccessLog(self.paths.log_socket, writer)
         self.store = ResourceStore(datastore)
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
         self.revision = 0
@@ -110,7 +114,12 @@ class IngressController:
 
     async def run(self) -> None:
         await asyncio.to_thread(self._prepare_dir)
-        if self.access_log.sock is None:
+        if self.log_to == "off":
+            log.info("ingress: access log off ([ingress] access_log): HAProxy logs no requests")
+        elif self.log_to != "agent":
+            log.info("ingress: access log to %s ([ingress] access_log), once the ConfigMap's enable-access-log is "
+                     "\"true\"", self.log_to)  # fmt: skip
+        if self.access_log.sock is None and self.log_to != "off":
             try:
                 self.access_log.open()
             except OSError as err:  # the access log is lost, not the ingress
@@ -234,13 +243,22 @@ class IngressController:
     async def stop(self) -> None:
         """The agent stops: the proxy goes on serving (the next agent adopts it)."""
         self.proxy.detach()
-        self.access_log.close()
+        await self.access_log.aclose()
+
+    def access_log_state(self) -> dict[str, Any]:
+        """Where the access lines go, and (a file) why they are being dropped, if they are."""
+        w = self.access_log.writer
+        return {"to": self.log_to, "error": w.file.failing if w else None, "dropped": w.file.dropped_total if w else 0}
+
+    def reopen_access_log(self) -> None:
+        """SIGHUP: an access log file is closed and opened again (after logrotate moved it)."""
+        self.access_log.reopen()
 
     async def leave(self) -> None:
         """``agentd leave``: stop the proxy (requests in flight finish), unpublish this node,
         remove the proxy's files."""
         await self.proxy.stop()
-        self.access_log.close()
+        await self.access_log.aclose()
         await self._unpublish()
         await asyncio.to_thread(remove_ingress_proxy, self.paths.dir.parent)
 
@@ -379,9 +397,10 @@ class IngressController:
         self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect, usable=self._usable)
         pems = self._cert_files()
         cert_paths = {k: self.paths.certs / f"{k[0]}.{k[1]}.pem" for k in pems}
-        files = {name: text.encode() for name, text in
-                 haproxy.render(self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths).items()}  # fmt: skip
-        bare = haproxy.render(self.table, {}, self.settings, self.listen, self.paths, cert_paths)
+        logs = False if self.log_to == "off" else None  # None: the ConfigMap's enable-access-log
+        files = {name: text.encode() for name, text in haproxy.render(
+            self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths, access_log=logs).items()}  # fmt: skip
+        bare = haproxy.render(self.table, {}, self.settings, self.listen, self.paths, cert_paths, access_log=logs)
         digest = hashlib.sha256(json.dumps(bare, sort_keys=True).encode())
         for key in sorted(pems):
             files[f"certs/{key[0]}.{key[1]}.pem"] = pems[key]

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .access_log import FileWriter
 from .haproxy import Paths
 
 log = logging.getLogger("agentd.ingress")
@@ -372,12 +373,15 @@ class Proxy:
 
 class AccessLog:
     """The unix datagram socket HAProxy sends its access log to (``log <path> format raw``),
-    drained into the ``agentd.ingress.access`` logger.  A datagram socket because HAProxy's
-    log sends never block: while no agent listens (a restart), lines are dropped, never
-    queued in front of requests."""
+    drained into the ``agentd.ingress.access`` logger, or, given a ``writer``
+    (``[ingress] access_log`` a file), handed to it in batches: its thread writes the file
+    (agentd.ingress.access_log), the event loop only reads the socket.  A datagram socket
+    because HAProxy's log sends never block: while no agent listens (a restart), lines are
+    dropped, never queued in front of requests."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, writer: FileWriter | None = None) -> None:
         self.path = path
+        self.writer = writer
         self.sock: socket.socket | None = None
 
     def open(self) -> None:
@@ -387,19 +391,31 @@ class AccessLog:
         sock.setblocking(False)
         sock.bind(str(self.path))
         os.chmod(self.path, 0o600)
+        if self.writer is not None:
+            self.writer.start()
         asyncio.get_running_loop().add_reader(sock.fileno(), self._drain)
         self.sock = sock
 
     def _drain(self) -> None:
         assert self.sock is not None
+        lines = []
         for _ in range(256):  # then back to the loop
             try:
-                line = self.sock.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
+                lines.append(self.sock.recv(65536))
+            except OSError:  # BlockingIOError: none left
+                break
+        if not lines:
+            return
+        if self.writer is not None:
+            self.writer.put(lines)
+            return
+        for line in lines:
             access_log.info("%s", line.decode(errors="replace").rstrip("\n"))
+
+    def reopen(self) -> None:
+        """SIGHUP: the file (if any) is closed and opened again (logrotate's postrotate)."""
+        if self.writer is not None:
+            self.writer.reopen()
 
     def close(self) -> None:
         if self.sock is not None:
@@ -407,6 +423,12 @@ class AccessLog:
                 asyncio.get_running_loop().remove_reader(self.sock.fileno())
             self.sock.close()
             self.sock = None
+
+    async def aclose(self) -> None:
+        """close(), and the file's lines still queued written before the file is closed."""
+        self.close()
+        if self.writer is not None:
+            await asyncio.to_thread(self.writer.stop)
 
 
 def _read_pid(path: Path) -> int | None:

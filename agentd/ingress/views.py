@@ -45,6 +45,7 @@ class IngressViews:
             "error": c.error,
             "settings_error": c.settings_error,
             "tls_errors": dict(c.tls_errors),  # Secret -> why its hosts get the default certificate
+            "access_log": c.access_log_state(),  # {"to": "agent"|"off"|path, "error", "dropped"}
         }
 
     def view(self) -> dict[str, Any]:

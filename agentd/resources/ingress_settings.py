@@ -13,7 +13,7 @@ keep-alive                  75         seconds an idle client connection is kept
 proxy-body-size             1m         largest request body by Content-Length (k, m, g; 0: none)
 use-http2                   true       offer HTTP/2 (ALPN h2) on the HTTPS port
 ssl-redirect                true       plain HTTP to a TLS host gets a 308 to HTTPS
-enable-access-log           false      one line per request in the agent's log
+enable-access-log           false      one line per request, where [ingress] access_log says
 log-format                  (HAProxy)  HAProxy log-format of those lines
 websocket-timeout           3600       seconds an upgraded (WebSocket) connection may idle
 frontend-snippet            (none)     extra frontend lines, only header rules (below)

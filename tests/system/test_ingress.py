@@ -745,6 +745,90 @@ async def test_settings_from_the_configmap(world: World):
         await world.delete("Ingress", "cfg")
 
 
+async def test_access_log_to_a_file_or_off(world: World):
+    """[ingress] access_log on node2: a file gets each request's line through the real HAProxy
+    (and the agent's log none), a new file once logrotate renamed it away, and on SIGHUP the
+    renamed one is closed at once; "off": HAProxy is told not to log, no line anywhere."""
+    node = world.lab.nodes[1]
+    access = world.tmp / "node2-access.log"
+    rev = await world.apply(ingress("alog", [rule("alog.example", path("/", "Prefix", "foo"))]),
+                            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agentd-ingress", "namespace": "kube-system"},
+                             "data": {"enable-access-log": "true"}})  # fmt: skip
+
+    async def restart_with(value: str | None) -> None:
+        if value is None:
+            world.lab.spec.extra.pop(node.name, None)
+        else:
+            world.lab.spec.extra[node.name] = {"ingress": {"access_log": value}}
+        await node.stop_agent(signal.SIGTERM)
+        node.start_agent()
+        await auntil(lambda: (node.api_or_none("/ingress") or {}).get("running"), 60, what=f"node2's proxy with access_log {value}")
+        await world.converged(rev)
+
+    def lines(p: Path, what: str) -> list[str]:
+        return [ln for ln in p.read_text(errors="replace").splitlines() if what in ln] if p.exists() else []
+
+    def agent_log(what: str) -> list[str]:
+        return [ln for ln in node.log_path.read_text(errors="replace").splitlines() if what in ln]
+
+    async def get(path: str) -> None:
+        status, body, _ = await world.curl(f"http://alog.example{path}", node=1)
+        assert status == 200 and body["pod"] == "foo-1", (status, body)
+
+    try:
+        await restart_with(str(access))
+        await get("/to-file")
+        await auntil(lambda: lines(access, "GET /to-file"), 20, what="the line of GET /to-file in the access log file")
+        (line,) = lines(access, "GET /to-file")
+        assert "ing.shop.alog.foo.80" in line, line  # HAProxy's httplog line: frontend, backend/server, request
+        assert not agent_log("/to-file"), agent_log("/to-file")
+        # logrotate's "create": the file renamed away, the next line (past the writer's 1 s
+        # look at the path) goes to a new file at the path.
+        rotated = access.with_name("node2-access.log.1")
+        access.rename(rotated)
+        await asyncio.sleep(1.2)
+        await get("/after-rename")
+        await auntil(lambda: lines(access, "GET /after-rename"), 20, what="GET /after-rename in a new file at the path")
+        assert lines(rotated, "GET /to-file") and not lines(rotated, "/after-rename")
+        # SIGHUP (logrotate's postrotate): the renamed file is closed at once, the next line
+        # opens the path again, however soon it comes.
+        rotated2 = access.with_name("node2-access.log.2")
+        access.rename(rotated2)
+        pid = node.agent_pid()
+        assert pid is not None
+
+        def holds(p: Path) -> bool:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    if fd.readlink() == p:
+                        return True
+                except OSError:  # closed meanwhile
+                    pass
+            return False
+
+        assert holds(rotated2)
+        node.signal_agent(signal.SIGHUP)
+        await auntil(lambda: not holds(rotated2), 10, what="node2's agent to close the renamed access log on SIGHUP")
+        await get("/after-hup")
+        await auntil(lambda: lines(access, "GET /after-hup"), 20, what="GET /after-hup in the file opened again")
+        assert not lines(rotated2, "/after-hup") and not agent_log("/after-")
+        # "off": no log in HAProxy's configuration, and no line of a request anywhere.
+        await restart_with("off")
+        cfg = (node.dir / "state" / "ingress" / "haproxy.cfg").read_text()
+        assert "    no log" in cfg and "log.sock" not in cfg, cfg
+        await get("/not-logged")
+        await get("/after-hup")  # (a line of this one would come after that of /not-logged)
+        await asyncio.sleep(2)
+        for p in (access, rotated, rotated2):
+            assert not lines(p, "/not-logged"), p
+        assert not agent_log("/not-logged")
+        assert len(lines(access, "GET /after-hup")) == 1
+    finally:
+        await restart_with(None)
+        await world.delete("ConfigMap", "agentd-ingress", ns="kube-system")
+        await world.delete("Ingress", "alog")
+
+
 async def test_leave_stops_the_proxy_and_leaves_nothing(world: World):  # last: node3 goes
     node3 = world.lab.nodes[2]
     pid = world.proxy(2)["pid"]

@@ -185,6 +185,10 @@ def test_the_unit_lets_the_agent_write_where_the_defaults_say():
     cni, agent = CniConfig(), AgentConfig()
     for path in (cni.conf_dir, cni.subnet_file.parent, agent.state_dir):
         assert any(Path(path).is_relative_to(w) for w in writable), path
+    # [ingress] access_log as a file: the directory etc/agentd.toml suggests is writable too.
+    writable |= {"/var/log/" + d for d in unit_values("LogsDirectory")}
+    suggested = re.search(r'e\.g\. "(/var/log/[^"]+)"', (ROOT / "etc" / "agentd.toml").read_text())
+    assert suggested and any(Path(suggested[1]).is_relative_to(w) for w in writable), suggested
     # The CNI directory is made by root, not by ConfigurationDirectory= (which systemd would make
     # the user's of a drop-in's User=): it stays root's, shared with the container runtime.
     assert not any("cni" in d for line in unit_values("ConfigurationDirectory") for d in line.split())
