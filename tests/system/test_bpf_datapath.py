@@ -29,7 +29,7 @@ import pytest
 
 from dualstack_hosts import TCX_REFUSED, csum_errors, transfer
 
-from agentd.dataplane.bpf import BpfDatapath, BpfUnavailable, Config, layout, libbpf, pin_dir, tc
+from agentd.dataplane.bpf import BpfDatapath, BpfUnavailable, Config, datapath, layout, libbpf, pin_dir, tc
 from agentd.lab.twohosts import (
     H1_UNDERLAY,
     H2_UNDERLAY,
@@ -430,19 +430,33 @@ def programs(netns_factory, bpffs):
 
 
 def test_a_full_ports_map_takes_what_fits_and_recovers_once_the_flood_is_gone(programs):
-    """A pod flooding its bridge with source MACs fills agentd_ports (the kernel says E2BIG for
+    """Pods flooding their bridge with source MACs fill agentd_ports (the kernel says E2BIG for
     a new key): what fits is written, the rest counted, and once the flood's MACs are gone
     from the bridge the next sync removes theirs and writes the new pod's."""
     size = libbpf.map_info(programs.maps[layout.PORTS])["max_entries"]
-    flood = {(7, (0x020000000000 + i).to_bytes(6, "big")): 11 for i in range(size + 100)}
+    share = datapath.PORT_MACS_MAX
+    flooding = size // share + 2  # ports, each flooding its share: more than the map holds
+    flood = {(7, (0x020000000000 + i).to_bytes(6, "big")): 100 + i // share for i in range(flooding * share)}
     programs.set_ports(flood)
     keys = libbpf.map_keys(programs.maps[layout.PORTS], layout.PORT_KEY.size)
-    assert len(keys) == size and programs.status()["bridge_ports_refused"] == 100
+    assert len(keys) == size and programs.status()["bridge_ports_refused"] == flooding * share - size
     pod = {(7, bytes.fromhex("0a0000000001")): 12}
     programs.set_ports(pod)
     keys = libbpf.map_keys(programs.maps[layout.PORTS], layout.PORT_KEY.size)
     assert keys == [layout.PORT_KEY.pack(7, bytes.fromhex("0a0000000001"))]
     assert programs.status()["bridge_ports_refused"] == 0 and programs.status()["bridge_ports"] == 1
+
+
+def test_one_pod_flooding_its_bridge_leaves_room_for_the_other_pods_macs(programs):
+    """One port's flood of made-up source MACs, more than the whole map: only its share gets
+    in, so a new pod's MAC behind another port is on the direct path while the flood lasts."""
+    size = libbpf.map_info(programs.maps[layout.PORTS])["max_entries"]
+    flood = {(7, (0x020000000000 + i).to_bytes(6, "big")): 11 for i in range(size + 100)}
+    pod = (7, bytes.fromhex("0a0000000001"))
+    programs.set_ports({**flood, pod: 12})
+    keys = set(libbpf.map_keys(programs.maps[layout.PORTS], layout.PORT_KEY.size))
+    assert layout.PORT_KEY.pack(*pod) in keys and len(keys) == datapath.PORT_MACS_MAX + 1
+    assert programs.status()["bridge_ports_refused"] == size + 100 - datapath.PORT_MACS_MAX
 
 
 def run(dp, program: str, packet: bytes) -> tuple[int, bytes]:

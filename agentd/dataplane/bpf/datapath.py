@@ -323,15 +323,19 @@ class BpfDatapath:
 
     def set_ports(self, ports: Mapping[tuple[int, bytes], int]) -> None:
         """Make the ports map ``ports`` ((bridge ifindex, MAC) -> port ifindex), as far as it
-        fits: stale entries go first, and an entry the full map refuses (E2BIG: a pod flooding
-        its bridge with source MACs can fill it) is counted (``bridge_ports_refused`` in the
-        status), logged once while it lasts, and left out -- the rest is written, and once the
-        flood's MACs age out of the bridge their entries go and the refused ones get in."""
+        fits: at most PORT_MACS_MAX MACs behind any one port (a pod flooding its bridge with
+        made-up source MACs -- possible with ``[policy] check_source_mac = false`` -- takes that
+        many entries, not the map: the other pods' MACs, a new pod's too, still get in), stale
+        entries go first, and an entry left out -- over its port's share, or refused by the
+        full map (E2BIG: many ports flooding) -- is counted (``bridge_ports_refused`` in the
+        status), logged once while it lasts, and left to the stack's path; once the flood's
+        MACs age out of the bridge their entries go and the ones left out get in."""
         fd = self.maps[layout.PORTS]
+        ports, capped = per_port_share(ports, self.ports)
         for key in [k for k in self.ports if k not in ports]:
             lb.map_delete(fd, layout.PORT_KEY.pack(*key))
             del self.ports[key]
-        refused = 0
+        refused = capped
         for (bridge, mac), port in ports.items():
             if self.ports.get((bridge, mac)) != port:
                 try:
@@ -343,9 +347,9 @@ class BpfDatapath:
                     continue
                 self.ports[(bridge, mac)] = port
         if refused and not self.ports_refused:
-            log.warning("BPF: the bridge ports map is full (%d entries): %d learned MACs are not on the "
-                        "direct path (delivered by the stack) until the bridges forget some",
-                        len(self.ports), refused)
+            log.warning("BPF: %d learned MACs are not in the bridge ports map (%d entries; at most %d behind one "
+                        "port%s): they are delivered by the stack until the bridges forget some",
+                        refused, len(self.ports), PORT_MACS_MAX, f", {capped} over their port's share" if capped else "")
         elif self.ports_refused and not refused:
             log.info("BPF: every learned MAC is in the bridge ports map again")
         self.ports_refused = refused
@@ -538,6 +542,31 @@ def pin(directory: Path, fd: int, name: str) -> None:
         raise
     except OSError as err:
         raise BpfUnavailable(f"cannot pin {name} as {path}: {err.strerror}") from None
+
+
+# MACs of one bridge port in the ports map at most: a pod's own MAC, and those of what it
+# bridges or runs inside (nested containers, VMs), within it; far below the map's 4,096.
+PORT_MACS_MAX = 64
+
+
+def per_port_share(ports: Mapping[tuple[int, bytes], int], held: Mapping[tuple[int, bytes], int],
+                   most: int = PORT_MACS_MAX) -> tuple[dict[tuple[int, bytes], int], int]:
+    """``ports`` with at most ``most`` MACs behind each (bridge, port) -- those ``held`` (in the
+    map now) first, then the lowest MACs, so that a flood's share stays put from one sync to
+    the next --, and how many were left out."""
+    by_port: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
+    for key, port in ports.items():
+        by_port.setdefault((key[0], port), []).append(key)
+    out: dict[tuple[int, bytes], int] = {}
+    left = 0
+    for (_, port), keys in by_port.items():
+        if len(keys) > most:
+            keys = sorted(keys, key=lambda k: (held.get(k) != port, k[1]))
+            left += len(keys) - most
+            keys = keys[:most]
+        for key in keys:
+            out[key] = port
+    return out, left
 
 
 def _kernel_flags(live: layout.Config | None) -> dict:

@@ -55,12 +55,30 @@ def test_a_mac_flood_that_filled_the_ports_map_does_not_stop_its_sync_for_good(m
         dp.set_ports(flood)
         dp.set_ports(flood)  # still full: not logged again
     assert len(kmap.entries) == 64 and dp.status()["bridge_ports_refused"] == 36
-    assert len([r for r in caplog.records if "ports map is full" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "not in the bridge ports map" in r.getMessage()]) == 1
     # The flood's MACs age out of the bridge; a new pod comes: its entry gets in.
     pod = {(7, _mac(0x0A0000000001)): 12}
     dp.set_ports(pod)
     assert dp.ports == pod and len(kmap.entries) == 1
     assert dp.status()["bridge_ports_refused"] == 0
+
+
+def test_one_ports_mac_flood_takes_its_share_of_the_ports_map_not_the_map(monkeypatch):
+    kmap = _FullMap(100)
+    monkeypatch.setattr(datapath.lb, "map_update", kmap.update)
+    monkeypatch.setattr(datapath.lb, "map_delete", kmap.delete)
+    dp = datapath.BpfDatapath(1, "/nonexistent")
+    dp.maps = {layout.PORTS: 3}
+    flood = {(7, _mac(0x020000000000 + i)): 11 for i in range(300)}
+    dp.set_ports(flood)
+    share = dict(dp.ports)
+    assert len(share) == datapath.PORT_MACS_MAX and dp.status()["bridge_ports_refused"] == 300 - datapath.PORT_MACS_MAX
+    # The flood goes on with other MACs; a new pod comes behind another port: it gets in, and
+    # the flood's share stays the entries it had (no churn from sync to sync).
+    more = {(7, _mac(0x030000000000 + i)): 11 for i in range(300)}
+    pod = {(7, _mac(0x0A0000000001)): 12}
+    dp.set_ports({**more, **flood, **pod})
+    assert dp.ports == {**share, **pod} and len(kmap.entries) == datapath.PORT_MACS_MAX + 1
 
 
 def test_the_bpf_counters_are_read_when_the_ports_sync_fails(caplog):
