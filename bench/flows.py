@@ -474,8 +474,17 @@ async def storm(lab: Lab, pods: dict[str, Any], res: Any, pps: int, seconds: flo
         "records": after["flows"]["dropped"] - before["flows"]["dropped"],
         "suppressed_kernel": after["suppressed"]["kernel"] - before["suppressed"]["kernel"],
         "suppressed_agent": after["suppressed"]["agent"] - before["suppressed"]["agent"],
-        "lost": after["lost"], "ring": after["records"],
+        "lost": lost_during(before.get("lost"), after["lost"]), "ring": after["records"],
     }
+
+
+def lost_during(before: Any, after: Any) -> Any:
+    """What /status's flows ``lost`` (the agent's running total: a count, or one per source)
+    grew by between two readings."""
+    if isinstance(after, dict):
+        was = before if isinstance(before, dict) else {}
+        return {k: v - was.get(k, 0) for k, v in after.items()}
+    return (after or 0) - (before if isinstance(before, int) else 0)
 
 
 async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -619,10 +628,16 @@ def repeated_storm_rows(reps: dict[str, list[dict[str, Any]]]) -> list[list[str]
             oq, od = _pooled(off, "quiet", samples, worst), _pooled(off, "during", samples, worst)
             rows.append([f"{what}, {'worst' if worst else 'median'} of {n} (ms)", fmt.format(q), fmt.format(d),
                          f"{d / q:.2f}x", fmt.format(oq), fmt.format(od), f"{od / oq:.2f}x", f"{d / od:.2f}x"])
-    first, last = on[0]["quiet"]["rss_mb"], on[-1]["rss_after_mb"]
-    ofirst, olast = off[0]["quiet"]["rss_mb"], off[-1]["rss_after_mb"]
-    rows.append(["RSS (MB), first storm's start and after the last", f"{first:.1f}", f"{last:.1f} (after)",
-                 f"{last / first:.2f}x", f"{ofirst:.1f}", f"{olast:.1f} (after)", f"{olast / ofirst:.2f}x", ""])
+    # RSS within each storm (the agents restart between modes: storms of one mode may be two
+    # processes'): the growth from its quiet reading to after it, median and worst.
+    def growth(storms: list[dict[str, Any]]) -> list[float]:
+        return sorted(st["rss_after_mb"] - st["quiet"]["rss_mb"] for st in storms)
+
+    g, og = growth(on), growth(off)
+    rows.append([f"RSS growth in a storm (MB), median of {len(g)}", f"{statistics.median(st['quiet']['rss_mb'] for st in on):.1f}",
+                 f"{statistics.median(g):+.1f}", "", f"{statistics.median(st['quiet']['rss_mb'] for st in off):.1f}",
+                 f"{statistics.median(og):+.1f}", "", ""])
+    rows.append([f"RSS growth in a storm (MB), worst of {len(g)}", "", f"{g[-1]:+.1f}", "", "", f"{og[-1]:+.1f}", "", ""])
     return rows
 
 
@@ -631,6 +646,19 @@ def storm_pairs_note(reps: dict[str, list[dict[str, Any]]]) -> str:
     pairs = [f"{a['during']['policy_ms'] / b['during']['policy_ms']:.2f}x" for a, b in zip(reps["on"], reps["off"])]
     return (f"storms, {len(pairs)} pair(s): the median policy change during the storm, recording on / flows off, "
             f"pair by pair: {', '.join(pairs)}")
+
+
+def lost_total(losts: Any) -> Any:
+    """Storms' ``lost`` (each a count, or one per source) added up."""
+    total: Any = None
+    for lost in losts:
+        if isinstance(lost, dict):
+            total = dict(total) if isinstance(total, dict) else {}
+            for k, v in lost.items():
+                total[k] = total.get(k, 0) + v
+        elif not isinstance(total, dict):
+            total = (total or 0) + (lost or 0)
+    return total
 
 
 def lost_text(lost: Any) -> str:
@@ -757,7 +785,8 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         f"{CRR_FAILED_SHARE:.0%} failed stops the bench): " + ", ".join(f"{mode} {n:,}" for mode, n in failed.items()),
         (f"storms recorded, together: drop records kept {sum(x['records'] for x in reps['on']):,}; suppressed in the "
          f"kernel (nft limit) {sum(x['suppressed_kernel'] for x in reps['on']):,}, by the agent "
-         f"{sum(x['suppressed_agent'] for x in reps['on']):,}; lost {lost_text(reps['on'][-1]['lost'])}; ring after the last "
+         f"{sum(x['suppressed_agent'] for x in reps['on']):,}; lost {lost_text(lost_total(x['lost'] for x in reps['on']))}; "
+         "ring after the last "
          f"{reps['on'][-1]['ring']:,} records"),
         *([storm_pairs_note(reps)] if len(reps["on"]) > 1 and reps["off"] else []),
         f"ring memory per node: {r['ring_bytes'] / 1e6:.1f} MB for {r['ring_size']:,} records read "

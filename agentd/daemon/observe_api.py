@@ -699,7 +699,7 @@ def _lost_at(node: str, line: bytes) -> tuple[bytes, int]:
     try:
         record = json.loads(line)
         n = max(1, int(record["lost"]))
-    except (ValueError, TypeError, KeyError):  # not what an agentd sends: passed on as it came
+    except (ValueError, TypeError, KeyError, OverflowError):  # not what an agentd sends (Infinity): passed on as it came
         return line, 1
     if "node" in record:
         return line, n

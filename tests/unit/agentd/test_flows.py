@@ -2471,6 +2471,14 @@ async def test_a_gatherer_names_the_node_whose_records_were_lost(monkeypatch):
     assert full.lost == 40
 
 
+@pytest.mark.parametrize("line", [b'{"lost": Infinity}', b'{"lost": 1e400}', b'{"lost": "many"}', b'{"lost": 2'])
+def test_a_lost_line_no_agentd_sends_is_passed_on_as_it_came(line):
+    # Infinity raised OverflowError out of the remote pump: the node's stream ended unsaid.
+    from agentd.daemon import observe_api
+
+    assert observe_api._lost_at("node2", line) == (line, 1)
+
+
 def test_a_services_endpoint_with_no_route_is_a_no_route_record_from_the_error_the_node_sends():
     """The Services translate after the no-route check; a translated first packet the kernel
     has no route for gets its ICMP error (net/host unreachable; ICMPv6 no route; not

@@ -272,7 +272,9 @@ def test_repeated_storms_pool_every_sample_of_a_mode():
     assert rows["policy change -> kernel, median of 10 (ms)"][1:] == ["10", "12", "1.20x", "10", "10", "1.05x", "1.14x"]
     assert rows["policy change -> kernel, worst of 10 (ms)"][2] == "30"
     assert rows["GET /status, worst of 4 (ms)"][2] == "4.0"
-    assert rows["RSS (MB), first storm's start and after the last"][1:4] == ["80.0", "82.0 (after)", "1.02x"]
+    # RSS within each storm (the agents restart between modes): growth 1.0 and 82 - 80 = 2.0 MB
+    assert rows["RSS growth in a storm (MB), median of 2"][1:3] == ["80.0", "+1.5"]
+    assert rows["RSS growth in a storm (MB), worst of 2"][2] == "+2.0"
     note = flows.storm_pairs_note({"on": on, "off": off})
     assert "1.20x, 1.09x" in note  # pair 1: 12/10; pair 2: 12/11
 
@@ -300,3 +302,12 @@ def test_a_drop_latency_past_the_goal_never_prints_as_the_goal(capsys):
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith("node2's own") and "1000.4" in line and "NOT met" in line for line in out)
     assert any(line.startswith("node1's") and " 1000 " in line and "NOT met" not in line for line in out)  # <= 1000
+
+
+def test_the_storms_lost_records_are_each_storms_own_added_up():
+    # /status's lost is the agent's running total: a storm's own is after - before, and the
+    # note adds the storms' (the last storm's total left out those of an earlier agent run).
+    assert flows.lost_during({"programs": 500}, {"programs": 520}) == {"programs": 20}
+    assert flows.lost_during(None, {"programs": 7}) == {"programs": 7} and flows.lost_during(3, 5) == 2
+    assert flows.lost_total([{"programs": 500}, {"programs": 0}, {"programs": 2}]) == {"programs": 502}
+    assert flows.lost_total([1, 2]) == 3
