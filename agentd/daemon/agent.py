@@ -514,7 +514,7 @@ class Agent:
                 self._write_leave_report()
 
         if self.service is not None:
-            await step("closing the BGP sessions" + (" (Cease: the peers withdraw our routes)" if remove else ""),
+            await step("closing the BGP sessions" + (" with a Cease (the peers withdraw our routes)" if remove else ""),
                        lambda: self.service.stop(graceful=graceful))
         else:
             skip("closing the BGP sessions", "BGP had not started")

@@ -180,7 +180,7 @@ def test_a_leaving_agent_reports_every_step_with_its_result(tmp_path, host):
     assert seen["answer"]["id"] == report.id and seen["answer"]["report"] == str(tmp_path / "state" / "leave.json")
     results = {s.name: (s.result, s.reason) for s in report.steps}
     assert results[ETCD_STEP] == (DONE, "")
-    assert results["closing the BGP sessions (Cease: the peers withdraw our routes)"] == (DONE, "")
+    assert results["closing the BGP sessions with a Cease (the peers withdraw our routes)"] == (DONE, "")
     assert results["removing this node's kernel routes"] == (DONE, "")
     assert results["removing the tunnel devices and the BPF data path"] == \
         (FAILED, "the BPF data path: cannot detach agentd_tc: EPERM")
