@@ -512,6 +512,9 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
                 got = lr.read_report(report_path)
                 problem = None
             except lr.ReportError as err:
+                if not err.missing:  # unreadable (permissions) or no report: waiting changes nothing
+                    sys.stderr.write(f"agentd leave: the agent's API has stopped, and {err}\n")
+                    return 1
                 got, problem = None, str(err)
         if got is not None and got.id != leave_id:  # an older leave's file (this one's not written yet)
             got, problem = None, f"{report_path} is another leave's report (not the one of leave {leave_id})"

@@ -31,7 +31,12 @@ class StepSkipped(Exception):  # a step's outcome, not an error
 
 
 class ReportError(ValueError):
-    """A report file (or GET /leave answer) that cannot be read or is not a report; one line."""
+    """A report file (or GET /leave answer) that cannot be read or is not a report; one line.
+    ``missing``: there is no file (yet): a leave writes one soon, unlike one it cannot read."""
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ def read_report(path: Path) -> LeaveReport:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise ReportError(f"there is no leave report at {path}") from None
+        raise ReportError(f"there is no leave report at {path}", missing=True) from None
     except OSError as err:
         raise ReportError(f"cannot read the leave report {path}: {err.strerror or err}") from None
     try:

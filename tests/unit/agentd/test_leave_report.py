@@ -319,6 +319,15 @@ def test_the_cli_does_not_take_an_older_leaves_report_for_this_one(tmp_path, mon
     assert len(err.splitlines()) == 1
 
 
+def test_the_cli_says_at_once_when_the_report_cannot_be_read(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "leave.json"
+    path.write_text("{")  # (unreadable alike: a permission error is a ReportError that is not `missing`)
+    _agent_api(monkeypatch, {"leaving": True, "etcd_error": None, "id": "abc", "report": str(path)}, [])
+    code = cli.leave_running_agent("127.0.0.1", 9, tmp_path / "api.token", timeout=3600, out=io.StringIO())
+    err = capsys.readouterr().err
+    assert code == 1 and err == f"agentd leave: the agent's API has stopped, and {path}: not JSON\n"
+
+
 def test_the_cli_with_no_wait_returns_after_the_etcd_step(tmp_path, monkeypatch):
     path = tmp_path / "leave.json"
     _agent_api(monkeypatch, {"leaving": True, "etcd_error": "etcd did not answer within 10 s", "id": "abc",
