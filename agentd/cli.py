@@ -165,7 +165,7 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
     sp = sub.add_parser("leave", help="decommission this node: withdraw, release the subnet, remove the node")
     config_args(sp)
     sp.add_argument("--timeout", type=_seconds, default=LEAVE_WAIT, metavar="SECONDS",
-                    help=f"how long to wait for the running agent's whole leave (default {LEAVE_WAIT})")
+                    help=f"how long to wait for the running agent's whole leave (default {LEAVE_WAIT}, 1..3600)")
     sp.add_argument("--no-wait", action="store_true",
                     help="return once the node has left etcd; the agent goes on cleaning the host up (GET /leave)")
 
