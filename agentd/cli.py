@@ -488,6 +488,17 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
     if not isinstance(leave_id, str) or report_path is None:  # an agent from before leave reports
         step = lr.LeaveStep("leaving etcd", "failed" if etcd_error else "done", str(etcd_error or ""))
         say(step.line())
+        # It removes its tables, routes and BPF data path and exits: wait until its API is gone.
+        health = url[: -len("/leave")] + "/healthz"
+        while time.monotonic() < deadline:
+            try:
+                with api_open(health, timeout=1) as resp:
+                    resp.read()
+            except urllib.error.HTTPError:
+                pass  # it answers (not healthy while stopping): still there
+            except (urllib.error.URLError, OSError, ValueError):
+                break
+            time.sleep(LEAVE_POLL)
         say("the agent reports none of its other steps (an older agentd): see its log for them")
         return 1 if etcd_error else 0
     if not wait:

@@ -339,11 +339,18 @@ def test_the_cli_with_no_wait_returns_after_the_etcd_step(tmp_path, monkeypatch)
 
 
 def test_the_cli_facing_an_older_agent_says_what_it_knows(tmp_path, monkeypatch):
-    """An agent from before leave reports answers the etcd step only."""
-    _agent_api(monkeypatch, {"leaving": True, "etcd_error": "etcd did not answer within 10 s"}, [])
+    """An agent from before leave reports answers the etcd step only; `agentd leave` returns
+    once it has exited (its API no longer answers)."""
+    asked = []
+    _agent_api(monkeypatch, {"leaving": True, "etcd_error": "etcd did not answer within 10 s"},
+               [{"ok": False}, OSError("connection refused")])
+    api_open = cli.api_open
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout: asked.append(getattr(req, "method", req)) or
+                        api_open(req, timeout))
     out = io.StringIO()
     assert cli.leave_running_agent("127.0.0.1", 9, Path("/nonexistent/api.token"), out=out) == 1
     assert out.getvalue().splitlines()[0] == "leaving etcd: failed: etcd did not answer within 10 s"
+    assert asked == ["POST", "http://127.0.0.1:9/healthz", "http://127.0.0.1:9/healthz"]
 
 
 def test_the_cli_refuses_an_answer_that_is_no_leave(tmp_path, monkeypatch):
