@@ -164,6 +164,10 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
 
     sp = sub.add_parser("leave", help="decommission this node: withdraw, release the subnet, remove the node")
     config_args(sp)
+    sp.add_argument("--timeout", type=_seconds, default=LEAVE_WAIT, metavar="SECONDS",
+                    help=f"how long to wait for the running agent's whole leave (default {LEAVE_WAIT}, 1..3600)")
+    sp.add_argument("--no-wait", action="store_true",
+                    help="return once the node has left etcd; the agent goes on cleaning the host up (GET /leave)")
 
     sp = sub.add_parser("status", help="peer table, subnet, backend and routes of a running agent")
     sp.add_argument("--api", default=os.environ.get("AGENTD_STATUS_URL", DEFAULT_API), help="agent API URL")
@@ -368,17 +372,24 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg = _load(args, parser, host=None, check_files=False)[2]
         setup_logging(cfg.log.level, cfg.log.format)
         try:
-            if leave_running_agent(cfg.api.listen.host, cfg.api.listen.port, cfg.api.token_file):
-                return 0
-        except (LeaveRefused, LeaveIncomplete) as err:
+            code = leave_running_agent(cfg.api.listen.host, cfg.api.listen.port, cfg.api.token_file,
+                                       timeout=args.timeout, wait=not args.no_wait,
+                                       report_path=Path(cfg.agent.state_dir) / "leave.json")
+        except LeaveRefused as err:
             sys.stderr.write(f"agentd leave: {err}\n")
             return 1
+        if code is not None:
+            return code
         cfg = _load(args, parser, host=LocalHost())[2]
         import uvloop
 
+        from agentd.daemon import leave_report
         from agentd.daemon.agent import leave
 
-        return uvloop.run(leave(cfg))
+        print(f"no agent answers at {cfg.api.listen.host}:{cfg.api.listen.port}: leaving without it", flush=True)
+        report = uvloop.run(leave(cfg, on_step=lambda step: print(step.line(), flush=True)))
+        print(leave_report.summary(report), flush=True)
+        return leave_report.exit_code(report)
     if cmd in ("run", "speaker"):
         path, overrides, cfg = _load(args, parser, host=LocalHost())
         named = _config_path(args, parser)[1]  # a named file must still be there at a reload (SIGHUP)
@@ -405,27 +416,42 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     parser.error(f"unknown command {cmd}")
 
 
-LEAVE_WAIT = 60  # seconds `agentd leave` waits for the running agent to finish and exit
+LEAVE_WAIT = 60  # seconds `agentd leave` waits, by default, for the running agent's whole leave
+LEAVE_POLL = 0.2  # seconds between two looks at its progress
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: seconds, 1..3600 (as ``agentd lab up --timeout``)."""
+    try:
+        n = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not 1 <= n <= 3600:  # also rejects nan and inf
+        raise argparse.ArgumentTypeError(f"{text} is out of range 1..3600 seconds")
+    return n
 
 
 class LeaveRefused(Exception):
     """The running agent did not take ``agentd leave``'s request; the message says why."""
 
 
-class LeaveIncomplete(Exception):
-    """The running agent left this host but could not remove the node from etcd."""
-
-
-def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
-    """POST /leave, with the API token of ``token_file``, to the agent on this host; False
-    if none answers, :class:`LeaveRefused` if it answers no, :class:`LeaveIncomplete` (once the
-    agent has stopped) if it could not remove the node from etcd."""
+def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: float = LEAVE_WAIT, wait: bool = True,
+                        report_path: Path | None = None, out: Any = None) -> int | None:
+    """POST /leave, with the API token of ``token_file``, to the agent on this host, then print
+    every step of its leave with its result as it ends (GET /leave while its API is up, then
+    the report file it writes, ``report_path`` unless the agent names another: it exits at the
+    end) and the summary.  Returns the exit status (0: every step done or skipped), None if
+    no agent answers; :class:`LeaveRefused` if it answers no.  ``wait`` False: return once
+    the node has left etcd; ``timeout``: how long to wait for the whole leave."""
     import urllib.error
     import urllib.request
 
+    from agentd.daemon import leave_report as lr
     from agentd.daemon.auth import TokenFileError, bearer_header, read_token_file
     from agentd.daemon.listeners import squatter
 
+    out = out if out is not None else sys.stdout
+    deadline = time.monotonic() + timeout
     try:
         token, unreadable = read_token_file(token_file), None
     except TokenFileError as err:  # maybe no agent runs: asking tells
@@ -438,38 +464,88 @@ def leave_running_agent(host: str, port: int, token_file: Path) -> bool:
         req = urllib.request.Request(url, method="POST", data=b"", headers=bearer_header(token) if token else {})
         # The agent answers once the node has left etcd (or could not): its releases and
         # removals wait up to 10 s each while etcd is unreachable.
-        with api_open(req, timeout=LEAVE_WAIT) as resp:
+        with api_open(req, timeout=timeout) as resp:
             answer = json.load(resp)
     except urllib.error.HTTPError as err:
         if unreadable is not None:
             raise LeaveRefused(f"an agent runs at {url}, but {unreadable}") from None
         raise LeaveRefused(f"the agent at {url} refused: {_api_error(err)}") from None
     except TimeoutError:  # connected, asked, no answer (a connect timeout is a URLError: no agent)
-        raise LeaveRefused(f"the agent at {url} did not answer within {LEAVE_WAIT} s") from None
+        raise LeaveRefused(f"the agent at {url} did not answer within {timeout:g} s") from None
     except (urllib.error.URLError, OSError, ValueError):
-        return False
-    etcd_error = answer.get("etcd_error") if isinstance(answer, dict) else None
-    log = logging.getLogger("agentd")
-    log.info("the running agent is leaving the cluster")
-    # The agent answers once it has left etcd; it then removes its tables, routes and BPF data
-    # path and exits.  `agentd leave` returns when that is done: until the API stops answering.
-    health = url[: -len("/leave")] + "/healthz"
-    deadline = time.monotonic() + LEAVE_WAIT
-    while time.monotonic() < deadline:
+        return None
+    if not isinstance(answer, dict) or answer.get("leaving") is not True:
+        raise LeaveRefused(f"the agent at {url} answered, but not as an agent taking a leave: {str(answer)[:200]}")
+
+    def say(line: str) -> None:
+        out.write(line + "\n")
+        out.flush()
+
+    etcd_error = answer.get("etcd_error")
+    leave_id = answer.get("id")
+    if isinstance(answer.get("report"), str) and answer["report"]:
+        report_path = Path(answer["report"])
+    if not isinstance(leave_id, str) or report_path is None:  # an agent from before leave reports
+        step = lr.LeaveStep("leaving etcd", "failed" if etcd_error else "done", str(etcd_error or ""))
+        say(step.line())
+        # It removes its tables, routes and BPF data path and exits: wait until its API is gone.
+        health = url[: -len("/leave")] + "/healthz"
+        while time.monotonic() < deadline:
+            try:
+                with api_open(health, timeout=1) as resp:
+                    resp.read()
+            except urllib.error.HTTPError:
+                pass  # it answers (not healthy while stopping): still there
+            except (urllib.error.URLError, OSError, ValueError):
+                break
+            time.sleep(LEAVE_POLL)
+        say("the agent reports none of its other steps (an older agentd): see its log for them")
+        return 1 if etcd_error else 0
+    if not wait:
+        step = lr.LeaveStep("leaving etcd", "failed" if etcd_error else "done", str(etcd_error or ""))
+        say(step.line())
+        say(f"the agent goes on cleaning this host up: GET {url} while it runs, then {report_path}")
+        return 1 if etcd_error else 0
+
+    def from_api() -> lr.LeaveReport | None:
+        """The report so far from GET /leave; None once the API no longer answers it."""
         try:
-            with api_open(health, timeout=1) as resp:
-                resp.read()
-        except urllib.error.HTTPError:
-            pass  # it answers (not healthy while stopping): still there
-        except (urllib.error.URLError, OSError, ValueError):
+            with api_open(url, timeout=max(0.5, min(5.0, deadline - time.monotonic()))) as resp:
+                return lr.LeaveReport.from_json(json.load(resp))
+        except (urllib.error.URLError, OSError, ValueError):  # an HTTPError too (404: not leaving any more)
+            return None
+
+    printed, report, problem = 0, None, None
+    while True:
+        got = from_api()
+        if got is None:  # the agent stopped its API: the end is in its report file
+            try:
+                got = lr.read_report(report_path)
+                problem = None
+            except lr.ReportError as err:
+                if not err.missing:  # unreadable (permissions) or no report: waiting changes nothing
+                    sys.stderr.write(f"agentd leave: the agent's API has stopped, and {err}\n")
+                    return 1
+                got, problem = None, str(err)
+        if got is not None and got.id != leave_id:  # an older leave's file (this one's not written yet)
+            got, problem = None, f"{report_path} is another leave's report (not the one of leave {leave_id})"
+        if got is not None:
+            report = got
+            for step in report.steps[printed:]:
+                say(step.line())
+            printed = len(report.steps)
+            if report.finished:
+                say(lr.summary(report))
+                return lr.exit_code(report)
+        if time.monotonic() >= deadline:
             break
-        time.sleep(0.1)
-    else:
-        log.warning("the agent was still running %d s after it left the cluster", LEAVE_WAIT)
-    if etcd_error:
-        raise LeaveIncomplete(f"this host is cleaned up, but the node could not be removed from etcd ({etcd_error}): "
-                              "its lease expires in time, or run `agentd leave` again once etcd is reachable")
-    return True
+        time.sleep(LEAVE_POLL)
+    if report is not None:
+        say(lr.summary(report))
+    sys.stderr.write(f"agentd leave: the agent had not finished leaving after {timeout:g} s"
+                     + (f" ({problem})" if problem else "") +
+                     f"; it may go on: GET {url} while it runs, then {report_path}\n")
+    return 1
 
 
 # ---------------------------------------------------------------- agentd flows

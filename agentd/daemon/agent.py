@@ -25,6 +25,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +43,7 @@ from proto.nlri import network_to_prefix
 
 from agentd.daemon import auth, mesh, node_files
 from agentd.daemon.api import ApiServer, Conflict
+from agentd.daemon.leave_report import REPORT_FILE, LeaveReport, LeaveStep, StepSkipped, write_report
 from agentd.daemon.observe import Observability, drop_log
 from agentd.daemon.routes import KernelRoutes, drop_previous_protocol
 from agentd.daemon.views import AgentViews
@@ -56,12 +58,13 @@ from agentd.dataplane.bpf.datapath import BpfUnavailable, for_log
 from agentd.dataplane.bpf.podpath import WIRE_PROGRAM, PodFastPath, remove_pinned_fast_path
 from agentd.config.settings import IPV6_MIN_MTU, Config, ConfigError, load_config, reloaded
 from agentd.flows.recorder import restore_sysctls
-from agentd.nft.flowmask import remove_quietly as unmask
+from agentd.nft import flowmask
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel import sysctl
 from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy
 from agentd.nft import masquerade
+from agentd.nft import libnftables
 from agentd.nft.libnftables import NftError
 from agentd.services.agent import ServiceAgent, remove_services_table  # Services
 from agentd.ingress import remove_ingress_proxy  # Ingress (the controller is imported when enabled)
@@ -149,6 +152,9 @@ class Agent:
         self._publishing: set[asyncio.Task] = set()  # node data being published (_node_data_changed)
         # `agentd leave`'s answer: None once the node has left etcd, else why it has not.
         self._left: asyncio.Future[str | None] | None = None
+        # Every step of that leave and its result (agentd/daemon/leave_report.py).
+        self._leave_report: LeaveReport | None = None
+        self._leave_report_unwritable = False
         # What runs degraded, never retried (no libnftables, ip_masq, IP forwarding): shown in
         # /status "problems" and systemd's STATUS=, not a reason to be unready (DESIGN: ready
         # once the lease is held, BGP started and routes reconciled).
@@ -477,6 +483,7 @@ class Agent:
             else "start-up did not finish: routes and devices stay as they are",
         )
         failed: list[str] = []
+        report = self._leave_report  # a leave: every step's result, for `agentd leave` (leave_report.py)
 
         async def step(what: str, job: Callable[[], object]) -> None:
             """One step of the stop: a failure is one line, and the steps after it still run."""
@@ -484,24 +491,52 @@ class Agent:
                 result = job()
                 if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
                     await result
+            except StepSkipped as why:
+                skip(what, str(why))
+                return
             except Exception as err:  # every later step must still run
-                log.error("stopping: %s failed: %s", what, str(err) or type(err).__name__)
+                reason = str(err) or type(err).__name__
+                log.error("stopping: %s failed: %s", what, reason)
                 log.debug("stopping: %s failed", what, exc_info=True)
                 failed.append(what)
+                if report is not None:
+                    report.failed(what, reason)
+                    self._write_leave_report()
+                return
+            if report is not None:
+                report.done(what)
+                self._write_leave_report()
+
+        def skip(what: str, why: str) -> None:
+            """A leave's step this run has nothing to do for: in the report, with why."""
+            if report is not None:
+                report.skipped(what, why)
+                self._write_leave_report()
 
         if self.service is not None:
-            await step("stopping BGP", lambda: self.service.stop(graceful=graceful))
+            await step("closing the BGP sessions" + (" with a Cease (the peers withdraw our routes)" if remove else ""),
+                       lambda: self.service.stop(graceful=graceful))
+        else:
+            skip("closing the BGP sessions", "BGP had not started")
         await step("stopping the tasks", self.supervisor.stop)
         if self.ingress is not None and not self._leaving:  # the proxy goes on serving; the next agent adopts it
             await step("stopping the ingress controller", self.ingress.stop)
         if self._leaving:
-            await self._leave_cleanup(step)
+            await self._leave_cleanup(step, skip)
         if self.programmer is not None:
-            await step("stopping the route programmer", lambda: self.programmer.stop(remove_routes=remove))
+            await step("removing this node's kernel routes" if remove else "stopping the route programmer",
+                       lambda: self.programmer.stop(remove_routes=remove))
+        else:
+            skip("removing this node's kernel routes", "the route programmer had not started (the host clean-up "
+                 "below removes the routes of our protocol)")
         if self.tunnels is not None:
-            await step("stopping the tunnels", lambda: self.tunnels.stop(remove=remove))
+            await step("removing the tunnel devices and the BPF data path" if remove else "stopping the tunnels",
+                       lambda: self.tunnels.stop(remove=remove))
+        else:
+            skip("removing the tunnel devices and the BPF data path", "the tunnels had not started (the host "
+                 "clean-up below removes what a previous run left)")
         if self._leaving:  # what this run had not built (or not yet started) of the host's state
-            await step("cleaning up the host", self._leave_leftovers)
+            await self._leave_leftovers(step)
         if self.policy is not None:  # the policy tables stay in force unless the node leaves
             await step("closing network policy", self.policy.close)
         if self.services is not None:  # so does the services table
@@ -534,13 +569,36 @@ class Agent:
         if self._left is not None and not self._left.done():  # never reached the etcd step
             self._left.set_result("the agent stopped before it reached etcd")
         self.notifier.close()
+        if report is not None:
+            report.finished = True
+            self._write_leave_report()
         if failed:
             log.error("stopped, but not cleanly: %s failed (above)", ", ".join(failed))
             # A leave exits 0 all the same: 1 would have Restart=on-failure start the agent
-            # again, which would join the cluster it was asked to leave (`agentd leave` says
-            # what failed of the etcd step; the rest is in this log).
+            # again, which would join the cluster it was asked to leave (`agentd leave` prints
+            # every step's result from the leave report).
             if not self._leaving:
                 self.exit_status = 1
+
+    def _write_leave_report(self) -> None:
+        """The leave report as it stands, for `agentd leave` to read once the agent is gone;
+        a failure to write it is logged once (the leave goes on)."""
+        if self._leave_report is None:
+            return
+        try:
+            write_report(self.leave_report_path, self._leave_report)
+        except OSError as err:
+            if not self._leave_report_unwritable:
+                log.error("cannot write the leave report %s: %s", self.leave_report_path, err.strerror or err)
+            self._leave_report_unwritable = True
+
+    @property
+    def leave_report_path(self) -> Path:
+        return Path(self.cfg.agent.state_dir) / REPORT_FILE
+
+    def leave_progress(self) -> dict | None:
+        """GET /leave: the report of the leave under way, None when none is."""
+        return self._leave_report.to_json() if self._leave_report is not None else None
 
     def _remove_subnet_file(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -572,13 +630,18 @@ class Agent:
     def request_leave(self) -> asyncio.Future[str | None]:
         """``agentd leave`` against a running agent: withdraw, release, remove, exit.  The
         future says how the etcd step went (None: left; else why not); POST /leave answers
-        with it.  Refused (:class:`api.Conflict`) once the agent is stopping: a stop under
-        way (graceful restart) keeps the routes and devices a leave must take away."""
+        with it and the leave report's id (every step's result: GET /leave while the API is up,
+        then ``leave_report_path``).  Refused (:class:`api.Conflict`) once the agent is
+        stopping: a stop under way (graceful restart) keeps the routes and devices a leave must
+        take away."""
         if self.stopping and not self._leaving:
             raise Conflict("the agent is already stopping: run `agentd leave` again once it has stopped "
                            "(it then cleans etcd and this host up itself)")
         if self._left is None:
             self._left = asyncio.get_running_loop().create_future()
+        if self._leave_report is None:
+            self._leave_report = LeaveReport(self.name, secrets.token_hex(8))
+            self._write_leave_report()  # replaces an older leave's report at once
         self._leaving = True
         self._stop.set()
         return self._left
@@ -593,30 +656,43 @@ class Agent:
         if self.policy is not None:
             await self.policy.route_services(on)
 
-    async def _leave_cleanup(self, step: Callable[[str, Callable[[], object]], Awaitable[None]]) -> None:
+    async def _leave_cleanup(self, step: Callable[[str, Callable[[], object]], Awaitable[None]],
+                             skip: Callable[[str, str], None]) -> None:
         """The node leaves: etcd first (``agentd leave`` is answered with how that went), then
-        what this host keeps for it; each ``step`` on its own (one failing skips none after it)."""
-        await step("leaving etcd", self._leave_etcd_and_say)
+        what this host keeps for it; each ``step`` on its own (one failing skips none after it);
+        a part this run had not built is ``skip``ped here and removed by ``_leave_leftovers``."""
+        await step(ETCD_STEP, self._leave_etcd_and_say)
         await step("removing the subnet file", self._remove_subnet_file)
+        not_built = "not running in this agent (the host clean-up below removes what a previous run left)"
         if self.policy is not None:  # NetworkPolicy; pod records went with the lease
-            await step("removing the policy tables", self.policy.leave)
+            await step("removing the policy tables and the pod fast path", self.policy.leave)
+        else:
+            skip("removing the policy tables and the pod fast path", f"network policy {not_built}")
         if self.services is not None:  # Services
             await step("removing the services table", self.services.leave)
+        else:
+            skip("removing the services table", f"services {not_built}")
         await step("putting back the flow records' sysctls", self._restore_sysctls)
         # The table masking conntrack's events of what the pod programs recorded (gone with policy.leave).
-        await step("removing the flow mask table", lambda: asyncio.to_thread(unmask))
-        await step("removing the masquerading tables", self._unmasquerade)
+        await step("removing the flow mask table", lambda: nft_part(lambda: asyncio.to_thread(flowmask.remove)))
+        await step("removing the masquerading tables", lambda: nft_part(masquerade.remove))
         if self.ingress is not None:  # Ingress: the proxy and its files
             await step("stopping the ingress proxy", self.ingress.leave)
+        elif not self.cfg.ingress.enabled:
+            skip("stopping the ingress proxy", "Ingress is not enabled here ([ingress] enabled = false; the host "
+                 "clean-up below stops a proxy a previous run left)")
+        else:
+            skip("stopping the ingress proxy", f"the ingress controller {not_built}")
 
     async def _leave_etcd_and_say(self) -> None:
         error = None
         try:
             released = await self._leave_etcd()
             log.info("left the cluster: released %s, removed node %s", ", ".join(map(str, released)) or "-", self.name)
-        except Exception as err:  # noqa: BLE001 - etcd down: the lease expiry removes us later
+        except Exception as err:  # etcd down: the lease expiry removes us later
             error = str(err) or type(err).__name__
             log.error("could not remove this node from etcd (%s); its lease will expire", error)
+            raise
         finally:
             if self._left is not None and not self._left.done():
                 self._left.set_result(error)
@@ -625,11 +701,6 @@ class Agent:
         restored = await asyncio.to_thread(restore_sysctls, self.cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))
-
-    @staticmethod
-    async def _unmasquerade() -> None:
-        with contextlib.suppress(NftError):
-            await masquerade.remove()
 
     async def _leave_etcd(self) -> list:
         """Release the node's subnets and remove its record; asked before this run reached
@@ -649,16 +720,16 @@ class Agent:
             with contextlib.suppress(Exception):
                 await ds.close()
 
-    async def _leave_leftovers(self) -> None:
+    async def _leave_leftovers(self, step: Callable[[str, Callable[[], object]], Awaitable[None]]) -> None:
         """What the standalone ``agentd leave`` removes, for each part this run had not built
         (a leave during start-up): the BPF data path, the pod fast path and the tunnel workers
         and devices (always: idempotent, after the tunnels' own stop), the policy and services
-        tables, the ingress proxy, the routes of our protocol (without a route programmer)."""
-        failed = await remove_host_state(self.cfg, data_path=True, policy=self.policy is None,
-                                         services=self.services is None, ingress=self.ingress is None,
-                                         routes=self.programmer is None)  # (else its stop removed them)
-        if failed:
-            raise RuntimeError(f"could not remove {', '.join(failed)}")
+        tables, the ingress proxy, the routes of our protocol (without a route programmer);
+        each its own ``step``."""
+        for what, job in host_state_parts(self.cfg, data_path=True, policy=self.policy is None,
+                                          services=self.services is None, ingress=self.ingress is None,
+                                          routes=self.programmer is None):  # (else its stop removed them)
+            await step(what, job)
 
     async def _remove_fast_path(self, fast_path: PodFastPath) -> None:
         """Off the veths and the underlay device, unpinned, conntrack's setting put back: with
@@ -918,48 +989,94 @@ async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: d
     return await agent.run()
 
 
-async def leave(cfg: Config) -> int:
+ETCD_STEP = "leaving etcd (releasing the subnets, removing the node record)"
+
+
+async def nft_missing() -> str | None:
+    """Why libnftables cannot be loaded here, or None.  The agent makes its tables with it:
+    without it, none of them can be here."""
+    try:
+        await asyncio.to_thread(libnftables.load)
+    except NftError as err:
+        return str(err)
+    return None
+
+
+async def nft_part(job: Callable[[], object]) -> None:
+    """An nftables step of a leave: skipped where libnftables cannot be loaded, else ``job``
+    (its NftError: the step failed)."""
+    missing = await nft_missing()
+    if missing is not None:
+        raise StepSkipped(f"no nftables table of the agent's can be here ({missing})")
+    result = job()
+    if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+        await result
+
+
+async def leave(cfg: Config, on_step: Callable[[LeaveStep], None] | None = None) -> LeaveReport:
     """``agentd leave`` when no agent is running here: remove the node from etcd directly.
     (With an agent running, the CLI asks it over ``POST /leave`` instead.)  The host is
     cleaned up even when etcd cannot be reached (a node being taken out of service); the
-    exit status then says the etcd step failed."""
-    status = 0
-    ds = datastore_for(cfg)
-    try:
-        await ds.connect(timeout=10)
-        name = cfg.node.name or "node"
-        released = await ds.release(name, timeout=10)
-        await ds.remove_node(name, timeout=10)
-        log.info("node %s removed from etcd (no agent was running); released %s", name, ", ".join(map(str, released)) or "-")
-    except Exception as err:
-        log.error("cannot remove the node from etcd: %s (cleaning up this host all the same)", err)
-        status = 1
-    finally:
-        with contextlib.suppress(Exception):
-            await ds.close()
-    failed = await remove_host_state(cfg, data_path=True, policy=True, services=True, ingress=True, routes=True)
-    try:
+    report then says the etcd step failed.  ``on_step``: called with each step as it ends.
+    The report is also written to ``<state_dir>/leave.json``, as a leaving agent's is."""
+    name = cfg.node.name or "node"
+    report = LeaveReport(name, secrets.token_hex(8), agent=False)
+
+    async def step(what: str, job: Callable[[], object]) -> None:
+        try:
+            result = job()
+            if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+                await result
+        except StepSkipped as why:
+            report.skipped(what, str(why))
+        except Exception as err:  # the other steps still run
+            log.debug("leave: %s failed", what, exc_info=True)
+            report.failed(what, str(err) or type(err).__name__)
+        else:
+            report.done(what)
+        if on_step is not None:
+            on_step(report.steps[-1])
+
+    async def leave_etcd() -> None:
+        ds = datastore_for(cfg)
+        try:
+            await ds.connect(timeout=10)
+            released = await ds.release(name, timeout=10)
+            await ds.remove_node(name, timeout=10)
+            log.info("node %s removed from etcd (no agent was running); released %s", name,
+                     ", ".join(map(str, released)) or "-")
+        finally:
+            with contextlib.suppress(Exception):
+                await ds.close()
+
+    async def sysctls() -> None:
         restored = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)  # flow records
         if restored:
             log.info("put back %s", ", ".join(restored))
-        await asyncio.to_thread(unmask)  # the table masking conntrack's events of what the pod programs recorded
-        if await masquerade.remove():
-            log.info("removed the masquerading table")
-    except Exception as err:
-        log.error("cannot leave: %s", err)
-        return 1
-    return 1 if failed else status
+
+    await step(ETCD_STEP, leave_etcd)
+    for what, job in host_state_parts(cfg, data_path=True, policy=True, services=True, ingress=True, routes=True):
+        await step(what, job)
+    await step("putting back the flow records' sysctls", sysctls)
+    # The table masking conntrack's events of what the pod programs recorded.
+    await step("removing the flow mask table", lambda: nft_part(lambda: asyncio.to_thread(flowmask.remove)))
+    await step("removing the masquerading tables", lambda: nft_part(masquerade.remove))
+    report.finished = True
+    try:
+        write_report(Path(cfg.agent.state_dir) / REPORT_FILE, report)
+    except OSError as err:
+        log.warning("cannot write the leave report to %s: %s", cfg.agent.state_dir, err.strerror or err)
+    return report
 
 
-async def remove_host_state(
+def host_state_parts(
     cfg: Config, *, data_path: bool, policy: bool, services: bool, ingress: bool, routes: bool
-) -> list[str]:
-    """What an agent leaves on the host, removed without it (``agentd leave`` with no agent
-    running, or for the parts a leaving agent had not built): each part named, on its own (one
-    failing is logged, the others still go).  Returns the parts that could not be removed.
+) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+    """What an agent leaves on the host, as steps that remove it without the agent (``agentd
+    leave`` with no agent running, or for the parts a leaving agent had not built): each
+    part named, on its own (one failing, the others still go), raising when it could not.
     ``routes``: the kernel routes of ``[network] route_protocol`` in the main table (ours: the
     agent changes no other protocol's), as the agent's own stop with removal deletes them."""
-    failed = []
 
     async def own_routes() -> None:
         protocol = cfg.network.route_protocol
@@ -969,7 +1086,7 @@ async def remove_host_state(
         if errors:
             for reason in errors:
                 log.warning("could not remove a proto %d route: %s", protocol, reason)
-            raise RuntimeError(f"{len(errors)} of proto {protocol}'s routes stay")
+            raise RuntimeError(f"{len(errors)} of proto {protocol}'s routes stay: {errors[0]}")
 
     async def data_path_state() -> None:
         # What a killed agent left in the kernel: the BPF programs, filters and pins.
@@ -984,17 +1101,13 @@ async def remove_host_state(
     async def ingress_proxy() -> None:
         await asyncio.to_thread(remove_ingress_proxy, cfg.agent.state_dir)
 
-    parts = (("the BPF data path and tunnels", data_path, data_path_state),
-             ("the policy tables", policy, remove_policy_tables),  # NetworkPolicy
-             ("the services table", services, lambda: remove_services_table(str(cfg.dns.address_v6))),  # Services
-             ("the ingress proxy", ingress, ingress_proxy),  # Ingress
-             (f"the routes of proto {cfg.network.route_protocol}", routes, own_routes))
-    for what, wanted, job in parts:
-        if not wanted:
-            continue
-        try:
-            await job()
-        except Exception as err:  # noqa: BLE001 - the other parts still go
-            log.error("cannot remove %s: %s", what, str(err) or type(err).__name__)
-            failed.append(what)
-    return failed
+    async def services_state() -> None:
+        await remove_services_table(str(cfg.dns.address_v6), table=await nft_missing() is None)
+
+    parts = (("removing what is left of the BPF data path, the pod fast path and the tunnels", data_path,
+              data_path_state),
+             ("removing the policy tables", policy, lambda: nft_part(remove_policy_tables)),  # NetworkPolicy
+             ("removing the services table and the DNS address", services, services_state),  # Services
+             ("stopping the ingress proxy a previous run left", ingress, ingress_proxy),  # Ingress
+             (f"removing the kernel routes of proto {cfg.network.route_protocol}", routes, own_routes))
+    return [(what, job) for what, wanted, job in parts if wanted]

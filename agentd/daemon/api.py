@@ -280,7 +280,7 @@ class ApiServer:
                 web.get("/metrics", self._metrics),
                 web.get("/policy", self._policy),  # NetworkPolicy
                 web.get("/services", self._services),  # Services
-                *([] if read_only else [web.post("/leave", self._leave)]),
+                *([] if read_only else [web.post("/leave", self._leave), web.get("/leave", self._leave_progress)]),
                 web.get("/ingress", self._ingress),  # Ingress
             ]
         )
@@ -416,9 +416,25 @@ class ApiServer:
             left = leave()
         except Conflict as err:  # e.g. already stopping
             return _json({"error": str(err)}, 409)
-        # Answered once the node has left etcd (or could not): `agentd leave` says which.
+        # Answered once the node has left etcd (or could not): `agentd leave` says which, and
+        # follows the other steps on GET /leave, then in the report file (the agent exits).
         error = await asyncio.shield(left) if asyncio.isfuture(left) else None
-        return _json({"leaving": True, "etcd_error": error}, 202)
+        answer: dict[str, Any] = {"leaving": True, "etcd_error": error}
+        progress = getattr(self.provider, "leave_progress", None)
+        report = progress() if progress is not None else None
+        if report is not None:
+            answer["id"] = report["id"]
+            answer["report"] = str(getattr(self.provider, "leave_report_path", "") or "") or None
+        return _json(answer, 202)
+
+    async def _leave_progress(self, request: web.Request) -> web.Response:
+        """The leave under way, step by step (agentd/daemon/leave_report.py): what ``agentd
+        leave`` prints while the agent is still up; 404 when this agent is not leaving."""
+        progress = getattr(self.provider, "leave_progress", None)
+        report = progress() if progress is not None else None
+        if report is None:
+            return _json({"error": "this agent is not leaving (POST /leave starts a leave)"}, 404)
+        return _json(report)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.provider.registry)

@@ -65,6 +65,11 @@ class AgentState(Protocol):
 
     def request_leave(self) -> Any: ...
 
+    def leave_progress(self) -> dict[str, Any] | None: ...
+
+    @property
+    def leave_report_path(self) -> Any: ...
+
 
 class AgentViews:
     """What ``GET /status``, ``/peers``, ``/routes``, ``/policy``, ``/services`` and ``/rib``
@@ -86,6 +91,14 @@ class AgentViews:
     def request_leave(self) -> Any:
         """The agent's answer to wait for (api.Conflict if it refuses)."""
         return self.agent.request_leave()
+
+    def leave_progress(self) -> dict[str, Any] | None:
+        """GET /leave: the leave report so far (None: no leave under way)."""
+        return self.agent.leave_progress()
+
+    @property
+    def leave_report_path(self) -> str:
+        return str(self.agent.leave_report_path)
 
     def status(self) -> dict[str, Any]:
         a = self.agent

@@ -35,7 +35,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 from typing import Any
@@ -827,18 +827,28 @@ class Tunnels:
                 for b, w, what in workers if isinstance(w, _Worker) and w.error]
 
     async def stop(self, *, remove: bool) -> None:
+        """Stop every backend and the BPF data path; with ``remove`` take their devices,
+        workers and programs away too, and raise (after trying them all) naming those that
+        could not be (a leave reports it; a stop that keeps them goes on quietly)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for impl in [*self.active.values(), *self.helpers.values()]:
-            with contextlib.suppress(Exception):
-                await impl.down(remove)
-        with contextlib.suppress(Exception):
-            await self.bpf.down(remove)
+        errors = []
+
+        async def down(what: str, job: Callable[[], Awaitable[object]]) -> None:
+            try:
+                await job()
+            except Exception as err:  # noqa: BLE001 - the others still go
+                errors.append(f"{what}: {str(err) or type(err).__name__}")
+
+        for name, impl in [*self.active.items(), *self.helpers.items()]:
+            await down(name, lambda impl=impl: impl.down(remove))
+        await down("the BPF data path", lambda: self.bpf.down(remove))
         if remove and "vxlan" not in self.active:  # a previous run's (nothing of ours survives a leave)
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(remove_vxlan_leftover)
+            await down("the VXLAN device", lambda: asyncio.to_thread(remove_vxlan_leftover))
+        if errors and remove:
+            raise RuntimeError("; ".join(errors))
 
 
 def _underlay_next_hops(peers: list[str], ifindex: int) -> tuple[dict[str, str], dict[str, str]]:

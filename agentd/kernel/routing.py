@@ -166,7 +166,8 @@ class RouteProgrammer:
                  self.protocol, self.table, len(self.state.kernel))
 
     async def stop(self, remove_routes: bool = False) -> None:
-        """Stop the tasks; with ``remove_routes`` delete every route of ours first."""
+        """Stop the tasks; with ``remove_routes`` delete every route of ours first (raises,
+        after closing, saying how many stay when some could not be deleted)."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -177,15 +178,19 @@ class RouteProgrammer:
         self._tasks = []
         if not self.netlink.is_open:
             return
+        stay = []
         try:
             if remove_routes:
                 async with self._lock:
                     await self._dump_own()
                     victims = [*self.state.kernel.values(), *self.state.strays]
                     for target, err, message in await self._execute(DELETE, victims, Outcome()):
-                        log.warning("could not remove %s: %s", dst_of(target), nl.describe_error(err, message))
+                        stay.append(f"{dst_of(target)}: {nl.describe_error(err, message)}")
+                        log.warning("could not remove %s", stay[-1])
         finally:
             self.netlink.close()
+        if stay:
+            raise RuntimeError(f"{len(stay)} routes stay ({stay[0]}{', ...' if len(stay) > 1 else ''})")
 
     async def __aenter__(self) -> RouteProgrammer:
         await self.start()

@@ -242,13 +242,16 @@ class LabNode:
     async def kill_agent(self) -> None:
         await self.stop_agent(signal.SIGKILL)
 
-    async def leave(self) -> None:
-        """``agentd leave`` on this node (the running agent withdraws, releases and exits)."""
+    async def leave(self) -> str:
+        """``agentd leave`` on this node (the running agent withdraws, releases and exits):
+        what it printed, a line per step and the summary (LabError if a step failed)."""
         rc, out, err = await self.ns.aexec(
-            binary("agentd"), "leave", "--config", str(self.config_path), check=False, timeout=30
+            binary("agentd"), "leave", "--config", str(self.config_path), "--timeout", "25", check=False, timeout=30
         )
         if rc != 0:
-            raise LabError(f"{self.name}: agentd leave failed: {err.decode(errors='replace').strip()}")
+            said = (out + err).decode(errors="replace").strip()
+            raise LabError(f"{self.name}: agentd leave failed: {said}")
+        return out.decode(errors="replace")
 
     def api(self, path: str, *, token: bool = False) -> Any:
         """``GET path`` on the node's API; ``token``: with its API token (what the cluster

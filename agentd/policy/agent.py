@@ -197,25 +197,27 @@ class PolicyAgent:
             self._watch.stop()
 
     async def leave(self) -> None:
-        """``agentd leave``: remove the policy tables (the pod records go with the node lease)."""
-        if self.programmer is None:
-            with contextlib.suppress(NftError):
+        """``agentd leave``: remove the policy tables (the pod records go with the node lease)
+        and the pod fast path; both are tried, and what could not be removed is raised."""
+        errors = []
+        try:
+            if self.programmer is None:
                 self.nft = self.nft or Nft()
                 self.programmer = NftProgrammer(self.nft, compiler.TABLES, "policy")
-        if self.programmer is not None:
-            try:
-                if await self.programmer.remove():
-                    log.info("removed the policy tables")
-            except NftError as err:
-                log.error("could not remove the policy tables: %s", err)
+            if await self.programmer.remove():
+                log.info("removed the policy tables")
+        except NftError as err:
+            errors.append(f"the policy tables stay: {err}")
         if self.fast_path is not None:
             try:
                 gone = await asyncio.to_thread(self.fast_path.remove)
                 if gone:
                     log.info("removed the pod fast path: %s", ", ".join(gone))
             except OSError as err:
-                log.error("could not remove the pod fast path: %s", err)
+                errors.append(f"the pod fast path stays: {err}")
             self.fast_path = None
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
     def close(self) -> None:
         if self.fast_path is not None:  # it stays on the veths, as the tables stay in force
@@ -653,17 +655,12 @@ def bridged_to_ip(families: Iterable[int], root: Path = BRIDGE_SYSCTLS) -> bool:
 
 
 async def remove_policy_tables() -> None:
-    """``agentd leave`` with no agent running: remove the policy tables of this host."""
-    try:
-        nft = await asyncio.to_thread(Nft)
-    except NftError as err:
-        log.warning("policy tables not removed: %s", err)
-        return
+    """``agentd leave`` with no agent running: remove the policy tables of this host.
+    Raises NftError (one line) when they could not be."""
+    nft = await asyncio.to_thread(Nft)
     try:
         if await NftProgrammer(nft, compiler.TABLES, "policy").remove():
             log.info("removed the policy tables")
-    except NftError as err:
-        log.error("could not remove the policy tables: %s", err)
     finally:
         nft.close()
 

@@ -164,17 +164,25 @@ class ServiceAgent:
                  ", ".join(f"{h}:{p}" for h, p in upstreams) or "nowhere: SERVFAIL")  # fmt: skip
 
     async def leave(self) -> None:
-        """``agentd leave``: remove the services table."""
-        with contextlib.suppress(NftError):
+        """``agentd leave``: remove the services table and the DNS address; both are tried, and
+        what could not be removed is raised."""
+        errors = []
+        try:
             if self.programmer is None:
                 self.nft = self.nft or Nft()
                 self.programmer = NftProgrammer(self.nft, compiler.TABLES, "services")
             if await self.programmer.remove():
                 log.info("removed the services table")
+        except NftError as err:
+            errors.append(f"the services table stays: {err}")
         if self.dns_config is not None and self.dns_config.enabled:
-            with contextlib.suppress(OSError):
+            try:
                 if await asyncio.to_thread(dns.remove_address, None, str(self.dns_config.address_v6)):
                     log.info("removed the DNS address (%s)", dns.DEVICE)
+            except OSError as err:
+                errors.append(f"the DNS address stays: {err.strerror or err}")
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
     def close(self) -> None:
         if self.nft is not None:
@@ -472,20 +480,25 @@ def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort]
     return out
 
 
-async def remove_services_table(dns_address_v6: str | None = None) -> None:
-    """``agentd leave`` with no agent running: remove this host's services tables and DNS addresses."""
-    with contextlib.suppress(OSError):
+async def remove_services_table(dns_address_v6: str | None = None, *, table: bool = True) -> None:
+    """``agentd leave`` with no agent running: remove this host's DNS addresses and (``table``:
+    False where libnftables cannot be had) services tables; both are tried, and what could not
+    be removed is raised."""
+    errors = []
+    try:
         if await asyncio.to_thread(dns.remove_address, None, dns_address_v6):
             log.info("removed the DNS address (%s)", dns.DEVICE)
-    try:
-        nft = await asyncio.to_thread(Nft)
-    except NftError as err:
-        log.warning("services table not removed: %s", err)
-        return
-    try:
-        if await NftProgrammer(nft, compiler.TABLES, "services").remove():
-            log.info("removed the services table")
-    except NftError as err:
-        log.error("could not remove the services table: %s", err)
-    finally:
-        nft.close()
+    except OSError as err:
+        errors.append(f"the DNS address stays: {err.strerror or err}")
+    if table:
+        try:
+            nft = await asyncio.to_thread(Nft)
+            try:
+                if await NftProgrammer(nft, compiler.TABLES, "services").remove():
+                    log.info("removed the services table")
+            finally:
+                nft.close()
+        except NftError as err:
+            errors.append(f"the services table stays: {err}")
+    if errors:
+        raise RuntimeError("; ".join(errors))

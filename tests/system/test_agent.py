@@ -284,7 +284,10 @@ async def test_a_bad_record_in_etcd_at_start_is_one_line_and_leave_cleans_up_wit
     proc = await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns.name, AGENTD, "leave", "--config", str(conf)],
                                    capture_output=True, text=True, timeout=90)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "cannot remove the node from etcd" in proc.stderr, proc.stderr
+    steps = proc.stdout.splitlines()
+    assert steps[1].startswith("leaving etcd (releasing the subnets, removing the node record): failed: "), proc.stdout
+    assert "removing what is left of the BPF data path, the pod fast path and the tunnels: done" in steps, proc.stdout
+    assert steps[-1].startswith("node n1 left, but not cleanly: leaving etcd"), proc.stdout
     assert b"agentd.vxlan" not in ns.ip("-o", "link").stdout
 
 
@@ -347,7 +350,12 @@ async def test_a_leave_while_the_agent_waits_for_etcd_cleans_the_host_and_says_e
         proc = await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns.name, AGENTD, "leave", "--config",
                                                         str(conf)], capture_output=True, text=True, timeout=90)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-        assert "could not be removed from etcd" in proc.stderr.splitlines()[-1], proc.stderr
+        steps = proc.stdout.splitlines()  # every step of the leave, the etcd one failed, then the summary
+        assert steps[0] == "closing the BGP sessions: skipped: BGP had not started", proc.stdout
+        assert steps[2].startswith("leaving etcd (releasing the subnets, removing the node record): failed: "), steps
+        assert "removing what is left of the BPF data path, the pod fast path and the tunnels: done" in steps, steps
+        assert not [line for line in steps[:-1] if ": failed: " in line and not line.startswith("leaving etcd")], steps
+        assert steps[-1].startswith("node n1 left, but not cleanly: leaving etcd"), steps
         _, err = await asyncio.wait_for(agent.communicate(), 30)
         assert agent.returncode == 0 and b"Traceback" not in err, err.decode()
         assert b"agentd.vxlan" not in ns.ip("-o", "link").stdout

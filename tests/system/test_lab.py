@@ -6,6 +6,8 @@ reference bridge/host-local plugins.
 """
 
 import asyncio
+import json
+import os
 import subprocess
 import threading
 
@@ -142,6 +144,76 @@ async def test_leave_removes_the_node_everywhere(lab_factory, mode):
     for n in (node1, node2):
         await auntil(lambda n=n: node3.address not in {p["address"] for p in n.api("/peers")},
                      what=f"node3 gone from {n.name}'s peers", in_thread=True)
+
+
+async def test_leave_reports_every_step_and_what_they_removed_is_gone(lab_factory):
+    """`agentd leave` printed nothing and exited 0 once the node had left etcd, whether or not
+    the host was cleaned up.  Now it waits for the whole leave and prints each step with its
+    result; here every step is done (or skipped, saying why), and what they say they removed is
+    gone: node2's routes on node1, its own routes, nft tables, VXLAN device, BPF programs and
+    pins, subnet and token files; the report file holds the same steps."""
+    lab = await lab_factory(nodes=2, pods=1, backend="vxlan")
+    node1, node2 = lab.nodes
+    subnet = lab.subnets()["node2"]
+    pins = lab.bpffs / f"netns-{os.stat(f'/run/netns/{node2.ns.name}').st_ino}"
+
+    def tables() -> list[str]:
+        return [t for t in node2.ns.exec("nft", "list", "tables").splitlines() if "agentd" in t]
+
+    def links() -> list[str]:
+        return [line.split(":")[1].strip().split("@")[0] for line in node2.ns.exec("ip", "-o", "link", "show").splitlines()]
+
+    def devices() -> list[str]:
+        return [name for name in links() if "agentd" in name]
+
+    def program_ids(status) -> set[int]:  # the BPF programs /status names ({"program": {"id": N}}, nested)
+        if isinstance(status, dict):
+            prog = status.get("program")
+            own = {prog["id"]} if isinstance(prog, dict) and isinstance(prog.get("id"), int) else set()
+            return own.union(*(program_ids(v) for v in status.values()))
+        if isinstance(status, list):
+            return set().union(*(program_ids(v) for v in status))
+        return set()
+
+    def loaded(ids: set[int]) -> set[int]:  # a program detached from its hooks and unpinned is unloaded
+        return {i for i in ids if subprocess.run(["bpftool", "prog", "show", "id", str(i)],
+                                                 capture_output=True, check=False).returncode == 0}
+
+    def routed_on_node1() -> bool:
+        return any(line.startswith(subnet) for line in node1.kernel_routes())
+
+    # What the leave must take away is there.
+    programs = program_ids(node2.api("/status"))
+    assert tables() and "agentd.vxlan" in devices() and programs and loaded(programs) == programs
+    assert any(pins.iterdir())
+    assert node2.kernel_routes() and routed_on_node1()
+    assert (node2.dir / "subnet.env").exists() and node2.token_path.exists()
+
+    out = await node2.leave()
+    lines = out.splitlines()
+    steps = [line.split(": ", 2) for line in lines[:-1]]
+    assert lines[-1].startswith("node node2 left the cluster and this host is cleaned up ("), out
+    assert all(len(s) >= 2 and s[1] in ("done", "skipped") for s in steps), out
+    assert all(len(s) == 3 for s in steps if s[1] == "skipped"), out  # a skipped step says why
+    done = {s[0] for s in steps if s[1] == "done"}
+    assert done >= {"leaving etcd (releasing the subnets, removing the node record)",
+                    "closing the BGP sessions with a Cease (the peers withdraw our routes)",
+                    "removing this node's kernel routes", "removing the tunnel devices and the BPF data path",
+                    "removing the policy tables and the pod fast path", "removing the services table",
+                    "removing the subnet file", "removing the API token file", "stopping the API"}, out
+    report = json.loads((node2.dir / "state" / "leave.json").read_text())
+    assert report["finished"] is True and report["node"] == "node2"
+    assert [s["name"] for s in report["steps"]] == [s[0] for s in steps]
+
+    # What the steps say they removed is gone.
+    await auntil(lambda: not routed_on_node1(), what=f"{subnet} withdrawn from node1", in_thread=True)
+    await auntil(lambda: node2.agent_pid() is None, what="node2's agent to exit", in_thread=True)
+    assert node2.kernel_routes() == []
+    assert tables() == [] and devices() == [] and loaded(programs) == set()
+    assert not pins.exists() or not any(pins.iterdir()), sorted(p.name for p in pins.iterdir())
+    assert not (node2.dir / "subnet.env").exists() and not node2.token_path.exists()
+    await auntil(lambda: node2.address not in {p["address"] for p in node1.api("/peers")},
+                 what="node2 gone from node1's peers", in_thread=True)
 
 
 @pytest.mark.parametrize("mode", MODES)

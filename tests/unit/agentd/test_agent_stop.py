@@ -5,7 +5,6 @@ failing skips no other, a start that stops before BGP keeps the kernel as it fou
 import asyncio
 import signal
 from ipaddress import IPv4Network
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +13,7 @@ from agentd.config.settings import load_config
 from agentd.daemon import agent as agent_module
 from agentd.daemon.agent import Agent, AgentError
 from agentd.daemon.api import ApiServer, Conflict
+from agentd.daemon.leave_report import exit_code
 from agentd.datastore.store import SubnetLease
 from agentd.nft.libnftables import NftError
 
@@ -55,10 +55,15 @@ def host(monkeypatch):
         return sync, coro
 
     for name, kind in (("remove_bpf_leftovers", 0), ("remove_vxlan_leftover", 0), ("remove_ingress_proxy", 0),
-                       ("restore_sysctls", 0), ("unmask", 0), ("remove_worker_leftovers", 1),
+                       ("restore_sysctls", 0), ("remove_worker_leftovers", 1),
                        ("remove_policy_tables", 1), ("remove_services_table", 1)):
         monkeypatch.setattr(agent_module, name, record(name)[kind])
+    monkeypatch.setattr(agent_module.flowmask, "remove", record("unmask")[0])
     monkeypatch.setattr(agent_module.masquerade, "remove", record("masquerade.remove")[1])
+
+    async def nft_missing():
+        return None  # libnftables can be had
+    monkeypatch.setattr(agent_module, "nft_missing", nft_missing)
 
     async def remove_routes_of(protocol, networks):
         done.append(("remove_routes_of", protocol, networks))
@@ -130,8 +135,8 @@ def test_a_leave_with_no_agent_removes_the_routes_of_our_protocol_only(tmp_path,
     store = Unreachable()
     store.connect = lambda timeout=None: asyncio.sleep(0)
     monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: store)
-    status = asyncio.run(agent_module.leave(_cfg(tmp_path, **{"network.route_protocol": 150})))
-    assert ("remove_routes_of", 150, None) in host and status == 1  # (etcd could not be left)
+    report = asyncio.run(agent_module.leave(_cfg(tmp_path, **{"network.route_protocol": 150})))
+    assert ("remove_routes_of", 150, None) in host and exit_code(report) == 1  # (etcd could not be left)
     host.clear()
 
     async def main():
@@ -143,32 +148,6 @@ def test_a_leave_with_no_agent_removes_the_routes_of_our_protocol_only(tmp_path,
 
     asyncio.run(main())
     assert "remove_bpf_leftovers" in host and not [d for d in host if d[0] == "remove_routes_of"]
-
-
-def test_the_cli_says_when_the_agent_could_not_leave_etcd(monkeypatch):
-    from agentd import cli
-
-    class Answer:
-        def __init__(self, body):
-            self.body = body
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def read(self, *_):
-            return self.body
-
-    def api_open(req, timeout):
-        if getattr(req, "method", None) == "POST":
-            return Answer(b'{"leaving": true, "etcd_error": "etcd did not answer within 10 s"}')
-        raise OSError("connection refused")  # the agent has stopped
-
-    monkeypatch.setattr(cli, "api_open", api_open)
-    with pytest.raises(cli.LeaveIncomplete, match="etcd did not answer within 10 s"):
-        cli.leave_running_agent("127.0.0.1", 9, Path("/nonexistent/api.token"))
 
 
 def test_a_leave_while_stopping_is_refused_with_409(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.server
+import io
 import ipaddress
 import json
 import threading
@@ -374,7 +375,7 @@ def test_the_cli_never_sends_the_token_through_a_proxy(servers, monkeypatch, tmp
         monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.server_address[1]}")
     token_file = tmp_path / "api.token"
     token_file.write_text(TOKEN + "\n")
-    assert cli.leave_running_agent("127.0.0.1", agent.server_address[1], token_file) is True
+    assert cli.leave_running_agent("127.0.0.1", agent.server_address[1], token_file, out=io.StringIO()) == 0
     assert cli.fetch_json(f"http://127.0.0.1:{agent.server_address[1]}/status") == {"node": {"name": "node1"}}
     assert proxy.seen == []
     assert agent.seen[0] == ("POST", "/leave", f"Bearer {TOKEN}")

@@ -38,6 +38,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
         (("check-config", "--set", "network.cidr=224.1.0.0/16"), "pods cannot use"),
         (("status", "--api", "http://127.0.0.1:abc"), "nonnumeric port"),
         (("status", "--api", "http://a b:1"), "cannot reach the agent"),
+        (("leave", "--timeout", "soon"), "invalid number of seconds 'soon'"),
+        (("leave", "--timeout", "0"), "0 is out of range 1..3600 seconds"),
+        (("leave", "--timeout", "nan"), "nan is out of range 1..3600 seconds"),
     ],
 )
 def test_bad_arguments_give_one_line(capsys, monkeypatch, argv, message):
@@ -384,16 +387,16 @@ token_file = "{tmp_path}/api-token"
 """)
     asked = []
 
-    def agent(host, port, token_file, answers=True):
+    def agent(host, port, token_file, answers=True, **_kw):
         asked.append((host, port, str(token_file)))
-        return answers
+        return 0 if answers else None  # its exit status, or None: no agent answers
 
     monkeypatch.setattr(cli, "leave_running_agent", agent)
     code, _, err = run(capsys, "leave", "--config", str(conf))
     assert (code, err) == (0, ""), err
     assert asked == [("127.0.0.1", 9123, f"{tmp_path}/api-token")]
     # No agent answers: the direct path needs etcd's files, and names the missing one.
-    monkeypatch.setattr(cli, "leave_running_agent", lambda *a: agent(*a, answers=False))
+    monkeypatch.setattr(cli, "leave_running_agent", lambda *a, **kw: agent(*a, answers=False, **kw))
     code, _, err = run(capsys, "leave", "--config", str(conf))
     assert code == 1 and len(err.splitlines()) == 1 and "ca.pem" in err, err
     assert len(asked) == 2
