@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import heapq
 import json
 import logging
 import os
@@ -106,6 +107,7 @@ SWEEP_INTERVAL = 5.0  # the programs' recorded connections are looked over this 
 SYN_TIMEOUT_NS = 120 * 10**9  # an unanswered SYN's entry goes (nf_conntrack_tcp_timeout_syn_sent)
 CLOSING_TIMEOUT_NS = 2 * 10**9  # both FINs seen, no last ACK since: ended
 RESET_TIMEOUT_NS = 2 * 10**9  # a RST seen, nothing but RST from its end since: ended (reset)
+RESETS_MAX = 65536  # connections a RST passed, waiting to be looked at (podconns' size); more: the sweep's
 IDLE_NS = 10 * 10**9  # idle this long: ended if conntrack no longer holds it
 HELD_RECHECK_NS = 60 * 10**9  # conntrack found holding an idle one: not asked again for this long
 REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py (enum podconn_kind; GONE: the sweep's)
@@ -177,6 +179,11 @@ def tai_offset_ns() -> int:
     """CLOCK_TAI - CLOCK_REALTIME (whole seconds, the kernel's TAI offset: 0 unless NTP set it):
     the fast path stamps in TAI, conntrack in real time."""
     return round((time.clock_gettime_ns(time.CLOCK_TAI) - time.time_ns()) / 1e9) * 1_000_000_000
+
+
+def tai_now() -> int:
+    """CLOCK_TAI, ns: the clock the pod programs stamp packets with (bpf_ktime_get_tai_ns)."""
+    return time.clock_gettime_ns(time.CLOCK_TAI)
 
 
 def carried_key(src: bytes, sport: int, dst: bytes, dport: int) -> tuple[bytes, bool]:
@@ -266,6 +273,10 @@ class Recording(Protocol):
     # Whether the programs record connections with other nodes' pods too, as they are set now
     # (not what they were asked: without the wire program they do not).
     def records_remote(self) -> bool: ...
+
+    # Connections a RST passed since the last call, (key, CLOCK_TAI ns of the RST) each: hints
+    # (podpath.h: struct podconn_hint), which :meth:`FlowRecorder.end_resets` acts on.
+    def reset_hints(self) -> list[tuple[bytes, int]]: ...
 
 
 class RecordedBatch(Batch):
@@ -410,6 +421,11 @@ class FlowRecorder:
         # Idle recorded connections conntrack was last found holding: key -> (their SYN's time,
         # when found), CLOCK_TAI ns; only keys the programs still hold are kept.
         self._held_at: dict[bytes, tuple[int, int]] = {}
+        # Connections a RST passed (the programs' hints): key -> when to look at it again, and
+        # those times in a heap, (when, key), CLOCK_TAI ns (an entry whose time changed since
+        # is skipped there).
+        self._reset_due: dict[bytes, int] = {}
+        self._resets: list[tuple[int, bytes]] = []
         self._names: dict[bytes, Identity | None] = {}
         # Addresses (packed: 4 or 16 bytes) that became someone else's or nobody's while
         # recording: [(when, CLOCK_TAI ns; whom it named until then)], oldest first -- an end
@@ -589,8 +605,71 @@ class FlowRecorder:
                     self._take_batch(blob, count, addresses, self.clock())
                 else:  # the pods' changes read as they come, not only when records do
                     self._begin_names()
+            self.note_resets(rec.reset_hints())
+            if self._resets:
+                ended = self.end_resets()
+                if ended:
+                    self._on_recorded(ended, self.clock())
         finally:
             loop.call_later(RECORDED_INTERVAL, self._drain_recorded)
+
+    def note_resets(self, hints: list[tuple[bytes, int]]) -> None:
+        """Connections a RST passed (``hints``: key, CLOCK_TAI ns of the RST), to be looked at
+        ``RESET_TIMEOUT_NS`` after it (:meth:`end_resets`) -- so a reset's end comes about then,
+        not when a sweep finds it (up to ``SWEEP_INTERVAL`` more).  Past ``RESETS_MAX`` waiting,
+        a hint is left out: the sweep ends that one."""
+        due_of, heap = self._reset_due, self._resets
+        for key, tai in hints:
+            due = tai + RESET_TIMEOUT_NS + 1
+            if due_of.get(key, -1) >= due or (key not in due_of and len(due_of) >= RESETS_MAX):
+                continue
+            due_of[key] = due
+            heapq.heappush(heap, (due, key))
+
+    def end_resets(self, now_tai: int | None = None) -> list[bytes]:
+        """The ends of connections a RST passed whose time to be looked at came: the sweep's
+        judgement of one entry (:meth:`sweep`) -- ended as reset if it is still in a RESET state
+        and its last packet ``RESET_TIMEOUT_NS`` ago, taken only if it is still the one looked at
+        (:meth:`_take`, so that neither the programs nor a sweep running at the same time end it
+        too: whoever takes the entry out ends it, once); looked at again at its last packet's
+        time and ``RESET_TIMEOUT_NS`` if a RST came since (sent again); let go if it is open
+        again (that end sent without RST: its TCP ignored the RST), gone (ended by the programs:
+        a new SYN; or by a sweep) or another state.  Returns the ends, laid out as the ring gives them."""
+        rec = self.recording
+        if rec is None:
+            return []
+        now = tai_now() if now_tai is None else now_tai
+        due_of, heap = self._reset_due, self._resets
+        out: list[bytes] = []
+        failed: OSError | None = None
+        while heap and heap[0][0] <= now:
+            due, key = heapq.heappop(heap)
+            if due_of.get(key) != due:
+                continue  # to be looked at later (a later hint)
+            del due_of[key]
+            # One key's trouble (a map operation failing) leaves that one to the sweep; what was
+            # taken before it is returned all the same (it is out of the map).
+            try:
+                raw = rec.recorded_entry(key)
+                if raw is None:
+                    continue
+                v = CONN_VALUE.unpack(raw)
+                if v[6] not in (CONN_RESET_LO, CONN_RESET_HI):
+                    continue
+                if now - v[5] <= RESET_TIMEOUT_NS:  # a RST again since
+                    due_of[key] = v[5] + RESET_TIMEOUT_NS + 1
+                    heapq.heappush(heap, (due_of[key], key))
+                    continue
+                taken = self._take(rec, key, v, out)
+            except OSError as err:
+                failed = err
+                continue
+            if taken is not None:
+                out.append(CONN_RECORD.pack(key, REC_RST, taken))
+                self.swept += 1
+        if failed is not None:
+            log.warning("flows: ending reset connections, some were left for the sweep: %s", failed)
+        return out
 
     def _on_recorded(self, raws: list[bytes], now: float) -> None:
         """Records as the ring gives them, one each (the sweep's ends, a ring read the long way)."""
@@ -665,7 +744,7 @@ class FlowRecorder:
         rec = self.recording
         if rec is None:
             return []
-        now = time.clock_gettime_ns(time.CLOCK_TAI) if now_tai is None else now_tai
+        now = tai_now() if now_tai is None else now_tai
         out: list[bytes] = []
         held_at = self._held_at
         conns = rec.recorded_open()

@@ -192,6 +192,14 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } agentd_podlost SEC(".maps");
 
+/* Written only when a recorded connection goes to a RESET state (podpath.h: struct
+ * podconn_hint); named agentd_podrsts, as the kernel keeps 15 characters of a map's name. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 64 * 1024);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} agentd_podrsts SEC(".maps");
+
 /* kfuncs are for GPL-compatible programs: dual-licensed as datapath.c is. */
 char _license[] SEC("license") = "Dual BSD/GPL";
 
@@ -305,6 +313,22 @@ static __always_inline void podconn_emit(struct podflow_key *key, struct podconn
 	podconn_output(&rec);
 }
 
+/* ``key``'s entry went to a RESET state: the agent ends it RESET_TIMEOUT after its last packet
+ * unless that end sends again without RST (podpath.h: struct podconn_hint).  Only RSTs pay for
+ * it; a hint the ring cannot take leaves the end to the agent's sweep (a few seconds later). */
+static __always_inline void podconn_reset(struct podflow_key *key, struct podconn_value *v, __u32 side, __u64 now)
+{
+	__u32 reset = side ? PODCONN_RESET_HI : PODCONN_RESET_LO;
+	struct podconn_hint hint = {};
+
+	if (v->state == reset)
+		return; /* a RST sent again: the hint before it stands (the agent looks at the last packet's time) */
+	v->state = reset;
+	hint.key = *key;
+	hint.tai = now;
+	bpf_ringbuf_output(&agentd_podrsts, &hint, sizeof(hint), BPF_RB_NO_WAKEUP);
+}
+
 /* The end of ``key``'s connection: its entry out of podconns, and its record -- only if this
  * program's delete took the entry out.  The value is copied before the delete; a party that
  * finds it gone (another CPU ended the same connection at the same time, as both ends' last
@@ -411,8 +435,9 @@ static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip
  * SYN: a new entry (PODCONN_SYN), the packet marked (POD_RECORD_MARK: the agent's nft table
  * masks conntrack's events of the connection).  The answer -- SYN-ACK or RST from the other
  * end -- while conntrack holds the entry confirmed (its SYN passed policy): the start goes to
- * the agent (podrecs).  RST past the answer: the end, made by the agent's sweep a moment later
- * unless the end that sent it sends again without RST (below).  FIN from both ends, then the next packet without FIN
+ * the agent (podrecs).  RST past the answer: the end, made by the agent RESET_TIMEOUT (2 s) after
+ * the last packet (told by a hint, podconn_reset; else by its sweep) unless the end that sent it
+ * sends again without RST (below).  FIN from both ends, then the next packet without FIN
  * (the last ACK): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
  * the client, with the sequence number of its first) is counted and marked, in any state.  What never ends so
  * (idle, a pod gone) the agent's sweep ends when conntrack no longer holds it. */
@@ -494,7 +519,7 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		 * ended by the agent's sweep as the RST after an answer is (below). */
 		if (__sync_val_compare_and_swap(&v->state, PODCONN_SYN, PODCONN_OPEN) != PODCONN_SYN) {
 			if (rst)
-				v->state = side ? PODCONN_RESET_HI : PODCONN_RESET_LO;
+				podconn_reset(&key, v, side, now);
 			return 1;
 		}
 		podconn_emit(&key, v, PODREC_START);
@@ -507,8 +532,8 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		/* Not ended here: a RST the receiver's TCP finds out of its window it ignores, and the
 		 * connection goes on (conntrack, liberal about windows, cannot tell either).  A packet
 		 * without RST from the same end afterwards shows that end alive (OPEN again); else the
-		 * agent's sweep ends the connection as reset, at its last packet. */
-		v->state = side ? PODCONN_RESET_HI : PODCONN_RESET_LO;
+		 * agent ends the connection as reset, at its last packet (told by a hint: podconn_reset). */
+		podconn_reset(&key, v, side, now);
 	} else if (fin) {
 		__u32 bit = side ? 2 : 1;
 

@@ -79,7 +79,7 @@ enum podconn_state {
 	PODCONN_SYN = 1,     /* its SYN passed (marked: conntrack tells nobody of it); no answer yet */
 	PODCONN_OPEN = 2,    /* answered (SYN-ACK): its start went to the agent */
 	PODCONN_CLOSING = 3, /* both ends sent FIN: the next packet without FIN ends it */
-	PODCONN_RESET_LO = 4, /* the lower end sent RST: ended by the agent's sweep unless that end */
+	PODCONN_RESET_LO = 4, /* the lower end sent RST: ended by the agent (podrsts) unless that end */
 	PODCONN_RESET_HI = 5, /* ... sends again without RST (back to OPEN: its TCP ignored it) */
 };
 
@@ -110,6 +110,17 @@ struct podconn_record {
 	struct podflow_key key;
 	__u32 kind; /* enum podconn_kind */
 	struct podconn_value value;
+};
+
+/* podrsts: ring buffer of these, apart from podrecs (whose records an agent of any version
+ * reads as starts and ends): a connection recorded here went to PODCONN_RESET_LO or _HI (a
+ * RST passed), at ``tai`` (CLOCK_TAI ns).  Only a hint: the agent looks at the entry again
+ * RESET_TIMEOUT later and ends it as its sweep would (recorder.py), so its end comes about
+ * then, not at the next sweep; a hint lost (the ring full) leaves it to the sweep. */
+struct podconn_hint {
+	struct podflow_key key;
+	__u32 pad;
+	__u64 tai;
 };
 
 struct pod_config {

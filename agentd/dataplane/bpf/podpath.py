@@ -8,6 +8,7 @@ Pins, next to the data path's in this namespace's directory (see datapath.py)::
         agentd_podips6  agentd_podstat6  agentd_podcfg6   the maps (IPv6)
         agentd_podflows  agentd_podflow6  agentd_podends  per-connection counts (flow records)
         agentd_podconns  agentd_podrecs  agentd_podlost   connections the programs record (flow records)
+        agentd_podrsts                                    ... those a RST passed (hints: ended 2 s later)
         agentd_pod_fast  agentd_pod_wire                  the programs
         links/agentd_pod_fast-<ifindex>  links/agentd_pod_wire-<ifindex>    the tcx links (tc.py)
 
@@ -59,7 +60,8 @@ IPS, STATS, CONFIG = "agentd_podips", "agentd_podstat", "agentd_podcfg"
 IPS6, STATS6, CONFIG6 = "agentd_podips6", "agentd_podstat6", "agentd_podcfg6"
 FLOWS, FLOWS6, ENDS = "agentd_podflows", "agentd_podflow6", "agentd_podends"  # per-connection counts (flow records)
 CONNS, RECS, LOST = "agentd_podconns", "agentd_podrecs", "agentd_podlost"  # connections the programs record
-MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS, CONNS, RECS, LOST)
+RESETS = "agentd_podrsts"  # ... those a RST passed (struct podconn_hint)
+MAPS = (IPS, STATS, CONFIG, IPS6, STATS6, CONFIG6, FLOWS, FLOWS6, ENDS, CONNS, RECS, LOST, RESETS)
 PROGRAM, WIRE_PROGRAM = tc.POD_FAST_PATH, tc.POD_WIRE
 POD_VALUE = struct.Struct("<I")  # struct pod_value: ifindex
 STATS_VALUE = struct.Struct("<QQ")  # struct pod_stats: packets, bytes
@@ -82,6 +84,7 @@ CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, val
 CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
 REC_START, REC_FIN, REC_RST, REC_REUSED = 1, 2, 3, 4  # enum podconn_kind
 REC_GONE = 5  # not the programs': the agent's sweep found conntrack no longer holds it
+CONN_HINT = struct.Struct("<12s4xQ")  # struct podconn_hint: key, CLOCK_TAI ns of the RST
 EXPECTED = {
     IPS: (lb.MAP_TYPE_HASH, 4, POD_VALUE.size),
     STATS: (lb.MAP_TYPE_PERCPU_ARRAY, 4, STATS_VALUE.size),
@@ -95,6 +98,7 @@ EXPECTED = {
     CONNS: (lb.MAP_TYPE_HASH, FLOW_KEY.size, CONN_VALUE.size),
     RECS: (lb.MAP_TYPE_RINGBUF, 0, 0),
     LOST: (lb.MAP_TYPE_PERCPU_ARRAY, 4, 8),
+    RESETS: (lb.MAP_TYPE_RINGBUF, 0, 0),
 }
 CAP_SYS_ADMIN, CAP_PERFMON = 21, 38
 NEEDS_PERFMON = ("the pod fast path needs CAP_PERFMON, which this agent lacks: it reads conntrack's struct nf_conn, "
@@ -193,6 +197,7 @@ class PodFastPath:
         self.recording_remote = False  # ... with other nodes' pods too
         self.recording_told = False  # set_recording was called: till then an earlier agent's word stands
         self.recs: lb.RingBuffer | None = None
+        self.resets: lb.RingBuffer | None = None  # agentd_podrsts
         self.pods: dict[str, int] = {}  # pod address (IPv4 or IPv6) -> ifindex of its veth's host side, as in the maps
         self.attached: set[int] = set()  # veths our program is on (this run)
         self.adopted = False
@@ -317,13 +322,15 @@ class PodFastPath:
         Off: once the programs are told, what they recorded is dropped (:meth:`_drop_recorded`)."""
         if on and self.recs is None:
             self.recs = lb.RingBuffer(self.maps[RECS])
+        if on and self.resets is None:
+            self.resets = lb.RingBuffer(self.maps[RESETS])
         self.recording, self.recording_remote, self.recording_told = on, remote, True
         self._configure()
         if not on:
             self._drop_recorded()
 
     def _drop_recorded(self) -> None:
-        """Every entry of podconns deleted and every record in podrecs read and dropped: nobody
+        """Every entry of podconns deleted and every record in podrecs (and podrsts) read and dropped: nobody
         reads them while the programs do not record, and whoever records next (a later agent,
         flows switched on again) would take stale starts and ends from the ring for new ones,
         end stale entries by its sweep as GONE at the time it finds them, and count a later
@@ -335,12 +342,13 @@ class PodFastPath:
             return
         for key in lb.map_keys(fd, FLOW_KEY.size):
             lb.map_delete(fd, key)
-        ring = self.recs if self.recs is not None else lb.RingBuffer(self.maps[RECS])
-        try:
-            ring.drain()
-        finally:
-            if ring is not self.recs:
-                ring.close()
+        for held, name in ((self.recs, RECS), (self.resets, RESETS)):
+            ring = held if held is not None else lb.RingBuffer(self.maps[name])
+            try:
+                ring.drain()
+            finally:
+                if ring is not held:
+                    ring.close()
 
     def records_remote(self) -> bool:
         """Whether the programs record connections with other nodes' pods too, as their config
@@ -366,6 +374,15 @@ class PodFastPath:
         if self.recs is None:
             return b"", 0, 0, set()
         return self.recs.drain_fixed(CONN_RECORD.size)
+
+    def reset_hints(self) -> list[tuple[bytes, int]]:
+        """Connections a RST passed since the last call (podrsts: struct podconn_hint), oldest
+        first: (key, CLOCK_TAI ns of the RST).  Hints, not records: the caller looks at the
+        entry itself (anything but a podconn_hint -- none is -- left out)."""
+        if self.resets is None:
+            return []
+        size = CONN_HINT.size
+        return [CONN_HINT.unpack(raw) for raw in self.resets.drain() if len(raw) == size]
 
     def recorded_lost(self) -> int:
         """Starts and ends the ring could not take (full) since the map was made."""
@@ -448,9 +465,10 @@ class PodFastPath:
         if self.ends is not None:
             self.ends.close()
             self.ends = None
-        if self.recs is not None:
-            self.recs.close()
-            self.recs = None
+        for ring in (self.recs, self.resets):
+            if ring is not None:
+                ring.close()
+        self.recs = self.resets = None
         if self.obj is not None:
             self.obj.close()
             self.obj = None

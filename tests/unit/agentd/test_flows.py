@@ -838,10 +838,14 @@ class Programs:
     recording = True
 
     def __init__(self, held: dict[bytes, bytes]) -> None:
-        self.held, self.rings = held, []
+        self.held, self.rings, self.hints = held, [], []
 
     def recorded(self):
         out, self.rings = self.rings, []
+        return out
+
+    def reset_hints(self):
+        out, self.hints = self.hints, []
         return out
 
     def recorded_open(self):
@@ -921,6 +925,132 @@ def test_the_sweep_ends_a_reset_connection_once_its_end_stays_silent():
     r._held = lambda key: True  # conntrack holds both (it keeps a reset connection a while)
     assert [CONN_RECORD.unpack(x) for x in r.sweep(now)] == [(k_old, REC_RST, v_old)]
     assert r.recording.held == {k_new: v_new}
+
+
+class Loop:
+    """The event loop as the recorder's ring reading uses it: what it asked to be called later."""
+
+    def __init__(self) -> None:
+        self.later: list[tuple[float, object]] = []
+
+    def call_later(self, delay, fn, *args):
+        self.later.append((delay, fn))
+
+
+def test_a_reset_hint_ends_the_connection_reset_timeout_after_its_last_packet(monkeypatch):
+    """A RST passed (the programs' hint, read with their records every RECORDED_INTERVAL): the
+    connection's end comes once RESET_TIMEOUT_NS passed since its last packet -- at the first
+    read after that, not at the sweep (up to SWEEP_INTERVAL later) --, once: neither a later
+    read nor the sweep ends it again."""
+    from agentd.flows import recorder as rec_mod
+    from agentd.flows.recorder import CONN_RESET_LO, RESET_TIMEOUT_NS
+
+    s = 10**9
+    rst = 1_000 * s
+    key, value = _conn(False, CONN_RESET_LO, 990 * s, rst)
+    r = recorder()
+    r.tai_offset = lambda: 0
+    r.recording = programs = Programs({key: value})
+    r._loop = loop = Loop()
+    r._held = lambda key: True  # conntrack keeps a reset connection a while
+    clock = [rst + s // 10]
+    monkeypatch.setattr(rec_mod, "tai_now", lambda: clock[0], raising=False)
+    programs.hints.append((key, rst))
+    r._drain_recorded()  # the hint read 0.1 s after the RST
+    assert len(r.ring) == 0 and programs.held == {key: value} and len(loop.later) == 1
+    clock[0] = rst + RESET_TIMEOUT_NS - s // 10
+    r._drain_recorded()  # 1.9 s: not yet
+    assert len(r.ring) == 0 and programs.held == {key: value}
+    clock[0] = rst + RESET_TIMEOUT_NS + s // 10
+    r._drain_recorded()  # 2.1 s: ended, as reset, at its last packet
+    ends = r.ring.last(FlowFilter(), 10)
+    assert [(f.event, f.time, f.duration) for f in ends] == [("end", 1000.0, 10.0)] and programs.held == {}
+    assert r.swept == 1
+    for later in (3, 8):  # a later read, and the sweep, find nothing more to end
+        clock[0] = rst + later * s
+        r._drain_recorded()
+        assert r.sweep(clock[0]) == []
+    assert len(r.ring) == 1
+
+
+def test_a_reset_hint_of_a_connection_open_again_ends_nothing():
+    """The end that sent the RST sent again without it (its TCP ignored the RST: podconn_see
+    sets the entry OPEN again): the hint's look ends nothing, and leaves nothing to look at."""
+    from agentd.flows.recorder import (
+        CONN_OPEN,
+        CONN_RESET_HI,
+        CONN_VALUE,
+        RESET_TIMEOUT_NS,
+    )
+
+    s = 10**9
+    rst = 1_000 * s
+    key, value = _conn(False, CONN_RESET_HI, 990 * s, rst)
+    r = recorder()
+    r.recording = programs = Programs({key: value})
+    r.note_resets([(key, rst)])
+    v = list(CONN_VALUE.unpack(value))
+    v[5], v[6] = rst + s // 2, CONN_OPEN  # a packet of that end half a second later
+    programs.held[key] = CONN_VALUE.pack(*v)
+    assert r.end_resets(rst + RESET_TIMEOUT_NS + s) == [] and list(programs.held) == [key]
+    assert r._resets == [] and r._reset_due == {}
+
+
+def test_a_reset_hint_after_a_rst_sent_again_ends_it_after_the_last_one():
+    """RSTs sent again (one hint: the entry already RESET): the end comes RESET_TIMEOUT_NS after
+    the last packet, not the first RST."""
+    from agentd.flows.recorder import (
+        CONN_RECORD,
+        CONN_RESET_LO,
+        REC_RST,
+        RESET_TIMEOUT_NS,
+    )
+
+    s = 10**9
+    rst = 1_000 * s
+    key, value = _conn(False, CONN_RESET_LO, 990 * s, rst + s)  # its last RST a second after the first
+    r = recorder()
+    r.recording = programs = Programs({key: value})
+    r.note_resets([(key, rst)])
+    assert r.end_resets(rst + RESET_TIMEOUT_NS + s // 2) == [] and list(programs.held) == [key]
+    assert r.end_resets(rst + s + RESET_TIMEOUT_NS + 1) == [CONN_RECORD.pack(key, REC_RST, value)]
+    assert programs.held == {} and r._reset_due == {}
+
+
+def test_a_reset_the_sweep_ended_first_is_not_ended_again_by_its_hint():
+    """The sweep and the hint's look judge the same entry (the sweep runs in a thread): whoever
+    takes it out ends it -- the sweep first, the look finds it gone; the sweep taking it between
+    the look and its take, the look's take finds nothing."""
+    from agentd.flows.recorder import (
+        CONN_RECORD,
+        CONN_RESET_LO,
+        REC_RST,
+        RESET_TIMEOUT_NS,
+    )
+
+    s = 10**9
+    rst = 1_000 * s
+    key, value = _conn(False, CONN_RESET_LO, 990 * s, rst)
+    r = recorder()
+    r.recording = programs = Programs({key: value})
+    r._held = lambda key: True
+    r.note_resets([(key, rst)])
+    assert r.sweep(rst + RESET_TIMEOUT_NS + s) == [CONN_RECORD.pack(key, REC_RST, value)]
+    assert r.end_resets(rst + RESET_TIMEOUT_NS + s) == [] and r.swept == 1
+    # Taken by the sweep between the look and the take.
+    programs.held[key] = value
+    r.note_resets([(key, rst)])
+    take, swept = programs.take_recorded, []
+
+    def sweep_first(k):
+        if not swept:
+            programs.take_recorded = take
+            swept.extend(r.sweep(rst + RESET_TIMEOUT_NS + s))
+        return take(k)
+
+    programs.take_recorded = sweep_first
+    assert r.end_resets(rst + RESET_TIMEOUT_NS + s) == [] and programs.held == {}
+    assert swept == [CONN_RECORD.pack(key, REC_RST, value)] and r.swept == 2
 
 
 def test_the_sweep_ends_what_ended_silently_and_drops_unanswered_syns():
