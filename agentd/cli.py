@@ -471,7 +471,9 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
             raise LeaveRefused(f"an agent runs at {url}, but {unreadable}") from None
         raise LeaveRefused(f"the agent at {url} refused: {_api_error(err)}") from None
     except TimeoutError:  # connected, asked, no answer (a connect timeout is a URLError: no agent)
-        raise LeaveRefused(f"the agent at {url} did not answer within {timeout:g} s") from None
+        where = f"GET {url} while it runs, then {report_path}" if report_path is not None else f"GET {url} while it runs"
+        raise LeaveRefused(f"the agent at {url} took the request but did not answer within {timeout:g} s (its etcd "
+                           f"step waits up to 20 s on an unreachable etcd): it may be leaving; see {where}") from None
     except (urllib.error.URLError, OSError, ValueError):
         return None
     if not isinstance(answer, dict) or answer.get("leaving") is not True:
@@ -490,7 +492,7 @@ def leave_running_agent(host: str, port: int, token_file: Path, *, timeout: floa
         say(step.line())
         # It removes its tables, routes and BPF data path and exits: wait until its API is gone.
         health = url[: -len("/leave")] + "/healthz"
-        while time.monotonic() < deadline:
+        while wait and time.monotonic() < deadline:
             try:
                 with api_open(health, timeout=1) as resp:
                     resp.read()

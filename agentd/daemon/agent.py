@@ -80,6 +80,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentd")
 
 AFI = {4: 1, 6: 2}  # IANA address family numbers: IPv4, IPv6 (RFC 4760 §3)
+# A leave's step may take this long, told to systemd before each (EXTEND_TIMEOUT_USEC): the
+# etcd step waits up to 10 + 10 s on an unreachable etcd, the ingress proxy's stop up to 15 s
+# and its unpublishing 5 s -- past the unit's TimeoutStopSec of 30 s, after which systemd kills
+# the agent and Restart=on-failure starts it again, to join the cluster it was leaving.
+LEAVE_STEP_SECONDS = 60
 SAFI_UNICAST = 1
 # systemd's STATUS= through start-up, in order (docs/operations.md, "Type=notify"); then the
 # readiness loop's "not ready: ..." or READY=1 with "ready: ...".
@@ -487,6 +492,8 @@ class Agent:
 
         async def step(what: str, job: Callable[[], object]) -> None:
             """One step of the stop: a failure is one line, and the steps after it still run."""
+            if self._leaving:  # systemd's TimeoutStopSec (30 s) bounds a stop, not a leave of many steps
+                self.notifier.extend_timeout(LEAVE_STEP_SECONDS)
             try:
                 result = job()
                 if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):

@@ -56,6 +56,11 @@ class Notifier:
     def stopping(self) -> None:
         self.notify("STOPPING=1")
 
+    def extend_timeout(self, seconds: float) -> None:
+        """The stop (or start) may take ``seconds`` more from now (sd_notify EXTEND_TIMEOUT_USEC):
+        past TimeoutStopSec without it, systemd kills the agent and Restart= starts it again."""
+        self.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+
     async def watchdog_loop(self) -> None:
         """Ping the watchdog for as long as the event loop keeps running this task."""
         if self.watchdog_interval is None or self._address is None:

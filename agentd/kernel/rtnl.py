@@ -95,9 +95,13 @@ class Rtnl:
 
     def bridges(self) -> set[int]:
         """The ifindexes of the bridge devices here (``ip link show type bridge``)."""
+        return self.links_of_kind("bridge")
+
+    def links_of_kind(self, kind: str) -> set[int]:
+        """The ifindexes of the devices of ``kind`` here (``ip link show type KIND``)."""
         answers = self.request(nl.encode_getlink_dump(self.next_seq()), "listing the devices")
         return {link.index for link in (nl.decode_link(b, s, e) for t, b, s, e in answers if t == nl.RTM_NEWLINK)
-                if link.kind == "bridge"}
+                if link.kind == kind}
 
     # ------------------------------------------------------------------ addresses
 

@@ -386,12 +386,15 @@ class BpfDatapath:
         return self.guarded
 
     def sync_ports(self) -> int:
-        """Mirror the bridges' learned MACs into the ports map (deliver_local in datapath.c);
-        returns how many there are."""
+        """Mirror the MACs the bridges learned behind veths -- pods' ports -- into the ports map
+        (deliver_local in datapath.c hands only to pods: a bridge whose port is a NIC, with the
+        LAN's hosts behind it, takes no room there); returns how many there are."""
         with Rtnl() as rt:
             learned = rt.learned_macs()
-        self.set_ports(learned)
-        return len(learned)
+            veths = rt.links_of_kind("veth")
+        pods = {key: port for key, port in learned.items() if port in veths}
+        self.set_ports(pods)
+        return len(pods)
 
     # ------------------------------------------------------------------ observation
 

@@ -50,11 +50,23 @@ def test_a_mac_flood_that_filled_the_ports_map_does_not_stop_its_sync_for_good(m
     monkeypatch.setattr(datapath.lb, "map_delete", kmap.delete)
     dp = datapath.BpfDatapath(1, "/nonexistent")
     dp.maps = {layout.PORTS: 3}
-    flood = {(7, _mac(0x020000000000 + i)): 11 for i in range(100)}
+    flood = {(7, _mac(0x020000000000 + i)): 100 + i // 2 for i in range(100)}  # 50 ports, 2 MACs each: the map fills
+    refusals = []
+    update = kmap.update
+
+    def counted(*args):
+        try:
+            update(*args)
+        except OSError as err:
+            refusals.append(err.errno)
+            raise
+
+    monkeypatch.setattr(datapath.lb, "map_update", counted)
     with caplog.at_level(logging.WARNING, "agentd.bpf"):
         dp.set_ports(flood)
         dp.set_ports(flood)  # still full: not logged again
     assert len(kmap.entries) == 64 and dp.status()["bridge_ports_refused"] == 36
+    assert refusals and set(refusals) == {errno.E2BIG}  # the full map's path, not a port's share
     assert len([r for r in caplog.records if "not in the bridge ports map" in r.getMessage()]) == 1
     # The flood's MACs age out of the bridge; a new pod comes: its entry gets in.
     pod = {(7, _mac(0x0A0000000001)): 12}
@@ -79,6 +91,33 @@ def test_one_ports_mac_flood_takes_its_share_of_the_ports_map_not_the_map(monkey
     pod = {(7, _mac(0x0A0000000001)): 12}
     dp.set_ports({**more, **flood, **pod})
     assert dp.ports == {**share, **pod} and len(kmap.entries) == datapath.PORT_MACS_MAX + 1
+
+
+def test_only_macs_behind_veths_are_mirrored_into_the_ports_map(monkeypatch):
+    # A bridge whose port is the node's NIC has the LAN's hosts behind it: over a port's share,
+    # they read as refused for good, though deliver_local hands only to pods (veths).
+    class Rt:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def learned_macs(self):
+            lan = {(20, _mac(0x0C0000000000 + i)): 21 for i in range(100)}  # behind the NIC eth0 (21)
+            return {**lan, (7, _mac(0x0A0000000001)): 12}  # a pod's, behind its veth
+
+        def links_of_kind(self, kind):
+            return {12, 13} if kind == "veth" else set()
+
+    kmap = _FullMap(4096)
+    monkeypatch.setattr(datapath.lb, "map_update", kmap.update)
+    monkeypatch.setattr(datapath.lb, "map_delete", kmap.delete)
+    monkeypatch.setattr(datapath, "Rtnl", Rt)
+    dp = datapath.BpfDatapath(1, "/nonexistent")
+    dp.maps = {layout.PORTS: 3}
+    assert dp.sync_ports() == 1
+    assert dp.ports == {(7, _mac(0x0A0000000001)): 12} and dp.status()["bridge_ports_refused"] == 0
 
 
 def test_the_bpf_counters_are_read_when_the_ports_sync_fails(caplog):

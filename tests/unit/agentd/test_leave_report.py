@@ -358,3 +358,65 @@ def test_the_cli_refuses_an_answer_that_is_no_leave(tmp_path, monkeypatch):
     with pytest.raises(cli.LeaveRefused, match="not as an agent taking a leave"):
         cli.leave_running_agent("127.0.0.1", 9, tmp_path / "api.token")
 
+
+
+def test_a_leave_tells_systemd_before_each_step_that_the_stop_takes_longer(tmp_path, host):
+    """STOPPING=1 starts systemd's TimeoutStopSec (30 s): a leave's steps on an unreachable etcd
+    and an ingress proxy took longer, systemd killed the agent and Restart=on-failure started
+    it again -- into the cluster it was leaving.  Each step now extends the timeout first."""
+    sent = []
+
+    async def main():
+        agent = Agent(_cfg(tmp_path, **{"bgp.graceful_restart": False}))
+        agent.notifier.notify = lambda *lines: sent.extend(lines) or True
+        agent.started_bgp = True
+        agent.service = Part()
+        agent.programmer = Part()
+        agent.tunnels = Part()
+        agent.datastore = Store()
+        agent.request_leave()
+        await agent._shutdown()
+        return agent
+
+    agent = asyncio.run(main())
+    steps = read_report(tmp_path / "state" / "leave.json").steps
+    extends = [line for line in sent if line.startswith("EXTEND_TIMEOUT_USEC=")]
+    ran = [s for s in steps if s.result != SKIPPED]
+    assert sent.index("STOPPING=1") < sent.index(extends[0])
+    assert len(extends) >= len(ran) and set(extends) == {f"EXTEND_TIMEOUT_USEC={agent_module.LEAVE_STEP_SECONDS * 10**6}"}
+
+
+def test_a_stop_that_is_no_leave_extends_nothing(tmp_path, host):
+    sent = []
+
+    async def main():
+        agent = Agent(_cfg(tmp_path))
+        agent.notifier.notify = lambda *lines: sent.extend(lines) or True
+        agent.service = Part()
+        await agent._shutdown()
+
+    asyncio.run(main())
+    assert "STOPPING=1" in sent and not [line for line in sent if line.startswith("EXTEND_TIMEOUT_USEC=")]
+
+
+def test_the_cli_facing_an_older_agent_with_no_wait_returns_after_the_etcd_step(monkeypatch):
+    asked = []
+    _agent_api(monkeypatch, {"leaving": True, "etcd_error": None}, [{"ok": False}])
+    api_open = cli.api_open
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout: asked.append(getattr(req, "method", req)) or
+                        api_open(req, timeout))
+    out = io.StringIO()
+    assert cli.leave_running_agent("127.0.0.1", 9, Path("/nonexistent/api.token"), wait=False, out=out) == 0
+    assert asked == ["POST"] and out.getvalue().splitlines()[0] == "leaving etcd: done"
+
+
+def test_a_leave_not_answered_in_time_says_it_may_be_under_way(tmp_path, monkeypatch):
+    # "did not answer" read as a refusal while the agent, which had taken the request, left.
+    def api_open(req, timeout):
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(cli, "api_open", api_open)
+    with pytest.raises(cli.LeaveRefused, match=r"took the request .* it may be leaving; see GET .*/leave while it runs, "
+                                               r"then .*leave\.json"):
+        cli.leave_running_agent("127.0.0.1", 9, Path("/nonexistent/api.token"), timeout=1,
+                                report_path=tmp_path / "leave.json")
