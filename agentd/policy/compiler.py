@@ -114,7 +114,7 @@ NO_ROUTE_PRIORITY = -101
 # none, an unreachable route; a prohibit route.
 NO_ROUTE_CODES = {4: ("net-unreachable", "host-unreachable"), 6: ("no-route",)}
 POD_MACS = "pod-macs"  # port . the MAC of the pod behind it
-MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known (the others are not checked)
+MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known, or refused (the others are not checked)
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
 
 _L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
