@@ -4,9 +4,10 @@ none, a file of an older agentd-cni), read from the other end of their veth.
 * Only a read that worked is kept; one that failed (the veth gone, EMFILE, ENOBUFS, a
   timeout) is tried again at the agent's later rescans, its warning said once per file.
 * The first MAC taken for a file sticks, across agent restarts too: it is kept in
-  ``<[agent] state_dir>/pod-macs.json`` by container ID and the file's ident (which write of
-  it this is), written atomically.  A pod (with ``NET_ADMIN``) that changes its interface's
-  MAC later is cut off (its frames carry a MAC not its own), never trusted with the new one.
+  ``<[agent] state_dir>/pod-macs.json`` by container ID and the file's ident (which write
+  of it this is; :func:`version`), written atomically.  A pod (with ``NET_ADMIN``) that
+  changes its interface's MAC later is cut off (its frames carry a MAC not its own), never
+  trusted with the new one.
 * A MAC read is refused where it cannot be the pod's own: a group (multicast, broadcast)
   or all-zero address, its bridge's, or one a port of that bridge has already (another
   pod's, as its file or an earlier read names it; a host-side veth's).  Such a port is
@@ -32,6 +33,17 @@ from agentd.cni.endpoints import Endpoint
 log = logging.getLogger("agentd.policy")
 
 STATE_FILE = "pod-macs.json"  # in [agent] state_dir
+
+
+def version(ep: Endpoint) -> str:
+    """Which file of the pod ``ep`` is, as far as its MAC goes: its ident (new at every ADD,
+    kept by a relabel); for a file without a generation (of an agentd-cni older than those:
+    its ident is inode, mtime and size), its mtime alone, which a relabel keeps (``agentd
+    label pod``: a new inode, a new ident) -- a MAC taken must not be read anew for that --
+    while a new ADD writes a file with a generation."""
+    if ep.ident.startswith("g:") or not ep.written:
+        return ep.ident
+    return f"w:{ep.written}"
 
 
 def refusal(mac: str, others: Mapping[str, str]) -> str:
@@ -77,21 +89,21 @@ class PodMacs:
     def mac(self, ep: Endpoint) -> str:
         """The MAC taken for this file of the pod ("" where none is)."""
         known = self.known.get(ep.container_id)
-        return known[1] if known is not None and known[0] == ep.ident else ""
+        return known[1] if known is not None and known[0] == version(ep) else ""
 
     def refused(self, ep: Endpoint) -> bool:
         t = self.trouble.get(ep.container_id)
-        return t is not None and t.ident == ep.ident and t.refused
+        return t is not None and t.ident == version(ep) and t.refused
 
     def why(self, ep: Endpoint) -> str:
         t = self.trouble.get(ep.container_id)
-        return t.why if t is not None and t.ident == ep.ident else ""
+        return t.why if t is not None and t.ident == version(ep) else ""
 
     def wanted(self, eps: Iterable[Endpoint], *, retry: bool) -> list[Endpoint]:
         """The files whose pod's MAC is to be read: no ``pod_mac``, none taken yet; with
         ``retry`` those whose last read failed or was refused too, else only the new."""
         return [ep for ep in eps if not ep.pod_mac and not self.mac(ep)
-                and (retry or (t := self.trouble.get(ep.container_id)) is None or t.ident != ep.ident)]  # fmt: skip
+                and (retry or (t := self.trouble.get(ep.container_id)) is None or t.ident != version(ep))]  # fmt: skip
 
     def prune(self, containers: Iterable[str]) -> None:
         """Forget the containers not among ``containers`` (their files are gone)."""
@@ -111,22 +123,22 @@ class PodMacs:
         if self.mac(ep):
             return False  # the first MAC taken for the file sticks (another batch's read came first)
         before = self.trouble.get(ep.container_id)
-        if before is not None and before.ident != ep.ident:
+        if before is not None and before.ident != version(ep):
             before = None
         if isinstance(read, str):
             why = refusal(read, others)
             if not why:
-                self.known[ep.container_id] = (ep.ident, read.lower())
+                self.known[ep.container_id] = (version(ep), read.lower())
                 self.trouble.pop(ep.container_id, None)
                 self.dirty = True
                 log.info("pod %s: its endpoint file names no MAC; %s, read from the other end of %s, is checked",
                          name, read.lower(), ep.interface)
                 return True
-            trouble = Trouble(ep.ident, why, True)
+            trouble = Trouble(version(ep), why, True)
         elif before is not None and before.refused:
             return False  # a read that fails now does not undo a refusal: the port stays cut off
         else:
-            trouble = Trouble(ep.ident, str(read) or type(read).__name__, False)
+            trouble = Trouble(version(ep), str(read) or type(read).__name__, False)
         self.trouble[ep.container_id] = trouble
         if before is not None and before.refused == trouble.refused:
             return False  # said already (a retry that failed again)

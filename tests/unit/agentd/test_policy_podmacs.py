@@ -10,6 +10,7 @@ import errno
 import json
 import logging
 import threading
+from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from agentd.cni import endpoints
@@ -131,6 +132,38 @@ async def test_the_first_mac_taken_sticks_across_agent_restarts(tmp_path, caplog
         third = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)
         await rescan(third)
     assert third.engine.local[("x", "a")].pod_mac == MAC_C and said(caplog, "are read again") == 1
+
+
+async def test_a_relabelled_file_of_an_older_agentd_cni_is_not_read_anew(tmp_path):
+    """A file without a generation (an agentd-cni older than those, which also wrote no
+    pod_mac) is told from the next by inode, mtime and size: a relabel (``agentd label pod``)
+    gives it a new inode.  Its pod's MAC is not read anew for that (the pod may have changed
+    it since); the relabel keeps the file's mtime, which is what the MAC is kept by."""
+    cni, state = tmp_path / "cni", tmp_path / "state"
+    now = {"veth-c1": MAC_A}
+    asked: list[str] = []
+
+    def peer_mac(interface: str) -> str:
+        asked.append(interface)
+        return now[interface]
+
+    old = endpoint("c1", "a", "10.244.1.5")
+    directory = Path(endpoints.endpoints_dir(cni))
+    directory.mkdir(parents=True)
+    (directory / "c1.json").write_text(old.to_json())  # no generation: an older agentd-cni's
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)
+    await rescan(agent)
+    ep = agent.publisher.endpoints["c1"]
+    assert ep.ident.startswith("s:") and agent.engine.local[("x", "a")].pod_mac == MAC_A
+    now["veth-c1"] = MAC_C
+    relabelled = endpoints.relabel(cni, ep, {"app": "a", "tier": "x"})
+    assert relabelled is not None and relabelled.ident != ep.ident
+    await rescan(agent)
+    assert agent.publisher.endpoints["c1"].labels == {"app": "a", "tier": "x"}
+    assert agent.engine.local[("x", "a")].pod_mac == MAC_A and asked == ["veth-c1"]
+    again = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)  # and after a restart
+    await rescan(again)
+    assert again.engine.local[("x", "a")].pod_mac == MAC_A and asked == ["veth-c1"]
 
 
 async def test_a_mac_read_that_cannot_be_the_pods_own_is_refused_and_its_port_cut_off(tmp_path, caplog):
