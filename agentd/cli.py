@@ -787,6 +787,14 @@ def _unchecked_macs(unchecked: Any) -> str:
     return f"  MAC UNCHECKED {len(unchecked)} ({_cell(names)}{' ...' if len(unchecked) > 3 else ''})"
 
 
+def _refused_macs(refused: Any) -> str:
+    """The status line's warning of local pods cut off: the MAC read from their interface was refused."""
+    if not isinstance(refused, dict) or not refused:
+        return ""
+    names = ", ".join(map(str, sorted(refused)[:3]))
+    return f"  MAC REFUSED {len(refused)} ({_cell(names)}{' ...' if len(refused) > 3 else ''})"
+
+
 def _fast_path_line(fast: dict[str, Any]) -> str:
     """The pod fast path (docs/policy.md): on where, and what it carried; or why it is off."""
     if not fast.get("on"):
@@ -867,6 +875,7 @@ def render_status(status: dict[str, Any]) -> str:
             f"{'  ERROR ' + _cell(policy['error']) if policy.get('error') else ''}"
             f"{_unknown_endpoints(policy.get('unknown_endpoints'))}"
             f"{_unchecked_macs(policy.get('unchecked_macs'))}"
+            f"{_refused_macs(policy.get('refused_macs'))}"
         )
         fast = policy.get("fast_path")
         if isinstance(fast, dict):

@@ -328,6 +328,7 @@ class Agent:
                                   route_all=cfg.flows.enabled and cfg.flows.connections,
                                   families=self.cluster.versions,  # the cluster's pod families (its record wins)
                                   check_source_mac=cfg.policy.check_source_mac,
+                                  state_dir=cfg.agent.state_dir,  # the MACs read of pods' interfaces
                                   service_ranges=self.cluster.service_ranges().values())
         try:
             await self.policy.start()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -41,9 +42,10 @@ from agentd.nft.expr import SUPPRESSED, DropLog
 from agentd.nft.libnftables import Nft, NftError
 from agentd.nft.programmer import NftProgrammer
 
-from . import compiler, conntrack
+from . import compiler, conntrack, podmacs
 from .engine import PolicyEngine
 from .model import LocalPort, Pod, PodKey, Policy
+from .podmacs import PodMacs
 from .publisher import PodPublisher, container_of, record_for
 from .views import PolicyViews
 
@@ -90,15 +92,19 @@ class PolicyAgent:
         service_ranges: Iterable[Any] = (),
         check_source_mac: bool = True,
         peer_mac: Callable[[str], str] | None = None,
+        bridge_mac: Callable[[str], str | None] | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         """``drop_log``: flow records are kept (agentd.flows): drops are logged to its NFLOG
         group.  ``route_all``: every local pod's traffic is routed through conntrack, for
         connection records (default: whenever ``drop_log`` is given).  ``check_source_mac``: a pod
         port's frames must carry its pod's MAC ([policy] check_source_mac).  ``service_ranges``:
-        the cluster's Service ranges, which the no-route drop records leave out.  ``peer_mac``:
-        the MAC of the other end of a host-side veth (LookupError or OSError where it cannot be
-        read; default: :meth:`agentd.kernel.rtnl.Rtnl.peer_mac`), for pods whose endpoint file
-        names none."""
+        the cluster's Service ranges, which the no-route drop records leave out.  ``peer_mac``,
+        ``bridge_mac``: the MAC of the other end of a host-side veth, and a bridge's (None: no
+        such device), LookupError or OSError where it cannot be read, for pods whose endpoint
+        file names none (default: netlink, agentd.policy.podmacs.read_links).  ``state_dir``
+        ([agent] state_dir): where the MACs taken that way are kept across restarts
+        (agentd/policy/podmacs.py; None: in memory only)."""
         self.node = node
         self.ds = datastore
         self.store = ResourceStore(datastore)
@@ -109,11 +115,12 @@ class PolicyAgent:
         self.engine = PolicyEngine(node, drop_log=drop_log, route_all=route_all, families=families,
                                    check_source_mac=check_source_mac, service_ranges=tuple(service_ranges))
         self.nft = nft
-        self.peer_mac = peer_mac or _peer_mac
+        self.peer_mac = peer_mac
+        self.bridge_mac = bridge_mac
         # Pods whose endpoint file names no MAC (an older agentd-cni's, a delegate that gave
-        # none): what was read of their own interface instead, per container, for the file's
-        # version (ident) -- (ident, MAC or "", why it could not be read or "").
-        self._read_macs: dict[str, tuple[str, str, str]] = {}
+        # none): the MAC read of their own interface instead, per container and file version.
+        self.pod_macs = PodMacs(state_dir)
+        self._pod_macs_lock = asyncio.Lock()  # loading and writing its file
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods
         # past netfilter (BpfPath.hold_redirect).
@@ -306,6 +313,8 @@ class PolicyAgent:
     async def _rescan_loop(self) -> None:
         while True:
             self._rescan()
+            if await self._read_pod_macs(retry=True):  # those that failed are tried again
+                self._wake.set()
             self._check_bridged()
             if self.fast_path is not None and self.fast_path_error is not None:
                 self._wake.set()  # a failed fast-path update: retried (below) without waiting for a change
@@ -315,8 +324,7 @@ class PolicyAgent:
         changed = self.publisher.rescan()
         if changed is None:
             return
-        for gone in self._read_macs.keys() - self.publisher.endpoints.keys():
-            del self._read_macs[gone]
+        self.pod_macs.prune(self.publisher.endpoints.keys())
         owners = conntrack.owners(self.publisher.endpoints.values())
         self._released |= conntrack.released(self._owners, owners)
         self._owners = owners
@@ -338,7 +346,7 @@ class PolicyAgent:
                 log.warning("endpoint file of pod %s/%s unusable: %s", *key, err)
                 self.engine.remove_pod(key)
                 return
-            self.engine.upsert_pod(pod, LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, ep.pod_mac or self._read_mac(ep)))
+            self.engine.upsert_pod(pod, self._port(ep))
         elif record is not None and record["spec"].get("nodeName") != self.node:
             try:
                 self.engine.upsert_pod(Pod.parse(record))
@@ -349,41 +357,79 @@ class PolicyAgent:
             # Gone, or a stale record of ours without a file (the publisher removes it from etcd).
             self.engine.remove_pod(key)
 
-    def _read_mac(self, ep: endpoints.Endpoint) -> str:
-        """The MAC of the pod's own interface where its endpoint file names none: read from the
-        other end of its veth, once per version of the file.  Where that cannot be read its
-        port is not MAC-checked, said once in the log and in /status (``unchecked_macs``)."""
+    def _port(self, ep: endpoints.Endpoint) -> LocalPort:
+        """Where pod ``ep`` is attached, and the MAC its port takes: the one its file names, else
+        the one read from its interface (agentd/policy/podmacs.py; none while it is not read
+        or cannot be, and none at all -- cut off -- where the MAC read was refused)."""
+        if ep.pod_mac or not self.engine.check_source_mac:
+            return LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, ep.pod_mac)
+        return LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, self.pod_macs.mac(ep),
+                         mac_refused=self.pod_macs.refused(ep))
+
+    async def _read_pod_macs(self, *, retry: bool) -> bool:
+        """Read the MACs of the local pods whose endpoint file names none and that have none
+        taken yet (with ``retry`` those whose read failed or was refused too, else the new
+        only), off the event loop with one netlink socket, and feed them in; write what was
+        taken to the state file.  True where a pod's port changed."""
         if not self.engine.check_source_mac:
-            return ""
-        known = self._read_macs.get(ep.container_id)
-        if known is not None and known[0] == ep.ident:
-            return known[1]
-        mac = why = ""
-        try:
-            mac = self.peer_mac(ep.interface)
-        except (LookupError, OSError, ValueError) as err:  # ValueError: an answer that could not be decoded
-            why = str(err) or type(err).__name__
-        self._read_macs[ep.container_id] = (ep.ident, mac, why)
-        if mac:
-            log.info("pod %s/%s: its endpoint file names no MAC; %s, read from the other end of %s, is checked",
-                     ep.namespace, ep.name, mac, ep.interface)
-        else:
-            log.warning("pod %s/%s: its endpoint file names no MAC and its interface's cannot be read (%s): "
-                        "source MACs from its port %s are not checked", ep.namespace, ep.name, why, ep.interface)
-        return mac
+            return False
+        macs = self.pod_macs
+        changed: set[PodKey] = set()
+        if not macs.loaded:
+            async with self._pod_macs_lock:
+                if not macs.loaded:
+                    macs.loaded_state(await asyncio.to_thread(macs.read_state))
+                    changed |= {ep.key for ep in self.publisher.endpoints.values() if not ep.pod_mac and macs.mac(ep)}
+        wanted = macs.wanted(self.publisher.endpoints.values(), retry=retry)
+        if wanted:
+            read, bridges = await asyncio.to_thread(podmacs.read_links, [ep.interface for ep in wanted],
+                                                    [ep.bridge for ep in wanted], self.peer_mac, self.bridge_mac)
+            current = self.publisher.endpoints  # the files now: one may have gone or changed meanwhile
+            batch = {ep.container_id: read.get(ep.interface) for ep in wanted}
+
+            def taken(other: endpoints.Endpoint) -> str:
+                got = batch.get(other.container_id)
+                return other.pod_mac or macs.mac(other) or (got if isinstance(got, str) else "")
+
+            for ep in wanted:
+                now = current.get(ep.container_id)
+                if now is None or now.ident != ep.ident:
+                    continue
+                result = read[ep.interface]
+                bridge = bridges.get(ep.bridge)
+                if isinstance(bridge, BaseException) and isinstance(result, str):  # not taken unchecked against it
+                    result = LookupError(f"the MAC of its bridge {ep.bridge} cannot be read: {bridge}")
+                others = macs.others(ep, current.values(), taken, bridge if isinstance(bridge, str) else None)
+                if macs.take(ep, result, others):
+                    changed.add(ep.key)
+        async with self._pod_macs_lock:  # one write at a time, the newest last
+            pods = macs.to_write()
+            if pods is not None:
+                await asyncio.to_thread(macs.write, pods)
+        for key in changed:
+            self._feed_pod(key)
+        return bool(changed)
 
     @property
     def unchecked_macs(self) -> dict[str, str]:
         """Local pods whose port's source MAC is not checked though the check is on: their MAC
         is not known ("NS/NAME" -> why)."""
+        return self._mac_ports(refused=False)
+
+    @property
+    def refused_macs(self) -> dict[str, str]:
+        """Local pods whose endpoint file names no MAC and whose interface's was refused: their
+        port is checked against none, every frame dropped ("NS/NAME" -> why)."""
+        return self._mac_ports(refused=True)
+
+    def _mac_ports(self, *, refused: bool) -> dict[str, str]:
         if not self.engine.check_source_mac:
             return {}
         out = {}
-        for cid, ep in self.publisher.endpoints.items():
+        for ep in self.publisher.endpoints.values():
             port = self.engine.local.get(ep.key)
-            if port is not None and port.interface == ep.interface and not port.pod_mac:
-                read = self._read_macs.get(cid)
-                out[f"{ep.namespace}/{ep.name}"] = read[2] if read is not None and read[2] else "its MAC is not known"
+            if port is not None and port.interface == ep.interface and not port.pod_mac and port.mac_refused == refused:
+                out[f"{ep.namespace}/{ep.name}"] = self.pod_macs.why(ep) or "its MAC is not known"
         return out
 
     # ------------------------------------------------------------------ syncing
@@ -396,6 +442,8 @@ class PolicyAgent:
             self._wake.clear()
             if not (self._have_snapshot and self.publisher.have_local):
                 continue  # keep what the kernel has until we know the whole picture
+            # New pods without a MAC in their file: theirs read before the build that acks them.
+            await self._read_pod_macs(retry=False)
             # (Not after a failed sync: the engine built it, the kernel does not have it.)
             if (not self.engine.dirty and self.error is None and self.programmer.current is not None
                     and self.applied_at is not None):
@@ -664,10 +712,3 @@ async def remove_policy_tables() -> None:
     finally:
         nft.close()
 
-
-def _peer_mac(interface: str) -> str:
-    """The MAC of the other end of veth ``interface`` (the pod's own interface)."""
-    from agentd.kernel.rtnl import Rtnl
-
-    with Rtnl() as rt:
-        return rt.peer_mac(interface)

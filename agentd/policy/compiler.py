@@ -114,7 +114,7 @@ NO_ROUTE_PRIORITY = -101
 # none, an unreachable route; a prohibit route.
 NO_ROUTE_CODES = {4: ("net-unreachable", "host-unreachable"), 6: ("no-route",)}
 POD_MACS = "pod-macs"  # port . the MAC of the pod behind it
-MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known (the others are not checked)
+MAC_PORTS = "mac-ports"  # the pod ports whose pod's MAC is known, or refused (the others are not checked)
 PREFIX_MAX = 127  # NF_LOG_PREFIXLEN (128) with its NUL
 
 _L4 = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
@@ -277,20 +277,24 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         # Checked before the bridge learns the source (br_handle_frame runs this hook first).
         [match(meta("iifname"), ref(MAC_PORTS)),
          match({"concat": [meta("iifname"), payload("ether", "saddr")]}, ref(POD_MACS), "!="), *_spoofed(log, SPOOFED_MAC)],
-        # Nor any other MAC as its ARP packets' sender hardware address, which every receiver's
-        # neighbour cache takes rather than the frame's source: "my address is at the gateway's
-        # MAC" would send the other pods' (and the node's) traffic for this pod there.  The
-        # address probes of RFC 5227 carry the pod's own MAC too.  (The offsets of
-        # ``arp saddr ether`` are Ethernet's: ARP of other hardware or address lengths is
-        # refused by every receiving Linux kernel, arp_rcv.)
-        [match(payload("ether", "type"), "arp"), match(meta("iifname"), ref(MAC_PORTS)),
-         match({"concat": [meta("iifname"), payload("arp", "saddr ether")]}, ref(POD_MACS), "!="), *_spoofed(log, SPOOFED_MAC)],
+    ]
+    versions = {f.version for f in fams}
+    if 4 in versions:  # an IPv6-only cluster drops all ARP from pods below, not counted as spoofed
+        prerouting.append(
+            # Nor any other MAC as its ARP packets' sender hardware address, which every receiver's
+            # neighbour cache takes rather than the frame's source: "my address is at the gateway's
+            # MAC" would send the other pods' (and the node's) traffic for this pod there.  The
+            # address probes of RFC 5227 carry the pod's own MAC too.  (The offsets of
+            # ``arp saddr ether`` are Ethernet's: ARP of other hardware or address lengths is
+            # refused by every receiving Linux kernel, arp_rcv.)
+            [match(payload("ether", "type"), "arp"), match(meta("iifname"), ref(MAC_PORTS)),
+             match({"concat": [meta("iifname"), payload("arp", "saddr ether")]}, ref(POD_MACS), "!="), *_spoofed(log, SPOOFED_MAC)])
+    prerouting += [
         # A VLAN tag hides the frame's type from every ``ether type`` match below (the kernel
         # reads the tag's type, 802.1Q), while the receiving pod treats VID 0 as untagged:
         # pods send no tagged frames.
         [from_pod, match(payload("ether", "type"), {"set": ["8021q", "8021ad"]}), *_spoofed(log)],
     ]
-    versions = {f.version for f in fams}
     # The family the cluster has not leaves no pod, to be routed unjudged: dropped, not counted
     # as spoofed (a pod's kernel sends some of it unasked, such as MLD reports at link up).
     if 4 not in versions:  # an IPv6-only cluster: no IPv4, nor ARP

@@ -516,9 +516,10 @@ class PolicyEngine:
             ingress, egress = self.isolation(key)
             elements["pod-ports"].add(port.interface)
             elements["port-macs"].add((port.interface, port.mac))
-            if port.pod_mac and self.check_source_mac:
+            if (port.pod_mac or port.mac_refused) and self.check_source_mac:
                 elements[compiler.MAC_PORTS].add(port.interface)
-                elements[compiler.POD_MACS].add((port.interface, port.pod_mac))
+                if port.pod_mac:  # (a refused one: checked against none, cut off)
+                    elements[compiler.POD_MACS].add((port.interface, port.pod_mac))
             # its unicast goes up to the IP stack (route_all: only where conntrack would not see it bridged)
             routed = ingress or egress or (self.route_all and not self.bridged_to_ip) or self.route_services
             if routed:

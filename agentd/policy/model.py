@@ -304,8 +304,12 @@ class LocalPort:
     # address the newer has it (PolicyEngine.conflicts)
     since: int = 0
     # The MAC of the pod's own interface: the only source MAC taken from this port ("":
-    # unknown, not checked)
+    # unknown, not checked -- unless ``mac_refused``)
     pod_mac: str = ""
+    # Its endpoint file names no MAC and the one read from its interface was refused (a group
+    # address, the bridge's, another port's: agentd/policy/podmacs.py): no source MAC is
+    # taken from this port, every frame is dropped
+    mac_refused: bool = False
 
 
 def namespace_labels(name: str, labels: Labels | None) -> dict[str, str]:

@@ -45,6 +45,9 @@ class PolicyState(Protocol):
     @property
     def unchecked_macs(self) -> dict[str, str]: ...  # local pods whose source MAC is not known: not checked
 
+    @property
+    def refused_macs(self) -> dict[str, str]: ...  # local pods whose MAC read was refused: cut off
+
     def local_pods(self) -> list[PodKey]: ...
 
     def isolated(self) -> dict[str, int]: ...
@@ -73,6 +76,10 @@ class PolicyViews:
             # Local pods whose port's source MAC goes unchecked (the check on): their endpoint
             # file names no MAC and their interface's could not be read ("NS/NAME": why).
             "unchecked_macs": a.unchecked_macs,
+            # Local pods whose endpoint file names no MAC and whose interface's was refused (a
+            # group address, the bridge's, another port's): every frame from their port is
+            # dropped ("NS/NAME": why).
+            "refused_macs": a.refused_macs,
             "fast_path": self.fast_path(),
         }
 

@@ -1147,6 +1147,20 @@ async def test_a_pod_whose_endpoint_file_names_no_mac_is_mac_checked(shop):
         await records(node2, "--reason", "spoofed-mac", "--from-pod", "lobby/c",
                       want=lambda r: r, what="node2's spoofed-mac drop naming lobby/c")  # fmt: skip
         assert fdb_port(node2, mac_b) == b_port, "c's frames moved b's MAC to c's port"
+        # The MAC taken sticks across an agent restart: c (as with NET_ADMIN) sets another MAC on
+        # its interface, and the restarted agent keeps checking the one it read first (kept in
+        # [agent] state_dir), not trusting whatever c has now.
+        kept = json.loads((node2.dir / "state" / "pod-macs.json").read_text())["pods"]
+        assert kept[c.container_id]["mac"] == mac_c
+        changed = "02:00:00:00:00:77"
+        c.ns.exec("ip", "link", "set", "dev", "eth0", "address", changed)
+        await node2.stop_agent()
+        node2.start_agent()
+        await auntil(lambda: bool((node2.api_or_none("/status") or {}).get("ready"))
+                     and (node2.api_or_none("/policy?view=summary") or {}).get("applied_at") is not None, 60,
+                     what="node2's agent back, its policy programmed")
+        macs = {m for port, m in bridge_elements(node2, "pod-macs") if port == veth}
+        assert macs == {mac_c}, macs
     finally:
         await lab.remove_pod(c)
 

@@ -627,12 +627,13 @@ def test_services_view_says_a_port_without_any_endpoint_is_refused():
     assert view["empty"]["ports"][0]["served"] == {"clusterIP": "refused", "nodePort": "refused"}
 
 
-def test_a_pod_whose_endpoint_file_names_no_mac_is_checked_with_its_interfaces(tmp_path, caplog):
+async def test_a_pod_whose_endpoint_file_names_no_mac_is_checked_with_its_interfaces(tmp_path, caplog):
     """An endpoint file without ``pod_mac`` (an older agentd-cni's, a delegate that named no
     MAC) leaves the pod MAC-checked all the same: the agent reads the MAC of the other end
-    of its veth, once per file.  Where that cannot be read, the pod is listed in /status
-    (``unchecked_macs``), `agentd status` and the log -- once -- rather than silently unchecked."""
-    from agentd.cli import _unchecked_macs
+    of its veth (off the event loop: agentd/policy/podmacs.py, tests/unit/agentd/test_policy_podmacs.py),
+    once per file.  Where that cannot be read, the pod is listed in /status (``unchecked_macs``),
+    `agentd status` and the log -- once -- rather than silently unchecked."""
+    from agentd.cli import _refused_macs, _unchecked_macs
     from agentd.policy import compiler as policy_compiler
 
     asked: list[str] = []
@@ -654,7 +655,9 @@ def test_a_pod_whose_endpoint_file_names_no_mac_is_checked_with_its_interfaces(t
     endpoints.write(tmp_path, replace(endpoint("c2", "b"), ips=["10.244.1.6"]))
     with caplog.at_level("INFO"):
         agent._rescan()
+        await agent._read_pod_macs(retry=False)  # the sync loop's, before it builds
         agent._rescan()
+        await agent._read_pod_macs(retry=False)
         agent._feed_pod(("x", "a"))  # fed again (a record changed): not read again
         agent._feed_pod(("x", "b"))
     assert sorted(asked) == ["veth-c1", "veth-c2"]
@@ -664,13 +667,16 @@ def test_a_pod_whose_endpoint_file_names_no_mac_is_checked_with_its_interfaces(t
     assert status == {"x/b": "no device veth-c2"}
     assert sum("cannot be read (no device veth-c2)" in r.getMessage() for r in caplog.records) == 1
     assert "MAC UNCHECKED 1 (x/b)" in _unchecked_macs(status) and _unchecked_macs({}) == ""
+    assert "MAC REFUSED 1 (x/c)" in _refused_macs({"x/c": "why"}) and _refused_macs({}) == ""
     # A file naming the MAC is taken as it is, without asking.
     endpoints.write(tmp_path, replace(endpoint("c2", "b"), ips=["10.244.1.6"], pod_mac="0a:58:0a:f4:01:06"))
     agent._rescan()
+    await agent._read_pod_macs(retry=True)
     assert sorted(asked) == ["veth-c1", "veth-c2"] and agent.views.status()["unchecked_macs"] == {}
     assert ("veth-c2", "0a:58:0a:f4:01:06") in checked(agent)
     # The MAC check off: nothing is read, nothing is unchecked that should be.
     off = PolicyAgent(NODE, datastore(), str(tmp_path), peer_mac=peer_mac, check_source_mac=False)
     asked.clear()
     off._rescan()
+    await off._read_pod_macs(retry=True)
     assert asked == [] and off.views.status()["unchecked_macs"] == {} and checked(off) == set()

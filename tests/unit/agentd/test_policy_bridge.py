@@ -292,6 +292,23 @@ def test_arp_from_a_pod_names_only_its_own_mac_as_the_sender_hardware_address():
         assert run(engine(families, pod_macs=(MAC_A, MAC_B), check_source_mac=False), "bridge", "prerouting", dict(forged))[0] is None
 
 
+def test_arp_of_an_ipv6_only_cluster_is_dropped_not_counted_as_mac_spoofed():
+    """An IPv6-only cluster drops every ARP packet from a pod (the family it has not), not
+    counted as spoofed: the ARP sender hardware address check is IPv4's and comes only with
+    it, so a pod's ARP naming another MAC is not counted (nor logged) as ``spoofed-mac``."""
+    rs = engine((6,), pod_macs=(MAC_A, MAC_B))
+    for sha in (MAC_A, MAC_B):
+        frame = {**arp("veth0", A4), ("payload", "ether", "saddr"): MAC_A, ("payload", "arp", "saddr ether"): sha}
+        assert run(rs, "bridge", "prerouting", frame) == ("drop", []), sha
+    from agentd.nft.expr import DropLog
+
+    eng = PolicyEngine(NODE, families=(6,), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", NODE, (ipaddress.ip_address(A6),), {}), LocalPort("veth0", "02:00:00:00:00:01", "cni0", pod_mac=MAC_A))
+    rules = eng.build().objects[("bridge", compiler.TABLE, "chain", "prerouting")].rules  # type: ignore[union-attr]
+    assert not [r for r in rules if '"saddr ether"' in r]
+    assert sum('"spoofed-mac"' in r for r in rules) == 1  # the frame's own source MAC is checked as ever
+
+
 def test_with_check_source_mac_off_no_mac_is_checked():
     """[policy] check_source_mac = false (pods whose MAC changes after agentd-cni's ADD): the
     pods' MACs known or not, no port is in the MAC check's sets and any source MAC passes;

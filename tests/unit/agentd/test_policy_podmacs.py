@@ -1,0 +1,314 @@
+"""The MACs of local pods whose endpoint file names none (agentd/policy/podmacs.py and the
+policy agent's side of it): read from the other end of the pod's veth off the event loop,
+one netlink socket per batch; a failed read tried again at later rescans (said once); the
+first MAC taken kept across agent restarts; a MAC that cannot be the pod's own refused, its
+port cut off."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+from agentd.cni import endpoints
+from agentd.datastore.store import Datastore
+from agentd.kernel import netlink as nl
+from agentd.policy import compiler
+from agentd.policy.agent import PolicyAgent
+from agentd.policy.podmacs import STATE_FILE, refusal
+
+NODE = "node1"
+MAC_A, MAC_B, MAC_C = "0a:58:0a:f4:01:05", "0a:58:0a:f4:01:06", "0a:58:0a:f4:01:07"
+BRIDGE_MAC = "0a:58:0a:f4:01:01"
+
+
+def datastore() -> Datastore:
+    return Datastore(["http://127.0.0.1:2379"], "/agentd")  # never connected
+
+
+def endpoint(cid: str, name: str, ip: str, *, pod_mac: str = "", bridge: str = "cni0") -> endpoints.Endpoint:
+    return endpoints.Endpoint(cid, "x", name, {"app": name}, [], [ip], f"veth-{cid}", f"02:00:00:00:01:{int(ip.rsplit('.', 1)[1]):02x}",
+                              bridge, pod_mac=pod_mac)  # fmt: skip
+
+
+def sets(agent: PolicyAgent) -> tuple[set[str], set[tuple[str, str]]]:
+    """The bridge table's mac-ports and pod-macs as built."""
+    rs = agent.engine.build()
+    ports = rs.objects[("bridge", compiler.TABLE, "set", compiler.MAC_PORTS)]
+    macs = rs.objects[("bridge", compiler.TABLE, "set", compiler.POD_MACS)]
+    return {str(e) for e in ports.elements}, {tuple(map(str, e)) for e in macs.elements}  # type: ignore[union-attr]
+
+
+async def rescan(agent: PolicyAgent) -> None:
+    """What the rescan loop does once: read the files, then try the MACs not taken yet."""
+    agent._rescan()
+    await agent._read_pod_macs(retry=True)
+
+
+def said(caplog: Any, text: str) -> int:
+    return sum(text in r.getMessage() for r in caplog.records)
+
+
+async def test_a_failed_read_is_tried_again_at_later_rescans_and_said_once(tmp_path, caplog):
+    """One transient error (EMFILE, ENOBUFS, a timeout) must not leave the pod unchecked until
+    it is added again: only a read that worked is kept, a failed one is tried again at the
+    next rescans (not at every sync), its warning said once."""
+    calls: list[str] = []
+    fail = [OSError(errno.EMFILE, "Too many open files"), OSError(errno.ENOBUFS, "No buffer space available")]
+
+    def peer_mac(interface: str) -> str:
+        calls.append(interface)
+        if fail:
+            raise fail.pop(0)
+        return MAC_A
+
+    agent = PolicyAgent(NODE, datastore(), str(tmp_path / "cni"), peer_mac=peer_mac)
+    endpoints.write(tmp_path / "cni", endpoint("c1", "a", "10.244.1.5"))
+    with caplog.at_level(logging.INFO):
+        agent._rescan()
+        assert calls == []  # never on the event loop's turn of the rescan itself
+        await agent._read_pod_macs(retry=False)  # the sync loop: the new pod's MAC, before its build
+        assert calls == ["veth-c1"] and agent.unchecked_macs == {"x/a": "[Errno 24] Too many open files"}
+        await agent._read_pod_macs(retry=False)  # the next sync: not tried at every sync
+        assert calls == ["veth-c1"]
+        await rescan(agent)  # tried again: fails again, not said again
+        assert calls == ["veth-c1"] * 2 and agent.unchecked_macs == {"x/a": "[Errno 105] No buffer space available"}
+        assert agent.engine.local[("x", "a")].pod_mac == ""
+        await rescan(agent)  # and now it works
+        assert calls == ["veth-c1"] * 3 and agent.engine.local[("x", "a")].pod_mac == MAC_A
+        assert agent.unchecked_macs == {} and agent.views.status()["unchecked_macs"] == {}
+        assert sets(agent) == ({"veth-c1"}, {("veth-c1", MAC_A)})
+        await rescan(agent)
+        await agent._read_pod_macs(retry=False)
+    assert calls == ["veth-c1"] * 3  # taken: never read again for this file
+    assert said(caplog, "its interface's cannot be read") == 1
+    assert said(caplog, f"{MAC_A}, read from the other end of veth-c1, is checked") == 1
+
+
+async def test_the_first_mac_taken_sticks_across_agent_restarts(tmp_path, caplog):
+    """A pod (with NET_ADMIN) that sets another pod's MAC on its interface is cut off; an
+    agent restarted must not read it anew and trust that MAC on the pod's port.  The first
+    MAC taken for a file is kept in the state directory (by container ID and the file's
+    ident, written atomically); a new file (a new ADD) is read anew; a file gone is forgotten."""
+    cni, state = tmp_path / "cni", tmp_path / "state"
+    now = {"veth-c1": MAC_A}
+    asked: list[str] = []
+
+    def peer_mac(interface: str) -> str:
+        asked.append(interface)
+        return now[interface]
+
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    await rescan(agent)
+    assert agent.engine.local[("x", "a")].pod_mac == MAC_A
+
+    now["veth-c1"] = MAC_C  # the pod changes its MAC (to another pod's: cut off by the check)...
+    again = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)  # ...and the agent restarts
+    await rescan(again)
+    assert again.engine.local[("x", "a")].pod_mac == MAC_A and asked == ["veth-c1"]
+    assert sets(again) == ({"veth-c1"}, {("veth-c1", MAC_A)})
+    ident = agent.publisher.endpoints["c1"].ident
+    assert json.loads((state / STATE_FILE).read_text()) == {"pods": {"c1": {"ident": ident, "mac": MAC_A}}}
+    assert [p.name for p in state.iterdir()] == [STATE_FILE]  # no temporary file left
+
+    # A new ADD of the container (a new file): its interface is read anew.
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    await rescan(again)
+    assert again.engine.local[("x", "a")].pod_mac == MAC_C and asked == ["veth-c1"] * 2
+    assert json.loads((state / STATE_FILE).read_text())["pods"]["c1"]["mac"] == MAC_C
+    # Its file gone, it is forgotten (in the state file too).
+    endpoints.remove(cni, "c1")
+    await rescan(again)
+    assert json.loads((state / STATE_FILE).read_text()) == {"pods": {}}
+
+    # A state file that cannot be read is said, and the MACs are read again.
+    (state / STATE_FILE).write_text("{not json")
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    with caplog.at_level(logging.WARNING):
+        third = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)
+        await rescan(third)
+    assert third.engine.local[("x", "a")].pod_mac == MAC_C and said(caplog, "are read again") == 1
+
+
+async def test_a_relabelled_file_of_an_older_agentd_cni_is_not_read_anew(tmp_path):
+    """A file without a generation (an agentd-cni older than those, which also wrote no
+    pod_mac) is told from the next by inode, mtime and size: a relabel (``agentd label pod``)
+    gives it a new inode.  Its pod's MAC is not read anew for that (the pod may have changed
+    it since); the relabel keeps the file's mtime, which is what the MAC is kept by."""
+    cni, state = tmp_path / "cni", tmp_path / "state"
+    now = {"veth-c1": MAC_A}
+    asked: list[str] = []
+
+    def peer_mac(interface: str) -> str:
+        asked.append(interface)
+        return now[interface]
+
+    old = endpoint("c1", "a", "10.244.1.5")
+    directory = Path(endpoints.endpoints_dir(cni))
+    directory.mkdir(parents=True)
+    (directory / "c1.json").write_text(old.to_json())  # no generation: an older agentd-cni's
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)
+    await rescan(agent)
+    ep = agent.publisher.endpoints["c1"]
+    assert ep.ident.startswith("s:") and agent.engine.local[("x", "a")].pod_mac == MAC_A
+    now["veth-c1"] = MAC_C
+    relabelled = endpoints.relabel(cni, ep, {"app": "a", "tier": "x"})
+    assert relabelled is not None and relabelled.ident != ep.ident
+    await rescan(agent)
+    assert agent.publisher.endpoints["c1"].labels == {"app": "a", "tier": "x"}
+    assert agent.engine.local[("x", "a")].pod_mac == MAC_A and asked == ["veth-c1"]
+    again = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)  # and after a restart
+    await rescan(again)
+    assert again.engine.local[("x", "a")].pod_mac == MAC_A and asked == ["veth-c1"]
+
+
+async def test_a_mac_read_that_cannot_be_the_pods_own_is_refused_and_its_port_cut_off(tmp_path, caplog):
+    """A MAC read that is a group address, the bridge's, a host-side veth's or another pod's
+    of the same bridge (its file's, or read earlier) is refused: the port is checked against
+    no MAC (every frame dropped, spoofed-mac) and listed in /status, said once.  Left unchecked
+    it could send with that very MAC.  A later read of a MAC of its own is taken; a read that
+    fails meanwhile leaves it cut off."""
+    cni = tmp_path / "cni"
+    now: dict[str, Any] = {}
+
+    def peer_mac(interface: str) -> str:
+        got = now[interface]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac,
+                        bridge_mac=lambda b: BRIDGE_MAC if b == "cni0" else "0a:58:0a:f4:02:01")
+    endpoints.write(cni, endpoint("c2", "b", "10.244.1.6", pod_mac=MAC_B))  # b's file names its MAC
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    victims = {MAC_B: "pod x/b's", BRIDGE_MAC: "the bridge cni0's", "02:00:00:00:01:06": "the host side of veth-c2's",
+               "01:00:5e:00:00:01": "group", "ff:ff:ff:ff:ff:ff": "group"}  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        for mac, whose in victims.items():
+            now["veth-c1"] = mac
+            endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))  # a new file for each: read anew
+            await rescan(agent)
+            assert agent.engine.local[("x", "a")].pod_mac == "" and agent.engine.local[("x", "a")].mac_refused, mac
+            assert whose in agent.refused_macs["x/a"] and agent.unchecked_macs == {}, mac
+            assert sets(agent) == ({"veth-c1", "veth-c2"}, {("veth-c2", MAC_B)}), mac  # a checked against none
+            assert agent.views.status()["refused_macs"] == agent.refused_macs
+    assert said(caplog, "is refused") == len(victims)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        now["veth-c1"] = LookupError("no device veth-c1")  # a failed read does not undo the refusal
+        await rescan(agent)
+        assert agent.engine.local[("x", "a")].mac_refused and "group" in agent.refused_macs["x/a"]
+        now["veth-c1"] = MAC_B
+        await rescan(agent)  # refused again: not said again
+    assert caplog.records == []
+    now["veth-c1"] = MAC_A  # its own MAC back: taken
+    await rescan(agent)
+    assert agent.engine.local[("x", "a")].pod_mac == MAC_A and agent.refused_macs == {}
+    assert sets(agent) == ({"veth-c1", "veth-c2"}, {("veth-c1", MAC_A), ("veth-c2", MAC_B)})
+
+    # Two pods read in one batch with one MAC: neither's to take.  On another bridge it is not
+    # this bridge's (its forwarding database is its own).
+    now.update({"veth-c3": MAC_C, "veth-c4": MAC_C, "veth-c5": MAC_A})
+    endpoints.write(cni, endpoint("c3", "c", "10.244.1.7"))
+    endpoints.write(cni, endpoint("c4", "d", "10.244.1.8"))
+    endpoints.write(cni, endpoint("c5", "e", "10.244.1.9", bridge="cni1"))
+    await rescan(agent)
+    assert set(agent.refused_macs) == {"x/c", "x/d"} and "pod x/d's" in agent.refused_macs["x/c"]
+    assert agent.engine.local[("x", "e")].pod_mac == MAC_A
+    # A MAC read earlier is another pod's too.
+    now["veth-c3"] = MAC_A
+    await rescan(agent)
+    assert "pod x/a's" in agent.refused_macs["x/c"]
+
+
+def test_what_a_mac_read_may_not_be():
+    assert refusal(MAC_A, {}) == ""
+    assert "group" in refusal("33:33:00:00:00:01", {}) and "group" in refusal("FF:FF:FF:FF:FF:FF", {})
+    assert "all-zero" in refusal("00:00:00:00:00:00", {})
+    assert refusal(MAC_A.upper(), {MAC_A: "pod x/b's"}) == f"{MAC_A.upper()} is pod x/b's"
+    assert "no MAC" in refusal("0a:58", {}) and "no MAC" in refusal("zz:58:0a:f4:01:05", {})
+
+
+class FakeRtnl:
+    """The netlink session read_links opens: counted, with the thread it is used on."""
+
+    opened: ClassVar[list[FakeRtnl]] = []
+
+    def __init__(self) -> None:
+        self.threads: set[int] = set()
+        self.asked: list[str] = []
+        self.closed = False
+        FakeRtnl.opened.append(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closed = True
+
+    def peer_mac(self, name: str) -> str:
+        self.threads.add(threading.get_ident())
+        self.asked.append(name)
+        if name == "veth-c3":
+            raise nl.NetlinkError(errno.ETIMEDOUT, None, "looking up device veth-c3")
+        return f"0a:58:0a:f4:01:{int(name[-1]) + 4:02x}"
+
+    def link(self, name: str) -> nl.LinkMessage | None:
+        self.threads.add(threading.get_ident())
+        return nl.LinkMessage(9, name, 0, address=bytes.fromhex("0a580af40101"))
+
+
+async def test_macs_are_read_off_the_event_loop_with_one_socket_per_batch(tmp_path, monkeypatch):
+    """The reads block (two netlink requests each, up to 10 s): they run in a thread, every
+    pod's of one batch with one socket, and what they found is fed in after."""
+    from agentd.kernel import rtnl
+
+    FakeRtnl.opened.clear()
+    monkeypatch.setattr(rtnl, "Rtnl", FakeRtnl)
+    cni = tmp_path / "cni"
+    agent = PolicyAgent(NODE, datastore(), str(cni))
+    for i in (1, 2, 3):
+        endpoints.write(cni, endpoint(f"c{i}", f"p{i}", f"10.244.1.{4 + i}"))
+    agent._rescan()
+    assert FakeRtnl.opened == []  # the rescan itself reads nothing
+    await agent._read_pod_macs(retry=False)
+    (rt,) = FakeRtnl.opened
+    assert sorted(rt.asked) == ["veth-c1", "veth-c2", "veth-c3"] and rt.closed
+    assert threading.get_ident() not in rt.threads and len(rt.threads) == 1
+    assert agent.engine.local[("x", "p1")].pod_mac == "0a:58:0a:f4:01:05"
+    assert agent.engine.local[("x", "p2")].pod_mac == "0a:58:0a:f4:01:06"
+    assert "ETIMEDOUT" in agent.unchecked_macs["x/p3"] or "timed out" in agent.unchecked_macs["x/p3"]
+    await agent._read_pod_macs(retry=False)
+    assert len(FakeRtnl.opened) == 1  # nothing new to read: no socket
+    await agent._read_pod_macs(retry=True)
+    assert len(FakeRtnl.opened) == 2 and FakeRtnl.opened[1].asked == ["veth-c3"]
+
+
+async def test_a_bridge_whose_mac_cannot_be_read_fails_the_reads_of_its_pods(tmp_path):
+    """A MAC not checked against its bridge's is not taken: the read is tried again."""
+    calls = []
+
+    def bridge_mac(name: str) -> str | None:
+        calls.append(name)
+        if len(calls) == 1:
+            raise OSError(errno.ENOBUFS, "No buffer space available")
+        return BRIDGE_MAC
+
+    agent = PolicyAgent(NODE, datastore(), str(tmp_path), peer_mac=lambda i: MAC_A, bridge_mac=bridge_mac)
+    endpoints.write(tmp_path, endpoint("c1", "a", "10.244.1.5"))
+    await rescan(agent)
+    assert "bridge cni0" in agent.unchecked_macs["x/a"] and agent.engine.local[("x", "a")].pod_mac == ""
+    await rescan(agent)
+    assert agent.engine.local[("x", "a")].pod_mac == MAC_A and calls == ["cni0", "cni0"]
+
+
+async def test_with_the_mac_check_off_nothing_is_read_or_kept(tmp_path):
+    agent = PolicyAgent(NODE, datastore(), str(tmp_path / "cni"), peer_mac=lambda i: 1 / 0,  # type: ignore[arg-type,return-value]
+                        check_source_mac=False, state_dir=tmp_path / "state")
+    endpoints.write(tmp_path / "cni", endpoint("c1", "a", "10.244.1.5"))
+    await rescan(agent)
+    assert agent.unchecked_macs == {} and agent.refused_macs == {} and not (tmp_path / "state").exists()
