@@ -376,9 +376,8 @@ def test_a_leave_tells_systemd_before_each_step_that_the_stop_takes_longer(tmp_p
         agent.datastore = Store()
         agent.request_leave()
         await agent._shutdown()
-        return agent
 
-    agent = asyncio.run(main())
+    asyncio.run(main())
     steps = read_report(tmp_path / "state" / "leave.json").steps
     extends = [line for line in sent if line.startswith("EXTEND_TIMEOUT_USEC=")]
     ran = [s for s in steps if s.result != SKIPPED]
