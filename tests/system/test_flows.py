@@ -824,20 +824,21 @@ async def test_a_reset_connections_end_comes_about_two_seconds_after_its_rst(sho
 
     async def reset_one(i: int, sport: int) -> list[float]:
         await asyncio.sleep(1.7 * i)
-        await client.ns.aexec("python3", "-c", RESET_AFTER, web.ip, "5016", str(sport), timeout=60)
+        await client.ns.aexec("python3", "-c", RESET_AFTER, web.ip, "5017", str(sport), timeout=60)
         reset = time.monotonic()  # just after its RST
         return list(await asyncio.gather(end_after(node1, sport, reset), end_after(node2, sport, reset)))
 
-    sink = web.ns.popen(["python3", "-c", RESET_SINK, "5016"], stdout=subprocess.PIPE, text=True)
+    # Ports of its own: the module's lab keeps other tests' records (5016 -> 41212 is one's).
+    sink = web.ns.popen(["python3", "-c", RESET_SINK, "5017"], stdout=subprocess.PIPE, text=True)
     try:
         assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
-        waited = await asyncio.gather(*(reset_one(i, sport) for i, sport in enumerate((41212, 41213, 41214))))
+        waited = await asyncio.gather(*(reset_one(i, sport) for i, sport in enumerate((41231, 41232, 41233))))
     finally:
         sink.kill()
         sink.communicate()
     assert all(w <= 4.0 for pair in waited for w in pair), waited  # (node1, node2) a connection
     await asyncio.sleep(5.5)  # a sweep's period (5 s): an end it made as well would be there by now
-    for sport in (41212, 41213, 41214):  # one end each, with what was sent before the RST
+    for sport in (41231, 41232, 41233):  # one end each, with what was sent before the RST
         for node in (node1, node2):
             got = await agentd_flows(node, "--port", str(sport))
             assert [x["event"] for x in got] == ["new", "end"] and sent(got[1], 100_000), [shown(x) for x in got]
