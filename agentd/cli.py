@@ -164,7 +164,7 @@ def build_parser(argv: list[str] | None = None, *, full: bool | None = None) -> 
 
     sp = sub.add_parser("leave", help="decommission this node: withdraw, release the subnet, remove the node")
     config_args(sp)
-    sp.add_argument("--timeout", type=_seconds, default=LEAVE_WAIT, metavar="SECONDS",
+    sp.add_argument("--timeout", type=seconds_arg, default=LEAVE_WAIT, metavar="SECONDS",
                     help=f"how long to wait for the running agent's whole leave (default {LEAVE_WAIT}, 1..3600)")
     sp.add_argument("--no-wait", action="store_true",
                     help="return once the node has left etcd; the agent goes on cleaning the host up (GET /leave)")
@@ -420,8 +420,8 @@ LEAVE_WAIT = 60  # seconds `agentd leave` waits, by default, for the running age
 LEAVE_POLL = 0.2  # seconds between two looks at its progress
 
 
-def _seconds(text: str) -> float:
-    """``--timeout``: seconds, 1..3600 (as ``agentd lab up --timeout``)."""
+def seconds_arg(text: str) -> float:
+    """A ``--timeout``'s seconds, 1..3600 (``agentd leave``, ``agentd lab up`` and ``restart``)."""
     try:
         n = float(text)
     except ValueError:

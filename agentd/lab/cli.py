@@ -7,7 +7,7 @@ import re
 import sys
 
 from agentd.backend_table import NAMES
-from agentd.cli import Command
+from agentd.cli import Command, seconds_arg
 from agentd.config.settings import DATAPATH_CHOICES
 
 NAME_RE = re.compile(r"^[a-z0-9]{1,12}$")
@@ -31,16 +31,6 @@ def _positive(lo: int, hi: int):
         return n
 
     return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        n = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if not 1 <= n <= 3600:  # also rejects nan and inf
-        raise argparse.ArgumentTypeError(f"{text} is out of range 1..3600 seconds")
-    return n
 
 
 def add_lab_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +60,7 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
                          "containers started with docker run, and the agents masquerade traffic leaving the pod network")
     up.add_argument("--ingress", action="store_true",
                     help="run the Ingress controller on every node; the underlay namespace gets a client address")
-    up.add_argument("--timeout", type=_seconds, default=None,
+    up.add_argument("--timeout", type=seconds_arg, default=None,
                     help="seconds to wait for each stage (default 90, or 3 per node above 30 nodes)")
     for name, text in (("down", "stop the lab's agents and etcd and remove its namespaces and files"),
                        ("status", "the lab's etcd members, and each node's subnet, routes and BGP peers")):
@@ -81,7 +71,7 @@ def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     rs.add_argument("node", help="node name (node2)")
     rs.add_argument("--kill", action="store_true",
                     help="SIGKILL instead of SIGTERM: a crash, as when the process dies or the OOM killer strikes")
-    rs.add_argument("--timeout", type=_seconds, default=60.0, help="seconds to wait for the agent to be ready (default 60)")
+    rs.add_argument("--timeout", type=seconds_arg, default=60.0, help="seconds to wait for the agent to be ready (default 60)")
     ex = sub.add_parser("exec", help="run a command in a node or pod namespace")
     ex.add_argument("--name", type=_lab_name, default="lab")
     ex.add_argument("target", help="node name (node1) or pod name (node1-pod1)")

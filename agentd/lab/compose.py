@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agentd.lab.cli import _seconds  # `agentd lab`'s: a finite number in 1..3600
+from agentd.cli import seconds_arg  # `agentd lab`'s and `agentd leave`'s: a finite number in 1..3600
 from agentd.lab.dockerd import DockerEngine, compose, ensure_netns
 from agentd.lab.errors import LabError
 from agentd.lab.images import AGENT_IMAGE, LOCAL_BASE, ROOT, Images, build_images, has_image
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                             "change the root network namespace (bridge, address, route, iptables rules)")
     which.add_argument("--private", action="store_true",
                        help="an engine of its own in a network namespace (the default; kept for old scripts)")
-    up.add_argument("--timeout", type=_seconds, default=240.0,
+    up.add_argument("--timeout", type=seconds_arg, default=240.0,
                     help="seconds to wait for the pods, 1..3600 (default 240)")
     down = sub.add_parser("down", help="remove everything up made")
     down.add_argument("--images", action="store_true", help="the images it built too")

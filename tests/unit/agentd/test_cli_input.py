@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agentd import cli
-from agentd.lab.cli import _seconds
+from agentd.cli import seconds_arg as _seconds
 from agentd.lab.lab import Lab, LabError
 
 
