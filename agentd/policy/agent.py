@@ -606,9 +606,13 @@ class PolicyAgent:
         at the veth of a pod that had it before."""
         if self.fast_path is None:
             return
-        # both families; of two pods with one address, the one the tables give it to
-        wanted = {ip: ep.interface for ep in sorted(self.publisher.endpoints.values(), key=lambda e: (e.written, e.key))
-                  for ip in ep.ips}  # fmt: skip
+        # both families; of two pods with one address, the one the tables give it to.  A port
+        # cut off (its MAC refused: every frame from it dropped) is left out, its addresses
+        # too -- not handed to an older pod that had them -- so that no connection of it is
+        # carried past the bridge table's drop.
+        owner = {ip: ep for ep in sorted(self.publisher.endpoints.values(), key=lambda e: (e.written, e.key))
+                 for ip in ep.ips}  # fmt: skip
+        wanted = {ip: ep.interface for ip, ep in owner.items() if not self._cut_off(ep)}
         if wanted == self._fast_pods:
             return
         try:
@@ -619,6 +623,12 @@ class PolicyAgent:
             return
         self._fast_pods = wanted
         self.fast_path_error = None
+
+    def _cut_off(self, ep: endpoints.Endpoint) -> bool:
+        """Whether every frame from ``ep``'s port is dropped (its MAC refused; with the check on)."""
+        port = self.engine.local.get(ep.key)
+        return (self.engine.check_source_mac and port is not None and port.interface == ep.interface
+                and port.mac_refused)
 
     def _applied(self, revision: int) -> None:
         if revision > self.revision:  # a snapshot from a restore came during the build: the next one counts

@@ -312,3 +312,37 @@ async def test_with_the_mac_check_off_nothing_is_read_or_kept(tmp_path):
     endpoints.write(tmp_path / "cni", endpoint("c1", "a", "10.244.1.5"))
     await rescan(agent)
     assert agent.unchecked_macs == {} and agent.refused_macs == {} and not (tmp_path / "state").exists()
+
+
+class FastPath:
+    """The pod fast path as the agent tells it its pods."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, str] | None = None
+
+    def set_pods(self, wanted: dict[str, str]) -> None:
+        self.pods = dict(wanted)
+
+
+async def test_a_port_cut_off_for_its_mac_is_left_out_of_the_pod_fast_path(tmp_path):
+    """The fast path carries a pod's established TCP from its veth past the bridge table:
+    a port whose MAC was refused (every frame dropped) must not be in its pod map, nor its
+    address handed to an older pod that had it; once its own MAC is taken it is back."""
+    cni = tmp_path / "cni"
+    now = {"veth-c1": BRIDGE_MAC}
+    fast = FastPath()
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=lambda i: now[i], bridge_mac=lambda b: BRIDGE_MAC,
+                        fast_path=fast)  # type: ignore[arg-type]
+    stale = endpoint("c0", "old", "10.244.1.5", pod_mac=MAC_C)
+    endpoints.write(cni, endpoint("c2", "b", "10.244.1.6", pod_mac=MAC_B))
+    endpoints.write(cni, stale)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))  # newer than c0's file: 10.244.1.5 is a's
+    await rescan(agent)
+    assert agent.engine.local[("x", "a")].mac_refused
+    await agent._update_fast_path()
+    assert fast.pods == {"10.244.1.6": "veth-c2"}
+    now["veth-c1"] = MAC_A
+    await rescan(agent)
+    await agent._update_fast_path()
+    assert fast.pods == {"10.244.1.5": "veth-c1", "10.244.1.6": "veth-c2"}
+
