@@ -410,6 +410,13 @@ class PolicyAgent:
             self._feed_pod(key)
         return bool(changed)
 
+    def _unread(self) -> set[str]:
+        """The containers whose pod's MAC is still to be read for the first time (their file
+        names none and came after the last read began): no build acknowledges them yet."""
+        if not self.engine.check_source_mac:
+            return set()
+        return {ep.container_id for ep in self.pod_macs.wanted(self.publisher.endpoints.values(), retry=False)}
+
     @property
     def unchecked_macs(self) -> dict[str, str]:
         """Local pods whose port's source MAC is not checked though the check is on: their MAC
@@ -444,13 +451,19 @@ class PolicyAgent:
                 continue  # keep what the kernel has until we know the whole picture
             # New pods without a MAC in their file: theirs read before the build that acks them.
             await self._read_pod_macs(retry=False)
+            # A file that came while that read waited (inotify) is in the build unread: it is not
+            # acknowledged by it (its ADD would return with its port unchecked), but by the next
+            # round's, which reads it first.
+            unread = self._unread()
+            if unread:
+                self._wake.set()
             # (Not after a failed sync: the engine built it, the kernel does not have it.)
             if (not self.engine.dirty and self.error is None and self.programmer.current is not None
                     and self.applied_at is not None):
                 # The attachments now: a new file of a container that says what the old one did
                 # (a DEL and ADD of one pod) changes nothing in the tables, but its ADD waits
                 # for an acknowledgement of that file (endpoints.write removed the old one's).
-                containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items()}
+                containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items() if cid not in unread}
                 new = (self.error is None  # (the last sync programmed them)
                        and bool(containers - self._acked) and containers != self._ack_tried)
                 if self.fast_path_error is not None or new:  # a failed update: the map may point at a gone veth
@@ -467,7 +480,7 @@ class PolicyAgent:
             start = time.perf_counter()
             # The attachments this build includes: (container, which write of its file), so that
             # a DEL and ADD with the same container ID (a new file) is acknowledged again.
-            containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items()}
+            containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items() if cid not in unread}
             # The addresses this build takes from their pods; any released while the sync runs
             # wait for the next build (flushed now, their old tables could still accept anew).
             released, self._released = self._released, set()

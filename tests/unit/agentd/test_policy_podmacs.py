@@ -346,3 +346,63 @@ async def test_a_port_cut_off_for_its_mac_is_left_out_of_the_pod_fast_path(tmp_p
     await agent._update_fast_path()
     assert fast.pods == {"10.244.1.5": "veth-c1", "10.244.1.6": "veth-c2"}
 
+
+class Programmer:
+    """The nft programmer as the sync loop drives it: keeps the ruleset it was given."""
+
+    current: Any = None
+
+    async def sync(self, rs: Any, keys: Any) -> Any:
+        from types import SimpleNamespace
+
+        self.current = rs
+        return SimpleNamespace(commands=1, full=keys is None, seconds=0.0)
+
+
+def programmed_macs(programmer: Programmer) -> set[tuple[str, str]]:
+    macs = programmer.current.objects[("bridge", compiler.TABLE, "set", compiler.POD_MACS)]
+    return {tuple(map(str, e)) for e in macs.elements}
+
+
+async def test_a_file_that_comes_while_macs_are_read_is_not_acknowledged_before_its_mac_is_read(tmp_path, monkeypatch):
+    """The sync loop reads new pods' MACs, then builds and acknowledges every file there is:
+    a file that came (inotify, a rescan) while the read waited would be acknowledged -- its
+    ADD returning -- with its port unchecked.  It waits for the next round, which reads it."""
+    import asyncio
+
+    cni = tmp_path / "cni"
+    loop = asyncio.get_running_loop()
+    acked: list[tuple[set[str], set[tuple[str, str]]]] = []  # what each ack marked, and the kernel's pod-macs then
+    agent: PolicyAgent
+
+    def peer_mac(interface: str) -> str:
+        if interface == "veth-c1":  # a second ADD's file lands while this batch is read
+            endpoints.write(cni, endpoint("c2", "b", "10.244.1.6"))
+            done = threading.Event()
+            loop.call_soon_threadsafe(lambda: (agent._rescan(), done.set()))
+            assert done.wait(5)
+        return {"veth-c1": MAC_A, "veth-c2": MAC_B}[interface]
+
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac)
+    agent.programmer = programmer = Programmer()  # type: ignore[assignment]
+    agent._have_snapshot = True
+    acknowledge = endpoints.acknowledge
+
+    def recording(data_dir: Any, programmed: set[tuple[str, str]], before: set[tuple[str, str]]) -> Any:
+        acked.append(({cid for cid, _ in programmed}, programmed_macs(programmer)))
+        return acknowledge(data_dir, programmed, before)
+
+    monkeypatch.setattr(endpoints, "acknowledge", recording)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    agent._rescan()
+    task = loop.create_task(agent._sync_loop())
+    try:
+        async with asyncio.timeout(5):
+            while endpoints.unacknowledged(str(cni), {"c1", "c2"}):
+                await asyncio.sleep(0)
+    finally:
+        task.cancel()
+    for cids, macs in acked:
+        assert {f"veth-{cid}" for cid in cids} <= {port for port, _ in macs}, (cids, macs)  # none acked unchecked
+    assert programmed_macs(programmer) == {("veth-c1", MAC_A), ("veth-c2", MAC_B)}
+
