@@ -120,7 +120,7 @@ class PolicyAgent:
         # Pods whose endpoint file names no MAC (an older agentd-cni's, a delegate that gave
         # none): the MAC read of their own interface instead, per container and file version.
         self.pod_macs = PodMacs(state_dir)
-        self._pod_macs_lock = asyncio.Lock()  # loading and writing its file
+        self._pod_macs_lock = asyncio.Lock()  # loading and writing its file (one write at a time)
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods
         # past netfilter (BpfPath.hold_redirect).
@@ -315,6 +315,7 @@ class PolicyAgent:
             self._rescan()
             if await self._read_pod_macs(retry=True):  # those that failed are tried again
                 self._wake.set()
+            await self._record_pod_macs()  # (the rescans' takes: off the sync loop)
             self._check_bridged()
             if self.fast_path is not None and self.fast_path_error is not None:
                 self._wake.set()  # a failed fast-path update: retried (below) without waiting for a change
@@ -369,8 +370,9 @@ class PolicyAgent:
     async def _read_pod_macs(self, *, retry: bool) -> bool:
         """Read the MACs of the local pods whose endpoint file names none and that have none
         taken yet (with ``retry`` those whose read failed or was refused too, else the new
-        only), off the event loop with one netlink socket, and feed them in; write what was
-        taken to the state file.  True where a pod's port changed."""
+        only), off the event loop with one netlink socket, and feed them in.  True where a
+        pod's port changed.  Writes nothing: what was taken is recorded in the state file by
+        :meth:`_record_pod_macs`."""
         if not self.engine.check_source_mac:
             return False
         macs = self.pod_macs
@@ -402,13 +404,26 @@ class PolicyAgent:
                 others = macs.others(ep, current.values(), taken, bridge if isinstance(bridge, str) else None)
                 if macs.take(ep, result, others):
                     changed.add(ep.key)
-        async with self._pod_macs_lock:  # one write at a time, the newest last
-            pods = macs.to_write()
-            if pods is not None:
-                await asyncio.to_thread(macs.write, pods)
         for key in changed:
             self._feed_pod(key)
         return bool(changed)
+
+    async def _record_pod_macs(self) -> None:
+        """Write the MACs taken to the state file where it lacks some, off the event loop.  One
+        write at a time: callers that come while one is under way wait for it, and where it
+        had what they wanted recorded return; else one writes what there is then (requests
+        coalesce).  With nothing to record, returns at once (no lock).  A write that fails is
+        said once and tried again at the next call (each rescan, each new acknowledgement)."""
+        macs = self.pod_macs
+        if not macs.unrecorded:
+            return
+        wanted = macs.changes
+        async with self._pod_macs_lock:
+            if macs.recorded >= wanted:
+                return  # the write under way had them
+            changes, pods = macs.to_write()
+            if await asyncio.to_thread(macs.write, pods):
+                macs.recorded = max(macs.recorded, changes)
 
     def _unread(self) -> set[str]:
         """The containers whose pod's MAC is still to be read for the first time (their file
@@ -529,7 +544,11 @@ class PolicyAgent:
 
     async def _acknowledge_build(self, containers: set[tuple[str, str]]) -> None:
         """Acknowledge the attachments of a build the kernel has now, ``before_ack`` first when
-        one of them may have an ADD waiting."""
+        one of them may have an ADD waiting.  The MACs taken are in the state file first: a
+        pod's MAC is relied on across a restart once its ADD has returned (its container may
+        then change it), so it is recorded before -- the one wait for a write on this path,
+        and only where one was taken since the last write."""
+        await self._record_pod_macs()
         if self.before_ack is not None and endpoints.unacknowledged(
             self.data_dir, {cid for cid, _ in containers - self._acked}
         ):

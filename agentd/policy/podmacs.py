@@ -81,7 +81,10 @@ class PodMacs:
         self.known: dict[str, tuple[str, str]] = {}  # container -> (ident, MAC): the first taken
         self.trouble: dict[str, Trouble] = {}  # container -> the last read's failure or refusal
         self.loaded = self.path is None
-        self.dirty = False  # ``known`` differs from the file
+        # Changes to ``known`` made, and how many of them the state file holds (a write that
+        # worked): the file differs from ``known`` while ``recorded < changes``.
+        self.changes = 0
+        self.recorded = 0
         self._write_failed = False
 
     # ------------------------------------------------------------------ lookups (no IO)
@@ -113,7 +116,7 @@ class PodMacs:
         if self.loaded:  # (not before the file was read: the next prune takes them)
             for cid in self.known.keys() - keep:
                 del self.known[cid]
-                self.dirty = True
+                self.changes += 1
 
     def take(self, ep: Endpoint, read: str | BaseException, others: Mapping[str, str]) -> bool:
         """Take what was read of ``ep``'s pod's interface (a MAC, or why it could not be read),
@@ -130,7 +133,7 @@ class PodMacs:
             if not why:
                 self.known[ep.container_id] = (version(ep), read.lower())
                 self.trouble.pop(ep.container_id, None)
-                self.dirty = True
+                self.changes += 1
                 log.info("pod %s: its endpoint file names no MAC; %s, read from the other end of %s, is checked",
                          name, read.lower(), ep.interface)
                 return True
@@ -196,16 +199,19 @@ class PodMacs:
         self.known.update(state)
         self.loaded = True
 
-    def to_write(self) -> dict[str, dict[str, str]] | None:
-        """What the state file is to hold now, where it differs from what it holds (None)."""
-        if self.path is None or not self.dirty:
-            return None
-        self.dirty = False
-        return {cid: {"ident": ident, "mac": mac} for cid, (ident, mac) in sorted(self.known.items())}
+    @property
+    def unrecorded(self) -> bool:
+        """Whether the state file lacks changes made to ``known`` (never without a file)."""
+        return self.path is not None and self.recorded < self.changes
 
-    def write(self, pods: Mapping[str, Mapping[str, str]]) -> None:
+    def to_write(self) -> tuple[int, dict[str, dict[str, str]]]:
+        """What the state file is to hold now: (the changes it then holds, its pods)."""
+        return self.changes, {cid: {"ident": ident, "mac": mac} for cid, (ident, mac) in sorted(self.known.items())}
+
+    def write(self, pods: Mapping[str, Mapping[str, str]]) -> bool:
         """Blocking: write ``pods`` (:meth:`to_write`) to the state file, atomically (a
-        temporary file renamed over the old); where that fails, said once and tried again."""
+        temporary file renamed over the old); False where that failed (said once; the caller
+        tries again later)."""
         assert self.path is not None
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
@@ -216,15 +222,15 @@ class PodMacs:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
         except OSError as err:
-            self.dirty = True  # tried again at the next rescan
             with contextlib.suppress(OSError):
                 tmp.unlink()
             if not self._write_failed:
                 log.warning("cannot write %s (%s): after a restart the agent would read the MACs of pods "
                             "without one in their endpoint file again", self.path, err)
             self._write_failed = True
-            return
+            return False
         self._write_failed = False
+        return True
 
 
 # What :func:`read_links` found: each interface's peer MAC, each bridge's MAC (None: no such

@@ -43,9 +43,10 @@ def sets(agent: PolicyAgent) -> tuple[set[str], set[tuple[str, str]]]:
 
 
 async def rescan(agent: PolicyAgent) -> None:
-    """What the rescan loop does once: read the files, then try the MACs not taken yet."""
+    """What the rescan loop does once: read the files, try the MACs not taken yet, record them."""
     agent._rescan()
     await agent._read_pod_macs(retry=True)
+    await agent._record_pod_macs()
 
 
 def said(caplog: Any, text: str) -> int:
@@ -405,4 +406,43 @@ async def test_a_file_that_comes_while_macs_are_read_is_not_acknowledged_before_
     for cids, macs in acked:
         assert {f"veth-{cid}" for cid in cids} <= {port for port, _ in macs}, (cids, macs)  # none acked unchecked
     assert programmed_macs(programmer) == {("veth-c1", MAC_A), ("veth-c2", MAC_B)}
+
+
+async def test_the_sync_loop_waits_for_no_state_file_write_it_does_not_need(tmp_path, monkeypatch):
+    """A write of the state file (an fsync) under way in the rescan loop must not hold up
+    the sync loop where it has nothing to record; where it took a MAC, the MAC is in the
+    state file before the pod's ADD is acknowledged (relied on across a restart from then)."""
+    import asyncio
+
+    cni, state = tmp_path / "cni", tmp_path / "state"
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=lambda i: {"veth-c1": MAC_A, "veth-c3": MAC_C}[i],
+                        state_dir=state)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    await rescan(agent)
+    agent.programmer = Programmer()  # type: ignore[assignment]
+    agent._have_snapshot = True
+    recorded: list[tuple[set[str], set[str]]] = []  # what each ack marked, what the state file held then
+    acknowledge = endpoints.acknowledge
+
+    def recording(data_dir: Any, programmed: set[tuple[str, str]], before: set[tuple[str, str]]) -> Any:
+        recorded.append(({cid for cid, _ in programmed}, set(json.loads((state / STATE_FILE).read_text())["pods"])))
+        return acknowledge(data_dir, programmed, before)
+
+    monkeypatch.setattr(endpoints, "acknowledge", recording)
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        async with asyncio.timeout(5):
+            async with agent._pod_macs_lock:  # the rescan loop's write under way
+                endpoints.write(cni, endpoint("c2", "b", "10.244.1.6", pod_mac=MAC_B))
+                agent._rescan()
+                while endpoints.unacknowledged(str(cni), {"c1", "c2"}):
+                    await asyncio.sleep(0)
+            endpoints.write(cni, endpoint("c3", "c", "10.244.1.7"))  # its MAC read by the sync loop
+            agent._rescan()
+            while endpoints.unacknowledged(str(cni), {"c3"}):
+                await asyncio.sleep(0)
+    finally:
+        task.cancel()
+    assert all("c3" in held for acked, held in recorded if "c3" in acked), recorded
+    assert agent.engine.local[("x", "c")].pod_mac == MAC_C
 
