@@ -120,6 +120,8 @@ class PolicyAgent:
         # Pods whose endpoint file names no MAC (an older agentd-cni's, a delegate that gave
         # none): the MAC read of their own interface instead, per container and file version.
         self.pod_macs = PodMacs(state_dir)
+        # Files whose pod_mac is refused (PodMacs.file_refusals): container -> (ident, why).
+        self._file_refused: dict[str, tuple[str, str]] = {}
         self._pod_macs_lock = asyncio.Lock()  # loading and writing its file (one write at a time)
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods
@@ -329,7 +331,7 @@ class PolicyAgent:
         owners = conntrack.owners(self.publisher.endpoints.values())
         self._released |= conntrack.released(self._owners, owners)
         self._owners = owners
-        for key in changed:
+        for key in changed | self._check_file_macs():
             self._feed_pod(key)
         self._wake.set()
 
@@ -362,17 +364,22 @@ class PolicyAgent:
         """Where pod ``ep`` is attached, and the MAC its port takes: the one its file names, else
         the one read from its interface (agentd/policy/podmacs.py; none while it is not read
         or cannot be, and none at all -- cut off -- where the MAC read was refused)."""
-        if ep.pod_mac or not self.engine.check_source_mac:
+        if not self.engine.check_source_mac:
             return LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, ep.pod_mac)
+        if ep.pod_mac:
+            refused = self._file_refused.get(ep.container_id, ("", ""))[0] == ep.ident
+            return LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, "" if refused else ep.pod_mac,
+                             mac_refused=refused)
         return LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, self.pod_macs.mac(ep),
                          mac_refused=self.pod_macs.refused(ep))
 
     async def _read_pod_macs(self, *, retry: bool) -> bool:
         """Read the MACs of the local pods whose endpoint file names none and that have none
         taken yet (with ``retry`` those whose read failed or was refused too, else the new
-        only), off the event loop with one netlink socket, and feed them in.  True where a
-        pod's port changed.  Writes nothing: what was taken is recorded in the state file by
-        :meth:`_record_pod_macs`."""
+        only), and the MACs of the bridges that files naming a MAC are on (with ``retry``
+        every bridge, else those not read yet), off the event loop with one netlink socket,
+        and feed them in.  True where a pod's port changed.  Writes nothing: what was taken
+        is recorded in the state file by :meth:`_record_pod_macs`."""
         if not self.engine.check_source_mac:
             return False
         macs = self.pod_macs
@@ -383,9 +390,12 @@ class PolicyAgent:
                     macs.loaded_state(await asyncio.to_thread(macs.read_state))
                     changed |= {ep.key for ep in self.publisher.endpoints.values() if not ep.pod_mac and macs.mac(ep)}
         wanted = macs.wanted(self.publisher.endpoints.values(), retry=retry)
-        if wanted:
+        bridges_wanted = {ep.bridge for ep in wanted} | {
+            ep.bridge for ep in self.publisher.endpoints.values() if ep.pod_mac and (retry or ep.bridge not in macs.bridges)}
+        if wanted or bridges_wanted:
             read, bridges = await asyncio.to_thread(podmacs.read_links, [ep.interface for ep in wanted],
-                                                    [ep.bridge for ep in wanted], self.peer_mac, self.bridge_mac)
+                                                    sorted(bridges_wanted), self.peer_mac, self.bridge_mac)
+            macs.bridges.update(bridges)
             current = self.publisher.endpoints  # the files now: one may have gone or changed meanwhile
             batch = {ep.container_id: read.get(ep.interface) for ep in wanted}
 
@@ -404,9 +414,35 @@ class PolicyAgent:
                 others = macs.others(ep, current.values(), taken, bridge if isinstance(bridge, str) else None)
                 if macs.take(ep, result, others):
                     changed.add(ep.key)
+        changed |= self._check_file_macs()
         for key in changed:
             self._feed_pod(key)
         return bool(changed)
+
+    def _check_file_macs(self) -> set[PodKey]:
+        """Check the MACs endpoint files name (PodMacs.file_refusals) against the bridges'
+        (as last read), the host-side veths' and the other pods'; a refused one's port is cut
+        off as a refused MAC read's is, said once per file.  The pods whose port changed."""
+        if not self.engine.check_source_mac:
+            return set()
+        eps = self.publisher.endpoints
+        refused = {cid: (eps[cid].ident, why) for cid, why in self.pod_macs.file_refusals(eps.values()).items()}
+        changed = set()
+        for cid in refused.keys() | self._file_refused.keys():
+            was, now = self._file_refused.get(cid), refused.get(cid)
+            if (was and was[0]) == (now and now[0]):
+                continue
+            ep = eps.get(cid)
+            if ep is None:
+                continue  # gone: fed as such by the rescan
+            changed.add(ep.key)
+            if now is not None:
+                log.warning("pod %s/%s: the MAC its endpoint file names is refused (%s): every frame from its port %s "
+                            "is dropped (spoofed-mac)", ep.namespace, ep.name, now[1], ep.interface)
+            else:
+                log.info("pod %s/%s: the MAC its endpoint file names, %s, is checked", ep.namespace, ep.name, ep.pod_mac)
+        self._file_refused = refused
+        return changed
 
     async def _record_pod_macs(self) -> None:
         """Write the MACs taken to the state file where it lacks some, off the event loop.  One
@@ -427,10 +463,14 @@ class PolicyAgent:
 
     def _unread(self) -> set[str]:
         """The containers whose pod's MAC is still to be read for the first time (their file
-        names none and came after the last read began): no build acknowledges them yet."""
+        names none), or whose file's MAC is still to be checked against their bridge's (not
+        read yet: the first pod on it) -- files that came after the last read began: no build
+        acknowledges them yet."""
         if not self.engine.check_source_mac:
             return set()
-        return {ep.container_id for ep in self.pod_macs.wanted(self.publisher.endpoints.values(), retry=False)}
+        eps = self.publisher.endpoints.values()
+        return ({ep.container_id for ep in self.pod_macs.wanted(eps, retry=False)}
+                | {ep.container_id for ep in eps if ep.pod_mac and ep.bridge not in self.pod_macs.bridges})
 
     @property
     def unchecked_macs(self) -> dict[str, str]:
@@ -451,7 +491,8 @@ class PolicyAgent:
         for ep in self.publisher.endpoints.values():
             port = self.engine.local.get(ep.key)
             if port is not None and port.interface == ep.interface and not port.pod_mac and port.mac_refused == refused:
-                out[f"{ep.namespace}/{ep.name}"] = self.pod_macs.why(ep) or "its MAC is not known"
+                why = self._file_refused.get(ep.container_id, ("", ""))
+                out[f"{ep.namespace}/{ep.name}"] = (why[1] if why[0] == ep.ident else self.pod_macs.why(ep)) or "its MAC is not known"
         return out
 
     # ------------------------------------------------------------------ syncing

@@ -12,7 +12,9 @@ none, a file of an older agentd-cni), read from the other end of their veth.
   or all-zero address, its bridge's, or one a port of that bridge has already (another
   pod's, as its file or an earlier read names it; a host-side veth's).  Such a port is
   checked against no MAC at all: every frame from it is dropped (``spoofed-mac``).  Left
-  unchecked it would be free to send with that very MAC.
+  unchecked it would be free to send with that very MAC.  A MAC an endpoint file names
+  (``pod_mac``: the delegate's, or the one the ADD asked for) gets the same refusal
+  (:meth:`PodMacs.file_refusals`; of two files naming one MAC, the newer is refused).
 
 The reads block (netlink): :func:`read_links` runs them all with one socket, off the event
 loop (``asyncio.to_thread``); :class:`PodMacs` keeps what was read and decides, without IO.
@@ -81,6 +83,9 @@ class PodMacs:
         self.known: dict[str, tuple[str, str]] = {}  # container -> (ident, MAC): the first taken
         self.trouble: dict[str, Trouble] = {}  # container -> the last read's failure or refusal
         self.loaded = self.path is None
+        # Each bridge's MAC as last read (None: no such device; why it could not be read), for
+        # the MACs endpoint files name (:meth:`file_refusals`); read again at each rescan.
+        self.bridges: dict[str, str | None | BaseException] = {}
         # Changes to ``known`` made, and how many of them the state file holds (a write that
         # worked): the file differs from ``known`` while ``recorded < changes``.
         self.changes = 0
@@ -153,6 +158,37 @@ class PodMacs:
                         "source MACs from its port %s are not checked (tried again at every rescan)",
                         name, trouble.why, ep.interface)
         return True
+
+    def file_refusals(self, eps: Iterable[Endpoint]) -> dict[str, str]:
+        """The files whose ``pod_mac`` cannot be their pod's own (container -> why), by the
+        refusal a MAC read gets: a group or all-zero address, the bridge's (as last read), a
+        host-side veth's on that bridge, or another pod's there -- a MAC read taken, or one an
+        older file names (by mtime, then container ID): of two files naming one MAC the older
+        keeps it and the newer is refused, so that an ADD asking for a running pod's MAC
+        (``runtimeConfig.mac``) cuts off the new pod, never the one that had it."""
+        groups: dict[str, list[Endpoint]] = {}
+        for ep in eps:
+            groups.setdefault(ep.bridge, []).append(ep)
+        out: dict[str, str] = {}
+        for name, group in groups.items():  # (each bridge's forwarding database is its own)
+            base: dict[str, str] = {}  # as others() has them, but each pod's own MAC left to below
+            for other in group:
+                if other.mac:
+                    base.setdefault(other.mac.lower(), f"the host side of {other.interface}'s")
+            pods = {taken: other for other in group if (taken := self.mac(other))}  # MACs read and taken
+            bridge = self.bridges.get(name)
+            for ep in sorted((e for e in group if e.pod_mac), key=lambda e: (e.written, e.container_id)):
+                mac = ep.pod_mac.lower()
+                owner = pods.get(mac)
+                whose = ({mac: f"the bridge {name}'s"} if isinstance(bridge, str) and bridge.lower() == mac
+                         else {mac: f"pod {owner.namespace}/{owner.name}'s"} if owner is not None and owner.container_id != ep.container_id
+                         else {mac: base[mac]} if mac in base else {})  # fmt: skip
+                why = refusal(ep.pod_mac, whose)
+                if why:
+                    out[ep.container_id] = why
+                else:
+                    pods.setdefault(mac, ep)  # the older file keeps it
+        return out
 
     @staticmethod
     def others(ep: Endpoint, eps: Iterable[Endpoint], taken: Callable[[Endpoint], str],

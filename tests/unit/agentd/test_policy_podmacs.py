@@ -446,3 +446,34 @@ async def test_the_sync_loop_waits_for_no_state_file_write_it_does_not_need(tmp_
     assert all("c3" in held for acked, held in recorded if "c3" in acked), recorded
     assert agent.engine.local[("x", "c")].pod_mac == MAC_C
 
+
+async def test_a_mac_an_endpoint_file_names_is_refused_as_a_mac_read_would_be(tmp_path, caplog):
+    """An ADD may ask for a MAC (runtimeConfig.mac, CNI_ARGS MAC=): one that is a group
+    address, the bridge's, a host-side veth's or another pod's must not be taken into
+    pod-macs (the pod could then send as that pod, or flood as a group).  Such a port is cut
+    off and listed as a refused MAC read's is; of two files naming one MAC the older keeps it."""
+    cni = tmp_path / "cni"
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=lambda i: MAC_C, bridge_mac=lambda b: BRIDGE_MAC)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5", pod_mac=MAC_A))
+    await rescan(agent)
+    assert sets(agent) == ({"veth-c1"}, {("veth-c1", MAC_A)}) and agent.refused_macs == {}
+    victims = {MAC_A: "pod x/a's", BRIDGE_MAC: "the bridge cni0's", "02:00:00:00:01:05": "the host side of veth-c1's",
+               "01:00:5e:00:00:01": "group", "00:00:00:00:00:00": "all-zero", MAC_C: "pod x/c's"}  # fmt: skip
+    endpoints.write(cni, endpoint("c3", "c", "10.244.1.7"))  # its MAC read: MAC_C
+    with caplog.at_level(logging.WARNING):
+        for mac, whose in victims.items():
+            endpoints.write(cni, endpoint("c2", "b", "10.244.1.6", pod_mac=mac))  # newer than a's file
+            await rescan(agent)
+            assert agent.engine.local[("x", "b")].mac_refused and agent.engine.local[("x", "b")].pod_mac == "", mac
+            assert whose in agent.refused_macs["x/b"], mac
+            assert sets(agent) == ({"veth-c1", "veth-c2", "veth-c3"}, {("veth-c1", MAC_A), ("veth-c3", MAC_C)}), mac
+            await rescan(agent)  # said once per file
+    assert said(caplog, "the MAC its endpoint file names is refused") == len(victims)
+    assert agent.engine.local[("x", "a")].pod_mac == MAC_A and agent.engine.local[("x", "c")].pod_mac == MAC_C
+    # The pod that had it gone, the newer file's MAC is its pod's own: taken.
+    endpoints.write(cni, endpoint("c2", "b", "10.244.1.6", pod_mac=MAC_A))
+    await rescan(agent)
+    assert agent.engine.local[("x", "b")].mac_refused
+    endpoints.remove(cni, "c1")
+    await rescan(agent)
+    assert agent.engine.local[("x", "b")].pod_mac == MAC_A and agent.refused_macs == {}
