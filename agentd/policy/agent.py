@@ -120,7 +120,9 @@ class PolicyAgent:
         # Pods whose endpoint file names no MAC (an older agentd-cni's, a delegate that gave
         # none): the MAC read of their own interface instead, per container and file version.
         self.pod_macs = PodMacs(state_dir)
-        self._pod_macs_lock = asyncio.Lock()  # loading and writing its file
+        # Files whose pod_mac is refused (PodMacs.file_refusals): container -> (ident, why).
+        self._file_refused: dict[str, tuple[str, str]] = {}
+        self._pod_macs_lock = asyncio.Lock()  # loading and writing its file (one write at a time)
         # Called with True before a sync that leaves a pod of this node isolated, with False
         # after one that leaves none: the BPF data path must not hand packets to isolated pods
         # past netfilter (BpfPath.hold_redirect).
@@ -315,6 +317,7 @@ class PolicyAgent:
             self._rescan()
             if await self._read_pod_macs(retry=True):  # those that failed are tried again
                 self._wake.set()
+            await self._record_pod_macs()  # (the rescans' takes: off the sync loop)
             self._check_bridged()
             if self.fast_path is not None and self.fast_path_error is not None:
                 self._wake.set()  # a failed fast-path update: retried (below) without waiting for a change
@@ -328,7 +331,7 @@ class PolicyAgent:
         owners = conntrack.owners(self.publisher.endpoints.values())
         self._released |= conntrack.released(self._owners, owners)
         self._owners = owners
-        for key in changed:
+        for key in changed | self._check_file_macs():
             self._feed_pod(key)
         self._wake.set()
 
@@ -361,16 +364,22 @@ class PolicyAgent:
         """Where pod ``ep`` is attached, and the MAC its port takes: the one its file names, else
         the one read from its interface (agentd/policy/podmacs.py; none while it is not read
         or cannot be, and none at all -- cut off -- where the MAC read was refused)."""
-        if ep.pod_mac or not self.engine.check_source_mac:
+        if not self.engine.check_source_mac:
             return LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, ep.pod_mac)
+        if ep.pod_mac:
+            refused = self._file_refused.get(ep.container_id, ("", ""))[0] == ep.ident
+            return LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, "" if refused else ep.pod_mac,
+                             mac_refused=refused)
         return LocalPort(ep.interface, ep.mac, ep.bridge, ep.written, self.pod_macs.mac(ep),
                          mac_refused=self.pod_macs.refused(ep))
 
     async def _read_pod_macs(self, *, retry: bool) -> bool:
         """Read the MACs of the local pods whose endpoint file names none and that have none
         taken yet (with ``retry`` those whose read failed or was refused too, else the new
-        only), off the event loop with one netlink socket, and feed them in; write what was
-        taken to the state file.  True where a pod's port changed."""
+        only), and the MACs of the bridges that files naming a MAC are on (with ``retry``
+        every bridge, else those not read yet), off the event loop with one netlink socket,
+        and feed them in.  True where a pod's port changed.  Writes nothing: what was taken
+        is recorded in the state file by :meth:`_record_pod_macs`."""
         if not self.engine.check_source_mac:
             return False
         macs = self.pod_macs
@@ -381,9 +390,12 @@ class PolicyAgent:
                     macs.loaded_state(await asyncio.to_thread(macs.read_state))
                     changed |= {ep.key for ep in self.publisher.endpoints.values() if not ep.pod_mac and macs.mac(ep)}
         wanted = macs.wanted(self.publisher.endpoints.values(), retry=retry)
-        if wanted:
+        bridges_wanted = {ep.bridge for ep in wanted} | {
+            ep.bridge for ep in self.publisher.endpoints.values() if ep.pod_mac and (retry or ep.bridge not in macs.bridges)}
+        if wanted or bridges_wanted:
             read, bridges = await asyncio.to_thread(podmacs.read_links, [ep.interface for ep in wanted],
-                                                    [ep.bridge for ep in wanted], self.peer_mac, self.bridge_mac)
+                                                    sorted(bridges_wanted), self.peer_mac, self.bridge_mac)
+            macs.bridges.update(bridges)
             current = self.publisher.endpoints  # the files now: one may have gone or changed meanwhile
             batch = {ep.container_id: read.get(ep.interface) for ep in wanted}
 
@@ -402,13 +414,63 @@ class PolicyAgent:
                 others = macs.others(ep, current.values(), taken, bridge if isinstance(bridge, str) else None)
                 if macs.take(ep, result, others):
                     changed.add(ep.key)
-        async with self._pod_macs_lock:  # one write at a time, the newest last
-            pods = macs.to_write()
-            if pods is not None:
-                await asyncio.to_thread(macs.write, pods)
+        changed |= self._check_file_macs()
         for key in changed:
             self._feed_pod(key)
         return bool(changed)
+
+    def _check_file_macs(self) -> set[PodKey]:
+        """Check the MACs endpoint files name (PodMacs.file_refusals) against the bridges'
+        (as last read), the host-side veths' and the other pods'; a refused one's port is cut
+        off as a refused MAC read's is, said once per file.  The pods whose port changed."""
+        if not self.engine.check_source_mac:
+            return set()
+        eps = self.publisher.endpoints
+        refused = {cid: (eps[cid].ident, why) for cid, why in self.pod_macs.file_refusals(eps.values()).items()}
+        changed = set()
+        for cid in refused.keys() | self._file_refused.keys():
+            was, now = self._file_refused.get(cid), refused.get(cid)
+            if (was and was[0]) == (now and now[0]):
+                continue
+            ep = eps.get(cid)
+            if ep is None:
+                continue  # gone: fed as such by the rescan
+            changed.add(ep.key)
+            if now is not None:
+                log.warning("pod %s/%s: the MAC its endpoint file names is refused (%s): every frame from its port %s "
+                            "is dropped (spoofed-mac)", ep.namespace, ep.name, now[1], ep.interface)
+            else:
+                log.info("pod %s/%s: the MAC its endpoint file names, %s, is checked", ep.namespace, ep.name, ep.pod_mac)
+        self._file_refused = refused
+        return changed
+
+    async def _record_pod_macs(self) -> None:
+        """Write the MACs taken to the state file where it lacks some, off the event loop.  One
+        write at a time: callers that come while one is under way wait for it, and where it
+        had what they wanted recorded return; else one writes what there is then (requests
+        coalesce).  With nothing to record, returns at once (no lock).  A write that fails is
+        said once and tried again at the next call (each rescan, each new acknowledgement)."""
+        macs = self.pod_macs
+        if not macs.unrecorded:
+            return
+        wanted = macs.changes
+        async with self._pod_macs_lock:
+            if macs.recorded >= wanted:
+                return  # the write under way had them
+            changes, pods = macs.to_write()
+            if await asyncio.to_thread(macs.write, pods):
+                macs.recorded = max(macs.recorded, changes)
+
+    def _unread(self) -> set[str]:
+        """The containers whose pod's MAC is still to be read for the first time (their file
+        names none), or whose file's MAC is still to be checked against their bridge's (not
+        read yet: the first pod on it) -- files that came after the last read began: no build
+        acknowledges them yet."""
+        if not self.engine.check_source_mac:
+            return set()
+        eps = self.publisher.endpoints.values()
+        return ({ep.container_id for ep in self.pod_macs.wanted(eps, retry=False)}
+                | {ep.container_id for ep in eps if ep.pod_mac and ep.bridge not in self.pod_macs.bridges})
 
     @property
     def unchecked_macs(self) -> dict[str, str]:
@@ -429,7 +491,8 @@ class PolicyAgent:
         for ep in self.publisher.endpoints.values():
             port = self.engine.local.get(ep.key)
             if port is not None and port.interface == ep.interface and not port.pod_mac and port.mac_refused == refused:
-                out[f"{ep.namespace}/{ep.name}"] = self.pod_macs.why(ep) or "its MAC is not known"
+                why = self._file_refused.get(ep.container_id, ("", ""))
+                out[f"{ep.namespace}/{ep.name}"] = (why[1] if why[0] == ep.ident else self.pod_macs.why(ep)) or "its MAC is not known"
         return out
 
     # ------------------------------------------------------------------ syncing
@@ -444,13 +507,19 @@ class PolicyAgent:
                 continue  # keep what the kernel has until we know the whole picture
             # New pods without a MAC in their file: theirs read before the build that acks them.
             await self._read_pod_macs(retry=False)
+            # A file that came while that read waited (inotify) is in the build unread: it is not
+            # acknowledged by it (its ADD would return with its port unchecked), but by the next
+            # round's, which reads it first.
+            unread = self._unread()
+            if unread:
+                self._wake.set()
             # (Not after a failed sync: the engine built it, the kernel does not have it.)
             if (not self.engine.dirty and self.error is None and self.programmer.current is not None
                     and self.applied_at is not None):
                 # The attachments now: a new file of a container that says what the old one did
                 # (a DEL and ADD of one pod) changes nothing in the tables, but its ADD waits
                 # for an acknowledgement of that file (endpoints.write removed the old one's).
-                containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items()}
+                containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items() if cid not in unread}
                 new = (self.error is None  # (the last sync programmed them)
                        and bool(containers - self._acked) and containers != self._ack_tried)
                 if self.fast_path_error is not None or new:  # a failed update: the map may point at a gone veth
@@ -467,7 +536,7 @@ class PolicyAgent:
             start = time.perf_counter()
             # The attachments this build includes: (container, which write of its file), so that
             # a DEL and ADD with the same container ID (a new file) is acknowledged again.
-            containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items()}
+            containers = {(cid, ep.ident) for cid, ep in self.publisher.endpoints.items() if cid not in unread}
             # The addresses this build takes from their pods; any released while the sync runs
             # wait for the next build (flushed now, their old tables could still accept anew).
             released, self._released = self._released, set()
@@ -516,7 +585,11 @@ class PolicyAgent:
 
     async def _acknowledge_build(self, containers: set[tuple[str, str]]) -> None:
         """Acknowledge the attachments of a build the kernel has now, ``before_ack`` first when
-        one of them may have an ADD waiting."""
+        one of them may have an ADD waiting.  The MACs taken are in the state file first: a
+        pod's MAC is relied on across a restart once its ADD has returned (its container may
+        then change it), so it is recorded before -- the one wait for a write on this path,
+        and only where one was taken since the last write."""
+        await self._record_pod_macs()
         if self.before_ack is not None and endpoints.unacknowledged(
             self.data_dir, {cid for cid, _ in containers - self._acked}
         ):
@@ -606,9 +679,13 @@ class PolicyAgent:
         at the veth of a pod that had it before."""
         if self.fast_path is None:
             return
-        # both families; of two pods with one address, the one the tables give it to
-        wanted = {ip: ep.interface for ep in sorted(self.publisher.endpoints.values(), key=lambda e: (e.written, e.key))
-                  for ip in ep.ips}  # fmt: skip
+        # both families; of two pods with one address, the one the tables give it to.  A port
+        # cut off (its MAC refused: every frame from it dropped) is left out, its addresses
+        # too -- not handed to an older pod that had them -- so that no connection of it is
+        # carried past the bridge table's drop.
+        owner = {ip: ep for ep in sorted(self.publisher.endpoints.values(), key=lambda e: (e.written, e.key))
+                 for ip in ep.ips}  # fmt: skip
+        wanted = {ip: ep.interface for ip, ep in owner.items() if not self._cut_off(ep)}
         if wanted == self._fast_pods:
             return
         try:
@@ -619,6 +696,12 @@ class PolicyAgent:
             return
         self._fast_pods = wanted
         self.fast_path_error = None
+
+    def _cut_off(self, ep: endpoints.Endpoint) -> bool:
+        """Whether every frame from ``ep``'s port is dropped (its MAC refused; with the check on)."""
+        port = self.engine.local.get(ep.key)
+        return (self.engine.check_source_mac and port is not None and port.interface == ep.interface
+                and port.mac_refused)
 
     def _applied(self, revision: int) -> None:
         if revision > self.revision:  # a snapshot from a restore came during the build: the next one counts

@@ -12,7 +12,9 @@ none, a file of an older agentd-cni), read from the other end of their veth.
   or all-zero address, its bridge's, or one a port of that bridge has already (another
   pod's, as its file or an earlier read names it; a host-side veth's).  Such a port is
   checked against no MAC at all: every frame from it is dropped (``spoofed-mac``).  Left
-  unchecked it would be free to send with that very MAC.
+  unchecked it would be free to send with that very MAC.  A MAC an endpoint file names
+  (``pod_mac``: the delegate's, or the one the ADD asked for) gets the same refusal
+  (:meth:`PodMacs.file_refusals`; of two files naming one MAC, the newer is refused).
 
 The reads block (netlink): :func:`read_links` runs them all with one socket, off the event
 loop (``asyncio.to_thread``); :class:`PodMacs` keeps what was read and decides, without IO.
@@ -81,7 +83,13 @@ class PodMacs:
         self.known: dict[str, tuple[str, str]] = {}  # container -> (ident, MAC): the first taken
         self.trouble: dict[str, Trouble] = {}  # container -> the last read's failure or refusal
         self.loaded = self.path is None
-        self.dirty = False  # ``known`` differs from the file
+        # Each bridge's MAC as last read (None: no such device; why it could not be read), for
+        # the MACs endpoint files name (:meth:`file_refusals`); read again at each rescan.
+        self.bridges: dict[str, str | None | BaseException] = {}
+        # Changes to ``known`` made, and how many of them the state file holds (a write that
+        # worked): the file differs from ``known`` while ``recorded < changes``.
+        self.changes = 0
+        self.recorded = 0
         self._write_failed = False
 
     # ------------------------------------------------------------------ lookups (no IO)
@@ -113,7 +121,7 @@ class PodMacs:
         if self.loaded:  # (not before the file was read: the next prune takes them)
             for cid in self.known.keys() - keep:
                 del self.known[cid]
-                self.dirty = True
+                self.changes += 1
 
     def take(self, ep: Endpoint, read: str | BaseException, others: Mapping[str, str]) -> bool:
         """Take what was read of ``ep``'s pod's interface (a MAC, or why it could not be read),
@@ -130,7 +138,7 @@ class PodMacs:
             if not why:
                 self.known[ep.container_id] = (version(ep), read.lower())
                 self.trouble.pop(ep.container_id, None)
-                self.dirty = True
+                self.changes += 1
                 log.info("pod %s: its endpoint file names no MAC; %s, read from the other end of %s, is checked",
                          name, read.lower(), ep.interface)
                 return True
@@ -150,6 +158,37 @@ class PodMacs:
                         "source MACs from its port %s are not checked (tried again at every rescan)",
                         name, trouble.why, ep.interface)
         return True
+
+    def file_refusals(self, eps: Iterable[Endpoint]) -> dict[str, str]:
+        """The files whose ``pod_mac`` cannot be their pod's own (container -> why), by the
+        refusal a MAC read gets: a group or all-zero address, the bridge's (as last read), a
+        host-side veth's on that bridge, or another pod's there -- a MAC read taken, or one an
+        older file names (by mtime, then container ID): of two files naming one MAC the older
+        keeps it and the newer is refused, so that an ADD asking for a running pod's MAC
+        (``runtimeConfig.mac``) cuts off the new pod, never the one that had it."""
+        groups: dict[str, list[Endpoint]] = {}
+        for ep in eps:
+            groups.setdefault(ep.bridge, []).append(ep)
+        out: dict[str, str] = {}
+        for name, group in groups.items():  # (each bridge's forwarding database is its own)
+            base: dict[str, str] = {}  # as others() has them, but each pod's own MAC left to below
+            for other in group:
+                if other.mac:
+                    base.setdefault(other.mac.lower(), f"the host side of {other.interface}'s")
+            pods = {taken: other for other in group if (taken := self.mac(other))}  # MACs read and taken
+            bridge = self.bridges.get(name)
+            for ep in sorted((e for e in group if e.pod_mac), key=lambda e: (e.written, e.container_id)):
+                mac = ep.pod_mac.lower()
+                owner = pods.get(mac)
+                whose = ({mac: f"the bridge {name}'s"} if isinstance(bridge, str) and bridge.lower() == mac
+                         else {mac: f"pod {owner.namespace}/{owner.name}'s"} if owner is not None and owner.container_id != ep.container_id
+                         else {mac: base[mac]} if mac in base else {})  # fmt: skip
+                why = refusal(ep.pod_mac, whose)
+                if why:
+                    out[ep.container_id] = why
+                else:
+                    pods.setdefault(mac, ep)  # the older file keeps it
+        return out
 
     @staticmethod
     def others(ep: Endpoint, eps: Iterable[Endpoint], taken: Callable[[Endpoint], str],
@@ -196,16 +235,19 @@ class PodMacs:
         self.known.update(state)
         self.loaded = True
 
-    def to_write(self) -> dict[str, dict[str, str]] | None:
-        """What the state file is to hold now, where it differs from what it holds (None)."""
-        if self.path is None or not self.dirty:
-            return None
-        self.dirty = False
-        return {cid: {"ident": ident, "mac": mac} for cid, (ident, mac) in sorted(self.known.items())}
+    @property
+    def unrecorded(self) -> bool:
+        """Whether the state file lacks changes made to ``known`` (never without a file)."""
+        return self.path is not None and self.recorded < self.changes
 
-    def write(self, pods: Mapping[str, Mapping[str, str]]) -> None:
+    def to_write(self) -> tuple[int, dict[str, dict[str, str]]]:
+        """What the state file is to hold now: (the changes it then holds, its pods)."""
+        return self.changes, {cid: {"ident": ident, "mac": mac} for cid, (ident, mac) in sorted(self.known.items())}
+
+    def write(self, pods: Mapping[str, Mapping[str, str]]) -> bool:
         """Blocking: write ``pods`` (:meth:`to_write`) to the state file, atomically (a
-        temporary file renamed over the old); where that fails, said once and tried again."""
+        temporary file renamed over the old); False where that failed (said once; the caller
+        tries again later)."""
         assert self.path is not None
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
@@ -216,15 +258,15 @@ class PodMacs:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
         except OSError as err:
-            self.dirty = True  # tried again at the next rescan
             with contextlib.suppress(OSError):
                 tmp.unlink()
             if not self._write_failed:
                 log.warning("cannot write %s (%s): after a restart the agent would read the MACs of pods "
                             "without one in their endpoint file again", self.path, err)
             self._write_failed = True
-            return
+            return False
         self._write_failed = False
+        return True
 
 
 # What :func:`read_links` found: each interface's peer MAC, each bridge's MAC (None: no such

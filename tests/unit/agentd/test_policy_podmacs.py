@@ -43,9 +43,10 @@ def sets(agent: PolicyAgent) -> tuple[set[str], set[tuple[str, str]]]:
 
 
 async def rescan(agent: PolicyAgent) -> None:
-    """What the rescan loop does once: read the files, then try the MACs not taken yet."""
+    """What the rescan loop does once: read the files, try the MACs not taken yet, record them."""
     agent._rescan()
     await agent._read_pod_macs(retry=True)
+    await agent._record_pod_macs()
 
 
 def said(caplog: Any, text: str) -> int:
@@ -312,3 +313,167 @@ async def test_with_the_mac_check_off_nothing_is_read_or_kept(tmp_path):
     endpoints.write(tmp_path / "cni", endpoint("c1", "a", "10.244.1.5"))
     await rescan(agent)
     assert agent.unchecked_macs == {} and agent.refused_macs == {} and not (tmp_path / "state").exists()
+
+
+class FastPath:
+    """The pod fast path as the agent tells it its pods."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, str] | None = None
+
+    def set_pods(self, wanted: dict[str, str]) -> None:
+        self.pods = dict(wanted)
+
+
+async def test_a_port_cut_off_for_its_mac_is_left_out_of_the_pod_fast_path(tmp_path):
+    """The fast path carries a pod's established TCP from its veth past the bridge table:
+    a port whose MAC was refused (every frame dropped) must not be in its pod map, nor its
+    address handed to an older pod that had it; once its own MAC is taken it is back."""
+    cni = tmp_path / "cni"
+    now = {"veth-c1": BRIDGE_MAC}
+    fast = FastPath()
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=lambda i: now[i], bridge_mac=lambda b: BRIDGE_MAC,
+                        fast_path=fast)  # type: ignore[arg-type]
+    stale = endpoint("c0", "old", "10.244.1.5", pod_mac=MAC_C)
+    endpoints.write(cni, endpoint("c2", "b", "10.244.1.6", pod_mac=MAC_B))
+    endpoints.write(cni, stale)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))  # newer than c0's file: 10.244.1.5 is a's
+    await rescan(agent)
+    assert agent.engine.local[("x", "a")].mac_refused
+    await agent._update_fast_path()
+    assert fast.pods == {"10.244.1.6": "veth-c2"}
+    now["veth-c1"] = MAC_A
+    await rescan(agent)
+    await agent._update_fast_path()
+    assert fast.pods == {"10.244.1.5": "veth-c1", "10.244.1.6": "veth-c2"}
+
+
+class Programmer:
+    """The nft programmer as the sync loop drives it: keeps the ruleset it was given."""
+
+    current: Any = None
+
+    async def sync(self, rs: Any, keys: Any) -> Any:
+        from types import SimpleNamespace
+
+        self.current = rs
+        return SimpleNamespace(commands=1, full=keys is None, seconds=0.0)
+
+
+def programmed_macs(programmer: Programmer) -> set[tuple[str, str]]:
+    macs = programmer.current.objects[("bridge", compiler.TABLE, "set", compiler.POD_MACS)]
+    return {tuple(map(str, e)) for e in macs.elements}
+
+
+async def test_a_file_that_comes_while_macs_are_read_is_not_acknowledged_before_its_mac_is_read(tmp_path, monkeypatch):
+    """The sync loop reads new pods' MACs, then builds and acknowledges every file there is:
+    a file that came (inotify, a rescan) while the read waited would be acknowledged -- its
+    ADD returning -- with its port unchecked.  It waits for the next round, which reads it."""
+    import asyncio
+
+    cni = tmp_path / "cni"
+    loop = asyncio.get_running_loop()
+    acked: list[tuple[set[str], set[tuple[str, str]]]] = []  # what each ack marked, and the kernel's pod-macs then
+    agent: PolicyAgent
+
+    def peer_mac(interface: str) -> str:
+        if interface == "veth-c1":  # a second ADD's file lands while this batch is read
+            endpoints.write(cni, endpoint("c2", "b", "10.244.1.6"))
+            done = threading.Event()
+            loop.call_soon_threadsafe(lambda: (agent._rescan(), done.set()))
+            assert done.wait(5)
+        return {"veth-c1": MAC_A, "veth-c2": MAC_B}[interface]
+
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac)
+    agent.programmer = programmer = Programmer()  # type: ignore[assignment]
+    agent._have_snapshot = True
+    acknowledge = endpoints.acknowledge
+
+    def recording(data_dir: Any, programmed: set[tuple[str, str]], before: set[tuple[str, str]]) -> Any:
+        acked.append(({cid for cid, _ in programmed}, programmed_macs(programmer)))
+        return acknowledge(data_dir, programmed, before)
+
+    monkeypatch.setattr(endpoints, "acknowledge", recording)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    agent._rescan()
+    task = loop.create_task(agent._sync_loop())
+    try:
+        async with asyncio.timeout(5):
+            while endpoints.unacknowledged(str(cni), {"c1", "c2"}):
+                await asyncio.sleep(0)
+    finally:
+        task.cancel()
+    for cids, macs in acked:
+        assert {f"veth-{cid}" for cid in cids} <= {port for port, _ in macs}, (cids, macs)  # none acked unchecked
+    assert programmed_macs(programmer) == {("veth-c1", MAC_A), ("veth-c2", MAC_B)}
+
+
+async def test_the_sync_loop_waits_for_no_state_file_write_it_does_not_need(tmp_path, monkeypatch):
+    """A write of the state file (an fsync) under way in the rescan loop must not hold up
+    the sync loop where it has nothing to record; where it took a MAC, the MAC is in the
+    state file before the pod's ADD is acknowledged (relied on across a restart from then)."""
+    import asyncio
+
+    cni, state = tmp_path / "cni", tmp_path / "state"
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=lambda i: {"veth-c1": MAC_A, "veth-c3": MAC_C}[i],
+                        state_dir=state)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    await rescan(agent)
+    agent.programmer = Programmer()  # type: ignore[assignment]
+    agent._have_snapshot = True
+    recorded: list[tuple[set[str], set[str]]] = []  # what each ack marked, what the state file held then
+    acknowledge = endpoints.acknowledge
+
+    def recording(data_dir: Any, programmed: set[tuple[str, str]], before: set[tuple[str, str]]) -> Any:
+        recorded.append(({cid for cid, _ in programmed}, set(json.loads((state / STATE_FILE).read_text())["pods"])))
+        return acknowledge(data_dir, programmed, before)
+
+    monkeypatch.setattr(endpoints, "acknowledge", recording)
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        async with asyncio.timeout(5):
+            async with agent._pod_macs_lock:  # the rescan loop's write under way
+                endpoints.write(cni, endpoint("c2", "b", "10.244.1.6", pod_mac=MAC_B))
+                agent._rescan()
+                while endpoints.unacknowledged(str(cni), {"c1", "c2"}):
+                    await asyncio.sleep(0)
+            endpoints.write(cni, endpoint("c3", "c", "10.244.1.7"))  # its MAC read by the sync loop
+            agent._rescan()
+            while endpoints.unacknowledged(str(cni), {"c3"}):
+                await asyncio.sleep(0)
+    finally:
+        task.cancel()
+    assert all("c3" in held for acked, held in recorded if "c3" in acked), recorded
+    assert agent.engine.local[("x", "c")].pod_mac == MAC_C
+
+
+async def test_a_mac_an_endpoint_file_names_is_refused_as_a_mac_read_would_be(tmp_path, caplog):
+    """An ADD may ask for a MAC (runtimeConfig.mac, CNI_ARGS MAC=): one that is a group
+    address, the bridge's, a host-side veth's or another pod's must not be taken into
+    pod-macs (the pod could then send as that pod, or flood as a group).  Such a port is cut
+    off and listed as a refused MAC read's is; of two files naming one MAC the older keeps it."""
+    cni = tmp_path / "cni"
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=lambda i: MAC_C, bridge_mac=lambda b: BRIDGE_MAC)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5", pod_mac=MAC_A))
+    await rescan(agent)
+    assert sets(agent) == ({"veth-c1"}, {("veth-c1", MAC_A)}) and agent.refused_macs == {}
+    victims = {MAC_A: "pod x/a's", BRIDGE_MAC: "the bridge cni0's", "02:00:00:00:01:05": "the host side of veth-c1's",
+               "01:00:5e:00:00:01": "group", "00:00:00:00:00:00": "all-zero", MAC_C: "pod x/c's"}  # fmt: skip
+    endpoints.write(cni, endpoint("c3", "c", "10.244.1.7"))  # its MAC read: MAC_C
+    with caplog.at_level(logging.WARNING):
+        for mac, whose in victims.items():
+            endpoints.write(cni, endpoint("c2", "b", "10.244.1.6", pod_mac=mac))  # newer than a's file
+            await rescan(agent)
+            assert agent.engine.local[("x", "b")].mac_refused and agent.engine.local[("x", "b")].pod_mac == "", mac
+            assert whose in agent.refused_macs["x/b"], mac
+            assert sets(agent) == ({"veth-c1", "veth-c2", "veth-c3"}, {("veth-c1", MAC_A), ("veth-c3", MAC_C)}), mac
+            await rescan(agent)  # said once per file
+    assert said(caplog, "the MAC its endpoint file names is refused") == len(victims)
+    assert agent.engine.local[("x", "a")].pod_mac == MAC_A and agent.engine.local[("x", "c")].pod_mac == MAC_C
+    # The pod that had it gone, the newer file's MAC is its pod's own: taken.
+    endpoints.write(cni, endpoint("c2", "b", "10.244.1.6", pod_mac=MAC_A))
+    await rescan(agent)
+    assert agent.engine.local[("x", "b")].mac_refused
+    endpoints.remove(cni, "c1")
+    await rescan(agent)
+    assert agent.engine.local[("x", "b")].pod_mac == MAC_A and agent.refused_macs == {}
