@@ -8,21 +8,14 @@ from ipaddress import IPv4Network
 from types import SimpleNamespace
 
 import pytest
+from agent_config import agent_cfg as _cfg
 
-from agentd.config.settings import load_config
 from agentd.daemon import agent as agent_module
 from agentd.daemon.agent import Agent, AgentError
 from agentd.daemon.api import ApiServer, Conflict
 from agentd.daemon.leave_report import exit_code
 from agentd.datastore.store import SubnetLease
 from agentd.nft.libnftables import NftError
-
-
-def _cfg(tmp_path, **overrides):
-    return load_config(None, env={}, overrides={
-        "node.address": "10.1.1.1", "node.name": "n1", "cni.subnet_file": str(tmp_path / "subnet.env"),
-        "api.token_file": str(tmp_path / "api.token"), "agent.state_dir": str(tmp_path / "state"),
-        "agent.bpf_dir": str(tmp_path / "bpf"), **overrides})
 
 
 class Part:

@@ -12,9 +12,9 @@ import stat
 from pathlib import Path
 
 import pytest
+from agent_config import agent_cfg as _cfg
 
 from agentd import cli
-from agentd.config.settings import load_config
 from agentd.daemon import agent as agent_module
 from agentd.daemon.agent import ETCD_STEP, Agent
 from agentd.daemon.leave_report import (
@@ -91,13 +91,6 @@ def test_a_bad_report_file_is_one_clear_error(tmp_path, content, message):
 
 
 # ------------------------------------------------------------------ the running agent's leave
-
-
-def _cfg(tmp_path, **overrides):
-    return load_config(None, env={}, overrides={
-        "node.address": "10.1.1.1", "node.name": "n1", "cni.subnet_file": str(tmp_path / "subnet.env"),
-        "api.token_file": str(tmp_path / "api.token"), "agent.state_dir": str(tmp_path / "state"),
-        "agent.bpf_dir": str(tmp_path / "bpf"), **overrides})
 
 
 class Part:
