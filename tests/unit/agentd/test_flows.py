@@ -937,6 +937,19 @@ class Loop:
         self.later.append((delay, fn))
 
 
+
+_RST = 1_000 * 10**9  # the reset-hint tests' RST, in TAI ns
+
+
+def _reset_entry(state: int, last: int = _RST):
+    """A recorder whose programs hold one connection in reset ``state``, its last packet at
+    ``last`` (its first 10 s before the RST): (recorder, programs, key, value)."""
+    key, value = _conn(False, state, _RST - 10 * 10**9, last)
+    r = recorder()
+    r.recording = programs = Programs({key: value})
+    return r, programs, key, value
+
+
 def test_a_reset_hint_ends_the_connection_reset_timeout_after_its_last_packet(monkeypatch):
     """A RST passed (the programs' hint, read with their records every RECORDED_INTERVAL): the
     connection's end comes once RESET_TIMEOUT_NS passed since its last packet -- at the first
@@ -945,12 +958,9 @@ def test_a_reset_hint_ends_the_connection_reset_timeout_after_its_last_packet(mo
     from agentd.flows import recorder as rec_mod
     from agentd.flows.recorder import CONN_RESET_LO, RESET_TIMEOUT_NS
 
-    s = 10**9
-    rst = 1_000 * s
-    key, value = _conn(False, CONN_RESET_LO, 990 * s, rst)
-    r = recorder()
+    s, rst = 10**9, _RST
+    r, programs, key, value = _reset_entry(CONN_RESET_LO)
     r.tai_offset = lambda: 0
-    r.recording = programs = Programs({key: value})
     r._loop = loop = Loop()
     r._held = lambda key: True  # conntrack keeps a reset connection a while
     clock = [rst + s // 10]
@@ -983,11 +993,8 @@ def test_a_reset_hint_of_a_connection_open_again_ends_nothing():
         RESET_TIMEOUT_NS,
     )
 
-    s = 10**9
-    rst = 1_000 * s
-    key, value = _conn(False, CONN_RESET_HI, 990 * s, rst)
-    r = recorder()
-    r.recording = programs = Programs({key: value})
+    s, rst = 10**9, _RST
+    r, programs, key, value = _reset_entry(CONN_RESET_HI)
     r.note_resets([(key, rst)])
     v = list(CONN_VALUE.unpack(value))
     v[5], v[6] = rst + s // 2, CONN_OPEN  # a packet of that end half a second later
@@ -1006,11 +1013,8 @@ def test_a_reset_hint_after_a_rst_sent_again_ends_it_after_the_last_one():
         RESET_TIMEOUT_NS,
     )
 
-    s = 10**9
-    rst = 1_000 * s
-    key, value = _conn(False, CONN_RESET_LO, 990 * s, rst + s)  # its last RST a second after the first
-    r = recorder()
-    r.recording = programs = Programs({key: value})
+    s, rst = 10**9, _RST
+    r, programs, key, value = _reset_entry(CONN_RESET_LO, last=rst + s)  # its last RST a second after the first
     r.note_resets([(key, rst)])
     assert r.end_resets(rst + RESET_TIMEOUT_NS + s // 2) == [] and list(programs.held) == [key]
     assert r.end_resets(rst + s + RESET_TIMEOUT_NS + 1) == [CONN_RECORD.pack(key, REC_RST, value)]
@@ -1028,11 +1032,8 @@ def test_a_reset_the_sweep_ended_first_is_not_ended_again_by_its_hint():
         RESET_TIMEOUT_NS,
     )
 
-    s = 10**9
-    rst = 1_000 * s
-    key, value = _conn(False, CONN_RESET_LO, 990 * s, rst)
-    r = recorder()
-    r.recording = programs = Programs({key: value})
+    s, rst = 10**9, _RST
+    r, programs, key, value = _reset_entry(CONN_RESET_LO)
     r._held = lambda key: True
     r.note_resets([(key, rst)])
     assert r.sweep(rst + RESET_TIMEOUT_NS + s) == [CONN_RECORD.pack(key, REC_RST, value)]
