@@ -49,6 +49,18 @@ async def rescan(agent: PolicyAgent) -> None:
     await agent._record_pod_macs()
 
 
+def interfaces(macs: dict[str, str]) -> tuple[dict[str, str], list[str], Any]:
+    """The pods' interfaces' MACs as the agent reads them (``macs``, changed by the test as a
+    pod would), the interfaces asked, and the ``peer_mac`` that reads them."""
+    asked: list[str] = []
+
+    def peer_mac(interface: str) -> str:
+        asked.append(interface)
+        return macs[interface]
+
+    return macs, asked, peer_mac
+
+
 def said(caplog: Any, text: str) -> int:
     return sum(text in r.getMessage() for r in caplog.records)
 
@@ -95,12 +107,7 @@ async def test_the_first_mac_taken_sticks_across_agent_restarts(tmp_path, caplog
     MAC taken for a file is kept in the state directory (by container ID and the file's
     ident, written atomically); a new file (a new ADD) is read anew; a file gone is forgotten."""
     cni, state = tmp_path / "cni", tmp_path / "state"
-    now = {"veth-c1": MAC_A}
-    asked: list[str] = []
-
-    def peer_mac(interface: str) -> str:
-        asked.append(interface)
-        return now[interface]
+    now, asked, peer_mac = interfaces({"veth-c1": MAC_A})
 
     agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)
     endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
@@ -141,12 +148,7 @@ async def test_a_relabelled_file_of_an_older_agentd_cni_is_not_read_anew(tmp_pat
     gives it a new inode.  Its pod's MAC is not read anew for that (the pod may have changed
     it since); the relabel keeps the file's mtime, which is what the MAC is kept by."""
     cni, state = tmp_path / "cni", tmp_path / "state"
-    now = {"veth-c1": MAC_A}
-    asked: list[str] = []
-
-    def peer_mac(interface: str) -> str:
-        asked.append(interface)
-        return now[interface]
+    now, asked, peer_mac = interfaces({"veth-c1": MAC_A})
 
     old = endpoint("c1", "a", "10.244.1.5")
     directory = Path(endpoints.endpoints_dir(cni))
