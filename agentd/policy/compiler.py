@@ -38,8 +38,10 @@ the agent hears the packet and maps the prefix back to the pod, the direction an
 policies that isolate it), what the limit holds back is counted in the ``flow-log-suppressed``
 counter, and the spoofing drops log with prefix ``spoofed`` (``spoofed-mac``, ``spoofed-arp``).  With ``route_all`` the bridge
 table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
-conntrack sees every connection of the node's pods (the flows' connection records) -- unless
-br_netfilter hands the bridged frames to the IP hooks already (PolicyEngine.bridged_to_ip).
+conntrack sees every connection of the node's pods (the flows' connection records); so it does
+while Services translate on the node (``route_services``: an endpoint's reply to a client pod
+of its node is un-DNATed) -- for either, unless br_netfilter hands the bridged frames to the IP
+hooks already (PolicyEngine.bridged_to_ip), where conntrack sees and translates them bridged.
 
 IPv6 (``families`` with 6, dual-stack and IPv6-only clusters) is judged by the same chains:
 every object that holds addresses has an IPv6 twin beside it, named with a ``6``
