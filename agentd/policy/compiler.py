@@ -365,9 +365,19 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     # bridge family it needs nf_conntrack_bridge, which not every kernel has.
     hairpin = [[match({"concat": [meta("oifname"), f.saddr(), f.daddr()]}, ref(f.name(SELF_PORTS))), FROM_SELF, ACCEPT]
                for f in fams]
+    # Any frame the bridge forwards though it was addressed to the node (the gateway's MAC:
+    # pkttype host) is one br_netfilter translated in the IP prerouting hooks and, its new
+    # destination being a pod of this bridge, bridged to that pod instead of routing it (a
+    # same-node client's connection to a Service whose endpoint is here).  br_netfilter hands
+    # it to the inet forward hook next, where the policy chains judge it with conntrack like a
+    # routed packet (ingress, egress, the hairpin accept): it must not meet the isolation
+    # drops below, which are for what crosses the bridge unjudged.  Nothing else forwards a
+    # frame addressed to the node (the route-up hands frames to a local MAC: delivered up).
+    bridged_dnat = [match(meta("pkttype"), "host"), ACCEPT]
     forward = [
         [match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
         *hairpin,
+        bridged_dnat,
         [both, match(meta("oifname"), ref("isolated-in-ports")), {"counter": None}, DROP],
         [both, match(meta("iifname"), ref("isolated-out-ports")), {"counter": None}, DROP],
     ]

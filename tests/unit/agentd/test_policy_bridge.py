@@ -372,3 +372,21 @@ def test_only_a_pods_own_port_marks_its_hairpin_as_its_own():
 
 def own_proto(address: str) -> str:
     return "ip6" if ":" in address else "ip"
+
+
+def test_a_frame_br_netfilter_translated_and_bridged_is_left_to_the_inet_chains():
+    """Where br_netfilter hands bridged frames to the IP hooks, a same-node client's frame to
+    a Service (addressed to the node: the gateway's MAC, pkttype host) translated to an
+    endpoint on the same bridge is bridged to it, not routed; br_netfilter hands it to the
+    inet forward hook next, where the policy chains judge it.  The bridge table's isolation
+    drops (for what crosses the bridge unjudged) let it pass: to an ingress-isolated pod, from
+    an egress-isolated one.  A frame between two pods (pkttype other) still meets them."""
+    for families in ((4,), (4, 6)):
+        rs = engine(families, DENY_ALL)  # x/a (veth0) and x/b (veth1), both isolated both ways
+        pairs = [(A4, B4)] + ([(A6, B6)] if 6 in families else [])
+        for a, b in pairs:
+            translated = ip_frame("veth0", a, b, extra={("meta", "pkttype"): "host", ("meta", "oifname"): "veth1"})
+            assert run(rs, "bridge", "forward", translated)[0] == "accept", a
+            bridged = ip_frame("veth0", a, b, extra={("meta", "oifname"): "veth1"})  # not for the node
+            assert run(rs, "bridge", "forward", bridged) == ("drop", []), a
+            assert run(rs, "bridge", "forward", {**bridged, ("meta", "pkttype"): "broadcast"}) == ("drop", []), a
