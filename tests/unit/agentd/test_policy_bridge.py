@@ -348,8 +348,10 @@ def test_only_a_pods_own_port_marks_its_hairpin_as_its_own():
     """An isolated pod's packet from its own port with its own address is marked
     (compiler.SELF_MARK) in prerouting; the same address from a port without a checked
     source (a container attached without identity) is not, and its frame DNATed back to the
-    pod through the pod's Service (br_netfilter's path) meets the isolation drop in forward
-    rather than the hairpin accept.  A pod not isolated: nothing marked."""
+    pod meets the isolation drop in forward rather than the hairpin accept (here a frame not
+    addressed to the node; one that was, br_netfilter's path, passes to the inet chains,
+    whose hairpin accept wants the mark too: test_policy_engine).  A pod not isolated:
+    nothing marked."""
     for families in ((4,), (4, 6)):
         rs = engine(families, DENY_ALL)
         addrs = [(A4, "192.0.2.1")] + ([(A6, "fd00:96::1")] if 6 in families else [])
