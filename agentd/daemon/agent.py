@@ -658,7 +658,8 @@ class Agent:
         """Services start (``on``, before their first translation) or stop translating: the BPF
         data path hands decapsulated packets to netfilter while they do, and every local pod's
         traffic is routed (an endpoint's reply to a client on its own node must be translated
-        back even where the bridge would hand it over at layer 2)."""
+        back even where the bridge would hand it over at layer 2) -- unless br_netfilter hands
+        bridged frames to conntrack, which translates them there (PolicyEngine.bridged_to_ip)."""
         assert self.tunnels is not None
         await self.tunnels.bpf.hold_redirect(on, who="services")
         if self.policy is not None:

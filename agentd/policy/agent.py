@@ -305,11 +305,14 @@ class PolicyAgent:
 
     def _check_bridged(self) -> None:
         """Whether conntrack sees bridged pod traffic here (br_netfilter): a change rebuilds,
-        routing every pod up for the flow records' connections or no more (PolicyEngine.bridged_to_ip)."""
+        routing every pod up for the flow records' connections and the Services' un-DNAT or
+        no more (PolicyEngine.bridged_to_ip)."""
         on = bridged_to_ip(self.engine.families)
         if self.engine.set_bridged_to_ip(on):
-            log.info("policy: br_netfilter %s bridged pod traffic to conntrack: pods of this node are %s for flow records",
-                     "hands" if on else "no longer hands", "bridged, not routed up," if on else "routed up")
+            why = " and ".join(w for w, needs in (("flow records", self.engine.route_all),
+                                                   ("Services", self.engine.route_services)) if needs)
+            log.info("policy: br_netfilter %s bridged pod traffic to conntrack: pods of this node are %s for %s",
+                     "hands" if on else "no longer hands", "bridged, not routed up," if on else "routed up", why)
             self._wake.set()
 
     async def _rescan_loop(self) -> None:
@@ -655,7 +658,8 @@ class PolicyAgent:
 
     async def route_services(self, on: bool, timeout: float = 5.0) -> None:
         """Services start (``on``) or stop translating on this node: every local pod's traffic
-        goes up through the IP stack while they do (PolicyEngine.route_services).  Returns once
+        goes up through the IP stack while they do, unless br_netfilter hands it to conntrack
+        bridged (PolicyEngine.route_services, .bridged_to_ip).  Returns once
         a sync has programmed it -- the services agent calls this before its first translation
         and after its last -- or at once before the first build (which takes it in anyway).  A
         sync already under way was built before the change: the one after it is waited for."""

@@ -38,8 +38,10 @@ the agent hears the packet and maps the prefix back to the pod, the direction an
 policies that isolate it), what the limit holds back is counted in the ``flow-log-suppressed``
 counter, and the spoofing drops log with prefix ``spoofed`` (``spoofed-mac``, ``spoofed-arp``).  With ``route_all`` the bridge
 table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
-conntrack sees every connection of the node's pods (the flows' connection records) -- unless
-br_netfilter hands the bridged frames to the IP hooks already (PolicyEngine.bridged_to_ip).
+conntrack sees every connection of the node's pods (the flows' connection records); so it does
+while Services translate on the node (``route_services``: an endpoint's reply to a client pod
+of its node is un-DNATed) -- for either, unless br_netfilter hands the bridged frames to the IP
+hooks already (PolicyEngine.bridged_to_ip), where conntrack sees and translates them bridged.
 
 IPv6 (``families`` with 6, dual-stack and IPv6-only clusters) is judged by the same chains:
 every object that holds addresses has an IPv6 twin beside it, named with a ``6``
@@ -363,9 +365,19 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     # bridge family it needs nf_conntrack_bridge, which not every kernel has.
     hairpin = [[match({"concat": [meta("oifname"), f.saddr(), f.daddr()]}, ref(f.name(SELF_PORTS))), FROM_SELF, ACCEPT]
                for f in fams]
+    # Any frame the bridge forwards though it was addressed to the node (the gateway's MAC:
+    # pkttype host) is one br_netfilter translated in the IP prerouting hooks and, its new
+    # destination being a pod of this bridge, bridged to that pod instead of routing it (a
+    # same-node client's connection to a Service whose endpoint is here).  br_netfilter hands
+    # it to the inet forward hook next, where the policy chains judge it with conntrack like a
+    # routed packet (ingress, egress, the hairpin accept): it must not meet the isolation
+    # drops below, which are for what crosses the bridge unjudged.  Nothing else forwards a
+    # frame addressed to the node (the route-up hands frames to a local MAC: delivered up).
+    bridged_dnat = [match(meta("pkttype"), "host"), ACCEPT]
     forward = [
         [match(payload("icmpv6", "type"), {"set": ND_TYPES}), ACCEPT],
         *hairpin,
+        bridged_dnat,
         [both, match(meta("oifname"), ref("isolated-in-ports")), {"counter": None}, DROP],
         [both, match(meta("iifname"), ref("isolated-out-ports")), {"counter": None}, DROP],
     ]

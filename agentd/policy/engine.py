@@ -76,8 +76,9 @@ class PolicyEngine:
         self.route_all = route_all
         # br_netfilter hands this node's bridged frames of every pod family to the IP hooks
         # (bridge-nf-call-iptables and -ip6tables on, as on kubelet and Docker hosts): conntrack
-        # sees connections between pods of this node without routing them up, so ``route_all``
-        # routes nobody then (:meth:`set_bridged_to_ip`, read by the policy agent).
+        # sees connections between pods of this node without routing them up, and translates
+        # them back on the bridge, so neither ``route_all`` nor ``route_services`` routes
+        # anybody then (:meth:`set_bridged_to_ip`, read by the policy agent).
         self.bridged_to_ip = False
         # Services translate on this node: every local pod's traffic is routed too, so that an
         # endpoint's reply to a client on its own node (which the bridge would hand over at
@@ -418,8 +419,9 @@ class PolicyEngine:
     # ------------------------------------------------------------------ compile
 
     def set_route_services(self, on: bool) -> bool:
-        """Route every local pod's traffic while Services translate (see ``route_services``);
-        whether that changed anything."""
+        """Route every local pod's traffic while Services translate (see ``route_services``;
+        not where br_netfilter hands it to conntrack bridged: ``bridged_to_ip``); whether that
+        changed anything."""
         if on == self.route_services:
             return False
         self.route_services = on
@@ -432,10 +434,17 @@ class PolicyEngine:
         if on == self.bridged_to_ip:
             return False
         self.bridged_to_ip = on
-        if not self.route_all:
+        if not (self.route_all or self.route_services):
             return False
         self._local_dirty = True
         return True
+
+    @property
+    def routes_every_pod(self) -> bool:
+        """Every local pod's unicast goes up to the IP stack, isolated or not: for flow records
+        (``route_all``) or Services (``route_services``), where conntrack would not see it
+        bridged (``bridged_to_ip``)."""
+        return (self.route_all or self.route_services) and not self.bridged_to_ip
 
     @property
     def dirty(self) -> bool:
@@ -520,8 +529,9 @@ class PolicyEngine:
                 elements[compiler.MAC_PORTS].add(port.interface)
                 if port.pod_mac:  # (a refused one: checked against none, cut off)
                     elements[compiler.POD_MACS].add((port.interface, port.pod_mac))
-            # its unicast goes up to the IP stack (route_all: only where conntrack would not see it bridged)
-            routed = ingress or egress or (self.route_all and not self.bridged_to_ip) or self.route_services
+            # its unicast goes up to the IP stack (route_all, route_services: only where conntrack
+            # would not see it bridged)
+            routed = ingress or egress or self.routes_every_pod
             if routed:
                 elements["isolated-ports"].add(port.interface)
             if ingress:

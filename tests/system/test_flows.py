@@ -1579,7 +1579,8 @@ async def test_pods_of_one_node_routed_up_for_flow_records_only_without_br_netfi
     records route no pod up through the node's IP stack (isolated pods are, for policy); without
     it every pod of the node is routed up while connections are recorded.  Either way one start
     and one end of a connection, with its bytes.  A lab of its own, without Services: while
-    Services translate, every pod is routed up for them anyway (the shop's lab)."""
+    they translate, every pod is routed up for them too where the sysctl is off (the shop's
+    lab; tests/system/test_services_bridged.py)."""
     lab = Lab(LabSpec(name="fb" + unique_tag("")[:6], nodes=1, pods=0), root=tmp_path / "labs")
     call = "bridge-nf-call-iptables"
     try:

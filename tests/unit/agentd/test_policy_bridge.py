@@ -348,8 +348,10 @@ def test_only_a_pods_own_port_marks_its_hairpin_as_its_own():
     """An isolated pod's packet from its own port with its own address is marked
     (compiler.SELF_MARK) in prerouting; the same address from a port without a checked
     source (a container attached without identity) is not, and its frame DNATed back to the
-    pod through the pod's Service (br_netfilter's path) meets the isolation drop in forward
-    rather than the hairpin accept.  A pod not isolated: nothing marked."""
+    pod meets the isolation drop in forward rather than the hairpin accept (here a frame not
+    addressed to the node; one that was, br_netfilter's path, passes to the inet chains,
+    whose hairpin accept wants the mark too: test_policy_engine).  A pod not isolated:
+    nothing marked."""
     for families in ((4,), (4, 6)):
         rs = engine(families, DENY_ALL)
         addrs = [(A4, "192.0.2.1")] + ([(A6, "fd00:96::1")] if 6 in families else [])
@@ -372,3 +374,21 @@ def test_only_a_pods_own_port_marks_its_hairpin_as_its_own():
 
 def own_proto(address: str) -> str:
     return "ip6" if ":" in address else "ip"
+
+
+def test_a_frame_br_netfilter_translated_and_bridged_is_left_to_the_inet_chains():
+    """Where br_netfilter hands bridged frames to the IP hooks, a same-node client's frame to
+    a Service (addressed to the node: the gateway's MAC, pkttype host) translated to an
+    endpoint on the same bridge is bridged to it, not routed; br_netfilter hands it to the
+    inet forward hook next, where the policy chains judge it.  The bridge table's isolation
+    drops (for what crosses the bridge unjudged) let it pass: to an ingress-isolated pod, from
+    an egress-isolated one.  A frame between two pods (pkttype other) still meets them."""
+    for families in ((4,), (4, 6)):
+        rs = engine(families, DENY_ALL)  # x/a (veth0) and x/b (veth1), both isolated both ways
+        pairs = [(A4, B4)] + ([(A6, B6)] if 6 in families else [])
+        for a, b in pairs:
+            translated = ip_frame("veth0", a, b, extra={("meta", "pkttype"): "host", ("meta", "oifname"): "veth1"})
+            assert run(rs, "bridge", "forward", translated)[0] == "accept", a
+            bridged = ip_frame("veth0", a, b, extra={("meta", "oifname"): "veth1"})  # not for the node
+            assert run(rs, "bridge", "forward", bridged) == ("drop", []), a
+            assert run(rs, "bridge", "forward", {**bridged, ("meta", "pkttype"): "broadcast"}) == ("drop", []), a

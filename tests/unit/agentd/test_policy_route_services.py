@@ -3,9 +3,12 @@ built without it (the Services agent would translate while local pods are still 
 
 import asyncio
 import contextlib
+from ipaddress import IPv4Address
 from types import SimpleNamespace
 
 from agentd.policy.agent import PolicyAgent
+from agentd.policy.engine import PolicyEngine
+from agentd.policy.model import LocalPort, Pod, Policy
 
 
 class _GatedProgrammer:
@@ -111,3 +114,41 @@ def test_a_failed_sync_is_retried_though_nothing_changed_since(tmp_path, monkeyp
 
     calls, syncs, error = asyncio.run(main())
     assert (calls, syncs, error) == (3, 2, None), "the failed sync was not retried"
+
+
+def test_services_route_every_pod_up_only_where_conntrack_would_not_see_it_bridged():
+    """While Services translate, every local pod's unicast is handed up to the IP stack so that
+    an endpoint's reply to a client of its own node is un-DNATed -- but not where br_netfilter
+    hands bridged frames of every pod family to the IP hooks (kube-proxy's way on a bridge):
+    conntrack un-DNATs them on the bridge, and only isolated pods are routed up, for policy.
+    A change of the sysctl (read every 10 s) rebuilds, as it does for flow records."""
+    engine = PolicyEngine("node2")
+    engine.upsert_pod(Pod("shop", "web", "node2", (IPv4Address("10.244.2.3"),), {"app": "web"}),
+                      LocalPort("veth1", "02:00:00:00:00:01", "cni0"))
+    engine.upsert_pod(Pod("lobby", "a", "node2", (IPv4Address("10.244.2.4"),), {}),
+                      LocalPort("veth2", "02:00:00:00:00:02", "cni0"))
+    engine.upsert_policy(Policy.parse({"metadata": {"namespace": "shop", "name": "deny"}, "spec": {"podSelector": {}}}))
+
+    def handed_up() -> tuple[set[str], set[str]]:
+        objects = engine.build().objects
+        return (set(objects[("bridge", "agentd-policy", "set", "isolated-ports")].elements),
+                set(objects[("bridge", "agentd-policy", "set", "isolated-addrs")].elements))
+
+    everyone = ({"veth1", "veth2"}, {"10.244.2.3", "10.244.2.4"})
+    isolated = ({"veth1"}, {"10.244.2.3"})  # shop/web: routed up for policy all the same
+    assert handed_up() == isolated
+    assert engine.set_route_services(True) and engine.dirty
+    assert handed_up() == everyone
+    assert engine.set_bridged_to_ip(True) and engine.dirty  # br_netfilter turned on at run time
+    assert handed_up() == isolated
+    assert not engine.set_bridged_to_ip(True)
+    assert engine.set_bridged_to_ip(False) and engine.dirty  # ... and off again
+    assert handed_up() == everyone
+    assert engine.set_bridged_to_ip(True)
+    assert handed_up() == isolated
+    assert engine.set_route_services(False)  # Services stop translating: as without them
+    assert handed_up() == isolated
+    assert engine.set_route_services(True)  # ... and start again, br_netfilter still on
+    assert handed_up() == isolated
+    assert engine.set_bridged_to_ip(False)
+    assert handed_up() == everyone
