@@ -28,6 +28,11 @@ log = logging.getLogger("agentd.api")
 # Seconds a request in flight has to finish when the API stops (then it is cancelled): a
 # followed GET /flows never ends by itself, and the agent must not wait aiohttp's 60 s for it.
 SHUTDOWN_GRACE = 2.0
+# A request's handler is cancelled when its connection is lost (aiohttp's handler_cancellation):
+# a followed GET /flows whose reader went gives its follower's place back then, not at its next
+# write (a keep-alive every 10 s on a quiet stream), and a gathering stops asking other nodes.
+# What must finish whoever waits (POST /leave's step in etcd) is shielded.
+HANDLER_CANCELLATION = True
 # Seconds a connection may stay idle between two requests, and may take to send its first
 # request's head (aiohttp's default keeps an idle connection for an hour): the read-only
 # listener is open to the underlay, and a connection that sends nothing must not hold a
@@ -304,7 +309,8 @@ class ApiServer:
 
     async def start(self) -> None:
         self._runner = _Runner(self.app, self._capped, access_log=None, handle_signals=False,
-                               shutdown_timeout=SHUTDOWN_GRACE, keepalive_timeout=self.keepalive_timeout)
+                               shutdown_timeout=SHUTDOWN_GRACE, keepalive_timeout=self.keepalive_timeout,
+                               handler_cancellation=HANDLER_CANCELLATION)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         try:

@@ -178,7 +178,7 @@ class _Handlers:
             else:
                 assert view is not None and search is not None
                 await _local_flows(resp, view, search, follower)
-        except ConnectionResetError:  # the reader went: a followed stream ends so
+        except ConnectionResetError:  # the reader went during a write (else: cancelled then, api.HANDLER_CANCELLATION)
             return resp
         finally:
             if follower is not None:

@@ -634,7 +634,11 @@ class FlowRecorder:
         too: whoever takes the entry out ends it, once); looked at again at its last packet's
         time and ``RESET_TIMEOUT_NS`` if a RST came since (sent again); let go if it is open
         again (that end sent without RST: its TCP ignored the RST), gone (ended by the programs:
-        a new SYN; or by a sweep) or another state.  Returns the ends, laid out as the ring gives them."""
+        a new SYN; or by a sweep) or another state.  A packet that changes the entry between
+        the look and the take (the take finds it changed: put back) has it looked at again as it
+        is then: still reset (a RST sent again, the other end's packet), ``RESET_TIMEOUT_NS``
+        after that packet, as a RST sent again before the look is -- not left to the sweep.
+        Returns the ends, laid out as the ring gives them."""
         rec = self.recording
         if rec is None:
             return []
@@ -642,6 +646,17 @@ class FlowRecorder:
         due_of, heap = self._reset_due, self._resets
         out: list[bytes] = []
         failed: OSError | None = None
+
+        def later(key: bytes, raw: bytes | None) -> None:
+            """``key`` looked at again ``RESET_TIMEOUT_NS`` after its last packet if its entry
+            (``raw``, as just read) is in a RESET state -- after this call's ``now`` in any case."""
+            if raw is None:
+                return
+            v = CONN_VALUE.unpack(raw)
+            if v[6] in (CONN_RESET_LO, CONN_RESET_HI):
+                due_of[key] = max(v[5] + RESET_TIMEOUT_NS, now) + 1
+                heapq.heappush(heap, (due_of[key], key))
+
         while heap and heap[0][0] <= now:
             due, key = heapq.heappop(heap)
             if due_of.get(key) != due:
@@ -657,10 +672,13 @@ class FlowRecorder:
                 if v[6] not in (CONN_RESET_LO, CONN_RESET_HI):
                     continue
                 if now - v[5] <= RESET_TIMEOUT_NS:  # a RST again since
-                    due_of[key] = v[5] + RESET_TIMEOUT_NS + 1
-                    heapq.heappush(heap, (due_of[key], key))
+                    later(key, raw)
                     continue
                 taken = self._take(rec, key, v, out)
+                if taken is None:
+                    # Gone (the programs or a sweep ended it; or here, not put back), or changed
+                    # by a packet since the look (put back if it was taken): as it is now.
+                    later(key, rec.recorded_entry(key))
             except OSError as err:
                 failed = err
                 continue

@@ -293,6 +293,57 @@ async def test_local_readers_without_a_credential_cannot_take_the_clusters_place
     assert views.followers() == 0
 
 
+@pytest.mark.parametrize("run", ["asyncio", "uvloop"])  # the agent runs on uvloop
+@pytest.mark.parametrize("stream", ["local", "cluster", "listener"])
+def test_a_follower_whose_reader_went_is_let_go_at_once(run, stream):
+    """A reader that goes (a closed connection) gives its follower's place back then, not at
+    the next write (a keep-alive every KEEPALIVE seconds on a quiet stream): this node's own
+    followed stream, the cluster's gathered one (this node's records followed in it), and
+    another node's gatherer on the cluster listener.  Real servers and clients."""
+    main = _reader_goes(stream)
+    if run == "uvloop":
+        import uvloop
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
+async def _reader_goes(stream: str) -> None:
+    views = FlowViews(SimpleNamespace(ring=FlowRing(16)))
+    if stream == "listener":
+        server = api.ApiServer(Provider(views), "127.0.0.1", 0, read_token=lambda: "read-token")
+        headers, query = auth.bearer_header("read-token"), "follow=1&last=0"
+    else:
+        server = api.ApiServer(Provider(views), "127.0.0.1", 0, token=TOKEN)
+        headers = auth.bearer_header(TOKEN) if stream == "cluster" else {}
+        query = "cluster=1&follow=1&last=0" if stream == "cluster" else "follow=1&last=0"
+    await _started(server)
+    loop = asyncio.get_running_loop()
+
+    async def until(cond, seconds: float) -> float:
+        """How long ``cond()`` took to hold (at most ``seconds``, else fails)."""
+        start = loop.time()
+        while not cond():
+            assert loop.time() - start < seconds, f"not within {seconds} s"
+            await asyncio.sleep(0.005)
+        return loop.time() - start
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.get(server.url + "/flows?" + query, headers=headers)
+            assert resp.status == 200
+            await until(lambda: views.followers() == 1, 3)
+            resp.close()  # the reader goes, the stream quiet: nothing is written to find it out
+            took = await until(lambda: views.followers() == 0, cluster.KEEPALIVE / 2)
+            assert took < 1.0, took  # /status: flows.followers, len(ring.followers) as here
+            # Its place is free, and the server still answers.
+            async with session.get(server.url + "/healthz", headers=headers) as again:
+                assert again.status == 200
+    finally:
+        await server.stop()
+
+
 def test_the_ring_counts_each_pool_on_its_own():
     ring = FlowRing(16)
     for _ in range(MAX_FOLLOWERS):

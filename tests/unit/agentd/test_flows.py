@@ -1021,6 +1021,65 @@ def test_a_reset_hint_after_a_rst_sent_again_ends_it_after_the_last_one():
     assert programs.held == {} and r._reset_due == {}
 
 
+@pytest.mark.parametrize("between", ["look and take", "two looks"])
+def test_a_reset_a_packet_changes_between_the_look_and_the_take_is_looked_at_again_not_left_to_the_sweep(between):
+    """A packet passes between the hint's look and its take: the take finds the entry changed
+    (put back), or the look just before the take does (left).  Still reset -- a RST sent again,
+    or the other end's packet --: looked at again RESET_TIMEOUT_NS after that packet and ended
+    then, as reset, with what its take finds -- not left to the sweep (up to SWEEP_INTERVAL
+    later).  Open again (that end sent without RST): let go, nothing ended."""
+    from agentd.flows.recorder import (
+        CONN_OPEN,
+        CONN_RECORD,
+        CONN_RESET_HI,
+        CONN_RESET_LO,
+        CONN_VALUE,
+        REC_RST,
+        RESET_TIMEOUT_NS,
+    )
+
+    s, rst = 10**9, _RST
+    looked = rst + RESET_TIMEOUT_NS + s // 10  # the hint's look, 2.1 s after the RST
+    for state in (CONN_RESET_LO, CONN_RESET_HI, CONN_OPEN):
+        r, programs, key, value = _reset_entry(CONN_RESET_LO)
+        r._held = lambda key: True
+        r.note_resets([(key, rst)])
+        v = list(CONN_VALUE.unpack(value))
+        v[0], v[2], v[5], v[6] = v[0] + 1, v[2] + 60, looked, state  # the packet: counted, its time the last
+        changed = CONN_VALUE.pack(*v)
+        look, take = programs.recorded_entry, programs.take_recorded
+        looks: list[bytes] = []
+
+        def packet_in_the_look(k, look=look, programs=programs, key=key, changed=changed, looks=looks):
+            got = look(k)
+            looks.append(got)
+            if len(looks) == 1:  # right after the hint's look, before the take's
+                programs.held[key] = changed
+            return got
+
+        def packet_in_the_take(k, take=take, programs=programs, key=key, changed=changed):
+            programs.take_recorded = take
+            programs.held[key] = changed  # as the take begins
+            return take(k)
+
+        if between == "two looks":
+            programs.recorded_entry = packet_in_the_look
+        else:
+            programs.take_recorded = packet_in_the_take
+        assert r.end_resets(looked) == [] and programs.held == {key: changed}, state
+        programs.recorded_entry = look
+        assert not any(r.not_put_back.values())  # put back, not ended
+        if state == CONN_OPEN:
+            assert r._resets == [] and r._reset_due == {}
+            assert r.end_resets(looked + RESET_TIMEOUT_NS + s) == [] and programs.held == {key: changed}
+            continue
+        assert r.end_resets(looked + RESET_TIMEOUT_NS) == [] and programs.held == {key: changed}  # not yet
+        # Ended RESET_TIMEOUT_NS after that packet, at the next read -- not at the sweep.
+        assert r.end_resets(looked + RESET_TIMEOUT_NS + 1) == [CONN_RECORD.pack(key, REC_RST, changed)], state
+        assert programs.held == {} and r._reset_due == {} and r.swept == 1
+        assert r.sweep(looked + 10 * s) == []
+
+
 def test_a_reset_the_sweep_ended_first_is_not_ended_again_by_its_hint():
     """The sweep and the hint's look judge the same entry (the sweep runs in a thread): whoever
     takes it out ends it -- the sweep first, the look finds it gone; the sweep taking it between
