@@ -62,6 +62,7 @@ from agentd.nft import flowmask
 from agentd.datastore.store import ClusterConfig, Datastore, NodeRecord, SubnetLease
 from agentd.kernel import sysctl
 from agentd.kernel.netinfo import LocalHost, NetInfoError, Underlay, underlay_for
+from agentd.policy import podmacs
 from agentd.policy.agent import PolicyAgent, remove_policy_tables  # NetworkPolicy
 from agentd.nft import masquerade
 from agentd.nft import libnftables
@@ -681,6 +682,8 @@ class Agent:
             await step("removing the services table", self.services.leave)
         else:
             skip("removing the services table", f"services {not_built}")
+        # The MACs read of pods' interfaces (the policy agent's; a previous run's where it is not running).
+        await step(POD_MACS_STEP, lambda: remove_pod_macs(self.cfg.agent.state_dir, self.policy))
         await step("putting back the flow records' sysctls", self._restore_sysctls)
         # The table masking conntrack's events of what the pod programs recorded (gone with policy.leave).
         await step("removing the flow mask table", lambda: nft_part(lambda: asyncio.to_thread(flowmask.remove)))
@@ -999,6 +1002,20 @@ async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: d
 
 
 ETCD_STEP = "leaving etcd (releasing the subnets, removing the node record)"
+POD_MACS_STEP = "removing the file of the MACs read from pods' interfaces"
+
+
+async def remove_pod_macs(state_dir: str | os.PathLike[str], policy: PolicyAgent | None = None) -> None:
+    """A leave's step: ``<state_dir>/pod-macs.json`` (agentd/policy/podmacs.py) goes, as the
+    node's other state does -- by ``policy``, the running policy agent, which removes it after a
+    write under way and writes it no more; else (no agent, or its network policy not started)
+    directly.  An OSError (the file stays) fails the step."""
+    if policy is not None:
+        gone = await policy.remove_pod_macs()
+    else:
+        gone = await asyncio.to_thread(podmacs.remove_state, state_dir)
+    if gone:
+        log.info("removed %s", Path(state_dir) / podmacs.STATE_FILE)
 
 
 async def nft_missing() -> str | None:
@@ -1066,6 +1083,7 @@ async def leave(cfg: Config, on_step: Callable[[LeaveStep], None] | None = None)
     await step(ETCD_STEP, leave_etcd)
     for what, job in host_state_parts(cfg, data_path=True, policy=True, services=True, ingress=True, routes=True):
         await step(what, job)
+    await step(POD_MACS_STEP, lambda: remove_pod_macs(cfg.agent.state_dir))
     await step("putting back the flow records' sysctls", sysctls)
     # The table masking conntrack's events of what the pod programs recorded.
     await step("removing the flow mask table", lambda: nft_part(lambda: asyncio.to_thread(flowmask.remove)))

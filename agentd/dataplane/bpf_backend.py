@@ -216,10 +216,11 @@ class BpfPath:
                 await asyncio.to_thread(self.dp.guard_bridges)
 
     def _refresh(self, dp: BpfDatapath) -> dict[str, Any]:
-        dp.guard_bridges()  # a new pods' bridge gets the member filter within 2 s
+        links = dp.link_kinds()  # one dump of the host's devices: the bridges to guard, the pods' veths
+        dp.guard_bridges(links)  # a new pods' bridge gets the member filter within 2 s
         if self.redirecting and self.carried:
             try:
-                dp.sync_ports()  # the bridges' learned MACs: a new pod is on the direct path within 2 s
+                dp.sync_ports(links)  # the bridges' learned MACs: a new pod is on the direct path within 2 s
             except Exception as err:  # noqa: BLE001 -- the counters are read all the same
                 if str(err) != self._ports_error:
                     log.warning("BPF: the bridge ports map not synced: %s; trying again", err)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Mapping
 
 from agentd.kernel import netlink as nl
 from agentd.kernel import netlink_links as links
@@ -99,9 +100,14 @@ class Rtnl:
 
     def links_of_kind(self, kind: str) -> set[int]:
         """The ifindexes of the devices of ``kind`` here (``ip link show type KIND``)."""
+        return of_kind(self.link_kinds(), kind)
+
+    def link_kinds(self) -> dict[int, str | None]:
+        """Every device here, ifindex -> its kind (None: a NIC, loopback), from one RTM_GETLINK
+        dump (where one caller needs devices of several kinds: :func:`of_kind`)."""
         answers = self.request(nl.encode_getlink_dump(self.next_seq()), "listing the devices")
-        return {link.index for link in (nl.decode_link(b, s, e) for t, b, s, e in answers if t == nl.RTM_NEWLINK)
-                if link.kind == kind}
+        return {link.index: link.kind
+                for link in (nl.decode_link(b, s, e) for t, b, s, e in answers if t == nl.RTM_NEWLINK)}
 
     # ------------------------------------------------------------------ addresses
 
@@ -153,6 +159,11 @@ class Rtnl:
                 continue
             out[(entry.master, entry.lladdr)] = entry.ifindex
         return out
+
+
+def of_kind(links: Mapping[int, str | None], kind: str) -> set[int]:
+    """The ifindexes of ``links`` (:meth:`Rtnl.link_kinds`) that are devices of ``kind``."""
+    return {index for index, k in links.items() if k == kind}
 
 
 def _packed(address: str) -> bytes:

@@ -228,6 +228,12 @@ class PolicyAgent:
         if errors:
             raise RuntimeError("; ".join(errors))
 
+    async def remove_pod_macs(self) -> bool:
+        """``agentd leave``: remove the file of the MACs read from pods' interfaces
+        (agentd/policy/podmacs.py), after a write of it under way, and write it no more.
+        True where there was one; an OSError says why it stays."""
+        return await asyncio.to_thread(self.pod_macs.remove)
+
     def close(self) -> None:
         if self.fast_path is not None:  # it stays on the veths, as the tables stay in force
             self.fast_path.close()

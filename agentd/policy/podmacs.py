@@ -5,7 +5,8 @@ none, a file of an older agentd-cni), read from the other end of their veth.
   timeout) is tried again at the agent's later rescans, its warning said once per file.
 * The first MAC taken for a file sticks, across agent restarts too: it is kept in
   ``<[agent] state_dir>/pod-macs.json`` by container ID and the file's ident (which write
-  of it this is; :func:`version`), written atomically.  A pod (with ``NET_ADMIN``) that
+  of it this is; :func:`version`), written atomically; ``agentd leave`` removes it
+  (:meth:`PodMacs.remove`, :func:`remove_state`).  A pod (with ``NET_ADMIN``) that
   changes its interface's MAC later is cut off (its frames carry a MAC not its own), never
   trusted with the new one.
 * A MAC read is refused where it cannot be the pod's own: a group (multicast, broadcast)
@@ -26,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +93,10 @@ class PodMacs:
         self.changes = 0
         self.recorded = 0
         self._write_failed = False
+        # A write (off the event loop) and the leave's removal of the file, one at a time: a
+        # write under way when the leave cancelled its task ends before the file is removed.
+        self._file_lock = threading.Lock()
+        self.removed = False  # the node left (:meth:`remove`): the file is written no more
 
     # ------------------------------------------------------------------ lookups (no IO)
 
@@ -249,24 +255,59 @@ class PodMacs:
         temporary file renamed over the old); False where that failed (said once; the caller
         tries again later)."""
         assert self.path is not None
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with self._file_lock:
+            if self.removed:
+                return True  # the node left: nothing is kept for a next run
+            return self._write(self.path, pods)
+
+    def _write(self, path: Path, pods: Mapping[str, Mapping[str, str]]) -> bool:
+        tmp = _temporary(path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "w") as f:
                 f.write(json.dumps({"pods": pods}, indent=1) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         except OSError as err:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             if not self._write_failed:
                 log.warning("cannot write %s (%s): after a restart the agent would read the MACs of pods "
-                            "without one in their endpoint file again", self.path, err)
+                            "without one in their endpoint file again", path, err)
             self._write_failed = True
             return False
         self._write_failed = False
         return True
+
+    def remove(self) -> bool:
+        """Blocking: ``agentd leave`` removes the state file (:func:`remove_state`) once a write
+        under way has ended, and none is written after it.  True where there was a file; an
+        OSError other than its absence is raised (the leave's step failed)."""
+        with self._file_lock:
+            self.removed = True
+            return self.path is not None and _remove(self.path)
+
+
+def remove_state(state_dir: str | os.PathLike[str]) -> bool:
+    """Blocking: remove ``<state_dir>/pod-macs.json`` (and a write's temporary file) where no
+    policy agent runs to do it (:meth:`PodMacs.remove`): ``agentd leave`` without an agent, or
+    before the agent's network policy started.  True where there was a file."""
+    return _remove(Path(state_dir) / STATE_FILE)
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _remove(path: Path) -> bool:
+    with contextlib.suppress(FileNotFoundError):
+        _temporary(path).unlink()  # a write that failed half-way (removed after it, as a rule)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 # What :func:`read_links` found: each interface's peer MAC, each bridge's MAC (None: no such

@@ -281,6 +281,8 @@ async def test_a_bad_record_in_etcd_at_start_is_one_line_and_leave_cleans_up_wit
         await server.stop()
     # etcd gone: leave cleans this host all the same, and its exit status says etcd failed.
     ns.ip("link", "add", "agentd.vxlan", "type", "vxlan", "id", "1", "dstport", "4789", "dev", "eth0")
+    (tmp_path / "state").mkdir(exist_ok=True)
+    (tmp_path / "state" / "pod-macs.json").write_text('{"pods": {}}\n')  # the MACs a previous run read
     proc = await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns.name, AGENTD, "leave", "--config", str(conf)],
                                    capture_output=True, text=True, timeout=90)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -289,6 +291,8 @@ async def test_a_bad_record_in_etcd_at_start_is_one_line_and_leave_cleans_up_wit
     assert "removing what is left of the BPF data path, the pod fast path and the tunnels: done" in steps, proc.stdout
     assert steps[-1].startswith("node n1 left, but not cleanly: leaving etcd"), proc.stdout
     assert b"agentd.vxlan" not in ns.ip("-o", "link").stdout
+    assert "removing the file of the MACs read from pods' interfaces: done" in steps, proc.stdout
+    assert not (tmp_path / "state" / "pod-macs.json").exists()
 
 
 async def test_a_leave_with_no_agent_removes_the_routes_of_our_protocol_and_no_other(netns_factory, tmp_path):
@@ -335,6 +339,8 @@ async def test_a_leave_while_the_agent_waits_for_etcd_cleans_the_host_and_says_e
     veth(ns, "eth0", other, "eth0")
     ns.ip("addr", "add", "10.1.1.1/24", "dev", "eth0")
     ns.ip("link", "add", "agentd.vxlan", "type", "vxlan", "id", "1", "dstport", "4789", "dev", "eth0")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "pod-macs.json").write_text('{"pods": {}}\n')  # the MACs a previous run read
     conf = tmp_path / "agentd.toml"
     conf.write_text(
         f'[node]\nname = "n1"\naddress = "10.1.1.1"\n'
@@ -360,6 +366,8 @@ async def test_a_leave_while_the_agent_waits_for_etcd_cleans_the_host_and_says_e
         assert agent.returncode == 0 and b"Traceback" not in err, err.decode()
         assert b"agentd.vxlan" not in ns.ip("-o", "link").stdout
         assert not (tmp_path / "token").exists()
+        assert "removing the file of the MACs read from pods' interfaces: done" in steps, steps
+        assert not (tmp_path / "state" / "pod-macs.json").exists()
     finally:
         if agent.returncode is None:
             agent.kill()

@@ -188,6 +188,17 @@ async def test_leave_reports_every_step_and_what_they_removed_is_gone(lab_factor
     assert any(pins.iterdir())
     assert node2.kernel_routes() and routed_on_node1()
     assert (node2.dir / "subnet.env").exists() and node2.token_path.exists()
+    # node2's pod as an older agentd-cni's (its endpoint file names no MAC): the agent reads the
+    # MAC from the pod's veth and keeps it in its state directory, which the leave removes.
+    pod_macs = node2.dir / "state" / "pod-macs.json"
+    pod = next(p for p in lab.pods if p.node is node2)
+    endpoint = node2.dir / "cni" / "endpoints" / f"{pod.container_id}.json"
+    written = json.loads(endpoint.read_text())
+    del written["pod_mac"]
+    endpoint.with_name(f".{pod.container_id}.test").write_text(json.dumps(written))
+    os.replace(endpoint.with_name(f".{pod.container_id}.test"), endpoint)
+    await auntil(lambda: pod.container_id in (json.loads(pod_macs.read_text())["pods"] if pod_macs.exists() else {}),
+                 20, what="node2's pod's MAC read and kept in pod-macs.json", in_thread=True)
 
     out = await node2.leave()
     lines = out.splitlines()
@@ -200,7 +211,8 @@ async def test_leave_reports_every_step_and_what_they_removed_is_gone(lab_factor
                     "closing the BGP sessions with a Cease (the peers withdraw our routes)",
                     "removing this node's kernel routes", "removing the tunnel devices and the BPF data path",
                     "removing the policy tables and the pod fast path", "removing the services table",
-                    "removing the subnet file", "removing the API token file", "stopping the API"}, out
+                    "removing the subnet file", "removing the API token file", "stopping the API",
+                    "removing the file of the MACs read from pods' interfaces"}, out
     report = json.loads((node2.dir / "state" / "leave.json").read_text())
     assert report["finished"] is True and report["node"] == "node2"
     assert [s["name"] for s in report["steps"]] == [s[0] for s in steps]
@@ -212,6 +224,7 @@ async def test_leave_reports_every_step_and_what_they_removed_is_gone(lab_factor
     assert tables() == [] and devices() == [] and loaded(programs) == set()
     assert not pins.exists() or not any(pins.iterdir()), sorted(p.name for p in pins.iterdir())
     assert not (node2.dir / "subnet.env").exists() and not node2.token_path.exists()
+    assert not pod_macs.exists()
     await auntil(lambda: node2.address not in {p["address"] for p in node1.api("/peers")},
                  what="node2 gone from node1's peers", in_thread=True)
 

@@ -47,7 +47,7 @@ from ipaddress import IPv4Network, IPv6Address, IPv6Network, ip_network
 from pathlib import Path
 
 from agentd.kernel import netlink as nl
-from agentd.kernel.rtnl import Rtnl
+from agentd.kernel.rtnl import Rtnl, of_kind
 
 from . import layout, tc
 from . import libbpf as lb
@@ -360,14 +360,24 @@ class BpfDatapath:
         order = [f.name for f in tc.filters(self.ifindex) if f.direction == "ingress" and f.name in (layout.INGRESS, wire)]
         return layout.INGRESS in order and wire in order and order.index(layout.INGRESS) < order.index(wire)
 
-    def guard_bridges(self) -> set[int]:
+    def link_kinds(self) -> dict[int, str | None]:
+        """The devices here, ifindex -> kind (one RTM_GETLINK dump): a refresh reads them once,
+        for :meth:`guard_bridges` and :meth:`sync_ports` both."""
+        with Rtnl() as rt:
+            return rt.link_kinds()
+
+    def guard_bridges(self, links: Mapping[int, str | None] | None = None) -> set[int]:
         """Attach the ingress filter to every bridge here as well (the pods' bridges, which the
         CNI plugin makes when the first pod comes): encapsulated packets addressed to this node
         are dropped and counted unless they come from a cluster member, whichever device they
-        come in by -- a pod sending VXLAN or flannel UDP to its own node included.  Returns the
-        bridges guarded."""
-        with Rtnl() as rt:
-            bridges = rt.bridges()
+        come in by -- a pod sending VXLAN or flannel UDP to its own node included.  ``links``:
+        the devices as :meth:`link_kinds` read them for this refresh (None: read now).  Returns
+        the bridges guarded."""
+        if links is not None:
+            bridges = of_kind(links, "bridge")
+        else:
+            with Rtnl() as rt:
+                bridges = rt.bridges()
         fd = self.progs.get(layout.INGRESS)
         if fd is None or self.hook is None:
             return set()
@@ -385,13 +395,15 @@ class BpfDatapath:
         self.unguarded = failed
         return self.guarded
 
-    def sync_ports(self) -> int:
+    def sync_ports(self, links: Mapping[int, str | None] | None = None) -> int:
         """Mirror the MACs the bridges learned behind veths -- pods' ports -- into the ports map
         (deliver_local in datapath.c hands only to pods: a bridge whose port is a NIC, with the
-        LAN's hosts behind it, takes no room there); returns how many there are."""
+        LAN's hosts behind it, takes no room there); returns how many there are.  ``links``:
+        the devices as :meth:`link_kinds` read them for this refresh, before the learned MACs
+        (a veth made in between is mirrored at the next refresh); None: read now, after them."""
         with Rtnl() as rt:
             learned = rt.learned_macs()
-            veths = rt.links_of_kind("veth")
+            veths = of_kind(links, "veth") if links is not None else rt.links_of_kind("veth")
         pods = {key: port for key, port in learned.items() if port in veths}
         self.set_ports(pods)
         return len(pods)

@@ -7,13 +7,16 @@ import errno
 import ipaddress
 import logging
 import random
+import struct
 from ipaddress import IPv4Address, IPv4Interface, IPv4Network
 from types import SimpleNamespace
+from typing import ClassVar
 
 from agentd.config.settings import load_config
 from agentd.daemon.flow_directory import FlowDirectory
 from agentd.dataplane.bpf import datapath, layout
 from agentd.dataplane.bpf_backend import BpfPath
+from agentd.kernel import netlink as nl
 from agentd.kernel.netinfo import Underlay
 from agentd.policy.engine import PolicyEngine
 from agentd.policy.model import LocalPort, Pod, Policy
@@ -122,10 +125,13 @@ def test_only_macs_behind_veths_are_mirrored_into_the_ports_map(monkeypatch):
 
 def test_the_bpf_counters_are_read_when_the_ports_sync_fails(caplog):
     class Dp:
-        def guard_bridges(self):
+        def link_kinds(self):
+            return {}
+
+        def guard_bridges(self, links):
             return set()
 
-        def sync_ports(self):
+        def sync_ports(self, links):
             raise OSError(errno.EPERM, "map update: Operation not permitted")
 
         def counters(self):
@@ -139,6 +145,67 @@ def test_the_bpf_counters_are_read_when_the_ports_sync_fails(caplog):
         assert bpf._refresh(Dp())["drops"]["martian"]["packets"] == 3
         assert bpf._refresh(Dp())["drops"]["martian"]["packets"] == 3
     assert len([r for r in caplog.records if "ports map not synced" in r.getMessage()]) == 1
+
+
+class _HostRtnl(datapath.Rtnl):
+    """An Rtnl whose kernel is a list: the host's devices -- eth0 (2), the pods' bridge cni0
+    (5), two pods' veths (12, 13) -- and the MACs the bridge learned, a pod's behind veth 12
+    and a LAN host's behind eth0; each request's message type is noted in ``asked``."""
+
+    asked: ClassVar[list[int]] = []
+    LINKS = ((2, "eth0", None), (5, "cni0", "bridge"), (12, "veth-a", "veth"), (13, "veth-b", "veth"))
+    LEARNED = ((12, _mac(0x0A0000000001)), (2, _mac(0x0C0000000001)))
+
+    def __init__(self) -> None:
+        self._seq = 0
+
+    def close(self) -> None:
+        pass
+
+    def request(self, message: bytes, what: str) -> list[tuple[int, bytes, int, int]]:
+        mtype = struct.unpack_from("=IH", message)[1]
+        self.asked.append(mtype)
+        if mtype == nl.RTM_GETLINK:
+            bodies = [struct.pack("=BxHiII", nl.AF_UNSPEC, 0, index, 0, 0)
+                      + nl.attr(nl.IFLA_IFNAME, name.encode() + b"\0")
+                      + (nl.attr(nl.IFLA_LINKINFO, nl.attr(nl.IFLA_INFO_KIND, kind.encode())) if kind else b"")
+                      for index, name, kind in self.LINKS]
+            return [(nl.RTM_NEWLINK, b, 0, len(b)) for b in bodies]
+        if mtype == nl.RTM_GETNEIGH:
+            bodies = [struct.pack("=BxxxiHBB", nl.AF_BRIDGE, port, nl.NUD_REACHABLE, 0, 0) + nl.attr(nl.NDA_LLADDR, mac)
+                      + nl.attr(nl.NDA_MASTER, struct.pack("=I", 5)) for port, mac in self.LEARNED]
+            return [(nl.RTM_NEWNEIGH, b, 0, len(b)) for b in bodies]
+        raise AssertionError(f"not asked in a refresh: {what}")
+
+
+def test_the_bpf_refresh_dumps_the_hosts_links_once(monkeypatch):
+    """The 2 s refresh dumped the host's links twice, once for the bridges to guard and once
+    for the veths whose learned MACs it mirrors: one RTM_GETLINK dump serves both now, with
+    the same bridges guarded and the same ports mirrored."""
+    kmap = _FullMap(4096)
+    monkeypatch.setattr(datapath.lb, "map_update", kmap.update)
+    monkeypatch.setattr(datapath.lb, "map_delete", kmap.delete)
+    monkeypatch.setattr(datapath, "Rtnl", _HostRtnl)
+    attached = []
+    monkeypatch.setattr(datapath.tc, "attach", lambda ifindex, *_a: attached.append(ifindex) or [])
+    monkeypatch.setattr(datapath.tc, "sweep", lambda pins: None)
+    dp = datapath.BpfDatapath(1, "/nonexistent")
+    dp.maps, dp.progs, dp.hook = {layout.PORTS: 3}, {layout.INGRESS: 99}, "tcx"
+    dp.counters = lambda: {"drops": {}}
+    bpf = BpfPath(load_config(None, env={}, overrides={"node.address": "10.0.0.3", "node.name": "n3"}),
+                  Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"),)))
+    bpf.carried = {"udp"}
+    assert bpf.redirecting  # the ports map is synced at each refresh
+    _HostRtnl.asked = []
+    assert bpf._refresh(dp) == {"drops": {}}
+    assert _HostRtnl.asked.count(nl.RTM_GETLINK) == 1, _HostRtnl.asked
+    assert _HostRtnl.asked.count(nl.RTM_GETNEIGH) == 1
+    assert attached == [5] and dp.guarded == {5}  # the bridge guarded
+    assert dp.ports == {(5, _mac(0x0A0000000001)): 12}  # the pod's MAC mirrored, not the LAN host's
+    bpf.carried = set()  # not redirecting: no ports sync, the one dump for the bridges
+    _HostRtnl.asked = []
+    bpf._refresh(dp)
+    assert _HostRtnl.asked == [nl.RTM_GETLINK]
 
 
 # ------------------------------------------------------------------ the policy engine's indexes

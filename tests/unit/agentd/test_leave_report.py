@@ -16,7 +16,7 @@ from agent_config import agent_cfg as _cfg
 
 from agentd import cli
 from agentd.daemon import agent as agent_module
-from agentd.daemon.agent import ETCD_STEP, Agent
+from agentd.daemon.agent import ETCD_STEP, POD_MACS_STEP, Agent
 from agentd.daemon.leave_report import (
     DONE,
     FAILED,
@@ -30,6 +30,8 @@ from agentd.daemon.leave_report import (
     summary,
     write_report,
 )
+from agentd.policy.agent import PolicyAgent
+from agentd.policy.podmacs import STATE_FILE, PodMacs
 
 # ------------------------------------------------------------------ the report, pure
 
@@ -187,6 +189,58 @@ def test_a_leaving_agent_reports_every_step_with_its_result(tmp_path, host):
     assert exit_code(report) == 1 and agent.exit_status == 0  # exits 0: Restart=on-failure must not rejoin
 
 
+class Policy(Part):
+    """A built policy agent whose pod MACs file (agentd/policy/podmacs.py) is real."""
+
+    remove_pod_macs = PolicyAgent.remove_pod_macs
+
+    def __init__(self, state_dir: Path) -> None:
+        super().__init__()
+        self.pod_macs = PodMacs(state_dir)
+
+
+PODS = {"c1": {"ident": "g:1", "mac": "0a:58:0a:f4:01:05"}}
+
+
+@pytest.mark.parametrize("policy_built", [True, False])
+def test_a_leaving_agent_removes_the_pod_macs_file(tmp_path, host, policy_built):
+    """`agentd leave` left <state_dir>/pod-macs.json behind, the MACs read of the departed
+    node's pods: a step of the leave removes it now -- the policy agent's (which writes it no
+    more), or, before network policy started, the file a previous run left."""
+    state = tmp_path / "state"
+
+    async def main():
+        agent = Agent(_cfg(tmp_path))
+        agent.datastore = Store()
+        agent.policy = Policy(state) if policy_built else None
+        PodMacs(state).write(PODS)
+        agent.request_leave()
+        await agent._shutdown()
+        return agent
+
+    agent = asyncio.run(main())
+    report = read_report(state / "leave.json")
+    assert LeaveStep(POD_MACS_STEP, DONE) in report.steps
+    assert sorted(p.name for p in state.iterdir()) == ["leave.json"]
+    if policy_built:  # a write after the leave (a cancelled task's thread) writes nothing
+        assert agent.policy.pod_macs.write(PODS) and not (state / STATE_FILE).exists()
+
+
+def test_a_pod_macs_file_that_cannot_be_removed_fails_its_step(tmp_path, host):
+    state = tmp_path / "state"
+    (state / STATE_FILE).mkdir(parents=True)  # (EISDIR: a file the leave cannot remove)
+
+    async def main():
+        agent = Agent(_cfg(tmp_path))
+        agent.datastore = Store()
+        agent.request_leave()
+        await agent._shutdown()
+
+    asyncio.run(main())
+    steps = {s.name: s for s in read_report(state / "leave.json").steps}
+    assert steps[POD_MACS_STEP].result == FAILED and "Is a directory" in steps[POD_MACS_STEP].reason
+
+
 def test_a_leave_whose_etcd_step_failed_reports_it_failed(tmp_path, host):
     """The etcd step caught its own error: the report said done while POST /leave said why not."""
     async def main():
@@ -222,6 +276,7 @@ def test_a_leave_with_no_agent_reports_each_part_of_the_host(tmp_path, host, mon
         raise agent_module.NftError("Could not process rule: Operation not permitted")
     monkeypatch.setattr(agent_module, "remove_policy_tables", policy_fails)
     monkeypatch.setattr(agent_module, "nft_missing", lambda: asyncio.sleep(0, None))
+    PodMacs(tmp_path / "state").write(PODS)
     printed = []
     report = asyncio.run(agent_module.leave(_cfg(tmp_path), on_step=printed.append))
     assert printed == report.steps and report.finished and not report.agent
@@ -230,9 +285,10 @@ def test_a_leave_with_no_agent_reports_each_part_of_the_host(tmp_path, host, mon
     assert results["removing the policy tables"] == (FAILED, "Could not process rule: Operation not permitted")
     for name in ("removing what is left of the BPF data path, the pod fast path and the tunnels",
                  "removing the services table and the DNS address", "stopping the ingress proxy a previous run left",
-                 "removing the kernel routes of proto 143", "putting back the flow records' sysctls",
+                 "removing the kernel routes of proto 143", POD_MACS_STEP, "putting back the flow records' sysctls",
                  "removing the flow mask table", "removing the masquerading tables"):
         assert results[name] == (DONE, ""), name
+    assert not (tmp_path / "state" / STATE_FILE).exists()  # the MACs read of the node's pods
     assert read_report(tmp_path / "state" / "leave.json") == report
     assert exit_code(report) == 1
 

@@ -18,7 +18,7 @@ from agentd.datastore.store import Datastore
 from agentd.kernel import netlink as nl
 from agentd.policy import compiler
 from agentd.policy.agent import PolicyAgent
-from agentd.policy.podmacs import STATE_FILE, refusal
+from agentd.policy.podmacs import STATE_FILE, refusal, remove_state
 
 NODE = "node1"
 MAC_A, MAC_B, MAC_C = "0a:58:0a:f4:01:05", "0a:58:0a:f4:01:06", "0a:58:0a:f4:01:07"
@@ -140,6 +140,30 @@ async def test_the_first_mac_taken_sticks_across_agent_restarts(tmp_path, caplog
         third = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)
         await rescan(third)
     assert third.engine.local[("x", "a")].pod_mac == MAC_C and said(caplog, "are read again") == 1
+
+
+async def test_the_leave_removes_the_state_file_and_it_is_not_written_again(tmp_path):
+    """`agentd leave` left pod-macs.json behind: a node that rejoined with the same state
+    directory took a departed pod's MAC for a new pod of the same container ID and file.
+    The policy agent's leave removes it (a write's temporary file too); a write that comes
+    after (a rescan's, its task cancelled while its thread ran) writes nothing."""
+    cni, state = tmp_path / "cni", tmp_path / "state"
+    _now, _asked, peer_mac = interfaces({"veth-c1": MAC_A, "veth-c2": MAC_B})
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=peer_mac, state_dir=state)
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    await rescan(agent)
+    (state / f".{STATE_FILE}.tmp").write_text("{")  # a write cut short
+    assert (state / STATE_FILE).exists()
+    assert await agent.remove_pod_macs() is True
+    assert list(state.iterdir()) == []
+    endpoints.write(cni, endpoint("c2", "b", "10.244.1.6"))
+    await rescan(agent)  # a MAC taken: the write is asked for, and writes nothing
+    assert agent.engine.local[("x", "b")].pod_mac == MAC_B and list(state.iterdir()) == []
+    assert await agent.remove_pod_macs() is False  # nothing left: done all the same
+    # Where no policy agent runs (`agentd leave` without an agent): removed alike.
+    (state / STATE_FILE).write_text('{"pods": {}}\n')
+    assert remove_state(state) is True and list(state.iterdir()) == []
+    assert remove_state(tmp_path / "nowhere") is False
 
 
 async def test_a_relabelled_file_of_an_older_agentd_cni_is_not_read_anew(tmp_path):
