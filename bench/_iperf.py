@@ -27,14 +27,22 @@ def listening(ns: Netns, port: int) -> bool:
 async def server(ns: Netns, *, port: int = PORT, bind: str | None = None, once: bool = False,
                  prefix: Sequence[str] = (), what: str = "iperf3 server") -> AsyncIterator[None]:
     """``iperf3 -s`` in ``ns`` (``prefix``: e.g. ``taskset -c 1``), listening before the
-    body runs; stopped after it.  A server that exits or does not listen within 10 s is a
-    BenchError with what it said."""
+    body runs; stopped after it (:func:`serving`)."""
     args = [*prefix, "iperf3", "-s", "-p", str(port)]
     if bind:
         args += ["-B", bind]
     if once:
         args.append("-1")
-    proc = ns.popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    async with serving(ns, args, port, what):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serving(ns: Netns, args: Sequence[str], port: int, what: str, *, new_session: bool = False) -> AsyncIterator[None]:
+    """A server (``args``) started in ``ns`` -- in a session of its own with ``new_session`` --,
+    listening on TCP ``port`` before the body runs; stopped after it.  A server that exits or
+    does not listen within 10 s is a BenchError with what it said."""
+    proc = ns.popen(list(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=new_session)
     try:
         def exited() -> str | None:
             if proc.poll() is None:

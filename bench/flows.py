@@ -10,11 +10,18 @@ true``, ``connections = false``) and with ``true`` (restarted between modes), ``
 rounds of one run each, the order turned round every other round (off, drops, on; on, drops,
 off; ...) so that a drift of the machine's load falls on all alike; each run measures:
 
-* ``conn/s``: many short TCP connections (connect, one request and answer, close; 4 loops for
-  ``--seconds``, svcecho's TCP_CRR), client pod to server pod across nodes and on one node;
-  with the CPU seconds both agents used meanwhile (/proc/PID/stat), per 1000 connections; the
-  rate counts the connections answered, and a run in which more than 1% failed (or none
-  succeeded) stops the bench; the failed ones are counted under the table;
+* ``conn/s``: many short TCP connections, client pod to server pod across nodes and on one
+  node: wrk (one thread, 4 connections at once, ``Connection: close``: connect, one HTTP
+  request and answer, close) against HAProxy answering every request itself (one thread,
+  no backend) in the server pod, for ``--seconds`` (whole seconds); with the CPU seconds both
+  agents used meanwhile (/proc/PID/stat), per 1000 connections; the rate counts the requests
+  answered (each its own connection), and a run in which more than 1% failed (socket errors
+  and error answers; or none answered) stops the bench; the failed ones are counted under the
+  table.  Client and server are in C, each a few tens of microseconds of its own per
+  connection: the rate is the network's, and what recording adds to a connection shows at
+  its full share.  (Until stop 46 the client and server were svcecho's TCP_CRR in Python,
+  whose own ~300 us a connection tripled the work per connection and so cut recording's
+  share of it to a third: it flattered the ratio.);
 * ``Gbit/s``: one iperf3 stream for ``--seconds``, across nodes and on one node.
 
 Each mode's run measures two placements of the processes (``--placement``, both by default):
@@ -86,7 +93,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import _iperf  # noqa: E402
+from bench import _iperf, _wrk  # noqa: E402
 from bench._common import (CRR_FAILED_SHARE, BenchError, crr_checked, judged, parse_bench_args,  # noqa: E402
                            print_notes, print_table, require_root, run_main, write_json)
 from bench.dataplane import steer
@@ -110,6 +117,8 @@ CLIENT_CPU, SERVER_CPU = ("taskset", "-c", "0"), ("taskset", "-c", "1")
 PLACEMENTS = {"split": {"server_cpu": 1, "agents_cpu": None, "suffix": "", "label": ""},
               "one": {"server_cpu": 0, "agents_cpu": 0, "suffix": "_one", "label": ", all on CPU 0"}}
 IPERF_PORTS = {"split": _iperf.PORT, "one": _iperf.PORT + 1}  # one iperf3 server pinned per placement
+HTTP_PORTS = {"split": 8081, "one": 8082}  # one HAProxy answering pinned per placement (the connection rate)
+CRR_CONNECTIONS = 4  # wrk's connections at once: each a new TCP connection per request
 
 
 def pin(pid: int, cpu: int | set[int]) -> None:
@@ -211,8 +220,7 @@ def busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds: float,
-                  placement: str = "split") -> dict[str, float]:
+async def measure(lab: Lab, pods: dict[str, Any], seconds: float, placement: str = "split") -> dict[str, float]:
     """One mode's figures in one placement (the caller put the processes there: :func:`place`),
     keyed with the placement's suffix."""
     server = pods["server"]
@@ -222,9 +230,11 @@ async def measure(lab: Lab, pods: dict[str, Any], echo: dict[str, Echo], seconds
         pids = [n.agent_pid() for n in lab.nodes]
         agents, busy = [cpu_seconds(p) for p in pids], busy_seconds()
         what = f"{where}{PLACEMENTS[placement]['label']}"
-        r = crr_checked(await echo[client].crr(server.ip, 8080, seconds), f"connections {what}")
+        got = await _wrk.run(pods[client].ns, f"http://{server.ip}:{HTTP_PORTS[placement]}/", seconds, close=True, threads=1,
+                             connections=CRR_CONNECTIONS, prefix=CLIENT_CPU)  # fmt: skip
+        r = crr_checked({"connections": got["answered"], "failed": got["failed"]}, f"connections {what}")
         per_k = 1000 / r["connections"]
-        out[f"crr_{where}{sfx}"] = r["connections"] / r["seconds"]
+        out[f"crr_{where}{sfx}"] = got["rps"]
         out[f"crr_failed_{where}{sfx}"] = r["failed"]
         out[f"crr_connections_{where}{sfx}"] = r["connections"]
         out[f"agent_ms_{where}{sfx}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
@@ -512,13 +522,16 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 await servers.enter_async_context(_iperf.server(
                     pods["server"].ns, port=IPERF_PORTS[placement], what=f"iperf3 server ({placement})",
                     prefix=("taskset", "-c", str(PLACEMENTS[placement]["server_cpu"]))))
+                await servers.enter_async_context(_wrk.answering(
+                    pods["server"].ns, HTTP_PORTS[placement], what=f"HAProxy answering ({placement})",
+                    prefix=("taskset", "-c", str(PLACEMENTS[placement]["server_cpu"]))))
             for k in range(args.rounds):
                 for mode in MODES if k % 2 == 0 else MODES[::-1]:
                     await restart(lab, mode != "off", connections=mode == "on")
                     got: dict[str, float] = {}
                     for placement in placements if k % 2 == 0 else placements[::-1]:
                         place(lab, echo, placement)
-                        got.update(await measure(lab, pods, echo, args.seconds, placement))
+                        got.update(await measure(lab, pods, args.seconds, placement))
                     runs[mode].append(got)
                     print(f"[flows {mode}] {got}", file=sys.stderr, flush=True)
                 loads.append(os.getloadavg()[0])

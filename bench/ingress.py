@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -76,6 +75,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import _wrk  # noqa: E402
 from bench._common import (BenchError, judged, parse_bench_args, print_notes, print_table, require_root,  # noqa: E402
                            run_main, write_json)
 
@@ -119,40 +119,11 @@ def ingress(name: str, hosts: list[str]) -> dict[str, Any]:
 # ---------------------------------------------------------------- wrk
 
 
-def _ms(text: str) -> float:
-    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
-    assert m, text
-    return float(m.group(1)) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}[m.group(2)]
-
-
 async def wrk(lab: Lab, url: str, seconds: float, *, host: str | None = None, close: bool = False, threads: int = 2,
               connections: int = 16, need_answers: bool = True) -> dict[str, float]:  # fmt: skip
-    """One wrk run's figures; ``rps`` counts answered requests only (not non-2xx/3xx).  A run
-    with none answered is a BenchError unless ``need_answers`` is false (churn: there the
-    failed requests are the figure, and a run that failed them all is a NOT met)."""
-    args = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{int(seconds)}s", "--latency"]
-    if host:
-        args += ["-H", f"Host: {host}"]
-    if close:
-        args += ["-H", "Connection: close"]
-    rc, out, err = await lab.nodes[1].ns.aexec(*args, url, check=False, timeout=seconds + 60)
-    text = out.decode()
-    if rc != 0 or "requests in" not in text:
-        raise BenchError(f"wrk {url} failed (exit {rc}): {err.decode().strip() or text.strip()}")
-    total = int(re.search(r"(\d+) requests in", text).group(1))
-    errors = sum(int(x) for x in (re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text) or
-                                  re.match(r"()()()()", "")).groups() if x)  # fmt: skip
-    non2xx = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", text)) else 0
-    # wrk's Requests/sec counts every response, error answers (non-2xx/3xx) too: requests/s
-    # here, and the goal judged on them, count the answered ones only (at wrk's rate).
-    rps_all = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))
-    if need_answers and total <= non2xx:
-        raise BenchError(f"wrk {url}: no request answered ({total} responses, {non2xx} of them errors; "
-                         f"{errors} socket errors)")
-    p50 = _ms(re.search(r"^\s+50%\s+(\S+)", text, re.M).group(1))
-    p99 = _ms(re.search(r"^\s+99%\s+(\S+)", text, re.M).group(1))
-    return {"requests": total, "rps": rps_all * (total - non2xx) / total if total else 0.0, "rps_all": rps_all, "p50_ms": p50,
-            "p99_ms": p99, "failed": errors + non2xx}
+    """One wrk run in node2's namespace (bench/_wrk.py)."""
+    return await _wrk.run(lab.nodes[1].ns, url, seconds, host=host, close=close, threads=threads, connections=connections,
+                          need_answers=need_answers)  # fmt: skip
 
 
 # ---------------------------------------------------------------- the anchor: the proxy alone

@@ -21,29 +21,27 @@ from bench import flows
 from bench._common import BenchError, Iperf3Run
 
 
-class _Echo:
-    def __init__(self, answer: dict) -> None:
-        self.answer = answer
-
-    async def crr(self, ip: str, port: int, seconds: float) -> dict:
-        return dict(self.answer)
-
-
-def _measure(monkeypatch, answer: dict, placement: str = "split") -> tuple[dict, list[dict]]:
-    """measure() on a made-up lab whose crr answers ``answer``; what it returned and the
-    keyword arguments of each iperf3 client it started."""
+def _measure(monkeypatch, answer: dict, placement: str = "split", wrk_calls: list | None = None) -> tuple[dict, list[dict]]:
+    """measure() on a made-up lab whose wrk runs answer ``answer`` (connections answered,
+    failed, seconds); what it returned and the keyword arguments of each iperf3 client it
+    started (``wrk_calls``: each wrk run's namespace, URL and keyword arguments)."""
     iperf_calls: list[dict] = []
 
     async def client(ns, dst, seconds, **kw):
         iperf_calls.append(kw)
         return Iperf3Run(9.0, 0)
 
+    async def wrk(ns, url, seconds, **kw):
+        if wrk_calls is not None:
+            wrk_calls.append((ns, url, kw))
+        return {"answered": answer["connections"], "failed": answer["failed"], "rps": answer["connections"] / answer["seconds"]}
+
     monkeypatch.setattr(flows._iperf, "client", client)
+    monkeypatch.setattr(flows._wrk, "run", wrk)
     monkeypatch.setattr(flows, "busy_seconds", lambda: 0.0)
     lab = SimpleNamespace(nodes=[SimpleNamespace(agent_pid=lambda: None)])
     pods = {name: SimpleNamespace(ns=name, ip="10.244.1.2") for name in ("server", "client", "local")}
-    echo = {"client": _Echo(answer), "local": _Echo(answer)}
-    return asyncio.run(flows.measure(lab, pods, echo, 3.0, placement)), iperf_calls
+    return asyncio.run(flows.measure(lab, pods, 3.0, placement)), iperf_calls
 
 
 @pytest.mark.parametrize("answer", [{"connections": 0, "failed": 0, "seconds": 3.0},
@@ -63,6 +61,18 @@ def test_a_few_failed_connections_are_kept_and_counted(monkeypatch):
 def test_the_iperf3_client_runs_on_the_clients_cpu(monkeypatch):
     _, calls = _measure(monkeypatch, {"connections": 3000, "failed": 0, "seconds": 3.0})
     assert [c.get("prefix") for c in calls] == [flows.CLIENT_CPU, flows.CLIENT_CPU]
+
+
+@pytest.mark.parametrize("placement", ["split", "one"])
+def test_the_connection_rate_is_wrk_opening_a_connection_per_request_from_the_clients_cpu(monkeypatch, placement):
+    """A C client (wrk, one thread, 4 connections at once, ``Connection: close``) against the
+    placement's own HAProxy answering, from each client pod on CPU 0."""
+    calls: list = []
+    _measure(monkeypatch, {"connections": 3000, "failed": 0, "seconds": 3.0}, placement, wrk_calls=calls)
+    port = flows.HTTP_PORTS[placement]
+    assert [(ns, url) for ns, url, _ in calls] == [("client", f"http://10.244.1.2:{port}/"), ("local", f"http://10.244.1.2:{port}/")]
+    assert all(kw == {"close": True, "threads": 1, "connections": flows.CRR_CONNECTIONS, "prefix": flows.CLIENT_CPU}
+               for _, _, kw in calls)
 
 
 def _run(crr_off, crr_on, failed_off=None, gbps=(10.0, 9.9), one=None):
