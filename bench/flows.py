@@ -20,8 +20,8 @@ off; ...) so that a drift of the machine's load falls on all alike; each run mea
   table.  Client and server are in C, each a few tens of microseconds of its own per
   connection: the rate is the network's, and what recording adds to a connection shows at
   its full share.  (Until stop 46 the client and server were svcecho's TCP_CRR in Python,
-  whose own ~300 us a connection tripled the work per connection and so cut recording's
-  share of it to a third: it flattered the ratio.);
+  whose own 300-360 us a connection made it three to four times the work, so that what
+  recording adds read as a third to a quarter of its share: it flattered the ratio.);
 * ``Gbit/s``: one iperf3 stream for ``--seconds``, across nodes and on one node.
 
 Each mode's run measures two placements of the processes (``--placement``, both by default):
@@ -794,7 +794,7 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
                         for x in rs for where in ("across", "same") for p in placements)
               for mode, rs in runs.items()}
     print_notes("Notes", [
-        f"failed connections (a connect or answer over 2 s; all rounds, across and same node, every placement; a run with more than "
+        f"failed connections (wrk's socket errors and error answers; all rounds, across and same node, every placement; a run with more than "
         f"{CRR_FAILED_SHARE:.0%} failed stops the bench): " + ", ".join(f"{mode} {n:,}" for mode, n in failed.items()),
         (f"storms recorded, together: drop records kept {sum(x['records'] for x in reps['on']):,}; suppressed in the "
          f"kernel (nft limit) {sum(x['suppressed_kernel'] for x in reps['on']):,}, by the agent "
