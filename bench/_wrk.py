@@ -30,7 +30,8 @@ async def run(ns: Netns, url: str, seconds: float, *, host: str | None = None, c
               connections: int = 16, need_answers: bool = True, prefix: Sequence[str] = ()) -> dict[str, float]:  # fmt: skip
     """One wrk run in ``ns`` (``prefix``: e.g. ``taskset -c 0``) for ``seconds`` (whole, at
     least 1); ``close``: a new connection per request.  ``rps`` counts answered requests only
-    (not non-2xx/3xx); ``failed`` = socket errors + error answers.  A run with none answered is
+    (not non-2xx/3xx); ``failed`` = connect, read and write errors + error answers
+    (``timeouts``, answers slower than 2 s, apart).  A run with none answered is
     a BenchError unless ``need_answers`` is false (churn: there the failed requests are the
     figure, and a run that failed them all is a NOT met)."""
     args = [*prefix, "wrk", "-t", str(threads), "-c", str(connections), "-d", f"{max(1, int(seconds))}s", "--latency"]
@@ -43,19 +44,23 @@ async def run(ns: Netns, url: str, seconds: float, *, host: str | None = None, c
     if rc != 0 or "requests in" not in text:
         raise BenchError(f"wrk {url} failed (exit {rc}): {err.decode().strip() or text.strip()}")
     total = int(re.search(r"(\d+) requests in", text).group(1))
-    errors = sum(int(x) for x in (re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text) or
-                                  re.match(r"()()()()", "")).groups() if x)  # fmt: skip
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    connect, read, write, timeouts = (int(x) for x in m.groups()) if m else (0, 0, 0, 0)
     non2xx = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", text)) else 0
     # wrk's Requests/sec counts every response, error answers (non-2xx/3xx) too: requests/s
     # here, and the goals judged on them, count the answered ones only (at wrk's rate).
     rps_all = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))
     if need_answers and total <= non2xx:
         raise BenchError(f"wrk {url}: no request answered ({total} responses, {non2xx} of them errors; "
-                         f"{errors} socket errors)")
+                         f"{connect + read + write} socket errors)")
     p50 = _ms(re.search(r"^\s+50%\s+(\S+)", text, re.MULTILINE).group(1))
     p99 = _ms(re.search(r"^\s+99%\s+(\S+)", text, re.MULTILINE).group(1))
+    # A slow answer (over wrk's 2 s timeout) is counted both as an answer and as a timeout:
+    # ``timeouts`` apart, not among the failed.  A connect error loses that connection for
+    # the rest of the run (wrk does not open it again): ``connect_errors`` apart too.
     return {"requests": total, "answered": total - non2xx, "rps": rps_all * (total - non2xx) / total if total else 0.0,
-            "rps_all": rps_all, "p50_ms": p50, "p99_ms": p99, "failed": errors + non2xx}
+            "rps_all": rps_all, "p50_ms": p50, "p99_ms": p99, "failed": connect + read + write + non2xx,
+            "connect_errors": connect, "timeouts": timeouts}
 
 
 def answering_config(port: int) -> str:

@@ -17,11 +17,14 @@ off; ...) so that a drift of the machine's load falls on all alike; each run mea
   agents used meanwhile (/proc/PID/stat), per 1000 connections; the rate counts the requests
   answered (each its own connection), and a run in which more than 1% failed (socket errors
   and error answers; or none answered) stops the bench; the failed ones are counted under the
-  table.  Client and server are in C, each a few tens of microseconds of its own per
-  connection: the rate is the network's, and what recording adds to a connection shows at
-  its full share.  (Until stop 46 the client and server were svcecho's TCP_CRR in Python,
-  whose own 300-360 us a connection made it three to four times the work, so that what
-  recording adds read as a third to a quarter of its share: it flattered the ratio.);
+  table.  Client and server are in C, whose own work per connection is small beside
+  svcecho's: until stop 46 the rate was svcecho's TCP_CRR, a Python client and server whose
+  own 300-360 us a connection were about half of what a connection cost the core, which
+  flattered the ratio (all on CPU 0, pooled: 0.954x and 0.968x then, 0.933x and 0.939x in
+  the first run with wrk).  A connect error stops the bench (wrk does not open such a
+  connection again: the run would go on with fewer at once).  The stream starts once both
+  agents are quiet (under 5 ms of CPU in a quarter second, at most 5 s): the tens of
+  thousands of connections just made leave them records to read;
 * ``Gbit/s``: one iperf3 stream for ``--seconds``, across nodes and on one node.
 
 Each mode's run measures two placements of the processes (``--placement``, both by default):
@@ -220,6 +223,27 @@ def busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
+SETTLE_MAX = 5.0  # seconds the stream waits at most for the agents to be done with the connections
+
+
+async def settled(pids: list[int | None], *, quiet: float = 0.005, every: float = 0.25, limit: float = SETTLE_MAX,
+                  sleep: Any = asyncio.sleep, clock: Any = time.monotonic) -> float:  # fmt: skip
+    """Wait until the agents (``pids``; None: no agent to wait for) used less than ``quiet`` CPU
+    seconds together in ``every`` seconds, at most ``limit`` seconds; the seconds waited."""
+    known = [p for p in pids if p is not None]
+    start = clock()
+    if not known:
+        return 0.0
+    before = [cpu_seconds(p) for p in known]
+    while clock() - start < limit:
+        await sleep(every)
+        now = [cpu_seconds(p) for p in known]
+        if sum(b - a for a, b in zip(before, now)) < quiet:
+            break
+        before = now
+    return clock() - start
+
+
 async def measure(lab: Lab, pods: dict[str, Any], seconds: float, placement: str = "split") -> dict[str, float]:
     """One mode's figures in one placement (the caller put the processes there: :func:`place`),
     keyed with the placement's suffix."""
@@ -232,6 +256,9 @@ async def measure(lab: Lab, pods: dict[str, Any], seconds: float, placement: str
         what = f"{where}{PLACEMENTS[placement]['label']}"
         got = await _wrk.run(pods[client].ns, f"http://{server.ip}:{HTTP_PORTS[placement]}/", seconds, close=True, threads=1,
                              connections=CRR_CONNECTIONS, prefix=CLIENT_CPU)  # fmt: skip
+        if got["connect_errors"]:  # wrk does not open a connection again whose connect failed: the rate would be low
+            raise BenchError(f"connections {what}: {got['connect_errors']:,} connect error(s) (wrk's): the rate would "
+                             f"not be the path's")
         r = crr_checked({"connections": got["answered"], "failed": got["failed"]}, f"connections {what}")
         per_k = 1000 / r["connections"]
         out[f"crr_{where}{sfx}"] = got["rps"]
@@ -239,6 +266,9 @@ async def measure(lab: Lab, pods: dict[str, Any], seconds: float, placement: str
         out[f"crr_connections_{where}{sfx}"] = r["connections"]
         out[f"agent_ms_{where}{sfx}"] = sum(cpu_seconds(p) - a for p, a in zip(pids, agents)) * 1000 * per_k
         out[f"busy_ms_{where}{sfx}"] = (busy_seconds() - busy) * 1000 * per_k
+        # The stream after the agents have done with the connections' records (tens of
+        # thousands a run): measured beside that work it would read recording's backlog.
+        out[f"settle_s_{where}{sfx}"] = await settled(pids)
         run = await _iperf.client(pods[client].ns, server.ip, seconds, port=IPERF_PORTS[placement], prefix=CLIENT_CPU,
                                   what=f"iperf3 {what}")
         out[f"gbps_{where}{sfx}"] = run.gbps
@@ -759,7 +789,7 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     load_note = f"load average {min(loads):.2f}-{max(loads):.2f} over the rounds" if loads else load()
     where = {"split": "clients on CPU 0, servers on CPU 1, agents anywhere",
              "one": "'all on CPU 0': clients, servers and both agents on CPU 0"}
-    print_table(f"Flow recording off vs on: 2-node lab, host-gw, {args.rounds} round(s) of {args.seconds:.0f} s per mode, "
+    print_table(f"Flow recording off vs on: 2-node lab, host-gw, {args.rounds} round(s) of {max(1, int(args.seconds))} s per mode, "
                 f"order off,drops,on / on,drops,off by turns; " + "; then ".join(where[p] for p in placements)
                 + "; medians, on/off the median of the rounds' own ratios; 'drops only': [flows] connections = false"
                 + ("; each node's received packets on its own CPU (--node-cpus: node 1 CPU 0, node 2 CPU 1)"

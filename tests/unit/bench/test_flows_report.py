@@ -34,11 +34,19 @@ def _measure(monkeypatch, answer: dict, placement: str = "split", wrk_calls: lis
     async def wrk(ns, url, seconds, **kw):
         if wrk_calls is not None:
             wrk_calls.append((ns, url, kw))
-        return {"answered": answer["connections"], "failed": answer["failed"], "rps": answer["connections"] / answer["seconds"]}
+        return {"answered": answer["connections"], "failed": answer["failed"], "rps": answer["connections"] / answer["seconds"],
+                "connect_errors": answer.get("connect_errors", 0), "timeouts": 0}
 
     monkeypatch.setattr(flows._iperf, "client", client)
     monkeypatch.setattr(flows._wrk, "run", wrk)
     monkeypatch.setattr(flows, "busy_seconds", lambda: 0.0)
+    settles: list = []
+
+    async def settled(pids, **kw):
+        settles.append(pids)
+        return 0.5
+
+    monkeypatch.setattr(flows, "settled", settled)
     lab = SimpleNamespace(nodes=[SimpleNamespace(agent_pid=lambda: None)])
     pods = {name: SimpleNamespace(ns=name, ip="10.244.1.2") for name in ("server", "client", "local")}
     return asyncio.run(flows.measure(lab, pods, 3.0, placement)), iperf_calls
@@ -56,6 +64,40 @@ def test_a_run_whose_connections_failed_stops_the_bench(monkeypatch, answer):
 def test_a_few_failed_connections_are_kept_and_counted(monkeypatch):
     got, _ = _measure(monkeypatch, {"connections": 3000, "failed": 2, "seconds": 3.0})
     assert got["crr_across"] == 1000 and got["crr_failed_across"] == 2 and got["crr_failed_same"] == 2
+
+
+def test_a_connect_error_stops_the_bench(monkeypatch):
+    """wrk does not open a connection again whose connect failed: one such error leaves the
+    run with fewer connections at once, however few failed."""
+    with pytest.raises(BenchError, match="connections across: 1 connect error"):
+        _measure(monkeypatch, {"connections": 30000, "failed": 1, "seconds": 3.0, "connect_errors": 1})
+
+
+def test_the_stream_waits_for_the_agents_and_says_how_long(monkeypatch):
+    got, _ = _measure(monkeypatch, {"connections": 3000, "failed": 0, "seconds": 3.0})
+    assert got["settle_s_across"] == got["settle_s_same"] == 0.5
+
+
+def test_settled_waits_until_the_agents_are_quiet_or_the_limit():
+    """Quiet once the agents used under 5 ms in a quarter second; never past the limit; no
+    agent to wait for: at once."""
+    def run(readings, limit=5.0):
+        clock = [0.0]
+        seen = iter(readings)
+
+        async def sleep(s):
+            clock[0] += s
+
+        flows_cpu = flows.cpu_seconds
+        flows.cpu_seconds = lambda pid: next(seen)
+        try:
+            return asyncio.run(flows.settled([1], sleep=sleep, clock=lambda: clock[0], limit=limit))
+        finally:
+            flows.cpu_seconds = flows_cpu
+
+    assert run([1.0, 1.05, 1.10, 1.101]) == 0.75  # busy, busy, then 1 ms in a quarter second
+    assert run([1.0 + 0.1 * k for k in range(30)], limit=1.0) == 1.0  # busy throughout: the limit
+    assert asyncio.run(flows.settled([None])) == 0.0
 
 
 def test_the_iperf3_client_runs_on_the_clients_cpu(monkeypatch):
