@@ -191,7 +191,7 @@ def compile_lla_chain(interface: str, mac: str, log: DropLog | None = None) -> N
     solicitations of the pod port whose pod's MAC is ``mac`` go on only with no option, or
     with one link-layer address option of their kind naming ``mac``; the others are spoofed
     (``spoofed-mac``, as an ARP packet's sender hardware address not the pod's own)."""
-    own = int(mac.replace(":", "").replace("-", ""), 16)
+    own = int.from_bytes(bytes.fromhex(mac.replace(":", "")), "big")  # six octets (podmacs.refusal refuses the rest)
     rules = [rule_text([match(payload("icmpv6", "type"), {"set": ["nd-neighbor-solicit", "nd-neighbor-advert"]}),
                         match(_IP6_LENGTH, 24), RETURN])]  # fmt: skip
     for kind in ("nd-neighbor-solicit", "nd-neighbor-advert"):
