@@ -50,7 +50,9 @@ the ``ip`` one, and a pod is in the sets of both families with both its addresse
 bridge table checks IPv6 sources as it checks IPv4 ones (link-local sources and the
 unspecified source of duplicate address detection aside), drops router advertisements and
 redirects from pods (they are no routers), drops their neighbour advertisements for
-addresses not their own (``na/<port>`` chains, :func:`compile_na_chain`), and lets neighbour
+addresses not their own (``na/<port>`` chains, :func:`compile_na_chain`) and, from a pod whose
+MAC is checked, neighbour discovery whose options are not one link-layer address option naming
+that MAC, or none (``lla/<port>`` chains, :func:`compile_lla_chain`), and lets neighbour
 discovery pass otherwise untouched, to and from isolated pods alike: it is never routed up,
 so isolation never breaks it.
 
@@ -99,6 +101,7 @@ SELF_MARK = 0x00400000
 FROM_SELF = match({"&": [meta("mark"), SELF_MARK]}, SELF_MARK)
 
 NA_PORTS = "na-ports"  # pod port -> its chain of the targets its neighbour advertisements may have
+LLA_PORTS = "lla-ports"  # MAC-checked pod port -> its chain of the neighbour discovery options it may send
 
 SPOOFED_PREFIX = "spoofed"
 # Frames from a pod port whose source MAC is not the pod's own: their own drop chain and log
@@ -136,6 +139,10 @@ def na_chain(interface: str) -> str:
     return f"na/{interface}"
 
 
+def lla_chain(interface: str) -> str:
+    return f"lla/{interface}"
+
+
 # A neighbour advertisement's target address: 8 bytes into the ICMPv6 header (nftables 1.0.6
 # has no name for it, so it is a raw payload, compared with numbers).
 _NA_TARGET = {"payload": {"base": "th", "offset": 64, "len": 128}}
@@ -149,6 +156,53 @@ def compile_na_chain(interface: str, addresses: Iterable[str], log: DropLog | No
 
     rules = [rule_text([match(_NA_TARGET, f"0x{int(IPv6Address(a)):032x}"), RETURN]) for a in sorted(addresses)]
     return NftChain(BRIDGE, TABLE, na_chain(interface), (*rules, rule_text(_spoofed(log))))
+
+
+# Neighbour discovery's link-layer address options (RFC 4861 4.6.1), which a receiver's
+# neighbour cache takes for the sender's (NS, RS: source, type 1) or the target's (NA: target,
+# type 2) address, as an ARP packet's sender hardware address.  nftables 1.0.6 has no expression
+# for options, only raw payloads at fixed offsets, while a receiving Linux kernel takes the first
+# link-layer address option wherever it is among the options: so the check is by shape, judged
+# with the IPv6 payload length.  An NS or NA is 24 bytes (ICMPv6 header, reserved or flags, the
+# target) and an RS 8 before its options; what a pod may send is that alone, or with exactly one
+# option, of the right type, 8 bytes long (length 1), naming the pod's own MAC: type, length and
+# MAC as one 64-bit raw payload at the options' offset.  (An extension header makes the ICMPv6
+# message shorter than the payload length: a receiver sees no option the check did not.)
+_ND_BODY = {"nd-neighbor-solicit": 24, "nd-neighbor-advert": 24, "nd-router-solicit": 8}
+_ND_LLA_TYPE = {"nd-neighbor-solicit": 1, "nd-neighbor-advert": 2, "nd-router-solicit": 1}
+ND_CHECKED = ["nd-router-solicit", "nd-neighbor-solicit", "nd-neighbor-advert"]
+_IP6_LENGTH = payload("ip6", "length")
+# Duplicate address detection's solicitation (from the unspecified address) carries no source
+# link-layer address (RFC 4861 7.2.2; a receiving Linux kernel drops one that does) but, with
+# enhanced_dad (Linux's default), a nonce option (RFC 7527, type 14, 8 bytes: Linux's nonce is
+# 6), which is no address and updates no cache.
+ND_NONCE = 14
+_DAD_NONCE = [match(payload("icmpv6", "type"), "nd-neighbor-solicit"), match(_IP6_LENGTH, 32),
+              match({"payload": {"base": "th", "offset": 192, "len": 16}}, f"0x{ND_NONCE:02x}01")]  # fmt: skip
+
+
+def _nd_option(kind: str) -> dict[str, Any]:
+    """The raw payload of a neighbour discovery message's first 8 bytes of options."""
+    return {"payload": {"base": "th", "offset": _ND_BODY[kind] * 8, "len": 64}}
+
+
+def compile_lla_chain(interface: str, mac: str, log: DropLog | None = None) -> NftChain:
+    """``lla/<interface>``: the neighbour solicitations, advertisements and router
+    solicitations of the pod port whose pod's MAC is ``mac`` go on only with no option, or
+    with one link-layer address option of their kind naming ``mac``; the others are spoofed
+    (``spoofed-mac``, as an ARP packet's sender hardware address not the pod's own)."""
+    own = int.from_bytes(bytes.fromhex(mac.replace(":", "")), "big")  # six octets (podmacs.refusal refuses the rest)
+    rules = [rule_text([match(payload("icmpv6", "type"), {"set": ["nd-neighbor-solicit", "nd-neighbor-advert"]}),
+                        match(_IP6_LENGTH, 24), RETURN])]  # fmt: skip
+    for kind in ("nd-neighbor-solicit", "nd-neighbor-advert"):
+        option = (_ND_LLA_TYPE[kind] << 56) | (1 << 48) | own
+        rules.append(rule_text([match(payload("icmpv6", "type"), kind), match(_IP6_LENGTH, 32),
+                                match(_nd_option(kind), f"0x{option:016x}"), RETURN]))  # fmt: skip
+    option = (_ND_LLA_TYPE["nd-router-solicit"] << 56) | (1 << 48) | own
+    rules += [rule_text([match(payload("icmpv6", "type"), "nd-router-solicit"), match(_IP6_LENGTH, 8), RETURN]),
+              rule_text([match(payload("icmpv6", "type"), "nd-router-solicit"), match(_IP6_LENGTH, 16),
+                         match(_nd_option("nd-router-solicit"), f"0x{option:016x}"), RETURN])]  # fmt: skip
+    return NftChain(BRIDGE, TABLE, lla_chain(interface), (*rules, rule_text(_spoofed(log, SPOOFED_MAC))))
 
 
 def drop_prefix(chain: str) -> str:
@@ -321,6 +375,14 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
                 # would draw B's traffic to this pod): each pod port's chain (compile_na_chain).
                 [ether, from_pod, match(payload(f.icmp, "type"), "nd-neighbor-advert"), _NA_TARGET_NOT_LINK_LOCAL,
                  {"vmap": {"key": meta("iifname"), "data": ref(NA_PORTS)}}],
+                # Nor another MAC in their link-layer address options (a receiver's neighbour
+                # cache takes that, not the frame's source): each MAC-checked pod port's chain
+                # (compile_lla_chain), after duplicate address detection's solicitations with a
+                # nonce option, which need none.  Neighbour discovery only (hop limit 255: a
+                # receiver drops any other), from the port of a pod whose MAC is known.
+                [ether, match(f.saddr(), "::"), *_DAD_NONCE, ACCEPT],
+                [ether, match(payload(f.icmp, "type"), {"set": ND_CHECKED}), match(payload("ip6", "hoplimit"), 255),
+                 {"vmap": {"key": meta("iifname"), "data": ref(LLA_PORTS)}}],
                 # Duplicate address detection (and MLD before it) comes from the unspecified address.
                 [ether, match(f.saddr(), "::"), match(meta("l4proto"), "ipv6-icmp"), ACCEPT],
                 # A pod's IPv6 packets carry its own address or a link-local one, or are dropped.
@@ -399,7 +461,7 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
         *(NftSet(BRIDGE, TABLE, f.name(SELF_PORTS), ("ifname", f.addr, f.addr)) for f in fams),
         NftSet(BRIDGE, TABLE, "port-macs", ("ifname",), map="ether_addr"),
         *(NftSet(BRIDGE, TABLE, f.name("addr-macs"), (f.addr,), map="ether_addr") for f in fams),
-        *([NftSet(BRIDGE, TABLE, NA_PORTS, ("ifname",), map="verdict")] if any(f.version == 6 for f in fams) else []),
+        *(NftSet(BRIDGE, TABLE, m, ("ifname",), map="verdict") for m in (NA_PORTS, LLA_PORTS) if any(f.version == 6 for f in fams)),
         NftCounter(BRIDGE, TABLE, SPOOFED),
         NftChain(BRIDGE, TABLE, "prerouting", tuple(rule_text(r) for r in prerouting),
                  hook=("filter", "prerouting", BRIDGE_PRIORITY, "accept")),

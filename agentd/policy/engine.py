@@ -515,6 +515,7 @@ class PolicyEngine:
 
         elements: dict[str, set[Any]] = defaultdict(set)
         na_targets: dict[str, set[str]] = {}  # a pod port's IPv6 addresses (of every pod with the port: one)
+        lla_macs: dict[str, str] = {}  # a MAC-checked pod port's pod's MAC, for its neighbour discovery options
         for key, port in self.local.items():
             pod = self.pods.get(key)
             if pod is None or not any(ip.version in self.families for ip in pod.ips):
@@ -541,6 +542,10 @@ class PolicyEngine:
             if 6 in self.families:  # every pod port, with IPv6 addresses or none
                 elements[compiler.NA_PORTS].add((port.interface, ("jump", compiler.na_chain(port.interface))))
                 na_targets.setdefault(port.interface, set()).update(ip for f, ip in addresses if f.version == 6)
+                # where its MAC is known and checked (a refused one's port is cut off already)
+                if port.pod_mac and self.check_source_mac:
+                    elements[compiler.LLA_PORTS].add((port.interface, ("jump", compiler.lla_chain(port.interface))))
+                    lla_macs[port.interface] = port.pod_mac
             for f, ip in addresses:
                 elements[f.name("pod-addrs")].add((port.interface, ip))
                 elements[f.name("addr-macs")].add((ip, port.mac))
@@ -560,7 +565,8 @@ class PolicyEngine:
             if obj.kind == "set" and obj.name in elements:
                 obj = replace(obj, elements=frozenset(elements[obj.name]))
             out.append(obj)
-        return out + [compiler.compile_na_chain(port, ips, self.drop_log) for port, ips in sorted(na_targets.items())]
+        return out + [compiler.compile_na_chain(port, ips, self.drop_log) for port, ips in sorted(na_targets.items())] + [
+            compiler.compile_lla_chain(port, mac, self.drop_log) for port, mac in sorted(lla_macs.items())]
 
 
 def _peer_selectors(policy: Policy) -> set[PeerSelector]:

@@ -28,6 +28,7 @@ from netpol_model import Cluster, ModelPod, allowed
 
 from agentd.lab.netns import Netns, veth
 from agentd.lab.probe import Prober
+from agentd.lab.wait import auntil
 from agentd.nft.libnftables import Nft
 from agentd.nft.programmer import NftProgrammer
 from agentd.policy import compiler
@@ -569,3 +570,146 @@ async def test_a_neighbour_advertisement_from_a_pod_cannot_claim_another_pods_ad
     finally:
         for ns, dev in ((node.ns, "cni0"), (a, "eth0")):
             ns.ip("-6", "neigh", "flush", "dev", dev, check=False)
+
+
+# ------------------------------------------------------------------ neighbour discovery's link-layer address options
+# Two more pods, nd/m and nd/n, whose MACs the agent knows (as agentd-cni records them): their
+# ports are MAC-checked, so are the link-layer address options of their neighbour discovery.
+# Their namespaces keep the kernel's defaults: duplicate address detection on, with a nonce
+# (enhanced_dad).
+
+ND_PODS = {"m": ("fd00:10:244:1::20", "vethndm"), "n": ("fd00:10:244:1::21", "vethndn")}
+M_NEW = "fd00:10:244:1::22"  # an address m is given later (duplicate address detection first)
+
+SEND_ND = """
+import socket, sys
+kind, source, dest, target, options = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], bytes.fromhex(sys.argv[5])
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)  # the kernel fills in the checksum
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 255)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, 255)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, socket.if_nametoindex("eth0"))
+if source != "auto":
+    s.bind((source, 0))
+flags = 0x20 if kind == "na" else 0  # an advertisement's override flag
+msg = bytes([136 if kind == "na" else 135, 0, 0, 0, flags, 0, 0, 0]) + socket.inet_pton(socket.AF_INET6, target) + options
+for _ in range(3):
+    s.sendto(msg, (dest, 0))
+"""
+
+TCP_SERVE = """
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 8080))
+s.listen()
+s.settimeout(10)
+print("ready", flush=True)
+c, _ = s.accept()
+c.sendall(b"hello from " + sys.argv[1].encode())
+c.close()
+"""
+
+TCP_CONNECT = """
+import socket, sys
+print(socket.create_connection((sys.argv[1], 8080), timeout=5).recv(100).decode(), flush=True)
+"""
+
+
+def tentative(pod: Netns) -> str:
+    return pod.exec("ip", "-6", "addr", "show", "dev", "eth0", "tentative")
+
+
+async def _nd_pods(node: Node, pods: dict[str, Netns]) -> None:
+    """nd/m and nd/n on cni0 (namespaces named as the module's, which its fixture sweeps), into
+    ``pods``, programmed with their MACs, then given their addresses: duplicate address
+    detection across the checked ports."""
+    base = node.ns.name.rsplit("-", 1)[0]
+    for name, (v6, host) in ND_PODS.items():
+        pod = pods[name] = Netns.create(f"{base}-nd{name}")
+        veth(node.ns, host, pod, "eth0")
+        node.ns.ip("link", "set", host, "master", "cni0")
+        (link,) = json.loads(node.ns.exec("ip", "-j", "link", "show", "dev", host))
+        port = LocalPort(host, link["address"], "cni0", pod_mac=mac_of(pod, "eth0").hex(":"))
+        node.engine.upsert_pod(Pod("nd", name, "node1", (_addr(v6), _addr(M_NEW)) if name == "m" else (_addr(v6),),
+                                   {"pod": f"nd-{name}"}), port)  # fmt: skip
+    await node.sync()
+    for name, (v6, _) in ND_PODS.items():
+        assert pods[name].exec("sysctl", "-n", "net.ipv6.conf.eth0.enhanced_dad").strip() == "1"
+        pods[name].ip("-6", "addr", "add", f"{v6}/64", "dev", "eth0")
+    for pod in pods.values():
+        await auntil(lambda pod=pod: not tentative(pod), 10, what=f"{pod.name}'s addresses past duplicate address detection")  # type: ignore[misc]
+
+
+async def _tcp(client: Netns, server: Netns, address: str) -> str:
+    listener = server.popen([sys.executable, "-c", TCP_SERVE, address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout is not None
+        assert (await asyncio.to_thread(listener.stdout.readline)).strip() == "ready"
+        return (await client.aexec(sys.executable, "-c", TCP_CONNECT, address, timeout=15))[1].decode().strip()
+    finally:
+        listener.kill()
+        listener.wait()
+        listener.stdout.close()  # type: ignore[union-attr]
+
+
+async def test_neighbour_discovery_from_a_pod_names_only_its_own_mac(node: Node):
+    """nd/m, for its own address and from its own MAC, solicits n and the node and advertises
+    to everyone with a link-layer address option naming pod a's MAC ("m is at a's MAC"), and
+    once more with that option behind another (a receiving Linux kernel takes the first
+    address option wherever it is): n's and the node's neighbour entries for m keep m's MAC,
+    and the drops are counted.  Its own MAC passes (the control), as does everything the
+    pods' kernels send themselves: duplicate address detection (with a nonce), before and
+    after, and IPv6 ping and TCP between m and n, caches flushed, to an address m is given
+    later too."""
+    node_ns, gw = node.ns, "fd00:10:244:1::1"
+    m6, n6 = ND_PODS["m"][0], ND_PODS["n"][0]
+    pods: dict[str, Netns] = {}
+    try:
+        await _nd_pods(node, pods)
+        m, n = pods["m"], pods["n"]
+        m_mac, a_mac = mac_of(m, "eth0").hex(":"), mac_of(node.pods["a"], "eth0")
+        await asyncio.to_thread(n.exec, "ping", "-6", "-c", "1", "-W", "2", m6)
+        await asyncio.to_thread(node_ns.exec, "ping", "-6", "-c", "1", "-W", "2", m6)
+        assert lladdr(n, m6, "eth0") == lladdr(node_ns, m6, "cni0") == m_mac
+        before = await asyncio.to_thread(node.spoofed)
+        sends = [("ns", m6, n6, n6, bytes([1, 1]) + a_mac), ("ns", m6, gw, gw, bytes([1, 1]) + a_mac),
+                 ("na", "auto", "ff02::1", m6, bytes([2, 1]) + a_mac),
+                 ("na", "auto", "ff02::1", m6, bytes([99, 1]) + bytes(6) + bytes([2, 1]) + a_mac)]  # fmt: skip
+        for kind, source, dest, target, options in sends:
+            await asyncio.to_thread(m.exec, sys.executable, "-c", SEND_ND, kind, source, dest, target, options.hex())
+        for _ in range(5):  # the frames are bridged at once, or never
+            assert (lladdr(n, m6, "eth0"), lladdr(node_ns, m6, "cni0")) == (m_mac, m_mac)
+            await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(node.spoofed) >= before + 3 * len(sends)
+        # Its own MAC it may name (the control: n's entry, set wrong, is corrected).
+        n.ip("-6", "neigh", "replace", m6, "lladdr", "02:00:00:00:00:42", "dev", "eth0", "nud", "stale")
+        await asyncio.to_thread(m.exec, sys.executable, "-c", SEND_ND, "na", "auto", "ff02::1", m6,
+                                (bytes([2, 1]) + mac_of(m, "eth0")).hex())  # fmt: skip
+        await auntil(lambda: lladdr(n, m6, "eth0") == m_mac, 5, what="n taking m's own advertisement")
+        # Duplicate address detection crosses the checked ports: m's solicitation for n's
+        # address (with its nonce) reaches n, whose answer makes m give the address up.
+        m.ip("-6", "addr", "add", f"{n6}/64", "dev", "eth0")
+        await auntil(lambda: "dadfailed" in m.exec("ip", "-6", "addr", "show", "dev", "eth0"), 10,
+                     what="m's duplicate address detection of n's address failing")  # fmt: skip
+        m.ip("-6", "addr", "del", f"{n6}/64", "dev", "eth0")
+        # What the pods' kernels send passes: ping and TCP, both ways, every cache flushed,
+        # and to an address m takes only now (its duplicate address detection first).
+        m.ip("-6", "addr", "add", f"{M_NEW}/64", "dev", "eth0")
+        await auntil(lambda: not tentative(m), 10, what="m's new address past duplicate address detection")
+        for ns in (node_ns, m, n):
+            ns.ip("-6", "neigh", "flush", "all")
+        spoofed = await asyncio.to_thread(node.spoofed)
+        for client, server, address in ((n, m, m6), (m, n, n6), (n, m, M_NEW)):
+            await asyncio.to_thread(client.exec, "ping", "-6", "-c", "1", "-W", "2", address)
+            assert await _tcp(client, server, address) == f"hello from {address}"
+        assert lladdr(n, m6, "eth0") == lladdr(n, M_NEW, "eth0") == m_mac
+        assert await asyncio.to_thread(node.spoofed) == spoofed
+    finally:
+        for key in [("nd", name) for name in ND_PODS]:
+            node.engine.remove_pod(key)
+        await node.sync()
+        node_ns.ip("-6", "neigh", "flush", "dev", "cni0", check=False)
+        for host in (host for _, host in ND_PODS.values()):
+            node_ns.ip("link", "del", host, check=False)
+        for pod in pods.values():
+            pod.delete()

@@ -28,12 +28,14 @@ class Missing(Exception):
 
 
 def _value(expr: Any, frame: dict[Any, Any]) -> Any:
-    if "payload" in expr and "base" in expr["payload"]:  # raw: the only one is a NA's target (or its first bits)
+    if "payload" in expr and "base" in expr["payload"]:  # raw: bits of the ICMPv6 message (a NA's target, ND options)
         raw = expr["payload"]
-        assert (raw["base"], raw["offset"]) == ("th", 64), raw
-        if ("na", "target") not in frame:
+        assert raw["base"] == "th" and raw["offset"] % 8 == 0 and raw["len"] % 8 == 0, raw
+        start, end = raw["offset"] // 8, (raw["offset"] + raw["len"]) // 8
+        body = frame.get(("th",))
+        if body is None or len(body) < end:  # past the packet's end: the kernel's payload load breaks the rule
             raise Missing(raw)
-        return int(ipaddress.IPv6Address(frame[("na", "target")])) >> (128 - raw["len"])
+        return int.from_bytes(body[start:end], "big")
     if "&" in expr:
         left, mask = expr["&"]
         return _value(left, frame) & mask
@@ -221,9 +223,27 @@ def test_arp_from_a_pod_claims_only_its_own_address():
         assert run(rs, "bridge", "prerouting", arp("eth9", B4))[0] is None  # not a pod port: not checked (docs/policy.md, Pods)
 
 
+ND_NUMBERS = {"nd-router-solicit": 133, "nd-neighbor-solicit": 135, "nd-neighbor-advert": 136}
+
+
+def nd(iif: str, kind: str, source: str, target: str | None = None, options: bytes = b"", hoplimit: int = 255,
+       mac: str | None = None) -> dict[Any, Any]:
+    """A neighbour discovery message (``kind``) as the kernel presents it: the ICMPv6 message's
+    bytes (``target`` for a solicitation or advertisement, then ``options``), its IPv6 payload
+    length and hop limit (255, as neighbour discovery has), from the frame source ``mac``."""
+    body = bytes([ND_NUMBERS[kind], 0, 0, 0, 0x20 if kind == "nd-neighbor-advert" else 0, 0, 0, 0])
+    if target is not None:
+        body += ipaddress.IPv6Address(target).packed
+    frame = {**ip_frame(iif, source, "ff02::1", extra={("meta", "l4proto"): "ipv6-icmp"}),
+             ("payload", "icmpv6", "type"): kind, ("th",): body + options,
+             ("payload", "ip6", "length"): len(body + options), ("payload", "ip6", "hoplimit"): hoplimit}  # fmt: skip
+    if mac is not None:
+        frame[("payload", "ether", "saddr")] = mac
+    return frame
+
+
 def na(iif: str, source: str, target: str) -> dict[Any, Any]:
-    return {**ip_frame(iif, source, "ff02::1", extra={("meta", "l4proto"): "ipv6-icmp"}),
-            ("payload", "icmpv6", "type"): "nd-neighbor-advert", ("na", "target"): target}  # fmt: skip
+    return nd(iif, "nd-neighbor-advert", source, target)
 
 
 def test_a_neighbour_advertisement_from_a_pod_claims_only_its_own_address():
@@ -392,3 +412,105 @@ def test_a_frame_br_netfilter_translated_and_bridged_is_left_to_the_inet_chains(
             bridged = ip_frame("veth0", a, b, extra={("meta", "oifname"): "veth1"})  # not for the node
             assert run(rs, "bridge", "forward", bridged) == ("drop", []), a
             assert run(rs, "bridge", "forward", {**bridged, ("meta", "pkttype"): "broadcast"}) == ("drop", []), a
+
+
+def lla(kind: int, mac: str, length: int = 1) -> bytes:
+    """A link-layer address option: source (1) or target (2), ``length`` units of 8 bytes."""
+    return bytes([kind, length]) + bytes.fromhex(mac.replace(":", "")) + bytes(8 * length - 8)
+
+
+NONCE = bytes([14, 1]) + bytes.fromhex("b8a0b799ee1e")  # as Linux's enhanced_dad sends it (RFC 7527)
+GATEWAY_MAC = "0a:58:0a:f4:01:01"
+
+
+def test_neighbour_discovery_names_only_the_pods_own_mac_in_its_link_layer_address_options():
+    """A neighbour cache takes a solicitation's (or router solicitation's) source link-layer
+    address option and an advertisement's target one, not the frame's source: pod a saying,
+    from its own MAC and for its own address, "I am at b's (or the gateway's) MAC" would draw
+    the traffic for a there.  A receiving Linux kernel takes the first such option wherever
+    it is among the options, so only these shapes pass: no option, or one option of the
+    right type and 8 bytes naming a's own MAC.  The rest is dropped as MAC-spoofed."""
+    ns, na_, rs = "nd-neighbor-solicit", "nd-neighbor-advert", "nd-router-solicit"
+    for families in ((6,), (4, 6)):
+        rs_ = engine(families, pod_macs=(MAC_A, MAC_B))
+
+        def verdict(kind: str, source: str, options: bytes = b"", rules: Ruleset = rs_, **kw: Any) -> tuple[str | None, list[str]]:
+            target = None if kind == rs else A6
+            return run(rules, "bridge", "prerouting", nd("veth0", kind, source, target, options, mac=MAC_A, **kw))
+
+        # What a Linux pod sends (tcpdump on this kernel): an NS and an RS with its own MAC as
+        # the source option, an NA with it as the target option, or none of them.
+        for source in (A6, "fe80::1"):
+            assert verdict(ns, source, lla(1, MAC_A))[0] == "accept", source
+            assert verdict(na_, source, lla(2, MAC_A))[0] == "accept", source
+            assert verdict(ns, source)[0] == verdict(na_, source)[0] == "accept", source
+        assert verdict(rs, "fe80::1", lla(1, MAC_A))[0] == verdict(rs, "fe80::1")[0] == "accept"
+        assert verdict(rs, "::")[0] == "accept"  # from the unspecified address: no option
+        for other in (MAC_B, GATEWAY_MAC):
+            for source in (A6, "fe80::1"):
+                assert verdict(ns, source, lla(1, other)) == ("drop", ["spoofed"]), (source, other)
+                assert verdict(na_, source, lla(2, other)) == ("drop", ["spoofed"]), (source, other)
+            assert verdict(rs, "fe80::1", lla(1, other)) == ("drop", ["spoofed"]), other
+            assert verdict(na_, "::", lla(2, other)) == ("drop", ["spoofed"]), other  # an NA is never DAD's
+            assert verdict(ns, "::", lla(1, other)) == ("drop", ["spoofed"]), other
+        # Not the shape: its own MAC behind another option (a nonce, an unknown one) or before
+        # a second address option, the other type, a longer option, an option cut short.
+        for options in (NONCE + lla(1, MAC_B), NONCE + lla(1, MAC_A), bytes([99, 1]) + bytes(6) + lla(1, MAC_A),
+                        lla(1, MAC_A) + lla(1, MAC_B), lla(2, MAC_A), lla(1, MAC_A, length=2), lla(1, MAC_A)[:6]):  # fmt: skip
+            assert verdict(ns, A6, options) == ("drop", ["spoofed"]), options.hex()
+            assert verdict(rs, "fe80::1", options) == ("drop", ["spoofed"]), options.hex()
+        for options in (lla(1, MAC_A), lla(2, MAC_A) + lla(2, MAC_B), bytes([99, 1]) + bytes(6) + lla(2, MAC_B), NONCE):
+            assert verdict(na_, A6, options) == ("drop", ["spoofed"]), options.hex()
+        assert verdict(ns, A6, NONCE) == ("drop", ["spoofed"])  # a nonce is duplicate address detection's only
+        # Duplicate address detection: from the unspecified address, a nonce option (Linux's
+        # enhanced_dad, the default) or none, and nothing else.
+        assert verdict(ns, "::", NONCE)[0] == verdict(ns, "::")[0] == "accept"
+        for options in (NONCE + lla(1, MAC_B), NONCE + NONCE, bytes([14, 2]) + bytes(14)):
+            assert verdict(ns, "::", options) == ("drop", ["spoofed"]), options.hex()
+        # b's port: b's own MAC.
+        assert run(rs_, "bridge", "prerouting", nd("veth1", ns, B6, B6, lla(1, MAC_B), mac=MAC_B))[0] == "accept"
+        assert run(rs_, "bridge", "prerouting", nd("veth1", ns, B6, B6, lla(1, MAC_A), mac=MAC_B)) == ("drop", ["spoofed"])
+        # Routed ICMPv6 of these types (hop limit below 255) is no neighbour discovery: a
+        # receiver drops it, and the rules left for it are as before.
+        assert verdict(ns, A6, lla(1, MAC_B), hoplimit=64)[0] == "accept"
+        # Not a pod port, a pod whose MAC is not known, the MAC check off: not checked.
+        assert run(rs_, "bridge", "prerouting", nd("eth9", ns, A6, A6, lla(1, MAC_B)))[0] == "accept"
+        for unchecked in (engine(families), engine(families, pod_macs=(MAC_A, MAC_B), check_source_mac=False)):
+            assert run(unchecked, "bridge", "prerouting", nd("veth0", ns, A6, A6, lla(1, MAC_B), mac=MAC_A))[0] == "accept"
+            assert not any(name.startswith("lla/") for (_, _, _, name) in unchecked.objects)
+
+
+def test_other_icmpv6_is_untouched_by_the_link_layer_address_check():
+    """MLD (from the unspecified address too, before a link-local one is up), echo requests,
+    router advertisements and redirects: the same verdicts, with the pods' MACs checked or
+    not; an IPv4-only cluster's neighbour discovery is not looked into (link-local only)."""
+    checked, unchecked = engine((4, 6), pod_macs=(MAC_A, MAC_B)), engine((4, 6))
+    for kind, source in (("mld2-listener-report", "::"), ("mld2-listener-report", "fe80::1"), ("echo-request", A6),
+                         ("echo-request", "fe80::1"), ("nd-router-advert", "fe80::1"), ("nd-redirect", "fe80::1")):  # fmt: skip
+        frame = {**ip_frame("veth0", source, "ff02::16", extra={("meta", "l4proto"): "ipv6-icmp"}),
+                 ("payload", "icmpv6", "type"): kind, ("th",): bytes(8) + lla(1, MAC_B), ("payload", "ip6", "length"): 16,
+                 ("payload", "ip6", "hoplimit"): 255, ("payload", "ether", "saddr"): MAC_A}  # fmt: skip
+        assert run(checked, "bridge", "prerouting", dict(frame)) == run(unchecked, "bridge", "prerouting", dict(frame)), kind
+    v4only = engine((4,), pod_macs=(MAC_A, MAC_B))
+    assert run(v4only, "bridge", "prerouting", nd("veth0", "nd-neighbor-solicit", "fe80::1", "fe80::2", lla(1, MAC_B), mac=MAC_A))[0] is None
+    assert not any(name.startswith("lla") for (_, _, _, name) in v4only.objects)
+
+
+def test_the_link_layer_address_check_logs_as_a_mac_check():
+    """With flow records, a message naming another MAC goes through the ``spoofed-mac`` chain
+    (its log prefix the record's reason), as an ARP sender hardware address not the pod's own;
+    the port's chain holds the pod's MAC, reached through ``lla-ports``, only for known MACs."""
+    from agentd.nft.expr import DropLog
+
+    eng = PolicyEngine(NODE, families=(4, 6), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", NODE, (ipaddress.ip_address(A4), ipaddress.ip_address(A6)), {}),
+                   LocalPort("veth0", "02:00:00:00:00:01", "cni0", pod_mac=MAC_A))
+    eng.upsert_pod(Pod("x", "b", NODE, (ipaddress.ip_address(B4), ipaddress.ip_address(B6)), {}),
+                   LocalPort("veth1", "02:00:00:00:00:02", "cni0"))  # an older plugin's file: no MAC
+    rs = eng.build()
+    chain = rs.objects[("bridge", compiler.TABLE, "chain", "lla/veth0")]
+    assert json.loads(chain.rules[-1]) == [{"jump": {"target": "spoofed-mac"}}]  # type: ignore[union-attr]
+    assert any("0x01010a580af40102" in r for r in chain.rules)  # type: ignore[union-attr]
+    lla_ports = rs.objects[("bridge", compiler.TABLE, "set", compiler.LLA_PORTS)]
+    assert dict(lla_ports.elements) == {"veth0": ("jump", "lla/veth0")}  # type: ignore[union-attr]
+    assert ("bridge", compiler.TABLE, "chain", "lla/veth1") not in rs.objects
