@@ -26,7 +26,7 @@ VERDICTS = ("forwarded", "dropped")
 REASONS = {
     "policy": "denied by NetworkPolicy",
     "spoofed": "source address is not the pod's own",
-    "spoofed-mac": "source MAC, or ARP sender MAC, is not the pod's own",
+    "spoofed-mac": "source MAC, ARP sender MAC or neighbour discovery link-layer option is not the pod's own",
     "spoofed-arp": "ARP sender address is not the pod's own",
     "no-endpoints": "Service has no endpoints (refused)",
     "no-local-endpoints": "Service has no endpoints on this node (traffic policy Local)",
