@@ -1916,8 +1916,7 @@ async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(sho
     are put back and the pod fast path counts nothing; node1, unchanged, records on.  Back to
     connections on, all of that returns."""
     lab = shop.lab
-    node1, node2 = lab.nodes
-    web = shop.pods["web"]
+    node2 = lab.nodes[1]
 
     def sysctls() -> tuple[str, str]:
         return tuple(node2.ns.exec("cat", f"/proc/sys/net/netfilter/{n}").strip()
@@ -1965,7 +1964,28 @@ async def test_drops_only_keeps_drop_records_and_asks_nothing_of_connections(sho
 
         await auntil(settled, 60, what=f"node2 back with [flows] connections = {str(connections).lower()}")
 
-    # node2's pods: web and peer isolated (shop's default deny), lobby/a and lobby/b not.
+    # node2's pods: web and peer isolated (shop's default deny), lobby/a and lobby/b not.  With
+    # br_netfilter off in node2's namespace (as on a host without it: the agent reads it every
+    # 10 s), so that the bridge routes every pod up for the connection records, and no longer
+    # without them (but while Services translate).
+    bridge_call = "net.bridge.bridge-nf-call-iptables"
+    was = node2.ns.exec("sysctl", "-n", bridge_call).strip()
+    node2.ns.sysctl(bridge_call, 0)
+    try:
+        await auntil(lambda: routed_ports() == 4, 20, in_thread=True, what="node2 routing every pod up without br_netfilter")
+        await _drops_only(restart, sysctls, fast_path_counts, routed_ports, routed, held_for_flows, shop)
+    finally:
+        node2.ns.sysctl(bridge_call, was)
+        await auntil(lambda: routed_ports() == routed(True), 20, in_thread=True, what="node2 back with br_netfilter as it was")
+
+
+async def _drops_only(restart, sysctls, fast_path_counts, routed_ports, routed, held_for_flows, shop) -> None:
+    """test_drops_only_keeps_drop_records_and_asks_nothing_of_connections's checks, with
+    br_netfilter off in node2's namespace."""
+    lab = shop.lab
+    node1, node2 = lab.nodes
+    web = shop.pods["web"]
+    assert routed(True) == 4
     assert sysctls() == ("1", "1") and fast_path_counts() and routed_ports() == routed(True) and held_for_flows()
     await restart(False)
     try:
