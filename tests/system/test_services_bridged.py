@@ -103,6 +103,26 @@ async def probe_through(client, endpoint, vip: str, port: int, target: int, coun
         await listener.wait()
 
 
+async def web_and_client(lab, node, res, ns: str, target: int, port: int, echo: list) -> tuple:
+    """Pods ``ns``/web (echoing on ``target``) and ``ns``/client on ``node``, their echo servers
+    (kept in ``echo`` for the test to close), and Service ``ns``/web on ``port`` applied through
+    ``res`` (the test's resources) on the node: (web, client, web's echo, client's echo)."""
+    web = await lab.add_pod(node, ns, "web", labels={"app": "web"},
+                            ports=[{"name": "http", "containerPort": target, "protocol": "TCP"}])
+    client = await lab.add_pod(node, ns, "client", labels={"app": "client"})
+    echo.append(w := await Echo.start(web, "web", [("tcp", target)]))
+    echo.append(c := await Echo.start(client, "client"))
+    rev = await res.apply([{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": ns},
+                            "spec": {"selector": {"app": "web"}, "ports": [{"port": port, "targetPort": "http"}]}}])
+
+    def applied() -> bool:
+        v = node.api_or_none("/services?view=summary") or {}
+        return v.get("revision", 0) >= rev and not v.get("error")
+
+    await auntil(applied, 20, in_thread=True, what=f"the Service applied on {node.name}")
+    return web, client, w, c
+
+
 async def test_a_same_node_endpoint_answers_through_its_service_without_br_netfilter(tmp_path):
     spec = LabSpec(name="sb" + unique_tag("")[:6], nodes=1, pods=0,
                    extra={"node1": {"flows": {"enabled": False}}})
@@ -118,20 +138,8 @@ async def test_a_same_node_endpoint_answers_through_its_service_without_br_netfi
         for key in ("bridge-nf-call-iptables", "bridge-nf-call-ip6tables"):
             if key in keys:
                 node.ns.sysctl(f"net.bridge.{key}", 0)
-        web = await lab.add_pod(node, "svc", "web", labels={"app": "web"},
-                                ports=[{"name": "http", "containerPort": 8080, "protocol": "TCP"}])
-        client = await lab.add_pod(node, "svc", "client", labels={"app": "client"})
-        echo.append(w := await Echo.start(web, "web", [("tcp", 8080)]))
-        echo.append(c := await Echo.start(client, "client"))
         res = await lab.resources()
-        rev = await res.apply([{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "svc"},
-                                "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": "http"}]}}])
-
-        def applied() -> bool:
-            v = node.api_or_none("/services?view=summary") or {}
-            return v.get("revision", 0) >= rev and not v.get("error")
-
-        await auntil(applied, 20, in_thread=True, what="the Service applied on node1")
+        web, _, w, c = await web_and_client(lab, node, res, "svc", 8080, 80, echo)
         # The agent reads the sysctls at its start (on in a new namespace) and every 10 s.
         await auntil(lambda: len(routed := bridge_set(node, "isolated-ports")) == 2 and routed == bridge_set(node, "pod-ports"),
                      30, what="every pod of node1 routed up for Services")
@@ -182,20 +190,8 @@ async def test_a_same_node_endpoint_answers_through_its_service_bridged_with_br_
         if call not in node.ns.exec("ls", "/proc/sys/net/bridge", check=False).split():
             pytest.fail("br_netfilter is not loaded (scripts/dev setup loads it: modprobe br_netfilter)")
         node.ns.sysctl(f"net.bridge.{call}", 0)
-        web = await lab.add_pod(node, "svcbr", "web", labels={"app": "web"},
-                                ports=[{"name": "http", "containerPort": 8181, "protocol": "TCP"}])
-        client = await lab.add_pod(node, "svcbr", "client", labels={"app": "client"})
-        echo.append(w := await Echo.start(web, "web", [("tcp", 8181)]))
-        echo.append(c := await Echo.start(client, "client"))
         res = await lab.resources()
-        rev = await res.apply([{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "svcbr"},
-                                "spec": {"selector": {"app": "web"}, "ports": [{"port": 8180, "targetPort": "http"}]}}])
-
-        def applied() -> bool:
-            v = node.api_or_none("/services?view=summary") or {}
-            return v.get("revision", 0) >= rev and not v.get("error")
-
-        await auntil(applied, 20, in_thread=True, what="the Service applied on node1")
+        web, client, w, c = await web_and_client(lab, node, res, "svcbr", 8181, 8180, echo)
         vip = (await res.get("Service", "svcbr", "web"))["spec"]["clusterIP"]
         ports = bridge_set(node, "pod-ports")
         assert len(ports) == 2
