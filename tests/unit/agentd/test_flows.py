@@ -16,7 +16,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentd.flows.model import FilterError, Flow, FlowFilter, Identity, Peer
-from agentd.flows.recorder import FlowRecorder
+from agentd.flows.recorder import (
+    CONN_OPEN,
+    CONN_RECORD,
+    CONN_RESET_HI,
+    CONN_RESET_LO,
+    CONN_VALUE,
+    HELD_RECHECK_NS,
+    REC_FIN,
+    REC_GONE,
+    REC_REUSED,
+    REC_RST,
+    REC_START,
+    RESET_TIMEOUT_NS,
+    SWEEP_INTERVAL,
+    SYN_TIMEOUT_NS,
+    FlowRecorder,
+    recorded_flow,
+)
 from agentd.flows.render import line
 from agentd.flows.ring import MAX_FOLLOWERS, DropLimiter, FlowRing, TooManyFollowers
 from agentd.kernel import netlink as nl
@@ -825,7 +842,6 @@ def test_a_spoofed_drop_names_the_pod_whose_veth_sent_it():
 def _conn(client_hi: bool, state: int, first: int, last: int, kind: int | None = None) -> tuple[bytes, bytes]:
     """podpath.h's struct podconn_value (and key) of client 10.244.1.2:40000 -> web
     10.244.2.3:80: the client is the key's lower end (client_hi False) as addresses go."""
-    from agentd.flows.recorder import CONN_VALUE
 
     key = socket.inet_aton("10.244.1.2") + socket.inet_aton("10.244.2.3") + (40000).to_bytes(2, "big") + (80).to_bytes(2, "big")
     value = CONN_VALUE.pack(6, 5, 1400, 900, first, last, state, int(client_hi), 3)
@@ -881,7 +897,6 @@ def test_status_says_whether_the_programs_record_remote_connections_not_what_was
 
 
 def test_a_recorded_start_and_end_are_records_like_conntracks():
-    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
 
     r = recorder()
     key, value = _conn(False, 2, 5_000_000_000, 5_250_000_000)
@@ -896,7 +911,6 @@ def test_a_recorded_start_and_end_are_records_like_conntracks():
 
 
 def test_a_recorded_connection_whose_client_is_the_higher_end_is_turned_round():
-    from agentd.flows.recorder import CONN_RECORD, REC_RST, recorded_flow
 
     key, value = _conn(True, 2, 1, 2)
     j = recorded_flow("node2", CONN_RECORD.pack(key, REC_RST, value), CLIENT, WEB, 0, 1000.0).json()
@@ -908,13 +922,6 @@ def test_the_sweep_ends_a_reset_connection_once_its_end_stays_silent():
     """The programs keep a connection a RST passed (its TCP may have ignored it, out of window):
     the sweep ends it as reset once nothing but RST came from that end for RESET_TIMEOUT_NS
     (the end at its last packet); one reset a moment ago is left for the next look."""
-    from agentd.flows.recorder import (
-        CONN_RECORD,
-        CONN_RESET_HI,
-        CONN_RESET_LO,
-        REC_RST,
-        RESET_TIMEOUT_NS,
-    )
 
     now = 1_000 * 10**9
     k_old, v_old = _conn(False, CONN_RESET_LO, 0, now - RESET_TIMEOUT_NS - 1)
@@ -956,7 +963,6 @@ def test_a_reset_hint_ends_the_connection_reset_timeout_after_its_last_packet(mo
     read after that, not at the sweep (up to SWEEP_INTERVAL later) --, once: neither a later
     read nor the sweep ends it again."""
     from agentd.flows import recorder as rec_mod
-    from agentd.flows.recorder import CONN_RESET_LO, RESET_TIMEOUT_NS
 
     s, rst = 10**9, _RST
     r, programs, key, value = _reset_entry(CONN_RESET_LO)
@@ -986,12 +992,6 @@ def test_a_reset_hint_ends_the_connection_reset_timeout_after_its_last_packet(mo
 def test_a_reset_hint_of_a_connection_open_again_ends_nothing():
     """The end that sent the RST sent again without it (its TCP ignored the RST: podconn_see
     sets the entry OPEN again): the hint's look ends nothing, and leaves nothing to look at."""
-    from agentd.flows.recorder import (
-        CONN_OPEN,
-        CONN_RESET_HI,
-        CONN_VALUE,
-        RESET_TIMEOUT_NS,
-    )
 
     s, rst = 10**9, _RST
     r, programs, key, value = _reset_entry(CONN_RESET_HI)
@@ -1006,12 +1006,6 @@ def test_a_reset_hint_of_a_connection_open_again_ends_nothing():
 def test_a_reset_hint_after_a_rst_sent_again_ends_it_after_the_last_one():
     """RSTs sent again (one hint: the entry already RESET): the end comes RESET_TIMEOUT_NS after
     the last packet, not the first RST."""
-    from agentd.flows.recorder import (
-        CONN_RECORD,
-        CONN_RESET_LO,
-        REC_RST,
-        RESET_TIMEOUT_NS,
-    )
 
     s, rst = 10**9, _RST
     r, programs, key, value = _reset_entry(CONN_RESET_LO, last=rst + s)  # its last RST a second after the first
@@ -1028,15 +1022,6 @@ def test_a_reset_a_packet_changes_between_the_look_and_the_take_is_looked_at_aga
     or the other end's packet --: looked at again RESET_TIMEOUT_NS after that packet and ended
     then, as reset, with what its take finds -- not left to the sweep (up to SWEEP_INTERVAL
     later).  Open again (that end sent without RST): let go, nothing ended."""
-    from agentd.flows.recorder import (
-        CONN_OPEN,
-        CONN_RECORD,
-        CONN_RESET_HI,
-        CONN_RESET_LO,
-        CONN_VALUE,
-        REC_RST,
-        RESET_TIMEOUT_NS,
-    )
 
     s, rst = 10**9, _RST
     looked = rst + RESET_TIMEOUT_NS + s // 10  # the hint's look, 2.1 s after the RST
@@ -1084,12 +1069,6 @@ def test_a_reset_the_sweep_ended_first_is_not_ended_again_by_its_hint():
     """The sweep and the hint's look judge the same entry (the sweep runs in a thread): whoever
     takes it out ends it -- the sweep first, the look finds it gone; the sweep taking it between
     the look and its take, the look's take finds nothing."""
-    from agentd.flows.recorder import (
-        CONN_RECORD,
-        CONN_RESET_LO,
-        REC_RST,
-        RESET_TIMEOUT_NS,
-    )
 
     s, rst = 10**9, _RST
     r, programs, key, value = _reset_entry(CONN_RESET_LO)
@@ -1114,7 +1093,6 @@ def test_a_reset_the_sweep_ended_first_is_not_ended_again_by_its_hint():
 
 
 def test_the_sweep_ends_what_ended_silently_and_drops_unanswered_syns():
-    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_GONE, SYN_TIMEOUT_NS
 
     now = 1_000 * 10**9
     k_syn, v_syn = _conn(False, 1, 0, now - SYN_TIMEOUT_NS - 1)
@@ -1134,7 +1112,6 @@ def test_the_sweep_ends_what_ended_silently_and_drops_unanswered_syns():
 def test_since_finds_what_came_after_a_start_whose_syn_was_retransmitted():
     """A recorded start keeps its first SYN's time, which may be long before its answer let it
     be recorded: ``since`` must not stop at it (the ring is in the order records came)."""
-    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_REUSED, REC_START
 
     s = 10**9
     r = recorder()
@@ -1165,12 +1142,6 @@ def test_the_sweep_takes_only_the_entries_it_judged():
     """A tuple reused between the sweep's look and its take: the program ended the old
     connection itself (REUSED) and made the new SYN's entry, which the sweep puts back rather
     than end as the old one; an unanswered SYN answered meanwhile stays too."""
-    from agentd.flows.recorder import (
-        CONN_RECORD,
-        CONN_VALUE,
-        REC_REUSED,
-        SYN_TIMEOUT_NS,
-    )
 
     now = 1_000 * 10**9
     key, old = _conn(False, 2, 0, now - 60 * 10**9)  # open, idle 60 s
@@ -1201,13 +1172,6 @@ def test_the_sweep_takes_only_the_entries_it_judged():
 
 
 def test_the_sweep_asks_conntrack_about_an_idle_connection_once_a_minute():
-    from agentd.flows.recorder import (
-        CONN_RECORD,
-        CONN_VALUE,
-        HELD_RECHECK_NS,
-        REC_GONE,
-        SWEEP_INTERVAL,
-    )
 
     s = 10**9
     now = 1_000 * s
@@ -1333,7 +1297,6 @@ def test_since_goes_past_a_drop_or_a_conntrack_event_read_late():
     """A drop the kernel logged a while before a busy agent read it, and a conntrack event read
     the long way, are in the ring after what was taken in before them: ``since`` goes by when
     they were taken in, not by their kernel time, and does not stop at them."""
-    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_START
 
     s = 10**9
     now = [1005.0]
@@ -1359,7 +1322,6 @@ def test_the_sweep_never_takes_a_reused_tuples_new_syn_out_of_the_map():
     """The tuple of an idle connection reused while the sweep asks conntrack about it: the new
     SYN's entry is looked at, not taken out (its answer, coming while it was out, would find
     none: the connection, its conntrack events masked at its SYN, recorded by nobody)."""
-    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_REUSED
 
     now = 1_000 * 10**9
     key, old = _conn(False, 2, 0, now - 60 * 10**9)
@@ -1386,7 +1348,6 @@ def test_a_taken_connection_that_cannot_go_back_is_ended_not_lost():
     as lost -- none vanishes silently."""
     import errno
 
-    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_GONE, REC_REUSED
 
     now = 1_000 * 10**9
     key, old = _conn(False, 2, 0, now - 60 * 10**9)  # idle, conntrack no longer holds it
@@ -1426,7 +1387,6 @@ def test_a_sweep_that_fails_at_one_key_returns_what_it_took():
     key: the ends of those taken out of the map before and after it are returned, not lost."""
     import errno
 
-    from agentd.flows.recorder import CONN_RECORD, REC_GONE
 
     now = 1_000 * 10**9
     key, idle = _conn(False, 2, 0, now - 60 * 10**9)
@@ -1586,7 +1546,6 @@ def test_flows_off_with_programs_that_cannot_be_told_is_one_line(monkeypatch, tm
 
 
 def _records(ports, kind=None):
-    from agentd.flows.recorder import CONN_RECORD, REC_START
 
     out = []
     for port in ports:
@@ -1642,7 +1601,6 @@ def test_the_programs_ring_read_as_one_object_in_c_and_in_python():
     import ctypes
 
     from agentd.dataplane.bpf.libbpf import fixed_records
-    from agentd.flows.recorder import CONN_RECORD
     from agentd.kernel import _ctevents
 
     size = CONN_RECORD.size
@@ -1719,7 +1677,6 @@ def test_a_node_port_is_named_on_every_address_the_kernel_holds_as_local():
     from types import SimpleNamespace as NS
 
     from agentd.daemon.flow_directory import LOCAL_REREAD, DropMeaning, FlowDirectory
-    from agentd.flows.recorder import FlowRecorder
     from agentd.kernel.netlink_log import Packet
 
     ports = [NS(namespace="shop", service="web", protocol="TCP", port=80, cluster_ip="10.96.0.10", node_port=30080)]
@@ -1782,7 +1739,6 @@ def test_an_end_names_the_pods_its_start_named_not_who_has_the_address_now():
     end names whom its addresses named when its connection started (its SYN's time, in every
     record) -- whether its start was seen or not --; one started after the change, whom they
     name now."""
-    from agentd.flows.recorder import CONN_RECORD, CONN_VALUE, REC_FIN, REC_START
 
     now = 1000 * 10**9
     key, v = _conn(False, 2, now - 100 * 10**9, now - 60 * 10**9)
@@ -1811,7 +1767,6 @@ def test_ends_are_taken_in_whole_while_no_address_of_theirs_changed_hands():
     """Naming an end as its start did costs nothing while none of a batch's addresses changed
     hands: the records are not looked at one by one (and a change of some other pod's address,
     or of something else of a pod, leaves no trace)."""
-    from agentd.flows.recorder import CONN_RECORD, REC_FIN, REC_START
 
     now = 1000 * 10**9
     key, v = _conn(False, 2, now - 100 * 10**9, now - 60 * 10**9)
