@@ -123,6 +123,27 @@ async def web_and_client(lab, node, res, ns: str, target: int, port: int, echo: 
     return web, client, w, c
 
 
+async def isolated_by_nothing(lab, res, ns: str, name: str, w, c, vip: str, port: int) -> None:
+    """``ns``/web isolated both ways by NetworkPolicy ``name`` allowing nothing: web (echo
+    ``w``) still reaches itself through its Service at ``vip``:``port``, the client (``c``)
+    does not."""
+    rev = await res.apply([{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                            "metadata": {"name": name, "namespace": ns},
+                            "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress", "Egress"]}}])
+    await policy_converged(lab, rev)
+    assert (await w.tcp(vip, port, count=3, timeout=2.0)) == {"names": {"web": 3}, "failed": 0}
+    assert (await c.tcp(vip, port, count=1, timeout=1.0)) == {"names": {}, "failed": 1}
+
+
+async def close_all(echo: list, res, lab) -> None:
+    """A test's echo servers, its resources (None: not opened) and its lab, in that order."""
+    for e in echo:
+        await e.close()
+    if res is not None:
+        await res.close()
+    await lab.down()
+
+
 async def test_a_same_node_endpoint_answers_through_its_service_without_br_netfilter(tmp_path):
     spec = LabSpec(name="sb" + unique_tag("")[:6], nodes=1, pods=0,
                    extra={"node1": {"flows": {"enabled": False}}})
@@ -150,18 +171,9 @@ async def test_a_same_node_endpoint_answers_through_its_service_without_br_netfi
         assert got == {"names": {"web": 10}, "failed": 0}, (got, time.monotonic() - start)
         # Isolated by a policy allowing nothing, web still reaches itself through its Service
         # (here routed, not bridged: the inet chains' hairpin acceptance), the client does not.
-        rev = await res.apply([{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                                "metadata": {"name": "nothing", "namespace": "svc"},
-                                "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress", "Egress"]}}])
-        await policy_converged(lab, rev)
-        assert (await w.tcp(vip, 80, count=3, timeout=2.0)) == {"names": {"web": 3}, "failed": 0}
-        assert (await c.tcp(vip, 80, count=1, timeout=1.0)) == {"names": {}, "failed": 1}
+        await isolated_by_nothing(lab, res, "svc", "nothing", w, c, vip, 80)
     finally:
-        for e in echo:
-            await e.close()
-        if res is not None:
-            await res.close()
-        await lab.down()
+        await close_all(echo, res, lab)
 
 
 async def test_a_same_node_endpoint_answers_through_its_service_bridged_with_br_netfilter(tmp_path):
@@ -232,15 +244,6 @@ async def test_a_same_node_endpoint_answers_through_its_service_bridged_with_br_
         assert (await w.tcp(vip, 8180, count=3, timeout=2.0)) == {"names": {"web": 3}, "failed": 0}
         # Isolated by a policy allowing nothing, web still reaches itself (the bridge table's
         # hairpin acceptance), the client does not.
-        rev = await res.apply([{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                                "metadata": {"name": "web", "namespace": "svcbr"},
-                                "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress", "Egress"]}}])
-        await policy_converged(lab, rev)
-        assert (await w.tcp(vip, 8180, count=3, timeout=2.0)) == {"names": {"web": 3}, "failed": 0}
-        assert (await c.tcp(vip, 8180, count=1, timeout=1.0)) == {"names": {}, "failed": 1}
+        await isolated_by_nothing(lab, res, "svcbr", "web", w, c, vip, 8180)
     finally:
-        for e in echo:
-            await e.close()
-        if res is not None:
-            await res.close()
-        await lab.down()
+        await close_all(echo, res, lab)
