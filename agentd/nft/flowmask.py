@@ -7,11 +7,16 @@ While the pod fast path's programs record pods' IPv4 TCP connections themselves
     table ip agentd-flows {
         chain record {
             type nat hook postrouting priority srcnat + 1; policy accept;
-            meta mark & 0x00800000 == 0x00800000 ct state new ct status & (snat|dnat) == 0 ct event set 0x0
+            meta mark & 0x00800000 == 0x00800000 ct state new ct status & (snat|dnat) == 0 ct event set 0x0 ct mark set ct mark | 0x00800000
         }
     }
 
-The rule runs on the connection's first packet before conntrack confirms its entry (confirm
+and marks the entry it masks (conntrack mark bit ``POD_RECORD_CTMARK``): the program that sees
+the connection's answer reads that bit in the conntrack look-up it makes there (podconn_plain)
+and records the connection only if it is set -- one whose entry conntrack held before the
+marked SYN (a SYN sent again whose first was not recorded) kept its events and stays
+conntrack's.  The bit is agentd's while its programs record: another user of the same conntrack
+mark bit would have connections recorded twice.  The rule runs on the connection's first packet before conntrack confirms its entry (confirm
 is the last thing postrouting does), after source NAT: a translated connection keeps its events
 (the programs then leave it to conntrack too: podconn_plain in podpath.c).  The chain is of
 type nat, so that the kernel runs it only for a connection's first packet (nat chains are asked
@@ -35,6 +40,7 @@ from .libnftables import Nft, NftError
 
 FAMILY, TABLE, CHAIN = "ip", "agentd-flows", "record"
 MARK = 0x00800000  # podpath.h POD_RECORD_MARK
+CTMARK = 0x00800000  # podpath.h POD_RECORD_CTMARK
 NAT = 0x10 | 0x20  # IPS_SRC_NAT | IPS_DST_NAT
 PRIORITY = 101  # srcnat + 1
 
@@ -50,6 +56,7 @@ def commands() -> list[dict[str, Any]]:
         {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}},
         {"match": {"op": "==", "left": {"&": [{"ct": {"key": "status"}}, NAT]}, "right": 0}},
         {"mangle": {"key": {"ct": {"key": "event"}}, "value": 0}},
+        {"mangle": {"key": {"ct": {"key": "mark"}}, "value": {"|": [{"ct": {"key": "mark"}}, CTMARK]}}},
     ]
     return [
         {"add": _table()}, {"delete": _table()}, {"add": _table()},

@@ -58,8 +58,6 @@
 #define IP_MF_OFFSET 0x3fff
 #define CURRENT_NETNS -1
 #define TCP_CONNTRACK_ESTABLISHED 3 /* enum tcp_conntrack */
-#define TCP_CONNTRACK_TIME_WAIT 7
-#define TCP_CONNTRACK_CLOSE 8
 #define IPS_SRC_NAT (1UL << 4)
 #define IPS_DST_NAT (1UL << 5)
 #define AF_INET_ 2
@@ -76,6 +74,7 @@ union nf_conntrack_proto {
 
 struct nf_conn {
 	unsigned long status;
+	__u32 mark;
 	union nf_conntrack_proto proto;
 } __attribute__((preserve_access_index));
 
@@ -359,37 +358,28 @@ static __always_inline void podconn_count(struct podconn_value *v, __u32 side, _
 	v->last_tai = now;
 }
 
-/* Whether conntrack holds the connection of ``tuple`` confirmed and untranslated: its first
- * packet passed every hook of this node, policy included, and the agent's table masked its
- * events (the table leaves a translated connection's alone). */
+/* Whether conntrack holds the connection of ``tuple`` confirmed, untranslated and with its
+ * events masked by the agent's table: its first packet passed every hook of this node, policy
+ * included, was marked by a program (a SYN of a connection recorded here) and was the
+ * connection's first (the table masks only a new entry's events, and marks the entry
+ * POD_RECORD_CTMARK as it does; a translated connection's it leaves alone).  A connection
+ * conntrack held before a program first marked its SYN -- a SYN sent again whose first was not
+ * recorded (the map full, the sender not yet a pod the programs knew, recording not yet on) --
+ * has its events unmasked and its entry unmarked: it stays conntrack's. */
 static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_tuple *tuple)
 {
 	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
 	unsigned long status;
 	struct nf_conn *ct;
+	__u32 mark;
 
 	ct = bpf_skb_ct_lookup(skb, tuple, sizeof(tuple->ipv4), &opts, sizeof(opts));
 	if (!ct)
 		return 0;
 	status = ct->status;
+	mark = ct->mark;
 	bpf_ct_release(ct);
-	return !(status & (IPS_SRC_NAT | IPS_DST_NAT));
-}
-
-/* Whether conntrack holds ``tuple``'s connection live, an entry that a SYN does not replace
- * (one in TIME_WAIT or CLOSE it does: conntrack makes a new one, whose first packet the SYN is). */
-static __always_inline int podconn_held(struct __sk_buff *skb, struct bpf_sock_tuple *tuple)
-{
-	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
-	struct nf_conn *ct;
-	__u8 state;
-
-	ct = bpf_skb_ct_lookup(skb, tuple, sizeof(tuple->ipv4), &opts, sizeof(opts));
-	if (!ct)
-		return 0;
-	state = ct->proto.tcp.state;
-	bpf_ct_release(ct);
-	return state != TCP_CONNTRACK_TIME_WAIT && state != TCP_CONNTRACK_CLOSE;
+	return !(status & (IPS_SRC_NAT | IPS_DST_NAT)) && (mark & POD_RECORD_CTMARK);
 }
 
 /* The FIB lookup's question for an IPv4 TCP packet, as the stack would route it. */
@@ -452,10 +442,6 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	int syn = tcp->syn, ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
 	__u32 seq = tcp->seq;
 
-	tuple.ipv4.saddr = ip->saddr;
-	tuple.ipv4.daddr = ip->daddr;
-	tuple.ipv4.sport = tcp->source;
-	tuple.ipv4.dport = tcp->dest;
 	v = bpf_map_lookup_elem(&agentd_podconns, &key);
 	if (!v && !(syn && !ack && !fin && !rst))
 		return 0; /* not recorded here: conntrack's events tell of it */
@@ -478,12 +464,11 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		}
 		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
 			return 0;
-		/* No entry, yet conntrack holds the connection: a SYN sent again whose first was not
-		 * recorded (the map full, the sender not yet a pod the programs knew, recording not yet
-		 * on).  Conntrack's events of it were not masked (its NEW is out already, and the
-		 * masking rule runs at a connection's first packet only): it stays conntrack's. */
-		if (!v && podconn_held(skb, &tuple))
-			return 0;
+		/* Whether conntrack held the connection before this SYN (a SYN sent again whose first
+		 * was not recorded: its events were not masked, its NEW is out already) is asked at
+		 * the answer, in the one conntrack look-up it makes anyway (podconn_plain: the entry
+		 * unmarked), not here: a look-up per SYN cost each node 0.5-0.9 us of program time per
+		 * connection (BPF run-time statistics, bench/flows.py's short connections). */
 		fresh.state = PODCONN_SYN;
 		fresh.client = side;
 		fresh.client_seq = seq;
@@ -508,7 +493,11 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 			podconn_count(v, side, len, now);
 			return 1;
 		}
-		if (!podconn_plain(skb, &tuple)) { /* translated, or not accepted: conntrack's */
+		tuple.ipv4.saddr = ip->saddr;
+		tuple.ipv4.daddr = ip->daddr;
+		tuple.ipv4.sport = tcp->source;
+		tuple.ipv4.dport = tcp->dest;
+		if (!podconn_plain(skb, &tuple)) { /* translated, not accepted, or unmasked: conntrack's */
 			bpf_map_delete_elem(&agentd_podconns, &key);
 			return 0;
 		}

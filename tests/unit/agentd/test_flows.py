@@ -1285,7 +1285,11 @@ def test_flow_mask_is_a_nat_chain_asked_once_per_connection():
     assert [(c["type"], c["hook"], c["prio"]) for c in chains] == [("nat", "postrouting", 101)]
     (rule,) = [c["add"]["rule"]["expr"] for c in cmds if "rule" in c.get("add", {})]
     assert rule[0]["match"]["left"] == {"&": [{"meta": {"key": "mark"}}, flowmask.MARK]}  # the cheapest test first
-    assert rule[-1] == {"mangle": {"key": {"ct": {"key": "event"}}, "value": 0}}
+    assert rule[-2] == {"mangle": {"key": {"ct": {"key": "event"}}, "value": 0}}
+    # ... and marks the entry it masked, which the answer's program reads (podconn_plain): a
+    # connection conntrack held before its marked SYN kept its events and stays conntrack's.
+    assert rule[-1] == {"mangle": {"key": {"ct": {"key": "mark"}},
+                                   "value": {"|": [{"ct": {"key": "mark"}}, flowmask.CTMARK]}}}
 
 
 def _logged(r: FlowRecorder, msg: bytes) -> None:
