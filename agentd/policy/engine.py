@@ -559,7 +559,13 @@ class PolicyEngine:
                 if egress:
                     elements[f.name(compiler.EGRESS_MAP)].add((ip, ("jump", compiler.pod_chain("out", *key))))
         out = []
-        stateful = bool(elements["isolated-ports"]) or self.route_all or self.route_services
+        # Only an isolated pod needs the base chains to look at conntrack (replies accepted as
+        # established): without one the dispatch maps are empty and every packet is accepted all
+        # the same.  Flow records and Services do not: their nat chains make the kernel track the
+        # namespace's connections already, and two more rules in each forward chain cost every
+        # packet the node forwards (a pod's connection's handshake and close, where the pod
+        # fast path carries the rest).
+        stateful = bool(elements["isolated-ports"])
         for obj in compiler.base_objects(sorted(self.bridges), stateful, self.drop_log, self.families,
                                            self.service_ranges):
             if obj.kind == "set" and obj.name in elements:
