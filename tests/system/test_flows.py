@@ -671,6 +671,84 @@ async def test_a_syn_sent_again_whose_first_was_not_recorded_stays_conntracks(sh
     assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
 
 
+# One connection of 2 x 100,000 bytes (the first half sent once the test says go), and between
+# the halves a SYN of its tuple far out of the window (a raw socket): the server's TCP answers it
+# with a challenge ACK (RFC 5961), not a SYN-ACK.
+STRAY_SYN = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); print("connected", flush=True); sys.stdin.readline()
+assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
+time.sleep(0.3)
+src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
+seq = 0x12345678
+
+def tcp(check):
+    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x02, 65535, check, 0)
+
+words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
+total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
+while total >> 16:
+    total = (total & 0xffff) + (total >> 16)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
+raw.sendto(tcp(~total & 0xffff), (ip, 0))
+time.sleep(0.3)
+c.sendall(b"y" * 100000)
+c.close()
+"""
+
+
+async def test_a_stray_syn_of_a_conntrack_connection_leaves_it_and_its_counts_to_conntrack(shop):
+    """a's connection to b (two pods of node2) is conntrack's: its handshake passed a's program
+    while a was no pod the programs knew.  Midway a SYN of its tuple, far out of the window,
+    passes a's program, which makes an entry of it; b's TCP answers with a challenge ACK, no
+    SYN-ACK.  That answer shows a connection past its handshake, conntrack's (its entry
+    unmarked): the programs let it go, and what the fast path carries after it is counted for
+    conntrack's end as before -- one start, one end, with every byte."""
+    from agentd.dataplane.bpf import libbpf as lb
+
+    node2 = shop.lab.nodes[1]
+    a, b = shop.pods["a"], shop.pods["b"]
+    await recording(node2)
+    fd = lb.obj_get(str(shop.lab.bpffs / f"netns-{os.stat(f'/run/netns/{node2.ns.name}').st_ino}" / "agentd_podips"))
+    key = socket.inet_aton(a.ip)
+    value = lb.map_lookup(fd, key, 4)
+    assert value is not None
+    sink = b.ns.popen(["python3", "-c", SIZES_SINK, "0.0.0.0", "5018", "200000"], stdout=subprocess.PIPE, text=True)
+    source = None
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        lb.map_delete(fd, key)
+        try:
+            source = a.ns.popen(["python3", "-c", STRAY_SYN, b.ip, "5018", "41213"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+            assert (await asyncio.to_thread(source.stdout.readline)).strip() == "connected"
+        finally:
+            lb.map_update(fd, key, value)
+        await asyncio.to_thread(source.communicate, "go\n", 60)
+        assert source.returncode == 0
+        got, _ = await asyncio.to_thread(sink.communicate, timeout=30)
+        assert got.split() == ["200000"]
+    finally:
+        os.close(fd)
+        for proc in (sink, source):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+    async def ended() -> list[dict]:  # conntrack's DESTROY, after TIME_WAIT: a dump reaps it
+        await node2.ns.aexec(sys.executable, "-c", REAP, timeout=30)
+        return await agentd_flows(node2, "--port", "41213", "--event", "end")
+
+    await auntil(ended, 60, what="node2's end of port 41213")
+    await ring_marker(a, b, node2)
+    await conntrack_marker(shop.echo["a"], b.ip, node2)
+    got = await agentd_flows(node2, "--port", "41213")
+    assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+    assert sent(got[1], 200_000), shown(got[1])
+
+
 async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
     """client connects to an address of its own node's pod subnet that is no pod the programs
     know (here a namespace on node1's bridge whose veth has no program): the answer passes no

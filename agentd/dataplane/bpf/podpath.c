@@ -49,6 +49,7 @@
 #include <linux/pkt_cls.h>
 #include <linux/stddef.h>
 #include <linux/tcp.h>
+#include <bpf/bpf_core_read.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
 
@@ -58,6 +59,7 @@
 #define IP_MF_OFFSET 0x3fff
 #define CURRENT_NETNS -1
 #define TCP_CONNTRACK_ESTABLISHED 3 /* enum tcp_conntrack */
+#define IPS_EXPECTED (1UL << 0)
 #define IPS_SRC_NAT (1UL << 4)
 #define IPS_DST_NAT (1UL << 5)
 #define AF_INET_ 2
@@ -365,21 +367,33 @@ static __always_inline void podconn_count(struct podconn_value *v, __u32 side, _
  * POD_RECORD_CTMARK as it does; a translated connection's it leaves alone).  A connection
  * conntrack held before a program first marked its SYN -- a SYN sent again whose first was not
  * recorded (the map full, the sender not yet a pod the programs knew, recording not yet on) --
- * has its events unmasked and its entry unmarked: it stays conntrack's. */
+ * has its events unmasked and its entry unmarked: it stays conntrack's.  So does an expected
+ * connection (a conntrack helper's: its first packet is related, not new, so the table never
+ * masked it, though conntrack copies the master's mark into it), and every connection on a
+ * kernel without conntrack marks (CONFIG_NF_CONNTRACK_MARK: no nf_conn.mark, and no table). */
 static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_tuple *tuple)
 {
 	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
 	unsigned long status;
 	struct nf_conn *ct;
-	__u32 mark;
+	__u32 mark = 0;
 
 	ct = bpf_skb_ct_lookup(skb, tuple, sizeof(tuple->ipv4), &opts, sizeof(opts));
 	if (!ct)
 		return 0;
 	status = ct->status;
-	mark = ct->mark;
+	if (bpf_core_field_exists(ct->mark))
+		mark = ct->mark;
 	bpf_ct_release(ct);
-	return !(status & (IPS_SRC_NAT | IPS_DST_NAT)) && (mark & POD_RECORD_CTMARK);
+	return !(status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_EXPECTED)) && (mark & POD_RECORD_CTMARK);
+}
+
+static __always_inline void ct_tuple(struct bpf_sock_tuple *tuple, struct iphdr *ip, struct tcphdr *tcp)
+{
+	tuple->ipv4.saddr = ip->saddr;
+	tuple->ipv4.daddr = ip->daddr;
+	tuple->ipv4.sport = tcp->source;
+	tuple->ipv4.dport = tcp->dest;
 }
 
 /* The FIB lookup's question for an IPv4 TCP packet, as the stack would route it. */
@@ -423,9 +437,10 @@ static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip
  * 0 (conntrack's events tell of it).
  *
  * SYN: a new entry (PODCONN_SYN), the packet marked (POD_RECORD_MARK: the agent's nft table
- * masks conntrack's events of the connection).  The answer -- SYN-ACK or RST from the other
- * end -- while conntrack holds the entry confirmed (its SYN passed policy): the start goes to
- * the agent (podrecs).  RST past the answer: the end, made by the agent RESET_TIMEOUT (2 s) after
+ * masks conntrack's events of the connection if the SYN is its first packet, and marks its
+ * entry).  The answer -- SYN-ACK or RST from the other end -- while conntrack holds the entry
+ * confirmed (its SYN passed policy), untranslated and marked (podconn_plain): the start goes to
+ * the agent (podrecs); else the entry goes and the connection is conntrack's.  RST past the answer: the end, made by the agent RESET_TIMEOUT (2 s) after
  * the last packet (told by a hint, podconn_reset; else by its sweep) unless the end that sent it
  * sends again without RST (below).  FIN from both ends, then the next packet without FIN
  * (the last ACK): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
@@ -490,13 +505,21 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		return 0;
 	if (v->state == PODCONN_SYN) {
 		if (side == v->client || (!(syn && ack) && !rst)) {
+			/* Not the answer.  Nothing but a SYN of a handshake comes before its answer: a
+			 * packet without SYN belongs to a connection past its handshake, or one refused on
+			 * the way -- its SYN a stray one (a late duplicate) that found the connection
+			 * conntrack's, unmarked.  It stays conntrack's (and its counts podflows'). */
+			if (!syn) {
+				ct_tuple(&tuple, ip, tcp);
+				if (!podconn_plain(skb, &tuple)) {
+					bpf_map_delete_elem(&agentd_podconns, &key);
+					return 0;
+				}
+			}
 			podconn_count(v, side, len, now);
 			return 1;
 		}
-		tuple.ipv4.saddr = ip->saddr;
-		tuple.ipv4.daddr = ip->daddr;
-		tuple.ipv4.sport = tcp->source;
-		tuple.ipv4.dport = tcp->dest;
+		ct_tuple(&tuple, ip, tcp);
 		if (!podconn_plain(skb, &tuple)) { /* translated, not accepted, or unmasked: conntrack's */
 			bpf_map_delete_elem(&agentd_podconns, &key);
 			return 0;

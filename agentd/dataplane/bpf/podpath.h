@@ -80,7 +80,8 @@ struct podflow_end {
  * (POD_CFG_RECORD) -> what they saw of it: every packet of it that passed a program of this
  * node, carried or handed to the stack (the key and the sides as podflows'). */
 enum podconn_state {
-	PODCONN_SYN = 1,     /* its SYN passed (marked: conntrack tells nobody of it); no answer yet */
+	PODCONN_SYN = 1,     /* its SYN passed, marked (conntrack tells nobody of a connection whose
+			      * first packet it was); no answer yet */
 	PODCONN_OPEN = 2,    /* answered (SYN-ACK): its start went to the agent */
 	PODCONN_CLOSING = 3, /* both ends sent FIN: the next packet without FIN ends it */
 	PODCONN_RESET_LO = 4, /* the lower end sent RST: ended by the agent (podrsts) unless that end */
