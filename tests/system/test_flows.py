@@ -545,6 +545,27 @@ async def test_pods_tcp_is_recorded_by_the_pod_programs_not_conntrack(shop):
     assert node1.ns.exec("nft", "list", "table", "ip", "agentd-flows").count("ct event set 0x0") == 1
 
 
+async def test_the_mask_table_an_earlier_run_left_is_renewed_and_none_is_made(netns_factory):
+    """An upgrade: the older agent's mask rule masks a recorded connection's events without
+    marking its entry, and this version's programs record a connection only where the entry
+    carries the mark -- beside the old rule, a connection would be recorded by nobody.  The
+    table an earlier run left is remade as this version writes it (the agent does so before
+    its programs load); where there is none, none is made."""
+    from agentd.nft import flowmask
+
+    ns = netns_factory("fm")
+    assert flowmask.renew(ns.path) is False
+    assert "agentd-flows" not in ns.exec("nft", "list", "tables")
+    ns.exec("nft", "add table ip agentd-flows")
+    ns.exec("nft", "add chain ip agentd-flows record { type nat hook postrouting priority srcnat + 1; policy accept; }")
+    ns.exec("nft", "add rule ip agentd-flows record meta mark & 0x00800000 == 0x00800000 ct state new "
+            "ct status & (snat|dnat) == 0 ct event set 0x0")  # stop 46's rule
+    assert "ct mark" not in ns.exec("nft", "list", "table", "ip", "agentd-flows")
+    assert flowmask.renew(ns.path) is True
+    table = ns.exec("nft", "list", "table", "ip", "agentd-flows")
+    assert table.count("ct event set 0x0") == 1 and table.count("ct mark set ct mark | 0x00800000") == 1, table
+
+
 # Markers: a record of a connection made after an action, once read, proves the records of the
 # action read too -- where both come through the same source, read in order: the pod programs'
 # ring (a BPF ring buffer: one, read in the order the records were written) for TCP between
