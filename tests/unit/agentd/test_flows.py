@@ -2340,6 +2340,31 @@ def test_flow_records_follow_the_cluster_record_not_this_nodes_network_settings(
     assert "2001:db8::10" in rec.directory.node_addresses
 
 
+def test_the_forward_chains_look_at_conntrack_only_while_a_pod_is_isolated():
+    """Flow records and Services need the kernel to track connections, which their own nat and
+    ct expressions make it do; routing every local pod up (no br_netfilter) isolates nobody.
+    Neither adds the conntrack rules (established accept, the Services hairpin accept) to the
+    forward chains, which every packet the node forwards through its stack would pay for: only
+    a pod that a policy isolates does, and its going takes them away again."""
+    engine = PolicyEngine("node2", drop_log=DropLog(143), route_all=True)
+    engine.upsert_pod(Pod("shop", "web", "node2", (IPv4Address("10.244.2.3"),), {"app": "web"}),
+                      LocalPort("veth1", "02:00:00:00:00:01", "cni0"))
+    engine.set_route_services(True)
+
+    def ct_rules() -> list[str]:
+        objects = engine.build().objects
+        return [r for c in ("egress", "ingress") for r in objects[("inet", "agentd-policy", "chain", c)].rules if '"ct"' in r]
+
+    for bridged in (False, True):  # every pod routed up (not isolated), or bridged
+        engine.set_bridged_to_ip(bridged)
+        assert ct_rules() == [], bridged
+    deny = Policy.parse({"metadata": {"namespace": "shop", "name": "deny"}, "spec": {"podSelector": {}}})
+    engine.upsert_policy(deny)
+    assert len(ct_rules()) == 4  # established and hairpin, in each chain
+    engine.remove_policy(deny.key)
+    assert ct_rules() == []
+
+
 def test_every_pod_is_routed_up_for_flow_records_only_where_conntrack_would_not_see_it_bridged(tmp_path):
     """br_netfilter handing bridged frames to the IP hooks (kubelet and Docker hosts): conntrack
     sees connections between pods of the node without routing them up -- only isolated pods
