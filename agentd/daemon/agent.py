@@ -769,6 +769,13 @@ class Agent:
         fast_path = PodFastPath(bpf_dir, cluster=self.cluster.cidr if 4 in versions else None,
                                 cluster_v6=self.cluster.cidr_v6 if 6 in versions else None,
                                 wire_ifindex=self.underlay.ifindex, attach=self.cfg.network.bpf_attach)
+        # An earlier agent's programs may still record, beside its mask table: the table as this
+        # version writes it before this version's programs (which need its conntrack mark) load.
+        try:
+            if await asyncio.to_thread(flowmask.renew):
+                log.info("flow records: the mask table an earlier run left renewed before the pod programs load")
+        except (OSError, NftError) as err:
+            log.warning("flow records: the mask table an earlier run left could not be renewed: %s", err)
         try:
             await asyncio.to_thread(fast_path.open)
         except BpfUnavailable as err:

@@ -279,8 +279,9 @@ def base_objects(
             NftChain(INET, TABLE, "prerouting", tuple(rule_text([
                 match(meta("iifname"), ref(BRIDGES)),
                 *asked(f),
-                match({"fib": {"result": "type", "flags": ["daddr"]}}, {"set": ["local", "broadcast", "multicast"]}, "!="),
+                # The route first: most connections have one, and stop at this one look-up.
                 match({"fib": {"result": "oif", "flags": ["daddr"]}}, False),
+                match({"fib": {"result": "type", "flags": ["daddr"]}}, {"set": ["local", "broadcast", "multicast"]}, "!="),
                 jump(NO_ROUTE)]) for f in fams), hook=("nat", "prerouting", NO_ROUTE_PRIORITY, "accept")),
         ]  # fmt: skip
     # A Service's connection is translated (-100) after that check, to an endpoint the node may

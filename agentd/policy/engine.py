@@ -559,7 +559,14 @@ class PolicyEngine:
                 if egress:
                     elements[f.name(compiler.EGRESS_MAP)].add((ip, ("jump", compiler.pod_chain("out", *key))))
         out = []
-        stateful = bool(elements["isolated-ports"]) or self.route_all or self.route_services
+        # Only a pod that a policy isolates needs the base chains to look at conntrack (replies
+        # accepted as established, the Services hairpin): without one the dispatch maps are
+        # empty and every packet is accepted all the same -- pods routed up for flow records or
+        # Services (isolated-ports without br_netfilter) included.  Flow records and Services
+        # need conntrack too, but their own ct and nat expressions (the flows' output chain, the
+        # Services' DNAT) make the kernel track the namespace's connections: two more rules in
+        # each forward chain would cost every packet the node forwards through its stack.
+        stateful = bool(elements["isolated-in-ports"] or elements["isolated-out-ports"])
         for obj in compiler.base_objects(sorted(self.bridges), stateful, self.drop_log, self.families,
                                            self.service_ranges):
             if obj.kind == "set" and obj.name in elements:

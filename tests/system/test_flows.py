@@ -545,6 +545,27 @@ async def test_pods_tcp_is_recorded_by_the_pod_programs_not_conntrack(shop):
     assert node1.ns.exec("nft", "list", "table", "ip", "agentd-flows").count("ct event set 0x0") == 1
 
 
+async def test_the_mask_table_an_earlier_run_left_is_renewed_and_none_is_made(netns_factory):
+    """An upgrade: the older agent's mask rule masks a recorded connection's events without
+    marking its entry, and this version's programs record a connection only where the entry
+    carries the mark -- beside the old rule, a connection would be recorded by nobody.  The
+    table an earlier run left is remade as this version writes it (the agent does so before
+    its programs load); where there is none, none is made."""
+    from agentd.nft import flowmask
+
+    ns = netns_factory("fm")
+    assert flowmask.renew(ns.path) is False
+    assert "agentd-flows" not in ns.exec("nft", "list", "tables")
+    ns.exec("nft", "add table ip agentd-flows")
+    ns.exec("nft", "add chain ip agentd-flows record { type nat hook postrouting priority srcnat + 1; policy accept; }")
+    ns.exec("nft", "add rule ip agentd-flows record meta mark & 0x00800000 == 0x00800000 ct state new "
+            "ct status & (snat|dnat) == 0 ct event set 0x0")  # stop 46's rule
+    assert "ct mark" not in ns.exec("nft", "list", "table", "ip", "agentd-flows")
+    assert flowmask.renew(ns.path) is True
+    table = ns.exec("nft", "list", "table", "ip", "agentd-flows")
+    assert table.count("ct event set 0x0") == 1 and table.count("ct mark set ct mark | 0x00800000") == 1, table
+
+
 # Markers: a record of a connection made after an action, once read, proves the records of the
 # action read too -- where both come through the same source, read in order: the pod programs'
 # ring (a BPF ring buffer: one, read in the order the records were written) for TCP between
@@ -669,6 +690,84 @@ async def test_a_syn_sent_again_whose_first_was_not_recorded_stays_conntracks(sh
     await conntrack_marker(shop.echo["a"], b.ip, node2)  # and anything conntrack told of it
     got = await agentd_flows(node2, "--port", "41212")
     assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+
+
+# One connection of 2 x 100,000 bytes (the first half sent once the test says go), and between
+# the halves a SYN of its tuple far out of the window (a raw socket): the server's TCP answers it
+# with a challenge ACK (RFC 5961), not a SYN-ACK.
+STRAY_SYN = """
+import socket, struct, sys, time
+ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+c.connect((ip, port)); print("connected", flush=True); sys.stdin.readline()
+assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
+time.sleep(0.3)
+src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
+seq = 0x12345678
+
+def tcp(check):
+    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x02, 65535, check, 0)
+
+words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
+total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
+while total >> 16:
+    total = (total & 0xffff) + (total >> 16)
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
+raw.sendto(tcp(~total & 0xffff), (ip, 0))
+time.sleep(0.3)
+c.sendall(b"y" * 100000)
+c.close()
+"""
+
+
+async def test_a_stray_syn_of_a_conntrack_connection_leaves_it_and_its_counts_to_conntrack(shop):
+    """a's connection to b (two pods of node2) is conntrack's: its handshake passed a's program
+    while a was no pod the programs knew.  Midway a SYN of its tuple, far out of the window,
+    passes a's program, which makes an entry of it; b's TCP answers with a challenge ACK, no
+    SYN-ACK.  That answer shows a connection past its handshake, conntrack's (its entry
+    unmarked): the programs let it go, and what the fast path carries after it is counted for
+    conntrack's end as before -- one start, one end, with every byte."""
+    from agentd.dataplane.bpf import libbpf as lb
+
+    node2 = shop.lab.nodes[1]
+    a, b = shop.pods["a"], shop.pods["b"]
+    await recording(node2)
+    fd = lb.obj_get(str(shop.lab.bpffs / f"netns-{os.stat(f'/run/netns/{node2.ns.name}').st_ino}" / "agentd_podips"))
+    key = socket.inet_aton(a.ip)
+    value = lb.map_lookup(fd, key, 4)
+    assert value is not None
+    sink = b.ns.popen(["python3", "-c", SIZES_SINK, "0.0.0.0", "5018", "200000"], stdout=subprocess.PIPE, text=True)
+    source = None
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        lb.map_delete(fd, key)
+        try:
+            source = a.ns.popen(["python3", "-c", STRAY_SYN, b.ip, "5018", "41213"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+            assert (await asyncio.to_thread(source.stdout.readline)).strip() == "connected"
+        finally:
+            lb.map_update(fd, key, value)
+        await asyncio.to_thread(source.communicate, "go\n", 60)
+        assert source.returncode == 0
+        got, _ = await asyncio.to_thread(sink.communicate, timeout=30)
+        assert got.split() == ["200000"]
+    finally:
+        os.close(fd)
+        for proc in (sink, source):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+    async def ended() -> list[dict]:  # conntrack's DESTROY, after TIME_WAIT: a dump reaps it
+        await node2.ns.aexec(sys.executable, "-c", REAP, timeout=30)
+        return await agentd_flows(node2, "--port", "41213", "--event", "end")
+
+    await auntil(ended, 60, what="node2's end of port 41213")
+    await ring_marker(a, b, node2)
+    await conntrack_marker(shop.echo["a"], b.ip, node2)
+    got = await agentd_flows(node2, "--port", "41213")
+    assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+    assert sent(got[1], 200_000), shown(got[1])
 
 
 async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):

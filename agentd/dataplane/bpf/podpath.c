@@ -49,6 +49,7 @@
 #include <linux/pkt_cls.h>
 #include <linux/stddef.h>
 #include <linux/tcp.h>
+#include <bpf/bpf_core_read.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
 
@@ -58,8 +59,7 @@
 #define IP_MF_OFFSET 0x3fff
 #define CURRENT_NETNS -1
 #define TCP_CONNTRACK_ESTABLISHED 3 /* enum tcp_conntrack */
-#define TCP_CONNTRACK_TIME_WAIT 7
-#define TCP_CONNTRACK_CLOSE 8
+#define IPS_EXPECTED (1UL << 0)
 #define IPS_SRC_NAT (1UL << 4)
 #define IPS_DST_NAT (1UL << 5)
 #define AF_INET_ 2
@@ -76,6 +76,7 @@ union nf_conntrack_proto {
 
 struct nf_conn {
 	unsigned long status;
+	__u32 mark;
 	union nf_conntrack_proto proto;
 } __attribute__((preserve_access_index));
 
@@ -359,37 +360,40 @@ static __always_inline void podconn_count(struct podconn_value *v, __u32 side, _
 	v->last_tai = now;
 }
 
-/* Whether conntrack holds the connection of ``tuple`` confirmed and untranslated: its first
- * packet passed every hook of this node, policy included, and the agent's table masked its
- * events (the table leaves a translated connection's alone). */
+/* Whether conntrack holds the connection of ``tuple`` confirmed, untranslated and with its
+ * events masked by the agent's table: its first packet passed every hook of this node, policy
+ * included, was marked by a program (a SYN of a connection recorded here) and was the
+ * connection's first (the table masks only a new entry's events, and marks the entry
+ * POD_RECORD_CTMARK as it does; a translated connection's it leaves alone).  A connection
+ * conntrack held before a program first marked its SYN -- a SYN sent again whose first was not
+ * recorded (the map full, the sender not yet a pod the programs knew, recording not yet on) --
+ * has its events unmasked and its entry unmarked: it stays conntrack's.  So does an expected
+ * connection (a conntrack helper's: its first packet is related, not new, so the table never
+ * masked it, though conntrack copies the master's mark into it), and every connection on a
+ * kernel without conntrack marks (CONFIG_NF_CONNTRACK_MARK: no nf_conn.mark, and no table). */
 static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_tuple *tuple)
 {
 	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
 	unsigned long status;
 	struct nf_conn *ct;
+	__u32 mark = 0;
 
 	ct = bpf_skb_ct_lookup(skb, tuple, sizeof(tuple->ipv4), &opts, sizeof(opts));
 	if (!ct)
 		return 0;
 	status = ct->status;
+	if (bpf_core_field_exists(ct->mark))
+		mark = ct->mark;
 	bpf_ct_release(ct);
-	return !(status & (IPS_SRC_NAT | IPS_DST_NAT));
+	return !(status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_EXPECTED)) && (mark & POD_RECORD_CTMARK);
 }
 
-/* Whether conntrack holds ``tuple``'s connection live, an entry that a SYN does not replace
- * (one in TIME_WAIT or CLOSE it does: conntrack makes a new one, whose first packet the SYN is). */
-static __always_inline int podconn_held(struct __sk_buff *skb, struct bpf_sock_tuple *tuple)
+static __always_inline void ct_tuple(struct bpf_sock_tuple *tuple, struct iphdr *ip, struct tcphdr *tcp)
 {
-	struct ct_opts opts = {.netns_id = CURRENT_NETNS, .l4proto = IPPROTO_TCP};
-	struct nf_conn *ct;
-	__u8 state;
-
-	ct = bpf_skb_ct_lookup(skb, tuple, sizeof(tuple->ipv4), &opts, sizeof(opts));
-	if (!ct)
-		return 0;
-	state = ct->proto.tcp.state;
-	bpf_ct_release(ct);
-	return state != TCP_CONNTRACK_TIME_WAIT && state != TCP_CONNTRACK_CLOSE;
+	tuple->ipv4.saddr = ip->saddr;
+	tuple->ipv4.daddr = ip->daddr;
+	tuple->ipv4.sport = tcp->source;
+	tuple->ipv4.dport = tcp->dest;
 }
 
 /* The FIB lookup's question for an IPv4 TCP packet, as the stack would route it. */
@@ -433,9 +437,10 @@ static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip
  * 0 (conntrack's events tell of it).
  *
  * SYN: a new entry (PODCONN_SYN), the packet marked (POD_RECORD_MARK: the agent's nft table
- * masks conntrack's events of the connection).  The answer -- SYN-ACK or RST from the other
- * end -- while conntrack holds the entry confirmed (its SYN passed policy): the start goes to
- * the agent (podrecs).  RST past the answer: the end, made by the agent RESET_TIMEOUT (2 s) after
+ * masks conntrack's events of the connection if the SYN is its first packet, and marks its
+ * entry).  The answer -- SYN-ACK or RST from the other end -- while conntrack holds the entry
+ * confirmed (its SYN passed policy), untranslated and marked (podconn_plain): the start goes to
+ * the agent (podrecs); else the entry goes and the connection is conntrack's.  RST past the answer: the end, made by the agent RESET_TIMEOUT (2 s) after
  * the last packet (told by a hint, podconn_reset; else by its sweep) unless the end that sent it
  * sends again without RST (below).  FIN from both ends, then the next packet without FIN
  * (the last ACK): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
@@ -452,10 +457,6 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	int syn = tcp->syn, ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
 	__u32 seq = tcp->seq;
 
-	tuple.ipv4.saddr = ip->saddr;
-	tuple.ipv4.daddr = ip->daddr;
-	tuple.ipv4.sport = tcp->source;
-	tuple.ipv4.dport = tcp->dest;
 	v = bpf_map_lookup_elem(&agentd_podconns, &key);
 	if (!v && !(syn && !ack && !fin && !rst))
 		return 0; /* not recorded here: conntrack's events tell of it */
@@ -478,12 +479,11 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		}
 		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
 			return 0;
-		/* No entry, yet conntrack holds the connection: a SYN sent again whose first was not
-		 * recorded (the map full, the sender not yet a pod the programs knew, recording not yet
-		 * on).  Conntrack's events of it were not masked (its NEW is out already, and the
-		 * masking rule runs at a connection's first packet only): it stays conntrack's. */
-		if (!v && podconn_held(skb, &tuple))
-			return 0;
+		/* Whether conntrack held the connection before this SYN (a SYN sent again whose first
+		 * was not recorded: its events were not masked, its NEW is out already) is asked at
+		 * the answer, in the one conntrack look-up it makes anyway (podconn_plain: the entry
+		 * unmarked), not here: a look-up per SYN cost each node 0.5-0.9 us of program time per
+		 * connection (BPF run-time statistics, bench/flows.py's short connections). */
 		fresh.state = PODCONN_SYN;
 		fresh.client = side;
 		fresh.client_seq = seq;
@@ -505,10 +505,22 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		return 0;
 	if (v->state == PODCONN_SYN) {
 		if (side == v->client || (!(syn && ack) && !rst)) {
+			/* Not the answer.  Nothing but a SYN of a handshake comes before its answer: a
+			 * packet without SYN belongs to a connection past its handshake, or one refused on
+			 * the way -- its SYN a stray one (a late duplicate) that found the connection
+			 * conntrack's, unmarked.  It stays conntrack's (and its counts podflows'). */
+			if (!syn) {
+				ct_tuple(&tuple, ip, tcp);
+				if (!podconn_plain(skb, &tuple)) {
+					bpf_map_delete_elem(&agentd_podconns, &key);
+					return 0;
+				}
+			}
 			podconn_count(v, side, len, now);
 			return 1;
 		}
-		if (!podconn_plain(skb, &tuple)) { /* translated, or not accepted: conntrack's */
+		ct_tuple(&tuple, ip, tcp);
+		if (!podconn_plain(skb, &tuple)) { /* translated, not accepted, or unmasked: conntrack's */
 			bpf_map_delete_elem(&agentd_podconns, &key);
 			return 0;
 		}

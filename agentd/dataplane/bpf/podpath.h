@@ -43,6 +43,10 @@ enum pod_config_flag {
  * ``ip agentd-flows`` masks conntrack's events for exactly those (nft ``ct event set 0x0`` on
  * the connection's first packet, before its entry is confirmed, when no NAT applies). */
 #define POD_RECORD_MARK 0x00800000
+/* ... and the conntrack mark bit that rule sets on the entry it masks: the answer's program
+ * reads it (podconn_plain) to know that the connection's events are masked, i.e. that conntrack
+ * did not hold it before the marked SYN. */
+#define POD_RECORD_CTMARK 0x00800000
 
 /* podflows: LRU hash, a connection the programs carried packets of -> how many, each way
  * (conntrack does not count what it does not see; the agent adds these to the connection's
@@ -76,7 +80,8 @@ struct podflow_end {
  * (POD_CFG_RECORD) -> what they saw of it: every packet of it that passed a program of this
  * node, carried or handed to the stack (the key and the sides as podflows'). */
 enum podconn_state {
-	PODCONN_SYN = 1,     /* its SYN passed (marked: conntrack tells nobody of it); no answer yet */
+	PODCONN_SYN = 1,     /* its SYN passed, marked (conntrack tells nobody of a connection whose
+			      * first packet it was); no answer yet */
 	PODCONN_OPEN = 2,    /* answered (SYN-ACK): its start went to the agent */
 	PODCONN_CLOSING = 3, /* both ends sent FIN: the next packet without FIN ends it */
 	PODCONN_RESET_LO = 4, /* the lower end sent RST: ended by the agent (podrsts) unless that end */

@@ -1285,7 +1285,11 @@ def test_flow_mask_is_a_nat_chain_asked_once_per_connection():
     assert [(c["type"], c["hook"], c["prio"]) for c in chains] == [("nat", "postrouting", 101)]
     (rule,) = [c["add"]["rule"]["expr"] for c in cmds if "rule" in c.get("add", {})]
     assert rule[0]["match"]["left"] == {"&": [{"meta": {"key": "mark"}}, flowmask.MARK]}  # the cheapest test first
-    assert rule[-1] == {"mangle": {"key": {"ct": {"key": "event"}}, "value": 0}}
+    assert rule[-2] == {"mangle": {"key": {"ct": {"key": "event"}}, "value": 0}}
+    # ... and marks the entry it masked, which the answer's program reads (podconn_plain): a
+    # connection conntrack held before its marked SYN kept its events and stays conntrack's.
+    assert rule[-1] == {"mangle": {"key": {"ct": {"key": "mark"}},
+                                   "value": {"|": [{"ct": {"key": "mark"}}, flowmask.CTMARK]}}}
 
 
 def _logged(r: FlowRecorder, msg: bytes) -> None:
@@ -2286,8 +2290,9 @@ def test_a_pods_packet_with_no_route_is_logged_by_a_rate_limited_nat_rule_for_fi
         assert rule[1] == {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}}
         assert rule[2] == {"match": {"op": "!=", "left": {"payload": {"protocol": proto, "field": "daddr"}},
                                      "right": {"set": [{"prefix": {"addr": rng[0], "len": rng[1]}}]}}}  # a VIP has no route
-        assert rule[3]["match"]["op"] == "!=" and rule[3]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
-        assert rule[4] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
+        # The route asked first: a connection that has one (most) costs one look-up, not two.
+        assert rule[3] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
+        assert rule[4]["match"]["op"] == "!=" and rule[4]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
         assert rule[5] == {"jump": {"target": "no-route"}}
     logged = [json.loads(r) for r in rs.objects[("inet", policy_compiler.TABLE, "chain", "no-route")].rules]  # type: ignore[union-attr]
     assert logged[0] == [{"limit": {"rate": 100, "per": "second", "burst": 100}}, {"log": {"prefix": "no-route", "group": 5}},
@@ -2333,6 +2338,31 @@ def test_flow_records_follow_the_cluster_record_not_this_nodes_network_settings(
                                           for n in (ip_network("10.244.0.0/16"), ip_network("10.96.0.0/12")))
     assert rec._ours("fd00:244::5", "2001:db8::99") and not rec._ours("10.50.0.5", "10.60.0.1")
     assert "2001:db8::10" in rec.directory.node_addresses
+
+
+def test_the_forward_chains_look_at_conntrack_only_while_a_pod_is_isolated():
+    """Flow records and Services need the kernel to track connections, which their own nat and
+    ct expressions make it do; routing every local pod up (no br_netfilter) isolates nobody.
+    Neither adds the conntrack rules (established accept, the Services hairpin accept) to the
+    forward chains, which every packet the node forwards through its stack would pay for: only
+    a pod that a policy isolates does, and its going takes them away again."""
+    engine = PolicyEngine("node2", drop_log=DropLog(143), route_all=True)
+    engine.upsert_pod(Pod("shop", "web", "node2", (IPv4Address("10.244.2.3"),), {"app": "web"}),
+                      LocalPort("veth1", "02:00:00:00:00:01", "cni0"))
+    engine.set_route_services(True)
+
+    def ct_rules() -> list[str]:
+        objects = engine.build().objects
+        return [r for c in ("egress", "ingress") for r in objects[("inet", "agentd-policy", "chain", c)].rules if '"ct"' in r]
+
+    for bridged in (False, True):  # every pod routed up (not isolated), or bridged
+        engine.set_bridged_to_ip(bridged)
+        assert ct_rules() == [], bridged
+    deny = Policy.parse({"metadata": {"namespace": "shop", "name": "deny"}, "spec": {"podSelector": {}}})
+    engine.upsert_policy(deny)
+    assert len(ct_rules()) == 4  # established and hairpin, in each chain
+    engine.remove_policy(deny.key)
+    assert ct_rules() == []
 
 
 def test_every_pod_is_routed_up_for_flow_records_only_where_conntrack_would_not_see_it_bridged(tmp_path):
