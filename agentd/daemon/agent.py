@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from ipaddress import IPv4Address, IPv6Address
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -98,6 +98,21 @@ START_STEPS = (
     "starting BGP",
 )
 
+
+def renew_flow_mask(mask: Any = flowmask) -> None:
+    """An earlier agent's pod programs may still record, beside its mask table (blocking): the
+    table as this version writes it, before this version's programs -- which record a connection
+    only where the rule marked its conntrack entry -- load.  Where it cannot be remade (no
+    conntrack marks in the kernel, libnftables gone), it is removed: an older rule that masks
+    without marking would leave connections recorded by nobody, while with no rule conntrack's
+    events tell of every connection until the recorder opens."""
+    try:
+        if mask.renew():
+            log.info("flow records: the mask table an earlier run left renewed before the pod programs load")
+    except (OSError, NftError) as err:
+        mask.remove_quietly()
+        log.warning("flow records: the mask table an earlier run left could not be renewed (%s): removed, "
+                    "so that conntrack's events tell of every connection until the recorder opens", err)
 
 
 class AgentError(RuntimeError):
@@ -769,13 +784,7 @@ class Agent:
         fast_path = PodFastPath(bpf_dir, cluster=self.cluster.cidr if 4 in versions else None,
                                 cluster_v6=self.cluster.cidr_v6 if 6 in versions else None,
                                 wire_ifindex=self.underlay.ifindex, attach=self.cfg.network.bpf_attach)
-        # An earlier agent's programs may still record, beside its mask table: the table as this
-        # version writes it before this version's programs (which need its conntrack mark) load.
-        try:
-            if await asyncio.to_thread(flowmask.renew):
-                log.info("flow records: the mask table an earlier run left renewed before the pod programs load")
-        except (OSError, NftError) as err:
-            log.warning("flow records: the mask table an earlier run left could not be renewed: %s", err)
+        await asyncio.to_thread(renew_flow_mask)
         try:
             await asyncio.to_thread(fast_path.open)
         except BpfUnavailable as err:

@@ -550,7 +550,8 @@ async def test_the_mask_table_an_earlier_run_left_is_renewed_and_none_is_made(ne
     marking its entry, and this version's programs record a connection only where the entry
     carries the mark -- beside the old rule, a connection would be recorded by nobody.  The
     table an earlier run left is remade as this version writes it (the agent does so before
-    its programs load); where there is none, none is made."""
+    its programs load: agent.renew_flow_mask, whose failure path a unit test covers); where
+    there is none, none is made."""
     from agentd.nft import flowmask
 
     ns = netns_factory("fm")

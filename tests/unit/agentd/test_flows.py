@@ -1292,6 +1292,34 @@ def test_flow_mask_is_a_nat_chain_asked_once_per_connection():
                                    "value": {"|": [{"ct": {"key": "mark"}}, flowmask.CTMARK]}}}
 
 
+def test_a_mask_table_an_earlier_run_left_is_renewed_or_else_removed_before_the_programs_load():
+    """An upgrade: the earlier agent's programs may still record, beside its table, whose rule
+    may mask without marking.  The agent remakes the table before its programs load; where it
+    cannot (no conntrack marks in the kernel), it removes it -- an old rule beside programs
+    that need the mark would leave connections recorded by nobody, no rule leaves them to
+    conntrack's events until the recorder opens.  No table, nothing made nor removed."""
+    from agentd.daemon.agent import renew_flow_mask
+    from agentd.nft.libnftables import NftError
+
+    class Mask:
+        def __init__(self, there: bool, fails: bool) -> None:
+            self.there, self.fails, self.done = there, fails, []
+
+        def renew(self) -> bool:
+            self.done.append("renew")
+            if self.fails:
+                raise NftError("Error: Could not process rule: Operation not supported")
+            return self.there
+
+        def remove_quietly(self) -> None:
+            self.done.append("remove")
+
+    for there, fails, done in ((True, False, ["renew"]), (False, False, ["renew"]), (True, True, ["renew", "remove"])):
+        mask = Mask(there, fails)
+        renew_flow_mask(mask)
+        assert mask.done == done, (there, fails)
+
+
 def _logged(r: FlowRecorder, msg: bytes) -> None:
     for mtype, _f, _s, _p, start, end in nl.iter_messages(msg):
         r._on_log(mtype, msg, start, end)
