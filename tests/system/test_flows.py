@@ -693,28 +693,38 @@ async def test_a_syn_sent_again_whose_first_was_not_recorded_stays_conntracks(sh
     assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
 
 
+# A TCP segment of the connection (src, sport) -> (ip, port) sent on a raw socket, with TCP flags
+# ``flags``, its sequence number far out of the window (but for a chance of about 1 in 1,000):
+# what the scripts below send between the halves of a connection.
+RAW_SEGMENT = """
+import socket, struct, sys, time
+
+
+def raw_segment(src, ip, sport, port, flags, window):
+    seq = 0x12345678
+
+    def tcp(check):
+        return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, flags, window, check, 0)
+
+    words = socket.inet_aton(src) + socket.inet_aton(ip) + struct.pack("!BBH", 0, 6, 20) + tcp(0)
+    total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
+    while total >> 16:
+        total = (total & 0xffff) + (total >> 16)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
+    raw.sendto(tcp(~total & 0xffff), (ip, 0))
+"""
+
+
 # One connection of 2 x 100,000 bytes (the first half sent once the test says go), and between
 # the halves a SYN of its tuple far out of the window (a raw socket): the server's TCP answers it
 # with a challenge ACK (RFC 5961), not a SYN-ACK.
-STRAY_SYN = """
-import socket, struct, sys, time
+STRAY_SYN = RAW_SEGMENT + """
 ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
 c.connect((ip, port)); print("connected", flush=True); sys.stdin.readline()
 assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
 time.sleep(0.3)
-src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
-seq = 0x12345678
-
-def tcp(check):
-    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x02, 65535, check, 0)
-
-words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
-total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
-while total >> 16:
-    total = (total & 0xffff) + (total >> 16)
-raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
-raw.sendto(tcp(~total & 0xffff), (ip, 0))
+raw_segment(c.getsockname()[0], ip, sport, port, 0x02, 65535)  # SYN
 time.sleep(0.3)
 c.sendall(b"y" * 100000)
 c.close()
@@ -797,24 +807,12 @@ async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
 
 # SIZES_SOURCE's one connection of 2 x 100,000 bytes, and between the halves a RST of its tuple
 # that the server's TCP ignores: its sequence number far out of the window (sent on a raw socket).
-RESET_OUT_OF_WINDOW = """
-import socket, struct, sys, time
+RESET_OUT_OF_WINDOW = RAW_SEGMENT + """
 ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
 c.connect((ip, port)); assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
 time.sleep(0.3)
-src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
-seq = 0x12345678  # out of the window but for a chance of about 1 in 1,000
-
-def tcp(check):
-    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x04, 0, check, 0)
-
-words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
-total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
-while total >> 16:
-    total = (total & 0xffff) + (total >> 16)
-raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
-raw.sendto(tcp(~total & 0xffff), (ip, 0))
+raw_segment(c.getsockname()[0], ip, sport, port, 0x04, 0)  # RST
 time.sleep(0.3)
 c.sendall(b"y" * 100000)
 while c.recv(65536): pass
@@ -947,24 +945,12 @@ async def test_a_reset_connections_end_comes_about_two_seconds_after_its_rst(sho
 # A connection whose client sends a RST far out of the window, then its FIN (shutdown: the
 # connection half open), and reads what the server sends 8.5 s later: past the time the
 # agent's sweep ends a connection whose resetting end was silent (2 s, and a sweep's 5 s).
-FIN_AFTER_IGNORED_RESET = """
-import socket, struct, sys, time
+FIN_AFTER_IGNORED_RESET = RAW_SEGMENT + """
 ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
 c.connect((ip, port)); c.sendall(b"x" * 1000)
 time.sleep(0.3)
-src = socket.inet_aton(c.getsockname()[0]); dst = socket.inet_aton(ip)
-seq = 0x12345678
-
-def tcp(check):
-    return struct.pack("!HHIIBBHHH", sport, port, seq, 0, 5 << 4, 0x04, 0, check, 0)
-
-words = src + dst + struct.pack("!BBH", 0, 6, 20) + tcp(0)
-total = sum(struct.unpack("!%dH" % (len(words) // 2), words))
-while total >> 16:
-    total = (total & 0xffff) + (total >> 16)
-raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
-raw.sendto(tcp(~total & 0xffff), (ip, 0))
+raw_segment(c.getsockname()[0], ip, sport, port, 0x04, 0)  # RST
 time.sleep(0.3)
 c.shutdown(socket.SHUT_WR)
 got = 0
