@@ -388,6 +388,7 @@ static __always_inline int podconn_plain(struct __sk_buff *skb, struct bpf_sock_
 	return !(status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_EXPECTED)) && (mark & POD_RECORD_CTMARK);
 }
 
+/* The IPv4 TCP packet's tuple, as conntrack's look-up takes it. */
 static __always_inline void ct_tuple(struct bpf_sock_tuple *tuple, struct iphdr *ip, struct tcphdr *tcp)
 {
 	tuple->ipv4.saddr = ip->saddr;
@@ -630,10 +631,7 @@ static __always_inline __u32 accepted(struct __sk_buff *skb, struct iphdr *ip, s
 {
 	struct bpf_sock_tuple tuple = {};
 
-	tuple.ipv4.saddr = ip->saddr;
-	tuple.ipv4.daddr = ip->daddr;
-	tuple.ipv4.sport = tcp->source;
-	tuple.ipv4.dport = tcp->dest;
+	ct_tuple(&tuple, ip, tcp);
 	return tracked(skb, &tuple, sizeof(tuple.ipv4), cfg);
 }
 
