@@ -292,26 +292,40 @@ static __always_inline void podflow_restart(struct iphdr *ip, struct tcphdr *tcp
 
 /* ------------------------------------------------------------ connections recorded here (podconns) */
 
-static __always_inline void podconn_output(struct podconn_record *rec)
+/* A record the ring could not take (full: the agent is behind or gone). */
+static __always_inline void podconn_lost(void)
 {
-	/* No wake-up: the agent reads the ring on a timer, never waits on it. */
-	if (bpf_ringbuf_output(&agentd_podrecs, rec, sizeof(*rec), BPF_RB_NO_WAKEUP)) { /* full: the agent is behind or gone */
-		__u32 zero = 0;
-		__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
+	__u32 zero = 0;
+	__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
 
-		if (lost)
-			*lost += 1;
-	}
+	if (lost)
+		*lost += 1;
 }
 
+/* A record of ``key``'s connection, written in place in the ring: reserved and filled from the
+ * entry, for the caller to submit (no copy on the stack).  NULL if the ring is full. */
+static __always_inline struct podconn_record *podconn_record_of(struct podflow_key *key, struct podconn_value *v,
+								 __u32 kind)
+{
+	struct podconn_record *rec = bpf_ringbuf_reserve(&agentd_podrecs, sizeof(*rec), 0);
+
+	if (rec) {
+		rec->key = *key;
+		rec->kind = kind;
+		rec->value = *v;
+	}
+	return rec;
+}
+
+/* No wake-up: the agent reads the ring on a timer, never waits on it. */
 static __always_inline void podconn_emit(struct podflow_key *key, struct podconn_value *v, __u32 kind)
 {
-	struct podconn_record rec = {};
+	struct podconn_record *rec = podconn_record_of(key, v, kind);
 
-	rec.key = *key;
-	rec.kind = kind;
-	rec.value = *v;
-	podconn_output(&rec);
+	if (rec)
+		bpf_ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
+	else
+		podconn_lost();
 }
 
 /* ``key``'s entry went to a RESET state: the agent ends it RESET_TIMEOUT after its last packet
@@ -339,13 +353,16 @@ static __always_inline void podconn_reset(struct podflow_key *key, struct podcon
  * that one is ended by a later sweep, never again by this program). */
 static __always_inline void podconn_end(struct podflow_key *key, struct podconn_value *v, __u32 kind)
 {
-	struct podconn_record rec = {};
+	struct podconn_record *rec = podconn_record_of(key, v, kind);
 
-	rec.key = *key;
-	rec.kind = kind;
-	rec.value = *v;
-	if (!bpf_map_delete_elem(&agentd_podconns, key))
-		podconn_output(&rec);
+	if (bpf_map_delete_elem(&agentd_podconns, key)) { /* not this program's to end */
+		if (rec)
+			bpf_ringbuf_discard(rec, BPF_RB_NO_WAKEUP);
+	} else if (rec) {
+		bpf_ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
+	} else {
+		podconn_lost();
+	}
 }
 
 static __always_inline void podconn_count(struct podconn_value *v, __u32 side, __u64 len, __u64 now)
