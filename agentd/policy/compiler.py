@@ -72,6 +72,7 @@ from agentd.nft.expr import (
     ACCEPT, DROP, ESTABLISHED, RETURN, SUPPRESSED, AddressFamily, DropLog, families as rows, jump, match, meta,
     object_name, payload, prefix, ref,
 )  # fmt: skip
+from agentd.nft.flowmask import MARK as RECORD_MARK
 from agentd.nft.ruleset import NftChain, NftCounter, NftSet, rule_text
 
 from .model import Address, Network, Policy, Port, Rule
@@ -278,6 +279,9 @@ def base_objects(
                                              rule_text([{"counter": SUPPRESSED}]))),
             NftChain(INET, TABLE, "prerouting", tuple(rule_text([
                 match(meta("iifname"), ref(BRIDGES)),
+                # A SYN the pod programs record (marked: flowmask.MARK) had its route asked by
+                # them (a pod of this node, or the underlay device: podpath.c podconn_wired).
+                match({"&": [meta("mark"), RECORD_MARK]}, 0),
                 *asked(f),
                 # The route first: most connections have one, and stop at this one look-up.
                 match({"fib": {"result": "oif", "flags": ["daddr"]}}, False),

@@ -1002,6 +1002,76 @@ async def test_a_fin_after_an_ignored_reset_is_no_reset(shop):
         assert got[1]["bytes_received"] >= 100_000 and got[1]["duration"] > 8, shown(got[1])
 
 
+# Both ends close without a byte sent, each once told to (a line on stdin): the test tells the
+# server first, then the client.
+SHUT_WHEN_TOLD = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+if sys.argv[1] == "listen":
+    s.bind(("0.0.0.0", int(sys.argv[2]))); s.listen(1)
+    print("ready", flush=True)
+    s, _ = s.accept()
+else:
+    s.bind(("0.0.0.0", int(sys.argv[4]))); s.connect((sys.argv[2], int(sys.argv[3])))
+print("connected", flush=True)
+sys.stdin.readline()
+s.shutdown(socket.SHUT_WR)
+print("shut", flush=True)
+assert s.recv(1) == b""
+s.close()
+"""
+
+
+async def test_fins_that_cross_end_the_connection_with_every_packet_on_both_nodes(shop):
+    """web closes first, and its FIN is dropped in client's namespace (nft: the first only)
+    after it passed the programs of both nodes; client, not knowing, closes too.  Each node
+    sees web's FIN, then client's, which does not acknowledge it: the FINs crossed.  web's TCP
+    acknowledges client's FIN and sends its own again; client acknowledges that.  Each end sent
+    4 packets (SYN or SYN-ACK, ACK, FIN, ACK; web's FIN twice and no handshake ACK), and each
+    node's end counts all 8 -- ending at the first packet without FIN after both FINs (web's
+    ACK) left 2 out."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    table = "agentd-test-crossed"
+    for node in (node1, node2):
+        await recording(node)
+    client.ns.exec("nft", "add", "table", "ip", table)
+    procs = []
+    try:
+        client.ns.exec("nft", "add chain ip " + table + " in { type filter hook input priority 0; }")
+        client.ns.exec("nft", "add rule ip " + table + " in tcp sport 5019 tcp dport 41214 "
+                       "tcp flags & fin == fin limit rate 1/hour burst 1 packets counter drop")
+        server = web.ns.popen(["python3", "-c", SHUT_WHEN_TOLD, "listen", "5019"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+        procs.append(server)
+        assert (await asyncio.to_thread(server.stdout.readline)).strip() == "ready"
+        talker = client.ns.popen(["python3", "-c", SHUT_WHEN_TOLD, "connect", web.ip, "5019", "41214"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(talker)
+        for proc in (talker, server):
+            assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "connected"
+        await asyncio.sleep(0.2)  # the handshake's last ACK through
+        for proc in (server, talker):  # web's FIN out (and dropped) before client's
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "shut"
+        for proc in procs:
+            await asyncio.to_thread(proc.wait, 30)
+            assert proc.returncode == 0
+        assert "packets 1 " in client.ns.exec("nft", "list", "table", "ip", table)  # web's first FIN was lost
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        client.ns.exec("nft", "delete", "table", "ip", table, check=False)
+    for node in (node1, node2):
+        (end,) = await records(node, "--port", "41214", "--event", "end", want=lambda r: r,
+                               what=f"{node.name}'s end of port 41214")
+        assert (end["packets_sent"], end["packets_received"]) == (4, 4), shown(end)
+        # IP lengths: the SYN and the SYN-ACK with their options, the rest with timestamps.
+        assert (end["bytes_sent"], end["bytes_received"]) == (60 + 3 * 52, 60 + 3 * 52), shown(end)
+
 HOLD_OPEN = """
 import socket, sys, time
 s = socket.socket()

@@ -292,26 +292,40 @@ static __always_inline void podflow_restart(struct iphdr *ip, struct tcphdr *tcp
 
 /* ------------------------------------------------------------ connections recorded here (podconns) */
 
-static __always_inline void podconn_output(struct podconn_record *rec)
+/* A record the ring could not take (full: the agent is behind or gone). */
+static __always_inline void podconn_lost(void)
 {
-	/* No wake-up: the agent reads the ring on a timer, never waits on it. */
-	if (bpf_ringbuf_output(&agentd_podrecs, rec, sizeof(*rec), BPF_RB_NO_WAKEUP)) { /* full: the agent is behind or gone */
-		__u32 zero = 0;
-		__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
+	__u32 zero = 0;
+	__u64 *lost = bpf_map_lookup_elem(&agentd_podlost, &zero);
 
-		if (lost)
-			*lost += 1;
-	}
+	if (lost)
+		*lost += 1;
 }
 
+/* A record of ``key``'s connection, written in place in the ring: reserved and filled from the
+ * entry, for the caller to submit (no copy on the stack).  NULL if the ring is full. */
+static __always_inline struct podconn_record *podconn_record_of(struct podflow_key *key, struct podconn_value *v,
+								 __u32 kind)
+{
+	struct podconn_record *rec = bpf_ringbuf_reserve(&agentd_podrecs, sizeof(*rec), 0);
+
+	if (rec) {
+		rec->key = *key;
+		rec->kind = kind;
+		rec->value = *v;
+	}
+	return rec;
+}
+
+/* No wake-up: the agent reads the ring on a timer, never waits on it. */
 static __always_inline void podconn_emit(struct podflow_key *key, struct podconn_value *v, __u32 kind)
 {
-	struct podconn_record rec = {};
+	struct podconn_record *rec = podconn_record_of(key, v, kind);
 
-	rec.key = *key;
-	rec.kind = kind;
-	rec.value = *v;
-	podconn_output(&rec);
+	if (rec)
+		bpf_ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
+	else
+		podconn_lost();
 }
 
 /* ``key``'s entry went to a RESET state: the agent ends it RESET_TIMEOUT after its last packet
@@ -339,13 +353,16 @@ static __always_inline void podconn_reset(struct podflow_key *key, struct podcon
  * that one is ended by a later sweep, never again by this program). */
 static __always_inline void podconn_end(struct podflow_key *key, struct podconn_value *v, __u32 kind)
 {
-	struct podconn_record rec = {};
+	struct podconn_record *rec = podconn_record_of(key, v, kind);
 
-	rec.key = *key;
-	rec.kind = kind;
-	rec.value = *v;
-	if (!bpf_map_delete_elem(&agentd_podconns, key))
-		podconn_output(&rec);
+	if (bpf_map_delete_elem(&agentd_podconns, key)) { /* not this program's to end */
+		if (rec)
+			bpf_ringbuf_discard(rec, BPF_RB_NO_WAKEUP);
+	} else if (rec) {
+		bpf_ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
+	} else {
+		podconn_lost();
+	}
 }
 
 static __always_inline void podconn_count(struct podconn_value *v, __u32 side, __u64 len, __u64 now)
@@ -428,6 +445,46 @@ static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip
 	return (ret == BPF_FIB_LKUP_RET_SUCCESS || ret == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex == wire;
 }
 
+/* A packet of ``key``'s connection from end ``side`` while a FIN has been seen, or carrying
+ * one (``fin_end``: the acknowledgement number that would acknowledge it): the FIN and its
+ * acknowledgement noted (podpath.h: enum podconn_fin); with both ends' FINs, CLOSING; with
+ * both acknowledged, the end -- at that packet, so that the end counts the last ACK however
+ * the FINs met (one after the other, or crossed on the way: then each node sees them in
+ * another order, and ending at the first packet without FIN after both left one ACK out, a
+ * different one on each node).  A last ACK lost leaves the end to the agent's sweep
+ * (CLOSING_TIMEOUT), as before. */
+static __always_inline void podconn_closing(struct podflow_key *key, struct podconn_value *v, __u32 side, int fin,
+					    int ack, __u32 ack_seq, __u32 fin_end)
+{
+	__u32 mine = side ? PODCONN_FIN_HI : PODCONN_FIN_LO, theirs = side ? PODCONN_FIN_LO : PODCONN_FIN_HI;
+	__u32 held_mine = side ? PODCONN_FIN_HELD_HI : PODCONN_FIN_HELD_LO;
+	__u32 held_theirs = side ? PODCONN_FIN_HELD_LO : PODCONN_FIN_HELD_HI;
+	__u32 acked_theirs = side ? PODCONN_FIN_ACKED_LO : PODCONN_FIN_ACKED_HI;
+	__u32 all = PODCONN_FIN_LO | PODCONN_FIN_HI | PODCONN_FIN_ACKED_LO | PODCONN_FIN_ACKED_HI;
+	__u32 f = v->fins;
+
+	/* The other end's FIN acknowledged: by its number if held, else (crossed) by this packet
+	 * without FIN of the end whose FIN is held. */
+	if (ack && (f & theirs) && !(f & acked_theirs) &&
+	    ((f & held_theirs) ? (__s32)(ack_seq - v->fin_ack) >= 0 : !fin))
+		f = __sync_fetch_and_or(&v->fins, acked_theirs) | acked_theirs;
+	if (fin && !(f & mine)) {
+		/* This end's FIN (sent again, it has the same number): its number held unless the
+		 * other end's FIN is held and not yet acknowledged (the FINs crossed). */
+		__u32 bits = mine;
+
+		if (!(f & held_theirs) || (f & acked_theirs)) {
+			v->fin_ack = fin_end;
+			bits |= held_mine;
+		}
+		f = __sync_fetch_and_or(&v->fins, bits) | bits;
+	}
+	if ((f & all) == all)
+		podconn_end(key, v, PODREC_FIN);
+	else if ((f & (PODCONN_FIN_LO | PODCONN_FIN_HI)) == (PODCONN_FIN_LO | PODCONN_FIN_HI))
+		v->state = PODCONN_CLOSING;
+}
+
 #define PODCONN_START 1        /* a SYN may open a record here: to a pod of this node, or on the wire */
 #define PODCONN_START_WIRED 2  /* ... if it leaves by the underlay device (podconn_wired) */
 
@@ -443,8 +500,8 @@ static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip
  * confirmed (its SYN passed policy), untranslated and marked (podconn_plain): the start goes to
  * the agent (podrecs); else the entry goes and the connection is conntrack's.  RST past the answer: the end, made by the agent RESET_TIMEOUT (2 s) after
  * the last packet (told by a hint, podconn_reset; else by its sweep) unless the end that sent it
- * sends again without RST (below).  FIN from both ends, then the next packet without FIN
- * (the last ACK): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
+ * sends again without RST (below).  FIN from both ends, then the packet that acknowledges
+ * the last of them (podconn_closing): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
  * the client, with the sequence number of its first) is counted and marked, in any state.  What never ends so
  * (idle, a pod gone) the agent's sweep ends when conntrack no longer holds it. */
 static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, int may_start,
@@ -456,7 +513,7 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	__u32 side = podflow_key(ip, tcp, &key);
 	__u64 len = skb->len - ETH_HLEN, now;
 	int syn = tcp->syn, ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
-	__u32 seq = tcp->seq;
+	__u32 seq = tcp->seq, ack_seq = bpf_ntohl(tcp->ack_seq), doff = tcp->doff;
 
 	v = bpf_map_lookup_elem(&agentd_podconns, &key);
 	if (!v && !(syn && !ack && !fin && !rst))
@@ -465,7 +522,8 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	if (syn && !ack && !fin && !rst) {
 		/* Sent again: unanswered yet, or its answer lost on the way (the entry is OPEN then,
 		 * and must not end as REUSED nor start again when the server answers once more). */
-		if (v && v->client == side && v->client_seq == seq) {
+		if (v && v->client == side && v->client_seq == seq &&
+		    !(v->fins & (PODCONN_FIN_HELD_LO | PODCONN_FIN_HELD_HI))) {
 			podconn_count(v, side, len, now);
 			skb->mark |= POD_RECORD_MARK;
 			return 1;
@@ -547,20 +605,12 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		 * without RST from the same end afterwards shows that end alive (OPEN again); else the
 		 * agent ends the connection as reset, at its last packet (told by a hint: podconn_reset). */
 		podconn_reset(&key, v, side, now);
-	} else if (fin) {
-		__u32 bit = side ? 2 : 1;
-
-		if (v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO))
-			v->state = PODCONN_OPEN; /* that end is alive: its FIN is no RST */
-		if ((__sync_fetch_and_or(&v->fins, bit) | bit) == 3)
-			v->state = PODCONN_CLOSING;
-	} else if (v->state != PODCONN_OPEN) { /* one compare on an open connection's packets */
-		if (v->state == PODCONN_CLOSING) {
-			podconn_end(&key, v, PODREC_FIN);
-		} else if (v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO)) {
-			v->state = PODCONN_OPEN;
-		}
+		return 1;
 	}
+	if (v->state != PODCONN_OPEN && v->state == (side ? PODCONN_RESET_HI : PODCONN_RESET_LO))
+		v->state = PODCONN_OPEN; /* that end is alive: anything but RST, a FIN too */
+	if (fin || v->fins) /* two compares on an open connection's packets */
+		podconn_closing(&key, v, side, fin, ack, ack_seq, bpf_ntohl(seq) + len - sizeof(*ip) - doff * 4 + 1);
 	return 1;
 }
 

@@ -83,7 +83,8 @@ enum podconn_state {
 	PODCONN_SYN = 1,     /* its SYN passed, marked (conntrack tells nobody of a connection whose
 			      * first packet it was); no answer yet */
 	PODCONN_OPEN = 2,    /* answered (SYN-ACK): its start went to the agent */
-	PODCONN_CLOSING = 3, /* both ends sent FIN: the next packet without FIN ends it */
+	PODCONN_CLOSING = 3, /* both ends sent FIN: the packet that acknowledges the last of them
+			      * unacknowledged ends it (enum podconn_fin) */
 	PODCONN_RESET_LO = 4, /* the lower end sent RST: ended by the agent (podrsts) unless that end */
 	PODCONN_RESET_HI = 5, /* ... sends again without RST (back to OPEN: its TCP ignored it) */
 };
@@ -96,10 +97,29 @@ struct podconn_value {
 	__u32 state;     /* enum podconn_state */
 	__u8 client;     /* the side that sent the SYN */
 	__u8 pad[3];
-	__u32 fins;      /* bit per side: FIN seen (set with an atomic or: both ends' FINs may pass
+	__u32 fins;      /* enum podconn_fin (set with an atomic or: both ends' packets may pass
 			  * programs on two CPUs at once) */
-	__u32 client_seq; /* the SYN's sequence number (as on the wire): a SYN of the client with
-			   * the same is that SYN sent again (its answer lost), in any state */
+	union {
+		__u32 client_seq; /* the SYN's sequence number (as on the wire): a SYN of the client
+				   * with the same is that SYN sent again (its answer lost), in any
+				   * state -- until a FIN takes the field: */
+		__u32 fin_ack;    /* with PODCONN_FIN_HELD_LO or _HI: the acknowledgement number
+				   * (host order) that acknowledges that end's FIN */
+	};
+};
+
+/* podconn_value.fins: the close, told from both ends' FINs and their acknowledgements, so that
+ * the end counts every packet of it on each node, whatever order a node sees them in.  One
+ * FIN waiting for its acknowledgement at a time has its number held (fin_ack); the other end's
+ * FIN sent before that (the FINs crossed) is taken as acknowledged by the next packet without
+ * FIN from the end that sent the held one. */
+enum podconn_fin {
+	PODCONN_FIN_LO = 1,       /* the lower end sent FIN */
+	PODCONN_FIN_HI = 2,       /* the higher end sent FIN */
+	PODCONN_FIN_ACKED_LO = 4, /* the lower end's FIN acknowledged */
+	PODCONN_FIN_ACKED_HI = 8, /* the higher end's FIN acknowledged */
+	PODCONN_FIN_HELD_LO = 16, /* fin_ack was the lower end's FIN's */
+	PODCONN_FIN_HELD_HI = 32, /* fin_ack was the higher end's FIN's (the later one, if both) */
 };
 
 /* podrecs: ring buffer of these: a recorded connection's start and end (podlost: per-CPU

@@ -2299,7 +2299,8 @@ def test_a_pods_packet_with_no_route_is_logged_by_a_rate_limited_nat_rule_for_fi
     table's prerouting nat chain (before the Services' translation) logs it, with prefix no-route,
     for a pod's first packets (in on a pod bridge; the Service ranges left out) whose
     destination is not the node's own, broadcast or multicast and has no output interface
-    (fib daddr oif missing); it only logs (the kernel drops), under the kernel's limit.  No
+    (fib daddr oif missing), unless the pod programs marked it as a SYN they record (they asked
+    its route); it only logs (the kernel drops), under the kernel's limit.  No
     such chain without flow records.  The record: reason no-route, egress, selectable."""
     from agentd.daemon.flow_directory import FlowDirectory
     from agentd.flows.model import REASONS
@@ -2315,13 +2316,15 @@ def test_a_pods_packet_with_no_route_is_logged_by_a_rate_limited_nat_rule_for_fi
     assert len(rules) == 2  # one per family
     for rule, (nfproto, proto, rng) in zip(rules, [("ipv4", "ip", ("10.96.0.0", 12)), ("ipv6", "ip6", ("fd00:10:96::", 112))]):
         assert rule[0] == {"match": {"op": "==", "left": {"meta": {"key": "iifname"}}, "right": "@bridges"}}
-        assert rule[1] == {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}}
-        assert rule[2] == {"match": {"op": "!=", "left": {"payload": {"protocol": proto, "field": "daddr"}},
+        # A SYN the pod programs record (marked) had its route asked by them: not asked again.
+        assert rule[1] == {"match": {"op": "==", "left": {"&": [{"meta": {"key": "mark"}}, 0x00800000]}, "right": 0}}
+        assert rule[2] == {"match": {"op": "==", "left": {"meta": {"key": "nfproto"}}, "right": nfproto}}
+        assert rule[3] == {"match": {"op": "!=", "left": {"payload": {"protocol": proto, "field": "daddr"}},
                                      "right": {"set": [{"prefix": {"addr": rng[0], "len": rng[1]}}]}}}  # a VIP has no route
         # The route asked first: a connection that has one (most) costs one look-up, not two.
-        assert rule[3] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
-        assert rule[4]["match"]["op"] == "!=" and rule[4]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
-        assert rule[5] == {"jump": {"target": "no-route"}}
+        assert rule[4] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
+        assert rule[5]["match"]["op"] == "!=" and rule[5]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
+        assert rule[6] == {"jump": {"target": "no-route"}}
     logged = [json.loads(r) for r in rs.objects[("inet", policy_compiler.TABLE, "chain", "no-route")].rules]  # type: ignore[union-attr]
     assert logged[0] == [{"limit": {"rate": 100, "per": "second", "burst": 100}}, {"log": {"prefix": "no-route", "group": 5}},
                          {"return": None}]
