@@ -114,7 +114,7 @@ REC_START, REC_FIN, REC_RST, REC_REUSED, REC_GONE = 1, 2, 3, 4, 5  # podpath.py 
 CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
 # struct podconn_value: packets sent by the key's lower end, by the other, bytes alike, CLOCK_TAI
 # ns of the SYN and of the last packet, state, the client's side (1: the higher end), FIN bits
-CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
+CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and podpath.h's fin_ack_hi, client_seq: not read here
 CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
 _KEY_KIND_FIRST = struct.Struct("<12sI32xQ24x")  # a record's key, kind and its connection's SYN's time
 _NLMSG = struct.Struct("=IH")  # nlmsg_len, nlmsg_type

@@ -717,15 +717,19 @@ def raw_segment(src, ip, sport, port, flags, window):
 
 # One connection of 2 x 100,000 bytes (the first half sent once the test says go), and between
 # the halves a SYN of its tuple far out of the window (a raw socket): the server's TCP answers it
-# with a challenge ACK (RFC 5961), not a SYN-ACK.
+# with a challenge ACK (RFC 5961), not a SYN-ACK.  Other segments instead (TCP flags, 0x..,
+# comma-separated, in argv[4]): a RST gets no answer, a SYN-ACK a challenge ACK too.
 STRAY_SYN = RAW_SEGMENT + """
 ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+segments = [int(f, 16) for f in sys.argv[4].split(",")] if len(sys.argv) > 4 else [0x02]
 c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
 c.connect((ip, port)); print("connected", flush=True); sys.stdin.readline()
 assert c.recv(1) == b"g"; c.sendall(b"x" * 100000)
 time.sleep(0.3)
-raw_segment(c.getsockname()[0], ip, sport, port, 0x02, 65535)  # SYN
-time.sleep(0.3)
+for flags in segments:
+    raw_segment(c.getsockname()[0], ip, sport, port, flags, 0 if flags & 0x04 else 65535)
+    time.sleep(0.1)
+time.sleep(0.2)
 c.sendall(b"y" * 100000)
 c.close()
 """
@@ -780,6 +784,44 @@ async def test_a_stray_syn_of_a_conntrack_connection_leaves_it_and_its_counts_to
     assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
     assert sent(got[1], 200_000), shown(got[1])
 
+
+@pytest.mark.parametrize("segments, port, sport", [("0x02", "5020", "41215"), ("0x04,0x02", "5021", "41216"),
+                                                   ("0x12", "5022", "41217")], ids=["syn", "rst-syn", "syn-ack"])
+async def test_a_stray_syn_of_a_recorded_connection_ends_nothing(shop, segments, port, sport):
+    """client's connection to web, recorded by the programs of both nodes.  Midway a SYN of its
+    tuple, far out of the window (a raw socket: a pod with CAP_NET_RAW can send one), passes
+    them; web's TCP answers with a challenge ACK, no SYN-ACK, and the connection goes on.  Each
+    node records one start and one end with every byte: the SYN no longer ends the connection
+    (as reused), leaving the rest of it counted in an entry that no record ever told of.  So
+    too after a RST out of the window (ignored, then the SYN), and for a stray SYN-ACK (no new
+    SYN before it: nothing to answer)."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    sink = web.ns.popen(["python3", "-c", SIZES_SINK, "0.0.0.0", port, "200000"], stdout=subprocess.PIPE, text=True)
+    source = None
+    try:
+        assert (await asyncio.to_thread(sink.stdout.readline)).strip() == "ready"
+        source = client.ns.popen(["python3", "-c", STRAY_SYN, web.ip, port, sport, segments], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        assert (await asyncio.to_thread(source.stdout.readline)).strip() == "connected"
+        await asyncio.to_thread(source.communicate, "go\n", 60)
+        assert source.returncode == 0
+        got, _ = await asyncio.to_thread(sink.communicate, timeout=30)
+        assert got.split() == ["200000"]
+    finally:
+        for proc in (sink, source):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", sport, "--event", "end", want=lambda r: r, what=f"{node.name}'s end of port {sport}")
+    await ring_marker(client, web, node1, node2)  # anything the programs wrote of it after that end is read too
+    for node in (node1, node2):
+        got = await agentd_flows(node, "--port", sport)
+        assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
+        assert sent(got[1], 200_000), shown(got[1])
 
 async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
     """client connects to an address of its own node's pod subnet that is no pod the programs
@@ -1028,19 +1070,29 @@ async def test_fins_that_cross_end_the_connection_with_every_packet_on_both_node
     sees web's FIN, then client's, which does not acknowledge it: the FINs crossed.  web's TCP
     acknowledges client's FIN and sends its own again; client acknowledges that.  Each end sent
     4 packets (SYN or SYN-ACK, ACK, FIN, ACK; web's FIN twice and no handshake ACK), and each
-    node's end counts all 8 -- ending at the first packet without FIN after both FINs (web's
-    ACK) left 2 out."""
+    node's programs end it at the last ACK with all 8 -- ending at the first packet without FIN
+    after both FINs (web's ACK) left 2 out."""
     node1, node2 = shop.lab.nodes
     client, web = shop.pods["client"], shop.pods["web"]
     table = "agentd-test-crossed"
     for node in (node1, node2):
         await recording(node)
-    client.ns.exec("nft", "add", "table", "ip", table)
+    swept = [node.api("/status")["flows"]["programs"]["swept"] for node in (node1, node2)]
+    early = web.ns.exec("sysctl", "-n", "net.ipv4.tcp_early_retrans").strip()
+    default = web.ns.exec("ip", "-4", "route", "show", "default").split()
     procs = []
     try:
+        # web's FIN sent again after its RTO, no sooner (no tail loss probe), and that not below
+        # 0.5 s (nor above conntrack's TIME_WAIT here, 1 s: a FIN after it would find no entry).
+        web.ns.sysctl("net.ipv4.tcp_early_retrans", 0)
+        web.ns.exec("ip", "route", "add", f"{client.ip}/32", *default[1:], "rto_min", "500ms")
+        client.ns.exec("nft", "add", "table", "ip", table)
+        web.ns.exec("nft", "add", "table", "ip", table)
         client.ns.exec("nft", "add chain ip " + table + " in { type filter hook input priority 0; }")
         client.ns.exec("nft", "add rule ip " + table + " in tcp sport 5019 tcp dport 41214 "
                        "tcp flags & fin == fin limit rate 1/hour burst 1 packets counter drop")
+        web.ns.exec("nft", "add chain ip " + table + " out { type filter hook output priority 0; }")
+        web.ns.exec("nft", "add rule ip " + table + " out tcp sport 5019 tcp dport 41214 tcp flags & fin == fin counter")
         server = web.ns.popen(["python3", "-c", SHUT_WHEN_TOLD, "listen", "5019"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
         procs.append(server)
@@ -1055,6 +1107,8 @@ async def test_fins_that_cross_end_the_connection_with_every_packet_on_both_node
             proc.stdin.write("go\n")
             proc.stdin.flush()
             assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "shut"
+        # Crossed: client's FIN went while web had sent its own once only.
+        assert "packets 1 " in web.ns.exec("nft", "list", "table", "ip", table)
         for proc in procs:
             await asyncio.to_thread(proc.wait, 30)
             assert proc.returncode == 0
@@ -1065,12 +1119,17 @@ async def test_fins_that_cross_end_the_connection_with_every_packet_on_both_node
                 proc.kill()
             proc.communicate()
         client.ns.exec("nft", "delete", "table", "ip", table, check=False)
+        web.ns.exec("nft", "delete", "table", "ip", table, check=False)
+        web.ns.exec("ip", "route", "del", f"{client.ip}/32", check=False)
+        web.ns.sysctl("net.ipv4.tcp_early_retrans", early)
     for node in (node1, node2):
         (end,) = await records(node, "--port", "41214", "--event", "end", want=lambda r: r,
                                what=f"{node.name}'s end of port 41214")
         assert (end["packets_sent"], end["packets_received"]) == (4, 4), shown(end)
         # IP lengths: the SYN and the SYN-ACK with their options, the rest with timestamps.
         assert (end["bytes_sent"], end["bytes_received"]) == (60 + 3 * 52, 60 + 3 * 52), shown(end)
+    # Ended by the programs at the last ACK, not by the agents' sweep (2 s after the last packet).
+    assert [node.api("/status")["flows"]["programs"]["swept"] for node in (node1, node2)] == swept
 
 HOLD_OPEN = """
 import socket, sys, time

@@ -445,48 +445,109 @@ static __always_inline int podconn_wired(struct __sk_buff *skb, struct iphdr *ip
 	return (ret == BPF_FIB_LKUP_RET_SUCCESS || ret == BPF_FIB_LKUP_RET_NO_NEIGH) && fib.ifindex == wire;
 }
 
+/* Whether ``ack_seq`` acknowledges the FIN of end ``side`` (its number kept when it passed:
+ * podconn_closing): all 32 bits for the lower end's, the low 24 for the higher end's. */
+static __always_inline int podconn_fin_acked(struct podconn_value *v, __u32 side, __u32 ack_seq)
+{
+	__u32 hi = v->fin_ack_hi[0] | (__u32)v->fin_ack_hi[1] << 8 | (__u32)v->fin_ack_hi[2] << 16;
+
+	if (side)
+		return ((ack_seq - hi) & 0xFFFFFF) < 0x800000;
+	return (__s32)(ack_seq - v->fin_ack_lo) >= 0;
+}
+
 /* A packet of ``key``'s connection from end ``side`` while a FIN has been seen, or carrying
- * one (``fin_end``: the acknowledgement number that would acknowledge it): the FIN and its
- * acknowledgement noted (podpath.h: enum podconn_fin); with both ends' FINs, CLOSING; with
- * both acknowledged, the end -- at that packet, so that the end counts the last ACK however
- * the FINs met (one after the other, or crossed on the way: then each node sees them in
- * another order, and ending at the first packet without FIN after both left one ACK out, a
- * different one on each node).  A last ACK lost leaves the end to the agent's sweep
- * (CLOSING_TIMEOUT), as before. */
+ * one (``fin_end``: the acknowledgement number that would acknowledge it): the FIN's number
+ * kept in that end's own field, and the other end's FIN acknowledged if this packet does
+ * (podpath.h: enum podconn_fin); with both ends' FINs, CLOSING; with both acknowledged, the
+ * end -- at that packet, so that the end counts the last ACK however the FINs met (one after
+ * the other, or crossed on the way: then each node sees them in another order, and ending at
+ * the first packet without FIN after both left one ACK out, a different one on each node).
+ * A last ACK lost leaves the end to the agent's sweep (CLOSING_TIMEOUT), as before. */
 static __always_inline void podconn_closing(struct podflow_key *key, struct podconn_value *v, __u32 side, int fin,
 					    int ack, __u32 ack_seq, __u32 fin_end)
 {
 	__u32 mine = side ? PODCONN_FIN_HI : PODCONN_FIN_LO, theirs = side ? PODCONN_FIN_LO : PODCONN_FIN_HI;
-	__u32 held_mine = side ? PODCONN_FIN_HELD_HI : PODCONN_FIN_HELD_LO;
-	__u32 held_theirs = side ? PODCONN_FIN_HELD_LO : PODCONN_FIN_HELD_HI;
 	__u32 acked_theirs = side ? PODCONN_FIN_ACKED_LO : PODCONN_FIN_ACKED_HI;
 	__u32 all = PODCONN_FIN_LO | PODCONN_FIN_HI | PODCONN_FIN_ACKED_LO | PODCONN_FIN_ACKED_HI;
 	__u32 f = v->fins;
 
-	/* The other end's FIN acknowledged: by its number if held, else (crossed) by this packet
-	 * without FIN of the end whose FIN is held. */
-	if (ack && (f & theirs) && !(f & acked_theirs) &&
-	    ((f & held_theirs) ? (__s32)(ack_seq - v->fin_ack) >= 0 : !fin))
+	if (ack && (f & theirs) && !(f & acked_theirs) && podconn_fin_acked(v, !side, ack_seq))
 		f = __sync_fetch_and_or(&v->fins, acked_theirs) | acked_theirs;
-	if (fin && !(f & mine)) {
-		/* This end's FIN (sent again, it has the same number): its number held unless the
-		 * other end's FIN is held and not yet acknowledged (the FINs crossed). */
-		__u32 bits = mine;
-
-		if (!(f & held_theirs) || (f & acked_theirs)) {
-			v->fin_ack = fin_end;
-			bits |= held_mine;
+	if (fin && !(f & mine)) { /* this end's FIN (sent again, it has the same number) */
+		if (side) {
+			v->fin_ack_hi[0] = fin_end;
+			v->fin_ack_hi[1] = fin_end >> 8;
+			v->fin_ack_hi[2] = fin_end >> 16;
+		} else {
+			v->fin_ack_lo = fin_end;
 		}
-		f = __sync_fetch_and_or(&v->fins, bits) | bits;
+		f = __sync_fetch_and_or(&v->fins, mine) | mine; /* after the number: read once the bit is */
 	}
 	if ((f & all) == all)
 		podconn_end(key, v, PODREC_FIN);
-	else if ((f & (PODCONN_FIN_LO | PODCONN_FIN_HI)) == (PODCONN_FIN_LO | PODCONN_FIN_HI))
-		v->state = PODCONN_CLOSING;
+	else if ((f & (PODCONN_FIN_LO | PODCONN_FIN_HI)) == (PODCONN_FIN_LO | PODCONN_FIN_HI) && v->state == PODCONN_OPEN)
+		v->state = PODCONN_CLOSING; /* not over a RESET state: the agent ends that one as reset */
 }
 
 #define PODCONN_START 1        /* a SYN may open a record here: to a pod of this node, or on the wire */
 #define PODCONN_START_WIRED 2  /* ... if it leaves by the underlay device (podconn_wired) */
+
+/* Whether a pod's SYN may be marked here (POD_RECORD_MARK: its conntrack entry, if it makes
+ * one, masked and marked; the no-route rule not asked): where its answer passes a program of
+ * this node -- to a pod of this node, or out of the underlay device (``may_start``: podconn_see). */
+static __always_inline int podconn_may_mark(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp,
+					    int may_start, struct pod_config *cfg)
+{
+	return may_start == PODCONN_START ||
+	       (may_start == PODCONN_START_WIRED && podconn_wired(skb, ip, tcp, cfg->wire_ifindex));
+}
+
+/* Whether a SYN-ACK from end ``side`` of a connection past its answer is that answer sent
+ * again (the server's TCP answering the client's first SYN once more): it acknowledges that
+ * SYN (client_seq, until the lower end's FIN takes the field: no first answer comes after a FIN). */
+static __always_inline int podconn_answered_again(struct podconn_value *v, __u32 side, __u32 ack_seq)
+{
+	return side != v->client && ack_seq - 1 == bpf_ntohl(v->client_seq) && !(v->fins & PODCONN_FIN_LO);
+}
+
+/* A SYN-ACK from end ``side`` of a connection past its answer that answers the other end's
+ * SYN with a new number (PODCONN_NEW_SYN_*: a new connection's on the tuple; podconn_see
+ * counted it in this one).  This one ends (REUSED, or RST if it was reset; at its last
+ * packet: that SYN).  If conntrack holds the new one in an entry masked and marked
+ * (podconn_plain) -- the same entry, if it ignored the SYN on a connection it held open and
+ * took the new one up at this answer; or a new one it made of the SYN (the old one closed),
+ * masked as a first SYN's is, the SYN marked where a first would be --, nothing else tells of
+ * it: it is recorded here from this answer on (its start's time this answer's).  Else (a new
+ * entry unmasked) it is conntrack's.  Returns whether the packet is recorded here. */
+static __always_inline int podconn_reopen(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp,
+					  struct podflow_key *key, struct podconn_value *v, __u32 side, __u64 len,
+					  __u64 now, __u32 ack_seq, struct bpf_sock_tuple *tuple,
+					  struct podconn_value *fresh)
+{
+	ct_tuple(tuple, ip, tcp);
+	podconn_end(key, v, v->state == PODCONN_RESET_LO || v->state == PODCONN_RESET_HI ? PODREC_RST : PODREC_REUSED);
+	if (!podconn_plain(skb, tuple))
+		return 0;
+	fresh->state = PODCONN_OPEN;
+	fresh->client = !side;
+	fresh->client_seq = bpf_htonl(ack_seq - 1);
+	fresh->first_tai = now;
+	fresh->last_tai = now;
+	if (side) {
+		fresh->packets[1] = 1;
+		fresh->bytes[1] = len;
+	} else {
+		fresh->packets[0] = 1;
+		fresh->bytes[0] = len;
+	}
+	if (bpf_map_update_elem(&agentd_podconns, key, fresh, BPF_NOEXIST)) {
+		podconn_lost(); /* the map full (or another CPU's entry there first): recorded by nobody */
+		return 0;
+	}
+	podconn_emit(key, fresh, PODREC_START);
+	return 1;
+}
 
 /* An IPv4 TCP packet of a pod's connection that passes a program while the programs record
  * connections (POD_CFG_RECORD).  ``may_start``: whether a SYN may open a record here (the
@@ -501,8 +562,11 @@ static __always_inline void podconn_closing(struct podflow_key *key, struct podc
  * the agent (podrecs); else the entry goes and the connection is conntrack's.  RST past the answer: the end, made by the agent RESET_TIMEOUT (2 s) after
  * the last packet (told by a hint, podconn_reset; else by its sweep) unless the end that sent it
  * sends again without RST (below).  FIN from both ends, then the packet that acknowledges
- * the last of them (podconn_closing): the end.  A new SYN on the tuple ends the one before; the SYN sent again (from
- * the client, with the sequence number of its first) is counted and marked, in any state.  What never ends so
+ * the last of them (podconn_closing): the end.  A SYN with a new number past the answer is
+ * counted, and its answer tells what it was: a SYN-ACK ends the connection before it
+ * (podconn_reopen), an ACK shows a stray one of this connection, which goes on.  The SYN sent
+ * again (from the client, with the sequence number of its first, until a FIN) is counted, and
+ * marked where a first SYN would be (podconn_may_mark).  What never ends so
  * (idle, a pod gone) the agent's sweep ends when conntrack no longer holds it. */
 static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, int may_start,
 					struct pod_config *cfg)
@@ -512,9 +576,14 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	struct bpf_sock_tuple tuple = {};
 	__u32 side = podflow_key(ip, tcp, &key);
 	__u64 len = skb->len - ETH_HLEN, now;
+	__u32 ip_len = bpf_ntohs(ip->tot_len);
 	int syn = tcp->syn, ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
 	__u32 seq = tcp->seq, ack_seq = bpf_ntohl(tcp->ack_seq), doff = tcp->doff;
 
+	/* The IP length (as conntrack counts): a short frame from a wire comes padded, trimmed
+	 * only after tc; 0 (BIG TCP) or more than the frame: the frame's. */
+	if (ip_len && ip_len < len)
+		len = ip_len;
 	v = bpf_map_lookup_elem(&agentd_podconns, &key);
 	if (!v && !(syn && !ack && !fin && !rst))
 		return 0; /* not recorded here: conntrack's events tell of it */
@@ -522,20 +591,29 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	if (syn && !ack && !fin && !rst) {
 		/* Sent again: unanswered yet, or its answer lost on the way (the entry is OPEN then,
 		 * and must not end as REUSED nor start again when the server answers once more). */
-		if (v && v->client == side && v->client_seq == seq &&
-		    !(v->fins & (PODCONN_FIN_HELD_LO | PODCONN_FIN_HELD_HI))) {
+		if (v && v->client == side && v->client_seq == seq && !(v->fins & PODCONN_FIN_LO)) {
 			podconn_count(v, side, len, now);
-			skb->mark |= POD_RECORD_MARK;
+			/* Marked (its conntrack entry, if it makes one, masked as the first's would
+			 * have been) where a first SYN would be: the mark also spares it the no-route
+			 * rule's route look-up, so the route is asked again. */
+			if (podconn_may_mark(skb, ip, tcp, may_start, cfg))
+				skb->mark |= POD_RECORD_MARK;
 			return 1;
 		}
-		if (v) {
-			if (v->state == PODCONN_RESET_LO || v->state == PODCONN_RESET_HI)
-				podconn_end(&key, v, PODREC_RST); /* reset, and the tuple taken since */
-			else if (v->state != PODCONN_SYN)
-				podconn_end(&key, v, PODREC_REUSED);
-			else
-				bpf_map_delete_elem(&agentd_podconns, &key);
+		if (v && v->state != PODCONN_SYN) {
+			/* Past the answer (OPEN, CLOSING, a RESET state): a new connection's SYN on
+			 * the tuple, or a stray one of this connection (a late duplicate, or one a pod
+			 * forged: its peer's TCP answers it with an ACK, and the connection goes on).
+			 * Which, the answer tells (PODCONN_NEW_SYN_*: podconn_reopen).  Till then it is
+			 * counted here, and marked where a first SYN would be. */
+			podconn_count(v, side, len, now);
+			__sync_fetch_and_or(&v->fins, side ? PODCONN_NEW_SYN_HI : PODCONN_NEW_SYN_LO);
+			if (podconn_may_mark(skb, ip, tcp, may_start, cfg))
+				skb->mark |= POD_RECORD_MARK;
+			return 1;
 		}
+		if (v) /* a SYN with a new number before the first's answer: the client tries again */
+			bpf_map_delete_elem(&agentd_podconns, &key);
 		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
 			return 0;
 		/* Whether conntrack held the connection before this SYN (a SYN sent again whose first
@@ -597,6 +675,12 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		if (rst)
 			podconn_end(&key, v, PODREC_RST);
 		return 1;
+	}
+	if (v->fins & (side ? PODCONN_NEW_SYN_LO : PODCONN_NEW_SYN_HI)) { /* the answer to the other end's new SYN */
+		if (syn && ack && !rst && !podconn_answered_again(v, side, ack_seq))
+			return podconn_reopen(skb, ip, tcp, &key, v, side, len, now, ack_seq, &tuple, &fresh);
+		if (!syn) /* an ACK (a challenge ACK, RFC 5961), or a RST: a stray SYN, ended nothing */
+			__sync_fetch_and_and(&v->fins, ~(side ? PODCONN_NEW_SYN_LO : PODCONN_NEW_SYN_HI));
 	}
 	podconn_count(v, side, len, now);
 	if (rst) {

@@ -96,30 +96,33 @@ struct podconn_value {
 	__u64 last_tai;  /* of its last packet */
 	__u32 state;     /* enum podconn_state */
 	__u8 client;     /* the side that sent the SYN */
-	__u8 pad[3];
+	__u8 fin_ack_hi[3]; /* with PODCONN_FIN_HI: the low 24 bits of the acknowledgement number
+			     * that acknowledges the higher end's FIN (host order, low byte first) */
 	__u32 fins;      /* enum podconn_fin (set with an atomic or: both ends' packets may pass
 			  * programs on two CPUs at once) */
 	union {
 		__u32 client_seq; /* the SYN's sequence number (as on the wire): a SYN of the client
-				   * with the same is that SYN sent again (its answer lost), in any
-				   * state -- until a FIN takes the field: */
-		__u32 fin_ack;    /* with PODCONN_FIN_HELD_LO or _HI: the acknowledgement number
-				   * (host order) that acknowledges that end's FIN */
+				   * with the same is that SYN sent again (its answer lost) -- until
+				   * the lower end's FIN, after which no SYN of the connection's
+				   * first, nor its answer, can come any more: */
+		__u32 fin_ack_lo; /* with PODCONN_FIN_LO: the acknowledgement number (host order)
+				   * that acknowledges the lower end's FIN */
 	};
 };
 
-/* podconn_value.fins: the close, told from both ends' FINs and their acknowledgements, so that
- * the end counts every packet of it on each node, whatever order a node sees them in.  One
- * FIN waiting for its acknowledgement at a time has its number held (fin_ack); the other end's
- * FIN sent before that (the FINs crossed) is taken as acknowledged by the next packet without
- * FIN from the end that sent the held one. */
+/* podconn_value.fins: a SYN past the answer, and the close, told from both ends' FINs and their acknowledgements (each
+ * end's FIN's number kept in a field of its own: fin_ack_lo, and 24 bits of fin_ack_hi, enough
+ * to tell an acknowledgement of the FIN from one of data up to 8 MB before it), so that the
+ * end counts every packet of the close on each node, whatever order the node sees them in. */
 enum podconn_fin {
 	PODCONN_FIN_LO = 1,       /* the lower end sent FIN */
 	PODCONN_FIN_HI = 2,       /* the higher end sent FIN */
 	PODCONN_FIN_ACKED_LO = 4, /* the lower end's FIN acknowledged */
 	PODCONN_FIN_ACKED_HI = 8, /* the higher end's FIN acknowledged */
-	PODCONN_FIN_HELD_LO = 16, /* fin_ack was the lower end's FIN's */
-	PODCONN_FIN_HELD_HI = 32, /* fin_ack was the higher end's FIN's (the later one, if both) */
+	PODCONN_NEW_SYN_LO = 16,  /* past the answer, the lower end sent a SYN with another number than
+				   * the connection's first, not yet answered: a new connection's on
+				   * the tuple if a SYN-ACK answers it, a stray one if an ACK does */
+	PODCONN_NEW_SYN_HI = 32,  /* ... the higher end did */
 };
 
 /* podrecs: ring buffer of these: a recorded connection's start and end (podlost: per-CPU

@@ -79,7 +79,7 @@ FLOW6_KEY = struct.Struct("<16s16s2s2s")  # struct podflow6_key: as FLOW_KEY, IP
 FLOW6_END = struct.Struct("<36s4x40s")  # struct podflow6_end: key, value (the ring tells it by its size)
 # struct podconn_value: packets sent by each end, bytes sent by each end, CLOCK_TAI ns of the SYN
 # and of the last packet, state, the client's side, FIN bits
-CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and the SYN's sequence number, not read here
+CONN_VALUE = struct.Struct("<QQQQQQIB3xI4x")  # and podpath.h's fin_ack_hi, client_seq: not read here
 CONN_RECORD = struct.Struct("<12sI64s")  # struct podconn_record: key, kind, value
 CONN_SYN, CONN_OPEN, CONN_CLOSING, CONN_RESET_LO, CONN_RESET_HI = 1, 2, 3, 4, 5  # enum podconn_state
 REC_START, REC_FIN, REC_RST, REC_REUSED = 1, 2, 3, 4  # enum podconn_kind
