@@ -613,6 +613,18 @@ async def test_a_denied_syn_is_never_a_forwarded_connection(shop):
     assert not [x for x in mine if x["verdict"] == "forwarded"], mine
 
 
+def held(lab, node, port: int) -> bool:
+    """Whether ``node``'s pod programs hold a connection of ``port`` in their map (agentd_podconns)."""
+    from agentd.dataplane.bpf import libbpf as lb
+
+    fd = lb.obj_get(str(lab.bpffs / f"netns-{os.stat(f'/run/netns/{node.ns.name}').st_ino}" / "agentd_podconns"))
+    try:
+        keys = lb.map_keys(fd, 12)  # struct podflow_key: two addresses, two ports (network order)
+    finally:
+        os.close(fd)
+    return any(port in (int.from_bytes(k[8:10], "big"), int.from_bytes(k[10:12], "big")) for k in keys)
+
+
 async def recording(node) -> None:
     """Once ``node``'s pod programs record connections (its recorder told them)."""
     await auntil(lambda: node.api("/status")["flows"]["programs"]["recording"], 30,
@@ -822,6 +834,86 @@ async def test_a_stray_syn_of_a_recorded_connection_ends_nothing(shop, segments,
         got = await agentd_flows(node, "--port", sport)
         assert [x["event"] for x in got] == ["new", "end"], [shown(x) for x in got]
         assert sent(got[1], 200_000), shown(got[1])
+
+# A connection that web resets (SO_LINGER 0) after the client's first bytes, and at once another
+# from the same port: accepted (argv "again") or refused (web no longer listens).
+RESET_THEN_AGAIN = """
+import socket, struct, sys
+if sys.argv[1] == "listen":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", int(sys.argv[2]))); s.listen(1)
+    print("ready", flush=True)
+    c, _ = s.accept()
+    got = 0
+    while got < 50000:
+        got += len(c.recv(65536))
+    if sys.argv[3] == "refused":
+        s.close()
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    c.close()  # a RST
+    if sys.argv[3] == "again":
+        c, _ = s.accept()
+        got = 0
+        while True:
+            data = c.recv(65536)
+            if not data:
+                break
+            got += len(data)
+        print(got, flush=True)
+else:
+    ip, port, sport = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+    c.connect((ip, port)); c.sendall(b"x" * 50000)
+    try:
+        c.recv(1)
+    except ConnectionResetError:
+        pass
+    c.close()
+    c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
+    try:
+        c.connect((ip, port))
+    except ConnectionRefusedError:
+        print("refused", flush=True)
+    else:
+        c.sendall(b"y" * 30000); c.close()
+        print("sent", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how, port, sport", [("again", "5023", "41218"), ("refused", "5024", "41219")])
+async def test_a_connection_on_the_tuple_of_one_just_reset_is_its_own(shop, how, port, sport):
+    """web resets client's connection, and client at once connects again from the same port,
+    before the agents end the first (2 s after its RST): the programs still hold it.  The new
+    SYN's answer tells it is a new connection -- a SYN-ACK (accepted) or a RST (web no longer
+    listens) --: the first ends there (reset), and the second is a connection of its own,
+    recorded with its own bytes -- on each node a start and an end for each."""
+    node1, node2 = shop.lab.nodes
+    client, web = shop.pods["client"], shop.pods["web"]
+    for node in (node1, node2):
+        await recording(node)
+    server = web.ns.popen(["python3", "-c", RESET_THEN_AGAIN, "listen", port, how], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(server.stdout.readline)).strip() == "ready"
+        _, out, _ = await client.ns.aexec("python3", "-c", RESET_THEN_AGAIN, "connect", web.ip, port, sport, timeout=60)
+        assert out.split() == [b"sent" if how == "again" else b"refused"]
+        got, _ = await asyncio.to_thread(server.communicate, timeout=30)
+        assert got.split() == (["30000"] if how == "again" else [])
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    for node in (node1, node2):
+        await records(node, "--port", sport, "--event", "end", want=lambda r: len(r) >= 2,
+                      what=f"{node.name}'s two ends of port {sport}")
+    await ring_marker(client, web, node1, node2)  # anything the programs wrote of them after is read too
+    for node in (node1, node2):
+        got = await agentd_flows(node, "--port", sport)
+        assert [x["event"] for x in got] == ["new", "end", "new", "end"], [shown(x) for x in got]
+        assert sent(got[1], 50_000), shown(got[1])
+        if how == "again":
+            assert sent(got[3], 30_000), shown(got[3])
+        else:  # refused: nothing but the SYN, counted in the first
+            assert got[3]["bytes_sent"] == 0 and got[3]["packets_received"] == 1, shown(got[3])
 
 async def test_a_connection_to_this_nodes_own_pod_subnet_is_conntracks(shop):
     """client connects to an address of its own node's pod subnet that is no pod the programs
@@ -1070,22 +1162,24 @@ async def test_fins_that_cross_end_the_connection_with_every_packet_on_both_node
     sees web's FIN, then client's, which does not acknowledge it: the FINs crossed.  web's TCP
     acknowledges client's FIN and sends its own again; client acknowledges that.  Each end sent
     4 packets (SYN or SYN-ACK, ACK, FIN, ACK; web's FIN twice and no handshake ACK), and each
-    node's programs end it at the last ACK with all 8 -- ending at the first packet without FIN
-    after both FINs (web's ACK) left 2 out."""
+    node's programs end it at the last ACK with all 8 (its entry gone from their map at once) --
+    ending at the first packet without FIN after both FINs (web's ACK) left 2 out."""
     node1, node2 = shop.lab.nodes
     client, web = shop.pods["client"], shop.pods["web"]
     table = "agentd-test-crossed"
     for node in (node1, node2):
         await recording(node)
-    swept = [node.api("/status")["flows"]["programs"]["swept"] for node in (node1, node2)]
     early = web.ns.exec("sysctl", "-n", "net.ipv4.tcp_early_retrans").strip()
     default = web.ns.exec("ip", "-4", "route", "show", "default").split()
     procs = []
     try:
         # web's FIN sent again after its RTO, no sooner (no tail loss probe), and that not below
-        # 0.5 s (nor above conntrack's TIME_WAIT here, 1 s: a FIN after it would find no entry).
+        # 1 s -- within conntrack's TIME_WAIT (5 s for now: a FIN after it would find no entry)
+        # and the agents' CLOSING_TIMEOUT (2 s: the sweep would end the connection first).
+        for node in (node1, node2):
+            node.ns.sysctl("net.netfilter.nf_conntrack_tcp_timeout_time_wait", 5)
         web.ns.sysctl("net.ipv4.tcp_early_retrans", 0)
-        web.ns.exec("ip", "route", "add", f"{client.ip}/32", *default[1:], "rto_min", "500ms")
+        web.ns.exec("ip", "route", "add", f"{client.ip}/32", *default[1:], "rto_min", "1000ms")
         client.ns.exec("nft", "add", "table", "ip", table)
         web.ns.exec("nft", "add", "table", "ip", table)
         client.ns.exec("nft", "add chain ip " + table + " in { type filter hook input priority 0; }")
@@ -1112,6 +1206,9 @@ async def test_fins_that_cross_end_the_connection_with_every_packet_on_both_node
         for proc in procs:
             await asyncio.to_thread(proc.wait, 30)
             assert proc.returncode == 0
+        # Ended by the programs at the last ACK, just now: not left for the agents' sweep, which
+        # ends a close only 2 s after its last packet.
+        assert not [node.name for node in (node1, node2) if held(shop.lab, node, 41214)]
         assert "packets 1 " in client.ns.exec("nft", "list", "table", "ip", table)  # web's first FIN was lost
     finally:
         for proc in procs:
@@ -1122,14 +1219,14 @@ async def test_fins_that_cross_end_the_connection_with_every_packet_on_both_node
         web.ns.exec("nft", "delete", "table", "ip", table, check=False)
         web.ns.exec("ip", "route", "del", f"{client.ip}/32", check=False)
         web.ns.sysctl("net.ipv4.tcp_early_retrans", early)
+        for node in (node1, node2):
+            node.ns.sysctl("net.netfilter.nf_conntrack_tcp_timeout_time_wait", 1)
     for node in (node1, node2):
         (end,) = await records(node, "--port", "41214", "--event", "end", want=lambda r: r,
                                what=f"{node.name}'s end of port 41214")
         assert (end["packets_sent"], end["packets_received"]) == (4, 4), shown(end)
         # IP lengths: the SYN and the SYN-ACK with their options, the rest with timestamps.
         assert (end["bytes_sent"], end["bytes_received"]) == (60 + 3 * 52, 60 + 3 * 52), shown(end)
-    # Ended by the programs at the last ACK, not by the agents' sweep (2 s after the last packet).
-    assert [node.api("/status")["flows"]["programs"]["swept"] for node in (node1, node2)] == swept
 
 HOLD_OPEN = """
 import socket, sys, time

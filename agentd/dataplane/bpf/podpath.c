@@ -290,6 +290,16 @@ static __always_inline void podflow_restart(struct iphdr *ip, struct tcphdr *tcp
 	bpf_ringbuf_output(&agentd_podends, &end, sizeof(end), BPF_RB_NO_WAKEUP);
 }
 
+/* The IPv4 packet's length as conntrack counts it: the IP header's.  A short frame from a wire
+ * comes padded, trimmed only after tc; 0 (BIG TCP) or more than the frame: the frame's. */
+static __always_inline __u64 ip_bytes(struct __sk_buff *skb, struct iphdr *ip)
+{
+	__u64 len = skb->len - ETH_HLEN;
+	__u32 ip_len = bpf_ntohs(ip->tot_len);
+
+	return ip_len && ip_len < len ? ip_len : len;
+}
+
 /* ------------------------------------------------------------ connections recorded here (podconns) */
 
 /* A record the ring could not take (full: the agent is behind or gone). */
@@ -511,18 +521,20 @@ static __always_inline int podconn_answered_again(struct podconn_value *v, __u32
 	return side != v->client && ack_seq - 1 == bpf_ntohl(v->client_seq) && !(v->fins & PODCONN_FIN_LO);
 }
 
-/* A SYN-ACK from end ``side`` of a connection past its answer that answers the other end's
- * SYN with a new number (PODCONN_NEW_SYN_*: a new connection's on the tuple; podconn_see
- * counted it in this one).  This one ends (REUSED, or RST if it was reset; at its last
+/* A SYN-ACK (or a RST: ``rst``, the new connection refused) from end ``side`` of a
+ * connection past its answer that answers the other end's SYN with a new number
+ * (PODCONN_NEW_SYN_*: a new connection's on the tuple; podconn_see counted it in this one).
+ * This one ends (REUSED, or RST if it was reset; at its last
  * packet: that SYN).  If conntrack holds the new one in an entry masked and marked
  * (podconn_plain) -- the same entry, if it ignored the SYN on a connection it held open and
  * took the new one up at this answer; or a new one it made of the SYN (the old one closed),
  * masked as a first SYN's is, the SYN marked where a first would be --, nothing else tells of
- * it: it is recorded here from this answer on (its start's time this answer's).  Else (a new
- * entry unmasked) it is conntrack's.  Returns whether the packet is recorded here. */
+ * it: it is recorded here from this answer on (its start's time this answer's; a refused one
+ * ends at once, reset).  Else (a new entry unmasked) it is conntrack's.  Returns whether the
+ * packet is recorded here. */
 static __always_inline int podconn_reopen(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp,
 					  struct podflow_key *key, struct podconn_value *v, __u32 side, __u64 len,
-					  __u64 now, __u32 ack_seq, struct bpf_sock_tuple *tuple,
+					  __u64 now, __u32 ack_seq, int rst, struct bpf_sock_tuple *tuple,
 					  struct podconn_value *fresh)
 {
 	ct_tuple(tuple, ip, tcp);
@@ -546,6 +558,8 @@ static __always_inline int podconn_reopen(struct __sk_buff *skb, struct iphdr *i
 		return 0;
 	}
 	podconn_emit(key, fresh, PODREC_START);
+	if (rst)
+		podconn_end(key, fresh, PODREC_RST); /* refused: its start and its end */
 	return 1;
 }
 
@@ -575,15 +589,10 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 	struct podflow_key key = {};
 	struct bpf_sock_tuple tuple = {};
 	__u32 side = podflow_key(ip, tcp, &key);
-	__u64 len = skb->len - ETH_HLEN, now;
-	__u32 ip_len = bpf_ntohs(ip->tot_len);
+	__u64 len = ip_bytes(skb, ip), now;
 	int syn = tcp->syn, ack = tcp->ack, fin = tcp->fin, rst = tcp->rst;
 	__u32 seq = tcp->seq, ack_seq = bpf_ntohl(tcp->ack_seq), doff = tcp->doff;
 
-	/* The IP length (as conntrack counts): a short frame from a wire comes padded, trimmed
-	 * only after tc; 0 (BIG TCP) or more than the frame: the frame's. */
-	if (ip_len && ip_len < len)
-		len = ip_len;
 	v = bpf_map_lookup_elem(&agentd_podconns, &key);
 	if (!v && !(syn && !ack && !fin && !rst))
 		return 0; /* not recorded here: conntrack's events tell of it */
@@ -677,9 +686,11 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		return 1;
 	}
 	if (v->fins & (side ? PODCONN_NEW_SYN_LO : PODCONN_NEW_SYN_HI)) { /* the answer to the other end's new SYN */
-		if (syn && ack && !rst && !podconn_answered_again(v, side, ack_seq))
-			return podconn_reopen(skb, ip, tcp, &key, v, side, len, now, ack_seq, &tuple, &fresh);
-		if (!syn) /* an ACK (a challenge ACK, RFC 5961), or a RST: a stray SYN, ended nothing */
+		/* A SYN-ACK: a new connection.  A RST: one refused (a TCP answers a stray SYN on a
+		 * connection it holds with a challenge ACK, RFC 5961, never with a RST). */
+		if ((syn && ack && !rst && !podconn_answered_again(v, side, ack_seq)) || (rst && !syn))
+			return podconn_reopen(skb, ip, tcp, &key, v, side, len, now, ack_seq, rst, &tuple, &fresh);
+		if (!syn) /* an ACK: a stray SYN, which ended nothing */
 			__sync_fetch_and_and(&v->fins, ~(side ? PODCONN_NEW_SYN_LO : PODCONN_NEW_SYN_HI));
 	}
 	podconn_count(v, side, len, now);
@@ -999,6 +1010,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	struct iphdr *ip = NULL;
 	__u32 verdict, ifindex, side;
 	int opening = 0, recorded = 0;
+	__u64 bytes;
 	__u8 ttl;
 
 	cfg = candidate(skb, POD_CFG_ON, &ip, &tcp, &opening);
@@ -1026,7 +1038,7 @@ int agentd_pod_fast(struct __sk_buff *skb)
 			return count(verdict, skb, PASS);
 		if ((cfg->flags & POD_CFG_COUNT) && !recorded) {
 			side = podflow_key(ip, tcp, &key);
-			podflow_count(&key, side, skb->len - ETH_HLEN);
+			podflow_count(&key, side, ip_bytes(skb, ip));
 		}
 		return count(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 	}
@@ -1041,11 +1053,12 @@ int agentd_pod_fast(struct __sk_buff *skb)
 	if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
 		return count(POD_NO_ROUTE, skb, PASS); /* no route, not forwarded, no neighbour yet: the stack */
 	side = podflow_key(ip, tcp, &key); /* the packet pointers die with the first store below */
+	bytes = ip_bytes(skb, ip);
 	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP) || bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
 	    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
 		return count(POD_NO_ROUTE, skb, PASS);
 	if ((cfg->flags & POD_CFG_COUNT) && !recorded)
-		podflow_count(&key, side, skb->len - ETH_HLEN);
+		podflow_count(&key, side, bytes);
 	return count(POD_CARRIED, skb, bpf_redirect(fib.ifindex, 0));
 }
 
@@ -1059,6 +1072,7 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	struct iphdr *ip = NULL;
 	__u32 verdict, ifindex, side;
 	int opening = 0, recorded = 0;
+	__u64 bytes;
 	__u8 ttl;
 
 	cfg = candidate(skb, POD_CFG_ON | POD_CFG_ROUTE, &ip, &tcp, &opening);
@@ -1082,9 +1096,10 @@ int agentd_pod_wire(struct __sk_buff *skb)
 	if (verdict != POD_CARRIED)
 		return count(verdict, skb, PASS);
 	side = podflow_key(ip, tcp, &key); /* the packet pointers die with the store below */
+	bytes = ip_bytes(skb, ip);
 	if (agentd_ttl_down(skb, ttl, IPPROTO_TCP))
 		return count(POD_NO_ROUTE, skb, PASS);
 	if ((cfg->flags & POD_CFG_COUNT) && !recorded)
-		podflow_count(&key, side, skb->len - ETH_HLEN);
+		podflow_count(&key, side, bytes);
 	return count(POD_CARRIED, skb, bpf_redirect_peer(ifindex, 0));
 }
