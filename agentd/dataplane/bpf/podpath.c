@@ -503,9 +503,10 @@ static __always_inline void podconn_closing(struct podflow_key *key, struct podc
 #define PODCONN_START 1        /* a SYN may open a record here: to a pod of this node, or on the wire */
 #define PODCONN_START_WIRED 2  /* ... if it leaves by the underlay device (podconn_wired) */
 
-/* Whether a pod's SYN may be marked here (POD_RECORD_MARK: its conntrack entry, if it makes
- * one, masked and marked; the no-route rule not asked): where its answer passes a program of
- * this node -- to a pod of this node, or out of the underlay device (``may_start``: podconn_see). */
+/* Whether a pod's SYN may start a record and be marked here (POD_RECORD_MARK: its conntrack
+ * entry, if it makes one, masked and marked; the no-route rule not asked): where its answer
+ * passes a program of this node -- to a pod of this node, or out of the underlay device
+ * (``may_start``: podconn_see). */
 static __always_inline int podconn_may_mark(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp,
 					    int may_start, struct pod_config *cfg)
 {
@@ -623,7 +624,7 @@ static __always_inline int podconn_see(struct __sk_buff *skb, struct iphdr *ip, 
 		}
 		if (v) /* a SYN with a new number before the first's answer: the client tries again */
 			bpf_map_delete_elem(&agentd_podconns, &key);
-		if (!may_start || (may_start == PODCONN_START_WIRED && !podconn_wired(skb, ip, tcp, cfg->wire_ifindex)))
+		if (!podconn_may_mark(skb, ip, tcp, may_start, cfg))
 			return 0;
 		/* Whether conntrack held the connection before this SYN (a SYN sent again whose first
 		 * was not recorded: its events were not masked, its NEW is out already) is asked at
