@@ -727,6 +727,17 @@ def raw_segment(src, ip, sport, port, flags, window):
 """
 
 
+# What a socket ``c`` receives until the other end closes, in bytes: for the scripts below.
+READ_ALL = """
+def read_all(c):
+    got = 0
+    while True:
+        data = c.recv(65536)
+        if not data:
+            return got
+        got += len(data)
+"""
+
 # One connection of 2 x 100,000 bytes (the first half sent once the test says go), and between
 # the halves a SYN of its tuple far out of the window (a raw socket): the server's TCP answers it
 # with a challenge ACK (RFC 5961), not a SYN-ACK.  Other segments instead (TCP flags, 0x..,
@@ -837,7 +848,7 @@ async def test_a_stray_syn_of_a_recorded_connection_ends_nothing(shop, segments,
 
 # A connection that web resets (SO_LINGER 0) after the client's first bytes, and at once another
 # from the same port: accepted (argv "again") or refused (web no longer listens).
-RESET_THEN_AGAIN = """
+RESET_THEN_AGAIN = READ_ALL + """
 import socket, struct, sys
 if sys.argv[1] == "listen":
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -853,13 +864,7 @@ if sys.argv[1] == "listen":
     c.close()  # a RST
     if sys.argv[3] == "again":
         c, _ = s.accept()
-        got = 0
-        while True:
-            data = c.recv(65536)
-            if not data:
-                break
-            got += len(data)
-        print(got, flush=True)
+        print(read_all(c), flush=True)
 else:
     ip, port, sport = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
@@ -1079,7 +1084,7 @@ async def test_a_reset_connections_end_comes_about_two_seconds_after_its_rst(sho
 # A connection whose client sends a RST far out of the window, then its FIN (shutdown: the
 # connection half open), and reads what the server sends 8.5 s later: past the time the
 # agent's sweep ends a connection whose resetting end was silent (2 s, and a sweep's 5 s).
-FIN_AFTER_IGNORED_RESET = RAW_SEGMENT + """
+FIN_AFTER_IGNORED_RESET = RAW_SEGMENT + READ_ALL + """
 ip, port, sport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); c.bind(("0.0.0.0", sport))
 c.connect((ip, port)); c.sendall(b"x" * 1000)
@@ -1087,13 +1092,7 @@ time.sleep(0.3)
 raw_segment(c.getsockname()[0], ip, sport, port, 0x04, 0)  # RST
 time.sleep(0.3)
 c.shutdown(socket.SHUT_WR)
-got = 0
-while True:
-    data = c.recv(65536)
-    if not data:
-        break
-    got += len(data)
-print(got)
+print(read_all(c))
 """
 ANSWER_LATE = """
 import socket, sys, time
