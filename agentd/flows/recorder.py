@@ -181,6 +181,81 @@ def tai_offset_ns() -> int:
     return round((time.clock_gettime_ns(time.CLOCK_TAI) - time.time_ns()) / 1e9) * 1_000_000_000
 
 
+# When an entry's last packet passed, from its DESTROY.  conntrack keeps an entry for a while
+# after its connection's last packet (TCP's TIME_WAIT, 2 minutes; UDP's and ICMP's 30 s) and
+# stamps an entry that expired with its expiry, so the end's time and duration would be that
+# much late.  Each packet sets the entry's timeout to the one of the state it leaves it in
+# (nf_conntrack_proto_tcp.c, _udp.c, _icmp.c): the expiry less that timeout is the last packet.
+# The sysctl (``nf_conntrack_<name>`` in the node's namespace) of each such state:
+CT_TCP_TIMEOUTS = {1: "tcp_timeout_syn_sent", 2: "tcp_timeout_syn_recv", 4: "tcp_timeout_fin_wait",
+                   5: "tcp_timeout_close_wait", 6: "tcp_timeout_last_ack", 7: "tcp_timeout_time_wait",
+                   8: "tcp_timeout_close"}  # ESTABLISHED not: the pod fast path sets its own (bpf_ct_change_timeout)
+# TCP's longer timeouts give way to these two (retransmissions, unacknowledged data): a state's
+# own timeout is the one set only where it is no longer than both.
+CT_TCP_CAPS = ("tcp_timeout_max_retrans", "tcp_timeout_unacknowledged")
+CT_TIMEOUT_NAMES = (*CT_TCP_TIMEOUTS.values(), *CT_TCP_CAPS, "udp_timeout", "udp_timeout_stream",
+                    "icmp_timeout", "icmpv6_timeout")
+# An expired entry's stop is its expiry, moved back from when it was reaped by whole jiffies
+# (at least one: 1-10 ms); one deleted before it expired (its tuple taken by a new connection,
+# a flush) is stamped when it went, as is the event, within microseconds.
+CT_REAPED_AFTER_NS = 1_000_000
+
+
+def ct_last_packet_ns(ev: ct.CtEvent, timeouts: dict[str, int]) -> int:
+    """When the last packet of a DESTROYed entry passed (CLOCK_REALTIME ns): its stop stamp
+    less the timeout its last packet set, where the entry expired (reaped at least a jiffy
+    later) in a state whose timeout is that of a sysctl in ``timeouts`` (seconds); else its stop
+    stamp (deleted before it expired, a fixed timeout, ESTABLISHED, SCTP, another protocol, no
+    event stamp -- kernels before 6.1). Never before its start: the stop is exact to a jiffy."""
+    stop = ev.stop_ns
+    if not (ev.destroyed and stop and ev.start_ns and ev.event_ns - stop >= CT_REAPED_AFTER_NS):
+        return stop
+    if ev.status & ct.IPS_FIXED_TIMEOUT:
+        return stop
+    proto, name = ev.orig.proto, None
+    if proto == socket.IPPROTO_TCP:
+        name = CT_TCP_TIMEOUTS.get(ev.tcp_state)
+        caps = [timeouts.get(c) for c in CT_TCP_CAPS]
+        if name is not None and (None in caps or timeouts.get(name, 0) > min(caps)):  # type: ignore[type-var]
+            name = None
+    elif proto in (socket.IPPROTO_UDP, 136):  # UDP-Lite alike
+        # Assured: its packets since a reply came after its first 2 s set the stream timeout;
+        # not assured (nor a NAT clash, which is never assured), every packet set the short one.
+        if not ev.status & ct.IPS_NAT_CLASH:
+            name = "udp_timeout_stream" if ev.status & ct.IPS_ASSURED else "udp_timeout"
+    elif proto == socket.IPPROTO_ICMP:
+        name = "icmp_timeout"
+    elif proto == socket.IPPROTO_ICMPV6:
+        name = "icmpv6_timeout"
+    timeout = timeouts.get(name) if name is not None else None
+    if timeout is None:
+        return stop
+    return max(ev.start_ns, stop - timeout * 1_000_000_000)
+
+
+class ConntrackTimeouts:
+    """conntrack's timeouts (:data:`CT_TIMEOUT_NAMES`, seconds) in this process's namespace,
+    read again at most every ``ttl`` seconds of ``clock``; one that cannot be read is left out."""
+
+    def __init__(self, root: Path = Path("/proc/sys/net/netfilter"), ttl: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.root, self.ttl, self.clock = root, ttl, clock
+        self._read_at: float | None = None
+        self._values: dict[str, int] = {}
+
+    def __call__(self) -> dict[str, int]:
+        now = self.clock()
+        if self._read_at is None or now - self._read_at >= self.ttl:
+            values = {}
+            for name in CT_TIMEOUT_NAMES:
+                try:
+                    values[name] = int((self.root / f"nf_conntrack_{name}").read_text())
+                except (OSError, ValueError):
+                    continue
+            self._values, self._read_at = values, now
+        return self._values
+
+
 def tai_now() -> int:
     """CLOCK_TAI, ns: the clock the pod programs stamp packets with (bpf_ktime_get_tai_ns)."""
     return time.clock_gettime_ns(time.CLOCK_TAI)
@@ -366,6 +441,7 @@ class FlowRecorder:
         record_remote: bool = False,
         mask: Mask | None = None,
         own: Sequence[IPv4Address | IPv6Address] = (),
+        ct_timeouts: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         """``pods``, ``services``: the pod networks and the Services' ranges (either family); a
         conntrack event of a connection with neither end in them, nor named, is the node's own
@@ -379,7 +455,9 @@ class FlowRecorder:
         connections and conntrack's events of those are masked (``mask``);
         ``record_remote``: those with other nodes' pods too (every packet from them passes the
         wire program: host-gw); ``mask``: the table masking conntrack's events of what they
-        mark (agentd.nft.flowmask), without which they do not record."""
+        mark (agentd.nft.flowmask), without which they do not record.  ``ct_timeouts``:
+        conntrack's timeouts (:class:`ConntrackTimeouts`), for the ends of its entries at their
+        last packet rather than at their expiry (:func:`ct_last_packet_ns`); without, at expiry."""
         self.node = node
         self.directory = directory
         self.state_dir = Path(state_dir)
@@ -408,6 +486,7 @@ class FlowRecorder:
         # wherever this recorder does not record (:meth:`_stop_recording`).
         self.programs: Recording | None = carried if hasattr(carried, "set_recording") else None  # type: ignore[assignment]
         self.tai_offset = tai_offset
+        self.ct_timeouts = ct_timeouts
         self._tai_offset = 0
         self._restarts: dict[bytes, deque[Counts]] = {}
         self.record_remote = record_remote
@@ -1339,7 +1418,10 @@ class FlowRecorder:
         if (src_id is None and dst.identity is None and service is None and received is None
                 and not self._ours(orig.src, orig.dst, reply.src)):  # fmt: skip
             return None  # the node's own traffic (etcd, BGP, its bridge's IGMP reports): not a pod's
-        when = (ev.stop_ns if ev.destroyed else ev.event_ns or ev.start_ns) / 1e9 or received or self.clock()
+        stop = ev.stop_ns
+        if ev.destroyed and self.ct_timeouts is not None:
+            stop = ct_last_packet_ns(ev, self.ct_timeouts())  # not its expiry
+        when = (stop if ev.destroyed else ev.event_ns or ev.start_ns) / 1e9 or received or self.clock()
         flow = Flow(
             time=when, node=self.node, event="end" if ev.destroyed else "new", protocol=protocol_name(orig.proto),
             src=Peer(orig.src, orig.sport, src_id), dst=dst, direction=direction_of(src_id, dst.identity),
@@ -1358,8 +1440,8 @@ class FlowRecorder:
                     rp, rb = rp + carried[2], rb + carried[3]
             flow.bytes_sent, flow.bytes_received = ob, rb
             flow.packets_sent, flow.packets_received = op, rp
-            if ev.start_ns and ev.stop_ns:
-                flow.duration = max(0.0, (ev.stop_ns - ev.start_ns) / 1e9)
+            if ev.start_ns and stop:
+                flow.duration = max(0.0, (stop - ev.start_ns) / 1e9)
         return flow
 
     def _ours(self, *addresses: str) -> bool:

@@ -18,7 +18,11 @@ The messages (include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h)::
     CTA_COUNTERS_ORIG / REPLY (nested) { CTA_COUNTERS_PACKETS __be64, CTA_COUNTERS_BYTES __be64 }
         (only with net.netfilter.nf_conntrack_acct = 1 when the entry was made)
     CTA_TIMESTAMP (nested) { CTA_TIMESTAMP_START __be64 ns, CTA_TIMESTAMP_STOP __be64 ns }
-        (only with net.netfilter.nf_conntrack_timestamp = 1 when the entry was made)
+        (only with net.netfilter.nf_conntrack_timestamp = 1 when the entry was made; an
+        expired entry's STOP is its expiry, not its last packet)
+    CTA_PROTOINFO (nested) { CTA_PROTOINFO_TCP (nested) { CTA_PROTOINFO_TCP_STATE u8, ... } }
+        (a DESTROY of TCP carries the state alone)
+    CTA_TIMESTAMP_EVENT __be64 ns (Linux 6.x, with nf_conntrack_timestamp: when the event happened)
 
 An event is the same message as a dump answer: type IPCTNL_MSG_CT_NEW with NLM_F_CREATE (a new
 entry) or IPCTNL_MSG_CT_DELETE (an entry destroyed), sent to the multicast groups
@@ -52,6 +56,7 @@ NFNLGRP_CONNTRACK_DESTROY = 3
 CTA_TUPLE_ORIG = 1
 CTA_TUPLE_REPLY = 2
 CTA_STATUS = 3
+CTA_PROTOINFO = 4
 CTA_ID = 12
 CTA_COUNTERS_ORIG = 9
 CTA_COUNTERS_REPLY = 10
@@ -73,12 +78,17 @@ CTA_PROTO_ICMPV6_TYPE = 8
 CTA_PROTO_ICMPV6_CODE = 9
 CTA_COUNTERS_PACKETS = 1  # inside CTA_COUNTERS_*
 CTA_COUNTERS_BYTES = 2
+CTA_PROTOINFO_TCP = 1  # inside CTA_PROTOINFO
+CTA_PROTOINFO_TCP_STATE = 1  # u8 inside CTA_PROTOINFO_TCP: enum tcp_conntrack (a DESTROY carries it too)
 CTA_TIMESTAMP_START = 1  # inside CTA_TIMESTAMP
 CTA_TIMESTAMP_STOP = 2
 
 IPS_SRC_NAT = 1 << 4
 IPS_DST_NAT = 1 << 5
 IPS_CONFIRMED = 1 << 3
+IPS_ASSURED = 1 << 2
+IPS_FIXED_TIMEOUT = 1 << 10
+IPS_NAT_CLASH = 1 << 12
 
 _BE16 = struct.Struct("!H")
 _BE32 = struct.Struct("!I")
@@ -121,6 +131,7 @@ class CtEvent(NamedTuple):
     start_ns: int = 0  # CLOCK_REALTIME nanoseconds (nf_conntrack_timestamp), 0: not kept
     stop_ns: int = 0
     event_ns: int = 0  # when the event happened (CTA_TIMESTAMP_EVENT), 0: not said
+    tcp_state: int = -1  # conntrack's TCP state (enum tcp_conntrack; TIME_WAIT 7), -1: not said
 
     @property
     def nat(self) -> bool:
@@ -230,6 +241,7 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
     family = buf[start]
     orig = reply = None
     status = ident = t0 = t1 = te = 0
+    state = -1
     op: int | None = None  # no CTA_COUNTERS_*: not counted (unknown)
     ob = rp = rb = op
     for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
@@ -253,9 +265,17 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
                     t1 = _read_be(buf, ts, tend, _BE64, "CTA_TIMESTAMP_STOP")
         elif atype == CTA_TIMESTAMP_EVENT:
             te = _read_be(buf, vs, ve, _BE64, "CTA_TIMESTAMP_EVENT")
+        elif atype == CTA_PROTOINFO:
+            for ptype, ps, pend in nl.iter_attrs(buf, vs, ve):
+                if ptype == CTA_PROTOINFO_TCP:
+                    for ttype, ts, tend in nl.iter_attrs(buf, ps, pend):
+                        if ttype == CTA_PROTOINFO_TCP_STATE:
+                            if tend - ts != 1:
+                                raise nl.NetlinkDecodeError(f"CTA_PROTOINFO_TCP_STATE is {tend - ts} bytes, not 1")
+                            state = buf[ts]
     if orig is None or reply is None:
         return None
-    return CtEvent(mtype == MSG_DELETE, family, orig, reply, status, ident, op, ob, rp, rb, t0, t1, te)
+    return CtEvent(mtype == MSG_DELETE, family, orig, reply, status, ident, op, ob, rp, rb, t0, t1, te, state)
 
 
 def lifetime(buf: bytes, start: int, end: int) -> tuple[int, int]:

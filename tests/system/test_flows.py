@@ -206,6 +206,41 @@ async def test_connection_end_has_bytes_and_duration(shop):
     assert 0 <= end["duration"] < 60
 
 
+async def test_conntracks_ends_come_at_the_last_packet_not_at_the_entrys_expiry(shop):
+    """conntrack keeps an entry after its connection's last packet -- TCP's TIME_WAIT, UDP's
+    timeout -- and stamps one that expired with its expiry.  The end of a connection conntrack
+    records (on the client's node: through a Service, translated there, so not the pod
+    programs'; UDP) is at its last packet, and its duration the connection's alone."""
+    node1 = shop.lab.nodes[0]  # the client's, where the Service's address is translated
+    web = shop.pods["web"]
+    keys = ("net.netfilter.nf_conntrack_tcp_timeout_time_wait", "net.netfilter.nf_conntrack_udp_timeout")
+    kept = {k: node1.ns.exec("sysctl", "-n", k).strip() for k in keys}
+    try:
+        for k in keys:  # longer than the connections, shorter than the test's patience
+            node1.ns.sysctl(k, 4)
+        before = time.time()
+        assert (await shop.echo["client"].tcp(shop.vip["web"], 80))["names"] == {"web": 1}
+        closed = time.time()
+        await shop.echo["client"].udp(web.ip, 5041, 41240, timeout=0.3)  # nobody listens: no answer
+        sent = time.time()
+
+        async def ended() -> list[dict]:  # expired after 4 s; a dump reaps it then
+            await node1.ns.aexec(sys.executable, "-c", REAP, timeout=30)
+            tcp = await agentd_flows(node1, "--event", "end", "--service", "shop/web", "--from-pod", "shop/client")
+            udp = await agentd_flows(node1, "--event", "end", "--port", "41240")
+            tcp = [x for x in tcp if x["time"] >= before - 0.1]
+            return [tcp[-1], udp[-1]] if tcp and udp else []
+
+        tcp, udp = await auntil(ended, 60, what="node1's ends of the Service connection and the datagram")
+    finally:
+        for k, v in kept.items():
+            node1.ns.sysctl(k, v)
+    # At the last packet (within a jiffy), not 4 s later when the entry expired.
+    assert tcp["time"] <= closed + 0.1 and tcp["duration"] < closed - before + 0.1, shown(tcp)
+    assert before - 0.1 <= udp["time"] <= sent + 0.1 and udp["duration"] < 0.1, shown(udp)
+    assert tcp["service"]["name"] == "shop/web" and udp["packets_sent"] == 1
+
+
 async def send_sizes(src, dst, port: int, sport: int, sizes: list[int], version: int = 4) -> None:
     """``sizes`` bytes over one TCP connection each, one after another, from ``src``:``sport``
     to ``dst``'s address of IP ``version``."""
