@@ -187,30 +187,33 @@ def tai_offset_ns() -> int:
 # much late.  Each packet sets the entry's timeout to the one of the state it leaves it in
 # (nf_conntrack_proto_tcp.c, _udp.c, _icmp.c): the expiry less that timeout is the last packet.
 # The sysctl (``nf_conntrack_<name>`` in the node's namespace) of each such state:
-CT_TCP_TIMEOUTS = {1: "tcp_timeout_syn_sent", 2: "tcp_timeout_syn_recv", 4: "tcp_timeout_fin_wait",
-                   5: "tcp_timeout_close_wait", 6: "tcp_timeout_last_ack", 7: "tcp_timeout_time_wait",
-                   8: "tcp_timeout_close"}  # ESTABLISHED not: the pod fast path sets its own (bpf_ct_change_timeout)
-# TCP's longer timeouts give way to these two (retransmissions, unacknowledged data): a state's
-# own timeout is the one set only where it is no longer than both.
+CT_TCP_TIMEOUTS = {2: "tcp_timeout_syn_recv", 4: "tcp_timeout_fin_wait", 5: "tcp_timeout_close_wait",
+                   6: "tcp_timeout_last_ack", 7: "tcp_timeout_time_wait", 8: "tcp_timeout_close"}
+# Not SYN_SENT: a SYN sent again does not renew its entry (nf_conntrack_proto_tcp.c: "do not
+# renew entry stuck in tcp SYN_SENT state"), so its expiry less the timeout is the first SYN;
+# its stop stays (its first SYN and 2 minutes, about when the client gives up: 127 s at 6 tries).
+# Not ESTABLISHED: its timeout (5 days) is longer than the two below, which may have been set
+# instead.  A state's own timeout is the one set only where it is no longer than both.
 CT_TCP_CAPS = ("tcp_timeout_max_retrans", "tcp_timeout_unacknowledged")
 CT_TIMEOUT_NAMES = (*CT_TCP_TIMEOUTS.values(), *CT_TCP_CAPS, "udp_timeout", "udp_timeout_stream",
                     "icmp_timeout", "icmpv6_timeout")
-# An expired entry's stop is its expiry, moved back from when it was reaped by whole jiffies
-# (at least one: 1-10 ms); one deleted before it expired (its tuple taken by a new connection,
-# a flush) is stamped when it went, as is the event, within microseconds.
-CT_REAPED_AFTER_NS = 1_000_000
+# The kernel whose DESTROY events say how long their entry had left (CTA_TIMEOUT, and TCP's
+# state, CTA_PROTOINFO): before it an entry deleted early cannot be told from one that expired.
+CT_DESTROY_SAYS = (5, 11)
 
 
 def ct_last_packet_ns(ev: ct.CtEvent, timeouts: dict[str, int]) -> int:
-    """When the last packet of a DESTROYed entry passed (CLOCK_REALTIME ns): its stop stamp
-    less the timeout its last packet set, where the entry expired (reaped at least a jiffy
-    later) in a state whose timeout is that of a sysctl in ``timeouts`` (seconds); else its stop
-    stamp (deleted before it expired, a fixed timeout, ESTABLISHED, SCTP, another protocol, no
-    event stamp -- kernels before 6.1). Never before its start: the stop is exact to a jiffy."""
+    """When the last packet of a DESTROYed entry passed (CLOCK_REALTIME ns), for an entry in a
+    state whose timeout is that of a sysctl in ``timeouts`` (seconds): its stop stamp less that
+    timeout and plus what it had left (:attr:`~agentd.kernel.netlink_ct.CtEvent.timeout_s`:
+    none if it expired, the stop its expiry; whole seconds if it was deleted before -- its tuple
+    taken by a new connection in TIME_WAIT, a flush -- when it was stamped; sent again later,
+    as the kernel does for a listener that missed it, the time since counts too).  Exact to a
+    jiffy where it expired, to a second where it was deleted.  Else (a fixed timeout,
+    ESTABLISHED, SYN_SENT, SCTP, another protocol) its stop stamp.  Never before its start nor
+    after its stop."""
     stop = ev.stop_ns
-    if not (ev.destroyed and stop and ev.start_ns and ev.event_ns - stop >= CT_REAPED_AFTER_NS):
-        return stop
-    if ev.status & ct.IPS_FIXED_TIMEOUT:
+    if not (ev.destroyed and stop and ev.start_ns) or ev.status & ct.IPS_FIXED_TIMEOUT:
         return stop
     proto, name = ev.orig.proto, None
     if proto == socket.IPPROTO_TCP:
@@ -230,20 +233,35 @@ def ct_last_packet_ns(ev: ct.CtEvent, timeouts: dict[str, int]) -> int:
     timeout = timeouts.get(name) if name is not None else None
     if timeout is None:
         return stop
-    return max(ev.start_ns, stop - timeout * 1_000_000_000)
+    left = 0
+    if ev.timeout_s > 0:
+        left = ev.timeout_s * 1_000_000_000 + (max(0, ev.event_ns - stop) if ev.event_ns else 0)
+    return min(stop, max(ev.start_ns, stop + left - timeout * 1_000_000_000))
+
+
+def _kernel_at_least(release: str, want: tuple[int, int]) -> bool:
+    try:
+        major, minor = (int(x) for x in release.split("-")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= want
 
 
 class ConntrackTimeouts:
     """conntrack's timeouts (:data:`CT_TIMEOUT_NAMES`, seconds) in this process's namespace,
-    read again at most every ``ttl`` seconds of ``clock``; one that cannot be read is left out."""
+    read again at most every ``ttl`` seconds of ``clock``; one that cannot be read is left out,
+    and all of them on a kernel older than :data:`CT_DESTROY_SAYS` (``release``)."""
 
     def __init__(self, root: Path = Path("/proc/sys/net/netfilter"), ttl: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, release: str | None = None) -> None:
         self.root, self.ttl, self.clock = root, ttl, clock
+        self.usable = _kernel_at_least(os.uname().release if release is None else release, CT_DESTROY_SAYS)
         self._read_at: float | None = None
         self._values: dict[str, int] = {}
 
     def __call__(self) -> dict[str, int]:
+        if not self.usable:
+            return self._values
         now = self.clock()
         if self._read_at is None or now - self._read_at >= self.ttl:
             values = {}
@@ -282,15 +300,17 @@ class PendingConnection(Deferred):
     """A conntrack event as the kernel sent it, with its ends named when it came; the record
     is made when it is first read."""
 
-    __slots__ = ("recorder", "event", "carried", "received", "services", "_flow")
+    __slots__ = ("recorder", "event", "carried", "received", "services", "timeouts", "_flow")
 
     def __init__(self, recorder: FlowRecorder, event: Event, carried: tuple[int, int, int, int] | None,
-                 received: float, services: Callable[[str, int, int], str | None] | None = None) -> None:
+                 received: float, services: Callable[[str, int, int], str | None] | None = None,
+                 timeouts: dict[str, int] | None = None) -> None:
         self.recorder = recorder
         self.event: Event | None = event
         self.carried = carried  # (packets, bytes) each way of the original direction, by the fast path
         self.received = received
         self.services = services  # the Services as they were when it came (shared by a read's events)
+        self.timeouts = timeouts  # conntrack's timeouts when it came (shared alike)
         self._flow: Flow | None = None
 
     def flow(self) -> Flow:
@@ -305,11 +325,12 @@ class PendingConnection(Deferred):
                 ev = _tuples_only(mtype, data)
             assert ev is not None  # its tuples were read when it came
             flow = self.recorder.connection(ev, names=tuple(names), carried=self.carried,  # type: ignore[arg-type]
-                                            received=self.received, services=self.services)
+                                            received=self.received, services=self.services,
+                                            timeouts=self.timeouts)
             assert flow is not None
             flow.seq = self.seq
             self._flow = flow
-            self.event = self.recorder = self.carried = self.services = None  # type: ignore[assignment]
+            self.event = self.recorder = self.carried = self.services = self.timeouts = None  # type: ignore[assignment]
         return self._flow
 
 
@@ -1162,6 +1183,7 @@ class FlowRecorder:
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
+        timeouts = self.ct_timeouts() if self.ct_timeouts is not None else None
         history, delete = self._history, ct.MSG_DELETE
         for item in items:
             if type(item) is bytes:
@@ -1174,7 +1196,7 @@ class FlowRecorder:
                 item = self._ct_named_then(item)  # type: ignore[arg-type]
             carry = item[5]  # type: ignore[index]
             entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now,  # type: ignore[arg-type]
-                                             services))
+                                             services, timeouts))
         if entries:
             self._extend(entries)
 
@@ -1398,12 +1420,13 @@ class FlowRecorder:
 
     def connection(self, ev: ct.CtEvent, *, names: tuple[Identity | None, Identity | None, Identity | None] | None = None,
                    carried: tuple[int, int, int, int] | None = None, received: float | None = None,
-                   services: Callable[[str, int, int], str | None] | None = None) -> Flow | None:
+                   services: Callable[[str, int, int], str | None] | None = None,
+                   timeouts: dict[str, int] | None = None) -> Flow | None:
         """A conntrack event as a record; None if no end of it is a pod or a Service.
         ``names``: its ends as named when it came (original source, destination, reply source);
         ``carried``: what the pod fast path carried of it (packets, bytes each way);
         ``received``: when it came; ``services``: the Services then (Directory.service_names),
-        else as they are now."""
+        else as they are now; ``timeouts``: conntrack's then, else as they are now."""
         orig, reply = ev.orig, ev.reply
         d = self.directory
         if names is None:
@@ -1419,8 +1442,11 @@ class FlowRecorder:
                 and not self._ours(orig.src, orig.dst, reply.src)):  # fmt: skip
             return None  # the node's own traffic (etcd, BGP, its bridge's IGMP reports): not a pod's
         stop = ev.stop_ns
-        if ev.destroyed and self.ct_timeouts is not None:
-            stop = ct_last_packet_ns(ev, self.ct_timeouts())  # not its expiry
+        if ev.destroyed:
+            if timeouts is None and self.ct_timeouts is not None:
+                timeouts = self.ct_timeouts()
+            if timeouts is not None:
+                stop = ct_last_packet_ns(ev, timeouts)  # its last packet, not its expiry
         when = (stop if ev.destroyed else ev.event_ns or ev.start_ns) / 1e9 or received or self.clock()
         flow = Flow(
             time=when, node=self.node, event="end" if ev.destroyed else "new", protocol=protocol_name(orig.proto),

@@ -5,6 +5,7 @@ stamps one that expired with its expiry.  Against DESTROY events a Linux 6.18 ke
 from __future__ import annotations
 
 import socket
+import struct
 
 import pytest
 
@@ -12,13 +13,13 @@ from agentd.flows.recorder import ConntrackTimeouts, FlowRecorder, ct_last_packe
 from agentd.kernel import netlink as nl
 from agentd.kernel import netlink_ct as ct
 
-from .test_flow_events import TCP_DESTROY, Directory
+from .test_flow_events import TCP_DESTROY, Directory, event
 
 # Captured in a throwaway namespace on loopback (nf_conntrack_acct and _timestamp on, TCP's
 # TIME_WAIT 3 s, UDP's timeout 2 s): the tuples, CTA_ID, _STATUS, (_TIMEOUT,) _COUNTERS_*,
 # _TIMESTAMP, (_PROTOINFO: TCP's state alone,) _TIMESTAMP_EVENT.
-# TCP_TAKEN: 127.0.0.1:40001 -> :5555 closed (TIME_WAIT), its tuple taken by a new connection's
-#   SYN 1 s later: deleted then (CTA_TIMEOUT 2 s left), stop and event stamp within a microsecond.
+# TCP_TAKEN: 127.0.0.1:40001 -> :5555 closed 51 ms after its start (TIME_WAIT), its tuple taken
+#   by a new connection's SYN 1 s later: deleted then (CTA_TIMEOUT: 2 s left).
 # UDP_EXPIRED: one datagram, no answer; expired 2 s later, reaped 57 s after that.
 # TCP_EXPIRED: the new connection, closed; expired in TIME_WAIT 3 s later, reaped 56 s after that.
 TCP_TAKEN = bytes.fromhex(
@@ -55,28 +56,41 @@ def decoded(msg: bytes) -> ct.CtEvent:
     return ev
 
 
-def test_a_destroy_says_the_tcp_state_its_entry_died_in():
-    assert decoded(TCP_EXPIRED).tcp_state == 7  # TIME_WAIT
-    assert decoded(TCP_TAKEN).tcp_state == 7
-    assert decoded(TCP_DESTROY).tcp_state == 3  # ESTABLISHED (deleted)
-    assert decoded(UDP_EXPIRED).tcp_state == -1
+def decoded(msg: bytes) -> ct.CtEvent:
+    ((mtype, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
+    ev = ct.decode_event(mtype, msg, start, end)
+    assert ev is not None and ev.destroyed
+    return ev
+
+
+def test_a_destroy_says_the_tcp_state_and_whether_time_was_left():
+    assert (decoded(TCP_EXPIRED).tcp_state, decoded(TCP_EXPIRED).timeout_s) == (7, -1)  # TIME_WAIT, expired
+    assert (decoded(TCP_TAKEN).tcp_state, decoded(TCP_TAKEN).timeout_s) == (7, 2)  # deleted, 2 s left
+    assert (decoded(TCP_DESTROY).tcp_state, decoded(TCP_DESTROY).timeout_s) == (3, 431999)  # ESTABLISHED, deleted
+    assert (decoded(UDP_EXPIRED).tcp_state, decoded(UDP_EXPIRED).timeout_s) == (-1, -1)
 
 
 def test_an_entry_that_expired_ends_at_its_last_packet():
     ev = decoded(TCP_EXPIRED)
-    assert ev.event_ns - ev.stop_ns > 50 * S  # reaped long after it expired
     last = ct_last_packet_ns(ev, TIMEOUTS)
     assert last == ev.stop_ns - 3 * S
     assert 0 <= last - ev.start_ns < 0.1 * S  # a connection of a few milliseconds
+    # Reaped in the jiffy it expired (the stop not moved back, as stamped as the event): alike.
+    assert ct_last_packet_ns(ev._replace(event_ns=ev.stop_ns), TIMEOUTS) == last
+    assert ct_last_packet_ns(ev._replace(event_ns=0), TIMEOUTS) == last  # no event stamp (before 6.14)
 
 
-def test_an_entry_deleted_before_it_expired_ends_when_it_went():
-    """Its tuple taken by a new connection in TIME_WAIT: the last packet was up to TIME_WAIT
-    before, which the event does not tell; so the stop stamp, as before."""
+def test_an_entry_deleted_before_it_expired_ends_at_its_last_packet_to_a_second():
+    """Its tuple taken by a new connection in TIME_WAIT, a second after its close: the time it
+    had left says when its last packet set the timeout."""
     ev = decoded(TCP_TAKEN)
-    assert 0 <= ev.event_ns - ev.stop_ns < 1_000_000
-    assert ct_last_packet_ns(ev, TIMEOUTS) == ev.stop_ns
-    assert ct_last_packet_ns(decoded(TCP_DESTROY), TIMEOUTS) == decoded(TCP_DESTROY).stop_ns  # ESTABLISHED, deleted
+    last = ct_last_packet_ns(ev, TIMEOUTS)
+    assert last == ev.event_ns + 2 * S - 3 * S  # the time left as when it was sent: at once
+    assert abs(last - (ev.start_ns + 0.051 * S)) < S  # closed 51 ms after its start
+    # Sent again later (to a listener that missed it): the event's stamp is then, and the time
+    # left as then; the two together are as at the delete.
+    again = ev._replace(timeout_s=1, event_ns=ev.stop_ns + int(1.2 * S))
+    assert ct_last_packet_ns(again, TIMEOUTS) == ev.stop_ns + int(2.2 * S) - 3 * S
 
 
 def test_udp_by_whether_it_was_assured_and_never_before_its_start():
@@ -89,16 +103,19 @@ def test_udp_by_whether_it_was_assured_and_never_before_its_start():
     assert ct_last_packet_ns(assured, TIMEOUTS) == ev.stop_ns - 120 * S
     clash = ev._replace(start_ns=ev.start_ns - 200 * S, status=ev.status | ct.IPS_NAT_CLASH)
     assert ct_last_packet_ns(clash, TIMEOUTS) == ev.stop_ns
+    # Never after its stop: more time left than the timeout (the sysctl lowered since).
+    assert ct_last_packet_ns(ev._replace(timeout_s=5), TIMEOUTS) == ev.stop_ns
 
 
 @pytest.mark.parametrize("change, timeouts, why", [
-    ({"tcp_state": 3}, TIMEOUTS, "ESTABLISHED: the pod fast path sets its own timeout"),
-    ({"tcp_state": -1}, TIMEOUTS, "no state said"),
+    ({"tcp_state": 3}, TIMEOUTS, "ESTABLISHED: its timeout is longer than the caps"),
+    ({"tcp_state": 1}, {**TIMEOUTS, "tcp_timeout_syn_sent": 120}, "SYN_SENT: a SYN sent again does not renew it"),
+    ({"tcp_state": -1}, TIMEOUTS, "no state said (before Linux 5.11)"),
     ({"status": 0x20E | ct.IPS_FIXED_TIMEOUT}, TIMEOUTS, "a fixed timeout: packets do not set it"),
-    ({"event_ns": 0}, TIMEOUTS, "no event stamp (before Linux 6.1): expired or deleted, unknown"),
     ({}, {**TIMEOUTS, "tcp_timeout_time_wait": 400}, "longer than max_retrans: that may have been set"),
     ({}, {k: v for k, v in TIMEOUTS.items() if k != "tcp_timeout_unacknowledged"}, "a cap unread"),
     ({}, {k: v for k, v in TIMEOUTS.items() if k != "tcp_timeout_time_wait"}, "the state's unread"),
+    ({}, {}, "no timeouts: a kernel before 5.11"),
     ({"orig": ct.CtTuple("127.0.0.1", "127.0.0.1", 132, 1, 2)}, TIMEOUTS, "SCTP: not known"),
 ])  # fmt: skip
 def test_where_the_last_packet_is_not_known_the_stop_stamp_stays(change, timeouts, why):
@@ -127,14 +144,39 @@ def test_the_record_of_an_expired_entry_ends_at_its_last_packet():
     assert flow is not None and flow.time == ev.stop_ns / 1e9 and flow.duration is not None and flow.duration > 2.9
 
 
+def pods_destroy(start: int, stop: int) -> bytes:
+    """A DESTROY of TCP between two pods (CTA_TIMESTAMP, TIME_WAIT, no time left)."""
+    extra = (nl.attr(ct.CTA_STATUS, struct.pack("!I", 0x20E))
+             + nl.nested(ct.CTA_TIMESTAMP, nl.attr(ct.CTA_TIMESTAMP_START, struct.pack("!Q", start)),
+                         nl.attr(ct.CTA_TIMESTAMP_STOP, struct.pack("!Q", stop)))
+             + nl.nested(ct.CTA_PROTOINFO, nl.nested(ct.CTA_PROTOINFO_TCP, nl.attr(ct.CTA_PROTOINFO_TCP_STATE, b"\x07"))))
+    return event(ct.MSG_DELETE, ct.CtTuple("10.244.1.2", "10.244.2.3", 6, 40000, 80),
+                 ct.CtTuple("10.244.2.3", "10.244.1.2", 6, 80, 40000), extra=extra)
+
+
+def test_a_record_made_later_takes_the_timeouts_of_when_its_event_came():
+    now = {"tcp_timeout_time_wait": 3, "tcp_timeout_max_retrans": 300, "tcp_timeout_unacknowledged": 300}
+    r = FlowRecorder("node2", Directory(), "/nonexistent", group=143, clock=lambda: 1000.0,
+                     ct_timeouts=lambda: now)
+    start = 1_800_000_000 * S
+    r._begin()
+    r._on_conntrack_datagram(pods_destroy(start, start + 5 * S), 1000.0)
+    now = {**now, "tcp_timeout_time_wait": 120}  # changed before anyone reads the record
+    (flow,) = [e.flow() for e in r.ring.records]
+    assert flow.event == "end" and flow.time == (start + 2 * S) / 1e9 and flow.duration == 2.0
+
+
 def test_conntrack_timeouts_are_read_at_most_once_a_ttl(tmp_path):
     (tmp_path / "nf_conntrack_tcp_timeout_time_wait").write_text("120\n")
     (tmp_path / "nf_conntrack_udp_timeout").write_text("not a number\n")
     now = [0.0]
-    read = ConntrackTimeouts(tmp_path, ttl=1.0, clock=lambda: now[0])
+    read = ConntrackTimeouts(tmp_path, ttl=1.0, clock=lambda: now[0], release="6.1.0-13-amd64")
     assert read() == {"tcp_timeout_time_wait": 120}  # the rest unreadable: left out
     (tmp_path / "nf_conntrack_tcp_timeout_time_wait").write_text("5\n")
     now[0] = 0.5
     assert read() == {"tcp_timeout_time_wait": 120}
     now[0] = 1.0
     assert read() == {"tcp_timeout_time_wait": 5}
+    # Before 5.11 a DESTROY does not say whether its entry expired: no timeouts, no moving back.
+    assert ConntrackTimeouts(tmp_path, release="5.10.0-20-amd64")() == {}
+    assert ConntrackTimeouts(tmp_path, release="nonsense")() == {}
