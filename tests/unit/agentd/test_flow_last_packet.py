@@ -56,13 +56,6 @@ def decoded(msg: bytes) -> ct.CtEvent:
     return ev
 
 
-def decoded(msg: bytes) -> ct.CtEvent:
-    ((mtype, _f, _s, _p, start, end),) = list(nl.iter_messages(msg))
-    ev = ct.decode_event(mtype, msg, start, end)
-    assert ev is not None and ev.destroyed
-    return ev
-
-
 def test_a_destroy_says_the_tcp_state_and_whether_time_was_left():
     assert (decoded(TCP_EXPIRED).tcp_state, decoded(TCP_EXPIRED).timeout_s) == (7, -1)  # TIME_WAIT, expired
     assert (decoded(TCP_TAKEN).tcp_state, decoded(TCP_TAKEN).timeout_s) == (7, 2)  # deleted, 2 s left
