@@ -210,7 +210,8 @@ def ct_last_packet_ns(ev: ct.CtEvent, timeouts: dict[str, int]) -> int:
     taken by a new connection in TIME_WAIT, a flush -- when it was stamped; sent again later,
     as the kernel does for a listener that missed it, the time since counts too).  Exact to a
     jiffy where it expired, to a second where it was deleted.  Else (a fixed timeout,
-    ESTABLISHED, SYN_SENT, SCTP, another protocol) its stop stamp.  Never before its start nor
+    ESTABLISHED, SYN_SENT, refused -- CLOSE with no reply seen --, a NAT clash of UDP, SCTP,
+    another protocol) its stop stamp.  Never before its start nor
     after its stop."""
     stop = ev.stop_ns
     if not (ev.destroyed and stop and ev.start_ns) or ev.status & ct.IPS_FIXED_TIMEOUT:
@@ -218,6 +219,8 @@ def ct_last_packet_ns(ev: ct.CtEvent, timeouts: dict[str, int]) -> int:
     proto, name = ev.orig.proto, None
     if proto == socket.IPPROTO_TCP:
         name = CT_TCP_TIMEOUTS.get(ev.tcp_state)
+        if ev.tcp_state == 8 and not ev.status & ct.IPS_SEEN_REPLY:
+            name = None  # refused: its RST killed it in CLOSE with what SYN_SENT had left; at the RST
         caps = [timeouts.get(c) for c in CT_TCP_CAPS]
         if name is not None and (None in caps or timeouts.get(name, 0) > min(caps)):  # type: ignore[type-var]
             name = None

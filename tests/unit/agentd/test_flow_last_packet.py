@@ -68,9 +68,10 @@ def test_an_entry_that_expired_ends_at_its_last_packet():
     last = ct_last_packet_ns(ev, TIMEOUTS)
     assert last == ev.stop_ns - 3 * S
     assert 0 <= last - ev.start_ns < 0.1 * S  # a connection of a few milliseconds
-    # Reaped in the jiffy it expired (the stop not moved back, as stamped as the event): alike.
+    # With no time left the event's stamp is not asked: reaped late (here) or in the jiffy it
+    # expired (the stop then not moved back), or no stamp at all (before 6.14), alike.
     assert ct_last_packet_ns(ev._replace(event_ns=ev.stop_ns), TIMEOUTS) == last
-    assert ct_last_packet_ns(ev._replace(event_ns=0), TIMEOUTS) == last  # no event stamp (before 6.14)
+    assert ct_last_packet_ns(ev._replace(event_ns=0), TIMEOUTS) == last
 
 
 def test_an_entry_deleted_before_it_expired_ends_at_its_last_packet_to_a_second():
@@ -104,6 +105,8 @@ def test_udp_by_whether_it_was_assured_and_never_before_its_start():
     ({"tcp_state": 3}, TIMEOUTS, "ESTABLISHED: its timeout is longer than the caps"),
     ({"tcp_state": 1}, {**TIMEOUTS, "tcp_timeout_syn_sent": 120}, "SYN_SENT: a SYN sent again does not renew it"),
     ({"tcp_state": -1}, TIMEOUTS, "no state said (before Linux 5.11)"),
+    ({"tcp_state": 8, "status": 0x20C, "timeout_s": 5, "event_ns": 0}, TIMEOUTS,
+     "refused: CLOSE with no reply seen, killed by the RST with what SYN_SENT had left"),
     ({"status": 0x20E | ct.IPS_FIXED_TIMEOUT}, TIMEOUTS, "a fixed timeout: packets do not set it"),
     ({}, {**TIMEOUTS, "tcp_timeout_time_wait": 400}, "longer than max_retrans: that may have been set"),
     ({}, {k: v for k, v in TIMEOUTS.items() if k != "tcp_timeout_unacknowledged"}, "a cap unread"),
@@ -114,6 +117,13 @@ def test_udp_by_whether_it_was_assured_and_never_before_its_start():
 def test_where_the_last_packet_is_not_known_the_stop_stamp_stays(change, timeouts, why):
     ev = decoded(TCP_EXPIRED)._replace(**change)
     assert ct_last_packet_ns(ev, timeouts) == ev.stop_ns, why
+
+
+def test_a_reset_after_a_reply_ends_at_the_rst():
+    """CLOSE after a reply came: the RST set CLOSE's timeout, and the entry expired or was taken."""
+    ev = decoded(TCP_EXPIRED)._replace(tcp_state=8, start_ns=decoded(TCP_EXPIRED).stop_ns - 60 * S)
+    assert ev.status & ct.IPS_SEEN_REPLY
+    assert ct_last_packet_ns(ev, TIMEOUTS) == ev.stop_ns - 10 * S
 
 
 def test_icmp_by_its_timeout():
