@@ -211,8 +211,7 @@ def ct_last_packet_ns(ev: ct.CtEvent, timeouts: dict[str, int]) -> int:
     as the kernel does for a listener that missed it, the time since counts too).  Exact to a
     jiffy where it expired, to a second where it was deleted.  Else (a fixed timeout,
     ESTABLISHED, SYN_SENT, refused -- CLOSE with no reply seen --, a NAT clash of UDP, SCTP,
-    another protocol) its stop stamp.  Never before its start nor
-    after its stop."""
+    another protocol) its stop stamp.  Never before its start nor after its stop."""
     stop = ev.stop_ns
     if not (ev.destroyed and stop and ev.start_ns) or ev.status & ct.IPS_FIXED_TIMEOUT:
         return stop
