@@ -22,7 +22,12 @@ from agentd.daemon.auth import new_token, read_line_token
 from agentd.daemon.cluster import ClusterView
 from agentd.daemon.flow_directory import FlowDirectory, kernel_local_networks
 from agentd.datastore.store import ClusterConfig, Datastore
-from agentd.flows.recorder import CarriedCounts, FlowRecorder, restore_sysctls
+from agentd.flows.recorder import (
+    CarriedCounts,
+    ConntrackTimeouts,
+    FlowRecorder,
+    restore_sysctls,
+)
 from agentd.flows.views import FlowViews
 from agentd.nft.expr import DropLog
 from agentd.nft.flowmask import FlowMask, remove_quietly
@@ -104,7 +109,9 @@ class Observability:
                                 connections=cfg.flows.connections,
                                 # every packet from other nodes' pods passes the wire program
                                 record_remote=cfg.network.backend == "host-gw", mask=FlowMask(),
-                                own=own_addresses(subnets))
+                                own=own_addresses(subnets),
+                                # the ends of conntrack's entries at their last packet, not their expiry
+                                ct_timeouts=ConntrackTimeouts())
         try:
             await asyncio.to_thread(recorder.open)
         except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls)

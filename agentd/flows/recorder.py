@@ -181,6 +181,101 @@ def tai_offset_ns() -> int:
     return round((time.clock_gettime_ns(time.CLOCK_TAI) - time.time_ns()) / 1e9) * 1_000_000_000
 
 
+# When an entry's last packet passed, from its DESTROY.  conntrack keeps an entry for a while
+# after its connection's last packet (TCP's TIME_WAIT, 2 minutes; UDP's and ICMP's 30 s) and
+# stamps an entry that expired with its expiry, so the end's time and duration would be that
+# much late.  Each packet sets the entry's timeout to the one of the state it leaves it in
+# (nf_conntrack_proto_tcp.c, _udp.c, _icmp.c): the expiry less that timeout is the last packet.
+# The sysctl (``nf_conntrack_<name>`` in the node's namespace) of each such state:
+CT_TCP_TIMEOUTS = {2: "tcp_timeout_syn_recv", 4: "tcp_timeout_fin_wait", 5: "tcp_timeout_close_wait",
+                   6: "tcp_timeout_last_ack", 7: "tcp_timeout_time_wait", 8: "tcp_timeout_close"}
+# Not SYN_SENT: a SYN sent again does not renew its entry (nf_conntrack_proto_tcp.c: "do not
+# renew entry stuck in tcp SYN_SENT state"), so its expiry less the timeout is the first SYN;
+# its stop stays (its first SYN and 2 minutes, about when the client gives up: 127 s at 6 tries).
+# Not ESTABLISHED: its timeout (5 days) is longer than the two below, which may have been set
+# instead.  A state's own timeout is the one set only where it is no longer than both.
+CT_TCP_CAPS = ("tcp_timeout_max_retrans", "tcp_timeout_unacknowledged")
+CT_TIMEOUT_NAMES = (*CT_TCP_TIMEOUTS.values(), *CT_TCP_CAPS, "udp_timeout", "udp_timeout_stream",
+                    "icmp_timeout", "icmpv6_timeout")
+# The kernel whose DESTROY events say how long their entry had left (CTA_TIMEOUT, and TCP's
+# state, CTA_PROTOINFO): before it an entry deleted early cannot be told from one that expired.
+CT_DESTROY_SAYS = (5, 11)
+
+
+def ct_last_packet_ns(ev: ct.CtEvent, timeouts: dict[str, int]) -> int:
+    """When the last packet of a DESTROYed entry passed (CLOCK_REALTIME ns), for an entry in a
+    state whose timeout is that of a sysctl in ``timeouts`` (seconds): its stop stamp less that
+    timeout and plus what it had left (:attr:`~agentd.kernel.netlink_ct.CtEvent.timeout_s`:
+    none if it expired, the stop its expiry; whole seconds if it was deleted before -- its tuple
+    taken by a new connection in TIME_WAIT, a flush -- when it was stamped; sent again later,
+    as the kernel does for a listener that missed it, the time since counts too).  Exact to a
+    jiffy where it expired, to a second where it was deleted.  Else (a fixed timeout,
+    ESTABLISHED, SYN_SENT, refused -- CLOSE with no reply seen --, a NAT clash of UDP, SCTP,
+    another protocol) its stop stamp.  Never before its start nor after its stop."""
+    stop = ev.stop_ns
+    if not (ev.destroyed and stop and ev.start_ns) or ev.status & ct.IPS_FIXED_TIMEOUT:
+        return stop
+    proto, name = ev.orig.proto, None
+    if proto == socket.IPPROTO_TCP:
+        name = CT_TCP_TIMEOUTS.get(ev.tcp_state)
+        if ev.tcp_state == 8 and not ev.status & ct.IPS_SEEN_REPLY:
+            name = None  # refused: its RST killed it in CLOSE with what SYN_SENT had left; at the RST
+        caps = [timeouts.get(c) for c in CT_TCP_CAPS]
+        if name is not None and (None in caps or timeouts.get(name, 0) > min(caps)):  # type: ignore[type-var]
+            name = None
+    elif proto in (socket.IPPROTO_UDP, 136):  # UDP-Lite alike
+        # Assured: its packets since a reply came after its first 2 s set the stream timeout;
+        # not assured (nor a NAT clash, which is never assured), every packet set the short one.
+        if not ev.status & ct.IPS_NAT_CLASH:
+            name = "udp_timeout_stream" if ev.status & ct.IPS_ASSURED else "udp_timeout"
+    elif proto == socket.IPPROTO_ICMP:
+        name = "icmp_timeout"
+    elif proto == socket.IPPROTO_ICMPV6:
+        name = "icmpv6_timeout"
+    timeout = timeouts.get(name) if name is not None else None
+    if timeout is None:
+        return stop
+    left = 0
+    if ev.timeout_s > 0:
+        left = ev.timeout_s * 1_000_000_000 + (max(0, ev.event_ns - stop) if ev.event_ns else 0)
+    return min(stop, max(ev.start_ns, stop + left - timeout * 1_000_000_000))
+
+
+def _kernel_at_least(release: str, want: tuple[int, int]) -> bool:
+    try:
+        major, minor = (int(x) for x in release.split("-")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= want
+
+
+class ConntrackTimeouts:
+    """conntrack's timeouts (:data:`CT_TIMEOUT_NAMES`, seconds) in this process's namespace,
+    read again at most every ``ttl`` seconds of ``clock``; one that cannot be read is left out,
+    and all of them on a kernel older than :data:`CT_DESTROY_SAYS` (``release``)."""
+
+    def __init__(self, root: Path = Path("/proc/sys/net/netfilter"), ttl: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, release: str | None = None) -> None:
+        self.root, self.ttl, self.clock = root, ttl, clock
+        self.usable = _kernel_at_least(os.uname().release if release is None else release, CT_DESTROY_SAYS)
+        self._read_at: float | None = None
+        self._values: dict[str, int] = {}
+
+    def __call__(self) -> dict[str, int]:
+        if not self.usable:
+            return self._values
+        now = self.clock()
+        if self._read_at is None or now - self._read_at >= self.ttl:
+            values = {}
+            for name in CT_TIMEOUT_NAMES:
+                try:
+                    values[name] = int((self.root / f"nf_conntrack_{name}").read_text())
+                except (OSError, ValueError):
+                    continue
+            self._values, self._read_at = values, now
+        return self._values
+
+
 def tai_now() -> int:
     """CLOCK_TAI, ns: the clock the pod programs stamp packets with (bpf_ktime_get_tai_ns)."""
     return time.clock_gettime_ns(time.CLOCK_TAI)
@@ -207,15 +302,17 @@ class PendingConnection(Deferred):
     """A conntrack event as the kernel sent it, with its ends named when it came; the record
     is made when it is first read."""
 
-    __slots__ = ("recorder", "event", "carried", "received", "services", "_flow")
+    __slots__ = ("recorder", "event", "carried", "received", "services", "timeouts", "_flow")
 
     def __init__(self, recorder: FlowRecorder, event: Event, carried: tuple[int, int, int, int] | None,
-                 received: float, services: Callable[[str, int, int], str | None] | None = None) -> None:
+                 received: float, services: Callable[[str, int, int], str | None] | None = None,
+                 timeouts: dict[str, int] | None = None) -> None:
         self.recorder = recorder
         self.event: Event | None = event
         self.carried = carried  # (packets, bytes) each way of the original direction, by the fast path
         self.received = received
         self.services = services  # the Services as they were when it came (shared by a read's events)
+        self.timeouts = timeouts  # conntrack's timeouts when it came (shared alike)
         self._flow: Flow | None = None
 
     def flow(self) -> Flow:
@@ -230,11 +327,12 @@ class PendingConnection(Deferred):
                 ev = _tuples_only(mtype, data)
             assert ev is not None  # its tuples were read when it came
             flow = self.recorder.connection(ev, names=tuple(names), carried=self.carried,  # type: ignore[arg-type]
-                                            received=self.received, services=self.services)
+                                            received=self.received, services=self.services,
+                                            timeouts=self.timeouts)
             assert flow is not None
             flow.seq = self.seq
             self._flow = flow
-            self.event = self.recorder = self.carried = self.services = None  # type: ignore[assignment]
+            self.event = self.recorder = self.carried = self.services = self.timeouts = None  # type: ignore[assignment]
         return self._flow
 
 
@@ -366,6 +464,7 @@ class FlowRecorder:
         record_remote: bool = False,
         mask: Mask | None = None,
         own: Sequence[IPv4Address | IPv6Address] = (),
+        ct_timeouts: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         """``pods``, ``services``: the pod networks and the Services' ranges (either family); a
         conntrack event of a connection with neither end in them, nor named, is the node's own
@@ -379,7 +478,9 @@ class FlowRecorder:
         connections and conntrack's events of those are masked (``mask``);
         ``record_remote``: those with other nodes' pods too (every packet from them passes the
         wire program: host-gw); ``mask``: the table masking conntrack's events of what they
-        mark (agentd.nft.flowmask), without which they do not record."""
+        mark (agentd.nft.flowmask), without which they do not record.  ``ct_timeouts``:
+        conntrack's timeouts (:class:`ConntrackTimeouts`), for the ends of its entries at their
+        last packet rather than at their expiry (:func:`ct_last_packet_ns`); without, at expiry."""
         self.node = node
         self.directory = directory
         self.state_dir = Path(state_dir)
@@ -408,6 +509,7 @@ class FlowRecorder:
         # wherever this recorder does not record (:meth:`_stop_recording`).
         self.programs: Recording | None = carried if hasattr(carried, "set_recording") else None  # type: ignore[assignment]
         self.tai_offset = tai_offset
+        self.ct_timeouts = ct_timeouts
         self._tai_offset = 0
         self._restarts: dict[bytes, deque[Counts]] = {}
         self.record_remote = record_remote
@@ -1083,6 +1185,7 @@ class FlowRecorder:
         entries: list[Entry] = []
         carried = self._carried
         services = self.directory.service_names()
+        timeouts = self.ct_timeouts() if self.ct_timeouts is not None else None
         history, delete = self._history, ct.MSG_DELETE
         for item in items:
             if type(item) is bytes:
@@ -1095,7 +1198,7 @@ class FlowRecorder:
                 item = self._ct_named_then(item)  # type: ignore[arg-type]
             carry = item[5]  # type: ignore[index]
             entries.append(PendingConnection(self, item, carried(*carry) if carry else None, now,  # type: ignore[arg-type]
-                                             services))
+                                             services, timeouts))
         if entries:
             self._extend(entries)
 
@@ -1319,12 +1422,13 @@ class FlowRecorder:
 
     def connection(self, ev: ct.CtEvent, *, names: tuple[Identity | None, Identity | None, Identity | None] | None = None,
                    carried: tuple[int, int, int, int] | None = None, received: float | None = None,
-                   services: Callable[[str, int, int], str | None] | None = None) -> Flow | None:
+                   services: Callable[[str, int, int], str | None] | None = None,
+                   timeouts: dict[str, int] | None = None) -> Flow | None:
         """A conntrack event as a record; None if no end of it is a pod or a Service.
         ``names``: its ends as named when it came (original source, destination, reply source);
         ``carried``: what the pod fast path carried of it (packets, bytes each way);
         ``received``: when it came; ``services``: the Services then (Directory.service_names),
-        else as they are now."""
+        else as they are now; ``timeouts``: conntrack's then, else as they are now."""
         orig, reply = ev.orig, ev.reply
         d = self.directory
         if names is None:
@@ -1339,7 +1443,13 @@ class FlowRecorder:
         if (src_id is None and dst.identity is None and service is None and received is None
                 and not self._ours(orig.src, orig.dst, reply.src)):  # fmt: skip
             return None  # the node's own traffic (etcd, BGP, its bridge's IGMP reports): not a pod's
-        when = (ev.stop_ns if ev.destroyed else ev.event_ns or ev.start_ns) / 1e9 or received or self.clock()
+        stop = ev.stop_ns
+        if ev.destroyed:
+            if timeouts is None and self.ct_timeouts is not None:
+                timeouts = self.ct_timeouts()
+            if timeouts is not None:
+                stop = ct_last_packet_ns(ev, timeouts)  # its last packet, not its expiry
+        when = (stop if ev.destroyed else ev.event_ns or ev.start_ns) / 1e9 or received or self.clock()
         flow = Flow(
             time=when, node=self.node, event="end" if ev.destroyed else "new", protocol=protocol_name(orig.proto),
             src=Peer(orig.src, orig.sport, src_id), dst=dst, direction=direction_of(src_id, dst.identity),
@@ -1358,8 +1468,8 @@ class FlowRecorder:
                     rp, rb = rp + carried[2], rb + carried[3]
             flow.bytes_sent, flow.bytes_received = ob, rb
             flow.packets_sent, flow.packets_received = op, rp
-            if ev.start_ns and ev.stop_ns:
-                flow.duration = max(0.0, (ev.stop_ns - ev.start_ns) / 1e9)
+            if ev.start_ns and stop:
+                flow.duration = max(0.0, (stop - ev.start_ns) / 1e9)
         return flow
 
     def _ours(self, *addresses: str) -> bool:

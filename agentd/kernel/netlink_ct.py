@@ -14,11 +14,17 @@ The messages (include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h)::
         CTA_TUPLE_IP (nested) { CTA_IP_V4_SRC/DST in_addr | CTA_IP_V6_SRC/DST in6_addr },
         CTA_TUPLE_PROTO (nested) { CTA_PROTO_NUM u8, CTA_PROTO_SRC_PORT / DST_PORT __be16,
                                    CTA_PROTO_ICMP_TYPE / CODE u8 (ICMP, ICMPv6) } }
-    CTA_STATUS __be32 (IPS_* bits), CTA_ID __be32,
+    CTA_STATUS __be32 (IPS_* bits), CTA_ID __be32, CTA_TIMEOUT __be32 (seconds left; a DESTROY has
+        it only if the entry went with a second or more left: deleted before it expired),
     CTA_COUNTERS_ORIG / REPLY (nested) { CTA_COUNTERS_PACKETS __be64, CTA_COUNTERS_BYTES __be64 }
         (only with net.netfilter.nf_conntrack_acct = 1 when the entry was made)
     CTA_TIMESTAMP (nested) { CTA_TIMESTAMP_START __be64 ns, CTA_TIMESTAMP_STOP __be64 ns }
-        (only with net.netfilter.nf_conntrack_timestamp = 1 when the entry was made)
+        (only with net.netfilter.nf_conntrack_timestamp = 1 when the entry was made; an
+        expired entry's STOP is its expiry, not its last packet)
+    CTA_PROTOINFO (nested) { CTA_PROTOINFO_TCP (nested) { CTA_PROTOINFO_TCP_STATE u8, ... } }
+        (a DESTROY of TCP carries the state alone, Linux 5.11 and later)
+    CTA_TIMESTAMP_EVENT __be64 ns (Linux 6.14 and later, with nf_conntrack_timestamp: when the
+        event was sent)
 
 An event is the same message as a dump answer: type IPCTNL_MSG_CT_NEW with NLM_F_CREATE (a new
 entry) or IPCTNL_MSG_CT_DELETE (an entry destroyed), sent to the multicast groups
@@ -52,11 +58,13 @@ NFNLGRP_CONNTRACK_DESTROY = 3
 CTA_TUPLE_ORIG = 1
 CTA_TUPLE_REPLY = 2
 CTA_STATUS = 3
+CTA_PROTOINFO = 4
+CTA_TIMEOUT = 7
 CTA_ID = 12
 CTA_COUNTERS_ORIG = 9
 CTA_COUNTERS_REPLY = 10
 CTA_TIMESTAMP = 20
-CTA_TIMESTAMP_EVENT = 27  # __be64 ns: when the event happened (Linux 6.x, with nf_conntrack_timestamp)
+CTA_TIMESTAMP_EVENT = 27  # __be64 ns: when the event was sent (Linux 6.14, with nf_conntrack_timestamp)
 CTA_TUPLE_IP = 1  # inside a CTA_TUPLE_*
 CTA_TUPLE_PROTO = 2
 CTA_IP_V4_SRC = 1  # inside CTA_TUPLE_IP
@@ -73,12 +81,18 @@ CTA_PROTO_ICMPV6_TYPE = 8
 CTA_PROTO_ICMPV6_CODE = 9
 CTA_COUNTERS_PACKETS = 1  # inside CTA_COUNTERS_*
 CTA_COUNTERS_BYTES = 2
+CTA_PROTOINFO_TCP = 1  # inside CTA_PROTOINFO
+CTA_PROTOINFO_TCP_STATE = 1  # u8 inside CTA_PROTOINFO_TCP: enum tcp_conntrack (a DESTROY carries it too)
 CTA_TIMESTAMP_START = 1  # inside CTA_TIMESTAMP
 CTA_TIMESTAMP_STOP = 2
 
 IPS_SRC_NAT = 1 << 4
 IPS_DST_NAT = 1 << 5
 IPS_CONFIRMED = 1 << 3
+IPS_SEEN_REPLY = 1 << 1
+IPS_ASSURED = 1 << 2
+IPS_FIXED_TIMEOUT = 1 << 10
+IPS_NAT_CLASH = 1 << 12
 
 _BE16 = struct.Struct("!H")
 _BE32 = struct.Struct("!I")
@@ -121,6 +135,10 @@ class CtEvent(NamedTuple):
     start_ns: int = 0  # CLOCK_REALTIME nanoseconds (nf_conntrack_timestamp), 0: not kept
     stop_ns: int = 0
     event_ns: int = 0  # when the event happened (CTA_TIMESTAMP_EVENT), 0: not said
+    tcp_state: int = -1  # conntrack's TCP state (enum tcp_conntrack; TIME_WAIT 7), -1: not said
+    # Whole seconds the entry had left (CTA_TIMEOUT), -1: not said -- in a DESTROY (Linux 5.11
+    # and later) only if it went with a second or more left, i.e. was deleted before it expired.
+    timeout_s: int = -1
 
     @property
     def nat(self) -> bool:
@@ -230,6 +248,7 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
     family = buf[start]
     orig = reply = None
     status = ident = t0 = t1 = te = 0
+    state = left = -1
     op: int | None = None  # no CTA_COUNTERS_*: not counted (unknown)
     ob = rp = rb = op
     for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
@@ -253,9 +272,19 @@ def decode_event(mtype: int, buf: bytes, start: int, end: int) -> CtEvent | None
                     t1 = _read_be(buf, ts, tend, _BE64, "CTA_TIMESTAMP_STOP")
         elif atype == CTA_TIMESTAMP_EVENT:
             te = _read_be(buf, vs, ve, _BE64, "CTA_TIMESTAMP_EVENT")
+        elif atype == CTA_TIMEOUT:
+            left = _read_be(buf, vs, ve, _BE32, "CTA_TIMEOUT")
+        elif atype == CTA_PROTOINFO:
+            for ptype, ps, pend in nl.iter_attrs(buf, vs, ve):
+                if ptype == CTA_PROTOINFO_TCP:
+                    for ttype, ts, tend in nl.iter_attrs(buf, ps, pend):
+                        if ttype == CTA_PROTOINFO_TCP_STATE:
+                            if tend - ts != 1:
+                                raise nl.NetlinkDecodeError(f"CTA_PROTOINFO_TCP_STATE is {tend - ts} bytes, not 1")
+                            state = buf[ts]
     if orig is None or reply is None:
         return None
-    return CtEvent(mtype == MSG_DELETE, family, orig, reply, status, ident, op, ob, rp, rb, t0, t1, te)
+    return CtEvent(mtype == MSG_DELETE, family, orig, reply, status, ident, op, ob, rp, rb, t0, t1, te, state, left)
 
 
 def lifetime(buf: bytes, start: int, end: int) -> tuple[int, int]:

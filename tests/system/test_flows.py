@@ -206,6 +206,58 @@ async def test_connection_end_has_bytes_and_duration(shop):
     assert 0 <= end["duration"] < 60
 
 
+# A connection held a second: asked, a second's wait, asked again, closed; prints when it closed.
+ASK_TWICE = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+f = s.makefile("rb")
+s.sendall(b"a\\n"); assert f.readline()
+time.sleep(float(sys.argv[3]))
+s.sendall(b"b\\n"); assert f.readline()
+f.close(); s.close()
+print(time.time())
+"""
+
+
+async def test_conntracks_ends_come_at_the_last_packet_not_at_the_entrys_expiry(shop):
+    """conntrack keeps an entry after its connection's last packet -- TCP's TIME_WAIT, UDP's
+    timeout -- and stamps one that expired with its expiry.  The end of a connection conntrack
+    records (on the client's node: through a Service, translated there, so not the pod
+    programs'; UDP) is at its last packet, and its duration the connection's alone: a second
+    each here, the timeouts 4 s."""
+    node1 = shop.lab.nodes[0]  # the client's, where the Service's address is translated
+    client, web = shop.pods["client"], shop.pods["web"]
+    keys = ("net.netfilter.nf_conntrack_tcp_timeout_time_wait", "net.netfilter.nf_conntrack_udp_timeout")
+    kept = {k: node1.ns.exec("sysctl", "-n", k).strip() for k in keys}
+    try:
+        for k in keys:  # longer than the connections, shorter than the test's patience
+            node1.ns.sysctl(k, 4)
+        before = time.time()
+        _, out, _ = await client.ns.aexec("python3", "-c", ASK_TWICE, shop.vip["web"], "80", "1.0", timeout=30)
+        closed = float(out)
+        await shop.echo["client"].udp(web.ip, 5041, 41240, timeout=0.3)  # nobody listens: no answer
+        await asyncio.sleep(1.0)
+        second = time.time()
+        await shop.echo["client"].udp(web.ip, 5041, 41240, timeout=0.3)  # the same entry, a second later
+
+        async def ended() -> list[dict]:  # expired after 4 s; a dump reaps it then
+            await node1.ns.aexec(sys.executable, "-c", REAP, timeout=30)
+            tcp = await agentd_flows(node1, "--event", "end", "--service", "shop/web", "--from-pod", "shop/client")
+            udp = await agentd_flows(node1, "--event", "end", "--port", "41240")
+            tcp = [x for x in tcp if x["time"] >= before - 0.1]
+            return [tcp[-1], udp[-1]] if tcp and udp else []
+
+        tcp, udp = await auntil(ended, 60, what="node1's ends of the Service connection and the datagrams")
+    finally:
+        for k, v in kept.items():
+            node1.ns.sysctl(k, v)
+    # At the last packet (to a jiffy, and within the time the last packets took), not 4 s later
+    # when the entry expired, nor moved back to its start.
+    assert closed - 0.1 <= tcp["time"] <= closed + 0.1 and 0.9 <= tcp["duration"] <= closed - before + 0.1, shown(tcp)
+    assert second - 0.1 <= udp["time"] <= second + 0.4 and 0.9 <= udp["duration"] <= 1.5, shown(udp)
+    assert tcp["service"]["name"] == "shop/web" and udp["packets_sent"] == 2
+
+
 async def send_sizes(src, dst, port: int, sport: int, sizes: list[int], version: int = 4) -> None:
     """``sizes`` bytes over one TCP connection each, one after another, from ``src``:``sport``
     to ``dst``'s address of IP ``version``."""
