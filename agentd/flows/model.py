@@ -273,6 +273,8 @@ def _value(key: str, value: str) -> Any:
     if key == "ip":
         from ipaddress import ip_address
 
+        if "%" in value:  # records' addresses have none: it would match nothing
+            raise FilterError(f"filter ip: {value!r} has a zone; give the address without it")
         try:
             return str(ip_address(value))
         except ValueError:

@@ -285,7 +285,10 @@ def base_objects(
                 *asked(f),
                 # The route first: most connections have one, and stop at this one look-up.
                 match({"fib": {"result": "oif", "flags": ["daddr"]}}, False),
-                match({"fib": {"result": "type", "flags": ["daddr"]}}, {"set": ["local", "broadcast", "multicast"]}, "!="),
+                # Anycast: an address of the node's too (IPv6's subnet-router anycast of each
+                # subnet it routes: the kernel's fib look-up gives it no device, yet takes it).
+                match({"fib": {"result": "type", "flags": ["daddr"]}},
+                      {"set": ["local", "broadcast", "multicast", "anycast"]}, "!="),
                 jump(NO_ROUTE)]) for f in fams), hook=("nat", "prerouting", NO_ROUTE_PRIORITY, "accept")),
         ]  # fmt: skip
     # A Service's connection is translated (-100) after that check, to an endpoint the node may

@@ -485,7 +485,8 @@ async def test_the_nodes_own_ipv6_multicast_from_its_bridge_is_no_pod_flow(dual)
     """Dual-stack: what the node's bridge sends to IPv6 multicast groups -- MLD reports from its
     link-local address, UDP to ff02::fb and a joined group from its IPv6 gateway address (in the
     pod network) or its link-local one -- is the node's own: no record.  A pod's datagram to the
-    IPv6 gateway, sent after, is recorded."""
+    IPv6 gateway, sent after, is recorded; so is its ping to the subnet's router-anycast address,
+    which is no no-route drop."""
     lab, pods = dual
     node1 = lab.nodes[0]
     client = pods["client"]
@@ -510,6 +511,18 @@ async def test_the_nodes_own_ipv6_multicast_from_its_bridge_is_no_pod_flow(dual)
     assert any(x["src"].get("pod") == "six/client" and x["dst"]["ip"] == gateway for x in got), got
     own = [x for x in got if x["src"]["ip"] in (gateway, link_local) or ipaddress.ip_address(x["dst"]["ip"]).is_multicast]
     assert not own, [(x["src"]["ip"], x["dst"]["ip"], x["protocol"], x["event"]) for x in own]
+    # The subnet's router-anycast address is the node's too (the kernel joins it for each subnet
+    # it routes; its route look-up gives it no output interface): a pod's ping to it is answered
+    # and recorded, never a no-route drop.
+    prefix = node1.ns.exec("ip", "-6", "-o", "addr", "show", "dev", "cni0", "scope", "global").split()[3]
+    anycast = str(ipaddress.ip_interface(prefix).network.network_address)
+    since = node1.api("/status")["flows"]["seq"]
+    await client.ns.aexec("ping", "-6", "-c", "2", "-W", "2", anycast, timeout=30)
+    await records(node1, "--ip", anycast, "--event", "new", want=lambda r: [x for x in r if x["seq"] > since],
+                  what="node1's record of six/client's ping to its subnet's anycast address")
+    await asyncio.sleep(0.5)  # a drop would be logged as the first echo request was routed
+    got = [x for x in await agentd_flows(node1, "--ip", anycast) if x["seq"] > since]
+    assert got and all(x["verdict"] == "forwarded" for x in got), got
 
 
 async def test_same_node_pods_are_seen(shop):

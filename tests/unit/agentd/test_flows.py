@@ -421,6 +421,7 @@ def test_filters(pairs, matches):
     ([("protocol", "gre")], "protocol"), ([("colour", "red")], "unknown filter"), ([("pod", " ")], "empty"),
     ([("label", "app!=web")], "label syntax"), ([("label", "app==web")], "label syntax"), ([("label", "app=web,")], "label syntax"),
     ([("label", "=web")], "label syntax"), ([("label", "Example.com/app=web")], "label syntax"),
+    ([("ip", "fe80::aa:1%cni0")], "has a zone"),  # no record's address has one: it would match nothing
 ])  # fmt: skip
 def test_bad_filters_are_one_line(pairs, message):
     with pytest.raises(FilterError, match=message):
@@ -2323,7 +2324,7 @@ def test_a_pods_packet_with_no_route_is_logged_by_a_rate_limited_nat_rule_for_fi
                                      "right": {"set": [{"prefix": {"addr": rng[0], "len": rng[1]}}]}}}  # a VIP has no route
         # The route asked first: a connection that has one (most) costs one look-up, not two.
         assert rule[4] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
-        assert rule[5]["match"]["op"] == "!=" and rule[5]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
+        assert rule[5]["match"]["op"] == "!=" and rule[5]["match"]["right"] == {"set": ["local", "broadcast", "multicast", "anycast"]}
         assert rule[6] == {"jump": {"target": "no-route"}}
     logged = [json.loads(r) for r in rs.objects[("inet", policy_compiler.TABLE, "chain", "no-route")].rules]  # type: ignore[union-attr]
     assert logged[0] == [{"limit": {"rate": 100, "per": "second", "burst": 100}}, {"log": {"prefix": "no-route", "group": 5}},
