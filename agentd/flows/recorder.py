@@ -1508,6 +1508,10 @@ class FlowRecorder:
             elif p.quoted is not None:
                 src, dst, proto, sport, dport = p.quoted
                 p = p._replace(src=src, sport=sport, dst=dst, dport=dport, proto=proto)
+        elif reason == "spoofed-nd" and p.claimed is not None:
+            # As a spoofed ARP's: the address the advertisement claims is what it pretends to
+            # be (its source is the pod's own link-local address; the sender is named below).
+            p = p._replace(src=p.claimed)
         now = p.time or self.clock()
         folded = self.limiter.allow((p.prefix, p.src, p.dst, p.proto, p.dport), now)
         d = self.directory
@@ -1532,7 +1536,7 @@ class FlowRecorder:
             flow.service_ip, flow.service_port = service_at
         if meaning is not None:
             flow.policies, flow.default_deny = tuple(meaning.policies), meaning.default_deny
-        if reason.startswith("spoofed") and p.port:
+        if (reason.startswith("spoofed") or reason == "ra-guard") and p.port:
             # The source address names whom the packet pretends to be; the veth it came in
             # on names who sent it.
             on = d.pod_on(p.port)

@@ -525,6 +525,40 @@ async def test_the_nodes_own_ipv6_multicast_from_its_bridge_is_no_pod_flow(dual)
     assert got and all(x["verdict"] == "forwarded" for x in got), got
 
 
+# From a pod: a neighbour advertisement claiming argv[1] ("it is at my MAC"), then a router
+# advertisement ("I am your default router"), each to all nodes on the link (hop limit 255, as
+# neighbour discovery has).
+SEND_NA_RA = """
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)  # the kernel fills in the checksum
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 255)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, socket.if_nametoindex("eth0"))
+s.sendto(bytes([136, 0, 0, 0, 0x20, 0, 0, 0]) + socket.inet_pton(socket.AF_INET6, sys.argv[1]), ("ff02::1", 0))
+s.sendto(bytes([134, 0, 0, 0, 64, 0]) + (1800).to_bytes(2, "big") + bytes(8), ("ff02::1", 0))
+"""
+
+
+async def test_a_pods_neighbour_advertisement_for_another_address_and_its_router_advertisement(dual):
+    """Dual-stack: six/client advertises six/web's IPv6 address as its own and sends a router
+    advertisement.  Both are dropped at its bridge port and recorded for what they are: the
+    advertisement (spoofed-nd) with the address it claimed as its source, named six/web; the
+    router advertisement (ra-guard); client the sender of both."""
+    lab, pods = dual
+    node1 = lab.nodes[0]
+    client, web = pods["client"], pods["web"]
+    claimed = web.address(6)
+    assert claimed and client.address(6), (client, web)
+    await client.ns.aexec("python3", "-c", SEND_NA_RA, claimed, timeout=30)
+    na = await records(node1, "--reason", "spoofed-nd", "--from-pod", "six/client", want=lambda r: r,
+                       what="node1's spoofed-nd record naming six/client")
+    d = na[-1]
+    assert (d["protocol"], d["src"]["ip"], d["src"].get("pod"), d["dst"]["ip"]) == ("ICMPv6", claimed, "six/web", "ff02::1"), d
+    assert d["sender"]["pod"] == "six/client" and d["src"]["port"] == 136, d
+    ra = await records(node1, "--reason", "ra-guard", "--from-pod", "six/client", want=lambda r: r,
+                       what="node1's ra-guard record naming six/client")
+    assert ra[-1]["protocol"] == "ICMPv6" and ra[-1]["src"]["port"] == 134 and ra[-1]["sender"]["pod"] == "six/client", ra[-1]
+
+
 async def test_same_node_pods_are_seen(shop):
     """Pods of one node: lobby/a and lobby/b (no policy selects them) would talk over the bridge
     alone; with flow records on, their connection goes through conntrack and is recorded.
