@@ -12,7 +12,7 @@ services agents already know, never a second copy.
   not known to be local: an address added since);
 * a drop prefix: a pod chain's (``pod-in/...``, ``pod-out/...``: the pod, the direction and
   the policies isolating it, :meth:`agentd.policy.agent.PolicyAgent.explain_drop`),
-  ``spoofed`` (``spoofed-mac``, ``spoofed-arp``), ``no-route`` (a pod's packet the kernel
+  ``spoofed`` (``spoofed-mac``, ``spoofed-arp``, ``spoofed-nd``, ``ra-guard``), ``no-route`` (a pod's packet the kernel
   has no route for), or a services refusal chain's (``no-endpoints``, ``no-local-endpoints``);
 * the pod on an interface (a spoofed packet's sender): the node's side of each local pod's
   veth, as agentd-cni's endpoint files name it (the policy agent's publisher).
@@ -30,7 +30,14 @@ from typing import Any
 from agentd.flows.model import Identity
 from agentd.kernel import netlink as nl
 from agentd.policy.agent import PolicyAgent
-from agentd.policy.compiler import NO_ROUTE, SPOOFED_ARP, SPOOFED_MAC, SPOOFED_PREFIX
+from agentd.policy.compiler import (
+    NO_ROUTE,
+    RA_GUARD,
+    SPOOFED_ARP,
+    SPOOFED_MAC,
+    SPOOFED_ND,
+    SPOOFED_PREFIX,
+)
 from agentd.services import compiler as services_compiler
 from agentd.services.agent import ServiceAgent
 
@@ -236,7 +243,7 @@ class FlowDirectory:
         return self._names
 
     def drop(self, prefix: str) -> DropMeaning | None:
-        if prefix in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP):  # the bridge's spoofing drops: their prefix is the reason
+        if prefix in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP, SPOOFED_ND, RA_GUARD):  # the bridge's: their prefix is the reason
             return DropMeaning(prefix, "egress")
         if prefix == NO_ROUTE:  # a pod's packet the kernel drops for want of a route: always on its way out
             return DropMeaning(NO_ROUTE, "egress")

@@ -28,6 +28,8 @@ REASONS = {
     "spoofed": "source address is not the pod's own",
     "spoofed-mac": "source MAC, ARP sender MAC or neighbour discovery link-layer option is not the pod's own",
     "spoofed-arp": "ARP sender address is not the pod's own",
+    "spoofed-nd": "neighbour advertisement's target address is not the pod's own",
+    "ra-guard": "router advertisement or redirect from a pod (pods are no routers)",
     "no-endpoints": "Service has no endpoints (refused)",
     "no-local-endpoints": "Service has no endpoints on this node (traffic policy Local)",
     "no-route": "no route to the destination (the kernel drops it)",
@@ -273,6 +275,8 @@ def _value(key: str, value: str) -> Any:
     if key == "ip":
         from ipaddress import ip_address
 
+        if "%" in value:  # records' addresses have none: it would match nothing
+            raise FilterError(f"filter ip: {value!r} has a zone; give the address without it")
         try:
             return str(ip_address(value))
         except ValueError:

@@ -610,13 +610,13 @@ class FlowRecorder:
         enable_sysctls(self.state_dir)
         sock = NetlinkSocket(rcvbuf=8 << 20, sndbuf=1 << 16, protocol=nl.NETLINK_NETFILTER)
         try:
-            if self.prefixes:
-                try:
-                    own = sorted(int(a) for a in self.own if a.version == 4)
-                    sock.attach_filter(ct.event_filter(self.prefixes, own=own))
-                    self.filtered = True
-                except OSError as err:  # every event is read and sorted here instead
-                    log.warning("flows: conntrack events are not filtered in the kernel: %s", err)
+            # Also with no IPv4 range at all (an IPv6-only cluster): then no IPv4 event is a pod's.
+            try:
+                own = sorted(int(a) for a in self.own if a.version == 4)
+                sock.attach_filter(ct.event_filter(self.prefixes, own=own))
+                self.filtered = True
+            except OSError as err:  # every event is read and sorted here instead
+                log.warning("flows: conntrack events are not filtered in the kernel: %s", err)
             for group in (ct.NFNLGRP_CONNTRACK_NEW, ct.NFNLGRP_CONNTRACK_DESTROY):
                 sock.sock.setsockopt(nl.SOL_NETLINK, nl.NETLINK_ADD_MEMBERSHIP, group)
         except OSError:
@@ -1440,7 +1440,9 @@ class FlowRecorder:
             service = (services or d.service)(orig.dst, orig.proto, orig.dport)
         else:
             dst = Peer(orig.dst, orig.dport, names[1])
-        if (src_id is None and dst.identity is None and service is None and received is None
+        # A Service's node port to an endpoint outside the pod network is no pod's either (as the
+        # kernel's filter judges IPv4: the same for both families).
+        if (src_id is None and dst.identity is None and received is None
                 and not self._ours(orig.src, orig.dst, reply.src)):  # fmt: skip
             return None  # the node's own traffic (etcd, BGP, its bridge's IGMP reports): not a pod's
         stop = ev.stop_ns
@@ -1506,6 +1508,10 @@ class FlowRecorder:
             elif p.quoted is not None:
                 src, dst, proto, sport, dport = p.quoted
                 p = p._replace(src=src, sport=sport, dst=dst, dport=dport, proto=proto)
+        elif reason == "spoofed-nd" and p.claimed is not None:
+            # As a spoofed ARP's: the address the advertisement claims is what it pretends to
+            # be (its source is the pod's own link-local address; the sender is named below).
+            p = p._replace(src=p.claimed)
         now = p.time or self.clock()
         folded = self.limiter.allow((p.prefix, p.src, p.dst, p.proto, p.dport), now)
         d = self.directory
@@ -1530,7 +1536,7 @@ class FlowRecorder:
             flow.service_ip, flow.service_port = service_at
         if meaning is not None:
             flow.policies, flow.default_deny = tuple(meaning.policies), meaning.default_deny
-        if reason.startswith("spoofed") and p.port:
+        if (reason.startswith("spoofed") or reason == "ra-guard") and p.port:
             # The source address names whom the packet pretends to be; the veth it came in
             # on names who sent it.
             on = d.pod_on(p.port)

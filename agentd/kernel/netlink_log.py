@@ -126,6 +126,8 @@ class Packet(NamedTuple):
     # An ICMP or ICMPv6 destination-unreachable error's quoted packet, as :func:`ip_summary`
     # gives it (the packet the error is about, where the kernel has no conntrack glue for NFLOG).
     quoted: tuple[str, str, int, int, int] | None = None
+    # An ICMPv6 neighbour advertisement's target: the address it claims (as :func:`nd_target`).
+    claimed: str | None = None
 
     @property
     def port(self) -> int:
@@ -183,9 +185,10 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
         if dnat is not None:
             orig_dst = dnat[0].dst, dnat[0].dport
     quoted = quoted_summary(buf, *payload) if headers[2] in (1, 58) and headers[3] in (3, 1) else None
+    claimed = nd_target(buf, *payload) if headers[2] == 58 and headers[3] == ND_NEIGHBOR_ADVERT else None
     return Packet(prefix, family, when, indev, outdev, seq, *headers, physindev=physindev, orig_dst=orig_dst,
                   ct_malformed=ct_malformed, dnat=dnat if dnat is not None and dnat[1] is not None else None,
-                  quoted=quoted)
+                  quoted=quoted, claimed=claimed)
 
 
 def dnat_origin(buf: bytes, start: int, end: int) -> tuple[str, int] | None:
@@ -234,6 +237,29 @@ def arp_summary(buf: bytes, start: int, end: int) -> tuple[str, str, int, int, i
     import socket
 
     return socket.inet_ntoa(spa), socket.inet_ntoa(tpa), ETH_P_ARP, op, 0
+
+
+ND_NEIGHBOR_ADVERT = 136
+
+
+def nd_target(buf: bytes, start: int, end: int) -> str | None:
+    """The target address of the ICMPv6 neighbour advertisement in ``buf[start:end]`` (an
+    IPv6 packet): the address it says is at its sender's link-layer address; None if it is no
+    such advertisement or too short."""
+    packet = memoryview(buf)[start:end]
+    try:
+        if not packet[:1] or packet[0] >> 4 != 6:
+            return None
+        ip6 = P.IPv6Header.decode(packet)
+        upper = P.ipv6_upper_layer(packet, ip6.next_header)
+    except P.DecodeError:
+        return None
+    at = upper.offset
+    if upper.protocol != 58 or at is None or len(packet) < at + 24 or packet[at] != ND_NEIGHBOR_ADVERT:
+        return None
+    import ipaddress
+
+    return str(ipaddress.IPv6Address(bytes(packet[at + 8:at + 24])))
 
 
 def quoted_summary(buf: bytes, start: int, end: int) -> tuple[str, str, int, int, int] | None:

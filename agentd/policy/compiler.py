@@ -36,8 +36,9 @@ Drop records (flow visibility, ``agentd.flows``): with a :class:`DropLog`, each 
 drop is preceded by a rate-limited ``log group N prefix "<the chain's name>"`` rule (NFLOG:
 the agent hears the packet and maps the prefix back to the pod, the direction and the
 policies that isolate it), what the limit holds back is counted in the ``flow-log-suppressed``
-counter, and the spoofing drops log with prefix ``spoofed`` (``spoofed-mac``, ``spoofed-arp``).  With ``route_all`` the bridge
-table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
+counter, and the spoofing drops log with prefix ``spoofed`` (``spoofed-mac``, ``spoofed-arp``,
+``spoofed-nd``; a pod's router advertisements and redirects ``ra-guard``).  With ``route_all``
+the bridge table hands every local pod's unicast up to the IP stack, not only isolated pods', so that
 conntrack sees every connection of the node's pods (the flows' connection records); so it does
 while Services translate on the node (``route_services``: an endpoint's reply to a client pod
 of its node is un-DNATed) -- for either, unless br_netfilter hands the bridged frames to the IP
@@ -109,6 +110,8 @@ SPOOFED_PREFIX = "spoofed"
 # prefix (the flow record's reason), counted in the one spoofed counter.
 SPOOFED_MAC = "spoofed-mac"
 SPOOFED_ARP = "spoofed-arp"  # ARP from a pod port claiming an address not the pod's own
+SPOOFED_ND = "spoofed-nd"  # a neighbour advertisement from a pod port claiming an address not the pod's own
+RA_GUARD = "ra-guard"  # a router advertisement or redirect from a pod port: pods are no routers
 # A pod's new connection to an address the node has no route to (the kernel drops it when it
 # routes the packet, before any forward hook): logged only, its chain's name the log prefix.
 NO_ROUTE = "no-route"
@@ -156,7 +159,7 @@ def compile_na_chain(interface: str, addresses: Iterable[str], log: DropLog | No
     from ipaddress import IPv6Address
 
     rules = [rule_text([match(_NA_TARGET, f"0x{int(IPv6Address(a)):032x}"), RETURN]) for a in sorted(addresses)]
-    return NftChain(BRIDGE, TABLE, na_chain(interface), (*rules, rule_text(_spoofed(log))))
+    return NftChain(BRIDGE, TABLE, na_chain(interface), (*rules, rule_text(_spoofed(log, SPOOFED_ND))))
 
 
 # Neighbour discovery's link-layer address options (RFC 4861 4.6.1), which a receiver's
@@ -285,7 +288,10 @@ def base_objects(
                 *asked(f),
                 # The route first: most connections have one, and stop at this one look-up.
                 match({"fib": {"result": "oif", "flags": ["daddr"]}}, False),
-                match({"fib": {"result": "type", "flags": ["daddr"]}}, {"set": ["local", "broadcast", "multicast"]}, "!="),
+                # Anycast: an address of the node's too (IPv6's subnet-router anycast of each
+                # subnet it routes: the kernel's fib look-up gives it no device, yet takes it).
+                match({"fib": {"result": "type", "flags": ["daddr"]}},
+                      {"set": ["local", "broadcast", "multicast", "anycast"]}, "!="),
                 jump(NO_ROUTE)]) for f in fams), hook=("nat", "prerouting", NO_ROUTE_PRIORITY, "accept")),
         ]  # fmt: skip
     # A Service's connection is translated (-100) after that check, to an endpoint the node may
@@ -375,7 +381,8 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
             prerouting += [
                 # Pods are no routers: their router advertisements and redirects would move
                 # the other pods' routes (RFC 6105's RA guard, on every pod port).
-                [ether, from_pod, match(payload(f.icmp, "type"), {"set": ["nd-router-advert", f.redirect]}), *_spoofed(log)],
+                [ether, from_pod, match(payload(f.icmp, "type"), {"set": ["nd-router-advert", f.redirect]}),
+                 *_spoofed(log, RA_GUARD)],
                 # Its neighbour advertisements claim only its own addresses ("B is at my MAC"
                 # would draw B's traffic to this pod): each pod port's chain (compile_na_chain).
                 [ether, from_pod, match(payload(f.icmp, "type"), "nd-neighbor-advert"), _NA_TARGET_NOT_LINK_LOCAL,
@@ -452,7 +459,7 @@ def _bridge_base(fams: list[AddressFamily], log: DropLog | None = None) -> list[
     if log is not None:
         logged = [NftCounter(BRIDGE, TABLE, SUPPRESSED),
                   *(NftChain(BRIDGE, TABLE, name, log.chain_rules(name, [{"counter": SPOOFED}, DROP]))
-                    for name in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP))]
+                    for name in (SPOOFED_PREFIX, SPOOFED_MAC, SPOOFED_ARP, SPOOFED_ND, RA_GUARD))]
     return [
         *logged,
         NftSet(BRIDGE, TABLE, "pod-ports", ("ifname",)),

@@ -182,6 +182,27 @@ def test_the_filter_passes_pods_and_services_and_drops_the_nodes_own():
     v6 = event(ct.MSG_NEW, ct.CtTuple("fd00::1", "fd00::2", 6, 1, 2), ct.CtTuple("fd00::2", "fd00::1", 6, 2, 1),
                family=socket.AF_INET6)
     assert run_cbpf(prog, v6) == 0xFFFFFFFF  # not read here: the agent sorts it
+    # An IPv6-only cluster (no IPv4 range): no IPv4 event is a pod's, every IPv6 one is sorted by the agent.
+    none = ct.event_filter([])
+    for msg in (TCP_NEW, UDP_NEW, ICMP_NEW, node):
+        assert run_cbpf(none, msg) == 0
+    assert run_cbpf(none, v6) == 0xFFFFFFFF
+
+
+def test_a_node_port_to_an_endpoint_outside_the_pod_network_is_no_record_in_either_family():
+    """Neither end a pod's nor in the Services' range (a node port's Service whose endpoint is
+    outside the cluster): IPv4's is left out by the kernel's filter, IPv6's by the agent alike."""
+    r = recorder()
+    r.directory.service = lambda ip, proto, port: "shop/ext"  # the node port names a Service
+    prog = ct.event_filter([PODS, SERVICES])
+    for client, node, endpoint, family in (("192.0.2.99", "172.30.0.11", "192.0.2.50", socket.AF_INET),
+                                           ("2001:db8::99", "2001:db8::10", "2001:db8::50", socket.AF_INET6)):
+        msg = event(ct.MSG_NEW, ct.CtTuple(client, node, 6, 40000, 30443), ct.CtTuple(endpoint, node, 6, 443, 40000),
+                    family=family, extra=nl.attr(ct.CTA_STATUS, struct.pack("!I", ct.IPS_DST_NAT | ct.IPS_SRC_NAT)))
+        if family == socket.AF_INET:
+            assert run_cbpf(prog, msg) == 0
+        feed(r, msg)
+    assert len(r.ring) == 0
 
 
 # ------------------------------------------------------------------ records made when read

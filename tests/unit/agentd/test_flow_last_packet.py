@@ -105,7 +105,7 @@ def test_udp_by_whether_it_was_assured_and_never_before_its_start():
     ({"tcp_state": 3}, TIMEOUTS, "ESTABLISHED: its timeout is longer than the caps"),
     ({"tcp_state": 1}, {**TIMEOUTS, "tcp_timeout_syn_sent": 120}, "SYN_SENT: a SYN sent again does not renew it"),
     ({"tcp_state": -1}, TIMEOUTS, "no state said (before Linux 5.11)"),
-    ({"tcp_state": 8, "status": 0x20C, "timeout_s": 5, "event_ns": 0}, TIMEOUTS,
+    ({"tcp_state": 8, "status": 0x208, "timeout_s": 5, "event_ns": 0}, TIMEOUTS,
      "refused: CLOSE with no reply seen, killed by the RST with what SYN_SENT had left"),
     ({"status": 0x20E | ct.IPS_FIXED_TIMEOUT}, TIMEOUTS, "a fixed timeout: packets do not set it"),
     ({}, {**TIMEOUTS, "tcp_timeout_time_wait": 400}, "longer than max_retrans: that may have been set"),

@@ -5,6 +5,7 @@ limiter, and the drop rules the compilers write."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import socket
 import struct
@@ -273,7 +274,7 @@ class Directory:
         return lambda ip, proto, port: vips.get((ip, proto, port))
 
     def drop(self, prefix):
-        if prefix in ("spoofed", "spoofed-mac", "spoofed-arp"):  # as agentd.daemon.flow_directory says
+        if prefix in ("spoofed", "spoofed-mac", "spoofed-arp", "spoofed-nd", "ra-guard"):  # as agentd.daemon.flow_directory says
             return Meaning(prefix, "egress")
         return Meaning("policy", "ingress", ("shop/default-deny",), True) if prefix == "pod-in/shop/web" else None
 
@@ -421,6 +422,7 @@ def test_filters(pairs, matches):
     ([("protocol", "gre")], "protocol"), ([("colour", "red")], "unknown filter"), ([("pod", " ")], "empty"),
     ([("label", "app!=web")], "label syntax"), ([("label", "app==web")], "label syntax"), ([("label", "app=web,")], "label syntax"),
     ([("label", "=web")], "label syntax"), ([("label", "Example.com/app=web")], "label syntax"),
+    ([("ip", "fe80::aa:1%cni0")], "has a zone"),  # no record's address has one: it would match nothing
 ])  # fmt: skip
 def test_bad_filters_are_one_line(pairs, message):
     with pytest.raises(FilterError, match=message):
@@ -464,7 +466,7 @@ def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
     assert drop is not None and drop.reason == "unknown"
     assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
     assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
-    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, no-endpoints, "
+    with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, spoofed-nd, ra-guard, no-endpoints, "
                                           "no-local-endpoints, no-route, unknown"):
         FlowFilter.parse([("reason", "no-such")])  # nothing records it
 
@@ -2006,6 +2008,48 @@ def test_a_spoofed_arp_drop_is_a_flow_record_naming_the_pod_that_sent_it():
     assert nflog.arp_summary(ipv6_arp, 0, len(ipv6_arp)) is None
 
 
+def _icmp6_logged(prefix: str, icmp: bytes, src: str = "fe80::aa:1", dst: str = "ff02::1") -> bytes:
+    """NFLOG's message of an ICMPv6 packet a bridge chain logged, come in on client's port."""
+    packet = (struct.pack("!IHBB", 6 << 28, len(icmp), 58, 255) + ipaddress.IPv6Address(src).packed
+              + ipaddress.IPv6Address(dst).packed + icmp)  # fmt: skip
+    body = (nl.attr(nflog.NFULA_PACKET_HDR, struct.pack("!HBx", 0x86DD, 0))
+            + nl.attr(nflog.NFULA_PREFIX, prefix.encode() + b"\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 1))
+            + nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", 1700000000, 0)) + nl.attr(nflog.NFULA_PAYLOAD, packet)
+            + nl.attr(nflog.NFULA_IFINDEX_INDEV, struct.pack("!I", 3)) + nl.attr(nflog.NFULA_IFINDEX_PHYSINDEV, struct.pack("!I", 7)))
+    return nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, 7, body, res_id=143)
+
+
+def test_a_spoofed_neighbour_advertisement_names_the_address_it_claims():
+    """The bridge drops client's neighbour advertisement "web's IPv6 address is at my MAC"
+    (spoofed-nd): its source is client's own link-local address, so the record's source is the
+    address claimed (named: web), as a spoofed ARP's is, client the sender; advertisements
+    claiming different addresses are different records.  A router advertisement (ra-guard) is
+    no spoofed source: its record says so, client the sender."""
+    r = recorder()
+    r.directory.ids = {**r.directory.ids, "fd00:10:244:2::3": WEB}
+
+    def na(target: str) -> bytes:
+        return bytes([136, 0, 0, 0, 0x20, 0, 0, 0]) + ipaddress.IPv6Address(target).packed
+
+    flow = r.dropped(_decoded(_icmp6_logged("spoofed-nd", na("fd00:10:244:2::3"))))
+    assert flow is not None
+    j = flow.json()
+    assert (j["reason"], j["protocol"], j["src"]["ip"], j["dst"]["ip"]) == ("spoofed-nd", "ICMPv6", "fd00:10:244:2::3", "ff02::1")
+    assert j["src"]["pod"] == "shop/web" and j["sender"]["pod"] == "shop/client"
+    assert j["reason_text"] == "neighbour advertisement's target address is not the pod's own"
+    assert FlowFilter.parse([("reason", "spoofed-nd"), ("pod", "shop/web")]).matches(flow)
+    assert r.dropped(_decoded(_icmp6_logged("spoofed-nd", na("fd00:10:244:2::4")))) is not None  # another claim: not folded
+    ra = bytes([134, 0, 0, 0, 64, 0]) + (1800).to_bytes(2, "big") + bytes(8)
+    flow = r.dropped(_decoded(_icmp6_logged("ra-guard", ra)))
+    assert flow is not None
+    j = flow.json()
+    assert (j["reason"], j["src"]["ip"], j["sender"]["pod"]) == ("ra-guard", "fe80::aa:1", "shop/client")
+    assert j["reason_text"] == "router advertisement or redirect from a pod (pods are no routers)"
+    # What is no neighbour advertisement, or cut short, claims nothing.
+    for icmp in (ra, na("fd00:10:244:2::3")[:20]):
+        assert _decoded(_icmp6_logged("spoofed-nd", icmp)).claimed is None
+
+
 def test_spoofed_arp_drops_log_through_their_own_rate_limited_chain():
     eng = PolicyEngine("node1", families=(4,), drop_log=DropLog(5))
     eng.upsert_pod(Pod("x", "a", "node1", (IPv4Address("10.244.1.2"),), {}), LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
@@ -2323,7 +2367,7 @@ def test_a_pods_packet_with_no_route_is_logged_by_a_rate_limited_nat_rule_for_fi
                                      "right": {"set": [{"prefix": {"addr": rng[0], "len": rng[1]}}]}}}  # a VIP has no route
         # The route asked first: a connection that has one (most) costs one look-up, not two.
         assert rule[4] == {"match": {"op": "==", "left": {"fib": {"result": "oif", "flags": ["daddr"]}}, "right": False}}
-        assert rule[5]["match"]["op"] == "!=" and rule[5]["match"]["right"] == {"set": ["local", "broadcast", "multicast"]}
+        assert rule[5]["match"]["op"] == "!=" and rule[5]["match"]["right"] == {"set": ["local", "broadcast", "multicast", "anycast"]}
         assert rule[6] == {"jump": {"target": "no-route"}}
     logged = [json.loads(r) for r in rs.objects[("inet", policy_compiler.TABLE, "chain", "no-route")].rules]  # type: ignore[union-attr]
     assert logged[0] == [{"limit": {"rate": 100, "per": "second", "burst": 100}}, {"log": {"prefix": "no-route", "group": 5}},

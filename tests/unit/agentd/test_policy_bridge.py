@@ -364,6 +364,27 @@ def test_the_mac_check_logs_as_its_own_reason():
     assert _in_set(rs, "bridge", "pod-macs", ("veth0", MAC_A)) and _in_set(rs, "bridge", "mac-ports", "veth0")
 
 
+def test_neighbour_advertisements_and_router_messages_log_as_their_own_reasons():
+    """With flow records, a pod's neighbour advertisement claiming an address not its own goes
+    through ``spoofed-nd``, its router advertisements and redirects through ``ra-guard`` (each
+    its log prefix, the record's reason, not ``spoofed``: their source is the pod's own), both
+    counted in the one spoofed counter."""
+    from agentd.nft.expr import DropLog
+
+    eng = PolicyEngine(NODE, families=(4, 6), drop_log=DropLog(5))
+    eng.upsert_pod(Pod("x", "a", NODE, (ipaddress.ip_address(A4), ipaddress.ip_address(A6)), {}),
+                   LocalPort("veth0", "02:00:00:00:00:01", "cni0"))
+    rs = eng.build()
+    na = rs.objects[("bridge", compiler.TABLE, "chain", "na/veth0")]
+    assert json.loads(na.rules[-1]) == [{"jump": {"target": "spoofed-nd"}}]  # type: ignore[union-attr]
+    prerouting = rs.objects[("bridge", compiler.TABLE, "chain", "prerouting")]
+    guard = [json.loads(r) for r in prerouting.rules if "ra-guard" in r]  # type: ignore[union-attr]
+    assert len(guard) == 1 and guard[0][-1] == {"jump": {"target": "ra-guard"}} and "nd-router-advert" in str(guard)
+    for name in ("spoofed-nd", "ra-guard"):
+        logged = json.loads(rs.objects[("bridge", compiler.TABLE, "chain", name)].rules[0])  # type: ignore[union-attr]
+        assert {"log": {"prefix": name, "group": 5}} in logged and {"counter": "spoofed"} in logged
+
+
 def test_only_a_pods_own_port_marks_its_hairpin_as_its_own():
     """An isolated pod's packet from its own port with its own address is marked
     (compiler.SELF_MARK) in prerouting; the same address from a port without a checked
