@@ -267,7 +267,8 @@ def base_objects(
     # chain here cost every packet of the node a hook.  Being before the Services' translation,
     # it leaves their ranges out (``unrouted``: a virtual IP has no route of its own); a
     # Service whose endpoint has no route is not asked.  The node's own addresses (fib answers
-    # them with no interface too), broadcast and multicast are not asked.  It only logs: the
+    # them with no interface too: local, and IPv6's subnet-router anycast), broadcast and
+    # multicast are not asked.  It only logs: the
     # kernel drops the packet.
     no_route: list[Any] = []
     if log is not None:

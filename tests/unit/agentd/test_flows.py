@@ -2067,7 +2067,7 @@ def test_the_directory_gives_each_spoofing_drop_its_reason():
     from agentd.flows.model import REASONS
 
     d = FlowDirectory(None, None, (None, None))
-    for prefix in ("spoofed", "spoofed-mac", "spoofed-arp"):
+    for prefix in ("spoofed", "spoofed-mac", "spoofed-arp", "spoofed-nd", "ra-guard"):
         meaning = d.drop(prefix)
         assert meaning is not None and (meaning.reason, meaning.direction) == (prefix, "egress") and prefix in REASONS
 
