@@ -155,6 +155,8 @@ class IngressController:
             except (ProxyError, OSError) as err:
                 self.error = f"proxy not started: {err}"
                 log.error("ingress: %s", self.error)
+                if self._published is not None:  # this node serves nothing now: out of the Ingresses' status
+                    await self._unpublish()
                 await asyncio.sleep(RESTART_BACKOFF[min(failures, len(RESTART_BACKOFF) - 1)])
                 failures += 1
                 continue

@@ -688,6 +688,78 @@ async def test_a_crashed_proxy_is_started_again(world: World):
         await world.delete("Ingress", "crash")
 
 
+# In a node's namespace: take the ingress's HTTP port (no SO_REUSEPORT, so HAProxy cannot bind
+# it beside) the moment the proxy's master is killed, before the agent starts it again; hold it
+# until stdin closes.
+SQUAT = """
+import os, signal, socket, sys, time
+address, pid = sys.argv[1], int(sys.argv[2])
+os.kill(pid, signal.SIGKILL)
+deadline = time.monotonic() + 10
+while True:
+    s = socket.socket()
+    try:
+        s.bind((address, 80))
+        s.listen()
+        break
+    except OSError:
+        s.close()
+        if time.monotonic() > deadline:
+            sys.exit("the port never came free")
+        time.sleep(0.0005)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_a_node_whose_proxy_cannot_start_is_out_of_the_status(world: World):
+    """node3's proxy killed and its port taken before the agent could start it again: node3
+    leaves the Ingresses' status (`agentd get ingress`, status.loadBalancer) while its proxy
+    does not run, and is back once it runs again."""
+    await world.apply(ingress("squat", [rule("squat.example", path("/", "Prefix", "foo"))]))
+    node1, node3 = world.lab.nodes[0], world.lab.nodes[2]
+    env = f"AGENTD_CONFIG={node1.config_path}"
+
+    async def listed() -> list[str]:
+        rc, out, err = await node1.ns.aexec("env", env, binary("agentd"), "get", "ingress", "shop/squat", "-o", "json",
+                                            check=False)  # fmt: skip
+        assert rc == 0, err
+        return [e["ip"] for e in json.loads(out)["status"]["loadBalancer"].get("ingress", [])]
+
+    squat = None
+    try:
+        await auntil(lambda: listed(), 20, what="every node in shop/squat's status")
+        assert await listed() == world.node_ips
+        before = world.proxy(2)
+        squat = node3.ns.popen([sys.executable, "-c", SQUAT, world.node_ips[2], str(before["pid"])],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert (await asyncio.to_thread(squat.stdout.readline)).strip() == "held"
+        await auntil(lambda: "proxy not started" in ((node3.api_or_none("/ingress") or {}).get("error") or ""), 30,
+                     in_thread=True, what="node3's proxy failing to start")  # fmt: skip
+
+        async def without_node3() -> bool:
+            return await listed() == world.node_ips[:2]
+
+        await auntil(without_node3, 30, what="shop/squat's status without node3")
+        squat.stdin.close()
+        squat.wait(10)
+
+        async def with_node3() -> bool:
+            return await listed() == world.node_ips
+
+        await auntil(with_node3, 30, what="node3 back in shop/squat's status once its proxy runs")
+        assert await world.served_by("http://squat.example/", node=2) == "foo-1"
+    finally:
+        if squat is not None:
+            if squat.poll() is None:
+                squat.kill()
+                squat.wait()
+            for pipe in (squat.stdin, squat.stdout):
+                if pipe is not None and not pipe.closed:
+                    pipe.close()
+        await world.delete("Ingress", "squat")
+
+
 async def test_status_metrics_and_get_ingress(world: World):
     await world.apply(ingress("shown", [rule("shown.example", path("/", "Prefix", "bar"))]))
     try:
