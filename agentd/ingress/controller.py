@@ -155,6 +155,8 @@ class IngressController:
             except (ProxyError, OSError) as err:
                 self.error = f"proxy not started: {err}"
                 log.error("ingress: %s", self.error)
+                if self._published is not None:  # this node serves nothing now: out of the Ingresses' status
+                    await self._unpublish()
                 await asyncio.sleep(RESTART_BACKOFF[min(failures, len(RESTART_BACKOFF) - 1)])
                 failures += 1
                 continue
@@ -390,10 +392,11 @@ class IngressController:
             self._loadable[digest] = certs.refused(pem, self.paths.certs)
         return self._loadable[digest]
 
-    async def _render(self) -> tuple[dict[str, bytes], str]:
+    async def _render(self, with_settings: settings.Settings | None = None) -> tuple[dict[str, bytes], str]:
         """Every file of the proxy (config, maps, certificates) and its structure: all of it
-        but the servers (what decides reload vs. runtime change)."""
-        self.settings = self._parse_settings()
+        but the servers (what decides reload vs. runtime change).  ``with_settings``: these
+        rather than the ConfigMap's."""
+        self.settings = with_settings if with_settings is not None else self._parse_settings()
         self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect, usable=self._usable)
         pems = self._cert_files()
         cert_paths = {k: self.paths.certs / f"{k[0]}.{k[1]}.pem" for k in pems}
@@ -416,30 +419,52 @@ class IngressController:
                 path.unlink(missing_ok=True)
 
     async def _check_or_fall_back(self, structure: str) -> str:
-        """Check the configuration on disk (of ``structure``); a bad one (a snippet or log
-        format HAProxy refuses) is replaced by the same one with the last settings HAProxy
-        accepted (or, should those fail too, the defaults), kept while the ConfigMap holds the
-        refused settings.  The structure of what was checked."""
+        """Check the configuration on disk (of ``structure``).  Refused with the ConfigMap's
+        settings, the settings are blamed only if HAProxy takes the same Ingresses with other
+        settings: first the check is run once more (a check killed or timed out says nothing),
+        then the same Ingresses are checked with the last settings it accepted (if these are
+        new) or else the defaults.  Taken: that runs instead; new settings so refused stay
+        refused while the ConfigMap holds them (settings it accepted before are asked again at
+        the next sync).  Refused with those too, or with the defaults: no fault of the settings
+        (an Ingress, a certificate): ProxyError, for the caller to try again later, what runs
+        left alone.  The structure of what was checked."""
         try:
             await self.proxy.check(self.paths.config)
         except ProxyError as err:
             if self.settings == settings.Settings():
                 raise
-            if self._refused_settings is not None and self.settings == self._fallback:
-                # What it accepted before, refused now (with the Ingresses of this sync)
-                self._fallback = settings.Settings()
-                log.error("ingress: HAProxy refused the last settings it accepted too (%s); "
-                          "using the default settings", err)  # fmt: skip
+            tried, accepted = self.settings, self._good_settings
+            try:
+                await self.proxy.check(self.paths.config)  # once more: a check that failed by itself
+            except ProxyError:
+                pass
             else:
-                self.settings_error = f"ConfigMap {self.cfg.configmap}: HAProxy refused the settings: {err}"
-                self._refused_settings = (self.settings, self.settings_error)
-                good = self._good_settings != self.settings
-                self._fallback = self._good_settings if good else settings.Settings()
-                log.error("ingress: %s; using %s", self.settings_error,
-                          "the last settings it accepted" if good else "the default settings")  # fmt: skip
-            files, structure = await self._render()  # with the fallback now
-            await asyncio.to_thread(self._write_files, files)
-            return await self._check_or_fall_back(structure)
+                self._good_settings = self.settings
+                return structure
+            taken = None
+            for other in dict.fromkeys((accepted if tried != accepted else settings.Settings(), settings.Settings())):
+                files, structure = await self._render(with_settings=other)
+                await asyncio.to_thread(self._write_files, files)
+                try:
+                    await self.proxy.check(self.paths.config)
+                except ProxyError:
+                    continue
+                taken = other
+                break
+            if taken is None:
+                self.settings = tried  # not theirs to answer for: asked again at the next sync
+                raise
+            error = f"ConfigMap {self.cfg.configmap}: HAProxy refused the settings: {err}"
+            if self._refused_settings is not None and tried == self._fallback:
+                # What ran instead of the ConfigMap's refused settings, refused now with these
+                # Ingresses: the defaults instead, while the ConfigMap holds those settings.
+                error = self._refused_settings[1]
+                self._fallback = taken
+            elif tried != accepted:
+                self._refused_settings, self._fallback = (tried, error), taken
+            self.settings_error = error
+            log.error("ingress: %s; using %s", error,
+                      "the last settings it accepted" if taken == accepted else "the default settings")  # fmt: skip
         self._good_settings = self.settings
         return structure
 

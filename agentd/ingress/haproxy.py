@@ -44,9 +44,13 @@ Server = tuple[str, int]  # (ip, port) of one ready endpoint
 MAPS = ("hosts.map", "exact.map", "prefix.map", "defaults.map", "redirect.lst", "crt-list")
 BACKEND_DEFAULTS = (
     "balance roundrobin",
-    # A connection refused by a pod that just went away is retried once on another one.
+    # A request whose connection failed, or that a pod closed without an answer (one that just
+    # went away), is tried again, twice at most, on another pod where there is one -- but a
+    # POST, PATCH or LOCK that reached a pod is never sent again (it may have been acted on),
+    # as ingress-nginx's proxy_next_upstream never sends a non-idempotent request twice.
     "retries 2",
     "retry-on conn-failure empty-response",
+    "http-request disable-l7-retry if METH_POST || { method PATCH LOCK }",
     "option redispatch 1",
     "http-reuse safe",
 )

@@ -184,10 +184,13 @@ def normalise_host(host: str) -> str:
 # (RFC 3986 section 5.2.4).  Written as the regular expressions HAProxy's ``regsub`` runs on
 # every request (agentd.ingress.haproxy renders these same patterns; Python's re and PCRE2
 # read them alike), so this reference and the proxy cannot drift apart.
-NEEDS_NORMALISING = r"//|/\.\.?(/|$)"  # a path without these is already normal
+# The end of the path: "(?![\s\S])", not "$", which in both engines also matches before a
+# final newline ("/admin/..%0A" would lose "/admin"; nginx keeps "..\n" a segment of its own).
+END = r"(?![\s\S])"
+NEEDS_NORMALISING = r"//|/\.\.?(/|" + END + ")"  # a path without these is already normal
 NORMALISE = (
     ("//+", "/", True),  # merge slashes
-    (r"(/\.\.?)$", r"\1/", False),  # a final "." or ".." ends in a slash ("/a/.." is "/a/")
+    (r"(/\.\.?)" + END, r"\1/", False),  # a final "." or ".." ends in a slash ("/a/.." is "/a/")
     (r"/\.(?=/)", "", True),  # "/./" is "/"
 ) + ((r"/(?!\.\.?/)[^/]+/\.\.(?=/)", "", True),) * 8  # "/seg/../" is "/": one level of nesting a pass
 BAD_REQUEST = "400"  # what a path that climbs above the root (or %00, or a bad escape) gets, as from nginx

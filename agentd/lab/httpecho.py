@@ -38,7 +38,7 @@ def _app(name: str) -> web.Application:
         return web.json_response(body, headers=headers)
 
     app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
+    app.router.add_route("*", r"/{tail:[\s\S]*}", handle)  # every path, one with a newline (%0A) too
     return app
 
 

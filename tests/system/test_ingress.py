@@ -22,6 +22,8 @@ import datetime
 import json
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -336,7 +338,8 @@ async def test_the_request_path_is_normalised_as_ingress_nginx_does(world: World
     try:
         as_is = ("--path-as-is",)  # curl would resolve the dot segments itself
         cases = {"/a%2Fb": "foo-1", "/%61pi/v1": "bar-1", "/api/../admin": WEBS, "//api": "bar-1",
-                 "/x/%2E%2E/a/./b": "foo-1", "/../admin": 400, "/a%252Fb": 404}  # fmt: skip
+                 "/x/%2E%2E/a/./b": "foo-1", "/../admin": 400, "/a%252Fb": 404,
+                 "/admin/..%0A": WEBS}  # fmt: skip  (a segment "..\n", not a dot segment: /admin's)
         for p, want in cases.items():
             got = await world.served_by(f"http://normal.example{p}", args=as_is)
             assert got in want if isinstance(want, set) else got == want, (p, got, want)
@@ -344,6 +347,52 @@ async def test_the_request_path_is_normalised_as_ingress_nginx_does(world: World
         assert status == 200 and body["path"] == "/api/../admin?q=%2F", body
     finally:
         await world.delete("Ingress", "normal")
+
+
+# A pod's server that takes each request and closes without an answer (a pod going away
+# mid-request); prints each request's first line.
+MUTE = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen()
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    data = b""
+    while b"\\r\\n\\r\\n" not in data:
+        more = c.recv(65536)
+        if not more:
+            break
+        data += more
+    print(data.split(b"\\r\\n")[0].decode(), flush=True)
+    c.close()
+"""
+
+
+async def test_a_request_that_may_have_been_acted_on_is_not_sent_twice(world: World):
+    """A pod closes each request without answering: a GET is tried again (twice), a POST, PATCH
+    or LOCK that reached the pod never is (ingress-nginx's proxy_next_upstream alike): the client
+    gets 502 and the pod saw it once."""
+    pod = world.pods["foo-1"]
+    server = pod.ns.popen([sys.executable, "-c", MUTE, "8090"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.to_thread(server.stdout.readline)).strip() == "ready"
+        mute = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "mute", "namespace": NS},
+                "spec": {"selector": {"app": "foo"}, "ports": [{"port": 80, "targetPort": 8090}]}}  # fmt: skip
+        await world.apply(mute, ingress("mute", [rule("mute.example", path("/", "Prefix", "mute"))]))
+        for method in ("POST", "PATCH", "LOCK", "GET"):
+            status, _, _ = await world.curl("http://mute.example/pay", args=("-X", method, "-d", "amount=100"))
+            assert status == 502, (method, status)
+    finally:
+        server.kill()
+        out, _ = await asyncio.to_thread(server.communicate, timeout=10)
+        await world.delete("Ingress", "mute")
+        await world.delete("Service", "mute")
+    seen = [line.split()[0] for line in out.splitlines() if line.strip()]
+    assert [m for m in seen if m != "GET"] == ["POST", "PATCH", "LOCK"], seen  # each once
+    assert seen.count("GET") == 3, seen  # tried again, twice
 
 
 async def test_default_backend_404_503_and_other_classes(world: World):
@@ -637,6 +686,78 @@ async def test_a_crashed_proxy_is_started_again(world: World):
         assert rc == 0 and "Ingress on" in out.decode() and f"restarts {now['restarts']}" in out.decode(), out
     finally:
         await world.delete("Ingress", "crash")
+
+
+# In a node's namespace: take the ingress's HTTP port (no SO_REUSEPORT, so HAProxy cannot bind
+# it beside) the moment the proxy's master is killed, before the agent starts it again; hold it
+# until stdin closes.
+SQUAT = """
+import os, signal, socket, sys, time
+address, pid = sys.argv[1], int(sys.argv[2])
+os.kill(pid, signal.SIGKILL)
+deadline = time.monotonic() + 10
+while True:
+    s = socket.socket()
+    try:
+        s.bind((address, 80))
+        s.listen()
+        break
+    except OSError:
+        s.close()
+        if time.monotonic() > deadline:
+            sys.exit("the port never came free")
+        time.sleep(0.0005)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_a_node_whose_proxy_cannot_start_is_out_of_the_status(world: World):
+    """node3's proxy killed and its port taken before the agent could start it again: node3
+    leaves the Ingresses' status (`agentd get ingress`, status.loadBalancer) while its proxy
+    does not run, and is back once it runs again."""
+    await world.apply(ingress("squat", [rule("squat.example", path("/", "Prefix", "foo"))]))
+    node1, node3 = world.lab.nodes[0], world.lab.nodes[2]
+    env = f"AGENTD_CONFIG={node1.config_path}"
+
+    async def listed() -> list[str]:
+        rc, out, err = await node1.ns.aexec("env", env, binary("agentd"), "get", "ingress", "shop/squat", "-o", "json",
+                                            check=False)  # fmt: skip
+        assert rc == 0, err
+        return [e["ip"] for e in json.loads(out)["status"]["loadBalancer"].get("ingress", [])]
+
+    squat = None
+    try:
+        await auntil(lambda: listed(), 20, what="every node in shop/squat's status")
+        assert await listed() == world.node_ips
+        before = world.proxy(2)
+        squat = node3.ns.popen([sys.executable, "-c", SQUAT, world.node_ips[2], str(before["pid"])],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert (await asyncio.to_thread(squat.stdout.readline)).strip() == "held"
+        await auntil(lambda: "proxy not started" in ((node3.api_or_none("/ingress") or {}).get("error") or ""), 30,
+                     in_thread=True, what="node3's proxy failing to start")  # fmt: skip
+
+        async def without_node3() -> bool:
+            return await listed() == world.node_ips[:2]
+
+        await auntil(without_node3, 30, what="shop/squat's status without node3")
+        squat.stdin.close()
+        squat.wait(10)
+
+        async def with_node3() -> bool:
+            return await listed() == world.node_ips
+
+        await auntil(with_node3, 30, what="node3 back in shop/squat's status once its proxy runs")
+        assert await world.served_by("http://squat.example/", node=2) == "foo-1"
+    finally:
+        if squat is not None:
+            if squat.poll() is None:
+                squat.kill()
+                squat.wait()
+            for pipe in (squat.stdin, squat.stdout):
+                if pipe is not None and not pipe.closed:
+                    pipe.close()
+        await world.delete("Ingress", "squat")
 
 
 async def test_status_metrics_and_get_ingress(world: World):

@@ -232,6 +232,10 @@ NGINX_URI = {
 def test_the_request_path_is_normalised_as_nginx_does():
     for raw, want in NGINX_URI.items():
         assert routing.normalise_path(raw) == want, raw
+    # ".." or "." followed by an encoded newline is a segment like any other, as nginx's parser
+    # reads it (a dot segment ends at "/" or the path's end; "$" would match before the "\n").
+    for raw, want in (("/admin/..%0A", b"/admin/..\n"), ("/admin/.%0a", b"/admin/.\n"), ("/admin/..%0A/x", b"/admin/..\n/x")):
+        assert routing.normalise_path(raw) == want, raw
     table = routing.build([ing("n", [{"host": "h", "http": {"paths": [
         p("/a/b", "Prefix", "ab"), p("/api", "Prefix", "api"), p("/admin", "Exact", "admin")]}}])])
     files = render(table)

@@ -103,6 +103,58 @@ def test_refused_settings_fall_back_to_the_last_settings_accepted(tmp_path):
     asyncio.run(main())
 
 
+CLASS = {"metadata": {"name": "agentd", "annotations": {"ingressclass.kubernetes.io/is-default-class": "true"}},
+         "spec": {"controller": "agentd.io/ingress-controller"}}  # fmt: skip
+
+
+def shop_ingress(name: str) -> dict:
+    return {"metadata": {"namespace": "shop", "name": name, "creationTimestamp": "2024-01-01T00:00:00Z"},
+            "spec": {"rules": [{"host": f"{name}.example", "http": {"paths": [
+                {"path": "/", "pathType": "Prefix", "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}]}}  # fmt: skip
+
+
+def test_a_check_that_fails_by_itself_or_for_an_ingress_costs_no_settings(tmp_path):
+    """Settings HAProxy accepted are not blamed for a check that failed by itself (killed, say)
+    nor for an Ingress it refuses: the first passes when run again, the second fails with the
+    defaults too -- not applied, tried again later, the ConfigMap's settings kept for when the
+    Ingress is gone."""
+    ctl, proxy = controller(tmp_path)
+    ctl.objects["IngressClass"][("", "agentd")] = CLASS
+    ctl.objects["ConfigMap"][CONFIGMAP] = {"data": {"ssl-redirect": "false", "proxy-body-size": "0"}}
+    ctl.objects["Ingress"][("shop", "shop")] = shop_ingress("shop")
+    check, killed = proxy.check, [0]
+
+    async def sometimes_killed(path):
+        if killed[0]:
+            killed[0] -= 1
+            raise ProxyError("haproxy -c exited with -9")
+        await check(path)
+
+    proxy.check = sometimes_killed  # type: ignore[method-assign]
+
+    async def main():
+        await ctl._sync()
+        assert ctl.settings.ssl_redirect is False and ctl.settings.body_size == 0 and proxy.reloads == 1
+        killed[0] = 1
+        ctl.objects["Ingress"][("shop", "two")] = shop_ingress("two")  # a reload
+        await ctl._sync()
+        assert proxy.reloads == 2 and ctl.settings_error is None
+        assert ctl.settings.ssl_redirect is False and ctl.settings.body_size == 0
+        ctl.objects["Ingress"][("shop", "bogus")] = shop_ingress("bogus")  # an Ingress HAProxy refuses
+        await ctl._sync()
+        assert proxy.reloads == 2 and ctl.settings_error is None  # not applied, nobody's settings blamed
+        del ctl.objects["Ingress"][("shop", "bogus")]  # what runs is what is wanted again: no reload
+        await ctl._sync()
+        assert proxy.reloads == 2 and ctl.settings_error is None
+        assert ctl.settings.ssl_redirect is False and ctl.settings.body_size == 0
+        ctl.objects["Ingress"][("shop", "three")] = shop_ingress("three")
+        await ctl._sync()
+        assert proxy.reloads == 3 and ctl.settings_error is None
+        assert ctl.settings.ssl_redirect is False and ctl.settings.body_size == 0 and "bogus" not in proxy.checks[-1]
+
+    asyncio.run(main())
+
+
 def test_the_last_settings_accepted_outlive_an_agent_restart(tmp_path):
     """HAProxy outlives the agent: a new agent adopting it with refused settings in the
     ConfigMap falls back to what that proxy accepted (loaded.json), not to the defaults."""
