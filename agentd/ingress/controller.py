@@ -52,7 +52,7 @@ from agentd.resources import ingress_settings as settings
 from . import STATE_SUBDIR, certs, haproxy, routing
 from .access_log import FileWriter
 from .haproxy import Listen, Paths, Server
-from .proxy import AccessLog, Proxy, ProxyError, stop_stale
+from .proxy import AccessLog, ConfigRefused, Proxy, ProxyError, stop_stale
 from .views import IngressViews
 
 log = logging.getLogger("agentd.ingress")
@@ -155,8 +155,8 @@ class IngressController:
             except (ProxyError, OSError) as err:
                 self.error = f"proxy not started: {err}"
                 log.error("ingress: %s", self.error)
-                if self._published is not None:  # this node serves nothing now: out of the Ingresses' status
-                    await self._unpublish()
+                if self._published is not None and not self.proxy.running:  # it serves nothing: out of the status
+                    await self._unpublish()  # (failed, etcd away: asked again at the next failed start)
                 await asyncio.sleep(RESTART_BACKOFF[min(failures, len(RESTART_BACKOFF) - 1)])
                 failures += 1
                 continue
@@ -419,40 +419,37 @@ class IngressController:
                 path.unlink(missing_ok=True)
 
     async def _check_or_fall_back(self, structure: str) -> str:
-        """Check the configuration on disk (of ``structure``).  Refused with the ConfigMap's
-        settings, the settings are blamed only if HAProxy takes the same Ingresses with other
-        settings: first the check is run once more (a check killed or timed out says nothing),
-        then the same Ingresses are checked with the last settings it accepted (if these are
-        new) or else the defaults.  Taken: that runs instead; new settings so refused stay
+        """Check the configuration on disk (of ``structure``).  Refused by HAProxy (its ALERT:
+        ConfigRefused) with the ConfigMap's settings, the settings are blamed only if it takes
+        the same Ingresses with other settings: the last settings it accepted (if these are
+        new), else the defaults.  Taken: that runs instead, and new settings so refused stay
         refused while the ConfigMap holds them (settings it accepted before are asked again at
-        the next sync).  Refused with those too, or with the defaults: no fault of the settings
-        (an Ingress, a certificate): ProxyError, for the caller to try again later, what runs
-        left alone.  The structure of what was checked."""
+        the next sync).  Refused with those too, or with the defaults, it is no fault of the
+        settings (an Ingress, a certificate), and a check that failed by itself (killed) blames
+        nothing either: the ProxyError goes to the caller, which tries again later, and what
+        runs is left alone.  The structure of what was checked."""
         try:
             await self.proxy.check(self.paths.config)
-        except ProxyError as err:
+        except ConfigRefused as err:
             if self.settings == settings.Settings():
                 raise
             tried, accepted = self.settings, self._good_settings
-            try:
-                await self.proxy.check(self.paths.config)  # once more: a check that failed by itself
-            except ProxyError:
-                pass
-            else:
-                self._good_settings = self.settings
-                return structure
             taken = None
-            for other in dict.fromkeys((accepted if tried != accepted else settings.Settings(), settings.Settings())):
-                files, structure = await self._render(with_settings=other)
-                await asyncio.to_thread(self._write_files, files)
-                try:
-                    await self.proxy.check(self.paths.config)
-                except ProxyError:
-                    continue
-                taken = other
-                break
+            try:
+                for other in dict.fromkeys((accepted if tried != accepted else settings.Settings(), settings.Settings())):
+                    files, structure = await self._render(with_settings=other)
+                    await asyncio.to_thread(self._write_files, files)
+                    try:
+                        await self.proxy.check(self.paths.config)
+                    except ConfigRefused:
+                        continue
+                    taken = other
+                    break
+            except (ProxyError, OSError):
+                await self._render_again(tried)
+                raise
             if taken is None:
-                self.settings = tried  # not theirs to answer for: asked again at the next sync
+                await self._render_again(tried)  # what was tried, as /ingress shows it
                 raise
             error = f"ConfigMap {self.cfg.configmap}: HAProxy refused the settings: {err}"
             if self._refused_settings is not None and tried == self._fallback:
@@ -467,6 +464,12 @@ class IngressController:
                       "the last settings it accepted" if taken == accepted else "the default settings")  # fmt: skip
         self._good_settings = self.settings
         return structure
+
+    async def _render_again(self, with_settings: settings.Settings) -> None:
+        """The files, table and settings of a render with ``with_settings`` (after fallbacks
+        that were refused too)."""
+        files, _ = await self._render(with_settings=with_settings)
+        await asyncio.to_thread(self._write_files, files)
 
     # ------------------------------------------------------------------ applying
 
@@ -612,8 +615,11 @@ class IngressController:
 
     async def _unpublish(self) -> None:
         key = self._node_key()
-        with contextlib.suppress(Exception):
+        try:
             await self.ds.request("unpublish the ingress node", lambda c: c.delete(key), timeout=5)
+        except Exception as err:  # noqa: BLE001 - etcd away: the key stays (and _published with it)
+            log.debug("ingress: unpublishing %s failed: %s", key.decode(), err)
+            return
         self._published = None
 
     # ------------------------------------------------------------------ counters

@@ -77,6 +77,11 @@ class ProxyError(RuntimeError):
     """The proxy refused a configuration or a command, or is not running; one line."""
 
 
+class ConfigRefused(ProxyError):
+    """``haproxy -c`` judged the configuration and refused it (its ALERT lines): not a check
+    that failed by itself (killed, or ended without a word)."""
+
+
 @dataclass(frozen=True)
 class Worker:
     pid: int
@@ -154,6 +159,8 @@ class Proxy:
             if "jit compilation failed" in text and writable_executable_denied():
                 raise ProxyError(MDWE_HELP)
             lines = [ln.strip() for ln in text.splitlines() if "ALERT" in ln or "rror" in ln]
+            if proc.returncode > 0 and any("ALERT" in ln for ln in lines):
+                raise ConfigRefused("; ".join(lines[:3]))
             raise ProxyError("; ".join(lines[:3]) or f"haproxy -c exited with {proc.returncode}")
 
     # ------------------------------------------------------------------ the process

@@ -10,7 +10,7 @@ from pathlib import Path
 from agentd.config.settings import load_config
 from agentd.datastore.store import Datastore
 from agentd.ingress.controller import IngressController
-from agentd.ingress.proxy import ProxyError
+from agentd.ingress.proxy import ConfigRefused, ProxyError
 from agentd.resources.ingress_settings import Settings
 
 CONFIGMAP = ("kube-system", "agentd-ingress")
@@ -32,7 +32,7 @@ class FakeProxy:
         self.checks.append(text)
         for word in self.refuse:
             if word in text:
-                raise ProxyError(f"unknown fetch method '{word}'")
+                raise ConfigRefused(f"[ALERT] unknown fetch method '{word}'")
 
     async def reload(self) -> None:
         if self.fail_reloads:
@@ -114,10 +114,9 @@ def shop_ingress(name: str) -> dict:
 
 
 def test_a_check_that_fails_by_itself_or_for_an_ingress_costs_no_settings(tmp_path):
-    """Settings HAProxy accepted are not blamed for a check that failed by itself (killed, say)
-    nor for an Ingress it refuses: the first passes when run again, the second fails with the
-    defaults too -- not applied, tried again later, the ConfigMap's settings kept for when the
-    Ingress is gone."""
+    """Settings HAProxy accepted are not blamed for a check that failed by itself (killed, say:
+    no ALERT, twice in a row) nor for an Ingress it refuses (with the defaults too): not
+    applied, tried again later, the ConfigMap's settings kept for when the Ingress is gone."""
     ctl, proxy = controller(tmp_path)
     ctl.objects["IngressClass"][("", "agentd")] = CLASS
     ctl.objects["ConfigMap"][CONFIGMAP] = {"data": {"ssl-redirect": "false", "proxy-body-size": "0"}}
@@ -135,14 +134,21 @@ def test_a_check_that_fails_by_itself_or_for_an_ingress_costs_no_settings(tmp_pa
     async def main():
         await ctl._sync()
         assert ctl.settings.ssl_redirect is False and ctl.settings.body_size == 0 and proxy.reloads == 1
-        killed[0] = 1
+        killed[0] = 2
         ctl.objects["Ingress"][("shop", "two")] = shop_ingress("two")  # a reload
-        await ctl._sync()
+        await ctl._sync()  # the check killed: not applied, nobody's settings blamed
+        assert proxy.reloads == 1 and ctl.settings_error is None and ctl._refused_settings is None
+        assert ctl.settings.ssl_redirect is False and ctl.settings.body_size == 0
+        await ctl._sync()  # killed again
+        assert proxy.reloads == 1 and ctl.settings_error is None and ctl._refused_settings is None
+        await ctl._sync()  # tried again: applied, with the ConfigMap's settings
         assert proxy.reloads == 2 and ctl.settings_error is None
         assert ctl.settings.ssl_redirect is False and ctl.settings.body_size == 0
         ctl.objects["Ingress"][("shop", "bogus")] = shop_ingress("bogus")  # an Ingress HAProxy refuses
         await ctl._sync()
         assert proxy.reloads == 2 and ctl.settings_error is None  # not applied, nobody's settings blamed
+        # What /ingress shows is what was tried (the ConfigMap's settings), not a fallback's render.
+        assert ctl.settings.ssl_redirect is False and "bogus" in proxy.checks[-1] and "ssl-redirect" not in ctl.error
         del ctl.objects["Ingress"][("shop", "bogus")]  # what runs is what is wanted again: no reload
         await ctl._sync()
         assert proxy.reloads == 2 and ctl.settings_error is None
@@ -250,5 +256,33 @@ def test_after_an_etcd_restore_the_applied_revision_follows_etcd_back(tmp_path):
         assert ctl.revision == 901 and ctl.applied_revision <= 900
         await ctl._sync()
         assert ctl.applied_revision == 901
+
+    asyncio.run(main())
+
+
+def test_a_node_key_etcd_would_not_delete_is_deleted_at_the_next_try(tmp_path):
+    """A failed start takes the node's key away; etcd away then, the key is still ours to take
+    away (published), so the next failed start tries again."""
+    ctl, _proxy = controller(tmp_path)
+    ctl._published = (7, "{}")
+    deleted: list[bytes] = []
+
+    async def away(what, call, timeout):
+        raise ConnectionError("etcd unreachable")
+
+    async def there(what, call, timeout):
+        class Client:
+            async def delete(self, key):
+                deleted.append(key)
+
+        return await call(Client())
+
+    async def main():
+        ctl.ds.request = away  # type: ignore[method-assign]
+        await ctl._unpublish()
+        assert ctl._published == (7, "{}") and not deleted
+        ctl.ds.request = there  # type: ignore[method-assign]
+        await ctl._unpublish()
+        assert ctl._published is None and deleted == [b"/agentd/ingress/nodes/n1"]
 
     asyncio.run(main())
