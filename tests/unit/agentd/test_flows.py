@@ -1985,18 +1985,23 @@ def test_a_change_of_hands_counts_from_when_the_engine_saw_it_not_when_the_recor
     assert r._named_then(at, 1025 * 10**9, named).pod == "other/third"
 
 
+def _bridge_logged(prefix: str, hw_protocol: int, payload: bytes) -> bytes:
+    """NFLOG's message of a packet (of ``hw_protocol``) a bridge chain logged with ``prefix``,
+    come in on client's bridge port (7) of the bridge (3)."""
+    body = (nl.attr(nflog.NFULA_PACKET_HDR, struct.pack("!HBx", hw_protocol, 0))
+            + nl.attr(nflog.NFULA_PREFIX, prefix.encode() + b"\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 1))
+            + nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", 1700000000, 0)) + nl.attr(nflog.NFULA_PAYLOAD, payload)
+            + nl.attr(nflog.NFULA_IFINDEX_INDEV, struct.pack("!I", 3)) + nl.attr(nflog.NFULA_IFINDEX_PHYSINDEV, struct.pack("!I", 7)))
+    return nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, 7, body, res_id=143)
+
+
 def test_a_spoofed_arp_drop_is_a_flow_record_naming_the_pod_that_sent_it():
     """The bridge drops ARP from client's port claiming web's address; NFLOG hands the ARP
     packet (hardware protocol ETH_P_ARP), which is a record: reason spoofed-arp, protocol ARP,
     the claimed address as source, client as the sender."""
     arp = (struct.pack("!HHBBH", 1, 0x0800, 6, 4, 2) + bytes.fromhex("0a580af40102") + socket.inet_aton("10.244.2.3")
            + bytes(6) + socket.inet_aton("10.244.2.1"))  # fmt: skip
-    body = (nl.attr(nflog.NFULA_PACKET_HDR, struct.pack("!HBx", 0x0806, 0))
-            + nl.attr(nflog.NFULA_PREFIX, b"spoofed-arp\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 1))
-            + nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", 1700000000, 0)) + nl.attr(nflog.NFULA_PAYLOAD, arp)
-            + nl.attr(nflog.NFULA_IFINDEX_INDEV, struct.pack("!I", 3)) + nl.attr(nflog.NFULA_IFINDEX_PHYSINDEV, struct.pack("!I", 7)))
-    msg = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, 7, body, res_id=143)
-    flow = recorder().dropped(_decoded(msg))
+    flow = recorder().dropped(_decoded(_bridge_logged("spoofed-arp", 0x0806, arp)))
     assert flow is not None
     j = flow.json()
     assert (j["reason"], j["protocol"], j["src"]["ip"], j["dst"]["ip"]) == ("spoofed-arp", "ARP", "10.244.2.3", "10.244.2.1")
@@ -2012,11 +2017,7 @@ def _icmp6_logged(prefix: str, icmp: bytes, src: str = "fe80::aa:1", dst: str = 
     """NFLOG's message of an ICMPv6 packet a bridge chain logged, come in on client's port."""
     packet = (struct.pack("!IHBB", 6 << 28, len(icmp), 58, 255) + ipaddress.IPv6Address(src).packed
               + ipaddress.IPv6Address(dst).packed + icmp)  # fmt: skip
-    body = (nl.attr(nflog.NFULA_PACKET_HDR, struct.pack("!HBx", 0x86DD, 0))
-            + nl.attr(nflog.NFULA_PREFIX, prefix.encode() + b"\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 1))
-            + nl.attr(nflog.NFULA_TIMESTAMP, struct.pack("!QQ", 1700000000, 0)) + nl.attr(nflog.NFULA_PAYLOAD, packet)
-            + nl.attr(nflog.NFULA_IFINDEX_INDEV, struct.pack("!I", 3)) + nl.attr(nflog.NFULA_IFINDEX_PHYSINDEV, struct.pack("!I", 7)))
-    return nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, 7, body, res_id=143)
+    return _bridge_logged(prefix, 0x86DD, packet)
 
 
 def test_a_spoofed_neighbour_advertisement_names_the_address_it_claims():
