@@ -80,7 +80,11 @@ class IngressController:
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
         self.revision = 0
         self.applied_revision = 0
-        self.table = routing.RouteTable()
+        self.table = routing.RouteTable()  # of the last render: what is loaded, or being tried
+        # The table of the configuration the running proxy loaded (None: none known -- not
+        # running, or adopted and not yet synced): what /ingress and the metrics show, so that a
+        # reload that failed shows what is served, not what was tried (its error in ``error``).
+        self.served: routing.RouteTable | None = None
         self.settings = settings.Settings()
         self.servers: dict[str, set[Server]] = {}  # what the proxy has, per backend
         self.draining: dict[str, set[Server]] = {}  # disabled, deleted once their connections end
@@ -183,6 +187,7 @@ class IngressController:
                     exited.cancel()
             self.restarts += 1
             self._structure = None
+            self.served = None
             self._fold_counters()
             self._forget_proxy()
             self.error = f"the proxy (pid {self.proxy.pid}) exited; started again"
@@ -199,6 +204,7 @@ class IngressController:
         self._structure = structure
         await asyncio.to_thread(self._save_loaded, structure)
         self.worker = await self.proxy.worker()
+        self.served = self.table
         self.error = None
         self.applied_revision = self.revision
         self._retry_at, self._retry_delay = None, RETRY_FIRST
@@ -213,6 +219,7 @@ class IngressController:
         ``loaded.json`` (a reload only if the rendered configuration differs) and from its
         runtime API (its servers, enabled or draining); the next sync does the rest."""
         self._structure = None
+        self.served = None  # known at the first sync (the table it renders, if it is what runs)
         loaded = await asyncio.to_thread(_read_json, self.paths.loaded)
         if loaded.get("master") == self.proxy.pid:
             self._structure = loaded.get("structure")
@@ -492,6 +499,7 @@ class IngressController:
                 changed = await self._runtime({b: s for b, s in want.items() if b in self.servers})
                 how = "runtime" if changed else "none"
         if not reload:
+            self.served = self.table  # the structure the proxy runs: its table
             changed = await self._runtime(want)
             if changed is None:  # the runtime API refused something: load it all
                 failed = not await self._reload(files, structure, want)
@@ -534,6 +542,7 @@ class IngressController:
         self.servers = {name: set(s) for name, s in want.items()}
         self.draining = {}
         self._structure = structure
+        self.served = self.table
         await asyncio.to_thread(self._save_loaded, structure)
         self.error = None
         log.info("ingress: reloaded (worker %d): %d Ingresses, %d backends%s", self.worker.pid if self.worker else 0,
@@ -655,7 +664,7 @@ class IngressController:
     def _fold_counters(self) -> None:
         """A reload or restart starts the proxy's counters from zero: keep what was counted,
         of the backends there are (a backend gone takes its counts along: its metric series
-        went with it, views.py lists self.table.backends)."""
+        went with it: views.py lists the backends of the table served, which a reload makes this one)."""
         backends = self.table.backends
         for key, value in self._last_counts.items():
             if key[0] in backends:

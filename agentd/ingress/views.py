@@ -21,6 +21,12 @@ class IngressViews:
     def __init__(self, controller: Any) -> None:
         self.c = controller
 
+    def _table(self) -> Any:
+        """The routing table the running proxy loaded; while none is known (the proxy not
+        running, or adopted and not yet synced), the one last rendered -- what is wanted."""
+        c = self.c
+        return c.served if c.served is not None else c.table
+
     def status(self) -> dict[str, Any]:
         """The proxy in ``/status`` (and ``agentd status``)."""
         c = self.c
@@ -38,8 +44,8 @@ class IngressViews:
             "addresses": list(c.listen.addresses),
             "http_port": c.listen.http_port,
             "https_port": c.listen.https_port,
-            "ingresses": len(c.table.ingresses),
-            "backends": len(c.table.backends),
+            "ingresses": len(self._table().ingresses),
+            "backends": len(self._table().backends),
             "revision": c.applied_revision,
             "last_change": c.last_change,
             "error": c.error,
@@ -50,31 +56,31 @@ class IngressViews:
 
     def view(self) -> dict[str, Any]:
         """GET /ingress: every Ingress served, its hosts, backends and their servers."""
-        c = self.c
+        c, table = self.c, self._table()
         servers: dict[str, list[dict[str, Any]]] = {}
         for row in c.stats:
             if row.get("svname") not in ("FRONTEND", "BACKEND"):
                 servers.setdefault(row["pxname"], []).append({"server": row["svname"], "status": row.get("status")})
         backends = []
-        for name, b in sorted(c.table.backends.items()):
+        for name, b in sorted(table.backends.items()):
             backends.append({
                 "name": name, "namespace": b.namespace, "ingress": b.ingress, "service": b.service, "port": b.port,
                 "servers": sorted(address(ip, port) for ip, port in c.servers.get(name, set())),
                 "requests": c.counter(name, "req_tot"),
             })  # fmt: skip
         vhosts = []
-        for host, v in sorted(c.table.vhosts.items()):
+        for host, v in sorted(table.vhosts.items()):
             vhosts.append({"host": host, "default": v.default,
                            "rules": [{"path": r.path, "pathType": r.path_type, "backend": r.backend,
                                       "ingress": "/".join(r.ingress)} for r in v.rules]})  # fmt: skip
         return {
             **self.status(),
-            "default_backend": c.table.default,
+            "default_backend": table.default,
             "hosts": vhosts,
             "backends": backends,
             "tls": [{"host": t.host or "*", "secret": "/".join(t.secret) if t.secret else None, "redirect": t.redirect}
-                    for t in c.table.tls],  # fmt: skip
-            "conflicts": list(c.table.conflicts),
+                    for t in table.tls],  # fmt: skip
+            "conflicts": list(table.conflicts),
             "proxy_servers": servers,
         }
 
@@ -99,7 +105,7 @@ class IngressViews:
                                    labels=["namespace", "ingress", "service", "port", "code"])  # fmt: skip
         ready = GaugeMetricFamily("agentd_ingress_upstreams", "ready endpoints of an Ingress's Service port",
                                   labels=["namespace", "ingress", "service", "port"])  # fmt: skip
-        for name, b in sorted(c.table.backends.items()):
+        for name, b in sorted(self._table().backends.items()):
             svc, port = b.service or "-", "-" if b.port is None else str(b.port)  # "-": a resource backend
             for code in CODES:  # per port: two ports of one Service are two backends
                 reqs.add_metric([b.namespace, b.ingress, svc, port, code], float(c.counter(name, f"hrsp_{code}")))

@@ -209,6 +209,19 @@ def is_default_class(doc: dict[str, Any]) -> bool:
     return (doc["metadata"].get("annotations") or {}).get(DEFAULT_CLASS_ANNOTATION) == "true"
 
 
+def check_create(obj: Mapping[str, Any]) -> None:
+    """The check the API server makes of an Ingress when it is created (not when it is
+    replaced, nor when a stored one is read: those it took stay served): its
+    ``kubernetes.io/ingress.class`` annotation, if it has one beside ``ingressClassName``, must
+    name the same class -- else which one it is in is a matter of which controller reads which.
+    Raises :class:`Invalid`."""
+    class_name = obj["spec"].get("ingressClassName")
+    annotation = (obj["metadata"].get("annotations") or {}).get(CLASS_ANNOTATION)
+    if class_name is not None and annotation is not None and annotation != class_name:
+        raise invalid(f"metadata.annotations.{CLASS_ANNOTATION}", annotation,
+                      "must match `ingressClassName` when both are specified")  # fmt: skip
+
+
 def ours(
     ingress: Mapping[str, Any], classes: Iterable[Mapping[str, Any]], controller: str = DEFAULT_CONTROLLER,
     *, without_class: bool = False,

@@ -41,7 +41,7 @@ from aetcd import transactions as tx
 from agentd.datastore.records import DEFAULT_SERVICE_CIDR
 from agentd.datastore.store import Datastore, DatastoreError, HistoryCompacted, KeyValue
 
-from . import allocation, ipfamilies, kinds
+from . import allocation, ingress, ipfamilies, kinds
 from .ingress import INGRESS_NODES
 from .kinds import Kind
 from .validation import Invalid, about
@@ -313,6 +313,11 @@ class ResourceStore:
                     allocs = ops[1]
                 else:
                     allocs = []
+                if obj["kind"] == "Ingress" and old is None:
+                    try:
+                        ingress.check_create(obj)
+                    except Invalid as err:
+                        raise about(err, kinds.describe(*kinds.identity(obj))) from None
                 new = self._stamp(obj, old)
                 if old is not None and _content(old) == _content(new):
                     plan.append((new, "unchanged", int(old["metadata"]["resourceVersion"])))

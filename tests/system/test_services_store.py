@@ -300,3 +300,36 @@ async def test_a_fresh_watch_keeps_a_policy_whose_record_became_unreadable(etcd_
         fresh = await stores()
         assert await _first_snapshot(fresh) == {}
         assert fresh.left_out == {("NetworkPolicy", "shop", "deny")}
+
+
+def ingress(name: str, class_name: str | None, annotation: str | None, host: str = "a.example") -> dict:
+    meta: dict = {"name": name, "namespace": "shop"}
+    if annotation is not None:
+        meta["annotations"] = {"kubernetes.io/ingress.class": annotation}
+    spec: dict = {"rules": [{"host": host, "http": {"paths": [
+        {"path": "/", "pathType": "Prefix", "backend": {"service": {"name": "web", "port": {"number": 80}}}}]}}]}
+    if class_name is not None:
+        spec["ingressClassName"] = class_name
+    return kinds.validate({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": meta, "spec": spec})
+
+
+async def test_an_ingress_whose_class_annotation_names_another_class_is_refused_when_created(etcd_server, stores):
+    """As the API server: at create only (a stored one, from an agent before this check, is
+    still read and replaced); the same class in both, or either alone, is taken."""
+    from agentd.resources.store import encode, object_key
+
+    store = await stores()
+    with pytest.raises(Invalid) as err:
+        await store.apply([ingress("both", "agentd", "nginx")])
+    assert str(err.value) == ("Ingress shop/both: metadata.annotations.kubernetes.io/ingress.class: Invalid value: "
+                              '"nginx": must match `ingressClassName` when both are specified')  # fmt: skip
+    assert await store.get(kinds.INGRESS, "shop", "both") is None
+    applied = await store.apply([ingress("same", "agentd", "agentd"), ingress("field", "agentd", None),
+                                 ingress("note", None, "nginx")])  # fmt: skip
+    assert [a.outcome for a in applied] == ["created"] * 3
+    old = ingress("old", "agentd", "nginx")  # as an older agent stored it
+    async with aetcd.Client(etcd_server.host, etcd_server.client_port, timeout=5) as client:
+        await client.put(object_key("/agentd", kinds.INGRESS, "shop", "old"), encode(store._stamp(old, None)))
+    assert (await store.get(kinds.INGRESS, "shop", "old")) is not None
+    again = await store.apply([ingress("old", "agentd", "nginx", host="b.example")])
+    assert [a.outcome for a in again] == ["configured"]

@@ -266,6 +266,7 @@ async def test_a_proxy_that_is_gone_shows_no_connections_nor_server_states():
     c.info = {"CurrConns": "250"}  # as last read while it ran
     c.restarts, c.runtime_changes = 1, 0
     c.table = SimpleNamespace(backends={"be": Backend("shop", "web", "api", 80)})  # its counts are kept
+    c.served = None  # none known: the table last rendered is shown
     c.servers = {}
     c.counter_base, c._last_counts = {}, {("be", "req_tot"): 40}
     await c.refresh_stats()  # the stats loop

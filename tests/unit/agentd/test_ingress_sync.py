@@ -19,7 +19,7 @@ CONFIGMAP = ("kube-system", "agentd-ingress")
 class FakeProxy:
     """Its check refuses a configuration that holds ``bogus``, as HAProxy an unknown fetch."""
 
-    running, pid = True, 1
+    running, pid, adopted, started_at = True, 1, False, None
 
     def __init__(self) -> None:
         self.refuse = ["bogus"]  # a configuration holding any of these is refused
@@ -284,5 +284,34 @@ def test_a_node_key_etcd_would_not_delete_is_deleted_at_the_next_try(tmp_path):
         ctl.ds.request = there  # type: ignore[method-assign]
         await ctl._unpublish()
         assert ctl._published is None and deleted == [b"/agentd/ingress/nodes/n1"]
+
+    asyncio.run(main())
+
+
+def test_after_a_failed_reload_ingress_and_metrics_show_what_is_served_not_what_was_tried(tmp_path):
+    """A new Ingress whose reload fails is not served: /ingress, /status and the metrics go on
+    showing the table the proxy loaded (the error set), and the new one once a reload takes it."""
+    ctl, proxy = controller(tmp_path)
+    ctl.objects["IngressClass"][("", "agentd")] = CLASS
+    ctl.objects["Ingress"][("shop", "old")] = shop_ingress("old")
+
+    def hosts() -> list[str]:
+        return [v["host"] for v in ctl.views.view()["hosts"]]
+
+    def series() -> set[str]:
+        return {s.labels["ingress"] for m in ctl.views.collect() for s in m.samples if "ingress" in s.labels}
+
+    async def main():
+        await ctl._sync()
+        assert hosts() == ["old.example"] and proxy.reloads == 1
+        ctl.objects["Ingress"][("shop", "new")] = shop_ingress("new")
+        proxy.fail_reloads = 1
+        await ctl._sync()
+        assert ctl.error is not None and "reload failed" in ctl.error
+        assert hosts() == ["old.example"], "the tried table is shown as served"
+        assert ctl.views.status()["ingresses"] == 1 and series() == {"old"}
+        await ctl._sync()  # tried again: loaded
+        assert ctl.error is None and proxy.reloads == 2
+        assert hosts() == ["new.example", "old.example"] and series() == {"new", "old"}
 
     asyncio.run(main())

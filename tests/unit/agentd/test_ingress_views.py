@@ -15,7 +15,7 @@ def test_request_counters_have_a_series_per_service_port():
     their agentd_ingress_requests_total were two samples of one series (Prometheus keeps one)."""
     b80, b8080, res = Backend("shop", "web", "api", 80), Backend("shop", "web", "api", 8080), Backend("shop", "web", None, None)
     counts = {(b80.name, "hrsp_2xx"): 100, (b8080.name, "hrsp_2xx"): 7}
-    controller = SimpleNamespace(proxy=SimpleNamespace(running=True, reloads=0), restarts=0, runtime_changes=0, info={},
+    controller = SimpleNamespace(proxy=SimpleNamespace(running=True, reloads=0), restarts=0, runtime_changes=0, info={}, served=None,
                                  table=SimpleNamespace(backends={b.name: b for b in (b80, b8080, res)}), servers={},
                                  counter=lambda name, key: counts.get((name, key), 0))  # fmt: skip
     registry = CollectorRegistry()
@@ -32,7 +32,7 @@ def test_request_counters_have_a_series_per_service_port():
 
 def test_an_ipv6_server_is_named_in_brackets():
     b = Backend("shop", "web", "api", 80)
-    controller = SimpleNamespace(proxy=SimpleNamespace(running=True, reloads=0), restarts=0, runtime_changes=0, info={},
+    controller = SimpleNamespace(proxy=SimpleNamespace(running=True, reloads=0), restarts=0, runtime_changes=0, info={}, served=None,
                                  table=SimpleNamespace(backends={b.name: b}, vhosts={}, default=None, tls=[], conflicts=[]),
                                  servers={b.name: {("fd00:10:244:1::5", 8080), ("10.244.1.5", 8080)}}, stats=[],
                                  applied_revision=1, last_change=None, error=None, settings_error=None, tls_errors={},
