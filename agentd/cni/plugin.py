@@ -80,8 +80,9 @@ TRY_AGAIN_LATER = 11
 INTERNAL = 999
 
 # Container IDs and network names: libcni's utils.ValidateContainerID / ValidateNetworkName.
-# The container ID also names the state file, so this keeps it inside dataDir.
-_ID_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$")
+# The container ID also names the state file, so this keeps it inside dataDir.  Used with
+# fullmatch: Python's "$" also matches before a final "\n" (Go's does not), so "abc\n" would pass.
+_ID_RE = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
 # ... but a file name has a limit (255 bytes; the temp files add a prefix and a suffix), and
 # names dataDir holds for other things are not a container's (an ID "endpoints" would take the
 # endpoint files' directory).  ADD and CHECK refuse such IDs; DEL takes them (nothing to undo
@@ -191,7 +192,7 @@ def parse_env(command: str, env: Mapping[str, str]) -> CmdArgs:
     container_id = env.get("CNI_CONTAINERID", "")
     if not container_id:
         raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_CONTAINERID is not set")
-    if not _ID_RE.match(container_id):
+    if not _ID_RE.fullmatch(container_id):
         raise CniError(
             INVALID_ENVIRONMENT_VARIABLES,
             f"invalid characters in CNI_CONTAINERID {container_id!r}",
@@ -280,7 +281,7 @@ def parse_netconf(stdin: bytes) -> dict[str, Any]:
     name = conf.get("name")
     if not isinstance(name, str) or not name:
         raise CniError(INVALID_NETWORK_CONFIG, "network config needs a string 'name'")
-    if not _ID_RE.match(name):
+    if not _ID_RE.fullmatch(name):
         raise CniError(INVALID_NETWORK_CONFIG, f"invalid characters in network name {name!r}")
     for key in ("type", "subnetFile", "dataDir"):
         if key in conf and (not isinstance(conf[key], str) or not conf[key]):

@@ -112,7 +112,8 @@ def test_del_needs_no_netns_and_succeeds_with_nothing_to_undo(tmp_path):
     assert _run(_env("DEL", CNI_NETNS=None), _conf(tmp_path)) == (0, None)
 
 
-@pytest.mark.parametrize("container_id", ["../etc", "a/b", "-x", ".hidden", "a b", "ü"])
+# "abc\n": Python's "$" also matches before a final newline; libcni's Go regexp does not.
+@pytest.mark.parametrize("container_id", ["../etc", "a/b", "-x", ".hidden", "a b", "ü", "abc\n"])
 def test_bad_container_id(tmp_path, container_id):
     _assert_error(_run(_env(CNI_CONTAINERID=container_id), _conf(tmp_path)), 4, "CNI_CONTAINERID")
 
@@ -157,6 +158,7 @@ def test_error_result_carries_request_version(tmp_path):
         ({"name": None}, "name"),
         ({"name": 7}, "name"),
         ({"name": "bad name"}, "network name"),
+        ({"name": "agentd\n"}, "network name"),
         ({"type": 3}, "type"),
         ({"subnetFile": ""}, "subnetFile"),
         ({"subnetFile": 5}, "subnetFile"),
