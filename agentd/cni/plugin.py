@@ -367,7 +367,7 @@ def _peek_version(stdin: bytes) -> str:
 def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     sf = load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE))
     conf = delegate_config(netconf, sf)
-    pod = _pod_identity(env, netconf)  # checked before anything is set up
+    pod = _pod_identity(args, env, netconf)  # checked before anything is set up
     data_dir = _data_dir(netconf)
     attached = stored_ifname(data_dir, args.container_id)
     if attached is not None and attached != args.ifname:
@@ -391,9 +391,13 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
 # --- pod identity for NetworkPolicy (agentd/cni/endpoints.py) -------------------------------
 
 
-def _pod_identity(env: Mapping[str, str], netconf: dict[str, Any]) -> Any:
+def _pod_identity(args: CmdArgs, env: Mapping[str, str], netconf: dict[str, Any]) -> Any:
+    def warn(why: str) -> None:
+        print(f"agentd-cni: container {args.container_id} is attached without pod identity "
+              f"(network policy neither selects nor isolates it): {why}", file=sys.stderr)
+
     try:
-        return pod_endpoints.identity(env, netconf)
+        return pod_endpoints.identity(env, netconf, warn)
     except pod_endpoints.EndpointError as e:
         raise CniError(INVALID_NETWORK_CONFIG, f"pod identity: {e}") from None
 
@@ -496,7 +500,7 @@ def cmd_check(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) ->
     invoke_delegate(conf, args, env, timeout=netconf.get("delegateTimeout", DELEGATE_TIMEOUT))
     ips = _result_addresses(netconf["prevResult"])
     _check_in_subnets(ips, load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE)))
-    if _pod_identity(env, netconf) is not None:
+    if _pod_identity(args, env, netconf) is not None:
         _check_endpoint(data_dir, args.container_id, ips)
 
 

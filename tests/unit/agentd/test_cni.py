@@ -902,3 +902,44 @@ def test_the_bridge_guard_before_an_ack_is_clsacts_alone():
         path.dp, path._lock = Datapath(hook), asyncio.Lock()
         asyncio.run(path.guard_bridges())
         assert path.dp.calls == calls, hook
+
+
+# --- pod identity: podman's CNI_ARGS --------------------------------------------------------------
+
+PODMAN_CNI_ARGS = [
+    # podman 4/5, CNI backend (containers/common libnetwork/cni/run.go getRuntimeConfig: "Do not
+    # set the K8S env vars", podman#12083): the container name as K8S_POD_NAME, nothing more.
+    "IgnoreUnknown=1;K8S_POD_NAME=objective_tesla",
+    "IgnoreUnknown=1;K8S_POD_NAME=web",
+    # podman 3 (ocicni): the container name as namespace and name; default names hold "_".
+    "IgnoreUnknown=1;K8S_POD_NAMESPACE=objective_tesla;K8S_POD_NAME=objective_tesla;K8S_POD_INFRA_CONTAINER_ID=c0ffee01",
+]
+
+
+@pytest.mark.parametrize("cni_args", PODMAN_CNI_ARGS)
+def test_a_podman_container_is_attached_without_pod_identity_and_one_warning(tmp_path, monkeypatch, capsys, cni_args):
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    code, result = _run(_env(CNI_ARGS=cni_args), conf)
+    assert code == 0 and result is not None and result["ips"][0]["address"] == "10.244.3.7/24", result
+    assert calls == [("ADD", "c0ffee01")]
+    assert not (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()  # no pod to policy
+    warning = capsys.readouterr().err.splitlines()
+    assert len(warning) == 1 and "c0ffee01" in warning[0] and "without pod identity" in warning[0], warning
+    assert "K8S_POD_NAMESPACE" in warning[0]  # why: missing, or not a namespace's name
+    prev = dict(result, cniVersion="1.0.0")
+    assert _run(_env("CHECK", CNI_ARGS=cni_args), _conf(tmp_path, prevResult=prev)) == (0, None)
+    assert _run(_env("DEL", CNI_ARGS=cni_args), conf) == (0, None)
+
+
+def test_a_kubernetes_pod_still_gets_its_identity(tmp_path, monkeypatch, capsys):
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=c0ffee01"
+    assert _run(_env(CNI_ARGS=args), _conf(tmp_path, policyTimeout=0))[0] == 0
+    ep = json.loads((tmp_path / "state" / "endpoints" / "c0ffee01.json").read_text())
+    assert (ep["namespace"], ep["name"]) == ("shop", "web-0")
+    assert capsys.readouterr().err == ""
