@@ -312,8 +312,7 @@ def test_identity_from_cni_args_labels_and_ports():
         ("IgnoreUnknown=1;K8S_POD_NAME=objective_tesla", "K8S_POD_NAME but no K8S_POD_NAMESPACE"),
         ("IgnoreUnknown=1;K8S_POD_NAME=web", "K8S_POD_NAME but no K8S_POD_NAMESPACE"),
         # podman 3 (ocicni): the container name as both; its default names hold "_".
-        ("IgnoreUnknown=1;K8S_POD_NAMESPACE=objective_tesla;K8S_POD_NAME=objective_tesla;"
-         "K8S_POD_INFRA_CONTAINER_ID=3f2a5c",
+        ("IgnoreUnknown=1;K8S_POD_NAMESPACE=objective_tesla;K8S_POD_NAME=objective_tesla;K8S_POD_INFRA_CONTAINER_ID=3f2a5c",
          'CNI_ARGS K8S_POD_NAMESPACE: Invalid value: "objective_tesla"'),
         ("K8S_POD_NAMESPACE=Prod;K8S_POD_NAME=a", 'CNI_ARGS K8S_POD_NAMESPACE: Invalid value: "Prod"'),
         ("K8S_POD_NAMESPACE=p;K8S_POD_NAME=My_App", 'CNI_ARGS K8S_POD_NAME: Invalid value: "My_App"'),
