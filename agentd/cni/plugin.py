@@ -14,8 +14,10 @@ environment, and passes its result through.
 * DEL runs the delegate with exactly the stored config (the subnet file may have changed since),
   then removes it.  DEL is idempotent: with no stored config it falls back to a config built from
   the current subnet file (so host-local still releases the address), and with no subnet file
-  either there is nothing left to undo and DEL succeeds.  A missing netns is handled by the
-  bridge plugin (it releases the address and succeeds).  If the delegate rejects the stored
+  either, or no delegate in ``CNI_PATH`` (ADD looks for it before it stores anything), there is
+  nothing left to undo and DEL succeeds (with a warning on stderr for the missing delegate).
+  With a stored config a missing delegate fails DEL: something may be left to undo.  A missing
+  netns is handled by the bridge plugin (it releases the address and succeeds).  If the delegate rejects the stored
   config (an ADD with a broken config), DEL retries with the current config, so fixing the
   config ends the runtime's DEL retries.
 * CHECK runs the delegate with the stored config plus the runtime's ``prevResult``, then checks
@@ -109,6 +111,10 @@ class CniError(Exception):
         if self.result is not None:
             return self.result
         return {"cniVersion": cni_version, "code": self.code, "msg": self.msg, "details": self.details}
+
+
+class DelegateNotFound(CniError):
+    """The delegate plugin is in no directory of CNI_PATH (nor binDir)."""
 
 
 @dataclass(frozen=True)
@@ -376,6 +382,9 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
             f"container {args.container_id} already has an agentd interface ({attached}); "
             f"agentd attaches a container once, not again as {args.ifname}",
         )
+    # Looked for before anything is stored: an ADD that cannot run its delegate has set up
+    # nothing, so its clean-up DEL finds nothing stored and has nothing to undo.
+    find_plugin(conf["type"], args.path)
     save_state(data_dir, args.container_id, conf, args.ifname)
     result = invoke_delegate(conf, args, env, timeout=netconf.get("delegateTimeout", DELEGATE_TIMEOUT))
     if result is None:
@@ -442,7 +451,15 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
         # release whatever is left under the current config; if the agent has not written a
         # usable subnet file either, there is nothing this plugin can undo.
         if current is not None:
-            invoke_delegate(current, args, env, timeout=timeout)
+            try:
+                invoke_delegate(current, args, env, timeout=timeout)
+            except DelegateNotFound as e:
+                # Nothing stored and no delegate to ask: nothing this plugin could undo (ADD
+                # stores the config before the delegate runs).  Failing would fail every DEL
+                # of this container for ever (spec 1.0.0: DEL must succeed when there is
+                # nothing to undo).
+                print(f"agentd-cni: DEL of container {args.container_id}: {e.msg}; no config stored, "
+                      "so nothing to undo", file=sys.stderr)
         pod_endpoints.remove(data_dir, args.container_id)
         return
     try:
@@ -649,7 +666,7 @@ def find_plugin(plugin_type: str, path: tuple[str, ...]) -> str:
         candidate = os.path.join(directory, plugin_type)
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
-    raise CniError(INTERNAL, f"delegate plugin {plugin_type!r} not found in CNI_PATH {os.pathsep.join(path)}")
+    raise DelegateNotFound(INTERNAL, f"delegate plugin {plugin_type!r} not found in CNI_PATH {os.pathsep.join(path)}")
 
 
 def invoke_delegate(

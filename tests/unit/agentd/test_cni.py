@@ -213,20 +213,54 @@ def test_add_with_bad_subnet_file_is_invalid_config(tmp_path, text, word):
     _assert_error(_run(_env(), _conf(tmp_path)), 7, word, str(tmp_path / "subnet.env"))
 
 
-def test_add_with_unwritable_data_dir_is_io_failure(tmp_path):
+def test_add_with_unwritable_data_dir_is_io_failure(tmp_path, monkeypatch):
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
     cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
     (tmp_path / "file").write_text("")
     _assert_error(_run(_env(), _conf(tmp_path, dataDir=str(tmp_path / "file" / "state"))), 5, "delegate config")
 
 
-def test_add_stores_delegate_config_before_running_delegate(tmp_path):
-    # CNI_PATH has no bridge plugin: the delegate cannot run, but what ADD meant to run is
-    # stored, so the runtime's clean-up DEL would use it.
+def test_add_stores_delegate_config_before_running_delegate(tmp_path, monkeypatch):
+    # The delegate fails: what ADD ran is stored, so the runtime's clean-up DEL uses it.
     cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
     conf = _conf(tmp_path)
-    _assert_error(_run(_env(CNI_PATH=str(tmp_path / "empty")), conf), 999, "'bridge'", "not found")
+    seen = []
+
+    def invoke(conf, args, env, timeout):
+        seen.append(cni.load_state(str(tmp_path / "state"), args.container_id))
+        raise cni.CniError(11, "boom")
+
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    _assert_error(_run(_env(), conf), 11, "boom")
+    assert seen == [cni_config.delegate_config(conf, SF)]
     stored = json.loads((tmp_path / "state" / "c0ffee01").read_text())
     assert stored == dict(cni_config.delegate_config(conf, SF), agentdIfname="eth0")
+    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == cni_config.delegate_config(conf, SF)
+
+
+def test_add_without_the_delegate_stores_nothing_and_its_del_succeeds(tmp_path, capsys):
+    """CNI_PATH has no bridge plugin: ADD fails before it stores anything (nothing ran), and the
+    runtime's clean-up DEL -- like the DEL of a container never added -- has nothing to undo:
+    it succeeds with one warning, instead of failing for ever on the missing delegate."""
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path)
+    empty = str(tmp_path / "empty")
+    _assert_error(_run(_env(CNI_PATH=empty), conf), 999, "'bridge'", "not found")
+    assert not (tmp_path / "state" / "c0ffee01").exists()
+    capsys.readouterr()
+    for cid in ("c0ffee01", "never"):
+        assert _run(_env("DEL", CNI_CONTAINERID=cid, CNI_PATH=empty, CNI_NETNS=None), conf) == (0, None)
+        warning = capsys.readouterr().err.splitlines()
+        assert len(warning) == 1 and "'bridge'" in warning[0] and "nothing to undo" in warning[0], warning
+
+
+def test_del_with_a_stored_config_and_no_delegate_still_fails(tmp_path):
+    # Something may be left to undo: the runtime must retry once the delegate is back.
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path)
+    cni.save_state(str(tmp_path / "state"), "c0ffee01", cni_config.delegate_config(conf, SF), "eth0")
+    _assert_error(_run(_env("DEL", CNI_PATH=str(tmp_path / "empty")), conf), 999, "'bridge'", "not found")
     assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == cni_config.delegate_config(conf, SF)
 
 
@@ -734,6 +768,7 @@ def _fake_delegate(monkeypatch, calls):
         return None
 
     monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
 
 
 @pytest.mark.parametrize("command", ["ADD", "CHECK"])
