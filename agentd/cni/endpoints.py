@@ -23,7 +23,8 @@ Identity and labels, as a container runtime passes them:
 * labels: ``args.cni.labels`` (CNI conventions: a list of ``{"key", "value"}``) and
   ``runtimeConfig.labels`` (an object); later ``agentd label pod NS/NAME k=v``;
 * named container ports: ``runtimeConfig.containerPorts`` or ``args.cni.containerPorts``, a
-  list of ``{"name", "containerPort", "protocol"}`` as in a Kubernetes pod spec.
+  list of ``{"name", "containerPort", "protocol"}`` as in a Kubernetes pod spec (its
+  ``hostPort`` and ``hostIP`` are accepted and dropped).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ SUBDIR = "endpoints"
 SUFFIX = ".json"
 PROGRAMMED = ".programmed"
 DEFAULT_WAIT = 2.0
+HOST_PORT_FIELDS = ("hostPort", "hostIP")  # of a Kubernetes ContainerPort: accepted, not kept
 
 
 class EndpointError(ValueError):
@@ -195,7 +197,10 @@ def identity(env: Mapping[str, str], netconf: Mapping[str, Any],
     try:
         if ports_raw is not None and not isinstance(ports_raw, list):
             raise Invalid("containerPorts", "must be a list")
-        ports = [podres.container_port(p, f"containerPorts[{i}]", seen) for i, p in enumerate(ports_raw or [])]
+        # A pod spec's ContainerPort may also say hostPort and hostIP: the runtime passes those to
+        # portmap (runtimeConfig.portMappings); the pod's record keeps only the named port.
+        ports = [podres.container_port(p, f"containerPorts[{i}]", seen, ignored=HOST_PORT_FIELDS)
+                 for i, p in enumerate(ports_raw or [])]
     except Invalid as err:
         raise EndpointError(str(err)) from None
     return ns, name, labels, ports

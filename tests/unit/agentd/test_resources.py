@@ -304,6 +304,15 @@ def test_identity_from_cni_args_labels_and_ports():
     assert warnings == []  # a pod, and a container that claims to be none: nothing to say
 
 
+def test_identity_takes_a_kubernetes_container_port_with_host_port_and_host_ip():
+    """A ContainerPort of a pod spec may carry hostPort and hostIP (the runtime passes those to
+    portmap as portMappings): the named port is what policy needs, the rest is dropped."""
+    env = {"CNI_ARGS": "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p"}
+    port = {"name": "http", "containerPort": 80, "protocol": "TCP", "hostPort": 8080, "hostIP": "127.0.0.1"}
+    for netconf in ({"runtimeConfig": {"containerPorts": [port]}}, {"args": {"cni": {"containerPorts": [port]}}}):
+        assert endpoints.identity(env, netconf)[3] == [{"containerPort": 80, "protocol": "TCP", "name": "http"}]
+
+
 @pytest.mark.parametrize(
     "cni_args, why",
     [
