@@ -16,7 +16,9 @@ environment, and passes its result through.
   the current subnet file (so host-local still releases the address), and with no subnet file
   either, or no delegate in ``CNI_PATH`` (ADD looks for it before it stores anything), there is
   nothing left to undo and DEL succeeds (with a warning on stderr for the missing delegate).
-  With a stored config a missing delegate fails DEL: something may be left to undo.  A missing
+  With a stored config a missing delegate fails DEL: something may be left to undo.  A stored
+  config that is empty or damaged counts as none, and DEL removes it once it has done its work
+  (ADD writes it whole: a temporary file, fsynced, renamed).  A missing
   netns is handled by the bridge plugin (it releases the address and succeeds).  If the delegate rejects the stored
   config (an ADD with a broken config), DEL retries with the current config, so fixing the
   config ends the runtime's DEL retries.
@@ -45,6 +47,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -460,6 +463,9 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
                 # nothing to undo).
                 print(f"agentd-cni: DEL of container {args.container_id}: {e.msg}; no config stored, "
                       "so nothing to undo", file=sys.stderr)
+        # A state file load_state could not use (empty or damaged: a crash, a full disk) names
+        # nothing to undo; this DEL has done what it can, so it goes, or it would stay for ever.
+        _remove_unusable_state(data_dir, args.container_id)
         pod_endpoints.remove(data_dir, args.container_id)
         return
     try:
@@ -604,12 +610,30 @@ def save_state(data_dir: str, container_id: str, conf: dict[str, Any], ifname: s
         fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=f".{container_id}.")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(conf, f)
+            f.flush()
+            # On disk before it takes the name: else a crash can leave the name with no content
+            # (an empty state file, which names nothing to undo).
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         raise CniError(IO_FAILURE, f"cannot store delegate config {path}: {e.strerror or e}") from None
+    _fsync_directory(data_dir)  # the rename itself
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the file itself is on disk
+    finally:
+        os.close(fd)
 
 
 def load_state(data_dir: str, container_id: str) -> dict[str, Any] | None:
@@ -645,6 +669,17 @@ def stored_ifname(data_dir: str, container_id: str) -> str | None:
         return None
     ifname = conf.get(IFNAME_KEY) if isinstance(conf, dict) else None
     return ifname if isinstance(ifname, str) else None
+
+
+def _remove_unusable_state(data_dir: str, container_id: str) -> None:
+    """Remove the container's state file when there is one (a regular file) that load_state
+    found unusable; a directory of that name (an ID such as "endpoints") stays."""
+    try:
+        if not stat.S_ISREG(os.lstat(state_path(data_dir, container_id)).st_mode):
+            return
+    except OSError:  # none, or no file can have this name
+        return
+    remove_state(data_dir, container_id)
 
 
 def remove_state(data_dir: str, container_id: str) -> None:

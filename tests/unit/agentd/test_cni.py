@@ -978,3 +978,64 @@ def test_a_kubernetes_pod_still_gets_its_identity(tmp_path, monkeypatch, capsys)
     ep = json.loads((tmp_path / "state" / "endpoints" / "c0ffee01.json").read_text())
     assert (ep["namespace"], ep["name"]) == ("shop", "web-0")
     assert capsys.readouterr().err == ""
+
+
+# --- a corrupt state file, and how state files are written -----------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"cniVersion": "1.0.0"}', "[]"])
+@pytest.mark.parametrize("subnet_file", [True, False])
+def test_del_removes_a_corrupt_state_file_once_it_has_done_its_work(tmp_path, monkeypatch, text, subnet_file):
+    """An empty or damaged state file (a crash, a full disk) names nothing to undo: DEL does what it
+    does with nothing stored, then removes the file, so it does not stay for ever."""
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    if subnet_file:
+        cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "c0ffee01").write_text(text)
+    assert _run(_env("DEL"), conf) == (0, None)
+    assert calls == ([("DEL", "c0ffee01")] if subnet_file else [])  # the current config, if there is one
+    assert os.listdir(tmp_path / "state") == []
+
+
+def test_del_keeps_a_corrupt_state_file_while_the_delegate_fails(tmp_path, monkeypatch):
+    def invoke(conf, args, env, timeout):
+        raise cni.CniError(11, "busy")
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "c0ffee01").write_text("")
+    _assert_error(_run(_env("DEL"), _conf(tmp_path)), 11, "busy")
+    assert os.listdir(tmp_path / "state") == ["c0ffee01"]  # the runtime retries DEL
+
+
+def test_del_without_the_delegate_removes_a_corrupt_state_file(tmp_path):
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "c0ffee01").write_text("")
+    assert _run(_env("DEL", CNI_PATH=str(tmp_path / "empty")), _conf(tmp_path)) == (0, None)
+    assert os.listdir(tmp_path / "state") == []
+
+
+def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatch):
+    """save_state fsyncs the temporary file before the rename (else a crash can leave the name
+    with no content: an empty state file), and the directory after it."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    cni.save_state(str(tmp_path / "state"), "c0ffee01", {"type": "bridge"}, "eth0")
+    assert events == [("fsync", False), ("replace", "c0ffee01"), ("fsync", True)]
+    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == {"type": "bridge"}
