@@ -18,10 +18,10 @@ environment, and passes its result through.
   nothing left to undo and DEL succeeds (with a warning on stderr for the missing delegate).
   With a stored config a missing delegate fails DEL: something may be left to undo.  A stored
   config that is empty or damaged counts as none, and DEL removes it once it has done its work
-  (ADD writes it whole: a temporary file, fsynced, renamed).  A missing
-  netns is handled by the bridge plugin (it releases the address and succeeds).  If the delegate rejects the stored
-  config (an ADD with a broken config), DEL retries with the current config, so fixing the
-  config ends the runtime's DEL retries.
+  (ADD writes it whole: a temporary file, fsynced, renamed).  A missing netns is handled by
+  the bridge plugin (it releases the address and succeeds).  If the delegate rejects the
+  stored config (an ADD with a broken config), DEL retries with the current config, so fixing
+  the config ends the runtime's DEL retries.
 * CHECK runs the delegate with the stored config plus the runtime's ``prevResult``, then checks
   what the delegate cannot know: the pod's addresses are inside the node's subnets as the
   subnet file gives them now (a node that lost its lease has another), and the pod's endpoint
