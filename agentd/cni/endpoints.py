@@ -13,8 +13,9 @@ open while its containers start.  If the agent does not answer in time (it is no
 ADD succeeds anyway, with a warning on stderr: pods must start without the agent too.
 
 Files keep working when the agent is down (it reads them all when it starts) and need no
-etcd credentials in the plugin.  A pod without Kubernetes identity (no ``K8S_POD_NAMESPACE``
-/ ``K8S_POD_NAME`` in CNI_ARGS) gets no file: it is neither selectable nor isolated.
+etcd credentials in the plugin.  A container without Kubernetes identity (not both
+``K8S_POD_NAMESPACE`` and ``K8S_POD_NAME`` in CNI_ARGS, valid names: podman sends only the
+container name) gets no file: it is neither selectable nor isolated.
 
 Identity and labels, as a container runtime passes them:
 
@@ -22,7 +23,8 @@ Identity and labels, as a container runtime passes them:
 * labels: ``args.cni.labels`` (CNI conventions: a list of ``{"key", "value"}``) and
   ``runtimeConfig.labels`` (an object); later ``agentd label pod NS/NAME k=v``;
 * named container ports: ``runtimeConfig.containerPorts`` or ``args.cni.containerPorts``, a
-  list of ``{"name", "containerPort", "protocol"}`` as in a Kubernetes pod spec.
+  list of ``{"name", "containerPort", "protocol"}`` as in a Kubernetes pod spec (its
+  ``hostPort`` and ``hostIP`` are accepted and dropped).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ SUBDIR = "endpoints"
 SUFFIX = ".json"
 PROGRAMMED = ".programmed"
 DEFAULT_WAIT = 2.0
+HOST_PORT_FIELDS = ("hostPort", "hostIP")  # of a Kubernetes ContainerPort: accepted, not kept
 
 
 class EndpointError(ValueError):
@@ -147,20 +150,29 @@ def parse_cni_args(text: str) -> dict[str, str]:
     return out
 
 
-def identity(env: Mapping[str, str], netconf: Mapping[str, Any]) -> tuple[str, str, dict[str, str], list[dict[str, Any]]] | None:
+def identity(env: Mapping[str, str], netconf: Mapping[str, Any],
+             warn: Callable[[str], None] | None = None) -> tuple[str, str, dict[str, str], list[dict[str, Any]]] | None:
     """(namespace, name, labels, named ports) of the pod being added, or None without identity.
 
-    Raises EndpointError (one line, naming the field) for bad values: they are checked
-    before anything is set up."""
+    A container is a pod only with both ``K8S_POD_NAMESPACE`` and ``K8S_POD_NAME``, each a
+    valid Kubernetes name.  Runtimes other than kubelet's send names that are no pod's:
+    podman with its CNI backend sends the container name as ``K8S_POD_NAME`` alone
+    (containers/common libnetwork/cni/run.go, podman#12083), podman 3 (ocicni) sends it as
+    both, and its default names (``objective_tesla``) hold ``_``.  Such a container is
+    attached without identity, as one without these keys is, and ``warn`` is told why (one
+    line).
+
+    Raises EndpointError (one line, naming the field) for a pod's bad labels or ports: they
+    are checked before anything is set up."""
     args = parse_cni_args(env.get("CNI_ARGS", ""))
     ns, name = args.get("K8S_POD_NAMESPACE", ""), args.get("K8S_POD_NAME", "")
     if not ns and not name:
         return None
-    try:
-        dns1123_label(ns, "CNI_ARGS K8S_POD_NAMESPACE")
-        dns1123_subdomain(name, "CNI_ARGS K8S_POD_NAME")
-    except Invalid as err:
-        raise EndpointError(str(err)) from None
+    problem = _pod_name_problem(ns, name)
+    if problem:
+        if warn is not None:
+            warn(problem)
+        return None
     cni_args = ((netconf.get("args") or {}).get("cni") or {}) if isinstance(netconf.get("args"), dict) else {}
     runtime = netconf.get("runtimeConfig") if isinstance(netconf.get("runtimeConfig"), dict) else {}
     labels: dict[str, Any] = {}
@@ -185,10 +197,27 @@ def identity(env: Mapping[str, str], netconf: Mapping[str, Any]) -> tuple[str, s
     try:
         if ports_raw is not None and not isinstance(ports_raw, list):
             raise Invalid("containerPorts", "must be a list")
-        ports = [podres.container_port(p, f"containerPorts[{i}]", seen) for i, p in enumerate(ports_raw or [])]
+        # A pod spec's ContainerPort may also say hostPort and hostIP: the runtime passes those to
+        # portmap (runtimeConfig.portMappings); the pod's record keeps only the named port.
+        ports = [podres.container_port(p, f"containerPorts[{i}]", seen, ignored=HOST_PORT_FIELDS)
+                 for i, p in enumerate(ports_raw or [])]
     except Invalid as err:
         raise EndpointError(str(err)) from None
     return ns, name, labels, ports
+
+
+def _pod_name_problem(ns: str, name: str) -> str:
+    """Why CNI_ARGS name no pod ("" if they name one)."""
+    if not ns:
+        return "CNI_ARGS has K8S_POD_NAME but no K8S_POD_NAMESPACE"
+    if not name:
+        return "CNI_ARGS has K8S_POD_NAMESPACE but no K8S_POD_NAME"
+    try:
+        dns1123_label(ns, "CNI_ARGS K8S_POD_NAMESPACE")
+        dns1123_subdomain(name, "CNI_ARGS K8S_POD_NAME")
+    except Invalid as err:
+        return str(err)
+    return ""
 
 
 def attachment(result: Mapping[str, Any], bridge: str) -> tuple[list[str], str, str]:

@@ -14,10 +14,14 @@ environment, and passes its result through.
 * DEL runs the delegate with exactly the stored config (the subnet file may have changed since),
   then removes it.  DEL is idempotent: with no stored config it falls back to a config built from
   the current subnet file (so host-local still releases the address), and with no subnet file
-  either there is nothing left to undo and DEL succeeds.  A missing netns is handled by the
-  bridge plugin (it releases the address and succeeds).  If the delegate rejects the stored
-  config (an ADD with a broken config), DEL retries with the current config, so fixing the
-  config ends the runtime's DEL retries.
+  either, or no delegate in ``CNI_PATH`` (ADD looks for it before it stores anything), there is
+  nothing left to undo and DEL succeeds (with a warning on stderr for the missing delegate).
+  With a stored config a missing delegate fails DEL: something may be left to undo.  A stored
+  config that is empty or damaged counts as none, and DEL removes it once it has done its work
+  (ADD writes it whole: a temporary file, fsynced, renamed).  A missing netns is handled by
+  the bridge plugin (it releases the address and succeeds).  If the delegate rejects the
+  stored config (an ADD with a broken config), DEL retries with the current config, so fixing
+  the config ends the runtime's DEL retries.
 * CHECK runs the delegate with the stored config plus the runtime's ``prevResult``, then checks
   what the delegate cannot know: the pod's addresses are inside the node's subnets as the
   subnet file gives them now (a node that lost its lease has another), and the pod's endpoint
@@ -43,6 +47,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -80,8 +85,9 @@ TRY_AGAIN_LATER = 11
 INTERNAL = 999
 
 # Container IDs and network names: libcni's utils.ValidateContainerID / ValidateNetworkName.
-# The container ID also names the state file, so this keeps it inside dataDir.
-_ID_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$")
+# The container ID also names the state file, so this keeps it inside dataDir.  Used with
+# fullmatch: Python's "$" also matches before a final "\n" (Go's does not), so "abc\n" would pass.
+_ID_RE = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
 # ... but a file name has a limit (255 bytes; the temp files add a prefix and a suffix), and
 # names dataDir holds for other things are not a container's (an ID "endpoints" would take the
 # endpoint files' directory).  ADD and CHECK refuse such IDs; DEL takes them (nothing to undo
@@ -108,6 +114,10 @@ class CniError(Exception):
         if self.result is not None:
             return self.result
         return {"cniVersion": cni_version, "code": self.code, "msg": self.msg, "details": self.details}
+
+
+class DelegateNotFound(CniError):
+    """The delegate plugin is in no directory of CNI_PATH (nor binDir)."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +201,7 @@ def parse_env(command: str, env: Mapping[str, str]) -> CmdArgs:
     container_id = env.get("CNI_CONTAINERID", "")
     if not container_id:
         raise CniError(INVALID_ENVIRONMENT_VARIABLES, "CNI_CONTAINERID is not set")
-    if not _ID_RE.match(container_id):
+    if not _ID_RE.fullmatch(container_id):
         raise CniError(
             INVALID_ENVIRONMENT_VARIABLES,
             f"invalid characters in CNI_CONTAINERID {container_id!r}",
@@ -280,7 +290,7 @@ def parse_netconf(stdin: bytes) -> dict[str, Any]:
     name = conf.get("name")
     if not isinstance(name, str) or not name:
         raise CniError(INVALID_NETWORK_CONFIG, "network config needs a string 'name'")
-    if not _ID_RE.match(name):
+    if not _ID_RE.fullmatch(name):
         raise CniError(INVALID_NETWORK_CONFIG, f"invalid characters in network name {name!r}")
     for key in ("type", "subnetFile", "dataDir"):
         if key in conf and (not isinstance(conf[key], str) or not conf[key]):
@@ -366,7 +376,7 @@ def _peek_version(stdin: bytes) -> str:
 def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     sf = load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE))
     conf = delegate_config(netconf, sf)
-    pod = _pod_identity(env, netconf)  # checked before anything is set up
+    pod = _pod_identity(args, env, netconf)  # checked before anything is set up
     data_dir = _data_dir(netconf)
     attached = stored_ifname(data_dir, args.container_id)
     if attached is not None and attached != args.ifname:
@@ -375,6 +385,9 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
             f"container {args.container_id} already has an agentd interface ({attached}); "
             f"agentd attaches a container once, not again as {args.ifname}",
         )
+    # Looked for before anything is stored: an ADD that cannot run its delegate has set up
+    # nothing, so its clean-up DEL finds nothing stored and has nothing to undo.
+    find_plugin(conf["type"], args.path)
     save_state(data_dir, args.container_id, conf, args.ifname)
     result = invoke_delegate(conf, args, env, timeout=netconf.get("delegateTimeout", DELEGATE_TIMEOUT))
     if result is None:
@@ -390,9 +403,13 @@ def cmd_add(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> d
 # --- pod identity for NetworkPolicy (agentd/cni/endpoints.py) -------------------------------
 
 
-def _pod_identity(env: Mapping[str, str], netconf: dict[str, Any]) -> Any:
+def _pod_identity(args: CmdArgs, env: Mapping[str, str], netconf: dict[str, Any]) -> Any:
+    def warn(why: str) -> None:
+        print(f"agentd-cni: container {args.container_id} is attached without pod identity "
+              f"(network policy neither selects nor isolates it): {why}", file=sys.stderr)
+
     try:
-        return pod_endpoints.identity(env, netconf)
+        return pod_endpoints.identity(env, netconf, warn)
     except pod_endpoints.EndpointError as e:
         raise CniError(INVALID_NETWORK_CONFIG, f"pod identity: {e}") from None
 
@@ -437,7 +454,18 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
         # release whatever is left under the current config; if the agent has not written a
         # usable subnet file either, there is nothing this plugin can undo.
         if current is not None:
-            invoke_delegate(current, args, env, timeout=timeout)
+            try:
+                invoke_delegate(current, args, env, timeout=timeout)
+            except DelegateNotFound as e:
+                # Nothing stored and no delegate to ask: nothing this plugin could undo (ADD
+                # stores the config before the delegate runs).  Failing would fail every DEL
+                # of this container for ever (spec 1.0.0: DEL must succeed when there is
+                # nothing to undo).
+                print(f"agentd-cni: DEL of container {args.container_id}: {e.msg}; no config stored, "
+                      "so nothing to undo", file=sys.stderr)
+        # A state file load_state could not use (empty or damaged: a crash, a full disk) names
+        # nothing to undo; this DEL has done what it can, so it goes, or it would stay for ever.
+        _remove_unusable_state(data_dir, args.container_id)
         pod_endpoints.remove(data_dir, args.container_id)
         return
     try:
@@ -495,7 +523,7 @@ def cmd_check(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) ->
     invoke_delegate(conf, args, env, timeout=netconf.get("delegateTimeout", DELEGATE_TIMEOUT))
     ips = _result_addresses(netconf["prevResult"])
     _check_in_subnets(ips, load_subnet_file(netconf.get("subnetFile", DEFAULT_SUBNET_FILE)))
-    if _pod_identity(env, netconf) is not None:
+    if _pod_identity(args, env, netconf) is not None:
         _check_endpoint(data_dir, args.container_id, ips)
 
 
@@ -582,12 +610,30 @@ def save_state(data_dir: str, container_id: str, conf: dict[str, Any], ifname: s
         fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=f".{container_id}.")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(conf, f)
+            f.flush()
+            # On disk before it takes the name: else a crash can leave the name with no content
+            # (an empty state file, which names nothing to undo).
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         raise CniError(IO_FAILURE, f"cannot store delegate config {path}: {e.strerror or e}") from None
+    _fsync_directory(data_dir)  # the rename itself
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the file itself is on disk
+    finally:
+        os.close(fd)
 
 
 def load_state(data_dir: str, container_id: str) -> dict[str, Any] | None:
@@ -625,6 +671,17 @@ def stored_ifname(data_dir: str, container_id: str) -> str | None:
     return ifname if isinstance(ifname, str) else None
 
 
+def _remove_unusable_state(data_dir: str, container_id: str) -> None:
+    """Remove the container's state file when there is one (a regular file) that load_state
+    found unusable; a directory of that name (an ID such as "endpoints") stays."""
+    try:
+        if not stat.S_ISREG(os.lstat(state_path(data_dir, container_id)).st_mode):
+            return
+    except OSError:  # none, or no file can have this name
+        return
+    remove_state(data_dir, container_id)
+
+
 def remove_state(data_dir: str, container_id: str) -> None:
     path = state_path(data_dir, container_id)
     try:
@@ -644,7 +701,7 @@ def find_plugin(plugin_type: str, path: tuple[str, ...]) -> str:
         candidate = os.path.join(directory, plugin_type)
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
-    raise CniError(INTERNAL, f"delegate plugin {plugin_type!r} not found in CNI_PATH {os.pathsep.join(path)}")
+    raise DelegateNotFound(INTERNAL, f"delegate plugin {plugin_type!r} not found in CNI_PATH {os.pathsep.join(path)}")
 
 
 def invoke_delegate(

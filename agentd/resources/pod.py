@@ -61,8 +61,9 @@ def validate_spec(raw: Any) -> dict[str, Any]:
     return out
 
 
-def container_port(raw: Any, path: str, seen: set[str]) -> dict[str, Any]:
-    p = obj(raw, path, ("name", "containerPort", "protocol"))
+def container_port(raw: Any, path: str, seen: set[str], *, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A named container port as the record keeps it; ``ignored`` fields are dropped unchecked."""
+    p = obj(raw, path, ("name", "containerPort", "protocol"), ignored=ignored)
     if "containerPort" not in p:
         raise required(f"{path}.containerPort")
     port: dict[str, Any] = {

@@ -112,7 +112,8 @@ def test_del_needs_no_netns_and_succeeds_with_nothing_to_undo(tmp_path):
     assert _run(_env("DEL", CNI_NETNS=None), _conf(tmp_path)) == (0, None)
 
 
-@pytest.mark.parametrize("container_id", ["../etc", "a/b", "-x", ".hidden", "a b", "ü"])
+# "abc\n": Python's "$" also matches before a final newline; libcni's Go regexp does not.
+@pytest.mark.parametrize("container_id", ["../etc", "a/b", "-x", ".hidden", "a b", "ü", "abc\n"])
 def test_bad_container_id(tmp_path, container_id):
     _assert_error(_run(_env(CNI_CONTAINERID=container_id), _conf(tmp_path)), 4, "CNI_CONTAINERID")
 
@@ -157,6 +158,7 @@ def test_error_result_carries_request_version(tmp_path):
         ({"name": None}, "name"),
         ({"name": 7}, "name"),
         ({"name": "bad name"}, "network name"),
+        ({"name": "agentd\n"}, "network name"),
         ({"type": 3}, "type"),
         ({"subnetFile": ""}, "subnetFile"),
         ({"subnetFile": 5}, "subnetFile"),
@@ -211,20 +213,54 @@ def test_add_with_bad_subnet_file_is_invalid_config(tmp_path, text, word):
     _assert_error(_run(_env(), _conf(tmp_path)), 7, word, str(tmp_path / "subnet.env"))
 
 
-def test_add_with_unwritable_data_dir_is_io_failure(tmp_path):
+def test_add_with_unwritable_data_dir_is_io_failure(tmp_path, monkeypatch):
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
     cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
     (tmp_path / "file").write_text("")
     _assert_error(_run(_env(), _conf(tmp_path, dataDir=str(tmp_path / "file" / "state"))), 5, "delegate config")
 
 
-def test_add_stores_delegate_config_before_running_delegate(tmp_path):
-    # CNI_PATH has no bridge plugin: the delegate cannot run, but what ADD meant to run is
-    # stored, so the runtime's clean-up DEL would use it.
+def test_add_stores_delegate_config_before_running_delegate(tmp_path, monkeypatch):
+    # The delegate fails: what ADD ran is stored, so the runtime's clean-up DEL uses it.
     cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
     conf = _conf(tmp_path)
-    _assert_error(_run(_env(CNI_PATH=str(tmp_path / "empty")), conf), 999, "'bridge'", "not found")
+    seen = []
+
+    def invoke(conf, args, env, timeout):
+        seen.append(cni.load_state(str(tmp_path / "state"), args.container_id))
+        raise cni.CniError(11, "boom")
+
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    _assert_error(_run(_env(), conf), 11, "boom")
+    assert seen == [cni_config.delegate_config(conf, SF)]
     stored = json.loads((tmp_path / "state" / "c0ffee01").read_text())
     assert stored == dict(cni_config.delegate_config(conf, SF), agentdIfname="eth0")
+    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == cni_config.delegate_config(conf, SF)
+
+
+def test_add_without_the_delegate_stores_nothing_and_its_del_succeeds(tmp_path, capsys):
+    """CNI_PATH has no bridge plugin: ADD fails before it stores anything (nothing ran), and the
+    runtime's clean-up DEL -- like the DEL of a container never added -- has nothing to undo:
+    it succeeds with one warning, instead of failing for ever on the missing delegate."""
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path)
+    empty = str(tmp_path / "empty")
+    _assert_error(_run(_env(CNI_PATH=empty), conf), 999, "'bridge'", "not found")
+    assert not (tmp_path / "state" / "c0ffee01").exists()
+    capsys.readouterr()
+    for cid in ("c0ffee01", "never"):
+        assert _run(_env("DEL", CNI_CONTAINERID=cid, CNI_PATH=empty, CNI_NETNS=None), conf) == (0, None)
+        warning = capsys.readouterr().err.splitlines()
+        assert len(warning) == 1 and "'bridge'" in warning[0] and "nothing to undo" in warning[0], warning
+
+
+def test_del_with_a_stored_config_and_no_delegate_still_fails(tmp_path):
+    # Something may be left to undo: the runtime must retry once the delegate is back.
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path)
+    cni.save_state(str(tmp_path / "state"), "c0ffee01", cni_config.delegate_config(conf, SF), "eth0")
+    _assert_error(_run(_env("DEL", CNI_PATH=str(tmp_path / "empty")), conf), 999, "'bridge'", "not found")
     assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == cni_config.delegate_config(conf, SF)
 
 
@@ -732,6 +768,7 @@ def _fake_delegate(monkeypatch, calls):
         return None
 
     monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    monkeypatch.setattr(cni, "find_plugin", lambda plugin_type, path: "/fake/" + plugin_type)
 
 
 @pytest.mark.parametrize("command", ["ADD", "CHECK"])
@@ -900,3 +937,105 @@ def test_the_bridge_guard_before_an_ack_is_clsacts_alone():
         path.dp, path._lock = Datapath(hook), asyncio.Lock()
         asyncio.run(path.guard_bridges())
         assert path.dp.calls == calls, hook
+
+
+# --- pod identity: podman's CNI_ARGS --------------------------------------------------------------
+
+PODMAN_CNI_ARGS = [
+    # podman 4/5, CNI backend (containers/common libnetwork/cni/run.go getRuntimeConfig: "Do not
+    # set the K8S env vars", podman#12083): the container name as K8S_POD_NAME, nothing more.
+    "IgnoreUnknown=1;K8S_POD_NAME=objective_tesla",
+    "IgnoreUnknown=1;K8S_POD_NAME=web",
+    # podman 3 (ocicni): the container name as namespace and name; default names hold "_".
+    "IgnoreUnknown=1;K8S_POD_NAMESPACE=objective_tesla;K8S_POD_NAME=objective_tesla;K8S_POD_INFRA_CONTAINER_ID=c0ffee01",
+]
+
+
+@pytest.mark.parametrize("cni_args", PODMAN_CNI_ARGS)
+def test_a_podman_container_is_attached_without_pod_identity_and_one_warning(tmp_path, monkeypatch, capsys, cni_args):
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path, policyTimeout=0)
+    code, result = _run(_env(CNI_ARGS=cni_args), conf)
+    assert code == 0 and result is not None and result["ips"][0]["address"] == "10.244.3.7/24", result
+    assert calls == [("ADD", "c0ffee01")]
+    assert not (tmp_path / "state" / "endpoints" / "c0ffee01.json").exists()  # no pod to policy
+    warning = capsys.readouterr().err.splitlines()
+    assert len(warning) == 1 and "c0ffee01" in warning[0] and "without pod identity" in warning[0], warning
+    assert "K8S_POD_NAMESPACE" in warning[0]  # why: missing, or not a namespace's name
+    prev = dict(result, cniVersion="1.0.0")
+    assert _run(_env("CHECK", CNI_ARGS=cni_args), _conf(tmp_path, prevResult=prev)) == (0, None)
+    assert _run(_env("DEL", CNI_ARGS=cni_args), conf) == (0, None)
+
+
+def test_a_kubernetes_pod_still_gets_its_identity(tmp_path, monkeypatch, capsys):
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0;K8S_POD_INFRA_CONTAINER_ID=c0ffee01"
+    assert _run(_env(CNI_ARGS=args), _conf(tmp_path, policyTimeout=0))[0] == 0
+    ep = json.loads((tmp_path / "state" / "endpoints" / "c0ffee01.json").read_text())
+    assert (ep["namespace"], ep["name"]) == ("shop", "web-0")
+    assert capsys.readouterr().err == ""
+
+
+# --- a corrupt state file, and how state files are written -----------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"cniVersion": "1.0.0"}', "[]"])
+@pytest.mark.parametrize("subnet_file", [True, False])
+def test_del_removes_a_corrupt_state_file_once_it_has_done_its_work(tmp_path, monkeypatch, text, subnet_file):
+    """An empty or damaged state file (a crash, a full disk) names nothing to undo: DEL does what it
+    does with nothing stored, then removes the file, so it does not stay for ever."""
+    calls = []
+    _fake_delegate(monkeypatch, calls)
+    if subnet_file:
+        cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    conf = _conf(tmp_path)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "c0ffee01").write_text(text)
+    assert _run(_env("DEL"), conf) == (0, None)
+    assert calls == ([("DEL", "c0ffee01")] if subnet_file else [])  # the current config, if there is one
+    assert os.listdir(tmp_path / "state") == []
+
+
+def test_del_keeps_a_corrupt_state_file_while_the_delegate_fails(tmp_path, monkeypatch):
+    def invoke(conf, args, env, timeout):
+        raise cni.CniError(11, "busy")
+
+    monkeypatch.setattr(cni, "invoke_delegate", invoke)
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "c0ffee01").write_text("")
+    _assert_error(_run(_env("DEL"), _conf(tmp_path)), 11, "busy")
+    assert os.listdir(tmp_path / "state") == ["c0ffee01"]  # the runtime retries DEL
+
+
+def test_del_without_the_delegate_removes_a_corrupt_state_file(tmp_path):
+    cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "c0ffee01").write_text("")
+    assert _run(_env("DEL", CNI_PATH=str(tmp_path / "empty")), _conf(tmp_path)) == (0, None)
+    assert os.listdir(tmp_path / "state") == []
+
+
+def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatch):
+    """save_state fsyncs the temporary file before the rename (else a crash can leave the name
+    with no content: an empty state file), and the directory after it."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    cni.save_state(str(tmp_path / "state"), "c0ffee01", {"type": "bridge"}, "eth0")
+    assert events == [("fsync", False), ("replace", "c0ffee01"), ("fsync", True)]
+    assert cni.load_state(str(tmp_path / "state"), "c0ffee01") == {"type": "bridge"}

@@ -295,18 +295,51 @@ def test_identity_from_cni_args_labels_and_ports():
         "args": {"cni": {"labels": [{"key": "app", "value": "web"}, {"key": "tier", "value": "fe"}]}},
         "runtimeConfig": {"labels": {"tier": "be"}, "containerPorts": [{"name": "http", "containerPort": 8080}]},
     }
-    ns, name, labels, ports = endpoints.identity(env, netconf)
+    warnings: list[str] = []
+    ns, name, labels, ports = endpoints.identity(env, netconf, warnings.append)
     assert (ns, name) == ("prod", "web-1")
     assert labels == {"app": "web", "tier": "be"}  # runtimeConfig last
     assert ports == [{"containerPort": 8080, "protocol": "TCP", "name": "http"}]
-    assert endpoints.identity({"CNI_ARGS": "IgnoreUnknown=1"}, {}) is None
+    assert endpoints.identity({"CNI_ARGS": "IgnoreUnknown=1"}, {}, warnings.append) is None
+    assert warnings == []  # a pod, and a container that claims to be none: nothing to say
+
+
+def test_identity_takes_a_kubernetes_container_port_with_host_port_and_host_ip():
+    """A ContainerPort of a pod spec may carry hostPort and hostIP (the runtime passes those to
+    portmap as portMappings): the named port is what policy needs, the rest is dropped."""
+    env = {"CNI_ARGS": "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p"}
+    port = {"name": "http", "containerPort": 80, "protocol": "TCP", "hostPort": 8080, "hostIP": "127.0.0.1"}
+    for netconf in ({"runtimeConfig": {"containerPorts": [port]}}, {"args": {"cni": {"containerPorts": [port]}}}):
+        assert endpoints.identity(env, netconf)[3] == [{"containerPort": 80, "protocol": "TCP", "name": "http"}]
+
+
+@pytest.mark.parametrize(
+    "cni_args, why",
+    [
+        # podman 4/5 with its CNI backend (containers/common libnetwork/cni/run.go getRuntimeConfig,
+        # "Do not set the K8S env vars", podman#12083): the container name as K8S_POD_NAME only.
+        ("IgnoreUnknown=1;K8S_POD_NAME=objective_tesla", "K8S_POD_NAME but no K8S_POD_NAMESPACE"),
+        ("IgnoreUnknown=1;K8S_POD_NAME=web", "K8S_POD_NAME but no K8S_POD_NAMESPACE"),
+        # podman 3 (ocicni): the container name as both; its default names hold "_".
+        ("IgnoreUnknown=1;K8S_POD_NAMESPACE=objective_tesla;K8S_POD_NAME=objective_tesla;K8S_POD_INFRA_CONTAINER_ID=3f2a5c",
+         'CNI_ARGS K8S_POD_NAMESPACE: Invalid value: "objective_tesla"'),
+        ("K8S_POD_NAMESPACE=Prod;K8S_POD_NAME=a", 'CNI_ARGS K8S_POD_NAMESPACE: Invalid value: "Prod"'),
+        ("K8S_POD_NAMESPACE=p;K8S_POD_NAME=My_App", 'CNI_ARGS K8S_POD_NAME: Invalid value: "My_App"'),
+        ("K8S_POD_NAMESPACE=p", "K8S_POD_NAMESPACE but no K8S_POD_NAME"),
+    ],
+)  # fmt: skip
+def test_identity_needs_both_names_valid_else_none_with_one_warning(cni_args, why):
+    """A container runtime that is not kubelet's (podman) sends pod names that are no pod's: the
+    container is attached without identity, as one without K8S args, and the plugin says why."""
+    warnings: list[str] = []
+    netconf = {"runtimeConfig": {"labels": {"a": "b c"}}}  # not checked: there is no pod to label
+    assert endpoints.identity({"CNI_ARGS": cni_args}, netconf, warnings.append) is None
+    assert len(warnings) == 1 and why in warnings[0] and "\n" not in warnings[0], warnings
 
 
 @pytest.mark.parametrize(
     "env, netconf, expected",
     [
-        ({"CNI_ARGS": "K8S_POD_NAMESPACE=Prod;K8S_POD_NAME=a"}, {}, 'CNI_ARGS K8S_POD_NAMESPACE: Invalid value: "Prod"'),
-        ({"CNI_ARGS": "K8S_POD_NAMESPACE=p"}, {}, "CNI_ARGS K8S_POD_NAME: Required value"),
         ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"runtimeConfig": {"labels": {"a": "b c"}}}, 'labels: Invalid value: "b c"'),
         ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"args": {"cni": {"labels": {"a": "b"}}}}, "args.cni.labels must be a list"),
         ({"CNI_ARGS": "K8S_POD_NAMESPACE=p;K8S_POD_NAME=a"}, {"args": {"cni": {"labels": [{"key": ["x"]}]}}}, "args.cni.labels must be a list"),
