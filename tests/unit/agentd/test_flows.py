@@ -438,6 +438,14 @@ def test_every_protocol_can_be_named_in_any_case():
     assert not FlowFilter.parse([("protocol", "icmp")]).matches(v6)
 
 
+def test_verdicts_events_and_reasons_can_be_named_in_any_case():
+    """As protocols (the browser view's form keeps a verdict in any case from its address)."""
+    assert FlowFilter.parse([("verdict", "Dropped")]).verdict == ("dropped",)
+    assert FlowFilter.parse([("verdict", "FORWARDED")]).matches(flow())
+    assert FlowFilter.parse([("event", "NEW")]).event == ("new",)
+    assert FlowFilter.parse([("reason", "No-Route")]).reason == ("no-route",)
+
+
 def test_a_port_filter_never_matches_icmp_type_or_code():
     # ICMP's ends hold its type (source) and code (destination): an echo request is not port 8 or 0.
     ping = Flow(1.0, "node2", "new", "ICMP", Peer("10.244.1.2", 8, CLIENT), Peer("10.244.2.3", 0, WEB), "ingress")
