@@ -221,7 +221,7 @@ class _Handlers:
                         path = "/flows?" + urlencode([*_node_params(flt, name, joined_since), ("last", str(MAX_LAST)),
                                                       ("follow", "1")])
                     elif last:
-                        first = firsts[name] = _Snapshot()
+                        first = firsts[name] = _Snapshot(last)
                         path = "/flows?" + urlencode([*_node_params(flt, name, since), ("last", str(last)), ("follow", "1")])
                     # The whole cluster followed: a node that leaves it is let go (and followed
                     # again if it comes back); one the reader named is asked for until it is back.
@@ -239,6 +239,7 @@ class _Handlers:
         try:
             if last:
                 records, errors = await self._gather_last(names, flt, last, since, firsts)
+                firsts.clear()  # gathered (each node's lines let go there): nothing held for the stream's life
                 for name, error in sorted(errors.items()):
                     await resp.write(_line({"node": name, "error": error}))
                 for line in records:
@@ -305,17 +306,23 @@ class _Handlers:
                 if first.error is not None:
                     errors[name] = first.error
                     return
-                answer: Any = _aiter(first.lines)
+                answer: Any = _aiter(first.take())
             else:
                 path = "/flows?" + urlencode([*_node_params(flt, name, since), ("last", str(last))])
                 answer = cluster.lines(name, path)
             try:
                 async for line in answer:
                     record = json.loads(line)
+                    if not isinstance(record, dict):
+                        errors[name] = f"{name} answered a line that is not a JSON object"
+                        return
                     if "error" in record:
                         errors[name] = str(record["error"])
                         return
                     if "time" in record:  # not a {"lost": N} of a remote follower
+                        if record.get("node") != name:  # a node answers for itself alone
+                            errors[name] = _not_its_own(name, record.get("node"))
+                            return
                         newest.add(float(record["time"]), line if line.endswith(b"\n") else line + b"\n")
             except (OSError, ValueError, TypeError) as err:
                 errors[name] = str(err)
@@ -337,6 +344,10 @@ class _Handlers:
             return web.json_response({"node": me, "nodes": {me: {"status": self.agent.status()}}},
                                      dumps=_dumps)
         statuses = await cluster.gather("/status", self.agent.status)
+        for name, s in statuses.items():
+            said = (s.get("node") or {}).get("name") if isinstance(s.get("node"), dict) else None
+            if "error" not in s and said != name:  # shown as that node's: it must be that node's
+                statuses[name] = {"error": f"{name}'s address answered as node {said!r}"}
         addresses = cluster.nodes()
         nodes = {name: {"address": addresses.get(name), **({"error": str(s["error"])} if "error" in s else {"status": s})}
                  for name, s in statuses.items()}
@@ -485,9 +496,11 @@ class _Newest:
 
 class _Snapshot:
     """One node's last N, the start of its followed stream (up to the empty line that ends
-    them), handed to the gathering; ``error``: why they did not all come."""
+    them), handed to the gathering (:meth:`take`: held no longer); ``error``: why they did not
+    all come.  More than the ``limit`` asked for are not kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
         self.lines: list[bytes] = []
         self.error: str | None = None
         self.done = asyncio.Event()
@@ -495,8 +508,14 @@ class _Snapshot:
         self.unmarked = False  # the node is an older agentd: its last N are to be asked apart
 
     def add(self, line: bytes) -> None:
-        self.lines.append(line)
+        if len(self.lines) < self.limit:
+            self.lines.append(line)
         self.moved.set()
+
+    def take(self) -> list[bytes]:
+        """The lines, handed over: not held here any more."""
+        lines, self.lines = self.lines, []
+        return lines
 
     def end(self, error: str | None = None) -> None:
         """Handed over (what came after goes to the merged stream)."""
@@ -614,6 +633,7 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
         return line if line.endswith(b"\n") else line + b"\n"
 
     held: list[tuple[bytes, int]] = []  # the current answer's {"lost": N} lines (and N), before its next record
+    foreign = False  # a record naming another node came (said once, each such record left out)
 
     def forward(line: bytes) -> None:
         """Into ``merge``; a ``{"lost": N}`` line, named with the node (the merged stream is
@@ -624,10 +644,23 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
         if line.startswith(b'{"lost":'):
             held.append(_lost_at(node, line))
             return
+        if not own(line):
+            return
         for lost, n in held:
             merge.put(lost, n)
         held.clear()
         merge.put(line)
+
+    def own(line: bytes) -> bool:
+        """Whether a line is the node's own (a node answers for itself alone): a record naming
+        another is left out, and said once."""
+        nonlocal foreign
+        if _names(line, node):
+            return True
+        if not foreign:
+            foreign = True
+            merge.put(_line({"node": node, "error": _not_its_own(node, _named(line))}))
+        return False
 
     def say(message: str) -> None:
         if first is not None and not first.done.is_set():
@@ -647,7 +680,8 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
                     if not line.strip():  # the end of the last N, or a keep-alive
                         first.end()
                     elif not first.done.is_set():
-                        first.add(passed(line))
+                        if own(line := passed(line)):
+                            first.add(line)
                     else:
                         forward(passed(line))
             message = f"{node} ended the stream"
@@ -693,15 +727,36 @@ async def _pump_remote(cluster: ClusterView, node: str, path: str, merge: _Merge
         delay = min(RETRY_MAX, delay * 2)
 
 
+def _named(line: bytes) -> Any:
+    """The node a gathered record names (None: none, or not a record)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("node") if isinstance(record, dict) else None
+
+
+def _names(line: bytes, node: str) -> bool:
+    """Whether a line of ``node``'s followed stream is its own: a record that names it (an
+    answer's other lines -- its error, a keep-alive -- are not records)."""
+    if not line.startswith(b'{"seq":'):  # Flow.json: the number first
+        return True
+    return _named(line) == node
+
+
+def _not_its_own(asked: str, named: Any) -> str:
+    return f"{asked} answered with records of node {named!r}, not its own: left out"
+
+
 def _lost_at(node: str, line: bytes) -> tuple[bytes, int]:
     """A node's ``{"lost": N, ...}`` line as a gathered stream passes it on: with ``"node"``
-    naming the node whose records were lost (unless it names one already), and N."""
+    naming the node asked (its records were lost: a node speaks for itself alone), and N."""
     try:
         record = json.loads(line)
         n = max(1, int(record["lost"]))
     except (ValueError, TypeError, KeyError, OverflowError):  # not what an agentd sends (Infinity): passed on as it came
         return line, 1
-    if "node" in record:
+    if not isinstance(record, dict) or record.get("node") == node:
         return line, n
     return _line({**record, "node": node}), n
 

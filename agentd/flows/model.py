@@ -247,18 +247,19 @@ def _value(key: str, value: str) -> Any:
                 or (v and not _LABEL_NAME.fullmatch(v))):  # fmt: skip
             raise FilterError(f"filter label: expected KEY or KEY=VALUE (label syntax), got {value!r}")
         return (k, v if sep else None)
+    # Verdicts, events and reasons in any case, as protocols (hubble's --verdict DROPPED).
     if key == "verdict":
-        if value not in VERDICTS:
+        if value.lower() not in VERDICTS:
             raise FilterError(f"filter verdict: {value!r} is not one of {', '.join(VERDICTS)}")
-        return value
+        return value.lower()
     if key == "event":
-        if value not in EVENTS:
+        if value.lower() not in EVENTS:
             raise FilterError(f"filter event: {value!r} is not one of {', '.join(EVENTS)}")
-        return value
+        return value.lower()
     if key == "reason":
-        if value not in REASONS:
+        if value.lower() not in REASONS:
             raise FilterError(f"filter reason: {value!r} is not one of {', '.join(REASONS)}")
-        return value
+        return value.lower()
     if key == "protocol":
         named = {name.upper(): name for name in PROTOCOLS.values()}.get(value.upper())
         if named is None:

@@ -87,7 +87,7 @@ function labels(obj) { return Object.entries(obj || {}).map(([k, v]) => pill(`${
 function failure(err) { return el("p", { class: "err" }, String(err.message || err)); }
 
 function page(title, ...content) {
-  view.replaceChildren(el("h1", {}, title), ...content);
+  view.replaceChildren(el("h1", {}, title), ...content.filter((c) => c !== null && c !== undefined));
 }
 
 // ------------------------------------------------------------------ the cluster
@@ -122,6 +122,7 @@ async function showCluster() {
       el("span", { class: "ok" }, "━ Established (both ends)"),
       el("span", { class: "warn" }, "┅ Established at one end only"),
       el("span", { class: "bad" }, "╍ not Established"),
+      el("span", { class: "muted" }, "┈ the other end could not be asked"),
       el("span", {}, "● node  ◉ route reflector  ○ external peer  grey: unreachable")),
     el("h2", {}, "Nodes"),
     table(["node", "address", "subnet", "backend", "state", "role", "BGP sessions"], rows, (i) => ({ "data-node-row": names[i] })));
@@ -158,12 +159,16 @@ function sessionGraph(data, names) {
   for (const key of Object.keys(sessions).sort()) {
     const s = sessions[key];
     const states = Object.values(s.states);
-    const ends = [s.a, s.b].filter((n) => names.includes(n)).length;
+    // The ends that are nodes of the cluster and answered: one that could not be asked says
+    // nothing of the session (not "one end only").  An external peer is never asked.
+    const asked = [s.a, s.b].filter((n) => names.includes(n) && !data.nodes[n].error).length;
+    const unasked = [s.a, s.b].some((n) => names.includes(n) && data.nodes[n].error);
     const est = states.filter((x) => x === "Established").length;
-    const state = est === 0 ? "down" : (est < Math.min(ends, 2) && ends === 2 ? "half" : "up");
+    const state = est === 0 ? "down" : unasked ? "unknown" : (est < asked && asked === 2 ? "half" : "up");
     const [x1, y1] = pos[s.a], [x2, y2] = pos[s.b];
     const line = svg("line", { x1, y1, x2, y2, class: `session state-${state}`, "data-session": key, "data-state": state });
-    line.append(svg("title", {}, `${s.a} ↔ ${s.b}: ` + Object.entries(s.states).map(([n, st]) => `${n} says ${st}`).join(", ")));
+    line.append(svg("title", {}, `${s.a} ↔ ${s.b}: ` + Object.entries(s.states).map(([n, st]) => `${n} says ${st}`).join(", ") +
+      (unasked ? " (the other end could not be asked)" : "")));
     g.append(line);
   }
   for (const n of all) {
@@ -189,7 +194,7 @@ async function showNode(name) {
   let status, routes, policy;
   try {
     [status, routes, policy] = await Promise.all([getJSON(`${base}/status`), getJSON(`${base}/routes`),
-      getJSON(`${base}/policy`).catch((err) => ({ error: err.message, pods: [] }))]);
+      getJSON(`${base}/policy`).catch((err) => ({ failed: err.message, pods: [] }))]);
   } catch (err) { if (me === shown) page(`Node ${name}`, failure(err)); return; }
   if (me !== shown) return;
   const node = status.node || {};
@@ -208,7 +213,11 @@ async function showNode(name) {
       routes.map((r) => [r.dst, r.via, r.dev, r.backend, r.peer, r.installed === false ? el("span", { class: "bad" }, "no") : "yes"])),
     el("p", { class: "muted" }, "Why a route is there: the peer that advertised the subnet (BGP best path) and the backend chosen for that peer."),
     el("h2", {}, "Pods"),
-    policy.error ? failure(new Error(policy.error)) : table(["pod", "address", "labels", "policies", "isolated", "dropped in/out"],
+    policy.failed ? failure(new Error(policy.failed)) : null,
+    // The policy agent's last sync failed (nftables refused a change): what it shows is what
+    // the kernel has, with the error above it.
+    policy.error ? el("p", { class: "err", id: "policy-error" }, `policy not in sync: ${policy.error}`) : null,
+    policy.failed ? null : table(["pod", "address", "labels", "policies", "isolated", "dropped in/out"],
       pods.map((p) => [el("a", { href: `#/pod/${encodeURIComponent(name)}/${p.pod}`, "data-pod-link": p.pod }, p.pod), p.ip, el("span", {}, labels(p.labels)),
         p.policies.join(", ") || "–", [p.isolated.ingress ? "ingress" : "", p.isolated.egress ? "egress" : ""].filter(Boolean).join(", ") || "no",
         `${p.dropped.ingress}/${p.dropped.egress}`])));
@@ -253,13 +262,23 @@ async function showServices() {
   const rows = [];
   for (const s of data.services || []) {
     for (const port of s.ports) {
-      rows.push([`${s.namespace}/${s.name}`, port.clusterIP || s.clusterIP, `${port.port}/${port.protocol}${port.nodePort ? " (node port " + port.nodePort + (port.served && port.served.nodePort !== "translated" ? ": " + port.served.nodePort + " here" : "") + ")" : ""}`,
+      // What this node translates: an address or node port an older Service holds is not
+      // this one's (REST: null, the one asked under "asked", the conflict in "errors").
+      const asked = port.asked || {};
+      const vip = port.clusterIP ? port.clusterIP : asked.clusterIP ?
+        el("span", { class: "bad", "data-held": asked.clusterIP }, `${asked.clusterIP}: another Service's, not translated`) : "None";
+      const nodePort = port.nodePort ? " (node port " + port.nodePort + (port.served && port.served.nodePort !== "translated" ? ": " + port.served.nodePort + " here" : "") + ")" :
+        asked.nodePort ? ` (node port ${asked.nodePort}: another Service's, not translated)` : "";
+      rows.push([`${s.namespace}/${s.name}`, vip, `${port.port}/${port.protocol}${nodePort}`,
         el("span", {}, port.endpoints.length ? port.endpoints.map((e) => pill(`${hostPort(e.ip, e.port)}${e.node ? " @" + e.node : ""} ${e.ready ? "ready" : e.terminating ? "terminating" : "not ready"}${e.used ? "" : " (unused)"}`, e.used ? "ok" : "warn")) : el("span", { class: "bad" }, "no endpoints")),
         s.connections]);
     }
   }
+  const conflicts = (data.services || []).flatMap((s) => (s.errors || []).map((e) => el("li", {}, `${s.namespace}/${s.name}: ${e}`)));
   page("Services",
     el("p", { class: "muted" }, `as node ${data.node} translates them (revision ${data.revision})`),
+    data.error ? el("p", { class: "err", id: "services-error" }, `services not in sync: ${data.error}`) : null,
+    conflicts.length ? el("ul", { class: "err", id: "services-conflicts" }, conflicts) : null,
     table(["service", "cluster IP", "port", "endpoints", "connections"], rows));
 }
 

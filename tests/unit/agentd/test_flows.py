@@ -438,6 +438,14 @@ def test_every_protocol_can_be_named_in_any_case():
     assert not FlowFilter.parse([("protocol", "icmp")]).matches(v6)
 
 
+def test_verdicts_events_and_reasons_can_be_named_in_any_case():
+    """As protocols (the browser view's form keeps a verdict in any case from its address)."""
+    assert FlowFilter.parse([("verdict", "Dropped")]).verdict == ("dropped",)
+    assert FlowFilter.parse([("verdict", "FORWARDED")]).matches(flow())
+    assert FlowFilter.parse([("event", "NEW")]).event == ("new",)
+    assert FlowFilter.parse([("reason", "No-Route")]).reason == ("no-route",)
+
+
 def test_a_port_filter_never_matches_icmp_type_or_code():
     # ICMP's ends hold its type (source) and code (destination): an echo request is not port 8 or 0.
     ping = Flow(1.0, "node2", "new", "ICMP", Peer("10.244.1.2", 8, CLIENT), Peer("10.244.2.3", 0, WEB), "ingress")
@@ -2679,13 +2687,13 @@ async def test_a_gatherer_tells_a_resumes_lost_line_once_and_resumes_after_the_l
 
 async def test_a_gatherer_names_the_node_whose_records_were_lost(monkeypatch):
     """In a gathered stream a {"lost": N} line says whose records they were: a node's own line
-    (its follower fell behind the gatherer, no why) gets the node's name, one naming a node
-    already is passed on as it came; this node's follower falling behind the merged stream is
+    (its follower fell behind the gatherer, no why) gets the node's name, and so does one that
+    names another node (a node answers for itself alone); this node's follower falling behind the merged stream is
     a line naming this node.  A lost line that does not fit the merged queue counts its N."""
     from agentd.daemon import observe_api
 
     _afters, lines = await _pumped(monkeypatch, [("r1:10", [11, {"lost": 7}, 12, {"lost": 2, "node": "node9"}, 13])])
-    assert [x for x in lines if "lost" in x] == [{"lost": 7, "node": "node2"}, {"lost": 2, "node": "node9"}]
+    assert [x for x in lines if "lost" in x] == [{"lost": 7, "node": "node2"}, {"lost": 2, "node": "node2"}]
 
     ring = FlowRing(100)
 
@@ -2799,3 +2807,111 @@ def test_the_nodes_own_addresses_in_its_pod_subnets_are_the_gateway_and_the_broa
     assert own_addresses([IPv4Network("10.244.179.0/24"), IPv6Network("fd00:10:244:179::/64")]) == [
         IPv4Address("10.244.179.1"), IPv4Address("10.244.179.255"), IPv6Address("fd00:10:244:179::1")]
     assert own_addresses([]) == []
+
+
+class _Claims(_Registry):
+    """Each node answers ``last`` records and the empty line that ends them, then one followed
+    record, then stays open; node3 says its records (and its status) are node2's."""
+
+    def __init__(self, names):
+        super().__init__(names)
+        self.more = asyncio.Event()
+
+    def named(self, node):
+        return "node2" if node == "node3" else node
+
+    async def lines(self, node, path, *, follow=False, blanks=False, **_):
+        from urllib.parse import parse_qs, urlsplit
+
+        self.asked.append((node, path))
+        for i in range(int(parse_qs(urlsplit(path).query)["last"][0])):
+            yield json.dumps({"seq": i + 1, "time": float(i), "node": self.named(node)}).encode() + b"\n"
+        if blanks:
+            yield b"\n"
+        await self.more.wait()
+        yield json.dumps({"seq": 1000, "time": 1000.0, "node": self.named(node)}).encode() + b"\n"
+        await asyncio.Event().wait()
+
+    async def get_json(self, node, path):
+        return {"node": {"name": self.named(node)}, "ready": True}
+
+    async def gather(self, path, local, nodes=None):
+        return {name: (local() if name == "node1" else await self.get_json(name, path)) for name in self.nodes()}
+
+
+def _held_by_snapshots() -> int:
+    import gc
+
+    from agentd.daemon import observe_api
+
+    return sum(len(o.lines) for o in gc.get_objects() if isinstance(o, observe_api._Snapshot))
+
+
+async def test_a_followed_cluster_holds_no_nodes_last_records_once_sent_and_takes_no_node_for_another():
+    """A followed cluster stream with last=N: each node's last N are held until they are merged
+    (then let go: not N per node for the stream's life) and never more than N of a node.  A
+    node answers for itself alone: records (last or followed) naming another node are left out,
+    said once, and never shown as that node's."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    registry = _Claims(["node1", "node2", "node3", "node4"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = _Stream()
+    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter(), 300, None, True))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    written = [json.loads(line) for line in resp.lines if line.strip()]
+    assert sum(1 for x in written if "time" in x) == 300  # the cluster's last 300
+    assert _held_by_snapshots() == 0
+    registry.more.set()
+    for _ in range(50):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    written = [json.loads(line) for line in resp.lines if line.strip()]
+    assert {x["node"] for x in written if "time" in x} == {"node2", "node4"}
+    assert sum(1 for x in written if x.get("seq") == 1000) == 2  # node2's and node4's followed one
+    errors = [x for x in written if "error" in x]
+    assert [x["node"] for x in errors] == ["node1", "node3"], errors  # node1: flow records off here
+    assert "records of node 'node2', not its own" in errors[1]["error"]
+
+    snapshot = observe_api._Snapshot(2)  # a node that sends more than it was asked for
+    for i in range(5):
+        snapshot.add(b"%d\n" % i)
+    assert snapshot.take() == [b"0\n", b"1\n"] and snapshot.lines == []
+
+
+async def test_a_followed_node_whose_records_name_another_is_said_once_and_left_out(monkeypatch):
+    from agentd.daemon import observe_api
+
+    registry = _Claims(["node1", "node3"])
+    registry.more.set()
+    merge = observe_api._Merge()
+    task = asyncio.create_task(observe_api._pump_remote(registry, "node3", "/flows?node=node3&last=3&follow=1", merge))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    got = [json.loads(merge.queue.get_nowait()) for _ in range(merge.queue.qsize())]
+    assert got == [{"node": "node3", "error": "node3 answered with records of node 'node2', not its own: left out"}]
+
+
+async def test_the_cluster_view_shows_no_nodes_status_as_anothers():
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    registry = _Claims(["node1", "node2", "node3"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, node_name=lambda: "node1",
+                            status=lambda: {"node": {"name": "node1"}, "ready": True})  # fmt: skip
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    handlers._may_gather = lambda request: True  # type: ignore[method-assign]
+    resp = await handlers.cluster(None)  # type: ignore[arg-type]
+    nodes = json.loads(resp.body)["nodes"]
+    assert nodes["node1"]["status"]["node"]["name"] == "node1" and nodes["node2"]["status"]["node"]["name"] == "node2"
+    assert nodes["node3"] == {"address": "192.0.2.1", "error": "node3's address answered as node 'node2'"}
