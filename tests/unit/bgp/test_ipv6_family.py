@@ -249,6 +249,7 @@ def test_a_next_hop_of_no_global_address_beside_a_link_local_one_is_the_link_loc
     h.send(ext, _v6_update_via(["2001:db8:99::/48"], ("::", "fe80::2")))
     h.send(ext, _v6_update_via(["2001:db8:98::/48"], "::"))
     h.send(ext, _v6_update_via(["2001:db8:97::/48"], ("::", "2001:db8::7")))
+    h.send(ext, _v6_update_via(["2001:db8:96::/48"], ("2001:db8::6", "fe80::6")))  # global and link-local: the global
     h.advance(1)
     assert not ext.closed
-    assert table(sp) == {"2001:db8:99::/48": "fe80::2"}
+    assert table(sp) == {"2001:db8:99::/48": "fe80::2", "2001:db8:96::/48": "2001:db8::6"}
