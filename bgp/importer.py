@@ -104,7 +104,7 @@ class Importer:
                 p, IPV4_UNICAST, update.nlri, attrs, None if attrs is None else attrs.next_hop, now, own=True
             )
         if mp is not None and mp.nlri and (mp.afi, mp.safi) in families:
-            nh = mp.next_hop[0] if mp.next_hop else None
+            nh = mp.usable_next_hop if mp.next_hop else None
             breach = self._announce(p, (mp.afi, mp.safi), mp.nlri, attrs, nh, now) or breach
         return breach
 

@@ -446,7 +446,7 @@ def decode_mp(
         # RFC 4271 §6.3 / RFC 7606 §7.3 as for NEXT_HOP: a next hop that is no host address
         # (0.0.0.0, ::, multicast, broadcast) makes the routes treat-as-withdraw; accepted, an
         # IPv4 one would be reflected as a NEXT_HOP the neighbour must withdraw.
-        problem = _mp_next_hop_problem(attr.next_hop[0])
+        problem = _mp_next_hop_problem(attr.usable_next_hop)
         if problem is not None:
             errors.append(
                 UpdateError(

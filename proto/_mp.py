@@ -53,6 +53,16 @@ class MpReachNlri(PathAttribute):
     next_hop: tuple[IPv4Address | IPv6Address, ...]
     nlri: tuple[bytes, ...]
 
+    @property
+    def usable_next_hop(self) -> IPv4Address | IPv6Address:
+        """The address the routes go through: the global one, or -- a 32-byte IPv6 next hop
+        whose global half is ``::`` (RFC 2545 wants a global address there, but some speakers
+        send none beside their link-local one; BIRD takes it so) -- the link-local one."""
+        nh = self.next_hop
+        if len(nh) == 2 and nh[0].is_unspecified and nh[1].is_link_local:
+            return nh[1]
+        return nh[0]
+
     def encode_value(self, ctx: CodecContext) -> bytes:
         return self.encode_header() + b"".join(self.nlri)
 

@@ -320,11 +320,17 @@ def refusal(
     cluster's pod network of its family and must not be another node's subnet (``held``:
     subnet -> node, from the node records); and no next hop, external ones included, may take
     a part of this node's own subnets (``own``) -- a shorter prefix holding them, such as a
-    top-of-rack router's default route, is left alone: the node's own subnet is longer."""
+    top-of-rack router's default route, is left alone: the node's own subnet is longer.  Nor
+    may a next hop outside the cluster take a part of another node's subnet: a prefix longer
+    than that subnet would win the kernel's look-up for those pods over the node's own route
+    (the subnet itself, as a top-of-rack router passes on another rack's routes, is taken)."""
     for mine in own:
         if mine.version == dst.version and dst.subnet_of(mine):  # type: ignore[arg-type]
             return f"{dst} is part of this node's own pod subnet {mine}"
     if node is None:
+        for subnet, holder in held.items():
+            if subnet.version == dst.version and dst != subnet and dst.subnet_of(subnet):  # type: ignore[arg-type]
+                return f"{dst} is part of node {holder}'s pod subnet {subnet}, announced by a next hop outside the cluster"
         return None
     if pod_networks is not None:
         pools = [n for n in pod_networks if n.version == dst.version]

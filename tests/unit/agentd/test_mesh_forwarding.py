@@ -445,6 +445,26 @@ def test_an_external_peer_cannot_take_our_pods_but_keeps_its_other_routes():
     assert [r["dst"] for r in plan.refused] == ["10.244.1.0/24", "10.244.1.128/25"]
 
 
+def test_an_external_peer_cannot_take_part_of_another_nodes_subnet_but_may_pass_it_on_whole():
+    """A more-specific of node c's subnet through a router outside the cluster would win the
+    kernel's look-up for half of c's pods on every other node: refused.  c's subnet itself
+    through that router (a top-of-rack router passing on another rack's routes), a part of the
+    pod network no node holds, and a shorter prefix holding c's subnet are taken."""
+    c = NodeRecord("c", IPv4Address("10.0.0.4"), 64512, IPv4Network("10.244.5.0/24"), False, None, {"type": "host-gw"},
+                   subnet_v6=IPv6Network("fd00:10:244:5::/64"))  # fmt: skip
+    tor = IPv4Address("10.0.0.1")
+    bests = [("10.244.5.0/25", tor, False), ("10.244.5.0/24", tor, False), ("10.244.200.0/24", tor, False),
+             ("10.244.0.0/16", tor, False), ("fd00:10:244:5::/80", IPv6Address("::ffff:10.0.0.1"), False)]
+    plan = desired_routes(bests, [c], UNDERLAY, LocalPaths(), own_subnets=["10.244.1.0/24"], blackhole_metric=4000,
+                          own_backend="host-gw", encap="always", versions=(4, 6),
+                          pod_networks=["10.244.0.0/16", "fd00:10:244::/56"])  # fmt: skip
+    assert {r["dst"]: r["reason"] for r in plan.refused} == {
+        "10.244.5.0/25": "10.244.5.0/25 is part of node c's pod subnet 10.244.5.0/24, announced by a next hop outside the cluster",
+        "fd00:10:244:5::/80": "fd00:10:244:5::/80 is part of node c's pod subnet fd00:10:244:5::/64, announced by a next hop "
+                              "outside the cluster"}  # fmt: skip
+    assert sorted(r.dst for r in plan.routes if r.kind == "unicast") == ["10.244.0.0/16", "10.244.200.0/24", "10.244.5.0/24"]
+
+
 def test_ipv6_routes_of_a_node_are_held_to_the_ipv6_pod_network():
     b = NodeRecord("b", IPv4Address("10.0.0.2"), 64512, IPv4Network("10.244.2.0/24"), False, None, {},
                    subnet_v6=IPv6Network("fd00:10:244:2::/64"), link_local_v6=IPv6Address("fe80::2"))

@@ -42,12 +42,14 @@ class GracefulPeer(RawPeer):
         return Open.build(self.asn, self.hold_time, self.router_id, caps).encode()
 
 
-def end_of_rib() -> bytes:
-    """End-of-RIB for IPv4 unicast (an empty UPDATE) and IPv6 unicast (an empty MP_UNREACH)."""
+def end_of_rib(*families: int) -> bytes:
+    """End-of-RIB for IPv4 unicast (an empty UPDATE) and IPv6 unicast (an empty MP_UNREACH),
+    or for the AFIs named (4, 6)."""
     v4 = struct.pack("!HH", 0, 0)
     mp = bytes((0x80, 15, 3)) + struct.pack("!HB", 2, 1)
     v6 = struct.pack("!HH", 0, len(mp)) + mp
-    return b"".join(b"\xff" * 16 + struct.pack("!HB", 19 + len(body), 2) + body for body in (v4, v6))
+    bodies = {4: v4, 6: v6}
+    return b"".join(b"\xff" * 16 + struct.pack("!HB", 19 + len(bodies[f]), 2) + bodies[f] for f in (families or (4, 6)))
 
 
 def held(sp: Speaker, prefix: str) -> bool:
@@ -80,3 +82,34 @@ def test_a_peer_back_from_a_restart_on_a_new_connection_has_its_stale_routes_flu
     assert held(sp, "10.244.1.0/24")
     assert not held(sp, "10.244.9.0/24"), "a route the restarted peer no longer announces outlived its End-of-RIB"
     assert A not in sp.graceful
+
+
+def test_an_ipv4_end_of_rib_leaves_the_stale_ipv6_routes_until_the_ipv6_one():
+    """RFC 4724 4.2: each family's stale routes go with that family's End-of-RIB, not with the
+    first to come."""
+    from proto.nlri import IPV6_UNICAST
+
+    from .test_ipv6_family import _v6_update
+
+    def held6(prefix: str) -> bool:
+        return sp.rib.best(IPV6_UNICAST, prefix_from_str(prefix)[1]) is not None
+
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address(LOCAL)), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings(A, 65001, passive=True), 0.0)
+    sp.start(0.0)
+    h = RawHarness(sp, LOCAL)
+    before = GracefulPeer(conn=-1)
+    assert h.connect(before)
+    h.send(before, _v6_update(["fd00:9::/64"]) + update("10.244.9.0/24"))
+    h.advance(1.0)
+    assert held6("fd00:9::/64") and held(sp, "10.244.9.0/24")
+    after = GracefulPeer(conn=-2, restarted=True)
+    assert h.open(after)
+    h.send(after, after.open_message() + Keepalive().encode())
+    h.send(after, end_of_rib(4))
+    h.advance(1.0)
+    assert not held(sp, "10.244.9.0/24")
+    assert held6("fd00:9::/64"), "the IPv4 End-of-RIB swept the stale IPv6 routes"
+    h.send(after, end_of_rib(6))
+    h.advance(1.0)
+    assert not held6("fd00:9::/64")

@@ -146,10 +146,11 @@ def test_a_reflector_reflects_ipv6_routes_with_their_next_hop_to_every_client():
     assert any({"10.0.0.3", "10.0.0.4"} <= set(g.members) for g in groups), [sorted(g.members) for g in groups]
 
 
-def _mp_reach_v6(prefixes: list[str], next_hop: str = "2001:db8::9") -> bytes:
-    """MP_REACH_NLRI (RFC 4760 §3) for IPv6 unicast."""
+def _mp_reach_v6(prefixes: list[str], next_hop: str | tuple[str, str] = "2001:db8::9") -> bytes:
+    """MP_REACH_NLRI (RFC 4760 §3) for IPv6 unicast; two next hops: global and link-local (32 bytes)."""
     nlri = b"".join(prefix_from_str(p)[1] for p in prefixes)
-    value = struct.pack("!HBB", 2, 1, 16) + IPv6Address(next_hop).packed + b"\x00" + nlri
+    nh = b"".join(IPv6Address(a).packed for a in ((next_hop,) if isinstance(next_hop, str) else next_hop))
+    value = struct.pack("!HBB", 2, 1, len(nh)) + nh + b"\x00" + nlri
     flags = 0x90 if len(value) > 255 else 0x80
     length = struct.pack("!H", len(value)) if flags & 0x10 else bytes((len(value),))
     return bytes((flags, 14)) + length + value
@@ -184,7 +185,7 @@ def test_max_prefixes_counts_ipv6_prefixes_and_resets_with_cease_1_naming_afi_2(
     assert table(sp) == {}
 
 
-def _v6_update_via(prefixes: list[str], next_hop: str, asn: int = 65001) -> bytes:
+def _v6_update_via(prefixes: list[str], next_hop: str | tuple[str, str], asn: int = 65001) -> bytes:
     as_path = b"\x40\x02\x06\x02\x01" + asn.to_bytes(4, "big") if asn != 65000 else b"\x40\x02\x00"
     attrs = b"\x40\x01\x01\x00" + as_path + _mp_reach_v6(prefixes, next_hop)
     if asn == 65000:
@@ -228,3 +229,27 @@ def test_a_link_local_next_hop_is_replaced_by_ours_toward_ibgp_peers_and_clients
         "2001:db8:98::/48": ["2001:db8::9"],
         "fd00:10:244:2::/64": ["2001:db8::1"],
     }
+
+
+def test_a_next_hop_of_no_global_address_beside_a_link_local_one_is_the_link_local_one():
+    """A 32-byte next hop whose global half is :: (some speakers send no global address):
+    the routes go through the link-local one, as BIRD takes them, not withdrawn; :: alone, or
+    beside an address that is not link-local, still is no next hop (treat-as-withdraw)."""
+    import random
+
+    from bgp import Speaker
+    from bgp.settings import LocalSettings
+
+    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.1")), now=0.0, rng=random.Random(1))
+    sp.add_peer(PeerSettings("10.0.0.9", 65001, passive=True), 0.0)
+    sp.start(0.0)
+    h = RawHarness(sp, "10.0.0.1")
+    ext = RawPeer("10.0.0.9", 65001, conn=-1)
+    assert h.connect(ext)
+    h.send(ext, _v6_update_via(["2001:db8:99::/48"], ("::", "fe80::2")))
+    h.send(ext, _v6_update_via(["2001:db8:98::/48"], "::"))
+    h.send(ext, _v6_update_via(["2001:db8:97::/48"], ("::", "2001:db8::7")))
+    h.send(ext, _v6_update_via(["2001:db8:96::/48"], ("2001:db8::6", "fe80::6")))  # global and link-local: the global
+    h.advance(1)
+    assert not ext.closed
+    assert table(sp) == {"2001:db8:99::/48": "fe80::2", "2001:db8:96::/48": "2001:db8::6"}
