@@ -160,7 +160,8 @@ def identity(env: Mapping[str, str], netconf: Mapping[str, Any],
     (containers/common libnetwork/cni/run.go, podman#12083), podman 3 (ocicni) sends it as
     both, and its default names (``objective_tesla``) hold ``_``.  Such a container is
     attached without identity, as one without these keys is, and ``warn`` is told why (one
-    line).
+    line).  (A podman 3 container named with a valid name, ``web``, cannot be told from a pod:
+    it is pod ``web/web``; docs/policy.md says so.)
 
     Raises EndpointError (one line, naming the field) for a pod's bad labels or ports: they
     are checked before anything is set up."""

@@ -14,11 +14,12 @@ environment, and passes its result through.
 * DEL runs the delegate with exactly the stored config (the subnet file may have changed since),
   then removes it.  DEL is idempotent: with no stored config it falls back to a config built from
   the current subnet file (so host-local still releases the address), and with no subnet file
-  either, or no delegate in ``CNI_PATH`` (ADD looks for it before it stores anything), there is
-  nothing left to undo and DEL succeeds (with a warning on stderr for the missing delegate).
-  With a stored config a missing delegate fails DEL: something may be left to undo.  A stored
-  config that is empty or damaged counts as none, and DEL removes it once it has done its work
-  (ADD writes it whole: a temporary file, fsynced, renamed).  A missing netns is handled by
+  either, or no delegate in ``CNI_PATH`` with no state file at all (ADD looks for it before it
+  stores anything), there is nothing left to undo and DEL succeeds (with a warning on stderr
+  for the missing delegate).  With a state file a missing delegate fails DEL: something may be
+  left to undo.  A stored config that is empty or damaged is used as none (the current
+  config), and DEL removes it once it has done its work (ADD writes it whole: a temporary
+  file, fsynced, renamed).  A missing netns is handled by
   the bridge plugin (it releases the address and succeeds).  If the delegate rejects the
   stored config (an ADD with a broken config), DEL retries with the current config, so fixing
   the config ends the runtime's DEL retries.
@@ -457,10 +458,14 @@ def cmd_del(args: CmdArgs, netconf: dict[str, Any], env: Mapping[str, str]) -> N
             try:
                 invoke_delegate(current, args, env, timeout=timeout)
             except DelegateNotFound as e:
-                # Nothing stored and no delegate to ask: nothing this plugin could undo (ADD
-                # stores the config before the delegate runs).  Failing would fail every DEL
-                # of this container for ever (spec 1.0.0: DEL must succeed when there is
-                # nothing to undo).
+                # No state file at all and no delegate to ask: nothing this plugin could undo
+                # (ADD looks for the delegate before it stores anything).  Failing would fail
+                # every DEL of this container for ever (spec 1.0.0: DEL must succeed when there
+                # is nothing to undo).  A state file it cannot read (empty, damaged) says ADD got
+                # past that look, so the delegate may have set things up: DEL fails, the file
+                # kept, until the delegate is back (a plugins package being upgraded).
+                if _state_file_exists(data_dir, args.container_id):
+                    raise
                 print(f"agentd-cni: DEL of container {args.container_id}: {e.msg}; no config stored, "
                       "so nothing to undo", file=sys.stderr)
         # A state file load_state could not use (empty or damaged: a crash, a full disk) names
@@ -671,15 +676,19 @@ def stored_ifname(data_dir: str, container_id: str) -> str | None:
     return ifname if isinstance(ifname, str) else None
 
 
-def _remove_unusable_state(data_dir: str, container_id: str) -> None:
-    """Remove the container's state file when there is one (a regular file) that load_state
-    found unusable; a directory of that name (an ID such as "endpoints") stays."""
+def _state_file_exists(data_dir: str, container_id: str) -> bool:
+    """Whether the container has a state file (a regular file; a directory of that name, an ID
+    such as "endpoints", is none)."""
     try:
-        if not stat.S_ISREG(os.lstat(state_path(data_dir, container_id)).st_mode):
-            return
+        return stat.S_ISREG(os.lstat(state_path(data_dir, container_id)).st_mode)
     except OSError:  # none, or no file can have this name
-        return
-    remove_state(data_dir, container_id)
+        return False
+
+
+def _remove_unusable_state(data_dir: str, container_id: str) -> None:
+    """Remove the container's state file when there is one that load_state found unusable."""
+    if _state_file_exists(data_dir, container_id):
+        remove_state(data_dir, container_id)
 
 
 def remove_state(data_dir: str, container_id: str) -> None:

@@ -305,6 +305,7 @@ class _Handlers:
             if first is not None:
                 if first.error is not None:
                     errors[name] = first.error
+                    first.take()  # what came before it stalled: not held for the stream's life
                     return
                 answer: Any = _aiter(first.take())
             else:
@@ -320,9 +321,9 @@ class _Handlers:
                         errors[name] = str(record["error"])
                         return
                     if "time" in record:  # not a {"lost": N} of a remote follower
-                        if record.get("node") != name:  # a node answers for itself alone
-                            errors[name] = _not_its_own(name, record.get("node"))
-                            return
+                        if record.get("node") != name:  # a node answers for itself alone: left out, said once
+                            errors.setdefault(name, _not_its_own(name, record.get("node")))
+                            continue
                         newest.add(float(record["time"]), line if line.endswith(b"\n") else line + b"\n")
             except (OSError, ValueError, TypeError) as err:
                 errors[name] = str(err)

@@ -44,6 +44,10 @@ class IngressViews:
             "addresses": list(c.listen.addresses),
             "http_port": c.listen.http_port,
             "https_port": c.listen.https_port,
+            # What "ingresses", "backends" and /ingress's hosts are of: the configuration the
+            # proxy runs ("served"), or -- none known: the proxy not running, or adopted from a
+            # previous agent and no sync of this one loaded or found it yet -- the one wanted.
+            "table": "served" if c.served is not None else "wanted",
             "ingresses": len(self._table().ingresses),
             "backends": len(self._table().backends),
             "revision": c.applied_revision,

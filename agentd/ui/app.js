@@ -214,13 +214,18 @@ async function showNode(name) {
     el("p", { class: "muted" }, "Why a route is there: the peer that advertised the subnet (BGP best path) and the backend chosen for that peer."),
     el("h2", {}, "Pods"),
     policy.failed ? failure(new Error(policy.failed)) : null,
-    // The policy agent's last sync failed (nftables refused a change): what it shows is what
-    // the kernel has, with the error above it.
-    policy.error ? el("p", { class: "err", id: "policy-error" }, `policy not in sync: ${policy.error}`) : null,
+    // The policy agent's last sync failed (nftables refused a change): what it lists is what
+    // it wants, which the kernel does not have while the error stands.
+    policy.error ? policyError(policy.error) : null,
     policy.failed ? null : table(["pod", "address", "labels", "policies", "isolated", "dropped in/out"],
       pods.map((p) => [el("a", { href: `#/pod/${encodeURIComponent(name)}/${p.pod}`, "data-pod-link": p.pod }, p.pod), p.ip, el("span", {}, labels(p.labels)),
         p.policies.join(", ") || "–", [p.isolated.ingress ? "ingress" : "", p.isolated.egress ? "egress" : ""].filter(Boolean).join(", ") || "no",
         `${p.dropped.ingress}/${p.dropped.egress}`])));
+}
+
+function policyError(error) {
+  return el("p", { class: "err", id: "policy-error" },
+    `policy not in sync: ${error} -- what is shown is what the agent wants; the kernel does not have it while this error stands`);
 }
 
 // ------------------------------------------------------------------ a pod
@@ -242,6 +247,7 @@ async function showPod(node, pod) {
       r.ports === "all" ? "all" : r.ports.map((x) => `${x.port === null || x.port === undefined ? "all" : x.port}${x.endPort ? "-" + x.endPort : ""}/${x.protocol}`).join(", ")]));
   const flows = el("div", {});
   page(`Pod ${pod}`,
+    policy.error ? policyError(policy.error) : null,
     el("div", { class: "card" }, el("div", {}, `node ${node} · address ${p.ip} · interface ${p.interface}`), el("div", {}, labels(p.labels))),
     el("div", { class: "card" }, el("b", {}, "Policies selecting it: "), p.policies.length ? p.policies.join(", ") : "none"),
     el("div", { class: "grid2" },

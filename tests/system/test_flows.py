@@ -1909,6 +1909,8 @@ async def test_browser_view_shows_what_rest_says_when_something_failed(shop, tmp
     agent's error are shown.  Answers altered in the browser (Playwright's routes), as a
     node would give them: node1's own answers (asked here: the browser's driver runs outside
     node1's namespace), changed."""
+    from urllib.parse import urlsplit
+
     node1 = shop.lab.nodes[0]
 
     async def asked(path: str) -> Any:
@@ -1920,7 +1922,8 @@ async def test_browser_view_shows_what_rest_says_when_something_failed(shop, tmp
         await route.fulfill(json=data)
 
     async def policy_failed(route):
-        data = await asked("/nodes/node2/policy")
+        url = urlsplit(route.request.url)  # the node page's question, or the pod page's (?pod=)
+        data = await asked(url.path + (f"?{url.query}" if url.query else ""))
         data["error"] = "nft: Could not process rule: No such file or directory"
         await route.fulfill(json=data)
 
@@ -1945,6 +1948,10 @@ async def test_browser_view_shows_what_rest_says_when_something_failed(shop, tmp
 
         await page.goto(UI_BASE + "#/node/node2")
         await page.wait_for_selector("[data-pod-link='shop/web']")  # the pods still listed
+        said = await page.locator("#policy-error").inner_text()
+        assert "No such file or directory" in said and "the kernel does not have it" in said
+        await page.goto(UI_BASE + "#/pod/node2/shop/web")  # and the pod's page says it too
+        await page.wait_for_selector("text=Policies selecting it")
         assert "No such file or directory" in await page.locator("#policy-error").inner_text()
 
         await page.goto(UI_BASE + "#/services")

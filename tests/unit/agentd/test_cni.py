@@ -1012,12 +1012,16 @@ def test_del_keeps_a_corrupt_state_file_while_the_delegate_fails(tmp_path, monke
     assert os.listdir(tmp_path / "state") == ["c0ffee01"]  # the runtime retries DEL
 
 
-def test_del_without_the_delegate_removes_a_corrupt_state_file(tmp_path):
+def test_del_without_the_delegate_keeps_a_corrupt_state_file_and_fails(tmp_path):
+    """A state file, even one that cannot be read, says ADD got past its look for the delegate
+    (which may have set things up): without the delegate DEL fails, the file kept for the
+    runtime's retry once the delegate is back."""
     cni_config.write_subnet_file(str(tmp_path / "subnet.env"), SF)
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "c0ffee01").write_text("")
-    assert _run(_env("DEL", CNI_PATH=str(tmp_path / "empty")), _conf(tmp_path)) == (0, None)
-    assert os.listdir(tmp_path / "state") == []
+    rc, err = _run(_env("DEL", CNI_PATH=str(tmp_path / "empty")), _conf(tmp_path))
+    assert rc == 1 and err["code"] == cni.INTERNAL and "not found" in err["msg"]
+    assert os.listdir(tmp_path / "state") == ["c0ffee01"]
 
 
 def test_the_state_file_is_on_disk_before_it_takes_the_name(tmp_path, monkeypatch):

@@ -2915,3 +2915,45 @@ async def test_the_cluster_view_shows_no_nodes_status_as_anothers():
     nodes = json.loads(resp.body)["nodes"]
     assert nodes["node1"]["status"]["node"]["name"] == "node1" and nodes["node2"]["status"]["node"]["name"] == "node2"
     assert nodes["node3"] == {"address": "192.0.2.1", "error": "node3's address answered as node 'node2'"}
+
+
+async def test_a_node_whose_last_records_stall_holds_none_of_them_for_the_streams_life():
+    """Its last N said unreachable (part came, then nothing for TIMEOUT: the snapshot ended with
+    that error): what came is let go then, not held while the stream follows on."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    registry = _Registry(["node1", "node2"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    snapshot = observe_api._Snapshot(100)
+    for i in range(5):
+        snapshot.add(json.dumps({"seq": i + 1, "time": float(i), "node": "node2"}).encode() + b"\n")
+    snapshot.end("node2 unreachable: nothing for 3s")
+    records, errors = await handlers._gather_last(["node2"], FlowFilter(), 100, None, {"node2": snapshot})
+    assert (records, errors) == ([], {"node2": "node2 unreachable: nothing for 3s"})
+    assert snapshot.lines == []
+
+
+async def test_a_nodes_record_naming_another_leaves_out_that_record_only():
+    """Asked its last records (no follow): a record naming another node is left out and said
+    once; the node's records before and after it are kept."""
+    from types import SimpleNamespace
+
+    from agentd.daemon import observe_api
+
+    class Mixed(_Registry):
+        async def lines(self, node, path, **_):
+            for i, who in enumerate(["node3", "node2", "node3", "node2", "node3"]):
+                yield json.dumps({"seq": i + 1, "time": float(i), "node": who}).encode() + b"\n"
+
+    registry = Mixed(["node1", "node3"])
+    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
+    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
+    resp = _Stream()
+    await handlers._cluster_flows(resp, FlowFilter(), 10, None, False)
+    written = [json.loads(line) for line in resp.lines if line.strip()]
+    assert [x["seq"] for x in written if "time" in x] == [1, 3, 5]
+    assert [x for x in written if x.get("node") == "node3" and "error" in x] == [
+        {"node": "node3", "error": "node3 answered with records of node 'node2', not its own: left out"}]

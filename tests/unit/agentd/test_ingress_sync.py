@@ -315,3 +315,28 @@ def test_after_a_failed_reload_ingress_and_metrics_show_what_is_served_not_what_
         assert hosts() == ["new.example", "old.example"] and series() == {"new", "old"}
 
     asyncio.run(main())
+
+
+def test_after_an_adoption_a_failed_reload_says_its_table_is_the_one_wanted(tmp_path):
+    """An agent that adopted the proxy does not know the table it runs until a sync finds or
+    loads it: a first reload that fails shows the table wanted, and says so."""
+    ctl, proxy = controller(tmp_path)
+    ctl.objects["IngressClass"][("", "agentd")] = CLASS
+    ctl.objects["Ingress"][("shop", "old")] = shop_ingress("old")
+
+    async def main():
+        await ctl._sync()
+        assert ctl.views.status()["table"] == "served"
+        await ctl._take_over()  # the agent restarted: the proxy (pid 1) adopted
+        assert ctl.views.status()["table"] == "wanted"
+        await ctl._sync()  # what it renders is what runs: known now
+        assert ctl.views.status()["table"] == "served" and proxy.reloads == 1
+        await ctl._take_over()
+        ctl.objects["Ingress"][("shop", "new")] = shop_ingress("new")
+        proxy.fail_reloads = 1
+        await ctl._sync()
+        assert ctl.error is not None and ctl.views.status()["table"] == "wanted"
+        await ctl._sync()
+        assert ctl.error is None and ctl.views.status()["table"] == "served"
+
+    asyncio.run(main())
