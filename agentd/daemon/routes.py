@@ -135,6 +135,7 @@ class KernelRoutes:
         self.rows: list[dict[str, Any]] = []  # GET /routes
         self.refused: list[dict[str, Any]] = []  # GET /routes too: best paths not installed, and why
         self._logged_refusals: set[tuple[str, str, str]] = set()  # (dst, peer, reason) logged while refused
+        self._logged_untrusted: set[tuple[str, str, str]] = set()  # (node, subnet, reason) logged while so
         # (dst, peer) -> when last seen refused; entries older than REFUSAL_MEMORY are pruned.
         self._refused_at: dict[tuple[str, str], float] = {}
         self._refusing_peers: set[str] = set()  # the peers of _refused_at
@@ -251,12 +252,14 @@ class KernelRoutes:
             blackhole_metric=BLACKHOLE_METRIC, own_backend=i.cfg.network.backend, encap=i.cfg.network.encap,
             available=i.tunnels.available, versions=tuple(sorted(i.leases)),
             pod_networks=None if cluster is None else [cluster.pool(v)[0] for v in cluster.versions],
+            subnet_lens=None if cluster is None else {v: cluster.pool(v)[1] for v in cluster.versions},
         )  # fmt: skip
         routes = plan.routes
         self.plans = plan.plans
         self.plans_v6 = plan.plans_v6
         self.rows = plan.rows
         self._log_refusals(plan.refused)
+        self._log_untrusted(plan.untrusted)
         self._wanted = {r.dst: r for r in routes}
         if not self.initial_sync_done and self._initial_sync_complete():
             self.initial_sync_done = True
@@ -292,6 +295,15 @@ class KernelRoutes:
             self._tick.cancel()
             self._tick = None
         self.programmer.set_desired(routes)
+
+    def _log_untrusted(self, untrusted: list[dict[str, str]]) -> None:
+        """Each node record subnet not held against other nodes' routes logged once while it
+        stays so (not at every recompute)."""
+        now = {(u["node"], u["subnet"], u["reason"]) for u in untrusted}
+        for name, subnet, reason in sorted(now - self._logged_untrusted):
+            log.error("node %s's record names subnet %s, %s: not taken as its subnet (its routes are held to the "
+                      "pod network only, and no other node's route is refused for it)", name, subnet, reason)
+        self._logged_untrusted = now
 
     def _log_refusals(self, refused: list[dict[str, Any]]) -> None:
         """Each refused best path logged once while it stays refused (a peer may re-send it at

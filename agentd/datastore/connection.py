@@ -132,13 +132,14 @@ class EtcdConnection:
 
     def failover(self, client: EtcdClient) -> None:
         """After a transient failure, move to the next endpoint (if there is one).  With one, a
-        new client all the same if the TLS files changed (a renewed certificate: the old
-        client's channel would reconnect with the expired one for ever)."""
+        new client all the same if its TLS credentials are not the current files' (a renewed
+        certificate: the old client's channel would reconnect with the expired one for ever).
+        Decided per client: a watch's new client may have read the renewed files first."""
         if self._current is not client:
             return
         if len(self.targets) >= 2:
             self.index += 1
-        elif self._tls_files is None or self._tls_stat() == self._tls_stamp:
+        elif self._tls_files is None or client._credentials is self._tls_current():
             return
         self._current = None
         # Other coroutines may still be using the old client: close it a little later.

@@ -193,6 +193,12 @@ def is_lease_not_found(exc: BaseException) -> bool:
 
 
 def describe(exc: BaseException) -> str:
-    """One line for a log message."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    """One line for a log message.  A gRPC error's str() begins "<AioRpcError of RPC that
+    terminated with:" and has its status and details on the lines after: those are taken."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code = exc.code()
+        details = " ".join((exc.details() or "").split())
+        text = ": ".join(part for part in (code.name if code is not None else "", details) if part)
+    else:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

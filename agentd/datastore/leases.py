@@ -45,6 +45,10 @@ Network = IPv4Network | IPv6Network
 
 # A subnet allocator that loses this many races in a row re-reads etcd's view.
 LOST_RACES_BEFORE_REREAD = 8
+# A claim also checks, in its transaction, that none of the subnets around the candidate up
+# to this many bits shorter was leased meanwhile (by a node whose cluster record still had a
+# shorter subnet_len); each is one compare, and etcd takes at most 128 (--max-txn-ops).
+WIDER_CHECKED = 16
 
 
 class SubnetLeases:
@@ -137,6 +141,9 @@ class SubnetLeases:
                 entry = view.entries.get(candidate)
                 if entry is not None and candidate not in ours:
                     continue  # someone else's
+                if any(s != candidate and s not in ours and s.overlaps(candidate)  # type: ignore[arg-type]
+                       for s in view.entries):
+                    continue  # inside a wider lease of someone else's (or around a narrower one)
                 outcome = await self._claim(template, candidate, entry, ours, lease_id, deadline)
                 if outcome in (Claim.WON, Claim.LEASE_GONE, Claim.RETRY):
                     break
@@ -173,9 +180,11 @@ class SubnetLeases:
         deadline: float | None,
     ) -> Claim:
         stale = {s: e for s, e in ours.items() if s != candidate}
+        wider = [candidate.supernet(new_prefix=n) for n in range(max(0, candidate.prefixlen - WIDER_CHECKED),
+                                                                  candidate.prefixlen)]
         return await self.connection.call(
             f"claim subnet {candidate}",
-            lambda c: subnets.claim(c, self.prefix, template, candidate, entry, stale, lease_id),
+            lambda c: subnets.claim(c, self.prefix, template, candidate, entry, stale, lease_id, wider),
             deadline,
         )
 

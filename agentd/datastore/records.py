@@ -16,6 +16,7 @@ Keys (docs/operations.md, "What agentd keeps in etcd"; prefix default ``/agentd`
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
 from collections.abc import Collection, Mapping
@@ -528,10 +529,35 @@ def is_cluster_subnet(cluster: ClusterConfig, subnet: Network) -> bool:
     return subnet.prefixlen == subnet_len and subnet.subnet_of(cidr)  # type: ignore[arg-type]
 
 
+def taken_spans(cidr: Network, subnet_len: int, taken: Collection[Network]) -> list[tuple[int, int]]:
+    """The indexes (:func:`subnet_at`) of cidr's /subnet_len subnets that overlap a network of
+    ``taken`` -- of whatever prefix length: a wider lease (one taken while the cluster's
+    subnet_len was shorter, a stray key) holds every subnet inside it, a narrower one the
+    subnet around it -- as sorted, merged ``[start, end)`` spans."""
+    shift = cidr.max_prefixlen - subnet_len
+    base = int(cidr.network_address)
+    top = base + cidr.num_addresses
+    spans = []
+    for s in taken:
+        if s.version != cidr.version or not s.overlaps(cidr):  # type: ignore[arg-type]
+            continue
+        first = max(int(s.network_address), base)
+        last = min(int(s.broadcast_address), top - 1)
+        spans.append(((first - base) >> shift, ((last - base) >> shift) + 1))
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def pick_free_subnet(
     cidr: Network, subnet_len: int, taken: Collection[Network], rng: random.Random
 ) -> Network | None:
-    """A pseudo-random subnet of cidr not in ``taken``, or None if every one is taken.
+    """A pseudo-random subnet of cidr overlapping none of ``taken`` (leases of any prefix
+    length), or None if every one is taken.
 
     Random rather than lowest-free so that many nodes allocating at the same time
     mostly pick different subnets and rarely lose the etcd transaction race.  Probing
@@ -539,16 +565,31 @@ def pick_free_subnet(
     that (or for small networks) the free ones are listed and one is chosen.
     """
     count = subnet_count(cidr, subnet_len)
-    taken_here = {s for s in taken if s.version == cidr.version and s.prefixlen == subnet_len and s.subnet_of(cidr)}
-    if len(taken_here) >= count:
+    spans = taken_spans(cidr, subnet_len, taken)
+    used = sum(end - start for start, end in spans)
+    if used >= count:
         return None
-    if count > 4096 and len(taken_here) * 2 < count:
+    starts = [start for start, _ in spans]
+
+    def free(index: int) -> bool:
+        at = bisect.bisect_right(starts, index) - 1
+        return at < 0 or index >= spans[at][1]
+
+    if count > 4096 and used * 2 < count:
         for _ in range(64):
-            candidate = subnet_at(cidr, subnet_len, rng.randrange(count))
-            if candidate not in taken_here:
-                return candidate
-    free = [i for i in range(count) if subnet_at(cidr, subnet_len, i) not in taken_here]
-    return subnet_at(cidr, subnet_len, rng.choice(free)) if free else None
+            index = rng.randrange(count)
+            if free(index):
+                return subnet_at(cidr, subnet_len, index)
+    # The k-th free index, k chosen at random: the gaps between the spans, in order.
+    k = rng.randrange(count - used)
+    previous_end = 0
+    for start, end in [*spans, (count, count)]:
+        gap = start - previous_end
+        if k < gap:
+            return subnet_at(cidr, subnet_len, previous_end + k)
+        k -= gap
+        previous_end = end
+    return None
 
 
 # -- retry pacing ------------------------------------------------------------------

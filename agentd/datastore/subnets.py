@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network
 
@@ -104,12 +104,16 @@ async def claim(
     entry: Entry | None,
     stale: dict[Network, Entry],
     lease_id: int,
+    wider: Iterable[Network] = (),
 ) -> Claim:
     """Take ``candidate`` if it is as we saw it (absent, or ours at the revision we
-    read) and, in the same transaction, drop the other subnets recorded for us."""
+    read) and, in the same transaction, drop the other subnets recorded for us.  ``wider``:
+    the subnets around ``candidate`` that must not be leased either (a node that leased one
+    meanwhile, its cluster's subnet_len shorter, holds ``candidate``'s addresses)."""
     key = subnet_key(prefix, candidate)
     value = dataclasses.replace(template, subnet=candidate).to_json()
     compare = [tx.Version(key) == 0] if entry is None else [tx.Mod(key) == entry.mod_revision]
+    compare += [tx.Version(subnet_key(prefix, s)) == 0 for s in wider if s not in stale]
     compare += [tx.Mod(subnet_key(prefix, s)) == e.mod_revision for s, e in stale.items()]
     success = [tx.Put(key, value, lease=lease_id)] + [tx.Delete(subnet_key(prefix, s)) for s in stale]
     try:

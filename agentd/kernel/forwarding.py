@@ -301,6 +301,8 @@ class RoutePlan:
     # them is not up here yet (a backend being brought up, a BPF next hop not resolved yet).
     # Their destinations; the agent keeps a previous run's route for them meanwhile.
     pending: list[str] = field(default_factory=list)
+    # Subnets of node records not held against other nodes' routes (:func:`held_subnets`).
+    untrusted: list[dict[str, str]] = field(default_factory=list)
 
 
 Network = IPv4Network | IPv6Network
@@ -318,7 +320,7 @@ def refusal(
     must not be installed, or None.  A cluster node originates its pod subnets and nothing
     else (agentd announces only its leases), so what a node's next hop carries must lie in the
     cluster's pod network of its family and must not be another node's subnet (``held``:
-    subnet -> node, from the node records); and no next hop, external ones included, may take
+    subnet -> node, from the node records as :func:`held_subnets` trusts them); and no next hop, external ones included, may take
     a part of this node's own subnets (``own``) -- a shorter prefix holding them, such as a
     top-of-rack router's default route, is left alone: the node's own subnet is longer.  Nor
     may a next hop outside the cluster take a part of another node's subnet: a prefix longer
@@ -341,6 +343,59 @@ def refusal(
         if holder != node.name and subnet.version == dst.version and dst.overlaps(subnet):  # type: ignore[arg-type]
             return f"node {node.name} announced {dst}, which overlaps node {holder}'s subnet {subnet}"
     return None
+
+
+def held_subnets(
+    nodes: Iterable[NodeRecord], pools: Mapping[int, tuple[Network, int | None]] | None
+) -> tuple[dict[Network, str], list[dict[str, str]]]:
+    """Which node holds which subnet, by the node records, for :func:`refusal`: subnet -> node
+    name; and the record subnets not taken, a ``{"node", "subnet", "reason"}`` each.  A record
+    is its node's own word: one naming a subnet outside the cluster's pod network of its family
+    or not of the cluster's subnet length (``pools``: version -> (pod network, subnet length);
+    None: not known yet, not checked) would make every node's route inside it refused; one
+    naming another node's subnet would take that node's routes away.  So such a subnet is not
+    held, and where records claim overlapping subnets, none of them is (the subnet leases in
+    etcd have one holder each, the records may not agree)."""
+    claims: list[tuple[Network, str]] = []
+    untrusted: list[dict[str, str]] = []
+    for n in nodes:
+        for net in (n.subnet, n.subnet_v6):
+            if net is None:
+                continue
+            pool = None if pools is None else pools.get(net.version)
+            why = None
+            if pools is not None and pool is None:
+                why = f"the cluster has no IPv{net.version} pod network"
+            elif pool is not None and not net.subnet_of(pool[0]):  # type: ignore[arg-type]
+                why = f"outside the cluster's pod network {pool[0]}"
+            elif pool is not None and pool[1] is not None and net.prefixlen != pool[1]:
+                why = f"not a /{pool[1]}, the cluster's subnet length"
+            if why is not None:
+                untrusted.append({"node": n.name, "subnet": str(net), "reason": why})
+            else:
+                claims.append((net, n.name))
+    by_net: dict[Network, list[str]] = {}
+    for net, name in claims:
+        by_net.setdefault(net, []).append(name)
+    lengths = {(net.version, net.prefixlen) for net in by_net}
+    rivals: dict[Network, set[str]] = {net: set(names) for net, names in by_net.items() if len(set(names)) > 1}
+    for net, names in by_net.items():
+        # Wider claims around ``net``: only at the lengths claimed (one, where pools are known).
+        for version, length in lengths:
+            if version == net.version and length < net.prefixlen:
+                wider = net.supernet(new_prefix=length)
+                if wider in by_net:
+                    rivals.setdefault(net, set(names)).update(by_net[wider])
+                    rivals.setdefault(wider, set(by_net[wider])).update(names)
+    held: dict[Network, str] = {}
+    for net, name in claims:
+        others = sorted(rivals.get(net, set()) - {name})
+        if others:
+            untrusted.append({"node": name, "subnet": str(net),
+                              "reason": f"overlaps the subnet the record of {', '.join(others)} names"})
+        else:
+            held[net] = name
+    return held, untrusted
 
 
 def next_hop_forms(node: NodeRecord) -> list[str]:
@@ -376,12 +431,15 @@ def desired_routes(
     available: Callable[[str], str | None] = lambda b: None,
     versions: tuple[int, ...] = (4,),
     pod_networks: Iterable[str | Network] | None = None,
+    subnet_lens: Mapping[int, int] | None = None,
 ) -> RoutePlan:
     """The routes for ``bests`` (destination, next hop, originated here[, learned over iBGP]) through the peers of
     ``nodes`` (other nodes; any other next hop is an external router on the underlay), plus
     the blackholes of this node's own subnets.  ``versions``: the cluster's pod families;
     ``pod_networks``: the cluster's pod network of each family, which a route through a node
-    must lie in (None: not checked).  A best path :func:`refusal` refuses is left out, with a
+    must lie in (None: not checked); ``subnet_lens``: the cluster's subnet length of each
+    family (None: not checked).  A node record's subnet is held against other nodes' routes
+    only as :func:`held_subnets` trusts it (the others listed in ``untrusted``).  A best path :func:`refusal` refuses is left out, with a
     row in ``refused``; so is a link-local next hop learned over iBGP (RFC 2545 §3: it is
     on-link only where an external peer sent it).  A best path whose route cannot be formed yet
     (the data path that carries it is not up here yet) is left out too, its destination listed
@@ -390,7 +448,8 @@ def desired_routes(
     own_subnets = list(own_subnets)
     own_nets = [ip_network(s, strict=False) for s in own_subnets]
     pools = None if pod_networks is None else [ip_network(n, strict=False) for n in pod_networks]
-    held = {net: n.name for n in nodes for net in (n.subnet, n.subnet_v6) if net is not None}
+    held, untrusted = held_subnets(
+        nodes, None if pools is None else {p.version: (p, (subnet_lens or {}).get(p.version)) for p in pools})
     by_key = {str(n.peer_address): n for n in nodes}
     refused: list[dict[str, Any]] = []
     pending: list[str] = []
@@ -455,4 +514,4 @@ def desired_routes(
     plans = {**plans_by.get(primary, {}), **external}
     dual = primary == 4 and 6 in plans_by
     return RoutePlan(routes, rows, plans, next_hops, plans_by[6] if dual else {}, next_hops_v6 if dual else {},
-                     refused, pending)
+                     refused, pending, untrusted)

@@ -367,3 +367,67 @@ async def test_a_release_and_node_removal_wait_no_longer_than_their_deadline_for
         stuck.cancel()
         await asyncio.gather(stuck, return_exceptions=True)
     assert not keeper.lock.locked()
+
+
+# --- leases of another prefix length (subnet_len changed, a stray key) ---------------------------
+
+WIDE = IPv4Network("10.244.0.0/23")  # leased while the cluster's subnet_len was 23
+NOW_24 = ClusterConfig(IPv4Network("10.244.0.0/22"), 24, "vxlan", "always")
+
+
+def _wide_lease(etcd: FakeEtcd, lease_id: int = 0x50) -> None:
+    etcd.leases.add(lease_id)
+    etcd._put(subnet_key(PREFIX, WIDE), SubnetLease(WIDE, "a", "192.0.2.1", "vxlan").to_json(), lease_id)
+
+
+async def test_a_new_subnet_never_lies_inside_a_wider_lease_of_another_node():
+    """Node a holds 10.244.0.0/23; the cluster's subnet_len is 24 now.  Both /24s inside a's
+    lease are a's pods' addresses: a new node gets one of the others, whatever the seed."""
+    got = set()
+    for seed in range(12):
+        etcd = FakeEtcd()
+        _wide_lease(etcd)
+        keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+        lease = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(seed)).acquire_subnet(
+            "b", "192.0.2.2", "vxlan", {}, cluster=NOW_24)
+        got.add(lease.subnet)
+        await keeper.stop()
+    assert got == {IPv4Network("10.244.2.0/24"), IPv4Network("10.244.3.0/24")}
+
+
+async def test_a_previous_subnet_inside_a_wider_lease_of_another_node_is_not_reused():
+    etcd = FakeEtcd()
+    _wide_lease(etcd)
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    lease = await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1)).acquire_subnet(
+        "b", "192.0.2.2", "vxlan", {}, cluster=NOW_24, previous="10.244.1.0/24")
+    assert not lease.subnet.overlaps(WIDE)
+    await keeper.stop()
+
+
+async def test_a_wider_lease_taken_between_the_read_and_the_claim_makes_the_claim_read_again():
+    """The claim's transaction checks the subnets around the candidate too: a node (its
+    cluster record still saying /23) that leased one of them meanwhile wins, we read again."""
+    etcd = FakeEtcd()
+    cluster = ClusterConfig(IPv4Network("10.244.0.0/23"), 24, "vxlan", "always")
+    etcd.before_transaction += [lambda: None, lambda: _wide_lease(etcd)]  # the read; then a's lease, before our claim
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    with pytest.raises(Exception, match="no free /24"):
+        await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1)).acquire_subnet(
+            "b", "192.0.2.2", "vxlan", {}, cluster=cluster, timeout=5)
+    assert [k for k in etcd.kvs if k.startswith(b"/agentd/subnets/")] == [subnet_key(PREFIX, WIDE)]
+    await keeper.stop()
+
+
+def test_free_subnets_leave_out_leases_of_every_prefix_length():
+    from agentd.datastore.records import pick_free_subnet
+
+    cidr = IPv4Network("10.244.0.0/22")
+    taken = [IPv4Network("10.244.0.0/23"), IPv4Network("10.244.3.128/25"), IPv4Network("10.0.0.0/8"),
+             IPv6Network("fd00::/8")]  # the /8 holds the whole pool
+    assert pick_free_subnet(cidr, 24, taken, random.Random(1)) is None
+    taken = taken[:2]
+    assert {pick_free_subnet(cidr, 24, taken, random.Random(s)) for s in range(20)} == {IPv4Network("10.244.2.0/24")}
+    huge = IPv4Network("10.0.0.0/8")  # probed: a stray /9 takes half of it
+    picks = {pick_free_subnet(huge, 28, [IPv4Network("10.0.0.0/9")], random.Random(s)) for s in range(30)}
+    assert all(p is not None and not p.overlaps(IPv4Network("10.0.0.0/9")) for p in picks) and len(picks) == 30

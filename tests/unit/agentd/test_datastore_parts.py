@@ -344,5 +344,16 @@ async def test_with_one_endpoint_a_failure_after_a_tls_renewal_makes_a_new_clien
     conn.failover(first)
     renewed = conn.client()
     assert renewed is not first and renewed._credentials == 2_000_000_000
+    conn.failover(renewed)
+    assert conn.client() is renewed  # made with the current files: kept
+    # The order the review found: a renewal, a watch's new client (which reads the new files
+    # first), then a failure of the request client.  The shared stamp then matched the files
+    # and the request client kept its old certificate for ever.
+    os.utime(cert, ns=(3_000_000_000, 3_000_000_000))
+    watch = conn.new_client(0)
+    assert watch._credentials == 3_000_000_000
+    conn.failover(renewed)
+    again = conn.client()
+    assert again is not renewed and again._credentials == 3_000_000_000
     conn.closed = True
     await conn.shut()

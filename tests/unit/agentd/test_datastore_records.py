@@ -456,3 +456,21 @@ def test_a_reply_over_grpcs_default_4_mib_is_received_and_a_too_large_one_is_no_
     assert not is_transient(wrapped)
     # etcd's own RESOURCE_EXHAUSTED ("too many requests") passes: retried.
     assert is_transient(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: too many requests"))
+
+
+def test_describe_gives_a_grpc_errors_status_and_details():
+    """``get_at`` passes gRPC's own error on; its str() begins "<AioRpcError of RPC that
+    terminated with:", and the first line alone lost why (a TLS certificate refused)."""
+    import grpc
+
+    from agentd.datastore.etcd import describe
+
+    empty = grpc.aio.Metadata()
+    err = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, empty, empty,
+                               details="failed to connect to all addresses; last error: UNKNOWN:\n"
+                                       "Ssl handshake failed: CERTIFICATE_VERIFY_FAILED")
+    assert describe(err) == ("AioRpcError: UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: "
+                             "Ssl handshake failed: CERTIFICATE_VERIFY_FAILED")
+    assert describe(grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, empty, empty)) == "AioRpcError: CANCELLED"
+    assert describe(ValueError("bad\nmore")) == "ValueError: bad"
+    assert describe(TimeoutError()) == "TimeoutError"

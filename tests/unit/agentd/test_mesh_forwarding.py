@@ -426,6 +426,73 @@ def test_a_node_routes_only_pod_subnets_that_are_neither_ours_nor_another_nodes(
     assert why["10.244.5.0/24"] == "node b announced 10.244.5.0/24, which overlaps node c's subnet 10.244.5.0/24"
 
 
+def _routes_through(plan):
+    return {r.dst: r.gateway for r in plan.routes if r.kind == "unicast"}
+
+
+def test_a_node_record_naming_a_subnet_not_of_the_cluster_takes_no_other_nodes_routes_away():
+    """A record is its node's own word: one naming 10.0.0.0/8 (or a /22 where nodes lease
+    /24s) made every other node's route inside it refused as "overlaps node b's subnet"."""
+    c = node("c", "10.0.0.4", subnet="10.244.5.0/24")
+    bests = [("10.244.5.0/24", IPv4Address("10.0.0.4"), False)]
+    for wide in ("10.0.0.0/8", "10.244.4.0/22", "10.244.5.0/25"):
+        b = node("b", "10.0.0.2", subnet=wide)
+        plan = desired_routes(bests, [b, c], UNDERLAY, LocalPaths(), own_subnets=["10.244.1.0/24"],
+                              blackhole_metric=4000, own_backend="host-gw", encap="always", pod_networks=POD_NET,
+                              subnet_lens={4: 24})  # fmt: skip
+        assert _routes_through(plan) == {"10.244.5.0/24": "10.0.0.4"} and plan.refused == [], wide
+        assert [(u["node"], u["subnet"]) for u in plan.untrusted] == [("b", wide)]
+    assert plan.untrusted[0]["reason"] == "not a /24, the cluster's subnet length"
+    plan = desired_routes(bests, [node("b", "10.0.0.2", subnet="10.0.0.0/8"), c], UNDERLAY, LocalPaths(),
+                          own_subnets=["10.244.1.0/24"], blackhole_metric=4000, own_backend="host-gw", encap="always",
+                          pod_networks=POD_NET, subnet_lens={4: 24})  # fmt: skip
+    assert plan.untrusted[0]["reason"] == "outside the cluster's pod network 10.244.0.0/16"
+
+
+def test_a_node_record_naming_another_nodes_subnet_does_not_steal_it():
+    """An impostor's record naming c's /24: it used to take c's entry (c's own route refused,
+    the impostor's taken).  Two records claiming one subnet: neither is held against the
+    other's routes."""
+    c = node("c", "10.0.0.4", subnet="10.244.5.0/24")
+    x = node("x", "10.0.0.6", subnet="10.244.5.0/24")
+    kwargs = {"own_subnets": ["10.244.1.0/24"], "blackhole_metric": 4000, "own_backend": "host-gw",
+              "encap": "always", "pod_networks": POD_NET, "subnet_lens": {4: 24}}
+    for order in ([c, x], [x, c]):
+        plan = desired_routes([("10.244.5.0/24", IPv4Address("10.0.0.4"), False)], order, UNDERLAY, LocalPaths(),
+                              **kwargs)
+        assert _routes_through(plan) == {"10.244.5.0/24": "10.0.0.4"} and plan.refused == []
+        assert sorted((u["node"], u["reason"]) for u in plan.untrusted) == [
+            ("c", "overlaps the subnet the record of x names"), ("x", "overlaps the subnet the record of c names")]
+    # Without the cluster's subnet length: a wider claim around c's is a rival too.
+    w = node("w", "10.0.0.7", subnet="10.244.4.0/22")
+    plan = desired_routes([("10.244.5.0/24", IPv4Address("10.0.0.4"), False)], [w, c], UNDERLAY, LocalPaths(),
+                          **{**kwargs, "subnet_lens": None})
+    assert _routes_through(plan) == {"10.244.5.0/24": "10.0.0.4"}
+    assert sorted(u["node"] for u in plan.untrusted) == ["c", "w"]
+
+
+def test_a_record_subnet_not_held_is_logged_once_while_it_stays():
+    import logging
+
+    from agentd.daemon.routes import KernelRoutes
+
+    routes = KernelRoutes(None)
+    bad = [{"node": "b", "subnet": "10.0.0.0/8", "reason": "outside the cluster's pod network 10.244.0.0/16"}]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("agentd").addHandler(handler)
+    try:
+        for _ in range(3):
+            routes._log_untrusted(bad)
+        routes._log_untrusted([])
+        routes._log_untrusted(bad)  # back: logged again
+    finally:
+        logging.getLogger("agentd").removeHandler(handler)
+    lines = [r.getMessage() for r in records if r.levelno == logging.ERROR]
+    assert len(lines) == 2 and lines[0].startswith("node b's record names subnet 10.0.0.0/8, outside the cluster's")
+
+
 def test_without_the_pod_network_a_node_still_cannot_take_ours_or_anothers():
     plan = _hostile_b_plan(pod_networks=None)
     why = {r["dst"]: r["reason"] for r in plan.refused}

@@ -32,7 +32,7 @@ def routes(monkeypatch):
         rows = [{"dst": r.dst, "via": r.gateway, "dev": r.dev, "backend": "host-gw", "peer": r.gateway}
                 for r in (WANT, WANT6)]
         return SimpleNamespace(routes=[WANT, WANT6], plans={}, plans_v6={}, rows=rows, next_hops={}, next_hops_v6={},
-                               refused=[])
+                               refused=[], untrusted=[])
 
     monkeypatch.setattr(R, "desired_routes", fake_desired)
     tunnels = SimpleNamespace(paths=lambda: None, available=None, apply=lambda *a, **k: None)
@@ -201,7 +201,7 @@ def test_a_recompute_that_fails_keeps_the_routes_and_is_one_log_line_until_it_ch
 
     def fake_desired(bests, *args, **kwargs):
         seen.append(list(bests))
-        return SimpleNamespace(routes=[WANT], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[])
+        return SimpleNamespace(routes=[WANT], plans={}, plans_v6={}, rows=[], next_hops={}, next_hops_v6={}, refused=[], untrusted=[])
 
     def to_str(afi, prefix):
         if prefix == b"bad":
@@ -233,3 +233,23 @@ def test_the_count_of_refusals_held_back_is_logged_when_the_minute_ends_without_
     assert [m for m in caplog.messages if "routes not recomputed" in m] == []
     last = [m for m in caplog.messages if "not installed" in m][-1]
     assert last.startswith("4 similar suppressed in the last 60s, the last: route to 0.0.0.0/0 via 10.0.0.2"), last
+
+
+def test_a_record_naming_a_subnet_of_another_length_refuses_no_route_and_is_logged_once(monkeypatch, caplog):
+    """Node w's record names 10.244.0.0/16, inside the pod network but not a /24 (the cluster's
+    subnet length): b's route inside it used to be refused as "overlaps node w's subnet"."""
+    from ipaddress import IPv4Address, IPv4Network
+
+    from agentd.datastore.store import NodeRecord
+
+    r, _clock, _nh = _refusing_routes(monkeypatch)
+    r.inputs.peering.nodes["w"] = NodeRecord("w", IPv4Address("10.0.0.5"), 64512, IPv4Network("10.244.0.0/16"),
+                                             False, None, {})
+    for _ in range(3):
+        r._recompute()
+    rows = {row["dst"]: row for row in r.installed()}
+    assert rows["10.244.2.0/24"]["backend"] == "host-gw"
+    logged = [m for m in caplog.messages if "record names" in m]
+    assert logged == [("node w's record names subnet 10.244.0.0/16, not a /24, the cluster's subnet length: not taken "
+                       "as its subnet (its routes are held to the pod network only, and no other node's route is "
+                       "refused for it)")]
