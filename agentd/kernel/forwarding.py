@@ -24,7 +24,8 @@ address, which is what BGP unnumbered routes through.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from ipaddress import (
     IPv4Address,
@@ -308,6 +309,49 @@ class RoutePlan:
 Network = IPv4Network | IPv6Network
 
 
+class HeldSubnets(Mapping[Network, str]):
+    """``held`` (subnet -> node) indexed by family and prefix length, so that the subnets a
+    destination overlaps are found with a look-up per length held (one, in a cluster of one
+    subnet length) rather than a scan of every node's: :func:`refusal` asks it of every best
+    path, so a scan made a recompute of N nodes' routes cost N^2."""
+
+    def __init__(self, held: Mapping[Network, str]) -> None:
+        self._held = dict(held)
+        self._by_len: dict[tuple[int, int], dict[Network, str]] = {}
+        for net, holder in self._held.items():
+            self._by_len.setdefault((net.version, net.prefixlen), {})[net] = holder
+        self._starts = {k: sorted((int(n.network_address), n) for n in nets) for k, nets in self._by_len.items()}
+
+    def __getitem__(self, key: Network) -> str:
+        return self._held[key]
+
+    def __iter__(self) -> Iterator[Network]:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def holding(self, dst: Network) -> Iterator[tuple[Network, str]]:
+        """The subnets held that hold ``dst`` -- equal to it or shorter --, and their holders."""
+        for (version, length), nets in self._by_len.items():
+            if version == dst.version and length <= dst.prefixlen:
+                wider = dst if length == dst.prefixlen else dst.supernet(new_prefix=length)
+                if wider in nets:
+                    yield wider, nets[wider]
+
+    def overlapping(self, dst: Network) -> Iterator[tuple[Network, str]]:
+        """The subnets held that overlap ``dst`` (hold it, or lie inside it), and their holders."""
+        yield from self.holding(dst)
+        low, high = int(dst.network_address), int(dst.broadcast_address)
+        for (version, length), starts in self._starts.items():
+            if version == dst.version and length > dst.prefixlen:
+                i = bisect_left(starts, (low,))
+                while i < len(starts) and starts[i][0] <= high:
+                    net = starts[i][1]
+                    yield net, self._by_len[(version, length)][net]
+                    i += 1
+
+
 def refusal(
     dst: Network,
     node: NodeRecord | None,
@@ -325,13 +369,15 @@ def refusal(
     top-of-rack router's default route, is left alone: the node's own subnet is longer.  Nor
     may a next hop outside the cluster take a part of another node's subnet: a prefix longer
     than that subnet would win the kernel's look-up for those pods over the node's own route
-    (the subnet itself, as a top-of-rack router passes on another rack's routes, is taken)."""
+    (the subnet itself, as a top-of-rack router passes on another rack's routes, is taken).
+    ``held`` is best a :class:`HeldSubnets` (made once for many calls)."""
+    index = held if isinstance(held, HeldSubnets) else HeldSubnets(held)
     for mine in own:
         if mine.version == dst.version and dst.subnet_of(mine):  # type: ignore[arg-type]
             return f"{dst} is part of this node's own pod subnet {mine}"
     if node is None:
-        for subnet, holder in held.items():
-            if subnet.version == dst.version and dst != subnet and dst.subnet_of(subnet):  # type: ignore[arg-type]
+        for subnet, holder in index.holding(dst):
+            if dst != subnet:
                 return f"{dst} is part of node {holder}'s pod subnet {subnet}, announced by a next hop outside the cluster"
         return None
     if pod_networks is not None:
@@ -339,8 +385,8 @@ def refusal(
         if not any(dst.subnet_of(n) for n in pools):  # type: ignore[arg-type]
             where = " or ".join(map(str, pools)) or f"no IPv{dst.version} pod network"
             return f"node {node.name} announced {dst}, outside the cluster's pod network ({where})"
-    for subnet, holder in held.items():
-        if holder != node.name and subnet.version == dst.version and dst.overlaps(subnet):  # type: ignore[arg-type]
+    for subnet, holder in index.overlapping(dst):
+        if holder != node.name:
             return f"node {node.name} announced {dst}, which overlaps node {holder}'s subnet {subnet}"
     return None
 
@@ -448,8 +494,9 @@ def desired_routes(
     own_subnets = list(own_subnets)
     own_nets = [ip_network(s, strict=False) for s in own_subnets]
     pools = None if pod_networks is None else [ip_network(n, strict=False) for n in pod_networks]
-    held, untrusted = held_subnets(
+    trusted, untrusted = held_subnets(
         nodes, None if pools is None else {p.version: (p, (subnet_lens or {}).get(p.version)) for p in pools})
+    held = HeldSubnets(trusted)  # asked of every best path: indexed once
     by_key = {str(n.peer_address): n for n in nodes}
     refused: list[dict[str, Any]] = []
     pending: list[str] = []

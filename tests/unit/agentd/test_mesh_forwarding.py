@@ -637,3 +637,37 @@ def test_an_unexpected_failure_of_one_route_or_one_peers_plan_is_refused_not_rai
     assert [(r["dst"], r["reason"]) for r in plan.refused] == [("10.244.1.0/24", "cannot be routed (KeyError: 'gateway')")]
     n3 = plan.plans["10.9.0.3"]
     assert not n3.routable and n3.reason == "peer's record: cannot plan a route (TypeError: unhashable type: 'list')"
+
+
+def test_the_held_subnets_index_finds_what_a_scan_of_every_subnet_finds():
+    """HeldSubnets answers refusal's two questions -- which held subnets hold a destination,
+    which overlap it -- as a scan of every node's subnet does (it looks up only the lengths
+    held), both families mixed, any lengths."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from agentd.kernel.forwarding import HeldSubnets
+
+    def corner(net, base: int, bits: int, lengths: tuple[int, int]):
+        """Networks inside one /(bits-16) of the space (``base``), so that they overlap often."""
+        def make(offset: int, length: int):
+            value = base | offset
+            return net((value >> (bits - length) << (bits - length), length))
+
+        return st.builds(make, st.integers(0, 0xFFFF), st.integers(*lengths))
+
+    v4 = corner(IPv4Network, 0x0AF40000, 32, (16, 28))
+    v6 = corner(IPv6Network, 0xFD << 120, 128, (112, 124))
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.dictionaries(st.one_of(v4, v6), st.sampled_from(["a", "b", "c"]), max_size=12), st.one_of(v4, v6))
+    def check(held, dst):
+        index = HeldSubnets(held)
+        holding = {(n, h) for n, h in held.items() if n.version == dst.version and dst.subnet_of(n)}
+        overlapping = {(n, h) for n, h in held.items() if n.version == dst.version and dst.overlaps(n)}
+        assert set(index.holding(dst)) == holding
+        assert set(index.overlapping(dst)) == overlapping
+        assert len(list(index.overlapping(dst))) == len(overlapping)  # each once
+        assert dict(index) == held
+
+    check()
