@@ -215,6 +215,61 @@ def test_unreadable_manifests(text, expected):
     assert expected in error_of(text)
 
 
+def alias_bomb(n: int) -> str:
+    """A NetworkPolicy of lists of aliases to lists of aliases: about n**4 nodes from n*30 bytes."""
+    values = "[" + ",".join(f'"v{i}"' for i in range(n)) + "]"
+    return (
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: x}\nspec:\n"
+        "  podSelector:\n    matchExpressions:\n    - &e {key: a, operator: In, values: " + values + "}\n"
+        "  ingress:\n  - from:\n    - &p\n      podSelector:\n"
+        "        matchExpressions: [" + ",".join(["*e"] * n) + "]\n"
+        "  - from: &ps [" + ",".join(["*p"] * n) + "]\n" + "  - from: *ps\n" * n
+    )
+
+
+def test_an_alias_bomb_is_refused_at_once_and_ordinary_aliases_still_work():
+    import time
+
+    text = alias_bomb(50)
+    assert len(text) < 2000
+    started = time.monotonic()
+    message = error_of(text)
+    assert time.monotonic() - started < 2
+    assert message == (f"f.yaml: aliases expand this to more than {manifests.MAX_ALIAS_NODES} nodes beyond those "
+                       "written (excessive aliasing)")  # fmt: skip
+    (obj,) = validate_text(alias_bomb(5))  # 5**4: a few aliases are fine
+    assert len(obj["spec"]["ingress"]) == 7
+    # one long string aliased many times is a bomb too
+    big = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata:\n  a: &s " + "x" * 100_000 + "\n"
+    assert "excessive aliasing" in error_of(big + "".join(f"  a{i}: *s\n" for i in range(100)))
+    (obj,) = validate_text(big + "  b: *s\n")
+    assert obj["data"]["b"] == "x" * 100_000
+    merged = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c, labels: &l {a: b}}\ndata: {<<: *l, c: d}\n"
+    (obj,) = validate_text(merged)
+    assert obj["data"] == {"a": "b", "c": "d"} and obj["metadata"]["labels"]["a"] == "b"
+    assert "an alias refers to a node that holds it" in error_of("a: &a [1, *a]\n")
+
+
+def test_json_is_read_as_json_and_yaml_numbers_have_no_base_60():
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"smile": "\U0001f600 ok"}}
+    text = json.dumps(cm)
+    assert "\\ud83d\\ude00" in text  # a surrogate pair, as json.dumps writes it
+    (obj,) = validate_text(text)
+    assert obj["data"]["smile"] == "\U0001f600 ok"
+    objs = validate_text(text + "\n" + json.dumps(cm | {"metadata": {"name": "d"}}))  # a stream of values
+    assert [o["metadata"]["name"] for o in objs] == ["c", "d"]
+    assert manifests.read('{"kind": "X", "n": 8e1}')[0].raw["n"] == 80.0
+    assert error_of('{"kind": "Namespace", "kind": "Namespace"}') == 'f.yaml: mapping key "kind" already defined'
+    # YAML: "10:30" is a string (YAML 1.2), not 630 (YAML 1.1's base 60); other numbers as before
+    (doc,) = manifests.read("kind: X\nt: 10:30\nf: 1:20.5\ni: 0x1f\no: 017\nd: 1_000\nx: 1.5\n")
+    assert doc.raw == {"kind": "X", "t": "10:30", "f": "1:20.5", "i": 31, "o": 15, "d": 1000, "x": 1.5}
+    (obj,) = validate_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata: {at: 10:30}\n")
+    assert obj["data"] == {"at": "10:30"}
+    # flow-style YAML that is not JSON still reads as YAML
+    (obj,) = validate_text("{apiVersion: v1, kind: Namespace, metadata: {name: prod}}\n")
+    assert obj["metadata"]["name"] == "prod"
+
+
 def test_namespace_flag_conflicts_with_the_objects_namespace():
     assert "does not match the namespace" in error_of(POLICY, namespace="other")
 
