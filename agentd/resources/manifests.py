@@ -211,12 +211,15 @@ def _document(doc: Any, where: str, source: str) -> Document:
 def validate_all(
     docs: Iterable[Document], source: str, *, namespace: str | None = None,
     ingress_configmap: str | None = "kube-system/agentd-ingress",
+    seen: dict[tuple[str, str, str], tuple[object, str, str]] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Validate every document (nothing is written unless all are valid); one line on error.
     The ConfigMap ``ingress_configmap`` (NAMESPACE/NAME) holds the Ingress controller's
-    settings: its keys are checked too."""
+    settings: its keys are checked too.  ``seen`` (shared by the sources of one apply) maps
+    each object already taken to its source and document: the same object twice is refused."""
     out = []
-    seen: dict[tuple[str, str, str], str] = {}
+    seen = {} if seen is None else seen
+    this_call = object()  # "-f a.yaml -f a.yaml": the same source, another reading of it
     for doc in docs:
         label = _label(doc)
         try:
@@ -239,10 +242,12 @@ def validate_all(
             )
         key = kinds.identity(obj)
         if key in seen:
+            call, first, where = seen[key]
             raise ManifestError(
-                f"{source}: {doc.where}{label}: the same object is also {seen[key]}"
+                f"{source}: {doc.where}{label}: the same object is also {where}"
+                + ("" if call is this_call else f" of {first}")
             )
-        seen[key] = doc.where
+        seen[key] = (this_call, source, doc.where)
         out.append(obj)
     return out
 

@@ -5,6 +5,8 @@ checks before etcd; agentd-cni's pod identity.  Pure: no etcd, no root."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 import yaml
@@ -306,6 +308,9 @@ def test_etcd_keys():
         (["delete", "pods", "default/x"], "agentd delete: pods are written by the agent"),
         (["label", "pod", "default/x", "a=b c"], "agentd label: label 'a=b c': Invalid value"),
         (["label", "pod", "default/x", "novalue"], "expected KEY=VALUE or KEY-"),
+        (["label", "pod", "default/x", "k=v", "k-"],
+         "agentd label: label 'k-': label 'k' is also changed by 'k=v': give each label once in a command"),
+        (["label", "ns", "prod", "a/k=v", "a/k=w"], "label 'a/k' is also changed by 'a/k=v'"),
         (["label", "netpol", "default/x", "a=b"], "labels of networkpolicies are changed with agentd apply"),
         (["apply", "-f", "/nonexistent/p.yaml"], "agentd apply: /nonexistent/p.yaml: No such file or directory"),
     ],
@@ -339,6 +344,53 @@ def test_cli_apply_names_a_manifest_that_is_not_utf8(tmp_path, capsys, monkeypat
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff"), encoding="utf-8", errors="surrogateescape"))
     assert cli.main(["apply", "-f", "-"]) == 1
     assert capsys.readouterr().err == "agentd apply: stdin: not valid UTF-8 (byte 0)\n"
+
+
+def test_cli_apply_refuses_the_same_object_in_two_files(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://192.0.2.1:1")  # never reached
+    ns = "apiVersion: v1\nkind: Namespace\nmetadata: {name: prod}\n"
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(ns)
+    b.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: other}\n---\n" + ns)
+    assert cli.main(["apply", "-f", str(a), "-f", str(b)]) == 1
+    assert capsys.readouterr().err == (
+        f"agentd apply: {b}: document 2 (Namespace prod): the same object is also document 1 of {a}\n"
+    )
+    assert cli.main(["apply", "-f", str(a), "-f", str(a)]) == 1
+    assert capsys.readouterr().err.endswith(f"the same object is also document 1 of {a}\n")
+
+
+def test_cli_apply_reads_a_bounded_manifest(tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    from agentd.resources import cli as resources_cli
+
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://192.0.2.1:1")  # never reached
+    monkeypatch.setattr(resources_cli, "MAX_MANIFEST_BYTES", 1000)
+    path = tmp_path / "big.yaml"
+    path.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: prod}\n" + "#" * 1000 + "\n")
+    assert cli.main(["apply", "-f", str(path)]) == 1
+    assert capsys.readouterr().err == f"agentd apply: {path}: larger than 1000 bytes\n"
+    assert cli.main(["apply", "-f", "/dev/zero"]) == 1  # not read for ever
+    assert capsys.readouterr().err == "agentd apply: /dev/zero: larger than 1000 bytes\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a: b\n" * 1000), encoding="utf-8"))
+    assert cli.main(["apply", "-f", "-"]) == 1
+    assert capsys.readouterr().err == "agentd apply: stdin: larger than 1000 bytes\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a: b\n" * 1000))  # a text stdin (no buffer)
+    assert cli.main(["apply", "-f", "-"]) == 1
+    assert capsys.readouterr().err == "agentd apply: stdin: larger than 1000 bytes\n"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("a: b\n" * 1000), daemon=True)
+    writer.start()
+    assert cli.main(["apply", "-f", str(fifo)]) == 1  # a FIFO is still taken, bounded
+    writer.join(5)
+    assert capsys.readouterr().err == f"agentd apply: {fifo}: larger than 1000 bytes\n"
+    # at the bound: read, then refused for what it says, not its size
+    path.write_text("x" * 1000)
+    assert cli.main(["apply", "-f", str(path)]) == 1
+    assert "larger than" not in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ pod identity from the runtime
