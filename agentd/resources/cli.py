@@ -6,7 +6,10 @@ settings of the agent's configuration: ``--config`` (default ``$AGENTD_CONFIG``,
 etcd.endpoints=[...]`` or ``AGENTD_ETCD_ENDPOINTS``.  No agent needs to be running.
 
 Every problem is one line on stderr and a non-zero exit; nothing is written unless every
-document of an ``apply`` is valid.
+document of an ``apply`` is valid, also against what etcd holds (cluster IPs and node ports
+taken, immutable fields): every object is checked before the first transaction.  Only a race
+with another writer can stop a large apply (more than one transaction) part way: the objects
+already written are then printed as usual, and the error says the apply was partial.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from . import kinds, manifests
 from .kinds import Kind
-from .store import Applied, ResourceStore, StoreError
+from .store import Applied, PartialApply, ResourceStore, StoreError
 from .ingress import load_balancer
 from .validation import Invalid, dns1123_label, label_value, qualified_name
 
@@ -184,7 +187,13 @@ async def _run(args: argparse.Namespace, cfg: Any, plan: Any) -> int:
             cluster = await ds.get_cluster_config(timeout=ETCD_TIMEOUT)
             store.service_cidr = cluster.service_cidr if cluster is not None else cfg.network.service_cidr
         if args.command == "apply":
-            for applied in await store.apply(plan):
+            try:
+                written = await store.apply(plan)
+            except PartialApply as err:  # a race after the first transaction: say what was written
+                for applied in err.applied:
+                    print(_applied_line(applied))
+                raise
+            for applied in written:
                 print(_applied_line(applied))
             return 0
         kind, target, changes = plan

@@ -393,6 +393,41 @@ def test_cli_apply_reads_a_bounded_manifest(tmp_path, capsys, monkeypatch):
     assert "larger than" not in capsys.readouterr().err
 
 
+def test_cli_apply_cut_short_by_a_race_prints_what_was_written_and_says_so(tmp_path, capsys, monkeypatch):
+    from agentd.datastore import store as datastore
+    from agentd.resources import cli as resources_cli
+    from agentd.resources.store import Applied, PartialApply, StoreError
+
+    class FakeDatastore:
+        def __init__(self, *a, **kw):
+            pass
+
+        async def connect(self, timeout):
+            pass
+
+        async def close(self):
+            pass
+
+    class RacedStore:
+        def __init__(self, ds, timeout):
+            pass
+
+        async def apply(self, objs):
+            raise PartialApply([Applied(objs[0], "created", 5), Applied(objs[1], "configured", 5)], len(objs),
+                               StoreError("the objects kept changing while being applied; try again"))
+
+    monkeypatch.setattr(datastore, "Datastore", FakeDatastore)
+    monkeypatch.setattr(resources_cli, "ResourceStore", RacedStore)
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://192.0.2.1:1")
+    path = tmp_path / "ns.yaml"
+    path.write_text("---\n".join(f"apiVersion: v1\nkind: Namespace\nmetadata: {{name: n{i}}}\n" for i in range(3)))
+    assert cli.main(["apply", "-f", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "namespace/n0 created\nnamespace/n1 configured\n"
+    assert err == ("agentd apply: the objects kept changing while being applied; try again -- the apply was partial: "
+                   "2 of 3 objects were applied before this\n")  # fmt: skip
+
+
 # ------------------------------------------------------------------ pod identity from the runtime
 
 
