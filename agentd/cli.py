@@ -340,6 +340,11 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             print(f"{path}: no such file; the defaults and the environment make a valid configuration")
         return 0
+    if getattr(args, "api", None) is not None:
+        problem = api_url_problem(args.api)
+        if problem is not None:
+            sys.stderr.write(f"agentd {cmd}: --api {args.api!r}: {problem}\n")
+            return 2
     if cmd == "status":
         return status_command(args.api, as_json=args.json)
     if cmd in ("flows", "ui"):  # [api] listen and token_file only: no host facts, no etcd (its TLS files
@@ -610,11 +615,12 @@ def flows_command(args: argparse.Namespace, token_file: Path) -> int:
         headers, unreadable = bearer_header(ui_key(read_token_file(token_file))), None
     except TokenFileError as err:  # needed only to gather from other nodes
         headers, unreadable = {}, err
-    parsed = urllib.parse.urlsplit(args.api)
     try:
-        why = squatter(parsed.hostname, parsed.port or 80, token_file) if headers and parsed.hostname else None
-    except ValueError:  # a bad port: the request below says so
-        why = None
+        parsed = urllib.parse.urlsplit(args.api)
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        why = squatter(parsed.hostname, port, token_file) if headers and parsed.hostname else None
+    except ValueError as err:  # a port that cannot be checked is not sent the key (main checks --api first)
+        why = f"{args.api}: cannot check who listens there ({err}): not sending it the API token"
     if why is not None:
         sys.stderr.write(f"agentd flows: {why}\n")
         return 1
@@ -686,6 +692,26 @@ def _api_error(err: Any) -> str:
 
 
 # ---------------------------------------------------------------- agentd status
+
+
+def api_url_problem(url: str) -> str | None:
+    """Why ``url`` (``--api``) is no agent API URL, or None.  Checked before anything is sent:
+    http.client would take port 74635 as 74635 % 65536 = 9099 (the API token then goes to
+    whoever listens there, unchecked)."""
+    import urllib.parse
+
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as err:  # "Port out of range 0-65535", "Port could not be cast to integer value"
+        return f"the port must be a number 1..65535 ({err})"
+    if parts.scheme not in ("http", "https"):
+        return "expected http://HOST[:PORT] or https://HOST[:PORT]"
+    if not parts.hostname:
+        return "no host"
+    if port is not None and not 1 <= port <= 65535:
+        return f"the port must be a number 1..65535, not {port}"
+    return None
 
 
 def api_open(req: Any, timeout: float | None) -> Any:

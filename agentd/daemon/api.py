@@ -50,6 +50,7 @@ MAX_CONNECTIONS = 1000
 # cluster's registered nodes' addresses, each counted on its own: a datacenter's IPv6 subnet is
 # often one /64 that every node shares, and each of them holds connections (gathers, follows).
 MAX_PER_ADDRESS = 64
+RIB_LIMIT_MAX = 10_000_000  # /rib?limit=N: more prefixes than any RIB holds
 
 
 class Conflict(Exception):
@@ -229,6 +230,20 @@ class _Runner(web.AppRunner):
         return self._connections(await super()._make_server())  # type: ignore[return-value]
 
 
+def _count(value: str, name: str, most: int) -> int:
+    """A query parameter that is a whole number 1..``most``; ValueError naming it otherwise
+    (Python's own int() message names no parameter, and 5000 digits meet its digit limit)."""
+    if not (value.isascii() and value.isdigit()) or len(value) > 12:
+        shown = value if len(value) <= 20 else value[:20] + "..."
+        if value.isascii() and value.isdigit():
+            raise ValueError(f"{name}: {shown} is out of range 1..{most}")
+        raise ValueError(f"{name}: {shown!r} is not a whole number")
+    number = int(value)
+    if not 1 <= number <= most:
+        raise ValueError(f"{name}: {number} is out of range 1..{most}")
+    return number
+
+
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(
         text=json.dumps(data, indent=2, sort_keys=False, default=str) + "\n",
@@ -359,11 +374,13 @@ class ApiServer:
         between, so a million prefixes neither block BGP nor sit in memory as one document.
         ``?prefix=P`` gives one prefix; ``?after=P&limit=N`` a page of N prefixes after P."""
         try:
-            limit = request.query.get("limit")
+            limit, prefix = request.query.get("limit"), request.query.get("prefix")
+            if prefix == "":  # not "every prefix": a script's empty variable
+                raise ValueError("prefix: empty (leave it out for the whole RIB)")
             query = RibQuery(
-                prefix=request.query.get("prefix"),
+                prefix=prefix,
                 after=request.query.get("after"),
-                limit=int(limit) if limit is not None else None,
+                limit=_count(limit, "limit", RIB_LIMIT_MAX) if limit is not None else None,
             )
         except ValueError as err:
             return _json({"error": str(err)}, 400)

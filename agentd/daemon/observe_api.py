@@ -15,7 +15,8 @@ listener only ``/flows`` is served, and only this node's records: nothing is rel
 answer's ``X-Agentd-Ring`` header, ``ID:SEQ``, where its follow began, with a record's ``seq``
 for SEQ; all it holds when ID is not its ring's, as after a restart), ``follow=1`` (then every new matching record as it comes, until the client goes), and
 ``cluster=1`` (every node's records, gathered, followed ones too of a node that joins meanwhile;
-a ``node`` filter alone also asks those nodes, each for its own records).  One JSON record per
+a ``node`` filter alone also asks those nodes, each for its own records); ``follow`` and
+``cluster`` take 1/true/yes or 0/false/no (or empty), nothing else.  One JSON record per
 line; a node that cannot be asked is a line ``{"node": ..., "error": ...}``, records a slow
 reader missed a line ``{"lost": N}`` -- gathered, one node's records lost (its answer said so, or
 this node's own follower fell behind) name it: ``{"lost": N, "why": ..., "node": ...}``.
@@ -131,14 +132,13 @@ class _Handlers:
             last = _last(q.get("last", "100"))
             since = _since(q["since"]) if "since" in q else None
             after = _after(q["after"]) if "after" in q else None
+            follow, everyone = _switch(q, "follow"), _switch(q, "cluster")
         except FilterError as err:
             return web.json_response({"error": str(err)}, status=400)
-        follow = q.get("follow", "") in ("1", "true", "yes")
         me = self.agent.node_name()
         # Another node's listener asks each node for its own records: a node filter there
         # selects among them (no record of another node), it never sends the question on.
-        cluster = not self.read_only and (q.get("cluster", "") in ("1", "true", "yes")
-                                          or bool(flt.node and set(flt.node) != {me}))
+        cluster = not self.read_only and (everyone or bool(flt.node and set(flt.node) != {me}))
         if cluster and not self._may_gather(request):
             return auth.refuse_cluster_read()
         if cluster and after is not None:
@@ -358,7 +358,8 @@ class _Handlers:
         """One node's GET endpoint, answered here for this node and relayed for another."""
         name, what = request.match_info["node"], request.match_info["what"]
         if what not in RELAYED or what == "flows":
-            return web.json_response({"error": f"{what} is not relayed (relayed: {', '.join(RELAYED)}; flows: "
+            relayed = ", ".join(r for r in RELAYED if r != "flows")
+            return web.json_response({"error": f"{what} is not relayed (relayed: {relayed}; flows: "
                                       "GET /flows?node=NAME)"}, status=404)
         a = self.agent
         if name == a.node_name():
@@ -448,6 +449,19 @@ def _last(value: str) -> int:
     if not 0 <= last <= MAX_LAST:
         raise FilterError(f"last: {last} is out of range 0..{MAX_LAST}")
     return last
+
+
+SWITCH_ON, SWITCH_OFF = ("1", "true", "yes"), ("", "0", "false", "no")
+
+
+def _switch(query: Any, name: str) -> bool:
+    """``follow=`` / ``cluster=``: on (1, true, yes) or off (0, false, no, empty, absent); a
+    FilterError for any other value (``follow=on`` was silently no follow)."""
+    value = query.get(name, "")
+    if value in SWITCH_ON or value in SWITCH_OFF:
+        return value in SWITCH_ON
+    shown = value if len(value) <= 20 else value[:20] + "..."
+    raise FilterError(f"{name}: {shown!r} is neither 1, true, yes (on) nor 0, false, no (off)")
 
 
 def _since(value: str) -> float:

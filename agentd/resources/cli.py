@@ -6,7 +6,10 @@ settings of the agent's configuration: ``--config`` (default ``$AGENTD_CONFIG``,
 etcd.endpoints=[...]`` or ``AGENTD_ETCD_ENDPOINTS``.  No agent needs to be running.
 
 Every problem is one line on stderr and a non-zero exit; nothing is written unless every
-document of an ``apply`` is valid.
+document of an ``apply`` is valid, also against what etcd holds (cluster IPs and node ports
+taken, immutable fields): every object is checked before the first transaction.  Only a race
+with another writer can stop a large apply (more than one transaction) part way: the objects
+already written are then printed as usual, and the error says the apply was partial.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ from typing import Any
 
 from . import kinds, manifests
 from .kinds import Kind
-from .store import Applied, ResourceStore, StoreError
+from .store import Applied, PartialApply, ResourceStore, StoreError
 from .ingress import load_balancer
 from .validation import Invalid, dns1123_label, label_value, qualified_name
 
 COMMANDS = ("apply", "get", "delete", "label")
 ETCD_TIMEOUT = 10.0
+MAX_MANIFEST_BYTES = 3 * 1024 * 1024  # the API server's request limit: /dev/zero is not read for ever
 
 
 def add_commands(sub: Any, config_args: Any) -> None:
@@ -83,12 +87,15 @@ def _fail(command: str, err: BaseException) -> int:
 def _prepare(args: argparse.Namespace) -> Any:
     """Everything that can be checked before talking to etcd."""
     if args.command == "apply":
-        objs = []
+        objs: list[Any] = []
+        seen: dict[Any, Any] = {}  # across every -f: the same object twice is one mistake
         for path in args.filename:
             source = "stdin" if path == "-" else path
             text = _read(path, source)
             docs = manifests.read(text, source)
-            objs += manifests.validate_all(docs, source, namespace=args.namespace, ingress_configmap=args.ingress_configmap)
+            objs += manifests.validate_all(
+                docs, source, namespace=args.namespace, ingress_configmap=args.ingress_configmap, seen=seen
+            )
         return objs
     kind = kinds.lookup(args.kind)
     target = _target(kind, args.name, args.namespace) if args.name else None
@@ -101,17 +108,24 @@ def _prepare(args: argparse.Namespace) -> Any:
 
 
 def _read(path: str, source: str) -> str:
-    """The manifest at ``path`` (``-``: stdin) as text; ManifestError unless it is UTF-8.
+    """The manifest at ``path`` (``-``: stdin) as text; ManifestError unless it is UTF-8 and
+    at most MAX_MANIFEST_BYTES (a pipe or FIFO too: read up to one byte more, no further).
     Bytes, decoded here: stdin's own decoding depends on the locale (and lets bad bytes
     through as surrogates that fail later, unnamed)."""
+    too_big = manifests.ManifestError(f"{source}: larger than {MAX_MANIFEST_BYTES} bytes")
     if path == "-":
         stdin = getattr(sys.stdin, "buffer", None)
         if stdin is None:  # already text (a test's or an embedder's stdin)
-            return sys.stdin.read()
-        data = stdin.read()
+            text = sys.stdin.read(MAX_MANIFEST_BYTES + 1)
+            if len(text.encode("utf-8", "surrogatepass")) > MAX_MANIFEST_BYTES:
+                raise too_big
+            return text
+        data = stdin.read(MAX_MANIFEST_BYTES + 1)
     else:
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise too_big
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -131,16 +145,25 @@ def _target(kind: Kind, text: str, namespace: str | None) -> tuple[str, str]:
 
 
 def _label_changes(items: list[str]) -> dict[str, str | None]:
+    """KEY=VALUE and KEY- arguments; a key given twice is refused (kubectl: "can not both
+    modify and remove a label in the same command"), not the last one silently winning."""
     changes: dict[str, str | None] = {}
+    given: dict[str, str] = {}
     for item in items:
         if item.endswith("-") and "=" not in item:
             key = qualified_name(item[:-1], f"label {item!r}")
-            changes[key] = None
-            continue
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise Invalid("", f"label {item!r}: expected KEY=VALUE or KEY- (to remove it)")
-        changes[qualified_name(key, f"label {item!r}")] = label_value(value, f"label {item!r}")
+            value = None
+        else:
+            key, eq, text = item.partition("=")
+            if not eq:
+                raise Invalid("", f"label {item!r}: expected KEY=VALUE or KEY- (to remove it)")
+            key = qualified_name(key, f"label {item!r}")
+            value = label_value(text, f"label {item!r}")
+        if key in given:
+            raise Invalid("", f"label {item!r}: label {key!r} is also changed by {given[key]!r}: "
+                              "give each label once in a command")  # fmt: skip
+        given[key] = item
+        changes[key] = value
     return changes
 
 
@@ -164,7 +187,13 @@ async def _run(args: argparse.Namespace, cfg: Any, plan: Any) -> int:
             cluster = await ds.get_cluster_config(timeout=ETCD_TIMEOUT)
             store.service_cidr = cluster.service_cidr if cluster is not None else cfg.network.service_cidr
         if args.command == "apply":
-            for applied in await store.apply(plan):
+            try:
+                written = await store.apply(plan)
+            except PartialApply as err:  # a race after the first transaction: say what was written
+                for applied in err.applied:
+                    print(_applied_line(applied))
+                raise
+            for applied in written:
                 print(_applied_line(applied))
             return 0
         kind, target, changes = plan

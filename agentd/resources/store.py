@@ -62,6 +62,18 @@ class NotFound(StoreError):
     pass
 
 
+class PartialApply(StoreError):
+    """An apply stopped after some of its transactions were written (a race with another
+    writer: every object was checked before the first one); ``applied``: what was written."""
+
+    def __init__(self, applied: list[Applied], total: int, cause: BaseException) -> None:
+        super().__init__(
+            f"{cause} -- the apply was partial: {len(applied)} of {total} objects were applied before this"
+        )
+        self.applied = applied
+        self.cause = cause
+
+
 class Conflict(StoreError):
     pass
 
@@ -143,6 +155,15 @@ class Applied:
     obj: dict[str, Any]
     outcome: str  # created | configured | unchanged
     revision: int  # etcd revision of the write (of the read, when unchanged)
+
+
+@dataclass
+class _Batch:
+    """One transaction of an apply: its compares, writes and (object, outcome, revision) each."""
+
+    compare: list[Any] = field(default_factory=list)
+    puts: list[Any] = field(default_factory=list)
+    plan: list[tuple[dict[str, Any], str, int | None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -265,76 +286,109 @@ class ResourceStore:
     # ------------------------------------------------------------------ writes by people
 
     async def apply(self, objs: Iterable[dict[str, Any]]) -> list[Applied]:
-        """Create or replace validated objects, in transactions of up to MAX_TXN_OPS objects."""
-        out: list[Applied] = []
-        batch: list[dict[str, Any]] = []
-        ops = 0
-        for obj in objs:
-            # A Service also writes (and compares) its allocation keys: its cluster IPs (two for
-            # one that asks for both families) and node ports.
-            cost = 1 + _cluster_ips_asked(obj["spec"]) + len(obj["spec"].get("ports", [])) if obj["kind"] == "Service" else 1
-            if batch and ops + cost > MAX_TXN_OPS:
-                out += await self._apply_batch(batch)
-                batch, ops = [], 0
-            batch.append(obj)
-            ops += cost
-        if batch:
-            out += await self._apply_batch(batch)
-        return out
+        """Create or replace validated objects, in transactions of up to MAX_TXN_OPS objects.
+        Every object is read and checked against etcd (cluster IPs and node ports taken,
+        immutable fields, an Ingress's class) before the first transaction: an Invalid one
+        means nothing is written.  Only a race -- another writer between the reads and a later
+        transaction that makes an object invalid, or keeps changing them -- can stop an apply
+        after a first transaction: :class:`PartialApply` then holds what was written."""
+        objs = list(objs)
+        done: list[Applied] = []
+        for _ in range(20):  # lost races: read the rest again and retry
+            try:
+                batches = await self._plan(objs[len(done):])
+            except (Invalid, StoreError) as err:
+                if done:
+                    raise PartialApply(done, len(objs), err) from None
+                raise
+            for batch in batches:
+                applied = await self._commit(batch)
+                if applied is None:
+                    break  # changed since read: plan what is left again
+                done += applied
+            else:
+                return done
+        err = Conflict("the objects kept changing while being applied; try again")
+        if done:
+            raise PartialApply(done, len(objs), err)
+        raise err
 
-    async def _apply_batch(self, objs: list[dict[str, Any]]) -> list[Applied]:
+    async def _plan(self, objs: list[dict[str, Any]]) -> list[_Batch]:
+        """Read every object (and the allocations, for Services), check each and make the
+        transactions: each at most MAX_TXN_OPS writes, comparing what was read."""
         keys = [object_key(self.prefix, kinds.KINDS[o["kind"]], *kinds.identity(o)[1:]) for o in objs]
         services = any(o["kind"] == "Service" for o in objs)
         if services:
             await self._load_service_cidr()
         alloc_heads = [allocation.allocations_prefix(self.prefix, w) for w in (allocation.SERVICE_IPS, allocation.NODE_PORTS)]
-        for _ in range(20):  # lost races: read again and retry
-            reads = [tx.Get(k) for k in keys] + ([tx.Get(h, _prefix_end(h)) for h in alloc_heads] if services else [])
-            _, found = await self.ds.request(
-                "read objects", lambda c: c.transaction(compare=[], success=reads, failure=[]),
+        found: list[Any] = []
+        for i in range(0, len(keys), MAX_TXN_OPS):
+            reads = [tx.Get(k) for k in keys[i : i + MAX_TXN_OPS]]
+            _, got = await self.ds.request(
+                "read objects", lambda c, r=reads: c.transaction(compare=[], success=r, failure=[]),
                 timeout=self.timeout,
             )
-            taken = _allocated(found[len(keys):]) if services else {}
-            compare, puts, plan = [], [], []
-            for key, obj, kvs in zip(keys, objs, found):
-                old = None
-                if kvs:
-                    value, meta = kvs[0]
-                    old = self._decode(KeyValue(key, value, meta.mod_revision, meta.lease))
-                    compare.append(tx.Mod(key) == meta.mod_revision)
-                else:
-                    compare.append(tx.Version(key) == 0)
-                if obj["kind"] == "Service":
-                    try:
-                        obj, ops = self._allocate(obj, old, taken)
-                    except Invalid as err:  # one of several documents: say which
-                        raise about(err, kinds.describe(*kinds.identity(obj))) from None
-                    compare += ops[0]
-                    allocs = ops[1]
-                else:
-                    allocs = []
-                if obj["kind"] == "Ingress" and old is None:
-                    try:
-                        ingress.check_create(obj)
-                    except Invalid as err:
-                        raise about(err, kinds.describe(*kinds.identity(obj))) from None
-                new = self._stamp(obj, old)
-                if old is not None and _content(old) == _content(new):
-                    plan.append((new, "unchanged", int(old["metadata"]["resourceVersion"])))
-                    continue
-                puts.append(tx.Put(key, encode(new)))
-                puts += allocs
-                plan.append((new, "configured" if kvs else "created", None))
-            if not puts:
-                return [Applied(o, how, rev or 0) for o, how, rev in plan]
-            ok, responses = await self.ds.request(
-                "apply objects", lambda c: c.transaction(compare=compare, success=puts, failure=[]),
+            found += got
+        taken: dict[tuple[str, str], bytes] = {}
+        if services:
+            _, got = await self.ds.request(
+                "read allocations",
+                lambda c: c.transaction(compare=[], success=[tx.Get(h, _prefix_end(h)) for h in alloc_heads], failure=[]),
                 timeout=self.timeout,
             )
-            if ok:
-                revision = responses[0].response_put.header.revision if responses else 0
-                return [Applied(o, how, rev if rev is not None else revision) for o, how, rev in plan]
-        raise Conflict("the objects kept changing while being applied; try again")
+            taken = _allocated(got)
+        batches: list[_Batch] = []
+        batch, ops = _Batch(), 0
+        for key, obj, kvs in zip(keys, objs, found):
+            # A Service also writes (and compares) its allocation keys: its cluster IPs (two for
+            # one that asks for both families) and node ports.
+            cost = 1 + _cluster_ips_asked(obj["spec"]) + len(obj["spec"].get("ports", [])) if obj["kind"] == "Service" else 1
+            if batch.plan and ops + cost > MAX_TXN_OPS:
+                batches.append(batch)
+                batch, ops = _Batch(), 0
+            ops += cost
+            old = None
+            if kvs:
+                value, meta = kvs[0]
+                old = self._decode(KeyValue(key, value, meta.mod_revision, meta.lease))
+                batch.compare.append(tx.Mod(key) == meta.mod_revision)
+            else:
+                batch.compare.append(tx.Version(key) == 0)
+            allocs: list[Any] = []
+            if obj["kind"] == "Service":
+                try:
+                    obj, (compare, allocs) = self._allocate(obj, old, taken)
+                except Invalid as err:  # one of several documents: say which
+                    raise about(err, kinds.describe(*kinds.identity(obj))) from None
+                batch.compare += compare
+            if obj["kind"] == "Ingress" and old is None:
+                try:
+                    ingress.check_create(obj)
+                except Invalid as err:
+                    raise about(err, kinds.describe(*kinds.identity(obj))) from None
+            new = self._stamp(obj, old)
+            if old is not None and _content(old) == _content(new):
+                batch.plan.append((new, "unchanged", int(old["metadata"]["resourceVersion"])))
+                continue
+            batch.puts.append(tx.Put(key, encode(new)))
+            batch.puts += allocs
+            batch.plan.append((new, "configured" if kvs else "created", None))
+        if batch.plan:
+            batches.append(batch)
+        return batches
+
+    async def _commit(self, batch: _Batch) -> list[Applied] | None:
+        """One transaction of a plan; None if something it read has changed since."""
+        if not batch.puts:
+            return [Applied(o, how, rev or 0) for o, how, rev in batch.plan]
+        ok, responses = await self.ds.request(
+            "apply objects", lambda c: c.transaction(compare=batch.compare, success=batch.puts, failure=[]),
+            timeout=self.timeout,
+        )
+        if not ok:
+            return None
+        revision = responses[0].response_put.header.revision if responses else 0
+        return [Applied(o, how, rev if rev is not None else revision) for o, how, rev in batch.plan]
 
     async def _load_service_cidr(self) -> None:
         if self.service_cidr is None or self.service_families is None:

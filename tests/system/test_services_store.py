@@ -333,3 +333,45 @@ async def test_an_ingress_whose_class_annotation_names_another_class_is_refused_
     assert (await store.get(kinds.INGRESS, "shop", "old")) is not None
     again = await store.apply([ingress("old", "agentd", "nginx", host="b.example")])
     assert [a.outcome for a in again] == ["configured"]
+
+
+def _slice(i: int) -> dict:
+    return kinds.validate({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                           "metadata": {"name": f"many-{i}", "namespace": "default",
+                                        "labels": {"kubernetes.io/service-name": f"many-{i}"}},
+                           "addressType": "IPv4", "endpoints": [{"addresses": ["192.0.2.1"]}]})  # fmt: skip
+
+
+async def test_an_apply_of_many_transactions_checks_every_object_before_the_first(etcd_server, stores):
+    """More than MAX_TXN_OPS objects are written in several transactions; an object of a later
+    one that etcd's state makes invalid (an address taken) stops the apply before the first
+    is written.  Only a race between the transactions can leave it partial: said, with what
+    was written."""
+    from agentd.resources.store import PartialApply
+
+    store, other = await stores(), await stores()
+    store.service_cidr = other.service_cidr = RANGE
+    await other.apply([service("holder", ip="10.96.0.10")])
+    objs = [_slice(i) for i in range(110)] + [service("late", ip="10.96.0.10")]
+    with pytest.raises(Invalid, match=r'Service default/late: spec\.clusterIP: Invalid value: "10\.96\.0\.10": provided IP '
+                                      r"is already allocated \(to default/holder\)"):  # fmt: skip
+        await store.apply(objs)
+    assert await store.list(kinds.ENDPOINT_SLICE) == []  # nothing written, not the first 100
+    # A race: another writer takes the address between the first transaction and the second.
+    objs[-1] = service("late", ip="10.96.0.11")
+    commit = store._commit
+
+    async def racing_commit(batch):
+        applied = await commit(batch)
+        if applied is not None and not any(a.obj["kind"] == "Service" for a in applied):
+            await other.apply([service("racer", ip="10.96.0.11")])
+        return applied
+
+    store._commit = racing_commit  # type: ignore[method-assign]
+    with pytest.raises(PartialApply) as err:
+        await store.apply(objs)
+    assert [a.outcome for a in err.value.applied] == ["created"] * 100
+    assert str(err.value).startswith('Service default/late: spec.clusterIP: Invalid value: "10.96.0.11": provided IP '
+                                     "is already allocated (to default/racer) -- the apply was partial: 100 of 111 "
+                                     "objects were applied before this")  # fmt: skip
+    assert len(await store.list(kinds.ENDPOINT_SLICE)) == 100

@@ -200,6 +200,44 @@ async def test_this_nodes_rib_metrics_healthz_readyz_are_answered_not_redirected
         await server.stop()
 
 
+async def test_bad_rib_and_flows_queries_are_one_error_naming_the_parameter():
+    server = await _started(api.ApiServer(Provider(flows=FlowViews(SimpleNamespace(ring=FlowRing(16)))),
+                                          "127.0.0.1", 0, token=TOKEN))
+    many = "9" * 5000  # past int()'s digit limit: its own message names no parameter
+    try:
+        async with aiohttp.ClientSession() as session:
+            for query, error in (
+                ("rib?limit=abc", "limit: 'abc' is not a whole number"),
+                ("rib?limit=-1", "limit: '-1' is not a whole number"),
+                (f"rib?limit={many}", "limit: 99999999999999999999... is out of range 1..10000000"),
+                ("rib?limit=0", "limit: 0 is out of range 1..10000000"),
+                ("rib?limit=10000001", "limit: 10000001 is out of range 1..10000000"),
+                ("rib?prefix=", "prefix: empty (leave it out for the whole RIB)"),
+                ("flows?follow=2", "follow: '2' is neither 1, true, yes (on) nor 0, false, no (off)"),
+                ("flows?follow=on&last=0", "follow: 'on' is neither"),
+                ("flows?follow=TRUE", "follow: 'TRUE' is neither"),
+                ("flows?cluster=all", "cluster: 'all' is neither"),
+            ):
+                async with session.get(f"{server.url}/{query}") as resp:
+                    assert (resp.status, await resp.json()) == (400, {"error": AnyStartingWith(error)}), query
+            for query in ("rib?limit=5", "rib?limit=10000000", "flows?follow=0&last=0", "flows?follow=no&cluster=false"):
+                async with session.get(f"{server.url}/{query}") as resp:
+                    assert resp.status == 200, query
+            async with session.get(f"{server.url}/nodes/node1/flows") as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 404 and error.startswith("flows is not relayed (relayed: status, peers,"), error
+                assert "flows," not in error and error.endswith("; flows: GET /flows?node=NAME)"), error
+    finally:
+        await server.stop()
+
+
+class AnyStartingWith(str):
+    def __eq__(self, other):
+        return isinstance(other, str) and other.startswith(str(self))
+
+    __hash__ = str.__hash__
+
+
 # ------------------------------------------------------------------ the cluster view
 
 

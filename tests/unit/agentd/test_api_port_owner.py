@@ -116,3 +116,23 @@ def test_agentd_flows_sends_the_tokens_key_to_no_other_users_listener(proc, tmp_
                               **{f"filter_{n.replace('-', '_')}": [] for n in cli.FLOW_FILTERS})  # fmt: skip
     assert cli.flows_command(args, token_file) == 1
     assert "127.0.0.1:9099 is served by a process of uid 1000" in capsys.readouterr().err
+
+
+def test_agentd_flows_sends_nothing_where_it_cannot_tell_who_listens(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    sent = []
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout: sent.append(req))
+
+    def unknowable(*a, **kw):
+        raise ValueError("port out of range")
+
+    monkeypatch.setattr(listeners, "squatter", unknowable)
+    args = argparse.Namespace(api="http://127.0.0.1:9099", last=5, follow=False, cluster=True, output="text",
+                              **{f"filter_{n.replace('-', '_')}": [] for n in cli.FLOW_FILTERS})  # fmt: skip
+    assert cli.flows_command(args, token_file) == 1
+    assert sent == []
+    assert capsys.readouterr().err == ("agentd flows: http://127.0.0.1:9099: cannot check who listens there (port out "
+                                       "of range): not sending it the API token\n")  # fmt: skip

@@ -36,7 +36,13 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
         (("check-config", "--set", "etcd.endpoints=http://etcd:0"), "must have a port 1..65535"),
         (("check-config", "--set", "network.cidr=0.0.0.0/0"), "pods cannot use"),
         (("check-config", "--set", "network.cidr=224.1.0.0/16"), "pods cannot use"),
-        (("status", "--api", "http://127.0.0.1:abc"), "nonnumeric port"),
+        (("status", "--api", "http://127.0.0.1:abc"), "agentd status: --api 'http://127.0.0.1:abc': the port must be a number 1..65535"),
+        # http.client would take 74635 as 74635 % 65536 = 9099: someone else's port gets the key
+        (("flows", "--api", "http://127.0.0.1:74635"), "agentd flows: --api 'http://127.0.0.1:74635': the port must be a number 1..65535 (Port out of range"),
+        (("status", "--api", "http://127.0.0.1:0"), "the port must be a number 1..65535, not 0"),
+        (("flows", "--api", "ftp://127.0.0.1:9099"), "expected http://HOST[:PORT] or https://HOST[:PORT]"),
+        (("flows", "--api", "127.0.0.1:9099"), "expected http://HOST[:PORT]"),
+        (("status", "--api", "http://:9099"), "agentd status: --api 'http://:9099': no host"),
         (("status", "--api", "http://a b:1"), "cannot reach the agent"),
         (("leave", "--timeout", "soon"), "invalid number of seconds 'soon'"),
         (("leave", "--timeout", "0"), "0 is out of range 1..3600 seconds"),
@@ -47,6 +53,11 @@ def test_bad_arguments_give_one_line(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
     code, out, err = run(capsys, *argv)
     assert code not in (0, None) and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_bad_api_url_is_a_usage_error(capsys):
+    code, out, err = run(capsys, "flows", "--api", "http://127.0.0.1:65536")
+    assert (code, out) == (2, "") and err.startswith("agentd flows: --api 'http://127.0.0.1:65536': the port must be")
 
 
 @pytest.mark.parametrize("argv, message", [

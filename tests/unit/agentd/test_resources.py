@@ -5,6 +5,8 @@ checks before etcd; agentd-cni's pod identity.  Pure: no etcd, no root."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 import yaml
@@ -215,6 +217,61 @@ def test_unreadable_manifests(text, expected):
     assert expected in error_of(text)
 
 
+def alias_bomb(n: int) -> str:
+    """A NetworkPolicy of lists of aliases to lists of aliases: about n**4 nodes from n*30 bytes."""
+    values = "[" + ",".join(f'"v{i}"' for i in range(n)) + "]"
+    return (
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: x}\nspec:\n"
+        "  podSelector:\n    matchExpressions:\n    - &e {key: a, operator: In, values: " + values + "}\n"
+        "  ingress:\n  - from:\n    - &p\n      podSelector:\n"
+        "        matchExpressions: [" + ",".join(["*e"] * n) + "]\n"
+        "  - from: &ps [" + ",".join(["*p"] * n) + "]\n" + "  - from: *ps\n" * n
+    )
+
+
+def test_an_alias_bomb_is_refused_at_once_and_ordinary_aliases_still_work():
+    import time
+
+    text = alias_bomb(50)
+    assert len(text) < 2000
+    started = time.monotonic()
+    message = error_of(text)
+    assert time.monotonic() - started < 2
+    assert message == (f"f.yaml: aliases expand this to more than {manifests.MAX_ALIAS_NODES} nodes beyond those "
+                       "written (excessive aliasing)")  # fmt: skip
+    (obj,) = validate_text(alias_bomb(5))  # 5**4: a few aliases are fine
+    assert len(obj["spec"]["ingress"]) == 7
+    # one long string aliased many times is a bomb too
+    big = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata:\n  a: &s " + "x" * 100_000 + "\n"
+    assert "excessive aliasing" in error_of(big + "".join(f"  a{i}: *s\n" for i in range(100)))
+    (obj,) = validate_text(big + "  b: *s\n")
+    assert obj["data"]["b"] == "x" * 100_000
+    merged = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c, labels: &l {a: b}}\ndata: {<<: *l, c: d}\n"
+    (obj,) = validate_text(merged)
+    assert obj["data"] == {"a": "b", "c": "d"} and obj["metadata"]["labels"]["a"] == "b"
+    assert "an alias refers to a node that holds it" in error_of("a: &a [1, *a]\n")
+
+
+def test_json_is_read_as_json_and_yaml_numbers_have_no_base_60():
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"smile": "\U0001f600 ok"}}
+    text = json.dumps(cm)
+    assert "\\ud83d\\ude00" in text  # a surrogate pair, as json.dumps writes it
+    (obj,) = validate_text(text)
+    assert obj["data"]["smile"] == "\U0001f600 ok"
+    objs = validate_text(text + "\n" + json.dumps(cm | {"metadata": {"name": "d"}}))  # a stream of values
+    assert [o["metadata"]["name"] for o in objs] == ["c", "d"]
+    assert manifests.read('{"kind": "X", "n": 8e1}')[0].raw["n"] == 80.0
+    assert error_of('{"kind": "Namespace", "kind": "Namespace"}') == 'f.yaml: mapping key "kind" already defined'
+    # YAML: "10:30" is a string (YAML 1.2), not 630 (YAML 1.1's base 60); other numbers as before
+    (doc,) = manifests.read("kind: X\nt: 10:30\nf: 1:20.5\ni: 0x1f\no: 017\nd: 1_000\nx: 1.5\n")
+    assert doc.raw == {"kind": "X", "t": "10:30", "f": "1:20.5", "i": 31, "o": 15, "d": 1000, "x": 1.5}
+    (obj,) = validate_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata: {at: 10:30}\n")
+    assert obj["data"] == {"at": "10:30"}
+    # flow-style YAML that is not JSON still reads as YAML
+    (obj,) = validate_text("{apiVersion: v1, kind: Namespace, metadata: {name: prod}}\n")
+    assert obj["metadata"]["name"] == "prod"
+
+
 def test_namespace_flag_conflicts_with_the_objects_namespace():
     assert "does not match the namespace" in error_of(POLICY, namespace="other")
 
@@ -251,6 +308,9 @@ def test_etcd_keys():
         (["delete", "pods", "default/x"], "agentd delete: pods are written by the agent"),
         (["label", "pod", "default/x", "a=b c"], "agentd label: label 'a=b c': Invalid value"),
         (["label", "pod", "default/x", "novalue"], "expected KEY=VALUE or KEY-"),
+        (["label", "pod", "default/x", "k=v", "k-"],
+         "agentd label: label 'k-': label 'k' is also changed by 'k=v': give each label once in a command"),
+        (["label", "ns", "prod", "a/k=v", "a/k=w"], "label 'a/k' is also changed by 'a/k=v'"),
         (["label", "netpol", "default/x", "a=b"], "labels of networkpolicies are changed with agentd apply"),
         (["apply", "-f", "/nonexistent/p.yaml"], "agentd apply: /nonexistent/p.yaml: No such file or directory"),
     ],
@@ -284,6 +344,88 @@ def test_cli_apply_names_a_manifest_that_is_not_utf8(tmp_path, capsys, monkeypat
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff"), encoding="utf-8", errors="surrogateescape"))
     assert cli.main(["apply", "-f", "-"]) == 1
     assert capsys.readouterr().err == "agentd apply: stdin: not valid UTF-8 (byte 0)\n"
+
+
+def test_cli_apply_refuses_the_same_object_in_two_files(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://192.0.2.1:1")  # never reached
+    ns = "apiVersion: v1\nkind: Namespace\nmetadata: {name: prod}\n"
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(ns)
+    b.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: other}\n---\n" + ns)
+    assert cli.main(["apply", "-f", str(a), "-f", str(b)]) == 1
+    assert capsys.readouterr().err == (
+        f"agentd apply: {b}: document 2 (Namespace prod): the same object is also document 1 of {a}\n"
+    )
+    assert cli.main(["apply", "-f", str(a), "-f", str(a)]) == 1
+    assert capsys.readouterr().err.endswith(f"the same object is also document 1 of {a}\n")
+
+
+def test_cli_apply_reads_a_bounded_manifest(tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    from agentd.resources import cli as resources_cli
+
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://192.0.2.1:1")  # never reached
+    monkeypatch.setattr(resources_cli, "MAX_MANIFEST_BYTES", 1000)
+    path = tmp_path / "big.yaml"
+    path.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: prod}\n" + "#" * 1000 + "\n")
+    assert cli.main(["apply", "-f", str(path)]) == 1
+    assert capsys.readouterr().err == f"agentd apply: {path}: larger than 1000 bytes\n"
+    assert cli.main(["apply", "-f", "/dev/zero"]) == 1  # not read for ever
+    assert capsys.readouterr().err == "agentd apply: /dev/zero: larger than 1000 bytes\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a: b\n" * 1000), encoding="utf-8"))
+    assert cli.main(["apply", "-f", "-"]) == 1
+    assert capsys.readouterr().err == "agentd apply: stdin: larger than 1000 bytes\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a: b\n" * 1000))  # a text stdin (no buffer)
+    assert cli.main(["apply", "-f", "-"]) == 1
+    assert capsys.readouterr().err == "agentd apply: stdin: larger than 1000 bytes\n"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("a: b\n" * 1000), daemon=True)
+    writer.start()
+    assert cli.main(["apply", "-f", str(fifo)]) == 1  # a FIFO is still taken, bounded
+    writer.join(5)
+    assert capsys.readouterr().err == f"agentd apply: {fifo}: larger than 1000 bytes\n"
+    # at the bound: read, then refused for what it says, not its size
+    path.write_text("x" * 1000)
+    assert cli.main(["apply", "-f", str(path)]) == 1
+    assert "larger than" not in capsys.readouterr().err
+
+
+def test_cli_apply_cut_short_by_a_race_prints_what_was_written_and_says_so(tmp_path, capsys, monkeypatch):
+    from agentd.datastore import store as datastore
+    from agentd.resources import cli as resources_cli
+    from agentd.resources.store import Applied, PartialApply, StoreError
+
+    class FakeDatastore:
+        def __init__(self, *a, **kw):
+            pass
+
+        async def connect(self, timeout):
+            pass
+
+        async def close(self):
+            pass
+
+    class RacedStore:
+        def __init__(self, ds, timeout):
+            pass
+
+        async def apply(self, objs):
+            raise PartialApply([Applied(objs[0], "created", 5), Applied(objs[1], "configured", 5)], len(objs),
+                               StoreError("the objects kept changing while being applied; try again"))
+
+    monkeypatch.setattr(datastore, "Datastore", FakeDatastore)
+    monkeypatch.setattr(resources_cli, "ResourceStore", RacedStore)
+    monkeypatch.setenv("AGENTD_ETCD_ENDPOINTS", "http://192.0.2.1:1")
+    path = tmp_path / "ns.yaml"
+    path.write_text("---\n".join(f"apiVersion: v1\nkind: Namespace\nmetadata: {{name: n{i}}}\n" for i in range(3)))
+    assert cli.main(["apply", "-f", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "namespace/n0 created\nnamespace/n1 configured\n"
+    assert err == ("agentd apply: the objects kept changing while being applied; try again -- the apply was partial: "
+                   "2 of 3 objects were applied before this\n")  # fmt: skip
 
 
 # ------------------------------------------------------------------ pod identity from the runtime
