@@ -16,6 +16,9 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     chain postrouting  { type nat hook postrouting priority srcnat;
                          ct status dnat ip saddr . ip daddr @hairpin-self masquerade
                          meta mark & 0x4000 == 0x4000 masquerade }
+    chain filter-prerouting, filter-output { type filter hook prerouting / output priority dstnat + 1;
+                         ct state new ip daddr . meta l4proto . th dport vmap @service-unavailable
+                         ct state new fib daddr type local meta l4proto . th dport vmap @nodeport-unavailable }
 
     chain pick/N       (one per endpoint count N, shared by every service with N endpoints)
                        counter name ip daddr . meta l4proto . th dport map @service-counters
@@ -108,6 +111,7 @@ DSTNAT, SRCNAT = -100, 100
 MARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), MASQ_MARK]}}}
 SADDR = payload("ip", "saddr")
 FROM_NODE = match({"fib": {"result": "type", "flags": ["saddr"]}}, "local")  # sent by this node itself
+CT_NEW = match({"ct": {"key": "state"}}, "new", "in")  # a connection's first packet
 
 
 
@@ -263,13 +267,16 @@ def base_objects(
         # A port without usable endpoints is refused, as kube-proxy does: no endpoint at all,
         # ICMP port unreachable (a TCP client sees "connection refused" at once instead of a
         # timeout); endpoints only on other nodes under a Local policy, dropped.  Looked at
-        # right after the nat chains (a translated packet no longer has the VIP), before routing.
+        # right after the nat chains (a translated packet no longer has the VIP), before routing,
+        # for a connection's first packet only (``ct state new``, as kube-proxy): the other
+        # packets of the node skip the lookups, and a reply to one of the node's own sockets
+        # whose port is a node port without endpoints is not refused.
         NftSet(t, TABLE, UNAVAILABLE, key_type, map="verdict"),
         NftSet(t, TABLE, NP_UNAVAILABLE, NP_TYPE, map="verdict"),
         *_refusals(log, fam),
         *(NftChain(t, TABLE, f"filter-{hook}", (
-            rule_text([{"vmap": {"key": key, "data": "@" + UNAVAILABLE}}]),
-            rule_text([local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
+            rule_text([CT_NEW, {"vmap": {"key": key, "data": "@" + UNAVAILABLE}}]),
+            rule_text([CT_NEW, local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
         ), hook=("filter", hook, DSTNAT + 1, "accept")) for hook in ("prerouting", "output")),
     ]  # fmt: skip
     for i in range(slots):

@@ -241,6 +241,22 @@ def test_a_service_without_endpoints_is_refused():
     assert {next(iter(c)) + " " + next(iter(next(iter(c.values())))) for c in plan(rs, after)} == {"delete element", "add element"}
 
 
+def test_refusals_look_at_a_connections_first_packet_only():
+    # As kube-proxy: only ct state new pays the lookups, and a reply to a node's own socket
+    # whose port is a node port without endpoints (an established flow) is not refused.
+    s = svc("web", {"type": "NodePort", "selector": {"app": "none"},
+                    "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
+    rs = compiler.compile_services(model.build([s], [], PODS), "n1", families=(4, 6))
+    for fam, table in ((4, compiler.FAMILY), (6, "ip6")):
+        for hook in ("prerouting", "output"):
+            chain = rs.objects[(table, compiler.TABLE, "chain", f"filter-{hook}")]
+            assert isinstance(chain, NftChain)
+            rules = [json.loads(r) for r in chain.rules]
+            assert len(rules) == 2 and all(r[0] == {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}
+                                           for r in rules), (fam, hook, rules)  # fmt: skip
+            assert [r[-1]["vmap"]["data"] for r in rules] == ["@" + compiler.UNAVAILABLE, "@" + compiler.NP_UNAVAILABLE]
+
+
 def test_affinity_keeps_a_chain_per_endpoint():
     s = svc("web", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
                     "internalTrafficPolicy": "Local", "sessionAffinity": "ClientIP",
