@@ -395,7 +395,7 @@ def test_stale_udp_endpoints_are_those_no_longer_usable():
     after = model.build([s], [sl], [])
     (stale,) = stale_udp(before, after)
     assert stale == Stale("192.0.2.2", 5353, "10.96.0.10", 53, 30053)
-    assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353)
+    assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353, {"192.0.2.50"})
     assert not stale.matches("10.96.0.11", 53, "192.0.2.2", 5353) and not stale.matches("10.96.0.10", 53, "192.0.2.1", 5353)
     assert stale_udp(after, after) == [] and stale_udp(before, []) != []
 
@@ -625,10 +625,10 @@ def test_a_traffic_policy_turned_local_flushes_the_udp_flows_to_the_other_nodes_
     (stale,) = stale_udp(cluster, local, "n1")
     if policy == "externalTrafficPolicy":
         assert stale == Stale("192.0.2.2", 5353, None, 53, 30053)
-        assert stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353) and not stale.matches("10.96.0.10", 53, "192.0.2.2", 5353)
+        assert stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353, {"192.0.2.50"}) and not stale.matches("10.96.0.10", 53, "192.0.2.2", 5353)
     else:
         assert stale == Stale("192.0.2.2", 5353, "10.96.0.10", 53, None)
-        assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and not stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353)
+        assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and not stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353, {"192.0.2.50"})
     assert stale_udp(local, cluster, "n1") == []  # Local -> Cluster: more endpoints, none lost
     assert stale_udp(cluster, local, "n2") == [Stale("192.0.2.1", 5353, *((None, 53, 30053) if policy == "externalTrafficPolicy" else ("10.96.0.10", 53, None)))]
 
