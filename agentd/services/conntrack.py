@@ -97,19 +97,25 @@ class Stale:
     vip: str | None  # the service's cluster IP and port, its node port
     service_port: int
     node_port: int | None = None
+    # The node port's flows from these only: None, from anywhere; else from these networks
+    # (this node's pod subnets) and from the node itself, those a Local node port's
+    # short-circuit sends to every endpoint (an endpoint elsewhere leaving it: only theirs go).
+    sources: tuple[str, ...] | None = None
 
     @property
     def af(self) -> int:
         return _family(self.ip)
 
     def matches(self, orig_daddr: str, orig_dport: int, reply_saddr: str, reply_sport: int,
-                local: Collection[str] = ()) -> bool:  # fmt: skip
+                local: Collection[str] = (), orig_saddr: str = "") -> bool:  # fmt: skip
         """Whether an entry was translated to this endpoint for its service: to its VIP and
-        port, or to its node port on one of ``local`` (the node's own addresses)."""
+        port, or to its node port on one of ``local`` (the node's own addresses) from one of
+        its ``sources``."""
         if (reply_saddr, reply_sport) != (self.ip, self.port):
             return False
         return (orig_daddr, orig_dport) == (self.vip, self.service_port) or (
             self.node_port is not None and orig_dport == self.node_port and orig_daddr in local
+            and (self.sources is None or orig_saddr in local or any(_within(orig_saddr, n) for n in self.sources))
         )
 
 
@@ -180,7 +186,7 @@ def entries_to_delete(entries: Iterable[CtEntry], stale: Iterable[Flush], local:
 
     return [e for e in entries if e.orig.proto == socket.IPPROTO_UDP and (
         (by_vip or by_node_port) and unusable(e)
-        or any(s.matches(e.orig.dst, e.orig.dport, e.reply.src, e.reply.sport, local) for s in wanted))]  # fmt: skip
+        or any(s.matches(e.orig.dst, e.orig.dport, e.reply.src, e.reply.sport, local, e.orig.src) for s in wanted))]  # fmt: skip
 
 
 def node_addresses() -> frozenset[str]:

@@ -633,6 +633,36 @@ def test_a_traffic_policy_turned_local_flushes_the_udp_flows_to_the_other_nodes_
     assert stale_udp(cluster, local, "n2") == [Stale("192.0.2.1", 5353, *((None, 53, 30053) if policy == "externalTrafficPolicy" else ("10.96.0.10", 53, None)))]
 
 
+def test_an_endpoint_elsewhere_gone_flushes_the_short_circuited_flows_of_a_local_node_port():
+    # The review's case: under externalTrafficPolicy Local the node itself and its pods reach
+    # the node port's every endpoint (the short-circuit); node2's endpoint 192.0.2.2 goes: the
+    # flows to it through n1's node port from n1's pods and from n1 itself go, as the docs
+    # promise; a flow from outside could not have been sent there (and is left alone).
+    def built(addresses: list) -> list:
+        spec = {"type": "NodePort", "externalTrafficPolicy": "Local",
+                "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]}  # fmt: skip
+        sl = eps_slice("dns-1", "dns", [{"addresses": [a], "nodeName": n} for a, n in addresses],
+                       [{"name": "dns", "port": 5353, "protocol": "UDP"}])  # fmt: skip
+        return model.build([svc("dns", spec)], [sl], [])
+
+    before = built([("192.0.2.1", "n1"), ("192.0.2.2", "n2"), ("192.0.2.3", "n2")])
+    after = built([("192.0.2.1", "n1"), ("192.0.2.3", "n2")])
+    pods = ("10.244.1.0/24",)
+    got = stale_udp(before, after, "n1", short_circuit=pods)
+    assert Stale("192.0.2.2", 5353, None, 53, 30053, pods) in got
+    local = {"192.0.2.50"}  # n1's address
+    from_pod = ("192.0.2.50", 30053, "192.0.2.2", 5353, local, "10.244.1.9")
+    from_node = ("192.0.2.50", 30053, "192.0.2.2", 5353, local, "192.0.2.50")
+    from_outside = ("192.0.2.50", 30053, "192.0.2.2", 5353, local, "198.51.100.7")
+    assert any(s.matches(*from_pod) for s in got) and any(s.matches(*from_node) for s in got)
+    assert not any(s.matches(*from_outside) for s in got)
+    assert not any(s.matches("192.0.2.50", 30053, "192.0.2.3", 5353, local, "10.244.1.9") for s in got)  # still used
+    # This node's own endpoint going: every flow through the node port to it, whoever sent it.
+    (own,) = stale_udp(before, built([("192.0.2.2", "n2"), ("192.0.2.3", "n2")]), "n1", short_circuit=pods)
+    assert own == Stale("192.0.2.1", 5353, "10.96.0.10", 53, 30053) and own.matches(*from_outside[:2], "192.0.2.1", 5353, local, "198.51.100.7")
+    assert stale_udp(before, before, "n1", short_circuit=pods) == []
+
+
 @pytest.mark.parametrize("policy", ["externalTrafficPolicy", "internalTrafficPolicy"])
 def test_a_local_path_is_checked_against_this_nodes_endpoints_after_a_restart(policy):
     # The first sync after start (nothing applied before): each path its own Unusable, a
