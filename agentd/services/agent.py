@@ -435,8 +435,7 @@ def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort], n
     through the node port flushed (a :class:`conntrack.Stale` with ``sources``)."""
 
     def paths(sp: model.ServicePort) -> tuple[set[tuple[str, int]], set[tuple[str, int]], set[tuple[str, int]]]:
-        # From the node and its pods: every usable endpoint (Cluster), short-circuited to them (Local).
-        short = {(e.ip, e.port) for e in (*sp.usable(node), *sp.usable())}
+        short = {(e.ip, e.port) for e in sp.short_circuit_endpoints(node)}
         return ({(e.ip, e.port) for e in sp.cluster_ip_endpoints(node)},
                 {(e.ip, e.port) for e in sp.node_port_endpoints(node)}, short)  # fmt: skip
 

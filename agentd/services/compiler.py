@@ -348,7 +348,7 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
             # (the short-circuit).  Only while this node's endpoints are all terminating and
             # others are ready do the two lists differ by more than that; the short-circuit
             # then takes this node's terminating ones too.
-            chosen, outside = local + tuple(e for e in every if e not in local), len(local)
+            chosen, outside = sp.short_circuit_endpoints(node), len(local)
         else:
             chosen, outside = every, len(every)
         for i, e in enumerate(chosen):
