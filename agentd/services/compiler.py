@@ -20,7 +20,7 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
                          ct state new ip daddr . meta l4proto . th dport vmap @service-unavailable
                          ct state new fib daddr type local meta l4proto . th dport vmap @nodeport-unavailable }
 
-    chain pick/N       (one per endpoint count N, shared by every service with N endpoints)
+    chain pick/N       (one per endpoint count N in use, shared by every service with N endpoints)
                        counter name ip daddr . meta l4proto . th dport map @service-counters
                        numgen random mod N vmap { 0 : goto slot/0, ..., N-1 : goto slot/N-1 }
     chain slot/i       dnat to ip daddr . meta l4proto . th dport map @addr/i : ... map @port/i
@@ -35,8 +35,14 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
 So 10,000 services are one map lookup, not a chain walk, and a Service's endpoints are map
 elements, not rules: an endpoint appearing, leaving or becoming ready changes elements only,
 which go to the kernel as one nf_tables element batch (:mod:`agentd.nft.nfnetlink`)
-without libnftables reading the table first.  Rules change only when the largest endpoint
-count in use passes the prepared slots (``SLOTS_MIN``), or for ClientIP affinity.
+without libnftables reading the table first.  The pick chains of 1 to ``SLOTS_MIN`` endpoints
+and their slots are prepared at start; above that, there are slots up to the largest count
+in use and pick chains for the counts in use only (a chain for each count up to the largest
+would be ~1.5 N^2 vmap entries: 1,000 endpoints, 60 MB of rules), so the table grows linearly
+with the endpoints.  Rules change when a Service above ``SLOTS_MIN`` reaches a count whose
+chains are not there, or for ClientIP affinity.  A count no longer used keeps its chains
+while it is near one in use (within a quarter, the ``RETAIN`` most recent): a rolling update
+going back and forth between counts changes rules once per count, then elements only.
 
 A connection picks an endpoint at random once (NAT rules see only a connection's first
 packet; conntrack does the rest, which is also why a terminating endpoint keeps its
@@ -104,6 +110,7 @@ UNAVAILABLE = "service-unavailable"  # VIP . proto . port : goto reject or drop 
 NP_UNAVAILABLE = "nodeport-unavailable"  # proto . node port : the same for node ports
 REJECT_CHAIN, DROP_CHAIN = "no-endpoints", "no-local-endpoints"
 SLOTS_MIN = 16  # endpoint counts prepared at start: up to this many, an endpoint change is elements only
+RETAIN = 4  # pick chains of counts above SLOTS_MIN no longer in use kept (near one in use; the most recent)
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
 DSTNAT, SRCNAT = -100, 100
 
@@ -302,14 +309,14 @@ MapKey = tuple[str, str]  # (table family, map or set name)
 
 class Compiled:
     """What one service port compiles to: objects of its own (affinity chains, its counter),
-    elements in the shared maps, and the endpoint count its pick chains need."""
+    elements in the shared maps, and the endpoint counts whose pick chains it uses."""
 
-    __slots__ = ("objects", "elements", "size")
+    __slots__ = ("objects", "elements", "sizes")
 
-    def __init__(self, objects: list[Any], elements: dict[tuple[str, str], set[Any]], size: int) -> None:
+    def __init__(self, objects: list[Any], elements: dict[tuple[str, str], set[Any]], sizes: tuple[int, ...] = ()) -> None:
         self.objects = objects
         self.elements = elements
-        self.size = size
+        self.sizes = sizes
 
 
 def compile_port(sp: ServicePort, node: str) -> Compiled:
@@ -325,9 +332,9 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
 
     if sp.affinity_timeout is not None:
         _compile_affinity(sp, node, fam, objs, put)
-        return Compiled(objs, elements, 0)
+        return Compiled(objs, elements)
     every, local = sp.usable(), sp.usable(node)
-    size = 0
+    sizes: set[int] = set()
     if sp.cluster_ip is not None:
         chosen = local if sp.internal_local else every
         if chosen:
@@ -337,7 +344,7 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
             for i, e in enumerate(chosen):
                 put(f"addr/{i}", (key, e.ip))
                 put(f"port/{i}", (key, e.port))
-            size = len(chosen)
+            sizes.add(len(chosen))
         else:
             put(UNAVAILABLE, ((sp.cluster_ip, sp.l4, sp.port), _unavailable(every)))
     if sp.node_port is not None:
@@ -356,20 +363,21 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
             put(f"np-port/{i}", (key, e.port))
         if chosen:
             put(NP_COUNTERS, (key, counter.name))
-            size = max(size, len(chosen))
         if outside:
             put(NODE_PORTS, (key, ("goto", np_pick_chain(outside, sp.external_local))))
+            sizes.add(outside)
         else:
             put(NP_UNAVAILABLE, (key, _unavailable(every)))
         if sp.external_local and chosen:
             put(NP_SHORT_CIRCUIT, (key, ("goto", np_pick_chain(len(chosen), True))))
+            sizes.add(len(chosen))
     # This node's endpoints (and those of no known node: maybe this one's) among the chosen:
     # one reaching itself through the Service is masqueraded in postrouting.  An element only
     # matches on the endpoint's own node (the client is the endpoint), others are left out.
     translated = sp.cluster_ip is not None or sp.node_port is not None
     for addr in {e.ip for e in (*every, *local) if e.node in (node, None)} if translated else ():
         put(HAIRPIN, (addr, addr))
-    return Compiled(objs, elements, size)
+    return Compiled(objs, elements, tuple(sorted(sizes)))
 
 
 def _unavailable(every: tuple[Endpoint, ...]) -> tuple[str, str]:
@@ -494,6 +502,8 @@ class Table:
         self._versions = {f.version for f in self.families}
         self._rs = Ruleset(tables(self._versions))
         self.slots = SLOTS_MIN
+        self.picks: set[int] = set()  # the counts above SLOTS_MIN with pick chains
+        self._unused: list[int] = []  # of those, the ones no longer in use, the most recently used last
         for fam in self.families:
             for obj in base_objects(self.slots, log, fam=fam, pod_subnet=(pod_subnets or {}).get(fam.version)):
                 self._rs.add(obj)
@@ -603,8 +613,7 @@ class Table:
             objs.update((o.key, o) for o in compiled.objects)
             for name, items in compiled.elements.items():
                 elems.setdefault(name, set()).update(items)
-            if compiled.size:
-                sizes.append(compiled.size)
+            sizes += compiled.sizes
         touched: set[Any] = set()
         for k in old_objs.keys() - objs.keys():
             self._rs.objects.pop(k, None)
@@ -676,27 +685,35 @@ class Table:
         return self._rs
 
     def _resize(self) -> set[Any]:
-        """Prepare slots and pick chains for the largest endpoint count in use (at least SLOTS_MIN)."""
-        wanted = max([SLOTS_MIN, *(n for n, uses in self.sizes.items() if uses > 0)])
-        if wanted == self.slots:
+        """Slots for the largest endpoint count in use (at least SLOTS_MIN), pick chains for
+        the counts in use (those up to SLOTS_MIN always), and for a few no longer used near
+        one in use: linear in the endpoints, not a chain for every count up to the largest."""
+        in_use = {n for n, uses in self.sizes.items() if uses > 0 and n > SLOTS_MIN}
+        self._unused = [n for n in self._unused if n not in in_use] + sorted(self.picks - in_use - set(self._unused))
+        near = [n for n in self._unused if any(abs(n - m) * 4 <= m for m in in_use)]
+        kept = set(near[-RETAIN:])
+        self._unused = [n for n in self._unused if n in kept]
+        picks = in_use | kept
+        slots = max([SLOTS_MIN, *picks])
+        if picks == self.picks and slots == self.slots:
             return set()
-        touched: set[Any] = set()
+        added: list[Any] = []
+        removed: list[Any] = []
         for fam in self.families:
-            if wanted > self.slots:
-                for obj in [o for i in range(self.slots, wanted) for o in slot_objects(i, fam)] + [
-                    o for n in range(self.slots + 1, wanted + 1) for o in pick_objects(n, fam)
-                ]:
-                    self._rs.add(obj)
-                    touched.add(obj.key)
-            else:
-                for obj in [o for i in range(wanted, self.slots) for o in slot_objects(i, fam)] + [
-                    o for n in range(wanted + 1, self.slots + 1) for o in pick_objects(n, fam)
-                ]:
-                    self._rs.objects.pop(obj.key, None)
-                    self.elements.pop((fam.proto, obj.name), None)
-                    self._pending.pop((fam.proto, obj.name), None)
-                    touched.add(obj.key)
-        self.slots = wanted
+            added += [o for i in range(self.slots, slots) for o in slot_objects(i, fam)]
+            added += [o for n in sorted(picks - self.picks) for o in pick_objects(n, fam)]
+            removed += [o for i in range(slots, self.slots) for o in slot_objects(i, fam)]
+            removed += [o for n in sorted(self.picks - picks) for o in pick_objects(n, fam)]
+        touched: set[Any] = set()
+        for obj in added:
+            self._rs.add(obj)
+            touched.add(obj.key)
+        for obj in removed:
+            self._rs.objects.pop(obj.key, None)
+            self.elements.pop((obj.family, obj.name), None)
+            self._pending.pop((obj.family, obj.name), None)
+            touched.add(obj.key)
+        self.slots, self.picks = slots, picks
         return touched
 
     def translating(self) -> bool:

@@ -386,6 +386,76 @@ def test_an_endpoint_change_is_element_commands_only():
     assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/21") not in big.objects
 
 
+def _big(n: int, local: bool = False, name: str = "big") -> model.ServicePort:
+    eps = tuple(model.Endpoint(f"10.{244 + i // 65025}.{(i // 255) % 255}.{i % 255 + 1}", 8080, "n1" if i % 4 == 0 else "n2")
+                for i in range(n))  # fmt: skip
+    return model.ServicePort("shop", name, "", "TCP", 80, "10.96.0.1", 30080, None, False, local, eps)
+
+
+def _vmap_entries(rs: Ruleset) -> int:
+    """The numgen choices of every pick chain: what the kernel holds per endpoint count."""
+    out = 0
+    for obj in rs.objects.values():
+        if isinstance(obj, NftChain):
+            for rule in obj.rules:
+                out += sum(len(e["vmap"]["data"]["set"]) for e in json.loads(rule) if "vmap" in e and "numgen" in e["vmap"]["key"])
+    return out
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_a_service_of_a_thousand_endpoints_costs_rules_linear_in_them(local):
+    """The review's case: a chain per count from 17 to the largest was ~1.5 N^2 vmap entries
+    (1,000 endpoints: 1.5 million, 62 MB of rules).  Now: the prepared counts, and the counts
+    in use (n1's 250 and all 1,000 for a Local node port), each spread evenly over its slots."""
+    table = compiler.Table("n1")
+    before = applied(table.rs)
+    keys = table.update(("shop", "big"), [_big(1000, local)])
+    rs = table.rs
+    prepared = 3 * sum(range(1, compiler.SLOTS_MIN + 1))
+    counts = {1000, 250} if local else {1000}
+    assert _vmap_entries(rs) <= prepared + 3 * sum(counts)
+    assert len(rs.objects) <= 60 + 3 * (compiler.SLOTS_MIN + len(counts)) + 6 * 1000
+    text = sum(len(json.dumps(c)) for c in plan(before, rs, keys))
+    assert text < 4_000_000, text  # was 62 MB
+    for n in counts:  # every endpoint equally likely: numgen mod n, slot i once each
+        choose = _chain(rs, compiler.np_pick_chain(n, local) if local else compiler.pick_chain(n))[-1]
+        vmap = choose[0]["vmap"]
+        assert vmap["key"]["numgen"]["mod"] == n
+        assert [i for i, _ in vmap["data"]["set"]] == list(range(n))
+        assert [g["goto"]["target"] for _, g in vmap["data"]["set"]] == [f"{'np-' if local else ''}slot/{i}" for i in range(n)]
+    assert not any(k[3] == "pick/999" or k[3] == "pick/17" for k in rs.objects)
+
+
+def test_a_rolling_update_back_and_forth_changes_rules_once_per_count():
+    """Endpoints 1,000 -> 1,001 (a new pod ready) -> 1,000 (an old one gone) -> 1,001 ...:
+    the chains of a count just left stay while near one in use, so only the first visit of
+    a count is a rule change; the others are elements only.  Gone far below: they go."""
+    table = compiler.Table("n1")
+    table.update(("shop", "big"), [_big(1000)])
+    cur = applied(table.rs)
+
+    def step(n: int) -> set:
+        nonlocal cur
+        keys = table.update(("shop", "big"), [_big(n)])
+        kinds = {k[2] for k in keys if k in table.rs.objects or k in cur.objects} - {"set"}
+        verbs = {next(iter(c)) + " " + next(iter(next(iter(c.values())))) for c in plan(cur, table.rs, keys)}
+        cur = applied(table.rs)
+        return kinds | ({"rules"} if verbs - {"add element", "delete element"} else set())
+
+    assert "rules" in step(1001)  # a new count: its chains
+    for n in (1000, 1001, 1000, 1001):
+        assert step(n) == set(), n
+    assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/1000") in table.rs.objects
+    step(10)
+    assert not [k for k in table.rs.objects if k[3] in ("pick/1000", "pick/1001", "slot/16")]
+    assert table.rs.objects == compiler.compile_services([_big(10)], "n1").objects
+    # At most RETAIN unused counts kept, near one in use: linear still.
+    table.update(("shop", "big"), [_big(1000)])
+    for n in range(1001, 1011):
+        table.update(("shop", "big"), [_big(n)])
+    assert len(table.picks) == 1 + compiler.RETAIN
+
+
 def test_stale_udp_endpoints_are_those_no_longer_usable():
     s = svc("dns", {"type": "NodePort", "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]})
     sl = eps_slice("dns-1", "dns", [{"addresses": ["192.0.2.1"]}, {"addresses": ["192.0.2.2"]}],
@@ -456,13 +526,15 @@ def test_one_change_touches_that_service_and_the_maps_it_is_in():
     assert isinstance(ips, NftSet) and ips.delta is not None and ips.delta[0] is before[ips.key]
     plain = Ruleset(table.rs.tables, {k: replace(v, delta=None) if isinstance(v, NftSet) else v for k, v in table.rs.objects.items()})
     assert same(plan(Ruleset(table.rs.tables, before), table.rs)) == same(plan(Ruleset(table.rs.tables, before), plain))
-    # Growing past the prepared slots adds slot maps and pick chains; shrinking back removes them.
+    # Growing past the prepared slots adds slot maps and the pick chains of that count (not
+    # of every count up to it); shrinking back removes them.
     wide = eps_slice("s6-1", "s6", [{"addresses": [f"10.244.3.{i}"]} for i in range(1, 19)], [{"name": "http", "port": 8080}])
     grown = table.update(("shop", "s6"), model.build([services[6]], [wide], []))
-    assert {"pick/17", "pick/18", "slot/17", "addr/17"} <= {k[3] for k in grown}
+    assert {"pick/18", "np-pick/18", "np-local/18", "slot/16", "slot/17", "addr/17"} <= {k[3] for k in grown}
+    assert "pick/17" not in {k[3] for k in grown}
     shrunk = table.update(("shop", "s6"), build(6))
     assert (compiler.FAMILY, compiler.TABLE, "set", "addr/17") in shrunk
-    assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/17") not in table.rs.objects
+    assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/18") not in table.rs.objects
     assert table.rs.objects == compiler.compile_services(table.ports(), "n1").objects
 
 
