@@ -55,8 +55,10 @@ class ServiceAgent:
         families: tuple[int, ...] = (4,),
         pod_subnets: dict[int, str] | None = None,
         pod_networks: Sequence[str] = (),
+        service_ranges: dict[int, str] | None = None,
     ) -> None:
         self.node = node
+        self.service_ranges = dict(service_ranges or {})  # IP version -> the cluster IPs' range (other addresses of it: dropped)
         self.pod_networks = tuple(pod_networks)  # the cluster's pod networks: who, with the node itself, may ask its DNS
         self.pod_subnets = dict(pod_subnets or {})  # IP version -> this node's pod subnet (Local node ports short-circuit it)
         self.drop_log = drop_log  # refusals logged for flow records (agentd.flows)
@@ -282,7 +284,7 @@ class ServiceAgent:
             dirty, self._dirty = self._dirty, set()
             full = dirty is None or self._table is None
             if full:
-                self._table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets)
+                self._table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets, self.service_ranges)
                 dirty = set(self.objects["Service"]) | set(self._applied)  # and those gone since
                 keys = None
             else:

@@ -18,7 +18,10 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
                          meta mark & 0x4000 == 0x4000 masquerade }
     chain filter-prerouting, filter-output { type filter hook prerouting / output priority dstnat + 1;
                          ct state new ip daddr . meta l4proto . th dport vmap @service-unavailable
-                         ct state new fib daddr type local meta l4proto . th dport vmap @nodeport-unavailable }
+                         ct state new fib daddr type local meta l4proto . th dport vmap @nodeport-unavailable
+                         ct state new ip daddr @cluster-ips goto no-service-port        (reject)
+                         ct state new ip daddr <the service range> goto no-service }    (drop)
+    set cluster-ips    { ipv4_addr }                                            every cluster IP
 
     chain pick/N       (one per endpoint count N in use, shared by every service with N endpoints)
                        counter name ip daddr . meta l4proto . th dport map @service-counters
@@ -102,13 +105,16 @@ TABLES = frozenset({(FAMILY, TABLE), ("ip6", TABLE)})  # what the programmer own
 SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
 HAIRPIN = "hairpin-self"  # address . address: this node's endpoints E as E . E (a DNATed flow from E to E: masqueraded)
-SHARED = frozenset({HAIRPIN})  # sets whose elements several Services may hold (the others' keys are one Service's)
+CLUSTER_IPS = "cluster-ips"  # every cluster IP translated here (a new connection still to one: a port it lacks, refused)
+SHARED = frozenset({HAIRPIN, CLUSTER_IPS})  # sets whose elements several Services may hold (the others' keys are one Service's)
 NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every endpoint (Local node ports)
 SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
 NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
 UNAVAILABLE = "service-unavailable"  # VIP . proto . port : goto reject or drop (no usable endpoint)
 NP_UNAVAILABLE = "nodeport-unavailable"  # proto . node port : the same for node ports
 REJECT_CHAIN, DROP_CHAIN = "no-endpoints", "no-local-endpoints"
+# A cluster IP's port no Service has: refused; an address of the service range no Service has: dropped (kube-proxy's cluster-ips-check).
+NO_PORT_CHAIN, NO_SERVICE_CHAIN = "no-service-port", "no-service"
 SLOTS_MIN = 16  # endpoint counts prepared at start: up to this many, an endpoint change is elements only
 RETAIN = 4  # pick chains of counts above SLOTS_MIN no longer in use kept (near one in use; the most recent)
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
@@ -231,12 +237,15 @@ def pick_objects(n: int, fam: AddressFamily = IPV4) -> list[Any]:
 
 
 def base_objects(
-    slots: int = SLOTS_MIN, log: DropLog | None = None, *, fam: AddressFamily = IPV4, pod_subnet: str | None = None
+    slots: int = SLOTS_MIN, log: DropLog | None = None, *, fam: AddressFamily = IPV4, pod_subnet: str | None = None,
+    service_range: str | None = None,
 ) -> list[Any]:
     """The fixed part of family ``fam``'s table, prepared for services of up to ``slots``
     endpoints (the maps empty); with ``log`` the refusals are logged for flow records
     (prefix: the chain's name).  ``pod_subnet``: this node's pods' subnet of the family, whose
-    traffic to a Local node port is short-circuited (none: only the node's own is)."""
+    traffic to a Local node port is short-circuited (none: only the node's own is).
+    ``service_range``: the cluster IPs' range of the family, whose addresses no Service has
+    are dropped (none: not checked)."""
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = match(payload(fam.proto, "daddr"), prefix(fam.loopback), "!=")
     masq = match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK)
@@ -277,13 +286,19 @@ def base_objects(
         # right after the nat chains (a translated packet no longer has the VIP), before routing,
         # for a connection's first packet only (``ct state new``, as kube-proxy): the other
         # packets of the node skip the lookups, and a reply to one of the node's own sockets
-        # whose port is a node port without endpoints is not refused.
+        # whose port is a node port without endpoints is not refused.  Then, as kube-proxy's
+        # cluster-ips-check: a new connection still to a cluster IP (not translated: a port
+        # no Service of it has) is refused, one to another address of the service range dropped.
         NftSet(t, TABLE, UNAVAILABLE, key_type, map="verdict"),
         NftSet(t, TABLE, NP_UNAVAILABLE, NP_TYPE, map="verdict"),
+        NftSet(t, TABLE, CLUSTER_IPS, (fam.addr,)),
         *_refusals(log, fam),
         *(NftChain(t, TABLE, f"filter-{hook}", (
             rule_text([CT_NEW, {"vmap": {"key": key, "data": "@" + UNAVAILABLE}}]),
             rule_text([CT_NEW, local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
+            rule_text([CT_NEW, match(payload(t, "daddr"), "@" + CLUSTER_IPS), goto(NO_PORT_CHAIN)]),
+            *([rule_text([CT_NEW, match(payload(t, "daddr"), prefix(service_range)), goto(NO_SERVICE_CHAIN)])]
+              if service_range else []),
         ), hook=("filter", hook, DSTNAT + 1, "accept")) for hook in ("prerouting", "output")),
     ]  # fmt: skip
     for i in range(slots):
@@ -294,14 +309,14 @@ def base_objects(
 
 
 def _refusals(log: DropLog | None, fam: AddressFamily = IPV4) -> list[Any]:
-    """The chains of ports without usable endpoints: reject, drop (logged with ``log``)."""
+    """The chains of ports without usable endpoints (reject, drop), of a cluster IP's port no
+    Service has (reject) and of a service range address no Service has (drop), logged with ``log``."""
     t = fam.proto
+    verdicts = ((REJECT_CHAIN, "reject"), (DROP_CHAIN, "drop"), (NO_PORT_CHAIN, "reject"), (NO_SERVICE_CHAIN, "drop"))
     if log is None:
-        return [NftChain(t, TABLE, REJECT_CHAIN, (rule_text([{"reject": None}]),)),
-                NftChain(t, TABLE, DROP_CHAIN, (rule_text([{"drop": None}]),))]
+        return [NftChain(t, TABLE, name, (rule_text([{verdict: None}]),)) for name, verdict in verdicts]
     return [NftCounter(t, TABLE, SUPPRESSED),
-            NftChain(t, TABLE, REJECT_CHAIN, log.chain_rules(REJECT_CHAIN, [{"reject": None}])),
-            NftChain(t, TABLE, DROP_CHAIN, log.chain_rules(DROP_CHAIN, [{"drop": None}]))]
+            *(NftChain(t, TABLE, name, log.chain_rules(name, [{verdict: None}])) for name, verdict in verdicts)]
 
 
 MapKey = tuple[str, str]  # (table family, map or set name)
@@ -330,6 +345,8 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
     def put(name: str, elem: Any) -> None:
         elements.setdefault((fam.proto, name), set()).add(elem)
 
+    if sp.cluster_ip is not None:
+        put(CLUSTER_IPS, sp.cluster_ip)
     if sp.affinity_timeout is not None:
         _compile_affinity(sp, node, fam, objs, put)
         return Compiled(objs, elements)
@@ -491,11 +508,12 @@ class Table:
     last read (``NftSet.delta``), so that neither a batch of many Services nor the plan of one
     change costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset.
     ``pod_subnets``: this node's pod subnet per IP version (whose traffic to a Local node port
-    is short-circuited, as the node's own is)."""
+    is short-circuited, as the node's own is); ``service_ranges``: the cluster IPs' range per
+    IP version (an address of it no Service has: dropped)."""
 
     def __init__(
         self, node: str, log: DropLog | None = None, families: Iterable[int] = (4,),
-        pod_subnets: Mapping[int, str] | None = None,
+        pod_subnets: Mapping[int, str] | None = None, service_ranges: Mapping[int, str] | None = None,
     ) -> None:  # fmt: skip
         self.node = node
         self.families = rows(families)  # the IP versions this node serves (one table each)
@@ -505,7 +523,8 @@ class Table:
         self.picks: set[int] = set()  # the counts above SLOTS_MIN with pick chains
         self._unused: list[int] = []  # of those, the ones no longer in use, the most recently used last
         for fam in self.families:
-            for obj in base_objects(self.slots, log, fam=fam, pod_subnet=(pod_subnets or {}).get(fam.version)):
+            for obj in base_objects(self.slots, log, fam=fam, pod_subnet=(pod_subnets or {}).get(fam.version),
+                                    service_range=(service_ranges or {}).get(fam.version)):  # fmt: skip
                 self._rs.add(obj)
         # (family, map name) -> (elements added, elements removed) since rs was last read
         self._pending: dict[MapKey, tuple[set[Any], set[Any]]] = {}
@@ -733,13 +752,14 @@ class Table:
 
 
 def compile_services(
-    ports: Iterable[ServicePort], node: str, families: Iterable[int] = (4,), pod_subnets: Mapping[int, str] | None = None
+    ports: Iterable[ServicePort], node: str, families: Iterable[int] = (4,), pod_subnets: Mapping[int, str] | None = None,
+    service_ranges: Mapping[int, str] | None = None,
 ) -> Ruleset:
     """The whole table for ``node`` at once (what a :class:`Table` fed service by service holds)."""
     by_service: dict[ServiceKey, list[ServicePort]] = {}
     for sp in ports:
         by_service.setdefault((sp.namespace, sp.service), []).append(sp)
-    table = Table(node, families=families, pod_subnets=pod_subnets)
+    table = Table(node, families=families, pod_subnets=pod_subnets, service_ranges=service_ranges)
     for key in sorted(by_service):
         table.update(key, by_service[key])
     return table.rs

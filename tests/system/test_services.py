@@ -317,6 +317,26 @@ async def test_a_service_without_endpoints_is_refused_at_once(world: World):
         await world.delete("Service", "empty")
 
 
+UNALLOCATED = "10.111.255.254"  # in the lab's service range (the default 10.96.0.0/12), no Service's
+
+
+async def test_an_undefined_port_of_a_cluster_ip_is_refused_and_an_unallocated_address_dropped(world: World):
+    """As kube-proxy's cluster-ips-check: a cluster IP's port none of its Services has is
+    refused at once; an address of the service range no Service has is dropped (not sent on
+    to the default route or answered "no route").  From pods: the lab's nodes have no route
+    to the service range, so their own connections end before the output hook."""
+    spec = {"selector": {"pod": "web-1"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}
+    await world.apply(service("one-port", spec))
+    try:
+        vip = await world.vip("one-port")
+        for where in (world.pods["client-2"], world.pods["client-1"]):
+            assert await _connect(where, vip, 80, timeout=3.0) == "connected", where.name
+            assert await _connect(where, vip, 81, timeout=3.0) == "ConnectionRefusedError", where.name
+            assert await _connect(where, UNALLOCATED, 80, timeout=1.0) == "TimeoutError", where.name
+    finally:
+        await world.delete("Service", "one-port")
+
+
 def _eps(world: World, names: list[str], **conditions: bool) -> list[dict[str, Any]]:
     return [{"addresses": [world.pods[n].ip], "conditions": {"ready": True, **conditions},
              "nodeName": world.pods[n].node.name} for n in names]  # fmt: skip

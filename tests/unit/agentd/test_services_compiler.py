@@ -252,9 +252,53 @@ def test_refusals_look_at_a_connections_first_packet_only():
             chain = rs.objects[(table, compiler.TABLE, "chain", f"filter-{hook}")]
             assert isinstance(chain, NftChain)
             rules = [json.loads(r) for r in chain.rules]
-            assert len(rules) == 2 and all(r[0] == {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}
+            assert len(rules) == 3 and all(r[0] == {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}
                                            for r in rules), (fam, hook, rules)  # fmt: skip
-            assert [r[-1]["vmap"]["data"] for r in rules] == ["@" + compiler.UNAVAILABLE, "@" + compiler.NP_UNAVAILABLE]
+            assert [r[-1]["vmap"]["data"] for r in rules[:2]] == ["@" + compiler.UNAVAILABLE, "@" + compiler.NP_UNAVAILABLE]
+
+
+def test_a_cluster_ips_undefined_port_is_refused_and_an_unallocated_address_dropped():
+    # As kube-proxy's cluster-ips-check, after the translations and for new connections only:
+    # still to a cluster IP (a port none of its Services has), reject; still to an address
+    # of the service range, drop.  Every cluster IP is in the set (without endpoints, with
+    # affinity), for as long as a port of it is; headless Services have none.
+    web = svc("web", {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"},
+                                                            {"name": "raw", "port": 81, "targetPort": 9000}]})  # fmt: skip
+    sticky = svc("sticky", {"clusterIP": "10.96.0.11", "selector": {"app": "web"}, "sessionAffinity": "ClientIP",
+                            "ports": [{"name": "http", "port": 80, "targetPort": "http"}]})  # fmt: skip
+    empty = svc("empty", {"clusterIP": "10.96.0.12", "selector": {"app": "none"}, "ports": [{"name": "http", "port": 80}]})
+    headless = svc("headless", {"clusterIP": "None", "selector": {"app": "web"}, "ports": [{"name": "http", "port": 80}]})
+    table = compiler.Table("n1", families=(4, 6), service_ranges={4: "10.96.0.0/12", 6: "fd00:10:96::/112"})
+    for s_ in (web, sticky, empty, headless):
+        table.update(("shop", s_["metadata"]["name"]), model.build([s_], [], PODS))
+    rs = table.rs
+    assert _map(rs, compiler.CLUSTER_IPS) == {"10.96.0.10", "10.96.0.11", "10.96.0.12"}
+    new = {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}
+    for table_family, addr, net in (("ip", "ip", {"prefix": {"addr": "10.96.0.0", "len": 12}}),
+                                    ("ip6", "ip6", {"prefix": {"addr": "fd00:10:96::", "len": 112}})):  # fmt: skip
+        for hook in ("prerouting", "output"):
+            chain = rs.objects[(table_family, compiler.TABLE, "chain", f"filter-{hook}")]
+            assert isinstance(chain, NftChain)
+            *_, port, unallocated = [json.loads(r) for r in chain.rules]
+            daddr = {"payload": {"protocol": addr, "field": "daddr"}}
+            assert port == [new, {"match": {"op": "==", "left": daddr, "right": "@" + compiler.CLUSTER_IPS}},
+                            {"goto": {"target": compiler.NO_PORT_CHAIN}}]  # fmt: skip
+            assert unallocated == [new, {"match": {"op": "==", "left": daddr, "right": net}},
+                                   {"goto": {"target": compiler.NO_SERVICE_CHAIN}}]  # fmt: skip
+    assert _chain(rs, compiler.NO_PORT_CHAIN) == [[{"reject": None}]]
+    assert _chain(rs, compiler.NO_SERVICE_CHAIN) == [[{"drop": None}]]
+    # One port of web going leaves its address; web gone takes it, elements only.
+    table.update(("shop", "web"), [p for p in model.build([web], [], PODS) if p.port == 80])
+    assert "10.96.0.10" in _map(table.rs, compiler.CLUSTER_IPS)
+    before = applied(table.rs)
+    keys = table.update(("shop", "web"), [])
+    assert _map(table.rs, compiler.CLUSTER_IPS) == {"10.96.0.11", "10.96.0.12"}
+    assert {next(iter(c)) + " " + next(iter(next(iter(c.values())))) for c in plan(before, table.rs, keys)} <= {
+        "delete element", "add element", "delete counter"}  # its counter goes with it
+    # Without a range (a Table not told it): no drop rule, the undefined ports still refused.
+    plain = compiler.compile_services(model.build([web], [], PODS), "n1")
+    assert [json.loads(r)[-1] for r in plain.objects[("ip", compiler.TABLE, "chain", "filter-output")].rules][2:] == [
+        {"goto": {"target": compiler.NO_PORT_CHAIN}}]
 
 
 def test_affinity_keeps_a_chain_per_endpoint():
@@ -510,7 +554,7 @@ def test_one_change_touches_that_service_and_the_maps_it_is_in():
     touched |= table.update(("shop", "s4"), [])
     assert table.update(("shop", "s5"), build(5)) == set()
     names = {k[3] for k in touched}
-    assert names == {compiler.SERVICE_IPS, compiler.NODE_PORTS, compiler.HAIRPIN, compiler.SVC_COUNTERS, compiler.NP_COUNTERS,
+    assert names == {compiler.SERVICE_IPS, compiler.NODE_PORTS, compiler.HAIRPIN, compiler.SVC_COUNTERS, compiler.NP_COUNTERS, compiler.CLUSTER_IPS,
                      "addr/0", "port/0", "addr/1", "port/1", "np-addr/0", "np-port/0", "np-addr/1", "np-port/1",
                      "svc/shop/s4"}, names  # fmt: skip
     whole = compiler.compile_services(model.build(services[:4] + services[5:], slices[:4] + slices[5:], []), "n1")
