@@ -363,7 +363,8 @@ class Agent:
                                      on_translating=self._services_translating,
                                      families=self.cluster.versions,
                                      pod_subnets={v: str(lease.subnet) for v, lease in self.leases.items()},
-                                     pod_networks=[str(self.cluster.pool(v)[0]) for v in self.cluster.versions])
+                                     pod_networks=[str(self.cluster.pool(v)[0]) for v in self.cluster.versions],
+                                     service_ranges={r.version: str(r) for r in self.cluster.service_ranges().values()})
         try:
             await self.services.start()
             self.registry.register(self.services.views)

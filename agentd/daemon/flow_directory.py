@@ -52,7 +52,8 @@ class DropMeaning:
     default_deny: bool = False
 
 
-SERVICE_REFUSALS = {services_compiler.REJECT_CHAIN: "no-endpoints", services_compiler.DROP_CHAIN: "no-local-endpoints"}
+SERVICE_REFUSALS = {services_compiler.REJECT_CHAIN: "no-endpoints", services_compiler.DROP_CHAIN: "no-local-endpoints",
+                    services_compiler.NO_PORT_CHAIN: "no-service-port", services_compiler.NO_SERVICE_CHAIN: "no-service"}
 
 
 def _no_service(ip: str, proto: int, port: int) -> str | None:

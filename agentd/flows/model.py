@@ -32,6 +32,8 @@ REASONS = {
     "ra-guard": "router advertisement or redirect from a pod (pods are no routers)",
     "no-endpoints": "Service has no endpoints (refused)",
     "no-local-endpoints": "Service has no endpoints on this node (traffic policy Local)",
+    "no-service-port": "no Service has that port of the cluster IP (refused)",
+    "no-service": "no Service has that address of the service range (dropped)",
     "no-route": "no route to the destination (the kernel drops it)",
     "unknown": "a drop rule the agent does not know (its log prefix)",  # the recorder's word for the rest
 }

@@ -1522,7 +1522,7 @@ class FlowRecorder:
             return None
         # The Service: refused, the packet's own destination; dropped after it was translated
         # (NetworkPolicy at the endpoint), its conntrack entry's original one.
-        if reason in ("no-endpoints", "no-local-endpoints"):
+        if reason in ("no-endpoints", "no-local-endpoints", "no-service-port", "no-service"):
             service_at: tuple[str, int] | None = (p.dst, p.dport)
         else:
             service_at = p.orig_dst

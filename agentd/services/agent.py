@@ -55,8 +55,10 @@ class ServiceAgent:
         families: tuple[int, ...] = (4,),
         pod_subnets: dict[int, str] | None = None,
         pod_networks: Sequence[str] = (),
+        service_ranges: dict[int, str] | None = None,
     ) -> None:
         self.node = node
+        self.service_ranges = dict(service_ranges or {})  # IP version -> the cluster IPs' range (other addresses of it: dropped)
         self.pod_networks = tuple(pod_networks)  # the cluster's pod networks: who, with the node itself, may ask its DNS
         self.pod_subnets = dict(pod_subnets or {})  # IP version -> this node's pod subnet (Local node ports short-circuit it)
         self.drop_log = drop_log  # refusals logged for flow records (agentd.flows)
@@ -282,7 +284,7 @@ class ServiceAgent:
             dirty, self._dirty = self._dirty, set()
             full = dirty is None or self._table is None
             if full:
-                self._table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets)
+                self._table = compiler.Table(self.node, self.drop_log, self.families, self.pod_subnets, self.service_ranges)
                 dirty = set(self.objects["Service"]) | set(self._applied)  # and those gone since
                 keys = None
             else:
@@ -298,7 +300,7 @@ class ServiceAgent:
             # changing is compiled anew without an update of its own.
             built = {key: list(self._table.compiled(key)) for key in self._table.take_recompiled() | dirty}
             for key, after in sorted(built.items()):
-                gone += stale_udp(self._applied.get(key, []), after, self.node)
+                gone += stale_udp(self._applied.get(key, []), after, self.node, short_circuit=tuple(self.pod_subnets.values()))
                 gone += unusable_udp(self._applied.get(key, []), after, self.node, first=self._fresh,
                                      short_circuit=tuple(self.pod_subnets.values()))
             translating = self._table.translating()
@@ -418,32 +420,42 @@ class ServiceAgent:
             totals[name] = totals.get(name, 0) + packets
         self.counters = totals
 
-def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort], node: str | None = None) -> list[conntrack.Stale]:
+def stale_udp(before: list[model.ServicePort], after: list[model.ServicePort], node: str | None = None,
+              *, short_circuit: tuple[str, ...] = ()) -> list[conntrack.Stale]:
     """UDP endpoints that took new connections before and do not now (their flows are to be
     flushed); an endpoint is its address and port, whatever its conditions (one that went from
     ready to serving and terminating may still be used).  Each path on its own: on ``node``
     a traffic policy turned Local keeps the cluster IP or the node port (from outside) off the
     other nodes' endpoints, whose flows through it go then (as kube-proxy clears the stale
     UDP entries of an endpoint a port stops using); a flow to the node port from the node
-    itself, which may still go to any endpoint, is chosen anew."""
+    itself, which may still go to any endpoint, is chosen anew.
 
-    def paths(sp: model.ServicePort) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    A node port reached from the node itself or from ``short_circuit`` (this node's pod
+    subnets) goes to every usable endpoint, also a Local one (kube-proxy's short-circuit,
+    compiler.compile_port): an endpoint that leaves that choice while the node port from
+    outside did not use it (one on another node gone) has the flows from those sources
+    through the node port flushed (a :class:`conntrack.Stale` with ``sources``)."""
+
+    def paths(sp: model.ServicePort) -> tuple[set[tuple[str, int]], set[tuple[str, int]], set[tuple[str, int]]]:
+        short = {(e.ip, e.port) for e in sp.short_circuit_endpoints(node)}
         return ({(e.ip, e.port) for e in sp.cluster_ip_endpoints(node)},
-                {(e.ip, e.port) for e in sp.node_port_endpoints(node)})  # fmt: skip
+                {(e.ip, e.port) for e in sp.node_port_endpoints(node)}, short)  # fmt: skip
 
     now = {sp.key: paths(sp) for sp in after}
     out = []
     for sp in before:
         if sp.protocol != "UDP":
             continue
-        (cluster, node_port), (cluster_now, node_port_now) = paths(sp), now.get(sp.key, (set(), set()))
-        for ip, port in cluster | node_port:
+        (cluster, node_port, short), (cluster_now, node_port_now, short_now) = paths(sp), now.get(sp.key, (set(), set(), set()))
+        for ip, port in cluster | node_port | short:
             off_vip = (ip, port) in cluster and (ip, port) not in cluster_now
             off_node_port = (ip, port) in node_port and (ip, port) not in node_port_now
             if off_vip or off_node_port:
                 vip = sp.cluster_ip if off_vip else None
                 out.append(conntrack.Stale(ip, port, vip, sp.port, sp.node_port if off_node_port else None))
-    return sorted(set(out), key=lambda s: (s.ip, s.port, s.vip or "", s.service_port, s.node_port or 0))
+            if not off_node_port and sp.node_port is not None and (ip, port) in short and (ip, port) not in short_now:
+                out.append(conntrack.Stale(ip, port, None, sp.port, sp.node_port, short_circuit))
+    return sorted(set(out), key=lambda s: (s.ip, s.port, s.vip or "", s.service_port, s.node_port or 0, s.sources or ()))
 
 
 def unusable_udp(before: list[model.ServicePort], after: list[model.ServicePort], node: str | None = None,

@@ -16,8 +16,14 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
     chain postrouting  { type nat hook postrouting priority srcnat;
                          ct status dnat ip saddr . ip daddr @hairpin-self masquerade
                          meta mark & 0x4000 == 0x4000 masquerade }
+    chain filter-prerouting, filter-output { type filter hook prerouting / output priority dstnat + 1;
+                         ct state new ip daddr . meta l4proto . th dport vmap @service-unavailable
+                         ct state new fib daddr type local meta l4proto . th dport vmap @nodeport-unavailable
+                         ct state new ip daddr @cluster-ips goto no-service-port        (reject)
+                         ct state new ip daddr <the service range> goto no-service }    (drop)
+    set cluster-ips    { ipv4_addr }                                            every cluster IP
 
-    chain pick/N       (one per endpoint count N, shared by every service with N endpoints)
+    chain pick/N       (one per endpoint count N in use, shared by every service with N endpoints)
                        counter name ip daddr . meta l4proto . th dport map @service-counters
                        numgen random mod N vmap { 0 : goto slot/0, ..., N-1 : goto slot/N-1 }
     chain slot/i       dnat to ip daddr . meta l4proto . th dport map @addr/i : ... map @port/i
@@ -32,8 +38,14 @@ The table (kube-proxy's nftables mode, in agentd's own table, but with the endpo
 So 10,000 services are one map lookup, not a chain walk, and a Service's endpoints are map
 elements, not rules: an endpoint appearing, leaving or becoming ready changes elements only,
 which go to the kernel as one nf_tables element batch (:mod:`agentd.nft.nfnetlink`)
-without libnftables reading the table first.  Rules change only when the largest endpoint
-count in use passes the prepared slots (``SLOTS_MIN``), or for ClientIP affinity.
+without libnftables reading the table first.  The pick chains of 1 to ``SLOTS_MIN`` endpoints
+and their slots are prepared at start; above that, there are slots up to the largest count
+in use and pick chains for the counts in use only (a chain for each count up to the largest
+would be ~1.5 N^2 vmap entries: 1,000 endpoints, 60 MB of rules), so the table grows linearly
+with the endpoints.  Rules change when a Service above ``SLOTS_MIN`` reaches a count whose
+chains are not there, or for ClientIP affinity.  A count no longer used keeps its chains
+while it is near one in use (within a quarter, the ``RETAIN`` most recent): a rolling update
+going back and forth between counts changes rules once per count, then elements only.
 
 A connection picks an endpoint at random once (NAT rules see only a connection's first
 packet; conntrack does the rest, which is also why a terminating endpoint keeps its
@@ -93,14 +105,18 @@ TABLES = frozenset({(FAMILY, TABLE), ("ip6", TABLE)})  # what the programmer own
 SERVICE_IPS = "service-ips"
 NODE_PORTS = "service-nodeports"
 HAIRPIN = "hairpin-self"  # address . address: this node's endpoints E as E . E (a DNATed flow from E to E: masqueraded)
-SHARED = frozenset({HAIRPIN})  # sets whose elements several Services may hold (the others' keys are one Service's)
+CLUSTER_IPS = "cluster-ips"  # every cluster IP translated here (a new connection still to one: a port it lacks, refused)
+SHARED = frozenset({HAIRPIN, CLUSTER_IPS})  # sets whose elements several Services may hold (the others' keys are one Service's)
 NP_SHORT_CIRCUIT = "nodeport-short-circuit"  # proto . node port : goto the choice among every endpoint (Local node ports)
 SVC_COUNTERS = "service-counters"  # VIP . proto . port : the service's counter
 NP_COUNTERS = "nodeport-counters"  # proto . node port : the service's counter
 UNAVAILABLE = "service-unavailable"  # VIP . proto . port : goto reject or drop (no usable endpoint)
 NP_UNAVAILABLE = "nodeport-unavailable"  # proto . node port : the same for node ports
 REJECT_CHAIN, DROP_CHAIN = "no-endpoints", "no-local-endpoints"
+# A cluster IP's port no Service has: refused; an address of the service range no Service has: dropped (kube-proxy's cluster-ips-check).
+NO_PORT_CHAIN, NO_SERVICE_CHAIN = "no-service-port", "no-service"
 SLOTS_MIN = 16  # endpoint counts prepared at start: up to this many, an endpoint change is elements only
+RETAIN = 4  # pick chains of counts above SLOTS_MIN no longer in use kept (near one in use; the most recent)
 MASQ_MARK = 0x4000  # kube-proxy's masquerade bit
 DSTNAT, SRCNAT = -100, 100
 
@@ -108,6 +124,7 @@ DSTNAT, SRCNAT = -100, 100
 MARK_MASQ = {"mangle": {"key": meta("mark"), "value": {"|": [meta("mark"), MASQ_MARK]}}}
 SADDR = payload("ip", "saddr")
 FROM_NODE = match({"fib": {"result": "type", "flags": ["saddr"]}}, "local")  # sent by this node itself
+CT_NEW = match({"ct": {"key": "state"}}, "new", "in")  # a connection's first packet
 
 
 
@@ -220,12 +237,15 @@ def pick_objects(n: int, fam: AddressFamily = IPV4) -> list[Any]:
 
 
 def base_objects(
-    slots: int = SLOTS_MIN, log: DropLog | None = None, *, fam: AddressFamily = IPV4, pod_subnet: str | None = None
+    slots: int = SLOTS_MIN, log: DropLog | None = None, *, fam: AddressFamily = IPV4, pod_subnet: str | None = None,
+    service_range: str | None = None,
 ) -> list[Any]:
     """The fixed part of family ``fam``'s table, prepared for services of up to ``slots``
     endpoints (the maps empty); with ``log`` the refusals are logged for flow records
     (prefix: the chain's name).  ``pod_subnet``: this node's pods' subnet of the family, whose
-    traffic to a Local node port is short-circuited (none: only the node's own is)."""
+    traffic to a Local node port is short-circuited (none: only the node's own is).
+    ``service_range``: the cluster IPs' range of the family, whose addresses no Service has
+    are dropped (none: not checked)."""
     local = match({"fib": {"result": "type", "flags": ["daddr"]}}, "local")
     not_loopback = match(payload(fam.proto, "daddr"), prefix(fam.loopback), "!=")
     masq = match({"&": [meta("mark"), MASQ_MARK]}, MASQ_MARK)
@@ -263,13 +283,22 @@ def base_objects(
         # A port without usable endpoints is refused, as kube-proxy does: no endpoint at all,
         # ICMP port unreachable (a TCP client sees "connection refused" at once instead of a
         # timeout); endpoints only on other nodes under a Local policy, dropped.  Looked at
-        # right after the nat chains (a translated packet no longer has the VIP), before routing.
+        # right after the nat chains (a translated packet no longer has the VIP), before routing,
+        # for a connection's first packet only (``ct state new``, as kube-proxy): the other
+        # packets of the node skip the lookups, and a reply to one of the node's own sockets
+        # whose port is a node port without endpoints is not refused.  Then, as kube-proxy's
+        # cluster-ips-check: a new connection still to a cluster IP (not translated: a port
+        # no Service of it has) is refused, one to another address of the service range dropped.
         NftSet(t, TABLE, UNAVAILABLE, key_type, map="verdict"),
         NftSet(t, TABLE, NP_UNAVAILABLE, NP_TYPE, map="verdict"),
+        NftSet(t, TABLE, CLUSTER_IPS, (fam.addr,)),
         *_refusals(log, fam),
         *(NftChain(t, TABLE, f"filter-{hook}", (
-            rule_text([{"vmap": {"key": key, "data": "@" + UNAVAILABLE}}]),
-            rule_text([local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
+            rule_text([CT_NEW, {"vmap": {"key": key, "data": "@" + UNAVAILABLE}}]),
+            rule_text([CT_NEW, local, {"vmap": {"key": NP_KEY, "data": "@" + NP_UNAVAILABLE}}]),
+            rule_text([CT_NEW, match(payload(t, "daddr"), "@" + CLUSTER_IPS), goto(NO_PORT_CHAIN)]),
+            *([rule_text([CT_NEW, match(payload(t, "daddr"), prefix(service_range)), goto(NO_SERVICE_CHAIN)])]
+              if service_range else []),
         ), hook=("filter", hook, DSTNAT + 1, "accept")) for hook in ("prerouting", "output")),
     ]  # fmt: skip
     for i in range(slots):
@@ -280,14 +309,14 @@ def base_objects(
 
 
 def _refusals(log: DropLog | None, fam: AddressFamily = IPV4) -> list[Any]:
-    """The chains of ports without usable endpoints: reject, drop (logged with ``log``)."""
+    """The chains of ports without usable endpoints (reject, drop), of a cluster IP's port no
+    Service has (reject) and of a service range address no Service has (drop), logged with ``log``."""
     t = fam.proto
+    verdicts = ((REJECT_CHAIN, "reject"), (DROP_CHAIN, "drop"), (NO_PORT_CHAIN, "reject"), (NO_SERVICE_CHAIN, "drop"))
     if log is None:
-        return [NftChain(t, TABLE, REJECT_CHAIN, (rule_text([{"reject": None}]),)),
-                NftChain(t, TABLE, DROP_CHAIN, (rule_text([{"drop": None}]),))]
+        return [NftChain(t, TABLE, name, (rule_text([{verdict: None}]),)) for name, verdict in verdicts]
     return [NftCounter(t, TABLE, SUPPRESSED),
-            NftChain(t, TABLE, REJECT_CHAIN, log.chain_rules(REJECT_CHAIN, [{"reject": None}])),
-            NftChain(t, TABLE, DROP_CHAIN, log.chain_rules(DROP_CHAIN, [{"drop": None}]))]
+            *(NftChain(t, TABLE, name, log.chain_rules(name, [{verdict: None}])) for name, verdict in verdicts)]
 
 
 MapKey = tuple[str, str]  # (table family, map or set name)
@@ -295,14 +324,14 @@ MapKey = tuple[str, str]  # (table family, map or set name)
 
 class Compiled:
     """What one service port compiles to: objects of its own (affinity chains, its counter),
-    elements in the shared maps, and the endpoint count its pick chains need."""
+    elements in the shared maps, and the endpoint counts whose pick chains it uses."""
 
-    __slots__ = ("objects", "elements", "size")
+    __slots__ = ("objects", "elements", "sizes")
 
-    def __init__(self, objects: list[Any], elements: dict[tuple[str, str], set[Any]], size: int) -> None:
+    def __init__(self, objects: list[Any], elements: dict[tuple[str, str], set[Any]], sizes: tuple[int, ...] = ()) -> None:
         self.objects = objects
         self.elements = elements
-        self.size = size
+        self.sizes = sizes
 
 
 def compile_port(sp: ServicePort, node: str) -> Compiled:
@@ -316,11 +345,13 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
     def put(name: str, elem: Any) -> None:
         elements.setdefault((fam.proto, name), set()).add(elem)
 
+    if sp.cluster_ip is not None:
+        put(CLUSTER_IPS, sp.cluster_ip)
     if sp.affinity_timeout is not None:
         _compile_affinity(sp, node, fam, objs, put)
-        return Compiled(objs, elements, 0)
+        return Compiled(objs, elements)
     every, local = sp.usable(), sp.usable(node)
-    size = 0
+    sizes: set[int] = set()
     if sp.cluster_ip is not None:
         chosen = local if sp.internal_local else every
         if chosen:
@@ -330,7 +361,7 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
             for i, e in enumerate(chosen):
                 put(f"addr/{i}", (key, e.ip))
                 put(f"port/{i}", (key, e.port))
-            size = len(chosen)
+            sizes.add(len(chosen))
         else:
             put(UNAVAILABLE, ((sp.cluster_ip, sp.l4, sp.port), _unavailable(every)))
     if sp.node_port is not None:
@@ -341,7 +372,7 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
             # (the short-circuit).  Only while this node's endpoints are all terminating and
             # others are ready do the two lists differ by more than that; the short-circuit
             # then takes this node's terminating ones too.
-            chosen, outside = local + tuple(e for e in every if e not in local), len(local)
+            chosen, outside = sp.short_circuit_endpoints(node), len(local)
         else:
             chosen, outside = every, len(every)
         for i, e in enumerate(chosen):
@@ -349,20 +380,21 @@ def compile_port(sp: ServicePort, node: str) -> Compiled:
             put(f"np-port/{i}", (key, e.port))
         if chosen:
             put(NP_COUNTERS, (key, counter.name))
-            size = max(size, len(chosen))
         if outside:
             put(NODE_PORTS, (key, ("goto", np_pick_chain(outside, sp.external_local))))
+            sizes.add(outside)
         else:
             put(NP_UNAVAILABLE, (key, _unavailable(every)))
         if sp.external_local and chosen:
             put(NP_SHORT_CIRCUIT, (key, ("goto", np_pick_chain(len(chosen), True))))
+            sizes.add(len(chosen))
     # This node's endpoints (and those of no known node: maybe this one's) among the chosen:
     # one reaching itself through the Service is masqueraded in postrouting.  An element only
     # matches on the endpoint's own node (the client is the endpoint), others are left out.
     translated = sp.cluster_ip is not None or sp.node_port is not None
     for addr in {e.ip for e in (*every, *local) if e.node in (node, None)} if translated else ():
         put(HAIRPIN, (addr, addr))
-    return Compiled(objs, elements, size)
+    return Compiled(objs, elements, tuple(sorted(sizes)))
 
 
 def _unavailable(every: tuple[Endpoint, ...]) -> tuple[str, str]:
@@ -476,19 +508,23 @@ class Table:
     last read (``NftSet.delta``), so that neither a batch of many Services nor the plan of one
     change costs a pass over 10,000 elements per map.  ``rs`` is the whole wanted ruleset.
     ``pod_subnets``: this node's pod subnet per IP version (whose traffic to a Local node port
-    is short-circuited, as the node's own is)."""
+    is short-circuited, as the node's own is); ``service_ranges``: the cluster IPs' range per
+    IP version (an address of it no Service has: dropped)."""
 
     def __init__(
         self, node: str, log: DropLog | None = None, families: Iterable[int] = (4,),
-        pod_subnets: Mapping[int, str] | None = None,
+        pod_subnets: Mapping[int, str] | None = None, service_ranges: Mapping[int, str] | None = None,
     ) -> None:  # fmt: skip
         self.node = node
         self.families = rows(families)  # the IP versions this node serves (one table each)
         self._versions = {f.version for f in self.families}
         self._rs = Ruleset(tables(self._versions))
         self.slots = SLOTS_MIN
+        self.picks: set[int] = set()  # the counts above SLOTS_MIN with pick chains
+        self._unused: list[int] = []  # of those, the ones no longer in use, the most recently used last
         for fam in self.families:
-            for obj in base_objects(self.slots, log, fam=fam, pod_subnet=(pod_subnets or {}).get(fam.version)):
+            for obj in base_objects(self.slots, log, fam=fam, pod_subnet=(pod_subnets or {}).get(fam.version),
+                                    service_range=(service_ranges or {}).get(fam.version)):  # fmt: skip
                 self._rs.add(obj)
         # (family, map name) -> (elements added, elements removed) since rs was last read
         self._pending: dict[MapKey, tuple[set[Any], set[Any]]] = {}
@@ -596,8 +632,7 @@ class Table:
             objs.update((o.key, o) for o in compiled.objects)
             for name, items in compiled.elements.items():
                 elems.setdefault(name, set()).update(items)
-            if compiled.size:
-                sizes.append(compiled.size)
+            sizes += compiled.sizes
         touched: set[Any] = set()
         for k in old_objs.keys() - objs.keys():
             self._rs.objects.pop(k, None)
@@ -669,27 +704,35 @@ class Table:
         return self._rs
 
     def _resize(self) -> set[Any]:
-        """Prepare slots and pick chains for the largest endpoint count in use (at least SLOTS_MIN)."""
-        wanted = max([SLOTS_MIN, *(n for n, uses in self.sizes.items() if uses > 0)])
-        if wanted == self.slots:
+        """Slots for the largest endpoint count in use (at least SLOTS_MIN), pick chains for
+        the counts in use (those up to SLOTS_MIN always), and for a few no longer used near
+        one in use: linear in the endpoints, not a chain for every count up to the largest."""
+        in_use = {n for n, uses in self.sizes.items() if uses > 0 and n > SLOTS_MIN}
+        self._unused = [n for n in self._unused if n not in in_use] + sorted(self.picks - in_use - set(self._unused))
+        near = [n for n in self._unused if any(abs(n - m) * 4 <= m for m in in_use)]
+        kept = set(near[-RETAIN:])
+        self._unused = [n for n in self._unused if n in kept]
+        picks = in_use | kept
+        slots = max([SLOTS_MIN, *picks])
+        if picks == self.picks and slots == self.slots:
             return set()
-        touched: set[Any] = set()
+        added: list[Any] = []
+        removed: list[Any] = []
         for fam in self.families:
-            if wanted > self.slots:
-                for obj in [o for i in range(self.slots, wanted) for o in slot_objects(i, fam)] + [
-                    o for n in range(self.slots + 1, wanted + 1) for o in pick_objects(n, fam)
-                ]:
-                    self._rs.add(obj)
-                    touched.add(obj.key)
-            else:
-                for obj in [o for i in range(wanted, self.slots) for o in slot_objects(i, fam)] + [
-                    o for n in range(wanted + 1, self.slots + 1) for o in pick_objects(n, fam)
-                ]:
-                    self._rs.objects.pop(obj.key, None)
-                    self.elements.pop((fam.proto, obj.name), None)
-                    self._pending.pop((fam.proto, obj.name), None)
-                    touched.add(obj.key)
-        self.slots = wanted
+            added += [o for i in range(self.slots, slots) for o in slot_objects(i, fam)]
+            added += [o for n in sorted(picks - self.picks) for o in pick_objects(n, fam)]
+            removed += [o for i in range(slots, self.slots) for o in slot_objects(i, fam)]
+            removed += [o for n in sorted(self.picks - picks) for o in pick_objects(n, fam)]
+        touched: set[Any] = set()
+        for obj in added:
+            self._rs.add(obj)
+            touched.add(obj.key)
+        for obj in removed:
+            self._rs.objects.pop(obj.key, None)
+            self.elements.pop((obj.family, obj.name), None)
+            self._pending.pop((obj.family, obj.name), None)
+            touched.add(obj.key)
+        self.slots, self.picks = slots, picks
         return touched
 
     def translating(self) -> bool:
@@ -709,13 +752,14 @@ class Table:
 
 
 def compile_services(
-    ports: Iterable[ServicePort], node: str, families: Iterable[int] = (4,), pod_subnets: Mapping[int, str] | None = None
+    ports: Iterable[ServicePort], node: str, families: Iterable[int] = (4,), pod_subnets: Mapping[int, str] | None = None,
+    service_ranges: Mapping[int, str] | None = None,
 ) -> Ruleset:
     """The whole table for ``node`` at once (what a :class:`Table` fed service by service holds)."""
     by_service: dict[ServiceKey, list[ServicePort]] = {}
     for sp in ports:
         by_service.setdefault((sp.namespace, sp.service), []).append(sp)
-    table = Table(node, families=families, pod_subnets=pod_subnets)
+    table = Table(node, families=families, pod_subnets=pod_subnets, service_ranges=service_ranges)
     for key in sorted(by_service):
         table.update(key, by_service[key])
     return table.rs

@@ -5,8 +5,10 @@ entry, and so its translation to the endpoint chosen first, for as long as it se
 after that endpoint is gone (kube-proxy's stale-UDP bug, kubernetes#59368 and friends).  So
 when an endpoint stops taking new connections of a UDP service port, every entry that was
 translated to it for that service (original destination the cluster IP and port, or the node
-port; reply source the endpoint) is deleted, and the next datagram is a new connection that
-the rules send to a live endpoint.  TCP entries stay: a terminating endpoint keeps its
+port on one of the node's own addresses; reply source the endpoint) is deleted, and the next
+datagram is a new connection that the rules send to a live endpoint.  A node port is a port
+on the node's addresses only (the rules match ``fib daddr type local``, loopback aside): a
+pod's flow to another host's port of that number is not the Service's and stays.  TCP entries stay: a terminating endpoint keeps its
 established connections.
 
 A flow may also predate what this node translates: an endpoint removed while the agent was
@@ -40,7 +42,7 @@ Blocking (netlink): the agent calls :func:`flush_udp` in a thread, in its own na
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from ipaddress import ip_address, ip_network
 
@@ -59,6 +61,7 @@ from agentd.kernel.netlink_ct import (
 )
 from agentd.kernel.netlink_ct import message as _message
 from agentd.kernel.netlink_socket import NetlinkSocket
+from agentd.kernel.rtnl import Rtnl
 
 
 def encode_dump(seq: int, family: int = nl.AF_INET) -> bytes:
@@ -94,16 +97,25 @@ class Stale:
     vip: str | None  # the service's cluster IP and port, its node port
     service_port: int
     node_port: int | None = None
+    # The node port's flows from these only: None, from anywhere; else from these networks
+    # (this node's pod subnets) and from the node itself, those a Local node port's
+    # short-circuit sends to every endpoint (an endpoint elsewhere leaving it: only theirs go).
+    sources: tuple[str, ...] | None = None
 
     @property
     def af(self) -> int:
         return _family(self.ip)
 
-    def matches(self, orig_daddr: str, orig_dport: int, reply_saddr: str, reply_sport: int) -> bool:
+    def matches(self, orig_daddr: str, orig_dport: int, reply_saddr: str, reply_sport: int,
+                local: Collection[str] = (), orig_saddr: str = "") -> bool:  # fmt: skip
+        """Whether an entry was translated to this endpoint for its service: to its VIP and
+        port, or to its node port on one of ``local`` (the node's own addresses) from one of
+        its ``sources``."""
         if (reply_saddr, reply_sport) != (self.ip, self.port):
             return False
         return (orig_daddr, orig_dport) == (self.vip, self.service_port) or (
-            self.node_port is not None and orig_dport == self.node_port
+            self.node_port is not None and orig_dport == self.node_port and orig_daddr in local
+            and (self.sources is None or orig_saddr in local or any(_within(orig_saddr, n) for n in self.sources))
         )
 
 
@@ -147,10 +159,11 @@ def _within(address: str, network: str) -> bool:
 Flush = Stale | Unusable
 
 
-def entries_to_delete(entries: Iterable[CtEntry], stale: Iterable[Flush]) -> list[CtEntry]:
+def entries_to_delete(entries: Iterable[CtEntry], stale: Iterable[Flush], local: Collection[str] = ()) -> list[CtEntry]:
     """The UDP entries translated to a ``stale`` endpoint (reply source the endpoint, original
     destination its service's VIP and port or its node port), and those of an
-    :class:`Unusable` port not translated to one of its usable endpoints."""
+    :class:`Unusable` port not translated to one of its usable endpoints.  A node port is
+    one on ``local``, the node's own addresses (none given: no entry is a node port's)."""
     wanted = [s for s in stale if isinstance(s, Stale)]
     by_vip: dict[tuple[str, int], set[tuple[str, int]]] = {}
     by_node_port: dict[tuple[bool, int], list[Unusable]] = {}
@@ -166,12 +179,26 @@ def entries_to_delete(entries: Iterable[CtEntry], stale: Iterable[Flush]) -> lis
         usable = by_vip.get((e.orig.dst, e.orig.dport))
         if usable is not None and source not in usable:
             return True
+        if e.orig.dst not in local:
+            return False
         ports = by_node_port.get((":" in e.orig.dst, e.orig.dport))
         return ports is not None and not any(source in u.allowed(e.orig.src) for u in ports)
 
     return [e for e in entries if e.orig.proto == socket.IPPROTO_UDP and (
         (by_vip or by_node_port) and unusable(e)
-        or any(s.matches(e.orig.dst, e.orig.dport, e.reply.src, e.reply.sport) for s in wanted))]  # fmt: skip
+        or any(s.matches(e.orig.dst, e.orig.dport, e.reply.src, e.reply.sport, local, e.orig.src) for s in wanted))]  # fmt: skip
+
+
+def node_addresses() -> frozenset[str]:
+    """This namespace's own addresses, IPv4 and IPv6, loopback aside: where its node ports are."""
+    out = set()
+    with Rtnl() as rt:
+        for family in (nl.AF_INET, socket.AF_INET6):
+            for a in rt.addresses(0, family):
+                raw = a.local or a.address
+                if raw is not None and not ip_address(raw).is_loopback:
+                    out.add(str(ip_address(raw)))
+    return frozenset(out)
 
 
 def flush_udp(stale: Iterable[Flush]) -> int:
@@ -189,8 +216,10 @@ def flush_udp(stale: Iterable[Flush]) -> int:
             answers = sock.request(encode_dump(seq, family), what="listing conntrack entries", dump=True)
             entries += [e for t, buf, s, end in answers
                         if t == NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW and (e := decode_entry(buf, s, end))]
+        local = node_addresses() if any(s.node_port is not None for s in wanted) else frozenset()
+        gone = entries_to_delete(entries, wanted, local)
         deleted = delete_entries(sock, ((encode_delete(seq, entry.orig), str(entry.orig))
-                                        for seq, entry in enumerate(entries_to_delete(entries, wanted), start=seq + 1)))
+                                        for seq, entry in enumerate(gone, start=seq + 1)))
     finally:
         sock.close()
     return deleted

@@ -85,6 +85,17 @@ class ServicePort:
         (externalTrafficPolicy; from the node itself it takes every usable one)."""
         return self.usable(node) if self.external_local else self.usable()
 
+    def short_circuit_endpoints(self, node: str | None) -> tuple[Endpoint, ...]:
+        """Those new connections to its node port from ``node`` itself or its pods go to:
+        every usable one, also under externalTrafficPolicy Local (kube-proxy's short-circuit,
+        agentd.services.compiler): this node's first, then the others (while this node's are
+        all terminating and others ready, its terminating ones too; not with ClientIP affinity)."""
+        every = self.usable()
+        if not self.external_local or self.affinity_timeout is not None:
+            return every
+        local = self.usable(node)
+        return local + tuple(e for e in every if e not in local)
+
 
 # A headless Service without ports still has a DNS name, its endpoints' addresses (CoreDNS
 # gives it a port of its own for that, -1): this one, port 0, stands for "every address".

@@ -77,11 +77,13 @@ class ServiceViews:
             usable, local = held.usable(), held.usable(a.node)
             # Where the kernel sends new connections on each path (compiler.compile_port): the
             # cluster IP to this node's endpoints under internalTrafficPolicy: Local, the node
-            # port from outside the node to them under externalTrafficPolicy: Local (from the
-            # node itself it takes every one); none here: dropped, none anywhere: refused.
+            # port from outside the node to them under externalTrafficPolicy: Local; from the
+            # node itself and its pods the node port takes every one (the short-circuit, its
+            # own path); none here: dropped, none anywhere: refused.
             paths = {
                 "clusterIP": (held.cluster_ip, held.cluster_ip_endpoints(a.node)),
                 "nodePort": (held.node_port, held.node_port_endpoints(a.node)),
+                "nodePortFromNode": (held.node_port, held.short_circuit_endpoints(a.node)),
             }
             served = {
                 path: None if address is None else "translated" if chosen else "dropped" if usable else "refused"

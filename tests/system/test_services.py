@@ -275,6 +275,9 @@ CONNECT = """
 import socket, sys
 s = socket.socket()
 s.settimeout(float(sys.argv[3]))
+if len(sys.argv) > 4:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", int(sys.argv[4])))
 try:
     s.connect((sys.argv[1], int(sys.argv[2])))
     print("connected")
@@ -283,8 +286,10 @@ except OSError as err:
 """
 
 
-async def _connect(where: Any, ip: str, port: int, timeout: float = 5.0) -> str:
-    return (await asyncio.to_thread(where.ns.exec, sys.executable, "-c", CONNECT, ip, str(port), str(timeout))).strip()
+async def _connect(where: Any, ip: str, port: int, timeout: float = 5.0, sport: int | None = None) -> str:
+    """Connect from ``where`` (from local port ``sport``, if given): what came of it."""
+    more = () if sport is None else (str(sport),)
+    return (await asyncio.to_thread(where.ns.exec, sys.executable, "-c", CONNECT, ip, str(port), str(timeout), *more)).strip()
 
 
 async def test_a_service_without_endpoints_is_refused_at_once(world: World):
@@ -301,12 +306,35 @@ async def test_a_service_without_endpoints_is_refused_at_once(world: World):
             # limited: the client's SYN retransmission within the 5 s still gets the refusal).
             outcome = await _connect(where, ip, port)
             assert outcome == "ConnectionRefusedError", (where.name, ip, port, outcome)
+        # Only a new connection is refused (ct state new, as kube-proxy): the replies to one of
+        # node1's own sockets whose local port happens to be that node port get through.
+        assert await _connect(node1, world.pods["web-2"].ip, 8080, timeout=3.0, sport=30090) == "connected"
         await world.apply(service("empty", {**spec, "selector": {"pod": "web-1"}}))
         assert await _connect(world.pods["client-1"], vip, 80) == "connected"
         r = await world.echo["node3"].tcp(node1.address, 30090, count=5)
         assert r == {"names": {"web-1": 5}, "failed": 0}, r
     finally:
         await world.delete("Service", "empty")
+
+
+UNALLOCATED = "10.111.255.254"  # in the lab's service range (the default 10.96.0.0/12), no Service's
+
+
+async def test_an_undefined_port_of_a_cluster_ip_is_refused_and_an_unallocated_address_dropped(world: World):
+    """As kube-proxy's cluster-ips-check: a cluster IP's port none of its Services has is
+    refused at once; an address of the service range no Service has is dropped (not sent on
+    to the default route or answered "no route").  From pods: the lab's nodes have no route
+    to the service range, so their own connections end before the output hook."""
+    spec = {"selector": {"pod": "web-1"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}
+    await world.apply(service("one-port", spec))
+    try:
+        vip = await world.vip("one-port")
+        for where in (world.pods["client-2"], world.pods["client-1"]):
+            assert await _connect(where, vip, 80, timeout=3.0) == "connected", where.name
+            assert await _connect(where, vip, 81, timeout=3.0) == "ConnectionRefusedError", where.name
+            assert await _connect(where, UNALLOCATED, 80, timeout=1.0) == "TimeoutError", where.name
+    finally:
+        await world.delete("Service", "one-port")
 
 
 def _eps(world: World, names: list[str], **conditions: bool) -> list[dict[str, Any]]:

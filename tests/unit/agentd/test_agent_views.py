@@ -128,7 +128,7 @@ def test_services_view_shows_each_port_as_compiled_and_as_asked():
     assert view["copy"]["clusterIP"] == "10.96.0.10" and len(view["copy"]["errors"]) == 2  # the Service's address, refused
     # Its endpoint is usable, but neither address is translated to it here.
     assert [(e["ip"], e["port"], e["used"]) for e in copy["endpoints"]] == [("10.244.1.3", 8080, False)]
-    assert copy["served"] == {"clusterIP": None, "nodePort": None}
+    assert copy["served"] == {"clusterIP": None, "nodePort": None, "nodePortFromNode": None}
 
 
 def test_services_metrics():
@@ -583,7 +583,9 @@ def test_an_endpoint_file_never_read_is_said_in_status_metrics_and_the_log(tmp_p
 def test_services_view_says_a_local_node_port_without_an_endpoint_here_drops():
     """externalTrafficPolicy: Local on a node without an endpoint of its own: the kernel drops
     the node port's traffic from outside (the cluster IP still reaches the other node's), so the
-    node port is not shown as served and the endpoint as not used by it."""
+    node port from outside is not shown as served and the endpoint as not used by it; from
+    the node itself and its pods (the short-circuit, ``nodePortFromNode``) it is, to every
+    usable endpoint."""
     agent = service_agent()
     remote = Endpoint("10.244.2.3", 8080, "node2")
     local_np = ServicePort(
@@ -595,22 +597,22 @@ def test_services_view_says_a_local_node_port_without_an_endpoint_here_drops():
     agent._table.update(("x", "inner"), [internal])
     view = {s["name"]: s for s in agent.views.view()["services"]}
     (edge,) = view["edge"]["ports"]
-    assert edge["served"] == {"clusterIP": "translated", "nodePort": "dropped"}
+    assert edge["served"] == {"clusterIP": "translated", "nodePort": "dropped", "nodePortFromNode": "translated"}
     ((ep),) = edge["endpoints"]
-    assert ep["used"] and ep["usedBy"] == ["clusterIP"]
+    assert ep["used"] and ep["usedBy"] == ["clusterIP", "nodePortFromNode"]
     (inner,) = view["inner"]["ports"]
-    assert inner["served"] == {"clusterIP": "dropped", "nodePort": None}
+    assert inner["served"] == {"clusterIP": "dropped", "nodePort": None, "nodePortFromNode": None}
     ((ep),) = inner["endpoints"]
     assert not ep["used"] and ep["usedBy"] == []
     here = Endpoint("10.244.1.4", 8080, NODE)
     agent._table.update(("x", "edge"), [replace(local_np, endpoints=(remote, here))])
     (edge,) = next(s for s in agent.views.view()["services"] if s["name"] == "edge")["ports"]
-    assert edge["served"] == {"clusterIP": "translated", "nodePort": "translated"}
+    assert edge["served"] == {"clusterIP": "translated", "nodePort": "translated", "nodePortFromNode": "translated"}
     assert {e["ip"]: e["usedBy"] for e in edge["endpoints"]} == {
-        "10.244.2.3": ["clusterIP"], "10.244.1.4": ["clusterIP", "nodePort"]
+        "10.244.2.3": ["clusterIP", "nodePortFromNode"], "10.244.1.4": ["clusterIP", "nodePort", "nodePortFromNode"]
     }
     (web,) = view["web"]["ports"]  # Cluster policies, an endpoint here and one not ready elsewhere
-    assert web["served"] == {"clusterIP": "translated", "nodePort": None}
+    assert web["served"] == {"clusterIP": "translated", "nodePort": None, "nodePortFromNode": None}
     assert [(e["ip"], e["used"], e["usedBy"]) for e in web["endpoints"]] == [
         ("10.244.1.2", True, ["clusterIP"]), ("10.244.2.2", False, [])
     ]
@@ -624,7 +626,7 @@ def test_services_view_says_a_port_without_any_endpoint_is_refused():
     )  # fmt: skip
     agent._table.update(("x", "empty"), [none])
     view = {s["name"]: s for s in agent.views.view()["services"]}
-    assert view["empty"]["ports"][0]["served"] == {"clusterIP": "refused", "nodePort": "refused"}
+    assert view["empty"]["ports"][0]["served"] == {"clusterIP": "refused", "nodePort": "refused", "nodePortFromNode": "refused"}
 
 
 async def test_a_pod_whose_endpoint_file_names_no_mac_is_checked_with_its_interfaces(tmp_path, caplog):

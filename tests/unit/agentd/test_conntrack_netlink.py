@@ -107,8 +107,11 @@ def test_entries_to_delete_match_what_kube_proxy_matches():
     tcp = codec.CtEntry(ORIG._replace(proto=socket.IPPROTO_TCP), REPLY._replace(proto=socket.IPPROTO_TCP))
     other_service = codec.CtEntry(ORIG._replace(dst="10.96.0.11"), REPLY)
     entries = [via_vip, via_node_port, other_endpoint, tcp, other_service]
-    assert ct.entries_to_delete(entries, [stale]) == [via_vip, via_node_port]
-    assert ct.entries_to_delete(entries, []) == []
+    assert ct.entries_to_delete(entries, [stale], {"192.0.2.50"}) == [via_vip, via_node_port]
+    assert ct.entries_to_delete(entries, [], {"192.0.2.50"}) == []
+    # A node port is a port on the node's own addresses: an entry to another host's port of
+    # that number, even one answered from the endpoint's address and port, is not the Service's.
+    assert ct.entries_to_delete(entries, [stale], {"192.0.2.51"}) == [via_vip]
 
 
 def test_entries_not_going_to_a_usable_endpoint_of_an_unusable_port():
@@ -123,5 +126,20 @@ def test_entries_not_going_to_a_usable_endpoint_of_an_unusable_port():
     tcp = codec.CtEntry(ORIG._replace(proto=socket.IPPROTO_TCP), REPLY._replace(proto=socket.IPPROTO_TCP))
     other_service = codec.CtEntry(ORIG._replace(dst="10.96.0.11"), REPLY)
     entries = [to_usable, to_other, untranslated, via_node_port, node_port6, tcp, other_service]
-    assert ct.entries_to_delete(entries, [port]) == [to_other, untranslated, via_node_port]
+    assert ct.entries_to_delete(entries, [port], {"192.0.2.50"}) == [to_other, untranslated, via_node_port]
     assert port.af == socket.AF_INET and ct.Unusable(None, 53, 30053, 6).af == socket.AF_INET6
+
+
+def test_a_node_ports_entries_are_those_to_the_nodes_own_addresses():
+    """The review's case: a pod's UDP flow to an external host's port 30053 (another cluster's
+    node port) is not this node's node port 30053, though no endpoint answers it: it stays.
+    An entry to one of the node's addresses at that port, translated or not yet, goes."""
+    u = ct.Unusable(None, 53, 30053, 4, frozenset({("10.244.1.5", 53)}))
+    external = codec.CtEntry(codec.CtTuple("10.244.1.9", "203.0.113.7", 17, 41000, 30053),
+                             codec.CtTuple("203.0.113.7", "192.168.0.1", 17, 30053, 41000))  # fmt: skip
+    mine = codec.CtEntry(codec.CtTuple("10.244.1.9", "192.168.0.1", 17, 41001, 30053),
+                         codec.CtTuple("192.168.0.1", "10.244.1.9", 17, 30053, 41001))  # fmt: skip
+    assert ct.entries_to_delete([external, mine], [u], {"192.168.0.1"}) == [mine]
+    gone = ct.Stale("203.0.113.7", 30053, None, 53, 30053)  # an endpoint at that address and port
+    assert ct.entries_to_delete([external], [gone], {"192.168.0.1"}) == []
+    assert ct.entries_to_delete([external._replace(orig=external.orig._replace(dst="192.168.0.1"))], [gone], {"192.168.0.1"})

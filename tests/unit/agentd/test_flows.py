@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentd.flows.model import FilterError, Flow, FlowFilter, Identity, Peer
+from agentd.flows.model import REASONS, FilterError, Flow, FlowFilter, Identity, Peer
 from agentd.flows.recorder import (
     CONN_OPEN,
     CONN_RECORD,
@@ -475,7 +475,7 @@ def test_the_reason_filter_takes_what_the_recorder_gives_and_nothing_else():
     assert FlowFilter.parse([("reason", "unknown")]).matches(drop)
     assert not FlowFilter.parse([("reason", "policy")]).matches(drop)
     with pytest.raises(FilterError, match="'no-such' is not one of policy, spoofed, spoofed-mac, spoofed-arp, spoofed-nd, ra-guard, no-endpoints, "
-                                          "no-local-endpoints, no-route, unknown"):
+                                          "no-local-endpoints, no-service-port, no-service, no-route, unknown"):
         FlowFilter.parse([("reason", "no-such")])  # nothing records it
 
 
@@ -635,12 +635,26 @@ def test_engine_explains_a_prefix_and_routes_every_pod_with_flows_on():
     assert handed_up == {"veth1", "veth2"}  # lobby/a is not isolated, but goes through conntrack
 
 
+def _directory_drop(prefix: str):
+    from agentd.daemon.flow_directory import FlowDirectory
+
+    return FlowDirectory(None, None, (None, None)).drop(prefix)
+
+
 def test_services_refusals_log_with_the_chain_name():
     table = services_compiler.Table("node1", DropLog(143))
     rs = table.rs
     reject = rs.objects[("ip", "agentd-services", "chain", services_compiler.REJECT_CHAIN)]
     assert json.loads(reject.rules[0])[1] == {"log": {"prefix": "no-endpoints", "group": 143}}
     assert ("ip", "agentd-services", "counter", SUPPRESSED) in rs.objects
+    # A cluster IP's undefined port (refused) and an unallocated service address (dropped):
+    # logged each with its chain's name, which the directory reads as its reason.
+    for chain, verdict, reason in ((services_compiler.NO_PORT_CHAIN, "reject", "no-service-port"),
+                                   (services_compiler.NO_SERVICE_CHAIN, "drop", "no-service")):  # fmt: skip
+        rules = [json.loads(r) for r in rs.objects[("ip", "agentd-services", "chain", chain)].rules]
+        assert rules[0][1] == {"log": {"prefix": chain, "group": 143}} and rules[0][-1] == {verdict: None}
+        meaning = _directory_drop(chain)
+        assert meaning is not None and meaning.reason == reason and reason in REASONS
 
 
 # ------------------------------------------------------------------ the cluster's followed streams

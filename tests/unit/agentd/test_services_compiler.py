@@ -241,6 +241,66 @@ def test_a_service_without_endpoints_is_refused():
     assert {next(iter(c)) + " " + next(iter(next(iter(c.values())))) for c in plan(rs, after)} == {"delete element", "add element"}
 
 
+def test_refusals_look_at_a_connections_first_packet_only():
+    # As kube-proxy: only ct state new pays the lookups, and a reply to a node's own socket
+    # whose port is a node port without endpoints (an established flow) is not refused.
+    s = svc("web", {"type": "NodePort", "selector": {"app": "none"},
+                    "ports": [{"name": "http", "port": 80, "targetPort": "http", "nodePort": 30080}]})  # fmt: skip
+    rs = compiler.compile_services(model.build([s], [], PODS), "n1", families=(4, 6))
+    for fam, table in ((4, compiler.FAMILY), (6, "ip6")):
+        for hook in ("prerouting", "output"):
+            chain = rs.objects[(table, compiler.TABLE, "chain", f"filter-{hook}")]
+            assert isinstance(chain, NftChain)
+            rules = [json.loads(r) for r in chain.rules]
+            assert len(rules) == 3 and all(r[0] == {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}
+                                           for r in rules), (fam, hook, rules)  # fmt: skip
+            assert [r[-1]["vmap"]["data"] for r in rules[:2]] == ["@" + compiler.UNAVAILABLE, "@" + compiler.NP_UNAVAILABLE]
+
+
+def test_a_cluster_ips_undefined_port_is_refused_and_an_unallocated_address_dropped():
+    # As kube-proxy's cluster-ips-check, after the translations and for new connections only:
+    # still to a cluster IP (a port none of its Services has), reject; still to an address
+    # of the service range, drop.  Every cluster IP is in the set (without endpoints, with
+    # affinity), for as long as a port of it is; headless Services have none.
+    web = svc("web", {"selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"},
+                                                            {"name": "raw", "port": 81, "targetPort": 9000}]})  # fmt: skip
+    sticky = svc("sticky", {"clusterIP": "10.96.0.11", "selector": {"app": "web"}, "sessionAffinity": "ClientIP",
+                            "ports": [{"name": "http", "port": 80, "targetPort": "http"}]})  # fmt: skip
+    empty = svc("empty", {"clusterIP": "10.96.0.12", "selector": {"app": "none"}, "ports": [{"name": "http", "port": 80}]})
+    headless = svc("headless", {"clusterIP": "None", "selector": {"app": "web"}, "ports": [{"name": "http", "port": 80}]})
+    table = compiler.Table("n1", families=(4, 6), service_ranges={4: "10.96.0.0/12", 6: "fd00:10:96::/112"})
+    for s_ in (web, sticky, empty, headless):
+        table.update(("shop", s_["metadata"]["name"]), model.build([s_], [], PODS))
+    rs = table.rs
+    assert _map(rs, compiler.CLUSTER_IPS) == {"10.96.0.10", "10.96.0.11", "10.96.0.12"}
+    new = {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": "new"}}
+    for table_family, addr, net in (("ip", "ip", {"prefix": {"addr": "10.96.0.0", "len": 12}}),
+                                    ("ip6", "ip6", {"prefix": {"addr": "fd00:10:96::", "len": 112}})):  # fmt: skip
+        for hook in ("prerouting", "output"):
+            chain = rs.objects[(table_family, compiler.TABLE, "chain", f"filter-{hook}")]
+            assert isinstance(chain, NftChain)
+            *_, port, unallocated = [json.loads(r) for r in chain.rules]
+            daddr = {"payload": {"protocol": addr, "field": "daddr"}}
+            assert port == [new, {"match": {"op": "==", "left": daddr, "right": "@" + compiler.CLUSTER_IPS}},
+                            {"goto": {"target": compiler.NO_PORT_CHAIN}}]  # fmt: skip
+            assert unallocated == [new, {"match": {"op": "==", "left": daddr, "right": net}},
+                                   {"goto": {"target": compiler.NO_SERVICE_CHAIN}}]  # fmt: skip
+    assert _chain(rs, compiler.NO_PORT_CHAIN) == [[{"reject": None}]]
+    assert _chain(rs, compiler.NO_SERVICE_CHAIN) == [[{"drop": None}]]
+    # One port of web going leaves its address; web gone takes it, elements only.
+    table.update(("shop", "web"), [p for p in model.build([web], [], PODS) if p.port == 80])
+    assert "10.96.0.10" in _map(table.rs, compiler.CLUSTER_IPS)
+    before = applied(table.rs)
+    keys = table.update(("shop", "web"), [])
+    assert _map(table.rs, compiler.CLUSTER_IPS) == {"10.96.0.11", "10.96.0.12"}
+    assert {next(iter(c)) + " " + next(iter(next(iter(c.values())))) for c in plan(before, table.rs, keys)} <= {
+        "delete element", "add element", "delete counter"}  # its counter goes with it
+    # Without a range (a Table not told it): no drop rule, the undefined ports still refused.
+    plain = compiler.compile_services(model.build([web], [], PODS), "n1")
+    assert [json.loads(r)[-1] for r in plain.objects[("ip", compiler.TABLE, "chain", "filter-output")].rules][2:] == [
+        {"goto": {"target": compiler.NO_PORT_CHAIN}}]
+
+
 def test_affinity_keeps_a_chain_per_endpoint():
     s = svc("web", {"type": "NodePort", "selector": {"app": "web"}, "externalTrafficPolicy": "Local",
                     "internalTrafficPolicy": "Local", "sessionAffinity": "ClientIP",
@@ -370,6 +430,76 @@ def test_an_endpoint_change_is_element_commands_only():
     assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/21") not in big.objects
 
 
+def _big(n: int, local: bool = False, name: str = "big") -> model.ServicePort:
+    eps = tuple(model.Endpoint(f"10.{244 + i // 65025}.{(i // 255) % 255}.{i % 255 + 1}", 8080, "n1" if i % 4 == 0 else "n2")
+                for i in range(n))  # fmt: skip
+    return model.ServicePort("shop", name, "", "TCP", 80, "10.96.0.1", 30080, None, False, local, eps)
+
+
+def _vmap_entries(rs: Ruleset) -> int:
+    """The numgen choices of every pick chain: what the kernel holds per endpoint count."""
+    out = 0
+    for obj in rs.objects.values():
+        if isinstance(obj, NftChain):
+            for rule in obj.rules:
+                out += sum(len(e["vmap"]["data"]["set"]) for e in json.loads(rule) if "vmap" in e and "numgen" in e["vmap"]["key"])
+    return out
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_a_service_of_a_thousand_endpoints_costs_rules_linear_in_them(local):
+    """The review's case: a chain per count from 17 to the largest was ~1.5 N^2 vmap entries
+    (1,000 endpoints: 1.5 million, 62 MB of rules).  Now: the prepared counts, and the counts
+    in use (n1's 250 and all 1,000 for a Local node port), each spread evenly over its slots."""
+    table = compiler.Table("n1")
+    before = applied(table.rs)
+    keys = table.update(("shop", "big"), [_big(1000, local)])
+    rs = table.rs
+    prepared = 3 * sum(range(1, compiler.SLOTS_MIN + 1))
+    counts = {1000, 250} if local else {1000}
+    assert _vmap_entries(rs) <= prepared + 3 * sum(counts)
+    assert len(rs.objects) <= 60 + 3 * (compiler.SLOTS_MIN + len(counts)) + 6 * 1000
+    text = sum(len(json.dumps(c)) for c in plan(before, rs, keys))
+    assert text < 4_000_000, text  # was 62 MB
+    for n in counts:  # every endpoint equally likely: numgen mod n, slot i once each
+        choose = _chain(rs, compiler.np_pick_chain(n, local) if local else compiler.pick_chain(n))[-1]
+        vmap = choose[0]["vmap"]
+        assert vmap["key"]["numgen"]["mod"] == n
+        assert [i for i, _ in vmap["data"]["set"]] == list(range(n))
+        assert [g["goto"]["target"] for _, g in vmap["data"]["set"]] == [f"{'np-' if local else ''}slot/{i}" for i in range(n)]
+    assert not any(k[3] == "pick/999" or k[3] == "pick/17" for k in rs.objects)
+
+
+def test_a_rolling_update_back_and_forth_changes_rules_once_per_count():
+    """Endpoints 1,000 -> 1,001 (a new pod ready) -> 1,000 (an old one gone) -> 1,001 ...:
+    the chains of a count just left stay while near one in use, so only the first visit of
+    a count is a rule change; the others are elements only.  Gone far below: they go."""
+    table = compiler.Table("n1")
+    table.update(("shop", "big"), [_big(1000)])
+    cur = applied(table.rs)
+
+    def step(n: int) -> set:
+        nonlocal cur
+        keys = table.update(("shop", "big"), [_big(n)])
+        kinds = {k[2] for k in keys if k in table.rs.objects or k in cur.objects} - {"set"}
+        verbs = {next(iter(c)) + " " + next(iter(next(iter(c.values())))) for c in plan(cur, table.rs, keys)}
+        cur = applied(table.rs)
+        return kinds | ({"rules"} if verbs - {"add element", "delete element"} else set())
+
+    assert "rules" in step(1001)  # a new count: its chains
+    for n in (1000, 1001, 1000, 1001):
+        assert step(n) == set(), n
+    assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/1000") in table.rs.objects
+    step(10)
+    assert not [k for k in table.rs.objects if k[3] in ("pick/1000", "pick/1001", "slot/16")]
+    assert table.rs.objects == compiler.compile_services([_big(10)], "n1").objects
+    # At most RETAIN unused counts kept, near one in use: linear still.
+    table.update(("shop", "big"), [_big(1000)])
+    for n in range(1001, 1011):
+        table.update(("shop", "big"), [_big(n)])
+    assert len(table.picks) == 1 + compiler.RETAIN
+
+
 def test_stale_udp_endpoints_are_those_no_longer_usable():
     s = svc("dns", {"type": "NodePort", "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]})
     sl = eps_slice("dns-1", "dns", [{"addresses": ["192.0.2.1"]}, {"addresses": ["192.0.2.2"]}],
@@ -379,7 +509,7 @@ def test_stale_udp_endpoints_are_those_no_longer_usable():
     after = model.build([s], [sl], [])
     (stale,) = stale_udp(before, after)
     assert stale == Stale("192.0.2.2", 5353, "10.96.0.10", 53, 30053)
-    assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353)
+    assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353, {"192.0.2.50"})
     assert not stale.matches("10.96.0.11", 53, "192.0.2.2", 5353) and not stale.matches("10.96.0.10", 53, "192.0.2.1", 5353)
     assert stale_udp(after, after) == [] and stale_udp(before, []) != []
 
@@ -424,7 +554,7 @@ def test_one_change_touches_that_service_and_the_maps_it_is_in():
     touched |= table.update(("shop", "s4"), [])
     assert table.update(("shop", "s5"), build(5)) == set()
     names = {k[3] for k in touched}
-    assert names == {compiler.SERVICE_IPS, compiler.NODE_PORTS, compiler.HAIRPIN, compiler.SVC_COUNTERS, compiler.NP_COUNTERS,
+    assert names == {compiler.SERVICE_IPS, compiler.NODE_PORTS, compiler.HAIRPIN, compiler.SVC_COUNTERS, compiler.NP_COUNTERS, compiler.CLUSTER_IPS,
                      "addr/0", "port/0", "addr/1", "port/1", "np-addr/0", "np-port/0", "np-addr/1", "np-port/1",
                      "svc/shop/s4"}, names  # fmt: skip
     whole = compiler.compile_services(model.build(services[:4] + services[5:], slices[:4] + slices[5:], []), "n1")
@@ -440,13 +570,15 @@ def test_one_change_touches_that_service_and_the_maps_it_is_in():
     assert isinstance(ips, NftSet) and ips.delta is not None and ips.delta[0] is before[ips.key]
     plain = Ruleset(table.rs.tables, {k: replace(v, delta=None) if isinstance(v, NftSet) else v for k, v in table.rs.objects.items()})
     assert same(plan(Ruleset(table.rs.tables, before), table.rs)) == same(plan(Ruleset(table.rs.tables, before), plain))
-    # Growing past the prepared slots adds slot maps and pick chains; shrinking back removes them.
+    # Growing past the prepared slots adds slot maps and the pick chains of that count (not
+    # of every count up to it); shrinking back removes them.
     wide = eps_slice("s6-1", "s6", [{"addresses": [f"10.244.3.{i}"]} for i in range(1, 19)], [{"name": "http", "port": 8080}])
     grown = table.update(("shop", "s6"), model.build([services[6]], [wide], []))
-    assert {"pick/17", "pick/18", "slot/17", "addr/17"} <= {k[3] for k in grown}
+    assert {"pick/18", "np-pick/18", "np-local/18", "slot/16", "slot/17", "addr/17"} <= {k[3] for k in grown}
+    assert "pick/17" not in {k[3] for k in grown}
     shrunk = table.update(("shop", "s6"), build(6))
     assert (compiler.FAMILY, compiler.TABLE, "set", "addr/17") in shrunk
-    assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/17") not in table.rs.objects
+    assert (compiler.FAMILY, compiler.TABLE, "chain", "pick/18") not in table.rs.objects
     assert table.rs.objects == compiler.compile_services(table.ports(), "n1").objects
 
 
@@ -609,12 +741,42 @@ def test_a_traffic_policy_turned_local_flushes_the_udp_flows_to_the_other_nodes_
     (stale,) = stale_udp(cluster, local, "n1")
     if policy == "externalTrafficPolicy":
         assert stale == Stale("192.0.2.2", 5353, None, 53, 30053)
-        assert stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353) and not stale.matches("10.96.0.10", 53, "192.0.2.2", 5353)
+        assert stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353, {"192.0.2.50"}) and not stale.matches("10.96.0.10", 53, "192.0.2.2", 5353)
     else:
         assert stale == Stale("192.0.2.2", 5353, "10.96.0.10", 53, None)
-        assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and not stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353)
+        assert stale.matches("10.96.0.10", 53, "192.0.2.2", 5353) and not stale.matches("192.0.2.50", 30053, "192.0.2.2", 5353, {"192.0.2.50"})
     assert stale_udp(local, cluster, "n1") == []  # Local -> Cluster: more endpoints, none lost
     assert stale_udp(cluster, local, "n2") == [Stale("192.0.2.1", 5353, *((None, 53, 30053) if policy == "externalTrafficPolicy" else ("10.96.0.10", 53, None)))]
+
+
+def test_an_endpoint_elsewhere_gone_flushes_the_short_circuited_flows_of_a_local_node_port():
+    # The review's case: under externalTrafficPolicy Local the node itself and its pods reach
+    # the node port's every endpoint (the short-circuit); node2's endpoint 192.0.2.2 goes: the
+    # flows to it through n1's node port from n1's pods and from n1 itself go, as the docs
+    # promise; a flow from outside could not have been sent there (and is left alone).
+    def built(addresses: list) -> list:
+        spec = {"type": "NodePort", "externalTrafficPolicy": "Local",
+                "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053}]}  # fmt: skip
+        sl = eps_slice("dns-1", "dns", [{"addresses": [a], "nodeName": n} for a, n in addresses],
+                       [{"name": "dns", "port": 5353, "protocol": "UDP"}])  # fmt: skip
+        return model.build([svc("dns", spec)], [sl], [])
+
+    before = built([("192.0.2.1", "n1"), ("192.0.2.2", "n2"), ("192.0.2.3", "n2")])
+    after = built([("192.0.2.1", "n1"), ("192.0.2.3", "n2")])
+    pods = ("10.244.1.0/24",)
+    got = stale_udp(before, after, "n1", short_circuit=pods)
+    assert Stale("192.0.2.2", 5353, None, 53, 30053, pods) in got
+    local = {"192.0.2.50"}  # n1's address
+    from_pod = ("192.0.2.50", 30053, "192.0.2.2", 5353, local, "10.244.1.9")
+    from_node = ("192.0.2.50", 30053, "192.0.2.2", 5353, local, "192.0.2.50")
+    from_outside = ("192.0.2.50", 30053, "192.0.2.2", 5353, local, "198.51.100.7")
+    assert any(s.matches(*from_pod) for s in got) and any(s.matches(*from_node) for s in got)
+    assert not any(s.matches(*from_outside) for s in got)
+    assert not any(s.matches("192.0.2.50", 30053, "192.0.2.3", 5353, local, "10.244.1.9") for s in got)  # still used
+    # This node's own endpoint going: every flow through the node port to it, whoever sent it.
+    (own,) = stale_udp(before, built([("192.0.2.2", "n2"), ("192.0.2.3", "n2")]), "n1", short_circuit=pods)
+    assert own == Stale("192.0.2.1", 5353, "10.96.0.10", 53, 30053) and own.matches(*from_outside[:2], "192.0.2.1", 5353, local, "198.51.100.7")
+    assert stale_udp(before, before, "n1", short_circuit=pods) == []
 
 
 @pytest.mark.parametrize("policy", ["externalTrafficPolicy", "internalTrafficPolicy"])

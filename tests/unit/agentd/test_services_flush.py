@@ -5,6 +5,7 @@ rebuild of the whole table (a snapshot after etcd compacted, an error)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -171,7 +172,7 @@ async def test_the_first_sync_flushes_a_local_paths_flows_to_the_other_nodes_end
     np_far = entry("192.168.50.3", 40003, node1, 30125, far, 8125)
     others = [entry("10.244.1.9", 40004, "10.96.0.30", 8125, far, 8125), entry("192.168.50.3", 40005, node1, 30126, far, 8125)]
     expected = [vip_far] * ("internalTrafficPolicy" in policies) + [np_far] * ("externalTrafficPolicy" in policies)
-    assert entries_to_delete([vip_mine, vip_far, np_mine, np_far, *others], flushed) == expected
+    assert entries_to_delete([vip_mine, vip_far, np_mine, np_far, *others], flushed, {node1}) == expected
 
 
 def two_services(a_ips: tuple[str, ...], b_ips: tuple[str, ...]) -> dict:
@@ -249,5 +250,23 @@ async def test_the_first_sync_keeps_a_local_node_ports_flows_from_this_nodes_pod
     from_pod_mine = entry("10.244.1.9", 40011, node1, 30125, mine, 8125)
     from_outside_far = entry("192.168.50.3", 40012, node1, 30125, far, 8125)
     from_pod_gone = entry("10.244.1.9", 40013, node1, 30125, "10.244.3.3", 8125)  # no endpoint now
-    got = entries_to_delete([from_pod_far, from_pod_mine, from_outside_far, from_pod_gone], flushed)
+    got = entries_to_delete([from_pod_far, from_pod_mine, from_outside_far, from_pod_gone], flushed, {node1})
     assert got == [from_outside_far, from_pod_gone]
+
+
+async def test_the_agents_table_drops_the_service_ranges_unallocated_addresses(monkeypatch):
+    """The agent hands its table the cluster's service range (the daemon's cluster record):
+    a new connection to an address of it no Service has is dropped there."""
+    monkeypatch.setattr(services_agent.conntrack, "flush_udp", lambda gone: len(gone))
+    agent = ServiceAgent("node1", Datastore(["http://127.0.0.1:2379"], "/agentd"), service_ranges={4: "10.96.0.0/12"})
+    agent.programmer = Programmer()
+    task = asyncio.get_running_loop().create_task(agent._sync_loop())
+    try:
+        await _sync(agent, 5, objects("10.244.1.2"))
+    finally:
+        task.cancel()
+    assert agent._table is not None
+    chain = agent._table.rs.objects[("ip", "agentd-services", "chain", "filter-prerouting")]
+    _new, in_range, verdict = json.loads(chain.rules[-1])
+    assert in_range["match"]["right"] == {"prefix": {"addr": "10.96.0.0", "len": 12}} and verdict == {"goto": {"target": "no-service"}}
+    assert "10.96.0.20" in agent._table.elements[("ip", "cluster-ips")]
