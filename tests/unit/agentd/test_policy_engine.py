@@ -704,3 +704,16 @@ def test_the_agent_logs_a_policy_too_large_once(caplog):
         agent._report_too_large()
         agent._report_too_large()
     assert [r.getMessage() for r in caplog.records] == ["policy x/big not programmed: ..."]
+
+
+def test_an_ipblock_written_with_leading_zeros_is_compiled_as_validated():
+    """010.244.4.0/22 is 10.244.4.0/22 to the API server (and to validation): the engine
+    compiles it so, rather than failing on what it stored."""
+    cluster = grid()
+    cluster.policies = [np("p", "x", {"podSelector": {}, "ingress": [{"from": [
+        {"ipBlock": {"cidr": "010.244.4.0/22", "except": ["010.244.006.000/24"]}}]}]})]  # fmt: skip
+    written = grid()
+    written.policies = [np("p", "x", {"podSelector": {}, "ingress": [{"from": [
+        {"ipBlock": {"cidr": "10.244.4.0/22", "except": ["10.244.6.0/24"]}}]}]})]  # fmt: skip
+    check_all(written)
+    check_all(cluster)
