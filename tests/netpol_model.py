@@ -82,6 +82,15 @@ def _selects(policy: dict[str, Any], pod: ModelPod) -> bool:
     return _ns(policy) == pod.namespace and selector_matches(policy["spec"].get("podSelector"), pod.labels)
 
 
+def _sloppy_network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """A CIDR as Kubernetes' ParseCIDRSloppy reads it: IPv4 octets in decimal, leading zeros
+    and all (010 is 10)."""
+    address, _, length = text.partition("/")
+    if ":" not in address:
+        address = ".".join(str(int(octet, 10)) for octet in address.split("."))
+    return ipaddress.ip_network(f"{address}/{length}", strict=False)
+
+
 def _peer_matches(cluster: Cluster, policy: dict[str, Any], peer: dict[str, Any], other: ModelPod | str,
                   family: int) -> bool:
     if "ipBlock" in peer:
@@ -90,10 +99,10 @@ def _peer_matches(cluster: Cluster, policy: dict[str, Any], peer: dict[str, Any]
             return False
         ip = ipaddress.ip_address(text)
         block = peer["ipBlock"]
-        net = ipaddress.ip_network(block["cidr"], strict=False)
+        net = _sloppy_network(block["cidr"])
         if ip.version != net.version or ip not in net:
             return False
-        return not any(ip in ipaddress.ip_network(e, strict=False) for e in block.get("except") or [])
+        return not any(ip in _sloppy_network(e) for e in block.get("except") or [])
     if not isinstance(other, ModelPod):
         return False  # selectors only ever match pods
     if "namespaceSelector" in peer:

@@ -16,6 +16,7 @@ from typing import Any
 
 from agentd.resources import pod as podres
 from agentd.resources.kinds import NAMESPACE_NAME_LABEL
+from agentd.resources.validation import cidr
 
 Labels = Mapping[str, str]
 PodKey = tuple[str, str]  # (namespace, name)
@@ -224,9 +225,9 @@ def _peer(raw: Mapping[str, Any], namespace: str) -> Peer:
     if "ipBlock" in raw:
         b = raw["ipBlock"]
         return Peer(
-            block=IPBlock(
-                ipaddress.ip_network(b["cidr"], strict=False),
-                tuple(ipaddress.ip_network(e, strict=False) for e in b.get("except") or ()),
+            block=IPBlock(  # read as validation read it (leading zeros of IPv4 octets, as the API server)
+                cidr(b["cidr"], "ipBlock.cidr"),
+                tuple(cidr(e, "ipBlock.except") for e in b.get("except") or ()),
             )
         )
     pods = Selector.parse(raw.get("podSelector"))

@@ -318,10 +318,17 @@ def cidr(value: Any, path: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network
     # nftables do not (it would reach the compiled rule and fail the node's policy sync)
     if "/" not in text or "%" in text:
         raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)")
+    address, _, length = text.partition("/")
+    if ":" not in address and address.count(".") == 3:
+        # IPv4 octets with leading zeros, which ParseCIDRSloppy reads as decimal (010 is 10)
+        # and Python refuses: the API server takes "010.0.0.0/8" (strict validation off).
+        octets = address.split(".")
+        if all(o.isascii() and o.isdigit() for o in octets):
+            text = ".".join(str(int(o)) for o in octets) + "/" + length
     try:
         return ipaddress.ip_network(text, strict=False)
     except ValueError:
-        raise invalid(path, text, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)") from None
+        raise invalid(path, value, "must be a valid CIDR (e.g. 10.0.0.0/8 or 2001:db8::/32)") from None
 
 
 def protocol(value: Any, path: str) -> str:

@@ -172,7 +172,13 @@ def engine_for(cluster: Cluster, local: list[str], families: tuple[int, ...] = (
     return eng
 
 
-def check_all(cluster: Cluster, probes=(("TCP", 80), ("TCP", 81), ("UDP", 80), ("SCTP", 80)), families=(4, 6)) -> None:
+# Probes of every port a grid pod names (80 and 8080: pods b name theirs with other numbers),
+# and some they do not.
+PROBES = (("TCP", 80), ("TCP", 81), ("UDP", 80), ("SCTP", 80), ("TCP", 8080), ("UDP", 81), ("UDP", 8081),
+          ("SCTP", 8080))
+
+
+def check_all(cluster: Cluster, probes=PROBES, families=(4, 6)) -> None:
     """Every ordered pair with a local end, over each family both have an address of: the
     compiled verdict is the model's.
 
@@ -206,12 +212,16 @@ def np(name: str, ns: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def grid() -> Cluster:
+    """Nine pods, three a namespace; the b pods name their ports with other numbers (a named
+    port resolves on each pod for itself: 80 on a and c, 8080 on b)."""
     pods = []
     n = 1
     for ns in ("x", "y", "z"):
         for name in ("a", "b", "c"):
+            base = 8000 if name == "b" else 0
             pods.append(ModelPod(ns, name, f"10.244.{n}.{n + 1}", {"pod": name, "ns": ns},
-                                 {"serve-80-tcp": (80, "TCP"), "serve-81-udp": (81, "UDP"), "serve-80-sctp": (80, "SCTP")},
+                                 {"serve-80-tcp": (base + 80, "TCP"), "serve-81-udp": (base + 81, "UDP"),
+                                  "serve-80-sctp": (base + 80, "SCTP")},
                                  f"fd00:10:244:{n}::{n + 1}"))  # fmt: skip
             n += 1
     return Cluster(pods, {"x": {"team": "blue"}, "y": {"team": "red"}, "z": {}})
@@ -239,6 +249,10 @@ CASES = {
     "named port egress": np("p", "x", {"podSelector": {}, "policyTypes": ["Egress"], "egress": [{"ports": [{"port": "serve-81-udp", "protocol": "UDP"}]}]}),
     "egress to ns with named port": np("p", "y", {"podSelector": {}, "egress": [{"to": [{"namespaceSelector": {}}], "ports": [{"port": "serve-80-tcp"}]}]}),
     "egress ipblock named port": np("p", "x", {"podSelector": {}, "egress": [{"to": [{"ipBlock": {"cidr": "10.244.0.0/20"}}], "ports": [{"port": "serve-80-tcp"}]}]}),
+    "named port with another protocol ingress": np("p", "x", {"podSelector": {}, "ingress": [
+        {"ports": [{"port": "serve-80-tcp", "protocol": "UDP"}, {"port": "serve-81-udp"}]}]}),
+    "named port with another protocol egress": np("p", "x", {"podSelector": {}, "policyTypes": ["Egress"], "egress": [
+        {"ports": [{"port": "serve-81-udp", "protocol": "TCP"}, {"port": "serve-80-sctp", "protocol": "SCTP"}]}]}),
     "protocol only": np("p", "x", {"podSelector": {}, "ingress": [{"ports": [{"protocol": "SCTP"}]}]}),
     "NotIn and DoesNotExist": np("p", "x", {"podSelector": {"matchExpressions": [{"key": "pod", "operator": "NotIn", "values": ["a"]}]},
                                             "ingress": [{"from": [{"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "DoesNotExist"}]}}]}]}),
@@ -366,7 +380,7 @@ def test_random_clusters_match_the_model(policies, pod_labels, z_labels):
         pod.labels = labels
     cluster.namespaces["z"] = z_labels
     cluster.policies = [dict(p, metadata={"name": f"p{i}", "namespace": p["metadata"]["namespace"]}) for i, p in enumerate(policies)]
-    check_all(cluster, probes=(("TCP", 80), ("UDP", 81), ("SCTP", 80)))
+    check_all(cluster, probes=(("TCP", 80), ("UDP", 81), ("SCTP", 80), ("TCP", 8080), ("UDP", 8081)))
 
 
 # ------------------------------------------------------------------ structure
@@ -690,3 +704,16 @@ def test_the_agent_logs_a_policy_too_large_once(caplog):
         agent._report_too_large()
         agent._report_too_large()
     assert [r.getMessage() for r in caplog.records] == ["policy x/big not programmed: ..."]
+
+
+def test_an_ipblock_written_with_leading_zeros_is_compiled_as_validated():
+    """010.244.4.0/22 is 10.244.4.0/22 to the API server (and to validation): the engine
+    compiles it so, rather than failing on what it stored."""
+    cluster = grid()
+    cluster.policies = [np("p", "x", {"podSelector": {}, "ingress": [{"from": [
+        {"ipBlock": {"cidr": "010.244.4.0/22", "except": ["010.244.006.000/24"]}}]}]})]  # fmt: skip
+    written = grid()
+    written.policies = [np("p", "x", {"podSelector": {}, "ingress": [{"from": [
+        {"ipBlock": {"cidr": "10.244.4.0/22", "except": ["10.244.6.0/24"]}}]}]})]  # fmt: skip
+    check_all(written)
+    check_all(cluster)

@@ -806,3 +806,18 @@ def test_ingress_nodes_skip_a_record_nested_too_deep():
             return call(SimpleNamespace(get_prefix=lambda head: kvs))
 
     assert asyncio.run(ResourceStore(Datastore()).ingress_nodes()) == [{"addresses": ["192.0.2.1"]}]
+
+
+def test_an_ipv4_cidr_with_leading_zeros_is_read_as_the_api_server_reads_it():
+    """ParseCIDRSloppy (the API server without strict IP validation) takes 010 as 10: so does
+    agentd; an octet past 255, however written, is still refused."""
+    from ipaddress import IPv4Network
+
+    from agentd.resources.validation import Invalid, cidr
+
+    assert cidr("010.0.0.0/8", "c") == IPv4Network("10.0.0.0/8")
+    assert cidr("192.168.001.000/24", "c") == IPv4Network("192.168.1.0/24")
+    assert cidr("10.0.0.1/08", "c") == IPv4Network("10.0.0.0/8")
+    for bad in ("0256.0.0.0/8", "10.0.0/8", "10.0.0.0.0/8", "١٠.0.0.0/8"):
+        with pytest.raises(Invalid, match="must be a valid CIDR"):
+            cidr(bad, "c")
