@@ -2125,31 +2125,43 @@ class _Once(_Registry):
             await asyncio.Event().wait()
 
 
-async def test_a_followed_cluster_asks_another_node_once_for_its_last_records_and_what_follows():
-    """The last N and the followed records of a node in one request (last=N&follow=1): there
-    it takes the one and starts the other at once, so no record it makes falls between them."""
+async def _follow_cluster(registry, flt: FlowFilter, last: int, *, steps: int = 20, between=None) -> list[dict]:
+    """A followed cluster stream (``GET /flows?cluster=1&follow=1&last=...``) of node1 (flow
+    records off there) through ``registry``: ``steps`` turns of the loop, ``between(lines
+    written)``, ``registry.more`` set, as many turns again; the lines written, read."""
     from types import SimpleNamespace
-    from urllib.parse import parse_qs, urlsplit
 
     from agentd.daemon import observe_api
 
-    registry = _Once(["node1", "node2"])
     agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
     handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
     resp = _Stream()
-    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([("node", "node2")]), 5, None, True))
-    for _ in range(20):
+    task = asyncio.create_task(handlers._cluster_flows(resp, flt, last, None, True))
+    for _ in range(steps):
         await asyncio.sleep(0)
+    if between is not None:
+        between([json.loads(line) for line in resp.lines if line.strip()])
     registry.more.set()
-    for _ in range(20):
+    for _ in range(steps):
         await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    return [json.loads(line) for line in resp.lines if line.strip()]
+
+
+async def test_a_followed_cluster_asks_another_node_once_for_its_last_records_and_what_follows():
+    """The last N and the followed records of a node in one request (last=N&follow=1): there
+    it takes the one and starts the other at once, so no record it makes falls between them."""
+    from urllib.parse import parse_qs, urlsplit
+
+
+    registry = _Once(["node1", "node2"])
+    written = await _follow_cluster(registry, FlowFilter.parse([("node", "node2")]), 5)
     assert len(registry.asked) == 1, registry.asked
     query = parse_qs(urlsplit(registry.asked[0][1]).query)
     assert query["last"] == ["5"] and query["follow"] == ["1"] and query["node"] == ["node2"]
-    assert [json.loads(line)["n"] for line in resp.lines if line.strip()] == [1, 2, 3]
+    assert [line["n"] for line in written] == [1, 2, 3]
 
 
 class _OlderNode(_Registry):
@@ -2179,25 +2191,11 @@ class _OlderNode(_Registry):
 async def test_a_followed_cluster_asks_an_older_node_its_last_records_apart():
     """In a rolling upgrade a node of an older agentd is asked the older way (its last N, then
     a followed stream from now on): not said unreachable, its last N not lost."""
-    from types import SimpleNamespace
     from urllib.parse import parse_qs, urlsplit
 
-    from agentd.daemon import observe_api
 
     registry = _OlderNode(["node1", "node2"])
-    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
-    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
-    resp = _Stream()
-    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([("node", "node2")]), 5, None, True))
-    for _ in range(40):
-        await asyncio.sleep(0)
-    registry.more.set()
-    for _ in range(40):
-        await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    records = [json.loads(line) for line in resp.lines if line.strip()]
+    records = await _follow_cluster(registry, FlowFilter.parse([("node", "node2")]), 5, steps=40)
     assert [r.get("n") for r in records] == [1, 2, 3], records
     queries = [parse_qs(urlsplit(p).query) for _n, p in registry.asked]
     assert sorted((q["last"][0], q.get("follow", ["0"])[0]) for q in queries) == [("0", "1"), ("5", "0"), ("5", "1")]
@@ -2271,7 +2269,6 @@ async def test_a_node_follows_before_it_answers_and_ends_its_last_records_with_a
 
 
 async def test_a_node_that_stalls_before_its_last_records_is_said_unreachable_and_still_followed(monkeypatch):
-    from types import SimpleNamespace
 
     from agentd.daemon import observe_api
 
@@ -2284,19 +2281,7 @@ async def test_a_node_that_stalls_before_its_last_records_is_said_unreachable_an
 
     monkeypatch.setattr(observe_api, "TIMEOUT", 0)
     registry = Stalled(["node1", "node2"])
-    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
-    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
-    resp = _Stream()
-    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter.parse([("node", "node2")]), 5, None, True))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    registry.more.set()
-    for _ in range(20):
-        await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    said = [json.loads(line) for line in resp.lines if line.strip()]
+    said = await _follow_cluster(registry, FlowFilter.parse([("node", "node2")]), 5)
     assert said == [{"node": "node2", "error": "node2 unreachable: nothing for 0s"}, {"time": 3.0, "node": "node2", "n": 3}]
 
 
@@ -2866,27 +2851,15 @@ async def test_a_followed_cluster_holds_no_nodes_last_records_once_sent_and_take
     (then let go: not N per node for the stream's life) and never more than N of a node.  A
     node answers for itself alone: records (last or followed) naming another node are left out,
     said once, and never shown as that node's."""
-    from types import SimpleNamespace
 
     from agentd.daemon import observe_api
 
+    def merged(written: list[dict]) -> None:
+        assert sum(1 for x in written if "time" in x) == 300  # the cluster's last 300
+        assert _held_by_snapshots() == 0
+
     registry = _Claims(["node1", "node2", "node3", "node4"])
-    agent = SimpleNamespace(cluster_view=lambda: registry, flows_view=lambda: None, node_name=lambda: "node1")
-    handlers = observe_api._Handlers(agent, read_only=False, token_of=lambda: None)
-    resp = _Stream()
-    task = asyncio.create_task(handlers._cluster_flows(resp, FlowFilter(), 300, None, True))
-    for _ in range(50):
-        await asyncio.sleep(0)
-    written = [json.loads(line) for line in resp.lines if line.strip()]
-    assert sum(1 for x in written if "time" in x) == 300  # the cluster's last 300
-    assert _held_by_snapshots() == 0
-    registry.more.set()
-    for _ in range(50):
-        await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    written = [json.loads(line) for line in resp.lines if line.strip()]
+    written = await _follow_cluster(registry, FlowFilter(), 300, steps=50, between=merged)
     assert {x["node"] for x in written if "time" in x} == {"node2", "node4"}
     assert sum(1 for x in written if x.get("seq") == 1000) == 2  # node2's and node4's followed one
     errors = [x for x in written if "error" in x]

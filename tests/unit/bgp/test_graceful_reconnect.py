@@ -56,14 +56,20 @@ def held(sp: Speaker, prefix: str) -> bool:
     return sp.rib.best(IPV4_UNICAST, prefix_from_str(prefix)[1]) is not None
 
 
-@pytest.mark.parametrize("one_read", [False, True])
-def test_a_peer_back_from_a_restart_on_a_new_connection_has_its_stale_routes_flushed(one_read):
+def connected() -> tuple[Speaker, RawHarness, GracefulPeer]:
+    """A speaker with graceful peer A connected to it (its first connection)."""
     sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address(LOCAL)), now=0.0, rng=random.Random(1))
     sp.add_peer(PeerSettings(A, 65001, passive=True), 0.0)
     sp.start(0.0)
     h = RawHarness(sp, LOCAL)
     before = GracefulPeer(conn=-1)
     assert h.connect(before)
+    return sp, h, before
+
+
+@pytest.mark.parametrize("one_read", [False, True])
+def test_a_peer_back_from_a_restart_on_a_new_connection_has_its_stale_routes_flushed(one_read):
+    sp, h, before = connected()
     h.send(before, update("10.244.1.0/24") + update("10.244.9.0/24"))
     assert held(sp, "10.244.1.0/24") and held(sp, "10.244.9.0/24")
 
@@ -94,12 +100,7 @@ def test_an_ipv4_end_of_rib_leaves_the_stale_ipv6_routes_until_the_ipv6_one():
     def held6(prefix: str) -> bool:
         return sp.rib.best(IPV6_UNICAST, prefix_from_str(prefix)[1]) is not None
 
-    sp = Speaker(LocalSettings(asn=65000, router_id=IPv4Address(LOCAL)), now=0.0, rng=random.Random(1))
-    sp.add_peer(PeerSettings(A, 65001, passive=True), 0.0)
-    sp.start(0.0)
-    h = RawHarness(sp, LOCAL)
-    before = GracefulPeer(conn=-1)
-    assert h.connect(before)
+    sp, h, before = connected()
     h.send(before, _v6_update(["fd00:9::/64"]) + update("10.244.9.0/24"))
     h.advance(1.0)
     assert held6("fd00:9::/64") and held(sp, "10.244.9.0/24")
