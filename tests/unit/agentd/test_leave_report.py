@@ -540,3 +540,16 @@ def test_the_leave_without_an_agent_removes_a_killed_agents_token_file(tmp_path,
     assert LeaveStep(TOKEN_STEP, DONE) in report.steps and not cfg.api.token_file.exists()
     report = asyncio.run(agent_module.leave(cfg))  # none there: nothing to do
     assert LeaveStep(TOKEN_STEP, DONE) in report.steps
+
+
+def test_a_missing_etcd_tls_file_fails_the_etcd_step_alone(tmp_path, host):
+    """`agentd leave` without an agent loads etcd's TLS files unchecked (agentd/cli.py): the
+    etcd step names the missing one, and the host's steps all run."""
+    (tmp_path / "ca.pem").write_text("")
+    cfg = _cfg(tmp_path, **{"etcd.ca": str(tmp_path / "ca.pem"), "etcd.endpoints": "https://192.0.2.2:2379"})
+    (tmp_path / "ca.pem").unlink()  # there when loaded, gone at the leave
+    report = asyncio.run(agent_module.leave(cfg))
+    results = {s.name: (s.result, s.reason) for s in report.steps}
+    assert results[ETCD_STEP] == (FAILED, f"etcd TLS ca file '{tmp_path}/ca.pem': No such file or directory")
+    assert [s.name for s in report.steps if s.result == FAILED] == [ETCD_STEP]
+    assert results["removing the kernel routes of proto 143"] == (DONE, "")
