@@ -452,8 +452,8 @@ class Agent:
                 bgp_port = self.cfg.bgp.listen.port if self.cfg.bgp.listen is not None else 179
                 self.masq = masquerade.Masquerade({v: (cluster[v], lease.subnet) for v, lease in self.leases.items()},
                                                   masquerade.Guarded(bgp_port, net.udp_port, net.vxlan_port))
-                if self.peering.known:
-                    self.masq.members = masquerade.member_addresses(self.peering.nodes.values())
+                if self.peering.known:  # else the adopted member sets keep what they hold until it is
+                    self.masq.set_members(masquerade.member_addresses(self.peering.nodes.values()))
                 await self.masq.program()
             elif await masquerade.remove():
                 log.info("masquerading switched off: removed the tables %s", masquerade.TABLE)
