@@ -622,6 +622,7 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike, *, liberal: bool = False
             removed.append(str(d / name))
     with contextlib.suppress(OSError):
         d.rmdir()  # only when the data path's pins are gone too
+        Path(bpf_dir).rmdir()  # and no other namespace's agent pins there (the last of a leave)
     if failed is not None:
         raise OSError(failed)
     return removed
