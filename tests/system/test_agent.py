@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from ipaddress import ip_network
+from ipaddress import ip_address, ip_network
 from pathlib import Path
 
 
@@ -335,15 +335,14 @@ async def test_a_leave_with_no_agent_needs_neither_etcds_files_nor_a_node_addres
     file, or no [node] address on a host without a default route (a node being taken out of
     service), made it exit 1 before any step ran, and everything the killed agent left stayed.
     Now only the etcd step fails; the routes, the conflist it wrote and its token file go."""
-    from agentd.cni.netconf import write_conflist
+    from agentd.config.settings import load_config
+    from agentd.daemon.node_files import write_cni_files
+    from agentd.datastore.records import ClusterConfig, SubnetLease
 
     ns, other = netns_factory("leavebare"), netns_factory("leavebare-peer")
     veth(ns, "eth0", other, "eth0")
     ns.ip("addr", "add", "10.1.1.1/24", "dev", "eth0")  # and no default route
     ns.ip("route", "add", "10.244.1.0/24", "via", "10.1.1.2", "proto", "143")
-    conflist = Path(write_conflist(tmp_path / "net.d", subnet_file=str(tmp_path / "subnet.env"),
-                                   data_dir="/var/lib/cni/agentd", ipam_data_dir="/var/lib/cni/networks",
-                                   mtu=1450))  # as the killed agent wrote it
     (tmp_path / "token").write_text("a-killed-agents-token\n")
     conf = tmp_path / "agentd.toml"
     conf.write_text(
@@ -353,6 +352,11 @@ async def test_a_leave_with_no_agent_needs_neither_etcds_files_nor_a_node_addres
         f'[cni]\nsubnet_file = "{tmp_path}/subnet.env"\nconf_dir = "{tmp_path}/net.d"\n'
         f'[agent]\nstate_dir = "{tmp_path}/state"\nbpf_dir = "{tmp_path}/bpf"\n'
     )
+    cfg = load_config(conf, env={}, check_files=False)  # the CNI files as the killed agent wrote them
+    write_cni_files(cfg, ClusterConfig(ip_network("10.244.0.0/16"), 24, "host-gw", "always"),
+                    {4: SubnetLease(ip_network("10.244.1.0/24"), "n1", ip_address("10.1.1.1"), "host-gw")}, 1450)
+    conflist = tmp_path / "net.d" / "10-agentd.conflist"
+    assert conflist.exists()
     proc = await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns.name, AGENTD, "leave", "--config", str(conf)],
                                    capture_output=True, text=True, timeout=90)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr + proc.stdout
