@@ -273,15 +273,16 @@ def _config_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> t
 
 
 def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, *, host: HostFacts | None,
-          check_files: bool = True):
+          check_files: bool = True, need_address: bool = True):
     """The configuration a command reads; ``check_files`` False for the commands that open none
-    of the agent's own files (etcd's TLS files): their users need not be able to read them."""
+    of the agent's own files (etcd's TLS files): their users need not be able to read them;
+    ``need_address`` False: a node address the host cannot give is None (load_config)."""
     path, named = _config_path(args, parser)
     overrides = _overrides(args.set, parser)
     if getattr(args, "log_level", None):
         overrides["log.level"] = args.log_level
     return path, overrides, load_config(path, overrides=overrides, require_file=named, host=host,
-                                        check_files=check_files)
+                                        check_files=check_files, need_address=need_address)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,7 +386,11 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 1
         if code is not None:
             return code
-        cfg = _load(args, parser, host=LocalHost())[2]
+        # Without an agent: the host's clean-up needs neither etcd's TLS files (a missing one fails
+        # the etcd step alone) nor the node's address (the underlay device it finds the BPF data
+        # path's wire program on; its pins name the devices too): what a killed agent left goes
+        # even where etcd cannot be reached or the host has lost its default route.
+        cfg = _load(args, parser, host=LocalHost(), check_files=False, need_address=False)[2]
         import uvloop
 
         from agentd.daemon import leave_report

@@ -556,7 +556,7 @@ class _Loader:
 # ---------------------------------------------------------------- computed defaults, checks across keys
 
 
-def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
+def _build(ld: _Loader, host: HostFacts | None, need_address: bool = True) -> Config | None:
     """Computed defaults, checks across keys, and the Config (None when anything is wrong)."""
     v, ok = ld.values, (lambda *paths: not ld.bad.intersection(paths))
     if host is not None and v["node.name"] is None and ok("node.name"):
@@ -565,7 +565,7 @@ def _build(ld: _Loader, host: HostFacts | None) -> Config | None:
             v["node.name"] = parse_node_name(name)
         except BadValue as e:
             ld.key_problem("node.name", f"not set and the hostname {name!r} {e}")
-    _node_addresses(ld, host)
+    _node_addresses(ld, host, need_address)
     if v["bgp.router_id"] is None:
         v["bgp.router_id"] = v["node.address"] or _router_id_of(v["node.name"])
     if v["node.cluster_id"] is None and v["node.route_reflector"]:
@@ -709,9 +709,10 @@ def _check_ingress_ports(ld: _Loader) -> None:
                                f"[ingress] {name} and {shown} use the same port {port}")
 
 
-def _node_addresses(ld: _Loader, host: HostFacts | None) -> None:
+def _node_addresses(ld: _Loader, host: HostFacts | None, need_address: bool = True) -> None:
     """The underlay addresses the families need, from the host where not set: IPv4 (ipv4, dual:
-    required) and IPv6 (ipv6: required; dual: where the host has an IPv6 default route)."""
+    required) and IPv6 (ipv6: required; dual: where the host has an IPv6 default route);
+    ``need_address`` False: none required (None where neither set nor found)."""
     v, ok = ld.values, (lambda *paths: not ld.bad.intersection(paths))
     if not ok("network.ip_family"):
         return
@@ -749,7 +750,7 @@ def _node_addresses(ld: _Loader, host: HostFacts | None) -> None:
             reason = f"this host has no {name} default route to take it from"
         except Exception as e:  # netlink refused: say so in one line rather than a traceback
             reason = f"reading the {name} default route failed ({e})"
-        if v[path] is None and required:
+        if v[path] is None and required and need_address:
             ld.key_problem(path, f"not set and {reason}; set [node] {path.split('.')[1]}")
 
 
@@ -854,7 +855,7 @@ def _check_ranges(ld: _Loader) -> None:
 def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
              overrides: Mapping[str, str] | None, require_file: bool,
              host: HostFacts | None, check_files: bool = True,
-             check_group: bool = False) -> tuple[Config | None, list[ConfigError]]:
+             check_group: bool = False, need_address: bool = True) -> tuple[Config | None, list[ConfigError]]:
     loader = _Loader(check_files)
     if path is not None:
         loader.read_file(os.fspath(path), require_file)
@@ -862,7 +863,7 @@ def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
     loader.read_overrides(overrides or {})
     if loader.file_failed:  # without the file every check across keys would mislead
         return None, loader.problems
-    config = _build(loader, host)
+    config = _build(loader, host, need_address)
     group = loader.values["api.token_group"]
     if check_group and group is not None and "api.token_group" not in loader.bad:
         # What `agentd run` refuses at start (agentd.daemon.auth), looked up as it does
@@ -877,7 +878,7 @@ def _collect(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
 
 def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
                 overrides: Mapping[str, str] | None = None, require_file: bool = False,
-                host: HostFacts | None = None, check_files: bool = True) -> Config:
+                host: HostFacts | None = None, check_files: bool = True, need_address: bool = True) -> Config:
     """Read, merge (file < env < overrides) and validate the configuration.
 
     ``path`` None (or a missing file unless ``require_file``) means defaults, env and overrides
@@ -887,10 +888,12 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: Mapping[str,
     node.address stay None unless configured. ``check_files`` False takes the paths of the files
     only the agent opens ([etcd] ca, cert and key, [api] read_token_file) as written, without
     looking whether they exist and are readable: for the commands that never open them (``agentd
-    flows``, ``agentd ui``), which users other than root run. Raises the first ConfigError;
-    ``.problems`` has them all.
+    flows``, ``agentd ui``), which users other than root run. ``need_address`` False takes a
+    node address the host cannot give (no default route) for none rather than a problem: for
+    ``agentd leave`` without an agent, whose clean-up of the host needs none. Raises the first
+    ConfigError; ``.problems`` has them all.
     """
-    config, problems = _collect(path, env, overrides, require_file, host, check_files)
+    config, problems = _collect(path, env, overrides, require_file, host, check_files, need_address=need_address)
     if problems:
         first = problems[0]
         first.problems = list(problems)

@@ -41,6 +41,7 @@ from bgp.transport import SpeakerService
 from proto.nlri import network_to_prefix
 
 
+from agentd.cni import netconf as cni_netconf
 from agentd.daemon import auth, mesh, node_files
 from agentd.daemon.api import ApiServer, Conflict
 from agentd.daemon.leave_report import REPORT_FILE, LeaveReport, LeaveStep, StepSkipped, write_report
@@ -452,8 +453,8 @@ class Agent:
                 bgp_port = self.cfg.bgp.listen.port if self.cfg.bgp.listen is not None else 179
                 self.masq = masquerade.Masquerade({v: (cluster[v], lease.subnet) for v, lease in self.leases.items()},
                                                   masquerade.Guarded(bgp_port, net.udp_port, net.vxlan_port))
-                if self.peering.known:
-                    self.masq.members = masquerade.member_addresses(self.peering.nodes.values())
+                if self.peering.known:  # else the adopted member sets keep what they hold until it is
+                    self.masq.set_members(masquerade.member_addresses(self.peering.nodes.values()))
                 await self.masq.program()
             elif await masquerade.remove():
                 log.info("masquerading switched off: removed the tables %s", masquerade.TABLE)
@@ -689,6 +690,8 @@ class Agent:
         a part this run had not built is ``skip``ped here and removed by ``_leave_leftovers``."""
         await step(ETCD_STEP, self._leave_etcd_and_say)
         await step("removing the subnet file", self._remove_subnet_file)
+        if self.cfg.cni.write_conflist:
+            await step(CONFLIST_STEP, lambda: remove_conflist(self.cfg))
         not_built = "not running in this agent (the host clean-up below removes what a previous run left)"
         if self.policy is not None:  # NetworkPolicy; pod records went with the lease
             await step("removing the policy tables and the pod fast path", self.policy.leave)
@@ -701,6 +704,7 @@ class Agent:
         # The MACs read of pods' interfaces (the policy agent's; a previous run's where it is not running).
         await step(POD_MACS_STEP, lambda: remove_pod_macs(self.cfg.agent.state_dir, self.policy))
         await step("putting back the flow records' sysctls", self._restore_sysctls)
+        await step(BE_LIBERAL_STEP, lambda: restore_be_liberal(self.cfg.agent.bpf_dir))
         # The table masking conntrack's events of what the pod programs recorded (gone with policy.leave).
         await step("removing the flow mask table", lambda: nft_part(lambda: asyncio.to_thread(flowmask.remove)))
         await step("removing the masquerading tables", lambda: nft_part(masquerade.remove))
@@ -760,9 +764,10 @@ class Agent:
             await step(what, job)
 
     async def _remove_fast_path(self, fast_path: PodFastPath) -> None:
-        """Off the veths and the underlay device, unpinned, conntrack's setting put back: with
-        no policy agent to update it, it would steer by pods that may have gone, their
-        addresses reused (podpath.PodFastPath.open)."""
+        """Off the veths and the underlay device, unpinned: with no policy agent to update it,
+        it would steer by pods that may have gone, their addresses reused
+        (podpath.PodFastPath.open).  Conntrack's liberal windows stay, for the connections it
+        carried, until ``agentd leave`` (podpath.remove_pinned_fast_path)."""
         try:
             gone = await asyncio.to_thread(fast_path.remove)
         except OSError as err:
@@ -1020,6 +1025,39 @@ async def run_agent(cfg: Config, *, config_path: str | None = None, overrides: d
 
 ETCD_STEP = "leaving etcd (releasing the subnets, removing the node record)"
 POD_MACS_STEP = "removing the file of the MACs read from pods' interfaces"
+BE_LIBERAL_STEP = "putting back conntrack's TCP window setting (nf_conntrack_tcp_be_liberal)"
+CONFLIST_STEP = "removing the CNI network configuration file (10-agentd.conflist)"
+TOKEN_STEP = "removing the API token file a stopped agent left"
+
+
+async def restore_be_liberal(bpf_dir: str | os.PathLike[str]) -> None:
+    """A leave's step: ``nf_conntrack_tcp_be_liberal`` put back as the pod fast path found it
+    (kept 1 while it was only switched off: connections it carried were open), with what is left
+    of the fast path; an OSError (the value noted in its pin, for the next leave) fails it."""
+    gone = await asyncio.to_thread(remove_pinned_fast_path, bpf_dir, liberal=True)
+    if gone:
+        log.info("removed the pod fast path's leftovers: %s", ", ".join(gone))
+
+
+async def remove_conflist(cfg: Config) -> None:
+    """A leave's step (``[cni] write_conflist``): the conflist the agent wrote goes, so that the
+    runtime falls through to another network; an operator's own file of that name is skipped."""
+    try:
+        gone = await asyncio.to_thread(node_files.remove_conflist, cfg)
+    except ValueError as err:
+        raise StepSkipped(str(err)) from None
+    if gone:
+        log.info("removed %s", Path(cfg.cni.conf_dir) / cni_netconf.CONFLIST_NAME)
+
+
+async def remove_stale_token(path: Path) -> None:
+    """The leave without an agent: the API token file of an agent that was killed (one that
+    stops removes its own); no agent answered with it."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return  # the usual case: the agent stopped and took it
+    log.info("removed %s", path)
 
 
 async def remove_pod_macs(state_dir: str | os.PathLike[str], policy: PolicyAgent | None = None) -> None:
@@ -1102,6 +1140,10 @@ async def leave(cfg: Config, on_step: Callable[[LeaveStep], None] | None = None)
         await step(what, job)
     await step(POD_MACS_STEP, lambda: remove_pod_macs(cfg.agent.state_dir))
     await step("putting back the flow records' sysctls", sysctls)
+    await step(BE_LIBERAL_STEP, lambda: restore_be_liberal(cfg.agent.bpf_dir))
+    if cfg.cni.write_conflist:
+        await step(CONFLIST_STEP, lambda: remove_conflist(cfg))
+    await step(TOKEN_STEP, lambda: remove_stale_token(Path(cfg.api.token_file)))
     # The table masking conntrack's events of what the pod programs recorded.
     await step("removing the flow mask table", lambda: nft_part(lambda: asyncio.to_thread(flowmask.remove)))
     await step("removing the masquerading tables", lambda: nft_part(masquerade.remove))

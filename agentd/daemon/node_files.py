@@ -5,9 +5,11 @@ backend's data such as the VTEP MAC)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from ipaddress import IPv4Network, IPv6Network
+from pathlib import Path
 from typing import Any
 
 from agentd.cni import netconf as cni_config
@@ -46,14 +48,37 @@ def write_cni_files(cfg: Config, cluster: ClusterConfig, leases: Mapping[int, Su
     )  # fmt: skip
     cni_config.write_subnet_file(cfg.cni.subnet_file, sf)
     if cfg.cni.write_conflist:
-        cni_config.write_conflist(
-            cfg.cni.conf_dir,
-            subnet_file=str(cfg.cni.subnet_file),
-            data_dir=str(cfg.cni.data_dir),
-            ipam_data_dir=str(cfg.cni.ipam_data_dir),
-            mtu=mtu,
-            bin_dir=cfg.cni.bin_dir,
-        )
+        cni_config.write_conflist(cfg.cni.conf_dir, mtu=mtu, **_conflist_settings(cfg))
+
+
+def _conflist_settings(cfg: Config) -> dict[str, Any]:
+    return {"subnet_file": str(cfg.cni.subnet_file), "data_dir": str(cfg.cni.data_dir),
+            "ipam_data_dir": str(cfg.cni.ipam_data_dir), "bin_dir": cfg.cni.bin_dir}
+
+
+def remove_conflist(cfg: Config) -> bool:
+    """``agentd leave`` (``[cni] write_conflist``): remove ``<[cni] conf_dir>/10-agentd.conflist``
+    -- left, the runtime would go on choosing agentd's network (its name sorts first) and every
+    new pod's ADD fail with "agent not running" instead of falling through to another network.
+    Only the file the agent writes goes (the configuration's, at any MTU); an operator's own of
+    that name stays (:class:`ValueError` says so).  False where there is none; an OSError says
+    why it stays."""
+    path = Path(cfg.cni.conf_dir) / cni_config.CONFLIST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return False
+    except UnicodeDecodeError:
+        text = ""
+    try:
+        found = json.loads(text)
+        mtu = found["plugins"][0]["delegate"].get("mtu")
+    except (ValueError, LookupError, TypeError, AttributeError):
+        found, mtu = None, None
+    if found != cni_config.conflist(mtu=mtu, **_conflist_settings(cfg)):
+        raise ValueError(f"{path} is not the one this agent writes ([cni] write_conflist): left as it is")
+    path.unlink()
+    return True
 
 
 def node_record(cfg: Config, name: str, underlay: Underlay, leases: Mapping[int, SubnetLease],

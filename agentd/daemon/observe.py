@@ -87,7 +87,11 @@ class Observability:
                     await asyncio.to_thread(carried.set_recording, False)  # type: ignore[union-attr]
                 except (OSError, RuntimeError) as err:  # RuntimeError: BpfUnavailable (conntrack's sysctls)
                     log.warning("the pod programs may go on recording connections: %s", err)
-            gone = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)
+            try:
+                gone = await asyncio.to_thread(restore_sysctls, cfg.agent.state_dir)
+            except OSError as err:  # the state file stays: `agentd leave` tries again
+                log.warning("flow records switched off: %s", err)
+                gone = []
             await asyncio.to_thread(remove_quietly)  # nothing masks conntrack's events then
             if gone:
                 log.info("flow records switched off: put back %s", ", ".join(gone))

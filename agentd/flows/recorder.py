@@ -555,9 +555,13 @@ class FlowRecorder:
                 self._open_recording()
             elif self.mask is not None:
                 self._stop_recording()
-                gone = restore_sysctls(self.state_dir)
-                if gone:
-                    log.info("flows: connection records off: put back %s", ", ".join(gone))
+                try:
+                    gone = restore_sysctls(self.state_dir)
+                except OSError as err:  # the state file stays: `agentd leave` tries again
+                    log.warning("flows: connection records off: %s", err)
+                else:
+                    if gone:
+                        log.info("flows: connection records off: put back %s", ", ".join(gone))
             self.log_sock = self._bind_log()
         except OSError:
             self._stop_recording()
@@ -1591,19 +1595,27 @@ def enable_sysctls(state_dir: Path) -> None:
 
 def restore_sysctls(state_dir: str | os.PathLike) -> list[str]:
     """Put the conntrack sysctls back as :func:`enable_sysctls` found them (``agentd leave``);
-    idempotent.  Returns what was put back."""
+    idempotent.  Returns what was put back.  A value that cannot be written (a read-only
+    /proc/sys, a sysctl that refuses it) raises OSError (one line) and keeps the state file,
+    the only record of the operator's values: the next leave tries again."""
     state = Path(state_dir) / SYSCTL_STATE
     try:
         before = json.loads(state.read_text())
     except (OSError, ValueError):
         return []
-    restored = []
+    restored, failed = [], []
     for name in SYSCTLS:
         value = before.get(name)
         if isinstance(value, int) and value != 1:
-            with contextlib.suppress(OSError):
+            try:
                 (SYSCTL_DIR / name).write_text(f"{value}\n")
+            except OSError as err:
+                failed.append(f"net.netfilter.{name} = {value} ({err.strerror or err})")
+            else:
                 restored.append(f"net.netfilter.{name} = {value}")
+    if failed:
+        raise OSError(f"could not put back {', '.join(failed)} (noted in {state}; "
+                      f"put back {', '.join(restored) or 'nothing else'})")
     with contextlib.suppress(OSError):
         state.unlink()
     return restored

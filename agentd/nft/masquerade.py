@@ -40,7 +40,8 @@ the node's subnet, pod-to-pod traffic to other nodes included.
 
 The tables are written in one transaction when the agent starts (cluster networks and subnets
 are known then; a previous run's are adopted and rewritten in that transaction, never left
-empty, and a family the node no longer has loses its table in it), kept when it stops (like
+empty -- the member sets keep what the previous run's hold until the node list is read, which
+comes later -- and a family the node no longer has loses its table in it), kept when it stops (like
 the policy tables: pods keep reaching out while the agent restarts), removed when ``ip_masq``
 is switched off and by ``agentd leave``.
 """
@@ -90,11 +91,12 @@ def member_addresses(nodes: Iterable[Any]) -> frozenset[str]:
 
 
 def ruleset(networks: Mapping[int, tuple[Network, Network]], members: Iterable[str] = (),
-            guarded: Guarded = Guarded()) -> Ruleset:  # fmt: skip
+            guarded: Guarded = Guarded(), members_known: bool = True) -> Ruleset:  # fmt: skip
     """The tables for ``networks``: IP version -> (cluster network, this node's subnet); one
     table per version, the four masquerading rules above and the forward chain that keeps pods
     from the agent's ports on ``members`` (the nodes' underlay addresses; those of the version
-    go in its table's set)."""
+    go in its table's set).  ``members_known`` False (a start, before the node list is read):
+    the sets keep what a previous run's hold (plan), as the tunnels' member filters do."""
     objects: dict[Any, Any] = {}
     for version, (cluster, subnet) in sorted(networks.items()):
         family = FAMILIES[version]
@@ -108,7 +110,8 @@ def ruleset(networks: Mapping[int, tuple[Network, Network]], members: Iterable[s
         chain = NftChain(family, TABLE, CHAIN, tuple(rule_text(r) for r in rules), hook=SRCNAT)
         objects[chain.key] = chain
         own = frozenset(a for a in members if ip_address(a).version == version)
-        members_set = NftSet(family, TABLE, MEMBERS, ("ipv4_addr" if version == 4 else "ipv6_addr",), elements=own)
+        members_set = NftSet(family, TABLE, MEMBERS, ("ipv4_addr" if version == 4 else "ipv6_addr",), elements=own,
+                             contents_known=members_known)
         objects[members_set.key] = members_set
         to_member = [match(saddr, prefix(cluster)), match(daddr, ref(MEMBERS))]
         guard = [
@@ -129,13 +132,14 @@ class Masquerade:
         self.networks = dict(networks)
         self.guarded = guarded
         self.members: frozenset[str] = frozenset()
+        self.members_known = False  # until the node list is read: the member sets keep what they hold
         self.error: str | None = None
         self._programmer: NftProgrammer | None = None
         self._task: asyncio.Task[None] | None = None
         self._again = False
 
     def ruleset(self) -> Ruleset:
-        return ruleset(self.networks, self.members, self.guarded)
+        return ruleset(self.networks, self.members, self.guarded, self.members_known)
 
     async def program(self) -> None:
         """Install the tables in this network namespace, or bring a previous run's to these
@@ -146,11 +150,12 @@ class Masquerade:
             log.info("masquerading traffic from %s to outside it (nftables table %s %s)", cluster, FAMILIES[version], TABLE)
 
     def set_members(self, members: Iterable[str]) -> None:
+        """The node list's members (read: from now on the sets hold exactly these)."""
         members = frozenset(members)
-        if members == self.members or self._programmer is None:  # not programmed (off, or failed): nothing to keep
-            self.members = members
+        same = members == self.members and self.members_known
+        self.members, self.members_known = members, True
+        if same or self._programmer is None:  # not programmed (off, or failed): nothing to keep
             return
-        self.members = members
         if self._task is not None and not self._task.done():
             self._again = True
             return
@@ -186,7 +191,7 @@ class Masquerade:
 async def program(networks: Mapping[int, tuple[Network, Network]], members: Iterable[str] = ()) -> None:
     """A :class:`Masquerade`'s tables, once (tests, tools)."""
     m = Masquerade(networks)
-    m.members = frozenset(members)
+    m.set_members(members)
     try:
         await m.program()
     finally:

@@ -12,7 +12,10 @@ commands of ONE transaction that gets there incrementally:
   see the old rules or the new ones, never an empty chain;
 * an object whose contents the agent does not know (found in the kernel at start:
   ``contents_known`` False) is refilled the same way: adopting a previous run's tables
-  never leaves a moment with fewer rules than before.
+  never leaves a moment with fewer rules than before;
+* a set wanted with ``contents_known`` False (whoever wants it cannot say yet what it holds:
+  masquerading's members before the node list is read) keeps what the kernel holds, and is
+  refilled once it is wanted with its contents.
 
 The order inside the transaction keeps every reference valid: tables, then new sets,
 counters and (empty) chains, then chain contents, then elements (verdict maps jump to
@@ -269,6 +272,8 @@ def plan(current: Ruleset, desired: Ruleset, keys: Iterable[ObjKey] | None = Non
             assert isinstance(have, NftSet)
             if want.dynamic:
                 continue  # its elements are the kernel's (rules add them); adopting keeps them
+            if not want.contents_known:
+                continue  # not known yet: what the kernel holds stays (applied() keeps it unknown)
             if want.delta is not None and want.delta[0] is have and have.contents_known and not want.interval:
                 _base, new, gone = want.delta
                 if gone:

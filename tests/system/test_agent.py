@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from ipaddress import ip_network
+from ipaddress import ip_address, ip_network
 from pathlib import Path
 
 
@@ -328,6 +328,45 @@ async def test_a_leave_with_no_agent_removes_the_routes_of_our_protocol_and_no_o
     assert ns.ip("-6", "route", "show", "proto", "150").stdout.strip() == b""
     left = ns.ip("route", "show").stdout.decode()
     assert "10.244.2.0/24 via 10.1.1.2 dev eth0 proto 143" in left and "10.244.3.0/24 via 10.1.1.2 dev eth0 proto static" in left
+
+
+async def test_a_leave_with_no_agent_needs_neither_etcds_files_nor_a_node_address(netns_factory, tmp_path):
+    """`agentd leave` with no agent loaded the whole configuration first: a missing [etcd] TLS
+    file, or no [node] address on a host without a default route (a node being taken out of
+    service), made it exit 1 before any step ran, and everything the killed agent left stayed.
+    Now only the etcd step fails; the routes, the conflist it wrote and its token file go."""
+    from agentd.config.settings import load_config
+    from agentd.daemon.node_files import write_cni_files
+    from agentd.datastore.records import ClusterConfig, SubnetLease
+
+    ns, other = netns_factory("leavebare"), netns_factory("leavebare-peer")
+    veth(ns, "eth0", other, "eth0")
+    ns.ip("addr", "add", "10.1.1.1/24", "dev", "eth0")  # and no default route
+    ns.ip("route", "add", "10.244.1.0/24", "via", "10.1.1.2", "proto", "143")
+    (tmp_path / "token").write_text("a-killed-agents-token\n")
+    conf = tmp_path / "agentd.toml"
+    conf.write_text(
+        f'[node]\nname = "n1"\n'
+        f'[etcd]\nendpoints = ["https://127.0.0.1:9"]\nca = "{tmp_path}/gone/ca.pem"\n'
+        f'[api]\nlisten = "127.0.0.1:9099"\ntoken_file = "{tmp_path}/token"\n'
+        f'[cni]\nsubnet_file = "{tmp_path}/subnet.env"\nconf_dir = "{tmp_path}/net.d"\n'
+        f'[agent]\nstate_dir = "{tmp_path}/state"\nbpf_dir = "{tmp_path}/bpf"\n'
+    )
+    cfg = load_config(conf, env={}, check_files=False)  # the CNI files as the killed agent wrote them
+    write_cni_files(cfg, ClusterConfig(ip_network("10.244.0.0/16"), 24, "host-gw", "always"),
+                    {4: SubnetLease(ip_network("10.244.1.0/24"), "n1", ip_address("10.1.1.1"), "host-gw")}, 1450)
+    conflist = tmp_path / "net.d" / "10-agentd.conflist"
+    assert conflist.exists()
+    proc = await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns.name, AGENTD, "leave", "--config", str(conf)],
+                                   capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr + proc.stdout
+    steps = proc.stdout.splitlines()
+    failed = [line for line in steps[:-1] if ": failed: " in line]
+    assert len(failed) == 1 and failed[0].startswith("leaving etcd (") and "ca.pem" in failed[0], proc.stdout
+    assert "removing the kernel routes of proto 143: done" in steps, proc.stdout
+    assert ns.ip("route", "show", "proto", "143").stdout.strip() == b""
+    assert "removing the CNI network configuration file (10-agentd.conflist): done" in steps, proc.stdout
+    assert not conflist.exists() and not (tmp_path / "token").exists()
 
 
 async def test_a_leave_while_the_agent_waits_for_etcd_cleans_the_host_and_says_etcd_was_not_left(netns_factory, tmp_path):

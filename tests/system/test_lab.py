@@ -188,6 +188,8 @@ async def test_leave_reports_every_step_and_what_they_removed_is_gone(lab_factor
     assert any(pins.iterdir())
     assert node2.kernel_routes() and routed_on_node1()
     assert (node2.dir / "subnet.env").exists() and node2.token_path.exists()
+    conflist = node2.dir / "net.d" / "10-agentd.conflist"  # left, the runtime kept choosing agentd
+    assert conflist.exists()
     # node2's pod as an older agentd-cni's (its endpoint file names no MAC): the agent reads the
     # MAC from the pod's veth and keeps it in its state directory, which the leave removes.
     pod_macs = node2.dir / "state" / "pod-macs.json"
@@ -212,7 +214,9 @@ async def test_leave_reports_every_step_and_what_they_removed_is_gone(lab_factor
                     "removing this node's kernel routes", "removing the tunnel devices and the BPF data path",
                     "removing the policy tables and the pod fast path", "removing the services table",
                     "removing the subnet file", "removing the API token file", "stopping the API",
-                    "removing the file of the MACs read from pods' interfaces"}, out
+                    "removing the file of the MACs read from pods' interfaces",
+                    "removing the CNI network configuration file (10-agentd.conflist)",
+                    "putting back conntrack's TCP window setting (nf_conntrack_tcp_be_liberal)"}, out
     report = json.loads((node2.dir / "state" / "leave.json").read_text())
     assert report["finished"] is True and report["node"] == "node2"
     assert [s["name"] for s in report["steps"]] == [s[0] for s in steps]
@@ -224,7 +228,7 @@ async def test_leave_reports_every_step_and_what_they_removed_is_gone(lab_factor
     assert tables() == [] and devices() == [] and loaded(programs) == set()
     assert not pins.exists() or not any(pins.iterdir()), sorted(p.name for p in pins.iterdir())
     assert not (node2.dir / "subnet.env").exists() and not node2.token_path.exists()
-    assert not pod_macs.exists()
+    assert not pod_macs.exists() and not conflist.exists()
     await auntil(lambda: node2.address not in {p["address"] for p in node1.api("/peers")},
                  what="node2 gone from node1's peers", in_thread=True)
 

@@ -556,10 +556,17 @@ class PodFastPath:
         }
 
 
-def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
-    """Detach the pod fast path from the veths its pinned map names, remove its pins and put
-    ``nf_conntrack_tcp_be_liberal`` back as it was found.  Works without the agent that made
-    them; idempotent.  Returns what was removed."""
+def remove_pinned_fast_path(bpf_dir: str | os.PathLike, *, liberal: bool = False) -> list[str]:
+    """Detach the pod fast path from the veths its pinned map names and remove its pins.
+    Works without the agent that made them; idempotent.  Returns what was removed.
+
+    ``nf_conntrack_tcp_be_liberal`` is put back as it was found only with ``liberal``
+    (``agentd leave``): where the fast path is only switched off or fails to open, connections
+    it carried are still open, conntrack having seen none of their packets since their
+    handshake -- judged by windows again, their FINs would be out of window and their entries
+    stay ESTABLISHED for days (docs/policy.md).  The setting then stays 1 and the value found
+    is kept in the ``agentd_podcfg`` pin (a next open adopts it, a leave puts it back).  A
+    value that cannot be written raises OSError (one line), the pin kept for the next leave."""
     d = pin_dir(bpf_dir)
     pins = tc.Pins.read(d)
     removed: list[str] = []
@@ -581,6 +588,8 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
     if n:
         removed.append(f"the pod fast path from {n} veths")
     cfg = d / CONFIG
+    keep = not liberal  # the pin holding the value found, while be_liberal is not put back
+    failed = None
     if cfg.exists():
         with contextlib.suppress(lb.BpfError, OSError, struct.error):
             fd = lb.obj_get(str(cfg))
@@ -592,16 +601,30 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike) -> list[str]:
                 flags, _ms, before, _net, _mask, wire = CONFIG_VALUE.unpack(raw)
                 if wire and _detach(wire, WIRE_PROGRAM, pins):
                     removed.append("the pod fast path from the underlay device")
-                if flags & CFG_ON and _read_int(BE_LIBERAL) != before:
-                    BE_LIBERAL.write_text(f"{before}\n")
+                if not flags & CFG_ON:
+                    keep = False  # nothing noted: no run of the fast path set be_liberal
+                elif liberal:
+                    try:
+                        if _read_int(BE_LIBERAL) != before:
+                            BE_LIBERAL.write_text(f"{before}\n")
+                            removed.append(f"net.netfilter.nf_conntrack_tcp_be_liberal = {before} put back")
+                    except (OSError, ValueError, IndexError) as err:
+                        keep = True
+                        failed = (f"could not put back net.netfilter.nf_conntrack_tcp_be_liberal = {before} "
+                                  f"({getattr(err, 'strerror', None) or err}; noted in {cfg})")
     with contextlib.suppress(OSError):
         tc.remove_links(pins, (PROGRAM, WIRE_PROGRAM))  # those of devices that went
     for name in (*MAPS, PROGRAM, f"{PROGRAM}_new", WIRE_PROGRAM, f"{WIRE_PROGRAM}_new"):
+        if name == CONFIG and keep:
+            continue
         with contextlib.suppress(OSError):  # one that cannot go (a read-only bpffs) holds what no hook runs
             (d / name).unlink()
             removed.append(str(d / name))
     with contextlib.suppress(OSError):
         d.rmdir()  # only when the data path's pins are gone too
+        Path(bpf_dir).rmdir()  # and no other namespace's agent pins there (the last of a leave)
+    if failed is not None:
+        raise OSError(failed)
     return removed
 
 

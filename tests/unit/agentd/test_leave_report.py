@@ -15,8 +15,16 @@ import pytest
 from agent_config import agent_cfg as _cfg
 
 from agentd import cli
+from agentd.cni import netconf as agentd_netconf
 from agentd.daemon import agent as agent_module
-from agentd.daemon.agent import ETCD_STEP, POD_MACS_STEP, Agent
+from agentd.daemon.agent import (
+    BE_LIBERAL_STEP,
+    CONFLIST_STEP,
+    ETCD_STEP,
+    POD_MACS_STEP,
+    TOKEN_STEP,
+    Agent,
+)
 from agentd.daemon.leave_report import (
     DONE,
     FAILED,
@@ -468,3 +476,80 @@ def test_a_leave_not_answered_in_time_says_it_may_be_under_way(tmp_path, monkeyp
                                                r"then .*leave\.json"):
         cli.leave_running_agent("127.0.0.1", 9, Path("/nonexistent/api.token"), timeout=1,
                                 report_path=tmp_path / "leave.json")
+
+
+# ------------------------------------------------------------------ the CNI conflist, the token file
+
+
+def _write_conflist(cfg, mtu: int = 1450, **changed) -> Path:
+    """The conflist the agent writes ([cni] write_conflist), ``changed`` an operator's own."""
+    from agentd.daemon import node_files
+
+    settings = {**node_files._conflist_settings(cfg), **changed}
+    return Path(agentd_netconf.write_conflist(cfg.cni.conf_dir, mtu=mtu, **settings))
+
+
+@pytest.mark.parametrize("agent", [True, False])
+def test_a_leave_removes_the_conflist_the_agent_wrote(tmp_path, host, monkeypatch, agent):
+    """Left, the runtime kept choosing agentd (10-agentd.conflist sorts first) and every new
+    pod's ADD failed with "agent not running" instead of falling through to another network."""
+    cfg = _cfg(tmp_path)
+    conflist = _write_conflist(cfg)
+    if agent:
+        async def main():
+            a = Agent(cfg)
+            a.datastore = Store()
+            a.request_leave()
+            await a._shutdown()
+        asyncio.run(main())
+        report = read_report(tmp_path / "state" / "leave.json")
+    else:
+        monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
+        report = asyncio.run(agent_module.leave(cfg))
+    assert LeaveStep(CONFLIST_STEP, DONE) in report.steps
+    assert LeaveStep(BE_LIBERAL_STEP, DONE) in report.steps
+    assert not conflist.exists() and exit_code(report) == 0
+
+
+def test_a_leave_keeps_an_operators_own_file_of_that_name(tmp_path, host, monkeypatch):
+    cfg = _cfg(tmp_path)
+    conflist = _write_conflist(cfg, data_dir="/var/lib/other")
+    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
+    report = asyncio.run(agent_module.leave(cfg))
+    steps = {s.name: s for s in report.steps}
+    assert steps[CONFLIST_STEP].result == SKIPPED and "not the one this agent writes" in steps[CONFLIST_STEP].reason
+    assert conflist.exists()
+    conflist.write_text("{not json")
+    report = asyncio.run(agent_module.leave(cfg))
+    assert conflist.exists() and {s.name: s.result for s in report.steps}[CONFLIST_STEP] == SKIPPED
+
+
+def test_without_write_conflist_the_leave_has_no_conflist_step(tmp_path, host, monkeypatch):
+    cfg = _cfg(tmp_path, **{"cni.write_conflist": False})
+    conflist = _write_conflist(cfg)
+    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
+    report = asyncio.run(agent_module.leave(cfg))
+    assert CONFLIST_STEP not in {s.name for s in report.steps} and conflist.exists()
+
+
+def test_the_leave_without_an_agent_removes_a_killed_agents_token_file(tmp_path, host, monkeypatch):
+    cfg = _cfg(tmp_path)
+    cfg.api.token_file.write_text("a-killed-agents-token\n")
+    monkeypatch.setattr(agent_module, "datastore_for", lambda cfg: Store())
+    report = asyncio.run(agent_module.leave(cfg))
+    assert LeaveStep(TOKEN_STEP, DONE) in report.steps and not cfg.api.token_file.exists()
+    report = asyncio.run(agent_module.leave(cfg))  # none there: nothing to do
+    assert LeaveStep(TOKEN_STEP, DONE) in report.steps
+
+
+def test_a_missing_etcd_tls_file_fails_the_etcd_step_alone(tmp_path, host):
+    """`agentd leave` without an agent loads etcd's TLS files unchecked (agentd/cli.py): the
+    etcd step names the missing one, and the host's steps all run."""
+    (tmp_path / "ca.pem").write_text("")
+    cfg = _cfg(tmp_path, **{"etcd.ca": str(tmp_path / "ca.pem"), "etcd.endpoints": "https://192.0.2.2:2379"})
+    (tmp_path / "ca.pem").unlink()  # there when loaded, gone at the leave
+    report = asyncio.run(agent_module.leave(cfg))
+    results = {s.name: (s.result, s.reason) for s in report.steps}
+    assert results[ETCD_STEP] == (FAILED, f"etcd TLS ca file '{tmp_path}/ca.pem': No such file or directory")
+    assert [s.name for s in report.steps if s.result == FAILED] == [ETCD_STEP]
+    assert results["removing the kernel routes of proto 143"] == (DONE, "")

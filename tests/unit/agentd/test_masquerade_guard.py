@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from ipaddress import IPv4Address, IPv6Address, ip_network
 from types import SimpleNamespace
 
@@ -75,3 +76,33 @@ async def test_the_member_set_follows_the_nodes_one_transaction_at_a_time(monkey
     assert synced == [{"192.0.2.1"}, {"192.0.2.1", "192.0.2.2"}, {"192.0.2.1", "192.0.2.3"}]
     masq.set_members(["192.0.2.3", "192.0.2.1"])  # no change: no transaction
     assert masq._task.done() and len(synced) == 3
+
+
+def _adopted(rs):
+    """The tables as a restarted agent adopts them (NftProgrammer.adopt): shapes, contents unknown."""
+    from agentd.nft.ruleset import Ruleset, unknown_contents
+
+    return Ruleset(rs.tables, unknown_contents({k: replace(o, elements=frozenset()) if hasattr(o, "elements") else o
+                                                for k, o in rs.objects.items()}))
+
+
+def test_a_restart_leaves_the_adopted_member_set_alone_until_the_node_list_is_read():
+    """At start the node list is read after the tables are programmed: the full rewrite of the
+    adopted tables flushed `set ip agentd-masq members` and added nothing back until the first
+    route sync -- meanwhile pods could reach the other nodes' BGP, udp, VXLAN and IPIP ports
+    as their node.  The set keeps what the previous run left until the members are known."""
+    from agentd.nft.ruleset import applied, plan
+
+    before = m.ruleset(NETWORKS, ["192.0.2.1", "192.0.2.2", "2001:db8::2"], GUARDED)
+    masq = m.Masquerade(NETWORKS, GUARDED)  # the node list not read yet
+    commands = plan(_adopted(before), masq.ruleset())
+    sets = [c for c in commands if "set" in next(iter(c.values())) or "element" in next(iter(c.values()))]
+    assert sets == [], sets  # no flush of members, no element change
+    assert any("flush" in c and "chain" in c["flush"] for c in commands)  # the chains are rewritten
+    # the node list read: the members are set in full (flushed and refilled in one transaction)
+    current = applied(masq.ruleset())  # what the kernel holds after that first sync
+    masq.set_members(["192.0.2.1", "192.0.2.3"])  # not programmed here: only noted
+    commands = plan(current, masq.ruleset())
+    assert {"flush": {"set": {"family": "ip", "table": m.TABLE, "name": "members"}}} in commands, commands
+    adds = [c["add"]["element"] for c in commands if "add" in c and "element" in c["add"]]
+    assert [(e["family"], e["name"], sorted(e["elem"])) for e in adds] == [("ip", "members", ["192.0.2.1", "192.0.2.3"])]

@@ -1,0 +1,91 @@
+"""The node's lifecycle (leave, restart, switching parts off): what a leave puts back is put
+back or said to have failed -- with the record of what to put back kept for the next leave --
+and what a restart adopts is not flushed before the agent knows what it should hold."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+
+import pytest
+
+from agentd.daemon import agent as agent_module
+from agentd.dataplane.bpf import podpath
+from agentd.flows import recorder
+
+
+def test_a_sysctl_that_cannot_be_put_back_fails_and_keeps_the_record(tmp_path, monkeypatch):
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "nf_conntrack_acct").write_text("1\n")
+    (proc / "nf_conntrack_timestamp").mkdir()  # writing it fails (as a read-only /proc/sys would)
+    monkeypatch.setattr(recorder, "SYSCTL_DIR", proc)
+    state = tmp_path / recorder.SYSCTL_STATE
+    state.write_text(json.dumps({"nf_conntrack_acct": 0, "nf_conntrack_timestamp": 0}) + "\n")
+    with pytest.raises(OSError, match=r"could not put back net\.netfilter\.nf_conntrack_timestamp = 0"):
+        recorder.restore_sysctls(tmp_path)
+    assert (proc / "nf_conntrack_acct").read_text() == "0\n"
+    assert json.loads(state.read_text()) == {"nf_conntrack_acct": 0, "nf_conntrack_timestamp": 0}
+    # the next leave, the sysctl writable again, puts it back and then forgets the record
+    (proc / "nf_conntrack_timestamp").rmdir()
+    (proc / "nf_conntrack_timestamp").write_text("1\n")
+    assert recorder.restore_sysctls(tmp_path) == ["net.netfilter.nf_conntrack_acct = 0",
+                                                  "net.netfilter.nf_conntrack_timestamp = 0"]
+    assert (proc / "nf_conntrack_timestamp").read_text() == "0\n"
+    assert not state.exists()
+
+
+class PinnedFastPath:
+    """A pin directory of the pod fast path as a leave or a switch-off finds it, its maps plain
+    files; libbpf answers from them (the config map holds ``before``, the value found)."""
+
+    def __init__(self, tmp_path, monkeypatch, *, found: int = 0, now: int = 1) -> None:
+        self.dir = tmp_path / "netns-1"
+        self.dir.mkdir()
+        for name in (podpath.IPS, podpath.STATS, podpath.CONFIG, podpath.CONFIG6):
+            (self.dir / name).write_text("")
+        self.liberal = tmp_path / "nf_conntrack_tcp_be_liberal"
+        self.liberal.write_text(f"{now}\n")
+        config = podpath.CONFIG_VALUE.pack(podpath.CFG_ON, 0, found, bytes(4), bytes(4), 0)
+
+        def obj_get(path):
+            if not os.path.isfile(path) or os.path.basename(path) != podpath.CONFIG:
+                raise podpath.lb.BpfError(errno.ENOENT, f"bpf_obj_get {path}")
+            return os.open(path, os.O_RDONLY)
+
+        monkeypatch.setattr(podpath, "pin_dir", lambda _bpf_dir: self.dir)
+        monkeypatch.setattr(podpath, "BE_LIBERAL", self.liberal)
+        monkeypatch.setattr(podpath.lb, "obj_get", obj_get)
+        monkeypatch.setattr(podpath.lb, "map_lookup", lambda _fd, _key, _size: config)
+
+    def pins(self) -> list[str]:
+        return sorted(p.name for p in self.dir.iterdir()) if self.dir.exists() else []
+
+
+def test_a_fast_path_switched_off_keeps_conntracks_liberal_windows_and_the_value_found(tmp_path, monkeypatch):
+    """Switched off ([network] bpf_pod_fast_path = false) or failing to open, the fast path's
+    connections are still open: be_liberal stays 1 and the operator's value stays noted."""
+    pinned = PinnedFastPath(tmp_path, monkeypatch, found=0)
+    podpath.remove_pinned_fast_path(tmp_path)
+    assert pinned.liberal.read_text() == "1\n"
+    assert pinned.pins() == [podpath.CONFIG]  # the value found, for a next open or the leave
+    # `agentd leave` (its step) puts it back and then lets go of the pin
+    asyncio.run(agent_module.restore_be_liberal(tmp_path))
+    assert pinned.liberal.read_text() == "0\n"
+    assert pinned.pins() == []
+
+
+def test_a_leave_that_cannot_put_be_liberal_back_fails_and_keeps_the_value_found(tmp_path, monkeypatch):
+    pinned = PinnedFastPath(tmp_path, monkeypatch, found=0)
+    pinned.liberal.unlink()
+    pinned.liberal.mkdir()  # writing it fails (as a read-only /proc/sys would)
+    with pytest.raises(OSError, match=r"could not put back net\.netfilter\.nf_conntrack_tcp_be_liberal = 0"):
+        podpath.remove_pinned_fast_path(tmp_path, liberal=True)
+    assert pinned.pins() == [podpath.CONFIG]  # the rest went; the next leave tries again
+    pinned.liberal.rmdir()
+    pinned.liberal.write_text("1\n")
+    assert "net.netfilter.nf_conntrack_tcp_be_liberal = 0 put back" in podpath.remove_pinned_fast_path(
+        tmp_path, liberal=True)
+    assert pinned.liberal.read_text() == "0\n" and pinned.pins() == []
