@@ -21,7 +21,7 @@ COUNTERS = (
     "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "coalesced_segments",
     "coalesced_batches", "rx_csum_errors",
     "drop:non_member", "drop:no_route", "drop:ttl_exceeded", "drop:malformed", "drop:mtu", "drop:not_ipv4",
-    "drop:send_error", "drop:tun_write_error",
+    "drop:send_error", "drop:tun_write_error", "drop:icmp_ratelimited",
 )
 SLOW_NET_UNREACHABLE = 1
 SLOW_TIME_EXCEEDED = 2

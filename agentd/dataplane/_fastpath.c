@@ -5,7 +5,7 @@
  * This file only moves packets, through a handful of plain C functions called with ctypes
  * (agentd/dataplane/_fast.py): fp_run is the worker's poll loop, draining the TUN (fp_tx) and
  * the underlay socket (fp_rx) until a control socket needs Python.  What it cannot finish (a
- * packet that needs an ICMP error) it hands back to Python.
+ * packet that needs an ICMP error) it hands back to Python, at most ICMP_RATE a second.
  *
  * Inner packets are IPv4, and IPv6 where the backend carries it (udp: st->ipv6; ipip is IPv4 in
  * IPv4 only): the outer header is IPv4 either way, the underlay's.
@@ -87,9 +87,18 @@ enum {
     C_TUN_READS, C_TUN_WRITES, C_TSO_FRAMES, C_TSO_SEGMENTS, C_TSO_BATCHES, C_COALESCED,
     C_COALESCED_BATCHES, C_RX_CSUM_ERRORS,
     D_NON_MEMBER, D_NO_ROUTE, D_TTL_EXCEEDED, D_MALFORMED, D_MTU, D_NOT_IPV4, D_SEND_ERROR,
-    D_TUN_WRITE_ERROR,
+    D_TUN_WRITE_ERROR, D_ICMP_RATELIMITED,
     C_COUNT
 };
+
+/* ICMP errors are rate-limited as the kernel limits its own (net.ipv4.icmp_msgs_per_sec and
+ * icmp_msgs_burst; RFC 4443 section 2.4 (f) requires it for ICMPv6): a token bucket in front of
+ * every hand-back, so a pod that floods TTL-1 or unrouted packets costs the loop a counter
+ * (drop:icmp_ratelimited), not a return to Python per packet.  _transmit.py's IcmpRateLimit is
+ * the same bucket for the Python paths. */
+#define ICMP_RATE 1000                      /* errors a second */
+#define ICMP_BURST 50
+#define ICMP_COST_NS (1000000000LL / ICMP_RATE)
 
 /* What fp_tx hands back to Python. */
 #define SLOW_NONE 0
@@ -116,6 +125,7 @@ struct fp_state {
     uint32_t *members; int nmembers;  /* host byte order, sorted */
     uint32_t cache_dst, cache_peer; int cache_ok;
     uint64_t cache6_dst[2]; uint32_t cache6_peer; int cache6_ok;
+    int64_t icmp_credit_ns, icmp_last_ns;    /* the ICMP error token bucket, in nanoseconds of rate */
     uint8_t *in, *out, *rx, *ovf;
     int geo_hl, geo_gso;             /* the segment slots TUN reads go into (the last TSO geometry) */
     struct iovec tiov[TX_IOV];
@@ -603,6 +613,30 @@ static void queue_segments(struct fp_state *st, uint32_t peer, uint8_t *base, in
     }
 }
 
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Whether an ICMP error may go now (takes a token), else counts it as rate-limited. */
+static int icmp_allowed(struct fp_state *st)
+{
+    int64_t now = now_ns(), credit = st->icmp_credit_ns + (now - st->icmp_last_ns);
+    if (credit > ICMP_BURST * ICMP_COST_NS || credit < 0)   /* full (also the first time) */
+        credit = ICMP_BURST * ICMP_COST_NS;
+    st->icmp_last_ns = now;
+    if (credit < ICMP_COST_NS) {
+        st->icmp_credit_ns = credit;
+        st->counters[D_ICMP_RATELIMITED]++;
+        return 0;
+    }
+    st->icmp_credit_ns = credit - ICMP_COST_NS;
+    return 1;
+}
+
+/* Hand the packet back to Python for an ICMP error (returns 1: fp_tx returns it). */
 static int hand_back(struct fp_state *st, int kind, const uint8_t *pkt, int len)
 {
     flush(st);
@@ -700,6 +734,8 @@ static int fp_tx(struct fp_state *st, int budget)
         }
         if (!peer) {
             st->counters[D_NO_ROUTE]++;
+            if (!icmp_allowed(st))
+                continue;
             return hand_back(st, SLOW_NET_UNREACHABLE, p ? p : gather(st, nv, len), len);
         }
         int gso_type = v[1] & 0x7F;
@@ -734,6 +770,8 @@ static int fp_tx(struct fp_state *st, int budget)
             }
             if (count == -2) {
                 st->counters[D_TTL_EXCEEDED]++;
+                if (!icmp_allowed(st))
+                    continue;
                 return hand_back(st, SLOW_TIME_EXCEEDED, len > stride && p == o ? gather(st, nv, len) : p, len);
             }
             if (count < 0) {
@@ -771,6 +809,8 @@ static int fp_tx(struct fp_state *st, int budget)
         if (st->ttl_decrement) {
             if (o[hop_at] <= 1) {
                 st->counters[D_TTL_EXCEEDED]++;
+                if (!icmp_allowed(st))
+                    continue;
                 return hand_back(st, SLOW_TIME_EXCEEDED, o, len);
             }
             if (version == 6)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 
 from agentd.dataplane._forward import ForwardError, NextHopTable, complete_checksum
 from agentd.dataplane._tso import TsoSegmenter
@@ -61,6 +62,33 @@ ICMP_ERRORS = {
     ("ttl_exceeded", 4): icmp_time_exceeded,
     ("ttl_exceeded", 6): icmp6_hop_limit_exceeded,
 }
+# ICMP errors a second and the burst: as the kernel's net.ipv4.icmp_msgs_per_sec / icmp_msgs_burst
+# (_fastpath.c's ICMP_RATE / ICMP_BURST).
+ICMP_RATE = 1000
+ICMP_BURST = 50
+
+
+class IcmpRateLimit:
+    """A token bucket for the worker's ICMP errors (RFC 4443 §2.4 (f) requires one for ICMPv6;
+    the kernel limits its own ICMP errors alike): ``burst`` at once, ``rate`` a second after.
+    Time is passed in (seconds, monotonic)."""
+
+    def __init__(self, rate: float = ICMP_RATE, burst: int = ICMP_BURST) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = float(burst)
+        self.last: float | None = None
+
+    def allow(self, now: float) -> bool:
+        if self.last is not None:
+            self.tokens = min(self.burst, self.tokens + max(0.0, now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1 - 1e-9:  # float sums of elapsed times fall a hair short
+            return False
+        self.tokens -= 1
+        return True
+
+
 # The TSO kind of each IP version (what a TUN with TUN_F_TSO4 / TUN_F_TSO6 hands over).
 GSO_TCP = {4: VIRTIO_NET_HDR_GSO_TCPV4, 6: VIRTIO_NET_HDR_GSO_TCPV6}
 
@@ -86,6 +114,8 @@ class Transmit:
         self.v6 = 6 in families  # the backend carries IPv6 inner packets (udp), else they are dropped
         self.c = counters
         self.drops = drops
+        drops.setdefault("icmp_ratelimited", 0)
+        self.icmp_limit = IcmpRateLimit()
         self.table = NextHopTable()
         self.route_cache: dict[bytes, str | None] = {}
         self.segmenter: TsoSegmenter | None = None
@@ -118,9 +148,18 @@ class Transmit:
         return peer
 
     def icmp(self, reason: str, offender) -> None:
+        """The ICMP (ICMPv6) error for a packet dropped for ``reason``, unless over the rate
+        limit (counted ``icmp_ratelimited``): see :meth:`send_icmp`."""
+        if not self.icmp_limit.allow(time.monotonic()):
+            self.drops["icmp_ratelimited"] += 1
+            return
+        self.send_icmp(reason, offender)
+
+    def send_icmp(self, reason: str, offender) -> None:
         """The ICMP (ICMPv6) error for a packet dropped for ``reason``, written to the TUN: from
         the worker's source address of the offender's family where it has one, else from the
-        offender's destination (routed through the TUN: any reverse-path check passes)."""
+        offender's destination (routed through the TUN: any reverse-path check passes).  No
+        rate limit: the C loop's own bucket let this one through."""
         try:
             if offender[0] >> 4 == 6:
                 src = self.icmp_source_v6 or bytes(offender[24:40])

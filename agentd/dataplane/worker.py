@@ -70,8 +70,9 @@ TTL_DECREMENT = {kind: BACKENDS[kind].ttl_decrement for kind in TRANSPORTS}
 # The inner families each carries: udp IPv4 and IPv6 (the payload is the inner packet), ipip IPv4
 # (RFC 2003; IPv6 in IPv4 would be another protocol, 41).
 FAMILIES = {kind: BACKENDS[kind].inner_families for kind in TRANSPORTS}
+# icmp_ratelimited: ICMP errors not sent (over the rate limit; the packet is counted under its own reason).
 DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "not_ipv4", "send_error",
-                "tun_write_error")
+                "tun_write_error", "icmp_ratelimited")
 COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
             "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "icmp_sent")
 
@@ -293,7 +294,8 @@ class Worker:
         rc = self.fast.run(self.control.fds(), 500)
         if rc == 1:
             kind, pkt = self.fast.slow_packet()
-            self.tx.icmp("no_route" if kind == _fast.SLOW_NET_UNREACHABLE else "ttl_exceeded", memoryview(pkt))
+            # The C loop rate-limits what it hands back (its ICMP error token bucket).
+            self.tx.send_icmp("no_route" if kind == _fast.SLOW_NET_UNREACHABLE else "ttl_exceeded", memoryview(pkt))
         elif rc < 0:
             _raise_errno()
 

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import select
 import socket
+import time
 import types
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from agentd.dataplane import _fast, backends
 from agentd.dataplane import ipip as ipip_mod
 from agentd.dataplane._forward import NextHopTable, parse_members
 from agentd.dataplane._gro import Coalescer
+from agentd.dataplane._transmit import IcmpRateLimit, Transmit
 from agentd.dataplane.udp import UDP_GRO, UdpTransport
 from agentd.dataplane.worker import _RX_BUF, COUNTERS, DROP_REASONS
 from proto import packet as P
@@ -448,3 +450,45 @@ def test_the_c_loop_turns_gso_off_when_the_kernel_refuses_it():
         sock.close()
         rx.close()
 
+
+
+# -- ICMP errors are rate-limited (RFC 4443 section 2.4 (f); the kernel's icmp_msgs_per_sec) -------
+
+
+def test_the_icmp_token_bucket_allows_a_burst_then_the_rate():
+    bucket = IcmpRateLimit(rate=1000, burst=50)
+    assert [bucket.allow(10.0) for _ in range(51)] == [True] * 50 + [False]
+    assert bucket.allow(10.0005) is False  # half a token
+    assert bucket.allow(10.001) is True  # one a millisecond
+    assert bucket.allow(10.001) is False
+    assert sum(bucket.allow(20.0) for _ in range(100)) == 50  # full again, never more than the burst
+    assert bucket.allow(19.0) is False  # a clock that goes back adds nothing
+
+
+def test_the_python_paths_rate_limit_their_icmp_errors():
+    """icmp_flood.py's shape on the Python paths: 2000 TTL-1 packets in a row get the burst and
+    the rate's share of ICMP errors, the rest are counted icmp_ratelimited."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    b.setblocking(False)
+    c, d = counters()
+    try:
+        t = Transmit(tun_fd=a.fileno(), transport=None, mtu=1472, ttl_decrement=True, icmp_source="192.168.50.1",
+                     counters=c, drops=d, families=(4, 6))
+        pkt = bytearray(tcp(b"x" * 20))
+        pkt[8] = 1
+        n, start = 2000, time.monotonic()
+        for i in range(n):
+            (t.ttl_exceeded if i % 2 else t.no_route)(memoryview(bytes(pkt)))
+        elapsed_ms = (time.monotonic() - start) * 1000
+        written = 0
+        with contextlib.suppress(BlockingIOError):
+            while b.recv(1 << 16):
+                written += 1
+    finally:
+        a.close()
+        b.close()
+    assert written == c["icmp_sent"] <= 50 + elapsed_ms + 1 < n / 4
+    assert d["icmp_ratelimited"] == n - c["icmp_sent"]
+    assert d["ttl_exceeded"] + d["no_route"] == n
