@@ -64,6 +64,7 @@ ICMP_FRAG_NEEDED = 4
 ICMP_EXC_TTL = 0
 # RFC 4443 §3: ICMPv6 error messages (types below 128; informational ones are 128 and up)
 ICMPV6_DEST_UNREACH = 1
+ICMPV6_PACKET_TOO_BIG = 2
 ICMPV6_TIME_EXCEEDED = 3
 ICMPV6_NO_ROUTE = 0
 ICMPV6_EXC_HOPLIMIT = 0
@@ -622,6 +623,11 @@ def icmp6_no_route(offender, src: str | bytes) -> bytes:
 def icmp6_hop_limit_exceeded(offender, src: str | bytes) -> bytes:
     """RFC 4443 §3.3: time exceeded, hop limit exceeded in transit."""
     return icmp6_error(offender, ICMPV6_TIME_EXCEEDED, ICMPV6_EXC_HOPLIMIT, src)
+
+
+def icmp6_packet_too_big(offender, src: str | bytes, mtu: int) -> bytes:
+    """RFC 4443 §3.2: packet too big, the next-hop MTU in the second word."""
+    return icmp6_error(offender, ICMPV6_PACKET_TOO_BIG, 0, src, rest=mtu & 0xFFFFFFFF)
 
 
 @dataclass(frozen=True)

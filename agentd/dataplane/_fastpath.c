@@ -104,6 +104,7 @@ enum {
 #define SLOW_NONE 0
 #define SLOW_NET_UNREACHABLE 1
 #define SLOW_TIME_EXCEEDED 2
+#define SLOW_FRAG_NEEDED 3          /* over the path MTU: slow_peer says to whom */
 
 struct fp_route { uint32_t net, mask, peer; };   /* network byte order */
 struct fp_route6 { uint64_t net[2], mask[2]; uint32_t peer; };   /* bytes as in the header; peer network order */
@@ -119,6 +120,7 @@ struct fp_state {
     int slow_kind, slow_len;
     uint8_t slow[SLOW_MAX];
     int gso_failed_errno;            /* non-zero once a UDP_SEGMENT send was refused */
+    uint32_t slow_peer;              /* SLOW_FRAG_NEEDED: the peer the packet was for (network order) */
     /* private */
     struct fp_route *routes; int nroutes;
     struct fp_route6 *routes6; int nroutes6;
@@ -126,6 +128,7 @@ struct fp_state {
     uint32_t cache_dst, cache_peer; int cache_ok;
     uint64_t cache6_dst[2]; uint32_t cache6_peer; int cache6_ok;
     int64_t icmp_credit_ns, icmp_last_ns;    /* the ICMP error token bucket, in nanoseconds of rate */
+    int ptb_len; uint32_t ptb_peer; uint8_t ptb[SLOW_MAX];   /* a packet too big, waiting (too_big) */
     uint8_t *in, *out, *rx, *ovf;
     int geo_hl, geo_gso;             /* the segment slots TUN reads go into (the last TSO geometry) */
     struct iovec tiov[TX_IOV];
@@ -460,7 +463,7 @@ struct fp_field { const char *name; int offset, size; };
 static const struct fp_field fp_fields[] = {
     FP_FIELD(tun_fd), FP_FIELD(sock_fd), FP_FIELD(kind), FP_FIELD(mtu), FP_FIELD(ttl_decrement),
     FP_FIELD(udp_gso), FP_FIELD(udp_gro), FP_FIELD(ipv6), FP_FIELD(port), FP_FIELD(counters), FP_FIELD(slow_kind),
-    FP_FIELD(slow_len), FP_FIELD(slow), FP_FIELD(gso_failed_errno),
+    FP_FIELD(slow_len), FP_FIELD(slow), FP_FIELD(gso_failed_errno), FP_FIELD(slow_peer),
 };
 #undef FP_FIELD
 int fp_field_count(void) { return (int)(sizeof fp_fields / sizeof fp_fields[0]); }
@@ -469,6 +472,49 @@ int fp_field_offset(int i) { return i >= 0 && i < fp_field_count() ? fp_fields[i
 int fp_field_size(int i) { return i >= 0 && i < fp_field_count() ? fp_fields[i].size : -1; }
 
 /* -- transmit -------------------------------------------------------------------------------------- */
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Whether an ICMP error may go now (takes a token), else counts it as rate-limited. */
+static int icmp_allowed(struct fp_state *st)
+{
+    int64_t now = now_ns(), credit = st->icmp_credit_ns + (now - st->icmp_last_ns);
+    if (credit > ICMP_BURST * ICMP_COST_NS || credit < 0)   /* full (also the first time) */
+        credit = ICMP_BURST * ICMP_COST_NS;
+    st->icmp_last_ns = now;
+    if (credit < ICMP_COST_NS) {
+        st->icmp_credit_ns = credit;
+        st->counters[D_ICMP_RATELIMITED]++;
+        return 0;
+    }
+    st->icmp_credit_ns = credit - ICMP_COST_NS;
+    return 1;
+}
+
+/* A packet the underlay refused as longer than the path MTU (EMSGSIZE): kept (one at a time)
+ * for Python, which tells its source the MTU it can use -- frag needed (RFC 1191) for IPv4 with
+ * DF, packet too big (RFC 4443 section 3.2) for IPv6 -- as a kernel tunnel device does; without
+ * it TCP on that path stalls until its own black-hole detection.  Rate-limited as every ICMP
+ * error.  IPv4 without DF gets nothing (a router would fragment it; the worker does not). */
+static void too_big(struct fp_state *st, const uint8_t *p, int len, uint32_t peer)
+{
+    if (st->ptb_len || len < 20)
+        return;
+    int v = p[0] >> 4;
+    if (!(v == 6 || (v == 4 && (p[6] & 0x40))))
+        return;
+    if (!icmp_allowed(st))
+        return;
+    st->ptb_len = len < SLOW_MAX ? len : SLOW_MAX;
+    memcpy(st->ptb, p, (size_t)st->ptb_len);
+    st->ptb_peer = peer;
+}
+
 
 static void add_msg(struct fp_state *st, uint32_t peer, uint8_t *base, int bytes, int seglen, int segments)
 {
@@ -511,7 +557,12 @@ static int send_plain(struct fp_state *st, int i)
         int len = left < m->seglen ? left : m->seglen;
         st->counters[C_TX_SYSCALLS]++;
         if (sendto(st->sock_fd, p, (size_t)len, 0, (struct sockaddr *)&st->names[i], sizeof(struct sockaddr_in)) < 0) {
-            st->counters[errno == EMSGSIZE ? D_MTU : D_SEND_ERROR]++;
+            if (errno == EMSGSIZE) {
+                st->counters[D_MTU]++;
+                too_big(st, p, len, st->names[i].sin_addr.s_addr);
+            } else {
+                st->counters[D_SEND_ERROR]++;
+            }
         } else {
             st->counters[C_TX_PACKETS]++;
             st->counters[C_TX_BYTES] += (uint64_t)len;
@@ -552,6 +603,8 @@ static void flush(struct fp_state *st)
                 break;
             }
             st->counters[err == EMSGSIZE ? D_MTU : D_SEND_ERROR] += (uint64_t)m->segments;
+            if (err == EMSGSIZE)
+                too_big(st, st->iovs[start].iov_base, m->seglen < m->bytes ? m->seglen : m->bytes, m->peer);
             start++;
             continue;
         }
@@ -613,26 +666,14 @@ static void queue_segments(struct fp_state *st, uint32_t peer, uint8_t *base, in
     }
 }
 
-static int64_t now_ns(void)
+/* Hand Python the packet too_big kept (returns 1). */
+static int hand_back_too_big(struct fp_state *st)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-/* Whether an ICMP error may go now (takes a token), else counts it as rate-limited. */
-static int icmp_allowed(struct fp_state *st)
-{
-    int64_t now = now_ns(), credit = st->icmp_credit_ns + (now - st->icmp_last_ns);
-    if (credit > ICMP_BURST * ICMP_COST_NS || credit < 0)   /* full (also the first time) */
-        credit = ICMP_BURST * ICMP_COST_NS;
-    st->icmp_last_ns = now;
-    if (credit < ICMP_COST_NS) {
-        st->icmp_credit_ns = credit;
-        st->counters[D_ICMP_RATELIMITED]++;
-        return 0;
-    }
-    st->icmp_credit_ns = credit - ICMP_COST_NS;
+    st->slow_kind = SLOW_FRAG_NEEDED;
+    st->slow_len = st->ptb_len;
+    memcpy(st->slow, st->ptb, (size_t)st->ptb_len);
+    st->slow_peer = st->ptb_peer;
+    st->ptb_len = 0;
     return 1;
 }
 
@@ -688,6 +729,8 @@ static int fp_tx(struct fp_state *st, int budget)
 {
     int rc = 0, batched = 0;
     st->slow_kind = SLOW_NONE;
+    if (st->ptb_len)   /* kept by the flush of an earlier hand-back */
+        return hand_back_too_big(st);
     st->out_used = 0;   /* every earlier call ended with a flush */
     if (st->geo_gso < MIN_SLOT_GSO) {  /* first call: IPv4 + TCP with timestamps at the MTU */
         st->geo_hl = 52;
@@ -824,6 +867,8 @@ static int fp_tx(struct fp_state *st, int budget)
     flush(st);
     if (batched)
         st->counters[C_TSO_BATCHES]++;
+    if (rc == 0 && st->ptb_len)
+        return hand_back_too_big(st);
     return rc;
 }
 

@@ -29,6 +29,7 @@ loop to the bytes the reference segmenter makes; the system tests run every loop
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import time
 
@@ -44,6 +45,8 @@ from proto.packet import (
     decrement_ttl,
     icmp6_hop_limit_exceeded,
     icmp6_no_route,
+    icmp6_packet_too_big,
+    icmp_frag_needed,
     icmp_net_unreachable,
     icmp_time_exceeded,
 )
@@ -89,6 +92,22 @@ class IcmpRateLimit:
         return True
 
 
+IP_MTU = 14  # linux/in.h: a connected socket's path MTU
+
+
+def path_mtu(peer: str) -> int | None:
+    """The kernel's path MTU to ``peer`` (its route's, lowered by what ICMP frag needed taught
+    it), read from a connected UDP socket (IP_MTU); None when it cannot be told."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((peer, 9))
+        return s.getsockopt(socket.IPPROTO_IP, IP_MTU)
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
 # The TSO kind of each IP version (what a TUN with TUN_F_TSO4 / TUN_F_TSO6 hands over).
 GSO_TCP = {4: VIRTIO_NET_HDR_GSO_TCPV4, 6: VIRTIO_NET_HDR_GSO_TCPV6}
 
@@ -116,6 +135,8 @@ class Transmit:
         self.drops = drops
         drops.setdefault("icmp_ratelimited", 0)
         self.icmp_limit = IcmpRateLimit()
+        if transport is not None:  # what the underlay refuses as over the path MTU comes back here
+            transport.too_big = self.too_big
         self.table = NextHopTable()
         self.route_cache: dict[bytes, str | None] = {}
         self.segmenter: TsoSegmenter | None = None
@@ -170,6 +191,38 @@ class Transmit:
             self.tun_write([VNET_HDR_NONE, build(offender, src)])
         except ValueError:  # too short to answer, or an error about an error (proto.packet.DecodeError too)
             return
+        self.c["icmp_sent"] += 1
+
+    def too_big(self, offender, peer: str) -> None:
+        """A packet to ``peer`` the underlay refused (EMSGSIZE: longer than the path MTU): its
+        source is told the MTU it can use, unless over the rate limit (see :meth:`send_too_big`)."""
+        if len(offender) < 20 or (offender[0] >> 4 == 4 and not offender[6] & 0x40):
+            return  # (IPv4 without DF: a router would fragment it; we do not)
+        if not self.icmp_limit.allow(time.monotonic()):
+            self.drops["icmp_ratelimited"] += 1
+            return
+        self.send_too_big(offender, peer)
+
+    def send_too_big(self, offender, peer: str) -> None:
+        """Frag needed (RFC 1191 §4; IPv4 with DF) or packet too big (RFC 4443 §3.2; IPv6) to
+        the source of ``offender``, with the path MTU to ``peer`` less the encapsulation's
+        overhead, as a kernel tunnel device answers (without it TCP on that path stalls until
+        its black-hole detection).  No rate limit: the caller's."""
+        if len(offender) < 20 or (offender[0] >> 4 == 4 and not offender[6] & 0x40):
+            return
+        pmtu = path_mtu(peer)
+        overhead = getattr(self.transport, "overhead", 0)
+        if pmtu is None or pmtu - overhead < 68:
+            return
+        mtu = min(pmtu - overhead, self.mtu)
+        try:
+            if offender[0] >> 4 == 6:
+                pkt = icmp6_packet_too_big(offender, self.icmp_source_v6 or bytes(offender[24:40]), mtu)
+            else:
+                pkt = icmp_frag_needed(offender, self.icmp_source or bytes(offender[16:20]), mtu)
+        except ValueError:
+            return
+        self.tun_write([VNET_HDR_NONE, pkt])
         self.c["icmp_sent"] += 1
 
     # The drops that answer the sender with an ICMP error (only on the drop path: no cost per forwarded packet).

@@ -113,6 +113,9 @@ class UdpTransport:
         self.offloads: dict[str, bool] = {"udp_gso": False, "udp_gro": False}
         self.fallbacks: dict[str, str] = {}
         self.members: frozenset[str] = frozenset()
+        # Called with (packet, peer) for a packet the underlay refused as over the path MTU
+        # (Transmit.too_big: frag needed / packet too big to its source).
+        self.too_big = None
         given = sock is not None
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -185,7 +188,7 @@ class UdpTransport:
         try:
             self.sock.sendto(view, self.peer_address(peer))
         except OSError as exc:
-            self._send_failed(exc, 1)
+            self._send_failed(exc, 1, view, peer)
             return
         c = self.c
         c["tx_packets"] += 1
@@ -249,7 +252,8 @@ class UdpTransport:
                         return
                     start += 1
                     continue
-                self._send_failed(OSError(err, os.strerror(err)), -(-n // seglen))
+                self._send_failed(OSError(err, os.strerror(err)), -(-n // seglen),
+                                  self._tx_buf[off : off + min(n, seglen)], peer)
                 start += 1
                 continue
             for off, n, seglen, _peer in meta[start : start + sent]:
@@ -281,7 +285,7 @@ class UdpTransport:
                         return
                     off += n
                     continue
-                self._send_failed(exc, -(-n // seglen))
+                self._send_failed(exc, -(-n // seglen), buf[off : off + min(n, seglen)], peer)
             else:
                 c["tx_packets"] += -(-n // seglen)
                 c["tx_bytes"] += n
@@ -300,7 +304,7 @@ class UdpTransport:
             try:
                 sendto(buf[off : off + n], addr)
             except OSError as exc:
-                self._send_failed(exc, 1)
+                self._send_failed(exc, 1, buf[off : off + n], peer)
             else:
                 sent += 1
                 c["tx_bytes"] += n
@@ -323,9 +327,14 @@ class UdpTransport:
         self.fallbacks["udp_gso"] = f"UDP_SEGMENT send failed: {os.strerror(err)}"
         return True
 
-    def _send_failed(self, exc: OSError, packets: int) -> None:
-        reason = "mtu" if exc.errno == errno.EMSGSIZE else "send_error"
-        self.drops[reason] += packets
+    def _send_failed(self, exc: OSError, packets: int, first=None, peer: str = "") -> None:
+        """``packets`` not sent; ``first`` (to ``peer``) is the first of them."""
+        if exc.errno == errno.EMSGSIZE:
+            self.drops["mtu"] += packets
+            if self.too_big is not None and first is not None:
+                self.too_big(first, peer)
+            return
+        self.drops["send_error"] += packets
 
     # -- receive ------------------------------------------------------------------------------
 

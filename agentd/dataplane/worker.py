@@ -300,7 +300,11 @@ class Worker:
         if rc == 1:
             kind, pkt = self.fast.slow_packet()
             # The C loop rate-limits what it hands back (its ICMP error token bucket).
-            self.tx.send_icmp("no_route" if kind == _fast.SLOW_NET_UNREACHABLE else "ttl_exceeded", memoryview(pkt))
+            if kind == _fast.SLOW_FRAG_NEEDED:
+                self.tx.send_too_big(memoryview(pkt), self.fast.slow_peer())
+            else:
+                self.tx.send_icmp("no_route" if kind == _fast.SLOW_NET_UNREACHABLE else "ttl_exceeded",
+                                  memoryview(pkt))
         elif rc < 0:
             _raise_errno()
 

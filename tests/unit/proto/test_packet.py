@@ -264,6 +264,14 @@ def test_icmpv6_errors_quote_up_to_the_minimum_mtu_and_never_answer_errors():
         P.icmp6_no_route(b"\x60" + bytes(20), "fd00::1")
 
 
+def test_icmpv6_packet_too_big_carries_the_mtu():
+    offender = P.tcp6_packet(SRC6, DST6, P.TcpHeader(1, 2, 3, 4, P.TCP_ACK, 5), b"x" * 1400)
+    msg = P.icmp6_packet_too_big(offender, "fd00::1", 1400)
+    _, body = P.split_ipv6(msg)
+    assert (body[0], body[1], struct.unpack_from("!I", body, 4)[0]) == (2, 0, 1400)  # RFC 4443 section 3.2
+    assert P.transport_checksum_ok(msg)
+
+
 # --------------------------------------------------------------------------------------------
 # IPv6 (RFC 8200) and what sits behind its extension headers
 
