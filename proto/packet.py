@@ -64,6 +64,7 @@ ICMP_FRAG_NEEDED = 4
 ICMP_EXC_TTL = 0
 # RFC 4443 §3: ICMPv6 error messages (types below 128; informational ones are 128 and up)
 ICMPV6_DEST_UNREACH = 1
+ICMPV6_PACKET_TOO_BIG = 2
 ICMPV6_TIME_EXCEEDED = 3
 ICMPV6_NO_ROUTE = 0
 ICMPV6_EXC_HOPLIMIT = 0
@@ -542,17 +543,34 @@ def icmp_message(type_: int, code: int, rest: int, body: bytes) -> bytes:
     return bytes(raw)
 
 
+# RFC 1122 §3.2.2: destination unreachable, source quench, redirect, time exceeded, parameter problem.
+_ICMP_ERROR_TYPES = frozenset((3, 4, 5, 11, 12))
+
+
 def icmp_error(offender, type_: int, code: int, src: str | bytes, *, ttl: int = 64,
                rest: int = 0) -> bytes:
     """An ICMP error about ``offender`` (an IPv4 packet), addressed to its source.
 
     RFC 792 quotes the offender's IP header plus 64 bits of its data; RFC 1812 §4.3.2.3 allows
     more, which helps nobody here, so we quote exactly that (as flannel does).
+
+    RFC 1122 §3.2.2 and RFC 1812 §4.3.2.7: never about an ICMP error message, a fragment other
+    than the first, a packet to a multicast or broadcast address, nor one whose source is not a
+    single host (0/8, loopback, multicast, broadcast, class E) (ValueError: the caller sends
+    nothing), as ``icmp6_error`` does for ICMPv6.
     """
     off = memoryview(offender)
     if len(off) < IPV4_HEADER_LEN:
         raise DecodeError("offending packet shorter than an IPv4 header")
     ihl = (off[0] & 0x0F) * 4
+    if (off[6] << 8 | off[7]) & 0x1FFF:
+        raise ValueError("no ICMP error about a fragment other than the first (RFC 1122 §3.2.2)")
+    if off[9] == IPPROTO_ICMP and len(off) > ihl and off[ihl] in _ICMP_ERROR_TYPES:
+        raise ValueError("no ICMP error about an ICMP error (RFC 1122 §3.2.2)")
+    if off[16] >= 224 or bytes(off[16:20]) == b"\xff\xff\xff\xff":
+        raise ValueError("no ICMP error about a multicast or broadcast packet (RFC 1122 §3.2.2)")
+    if off[12] in (0, 127) or off[12] >= 224:
+        raise ValueError("no ICMP error to a source that is not a single host (RFC 1812 §4.3.2.7)")
     quote = bytes(off[: ihl + 8])
     dst = bytes(off[12:16])
     body = icmp_message(type_, code, rest, quote)
@@ -605,6 +623,11 @@ def icmp6_no_route(offender, src: str | bytes) -> bytes:
 def icmp6_hop_limit_exceeded(offender, src: str | bytes) -> bytes:
     """RFC 4443 §3.3: time exceeded, hop limit exceeded in transit."""
     return icmp6_error(offender, ICMPV6_TIME_EXCEEDED, ICMPV6_EXC_HOPLIMIT, src)
+
+
+def icmp6_packet_too_big(offender, src: str | bytes, mtu: int) -> bytes:
+    """RFC 4443 §3.2: packet too big, the next-hop MTU in the second word."""
+    return icmp6_error(offender, ICMPV6_PACKET_TOO_BIG, 0, src, rest=mtu & 0xFFFFFFFF)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import ipaddress
+import socket
 import sys
 
 from agentd.dataplane._forward import NextHopTable
@@ -21,10 +22,11 @@ COUNTERS = (
     "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "coalesced_segments",
     "coalesced_batches", "rx_csum_errors",
     "drop:non_member", "drop:no_route", "drop:ttl_exceeded", "drop:malformed", "drop:mtu", "drop:not_ipv4",
-    "drop:send_error", "drop:tun_write_error",
+    "drop:send_error", "drop:tun_write_error", "drop:icmp_ratelimited",
 )
 SLOW_NET_UNREACHABLE = 1
 SLOW_TIME_EXCEEDED = 2
+SLOW_FRAG_NEEDED = 3  # over the path MTU to slow_peer: frag needed / packet too big
 KINDS = {"udp": 0, "ipip": 1}
 SLOW_MAX = 1600
 
@@ -38,7 +40,7 @@ class _State(ctypes.Structure):
         ("ipv6", ctypes.c_int), ("port", ctypes.c_uint16),
         ("counters", ctypes.c_uint64 * len(COUNTERS)),
         ("slow_kind", ctypes.c_int), ("slow_len", ctypes.c_int), ("slow", ctypes.c_uint8 * SLOW_MAX),
-        ("gso_failed_errno", ctypes.c_int),
+        ("gso_failed_errno", ctypes.c_int), ("slow_peer", ctypes.c_uint32),
     ]
 
 
@@ -161,6 +163,10 @@ class FastPath:
     def slow_packet(self) -> tuple[int, bytes]:
         st = self.state
         return st.slow_kind, bytes(st.slow[: st.slow_len])
+
+    def slow_peer(self) -> str:
+        """The peer a SLOW_FRAG_NEEDED packet was for."""
+        return socket.inet_ntoa(self.state.slow_peer.to_bytes(4, sys.byteorder))
 
     def counters(self) -> dict[str, int]:
         return dict(zip(COUNTERS, self.state.counters, strict=True))

@@ -5,7 +5,7 @@
  * This file only moves packets, through a handful of plain C functions called with ctypes
  * (agentd/dataplane/_fast.py): fp_run is the worker's poll loop, draining the TUN (fp_tx) and
  * the underlay socket (fp_rx) until a control socket needs Python.  What it cannot finish (a
- * packet that needs an ICMP error) it hands back to Python.
+ * packet that needs an ICMP error) it hands back to Python, at most ICMP_RATE a second.
  *
  * Inner packets are IPv4, and IPv6 where the backend carries it (udp: st->ipv6; ipip is IPv4 in
  * IPv4 only): the outer header is IPv4 either way, the underlay's.
@@ -87,14 +87,24 @@ enum {
     C_TUN_READS, C_TUN_WRITES, C_TSO_FRAMES, C_TSO_SEGMENTS, C_TSO_BATCHES, C_COALESCED,
     C_COALESCED_BATCHES, C_RX_CSUM_ERRORS,
     D_NON_MEMBER, D_NO_ROUTE, D_TTL_EXCEEDED, D_MALFORMED, D_MTU, D_NOT_IPV4, D_SEND_ERROR,
-    D_TUN_WRITE_ERROR,
+    D_TUN_WRITE_ERROR, D_ICMP_RATELIMITED,
     C_COUNT
 };
+
+/* ICMP errors are rate-limited as the kernel limits its own (net.ipv4.icmp_msgs_per_sec and
+ * icmp_msgs_burst; RFC 4443 section 2.4 (f) requires it for ICMPv6): a token bucket in front of
+ * every hand-back, so a pod that floods TTL-1 or unrouted packets costs the loop a counter
+ * (drop:icmp_ratelimited), not a return to Python per packet.  _transmit.py's IcmpRateLimit is
+ * the same bucket for the Python paths. */
+#define ICMP_RATE 1000                      /* errors a second */
+#define ICMP_BURST 50
+#define ICMP_COST_NS (1000000000LL / ICMP_RATE)
 
 /* What fp_tx hands back to Python. */
 #define SLOW_NONE 0
 #define SLOW_NET_UNREACHABLE 1
 #define SLOW_TIME_EXCEEDED 2
+#define SLOW_FRAG_NEEDED 3          /* over the path MTU: slow_peer says to whom */
 
 struct fp_route { uint32_t net, mask, peer; };   /* network byte order */
 struct fp_route6 { uint64_t net[2], mask[2]; uint32_t peer; };   /* bytes as in the header; peer network order */
@@ -110,12 +120,15 @@ struct fp_state {
     int slow_kind, slow_len;
     uint8_t slow[SLOW_MAX];
     int gso_failed_errno;            /* non-zero once a UDP_SEGMENT send was refused */
+    uint32_t slow_peer;              /* SLOW_FRAG_NEEDED: the peer the packet was for (network order) */
     /* private */
     struct fp_route *routes; int nroutes;
     struct fp_route6 *routes6; int nroutes6;
     uint32_t *members; int nmembers;  /* host byte order, sorted */
     uint32_t cache_dst, cache_peer; int cache_ok;
     uint64_t cache6_dst[2]; uint32_t cache6_peer; int cache6_ok;
+    int64_t icmp_credit_ns, icmp_last_ns;    /* the ICMP error token bucket, in nanoseconds of rate */
+    int ptb_len; uint32_t ptb_peer; uint8_t ptb[SLOW_MAX];   /* a packet too big, waiting (too_big) */
     uint8_t *in, *out, *rx, *ovf;
     int geo_hl, geo_gso;             /* the segment slots TUN reads go into (the last TSO geometry) */
     struct iovec tiov[TX_IOV];
@@ -450,7 +463,7 @@ struct fp_field { const char *name; int offset, size; };
 static const struct fp_field fp_fields[] = {
     FP_FIELD(tun_fd), FP_FIELD(sock_fd), FP_FIELD(kind), FP_FIELD(mtu), FP_FIELD(ttl_decrement),
     FP_FIELD(udp_gso), FP_FIELD(udp_gro), FP_FIELD(ipv6), FP_FIELD(port), FP_FIELD(counters), FP_FIELD(slow_kind),
-    FP_FIELD(slow_len), FP_FIELD(slow), FP_FIELD(gso_failed_errno),
+    FP_FIELD(slow_len), FP_FIELD(slow), FP_FIELD(gso_failed_errno), FP_FIELD(slow_peer),
 };
 #undef FP_FIELD
 int fp_field_count(void) { return (int)(sizeof fp_fields / sizeof fp_fields[0]); }
@@ -459,6 +472,49 @@ int fp_field_offset(int i) { return i >= 0 && i < fp_field_count() ? fp_fields[i
 int fp_field_size(int i) { return i >= 0 && i < fp_field_count() ? fp_fields[i].size : -1; }
 
 /* -- transmit -------------------------------------------------------------------------------------- */
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Whether an ICMP error may go now (takes a token), else counts it as rate-limited. */
+static int icmp_allowed(struct fp_state *st)
+{
+    int64_t now = now_ns(), credit = st->icmp_credit_ns + (now - st->icmp_last_ns);
+    if (credit > ICMP_BURST * ICMP_COST_NS || credit < 0)   /* full (also the first time) */
+        credit = ICMP_BURST * ICMP_COST_NS;
+    st->icmp_last_ns = now;
+    if (credit < ICMP_COST_NS) {
+        st->icmp_credit_ns = credit;
+        st->counters[D_ICMP_RATELIMITED]++;
+        return 0;
+    }
+    st->icmp_credit_ns = credit - ICMP_COST_NS;
+    return 1;
+}
+
+/* A packet the underlay refused as longer than the path MTU (EMSGSIZE): kept (one at a time)
+ * for Python, which tells its source the MTU it can use -- frag needed (RFC 1191) for IPv4 with
+ * DF, packet too big (RFC 4443 section 3.2) for IPv6 -- as a kernel tunnel device does; without
+ * it TCP on that path stalls until its own black-hole detection.  Rate-limited as every ICMP
+ * error.  IPv4 without DF gets nothing (a router would fragment it; the worker does not). */
+static void too_big(struct fp_state *st, const uint8_t *p, int len, uint32_t peer)
+{
+    if (st->ptb_len || len < 20)
+        return;
+    int v = p[0] >> 4;
+    if (!(v == 6 || (v == 4 && (p[6] & 0x40))))
+        return;
+    if (!icmp_allowed(st))
+        return;
+    st->ptb_len = len < SLOW_MAX ? len : SLOW_MAX;
+    memcpy(st->ptb, p, (size_t)st->ptb_len);
+    st->ptb_peer = peer;
+}
+
 
 static void add_msg(struct fp_state *st, uint32_t peer, uint8_t *base, int bytes, int seglen, int segments)
 {
@@ -501,7 +557,12 @@ static int send_plain(struct fp_state *st, int i)
         int len = left < m->seglen ? left : m->seglen;
         st->counters[C_TX_SYSCALLS]++;
         if (sendto(st->sock_fd, p, (size_t)len, 0, (struct sockaddr *)&st->names[i], sizeof(struct sockaddr_in)) < 0) {
-            st->counters[errno == EMSGSIZE ? D_MTU : D_SEND_ERROR]++;
+            if (errno == EMSGSIZE) {
+                st->counters[D_MTU]++;
+                too_big(st, p, len, st->names[i].sin_addr.s_addr);
+            } else {
+                st->counters[D_SEND_ERROR]++;
+            }
         } else {
             st->counters[C_TX_PACKETS]++;
             st->counters[C_TX_BYTES] += (uint64_t)len;
@@ -542,6 +603,8 @@ static void flush(struct fp_state *st)
                 break;
             }
             st->counters[err == EMSGSIZE ? D_MTU : D_SEND_ERROR] += (uint64_t)m->segments;
+            if (err == EMSGSIZE)
+                too_big(st, st->iovs[start].iov_base, m->seglen < m->bytes ? m->seglen : m->bytes, m->peer);
             start++;
             continue;
         }
@@ -603,6 +666,18 @@ static void queue_segments(struct fp_state *st, uint32_t peer, uint8_t *base, in
     }
 }
 
+/* Hand Python the packet too_big kept (returns 1). */
+static int hand_back_too_big(struct fp_state *st)
+{
+    st->slow_kind = SLOW_FRAG_NEEDED;
+    st->slow_len = st->ptb_len;
+    memcpy(st->slow, st->ptb, (size_t)st->ptb_len);
+    st->slow_peer = st->ptb_peer;
+    st->ptb_len = 0;
+    return 1;
+}
+
+/* Hand the packet back to Python for an ICMP error (returns 1: fp_tx returns it). */
 static int hand_back(struct fp_state *st, int kind, const uint8_t *pkt, int len)
 {
     flush(st);
@@ -654,6 +729,8 @@ static int fp_tx(struct fp_state *st, int budget)
 {
     int rc = 0, batched = 0;
     st->slow_kind = SLOW_NONE;
+    if (st->ptb_len)   /* kept by the flush of an earlier hand-back */
+        return hand_back_too_big(st);
     st->out_used = 0;   /* every earlier call ended with a flush */
     if (st->geo_gso < MIN_SLOT_GSO) {  /* first call: IPv4 + TCP with timestamps at the MTU */
         st->geo_hl = 52;
@@ -700,6 +777,8 @@ static int fp_tx(struct fp_state *st, int budget)
         }
         if (!peer) {
             st->counters[D_NO_ROUTE]++;
+            if (!icmp_allowed(st))
+                continue;
             return hand_back(st, SLOW_NET_UNREACHABLE, p ? p : gather(st, nv, len), len);
         }
         int gso_type = v[1] & 0x7F;
@@ -734,6 +813,8 @@ static int fp_tx(struct fp_state *st, int budget)
             }
             if (count == -2) {
                 st->counters[D_TTL_EXCEEDED]++;
+                if (!icmp_allowed(st))
+                    continue;
                 return hand_back(st, SLOW_TIME_EXCEEDED, len > stride && p == o ? gather(st, nv, len) : p, len);
             }
             if (count < 0) {
@@ -771,6 +852,8 @@ static int fp_tx(struct fp_state *st, int budget)
         if (st->ttl_decrement) {
             if (o[hop_at] <= 1) {
                 st->counters[D_TTL_EXCEEDED]++;
+                if (!icmp_allowed(st))
+                    continue;
                 return hand_back(st, SLOW_TIME_EXCEEDED, o, len);
             }
             if (version == 6)
@@ -784,6 +867,8 @@ static int fp_tx(struct fp_state *st, int budget)
     flush(st);
     if (batched)
         st->counters[C_TSO_BATCHES]++;
+    if (rc == 0 && st->ptb_len)
+        return hand_back_too_big(st);
     return rc;
 }
 

@@ -29,7 +29,9 @@ loop to the bytes the reference segmenter makes; the system tests run every loop
 from __future__ import annotations
 
 import os
+import socket
 import struct
+import time
 
 from agentd.dataplane._forward import ForwardError, NextHopTable, complete_checksum
 from agentd.dataplane._tso import TsoSegmenter
@@ -43,6 +45,8 @@ from proto.packet import (
     decrement_ttl,
     icmp6_hop_limit_exceeded,
     icmp6_no_route,
+    icmp6_packet_too_big,
+    icmp_frag_needed,
     icmp_net_unreachable,
     icmp_time_exceeded,
 )
@@ -61,6 +65,49 @@ ICMP_ERRORS = {
     ("ttl_exceeded", 4): icmp_time_exceeded,
     ("ttl_exceeded", 6): icmp6_hop_limit_exceeded,
 }
+# ICMP errors a second and the burst: as the kernel's net.ipv4.icmp_msgs_per_sec / icmp_msgs_burst
+# (_fastpath.c's ICMP_RATE / ICMP_BURST).
+ICMP_RATE = 1000
+ICMP_BURST = 50
+
+
+class IcmpRateLimit:
+    """A token bucket for the worker's ICMP errors (RFC 4443 §2.4 (f) requires one for ICMPv6;
+    the kernel limits its own ICMP errors alike): ``burst`` at once, ``rate`` a second after.
+    Time is passed in (seconds, monotonic)."""
+
+    def __init__(self, rate: float = ICMP_RATE, burst: int = ICMP_BURST) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = float(burst)
+        self.last: float | None = None
+
+    def allow(self, now: float) -> bool:
+        if self.last is not None:
+            self.tokens = min(self.burst, self.tokens + max(0.0, now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1 - 1e-9:  # float sums of elapsed times fall a hair short
+            return False
+        self.tokens -= 1
+        return True
+
+
+IP_MTU = 14  # linux/in.h: a connected socket's path MTU
+
+
+def path_mtu(peer: str) -> int | None:
+    """The kernel's path MTU to ``peer`` (its route's, lowered by what ICMP frag needed taught
+    it), read from a connected UDP socket (IP_MTU); None when it cannot be told."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((peer, 9))
+        return s.getsockopt(socket.IPPROTO_IP, IP_MTU)
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
 # The TSO kind of each IP version (what a TUN with TUN_F_TSO4 / TUN_F_TSO6 hands over).
 GSO_TCP = {4: VIRTIO_NET_HDR_GSO_TCPV4, 6: VIRTIO_NET_HDR_GSO_TCPV6}
 
@@ -86,6 +133,10 @@ class Transmit:
         self.v6 = 6 in families  # the backend carries IPv6 inner packets (udp), else they are dropped
         self.c = counters
         self.drops = drops
+        drops.setdefault("icmp_ratelimited", 0)
+        self.icmp_limit = IcmpRateLimit()
+        if transport is not None:  # what the underlay refuses as over the path MTU comes back here
+            transport.too_big = self.too_big
         self.table = NextHopTable()
         self.route_cache: dict[bytes, str | None] = {}
         self.segmenter: TsoSegmenter | None = None
@@ -118,9 +169,18 @@ class Transmit:
         return peer
 
     def icmp(self, reason: str, offender) -> None:
+        """The ICMP (ICMPv6) error for a packet dropped for ``reason``, unless over the rate
+        limit (counted ``icmp_ratelimited``): see :meth:`send_icmp`."""
+        if not self.icmp_limit.allow(time.monotonic()):
+            self.drops["icmp_ratelimited"] += 1
+            return
+        self.send_icmp(reason, offender)
+
+    def send_icmp(self, reason: str, offender) -> None:
         """The ICMP (ICMPv6) error for a packet dropped for ``reason``, written to the TUN: from
         the worker's source address of the offender's family where it has one, else from the
-        offender's destination (routed through the TUN: any reverse-path check passes)."""
+        offender's destination (routed through the TUN: any reverse-path check passes).  No
+        rate limit: the C loop's own bucket let this one through."""
         try:
             if offender[0] >> 4 == 6:
                 src = self.icmp_source_v6 or bytes(offender[24:40])
@@ -131,6 +191,38 @@ class Transmit:
             self.tun_write([VNET_HDR_NONE, build(offender, src)])
         except ValueError:  # too short to answer, or an error about an error (proto.packet.DecodeError too)
             return
+        self.c["icmp_sent"] += 1
+
+    def too_big(self, offender, peer: str) -> None:
+        """A packet to ``peer`` the underlay refused (EMSGSIZE: longer than the path MTU): its
+        source is told the MTU it can use, unless over the rate limit (see :meth:`send_too_big`)."""
+        if len(offender) < 20 or (offender[0] >> 4 == 4 and not offender[6] & 0x40):
+            return  # (IPv4 without DF: a router would fragment it; we do not)
+        if not self.icmp_limit.allow(time.monotonic()):
+            self.drops["icmp_ratelimited"] += 1
+            return
+        self.send_too_big(offender, peer)
+
+    def send_too_big(self, offender, peer: str) -> None:
+        """Frag needed (RFC 1191 §4; IPv4 with DF) or packet too big (RFC 4443 §3.2; IPv6) to
+        the source of ``offender``, with the path MTU to ``peer`` less the encapsulation's
+        overhead, as a kernel tunnel device answers (without it TCP on that path stalls until
+        its black-hole detection).  No rate limit: the caller's."""
+        if len(offender) < 20 or (offender[0] >> 4 == 4 and not offender[6] & 0x40):
+            return
+        pmtu = path_mtu(peer)
+        overhead = getattr(self.transport, "overhead", 0)
+        if pmtu is None or pmtu - overhead < 68:
+            return
+        mtu = min(pmtu - overhead, self.mtu)
+        try:
+            if offender[0] >> 4 == 6:
+                pkt = icmp6_packet_too_big(offender, self.icmp_source_v6 or bytes(offender[24:40]), mtu)
+            else:
+                pkt = icmp_frag_needed(offender, self.icmp_source or bytes(offender[16:20]), mtu)
+        except ValueError:
+            return
+        self.tun_write([VNET_HDR_NONE, pkt])
         self.c["icmp_sent"] += 1
 
     # The drops that answer the sender with an ICMP error (only on the drop path: no cost per forwarded packet).

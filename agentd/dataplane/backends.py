@@ -45,6 +45,7 @@ from agentd.dataplane.bpf_backend import BpfPath, InBpf
 from agentd.config.settings import Config
 from agentd.dataplane import DataplaneClient, DataplaneError, DataplaneProcess
 from agentd.dataplane.bpf import BpfUnavailable, for_log, layout, remove_pinned
+from agentd.dataplane.udp_port import bind_udp_port, take_worker_socket
 from agentd.datastore.store import NodeRecord
 from agentd.kernel import netlink as nl
 from agentd.kernel.netlink_links import Vxlan, decode_vxlan
@@ -268,6 +269,9 @@ class _Worker:
         # dropped, by reason, and (pid, drops) of the one last read (kept after it died).
         self.drops_before: dict[str, int] = {}
         self._counted: tuple[Any, dict[str, int]] = (None, {})
+        # udp: the socket on udp_port, held for the agent's life and handed to each worker
+        # (agentd/dataplane/udp_port.py): no other user can take the port while we run.
+        self.port_socket: socket.socket | None = None
 
     async def up(self, subnet: IPv4Network) -> None:
         Path(self.control_path).parent.mkdir(parents=True, exist_ok=True)
@@ -288,6 +292,7 @@ class _Worker:
                 port=port,
                 control_path=self.control_path,
                 state_path=self.state_path,
+                sock=self._port_socket(local_ip, port),
             )
             self.client = await DataplaneClient.connect(self.control_path)
             log.info("started the %s data-plane worker (pid %d)", self.name, self.process.pid)
@@ -304,6 +309,9 @@ class _Worker:
             raise
         config = held.get("config") or {}
         have = {key: config.get(key) for key in wanted}
+        if self.name == "udp" and (config.get("local_ip"), config.get("port")) == (wanted["local_ip"], wanted["port"]):
+            # Before it may be replaced (another MTU): the port stays held throughout.
+            await self._hold_worker_socket(config.get("pid"), wanted["local_ip"], wanted["port"])
         if have == wanted:
             self.client = client
             # Its table keeps traffic flowing until BGP has re-learned every route.
@@ -320,6 +328,44 @@ class _Worker:
             deadline = time.monotonic() + WORKER_EXIT_TIMEOUT
             while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+
+    def _port_socket(self, local_ip: str, port: int) -> socket.socket | None:
+        """udp: the socket on ``local_ip:port`` the agent holds, bound now if it holds none
+        there (OSError naming who holds the port when another user does)."""
+        if self.name != "udp":
+            return None
+        held = self.port_socket
+        if held is not None:
+            with contextlib.suppress(OSError):
+                if held.getsockname() == (local_ip, port):
+                    return held
+            self._release_port()
+        self.port_socket = bind_udp_port(local_ip, port)
+        return self.port_socket
+
+    async def _hold_worker_socket(self, pid: Any, local_ip: str, port: int) -> None:
+        """Take (a duplicate of) the running worker's socket, unless we hold it already: a
+        worker the previous run started (with graceful restart) uses a socket that run bound,
+        one an older agent started its own.  Where that fails, the worker holds the port alone
+        (as before) and the next worker we start gets a socket of ours."""
+        held = self.port_socket
+        if held is not None:
+            with contextlib.suppress(OSError):
+                if held.getsockname() == (local_ip, port):
+                    return
+            self._release_port()
+        if not isinstance(pid, int) or pid <= 0:
+            return
+        try:
+            self.port_socket = await asyncio.to_thread(take_worker_socket, pid, local_ip, port)
+        except OSError as err:
+            log.warning("cannot take the udp socket of the running worker (pid %d): %s; it holds %s:%d alone "
+                        "until it is replaced", pid, err.strerror or err, local_ip, port)
+
+    def _release_port(self) -> None:
+        if self.port_socket is not None:
+            self.port_socket.close()
+            self.port_socket = None
 
     def _address(self, address: str) -> None:
         with Rtnl() as rt:
@@ -430,6 +476,8 @@ class _Worker:
         }
 
     async def down(self, remove: bool) -> None:
+        # Without remove a worker keeps its own duplicate of the socket (graceful restart).
+        self._release_port()
         if self.client is None:
             return
         if remove:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -153,12 +154,14 @@ class DataplaneProcess:
         extra_args: Sequence[str] = (),
         ready_timeout: float = 15.0,
         state_path: str | None = None,
+        sock: socket.socket | None = None,
     ) -> DataplaneProcess:
         """Spawn the worker and return once its control socket accepts connections.
 
         ``netns`` runs it through ``ip netns exec`` (the lab and tests; the agent itself
         already runs in the node's namespace).  ``state_path``: its state file (default: the
-        control socket's path + ``.state``).
+        control socket's path + ``.state``).  ``sock`` (udp): a socket bound to ``local_ip:port``
+        that the worker inherits and uses instead of binding its own (the agent keeps it open).
         """
         control_path = control_path or DEFAULT_CONTROL.get(kind, f"/run/agentd/dataplane-{kind}.sock")
         argv = [python, "-m", "agentd.dataplane", kind, "--tun", tun, "--mtu", str(mtu),
@@ -168,11 +171,15 @@ class DataplaneProcess:
             argv += ["--state", state_path]
         if not offload:
             argv.append("--no-offload")
+        pass_fds: tuple[int, ...] = ()
+        if sock is not None:
+            pass_fds = (sock.fileno(),)
+            argv += ["--socket-fd", str(pass_fds[0])]
         if netns:
             argv = ["ip", "netns", "exec", netns, *argv]
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, pass_fds=pass_fds,
         )
         self = cls(proc, control_path)
         loop = asyncio.get_running_loop()

@@ -75,6 +75,10 @@ class IpipTransport:
         self.offloads: dict[str, bool] = {"sendmmsg": False, "recvmmsg": False}
         self.fallbacks: dict[str, str] = {}
         self.members: frozenset[bytes] = frozenset()
+        # Called with (packet, peer) for a packet the underlay refused as over the path MTU
+        # (Transmit.too_big: frag needed to its source).
+        self.too_big = None
+        self._tx_buf: memoryview | None = None
         sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, IPPROTO_IPIP)
         try:
             sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
@@ -124,6 +128,7 @@ class IpipTransport:
     def bind_tx_buffer(self, buf: bytearray) -> None:
         """The worker's staging buffer: queued iovecs point into it until :meth:`flush`."""
         self._tx_base = buffer_address(buf)
+        self._tx_buf = memoryview(buf)
 
     def _name(self, peer: str) -> int:
         ptr = self._name_ptr.get(peer)
@@ -139,6 +144,8 @@ class IpipTransport:
             self.sock.sendto(view, (peer, 0))
         except OSError as exc:
             self.drops["mtu" if exc.errno == errno.EMSGSIZE else "send_error"] += 1
+            if exc.errno == errno.EMSGSIZE and self.too_big is not None:
+                self.too_big(view, peer)
             return
         c = self.c
         c["tx_packets"] += 1
@@ -191,11 +198,21 @@ class IpipTransport:
                     continue
                 # The message at ``start`` failed; count it and go on with the rest.
                 self.drops["mtu" if err == errno.EMSGSIZE else "send_error"] += 1
+                if err == errno.EMSGSIZE and self.too_big is not None and self._tx_buf is not None:
+                    self._refused(start)
                 start += 1
                 continue
             c["tx_bytes"] += int(np.add.reduce(self._tx_iov[start : start + sent, 1]))
             c["tx_packets"] += sent
             start += sent
+
+    def _refused(self, i: int) -> None:
+        """Queued message ``i`` is over the path MTU: hand it to ``too_big`` with its peer."""
+        off, n = int(self._tx_iov[i, 0]) - self._tx_base, int(self._tx_iov[i, 1])
+        name = int(self._tx_msg[i, 0])
+        peer = next((p for p, ptr in self._name_ptr.items() if ptr == name), None)
+        if peer is not None and 0 <= off and off + n <= len(self._tx_buf):
+            self.too_big(self._tx_buf[off : off + n], peer)
 
     # -- receive ------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ Without the offloads (``offload=False`` or refused by the kernel) it is one ``se
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -52,6 +53,19 @@ _TX_QUEUE = 128
 _GSO_REFUSED = (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP)
 
 
+def check_bound(sock: socket.socket, local_ip: str, port: int) -> None:
+    """Raise OSError unless ``sock`` is an IPv4 UDP socket bound to ``local_ip:port`` (the
+    socket a worker is handed: ``--socket-fd``)."""
+    try:
+        kind = (sock.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN), sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE))
+        name = sock.getsockname() if kind[0] == socket.AF_INET else None
+    except OSError as exc:
+        raise OSError(exc.errno, f"the socket handed over is unusable: {exc.strerror}") from None
+    if kind != (socket.AF_INET, socket.SOCK_DGRAM) or name != (local_ip, port):
+        raise OSError(errno.EINVAL, f"the socket handed over is not an IPv4 UDP socket bound to {local_ip}:{port}"
+                                    f" ({name or 'another kind'})")
+
+
 def inner_packet_ok(v, n: int) -> bool:
     """Whether the ``n`` bytes ``v`` are exactly one IP packet: IPv4 whose total length is
     ``n``, or IPv6 whose payload length plus its 40-byte header is ``n`` (flannel's format: one
@@ -87,8 +101,11 @@ class UdpTransport:
     holds_tx_buffer = True  # queued messages point into the staging buffer until flush()
 
     def __init__(self, local_ip: str, port: int, *, offload: bool, counters: dict, drops: dict,
-                 buffer_bytes: int = 8 << 20, mtu: int = 1472) -> None:
+                 buffer_bytes: int = 8 << 20, mtu: int = 1472, sock: socket.socket | None = None) -> None:
         # ``mtu`` (the TUN's) is the ipip transport's concern: a UDP GRO read takes up to 64 KB.
+        # ``sock``: a UDP socket already bound to (local_ip, port) -- the agent's, which it binds
+        # once and keeps for its life, so that no other user can take the port while no worker
+        # runs (docs/networking.md, security notes); without it the worker binds its own.
         self.local_ip = local_ip
         self.port = port
         self.c = counters
@@ -96,15 +113,25 @@ class UdpTransport:
         self.offloads: dict[str, bool] = {"udp_gso": False, "udp_gro": False}
         self.fallbacks: dict[str, str] = {}
         self.members: frozenset[str] = frozenset()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        # Called with (packet, peer) for a packet the underlay refused as over the path MTU
+        # (Transmit.too_big: frag needed / packet too big to its source).
+        self.too_big = None
+        given = sock is not None
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            # SO_REUSEPORT, not SO_REUSEADDR: a replacing worker may bind while the old one
-            # still exits, but the kernel lets only a socket of the same user join the port
-            # (with SO_REUSEADDR any local user could bind it too and take the peers' packets).
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if given:
+                check_bound(sock, local_ip, port)
+            else:
+                # SO_REUSEPORT, not SO_REUSEADDR: a replacing worker may bind while the old one
+                # still exits, but the kernel lets only a socket of the same user join the port
+                # (with SO_REUSEADDR any local user could bind it too and take the peers' packets).
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
             enlarge_buffers(sock, buffer_bytes, self.fallbacks)
-            sock.bind((local_ip, port))
+            if not given:
+                sock.bind((local_ip, port))
+            sock.setblocking(True)
         except OSError:
             sock.close()
             raise
@@ -124,6 +151,9 @@ class UdpTransport:
                 self.fallbacks["udp_gro"] = f"UDP_GRO refused: {exc.strerror}"
         else:
             self.fallbacks["udp_gso"] = self.fallbacks["udp_gro"] = "disabled by --no-offload"
+            if given:  # a previous worker on this socket may have turned GRO on
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(SOL_UDP, UDP_GRO, 0)
         self._addr_cache: dict[str, tuple[str, int]] = {}
         self._rx_src: bytearray | None = None
         self._txq: _GsoQueue | None = None
@@ -158,7 +188,7 @@ class UdpTransport:
         try:
             self.sock.sendto(view, self.peer_address(peer))
         except OSError as exc:
-            self._send_failed(exc, 1)
+            self._send_failed(exc, 1, view, peer)
             return
         c = self.c
         c["tx_packets"] += 1
@@ -222,7 +252,8 @@ class UdpTransport:
                         return
                     start += 1
                     continue
-                self._send_failed(OSError(err, os.strerror(err)), -(-n // seglen))
+                self._send_failed(OSError(err, os.strerror(err)), -(-n // seglen),
+                                  self._tx_buf[off : off + min(n, seglen)], peer)
                 start += 1
                 continue
             for off, n, seglen, _peer in meta[start : start + sent]:
@@ -254,7 +285,7 @@ class UdpTransport:
                         return
                     off += n
                     continue
-                self._send_failed(exc, -(-n // seglen))
+                self._send_failed(exc, -(-n // seglen), buf[off : off + min(n, seglen)], peer)
             else:
                 c["tx_packets"] += -(-n // seglen)
                 c["tx_bytes"] += n
@@ -273,7 +304,7 @@ class UdpTransport:
             try:
                 sendto(buf[off : off + n], addr)
             except OSError as exc:
-                self._send_failed(exc, 1)
+                self._send_failed(exc, 1, buf[off : off + n], peer)
             else:
                 sent += 1
                 c["tx_bytes"] += n
@@ -296,9 +327,14 @@ class UdpTransport:
         self.fallbacks["udp_gso"] = f"UDP_SEGMENT send failed: {os.strerror(err)}"
         return True
 
-    def _send_failed(self, exc: OSError, packets: int) -> None:
-        reason = "mtu" if exc.errno == errno.EMSGSIZE else "send_error"
-        self.drops[reason] += packets
+    def _send_failed(self, exc: OSError, packets: int, first=None, peer: str = "") -> None:
+        """``packets`` not sent; ``first`` (to ``peer``) is the first of them."""
+        if exc.errno == errno.EMSGSIZE:
+            self.drops["mtu"] += packets
+            if self.too_big is not None and first is not None:
+                self.too_big(first, peer)
+            return
+        self.drops["send_error"] += packets
 
     # -- receive ------------------------------------------------------------------------------
 

@@ -70,8 +70,9 @@ TTL_DECREMENT = {kind: BACKENDS[kind].ttl_decrement for kind in TRANSPORTS}
 # The inner families each carries: udp IPv4 and IPv6 (the payload is the inner packet), ipip IPv4
 # (RFC 2003; IPv6 in IPv4 would be another protocol, 41).
 FAMILIES = {kind: BACKENDS[kind].inner_families for kind in TRANSPORTS}
+# icmp_ratelimited: ICMP errors not sent (over the rate limit; the packet is counted under its own reason).
 DROP_REASONS = ("non_member", "no_route", "ttl_exceeded", "malformed", "mtu", "not_ipv4", "send_error",
-                "tun_write_error")
+                "tun_write_error", "icmp_ratelimited")
 COUNTERS = ("tx_packets", "tx_bytes", "tx_syscalls", "rx_packets", "rx_bytes", "rx_syscalls",
             "tun_reads", "tun_writes", "tso_frames", "tso_segments", "tso_batches", "icmp_sent")
 
@@ -95,6 +96,7 @@ class WorkerConfig:
     segmentation: str = "user"
     txqueuelen: int = 1000
     fast_path: str = "c"
+    socket_fd: int | None = None  # udp: the agent's socket, bound to local_ip:port (inherited)
 
 
 class Worker:
@@ -115,8 +117,11 @@ class Worker:
                             no_offload_reason="disabled by --no-offload" if not cfg.offload
                             else "segmentation left to the kernel (--segmentation kernel)")
         try:
+            extra = {}
+            if cfg.socket_fd is not None:
+                extra["sock"] = socket.socket(fileno=cfg.socket_fd)
             self.transport = TRANSPORTS[cfg.kind](cfg.local_ip, cfg.port, offload=cfg.offload,
-                                                  counters=self.c, drops=self.drops, mtu=cfg.mtu)
+                                                  counters=self.c, drops=self.drops, mtu=cfg.mtu, **extra)
         except OSError as exc:
             if self.tun.created:  # leave nothing behind that we made
                 self.tun.set_persist(False)
@@ -254,7 +259,8 @@ class Worker:
                 "families": list(FAMILIES[cfg.kind]),
                 "offload": cfg.offload, "segmentation": cfg.segmentation if cfg.offload else "none",
                 "fast_path": "c" if self.fast is not None else "python",
-                "pid": os.getpid(), "orphan_timeout": cfg.orphan_timeout}
+                "pid": os.getpid(), "orphan_timeout": cfg.orphan_timeout,
+                "socket": "inherited" if cfg.socket_fd is not None else "own"}
 
     def stats(self) -> dict:
         c = {**self.c, "coalesced_segments": getattr(self.coalescer, "merged", 0),
@@ -293,7 +299,12 @@ class Worker:
         rc = self.fast.run(self.control.fds(), 500)
         if rc == 1:
             kind, pkt = self.fast.slow_packet()
-            self.tx.icmp("no_route" if kind == _fast.SLOW_NET_UNREACHABLE else "ttl_exceeded", memoryview(pkt))
+            # The C loop rate-limits what it hands back (its ICMP error token bucket).
+            if kind == _fast.SLOW_FRAG_NEEDED:
+                self.tx.send_too_big(memoryview(pkt), self.fast.slow_peer())
+            else:
+                self.tx.send_icmp("no_route" if kind == _fast.SLOW_NET_UNREACHABLE else "ttl_exceeded",
+                                  memoryview(pkt))
         elif rc < 0:
             _raise_errno()
 
@@ -537,6 +548,20 @@ def _port(value: str) -> int:
     return port
 
 
+def _fd(value: str) -> int:
+    try:
+        fd = int(value)
+    except ValueError:
+        fd = -1
+    if fd < 3:
+        raise argparse.ArgumentTypeError(f"not an inherited file descriptor (3 or more): {value!r}")
+    try:
+        os.fstat(fd)
+    except OSError:
+        raise argparse.ArgumentTypeError(f"file descriptor {fd} is not open") from None
+    return fd
+
+
 def _mtu(value: str) -> int:
     try:
         mtu = int(value)
@@ -576,11 +601,17 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--icmp-source", type=_ipv4, help="source of ICMP errors sent to pods (default --local-ip)")
     p.add_argument("--icmp-source-v6", type=_ipv6,
                    help="source of ICMPv6 errors sent to IPv6 pods (udp; default the unreachable destination)")
+    p.add_argument("--socket-fd", type=_fd,
+                   help="udp: an inherited UDP socket already bound to --local-ip:--port (the agent's) "
+                        "to use instead of binding one")
     a = p.parse_args(argv)
+    if a.socket_fd is not None and a.kind != "udp":
+        p.error("--socket-fd is for the udp worker only")
     return WorkerConfig(kind=a.kind, tun=a.tun or DEFAULT_DEVICE[a.kind], mtu=a.mtu, local_ip=a.local_ip,
                         port=a.port, control=a.control, offload=not a.no_offload,
                         orphan_timeout=a.orphan_timeout, state=a.state, icmp_source=a.icmp_source,
-                        icmp_source_v6=a.icmp_source_v6, segmentation=a.segmentation, fast_path=a.fast_path)
+                        icmp_source_v6=a.icmp_source_v6, segmentation=a.segmentation, fast_path=a.fast_path,
+                        socket_fd=a.socket_fd)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ mounts a bpffs for its nodes), except where a test asks for the user-space worke
 """
 
 import asyncio
+import errno
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import struct
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -424,6 +426,34 @@ async def test_node_changes_backend_by_config_and_restart(lab_factory):
     assert node1.api("/status")["backends"]["active"]["udp"]["datapath"] == "userspace"
 
 
+SQUAT = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+try:
+    s.bind((sys.argv[1], int(sys.argv[2])))
+except OSError as exc:
+    print(exc.errno)
+else:
+    print("bound")
+"""
+
+
+async def _no_squatting(node, dead_pid: int, port: int = 8285) -> None:
+    """With node's worker ``dead_pid`` gone (its socket closed), an unprivileged user still
+    cannot bind udp_port there: the agent holds it."""
+    def gone() -> bool:
+        try:
+            return "\tZ" in Path(f"/proc/{dead_pid}/status").read_text()
+        except OSError:
+            return True
+
+    await auntil(gone, in_thread=True, timeout=10, what=f"worker {dead_pid} to be gone")
+    _, out, _ = await node.ns.aexec("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                    "/usr/bin/python3", "-c", SQUAT, node.address, str(port))
+    assert out.decode().strip() == str(errno.EADDRINUSE), out
+
+
 def _neighbours(ns: Netns, dev: str) -> str:
     return ns.ip("neigh", "show", "dev", dev, check=False).stdout.decode()
 
@@ -713,12 +743,32 @@ async def test_mixed_bpf_and_userspace_pair(lab_factory, tmp_path, backend):
     # (its next refresh), start another and give it its table.
     dead = worker(node2)["worker_pid"]
     os.kill(dead, signal.SIGKILL)
+    if backend == "udp":  # meanwhile the agent holds udp_port: no other user can take it
+        await _no_squatting(node2, dead)
     await auntil(lambda: worker(node2)["worker_pid"] not in (None, dead), in_thread=True, timeout=30,
                  what="node2's agent to start another worker")
     for src, dst in ((pods["node1"][0], pods["node2"][0]), (pods["node2"][0], pods["node1"][0])):
         sent, got = await transfer(src, dst, 1 << 20)
         assert sent == got and int(got[0]) == 1 << 20
     if backend == "udp":
+        assert (await _worker_table(node2, backend))["config"]["socket"] == "inherited"
+        # A graceful restart: the next run takes the worker over, and its socket with it (the
+        # previous run bound it); the worker dies again and the port is still held.
+        kept = worker(node2)["worker_pid"]
+        await node2.stop_agent()
+        node2.start_agent()
+        await lab.ready.established(60)
+        await auntil(lambda: "re-attached to the running udp data-plane worker" in node2.log_path.read_text(),
+                     in_thread=True, timeout=30, what="node2's new agent to take the worker over")
+        assert (await _worker_table(node2, backend))["config"]["pid"] == kept
+        assert "cannot take the udp socket" not in node2.log_path.read_text()
+        os.kill(kept, signal.SIGKILL)
+        await _no_squatting(node2, kept)
+        await auntil(lambda: worker(node2)["worker_pid"] not in (None, kept), in_thread=True, timeout=30,
+                     what="node2's agent to start another worker")
+        for src, dst in ((pods["node1"][0], pods["node2"][0]), (pods["node2"][0], pods["node1"][0])):
+            sent, got = await transfer(src, dst, 1 << 20)
+            assert sent == got and int(got[0]) == 1 << 20
         # A graceful restart with another udp_port: the running worker (on the old port) is
         # not taken over but replaced.  (The port is the cluster's: node1 still sends to the
         # old one, so no traffic is checked from here on.)

@@ -11,6 +11,8 @@ import contextlib
 import errno
 import select
 import socket
+import struct
+import time
 import types
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from agentd.dataplane import _fast, backends
 from agentd.dataplane import ipip as ipip_mod
 from agentd.dataplane._forward import NextHopTable, parse_members
 from agentd.dataplane._gro import Coalescer
+from agentd.dataplane._transmit import IcmpRateLimit, Transmit
 from agentd.dataplane.udp import UDP_GRO, UdpTransport
 from agentd.dataplane.worker import _RX_BUF, COUNTERS, DROP_REASONS
 from proto import packet as P
@@ -448,3 +451,130 @@ def test_the_c_loop_turns_gso_off_when_the_kernel_refuses_it():
         sock.close()
         rx.close()
 
+
+
+# -- ICMP errors are rate-limited (RFC 4443 section 2.4 (f); the kernel's icmp_msgs_per_sec) -------
+
+
+def test_the_icmp_token_bucket_allows_a_burst_then_the_rate():
+    bucket = IcmpRateLimit(rate=1000, burst=50)
+    assert [bucket.allow(10.0) for _ in range(51)] == [True] * 50 + [False]
+    assert bucket.allow(10.0005) is False  # half a token
+    assert bucket.allow(10.001) is True  # one a millisecond
+    assert bucket.allow(10.001) is False
+    assert sum(bucket.allow(20.0) for _ in range(100)) == 50  # full again, never more than the burst
+    assert bucket.allow(19.0) is False  # a clock that goes back adds nothing
+
+
+def test_the_python_paths_rate_limit_their_icmp_errors():
+    """icmp_flood.py's shape on the Python paths: 2000 TTL-1 packets in a row get the burst and
+    the rate's share of ICMP errors, the rest are counted icmp_ratelimited."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    b.setblocking(False)
+    c, d = counters()
+    try:
+        t = Transmit(tun_fd=a.fileno(), transport=None, mtu=1472, ttl_decrement=True, icmp_source="192.168.50.1",
+                     counters=c, drops=d, families=(4, 6))
+        pkt = bytearray(tcp(b"x" * 20))
+        pkt[8] = 1
+        n, start = 2000, time.monotonic()
+        for i in range(n):
+            (t.ttl_exceeded if i % 2 else t.no_route)(memoryview(bytes(pkt)))
+        elapsed_ms = (time.monotonic() - start) * 1000
+        written = 0
+        with contextlib.suppress(BlockingIOError):
+            while b.recv(1 << 16):
+                written += 1
+    finally:
+        a.close()
+        b.close()
+    assert written == c["icmp_sent"] <= 50 + elapsed_ms + 1 < n / 4
+    assert d["icmp_ratelimited"] == n - c["icmp_sent"]
+    assert d["ttl_exceeded"] + d["no_route"] == n
+
+
+# -- over the path MTU: the source is told (frag needed / packet too big) ---------------------------
+
+# The path MTU over loopback is 65535 (IP_MAX_MTU): an inner packet of 65535 bytes with the 28
+# bytes of outer headers is over it (EMSGSIZE), as a packet over a lower path MTU is on a real
+# underlay.
+_PATH_MTU = 65535
+
+
+def _big(version: int = 4, df: bool = True) -> bytes:
+    if version == 6:
+        return bytes(P.ipv6_packet(P.IPv6Header("fd00:10:244:1::2", "fd00:10:244:2::2", 17), bytes(65535 - 40)))
+    return bytes(P.ipv4_packet(P.IPv4Header(src="10.244.1.2", dst="10.244.2.2", protocol=17, ttl=64, df=df),
+                               bytes(65535 - 20)))
+
+
+@contextlib.contextmanager
+def _transmit_over(transport):
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    b.setblocking(False)
+    c, d = counters()
+    try:
+        t = Transmit(tun_fd=a.fileno(), transport=transport, mtu=65535, ttl_decrement=True,
+                     icmp_source="192.168.50.1", counters=c, drops=d, families=(4, 6), icmp_source_v6="fd00::1")
+
+        def written():
+            out = []
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    out.append(b.recv(1 << 17)[10:])
+            return out
+
+        yield t, written, c, d
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_packet_over_the_path_mtu_gets_its_source_told_on_the_python_paths():
+    free = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    free.bind((LOCAL, 0))
+    port = free.getsockname()[1]
+    free.close()
+    uc, ud = counters()
+    u = UdpTransport(LOCAL, port, offload=False, counters=uc, drops=ud)  # sends to its own port
+    with contextlib.closing(u), _transmit_over(u) as (_t, written, c, _d):
+        u.send_one(memoryview(_big()), LOCAL)
+        u.send_one(memoryview(_big(df=False)), LOCAL)  # no DF: a router would fragment it; nothing
+        u.send_one(memoryview(_big(6)), LOCAL)
+        got = written()
+        assert ud["mtu"] == 3 and c["icmp_sent"] == 2 and len(got) == 2
+        ip, body = P.split_ipv4(got[0])
+        h = P.IcmpHeader.decode(body)
+        assert (ip.dst, h.type, h.code, h.rest) == ("10.244.1.2", 3, 4, _PATH_MTU - 28)
+        assert bytes(body[8:]) == _big()[:28]
+        ip6, body6 = P.split_ipv6(got[1])
+        assert (ip6.dst, body6[0], body6[1], struct.unpack_from("!I", body6, 4)[0]) == (
+            "fd00:10:244:1::2", 2, 0, _PATH_MTU - 28)  # RFC 4443 section 3.2
+        assert P.transport_checksum_ok(got[1])
+
+
+def test_the_c_udp_loop_hands_back_a_packet_over_the_path_mtu():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((LOCAL, 0))
+    sock.setsockopt(socket.IPPROTO_IP, 10, 2)  # IP_MTU_DISCOVER, IP_PMTUDISC_DO (the worker's)
+    try:
+        with c_path("udp", sock, mtu=65535, port=sock.getsockname()[1]) as (fp, _writes, tun), \
+                _transmit_over(types.SimpleNamespace(overhead=28)) as (t, written, _c, _d):
+            fp.set_routes(NextHopTable({"10.244.0.0/16": LOCAL}))
+            tun.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            tun.send(P.VNET_HDR_NONE + _big(df=False))
+            tun.send(P.VNET_HDR_NONE + _big())
+            assert fp.run((), 0) == 1
+            kind, pkt = fp.slow_packet()
+            assert kind == _fast.SLOW_FRAG_NEEDED and fp.slow_peer() == LOCAL and len(pkt) == _fast.SLOW_MAX
+            assert pkt[:8] == _big()[:8] and pkt[12 : _fast.SLOW_MAX] == _big()[12 : _fast.SLOW_MAX]  # TTL-1 (udp)
+            assert fp.counters()["drop:mtu"] == 2
+            t.send_too_big(memoryview(pkt), fp.slow_peer())
+            (icmp,) = written()
+            h = P.IcmpHeader.decode(P.split_ipv4(icmp)[1])
+            assert (h.type, h.code, h.rest) == (3, 4, _PATH_MTU - 28)
+            assert fp.run((), 0) == 0
+    finally:
+        sock.close()

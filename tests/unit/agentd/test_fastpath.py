@@ -213,6 +213,33 @@ def test_c_transmit_loop_hands_back_what_needs_an_icmp_error():
         assert fp.counters()["drop:no_route"] == 1 and fp.counters()["drop:ttl_exceeded"] == 1
 
 
+def test_c_transmit_loop_rate_limits_its_icmp_errors_and_keeps_forwarding():
+    """A pod's flood of TTL-1 packets (plain and TSO) and unrouted ones: a burst of 50 and then
+    1000 a second leave the C loop for an ICMP error (as the kernel's icmp_msgs_per_sec); the
+    rest are counted and the loop goes on in C, and the good packets between them flow."""
+    n, good = 2000, 100
+    with c_sender(mtu=1472) as (fp, tun, received):
+        fp.set_routes(_fast.NextHopTable({"10.244.2.0/24": "127.0.0.1"}))
+        for i in range(n):
+            if i % (n // good) == 0:
+                tun.send(P.VNET_HDR_NONE + seg(1 + i * 1000))
+            if i % 3 == 0:
+                tun.send(vnet_tso(super_packet(b"y" * 3000, seq=1 + i, ttl=1), 1420))
+            elif i % 3 == 1:
+                tun.send(P.VNET_HDR_NONE + seg(1 + i, data=b"z" * 20, ttl=1))
+            else:
+                tun.send(P.VNET_HDR_NONE + P.tcp_packet(SRC, "10.244.9.9", P.TcpHeader(1, 2, 3, 4, P.TCP_ACK, 5), b"u"))
+        returns, start = 0, time.monotonic()
+        while fp.counters()["tun_reads"] < n + good and time.monotonic() < start + 30:
+            returns += fp.run((), 0) == 1  # 0: its 1 ms was up (timeout 0), the TUN not drained
+        elapsed_ms = (time.monotonic() - start) * 1000
+        counters = fp.counters()
+        assert len(received(good)) == good
+    assert returns <= 50 + elapsed_ms + 1 < n / 4
+    assert counters["drop:icmp_ratelimited"] == n - returns
+    assert counters["drop:ttl_exceeded"] + counters["drop:no_route"] == n
+
+
 # -- IPv6 inner packets (udp): the same loops, byte for byte the Python reference ------------------
 
 SRC6, DST6 = "fd00:10:244:1::2", "fd00:10:244:2::2"

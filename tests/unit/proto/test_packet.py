@@ -165,6 +165,48 @@ def test_icmp_net_unreachable_quotes_header_and_8_bytes():
     assert (fn.type, fn.code, fn.rest) == (3, 4, 1472)
 
 
+def _udp4(src="10.244.1.2", dst="10.244.9.9", body=bytes(16)):
+    return bytearray(P.ipv4_packet(P.IPv4Header(src=src, dst=dst, protocol=P.IPPROTO_UDP, ttl=1), body))
+
+
+@pytest.mark.parametrize("bad", [
+    "error about an error", "redirect", "source quench", "parameter problem", "time exceeded",
+    "non-first fragment", "multicast dst", "broadcast dst", "src 0.0.0.0", "src loopback",
+    "src multicast", "src broadcast", "src class E",
+])
+def test_icmp_errors_never_about_errors_fragments_or_non_unicast(bad):
+    # RFC 1122 section 3.2.2 and RFC 1812 section 4.3.2.7, as RFC 4443 section 2.4 (e) for ICMPv6.
+    offender = P.tcp_packet("10.244.1.2", "10.244.9.9", P.TcpHeader(1, 2, 3, 4, P.TCP_SYN, 5), b"x" * 50)
+    error_types = {"error about an error": 3, "redirect": 5, "source quench": 4,
+                   "parameter problem": 12, "time exceeded": 11}
+    if bad in error_types:
+        pkt = bytearray(P.icmp_net_unreachable(offender, "192.168.50.9"))
+        pkt[20] = error_types[bad]
+    elif bad == "non-first fragment":
+        pkt = _udp4()
+        pkt[6:8] = (0x2000 | 16).to_bytes(2, "big")  # more fragments, offset 128 bytes
+    else:
+        src, dst = {"multicast dst": ("10.244.1.2", "224.0.0.5"), "broadcast dst": ("10.244.1.2", "255.255.255.255"),
+                    "src 0.0.0.0": ("0.0.0.0", "10.244.9.9"), "src loopback": ("127.0.0.1", "10.244.9.9"),
+                    "src multicast": ("239.1.1.1", "10.244.9.9"), "src broadcast": ("255.255.255.255", "10.244.9.9"),
+                    "src class E": ("240.0.0.1", "10.244.9.9")}[bad]
+        pkt = _udp4(src, dst)
+    for build in (P.icmp_net_unreachable, P.icmp_time_exceeded):
+        with pytest.raises(ValueError):
+            build(bytes(pkt), "192.168.50.1")
+    with pytest.raises(ValueError):
+        P.icmp_frag_needed(bytes(pkt), "192.168.50.1", 1400)
+
+
+def test_icmp_errors_still_about_echo_and_first_fragments():
+    echo = P.ipv4_packet(P.IPv4Header(src="10.244.1.2", dst="10.244.9.9", protocol=P.IPPROTO_ICMP, ttl=1),
+                         b"\x08\x00\x00\x00" + bytes(12))
+    assert P.split_ipv4(P.icmp_time_exceeded(echo, "192.168.50.1"))[0].dst == "10.244.1.2"
+    first = _udp4()
+    first[6:8] = (0x2000).to_bytes(2, "big")  # more fragments, offset 0: the first fragment
+    assert P.split_ipv4(P.icmp_time_exceeded(bytes(first), "192.168.50.1"))[0].dst == "10.244.1.2"
+
+
 # -- IPv6 (RFC 8200) and ICMPv6 errors (RFC 4443) ------------------------------------------------
 
 SRC6, DST6 = "fd00:10:244:1::2", "fd00:10:244:9::9"
@@ -220,6 +262,14 @@ def test_icmpv6_errors_quote_up_to_the_minimum_mtu_and_never_answer_errors():
     assert P.transport_checksum_ok(P.icmp6_hop_limit_exceeded(echo, "fd00::1"))
     with pytest.raises(P.DecodeError):
         P.icmp6_no_route(b"\x60" + bytes(20), "fd00::1")
+
+
+def test_icmpv6_packet_too_big_carries_the_mtu():
+    offender = P.tcp6_packet(SRC6, DST6, P.TcpHeader(1, 2, 3, 4, P.TCP_ACK, 5), b"x" * 1400)
+    msg = P.icmp6_packet_too_big(offender, "fd00::1", 1400)
+    _, body = P.split_ipv6(msg)
+    assert (body[0], body[1], struct.unpack_from("!I", body, 4)[0]) == (2, 0, 1400)  # RFC 4443 section 3.2
+    assert P.transport_checksum_ok(msg)
 
 
 # --------------------------------------------------------------------------------------------
