@@ -446,7 +446,7 @@ class _Worker:
 
     def _count(self, stats: Mapping[str, Any]) -> None:
         """Another worker (a new pid) counts from 0: what the previous one counted is kept."""
-        pid = (stats.get("config") or {}).get("pid")
+        pid = stats.get("pid")  # the worker's stats() carries its describe(): pid at the top
         drops = {k: int(v) for k, v in (stats.get("drops") or {}).items()}
         before_pid, before = self._counted
         if pid != before_pid:
@@ -468,7 +468,7 @@ class _Worker:
             "device": self.device,
             "running": self.client is not None,
             "error": self.error,
-            "worker_pid": self.process.pid if self.process else s.get("config", {}).get("pid"),
+            "worker_pid": self.process.pid if self.process else s.get("pid"),
             "offloads": s.get("offloads"),
             "fallbacks": s.get("fallbacks"),
             "drops": s.get("drops"),

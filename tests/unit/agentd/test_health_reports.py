@@ -36,7 +36,8 @@ class _WorkerClient:
     async def stats(self) -> dict:
         if self.dead:
             raise DataplaneError("connection closed")
-        return {"config": {"pid": self.pid}, "drops": dict(self.drops), "offloads": {}, "fallbacks": {}, "rx": 100}
+        # As the worker answers (worker.py stats(): its describe() at the top, pid among it).
+        return {"pid": self.pid, "kind": "udp", "drops": dict(self.drops), "offloads": {}, "fallbacks": {}, "rx": 100}
 
     async def close(self) -> None:
         pass
@@ -390,3 +391,18 @@ async def test_a_task_that_ended_as_it_should_is_done_not_down():
     states = {t["name"]: (t["state"], t["running"]) for t in sup.summary()}
     assert states == {"watchdog": ("done", False), "node-watch": ("down", False), "readiness": ("running", True)}
     await sup.stop()
+
+
+async def test_an_adopted_workers_pid_is_shown_and_its_counts_kept_when_another_takes_over():
+    """A worker this agent did not start (adopted after a graceful restart: no process of
+    ours) is shown by the pid its stats give; a new worker (another pid) counts from 0, and
+    what the one before counted is kept."""
+    t = SimpleNamespace(cfg=SimpleNamespace(agent=SimpleNamespace(state_dir="/nonexistent")), resync=lambda: None)
+    w = backends._Worker(t, "udp")
+    w.client, w.process = _WorkerClient(4242, {"no_route": 7}), None
+    await w.refresh_stats()
+    assert w.status()["worker_pid"] == 4242
+    w.client = _WorkerClient(4343, {"no_route": 2})
+    await w.refresh_stats()
+    assert w.status()["worker_pid"] == 4343
+    assert _userspace_drops(_tunnels(w))["no_route"] == 9
