@@ -378,16 +378,11 @@ def test_lab_help_describes_every_subcommand(capsys):
     assert all(len(row) > 1 for row in rows), out  # a help text beside each name
 
 
-def test_leave_asks_the_running_agent_without_reading_etcds_files(capsys, monkeypatch, tmp_path):
-    """A token_group member cannot read root's [etcd] TLS files: POST /leave needs only the
-    token, so `agentd leave` asks the agent before it looks at them; only with no agent
-    answering does it need them (to clean etcd up itself) and then says which one it lacks."""
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+def _leave_config(tmp_path, node: str = "") -> Path:
+    """A config whose etcd TLS files do not exist (a node's certificates gone), the API on
+    127.0.0.1:9123; ``node``: its [node] section's lines, if any."""
     conf = tmp_path / "agentd.toml"
-    conf.write_text(f"""[node]
-name = "n1"
-address = "192.0.2.10"
-[etcd]
+    conf.write_text((f"[node]\n{node}\n" if node else "") + f"""[etcd]
 endpoints = ["https://192.0.2.2:2379"]
 ca = "{tmp_path}/ca.pem"
 cert = "{tmp_path}/cert.pem"
@@ -396,6 +391,15 @@ key = "{tmp_path}/key.pem"
 listen = "127.0.0.1:9123"
 token_file = "{tmp_path}/api-token"
 """)
+    return conf
+
+
+def test_leave_asks_the_running_agent_without_reading_etcds_files(capsys, monkeypatch, tmp_path):
+    """A token_group member cannot read root's [etcd] TLS files: POST /leave needs only the
+    token, so `agentd leave` asks the agent before it looks at them; only with no agent
+    answering does it need them (to clean etcd up itself) and then says which one it lacks."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
+    conf = _leave_config(tmp_path, node='name = "n1"\naddress = "192.0.2.10"')
     asked = []
 
     def agent(host, port, token_file, answers=True, **_kw):
@@ -432,16 +436,7 @@ def test_leave_without_an_agent_cleans_the_host_up_without_etcds_files_or_a_node
     from agentd.daemon.leave_report import FAILED, LeaveReport
 
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")})
-    conf = tmp_path / "agentd.toml"
-    conf.write_text(f"""[etcd]
-endpoints = ["https://192.0.2.2:2379"]
-ca = "{tmp_path}/ca.pem"
-cert = "{tmp_path}/cert.pem"
-key = "{tmp_path}/key.pem"
-[api]
-listen = "127.0.0.1:9123"
-token_file = "{tmp_path}/api-token"
-""")
+    conf = _leave_config(tmp_path)
     monkeypatch.setattr(cli, "leave_running_agent", lambda *a, **kw: None)  # no agent answers
     monkeypatch.setattr(cli, "LocalHost", NoDefaultRoute)
     ran = []
