@@ -213,3 +213,40 @@ def test_rib_agrees_with_a_model(ops):
             for s in _SOURCES:
                 assert rib.adj_in[s].tables.get(IPV4_UNICAST, {}).get(p) is model[s].get(p)
     assert rib.best(IPV4_UNICAST, _PREFIXES[0]) is before.get(_PREFIXES[0])
+
+
+def test_an_ibgp_route_back_at_its_originator_or_its_cluster_is_refused_at_import():
+    """RFC 4456 §8: a route whose ORIGINATOR_ID is this speaker's router id, or whose
+    CLUSTER_LIST holds its cluster id, came round a loop of reflectors: treated as withdrawn.
+    Either alone refuses it; neither, it is taken; from an eBGP peer neither is looked at."""
+    from bgp.policy import Rejected, import_attributes
+    from bgp.settings import LocalSettings
+    from proto.attributes import ClusterList, OriginatorId
+
+    me = LocalSettings(asn=65000, router_id=IPv4Address("10.0.0.9"), cluster_id=IPv4Address("10.0.0.99"))
+    ibgp = source("10.0.0.1")
+    mine = PathAttributes((Origin(0), AsPath(()), OriginatorId(IPv4Address("10.0.0.9"))))
+    looped = PathAttributes((Origin(0), AsPath(()), ClusterList((IPv4Address("10.0.0.7"), IPv4Address("10.0.0.99")))))
+    passing = PathAttributes((Origin(0), AsPath(()), OriginatorId(IPv4Address("10.0.0.3")),
+                              ClusterList((IPv4Address("10.0.0.7"),))))
+    assert isinstance(import_attributes(mine, ibgp, me), Rejected)
+    assert isinstance(import_attributes(looped, ibgp, me), Rejected)
+    assert import_attributes(passing, ibgp, me) is passing
+    ebgp = Source("10.0.0.5", ip_address("10.0.0.5"), 65001, 65000, IPv4Address("10.0.0.5"), ibgp=False)
+    assert not isinstance(import_attributes(mine, ebgp, me), Rejected)
+
+
+def test_a_graceful_peers_families_it_did_not_keep_are_flushed_not_kept_stale():
+    """RFC 4724 §4.2: the routes of a family the restarting peer did not list in its Graceful
+    Restart capability are flushed at once; only the families listed are kept, stale."""
+    from proto.nlri import IPV6_UNICAST
+
+    rib = setup()
+    v6 = prefix_from_str("fd00:1::/64")[1]
+    a = rib.adj_in["10.0.0.1"].path(ATTRS, ip_address("10.0.0.1"))
+    rib.announce("10.0.0.1", IPV4_UNICAST, [P1], a)
+    rib.announce("10.0.0.1", IPV6_UNICAST, [v6], rib.adj_in["10.0.0.1"].path(ATTRS, ip_address("fd00::1")))
+    rib.take_changes()
+    assert rib.mark_stale("10.0.0.1", [IPV4_UNICAST]) == 1
+    assert rib.best(IPV4_UNICAST, P1) is a and a.stale
+    assert rib.best(IPV6_UNICAST, v6) is None
