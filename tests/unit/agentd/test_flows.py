@@ -389,6 +389,58 @@ def test_log_sequence_gaps_count_as_lost():
     assert r.lost["log"] == 3
 
 
+class _Datagrams:
+    """A log or conntrack socket holding datagrams to read (recv: None once read)."""
+
+    def __init__(self, *datagrams: bytes) -> None:
+        self.datagrams = list(datagrams)
+
+    def recv(self) -> bytes | None:
+        return self.datagrams.pop(0) if self.datagrams else None
+
+
+def _web_drop(sport: int, seq: int) -> bytes:
+    return logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, sport, 80, seq=seq)
+
+
+def test_one_unreadable_message_of_a_log_datagram_is_skipped_and_not_lost():
+    """The kernel batches up to its qthresh of logged packets in a datagram: one the agent
+    cannot read is counted malformed, those after it are recorded, and its number is passed
+    (it was heard of, not lost: the next datagram's sequence shows no gap)."""
+    r = recorder()
+    body = (nl.attr(nflog.NFULA_PREFIX, b"pod-in/shop/web\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 2))
+            + nl.attr(nflog.NFULA_IFINDEX_OUTDEV, b"\0" * 8))  # an ifindex of 8 bytes: unreadable
+    bad = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
+    rest = b"".join(_web_drop(40002 + i, 3 + i) for i in range(10))
+    r._read(_Datagrams(_web_drop(40001, 1) + bad + rest), r._on_log, "log")
+    assert len(r.ring) == 11 and r.malformed == 1 and r.lost.get("log", 0) == 0
+    r._read(_Datagrams(_web_drop(50000, 13)), r._on_log, "log")
+    assert len(r.ring) == 12 and r.malformed == 1 and r.lost.get("log", 0) == 0
+    # One whose number cannot be read either (an attribute before it overruns): lost as well.
+    broken = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, struct.pack("=HH", 200, nflog.NFULA_PREFIX)
+                             + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 14)), res_id=143)
+    r._read(_Datagrams(broken + _web_drop(50001, 15)), r._on_log, "log")
+    assert len(r.ring) == 13 and r.malformed == 2 and r.lost.get("log", 0) == 1
+
+
+def test_a_logged_packet_the_agent_does_not_read_is_not_counted_lost():
+    r = recorder()
+    body = (nl.attr(nflog.NFULA_PREFIX, b"pod-in/shop/web\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 2))
+            + nl.attr(nflog.NFULA_PAYLOAD, b"\x00" * 20))  # no IPv4 or IPv6 packet
+    foreign = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
+    r._read(_Datagrams(_web_drop(40001, 1) + foreign, _web_drop(40002, 3)), r._on_log, "log")
+    assert len(r.ring) == 2 and r.lost.get("log", 0) == 0 and r.malformed == 0
+
+
+def test_one_unreadable_event_of_a_conntrack_datagram_is_skipped():
+    r = recorder()
+    bad = nl.encode_nfgen(ct.MSG_DELETE, 0, 0, socket.AF_INET,
+                          nl.nested(ct.CTA_TUPLE_ORIG, nl.nested(ct.CTA_TUPLE_IP,
+                                                                 nl.attr(ct.CTA_IP_V4_SRC, b"\x0a\x00\x00"))))
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT) + bad + destroy_event(ct.IPS_DST_NAT)], 1000.0)
+    assert len(r.ring) == 2 and r.malformed == 1
+
+
 # ------------------------------------------------------------------ filters, ring, limiter
 
 
