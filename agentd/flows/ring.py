@@ -347,7 +347,9 @@ class DropLimiter:
 
     ``now`` is the drop's own time.  Drops logged on different CPUs may reach the agent a little
     out of order: an earlier time than the bucket's last one refills nothing (and does not move
-    the bucket back), rather than taking tokens away.
+    the bucket back), rather than taking tokens away.  One more than ``STEP`` seconds earlier is
+    the wall clock stepped back (NTP, a resumed VM), not a drop out of order: the bucket's time
+    goes back with it, or the key would stay folded for as long as the step.
 
     At ``max_keys`` a new key evicts a bucket: among the ``EVICT_SCAN`` least recently seen,
     the first that folds nothing and has refilled (forgetting it changes nothing), else the
@@ -355,6 +357,7 @@ class DropLimiter:
     whose folded drops no record will show: they are counted in ``evicted``."""
 
     EVICT_SCAN = 32  # buckets looked at for one eviction: bounded work per new key in a storm
+    STEP = 2.0  # seconds: a time this much before a bucket's is a clock step, not a drop out of order
 
     def __init__(self, rate: float, burst: int, max_keys: int = 4096) -> None:
         self.rate = rate
@@ -392,6 +395,8 @@ class DropLimiter:
             self.buckets.move_to_end(key)
             if now > bucket[1]:
                 bucket[0] = min(float(self.burst), bucket[0] + (now - bucket[1]) * self.rate)
+                bucket[1] = now
+            elif now < bucket[1] - self.STEP:  # the clock stepped back: refill from now on
                 bucket[1] = now
         if bucket[0] < 1.0:
             bucket[2] += 1

@@ -651,6 +651,19 @@ def test_limiter_takes_drops_a_little_out_of_order_without_losing_tokens():
     assert lim.allow("k", 5.25) == 1  # a quarter second after the bucket's time: tokens back
 
 
+def test_limiter_refills_after_the_clock_steps_back():
+    """Drops are timed by the wall clock: stepped back an hour (NTP, a resumed VM), a key that
+    used its burst is not folded for the hour, but refills from the new time on."""
+    lim = DropLimiter(rate=10, burst=20)
+    t = 1_700_000_000.0
+    for i in range(40):
+        lim.allow("k", t + i * 0.001)  # the burst used, the rest folded
+    assert lim.suppressed == 20
+    # At the step the bucket has what it had (none); then, one drop a second, each is kept.
+    assert [lim.allow("k", t - 3600 + s) for s in range(5)] == [None, 21, 0, 0, 0]
+    assert sum(lim.allow("k", t - 3600 + s) is not None for s in range(5, 600)) == 595
+
+
 # ------------------------------------------------------------------ the drop rules
 
 
