@@ -925,6 +925,18 @@ def test_a_spoofed_drop_names_the_pod_whose_veth_sent_it():
     assert "sender" not in j
 
 
+def test_a_spoofed_drops_sender_is_found_by_its_labels_as_by_its_name():
+    """The pod whose veth sent a spoofed packet is one of its ends for every filter that
+    names a pod: by name, namespace, or labels."""
+    flow = recorder().dropped(_decoded(logged_packet("spoofed", "10.9.9.9", "10.244.2.3", 17, 5353, 53,
+                                                     devices=(3, 7))))
+    assert flow is not None and flow.sender is not None and flow.src.identity is None
+    for pairs in ([("pod", "shop/client")], [("from-pod", "shop/client")], [("namespace", "shop")],
+                  [("label", "app=client")], [("label", "app")]):
+        assert FlowFilter.parse(pairs).matches(flow), pairs
+    assert not FlowFilter.parse([("label", "app=db")]).matches(flow)
+
+
 # ------------------------------------------------------------------ connections the pod programs record
 
 
