@@ -105,12 +105,14 @@ class LastSearch:
     the event loop free in between, and what the ring takes in meanwhile is not in it."""
 
     def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None, last_seq: int = 0,
-                 keep: Callable[[int, Entry, Flow], None] | None = None, after: int | None = None) -> None:
+                 keep: Callable[[int, Entry, Flow], None] | None = None, after: int | None = None,
+                 held: int | None = None) -> None:
         """``keep(seq, entry, flow)``: told of each record made from a :class:`Batch` (the ring
         keeps it in its slot if the slot still holds the batch).  ``after``: only records
-        numbered after it (a reader that had the records up to it)."""
+        numbered after it (a reader that had the records up to it).  ``held``: how many
+        records the ring held (``len(records)`` unless they were not copied: none asked for)."""
         self.records = records  # a copy: the ring moves on while this searches
-        self.first_seq = last_seq - len(records) + 1  # records[i] is number first_seq + i
+        self.first_seq = last_seq - (len(records) if held is None else held) + 1  # records[i] is number first_seq + i
         self.keep = keep
         self.filter = flt
         self.n = n
@@ -306,7 +308,7 @@ class FlowRing:
     def search(self, flt: FlowFilter, n: int, *, since: float | None = None, after: int | None = None) -> LastSearch:
         """The same, a step at a time (:class:`LastSearch`) over the ring as it is now;
         ``after``: only records numbered after it."""
-        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq, self._keep, after)
+        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq, self._keep, after, self._count)
 
     def _keep(self, seq: int, entry: Entry, flow: Flow) -> None:
         """A record made from ``entry`` by a search, into its slot if the slot still holds it."""

@@ -598,6 +598,21 @@ def test_search_goes_step_by_step_over_what_the_ring_held_when_it_began():
     assert ring.search(FlowFilter(), 0).step(1)  # asked for none: done at once
 
 
+def test_a_search_for_none_after_a_cursor_counts_only_what_the_ring_lost():
+    """``GET /flows?after=ID:SEQ&last=0`` (a follower resuming): the records after the cursor
+    the ring still holds are not scrolled out; those it wrapped past are."""
+    ring = FlowRing(100)
+    for i in range(100):
+        ring.add(flow(port=i))
+    assert ring.search(FlowFilter(), 0, after=95).scrolled == 0
+    assert ring.search(FlowFilter(), 0, after=0).scrolled == 0
+    for i in range(50):
+        ring.add(flow(port=i))  # records 1..50 scrolled out
+    assert ring.search(FlowFilter(), 0, after=20).scrolled == 30
+    assert ring.search(FlowFilter(), 5, after=20).scrolled == 30  # as a search for some says
+    assert ring.search(FlowFilter(), 0, after=140).scrolled == 0
+
+
 def test_a_cluster_answer_holds_the_newest_records_only():
     from agentd.daemon.observe_api import _Newest, _node_params
 
