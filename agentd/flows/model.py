@@ -220,7 +220,8 @@ class FlowFilter:
         if self.namespace and not (any(e.identity and e.identity.namespace in self.namespace for e in ends)
                                    or (sender and sender.namespace in self.namespace)):  # fmt: skip
             return False
-        if self.label and not any(e.identity and _labels_match(e.identity.labels, self.label) for e in ends):
+        if self.label and not (any(e.identity and _labels_match(e.identity.labels, self.label) for e in ends)
+                               or (sender and _labels_match(sender.labels, self.label))):  # fmt: skip
             return False
         if self.port and not ((f.protocol in PORTED and (f.src.port in self.port or f.dst.port in self.port))
                               or (f.service is not None and f.service_port in self.port)):  # fmt: skip

@@ -1254,10 +1254,14 @@ class FlowRecorder:
         message, malformed): every message of it, decoded whole; what is malformed counted."""
         try:
             for mtype, _flags, _seq, _pid, start, end in nl.iter_messages(data):
-                self._on_conntrack(mtype, data, start, end)
-        except (nl.NetlinkDecodeError, struct.error) as err:
+                try:
+                    self._on_conntrack(mtype, data, start, end)
+                except (nl.NetlinkDecodeError, struct.error) as err:  # skipped: the rest are read
+                    self.malformed += 1
+                    log.debug("flows: malformed conntrack message: %s", err)
+        except nl.NetlinkDecodeError as err:  # the framing: the rest of the datagram cannot be found
             self.malformed += 1
-            log.debug("flows: malformed conntrack message: %s", err)
+            log.debug("flows: malformed conntrack datagram: %s", err)
 
     def _name(self, address: bytes) -> Identity | None:
         """Who a 4-byte address is: the directory's answer, remembered until the pods change."""
@@ -1387,12 +1391,18 @@ class FlowRecorder:
                 raise
             if data is None:
                 return
+            # One message the agent cannot read is counted and skipped: the kernel batches
+            # many in a datagram (NFLOG up to its qthresh), and those after it are read.
             try:
                 for mtype, _flags, _seq, _pid, start, end in nl.iter_messages(data):
-                    handle(mtype, data, start, end)
-            except nl.NetlinkDecodeError as err:
+                    try:
+                        handle(mtype, data, start, end)
+                    except nl.NetlinkDecodeError as err:
+                        self.malformed += 1
+                        log.debug("flows: malformed %s message: %s", what, err)
+            except nl.NetlinkDecodeError as err:  # the framing: the rest of the datagram cannot be found
                 self.malformed += 1
-                log.debug("flows: malformed %s message: %s", what, err)
+                log.debug("flows: malformed %s datagram: %s", what, err)
 
     def _on_conntrack(self, mtype: int, buf: bytes, start: int, end: int) -> None:
         event = ct.decode_event(mtype, buf, start, end)
@@ -1407,20 +1417,32 @@ class FlowRecorder:
     def _on_log(self, mtype: int, buf: bytes, start: int, end: int) -> None:
         if mtype != nflog.MSG_PACKET:
             return
-        packet = nflog.decode_packet(buf, start, end)
-        if packet is None:
+        try:
+            packet = nflog.decode_packet(buf, start, end)
+        except nl.NetlinkDecodeError:
+            # Counted malformed (by _read), not lost: its number, if it can be read, is passed.
+            self._log_numbered(nflog.packet_seq(buf, start, end))
+            raise
+        if packet is None:  # a payload the agent does not read: heard of all the same
+            self._log_numbered(nflog.packet_seq(buf, start, end))
             return
         self.events += 1
         if packet.ct_malformed:  # recorded all the same, without the Service its conntrack entry would name
             self.malformed += 1
-        if packet.seq is not None:
-            if self._log_seq is not None and packet.seq > self._log_seq + 1:
-                self.lost["log"] += packet.seq - self._log_seq - 1
-            self._log_seq = packet.seq
+        self._log_numbered(packet.seq)
         flow = self.dropped(packet)
         if flow is not None:
             flow.received = self.clock()  # when taken in (its time is the kernel's: read late, older)
             self.ring.add(flow)
+
+    def _log_numbered(self, seq: int | None) -> None:
+        """A logged packet's NFULA_SEQ: the numbers skipped since the last one are packets the
+        kernel could not send the agent (lost["log"])."""
+        if seq is None:
+            return
+        if self._log_seq is not None and seq > self._log_seq + 1:
+            self.lost["log"] += seq - self._log_seq - 1
+        self._log_seq = seq
 
     # ------------------------------------------------------------------ records (pure given the directory)
 

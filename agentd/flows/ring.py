@@ -105,12 +105,14 @@ class LastSearch:
     the event loop free in between, and what the ring takes in meanwhile is not in it."""
 
     def __init__(self, records: list[Entry], flt: FlowFilter, n: int, since: float | None, last_seq: int = 0,
-                 keep: Callable[[int, Entry, Flow], None] | None = None, after: int | None = None) -> None:
+                 keep: Callable[[int, Entry, Flow], None] | None = None, after: int | None = None,
+                 held: int | None = None) -> None:
         """``keep(seq, entry, flow)``: told of each record made from a :class:`Batch` (the ring
         keeps it in its slot if the slot still holds the batch).  ``after``: only records
-        numbered after it (a reader that had the records up to it)."""
+        numbered after it (a reader that had the records up to it).  ``held``: how many
+        records the ring held (``len(records)`` unless they were not copied: none asked for)."""
         self.records = records  # a copy: the ring moves on while this searches
-        self.first_seq = last_seq - len(records) + 1  # records[i] is number first_seq + i
+        self.first_seq = last_seq - (len(records) if held is None else held) + 1  # records[i] is number first_seq + i
         self.keep = keep
         self.filter = flt
         self.n = n
@@ -306,7 +308,7 @@ class FlowRing:
     def search(self, flt: FlowFilter, n: int, *, since: float | None = None, after: int | None = None) -> LastSearch:
         """The same, a step at a time (:class:`LastSearch`) over the ring as it is now;
         ``after``: only records numbered after it."""
-        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq, self._keep, after)
+        return LastSearch(self.records if n > 0 else [], flt, n, since, self.seq, self._keep, after, self._count)
 
     def _keep(self, seq: int, entry: Entry, flow: Flow) -> None:
         """A record made from ``entry`` by a search, into its slot if the slot still holds it."""
@@ -347,7 +349,9 @@ class DropLimiter:
 
     ``now`` is the drop's own time.  Drops logged on different CPUs may reach the agent a little
     out of order: an earlier time than the bucket's last one refills nothing (and does not move
-    the bucket back), rather than taking tokens away.
+    the bucket back), rather than taking tokens away.  One more than ``STEP`` seconds earlier is
+    the wall clock stepped back (NTP, a resumed VM), not a drop out of order: the bucket's time
+    goes back with it, or the key would stay folded for as long as the step.
 
     At ``max_keys`` a new key evicts a bucket: among the ``EVICT_SCAN`` least recently seen,
     the first that folds nothing and has refilled (forgetting it changes nothing), else the
@@ -355,6 +359,7 @@ class DropLimiter:
     whose folded drops no record will show: they are counted in ``evicted``."""
 
     EVICT_SCAN = 32  # buckets looked at for one eviction: bounded work per new key in a storm
+    STEP = 2.0  # seconds: a time this much before a bucket's is a clock step, not a drop out of order
 
     def __init__(self, rate: float, burst: int, max_keys: int = 4096) -> None:
         self.rate = rate
@@ -392,6 +397,8 @@ class DropLimiter:
             self.buckets.move_to_end(key)
             if now > bucket[1]:
                 bucket[0] = min(float(self.burst), bucket[0] + (now - bucket[1]) * self.rate)
+                bucket[1] = now
+            elif now < bucket[1] - self.STEP:  # the clock stepped back: refill from now on
                 bucket[1] = now
         if bucket[0] < 1.0:
             bucket[2] += 1

@@ -191,6 +191,21 @@ def decode_packet(buf: bytes, start: int, end: int) -> Packet | None:
                   quoted=quoted, claimed=claimed)
 
 
+def packet_seq(buf: bytes, start: int, end: int) -> int | None:
+    """The NFULA_SEQ of an NFULNL_MSG_PACKET body :func:`decode_packet` could not read, if
+    it can be found (the attributes before it well formed, it four bytes), else None: the
+    packet was logged and numbered all the same, so the next one's number shows no gap."""
+    if end > len(buf) or end - start < nl.NFGENMSG_LEN:
+        return None
+    try:
+        for atype, vs, ve in nl.iter_attrs(buf, start + nl.NFGENMSG_LEN, end):
+            if atype == NFULA_SEQ:
+                return _be32(buf, vs, ve, "NFULA_SEQ")
+    except nl.NetlinkDecodeError:
+        pass
+    return None
+
+
 def dnat_origin(buf: bytes, start: int, end: int) -> tuple[str, int] | None:
     """The original destination (address, port) of the conntrack entry in NFULA_CT's
     ``buf[start:end]`` (ctnetlink's attributes) if the entry is DNATed (IPS_DST_NAT), else

@@ -389,6 +389,58 @@ def test_log_sequence_gaps_count_as_lost():
     assert r.lost["log"] == 3
 
 
+class _Datagrams:
+    """A log or conntrack socket holding datagrams to read (recv: None once read)."""
+
+    def __init__(self, *datagrams: bytes) -> None:
+        self.datagrams = list(datagrams)
+
+    def recv(self) -> bytes | None:
+        return self.datagrams.pop(0) if self.datagrams else None
+
+
+def _web_drop(sport: int, seq: int) -> bytes:
+    return logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, sport, 80, seq=seq)
+
+
+def test_one_unreadable_message_of_a_log_datagram_is_skipped_and_not_lost():
+    """The kernel batches up to its qthresh of logged packets in a datagram: one the agent
+    cannot read is counted malformed, those after it are recorded, and its number is passed
+    (it was heard of, not lost: the next datagram's sequence shows no gap)."""
+    r = recorder()
+    body = (nl.attr(nflog.NFULA_PREFIX, b"pod-in/shop/web\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 2))
+            + nl.attr(nflog.NFULA_IFINDEX_OUTDEV, b"\0" * 8))  # an ifindex of 8 bytes: unreadable
+    bad = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
+    rest = b"".join(_web_drop(40002 + i, 3 + i) for i in range(10))
+    r._read(_Datagrams(_web_drop(40001, 1) + bad + rest), r._on_log, "log")
+    assert len(r.ring) == 11 and r.malformed == 1 and r.lost.get("log", 0) == 0
+    r._read(_Datagrams(_web_drop(50000, 13)), r._on_log, "log")
+    assert len(r.ring) == 12 and r.malformed == 1 and r.lost.get("log", 0) == 0
+    # One whose number cannot be read either (an attribute before it overruns): lost as well.
+    broken = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, struct.pack("=HH", 200, nflog.NFULA_PREFIX)
+                             + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 14)), res_id=143)
+    r._read(_Datagrams(broken + _web_drop(50001, 15)), r._on_log, "log")
+    assert len(r.ring) == 13 and r.malformed == 2 and r.lost.get("log", 0) == 1
+
+
+def test_a_logged_packet_the_agent_does_not_read_is_not_counted_lost():
+    r = recorder()
+    body = (nl.attr(nflog.NFULA_PREFIX, b"pod-in/shop/web\0") + nl.attr(nflog.NFULA_SEQ, struct.pack("!I", 2))
+            + nl.attr(nflog.NFULA_PAYLOAD, b"\x00" * 20))  # no IPv4 or IPv6 packet
+    foreign = nl.encode_nfgen(nflog.MSG_PACKET, 0, 0, socket.AF_INET, body, res_id=143)
+    r._read(_Datagrams(_web_drop(40001, 1) + foreign, _web_drop(40002, 3)), r._on_log, "log")
+    assert len(r.ring) == 2 and r.lost.get("log", 0) == 0 and r.malformed == 0
+
+
+def test_one_unreadable_event_of_a_conntrack_datagram_is_skipped():
+    r = recorder()
+    bad = nl.encode_nfgen(ct.MSG_DELETE, 0, 0, socket.AF_INET,
+                          nl.nested(ct.CTA_TUPLE_ORIG, nl.nested(ct.CTA_TUPLE_IP,
+                                                                 nl.attr(ct.CTA_IP_V4_SRC, b"\x0a\x00\x00"))))
+    r._on_conntrack_datagrams([destroy_event(ct.IPS_DST_NAT) + bad + destroy_event(ct.IPS_DST_NAT)], 1000.0)
+    assert len(r.ring) == 2 and r.malformed == 1
+
+
 # ------------------------------------------------------------------ filters, ring, limiter
 
 
@@ -546,6 +598,21 @@ def test_search_goes_step_by_step_over_what_the_ring_held_when_it_began():
     assert ring.search(FlowFilter(), 0).step(1)  # asked for none: done at once
 
 
+def test_a_search_for_none_after_a_cursor_counts_only_what_the_ring_lost():
+    """``GET /flows?after=ID:SEQ&last=0`` (a follower resuming): the records after the cursor
+    the ring still holds are not scrolled out; those it wrapped past are."""
+    ring = FlowRing(100)
+    for i in range(100):
+        ring.add(flow(port=i))
+    assert ring.search(FlowFilter(), 0, after=95).scrolled == 0
+    assert ring.search(FlowFilter(), 0, after=0).scrolled == 0
+    for i in range(50):
+        ring.add(flow(port=i))  # records 1..50 scrolled out
+    assert ring.search(FlowFilter(), 0, after=20).scrolled == 30
+    assert ring.search(FlowFilter(), 5, after=20).scrolled == 30  # as a search for some says
+    assert ring.search(FlowFilter(), 0, after=140).scrolled == 0
+
+
 def test_a_cluster_answer_holds_the_newest_records_only():
     from agentd.daemon.observe_api import _Newest, _node_params
 
@@ -597,6 +664,19 @@ def test_limiter_takes_drops_a_little_out_of_order_without_losing_tokens():
     assert lim.allow("k", 4.9) == 0  # logged earlier on another CPU: the burst's second token
     assert lim.allow("k", 4.95) is None  # no refill from a time before the bucket's
     assert lim.allow("k", 5.25) == 1  # a quarter second after the bucket's time: tokens back
+
+
+def test_limiter_refills_after_the_clock_steps_back():
+    """Drops are timed by the wall clock: stepped back an hour (NTP, a resumed VM), a key that
+    used its burst is not folded for the hour, but refills from the new time on."""
+    lim = DropLimiter(rate=10, burst=20)
+    t = 1_700_000_000.0
+    for i in range(40):
+        lim.allow("k", t + i * 0.001)  # the burst used, the rest folded
+    assert lim.suppressed == 20
+    # At the step the bucket has what it had (none); then, one drop a second, each is kept.
+    assert [lim.allow("k", t - 3600 + s) for s in range(5)] == [None, 21, 0, 0, 0]
+    assert sum(lim.allow("k", t - 3600 + s) is not None for s in range(5, 600)) == 595
 
 
 # ------------------------------------------------------------------ the drop rules
@@ -858,6 +938,18 @@ def test_a_spoofed_drop_names_the_pod_whose_veth_sent_it():
     assert j["sender"] == {"interface": "vethgone"} and "(sent by vethgone)" in line(j)
     j = r.dropped(_decoded(logged_packet("pod-in/shop/web", "10.244.1.2", "10.244.2.3", 6, 40000, 80, devices=(3, 7)))).json()  # type: ignore[union-attr]
     assert "sender" not in j
+
+
+def test_a_spoofed_drops_sender_is_found_by_its_labels_as_by_its_name():
+    """The pod whose veth sent a spoofed packet is one of its ends for every filter that
+    names a pod: by name, namespace, or labels."""
+    flow = recorder().dropped(_decoded(logged_packet("spoofed", "10.9.9.9", "10.244.2.3", 17, 5353, 53,
+                                                     devices=(3, 7))))
+    assert flow is not None and flow.sender is not None and flow.src.identity is None
+    for pairs in ([("pod", "shop/client")], [("from-pod", "shop/client")], [("namespace", "shop")],
+                  [("label", "app=client")], [("label", "app")]):
+        assert FlowFilter.parse(pairs).matches(flow), pairs
+    assert not FlowFilter.parse([("label", "app=db")]).matches(flow)
 
 
 # ------------------------------------------------------------------ connections the pod programs record
