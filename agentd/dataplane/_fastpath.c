@@ -1244,6 +1244,10 @@ static int64_t now_ms(void)
 int fp_run(struct fp_state *st, const int *other, int n_other, int timeout_ms)
 {
     struct pollfd pfd[2 + MAX_OTHER_FDS];
+    if (st->ptb_len) {   /* kept by the flush of the last hand-back: told now, not at the next read */
+        st->slow_kind = SLOW_NONE;
+        return hand_back_too_big(st);
+    }
     if (n_other > MAX_OTHER_FDS)
         n_other = MAX_OTHER_FDS;
     pfd[0].fd = st->tun_fd;

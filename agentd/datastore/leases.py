@@ -162,6 +162,8 @@ class SubnetLeases:
                     if outcome is not Claim.TAKEN:
                         break
                     taken.add(candidate)
+            if outcome is Claim.WON and await self._gave_up(node, candidate, deadline):
+                continue
             if outcome is Claim.WON:
                 lease = dataclasses.replace(template, subnet=candidate, lease_id=lease_id)
                 how = "re-acquired" if candidate in ours or candidate == previous else "acquired"
@@ -169,6 +171,21 @@ class SubnetLeases:
                 return lease
             if outcome is Claim.LEASE_GONE:
                 self.keeper.lease_gone(lease_id)
+
+    async def _gave_up(self, node: str, candidate: Network, deadline: float | None) -> bool:
+        """After our claim of ``candidate`` won: whether another node's lease overlapping it was
+        made first (subnets.earlier_overlaps) -- then our key is deleted again, and the caller
+        reads etcd and chooses once more."""
+        after = await self.connection.call("read subnets", lambda c: self._read_subnets(c, node), deadline)
+        earlier = subnets.earlier_overlaps(after, candidate, node)
+        if not earlier:
+            return False
+        log.warning("subnet %s overlaps %s, leased by another node just before our claim (their cluster's "
+                     "subnet length not ours): giving it up", candidate, ", ".join(map(str, earlier)))
+        mine = {candidate: after.entries[candidate]}
+        await self.connection.call(f"give up subnet {candidate}",
+                                   lambda c: subnets.release(c, self.prefix, mine), deadline)
+        return True
 
     async def _claim(
         self,

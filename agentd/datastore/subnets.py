@@ -45,6 +45,7 @@ class Entry:
     mod_revision: int
     lease: int
     record: SubnetLease | None
+    create_revision: int = 0  # when the key was made (kept across rewrites): the earliest of overlapping leases holds
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ async def read_subnets(client: EtcdClient, prefix: str, node: str, report_bad: R
         except RecordError as e:
             report_bad(kv.key, kv.mod_revision, e)
             record = None  # unreadable, but the key exists: the subnet is taken
-        entries[subnet] = Entry(kv.mod_revision, kv.lease, record)
+        entries[subnet] = Entry(kv.mod_revision, kv.lease, record, kv.create_revision)
     node_subnets: dict[int, Network] = {}
     for value, kv in node_kvs:
         try:
@@ -94,6 +95,22 @@ async def read_subnets(client: EtcdClient, prefix: str, node: str, report_bad: R
             continue
         node_subnets = {s.version: s for s in (record.subnet, record.subnet_v6) if s is not None}
     return SubnetView(entries, node_subnets)
+
+
+def earlier_overlaps(view: SubnetView, candidate: Network, node: str) -> list[Network]:
+    """The subnets of other nodes' leases overlapping ``candidate`` whose keys were made before
+    ours (``candidate``'s, as ``view`` read it after our claim won): a claim checks that no
+    wider subnet is leased, not every narrower one (there may be thousands), so a node that
+    claimed a wide subnet while another leased a narrower one inside it (their clusters'
+    subnet lengths differ for a while) both win; then the earlier key holds, and the later
+    claimant gives its subnet up.  Empty if ``candidate``'s key is gone (the caller reads again)."""
+    mine = view.entries.get(candidate)
+    if mine is None:
+        return []
+    return sorted((s for s, e in view.entries.items()
+                   if s != candidate and s.version == candidate.version and s.overlaps(candidate)  # type: ignore[arg-type]
+                   and (e.record is None or e.record.node != node) and e.create_revision < mine.create_revision),
+                  key=str)
 
 
 async def claim(

@@ -590,28 +590,35 @@ def remove_pinned_fast_path(bpf_dir: str | os.PathLike, *, liberal: bool = False
     cfg = d / CONFIG
     keep = not liberal  # the pin holding the value found, while be_liberal is not put back
     failed = None
+    values = None
     if cfg.exists():
-        with contextlib.suppress(lb.BpfError, OSError, struct.error):
+        try:
             fd = lb.obj_get(str(cfg))
             try:
                 raw = lb.map_lookup(fd, U32.pack(0), CONFIG_VALUE.size)
             finally:
                 os.close(fd)
-            if raw:
-                flags, _ms, before, _net, _mask, wire = CONFIG_VALUE.unpack(raw)
-                if wire and _detach(wire, WIRE_PROGRAM, pins):
-                    removed.append("the pod fast path from the underlay device")
-                if not flags & CFG_ON:
-                    keep = False  # nothing noted: no run of the fast path set be_liberal
-                elif liberal:
-                    try:
-                        if _read_int(BE_LIBERAL) != before:
-                            BE_LIBERAL.write_text(f"{before}\n")
-                            removed.append(f"net.netfilter.nf_conntrack_tcp_be_liberal = {before} put back")
-                    except (OSError, ValueError, IndexError) as err:
-                        keep = True
-                        failed = (f"could not put back net.netfilter.nf_conntrack_tcp_be_liberal = {before} "
-                                  f"({getattr(err, 'strerror', None) or err}; noted in {cfg})")
+            values = CONFIG_VALUE.unpack(raw) if raw else None
+        except (lb.BpfError, OSError, struct.error) as err:
+            if liberal:  # the operator's value may be in there: kept, and the step fails
+                keep = True
+                failed = (f"could not read {cfg}, which holds net.netfilter.nf_conntrack_tcp_be_liberal "
+                          f"as it was before ({getattr(err, 'strerror', None) or err}); kept")
+    if values is not None:
+        flags, _ms, before, _net, _mask, wire = values
+        if wire and _detach(wire, WIRE_PROGRAM, pins):
+            removed.append("the pod fast path from the underlay device")
+        if not flags & CFG_ON:
+            keep = False  # nothing noted: no run of the fast path set be_liberal
+        elif liberal:
+            try:
+                if _read_int(BE_LIBERAL) != before:
+                    BE_LIBERAL.write_text(f"{before}\n")
+                    removed.append(f"net.netfilter.nf_conntrack_tcp_be_liberal = {before} put back")
+            except (OSError, ValueError, IndexError) as err:
+                keep = True
+                failed = (f"could not put back net.netfilter.nf_conntrack_tcp_be_liberal = {before} "
+                          f"({getattr(err, 'strerror', None) or err}; noted in {cfg})")
     with contextlib.suppress(OSError):
         tc.remove_links(pins, (PROGRAM, WIRE_PROGRAM))  # those of devices that went
     for name in (*MAPS, PROGRAM, f"{PROGRAM}_new", WIRE_PROGRAM, f"{WIRE_PROGRAM}_new"):

@@ -136,3 +136,20 @@ def test_agentd_flows_sends_nothing_where_it_cannot_tell_who_listens(tmp_path, m
     assert sent == []
     assert capsys.readouterr().err == ("agentd flows: http://127.0.0.1:9099: cannot check who listens there (port out "
                                        "of range): not sending it the API token\n")  # fmt: skip
+
+
+@pytest.mark.parametrize(("api", "port"), [("https://127.0.0.1", 443), ("http://127.0.0.1", 80),
+                                           ("https://127.0.0.1:9443/", 9443)])
+def test_agentd_flows_asks_who_listens_on_the_schemes_default_port(api, port, tmp_path, monkeypatch, capsys):
+    """An --api without a port is checked on the port the request goes to: 443 for https."""
+    import argparse
+
+    token_file = tmp_path / "api.token"
+    token_file.write_text("t0ken\n")
+    asked, sent = [], []
+    monkeypatch.setattr(listeners, "squatter", lambda host, p, _tf: asked.append((host, p)) or "squatted")
+    monkeypatch.setattr(cli, "api_open", lambda req, timeout: sent.append(req))
+    args = argparse.Namespace(api=api, last=5, follow=False, cluster=True, output="text",
+                              **{f"filter_{n.replace('-', '_')}": [] for n in cli.FLOW_FILTERS})  # fmt: skip
+    assert cli.flows_command(args, token_file) == 1
+    assert asked == [("127.0.0.1", port)] and sent == []

@@ -578,3 +578,28 @@ def test_the_c_udp_loop_hands_back_a_packet_over_the_path_mtu():
             assert fp.run((), 0) == 0
     finally:
         sock.close()
+
+
+def test_a_packet_over_the_path_mtu_kept_by_a_hand_backs_flush_is_handed_back_with_nothing_more_to_read():
+    """The flush before a hand-back (here a TTL of 1) finds the packet queued before it over the
+    path MTU: the loop keeps it and hands it back on the next call -- even when the TUN has
+    nothing more to read (a TCP sender whose window was all dropped sends nothing until its
+    retransmission timeout; a lone DF datagram never would)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((LOCAL, 0))
+    sock.setsockopt(socket.IPPROTO_IP, 10, 2)  # IP_MTU_DISCOVER, IP_PMTUDISC_DO (the worker's)
+    expiring = bytes(P.ipv4_packet(P.IPv4Header(src="10.244.1.2", dst="10.244.2.2", protocol=17, ttl=1), bytes(8)))
+    try:
+        with c_path("udp", sock, mtu=65535, port=sock.getsockname()[1]) as (fp, _writes, tun):
+            fp.set_routes(NextHopTable({"10.244.0.0/16": LOCAL}))
+            tun.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            tun.send(P.VNET_HDR_NONE + _big())
+            tun.send(P.VNET_HDR_NONE + expiring)
+            assert fp.run((), 0) == 1
+            assert fp.slow_packet()[0] == _fast.SLOW_TIME_EXCEEDED
+            assert fp.run((), 0) == 1  # nothing on the TUN: the kept one all the same
+            kind, pkt = fp.slow_packet()
+            assert kind == _fast.SLOW_FRAG_NEEDED and pkt[:8] == _big()[:8]
+            assert fp.run((), 0) == 0
+    finally:
+        sock.close()

@@ -43,6 +43,7 @@ class KV:
     lease: int
     mod_revision: int
     version: int
+    create_revision: int = 0
 
 
 def lease_not_found() -> Exception:
@@ -80,7 +81,8 @@ class FakeEtcd:
             raise lease_not_found()
         self.revision += 1
         old = self.kvs.get(key)
-        self.kvs[key] = KV(key, value, lease or 0, self.revision, (old.version if old else 0) + 1)
+        self.kvs[key] = KV(key, value, lease or 0, self.revision, (old.version if old else 0) + 1,
+                           old.create_revision if old else self.revision)
 
     def _delete(self, key: bytes) -> bool:
         if key not in self.kvs:
@@ -417,6 +419,45 @@ async def test_a_wider_lease_taken_between_the_read_and_the_claim_makes_the_clai
             "b", "192.0.2.2", "vxlan", {}, cluster=cluster, timeout=5)
     assert [k for k in etcd.kvs if k.startswith(b"/agentd/subnets/")] == [subnet_key(PREFIX, WIDE)]
     await keeper.stop()
+
+
+async def test_a_narrower_lease_taken_between_the_read_and_the_claim_makes_the_wider_claim_give_up():
+    """The other order: our cluster record still says /23, and another node (its record
+    saying /24) leases a /24 inside our candidate between our read and our claim.  The claim
+    checks only the wider keys, so it wins; the read after it finds the earlier narrower lease,
+    and we give the /23 up and take one clear of both /24s."""
+    etcd = FakeEtcd()
+    cluster = ClusterConfig(IPv4Network("10.244.0.0/22"), 23, "vxlan", "always")
+    narrow = [IPv4Network("10.244.0.0/24"), IPv4Network("10.244.2.0/24")]
+
+    def lease_narrow() -> None:
+        etcd.leases.add(0x51)
+        for net, node in zip(narrow, "ac"):
+            etcd._put(subnet_key(PREFIX, net), SubnetLease(net, node, "192.0.2.1", "vxlan").to_json(), 0x51)
+
+    etcd.before_transaction += [lambda: None, lease_narrow]  # the read; then the /24s, before our claim
+    keeper = LeaseKeeper(connection(etcd), PREFIX, 30)
+    with pytest.raises(Exception, match="no free /23"):  # both /23s hold another node's /24
+        await SubnetLeases(keeper.connection, keeper, PREFIX, random.Random(1)).acquire_subnet(
+            "b", "192.0.2.2", "vxlan", {}, cluster=cluster, timeout=5)
+    assert sorted(k for k in etcd.kvs if k.startswith(b"/agentd/subnets/")) == [subnet_key(PREFIX, n) for n in narrow]
+    await keeper.stop()
+
+
+async def test_a_wider_claim_keeps_its_subnet_against_a_narrower_lease_made_after_it():
+    """Whoever's key came first holds: a narrower lease made after our key (its maker's claim
+    won as ours did) does not make us give ours up -- that node gives its own up."""
+    from agentd.datastore import subnets as sn
+
+    etcd = FakeEtcd()
+    etcd.leases.update({0x50, 0x51})
+    wide, narrow = IPv4Network("10.244.0.0/23"), IPv4Network("10.244.1.0/24")
+    etcd._put(subnet_key(PREFIX, wide), SubnetLease(wide, "b", "192.0.2.2", "vxlan").to_json(), 0x50)
+    etcd._put(subnet_key(PREFIX, narrow), SubnetLease(narrow, "a", "192.0.2.1", "vxlan").to_json(), 0x51)
+    view = await sn.read_subnets(etcd, PREFIX, "b", lambda *a: None)  # type: ignore[arg-type]
+    assert sn.earlier_overlaps(view, wide, "b") == []
+    view = await sn.read_subnets(etcd, PREFIX, "a", lambda *a: None)  # type: ignore[arg-type]
+    assert sn.earlier_overlaps(view, narrow, "a") == [wide]
 
 
 def test_free_subnets_leave_out_leases_of_every_prefix_length():

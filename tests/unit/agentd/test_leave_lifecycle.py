@@ -89,3 +89,17 @@ def test_a_leave_that_cannot_put_be_liberal_back_fails_and_keeps_the_value_found
     assert "net.netfilter.nf_conntrack_tcp_be_liberal = 0 put back" in podpath.remove_pinned_fast_path(
         tmp_path, liberal=True)
     assert pinned.liberal.read_text() == "0\n" and pinned.pins() == []
+
+
+def test_a_leave_that_cannot_read_the_value_found_fails_and_keeps_it(tmp_path, monkeypatch):
+    """The config pin is there but cannot be read (EPERM on the pin, a map of another layout):
+    the operator's value may be in it, so it stays, be_liberal is left alone, and the step fails."""
+    pinned = PinnedFastPath(tmp_path, monkeypatch, found=0)
+
+    def refused(path):
+        raise podpath.lb.BpfError(errno.EPERM, f"bpf_obj_get {path}")
+
+    monkeypatch.setattr(podpath.lb, "obj_get", refused)
+    with pytest.raises(OSError, match=r"could not read .*nf_conntrack_tcp_be_liberal as it was before"):
+        podpath.remove_pinned_fast_path(tmp_path, liberal=True)
+    assert pinned.pins() == [podpath.CONFIG] and pinned.liberal.read_text() == "1\n"

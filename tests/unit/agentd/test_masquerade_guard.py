@@ -106,3 +106,22 @@ def test_a_restart_leaves_the_adopted_member_set_alone_until_the_node_list_is_re
     assert {"flush": {"set": {"family": "ip", "table": m.TABLE, "name": "members"}}} in commands, commands
     adds = [c["add"]["element"] for c in commands if "add" in c and "element" in c["add"]]
     assert [(e["family"], e["name"], sorted(e["elem"])) for e in adds] == [("ip", "members", ["192.0.2.1", "192.0.2.3"])]
+
+
+async def test_a_first_node_list_without_members_still_empties_the_adopted_set():
+    """The first node list read holds no member (this node not yet registered, the others
+    gone): the member set is then known to be empty and synced so, not left as the previous
+    run had it -- though the members (none) equal those noted before the read."""
+    synced: list[object] = []
+
+    class Programmer:
+        async def sync(self, rs) -> None:
+            synced.append(rs)
+
+    masq = m.Masquerade({4: NETWORKS[4]}, GUARDED)
+    masq._programmer = Programmer()  # type: ignore[assignment]
+    await masq.program()
+    masq.set_members([])
+    assert masq._task is not None
+    await masq._task
+    assert len(synced) == 2 and synced[1] == masq.ruleset() != m.Masquerade({4: NETWORKS[4]}, GUARDED).ruleset()

@@ -470,6 +470,47 @@ def test_a_service_of_a_thousand_endpoints_costs_rules_linear_in_them(local):
     assert not any(k[3] == "pick/999" or k[3] == "pick/17" for k in rs.objects)
 
 
+def _goto_targets(table: compiler.Table) -> set[str]:
+    """Every chain a rule or a map element of ``table`` jumps or goes to."""
+    out: set[str] = set()
+
+    def walk(x) -> None:
+        if isinstance(x, dict):
+            for verb in ("goto", "jump"):
+                if isinstance(x.get(verb), dict):
+                    out.add(x[verb]["target"])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list | tuple):
+            if len(x) == 2 and x[0] in ("goto", "jump") and isinstance(x[1], str):
+                out.add(x[1])
+            for v in x:
+                walk(v)
+
+    for obj in table.rs.objects.values():
+        if isinstance(obj, NftChain):
+            for rule in obj.rules:
+                walk(json.loads(rule))
+    for elems in table.elements.values():
+        walk(list(elems))
+    return out
+
+
+@pytest.mark.parametrize("internal", [False, True])
+def test_every_chain_a_map_element_goes_to_exists_for_local_policies_above_the_prepared_counts(internal):
+    """externalTrafficPolicy Local with 40 endpoints, 10 of them here: the node port's short
+    circuit goes to np-local/40 -- a count no cluster IP's pick makes when internalTrafficPolicy
+    is Local too (that one picks among the 10); nft refuses a whole batch with one missing chain."""
+    eps = tuple(model.Endpoint(f"10.244.{i // 250}.{i % 250 + 1}", 8080, "n1" if i % 4 == 0 else "n2") for i in range(40))
+    sp = model.ServicePort("shop", "big", "", "TCP", 80, "10.96.0.1", 30080, None, internal, True, eps)
+    table = compiler.Table("n1")
+    table.update(("shop", "big"), [sp])
+    chains = {k[3] for k in table.rs.objects if k[2] == "chain"}
+    targets = _goto_targets(table)
+    assert compiler.np_pick_chain(40, True) in targets
+    assert targets <= chains, sorted(targets - chains)
+
+
 def test_a_rolling_update_back_and_forth_changes_rules_once_per_count():
     """Endpoints 1,000 -> 1,001 (a new pod ready) -> 1,000 (an old one gone) -> 1,001 ...:
     the chains of a count just left stay while near one in use, so only the first visit of
@@ -498,6 +539,7 @@ def test_a_rolling_update_back_and_forth_changes_rules_once_per_count():
     for n in range(1001, 1011):
         table.update(("shop", "big"), [_big(n)])
     assert len(table.picks) == 1 + compiler.RETAIN
+    assert table.picks == {1010, *range(1010 - compiler.RETAIN, 1010)}  # the most recent ones
 
 
 def test_stale_udp_endpoints_are_those_no_longer_usable():
