@@ -358,6 +358,11 @@ class BfdSession:
         self.admin_down_until = None
         self._apply(BfdEvent.ADMIN_ENABLE, now)
 
+    def send_now(self, now: float) -> None:
+        """One more packet at once, as the next periodic one would be (the transport repeats
+        AdminDown this way when it stops, and cannot wait for the 1 s period)."""
+        self._send_periodic(now)
+
     def set_settings(self, settings: BfdSettings, now: float) -> None:
         """New intervals or Detect Mult; interval changes go through a Poll Sequence."""
         self.settings = settings

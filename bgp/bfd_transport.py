@@ -12,7 +12,18 @@ Single-hop BFD over UDP, RFC 5881:
   IP_RECVTTL / IPV6_RECVHOPLIMIT ancillary data; so is every packet
   :meth:`proto.bfd.ControlPacket.decode` refuses.
 * Packets are demultiplexed by Your Discriminator, or by source address when it is zero
-  (RFC 5880 §6.3; RFC 5881 §3: one session per neighbour address).
+  (RFC 5880 §6.3; RFC 5881 §3: one session per neighbour address), and the source address
+  must be the session's neighbour either way.
+* A session is bound to an interface (RFC 5881 §3: "the session MUST be bound to the
+  interface"; BIRD looks sessions up by address and interface): the one the kernel's route
+  to the neighbour leaves by (RTM_GETROUTE, :func:`route_interface`), looked up when the
+  session starts and again, at most once a second, when its packets come in on another
+  one.  A packet for it that arrived on another interface (IP_PKTINFO / IPV6_RECVPKTINFO),
+  or, once the session's local address is known, was sent to another of our addresses, is
+  discarded and counted in the session's ``bad_packets``: a host on another link (a pod on
+  the node's bridge) that forges the neighbour's address, with TTL 255, cannot take the
+  session down.  Where the kernel cannot be asked (no netlink), sessions are not bound,
+  with one warning in the log.
 
 Everything is non-blocking on the running loop (uvloop included): sockets are read with
 ``loop.add_reader`` and written with a non-blocking ``sendto``; each session has one
@@ -28,7 +39,7 @@ Usage (what the BGP speaker does)::
         if change.failure:          # Up -> Down, neither side administratively down
             ...                     # close the BGP session: Cease, subcode 10 (RFC 9384)
     bfd.remove("10.0.0.2")          # AdminDown for a Detection Time, then closed
-    await bfd.stop()                # AdminDown once to every neighbour, sockets closed
+    await bfd.stop()                # AdminDown to every neighbour (3 times in <= 0.2 s), closed
 """
 
 from __future__ import annotations
@@ -40,13 +51,13 @@ import random
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from ipaddress import IPv6Address, ip_address
 
 from proto.bfd import BfdDecodeError, ControlPacket, State, diag_label
 
-from .bfd import BfdSession, BfdSettings, BfdStateChanged
+from .bfd import SLOW_TX_US, BfdSession, BfdSettings, BfdStateChanged
 
 log = logging.getLogger("bgp.bfd")
 
@@ -59,12 +70,27 @@ IP_RECVTTL = getattr(socket, "IP_RECVTTL", 12)
 IP_TTL = socket.IP_TTL
 IPV6_RECVHOPLIMIT = getattr(socket, "IPV6_RECVHOPLIMIT", 51)
 IPV6_HOPLIMIT = getattr(socket, "IPV6_HOPLIMIT", 52)
-_CMSG_SPACE = socket.CMSG_SPACE(4) * 4
+IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
+IPV6_RECVPKTINFO = getattr(socket, "IPV6_RECVPKTINFO", 49)
+IPV6_PKTINFO = getattr(socket, "IPV6_PKTINFO", 50)
+# A TTL / hop limit and a pktinfo (struct in6_pktinfo is the larger: 20 bytes), with room to spare.
+_CMSG_SPACE = socket.CMSG_SPACE(4) + socket.CMSG_SPACE(20) + 64
+_IN_PKTINFO = struct.Struct("=i4s4s")  # ipi_ifindex, ipi_spec_dst, ipi_addr (the header's destination)
+_IN6_PKTINFO = struct.Struct("=16si")  # ipi6_addr (the destination), ipi6_ifindex
+ANY_INTERFACE = 0  # a session whose interface could not be asked for: not checked
+ROUTE_RECHECK = 1.0  # s: how often a session's interface may be looked up again (packets elsewhere)
+# stop(): AdminDown this many times to each neighbour, at most STOP_GAP apart, all within
+# min(the neighbour's Detection Time of us, STOP_BOUND) -- RFC 5880 §6.8.16 asks for a
+# Detection Time of them; a process that is stopping cannot wait the 3 s a drain takes.
+STOP_REPEATS = 3
+STOP_GAP = 0.1
+STOP_BOUND = 1.0
 _READ_BUDGET = 64  # datagrams per wake-up, so one busy socket cannot starve the loop
 _BIND_ATTEMPTS = 64
 _INT = struct.Struct("=i")
 
 OnChange = Callable[[str, BfdStateChanged], None]
+RouteLookup = Callable[[str], "int | None"]
 
 
 def peer_key(address: str) -> str:
@@ -84,7 +110,13 @@ class _Neighbour:
     timer: asyncio.TimerHandle | None = None
     timer_at: float | None = None
     removing: bool = False
-    bad_packets: int = 0  # from this neighbour's address: wrong TTL or refused by the codec
+    # The interface the session is bound to (RFC 5881 §3): the route's to the neighbour;
+    # None: no route (every packet is refused); ANY_INTERFACE: unknown, not checked.
+    ifindex: int | None = ANY_INTERFACE
+    ifindex_at: float = float("-inf")  # when it was looked up
+    # From this neighbour's address: wrong TTL, refused by the codec, or arrived on another
+    # interface / sent to another address of ours.
+    bad_packets: int = 0
     send_errors: int = 0
     last_down_diag: int = 0
 
@@ -104,12 +136,17 @@ class BfdService:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         port: int = CONTROL_PORT,
+        route: RouteLookup | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.listen = listen
         self.on_change = on_change
         self.clock = clock
         self.rng = rng if rng is not None else random.Random()
         self.port = port
+        self.route = route if route is not None else route_interface  # peer -> ifindex (tests pass theirs)
+        self.sleep = sleep  # (for stop()'s AdminDown repeats; tests pass one that moves their clock)
+        self._route_warned = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rx: dict[str, socket.socket] = {}  # receive sockets by the address they are bound to
         self._by_address: dict[str, _Neighbour] = {}
@@ -183,16 +220,45 @@ class BfdService:
             raise error
 
     async def stop(self) -> None:
-        """Tell every neighbour AdminDown (once) and close all sockets."""
+        """Tell every neighbour AdminDown and close all sockets.
+
+        AdminDown goes out :data:`STOP_REPEATS` times, :data:`STOP_GAP` apart at most, all
+        within the neighbour's Detection Time of us (and :data:`STOP_BOUND`): one lost packet
+        would otherwise leave the neighbour to notice our silence -- a failure, the BGP session
+        closed with Cease/10 in the middle of a graceful restart (RFC 5880 §6.8.16: AdminDown
+        "SHOULD" go on for a Detection Time).  With no session Up, Init or draining there is
+        nobody to tell and it returns at once."""
+        repeat: list[_Neighbour] = []
+        bound = STOP_BOUND
         for nb in list(self._by_discr.values()):
-            if not nb.removing:
-                nb.removing = True
-                self._admin_down(nb)
-            self._close(nb)
-        for sock in self._rx.values():
+            if nb.removing:
+                repeat.append(nb)  # removed before: its AdminDown drain is cut short here
+                continue
+            if nb.session.state in (State.UP, State.INIT):
+                repeat.append(nb)
+                # What the neighbour waits before declaring us down (§6.8.4, its side).
+                interval = nb.session.tx_interval or SLOW_TX_US / 1e6
+                bound = min(bound, nb.session.settings.detect_mult * interval)
+            nb.removing = True
+            self._admin_down(nb)
+        for nb in list(self._by_discr.values()):
+            if nb not in repeat:
+                self._close(nb)
+        for nb in repeat:  # the repeats below are sent here, not by the sessions' timers
+            self._cancel_timer(nb)
+        for sock in self._rx.values():  # (nothing received now could change what is sent)
             self._unwatch(sock)
             sock.close()
         self._rx.clear()
+        gap = min(STOP_GAP, bound / STOP_REPEATS)
+        for _ in range(STOP_REPEATS - 1 if repeat else 0):
+            await self.sleep(gap)
+            for nb in repeat:
+                if nb.sock.fileno() >= 0:
+                    nb.session.send_now(self.clock())
+                    self._send(nb)
+        for nb in repeat:
+            self._close(nb)
 
     @property
     def listen_addresses(self) -> list[tuple[str, int]]:
@@ -228,6 +294,7 @@ class BfdService:
         sock = self._open_tx(key, local)
         session = BfdSession(settings, local_discriminator=self._new_discriminator(), now=self.clock(), rng=self.rng)
         nb = _Neighbour(key, local, session, sock)
+        self._bind_interface(nb, peer)
         self._by_address[key] = nb
         self._by_discr[session.local_discr] = nb
         self._loop.add_reader(sock.fileno(), self._drain, sock)
@@ -289,8 +356,10 @@ class BfdService:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 sock.setsockopt(socket.IPPROTO_IPV6, IPV6_RECVHOPLIMIT, 1)
+                sock.setsockopt(socket.IPPROTO_IPV6, IPV6_RECVPKTINFO, 1)
             else:
                 sock.setsockopt(socket.IPPROTO_IP, IP_RECVTTL, 1)
+                sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
             sock.bind((host, self.port))
         except OSError as err:
             sock.close()
@@ -399,8 +468,50 @@ class BfdService:
             if nb is None:
                 self.unknown_packets += 1
                 return
+        ifindex, destination = _received_pktinfo(ancdata)
+        if (why := self._misdelivered(nb, ifindex, destination)) is not None:
+            nb.bad_packets += 1
+            log.debug("BFD: discarded a packet from %s: %s", source, why)
+            return
         nb.session.receive(packet, self.clock())
         self._pump(nb)
+
+    def _misdelivered(self, nb: _Neighbour, ifindex: int | None, destination: str | None) -> str | None:
+        """Why a packet for ``nb`` that arrived on ``ifindex``, sent to ``destination``, is not
+        its neighbour's (None when it may be): RFC 5881 §3, the session is bound to its
+        interface; and a neighbour sends to the address our session sends from."""
+        if nb.local_address is not None and destination is not None and destination != nb.local_address:
+            return f"sent to {destination}, not to {nb.local_address}"
+        if nb.ifindex == ANY_INTERFACE:
+            return None
+        if ifindex is None:
+            return "no interface in its ancillary data"
+        if ifindex != nb.ifindex and self.clock() - nb.ifindex_at >= ROUTE_RECHECK:
+            self._bind_interface(nb, nb.address)  # the route may have moved (at most once a second)
+        if ifindex == nb.ifindex or nb.ifindex == ANY_INTERFACE:
+            return None
+        return f"arrived on interface {ifindex}, the session's is {nb.ifindex}"
+
+    def _bind_interface(self, nb: _Neighbour, peer: str) -> None:
+        """Bind ``nb`` to the interface of the route to ``peer`` (its scope, for a link-local
+        address written with one: ``fe80::1%eth0``)."""
+        nb.ifindex_at = self.clock()
+        try:
+            scope = peer.split("%", 1)[1] if "%" in peer else ""
+            if scope:
+                nb.ifindex = int(scope) if scope.isdigit() else socket.if_nametoindex(scope)
+            else:
+                nb.ifindex = self.route(nb.address)
+        except OSError as err:
+            nb.ifindex = ANY_INTERFACE
+            if not self._route_warned:
+                self._route_warned = True
+                log.warning("BFD: cannot look up the interface of the route to %s (%s): sessions are not "
+                            "bound to their interfaces; a host on another link could forge their packets",
+                            nb.address, err.strerror or err)
+            return
+        if nb.ifindex is None:
+            log.debug("BFD: no route to %s: its packets are refused until there is one", nb.address)
 
     def _bad(self, source: str, why: str) -> None:
         nb = self._by_address.get(source)
@@ -416,14 +527,17 @@ class BfdService:
         nb.session.admin_down(self.clock())
         self._pump(nb)
 
-    def _pump(self, nb: _Neighbour) -> None:
-        session = nb.session
-        for packet in session.take_packets():
+    def _send(self, nb: _Neighbour) -> None:
+        for packet in nb.session.take_packets():
             try:
                 nb.sock.sendto(packet.encode(), (nb.address, self.port))
             except OSError as err:  # full buffer, no route, neighbour unresolved: the next one may pass
                 nb.send_errors += 1
                 log.debug("BFD: send to %s failed: %s", nb.address, err)
+
+    def _pump(self, nb: _Neighbour) -> None:
+        session = nb.session
+        self._send(nb)
         while (change := session.next_event()) is not None:
             self._changed(nb, change)
         if nb.removing:
@@ -481,10 +595,14 @@ class BfdService:
             log.exception("BFD: internal error in the timers of %s", nb.address)
         self._pump(nb)
 
-    def _close(self, nb: _Neighbour) -> None:
+    def _cancel_timer(self, nb: _Neighbour) -> None:
         if nb.timer is not None:
             nb.timer.cancel()
             nb.timer = None
+        nb.timer_at = None
+
+    def _close(self, nb: _Neighbour) -> None:
+        self._cancel_timer(nb)
         if self._by_discr.get(nb.session.local_discr) is nb:
             del self._by_discr[nb.session.local_discr]
         if self._by_address.get(nb.address) is nb:
@@ -508,5 +626,60 @@ def _received_ttl(ancdata: list) -> int | None:
     for level, kind, data in ancdata:
         if (level, kind) in ((socket.IPPROTO_IP, IP_TTL), (socket.IPPROTO_IPV6, IPV6_HOPLIMIT)) and len(data) >= 4:
             return _INT.unpack_from(data)[0]
+    return None
+
+
+def _received_pktinfo(ancdata: list) -> tuple[int | None, str | None]:
+    """(the interface it arrived on, the address it was sent to) from IP_PKTINFO /
+    IPV6_PKTINFO ancillary data; (None, None) without one."""
+    for level, kind, data in ancdata:
+        if (level, kind) == (socket.IPPROTO_IP, IP_PKTINFO) and len(data) >= _IN_PKTINFO.size:
+            ifindex, _spec_dst, addr = _IN_PKTINFO.unpack_from(data)
+            return ifindex, socket.inet_ntop(socket.AF_INET, addr)
+        if (level, kind) == (socket.IPPROTO_IPV6, IPV6_PKTINFO) and len(data) >= _IN6_PKTINFO.size:
+            addr, ifindex = _IN6_PKTINFO.unpack_from(data)
+            return ifindex, peer_key(socket.inet_ntop(socket.AF_INET6, addr))
+    return None, None
+
+
+# rtnetlink (linux/netlink.h, linux/rtnetlink.h)
+_NLMSGHDR = struct.Struct("=IHHII")  # length, type, flags, sequence, port id
+_RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, protocol, scope, type, flags
+_RTATTR = struct.Struct("=HH")  # length, type
+_NLMSG_ERROR = 2
+_RTM_NEWROUTE = 24
+_RTM_GETROUTE = 26
+_NLM_F_REQUEST = 1
+_RTA_DST = 1
+_RTA_OIF = 4
+
+
+def route_interface(peer: str) -> int | None:
+    """The interface index of the kernel's route to ``peer`` (``ip route get``), None when
+    there is no route.  Raises OSError when the kernel cannot be asked."""
+    packed = ip_address(peer).packed
+    family = socket.AF_INET6 if len(packed) == 16 else socket.AF_INET
+    body = _RTMSG.pack(family, 8 * len(packed), 0, 0, 0, 0, 0, 0, 0) + _RTATTR.pack(4 + len(packed), _RTA_DST) + packed
+    request = _NLMSGHDR.pack(_NLMSGHDR.size + len(body), _RTM_GETROUTE, _NLM_F_REQUEST, 1, 0) + body
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
+        nl.settimeout(1.0)  # (the kernel answers at once; never hang the loop)
+        nl.sendto(request, (0, 0))
+        reply = nl.recv(65536)
+    if len(reply) < _NLMSGHDR.size + 4:
+        raise OSError(errno.EPROTO, "short rtnetlink reply")
+    length, kind = _NLMSGHDR.unpack_from(reply)[:2]
+    if kind == _NLMSG_ERROR:
+        return None  # unreachable, prohibited, blackhole: no interface the neighbour could be on
+    if kind != _RTM_NEWROUTE:
+        raise OSError(errno.EPROTO, f"unexpected rtnetlink reply {kind}")
+    off = _NLMSGHDR.size + _RTMSG.size
+    end = min(length, len(reply))
+    while off + _RTATTR.size <= end:
+        rta_len, rta_type = _RTATTR.unpack_from(reply, off)
+        if rta_len < _RTATTR.size:
+            break
+        if rta_type == _RTA_OIF and rta_len >= 8:
+            return _INT.unpack_from(reply, off + 4)[0]
+        off += (rta_len + 3) & ~3
     return None
 

@@ -107,8 +107,12 @@ class PeerSettings:
     ttl_security: bool = False
     # RFC 5880/5881 BFD to this peer; its failure ends the session with Cease/10 (RFC 9384).
     # (interval, multiplier): desired/required intervals in seconds and the detect multiplier.
-    bfd: tuple[float, int] | None = None
-    # Extra fields are compared when the agent re-applies its peer set: a change restarts the peer.
+    # Not compared: turning BFD on or off or re-tuning it is applied to the running peer
+    # (Speaker.set_peers updates its settings, the transport its BFD session), as BIRD does,
+    # instead of resetting the BGP session.
+    bfd: tuple[float, int] | None = field(default=None, compare=False)
+    # A change of any compared field restarts the peer when the agent re-applies its peer set
+    # (Speaker.set_peers); bfd (above) and tags are not compared.
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     # The peer's key everywhere (its address as text), made once.

@@ -102,8 +102,8 @@ class Speaker:
         # Peers called since the last take_actions (only they can have actions): dicts keep order.
         self._touched: dict[int, Peer] = {}
         self.dynamic = DynamicPeers()  # listen ranges, and the peers accepted from one
-        #: Goes up whenever a peer is added or removed (dynamic ones included): the transport
-        #: keeps its BFD sessions in step with it.
+        #: Goes up whenever a peer is added or removed (dynamic ones included) or its ``bfd``
+        #: setting changes: the transport keeps its BFD sessions in step with it.
         self.peers_version = 0
         self._timers = TimerHeap()
         # Configured peers keep their problems' keys; outsiders' (refused addresses) are bounded.
@@ -169,6 +169,7 @@ class Speaker:
         for key, settings in wanted.items():
             cur = self.peers.get(key)
             if cur is not None and cur.settings == settings and key not in self.dynamic:
+                self._retune(cur, settings)  # (bfd and tags are not compared: no restart)
                 continue
             if cur is not None:
                 self.remove_peer(key, now, CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
@@ -191,6 +192,22 @@ class Speaker:
         Dynamic peers whose range is gone or changed are reset."""
         for key in self.dynamic.set_ranges(ranges, self.peers.get):
             self.remove_peer(key, now, CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
+        for key in list(self.dynamic):
+            wanted = self.dynamic.settings_for(key)
+            if wanted is not None and key in self.peers:
+                self._retune(self.peers[key], wanted)
+
+    def _retune(self, peer: Peer, settings: PeerSettings) -> None:
+        """New ``settings`` for ``peer`` that differ only in fields whose change needs no new
+        BGP session (``bfd``, ``tags``): taken over in place.  A change of ``bfd`` moves
+        :attr:`peers_version`, so the transport adds, removes or re-tunes the BFD session."""
+        if settings is peer.settings:
+            return
+        if settings.bfd != peer.settings.bfd:
+            self.peers_version += 1
+        peer.settings = settings
+        for session in peer.sessions():
+            session.peer = settings  # (equal in everything a session uses)
 
     @property
     def listen_ranges(self) -> list[ListenRange]:

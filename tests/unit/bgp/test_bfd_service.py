@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 
 from bgp.bfd import BfdSettings
 from bgp.bfd_transport import BfdService
@@ -144,3 +145,207 @@ def test_a_new_source_address_replaces_the_session_with_one_admin_down_not_a_dra
             nbr.close()
 
     asyncio.run(run())
+
+
+# ------------------------------------------------------------ which packets a session takes
+# Crafted ancillary data handed to BfdService._datagram, as recvmsg would give it: the TTL and
+# the pktinfo (arrival interface, destination).  The route lookup is the test's.
+
+ETH0, BRIDGE = 7, 9  # interface indexes: the neighbour's link, a pod bridge on the same node
+
+
+def ancdata(ifindex: int | None, dst: str = OURS, ttl: int = 255) -> list:
+    from bgp.bfd_transport import IP_PKTINFO, IP_TTL
+
+    out = [(socket.IPPROTO_IP, IP_TTL, struct.pack("=i", ttl))]
+    if ifindex is not None:
+        out.append((socket.IPPROTO_IP, IP_PKTINFO, struct.pack("=i4s4s", ifindex, socket.inet_aton(dst),
+                                                                socket.inet_aton(dst))))
+    return out
+
+
+def packet(state: State, your: int, mine: int = 0xAA) -> bytes:
+    return ControlPacket(state, mine, your, detect_mult=3, desired_min_tx=100_000, required_min_rx=100_000).encode()
+
+
+def crafted(clock: Clock, changes: list, route=lambda peer: ETH0) -> BfdService:
+    bfd = BfdService(port=0, clock=clock, on_change=lambda peer, change: changes.append(change), route=route)
+    bfd.open([OURS])
+    bfd.port = bfd.listen_addresses[0][1]
+    return bfd
+
+
+def crafted_up(bfd: BfdService, anc: list | None = None) -> int:
+    bfd.add(THEIRS, local_address=OURS, settings=FAST)
+    mine = bfd.session(THEIRS).local_discr
+    bfd._datagram(packet(State.DOWN, 0), anc or ancdata(ETH0), THEIRS)
+    bfd._datagram(packet(State.UP, mine), anc or ancdata(ETH0), THEIRS)
+    assert bfd.state(THEIRS) is State.UP
+    return mine
+
+
+def test_a_packet_forged_from_another_interface_or_to_another_address_cannot_take_an_up_session_down():
+    # RFC 5881 §3: the session is bound to its interface.  A pod with NET_RAW on the node's
+    # bridge forging the neighbour's address with TTL 255, Your Discriminator 0 and State Down
+    # took an Up session Down -- a failure, the BGP session closed with Cease/10.
+    async def run() -> None:
+        clock, changes = Clock(), []
+        bfd = crafted(clock, changes)
+        try:
+            mine = crafted_up(bfd)
+            changes.clear()
+            session = bfd.session(THEIRS)
+            packets_in = session.packets_in
+            bfd._datagram(packet(State.DOWN, 0, mine=0x1234), ancdata(BRIDGE), THEIRS)
+            bfd._datagram(packet(State.DOWN, mine), ancdata(BRIDGE), THEIRS)  # (had it seen ours)
+            bfd._datagram(packet(State.DOWN, 0), ancdata(ETH0, dst="127.0.0.5"), THEIRS)  # another address of ours
+            bfd._datagram(packet(State.DOWN, 0), ancdata(None), THEIRS)  # no pktinfo: cannot tell
+            assert bfd.state(THEIRS) is State.UP and changes == [] and session.packets_in == packets_in
+            assert bfd.status()[0]["bad_packets"] == 4 and bfd.unknown_packets == 0
+            # The neighbour itself, on its link, to the address we send from: taken.
+            bfd._datagram(packet(State.DOWN, mine), ancdata(ETH0), THEIRS)
+            assert bfd.state(THEIRS) is State.DOWN and [(c.old, c.state, c.failure) for c in changes] == [
+                (State.UP, State.DOWN, True)
+            ]
+            # The receive sockets ask the kernel for the interface and destination.
+            rx = next(iter(bfd._rx.values()))
+            from bgp.bfd_transport import IP_PKTINFO
+
+            assert rx.getsockopt(socket.IPPROTO_IP, IP_PKTINFO) == 1
+        finally:
+            await bfd.stop()
+
+    asyncio.run(run())
+
+
+def test_a_session_follows_its_route_to_another_interface_looking_it_up_at_most_once_a_second():
+    async def run() -> None:
+        clock, changes = Clock(), []
+        routes = {THEIRS: ETH0}
+        lookups: list[str] = []
+
+        def route(peer: str) -> int | None:
+            lookups.append(peer)
+            return routes.get(peer)
+
+        bfd = crafted(clock, changes, route=route)
+        try:
+            mine = crafted_up(bfd)
+            assert lookups == [THEIRS]  # once, when the session started
+            routes[THEIRS] = BRIDGE  # the neighbour is now reached through another interface
+            clock.t += 0.5
+            bfd._datagram(packet(State.UP, mine), ancdata(BRIDGE), THEIRS)
+            assert bfd.status()[0]["bad_packets"] == 1 and len(lookups) == 1  # not looked up again yet
+            clock.t += 0.5
+            bfd._datagram(packet(State.UP, mine), ancdata(BRIDGE), THEIRS)
+            assert bfd.status()[0]["bad_packets"] == 1 and len(lookups) == 2
+            assert bfd._by_address[THEIRS].ifindex == BRIDGE and bfd.state(THEIRS) is State.UP
+            # No route at all: nothing is taken (the route is asked again a second later).
+            routes.clear()
+            clock.t += 1.0
+            bfd._datagram(packet(State.UP, mine), ancdata(ETH0), THEIRS)
+            assert bfd._by_address[THEIRS].ifindex is None and bfd.status()[0]["bad_packets"] == 2
+        finally:
+            await bfd.stop()
+
+    asyncio.run(run())
+
+
+def test_a_kernel_that_cannot_be_asked_for_the_route_leaves_sessions_unbound_with_one_warning(caplog):
+    def no_netlink(peer: str) -> int | None:
+        raise PermissionError(1, "Operation not permitted")
+
+    async def run() -> None:
+        clock, changes = Clock(), []
+        bfd = crafted(clock, changes, route=no_netlink)
+        try:
+            with caplog.at_level("WARNING", logger="bgp.bfd"):
+                crafted_up(bfd, ancdata(BRIDGE))  # any interface: as before
+                bfd.add("127.0.0.3", settings=FAST)
+            assert [r.levelname for r in caplog.records if r.name == "bgp.bfd"].count("WARNING") == 1
+            assert "not bound to their interfaces" in caplog.text
+        finally:
+            await bfd.stop()
+
+    asyncio.run(run())
+
+
+def test_a_packet_with_our_discriminator_from_another_address_is_unknown_and_leaves_the_session_up():
+    # RFC 5881 §3: one session per neighbour address.  Your Discriminator picks the session;
+    # the source must still be that session's neighbour.
+    async def run() -> None:
+        clock, changes = Clock(), []
+        bfd = crafted(clock, changes)
+        try:
+            mine = crafted_up(bfd)
+            changes.clear()
+            bfd._datagram(packet(State.DOWN, mine), ancdata(ETH0), "127.0.0.3")
+            assert bfd.state(THEIRS) is State.UP and changes == []
+            assert bfd.unknown_packets == 1 and bfd.status()[0]["bad_packets"] == 0
+        finally:
+            await bfd.stop()
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------ stop()
+
+
+def test_stop_repeats_admin_down_within_the_neighbours_detection_time():
+    # One AdminDown, lost, and an agentd neighbour saw Control Detection Time Expired: a failure,
+    # its BGP session to us closed with Cease/10 in the middle of our graceful restart.
+    async def run() -> None:
+        clock, changes = Clock(), []
+        slept: list[float] = []
+
+        async def sleep(seconds: float) -> None:  # the test's: no real waiting
+            slept.append(seconds)
+            clock.t += seconds
+
+        bfd, nbr = service(clock, changes)
+        bfd.sleep = sleep
+        try:
+            bring_up(bfd, nbr, local_address=OURS)
+            port = bfd._by_address[THEIRS].source_port
+            nbr.received()
+            start = clock.t
+            await bfd.stop()
+            wire = [p for src, p in nbr.received() if src == port]
+            assert [(p.state, p.diag) for p in wire] == [(State.ADMIN_DOWN, Diag.ADMINISTRATIVELY_DOWN)] * 3
+            # 100 ms apart at most, all within the neighbour's Detection Time of us (3 x 100 ms).
+            assert len(slept) == 2 and all(0.05 <= s <= 0.1 for s in slept) and clock.t - start < 0.3
+            assert bfd._by_discr == {} and bfd._rx == {}  # all closed
+        finally:
+            nbr.close()
+
+    asyncio.run(run())
+
+
+def test_stop_with_no_session_up_returns_at_once():
+    async def run() -> None:
+        clock, changes = Clock(), []
+        slept: list[float] = []
+
+        async def sleep(seconds: float) -> None:
+            slept.append(seconds)
+
+        bfd, nbr = service(clock, changes)
+        bfd.sleep = sleep
+        try:
+            bfd.add(THEIRS, local_address=OURS, settings=FAST)  # Down: the neighbour has nothing Up
+            await bfd.stop()
+            assert slept == [] and bfd._by_discr == {}
+        finally:
+            nbr.close()
+
+    asyncio.run(run())
+
+
+def test_the_arrival_interface_and_destination_are_read_from_ipv4_and_ipv6_pktinfo():
+    from bgp.bfd_transport import IP_PKTINFO, IPV6_PKTINFO, _received_pktinfo
+
+    v4 = struct.pack("=i4s4s", 3, socket.inet_aton("10.0.0.9"), socket.inet_aton("10.0.0.1"))
+    assert _received_pktinfo([(socket.IPPROTO_IP, IP_PKTINFO, v4)]) == (3, "10.0.0.1")  # ipi_addr, not spec_dst
+    v6 = socket.inet_pton(socket.AF_INET6, "fd00::1") + struct.pack("=i", 5)
+    assert _received_pktinfo([(socket.IPPROTO_IPV6, IPV6_PKTINFO, v6)]) == (5, "fd00::1")
+    assert _received_pktinfo([(socket.IPPROTO_IP, IP_PKTINFO, v4[:8])]) == (None, None)  # truncated

@@ -31,6 +31,7 @@ class FakeBfd:
         self.listen: set[str] = set()
         self.sessions: dict[str, str | None] = {}  # peer -> local address
         self.adds: list[tuple[str, str | None]] = []
+        self.settings: dict[str, object] = {}  # peer -> its BfdSettings
 
     def open(self, addresses=None) -> None:
         self.opens += 1
@@ -45,6 +46,7 @@ class FakeBfd:
     def add(self, peer, local_address=None, settings=None) -> None:
         self.sessions[peer] = local_address
         self.adds.append((peer, local_address))
+        self.settings[peer] = settings
 
     def remove(self, peer, *, drain=True) -> None:
         self.sessions.pop(peer, None)
@@ -291,3 +293,55 @@ def test_a_session_whose_source_becomes_known_moves_to_it_without_going_down():
             await bfd.stop()
 
     asyncio.run(run())
+
+
+def test_turning_bfd_on_retuning_it_or_off_keeps_an_established_bgp_session(loop):
+    # A SIGHUP reload that only adds [[bgp.peers]] bfd (or changes bfd_interval) replaced the
+    # Peer: Cease/6 to the neighbour and its routes withdrawn.  BIRD changes BFD in place.
+    from dataclasses import replace
+
+    from bgp.bfd import BfdSettings
+    from bgp.fsm import State
+    from bgp.testing import RawPeer
+    from proto.messages import Keepalive, MessageReader, MessageType
+
+    bfd = FakeBfd()
+    svc = service(loop, bfd, listen=("0.0.0.0", 179))
+    plain = PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True)
+    svc.set_peers([plain])
+    proto = inbound(svc, "10.1.0.2", local="10.1.0.77")
+    proto.data_received(RawPeer("10.1.0.2", 65000, conn=0).open_message() + Keepalive().encode())
+    peer = svc.speaker.peers["10.1.0.2"]
+    assert peer.state is State.ESTABLISHED and bfd.sessions == {}
+
+    svc.set_peers([replace(plain, bfd=BFD)])
+    assert svc.speaker.peers["10.1.0.2"] is peer and peer.state is State.ESTABLISHED
+    assert peer.settings.bfd == BFD and peer.session.peer.bfd == BFD
+    assert bfd.sessions == {"10.1.0.2": "10.1.0.77"}  # from the running connection's address
+    assert bfd.settings["10.1.0.2"] == BfdSettings(0.1, 0.1, 3)
+
+    svc.set_peers([replace(plain, bfd=(0.3, 5))])
+    assert svc.speaker.peers["10.1.0.2"] is peer and bfd.settings["10.1.0.2"] == BfdSettings(0.3, 0.3, 5)
+    svc.set_peers([plain])
+    assert svc.speaker.peers["10.1.0.2"] is peer and bfd.sessions == {}
+
+    reader = MessageReader()
+    reader.feed(b"".join(bytes(c) for c in proto.transport.written))
+    kinds = [t for t, _ in reader.messages()]
+    assert MessageType.NOTIFICATION not in kinds and not proto.transport.closing
+    assert peer.state is State.ESTABLISHED
+    # A change of a compared setting still restarts the peer (Cease/6), as before.
+    svc.set_peers([replace(plain, hold_time=30)])
+    assert svc.speaker.peers["10.1.0.2"] is not peer
+
+
+def test_a_listen_range_that_starts_asking_for_bfd_keeps_its_clients_and_starts_their_sessions(loop):
+    bfd = FakeBfd()
+    svc = service(loop, bfd)
+    svc.set_listen_ranges([client_range(bfd=None)])
+    inbound(svc, "10.1.0.7")
+    client = svc.speaker.peers["10.1.0.7"]
+    assert bfd.sessions == {}
+    svc.set_listen_ranges([client_range()])
+    assert svc.speaker.peers["10.1.0.7"] is client and client.settings.bfd == BFD
+    assert set(bfd.sessions) == {"10.1.0.7"}
