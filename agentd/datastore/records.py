@@ -292,6 +292,15 @@ class NodeRecord:
         for name, version in (("address", 4), ("address_v6", 6), ("link_local_v6", 6)):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _address(kind, name, getattr(self, name), version))
+        # The other nodes map a route's next hop to the node by these (forwarding.next_hop_forms):
+        # a record naming another node's IPv4-mapped form (::ffff:<its address>) or an address of
+        # every segment (link-local) would take that node's routes.  The agent writes what its
+        # config allows ([node] address_v6: never link-local or mapped) and its interface's fe80::.
+        if self.address_v6 is not None and (self.address_v6.is_link_local or self.address_v6.ipv4_mapped is not None):
+            raise RecordError(f"{kind}: field 'address_v6' = '{self.address_v6}' is link-local or IPv4-mapped, "
+                              "not an address the other nodes reach this node at")  # fmt: skip
+        if self.link_local_v6 is not None and not self.link_local_v6.is_link_local:
+            raise RecordError(f"{kind}: field 'link_local_v6' = '{self.link_local_v6}' is not a link-local (fe80::/10) address")
         _int(kind, "asn", self.asn, 1, ASN_MAX)
         for name, version in (("subnet", 4), ("subnet_v6", 6)):
             if getattr(self, name) is not None:

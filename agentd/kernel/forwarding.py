@@ -304,6 +304,9 @@ class RoutePlan:
     pending: list[str] = field(default_factory=list)
     # Subnets of node records not held against other nodes' routes (:func:`held_subnets`).
     untrusted: list[dict[str, str]] = field(default_factory=list)
+    # Next hops of node records not taken as theirs (:func:`next_hop_owners`): a
+    # ``{"node", "next_hop", "reason"}`` each.
+    untrusted_next_hops: list[dict[str, str]] = field(default_factory=list)
 
 
 Network = IPv4Network | IPv6Network
@@ -454,6 +457,41 @@ def next_hop_forms(node: NodeRecord) -> list[str]:
     return forms
 
 
+def next_hop_owners(nodes: Iterable[NodeRecord]) -> tuple[dict[str, NodeRecord], dict[str, str], list[dict[str, str]]]:
+    """Which node each next hop (:func:`next_hop_forms`) belongs to, by the node records: next
+    hop -> node; the next hops records claim that belong to no node, each with why; and the
+    claims not taken, a ``{"node", "next_hop", "reason"}`` each.  A record is its node's own
+    word, and the node a next hop maps to is the node whose subnets may be routed through it:
+    so an IPv4-mapped next hop (``::ffff:10.0.0.9``) belongs only to the node whose IPv4
+    address it embeds, and one that two records claim (the last read winning took the other
+    node's routes away) belongs to neither.  A node whose peer address is not its alone (its
+    plan is keyed by it) maps no next hop."""
+    claims: dict[str, list[NodeRecord]] = {}
+    untrusted: list[dict[str, str]] = []
+    for n in nodes:
+        for form in dict.fromkeys(next_hop_forms(n)):
+            embedded = IPv6Address(form).ipv4_mapped if ":" in form else None
+            if embedded is not None and embedded != n.address:
+                untrusted.append({"node": n.name, "next_hop": form,
+                                  "reason": f"IPv4-mapped: the next hop of the node at {embedded}, not of this one"})
+                continue
+            claims.setdefault(form, []).append(n)
+    owner: dict[str, NodeRecord] = {}
+    ownerless: dict[str, str] = {}
+    for form, claimants in claims.items():
+        if len(claimants) == 1:
+            owner[form] = claimants[0]
+            continue
+        ownerless[form] = f"claimed by the records of nodes {', '.join(sorted(c.name for c in claimants))}"
+        untrusted.extend({"node": c.name, "next_hop": form, "reason": ownerless[form]} for c in claimants)
+    for form, n in list(owner.items()):
+        if owner.get(str(n.peer_address)) is not n:
+            del owner[form]
+            ownerless[form] = f"node {n.name}'s peer address {n.peer_address} is not its alone"
+            untrusted.append({"node": n.name, "next_hop": form, "reason": ownerless[form]})
+    return owner, ownerless, untrusted
+
+
 def _plan_or_none(node: NodeRecord, underlay: Underlay, **kwargs: Any) -> PeerPlan:
     """:func:`plan_peer`, or -- should the peer's record make it fail -- no route to that peer
     (saying why), so that one record cannot stop the routes through every other peer."""
@@ -497,14 +535,13 @@ def desired_routes(
     trusted, untrusted = held_subnets(
         nodes, None if pools is None else {p.version: (p, (subnet_lens or {}).get(p.version)) for p in pools})
     held = HeldSubnets(trusted)  # asked of every best path: indexed once
-    by_key = {str(n.peer_address): n for n in nodes}
     refused: list[dict[str, Any]] = []
     pending: list[str] = []
     plans_by = {v: {str(n.peer_address): _plan_or_none(n, underlay, own_backend=own_backend, encap=encap,
                                                         available=available, version=v, paths=paths) for n in nodes}
                 for v in versions}  # fmt: skip
     primary = versions[0]
-    owner = {form: str(n.peer_address) for n in nodes for form in next_hop_forms(n)}
+    owner, ownerless, untrusted_hops = next_hop_owners(nodes)
     routes: list[Route] = []
     rows: list[dict[str, Any]] = []
     for own in own_subnets:
@@ -518,12 +555,14 @@ def desired_routes(
             continue
         nh = str(next_hop)
         version = 6 if ":" in dst else 4
-        key = owner.get(nh)
+        node = owner.get(nh)
+        key = None if node is None else str(node.peer_address)
         try:
-            why = refusal(ip_network(dst, strict=False), by_key.get(key) if key is not None else None,
-                          own=own_nets, pod_networks=pools, held=held)
+            why = refusal(ip_network(dst, strict=False), node, own=own_nets, pod_networks=pools, held=held)
         except ValueError:  # not a prefix (the speaker gives only prefixes)
             why = f"{dst!r} is not an IP prefix"
+        if why is None and nh in ownerless:  # a node's next hop, but no one node's: not an external router's either
+            why = f"next hop {nh} is no node's: {ownerless[nh]}"
         if why is None and internal and internal[0] and isinstance(next_hop, IPv6Address) and next_hop.is_link_local:
             why = f"link-local next hop {nh} learned over iBGP: it is on-link only at the node its external peer sent it to"
         if why is not None:
@@ -561,4 +600,4 @@ def desired_routes(
     plans = {**plans_by.get(primary, {}), **external}
     dual = primary == 4 and 6 in plans_by
     return RoutePlan(routes, rows, plans, next_hops, plans_by[6] if dual else {}, next_hops_v6 if dual else {},
-                     refused, pending, untrusted)
+                     refused, pending, untrusted, untrusted_hops)

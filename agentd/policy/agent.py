@@ -355,8 +355,10 @@ class PolicyAgent:
             try:
                 pod = Pod.parse(record_for(ep, self.node, labels))
             except (KeyError, ValueError, TypeError) as err:  # one bad file must not stop policy for every pod
-                log.warning("endpoint file of pod %s/%s unusable: %s", *key, err)
-                self.engine.remove_pod(key)
+                # Its port is known: kept a pod port with nothing of its own (cut off), not
+                # left unchecked (its frames could claim another pod's MAC or addresses).
+                log.warning("endpoint file of pod %s/%s unusable: %s; its port %s is cut off", *key, err, ep.interface)
+                self.engine.cut_off(key, self._port(ep))
                 return
             self.engine.upsert_pod(pod, self._port(ep))
         elif record is not None and record["spec"].get("nodeName") != self.node:

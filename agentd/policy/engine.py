@@ -99,6 +99,9 @@ class PolicyEngine:
         self._chains: dict[str, tuple[str, PodKey]] | None = None
         self.pods: dict[PodKey, Pod] = {}
         self.local: dict[PodKey, LocalPort] = {}
+        # Local pods known only by their port (their endpoint file or record unusable): cut off,
+        # their port a pod port with no address and no MAC (:meth:`cut_off`).
+        self.cut_off_ports: dict[PodKey, LocalPort] = {}
         self.namespaces: dict[str, dict[str, str]] = {}  # labels of Namespace objects
         self.policies: dict[PolicyKey, Policy] = {}
         self.bridges: set[str] = set()
@@ -170,6 +173,7 @@ class PolicyEngine:
 
     def upsert_pod(self, pod: Pod, local: LocalPort | None = None) -> None:
         key = pod.key
+        self._uncut(key)
         old = self.pods.get(key)
         old_local = self.local.get(key)
         if old != pod or old_local != local:
@@ -197,7 +201,25 @@ class PolicyEngine:
             self.pods_version += 1
             self._reselect(key)
 
+    def cut_off(self, key: PodKey, port: LocalPort) -> None:
+        """Local pod ``key``, attached at ``port``, is known no better (its endpoint file or
+        record cannot be read): gone as a pod (:meth:`remove_pod`), but its port stays a pod
+        port with no address and no MAC of its own -- every IP and ARP packet from it spoofed,
+        and, where MACs are checked, every frame -- rather than a port nothing checks (whose
+        frames could move another pod's forwarding entry, or claim its addresses)."""
+        before = self.cut_off_ports.pop(key, None)
+        self.remove_pod(key)
+        self.cut_off_ports[key] = port
+        self.bridges.add(port.bridge)
+        if before != port:
+            self._local_dirty = True
+
+    def _uncut(self, key: PodKey) -> None:
+        if self.cut_off_ports.pop(key, None) is not None:
+            self._local_dirty = True
+
     def remove_pod(self, key: PodKey) -> None:
+        self._uncut(key)
         pod = self.pods.get(key)
         if pod is None:
             return
@@ -516,9 +538,13 @@ class PolicyEngine:
         elements: dict[str, set[Any]] = defaultdict(set)
         na_targets: dict[str, set[str]] = {}  # a pod port's IPv6 addresses (of every pod with the port: one)
         lla_macs: dict[str, str] = {}  # a MAC-checked pod port's pod's MAC, for its neighbour discovery options
+        cut = list(self.cut_off_ports.values())
         for key, port in self.local.items():
             pod = self.pods.get(key)
             if pod is None or not any(ip.version in self.families for ip in pod.ips):
+                # No address of the cluster's families (an IPv6-only endpoint file in an IPv4
+                # cluster): nothing it sends is its own, but its port is checked all the same.
+                cut.append(port)
                 continue
             # Without the addresses a newer pod has: a stale pod's port stays a pod port (its
             # packets with them are spoofed ones) but is no way to them.
@@ -558,6 +584,16 @@ class PolicyEngine:
                     elements[f.name(compiler.INGRESS_MAP)].add((ip, ("jump", compiler.pod_chain("in", *key))))
                 if egress:
                     elements[f.name(compiler.EGRESS_MAP)].add((ip, ("jump", compiler.pod_chain("out", *key))))
+        for port in cut:
+            # A pod port with no address (every IP and ARP packet from it spoofed) and, where
+            # MACs are checked, no MAC (every frame dropped); its neighbour advertisements
+            # target none of its own (merged with a pod's of the same port, should there be one).
+            elements["pod-ports"].add(port.interface)
+            if self.check_source_mac:
+                elements[compiler.MAC_PORTS].add(port.interface)
+            if 6 in self.families:
+                elements[compiler.NA_PORTS].add((port.interface, ("jump", compiler.na_chain(port.interface))))
+                na_targets.setdefault(port.interface, set())
         out = []
         # Only a pod that a policy isolates needs the base chains to look at conntrack (replies
         # accepted as established, the Services hairpin): without one the dispatch maps are

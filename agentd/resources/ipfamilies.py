@@ -100,9 +100,14 @@ def _address(text: str, path: str, why: str) -> str:
     try:
         if "%" in text:  # a zone: the API server's net.ParseIP refuses it
             raise ValueError(text)
-        return str(ipaddress.ip_address(text))
+        addr = ipaddress.ip_address(text)
     except ValueError:
         raise invalid(path, text, why) from None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        # ::ffff:10.96.0.10 is IPv4 to the API server (Go's To4) and IPv6 to Python: one
+        # address, one spelling (the API server's strict IP validation refuses it too).
+        raise invalid(path, text, "must not be an IPv4-mapped IPv6 address")
+    return str(addr)
 
 
 def cluster_ips(spec: Mapping[str, Any]) -> list[str]:

@@ -138,9 +138,20 @@ def _ip_address(value: Any, path: str) -> str:
     try:
         if "%" in text:  # a zone: the API server's net.ParseIP refuses it
             raise ValueError(text)
-        return str(ipaddress.ip_address(text))
+        addr = ipaddress.ip_address(text)
     except ValueError:
         raise invalid(path, text, "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)") from None
+    if mapped_v4(addr) is not None:  # one address, one spelling (the API server's strict IP validation)
+        raise invalid(path, text, "must not be an IPv4-mapped IPv6 address")
+    return str(addr)
+
+
+def mapped_v4(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv4-mapped IPv6 address (``::ffff:a.b.c.d``) stands for; None for any
+    other.  Go's net.IP judges such an address as its IPv4 one, Python's ipaddress does not
+    (``IPv6Address("::ffff:127.0.0.1").is_loopback`` is False), and a socket on ``::`` that
+    connects to it reaches the IPv4 address."""
+    return addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
 
 
 def _load_balancer(spec: dict[str, Any], kind: str, external_policy: str | None) -> None:
@@ -289,7 +300,9 @@ def special_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str 
     """Why an endpoint may not have this address, as the API server's ValidateEndpointIP says
     (None: it may).  Such an endpoint would be the node itself: a Service or an Ingress
     backend on 127.0.0.1 or 169.254.169.254 hands outsiders the node's loopback services
-    (its API, etcd) or the cloud's metadata service."""
+    (its API, etcd) or the cloud's metadata service.  An IPv4-mapped IPv6 address is judged
+    as the IPv4 address it embeds (as Go's net.IP does): ``::ffff:127.0.0.1`` is loopback."""
+    addr = mapped_v4(addr) or addr
     if addr.is_unspecified:
         return "may not be unspecified (0.0.0.0, ::)"
     if addr.is_loopback:
@@ -312,6 +325,8 @@ def _endpoint(raw: Any, path: str, address_type: str) -> dict[str, Any]:
         if "%" in text:  # a zone: the API server's net.ParseIP refuses it
             raise ValueError(text)
         addr = (ipaddress.IPv4Address if address_type == "IPv4" else ipaddress.IPv6Address)(text)
+        if mapped_v4(addr) is not None:  # IsValidIPv6Address: an IPv4-mapped address is IPv4 (To4() != nil)
+            raise ValueError(text)
     except ValueError:
         raise invalid(f"{path}.addresses[0]", text, f"must be a valid {address_type} address") from None
     special = special_address(addr)

@@ -399,6 +399,24 @@ def test_node_record_with_ipv6_and_ipv6_only():
         one_line_error(excinfo)
 
 
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"address_v6": "::ffff:10.0.0.9"}, "'address_v6' = '::ffff:a00:9' is link-local or IPv4-mapped"),
+    ({"address_v6": "fe80::9"}, "'address_v6' = 'fe80::9' is link-local or IPv4-mapped"),
+    ({"link_local_v6": "2001:db8::9"}, "'link_local_v6' = '2001:db8::9' is not a link-local (fe80::/10) address"),
+    ({"link_local_v6": "::ffff:10.0.0.9"}, "'link_local_v6' = '::ffff:a00:9' is not a link-local"),
+])  # fmt: skip
+def test_a_node_record_may_not_name_another_nodes_next_hop(change, needle):
+    # Other nodes map a route's next hop to its node by the record's addresses: ::ffff:10.0.0.9
+    # is node 10.0.0.9's IPv6 next hop over IPv4 sessions, and a record claiming it took that
+    # node's IPv6 pod routes away.  The agent never writes these (config refuses them).
+    with pytest.raises(RecordError, match=needle.replace("(", r"\(").replace(")", r"\)")) as excinfo:
+        NodeRecord.from_json(json.dumps({**NODE_JSON, **change}))
+    one_line_error(excinfo)
+    only_v6 = {**NODE_JSON, "address": None, "subnet": None, "address_v6": "2001:db8::1"}
+    with pytest.raises(RecordError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        NodeRecord.from_json(json.dumps({**only_v6, **change}))
+
+
 def test_ipv6_subnet_keys_and_leases():
     subnet = IPv6Network("fd00:10:244:3::/64")
     key = subnet_key("/agentd", subnet)

@@ -545,6 +545,63 @@ def test_ipv6_routes_of_a_node_are_held_to_the_ipv6_pod_network():
     assert [r.dst for r in plan.routes if r.kind == "unicast"] == ["fd00:10:244:2::/64"]
 
 
+def _forged(record, **fields):
+    """A record as another writer may have put it in etcd (NodeRecord refuses these now)."""
+    for name, value in fields.items():
+        object.__setattr__(record, name, value)
+    return record
+
+
+V6_KWARGS = {"own_subnets": ["10.244.1.0/24", "fd00:10:244:1::/64"], "blackhole_metric": 4000, "own_backend": "host-gw",
+             "encap": "always", "versions": (4, 6), "pod_networks": ["10.244.0.0/16", "fd00:10:244::/48"],
+             "subnet_lens": {4: 24, 6: 64}}  # fmt: skip
+
+
+def test_a_record_claiming_another_nodes_ipv4_mapped_next_hop_does_not_take_its_routes():
+    """Node m's record giving address_v6 = ::ffff:10.0.0.9 (node a's IPv6 next hop over IPv4
+    sessions): the last record read owned the next hop, so with m last, a's IPv6 route was refused
+    as "node m announced ..., which overlaps node a's subnet" on every node."""
+    a = NodeRecord("a", IPv4Address("10.0.0.9"), 64512, IPv4Network("10.244.9.0/24"), False, None, {},
+                   subnet_v6=IPv6Network("fd00:10:244:9::/64"), link_local_v6=IPv6Address("fe80::9"))
+    m = _forged(NodeRecord("m", IPv4Address("10.0.0.7"), 64512, IPv4Network("10.244.7.0/24"), False, None, {},
+                           address_v6=IPv6Address("2001:db8::7")), address_v6=IPv6Address("::ffff:10.0.0.9"))
+    bests = [("fd00:10:244:9::/64", IPv6Address("::ffff:10.0.0.9"), False)]
+    for order in ([a, m], [m, a]):
+        plan = desired_routes(bests, order, UNDERLAY, LocalPaths(), **V6_KWARGS)
+        assert _routes_through(plan) == {"fd00:10:244:9::/64": "fe80::9"} and plan.refused == [], order
+        assert plan.untrusted_next_hops == [
+            {"node": "m", "next_hop": "::ffff:a00:9", "reason": "IPv4-mapped: the next hop of the node at 10.0.0.9, not of this one"}]
+
+
+def test_a_next_hop_two_records_claim_is_neither_nodes():
+    """Two records giving one address_v6: whichever was read last took the next hop (and the
+    other node's routes through it were refused as overlapping).  Now neither owns it: a best
+    path through it is refused with the claimants, in either order, and the claims reported."""
+    a = NodeRecord("a", IPv4Address("10.0.0.9"), 64512, None, False, None, {},
+                   address_v6=IPv6Address("2001:db8::9"), subnet_v6=IPv6Network("fd00:10:244:9::/64"))
+    m = NodeRecord("m", IPv4Address("10.0.0.7"), 64512, None, False, None, {}, address_v6=IPv6Address("2001:db8::9"))
+    underlay = Underlay("eth0", 2, IPv4Interface("10.0.0.3/24"), 1500, (IPv4Network("10.0.0.0/24"), IPv6Network("2001:db8::/64")),
+                        IPv6Interface("2001:db8::3/64"))  # fmt: skip
+    bests = [("fd00:10:244:9::/64", IPv6Address("2001:db8::9"), False), ("fd00:10:244:9::/64", IPv6Address("::ffff:10.0.0.9"), False)]
+    for order in ([a, m], [m, a]):
+        plan = desired_routes(bests[:1], order, underlay, LocalPaths(), **V6_KWARGS)
+        assert _routes_through(plan) == {} and [r["reason"] for r in plan.refused] == [
+            "next hop 2001:db8::9 is no node's: claimed by the records of nodes a, m"], order
+        assert sorted((u["node"], u["next_hop"]) for u in plan.untrusted_next_hops) == [("a", "2001:db8::9"), ("m", "2001:db8::9")]
+        # a's other next hop is still a's alone (routed as a's record says: a's word on its own subnet).
+        plan = desired_routes(bests[1:], order, underlay, LocalPaths(), **V6_KWARGS)
+        assert _routes_through(plan) == {"fd00:10:244:9::/64": "2001:db8::9"} and plan.refused == [], order
+    # Two records with one IPv4 address: neither maps any next hop (their plans are one key).
+    twin = NodeRecord("twin", IPv4Address("10.0.0.9"), 64512, None, False, None, {}, address_v6=IPv6Address("2001:db8::99"))
+    plan = desired_routes([("fd00:10:244:9::/64", IPv6Address("2001:db8::9"), False)], [a, twin], underlay, LocalPaths(),
+                          **V6_KWARGS)  # fmt: skip
+    assert _routes_through(plan) == {} and [r["reason"] for r in plan.refused] == [
+        "next hop 2001:db8::9 is no node's: node a's peer address 10.0.0.9 is not its alone"]
+    assert sorted((u["node"], u["next_hop"]) for u in plan.untrusted_next_hops) == [
+        ("a", "10.0.0.9"), ("a", "2001:db8::9"), ("a", "::ffff:a00:9"),
+        ("twin", "10.0.0.9"), ("twin", "2001:db8::99"), ("twin", "::ffff:a00:9")]
+
+
 def test_sessions_to_nodes_are_bounded_by_the_pod_networks_subnets():
     from agentd.daemon.mesh import RELAYED_PREFIXES, node_max_prefixes
     from agentd.datastore.store import ClusterConfig

@@ -312,6 +312,51 @@ def test_arp_from_a_pod_names_only_its_own_mac_as_the_sender_hardware_address():
         assert run(engine(families, pod_macs=(MAC_A, MAC_B), check_source_mac=False), "bridge", "prerouting", dict(forged))[0] is None
 
 
+def _with_unknowable_ports(families: tuple[int, ...], check_source_mac: bool = True) -> Ruleset:
+    """Pods x/a (veth0) and x/b (veth1), as :func:`engine`; x/c on veth2 with an address of no
+    family of the cluster (an IPv6-only endpoint file in an IPv4 cluster); x/d on veth3 whose
+    endpoint file could not be read (the policy agent cuts its port off)."""
+    eng = PolicyEngine(NODE, families=families, check_source_mac=check_source_mac)
+    for i, (name, v4, v6) in enumerate((("a", A4, A6), ("b", B4, B6))):
+        ips = tuple(ipaddress.ip_address(ip) for ip, v in ((v4, 4), (v6, 6)) if v in families)
+        eng.upsert_pod(Pod("x", name, NODE, ips, {"pod": name}),
+                       LocalPort(f"veth{i}", f"02:00:00:00:00:{i:02x}", "cni0", pod_mac=(MAC_A, MAC_B)[i]))
+    other = "fd00:10:244:1::9" if 6 not in families else "10.244.1.9"
+    eng.upsert_pod(Pod("x", "c", NODE, (ipaddress.ip_address(other),), {"pod": "c"}),
+                   LocalPort("veth2", "02:00:00:00:00:02", "cni0", pod_mac="0a:58:0a:f4:01:09"))
+    eng.upsert_pod(Pod("x", "d", NODE, (ipaddress.ip_address("10.244.1.10" if 4 in families else "fd00:10:244:1::a"),), {"pod": "d"}),
+                   LocalPort("veth3", "02:00:00:00:00:03", "cni0", pod_mac="0a:58:0a:f4:01:0a"))
+    eng.cut_off(("x", "d"), LocalPort("veth3", "02:00:00:00:00:03", "cni0", pod_mac="0a:58:0a:f4:01:0a"))
+    assert ("x", "d") not in eng.pods and ("x", "d") not in eng.local
+    return eng.build()
+
+
+def test_a_local_pod_with_no_address_of_the_clusters_families_or_no_usable_file_is_cut_off():
+    """Its port used to be left out of every pod-port set: nothing checked its source address,
+    its ARP or its source MAC, so it could claim b's address or move b's forwarding entry on
+    the bridge.  Now a pod port with no address of its own and no MAC: every IP and ARP
+    packet from it spoofed and, where MACs are checked, every frame dropped."""
+    for families in ((4,), (6,), (4, 6)):
+        for check in (True, False):
+            rs = _with_unknowable_ports(families, check_source_mac=check)
+            for port in ("veth2", "veth3"):
+                assert _in_set(rs, "bridge", "pod-ports", port) and _in_set(rs, "bridge", compiler.MAC_PORTS, port) == check
+                own_mac = {("payload", "ether", "saddr"): "0a:58:0a:f4:01:09" if port == "veth2" else "0a:58:0a:f4:01:0a"}
+                for src, dst in ((A4, "192.0.2.1"), (B4, "192.0.2.1"), (A6, "2001:db8::1"), (B6, "2001:db8::1")):
+                    if (6 if ":" in src else 4) in families:
+                        assert run(rs, "bridge", "prerouting", ip_frame(port, src, dst, extra=own_mac))[0] == "drop", (port, src)
+                if 4 in families:
+                    assert run(rs, "bridge", "prerouting", {**arp(port, B4), **own_mac})[0] == "drop", port
+                if 6 in families:
+                    assert run(rs, "bridge", "prerouting", {**na(port, "fe80::1", B6), **own_mac})[0] == "drop", port
+                if check:  # b's MAC, on any frame: never learned on this port
+                    frame = {("meta", "iifname"): port, ("payload", "ether", "type"): "0x88b5", ("payload", "ether", "saddr"): MAC_B}
+                    assert run(rs, "bridge", "prerouting", frame)[0] == "drop", port
+            # a and b as before.
+            a4, a_mac = (A4, "192.0.2.1") if 4 in families else (A6, "2001:db8::1"), {("payload", "ether", "saddr"): MAC_A}
+            assert run(rs, "bridge", "prerouting", ip_frame("veth0", *a4, extra=a_mac))[0] is None
+
+
 def test_arp_of_an_ipv6_only_cluster_is_dropped_not_counted_as_mac_spoofed():
     """An IPv6-only cluster drops every ARP packet from a pod (the family it has not), not
     counted as spoofed: the ARP sender hardware address check is IPv4's and comes only with

@@ -503,3 +503,41 @@ async def test_a_mac_an_endpoint_file_names_is_refused_as_a_mac_read_would_be(tm
     endpoints.remove(cni, "c1")
     await rescan(agent)
     assert agent.engine.local[("x", "b")].pod_mac == MAC_A and agent.refused_macs == {}
+
+
+async def test_a_local_pod_whose_file_cannot_be_taken_is_cut_off_not_left_unchecked(tmp_path, caplog, monkeypatch):
+    """An endpoint file (or the local pod's record, whose labels it takes) that makes no pod:
+    the agent removed the pod from the engine, and its port left every pod-port set -- no
+    source address, ARP or MAC check at all.  Its port is kept, cut off: a pod port with no
+    address and no MAC.  A file that parses again makes it a pod as ever; one removed, nothing."""
+    from agentd.policy import agent as agent_module
+
+    cni = tmp_path / "cni"
+    agent = PolicyAgent(NODE, datastore(), str(cni), peer_mac=lambda i: {"veth-c1": MAC_A, "veth-c2": MAC_B}[i])
+    endpoints.write(cni, endpoint("c1", "a", "10.244.1.5"))
+    endpoints.write(cni, endpoint("c2", "b", "10.244.1.6"))
+    good = agent_module.record_for
+
+    def broken(ep: endpoints.Endpoint, node: str, labels: dict[str, str]) -> dict[str, Any]:
+        record = good(ep, node, labels)
+        return {k: v for k, v in record.items() if k != "metadata"} if ep.name == "b" else record
+
+    monkeypatch.setattr(agent_module, "record_for", broken)
+    with caplog.at_level(logging.WARNING):
+        await rescan(agent)
+    assert said(caplog, "endpoint file of pod x/b unusable") >= 1 and said(caplog, "its port veth-c2 is cut off") >= 1
+    assert ("x", "b") not in agent.engine.pods and ("x", "b") in agent.engine.cut_off_ports
+    rs = agent.engine.build()
+    ports = rs.objects[("bridge", compiler.TABLE, "set", "pod-ports")]
+    assert {str(e) for e in ports.elements} == {"veth-c1", "veth-c2"}  # type: ignore[union-attr]
+    assert sets(agent) == ({"veth-c1", "veth-c2"}, {("veth-c1", MAC_A)})
+    monkeypatch.setattr(agent_module, "record_for", good)
+    agent._feed_pod(("x", "b"))
+    assert ("x", "b") in agent.engine.pods and agent.engine.cut_off_ports == {}
+    await rescan(agent)
+    assert sets(agent) == ({"veth-c1", "veth-c2"}, {("veth-c1", MAC_A), ("veth-c2", MAC_B)})
+    monkeypatch.setattr(agent_module, "record_for", broken)
+    agent._feed_pod(("x", "b"))
+    endpoints.remove(cni, "c2")
+    await rescan(agent)
+    assert agent.engine.cut_off_ports == {} and sets(agent) == ({"veth-c1"}, {("veth-c1", MAC_A)})

@@ -5,13 +5,13 @@ record and the kinds table.  No etcd, no root."""
 from __future__ import annotations
 
 import random
-from ipaddress import IPv4Network
+from ipaddress import IPv4Network, IPv6Address
 
 import pytest
 import yaml
 
 from agentd.datastore.records import ClusterConfig, RecordError
-from agentd.resources import allocation, ipfamilies, kinds, manifests
+from agentd.resources import allocation, ipfamilies, kinds, manifests, service
 from agentd.resources.validation import Invalid
 
 SERVICE = """\
@@ -235,6 +235,36 @@ def test_an_endpoint_on_the_nodes_own_or_link_local_addresses_is_refused(family,
     text = mutate(mutate(SLICE, "addressType", family), "endpoints", [{"addresses": [address]}])
     message = error_of(text)
     assert f'endpoints[0].addresses[0]: Invalid value: "{address}": may not be' in message and why in message, message
+
+
+@pytest.mark.parametrize("address", ["::ffff:127.0.0.1", "::ffff:169.254.169.254", "::ffff:0.0.0.0", "::ffff:224.0.0.1",
+                                     "::ffff:10.244.1.2"])
+def test_an_ipv6_endpoint_may_not_be_ipv4_mapped(address):
+    # Python's IPv6Address("::ffff:127.0.0.1").is_loopback is False; Go's is True, and the API
+    # server's IsValidIPv6Address refuses a mapped address outright (To4() != nil).  Accepted, it
+    # made an Ingress backend [::ffff:7f00:1]:2379: the node's etcd, from HAProxy's v6 socket.
+    text = mutate(mutate(SLICE, "addressType", "IPv6"), "endpoints", [{"addresses": [address]}])
+    message = error_of(text)
+    assert f'endpoints[0].addresses[0]: Invalid value: "{address}": must be a valid IPv6 address' in message, message
+
+
+@pytest.mark.parametrize("address", ["::ffff:127.0.0.1", "::ffff:169.254.169.254", "::ffff:0.0.0.0", "::ffff:224.0.0.1"])
+def test_a_mapped_address_is_judged_as_the_ipv4_address_it_embeds(address):
+    assert service.special_address(IPv6Address(address)) is not None
+    assert service.special_address(IPv6Address("::ffff:10.244.1.2")) is None
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    ("spec.clusterIP", "::ffff:10.96.0.10"), ("spec.clusterIPs", ["::ffff:10.96.0.10"]),
+    ("spec.externalIPs", ["::ffff:127.0.0.1"]), ("spec.loadBalancerIP", "::ffff:127.0.0.1"),
+])  # fmt: skip
+def test_a_service_address_may_not_be_ipv4_mapped(path, value):
+    # IPv4 to the API server (Go's To4), IPv6 to Python: refused, as the API server's strict IP
+    # validation does, so that no address has two families or two spellings.
+    where = path + ("[0]" if isinstance(value, list) else "")
+    text = value[0] if isinstance(value, list) else value
+    message = error_of(mutate(SERVICE, path, value))
+    assert f'{where}: Invalid value: "{text}": must not be an IPv4-mapped IPv6 address' in message, message
 
 
 def test_an_ipv6_slice_holds_ipv6_addresses():
