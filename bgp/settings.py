@@ -96,7 +96,7 @@ class PeerSettings:
     hold_time: int | None = None  # None: the local default
     local_address: IPv4Address | IPv6Address | None = None
     families: tuple[Family, ...] | None = None  # None: the local families
-    description: str = ""
+    description: str = field(default="", compare=False)  # shown only: a new one is taken over in place
     # RFC 4486 Cease/1: reset the session once the peer has sent more than this many prefixes
     # of one family (None: no limit); log a warning at ``max_prefixes_warning`` of it; come back
     # after ``max_prefixes_restart`` seconds (None: stay down until the peer is reconfigured).
@@ -112,7 +112,7 @@ class PeerSettings:
     # instead of resetting the BGP session.
     bfd: tuple[float, int] | None = field(default=None, compare=False)
     # A change of any compared field restarts the peer when the agent re-applies its peer set
-    # (Speaker.set_peers); bfd (above) and tags are not compared.
+    # (Speaker.set_peers); description, bfd (above) and tags are not compared.
     tags: tuple[str, ...] = field(default=(), compare=False)
 
     # The peer's key everywhere (its address as text), made once.

@@ -169,7 +169,7 @@ class Speaker:
         for key, settings in wanted.items():
             cur = self.peers.get(key)
             if cur is not None and cur.settings == settings and key not in self.dynamic:
-                self._retune(cur, settings)  # (bfd and tags are not compared: no restart)
+                self._retune(cur, settings)  # (description, bfd and tags are not compared: no restart)
                 continue
             if cur is not None:
                 self.remove_peer(key, now, CeaseSubcode.OTHER_CONFIGURATION_CHANGE)
@@ -199,7 +199,7 @@ class Speaker:
 
     def _retune(self, peer: Peer, settings: PeerSettings) -> None:
         """New ``settings`` for ``peer`` that differ only in fields whose change needs no new
-        BGP session (``bfd``, ``tags``): taken over in place.  A change of ``bfd`` moves
+        BGP session (``description``, ``bfd``, ``tags``): taken over in place.  A change of ``bfd`` moves
         :attr:`peers_version`, so the transport adds, removes or re-tunes the BFD session."""
         if settings is peer.settings:
             return

@@ -232,18 +232,18 @@ def test_an_ipv6_peer_gets_no_ipv4_source_from_an_ipv4_listen_address(loop):
 
 
 def test_a_change_of_a_peers_other_settings_keeps_its_bfd_session_and_the_learned_source(loop):
-    # Speaker.set_peers replaces the Peer object on any change (a description too): the BFD
+    # Speaker.set_peers replaces the Peer object on a change of a compared setting: the BFD
     # session keeps the source its BGP connection taught it, so it is not replaced (which goes
     # AdminDown and resets the neighbour's BGP session once more).
     bfd = FakeBfd()
     svc = service(loop, bfd, listen=("0.0.0.0", 179))
-    peer = PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, bfd=BFD, description="one")
+    peer = PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, bfd=BFD)
     svc.set_peers([peer])
     inbound(svc, "10.1.0.2", local="10.1.0.77")
     assert bfd.sessions == {"10.1.0.2": "10.1.0.77"}
     adds = len(bfd.adds)
     before = svc.speaker.peers["10.1.0.2"]
-    svc.set_peers([PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, bfd=BFD, description="two")])
+    svc.set_peers([PeerSettings(IPv4Address("10.1.0.2"), 65000, passive=True, bfd=BFD, hold_time=30)])
     assert svc.speaker.peers["10.1.0.2"] is not before
     assert bfd.sessions == {"10.1.0.2": "10.1.0.77"} and len(bfd.adds) == adds
     # A new connection from another address of ours: BFD follows it.

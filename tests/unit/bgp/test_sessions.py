@@ -444,3 +444,17 @@ def test_forwarding_state_bit_decides_whether_stale_routes_survive_the_return(fo
     assert table(a) == {"10.244.2.0/24": "10.0.0.2"}
     withdrawn = [c for c in changes if c.new is None]
     assert (withdrawn == []) is forwarding
+
+
+def test_a_new_description_for_a_peer_keeps_its_session_and_routes():
+    """A reload that only edits a peer's description (BIRD's and GoBGP's take it over in place)
+    closed the session with Cease/6 and withdrew everything learned from the peer."""
+    net, a, b = pair()
+    b.set_originated(origin("10.244.2.0/24"), 0)
+    net.run(duration=2)
+    pa = a.peers["10.0.0.2"]
+    assert pa.established_count == 1 and a.rib.count() == 1
+    a.set_peers([PeerSettings(address="10.0.0.2", asn=65000, description="tor-1 rack 7")], net.now)
+    assert a.peers["10.0.0.2"] is pa and pa.settings.description == "tor-1 rack 7"
+    net.run(duration=5)
+    assert pa.established_count == 1 and pa.state.label == "Established" and a.rib.count() == 1
