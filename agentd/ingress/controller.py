@@ -101,6 +101,7 @@ class IngressController:
         self._fallback = settings.Settings()  # what runs instead of the refused settings
         self.tls_errors: dict[str, str] = {}
         self._loadable: dict[bytes, str | None] = {}  # PEM digest -> why the TLS library refuses it (None: it loads)
+        self._names: dict[bytes, tuple[str, ...]] = {}  # PEM digest -> its certificate's DNS names
         self.worker: Any = None  # proxy.Worker
         self.stats: list[dict[str, str]] = []
         self.info: dict[str, str] = {}
@@ -357,7 +358,7 @@ class IngressController:
         hosts: dict[tuple[str, str], list[str]] = {}
         for t in self.table.tls:
             if t.secret is not None:
-                hosts.setdefault(t.secret, []).append(t.host or "*")
+                hosts.setdefault(t.secret, []).append(t.host)
         for t in self.table.tls:
             if t.secret is None:
                 continue
@@ -389,6 +390,20 @@ class IngressController:
         secret = self.objects["Secret"].get(key)
         return secret is not None and secret.get("type") == TLS_TYPE and self._refused(_pem(secret)) is None
 
+    def _cert_names(self, key: tuple[str, str]) -> tuple[str, ...]:
+        """The DNS names of usable Secret ``key``'s certificate (routing.build: what a ``tls[]``
+        entry without hosts covers of its Ingress's hosts)."""
+        secret = self.objects["Secret"].get(key)
+        if secret is None or not self._usable(key):
+            return ()
+        pem = _pem(secret)
+        digest = hashlib.sha256(pem).digest()
+        if digest not in self._names:
+            if len(self._names) > 4096:
+                self._names.clear()
+            self._names[digest] = certs.dns_names(pem)
+        return self._names[digest]
+
     def _refused(self, pem: bytes) -> str | None:
         """Why OpenSSL (HAProxy's and ours, with the system's security level) will not load
         this certificate and key -- a 1024-bit RSA key, a SHA-1 signature --, or None."""
@@ -404,7 +419,8 @@ class IngressController:
         but the servers (what decides reload vs. runtime change).  ``with_settings``: these
         rather than the ConfigMap's."""
         self.settings = with_settings if with_settings is not None else self._parse_settings()
-        self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect, usable=self._usable)
+        self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect, usable=self._usable,
+                                   cert_names=self._cert_names)
         pems = self._cert_files()
         cert_paths = {k: self.paths.certs / f"{k[0]}.{k[1]}.pem" for k in pems}
         logs = False if self.log_to == "off" else None  # None: the ConfigMap's enable-access-log

@@ -159,10 +159,9 @@ def maps(table: RouteTable, cert_files: Mapping[tuple[str, str], Path]) -> dict[
     # Every TLS host is redirected, its Secret usable or not (ingress-nginx serves the default
     # certificate then, and still redirects).
     redirect = sorted({t.host for t in table.tls if t.redirect and t.host})
-    crt = []
-    for t in table.tls:
-        if t.secret is not None and t.secret in cert_files:
-            crt.append(f"{cert_files[t.secret]}{' ' + t.host if t.host else ''}")
+    # Every line names its host (SNI filter): a line without one would serve its certificate
+    # for every name in it, other Ingresses' hosts included.
+    crt = [f"{cert_files[t.secret]} {t.host}" for t in table.tls if t.host and t.secret is not None and t.secret in cert_files]
     return {
         "hosts.map": _lines(hosts),
         "exact.map": _lines(f"{k} {v}" for k, v in sorted(exact.items())),

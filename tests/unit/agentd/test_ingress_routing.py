@@ -362,3 +362,57 @@ def test_an_older_ingresses_unusable_secret_does_not_keep_a_newer_usable_one_fro
     # Neither: the older one's (served with the default certificate).
     table = routing.build([old, new], usable=lambda s: False)
     assert [t.secret for t in table.tls] == [("default", "old-tls")]
+
+
+def test_a_tls_entry_without_hosts_takes_only_its_own_ingresses_hosts_its_certificate_covers():
+    """A ``tls[]`` entry without ``hosts`` stands for its Ingress's own rule hosts that its
+    certificate covers, each through the oldest-wins ownership -- as ingress-nginx does.  An
+    unfiltered crt-list line would serve its certificate for every name in it: a newer
+    Ingress in another namespace with a certificate for shop.example (an ECDSA one beats an
+    RSA one HAProxy holds for the same name) would take shop.example from its owner."""
+    shop = ing("shop", [{"host": "shop.example", "http": {"paths": [p("/", "Prefix", "web")]}}], ns="shop",
+               tls=[{"hosts": ["shop.example"], "secretName": "legit"}])
+    evil = ing("evil", [{"host": h, "http": {"paths": [p("/", "Prefix", "x")]}}
+                        for h in ("evil.example", "shop.example", "other.example", "a.wild.example")]
+               + [{"http": {"paths": [p("/", "Prefix", "x")]}}],
+               ns="evil", created="2024-02-01T00:00:00Z", tls=[{"secretName": "evil"}])  # fmt: skip
+    names = {("shop", "legit"): ("shop.example",), ("evil", "evil"): ("shop.example", "evil.example", "*.wild.example")}
+    table = routing.build([evil, shop], cert_names=lambda s: names[s])
+    assert [(t.host, t.secret) for t in table.tls] == [
+        ("shop.example", ("shop", "legit")), ("evil.example", ("evil", "evil")), ("a.wild.example", ("evil", "evil"))]
+    assert "evil/evil: tls for shop.example: already given by shop/shop" in table.conflicts
+    files = haproxy.maps(table, {("shop", "legit"): Path("/c/shop.pem"), ("evil", "evil"): Path("/c/evil.pem")})
+    lines = files["crt-list"].splitlines()
+    assert lines == ["/c/shop.pem shop.example", "/c/evil.pem evil.example", "/c/evil.pem a.wild.example"]
+    assert all(len(line.split()) == 2 for line in lines)  # every line filtered by SNI
+    # other.example (its certificate does not cover it) and the rules without a host: the
+    # controller's default certificate, and plain HTTP is not redirected for them.
+    assert not table.redirects("other.example") and table.redirects("evil.example")
+    # A Secret that cannot serve names nothing: the entry covers no host.
+    table = routing.build([evil], usable=lambda s: False, cert_names=lambda s: names[s])
+    assert table.tls == [] and haproxy.maps(table, {})["crt-list"] == ""
+
+
+def test_a_tls_entry_without_hosts_leaves_the_hosts_another_entry_names_to_it():
+    rules = [{"host": h, "http": {"paths": [p("/", "Prefix", "x")]}} for h in ("a.example", "b.example")]
+    i = ing("i", rules, tls=[{"secretName": "any"}, {"hosts": ["a.example"], "secretName": "a"}])
+    table = routing.build([i], cert_names=lambda s: ("a.example", "b.example"))
+    assert [(t.host, t.secret[1]) for t in table.tls] == [("b.example", "any"), ("a.example", "a")]
+    assert table.conflicts == []
+
+
+def test_a_certificate_covers_its_names_and_one_label_under_its_wildcards():
+    names = ("Shop.Example", "*.wild.example")
+    assert routing.covers(names, "shop.example")
+    assert routing.covers(names, "a.wild.example") and routing.covers(names, "*.wild.example")
+    assert not routing.covers(names, "wild.example") and not routing.covers(names, "a.b.wild.example")
+    assert not routing.covers(names, "other.example") and not routing.covers((), "shop.example")
+    assert not routing.covers(("a.wild.example",), "*.wild.example")
+
+
+def test_the_dns_names_of_a_certificate_are_its_subject_alternative_names():
+    from agentd.ingress import certs
+
+    assert certs.dns_names(certs.self_signed("cn.example", ("a.example", "*.b.example"))) == ("a.example", "*.b.example")
+    assert certs.dns_names(certs.self_signed("cn.example")) == ()  # the common name is no name a client checks
+    assert certs.dns_names(b"not a certificate") == ()
