@@ -5,8 +5,10 @@ against the table: the same answer for every request."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -416,3 +418,52 @@ def test_the_dns_names_of_a_certificate_are_its_subject_alternative_names():
     assert certs.dns_names(certs.self_signed("cn.example", ("a.example", "*.b.example"))) == ("a.example", "*.b.example")
     assert certs.dns_names(certs.self_signed("cn.example")) == ()  # the common name is no name a client checks
     assert certs.dns_names(b"not a certificate") == ()
+
+
+def test_the_workers_run_as_the_ingress_user_when_one_is_given():
+    """``user``/``group`` in the global section: HAProxy's workers switch to them (the master
+    stays root); without (the agent not root, or ``[ingress] user = "root"``) none."""
+    table = routing.build([HOST_RULES])
+    args = (table, {}, Settings(), haproxy.Listen(("192.0.2.1",)), haproxy.Paths(Path("/run/x")), {})
+    glob = haproxy.render(*args, run_as=("haproxy", "haproxy"))["haproxy.cfg"].split("defaults")[0]
+    assert "    user haproxy\n    group haproxy\n" in glob
+    bare = haproxy.render(*args)["haproxy.cfg"].split("defaults")[0]
+    assert "user " not in bare and "group " not in bare
+
+
+def test_the_ingress_user_is_named_and_its_absence_said_in_one_line():
+    assert proxy.resolve_user("root") is None  # on purpose: no switch
+    if os.geteuid() == 0:  # a root test run: the lookup happens (a non-root agent never switches)
+        with pytest.raises(proxy.ProxyError, match=r"^\[ingress\] user no-such-user-x: no such user; create it .*useradd"):
+            proxy.resolve_user("no-such-user-x")
+    else:
+        assert proxy.resolve_user("no-such-user-x") is None
+
+
+def test_a_directory_the_workers_cannot_pass_through_is_named(tmp_path):
+    shut = tmp_path / "shut"
+    inner = shut / "in" / "ingress"
+    inner.mkdir(parents=True)
+    os.chmod(shut, 0o700)
+    st = shut.stat()
+    other, other_gid = st.st_uid + 12345, st.st_gid + 12345
+    above = proxy.unsearchable(tmp_path / "x", other, other_gid)  # pytest's own directories may be shut too
+    assert proxy.unsearchable(inner, other, other_gid) == (above or shut)
+    assert proxy.unsearchable(inner, st.st_uid, st.st_gid) is None  # its owner may
+    os.chmod(shut, 0o710)
+    assert proxy.unsearchable(inner, other, st.st_gid) == proxy.unsearchable(tmp_path / "x", other, st.st_gid)  # its group may
+    assert proxy.unsearchable(inner, other, other_gid) == (above or shut)
+    os.chmod(shut, 0o711)
+    assert proxy.unsearchable(inner, other, other_gid) == above
+
+
+def test_the_ingress_user_setting_takes_a_user_name():
+    from agentd.config.settings import ConfigError, load_config
+
+    base = {"node.address": "10.1.1.1", "node.name": "n1"}
+    assert load_config(None, env={}, overrides=base).ingress.user == "haproxy"
+    assert load_config(None, env={}, overrides={**base, "ingress.user": " www-data "}).ingress.user == "www-data"
+    assert load_config(None, env={}, overrides={**base, "ingress.user": "root"}).ingress.user == "root"
+    for bad in ("", "Bad", "a b", "0day", "x" * 33, "hap\nroxy"):
+        with pytest.raises(ConfigError, match=r"\[ingress\] user: must be a user name"):
+            load_config(None, env={}, overrides={**base, "ingress.user": bad})

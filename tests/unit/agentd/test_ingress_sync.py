@@ -340,3 +340,46 @@ def test_after_an_adoption_a_failed_reload_says_its_table_is_the_one_wanted(tmp_
         assert ctl.error is None and ctl.views.status()["table"] == "served"
 
     asyncio.run(main())
+
+
+def test_a_user_the_workers_cannot_run_as_stops_the_render_with_its_reason_until_it_can(tmp_path, monkeypatch):
+    """[ingress] user that cannot be used (no such user, a switch the sandbox forbids): no
+    configuration is rendered (nothing started or reloaded), the reason is the error; once it
+    can (asked again at each try), the workers' user and group are in the configuration and
+    the proxy's directory is the group's to pass through (set-group-ID: the access log's
+    socket bound in it is the group's)."""
+    import os
+    import stat
+
+    from agentd.ingress import controller as ctl_module
+    from agentd.ingress.proxy import RunAs
+
+    ctl, _ = controller(tmp_path)
+    answers: list = [ProxyError("[ingress] user haproxy: no such user; create it")]
+
+    def resolve(name: str) -> RunAs | None:
+        if isinstance(answers[0], Exception):
+            raise answers[0]
+        return answers[0]
+
+    monkeypatch.setattr(ctl_module, "resolve_user", resolve)
+
+    async def main():
+        assert not await ctl._resolve_run_as()
+        assert ctl.run_as_error == "[ingress] user haproxy: no such user; create it"
+        try:
+            await ctl._render()
+        except ProxyError as err:
+            assert str(err) == ctl.run_as_error
+        else:
+            raise AssertionError("rendered without a usable user")
+        answers[0] = RunAs("haproxy", "haproxy", os.getuid() + 1, os.getgid())
+        files, _ = await ctl._render()
+        assert ctl.run_as_error is None
+        glob = files["haproxy.cfg"].decode().split("defaults")[0]
+        assert "    user haproxy\n    group haproxy\n" in glob
+        mode = ctl.paths.dir.stat().st_mode
+        assert stat.S_IMODE(mode) == 0o2710 and ctl.paths.dir.stat().st_gid == os.getgid(), oct(mode)
+        assert ctl.access_log.mode == 0o620
+
+    asyncio.run(main())
