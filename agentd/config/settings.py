@@ -132,11 +132,11 @@ _USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 def _parse_proxy_user(s: str) -> str:
     """``[ingress] user``: a user name (useradd's default rule: lower case, digits, ``_``,
-    ``-``, 32 at most) or ``root``.  Whether it exists is the agent's check at run time (the
+    ``-``, 32 at most), ``root``, or empty (:data:`agentd.ingress.proxy.AUTO_USER` if it can be used).  Whether it exists is the agent's check at run time (the
     proxy is not started without it), not the configuration's: the file may be checked on
     another machine."""
     text = s.strip()
-    if not _USER_NAME.fullmatch(text):
+    if text and not _USER_NAME.fullmatch(text):
         raise BadValue('must be a user name such as "haproxy" (lower case letters, digits, "_", "-"), or "root"')
     return text
 

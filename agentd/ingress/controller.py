@@ -52,7 +52,7 @@ from agentd.resources import ingress_settings as settings
 from . import STATE_SUBDIR, certs, haproxy, routing
 from .access_log import FileWriter
 from .haproxy import Listen, Paths, Server
-from .proxy import AccessLog, ConfigRefused, Proxy, ProxyError, RunAs, resolve_user, stop_stale, unsearchable
+from .proxy import AUTO_USER, AccessLog, ConfigRefused, Proxy, ProxyError, RunAs, resolve_user, stop_stale, unsearchable
 from .views import IngressViews
 
 log = logging.getLogger("agentd.ingress")
@@ -81,6 +81,7 @@ class IngressController:
         # nor reloaded, and /status says why.
         self.run_as: RunAs | None = None
         self.run_as_error: str | None = None
+        self.run_as_fallback: str | None = None  # why AUTO_USER is not used ([ingress] user not set)
         self.store = ResourceStore(datastore)
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
         self.revision = 0
@@ -145,9 +146,20 @@ class IngressController:
             tg.create_task(self._stats_loop())
 
     async def _resolve_run_as(self) -> bool:
-        """Resolve and check ``[ingress] user``; True when it can be used."""
+        """Resolve and check ``[ingress] user``; True when it can be used.  Not set (""):
+        :data:`AUTO_USER` where it can be used, else root with one warning saying what the
+        node lacks -- a node upgraded without the drop-in's new lines keeps its proxy."""
         try:
-            run_as = await asyncio.to_thread(resolve_user, self.cfg.user)
+            try:
+                run_as = await asyncio.to_thread(resolve_user, self.cfg.user or AUTO_USER)
+            except ProxyError as err:
+                if self.cfg.user:
+                    raise
+                run_as = None
+                if self.run_as_fallback != str(err):
+                    log.warning("ingress: HAProxy's workers run as root, with the agent's capabilities, as "
+                                "[ingress] user is not set and %s", err)
+                self.run_as_fallback = str(err)
             await asyncio.to_thread(self._prepare_dir, run_as)
         except ProxyError as err:
             if self.run_as_error != str(err):

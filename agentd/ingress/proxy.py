@@ -80,6 +80,9 @@ class ProxyError(RuntimeError):
     """The proxy refused a configuration or a command, or is not running; one line."""
 
 
+AUTO_USER = "haproxy"  # [ingress] user when not set, where it can be used (the Debian package's)
+
+
 @dataclass(frozen=True)
 class RunAs:
     """The user and group HAProxy's workers run as (``user``/``group`` in its global section);
