@@ -256,6 +256,10 @@ class IngressConfig:
     configmap: str = "kube-system/agentd-ingress"
     watch_without_class: bool = False
     haproxy: str = "haproxy"
+    # The user HAProxy's workers run as (with its primary group); "root": as root (not advised);
+    # "" (the default): "haproxy" where the agent may switch to it, else root with a warning
+    # (a node upgraded without the drop-in's new lines keeps its proxy running).
+    user: str = ""
     # Where HAProxy's access log lines go: "agent" (the agent's own log, as
     # agentd.ingress.access), "off" (HAProxy logs nothing), or the absolute path of a file
     # appended to (agentd.ingress.access_log).  Whether HAProxy logs requests at all is the

@@ -127,6 +127,20 @@ def _replaced_by(dotted: str) -> str:
     return f" (replaced by {_REPLACED[dotted]})" if dotted in _REPLACED else ""
 
 
+_USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+
+
+def _parse_proxy_user(s: str) -> str:
+    """``[ingress] user``: a user name (useradd's default rule: lower case, digits, ``_``,
+    ``-``, 32 at most), ``root``, or empty (:data:`agentd.ingress.proxy.AUTO_USER` if it can be used).  Whether it exists is the agent's check at run time (the
+    proxy is not started without it), not the configuration's: the file may be checked on
+    another machine."""
+    text = s.strip()
+    if text and not _USER_NAME.fullmatch(text):
+        raise BadValue('must be a user name such as "haproxy" (lower case letters, digits, "_", "-"), or "root"')
+    return text
+
+
 @dataclass(frozen=True)
 class _Key:
     section: str
@@ -224,6 +238,7 @@ _KEYS = (
     _Key("ingress", "watch_without_class", BOOL, False),
     _Key("ingress", "haproxy", string_kind(lambda s: s.strip() or "haproxy"), "haproxy"),
     _Key("ingress", "access_log", string_kind(parse_access_log), IngressConfig.access_log),
+    _Key("ingress", "user", string_kind(_parse_proxy_user), IngressConfig.user),
     _Key("log", "level", choice_kind("debug", "info", "warning", "error"), "info"),
     _Key("log", "format", choice_kind("text", "json"), "text"),
     _Key("agent", "state_dir", PATH, AgentConfig.state_dir),

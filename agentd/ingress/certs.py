@@ -56,3 +56,17 @@ def refused(pem: bytes, directory: Path) -> str | None:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(name)
+
+
+def dns_names(pem: bytes) -> tuple[str, ...]:
+    """The DNS names (subjectAltName) of the first certificate in ``pem``: the names a client
+    checks it against (the subject's common name is not one, as for Go's ``VerifyHostname``,
+    which ingress-nginx asks, and today's browsers).  None readable: ()."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound, x509.DuplicateExtension):
+        return ()
+    return tuple(sans.get_values_for_type(x509.DNSName))

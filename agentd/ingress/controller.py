@@ -52,7 +52,7 @@ from agentd.resources import ingress_settings as settings
 from . import STATE_SUBDIR, certs, haproxy, routing
 from .access_log import FileWriter
 from .haproxy import Listen, Paths, Server
-from .proxy import AccessLog, ConfigRefused, Proxy, ProxyError, stop_stale
+from .proxy import AUTO_USER, AccessLog, ConfigRefused, Proxy, ProxyError, RunAs, resolve_user, stop_stale, unsearchable
 from .views import IngressViews
 
 log = logging.getLogger("agentd.ingress")
@@ -76,6 +76,12 @@ class IngressController:
         self.log_to = cfg.access_log
         writer = FileWriter(cfg.access_log) if cfg.access_log not in ("agent", "off") else None
         self.access_log = AccessLog(self.paths.log_socket, writer)
+        # Who HAProxy's workers run as ([ingress] user; None: root, or the agent's own user),
+        # known in run(); while it cannot be used (run_as_error) the proxy is neither started
+        # nor reloaded, and /status says why.
+        self.run_as: RunAs | None = None
+        self.run_as_error: str | None = None
+        self.run_as_fallback: str | None = None  # why AUTO_USER is not used ([ingress] user not set)
         self.store = ResourceStore(datastore)
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
         self.revision = 0
@@ -101,6 +107,7 @@ class IngressController:
         self._fallback = settings.Settings()  # what runs instead of the refused settings
         self.tls_errors: dict[str, str] = {}
         self._loadable: dict[bytes, str | None] = {}  # PEM digest -> why the TLS library refuses it (None: it loads)
+        self._names: dict[bytes, tuple[str, ...]] = {}  # PEM digest -> its certificate's DNS names
         self.worker: Any = None  # proxy.Worker
         self.stats: list[dict[str, str]] = []
         self.info: dict[str, str] = {}
@@ -117,7 +124,8 @@ class IngressController:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> None:
-        await asyncio.to_thread(self._prepare_dir)
+        if not await self._resolve_run_as():  # the proxy waits; its directory is the agent's alone meanwhile
+            await asyncio.to_thread(self._prepare_dir, None)
         if self.log_to == "off":
             log.info("ingress: access log off ([ingress] access_log): HAProxy logs no requests")
         elif self.log_to != "agent":
@@ -137,10 +145,63 @@ class IngressController:
             tg.create_task(self._supervise())
             tg.create_task(self._stats_loop())
 
-    def _prepare_dir(self) -> None:
+    async def _resolve_run_as(self) -> bool:
+        """Resolve and check ``[ingress] user``; True when it can be used.  Not set (""):
+        :data:`AUTO_USER` where it can be used, else root with one warning saying what the
+        node lacks -- a node upgraded without the drop-in's new lines keeps its proxy."""
+        try:
+            try:
+                run_as = await asyncio.to_thread(resolve_user, self.cfg.user or AUTO_USER)
+            except ProxyError as err:
+                if self.cfg.user:
+                    raise
+                run_as = None
+                if self.run_as_fallback != str(err):
+                    log.warning("ingress: HAProxy's workers run as root, with the agent's capabilities, as "
+                                "[ingress] user is not set and %s", err)
+                self.run_as_fallback = str(err)
+            await asyncio.to_thread(self._prepare_dir, run_as)
+        except ProxyError as err:
+            if self.run_as_error != str(err):
+                log.error("ingress: %s", err)
+            self.run_as_error = str(err)
+            return False
+        if run_as is None and self.cfg.user == "root":
+            log.warning("ingress: HAProxy's workers run as root, with the agent's capabilities ([ingress] user = root)")
+        self.run_as, self.run_as_error = run_as, None
+        self.access_log.mode = 0o620 if run_as is not None else 0o600
+        return True
+
+    def _prepare_dir(self, run_as: RunAs | None) -> None:
+        """The proxy's directory: the agent's alone (0700), or, when the workers run as
+        ``run_as``, searchable by its group and set-group-ID (02710), so that the access log's
+        socket bound in it is that group's (0620: the workers send to it); nothing else in it
+        is readable but by root (files 0600, certs/ 0700).  ProxyError when the directory
+        cannot be given to the group."""
         self.paths.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.paths.dir, 0o700)
+        fd = os.open(self.paths.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if run_as is not None:
+                try:
+                    os.fchown(fd, -1, run_as.gid)  # fchown: the one the unit's seccomp filter allows
+                    os.fchmod(fd, 0o2710)
+                except OSError as err:
+                    raise ProxyError(f"cannot give {self.paths.dir} to group {run_as.group} of [ingress] user "
+                                     f"{run_as.user} ({err.strerror}): under the systemd unit add "
+                                     f"SupplementaryGroups={run_as.group} to the drop-in "
+                                     "/etc/systemd/system/agentd.service.d/ingress.conf (docs/ingress.md)") from None  # fmt: skip
+                blocked = unsearchable(self.paths.dir, run_as.uid, run_as.gid)
+                if blocked is not None and self.log_to != "off":
+                    log.warning("ingress: HAProxy's workers (user %s) cannot reach the access log's socket %s: %s "
+                                "is not searchable by them; no request will be logged ([agent] state_dir under a "
+                                "directory others may pass through, such as /var/lib)", run_as.user,
+                                self.paths.log_socket, blocked)  # fmt: skip
+            else:
+                os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
         self.paths.certs.mkdir(exist_ok=True)
+        os.chmod(self.paths.certs, 0o700)
         if not self.paths.default_cert.exists():
             _write(self.paths.default_cert, certs.self_signed("agentd ingress default certificate"))
 
@@ -357,7 +418,7 @@ class IngressController:
         hosts: dict[tuple[str, str], list[str]] = {}
         for t in self.table.tls:
             if t.secret is not None:
-                hosts.setdefault(t.secret, []).append(t.host or "*")
+                hosts.setdefault(t.secret, []).append(t.host)
         for t in self.table.tls:
             if t.secret is None:
                 continue
@@ -389,6 +450,20 @@ class IngressController:
         secret = self.objects["Secret"].get(key)
         return secret is not None and secret.get("type") == TLS_TYPE and self._refused(_pem(secret)) is None
 
+    def _cert_names(self, key: tuple[str, str]) -> tuple[str, ...]:
+        """The DNS names of usable Secret ``key``'s certificate (routing.build: what a ``tls[]``
+        entry without hosts covers of its Ingress's hosts)."""
+        secret = self.objects["Secret"].get(key)
+        if secret is None or not self._usable(key):
+            return ()
+        pem = _pem(secret)
+        digest = hashlib.sha256(pem).digest()
+        if digest not in self._names:
+            if len(self._names) > 4096:
+                self._names.clear()
+            self._names[digest] = certs.dns_names(pem)
+        return self._names[digest]
+
     def _refused(self, pem: bytes) -> str | None:
         """Why OpenSSL (HAProxy's and ours, with the system's security level) will not load
         this certificate and key -- a 1024-bit RSA key, a SHA-1 signature --, or None."""
@@ -403,14 +478,25 @@ class IngressController:
         """Every file of the proxy (config, maps, certificates) and its structure: all of it
         but the servers (what decides reload vs. runtime change).  ``with_settings``: these
         rather than the ConfigMap's."""
+        if self.run_as_error is not None:  # tried again (the user created, the drop-in added meanwhile)
+            if not await self._resolve_run_as():
+                raise ProxyError(self.run_as_error or "")
+            if self.access_log.sock is not None:  # bound again: in the group's directory now
+                self.access_log.close()
+                with contextlib.suppress(OSError):
+                    self.access_log.open()
         self.settings = with_settings if with_settings is not None else self._parse_settings()
-        self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect, usable=self._usable)
+        self.table = routing.build(self._ours(), ssl_redirect=self.settings.ssl_redirect, usable=self._usable,
+                                   cert_names=self._cert_names)
         pems = self._cert_files()
         cert_paths = {k: self.paths.certs / f"{k[0]}.{k[1]}.pem" for k in pems}
         logs = False if self.log_to == "off" else None  # None: the ConfigMap's enable-access-log
+        run_as = (self.run_as.user, self.run_as.group) if self.run_as is not None else None
         files = {name: text.encode() for name, text in haproxy.render(
-            self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths, access_log=logs).items()}  # fmt: skip
-        bare = haproxy.render(self.table, {}, self.settings, self.listen, self.paths, cert_paths, access_log=logs)
+            self.table, self._want_servers(), self.settings, self.listen, self.paths, cert_paths, access_log=logs,
+            run_as=run_as).items()}  # fmt: skip
+        bare = haproxy.render(self.table, {}, self.settings, self.listen, self.paths, cert_paths, access_log=logs,
+                              run_as=run_as)  # fmt: skip
         digest = hashlib.sha256(json.dumps(bare, sort_keys=True).encode())
         for key in sorted(pems):
             files[f"certs/{key[0]}.{key[1]}.pem"] = pems[key]

@@ -159,10 +159,9 @@ def maps(table: RouteTable, cert_files: Mapping[tuple[str, str], Path]) -> dict[
     # Every TLS host is redirected, its Secret usable or not (ingress-nginx serves the default
     # certificate then, and still redirects).
     redirect = sorted({t.host for t in table.tls if t.redirect and t.host})
-    crt = []
-    for t in table.tls:
-        if t.secret is not None and t.secret in cert_files:
-            crt.append(f"{cert_files[t.secret]}{' ' + t.host if t.host else ''}")
+    # Every line names its host (SNI filter): a line without one would serve its certificate
+    # for every name in it, other Ingresses' hosts included.
+    crt = [f"{cert_files[t.secret]} {t.host}" for t in table.tls if t.host and t.secret is not None and t.secret in cert_files]
     return {
         "hosts.map": _lines(hosts),
         "exact.map": _lines(f"{k} {v}" for k, v in sorted(exact.items())),
@@ -181,8 +180,10 @@ def _lines(lines: Iterable[str]) -> str:
 def render(
     table: RouteTable, servers: Mapping[str, Iterable[Server]], settings: Settings, listen: Listen, paths: Paths,
     cert_files: Mapping[tuple[str, str], Path], *, access_log: bool | None = None,
+    run_as: tuple[str, str] | None = None,
 ) -> dict[str, str]:  # fmt: skip
-    """Every file of the proxy's configuration, by name (``haproxy.cfg`` and :data:`MAPS`)."""
+    """Every file of the proxy's configuration, by name (``haproxy.cfg`` and :data:`MAPS`).
+    ``run_as``: the (user, group) the workers run as (None: the master's, root's)."""
     d = paths.dir
     s = settings
     log = s.access_log if access_log is None else access_log
@@ -194,6 +195,11 @@ def render(
         "    hard-stop-after 10m",  # an old worker with a stuck connection goes after a reload
         "    ssl-default-bind-options ssl-min-ver TLSv1.2",
     ]
+    if run_as is not None:
+        # The workers, which parse requests, switch to this user (uid 0 to another drops every
+        # capability); the master stays root (reloads, certificates, listeners), as the
+        # packages run it.  ingress-nginx's nginx runs as uid 101 alike.
+        g += [f"    user {run_as[0]}", f"    group {run_as[1]}"]
     if log:
         g.append(f"    log {paths.log_socket} format raw local0")
     out = [

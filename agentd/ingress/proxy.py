@@ -28,12 +28,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import grp
 import io
 import logging
 import os
+import pwd
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +78,80 @@ def writable_executable_denied() -> bool:
 
 class ProxyError(RuntimeError):
     """The proxy refused a configuration or a command, or is not running; one line."""
+
+
+AUTO_USER = "haproxy"  # [ingress] user when not set, where it can be used (the Debian package's)
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """The user and group HAProxy's workers run as (``user``/``group`` in its global section);
+    its master stays root: it re-executes itself on a reload, reads the certificates and maps,
+    and binds the listeners, which the workers inherit."""
+
+    user: str
+    group: str
+    uid: int
+    gid: int
+
+
+# What the drop-in of a node with [ingress] enabled adds to the shipped unit besides
+# MemoryDenyWriteExecute=no (docs/ingress.md, "Under the systemd unit").
+RUN_AS_DROP_IN = """CapabilityBoundingSet=CAP_SETUID CAP_SETGID CAP_KILL
+SystemCallFilter=@setuid
+SupplementaryGroups={group}
+"""
+_SWITCH = "import os, sys; os.setgroups([]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[2]))"
+
+
+def unsearchable(directory: Path, uid: int, gid: int) -> Path | None:
+    """The first directory above ``directory`` that user ``uid`` (group ``gid``) may not
+    pass through (no search permission), or None: where HAProxy's workers could not reach
+    the access log's socket."""
+    for d in reversed(Path(directory).absolute().parents):
+        try:
+            st = d.stat()
+        except OSError:
+            return d
+        bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
+        if not st.st_mode & bit:
+            return d
+    return None
+
+
+def resolve_user(name: str) -> RunAs | None:
+    """Who HAProxy's workers run as: ``[ingress] user`` (its primary group), checked the way
+    HAProxy's master will use it -- a child of this process drops its groups and switches to
+    that group and user, under the same capabilities, seccomp filter and no-new-privileges as
+    HAProxy, the agent's child, gets.  None: no switch -- ``root`` named (the workers keep
+    root and the agent's capabilities, as before), or this process is not root (HAProxy runs
+    as its user: it could not switch).  ProxyError saying what to do when it cannot be used."""
+    if name == "root" or os.geteuid() != 0:
+        return None
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise ProxyError(f"[ingress] user {name}: no such user; create it (the Debian haproxy package does: "
+                         f"useradd --system --no-create-home --shell /usr/sbin/nologin {name}) or name another "
+                         "(docs/ingress.md)") from None  # fmt: skip
+    if pw.pw_uid == 0:
+        raise ProxyError(f"[ingress] user {name}: uid 0 is root; name a user of its own (or root, to run the "
+                         "workers as root on purpose)")  # fmt: skip
+    try:
+        group = grp.getgrgid(pw.pw_gid).gr_name
+    except KeyError:
+        group = str(pw.pw_gid)
+    try:
+        out = subprocess.run([sys.executable, "-I", "-c", _SWITCH, str(pw.pw_gid), str(pw.pw_uid)], env=PROXY_ENV,
+                             capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ProxyError(f"[ingress] user {name}: checking that this process may switch to it failed: {err}") from None
+    if out.returncode != 0:
+        why = (out.stderr.strip().splitlines() or [f"status {out.returncode}"])[-1]
+        raise ProxyError(f"HAProxy's workers cannot switch to [ingress] user {name} ({why}): under the systemd unit "
+                         "add to the drop-in /etc/systemd/system/agentd.service.d/ingress.conf, under [Service]: "
+                         + "; ".join(RUN_AS_DROP_IN.format(group=group).splitlines()) + " (docs/ingress.md)")  # fmt: skip
+    return RunAs(name, group, pw.pw_uid, pw.pw_gid)
 
 
 class ConfigRefused(ProxyError):
@@ -390,6 +467,8 @@ class AccessLog:
         self.path = path
         self.writer = writer
         self.sock: socket.socket | None = None
+        # 0o620 when HAProxy's workers run as another user: its group (the directory's, set-group-ID) may send.
+        self.mode = 0o600
 
     def open(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -397,7 +476,7 @@ class AccessLog:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setblocking(False)
         sock.bind(str(self.path))
-        os.chmod(self.path, 0o600)
+        os.chmod(self.path, self.mode)
         if self.writer is not None:
             self.writer.start()
         asyncio.get_running_loop().add_reader(sock.fileno(), self._drain)
@@ -499,8 +578,13 @@ def _runs(pid: int, config: Path) -> bool:
 def _end(pids: list[int]) -> None:
     """SIGKILL ``pids`` and wait (briefly) until they are gone."""
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
+        try:
             os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # a worker of [ingress] user, and no CAP_KILL: it ends with its master
+            log.warning("ingress: cannot end HAProxy worker %d (no CAP_KILL: docs/ingress.md); it exits once "
+                        "it sees its master gone", pid)  # fmt: skip
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() and not _zombie(p) for p in pids):
         time.sleep(0.02)

@@ -32,7 +32,11 @@ features):
   oldest Ingress of its virtual host that has one, else to the ``defaultBackend`` of the
   oldest Ingress of ours that has one, else to the built-in default backend: 404.
 * **TLS.**  ``tls[]`` entries give each host its Secret (SNI); a host named by several
-  Ingresses takes the oldest one's.  Plain-HTTP requests for a TLS host are redirected to
+  Ingresses takes the oldest one's.  An entry without ``hosts`` stands for the hosts of its
+  own Ingress's rules that its certificate covers (:func:`covers`) and no other entry of
+  that Ingress names, as in ingress-nginx -- never for the rules without a host (those, and
+  any host no Ingress gives a certificate, get the controller's default certificate, not an
+  Ingress's).  Plain-HTTP requests for a TLS host are redirected to
   HTTPS (308) unless switched off (ConfigMap ``ssl-redirect``, Ingress annotation
   ``ingress.agentd.io/ssl-redirect``) -- also when its Secret is missing or unusable (or
   the entry names none): it is then served with the default certificate, as in ingress-nginx.
@@ -45,7 +49,7 @@ from __future__ import annotations
 import calendar
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +128,7 @@ class VirtualHost:
 
 @dataclass(frozen=True)
 class TlsHost:
-    host: str  # exact or "*.parent"; "" for a tls entry without hosts (its certificate's own names)
+    host: str  # exact or "*.parent" (an entry without hosts: one per rule host of its Ingress its certificate covers)
     secret: tuple[str, str] | None  # (namespace, name); None: the entry names none (the default certificate)
     ingress: tuple[str, str]
     redirect: bool
@@ -234,10 +238,13 @@ def _backend(ns: str, name: str, spec: Obj) -> Backend:
 
 
 def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
-          usable: Callable[[tuple[str, str]], bool] = lambda secret: True) -> RouteTable:
+          usable: Callable[[tuple[str, str]], bool] = lambda secret: True,
+          cert_names: Callable[[tuple[str, str]], Collection[str]] = lambda secret: ()) -> RouteTable:
     """The routing table of ``ingresses`` (those this controller serves).  ``usable(secret)``:
     whether a TLS Secret can serve (it exists, is kubernetes.io/tls, loads): a host's older
-    Ingress whose Secret cannot does not keep a newer one's usable Secret from it."""
+    Ingress whose Secret cannot does not keep a newer one's usable Secret from it.
+    ``cert_names(secret)``: the DNS names of a usable Secret's certificate (none for one that
+    cannot serve), which a ``tls[]`` entry without hosts is applied by."""
     table = RouteTable()
     seen: dict[tuple[str, bool, str], tuple[str, str]] = {}
     tls_seen: dict[str, tuple[int, tuple[str, str], bool]] = {}  # host -> (its entry in table.tls, whose, usable)
@@ -277,13 +284,22 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
                 seen[key] = me
                 vhost.rules.append(r)
         redirect = _redirect(ing, ssl_redirect)
+        own_hosts = list(dict.fromkeys(r["host"] for r in spec.get("rules", []) if r.get("host")))
+        named = {h for t in spec.get("tls", []) for h in t.get("hosts") or ()}
         for t in spec.get("tls", []):
             # Without a secretName the hosts are still TLS hosts, served with the default
             # certificate and redirected, as ingress-nginx does.
             secret = (ns, t["secretName"]) if t.get("secretName") else None
             ok = secret is not None and usable(secret)
-            for host in t.get("hosts") or ([""] if secret else []):
-                if host in tls_seen and host:
+            hosts = t.get("hosts")
+            if not hosts and secret is not None:
+                # An entry without hosts: this Ingress's own rule hosts (not those it names in
+                # another entry) that its certificate covers, each as if named -- never every
+                # name in the certificate, which would take other Ingresses' hosts by SNI.
+                names = cert_names(secret) if ok else ()
+                hosts = [h for h in own_hosts if h not in named and covers(names, h)]
+            for host in hosts or []:
+                if host in tls_seen:
                     index, owner, owner_ok = tls_seen[host]
                     if owner_ok or not ok:
                         if owner != me:
@@ -296,12 +312,25 @@ def build(ingresses: Iterable[Obj], *, ssl_redirect: bool = True,
                     table.tls[index] = TlsHost(host, secret, me, table.tls[index].redirect)
                     tls_seen[host] = (index, me, True)
                     continue
-                if host:
-                    tls_seen[host] = (len(table.tls), me, ok)
+                tls_seen[host] = (len(table.tls), me, ok)
                 table.tls.append(TlsHost(host, secret, me, redirect))
     for vhost in table.vhosts.values():
         vhost.rules.sort(key=lambda r: r.rank)
     return table
+
+
+def covers(names: Iterable[str], host: str) -> bool:
+    """Whether a certificate with these DNS names (subjectAltName) is valid for ``host``: a
+    name equal to it (case aside), or ``*.`` + its parent domain (one label, as RFC 6125 and Go's
+    ``VerifyHostname``, which ingress-nginx asks, have it).  A wildcard rule host ``*.foo.com``
+    is covered by the name ``*.foo.com`` only."""
+    host = host.lower()
+    label, dot, parent = host.partition(".")
+    for name in names:
+        name = name.lower().removesuffix(".")
+        if name == host or (label and dot and name.startswith("*.") and name[2:] == parent):
+            return True
+    return False
 
 
 def _redirect(ing: Obj, default: bool) -> bool:

@@ -82,7 +82,7 @@ class IngressViews:
             "default_backend": table.default,
             "hosts": vhosts,
             "backends": backends,
-            "tls": [{"host": t.host or "*", "secret": "/".join(t.secret) if t.secret else None, "redirect": t.redirect}
+            "tls": [{"host": t.host, "secret": "/".join(t.secret) if t.secret else None, "redirect": t.redirect}
                     for t in table.tls],  # fmt: skip
             "conflicts": list(table.conflicts),
             "proxy_servers": servers,

@@ -25,7 +25,9 @@ nothing else (no ACL-less deny, no Lua, no file paths), so a snippet cannot brea
 or read the node's files.  Routing is a few variables (``txn.key``, ``txn.backend``) the
 frontend sets around the snippet, and HAProxy's ``set-var()`` converter inside a header value
 would overwrite them: ``set-var``/``unset-var`` are refused, as are maps and files named by
-path (``map*()``, ``-f``, ``-M``, ``jwt_verify()``).  ``log-format`` refuses the same reads
+path (``map*()``, ``-f``, ``-M``, ``jwt_verify()``).  A line is checked as written and as
+HAProxy's parser reads its words (:func:`as_parsed`: ``"e"nv(`` and ``e\\x6ev(`` are ``env(``
+to it).  ``log-format`` (written into the configuration quoted and escaped) refuses the same reads
 (``$``, ``env()``, ``map*()``, ``jwt_verify()``, ``lua.*``).  HAProxy then checks the whole
 configuration before it is used.
 """
@@ -47,7 +49,10 @@ _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 # has an env() fetch: a header could carry the agent's secrets to clients, ingress-nginx's
 # CVE-2021-25742 class).
 _ENV = re.compile(r"\benv\s*\(|\$")
-_UNSAFE = re.compile(r"[\x00-\x1f\x7f]|lua|\bfile\b|/etc/|/proc/|\benv\s*\(|\$")
+# Lua: a ``lua.*`` fetch or converter (``%[lua.x]``, ``src,lua.x``, ``{ lua.x }``); ``lua-*``
+# directives are global ones, no header rule.  Not the letters in a name (X-Evaluation-Id).
+# Files: read only through what _REROUTES refuses (a header rule takes no ``file`` argument).
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f]|(?<![\w.-])lua\.|/etc/|/proc/|\benv\s*\(|\$")
 # Variables (a converter in a header value can overwrite txn.key or txn.backend, which route the
 # request), and maps or files read by path: map(), map_str(), ..., ACL -f/-M, jwt_verify().
 _REROUTES = re.compile(r"\b(?:un)?set-var(?:-fmt)?\s*\(|\bmap(?:_\w+)?\s*\(|(?<!\S)-[fM](?!\S)|\bjwt_verify\s*\(")
@@ -105,6 +110,32 @@ def parse(data: Mapping[str, str] | None, where: str = "data") -> Settings:
     return Settings(**out)  # type: ignore[arg-type]
 
 
+def as_parsed(line: str) -> str:
+    """``line`` about as HAProxy's configuration parser reads its words: quotes dropped, so
+    ``"e"nv(X)`` is ``env(X)``, and backslash escapes resolved, so ``e\\x6ev(X)`` is too
+    (``\\xNN``, ``\\r``, ``\\n``, ``\\t``, any other ``\\c`` as ``c``).  More generous than
+    HAProxy (it resolves no escape inside single quotes, and keeps the backslash of most other
+    pairs): a check of the line as written and of this refuses all HAProxy could read."""
+    out: list[str] = []
+    i = 0
+    while i < len(line):
+        c = line[i]
+        if c == "\\" and i + 1 < len(line):
+            nxt = line[i + 1]
+            hexa = line[i + 2:i + 4]
+            if nxt == "x" and len(hexa) == 2 and all(h in "0123456789abcdefABCDEF" for h in hexa):
+                out.append(chr(int(hexa, 16)))
+                i += 4
+                continue
+            out.append({"r": "\r", "n": "\n", "t": "\t"}.get(nxt, nxt))
+            i += 2
+            continue
+        if c not in "\"'":
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def snippet(text: str, where: str) -> tuple[str, ...]:
     lines = []
     for n, raw in enumerate(text.splitlines(), start=1):
@@ -115,10 +146,13 @@ def snippet(text: str, where: str) -> tuple[str, ...]:
         if tuple(words[:2]) not in SNIPPET_DIRECTIVES or len(words) < 3:
             allowed = ", ".join(" ".join(d) for d in SNIPPET_DIRECTIVES)
             raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: only header rules are allowed ({allowed})")
-        if _UNSAFE.search(line):
+        # As written and as HAProxy reads it: quotes and escapes spell what the checks refuse
+        # ("e"nv(X), e\x6ev(X) are env(X) to HAProxy).
+        read = (line, as_parsed(line))
+        if any(_UNSAFE.search(t) for t in read):
             raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: control characters, Lua, file paths and "
                                  "environment variables ($, env()) are not allowed")
-        if _REROUTES.search(line):
+        if any(_REROUTES.search(t) for t in read):
             raise Invalid(where, f"Invalid value: line {n} {line[:60]!r}: variables (set-var, unset-var: they could "
                                  "re-route requests), maps and files by path (map*, -f, -M, jwt_verify) are not allowed")
         lines.append(line)

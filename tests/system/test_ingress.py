@@ -205,9 +205,13 @@ def tls_secret(name: str, hosts: list[str], ca: tuple[Any, Any], *, wrong_key: b
 async def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ingress")
     spec = LabSpec(name="in" + unique_tag("")[:6], nodes=3, pods=0, backend="host-gw", ingress=True)
-    lab = Lab(spec, root=tmp_path_factory.mktemp("labs"))
+    root = tmp_path_factory.mktemp("labs")
+    lab = Lab(spec, root=root)
     w = World(lab, tmp)
     w.ca_pair = make_ca(tmp)
+    # HAProxy's workers run as the haproxy user and send the access log to a socket in the
+    # nodes' state directories: pytest's directories (0700) must let them pass, as /var/lib does.
+    opened = searchable(root)
     try:
         await lab.up(timeout=90)
         layout = {"web-1": (0, "web"), "web-2": (1, "web"), "web-3": (2, "web"), "foo-1": (0, "foo"), "bar-1": (1, "bar")}
@@ -223,6 +227,20 @@ async def world(tmp_path_factory):
         if w.res is not None:
             await w.res.close()
         await lab.down(keep_files=True)
+        for d, mode in opened:
+            d.chmod(mode)
+
+
+def searchable(directory: Path) -> list[tuple[Path, int]]:
+    """Let every user pass through ``directory`` and the directories above it (o+x, no
+    listing); what was changed, with the mode it had."""
+    changed = []
+    for d in [*reversed(directory.parents), directory]:
+        mode = d.stat().st_mode & 0o7777
+        if not mode & 0o001:
+            d.chmod(mode | 0o001)
+            changed.append((d, mode))
+    return changed
 
 
 WEBS = {"web-1", "web-2", "web-3"}
@@ -548,6 +566,59 @@ async def test_endpoint_changes_without_reload_and_ingress_change_with_graceful_
         await world.delete("Ingress", "load")
         await world.delete("Service", "manual")
         await world.delete("EndpointSlice", "manual-1")
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key] = value.strip()
+    return out
+
+
+async def test_the_workers_run_as_the_ingress_user_without_capabilities(world: World):
+    """HAProxy's workers (which parse the requests) run as ``[ingress] user`` (haproxy, the
+    lab's default) with no capability at all, as ingress-nginx's nginx runs as uid 101; the
+    master stays root, and a reload's new worker is the user's too.  The workers reach the
+    access log's socket through the group of the proxy's directory."""
+    import grp
+    import os
+    import pwd
+    import stat
+
+    user = pwd.getpwnam("haproxy")
+    node = world.lab.nodes[0]
+    ingress_dir = node.dir / "state" / "ingress"
+    await world.apply(ingress("whoami", [rule("whoami.example", path("/", "Prefix", "foo"))]))
+    try:
+        before = world.proxy(0)
+        for pid in (before["worker"],):
+            st = proc_status(pid)
+            assert st["Uid"].split() == [str(user.pw_uid)] * 4 and st["Gid"].split() == [str(user.pw_gid)] * 4, st
+            assert st["Groups"] == "", st  # the agent's supplementary groups dropped
+            for caps in ("CapEff", "CapPrm", "CapAmb", "CapInh"):
+                assert int(st[caps], 16) == 0, (caps, st)
+        master = proc_status(before["pid"])
+        assert master["Uid"].split()[0] == "0" and int(master["CapEff"], 16) != 0, master
+        d = ingress_dir.stat()
+        assert stat.S_IMODE(d.st_mode) == 0o2710 and d.st_gid == user.pw_gid, oct(d.st_mode)
+        sock = (ingress_dir / "log.sock").stat()
+        assert stat.S_IMODE(sock.st_mode) == 0o620 and grp.getgrgid(sock.st_gid).gr_name == "haproxy", oct(sock.st_mode)
+        for name in ("haproxy.cfg", "default.pem", "admin.sock", "master.sock"):
+            assert stat.S_IMODE((ingress_dir / name).stat().st_mode) == 0o600, name
+        assert stat.S_IMODE((ingress_dir / "certs").stat().st_mode) == 0o700
+        cfg = (ingress_dir / "haproxy.cfg").read_text()
+        assert "    user haproxy\n    group haproxy\n" in cfg, cfg.split("defaults")[0]
+        # A reload: the new worker is the user's too, and it serves.
+        await world.apply(ingress("whoami", [rule("whoami.example", path("/", "Prefix", "foo"), path("/b", "Exact", "bar"))]))
+        assert await world.served_by("http://whoami.example/b") == "bar-1"
+        after = world.proxy(0)
+        assert after["worker"] != before["worker"] and after["pid"] == before["pid"], (before, after)
+        st = proc_status(after["worker"])
+        assert st["Uid"].split()[0] == str(user.pw_uid) and int(st["CapEff"], 16) == 0, st
+        assert os.stat(f"/proc/{after['worker']}").st_uid == user.pw_uid
+    finally:
+        await world.delete("Ingress", "whoami")
 
 
 class SteadyLoad:

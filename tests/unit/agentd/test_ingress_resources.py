@@ -159,6 +159,10 @@ def test_the_controllers_configmap_is_checked_on_apply():
     "http-request del-header X-C if { req.hdr(a) -f /tmp/list }",
     "http-request set-header X-C 1 if { req.hdr(a) -M /tmp/list }",
     "http-request set-header X-C %[req.hdr(a),jwt_verify(RS256,/tmp/k.pem)]",
+    # spelt with quotes or escapes, which HAProxy's parser resolves before it reads the words
+    'http-request set-header X-B %[str(x),"set"-var(txn.backend)]',
+    r"http-request set-header X-C %[src,m\x61p(/tmp/m)]",
+    r"http-request del-header X-C if { req.hdr(a) -\x66 /tmp/list }",
 ])
 def test_a_snippet_that_could_re_route_or_read_files_is_refused(line):
     with pytest.raises(Invalid, match=r"^data\[frontend-snippet\]: Invalid value: line 1 .*set-var.*not allowed"):
@@ -171,6 +175,28 @@ def test_a_snippet_that_could_re_route_or_read_files_is_refused(line):
     "http-request set-header X-Opt -foo",
     "http-request set-header X-Host %[req.hdr(host),lower] if { req.hdr(x) -m str y }",
     "http-response set-header Strict-Transport-Security max-age=31536000",
+    # "lua" and "file" as letters of a name are no Lua call and no file read
+    "http-request set-header X-Evaluation-Id %[uuid]",
+    "http-response del-header x-file-name",
+    "http-response set-header Link <https://www.lua.org/>",
+    "http-response set-header Content-Security-Policy \"default-src 'self'\"",
 ])
 def test_header_rules_that_read_variables_or_match_inline_are_accepted(line):
     assert parse({"frontend-snippet": line}).snippet == (line,)
+
+
+@pytest.mark.parametrize("line", [
+    # HAProxy's parser drops quotes and resolves escapes before it reads a word: each of these
+    # is env(AGENTD_BGP_PASSWORD), %[lua.x] or a control character to it (seen with haproxy -c
+    # and a live proxy: the "e"nv() one sends the variable's value).
+    'http-request set-header X-Leak %["e"nv(AGENTD_BGP_PASSWORD)]',
+    "http-request set-header X-Leak %['e'nv(AGENTD_BGP_PASSWORD)]",
+    r"http-request set-header X-Leak %[e\x6ev(AGENTD_BGP_PASSWORD)]",
+    r"http-request set-header X-Lua %[str(a),l\x75a.x]",
+    "http-request set-header X-Lua %[str(a),lua.x]",
+    "http-request set-header X-Lua 1 if { lua.x -m found }",
+    r"http-response set-header X-Split a\r\nSet-Cookie: x",
+])
+def test_a_snippet_that_spells_lua_or_the_environment_with_quotes_or_escapes_is_refused(line):
+    with pytest.raises(Invalid, match=r"^data\[frontend-snippet\]: Invalid value: line 1 .*Lua.*not allowed"):
+        parse({"frontend-snippet": line})

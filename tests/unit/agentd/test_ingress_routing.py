@@ -5,8 +5,10 @@ against the table: the same answer for every request."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -362,3 +364,107 @@ def test_an_older_ingresses_unusable_secret_does_not_keep_a_newer_usable_one_fro
     # Neither: the older one's (served with the default certificate).
     table = routing.build([old, new], usable=lambda s: False)
     assert [t.secret for t in table.tls] == [("default", "old-tls")]
+
+
+def test_a_tls_entry_without_hosts_takes_only_its_own_ingresses_hosts_its_certificate_covers():
+    """A ``tls[]`` entry without ``hosts`` stands for its Ingress's own rule hosts that its
+    certificate covers, each through the oldest-wins ownership -- as ingress-nginx does.  An
+    unfiltered crt-list line would serve its certificate for every name in it: a newer
+    Ingress in another namespace with a certificate for shop.example (an ECDSA one beats an
+    RSA one HAProxy holds for the same name) would take shop.example from its owner."""
+    shop = ing("shop", [{"host": "shop.example", "http": {"paths": [p("/", "Prefix", "web")]}}], ns="shop",
+               tls=[{"hosts": ["shop.example"], "secretName": "legit"}])
+    evil = ing("evil", [{"host": h, "http": {"paths": [p("/", "Prefix", "x")]}}
+                        for h in ("evil.example", "shop.example", "other.example", "a.wild.example")]
+               + [{"http": {"paths": [p("/", "Prefix", "x")]}}],
+               ns="evil", created="2024-02-01T00:00:00Z", tls=[{"secretName": "evil"}])  # fmt: skip
+    names = {("shop", "legit"): ("shop.example",), ("evil", "evil"): ("shop.example", "evil.example", "*.wild.example")}
+    table = routing.build([evil, shop], cert_names=lambda s: names[s])
+    assert [(t.host, t.secret) for t in table.tls] == [
+        ("shop.example", ("shop", "legit")), ("evil.example", ("evil", "evil")), ("a.wild.example", ("evil", "evil"))]
+    assert "evil/evil: tls for shop.example: already given by shop/shop" in table.conflicts
+    files = haproxy.maps(table, {("shop", "legit"): Path("/c/shop.pem"), ("evil", "evil"): Path("/c/evil.pem")})
+    lines = files["crt-list"].splitlines()
+    assert lines == ["/c/shop.pem shop.example", "/c/evil.pem evil.example", "/c/evil.pem a.wild.example"]
+    assert all(len(line.split()) == 2 for line in lines)  # every line filtered by SNI
+    # other.example (its certificate does not cover it) and the rules without a host: the
+    # controller's default certificate, and plain HTTP is not redirected for them.
+    assert not table.redirects("other.example") and table.redirects("evil.example")
+    # A Secret that cannot serve names nothing: the entry covers no host.
+    table = routing.build([evil], usable=lambda s: False, cert_names=lambda s: names[s])
+    assert table.tls == [] and haproxy.maps(table, {})["crt-list"] == ""
+
+
+def test_a_tls_entry_without_hosts_leaves_the_hosts_another_entry_names_to_it():
+    rules = [{"host": h, "http": {"paths": [p("/", "Prefix", "x")]}} for h in ("a.example", "b.example")]
+    i = ing("i", rules, tls=[{"secretName": "any"}, {"hosts": ["a.example"], "secretName": "a"}])
+    table = routing.build([i], cert_names=lambda s: ("a.example", "b.example"))
+    assert [(t.host, t.secret[1]) for t in table.tls] == [("b.example", "any"), ("a.example", "a")]
+    assert table.conflicts == []
+
+
+def test_a_certificate_covers_its_names_and_one_label_under_its_wildcards():
+    names = ("Shop.Example", "*.wild.example")
+    assert routing.covers(names, "shop.example")
+    assert routing.covers(names, "a.wild.example") and routing.covers(names, "*.wild.example")
+    assert not routing.covers(names, "wild.example") and not routing.covers(names, "a.b.wild.example")
+    assert not routing.covers(names, "other.example") and not routing.covers((), "shop.example")
+    assert not routing.covers(("a.wild.example",), "*.wild.example")
+
+
+def test_the_dns_names_of_a_certificate_are_its_subject_alternative_names():
+    from agentd.ingress import certs
+
+    assert certs.dns_names(certs.self_signed("cn.example", ("a.example", "*.b.example"))) == ("a.example", "*.b.example")
+    assert certs.dns_names(certs.self_signed("cn.example")) == ()  # the common name is no name a client checks
+    assert certs.dns_names(b"not a certificate") == ()
+
+
+def test_the_workers_run_as_the_ingress_user_when_one_is_given():
+    """``user``/``group`` in the global section: HAProxy's workers switch to them (the master
+    stays root); without (the agent not root, or ``[ingress] user = "root"``) none."""
+    table = routing.build([HOST_RULES])
+    args = (table, {}, Settings(), haproxy.Listen(("192.0.2.1",)), haproxy.Paths(Path("/run/x")), {})
+    glob = haproxy.render(*args, run_as=("haproxy", "haproxy"))["haproxy.cfg"].split("defaults")[0]
+    assert "    user haproxy\n    group haproxy\n" in glob
+    bare = haproxy.render(*args)["haproxy.cfg"].split("defaults")[0]
+    assert "user " not in bare and "group " not in bare
+
+
+def test_the_ingress_user_is_named_and_its_absence_said_in_one_line():
+    assert proxy.resolve_user("root") is None  # on purpose: no switch
+    if os.geteuid() == 0:  # a root test run: the lookup happens (a non-root agent never switches)
+        with pytest.raises(proxy.ProxyError, match=r"^\[ingress\] user no-such-user-x: no such user; create it .*useradd"):
+            proxy.resolve_user("no-such-user-x")
+    else:
+        assert proxy.resolve_user("no-such-user-x") is None
+
+
+def test_a_directory_the_workers_cannot_pass_through_is_named(tmp_path):
+    shut = tmp_path / "shut"
+    inner = shut / "in" / "ingress"
+    inner.mkdir(parents=True)
+    os.chmod(shut, 0o700)
+    st = shut.stat()
+    other, other_gid = st.st_uid + 12345, st.st_gid + 12345
+    above = proxy.unsearchable(tmp_path / "x", other, other_gid)  # pytest's own directories may be shut too
+    assert proxy.unsearchable(inner, other, other_gid) == (above or shut)
+    assert proxy.unsearchable(inner, st.st_uid, st.st_gid) is None  # its owner may
+    os.chmod(shut, 0o710)
+    assert proxy.unsearchable(inner, other, st.st_gid) == proxy.unsearchable(tmp_path / "x", other, st.st_gid)  # its group may
+    assert proxy.unsearchable(inner, other, other_gid) == (above or shut)
+    os.chmod(shut, 0o711)
+    assert proxy.unsearchable(inner, other, other_gid) == above
+
+
+def test_the_ingress_user_setting_takes_a_user_name():
+    from agentd.config.settings import ConfigError, load_config
+
+    base = {"node.address": "10.1.1.1", "node.name": "n1"}
+    assert load_config(None, env={}, overrides=base).ingress.user == ""  # haproxy where usable, else root
+    assert load_config(None, env={}, overrides={**base, "ingress.user": ""}).ingress.user == ""
+    assert load_config(None, env={}, overrides={**base, "ingress.user": " www-data "}).ingress.user == "www-data"
+    assert load_config(None, env={}, overrides={**base, "ingress.user": "root"}).ingress.user == "root"
+    for bad in ("Bad", "a b", "0day", "x" * 33, "hap\nroxy"):
+        with pytest.raises(ConfigError, match=r"\[ingress\] user: must be a user name"):
+            load_config(None, env={}, overrides={**base, "ingress.user": bad})

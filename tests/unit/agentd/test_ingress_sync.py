@@ -50,8 +50,9 @@ class FakeProxy:
         return "New server registered" if command.startswith("add server") else ""
 
 
-def controller(tmp_path: Path) -> tuple[IngressController, FakeProxy]:
-    cfg = load_config(None, env={}, overrides={"node.address": "10.1.1.1", "node.name": "n1"})
+def controller(tmp_path: Path, **ingress: str) -> tuple[IngressController, FakeProxy]:
+    cfg = load_config(None, env={}, overrides={"node.address": "10.1.1.1", "node.name": "n1",
+                                               **{f"ingress.{k}": v for k, v in ingress.items()}})
     ctl = IngressController("n1", Datastore(["http://127.0.0.1:2379"], "/agentd"), cfg.ingress, ["10.1.1.1"], tmp_path)
     ctl.paths.certs.mkdir(parents=True)
     proxy = ctl.proxy = FakeProxy()  # type: ignore[assignment]
@@ -338,5 +339,87 @@ def test_after_an_adoption_a_failed_reload_says_its_table_is_the_one_wanted(tmp_
         assert ctl.error is not None and ctl.views.status()["table"] == "wanted"
         await ctl._sync()
         assert ctl.error is None and ctl.views.status()["table"] == "served"
+
+    asyncio.run(main())
+
+
+def test_a_user_the_workers_cannot_run_as_stops_the_render_with_its_reason_until_it_can(tmp_path, monkeypatch):
+    """[ingress] user that cannot be used (no such user, a switch the sandbox forbids): no
+    configuration is rendered (nothing started or reloaded), the reason is the error; once it
+    can (asked again at each try), the workers' user and group are in the configuration and
+    the proxy's directory is the group's to pass through (set-group-ID: the access log's
+    socket bound in it is the group's)."""
+    import os
+    import stat
+
+    from agentd.ingress import controller as ctl_module
+    from agentd.ingress.proxy import RunAs
+
+    ctl, _ = controller(tmp_path, user="haproxy")
+    answers: list = [ProxyError("[ingress] user haproxy: no such user; create it")]
+
+    def resolve(name: str) -> RunAs | None:
+        if isinstance(answers[0], Exception):
+            raise answers[0]
+        return answers[0]
+
+    monkeypatch.setattr(ctl_module, "resolve_user", resolve)
+
+    async def main():
+        assert not await ctl._resolve_run_as()
+        assert ctl.run_as_error == "[ingress] user haproxy: no such user; create it"
+        try:
+            await ctl._render()
+        except ProxyError as err:
+            assert str(err) == ctl.run_as_error
+        else:
+            raise AssertionError("rendered without a usable user")
+        answers[0] = RunAs("haproxy", "haproxy", os.getuid() + 1, os.getgid())
+        files, _ = await ctl._render()
+        assert ctl.run_as_error is None
+        glob = files["haproxy.cfg"].decode().split("defaults")[0]
+        assert "    user haproxy\n    group haproxy\n" in glob
+        mode = ctl.paths.dir.stat().st_mode
+        assert stat.S_IMODE(mode) == 0o2710 and ctl.paths.dir.stat().st_gid == os.getgid(), oct(mode)
+        assert ctl.access_log.mode == 0o620
+
+    asyncio.run(main())
+
+
+def test_an_unset_user_is_haproxy_where_it_can_be_used_else_root_with_a_warning(tmp_path, monkeypatch, caplog):
+    """[ingress] user not set: a node upgraded without the drop-in's new lines (the switch
+    refused by the unit's sandbox) keeps its proxy, its workers root as before, with one
+    warning saying what is missing; where the switch works, the workers run as haproxy."""
+    import os
+
+    from agentd.ingress import controller as ctl_module
+    from agentd.ingress.proxy import RunAs
+
+    why = "HAProxy's workers cannot switch to [ingress] user haproxy (PermissionError: ...): add ..."
+    answers: list = [ProxyError(why)]
+    asked: list[str] = []
+
+    def resolve(name: str) -> RunAs | None:
+        asked.append(name)
+        if isinstance(answers[0], Exception):
+            raise answers[0]
+        return answers[0]
+
+    monkeypatch.setattr(ctl_module, "resolve_user", resolve)
+
+    async def main():
+        ctl, _ = controller(tmp_path / "a")
+        assert await ctl._resolve_run_as() and await ctl._resolve_run_as()
+        assert ctl.run_as is None and ctl.run_as_error is None
+        files, _ = await ctl._render()
+        assert "    user " not in files["haproxy.cfg"].decode()
+        warnings = [r.getMessage() for r in caplog.records if "run as root" in r.getMessage()]
+        assert len(warnings) == 1 and why in warnings[0], warnings
+        answers[0] = RunAs("haproxy", "haproxy", os.getuid() + 1, os.getgid())
+        ctl, _ = controller(tmp_path / "b")
+        assert await ctl._resolve_run_as() and ctl.run_as == answers[0]
+        files, _ = await ctl._render()
+        assert "    user haproxy\n    group haproxy\n" in files["haproxy.cfg"].decode()
+        assert asked == ["haproxy"] * 3
 
     asyncio.run(main())
