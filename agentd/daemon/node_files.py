@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from agentd.cni import netconf as cni_config
+from agentd.cni.docker_opts import MASQUERADE_KEY, WRITE_CONFLIST_KEY
 from agentd.config.settings import Config
 from agentd.datastore.store import ClusterConfig, NodeRecord, SubnetLease
 from agentd.kernel.netinfo import Underlay
@@ -38,9 +39,6 @@ from agentd.kernel.netinfo import Underlay
 log = logging.getLogger("agentd")
 
 KEPT_FILE = "subnets.json"  # in [agent] state_dir: the subnets this node holds, or last held
-# The subnet file's lines saying how the agent runs (agentd docker-opts reads them).
-WRITE_CONFLIST_KEY = "AGENTD_WRITE_CONFLIST"
-MASQUERADE_KEY = "AGENTD_MASQUERADE"
 
 Network = IPv4Network | IPv6Network
 
